@@ -1,0 +1,81 @@
+"""Which backend the calling rank talks through.
+
+Each rank (a thread of the threads backend, or a process on torch.distributed)
+has its own current backend in a context variable: threads do not share it,
+and nothing global is mutated. Outside any launch, a program runs as a world of
+one, unless torch.distributed is already initialised (torchrun), in which case
+the distributed backend is created for it on first use.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from .backend import Backend, CompletedWork, Group, Work
+
+_current: contextvars.ContextVar[Backend | None] = contextvars.ContextVar(
+    "shardwise_backend", default=None
+)
+
+
+@contextlib.contextmanager
+def use_backend(backend: Backend) -> Iterator[Backend]:
+    """Make ``backend`` the current rank's backend inside the block."""
+    token = _current.set(backend)
+    try:
+        yield backend
+    finally:
+        _current.reset(token)
+
+
+def current_backend() -> Backend:
+    """The calling rank's backend (see the module docstring for the fallbacks)."""
+    backend = _current.get()
+    if backend is not None:
+        return backend
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        from .distributed import TorchDistributedBackend
+
+        backend = TorchDistributedBackend.from_initialized()
+    else:
+        backend = SingleRankBackend()
+    _current.set(backend)
+    return backend
+
+
+class SingleRankBackend(Backend):
+    """A world of one rank: every collective is the identity (or zeros for an unmatched permute)."""
+
+    name = "single"
+
+    def __init__(self, timeout: float = 60.0) -> None:
+        self.rank = 0
+        self.world_size = 1
+        self.timeout = timeout
+
+    def all_reduce(self, x: torch.Tensor, group: Group, op_name: str = "psum") -> Work:
+        return CompletedWork(x.clone())
+
+    def all_gather(self, x: torch.Tensor, group: Group, op_name: str = "all_gather") -> Work:
+        return CompletedWork(x.unsqueeze(0).clone())
+
+    def reduce_scatter(self, x: torch.Tensor, group: Group, op_name: str = "psum_scatter") -> Work:
+        return CompletedWork(x[0].clone())
+
+    def all_to_all(self, x: torch.Tensor, group: Group, op_name: str = "all_to_all") -> Work:
+        return CompletedWork(x.clone())
+
+    def broadcast(self, x: torch.Tensor, root: int, group: Group, op_name: str = "broadcast") -> Work:
+        return CompletedWork(x.clone())
+
+    def permute(
+        self, x: torch.Tensor, pairs: Sequence[tuple[int, int]], group: Group, op_name: str = "ppermute"
+    ) -> Work:
+        received = (0, 0) in [tuple(p) for p in pairs]
+        return CompletedWork(x.clone() if received else torch.zeros_like(x))

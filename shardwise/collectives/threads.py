@@ -1,0 +1,247 @@
+"""The threads backend: every rank is a thread of one process.
+
+It exists for verification. Ranks meet at a rendezvous per (group, call
+number); the last rank to arrive computes the result for everyone, reducing in
+rank order, so results are bitwise identical from run to run whatever the
+thread timing. A rank that fails aborts the world: every rank waiting in a
+collective stops at once with :class:`RankAborted` instead of hanging, and a
+rank that never arrives makes the others fail with :class:`CollectiveTimeout`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .backend import Backend, CollectiveError, CollectiveTimeout, Group, RankAborted, Work
+
+Payload = tuple[torch.Tensor, object]  # (tensor, op-specific argument)
+Compute = Callable[[list[Payload]], list[torch.Tensor]]
+
+
+@dataclass
+class _Rendezvous:
+    op_name: str
+    group: Group
+    slots: list[Payload | None]
+    compute: Compute
+    results: list[torch.Tensor] | None = None
+    error: BaseException | None = None
+    taken: int = 0
+    arrived_ranks: list[int] = field(default_factory=list)
+
+
+class ThreadsWorld:
+    """State shared by the ranks of one threads launch."""
+
+    def __init__(self, world_size: int, timeout: float) -> None:
+        if world_size <= 0:
+            raise ValueError(f"world size must be positive, got {world_size}")
+        self.world_size = world_size
+        self.timeout = timeout
+        self._cond = threading.Condition()
+        self._pending: dict[tuple[tuple[int, ...], int], _Rendezvous] = {}
+        self._calls: dict[tuple[int, tuple[int, ...]], int] = {}
+        self.failure: tuple[int, BaseException] | None = None
+
+    def abort(self, rank: int, error: BaseException) -> None:
+        """Record that ``rank`` failed and wake every waiting rank."""
+        with self._cond:
+            if self.failure is None:
+                self.failure = (rank, error)
+            self._cond.notify_all()
+
+    def arrive(
+        self, rank: int, group: Group, op_name: str, payload: Payload, compute: Compute
+    ) -> _ThreadWork:
+        """Deposit ``rank``'s contribution to its next collective on ``group``."""
+        index = group.index(rank)
+        with self._cond:
+            self._raise_if_aborted(rank, op_name, group)
+            call_key = (rank, group.ranks)
+            seq = self._calls.get(call_key, 0)
+            self._calls[call_key] = seq + 1
+            key = (group.ranks, seq)
+            rdv = self._pending.get(key)
+            if rdv is None:
+                rdv = _Rendezvous(op_name, group, [None] * group.size, compute)
+                self._pending[key] = rdv
+            elif rdv.op_name != op_name:
+                error = CollectiveError(
+                    f"collective mismatch on axis {group.axis!r} (call #{seq} of group {group.ranks}): "
+                    f"rank {rank} called {op_name} but rank {rdv.arrived_ranks[0]} called {rdv.op_name}. "
+                    "Every rank of a group must issue the same collectives in the same order."
+                )
+                rdv.error = error
+                self._cond.notify_all()
+                raise error
+            rdv.slots[index] = payload
+            rdv.arrived_ranks.append(rank)
+            if len(rdv.arrived_ranks) == group.size:
+                try:
+                    rdv.results = rdv.compute([s for s in rdv.slots if s is not None])
+                except BaseException as exc:  # shape mismatch and such: every rank sees it
+                    rdv.error = exc
+                self._cond.notify_all()
+            return _ThreadWork(self, rank, key, rdv, index)
+
+    def _raise_if_aborted(self, rank: int, op_name: str, group: Group) -> None:
+        if self.failure is not None:
+            failed, error = self.failure
+            raise RankAborted(
+                f"rank {rank} stopped in {op_name} on axis {group.axis!r} because rank {failed} "
+                f"failed with {type(error).__name__}: {error}"
+            )
+
+    def wait(self, work: _ThreadWork) -> torch.Tensor:
+        rdv = work.rendezvous
+        deadline = time.monotonic() + self.timeout
+        with self._cond:
+            while rdv.results is None and rdv.error is None:
+                self._raise_if_aborted(work.rank, rdv.op_name, rdv.group)
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    missing = [r for r in rdv.group.ranks if r not in rdv.arrived_ranks]
+                    raise CollectiveTimeout(
+                        f"{rdv.op_name} on axis {rdv.group.axis!r} timed out after {self.timeout:g} s "
+                        f"on rank {work.rank}: ranks {missing} of group {rdv.group.ranks} never arrived"
+                    )
+                self._cond.wait(remaining)
+            if rdv.error is not None:
+                if isinstance(rdv.error, CollectiveError):
+                    raise rdv.error
+                raise CollectiveError(
+                    f"{rdv.op_name} on axis {rdv.group.axis!r} failed: {rdv.error}"
+                ) from rdv.error
+            assert rdv.results is not None
+            result = rdv.results[work.index]
+            rdv.taken += 1
+            if rdv.taken == rdv.group.size:
+                del self._pending[work.key]
+            return result
+
+
+class _ThreadWork(Work):
+    def __init__(
+        self, world: ThreadsWorld, rank: int, key: tuple[tuple[int, ...], int], rdv: _Rendezvous, index: int
+    ) -> None:
+        self.world, self.rank, self.key, self.rendezvous, self.index = world, rank, key, rdv, index
+        self._result: torch.Tensor | None = None
+
+    def wait(self) -> torch.Tensor:
+        if self._result is None:
+            self._result = self.world.wait(self)
+        return self._result
+
+    def is_completed(self) -> bool:
+        return self._result is not None or self.rendezvous.results is not None
+
+
+def _check_same(payloads: list[Payload], op_name: str) -> None:
+    first = payloads[0][0]
+    for i, (t, _) in enumerate(payloads):
+        if t.shape != first.shape or t.dtype != first.dtype:
+            raise CollectiveError(
+                f"{op_name}: group index {i} passed {tuple(t.shape)} {t.dtype} but index 0 passed "
+                f"{tuple(first.shape)} {first.dtype}; every rank must pass the same shape and dtype"
+            )
+
+
+def _sum_in_order(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    # Left to right in rank order: the same rounding on every run.
+    total = tensors[0].clone()
+    for t in tensors[1:]:
+        total += t
+    return total
+
+
+class ThreadsBackend(Backend):
+    """One rank's handle on a :class:`ThreadsWorld`."""
+
+    name = "threads"
+
+    def __init__(self, world: ThreadsWorld, rank: int) -> None:
+        if not 0 <= rank < world.world_size:
+            raise ValueError(f"rank {rank} is outside the world of {world.world_size}")
+        self.world = world
+        self.rank = rank
+        self.world_size = world.world_size
+        self.timeout = world.timeout
+
+    def _run(self, group: Group, op_name: str, x: torch.Tensor, arg: object, compute: Compute) -> Work:
+        # Detach and snapshot: the caller may reuse or modify x before others arrive.
+        payload = (x.detach().clone(), arg)
+        return self.world.arrive(self.rank, group, op_name, payload, compute)
+
+    def all_reduce(self, x: torch.Tensor, group: Group, op_name: str = "psum") -> Work:
+        def compute(ps: list[Payload]) -> list[torch.Tensor]:
+            _check_same(ps, op_name)
+            total = _sum_in_order([t for t, _ in ps])
+            return [total.clone() for _ in ps]
+
+        return self._run(group, op_name, x, None, compute)
+
+    def all_gather(self, x: torch.Tensor, group: Group, op_name: str = "all_gather") -> Work:
+        def compute(ps: list[Payload]) -> list[torch.Tensor]:
+            _check_same(ps, op_name)
+            stacked = torch.stack([t for t, _ in ps])
+            return [stacked.clone() for _ in ps]
+
+        return self._run(group, op_name, x, None, compute)
+
+    def reduce_scatter(self, x: torch.Tensor, group: Group, op_name: str = "psum_scatter") -> Work:
+        if x.dim() == 0 or x.shape[0] != group.size:
+            raise ValueError(
+                f"{op_name}: backend input must have shape (group size {group.size}, ...), got {tuple(x.shape)}"
+            )
+
+        def compute(ps: list[Payload]) -> list[torch.Tensor]:
+            _check_same(ps, op_name)
+            return [_sum_in_order([t[i] for t, _ in ps]) for i in range(len(ps))]
+
+        return self._run(group, op_name, x, None, compute)
+
+    def all_to_all(self, x: torch.Tensor, group: Group, op_name: str = "all_to_all") -> Work:
+        if x.dim() == 0 or x.shape[0] != group.size:
+            raise ValueError(
+                f"{op_name}: backend input must have shape (group size {group.size}, ...), got {tuple(x.shape)}"
+            )
+
+        def compute(ps: list[Payload]) -> list[torch.Tensor]:
+            _check_same(ps, op_name)
+            return [torch.stack([t[i] for t, _ in ps]) for i in range(len(ps))]
+
+        return self._run(group, op_name, x, None, compute)
+
+    def broadcast(self, x: torch.Tensor, root: int, group: Group, op_name: str = "broadcast") -> Work:
+        if not 0 <= root < group.size:
+            raise ValueError(f"{op_name}: root {root} is outside the group of size {group.size}")
+
+        def compute(ps: list[Payload]) -> list[torch.Tensor]:
+            _check_same(ps, op_name)
+            roots = {arg for _, arg in ps}
+            if len(roots) != 1:
+                raise CollectiveError(f"{op_name}: ranks disagree on the root: {sorted(roots)}")  # type: ignore[type-var]
+            return [ps[root][0].clone() for _ in ps]
+
+        return self._run(group, op_name, x, root, compute)
+
+    def permute(
+        self, x: torch.Tensor, pairs: Sequence[tuple[int, int]], group: Group, op_name: str = "ppermute"
+    ) -> Work:
+        pairs = tuple((int(s), int(d)) for s, d in pairs)
+
+        def compute(ps: list[Payload]) -> list[torch.Tensor]:
+            _check_same(ps, op_name)
+            if len({arg for _, arg in ps}) != 1:
+                raise CollectiveError(f"{op_name}: ranks passed different permutations")
+            out = [torch.zeros_like(t) for t, _ in ps]
+            for src, dst in pairs:
+                out[dst] = ps[src][0].clone()
+            return out
+
+        return self._run(group, op_name, x, pairs, compute)
