@@ -1,0 +1,101 @@
+"""shardwise: a JAX-style functional sharding engine for PyTorch.
+
+Write the model as a chain of pure layers, build the single-device training
+step, and let pure transforms make it distributed; every distributed step can
+be checked against the single-device one.
+
+>>> import torch, shardwise as sw
+>>> chain, params = sw.functionalize(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Linear(8, 2)))
+>>> step = sw.shard_params(sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(lr=0.1)), "dp", stage=3)
+>>> def main():
+...     mesh = sw.Mesh(dp=2)
+...     state = step.init(params, mesh)
+...     torch.manual_seed(0)
+...     state, metrics = step(state, (torch.randn(8, 4), torch.randn(8, 2)))
+...     return state.params["0"].shape       # each rank holds half of layer 0
+>>> sw.launch(main, world=2)
+[torch.Size([20]), torch.Size([20])]
+"""
+
+from . import optim, testing
+from .collectives import (
+    CollectiveError,
+    CollectiveTimeout,
+    CommRecord,
+    Group,
+    Handle,
+    Ledger,
+    Mesh,
+    RankAborted,
+    RankFailed,
+    all_gather,
+    all_gather_async,
+    all_to_all,
+    all_to_all_async,
+    axis_index,
+    axis_size,
+    broadcast,
+    broadcast_async,
+    comm_ledger,
+    current_mesh,
+    launch,
+    pmean,
+    ppermute,
+    ppermute_async,
+    psum,
+    psum_async,
+    psum_scatter,
+    psum_scatter_async,
+    pvary,
+)
+from .engine.chain import Chain, Layer
+from .engine.functionalize import functionalize
+from .engine.plan import Action, Plan
+from .engine.state import TrainState
+from .engine.step import Step, train_step
+from .transforms.shard_params import ShardedStep, shard_params
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Action",
+    "Chain",
+    "CollectiveError",
+    "CollectiveTimeout",
+    "CommRecord",
+    "Group",
+    "Handle",
+    "Layer",
+    "Ledger",
+    "Mesh",
+    "Plan",
+    "RankAborted",
+    "RankFailed",
+    "ShardedStep",
+    "Step",
+    "TrainState",
+    "all_gather",
+    "all_gather_async",
+    "all_to_all",
+    "all_to_all_async",
+    "axis_index",
+    "axis_size",
+    "broadcast",
+    "broadcast_async",
+    "comm_ledger",
+    "current_mesh",
+    "functionalize",
+    "launch",
+    "optim",
+    "pmean",
+    "ppermute",
+    "ppermute_async",
+    "psum",
+    "psum_async",
+    "psum_scatter",
+    "psum_scatter_async",
+    "pvary",
+    "shard_params",
+    "testing",
+    "train_step",
+]

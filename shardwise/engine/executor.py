@@ -1,0 +1,165 @@
+"""Runs one rank's actions of a Plan.
+
+Each layer's forward keeps its own small autograd graph: the layer input is a
+detached leaf, so ``B(layer)`` can run that layer's backward alone, in whatever
+order the plan says (a pipeline interleaves them; FSDP frees parameters
+between them). The kernels and the order of accumulation are those of one
+``loss.backward()`` over the whole chain, so results are bitwise equal to it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import optree
+import torch
+
+from .chain import Chain
+from .plan import BACKWARD, FORWARD, LOSS, UPDATE, Action
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+def _differentiable_leaves(tree: Any) -> list[torch.Tensor]:
+    return [t for t in optree.tree_leaves(tree) if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+def _as_input_leaf(tree: Any) -> Any:
+    """Cut the graph at a layer boundary: floating tensors become fresh leaves that require grad."""
+
+    def cut(t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()):
+            return t.detach().requires_grad_(True)
+        return t
+
+    return optree.tree_map(cut, tree)
+
+
+def _detached(tree: Any) -> Any:
+    return optree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, tree)
+
+
+@dataclass
+class _Saved:
+    inputs: Any
+    params: dict[str, torch.Tensor]
+    outputs: Any
+
+
+@dataclass
+class Executor:
+    """Forward, loss and backward of a Chain on one batch, one action at a time.
+
+    After the plan has run, ``grads`` holds the gradient of the loss with
+    respect to every owned parameter (same pytree as the params), and ``loss``
+    the detached loss.
+    """
+
+    chain: Chain
+    loss_fn: LossFn
+    params: Mapping[str, Mapping[str, torch.Tensor]]
+    inputs: Any
+    targets: Any
+    loss_scale: float = 1.0
+    loss: torch.Tensor | None = None
+    grads: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    _saved: dict[str, _Saved] = field(default_factory=dict)
+    _next_input: Any = None
+    _output_grad: Any = None
+    _position: int = 0
+
+    def run(self, actions: tuple[Action, ...], handlers: Mapping[str, Callable[[Action], None]] | None = None) -> None:
+        """Run ``actions`` in order; ``handlers`` maps extra action kinds (from transforms) to callables."""
+        own: dict[str, Callable[[Action], None]] = {
+            FORWARD: self.forward,
+            LOSS: self.compute_loss,
+            BACKWARD: self.backward,
+        }
+        table = {**own, **(handlers or {})}
+        for action in actions:
+            handler = table.get(action.kind)
+            if handler is None:
+                if action.kind == UPDATE:
+                    continue  # the Step applies the optimizer after the executor is done
+                raise ValueError(f"the executor has no handler for action {action} (kind {action.kind!r})")
+            handler(action)
+
+    # -- actions --------------------------------------------------------------
+    def forward(self, action: Action) -> None:
+        name = self._layer_name(action)
+        index = self.chain.names.index(name)
+        if index != self._position:
+            raise RuntimeError(f"F({name}) runs out of order: expected layer {self.chain.names[self._position]!r}")
+        # The batch needs no gradient; only activations between layers do.
+        x = _detached(self.inputs) if index == 0 else _as_input_leaf(self._next_input)
+        local = {k: v.detach().requires_grad_(True) for k, v in self.chain.layer_params(self.params, name).items()}
+        with torch.enable_grad():
+            y = self.chain[name](local, x)
+        self._saved[name] = _Saved(x, local, y)
+        self._next_input = y
+        self._position += 1
+
+    def compute_loss(self, action: Action) -> None:
+        if self._position != len(self.chain):
+            raise RuntimeError("loss runs before the last layer's forward")
+        output = self._next_input
+        with torch.enable_grad():
+            loss = self.loss_fn(output, self.targets)
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            raise ValueError(
+                f"loss_fn must return a scalar tensor (the mean loss over the batch), got {type(loss).__name__}"
+                + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
+            )
+        outs = _differentiable_leaves(output)
+        scaled = loss if self.loss_scale == 1.0 else loss * self.loss_scale
+        seeds = torch.autograd.grad(scaled, outs, allow_unused=True) if outs else ()
+        self._output_grad = dict(zip(map(id, outs), seeds, strict=True))
+        self.loss = loss.detach()
+
+    def backward(self, action: Action) -> None:
+        name = self._layer_name(action)
+        saved = self._saved.pop(name, None)
+        if saved is None:
+            raise RuntimeError(f"B({name}) runs before F({name}) or twice")
+        outs = _differentiable_leaves(saved.outputs)
+        grads_out = [self._output_grad.get(id(o)) for o in outs]
+        pairs = [(o, g) for o, g in zip(outs, grads_out, strict=True) if g is not None]
+        ins = _differentiable_leaves(saved.inputs)
+        param_names = list(saved.params)
+        wrt = ins + [saved.params[k] for k in param_names]
+        if pairs and wrt:
+            got = torch.autograd.grad(
+                [o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True
+            )
+        else:
+            got = (None,) * len(wrt)
+        self._output_grad = {id(i): g for i, g in zip(ins, got[: len(ins)], strict=True) if g is not None}
+        self._accumulate(name, dict(zip(param_names, got[len(ins):], strict=True)))
+
+    # -- helpers --------------------------------------------------------------
+    def _accumulate(self, layer: str, grads: dict[str, torch.Tensor | None]) -> None:
+        ties = self.chain[layer].ties
+        for local, g in grads.items():
+            owner, owner_local = ties.get(local, (layer, local))
+            if g is None:
+                g = torch.zeros_like(self.params[owner][owner_local])
+            slot = self.grads.setdefault(owner, {})
+            # Later layers run backward first, so a tied weight sums its uses in
+            # the order a single loss.backward() would.
+            slot[owner_local] = g if owner_local not in slot else slot[owner_local] + g
+
+    def ordered_grads(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Gradients in the params' own structure (every owned parameter present)."""
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        for layer, tensors in self.params.items():
+            got = self.grads.get(layer, {})
+            out[layer] = {k: got[k] if k in got else torch.zeros_like(v) for k, v in tensors.items()}
+        return out
+
+    @staticmethod
+    def _layer_name(action: Action) -> str:
+        if action.layer is None:
+            raise ValueError(f"action {action} needs a layer")
+        return action.layer

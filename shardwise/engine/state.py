@@ -1,0 +1,32 @@
+"""TrainState: everything a training step carries from one call to the next.
+
+A NamedTuple, so optree flattens it with no registration, leaf order is the
+same on every rank, and it saves and loads with ``torch.save`` as it is.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+Params = dict[str, dict[str, torch.Tensor]]
+"""Parameter pytree: layer name -> local parameter name -> tensor (see Chain)."""
+
+
+class TrainState(NamedTuple):
+    """Parameters (or this rank's shards of them), optimizer state, step count, loss scale.
+
+    ``step`` counts completed updates. ``loss_scale`` is ``None`` unless a
+    mixed-precision transform with loss scaling put one there. ``mesh`` and
+    ``layout`` are static: the mesh the state lives on and the transform's
+    description of how the parameters are laid out on it (``None`` for the
+    single-device step).
+    """
+
+    params: Any
+    opt_state: Any
+    step: int = 0
+    loss_scale: Any = None
+    mesh: Any = None
+    layout: Any = None

@@ -1,0 +1,177 @@
+"""The single-device training step, the reference every transform is checked against.
+
+``train_step(chain, loss_fn, optimizer)`` returns a :class:`Step`: an immutable
+value with ``init(params, mesh) -> TrainState``, ``step(state, batch) ->
+(state, metrics)`` and ``plan(mesh) -> Plan``. Transforms (shard_params,
+pipeline, ...) take a Step and return a new one; this one computes exactly
+what ``loss.backward(); optimizer.step()`` computes on one device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import optree
+import torch
+
+from ..collectives.mesh import Mesh
+from .chain import Chain
+from .executor import Executor, LossFn
+from .optim import Optimizer, global_norm
+from .plan import BACKWARD, FORWARD, LOSS, UPDATE, Action, Plan
+from .state import Params, TrainState
+
+Metrics = dict[str, torch.Tensor]
+
+
+def split_batch(batch: Any) -> tuple[Any, Any]:
+    """A batch is ``(inputs, targets)``: inputs feed the chain, targets the loss."""
+    if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+        raise ValueError(
+            f"a batch must be a pair (inputs, targets), got {type(batch).__name__}"
+            + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else "")
+            + "; inputs feed the chain and targets go to loss_fn(output, targets)"
+        )
+    return batch[0], batch[1]
+
+
+def check_params(chain: Chain, params: Any) -> None:
+    """Refuse a params pytree that does not match the chain, naming the layer and the names."""
+    if not isinstance(params, Mapping):
+        raise TypeError(
+            f"params must be a dict layer name -> dict of tensors (as functionalize returns), got {type(params).__name__}"
+        )
+    unknown = set(params) - set(chain.names)
+    if unknown:
+        raise ValueError(f"params has layers {sorted(unknown)} that the chain does not have; chain layers: {list(chain.names)}")
+    for layer in chain.layers:
+        expected = set(chain.owned_param_names(layer.name))
+        got = set(params.get(layer.name, {}))
+        if expected != got:
+            raise ValueError(
+                f"params[{layer.name!r}] does not match the chain: missing {sorted(expected - got)}, "
+                f"unexpected {sorted(got - expected)}"
+            )
+        for name, value in params.get(layer.name, {}).items():
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"params[{layer.name!r}][{name!r}] is a {type(value).__name__}, not a tensor")
+
+
+def clip_scale(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """The factor that clips a gradient of global ``norm`` to ``max_norm`` (torch's clip_grad_norm_)."""
+    return torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+
+
+def tree_nbytes(tree: Any) -> int:
+    """Bytes of every tensor leaf of ``tree`` (meta tensors count their would-be size)."""
+    return sum(t.numel() * t.element_size() for t in optree.tree_leaves(tree) if isinstance(t, torch.Tensor))
+
+
+@dataclass(frozen=True)
+class Step:
+    """A training step as a value: the chain, the loss and the optimizer, and how to run them.
+
+    ``loss_fn(output, targets)`` must return the *mean* loss over the batch (the
+    default reduction of torch's losses), so that a step on a split batch can be
+    made equal to the step on the whole batch.
+    """
+
+    chain: Chain
+    loss_fn: LossFn
+    optimizer: Optimizer
+    clip_norm: float | None = None
+
+    # -- state ----------------------------------------------------------------
+    def init(self, params: Params, mesh: Mesh | None = None) -> TrainState:
+        """Build the TrainState from full parameters (every rank passes the same ones)."""
+        check_params(self.chain, params)
+        params = optree.tree_map(lambda t: t.detach(), params)
+        return TrainState(params=params, opt_state=self.optimizer.init(params), step=0)
+
+    def full_params(self, state: TrainState) -> Params:
+        """The complete parameters on this rank (a collective once params are sharded)."""
+        return state.params
+
+    # -- running --------------------------------------------------------------
+    def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, Metrics]:
+        inputs, targets = split_batch(batch)
+        executor = Executor(self.chain, self.loss_fn, state.params, inputs, targets)
+        executor.run(self.plan().for_rank(0))
+        grads = executor.ordered_grads()
+        assert executor.loss is not None
+        norm = global_norm(grads)
+        metrics = {"loss": executor.loss, "grad_norm": norm}
+        if self.clip_norm is not None:
+            scale = clip_scale(norm, self.clip_norm)
+            grads = optree.tree_map(lambda g: g * scale.to(g.dtype), grads)
+        new_params, new_opt_state = self.optimizer.update(grads, state.opt_state, state.params)
+        return state._replace(params=new_params, opt_state=new_opt_state, step=state.step + 1), metrics
+
+    # -- inspection -----------------------------------------------------------
+    def plan(self, mesh: Mesh | None = None, params: Params | None = None) -> Plan:
+        """Per-rank actions: forward per layer, the loss, backward per layer in reverse, the update.
+
+        Every rank of ``mesh`` runs the whole step (nothing is distributed until
+        a transform says so). With ``params`` (real or ``device="meta"``
+        tensors), the plan also counts the bytes each rank holds.
+        """
+        mesh = mesh or Mesh(world=1)
+        names = self.chain.names
+        actions = (
+            tuple(Action(FORWARD, n) for n in names)
+            + (Action(LOSS),)
+            + tuple(Action(BACKWARD, n) for n in reversed(names))
+            + (Action(UPDATE),)
+        )
+        memory: dict[str, tuple[int, ...]] = {}
+        if params is not None:
+            check_params(self.chain, params)
+            meta = optree.tree_map(lambda t: torch.empty_like(t, device="meta"), params)
+            per_rank = {
+                "params": tree_nbytes(meta),
+                "grads": tree_nbytes(meta),
+                "opt_state": tree_nbytes(self.optimizer.init(meta)),
+            }
+            memory = {k: (v,) * mesh.size for k, v in per_rank.items()}
+        return Plan(mesh, (actions,) * mesh.size, memory)
+
+
+def train_step(
+    chain: Chain,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    optimizer: Optimizer,
+    *,
+    clip_norm: float | None = None,
+) -> Step:
+    """The single-device training step of ``chain`` under ``loss_fn`` and ``optimizer``.
+
+    ``clip_norm`` clips the gradient to that global L2 norm before the update,
+    as ``torch.nn.utils.clip_grad_norm_`` does. The metrics report the norm
+    before clipping.
+
+    >>> import torch, shardwise as sw
+    >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+    <torch._C.Generator object at ...>
+    >>> chain, params = sw.functionalize(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)))
+    >>> step = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(lr=0.1, momentum=0.9))
+    >>> state = step.init(params)
+    >>> batch = (torch.randn(16, 4), torch.randn(16, 1))
+    >>> state, metrics = step(state, batch)
+    >>> sorted(metrics), state.step
+    (['grad_norm', 'loss'], 1)
+    """
+    if isinstance(chain, tuple):
+        raise TypeError("train_step got a (chain, params) tuple: pass the chain, and give params to step.init(params)")
+    if not isinstance(chain, Chain):
+        raise TypeError(f"train_step(chain=...) needs a shardwise Chain (see functionalize), got {type(chain).__name__}")
+    if not callable(loss_fn):
+        raise TypeError(f"train_step(loss_fn=...) must be callable loss_fn(output, targets), got {loss_fn!r}")
+    if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
+        raise TypeError(
+            f"train_step(optimizer=...) needs a functional optimizer such as shardwise.optim.sgd(...), got {optimizer!r}"
+        )
+    if clip_norm is not None and not clip_norm > 0:
+        raise ValueError(f"train_step(clip_norm={clip_norm!r}): the norm to clip to must be positive")
+    return Step(chain, loss_fn, optimizer, clip_norm)

@@ -1,0 +1,8 @@
+"""Verification tools, public: the equivalence checker and hypothesis strategies.
+
+>>> from shardwise.testing import assert_equivalent
+"""
+
+from .equivalence import DEFAULT_RTOL, EquivalenceReport, NotEquivalentError, assert_equivalent
+
+__all__ = ["DEFAULT_RTOL", "EquivalenceReport", "NotEquivalentError", "assert_equivalent"]

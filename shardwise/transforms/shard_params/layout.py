@@ -1,0 +1,99 @@
+"""Flat-buffer layout of one unit (a Chain layer) sharded over N ranks.
+
+A unit's owned parameters are flattened in name order into one 1-D buffer,
+zero-padded to a multiple of N, and cut into N equal contiguous shards: rank
+``i`` of the axis holds ``flat[i * shard : (i + 1) * shard]``. One all-gather
+rebuilds the unit; one reduce-scatter shards its gradient. Padding starts at
+zero and stays zero (its gradient is zero, so SGD, momentum and AdamW with
+decoupled decay keep it at zero); it is cut off before anything is returned.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class UnitLayout:
+    """Where each parameter of one unit lives in the unit's flat buffer."""
+
+    unit: str
+    names: tuple[str, ...]
+    shapes: tuple[torch.Size, ...]
+    dtype: torch.dtype
+    shards: int
+
+    def __post_init__(self) -> None:
+        if self.shards <= 0:
+            raise ValueError(f"unit {self.unit!r}: the number of shards must be positive, got {self.shards}")
+
+    @classmethod
+    def of(cls, unit: str, params: Mapping[str, torch.Tensor], shards: int) -> UnitLayout:
+        names = tuple(sorted(params))
+        dtypes = {params[n].dtype for n in names}
+        if len(dtypes) > 1:
+            listing = ", ".join(f"{n}: {params[n].dtype}" for n in names)
+            raise ValueError(
+                f"shard_params: layer {unit!r} mixes parameter dtypes ({listing}); one flat buffer per "
+                "layer needs one dtype: cast the parameters to one dtype first"
+            )
+        dtype = dtypes.pop() if dtypes else torch.float32
+        return cls(unit, names, tuple(params[n].shape for n in names), dtype, shards)
+
+    @property
+    def numels(self) -> tuple[int, ...]:
+        return tuple(math.prod(s) for s in self.shapes)
+
+    @property
+    def numel(self) -> int:
+        """Elements of the unit's parameters, without padding."""
+        return sum(self.numels)
+
+    @property
+    def shard_numel(self) -> int:
+        return -(-self.numel // self.shards)  # ceil
+
+    @property
+    def padded_numel(self) -> int:
+        return self.shard_numel * self.shards
+
+    @property
+    def padding(self) -> int:
+        return self.padded_numel - self.numel
+
+    @property
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def padded_nbytes(self) -> int:
+        return self.padded_numel * self.element_size
+
+    @property
+    def shard_nbytes(self) -> int:
+        return self.shard_numel * self.element_size
+
+    def flatten(self, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The padded flat buffer of ``tensors`` (params or their gradients)."""
+        pieces = [tensors[n].reshape(-1) for n in self.names]
+        if self.padding or not pieces:
+            like = pieces[0] if pieces else torch.empty(0, dtype=self.dtype)
+            pieces.append(like.new_zeros(self.padding))
+        return torch.cat(pieces)
+
+    def unflatten(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Views of the parameters in a full (gathered) flat buffer; the padding is dropped."""
+        if flat.numel() != self.padded_numel:
+            raise ValueError(
+                f"unit {self.unit!r}: flat buffer has {flat.numel()} elements, expected {self.padded_numel}"
+            )
+        views = torch.split(flat[: self.numel], list(self.numels))
+        return {n: v.view(s) for n, v, s in zip(self.names, views, self.shapes, strict=True)}
+
+    def shard_of(self, flat: torch.Tensor, index: int) -> torch.Tensor:
+        """Shard ``index`` of a full flat buffer (a copy, so the full buffer can be freed)."""
+        return flat[index * self.shard_numel : (index + 1) * self.shard_numel].clone()

@@ -1,0 +1,150 @@
+"""From a sharded step to per-rank actions: when each unit is gathered, freed and reduced.
+
+A *unit* is a chain layer that owns parameters; it is gathered and reduced as
+one flat buffer. A layer *needs* its own unit and the units that own the
+weights it ties to (a GPT head needs the embedding's unit).
+
+Forward and backward are each a sequence of compute actions. Before compute
+``i`` the gathers for computes ``i .. i + prefetch`` are issued (async), so the
+next units travel while the current one computes; a unit is freed after a
+compute unless one of the next ``max(1, prefetch)`` computes needs it. With
+``reshard_after_forward`` every unit is freed at the end of the forward (and
+gathered again in backward, as the ZeRO paper counts: 3Ψ per step); without
+it, units stay from their forward until their last backward use (2Ψ).
+A unit's gradient is complete after the backward of its owner (ties point to
+earlier layers), so its reduce-scatter is issued right there (stage 2 and 3),
+or after the whole backward (stage 1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from ...engine.chain import Chain
+from ...engine.plan import BACKWARD, FORWARD, LOSS, UPDATE, Action
+
+GATHER = "gather"  # issue an async all-gather of a unit's shards
+WAIT_GATHER = "wait_gather"  # wait for it; the unit's parameters are now usable
+FREE = "free"  # drop a gathered unit
+REDUCE_SCATTER = "reduce_scatter"  # issue an async reduce-scatter of a unit's gradient
+WAIT_REDUCE = "wait_reduce"  # wait for it; this rank holds its gradient shard
+REDUCE_METRICS = "reduce_metrics"  # one all-reduce of (loss, squared gradient norm)
+GATHER_PARAMS = "gather_params"  # stage 1/2: all-gather a unit's updated shard into full params
+WAIT_PARAMS = "wait_params"
+
+
+@dataclass(frozen=True)
+class ShardingOptions:
+    """The options of shard_params that decide the action order."""
+
+    stage: int
+    reshard_after_forward: bool
+    prefetch: int
+    accumulation: int
+
+
+def layer_needs(chain: Chain, units: Sequence[str]) -> dict[str, tuple[str, ...]]:
+    """For every layer: the units that must be gathered for it to run."""
+    unit_set = set(units)
+    needs: dict[str, tuple[str, ...]] = {}
+    for layer in chain.layers:
+        wanted = [layer.name] if layer.name in unit_set else []
+        for owner, _ in layer.ties.values():
+            if owner in unit_set and owner not in wanted:
+                wanted.append(owner)
+        needs[layer.name] = tuple(wanted)
+    return needs
+
+
+def _gathered_pass(
+    computes: Sequence[Action],
+    needs: Sequence[tuple[str, ...]],
+    live: set[str],
+    prefetch: int,
+    free_when_unused: bool,
+) -> list[Action]:
+    """Computes with the gathers, waits and frees they need, updating ``live`` in place."""
+    out: list[Action] = []
+    in_flight: list[str] = []
+    window = max(1, prefetch)
+    for i, compute in enumerate(computes):
+        for j in range(i, min(len(computes), i + prefetch + 1)):
+            for unit in needs[j]:
+                if unit not in live and unit not in in_flight:
+                    out.append(Action(GATHER, unit))
+                    in_flight.append(unit)
+        for unit in needs[i]:
+            if unit in in_flight:
+                out.append(Action(WAIT_GATHER, unit))
+                in_flight.remove(unit)
+                live.add(unit)
+        out.append(compute)
+        if free_when_unused:
+            soon = {u for j in range(i + 1, min(len(computes), i + 1 + window)) for u in needs[j]}
+            for unit in sorted(live - soon - set(in_flight)):
+                out.append(Action(FREE, unit))
+                live.discard(unit)
+    assert not in_flight, f"gathers issued but never used: {in_flight}"
+    return out
+
+
+def lower_rank(chain: Chain, units: Sequence[str], options: ShardingOptions) -> tuple[Action, ...]:
+    """The actions of one rank (every rank of the data-parallel axis runs the same list)."""
+    needs = layer_needs(chain, units)
+    names = list(chain.names)
+    actions: list[Action] = []
+    for mb in range(options.accumulation):
+        last = mb == options.accumulation - 1
+        forward = [Action(FORWARD, n, microbatch=mb) for n in names]
+        backward = [Action(BACKWARD, n, microbatch=mb) for n in reversed(names)]
+        if options.stage == 3:
+            live: set[str] = set()
+            actions += _gathered_pass(
+                forward, [needs[n] for n in names], live, options.prefetch, options.reshard_after_forward
+            )
+            if options.reshard_after_forward:
+                actions += [Action(FREE, u) for u in sorted(live)]
+                live.clear()
+            actions.append(Action(LOSS, microbatch=mb))
+            backward_actions = _gathered_pass(
+                backward, [needs[n] for n in reversed(names)], live, options.prefetch, True
+            )
+            actions += backward_actions
+            actions += [Action(FREE, u) for u in sorted(live)]
+        else:
+            actions += forward + [Action(LOSS, microbatch=mb)] + backward
+        if last:
+            actions = _insert_reduces(actions, units, options.stage, mb)
+    # Wait in the order the reduce-scatters were issued: the first one is likeliest done.
+    actions += [Action(WAIT_REDUCE, a.layer) for a in actions if a.kind == REDUCE_SCATTER]
+    actions.append(Action(REDUCE_METRICS))
+    actions.append(Action(UPDATE))
+    if options.stage in (1, 2):
+        actions += [Action(GATHER_PARAMS, u) for u in units] + [Action(WAIT_PARAMS, u) for u in units]
+    return tuple(actions)
+
+
+def _insert_reduces(actions: list[Action], units: Sequence[str], stage: int, mb: int) -> list[Action]:
+    """Stage 1 reduces after the whole backward; 2 and 3 right after each unit's own backward."""
+    if stage == 1:
+        return actions + [Action(REDUCE_SCATTER, u) for u in units]
+    out: list[Action] = []
+    for action in actions:
+        out.append(action)
+        if action.kind == BACKWARD and action.microbatch == mb and action.layer in units:
+            out.append(Action(REDUCE_SCATTER, action.layer))
+    return out
+
+
+def peak_gathered_units(actions: Sequence[Action], unit_bytes: Mapping[str, int]) -> int:
+    """Largest total bytes of gathered (and in-flight) units at any point of ``actions``."""
+    held: set[str] = set()
+    peak = 0
+    for action in actions:
+        if action.kind == GATHER and action.layer is not None:
+            held.add(action.layer)
+        elif action.kind == FREE and action.layer is not None:
+            held.discard(action.layer)
+        peak = max(peak, sum(unit_bytes[u] for u in held))
+    return peak

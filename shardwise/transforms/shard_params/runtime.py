@@ -1,0 +1,165 @@
+"""Runs a sharded rank's actions: gathers, frees, reductions around the engine's executor.
+
+The engine's :class:`Executor` does forward, loss and backward per layer; this
+runtime owns what sharding adds. Gathered units live in ``params_view`` (the
+executor reads parameters from it, so a layer whose unit is not gathered fails
+loudly), gradients accumulate in one dict shared by the micro-batches, and
+every collective goes through the async collectives so it is overlapped and
+recorded in the ledger.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ...collectives.mesh import Mesh
+from ...collectives.ops import all_gather_async, psum, psum_scatter_async
+from ...engine.chain import Chain
+from ...engine.executor import Executor, LossFn
+from ...engine.plan import BACKWARD, FORWARD, LOSS, UPDATE, Action
+from .layout import UnitLayout
+from .lowering import (
+    FREE,
+    GATHER,
+    GATHER_PARAMS,
+    REDUCE_METRICS,
+    REDUCE_SCATTER,
+    WAIT_GATHER,
+    WAIT_PARAMS,
+    WAIT_REDUCE,
+)
+
+
+@dataclass
+class ShardRuntime:
+    """One rank's step: ``run(actions)`` leaves gradient shards, the loss and the squared norm."""
+
+    chain: Chain
+    loss_fn: LossFn
+    mesh: Mesh
+    axis: str
+    layouts: Mapping[str, UnitLayout]
+    shards: Mapping[str, torch.Tensor]  # this rank's parameter shards, by unit
+    full_params: Mapping[str, Mapping[str, torch.Tensor]] | None  # stage 1/2: replicated params
+    microbatches: Sequence[tuple[Any, Any]]
+    loss_scale: float
+    params_view: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    grads: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    grad_shards: dict[str, torch.Tensor] = field(default_factory=dict)
+    losses: list[torch.Tensor] = field(default_factory=list)
+    loss_sum: torch.Tensor | None = None
+    sq_norm: torch.Tensor | None = None
+    gathered_bytes: int = 0
+    peak_gathered_bytes: int = 0
+    _pending_gathers: dict[str, Any] = field(default_factory=dict)
+    _pending_reduces: dict[str, Any] = field(default_factory=dict)
+    _executors: dict[int, Executor] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.full_params is not None:
+            self.params_view = {k: dict(v) for k, v in self.full_params.items()}
+        # Layers without parameters still need an (empty) entry to read from.
+        for name in self.chain.names:
+            if name not in self.layouts:
+                self.params_view.setdefault(name, {})
+
+    # -- dispatch ---------------------------------------------------------------
+    def run(self, actions: Sequence[Action], update: Any) -> None:
+        handlers = {
+            GATHER: self.gather,
+            WAIT_GATHER: self.wait_gather,
+            FREE: self.free,
+            REDUCE_SCATTER: self.reduce_scatter,
+            WAIT_REDUCE: self.wait_reduce,
+            REDUCE_METRICS: self.reduce_metrics,
+            UPDATE: update,
+            GATHER_PARAMS: self.gather_params,
+            WAIT_PARAMS: self.wait_params,
+        }
+        for action in actions:
+            if action.kind in (FORWARD, LOSS, BACKWARD):
+                executor = self._executor(action.microbatch or 0)
+                {FORWARD: executor.forward, LOSS: executor.compute_loss, BACKWARD: executor.backward}[
+                    action.kind
+                ](action)
+                if action.kind == LOSS and executor.loss is not None:
+                    self.losses.append(executor.loss)
+            elif action.kind in handlers:
+                handlers[action.kind](action)
+            else:
+                raise ValueError(f"shard_params runtime has no handler for action {action}")
+
+    def _executor(self, mb: int) -> Executor:
+        if mb not in self._executors:
+            inputs, targets = self.microbatches[mb]
+            self._executors[mb] = Executor(
+                self.chain, self.loss_fn, self.params_view, inputs, targets,
+                loss_scale=self.loss_scale, grads=self.grads,
+            )
+        return self._executors[mb]
+
+    # -- parameters ---------------------------------------------------------------
+    def gather(self, action: Action) -> None:
+        unit = _unit(action)
+        self._pending_gathers[unit] = all_gather_async(self.shards[unit], self.axis, tiled=True, mesh=self.mesh)
+        self.gathered_bytes += self.layouts[unit].padded_nbytes
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
+
+    def wait_gather(self, action: Action) -> None:
+        unit = _unit(action)
+        flat = self._pending_gathers.pop(unit).wait()
+        self.params_view[unit] = self.layouts[unit].unflatten(flat)
+
+    def free(self, action: Action) -> None:
+        unit = _unit(action)
+        if self.params_view.pop(unit, None) is None:
+            raise RuntimeError(f"free({unit}) of a unit that is not gathered")
+        self.gathered_bytes -= self.layouts[unit].padded_nbytes
+
+    # -- gradients ------------------------------------------------------------------
+    def reduce_scatter(self, action: Action) -> None:
+        unit = _unit(action)
+        layout = self.layouts[unit]
+        grads = self.grads.pop(unit, {})
+        like = {n: torch.zeros(s, dtype=layout.dtype) for n, s in zip(layout.names, layout.shapes, strict=True)}
+        flat = layout.flatten({n: grads.get(n, like[n]) for n in layout.names})
+        self._pending_reduces[unit] = psum_scatter_async(flat, self.axis, tiled=True, mesh=self.mesh)
+
+    def wait_reduce(self, action: Action) -> None:
+        unit = _unit(action)
+        self.grad_shards[unit] = self._pending_reduces.pop(unit).wait()
+
+    def reduce_metrics(self, action: Action) -> None:
+        """One small all-reduce carries the loss sum and the squared gradient norm of every shard."""
+        if not self.losses:
+            raise RuntimeError("reduce_metrics before any loss")
+        dtype = torch.float64 if any(s.dtype == torch.float64 for s in self.grad_shards.values()) else torch.float32
+        local_loss = torch.stack([loss.to(dtype) for loss in self.losses]).sum()
+        local_sq = sum(
+            (g.to(dtype).pow(2).sum() for g in self.grad_shards.values()), torch.zeros((), dtype=dtype)
+        )
+        total = psum(torch.stack([local_loss, local_sq]), self.axis, mesh=self.mesh)
+        self.loss_sum, self.sq_norm = total[0], total[1]
+
+    # -- stage 1/2: rebuild the replicated parameters after the update ----------------
+    new_shards: dict[str, torch.Tensor] = field(default_factory=dict)
+    new_full_params: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+
+    def gather_params(self, action: Action) -> None:
+        unit = _unit(action)
+        self._pending_gathers[unit] = all_gather_async(self.new_shards[unit], self.axis, tiled=True, mesh=self.mesh)
+
+    def wait_params(self, action: Action) -> None:
+        unit = _unit(action)
+        flat = self._pending_gathers.pop(unit).wait()
+        self.new_full_params[unit] = {k: v.clone() for k, v in self.layouts[unit].unflatten(flat).items()}
+
+
+def _unit(action: Action) -> str:
+    if action.layer is None:
+        raise ValueError(f"action {action} needs a unit")
+    return action.layer

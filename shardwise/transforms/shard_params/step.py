@@ -1,0 +1,194 @@
+"""The data-parallel step with ZeRO-1/2/3 sharding over one mesh axis."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import optree
+import torch
+
+from ...collectives.mesh import Mesh
+from ...engine.plan import Plan
+from ...engine.state import Params, TrainState
+from ...engine.step import Metrics, Step, check_params, clip_scale, split_batch, tree_nbytes
+from .layout import UnitLayout
+from .lowering import ShardingOptions, lower_rank, peak_gathered_units
+from .runtime import ShardRuntime
+
+
+@dataclass(frozen=True)
+class ShardedLayout:
+    """Static description of a sharded TrainState: the axis and every unit's flat layout."""
+
+    axis: str
+    stage: int
+    units: dict[str, UnitLayout]
+    layers: tuple[str, ...]  # the keys of the full params pytree, in order
+
+
+def split_over(tree: Any, parts: int, index: int, what: str) -> Any:
+    """Slice ``index`` of ``parts`` equal slices along dim 0 of every tensor in ``tree``."""
+
+    def cut(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor) or t.dim() == 0:
+            raise ValueError(f"{what}: every batch leaf must be a tensor with a batch dim, got {t!r:.60}")
+        if t.shape[0] % parts:
+            raise ValueError(
+                f"{what}: batch size {t.shape[0]} (tensor of shape {tuple(t.shape)}) does not divide into "
+                f"{parts} equal parts; use a batch size that is a multiple of {parts}"
+            )
+        size = t.shape[0] // parts
+        return t[index * size : (index + 1) * size]
+
+    return optree.tree_map(cut, tree)
+
+
+@dataclass(frozen=True)
+class ShardedStep(Step):
+    """A Step made data parallel over ``axis`` with ZeRO ``stage`` sharding (see shard_params)."""
+
+    axis: str = "dp"
+    stage: int = 3
+    reshard_after_forward: bool = True
+    prefetch: int = 1
+    accumulation: int = 1
+
+    @property
+    def options(self) -> ShardingOptions:
+        return ShardingOptions(self.stage, self.reshard_after_forward, self.prefetch, self.accumulation)
+
+    def units(self, params: Params) -> list[str]:
+        """Layers that own parameters, in chain order: each is gathered and reduced as one buffer."""
+        return [n for n in self.chain.names if params.get(n)]
+
+    def layouts(self, params: Params, shards: int) -> dict[str, UnitLayout]:
+        return {u: UnitLayout.of(u, params[u], shards) for u in self.units(params)}
+
+    def _check_mesh(self, mesh: Mesh | None) -> Mesh:
+        if mesh is None:
+            raise ValueError(f"shard_params(axis={self.axis!r}) needs the mesh: call step.init(params, mesh)")
+        if self.axis not in mesh.axis_names:
+            raise ValueError(
+                f"shard_params(axis={self.axis!r}): {mesh!r} has no axis {self.axis!r}; "
+                f"use one of {mesh.axis_names} or build the mesh with that axis"
+            )
+        return mesh
+
+    # -- state ------------------------------------------------------------------
+    def init(self, params: Params, mesh: Mesh | None = None) -> TrainState:
+        mesh = self._check_mesh(mesh)
+        check_params(self.chain, params)
+        n, index = mesh.axis_size(self.axis), mesh.axis_index(self.axis)
+        params = optree.tree_map(lambda t: t.detach(), params)
+        layouts = self.layouts(params, n)
+        shards = {u: lay.shard_of(lay.flatten(params[u]), index) for u, lay in layouts.items()}
+        held = shards if self.stage == 3 else params
+        return TrainState(
+            params=held,
+            opt_state=self.optimizer.init(shards),
+            step=0,
+            mesh=mesh,
+            layout=ShardedLayout(self.axis, self.stage, layouts, tuple(params)),
+        )
+
+    def _layout(self, state: TrainState) -> ShardedLayout:
+        layout = state.layout
+        if not isinstance(layout, ShardedLayout) or layout.axis != self.axis or layout.stage != self.stage:
+            raise ValueError(
+                f"this TrainState was not made by this shard_params step (axis={self.axis!r}, "
+                f"stage={self.stage}); build it with step.init(params, mesh)"
+            )
+        return layout
+
+    def _my_shards(self, state: TrainState, layout: ShardedLayout, index: int) -> dict[str, torch.Tensor]:
+        if self.stage == 3:
+            return dict(state.params)
+        return {u: lay.shard_of(lay.flatten(state.params[u]), index) for u, lay in layout.units.items()}
+
+    def full_params(self, state: TrainState) -> Params:
+        """Every rank gets the complete parameters (an all-gather per unit under stage 3)."""
+        layout = self._layout(state)
+        if self.stage != 3:
+            return state.params
+        from ...collectives.ops import all_gather
+
+        full: Params = {}
+        for unit, lay in layout.units.items():
+            flat = all_gather(state.params[unit], self.axis, tiled=True, mesh=state.mesh)
+            full[unit] = {k: v.clone() for k, v in lay.unflatten(flat).items()}
+        return {layer: full.get(layer, {}) for layer in layout.layers}
+
+    # -- running ----------------------------------------------------------------------
+    def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, Metrics]:
+        layout = self._layout(state)
+        mesh: Mesh = state.mesh
+        n, index = mesh.axis_size(self.axis), mesh.axis_index(self.axis)
+        local = split_over(split_batch(batch), n, index, f"shard_params over axis {self.axis!r} of size {n}")
+        parts = self.accumulation
+        micro = [
+            split_over(local, parts, i, f"shard_params(accumulation={parts}) on the local batch")
+            for i in range(parts)
+        ]
+        runtime = ShardRuntime(
+            chain=self.chain,
+            loss_fn=self.loss_fn,
+            mesh=mesh,
+            axis=self.axis,
+            layouts=layout.units,
+            shards=self._my_shards(state, layout, index),
+            full_params=None if self.stage == 3 else state.params,
+            microbatches=[tuple(m) for m in micro],
+            loss_scale=1.0 / (n * parts),
+        )
+        new_opt_state: list[Any] = []
+
+        def update(_action: object) -> None:
+            assert runtime.sq_norm is not None
+            grads = runtime.grad_shards
+            if self.clip_norm is not None:
+                scale = clip_scale(runtime.sq_norm.sqrt(), self.clip_norm)
+                grads = {u: g * scale.to(g.dtype) for u, g in grads.items()}
+            shards, opt_state = self.optimizer.update(grads, state.opt_state, runtime.shards)
+            runtime.new_shards = shards
+            new_opt_state.append(opt_state)
+
+        actions = lower_rank(self.chain, list(layout.units), self.options)
+        runtime.run(actions, update)
+        assert runtime.loss_sum is not None and runtime.sq_norm is not None
+        params: Any = runtime.new_shards if self.stage == 3 else self._merge(state.params, runtime.new_full_params)
+        metrics = {
+            "loss": (runtime.loss_sum / (n * parts)),
+            "grad_norm": runtime.sq_norm.sqrt(),
+            "peak_gathered_bytes": torch.tensor(runtime.peak_gathered_bytes),
+        }
+        return state._replace(params=params, opt_state=new_opt_state[0], step=state.step + 1), metrics
+
+    @staticmethod
+    def _merge(old: Params, new: Params) -> Params:
+        return {layer: new.get(layer, tensors) for layer, tensors in old.items()}
+
+    # -- inspection ------------------------------------------------------------------
+    def plan(self, mesh: Mesh | None = None, params: Params | None = None) -> Plan:
+        """Per-rank actions; with ``params``, the bytes each rank holds at rest and the gathered peak."""
+        mesh = self._check_mesh(mesh)
+        n = mesh.axis_size(self.axis)
+        if params is None:
+            units = [layer.name for layer in self.chain.layers if self.chain.owned_param_names(layer.name)]
+            memory: dict[str, tuple[int, ...]] = {}
+            actions = lower_rank(self.chain, units, self.options)
+            return Plan(mesh, (actions,) * mesh.size, memory)
+        check_params(self.chain, params)
+        meta = optree.tree_map(lambda t: torch.empty_like(t, device="meta"), params)
+        layouts = self.layouts(meta, n)
+        actions = lower_rank(self.chain, list(layouts), self.options)
+        shard_meta = {u: torch.empty(lay.shard_numel, dtype=lay.dtype, device="meta") for u, lay in layouts.items()}
+        per_rank = {
+            "params": tree_nbytes(shard_meta) if self.stage == 3 else tree_nbytes(meta),
+            "grads": tree_nbytes(shard_meta),
+            "opt_state": tree_nbytes(self.optimizer.init(shard_meta)),
+            "gathered_peak": peak_gathered_units(actions, {u: lay.padded_nbytes for u, lay in layouts.items()}),
+        }
+        memory = {k: (v,) * mesh.size for k, v in per_rank.items()}
+        return Plan(mesh, (actions,) * mesh.size, memory)
+
