@@ -22,8 +22,15 @@ from .plan import BACKWARD, FORWARD, LOSS, UPDATE, Action
 LossFn = Callable[[Any, Any], torch.Tensor]
 
 
-def _differentiable_leaves(tree: Any) -> list[torch.Tensor]:
-    return [t for t in optree.tree_leaves(tree) if isinstance(t, torch.Tensor) and t.requires_grad]
+def _float_leaves(tree: Any) -> list[torch.Tensor]:
+    """The floating-point tensors of ``tree``, in pytree order: the values gradients flow through.
+
+    A layer's output and the next layer's input leaves have the same structure,
+    so gradients are matched between them by position in this list.
+    """
+    return [
+        t for t in optree.tree_leaves(tree) if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
+    ]
 
 
 def _as_input_leaf(tree: Any) -> Any:
@@ -39,6 +46,26 @@ def _as_input_leaf(tree: Any) -> Any:
 
 def _detached(tree: Any) -> Any:
     return optree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, tree)
+
+
+def _grads_of(
+    outputs: torch.Tensor | list[torch.Tensor],
+    output_grads: list[torch.Tensor | None] | None,
+    wrt: list[torch.Tensor],
+) -> list[torch.Tensor | None]:
+    """Gradients of ``outputs`` (seeded with ``output_grads``) w.r.t. ``wrt``; None where unused."""
+    pairs: list[tuple[torch.Tensor, torch.Tensor | None]]
+    if isinstance(outputs, torch.Tensor):
+        pairs = [(outputs, None)] if outputs.requires_grad else []
+    else:
+        assert output_grads is not None
+        pairs = [(o, g) for o, g in zip(outputs, output_grads, strict=True) if g is not None and o.requires_grad]
+    if not pairs or not wrt:
+        return [None] * len(wrt)
+    got = torch.autograd.grad(
+        [o for o, _ in pairs], wrt, [g for _, g in pairs] if output_grads is not None else None, allow_unused=True
+    )
+    return list(got)
 
 
 @dataclass
@@ -67,7 +94,7 @@ class Executor:
     grads: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     _saved: dict[str, _Saved] = field(default_factory=dict)
     _next_input: Any = None
-    _output_grad: Any = None
+    _output_grad: list[torch.Tensor | None] = field(default_factory=list)
     _position: int = 0
 
     def run(self, actions: tuple[Action, ...], handlers: Mapping[str, Callable[[Action], None]] | None = None) -> None:
@@ -112,10 +139,8 @@ class Executor:
                 f"loss_fn must return a scalar tensor (the mean loss over the batch), got {type(loss).__name__}"
                 + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
             )
-        outs = _differentiable_leaves(output)
         scaled = loss if self.loss_scale == 1.0 else loss * self.loss_scale
-        seeds = torch.autograd.grad(scaled, outs, allow_unused=True) if outs else ()
-        self._output_grad = dict(zip(map(id, outs), seeds, strict=True))
+        self._output_grad = _grads_of(scaled, None, _float_leaves(output))
         self.loss = loss.detach()
 
     def backward(self, action: Action) -> None:
@@ -123,20 +148,14 @@ class Executor:
         saved = self._saved.pop(name, None)
         if saved is None:
             raise RuntimeError(f"B({name}) runs before F({name}) or twice")
-        outs = _differentiable_leaves(saved.outputs)
-        grads_out = [self._output_grad.get(id(o)) for o in outs]
-        pairs = [(o, g) for o, g in zip(outs, grads_out, strict=True) if g is not None]
-        ins = _differentiable_leaves(saved.inputs)
+        outs = _float_leaves(saved.outputs)
+        if len(outs) != len(self._output_grad):
+            raise RuntimeError(f"B({name}): {len(self._output_grad)} output gradients for {len(outs)} outputs")
+        ins = [t for t in _float_leaves(saved.inputs) if t.requires_grad]
         param_names = list(saved.params)
-        wrt = ins + [saved.params[k] for k in param_names]
-        if pairs and wrt:
-            got = torch.autograd.grad(
-                [o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True
-            )
-        else:
-            got = (None,) * len(wrt)
-        self._output_grad = {id(i): g for i, g in zip(ins, got[: len(ins)], strict=True) if g is not None}
-        self._accumulate(name, dict(zip(param_names, got[len(ins):], strict=True)))
+        got = _grads_of(outs, self._output_grad, ins + [saved.params[k] for k in param_names])
+        self._output_grad = got[: len(ins)]
+        self._accumulate(name, dict(zip(param_names, got[len(ins) :], strict=True)))
 
     # -- helpers --------------------------------------------------------------
     def _accumulate(self, layer: str, grads: dict[str, torch.Tensor | None]) -> None:

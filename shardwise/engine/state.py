@@ -6,12 +6,18 @@ same on every rank, and it saves and loads with ``torch.save`` as it is.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import torch
 
 Params = dict[str, dict[str, torch.Tensor]]
 """Parameter pytree: layer name -> local parameter name -> tensor (see Chain)."""
+
+
+def map_params(fn: Callable[[torch.Tensor], torch.Tensor], params: Mapping[str, Mapping[str, torch.Tensor]]) -> Params:
+    """Apply ``fn`` to every tensor of a params pytree, keeping its two-level structure."""
+    return {layer: {name: fn(t) for name, t in tensors.items()} for layer, tensors in params.items()}
 
 
 class TrainState(NamedTuple):

@@ -21,7 +21,7 @@ from .chain import Chain
 from .executor import Executor, LossFn
 from .optim import Optimizer, global_norm
 from .plan import BACKWARD, FORWARD, LOSS, UPDATE, Action, Plan
-from .state import Params, TrainState
+from .state import Params, TrainState, map_params
 
 Metrics = dict[str, torch.Tensor]
 
@@ -87,7 +87,7 @@ class Step:
     def init(self, params: Params, mesh: Mesh | None = None) -> TrainState:
         """Build the TrainState from full parameters (every rank passes the same ones)."""
         check_params(self.chain, params)
-        params = optree.tree_map(lambda t: t.detach(), params)
+        params = map_params(torch.Tensor.detach, params)
         return TrainState(params=params, opt_state=self.optimizer.init(params), step=0)
 
     def full_params(self, state: TrainState) -> Params:
@@ -105,7 +105,7 @@ class Step:
         metrics = {"loss": executor.loss, "grad_norm": norm}
         if self.clip_norm is not None:
             scale = clip_scale(norm, self.clip_norm)
-            grads = optree.tree_map(lambda g: g * scale.to(g.dtype), grads)
+            grads = map_params(lambda g: g * scale.to(g.dtype), grads)
         new_params, new_opt_state = self.optimizer.update(grads, state.opt_state, state.params)
         return state._replace(params=new_params, opt_state=new_opt_state, step=state.step + 1), metrics
 
@@ -120,15 +120,12 @@ class Step:
         mesh = mesh or Mesh(world=1)
         names = self.chain.names
         actions = (
-            tuple(Action(FORWARD, n) for n in names)
-            + (Action(LOSS),)
-            + tuple(Action(BACKWARD, n) for n in reversed(names))
-            + (Action(UPDATE),)
+            (*tuple(Action(FORWARD, n) for n in names), Action(LOSS), *tuple(Action(BACKWARD, n) for n in reversed(names)), Action(UPDATE))
         )
         memory: dict[str, tuple[int, ...]] = {}
         if params is not None:
             check_params(self.chain, params)
-            meta = optree.tree_map(lambda t: torch.empty_like(t, device="meta"), params)
+            meta = map_params(lambda t: torch.empty_like(t, device="meta"), params)
             per_rank = {
                 "params": tree_nbytes(meta),
                 "grads": tree_nbytes(meta),

@@ -4,10 +4,10 @@ A *unit* is a chain layer that owns parameters; it is gathered and reduced as
 one flat buffer. A layer *needs* its own unit and the units that own the
 weights it ties to (a GPT head needs the embedding's unit).
 
-Forward and backward are each a sequence of compute actions. Before compute
-``i`` the gathers for computes ``i .. i + prefetch`` are issued (async), so the
-next units travel while the current one computes; a unit is freed after a
-compute unless one of the next ``max(1, prefetch)`` computes needs it. With
+Forward and backward are each a sequence of compute actions. Before a compute
+the gathers of its units and of the next ``prefetch`` units are issued
+(async), so the next units travel while the current one computes; a unit is
+freed after a compute unless it is among the next ``max(1, prefetch)`` units. With
 ``reshard_after_forward`` every unit is freed at the end of the forward (and
 gathered again in backward, as the ZeRO paper counts: 3Ψ per step); without
 it, units stay from their forward until their last backward use (2Ψ).
@@ -57,32 +57,48 @@ def layer_needs(chain: Chain, units: Sequence[str]) -> dict[str, tuple[str, ...]
     return needs
 
 
+def _upcoming(needs: Sequence[tuple[str, ...]], i: int, count: int) -> list[str]:
+    """The first ``count`` distinct units that computes after ``i`` need, in order of need."""
+    found: list[str] = []
+    for later in needs[i + 1 :]:
+        for unit in later:
+            if len(found) == count:
+                return found
+            if unit not in found:
+                found.append(unit)
+    return found
+
+
 def _gathered_pass(
     computes: Sequence[Action],
     needs: Sequence[tuple[str, ...]],
     live: set[str],
     prefetch: int,
-    free_when_unused: bool,
+    free: str,
 ) -> list[Action]:
-    """Computes with the gathers, waits and frees they need, updating ``live`` in place."""
+    """Computes with the gathers, waits and frees they need, updating ``live`` in place.
+
+    ``free`` says when a live unit is dropped: "never"; "window" as soon as none
+    of the next computes needs it (least memory; it may be gathered again
+    later); "last_use" after the last compute of the sequence that needs it.
+    """
     out: list[Action] = []
     in_flight: list[str] = []
-    window = max(1, prefetch)
     for i, compute in enumerate(computes):
-        for j in range(i, min(len(computes), i + prefetch + 1)):
-            for unit in needs[j]:
-                if unit not in live and unit not in in_flight:
-                    out.append(Action(GATHER, unit))
-                    in_flight.append(unit)
+        for unit in (*needs[i], *_upcoming(needs, i, prefetch)):
+            if unit not in live and unit not in in_flight:
+                out.append(Action(GATHER, unit))
+                in_flight.append(unit)
         for unit in needs[i]:
             if unit in in_flight:
                 out.append(Action(WAIT_GATHER, unit))
                 in_flight.remove(unit)
                 live.add(unit)
         out.append(compute)
-        if free_when_unused:
-            soon = {u for j in range(i + 1, min(len(computes), i + 1 + window)) for u in needs[j]}
-            for unit in sorted(live - soon - set(in_flight)):
+        if free != "never":
+            horizon = max(1, prefetch) if free == "window" else len(computes)
+            keep = set(_upcoming(needs, i, horizon))
+            for unit in sorted(live - keep - set(in_flight)):
                 out.append(Action(FREE, unit))
                 live.discard(unit)
     assert not in_flight, f"gathers issued but never used: {in_flight}"
@@ -100,20 +116,21 @@ def lower_rank(chain: Chain, units: Sequence[str], options: ShardingOptions) -> 
         backward = [Action(BACKWARD, n, microbatch=mb) for n in reversed(names)]
         if options.stage == 3:
             live: set[str] = set()
+            reshard = options.reshard_after_forward
             actions += _gathered_pass(
-                forward, [needs[n] for n in names], live, options.prefetch, options.reshard_after_forward
+                forward, [needs[n] for n in names], live, options.prefetch, "window" if reshard else "never"
             )
-            if options.reshard_after_forward:
+            if reshard:
                 actions += [Action(FREE, u) for u in sorted(live)]
                 live.clear()
             actions.append(Action(LOSS, microbatch=mb))
-            backward_actions = _gathered_pass(
-                backward, [needs[n] for n in reversed(names)], live, options.prefetch, True
+            actions += _gathered_pass(
+                backward, [needs[n] for n in reversed(names)], live, options.prefetch,
+                "window" if reshard else "last_use",
             )
-            actions += backward_actions
             actions += [Action(FREE, u) for u in sorted(live)]
         else:
-            actions += forward + [Action(LOSS, microbatch=mb)] + backward
+            actions += [*forward, Action(LOSS, microbatch=mb), *backward]
         if last:
             actions = _insert_reduces(actions, units, options.stage, mb)
     # Wait in the order the reduce-scatters were issued: the first one is likeliest done.

@@ -10,7 +10,7 @@ import torch
 
 from ...collectives.mesh import Mesh
 from ...engine.plan import Plan
-from ...engine.state import Params, TrainState
+from ...engine.state import Params, TrainState, map_params
 from ...engine.step import Metrics, Step, check_params, clip_scale, split_batch, tree_nbytes
 from .layout import UnitLayout
 from .lowering import ShardingOptions, lower_rank, peak_gathered_units
@@ -80,7 +80,7 @@ class ShardedStep(Step):
         mesh = self._check_mesh(mesh)
         check_params(self.chain, params)
         n, index = mesh.axis_size(self.axis), mesh.axis_index(self.axis)
-        params = optree.tree_map(lambda t: t.detach(), params)
+        params = map_params(torch.Tensor.detach, params)
         layouts = self.layouts(params, n)
         shards = {u: lay.shard_of(lay.flatten(params[u]), index) for u, lay in layouts.items()}
         held = shards if self.stage == 3 else params
@@ -179,7 +179,7 @@ class ShardedStep(Step):
             actions = lower_rank(self.chain, units, self.options)
             return Plan(mesh, (actions,) * mesh.size, memory)
         check_params(self.chain, params)
-        meta = optree.tree_map(lambda t: torch.empty_like(t, device="meta"), params)
+        meta = map_params(lambda t: torch.empty_like(t, device="meta"), params)
         layouts = self.layouts(meta, n)
         actions = lower_rank(self.chain, list(layouts), self.options)
         shard_meta = {u: torch.empty(lay.shard_numel, dtype=lay.dtype, device="meta") for u, lay in layouts.items()}

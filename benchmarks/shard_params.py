@@ -1,0 +1,413 @@
+"""shard_params (ZeRO-1/2/3) against torch's DDP and FSDP2, side by side on gloo processes.
+
+Run it from the repository root:
+
+    python benchmarks/shard_params.py                      # defaults: a few minutes on 2 cores
+    python benchmarks/shard_params.py --steps 30 --warmup 5 --worlds 2,4 --models mlp,gpt --out bench.jsonl
+    python benchmarks/shard_params.py --models gpt --worlds 2 --profile stage3   # + a cProfile of rank 0
+
+What is measured
+----------------
+Models: ``mlp`` is 8 x (Linear(512, 512), GELU) with an MSE regression loss;
+``gpt`` is ``TinyGPT(vocab=1024, d_model=256, n_heads=4, n_layers=4,
+seq_len=128)`` with cross-entropy, functionalized with ``units=["tok_emb",
+"blocks", "head"]`` (the head is tied to the token embedding).
+
+Variants, all with AdamW (lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight decay
+0.01), the same initial weights and the same global batches:
+
+* ``stage1`` / ``stage2`` / ``stage3``: ``sw.shard_params(step, "dp", stage)``
+  with ``sw.optim.adamw``. Every rank is given the global batch and slices it
+  itself.
+* ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` with no buffer sync per
+  forward (``forward_sync_buffers=False``; the only buffer, GPT's causal mask,
+  is constant) + ``torch.optim.AdamW``.
+* ``fsdp2``: ``torch.distributed.fsdp.fully_shard`` on every block (GPT) or
+  every Linear (MLP), then on the root, on a CPU device mesh + ``torch.optim.AdamW``.
+  Torch ranks take their slice of the global batch.
+
+Every world runs in one :class:`~shardwise.collectives.processes.ProcessPool`
+(gloo, one process per rank, ``torch.set_num_threads(1)`` in each). Inside a
+rank all five variants are built and stepped round-robin (step i of every
+variant, then step i + 1 ...), so they share the same machine conditions and
+slow drift hits them alike. Each step starts after a ``dist.barrier()``.
+
+How to read the output
+----------------------
+One JSON object per (model, world, variant) on stdout (and in ``--out``):
+
+* ``median_step_s``: median over the ``steps`` timed steps (after ``warmup``
+  untimed ones) of the slowest rank's wall time for that step.
+  ``ratio_to_fsdp2`` is that median divided by FSDP2's (> 1: slower than FSDP2).
+* ``model_state_bytes_per_rank``: parameters + optimizer state held by one
+  rank at rest (largest over ranks). Ours: ``tree_nbytes(state.params) +
+  tree_nbytes(state.opt_state)``; FSDP2: the local shards of the parameters
+  and optimizer state tensors; DDP: full parameters + full optimizer state.
+  Gradients and gathered (transient) parameters are not counted.
+* ``ledger_sent_bytes_per_step``: ours only; the bytes this rank sends in one
+  step as recorded by ``sw.comm_ledger()`` (largest over ranks). ``null`` for torch.
+* ``max_rel_loss_diff``: the largest ``|loss - ref| / |ref|`` over all steps
+  (warm-up included) against a single-process torch run of the same model,
+  batches and ``torch.optim.AdamW``. float32, so expect ~1e-6, not 0.
+* ``cores``: ``os.cpu_count()``. With ``world > cores`` the ranks
+  oversubscribe the CPU and step times measure contention as much as the method.
+* ``skipped``: present (with the reason) instead of timings when a variant
+  could not be built on this torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import inspect
+import io
+import json
+import os
+import pstats
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import shardwise as sw
+from shardwise.collectives.processes import ProcessPool
+from shardwise.engine.step import tree_nbytes
+from shardwise.testing.models import TinyGPT
+
+OURS = ("stage1", "stage2", "stage3")
+VARIANTS = (*OURS, "ddp", "fsdp2")
+LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-8, 0.01
+MLP_HIDDEN, MLP_LAYERS = 512, 8
+GPT_SHAPE = {"vocab": 1024, "d_model": 256, "n_heads": 4, "n_layers": 4, "seq_len": 128}
+GPT_UNITS = ["tok_emb", "blocks", "head"]
+
+
+@dataclass(frozen=True)
+class Config:
+    """One (model, world) run; travels to every rank."""
+
+    model: str
+    world: int
+    steps: int
+    warmup: int
+    batch: int  # global batch (MLP rows, GPT sequences)
+    seed: int = 0
+    profile: str | None = None  # a variant to cProfile on rank 0 after the timed steps
+    profile_steps: int = 5
+
+
+# -- models, data, losses ----------------------------------------------------------------
+def build_model(cfg: Config) -> nn.Module:
+    """The model with its seeded initial weights (identical in every process)."""
+    torch.manual_seed(cfg.seed)
+    if cfg.model == "mlp":
+        layers: list[nn.Module] = []
+        for _ in range(MLP_LAYERS):
+            layers += [nn.Linear(MLP_HIDDEN, MLP_HIDDEN), nn.GELU()]
+        return nn.Sequential(*layers)
+    if cfg.model == "gpt":
+        return TinyGPT(**GPT_SHAPE)
+    raise ValueError(f"unknown model {cfg.model!r}; choose mlp or gpt")
+
+
+def make_batches(cfg: Config) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``warmup + steps`` global batches (inputs, targets), the same in every process."""
+    gen = torch.Generator().manual_seed(cfg.seed + 1)
+    batches = []
+    for _ in range(cfg.warmup + cfg.steps):
+        if cfg.model == "mlp":
+            x = torch.randn(cfg.batch, MLP_HIDDEN, generator=gen)
+            batches.append((x, torch.randn(cfg.batch, MLP_HIDDEN, generator=gen)))
+        else:
+            seq = GPT_SHAPE["seq_len"]
+            tokens = torch.randint(GPT_SHAPE["vocab"], (cfg.batch, seq + 1), generator=gen)
+            batches.append((tokens[:, :-1], tokens[:, 1:]))
+    return batches
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def loss_fn_of(model: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    return F.mse_loss if model == "mlp" else lm_loss
+
+
+def torch_adamw(module: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(module.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
+
+
+def reference_losses(cfg: Config) -> list[float]:
+    """Single-process torch: the whole global batch, torch.optim.AdamW."""
+    model, loss_fn = build_model(cfg), loss_fn_of(cfg.model)
+    opt = torch_adamw(model)
+    losses = []
+    for x, y in make_batches(cfg):
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+# -- the variants, as seen from one rank ---------------------------------------------------
+def local_nbytes(t: torch.Tensor) -> int:
+    """Bytes this rank holds for ``t`` (the local shard of a DTensor)."""
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return local.numel() * local.element_size()
+
+
+def local_slice(batch: tuple[torch.Tensor, ...], rank: int, world: int) -> tuple[torch.Tensor, ...]:
+    size = batch[0].shape[0] // world
+    return tuple(t[rank * size : (rank + 1) * size] for t in batch)
+
+
+class Ours:
+    """shard_params at one ZeRO stage; gets the global batch."""
+
+    global_loss = True  # the step's loss metric is already the global mean
+
+    def __init__(self, cfg: Config, stage: int) -> None:
+        units = GPT_UNITS if cfg.model == "gpt" else None
+        chain, params = sw.functionalize(build_model(cfg), units=units)
+        step = sw.train_step(chain, loss_fn_of(cfg.model), sw.optim.adamw(LR, BETAS, EPS, WEIGHT_DECAY))
+        self.step_fn = sw.shard_params(step, "dp", stage=stage)
+        self.state = self.step_fn.init(params, sw.Mesh(dp=cfg.world))
+
+    def step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        self.state, metrics = self.step_fn(self.state, batch)
+        return metrics["loss"].detach()
+
+    def state_bytes(self) -> int:
+        return tree_nbytes(self.state.params) + tree_nbytes(self.state.opt_state)
+
+
+class TorchVariant:
+    """A wrapped nn.Module (DDP or FSDP2) + torch.optim.AdamW; each rank steps on its slice."""
+
+    global_loss = False  # the loss is this rank's slice mean; averaged over ranks afterwards
+
+    def __init__(self, cfg: Config, module: nn.Module) -> None:
+        self.module, self.loss_fn = module, loss_fn_of(cfg.model)
+        self.opt = torch_adamw(module)
+        self.rank, self.world = dist.get_rank(), cfg.world
+
+    def step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = local_slice(batch, self.rank, self.world)
+        self.opt.zero_grad(set_to_none=True)
+        loss = self.loss_fn(self.module(x), y)
+        loss.backward()
+        self.opt.step()
+        return loss.detach()
+
+    def state_bytes(self) -> int:
+        params = sum(local_nbytes(p) for p in self.module.parameters())
+        opt = sum(local_nbytes(t) for s in self.opt.state.values() for t in s.values() if torch.is_tensor(t))
+        return params + opt
+
+
+def make_ddp(cfg: Config) -> TorchVariant:
+    from torch.nn.parallel import DistributedDataParallel
+
+    # No buffer sync per forward (GPT's causal mask is constant); torch 2.13 renamed the option.
+    accepted = inspect.signature(DistributedDataParallel).parameters
+    no_sync = {"forward_sync_buffers": False} if "forward_sync_buffers" in accepted else {"broadcast_buffers": False}
+    return TorchVariant(cfg, DistributedDataParallel(build_model(cfg), **no_sync))
+
+
+def make_fsdp2(cfg: Config) -> TorchVariant:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (cfg.world,))
+    model = build_model(cfg)
+    if cfg.model == "gpt":
+        assert isinstance(model, TinyGPT)
+        parts: list[nn.Module] = list(model.blocks)
+    else:
+        parts = [m for m in model if isinstance(m, nn.Linear)]
+    for part in parts:
+        fully_shard(part, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return TorchVariant(cfg, model)
+
+
+def make_variant(name: str, cfg: Config) -> Ours | TorchVariant:
+    if name in OURS:
+        return Ours(cfg, stage=int(name[-1]))
+    return {"ddp": make_ddp, "fsdp2": make_fsdp2}[name](cfg)
+
+
+# -- what runs on every rank ----------------------------------------------------------------
+def bench_rank(cfg: Config) -> dict[str, Any]:
+    """Build every variant, step them round-robin, return per-variant timings, losses, bytes."""
+    torch.set_num_threads(1)
+    rank = dist.get_rank()
+    batches = make_batches(cfg)
+    runners: dict[str, Ours | TorchVariant] = {}
+    skipped: dict[str, str] = {}
+    for name in VARIANTS:
+        try:
+            runners[name] = make_variant(name, cfg)
+        except Exception as exc:  # the same refusal on every rank: nothing was issued yet
+            skipped[name] = f"{type(exc).__name__}: {exc}"
+    times: dict[str, list[float]] = {name: [] for name in runners}
+    losses: dict[str, list[torch.Tensor]] = {name: [] for name in runners}
+    ledger_bytes: dict[str, int] = {}
+    for i, batch in enumerate(batches):
+        for name, runner in runners.items():
+            dist.barrier()
+            if isinstance(runner, Ours) and i == cfg.warmup - 1:  # the ledger costs: an untimed step
+                with sw.comm_ledger() as ledger:
+                    losses[name].append(runner.step(batch))
+                ledger_bytes[name] = ledger.sent_bytes()
+                continue
+            start = time.perf_counter()
+            losses[name].append(runner.step(batch))
+            elapsed = time.perf_counter() - start
+            if i >= cfg.warmup:
+                times[name].append(elapsed)
+    result = {
+        "times": times,
+        "losses": {name: global_losses(runners[name], ls, cfg.world) for name, ls in losses.items()},
+        "state_bytes": {name: r.state_bytes() for name, r in runners.items()},
+        "ledger_bytes": ledger_bytes,
+        "skipped": skipped,
+    }
+    if cfg.profile in runners:
+        result["profile"] = profile_variant(runners[cfg.profile], batches, cfg.profile_steps, rank == 0)
+    return result
+
+
+def global_losses(runner: Ours | TorchVariant, losses: list[torch.Tensor], world: int) -> list[float]:
+    """Per-step loss on the global batch: torch ranks average their slice means (equal slices)."""
+    stacked = torch.stack([loss.float() for loss in losses])
+    if not runner.global_loss:
+        dist.all_reduce(stacked)
+        stacked /= world
+    return stacked.tolist()
+
+
+def profile_variant(runner: Ours | TorchVariant, batches: list, steps: int, report: bool) -> str:
+    """cProfile ``steps`` more steps (every rank steps; only rank 0 profiles and reports)."""
+    profiler = cProfile.Profile()
+    dist.barrier()
+    start = time.perf_counter()
+    for i in range(steps):
+        if report:
+            profiler.enable()
+        runner.step(batches[i % len(batches)])
+        if report:
+            profiler.disable()
+    wall = time.perf_counter() - start
+    if not report:
+        return ""
+    out = io.StringIO()
+    out.write(f"{steps} profiled steps, {wall / steps * 1e3:.1f} ms/step wall (with profiler)\n")
+    stats = pstats.Stats(profiler, stream=out)
+    stats.sort_stats("tottime").print_stats(25)
+    stats.sort_stats("cumulative").print_stats("shardwise", 30)
+    return out.getvalue()
+
+
+# -- the parent: run, aggregate, print ---------------------------------------------------------
+def rows_for(cfg: Config, per_rank: list[dict[str, Any]], ref: list[float]) -> list[dict[str, Any]]:
+    """One output object per variant, aggregated over ranks."""
+    base = {
+        "bench": "shard_params",
+        "model": cfg.model,
+        "world": cfg.world,
+        "global_batch": cfg.batch,
+        "steps": cfg.steps,
+        "warmup": cfg.warmup,
+        "cores": os.cpu_count(),
+        "threads_per_rank": 1,
+        "torch": torch.__version__,
+        "shardwise": sw.__version__,
+    }
+    first = per_rank[0]
+    medians = {name: statistics.median(map(max, zip(*(r["times"][name] for r in per_rank), strict=True)))
+               for name in first["times"]}
+    rows = []
+    for name in VARIANTS:
+        if name in first["skipped"]:
+            rows.append({**base, "variant": name, "skipped": first["skipped"][name]})
+            continue
+        fsdp2 = medians.get("fsdp2")
+        losses = first["losses"][name]
+        rows.append({
+            **base,
+            "variant": name,
+            "median_step_s": round(medians[name], 5),
+            "ratio_to_fsdp2": round(medians[name] / fsdp2, 3) if fsdp2 else None,
+            "model_state_bytes_per_rank": max(r["state_bytes"][name] for r in per_rank),
+            "ledger_sent_bytes_per_step": max(r["ledger_bytes"][name] for r in per_rank) if name in OURS else None,
+            "max_rel_loss_diff": float(f"{max(abs(a - b) / abs(b) for a, b in zip(losses, ref, strict=True)):.3g}"),
+            "final_loss": round(losses[-1], 5),
+        })
+    return rows
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per variant (default 10)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first, >= 1 (default 3)")
+    parser.add_argument("--worlds", default="2,4", help="comma-separated world sizes (default 2,4)")
+    parser.add_argument("--models", default="mlp,gpt", help="comma-separated: mlp, gpt (default both)")
+    parser.add_argument("--mlp-batch", type=int, default=64, help="global MLP batch (default 64)")
+    parser.add_argument("--gpt-batch", type=int, default=8, help="global GPT batch in sequences (default 8)")
+    parser.add_argument("--profile", choices=VARIANTS, help="cProfile this variant on rank 0 (to stderr)")
+    parser.add_argument("--profile-steps", type=int, default=5)
+    parser.add_argument("--out", help="also write the JSON lines to this file")
+    args = parser.parse_args(argv)
+    if args.warmup < 1 or args.steps < 1:
+        parser.error("--steps and --warmup must be >= 1 (a warm-up step carries the ledger)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    args = parse_args(argv)
+    worlds = [int(w) for w in args.worlds.split(",")]
+    models = args.models.split(",")
+    out = open(args.out, "w") if args.out else None  # noqa: SIM115 (written line by line)
+    rows: list[dict[str, Any]] = []
+    refs: dict[str, list[float]] = {}
+    try:
+        for world in worlds:
+            with ProcessPool(world, timeout=600.0) as pool:
+                for model in models:
+                    batch = args.mlp_batch if model == "mlp" else args.gpt_batch
+                    cfg = Config(model, world, args.steps, args.warmup, batch,
+                                 profile=args.profile, profile_steps=args.profile_steps)
+                    if model not in refs:  # the reference does not depend on the world
+                        refs[model] = reference_losses(cfg)
+                    started = time.perf_counter()
+                    per_rank = pool.run(bench_rank, cfg)
+                    print(f"# {model}, world {world}: {time.perf_counter() - started:.1f} s on the ranks",
+                          file=sys.stderr)
+                    if per_rank[0].get("profile"):
+                        print(f"--- cProfile of {args.profile}, {model}, world {world}, rank 0 ---\n"
+                              + per_rank[0]["profile"], file=sys.stderr)
+                    for row in rows_for(cfg, per_rank, refs[model]):
+                        line = json.dumps(row)
+                        print(line, flush=True)
+                        if out:
+                            out.write(line + "\n")
+                            out.flush()
+                        rows.append(row)
+    finally:
+        if out:
+            out.close()
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,305 @@
+"""The torch.distributed backend: every rank is a process (gloo on CPU, NCCL on CUDA).
+
+Each :class:`~shardwise.collectives.backend.Group` gets its own process group,
+created on first use, so collectives on different mesh axes never queue behind
+each other. Every primitive is issued with ``async_op=True`` and returns a
+:class:`Work`; its ``wait()`` applies the backend timeout and turns torch's
+errors into :class:`CollectiveTimeout` / :class:`CollectiveError` naming the op,
+the axis, the group and this rank.
+
+The shape conventions are those of ``backend.py`` (and of the threads backend,
+which is the reference): tensors travel as flat contiguous buffers, so any
+shape (0-dim included) works, and results are fresh tensors, never the input.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .backend import Backend, CollectiveError, CollectiveTimeout, CompletedWork, Group, Work
+
+# torch 2.13 renamed the flat collectives and warns (FutureWarning) on the old
+# names; torch 2.4 only has the old ones.
+_all_gather_flat: Callable[..., Any] = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat: Callable[..., Any] = (
+    getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+)
+
+# Words torch uses when a backend refuses a dtype (gloo: "Invalid scalar type").
+_DTYPE_REFUSALS = ("scalar type", "dtype", "datatype", "data type")
+
+
+class TorchDistributedBackend(Backend):
+    """One rank's handle on an initialised torch.distributed world."""
+
+    def __init__(self, timeout: float = 60.0) -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                "TorchDistributedBackend needs an initialised default process group: call "
+                "torch.distributed.init_process_group(...) first (torchrun sets up the environment "
+                "for it), or use shardwise.launch(main, world=N, backend='processes')"
+            )
+        if timeout <= 0:
+            raise ValueError(f"TorchDistributedBackend(timeout={timeout!r}): timeout must be positive seconds")
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.timeout = float(timeout)
+        self.name = str(dist.get_backend())
+        self._groups: dict[tuple[int, ...], Any] = {}
+
+    @classmethod
+    def from_initialized(cls, timeout: float | None = None) -> TorchDistributedBackend:
+        """Build the backend on the default process group (what torchrun users get).
+
+        Without ``timeout`` the default group's own timeout is used.
+        """
+        if timeout is None:
+            timeout = _default_group_timeout()
+        return cls(timeout)
+
+    @property
+    def device(self) -> torch.device:
+        if self.name == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    # -- primitives -----------------------------------------------------------
+    def all_reduce(self, x: torch.Tensor, group: Group, op_name: str = "psum") -> Work:
+        pg, _ = self._enter(x, group, op_name)
+        buf = _flat_copy(x)
+        work = self._issue(op_name, group, x, lambda: dist.all_reduce(buf, group=pg, async_op=True))
+        return _DistWork(self, op_name, group, x, [work], lambda: buf.view(x.shape))
+
+    def all_gather(self, x: torch.Tensor, group: Group, op_name: str = "all_gather") -> Work:
+        pg, order = self._enter(x, group, op_name)
+        send = _flat_copy(x)
+        out = torch.empty(group.size * x.numel(), dtype=x.dtype, device=x.device)
+        work = self._issue(op_name, group, x, lambda: _all_gather_flat(out, send, group=pg, async_op=True))
+
+        def finish() -> torch.Tensor:
+            rows = out.view(group.size, *x.shape)
+            return rows if order is None else rows[order]  # process-group order -> group order
+
+        return _DistWork(self, op_name, group, x, [work], finish)
+
+    def reduce_scatter(self, x: torch.Tensor, group: Group, op_name: str = "psum_scatter") -> Work:
+        _check_leading_dim(x, group, op_name)
+        pg, order = self._enter(x, group, op_name)
+        send = _to_process_group_order(x, order)
+        rest = x.shape[1:]
+        out = torch.empty(rest.numel(), dtype=x.dtype, device=x.device)
+        work = self._issue(op_name, group, x, lambda: _reduce_scatter_flat(out, send, group=pg, async_op=True))
+        return _DistWork(self, op_name, group, x, [work], lambda: out.view(rest))
+
+    def all_to_all(self, x: torch.Tensor, group: Group, op_name: str = "all_to_all") -> Work:
+        _check_leading_dim(x, group, op_name)
+        pg, order = self._enter(x, group, op_name)
+        send = _to_process_group_order(x, order)
+        out = torch.empty_like(send)
+        work = self._issue(op_name, group, x, lambda: dist.all_to_all_single(out, send, group=pg, async_op=True))
+
+        def finish() -> torch.Tensor:
+            rows = out.view(x.shape)
+            return rows if order is None else rows[order]
+
+        return _DistWork(self, op_name, group, x, [work], finish)
+
+    def broadcast(self, x: torch.Tensor, root: int, group: Group, op_name: str = "broadcast") -> Work:
+        if not 0 <= root < group.size:
+            raise ValueError(f"{op_name}: root {root} is outside the group of size {group.size}")
+        pg, _ = self._enter(x, group, op_name)
+        buf = _flat_copy(x)
+        src = group.ranks[root]  # torch takes the root as a global rank
+        work = self._issue(op_name, group, x, lambda: dist.broadcast(buf, src=src, group=pg, async_op=True))
+        return _DistWork(self, op_name, group, x, [work], lambda: buf.view(x.shape))
+
+    def permute(
+        self, x: torch.Tensor, pairs: Sequence[tuple[int, int]], group: Group, op_name: str = "ppermute"
+    ) -> Work:
+        pairs = _check_pairs(pairs, group, op_name)
+        pg, _ = self._enter(x, group, op_name)
+        me = group.index(self.rank)
+        send = x.detach().contiguous()
+        out = x.detach().clone() if (me, me) in pairs else torch.zeros_like(x)
+        # Peers are global ranks (torch translates them for the group); pairs
+        # that stay on this rank were handled above as a local copy.
+        ops = [dist.P2POp(dist.isend, send, group.ranks[d], group=pg) for s, d in pairs if s == me != d]
+        ops += [dist.P2POp(dist.irecv, out, group.ranks[s], group=pg) for s, d in pairs if d == me != s]
+        if not ops:
+            return CompletedWork(out)
+        works = self._issue(op_name, group, x, lambda: dist.batch_isend_irecv(ops))
+        return _DistWork(self, op_name, group, x, list(works), lambda: out, keep_alive=(send,))
+
+    # -- plumbing -------------------------------------------------------------
+    def _enter(self, x: torch.Tensor, group: Group, op_name: str) -> tuple[Any, torch.Tensor | None]:
+        """Check the call and return (process group, group order or None when it is the identity)."""
+        group.index(self.rank)  # raises a clear ValueError when this rank is not a member
+        if max(group.ranks) >= self.world_size or min(group.ranks) < 0:
+            raise ValueError(
+                f"{op_name} on axis {group.axis!r}: group {group.ranks} names ranks outside the "
+                f"world of {self.world_size}"
+            )
+        if x.device.type != self.device.type:
+            raise ValueError(
+                f"{op_name} on axis {group.axis!r}: the {self.name} backend expects tensors on "
+                f"{self.device}, got one on {x.device}; move it with x.to(backend.device)"
+            )
+        members = tuple(sorted(group.ranks))
+        pg = self._process_group(members, group, op_name)
+        # A process group numbers its members in sorted order; a Group may list
+        # them in any order, so results are permuted back to the Group's order.
+        if members == group.ranks:
+            return pg, None
+        order = torch.tensor([members.index(r) for r in group.ranks], device=x.device)
+        return pg, order
+
+    def _process_group(self, members: tuple[int, ...], group: Group, op_name: str) -> Any:
+        pg = self._groups.get(members)
+        if pg is not None:
+            return pg
+        if members == tuple(range(self.world_size)):
+            pg = dist.group.WORLD
+        else:
+            # use_local_synchronization: only the members take part in creating
+            # the group, so ranks outside it never have to call in. Creation
+            # blocks until every member arrives; groups are created in the order
+            # a rank first uses them, which SPMD programs share. Should ranks
+            # disagree, creation fails after the timeout rather than hanging.
+            try:
+                pg = dist.new_group(
+                    list(members),
+                    timeout=datetime.timedelta(seconds=self.timeout),
+                    use_local_synchronization=True,
+                )
+            except Exception as exc:
+                raise self._error(f"creating the process group for {op_name}", group, exc) from exc
+        self._groups[members] = pg
+        return pg
+
+    def _issue(self, op_name: str, group: Group, x: torch.Tensor, call: Callable[[], Any]) -> Any:
+        try:
+            return call()
+        except Exception as exc:
+            raise self._error(op_name, group, exc, x.dtype) from exc
+
+    def _error(
+        self, what: str, group: Group, exc: BaseException, dtype: torch.dtype | None = None
+    ) -> CollectiveError:
+        """The CollectiveError to raise for torch's ``exc``, saying where it happened."""
+        where = (
+            f"{what} on axis {group.axis!r} (group ranks {group.ranks}) on rank {self.rank} "
+            f"[{self.name}, timeout {self.timeout:g} s]"
+        )
+        if _is_timeout(exc):
+            return CollectiveTimeout(
+                f"{where} timed out: a rank of the group never arrived (it failed, returned early, "
+                f"or issued different collectives): {exc}"
+            )
+        if dtype is not None and any(word in str(exc).lower() for word in _DTYPE_REFUSALS):
+            # gloo refuses e.g. float8 with a bare "Invalid scalar type", at issue or at wait.
+            return CollectiveError(
+                f"{where}: the {self.name} backend refused dtype {dtype} ({exc}). Cast the tensor "
+                "to a dtype it supports (gloo: float16, bfloat16, float32, float64, integers) "
+                "before the collective and back after it."
+            )
+        return CollectiveError(f"{where} failed: {type(exc).__name__}: {exc}")
+
+
+class _DistWork(Work):
+    """Waits on torch's works with the backend timeout, then builds the result once."""
+
+    def __init__(
+        self,
+        backend: TorchDistributedBackend,
+        op_name: str,
+        group: Group,
+        x: torch.Tensor,
+        works: list[Any],
+        finish: Callable[[], torch.Tensor],
+        keep_alive: tuple[torch.Tensor, ...] = (),
+    ) -> None:
+        self._backend, self._op_name, self._group = backend, op_name, group
+        self._dtype = x.dtype
+        self._works = works
+        self._finish = finish
+        # Buffers torch reads asynchronously (an isend's tensor) must outlive the op.
+        self._keep_alive = keep_alive
+        self._result: torch.Tensor | None = None
+
+    def wait(self) -> torch.Tensor:
+        if self._result is None:
+            timeout = datetime.timedelta(seconds=self._backend.timeout)
+            for work in self._works:
+                try:
+                    completed = work.wait(timeout=timeout)
+                except Exception as exc:
+                    raise self._backend._error(self._op_name, self._group, exc, self._dtype) from exc
+                if completed is False:  # some backends report a timeout by returning False
+                    raise self._backend._error(self._op_name, self._group, TimeoutError("wait timed out"))
+            self._result = self._finish()
+        return self._result
+
+    def is_completed(self) -> bool:
+        return self._result is not None or all(work.is_completed() for work in self._works)
+
+
+# -- helpers ---------------------------------------------------------------------
+def _default_group_timeout() -> float:
+    """The default group's own timeout in seconds (what init_process_group was given)."""
+    try:
+        pg = dist.distributed_c10d._get_default_group()
+        backend = pg._get_backend(torch.device("cuda" if dist.get_backend() == "nccl" else "cpu"))
+        return float(backend.options._timeout.total_seconds())
+    except (AttributeError, RuntimeError):  # private layout changed: torch's documented default
+        return float(dist.default_pg_timeout.total_seconds())
+
+
+def _is_timeout(exc: BaseException) -> bool:
+    # gloo raises RuntimeError("... timed out ..."); newer torch may use DistError subclasses.
+    text = f"{type(exc).__name__} {exc}".lower()
+    return isinstance(exc, TimeoutError) or "timed out" in text or "timeout" in text
+
+
+def _flat_copy(x: torch.Tensor) -> torch.Tensor:
+    """A private contiguous 1-D copy: collectives write in place, never into the caller's tensor."""
+    return x.detach().clone(memory_format=torch.contiguous_format).reshape(-1)
+
+
+def _to_process_group_order(x: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
+    """Rows of ``x`` (one per group index) rearranged by process-group rank, as a flat copy."""
+    rows = x.detach()
+    if order is not None:
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(len(order), device=order.device)
+        rows = rows[inverse]
+    return _flat_copy(rows)
+
+
+def _check_leading_dim(x: torch.Tensor, group: Group, op_name: str) -> None:
+    if x.dim() == 0 or x.shape[0] != group.size:
+        raise ValueError(
+            f"{op_name}: backend input must have shape (group size {group.size}, ...), got {tuple(x.shape)}"
+        )
+
+
+def _check_pairs(
+    pairs: Sequence[tuple[int, int]], group: Group, op_name: str
+) -> tuple[tuple[int, int], ...]:
+    checked = tuple((int(s), int(d)) for s, d in pairs)
+    for s, d in checked:
+        if not (0 <= s < group.size and 0 <= d < group.size):
+            raise ValueError(
+                f"{op_name} on axis {group.axis!r}: pair ({s}, {d}) is outside the group of size {group.size}"
+            )
+    dsts = [d for _, d in checked]
+    if len(set(dsts)) != len(dsts):
+        raise ValueError(
+            f"{op_name} on axis {group.axis!r}: pairs {checked} send twice to the same destination; "
+            "each group index may receive from at most one source"
+        )
+    return checked

@@ -1,0 +1,467 @@
+"""Ranks as local processes on torch.distributed with gloo.
+
+:func:`launch_processes` runs one SPMD function on ``world`` freshly spawned
+processes; :class:`ProcessPool` keeps the processes (and their process groups)
+alive between runs, because starting one costs about two seconds of torch
+import. Both share the same machinery and the same failure semantics:
+
+* A rank that raises, or a process that exits without reporting, fails the run.
+  The parent raises :class:`~shardwise.collectives.launch.RankFailed` for the
+  root cause: the first failure that is not merely a reaction to another one
+  (a :class:`CollectiveError` such as a timeout after a peer died), with the
+  remote traceback in the message.
+* Once a rank has failed, the others get a short grace period to report, then
+  are terminated and, if need be, killed. Every process started is joined
+  (reaped) before the parent returns or raises, also on KeyboardInterrupt.
+* A worker reports its result before it exits and then leaves with
+  ``os._exit``: torch 2.13's gloo sometimes aborts (SIGABRT) while tearing a
+  process group down at interpreter exit, and that must not turn a delivered
+  result into a failure.
+
+Messages travel as plain-``pickle`` bytes over one duplex pipe per rank (not
+torch's shared-memory pickler), so a result needs no live sender to be read.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import datetime
+import multiprocessing
+import multiprocessing.connection
+import multiprocessing.util  # before our atexit hook is registered, see _close_all
+import os
+import pickle
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import Any, NoReturn
+
+from .backend import CollectiveError
+from .launch import RankFailed
+
+_GRACE_S = 1.0  # after a failure, how long the other ranks may still report before being terminated
+_STOP_WAIT_S = 5.0  # how long idle workers get to exit after "stop"
+_SIGNAL_WAIT_S = 2.0  # how long to wait after SIGTERM (then SIGKILL) before giving up
+_MIN_STARTUP_S = 60.0  # rendezvous bound: processes start seconds apart on a loaded machine
+
+
+def launch_processes(
+    fn: Callable[..., Any], world: int, *, timeout: float, args: Sequence[Any] = ()
+) -> list[Any]:
+    """Run ``fn(*args)`` on ``world`` new gloo processes; return each rank's result in rank order.
+
+    ``fn`` and ``args`` must pickle (``fn`` a module-level function). Raises
+    :class:`RankFailed` for the rank that failed first; every process has ended
+    by the time this returns or raises.
+    """
+    with ProcessPool(world, timeout=timeout) as pool:
+        return pool.run(fn, *args)
+
+
+class ProcessPool:
+    """Long-lived gloo ranks for running many SPMD functions.
+
+    >>> with ProcessPool(2, timeout=60.0) as pool:      # doctest: +SKIP
+    ...     pool.run(main)                               # main is a module-level function
+    ...     pool.run(main, 3)                            # same processes, same process groups
+
+    Processes start on the first :meth:`run`. A failed run tears them down (a
+    failed collective can leave a process group unusable), and the next run
+    starts fresh ones. :meth:`close` ends them; so do garbage collection and
+    interpreter exit, so a forgotten pool leaks no processes.
+    """
+
+    def __init__(self, world: int, timeout: float = 60.0) -> None:
+        if isinstance(world, bool) or not isinstance(world, int) or world <= 0:
+            raise ValueError(f"ProcessPool(world={world!r}): world must be a positive int")
+        if not timeout > 0:
+            raise ValueError(f"ProcessPool(timeout={timeout!r}): timeout must be positive seconds")
+        self.world = world
+        self.timeout = float(timeout)
+        self._slot = _Slot()
+        self._lock = threading.Lock()
+        self._closed = False
+        weakref.finalize(self, self._slot.clear)
+
+    def run(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
+        """Run ``fn(*args)`` on every rank and return the results in rank order."""
+        task = _pickle_task(fn, args)  # fails here, before any process is spawned
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("ProcessPool.run: the pool is closed; create a new ProcessPool")
+            if self._slot.ranks is None:
+                self._slot.ranks = _Ranks.start(self.world, self.timeout)
+            try:
+                return self._slot.ranks.run(task)
+            except BaseException:
+                self._slot.clear()
+                raise
+
+    @property
+    def pids(self) -> list[int]:
+        """Process ids of the running ranks, in rank order (empty when none run)."""
+        ranks = self._slot.ranks
+        return [] if ranks is None else [p.pid for p in ranks.procs if p.pid is not None]
+
+    def close(self) -> None:
+        """End every process of the pool (idempotent)."""
+        with self._lock:
+            self._closed = True
+            self._slot.clear()
+
+    def __enter__(self) -> ProcessPool:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("running" if self._slot.ranks else "idle")
+        return f"ProcessPool(world={self.world}, timeout={self.timeout:g}, {state})"
+
+
+class _Slot:
+    """Holds a pool's current processes; the finalizer refers to it, not to the pool."""
+
+    def __init__(self) -> None:
+        self.ranks: _Ranks | None = None
+
+    def clear(self) -> None:
+        ranks, self.ranks = self.ranks, None
+        if ranks is not None:
+            ranks.shutdown(wait=_STOP_WAIT_S)
+
+
+# -- the parent's side --------------------------------------------------------------
+@dataclass
+class _Failure:
+    rank: int
+    message: str
+    error: BaseException | None = None
+    reaction: bool = False  # a consequence of another rank's failure, not a root cause
+    addr_in_use: bool = False
+
+
+_running: set[_Ranks] = set()
+
+
+class _Ranks:
+    """One generation of worker processes, all initialised in one process group."""
+
+    def __init__(self, world: int, timeout: float) -> None:
+        self.world = world
+        self.procs: list[BaseProcess] = []
+        self.conns: list[Connection] = []
+        self._eof: set[int] = set()  # ranks whose pipe is closed: wait on their exit only
+        self.ready = False  # every rank has joined the process group
+        self._shut_down = False
+        _running.add(self)
+        ctx = multiprocessing.get_context("spawn")
+        port = _free_port()
+        try:
+            for rank in range(world):
+                parent_end, child_end = ctx.Pipe(duplex=True)
+                proc = ctx.Process(
+                    target=_worker_main,
+                    args=(rank, world, port, timeout, child_end),
+                    name=f"shardwise-rank-{rank}",
+                    daemon=False,  # daemonic processes may not start their own (DataLoader workers)
+                )
+                self.procs.append(proc)
+                self.conns.append(parent_end)
+                proc.start()
+                child_end.close()  # so the parent reads EOF as soon as the child is gone
+        except BaseException:
+            self.shutdown(wait=0.0)
+            raise
+
+    @classmethod
+    def start(cls, world: int, timeout: float) -> _Ranks:
+        """Spawn the ranks and wait until each has joined the process group."""
+        for attempt in range(2):
+            ranks = cls(world, timeout)
+            try:
+                results, failures = ranks._collect(deadline=time.monotonic() + max(timeout, _MIN_STARTUP_S) + 30.0)
+            except BaseException:
+                ranks.shutdown(wait=0.0)
+                raise
+            if not failures and len(results) == world:
+                ranks.ready = True
+                return ranks
+            ranks.shutdown(wait=0.0)
+            # Another program may take the free port between our probe and rank 0's bind: retry once.
+            if attempt == 0 and any(f.addr_in_use for f in failures):
+                continue
+            if not failures:
+                missing = sorted(set(range(world)) - set(results))
+                failures = [_Failure(missing[0], f"ranks {missing} did not join the process group in time")]
+            raise _root_cause(failures)
+        raise AssertionError("unreachable")
+
+    def run(self, task: bytes) -> list[Any]:
+        message = pickle.dumps(("run", task))
+        for conn in self.conns:
+            with contextlib.suppress(OSError):  # a dead worker: _collect reports its exit code
+                conn.send_bytes(message)
+        results, failures = self._collect(deadline=None)
+        if failures:
+            self.shutdown(wait=0.0)
+            raise _root_cause(failures)
+        return [results[rank] for rank in range(self.world)]
+
+    def _collect(self, deadline: float | None) -> tuple[dict[int, Any], list[_Failure]]:
+        """Wait for one report per rank; after the first failure, wait at most the grace period."""
+        pending = set(range(self.world))
+        results: dict[int, Any] = {}
+        failures: list[_Failure] = []
+        grace_until: float | None = None
+        while pending:
+            now = time.monotonic()
+            limit = min((t for t in (deadline, grace_until) if t is not None), default=None)
+            if limit is not None and now >= limit:
+                break
+            handles: list[Any] = [self.conns[r] for r in pending if r not in self._eof]
+            handles += [self.procs[r].sentinel for r in pending]
+            multiprocessing.connection.wait(handles, timeout=None if limit is None else limit - now)
+            for rank in sorted(pending):
+                report = self._poll(rank)
+                if report is None:
+                    continue
+                pending.discard(rank)
+                if isinstance(report, _Failure):
+                    failures.append(report)
+                    if grace_until is None:
+                        grace_until = time.monotonic() + _GRACE_S
+                else:
+                    results[rank] = report[0]
+        return results, failures
+
+    def _poll(self, rank: int) -> _Failure | tuple[Any] | None:
+        """This rank's report if one arrived (or its exit without one), else None."""
+        conn, proc = self.conns[rank], self.procs[rank]
+        if rank not in self._eof:
+            try:
+                if conn.poll():
+                    return _decode(rank, pickle.loads(conn.recv_bytes()))
+            except (EOFError, OSError):
+                self._eof.add(rank)  # closed, or died mid-message: its exit code tells the rest
+        if proc.exitcode is None:
+            return None
+        message = f"the process exited {_describe_exit(proc.exitcode)} without reporting a result"
+        if not self.ready:
+            message += (
+                " before joining the process group (its stderr above says why). With the spawn start "
+                "method every worker re-imports the main script: guard its entry point with "
+                "`if __name__ == '__main__':`"
+            )
+        return _Failure(rank, message)
+
+    def shutdown(self, wait: float) -> None:
+        """End every process: ask, wait up to ``wait`` s, then SIGTERM, then SIGKILL; always reap."""
+        if self._shut_down:
+            return
+        self._shut_down = True
+        try:
+            stop = pickle.dumps(("stop", None))
+            for conn in self.conns:
+                with contextlib.suppress(OSError):
+                    conn.send_bytes(stop)
+            _join_all(self.procs, wait)
+            for proc in self.procs:
+                if proc.is_alive():
+                    proc.terminate()
+            _join_all(self.procs, _SIGNAL_WAIT_S)
+            for proc in self.procs:
+                if proc.is_alive():
+                    proc.kill()
+            _join_all(self.procs, _SIGNAL_WAIT_S)
+        finally:
+            for conn in self.conns:
+                conn.close()
+            for proc in self.procs:
+                if proc.pid is not None and proc.exitcode is not None:
+                    proc.close()
+            _running.discard(self)
+
+
+def _decode(rank: int, message: tuple[str, Any]) -> _Failure | tuple[Any]:
+    kind, payload = message
+    if kind == "ready":
+        return (None,)
+    if kind == "ok":
+        try:
+            return (pickle.loads(payload),)
+        except Exception as exc:
+            return _Failure(rank, f"its result could not be unpickled in the parent: {type(exc).__name__}: {exc}")
+    error = None
+    if payload["pickled"] is not None:
+        try:
+            error = pickle.loads(payload["pickled"])
+        except Exception:
+            error = None  # the text below still carries everything
+    message_text = f"{payload['type']}: {payload['message']}\n\n--- traceback of rank {rank} ---\n{payload['traceback']}"
+    return _Failure(rank, message_text, error, payload["reaction"], payload["addr_in_use"])
+
+
+def _root_cause(failures: list[_Failure]) -> RankFailed:
+    root = next((f for f in failures if not f.reaction), failures[0])
+    error = RankFailed(root.rank, root.message)
+    error.__cause__ = root.error
+    return error
+
+
+def _join_all(procs: list[BaseProcess], seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    for proc in procs:
+        if proc.pid is not None and proc.exitcode is None:
+            proc.join(max(0.0, deadline - time.monotonic()))
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"on signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"on signal {-code}"
+    return f"with code {code}"
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _pickle_task(fn: Callable[..., Any], args: tuple[Any, ...]) -> bytes:
+    """Pickle ``(fn, args)`` or explain why they cannot travel to spawned processes."""
+    if not callable(fn):
+        raise TypeError(f"expected a function to run on every rank, got {type(fn).__name__} {fn!r}")
+    name = getattr(fn, "__qualname__", repr(fn))
+    how = (
+        "Processes are spawned, so fn travels by reference: define it at the top level of an "
+        "importable module (not a lambda, nested function or interactive session), or use the "
+        "threads backend (shardwise.launch(fn, world, backend='threads'))."
+    )
+    main = sys.modules.get("__main__")
+    if getattr(fn, "__module__", None) == "__main__" and not hasattr(main, "__file__"):
+        raise TypeError(f"{name} is defined in an interactive session, which spawned processes cannot import. {how}")
+    try:
+        pickled_fn = pickle.dumps(fn)
+    except Exception as exc:
+        raise TypeError(f"{name} cannot be pickled ({type(exc).__name__}: {exc}). {how}") from exc
+    try:
+        return pickle.dumps((pickle.loads(pickled_fn), args))
+    except Exception as exc:
+        raise TypeError(
+            f"the arguments for {name} cannot be pickled ({type(exc).__name__}: {exc}); pass plain "
+            "data, tensors or module-level objects"
+        ) from exc
+
+
+# Registered after multiprocessing.util's own hook, so it runs first (atexit is
+# LIFO): that hook joins non-daemonic children, which would wait forever for
+# workers still expecting their next task.
+@atexit.register
+def _close_all() -> None:
+    for ranks in list(_running):
+        ranks.shutdown(wait=_STOP_WAIT_S)
+
+
+# -- the worker's side --------------------------------------------------------------
+def _worker_main(rank: int, world: int, port: int, timeout: float, conn: Connection) -> None:
+    """Entry point of a spawned rank: join the group, then run tasks until told to stop."""
+    # The parent owns Ctrl-C: it ends the workers itself, without a traceback per rank.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        backend = _init_rank(rank, world, port, timeout)
+    except BaseException as exc:
+        _send(conn, ("error", _describe_error(exc)))
+        _exit(1)
+    _send(conn, ("ready", None))
+    while True:
+        try:
+            kind, task = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):
+            break  # the parent is gone
+        if kind != "run":
+            break
+        _send(conn, _run_task(task, backend))
+    # No destroy_process_group(): gloo may abort while tearing down, and the
+    # parent already has every result. os._exit skips all teardown.
+    _exit(0)
+
+
+def _init_rank(rank: int, world: int, port: int, timeout: float) -> Any:
+    import torch
+    import torch.distributed as dist
+
+    from .distributed import TorchDistributedBackend
+
+    if "OMP_NUM_THREADS" not in os.environ:
+        # Like torchrun: share the cores between ranks instead of oversubscribing them.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=max(timeout, _MIN_STARTUP_S)),
+    )
+    return TorchDistributedBackend.from_initialized(timeout)
+
+
+def _run_task(task: bytes, backend: Any) -> tuple[str, Any]:
+    from .runtime import use_backend
+
+    try:
+        fn, args = pickle.loads(task)
+        with use_backend(backend):
+            result = fn(*args)
+    except BaseException as exc:  # SystemExit too: the rank did not return
+        return ("error", _describe_error(exc))
+    try:
+        return ("ok", pickle.dumps(result))
+    except Exception as exc:
+        wrapped = TypeError(f"the result ({type(result).__name__}) cannot be pickled: {exc}")
+        return ("error", _describe_error(wrapped))
+
+
+def _describe_error(exc: BaseException) -> dict[str, Any]:
+    pickled: bytes | None
+    try:
+        pickled = pickle.dumps(exc)
+        pickle.loads(pickled)  # exceptions with a custom __init__ pickle but fail to unpickle
+    except Exception:
+        pickled = None
+    text = str(exc)
+    return {
+        "type": type(exc).__qualname__,
+        "message": text,
+        "traceback": "".join(traceback.format_exception(exc)),
+        "pickled": pickled,
+        "reaction": isinstance(exc, CollectiveError),
+        "addr_in_use": "EADDRINUSE" in text or "address already in use" in text.lower(),
+    }
+
+
+def _send(conn: Connection, message: tuple[str, Any]) -> None:
+    try:
+        conn.send_bytes(pickle.dumps(message))
+    except OSError:
+        _exit(1)  # the parent is gone: nobody is left to tell
+
+
+def _exit(code: int) -> NoReturn:
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    os._exit(code)

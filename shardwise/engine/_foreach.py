@@ -1,0 +1,135 @@
+"""The one place that touches torch's private ``torch._foreach_*`` kernels.
+
+The functional optimizers need a handful of multi-tensor ops. torch exposes them only as
+private API (``torch._foreach_add`` and friends), which may change or vanish between
+releases, so every one we use is wrapped here, once:
+
+- each wrapper is out-of-place: it returns new tensors and never writes to its inputs;
+- each has a per-tensor fallback with the same math, used when the private attribute is
+  missing (``tests/engine/test_foreach.py`` checks that the two agree bitwise, so a torch
+  upgrade that changes a kernel fails loudly there instead of silently in training);
+- lists are grouped by (device, dtype) of their first argument before the call, as torch's
+  own optimizers do, so mixed lists still reach the fused fast path on accelerators. On
+  CPU every foreach kernel is a per-tensor loop over the ordinary ATen op, which is why
+  the optimizers agree bitwise with ``torch.optim``'s single-tensor implementations there.
+
+Scalars are Python numbers shared by every tensor in the list: nothing here depends on a
+tensor's shape, so running an op on 1-D shards of tensors gives the shards of the result.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "add",
+    "add_scalar",
+    "addcdiv_scalar",
+    "addcmul_scalar",
+    "div_scalar",
+    "foreach_op",
+    "lerp_scalar",
+    "mul_scalar",
+    "norm",
+    "sqrt",
+]
+
+TensorList = Sequence[Tensor]
+
+# Name of the private op -> the per-tensor op it must agree with, called with the same
+# arguments per tensor (scalars are passed by the keyword both accept). The test suite
+# iterates over this table, so adding an op here puts it under test automatically.
+FALLBACKS: dict[str, Callable[..., Tensor]] = {
+    "_foreach_add": torch.add,  # list + list (alpha) and list + scalar
+    "_foreach_mul": torch.mul,
+    "_foreach_div": torch.div,
+    "_foreach_lerp": torch.lerp,
+    "_foreach_addcmul": torch.addcmul,
+    "_foreach_addcdiv": torch.addcdiv,
+    "_foreach_sqrt": torch.sqrt,
+    "_foreach_norm": torch.linalg.vector_norm,
+}
+
+
+def foreach_op(name: str) -> Callable[..., list[Tensor]] | None:
+    """The private ``torch.<name>`` multi-tensor kernel, or None if this torch lacks it."""
+    return getattr(torch, name, None)
+
+
+def _loop(name: str, lists: Sequence[TensorList], *args: object, **kwargs: object) -> list[Tensor]:
+    op = FALLBACKS[name]
+    return [op(*tensors, *args, **kwargs) for tensors in zip(*lists, strict=True)]
+
+
+def _apply(name: str, lists: Sequence[TensorList], *args: object, **kwargs: object) -> list[Tensor]:
+    """Runs ``torch.<name>(*lists, *args, **kwargs)``, grouped by (device, dtype), or the loop."""
+    lengths = {len(tensors) for tensors in lists}
+    if len(lengths) != 1:
+        raise ValueError(
+            f"{name}: tensor lists differ in length ({sorted(lengths)}); pass one tensor per leaf in each"
+        )
+    if not lists[0]:
+        return []
+    op = foreach_op(name)
+    if op is None:
+        return _loop(name, lists, *args, **kwargs)
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = defaultdict(list)
+    for i, tensor in enumerate(lists[0]):
+        groups[(tensor.device, tensor.dtype)].append(i)
+    if len(groups) == 1:
+        return list(op(*lists, *args, **kwargs))
+    out: list[Tensor | None] = [None] * len(lists[0])
+    for indices in groups.values():
+        results = op(*([tensors[i] for i in indices] for tensors in lists), *args, **kwargs)
+        for i, result in zip(indices, results, strict=True):
+            out[i] = result
+    return out  # type: ignore[return-value]  # every index is filled by exactly one group
+
+
+def add(xs: TensorList, ys: TensorList, alpha: float = 1.0) -> list[Tensor]:
+    """``x + alpha * y`` per pair."""
+    return _apply("_foreach_add", [xs, ys], alpha=alpha)
+
+
+def add_scalar(xs: TensorList, scalar: float) -> list[Tensor]:
+    """``x + scalar`` per tensor."""
+    return _apply("_foreach_add", [xs], scalar)
+
+
+def mul_scalar(xs: TensorList, scalar: float) -> list[Tensor]:
+    """``x * scalar`` per tensor."""
+    return _apply("_foreach_mul", [xs], scalar)
+
+
+def div_scalar(xs: TensorList, scalar: float) -> list[Tensor]:
+    """``x / scalar`` per tensor (a true division, not a multiplication by the reciprocal)."""
+    return _apply("_foreach_div", [xs], scalar)
+
+
+def lerp_scalar(xs: TensorList, ys: TensorList, weight: float) -> list[Tensor]:
+    """``x + weight * (y - x)`` per pair, with torch.lerp's rounding."""
+    return _apply("_foreach_lerp", [xs, ys], weight=weight)
+
+
+def addcmul_scalar(xs: TensorList, ys: TensorList, zs: TensorList, value: float) -> list[Tensor]:
+    """``x + value * y * z`` per triple."""
+    return _apply("_foreach_addcmul", [xs, ys, zs], value=value)
+
+
+def addcdiv_scalar(xs: TensorList, ys: TensorList, zs: TensorList, value: float) -> list[Tensor]:
+    """``x + value * y / z`` per triple."""
+    return _apply("_foreach_addcdiv", [xs, ys, zs], value=value)
+
+
+def sqrt(xs: TensorList) -> list[Tensor]:
+    """``sqrt(x)`` per tensor."""
+    return _apply("_foreach_sqrt", [xs])
+
+
+def norm(xs: TensorList, ord: float = 2.0) -> list[Tensor]:
+    """The ``ord``-norm of each tensor's elements, one 0-d tensor per tensor."""
+    return _apply("_foreach_norm", [xs], ord=ord)

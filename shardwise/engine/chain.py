@@ -1,0 +1,250 @@
+"""Chain: a model as an immutable sequence of pure layers.
+
+The Chain is the unit of structure of the engine: a layer is where parameters are
+gathered and freed (FSDP), what a pipeline stage holds and what remat recomputes.
+A :class:`Layer` is plain data plus a pure function ``fn(tensors, x) -> y``; it
+holds no trainable state. Parameters live outside, in a pytree
+
+    params: dict[layer_name, dict[local_param_name, Tensor]]
+
+holding only *owned* params. A param shared by two layers (tied embedding and
+output head) appears once, at the first layer that uses it; later layers name it in
+``Layer.ties``. :meth:`Chain.layer_params` rebuilds one layer's full local dict.
+
+Hand-written layers are ordinary::
+
+    w = {"lin": {"weight": torch.randn(8, 4)}, "act": {}}
+    chain = Chain([
+        Layer("lin", lambda t, x: x @ t["weight"].T, param_names=("weight",)),
+        Layer("act", lambda t, x: torch.tanh(x)),
+    ])
+    y = chain(w, torch.randn(2, 4))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, overload
+
+from torch import Tensor
+
+LayerFn = Callable[[dict[str, Tensor], Any], Any]
+Params = Mapping[str, Mapping[str, Tensor]]
+
+
+# eq=False: tensors have no truth value, so identity is the only sound equality (and hash).
+@dataclass(frozen=True, eq=False)
+class Layer:
+    """One pure step of a Chain: ``y = fn({**params, **buffers}, x)``.
+
+    Attributes:
+        name: unique within the chain, e.g. ``"0"``, ``"embed"``, ``"blocks.3"``.
+        fn: pure function of the layer's tensors (params and buffers by local name) and its input.
+        param_names: local names of the trainable tensors ``fn`` expects, owned and tied.
+        buffers: non-trainable tensors carried with the layer and never updated.
+        ties: local param name -> ``(owner layer name, owner's local name)`` for params owned by
+            an earlier layer of the chain.
+    """
+
+    name: str
+    fn: LayerFn
+    param_names: tuple[str, ...] = ()
+    buffers: Mapping[str, Tensor] = field(default_factory=dict)
+    ties: Mapping[str, tuple[str, str]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # Defensive copies, so mutating the caller's containers cannot change a frozen Layer.
+        object.__setattr__(self, "param_names", tuple(self.param_names))
+        object.__setattr__(self, "buffers", dict(self.buffers))
+        object.__setattr__(self, "ties", {k: (str(v[0]), str(v[1])) for k, v in self.ties.items()})
+        _check_layer(self)
+
+    def __call__(self, params: Mapping[str, Tensor], x: Any) -> Any:
+        """Run ``fn`` on ``params`` (this layer's full local dict, tied ones included) and buffers."""
+        return self.fn({**params, **self.buffers}, x)
+
+    @property
+    def owned_param_names(self) -> tuple[str, ...]:
+        """``param_names`` minus the tied ones: what ``params[self.name]`` holds."""
+        return tuple(n for n in self.param_names if n not in self.ties)
+
+    def __repr__(self) -> str:
+        return f"Layer({self.name!r}, {_describe_layer(self)})"
+
+
+def _check_layer(layer: Layer) -> None:
+    where = f"Layer {layer.name!r}"
+    if not isinstance(layer.name, str) or not layer.name:
+        raise ValueError(f"a Layer needs a non-empty string name, got {layer.name!r}")
+    if not callable(layer.fn):
+        raise TypeError(
+            f"{where}: fn must be callable as fn(tensors, x), got {type(layer.fn).__name__}"
+        )
+    duplicates = sorted({n for n in layer.param_names if layer.param_names.count(n) > 1})
+    if duplicates:
+        raise ValueError(f"{where}: param_names lists {duplicates} more than once")
+    clash = sorted(set(layer.param_names) & set(layer.buffers))
+    if clash:
+        raise ValueError(
+            f"{where}: {clash} are both params and buffers; a tensor is one or the other"
+        )
+    stray = sorted(set(layer.ties) - set(layer.param_names))
+    if stray:
+        raise ValueError(
+            f"{where}: ties {stray} are not in param_names {list(layer.param_names)}; "
+            "a tied param is still one of the layer's params, add it to param_names"
+        )
+
+
+class Chain:
+    """An immutable sequence of :class:`Layer` run one after another: ``chain(params, x)``."""
+
+    def __init__(self, layers: Sequence[Layer]) -> None:
+        self._layers = tuple(layers)
+        for i, layer in enumerate(self._layers):
+            if not isinstance(layer, Layer):
+                raise TypeError(f"Chain layer {i} is a {type(layer).__name__}, not a Layer")
+        self._index = _index_names(self._layers)
+        for layer in self._layers:
+            self._check_ties(layer)
+
+    def _check_ties(self, layer: Layer) -> None:
+        here = self._index[layer.name]
+        for local, (owner, owner_local) in layer.ties.items():
+            where = f"Layer {layer.name!r} ties {local!r} to ({owner!r}, {owner_local!r})"
+            if owner not in self._index:
+                raise ValueError(
+                    f"{where}, but the chain has no layer {owner!r}; layers: {list(self._index)}"
+                )
+            if self._index[owner] >= here:
+                raise ValueError(
+                    f"{where}, but {owner!r} does not come earlier; a tied param is owned by its first user"
+                )
+            owner_layer = self._layers[self._index[owner]]
+            if owner_local not in owner_layer.owned_param_names:
+                raise ValueError(
+                    f"{where}, but {owner!r} does not own {owner_local!r} "
+                    f"(it owns {list(owner_layer.owned_param_names)}); tie to the owner itself, not to another tie"
+                )
+
+    @property
+    def layers(self) -> tuple[Layer, ...]:
+        return self._layers
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(layer.name for layer in self._layers)
+
+    def __len__(self) -> int:
+        return len(self._layers)
+
+    def __iter__(self) -> Iterator[Layer]:
+        return iter(self._layers)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._index
+
+    @overload
+    def __getitem__(self, key: int) -> Layer: ...
+    @overload
+    def __getitem__(self, key: str) -> Layer: ...
+    def __getitem__(self, key: int | str) -> Layer:
+        if isinstance(key, str):
+            if key not in self._index:
+                raise KeyError(f"the chain has no layer {key!r}; layers: {list(self._index)}")
+            return self._layers[self._index[key]]
+        if isinstance(key, int):
+            return self._layers[key]
+        raise TypeError(
+            f"index a Chain by position (int) or layer name (str), not {type(key).__name__}"
+        )
+
+    def index(self, layer: str | int | Layer) -> int:
+        """Position of a layer given by name, position or the Layer itself."""
+        if isinstance(layer, Layer):
+            layer = layer.name
+        if isinstance(layer, int):
+            return range(len(self._layers))[layer]  # normalises negatives, raises IndexError
+        return self._index[self[layer].name]
+
+    def _layer(self, layer: str | int | Layer) -> Layer:
+        return layer if isinstance(layer, Layer) else self[layer]
+
+    def owned_param_names(self, layer: str | int | Layer) -> tuple[str, ...]:
+        """The local names ``params[layer.name]`` holds: ``param_names`` minus ties."""
+        return self._layer(layer).owned_param_names
+
+    def layer_params(self, params: Params, layer: str | int | Layer) -> dict[str, Tensor]:
+        """The full local param dict of one layer: owned params plus tied ones read at their owner.
+
+        Entries of ``params[layer]`` that the layer does not declare are ignored.
+        """
+        lay = self._layer(layer)
+        owned = params.get(lay.name, {})
+        local: dict[str, Tensor] = {}
+        for name in lay.param_names:
+            owner, owner_local = lay.ties.get(name, (lay.name, name))
+            source = owned if owner == lay.name else params.get(owner, {})
+            if owner_local not in source:
+                tied = "" if owner == lay.name else f" (tied to {owner!r}'s {owner_local!r})"
+                raise KeyError(
+                    f"params[{owner!r}] has no {owner_local!r}, which layer {lay.name!r} needs as "
+                    f"{name!r}{tied}; params[{owner!r}] holds {sorted(source)}"
+                )
+            local[name] = source[owner_local]
+        return local
+
+    def __call__(self, params: Params, x: Any) -> Any:
+        """Run every layer in order on ``x``."""
+        for layer in self._layers:
+            x = layer(self.layer_params(params, layer), x)
+        return x
+
+    def summary(self, params: Params | None = None) -> str:
+        """One line per layer: params (with shapes and counts when ``params`` is given), ties, buffers."""
+        lines = [f"Chain of {len(self)} layers"]
+        total = 0
+        for layer in self._layers:
+            shapes = {}
+            if params is not None:
+                for n, t in params.get(layer.name, {}).items():
+                    shapes[n] = tuple(t.shape)
+                    total += t.numel()
+            lines.append(f"  {layer.name}: {_describe_layer(layer, shapes)}")
+        if params is not None:
+            lines.append(f"  total owned params: {total:,}")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        body = "".join(f"\n  {layer.name}: {_describe_layer(layer)}" for layer in self._layers)
+        return f"Chain({body}\n)" if body else "Chain()"
+
+
+def _index_names(layers: tuple[Layer, ...]) -> dict[str, int]:
+    index: dict[str, int] = {}
+    for i, layer in enumerate(layers):
+        if layer.name in index:
+            raise ValueError(
+                f"Chain layers {index[layer.name]} and {i} are both named {layer.name!r}; names must be unique"
+            )
+        index[layer.name] = i
+    return index
+
+
+def _describe_layer(layer: Layer, shapes: Mapping[str, tuple[int, ...]] | None = None) -> str:
+    shapes = shapes or {}
+    parts = []
+    owned = [f"{n}{list(shapes[n]) if n in shapes else ''}" for n in layer.owned_param_names]
+    if owned:
+        parts.append("params " + ", ".join(owned))
+    if layer.ties:
+        parts.append(
+            "tied "
+            + ", ".join(f"{n} -> params[{o!r}][{ol!r}]" for n, (o, ol) in layer.ties.items())
+        )
+    if layer.buffers:
+        parts.append(
+            "buffers " + ", ".join(f"{n}{list(t.shape)}" for n, t in layer.buffers.items())
+        )
+    return "; ".join(parts) or "no params"

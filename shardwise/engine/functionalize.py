@@ -1,0 +1,578 @@
+"""functionalize: turn an ``nn.Module`` into a :class:`Chain` of pure layers and a params pytree.
+
+How the module is cut into layers:
+
+* ``units=None`` and an ``nn.Sequential``: one layer per child, named as the child
+  (``"0"``, ``"1"``, ... or the ``OrderedDict`` keys); local names are the child's own
+  (``"weight"``, ``"bias"``).
+* ``units=None`` and any other module: one layer named ``"model"`` holding the
+  whole module; local names are the module's qualified names.
+* ``units=[paths]`` or ``units=SomeModuleClass``: the module is traced with torch.fx,
+  the units kept as leaf calls, and the graph is cut into one segment per unit: the
+  glue code before the unit plus the unit call (glue after the last unit joins the last
+  segment). Each segment is an ``fx.GraphModule`` over the original module, so local
+  names stay the original qualified names (``"blocks.0.ln1.weight"``, ``"pos_emb"``).
+  A glue op runs in the segment of its first user, so a param read early in forward
+  but used late does not have to cross a boundary. (Sinking glue past a unit reorders
+  it relative to that unit; this changes no value, except that random glue ops, such
+  as dropout in glue in training mode, would draw from the RNG in a different order.)
+
+Every layer fn calls the module's code through ``torch.func.functional_call``, so
+outputs are bitwise those of the module: same ops, same order, equal values.
+Parameters come back as detached copies (``requires_grad=False``; call
+``requires_grad_()`` to use ``backward``), so training them never touches the module.
+
+Decisions:
+
+* Shared parameters are found by identity. The first layer that uses one owns it;
+  later layers name it in ``Layer.ties``. Inside one layer a shared param appears once,
+  under the name ``named_parameters()`` gives, and ``functional_call(tie_weights=True)``
+  feeds it under every alias, so its gradient is the sum over all uses.
+* Parameters with ``requires_grad=False`` are frozen: they travel as buffers (in
+  ``Layer.buffers``, never updated, never in the params pytree).
+* Buffers are detached copies carried in ``Layer.buffers``; a buffer shared by several
+  layers is copied once and the copy is shared.
+* A module that updates state in forward (BatchNorm in training mode with running
+  stats) is refused: a pure layer cannot update it.
+* ``functional_call`` swaps tensors into the module for the duration of a call, which is
+  not safe when threads (the threads backend runs ranks as threads) call one module at
+  once. Each thread therefore runs its own replica of the module, a deep copy that
+  shares the original's tensors (they are swapped out anyway).
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import inspect
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import optree
+import torch
+import torch.fx as fx
+from torch import Tensor, nn
+from torch.func import functional_call
+from torch.nn.modules.batchnorm import _NormBase
+
+from .chain import Chain, Layer
+
+__all__ = ["FunctionalizeError", "functionalize"]
+
+Units = str | Sequence[str] | type[nn.Module] | None
+ParamTree = dict[str, dict[str, Tensor]]
+
+WHOLE_MODULE = "model"
+_CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+
+
+class FunctionalizeError(ValueError):
+    """A module that ``functionalize`` cannot turn into a Chain as asked; the message says why and what to do."""
+
+
+def functionalize(
+    module: nn.Module, *, units: Units = None, example_input: Any = None
+) -> tuple[Chain, ParamTree]:
+    """Split ``module`` into a :class:`Chain` of pure layers and return it with its params.
+
+    Args:
+        module: the model. Its parameters are copied, never modified.
+        units: how to cut it (see the module docstring): ``None``; a list of submodule paths
+            in execution order (a path naming a ModuleList / Sequential / ModuleDict
+            stands for each of its children); or a module class, whose outermost
+            instances become the units.
+        example_input: if given, ``module(example_input)`` and the chain are run on it and
+            must agree bitwise, and no layer may modify its buffers.
+
+    Returns:
+        ``(chain, params)`` with ``params[layer_name][local_name]`` holding owned params only;
+        every layer has an entry, empty if it owns none.
+    """
+    _refuse_stateful(module)
+    pieces = _pieces(module, units)
+    chain, params = _build_chain(pieces)
+    if example_input is not None:
+        _check_against_module(module, chain, params, example_input)
+    return chain, params
+
+
+def _pieces(module: nn.Module, units: Units) -> list[tuple[str, nn.Module]]:
+    """(layer name, module to call) for each layer."""
+    if units is None:
+        if isinstance(module, nn.Sequential):
+            # _modules, not named_children(): a child repeated at two indices is two layers (tied).
+            return [(name, child) for name, child in module._modules.items() if child is not None]
+        return [(WHOLE_MODULE, module)]
+    paths = _resolve_units(module, units)
+    if paths is None:  # the root itself is the unit class
+        return [(WHOLE_MODULE, module)]
+    return _split_graph(module, paths, ordered=not isinstance(units, type))
+
+
+# --- refusing impure modules --------------------------------------------------------------
+
+
+def _refuse_stateful(module: nn.Module) -> None:
+    for path, sub in module.named_modules():
+        if isinstance(sub, _NormBase) and sub.training and sub.track_running_stats:
+            where = repr(path) if path else "the module itself"
+            raise FunctionalizeError(
+                f"functionalize: {where} ({type(sub).__name__}) updates running_mean / running_var "
+                "in forward because it is in training mode, and a pure layer cannot update state. "
+                "Call module.eval() first (it then normalises with the running stats), or use "
+                "GroupNorm / LayerNorm, or build it with track_running_stats=False."
+            )
+
+
+# --- building the chain -------------------------------------------------------------------
+
+
+class _ModuleFn:
+    """A layer fn: ``functional_call`` of a module, on a per-thread replica of it."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self._init_local()
+
+    def _init_local(self) -> None:
+        self._owner = threading.get_ident()
+        self._local = threading.local()
+
+    def __call__(self, tensors: dict[str, Tensor], x: Any) -> Any:
+        # strict: every param and buffer must be given, so the module's own tensors never leak in.
+        return functional_call(self._replica(), tensors, (x,), strict=True)
+
+    def _replica(self) -> nn.Module:
+        if threading.get_ident() == self._owner:
+            return self.module
+        replica = getattr(self._local, "module", None)
+        if replica is None:
+            named = [
+                *self.module.named_parameters(remove_duplicate=False),
+                *self.module.named_buffers(remove_duplicate=False),
+            ]
+            replica = copy.deepcopy(self.module, memo={id(t): t for _, t in named})
+            self._local.module = replica
+        return replica
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"module": self.module}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.module = state["module"]
+        self._init_local()
+
+    def __repr__(self) -> str:
+        return f"functional_call({type(self.module).__name__})"
+
+
+def _build_chain(pieces: list[tuple[str, nn.Module]]) -> tuple[Chain, ParamTree]:
+    owners: dict[int, tuple[str, str]] = {}  # id(param) -> (owner layer, owner's local name)
+    copies: dict[int, Tensor] = {}  # id(tensor) -> its detached copy, made once
+
+    def copy_of(t: Tensor) -> Tensor:
+        if id(t) not in copies:
+            copies[id(t)] = t.detach().clone()
+        return copies[id(t)]
+
+    layers, params = [], {}
+    for name, mod in pieces:
+        param_names: list[str] = []
+        owned: dict[str, Tensor] = {}
+        ties: dict[str, tuple[str, str]] = {}
+        buffers = {local: copy_of(b) for local, b in mod.named_buffers()}
+        for local, p in mod.named_parameters():  # remove_duplicate: one entry per tensor
+            if not p.requires_grad:
+                buffers[local] = copy_of(p)  # frozen: carried, never trained
+                continue
+            param_names.append(local)
+            if id(p) in owners:
+                ties[local] = owners[id(p)]
+            else:
+                owners[id(p)] = (name, local)
+                owned[local] = copy_of(p)
+        layers.append(Layer(name, _ModuleFn(mod), tuple(param_names), buffers, ties))
+        params[name] = owned
+    return Chain(layers), params
+
+
+# --- resolving units ----------------------------------------------------------------------
+
+
+def _resolve_units(
+    module: nn.Module, units: str | Sequence[str] | type[nn.Module]
+) -> list[str] | None:
+    """Unit paths, containers expanded; None if the root module is itself the unit class."""
+    if isinstance(units, type):
+        return _units_of_class(module, units)
+    given = [units] if isinstance(units, str) else list(units)
+    if not given:
+        raise FunctionalizeError("functionalize: units is empty; pass None for the default split")
+    paths: list[str] = []
+    for path in given:
+        paths.extend(_expand_unit(module, path))
+    _refuse_overlaps(paths)
+    return paths
+
+
+def _units_of_class(module: nn.Module, cls: type[nn.Module]) -> list[str] | None:
+    if isinstance(module, cls):
+        return None
+    found: list[str] = []
+    for path, sub in module.named_modules():
+        inside = any(path.startswith(f + ".") for f in found)
+        if isinstance(sub, cls) and not inside:
+            found.append(path)
+    if not found:
+        kinds = sorted({type(m).__name__ for m in module.modules()})
+        raise FunctionalizeError(
+            f"functionalize: units={cls.__name__} but {type(module).__name__} contains no {cls.__name__}; "
+            f"module classes present: {kinds}"
+        )
+    return found
+
+
+def _expand_unit(module: nn.Module, path: str) -> list[str]:
+    if not isinstance(path, str) or not path:
+        raise FunctionalizeError(
+            f"functionalize: unit {path!r} is not a submodule path; for the whole module as one layer pass units=None"
+        )
+    try:
+        sub = module.get_submodule(path)
+    except AttributeError:
+        known = [p for p, _ in module.named_modules() if p]
+        close = difflib.get_close_matches(path, known, n=3)
+        hint = (
+            f"; did you mean {close}?"
+            if close
+            else f"; top-level children: {[n for n, _ in module.named_children()]}"
+        )
+        raise FunctionalizeError(
+            f"functionalize: unknown unit {path!r}: {type(module).__name__} has no such submodule{hint}"
+        ) from None
+    if isinstance(sub, _CONTAINERS):
+        children = list(sub._modules)
+        if not children:
+            raise FunctionalizeError(
+                f"functionalize: unit {path!r} is an empty {type(sub).__name__}"
+            )
+        return [f"{path}.{child}" for child in children]
+    return [path]
+
+
+def _refuse_overlaps(paths: list[str]) -> None:
+    for i, a in enumerate(paths):
+        for b in paths[i + 1 :]:
+            if a == b:
+                raise FunctionalizeError(f"functionalize: unit {a!r} is listed twice")
+            if b.startswith(a + ".") or a.startswith(b + "."):
+                outer, inner = (a, b) if b.startswith(a + ".") else (b, a)
+                raise FunctionalizeError(
+                    f"functionalize: units {outer!r} and {inner!r} overlap ({inner!r} is inside {outer!r}); "
+                    "a unit is one layer, so keep only one of them"
+                )
+
+
+# --- tracing and splitting ----------------------------------------------------------------
+
+
+class _UnitTracer(fx.Tracer):
+    """Traces through everything except the units, which stay as single call_module nodes."""
+
+    def __init__(self, units: list[str]) -> None:
+        super().__init__()
+        self.units = set(units)
+        self.record_stack_traces = True  # lets errors point at the line of forward
+        # Buffers read in traced code become graph reads, so `self.mask[:t, :t]` with a traced
+        # t works and the buffer travels with the segment that reads it.
+        self.proxy_buffer_attributes = True
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return module_qualified_name in self.units or super().is_leaf_module(
+            m, module_qualified_name
+        )
+
+
+def _trace(module: nn.Module, units: list[str]) -> tuple[fx.Graph, dict[str, Any]]:
+    """The graph of ``module.forward`` with units as leaves, and the constants tracing created."""
+    before = set(vars(module))
+    try:
+        graph = _UnitTracer(units).trace(module, concrete_args=_concrete_args(module))
+    except FunctionalizeError:
+        raise
+    except Exception as e:
+        raise FunctionalizeError(
+            f"functionalize: torch.fx cannot trace {type(module).__name__}.forward with units {units} "
+            f"({type(e).__name__}: {e}). This usually means Python control flow on tensor values "
+            "or shapes in the code between units. Move that code into a unit, write the model as "
+            "an nn.Sequential (functionalize(model) needs no tracing), or build the Chain from "
+            "explicit Layer objects."
+        ) from e
+    finally:
+        # The tracer parks tensor constants made in forward on the root (_tensor_constant0, ...);
+        # take them back off so the user's module is left as it was.
+        constants = {k: module.__dict__.pop(k) for k in set(vars(module)) - before}
+    return graph, constants
+
+
+def _concrete_args(module: nn.Module) -> dict[str, Any]:
+    """Pin every forward argument after the first to its default: a layer takes one input."""
+    signature = inspect.signature(module.forward)
+    concrete: dict[str, Any] = {}
+    for i, (arg, p) in enumerate(signature.parameters.items()):
+        if i == 0 or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        if p.default is p.empty:
+            raise FunctionalizeError(
+                f"functionalize: {type(module).__name__}.forward takes a second required argument {arg!r}; "
+                "a Chain layer takes one input x. Give it a default, or pack the inputs into one tuple."
+            )
+        concrete[arg] = p.default
+    return concrete
+
+
+def _split_graph(module: nn.Module, paths: list[str], ordered: bool) -> list[tuple[str, nn.Module]]:
+    """One ``(unit path, segment GraphModule)`` per unit, in execution order."""
+    graph, constants = _trace(module, paths)
+    calls = _unit_calls(graph, paths)
+    if ordered:
+        _check_order(paths, calls)
+    segment = _assign_segments(graph, calls)
+    crossing = _crossing_values(graph, calls, segment)
+    # A shallow copy of the root carries the tracing constants without touching the module.
+    root = copy.copy(module)
+    root.__dict__.update(constants)
+    return [
+        (str(call.target), _segment_module(root, graph, segment, crossing, s))
+        for s, call in enumerate(calls)
+    ]
+
+
+def _unit_calls(graph: fx.Graph, paths: list[str]) -> list[fx.Node]:
+    """The call node of each unit, in execution order; each unit must run exactly once."""
+    calls: dict[str, list[fx.Node]] = {p: [] for p in paths}
+    for node in graph.nodes:
+        if node.op == "call_module" and node.target in calls:
+            calls[str(node.target)].append(node)
+    for path, nodes in calls.items():
+        if not nodes:
+            raise FunctionalizeError(
+                f"functionalize: unit {path!r} is never called in forward. It may be unused, sit "
+                "inside a module fx does not trace into (torch.nn layers other than containers), "
+                "or be the same module object as another path; choose units that forward calls."
+            )
+        if len(nodes) > 1:
+            raise FunctionalizeError(
+                f"functionalize: unit {path!r} is called {len(nodes)} times in forward, but a unit "
+                "is one layer and runs once; make the code that calls it repeatedly the unit instead."
+            )
+    position = {node: i for i, node in enumerate(graph.nodes)}
+    return sorted((nodes[0] for nodes in calls.values()), key=position.__getitem__)
+
+
+def _check_order(paths: list[str], calls: list[fx.Node]) -> None:
+    executed = [str(n.target) for n in calls]
+    if executed != paths:
+        i = next(i for i, (a, b) in enumerate(zip(paths, executed, strict=True)) if a != b)
+        raise FunctionalizeError(
+            f"functionalize: units must be listed in the order forward runs them; unit {i} is "
+            f"{paths[i]!r} but forward runs {executed[i]!r} there. Execution order: {executed}"
+        )
+
+
+def _assign_segments(graph: fx.Graph, calls: list[fx.Node]) -> dict[fx.Node, int]:
+    """Segment of every node: units fixed, glue runs with its first user (else where it stands)."""
+    unit_index = {node: i for i, node in enumerate(calls)}
+    last = len(calls) - 1
+    segment: dict[fx.Node, int] = {}
+    next_unit = last  # the unit a node stands before; glue after the last unit joins it
+    for node in reversed(graph.nodes):
+        if node in unit_index:
+            next_unit = unit_index[node]
+            segment[node] = next_unit
+        elif node.op == "placeholder":
+            segment[node] = 0
+        elif node.op == "output":
+            segment[node] = last
+        elif node.users:
+            segment[node] = min(segment[user] for user in node.users)
+        else:  # no users (asserts, in-place ops): keep it where forward runs it
+            segment[node] = next_unit
+    return segment
+
+
+def _crossing_values(
+    graph: fx.Graph, calls: list[fx.Node], segment: dict[fx.Node, int]
+) -> list[fx.Node]:
+    """The one value that flows across each boundary; refuse a boundary that needs more or none."""
+    crossing = []
+    for b in range(len(calls) - 1):
+        live = [
+            node
+            for node in graph.nodes
+            # get_attr reads are repeated in every segment that needs them instead of crossing.
+            if node.op != "get_attr"
+            and segment[node] <= b
+            and any(segment[u] > b for u in node.users)
+        ]
+        if len(live) != 1:
+            raise FunctionalizeError(_boundary_error(calls[b], calls[b + 1], live))
+        crossing.append(live[0])
+    return crossing
+
+
+def _boundary_error(before: fx.Node, after: fx.Node, live: list[fx.Node]) -> str:
+    where = f"functionalize: between units {before.target!r} and {after.target!r}"
+    if not live:
+        return (
+            f"{where} no value flows: {after.target!r} and what follows do not use anything computed "
+            f"up to {before.target!r}. Drop the unused unit, or list units that form a chain."
+        )
+    values = "\n".join(f"  - {_describe(node)}" for node in live)
+    return (
+        f"{where} {len(live)} values cross, but a layer passes exactly one value (a tensor or a "
+        f"tuple of tensors) to the next:\n{values}\n"
+        "Compute the extra values inside the units that use them (or derive them from the value "
+        "that crosses, e.g. x.size(1) instead of idx.size(1)), make a constant a registered "
+        "buffer, or choose units whose boundaries leave one value live."
+    )
+
+
+def _describe(node: fx.Node) -> str:
+    if node.op == "placeholder":
+        return f"{node.target!r}, the input of forward"
+    if node.op == "call_module":
+        text = f"{node.name!r}, the output of {node.target!r}"
+    elif node.op == "call_method":
+        text = f"{node.name!r} = .{node.target}(...)"
+    else:
+        text = f"{node.name!r} = {getattr(node.target, '__name__', node.target)}(...)"
+    trace = node.meta.get("stack_trace") or ""
+    lines = trace.strip().splitlines()
+    return f"{text} at {lines[0].strip()}" if lines else text
+
+
+def _segment_module(
+    root: nn.Module, graph: fx.Graph, segment: dict[fx.Node, int], crossing: list[fx.Node], s: int
+) -> fx.GraphModule:
+    """The GraphModule running segment ``s``: input = the value crossing in, output = the one crossing out."""
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    if s > 0:
+        env[crossing[s - 1]] = g.placeholder(crossing[s - 1].name)
+
+    def lookup(node: fx.Node) -> fx.Node:
+        if node not in env:
+            if node.op != "get_attr":  # _crossing_values guarantees this; a failure is our bug
+                raise AssertionError(f"segment {s} reads {node.name!r} from another segment")
+            env[node] = g.node_copy(node)
+        return env[node]
+
+    for node in graph.nodes:
+        if segment[node] == s and node.op != "output" and node not in env:
+            env[node] = g.node_copy(node, lookup)
+            # Annotations written as strings (`from __future__ import annotations`) would
+            # land in the generated code's globals and make the GraphModule unpicklable.
+            env[node].type = None
+    if s == len(crossing):
+        g.output(fx.map_arg(graph.output_node().args[0], lookup))
+    else:
+        g.output(lookup(crossing[s]))
+    g.lint()
+    gm = fx.GraphModule(root, g, class_name=f"{type(root).__name__}Segment")
+    gm.training = root.training  # the recorded ops already fixed their mode; keep the flag truthful
+    return gm
+
+
+# --- checking against the module ----------------------------------------------------------
+
+
+def _check_against_module(module: nn.Module, chain: Chain, params: ParamTree, x: Any) -> None:
+    """Run module and chain on ``x`` from the same RNG state; refuse any bitwise difference."""
+    snapshot = {(layer.name, n): b.clone() for layer in chain for n, b in layer.buffers.items()}
+    devices = sorted(
+        {t.device.index or 0 for t in optree.tree_leaves(x) if isinstance(t, Tensor) and t.is_cuda}
+    )
+    with torch.no_grad(), torch.random.fork_rng(devices=devices):
+        rng = _rng_states(devices)
+        expected = module(x)
+        _set_rng_states(devices, rng)
+        got = x
+        for i, layer in enumerate(chain):
+            got = layer(chain.layer_params(params, layer), got)
+            if i < len(chain) - 1:
+                _check_passable(layer.name, got)
+    for (name, buffer_name), before in snapshot.items():
+        if not _same(before, chain[name].buffers[buffer_name]):
+            raise FunctionalizeError(
+                f"functionalize: layer {name!r} modified its buffer {buffer_name!r} in forward; a pure "
+                "layer cannot carry state. Put the module in eval mode or drop the in-place update."
+            )
+    _compare_outputs(expected, got)
+
+
+def _rng_states(devices: list[int]) -> tuple[Tensor, list[Tensor]]:
+    return torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in devices]
+
+
+def _set_rng_states(devices: list[int], states: tuple[Tensor, list[Tensor]]) -> None:
+    torch.set_rng_state(states[0])
+    for d, state in zip(devices, states[1], strict=True):
+        torch.cuda.set_rng_state(state, d)
+
+
+def _check_passable(layer: str, y: Any) -> None:
+    ok = isinstance(y, Tensor) or (isinstance(y, tuple) and all(isinstance(t, Tensor) for t in y))
+    if not ok:
+        raise FunctionalizeError(
+            f"functionalize: layer {layer!r} returns a {type(y).__name__}, but the value passed between "
+            "layers must be a tensor or a tuple of tensors (it is what a pipeline stage sends)."
+        )
+
+
+def _same(a: Tensor, b: Tensor) -> bool:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    equal = a == b
+    if a.is_floating_point() or a.is_complex():
+        equal |= a.isnan() & b.isnan()
+    return bool(equal.all())
+
+
+def _compare_outputs(expected: Any, got: Any) -> None:
+    paths, leaves, spec = optree.tree_flatten_with_path(expected, none_is_leaf=True)
+    got_leaves, got_spec = optree.tree_flatten(got, none_is_leaf=True)
+    if spec != got_spec:
+        raise FunctionalizeError(
+            f"functionalize: the chain returns a {got_spec}, but the module returns a {spec}"
+        )
+    for path, want, have in zip(paths, leaves, got_leaves, strict=True):
+        where = "output" + "".join(f"[{k!r}]" for k in path)
+        if isinstance(want, Tensor) and isinstance(have, Tensor):
+            if not _same(want, have):
+                raise FunctionalizeError(
+                    f"functionalize: the chain differs from the module at {where}: {_difference(want, have)}"
+                )
+        elif want != have:
+            raise FunctionalizeError(
+                f"functionalize: the chain differs from the module at {where}: {have!r} != {want!r}"
+            )
+
+
+def _difference(want: Tensor, have: Tensor) -> str:
+    if want.shape != have.shape or want.dtype != have.dtype:
+        return f"module gives {want.dtype}{list(want.shape)}, chain gives {have.dtype}{list(have.shape)}"
+    diff = (want.double() - have.double()).abs().nan_to_num(nan=float("inf"))
+    flat = int(diff.argmax())
+    index = (
+        tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), want.shape))
+        if want.dim()
+        else ()
+    )
+    return (
+        f"largest difference {diff.max().item():.6g} at index {list(index)} "
+        f"(module {want[index].item()!r}, chain {have[index].item()!r}). "
+        "The split changed the computation: check code between units that depends on call order "
+        "or module attributes (hooks, random ops in glue)."
+    )

@@ -1,0 +1,297 @@
+"""Functional optimizers: ``init`` and ``update`` are pure functions over pytrees of tensors.
+
+An :class:`Optimizer` has the shape of optax's ``GradientTransformation``, except that
+``update`` returns the new parameters rather than an update to add::
+
+    opt = adamw(lr=warmup_cosine(3e-4, 100, 10_000))
+    state = opt.init(params)
+    params, state = opt.update(grads, state, params)
+
+The math is torch's, operation for operation (``torch/optim/sgd.py`` and the single-tensor
+and foreach paths of ``torch/optim/adam.py`` with ``decoupled_weight_decay``), so on CPU the
+results agree bitwise with ``torch.optim.SGD`` / ``torch.optim.AdamW``; see
+``tests/engine/test_optim.py``.
+
+Contracts the rest of the engine relies on:
+
+- Pure: inputs (grads, state, params) are never written to; every returned tensor is new.
+  The math runs under ``torch.no_grad()``, like ``optimizer.step()``.
+- Elementwise: each output element depends only on the same element of the inputs and on
+  scalars (lr, betas, the step count), never on a tensor's shape. So ``update`` run on 1-D
+  shards of flattened parameters returns exactly the shards of the full update (ZeRO).
+- State is a NamedTuple of tensors (optree flattens it with no registration). ``step`` is a
+  0-d ``torch.int64`` tensor on the CPU counting updates applied so far: an integer so it
+  counts exactly forever (torch's float32 step stops at 2**24) and compares and
+  serializes without rounding, and on the CPU so reading it (for the schedule and the bias
+  corrections) never waits for an accelerator. ``torch.save`` / ``torch.load`` round-trip
+  it; load a whole state object under ``torch.serialization.safe_globals(STATE_TYPES)``,
+  or save its flattened leaves, which need no allow-listing.
+- Parameter trees may mix devices and dtypes: the vectorized kernels run grouped by
+  (device, dtype), as in torch (see :mod:`shardwise.engine._foreach`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple, TypeAlias
+
+import optree
+import torch
+from torch import Tensor
+
+from shardwise.engine import _foreach as fe
+from shardwise.engine.schedules import Constant, Schedule, as_step
+
+__all__ = [
+    "STATE_TYPES",
+    "AdamWState",
+    "OptState",
+    "Optimizer",
+    "Params",
+    "SgdState",
+    "adamw",
+    "global_norm",
+    "sgd",
+]
+
+Params: TypeAlias = Any
+"""Any optree pytree whose leaves are tensors, e.g. ``dict[str, dict[str, Tensor]]``."""
+OptState: TypeAlias = Any
+"""An optimizer's state: a pytree of tensors (for the built-in ones, a NamedTuple)."""
+
+
+class Optimizer(NamedTuple):
+    """A functional optimizer: a pair of pure functions.
+
+    ``init(params) -> state``; ``update(grads, state, params) -> (new_params, new_state)``,
+    where ``grads`` has the same tree structure as ``params``.
+    """
+
+    init: Callable[[Params], OptState]
+    update: Callable[[Params, OptState, Params], tuple[Params, OptState]]
+
+
+class SgdState(NamedTuple):
+    """State of :func:`sgd`: updates applied so far, and the momentum buffers (a tree like
+    the params; None when ``momentum == 0``, so plain SGD carries no per-parameter state)."""
+
+    step: Tensor
+    momentum: Params | None
+
+
+class AdamWState(NamedTuple):
+    """State of :func:`adamw`: updates applied so far and the first and second moment
+    estimates (trees like the params), as torch's ``exp_avg`` and ``exp_avg_sq``."""
+
+    step: Tensor
+    exp_avg: Params
+    exp_avg_sq: Params
+
+
+# What `torch.load(weights_only=True)` must be allowed to rebuild to load a whole state.
+STATE_TYPES: tuple[type, ...] = (SgdState, AdamWState)
+
+
+def sgd(
+    lr: float | Schedule,
+    momentum: float = 0.0,
+    dampening: float = 0.0,
+    weight_decay: float = 0.0,
+    nesterov: bool = False,
+) -> Optimizer:
+    """Stochastic gradient descent, as ``torch.optim.SGD`` with the same arguments.
+
+    Per update with gradient ``g``: ``d = g + weight_decay * p``; with momentum, the buffer
+    ``b`` becomes ``d`` on the first update (no dampening) and ``momentum * b + (1 -
+    dampening) * d`` after; ``d`` becomes ``d + momentum * b`` (nesterov) or ``b``; finally
+    ``p - lr * d``. ``lr`` is a float or a schedule called with the update count.
+    """
+    schedule = _as_schedule(lr)
+    _check_nonnegative("momentum", momentum, "0 turns momentum off")
+    _check_nonnegative("weight_decay", weight_decay, "0 turns weight decay off")
+    if not math.isfinite(dampening):
+        raise ValueError(f"dampening: must be finite, got {dampening}; torch's default is 0")
+    if nesterov and (momentum <= 0 or dampening != 0):
+        raise ValueError(
+            f"nesterov: Nesterov momentum needs momentum > 0 and dampening == 0 (torch's rule), "
+            f"got momentum={momentum}, dampening={dampening}; set those or pass nesterov=False"
+        )
+
+    def init(params: Params) -> SgdState:
+        buffers = optree.tree_map(torch.zeros_like, params) if momentum != 0 else None
+        return SgdState(step=_zero_step(), momentum=buffers)
+
+    @torch.no_grad()
+    def update(grads: Params, state: SgdState, params: Params) -> tuple[Params, SgdState]:
+        _check_state(state, SgdState, "sgd")
+        p, spec = optree.tree_flatten(params)
+        g = _leaves_like(grads, spec, "grads")
+        t = as_step(state.step)
+        step_lr = _lr_at(schedule, t)
+
+        d_p = fe.add(g, p, alpha=weight_decay) if weight_decay != 0 else g
+        buffers = None
+        if momentum != 0:
+            if state.momentum is None:
+                raise ValueError(
+                    "state.momentum: is None but momentum != 0; build the state with this optimizer's init"
+                )
+            b = _leaves_like(state.momentum, spec, "state.momentum")
+            if t == 0:
+                # torch starts the buffer at the first d_p itself, without dampening; the
+                # zeros from init only fix the state's structure.
+                b = [x.clone() for x in d_p]
+            else:
+                b = fe.add(fe.mul_scalar(b, momentum), d_p, alpha=1 - dampening)
+            d_p = fe.add(d_p, b, alpha=momentum) if nesterov else b
+            buffers = optree.tree_unflatten(spec, b)
+
+        new_p = fe.add(p, d_p, alpha=-step_lr)
+        return optree.tree_unflatten(spec, new_p), SgdState(_next_step(state.step), buffers)
+
+    return Optimizer(init, update)
+
+
+def adamw(
+    lr: float | Schedule,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 1e-2,
+) -> Optimizer:
+    """Adam with decoupled weight decay, as ``torch.optim.AdamW`` (defaults included).
+
+    Per update ``t`` (counting from 1) with gradient ``g``: ``p *= 1 - lr * weight_decay``;
+    ``m = lerp(m, g, 1 - beta1)``; ``v = beta2 * v + (1 - beta2) * g * g``;
+    ``p -= lr / (1 - beta1**t) * m / (sqrt(v) / sqrt(1 - beta2**t) + eps)``.
+    ``lr`` is a float or a schedule called with ``t - 1`` (0 for the first update).
+    """
+    schedule = _as_schedule(lr)
+    if len(betas) != 2:
+        raise ValueError(
+            f"betas: expected a pair (beta1, beta2), got {betas!r}; torch's default is (0.9, 0.999)"
+        )
+    beta1, beta2 = float(betas[0]), float(betas[1])
+    for i, beta in enumerate((beta1, beta2)):
+        if not 0.0 <= beta < 1.0:
+            raise ValueError(
+                f"betas[{i}]: must be in [0, 1), got {beta}; it is a moving-average decay, "
+                "e.g. (0.9, 0.999)"
+            )
+    _check_nonnegative("eps", eps, "torch's default is 1e-8")
+    _check_nonnegative("weight_decay", weight_decay, "0 turns weight decay off")
+
+    def init(params: Params) -> AdamWState:
+        return AdamWState(
+            step=_zero_step(),
+            exp_avg=optree.tree_map(torch.zeros_like, params),
+            exp_avg_sq=optree.tree_map(torch.zeros_like, params),
+        )
+
+    @torch.no_grad()
+    def update(grads: Params, state: AdamWState, params: Params) -> tuple[Params, AdamWState]:
+        _check_state(state, AdamWState, "adamw")
+        p, spec = optree.tree_flatten(params)
+        g = _leaves_like(grads, spec, "grads")
+        m = _leaves_like(state.exp_avg, spec, "state.exp_avg")
+        v = _leaves_like(state.exp_avg_sq, spec, "state.exp_avg_sq")
+        t = as_step(state.step) + 1  # torch counts the update first: bias corrections use t >= 1
+        step_lr = _lr_at(schedule, t - 1)
+
+        # The order of operations is torch's, so the rounding is too.
+        if weight_decay != 0:
+            p = fe.mul_scalar(p, 1 - step_lr * weight_decay)
+        m = fe.lerp_scalar(m, g, 1 - beta1)
+        v = fe.addcmul_scalar(fe.mul_scalar(v, beta2), g, g, 1 - beta2)
+        # Bias corrections are Python floats (double precision) for every dtype, as in
+        # torch's non-capturable paths.
+        bias_correction1 = 1 - beta1**t
+        bias_correction2 = 1 - beta2**t
+        step_size = step_lr / bias_correction1
+        denom = fe.add_scalar(fe.div_scalar(fe.sqrt(v), bias_correction2**0.5), eps)
+        new_p = fe.addcdiv_scalar(p, m, denom, -step_size)
+
+        new_state = AdamWState(
+            step=_next_step(state.step),
+            exp_avg=optree.tree_unflatten(spec, m),
+            exp_avg_sq=optree.tree_unflatten(spec, v),
+        )
+        return optree.tree_unflatten(spec, new_p), new_state
+
+    return Optimizer(init, update)
+
+
+@torch.no_grad()
+def global_norm(tree: Params) -> Tensor:
+    """The L2 norm of all of ``tree``'s elements together, computed as
+    ``torch.nn.utils.get_total_norm`` / ``clip_grad_norm_`` do: one norm per tensor (in
+    that tensor's dtype), then the norm of those norms, on the first leaf's device.
+    An empty tree has norm ``tensor(0.)``.
+
+    On sharded gradients this is the norm of the local shards only: combine ranks by
+    summing squared norms (``psum(global_norm(shards) ** 2) ** 0.5``).
+    """
+    leaves = optree.tree_leaves(tree)
+    if not leaves:
+        return torch.tensor(0.0)
+    first_device = leaves[0].device
+    norms = fe.norm(leaves, 2.0)
+    return torch.linalg.vector_norm(torch.stack([n.to(first_device) for n in norms]), 2.0)
+
+
+def _as_schedule(lr: float | Schedule) -> Schedule:
+    if callable(lr):
+        return lr
+    try:
+        value = float(lr)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"lr: expected a float or a schedule (a callable step -> lr), got {type(lr).__name__} {lr!r}"
+        ) from None
+    if not value >= 0 or math.isinf(value):
+        raise ValueError(f"lr: must be finite and >= 0, got {value}; e.g. lr=1e-3")
+    return Constant(value)
+
+
+def _lr_at(schedule: Schedule, step: int) -> float:
+    value = float(schedule(step))
+    # `not value >= 0` also catches NaN.
+    if not value >= 0 or math.isinf(value):
+        raise ValueError(
+            f"lr: the schedule {schedule!r} returned {value} at step {step}; "
+            "a learning rate must be finite and >= 0"
+        )
+    return value
+
+
+def _check_nonnegative(name: str, value: float, hint: str) -> None:
+    if not value >= 0 or math.isinf(value):
+        raise ValueError(f"{name}: must be finite and >= 0, got {value}; {hint}")
+
+
+def _check_state(state: object, expected: type, optimizer: str) -> None:
+    if not isinstance(state, expected):
+        raise TypeError(
+            f"state: {optimizer}.update expects the {expected.__name__} its init returned, "
+            f"got {type(state).__name__}"
+        )
+
+
+def _leaves_like(tree: Params, spec: optree.PyTreeSpec, name: str) -> list[Tensor]:
+    """``tree``'s leaves, checking that it has the params' structure, so leaves pair up."""
+    leaves, tree_spec = optree.tree_flatten(tree)
+    if tree_spec != spec:
+        raise ValueError(
+            f"{name}: its tree structure {tree_spec} differs from the params' {spec}; "
+            "pass one tensor per parameter, in the same containers"
+        )
+    return leaves
+
+
+def _zero_step() -> Tensor:
+    return torch.zeros((), dtype=torch.int64)
+
+
+def _next_step(step: Tensor) -> Tensor:
+    # A new tensor (never an in-place `+=`): the caller's state stays as it was.
+    return step + 1

@@ -1,0 +1,29 @@
+"""Run by test_processes.py under ``python -m torch.distributed.run --nproc-per-node 2``.
+
+torchrun only sets the environment: the script initialises the default process
+group itself, and the Mesh picks it up through runtime.current_backend().
+"""
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from shardwise.collectives.mesh import Mesh
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    mesh = Mesh(dp=2)
+    backend = mesh.backend
+    total = backend.all_reduce(torch.tensor([1.0 + mesh.rank]), mesh.group("dp")).wait()
+    print(f"rank {mesh.rank}: {backend.name} all_reduce -> {total.tolist()}", flush=True)
+    dist.barrier()
+    sys.stdout.flush()
+    # Skip gloo's teardown at exit: torch 2.13 sometimes aborts (SIGABRT) in it.
+    os._exit(0 if total.tolist() == [3.0] else 1)
+
+
+if __name__ == "__main__":
+    main()

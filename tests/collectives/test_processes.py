@@ -1,0 +1,205 @@
+"""Multi-process launching: results, failures, cleanup, pools and torchrun.
+
+Failure tests use short timeouts (2-5 s) so they stay fast. "Every process
+ended" is checked with ``os.kill(pid, 0)``: it fails for a reaped process but
+succeeds for a zombie, so it also proves the parent joined its children.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from shardwise.collectives.backend import CollectiveTimeout
+from shardwise.collectives.launch import RankFailed, launch
+from shardwise.collectives.mesh import Mesh
+from shardwise.collectives.processes import ProcessPool, launch_processes
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+# -- SPMD functions (module level: they travel to the worker processes by reference) ---
+def _psum_rank() -> torch.Tensor:
+    mesh = Mesh(dp=2)
+    return mesh.backend.all_reduce(torch.tensor([1.0 + mesh.rank]), mesh.group("dp")).wait()
+
+
+def _pid() -> int:
+    return os.getpid()
+
+
+def _record_pid_then(what: str, pid_dir: str) -> None:
+    """Rank 1 misbehaves as ``what`` says; rank 0 meets it in a collective."""
+    mesh = Mesh(dp=2)
+    Path(pid_dir, f"{mesh.rank}.pid").write_text(str(os.getpid()))
+    if mesh.rank == 1:
+        if what == "raise":
+            raise ValueError("rank 1 broke on purpose")
+        if what == "return":
+            return
+        if what == "sleep":
+            time.sleep(60)
+        if what == "exit":
+            os._exit(3)
+    mesh.backend.all_reduce(torch.ones(2), mesh.group("dp")).wait()
+
+
+def _sleep(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+def _pids_in(pid_dir: Path) -> list[int]:
+    return [int(p.read_text()) for p in sorted(pid_dir.glob("*.pid"))]
+
+
+def _assert_ended(pids: list[int]) -> None:
+    assert pids
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)  # succeeds for a live process and for an unreaped zombie
+
+
+# -- success ---------------------------------------------------------------------------
+@pytest.mark.gloo
+def test_launch_with_processes_backend() -> None:
+    results = launch(_psum_rank, 2, backend="processes", timeout=30.0)
+    assert [r.tolist() for r in results] == [[3.0], [3.0]]
+
+
+@pytest.mark.gloo
+def test_pool_reuses_processes_and_recovers_after_a_failed_run(tmp_path: Path) -> None:
+    with ProcessPool(2, timeout=5.0) as pool:
+        first = pool.run(_pid)
+        assert pool.run(_pid) == first == pool.pids  # same processes, no new start
+        assert [r.tolist() for r in pool.run(_psum_rank)] == [[3.0], [3.0]]
+
+        with pytest.raises(RankFailed, match="rank 1 broke on purpose"):
+            pool.run(_record_pid_then, "raise", str(tmp_path))
+        assert pool.pids == []
+        _assert_ended(first)
+
+        again = pool.run(_pid)  # a fresh set of processes and process group
+        assert set(again).isdisjoint(first)
+        assert [r.tolist() for r in pool.run(_psum_rank)] == [[3.0], [3.0]]
+    _assert_ended(again)
+
+
+# -- failures --------------------------------------------------------------------------
+@pytest.mark.gloo
+def test_a_rank_that_raises_fails_the_launch_and_ends_every_process(tmp_path: Path) -> None:
+    start = time.monotonic()
+    with pytest.raises(RankFailed) as info:
+        launch_processes(_record_pid_then, 2, timeout=30.0, args=("raise", str(tmp_path)))
+    elapsed = time.monotonic() - start
+    assert info.value.rank == 1
+    message = str(info.value)
+    assert "ValueError: rank 1 broke on purpose" in message
+    assert "traceback of rank 1" in message and "_record_pid_then" in message  # the remote traceback
+    assert isinstance(info.value.__cause__, ValueError)
+    # Rank 0 waits in a collective with a 30 s timeout: it was terminated, not waited for.
+    assert elapsed < 20.0
+    _assert_ended(_pids_in(tmp_path))
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("what", ["return", "sleep"])
+def test_a_rank_that_never_arrives_times_the_others_out(tmp_path: Path, what: str) -> None:
+    start = time.monotonic()
+    with pytest.raises(RankFailed) as info:
+        launch_processes(_record_pid_then, 2, timeout=2.0, args=(what, str(tmp_path)))
+    assert time.monotonic() - start < 20.0  # not the 60 s rank 1 sleeps
+    assert info.value.rank == 0
+    assert isinstance(info.value.__cause__, CollectiveTimeout)
+    message = str(info.value)
+    assert "CollectiveTimeout: psum on axis 'dp' (group ranks (0, 1)) on rank 0" in message
+    assert "timed out" in message and "timeout 2 s" in message
+    _assert_ended(_pids_in(tmp_path))
+
+
+@pytest.mark.gloo
+def test_a_process_that_dies_is_a_failure_naming_its_exit_code(tmp_path: Path) -> None:
+    with pytest.raises(RankFailed) as info:
+        launch_processes(_record_pid_then, 2, timeout=5.0, args=("exit", str(tmp_path)))
+    # Rank 0 reacts with a collective error; the root cause is rank 1's death.
+    assert info.value.rank == 1
+    assert "exited with code 3 without reporting a result" in str(info.value)
+    _assert_ended(_pids_in(tmp_path))
+
+
+@pytest.mark.gloo
+def test_keyboard_interrupt_in_the_parent_ends_every_process() -> None:
+    pool = ProcessPool(2, timeout=5.0)
+    pids = pool.run(_pid)
+    timer = threading.Timer(0.5, signal.raise_signal, args=(signal.SIGINT,))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            pool.run(_sleep, 60.0)
+    finally:
+        timer.cancel()
+        pool.close()
+    _assert_ended(pids)
+
+
+def _nested() -> None:
+    pass
+
+
+def test_unpicklable_work_is_refused_before_spawning() -> None:
+    def local_fn() -> None:
+        pass
+
+    with pytest.raises(TypeError, match=r"local_fn cannot be pickled.*top level of an importable module"):
+        launch_processes(local_fn, 2, timeout=5.0)
+    with pytest.raises(TypeError, match="<lambda> cannot be pickled"):
+        launch_processes(lambda: None, 2, timeout=5.0)
+    with pytest.raises(TypeError, match="arguments for _nested cannot be pickled"):
+        launch_processes(_nested, 2, timeout=5.0, args=(threading.Lock(),))
+    with pytest.raises(TypeError, match="expected a function"):
+        launch_processes(42, 2, timeout=5.0)  # type: ignore[arg-type]
+
+
+def test_pool_arguments_are_checked() -> None:
+    with pytest.raises(ValueError, match="world must be a positive int"):
+        ProcessPool(0)
+    with pytest.raises(ValueError, match="timeout must be positive"):
+        ProcessPool(2, timeout=0)
+    pool = ProcessPool(2)
+    pool.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        pool.run(_pid)
+
+
+# -- torchrun --------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@pytest.mark.gloo
+def test_under_torchrun_the_mesh_uses_the_initialized_process_group() -> None:
+    script = Path(__file__).with_name("_torchrun_script.py")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    for _attempt in range(2):  # the master port may be taken between probe and bind
+        command = [
+            sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+            "--master-port", str(_free_port()), str(script),
+        ]  # fmt: skip
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
+        if "EADDRINUSE" not in proc.stderr:
+            break
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output
+    for rank in (0, 1):
+        assert f"rank {rank}: gloo all_reduce -> [3.0]" in proc.stdout, output

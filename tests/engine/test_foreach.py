@@ -1,0 +1,119 @@
+"""Guards on torch's private ``torch._foreach_*`` kernels, as wrapped in
+``shardwise.engine._foreach``: if a torch upgrade removes, renames or changes one of them,
+these tests fail here, by name, rather than the optimizers drifting silently.
+
+Every wrapper is checked against its per-tensor fallback loop with exact equality: on CPU
+the foreach kernels are themselves loops over the same ATen ops, so any difference at all
+means the kernel changed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from shardwise.engine import _foreach as fe
+
+SHAPES = [(3, 5), (7,), (), (2, 3, 4), (0,)]
+
+
+def _tensors(
+    seed: int, dtype: torch.dtype = torch.float32, positive: bool = False
+) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(shape, generator=gen, dtype=dtype) for shape in SHAPES]
+    # Bounded away from 0 where the op takes a square root or divides.
+    return [x.abs() + 0.5 for x in xs] if positive else xs
+
+
+# wrapper -> (private op it uses, how to call it on fresh inputs)
+CASES: dict[
+    str, tuple[str, Callable[[torch.dtype], tuple[list[list[torch.Tensor]], dict[str, float]]]]
+] = {
+    "add": ("_foreach_add", lambda dt: ([_tensors(0, dt), _tensors(1, dt)], {"alpha": -0.37})),
+    "add_scalar": ("_foreach_add", lambda dt: ([_tensors(0, dt)], {"scalar": 1e-8})),
+    "mul_scalar": ("_foreach_mul", lambda dt: ([_tensors(0, dt)], {"scalar": 0.999})),
+    "div_scalar": ("_foreach_div", lambda dt: ([_tensors(0, dt)], {"scalar": 0.031622})),
+    "lerp_scalar": (
+        "_foreach_lerp",
+        lambda dt: ([_tensors(0, dt), _tensors(1, dt)], {"weight": 0.1}),
+    ),
+    "addcmul_scalar": (
+        "_foreach_addcmul",
+        lambda dt: ([_tensors(0, dt), _tensors(1, dt), _tensors(2, dt)], {"value": 0.001}),
+    ),
+    "addcdiv_scalar": (
+        "_foreach_addcdiv",
+        lambda dt: (
+            [_tensors(0, dt), _tensors(1, dt), _tensors(2, dt, positive=True)],
+            {"value": -0.3},
+        ),
+    ),
+    "sqrt": ("_foreach_sqrt", lambda dt: ([_tensors(0, dt, positive=True)], {})),
+    "norm": ("_foreach_norm", lambda dt: ([_tensors(0, dt)], {"ord": 2.0})),
+}
+
+
+def test_every_wrapped_op_is_covered_here() -> None:
+    assert {op for op, _ in CASES.values()} == set(fe.FALLBACKS)
+    assert set(CASES) == set(fe.__all__) - {"foreach_op"}
+
+
+@pytest.mark.parametrize("name", sorted(fe.FALLBACKS))
+def test_private_op_exists(name: str) -> None:
+    assert fe.foreach_op(name) is not None, (
+        f"torch {torch.__version__} has no torch.{name}: shardwise falls back to a per-tensor "
+        "loop (correct, slower); update shardwise/engine/_foreach.py for the new API"
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("wrapper", sorted(CASES))
+def test_foreach_matches_the_loop_and_is_out_of_place(
+    wrapper: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, make = CASES[wrapper]
+    lists, scalars = make(dtype)
+    before = [[t.clone() for t in tensors] for tensors in lists]
+    input_ptrs = {t.data_ptr() for tensors in lists for t in tensors if t.numel()}
+
+    got = getattr(fe, wrapper)(*lists, **scalars)
+
+    # Out-of-place: inputs unchanged bitwise, outputs in fresh memory.
+    for tensors, saved in zip(lists, before, strict=True):
+        for t, s in zip(tensors, saved, strict=True):
+            assert torch.equal(t, s), f"{wrapper} wrote to its input"
+    assert not {t.data_ptr() for t in got if t.numel()} & input_ptrs, f"{wrapper} returned an input"
+
+    monkeypatch.setattr(fe, "foreach_op", lambda name: None)
+    expected = getattr(fe, wrapper)(*lists, **scalars)
+    assert len(got) == len(expected) == len(SHAPES)
+    for i, (g, e) in enumerate(zip(got, expected, strict=True)):
+        assert g.dtype == e.dtype and g.shape == e.shape, (
+            f"{wrapper}[{i}]: {g.dtype}{tuple(g.shape)} vs {e.dtype}{tuple(e.shape)}"
+        )
+        assert torch.equal(g, e), (
+            f"{wrapper}[{i}]: foreach kernel differs from the per-tensor op: {g} vs {e}"
+        )
+
+
+def test_mixed_dtypes_are_grouped_and_keep_their_order() -> None:
+    xs = [
+        torch.randn(3),
+        torch.randn(2, dtype=torch.float64),
+        torch.randn(4),
+        torch.randn((), dtype=torch.float64),
+    ]
+    ys = [torch.randn_like(x) for x in xs]
+    got = fe.add(xs, ys, alpha=0.5)
+    for x, y, g in zip(xs, ys, got, strict=True):
+        assert g.dtype == x.dtype
+        assert torch.equal(g, torch.add(x, y, alpha=0.5))
+
+
+def test_empty_lists_and_length_mismatch() -> None:
+    assert fe.add([], [], alpha=1.0) == []
+    with pytest.raises(ValueError, match="differ in length"):
+        fe.add([torch.ones(1)], [], alpha=1.0)

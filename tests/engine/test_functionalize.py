@@ -1,0 +1,503 @@
+"""functionalize: bitwise parity with the module (outputs and gradients), ties, buffers, refusals.
+
+Every comparison is exact (torch.equal): the chain runs the module's own ops in the same
+order on equal values, so there is no tolerance to explain.
+"""
+
+from __future__ import annotations
+
+import pickle
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import hypothesis.strategies as st
+import pytest
+import torch
+from hypothesis import given
+from torch import Tensor, nn
+
+from shardwise.engine.chain import Chain
+from shardwise.engine.functionalize import FunctionalizeError, functionalize
+from shardwise.testing.models import Block, TinyGPT, mlp
+
+ParamTree = dict[str, dict[str, Tensor]]
+GPT_UNITS: list[Any] = [["tok_emb", "blocks", "head"], Block, None]
+
+
+def tiny_gpt(tie: bool = True) -> TinyGPT:
+    torch.manual_seed(0)
+    return TinyGPT(vocab=48, d_model=32, n_heads=4, n_layers=3, seq_len=12, tie_weights=tie).eval()
+
+
+def tokens(batch: int = 2, time: int = 12) -> Tensor:
+    return torch.randint(0, 48, (batch, time), generator=torch.Generator().manual_seed(1))
+
+
+def trainable(params: ParamTree) -> ParamTree:
+    return {
+        layer: {n: t.clone().requires_grad_() for n, t in d.items()} for layer, d in params.items()
+    }
+
+
+def module_grads(module: nn.Module, x: Any, loss: Callable[[Any], Tensor]) -> dict[int, Tensor]:
+    """``.grad`` of every parameter after ``loss(module(x)).backward()``, keyed by identity."""
+    module.zero_grad(set_to_none=True)
+    loss(module(x)).backward()
+    return {id(p): p.grad for p in module.parameters() if p.grad is not None}
+
+
+def assert_grads_match(
+    module: nn.Module, chain: Chain, params: ParamTree, x: Any, loss: Callable[[Any], Tensor]
+) -> None:
+    """Chain gradients (by backward and by torch.func.grad) equal the module's .grad bitwise."""
+    expected = module_grads(module, x, loss)
+    leaves = trainable(params)
+    loss(chain(leaves, x)).backward()
+    functional = torch.func.grad(lambda p: loss(chain(p, x)))(params)
+    by_identity = _param_identities(module, chain)
+    assert len(by_identity) == len(expected)  # every module param appears exactly once
+    for (layer, name), pid in by_identity.items():
+        assert torch.equal(leaves[layer][name].grad, expected[pid]), f"{layer}/{name}"
+        assert torch.equal(functional[layer][name], expected[pid]), f"{layer}/{name}"
+
+
+def _param_identities(module: nn.Module, chain: Chain) -> dict[tuple[str, str], int]:
+    """(layer, local name) of each owned param -> id of the module Parameter it copies."""
+    named = dict(module.named_parameters(remove_duplicate=False))
+    out = {}
+    for layer in chain:
+        for local in layer.owned_param_names:
+            # fx segments and whole-module layers use full names; Sequential children their own
+            # (a Sequential has no params of its own, so the two never collide).
+            key = local if local in named else f"{layer.name}.{local}"
+            out[(layer.name, local)] = id(named[key])
+    return out
+
+
+def xent(logits: Tensor) -> Tensor:
+    return nn.functional.cross_entropy(logits.flatten(0, 1), tokens().flatten())
+
+
+# --- Sequentials and single modules ---------------------------------------------------------
+
+
+@given(
+    widths=st.lists(st.integers(1, 6), min_size=2, max_size=5),
+    activation=st.sampled_from(["gelu", "relu", "tanh", "silu"]),
+    seed=st.integers(0, 2**16),
+)
+def test_mlp_is_bitwise_the_module(widths: list[int], activation: str, seed: int) -> None:
+    torch.manual_seed(seed)
+    model = mlp(widths, activation)
+    x = torch.randn(3, widths[0])
+    chain, params = functionalize(model, example_input=x)
+    assert chain.names == tuple(str(i) for i in range(len(model)))
+    assert torch.equal(chain(params, x), model(x))
+    assert_grads_match(model, chain, params, x, lambda y: y.square().sum())
+
+
+def test_sequential_of_common_layers() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Embedding(20, 8),
+        nn.LayerNorm(8),
+        nn.Linear(8, 16),
+        nn.GELU(),
+        nn.Dropout(0.5),
+        nn.Linear(16, 4),
+    ).eval()
+    x = torch.randint(0, 20, (3, 5))
+    chain, params = functionalize(model, example_input=x)
+    assert params["3"] == {} and params["4"] == {}
+    assert torch.equal(chain(params, x), model(x))
+    assert_grads_match(model, chain, params, x, lambda y: y.sum())
+
+
+def test_dropout_in_training_mode_draws_the_same_mask() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 8))
+    x = torch.randn(4, 8)
+    chain, params = functionalize(model, example_input=x)
+    torch.manual_seed(7)
+    expected = model(x)
+    torch.manual_seed(7)
+    assert torch.equal(chain(params, x), expected)
+
+
+def test_named_sequential_children_name_the_layers() -> None:
+    from collections import OrderedDict
+
+    model = nn.Sequential(OrderedDict(inp=nn.Linear(2, 3), act=nn.ReLU(), out=nn.Linear(3, 1)))
+    chain, params = functionalize(model)
+    assert chain.names == ("inp", "act", "out")
+    assert set(params["inp"]) == {"weight", "bias"}
+
+
+@pytest.mark.parametrize("module", [nn.Linear(5, 3), nn.LayerNorm(5), nn.GELU()])
+def test_any_single_module_is_one_layer(module: nn.Module) -> None:
+    x = torch.randn(2, 5)
+    chain, params = functionalize(module, example_input=x)
+    assert chain.names == ("model",)
+    assert set(params["model"]) == {n for n, _ in module.named_parameters()}
+    assert torch.equal(chain(params, x), module(x))
+
+
+def test_untraceable_module_is_fine_as_one_layer() -> None:
+    """units=None never traces, so data-dependent control flow is allowed."""
+    chain, _ = functionalize(Branchy(), example_input=torch.randn(3))
+    assert chain.names == ("model",)
+
+
+# --- the GPT: glue, ties, buffers -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("units", GPT_UNITS, ids=["paths", "class", "whole"])
+def test_gpt_is_bitwise_the_module(units: Any) -> None:
+    model = tiny_gpt()
+    chain, params = functionalize(model, units=units, example_input=tokens())
+    if units is Block:
+        assert chain.names == ("blocks.0", "blocks.1", "blocks.2")
+    elif units is not None:
+        assert chain.names == ("tok_emb", "blocks.0", "blocks.1", "blocks.2", "head")
+    assert torch.equal(chain(params, tokens()), model(tokens()))
+    assert_grads_match(model, chain, params, tokens(), xent)
+
+
+def test_gpt_glue_joins_the_following_unit_and_the_tie_is_kept() -> None:
+    chain, params = functionalize(tiny_gpt(), units=["tok_emb", "blocks", "head"])
+    assert set(params["tok_emb"]) == {"tok_emb.weight"}
+    assert "pos_emb" in params["blocks.0"]  # glue before blocks.0
+    assert set(params["head"]) == {"ln_f.weight", "ln_f.bias"}  # ln_f: glue before head
+    assert chain["head"].ties == {"head.weight": ("tok_emb", "tok_emb.weight")}
+    all_tensors = [t for d in params.values() for t in d.values()]
+    assert (
+        len(all_tensors) == len({id(t) for t in all_tensors}) == len(list(tiny_gpt().parameters()))
+    )
+
+
+def test_untied_gpt_has_no_ties() -> None:
+    model = tiny_gpt(tie=False)
+    chain, params = functionalize(model, units=Block, example_input=tokens())
+    assert all(not layer.ties for layer in chain)
+    assert "head.weight" in params["blocks.2"]  # glue after the last unit joins it
+    assert_grads_match(model, chain, params, tokens(), xent)
+
+
+def test_tie_inside_one_layer_is_one_entry_fed_under_both_names() -> None:
+    model = tiny_gpt()
+    chain, params = functionalize(model)
+    assert "tok_emb.weight" in params["model"] and "head.weight" not in params["model"]
+    # Perturbing the one entry changes both uses: the tie is honoured by functional_call.
+    params["model"]["tok_emb.weight"] = params["model"]["tok_emb.weight"] * 2
+    with torch.no_grad():
+        model.tok_emb.weight.mul_(2)
+    assert torch.equal(chain(params, tokens()), model(tokens()))
+
+
+def test_buffers_are_carried_as_copies() -> None:
+    model = tiny_gpt()
+    chain, params = functionalize(model, units=Block)
+    mask = chain["blocks.1"].buffers["blocks.1.attn.mask"]
+    assert torch.equal(mask, model.blocks[1].attn.mask)
+    assert mask.data_ptr() != model.blocks[1].attn.mask.data_ptr()
+    assert all("mask" not in n for d in params.values() for n in d)
+    before = chain(params, tokens())
+    with torch.no_grad():
+        model.blocks[1].attn.mask.fill_(True)  # the module changes; the chain must not
+    assert torch.equal(chain(params, tokens()), before)
+
+
+def test_params_are_detached_copies_and_module_is_untouched() -> None:
+    model = tiny_gpt()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    attributes = set(vars(model))
+    _, params = functionalize(model, units=Block, example_input=tokens())
+    for d in params.values():
+        for t in d.values():
+            assert not t.requires_grad
+            t.add_(1.0)
+    assert set(vars(model)) == attributes
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+
+
+def test_frozen_params_travel_as_buffers() -> None:
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2))
+    model[0].weight.requires_grad_(False)
+    chain, params = functionalize(model, example_input=torch.randn(2, 3))
+    assert set(params["0"]) == {"bias"}
+    assert set(chain["0"].buffers) == {"weight"}
+
+
+def test_layers_are_safe_to_call_from_many_threads() -> None:
+    """Ranks of the threads backend share one chain; functional_call must not race."""
+    model = tiny_gpt()
+    chain, params = functionalize(model, units=Block)
+    per_thread = [
+        {k: {n: t + 0.01 * i for n, t in d.items()} for k, d in params.items()} for i in range(4)
+    ]
+    expected = [chain(p, tokens()) for p in per_thread]
+    results: list[Tensor | None] = [None] * 4
+    barrier = threading.Barrier(4)
+
+    def run(i: int) -> None:
+        barrier.wait()
+        for _ in range(3):
+            results[i] = chain(per_thread[i], tokens())
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for got, want in zip(results, expected, strict=True):
+        assert got is not None and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("units", GPT_UNITS, ids=["paths", "class", "whole"])
+def test_chain_survives_pickle(units: Any) -> None:
+    """Process ranks receive their work pickled; a functionalized chain must make the trip."""
+    model = tiny_gpt()
+    chain, params = functionalize(model, units=units)
+    clone = pickle.loads(pickle.dumps(chain))
+    assert clone.names == chain.names
+    assert torch.equal(clone(params, tokens()), model(tokens()))
+
+
+# --- fx splitting details --------------------------------------------------------------------
+
+
+class Scaled(nn.Module):
+    """A glue param read before the first unit but used after it, and a constant made in forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(1.5))
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        s = self.scale
+        h = self.a(x)
+        return self.b(h * s) * torch.tensor(3.0)
+
+
+class Pairs(nn.Module):
+    """A unit that returns a tuple, consumed by the next unit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.split = SplitTwo()
+        self.join = JoinTwo()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.join(self.split(x)) + 1
+
+
+class SplitTwo(nn.Module):
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        return x.sin(), x.cos()
+
+
+class JoinTwo(nn.Module):
+    def forward(self, xs: tuple[Tensor, Tensor]) -> Tensor:
+        return xs[0] * xs[1]
+
+
+def test_glue_param_sinks_to_its_user_and_constants_stay_off_the_module() -> None:
+    model = Scaled()
+    attributes = set(vars(model))
+    chain, params = functionalize(model, units=["a", "b"], example_input=torch.randn(2, 4))
+    assert "scale" in params["b"] and "scale" not in params["a"]
+    assert set(vars(model)) == attributes
+    assert_grads_match(model, chain, params, torch.randn(2, 4), lambda y: y.sum())
+
+
+def test_a_tuple_may_cross_a_boundary() -> None:
+    x = torch.randn(5)
+    chain, params = functionalize(Pairs(), units=["split", "join"], example_input=x)
+    y = chain[0](params["split"], x)
+    assert isinstance(y, tuple) and len(y) == 2
+    assert torch.equal(chain(params, x), Pairs()(x))
+
+
+def test_batchnorm_in_training_mode_is_refused_and_eval_works() -> None:
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.ReLU())
+    with pytest.raises(FunctionalizeError, match=r"'1' \(BatchNorm1d\).*\.eval\(\).*GroupNorm"):
+        functionalize(model)
+    model.eval()
+    chain, _ = functionalize(model, example_input=torch.randn(5, 3))
+    assert set(chain["1"].buffers) == {"running_mean", "running_var", "num_batches_tracked"}
+
+
+class Masked(nn.Module):
+    """A mask computed once in glue and used by every block: two values cross each boundary."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(MaskedBlock() for _ in range(2))
+
+    def forward(self, x: Tensor) -> Tensor:
+        mask = x > 0
+        for block in self.blocks:
+            x = block(x, mask)
+        return x
+
+
+class MaskedBlock(nn.Module):
+    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
+        return torch.where(mask, x * 2, x)
+
+
+class Branchy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.sum() > 0:
+            x = -x
+        return self.lin(x)
+
+
+class Hooked(nn.Module):
+    """Splits fine, but a forward hook on the root is invisible to tracing: example_input catches it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(3, 3)
+        self.b = nn.Linear(3, 3)
+        self.register_forward_hook(lambda module, args, out: out * 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.b(self.a(x))
+
+
+class Spare(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.spare = nn.Linear(3, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.lin(x)
+
+
+class Ignores(nn.Module):
+    """The second unit does not depend on the first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(3, 3)
+        self.b = nn.Linear(3, 3)
+        self.register_buffer("c", torch.ones(3))
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.a(x)
+        return self.b(self.c)
+
+
+class TwoInputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x: Tensor, y: Tensor) -> Tensor:
+        return self.lin(x + y)
+
+
+@pytest.mark.parametrize(
+    ("make", "units", "message"),
+    [
+        (
+            tiny_gpt,
+            ["tok_emb", "blockz", "head"],
+            r"unknown unit 'blockz'.*did you mean \['blocks'",
+        ),
+        (
+            tiny_gpt,
+            ["blocks", "tok_emb", "head"],
+            r"order forward runs them; unit 0 is 'blocks.0' but forward runs 'tok_emb'",
+        ),
+        (
+            tiny_gpt,
+            ["blocks", "blocks.1"],
+            r"units 'blocks.1' and 'blocks.1.attn'|'blocks.1' is listed twice",
+        ),
+        (tiny_gpt, ["blocks.0", "blocks.0.attn"], r"'blocks.0' and 'blocks.0.attn' overlap"),
+        (tiny_gpt, ["pos_emb"], "unknown unit 'pos_emb'"),
+        (tiny_gpt, ["head.weight"], "unknown unit 'head.weight'"),
+        (tiny_gpt, [], "units is empty"),
+        (Ignores, ["a", "b"], r"between units 'a' and 'b' no value flows"),
+        (
+            tiny_gpt,
+            ["blocks.0.attn", "blocks.0.mlp"],
+            r"'blocks.0.attn' and 'blocks.0.mlp.0' 2 values cross(.|\n)*'add' = add\(\.\.\.\) at File .*models.py",
+        ),
+        (
+            Masked,
+            ["blocks"],
+            r"between units 'blocks.0' and 'blocks.1' 2 values cross(.|\n)*'gt' = gt\(\.\.\.\) at File(.|\n)*'blocks_0', the output of 'blocks.0'(.|\n)*buffer",
+        ),
+        (Masked, nn.Linear, "contains no Linear"),
+        (
+            Branchy,
+            ["lin"],
+            r"cannot trace Branchy.forward(.|\n)*control flow(.|\n)*nn.Sequential(.|\n)*Layer",
+        ),
+        (Pairs, ["split.nothing"], "unknown unit 'split.nothing'"),
+        (Spare, ["lin", "spare"], "'spare' is never called"),
+        (TwoInputs, ["lin"], "second required argument 'y'"),
+    ],
+)
+def test_refusals_name_the_place_and_the_fix(
+    make: Callable[[], nn.Module], units: Any, message: str
+) -> None:
+    with pytest.raises(FunctionalizeError, match=message):
+        functionalize(make(), units=units)
+
+
+def test_tracing_goes_through_attention_and_its_mask_buffer() -> None:
+    """With only the ends as units, blocks are glue: traced through, the mask read from the graph."""
+    model = tiny_gpt()
+    chain, params = functionalize(model, units=["tok_emb", "head"], example_input=tokens())
+    assert set(chain["head"].buffers) == {f"blocks.{i}.attn.mask" for i in range(3)}
+    assert_grads_match(model, chain, params, tokens(), xent)
+
+
+def test_shared_unit_called_twice_is_refused() -> None:
+    lin = nn.Linear(3, 3)
+    with pytest.raises(FunctionalizeError, match="'0' is called 2 times"):
+        functionalize(nn.Sequential(lin, nn.ReLU(), lin), units=["0", "1"])
+
+
+def test_repeated_child_of_a_sequential_is_tied() -> None:
+    lin = nn.Linear(3, 3)
+    model = nn.Sequential(lin, nn.Tanh(), lin)
+    chain, params = functionalize(model, example_input=torch.randn(2, 3))
+    assert params["2"] == {} and chain["2"].ties == {
+        "weight": ("0", "weight"),
+        "bias": ("0", "bias"),
+    }
+    assert_grads_match(model, chain, params, torch.randn(2, 3), lambda y: y.sum())
+
+
+def test_example_input_catches_a_split_that_changes_the_result() -> None:
+    with pytest.raises(
+        FunctionalizeError, match=r"differs from the module at output: largest difference"
+    ):
+        functionalize(Hooked(), units=["a", "b"], example_input=torch.randn(2, 3))
+    functionalize(Hooked(), example_input=torch.randn(2, 3))  # one layer calls the module itself
+
+
+def test_example_input_catches_a_layer_that_mutates_a_buffer() -> None:
+    class Counter(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("count", torch.zeros(()))
+
+        def forward(self, x: Tensor) -> Tensor:
+            self.count.add_(1)
+            return x
+
+    with pytest.raises(FunctionalizeError, match="layer 'model' modified its buffer 'count'"):
+        functionalize(Counter(), example_input=torch.zeros(1))
