@@ -51,7 +51,8 @@ from .launch import RankFailed
 _GRACE_S = 1.0  # after a failure, how long the other ranks may still report before being terminated
 _STOP_WAIT_S = 5.0  # how long idle workers get to exit after "stop"
 _SIGNAL_WAIT_S = 2.0  # how long to wait after SIGTERM (then SIGKILL) before giving up
-_MIN_STARTUP_S = 60.0  # rendezvous bound: processes start seconds apart on a loaded machine
+_MIN_STARTUP_S = 60.0
+_POLL_S = 0.2  # longest the parent sleeps between checks for KeyboardInterrupt  # rendezvous bound: processes start seconds apart on a loaded machine
 
 
 def launch_processes(
@@ -103,7 +104,8 @@ class ProcessPool:
             try:
                 return self._slot.ranks.run(task)
             except BaseException:
-                self._slot.clear()
+                # A failed run or Ctrl-C: ranks may be busy, so do not wait for them to stop.
+                self._slot.clear(wait=0.0)
                 raise
 
     @property
@@ -135,10 +137,10 @@ class _Slot:
     def __init__(self) -> None:
         self.ranks: _Ranks | None = None
 
-    def clear(self) -> None:
+    def clear(self, wait: float = _STOP_WAIT_S) -> None:
         ranks, self.ranks = self.ranks, None
         if ranks is not None:
-            ranks.shutdown(wait=_STOP_WAIT_S)
+            ranks.shutdown(wait)
 
 
 # -- the parent's side --------------------------------------------------------------
@@ -231,7 +233,10 @@ class _Ranks:
                 break
             handles: list[Any] = [self.conns[r] for r in pending if r not in self._eof]
             handles += [self.procs[r].sentinel for r in pending]
-            multiprocessing.connection.wait(handles, timeout=None if limit is None else limit - now)
+            # Bounded waits: a Ctrl-C delivered to another thread is only handled
+            # when the main thread gets back to Python code.
+            wait_s = _POLL_S if limit is None else min(_POLL_S, limit - now)
+            multiprocessing.connection.wait(handles, timeout=wait_s)
             for rank in sorted(pending):
                 report = self._poll(rank)
                 if report is None:
@@ -266,10 +271,13 @@ class _Ranks:
         return _Failure(rank, message)
 
     def shutdown(self, wait: float) -> None:
-        """End every process: ask, wait up to ``wait`` s, then SIGTERM, then SIGKILL; always reap."""
+        """End every process: ask, wait up to ``wait`` s, then SIGTERM, then SIGKILL; always reap.
+
+        Safe to call again: if it is interrupted (a second Ctrl-C), the atexit
+        hook finishes the job.
+        """
         if self._shut_down:
             return
-        self._shut_down = True
         try:
             stop = pickle.dumps(("stop", None))
             for conn in self.conns:
@@ -277,20 +285,21 @@ class _Ranks:
                     conn.send_bytes(stop)
             _join_all(self.procs, wait)
             for proc in self.procs:
-                if proc.is_alive():
+                if proc.exitcode is None:
                     proc.terminate()
             _join_all(self.procs, _SIGNAL_WAIT_S)
             for proc in self.procs:
-                if proc.is_alive():
+                if proc.exitcode is None:
                     proc.kill()
             _join_all(self.procs, _SIGNAL_WAIT_S)
         finally:
-            for conn in self.conns:
-                conn.close()
-            for proc in self.procs:
-                if proc.pid is not None and proc.exitcode is not None:
+            if all(proc.pid is None or proc.exitcode is not None for proc in self.procs):
+                for conn in self.conns:
+                    conn.close()
+                for proc in self.procs:
                     proc.close()
-            _running.discard(self)
+                _running.discard(self)
+                self._shut_down = True
 
 
 def _decode(rank: int, message: tuple[str, Any]) -> _Failure | tuple[Any]:

@@ -294,11 +294,17 @@ class _UnitTracer(fx.Tracer):
         )
 
 
+# torch.fx patches nn.Module.__call__ and __getattr__ process-wide while it traces, so two
+# ranks of the threads backend tracing at once would see each other's patches.
+_TRACE_LOCK = threading.Lock()
+
+
 def _trace(module: nn.Module, units: list[str]) -> tuple[fx.Graph, dict[str, Any]]:
     """The graph of ``module.forward`` with units as leaves, and the constants tracing created."""
     before = set(vars(module))
     try:
-        graph = _UnitTracer(units).trace(module, concrete_args=_concrete_args(module))
+        with _TRACE_LOCK:
+            graph = _UnitTracer(units).trace(module, concrete_args=_concrete_args(module))
     except FunctionalizeError:
         raise
     except Exception as e:

@@ -86,6 +86,15 @@ class Block(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
+def _gpt2_init(module: nn.Module) -> None:
+    """GPT-2's initialisation: N(0, 0.02) weights, zero biases. torch's default N(0, 1)
+    embedding makes the tied output head's first logits ~sqrt(d_model) large."""
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, mean=0.0, std=0.02)
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        nn.init.zeros_(module.bias)
+
+
 class TinyGPT(nn.Module):
     """A small GPT: ``idx (batch, time) int64 -> logits (batch, time, vocab)``.
 
@@ -112,6 +121,7 @@ class TinyGPT(nn.Module):
         self.head = nn.Linear(d_model, vocab, bias=False)
         if tie_weights:
             self.head.weight = self.tok_emb.weight
+        self.apply(_gpt2_init)
 
     def forward(self, idx: Tensor) -> Tensor:
         x = self.tok_emb(idx)

@@ -1,0 +1,41 @@
+"""Examples double as smoke tests, shortened."""
+
+from __future__ import annotations
+
+import importlib.util
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["--vocab", "64", "--d-model", "32", "--n-layers", "2", "--seq-len", "16", "--batch", "8"]
+
+
+def _load(name: str):  # type: ignore[no-untyped-def]
+    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_train_gpt_on_threads_learns() -> None:
+    losses = _load("train_gpt").main(["--steps", "30", "--world", "2", "--lr", "1e-2", *SMALL])
+    assert len(losses) == 30
+    assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5
+
+
+@pytest.mark.gloo
+def test_train_gpt_under_torchrun() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           f"--master-port={port}", str(ROOT / "examples" / "train_gpt.py"), "--steps", "4", *SMALL]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "step    4/4" in result.stdout
