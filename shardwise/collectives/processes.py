@@ -285,15 +285,15 @@ class _Ranks:
                     conn.send_bytes(stop)
             _join_all(self.procs, wait)
             for proc in self.procs:
-                if proc.exitcode is None:
+                if _running_process(proc):
                     proc.terminate()
             _join_all(self.procs, _SIGNAL_WAIT_S)
             for proc in self.procs:
-                if proc.exitcode is None:
+                if _running_process(proc):
                     proc.kill()
             _join_all(self.procs, _SIGNAL_WAIT_S)
         finally:
-            if all(proc.pid is None or proc.exitcode is not None for proc in self.procs):
+            if not any(_running_process(proc) for proc in self.procs):
                 for conn in self.conns:
                     conn.close()
                 for proc in self.procs:
@@ -328,10 +328,15 @@ def _root_cause(failures: list[_Failure]) -> RankFailed:
     return error
 
 
+def _running_process(proc: BaseProcess) -> bool:
+    """Started and not yet reaped (``exitcode`` reaps a finished child)."""
+    return proc.pid is not None and proc.exitcode is None
+
+
 def _join_all(procs: list[BaseProcess], seconds: float) -> None:
     deadline = time.monotonic() + seconds
     for proc in procs:
-        if proc.pid is not None and proc.exitcode is None:
+        if _running_process(proc):
             proc.join(max(0.0, deadline - time.monotonic()))
 
 

@@ -1,0 +1,95 @@
+"""shard_params on gloo processes: the same results as the single-device step.
+
+Each rank rebuilds the (seeded) problem itself, so nothing unpicklable crosses
+processes; the parent computes the reference and compares. float64, so the
+1e-12 relative bound of the threads tests applies unchanged: the transport
+moves exact bytes and gloo's sums differ from ours only in rounding order.
+
+The GPT runs SGD with momentum and the MLP AdamW, not the other way round:
+Adam normalises each update, so an element whose true gradient is zero (the
+attention key bias: softmax ignores a shift shared by all keys) moves by
+about ±lr on rounding noise alone, and a different reduction order changes
+that noise. That is Adam amplifying ulps, not a sharding error; the MLP has
+no such direction.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import shardwise as sw
+from shardwise.testing.equivalence import _errors
+from shardwise.testing.models import TinyGPT, mlp
+
+pytestmark = pytest.mark.gloo
+
+
+def _lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _problem(kind: str, world: int):  # type: ignore[no-untyped-def]
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(1)
+    if kind == "mlp":
+        chain, params = sw.functionalize(mlp([5, 7, 3, 6]).double())
+        step = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.adamw(1e-2), clip_norm=0.5)
+        batches = [(torch.randn(4 * world, 5, generator=gen, dtype=torch.float64),
+                    torch.randn(4 * world, 6, generator=gen, dtype=torch.float64)) for _ in range(3)]
+    else:
+        model = TinyGPT(vocab=32, d_model=16, n_heads=2, n_layers=2, seq_len=8).double()
+        chain, params = sw.functionalize(model, units=["tok_emb", "blocks", "head"])
+        step = sw.train_step(chain, _lm_loss, sw.optim.sgd(0.5, momentum=0.9))
+        batches = [(torch.randint(32, (2 * world, 8), generator=gen),
+                    torch.randint(32, (2 * world, 8), generator=gen)) for _ in range(3)]
+    return step, params, batches
+
+
+def _run_rank(kind: str, world: int, options: dict) -> list:
+    step, params, batches = _problem(kind, world)
+    sharded = sw.shard_params(step, "dp", **options)
+    mesh = sw.Mesh(dp=world)
+    state = sharded.init(params, mesh)
+    out = []
+    for batch in batches:
+        state, metrics = sharded(state, batch)
+        out.append((metrics["loss"], sharded.full_params(state)))
+    return out
+
+
+def _reference(kind: str, world: int) -> list:
+    step, params, batches = _problem(kind, world)
+    state = step.init(params)
+    out = []
+    for batch in batches:
+        state, metrics = step(state, batch)
+        out.append((metrics["loss"], state.params))
+    return out
+
+
+CASES = [
+    ("mlp", {"stage": 1}),
+    ("mlp", {"stage": 2, "accumulation": 2}),
+    ("mlp", {"stage": 3, "prefetch": 2}),
+    ("gpt", {"stage": 3, "reshard_after_forward": False}),
+    ("gpt", {"stage": 3, "accumulation": 2}),
+]
+
+
+@pytest.mark.parametrize("kind,options", CASES, ids=[f"{k}-{o}" for k, o in CASES])
+@pytest.mark.parametrize("pool_name", ["gloo2", "gloo4"])
+def test_sharded_step_on_gloo_equals_single_device(
+    kind: str, options: dict, pool_name: str, request: pytest.FixtureRequest
+) -> None:
+    pool = request.getfixturevalue(pool_name)
+    world = int(pool_name[-1])
+    expected = _reference(kind, world)
+    for rank, history in enumerate(pool.run(_run_rank, kind, world, options)):
+        for index, ((loss, params), (ref_loss, ref_params)) in enumerate(zip(history, expected, strict=True)):
+            _, rel, _ = _errors(loss, ref_loss)
+            assert rel <= 1e-12, (rank, index, "loss", rel)
+            for layer, tensors in ref_params.items():
+                for name, ref in tensors.items():
+                    _, rel, _ = _errors(params[layer][name], ref)
+                    assert rel <= 1e-12, (rank, index, layer, name, rel)
