@@ -164,12 +164,11 @@ def rank_main(op: str, sizes: list[int], reps: list[int], with_torch: bool) -> l
     backend, group = mesh.backend, mesh.group(AXIS)
     barrier = lambda: backend.barrier(group)  # noqa: E731
     ours = _ours(op, mesh)
-    torch.manual_seed(mesh.rank)
     points = []
     for nbytes, n_reps in zip(sizes, reps, strict=True):
-        x = torch.randn(nbytes // 4)
-        raw_x = x.clone()  # torch's in-place calls (all_reduce, broadcast) overwrite their input
-        raw = _torch_call(op, raw_x) if with_torch else None
+        x = torch.full((nbytes // 4,), mesh.rank + 1.0)  # the values do not matter, only the bytes
+        # Torch's in-place calls (all_reduce, broadcast) overwrite their input: give them their own.
+        raw = _torch_call(op, x.clone()) if with_torch else None
         barrier()
         with sw.comm_ledger() as ledger:  # the warm-up call
             result = ours(x)
@@ -242,8 +241,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ops", default=",".join(OPS), help=f"subset of {','.join(OPS)}")
     parser.add_argument("--reps", type=int, default=20, help="timed repetitions at small sizes (default 20)")
     parser.add_argument(
-        "--rep-budget", type=parse_size, default=parse_size("256M"),
-        help="fewer reps for large sizes: at most this many input bytes per point, min 3 reps (default 256M)",
+        "--rep-budget", type=parse_size, default=parse_size("64M"),
+        help="fewer reps for large sizes: at most this many input bytes per point, min 3 reps (default 64M)",
     )
     parser.add_argument("--out", help="also write the JSON lines to this file")
     args = parser.parse_args(argv)

@@ -51,6 +51,9 @@ One JSON object per (model, world, variant) on stdout (and in ``--out``):
   batches and ``torch.optim.AdamW``. float32, so expect ~1e-6, not 0.
 * ``cores``: ``os.cpu_count()``. With ``world > cores`` the ranks
   oversubscribe the CPU and step times measure contention as much as the method.
+  ``loadavg_1m`` is the machine's load when the line was written: if it is
+  well above ``cores``, something else was running and the absolute times are
+  inflated (the ratios less so: the variants are interleaved step by step).
 * ``skipped``: present (with the reason) instead of timings when a variant
   could not be built on this torch.
 """
@@ -329,6 +332,7 @@ def rows_for(cfg: Config, per_rank: list[dict[str, Any]], ref: list[float]) -> l
         "steps": cfg.steps,
         "warmup": cfg.warmup,
         "cores": os.cpu_count(),
+        "loadavg_1m": round(os.getloadavg()[0], 2),
         "threads_per_rank": 1,
         "torch": torch.__version__,
         "shardwise": sw.__version__,
@@ -358,8 +362,8 @@ def rows_for(cfg: Config, per_rank: list[dict[str, Any]], ref: list[float]) -> l
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per variant (default 10)")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first, >= 1 (default 3)")
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per variant (default 8)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first, >= 1 (default 2)")
     parser.add_argument("--worlds", default="2,4", help="comma-separated world sizes (default 2,4)")
     parser.add_argument("--models", default="mlp,gpt", help="comma-separated: mlp, gpt (default both)")
     parser.add_argument("--mlp-batch", type=int, default=64, help="global MLP batch (default 64)")

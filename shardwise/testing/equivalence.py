@@ -73,23 +73,21 @@ def _errors(actual: torch.Tensor, expected: torch.Tensor) -> tuple[float, float,
     return abs_err, rel_err, scale
 
 
-def _rank_program(step: Any, params: Any, mesh: Mesh, batches: Sequence[Any]) -> list[tuple[Any, Any]]:
-    state = step.init(params, mesh)
+# Metrics compared when both steps report them: a padding or scaling bug shows in the norm.
+COMPARED_METRICS = ("loss", "grad_norm")
+
+
+def _history(step: Any, state: Any, batches: Sequence[Any]) -> list[tuple[dict[str, Any], Any]]:
     history = []
     for batch in batches:
         state, metrics = step(state, batch)
-        full = optree.tree_map(lambda t: t.detach().clone(), step.full_params(state))
-        history.append((metrics["loss"].detach().clone(), full))
+        scalars = {k: metrics[k].detach().clone() for k in COMPARED_METRICS if k in metrics}
+        history.append((scalars, optree.tree_map(lambda t: t.detach().clone(), step.full_params(state))))
     return history
 
 
-def _reference_history(reference: Any, params: Any, batches: Sequence[Any]) -> list[tuple[Any, Any]]:
-    state = reference.init(params)
-    history = []
-    for batch in batches:
-        state, metrics = reference(state, batch)
-        history.append((metrics["loss"].detach().clone(), optree.tree_map(torch.clone, reference.full_params(state))))
-    return history
+def _rank_program(step: Any, params: Any, mesh: Mesh, batches: Sequence[Any]) -> list[tuple[dict[str, Any], Any]]:
+    return _history(step, step.init(params, mesh), batches)
 
 
 def _param_dtype(params: Any) -> torch.dtype:
@@ -113,8 +111,9 @@ def assert_equivalent(
 
     Every rank gets the same global batches and the same full ``params``; the
     distributed step decides what each rank computes. After every step the
-    loss and the full parameters (``step.full_params``) of every rank must
-    match the reference within ``atol + rtol * max|reference|`` per tensor.
+    loss, the gradient norm (when both report it) and the full parameters
+    (``step.full_params``) of every rank must match the reference within
+    ``atol + rtol * max|reference|`` per tensor.
     ``rtol`` defaults by dtype (see ``DEFAULT_RTOL``). With
     ``backend="processes"`` the step, params and batches must be picklable.
 
@@ -128,16 +127,16 @@ def assert_equivalent(
     if not batches:
         raise ValueError("assert_equivalent needs at least one batch")
     rtol = DEFAULT_RTOL.get(_param_dtype(params), 1e-5) if rtol is None else rtol
-    expected = _reference_history(reference, params, batches)
+    expected = _history(reference, reference.init(params), batches)
     program = functools.partial(_rank_program, step, params, mesh, list(batches))
     per_rank = launch(program, mesh.size, backend=backend, timeout=timeout)
 
     report = EquivalenceReport(steps=len(batches))
-    for index, (exp_loss, exp_params) in enumerate(expected):
+    for index, (exp_metrics, exp_params) in enumerate(expected):
         worst_abs = worst_rel = 0.0
         for rank, history in enumerate(per_rank):
-            got_loss, got_params = history[index]
-            checks = [("loss", got_loss, exp_loss)]
+            got_metrics, got_params = history[index]
+            checks = [(k, got_metrics[k], v) for k, v in exp_metrics.items() if k in got_metrics]
             exp_paths, exp_leaves, exp_spec = optree.tree_flatten_with_path(exp_params)
             got_leaves, got_spec = optree.tree_flatten(got_params)
             if got_spec != exp_spec:

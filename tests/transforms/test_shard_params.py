@@ -249,3 +249,22 @@ def test_bad_options_are_refused() -> None:
         sw.shard_params(base, "dp").plan(sw.Mesh(tp=2))
     with pytest.raises(ValueError, match="needs the mesh"):
         sw.shard_params(base, "dp").init(params)
+
+
+def test_an_opaque_model_is_sharded_per_named_block() -> None:
+    """A model whose forward is not a Sequential is cut at a block class; each block is a unit."""
+    from shardwise.testing.models import Block
+
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=40, d_model=16, n_heads=2, n_layers=3, seq_len=8).double()
+    chain, params = sw.functionalize(model, units=Block)
+    assert chain.names == ("blocks.0", "blocks.1", "blocks.2")  # embedding glue joins the first, head the last
+    step = sw.train_step(chain, _lm_loss, sw.optim.sgd(0.5, momentum=0.9))
+    sharded = sw.shard_params(step, "dp", 3)
+    gathers = [a.layer for a in sharded.plan(sw.Mesh(dp=2)).for_rank(0) if a.kind == "gather"]
+    # Forward: each block, and blocks.0 again for the head tied to its embedding; backward: the
+    # head's block with the embedding's, which stays gathered until blocks.0's own backward.
+    assert gathers == ["blocks.0", "blocks.1", "blocks.2", "blocks.0", "blocks.2", "blocks.0", "blocks.1"]
+    gen = torch.Generator().manual_seed(2)
+    batches = [(torch.randint(40, (4, 8), generator=gen), torch.randint(40, (4, 8), generator=gen)) for _ in range(2)]
+    sw.testing.assert_equivalent(sharded, step, sw.Mesh(dp=2), batches, params, rtol=F64_RTOL)

@@ -7,7 +7,7 @@ weights it ties to (a GPT head needs the embedding's unit).
 Forward and backward are each a sequence of compute actions. Before a compute
 the gathers of its units and of the next ``prefetch`` units are issued
 (async), so the next units travel while the current one computes; a unit is
-freed after a compute unless it is among the next ``max(1, prefetch)`` units. With
+freed after a compute unless the next compute needs or prefetches it. With
 ``reshard_after_forward`` every unit is freed at the end of the forward (and
 gathered again in backward, as the ZeRO paper counts: 3Ψ per step); without
 it, units stay from their forward until their last backward use (2Ψ).
@@ -78,9 +78,9 @@ def _gathered_pass(
 ) -> list[Action]:
     """Computes with the gathers, waits and frees they need, updating ``live`` in place.
 
-    ``free`` says when a live unit is dropped: "never"; "window" as soon as none
-    of the next computes needs it (least memory; it may be gathered again
-    later); "last_use" after the last compute of the sequence that needs it.
+    ``free`` says when a live unit is dropped: "never"; "window" as soon as the
+    next compute neither needs nor prefetches it (least memory; it may be
+    gathered again later); "last_use" after the last compute that needs it.
     """
     out: list[Action] = []
     in_flight: list[str] = []
@@ -96,8 +96,12 @@ def _gathered_pass(
                 live.add(unit)
         out.append(compute)
         if free != "never":
-            horizon = max(1, prefetch) if free == "window" else len(computes)
-            keep = set(_upcoming(needs, i, horizon))
+            # Keep what the next compute will want gathered (its units and its prefetch):
+            # freeing it here would only gather it again at once.
+            nxt = needs[i + 1] if i + 1 < len(computes) else ()
+            keep = {*nxt, *_upcoming(needs, i + 1, prefetch)}
+            if free == "last_use":
+                keep |= {u for later in needs[i + 1 :] for u in later}
             for unit in sorted(live - keep - set(in_flight)):
                 out.append(Action(FREE, unit))
                 live.discard(unit)
