@@ -58,6 +58,8 @@ class ShardRuntime:
     _pending_gathers: dict[str, Any] = field(default_factory=dict)
     _pending_reduces: dict[str, Any] = field(default_factory=dict)
     _executors: dict[int, Executor] = field(default_factory=dict)
+    new_shards: dict[str, torch.Tensor] = field(default_factory=dict)  # after the update
+    new_full_params: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  # stage 1/2
 
     def __post_init__(self) -> None:
         if self.full_params is not None:
@@ -125,8 +127,10 @@ class ShardRuntime:
         unit = _unit(action)
         layout = self.layouts[unit]
         grads = self.grads.pop(unit, {})
-        like = {n: torch.zeros(s, dtype=layout.dtype) for n, s in zip(layout.names, layout.shapes, strict=True)}
-        flat = layout.flatten({n: grads.get(n, like[n]) for n in layout.names})
+        for name, shape in zip(layout.names, layout.shapes, strict=True):
+            if name not in grads:  # a parameter the loss did not reach
+                grads[name] = torch.zeros(shape, dtype=layout.dtype)
+        flat = layout.flatten(grads)
         self._pending_reduces[unit] = psum_scatter_async(flat, self.axis, tiled=True, mesh=self.mesh)
 
     def wait_reduce(self, action: Action) -> None:
@@ -146,9 +150,6 @@ class ShardRuntime:
         self.loss_sum, self.sq_norm = total[0], total[1]
 
     # -- stage 1/2: rebuild the replicated parameters after the update ----------------
-    new_shards: dict[str, torch.Tensor] = field(default_factory=dict)
-    new_full_params: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
-
     def gather_params(self, action: Action) -> None:
         unit = _unit(action)
         self._pending_gathers[unit] = all_gather_async(self.new_shards[unit], self.axis, tiled=True, mesh=self.mesh)
