@@ -53,6 +53,7 @@ from .engine.functionalize import functionalize
 from .engine.plan import Action, Plan
 from .engine.state import TrainState
 from .engine.step import Step, train_step
+from .transforms.pipeline import PipelineStep, Schedule, pipeline
 from .transforms.shard_params import ShardedStep, shard_params
 
 __version__ = "0.1.0"
@@ -68,9 +69,11 @@ __all__ = [
     "Layer",
     "Ledger",
     "Mesh",
+    "PipelineStep",
     "Plan",
     "RankAborted",
     "RankFailed",
+    "Schedule",
     "ShardedStep",
     "Step",
     "TrainState",
@@ -87,6 +90,7 @@ __all__ = [
     "functionalize",
     "launch",
     "optim",
+    "pipeline",
     "pmean",
     "ppermute",
     "ppermute_async",

@@ -23,6 +23,8 @@ from .ops import (
     psum_scatter,
     psum_scatter_async,
     pvary,
+    recv,
+    send,
 )
 
 __all__ = [
@@ -55,5 +57,7 @@ __all__ = [
     "psum_scatter",
     "psum_scatter_async",
     "pvary",
+    "recv",
+    "send",
     "use_mesh",
 ]

@@ -20,6 +20,19 @@ Shape conventions (``n`` is the group size, ``i`` the caller's index in it):
 * ``permute(x, pairs)``    -> ``pairs`` are ``(src, dst)`` group indices; the
   caller receives ``x_src`` from the pair whose ``dst == i``, zeros if none.
 
+Point to point (for pipeline stages; no group, peers are GLOBAL ranks):
+
+* ``send(x, dst, tag)``    -> deposits a snapshot of ``x`` for rank ``dst``; ``wait()``
+  returns ``x`` (the caller may reuse or modify it at once; it never blocks on the
+  receiver).
+* ``recv(src, tag)``       -> ``wait()`` returns the next message from ``src`` with
+  ``tag``, with the sender's shape and dtype (the receiver need not know them).
+
+Messages between the same (src, dst) with the same tag arrive in send order and
+are matched to receives in the order the receives were *issued* (not waited).
+Different tags are independent. A rank may send to itself. Tags are ints in
+``0..MAX_TAG``.
+
 Sums are taken in the tensor's own dtype. Results are new tensors: a backend
 never writes into its input.
 """
@@ -68,6 +81,22 @@ class CollectiveTimeout(CollectiveError):
 
 class RankAborted(CollectiveError):
     """Another rank failed, so this rank stopped waiting in a collective."""
+
+
+MAX_TAG = 2**30 - 2
+"""Largest point-to-point tag (gloo takes non-negative int32 tags, and each message uses two)."""
+
+
+def check_p2p(op_name: str, peer: int, tag: int, world_size: int, peer_name: str) -> tuple[int, int]:
+    """Validate a send/recv peer (a global rank) and tag; return them as ints."""
+    for what, value in ((peer_name, peer), ("tag", tag)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{op_name}: {what} must be an int, got {type(value).__name__} {value!r}")
+    if not 0 <= peer < world_size:
+        raise ValueError(f"{op_name}: {peer_name}={peer} is outside the world of {world_size} ranks")
+    if not 0 <= tag <= MAX_TAG:
+        raise ValueError(f"{op_name}: tag={tag} must be in 0..{MAX_TAG}")
+    return int(peer), int(tag)
 
 
 class Work(abc.ABC):
@@ -132,6 +161,30 @@ class Backend(abc.ABC):
     def permute(
         self, x: torch.Tensor, pairs: Sequence[tuple[int, int]], group: Group, op_name: str = "ppermute"
     ) -> Work: ...
+
+    @abc.abstractmethod
+    def send(self, x: torch.Tensor, dst: int, tag: int) -> Work:
+        """Send ``x`` to global rank ``dst`` with ``tag``; ``wait()`` returns ``x``.
+
+        The backend snapshots ``x`` (or waits until it is safe to reuse) before
+        ``wait()`` returns, so the caller may then modify it. ``wait()`` never
+        waits for the receiver. Messages to one ``dst`` with one ``tag`` arrive in
+        send order.
+        """
+
+    @abc.abstractmethod
+    def recv(self, src: int, tag: int) -> Work:
+        """Receive the next message sent by global rank ``src`` with ``tag``.
+
+        ``wait()`` returns a new tensor with the sender's shape and dtype. Receives
+        from one ``src`` with one ``tag`` take the messages in the order the
+        receives were issued; a receive for one tag never takes a message sent
+        with another. ``wait()`` raises :class:`CollectiveTimeout` (naming "recv",
+        the peer, the tag, this rank and the timeout) when nothing arrives in
+        time, and :class:`RankAborted` when the world learns that a rank failed.
+        ``is_completed()`` may stay False until ``wait()`` where the transport
+        cannot tell without blocking (gloo).
+        """
 
     def barrier(self, group: Group) -> None:
         """Wait until every rank of ``group`` arrives."""

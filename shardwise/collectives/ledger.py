@@ -32,6 +32,11 @@ bytes, ``n`` the group size, ``i`` the rank's index in its group:
   last in the chain, ``(root-1) % n``, sends ``B``.
 * ppermute: ``B`` if the rank is a source whose destination is another rank,
   else 0.
+* send (point to point): ``B``, the bytes of the tensor sent; 0 when the rank
+  sends to itself.
+* recv (point to point): 0 sent; ``nbytes``, ``shape`` and ``dtype`` are those
+  of the tensor received, and the record is made when the receive's ``wait()``
+  completes (a receive never waited on is not recorded).
 * A group of one sends nothing.
 
 ``phase`` is "backward" for collectives issued by an autograd backward (the

@@ -29,6 +29,12 @@ Backward collectives are issued through the same Functions, so they are
 recorded in the ledger (with ``phase="backward"``) and are differentiable again.
 Integer and bool tensors work with every collective except pmean; they never
 carry gradients. The async forms refuse inputs that require grad.
+
+Point to point, for pipeline stages: ``send(x, axis, dst, tag=)`` and
+``recv(axis, src, tag=)`` move one tensor between two ranks of an axis (dst and
+src are indices along it), return a :class:`Handle` and are not differentiable
+(a pipeline sends the gradient back itself). The receiver learns the shape and
+dtype from the message; see ``Backend.send`` / ``Backend.recv`` for ordering.
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ import torch
 from torch._C import _functorch
 
 from . import ledger as _ledger
-from .backend import Backend, Group, Work
+from .backend import Backend, Group, Work, check_p2p
 from .context import current_mesh
 from .mesh import Mesh
 
@@ -203,11 +209,11 @@ def _check_root(op: str, root: int, where: _Where) -> int:
     return root
 
 
-def _refuse_grad(op: str, x: torch.Tensor) -> None:
+def _refuse_grad(op: str, x: torch.Tensor, fix: str | None = None) -> None:
     if torch.is_grad_enabled() and x.requires_grad:
+        fix = fix or f"use the sync form {op.removesuffix('_async')}(...)"
         raise RuntimeError(
-            f"{op} is not differentiable but its input requires grad: use the sync form "
-            f"{op.removesuffix('_async')}(...) or call it under torch.no_grad()"
+            f"{op} is not differentiable but its input requires grad: {fix} or call it under torch.no_grad()"
         )
 
 
@@ -588,3 +594,74 @@ def broadcast_async(x: torch.Tensor, axis: str, root: int = 0, *, mesh: Mesh | N
     x = _async_input("broadcast_async", x)
     where = _resolve("broadcast_async", axis, mesh)
     return _start_broadcast(x, where, _check_root("broadcast_async", root, where))
+
+
+# -- point to point: not differentiable ------------------------------------------------
+def _peer(op: str, where: _Where, index: object, name: str) -> int:
+    """The global rank at axis index ``index`` of the caller's group."""
+    if isinstance(index, bool) or not isinstance(index, int):
+        raise TypeError(f"{op}: {name} must be an int axis index, got {type(index).__name__} {index!r}")
+    if not 0 <= index < where.size:
+        raise ValueError(f"{op}: {name}={index} is outside the axis {where.axis!r} of size {where.size}")
+    return where.group.ranks[index]
+
+
+def _record_p2p(op: str, where: _Where, t: torch.Tensor, sent_bytes: int, phase: str) -> None:
+    targets = _ledger.active_ledgers() or where.ledgers
+    if not targets:
+        return
+    entry = _ledger.CommRecord(
+        op=op,
+        axis=where.axis,
+        rank=where.backend.rank,
+        group_size=where.size,
+        dtype=str(t.dtype).removeprefix("torch."),
+        shape=tuple(t.shape),
+        nbytes=t.numel() * t.element_size(),
+        sent_bytes=sent_bytes,
+        phase=phase,
+    )
+    for ledger in targets:
+        ledger.add(entry)
+
+
+def send(x: torch.Tensor, axis: str, dst: int, *, tag: int = 0, mesh: Mesh | None = None) -> Handle:
+    """Send ``x`` to the rank at index ``dst`` of ``axis``; ``.wait()`` returns ``x``.
+
+    The message is a snapshot taken now: ``x`` may be modified at once, and
+    ``wait()`` never waits for the receiver. Messages to one rank with one
+    ``tag`` (an int in ``0..MAX_TAG``) arrive in send order; tags are
+    independent. Not differentiable.
+    """
+    x = _tensor("send", x)
+    _refuse_grad("send", x, "send x.detach() (a pipeline sends the gradient back itself)")
+    where = _resolve("send", axis, mesh)
+    peer = _peer("send", where, dst, "dst")
+    _, tag = check_p2p("send", peer, tag, where.backend.world_size, "dst")
+    plain = _plain(x)
+    work = where.backend.send(plain, peer, tag)
+    # Like ppermute: a message to oneself moves no bytes.
+    sent_bytes = 0 if dst == where.index else plain.numel() * plain.element_size()
+    _record_p2p("send", where, plain, sent_bytes, _phase.get())
+    return Handle(work, lambda _: x)
+
+
+def recv(axis: str, src: int, *, tag: int = 0, mesh: Mesh | None = None) -> Handle:
+    """Receive the next message with ``tag`` from the rank at index ``src`` of ``axis``.
+
+    ``.wait()`` returns it with the sender's shape and dtype, or raises
+    CollectiveTimeout after the backend timeout. Receives from one rank with
+    one tag take the messages in the order the receives were issued. The
+    ledger records the receive (sent_bytes 0) when its wait completes.
+    """
+    where = _resolve("recv", axis, mesh)
+    peer = _peer("recv", where, src, "src")
+    _, tag = check_p2p("recv", peer, tag, where.backend.world_size, "src")
+    work = where.backend.recv(peer, tag)
+    phase = _phase.get()
+
+    def finish(received: torch.Tensor) -> torch.Tensor:
+        _record_p2p("recv", where, received, 0, phase)
+        return received
+
+    return Handle(work, finish)

@@ -12,10 +12,14 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
-from .backend import Backend, CompletedWork, Group, Work
+from .backend import Backend, CollectiveError, CompletedWork, Group, Work, check_p2p
+
+if TYPE_CHECKING:
+    from .threads import Mailbox
 
 _current: contextvars.ContextVar[Backend | None] = contextvars.ContextVar(
     "shardwise_backend", default=None
@@ -55,9 +59,12 @@ class SingleRankBackend(Backend):
     name = "single"
 
     def __init__(self, timeout: float = 60.0) -> None:
+        from .threads import Mailbox
+
         self.rank = 0
         self.world_size = 1
         self.timeout = timeout
+        self._mailbox = Mailbox()  # messages this rank sent to itself
 
     def all_reduce(self, x: torch.Tensor, group: Group, op_name: str = "psum") -> Work:
         return CompletedWork(x.clone())
@@ -79,3 +86,38 @@ class SingleRankBackend(Backend):
     ) -> Work:
         received = (0, 0) in [tuple(p) for p in pairs]
         return CompletedWork(x.clone() if received else torch.zeros_like(x))
+
+    def send(self, x: torch.Tensor, dst: int, tag: int) -> Work:
+        dst, tag = check_p2p("send", dst, tag, self.world_size, "dst")
+        self._mailbox.put((0, 0, tag), x.detach().clone())
+        return CompletedWork(x)
+
+    def recv(self, src: int, tag: int) -> Work:
+        src, tag = check_p2p("recv", src, tag, self.world_size, "src")
+        key = (0, 0, tag)
+        return LocalRecvWork(self._mailbox, key, self._mailbox.claim(key))
+
+
+class LocalRecvWork(Work):
+    """A receive by a rank from itself: the message is in its local mailbox already, or never comes."""
+
+    def __init__(self, mailbox: Mailbox, key: tuple[int, int, int], seq: int) -> None:
+        self._mailbox, self._key, self._seq = mailbox, key, seq
+        self._result: torch.Tensor | None = None
+
+    def wait(self) -> torch.Tensor:
+        if self._result is None:
+            rank, _, tag = self._key
+
+            def nothing_sent() -> CollectiveError:
+                return CollectiveError(
+                    f"recv from rank {rank} (tag {tag}) on rank {rank}: this rank has not sent itself "
+                    f"message #{self._seq} with tag {tag}, and no other rank can; send to yourself "
+                    "before waiting on the receive"
+                )
+
+            self._result = self._mailbox.take(self._key, self._seq, 0.0, nothing_sent)
+        return self._result
+
+    def is_completed(self) -> bool:
+        return self._result is not None or self._mailbox.has(self._key, self._seq)

@@ -6,6 +6,11 @@ rank order, so results are bitwise identical from run to run whatever the
 thread timing. A rank that fails aborts the world: every rank waiting in a
 collective stops at once with :class:`RankAborted` instead of hanging, and a
 rank that never arrives makes the others fail with :class:`CollectiveTimeout`.
+
+Point-to-point messages go through a :class:`Mailbox` per world, keyed by
+(src, dst, tag) and guarded by the world's condition: ``send`` deposits a
+detached clone and completes at once, ``recv`` waits for its message (or the
+timeout, or an aborted world).
 """
 
 from __future__ import annotations
@@ -17,7 +22,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .backend import Backend, CollectiveError, CollectiveTimeout, Group, RankAborted, Work
+from .backend import (
+    Backend,
+    CollectiveError,
+    CollectiveTimeout,
+    CompletedWork,
+    Group,
+    RankAborted,
+    Work,
+    check_p2p,
+)
 
 Payload = tuple[torch.Tensor, object]  # (tensor, op-specific argument)
 Compute = Callable[[list[Payload]], list[torch.Tensor]]
@@ -35,6 +49,72 @@ class _Rendezvous:
     arrived_ranks: list[int] = field(default_factory=list)
 
 
+MailKey = tuple[int, int, int]  # (src, dst, tag), global ranks
+
+
+class Mailbox:
+    """Point-to-point messages, matched per (src, dst, tag) in the order sends and receives were issued.
+
+    A receive claims a sequence number when it is issued and takes exactly the
+    message sent with that number, so the n-th receive gets the n-th message
+    whatever order the receives are waited in. Thread-safe; every method takes
+    the condition, which may be shared (the threads world shares its own, so
+    an abort wakes waiting receives).
+    """
+
+    def __init__(self, cond: threading.Condition | None = None) -> None:
+        self._cond = cond if cond is not None else threading.Condition()
+        self._messages: dict[MailKey, dict[int, torch.Tensor]] = {}
+        self._sent: dict[MailKey, int] = {}
+        self._claimed: dict[MailKey, int] = {}
+
+    def put(self, key: MailKey, tensor: torch.Tensor) -> None:
+        with self._cond:
+            seq = self._sent.get(key, 0)
+            self._sent[key] = seq + 1
+            self._messages.setdefault(key, {})[seq] = tensor
+            self._cond.notify_all()
+
+    def claim(self, key: MailKey) -> int:
+        """The sequence number of the next receive on ``key``."""
+        with self._cond:
+            seq = self._claimed.get(key, 0)
+            self._claimed[key] = seq + 1
+            return seq
+
+    def has(self, key: MailKey, seq: int) -> bool:
+        with self._cond:
+            return seq in self._messages.get(key, {})
+
+    def take(
+        self,
+        key: MailKey,
+        seq: int,
+        timeout: float,
+        on_timeout: Callable[[], BaseException],
+        check: Callable[[], None] = lambda: None,
+    ) -> torch.Tensor:
+        """Wait up to ``timeout`` s for message ``seq`` on ``key`` and remove it.
+
+        ``check`` runs while waiting (under the condition) and may raise, e.g.
+        when the world aborted; ``on_timeout()`` is raised when time runs out.
+        """
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                box = self._messages.get(key)
+                if box is not None and seq in box:
+                    tensor = box.pop(seq)
+                    if not box:
+                        del self._messages[key]
+                    return tensor
+                check()
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise on_timeout()
+                self._cond.wait(remaining)
+
+
 class ThreadsWorld:
     """State shared by the ranks of one threads launch."""
 
@@ -47,6 +127,7 @@ class ThreadsWorld:
         self._pending: dict[tuple[tuple[int, ...], int], _Rendezvous] = {}
         self._calls: dict[tuple[int, tuple[int, ...]], int] = {}
         self.failure: tuple[int, BaseException] | None = None
+        self.mailbox = Mailbox(self._cond)
 
     def abort(self, rank: int, error: BaseException) -> None:
         """Record that ``rank`` failed and wake every waiting rank."""
@@ -90,12 +171,42 @@ class ThreadsWorld:
             return _ThreadWork(self, rank, key, rdv, index)
 
     def _raise_if_aborted(self, rank: int, op_name: str, group: Group) -> None:
+        self._raise_if_aborted_in(rank, f"{op_name} on axis {group.axis!r}")
+
+    def _raise_if_aborted_in(self, rank: int, where: str) -> None:
         if self.failure is not None:
             failed, error = self.failure
             raise RankAborted(
-                f"rank {rank} stopped in {op_name} on axis {group.axis!r} because rank {failed} "
+                f"rank {rank} stopped in {where} because rank {failed} "
                 f"failed with {type(error).__name__}: {error}"
             )
+
+    # -- point to point ------------------------------------------------------------
+    def send(self, rank: int, x: torch.Tensor, dst: int, tag: int) -> None:
+        """Deposit a detached clone of ``x`` for ``dst``."""
+        with self._cond:
+            self._raise_if_aborted_in(rank, f"send to rank {dst} (tag {tag})")
+            self.mailbox.put((rank, dst, tag), x.detach().clone())
+
+    def recv(self, rank: int, src: int, tag: int) -> _ThreadRecvWork:
+        with self._cond:
+            self._raise_if_aborted_in(rank, f"recv from rank {src} (tag {tag})")
+            key = (src, rank, tag)
+            return _ThreadRecvWork(self, key, self.mailbox.claim(key))
+
+    def take(self, work: _ThreadRecvWork) -> torch.Tensor:
+        src, rank, tag = work.key
+        where = f"recv from rank {src} (tag {tag})"
+
+        def on_timeout() -> CollectiveTimeout:
+            return CollectiveTimeout(
+                f"{where} timed out after {self.timeout:g} s on rank {rank}: rank {src} never sent "
+                f"message #{work.seq} with tag {tag} (it failed, returned early, or sent with another tag)"
+            )
+
+        return self.mailbox.take(
+            work.key, work.seq, self.timeout, on_timeout, lambda: self._raise_if_aborted_in(rank, where)
+        )
 
     def wait(self, work: _ThreadWork) -> torch.Tensor:
         rdv = work.rendezvous
@@ -139,6 +250,20 @@ class _ThreadWork(Work):
 
     def is_completed(self) -> bool:
         return self._result is not None or self.rendezvous.results is not None
+
+
+class _ThreadRecvWork(Work):
+    def __init__(self, world: ThreadsWorld, key: MailKey, seq: int) -> None:
+        self.world, self.key, self.seq = world, key, seq
+        self._result: torch.Tensor | None = None
+
+    def wait(self) -> torch.Tensor:
+        if self._result is None:
+            self._result = self.world.take(self)
+        return self._result
+
+    def is_completed(self) -> bool:
+        return self._result is not None or self.world.mailbox.has(self.key, self.seq)
 
 
 def _check_same(payloads: list[Payload], op_name: str) -> None:
@@ -245,3 +370,12 @@ class ThreadsBackend(Backend):
             return out
 
         return self._run(group, op_name, x, pairs, compute)
+
+    def send(self, x: torch.Tensor, dst: int, tag: int) -> Work:
+        dst, tag = check_p2p("send", dst, tag, self.world_size, "dst")
+        self.world.send(self.rank, x, dst, tag)
+        return CompletedWork(x)
+
+    def recv(self, src: int, tag: int) -> Work:
+        src, tag = check_p2p("recv", src, tag, self.world_size, "src")
+        return self.world.recv(self.rank, src, tag)

@@ -1,0 +1,61 @@
+"""Pipeline schedules as public data: built-ins, validation, deadlock detection, simulation, drawings.
+
+A schedule is one list of actions (``0F3``: forward of stage 0 on microbatch
+3) per rank. Write one by hand or take a built-in, ``validate`` it, ``simulate``
+it for its bubble and activation peak, and draw it:
+
+>>> from shardwise.transforms.pipeline import ascii_timeline, one_f_one_b, simulate
+>>> timeline = simulate(one_f_one_b(ranks=2, stages=2, microbatches=2))
+>>> print(ascii_timeline(timeline))
+1f1b: makespan 9, bubble 33.3%
+rank 0 |0F0 0F1 ........0B0     ....0B1     |
+rank 1 |....1F0 1B0     1F1 1B1     ........|
+"""
+
+from .api import pipeline
+from .builtins import (
+    SCHEDULES,
+    get_schedule,
+    gpipe,
+    interleaved_1f1b,
+    looped_bfs,
+    one_f_one_b,
+    zb_h1,
+    zb_v,
+)
+from .draw import ascii_timeline, gantt, write_chrome_trace
+from .schedule import B, F, I, PipeOp, Schedule, ScheduleError, W, loop_placement, v_placement
+from .simulate import Costs, Slot, Timeline, simulate
+from .step import PipelineLayout, PipelineStep
+from .validate import validate
+
+__all__ = [
+    "SCHEDULES",
+    "B",
+    "Costs",
+    "F",
+    "I",
+    "PipeOp",
+    "PipelineLayout",
+    "PipelineStep",
+    "Schedule",
+    "ScheduleError",
+    "Slot",
+    "Timeline",
+    "W",
+    "ascii_timeline",
+    "gantt",
+    "get_schedule",
+    "gpipe",
+    "interleaved_1f1b",
+    "loop_placement",
+    "looped_bfs",
+    "one_f_one_b",
+    "pipeline",
+    "simulate",
+    "v_placement",
+    "validate",
+    "write_chrome_trace",
+    "zb_h1",
+    "zb_v",
+]

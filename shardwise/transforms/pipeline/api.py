@@ -1,0 +1,65 @@
+"""pipeline(): the public transform."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from ...engine.step import Step
+from .step import PipelineStep
+
+
+def pipeline(
+    step: Step,
+    axis: str = "pp",
+    schedule: Any = "1f1b",
+    microbatches: int = 1,
+    *,
+    stages: int | None = None,
+    partition: Sequence[int] | None = None,
+    trace: bool = False,
+    poison: bool = False,
+) -> PipelineStep:
+    """Cut ``step``'s chain into stages over mesh ``axis`` and run them by ``schedule``.
+
+    ``schedule`` is a built-in name ("gpipe", "1f1b", "interleaved_1f1b",
+    "looped_bfs", "zb_h1", "zb_v"), a function ``(ranks, stages,
+    microbatches) -> Schedule``, a Schedule, or its text form. Each rank's
+    batch is cut into ``microbatches`` equal micro-batches; the loss of each
+    counts ``1/microbatches``, so the result equals ``step`` on the whole
+    batch. ``stages`` defaults to the axis size (twice it for "zb_v"); the
+    layers are split to balance parameter counts unless ``partition`` gives
+    the number of layers of every stage. ``trace=True`` adds the measured
+    (rank, op, start, end) events to the metrics; ``poison=True`` fills every
+    received buffer with NaN once it is used up (a test of stale reuse).
+
+    >>> import torch, shardwise as sw
+    >>> chain, params = sw.functionalize(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)))
+    >>> step = sw.pipeline(sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1)), "pp", "gpipe", 2)
+    >>> print(step.plan(sw.Mesh(pp=2), params).for_rank(1)[0])
+    recv_activation(stage1, mb=0, from=0)
+    """
+    if isinstance(step, PipelineStep):
+        raise ValueError(f"pipeline was applied twice (already over axis {step.axis!r}); apply it once")
+    if type(step) is not Step:
+        raise ValueError(
+            f"pipeline(step=...) got a {type(step).__name__}; apply pipeline to the plain train_step (composing "
+            "it with other transforms is not supported yet)"
+        )
+    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+        raise ValueError(f"pipeline(microbatches={microbatches!r}): the number of micro-batches is an int >= 1")
+    if stages is not None and (isinstance(stages, bool) or not isinstance(stages, int) or stages < 1):
+        raise ValueError(f"pipeline(stages={stages!r}): the number of stages is an int >= 1")
+    return PipelineStep(
+        chain=step.chain,
+        loss_fn=step.loss_fn,
+        optimizer=step.optimizer,
+        clip_norm=step.clip_norm,
+        axis=axis,
+        schedule=schedule,
+        microbatches=microbatches,
+        stages=stages,
+        partition=None if partition is None else tuple(partition),
+        poison=poison,
+        trace=trace,
+    )

@@ -1,0 +1,271 @@
+"""Runs one pipeline rank's actions: stage forwards and backwards, sends and receives.
+
+Each (stage, micro-batch) forward keeps its own autograd graph, cut at the
+stage input, so its backward can run whenever the schedule says: as one
+``B``, or as ``I`` (gradient for the input, sent upstream at once; the graph
+is kept) followed later by ``W`` (gradients for the weights). The last stage
+seeds its backward with ``1/m`` so the pipelined step equals the step on the
+whole batch, not ``m`` times it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import optree
+import torch
+
+from ...collectives.mesh import Mesh
+from ...collectives.ops import Handle, psum, recv, send
+from ...engine.chain import Chain
+from ...engine.plan import Action
+from .lowering import (
+    RECV_ACTIVATION,
+    RECV_GRAD,
+    REDUCE_METRICS,
+    SEND_ACTIVATION,
+    SEND_GRAD,
+    UPDATE,
+    tag_of,
+)
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+def _float_leaves(tree: Any) -> list[torch.Tensor]:
+    return [t for t in optree.tree_leaves(tree) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+
+
+@dataclass
+class _Saved:
+    inputs: list[torch.Tensor]  # leaves that require grad (empty for stage 0)
+    params: dict[tuple[str, str], torch.Tensor]  # (layer, local name) -> leaf
+    outputs: list[torch.Tensor]  # float leaves of the stage output (or [loss] on the last stage)
+    output_grads: list[torch.Tensor | None] | None = None  # kept between I and W
+
+
+@dataclass
+class PipelineRuntime:
+    """One rank's pipelined step; ``run`` leaves local gradients, the loss sum and the squared norm."""
+
+    chain: Chain
+    loss_fn: LossFn
+    mesh: Mesh
+    axis: str
+    stages: Sequence[Sequence[str]]  # layer names per stage
+    placement: Sequence[int]  # stage -> index along the axis
+    params: Mapping[str, Mapping[str, torch.Tensor]]  # this rank's layers
+    microbatches: Sequence[tuple[Any, Any]]
+    poison: bool = False  # fill consumed receive buffers with NaN: stale reuse would show
+    record: bool = False
+    grads: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    loss_sum: torch.Tensor | None = None
+    sq_norm: torch.Tensor | None = None
+    events: list[tuple[int, str, float, float]] = field(default_factory=list)
+    _inbox: dict[tuple[str, int, int], Any] = field(default_factory=dict)
+    _saved: dict[tuple[int, int], _Saved] = field(default_factory=dict)
+    _outputs: dict[tuple[int, int], Any] = field(default_factory=dict)
+    _input_grads: dict[tuple[int, int], list[torch.Tensor | None]] = field(default_factory=dict)
+    _sends: list[Handle] = field(default_factory=list)
+    _losses: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def last(self) -> int:
+        return len(self.stages) - 1
+
+    def run(self, actions: Sequence[Action], update: Callable[[Action], None]) -> None:
+        table: dict[str, Callable[[Action], None]] = {
+            "forward": self.forward,
+            "backward": self.backward,
+            "backward_input": self.backward,
+            "backward_weight": self.backward,
+            RECV_ACTIVATION: self.receive,
+            RECV_GRAD: self.receive,
+            SEND_ACTIVATION: self.send_activation,
+            SEND_GRAD: self.send_grad,
+            REDUCE_METRICS: self.reduce_metrics,
+            UPDATE: update,
+        }
+        for action in actions:
+            handler = table.get(action.kind)
+            if handler is None:
+                raise ValueError(f"pipeline runtime has no handler for action {action}")
+            if self.record and action.kind in ("forward", "backward", "backward_input", "backward_weight"):
+                start = time.perf_counter()
+                handler(action)
+                self.events.append((self.mesh.rank, _op_text(action), start, time.perf_counter()))
+            else:
+                handler(action)
+
+    # -- compute ---------------------------------------------------------------------
+    def forward(self, action: Action) -> None:
+        s, m = _stage(action), _mb(action)
+        x = self.microbatches[m][0] if s == 0 else self._take_input(s, m)
+        inputs = [] if s == 0 else _float_leaves(x)
+        leaves: dict[tuple[str, str], torch.Tensor] = {}
+        with torch.enable_grad():
+            for t in inputs:
+                t.requires_grad_(True)
+            y = x
+            for name in self.stages[s]:
+                local = self.chain.layer_params(self._param_view(name, leaves), name)
+                y = self.chain[name](local, y)
+            if s == self.last:
+                loss = self.loss_fn(y, self.microbatches[m][1])
+                self._losses.append(loss.detach())
+                outputs = [loss]
+            else:
+                outputs = _float_leaves(y)
+                self._outputs[(s, m)] = y
+        self._saved[(s, m)] = _Saved(inputs, leaves, outputs)
+
+    def backward(self, action: Action) -> None:
+        s, m = _stage(action), _mb(action)
+        saved = self._saved[(s, m)]
+        want_inputs = action.kind in ("backward", "backward_input")
+        want_weights = action.kind in ("backward", "backward_weight")
+        if saved.output_grads is None:
+            saved.output_grads = self._output_grads(s, m, saved)
+        keys = list(saved.params)
+        wrt = (saved.inputs if want_inputs else []) + ([saved.params[k] for k in keys] if want_weights else [])
+        pairs = [(o, g) for o, g in zip(saved.outputs, saved.output_grads, strict=True) if g is not None]
+        got: list[torch.Tensor | None] = [None] * len(wrt)
+        if pairs and wrt:
+            got = list(
+                torch.autograd.grad(
+                    [o for o, _ in pairs], wrt, [g for _, g in pairs],
+                    retain_graph=not want_weights, allow_unused=True,
+                )
+            )
+        if want_inputs:
+            # An input the stage did not use still gets a (zero) gradient: upstream expects one per output.
+            grads_in: list[torch.Tensor | None] = [
+                g if g is not None else torch.zeros_like(x) for g, x in zip(got, saved.inputs, strict=False)
+            ]
+            self._input_grads[(s, m)] = grads_in
+            got = got[len(saved.inputs) :]
+        if want_weights:
+            for (layer, local), g in zip(keys, got, strict=True):
+                if g is not None:
+                    slot = self.grads.setdefault(layer, {})
+                    slot[local] = g if local not in slot else slot[local] + g
+            del self._saved[(s, m)]
+            if self.poison:
+                self._poison(s, saved)
+
+    def _poison(self, s: int, saved: _Saved) -> None:
+        """Fill what this (stage, micro-batch) received with NaN once it is used up: reusing a stale
+        buffer would then show in the result. Values handed over in memory are left alone (the
+        producing stage's graph may still hold them)."""
+        received = list(saved.output_grads or []) if s != self.last else []
+        if s > 0 and self.placement[s - 1] != self.placement[s]:
+            received += saved.inputs
+        with torch.no_grad():
+            for t in received:
+                if t is not None:
+                    t.fill_(float("nan"))
+
+    def _output_grads(self, s: int, m: int, saved: _Saved) -> list[torch.Tensor | None]:
+        if s == self.last:
+            # The loss of each micro-batch counts 1/m: the step is the mean over the whole batch.
+            return [torch.full_like(saved.outputs[0], 1.0 / len(self.microbatches))]
+        if self.placement[s + 1] == self.placement[s]:
+            grads = self._input_grads.pop((s + 1, m))
+        else:
+            grads = self._inbox.pop(("grad", s + 1, m))
+        self._outputs.pop((s, m), None)
+        if len(grads) != len(saved.outputs):
+            raise RuntimeError(
+                f"stage {s}, micro-batch {m}: {len(grads)} gradients came back for {len(saved.outputs)} outputs"
+            )
+        return list(grads)
+
+    def _param_view(self, layer: str, leaves: dict[tuple[str, str], torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+        """Leaves that require grad for ``layer`` and the layers it ties to (all on this rank)."""
+        owners = {layer} | {owner for owner, _ in self.chain[layer].ties.values()}
+        view: dict[str, dict[str, torch.Tensor]] = {}
+        for owner in owners:
+            view[owner] = {}
+            for local, t in self.params.get(owner, {}).items():
+                key = (owner, local)
+                if key not in leaves:
+                    leaves[key] = t.detach().requires_grad_(True)
+                view[owner][local] = leaves[key]
+        return view
+
+    def _take_input(self, s: int, m: int) -> Any:
+        if self.placement[s - 1] == self.placement[s]:
+            y = self._outputs[(s - 1, m)]
+            return optree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, y)
+        return self._inbox.pop(("activation", s, m))
+
+    # -- communication -------------------------------------------------------------------
+    def send_activation(self, action: Action) -> None:
+        s, m = _stage(action), _mb(action)
+        self._send(self._outputs[(s, m)], "activation", s, m, dst=self.placement[s + 1])
+
+    def send_grad(self, action: Action) -> None:
+        s, m = _stage(action), _mb(action)
+        self._send(tuple(self._input_grads.pop((s, m))), "grad", s, m, dst=self.placement[s - 1])
+
+    def _send(self, value: Any, kind: str, s: int, m: int, dst: int) -> None:
+        leaves = optree.tree_leaves(value)
+        count = torch.tensor(len(leaves), dtype=torch.int64)
+        mb = len(self.microbatches)
+        self._sends.append(send(count, self.axis, dst, tag=tag_of(kind, s, m, mb), mesh=self.mesh))
+        for i, leaf in enumerate(leaves, start=1):
+            self._sends.append(send(leaf.detach(), self.axis, dst, tag=tag_of(kind, s, m, mb, i), mesh=self.mesh))
+
+    def receive(self, action: Action) -> None:
+        s, m = _stage(action), _mb(action)
+        kind, producer, src = (
+            ("activation", s - 1, self.placement[s - 1])
+            if action.kind == RECV_ACTIVATION
+            else ("grad", s + 1, self.placement[s + 1])
+        )
+        mb = len(self.microbatches)
+        count = int(recv(self.axis, src, tag=tag_of(kind, producer, m, mb), mesh=self.mesh).wait())
+        leaves = [recv(self.axis, src, tag=tag_of(kind, producer, m, mb, i), mesh=self.mesh).wait()
+                  for i in range(1, count + 1)]
+        value: Any = leaves if kind == "grad" else (leaves[0] if count == 1 else tuple(leaves))
+        self._inbox[(kind, s if kind == "activation" else producer, m)] = value
+
+    # -- end of step -------------------------------------------------------------------------
+    def reduce_metrics(self, action: Action) -> None:
+        for handle in self._sends:
+            handle.wait()
+        self._sends.clear()
+        dtype = self._metric_dtype()
+        local_loss = (
+            torch.stack([x.to(dtype) for x in self._losses]).sum() if self._losses else torch.zeros((), dtype=dtype)
+        )
+        local_sq = sum(
+            (g.to(dtype).pow(2).sum() for layer in self.grads.values() for g in layer.values()),
+            torch.zeros((), dtype=dtype),
+        )
+        total = psum(torch.stack([local_loss, local_sq]), self.axis, mesh=self.mesh)
+        self.loss_sum, self.sq_norm = total[0], total[1]
+
+    def _metric_dtype(self) -> torch.dtype:
+        dtypes = {t.dtype for layer in self.params.values() for t in layer.values()}
+        return torch.float64 if torch.float64 in dtypes else torch.float32
+
+
+def _stage(action: Action) -> int:
+    if action.layer is None or not action.layer.startswith("stage"):
+        raise ValueError(f"action {action} does not name a stage")
+    return int(action.layer.removeprefix("stage"))
+
+
+def _mb(action: Action) -> int:
+    if action.microbatch is None:
+        raise ValueError(f"action {action} needs a micro-batch")
+    return action.microbatch
+
+
+def _op_text(action: Action) -> str:
+    kind = {"forward": "F", "backward": "B", "backward_input": "I", "backward_weight": "W"}[action.kind]
+    return f"{_stage(action)}{kind}{action.microbatch}"

@@ -1,0 +1,213 @@
+"""The pipelined step: the chain cut into stages over a mesh axis, run by a schedule."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import optree
+import torch
+
+from ...collectives.mesh import Mesh
+from ...collectives.ops import broadcast
+from ...engine.plan import Plan
+from ...engine.state import Params, TrainState, map_params
+from ...engine.step import Metrics, Step, check_params, clip_scale, split_batch, tree_nbytes
+from .builtins import get_schedule
+from .lowering import lower_rank
+from .partition import balanced_partition, check_partition, param_counts, stage_layers
+from .runtime import PipelineRuntime
+from .schedule import Schedule
+from .validate import validate
+
+
+@dataclass(frozen=True)
+class PipelineLayout:
+    """Static description of a pipelined TrainState: stages, placement, schedule, parameter shapes."""
+
+    axis: str
+    stages: tuple[tuple[str, ...], ...]
+    schedule: Schedule
+    shapes: dict[str, dict[str, tuple[torch.Size, torch.dtype]]]
+
+    def layers_of(self, index: int) -> tuple[str, ...]:
+        """The layers held by pipeline rank ``index`` (its stages, in order)."""
+        return tuple(n for s, layers in enumerate(self.stages) if self.schedule.placement[s] == index for n in layers)
+
+
+def _slice(t: Any, parts: int, i: int) -> Any:
+    if not isinstance(t, torch.Tensor) or t.dim() == 0:
+        raise ValueError(f"pipeline: every batch leaf must be a tensor with a batch dim, got {t!r:.60}")
+    if t.shape[0] % parts:
+        raise ValueError(
+            f"pipeline(microbatches={parts}): batch size {t.shape[0]} (tensor of shape {tuple(t.shape)}) "
+            f"does not divide into {parts} micro-batches; use a batch size that is a multiple of {parts}"
+        )
+    size = t.shape[0] // parts
+    return t[i * size : (i + 1) * size]
+
+
+def split_microbatches(batch: Any, parts: int) -> list[tuple[Any, Any]]:
+    """``parts`` equal slices of (inputs, targets) along dim 0, with a clear error when they do not divide."""
+    inputs, targets = split_batch(batch)
+    return [
+        (
+            optree.tree_map(functools.partial(_slice, parts=parts, i=i), inputs),
+            optree.tree_map(functools.partial(_slice, parts=parts, i=i), targets),
+        )
+        for i in range(parts)
+    ]
+
+
+@dataclass(frozen=True)
+class PipelineStep(Step):
+    """A Step pipelined over ``axis`` (see :func:`pipeline`)."""
+
+    axis: str = "pp"
+    schedule: Any = "1f1b"
+    microbatches: int = 1
+    stages: int | None = None
+    partition: tuple[int, ...] | None = None
+    poison: bool = False
+    trace: bool = False
+
+    # -- layout ------------------------------------------------------------------------
+    def _check_mesh(self, mesh: Mesh | None) -> Mesh:
+        if mesh is None:
+            raise ValueError(f"pipeline(axis={self.axis!r}) needs the mesh: call step.init(params, mesh)")
+        if self.axis not in mesh.axis_names:
+            raise ValueError(
+                f"pipeline(axis={self.axis!r}): {mesh!r} has no axis {self.axis!r}; use one of {mesh.axis_names}"
+            )
+        return mesh
+
+    def num_stages(self, ranks: int) -> int:
+        if self.stages is not None:
+            return self.stages
+        if isinstance(self.schedule, Schedule):
+            return self.schedule.num_stages
+        return 2 * ranks if self.schedule == "zb_v" else ranks
+
+    def layout(self, mesh: Mesh, params: Params | None) -> PipelineLayout:
+        """Stages, schedule and shapes for ``mesh``; refuses anything that cannot run."""
+        mesh = self._check_mesh(mesh)
+        ranks = mesh.axis_size(self.axis)
+        count = self.num_stages(ranks)
+        names = list(self.chain.names)
+        if self.partition is not None:
+            counts = check_partition(self.partition, len(names), count)
+        elif params is not None:
+            counts = balanced_partition(param_counts(names, params), count)
+        else:
+            raise ValueError(
+                "pipeline balances stages by parameter count: pass the params (step.plan(mesh, params)) "
+                "or give the layer counts with pipeline(..., partition=[...])"
+            )
+        stages = stage_layers(names, counts)
+        schedule = get_schedule(self.schedule, ranks, count, self.microbatches)
+        validate(schedule)
+        self._check_ties(stages, schedule)
+        shapes = {} if params is None else {
+            layer: {k: (t.shape, t.dtype) for k, t in tensors.items()} for layer, tensors in params.items()
+        }
+        return PipelineLayout(self.axis, stages, schedule, shapes)
+
+    def _check_ties(self, stages: tuple[tuple[str, ...], ...], schedule: Schedule) -> None:
+        rank_of_layer = {n: schedule.placement[s] for s, layers in enumerate(stages) for n in layers}
+        for layer in self.chain.layers:
+            for local, (owner, _) in layer.ties.items():
+                if rank_of_layer[owner] != rank_of_layer[layer.name]:
+                    raise ValueError(
+                        f"pipeline: layer {layer.name!r} ties {local!r} to layer {owner!r}, which lands on "
+                        f"another pipeline rank ({rank_of_layer[owner]} vs {rank_of_layer[layer.name]}); tied "
+                        "weights across ranks are not supported yet: untie them (e.g. TinyGPT(tie_weights=False)) "
+                        "or choose a partition that keeps both layers on one rank"
+                    )
+
+    # -- state ---------------------------------------------------------------------------------
+    def init(self, params: Params, mesh: Mesh | None = None) -> TrainState:
+        mesh = self._check_mesh(mesh)
+        check_params(self.chain, params)
+        layout = self.layout(mesh, params)
+        mine = set(layout.layers_of(mesh.axis_index(self.axis)))
+        local = map_params(torch.Tensor.detach, {k: v for k, v in params.items() if k in mine})
+        return TrainState(local, self.optimizer.init(local), 0, mesh=mesh, layout=layout)
+
+    def _layout_of(self, state: TrainState) -> PipelineLayout:
+        if not isinstance(state.layout, PipelineLayout) or state.layout.axis != self.axis:
+            raise ValueError(f"this TrainState was not made by this pipeline step (axis={self.axis!r}); use step.init")
+        return state.layout
+
+    def full_params(self, state: TrainState) -> Params:
+        """Every rank gets every stage's parameters (a broadcast from each stage's rank)."""
+        layout = self._layout_of(state)
+        mesh: Mesh = state.mesh
+        full: Params = {}
+        for s, layers in enumerate(layout.stages):
+            root = layout.schedule.placement[s]
+            for layer in layers:
+                full[layer] = {}
+                for name, (shape, dtype) in layout.shapes.get(layer, {}).items():
+                    mine = state.params.get(layer, {}).get(name)
+                    x = mine if mine is not None else torch.zeros(shape, dtype=dtype)
+                    full[layer][name] = broadcast(x, self.axis, root=root, mesh=mesh)
+        return {layer: full.get(layer, {}) for layer in layout.shapes}
+
+    # -- running -----------------------------------------------------------------------------------
+    def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, Metrics]:
+        layout = self._layout_of(state)
+        mesh: Mesh = state.mesh
+        index = mesh.axis_index(self.axis)
+        runtime = PipelineRuntime(
+            chain=self.chain,
+            loss_fn=self.loss_fn,
+            mesh=mesh,
+            axis=self.axis,
+            stages=layout.stages,
+            placement=layout.schedule.placement,
+            params=state.params,
+            microbatches=split_microbatches(batch, self.microbatches),
+            poison=self.poison,
+            record=self.trace,
+        )
+        result: list[tuple[Params, Any]] = []
+
+        def update(_action: object) -> None:
+            assert runtime.sq_norm is not None
+            grads = {layer: {k: runtime.grads.get(layer, {}).get(k, torch.zeros_like(t)) for k, t in tensors.items()}
+                     for layer, tensors in state.params.items()}
+            if self.clip_norm is not None:
+                scale = clip_scale(runtime.sq_norm.sqrt(), self.clip_norm)
+                grads = map_params(lambda g: g * scale.to(g.dtype), grads)
+            result.append(self.optimizer.update(grads, state.opt_state, state.params))
+
+        runtime.run(lower_rank(layout.schedule, index), update)
+        assert runtime.loss_sum is not None and runtime.sq_norm is not None
+        params, opt_state = result[0]
+        metrics: Metrics = {"loss": runtime.loss_sum / self.microbatches, "grad_norm": runtime.sq_norm.sqrt()}
+        if self.trace:
+            metrics["trace"] = runtime.events  # type: ignore[assignment]
+        return state._replace(params=params, opt_state=opt_state, step=state.step + 1), metrics
+
+    # -- inspection ----------------------------------------------------------------------------------
+    def plan(self, mesh: Mesh | None = None, params: Params | None = None) -> Plan:
+        """Per-rank actions: the schedule's computes with the sends and receives placement implies.
+
+        Ranks along other mesh axes repeat the plan of their pipeline position.
+        """
+        mesh = self._check_mesh(mesh)
+        layout = self.layout(mesh, params)
+        per_rank = tuple(lower_rank(layout.schedule, mesh.coords_of(r)[self.axis]) for r in range(mesh.size))
+        memory: dict[str, tuple[int, ...]] = {}
+        if params is not None:
+            meta = map_params(lambda t: torch.empty_like(t, device="meta"), params)
+            held = [
+                {k: v for k, v in meta.items() if k in set(layout.layers_of(mesh.coords_of(r)[self.axis]))}
+                for r in range(mesh.size)
+            ]
+            memory = {
+                "params": tuple(tree_nbytes(h) for h in held),
+                "opt_state": tuple(tree_nbytes(self.optimizer.init(h)) for h in held),
+            }
+        return Plan(mesh, per_rank, memory)

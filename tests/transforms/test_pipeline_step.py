@@ -1,0 +1,131 @@
+"""pipeline runs any valid schedule and equals the single-device step on the whole batch.
+
+float64 on the threads backend: 1e-12 relative, for the reason given in
+test_shard_params.py (only the order of the micro-batch sums changes).
+SGD with momentum throughout: Adam's scale invariance would hide a wrong 1/m.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import shardwise as sw
+from shardwise.testing.models import TinyGPT, mlp
+
+F64_RTOL = 1e-12
+
+# name -> (stages per rank, microbatches must be a multiple of the ranks)
+BUILTINS = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "looped_bfs": 2, "zb_h1": 1, "zb_v": 2}
+
+
+def _mlp_problem(depth: int, seed: int, batch: int):  # type: ignore[no-untyped-def]
+    torch.manual_seed(seed)
+    widths = [3 + (i * 5) % 7 for i in range(depth + 1)]
+    chain, params = sw.functionalize(mlp(widths, "tanh").double())
+    step = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1, momentum=0.9))
+    gen = torch.Generator().manual_seed(seed + 1)
+    batches = [(torch.randn(batch, widths[0], generator=gen, dtype=torch.float64),
+                torch.randn(batch, widths[-1], generator=gen, dtype=torch.float64)) for _ in range(2)]
+    return step, params, batches
+
+
+@given(
+    name=st.sampled_from(sorted(BUILTINS)),
+    p=st.integers(1, 4),
+    m_factor=st.integers(1, 3),
+    seed=st.integers(0, 100),
+)
+def test_every_builtin_schedule_equals_single_device(name: str, p: int, m_factor: int, seed: int) -> None:
+    v = BUILTINS[name]
+    m = p * m_factor
+    stages = v * p
+    # Enough layers for every stage (an MLP of depth d has 2d - 1 layers), uneven counts on purpose.
+    step, params, batches = _mlp_problem(depth=stages + 1, seed=seed, batch=2 * m)
+    piped = sw.pipeline(step, "pp", name, m, stages=stages, poison=True)
+    sw.testing.assert_equivalent(piped, step, sw.Mesh(pp=p), batches, params, rtol=F64_RTOL)
+
+
+def test_custom_schedule_as_text_and_as_function() -> None:
+    step, params, batches = _mlp_problem(depth=2, seed=0, batch=4)
+    text = """
+    rank 0: 0F0 0F1 0B0 0B1
+    rank 1: 1F0 1B0 1F1 1B1
+    """
+    sw.testing.assert_equivalent(sw.pipeline(step, "pp", text, 2), step, sw.Mesh(pp=2), batches, params,
+                                 rtol=F64_RTOL)
+    from shardwise.transforms.pipeline import Schedule
+
+    def mine(ranks: int, stages: int, microbatches: int) -> Schedule:
+        return Schedule.parse(text)
+
+    sw.testing.assert_equivalent(sw.pipeline(step, "pp", mine, 2), step, sw.Mesh(pp=2), batches, params,
+                                 rtol=F64_RTOL)
+
+
+def test_explicit_uneven_partition() -> None:
+    step, params, batches = _mlp_problem(depth=3, seed=1, batch=4)  # 5 layers
+    piped = sw.pipeline(step, "pp", "1f1b", 2, partition=[4, 1])
+    plan = piped.plan(sw.Mesh(pp=2), params)
+    assert plan.memory["params"][1] < plan.memory["params"][0]
+    sw.testing.assert_equivalent(piped, step, sw.Mesh(pp=2), batches, params, rtol=F64_RTOL)
+
+
+def test_untied_gpt_pipelined_on_a_dp_pp_mesh_replicates_over_dp() -> None:
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=32, d_model=16, n_heads=2, n_layers=2, seq_len=8, tie_weights=False).double()
+    chain, params = sw.functionalize(model, units=["tok_emb", "blocks", "head"])
+    loss = lambda o, t: torch.nn.functional.cross_entropy(o.flatten(0, 1), t.flatten())  # noqa: E731
+    step = sw.train_step(chain, loss, sw.optim.sgd(0.5, momentum=0.9))
+    gen = torch.Generator().manual_seed(3)
+    batches = [(torch.randint(32, (4, 8), generator=gen), torch.randint(32, (4, 8), generator=gen))]
+    piped = sw.pipeline(step, "pp", "1f1b", 4)
+    sw.testing.assert_equivalent(piped, step, sw.Mesh(dp=2, pp=2), batches, params, rtol=F64_RTOL)
+
+
+def test_tied_weights_across_ranks_are_refused_with_the_fix() -> None:
+    model = TinyGPT(vocab=32, d_model=16, n_heads=2, n_layers=2, seq_len=8)
+    chain, params = sw.functionalize(model, units=["tok_emb", "blocks", "head"])
+    step = sw.pipeline(sw.train_step(chain, lambda o, t: o.sum(), sw.optim.sgd(0.1)), "pp", "1f1b", 2)
+    with pytest.raises(ValueError, match="tied weights across ranks are not supported yet: untie"):
+        step.plan(sw.Mesh(pp=2), params)
+
+
+def test_trace_gives_a_measured_timeline() -> None:
+    from shardwise.transforms.pipeline import Timeline
+
+    step, params, batches = _mlp_problem(depth=2, seed=0, batch=4)
+    piped = sw.pipeline(step, "pp", "1f1b", 4, trace=True)
+    mesh = sw.Mesh(pp=2)
+
+    def run() -> list:
+        state = piped.init(params, mesh)
+        _, metrics = piped(state, batches[0])
+        return metrics["trace"]
+
+    events = [e for rank_events in sw.launch(run, 2) for e in rank_events]
+    assert len(events) == 2 * 2 * 4  # F and B of 4 micro-batches on 2 stages
+    timeline = Timeline.from_measured(piped.layout(mesh, params).schedule, events)
+    assert 0 <= timeline.bubble_fraction < 1
+
+
+def test_bad_arguments_are_refused() -> None:
+    step, params, batches = _mlp_problem(depth=2, seed=0, batch=6)
+    with pytest.raises(ValueError, match="applied twice"):
+        sw.pipeline(sw.pipeline(step, "pp"), "pp")
+    with pytest.raises(ValueError, match="has no axis 'pp'"):
+        sw.pipeline(step, "pp").plan(sw.Mesh(dp=2), params)
+    with pytest.raises(ValueError, match="pass the params"):
+        sw.pipeline(step, "pp").plan(sw.Mesh(pp=2))
+    with pytest.raises(ValueError, match="covers 2 layers but the chain has 3"):
+        sw.pipeline(step, "pp", partition=[1, 1]).plan(sw.Mesh(pp=2), params)
+
+    def run() -> None:
+        piped = sw.pipeline(step, "pp", "gpipe", 4)
+        state = piped.init(params, sw.Mesh(pp=2))
+        piped(state, batches[0])
+
+    with pytest.raises(sw.RankFailed, match="does not divide into 4 micro-batches"):
+        sw.launch(run, 2)
