@@ -18,6 +18,7 @@ import torch
 
 from ..collectives.mesh import Mesh
 from .chain import Chain
+from .data_parallel import DataParallel
 from .executor import Executor, LossFn
 from .optim import Optimizer, global_norm
 from .plan import BACKWARD, FORWARD, LOSS, UPDATE, Action, Plan
@@ -82,6 +83,24 @@ class Step:
     loss_fn: LossFn
     optimizer: Optimizer
     clip_norm: float | None = None
+
+    # -- composition hooks ------------------------------------------------------
+    @property
+    def data_parallel(self) -> DataParallel | None:
+        """The data-parallel sharding this step applies, if any (shard_params sets it)."""
+        return None
+
+    def with_data_parallel(self, spec: DataParallel) -> Step:
+        """This step, data parallel with ZeRO sharding over ``spec.axis``.
+
+        Steps that drive their own computation (a pipeline) override this to
+        hold their layers in a sharded store; the plain step is made data
+        parallel by shard_params itself, so it never gets here.
+        """
+        raise ValueError(
+            f"{type(self).__name__} cannot be made data parallel over {spec.axis!r}: shard_params does not "
+            "compose with it"
+        )
 
     # -- state ----------------------------------------------------------------
     def init(self, params: Params, mesh: Mesh | None = None) -> TrainState:

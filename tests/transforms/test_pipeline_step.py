@@ -129,3 +129,41 @@ def test_bad_arguments_are_refused() -> None:
 
     with pytest.raises(sw.RankFailed, match="does not divide into 4 micro-batches"):
         sw.launch(run, 2)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("order", ["pipeline(shard_params)", "shard_params(pipeline)"])
+def test_composed_with_shard_params_on_a_dp_pp_mesh(stage: int, order: str) -> None:
+    """dp=2 x pp=2: each stage's parameters ZeRO-sharded over dp; the order of the transforms does not matter."""
+    step, params, batches = _mlp_problem(depth=3, seed=4, batch=8)
+    if order == "pipeline(shard_params)":
+        composed = sw.pipeline(sw.shard_params(step, "dp", stage), "pp", "1f1b", 2)
+    else:
+        composed = sw.shard_params(sw.pipeline(step, "pp", "1f1b", 2), "dp", stage)
+    sw.testing.assert_equivalent(composed, step, sw.Mesh(dp=2, pp=2), batches, params, rtol=F64_RTOL)
+
+
+def test_composition_holds_only_this_ranks_shard() -> None:
+    step, params, batches = _mlp_problem(depth=3, seed=4, batch=8)
+    composed = sw.pipeline(sw.shard_params(step, "dp", 3), "pp", "gpipe", 2)
+    mesh = sw.Mesh(dp=2, pp=2)
+
+    def held() -> int:
+        state = composed.init(params, mesh)
+        state, _ = composed(state, batches[0])
+        return sum(t.numel() for t in state.params.values())
+
+    total = sum(t.numel() for layer in params.values() for t in layer.values())
+    counts = sw.launch(held, 4)
+    assert sum(counts) <= total + 4 * 2  # every element once, plus padding (< dp per unit)
+    assert max(counts) < total / 2
+
+
+def test_composition_refuses_what_cannot_work() -> None:
+    step, _, _ = _mlp_problem(depth=2, seed=0, batch=4)
+    with pytest.raises(ValueError, match="both use axis 'pp'"):
+        sw.shard_params(sw.pipeline(step, "pp"), "pp")
+    with pytest.raises(ValueError, match="drop these options"):
+        sw.shard_params(sw.pipeline(step, "pp"), "dp", accumulation=2)
+    with pytest.raises(ValueError, match="drop those shard_params options"):
+        sw.pipeline(sw.shard_params(step, "dp", prefetch=2), "pp")

@@ -33,6 +33,10 @@ def pipeline(
     (rank, op, start, end) events to the metrics; ``poison=True`` fills every
     received buffer with NaN once it is used up (a test of stale reuse).
 
+    Over a shard_params step (or with shard_params applied after), every
+    pipeline rank's layers are also ZeRO-sharded over the data-parallel axis
+    of a 2-D mesh such as ``Mesh(dp=2, pp=2)``.
+
     >>> import torch, shardwise as sw
     >>> chain, params = sw.functionalize(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)))
     >>> step = sw.pipeline(sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1)), "pp", "gpipe", 2)
@@ -41,10 +45,17 @@ def pipeline(
     """
     if isinstance(step, PipelineStep):
         raise ValueError(f"pipeline was applied twice (already over axis {step.axis!r}); apply it once")
-    if type(step) is not Step:
+    spec = step.data_parallel
+    if spec is not None:
+        # shard_params came first: keep its sharding, held by the pipeline per stage.
+        if getattr(step, "accumulation", 1) != 1 or getattr(step, "prefetch", 1) != 1:
+            raise ValueError(
+                "pipeline over a shard_params step with accumulation or prefetch set: the pipeline schedules "
+                "the computation (its micro-batches are the accumulation); drop those shard_params options"
+            )
+    elif type(step) is not Step:
         raise ValueError(
-            f"pipeline(step=...) got a {type(step).__name__}; apply pipeline to the plain train_step (composing "
-            "it with other transforms is not supported yet)"
+            f"pipeline(step=...) got a {type(step).__name__}; pipeline composes with train_step and shard_params"
         )
     if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
         raise ValueError(f"pipeline(microbatches={microbatches!r}): the number of micro-batches is an int >= 1")
@@ -62,4 +73,5 @@ def pipeline(
         partition=None if partition is None else tuple(partition),
         poison=poison,
         trace=trace,
+        dp=spec,
     )

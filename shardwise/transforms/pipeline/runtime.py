@@ -61,6 +61,11 @@ class PipelineRuntime:
     microbatches: Sequence[tuple[Any, Any]]
     poison: bool = False  # fill consumed receive buffers with NaN: stale reuse would show
     record: bool = False
+    loss_scale: float = 1.0  # 1/replicas when the batch is also split over a data-parallel axis
+    # Data-parallel composition: reduce local gradients into shards before the metrics.
+    reduce_grads: Callable[[Mapping[str, Mapping[str, torch.Tensor]]], Any] | None = None
+    metric_axes: tuple[str, ...] = ()
+    reduced: Any = None
     grads: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     loss_sum: torch.Tensor | None = None
     sq_norm: torch.Tensor | None = None
@@ -171,7 +176,7 @@ class PipelineRuntime:
     def _output_grads(self, s: int, m: int, saved: _Saved) -> list[torch.Tensor | None]:
         if s == self.last:
             # The loss of each micro-batch counts 1/m: the step is the mean over the whole batch.
-            return [torch.full_like(saved.outputs[0], 1.0 / len(self.microbatches))]
+            return [torch.full_like(saved.outputs[0], self.loss_scale / len(self.microbatches))]
         if self.placement[s + 1] == self.placement[s]:
             grads = self._input_grads.pop((s + 1, m))
         else:
@@ -242,11 +247,15 @@ class PipelineRuntime:
         local_loss = (
             torch.stack([x.to(dtype) for x in self._losses]).sum() if self._losses else torch.zeros((), dtype=dtype)
         )
-        local_sq = sum(
-            (g.to(dtype).pow(2).sum() for layer in self.grads.values() for g in layer.values()),
-            torch.zeros((), dtype=dtype),
-        )
-        total = psum(torch.stack([local_loss, local_sq]), self.axis, mesh=self.mesh)
+        if self.reduce_grads is not None:
+            self.reduced = self.reduce_grads(self.grads)
+            pieces = list(optree.tree_leaves(self.reduced))
+        else:
+            pieces = [g for layer in self.grads.values() for g in layer.values()]
+        local_sq = sum((g.to(dtype).pow(2).sum() for g in pieces), torch.zeros((), dtype=dtype))
+        total = torch.stack([local_loss, local_sq])
+        for axis in self.metric_axes or (self.axis,):
+            total = psum(total, axis, mesh=self.mesh)
         self.loss_sum, self.sq_norm = total[0], total[1]
 
     def _metric_dtype(self) -> torch.dtype:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Any
@@ -11,6 +12,13 @@ import torch
 
 from ...collectives.mesh import Mesh
 from ...collectives.ops import broadcast
+from ...engine.data_parallel import (
+    DataParallel,
+    ShardedParams,
+    ShardedParamsLayout,
+    init_shards,
+    shard_layouts,
+)
 from ...engine.plan import Plan
 from ...engine.state import Params, TrainState, map_params
 from ...engine.step import Metrics, Step, check_params, clip_scale, split_batch, tree_nbytes
@@ -30,6 +38,7 @@ class PipelineLayout:
     stages: tuple[tuple[str, ...], ...]
     schedule: Schedule
     shapes: dict[str, dict[str, tuple[torch.Size, torch.dtype]]]
+    sharded: ShardedParamsLayout | None = None  # this rank's layers, when sharded over a dp axis
 
     def layers_of(self, index: int) -> tuple[str, ...]:
         """The layers held by pipeline rank ``index`` (its stages, in order)."""
@@ -46,6 +55,23 @@ def _slice(t: Any, parts: int, i: int) -> Any:
         )
     size = t.shape[0] // parts
     return t[i * size : (i + 1) * size]
+
+
+def split_over_axis(batch: Any, parts: int, index: int, axis: str) -> Any:
+    """This data-parallel rank's slice of the global batch."""
+    inputs, targets = split_batch(batch)
+
+    def cut(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] % parts:
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(
+                f"shard_params over axis {axis!r} of size {parts}: batch leaf of shape {shape} does not divide "
+                f"into {parts} equal parts along dim 0; use a batch size that is a multiple of {parts}"
+            )
+        size = t.shape[0] // parts
+        return t[index * size : (index + 1) * size]
+
+    return optree.tree_map(cut, inputs), optree.tree_map(cut, targets)
 
 
 def split_microbatches(batch: Any, parts: int) -> list[tuple[Any, Any]]:
@@ -71,15 +97,26 @@ class PipelineStep(Step):
     partition: tuple[int, ...] | None = None
     poison: bool = False
     trace: bool = False
+    dp: DataParallel | None = None  # ZeRO sharding of each rank's layers over a data-parallel axis
+
+    @property
+    def data_parallel(self) -> DataParallel | None:
+        return self.dp
+
+    def with_data_parallel(self, spec: DataParallel) -> PipelineStep:
+        if self.dp is not None:
+            raise ValueError(f"shard_params was applied twice (already sharded over axis {self.dp.axis!r})")
+        if spec.axis == self.axis:
+            raise ValueError(f"shard_params and pipeline both use axis {spec.axis!r}; give them different axes")
+        return dataclasses.replace(self, dp=spec)
 
     # -- layout ------------------------------------------------------------------------
     def _check_mesh(self, mesh: Mesh | None) -> Mesh:
         if mesh is None:
             raise ValueError(f"pipeline(axis={self.axis!r}) needs the mesh: call step.init(params, mesh)")
-        if self.axis not in mesh.axis_names:
-            raise ValueError(
-                f"pipeline(axis={self.axis!r}): {mesh!r} has no axis {self.axis!r}; use one of {mesh.axis_names}"
-            )
+        for axis, who in ((self.axis, "pipeline"), (self.dp.axis if self.dp else None, "shard_params")):
+            if axis is not None and axis not in mesh.axis_names:
+                raise ValueError(f"{who}(axis={axis!r}): {mesh!r} has no axis {axis!r}; use one of {mesh.axis_names}")
         return mesh
 
     def num_stages(self, ranks: int) -> int:
@@ -132,7 +169,12 @@ class PipelineStep(Step):
         layout = self.layout(mesh, params)
         mine = set(layout.layers_of(mesh.axis_index(self.axis)))
         local = map_params(torch.Tensor.detach, {k: v for k, v in params.items() if k in mine})
-        return TrainState(local, self.optimizer.init(local), 0, mesh=mesh, layout=layout)
+        if self.dp is None:
+            return TrainState(local, self.optimizer.init(local), 0, mesh=mesh, layout=layout)
+        sharded = ShardedParamsLayout(self.dp, shard_layouts(local, self.dp, mesh.axis_size(self.dp.axis)))
+        held, shards = init_shards(local, sharded, mesh.axis_index(self.dp.axis))
+        layout = dataclasses.replace(layout, sharded=sharded)
+        return TrainState(held, self.optimizer.init(shards), 0, mesh=mesh, layout=layout)
 
     def _layout_of(self, state: TrainState) -> PipelineLayout:
         if not isinstance(state.layout, PipelineLayout) or state.layout.axis != self.axis:
@@ -143,13 +185,14 @@ class PipelineStep(Step):
         """Every rank gets every stage's parameters (a broadcast from each stage's rank)."""
         layout = self._layout_of(state)
         mesh: Mesh = state.mesh
+        local = state.params if layout.sharded is None else ShardedParams(layout.sharded, state.params, mesh).gather()
         full: Params = {}
         for s, layers in enumerate(layout.stages):
             root = layout.schedule.placement[s]
             for layer in layers:
                 full[layer] = {}
                 for name, (shape, dtype) in layout.shapes.get(layer, {}).items():
-                    mine = state.params.get(layer, {}).get(name)
+                    mine = local.get(layer, {}).get(name)
                     x = mine if mine is not None else torch.zeros(shape, dtype=dtype)
                     full[layer][name] = broadcast(x, self.axis, root=root, mesh=mesh)
         return {layer: full.get(layer, {}) for layer in layout.shapes}
@@ -159,6 +202,10 @@ class PipelineStep(Step):
         layout = self._layout_of(state)
         mesh: Mesh = state.mesh
         index = mesh.axis_index(self.axis)
+        store = None if layout.sharded is None else ShardedParams(layout.sharded, state.params, mesh)
+        replicas = 1 if store is None else store.size
+        if store is not None:
+            batch = split_over_axis(batch, store.size, store.index, store.axis)
         runtime = PipelineRuntime(
             chain=self.chain,
             loss_fn=self.loss_fn,
@@ -166,26 +213,37 @@ class PipelineStep(Step):
             axis=self.axis,
             stages=layout.stages,
             placement=layout.schedule.placement,
-            params=state.params,
+            params=state.params if store is None else store.gather(),
             microbatches=split_microbatches(batch, self.microbatches),
             poison=self.poison,
             record=self.trace,
+            loss_scale=1.0 / replicas,
+            reduce_grads=None if store is None else store.reduce,
+            metric_axes=(self.axis,) if store is None else (self.axis, store.axis),
         )
-        result: list[tuple[Params, Any]] = []
+        result: list[tuple[Any, Any]] = []
 
         def update(_action: object) -> None:
             assert runtime.sq_norm is not None
-            grads = {layer: {k: runtime.grads.get(layer, {}).get(k, torch.zeros_like(t)) for k, t in tensors.items()}
-                     for layer, tensors in state.params.items()}
+            grads: Any = runtime.reduced if store is not None else {
+                layer: {k: runtime.grads.get(layer, {}).get(k, torch.zeros_like(t)) for k, t in tensors.items()}
+                for layer, tensors in state.params.items()
+            }
             if self.clip_norm is not None:
                 scale = clip_scale(runtime.sq_norm.sqrt(), self.clip_norm)
-                grads = map_params(lambda g: g * scale.to(g.dtype), grads)
-            result.append(self.optimizer.update(grads, state.opt_state, state.params))
+                grads = optree.tree_map(lambda g: g * scale.to(g.dtype), grads)
+            if store is None:
+                result.append(self.optimizer.update(grads, state.opt_state, state.params))
+            else:
+                result.append(store.update(self.optimizer, grads, state.opt_state))
 
         runtime.run(lower_rank(layout.schedule, index), update)
         assert runtime.loss_sum is not None and runtime.sq_norm is not None
         params, opt_state = result[0]
-        metrics: Metrics = {"loss": runtime.loss_sum / self.microbatches, "grad_norm": runtime.sq_norm.sqrt()}
+        metrics: Metrics = {
+            "loss": runtime.loss_sum / (self.microbatches * replicas),
+            "grad_norm": runtime.sq_norm.sqrt(),
+        }
         if self.trace:
             metrics["trace"] = runtime.events  # type: ignore[assignment]
         return state._replace(params=params, opt_state=opt_state, step=state.step + 1), metrics

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from ...engine.data_parallel import DataParallel
+from ...engine.flat import UnitLayout
 from ...engine.step import Step
-from .layout import UnitLayout
 from .lowering import ShardingOptions
 from .step import ShardedLayout, ShardedStep
 
@@ -18,7 +19,7 @@ def shard_params(
     reshard_after_forward: bool = True,
     prefetch: int = 1,
     accumulation: int = 1,
-) -> ShardedStep:
+) -> Step:
     """Make ``step`` data parallel over mesh ``axis``, sharding what ZeRO ``stage`` shards.
 
     The global batch is split over ``axis`` (its size must divide the batch)
@@ -32,6 +33,10 @@ def shard_params(
     flat buffer, padded to a multiple of the axis size; padding never reaches
     results. ``accumulation=k`` splits each rank's batch into ``k``
     micro-batches and reduces gradients only after the last one.
+
+    On a pipelined step (either order of the two transforms), each pipeline
+    rank's layers are sharded over ``axis``: gathered once per step before
+    their first compute and reduce-scattered after the last backward.
 
     >>> import torch, shardwise as sw
     >>> chain, params = sw.functionalize(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)))
@@ -53,6 +58,15 @@ def shard_params(
         raise ValueError(f"shard_params(prefetch={prefetch!r}): the prefetch depth is an int >= 0")
     if isinstance(accumulation, bool) or not isinstance(accumulation, int) or accumulation < 1:
         raise ValueError(f"shard_params(accumulation={accumulation!r}): the number of micro-batches is an int >= 1")
+    if type(step) is not Step:
+        # A step that drives its own computation (a pipeline) holds its layers sharded itself.
+        if accumulation != 1 or prefetch != 1:
+            raise ValueError(
+                f"shard_params(accumulation={accumulation}, prefetch={prefetch}) on a {type(step).__name__}: "
+                "that step schedules the computation, so gather units once per step and accumulate over its "
+                "own micro-batches; drop these options"
+            )
+        return step.with_data_parallel(DataParallel(axis, stage))
     if stage != 3 and not reshard_after_forward:
         raise ValueError(
             f"shard_params(stage={stage}, reshard_after_forward=False): only stage 3 shards parameters, "

@@ -20,8 +20,8 @@ from ...collectives.mesh import Mesh
 from ...collectives.ops import all_gather_async, psum, psum_scatter_async
 from ...engine.chain import Chain
 from ...engine.executor import Executor, LossFn
+from ...engine.flat import UnitLayout
 from ...engine.plan import BACKWARD, FORWARD, LOSS, UPDATE, Action
-from .layout import UnitLayout
 from .lowering import (
     FREE,
     GATHER,

@@ -9,10 +9,11 @@ import optree
 import torch
 
 from ...collectives.mesh import Mesh
+from ...engine.data_parallel import DataParallel
+from ...engine.flat import UnitLayout
 from ...engine.plan import Plan
 from ...engine.state import Params, TrainState, map_params
 from ...engine.step import Metrics, Step, check_params, clip_scale, split_batch, tree_nbytes
-from .layout import UnitLayout
 from .lowering import ShardingOptions, lower_rank, peak_gathered_units
 from .runtime import ShardRuntime
 
@@ -53,6 +54,10 @@ class ShardedStep(Step):
     reshard_after_forward: bool = True
     prefetch: int = 1
     accumulation: int = 1
+
+    @property
+    def data_parallel(self) -> DataParallel:
+        return DataParallel(self.axis, self.stage)
 
     @property
     def options(self) -> ShardingOptions:

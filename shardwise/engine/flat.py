@@ -1,4 +1,4 @@
-"""Flat-buffer layout of one unit (a Chain layer) sharded over N ranks.
+"""Flat-buffer layout of one unit (a Chain layer) sharded over N ranks (ZeRO and FSDP use it).
 
 A unit's owned parameters are flattened in name order into one 1-D buffer,
 zero-padded to a multiple of N, and cut into N equal contiguous shards: rank
