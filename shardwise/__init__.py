@@ -47,6 +47,8 @@ from .collectives import (
     psum_scatter,
     psum_scatter_async,
     pvary,
+    recv,
+    send,
 )
 from .engine.chain import Chain, Layer
 from .engine.functionalize import functionalize
@@ -99,6 +101,8 @@ __all__ = [
     "psum_scatter",
     "psum_scatter_async",
     "pvary",
+    "recv",
+    "send",
     "shard_params",
     "testing",
     "train_step",

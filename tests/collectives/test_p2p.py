@@ -1,0 +1,299 @@
+"""Point-to-point send / recv on every backend: the same rank programs on threads and gloo.
+
+The rank programs are module-level functions (spawned processes import them).
+Failure tests use short timeouts; the processes one uses its own launch, not the
+shared pools, so the broken process group it leaves behind poisons nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from shardwise.collectives import (
+    CollectiveError,
+    CollectiveTimeout,
+    Mesh,
+    RankAborted,
+    RankFailed,
+    axis_index,
+    comm_ledger,
+    launch,
+    ppermute,
+    recv,
+    send,
+)
+from shardwise.collectives.backend import MAX_TAG
+from shardwise.collectives.runtime import SingleRankBackend, use_backend
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, a.shape, b.dtype, b.shape)
+    assert torch.equal(a, b)
+
+
+def _payloads() -> list[torch.Tensor]:
+    """Tensors whose shape and dtype the receiver does not know."""
+    gen = torch.Generator().manual_seed(7)
+    return [
+        torch.randn(3, 4, generator=gen).to(torch.float16),
+        torch.randn(5, generator=gen).to(torch.bfloat16),
+        torch.randn(1, 2, 3, generator=gen),
+        torch.tensor(2.5, dtype=torch.float64),  # 0-d
+        torch.arange(6, dtype=torch.int64).reshape(2, 3) - 3,
+        torch.empty(0, 5, dtype=torch.int64),  # empty
+        torch.empty(0, dtype=torch.float32),
+        torch.tensor([True, False, True]),
+        torch.randn(2, 3, generator=gen).t(),  # non-contiguous
+        torch.randn(*([1] * 9), 2, generator=gen, dtype=torch.float64),  # more dims than the header holds
+        torch.complex(torch.ones(2), torch.arange(2.0)),
+    ]
+
+
+# -- rank programs (threads and gloo alike) ----------------------------------------
+def ring_shift() -> dict[str, Any]:
+    """Over the pp axis of a 2x2 mesh: send to the next stage, then receive from the previous one."""
+    mesh = Mesh(dp=2, pp=2)
+    rank = mesh.rank
+    with mesh, comm_ledger() as ledger:
+        i, n = axis_index("pp"), 2
+        x = torch.full((3,), float(rank), dtype=torch.float64)
+        sent = send(x, "pp", (i + 1) % n, tag=1).wait()  # never waits for the receiver
+        assert sent is x
+        x.fill_(-1.0)  # the message is a snapshot: changing x now changes nothing
+        got = recv("pp", (i - 1) % n, tag=1).wait()
+    return {"rank": rank, "got": got, "records": ledger.records}
+
+
+def unknown_shapes() -> list[torch.Tensor] | None:
+    mesh = Mesh(pp=2)
+    with mesh:
+        if mesh.rank == 0:
+            for k, t in enumerate(_payloads()):
+                send(t, "pp", 1, tag=k)
+            return None
+        # Receives issued in reverse tag order, before any wait.
+        handles = {k: recv("pp", 0, tag=k) for k in reversed(range(len(_payloads())))}
+        return [handles[k].wait() for k in range(len(_payloads()))]
+
+
+def tags_are_independent() -> list[float] | None:
+    mesh = Mesh(pp=2)
+    with mesh:
+        if mesh.rank == 0:
+            send(torch.tensor([3.0]), "pp", 1, tag=3)
+            send(torch.tensor([7.0]), "pp", 1, tag=7)
+            return None
+        seven = recv("pp", 0, tag=7).wait()
+        three = recv("pp", 0, tag=3).wait()
+        return [seven.item(), three.item()]
+
+
+def many_in_order(count: int) -> list[torch.Tensor] | None:
+    """``count`` messages of varying shape on tag 0, and a ppermute over the world in between.
+
+    The receiver issues every receive first and waits on them in reverse: the
+    k-th receive issued still gets the k-th message sent.
+    """
+    mesh = Mesh(pp=2)
+    with mesh:
+        if mesh.rank == 0:
+            for k in range(count):
+                send(torch.full((k % 4 + 1, 2), float(k)), "pp", 1)  # tag 0, as ppermute uses
+                if k == count // 2:  # a collective on the same (world) process group in between
+                    ppermute(torch.ones(1), "pp", [(0, 1)])
+            return None
+        # The ppermute comes before every receive here, mid-way on the sender.
+        _same(ppermute(torch.ones(1), "pp", [(0, 1)]), torch.ones(1))
+        handles = [recv("pp", 0) for _ in range(count)]
+        if mesh.backend.name == "threads":  # gloo tells a recv is done only through wait()
+            deadline = time.monotonic() + 10
+            while not handles[count // 3].is_completed():
+                assert time.monotonic() < deadline, "is_completed() never became true"
+                time.sleep(0.001)
+        return [h.wait() for h in reversed(handles)][::-1]
+
+
+def to_self() -> dict[str, Any]:
+    mesh = Mesh(pp=_world())  # 2 ranks, or a world of one outside any launch
+    with mesh, comm_ledger() as ledger:
+        me = axis_index("pp")
+        early = recv("pp", me, tag=4)  # issued before the send it takes
+        x = torch.arange(3.0) + mesh.rank
+        send(x, "pp", me, tag=4).wait()
+        x.zero_()
+        first = early.wait()
+        send(torch.tensor([1, 2]), "pp", me, tag=4)
+        second = recv("pp", me, tag=4).wait()
+    return {"first": first, "second": second, "records": ledger.records}
+
+
+def _world() -> int:
+    from shardwise.collectives.runtime import current_backend
+
+    return current_backend().world_size
+
+
+def never_sent() -> None:
+    mesh = Mesh(pp=2)
+    with mesh:
+        if mesh.rank == 1:
+            recv("pp", 0, tag=9).wait()
+
+
+_ABORT_SEEN: list[BaseException] = []
+
+
+def peer_raises() -> None:
+    mesh = Mesh(pp=2)
+    with mesh:
+        if mesh.rank == 0:
+            time.sleep(0.2)
+            raise ValueError("stage 0 broke")
+        try:
+            recv("pp", 0, tag=2).wait()
+        except RankAborted as exc:
+            _ABORT_SEEN.append(exc)
+            raise
+
+
+# -- threads --------------------------------------------------------------------------
+def _check_ring(results: list[dict[str, Any]]) -> None:
+    for r in results:
+        rank = r["rank"]
+        peer = rank ^ 1  # the other pp index of the same dp row (rank = 2 * dp + pp)
+        _same(r["got"], torch.full((3,), float(peer), dtype=torch.float64))
+        ops = {rec.op: rec for rec in r["records"]}
+        assert set(ops) == {"send", "recv"}
+        assert ops["send"].sent_bytes == 24 and ops["send"].nbytes == 24 and ops["send"].axis == "pp"
+        assert ops["recv"].sent_bytes == 0 and ops["recv"].nbytes == 24
+        assert ops["recv"].dtype == "float64" and ops["recv"].shape == (3,)
+        assert all(rec.rank == rank and rec.group_size == 2 for rec in r["records"])
+
+
+def test_ring_shift_over_the_pp_axis_with_threads() -> None:
+    _check_ring(launch(ring_shift, 4))
+
+
+def test_unknown_shape_and_dtype_with_threads() -> None:
+    got = launch(unknown_shapes, 2)[1]
+    assert got is not None
+    for a, b in zip(got, _payloads(), strict=True):
+        _same(a, b)
+
+
+def test_tags_are_independent_with_threads() -> None:
+    assert launch(tags_are_independent, 2)[1] == [7.0, 3.0]
+
+
+def test_many_messages_arrive_in_order_with_threads() -> None:
+    got = launch(many_in_order, 2, args=(60,))[1]
+    assert got is not None
+    for k, t in enumerate(got):
+        _same(t, torch.full((k % 4 + 1, 2), float(k)))
+
+
+def test_send_to_self_with_threads_and_a_world_of_one() -> None:
+    for results in (launch(to_self, 2), [to_self()]):
+        for rank, r in enumerate(results):
+            _same(r["first"], torch.arange(3.0) + rank)
+            _same(r["second"], torch.tensor([1, 2]))
+            assert [rec.op for rec in r["records"]] == ["send", "recv", "send", "recv"]
+            assert all(rec.sent_bytes == 0 for rec in r["records"])  # nothing leaves the rank
+
+
+def test_a_recv_whose_sender_never_sends_times_out_naming_peer_and_tag() -> None:
+    start = time.monotonic()
+    with pytest.raises(RankFailed) as info:
+        launch(never_sent, 2, timeout=0.5)
+    assert time.monotonic() - start < 5
+    assert info.value.rank == 1
+    assert isinstance(info.value.__cause__, CollectiveTimeout)
+    message = str(info.value)
+    assert "recv from rank 0 (tag 9)" in message and "0.5 s" in message and "on rank 1" in message
+
+
+def test_a_peer_that_raises_stops_the_waiting_recv_quickly() -> None:
+    _ABORT_SEEN.clear()
+    start = time.monotonic()
+    with pytest.raises(RankFailed, match="stage 0 broke") as info:
+        launch(peer_raises, 2, timeout=30.0)
+    assert time.monotonic() - start < 5
+    assert info.value.rank == 0
+    assert len(_ABORT_SEEN) == 1 and "recv from rank 0 (tag 2)" in str(_ABORT_SEEN[0])
+
+
+def test_send_refuses_grad_and_checks_its_arguments() -> None:
+    def body() -> None:
+        mesh = Mesh(pp=2)
+        with mesh:
+            w = torch.ones(2, requires_grad=True)
+            with pytest.raises(RuntimeError, match=r"send is not differentiable.*detach"):
+                send(w * 2, "pp", 0)
+            with torch.no_grad():
+                send(w, "pp", axis_index("pp"), tag=1)  # allowed: no graph is recorded
+            recv("pp", axis_index("pp"), tag=1).wait()
+            with pytest.raises(ValueError, match="dst=2 is outside the axis 'pp' of size 2"):
+                send(torch.ones(1), "pp", 2)
+            with pytest.raises(ValueError, match="tag=-1 must be in"):
+                recv("pp", 0, tag=-1)
+            with pytest.raises(ValueError, match=f"tag={MAX_TAG + 1} must be in"):
+                send(torch.ones(1), "pp", 0, tag=MAX_TAG + 1)
+            with pytest.raises(TypeError, match="src must be an int"):
+                recv("pp", True)  # type: ignore[arg-type]
+
+    launch(body, 2)
+
+
+def test_a_world_of_one_refuses_a_recv_nothing_was_sent_for() -> None:
+    with (
+        use_backend(SingleRankBackend()),
+        pytest.raises(CollectiveError, match="has not sent itself message #0 with tag 3"),
+    ):
+        recv("pp", 0, tag=3, mesh=Mesh(pp=1)).wait()
+
+
+# -- gloo processes ----------------------------------------------------------------------
+@pytest.mark.gloo
+def test_ring_shift_over_the_pp_axis_on_gloo(gloo4: Any) -> None:
+    _check_ring(gloo4.run(ring_shift))
+
+
+@pytest.mark.gloo
+def test_unknown_shape_and_dtype_on_gloo(gloo2: Any) -> None:
+    got = gloo2.run(unknown_shapes)[1]
+    for a, b in zip(got, _payloads(), strict=True):
+        _same(a, b)
+
+
+@pytest.mark.gloo
+def test_tags_are_independent_on_gloo(gloo2: Any) -> None:
+    assert gloo2.run(tags_are_independent)[1] == [7.0, 3.0]
+
+
+@pytest.mark.gloo
+def test_many_messages_arrive_in_order_on_gloo(gloo2: Any) -> None:
+    got = gloo2.run(many_in_order, 60)[1]
+    for k, t in enumerate(got):
+        _same(t, torch.full((k % 4 + 1, 2), float(k)))
+
+
+@pytest.mark.gloo
+def test_send_to_self_on_gloo(gloo2: Any) -> None:
+    for rank, r in enumerate(gloo2.run(to_self)):
+        _same(r["first"], torch.arange(3.0) + rank)
+        _same(r["second"], torch.tensor([1, 2]))
+        assert all(rec.sent_bytes == 0 for rec in r["records"])
+
+
+@pytest.mark.gloo
+def test_a_recv_whose_sender_never_sends_times_out_on_gloo() -> None:
+    with pytest.raises(RankFailed) as info:
+        launch(never_sent, 2, backend="processes", timeout=2)
+    assert info.value.rank == 1
+    message = str(info.value)
+    assert "CollectiveTimeout" in message
+    assert "recv from rank 0 (tag 9) on rank 1" in message and "timed out after 2 s" in message
