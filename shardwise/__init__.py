@@ -55,7 +55,9 @@ from .engine.functionalize import functionalize
 from .engine.plan import Action, Plan
 from .engine.state import TrainState
 from .engine.step import Step, train_step
+from .transforms.mixed_precision import DynamicLossScale, Policy, StaticLossScale, mixed_precision
 from .transforms.pipeline import PipelineStep, Schedule, pipeline
+from .transforms.remat import checkpoint_name, policies, remat, saved_bytes
 from .transforms.shard_params import ShardedStep, shard_params
 
 __version__ = "0.1.0"
@@ -66,6 +68,7 @@ __all__ = [
     "CollectiveError",
     "CollectiveTimeout",
     "CommRecord",
+    "DynamicLossScale",
     "Group",
     "Handle",
     "Layer",
@@ -73,10 +76,12 @@ __all__ = [
     "Mesh",
     "PipelineStep",
     "Plan",
+    "Policy",
     "RankAborted",
     "RankFailed",
     "Schedule",
     "ShardedStep",
+    "StaticLossScale",
     "Step",
     "TrainState",
     "all_gather",
@@ -87,13 +92,16 @@ __all__ = [
     "axis_size",
     "broadcast",
     "broadcast_async",
+    "checkpoint_name",
     "comm_ledger",
     "current_mesh",
     "functionalize",
     "launch",
+    "mixed_precision",
     "optim",
     "pipeline",
     "pmean",
+    "policies",
     "ppermute",
     "ppermute_async",
     "psum",
@@ -102,6 +110,8 @@ __all__ = [
     "psum_scatter_async",
     "pvary",
     "recv",
+    "remat",
+    "saved_bytes",
     "send",
     "shard_params",
     "testing",

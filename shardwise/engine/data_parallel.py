@@ -10,15 +10,15 @@ stage runs, it holds its layers' parameters through this store instead:
 * ``gather``: all-gather the units once per step before the first compute;
 * ``reduce``: reduce-scatter each unit's accumulated gradient after the last
   backward;
-* ``update``: the optimizer on the shards, then (stages 1, 2) an all-gather
-  rebuilds the full parameters.
+* ``rebuild``: after the optimizer updated the shards, (stages 1, 2) an
+  all-gather rebuilds the full parameters.
 
 Living in the engine, it lets transforms compose without importing each other.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +27,6 @@ import torch
 from ..collectives.mesh import Mesh
 from ..collectives.ops import all_gather, psum_scatter
 from .flat import UnitLayout
-from .optim import Optimizer
 from .state import Params
 
 
@@ -78,34 +77,43 @@ class ShardedParams:
             return dict(self.held)
         return {u: lay.shard_of(lay.flatten(self.held[u]), self.index) for u, lay in self.layout.units.items()}
 
-    def gather(self) -> Params:
-        """The full parameters of every unit (an all-gather each under stage 3)."""
+    def gather(self, compute: Callable[[str], torch.dtype] | None = None) -> Params:
+        """The full parameters of every unit (an all-gather each under stage 3).
+
+        With ``compute`` (layer -> dtype), shards are cast before they travel,
+        so a bf16 compute copy moves half the bytes of the fp32 master.
+        """
+        def cast(unit: str, t: torch.Tensor) -> torch.Tensor:
+            return t if compute is None else t.to(compute(unit))
+
         if self.layout.spec.stage != 3:
-            return {k: dict(v) for k, v in self.held.items()}
+            return {k: {n: cast(k, t) for n, t in v.items()} for k, v in self.held.items()}
         return {
-            u: lay.unflatten(all_gather(self.held[u], self.axis, tiled=True, mesh=self.mesh))
+            u: lay.unflatten(all_gather(cast(u, self.held[u]), self.axis, tiled=True, mesh=self.mesh))
             for u, lay in self.layout.units.items()
         }
 
-    def reduce(self, grads: Mapping[str, Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        """Reduce-scatter every unit's local gradient (missing entries count as zero) into shards."""
+    def reduce(
+        self, grads: Mapping[str, Mapping[str, torch.Tensor]], dtype: torch.dtype | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Reduce-scatter every unit's local gradient (missing entries count as zero) into shards,
+        travelling in ``dtype`` when given."""
         out: dict[str, torch.Tensor] = {}
         for u, lay in self.layout.units.items():
             local = dict(grads.get(u, {}))
             for name, shape in zip(lay.names, lay.shapes, strict=True):
                 local.setdefault(name, torch.zeros(shape, dtype=lay.dtype))
-            out[u] = psum_scatter(lay.flatten(local), self.axis, tiled=True, mesh=self.mesh)
+            flat = lay.flatten(local)
+            out[u] = psum_scatter(flat if dtype is None else flat.to(dtype), self.axis, tiled=True, mesh=self.mesh)
         return out
 
-    def update(
-        self, optimizer: Optimizer, grad_shards: dict[str, torch.Tensor], opt_state: Any
-    ) -> tuple[Any, Any]:
-        """(what the TrainState holds next, the new optimizer state)."""
-        shards, opt_state = optimizer.update(grad_shards, opt_state, self.shards())
+    def rebuild(self, shards: Mapping[str, torch.Tensor]) -> Any:
+        """What the TrainState holds after an update of the shards: the shards themselves (stage 3),
+        or the full parameters all-gathered from them (stages 1, 2)."""
         if self.layout.spec.stage == 3:
-            return shards, opt_state
+            return dict(shards)
         full = {k: dict(v) for k, v in self.held.items()}
         for u, lay in self.layout.units.items():
             flat = all_gather(shards[u], self.axis, tiled=True, mesh=self.mesh)
             full[u] = {k: v.clone() for k, v in lay.unflatten(flat).items()}
-        return full, opt_state
+        return full

@@ -22,6 +22,7 @@ from .data_parallel import DataParallel
 from .executor import Executor, LossFn
 from .optim import Optimizer, global_norm
 from .plan import BACKWARD, FORWARD, LOSS, UPDATE, Action, Plan
+from .precision import Precision, all_finite
 from .state import Params, TrainState, map_params
 
 Metrics = dict[str, torch.Tensor]
@@ -65,6 +66,13 @@ def clip_scale(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
     return torch.clamp(max_norm / (norm + 1e-6), max=1.0)
 
 
+def unscale_like(grads: Any, like: Any, scale: float) -> Any:
+    """Gradients in the dtype of ``like`` (the master parameters), divided by the loss scale."""
+    if scale == 1.0:
+        return optree.tree_map(lambda g, p: g.to(p.dtype), grads, like)
+    return optree.tree_map(lambda g, p: g.to(p.dtype) / scale, grads, like)
+
+
 def tree_nbytes(tree: Any) -> int:
     """Bytes of every tensor leaf of ``tree`` (meta tensors count their would-be size)."""
     return sum(t.numel() * t.element_size() for t in optree.tree_leaves(tree) if isinstance(t, torch.Tensor))
@@ -83,6 +91,7 @@ class Step:
     loss_fn: LossFn
     optimizer: Optimizer
     clip_norm: float | None = None
+    precision: Precision | None = None  # set by mixed_precision
 
     # -- composition hooks ------------------------------------------------------
     @property
@@ -102,12 +111,47 @@ class Step:
             "compose with it"
         )
 
+    # -- precision helpers shared by every kind of step ---------------------------
+    def master_params(self, params: Params) -> Params:
+        """Detached parameters in the stored (master) dtype of each layer's policy."""
+        if self.precision is None:
+            return map_params(torch.Tensor.detach, params)
+        prec = self.precision
+        return {
+            layer: {k: t.detach().to(prec.for_layer(layer).params) for k, t in tensors.items()}
+            for layer, tensors in params.items()
+        }
+
+    def initial_loss_scale(self) -> Any:
+        return None if self.precision is None else self.precision.loss_scale
+
+    def loss_scale_value(self, state: TrainState) -> float:
+        return 1.0 if state.loss_scale is None else state.loss_scale.scale_value()
+
+    def finish(
+        self, state: TrainState, grads: Any, params: Any, norm: torch.Tensor, finite: bool
+    ) -> tuple[Any, Any, Any]:
+        """Clip and update, or skip the update when a gradient anywhere was not finite.
+
+        ``grads`` are unscaled and in the dtype of ``params`` (what the
+        optimizer updates). Returns (params, optimizer state, loss scale).
+        """
+        scale = state.loss_scale
+        if not finite:
+            # Every rank saw the same global flag, so every rank skips together.
+            return params, state.opt_state, None if scale is None else scale.adjust(False)
+        if self.clip_norm is not None:
+            factor = clip_scale(norm, self.clip_norm)
+            grads = optree.tree_map(lambda g: g * factor.to(g.dtype), grads)
+        new_params, new_opt_state = self.optimizer.update(grads, state.opt_state, params)
+        return new_params, new_opt_state, None if scale is None else scale.adjust(True)
+
     # -- state ----------------------------------------------------------------
     def init(self, params: Params, mesh: Mesh | None = None) -> TrainState:
         """Build the TrainState from full parameters (every rank passes the same ones)."""
         check_params(self.chain, params)
-        params = map_params(torch.Tensor.detach, params)
-        return TrainState(params=params, opt_state=self.optimizer.init(params), step=0)
+        params = self.master_params(params)
+        return TrainState(params, self.optimizer.init(params), 0, self.initial_loss_scale())
 
     def full_params(self, state: TrainState) -> Params:
         """The complete parameters on this rank (a collective once params are sharded)."""
@@ -116,17 +160,21 @@ class Step:
     # -- running --------------------------------------------------------------
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, Metrics]:
         inputs, targets = split_batch(batch)
-        executor = Executor(self.chain, self.loss_fn, state.params, inputs, targets)
+        scale = self.loss_scale_value(state)
+        compute = state.params if self.precision is None else self.precision.compute_params(state.params)
+        executor = Executor(self.chain, self.loss_fn, compute, inputs, targets, loss_scale=scale)
         executor.run(self.plan().for_rank(0))
-        grads = executor.ordered_grads()
+        grads = unscale_like(executor.ordered_grads(), state.params, scale)
         assert executor.loss is not None
         norm = global_norm(grads)
+        # Without a precision policy a step behaves as torch does: no finiteness check, no skip.
+        finite = self.precision is None or bool(all_finite(optree.tree_leaves(grads)))
         metrics = {"loss": executor.loss, "grad_norm": norm}
-        if self.clip_norm is not None:
-            scale = clip_scale(norm, self.clip_norm)
-            grads = map_params(lambda g: g * scale.to(g.dtype), grads)
-        new_params, new_opt_state = self.optimizer.update(grads, state.opt_state, state.params)
-        return state._replace(params=new_params, opt_state=new_opt_state, step=state.step + 1), metrics
+        params, opt_state, loss_scale = self.finish(state, grads, state.params, norm, finite)
+        if self.precision is not None:
+            metrics["loss_scale"] = torch.tensor(scale)
+            metrics["skipped"] = torch.tensor(not finite)
+        return state._replace(params=params, opt_state=opt_state, step=state.step + 1, loss_scale=loss_scale), metrics
 
     # -- inspection -----------------------------------------------------------
     def plan(self, mesh: Mesh | None = None, params: Params | None = None) -> Plan:

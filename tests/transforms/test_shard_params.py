@@ -85,7 +85,8 @@ def test_a_wrong_step_is_caught() -> None:
             inputs, targets = batch
             return super().__call__(state, (torch.cat([inputs, inputs[:2]])[2:], targets))
 
-    bad = Doubled(case_step.chain, case_step.loss_fn, case_step.optimizer, case_step.clip_norm, "dp", 3)
+    bad = Doubled(case_step.chain, case_step.loss_fn, case_step.optimizer, clip_norm=case_step.clip_norm, axis="dp",
+                  stage=3)
     with pytest.raises(AssertionError, match="first divergence at step 1"):
         sw.testing.assert_equivalent(bad, case_step, sw.Mesh(dp=2), batches, params, rtol=F64_RTOL)
 

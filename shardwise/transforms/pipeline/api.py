@@ -66,6 +66,7 @@ def pipeline(
         loss_fn=step.loss_fn,
         optimizer=step.optimizer,
         clip_norm=step.clip_norm,
+        precision=step.precision,
         axis=axis,
         schedule=schedule,
         microbatches=microbatches,

@@ -22,6 +22,7 @@ from ...collectives.mesh import Mesh
 from ...collectives.ops import Handle, psum, recv, send
 from ...engine.chain import Chain
 from ...engine.plan import Action
+from ...engine.precision import all_finite
 from .lowering import (
     RECV_ACTIVATION,
     RECV_GRAD,
@@ -61,11 +62,13 @@ class PipelineRuntime:
     microbatches: Sequence[tuple[Any, Any]]
     poison: bool = False  # fill consumed receive buffers with NaN: stale reuse would show
     record: bool = False
-    loss_scale: float = 1.0  # 1/replicas when the batch is also split over a data-parallel axis
-    # Data-parallel composition: reduce local gradients into shards before the metrics.
-    reduce_grads: Callable[[Mapping[str, Mapping[str, torch.Tensor]]], Any] | None = None
+    loss_scale: float = 1.0  # seeds each micro-batch: 1/replicas (data parallel) x the precision loss scale
+    # Turns the local gradients into what the optimizer gets (reduced shards, unscaled, master dtype).
+    finalize_grads: Callable[[Mapping[str, Mapping[str, torch.Tensor]]], Any] | None = None
     metric_axes: tuple[str, ...] = ()
-    reduced: Any = None
+    check_finite: bool = False  # mixed precision: every rank skips if any gradient anywhere is not finite
+    final_grads: Any = None
+    finite: bool = True
     grads: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     loss_sum: torch.Tensor | None = None
     sq_norm: torch.Tensor | None = None
@@ -75,6 +78,7 @@ class PipelineRuntime:
     _outputs: dict[tuple[int, int], Any] = field(default_factory=dict)
     _input_grads: dict[tuple[int, int], list[torch.Tensor | None]] = field(default_factory=dict)
     _sends: list[Handle] = field(default_factory=list)
+    _posted: dict[tuple[str, int, int], tuple[Handle, Handle]] = field(default_factory=dict)
     _losses: list[torch.Tensor] = field(default_factory=list)
 
     @property
@@ -94,6 +98,7 @@ class PipelineRuntime:
             REDUCE_METRICS: self.reduce_metrics,
             UPDATE: update,
         }
+        self.post_receives(actions)
         for action in actions:
             handler = table.get(action.kind)
             if handler is None:
@@ -218,25 +223,44 @@ class PipelineRuntime:
 
     def _send(self, value: Any, kind: str, s: int, m: int, dst: int) -> None:
         leaves = optree.tree_leaves(value)
+        if not leaves:
+            raise ValueError(f"stage {s} passes no tensor to the next stage; a pipeline boundary carries at least one")
         count = torch.tensor(len(leaves), dtype=torch.int64)
         mb = len(self.microbatches)
         self._sends.append(send(count, self.axis, dst, tag=tag_of(kind, s, m, mb), mesh=self.mesh))
         for i, leaf in enumerate(leaves, start=1):
             self._sends.append(send(leaf.detach(), self.axis, dst, tag=tag_of(kind, s, m, mb, i), mesh=self.mesh))
 
-    def receive(self, action: Action) -> None:
+    def _source(self, action: Action) -> tuple[str, int, int, int]:
+        """(kind, producing stage, micro-batch, source index along the axis) of a receive action."""
         s, m = _stage(action), _mb(action)
-        kind, producer, src = (
-            ("activation", s - 1, self.placement[s - 1])
-            if action.kind == RECV_ACTIVATION
-            else ("grad", s + 1, self.placement[s + 1])
-        )
+        if action.kind == RECV_ACTIVATION:
+            return "activation", s - 1, m, self.placement[s - 1]
+        return "grad", s + 1, m, self.placement[s + 1]
+
+    def post_receives(self, actions: Sequence[Action]) -> None:
+        """Post every receive of the step up front (count and first tensor: a transfer has at least
+        one), so transfers land while this rank computes instead of when it asks for them."""
         mb = len(self.microbatches)
-        count = int(recv(self.axis, src, tag=tag_of(kind, producer, m, mb), mesh=self.mesh).wait())
-        leaves = [recv(self.axis, src, tag=tag_of(kind, producer, m, mb, i), mesh=self.mesh).wait()
-                  for i in range(1, count + 1)]
+        for action in actions:
+            if action.kind in (RECV_ACTIVATION, RECV_GRAD):
+                kind, producer, m, src = self._source(action)
+                self._posted[(kind, producer, m)] = (
+                    recv(self.axis, src, tag=tag_of(kind, producer, m, mb), mesh=self.mesh),
+                    recv(self.axis, src, tag=tag_of(kind, producer, m, mb, 1), mesh=self.mesh),
+                )
+
+    def receive(self, action: Action) -> None:
+        kind, producer, m, src = self._source(action)
+        mb = len(self.microbatches)
+        count_handle, first = self._posted.pop((kind, producer, m))
+        count = int(count_handle.wait())
+        leaves = [first.wait()] + [
+            recv(self.axis, src, tag=tag_of(kind, producer, m, mb, i), mesh=self.mesh).wait()
+            for i in range(2, count + 1)
+        ]
         value: Any = leaves if kind == "grad" else (leaves[0] if count == 1 else tuple(leaves))
-        self._inbox[(kind, s if kind == "activation" else producer, m)] = value
+        self._inbox[(kind, _stage(action) if kind == "activation" else producer, m)] = value
 
     # -- end of step -------------------------------------------------------------------------
     def reduce_metrics(self, action: Action) -> None:
@@ -247,16 +271,17 @@ class PipelineRuntime:
         local_loss = (
             torch.stack([x.to(dtype) for x in self._losses]).sum() if self._losses else torch.zeros((), dtype=dtype)
         )
-        if self.reduce_grads is not None:
-            self.reduced = self.reduce_grads(self.grads)
-            pieces = list(optree.tree_leaves(self.reduced))
-        else:
-            pieces = [g for layer in self.grads.values() for g in layer.values()]
+        self.final_grads = self.grads if self.finalize_grads is None else self.finalize_grads(self.grads)
+        pieces = list(optree.tree_leaves(self.final_grads))
         local_sq = sum((g.to(dtype).pow(2).sum() for g in pieces), torch.zeros((), dtype=dtype))
-        total = torch.stack([local_loss, local_sq])
+        values = [local_loss, local_sq]
+        if self.check_finite:
+            values.append(1.0 - all_finite(pieces).to(dtype))
+        total = torch.stack(values)
         for axis in self.metric_axes or (self.axis,):
             total = psum(total, axis, mesh=self.mesh)
         self.loss_sum, self.sq_norm = total[0], total[1]
+        self.finite = not self.check_finite or bool(total[2] == 0)
 
     def _metric_dtype(self) -> torch.dtype:
         dtypes = {t.dtype for layer in self.params.values() for t in layer.values()}

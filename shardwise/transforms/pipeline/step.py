@@ -21,7 +21,7 @@ from ...engine.data_parallel import (
 )
 from ...engine.plan import Plan
 from ...engine.state import Params, TrainState, map_params
-from ...engine.step import Metrics, Step, check_params, clip_scale, split_batch, tree_nbytes
+from ...engine.step import Metrics, Step, check_params, split_batch, tree_nbytes, unscale_like
 from .builtins import get_schedule
 from .lowering import lower_rank
 from .partition import balanced_partition, check_partition, param_counts, stage_layers
@@ -168,13 +168,14 @@ class PipelineStep(Step):
         check_params(self.chain, params)
         layout = self.layout(mesh, params)
         mine = set(layout.layers_of(mesh.axis_index(self.axis)))
-        local = map_params(torch.Tensor.detach, {k: v for k, v in params.items() if k in mine})
+        local = self.master_params({k: v for k, v in params.items() if k in mine})
+        scale = self.initial_loss_scale()
         if self.dp is None:
-            return TrainState(local, self.optimizer.init(local), 0, mesh=mesh, layout=layout)
+            return TrainState(local, self.optimizer.init(local), 0, scale, mesh=mesh, layout=layout)
         sharded = ShardedParamsLayout(self.dp, shard_layouts(local, self.dp, mesh.axis_size(self.dp.axis)))
         held, shards = init_shards(local, sharded, mesh.axis_index(self.dp.axis))
         layout = dataclasses.replace(layout, sharded=sharded)
-        return TrainState(held, self.optimizer.init(shards), 0, mesh=mesh, layout=layout)
+        return TrainState(held, self.optimizer.init(shards), 0, scale, mesh=mesh, layout=layout)
 
     def _layout_of(self, state: TrainState) -> PipelineLayout:
         if not isinstance(state.layout, PipelineLayout) or state.layout.axis != self.axis:
@@ -206,6 +207,22 @@ class PipelineStep(Step):
         replicas = 1 if store is None else store.size
         if store is not None:
             batch = split_over_axis(batch, store.size, store.index, store.axis)
+        scale = self.loss_scale_value(state)
+        prec = self.precision
+        compute = None if prec is None else (lambda layer: prec.for_layer(layer).compute)
+        if store is None:
+            params_for_compute = state.params if prec is None else prec.compute_params(state.params)
+        else:
+            params_for_compute = store.gather(compute)
+        master = state.params if store is None else store.shards()
+
+        def finalize(grads: Any) -> Any:
+            if store is None:
+                full = {layer: {k: grads.get(layer, {}).get(k, torch.zeros_like(t)) for k, t in tensors.items()}
+                        for layer, tensors in state.params.items()}
+                return unscale_like(full, master, scale)
+            return unscale_like(store.reduce(grads, None if prec is None else prec.policy.reduce), master, scale)
+
         runtime = PipelineRuntime(
             chain=self.chain,
             loss_fn=self.loss_fn,
@@ -213,40 +230,38 @@ class PipelineStep(Step):
             axis=self.axis,
             stages=layout.stages,
             placement=layout.schedule.placement,
-            params=state.params if store is None else store.gather(),
+            params=params_for_compute,
             microbatches=split_microbatches(batch, self.microbatches),
             poison=self.poison,
             record=self.trace,
-            loss_scale=1.0 / replicas,
-            reduce_grads=None if store is None else store.reduce,
+            loss_scale=scale / replicas,
+            finalize_grads=finalize,
             metric_axes=(self.axis,) if store is None else (self.axis, store.axis),
+            check_finite=prec is not None,
         )
-        result: list[tuple[Any, Any]] = []
+        result: list[tuple[Any, Any, Any]] = []
 
         def update(_action: object) -> None:
             assert runtime.sq_norm is not None
-            grads: Any = runtime.reduced if store is not None else {
-                layer: {k: runtime.grads.get(layer, {}).get(k, torch.zeros_like(t)) for k, t in tensors.items()}
-                for layer, tensors in state.params.items()
-            }
-            if self.clip_norm is not None:
-                scale = clip_scale(runtime.sq_norm.sqrt(), self.clip_norm)
-                grads = optree.tree_map(lambda g: g * scale.to(g.dtype), grads)
-            if store is None:
-                result.append(self.optimizer.update(grads, state.opt_state, state.params))
-            else:
-                result.append(store.update(self.optimizer, grads, state.opt_state))
+            new_master, opt_state, loss_scale = self.finish(
+                state, runtime.final_grads, master, runtime.sq_norm.sqrt(), runtime.finite
+            )
+            held = new_master if store is None else store.rebuild(new_master)
+            result.append((held, opt_state, loss_scale))
 
         runtime.run(lower_rank(layout.schedule, index), update)
         assert runtime.loss_sum is not None and runtime.sq_norm is not None
-        params, opt_state = result[0]
+        params, opt_state, loss_scale = result[0]
         metrics: Metrics = {
             "loss": runtime.loss_sum / (self.microbatches * replicas),
             "grad_norm": runtime.sq_norm.sqrt(),
         }
+        if prec is not None:
+            metrics["loss_scale"] = torch.tensor(scale)
+            metrics["skipped"] = torch.tensor(not runtime.finite)
         if self.trace:
             metrics["trace"] = runtime.events  # type: ignore[assignment]
-        return state._replace(params=params, opt_state=opt_state, step=state.step + 1), metrics
+        return state._replace(params=params, opt_state=opt_state, step=state.step + 1, loss_scale=loss_scale), metrics
 
     # -- inspection ----------------------------------------------------------------------------------
     def plan(self, mesh: Mesh | None = None, params: Params | None = None) -> Plan:

@@ -77,6 +77,7 @@ def shard_params(
         loss_fn=step.loss_fn,
         optimizer=step.optimizer,
         clip_norm=step.clip_norm,
+        precision=step.precision,
         axis=axis,
         stage=stage,
         reshard_after_forward=reshard_after_forward,

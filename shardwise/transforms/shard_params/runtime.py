@@ -18,10 +18,12 @@ import torch
 
 from ...collectives.mesh import Mesh
 from ...collectives.ops import all_gather_async, psum, psum_scatter_async
+from ...engine._storage import free_storage, owns_storage, refill_storage
 from ...engine.chain import Chain
 from ...engine.executor import Executor, LossFn
 from ...engine.flat import UnitLayout
 from ...engine.plan import BACKWARD, FORWARD, LOSS, UPDATE, Action
+from ...engine.precision import all_finite
 from .lowering import (
     FREE,
     GATHER,
@@ -43,10 +45,15 @@ class ShardRuntime:
     mesh: Mesh
     axis: str
     layouts: Mapping[str, UnitLayout]
-    shards: Mapping[str, torch.Tensor]  # this rank's parameter shards, by unit
+    shards: Mapping[str, torch.Tensor]  # this rank's master parameter shards, by unit
     full_params: Mapping[str, Mapping[str, torch.Tensor]] | None  # stage 1/2: replicated params
     microbatches: Sequence[tuple[Any, Any]]
-    loss_scale: float
+    loss_scale: float  # seeds every micro-batch's backward (1/(N k) times the precision loss scale)
+    grad_scale: float = 1.0  # the precision loss scale, divided out of the reduced gradients
+    gather_from: Mapping[str, torch.Tensor] | None = None  # compute-dtype shards to gather (mixed precision)
+    reduce_dtype: torch.dtype | None = None  # dtype gradients travel in (mixed precision)
+    check_finite: bool = False  # mixed precision: skip the update everywhere if any gradient is not finite
+    finite: bool = True
     params_view: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     grads: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     grad_shards: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -58,6 +65,8 @@ class ShardRuntime:
     _pending_gathers: dict[str, Any] = field(default_factory=dict)
     _pending_reduces: dict[str, Any] = field(default_factory=dict)
     _executors: dict[int, Executor] = field(default_factory=dict)
+    _buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # each unit's gathered flat buffer
+    _in_flight_bytes: int = 0
     new_shards: dict[str, torch.Tensor] = field(default_factory=dict)  # after the update
     new_full_params: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  # stage 1/2
 
@@ -107,20 +116,41 @@ class ShardRuntime:
     # -- parameters ---------------------------------------------------------------
     def gather(self, action: Action) -> None:
         unit = _unit(action)
-        self._pending_gathers[unit] = all_gather_async(self.shards[unit], self.axis, tiled=True, mesh=self.mesh)
-        self.gathered_bytes += self.layouts[unit].padded_nbytes
-        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
+        source = self.shards if self.gather_from is None else self.gather_from
+        self._pending_gathers[unit] = all_gather_async(source[unit], self.axis, tiled=True, mesh=self.mesh)
+        self._in_flight_bytes += self.layouts[unit].padded_nbytes
+        self._note_memory()
 
     def wait_gather(self, action: Action) -> None:
+        """Make a unit's parameters usable. A unit gathered before in this step is refilled in place:
+        its earlier forward's autograd graph holds views of that same storage (as FSDP does)."""
         unit = _unit(action)
         flat = self._pending_gathers.pop(unit).wait()
-        self.params_view[unit] = self.layouts[unit].unflatten(flat)
+        self._in_flight_bytes -= self.layouts[unit].padded_nbytes
+        buffer = self._buffers.get(unit)
+        if buffer is None:
+            buffer = flat if owns_storage(flat) else flat.clone()
+            self._buffers[unit] = buffer
+        else:
+            refill_storage(buffer, flat)
+        del flat
+        self.params_view[unit] = self.layouts[unit].unflatten(buffer)
+        self._note_memory()
 
     def free(self, action: Action) -> None:
+        """Drop a unit's parameters for real: the storage is released even though the autograd graph
+        of its forward still holds views of it; it is refilled before that backward runs."""
         unit = _unit(action)
         if self.params_view.pop(unit, None) is None:
             raise RuntimeError(f"free({unit}) of a unit that is not gathered")
-        self.gathered_bytes -= self.layouts[unit].padded_nbytes
+        free_storage(self._buffers[unit])
+        self._note_memory()
+
+    def _note_memory(self) -> None:
+        """Gathered bytes actually allocated now (live buffer storage plus gathers in flight)."""
+        live = sum(b.untyped_storage().nbytes() for b in self._buffers.values()) + self._in_flight_bytes
+        self.gathered_bytes = live
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, live)
 
     # -- gradients ------------------------------------------------------------------
     def reduce_scatter(self, action: Action) -> None:
@@ -131,14 +161,18 @@ class ShardRuntime:
             if name not in grads:  # a parameter the loss did not reach
                 grads[name] = torch.zeros(shape, dtype=layout.dtype)
         flat = layout.flatten(grads)
+        if self.reduce_dtype is not None:
+            flat = flat.to(self.reduce_dtype)
         self._pending_reduces[unit] = psum_scatter_async(flat, self.axis, tiled=True, mesh=self.mesh)
 
     def wait_reduce(self, action: Action) -> None:
         unit = _unit(action)
-        self.grad_shards[unit] = self._pending_reduces.pop(unit).wait()
+        shard = self._pending_reduces.pop(unit).wait().to(self.shards[unit].dtype)
+        self.grad_shards[unit] = shard if self.grad_scale == 1.0 else shard / self.grad_scale
 
     def reduce_metrics(self, action: Action) -> None:
-        """One small all-reduce carries the loss sum and the squared gradient norm of every shard."""
+        """One small all-reduce carries the loss sum, the squared gradient norm of every shard and,
+        under mixed precision, how many ranks saw a non-finite gradient (all skip a bad step together)."""
         if not self.losses:
             raise RuntimeError("reduce_metrics before any loss")
         dtype = torch.float64 if any(s.dtype == torch.float64 for s in self.grad_shards.values()) else torch.float32
@@ -146,8 +180,12 @@ class ShardRuntime:
         local_sq = sum(
             (g.to(dtype).pow(2).sum() for g in self.grad_shards.values()), torch.zeros((), dtype=dtype)
         )
-        total = psum(torch.stack([local_loss, local_sq]), self.axis, mesh=self.mesh)
+        values = [local_loss, local_sq]
+        if self.check_finite:
+            values.append(1.0 - all_finite(self.grad_shards.values()).to(dtype))
+        total = psum(torch.stack(values), self.axis, mesh=self.mesh)
         self.loss_sum, self.sq_norm = total[0], total[1]
+        self.finite = not self.check_finite or bool(total[2] == 0)
 
     # -- stage 1/2: rebuild the replicated parameters after the update ----------------
     def gather_params(self, action: Action) -> None:

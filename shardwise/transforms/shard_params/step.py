@@ -13,7 +13,7 @@ from ...engine.data_parallel import DataParallel
 from ...engine.flat import UnitLayout
 from ...engine.plan import Plan
 from ...engine.state import Params, TrainState, map_params
-from ...engine.step import Metrics, Step, check_params, clip_scale, split_batch, tree_nbytes
+from ...engine.step import Metrics, Step, check_params, split_batch, tree_nbytes
 from .lowering import ShardingOptions, lower_rank, peak_gathered_units
 from .runtime import ShardRuntime
 
@@ -85,7 +85,7 @@ class ShardedStep(Step):
         mesh = self._check_mesh(mesh)
         check_params(self.chain, params)
         n, index = mesh.axis_size(self.axis), mesh.axis_index(self.axis)
-        params = map_params(torch.Tensor.detach, params)
+        params = self.master_params(params)
         layouts = self.layouts(params, n)
         shards = {u: lay.shard_of(lay.flatten(params[u]), index) for u, lay in layouts.items()}
         held = shards if self.stage == 3 else params
@@ -93,6 +93,7 @@ class ShardedStep(Step):
             params=held,
             opt_state=self.optimizer.init(shards),
             step=0,
+            loss_scale=self.initial_loss_scale(),
             mesh=mesh,
             layout=ShardedLayout(self.axis, self.stage, layouts, tuple(params)),
         )
@@ -135,39 +136,52 @@ class ShardedStep(Step):
             split_over(local, parts, i, f"shard_params(accumulation={parts}) on the local batch")
             for i in range(parts)
         ]
+        scale = self.loss_scale_value(state)
+        prec = self.precision
+        shards = self._my_shards(state, layout, index)
         runtime = ShardRuntime(
             chain=self.chain,
             loss_fn=self.loss_fn,
             mesh=mesh,
             axis=self.axis,
             layouts=layout.units,
-            shards=self._my_shards(state, layout, index),
-            full_params=None if self.stage == 3 else state.params,
+            shards=shards,
+            full_params=None if self.stage == 3 else self._compute_params(state.params),
             microbatches=[tuple(m) for m in micro],
-            loss_scale=1.0 / (n * parts),
+            loss_scale=scale / (n * parts),
+            grad_scale=scale,
+            # Compute copies are cast once per step, before they travel: half the bytes in bf16.
+            gather_from=None if prec is None or self.stage != 3 else {
+                u: t.to(prec.for_layer(u).compute) for u, t in shards.items()
+            },
+            reduce_dtype=None if prec is None else prec.policy.reduce,
+            check_finite=prec is not None,
         )
-        new_opt_state: list[Any] = []
+        outcome: list[tuple[Any, Any, Any]] = []
 
         def update(_action: object) -> None:
             assert runtime.sq_norm is not None
-            grads = runtime.grad_shards
-            if self.clip_norm is not None:
-                scale = clip_scale(runtime.sq_norm.sqrt(), self.clip_norm)
-                grads = {u: g * scale.to(g.dtype) for u, g in grads.items()}
-            shards, opt_state = self.optimizer.update(grads, state.opt_state, runtime.shards)
-            runtime.new_shards = shards
-            new_opt_state.append(opt_state)
+            outcome.append(self.finish(state, runtime.grad_shards, shards, runtime.sq_norm.sqrt(), runtime.finite))
+            runtime.new_shards = outcome[0][0]
 
         actions = lower_rank(self.chain, list(layout.units), self.options)
         runtime.run(actions, update)
         assert runtime.loss_sum is not None and runtime.sq_norm is not None
-        params: Any = runtime.new_shards if self.stage == 3 else self._merge(state.params, runtime.new_full_params)
+        new_shards, opt_state, loss_scale = outcome[0]
+        params: Any = new_shards if self.stage == 3 else self._merge(state.params, runtime.new_full_params)
         metrics = {
             "loss": (runtime.loss_sum / (n * parts)),
             "grad_norm": runtime.sq_norm.sqrt(),
             "peak_gathered_bytes": torch.tensor(runtime.peak_gathered_bytes),
         }
-        return state._replace(params=params, opt_state=new_opt_state[0], step=state.step + 1), metrics
+        if prec is not None:
+            metrics["loss_scale"] = torch.tensor(scale)
+            metrics["skipped"] = torch.tensor(not runtime.finite)
+        new_state = state._replace(params=params, opt_state=opt_state, step=state.step + 1, loss_scale=loss_scale)
+        return new_state, metrics
+
+    def _compute_params(self, params: Params) -> Params:
+        return params if self.precision is None else self.precision.compute_params(params)
 
     @staticmethod
     def _merge(old: Params, new: Params) -> Params:

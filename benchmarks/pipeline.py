@@ -1,0 +1,578 @@
+"""sw.pipeline (GPipe, 1F1B, interleaved 1F1B) against torch.distributed.pipelining, on gloo processes.
+
+Run it from the repository root:
+
+    python benchmarks/pipeline.py                      # defaults: 1-2 minutes on 2 cores
+    python benchmarks/pipeline.py --steps 20 --warmup 3 --worlds 2 --models gpt --out pipe.jsonl
+    python benchmarks/pipeline.py --models gpt --worlds 2 --profile ours:1f1b   # + a cProfile of rank 0
+
+What is measured
+----------------
+Models: ``mlp`` is 8 x (Linear(512, 512), GELU) with an MSE regression loss,
+functionalized as a Sequential (16 layers: each Linear and each GELU is one);
+``gpt`` is ``TinyGPT(vocab=1024, d_model=256, n_heads=4, n_layers=4,
+seq_len=128, tie_weights=False)`` with cross-entropy, functionalized with
+``units=["tok_emb", "blocks", "head"]``: 6 layers ``tok_emb, blocks.0 ..
+blocks.3, head``, where ``blocks.0`` also adds the position embedding and
+``head`` also applies ``ln_f`` (the glue joins the next unit). Tied weights
+across stages are not supported by sw.pipeline yet, hence ``tie_weights=False``.
+
+Schedules and stages: ``gpipe`` and ``1f1b`` run one stage per rank;
+``interleaved_1f1b`` two (virtual) stages per rank, stage ``s`` on rank
+``s % world`` (both libraries place them so). The layers are cut once, by
+sw.pipeline's default balance (parameter counts), and that cut is given to
+ours as an explicit ``partition=`` and used to build torch's stages: each torch
+``PipelineStage`` wraps an ``nn.Sequential`` of the very same modules (small
+wrappers add the position embedding to ``blocks.0`` and ``ln_f`` to
+``head``), so both sides compute the same thing per stage. A split with more
+stages than layers (GPT, 6 layers, at world 4 interleaved: 8 stages) is
+reported as ``skipped``.
+
+Variants, per schedule, all with AdamW (lr 1e-3, betas (0.9, 0.999), eps 1e-8,
+weight decay 0.01), the same initial weights, global batches and micro-batches:
+
+* ``ours``: ``sw.pipeline(train_step, "pp", schedule, microbatches, stages=,
+  partition=, trace=True)`` with ``sw.optim.adamw``; every rank is given the
+  global batch.
+* ``torch``: ``PipelineStage(submodule, stage_index, num_stages, cpu)`` and
+  ``ScheduleGPipe`` / ``Schedule1F1B`` / ``ScheduleInterleaved1F1B`` with the
+  loss as ``loss_fn`` (``scale_grads=True``: the mean over micro-batches, as
+  ours), ``step(x)`` on rank 0 and ``step(target=y, losses=...)`` on the last
+  rank (``return_outputs=False``), then ``torch.optim.AdamW`` on the rank's
+  stage parameters.
+
+Every world runs in one :class:`~shardwise.collectives.processes.ProcessPool`
+(gloo, one process per rank, ``torch.set_num_threads(1)`` in each). Inside a
+rank all variants are built and stepped round-robin (step i of every variant,
+then step i + 1 ...), so they share the same machine conditions. Each step
+starts after a ``dist.barrier()``.
+
+How to read the output
+----------------------
+One JSON object per (model, world, schedule, impl) on stdout (and in ``--out``):
+
+* ``median_step_s``: median over the ``steps`` timed steps (after ``warmup``
+  untimed ones) of the slowest rank's wall time for that step (optimizer
+  included). ``ratio_to_torch``: that median divided by torch's for the same
+  schedule (> 1: slower than torch).
+* ``first_loss``: the loss of the first step (mean over micro-batches);
+  ``first_loss_rel_diff_vs_torch`` (ours) compares it with torch's, and
+  ``max_rel_loss_diff`` compares every step (warm-up included) with a
+  single-process torch run of the whole model on the whole batch. float32:
+  expect ~1e-6, not 0.
+* ours only, from the runtime trace (``metrics["trace"]``, every rank's
+  compute events of the step on one clock): ``bubble_measured`` is
+  ``Timeline.from_measured(schedule, events).bubble_fraction``, the idle share
+  of the ranks' time between the first compute and the last (median over the
+  timed steps; waiting for messages counts as idle). ``bubble_sim_unit`` is
+  ``simulate(schedule).bubble_fraction`` (F = 1, B = 2, no comm);
+  ``bubble_sim_kind_costs`` simulates with the measured mean F and B;
+  ``bubble_sim_stage_costs`` with the measured mean per (stage, kind), so
+  unbalanced stages count; ``bubble_sim_stage_costs_comm`` also charges every
+  cross-rank dependency the measured ``handover_ms`` (below). ``mean_op_ms``
+  gives the mean F and B; ``trace_makespan_s`` (measured) against
+  ``sim_makespan_s`` (stage costs, no comm) and ``sim_makespan_comm_s`` shows
+  how much of the step is spent outside the computes (messages, Python).
+  ``handover_ms``: median time from the end of a compute on one rank to the
+  start of the compute on another rank that was idle waiting for its result
+  (send + transfer + receive of one activation or gradient); ``local_gap_ms``:
+  median time between two computes of a rank whose inputs were already there
+  (its own sends, receives and bookkeeping in between).
+* ``cores``: ``os.cpu_count()``; ``loadavg_1m`` the machine's load when the
+  line was written. With ``world > cores`` the ranks oversubscribe the CPU:
+  step times and measured bubbles then include time a rank was descheduled.
+* ``skipped``: present (with the reason) instead of timings when a variant
+  could not be built.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import statistics
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import shardwise as sw
+from shardwise.collectives.processes import ProcessPool
+from shardwise.testing.models import TinyGPT
+from shardwise.transforms.pipeline import Costs, Timeline, get_schedule, simulate
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+IMPLS = ("ours", "torch")
+VIRTUAL_STAGES = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2}
+TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B"}
+LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-8, 0.01
+MLP_HIDDEN, MLP_LAYERS = 512, 8
+GPT_SHAPE = {"vocab": 1024, "d_model": 256, "n_heads": 4, "n_layers": 4, "seq_len": 128}
+GPT_UNITS = ["tok_emb", "blocks", "head"]
+
+
+@dataclass(frozen=True)
+class Config:
+    """One (model, world) run; travels to every rank."""
+
+    model: str
+    world: int
+    steps: int
+    warmup: int
+    batch: int  # global batch (MLP rows, GPT sequences)
+    microbatches: int
+    schedules: tuple[str, ...]
+    seed: int = 0
+    profile: str | None = None  # "impl:schedule" to cProfile after the timed steps
+    profile_rank: int = 0
+    profile_steps: int = 5
+
+
+def variant_name(impl: str, schedule: str) -> str:
+    return f"{impl}:{schedule}"
+
+
+# -- models, data, losses ----------------------------------------------------------------
+def build_model(cfg: Config) -> nn.Module:
+    """The model with its seeded initial weights (identical in every process)."""
+    torch.manual_seed(cfg.seed)
+    if cfg.model == "mlp":
+        layers: list[nn.Module] = []
+        for _ in range(MLP_LAYERS):
+            layers += [nn.Linear(MLP_HIDDEN, MLP_HIDDEN), nn.GELU()]
+        return nn.Sequential(*layers)
+    if cfg.model == "gpt":
+        return TinyGPT(**GPT_SHAPE, tie_weights=False)  # ties across stages: not supported yet
+    raise ValueError(f"unknown model {cfg.model!r}; choose mlp or gpt")
+
+
+def make_batches(cfg: Config) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``warmup + steps`` global batches (inputs, targets), the same in every process."""
+    gen = torch.Generator().manual_seed(cfg.seed + 1)
+    batches = []
+    for _ in range(cfg.warmup + cfg.steps):
+        if cfg.model == "mlp":
+            x = torch.randn(cfg.batch, MLP_HIDDEN, generator=gen)
+            batches.append((x, torch.randn(cfg.batch, MLP_HIDDEN, generator=gen)))
+        else:
+            seq = GPT_SHAPE["seq_len"]
+            tokens = torch.randint(GPT_SHAPE["vocab"], (cfg.batch, seq + 1), generator=gen)
+            batches.append((tokens[:, :-1], tokens[:, 1:]))
+    return batches
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def loss_fn_of(model: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    return F.mse_loss if model == "mlp" else lm_loss
+
+
+def torch_adamw(parameters: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(parameters, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
+
+
+def reference_losses(cfg: Config) -> list[float]:
+    """Single-process torch: the whole model on the whole global batch, torch.optim.AdamW."""
+    model, loss_fn = build_model(cfg), loss_fn_of(cfg.model)
+    opt = torch_adamw(model.parameters())
+    losses = []
+    for x, y in make_batches(cfg):
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+# -- torch's side of the same split --------------------------------------------------------
+class TokenEmbedding(nn.Module):
+    """GPT layer ``tok_emb``."""
+
+    def __init__(self, tok_emb: nn.Embedding) -> None:
+        super().__init__()
+        self.tok_emb = tok_emb
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.tok_emb(idx)
+
+
+class FirstBlock(nn.Module):
+    """GPT layer ``blocks.0``: the position embedding (glue) then the first block."""
+
+    def __init__(self, pos_emb: nn.Parameter, block: nn.Module) -> None:
+        super().__init__()
+        self.pos_emb = pos_emb
+        self.block = block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block(x + self.pos_emb[:, : x.size(1)])
+
+
+class Head(nn.Module):
+    """GPT layer ``head``: ``ln_f`` (glue) then the output projection."""
+
+    def __init__(self, ln_f: nn.LayerNorm, head: nn.Linear) -> None:
+        super().__init__()
+        self.ln_f = ln_f
+        self.head = head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.ln_f(x))
+
+
+def torch_layers(cfg: Config, model: nn.Module) -> dict[str, nn.Module]:
+    """One nn.Module per layer of our chain, by the chain's layer names, computing the same thing."""
+    if cfg.model == "mlp":
+        assert isinstance(model, nn.Sequential)
+        return {str(i): child for i, child in enumerate(model)}
+    assert isinstance(model, TinyGPT)
+    layers: dict[str, nn.Module] = {"tok_emb": TokenEmbedding(model.tok_emb)}
+    for i, block in enumerate(model.blocks):
+        layers[f"blocks.{i}"] = FirstBlock(model.pos_emb, block) if i == 0 else block
+    layers["head"] = Head(model.ln_f, model.head)
+    return layers
+
+
+# -- the variants, as seen from one rank ---------------------------------------------------
+class Ours:
+    """sw.pipeline with one schedule; gets the global batch; records the runtime trace."""
+
+    def __init__(self, cfg: Config, schedule: str) -> None:
+        units = GPT_UNITS if cfg.model == "gpt" else None
+        chain, params = sw.functionalize(build_model(cfg), units=units)
+        step = sw.train_step(chain, loss_fn_of(cfg.model), sw.optim.adamw(LR, BETAS, EPS, WEIGHT_DECAY))
+        stages = cfg.world * VIRTUAL_STAGES[schedule]
+        mesh = sw.Mesh(pp=cfg.world)
+        # Our default cut (balanced parameter counts), made explicit so torch can use the same one.
+        balanced = sw.pipeline(step, "pp", schedule, cfg.microbatches, stages=stages).layout(mesh, params)
+        self.stages: tuple[tuple[str, ...], ...] = balanced.stages
+        self.step_fn = sw.pipeline(step, "pp", schedule, cfg.microbatches, stages=stages,
+                                   partition=[len(s) for s in self.stages], trace=True)
+        self.state = self.step_fn.init(params, mesh)
+        self.events: list[list[tuple[int, str, float, float]]] = []  # per step, this rank's compute events
+        self.param_count = sum(t.numel() for layer in self.state.params.values() for t in layer.values())
+
+    def step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor | None:
+        self.state, metrics = self.step_fn(self.state, batch)
+        self.events.append(list(metrics["trace"]))
+        return metrics["loss"].detach()
+
+
+class TorchPipe:
+    """torch.distributed.pipelining on the same stages; rank 0 feeds inputs, the last rank the targets."""
+
+    def __init__(self, cfg: Config, schedule: str, stages: tuple[tuple[str, ...], ...]) -> None:
+        from torch.distributed import pipelining
+
+        rank, world = dist.get_rank(), cfg.world
+        pieces = torch_layers(cfg, build_model(cfg))
+        mine = [s for s in range(len(stages)) if s % world == rank]  # loop placement, as ours
+        self.modules = [nn.Sequential(*(pieces[name] for name in stages[s])) for s in mine]
+        pipe_stages = [
+            pipelining.PipelineStage(module, s, len(stages), torch.device("cpu"))
+            for module, s in zip(self.modules, mine, strict=True)
+        ]
+        cls = getattr(pipelining, TORCH_SCHEDULES[schedule])
+        loss_fn = loss_fn_of(cfg.model)
+        if schedule == "interleaved_1f1b":
+            self.schedule = cls(pipe_stages, cfg.microbatches, loss_fn=loss_fn)
+        else:
+            (only,) = pipe_stages
+            self.schedule = cls(only, cfg.microbatches, loss_fn=loss_fn)
+        self.opt = torch_adamw([p for m in self.modules for p in m.parameters()])
+        self.first = 0 in mine
+        self.last = len(stages) - 1 in mine
+        self.param_count = sum(p.numel() for m in self.modules for p in m.parameters())
+
+    def step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor | None:
+        x, y = batch
+        self.opt.zero_grad(set_to_none=True)
+        losses: list[torch.Tensor] = []
+        args = (x,) if self.first else ()
+        kwargs: dict[str, Any] = {"target": y, "losses": losses} if self.last else {}
+        self.schedule.step(*args, return_outputs=False, **kwargs)
+        self.opt.step()
+        return torch.stack([loss.detach() for loss in losses]).mean() if self.last else None
+
+
+Runner = Ours | TorchPipe
+
+
+def build_runners(cfg: Config) -> tuple[dict[str, Runner], dict[str, str], dict[str, Any]]:
+    """Every variant of this (model, world), or the reason it could not be built."""
+    runners: dict[str, Runner] = {}
+    skipped: dict[str, str] = {}
+    stages_of: dict[str, Any] = {}
+    for schedule in cfg.schedules:
+        ours_name, torch_name = variant_name("ours", schedule), variant_name("torch", schedule)
+        try:  # refusals are the same on every rank: nothing was issued yet
+            ours = Ours(cfg, schedule)
+        except Exception as exc:
+            reason = f"{type(exc).__name__}: {exc}"
+            skipped[ours_name] = reason
+            skipped[torch_name] = f"no common split (sw.pipeline refused it: {reason})"
+            continue
+        runners[ours_name] = ours
+        stages_of[schedule] = ours.stages
+        try:
+            runners[torch_name] = TorchPipe(cfg, schedule, ours.stages)
+        except Exception as exc:
+            skipped[torch_name] = f"{type(exc).__name__}: {exc}"
+        else:
+            if runners[torch_name].param_count != ours.param_count:  # the same layers on this rank
+                raise AssertionError(f"{schedule}: torch holds {runners[torch_name].param_count} parameters "
+                                     f"on rank {dist.get_rank()}, ours {ours.param_count}")
+    return runners, skipped, stages_of
+
+
+# -- what runs on every rank ----------------------------------------------------------------
+def bench_rank(cfg: Config) -> dict[str, Any]:
+    """Build every variant, step them round-robin, return per-variant timings, losses and traces."""
+    torch.set_num_threads(1)
+    rank = dist.get_rank()
+    batches = make_batches(cfg)
+    runners, skipped, stages_of = build_runners(cfg)
+    times: dict[str, list[float]] = {name: [] for name in runners}
+    losses: dict[str, list[float]] = {name: [] for name in runners}
+    for i, batch in enumerate(batches):
+        for name, runner in runners.items():
+            dist.barrier()
+            start = time.perf_counter()
+            loss = runner.step(batch)
+            elapsed = time.perf_counter() - start
+            if loss is not None:
+                losses[name].append(loss.item())
+            if i >= cfg.warmup:
+                times[name].append(elapsed)
+    result: dict[str, Any] = {
+        "times": times,
+        "losses": losses,
+        "events": {name: r.events[cfg.warmup:] for name, r in runners.items() if isinstance(r, Ours)},
+        "skipped": skipped,
+        "stages": stages_of,
+    }
+    if cfg.profile in runners:
+        result["profile"] = profile_variant(runners[cfg.profile], batches, cfg.profile_steps,
+                                            rank == min(cfg.profile_rank, cfg.world - 1))
+    return result
+
+
+def profile_variant(runner: Runner, batches: list, steps: int, report: bool) -> str:
+    """cProfile ``steps`` more steps (every rank steps; one rank profiles and reports)."""
+    profiler = cProfile.Profile()
+    dist.barrier()
+    start = time.perf_counter()
+    for i in range(steps):
+        if report:
+            profiler.enable()
+        runner.step(batches[i % len(batches)])
+        if report:
+            profiler.disable()
+    wall = time.perf_counter() - start
+    if not report:
+        return ""
+    out = io.StringIO()
+    out.write(f"{steps} profiled steps, {wall / steps * 1e3:.1f} ms/step wall (with profiler)\n")
+    stats = pstats.Stats(profiler, stream=out)
+    stats.sort_stats("tottime").print_stats(30)
+    stats.sort_stats("cumulative").print_stats(40)
+    return out.getvalue()
+
+
+# -- the parent: bubbles, rows, printing ---------------------------------------------------------
+def bubble_figures(cfg: Config, schedule_name: str, stages: int, per_step: list[list[tuple]]) -> dict[str, Any]:
+    """Measured bubble (median over steps) against the simulator's, with unit and measured costs."""
+    schedule = get_schedule(schedule_name, cfg.world, stages, cfg.microbatches)
+    timelines = [Timeline.from_measured(schedule, events) for events in per_step]
+    by_kind: dict[str, list[float]] = defaultdict(list)
+    by_stage: dict[tuple[int, str], list[float]] = defaultdict(list)
+    for timeline in timelines:
+        for row in timeline.ranks:
+            for slot in row:
+                by_kind[slot.op.kind].append(slot.end - slot.start)
+                by_stage[(slot.op.stage, slot.op.kind)].append(slot.end - slot.start)
+    kind_means = {k: statistics.fmean(v) for k, v in by_kind.items()}
+    stage_means = {k: statistics.fmean(v) for k, v in by_stage.items()}
+    handover, local_gap = gaps(schedule, timelines)
+    kind_sim = simulate(schedule, Costs.from_mapping(kind_means))
+    stage_sim = simulate(schedule, Costs(per_stage=stage_means))
+    comm = statistics.median(handover) if handover else 0.0
+    comm_sim = simulate(schedule, Costs(per_stage=stage_means, comm=max(comm, 0.0)))
+    return {
+        "bubble_measured": round(statistics.median(t.bubble_fraction for t in timelines), 4),
+        "bubble_sim_unit": round(simulate(schedule).bubble_fraction, 4),
+        "bubble_sim_kind_costs": round(kind_sim.bubble_fraction, 4),
+        "bubble_sim_stage_costs": round(stage_sim.bubble_fraction, 4),
+        "bubble_sim_stage_costs_comm": round(comm_sim.bubble_fraction, 4),
+        "mean_op_ms": {k: round(v * 1e3, 3) for k, v in sorted(kind_means.items())},
+        "trace_makespan_s": round(statistics.median(t.makespan for t in timelines), 5),
+        "sim_makespan_s": round(stage_sim.makespan, 5),
+        "sim_makespan_comm_s": round(comm_sim.makespan, 5),
+        "handover_ms": round(statistics.median(handover) * 1e3, 3) if handover else None,
+        "local_gap_ms": round(statistics.median(local_gap) * 1e3, 3) if local_gap else None,
+    }
+
+
+def gaps(schedule: Any, timelines: list[Timeline]) -> tuple[list[float], list[float]]:
+    """Idle time before a compute, split by its cause.
+
+    ``handover``: the rank was idle when the input it waited for (its latest
+    dependency, computed on another rank) finished; from then to the start is
+    the cost of handing the value over (send, transfer, receive). ``local``:
+    the inputs were ready before the rank's previous compute ended; the gap is
+    the rank's own work between two computes (sends, receives, bookkeeping).
+    """
+    handover: list[float] = []
+    local: list[float] = []
+    for timeline in timelines:
+        end = {slot.op: slot.end for row in timeline.ranks for slot in row}
+        for rank, row in enumerate(timeline.ranks):
+            for k, slot in enumerate(row):
+                deps = [d for d in schedule.dependencies(slot.op) if d in end]
+                ready_op = max(deps, key=end.__getitem__, default=None)
+                ready = end[ready_op] if ready_op is not None else float("-inf")
+                previous = row[k - 1].end if k else float("-inf")
+                if ready_op is not None and schedule.placement[ready_op.stage] != rank and ready >= previous:
+                    handover.append(slot.start - ready)
+                elif k:
+                    local.append(slot.start - previous)
+    return handover, local
+
+
+def rows_for(cfg: Config, per_rank: list[dict[str, Any]], ref: list[float]) -> list[dict[str, Any]]:
+    """One output object per (schedule, impl), aggregated over ranks."""
+    base = {
+        "bench": "pipeline",
+        "model": cfg.model,
+        "world": cfg.world,
+        "microbatches": cfg.microbatches,
+        "global_batch": cfg.batch,
+        "steps": cfg.steps,
+        "warmup": cfg.warmup,
+        "optimizer": "adamw",
+        "cores": os.cpu_count(),
+        "loadavg_1m": round(os.getloadavg()[0], 2),
+        "threads_per_rank": 1,
+        "torch": torch.__version__,
+        "shardwise": sw.__version__,
+    }
+    first = per_rank[0]
+    medians = {name: statistics.median(map(max, zip(*(r["times"][name] for r in per_rank), strict=True)))
+               for name in first["times"]}
+    # The loss: ours has the global loss on every rank; torch's only on the last rank.
+    losses = {name: next(r["losses"][name] for r in per_rank if r["losses"][name]) for name in first["times"]}
+    rows = []
+    for schedule in cfg.schedules:
+        for impl in IMPLS:
+            name = variant_name(impl, schedule)
+            row: dict[str, Any] = {**base, "schedule": schedule, "impl": impl,
+                                   "stages": cfg.world * VIRTUAL_STAGES[schedule]}
+            if name in first["skipped"]:
+                rows.append({**row, "skipped": first["skipped"][name]})
+                continue
+            torch_name = variant_name("torch", schedule)
+            reference = medians.get(torch_name)
+            row |= {
+                "partition": [list(s) for s in first["stages"][schedule]],
+                "median_step_s": round(medians[name], 5),
+                "min_step_s": round(min(map(max, zip(*(r["times"][name] for r in per_rank), strict=True))), 5),
+                "ratio_to_torch": round(medians[name] / reference, 3) if reference else None,
+                "first_loss": round(losses[name][0], 6),
+                "max_rel_loss_diff": float(f"{max(abs(a - b) / abs(b) for a, b in zip(losses[name], ref, strict=True)):.3g}"),
+                "final_loss": round(losses[name][-1], 5),
+            }
+            if impl == "ours":
+                if torch_name in losses:
+                    diff = abs(losses[name][0] - losses[torch_name][0]) / abs(losses[torch_name][0])
+                    row["first_loss_rel_diff_vs_torch"] = float(f"{diff:.3g}")
+                steps = zip(*(r["events"][name] for r in per_rank), strict=True)
+                row |= bubble_figures(cfg, schedule, row["stages"], [[e for events in step for e in events] for step in steps])
+            rows.append(row)
+    return rows
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per variant (default 10)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first, >= 1 (default 3)")
+    parser.add_argument("--worlds", default="2,4", help="comma-separated world sizes (default 2,4)")
+    parser.add_argument("--models", default="mlp,gpt", help="comma-separated: mlp, gpt (default both)")
+    parser.add_argument("--schedules", default=",".join(SCHEDULES),
+                        help=f"comma-separated, of {', '.join(SCHEDULES)} (default all)")
+    parser.add_argument("--microbatches", type=int, default=4,
+                        help="micro-batches per step, a multiple of every world for interleaved_1f1b (default 4)")
+    parser.add_argument("--mlp-batch", type=int, default=64, help="global MLP batch (default 64)")
+    parser.add_argument("--gpt-batch", type=int, default=8, help="global GPT batch in sequences (default 8)")
+    parser.add_argument("--profile", metavar="IMPL:SCHEDULE",
+                        help="cProfile this variant (e.g. ours:1f1b) on --profile-rank after the timed steps")
+    parser.add_argument("--profile-rank", type=int, default=0)
+    parser.add_argument("--profile-steps", type=int, default=5)
+    parser.add_argument("--out", help="also write the JSON lines to this file")
+    args = parser.parse_args(argv)
+    if args.warmup < 1 or args.steps < 1:
+        parser.error("--steps and --warmup must be >= 1 (the first step infers torch's stage shapes)")
+    unknown = set(args.schedules.split(",")) - set(SCHEDULES)
+    if unknown:
+        parser.error(f"unknown schedules {sorted(unknown)}; choose from {', '.join(SCHEDULES)}")
+    if args.profile and args.profile.partition(":")[::2] not in {(i, s) for i in IMPLS for s in SCHEDULES}:
+        parser.error(f"--profile {args.profile!r}: use IMPL:SCHEDULE, e.g. ours:1f1b or torch:gpipe")
+    for batch in (args.mlp_batch, args.gpt_batch):
+        if batch % args.microbatches:
+            parser.error(f"batch {batch} does not divide into {args.microbatches} micro-batches")
+    return args
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    args = parse_args(argv)
+    worlds = [int(w) for w in args.worlds.split(",")]
+    models = args.models.split(",")
+    schedules = tuple(s for s in SCHEDULES if s in args.schedules.split(","))
+    out = open(args.out, "w") if args.out else None  # noqa: SIM115 (written line by line)
+    rows: list[dict[str, Any]] = []
+    refs: dict[str, list[float]] = {}
+    try:
+        for world in worlds:
+            with ProcessPool(world, timeout=600.0) as pool:
+                for model in models:
+                    batch = args.mlp_batch if model == "mlp" else args.gpt_batch
+                    cfg = Config(model, world, args.steps, args.warmup, batch, args.microbatches, schedules,
+                                 profile=args.profile, profile_rank=args.profile_rank,
+                                 profile_steps=args.profile_steps)
+                    if model not in refs:  # the reference does not depend on the world
+                        refs[model] = reference_losses(cfg)
+                    started = time.perf_counter()
+                    per_rank = pool.run(bench_rank, cfg)
+                    print(f"# {model}, world {world}: {time.perf_counter() - started:.1f} s on the ranks",
+                          file=sys.stderr)
+                    profile = per_rank[min(args.profile_rank, world - 1)].get("profile")
+                    if profile:
+                        print(f"--- cProfile of {args.profile}, {model}, world {world}, rank {args.profile_rank} "
+                              f"---\n{profile}", file=sys.stderr)
+                    for row in rows_for(cfg, per_rank, refs[model]):
+                        line = json.dumps(row)
+                        print(line, flush=True)
+                        if out:
+                            out.write(line + "\n")
+                            out.flush()
+                        rows.append(row)
+    finally:
+        if out:
+            out.close()
+    return rows
+
+
+if __name__ == "__main__":
+    main()

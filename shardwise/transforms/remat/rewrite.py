@@ -1,0 +1,123 @@
+"""``remat``: rewrite a Step's chain so selected layers recompute activations in backward."""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from ...engine.chain import Chain, LayerFn
+from ...engine.step import Step
+from . import policies as P
+from ._torch_sac import run_layer
+
+S = TypeVar("S", bound=Step)
+
+#: Policies by name, for ``remat(step, policy="dots_saveable")``.
+POLICIES: dict[str, Any] = {
+    "nothing_saveable": P.nothing_saveable,
+    "everything_saveable": P.everything_saveable,
+    "dots_saveable": P.dots_saveable,
+    "offload_to_cpu": P.offload_to_cpu(),
+}
+
+
+@dataclass(frozen=True, eq=False)
+class Remat:
+    """A layer function run under a remat policy: ``Remat(fn, policy)(tensors, x) == fn(tensors, x)``."""
+
+    fn: LayerFn
+    policy: Any
+
+    def __call__(self, tensors: dict[str, Any], x: Any) -> Any:
+        return run_layer(self.fn, tensors, x, self.policy)
+
+    @property
+    def __wrapped__(self) -> LayerFn:
+        return self.fn
+
+
+def remat_of(fn: Any) -> Remat | None:
+    """The :class:`Remat` inside ``fn``, following ``__wrapped__`` through other transforms' wrappers."""
+    seen = 0
+    while fn is not None and seen < 64:
+        if isinstance(fn, Remat):
+            return fn
+        fn, seen = getattr(fn, "__wrapped__", None), seen + 1
+    return None
+
+
+def resolve_policy(policy: Any) -> Any:
+    """A policy given by value or name; anything else is refused with the list of choices."""
+    if isinstance(policy, str):
+        if policy not in POLICIES:
+            raise ValueError(
+                f"remat(policy={policy!r}): unknown policy; choose one of {sorted(POLICIES)}, "
+                "or pass a predicate such as save_only_these_names('attn_out')"
+            )
+        return POLICIES[policy]
+    if policy is P.save_only_these_names or policy is P.offload_to_cpu:
+        raise TypeError(
+            f"remat(policy={policy.__name__}): this builds a policy, call it: "
+            f"policy={policy.__name__}(...)"
+        )
+    if not callable(policy):
+        raise TypeError(
+            f"remat(policy={policy!r}): unknown policy; a policy is a predicate policy(op, *args, **kwargs) -> bool "
+            f"such as dots_saveable, or one of the names {sorted(POLICIES)}"
+        )
+    return policy
+
+
+def select_layers(chain: Chain, layers: str | Sequence[str], every: int) -> list[str]:
+    """Names of the layers to remat: those matching ``layers`` (fnmatch), then every ``every``-th of them."""
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ValueError(f"remat(every={every!r}): every is an int >= 1 (1: every selected layer)")
+    patterns = [layers] if isinstance(layers, str) else list(layers)
+    if not patterns or not all(isinstance(p, str) for p in patterns):
+        raise TypeError(f"remat(layers={layers!r}): give 'all', a name pattern such as 'blocks.*', or a list of them")
+    if patterns == ["all"]:
+        matched = list(chain.names)
+    else:
+        matched = [n for n in chain.names if any(fnmatch.fnmatchcase(n, p) for p in patterns)]
+    if not matched:
+        raise ValueError(
+            f"remat(layers={layers!r}) matches no layer; the chain's layers are {list(chain.names)}"
+        )
+    return matched[::every]
+
+
+def remat(step: S, policy: Any = P.nothing_saveable, *, layers: str | Sequence[str] = "all", every: int = 1) -> S:
+    """Run the selected layers of ``step`` under activation checkpointing with a save ``policy``.
+
+    Each selected layer's function runs under torch's non-reentrant checkpoint
+    with a selective-checkpoint policy: backward recomputes every value the
+    policy does not save. ``layers`` is ``"all"``, an fnmatch pattern over
+    layer names (``"blocks.*"``) or a list of them; ``every=k`` keeps every
+    k-th of the matched layers, starting with the first. The result is the
+    same kind of Step (a ShardedStep or PipelineStep stays one), computes
+    bitwise the same losses and parameters, and holds less for backward (see
+    :func:`saved_bytes`). Apply it once.
+    """
+    if not isinstance(step, Step):
+        raise TypeError(f"remat(step=...) needs a shardwise Step (see train_step), got {type(step).__name__}")
+    done = policies_of(step.chain)
+    if done:
+        raise ValueError(
+            f"remat was applied twice: layers {sorted(done)} already run under remat "
+            f"(policy {next(iter(done.values()))!r}); apply remat once, with the policy and layers you want"
+        )
+    policy = resolve_policy(policy)
+    chosen = set(select_layers(step.chain, layers, every))
+    new_layers = [
+        dataclasses.replace(layer, fn=Remat(layer.fn, policy)) if layer.name in chosen else layer
+        for layer in step.chain
+    ]
+    return dataclasses.replace(step, chain=Chain(new_layers))
+
+
+def policies_of(chain: Chain) -> Mapping[str, Any]:
+    """Layer name -> the remat policy it runs under, for the layers that do."""
+    return {layer.name: r.policy for layer in chain for r in [remat_of(layer.fn)] if r is not None}
