@@ -39,3 +39,27 @@ def test_train_gpt_under_torchrun() -> None:
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "step    4/4" in result.stdout
+
+
+def _readme_blocks() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    blocks, inside, current = [], False, []
+    for line in text.splitlines():
+        if line.strip() == "```python":
+            inside, current = True, []
+        elif line.strip() == "```" and inside:
+            inside = False
+            blocks.append("\n".join(current))
+        elif inside:
+            current.append(line)
+    return blocks
+
+
+def test_readme_has_python_examples() -> None:
+    assert len(_readme_blocks()) >= 3
+
+
+@pytest.mark.parametrize("index", range(3))
+def test_readme_example_runs(index: int, capsys: pytest.CaptureFixture[str]) -> None:
+    exec(compile(_readme_blocks()[index], f"README.md block {index}", "exec"), {"__name__": "readme"})
+    assert capsys.readouterr().out.strip()

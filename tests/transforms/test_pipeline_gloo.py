@@ -73,3 +73,29 @@ def test_pipeline_on_gloo_equals_single_device(case: str, pool_name: str, reques
             for layer, tensors in ref_params.items():
                 for name, ref in tensors.items():
                     assert _errors(params[layer][name], ref)[1] <= 1e-12, (rank, index, layer, name)
+
+
+def _all_four_rank(world: int) -> list:
+    step, params, batches = _problem()
+    composed = sw.mixed_precision(sw.remat(sw.pipeline(sw.shard_params(step, "dp", 3), "pp", "1f1b", 4)),
+                                  "params=f64,compute=f64,output=f64,reduce=f64", loss_scale="dynamic")
+    mesh = sw.Mesh(dp=2, pp=world // 2)
+    state = composed.init(params, mesh)
+    out = []
+    for batch in batches:
+        state, metrics = composed(state, batch)
+        out.append((metrics["loss"], composed.full_params(state)))
+    return out
+
+
+def test_all_four_transforms_on_gloo_equal_single_device(gloo4: object) -> None:
+    """mixed_precision(remat(pipeline(shard_params))) on dp=2 x pp=2 processes, in float64 (so the
+    bound is 1e-12 as above), with dynamic loss scaling on: the scale must divide back out exactly
+    (it is a power of two)."""
+    expected = _reference()
+    for rank, history in enumerate(gloo4.run(_all_four_rank, 4)):  # type: ignore[attr-defined]
+        for index, ((loss, params), (ref_loss, ref_params)) in enumerate(zip(history, expected, strict=True)):
+            assert _errors(loss, ref_loss)[1] <= 1e-12, (rank, index, "loss")
+            for layer, tensors in ref_params.items():
+                for name, ref in tensors.items():
+                    assert _errors(params[layer][name], ref)[1] <= 1e-12, (rank, index, layer, name)
