@@ -9,6 +9,7 @@ what ``loss.backward(); optimizer.step()`` computes on one device.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +38,23 @@ def split_batch(batch: Any) -> tuple[Any, Any]:
             + "; inputs feed the chain and targets go to loss_fn(output, targets)"
         )
     return batch[0], batch[1]
+
+
+def split_over(tree: Any, parts: int, index: int, what: str) -> Any:
+    """Slice ``index`` of ``parts`` equal slices along dim 0 of every tensor in ``tree``."""
+
+    def cut(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor) or t.dim() == 0:
+            raise ValueError(f"{what}: every batch leaf must be a tensor with a batch dim, got {t!r:.60}")
+        if t.shape[0] % parts:
+            raise ValueError(
+                f"{what}: batch size {t.shape[0]} (tensor of shape {tuple(t.shape)}) does not divide into "
+                f"{parts} equal parts; use a batch size that is a multiple of {parts}"
+            )
+        size = t.shape[0] // parts
+        return t[index * size : (index + 1) * size]
+
+    return optree.tree_map(cut, tree)
 
 
 def check_params(chain: Chain, params: Any) -> None:
@@ -94,6 +112,10 @@ class Step:
     precision: Precision | None = None  # set by mixed_precision
 
     # -- composition hooks ------------------------------------------------------
+    def base_fields(self) -> dict[str, Any]:
+        """The fields every kind of step shares, to build a derived step from this one."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(Step)}
+
     @property
     def data_parallel(self) -> DataParallel | None:
         """The data-parallel sharding this step applies, if any (shard_params sets it)."""

@@ -77,7 +77,9 @@ def _errors(actual: torch.Tensor, expected: torch.Tensor) -> tuple[float, float,
 COMPARED_METRICS = ("loss", "grad_norm")
 
 
-def _history(step: Any, state: Any, batches: Sequence[Any]) -> list[tuple[dict[str, Any], Any]]:
+def record_history(step: Any, state: Any, batches: Sequence[Any]) -> list[tuple[dict[str, Any], Any]]:
+    """Run ``step`` from ``state`` over ``batches``; after each, the compared metrics and the full
+    parameters (a collective for sharded steps: call it on every rank)."""
     history = []
     for batch in batches:
         state, metrics = step(state, batch)
@@ -87,7 +89,7 @@ def _history(step: Any, state: Any, batches: Sequence[Any]) -> list[tuple[dict[s
 
 
 def _rank_program(step: Any, params: Any, mesh: Mesh, batches: Sequence[Any]) -> list[tuple[dict[str, Any], Any]]:
-    return _history(step, step.init(params, mesh), batches)
+    return record_history(step, step.init(params, mesh), batches)
 
 
 def _param_dtype(params: Any) -> torch.dtype:
@@ -127,11 +129,26 @@ def assert_equivalent(
     if not batches:
         raise ValueError("assert_equivalent needs at least one batch")
     rtol = DEFAULT_RTOL.get(_param_dtype(params), 1e-5) if rtol is None else rtol
-    expected = _history(reference, reference.init(params), batches)
+    expected = record_history(reference, reference.init(params), batches)
     program = functools.partial(_rank_program, step, params, mesh, list(batches))
     per_rank = launch(program, mesh.size, backend=backend, timeout=timeout)
 
-    report = EquivalenceReport(steps=len(batches))
+    return compare_histories(per_rank, expected, rtol=rtol, atol=atol)
+
+
+def compare_histories(
+    per_rank: Sequence[Sequence[tuple[dict[str, Any], Any]]],
+    expected: Sequence[tuple[dict[str, Any], Any]],
+    *,
+    rtol: float,
+    atol: float = 0.0,
+) -> EquivalenceReport:
+    """Check every rank's ``record_history`` against the reference's; raise at the first divergence.
+
+    Useful where ``assert_equivalent`` cannot launch the ranks itself (a step
+    built inside each process of a pool): record on every rank, compare here.
+    """
+    report = EquivalenceReport(steps=len(expected))
     for index, (exp_metrics, exp_params) in enumerate(expected):
         worst_abs = worst_rel = 0.0
         for rank, history in enumerate(per_rank):

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 import shardwise as sw
-from shardwise.testing.equivalence import _errors
 from shardwise.testing.models import mlp
 
 pytestmark = pytest.mark.gloo
@@ -41,23 +40,12 @@ def _mesh(case: str, world: int) -> sw.Mesh:
 def _run_rank(case: str, world: int) -> list:
     step, params, batches = _problem()
     piped = _build(step, case)
-    mesh = _mesh(case, world)
-    state = piped.init(params, mesh)
-    out = []
-    for batch in batches:
-        state, metrics = piped(state, batch)
-        out.append((metrics["loss"], piped.full_params(state)))
-    return out
+    return sw.testing.record_history(piped, piped.init(params, _mesh(case, world)), batches)
 
 
 def _reference() -> list:
     step, params, batches = _problem()
-    state = step.init(params)
-    out = []
-    for batch in batches:
-        state, metrics = step(state, batch)
-        out.append((metrics["loss"], state.params))
-    return out
+    return sw.testing.record_history(step, step.init(params), batches)
 
 
 CASES = [("1f1b", "gloo2"), ("interleaved", "gloo2"), ("zb_v", "gloo2"), ("zb_h1", "gloo4"), ("composed", "gloo4")]
@@ -66,36 +54,22 @@ CASES = [("1f1b", "gloo2"), ("interleaved", "gloo2"), ("zb_v", "gloo2"), ("zb_h1
 @pytest.mark.parametrize("case,pool_name", CASES)
 def test_pipeline_on_gloo_equals_single_device(case: str, pool_name: str, request: pytest.FixtureRequest) -> None:
     pool = request.getfixturevalue(pool_name)
-    expected = _reference()
-    for rank, history in enumerate(pool.run(_run_rank, case, int(pool_name[-1]))):
-        for index, ((loss, params), (ref_loss, ref_params)) in enumerate(zip(history, expected, strict=True)):
-            assert _errors(loss, ref_loss)[1] <= 1e-12, (rank, index, "loss")
-            for layer, tensors in ref_params.items():
-                for name, ref in tensors.items():
-                    assert _errors(params[layer][name], ref)[1] <= 1e-12, (rank, index, layer, name)
+    sw.testing.compare_histories(pool.run(_run_rank, case, int(pool_name[-1])), _reference(), rtol=1e-12)
 
 
 def _all_four_rank(world: int) -> list:
     step, params, batches = _problem()
     composed = sw.mixed_precision(sw.remat(sw.pipeline(sw.shard_params(step, "dp", 3), "pp", "1f1b", 4)),
                                   "params=f64,compute=f64,output=f64,reduce=f64", loss_scale="dynamic")
-    mesh = sw.Mesh(dp=2, pp=world // 2)
-    state = composed.init(params, mesh)
-    out = []
-    for batch in batches:
-        state, metrics = composed(state, batch)
-        out.append((metrics["loss"], composed.full_params(state)))
-    return out
+    return sw.testing.record_history(composed, composed.init(params, sw.Mesh(dp=2, pp=world // 2)), batches)
 
 
 def test_all_four_transforms_on_gloo_equal_single_device(gloo4: object) -> None:
     """mixed_precision(remat(pipeline(shard_params))) on dp=2 x pp=2 processes, in float64 (so the
     bound is 1e-12 as above), with dynamic loss scaling on: the scale must divide back out exactly
     (it is a power of two)."""
-    expected = _reference()
-    for rank, history in enumerate(gloo4.run(_all_four_rank, 4)):  # type: ignore[attr-defined]
-        for index, ((loss, params), (ref_loss, ref_params)) in enumerate(zip(history, expected, strict=True)):
-            assert _errors(loss, ref_loss)[1] <= 1e-12, (rank, index, "loss")
-            for layer, tensors in ref_params.items():
-                for name, ref in tensors.items():
-                    assert _errors(params[layer][name], ref)[1] <= 1e-12, (rank, index, layer, name)
+    step, params, batches = _problem()
+    policy = "params=f64,compute=f64,output=f64,reduce=f64"
+    reference = sw.mixed_precision(step, policy, loss_scale="dynamic")
+    expected = sw.testing.record_history(reference, reference.init(params), batches)
+    sw.testing.compare_histories(gloo4.run(_all_four_rank, 4), expected, rtol=1e-12)  # type: ignore[attr-defined]

@@ -127,7 +127,7 @@ def test_bad_arguments_are_refused() -> None:
         state = piped.init(params, sw.Mesh(pp=2))
         piped(state, batches[0])
 
-    with pytest.raises(sw.RankFailed, match="does not divide into 4 micro-batches"):
+    with pytest.raises(sw.RankFailed, match=r"pipeline\(microbatches=4\): batch size 6 .* does not divide into 4 equal parts"):
         sw.launch(run, 2)
 
 

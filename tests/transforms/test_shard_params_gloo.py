@@ -19,7 +19,6 @@ import pytest
 import torch
 
 import shardwise as sw
-from shardwise.testing.equivalence import _errors
 from shardwise.testing.models import TinyGPT, mlp
 
 pytestmark = pytest.mark.gloo
@@ -49,23 +48,12 @@ def _problem(kind: str, world: int):  # type: ignore[no-untyped-def]
 def _run_rank(kind: str, world: int, options: dict) -> list:
     step, params, batches = _problem(kind, world)
     sharded = sw.shard_params(step, "dp", **options)
-    mesh = sw.Mesh(dp=world)
-    state = sharded.init(params, mesh)
-    out = []
-    for batch in batches:
-        state, metrics = sharded(state, batch)
-        out.append((metrics["loss"], sharded.full_params(state)))
-    return out
+    return sw.testing.record_history(sharded, sharded.init(params, sw.Mesh(dp=world)), batches)
 
 
 def _reference(kind: str, world: int) -> list:
     step, params, batches = _problem(kind, world)
-    state = step.init(params)
-    out = []
-    for batch in batches:
-        state, metrics = step(state, batch)
-        out.append((metrics["loss"], state.params))
-    return out
+    return sw.testing.record_history(step, step.init(params), batches)
 
 
 CASES = [
@@ -84,12 +72,5 @@ def test_sharded_step_on_gloo_equals_single_device(
 ) -> None:
     pool = request.getfixturevalue(pool_name)
     world = int(pool_name[-1])
-    expected = _reference(kind, world)
-    for rank, history in enumerate(pool.run(_run_rank, kind, world, options)):
-        for index, ((loss, params), (ref_loss, ref_params)) in enumerate(zip(history, expected, strict=True)):
-            _, rel, _ = _errors(loss, ref_loss)
-            assert rel <= 1e-12, (rank, index, "loss", rel)
-            for layer, tensors in ref_params.items():
-                for name, ref in tensors.items():
-                    _, rel, _ = _errors(params[layer][name], ref)
-                    assert rel <= 1e-12, (rank, index, layer, name, rel)
+    per_rank = pool.run(_run_rank, kind, world, options)
+    sw.testing.compare_histories(per_rank, _reference(kind, world), rtol=1e-12)

@@ -62,11 +62,7 @@ def pipeline(
     if stages is not None and (isinstance(stages, bool) or not isinstance(stages, int) or stages < 1):
         raise ValueError(f"pipeline(stages={stages!r}): the number of stages is an int >= 1")
     return PipelineStep(
-        chain=step.chain,
-        loss_fn=step.loss_fn,
-        optimizer=step.optimizer,
-        clip_norm=step.clip_norm,
-        precision=step.precision,
+        **step.base_fields(),
         axis=axis,
         schedule=schedule,
         microbatches=microbatches,

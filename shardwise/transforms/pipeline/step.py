@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass
 from typing import Any
 
-import optree
 import torch
 
 from ...collectives.mesh import Mesh
@@ -21,7 +19,15 @@ from ...engine.data_parallel import (
 )
 from ...engine.plan import Plan
 from ...engine.state import Params, TrainState, map_params
-from ...engine.step import Metrics, Step, check_params, split_batch, tree_nbytes, unscale_like
+from ...engine.step import (
+    Metrics,
+    Step,
+    check_params,
+    split_batch,
+    split_over,
+    tree_nbytes,
+    unscale_like,
+)
 from .builtins import get_schedule
 from .lowering import lower_rank
 from .partition import balanced_partition, check_partition, param_counts, stage_layers
@@ -45,45 +51,10 @@ class PipelineLayout:
         return tuple(n for s, layers in enumerate(self.stages) if self.schedule.placement[s] == index for n in layers)
 
 
-def _slice(t: Any, parts: int, i: int) -> Any:
-    if not isinstance(t, torch.Tensor) or t.dim() == 0:
-        raise ValueError(f"pipeline: every batch leaf must be a tensor with a batch dim, got {t!r:.60}")
-    if t.shape[0] % parts:
-        raise ValueError(
-            f"pipeline(microbatches={parts}): batch size {t.shape[0]} (tensor of shape {tuple(t.shape)}) "
-            f"does not divide into {parts} micro-batches; use a batch size that is a multiple of {parts}"
-        )
-    size = t.shape[0] // parts
-    return t[i * size : (i + 1) * size]
-
-
-def split_over_axis(batch: Any, parts: int, index: int, axis: str) -> Any:
-    """This data-parallel rank's slice of the global batch."""
-    inputs, targets = split_batch(batch)
-
-    def cut(t: Any) -> Any:
-        if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] % parts:
-            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(
-                f"shard_params over axis {axis!r} of size {parts}: batch leaf of shape {shape} does not divide "
-                f"into {parts} equal parts along dim 0; use a batch size that is a multiple of {parts}"
-            )
-        size = t.shape[0] // parts
-        return t[index * size : (index + 1) * size]
-
-    return optree.tree_map(cut, inputs), optree.tree_map(cut, targets)
-
-
 def split_microbatches(batch: Any, parts: int) -> list[tuple[Any, Any]]:
     """``parts`` equal slices of (inputs, targets) along dim 0, with a clear error when they do not divide."""
-    inputs, targets = split_batch(batch)
-    return [
-        (
-            optree.tree_map(functools.partial(_slice, parts=parts, i=i), inputs),
-            optree.tree_map(functools.partial(_slice, parts=parts, i=i), targets),
-        )
-        for i in range(parts)
-    ]
+    pair = split_batch(batch)
+    return [split_over(pair, parts, i, f"pipeline(microbatches={parts})") for i in range(parts)]
 
 
 @dataclass(frozen=True)
@@ -206,7 +177,9 @@ class PipelineStep(Step):
         store = None if layout.sharded is None else ShardedParams(layout.sharded, state.params, mesh)
         replicas = 1 if store is None else store.size
         if store is not None:
-            batch = split_over_axis(batch, store.size, store.index, store.axis)
+            batch = split_over(
+                split_batch(batch), store.size, store.index, f"shard_params over axis {store.axis!r} of size {store.size}"
+            )
         scale = self.loss_scale_value(state)
         prec = self.precision
         compute = None if prec is None else (lambda layer: prec.for_layer(layer).compute)

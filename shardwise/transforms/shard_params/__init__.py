@@ -73,11 +73,7 @@ def shard_params(
             "so there is nothing to keep or reshard; drop the option or use stage=3"
         )
     return ShardedStep(
-        chain=step.chain,
-        loss_fn=step.loss_fn,
-        optimizer=step.optimizer,
-        clip_norm=step.clip_norm,
-        precision=step.precision,
+        **step.base_fields(),
         axis=axis,
         stage=stage,
         reshard_after_forward=reshard_after_forward,

@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import optree
 import torch
 
 from ...collectives.mesh import Mesh
@@ -13,7 +12,7 @@ from ...engine.data_parallel import DataParallel
 from ...engine.flat import UnitLayout
 from ...engine.plan import Plan
 from ...engine.state import Params, TrainState, map_params
-from ...engine.step import Metrics, Step, check_params, split_batch, tree_nbytes
+from ...engine.step import Metrics, Step, check_params, split_batch, split_over, tree_nbytes
 from .lowering import ShardingOptions, lower_rank, peak_gathered_units
 from .runtime import ShardRuntime
 
@@ -26,23 +25,6 @@ class ShardedLayout:
     stage: int
     units: dict[str, UnitLayout]
     layers: tuple[str, ...]  # the keys of the full params pytree, in order
-
-
-def split_over(tree: Any, parts: int, index: int, what: str) -> Any:
-    """Slice ``index`` of ``parts`` equal slices along dim 0 of every tensor in ``tree``."""
-
-    def cut(t: Any) -> Any:
-        if not isinstance(t, torch.Tensor) or t.dim() == 0:
-            raise ValueError(f"{what}: every batch leaf must be a tensor with a batch dim, got {t!r:.60}")
-        if t.shape[0] % parts:
-            raise ValueError(
-                f"{what}: batch size {t.shape[0]} (tensor of shape {tuple(t.shape)}) does not divide into "
-                f"{parts} equal parts; use a batch size that is a multiple of {parts}"
-            )
-        size = t.shape[0] // parts
-        return t[index * size : (index + 1) * size]
-
-    return optree.tree_map(cut, tree)
 
 
 @dataclass(frozen=True)
