@@ -85,12 +85,33 @@ def test_untied_gpt_pipelined_on_a_dp_pp_mesh_replicates_over_dp() -> None:
     sw.testing.assert_equivalent(piped, step, sw.Mesh(dp=2, pp=2), batches, params, rtol=F64_RTOL)
 
 
-def test_tied_weights_across_ranks_are_refused_with_the_fix() -> None:
-    model = TinyGPT(vocab=32, d_model=16, n_heads=2, n_layers=2, seq_len=8)
+@pytest.mark.parametrize("schedule,dp", [("1f1b", 1), ("zb_h1", 1), ("1f1b", 2)])
+def test_weights_tied_across_ranks_stay_tied_and_get_the_summed_gradient(schedule: str, dp: int) -> None:
+    """A GPT whose output head shares the embedding: stage 0 and the last stage each hold a copy,
+    exchange their gradient contributions and take the same update (alone and with ZeRO-3 over dp)."""
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=32, d_model=16, n_heads=2, n_layers=2, seq_len=8).double()
     chain, params = sw.functionalize(model, units=["tok_emb", "blocks", "head"])
-    step = sw.pipeline(sw.train_step(chain, lambda o, t: o.sum(), sw.optim.sgd(0.1)), "pp", "1f1b", 2)
-    with pytest.raises(ValueError, match="tied weights across ranks are not supported yet: untie"):
-        step.plan(sw.Mesh(pp=2), params)
+    loss = lambda o, t: torch.nn.functional.cross_entropy(o.flatten(0, 1), t.flatten())  # noqa: E731
+    step = sw.train_step(chain, loss, sw.optim.sgd(0.5, momentum=0.9), clip_norm=1.0)
+    gen = torch.Generator().manual_seed(3)
+    batches = [(torch.randint(32, (4, 8), generator=gen), torch.randint(32, (4, 8), generator=gen)) for _ in range(3)]
+    piped = sw.pipeline(step, "pp", schedule, 2)
+    mesh = sw.Mesh(pp=2)
+    if dp > 1:
+        piped, mesh = sw.shard_params(piped, "dp", 3), sw.Mesh(dp=dp, pp=2)
+    assert piped.layout(mesh, params).tied == (("tok_emb", "tok_emb.weight", (0, 1)),)
+    sw.testing.assert_equivalent(piped, step, mesh, batches, params, rtol=F64_RTOL)
+
+    def copies_agree() -> torch.Tensor:
+        state = piped.init(params, sw.Mesh(pp=2))
+        for b in batches:
+            state, _ = piped(state, b)
+        return state.params["tok_emb"]["tok_emb.weight"]
+
+    if dp == 1:
+        first, last = sw.launch(copies_agree, 2)
+        assert torch.equal(first, last)
 
 
 def test_trace_gives_a_measured_timeline() -> None:

@@ -33,6 +33,10 @@ def pipeline(
     (rank, op, start, end) events to the metrics; ``poison=True`` fills every
     received buffer with NaN once it is used up (a test of stale reuse).
 
+    Weights tied across stages on different ranks (a GPT head sharing the
+    embedding) stay tied: each rank using one holds a copy, and the copies'
+    gradients are exchanged and summed so they take the same update.
+
     Over a shard_params step (or with shard_params applied after), every
     pipeline rank's layers are also ZeRO-sharded over the data-parallel axis
     of a 2-D mesh such as ``Mesh(dp=2, pp=2)``.

@@ -34,6 +34,7 @@ from .lowering import (
 )
 
 LossFn = Callable[[Any, Any], torch.Tensor]
+TIED_TAG_BASE = 1 << 29  # above every activation/gradient tag (tag_of stays far below it)
 
 
 def _float_leaves(tree: Any) -> list[torch.Tensor]:
@@ -69,6 +70,8 @@ class PipelineRuntime:
     check_finite: bool = False  # mixed precision: every rank skips if any gradient anywhere is not finite
     final_grads: Any = None
     finite: bool = True
+    tied: Sequence[tuple[str, str, tuple[int, ...]]] = ()  # weights tied across pipeline ranks
+    replica_layers: frozenset[str] = frozenset()  # layers of which this rank only holds tied copies
     grads: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     loss_sum: torch.Tensor | None = None
     sq_norm: torch.Tensor | None = None
@@ -271,8 +274,11 @@ class PipelineRuntime:
         local_loss = (
             torch.stack([x.to(dtype) for x in self._losses]).sum() if self._losses else torch.zeros((), dtype=dtype)
         )
+        self._sum_tied_grads()
         self.final_grads = self.grads if self.finalize_grads is None else self.finalize_grads(self.grads)
-        pieces = list(optree.tree_leaves(self.final_grads))
+        # A tied copy's gradient is also its owner's: count it once in the norm.
+        counted: Any = {k: v for k, v in self.final_grads.items() if k not in self.replica_layers}
+        pieces: list[torch.Tensor] = list(optree.tree_leaves(counted))
         local_sq = sum((g.to(dtype).pow(2).sum() for g in pieces), torch.zeros((), dtype=dtype))
         values = [local_loss, local_sq]
         if self.check_finite:
@@ -282,6 +288,29 @@ class PipelineRuntime:
             total = psum(total, axis, mesh=self.mesh)
         self.loss_sum, self.sq_norm = total[0], total[1]
         self.finite = not self.check_finite or bool(total[2] == 0)
+
+    def _sum_tied_grads(self) -> None:
+        """Every rank using a tied weight sends its gradient to the others and sums all of them in
+        axis order, so each copy gets the same total and takes the same update."""
+        me = self.mesh.axis_index(self.axis)
+        for i, (owner, name, users) in enumerate(self.tied):
+            if me not in users:
+                continue
+            mine = self.grads.get(owner, {}).get(name)
+            if mine is None:  # this rank's layers did not reach the weight in this step
+                mine = torch.zeros_like(self.params[owner][name])
+            tag = TIED_TAG_BASE + i
+            handles = [send(mine, self.axis, peer, tag=tag, mesh=self.mesh) for peer in users if peer != me]
+            parts = {me: mine}
+            for peer in users:
+                if peer != me:
+                    parts[peer] = recv(self.axis, peer, tag=tag, mesh=self.mesh).wait()
+            for handle in handles:
+                handle.wait()
+            total = parts[users[0]]
+            for peer in users[1:]:
+                total = total + parts[peer]
+            self.grads.setdefault(owner, {})[name] = total
 
     def _metric_dtype(self) -> torch.dtype:
         dtypes = {t.dtype for layer in self.params.values() for t in layer.values()}

@@ -45,6 +45,15 @@ class PipelineLayout:
     schedule: Schedule
     shapes: dict[str, dict[str, tuple[torch.Size, torch.dtype]]]
     sharded: ShardedParamsLayout | None = None  # this rank's layers, when sharded over a dp axis
+    # Weights tied across pipeline ranks: (owner layer, name, the axis indices that use it). Each of
+    # those ranks holds a copy; their gradient contributions are exchanged and summed in axis order,
+    # so every copy takes the same update (Megatron keeps its tied embeddings this way).
+    tied: tuple[tuple[str, str, tuple[int, ...]], ...] = ()
+
+    def replicas_of(self, index: int) -> list[tuple[str, str]]:
+        """Tied weights rank ``index`` holds a copy of without owning their layer."""
+        mine = set(self.layers_of(index))
+        return [(owner, name) for owner, name, users in self.tied if index in users and owner not in mine]
 
     def layers_of(self, index: int) -> tuple[str, ...]:
         """The layers held by pipeline rank ``index`` (its stages, in order)."""
@@ -115,31 +124,35 @@ class PipelineStep(Step):
         stages = stage_layers(names, counts)
         schedule = get_schedule(self.schedule, ranks, count, self.microbatches)
         validate(schedule)
-        self._check_ties(stages, schedule)
         shapes = {} if params is None else {
             layer: {k: (t.shape, t.dtype) for k, t in tensors.items()} for layer, tensors in params.items()
         }
-        return PipelineLayout(self.axis, stages, schedule, shapes)
+        return PipelineLayout(self.axis, stages, schedule, shapes, tied=self._tied_across_ranks(stages, schedule))
 
-    def _check_ties(self, stages: tuple[tuple[str, ...], ...], schedule: Schedule) -> None:
+    def _tied_across_ranks(
+        self, stages: tuple[tuple[str, ...], ...], schedule: Schedule
+    ) -> tuple[tuple[str, str, tuple[int, ...]], ...]:
+        """Every tied weight whose users sit on more than one pipeline rank, with those ranks."""
         rank_of_layer = {n: schedule.placement[s] for s, layers in enumerate(stages) for n in layers}
+        users: dict[tuple[str, str], set[int]] = {}
         for layer in self.chain.layers:
-            for local, (owner, _) in layer.ties.items():
-                if rank_of_layer[owner] != rank_of_layer[layer.name]:
-                    raise ValueError(
-                        f"pipeline: layer {layer.name!r} ties {local!r} to layer {owner!r}, which lands on "
-                        f"another pipeline rank ({rank_of_layer[owner]} vs {rank_of_layer[layer.name]}); tied "
-                        "weights across ranks are not supported yet: untie them (e.g. TinyGPT(tie_weights=False)) "
-                        "or choose a partition that keeps both layers on one rank"
-                    )
+            for owner, name in layer.ties.values():
+                users.setdefault((owner, name), {rank_of_layer[owner]}).add(rank_of_layer[layer.name])
+        return tuple(
+            (owner, name, tuple(sorted(ranks))) for (owner, name), ranks in sorted(users.items()) if len(ranks) > 1
+        )
 
     # -- state ---------------------------------------------------------------------------------
     def init(self, params: Params, mesh: Mesh | None = None) -> TrainState:
         mesh = self._check_mesh(mesh)
         check_params(self.chain, params)
         layout = self.layout(mesh, params)
-        mine = set(layout.layers_of(mesh.axis_index(self.axis)))
-        local = self.master_params({k: v for k, v in params.items() if k in mine})
+        index = mesh.axis_index(self.axis)
+        mine = set(layout.layers_of(index))
+        wanted = {k: dict(v) for k, v in params.items() if k in mine}
+        for owner, name in layout.replicas_of(index):
+            wanted.setdefault(owner, {})[name] = params[owner][name]
+        local = self.master_params(wanted)
         scale = self.initial_loss_scale()
         if self.dp is None:
             return TrainState(local, self.optimizer.init(local), 0, scale, mesh=mesh, layout=layout)
@@ -211,6 +224,8 @@ class PipelineStep(Step):
             finalize_grads=finalize,
             metric_axes=(self.axis,) if store is None else (self.axis, store.axis),
             check_finite=prec is not None,
+            tied=layout.tied,
+            replica_layers=frozenset(o for o, _ in layout.replicas_of(index)),
         )
         result: list[tuple[Any, Any, Any]] = []
 
