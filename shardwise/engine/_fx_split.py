@@ -1,0 +1,239 @@
+"""Cutting a traced forward into one segment per unit (the fx half of ``functionalize``).
+
+The module is symbolically traced with the units as leaves; each segment is
+the glue code before a unit plus the unit call (glue after the last unit joins
+the last segment), and becomes a GraphModule over the original module, so
+parameter names stay the original qualified names. Exactly one value may
+cross each boundary.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import threading
+from typing import Any
+
+import torch.fx as fx
+from torch import nn
+
+
+class FunctionalizeError(ValueError):
+    """A module that ``functionalize`` cannot turn into a Chain as asked; the message says why and what to do."""
+
+
+class _UnitTracer(fx.Tracer):
+    """Traces through everything except the units, which stay as single call_module nodes."""
+
+    def __init__(self, units: list[str]) -> None:
+        super().__init__()
+        self.units = set(units)
+        self.record_stack_traces = True  # lets errors point at the line of forward
+        # Buffers read in traced code become graph reads, so `self.mask[:t, :t]` with a traced
+        # t works and the buffer travels with the segment that reads it.
+        self.proxy_buffer_attributes = True
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return module_qualified_name in self.units or super().is_leaf_module(
+            m, module_qualified_name
+        )
+
+
+# torch.fx patches nn.Module.__call__ and __getattr__ process-wide while it traces, so two
+# ranks of the threads backend tracing at once would see each other's patches.
+_TRACE_LOCK = threading.Lock()
+
+
+def _trace(module: nn.Module, units: list[str]) -> tuple[fx.Graph, dict[str, Any]]:
+    """The graph of ``module.forward`` with units as leaves, and the constants tracing created."""
+    before = set(vars(module))
+    try:
+        with _TRACE_LOCK:
+            graph = _UnitTracer(units).trace(module, concrete_args=_concrete_args(module))
+    except FunctionalizeError:
+        raise
+    except Exception as e:
+        raise FunctionalizeError(
+            f"functionalize: torch.fx cannot trace {type(module).__name__}.forward with units {units} "
+            f"({type(e).__name__}: {e}). This usually means Python control flow on tensor values "
+            "or shapes in the code between units. Move that code into a unit, write the model as "
+            "an nn.Sequential (functionalize(model) needs no tracing), or build the Chain from "
+            "explicit Layer objects."
+        ) from e
+    finally:
+        # The tracer parks tensor constants made in forward on the root (_tensor_constant0, ...);
+        # take them back off so the user's module is left as it was.
+        constants = {k: module.__dict__.pop(k) for k in set(vars(module)) - before}
+    return graph, constants
+
+
+def _concrete_args(module: nn.Module) -> dict[str, Any]:
+    """Pin every forward argument after the first to its default: a layer takes one input."""
+    signature = inspect.signature(module.forward)
+    concrete: dict[str, Any] = {}
+    for i, (arg, p) in enumerate(signature.parameters.items()):
+        if i == 0 or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        if p.default is p.empty:
+            raise FunctionalizeError(
+                f"functionalize: {type(module).__name__}.forward takes a second required argument {arg!r}; "
+                "a Chain layer takes one input x. Give it a default, or pack the inputs into one tuple."
+            )
+        concrete[arg] = p.default
+    return concrete
+
+
+def split_graph(module: nn.Module, paths: list[str], ordered: bool) -> list[tuple[str, nn.Module]]:
+    """One ``(unit path, segment GraphModule)`` per unit, in execution order."""
+    graph, constants = _trace(module, paths)
+    calls = _unit_calls(graph, paths)
+    if ordered:
+        _check_order(paths, calls)
+    segment = _assign_segments(graph, calls)
+    crossing = _crossing_values(graph, calls, segment)
+    # A shallow copy of the root carries the tracing constants without touching the module.
+    root = copy.copy(module)
+    root.__dict__.update(constants)
+    return [
+        (str(call.target), _segment_module(root, graph, segment, crossing, s))
+        for s, call in enumerate(calls)
+    ]
+
+
+def _unit_calls(graph: fx.Graph, paths: list[str]) -> list[fx.Node]:
+    """The call node of each unit, in execution order; each unit must run exactly once."""
+    calls: dict[str, list[fx.Node]] = {p: [] for p in paths}
+    for node in graph.nodes:
+        if node.op == "call_module" and node.target in calls:
+            calls[str(node.target)].append(node)
+    for path, nodes in calls.items():
+        if not nodes:
+            raise FunctionalizeError(
+                f"functionalize: unit {path!r} is never called in forward. It may be unused, sit "
+                "inside a module fx does not trace into (torch.nn layers other than containers), "
+                "or be the same module object as another path; choose units that forward calls."
+            )
+        if len(nodes) > 1:
+            raise FunctionalizeError(
+                f"functionalize: unit {path!r} is called {len(nodes)} times in forward, but a unit "
+                "is one layer and runs once; make the code that calls it repeatedly the unit instead."
+            )
+    position = {node: i for i, node in enumerate(graph.nodes)}
+    return sorted((nodes[0] for nodes in calls.values()), key=position.__getitem__)
+
+
+def _check_order(paths: list[str], calls: list[fx.Node]) -> None:
+    executed = [str(n.target) for n in calls]
+    if executed != paths:
+        i = next(i for i, (a, b) in enumerate(zip(paths, executed, strict=True)) if a != b)
+        raise FunctionalizeError(
+            f"functionalize: units must be listed in the order forward runs them; unit {i} is "
+            f"{paths[i]!r} but forward runs {executed[i]!r} there. Execution order: {executed}"
+        )
+
+
+def _assign_segments(graph: fx.Graph, calls: list[fx.Node]) -> dict[fx.Node, int]:
+    """Segment of every node: units fixed, glue runs with its first user (else where it stands)."""
+    unit_index = {node: i for i, node in enumerate(calls)}
+    last = len(calls) - 1
+    segment: dict[fx.Node, int] = {}
+    next_unit = last  # the unit a node stands before; glue after the last unit joins it
+    for node in reversed(graph.nodes):
+        if node in unit_index:
+            next_unit = unit_index[node]
+            segment[node] = next_unit
+        elif node.op == "placeholder":
+            segment[node] = 0
+        elif node.op == "output":
+            segment[node] = last
+        elif node.users:
+            segment[node] = min(segment[user] for user in node.users)
+        else:  # no users (asserts, in-place ops): keep it where forward runs it
+            segment[node] = next_unit
+    return segment
+
+
+def _crossing_values(
+    graph: fx.Graph, calls: list[fx.Node], segment: dict[fx.Node, int]
+) -> list[fx.Node]:
+    """The one value that flows across each boundary; refuse a boundary that needs more or none."""
+    crossing = []
+    for b in range(len(calls) - 1):
+        live = [
+            node
+            for node in graph.nodes
+            # get_attr reads are repeated in every segment that needs them instead of crossing.
+            if node.op != "get_attr"
+            and segment[node] <= b
+            and any(segment[u] > b for u in node.users)
+        ]
+        if len(live) != 1:
+            raise FunctionalizeError(_boundary_error(calls[b], calls[b + 1], live))
+        crossing.append(live[0])
+    return crossing
+
+
+def _boundary_error(before: fx.Node, after: fx.Node, live: list[fx.Node]) -> str:
+    where = f"functionalize: between units {before.target!r} and {after.target!r}"
+    if not live:
+        return (
+            f"{where} no value flows: {after.target!r} and what follows do not use anything computed "
+            f"up to {before.target!r}. Drop the unused unit, or list units that form a chain."
+        )
+    values = "\n".join(f"  - {_describe(node)}" for node in live)
+    return (
+        f"{where} {len(live)} values cross, but a layer passes exactly one value (a tensor or a "
+        f"tuple of tensors) to the next:\n{values}\n"
+        "Compute the extra values inside the units that use them (or derive them from the value "
+        "that crosses, e.g. x.size(1) instead of idx.size(1)), make a constant a registered "
+        "buffer, or choose units whose boundaries leave one value live."
+    )
+
+
+def _describe(node: fx.Node) -> str:
+    if node.op == "placeholder":
+        return f"{node.target!r}, the input of forward"
+    if node.op == "call_module":
+        text = f"{node.name!r}, the output of {node.target!r}"
+    elif node.op == "call_method":
+        text = f"{node.name!r} = .{node.target}(...)"
+    else:
+        text = f"{node.name!r} = {getattr(node.target, '__name__', node.target)}(...)"
+    trace = node.meta.get("stack_trace") or ""
+    lines = trace.strip().splitlines()
+    return f"{text} at {lines[0].strip()}" if lines else text
+
+
+def _segment_module(
+    root: nn.Module, graph: fx.Graph, segment: dict[fx.Node, int], crossing: list[fx.Node], s: int
+) -> fx.GraphModule:
+    """The GraphModule running segment ``s``: input = the value crossing in, output = the one crossing out."""
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    if s > 0:
+        env[crossing[s - 1]] = g.placeholder(crossing[s - 1].name)
+
+    def lookup(node: fx.Node) -> fx.Node:
+        if node not in env:
+            if node.op != "get_attr":  # _crossing_values guarantees this; a failure is our bug
+                raise AssertionError(f"segment {s} reads {node.name!r} from another segment")
+            env[node] = g.node_copy(node)
+        return env[node]
+
+    for node in graph.nodes:
+        if segment[node] == s and node.op != "output" and node not in env:
+            env[node] = g.node_copy(node, lookup)
+            # Annotations written as strings (`from __future__ import annotations`) would
+            # land in the generated code's globals and make the GraphModule unpicklable.
+            env[node].type = None
+    if s == len(crossing):
+        g.output(fx.map_arg(graph.output_node().args[0], lookup))
+    else:
+        g.output(lookup(crossing[s]))
+    g.lint()
+    gm = fx.GraphModule(root, g, class_name=f"{type(root).__name__}Segment")
+    gm.training = root.training  # the recorded ops already fixed their mode; keep the flag truthful
+    return gm
+
+
+# --- checking against the module ----------------------------------------------------------
