@@ -70,17 +70,21 @@ One JSON object per (backend, world, op, size) on stdout (and in ``--out``):
 from __future__ import annotations
 
 import argparse
-import functools
-import json
-import os
-import statistics
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from _common import (
+    add_out_flag,
+    add_worlds_flag,
+    environment,
+    json_lines,
+    median_of_max,
+    note,
+    timed,
+)
 
 import shardwise as sw
 from shardwise.collectives.processes import ProcessPool
@@ -151,13 +155,6 @@ def _torch_call(op: str, x: torch.Tensor) -> Callable[[], torch.Tensor]:
     raise ValueError(f"unknown op {op!r}")
 
 
-def _timed(fn: Callable[[], Any], barrier: Callable[[], None]) -> float:
-    barrier()
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
 def rank_main(op: str, sizes: list[int], reps: list[int], with_torch: bool) -> list[dict[str, Any]]:
     """Measure ``op`` at every size on the calling rank; return its per-rep times per size."""
     mesh = sw.Mesh({AXIS: current_backend().world_size})
@@ -177,9 +174,9 @@ def rank_main(op: str, sizes: list[int], reps: list[int], with_torch: bool) -> l
         del result
         ours_s, torch_s = [], []
         for _ in range(n_reps):
-            ours_s.append(_timed(functools.partial(ours, x), barrier))
+            ours_s.append(timed(ours, x, barrier=barrier)[1])
             if raw is not None:
-                torch_s.append(_timed(raw, barrier))
+                torch_s.append(timed(raw, barrier=barrier)[1])
         points.append({"sent": ledger.sent_bytes(rank=mesh.rank), "ours": ours_s, "torch": torch_s})
     return points
 
@@ -206,13 +203,8 @@ def summarise(
     for k, nbytes in enumerate(sizes):
         ranks = [points[k] for points in per_rank]
 
-        def median_of_max(key: str, ranks: list[dict[str, Any]] = ranks) -> float | None:
-            if not ranks[0][key]:
-                return None
-            return statistics.median(max(times) for times in zip(*(r[key] for r in ranks), strict=True))
-
-        ours_s, torch_s = median_of_max("ours"), median_of_max("torch")
-        assert ours_s is not None
+        ours_s = median_of_max(r["ours"] for r in ranks)
+        torch_s = median_of_max(r["torch"] for r in ranks) if ranks[0]["torch"] else None  # gloo only
         algbw = nbytes / ours_s / 1e9
         lines.append({
             "bench": "collectives",
@@ -227,8 +219,7 @@ def summarise(
             "torch_median_s": torch_s,
             "ratio_to_torch": None if torch_s is None else round(ours_s / torch_s, 3),
             "reps": reps[k],
-            "cores": os.cpu_count(),
-            "torch": torch.__version__,
+            **environment(keys=("cores", "torch")),
         })
     return lines
 
@@ -236,7 +227,7 @@ def summarise(
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default=DEFAULT_SIZES, help=f"bytes per rank, K/M/G suffixes (default {DEFAULT_SIZES})")
-    parser.add_argument("--worlds", default="2,4", help="comma-separated world sizes (default 2,4)")
+    add_worlds_flag(parser)
     parser.add_argument("--backends", default="threads,gloo", help="threads and/or gloo (default both)")
     parser.add_argument("--ops", default=",".join(OPS), help=f"subset of {','.join(OPS)}")
     parser.add_argument("--reps", type=int, default=20, help="timed repetitions at small sizes (default 20)")
@@ -244,7 +235,7 @@ def main(argv: list[str] | None = None) -> None:
         "--rep-budget", type=parse_size, default=parse_size("64M"),
         help="fewer reps for large sizes: at most this many input bytes per point, min 3 reps (default 64M)",
     )
-    parser.add_argument("--out", help="also write the JSON lines to this file")
+    add_out_flag(parser)
     args = parser.parse_args(argv)
 
     sizes = [parse_size(s) for s in args.sizes.split(",")]
@@ -260,9 +251,8 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(f"sizes {bad} do not split into {world} float32 chunks (psum_scatter, all_to_all)")
     reps = [reps_for(s, args.reps, args.rep_budget) for s in sizes]
 
-    out = open(args.out, "w") if args.out else None  # noqa: SIM115 - closed below
     started = time.perf_counter()
-    try:
+    with json_lines(args.out) as emit:
         for backend in backends:
             for world in worlds:
                 pool = ProcessPool(world, timeout=TIMEOUT_S) if backend == "gloo" else None
@@ -275,20 +265,12 @@ def main(argv: list[str] | None = None) -> None:
                         else:
                             per_rank = sw.launch(rank_main, world, timeout=TIMEOUT_S, args=task)
                         for line in summarise(backend, world, op, sizes, reps, per_rank):
-                            text = json.dumps(line)
-                            print(text, flush=True)
-                            if out is not None:
-                                out.write(text + "\n")
-                                out.flush()
-                        print(f"# {backend} world={world} {op}: {time.perf_counter() - t0:.1f} s",
-                              file=sys.stderr, flush=True)
+                            emit(line)
+                        note(f"# {backend} world={world} {op}: {time.perf_counter() - t0:.1f} s")
                 finally:
                     if pool is not None:
                         pool.close()
-    finally:
-        if out is not None:
-            out.close()
-    print(f"# total {time.perf_counter() - started:.1f} s", file=sys.stderr)
+    note(f"# total {time.perf_counter() - started:.1f} s")
 
 
 if __name__ == "__main__":

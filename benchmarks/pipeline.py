@@ -88,22 +88,35 @@ One JSON object per (model, world, schedule, impl) on stdout (and in ``--out``):
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
-import json
-import os
-import pstats
 import statistics
-import sys
-import time
 from collections import defaultdict
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+from _common import (
+    GPT_UNITS,
+    add_batch_flags,
+    add_out_flag,
+    add_run_flags,
+    environment,
+    loss_fn_of,
+    make_batches,
+    max_rel_diff,
+    median_of_max,
+    note,
+    profile_steps,
+    reference_losses,
+    rel_diff,
+    round_robin,
+    run_on_ranks,
+    seeded_model,
+    slowest_per_step,
+    sw_adamw,
+    sweep,
+    torch_adamw,
+)
 from torch import nn
 
 import shardwise as sw
@@ -115,10 +128,6 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 IMPLS = ("ours", "torch")
 VIRTUAL_STAGES = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2}
 TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B"}
-LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-8, 0.01
-MLP_HIDDEN, MLP_LAYERS = 512, 8
-GPT_SHAPE = {"vocab": 1024, "d_model": 256, "n_heads": 4, "n_layers": 4, "seq_len": 128}
-GPT_UNITS = ["tok_emb", "blocks", "head"]
 
 
 @dataclass(frozen=True)
@@ -142,59 +151,18 @@ def variant_name(impl: str, schedule: str) -> str:
     return f"{impl}:{schedule}"
 
 
-# -- models, data, losses ----------------------------------------------------------------
+# -- models, data (shared with shard_params.py: _common) ----------------------------------------
 def build_model(cfg: Config) -> nn.Module:
-    """The model with its seeded initial weights (identical in every process)."""
-    torch.manual_seed(cfg.seed)
-    if cfg.model == "mlp":
-        layers: list[nn.Module] = []
-        for _ in range(MLP_LAYERS):
-            layers += [nn.Linear(MLP_HIDDEN, MLP_HIDDEN), nn.GELU()]
-        return nn.Sequential(*layers)
-    if cfg.model == "gpt":
-        return TinyGPT(**GPT_SHAPE, tie_weights=False)  # ties across stages: not supported yet
-    raise ValueError(f"unknown model {cfg.model!r}; choose mlp or gpt")
+    """The model with its seeded initial weights (identical in every process).
+
+    GPT's head is untied: ties across stages are not supported by sw.pipeline yet.
+    """
+    return seeded_model(cfg.model, cfg.seed, tie_weights=False)
 
 
-def make_batches(cfg: Config) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def batches_of(cfg: Config) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``warmup + steps`` global batches (inputs, targets), the same in every process."""
-    gen = torch.Generator().manual_seed(cfg.seed + 1)
-    batches = []
-    for _ in range(cfg.warmup + cfg.steps):
-        if cfg.model == "mlp":
-            x = torch.randn(cfg.batch, MLP_HIDDEN, generator=gen)
-            batches.append((x, torch.randn(cfg.batch, MLP_HIDDEN, generator=gen)))
-        else:
-            seq = GPT_SHAPE["seq_len"]
-            tokens = torch.randint(GPT_SHAPE["vocab"], (cfg.batch, seq + 1), generator=gen)
-            batches.append((tokens[:, :-1], tokens[:, 1:]))
-    return batches
-
-
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-
-
-def loss_fn_of(model: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    return F.mse_loss if model == "mlp" else lm_loss
-
-
-def torch_adamw(parameters: Any) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(parameters, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
-
-
-def reference_losses(cfg: Config) -> list[float]:
-    """Single-process torch: the whole model on the whole global batch, torch.optim.AdamW."""
-    model, loss_fn = build_model(cfg), loss_fn_of(cfg.model)
-    opt = torch_adamw(model.parameters())
-    losses = []
-    for x, y in make_batches(cfg):
-        opt.zero_grad(set_to_none=True)
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
+    return make_batches(cfg.model, cfg.batch, cfg.warmup + cfg.steps, cfg.seed)
 
 
 # -- torch's side of the same split --------------------------------------------------------
@@ -253,7 +221,7 @@ class Ours:
     def __init__(self, cfg: Config, schedule: str) -> None:
         units = GPT_UNITS if cfg.model == "gpt" else None
         chain, params = sw.functionalize(build_model(cfg), units=units)
-        step = sw.train_step(chain, loss_fn_of(cfg.model), sw.optim.adamw(LR, BETAS, EPS, WEIGHT_DECAY))
+        step = sw.train_step(chain, loss_fn_of(cfg.model), sw_adamw())
         stages = cfg.world * VIRTUAL_STAGES[schedule]
         mesh = sw.Mesh(pp=cfg.world)
         # Our default cut (balanced parameter counts), made explicit so torch can use the same one.
@@ -343,20 +311,11 @@ def bench_rank(cfg: Config) -> dict[str, Any]:
     """Build every variant, step them round-robin, return per-variant timings, losses and traces."""
     torch.set_num_threads(1)
     rank = dist.get_rank()
-    batches = make_batches(cfg)
+    batches = batches_of(cfg)
     runners, skipped, stages_of = build_runners(cfg)
-    times: dict[str, list[float]] = {name: [] for name in runners}
-    losses: dict[str, list[float]] = {name: [] for name in runners}
-    for i, batch in enumerate(batches):
-        for name, runner in runners.items():
-            dist.barrier()
-            start = time.perf_counter()
-            loss = runner.step(batch)
-            elapsed = time.perf_counter() - start
-            if loss is not None:
-                losses[name].append(loss.item())
-            if i >= cfg.warmup:
-                times[name].append(elapsed)
+    times, outputs = round_robin(runners, batches, cfg.warmup, lambda name, i, batch: runners[name].step(batch))
+    # Torch's loss exists only on the last stage's rank (None elsewhere).
+    losses = {name: [loss.item() for loss in out if loss is not None] for name, out in outputs.items()}
     result: dict[str, Any] = {
         "times": times,
         "losses": losses,
@@ -365,31 +324,10 @@ def bench_rank(cfg: Config) -> dict[str, Any]:
         "stages": stages_of,
     }
     if cfg.profile in runners:
-        result["profile"] = profile_variant(runners[cfg.profile], batches, cfg.profile_steps,
-                                            rank == min(cfg.profile_rank, cfg.world - 1))
+        result["profile"] = profile_steps(runners[cfg.profile].step, batches, cfg.profile_steps,
+                                          rank == min(cfg.profile_rank, cfg.world - 1),
+                                          [("tottime", (30,)), ("cumulative", (40,))])
     return result
-
-
-def profile_variant(runner: Runner, batches: list, steps: int, report: bool) -> str:
-    """cProfile ``steps`` more steps (every rank steps; one rank profiles and reports)."""
-    profiler = cProfile.Profile()
-    dist.barrier()
-    start = time.perf_counter()
-    for i in range(steps):
-        if report:
-            profiler.enable()
-        runner.step(batches[i % len(batches)])
-        if report:
-            profiler.disable()
-    wall = time.perf_counter() - start
-    if not report:
-        return ""
-    out = io.StringIO()
-    out.write(f"{steps} profiled steps, {wall / steps * 1e3:.1f} ms/step wall (with profiler)\n")
-    stats = pstats.Stats(profiler, stream=out)
-    stats.sort_stats("tottime").print_stats(30)
-    stats.sort_stats("cumulative").print_stats(40)
-    return out.getvalue()
 
 
 # -- the parent: bubbles, rows, printing ---------------------------------------------------------
@@ -463,15 +401,10 @@ def rows_for(cfg: Config, per_rank: list[dict[str, Any]], ref: list[float]) -> l
         "steps": cfg.steps,
         "warmup": cfg.warmup,
         "optimizer": "adamw",
-        "cores": os.cpu_count(),
-        "loadavg_1m": round(os.getloadavg()[0], 2),
-        "threads_per_rank": 1,
-        "torch": torch.__version__,
-        "shardwise": sw.__version__,
+        **environment(threads_per_rank=1),
     }
     first = per_rank[0]
-    medians = {name: statistics.median(map(max, zip(*(r["times"][name] for r in per_rank), strict=True)))
-               for name in first["times"]}
+    medians = {name: median_of_max(r["times"][name] for r in per_rank) for name in first["times"]}
     # The loss: ours has the global loss on every rank; torch's only on the last rank.
     losses = {name: next(r["losses"][name] for r in per_rank if r["losses"][name]) for name in first["times"]}
     rows = []
@@ -488,16 +421,15 @@ def rows_for(cfg: Config, per_rank: list[dict[str, Any]], ref: list[float]) -> l
             row |= {
                 "partition": [list(s) for s in first["stages"][schedule]],
                 "median_step_s": round(medians[name], 5),
-                "min_step_s": round(min(map(max, zip(*(r["times"][name] for r in per_rank), strict=True))), 5),
+                "min_step_s": round(min(slowest_per_step(r["times"][name] for r in per_rank)), 5),
                 "ratio_to_torch": round(medians[name] / reference, 3) if reference else None,
                 "first_loss": round(losses[name][0], 6),
-                "max_rel_loss_diff": float(f"{max(abs(a - b) / abs(b) for a, b in zip(losses[name], ref, strict=True)):.3g}"),
+                "max_rel_loss_diff": max_rel_diff(losses[name], ref),
                 "final_loss": round(losses[name][-1], 5),
             }
             if impl == "ours":
                 if torch_name in losses:
-                    diff = abs(losses[name][0] - losses[torch_name][0]) / abs(losses[torch_name][0])
-                    row["first_loss_rel_diff_vs_torch"] = float(f"{diff:.3g}")
+                    row["first_loss_rel_diff_vs_torch"] = rel_diff(losses[name][0], losses[torch_name][0])
                 steps = zip(*(r["events"][name] for r in per_rank), strict=True)
                 row |= bubble_figures(cfg, schedule, row["stages"], [[e for events in step for e in events] for step in steps])
             rows.append(row)
@@ -506,21 +438,17 @@ def rows_for(cfg: Config, per_rank: list[dict[str, Any]], ref: list[float]) -> l
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per variant (default 10)")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first, >= 1 (default 3)")
-    parser.add_argument("--worlds", default="2,4", help="comma-separated world sizes (default 2,4)")
-    parser.add_argument("--models", default="mlp,gpt", help="comma-separated: mlp, gpt (default both)")
+    add_run_flags(parser, steps=10, warmup=3)
     parser.add_argument("--schedules", default=",".join(SCHEDULES),
                         help=f"comma-separated, of {', '.join(SCHEDULES)} (default all)")
     parser.add_argument("--microbatches", type=int, default=4,
                         help="micro-batches per step, a multiple of every world for interleaved_1f1b (default 4)")
-    parser.add_argument("--mlp-batch", type=int, default=64, help="global MLP batch (default 64)")
-    parser.add_argument("--gpt-batch", type=int, default=8, help="global GPT batch in sequences (default 8)")
+    add_batch_flags(parser)
     parser.add_argument("--profile", metavar="IMPL:SCHEDULE",
                         help="cProfile this variant (e.g. ours:1f1b) on --profile-rank after the timed steps")
     parser.add_argument("--profile-rank", type=int, default=0)
     parser.add_argument("--profile-steps", type=int, default=5)
-    parser.add_argument("--out", help="also write the JSON lines to this file")
+    add_out_flag(parser)
     args = parser.parse_args(argv)
     if args.warmup < 1 or args.steps < 1:
         parser.error("--steps and --warmup must be >= 1 (the first step infers torch's stage shapes)")
@@ -537,41 +465,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args = parse_args(argv)
-    worlds = [int(w) for w in args.worlds.split(",")]
-    models = args.models.split(",")
     schedules = tuple(s for s in SCHEDULES if s in args.schedules.split(","))
-    out = open(args.out, "w") if args.out else None  # noqa: SIM115 (written line by line)
-    rows: list[dict[str, Any]] = []
     refs: dict[str, list[float]] = {}
-    try:
-        for world in worlds:
-            with ProcessPool(world, timeout=600.0) as pool:
-                for model in models:
-                    batch = args.mlp_batch if model == "mlp" else args.gpt_batch
-                    cfg = Config(model, world, args.steps, args.warmup, batch, args.microbatches, schedules,
-                                 profile=args.profile, profile_rank=args.profile_rank,
-                                 profile_steps=args.profile_steps)
-                    if model not in refs:  # the reference does not depend on the world
-                        refs[model] = reference_losses(cfg)
-                    started = time.perf_counter()
-                    per_rank = pool.run(bench_rank, cfg)
-                    print(f"# {model}, world {world}: {time.perf_counter() - started:.1f} s on the ranks",
-                          file=sys.stderr)
-                    profile = per_rank[min(args.profile_rank, world - 1)].get("profile")
-                    if profile:
-                        print(f"--- cProfile of {args.profile}, {model}, world {world}, rank {args.profile_rank} "
-                              f"---\n{profile}", file=sys.stderr)
-                    for row in rows_for(cfg, per_rank, refs[model]):
-                        line = json.dumps(row)
-                        print(line, flush=True)
-                        if out:
-                            out.write(line + "\n")
-                            out.flush()
-                        rows.append(row)
-    finally:
-        if out:
-            out.close()
-    return rows
+
+    def measure(pool: ProcessPool, world: int, model: str, batch: int) -> list[dict[str, Any]]:
+        cfg = Config(model, world, args.steps, args.warmup, batch, args.microbatches, schedules,
+                     profile=args.profile, profile_rank=args.profile_rank, profile_steps=args.profile_steps)
+        if model not in refs:  # the reference does not depend on the world
+            refs[model] = reference_losses(build_model(cfg), loss_fn_of(model), batches_of(cfg))
+        per_rank = run_on_ranks(pool, bench_rank, cfg, label=f"{model}, world {world}")
+        profile = per_rank[min(args.profile_rank, world - 1)].get("profile")
+        if profile:
+            note(f"--- cProfile of {args.profile}, {model}, world {world}, rank {args.profile_rank} ---\n{profile}")
+        return rows_for(cfg, per_rank, refs[model])
+
+    return sweep(args, measure)
 
 
 if __name__ == "__main__":

@@ -61,22 +61,32 @@ One JSON object per (model, world, variant) on stdout (and in ``--out``):
 from __future__ import annotations
 
 import argparse
-import cProfile
 import inspect
-import io
-import json
-import os
-import pstats
-import statistics
-import sys
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+from _common import (
+    GPT_UNITS,
+    add_batch_flags,
+    add_out_flag,
+    add_run_flags,
+    environment,
+    loss_fn_of,
+    make_batches,
+    max_rel_diff,
+    median_of_max,
+    note,
+    profile_steps,
+    reference_losses,
+    round_robin,
+    run_on_ranks,
+    seeded_model,
+    sw_adamw,
+    sweep,
+    torch_adamw,
+)
 from torch import nn
 
 import shardwise as sw
@@ -86,10 +96,6 @@ from shardwise.testing.models import TinyGPT
 
 OURS = ("stage1", "stage2", "stage3")
 VARIANTS = (*OURS, "ddp", "fsdp2")
-LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-8, 0.01
-MLP_HIDDEN, MLP_LAYERS = 512, 8
-GPT_SHAPE = {"vocab": 1024, "d_model": 256, "n_heads": 4, "n_layers": 4, "seq_len": 128}
-GPT_UNITS = ["tok_emb", "blocks", "head"]
 
 
 @dataclass(frozen=True)
@@ -106,59 +112,15 @@ class Config:
     profile_steps: int = 5
 
 
-# -- models, data, losses ----------------------------------------------------------------
+# -- models, data (shared with pipeline.py: _common) ------------------------------------------
 def build_model(cfg: Config) -> nn.Module:
-    """The model with its seeded initial weights (identical in every process)."""
-    torch.manual_seed(cfg.seed)
-    if cfg.model == "mlp":
-        layers: list[nn.Module] = []
-        for _ in range(MLP_LAYERS):
-            layers += [nn.Linear(MLP_HIDDEN, MLP_HIDDEN), nn.GELU()]
-        return nn.Sequential(*layers)
-    if cfg.model == "gpt":
-        return TinyGPT(**GPT_SHAPE)
-    raise ValueError(f"unknown model {cfg.model!r}; choose mlp or gpt")
+    """The model with its seeded initial weights (identical in every process); GPT's head is tied."""
+    return seeded_model(cfg.model, cfg.seed)
 
 
-def make_batches(cfg: Config) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def batches_of(cfg: Config) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``warmup + steps`` global batches (inputs, targets), the same in every process."""
-    gen = torch.Generator().manual_seed(cfg.seed + 1)
-    batches = []
-    for _ in range(cfg.warmup + cfg.steps):
-        if cfg.model == "mlp":
-            x = torch.randn(cfg.batch, MLP_HIDDEN, generator=gen)
-            batches.append((x, torch.randn(cfg.batch, MLP_HIDDEN, generator=gen)))
-        else:
-            seq = GPT_SHAPE["seq_len"]
-            tokens = torch.randint(GPT_SHAPE["vocab"], (cfg.batch, seq + 1), generator=gen)
-            batches.append((tokens[:, :-1], tokens[:, 1:]))
-    return batches
-
-
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-
-
-def loss_fn_of(model: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    return F.mse_loss if model == "mlp" else lm_loss
-
-
-def torch_adamw(module: nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(module.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
-
-
-def reference_losses(cfg: Config) -> list[float]:
-    """Single-process torch: the whole global batch, torch.optim.AdamW."""
-    model, loss_fn = build_model(cfg), loss_fn_of(cfg.model)
-    opt = torch_adamw(model)
-    losses = []
-    for x, y in make_batches(cfg):
-        opt.zero_grad(set_to_none=True)
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
+    return make_batches(cfg.model, cfg.batch, cfg.warmup + cfg.steps, cfg.seed)
 
 
 # -- the variants, as seen from one rank ---------------------------------------------------
@@ -181,7 +143,7 @@ class Ours:
     def __init__(self, cfg: Config, stage: int) -> None:
         units = GPT_UNITS if cfg.model == "gpt" else None
         chain, params = sw.functionalize(build_model(cfg), units=units)
-        step = sw.train_step(chain, loss_fn_of(cfg.model), sw.optim.adamw(LR, BETAS, EPS, WEIGHT_DECAY))
+        step = sw.train_step(chain, loss_fn_of(cfg.model), sw_adamw())
         self.step_fn = sw.shard_params(step, "dp", stage=stage)
         self.state = self.step_fn.init(params, sw.Mesh(dp=cfg.world))
 
@@ -200,7 +162,7 @@ class TorchVariant:
 
     def __init__(self, cfg: Config, module: nn.Module) -> None:
         self.module, self.loss_fn = module, loss_fn_of(cfg.model)
-        self.opt = torch_adamw(module)
+        self.opt = torch_adamw(module.parameters())
         self.rank, self.world = dist.get_rank(), cfg.world
 
     def step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -254,7 +216,7 @@ def bench_rank(cfg: Config) -> dict[str, Any]:
     """Build every variant, step them round-robin, return per-variant timings, losses, bytes."""
     torch.set_num_threads(1)
     rank = dist.get_rank()
-    batches = make_batches(cfg)
+    batches = batches_of(cfg)
     runners: dict[str, Ours | TorchVariant] = {}
     skipped: dict[str, str] = {}
     for name in VARIANTS:
@@ -262,22 +224,18 @@ def bench_rank(cfg: Config) -> dict[str, Any]:
             runners[name] = make_variant(name, cfg)
         except Exception as exc:  # the same refusal on every rank: nothing was issued yet
             skipped[name] = f"{type(exc).__name__}: {exc}"
-    times: dict[str, list[float]] = {name: [] for name in runners}
-    losses: dict[str, list[torch.Tensor]] = {name: [] for name in runners}
     ledger_bytes: dict[str, int] = {}
-    for i, batch in enumerate(batches):
-        for name, runner in runners.items():
-            dist.barrier()
-            if isinstance(runner, Ours) and i == cfg.warmup - 1:  # the ledger costs: an untimed step
-                with sw.comm_ledger() as ledger:
-                    losses[name].append(runner.step(batch))
-                ledger_bytes[name] = ledger.sent_bytes()
-                continue
-            start = time.perf_counter()
-            losses[name].append(runner.step(batch))
-            elapsed = time.perf_counter() - start
-            if i >= cfg.warmup:
-                times[name].append(elapsed)
+
+    def step(name: str, i: int, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        runner = runners[name]
+        if isinstance(runner, Ours) and i == cfg.warmup - 1:  # the ledger costs: the last warm-up step
+            with sw.comm_ledger() as ledger:
+                loss = runner.step(batch)
+            ledger_bytes[name] = ledger.sent_bytes()
+            return loss
+        return runner.step(batch)
+
+    times, losses = round_robin(runners, batches, cfg.warmup, step)
     result = {
         "times": times,
         "losses": {name: global_losses(runners[name], ls, cfg.world) for name, ls in losses.items()},
@@ -286,7 +244,8 @@ def bench_rank(cfg: Config) -> dict[str, Any]:
         "skipped": skipped,
     }
     if cfg.profile in runners:
-        result["profile"] = profile_variant(runners[cfg.profile], batches, cfg.profile_steps, rank == 0)
+        result["profile"] = profile_steps(runners[cfg.profile].step, batches, cfg.profile_steps, rank == 0,
+                                          [("tottime", (25,)), ("cumulative", ("shardwise", 30))])
     return result
 
 
@@ -299,28 +258,6 @@ def global_losses(runner: Ours | TorchVariant, losses: list[torch.Tensor], world
     return stacked.tolist()
 
 
-def profile_variant(runner: Ours | TorchVariant, batches: list, steps: int, report: bool) -> str:
-    """cProfile ``steps`` more steps (every rank steps; only rank 0 profiles and reports)."""
-    profiler = cProfile.Profile()
-    dist.barrier()
-    start = time.perf_counter()
-    for i in range(steps):
-        if report:
-            profiler.enable()
-        runner.step(batches[i % len(batches)])
-        if report:
-            profiler.disable()
-    wall = time.perf_counter() - start
-    if not report:
-        return ""
-    out = io.StringIO()
-    out.write(f"{steps} profiled steps, {wall / steps * 1e3:.1f} ms/step wall (with profiler)\n")
-    stats = pstats.Stats(profiler, stream=out)
-    stats.sort_stats("tottime").print_stats(25)
-    stats.sort_stats("cumulative").print_stats("shardwise", 30)
-    return out.getvalue()
-
-
 # -- the parent: run, aggregate, print ---------------------------------------------------------
 def rows_for(cfg: Config, per_rank: list[dict[str, Any]], ref: list[float]) -> list[dict[str, Any]]:
     """One output object per variant, aggregated over ranks."""
@@ -331,15 +268,10 @@ def rows_for(cfg: Config, per_rank: list[dict[str, Any]], ref: list[float]) -> l
         "global_batch": cfg.batch,
         "steps": cfg.steps,
         "warmup": cfg.warmup,
-        "cores": os.cpu_count(),
-        "loadavg_1m": round(os.getloadavg()[0], 2),
-        "threads_per_rank": 1,
-        "torch": torch.__version__,
-        "shardwise": sw.__version__,
+        **environment(threads_per_rank=1),
     }
     first = per_rank[0]
-    medians = {name: statistics.median(map(max, zip(*(r["times"][name] for r in per_rank), strict=True)))
-               for name in first["times"]}
+    medians = {name: median_of_max(r["times"][name] for r in per_rank) for name in first["times"]}
     rows = []
     for name in VARIANTS:
         if name in first["skipped"]:
@@ -354,7 +286,7 @@ def rows_for(cfg: Config, per_rank: list[dict[str, Any]], ref: list[float]) -> l
             "ratio_to_fsdp2": round(medians[name] / fsdp2, 3) if fsdp2 else None,
             "model_state_bytes_per_rank": max(r["state_bytes"][name] for r in per_rank),
             "ledger_sent_bytes_per_step": max(r["ledger_bytes"][name] for r in per_rank) if name in OURS else None,
-            "max_rel_loss_diff": float(f"{max(abs(a - b) / abs(b) for a, b in zip(losses, ref, strict=True)):.3g}"),
+            "max_rel_loss_diff": max_rel_diff(losses, ref),
             "final_loss": round(losses[-1], 5),
         })
     return rows
@@ -362,15 +294,11 @@ def rows_for(cfg: Config, per_rank: list[dict[str, Any]], ref: list[float]) -> l
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=8, help="timed steps per variant (default 8)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first, >= 1 (default 2)")
-    parser.add_argument("--worlds", default="2,4", help="comma-separated world sizes (default 2,4)")
-    parser.add_argument("--models", default="mlp,gpt", help="comma-separated: mlp, gpt (default both)")
-    parser.add_argument("--mlp-batch", type=int, default=64, help="global MLP batch (default 64)")
-    parser.add_argument("--gpt-batch", type=int, default=8, help="global GPT batch in sequences (default 8)")
+    add_run_flags(parser, steps=8, warmup=2)
+    add_batch_flags(parser)
     parser.add_argument("--profile", choices=VARIANTS, help="cProfile this variant on rank 0 (to stderr)")
     parser.add_argument("--profile-steps", type=int, default=5)
-    parser.add_argument("--out", help="also write the JSON lines to this file")
+    add_out_flag(parser)
     args = parser.parse_args(argv)
     if args.warmup < 1 or args.steps < 1:
         parser.error("--steps and --warmup must be >= 1 (a warm-up step carries the ledger)")
@@ -379,38 +307,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args = parse_args(argv)
-    worlds = [int(w) for w in args.worlds.split(",")]
-    models = args.models.split(",")
-    out = open(args.out, "w") if args.out else None  # noqa: SIM115 (written line by line)
-    rows: list[dict[str, Any]] = []
     refs: dict[str, list[float]] = {}
-    try:
-        for world in worlds:
-            with ProcessPool(world, timeout=600.0) as pool:
-                for model in models:
-                    batch = args.mlp_batch if model == "mlp" else args.gpt_batch
-                    cfg = Config(model, world, args.steps, args.warmup, batch,
-                                 profile=args.profile, profile_steps=args.profile_steps)
-                    if model not in refs:  # the reference does not depend on the world
-                        refs[model] = reference_losses(cfg)
-                    started = time.perf_counter()
-                    per_rank = pool.run(bench_rank, cfg)
-                    print(f"# {model}, world {world}: {time.perf_counter() - started:.1f} s on the ranks",
-                          file=sys.stderr)
-                    if per_rank[0].get("profile"):
-                        print(f"--- cProfile of {args.profile}, {model}, world {world}, rank 0 ---\n"
-                              + per_rank[0]["profile"], file=sys.stderr)
-                    for row in rows_for(cfg, per_rank, refs[model]):
-                        line = json.dumps(row)
-                        print(line, flush=True)
-                        if out:
-                            out.write(line + "\n")
-                            out.flush()
-                        rows.append(row)
-    finally:
-        if out:
-            out.close()
-    return rows
+
+    def measure(pool: ProcessPool, world: int, model: str, batch: int) -> list[dict[str, Any]]:
+        cfg = Config(model, world, args.steps, args.warmup, batch,
+                     profile=args.profile, profile_steps=args.profile_steps)
+        if model not in refs:  # the reference does not depend on the world
+            refs[model] = reference_losses(build_model(cfg), loss_fn_of(model), batches_of(cfg))
+        per_rank = run_on_ranks(pool, bench_rank, cfg, label=f"{model}, world {world}")
+        if per_rank[0].get("profile"):
+            note(f"--- cProfile of {args.profile}, {model}, world {world}, rank 0 ---\n" + per_rank[0]["profile"])
+        return rows_for(cfg, per_rank, refs[model])
+
+    return sweep(args, measure)
 
 
 if __name__ == "__main__":

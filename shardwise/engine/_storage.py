@@ -1,4 +1,6 @@
-"""Free a tensor's memory and refill it later, unseen by autograd (what FSDP does).
+"""The private torch APIs shardwise relies on, each wrapped here and checked by tests/engine/test_storage.py.
+
+Free a tensor's memory and refill it later, unseen by autograd (what FSDP does).
 
 A gathered parameter buffer is used by a layer's forward, whose autograd graph
 keeps views of it until that layer's backward. To really free the memory in
@@ -6,10 +8,17 @@ between, the storage is resized to zero bytes, and re-allocated and refilled
 with the same values right before the backward. Autograd's version counter
 would take the refill for a modification of a saved tensor, so the refill
 runs under torch's ``_unsafe_preserve_version_counter``: a private API, used
-here and nowhere else, checked by tests/engine/test_storage.py.
+here and nowhere else, checked by tests/engine/test_storage.py. ``storage_key`` reads
+a storage's private ``_cdata`` address, and ``fake_tensors`` runs code on fake tensors
+(``torch._subclasses.FakeTensorMode``): shapes, dtypes and kernel choices of the real
+device, no data and no arithmetic.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -43,3 +52,23 @@ def refill_storage(buffer: torch.Tensor, values: torch.Tensor) -> None:
 def owns_storage(t: torch.Tensor) -> bool:
     """True when ``t`` is exactly its whole storage (so resizing the storage resizes only ``t``)."""
     return t.storage_offset() == 0 and t.is_contiguous() and t.untyped_storage().nbytes() == nbytes(t)
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """Identifies the memory a tensor lives in: views and detached copies share it. The storage
+    implementation's address (``_cdata``, private) is used because meta tensors all have data
+    pointer 0 while each still has a storage of its own."""
+    return t.untyped_storage()._cdata
+
+
+@contextlib.contextmanager
+def fake_tensors() -> Iterator[Callable[[Any], Any]]:
+    """Inside the block, ``fake(t)`` turns a real tensor into a fake one on the same device.
+
+    Unlike ``device="meta"``, a fake CPU tensor dispatches to the CPU kernels' choices
+    (scaled_dot_product_attention picks the same backend), so what a layer saves is the same.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        yield lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t

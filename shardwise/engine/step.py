@@ -18,6 +18,7 @@ import optree
 import torch
 
 from ..collectives.mesh import Mesh
+from .accounting import predict_kept_for_backward
 from .chain import Chain
 from .data_parallel import DataParallel
 from .executor import Executor, LossFn
@@ -199,12 +200,14 @@ class Step:
         return state._replace(params=params, opt_state=opt_state, step=state.step + 1, loss_scale=loss_scale), metrics
 
     # -- inspection -----------------------------------------------------------
-    def plan(self, mesh: Mesh | None = None, params: Params | None = None) -> Plan:
+    def plan(self, mesh: Mesh | None = None, params: Params | None = None, batch: Any = None) -> Plan:
         """Per-rank actions: forward per layer, the loss, backward per layer in reverse, the update.
 
         Every rank of ``mesh`` runs the whole step (nothing is distributed until
         a transform says so). With ``params`` (real or ``device="meta"``
-        tensors), the plan also counts the bytes each rank holds.
+        tensors), the plan also counts the bytes each rank holds; with a
+        ``batch`` too, the activation bytes kept for backward (predicted on
+        fake tensors: the figures ``sw.saved_bytes`` measures).
         """
         mesh = mesh or Mesh(world=1)
         names = self.chain.names
@@ -220,8 +223,14 @@ class Step:
                 "grads": tree_nbytes(meta),
                 "opt_state": tree_nbytes(self.optimizer.init(meta)),
             }
+            if batch is not None:
+                per_rank["kept_for_backward"] = self.kept_for_backward(params, split_batch(batch)[0])
             memory = {k: (v,) * mesh.size for k, v in per_rank.items()}
         return Plan(mesh, (actions,) * mesh.size, memory)
+
+    def kept_for_backward(self, params: Params, inputs: Any) -> int:
+        """Predicted bytes the layers keep for backward on ``inputs`` (one forward, on fake tensors)."""
+        return sum(predict_kept_for_backward(self.chain, params, inputs).values())
 
 
 def train_step(

@@ -26,3 +26,23 @@ def test_free_and_refill_is_invisible_to_autograd_and_gives_the_same_gradients()
 def test_owns_storage() -> None:
     t = torch.zeros(10)
     assert owns_storage(t) and not owns_storage(t[2:]) and not owns_storage(t[:5])
+
+
+def test_storage_key_tells_storages_apart_on_cpu_and_meta() -> None:
+    from shardwise.engine._storage import storage_key
+
+    for device in ("cpu", "meta"):
+        a, b = torch.empty(4, device=device), torch.empty(4, device=device)
+        assert storage_key(a) == storage_key(a[1:]) == storage_key(a.detach()) == storage_key(a.view(2, 2))
+        assert storage_key(a) != storage_key(b)
+
+
+def test_fake_tensors_keep_the_device_and_the_kernel_choice() -> None:
+    from shardwise.engine._storage import fake_tensors
+
+    q = torch.randn(2, 2, 8, 4)
+    with fake_tensors() as fake:
+        f = fake(q)
+        assert f.device.type == "cpu" and f.shape == q.shape
+        out = torch.nn.functional.scaled_dot_product_attention(f, f, f, is_causal=True)
+        assert out.shape == q.shape

@@ -10,6 +10,7 @@ import torch
 
 from ...collectives.mesh import Mesh
 from ...collectives.ops import broadcast
+from ...engine.accounting import predict_kept_for_backward
 from ...engine.data_parallel import (
     DataParallel,
     ShardedParams,
@@ -33,6 +34,7 @@ from .lowering import lower_rank
 from .partition import balanced_partition, check_partition, param_counts, stage_layers
 from .runtime import PipelineRuntime
 from .schedule import Schedule
+from .simulate import simulate
 from .validate import validate
 
 
@@ -252,7 +254,7 @@ class PipelineStep(Step):
         return state._replace(params=params, opt_state=opt_state, step=state.step + 1, loss_scale=loss_scale), metrics
 
     # -- inspection ----------------------------------------------------------------------------------
-    def plan(self, mesh: Mesh | None = None, params: Params | None = None) -> Plan:
+    def plan(self, mesh: Mesh | None = None, params: Params | None = None, batch: Any = None) -> Plan:
         """Per-rank actions: the schedule's computes with the sends and receives placement implies.
 
         Ranks along other mesh axes repeat the plan of their pipeline position.
@@ -271,4 +273,25 @@ class PipelineStep(Step):
                 "params": tuple(tree_nbytes(h) for h in held),
                 "opt_state": tuple(tree_nbytes(self.optimizer.init(h)) for h in held),
             }
+            if batch is not None:
+                memory["kept_for_backward"] = self._kept_per_rank(mesh, layout, params, batch)
         return Plan(mesh, per_rank, memory)
+
+    def _kept_per_rank(self, mesh: Mesh, layout: PipelineLayout, params: Params, batch: Any) -> tuple[int, ...]:
+        """Activation bytes kept for backward per rank: the schedule's peak number of micro-batch
+        activations on the rank (from the simulator) times the largest per-micro-batch figure of
+        its stages (predicted on fake tensors). Exact with one stage per rank, an upper bound with more."""
+        pair = split_batch(batch)
+        if self.dp is not None:
+            n = mesh.axis_size(self.dp.axis)
+            pair = split_over(pair, n, 0, f"shard_params over axis {self.dp.axis!r} of size {n}")
+        micro = split_microbatches(pair, self.microbatches)[0]
+        per_layer = predict_kept_for_backward(self.chain, params, micro[0])
+        per_stage = [sum(per_layer[n] for n in layers) for layers in layout.stages]
+        peaks = simulate(layout.schedule).peak_activations
+        out = []
+        for r in range(mesh.size):
+            index = mesh.coords_of(r)[self.axis]
+            mine = [per_stage[s] for s, place in enumerate(layout.schedule.placement) if place == index]
+            out.append(peaks[index] * max(mine, default=0))
+        return tuple(out)

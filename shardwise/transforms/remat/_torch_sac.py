@@ -34,8 +34,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Mapping
-from contextvars import ContextVar
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import optree
@@ -48,29 +47,16 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from ...engine._storage import storage_key as engine_storage_key
+from ...engine.accounting import current_observer
 from .policies import EverythingSaveable, NothingSaveable, OffloadToCpu
 
 Observer = Callable[[torch.Tensor], None]
 Predicate = Callable[..., Any]
 
-# Set only by ``saved_bytes`` while it measures: every tensor kept for backward is shown to it.
-_OBSERVER: ContextVar[Observer | None] = ContextVar("shardwise_remat_observer", default=None)
-
-
-@contextlib.contextmanager
-def observing(observer: Observer) -> Iterator[None]:
-    """Show ``observer`` every tensor kept for backward by code run inside (autograd's and remat's)."""
-    token = _OBSERVER.set(observer)
-    try:
-        with _KeepForBackward(observer, offload=False, pin_memory=False, stay=frozenset()):
-            yield
-    finally:
-        _OBSERVER.reset(token)
-
-
-def storage_key(t: torch.Tensor) -> tuple[str, int]:
-    """Identifies the memory a tensor lives in: views and detached copies share it."""
-    return (str(t.device), t.untyped_storage().data_ptr())
+def storage_key(t: torch.Tensor) -> Any:
+    """Identifies the memory a tensor lives in (the engine's key, which also tells meta storages apart)."""
+    return engine_storage_key(t)
 
 
 class _WriteOnce(dict[Any, Any]):
@@ -143,7 +129,7 @@ def run_layer(fn: Callable[[Any, Any], Any], tensors: Mapping[str, torch.Tensor]
     passed to checkpoint as flat positional arguments so that they are the
     saved inputs that outer hooks see.
     """
-    observe = _OBSERVER.get()
+    observe = current_observer()  # set while the engine's accounting measures what layers keep
     offload = isinstance(policy, OffloadToCpu)
     inner = policy.policy if isinstance(policy, OffloadToCpu) else policy
     hooks: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()

@@ -4,23 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-import optree
-import torch
-
+from ...engine.accounting import kept_for_backward
 from ...engine.step import Step, check_params, split_batch
-from ._torch_sac import observing, storage_key
-
-
-def _cut(tree: Any, requires_grad: bool) -> Any:
-    """Detach every tensor; floating ones become leaves that require grad (a layer boundary)."""
-
-    def cut(t: Any) -> Any:
-        if not isinstance(t, torch.Tensor):
-            return t
-        t = t.detach()
-        return t.requires_grad_(True) if requires_grad and (t.is_floating_point() or t.is_complex()) else t
-
-    return optree.tree_map(cut, tree)
 
 
 def saved_bytes(step: Step, params: Any, batch: Any) -> dict[str, int]:
@@ -40,29 +25,13 @@ def saved_bytes(step: Step, params: Any, batch: Any) -> dict[str, int]:
     Offloaded bytes (``offload_to_cpu``) are counted too, wherever
     they are kept.
 
-    This is the "prediction" for other batches only in the sense that
-    activation bytes scale with the batch: the figures are exact for this
-    probe batch and these shapes, and say nothing of the allocator's
-    fragmentation or of the transient peak inside a layer's backward.
+    The figures are exact for this batch's shapes and say nothing of the
+    allocator's fragmentation or of the transient peak inside a layer's
+    backward. ``step.plan(mesh, params, batch=...)`` predicts the same figures
+    on meta tensors, per rank, without computing anything.
     Compare ``saved_bytes(remat(step, ...), ...)`` with ``saved_bytes(step, ...)``
     for the saving.
     """
-    chain = step.chain
-    check_params(chain, params)
+    check_params(step.chain, params)
     inputs, _ = split_batch(batch)
-    result: dict[str, int] = {}
-    x = _cut(inputs, requires_grad=False)
-    for position, layer in enumerate(chain):
-        local = {k: v.detach().requires_grad_(True) for k, v in chain.layer_params(params, layer).items()}
-        if position > 0:
-            x = _cut(x, requires_grad=True)
-        kept: list[torch.Tensor] = []
-        with torch.enable_grad(), observing(kept.append):
-            y = layer(local, x)
-        outputs = [t for t in optree.tree_leaves(y) if isinstance(t, torch.Tensor)]
-        resident = {storage_key(t) for t in [*local.values(), *layer.buffers.values(), *outputs]}
-        sizes = {storage_key(t): t.untyped_storage().nbytes() for t in kept}
-        result[layer.name] = sum(n for key, n in sizes.items() if key not in resident)
-        del kept
-        x = _cut(y, requires_grad=False)
-    return result
+    return kept_for_backward(step.chain, params, inputs)

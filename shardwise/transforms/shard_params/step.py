@@ -170,8 +170,10 @@ class ShardedStep(Step):
         return {layer: new.get(layer, tensors) for layer, tensors in old.items()}
 
     # -- inspection ------------------------------------------------------------------
-    def plan(self, mesh: Mesh | None = None, params: Params | None = None) -> Plan:
-        """Per-rank actions; with ``params``, the bytes each rank holds at rest and the gathered peak."""
+    def plan(self, mesh: Mesh | None = None, params: Params | None = None, batch: Any = None) -> Plan:
+        """Per-rank actions; with ``params``, the bytes each rank holds at rest and the gathered peak;
+        with a ``batch`` too, the activation bytes kept for backward (one micro-batch of one rank's slice
+        is alive at a time)."""
         mesh = self._check_mesh(mesh)
         n = mesh.axis_size(self.axis)
         if params is None:
@@ -190,6 +192,10 @@ class ShardedStep(Step):
             "opt_state": tree_nbytes(self.optimizer.init(shard_meta)),
             "gathered_peak": peak_gathered_units(actions, {u: lay.padded_nbytes for u, lay in layouts.items()}),
         }
+        if batch is not None:
+            local = split_over(split_batch(batch), n, 0, f"shard_params over axis {self.axis!r} of size {n}")
+            micro = split_over(local, self.accumulation, 0, f"shard_params(accumulation={self.accumulation})")
+            per_rank["kept_for_backward"] = self.kept_for_backward(params, micro[0])
         memory = {k: (v,) * mesh.size for k, v in per_rank.items()}
         return Plan(mesh, (actions,) * mesh.size, memory)
 

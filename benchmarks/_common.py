@@ -1,0 +1,316 @@
+"""Scaffolding shared by the benchmark scripts in this folder (not a benchmark itself).
+
+The scripts are run as ``python benchmarks/NAME.py``, so this folder is on
+``sys.path`` and they import it as ``from _common import ...``; the spawned
+gloo ranks inherit that ``sys.path`` and import it the same way.
+
+What is here:
+
+* command-line flags every script spells the same (``--steps``, ``--warmup``,
+  ``--worlds``, ``--models``, ``--mlp-batch``, ``--gpt-batch``, ``--out``);
+* :func:`environment`: the machine / version keys written into every JSON line;
+* :func:`json_lines`: one JSON object per line on stdout and, optionally, in a file;
+* :func:`sweep`: the training benchmarks' loop over worlds (one gloo
+  :class:`ProcessPool` each) and models, and :func:`run_on_ranks`;
+* timing inside a rank: :func:`timed` (barrier, then wall time of one call),
+  :func:`round_robin` (every variant's step ``i`` before any step ``i + 1``)
+  and :func:`profile_steps` (a cProfile of a few more steps);
+* aggregating over ranks: :func:`slowest_per_step`, :func:`median_of_max`,
+  :func:`max_rel_diff`;
+* the two training benchmarks' models (``mlp``, ``gpt``), batches, losses and
+  their single-process ``torch.optim.AdamW`` reference run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import io
+import json
+import os
+import pstats
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import IO, Any, TypeVar
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import shardwise as sw
+from shardwise.collectives.processes import ProcessPool
+from shardwise.testing.models import TinyGPT
+
+T = TypeVar("T")
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+# -- command line ------------------------------------------------------------------------
+
+
+def add_run_flags(parser: argparse.ArgumentParser, *, steps: int, warmup: int) -> None:
+    """``--steps``, ``--warmup`` (with these defaults), ``--worlds`` and ``--models``."""
+    parser.add_argument("--steps", type=int, default=steps, help=f"timed steps per variant (default {steps})")
+    parser.add_argument("--warmup", type=int, default=warmup, help=f"untimed steps first, >= 1 (default {warmup})")
+    add_worlds_flag(parser)
+    parser.add_argument("--models", default="mlp,gpt", help="comma-separated: mlp, gpt (default both)")
+
+
+def add_worlds_flag(parser: argparse.ArgumentParser) -> None:
+    """``--worlds``: comma-separated world sizes, default ``2,4``."""
+    parser.add_argument("--worlds", default="2,4", help="comma-separated world sizes (default 2,4)")
+
+
+def add_batch_flags(parser: argparse.ArgumentParser) -> None:
+    """``--mlp-batch`` and ``--gpt-batch``: the global batch of each model."""
+    parser.add_argument("--mlp-batch", type=int, default=64, help="global MLP batch (default 64)")
+    parser.add_argument("--gpt-batch", type=int, default=8, help="global GPT batch in sequences (default 8)")
+
+
+def add_out_flag(parser: argparse.ArgumentParser) -> None:
+    """``--out FILE``: also write the JSON lines there (see :func:`json_lines`)."""
+    parser.add_argument("--out", help="also write the JSON lines to this file")
+
+
+# -- output --------------------------------------------------------------------------------
+ENV_KEYS = ("cores", "loadavg_1m", "threads_per_rank", "torch", "shardwise")
+
+
+def environment(threads_per_rank: int | None = None, keys: Iterable[str] = ENV_KEYS) -> dict[str, Any]:
+    """Where a JSON line was measured, read when it is written, in this order:
+
+    ``cores`` (``os.cpu_count()``), ``loadavg_1m`` (the machine's 1-minute load
+    average: well above ``cores`` means something else was running),
+    ``threads_per_rank`` (only when given), ``torch`` and ``shardwise`` (versions).
+    ``keys`` keeps only those of them.
+    """
+    values: dict[str, Any] = {
+        "cores": os.cpu_count(),
+        "loadavg_1m": round(os.getloadavg()[0], 2),
+        "torch": torch.__version__,
+        "shardwise": sw.__version__,
+    }
+    if threads_per_rank is not None:
+        values["threads_per_rank"] = threads_per_rank
+    return {key: values[key] for key in keys if key in values}
+
+
+def emit(row: Mapping[str, Any], out: IO[str] | None = None) -> None:
+    """Print ``row`` as one JSON line on stdout (flushed) and, if given, write it to ``out``."""
+    line = json.dumps(row)
+    print(line, flush=True)
+    if out is not None:
+        out.write(line + "\n")
+        out.flush()
+
+
+@contextlib.contextmanager
+def json_lines(path: str | None) -> Iterator[Callable[[Mapping[str, Any]], None]]:
+    """Open ``path`` (if not None) for the whole run; yield an ``emit(row)`` that writes to both."""
+    out = open(path, "w") if path else None  # noqa: SIM115 (written line by line, closed below)
+    try:
+        yield lambda row: emit(row, out)
+    finally:
+        if out is not None:
+            out.close()
+
+
+def note(text: str) -> None:
+    """A progress note on stderr (stdout carries only the JSON lines)."""
+    print(text, file=sys.stderr, flush=True)
+
+
+# -- running on gloo ranks ---------------------------------------------------------------------
+POOL_TIMEOUT_S = 600.0
+
+
+def sweep(
+    args: argparse.Namespace, measure: Callable[[ProcessPool, int, str, int], Iterable[dict[str, Any]]]
+) -> list[dict[str, Any]]:
+    """Every (world, model) of ``args.worlds`` x ``args.models``: emit and return the rows of each.
+
+    Each world gets one :class:`ProcessPool` (gloo, one process per rank) for
+    all its models. ``measure(pool, world, model, batch)`` returns the rows of
+    one (world, model); ``batch`` is ``args.mlp_batch`` or ``args.gpt_batch``.
+    Rows go out as soon as they are made (:func:`json_lines`, to ``args.out`` too).
+    """
+    worlds = [int(w) for w in args.worlds.split(",")]
+    models = args.models.split(",")
+    rows: list[dict[str, Any]] = []
+    with json_lines(args.out) as emit:
+        for world in worlds:
+            with ProcessPool(world, timeout=POOL_TIMEOUT_S) as pool:
+                for model in models:
+                    batch = args.mlp_batch if model == "mlp" else args.gpt_batch
+                    for row in measure(pool, world, model, batch):
+                        emit(row)
+                        rows.append(row)
+    return rows
+
+
+def run_on_ranks(pool: ProcessPool, fn: Callable[..., T], *args: Any, label: str) -> list[T]:
+    """``pool.run(fn, *args)`` (every rank's result), noting its wall time on stderr after ``label``."""
+    started = time.perf_counter()
+    per_rank = pool.run(fn, *args)
+    note(f"# {label}: {time.perf_counter() - started:.1f} s on the ranks")
+    return per_rank
+
+
+# -- timing inside a rank ----------------------------------------------------------------------
+def timed(fn: Callable[..., T], *args: Any, barrier: Callable[[], Any] = dist.barrier) -> tuple[T, float]:
+    """Meet the other ranks at ``barrier``, then call ``fn(*args)``: its result and wall seconds.
+
+    The time runs from leaving the barrier to holding the result.
+    """
+    barrier()
+    start = time.perf_counter()
+    result = fn(*args)
+    return result, time.perf_counter() - start
+
+
+def round_robin(
+    names: Iterable[str], batches: Sequence[Any], warmup: int, step: Callable[[str, int, Any], T]
+) -> tuple[dict[str, list[float]], dict[str, list[T]]]:
+    """Step every variant on every batch, interleaved: step ``i`` of each, then step ``i + 1`` ...
+
+    ``step(name, i, batch)`` runs one step of variant ``name``; each call is
+    :func:`timed` after a ``dist.barrier()``, so the variants share the same
+    machine conditions. Returns, per name, the wall times of the steps after
+    the first ``warmup`` and the results of every step.
+    """
+    names = list(names)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    results: dict[str, list[T]] = {name: [] for name in names}
+    for i, batch in enumerate(batches):
+        for name in names:
+            result, elapsed = timed(step, name, i, batch)
+            results[name].append(result)
+            if i >= warmup:
+                times[name].append(elapsed)
+    return times, results
+
+
+def profile_steps(
+    step: Callable[[Any], Any],
+    batches: Sequence[Any],
+    steps: int,
+    report: bool,
+    sections: Sequence[tuple[str, tuple[Any, ...]]],
+) -> str:
+    """cProfile ``steps`` more calls of ``step(batch)``; every rank steps, only a ``report`` rank profiles.
+
+    ``sections``: ``(sort key, print_stats restrictions)`` pairs, e.g.
+    ``[("tottime", (25,)), ("cumulative", ("shardwise", 30))]``. Returns the
+    report (a header with the wall time per step, then the sections), or ``""``
+    on a rank that does not report.
+    """
+    profiler = cProfile.Profile()
+    dist.barrier()
+    start = time.perf_counter()
+    for i in range(steps):
+        if report:
+            profiler.enable()
+        step(batches[i % len(batches)])
+        if report:
+            profiler.disable()
+    wall = time.perf_counter() - start
+    if not report:
+        return ""
+    out = io.StringIO()
+    out.write(f"{steps} profiled steps, {wall / steps * 1e3:.1f} ms/step wall (with profiler)\n")
+    stats = pstats.Stats(profiler, stream=out)
+    for sort_key, restrictions in sections:
+        stats.sort_stats(sort_key).print_stats(*restrictions)
+    return out.getvalue()
+
+
+# -- aggregating over ranks -----------------------------------------------------------------
+def slowest_per_step(per_rank: Iterable[Sequence[float]]) -> list[float]:
+    """Per step, the largest time over ranks (``per_rank``: one list of step times per rank)."""
+    return [max(step) for step in zip(*per_rank, strict=True)]
+
+
+def median_of_max(per_rank: Iterable[Sequence[float]]) -> float:
+    """The median over steps of the slowest rank's time (see :func:`slowest_per_step`)."""
+    return statistics.median(slowest_per_step(per_rank))
+
+
+def rel_diff(value: float, ref: float) -> float:
+    """``|value - ref| / |ref|`` to 3 significant digits."""
+    return float(f"{abs(value - ref) / abs(ref):.3g}")
+
+
+def max_rel_diff(values: Iterable[float], refs: Iterable[float]) -> float:
+    """The largest ``|value - ref| / |ref|`` over pairs (equal lengths), to 3 significant digits."""
+    return float(f"{max(abs(a - b) / abs(b) for a, b in zip(values, refs, strict=True)):.3g}")
+
+
+# -- the training benchmarks' models, data and reference --------------------------------------
+LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-8, 0.01
+MLP_HIDDEN, MLP_LAYERS = 512, 8
+GPT_SHAPE = {"vocab": 1024, "d_model": 256, "n_heads": 4, "n_layers": 4, "seq_len": 128}
+GPT_UNITS = ["tok_emb", "blocks", "head"]
+
+
+def seeded_model(model: str, seed: int, *, tie_weights: bool = True) -> nn.Module:
+    """``mlp`` (8 x (Linear(512, 512), GELU)) or ``gpt`` (TinyGPT), seeded: identical in every process."""
+    torch.manual_seed(seed)
+    if model == "mlp":
+        layers: list[nn.Module] = []
+        for _ in range(MLP_LAYERS):
+            layers += [nn.Linear(MLP_HIDDEN, MLP_HIDDEN), nn.GELU()]
+        return nn.Sequential(*layers)
+    if model == "gpt":
+        return TinyGPT(**GPT_SHAPE, tie_weights=tie_weights)
+    raise ValueError(f"unknown model {model!r}; choose mlp or gpt")
+
+
+def make_batches(model: str, batch: int, count: int, seed: int) -> list[Batch]:
+    """``count`` global batches (inputs, targets) of ``batch`` rows, the same in every process."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    batches = []
+    for _ in range(count):
+        if model == "mlp":
+            x = torch.randn(batch, MLP_HIDDEN, generator=gen)
+            batches.append((x, torch.randn(batch, MLP_HIDDEN, generator=gen)))
+        else:
+            seq = GPT_SHAPE["seq_len"]
+            tokens = torch.randint(GPT_SHAPE["vocab"], (batch, seq + 1), generator=gen)
+            batches.append((tokens[:, :-1], tokens[:, 1:]))
+    return batches
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy over every position."""
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def loss_fn_of(model: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """MSE for ``mlp``, :func:`lm_loss` for ``gpt``."""
+    return F.mse_loss if model == "mlp" else lm_loss
+
+
+def torch_adamw(parameters: Any) -> torch.optim.Optimizer:
+    """``torch.optim.AdamW`` with the benchmarks' hyper-parameters."""
+    return torch.optim.AdamW(parameters, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
+
+
+def sw_adamw() -> Any:
+    """``sw.optim.adamw`` with the benchmarks' hyper-parameters."""
+    return sw.optim.adamw(LR, BETAS, EPS, WEIGHT_DECAY)
+
+
+def reference_losses(model: nn.Module, loss_fn: Callable[..., torch.Tensor], batches: Iterable[Batch]) -> list[float]:
+    """Single-process torch: ``model`` on each whole global batch with :func:`torch_adamw`; every loss."""
+    opt = torch_adamw(model.parameters())
+    losses = []
+    for x, y in batches:
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses

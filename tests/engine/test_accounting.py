@@ -1,0 +1,80 @@
+"""Activation bytes kept for backward: the plan's prediction (fake tensors) equals the measurement."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import shardwise as sw
+from shardwise.engine.accounting import kept_for_backward, predict_kept_for_backward
+from shardwise.testing.models import TinyGPT, mlp
+from shardwise.transforms.pipeline import simulate
+
+
+def _lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _gpt():  # type: ignore[no-untyped-def]
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=64, d_model=32, n_heads=2, n_layers=2, seq_len=16)
+    chain, params = sw.functionalize(model, units=["tok_emb", "blocks", "head"])
+    step = sw.train_step(chain, _lm_loss, sw.optim.sgd(0.1))
+    batch = (torch.randint(64, (8, 16)), torch.randint(64, (8, 16)))
+    return step, params, batch
+
+
+VARIANTS = {
+    "plain": lambda s: s,
+    "full remat": lambda s: sw.remat(s),
+    "dots": lambda s: sw.remat(s, policy=sw.policies.dots_saveable),
+    "names": lambda s: sw.remat(s, policy=sw.policies.save_only_these_names("x")),
+    "bf16": lambda s: sw.mixed_precision(s, "compute=bf16"),
+    "bf16 + remat": lambda s: sw.remat(sw.mixed_precision(s, "compute=bf16")),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_prediction_equals_measurement_per_layer(variant: str) -> None:
+    step, params, batch = _gpt()
+    chain = VARIANTS[variant](step).chain
+    measured = kept_for_backward(chain, params, batch[0])
+    assert predict_kept_for_backward(chain, params, batch[0]) == measured
+    assert all(v > 0 for v in measured.values())
+
+
+def test_step_plan_reports_what_saved_bytes_measures() -> None:
+    step, params, batch = _gpt()
+    for variant in (step, sw.remat(step)):
+        plan = variant.plan(sw.Mesh(dp=1), params, batch)
+        assert plan.memory["kept_for_backward"] == (sum(sw.saved_bytes(variant, params, batch).values()),)
+    full = step.plan(None, params, batch).memory["kept_for_backward"][0]
+    remat = sw.remat(step).plan(None, params, batch).memory["kept_for_backward"][0]
+    assert full >= 3 * remat
+
+
+def test_sharded_plan_counts_one_micro_batch_of_one_rank() -> None:
+    step, params, batch = _gpt()
+    sharded = sw.shard_params(step, "dp", 3, accumulation=2)
+    plan = sharded.plan(sw.Mesh(dp=2), params, batch)
+    quarter = (batch[0][:2], batch[1][:2])
+    assert plan.memory["kept_for_backward"] == (sum(sw.saved_bytes(step, params, quarter).values()),) * 2
+
+
+def test_pipeline_plan_is_peak_in_flight_times_stage_bytes() -> None:
+    torch.manual_seed(0)
+    chain, params = sw.functionalize(mlp([8, 32, 32, 32, 4]))
+    step = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1))
+    batch = (torch.randn(16, 8), torch.randn(16, 4))
+    for schedule in ("gpipe", "1f1b"):
+        piped = sw.pipeline(step, "pp", schedule, 4, partition=[3, 4])
+        mesh = sw.Mesh(pp=2)
+        layout = piped.layout(mesh, params)
+        per_layer = sw.saved_bytes(step, params, (batch[0][:4], batch[1][:4]))
+        stage = [sum(per_layer[n] for n in layers) for layers in layout.stages]
+        peaks = simulate(layout.schedule).peak_activations
+        expected = tuple(peaks[r] * stage[r] for r in range(2))
+        assert piped.plan(mesh, params, batch).memory["kept_for_backward"] == expected
+    gpipe = sw.pipeline(step, "pp", "gpipe", 4, partition=[3, 4]).plan(mesh, params, batch)
+    one_f_one_b = sw.pipeline(step, "pp", "1f1b", 4, partition=[3, 4]).plan(mesh, params, batch)
+    assert one_f_one_b.memory["kept_for_backward"][0] < gpipe.memory["kept_for_backward"][0]
