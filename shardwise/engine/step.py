@@ -230,7 +230,14 @@ class Step:
 
     def kept_for_backward(self, params: Params, inputs: Any) -> int:
         """Predicted bytes the layers keep for backward on ``inputs`` (one forward, on fake tensors)."""
-        return sum(predict_kept_for_backward(self.chain, params, inputs).values())
+        return sum(predict_kept_for_backward(self.chain, self.compute_view(params), inputs).values())
+
+    def compute_view(self, params: Params) -> Params:
+        """The parameters as the layers receive them: the compute copies under a precision policy
+        (cast once per step and held anyway, so not counted as kept activations)."""
+        if self.precision is None:
+            return params
+        return self.precision.compute_params(self.master_params(params))
 
 
 def train_step(

@@ -78,3 +78,14 @@ def test_pipeline_plan_is_peak_in_flight_times_stage_bytes() -> None:
     gpipe = sw.pipeline(step, "pp", "gpipe", 4, partition=[3, 4]).plan(mesh, params, batch)
     one_f_one_b = sw.pipeline(step, "pp", "1f1b", 4, partition=[3, 4]).plan(mesh, params, batch)
     assert one_f_one_b.memory["kept_for_backward"][0] < gpipe.memory["kept_for_backward"][0]
+
+
+def test_mixed_precision_counts_bf16_activations_not_weight_copies() -> None:
+    """The compute copies are cast once per step and held anyway: only activations count, in bf16."""
+    step, params, batch = _gpt()
+    f32 = sw.saved_bytes(sw.remat(step), params, batch)
+    bf16 = sw.saved_bytes(sw.remat(sw.mixed_precision(step, "compute=bf16")), params, batch)
+    for layer in ("blocks.0", "blocks.1", "head"):  # each keeps only its (now bf16) input
+        assert bf16[layer] * 2 == f32[layer]
+    plan = sw.remat(sw.mixed_precision(step, "compute=bf16")).plan(None, params, batch)
+    assert plan.memory["kept_for_backward"] == (sum(bf16.values()),)

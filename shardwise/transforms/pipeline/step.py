@@ -286,7 +286,7 @@ class PipelineStep(Step):
             n = mesh.axis_size(self.dp.axis)
             pair = split_over(pair, n, 0, f"shard_params over axis {self.dp.axis!r} of size {n}")
         micro = split_microbatches(pair, self.microbatches)[0]
-        per_layer = predict_kept_for_backward(self.chain, params, micro[0])
+        per_layer = predict_kept_for_backward(self.chain, self.compute_view(params), micro[0])
         per_stage = [sum(per_layer[n] for n in layers) for layers in layout.stages]
         peaks = simulate(layout.schedule).peak_activations
         out = []

@@ -34,4 +34,4 @@ def saved_bytes(step: Step, params: Any, batch: Any) -> dict[str, int]:
     """
     check_params(step.chain, params)
     inputs, _ = split_batch(batch)
-    return kept_for_backward(step.chain, params, inputs)
+    return kept_for_backward(step.chain, step.compute_view(params), inputs)
