@@ -34,7 +34,19 @@ Different tags are independent. A rank may send to itself. Tags are ints in
 ``0..MAX_TAG``.
 
 Sums are taken in the tensor's own dtype. Results are new tensors: a backend
-never writes into its input.
+never writes into its input, and a result never shares storage with the input
+nor with another rank's result (so every rank, and the caller, may mutate what
+it holds).
+
+Snapshots. Every collective primitive takes a keyword ``snapshot`` (default
+True). With ``snapshot=True`` the backend copies ``x`` (or otherwise makes sure
+it has read it) before returning, so the caller may modify ``x`` at once, while
+the collective is still in flight. ``snapshot=False`` is the caller's promise
+that ``x`` stays unchanged (and alive) until ``wait()`` returned: the backend
+may then read ``x`` itself while the collective runs instead of copying it
+first, which saves a message-sized allocation and copy. The synchronous
+collectives (which wait at once) pass False; the async ones keep True. Either
+way the result is a new tensor that does not alias ``x``.
 """
 
 from __future__ import annotations
@@ -143,23 +155,39 @@ class Backend(abc.ABC):
         return torch.device("cpu")
 
     @abc.abstractmethod
-    def all_reduce(self, x: torch.Tensor, group: Group, op_name: str = "psum") -> Work: ...
+    def all_reduce(
+        self, x: torch.Tensor, group: Group, op_name: str = "psum", *, snapshot: bool = True
+    ) -> Work: ...
 
     @abc.abstractmethod
-    def all_gather(self, x: torch.Tensor, group: Group, op_name: str = "all_gather") -> Work: ...
+    def all_gather(
+        self, x: torch.Tensor, group: Group, op_name: str = "all_gather", *, snapshot: bool = True
+    ) -> Work: ...
 
     @abc.abstractmethod
-    def reduce_scatter(self, x: torch.Tensor, group: Group, op_name: str = "psum_scatter") -> Work: ...
+    def reduce_scatter(
+        self, x: torch.Tensor, group: Group, op_name: str = "psum_scatter", *, snapshot: bool = True
+    ) -> Work: ...
 
     @abc.abstractmethod
-    def all_to_all(self, x: torch.Tensor, group: Group, op_name: str = "all_to_all") -> Work: ...
+    def all_to_all(
+        self, x: torch.Tensor, group: Group, op_name: str = "all_to_all", *, snapshot: bool = True
+    ) -> Work: ...
 
     @abc.abstractmethod
-    def broadcast(self, x: torch.Tensor, root: int, group: Group, op_name: str = "broadcast") -> Work: ...
+    def broadcast(
+        self, x: torch.Tensor, root: int, group: Group, op_name: str = "broadcast", *, snapshot: bool = True
+    ) -> Work: ...
 
     @abc.abstractmethod
     def permute(
-        self, x: torch.Tensor, pairs: Sequence[tuple[int, int]], group: Group, op_name: str = "ppermute"
+        self,
+        x: torch.Tensor,
+        pairs: Sequence[tuple[int, int]],
+        group: Group,
+        op_name: str = "ppermute",
+        *,
+        snapshot: bool = True,
     ) -> Work: ...
 
     @abc.abstractmethod
@@ -188,7 +216,7 @@ class Backend(abc.ABC):
 
     def barrier(self, group: Group) -> None:
         """Wait until every rank of ``group`` arrives."""
-        self.all_reduce(torch.zeros(1), group, op_name="barrier").wait()
+        self.all_reduce(torch.zeros(1), group, op_name="barrier", snapshot=False).wait()
 
     def close(self) -> None:  # noqa: B027 - optional hook, most backends have nothing to release
         """Release resources held by this rank's handle."""

@@ -8,9 +8,14 @@ errors into :class:`CollectiveTimeout` / :class:`CollectiveError` naming the op,
 the axis, the group and this rank.
 
 The shape conventions are those of ``backend.py`` (and of the threads backend,
-which is the reference): tensors travel as flat contiguous copies taken when
-the collective is issued, so any shape (0-dim included) works, the caller may
-reuse its tensor at once, and results are fresh tensors, never the input.
+which is the reference): tensors travel flat and contiguous, so any shape
+(0-dim included) works, and results are fresh tensors, never the input. With
+``snapshot=True`` (the default, and the async collectives) the input is copied
+when the collective is issued, so the caller may reuse its tensor at once; with
+``snapshot=False`` (the sync collectives) torch reads the caller's tensor
+wherever it only reads (all_gather, reduce_scatter, all_to_all, the sends of
+permute, the broadcast root), and only all_reduce, which torch runs in place,
+still copies (into the buffer it returns).
 
 Two things differ from the threads backend. A group's first collective creates
 its process group, which blocks until every member arrives (later ones are
@@ -115,15 +120,25 @@ class TorchDistributedBackend(Backend):
         return torch.device("cpu")
 
     # -- primitives -----------------------------------------------------------
-    def all_reduce(self, x: torch.Tensor, group: Group, op_name: str = "psum") -> Work:
+    # With snapshot=True the input is copied before the collective is issued
+    # (the caller may change it at once); with snapshot=False torch reads the
+    # caller's tensor itself (the caller leaves it alone until wait). Results
+    # are fresh buffers either way, never the input.
+    def all_reduce(
+        self, x: torch.Tensor, group: Group, op_name: str = "psum", *, snapshot: bool = True
+    ) -> Work:
         pg, _ = self._enter(x, group, op_name)
+        # torch reduces in place, so this copy is needed whatever ``snapshot``
+        # says; it is also the result buffer, so there is no second one.
         buf = _flat_copy(x)
         work = self._issue(op_name, group, x, lambda: dist.all_reduce(buf, group=pg, async_op=True))
         return _DistWork(self, op_name, group, x, [work], lambda: buf.view(x.shape))
 
-    def all_gather(self, x: torch.Tensor, group: Group, op_name: str = "all_gather") -> Work:
+    def all_gather(
+        self, x: torch.Tensor, group: Group, op_name: str = "all_gather", *, snapshot: bool = True
+    ) -> Work:
         pg, order = self._enter(x, group, op_name)
-        send = _flat_copy(x)
+        send = _flat_input(x, snapshot)  # torch only reads it
         out = torch.empty(group.size * x.numel(), dtype=x.dtype, device=x.device)
         work = self._issue(op_name, group, x, lambda: _all_gather_flat(out, send, group=pg, async_op=True))
 
@@ -131,21 +146,28 @@ class TorchDistributedBackend(Backend):
             rows = out.view(group.size, *x.shape)
             return rows if order is None else rows[order]  # process-group order -> group order
 
-        return _DistWork(self, op_name, group, x, [work], finish)
+        return _DistWork(self, op_name, group, x, [work], finish, keep_alive=(send,))
 
-    def reduce_scatter(self, x: torch.Tensor, group: Group, op_name: str = "psum_scatter") -> Work:
+    def reduce_scatter(
+        self, x: torch.Tensor, group: Group, op_name: str = "psum_scatter", *, snapshot: bool = True
+    ) -> Work:
         _check_leading_dim(x, group, op_name)
         pg, order = self._enter(x, group, op_name)
-        send = _to_process_group_order(x, order)
+        # torch leaves the input of a reduce-scatter unchanged (nccl by its API;
+        # gloo checked by tests/collectives/test_no_alias.py), so without a
+        # snapshot it reads the caller's tensor.
+        send = _to_process_group_order(x, order, snapshot)
         rest = x.shape[1:]
         out = torch.empty(rest.numel(), dtype=x.dtype, device=x.device)
         work = self._issue(op_name, group, x, lambda: _reduce_scatter_flat(out, send, group=pg, async_op=True))
-        return _DistWork(self, op_name, group, x, [work], lambda: out.view(rest))
+        return _DistWork(self, op_name, group, x, [work], lambda: out.view(rest), keep_alive=(send,))
 
-    def all_to_all(self, x: torch.Tensor, group: Group, op_name: str = "all_to_all") -> Work:
+    def all_to_all(
+        self, x: torch.Tensor, group: Group, op_name: str = "all_to_all", *, snapshot: bool = True
+    ) -> Work:
         _check_leading_dim(x, group, op_name)
         pg, order = self._enter(x, group, op_name)
-        send = _to_process_group_order(x, order)
+        send = _to_process_group_order(x, order, snapshot)  # torch only reads it
         out = torch.empty_like(send)
         work = self._issue(op_name, group, x, lambda: dist.all_to_all_single(out, send, group=pg, async_op=True))
 
@@ -153,29 +175,64 @@ class TorchDistributedBackend(Backend):
             rows = out.view(x.shape)
             return rows if order is None else rows[order]
 
-        return _DistWork(self, op_name, group, x, [work], finish)
+        return _DistWork(self, op_name, group, x, [work], finish, keep_alive=(send,))
 
-    def broadcast(self, x: torch.Tensor, root: int, group: Group, op_name: str = "broadcast") -> Work:
+    def broadcast(
+        self, x: torch.Tensor, root: int, group: Group, op_name: str = "broadcast", *, snapshot: bool = True
+    ) -> Work:
         if not 0 <= root < group.size:
             raise ValueError(f"{op_name}: root {root} is outside the group of size {group.size}")
         pg, _ = self._enter(x, group, op_name)
-        buf = _flat_copy(x)
         src = group.ranks[root]  # torch takes the root as a global rank
-        work = self._issue(op_name, group, x, lambda: dist.broadcast(buf, src=src, group=pg, async_op=True))
-        return _DistWork(self, op_name, group, x, [work], lambda: buf.view(x.shape))
+        if group.index(self.rank) != root:
+            # Every element is overwritten by the root's: no copy of x, no zeros.
+            buf = torch.empty(x.numel(), dtype=x.dtype, device=x.device)
+            work = self._issue(op_name, group, x, lambda: dist.broadcast(buf, src=src, group=pg, async_op=True))
+            return _DistWork(self, op_name, group, x, [work], lambda: buf.view(x.shape))
+        if snapshot or not x.is_contiguous():
+            # The root's copy of x is both what travels and its result.
+            buf = _flat_copy(x)
+            work = self._issue(op_name, group, x, lambda: dist.broadcast(buf, src=src, group=pg, async_op=True))
+            return _DistWork(self, op_name, group, x, [work], lambda: buf.view(x.shape))
+        # torch only reads the root's tensor: send x itself and make the root's
+        # result (it must not be x) while the message travels.
+        send = x.detach().view(-1)
+        work = self._issue(op_name, group, x, lambda: dist.broadcast(send, src=src, group=pg, async_op=True))
+        result = x.detach().clone()
+        return _DistWork(self, op_name, group, x, [work], lambda: result, keep_alive=(send,))
 
     def permute(
-        self, x: torch.Tensor, pairs: Sequence[tuple[int, int]], group: Group, op_name: str = "ppermute"
+        self,
+        x: torch.Tensor,
+        pairs: Sequence[tuple[int, int]],
+        group: Group,
+        op_name: str = "ppermute",
+        *,
+        snapshot: bool = True,
     ) -> Work:
         pairs = _check_pairs(pairs, group, op_name)
         pg, _ = self._enter(x, group, op_name)
         me = group.index(self.rank)
-        send = x.detach().clone()  # a snapshot, as for every other primitive
-        out = x.detach().clone() if (me, me) in pairs else torch.zeros_like(x)
+        dsts = [group.ranks[d] for s, d in pairs if s == me != d]
+        srcs = [group.ranks[s] for s, d in pairs if d == me != s]  # at most one (destinations are unique)
+        if (me, me) in pairs:
+            out = x.detach().clone(memory_format=torch.contiguous_format)
+        elif srcs:
+            out = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # the receive fills it
+        else:
+            out = torch.zeros(x.shape, dtype=x.dtype, device=x.device)  # nothing arrives: zeros
+        if not dsts:
+            send = out  # unused
+        elif (me, me) in pairs:
+            send = out  # a private copy already, untouched until wait returns
+        elif snapshot or not x.is_contiguous():
+            send = x.detach().clone(memory_format=torch.contiguous_format)
+        else:
+            send = x.detach()  # torch only reads it
         # Peers are global ranks (torch translates them for the group); pairs
         # that stay on this rank were handled above as a local copy.
-        ops = [dist.P2POp(dist.isend, send, group.ranks[d], group=pg) for s, d in pairs if s == me != d]
-        ops += [dist.P2POp(dist.irecv, out, group.ranks[s], group=pg) for s, d in pairs if d == me != s]
+        ops = [dist.P2POp(dist.isend, send, d, group=pg) for d in dsts]
+        ops += [dist.P2POp(dist.irecv, out, s, group=pg) for s in srcs]
         if not ops:
             return CompletedWork(out)
         works = self._issue(op_name, group, x, lambda: dist.batch_isend_irecv(ops))
@@ -585,14 +642,23 @@ def _flat_copy(x: torch.Tensor) -> torch.Tensor:
     return x.detach().clone(memory_format=torch.contiguous_format).reshape(-1)
 
 
-def _to_process_group_order(x: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
-    """Rows of ``x`` (one per group index) rearranged by process-group rank, as a flat copy."""
+def _flat_input(x: torch.Tensor, snapshot: bool) -> torch.Tensor:
+    """``x`` as a flat contiguous tensor that torch only reads: a copy only when a snapshot is asked for."""
+    return _flat_copy(x) if snapshot else x.detach().reshape(-1)
+
+
+def _to_process_group_order(x: torch.Tensor, order: torch.Tensor | None, snapshot: bool) -> torch.Tensor:
+    """Rows of ``x`` (one per group index) rearranged by process-group rank, flat.
+
+    A copy when the order is not the identity (the rearranged rows are new
+    anyway) or when a snapshot is asked for; otherwise a view of ``x``.
+    """
     rows = x.detach()
-    if order is not None:
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(len(order), device=order.device)
-        rows = rows[inverse]
-    return _flat_copy(rows)
+    if order is None:
+        return _flat_input(rows, snapshot)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(len(order), device=order.device)
+    return rows[inverse].reshape(-1)  # advanced indexing: a new contiguous tensor
 
 
 def _check_leading_dim(x: torch.Tensor, group: Group, op_name: str) -> None:

@@ -134,16 +134,27 @@ def _issue(
     op: str,
     where: _Where,
     x: torch.Tensor,
-    send: Callable[[Backend, torch.Tensor, Group], Work],
+    send: Callable[[Backend, torch.Tensor, Group, bool], Work],
     finish: Callable[[torch.Tensor], torch.Tensor] = lambda r: r,
     *,
+    snapshot: bool,
     layout: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
     root: int | None = None,
     pairs: Pairs | None = None,
 ) -> Handle:
-    """Send ``layout(x)`` through ``send``, record ``x`` in the ledger, return the handle."""
+    """Send ``layout(x)`` through ``send``, record ``x`` in the ledger, return the handle.
+
+    ``send(backend, tensor, group, snapshot)`` starts the backend primitive.
+    ``snapshot=False`` promises the backend that ``x`` stays unchanged until the
+    handle is waited on (the sync forms, which wait at once); the async forms
+    pass True, since their caller may reuse ``x`` at once. When the layout made
+    a new tensor anyway, nobody else can touch it, so no snapshot is needed.
+    """
     x = _plain(x)
-    work = send(where.backend, layout(x).contiguous(), where.group)
+    t = layout(x).contiguous()
+    if snapshot and not _shares_storage(t, x):
+        snapshot = False
+    work = send(where.backend, t, where.group, snapshot)
     _ledger.record(
         op,
         axis=where.axis,
@@ -157,6 +168,12 @@ def _issue(
         ledgers=_ledger.active_ledgers() or where.ledgers,
     )
     return Handle(work, finish)
+
+
+def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.numel() == 0 or b.numel() == 0:
+        return True  # nothing to copy either way; be conservative
+    return bool(a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr())
 
 
 # -- validation -----------------------------------------------------------------
@@ -218,21 +235,40 @@ def _refuse_grad(op: str, x: torch.Tensor, fix: str | None = None) -> None:
 
 
 # -- starting each collective: the one code path of the sync and async forms --------
-def _start_psum(x: torch.Tensor, where: _Where) -> Handle:
-    return _issue("psum", where, x, lambda b, t, g: b.all_reduce(t, g, "psum"))
+# ``snapshot``: True for the async forms (the caller may modify x before wait),
+# False for the sync forms (they wait at once; see Backend on snapshots).
+def _start_psum(x: torch.Tensor, where: _Where, snapshot: bool = True) -> Handle:
+    return _issue(
+        "psum", where, x, lambda b, t, g, s: b.all_reduce(t, g, "psum", snapshot=s), snapshot=snapshot
+    )
 
 
-def _start_pmean(x: torch.Tensor, where: _Where) -> Handle:
+def _start_pmean(x: torch.Tensor, where: _Where, snapshot: bool = True) -> Handle:
     n = where.size
-    return _issue("pmean", where, x, lambda b, t, g: b.all_reduce(t, g, "pmean"), lambda r: r / n)
+    # The backend's result is a fresh tensor of our own: divide it in place.
+    return _issue(
+        "pmean",
+        where,
+        x,
+        lambda b, t, g, s: b.all_reduce(t, g, "pmean", snapshot=s),
+        lambda r: r.div_(n),
+        snapshot=snapshot,
+    )
 
 
-def _start_all_gather(x: torch.Tensor, where: _Where, dim: int, tiled: bool) -> Handle:
+def _start_all_gather(x: torch.Tensor, where: _Where, dim: int, tiled: bool, snapshot: bool = True) -> Handle:
     def finish(stacked: torch.Tensor) -> torch.Tensor:  # (n, *x.shape)
         out = stacked.movedim(0, dim)
         return (out.flatten(dim, dim + 1) if tiled else out).contiguous()
 
-    return _issue("all_gather", where, x, lambda b, t, g: b.all_gather(t, g, "all_gather"), finish)
+    return _issue(
+        "all_gather",
+        where,
+        x,
+        lambda b, t, g, s: b.all_gather(t, g, "all_gather", snapshot=s),
+        finish,
+        snapshot=snapshot,
+    )
 
 
 def _chunks_first(x: torch.Tensor, dim: int, n: int, tiled: bool) -> torch.Tensor:
@@ -242,20 +278,21 @@ def _chunks_first(x: torch.Tensor, dim: int, n: int, tiled: bool) -> torch.Tenso
     return x.movedim(dim, 0)
 
 
-def _start_psum_scatter(x: torch.Tensor, where: _Where, dim: int, tiled: bool) -> Handle:
+def _start_psum_scatter(x: torch.Tensor, where: _Where, dim: int, tiled: bool, snapshot: bool = True) -> Handle:
     _check_split("psum_scatter", x, dim, where, tiled)
     # Untiled, the reduced chunk has lost `dim`; tiled, its tile sits back at `dim`.
     return _issue(
         "psum_scatter",
         where,
         x,
-        lambda b, t, g: b.reduce_scatter(t, g, "psum_scatter"),
+        lambda b, t, g, s: b.reduce_scatter(t, g, "psum_scatter", snapshot=s),
+        snapshot=snapshot,
         layout=lambda t: _chunks_first(t, dim, where.size, tiled),
     )
 
 
 def _start_all_to_all(
-    x: torch.Tensor, where: _Where, split_dim: int, concat_dim: int, tiled: bool
+    x: torch.Tensor, where: _Where, split_dim: int, concat_dim: int, tiled: bool, snapshot: bool = True
 ) -> Handle:
     _check_split("all_to_all", x, split_dim, where, tiled)
 
@@ -267,21 +304,32 @@ def _start_all_to_all(
         "all_to_all",
         where,
         x,
-        lambda b, t, g: b.all_to_all(t, g, "all_to_all"),
+        lambda b, t, g, s: b.all_to_all(t, g, "all_to_all", snapshot=s),
         finish,
+        snapshot=snapshot,
         layout=lambda t: _chunks_first(t, split_dim, where.size, tiled),
     )
 
 
-def _start_broadcast(x: torch.Tensor, where: _Where, root: int) -> Handle:
+def _start_broadcast(x: torch.Tensor, where: _Where, root: int, snapshot: bool = True) -> Handle:
     return _issue(
-        "broadcast", where, x, lambda b, t, g: b.broadcast(t, root, g, "broadcast"), root=root
+        "broadcast",
+        where,
+        x,
+        lambda b, t, g, s: b.broadcast(t, root, g, "broadcast", snapshot=s),
+        snapshot=snapshot,
+        root=root,
     )
 
 
-def _start_ppermute(x: torch.Tensor, where: _Where, pairs: Pairs) -> Handle:
+def _start_ppermute(x: torch.Tensor, where: _Where, pairs: Pairs, snapshot: bool = True) -> Handle:
     return _issue(
-        "ppermute", where, x, lambda b, t, g: b.permute(t, pairs, g, "ppermute"), pairs=pairs
+        "ppermute",
+        where,
+        x,
+        lambda b, t, g, s: b.permute(t, pairs, g, "ppermute", snapshot=s),
+        snapshot=snapshot,
+        pairs=pairs,
     )
 
 
@@ -291,7 +339,7 @@ class _PSum(torch.autograd.Function):
 
     @staticmethod
     def forward(x: torch.Tensor, where: _Where) -> torch.Tensor:
-        return _start_psum(x, where).wait()
+        return _start_psum(x, where, snapshot=False).wait()
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -307,7 +355,7 @@ class _PMean(torch.autograd.Function):
 
     @staticmethod
     def forward(x: torch.Tensor, where: _Where) -> torch.Tensor:
-        return _start_pmean(x, where).wait()
+        return _start_pmean(x, where, snapshot=False).wait()
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -340,7 +388,7 @@ class _AllGather(torch.autograd.Function):
 
     @staticmethod
     def forward(x: torch.Tensor, where: _Where, dim: int, tiled: bool) -> torch.Tensor:
-        return _start_all_gather(x, where, dim, tiled).wait()
+        return _start_all_gather(x, where, dim, tiled, snapshot=False).wait()
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -357,7 +405,7 @@ class _PSumScatter(torch.autograd.Function):
 
     @staticmethod
     def forward(x: torch.Tensor, where: _Where, dim: int, tiled: bool) -> torch.Tensor:
-        return _start_psum_scatter(x, where, dim, tiled).wait()
+        return _start_psum_scatter(x, where, dim, tiled, snapshot=False).wait()
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -376,7 +424,7 @@ class _AllToAll(torch.autograd.Function):
     def forward(
         x: torch.Tensor, where: _Where, split_dim: int, concat_dim: int, tiled: bool
     ) -> torch.Tensor:
-        return _start_all_to_all(x, where, split_dim, concat_dim, tiled).wait()
+        return _start_all_to_all(x, where, split_dim, concat_dim, tiled, snapshot=False).wait()
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -394,7 +442,7 @@ class _Broadcast(torch.autograd.Function):
 
     @staticmethod
     def forward(x: torch.Tensor, where: _Where, root: int) -> torch.Tensor:
-        return _start_broadcast(x, where, root).wait()
+        return _start_broadcast(x, where, root, snapshot=False).wait()
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -415,7 +463,7 @@ class _PPermute(torch.autograd.Function):
 
     @staticmethod
     def forward(x: torch.Tensor, where: _Where, pairs: Pairs) -> torch.Tensor:
-        return _start_ppermute(x, where, pairs).wait()
+        return _start_ppermute(x, where, pairs, snapshot=False).wait()
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:

@@ -66,23 +66,40 @@ class SingleRankBackend(Backend):
         self.timeout = timeout
         self._mailbox = Mailbox()  # messages this rank sent to itself
 
-    def all_reduce(self, x: torch.Tensor, group: Group, op_name: str = "psum") -> Work:
+    # Results are copies whatever ``snapshot`` says: they must never be the input.
+    def all_reduce(
+        self, x: torch.Tensor, group: Group, op_name: str = "psum", *, snapshot: bool = True
+    ) -> Work:
         return CompletedWork(x.clone())
 
-    def all_gather(self, x: torch.Tensor, group: Group, op_name: str = "all_gather") -> Work:
+    def all_gather(
+        self, x: torch.Tensor, group: Group, op_name: str = "all_gather", *, snapshot: bool = True
+    ) -> Work:
         return CompletedWork(x.unsqueeze(0).clone())
 
-    def reduce_scatter(self, x: torch.Tensor, group: Group, op_name: str = "psum_scatter") -> Work:
+    def reduce_scatter(
+        self, x: torch.Tensor, group: Group, op_name: str = "psum_scatter", *, snapshot: bool = True
+    ) -> Work:
         return CompletedWork(x[0].clone())
 
-    def all_to_all(self, x: torch.Tensor, group: Group, op_name: str = "all_to_all") -> Work:
+    def all_to_all(
+        self, x: torch.Tensor, group: Group, op_name: str = "all_to_all", *, snapshot: bool = True
+    ) -> Work:
         return CompletedWork(x.clone())
 
-    def broadcast(self, x: torch.Tensor, root: int, group: Group, op_name: str = "broadcast") -> Work:
+    def broadcast(
+        self, x: torch.Tensor, root: int, group: Group, op_name: str = "broadcast", *, snapshot: bool = True
+    ) -> Work:
         return CompletedWork(x.clone())
 
     def permute(
-        self, x: torch.Tensor, pairs: Sequence[tuple[int, int]], group: Group, op_name: str = "ppermute"
+        self,
+        x: torch.Tensor,
+        pairs: Sequence[tuple[int, int]],
+        group: Group,
+        op_name: str = "ppermute",
+        *,
+        snapshot: bool = True,
     ) -> Work:
         received = (0, 0) in [tuple(p) for p in pairs]
         return CompletedWork(x.clone() if received else torch.zeros_like(x))

@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -33,7 +34,15 @@ from .backend import (
     check_p2p,
 )
 
-Payload = tuple[torch.Tensor, object]  # (tensor, op-specific argument)
+
+class Payload(NamedTuple):
+    """One rank's contribution to a collective."""
+
+    tensor: torch.Tensor
+    arg: object  # op-specific argument (the root, the pairs)
+    owned: bool  # ``tensor`` is the backend's private snapshot, free to hand out as a result
+
+
 Compute = Callable[[list[Payload]], list[torch.Tensor]]
 
 
@@ -268,7 +277,7 @@ class _ThreadRecvWork(Work):
 
 def _check_same(payloads: list[Payload], op_name: str) -> None:
     first = payloads[0][0]
-    for i, (t, _) in enumerate(payloads):
+    for i, t in enumerate(p.tensor for p in payloads):
         if t.shape != first.shape or t.dtype != first.dtype:
             raise CollectiveError(
                 f"{op_name}: group index {i} passed {tuple(t.shape)} {t.dtype} but index 0 passed "
@@ -276,12 +285,21 @@ def _check_same(payloads: list[Payload], op_name: str) -> None:
             )
 
 
-def _sum_in_order(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    # Left to right in rank order: the same rounding on every run.
-    total = tensors[0].clone()
+def _sum_in_order(tensors: Sequence[torch.Tensor], into_first: bool = False) -> torch.Tensor:
+    # Left to right in rank order: the same rounding on every run. With
+    # ``into_first`` the first tensor (a private snapshot) is the accumulator.
+    total = tensors[0] if into_first else tensors[0].clone()
     for t in tensors[1:]:
         total += t
     return total
+
+
+def _one_each(result: torch.Tensor, n: int) -> list[torch.Tensor]:
+    """``result`` (fresh, referenced by nobody else) for the first rank, a copy for each other one.
+
+    Ranks may mutate what they get, so no two of them share storage.
+    """
+    return [result, *(result.clone() for _ in range(n - 1))]
 
 
 class ThreadsBackend(Backend):
@@ -297,28 +315,36 @@ class ThreadsBackend(Backend):
         self.world_size = world.world_size
         self.timeout = world.timeout
 
-    def _run(self, group: Group, op_name: str, x: torch.Tensor, arg: object, compute: Compute) -> Work:
-        # Detach and snapshot: the caller may reuse or modify x before others arrive.
-        payload = (x.detach().clone(), arg)
+    def _run(
+        self, group: Group, op_name: str, x: torch.Tensor, arg: object, compute: Compute, snapshot: bool = True
+    ) -> Work:
+        # Snapshot by default: the caller may reuse or modify x before the others arrive.
+        # Without one, the caller promises to leave x alone until wait (all results exist
+        # before any wait returns), and compute must never hand x out as a result.
+        payload = Payload(x.detach().clone(), arg, owned=True) if snapshot else Payload(x.detach(), arg, owned=False)
         return self.world.arrive(self.rank, group, op_name, payload, compute)
 
-    def all_reduce(self, x: torch.Tensor, group: Group, op_name: str = "psum") -> Work:
+    def all_reduce(
+        self, x: torch.Tensor, group: Group, op_name: str = "psum", *, snapshot: bool = True
+    ) -> Work:
         def compute(ps: list[Payload]) -> list[torch.Tensor]:
             _check_same(ps, op_name)
-            total = _sum_in_order([t for t, _ in ps])
-            return [total.clone() for _ in ps]
+            return _one_each(_sum_in_order([p.tensor for p in ps], into_first=ps[0].owned), len(ps))
 
-        return self._run(group, op_name, x, None, compute)
+        return self._run(group, op_name, x, None, compute, snapshot)
 
-    def all_gather(self, x: torch.Tensor, group: Group, op_name: str = "all_gather") -> Work:
+    def all_gather(
+        self, x: torch.Tensor, group: Group, op_name: str = "all_gather", *, snapshot: bool = True
+    ) -> Work:
         def compute(ps: list[Payload]) -> list[torch.Tensor]:
             _check_same(ps, op_name)
-            stacked = torch.stack([t for t, _ in ps])
-            return [stacked.clone() for _ in ps]
+            return _one_each(torch.stack([p.tensor for p in ps]), len(ps))
 
-        return self._run(group, op_name, x, None, compute)
+        return self._run(group, op_name, x, None, compute, snapshot)
 
-    def reduce_scatter(self, x: torch.Tensor, group: Group, op_name: str = "psum_scatter") -> Work:
+    def reduce_scatter(
+        self, x: torch.Tensor, group: Group, op_name: str = "psum_scatter", *, snapshot: bool = True
+    ) -> Work:
         if x.dim() == 0 or x.shape[0] != group.size:
             raise ValueError(
                 f"{op_name}: backend input must have shape (group size {group.size}, ...), got {tuple(x.shape)}"
@@ -326,11 +352,14 @@ class ThreadsBackend(Backend):
 
         def compute(ps: list[Payload]) -> list[torch.Tensor]:
             _check_same(ps, op_name)
-            return [_sum_in_order([t[i] for t, _ in ps]) for i in range(len(ps))]
+            # A fresh sum per rank (never a view into a shared snapshot).
+            return [_sum_in_order([p.tensor[i] for p in ps]) for i in range(len(ps))]
 
-        return self._run(group, op_name, x, None, compute)
+        return self._run(group, op_name, x, None, compute, snapshot)
 
-    def all_to_all(self, x: torch.Tensor, group: Group, op_name: str = "all_to_all") -> Work:
+    def all_to_all(
+        self, x: torch.Tensor, group: Group, op_name: str = "all_to_all", *, snapshot: bool = True
+    ) -> Work:
         if x.dim() == 0 or x.shape[0] != group.size:
             raise ValueError(
                 f"{op_name}: backend input must have shape (group size {group.size}, ...), got {tuple(x.shape)}"
@@ -338,38 +367,56 @@ class ThreadsBackend(Backend):
 
         def compute(ps: list[Payload]) -> list[torch.Tensor]:
             _check_same(ps, op_name)
-            return [torch.stack([t[i] for t, _ in ps]) for i in range(len(ps))]
+            return [torch.stack([p.tensor[i] for p in ps]) for i in range(len(ps))]
 
-        return self._run(group, op_name, x, None, compute)
+        return self._run(group, op_name, x, None, compute, snapshot)
 
-    def broadcast(self, x: torch.Tensor, root: int, group: Group, op_name: str = "broadcast") -> Work:
+    def broadcast(
+        self, x: torch.Tensor, root: int, group: Group, op_name: str = "broadcast", *, snapshot: bool = True
+    ) -> Work:
         if not 0 <= root < group.size:
             raise ValueError(f"{op_name}: root {root} is outside the group of size {group.size}")
 
         def compute(ps: list[Payload]) -> list[torch.Tensor]:
             _check_same(ps, op_name)
-            roots = {arg for _, arg in ps}
+            roots = {p.arg for p in ps}
             if len(roots) != 1:
                 raise CollectiveError(f"{op_name}: ranks disagree on the root: {sorted(roots)}")  # type: ignore[type-var]
-            return [ps[root][0].clone() for _ in ps]
+            value = ps[root]
+            if not value.owned:  # the root's own tensor: never a result
+                return [value.tensor.clone() for _ in ps]
+            # The root's snapshot goes back to the root itself, a copy to everyone else.
+            return [value.tensor if i == root else value.tensor.clone() for i in range(len(ps))]
 
-        return self._run(group, op_name, x, root, compute)
+        return self._run(group, op_name, x, root, compute, snapshot)
 
     def permute(
-        self, x: torch.Tensor, pairs: Sequence[tuple[int, int]], group: Group, op_name: str = "ppermute"
+        self,
+        x: torch.Tensor,
+        pairs: Sequence[tuple[int, int]],
+        group: Group,
+        op_name: str = "ppermute",
+        *,
+        snapshot: bool = True,
     ) -> Work:
         pairs = tuple((int(s), int(d)) for s, d in pairs)
 
         def compute(ps: list[Payload]) -> list[torch.Tensor]:
             _check_same(ps, op_name)
-            if len({arg for _, arg in ps}) != 1:
+            if len({p.arg for p in ps}) != 1:
                 raise CollectiveError(f"{op_name}: ranks passed different permutations")
-            out = [torch.zeros_like(t) for t, _ in ps]
+            out: list[torch.Tensor | None] = [None] * len(ps)
+            handed_out: set[int] = set()
             for src, dst in pairs:
-                out[dst] = ps[src][0].clone()
-            return out
+                sent = ps[src]
+                if sent.owned and src not in handed_out:  # a snapshot goes to one receiver as is
+                    handed_out.add(src)
+                    out[dst] = sent.tensor
+                else:
+                    out[dst] = sent.tensor.clone()
+            return [t if t is not None else torch.zeros_like(p.tensor) for t, p in zip(out, ps, strict=True)]
 
-        return self._run(group, op_name, x, pairs, compute)
+        return self._run(group, op_name, x, pairs, compute, snapshot)
 
     def send(self, x: torch.Tensor, dst: int, tag: int) -> Work:
         dst, tag = check_p2p("send", dst, tag, self.world_size, "dst")

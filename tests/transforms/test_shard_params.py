@@ -177,10 +177,10 @@ def test_delay_before_collectives_does_not_change_results(monkeypatch: pytest.Mo
     plain = sw.launch(run, 4)
     original = ThreadsBackend._run
 
-    def delayed(self, group, op_name, x, arg, compute):  # type: ignore[no-untyped-def]
+    def delayed(self, *args, **kwargs):  # type: ignore[no-untyped-def]
         if self.rank == 1:
             time.sleep(0.002)
-        return original(self, group, op_name, x, arg, compute)
+        return original(self, *args, **kwargs)
 
     monkeypatch.setattr(ThreadsBackend, "_run", delayed)
     slowed = sw.launch(run, 4)
