@@ -30,6 +30,9 @@ from ..engine.chain import Chain
 from ..engine.functionalize import functionalize
 from ..engine.optim import Optimizer, adamw, sgd
 from ..engine.step import Step, train_step
+from ..transforms.mixed_precision import mixed_precision
+from ..transforms.pipeline import pipeline
+from ..transforms.remat import remat
 from ..transforms.shard_params import shard_params
 from .models import mlp
 
@@ -146,19 +149,26 @@ class TransformStack:
     @property
     def microbatches(self) -> int:
         """How many micro-batches a rank's batch must divide into."""
-        return math.prod(kw.get("accumulation", 1) for _, kw in self.transforms)
+        return math.prod(kw.get("accumulation", kw.get("microbatches", 1)) for _, kw in self.transforms)
 
     def __repr__(self) -> str:
         inner = ", ".join(f"{n}({', '.join(f'{k}={v!r}' for k, v in kw.items())})" for n, kw in self.transforms)
         return f"TransformStack[{inner}]"
 
 
-_TRANSFORMS: dict[str, Callable[..., Step]] = {"shard_params": shard_params}
+_TRANSFORMS: dict[str, Callable[..., Step]] = {
+    "shard_params": shard_params,
+    "pipeline": pipeline,
+    "remat": remat,
+    "mixed_precision": mixed_precision,
+}
 
 
 @st.composite
-def shard_params_options(draw: st.DrawFn, axis: str = "dp") -> dict[str, Any]:
+def shard_params_options(draw: st.DrawFn, axis: str = "dp", under_pipeline: bool = False) -> dict[str, Any]:
     stage = draw(st.sampled_from([1, 2, 3]))
+    if under_pipeline:  # the pipeline schedules the computation: no accumulation or prefetch of its own
+        return {"axis": axis, "stage": stage}
     return {
         "axis": axis,
         "stage": stage,
@@ -169,6 +179,30 @@ def shard_params_options(draw: st.DrawFn, axis: str = "dp") -> dict[str, Any]:
 
 
 @st.composite
-def transform_stacks(draw: st.DrawFn, axis: str = "dp") -> TransformStack:
-    """A stack of transforms for a mesh with ``axis`` (grows as transforms are added)."""
-    return TransformStack((("shard_params", draw(shard_params_options(axis))),))
+def pipeline_options(draw: st.DrawFn, axis: str = "pp") -> dict[str, Any]:
+    """A schedule with one stage per rank (so any chain with as many layers as ranks fits)."""
+    return {
+        "axis": axis,
+        "schedule": draw(st.sampled_from(["gpipe", "1f1b", "zb_h1"])),
+        "microbatches": draw(st.integers(1, 3)),
+    }
+
+
+@st.composite
+def transform_stacks(
+    draw: st.DrawFn, axis: str = "dp", pp: str | None = None, precision: str | None = None
+) -> TransformStack:
+    """A stack of transforms in a drawn order: shard_params over ``axis``, a pipeline over ``pp``
+    when given, remat with a drawn policy or none, and mixed_precision with ``precision`` when
+    given (an all-f64 policy keeps a float64 comparison exact)."""
+    parts: list[tuple[str, dict[str, Any]]] = [
+        ("shard_params", draw(shard_params_options(axis, under_pipeline=pp is not None)))
+    ]
+    if pp is not None:
+        parts.append(("pipeline", draw(pipeline_options(pp))))
+    policy = draw(st.sampled_from([None, "nothing_saveable", "dots_saveable", "everything_saveable"]))
+    if policy is not None:
+        parts.append(("remat", {"policy": policy}))
+    if precision is not None:
+        parts.append(("mixed_precision", {"policy": precision}))
+    return TransformStack(tuple(draw(st.permutations(parts))))
