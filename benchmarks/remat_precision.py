@@ -41,12 +41,8 @@ One JSON object per variant on stdout (and in ``--out``), then one
   the first batch (each distinct storage once; parameters, buffers and the
   layer's output not counted; see its docstring). ``saved_bytes_per_layer``
   is the per-layer dict, ``saved_ratio_to_none`` is ``f32:none``'s total
-  divided by this one's (> 1: keeps less). bf16 variants also carry
-  ``saved_bytes_given_compute_params``: the same measurement given the bf16
-  compute copies of the parameters (what the step passes its layers). With
-  the fp32 master weights, ``sw.saved_bytes`` counts each layer's own bf16
-  cast of its weights as kept for backward, though the step makes those
-  copies once per step and holds them anyway.
+  divided by this one's (> 1: keeps less). For bf16 variants the layers get
+  the bf16 compute copies, as in the step, so only activations count.
 * ``median_step_s``: median wall time of one whole step (forward, backward,
   optimizer) over ``--steps`` timed steps after ``--warmup`` untimed ones.
   ``ratio_to_baseline`` is that median over ``f32:none``'s;
@@ -308,10 +304,6 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     steps = {name: make_variant(base, name) for name in args.names}
     batches = make_batches(args.warmup + args.steps, args.batch, args.seed)
     saved = {name: sw.saved_bytes(step, params, batches[0]) for name, step in steps.items()}
-    # The same, given the per-step compute copies of the parameters (what the step's layers get):
-    # sw.saved_bytes passes the master weights, and a layer's own cast of them counts as kept.
-    saved_cp = {name: sw.saved_bytes(step, step.precision.compute_params(step.master_params(params)), batches[0])
-                for name, step in steps.items() if step.precision is not None}
     states = {name: step.init(params) for name, step in steps.items()}
     times: dict[str, list[float]] = {name: [] for name in steps}
     losses: dict[str, list[float]] = {name: [] for name in steps}
@@ -357,8 +349,6 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             "saved_bytes": total,
             "saved_bytes_per_layer": saved[name],
             "saved_ratio_to_none": round(ref_saved / total, 3) if total else None,
-            **({"saved_bytes_given_compute_params": sum(saved_cp[name].values()),
-                "saved_bytes_per_layer_given_compute_params": saved_cp[name]} if name in saved_cp else {}),
             "median_step_s": round(medians[name], 5),
             "ratio_to_baseline": round(medians[name] / ref_time, 3),
             "paired_ratio_median": round(statistics.median(a / b for a, b in zip(times[name], times[BASELINE], strict=True)), 3),
