@@ -2,11 +2,11 @@
 
 from .backend import CollectiveError, CollectiveTimeout, Group, RankAborted
 from .context import current_mesh, use_mesh
+from .issue import Handle
 from .launch import RankFailed, launch
 from .ledger import CommRecord, Ledger, OpSummary, comm_ledger
 from .mesh import Mesh
 from .ops import (
-    Handle,
     all_gather,
     all_gather_async,
     all_to_all,
@@ -23,9 +23,8 @@ from .ops import (
     psum_scatter,
     psum_scatter_async,
     pvary,
-    recv,
-    send,
 )
+from .p2p import recv, send
 
 __all__ = [
     "CollectiveError",

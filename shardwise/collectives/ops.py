@@ -61,29 +61,6 @@ from .issue import (
     start_psum_scatter,
 )
 from .mesh import Mesh
-from .p2p import recv, send
-
-__all__ = [
-    "Handle",
-    "all_gather",
-    "all_gather_async",
-    "all_to_all",
-    "all_to_all_async",
-    "axis_index",
-    "axis_size",
-    "broadcast",
-    "broadcast_async",
-    "pmean",
-    "ppermute",
-    "ppermute_async",
-    "psum",
-    "psum_async",
-    "psum_scatter",
-    "psum_scatter_async",
-    "pvary",
-    "recv",
-    "send",
-]
 
 
 # -- autograd: one Function per collective ---------------------------------------------

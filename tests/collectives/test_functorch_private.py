@@ -23,5 +23,5 @@ def test_unwrap_gives_the_plain_tensor_under_torch_func_grad() -> None:
 
 
 def test_unwrap_refuses_vmap() -> None:
-    with pytest.raises(NotImplementedError, match="do not support torch.func.vmap"):
+    with pytest.raises(NotImplementedError, match=r"do not support torch\.func\.vmap"):
         torch.func.vmap(lambda x: unwrap(x))(torch.randn(2, 3))

@@ -18,8 +18,10 @@ from typing import Any
 import optree
 import torch
 
+from ...collectives.issue import Handle
 from ...collectives.mesh import Mesh
-from ...collectives.ops import Handle, psum, recv, send
+from ...collectives.ops import psum
+from ...collectives.p2p import recv, send
 from ...engine.chain import Chain
 from ...engine.plan import Action
 from ...engine.precision import all_finite
