@@ -5,7 +5,8 @@ bf16 policy the distributed step rounds gradients per rank and per
 micro-batch where the reference rounds the whole-batch gradient once, so
 gradient-derived values may differ by the rounding of a few bf16 sums:
 2^-8 relative per rounding, and gradients are accumulated over 2 data-parallel
-ranks x 2 micro-batches, hence rtol = 2^-6 here. remat changes nothing (it is
+ranks x 2 micro-batches (up to 4 x 2^-9 = 2^-7 of the gradient), hence rtol = 2^-6 here; the
+worst seen over three steps is 2.3e-3. remat changes nothing (it is
 exact), and in float64 with f64 compute the whole stack agrees to 1e-12.
 """
 
