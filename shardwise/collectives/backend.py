@@ -111,6 +111,20 @@ def check_p2p(op_name: str, peer: int, tag: int, world_size: int, peer_name: str
     return int(peer), int(tag)
 
 
+Layout = tuple[torch.Size, torch.dtype]
+"""The shape and dtype of a message, when the receiver knows them in advance."""
+
+
+def check_layout(received: torch.Tensor, like: Layout | None, src: int, tag: int) -> torch.Tensor:
+    """Refuse a received tensor whose shape or dtype differs from the layout the receiver expected."""
+    if like is not None and (tuple(received.shape) != tuple(like[0]) or received.dtype != like[1]):
+        raise CollectiveError(
+            f"recv from rank {src} (tag {tag}): expected {tuple(like[0])} {like[1]}, got "
+            f"{tuple(received.shape)} {received.dtype}; sender and receiver disagree on the message layout"
+        )
+    return received
+
+
 class Work(abc.ABC):
     """Handle of an asynchronous collective; ``wait()`` returns its result."""
 
@@ -121,6 +135,19 @@ class Work(abc.ABC):
     @abc.abstractmethod
     def is_completed(self) -> bool:
         """True when ``wait()`` would not block."""
+
+
+class CheckedWork(Work):
+    """A receive whose result must have the layout the receiver passed (``like``), if any."""
+
+    def __init__(self, work: Work, like: Layout | None, src: int, tag: int) -> None:
+        self._work, self._like, self._src, self._tag = work, like, src, tag
+
+    def wait(self) -> torch.Tensor:
+        return check_layout(self._work.wait(), self._like, self._src, self._tag)
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
 
 
 class CompletedWork(Work):
@@ -191,19 +218,24 @@ class Backend(abc.ABC):
     ) -> Work: ...
 
     @abc.abstractmethod
-    def send(self, x: torch.Tensor, dst: int, tag: int) -> Work:
+    def send(self, x: torch.Tensor, dst: int, tag: int, *, announce: bool = True) -> Work:
         """Send ``x`` to global rank ``dst`` with ``tag``; ``wait()`` returns ``x``.
 
         The backend snapshots ``x`` (or waits until it is safe to reuse) before
         ``wait()`` returns, so the caller may then modify it. ``wait()`` never
         waits for the receiver. Messages to one ``dst`` with one ``tag`` arrive in
-        send order.
+        send order. ``announce=False`` sends no shape and dtype with the data:
+        the receiver must pass them (``recv(..., like=...)``); one tag must not
+        mix announced and unannounced messages.
         """
 
     @abc.abstractmethod
-    def recv(self, src: int, tag: int) -> Work:
+    def recv(self, src: int, tag: int, *, like: Layout | None = None) -> Work:
         """Receive the next message sent by global rank ``src`` with ``tag``.
 
+        ``like=(shape, dtype)`` receives an unannounced message of that layout
+        (one message less per send where the transport needs a header); a
+        message of another layout is an error where the backend can tell.
         ``wait()`` returns a new tensor with the sender's shape and dtype. Receives
         from one ``src`` with one ``tag`` take the messages in the order the
         receives were issued; a receive for one tag never takes a message sent

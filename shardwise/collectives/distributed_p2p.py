@@ -32,7 +32,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .backend import CollectiveError, CollectiveTimeout, CompletedWork, Work, check_p2p
+from .backend import (
+    CheckedWork,
+    CollectiveError,
+    CollectiveTimeout,
+    CompletedWork,
+    Layout,
+    Work,
+    check_p2p,
+)
 from .runtime import LocalRecvWork
 from .threads import Mailbox
 
@@ -103,21 +111,24 @@ class PointToPoint:
         self._recv_queues: dict[tuple[int, int], deque[_DistRecvWork]] = {}
         self._self_mailbox = Mailbox()
 
-    def send(self, x: torch.Tensor, dst: int, tag: int) -> Work:
+    def send(self, x: torch.Tensor, dst: int, tag: int, *, announce: bool = True) -> Work:
         dst, tag = check_p2p("send", dst, tag, self.world_size, "dst")
         self._check_p2p_device("send", x.device)
         if dst == self.rank:
             self._self_mailbox.put((dst, dst, tag), x.detach().clone())
             return CompletedWork(x)
-        header, extension = _p2p_header(x, "send")
         payload = flat_copy(x).view(torch.uint8)  # a snapshot: x may change as soon as we return
-        buffers = [header, *([extension] if extension is not None else []), payload]
+        buffers = [payload]
+        if announce:
+            header, extension = _p2p_header(x, "send")
+            buffers = [header, *([extension] if extension is not None else []), payload]
         with self._p2p_lock:
             self._sends.raise_failure()
             works: list[Any] = []
             try:
-                works.append(dist.isend(header, dst, tag=_header_tag(tag)))
-                for buf in buffers[1:]:
+                if announce:
+                    works.append(dist.isend(buffers[0], dst, tag=_header_tag(tag)))
+                for buf in buffers[1:] if announce else buffers:
                     if buf.numel():  # an empty tensor has no payload: the header says it all
                         works.append(dist.isend(buf, dst, tag=_payload_tag(tag)))
             except Exception as exc:
@@ -127,12 +138,14 @@ class PointToPoint:
                     self._sends.add(_PendingSend(dst, tag, works, buffers))
         return CompletedWork(x)
 
-    def recv(self, src: int, tag: int) -> Work:
+    def recv(self, src: int, tag: int, *, like: Layout | None = None) -> Work:
         src, tag = check_p2p("recv", src, tag, self.world_size, "src")
         self._check_p2p_device("recv", torch.device("cpu"))
         if src == self.rank:
             key = (src, src, tag)
-            return LocalRecvWork(self._self_mailbox, key, self._self_mailbox.claim(key))
+            return CheckedWork(LocalRecvWork(self._self_mailbox, key, self._self_mailbox.claim(key)), like, src, tag)
+        if like is not None:
+            return self._recv_known(src, tag, like)
         header = torch.empty(_HEADER_LEN, dtype=torch.int64)
         with self._p2p_lock:
             self._sends.raise_failure()
@@ -143,6 +156,20 @@ class PointToPoint:
             recv = _DistRecvWork(self, src, tag, header, work)
             self._recv_queues.setdefault((src, tag), deque()).append(recv)
         return recv
+
+    def _recv_known(self, src: int, tag: int, like: Layout) -> Work:
+        """An unannounced message of a known layout: one receive, posted at once, straight into its buffer."""
+        shape, dtype = torch.Size(like[0]), like[1]
+        out = torch.empty(shape, dtype=dtype)
+        if out.numel() == 0:  # nothing travels for an empty tensor
+            return CompletedWork(out)
+        with self._p2p_lock:
+            self._sends.raise_failure()
+            try:
+                work = dist.irecv(out.view(-1).view(torch.uint8), src, tag=_payload_tag(tag))
+            except Exception as exc:
+                raise self._p2p_error("recv from", src, tag, exc) from exc
+        return _KnownRecvWork(self, src, tag, work, out)
 
     def close(self) -> None:
         """Wait (up to the timeout) until every send was received; raise if one failed."""
@@ -277,6 +304,24 @@ class _SendReaper:
                     return False
                 self._cond.wait(remaining)
             return True
+
+
+class _KnownRecvWork(Work):
+    """A posted receive of a known layout; ``wait()`` applies the backend timeout."""
+
+    def __init__(self, backend: PointToPoint, src: int, tag: int, work: Any, out: torch.Tensor) -> None:
+        self._backend, self._src, self._tag, self._work, self._out = backend, src, tag, work, out
+        self._done = False
+
+    def wait(self) -> torch.Tensor:
+        if not self._done:
+            deadline = time.monotonic() + self._backend.timeout
+            self._backend._wait_p2p(self._work, deadline, "recv from", self._src, self._tag)
+            self._done = True
+        return self._out
+
+    def is_completed(self) -> bool:
+        return self._done
 
 
 class _DistRecvWork(Work):

@@ -45,13 +45,17 @@ def _record_p2p(op: str, where: Where, t: torch.Tensor, sent_bytes: int, phase: 
         ledger.add(entry)
 
 
-def send(x: torch.Tensor, axis: str, dst: int, *, tag: int = 0, mesh: Mesh | None = None) -> Handle:
+def send(
+    x: torch.Tensor, axis: str, dst: int, *, tag: int = 0, announce: bool = True, mesh: Mesh | None = None
+) -> Handle:
     """Send ``x`` to the rank at index ``dst`` of ``axis``; ``.wait()`` returns ``x``.
 
     The message is a snapshot taken now: ``x`` may be modified at once, and
     ``wait()`` never waits for the receiver. Messages to one rank with one
     ``tag`` (an int in ``0..MAX_TAG``) arrive in send order; tags are
-    independent. Not differentiable.
+    independent. ``announce=False`` leaves out the shape and dtype (one
+    transfer less on torch.distributed): the receiver passes them as
+    ``recv(..., like=(shape, dtype))``. Not differentiable.
     """
     x = require_tensor("send", x)
     refuse_grad("send", x, "send x.detach() (a pipeline sends the gradient back itself)")
@@ -59,25 +63,28 @@ def send(x: torch.Tensor, axis: str, dst: int, *, tag: int = 0, mesh: Mesh | Non
     peer = _peer("send", where, dst, "dst")
     _, tag = check_p2p("send", peer, tag, where.backend.world_size, "dst")
     plain = unwrap(x)
-    work = where.backend.send(plain, peer, tag)
+    work = where.backend.send(plain, peer, tag, announce=announce)
     # Like ppermute: a message to oneself moves no bytes.
     sent_bytes = 0 if dst == where.index else plain.numel() * plain.element_size()
     _record_p2p("send", where, plain, sent_bytes, current_phase())
     return Handle(work, lambda _: x)
 
 
-def recv(axis: str, src: int, *, tag: int = 0, mesh: Mesh | None = None) -> Handle:
+def recv(
+    axis: str, src: int, *, tag: int = 0, like: tuple[torch.Size, torch.dtype] | None = None, mesh: Mesh | None = None
+) -> Handle:
     """Receive the next message with ``tag`` from the rank at index ``src`` of ``axis``.
 
     ``.wait()`` returns it with the sender's shape and dtype, or raises
     CollectiveTimeout after the backend timeout. Receives from one rank with
     one tag take the messages in the order the receives were issued. The
     ledger records the receive (sent_bytes 0) when its wait completes.
+    ``like=(shape, dtype)`` receives a message sent with ``announce=False``.
     """
     where = resolve("recv", axis, mesh)
     peer = _peer("recv", where, src, "src")
     _, tag = check_p2p("recv", peer, tag, where.backend.world_size, "src")
-    work = where.backend.recv(peer, tag)
+    work = where.backend.recv(peer, tag, like=like)
     phase = current_phase()
 
     def finish(received: torch.Tensor) -> torch.Tensor:

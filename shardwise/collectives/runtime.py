@@ -16,7 +16,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .backend import Backend, CollectiveError, CompletedWork, Group, Work, check_p2p
+from .backend import (
+    Backend,
+    CheckedWork,
+    CollectiveError,
+    CompletedWork,
+    Group,
+    Layout,
+    Work,
+    check_p2p,
+)
 
 if TYPE_CHECKING:
     from .threads import Mailbox
@@ -104,15 +113,15 @@ class SingleRankBackend(Backend):
         received = (0, 0) in [tuple(p) for p in pairs]
         return CompletedWork(x.clone() if received else torch.zeros_like(x))
 
-    def send(self, x: torch.Tensor, dst: int, tag: int) -> Work:
+    def send(self, x: torch.Tensor, dst: int, tag: int, *, announce: bool = True) -> Work:
         dst, tag = check_p2p("send", dst, tag, self.world_size, "dst")
         self._mailbox.put((0, 0, tag), x.detach().clone())
         return CompletedWork(x)
 
-    def recv(self, src: int, tag: int) -> Work:
+    def recv(self, src: int, tag: int, *, like: Layout | None = None) -> Work:
         src, tag = check_p2p("recv", src, tag, self.world_size, "src")
         key = (0, 0, tag)
-        return LocalRecvWork(self._mailbox, key, self._mailbox.claim(key))
+        return CheckedWork(LocalRecvWork(self._mailbox, key, self._mailbox.claim(key)), like, src, tag)
 
 
 class LocalRecvWork(Work):

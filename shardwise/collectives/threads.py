@@ -25,10 +25,12 @@ import torch
 
 from .backend import (
     Backend,
+    CheckedWork,
     CollectiveError,
     CollectiveTimeout,
     CompletedWork,
     Group,
+    Layout,
     RankAborted,
     Work,
     check_p2p,
@@ -418,11 +420,12 @@ class ThreadsBackend(Backend):
 
         return self._run(group, op_name, x, pairs, compute, snapshot)
 
-    def send(self, x: torch.Tensor, dst: int, tag: int) -> Work:
+    def send(self, x: torch.Tensor, dst: int, tag: int, *, announce: bool = True) -> Work:
+        # In one process a message is the tensor itself: announced or not, nothing more travels.
         dst, tag = check_p2p("send", dst, tag, self.world_size, "dst")
         self.world.send(self.rank, x, dst, tag)
         return CompletedWork(x)
 
-    def recv(self, src: int, tag: int) -> Work:
+    def recv(self, src: int, tag: int, *, like: Layout | None = None) -> Work:
         src, tag = check_p2p("recv", src, tag, self.world_size, "src")
-        return self.world.recv(self.rank, src, tag)
+        return CheckedWork(self.world.recv(self.rank, src, tag), like, src, tag)

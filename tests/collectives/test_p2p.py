@@ -7,6 +7,7 @@ shared pools, so the broken process group it leaves behind poisons nothing.
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any
 
@@ -297,3 +298,41 @@ def test_a_recv_whose_sender_never_sends_times_out_on_gloo() -> None:
     message = str(info.value)
     assert "CollectiveTimeout" in message
     assert "recv from rank 0 (tag 9) on rank 1" in message and "timed out after 2 s" in message
+
+
+def _unannounced_ring(shape: tuple[int, ...]) -> list:
+    mesh = Mesh(pp=2)
+    me, n = mesh.axis_index("pp"), mesh.axis_size("pp")
+    x = torch.full(shape, float(me), dtype=torch.float32)
+    with mesh:
+        handle = recv("pp", (me - 1) % n, tag=5, like=(torch.Size(shape), torch.float32))
+        send(x, "pp", (me + 1) % n, tag=5, announce=False).wait()
+        got = handle.wait()
+    return [got.shape == torch.Size(shape), float(got.flatten()[0]) if got.numel() else None]
+
+
+@pytest.mark.parametrize("shape", [(3, 4), (0,), ()])
+def test_unannounced_messages_with_a_known_layout_on_threads(shape: tuple[int, ...]) -> None:
+    results = launch(functools.partial(_unannounced_ring, shape), 2)
+    assert all(ok for ok, _ in results)
+    if shape != (0,):
+        assert [v for _, v in results] == [1.0, 0.0]
+
+
+@pytest.mark.gloo
+def test_unannounced_messages_with_a_known_layout_on_gloo(gloo2: Any) -> None:
+    results = gloo2.run(_unannounced_ring, (5, 2))
+    assert results == [[True, 1.0], [True, 0.0]]
+
+
+def test_a_known_layout_that_does_not_match_is_refused() -> None:
+    def main() -> None:
+        mesh = Mesh(pp=2)
+        with mesh:
+            other = 1 - mesh.axis_index("pp")
+            handle = recv("pp", other, tag=2, like=(torch.Size([3]), torch.float32))
+            send(torch.zeros(4), "pp", other, tag=2, announce=False)
+            handle.wait()
+
+    with pytest.raises(RankFailed, match=r"expected \(3,\) torch.float32, got \(4,\) torch.float32"):
+        launch(main, 2, timeout=5)

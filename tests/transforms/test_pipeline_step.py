@@ -188,3 +188,37 @@ def test_composition_refuses_what_cannot_work() -> None:
         sw.shard_params(sw.pipeline(step, "pp"), "dp", accumulation=2)
     with pytest.raises(ValueError, match="drop those shard_params options"):
         sw.pipeline(sw.shard_params(step, "dp", prefetch=2), "pp")
+
+
+def test_transfers_carry_only_the_tensors_when_layouts_are_predicted() -> None:
+    """Boundary layouts are predicted on fake tensors, so a transfer is its tensors alone: no count
+    message and (on torch.distributed) no header."""
+    step, params, batches = _mlp_problem(depth=2, seed=0, batch=4)
+    piped = sw.pipeline(step, "pp", "1f1b", 4)
+    mesh = sw.Mesh(pp=2)
+
+    def sends() -> list[tuple[str, tuple[int, ...]]]:
+        state = piped.init(params, mesh)
+        with sw.comm_ledger() as ledger:
+            piped(state, batches[0])
+        return [(r.dtype, r.shape) for r in ledger.records if r.op == "send"]
+
+    first, last = sw.launch(sends, 2)
+    assert len(first) == len(last) == 4 and all(dtype == "float64" for dtype, _ in first + last)
+
+
+def test_a_stage_whose_output_shape_depends_on_data_falls_back_to_announced_transfers() -> None:
+    """Fake tensors cannot say how many entries ``x[x > 0]`` keeps: every rank then announces."""
+    torch.manual_seed(0)
+    w = torch.randn(3, 3, dtype=torch.float64)
+    chain = sw.Chain([
+        sw.Layer("lin", lambda p, x: x @ p["w"], ("w",)),
+        sw.Layer("keep_positive", lambda p, x: x[x > 0]),
+        sw.Layer("sum", lambda p, x: (x * p["s"]).sum().reshape(1), ("s",)),
+    ])
+    params = {"lin": {"w": w}, "keep_positive": {}, "sum": {"s": torch.tensor(2.0, dtype=torch.float64)}}
+    step = sw.train_step(chain, lambda out, t: ((out - t) ** 2).mean(), sw.optim.sgd(0.1, momentum=0.9))
+    piped = sw.pipeline(step, "pp", "gpipe", 1, partition=[2, 1])
+    batches = [(torch.randn(4, 3, dtype=torch.float64), torch.randn(1, dtype=torch.float64)) for _ in range(2)]
+    assert piped.boundary_layouts(piped.layout(sw.Mesh(pp=2), params), batches[0][0]) is None
+    sw.testing.assert_equivalent(piped, step, sw.Mesh(pp=2), batches, params, rtol=F64_RTOL)

@@ -36,6 +36,7 @@ from .lowering import (
 )
 
 LossFn = Callable[[Any, Any], torch.Tensor]
+Layout = tuple[torch.Size, torch.dtype]
 TIED_TAG_BASE = 1 << 29  # above every activation/gradient tag (tag_of stays far below it)
 
 
@@ -73,6 +74,9 @@ class PipelineRuntime:
     final_grads: Any = None
     finite: bool = True
     tied: Sequence[tuple[str, str, tuple[int, ...]]] = ()  # weights tied across pipeline ranks
+    # Per stage boundary, the (shape, dtype) of each tensor the stage's output carries, when the
+    # step could predict them: transfers then go without count and headers.
+    layouts: Sequence[Sequence[Layout]] | None = None
     replica_layers: frozenset[str] = frozenset()  # layers of which this rank only holds tied copies
     grads: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     loss_sum: torch.Tensor | None = None
@@ -83,7 +87,7 @@ class PipelineRuntime:
     _outputs: dict[tuple[int, int], Any] = field(default_factory=dict)
     _input_grads: dict[tuple[int, int], list[torch.Tensor | None]] = field(default_factory=dict)
     _sends: list[Handle] = field(default_factory=list)
-    _posted: dict[tuple[str, int, int], tuple[Handle, Handle]] = field(default_factory=dict)
+    _posted: dict[tuple[str, int, int], list[Handle]] = field(default_factory=dict)
     _losses: list[torch.Tensor] = field(default_factory=list)
 
     @property
@@ -230,11 +234,14 @@ class PipelineRuntime:
         leaves = optree.tree_leaves(value)
         if not leaves:
             raise ValueError(f"stage {s} passes no tensor to the next stage; a pipeline boundary carries at least one")
-        count = torch.tensor(len(leaves), dtype=torch.int64)
         mb = len(self.microbatches)
-        self._sends.append(send(count, self.axis, dst, tag=tag_of(kind, s, m, mb), mesh=self.mesh))
+        known = self.layouts is not None
+        if not known:  # the receiver learns how many tensors follow
+            count = torch.tensor(len(leaves), dtype=torch.int64)
+            self._sends.append(send(count, self.axis, dst, tag=tag_of(kind, s, m, mb), mesh=self.mesh))
         for i, leaf in enumerate(leaves, start=1):
-            self._sends.append(send(leaf.detach(), self.axis, dst, tag=tag_of(kind, s, m, mb, i), mesh=self.mesh))
+            tag = tag_of(kind, s, m, mb, i)
+            self._sends.append(send(leaf.detach(), self.axis, dst, tag=tag, announce=not known, mesh=self.mesh))
 
     def _source(self, action: Action) -> tuple[str, int, int, int]:
         """(kind, producing stage, micro-batch, source index along the axis) of a receive action."""
@@ -243,28 +250,47 @@ class PipelineRuntime:
             return "activation", s - 1, m, self.placement[s - 1]
         return "grad", s + 1, m, self.placement[s + 1]
 
+    def _expected(self, kind: str, producer: int) -> Sequence[Layout]:
+        """The tensors a transfer carries, when the step predicted them: an activation carries the
+        producing stage's output, a gradient one tensor per floating output of the stage below."""
+        assert self.layouts is not None
+        boundary = producer if kind == "activation" else producer - 1
+        outputs = self.layouts[boundary]
+        return outputs if kind == "activation" else [o for o in outputs if o[1].is_floating_point]
+
     def post_receives(self, actions: Sequence[Action]) -> None:
-        """Post every receive of the step up front (count and first tensor: a transfer has at least
-        one), so transfers land while this rank computes instead of when it asks for them."""
+        """Post every receive of the step up front, so transfers land while this rank computes
+        instead of when it asks for them. With predicted layouts every tensor is received as it is
+        (one transfer each); otherwise the count and the first tensor (a transfer has at least one)."""
         mb = len(self.microbatches)
         for action in actions:
-            if action.kind in (RECV_ACTIVATION, RECV_GRAD):
-                kind, producer, m, src = self._source(action)
-                self._posted[(kind, producer, m)] = (
+            if action.kind not in (RECV_ACTIVATION, RECV_GRAD):
+                continue
+            kind, producer, m, src = self._source(action)
+            if self.layouts is not None:
+                self._posted[(kind, producer, m)] = [
+                    recv(self.axis, src, tag=tag_of(kind, producer, m, mb, i), like=like, mesh=self.mesh)
+                    for i, like in enumerate(self._expected(kind, producer), start=1)
+                ]
+            else:
+                self._posted[(kind, producer, m)] = [
                     recv(self.axis, src, tag=tag_of(kind, producer, m, mb), mesh=self.mesh),
                     recv(self.axis, src, tag=tag_of(kind, producer, m, mb, 1), mesh=self.mesh),
-                )
+                ]
 
     def receive(self, action: Action) -> None:
         kind, producer, m, src = self._source(action)
         mb = len(self.microbatches)
-        count_handle, first = self._posted.pop((kind, producer, m))
-        count = int(count_handle.wait())
-        leaves = [first.wait()] + [
-            recv(self.axis, src, tag=tag_of(kind, producer, m, mb, i), mesh=self.mesh).wait()
-            for i in range(2, count + 1)
-        ]
-        value: Any = leaves if kind == "grad" else (leaves[0] if count == 1 else tuple(leaves))
+        posted = self._posted.pop((kind, producer, m))
+        if self.layouts is not None:
+            leaves = [handle.wait() for handle in posted]
+        else:
+            count = int(posted[0].wait())
+            leaves = [posted[1].wait()] + [
+                recv(self.axis, src, tag=tag_of(kind, producer, m, mb, i), mesh=self.mesh).wait()
+                for i in range(2, count + 1)
+            ]
+        value: Any = leaves if kind == "grad" else (leaves[0] if len(leaves) == 1 else tuple(leaves))
         self._inbox[(kind, _stage(action) if kind == "activation" else producer, m)] = value
 
     # -- end of step -------------------------------------------------------------------------

@@ -6,10 +6,12 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+import optree
 import torch
 
 from ...collectives.mesh import Mesh
 from ...collectives.ops import broadcast
+from ...engine._storage import fake_tensors
 from ...engine.accounting import predict_kept_for_backward
 from ...engine.data_parallel import (
     DataParallel,
@@ -32,7 +34,7 @@ from ...engine.step import (
 from .builtins import get_schedule
 from .lowering import lower_rank
 from .partition import balanced_partition, check_partition, param_counts, stage_layers
-from .runtime import PipelineRuntime
+from .runtime import Layout, PipelineRuntime
 from .schedule import Schedule
 from .simulate import simulate
 from .validate import validate
@@ -51,6 +53,9 @@ class PipelineLayout:
     # those ranks holds a copy; their gradient contributions are exchanged and summed in axis order,
     # so every copy takes the same update (Megatron keeps its tied embeddings this way).
     tied: tuple[tuple[str, str, tuple[int, ...]], ...] = ()
+    # Memo of the tensors each stage boundary carries, by micro-batch input layout (see
+    # PipelineStep.boundary_layouts): derived data, computed once per input shape.
+    boundary_cache: dict[Any, Any] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     def replicas_of(self, index: int) -> list[tuple[str, str]]:
         """Tied weights rank ``index`` holds a copy of without owning their layer."""
@@ -211,6 +216,7 @@ class PipelineStep(Step):
                 return unscale_like(full, master, scale)
             return unscale_like(store.reduce(grads, None if prec is None else prec.policy.reduce), master, scale)
 
+        micro = split_microbatches(batch, self.microbatches)
         runtime = PipelineRuntime(
             chain=self.chain,
             loss_fn=self.loss_fn,
@@ -219,7 +225,7 @@ class PipelineStep(Step):
             stages=layout.stages,
             placement=layout.schedule.placement,
             params=params_for_compute,
-            microbatches=split_microbatches(batch, self.microbatches),
+            microbatches=micro,
             poison=self.poison,
             record=self.trace,
             loss_scale=scale / replicas,
@@ -228,6 +234,7 @@ class PipelineStep(Step):
             check_finite=prec is not None,
             tied=layout.tied,
             replica_layers=frozenset(o for o, _ in layout.replicas_of(index)),
+            layouts=self.boundary_layouts(layout, micro[0][0]),
         )
         result: list[tuple[Any, Any, Any]] = []
 
@@ -252,6 +259,42 @@ class PipelineStep(Step):
         if self.trace:
             metrics["trace"] = runtime.events  # type: ignore[assignment]
         return state._replace(params=params, opt_state=opt_state, step=state.step + 1, loss_scale=loss_scale), metrics
+
+    def boundary_layouts(self, layout: PipelineLayout, inputs: Any) -> tuple[tuple[Layout, ...], ...] | None:
+        """The (shape, dtype) of every tensor each stage passes on, for micro-batch ``inputs``.
+
+        Predicted once per input layout by running the chain on fake tensors (no data, no
+        arithmetic), so every rank knows what it will receive and transfers go without counts
+        or headers. Every rank predicts the same; if the chain cannot run on fake tensors, all
+        fall back to announced transfers together.
+        """
+        key = tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t for t in optree.tree_leaves(inputs))
+        if key not in layout.boundary_cache:
+            layout.boundary_cache[key] = self._predict_boundaries(layout, inputs)
+        cached: tuple[tuple[Layout, ...], ...] | None = layout.boundary_cache[key]
+        return cached
+
+    def _predict_boundaries(self, layout: PipelineLayout, inputs: Any) -> tuple[tuple[Layout, ...], ...] | None:
+        prec = self.precision
+
+        def compute_dtype(layer: str, dtype: torch.dtype) -> torch.dtype:
+            return dtype if prec is None else prec.for_layer(layer).compute
+
+        try:
+            with fake_tensors() as fake:
+                params = {
+                    layer: {k: torch.empty(shape, dtype=compute_dtype(layer, dtype)) for k, (shape, dtype) in t.items()}
+                    for layer, t in layout.shapes.items()
+                }
+                x = optree.tree_map(fake, inputs)
+                found = []
+                for layers in layout.stages[:-1]:
+                    for name in layers:
+                        x = self.chain[name](self.chain.layer_params(params, name), x)
+                    found.append(tuple((t.shape, t.dtype) for t in optree.tree_leaves(x)))
+                return tuple(found)
+        except Exception:  # data-dependent code cannot run on fake tensors: announce instead
+            return None
 
     # -- inspection ----------------------------------------------------------------------------------
     def plan(self, mesh: Mesh | None = None, params: Params | None = None, batch: Any = None) -> Plan:
