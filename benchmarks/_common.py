@@ -299,8 +299,9 @@ def torch_adamw(parameters: Any) -> torch.optim.Optimizer:
 
 
 def sw_adamw() -> Any:
-    """``sw.optim.adamw`` with the benchmarks' hyper-parameters."""
-    return sw.optim.adamw(LR, BETAS, EPS, WEIGHT_DECAY)
+    """``sw.optim.adamw`` with the benchmarks' hyper-parameters, updating in place as torch's does
+    (the benchmarks never reuse a state once it went into a step)."""
+    return sw.optim.adamw(LR, BETAS, EPS, WEIGHT_DECAY, inplace=True)
 
 
 def reference_losses(model: nn.Module, loss_fn: Callable[..., torch.Tensor], batches: Iterable[Batch]) -> list[float]:

@@ -65,8 +65,30 @@ def _loop(name: str, lists: Sequence[TensorList], *args: object, **kwargs: objec
     return [op(*tensors, *args, **kwargs) for tensors in zip(*lists, strict=True)]
 
 
-def _apply(name: str, lists: Sequence[TensorList], *args: object, **kwargs: object) -> list[Tensor]:
-    """Runs ``torch.<name>(*lists, *args, **kwargs)``, grouped by (device, dtype), or the loop."""
+def _apply_inplace(name: str, lists: Sequence[TensorList], *args: object, **kwargs: object) -> list[Tensor]:
+    """``torch.<name>_`` on the first list (written in place, then returned), or the per-tensor method."""
+    op = foreach_op(name + "_")
+    if op is None:
+        method = name.removeprefix("_foreach_") + "_"
+        for first, *rest in zip(*lists, strict=True):
+            getattr(first, method)(*rest, *args, **kwargs)
+    else:
+        groups: dict[tuple[torch.device, torch.dtype], list[int]] = defaultdict(list)
+        for i, tensor in enumerate(lists[0]):
+            groups[(tensor.device, tensor.dtype)].append(i)
+        for indices in groups.values():
+            op(*([tensors[i] for i in indices] for tensors in lists), *args, **kwargs)
+    return list(lists[0])
+
+
+def _apply(
+    name: str, lists: Sequence[TensorList], *args: object, inplace: bool = False, **kwargs: object
+) -> list[Tensor]:
+    """Runs ``torch.<name>(*lists, *args, **kwargs)``, grouped by (device, dtype), or the loop.
+
+    ``inplace=True`` writes the result into the first list's tensors instead (the kernels are
+    the same, so the values are bitwise those of the out-of-place call).
+    """
     lengths = {len(tensors) for tensors in lists}
     if len(lengths) != 1:
         raise ValueError(
@@ -74,6 +96,8 @@ def _apply(name: str, lists: Sequence[TensorList], *args: object, **kwargs: obje
         )
     if not lists[0]:
         return []
+    if inplace:
+        return _apply_inplace(name, lists, *args, **kwargs)
     op = foreach_op(name)
     if op is None:
         return _loop(name, lists, *args, **kwargs)
@@ -90,39 +114,39 @@ def _apply(name: str, lists: Sequence[TensorList], *args: object, **kwargs: obje
     return out  # type: ignore[return-value]  # every index is filled by exactly one group
 
 
-def add(xs: TensorList, ys: TensorList, alpha: float = 1.0) -> list[Tensor]:
+def add(xs: TensorList, ys: TensorList, alpha: float = 1.0, *, inplace: bool = False) -> list[Tensor]:
     """``x + alpha * y`` per pair."""
-    return _apply("_foreach_add", [xs, ys], alpha=alpha)
+    return _apply("_foreach_add", [xs, ys], alpha=alpha, inplace=inplace)
 
 
-def add_scalar(xs: TensorList, scalar: float) -> list[Tensor]:
+def add_scalar(xs: TensorList, scalar: float, *, inplace: bool = False) -> list[Tensor]:
     """``x + scalar`` per tensor."""
-    return _apply("_foreach_add", [xs], scalar)
+    return _apply("_foreach_add", [xs], scalar, inplace=inplace)
 
 
-def mul_scalar(xs: TensorList, scalar: float) -> list[Tensor]:
+def mul_scalar(xs: TensorList, scalar: float, *, inplace: bool = False) -> list[Tensor]:
     """``x * scalar`` per tensor."""
-    return _apply("_foreach_mul", [xs], scalar)
+    return _apply("_foreach_mul", [xs], scalar, inplace=inplace)
 
 
-def div_scalar(xs: TensorList, scalar: float) -> list[Tensor]:
+def div_scalar(xs: TensorList, scalar: float, *, inplace: bool = False) -> list[Tensor]:
     """``x / scalar`` per tensor (a true division, not a multiplication by the reciprocal)."""
-    return _apply("_foreach_div", [xs], scalar)
+    return _apply("_foreach_div", [xs], scalar, inplace=inplace)
 
 
-def lerp_scalar(xs: TensorList, ys: TensorList, weight: float) -> list[Tensor]:
+def lerp_scalar(xs: TensorList, ys: TensorList, weight: float, *, inplace: bool = False) -> list[Tensor]:
     """``x + weight * (y - x)`` per pair, with torch.lerp's rounding."""
-    return _apply("_foreach_lerp", [xs, ys], weight=weight)
+    return _apply("_foreach_lerp", [xs, ys], weight=weight, inplace=inplace)
 
 
-def addcmul_scalar(xs: TensorList, ys: TensorList, zs: TensorList, value: float) -> list[Tensor]:
+def addcmul_scalar(xs: TensorList, ys: TensorList, zs: TensorList, value: float, *, inplace: bool = False) -> list[Tensor]:
     """``x + value * y * z`` per triple."""
-    return _apply("_foreach_addcmul", [xs, ys, zs], value=value)
+    return _apply("_foreach_addcmul", [xs, ys, zs], value=value, inplace=inplace)
 
 
-def addcdiv_scalar(xs: TensorList, ys: TensorList, zs: TensorList, value: float) -> list[Tensor]:
+def addcdiv_scalar(xs: TensorList, ys: TensorList, zs: TensorList, value: float, *, inplace: bool = False) -> list[Tensor]:
     """``x + value * y / z`` per triple."""
-    return _apply("_foreach_addcdiv", [xs, ys, zs], value=value)
+    return _apply("_foreach_addcdiv", [xs, ys, zs], value=value, inplace=inplace)
 
 
 def sqrt(xs: TensorList) -> list[Tensor]:

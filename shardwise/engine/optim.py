@@ -99,6 +99,8 @@ def sgd(
     dampening: float = 0.0,
     weight_decay: float = 0.0,
     nesterov: bool = False,
+    *,
+    inplace: bool = False,
 ) -> Optimizer:
     """Stochastic gradient descent, as ``torch.optim.SGD`` with the same arguments.
 
@@ -106,6 +108,12 @@ def sgd(
     ``b`` becomes ``d`` on the first update (no dampening) and ``momentum * b + (1 -
     dampening) * d`` after; ``d`` becomes ``d + momentum * b`` (nesterov) or ``b``; finally
     ``p - lr * d``. ``lr`` is a float or a schedule called with the update count.
+
+    ``inplace=True`` writes the new parameters and state into the ones given, as torch
+    does, and returns them (bitwise the same values): the update then allocates nothing
+    parameter-sized, but it consumes its inputs, so a TrainState passed to a step must
+    not be used after the call (the step's own inputs are donated, as with JAX's
+    ``donate_argnums``). ``step.init`` copies the parameters it is given, so those stay intact.
     """
     schedule = _as_schedule(lr)
     _check_nonnegative("momentum", momentum, "0 turns momentum off")
@@ -141,13 +149,17 @@ def sgd(
             if t == 0:
                 # torch starts the buffer at the first d_p itself, without dampening; the
                 # zeros from init only fix the state's structure.
-                b = [x.clone() for x in d_p]
+                if inplace:
+                    for buffer, x in zip(b, d_p, strict=True):
+                        buffer.copy_(x)
+                else:
+                    b = [x.clone() for x in d_p]
             else:
-                b = fe.add(fe.mul_scalar(b, momentum), d_p, alpha=1 - dampening)
+                b = fe.add(fe.mul_scalar(b, momentum, inplace=inplace), d_p, alpha=1 - dampening, inplace=inplace)
             d_p = fe.add(d_p, b, alpha=momentum) if nesterov else b
             buffers = optree.tree_unflatten(spec, b)
 
-        new_p = fe.add(p, d_p, alpha=-step_lr)
+        new_p = fe.add(p, d_p, alpha=-step_lr, inplace=inplace)
         return optree.tree_unflatten(spec, new_p), SgdState(_next_step(state.step), buffers)
 
     return Optimizer(init, update)
@@ -158,6 +170,8 @@ def adamw(
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
     weight_decay: float = 1e-2,
+    *,
+    inplace: bool = False,
 ) -> Optimizer:
     """Adam with decoupled weight decay, as ``torch.optim.AdamW`` (defaults included).
 
@@ -165,6 +179,7 @@ def adamw(
     ``m = lerp(m, g, 1 - beta1)``; ``v = beta2 * v + (1 - beta2) * g * g``;
     ``p -= lr / (1 - beta1**t) * m / (sqrt(v) / sqrt(1 - beta2**t) + eps)``.
     ``lr`` is a float or a schedule called with ``t - 1`` (0 for the first update).
+    ``inplace=True`` updates the given parameters and state (see :func:`sgd`).
     """
     schedule = _as_schedule(lr)
     if len(betas) != 2:
@@ -200,16 +215,17 @@ def adamw(
 
         # The order of operations is torch's, so the rounding is too.
         if weight_decay != 0:
-            p = fe.mul_scalar(p, 1 - step_lr * weight_decay)
-        m = fe.lerp_scalar(m, g, 1 - beta1)
-        v = fe.addcmul_scalar(fe.mul_scalar(v, beta2), g, g, 1 - beta2)
+            p = fe.mul_scalar(p, 1 - step_lr * weight_decay, inplace=inplace)
+        m = fe.lerp_scalar(m, g, 1 - beta1, inplace=inplace)
+        v = fe.addcmul_scalar(fe.mul_scalar(v, beta2, inplace=inplace), g, g, 1 - beta2, inplace=inplace)
         # Bias corrections are Python floats (double precision) for every dtype, as in
         # torch's non-capturable paths.
         bias_correction1 = 1 - beta1**t
         bias_correction2 = 1 - beta2**t
         step_size = step_lr / bias_correction1
-        denom = fe.add_scalar(fe.div_scalar(fe.sqrt(v), bias_correction2**0.5), eps)
-        new_p = fe.addcdiv_scalar(p, m, denom, -step_size)
+        # sqrt makes the one new list; the rest reuses it, as torch's foreach path does.
+        denom = fe.add_scalar(fe.div_scalar(fe.sqrt(v), bias_correction2**0.5, inplace=True), eps, inplace=True)
+        new_p = fe.addcdiv_scalar(p, m, denom, -step_size, inplace=inplace)
 
         new_state = AdamWState(
             step=_next_step(state.step),

@@ -136,12 +136,14 @@ class Step:
 
     # -- precision helpers shared by every kind of step ---------------------------
     def master_params(self, params: Params) -> Params:
-        """Detached parameters in the stored (master) dtype of each layer's policy."""
+        """Detached copies of the parameters in the stored (master) dtype of each layer's policy."""
+        # Always copies: the step owns its state (an in-place optimizer writes into it), so the
+        # caller's tensors must never be the state's.
         if self.precision is None:
-            return map_params(torch.Tensor.detach, params)
+            return map_params(lambda t: t.detach().clone(), params)
         prec = self.precision
         return {
-            layer: {k: t.detach().to(prec.for_layer(layer).params) for k, t in tensors.items()}
+            layer: {k: t.detach().to(prec.for_layer(layer).params, copy=True) for k, t in tensors.items()}
             for layer, tensors in params.items()
         }
 
