@@ -226,18 +226,20 @@ def start_pmean(x: torch.Tensor, where: Where, snapshot: bool = True) -> Handle:
 
 
 def start_all_gather(x: torch.Tensor, where: Where, dim: int, tiled: bool, snapshot: bool = True) -> Handle:
-    def finish(stacked: torch.Tensor) -> torch.Tensor:  # (n, *x.shape)
-        out = stacked.movedim(0, dim)
-        return (out.flatten(dim, dim + 1) if tiled else out).contiguous()
-
     return issue(
         "all_gather",
         where,
         x,
         lambda b, t, g, s: b.all_gather(t, g, "all_gather", snapshot=s),
-        finish,
+        lambda stacked: _chunks_to(stacked, dim, tiled),  # stacked: (n, *x.shape)
         snapshot=snapshot,
     )
+
+
+def _chunks_to(chunks: torch.Tensor, dim: int, tiled: bool) -> torch.Tensor:
+    """Inverse of :func:`_chunks_first`: the backend's (n, ...) chunks put back along ``dim``."""
+    out = chunks.movedim(0, dim)
+    return (out.flatten(dim, dim + 1) if tiled else out).contiguous()
 
 
 def _chunks_first(x: torch.Tensor, dim: int, n: int, tiled: bool) -> torch.Tensor:
@@ -265,16 +267,12 @@ def start_all_to_all(
 ) -> Handle:
     check_split("all_to_all", x, split_dim, where, tiled)
 
-    def finish(received: torch.Tensor) -> torch.Tensor:  # received[j]: rank j's chunk for us
-        out = received.movedim(0, concat_dim)
-        return (out.flatten(concat_dim, concat_dim + 1) if tiled else out).contiguous()
-
     return issue(
         "all_to_all",
         where,
         x,
         lambda b, t, g, s: b.all_to_all(t, g, "all_to_all", snapshot=s),
-        finish,
+        lambda received: _chunks_to(received, concat_dim, tiled),  # received[j]: rank j's chunk for us
         snapshot=snapshot,
         layout=lambda t: _chunks_first(t, split_dim, where.size, tiled),
     )
