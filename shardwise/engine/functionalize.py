@@ -17,8 +17,10 @@ How the module is cut into layers:
   it relative to that unit; this changes no value, except that random glue ops, such
   as dropout in glue in training mode, would draw from the RNG in a different order.)
 
-Every layer fn calls the module's code through ``torch.func.functional_call``, so
-outputs are bitwise those of the module: same ops, same order, equal values.
+Every layer fn calls the module's code with its tensors swapped in, as
+``torch.func.functional_call`` does (``_module_call.ModuleCall``: the same swap with the
+name walk done once), so outputs are bitwise those of the module: same ops, same order,
+equal values.
 Parameters come back as detached copies (``requires_grad=False``; call
 ``requires_grad_()`` to use ``backward``), so training them never touches the module.
 
@@ -51,10 +53,10 @@ from typing import Any
 import optree
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call
 from torch.nn.modules.batchnorm import _NormBase
 
 from ._fx_split import FunctionalizeError, split_graph
+from ._module_call import ModuleCall
 from .chain import Chain, Layer
 
 __all__ = ["FunctionalizeError", "functionalize"]
@@ -133,23 +135,26 @@ class _ModuleFn:
     def _init_local(self) -> None:
         self._owner = threading.get_ident()
         self._local = threading.local()
+        self._call: ModuleCall | None = None
 
     def __call__(self, tensors: dict[str, Tensor], x: Any) -> Any:
         # strict: every param and buffer must be given, so the module's own tensors never leak in.
-        return functional_call(self._replica(), tensors, (x,), strict=True)
+        return self._replica()(tensors, x)
 
-    def _replica(self) -> nn.Module:
+    def _replica(self) -> ModuleCall:
         if threading.get_ident() == self._owner:
-            return self.module
-        replica = getattr(self._local, "module", None)
-        if replica is None:
+            if self._call is None:
+                self._call = ModuleCall(self.module)
+            return self._call
+        call = getattr(self._local, "call", None)
+        if call is None:
             named = [
                 *self.module.named_parameters(remove_duplicate=False),
                 *self.module.named_buffers(remove_duplicate=False),
             ]
             replica = copy.deepcopy(self.module, memo={id(t): t for _, t in named})
-            self._local.module = replica
-        return replica
+            call = self._local.call = ModuleCall(replica)
+        return call
 
     def __getstate__(self) -> dict[str, Any]:
         return {"module": self.module}

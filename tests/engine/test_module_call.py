@@ -1,0 +1,97 @@
+"""ModuleCall swaps tensors through modules' private ``_parameters`` / ``_buffers`` dicts:
+these tests fail loudly if torch stops keeping a module's tensors there, and check that it
+computes bitwise what ``torch.func.functional_call`` computes, on the same terms."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from shardwise.engine._module_call import ModuleCall
+from shardwise.testing.models import TinyGPT
+
+
+def _fresh(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Different values for every param and buffer, under functional_call's key names."""
+    named = {**dict(module.named_parameters()), **dict(module.named_buffers())}
+    # rand, not randn: a running variance must stay positive (NaN would make equality fail)
+    return {k: torch.rand_like(v) + 0.5 if v.is_floating_point() else v.clone() for k, v in named.items()}
+
+
+def test_torch_keeps_module_tensors_in_the_dicts_module_call_swaps() -> None:
+    lin = nn.Linear(3, 2)
+    assert lin._parameters["weight"] is lin.weight and lin._parameters["bias"] is lin.bias
+    norm = nn.BatchNorm1d(3).eval()
+    assert norm._buffers["running_mean"] is norm.running_mean
+    lin._parameters["weight"] = torch.zeros(2, 3)  # what a swap does: forward must see it
+    assert torch.equal(lin(torch.ones(1, 3)), lin.bias.detach().unsqueeze(0))
+
+
+@pytest.mark.parametrize(
+    "module",
+    [
+        nn.Linear(8, 4),
+        nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.LayerNorm(8), nn.Linear(8, 4)),
+        nn.BatchNorm1d(8).eval(),
+    ],
+    ids=["linear", "sequential", "batchnorm-eval"],
+)
+def test_bitwise_functional_call_and_the_module_is_restored(module: nn.Module) -> None:
+    before = {k: v for k, v in [*module.named_parameters(), *module.named_buffers()]}
+    tensors = _fresh(module)
+    x = torch.randn(5, 8)
+    got = ModuleCall(module)(tensors, x)
+    assert torch.equal(got, functional_call(module, tensors, (x,), strict=True))
+    after = {k: v for k, v in [*module.named_parameters(), *module.named_buffers()]}
+    assert after.keys() == before.keys() and all(after[k] is before[k] for k in before)
+
+
+def test_tied_weights_are_fed_under_every_alias_with_gradients_summed() -> None:
+    gpt = TinyGPT(vocab=32, d_model=16, n_heads=2, n_layers=1, seq_len=8, tie_weights=True)
+    tensors = _fresh(gpt)
+    assert "head.weight" not in tensors  # named once, under the embedding's name
+    leaf = tensors["tok_emb.weight"].requires_grad_(True)
+    tokens = torch.randint(0, 32, (2, 8))
+    ours = ModuleCall(gpt)(tensors, tokens)
+    theirs = functional_call(gpt, tensors, (tokens,), strict=True)
+    assert torch.equal(ours, theirs)
+    (g_ours,) = torch.autograd.grad(ours.square().sum(), leaf)
+    (g_theirs,) = torch.autograd.grad(theirs.square().sum(), leaf)
+    assert torch.equal(g_ours, g_theirs)
+
+
+def test_other_key_sets_get_functional_calls_own_errors_and_nothing_is_left_swapped() -> None:
+    lin = nn.Linear(3, 2)
+    weight = lin.weight
+    call = ModuleCall(lin)
+    with pytest.raises(RuntimeError, match="Missing key"):
+        call({"weight": torch.zeros(2, 3)}, torch.ones(1, 3))
+    with pytest.raises(RuntimeError, match="Unexpected key"):
+        call({"weight": torch.zeros(2, 3), "bias": torch.zeros(2), "scale": torch.ones(1)}, torch.ones(1, 3))
+    assert lin.weight is weight
+
+
+def test_an_exception_in_forward_restores_the_module() -> None:
+    lin = nn.Linear(3, 2)
+    weight = lin.weight
+    with pytest.raises(RuntimeError):
+        ModuleCall(lin)(_fresh(lin), torch.ones(1, 4))  # wrong width
+    assert lin.weight is weight
+
+
+@pytest.mark.parametrize("units", [None, ["tok_emb", "blocks", "head"]], ids=["whole", "fx-units"])
+def test_functionalized_layers_never_fall_back_to_functional_call(monkeypatch: pytest.MonkeyPatch, units: object) -> None:
+    from shardwise.engine import _module_call
+    from shardwise.engine.functionalize import functionalize
+
+    gpt = TinyGPT(vocab=32, d_model=16, n_heads=2, n_layers=2, seq_len=8, tie_weights=True)
+    chain, params = functionalize(gpt, units=units)  # type: ignore[arg-type]
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("ModuleCall fell back to functional_call")
+
+    monkeypatch.setattr(_module_call, "functional_call", refuse)
+    tokens = torch.randint(0, 32, (2, 8))
+    assert torch.equal(chain(params, tokens), gpt(tokens))
