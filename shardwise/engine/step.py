@@ -154,18 +154,21 @@ class Step:
         return 1.0 if state.loss_scale is None else state.loss_scale.scale_value()
 
     def finish(
-        self, state: TrainState, grads: Any, params: Any, norm: torch.Tensor, finite: bool
+        self, state: TrainState, grads: Any, params: Any, norm: torch.Tensor | None, finite: bool
     ) -> tuple[Any, Any, Any]:
         """Clip and update, or skip the update when a gradient anywhere was not finite.
 
         ``grads`` are unscaled and in the dtype of ``params`` (what the
-        optimizer updates). Returns (params, optimizer state, loss scale).
+        optimizer updates). ``norm`` is the global gradient norm, needed only with
+        ``clip_norm``. Returns (params, optimizer state, loss scale).
         """
         scale = state.loss_scale
         if not finite:
             # Every rank saw the same global flag, so every rank skips together.
             return params, state.opt_state, None if scale is None else scale.adjust(False)
         if self.clip_norm is not None:
+            if norm is None:
+                raise ValueError("Step.finish: clip_norm is set, so the global gradient norm must be given")
             factor = clip_scale(norm, self.clip_norm)
             grads = optree.tree_map(lambda g: g * factor.to(g.dtype), grads)
         new_params, new_opt_state = self.optimizer.update(grads, state.opt_state, params)

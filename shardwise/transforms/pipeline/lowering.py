@@ -19,7 +19,8 @@ SEND_ACTIVATION = "send_activation"
 RECV_GRAD = "recv_grad"
 SEND_GRAD = "send_grad"
 COMPUTE = {"F": "forward", "B": "backward", "I": "backward_input", "W": "backward_weight"}
-REDUCE_METRICS = "reduce_metrics"
+FINISH_GRADS = "finish_grads"  # wait for sends; sum tied copies; reduce over data parallel; local metrics
+REDUCE_METRICS = "reduce_metrics"  # starts one all-reduce of (loss, squared norm[, not-finite flag])
 UPDATE = "update"
 
 
@@ -37,7 +38,14 @@ def compute_action(op: PipeOp) -> Action:
 
 
 def lower_rank(schedule: Schedule, rank: int) -> tuple[Action, ...]:
-    """The actions of pipeline rank ``rank``: its schedule ops with receives and sends around them."""
+    """The actions of pipeline rank ``rank``: its schedule ops with receives and sends around them.
+
+    The step ends with its gradients finished, the metrics' all-reduce started and the
+    update. The update waits for the all-reduce only when it depends on it (clipping by the
+    global norm, skipping on a non-finite gradient anywhere); otherwise the all-reduce
+    completes while the rank updates, and a rank whose last compute comes early (the last
+    stage, in 1F1B) updates while the others still compute instead of waiting for them.
+    """
     last = schedule.num_stages - 1
     place = schedule.placement
     out: list[Action] = []
@@ -57,7 +65,7 @@ def lower_rank(schedule: Schedule, rank: int) -> tuple[Action, ...]:
                 out.append(Action(SEND_GRAD, f"stage{s}", m, (("to", place[s - 1]),)))
         else:
             out.append(compute_action(op))
-    out += [Action(REDUCE_METRICS), Action(UPDATE)]
+    out += [Action(FINISH_GRADS), Action(REDUCE_METRICS), Action(UPDATE)]
     return tuple(out)
 
 

@@ -6,6 +6,12 @@ stage input, so its backward can run whenever the schedule says: as one
 is kept) followed later by ``W`` (gradients for the weights). The last stage
 seeds its backward with ``1/m`` so the pipelined step equals the step on the
 whole batch, not ``m`` times it.
+
+Every micro-batch's forward uses the same leaf per parameter for the whole step,
+and weight gradients go into that leaf's ``.grad`` (``autograd.backward(inputs=)``):
+autograd then adds each micro-batch's gradient in place into one buffer, as
+torch's modules accumulate ``.grad``, instead of allocating a new sum per
+micro-batch. The sums are the same additions in the same order.
 """
 
 from __future__ import annotations
@@ -20,12 +26,14 @@ import torch
 
 from ...collectives.issue import Handle
 from ...collectives.mesh import Mesh
-from ...collectives.ops import psum
+from ...collectives.ops import psum, psum_async
 from ...collectives.p2p import recv, send
+from ...engine import _foreach as fe
 from ...engine.chain import Chain
 from ...engine.plan import Action
 from ...engine.precision import all_finite
 from .lowering import (
+    FINISH_GRADS,
     RECV_ACTIVATION,
     RECV_GRAD,
     REDUCE_METRICS,
@@ -81,6 +89,8 @@ class PipelineRuntime:
     grads: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     loss_sum: torch.Tensor | None = None
     sq_norm: torch.Tensor | None = None
+    _local_metrics: torch.Tensor | None = None  # (loss sum, squared norm[, not-finite]) of this rank
+    _pending_metrics: tuple[Handle, tuple[str, ...]] | None = None  # all-reduce started, axes still to go
     events: list[tuple[int, str, float, float]] = field(default_factory=list)
     _inbox: dict[tuple[str, int, int], Any] = field(default_factory=dict)
     _saved: dict[tuple[int, int], _Saved] = field(default_factory=dict)
@@ -89,6 +99,7 @@ class PipelineRuntime:
     _sends: list[Handle] = field(default_factory=list)
     _posted: dict[tuple[str, int, int], list[Handle]] = field(default_factory=dict)
     _losses: list[torch.Tensor] = field(default_factory=list)
+    _leaves: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)  # (layer, local) -> step's leaf
 
     @property
     def last(self) -> int:
@@ -104,6 +115,7 @@ class PipelineRuntime:
             RECV_GRAD: self.receive,
             SEND_ACTIVATION: self.send_activation,
             SEND_GRAD: self.send_grad,
+            FINISH_GRADS: self.finish_grads,
             REDUCE_METRICS: self.reduce_metrics,
             UPDATE: update,
         }
@@ -148,32 +160,35 @@ class PipelineRuntime:
         want_weights = action.kind in ("backward", "backward_weight")
         if saved.output_grads is None:
             saved.output_grads = self._output_grads(s, m, saved)
-        keys = list(saved.params)
-        wrt = (saved.inputs if want_inputs else []) + ([saved.params[k] for k in keys] if want_weights else [])
         pairs = [(o, g) for o, g in zip(saved.outputs, saved.output_grads, strict=True) if g is not None]
-        got: list[torch.Tensor | None] = [None] * len(wrt)
-        if pairs and wrt:
-            got = list(
-                torch.autograd.grad(
-                    [o for o, _ in pairs], wrt, [g for _, g in pairs],
-                    retain_graph=not want_weights, allow_unused=True,
-                )
-            )
+        outputs, seeds = [o for o, _ in pairs], [g for _, g in pairs]
+        got: list[torch.Tensor | None] = [None] * len(saved.inputs)
+        if want_inputs and not want_weights and pairs and saved.inputs:  # I: the graph stays for W
+            got = list(torch.autograd.grad(outputs, saved.inputs, seeds, retain_graph=True, allow_unused=True))
+        elif want_weights and pairs:
+            # B or W: weight gradients accumulate into the step's leaves (in place after the first);
+            # B also leaves each input's gradient in its (per micro-batch) leaf.
+            wrt = (saved.inputs if want_inputs else []) + list(saved.params.values())
+            if wrt:
+                torch.autograd.backward(outputs, seeds, inputs=wrt)
+            if want_inputs:
+                got = [x.grad for x in saved.inputs]
         if want_inputs:
             # An input the stage did not use still gets a (zero) gradient: upstream expects one per output.
-            grads_in: list[torch.Tensor | None] = [
-                g if g is not None else torch.zeros_like(x) for g, x in zip(got, saved.inputs, strict=False)
+            self._input_grads[(s, m)] = [
+                g if g is not None else torch.zeros_like(x) for g, x in zip(got, saved.inputs, strict=True)
             ]
-            self._input_grads[(s, m)] = grads_in
-            got = got[len(saved.inputs) :]
         if want_weights:
-            for (layer, local), g in zip(keys, got, strict=True):
-                if g is not None:
-                    slot = self.grads.setdefault(layer, {})
-                    slot[local] = g if local not in slot else slot[local] + g
             del self._saved[(s, m)]
             if self.poison:
                 self._poison(s, saved)
+
+    def _collect_grads(self) -> None:
+        """The weight gradients of the step, from its leaves (a weight no forward reached has none)."""
+        for (layer, local), leaf in self._leaves.items():
+            if leaf.grad is not None:
+                self.grads.setdefault(layer, {})[local] = leaf.grad
+        self._leaves.clear()
 
     def _poison(self, s: int, saved: _Saved) -> None:
         """Fill what this (stage, micro-batch) received with NaN once it is used up: reusing a stale
@@ -203,16 +218,18 @@ class PipelineRuntime:
         return list(grads)
 
     def _param_view(self, layer: str, leaves: dict[tuple[str, str], torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
-        """Leaves that require grad for ``layer`` and the layers it ties to (all on this rank)."""
+        """Leaves that require grad for ``layer`` and the layers it ties to (all on this rank); one
+        leaf per parameter for the whole step, recorded in ``leaves`` for this forward's backward."""
         owners = {layer} | {owner for owner, _ in self.chain[layer].ties.values()}
         view: dict[str, dict[str, torch.Tensor]] = {}
         for owner in owners:
             view[owner] = {}
             for local, t in self.params.get(owner, {}).items():
                 key = (owner, local)
-                if key not in leaves:
-                    leaves[key] = t.detach().requires_grad_(True)
-                view[owner][local] = leaves[key]
+                leaf = self._leaves.get(key)
+                if leaf is None:
+                    leaf = self._leaves[key] = t.detach().requires_grad_(True)
+                view[owner][local] = leaves[key] = leaf
         return view
 
     def _take_input(self, s: int, m: int) -> Any:
@@ -294,10 +311,12 @@ class PipelineRuntime:
         self._inbox[(kind, _stage(action) if kind == "activation" else producer, m)] = value
 
     # -- end of step -------------------------------------------------------------------------
-    def reduce_metrics(self, action: Action) -> None:
+    def finish_grads(self, action: Action) -> None:
+        """The gradients the optimizer gets (``final_grads``) and this rank's share of the metrics."""
         for handle in self._sends:
             handle.wait()
         self._sends.clear()
+        self._collect_grads()
         dtype = self._metric_dtype()
         local_loss = (
             torch.stack([x.to(dtype) for x in self._losses]).sum() if self._losses else torch.zeros((), dtype=dtype)
@@ -307,12 +326,29 @@ class PipelineRuntime:
         # A tied copy's gradient is also its owner's: count it once in the norm.
         counted: Any = {k: v for k, v in self.final_grads.items() if k not in self.replica_layers}
         pieces: list[torch.Tensor] = list(optree.tree_leaves(counted))
-        local_sq = sum((g.to(dtype).pow(2).sum() for g in pieces), torch.zeros((), dtype=dtype))
+        # One norm per tensor (no squared copy of each gradient), then their squares summed.
+        norms = [n.to(dtype) for n in fe.norm(pieces, 2.0)]
+        local_sq = torch.stack(norms).square().sum() if norms else torch.zeros((), dtype=dtype)
         values = [local_loss, local_sq]
         if self.check_finite:
             values.append(1.0 - all_finite(pieces).to(dtype))
-        total = torch.stack(values)
-        for axis in self.metric_axes or (self.axis,):
+        self._local_metrics = torch.stack(values)
+
+    def reduce_metrics(self, action: Action) -> None:
+        """Start the all-reduce of this rank's metrics; :meth:`wait_metrics` completes it."""
+        if self._local_metrics is None:
+            raise RuntimeError("reduce_metrics before finish_grads")
+        axes = self.metric_axes or (self.axis,)
+        self._pending_metrics = (psum_async(self._local_metrics, axes[0], mesh=self.mesh), axes[1:])
+
+    def wait_metrics(self) -> None:
+        """``loss_sum``, ``sq_norm`` and ``finite`` summed over the metric axes (once; later calls return)."""
+        if self._pending_metrics is None:
+            return
+        handle, rest = self._pending_metrics
+        self._pending_metrics = None
+        total = handle.wait()
+        for axis in rest:
             total = psum(total, axis, mesh=self.mesh)
         self.loss_sum, self.sq_norm = total[0], total[1]
         self.finite = not self.check_finite or bool(total[2] == 0)

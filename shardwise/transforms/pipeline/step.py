@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -211,8 +212,11 @@ class PipelineStep(Step):
 
         def finalize(grads: Any) -> Any:
             if store is None:
-                full = {layer: {k: grads.get(layer, {}).get(k, torch.zeros_like(t)) for k, t in tensors.items()}
-                        for layer, tensors in state.params.items()}
+                # A weight no forward of this rank reached gets zeros (made only for those).
+                full = {
+                    layer: {k: _grad_or_zeros(grads.get(layer, {}), k, t) for k, t in tensors.items()}
+                    for layer, tensors in state.params.items()
+                }
                 return unscale_like(full, master, scale)
             return unscale_like(store.reduce(grads, None if prec is None else prec.policy.reduce), master, scale)
 
@@ -238,15 +242,22 @@ class PipelineStep(Step):
         )
         result: list[tuple[Any, Any, Any]] = []
 
+        # Clipping needs the global norm and mixed precision the global finite flag before the
+        # update; otherwise the metrics' all-reduce completes while this rank updates.
+        needs_metrics = self.clip_norm is not None or prec is not None
+
         def update(_action: object) -> None:
-            assert runtime.sq_norm is not None
-            new_master, opt_state, loss_scale = self.finish(
-                state, runtime.final_grads, master, runtime.sq_norm.sqrt(), runtime.finite
-            )
+            norm = None
+            if needs_metrics:
+                runtime.wait_metrics()
+                assert runtime.sq_norm is not None
+                norm = runtime.sq_norm.sqrt()
+            new_master, opt_state, loss_scale = self.finish(state, runtime.final_grads, master, norm, runtime.finite)
             held = new_master if store is None else store.rebuild(new_master)
             result.append((held, opt_state, loss_scale))
 
         runtime.run(lower_rank(layout.schedule, index), update)
+        runtime.wait_metrics()
         assert runtime.loss_sum is not None and runtime.sq_norm is not None
         params, opt_state, loss_scale = result[0]
         metrics: Metrics = {
@@ -338,3 +349,8 @@ class PipelineStep(Step):
             mine = [per_stage[s] for s, place in enumerate(layout.schedule.placement) if place == index]
             out.append(peaks[index] * max(mine, default=0))
         return tuple(out)
+
+
+def _grad_or_zeros(grads: Mapping[str, torch.Tensor], name: str, like: torch.Tensor) -> torch.Tensor:
+    found = grads.get(name)
+    return torch.zeros_like(like) if found is None else found
