@@ -30,6 +30,7 @@ import io
 import json
 import os
 import pstats
+import resource
 import statistics
 import sys
 import time
@@ -160,6 +161,11 @@ def run_on_ranks(pool: ProcessPool, fn: Callable[..., T], *args: Any, label: str
 
 
 # -- timing inside a rank ----------------------------------------------------------------------
+def minor_faults() -> int:
+    """Minor page faults of this process so far (``getrusage``; a spawned child counts its own)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def timed(fn: Callable[..., T], *args: Any, barrier: Callable[[], Any] = dist.barrier) -> tuple[T, float]:
     """Meet the other ranks at ``barrier``, then call ``fn(*args)``: its result and wall seconds.
 
@@ -178,14 +184,18 @@ def round_robin(
 
     ``step(name, i, batch)`` runs one step of variant ``name``; each call is
     :func:`timed` after a ``dist.barrier()``, so the variants share the same
-    machine conditions. Returns, per name, the wall times of the steps after
-    the first ``warmup`` and the results of every step.
+    machine conditions. The order within a round rotates by one every step, so
+    no variant always runs right after the same other one (what the previous
+    step left in the caches and the allocator's free lists differs by variant).
+    Returns, per name, the wall times of the steps after the first ``warmup``
+    and the results of every step.
     """
     names = list(names)
     times: dict[str, list[float]] = {name: [] for name in names}
     results: dict[str, list[T]] = {name: [] for name in names}
     for i, batch in enumerate(batches):
-        for name in names:
+        shift = i % len(names) if names else 0
+        for name in names[shift:] + names[:shift]:
             result, elapsed = timed(step, name, i, batch)
             results[name].append(result)
             if i >= warmup:

@@ -78,6 +78,10 @@ One JSON object per (model, world, schedule, impl) on stdout (and in ``--out``):
   (send + transfer + receive of one activation or gradient); ``local_gap_ms``:
   median time between two computes of a rank whose inputs were already there
   (its own sends, receives and bookkeeping in between).
+* ``minor_faults_per_step``: per rank, the median number of minor page faults
+  of a timed step (``getrusage``; the step's fresh memory the allocator had to
+  get from the OS again). At a few MB per step each thousand costs about 1 ms here,
+  so it explains part of the step-time differences between variants.
 * ``cores``: ``os.cpu_count()``; ``loadavg_1m`` the machine's load when the
   line was written. With ``world > cores`` the ranks oversubscribe the CPU:
   step times and measured bubbles then include time a rank was descheduled.
@@ -105,6 +109,7 @@ from _common import (
     make_batches,
     max_rel_diff,
     median_of_max,
+    minor_faults,
     note,
     profile_steps,
     reference_losses,
@@ -313,11 +318,21 @@ def bench_rank(cfg: Config) -> dict[str, Any]:
     rank = dist.get_rank()
     batches = batches_of(cfg)
     runners, skipped, stages_of = build_runners(cfg)
-    times, outputs = round_robin(runners, batches, cfg.warmup, lambda name, i, batch: runners[name].step(batch))
+    faults: dict[str, list[int]] = defaultdict(list)
+
+    def counted_step(name: str, i: int, batch: Any) -> Any:
+        before = minor_faults()
+        out = runners[name].step(batch)
+        if i >= cfg.warmup:
+            faults[name].append(minor_faults() - before)
+        return out
+
+    times, outputs = round_robin(runners, batches, cfg.warmup, counted_step)
     # Torch's loss exists only on the last stage's rank (None elsewhere).
     losses = {name: [loss.item() for loss in out if loss is not None] for name, out in outputs.items()}
     result: dict[str, Any] = {
         "times": times,
+        "faults": dict(faults),
         "losses": losses,
         "events": {name: r.events[cfg.warmup:] for name, r in runners.items() if isinstance(r, Ours)},
         "skipped": skipped,
@@ -422,6 +437,7 @@ def rows_for(cfg: Config, per_rank: list[dict[str, Any]], ref: list[float]) -> l
                 "partition": [list(s) for s in first["stages"][schedule]],
                 "median_step_s": round(medians[name], 5),
                 "min_step_s": round(min(slowest_per_step(r["times"][name] for r in per_rank)), 5),
+                "minor_faults_per_step": [int(statistics.median(r["faults"][name])) for r in per_rank],
                 "ratio_to_torch": round(medians[name] / reference, 3) if reference else None,
                 "first_loss": round(losses[name][0], 6),
                 "max_rel_loss_diff": max_rel_diff(losses[name], ref),

@@ -8,6 +8,7 @@ rank's backend, and check that the world matches the mesh.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Iterator, Mapping
@@ -96,10 +97,14 @@ class Mesh:
 
     def group_ranks(self, axis: str, rank: int) -> tuple[int, ...]:
         """Global ranks of the ``axis`` slice through ``rank``, in axis order."""
+        # Every collective asks this: remembered per (mesh shape, axis, rank).
+        if isinstance(axis, str) and isinstance(rank, int):
+            return _group_ranks(self, axis, rank)
+        return self._compute_group_ranks(axis, rank)  # raises the usual errors
+
+    def _compute_group_ranks(self, axis: str, rank: int) -> tuple[int, ...]:
         coords = self.coords_of(rank)
-        return tuple(
-            self.rank_of({**coords, axis: i}) for i in range(self.axis_size(axis))
-        )
+        return tuple(self.rank_of({**coords, axis: i}) for i in range(self.axis_size(axis)))
 
     def all_groups(self, axis: str) -> list[tuple[int, ...]]:
         """Every slice of ``axis`` (each rank appears in exactly one), ordered by first rank."""
@@ -172,3 +177,9 @@ class Mesh:
 
     def __reduce__(self) -> tuple[object, tuple[object, ...]]:
         return (Mesh, (dict(self._shape),))
+
+
+@functools.lru_cache(maxsize=4096)
+def _group_ranks(mesh: Mesh, axis: str, rank: int) -> tuple[int, ...]:
+    # Meshes are values (equal and hashing by their axes), so equal meshes share entries.
+    return mesh._compute_group_ranks(axis, rank)

@@ -213,19 +213,30 @@ def adamw(
         t = as_step(state.step) + 1  # torch counts the update first: bias corrections use t >= 1
         step_lr = _lr_at(schedule, t - 1)
 
-        # The order of operations is torch's, so the rounding is too.
-        if weight_decay != 0:
-            p = fe.mul_scalar(p, 1 - step_lr * weight_decay, inplace=inplace)
-        m = fe.lerp_scalar(m, g, 1 - beta1, inplace=inplace)
-        v = fe.addcmul_scalar(fe.mul_scalar(v, beta2, inplace=inplace), g, g, 1 - beta2, inplace=inplace)
         # Bias corrections are Python floats (double precision) for every dtype, as in
         # torch's non-capturable paths.
         bias_correction1 = 1 - beta1**t
         bias_correction2 = 1 - beta2**t
         step_size = step_lr / bias_correction1
-        # sqrt makes the one new list; the rest reuses it, as torch's foreach path does.
-        denom = fe.add_scalar(fe.div_scalar(fe.sqrt(v), bias_correction2**0.5, inplace=True), eps, inplace=True)
-        new_p = fe.addcdiv_scalar(p, m, denom, -step_size, inplace=inplace)
+        # One bounded group of tensors at a time (fe.bounded_groups): on CPU each group's
+        # tensors stay in cache through all the ops, as in torch's single-tensor path, and the
+        # one temporary (sqrt's) is reused. Every op is elementwise, so the grouping changes
+        # no value; the order of operations is torch's, so the rounding is too.
+        new_p: list[Tensor] = []
+        new_m: list[Tensor] = []
+        new_v: list[Tensor] = []
+        for group in fe.bounded_groups(p):
+            ps, gs, ms, vs = ([leaves[i] for i in group] for leaves in (p, g, m, v))
+            if weight_decay != 0:
+                ps = fe.mul_scalar(ps, 1 - step_lr * weight_decay, inplace=inplace)
+            ms = fe.lerp_scalar(ms, gs, 1 - beta1, inplace=inplace)
+            vs = fe.addcmul_scalar(fe.mul_scalar(vs, beta2, inplace=inplace), gs, gs, 1 - beta2, inplace=inplace)
+            # sqrt makes the one new list; the rest reuses it, as torch's foreach path does.
+            denom = fe.add_scalar(fe.div_scalar(fe.sqrt(vs), bias_correction2**0.5, inplace=True), eps, inplace=True)
+            new_p += fe.addcdiv_scalar(ps, ms, denom, -step_size, inplace=inplace)
+            new_m += ms
+            new_v += vs
+        m, v = new_m, new_v
 
         new_state = AdamWState(
             step=_next_step(state.step),

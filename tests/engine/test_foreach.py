@@ -9,6 +9,7 @@ means the kernel changed.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import pytest
@@ -58,7 +59,7 @@ CASES: dict[
 
 def test_every_wrapped_op_is_covered_here() -> None:
     assert {op for op, _ in CASES.values()} == set(fe.FALLBACKS)
-    assert set(CASES) == set(fe.__all__) - {"foreach_op"}
+    assert set(CASES) == set(fe.__all__) - {"foreach_op", "bounded_groups"}
 
 
 @pytest.mark.parametrize("name", sorted(fe.FALLBACKS))
@@ -117,3 +118,31 @@ def test_empty_lists_and_length_mismatch() -> None:
     assert fe.add([], [], alpha=1.0) == []
     with pytest.raises(ValueError, match="differ in length"):
         fe.add([torch.ones(1)], [], alpha=1.0)
+
+
+def test_bounded_groups_cover_every_index_once_in_order_within_the_largest_tensor() -> None:
+    unit = fe.MIN_GROUP_BYTES // 4 // 50  # float32 elements: 50 units fill the floor
+    sizes = [n * unit for n in (4, 100, 30, 30, 30, 10, 100, 1, 1)]
+    xs = [torch.zeros(n) for n in sizes]
+    groups = fe.bounded_groups(xs)
+    assert [i for group in groups for i in group] == list(range(len(xs)))
+    budget = max(sizes) * 4
+    assert len(groups) == 5  # [4] [100] [30 30 30] [10] [100 1 1]
+    for group in groups:
+        assert len(group) == 1 or sum(sizes[i] for i in group) * 4 <= budget
+    # Greedy: a group closes only when the next tensor would not fit.
+    for group, following in itertools.pairwise(groups):
+        assert (sum(sizes[i] for i in group) + sizes[following[0]]) * 4 > budget
+    assert fe.bounded_groups([]) == []
+
+
+def test_small_tensors_share_one_group_up_to_the_floor() -> None:
+    xs = [torch.zeros(16, 16), torch.zeros(16), torch.zeros(16, 16), torch.zeros(16)]
+    assert fe.bounded_groups(xs) == [range(4)]
+    big = torch.zeros(fe.MIN_GROUP_BYTES // 4)
+    assert fe.bounded_groups([big, torch.zeros(1)]) == [range(1), range(1, 2)]
+
+
+def test_bounded_groups_is_one_group_off_the_cpu() -> None:
+    xs = [torch.zeros(4, device="meta"), torch.zeros(100, device="meta")]
+    assert fe.bounded_groups(xs) == [range(2)]

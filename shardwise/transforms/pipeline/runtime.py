@@ -29,7 +29,7 @@ from ...collectives.mesh import Mesh
 from ...collectives.ops import psum, psum_async
 from ...collectives.p2p import recv, send
 from ...engine import _foreach as fe
-from ...engine.chain import Chain
+from ...engine.chain import Chain, Layer
 from ...engine.plan import Action
 from ...engine.precision import all_finite
 from .lowering import (
@@ -45,7 +45,8 @@ from .lowering import (
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 Layout = tuple[torch.Size, torch.dtype]
-TIED_TAG_BASE = 1 << 29  # above every activation/gradient tag (tag_of stays far below it)
+TIED_TAG_BASE = 1 << 29
+_COMPUTE_KINDS = frozenset(("forward", "backward", "backward_input", "backward_weight"))  # above every activation/gradient tag (tag_of stays far below it)
 
 
 def _float_leaves(tree: Any) -> list[torch.Tensor]:
@@ -97,9 +98,11 @@ class PipelineRuntime:
     _outputs: dict[tuple[int, int], Any] = field(default_factory=dict)
     _input_grads: dict[tuple[int, int], list[torch.Tensor | None]] = field(default_factory=dict)
     _sends: list[Handle] = field(default_factory=list)
-    _posted: dict[tuple[str, int, int], list[Handle]] = field(default_factory=dict)
+    _posted: dict[tuple[str, int, int], list[Handle]] | None = None  # None: not posted yet
+    _actions: Sequence[Action] = ()
     _losses: list[torch.Tensor] = field(default_factory=list)
     _leaves: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)  # (layer, local) -> step's leaf
+    _calls: dict[int, list[tuple[Layer, tuple[tuple[str, tuple[str, str]], ...]]]] = field(default_factory=dict)
 
     @property
     def last(self) -> int:
@@ -119,17 +122,21 @@ class PipelineRuntime:
             REDUCE_METRICS: self.reduce_metrics,
             UPDATE: update,
         }
-        self.post_receives(actions)
+        self._actions = actions
+        timed: list[tuple[Action, float, float]] = []  # compute actions, when recording
         for action in actions:
             handler = table.get(action.kind)
             if handler is None:
                 raise ValueError(f"pipeline runtime has no handler for action {action}")
-            if self.record and action.kind in ("forward", "backward", "backward_input", "backward_weight"):
+            if self.record and action.kind in _COMPUTE_KINDS:
                 start = time.perf_counter()
                 handler(action)
-                self.events.append((self.mesh.rank, _op_text(action), start, time.perf_counter()))
+                timed.append((action, start, time.perf_counter()))
             else:
                 handler(action)
+        # Named after the step, so recording costs two clock reads per compute while it runs.
+        rank = self.mesh.rank
+        self.events.extend((rank, _op_text(action), start, end) for action, start, end in timed)
 
     # -- compute ---------------------------------------------------------------------
     def forward(self, action: Action) -> None:
@@ -141,9 +148,9 @@ class PipelineRuntime:
             for t in inputs:
                 t.requires_grad_(True)
             y = x
-            for name in self.stages[s]:
-                local = self.chain.layer_params(self._param_view(name, leaves), name)
-                y = self.chain[name](local, y)
+            for layer, wiring in self._calls_of(s):
+                tensors = {local: self._leaf(key, leaves) for local, key in wiring}
+                y = layer.fn({**tensors, **layer.buffers}, y)  # what Layer.__call__ does
             if s == self.last:
                 loss = self.loss_fn(y, self.microbatches[m][1])
                 self._losses.append(loss.detach())
@@ -217,20 +224,30 @@ class PipelineRuntime:
             )
         return list(grads)
 
-    def _param_view(self, layer: str, leaves: dict[tuple[str, str], torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
-        """Leaves that require grad for ``layer`` and the layers it ties to (all on this rank); one
-        leaf per parameter for the whole step, recorded in ``leaves`` for this forward's backward."""
-        owners = {layer} | {owner for owner, _ in self.chain[layer].ties.values()}
-        view: dict[str, dict[str, torch.Tensor]] = {}
-        for owner in owners:
-            view[owner] = {}
-            for local, t in self.params.get(owner, {}).items():
-                key = (owner, local)
-                leaf = self._leaves.get(key)
-                if leaf is None:
-                    leaf = self._leaves[key] = t.detach().requires_grad_(True)
-                view[owner][local] = leaves[key] = leaf
-        return view
+    def _calls_of(self, s: int) -> list[tuple[Layer, tuple[tuple[str, tuple[str, str]], ...]]]:
+        """Stage ``s``'s layers, each with its wiring: local param name -> (owner layer, owner's name).
+        Worked out once per step and stage, not per micro-batch."""
+        calls = self._calls.get(s)
+        if calls is None:
+            calls = self._calls[s] = []
+            for name in self.stages[s]:
+                layer = self.chain[name]
+                wiring = tuple((local, layer.ties.get(local, (name, local))) for local in layer.param_names)
+                calls.append((layer, wiring))
+        return calls
+
+    def _leaf(self, key: tuple[str, str], used: dict[tuple[str, str], torch.Tensor]) -> torch.Tensor:
+        """The step's leaf (requires grad) for parameter ``key``, recorded in ``used`` for this forward's
+        backward; one leaf per parameter for the whole step."""
+        leaf = self._leaves.get(key)
+        if leaf is None:
+            owner, name = key
+            tensor = self.params.get(owner, {}).get(name)
+            if tensor is None:
+                raise KeyError(f"pipeline rank holds no parameter {name!r} of layer {owner!r}, which its stages use")
+            leaf = self._leaves[key] = tensor.detach().requires_grad_(True)
+        used[key] = leaf
+        return leaf
 
     def _take_input(self, s: int, m: int) -> Any:
         if self.placement[s - 1] == self.placement[s]:
@@ -276,10 +293,14 @@ class PipelineRuntime:
         return outputs if kind == "activation" else [o for o in outputs if o[1].is_floating_point]
 
     def post_receives(self, actions: Sequence[Action]) -> None:
-        """Post every receive of the step up front, so transfers land while this rank computes
-        instead of when it asks for them. With predicted layouts every tensor is received as it is
-        (one transfer each); otherwise the count and the first tensor (a transfer has at least one)."""
+        """Post every receive of the step, so transfers land while this rank computes instead of
+        when it asks for them (gloo moves a message only once its receive is posted). This runs
+        at the rank's first receive, before it waits there, so the computes that need no receive
+        (stage 0's first forwards) start without paying for it. With predicted layouts every
+        tensor is received as it is (one transfer each); otherwise the count and the first tensor
+        (a transfer has at least one)."""
         mb = len(self.microbatches)
+        self._posted = {}
         for action in actions:
             if action.kind not in (RECV_ACTIVATION, RECV_GRAD):
                 continue
@@ -296,6 +317,9 @@ class PipelineRuntime:
                 ]
 
     def receive(self, action: Action) -> None:
+        if self._posted is None:
+            self.post_receives(self._actions)
+        assert self._posted is not None
         kind, producer, m, src = self._source(action)
         mb = len(self.microbatches)
         posted = self._posted.pop((kind, producer, m))
@@ -382,9 +406,15 @@ class PipelineRuntime:
 
 
 def _stage(action: Action) -> int:
-    if action.layer is None or not action.layer.startswith("stage"):
-        raise ValueError(f"action {action} does not name a stage")
-    return int(action.layer.removeprefix("stage"))
+    index = _STAGE_INDEX.get(action.layer)  # a handful of names, read for every action of every step
+    if index is None:
+        if action.layer is None or not action.layer.startswith("stage"):
+            raise ValueError(f"action {action} does not name a stage")
+        index = _STAGE_INDEX[action.layer] = int(action.layer.removeprefix("stage"))
+    return index
+
+
+_STAGE_INDEX: dict[str | None, int] = {}
 
 
 def _mb(action: Action) -> int:

@@ -21,7 +21,7 @@ from ...engine.data_parallel import (
     init_shards,
     shard_layouts,
 )
-from ...engine.plan import Plan
+from ...engine.plan import Action, Plan
 from ...engine.state import Params, TrainState, map_params
 from ...engine.step import (
     Metrics,
@@ -57,6 +57,14 @@ class PipelineLayout:
     # Memo of the tensors each stage boundary carries, by micro-batch input layout (see
     # PipelineStep.boundary_layouts): derived data, computed once per input shape.
     boundary_cache: dict[Any, Any] = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    # Memo of each pipeline index's actions (lower_rank of the schedule): the same every step.
+    actions_cache: dict[int, tuple[Action, ...]] = dataclasses.field(default_factory=dict, compare=False, repr=False)
+
+    def actions_of(self, index: int) -> tuple[Action, ...]:
+        """Pipeline index ``index``'s actions: its schedule ops with the sends and receives around them."""
+        if index not in self.actions_cache:
+            self.actions_cache[index] = lower_rank(self.schedule, index)
+        return self.actions_cache[index]
 
     def replicas_of(self, index: int) -> list[tuple[str, str]]:
         """Tied weights rank ``index`` holds a copy of without owning their layer."""
@@ -256,7 +264,7 @@ class PipelineStep(Step):
             held = new_master if store is None else store.rebuild(new_master)
             result.append((held, opt_state, loss_scale))
 
-        runtime.run(lower_rank(layout.schedule, index), update)
+        runtime.run(layout.actions_of(index), update)
         runtime.wait_metrics()
         assert runtime.loss_sum is not None and runtime.sq_norm is not None
         params, opt_state, loss_scale = result[0]
@@ -315,7 +323,7 @@ class PipelineStep(Step):
         """
         mesh = self._check_mesh(mesh)
         layout = self.layout(mesh, params)
-        per_rank = tuple(lower_rank(layout.schedule, mesh.coords_of(r)[self.axis]) for r in range(mesh.size))
+        per_rank = tuple(layout.actions_of(mesh.coords_of(r)[self.axis]) for r in range(mesh.size))
         memory: dict[str, tuple[int, ...]] = {}
         if params is not None:
             meta = map_params(lambda t: torch.empty_like(t, device="meta"), params)
