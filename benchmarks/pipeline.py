@@ -14,8 +14,10 @@ functionalized as a Sequential (16 layers: each Linear and each GELU is one);
 seq_len=128, tie_weights=False)`` with cross-entropy, functionalized with
 ``units=["tok_emb", "blocks", "head"]``: 6 layers ``tok_emb, blocks.0 ..
 blocks.3, head``, where ``blocks.0`` also adds the position embedding and
-``head`` also applies ``ln_f`` (the glue joins the next unit). Tied weights
-across stages are not supported by sw.pipeline yet, hence ``tie_weights=False``.
+``head`` also applies ``ln_f`` (the glue joins the next unit). The head is
+untied (``tie_weights=False``) so that both libraries run the same model:
+torch.distributed.pipelining has no weights tied across stages (sw.pipeline
+keeps them tied; tests/transforms/test_pipeline_step.py).
 
 Schedules and stages: ``gpipe`` and ``1f1b`` run one stage per rank;
 ``interleaved_1f1b`` two (virtual) stages per rank, stage ``s`` on rank
@@ -82,6 +84,10 @@ One JSON object per (model, world, schedule, impl) on stdout (and in ``--out``):
   of a timed step (``getrusage``; the step's fresh memory the allocator had to
   get from the OS again). At a few MB per step each thousand costs about 1 ms here,
   so it explains part of the step-time differences between variants.
+* ``cpu_ms_per_step``: per rank, the median CPU time (``time.process_time``, all
+  the rank's threads) of a timed step. With more ranks than cores the ranks
+  share the CPU, so the step time follows the total CPU time as much as the
+  critical path.
 * ``cores``: ``os.cpu_count()``; ``loadavg_1m`` the machine's load when the
   line was written. With ``world > cores`` the ranks oversubscribe the CPU:
   step times and measured bubbles then include time a rank was descheduled.
@@ -93,6 +99,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
@@ -160,7 +167,7 @@ def variant_name(impl: str, schedule: str) -> str:
 def build_model(cfg: Config) -> nn.Module:
     """The model with its seeded initial weights (identical in every process).
 
-    GPT's head is untied: ties across stages are not supported by sw.pipeline yet.
+    GPT's head is untied: torch.distributed.pipelining cannot tie it to the embedding across stages.
     """
     return seeded_model(cfg.model, cfg.seed, tie_weights=False)
 
@@ -319,12 +326,14 @@ def bench_rank(cfg: Config) -> dict[str, Any]:
     batches = batches_of(cfg)
     runners, skipped, stages_of = build_runners(cfg)
     faults: dict[str, list[int]] = defaultdict(list)
+    cpu: dict[str, list[float]] = defaultdict(list)
 
     def counted_step(name: str, i: int, batch: Any) -> Any:
-        before = minor_faults()
+        before, cpu_before = minor_faults(), time.process_time()
         out = runners[name].step(batch)
         if i >= cfg.warmup:
             faults[name].append(minor_faults() - before)
+            cpu[name].append(time.process_time() - cpu_before)
         return out
 
     times, outputs = round_robin(runners, batches, cfg.warmup, counted_step)
@@ -333,6 +342,7 @@ def bench_rank(cfg: Config) -> dict[str, Any]:
     result: dict[str, Any] = {
         "times": times,
         "faults": dict(faults),
+        "cpu": dict(cpu),
         "losses": losses,
         "events": {name: r.events[cfg.warmup:] for name, r in runners.items() if isinstance(r, Ours)},
         "skipped": skipped,
@@ -438,6 +448,7 @@ def rows_for(cfg: Config, per_rank: list[dict[str, Any]], ref: list[float]) -> l
                 "median_step_s": round(medians[name], 5),
                 "min_step_s": round(min(slowest_per_step(r["times"][name] for r in per_rank)), 5),
                 "minor_faults_per_step": [int(statistics.median(r["faults"][name])) for r in per_rank],
+                "cpu_ms_per_step": [round(1e3 * statistics.median(r["cpu"][name]), 2) for r in per_rank],
                 "ratio_to_torch": round(medians[name] / reference, 3) if reference else None,
                 "first_loss": round(losses[name][0], 6),
                 "max_rel_loss_diff": max_rel_diff(losses[name], ref),

@@ -222,3 +222,30 @@ def test_a_stage_whose_output_shape_depends_on_data_falls_back_to_announced_tran
     batches = [(torch.randn(4, 3, dtype=torch.float64), torch.randn(1, dtype=torch.float64)) for _ in range(2)]
     assert piped.boundary_layouts(piped.layout(sw.Mesh(pp=2), params), batches[0][0]) is None
     sw.testing.assert_equivalent(piped, step, sw.Mesh(pp=2), batches, params, rtol=F64_RTOL)
+
+
+@pytest.mark.parametrize("clip_norm", [None, 0.05], ids=["update-first", "clip-waits-for-the-norm"])
+def test_step_ends_with_grads_then_metrics_then_update_and_reports_the_global_metrics(clip_norm: float | None) -> None:
+    torch.manual_seed(3)
+    chain, params = sw.functionalize(mlp([4, 6, 5, 3], "tanh").double())
+    step = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1, momentum=0.9), clip_norm=clip_norm)
+    gen = torch.Generator().manual_seed(4)
+    batch = (torch.randn(8, 4, generator=gen, dtype=torch.float64), torch.randn(8, 3, generator=gen, dtype=torch.float64))
+    piped = sw.pipeline(step, "pp", "1f1b", 4)
+    mesh = sw.Mesh(pp=2)
+    for actions in piped.plan(mesh, params).actions:
+        assert [a.kind for a in actions[-3:]] == ["finish_grads", "reduce_metrics", "update"]
+
+    def run() -> tuple[dict, dict]:
+        state, metrics = piped(piped.init(params, mesh), batch)
+        return piped.full_params(state), metrics
+
+    ref_state, ref_metrics = step(step.init(params), batch)
+    for full, metrics in sw.launch(run, 2):
+        assert torch.allclose(metrics["loss"], ref_metrics["loss"], rtol=F64_RTOL, atol=0)
+        assert torch.allclose(metrics["grad_norm"], ref_metrics["grad_norm"], rtol=F64_RTOL, atol=0)
+        for layer, tensors in ref_state.params.items():
+            for name, t in tensors.items():
+                assert torch.allclose(full[layer][name], t, rtol=F64_RTOL, atol=1e-15)
+    if clip_norm is not None:  # the clip really acted, so the update used the global norm
+        assert float(ref_metrics["grad_norm"]) > clip_norm
