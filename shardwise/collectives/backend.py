@@ -218,7 +218,7 @@ class Backend(abc.ABC):
     ) -> Work: ...
 
     @abc.abstractmethod
-    def send(self, x: torch.Tensor, dst: int, tag: int, *, announce: bool = True) -> Work:
+    def send(self, x: torch.Tensor, dst: int, tag: int, *, announce: bool = True, snapshot: bool = True) -> Work:
         """Send ``x`` to global rank ``dst`` with ``tag``; ``wait()`` returns ``x``.
 
         The backend snapshots ``x`` (or waits until it is safe to reuse) before
@@ -226,7 +226,10 @@ class Backend(abc.ABC):
         waits for the receiver. Messages to one ``dst`` with one ``tag`` arrive in
         send order. ``announce=False`` sends no shape and dtype with the data:
         the receiver must pass them (``recv(..., like=...)``); one tag must not
-        mix announced and unannounced messages.
+        mix announced and unannounced messages. ``snapshot=False`` is the
+        caller's promise never to modify ``x`` in place: a backend may then read
+        ``x`` itself until the receiver has it instead of copying it first. The
+        receiver always gets a tensor of its own.
         """
 
     @abc.abstractmethod

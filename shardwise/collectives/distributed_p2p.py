@@ -111,13 +111,16 @@ class PointToPoint:
         self._recv_queues: dict[tuple[int, int], deque[_DistRecvWork]] = {}
         self._self_mailbox = Mailbox()
 
-    def send(self, x: torch.Tensor, dst: int, tag: int, *, announce: bool = True) -> Work:
+    def send(self, x: torch.Tensor, dst: int, tag: int, *, announce: bool = True, snapshot: bool = True) -> Work:
         dst, tag = check_p2p("send", dst, tag, self.world_size, "dst")
         self._check_p2p_device("send", x.device)
         if dst == self.rank:
             self._self_mailbox.put((dst, dst, tag), x.detach().clone())
             return CompletedWork(x)
-        payload = flat_copy(x).view(torch.uint8)  # a snapshot: x may change as soon as we return
+        if snapshot or not x.is_contiguous():
+            payload = flat_copy(x).view(torch.uint8)  # a snapshot: x may change as soon as we return
+        else:  # the caller never modifies x: gloo reads it in place (the pending send keeps it alive)
+            payload = x.detach().reshape(-1).view(torch.uint8)
         buffers = [payload]
         if announce:
             header, extension = _p2p_header(x, "send")

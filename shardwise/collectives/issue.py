@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -76,8 +77,12 @@ def resolve(op: str, axis: str, mesh: Mesh | None) -> Where:
     if axis not in mesh.axis_names:
         raise ValueError(f"{op}: unknown mesh axis {axis!r}; {mesh!r} has axes {mesh.axis_names}")
     backend = mesh.backend
-    group = Group(axis, mesh.group_ranks(axis, backend.rank))
-    return Where(axis, backend, group, _ledger.active_ledgers())
+    return Where(axis, backend, _group(axis, mesh.group_ranks(axis, backend.rank)), _ledger.active_ledgers())
+
+
+@functools.lru_cache(maxsize=4096)  # every collective resolves its group; Group is a frozen value
+def _group(axis: str, ranks: tuple[int, ...]) -> Group:
+    return Group(axis, ranks)
 
 
 class Handle:

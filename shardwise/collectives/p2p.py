@@ -46,7 +46,14 @@ def _record_p2p(op: str, where: Where, t: torch.Tensor, sent_bytes: int, phase: 
 
 
 def send(
-    x: torch.Tensor, axis: str, dst: int, *, tag: int = 0, announce: bool = True, mesh: Mesh | None = None
+    x: torch.Tensor,
+    axis: str,
+    dst: int,
+    *,
+    tag: int = 0,
+    announce: bool = True,
+    snapshot: bool = True,
+    mesh: Mesh | None = None,
 ) -> Handle:
     """Send ``x`` to the rank at index ``dst`` of ``axis``; ``.wait()`` returns ``x``.
 
@@ -55,7 +62,10 @@ def send(
     ``tag`` (an int in ``0..MAX_TAG``) arrive in send order; tags are
     independent. ``announce=False`` leaves out the shape and dtype (one
     transfer less on torch.distributed): the receiver passes them as
-    ``recv(..., like=(shape, dtype))``. Not differentiable.
+    ``recv(..., like=(shape, dtype))``. ``snapshot=False`` promises that
+    ``x`` is never modified in place afterwards, so no copy is taken (the
+    transport may read ``x`` until the receiver has it; the receiver still
+    gets a tensor of its own). Not differentiable.
     """
     x = require_tensor("send", x)
     refuse_grad("send", x, "send x.detach() (a pipeline sends the gradient back itself)")
@@ -63,7 +73,7 @@ def send(
     peer = _peer("send", where, dst, "dst")
     _, tag = check_p2p("send", peer, tag, where.backend.world_size, "dst")
     plain = unwrap(x)
-    work = where.backend.send(plain, peer, tag, announce=announce)
+    work = where.backend.send(plain, peer, tag, announce=announce, snapshot=snapshot)
     # Like ppermute: a message to oneself moves no bytes.
     sent_bytes = 0 if dst == where.index else plain.numel() * plain.element_size()
     _record_p2p("send", where, plain, sent_bytes, current_phase())

@@ -336,3 +336,37 @@ def test_a_known_layout_that_does_not_match_is_refused() -> None:
 
     with pytest.raises(RankFailed, match=r"expected \(3,\) torch.float32, got \(4,\) torch.float32"):
         launch(main, 2, timeout=5)
+
+
+def _without_snapshot() -> list[float] | bool:
+    """snapshot=False: the values still arrive (contiguous or not, announced or not), and the
+    receiver's tensor is its own: writing to it leaves the sender's tensor alone."""
+    from shardwise.collectives import psum
+
+    mesh = Mesh(pp=2)
+    with mesh:
+        x = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+        if mesh.rank == 0:
+            send(x, "pp", 1, tag=1, snapshot=False)
+            send(x.t(), "pp", 1, tag=2, snapshot=False, announce=False)  # not contiguous: copied anyway
+            psum(torch.zeros(1), "pp")  # the receiver has written to what it got
+            return torch.equal(x, torch.arange(6, dtype=torch.float32).reshape(2, 3))
+        got = recv("pp", 0, tag=1).wait()
+        got_t = recv("pp", 0, tag=2, like=(torch.Size([3, 2]), torch.float32)).wait()
+        values = got.flatten().tolist() + got_t.flatten().tolist()
+        got.fill_(-1.0)
+        got_t.fill_(-1.0)
+        psum(torch.zeros(1), "pp")
+        return values
+
+
+_SENT_WITHOUT_SNAPSHOT = [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 0.0, 3.0, 1.0, 4.0, 2.0, 5.0]
+
+
+def test_send_without_snapshot_on_threads() -> None:
+    assert launch(_without_snapshot, 2) == [True, _SENT_WITHOUT_SNAPSHOT]
+
+
+@pytest.mark.gloo
+def test_send_without_snapshot_on_gloo(gloo2: Any) -> None:
+    assert gloo2.run(_without_snapshot) == [True, _SENT_WITHOUT_SNAPSHOT]

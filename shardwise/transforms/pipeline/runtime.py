@@ -275,7 +275,10 @@ class PipelineRuntime:
             self._sends.append(send(count, self.axis, dst, tag=tag_of(kind, s, m, mb), mesh=self.mesh))
         for i, leaf in enumerate(leaves, start=1):
             tag = tag_of(kind, s, m, mb, i)
-            self._sends.append(send(leaf.detach(), self.axis, dst, tag=tag, announce=not known, mesh=self.mesh))
+            # No snapshot: nothing modifies a stage output or an input gradient in place once made.
+            self._sends.append(
+                send(leaf.detach(), self.axis, dst, tag=tag, announce=not known, snapshot=False, mesh=self.mesh)
+            )
 
     def _source(self, action: Action) -> tuple[str, int, int, int]:
         """(kind, producing stage, micro-batch, source index along the axis) of a receive action."""
