@@ -33,7 +33,7 @@ Contracts the rest of the engine relies on:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, TypeAlias
 
 import optree
@@ -53,6 +53,7 @@ __all__ = [
     "adamw",
     "global_norm",
     "sgd",
+    "sum_of_squares",
 ]
 
 Params: TypeAlias = Any
@@ -264,6 +265,19 @@ def global_norm(tree: Params) -> Tensor:
     first_device = leaves[0].device
     norms = fe.norm(leaves, 2.0)
     return torch.linalg.vector_norm(torch.stack([n.to(first_device) for n in norms]), 2.0)
+
+
+@torch.no_grad()
+def sum_of_squares(tensors: Sequence[Tensor], dtype: torch.dtype) -> Tensor:
+    """The sum of the squares of every element of ``tensors``, in ``dtype`` (0 for none).
+
+    One norm per tensor (the foreach kernel: no squared copy of any tensor), squared and
+    summed. Ranks holding parts of the gradients add their sums (one all-reduce); the
+    global norm is the square root of the total.
+    """
+    if not tensors:
+        return torch.zeros((), dtype=dtype)
+    return torch.stack([n.to(dtype) for n in fe.norm(tensors, 2.0)]).square().sum()
 
 
 def _as_schedule(lr: float | Schedule) -> Schedule:

@@ -364,3 +364,15 @@ def test_global_norm_is_torch_total_norm() -> None:
         p.grad = g.clone()
     assert torch.equal(global_norm(grads), torch.nn.utils.clip_grad_norm_(params, max_norm=1.0))
     assert torch.equal(global_norm({}), torch.tensor(0.0))
+
+
+def test_sum_of_squares_is_the_squared_global_norm_without_squared_copies() -> None:
+    from shardwise.engine.optim import sum_of_squares
+
+    gen = torch.Generator().manual_seed(5)
+    tensors = [torch.randn(3, 4, generator=gen, dtype=torch.float64), torch.randn(7, generator=gen, dtype=torch.float64)]
+    expected = sum(float((t * t).sum()) for t in tensors)
+    got = sum_of_squares(tensors, torch.float64)
+    assert got.dtype == torch.float64 and got.shape == ()
+    assert abs(float(got) - expected) <= 1e-12 * expected
+    assert float(sum_of_squares([], torch.float32)) == 0.0

@@ -28,8 +28,8 @@ from ...collectives.issue import Handle
 from ...collectives.mesh import Mesh
 from ...collectives.ops import psum, psum_async
 from ...collectives.p2p import recv, send
-from ...engine import _foreach as fe
 from ...engine.chain import Chain, Layer
+from ...engine.optim import sum_of_squares
 from ...engine.plan import Action
 from ...engine.precision import all_finite
 from .lowering import (
@@ -45,8 +45,8 @@ from .lowering import (
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 Layout = tuple[torch.Size, torch.dtype]
-TIED_TAG_BASE = 1 << 29
-_COMPUTE_KINDS = frozenset(("forward", "backward", "backward_input", "backward_weight"))  # above every activation/gradient tag (tag_of stays far below it)
+TIED_TAG_BASE = 1 << 29  # above every activation/gradient tag (tag_of stays far below it)
+_COMPUTE_KINDS = frozenset(("forward", "backward", "backward_input", "backward_weight"))
 
 
 def _float_leaves(tree: Any) -> list[torch.Tensor]:
@@ -150,7 +150,7 @@ class PipelineRuntime:
             y = x
             for layer, wiring in self._calls_of(s):
                 tensors = {local: self._leaf(key, leaves) for local, key in wiring}
-                y = layer.fn({**tensors, **layer.buffers}, y)  # what Layer.__call__ does
+                y = layer(tensors, y)
             if s == self.last:
                 loss = self.loss_fn(y, self.microbatches[m][1])
                 self._losses.append(loss.detach())
@@ -353,10 +353,7 @@ class PipelineRuntime:
         # A tied copy's gradient is also its owner's: count it once in the norm.
         counted: Any = {k: v for k, v in self.final_grads.items() if k not in self.replica_layers}
         pieces: list[torch.Tensor] = list(optree.tree_leaves(counted))
-        # One norm per tensor (no squared copy of each gradient), then their squares summed.
-        norms = [n.to(dtype) for n in fe.norm(pieces, 2.0)]
-        local_sq = torch.stack(norms).square().sum() if norms else torch.zeros((), dtype=dtype)
-        values = [local_loss, local_sq]
+        values = [local_loss, sum_of_squares(pieces, dtype)]
         if self.check_finite:
             values.append(1.0 - all_finite(pieces).to(dtype))
         self._local_metrics = torch.stack(values)

@@ -22,6 +22,7 @@ from ...engine._storage import free_storage, owns_storage, refill_storage
 from ...engine.chain import Chain
 from ...engine.executor import Executor, LossFn
 from ...engine.flat import UnitLayout
+from ...engine.optim import sum_of_squares
 from ...engine.plan import BACKWARD, FORWARD, LOSS, UPDATE, Action
 from ...engine.precision import all_finite
 from .lowering import (
@@ -177,10 +178,7 @@ class ShardRuntime:
             raise RuntimeError("reduce_metrics before any loss")
         dtype = torch.float64 if any(s.dtype == torch.float64 for s in self.grad_shards.values()) else torch.float32
         local_loss = torch.stack([loss.to(dtype) for loss in self.losses]).sum()
-        local_sq = sum(
-            (g.to(dtype).pow(2).sum() for g in self.grad_shards.values()), torch.zeros((), dtype=dtype)
-        )
-        values = [local_loss, local_sq]
+        values = [local_loss, sum_of_squares(list(self.grad_shards.values()), dtype)]
         if self.check_finite:
             values.append(1.0 - all_finite(self.grad_shards.values()).to(dtype))
         total = psum(torch.stack(values), self.axis, mesh=self.mesh)
