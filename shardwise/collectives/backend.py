@@ -24,7 +24,8 @@ Point to point (for pipeline stages; no group, peers are GLOBAL ranks):
 
 * ``send(x, dst, tag)``    -> deposits a snapshot of ``x`` for rank ``dst``; ``wait()``
   returns ``x`` (the caller may reuse or modify it at once; it never blocks on the
-  receiver).
+  receiver). With ``snapshot=False`` the backend may read ``x`` itself until
+  ``wait()`` returns, and ``wait()`` may then wait for the receiver.
 * ``recv(src, tag)``       -> ``wait()`` returns the next message from ``src`` with
   ``tag``, with the sender's shape and dtype (the receiver need not know them).
 
@@ -227,9 +228,11 @@ class Backend(abc.ABC):
         send order. ``announce=False`` sends no shape and dtype with the data:
         the receiver must pass them (``recv(..., like=...)``); one tag must not
         mix announced and unannounced messages. ``snapshot=False`` is the
-        caller's promise never to modify ``x`` in place: a backend may then read
-        ``x`` itself until the receiver has it instead of copying it first. The
-        receiver always gets a tensor of its own.
+        caller's promise that ``x`` stays unchanged until ``wait()`` returned, as
+        for the collectives, and that it calls ``wait()``: a backend may then read
+        ``x`` itself instead of copying it first, and its ``wait()`` may wait
+        until the receiver has the message (so issue your own receives before
+        waiting on such a send). The receiver always gets a tensor of its own.
         """
 
     @abc.abstractmethod

@@ -13,7 +13,13 @@ waits for the receiver. And gloo reports a send or receive done only through
 its ``wait()`` (``is_completed()`` stays False until then), so a daemon thread
 per backend waits for the sends in order, with the backend timeout, and frees
 their buffers; a send that failed or was not received in time surfaces at the
-next send/recv (or at ``close()``, which waits for them all). A receive posts
+next send/recv (or at ``close()``, which waits for them all). A send with
+``snapshot=False`` skips both the copy and that thread: gloo reads ``x`` itself
+and the caller's ``wait()`` waits for the delivery, as ``dist.isend``'s does
+(handing every send to the thread costs two thread switches per message, which
+a pipeline pays on its critical path). The backend keeps such a send until it is
+waited, and waits for the oldest itself once ``_MAX_UNWAITED`` are pending, so a
+caller that never waits cannot pile them up. A receive posts
 its header receive when issued and its payload receive once the header
 arrived, strictly in the order the receives of one (src, tag) were issued; for
 the same reason its ``is_completed()`` is True only once ``wait()`` returned. Sends to this very rank go through a local mailbox (gloo cannot send
@@ -108,6 +114,7 @@ class PointToPoint:
         # issue order), and the mailbox of messages this rank sent to itself.
         self._p2p_lock = threading.RLock()
         self._sends = _SendReaper(self)
+        self._unwaited: deque[_DeliveryWork] = deque()  # snapshot=False sends, oldest first
         self._recv_queues: dict[tuple[int, int], deque[_DistRecvWork]] = {}
         self._self_mailbox = Mailbox()
 
@@ -119,7 +126,7 @@ class PointToPoint:
             return CompletedWork(x)
         if snapshot or not x.is_contiguous():
             payload = flat_copy(x).view(torch.uint8)  # a snapshot: x may change as soon as we return
-        else:  # the caller never modifies x: gloo reads it in place (the pending send keeps it alive)
+        else:  # x stays unchanged until wait(): gloo reads it in place
             payload = x.detach().reshape(-1).view(torch.uint8)
         buffers = [payload]
         if announce:
@@ -127,19 +134,36 @@ class PointToPoint:
             buffers = [header, *([extension] if extension is not None else []), payload]
         with self._p2p_lock:
             self._sends.raise_failure()
+            if not snapshot:
+                self._limit_unwaited()
             works: list[Any] = []
+            issued = False
             try:
                 if announce:
                     works.append(dist.isend(buffers[0], dst, tag=_header_tag(tag)))
                 for buf in buffers[1:] if announce else buffers:
                     if buf.numel():  # an empty tensor has no payload: the header says it all
                         works.append(dist.isend(buf, dst, tag=_payload_tag(tag)))
+                issued = True
             except Exception as exc:
                 raise self._p2p_error("send to", dst, tag, exc) from exc
             finally:
-                if works:  # even a partly issued send must keep its buffers until gloo is done
+                # Even a partly issued send must keep its buffers until gloo is done.
+                if works and (snapshot or not issued):
                     self._sends.add(_PendingSend(dst, tag, works, buffers))
-        return CompletedWork(x)
+            if snapshot:
+                return CompletedWork(x)
+            work = _DeliveryWork(self, _PendingSend(dst, tag, works, buffers), x)
+            self._unwaited.append(work)
+        return work
+
+    def _limit_unwaited(self) -> None:
+        """Forget the waited snapshot=False sends; past ``_MAX_UNWAITED`` pending, wait for the oldest."""
+        unwaited = self._unwaited
+        while unwaited and unwaited[0].is_completed():
+            unwaited.popleft()
+        while len(unwaited) >= _MAX_UNWAITED:
+            unwaited.popleft().wait()
 
     def recv(self, src: int, tag: int, *, like: Layout | None = None) -> Work:
         src, tag = check_p2p("recv", src, tag, self.world_size, "src")
@@ -176,6 +200,10 @@ class PointToPoint:
 
     def close(self) -> None:
         """Wait (up to the timeout) until every send was received; raise if one failed."""
+        with self._p2p_lock:
+            unwaited, self._unwaited = list(self._unwaited), deque()
+        for work in unwaited:
+            work.wait()
         if not self._sends.drain(time.monotonic() + self.timeout):
             raise CollectiveTimeout(
                 f"close on rank {self.rank} [{self.name}]: sends were still not received after "
@@ -233,6 +261,38 @@ class PointToPoint:
                 else f"{where} timed out after {self.timeout:g} s: rank {peer} never received it: {exc}"
             )
         return CollectiveError(f"{where} failed (timeout {self.timeout:g} s): {type(exc).__name__}: {exc}")
+
+
+# Pending snapshot=False sends nobody waited for yet, past which a send waits for the oldest.
+_MAX_UNWAITED = 1024
+
+
+class _DeliveryWork(Work):
+    """A ``snapshot=False`` send: ``wait()`` waits until gloo is done reading (the receiver has it).
+
+    Waited at most once (gloo's send works count their waits), by the caller, by the backend
+    when too many are pending, or by ``close()``, whichever comes first.
+    """
+
+    def __init__(self, backend: PointToPoint, pending: _PendingSend, x: torch.Tensor) -> None:
+        self._backend, self._x = backend, x
+        self._pending: _PendingSend | None = pending
+        self._lock = threading.Lock()
+
+    def wait(self) -> torch.Tensor:
+        with self._lock:
+            pending = self._pending
+            if pending is not None:
+                deadline = time.monotonic() + self._backend.timeout
+                try:
+                    for work in pending.works:
+                        self._backend._wait_p2p(work, deadline, "send to", pending.dst, pending.tag)
+                finally:
+                    self._pending = None  # a failed send is reported once; gloo is done with it
+        return self._x
+
+    def is_completed(self) -> bool:
+        return self._pending is None
 
 
 class _PendingSend:

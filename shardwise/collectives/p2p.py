@@ -57,15 +57,18 @@ def send(
 ) -> Handle:
     """Send ``x`` to the rank at index ``dst`` of ``axis``; ``.wait()`` returns ``x``.
 
-    The message is a snapshot taken now: ``x`` may be modified at once, and
-    ``wait()`` never waits for the receiver. Messages to one rank with one
+    By default the message is a snapshot taken now: ``x`` may be modified at
+    once, and ``wait()`` never waits for the receiver. Messages to one rank with one
     ``tag`` (an int in ``0..MAX_TAG``) arrive in send order; tags are
     independent. ``announce=False`` leaves out the shape and dtype (one
     transfer less on torch.distributed): the receiver passes them as
     ``recv(..., like=(shape, dtype))``. ``snapshot=False`` promises that
-    ``x`` is never modified in place afterwards, so no copy is taken (the
-    transport may read ``x`` until the receiver has it; the receiver still
-    gets a tensor of its own). Not differentiable.
+    ``x`` stays unchanged until ``wait()`` returned and that you call
+    ``wait()``: no copy is taken, the transport reads ``x`` itself, and
+    ``wait()`` may block until the receiver has the message (on
+    torch.distributed it does, as ``dist.isend``'s wait; post your own
+    receives first). The receiver still gets a tensor of its own. Not
+    differentiable.
     """
     x = require_tensor("send", x)
     refuse_grad("send", x, "send x.detach() (a pipeline sends the gradient back itself)")

@@ -28,7 +28,7 @@ from shardwise.collectives import (
     send,
 )
 from shardwise.collectives.backend import MAX_TAG
-from shardwise.collectives.runtime import SingleRankBackend, use_backend
+from shardwise.collectives.runtime import SingleRankBackend, current_backend, use_backend
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> None:
@@ -347,10 +347,13 @@ def _without_snapshot() -> list[float] | bool:
     with mesh:
         x = torch.arange(6, dtype=torch.float32).reshape(2, 3)
         if mesh.rank == 0:
-            send(x, "pp", 1, tag=1, snapshot=False)
-            send(x.t(), "pp", 1, tag=2, snapshot=False, announce=False)  # not contiguous: copied anyway
+            sent = [
+                send(x, "pp", 1, tag=1, snapshot=False),
+                send(x.t(), "pp", 1, tag=2, snapshot=False, announce=False),  # not contiguous: copied anyway
+            ]
             psum(torch.zeros(1), "pp")  # the receiver has written to what it got
-            return torch.equal(x, torch.arange(6, dtype=torch.float32).reshape(2, 3))
+            waited = [handle.wait() for handle in sent]  # the promise: wait before x may change
+            return waited[0] is x and torch.equal(x, torch.arange(6, dtype=torch.float32).reshape(2, 3))
         got = recv("pp", 0, tag=1).wait()
         got_t = recv("pp", 0, tag=2, like=(torch.Size([3, 2]), torch.float32)).wait()
         values = got.flatten().tolist() + got_t.flatten().tolist()
@@ -370,3 +373,74 @@ def test_send_without_snapshot_on_threads() -> None:
 @pytest.mark.gloo
 def test_send_without_snapshot_on_gloo(gloo2: Any) -> None:
     assert gloo2.run(_without_snapshot) == [True, _SENT_WITHOUT_SNAPSHOT]
+
+
+def _unsnapshotted_send_waits_for_its_receiver(delay: float) -> float | None:
+    """snapshot=False on torch.distributed: gloo reads x itself, so wait() returns once the receiver
+    has the message (here posted ``delay`` seconds late), like dist.isend's wait."""
+    mesh = Mesh(pp=2)
+    with mesh:
+        if mesh.rank == 0:
+            x = torch.arange(4.0)
+            start = time.monotonic()
+            handle = send(x, "pp", 1, tag=3, snapshot=False)
+            handle.wait()
+            return time.monotonic() - start
+        time.sleep(delay)
+        assert recv("pp", 0, tag=3).wait().tolist() == [0.0, 1.0, 2.0, 3.0]
+        return None
+
+
+@pytest.mark.gloo
+def test_a_send_without_snapshot_is_waited_until_received_on_gloo(gloo2: Any) -> None:
+    waited, _ = gloo2.run(_unsnapshotted_send_waits_for_its_receiver, 0.5)
+    assert waited >= 0.45  # it waited for the late receive, not just for the issue
+
+
+def test_a_send_without_snapshot_returns_at_once_on_threads() -> None:
+    waited, _ = launch(_unsnapshotted_send_waits_for_its_receiver, 2, args=(0.5,))
+    assert waited < 0.45  # threads copy the message: nothing to wait for
+
+
+def _many_unwaited_sends(count: int) -> list[float] | bool:
+    """More unwaited snapshot=False sends than the backend keeps: it waits for the oldest itself,
+    so the sender neither piles them up nor loses one."""
+    from shardwise.collectives import distributed_p2p
+
+    mesh = Mesh(pp=2)
+    with mesh:
+        if mesh.rank == 0:
+            limit = distributed_p2p._MAX_UNWAITED
+            distributed_p2p._MAX_UNWAITED = 4
+            try:
+                handles = [send(torch.full((3,), float(i)), "pp", 1, tag=4, snapshot=False) for i in range(count)]
+                pending = len(current_backend()._unwaited)  # type: ignore[attr-defined]
+            finally:
+                distributed_p2p._MAX_UNWAITED = limit
+            for handle in handles:
+                handle.wait()  # a send the backend already waited for returns at once
+            return pending <= 4
+        received = [recv("pp", 0, tag=4) for _ in range(count)]
+        return [handle.wait()[0].item() for handle in received]
+
+
+@pytest.mark.gloo
+def test_unwaited_sends_without_snapshot_stay_bounded_on_gloo(gloo2: Any) -> None:
+    assert gloo2.run(_many_unwaited_sends, 10) == [True, [float(i) for i in range(10)]]
+
+
+def _never_received(_: int) -> None:
+    mesh = Mesh(pp=2)
+    with mesh:
+        if mesh.rank == 0:
+            send(torch.ones(3), "pp", 1, tag=5, snapshot=False).wait()
+
+
+@pytest.mark.gloo
+def test_a_send_without_snapshot_nobody_receives_times_out_on_gloo() -> None:
+    with pytest.raises(RankFailed) as info:
+        launch(_never_received, 2, backend="processes", timeout=2, args=(0,))
+    assert info.value.rank == 0
+    message = str(info.value)
+    assert "CollectiveTimeout" in message
+    assert "send to rank 1 (tag 5) on rank 0" in message and "never received it" in message

@@ -275,7 +275,8 @@ class PipelineRuntime:
             self._sends.append(send(count, self.axis, dst, tag=tag_of(kind, s, m, mb), mesh=self.mesh))
         for i, leaf in enumerate(leaves, start=1):
             tag = tag_of(kind, s, m, mb, i)
-            # No snapshot: nothing modifies a stage output or an input gradient in place once made.
+            # No snapshot: nothing modifies a stage output or an input gradient in place once made,
+            # and finish_grads waits for every send (by then the peers have posted their receives).
             self._sends.append(
                 send(leaf.detach(), self.axis, dst, tag=tag, announce=not known, snapshot=False, mesh=self.mesh)
             )
@@ -340,7 +341,7 @@ class PipelineRuntime:
     # -- end of step -------------------------------------------------------------------------
     def finish_grads(self, action: Action) -> None:
         """The gradients the optimizer gets (``final_grads``) and this rank's share of the metrics."""
-        for handle in self._sends:
+        for handle in self._sends:  # delivered: the peers posted every receive at their first one
             handle.wait()
         self._sends.clear()
         self._collect_grads()
