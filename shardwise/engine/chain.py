@@ -64,6 +64,12 @@ class Layer:
         """Run ``fn`` on ``params`` (this layer's full local dict, tied ones included) and buffers."""
         return self.fn({**params, **self.buffers}, x)
 
+    def bind(self, params: Mapping[str, Tensor]) -> Callable[[Any], Any]:
+        """``lambda x: self(params, x)``, with params and buffers merged once: for running the
+        layer on many inputs (micro-batches) with the same tensors."""
+        tensors, fn = {**params, **self.buffers}, self.fn
+        return lambda x: fn(tensors, x)
+
     @property
     def owned_param_names(self) -> tuple[str, ...]:
         """``param_names`` minus the tied ones: what ``params[self.name]`` holds."""

@@ -76,6 +76,21 @@ def test_call_matches_manual_composition() -> None:
     assert torch.equal(chain(params, x), expected)
 
 
+def test_bind_calls_the_layer_with_its_buffers_on_every_input() -> None:
+    chain, params = tied_pair()
+    seen: list[dict[str, Tensor]] = []
+    act = chain["act"]
+    spy = dataclasses.replace(act, fn=lambda t, x: seen.append(t) or act.fn(t, x))
+    call = spy.bind({})
+    for x in (torch.randn(2, 5, dtype=torch.float64), torch.randn(3, 5, dtype=torch.float64)):
+        assert torch.equal(call(x), act({}, x))
+    assert seen[0] is seen[1] and set(seen[0]) == {"scale"}  # merged once, reused
+    head = chain["head"]
+    x = torch.randn(4, 5, dtype=torch.float64)
+    tensors = chain.layer_params(params, "head")
+    assert torch.equal(head.bind(tensors)(x), head(tensors, x))
+
+
 def test_tied_param_gets_summed_gradient() -> None:
     chain, params = tied_pair()
     x = torch.randn(4, 3, dtype=torch.float64)

@@ -28,7 +28,7 @@ from ...collectives.issue import Handle
 from ...collectives.mesh import Mesh
 from ...collectives.ops import psum, psum_async
 from ...collectives.p2p import recv, send
-from ...engine.chain import Chain, Layer
+from ...engine.chain import Chain
 from ...engine.optim import sum_of_squares
 from ...engine.plan import Action
 from ...engine.precision import all_finite
@@ -102,7 +102,9 @@ class PipelineRuntime:
     _actions: Sequence[Action] = ()
     _losses: list[torch.Tensor] = field(default_factory=list)
     _leaves: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)  # (layer, local) -> step's leaf
-    _calls: dict[int, list[tuple[Layer, tuple[tuple[str, tuple[str, str]], ...]]]] = field(default_factory=dict)
+    _bound: dict[int, tuple[list[Callable[[Any], Any]], dict[tuple[str, str], torch.Tensor]]] = field(
+        default_factory=dict
+    )  # per stage: its layers bound to the step's leaves, and those leaves
 
     @property
     def last(self) -> int:
@@ -143,14 +145,13 @@ class PipelineRuntime:
         s, m = _stage(action), _mb(action)
         x = self.microbatches[m][0] if s == 0 else self._take_input(s, m)
         inputs = [] if s == 0 else _float_leaves(x)
-        leaves: dict[tuple[str, str], torch.Tensor] = {}
+        calls, leaves = self._bound_stage(s)
         with torch.enable_grad():
             for t in inputs:
                 t.requires_grad_(True)
             y = x
-            for layer, wiring in self._calls_of(s):
-                tensors = {local: self._leaf(key, leaves) for local, key in wiring}
-                y = layer(tensors, y)
+            for call in calls:
+                y = call(y)
             if s == self.last:
                 loss = self.loss_fn(y, self.microbatches[m][1])
                 self._losses.append(loss.detach())
@@ -224,17 +225,19 @@ class PipelineRuntime:
             )
         return list(grads)
 
-    def _calls_of(self, s: int) -> list[tuple[Layer, tuple[tuple[str, tuple[str, str]], ...]]]:
-        """Stage ``s``'s layers, each with its wiring: local param name -> (owner layer, owner's name).
-        Worked out once per step and stage, not per micro-batch."""
-        calls = self._calls.get(s)
-        if calls is None:
-            calls = self._calls[s] = []
+    def _bound_stage(self, s: int) -> tuple[list[Callable[[Any], Any]], dict[tuple[str, str], torch.Tensor]]:
+        """Stage ``s``'s layers bound to the step's leaves (tied ones through their owner), and the
+        leaves they use. Bound once per step and stage: every micro-batch runs the same calls."""
+        bound = self._bound.get(s)
+        if bound is None:
+            used: dict[tuple[str, str], torch.Tensor] = {}
+            calls = []
             for name in self.stages[s]:
                 layer = self.chain[name]
-                wiring = tuple((local, layer.ties.get(local, (name, local))) for local in layer.param_names)
-                calls.append((layer, wiring))
-        return calls
+                tensors = {local: self._leaf(layer.ties.get(local, (name, local)), used) for local in layer.param_names}
+                calls.append(layer.bind(tensors))
+            bound = self._bound[s] = (calls, used)
+        return bound
 
     def _leaf(self, key: tuple[str, str], used: dict[tuple[str, str], torch.Tensor]) -> torch.Tensor:
         """The step's leaf (requires grad) for parameter ``key``, recorded in ``used`` for this forward's
