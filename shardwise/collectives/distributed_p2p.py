@@ -283,10 +283,8 @@ class _DeliveryWork(Work):
         with self._lock:
             pending = self._pending
             if pending is not None:
-                deadline = time.monotonic() + self._backend.timeout
                 try:
-                    for work in pending.works:
-                        self._backend._wait_p2p(work, deadline, "send to", pending.dst, pending.tag)
+                    pending.wait(self._backend)
                 finally:
                     self._pending = None  # a failed send is reported once; gloo is done with it
         return self._x
@@ -302,6 +300,12 @@ class _PendingSend:
 
     def __init__(self, dst: int, tag: int, works: list[Any], buffers: list[torch.Tensor]) -> None:
         self.dst, self.tag, self.works, self.buffers = dst, tag, works, buffers
+
+    def wait(self, backend: PointToPoint) -> None:
+        """Wait until gloo is done with every part (within the backend timeout); raise if one failed."""
+        deadline = time.monotonic() + backend.timeout
+        for work in self.works:
+            backend._wait_p2p(work, deadline, "send to", self.dst, self.tag)
 
 
 class _SendReaper:
@@ -339,10 +343,8 @@ class _SendReaper:
                 while not self._queue:
                     self._cond.wait()
                 pending = self._queue.popleft()
-            deadline = time.monotonic() + backend.timeout
             try:
-                for work in pending.works:
-                    backend._wait_p2p(work, deadline, "send to", pending.dst, pending.tag)
+                pending.wait(backend)
             except CollectiveError as exc:
                 with self._cond:
                     self._failure = self._failure or exc

@@ -366,7 +366,7 @@ def test_global_norm_is_torch_total_norm() -> None:
     assert torch.equal(global_norm({}), torch.tensor(0.0))
 
 
-def test_sum_of_squares_is_the_squared_global_norm_without_squared_copies() -> None:
+def test_sum_of_squares_is_the_squared_global_norm() -> None:
     from shardwise.engine.optim import sum_of_squares
 
     gen = torch.Generator().manual_seed(5)

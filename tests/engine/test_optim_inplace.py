@@ -21,7 +21,7 @@ def test_inplace_update_is_bitwise_the_pure_one_and_reuses_the_tensors(name: str
     gen = torch.Generator().manual_seed(0)
     params = {"a": {"w": torch.randn(3, 4, generator=gen)}, "b": {"v": torch.randn(5, generator=gen, dtype=torch.float64)}}
     pure, inplace = FACTORIES[name](False), FACTORIES[name](True)
-    p1, s1 = {k: {n: t.clone() for n, t in v.items()} for k, v in params.items()}, None
+    p1 = {k: {n: t.clone() for n, t in v.items()} for k, v in params.items()}
     p2 = {k: {n: t.clone() for n, t in v.items()} for k, v in params.items()}
     s1, s2 = pure.init(p1), inplace.init(p2)
     for _ in range(5):
