@@ -33,7 +33,7 @@ Contracts the rest of the engine relies on:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple, TypeAlias
 
 import optree
@@ -258,13 +258,32 @@ def global_norm(tree: Params) -> Tensor:
 
     On sharded gradients this is the norm of the local shards only: combine ranks by
     summing squared norms (``psum(global_norm(shards) ** 2) ** 0.5``).
+
+    The per-tensor norms are summed in the tree's insertion order, the order of
+    ``module.parameters()`` for functionalized params, as torch sums them: optree's
+    sorted dict keys would put ``bias`` before ``weight``, and a different order of
+    the sum can differ in the last bit.
     """
-    leaves = optree.tree_leaves(tree)
+    leaves = list(_leaves_in_insertion_order(tree))
     if not leaves:
         return torch.tensor(0.0)
     first_device = leaves[0].device
     norms = fe.norm(leaves, 2.0)
     return torch.linalg.vector_norm(torch.stack([n.to(first_device) for n in norms]), 2.0)
+
+
+def _leaves_in_insertion_order(tree: Any) -> Iterator[Tensor]:
+    """The tensors of nested mappings, lists and tuples, mappings in insertion order."""
+    if isinstance(tree, Tensor):
+        yield tree
+    elif isinstance(tree, Mapping):
+        for value in tree.values():
+            yield from _leaves_in_insertion_order(value)
+    elif isinstance(tree, (list, tuple)):
+        for value in tree:
+            yield from _leaves_in_insertion_order(value)
+    else:
+        yield from (t for t in optree.tree_leaves(tree) if isinstance(t, Tensor))
 
 
 @torch.no_grad()

@@ -356,7 +356,8 @@ def test_bad_update_inputs_are_refused_clearly() -> None:
 
 def test_global_norm_is_torch_total_norm() -> None:
     grads = _random_tree(SHAPES, 3, torch.float32)
-    leaves = [t.clone() for t in optree.tree_leaves(grads)]
+    # In insertion order, as module.parameters() lists them (optree's leaves sort dict keys).
+    leaves = [t.clone() for v in grads.values() for t in (v.values() if isinstance(v, dict) else [v])]
     expected = torch.nn.utils.get_total_norm(leaves)
     assert torch.equal(global_norm(grads), expected)
     params = [torch.nn.Parameter(torch.zeros_like(t)) for t in leaves]

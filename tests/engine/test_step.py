@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 import shardwise as sw
@@ -31,6 +31,8 @@ def _eager_steps(model, loss_fn, opt, batches, clip=None):  # type: ignore[no-un
 
 @given(widths=st.lists(st.integers(1, 8), min_size=2, max_size=5), clip=st.sampled_from([None, 0.3]),
        seed=st.integers(0, 1000))
+# Found on another machine: the clip norm summed per-tensor norms bias first (optree's sorted keys).
+@example(widths=[4, 4], clip=0.3, seed=1)
 def test_mlp_steps_match_eager_torch_bitwise(widths: list[int], clip: float | None, seed: int) -> None:
     torch.manual_seed(seed)
     model = mlp(widths, "tanh")
