@@ -2,31 +2,40 @@
 
 Everything torch-version-specific about remat lives here: non-reentrant
 ``torch.utils.checkpoint.checkpoint``, the experimental selective-checkpoint
-API (``create_selective_checkpoint_contexts``, ``CheckpointPolicy``,
-``SelectiveCheckpointContext.op_output``) and saved-tensor hooks. Remat
+API (``create_selective_checkpoint_contexts``, ``CheckpointPolicy`` and the
+cache the two modes share) and saved-tensor hooks. Remat
 policies stay plain predicates ``policy(op, *args, **kwargs) -> bool``;
 :func:`sac_policy_fn` adapts one to torch. ``tests/transforms/remat`` checks
 every assumption made here, so a torch upgrade that changes them fails loudly.
 
-Assumptions (torch 2.13):
+Assumptions, checked by ``tests/transforms/remat`` on the installed torch:
 
 * non-reentrant checkpoint keeps the tensor positional arguments through
   autograd's saved-tensor machinery, so *outer* saved-tensor hooks see them
   (and can offload or measure them), while ops inside the region are packed
   by checkpoint's own hooks as placeholders that hold no memory;
-* selective checkpoint calls ``policy_fn(ctx, op, *args, **kwargs)`` once per
-  op in forward, after the op ran, with its output in ``ctx.op_output``; it
-  caches the outputs of ops answered ``MUST_SAVE`` outside autograd, in a
-  ``storage`` mapping (op -> invocation index -> entry) shared by the two
-  modes that ``create_selective_checkpoint_contexts`` returns.
+* selective checkpoint asks ``policy_fn(ctx, op, *args, **kwargs)`` about
+  every op in forward and caches the outputs of ops answered ``MUST_SAVE``,
+  outside autograd, each wrapped in an object whose ``val`` is the tensor, in
+  a ``storage`` mapping shared by the two modes that
+  ``create_selective_checkpoint_contexts`` returns. That mapping comes in one
+  of two forms:
 
-torch marks a cache entry consumed once a recomputation has used it, so a
-region can be backpropagated only once. A zero-bubble pipeline schedule
-computes input and weight gradients in two backward calls, each of which
-recomputes the region; :func:`selective_contexts` therefore gives both modes a
-storage whose entries, once written in forward, are never overwritten. The
-cache then lives as long as the region's autograd graph (until the layer's
-last backward) instead of being dropped entry by entry.
+  - **indexed** (torch 2.13 on): op -> dict of invocation index -> entry. The
+    forward writes every op's entry (a marker for recomputed ones); a
+    recomputation reads saved entries by index and overwrites each with a
+    "consumed" marker;
+  - **queued** (torch 2.4 to 2.12): op -> list. The forward appends saved
+    entries; a recomputation takes them with ``pop(0)``.
+
+torch thus lets a region be backpropagated only once. A zero-bubble pipeline
+schedule computes input and weight gradients in two backward calls, each of
+which recomputes the region; :func:`selective_contexts` therefore gives both
+modes a storage that keeps every entry written in forward (the consumed marks
+are ignored, the queue is replayed from its start at every recomputation).
+The cache then lives as long as the region's autograd graph (until the layer's
+last backward) instead of being dropped entry by entry. The same storage shows
+each saved output to the engine's accounting, whichever form torch uses.
 """
 
 from __future__ import annotations
@@ -35,7 +44,7 @@ import contextlib
 import functools
 from collections import defaultdict
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, SupportsIndex
 
 import optree
 import torch
@@ -59,23 +68,103 @@ def storage_key(t: torch.Tensor) -> Any:
     return engine_storage_key(t)
 
 
+def _show_saved(entry: Any, observe: Observer | None) -> None:
+    """Show the tensors of one cache entry (torch wraps each in an object with ``val``) to ``observe``."""
+    if observe is None:
+        return
+    for leaf in optree.tree_leaves(entry):
+        t = getattr(leaf, "val", leaf)
+        if isinstance(t, torch.Tensor):
+            observe(t)
+
+
 class _WriteOnce(dict[Any, Any]):
-    """One op's cache entries: the forward writes each once; the 'consumed' mark is ignored."""
+    """One op's entries in the indexed form: the forward writes each once; the consumed mark is ignored."""
+
+    def __init__(self, observe: Observer | None) -> None:
+        super().__init__()
+        self.observe = observe
 
     def __setitem__(self, key: Any, value: Any) -> None:
         if key not in self:
+            _show_saved(value, self.observe)
             super().__setitem__(key, value)
 
 
-def selective_contexts(policy_fn: Callable[..., CheckpointPolicy]) -> tuple[Any, Any]:
-    """``create_selective_checkpoint_contexts(policy_fn)`` whose cache survives repeated backward calls."""
+class _Replay(list[Any]):
+    """One op's entries in the queued form: ``pop(0)`` reads the next one without removing it."""
+
+    def __init__(self, observe: Observer | None) -> None:
+        super().__init__()
+        self.observe = observe
+        self.cursor = 0
+
+    def append(self, entry: Any) -> None:
+        _show_saved(entry, self.observe)
+        super().append(entry)
+
+    def pop(self, index: SupportsIndex = -1) -> Any:
+        if index != 0:
+            return super().pop(index)
+        if self.cursor >= len(self):
+            raise RuntimeError(
+                f"remat: a recomputation asked for saved output {self.cursor + 1} of an op that saved "
+                f"{len(self)} in forward; the layer ran differently when recomputed (data-dependent control flow?)"
+            )
+        entry = self[self.cursor]
+        self.cursor += 1
+        return entry
+
+
+class _Rewound:
+    """Enters the recomputation mode after rewinding every queue: each recomputation reads from the start.
+
+    (A recomputation may stop early, once it has what the backward asked for, leaving a queue part read.)
+    """
+
+    def __init__(self, mode: Any, storage: Mapping[Any, _Replay]) -> None:
+        self.mode, self.storage = mode, storage
+
+    def __enter__(self) -> Any:
+        for queue in self.storage.values():
+            queue.cursor = 0
+        return self.mode.__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        return self.mode.__exit__(*exc)
+
+
+def storage_form() -> str:
+    """``"indexed"`` or ``"queued"``: which form of cache the installed torch's selective checkpoint keeps."""
+    caching, _ = create_selective_checkpoint_contexts(lambda ctx, op, *a, **k: CheckpointPolicy.PREFER_RECOMPUTE)
+    factory = getattr(caching.storage, "default_factory", None)
+    if factory is dict:
+        return "indexed"
+    if factory is list:
+        return "queued"
+    raise RuntimeError(
+        f"torch {torch.__version__}: selective checkpoint's cache is a {type(caching.storage).__name__} of "
+        f"{factory!r}; remat knows a defaultdict of dict or of list. Please report this torch version."
+    )
+
+
+_FORM = storage_form()
+
+
+def selective_contexts(policy_fn: Callable[..., CheckpointPolicy], observe: Observer | None = None) -> tuple[Any, Any]:
+    """``create_selective_checkpoint_contexts(policy_fn)`` whose cache survives repeated backward calls
+    and shows every output it saves to ``observe``."""
     caching, cached = create_selective_checkpoint_contexts(policy_fn)
-    storage: defaultdict[Any, _WriteOnce] = defaultdict(_WriteOnce)
-    caching.storage = cached.storage = storage
-    return caching, cached
+    if _FORM == "indexed":
+        indexed: defaultdict[Any, _WriteOnce] = defaultdict(lambda: _WriteOnce(observe))
+        caching.storage = cached.storage = indexed
+        return caching, cached
+    queued: defaultdict[Any, _Replay] = defaultdict(lambda: _Replay(observe))
+    caching.storage = cached.storage = queued
+    return caching, _Rewound(cached, queued)
 
 
-def sac_policy_fn(predicate: Predicate, observe: Observer | None = None) -> Callable[..., CheckpointPolicy]:
+def sac_policy_fn(predicate: Predicate) -> Callable[..., CheckpointPolicy]:
     """Adapt ``predicate(op, *args, **kwargs) -> bool`` to torch's selective-checkpoint policy_fn."""
 
     def policy_fn(ctx: SelectiveCheckpointContext, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
@@ -85,10 +174,6 @@ def sac_policy_fn(predicate: Predicate, observe: Observer | None = None) -> Call
             raise ValueError(
                 f"remat policy {predicate!r} returned {save!r} for {op}; a policy answers True (save) or False (recompute)"
             )
-        if save and observe is not None:
-            for t in optree.tree_leaves(ctx.op_output):
-                if isinstance(t, torch.Tensor):
-                    observe(t)
         return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
 
     return policy_fn
@@ -149,5 +234,5 @@ def run_layer(fn: Callable[[Any, Any], Any], tensors: Mapping[str, torch.Tensor]
 
         if isinstance(inner, NothingSaveable):
             return checkpoint(region, *leaves, use_reentrant=False)
-        context_fn = functools.partial(selective_contexts, sac_policy_fn(inner, observe))
+        context_fn = functools.partial(selective_contexts, sac_policy_fn(inner), observe)
         return checkpoint(region, *leaves, use_reentrant=False, context_fn=context_fn)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import doctest
-import inspect
 from typing import Any
 
 import pytest
@@ -167,35 +166,30 @@ def test_a_policy_must_answer_a_bool() -> None:
 def test_torch_selective_checkpoint_api_is_what_remat_assumes() -> None:
     policy = tuc.CheckpointPolicy
     assert {"MUST_SAVE", "PREFER_RECOMPUTE"} <= set(policy.__members__)
-    assert "op_output" in inspect.signature(tuc.SelectiveCheckpointContext).parameters
+    # One of the two cache forms remat knows (storage_form raises for any other).
+    assert _torch_sac.storage_form() in {"indexed", "queued"}
     caching, cached = tuc.create_selective_checkpoint_contexts(lambda ctx, op, *a, **k: policy.PREFER_RECOMPUTE)
     assert caching.storage is cached.storage, "the two SAC modes no longer share a `storage` attribute"
     caching, cached = _torch_sac.selective_contexts(lambda ctx, op, *a, **k: policy.PREFER_RECOMPUTE)
-    assert caching.storage is cached.storage
+    assert caching.storage is getattr(cached, "mode", cached).storage
 
 
-def test_policy_sees_each_forward_op_once_with_its_output_and_saved_ops_are_not_recomputed() -> None:
-    calls: list[tuple[Any, Any]] = []
-
+def test_saved_outputs_are_shown_to_the_observer_and_not_recomputed() -> None:
     def predicate(op: Any, *args: Any, **kwargs: Any) -> bool:
         return bool(op == aten.mm.default)
 
-    def policy_fn(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
-        calls.append((op, ctx.op_output))
-        return _torch_sac.sac_policy_fn(predicate)(ctx, op, *args, **kwargs)
-
     w = torch.randn(4, 4, requires_grad=True)
     x = torch.randn(3, 4, requires_grad=True)
+    shown: list[torch.Tensor] = []
+    policy_fn = _torch_sac.sac_policy_fn(predicate)
     out = tuc.checkpoint(
         lambda a, b: torch.sin(a @ b), x, w, use_reentrant=False,
-        context_fn=lambda: _torch_sac.selective_contexts(policy_fn),
+        context_fn=lambda: _torch_sac.selective_contexts(policy_fn, shown.append),
     )
-    forward_calls = list(calls)
-    assert [op for op, _ in forward_calls] == [aten.mm.default, aten.sin.default]
-    assert torch.equal(forward_calls[0][1], x @ w)
+    assert len(shown) == 1 and torch.equal(shown[0], x @ w), "the observer sees exactly the saved mm output"
     with _Ops() as seen:
         out.sum().backward()
-    assert calls == forward_calls, "the policy is called again in backward"
+    assert len(shown) == 1, "a recomputation shows nothing more"
     # Two mm for the gradients; the forward mm comes from the cache. Plain checkpoint recomputes it.
     assert seen.ops.count(aten.mm.default) == 2
     plain = tuc.checkpoint(lambda a, b: torch.sin(a @ b), x, w, use_reentrant=False)
@@ -210,7 +204,9 @@ def test_outer_saved_tensor_hooks_see_checkpoint_inputs_and_no_inner_activation(
     kept: list[torch.Tensor] = []
     with _torch_sac._KeepForBackward(kept.append, offload=False, pin_memory=False, stay=frozenset()):
         out = tuc.checkpoint(lambda a, b: torch.exp(torch.exp(a @ b)), x, w, use_reentrant=False)
-    assert {t.untyped_storage().data_ptr() for t in kept} == {x.untyped_storage().data_ptr(), w.untyped_storage().data_ptr()}
+    # Besides the inputs, only tensors that hold no memory (torch 2.11 also saves an empty dummy).
+    holding = {t.untyped_storage().data_ptr() for t in kept if t.untyped_storage().nbytes() > 0}
+    assert holding == {x.untyped_storage().data_ptr(), w.untyped_storage().data_ptr()}
     out.sum().backward()
 
 
