@@ -254,7 +254,7 @@ class Backend(abc.ABC):
 
     def barrier(self, group: Group) -> None:
         """Wait until every rank of ``group`` arrives."""
-        self.all_reduce(torch.zeros(1), group, op_name="barrier", snapshot=False).wait()
+        self.all_reduce(torch.zeros(1, device=self.device), group, op_name="barrier", snapshot=False).wait()
 
     def close(self) -> None:  # noqa: B027 - optional hook, most backends have nothing to release
         """Release resources held by this rank's handle."""

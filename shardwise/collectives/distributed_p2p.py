@@ -83,8 +83,8 @@ def _p2p_header(x: torch.Tensor, op: str) -> tuple[torch.Tensor, torch.Tensor | 
         raise ValueError(f"{op}: dtype {x.dtype} cannot travel point to point; known: {list(_DTYPES)}")
     dims = list(x.shape)
     first = dims[:_HEADER_DIMS] + [0] * max(0, _HEADER_DIMS - len(dims))
-    header = torch.tensor([x.dim(), code, *first], dtype=torch.int64)
-    extension = torch.tensor(dims[_HEADER_DIMS:], dtype=torch.int64) if len(dims) > _HEADER_DIMS else None
+    header = torch.tensor([x.dim(), code, *first], dtype=torch.int64, device="cpu")
+    extension = torch.tensor(dims[_HEADER_DIMS:], dtype=torch.int64, device="cpu") if len(dims) > _HEADER_DIMS else None
     return header, extension
 
 
@@ -173,7 +173,7 @@ class PointToPoint:
             return CheckedWork(LocalRecvWork(self._self_mailbox, key, self._self_mailbox.claim(key)), like, src, tag)
         if like is not None:
             return self._recv_known(src, tag, like)
-        header = torch.empty(_HEADER_LEN, dtype=torch.int64)
+        header = torch.empty(_HEADER_LEN, dtype=torch.int64, device="cpu")
         with self._p2p_lock:
             self._sends.raise_failure()
             try:
@@ -187,7 +187,7 @@ class PointToPoint:
     def _recv_known(self, src: int, tag: int, like: Layout) -> Work:
         """An unannounced message of a known layout: one receive, posted at once, straight into its buffer."""
         shape, dtype = torch.Size(like[0]), like[1]
-        out = torch.empty(shape, dtype=dtype)
+        out = torch.empty(shape, dtype=dtype, device="cpu")
         if out.numel() == 0:  # nothing travels for an empty tensor
             return CompletedWork(out)
         with self._p2p_lock:
@@ -408,7 +408,7 @@ class _DistRecvWork(Work):
         b._wait_p2p(self.header_work, deadline, "recv from", src, tag)
         ndim, code, *dims = (int(v) for v in self._header.tolist())
         if ndim > _HEADER_DIMS:
-            extension = torch.empty(ndim - _HEADER_DIMS, dtype=torch.int64)
+            extension = torch.empty(ndim - _HEADER_DIMS, dtype=torch.int64, device="cpu")
             try:
                 work = dist.irecv(extension, src, tag=_payload_tag(tag))
             except Exception as exc:
@@ -420,7 +420,7 @@ class _DistRecvWork(Work):
                 f"recv from rank {src} (tag {tag}) on rank {b.rank}: unknown dtype code {code} in the "
                 "header; do both ranks run the same torch version?"
             )
-        out = torch.empty(dims[:ndim], dtype=_DTYPES[code])
+        out = torch.empty(dims[:ndim], dtype=_DTYPES[code], device="cpu")
         if out.numel():
             try:
                 self._payload_work = dist.irecv(out.view(-1).view(torch.uint8), src, tag=_payload_tag(tag))

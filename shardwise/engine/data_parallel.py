@@ -26,6 +26,7 @@ import torch
 
 from ..collectives.mesh import Mesh
 from ..collectives.ops import all_gather, psum_scatter
+from .devices import device_of
 from .flat import UnitLayout
 from .state import Params
 
@@ -101,8 +102,9 @@ class ShardedParams:
         out: dict[str, torch.Tensor] = {}
         for u, lay in self.layout.units.items():
             local = dict(grads.get(u, {}))
+            device = device_of(local, self.held[u])
             for name, shape in zip(lay.names, lay.shapes, strict=True):
-                local.setdefault(name, torch.zeros(shape, dtype=lay.dtype))
+                local.setdefault(name, torch.zeros(shape, dtype=lay.dtype, device=device))
             flat = lay.flatten(local)
             out[u] = psum_scatter(flat if dtype is None else flat.to(dtype), self.axis, tiled=True, mesh=self.mesh)
         return out

@@ -287,15 +287,15 @@ def _leaves_in_insertion_order(tree: Any) -> Iterator[Tensor]:
 
 
 @torch.no_grad()
-def sum_of_squares(tensors: Sequence[Tensor], dtype: torch.dtype) -> Tensor:
-    """The sum of the squares of every element of ``tensors``, in ``dtype`` (0 for none).
+def sum_of_squares(tensors: Sequence[Tensor], dtype: torch.dtype, device: torch.device | None = None) -> Tensor:
+    """The sum of the squares of every element of ``tensors``, in ``dtype`` (0 for none, on ``device``).
 
     One norm per tensor (the foreach kernel: no squared copy of any tensor), squared and
     summed. Ranks holding parts of the gradients add their sums (one all-reduce); the
     global norm is the square root of the total.
     """
     if not tensors:
-        return torch.zeros((), dtype=dtype)
+        return torch.zeros((), dtype=dtype, device=device)
     return torch.stack([n.to(dtype) for n in fe.norm(tensors, 2.0)]).square().sum()
 
 
@@ -349,7 +349,9 @@ def _leaves_like(tree: Params, spec: optree.PyTreeSpec, name: str) -> list[Tenso
 
 
 def _zero_step() -> Tensor:
-    return torch.zeros((), dtype=torch.int64)
+    # On the host, as torch.optim keeps its `step` (unless capturable): the learning-rate
+    # schedule and bias corrections read it as a Python number without a device sync.
+    return torch.zeros((), dtype=torch.int64, device="cpu")
 
 
 def _next_step(step: Tensor) -> Tensor:

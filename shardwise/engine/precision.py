@@ -162,7 +162,8 @@ class Precision:
         }
 
 
-def all_finite(tensors: Any) -> torch.Tensor:
-    """A 0-d float tensor: 1.0 if every element of every tensor is finite, else 0.0."""
+def all_finite(tensors: Any, device: torch.device | None = None) -> torch.Tensor:
+    """A 0-d float tensor: 1.0 if every element of every tensor is finite, else 0.0 (1.0 on
+    ``device`` for no tensors)."""
     flags = [torch.isfinite(t).all() for t in tensors]
-    return torch.stack(flags).all().to(torch.float64) if flags else torch.ones((), dtype=torch.float64)
+    return torch.stack(flags).all().to(torch.float64) if flags else torch.ones((), dtype=torch.float64, device=device)

@@ -21,6 +21,7 @@ from ..collectives.mesh import Mesh
 from .accounting import predict_kept_for_backward
 from .chain import Chain
 from .data_parallel import DataParallel
+from .devices import host_scalar
 from .executor import Executor, LossFn
 from .optim import Optimizer, global_norm
 from .plan import BACKWARD, FORWARD, LOSS, UPDATE, Action, Plan
@@ -200,8 +201,8 @@ class Step:
         metrics = {"loss": executor.loss, "grad_norm": norm}
         params, opt_state, loss_scale = self.finish(state, grads, state.params, norm, finite)
         if self.precision is not None:
-            metrics["loss_scale"] = torch.tensor(scale)
-            metrics["skipped"] = torch.tensor(not finite)
+            metrics["loss_scale"] = host_scalar(scale)
+            metrics["skipped"] = host_scalar(not finite)
         return state._replace(params=params, opt_state=opt_state, step=state.step + 1, loss_scale=loss_scale), metrics
 
     # -- inspection -----------------------------------------------------------

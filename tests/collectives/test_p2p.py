@@ -7,6 +7,7 @@ shared pools, so the broken process group it leaves behind poisons nothing.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from typing import Any
@@ -69,16 +70,18 @@ def ring_shift() -> dict[str, Any]:
     return {"rank": rank, "got": got, "records": ledger.records}
 
 
-def unknown_shapes() -> list[torch.Tensor] | None:
-    mesh = Mesh(pp=2)
-    with mesh:
+def unknown_shapes(default_device: str | None = None) -> list[torch.Tensor] | None:
+    """``default_device``: torch's default device while sending and receiving (the payloads
+    stay on the CPU); the headers and receive buffers gloo needs must still be made there."""
+    mesh, payloads = Mesh(pp=2), _payloads()
+    with mesh, torch.device(default_device) if default_device else contextlib.nullcontext():
         if mesh.rank == 0:
-            for k, t in enumerate(_payloads()):
+            for k, t in enumerate(payloads):
                 send(t, "pp", 1, tag=k)
             return None
         # Receives issued in reverse tag order, before any wait.
-        handles = {k: recv("pp", 0, tag=k) for k in reversed(range(len(_payloads())))}
-        return [handles[k].wait() for k in range(len(_payloads()))]
+        handles = {k: recv("pp", 0, tag=k) for k in reversed(range(len(payloads)))}
+        return [handles[k].wait() for k in range(len(payloads))]
 
 
 def tags_are_independent() -> list[float] | None:
@@ -264,8 +267,9 @@ def test_ring_shift_over_the_pp_axis_on_gloo(gloo4: Any) -> None:
 
 
 @pytest.mark.gloo
-def test_unknown_shape_and_dtype_on_gloo(gloo2: Any) -> None:
-    got = gloo2.run(unknown_shapes)[1]
+@pytest.mark.parametrize("default_device", [None, "meta"])
+def test_unknown_shape_and_dtype_on_gloo(gloo2: Any, default_device: str | None) -> None:
+    got = gloo2.run(unknown_shapes, default_device)[1]
     for a, b in zip(got, _payloads(), strict=True):
         _same(a, b)
 

@@ -29,6 +29,7 @@ from ...collectives.mesh import Mesh
 from ...collectives.ops import psum, psum_async
 from ...collectives.p2p import recv, send
 from ...engine.chain import Chain
+from ...engine.devices import device_of
 from ...engine.optim import sum_of_squares
 from ...engine.plan import Action
 from ...engine.precision import all_finite
@@ -274,7 +275,7 @@ class PipelineRuntime:
         mb = len(self.microbatches)
         known = self.layouts is not None
         if not known:  # the receiver learns how many tensors follow
-            count = torch.tensor(len(leaves), dtype=torch.int64)
+            count = torch.tensor(len(leaves), dtype=torch.int64, device="cpu")  # host-side control data
             self._sends.append(send(count, self.axis, dst, tag=tag_of(kind, s, m, mb), mesh=self.mesh))
         for i, leaf in enumerate(leaves, start=1):
             tag = tag_of(kind, s, m, mb, i)
@@ -349,17 +350,20 @@ class PipelineRuntime:
         self._sends.clear()
         self._collect_grads()
         dtype = self._metric_dtype()
+        device = device_of(self.params, self.microbatches)  # every rank's metrics on its compute device
         local_loss = (
-            torch.stack([x.to(dtype) for x in self._losses]).sum() if self._losses else torch.zeros((), dtype=dtype)
+            torch.stack([x.to(dtype) for x in self._losses]).sum()
+            if self._losses
+            else torch.zeros((), dtype=dtype, device=device)
         )
         self._sum_tied_grads()
         self.final_grads = self.grads if self.finalize_grads is None else self.finalize_grads(self.grads)
         # A tied copy's gradient is also its owner's: count it once in the norm.
         counted: Any = {k: v for k, v in self.final_grads.items() if k not in self.replica_layers}
         pieces: list[torch.Tensor] = list(optree.tree_leaves(counted))
-        values = [local_loss, sum_of_squares(pieces, dtype)]
+        values = [local_loss.to(device), sum_of_squares(pieces, dtype, device)]
         if self.check_finite:
-            values.append(1.0 - all_finite(pieces).to(dtype))
+            values.append(1.0 - all_finite(pieces, device).to(dtype))
         self._local_metrics = torch.stack(values)
 
     def reduce_metrics(self, action: Action) -> None:

@@ -21,6 +21,7 @@ from ...engine.data_parallel import (
     init_shards,
     shard_layouts,
 )
+from ...engine.devices import device_of, host_scalar
 from ...engine.plan import Action, Plan
 from ...engine.state import Params, TrainState, map_params
 from ...engine.step import (
@@ -188,13 +189,14 @@ class PipelineStep(Step):
         mesh: Mesh = state.mesh
         local = state.params if layout.sharded is None else ShardedParams(layout.sharded, state.params, mesh).gather()
         full: Params = {}
+        device = device_of(local)  # a rank holding no parameter at all receives on the CPU
         for s, layers in enumerate(layout.stages):
             root = layout.schedule.placement[s]
             for layer in layers:
                 full[layer] = {}
                 for name, (shape, dtype) in layout.shapes.get(layer, {}).items():
                     mine = local.get(layer, {}).get(name)
-                    x = mine if mine is not None else torch.zeros(shape, dtype=dtype)
+                    x = mine if mine is not None else torch.zeros(shape, dtype=dtype, device=device)
                     full[layer][name] = broadcast(x, self.axis, root=root, mesh=mesh)
         return {layer: full.get(layer, {}) for layer in layout.shapes}
 
@@ -273,8 +275,8 @@ class PipelineStep(Step):
             "grad_norm": runtime.sq_norm.sqrt(),
         }
         if prec is not None:
-            metrics["loss_scale"] = torch.tensor(scale)
-            metrics["skipped"] = torch.tensor(not runtime.finite)
+            metrics["loss_scale"] = host_scalar(scale)
+            metrics["skipped"] = host_scalar(not runtime.finite)
         if self.trace:
             metrics["trace"] = runtime.events  # type: ignore[assignment]
         return state._replace(params=params, opt_state=opt_state, step=state.step + 1, loss_scale=loss_scale), metrics

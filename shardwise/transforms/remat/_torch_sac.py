@@ -193,7 +193,7 @@ class _KeepForBackward(saved_tensors_hooks):
             if not offload or t.device.type == "cpu" or storage_key(t) in stay:
                 return None, t
             pin = pin_memory and torch.cuda.is_available() and not t.is_sparse
-            host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, pin_memory=pin)
+            host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, device="cpu", pin_memory=pin)
             host.copy_(t, non_blocking=pin)
             return t.device, host
 

@@ -160,7 +160,7 @@ class ShardRuntime:
         grads = self.grads.pop(unit, {})
         for name, shape in zip(layout.names, layout.shapes, strict=True):
             if name not in grads:  # a parameter the loss did not reach
-                grads[name] = torch.zeros(shape, dtype=layout.dtype)
+                grads[name] = torch.zeros(shape, dtype=layout.dtype, device=self.shards[unit].device)
         flat = layout.flatten(grads)
         if self.reduce_dtype is not None:
             flat = flat.to(self.reduce_dtype)

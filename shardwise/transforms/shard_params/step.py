@@ -9,6 +9,7 @@ import torch
 
 from ...collectives.mesh import Mesh
 from ...engine.data_parallel import DataParallel
+from ...engine.devices import host_scalar
 from ...engine.flat import UnitLayout
 from ...engine.plan import Plan
 from ...engine.state import Params, TrainState, map_params
@@ -154,11 +155,11 @@ class ShardedStep(Step):
         metrics = {
             "loss": (runtime.loss_sum / (n * parts)),
             "grad_norm": runtime.sq_norm.sqrt(),
-            "peak_gathered_bytes": torch.tensor(runtime.peak_gathered_bytes),
+            "peak_gathered_bytes": host_scalar(runtime.peak_gathered_bytes),
         }
         if prec is not None:
-            metrics["loss_scale"] = torch.tensor(scale)
-            metrics["skipped"] = torch.tensor(not runtime.finite)
+            metrics["loss_scale"] = host_scalar(scale)
+            metrics["skipped"] = host_scalar(not runtime.finite)
         new_state = state._replace(params=params, opt_state=opt_state, step=state.step + 1, loss_scale=loss_scale)
         return new_state, metrics
 
