@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import socket
 import subprocess
 import sys
@@ -63,3 +64,21 @@ def test_readme_has_python_examples() -> None:
 def test_readme_example_runs(index: int, capsys: pytest.CaptureFixture[str]) -> None:
     exec(compile(_readme_blocks()[index], f"README.md block {index}", "exec"), {"__name__": "readme"})
     assert capsys.readouterr().out.strip()
+
+
+@pytest.mark.gloo  # its process-group check starts a gloo child
+def test_gpu_benchmark_dry_run_on_the_cpu() -> None:
+    """benchmarks/gpu.py runs on GPU machines only by hand; its CPU dry run keeps it working here."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--device", "cpu", "--quick", "--steps", "2",
+           "--warmup", "1"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [json.loads(line) for line in result.stdout.splitlines()]
+    failed = [row for row in rows if row.get("ok") is False]
+    assert not failed, failed
+    kinds = {row["kind"] for row in rows}
+    assert kinds == {"equivalence", "process_group", "speed"}, kinds
+    losses = {row["variant"]: row["losses"] for row in rows if row["kind"] == "speed"}
+    # The same arithmetic written twice: ours and torch eager agree (to the 5 decimals reported).
+    assert losses["ours:f32"] == losses["torch:f32"] == losses["ours:zero3_dp1_f32"]
+    assert losses["ours:bf16"] == losses["torch:bf16_pure"]
