@@ -248,6 +248,14 @@ def median_of_max(per_rank: Iterable[Sequence[float]]) -> float:
     return statistics.median(slowest_per_step(per_rank))
 
 
+def paired_ratio_median(per_rank: Sequence[Sequence[float]], ref_per_rank: Sequence[Sequence[float]]) -> float:
+    """The median over steps of (slowest rank's time / the reference's slowest rank's time in the
+    same round): steps of a round run back to back, so load that drifts over the run cancels."""
+    return statistics.median(
+        a / b for a, b in zip(slowest_per_step(per_rank), slowest_per_step(ref_per_rank), strict=True)
+    )
+
+
 def rel_diff(value: float, ref: float) -> float:
     """``|value - ref| / |ref|`` to 3 significant digits."""
     return float(f"{abs(value - ref) / abs(ref):.3g}")

@@ -56,7 +56,9 @@ One JSON object per (model, world, schedule, impl) on stdout (and in ``--out``):
 * ``median_step_s``: median over the ``steps`` timed steps (after ``warmup``
   untimed ones) of the slowest rank's wall time for that step (optimizer
   included). ``ratio_to_torch``: that median divided by torch's for the same
-  schedule (> 1: slower than torch).
+  schedule (> 1: slower than torch). ``paired_ratio_to_torch``: the median over
+  rounds of (this step / torch's step in the same round); the two ran back to
+  back, so load that drifts during the run cancels.
 * ``first_loss``: the loss of the first step (mean over micro-batches);
   ``first_loss_rel_diff_vs_torch`` (ours) compares it with torch's, and
   ``max_rel_loss_diff`` compares every step (warm-up included) with a
@@ -118,6 +120,7 @@ from _common import (
     median_of_max,
     minor_faults,
     note,
+    paired_ratio_median,
     profile_steps,
     reference_losses,
     rel_diff,
@@ -450,6 +453,9 @@ def rows_for(cfg: Config, per_rank: list[dict[str, Any]], ref: list[float]) -> l
                 "minor_faults_per_step": [int(statistics.median(r["faults"][name])) for r in per_rank],
                 "cpu_ms_per_step": [round(1e3 * statistics.median(r["cpu"][name]), 2) for r in per_rank],
                 "ratio_to_torch": round(medians[name] / reference, 3) if reference else None,
+                "paired_ratio_to_torch": round(paired_ratio_median(
+                    [r["times"][name] for r in per_rank], [r["times"][torch_name] for r in per_rank]
+                ), 3) if reference else None,
                 "first_loss": round(losses[name][0], 6),
                 "max_rel_loss_diff": max_rel_diff(losses[name], ref),
                 "final_loss": round(losses[name][-1], 5),
