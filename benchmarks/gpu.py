@@ -30,6 +30,11 @@ CPU): ``psum`` and ``all_gather`` on the device, then ``shard_params`` stage 3
 and a 1F1B pipeline (``pp=1``) against the single-device step. World 1 because
 NCCL refuses two ranks on one GPU.
 
+``"kind": "processes"``: two gloo processes sharing the device, the MLP's
+parameters and batches on it (float64): four pipeline schedules, whose
+messages are staged through the CPU (gloo's point to point moves CPU tensors),
+and ZeRO-3, against the single-device step on the device (``rtol`` 1e-12).
+
 ``"kind": "speed"``: each ``--gpt`` in one process, the same weights and
 batches for every variant, stepped round-robin, AdamW everywhere:
 
@@ -273,6 +278,61 @@ def process_group_check(backend: str, device: torch.device) -> dict[str, Any]:
     return row
 
 
+# -- ranks as processes on gloo, tensors on the device ------------------------------------------
+PROCESS_VARIANTS = ("pipeline:gpipe", "pipeline:1f1b", "pipeline:interleaved_1f1b", "pipeline:zb_h1",
+                    "shard_params:stage3")
+
+
+def process_variant(name: str, step: Any) -> tuple[Any, sw.Mesh]:
+    kind, what = name.split(":")
+    if kind == "pipeline":
+        return sw.pipeline(step, "pp", what, microbatches=4), sw.Mesh(pp=2)
+    return sw.shard_params(step, "dp", stage=int(what.removeprefix("stage"))), sw.Mesh(dp=2)
+
+
+def process_rank(device_name: str, names: tuple[str, ...]) -> dict[str, Any]:
+    """One gloo rank (a process): each variant's history on the device, moved to the CPU to travel back."""
+    device = torch.device(device_name)
+    if device.type == "cuda":
+        torch.cuda.set_device(0)  # every rank shares the one GPU: gloo, not NCCL, carries its tensors
+    chain, params, batches = mlp_case(device, torch.float64)
+    step = sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1, momentum=0.9), clip_norm=1.0)
+    out: dict[str, Any] = {}
+    for name in names:
+        try:
+            distributed, mesh = process_variant(name, step)
+            history = record_history(distributed, distributed.init(params, mesh), batches)
+            out[name] = optree.tree_map(lambda t: t.cpu() if isinstance(t, torch.Tensor) else t, history)
+        except Exception as exc:  # reported per variant; the other variants still run
+            out[name] = error_row(exc)
+    return out
+
+
+def process_checks(device: torch.device) -> list[dict[str, Any]]:
+    """``PROCESS_VARIANTS`` on two gloo processes sharing ``device``, against one device."""
+    chain, params, batches = mlp_case(device, torch.float64)
+    step = sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1, momentum=0.9), clip_norm=1.0)
+    expected = optree.tree_map(lambda t: t.cpu(), record_history(step, step.init(params), batches))
+    started = time.perf_counter()
+    try:
+        per_rank = sw.launch(process_rank, 2, backend="processes", timeout=300.0, args=(str(device), PROCESS_VARIANTS))
+    except Exception as exc:
+        return [{"kind": "processes", "check": "launch", **error_row(exc)}]
+    rows = []
+    for name in PROCESS_VARIANTS:
+        row: dict[str, Any] = {"kind": "processes", "check": name, "seconds": round(time.perf_counter() - started, 2)}
+        errors = [r[name] for r in per_rank if isinstance(r[name], dict)]
+        if errors:
+            rows.append({**row, **errors[0]})
+            continue
+        try:
+            report = compare_histories([r[name] for r in per_rank], expected, rtol=1e-12)
+            rows.append({**row, "ok": True, "report": str(report)})
+        except Exception as exc:
+            rows.append({**row, **error_row(exc)})
+    return rows
+
+
 # -- speed: torch eager against ours, fp32 and bf16 ---------------------------------------------
 LR, BETAS, EPS, WEIGHT_DECAY = 3e-4, (0.9, 0.999), 1e-8, 0.01
 
@@ -434,7 +494,7 @@ def main() -> None:
     )
     parser.add_argument("--batch", type=int, default=8, help="sequences per speed step (default 8)")
     parser.add_argument("--quick", action="store_true", help="fewer equivalence cases and a tiny speed GPT")
-    parser.add_argument("--only", default="equivalence,process_group,speed", help="which kinds to run")
+    parser.add_argument("--only", default="equivalence,process_group,processes,speed", help="which kinds to run")
     parser.add_argument("--out", help="also write the JSON lines to this file")
     parser.add_argument("--pg-child", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -456,6 +516,9 @@ def main() -> None:
         if "process_group" in kinds:
             for backend in ("nccl", "cpu:gloo,cuda:nccl") if device.type == "cuda" else ("gloo",):
                 row = run_check(backend, "process_group", lambda b=backend: process_group_check(b, device))
+                emit({**row, **env}, out)
+        if "processes" in kinds:
+            for row in process_checks(device):
                 emit({**row, **env}, out)
         if "speed" in kinds:
             keys = ("vocab", "d_model", "n_heads", "n_layers", "seq_len")

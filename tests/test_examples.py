@@ -66,7 +66,7 @@ def test_readme_example_runs(index: int, capsys: pytest.CaptureFixture[str]) -> 
     assert capsys.readouterr().out.strip()
 
 
-@pytest.mark.gloo  # its process-group check starts a gloo child
+@pytest.mark.gloo  # its process checks start gloo processes
 def test_gpu_benchmark_dry_run_on_the_cpu() -> None:
     """benchmarks/gpu.py runs on GPU machines only by hand; its CPU dry run keeps it working here."""
     cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--device", "cpu", "--quick", "--steps", "2",
@@ -77,7 +77,7 @@ def test_gpu_benchmark_dry_run_on_the_cpu() -> None:
     failed = [row for row in rows if row.get("ok") is False]
     assert not failed, failed
     kinds = {row["kind"] for row in rows}
-    assert kinds == {"equivalence", "process_group", "speed"}, kinds
+    assert kinds == {"equivalence", "process_group", "processes", "speed"}, kinds
     losses = {row["variant"]: row["losses"] for row in rows if row["kind"] == "speed"}
     # The same arithmetic written twice: ours and torch eager agree (to the 5 decimals reported).
     assert losses["ours:f32"] == losses["torch:f32"] == losses["ours:zero3_dp1_f32"]

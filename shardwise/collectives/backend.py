@@ -182,6 +182,12 @@ class Backend(abc.ABC):
         """Device on which this backend expects tensors (cpu for threads and gloo)."""
         return torch.device("cpu")
 
+    @property
+    def p2p_device(self) -> torch.device | None:
+        """The device point-to-point messages travel on; ``None`` (here): any, a message is
+        handed over where it is. ``collectives.send`` stages other tensors through it."""
+        return None
+
     @abc.abstractmethod
     def all_reduce(
         self, x: torch.Tensor, group: Group, op_name: str = "psum", *, snapshot: bool = True

@@ -24,7 +24,10 @@ its header receive when issued and its payload receive once the header
 arrived, strictly in the order the receives of one (src, tag) were issued; for
 the same reason its ``is_completed()`` is True only once ``wait()`` returned. Sends to this very rank go through a local mailbox (gloo cannot send
 to itself). Only CPU tensors travel (NCCL ignores tags, so the pure ``nccl``
-backend refuses point to point for now).
+backend refuses point to point for now): ``collectives.send`` copies a CUDA
+tensor to the CPU first (``p2p_device``), and ``recv(..., device=)`` puts it
+back, which is how a pipeline runs on GPUs over ``gloo`` or
+``cpu:gloo,cuda:nccl``.
 """
 
 from __future__ import annotations
@@ -107,6 +110,12 @@ class PointToPoint:
     world_size: int
     timeout: float
     name: str
+
+    @property
+    def p2p_device(self) -> torch.device | None:
+        """Messages travel through gloo, which moves CPU tensors (also under a mixed
+        ``cpu:gloo,cuda:nccl`` group, where only collectives of CUDA tensors use NCCL)."""
+        return torch.device("cpu")
 
     def _init_p2p(self) -> None:
         # Point to point: the sends gloo may still read (and their buffers),

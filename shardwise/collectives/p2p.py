@@ -69,6 +69,11 @@ def send(
     torch.distributed it does, as ``dist.isend``'s wait; post your own
     receives first). The receiver still gets a tensor of its own. Not
     differentiable.
+
+    A tensor on a device the backend's messages cannot travel on (a CUDA
+    tensor on torch.distributed, whose point-to-point goes through gloo) is
+    copied to the backend's ``p2p_device`` first; the receiver puts it back
+    with ``recv(..., device=)``.
     """
     x = require_tensor("send", x)
     refuse_grad("send", x, "send x.detach() (a pipeline sends the gradient back itself)")
@@ -76,6 +81,9 @@ def send(
     peer = _peer("send", where, dst, "dst")
     _, tag = check_p2p("send", peer, tag, where.backend.world_size, "dst")
     plain = unwrap(x)
+    carrier = where.backend.p2p_device
+    if carrier is not None and plain.device != carrier:
+        plain = plain.detach().to(carrier)  # staged (a blocking copy): the transport reads our copy
     work = where.backend.send(plain, peer, tag, announce=announce, snapshot=snapshot)
     # Like ppermute: a message to oneself moves no bytes.
     sent_bytes = 0 if dst == where.index else plain.numel() * plain.element_size()
@@ -84,7 +92,13 @@ def send(
 
 
 def recv(
-    axis: str, src: int, *, tag: int = 0, like: tuple[torch.Size, torch.dtype] | None = None, mesh: Mesh | None = None
+    axis: str,
+    src: int,
+    *,
+    tag: int = 0,
+    like: tuple[torch.Size, torch.dtype] | None = None,
+    device: torch.device | str | None = None,
+    mesh: Mesh | None = None,
 ) -> Handle:
     """Receive the next message with ``tag`` from the rank at index ``src`` of ``axis``.
 
@@ -93,7 +107,11 @@ def recv(
     one tag take the messages in the order the receives were issued. The
     ledger records the receive (sent_bytes 0) when its wait completes.
     ``like=(shape, dtype)`` receives a message sent with ``announce=False``.
+    ``device`` is where the received tensor goes; by default it stays where
+    the transport delivers it (the CPU on torch.distributed, the sender's
+    device on threads).
     """
+    target = None if device is None else torch.device(device)
     where = resolve("recv", axis, mesh)
     peer = _peer("recv", where, src, "src")
     _, tag = check_p2p("recv", peer, tag, where.backend.world_size, "src")
@@ -102,6 +120,6 @@ def recv(
 
     def finish(received: torch.Tensor) -> torch.Tensor:
         _record_p2p("recv", where, received, 0, phase)
-        return received
+        return received if target is None or received.device == target else received.to(target)
 
     return Handle(work, finish)

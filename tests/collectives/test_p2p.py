@@ -448,3 +448,51 @@ def test_a_send_without_snapshot_nobody_receives_times_out_on_gloo() -> None:
     message = str(info.value)
     assert "CollectiveTimeout" in message
     assert "send to rank 1 (tag 5) on rank 0" in message and "never received it" in message
+
+
+# -- devices: a message is staged through the transport's device, put back by the receiver ----------
+def received_on(device: str) -> list[tuple[str, tuple[int, ...], torch.dtype, bool]] | None:
+    mesh = Mesh(pp=2)
+    with mesh:
+        if mesh.rank == 0:
+            send(torch.arange(6.0).reshape(2, 3), "pp", 1, tag=1)
+            send(torch.tensor([1, 2], dtype=torch.int32), "pp", 1, tag=2, announce=False)
+            return None
+        got = [recv("pp", 0, tag=1, device=device).wait(),
+               recv("pp", 0, tag=2, like=(torch.Size([2]), torch.int32), device=device).wait()]
+        return [(str(t.device), tuple(t.shape), t.dtype, t.is_meta or bool(t.sum() > 0)) for t in got]
+
+
+_EXPECTED_ON_META = [("meta", (2, 3), torch.float32, True), ("meta", (2,), torch.int32, True)]
+
+
+def test_recv_puts_the_message_on_the_device_asked_with_threads() -> None:
+    assert launch(received_on, 2, args=("meta",))[1] == _EXPECTED_ON_META
+    assert launch(received_on, 2, args=("cpu",))[1] == [
+        ("cpu", (2, 3), torch.float32, True), ("cpu", (2,), torch.int32, True)
+    ]
+
+
+@pytest.mark.gloo
+def test_recv_puts_the_message_on_the_device_asked_on_gloo(gloo2: Any) -> None:
+    assert gloo2.run(received_on, "meta")[1] == _EXPECTED_ON_META
+
+
+def test_send_stages_a_tensor_through_the_backends_p2p_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch.distributed's messages travel on the CPU: a CUDA tensor is copied there first. CI has no
+    GPU, so here the threads backend claims its messages travel on meta: the receiver then gets the
+    staged (meta) copy, never the sender's CPU tensor."""
+    from shardwise.collectives.threads import ThreadsBackend
+
+    monkeypatch.setattr(ThreadsBackend, "p2p_device", property(lambda self: torch.device("meta")))
+
+    def program() -> tuple[str, tuple[int, ...]] | None:
+        mesh = Mesh(pp=2)
+        with mesh:
+            if mesh.rank == 0:
+                send(torch.ones(4, 5), "pp", 1, tag=3)
+                return None
+            got = recv("pp", 0, tag=3).wait()
+            return str(got.device), tuple(got.shape)
+
+    assert launch(program, 2)[1] == ("meta", (4, 5))

@@ -88,6 +88,7 @@ class PipelineRuntime:
     # step could predict them: transfers then go without count and headers.
     layouts: Sequence[Sequence[Layout]] | None = None
     replica_layers: frozenset[str] = frozenset()  # layers of which this rank only holds tied copies
+    device: torch.device = field(init=False)  # see __post_init__
     grads: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     loss_sum: torch.Tensor | None = None
     sq_norm: torch.Tensor | None = None
@@ -106,6 +107,12 @@ class PipelineRuntime:
     _bound: dict[int, tuple[list[Callable[[Any], Any]], dict[tuple[str, str], torch.Tensor]]] = field(
         default_factory=dict
     )  # per stage: its layers bound to the step's leaves, and those leaves
+
+    def __post_init__(self) -> None:
+        # Where this rank computes: its parameters', else its micro-batches'. Received activations
+        # and gradients are put there (torch.distributed delivers them on the CPU), and the
+        # metrics are made there.
+        self.device = device_of(self.params, self.microbatches)
 
     @property
     def last(self) -> int:
@@ -315,13 +322,14 @@ class PipelineRuntime:
             kind, producer, m, src = self._source(action)
             if self.layouts is not None:
                 self._posted[(kind, producer, m)] = [
-                    recv(self.axis, src, tag=tag_of(kind, producer, m, mb, i), like=like, mesh=self.mesh)
+                    recv(self.axis, src, tag=tag_of(kind, producer, m, mb, i), like=like, device=self.device,
+                         mesh=self.mesh)
                     for i, like in enumerate(self._expected(kind, producer), start=1)
                 ]
             else:
                 self._posted[(kind, producer, m)] = [
                     recv(self.axis, src, tag=tag_of(kind, producer, m, mb), mesh=self.mesh),
-                    recv(self.axis, src, tag=tag_of(kind, producer, m, mb, 1), mesh=self.mesh),
+                    recv(self.axis, src, tag=tag_of(kind, producer, m, mb, 1), device=self.device, mesh=self.mesh),
                 ]
 
     def receive(self, action: Action) -> None:
@@ -336,7 +344,7 @@ class PipelineRuntime:
         else:
             count = int(posted[0].wait())
             leaves = [posted[1].wait()] + [
-                recv(self.axis, src, tag=tag_of(kind, producer, m, mb, i), mesh=self.mesh).wait()
+                recv(self.axis, src, tag=tag_of(kind, producer, m, mb, i), device=self.device, mesh=self.mesh).wait()
                 for i in range(2, count + 1)
             ]
         value: Any = leaves if kind == "grad" else (leaves[0] if len(leaves) == 1 else tuple(leaves))
@@ -350,7 +358,7 @@ class PipelineRuntime:
         self._sends.clear()
         self._collect_grads()
         dtype = self._metric_dtype()
-        device = device_of(self.params, self.microbatches)  # every rank's metrics on its compute device
+        device = self.device
         local_loss = (
             torch.stack([x.to(dtype) for x in self._losses]).sum()
             if self._losses
@@ -400,7 +408,7 @@ class PipelineRuntime:
             parts = {me: mine}
             for peer in users:
                 if peer != me:
-                    parts[peer] = recv(self.axis, peer, tag=tag, mesh=self.mesh).wait()
+                    parts[peer] = recv(self.axis, peer, tag=tag, device=mine.device, mesh=self.mesh).wait()
             for handle in handles:
                 handle.wait()
             total = parts[users[0]]
