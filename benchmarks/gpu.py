@@ -60,10 +60,10 @@ variants with the same arithmetic should track each other.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import queue
-import socket
 import statistics
 import subprocess
 import sys
@@ -76,18 +76,15 @@ from typing import Any
 import optree
 import torch
 import torch.nn.functional as F
-from _common import emit, environment, note
+from _common import emit, environment, lm_loss, note
 
 import shardwise as sw
+from shardwise.collectives.processes import _free_port  # the launcher's own port probe
 from shardwise.testing.equivalence import compare_histories, record_history
 from shardwise.testing.models import TinyGPT, mlp
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zb_h1", "zb_v")
 Check = Callable[[], dict[str, Any]]
-
-
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
 def _frames(tb: Any) -> list[str]:
@@ -125,6 +122,12 @@ def mlp_case(device: torch.device, dtype: torch.dtype, seed: int = 0) -> Case:
         for _ in range(3)
     ]
     return chain, params, batches
+
+
+def mlp_problem(device: torch.device) -> tuple[sw.Step, Any, list[Any]]:
+    """The float64 MLP's step (SGD with momentum, clipped to norm 1), parameters and batches."""
+    chain, params, batches = mlp_case(device, torch.float64)
+    return sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1, momentum=0.9), clip_norm=1.0), params, batches
 
 
 def gpt_case(device: torch.device, dtype: torch.dtype, seed: int = 0) -> Case:
@@ -185,8 +188,7 @@ def equivalence_checks(device: torch.device, quick: bool) -> list[tuple[str, Che
             checks.append((f"shard_params:{model}:stage{stage}", lambda m=model, s=stage: shard(m, s)))
 
     def pipe(schedule: str) -> dict[str, Any]:
-        chain, params, batches = mlp_case(device, f64)
-        step = sw.train_step(chain, F.mse_loss, sgd, clip_norm=1.0)
+        step, params, batches = mlp_problem(device)
         return equivalence(sw.pipeline(step, "pp", schedule, microbatches=4), step, sw.Mesh(pp=2), batches, params)
 
     for schedule in SCHEDULES[:2] if quick else SCHEDULES:
@@ -227,12 +229,6 @@ def equivalence_checks(device: torch.device, quick: bool) -> list[tuple[str, Che
 
 
 # -- a hand-made process group at world 1, in a child process -----------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def process_group_child(backend: str, device_name: str) -> dict[str, Any]:
     """Runs in the child: init the group, collectives on the device, two steps against one device."""
     import torch.distributed as dist
@@ -241,7 +237,7 @@ def process_group_child(backend: str, device_name: str) -> dict[str, Any]:
     if device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{free_port()}")
+    dist.init_process_group(backend, rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{_free_port()}")
     try:
         out: dict[str, Any] = {}
         mesh = sw.Mesh(dp=1)
@@ -251,8 +247,7 @@ def process_group_child(backend: str, device_name: str) -> dict[str, Any]:
         out["psum_device"], out["all_gather_device"] = str(total.device), str(gathered.device)
         if not torch.equal(total, x) or not torch.equal(gathered.reshape(-1), x):
             raise AssertionError(f"world-1 psum/all_gather changed the values: {total}, {gathered}")
-        chain, params, batches = mlp_case(device, torch.float64)
-        step = sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1, momentum=0.9), clip_norm=1.0)
+        step, params, batches = mlp_problem(device)
         expected = record_history(step, step.init(params), batches)
         variants = (
             ("shard_params_stage3", sw.shard_params(step, "dp", stage=3), "dp"),
@@ -295,8 +290,7 @@ def process_rank(device_name: str, names: tuple[str, ...]) -> dict[str, Any]:
     device = torch.device(device_name)
     if device.type == "cuda":
         torch.cuda.set_device(0)  # every rank shares the one GPU: gloo, not NCCL, carries its tensors
-    chain, params, batches = mlp_case(device, torch.float64)
-    step = sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1, momentum=0.9), clip_norm=1.0)
+    step, params, batches = mlp_problem(device)
     out: dict[str, Any] = {}
     for name in names:
         try:
@@ -310,8 +304,7 @@ def process_rank(device_name: str, names: tuple[str, ...]) -> dict[str, Any]:
 
 def process_checks(device: torch.device) -> list[dict[str, Any]]:
     """``PROCESS_VARIANTS`` on two gloo processes sharing ``device``, against one device."""
-    chain, params, batches = mlp_case(device, torch.float64)
-    step = sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1, momentum=0.9), clip_norm=1.0)
+    step, params, batches = mlp_problem(device)
     expected = optree.tree_map(lambda t: t.cpu(), record_history(step, step.init(params), batches))
     started = time.perf_counter()
     try:
@@ -343,12 +336,11 @@ def gpt_flops(shape: dict[str, int], n_params: int, batch: int) -> float:
     return 6.0 * n_params * tokens + attention
 
 
-def torch_step(base: torch.nn.Module, shape: dict[str, int], device: torch.device, mode: str) -> Callable[[Any], Any]:
+def torch_step(base: torch.nn.Module, device: torch.device, mode: str) -> Callable[[Any], Any]:
     """One step of torch eager: ``mode`` is "f32", "bf16_autocast" or "bf16_pure" (see the docstring)."""
-    master = TinyGPT(**shape).to(device)
-    master.load_state_dict(base.state_dict())
+    master = copy.deepcopy(base)
     opt = torch.optim.AdamW(master.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
-    compute = TinyGPT(**shape).to(device, torch.bfloat16) if mode == "bf16_pure" else master
+    compute = copy.deepcopy(base).to(torch.bfloat16) if mode == "bf16_pure" else master
 
     def step(batch: Any) -> torch.Tensor:
         x, y = batch
@@ -371,10 +363,9 @@ def torch_step(base: torch.nn.Module, shape: dict[str, int], device: torch.devic
     return step
 
 
-def our_step(base: torch.nn.Module, shape: dict[str, int], device: torch.device, mode: str) -> Callable[[Any], Any]:
+def our_step(base: torch.nn.Module, device: torch.device, mode: str) -> Callable[[Any], Any]:
     """One step of ours: ``mode`` is "f32", "bf16" (mixed_precision) or "zero3" (shard_params on one rank)."""
-    model = TinyGPT(**shape).to(device)
-    model.load_state_dict(base.state_dict())
+    model = copy.deepcopy(base)
     chain, params = sw.functionalize(model, units=["tok_emb", "blocks", "head"])
     step: Any = sw.train_step(chain, lm_loss, sw.optim.adamw(LR, BETAS, EPS, WEIGHT_DECAY, inplace=True))
     if mode == "bf16":
@@ -433,12 +424,12 @@ def speed(device: torch.device, shape: dict[str, int], batch: int, steps: int, w
         tokens = torch.randint(shape["vocab"], (batch, shape["seq_len"] + 1), generator=gen).to(device)
         batches.append((tokens[:, :-1], tokens[:, 1:]))
     variants: dict[str, Callable[[Any], Any]] = {
-        "torch:f32": torch_step(base, shape, device, "f32"),
-        "torch:bf16_autocast": torch_step(base, shape, device, "bf16_autocast"),
-        "torch:bf16_pure": torch_step(base, shape, device, "bf16_pure"),
-        "ours:f32": our_step(base, shape, device, "f32"),
-        "ours:bf16": our_step(base, shape, device, "bf16"),
-        "ours:zero3_dp1_f32": our_step(base, shape, device, "zero3"),
+        "torch:f32": torch_step(base, device, "f32"),
+        "torch:bf16_autocast": torch_step(base, device, "bf16_autocast"),
+        "torch:bf16_pure": torch_step(base, device, "bf16_pure"),
+        "ours:f32": our_step(base, device, "f32"),
+        "ours:bf16": our_step(base, device, "bf16"),
+        "ours:zero3_dp1_f32": our_step(base, device, "zero3"),
     }
     cuda = device.type == "cuda"
     names = list(variants)

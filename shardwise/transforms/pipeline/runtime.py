@@ -358,20 +358,19 @@ class PipelineRuntime:
         self._sends.clear()
         self._collect_grads()
         dtype = self._metric_dtype()
-        device = self.device
         local_loss = (
             torch.stack([x.to(dtype) for x in self._losses]).sum()
             if self._losses
-            else torch.zeros((), dtype=dtype, device=device)
+            else torch.zeros((), dtype=dtype, device=self.device)
         )
         self._sum_tied_grads()
         self.final_grads = self.grads if self.finalize_grads is None else self.finalize_grads(self.grads)
         # A tied copy's gradient is also its owner's: count it once in the norm.
         counted: Any = {k: v for k, v in self.final_grads.items() if k not in self.replica_layers}
         pieces: list[torch.Tensor] = list(optree.tree_leaves(counted))
-        values = [local_loss.to(device), sum_of_squares(pieces, dtype, device)]
+        values = [local_loss, sum_of_squares(pieces, dtype, self.device)]
         if self.check_finite:
-            values.append(1.0 - all_finite(pieces, device).to(dtype))
+            values.append(1.0 - all_finite(pieces, self.device).to(dtype))
         self._local_metrics = torch.stack(values)
 
     def reduce_metrics(self, action: Action) -> None:
