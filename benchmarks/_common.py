@@ -273,27 +273,28 @@ GPT_SHAPE = {"vocab": 1024, "d_model": 256, "n_heads": 4, "n_layers": 4, "seq_le
 GPT_UNITS = ["tok_emb", "blocks", "head"]
 
 
-def seeded_model(model: str, seed: int, *, tie_weights: bool = True) -> nn.Module:
-    """``mlp`` (8 x (Linear(512, 512), GELU)) or ``gpt`` (TinyGPT), seeded: identical in every process."""
+def seeded_model(model: str, seed: int, *, tie_weights: bool = True, mlp_hidden: int = MLP_HIDDEN) -> nn.Module:
+    """``mlp`` (8 x (Linear(h, h), GELU), h = ``mlp_hidden``) or ``gpt`` (TinyGPT), seeded: identical
+    in every process."""
     torch.manual_seed(seed)
     if model == "mlp":
         layers: list[nn.Module] = []
         for _ in range(MLP_LAYERS):
-            layers += [nn.Linear(MLP_HIDDEN, MLP_HIDDEN), nn.GELU()]
+            layers += [nn.Linear(mlp_hidden, mlp_hidden), nn.GELU()]
         return nn.Sequential(*layers)
     if model == "gpt":
         return TinyGPT(**GPT_SHAPE, tie_weights=tie_weights)
     raise ValueError(f"unknown model {model!r}; choose mlp or gpt")
 
 
-def make_batches(model: str, batch: int, count: int, seed: int) -> list[Batch]:
+def make_batches(model: str, batch: int, count: int, seed: int, *, mlp_hidden: int = MLP_HIDDEN) -> list[Batch]:
     """``count`` global batches (inputs, targets) of ``batch`` rows, the same in every process."""
     gen = torch.Generator().manual_seed(seed + 1)
     batches = []
     for _ in range(count):
         if model == "mlp":
-            x = torch.randn(batch, MLP_HIDDEN, generator=gen)
-            batches.append((x, torch.randn(batch, MLP_HIDDEN, generator=gen)))
+            x = torch.randn(batch, mlp_hidden, generator=gen)
+            batches.append((x, torch.randn(batch, mlp_hidden, generator=gen)))
         else:
             seq = GPT_SHAPE["seq_len"]
             tokens = torch.randint(GPT_SHAPE["vocab"], (batch, seq + 1), generator=gen)

@@ -21,9 +21,16 @@ psum_scatter    ``psum_scatter(x, "x", tiled=True)``             ``reduce_scatte
 all_to_all      ``all_to_all(x, "x", 0, 0, tiled=True)``         ``all_to_all_single(out, x)``
 broadcast       ``broadcast(x, "x", root=0)``                    ``broadcast(x, src=0)`` (in place)
 ppermute        ``ppermute(x, "x", [(i, i+1 mod n)])``, a ring   ``batch_isend_irecv([isend(x, next), irecv(out, prev)])``
+send_recv       a round trip between ranks 2k and 2k+1 [#]_      the same with ``irecv`` / ``isend``
 ==============  ==============================================  =============================================
 
 .. [#] ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` on torch older than 2.13.
+.. [#] How a pipeline passes activations and gradients: each rank first posts
+   ``recv(x, partner, like=(shape, dtype))``; the even rank then sends ``x``
+   (``send(..., announce=False, snapshot=False)``) and waits for the reply, the
+   odd rank waits for ``x`` and sends it back. One call is one round trip, so
+   small sizes measure the latency a message adds to a pipeline's critical path
+   (twice: there and back). Needs an even world.
 
 Torch's calls get preallocated outputs (their fastest use); ours allocate their
 results, as the functional API must. Backends:
@@ -90,7 +97,7 @@ import shardwise as sw
 from shardwise.collectives.processes import ProcessPool
 from shardwise.collectives.runtime import current_backend
 
-OPS = ("psum", "all_gather", "psum_scatter", "all_to_all", "broadcast", "ppermute")
+OPS = ("psum", "all_gather", "psum_scatter", "all_to_all", "broadcast", "ppermute", "send_recv")
 DEFAULT_SIZES = "4K,16K,64K,256K,1M,4M,16M,64M"
 AXIS = "x"
 TIMEOUT_S = 300.0
@@ -109,11 +116,33 @@ def bus_factor(op: str, n: int) -> float:
         "all_to_all": (n - 1) / n,
         "broadcast": 1.0,
         "ppermute": 1.0,
+        "send_recv": 1.0,
     }[op]
 
 
 # -- inside a rank (module level: gloo ranks import this module) -----------------------
+def _round_trip(mesh: sw.Mesh) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``send_recv``: the pipeline's message pattern there and back (see the module docstring)."""
+    me = mesh.axis_index(AXIS)
+    partner = me ^ 1
+
+    def round_trip(x: torch.Tensor) -> torch.Tensor:
+        back = sw.recv(AXIS, partner, like=(x.shape, x.dtype), mesh=mesh)
+        if me % 2 == 0:
+            sent = sw.send(x, AXIS, partner, announce=False, snapshot=False, mesh=mesh)
+            out = back.wait()
+            sent.wait()
+            return out
+        out = back.wait()
+        sw.send(out, AXIS, partner, announce=False, snapshot=False, mesh=mesh).wait()
+        return out
+
+    return round_trip
+
+
 def _ours(op: str, mesh: sw.Mesh) -> Callable[[torch.Tensor], torch.Tensor]:
+    if op == "send_recv":
+        return _round_trip(mesh)
     n = mesh.size
     ring = [(i, (i + 1) % n) for i in range(n)]
     return {
@@ -152,6 +181,22 @@ def _torch_call(op: str, x: torch.Tensor) -> Callable[[], torch.Tensor]:
             return out
 
         return ring_shift
+    if op == "send_recv":
+        out = torch.empty_like(x)
+        partner = rank ^ 1
+
+        def round_trip() -> torch.Tensor:
+            back = dist.irecv(out, partner)
+            if rank % 2 == 0:
+                sent = dist.isend(x, partner)
+                back.wait()
+                sent.wait()
+            else:
+                back.wait()
+                dist.isend(out, partner).wait()
+            return out
+
+        return round_trip
     raise ValueError(f"unknown op {op!r}")
 
 
@@ -246,6 +291,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"unknown ops {unknown}; choose from {OPS}")
     if unknown := sorted(set(backends) - {"threads", "gloo"}):
         parser.error(f"unknown backends {unknown}; choose threads and/or gloo")
+    if "send_recv" in ops and (odd := [w for w in worlds if w % 2]):
+        parser.error(f"send_recv pairs ranks 2k and 2k+1: worlds {odd} are odd")
     for world in worlds:
         if bad := [s for s in sizes if (s // 4) % world]:
             parser.error(f"sizes {bad} do not split into {world} float32 chunks (psum_scatter, all_to_all)")

@@ -5,11 +5,14 @@ Run it from the repository root:
     python benchmarks/pipeline.py                      # defaults: 1-2 minutes on 2 cores
     python benchmarks/pipeline.py --steps 20 --warmup 3 --worlds 2 --models gpt --out pipe.jsonl
     python benchmarks/pipeline.py --models gpt --worlds 2 --profile ours:1f1b   # + a cProfile of rank 0
+    python benchmarks/pipeline.py --models mlp --worlds 2 --mlp-hidden 16       # the per-step overhead
 
 What is measured
 ----------------
 Models: ``mlp`` is 8 x (Linear(512, 512), GELU) with an MSE regression loss,
-functionalized as a Sequential (16 layers: each Linear and each GELU is one);
+functionalized as a Sequential (16 layers: each Linear and each GELU is one;
+``--mlp-hidden 16`` makes it 8 x Linear(16, 16), where what is left is mostly
+each library's per-step overhead);
 ``gpt`` is ``TinyGPT(vocab=1024, d_model=256, n_heads=4, n_layers=4,
 seq_len=128, tie_weights=False)`` with cross-entropy, functionalized with
 ``units=["tok_emb", "blocks", "head"]``: 6 layers ``tok_emb, blocks.0 ..
@@ -110,6 +113,7 @@ import torch
 import torch.distributed as dist
 from _common import (
     GPT_UNITS,
+    MLP_HIDDEN,
     add_batch_flags,
     add_out_flag,
     add_run_flags,
@@ -157,6 +161,7 @@ class Config:
     microbatches: int
     schedules: tuple[str, ...]
     seed: int = 0
+    mlp_hidden: int = MLP_HIDDEN  # the MLP's width: small widths leave mostly the per-step overhead
     profile: str | None = None  # "impl:schedule" to cProfile after the timed steps
     profile_rank: int = 0
     profile_steps: int = 5
@@ -172,12 +177,12 @@ def build_model(cfg: Config) -> nn.Module:
 
     GPT's head is untied: torch.distributed.pipelining cannot tie it to the embedding across stages.
     """
-    return seeded_model(cfg.model, cfg.seed, tie_weights=False)
+    return seeded_model(cfg.model, cfg.seed, tie_weights=False, mlp_hidden=cfg.mlp_hidden)
 
 
 def batches_of(cfg: Config) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``warmup + steps`` global batches (inputs, targets), the same in every process."""
-    return make_batches(cfg.model, cfg.batch, cfg.warmup + cfg.steps, cfg.seed)
+    return make_batches(cfg.model, cfg.batch, cfg.warmup + cfg.steps, cfg.seed, mlp_hidden=cfg.mlp_hidden)
 
 
 # -- torch's side of the same split --------------------------------------------------------
@@ -426,6 +431,7 @@ def rows_for(cfg: Config, per_rank: list[dict[str, Any]], ref: list[float]) -> l
         "world": cfg.world,
         "microbatches": cfg.microbatches,
         "global_batch": cfg.batch,
+        **({"mlp_hidden": cfg.mlp_hidden} if cfg.model == "mlp" else {}),
         "steps": cfg.steps,
         "warmup": cfg.warmup,
         "optimizer": "adamw",
@@ -477,12 +483,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--microbatches", type=int, default=4,
                         help="micro-batches per step, a multiple of every world for interleaved_1f1b (default 4)")
     add_batch_flags(parser)
+    parser.add_argument("--mlp-hidden", type=int, default=MLP_HIDDEN,
+                        help=f"the MLP's width (default {MLP_HIDDEN}); a small one, say 16, leaves mostly each "
+                             "library's per-step overhead: messages, bookkeeping, the optimizer's calls")
     parser.add_argument("--profile", metavar="IMPL:SCHEDULE",
                         help="cProfile this variant (e.g. ours:1f1b) on --profile-rank after the timed steps")
     parser.add_argument("--profile-rank", type=int, default=0)
     parser.add_argument("--profile-steps", type=int, default=5)
     add_out_flag(parser)
     args = parser.parse_args(argv)
+    if args.mlp_hidden < 1:
+        parser.error(f"--mlp-hidden {args.mlp_hidden}: the MLP needs a positive width")
     if args.warmup < 1 or args.steps < 1:
         parser.error("--steps and --warmup must be >= 1 (the first step infers torch's stage shapes)")
     unknown = set(args.schedules.split(",")) - set(SCHEDULES)
@@ -503,7 +514,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
 
     def measure(pool: ProcessPool, world: int, model: str, batch: int) -> list[dict[str, Any]]:
         cfg = Config(model, world, args.steps, args.warmup, batch, args.microbatches, schedules,
-                     profile=args.profile, profile_rank=args.profile_rank, profile_steps=args.profile_steps)
+                     mlp_hidden=args.mlp_hidden, profile=args.profile, profile_rank=args.profile_rank,
+                     profile_steps=args.profile_steps)
         if model not in refs:  # the reference does not depend on the world
             refs[model] = reference_losses(build_model(cfg), loss_fn_of(model), batches_of(cfg))
         per_rank = run_on_ranks(pool, bench_rank, cfg, label=f"{model}, world {world}")
