@@ -216,6 +216,8 @@ def rank_main(op: str, sizes: list[int], reps: list[int], with_torch: bool) -> l
             result = ours(x)
         if raw is not None and (theirs := raw()).shape != result.shape:  # also torch's warm-up
             raise AssertionError(f"{op}: ours returned {tuple(result.shape)}, torch {tuple(theirs.shape)}")
+        if op == "send_recv" and not bool((result == mesh.rank - mesh.rank % 2 + 1.0).all()):
+            raise AssertionError("send_recv: a pair's round trip must leave the even rank's values on both")
         del result
         ours_s, torch_s = [], []
         for _ in range(n_reps):
