@@ -11,7 +11,7 @@ What is measured
 ----------------
 Models: ``mlp`` is 8 x (Linear(512, 512), GELU) with an MSE regression loss,
 functionalized as a Sequential (16 layers: each Linear and each GELU is one;
-``--mlp-hidden 16`` makes it 8 x Linear(16, 16), where what is left is mostly
+``--mlp-hidden 16`` makes it 8 x (Linear(16, 16), GELU), where what is left is mostly
 each library's per-step overhead);
 ``gpt`` is ``TinyGPT(vocab=1024, d_model=256, n_heads=4, n_layers=4,
 seq_len=128, tie_weights=False)`` with cross-entropy, functionalized with
