@@ -101,11 +101,8 @@ class ShardedParams:
         travelling in ``dtype`` when given."""
         out: dict[str, torch.Tensor] = {}
         for u, lay in self.layout.units.items():
-            local = dict(grads.get(u, {}))
-            device = device_of(local, self.held[u])
-            for name, shape in zip(lay.names, lay.shapes, strict=True):
-                local.setdefault(name, torch.zeros(shape, dtype=lay.dtype, device=device))
-            flat = lay.flatten(local)
+            local = grads.get(u, {})
+            flat = lay.flatten_grads(local, device_of(local, self.held[u]))
             out[u] = psum_scatter(flat if dtype is None else flat.to(dtype), self.axis, tiled=True, mesh=self.mesh)
         return out
 

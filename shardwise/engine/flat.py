@@ -85,6 +85,15 @@ class UnitLayout:
             pieces.append(like.new_zeros(self.padding))
         return torch.cat(pieces)
 
+    def flatten_grads(self, grads: Mapping[str, torch.Tensor], device: torch.device) -> torch.Tensor:
+        """The padded flat buffer of the unit's gradients; a parameter the loss did not reach
+        counts as zeros, made on ``device``."""
+        filled = {
+            n: grads[n] if n in grads else torch.zeros(shape, dtype=self.dtype, device=device)
+            for n, shape in zip(self.names, self.shapes, strict=True)
+        }
+        return self.flatten(filled)
+
     def unflatten(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """Views of the parameters in a full (gathered) flat buffer; the padding is dropped."""
         if flat.numel() != self.padded_numel:

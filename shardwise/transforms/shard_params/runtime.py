@@ -157,11 +157,7 @@ class ShardRuntime:
     def reduce_scatter(self, action: Action) -> None:
         unit = _unit(action)
         layout = self.layouts[unit]
-        grads = self.grads.pop(unit, {})
-        for name, shape in zip(layout.names, layout.shapes, strict=True):
-            if name not in grads:  # a parameter the loss did not reach
-                grads[name] = torch.zeros(shape, dtype=layout.dtype, device=self.shards[unit].device)
-        flat = layout.flatten(grads)
+        flat = layout.flatten_grads(self.grads.pop(unit, {}), self.shards[unit].device)
         if self.reduce_dtype is not None:
             flat = flat.to(self.reduce_dtype)
         self._pending_reduces[unit] = psum_scatter_async(flat, self.axis, tiled=True, mesh=self.mesh)
