@@ -38,7 +38,13 @@ weight decay 0.01), the same initial weights, global batches and micro-batches:
 
 * ``ours``: ``sw.pipeline(train_step, "pp", schedule, microbatches, stages=,
   partition=, trace=True)`` with ``sw.optim.adamw``; every rank is given the
-  global batch.
+  global batch. Every rank gets the global loss and gradient norm of every step
+  (one all-reduce, and a pass over the gradients for the norm).
+* ``ours_quiet``: the same step with ``.with_metrics(())``: it reports nothing,
+  so it sums nothing across ranks and computes no norm, which is the work torch's
+  schedules do (they keep the losses on the last stage's rank). It has no loss
+  to check; ``params_equal_to_ours`` says instead whether its parameters ended
+  bitwise equal to ``ours``'s on every rank (the same updates).
 * ``torch``: ``PipelineStage(submodule, stage_index, num_stages, cpu)`` and
   ``ScheduleGPipe`` / ``Schedule1F1B`` / ``ScheduleInterleaved1F1B`` with the
   loss as ``loss_fn`` (``scale_grads=True``: the mean over micro-batches, as
@@ -144,7 +150,7 @@ from shardwise.testing.models import TinyGPT
 from shardwise.transforms.pipeline import Costs, Timeline, get_schedule, simulate
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
-IMPLS = ("ours", "torch")
+IMPLS = ("ours", "ours_quiet", "torch")
 VIRTUAL_STAGES = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2}
 TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B"}
 
@@ -165,6 +171,7 @@ class Config:
     profile: str | None = None  # "impl:schedule" to cProfile after the timed steps
     profile_rank: int = 0
     profile_steps: int = 5
+    impls: tuple[str, ...] = IMPLS
 
 
 def variant_name(impl: str, schedule: str) -> str:
@@ -236,9 +243,13 @@ def torch_layers(cfg: Config, model: nn.Module) -> dict[str, nn.Module]:
 
 # -- the variants, as seen from one rank ---------------------------------------------------
 class Ours:
-    """sw.pipeline with one schedule; gets the global batch; records the runtime trace."""
+    """sw.pipeline with one schedule; gets the global batch; records the runtime trace.
 
-    def __init__(self, cfg: Config, schedule: str) -> None:
+    ``quiet``: the same step reporting no metrics (``with_metrics(())``): no global loss or
+    gradient norm, so no all-reduce and no norm, the same work as torch's schedules.
+    """
+
+    def __init__(self, cfg: Config, schedule: str, *, quiet: bool = False) -> None:
         units = GPT_UNITS if cfg.model == "gpt" else None
         chain, params = sw.functionalize(build_model(cfg), units=units)
         step = sw.train_step(chain, loss_fn_of(cfg.model), sw_adamw())
@@ -249,6 +260,8 @@ class Ours:
         self.stages: tuple[tuple[str, ...], ...] = balanced.stages
         self.step_fn = sw.pipeline(step, "pp", schedule, cfg.microbatches, stages=stages,
                                    partition=[len(s) for s in self.stages], trace=True)
+        if quiet:
+            self.step_fn = self.step_fn.with_metrics(())
         self.state = self.step_fn.init(params, mesh)
         self.events: list[list[tuple[int, str, float, float]]] = []  # per step, this rank's compute events
         self.param_count = sum(t.numel() for layer in self.state.params.values() for t in layer.values())
@@ -256,7 +269,7 @@ class Ours:
     def step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor | None:
         self.state, metrics = self.step_fn(self.state, batch)
         self.events.append(list(metrics["trace"]))
-        return metrics["loss"].detach()
+        return metrics["loss"].detach() if "loss" in metrics else None
 
 
 class TorchPipe:
@@ -313,8 +326,13 @@ def build_runners(cfg: Config) -> tuple[dict[str, Runner], dict[str, str], dict[
             skipped[ours_name] = reason
             skipped[torch_name] = f"no common split (sw.pipeline refused it: {reason})"
             continue
-        runners[ours_name] = ours
+        if "ours" in cfg.impls:
+            runners[ours_name] = ours
+        if "ours_quiet" in cfg.impls:
+            runners[variant_name("ours_quiet", schedule)] = Ours(cfg, schedule, quiet=True)
         stages_of[schedule] = ours.stages
+        if "torch" not in cfg.impls:
+            continue
         try:
             runners[torch_name] = TorchPipe(cfg, schedule, ours.stages)
         except Exception as exc:
@@ -355,12 +373,23 @@ def bench_rank(cfg: Config) -> dict[str, Any]:
         "events": {name: r.events[cfg.warmup:] for name, r in runners.items() if isinstance(r, Ours)},
         "skipped": skipped,
         "stages": stages_of,
+        "quiet_same_params": {schedule: same_params(runners, schedule) for schedule in stages_of},
     }
     if cfg.profile in runners:
         result["profile"] = profile_steps(runners[cfg.profile].step, batches, cfg.profile_steps,
                                           rank == min(cfg.profile_rank, cfg.world - 1),
                                           [("tottime", (30,)), ("cumulative", (40,))])
     return result
+
+
+def same_params(runners: dict[str, Runner], schedule: str) -> bool | None:
+    """Whether the quiet step left this rank's parameters bitwise equal to the reporting one's
+    (the same updates on the same batches; ``None`` unless both ran)."""
+    loud, quiet = runners.get(variant_name("ours", schedule)), runners.get(variant_name("ours_quiet", schedule))
+    if not isinstance(loud, Ours) or not isinstance(quiet, Ours):
+        return None
+    mine, theirs = loud.state.params, quiet.state.params
+    return all(torch.equal(t, theirs[layer][k]) for layer, tensors in mine.items() for k, t in tensors.items())
 
 
 # -- the parent: bubbles, rows, printing ---------------------------------------------------------
@@ -439,11 +468,11 @@ def rows_for(cfg: Config, per_rank: list[dict[str, Any]], ref: list[float]) -> l
     }
     first = per_rank[0]
     medians = {name: median_of_max(r["times"][name] for r in per_rank) for name in first["times"]}
-    # The loss: ours has the global loss on every rank; torch's only on the last rank.
-    losses = {name: next(r["losses"][name] for r in per_rank if r["losses"][name]) for name in first["times"]}
+    # The loss: ours has the global loss on every rank; torch's only on the last rank; ours_quiet none.
+    losses = {name: next((r["losses"][name] for r in per_rank if r["losses"][name]), None) for name in first["times"]}
     rows = []
     for schedule in cfg.schedules:
-        for impl in IMPLS:
+        for impl in cfg.impls:
             name = variant_name(impl, schedule)
             row: dict[str, Any] = {**base, "schedule": schedule, "impl": impl,
                                    "stages": cfg.world * VIRTUAL_STAGES[schedule]}
@@ -462,13 +491,20 @@ def rows_for(cfg: Config, per_rank: list[dict[str, Any]], ref: list[float]) -> l
                 "paired_ratio_to_torch": round(paired_ratio_median(
                     [r["times"][name] for r in per_rank], [r["times"][torch_name] for r in per_rank]
                 ), 3) if reference else None,
-                "first_loss": round(losses[name][0], 6),
-                "max_rel_loss_diff": max_rel_diff(losses[name], ref),
-                "final_loss": round(losses[name][-1], 5),
             }
-            if impl == "ours":
-                if torch_name in losses:
-                    row["first_loss_rel_diff_vs_torch"] = rel_diff(losses[name][0], losses[torch_name][0])
+            found = losses[name]
+            if found is not None:
+                row |= {
+                    "first_loss": round(found[0], 6),
+                    "max_rel_loss_diff": max_rel_diff(found, ref),
+                    "final_loss": round(found[-1], 5),
+                }
+            else:  # quiet: checked instead against the reporting step's parameters on every rank
+                checks = [r["quiet_same_params"][schedule] for r in per_rank]
+                row["params_equal_to_ours"] = None if None in checks else all(checks)
+            if impl.startswith("ours"):
+                if found is not None and losses.get(torch_name) is not None:
+                    row["first_loss_rel_diff_vs_torch"] = rel_diff(found[0], losses[torch_name][0])
                 steps = zip(*(r["events"][name] for r in per_rank), strict=True)
                 row |= bubble_figures(cfg, schedule, row["stages"], [[e for events in step for e in events] for step in steps])
             rows.append(row)
@@ -486,6 +522,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--mlp-hidden", type=int, default=MLP_HIDDEN,
                         help=f"the MLP's width (default {MLP_HIDDEN}); a small one, say 16, leaves mostly each "
                              "library's per-step overhead: messages, bookkeeping, the optimizer's calls")
+    parser.add_argument("--impls", default=",".join(IMPLS),
+                        help=f"comma-separated, of {', '.join(IMPLS)} (default all); ours_quiet is ours "
+                             "reporting no metrics, the same work as torch's schedules")
     parser.add_argument("--profile", metavar="IMPL:SCHEDULE",
                         help="cProfile this variant (e.g. ours:1f1b) on --profile-rank after the timed steps")
     parser.add_argument("--profile-rank", type=int, default=0)
@@ -499,6 +538,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     unknown = set(args.schedules.split(",")) - set(SCHEDULES)
     if unknown:
         parser.error(f"unknown schedules {sorted(unknown)}; choose from {', '.join(SCHEDULES)}")
+    unknown = set(args.impls.split(",")) - set(IMPLS)
+    if unknown:
+        parser.error(f"--impls: unknown {sorted(unknown)}; choose from {', '.join(IMPLS)}")
     if args.profile and args.profile.partition(":")[::2] not in {(i, s) for i in IMPLS for s in SCHEDULES}:
         parser.error(f"--profile {args.profile!r}: use IMPL:SCHEDULE, e.g. ours:1f1b or torch:gpipe")
     for batch in (args.mlp_batch, args.gpt_batch):
@@ -510,12 +552,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args = parse_args(argv)
     schedules = tuple(s for s in SCHEDULES if s in args.schedules.split(","))
+    impls = tuple(i for i in IMPLS if i in args.impls.split(","))
     refs: dict[str, list[float]] = {}
 
     def measure(pool: ProcessPool, world: int, model: str, batch: int) -> list[dict[str, Any]]:
         cfg = Config(model, world, args.steps, args.warmup, batch, args.microbatches, schedules,
                      mlp_hidden=args.mlp_hidden, profile=args.profile, profile_rank=args.profile_rank,
-                     profile_steps=args.profile_steps)
+                     profile_steps=args.profile_steps, impls=impls)
         if model not in refs:  # the reference does not depend on the world
             refs[model] = reference_losses(build_model(cfg), loss_fn_of(model), batches_of(cfg))
         per_rank = run_on_ranks(pool, bench_rank, cfg, label=f"{model}, world {world}")

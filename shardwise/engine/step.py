@@ -10,7 +10,7 @@ what ``loss.backward(); optimizer.step()`` computes on one device.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +23,7 @@ from .chain import Chain
 from .data_parallel import DataParallel
 from .devices import host_scalar
 from .executor import Executor, LossFn
+from .metrics import REPORTABLE, MetricExchange, Summed, check_metrics
 from .optim import Optimizer, global_norm
 from .plan import BACKWARD, FORWARD, LOSS, UPDATE, Action, Plan
 from .precision import Precision, all_finite
@@ -112,6 +113,7 @@ class Step:
     optimizer: Optimizer
     clip_norm: float | None = None
     precision: Precision | None = None  # set by mixed_precision
+    metrics: tuple[str, ...] = REPORTABLE  # what the step reports (see shardwise.engine.metrics)
 
     # -- composition hooks ------------------------------------------------------
     def base_fields(self) -> dict[str, Any]:
@@ -134,6 +136,32 @@ class Step:
             f"{type(self).__name__} cannot be made data parallel over {spec.axis!r}: shard_params does not "
             "compose with it"
         )
+
+    # -- metrics, shared by every kind of step --------------------------------------
+    def with_metrics(self, metrics: Iterable[str]) -> Step:
+        """This step reporting ``metrics`` instead (any of ``"loss"``, ``"grad_norm"``; ``()`` for
+        none). It takes and returns the same states and updates them in the same way."""
+        return dataclasses.replace(self, metrics=check_metrics(metrics))
+
+    @property
+    def needs_norm(self) -> bool:
+        """Whether the step computes the global gradient norm: reported, or needed to clip."""
+        return "grad_norm" in self.metrics or self.clip_norm is not None
+
+    def metric_exchange(self) -> MetricExchange:
+        """What the ranks of this step sum after the backward (nothing, if no metric or rule needs it)."""
+        return MetricExchange(loss="loss" in self.metrics, norm=self.needs_norm, finite=self.precision is not None)
+
+    def report(self, summed: Summed, batch_parts: int) -> Metrics:
+        """The asked-for metrics from the summed values: the loss sum counted ``batch_parts`` losses."""
+        metrics: Metrics = {}
+        if "loss" in self.metrics:
+            assert summed.loss_sum is not None
+            metrics["loss"] = summed.loss_sum / batch_parts
+        if "grad_norm" in self.metrics:
+            assert summed.sq_norm is not None
+            metrics["grad_norm"] = summed.sq_norm.sqrt()
+        return metrics
 
     # -- precision helpers shared by every kind of step ---------------------------
     def master_params(self, params: Params) -> Params:
@@ -195,10 +223,15 @@ class Step:
         executor.run(self.plan().for_rank(0))
         grads = unscale_like(executor.ordered_grads(), state.params, scale)
         assert executor.loss is not None
-        norm = global_norm(grads)
+        norm = global_norm(grads) if self.needs_norm else None
         # Without a precision policy a step behaves as torch does: no finiteness check, no skip.
         finite = self.precision is None or bool(all_finite(optree.tree_leaves(grads)))
-        metrics = {"loss": executor.loss, "grad_norm": norm}
+        metrics: Metrics = {}
+        if "loss" in self.metrics:
+            metrics["loss"] = executor.loss
+        if "grad_norm" in self.metrics:
+            assert norm is not None
+            metrics["grad_norm"] = norm
         params, opt_state, loss_scale = self.finish(state, grads, state.params, norm, finite)
         if self.precision is not None:
             metrics["loss_scale"] = host_scalar(scale)
@@ -252,12 +285,21 @@ def train_step(
     optimizer: Optimizer,
     *,
     clip_norm: float | None = None,
+    metrics: Iterable[str] = REPORTABLE,
 ) -> Step:
     """The single-device training step of ``chain`` under ``loss_fn`` and ``optimizer``.
 
     ``clip_norm`` clips the gradient to that global L2 norm before the update,
     as ``torch.nn.utils.clip_grad_norm_`` does. The metrics report the norm
     before clipping.
+
+    ``metrics`` names what each call reports: ``"loss"`` (the mean over the whole
+    batch) and ``"grad_norm"``, the same values on every rank once the step is
+    distributed. Each costs something there (one small all-reduce per step, and a
+    pass over every gradient for the norm), so a loop that logs now and then can
+    run ``step.with_metrics(())`` in between: the same step on the same states,
+    reporting neither (torch's pipeline schedules, for one, report nothing but
+    the last stage's losses).
 
     >>> import torch, shardwise as sw
     >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
@@ -269,6 +311,9 @@ def train_step(
     >>> state, metrics = step(state, batch)
     >>> sorted(metrics), state.step
     (['grad_norm', 'loss'], 1)
+    >>> state, metrics = step.with_metrics(())(state, batch)
+    >>> metrics, state.step
+    ({}, 2)
     """
     if isinstance(chain, tuple):
         raise TypeError("train_step got a (chain, params) tuple: pass the chain, and give params to step.init(params)")
@@ -282,4 +327,4 @@ def train_step(
         )
     if clip_norm is not None and not clip_norm > 0:
         raise ValueError(f"train_step(clip_norm={clip_norm!r}): the norm to clip to must be positive")
-    return Step(chain, loss_fn, optimizer, clip_norm)
+    return Step(chain, loss_fn, optimizer, clip_norm, metrics=check_metrics(metrics))

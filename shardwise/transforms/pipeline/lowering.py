@@ -20,7 +20,7 @@ RECV_GRAD = "recv_grad"
 SEND_GRAD = "send_grad"
 COMPUTE = {"F": "forward", "B": "backward", "I": "backward_input", "W": "backward_weight"}
 FINISH_GRADS = "finish_grads"  # wait for sends; sum tied copies; reduce over data parallel; local metrics
-REDUCE_METRICS = "reduce_metrics"  # starts one all-reduce of (loss, squared norm[, not-finite flag])
+REDUCE_METRICS = "reduce_metrics"  # starts one all-reduce of what the step exchanges (engine.metrics)
 UPDATE = "update"
 
 
@@ -40,10 +40,10 @@ def compute_action(op: PipeOp) -> Action:
 def lower_rank(schedule: Schedule, rank: int) -> tuple[Action, ...]:
     """The actions of pipeline rank ``rank``: its schedule ops with receives and sends around them.
 
-    The step ends with its gradients finished, the metrics' all-reduce started and the
-    update. The update waits for the all-reduce only when it depends on it (clipping by the
-    global norm, skipping on a non-finite gradient anywhere); otherwise the all-reduce
-    completes while the rank updates, and a rank whose last compute comes early (the last
+    The step ends with its gradients finished, the metrics' all-reduce started (a no-op for a
+    step that reports no metric and needs none) and the update. The update waits for the
+    all-reduce only when it depends on it (clipping by the global norm, skipping on a
+    non-finite gradient anywhere); otherwise the all-reduce completes while the rank updates, and a rank whose last compute comes early (the last
     stage, in 1F1B) updates while the others still compute instead of waiting for them.
     """
     last = schedule.num_stages - 1

@@ -30,9 +30,8 @@ from ...collectives.ops import psum, psum_async
 from ...collectives.p2p import recv, send
 from ...engine.chain import Chain
 from ...engine.devices import device_of
-from ...engine.optim import sum_of_squares
+from ...engine.metrics import EXCHANGE_METRICS, NOTHING_SUMMED, MetricExchange, Summed
 from ...engine.plan import Action
-from ...engine.precision import all_finite
 from .lowering import (
     FINISH_GRADS,
     RECV_ACTIVATION,
@@ -64,7 +63,7 @@ class _Saved:
 
 @dataclass
 class PipelineRuntime:
-    """One rank's pipelined step; ``run`` leaves local gradients, the loss sum and the squared norm."""
+    """One rank's pipelined step; ``run`` leaves the gradients for the optimizer and the summed metric values."""
 
     chain: Chain
     loss_fn: LossFn
@@ -80,9 +79,10 @@ class PipelineRuntime:
     # Turns the local gradients into what the optimizer gets (reduced shards, unscaled, master dtype).
     finalize_grads: Callable[[Mapping[str, Mapping[str, torch.Tensor]]], Any] | None = None
     metric_axes: tuple[str, ...] = ()
-    check_finite: bool = False  # mixed precision: every rank skips if any gradient anywhere is not finite
+    # What the ranks sum after the backward (the step's metrics, the norm to clip by, the finite flag).
+    exchange: MetricExchange = EXCHANGE_METRICS
+    summed: Summed = NOTHING_SUMMED
     final_grads: Any = None
-    finite: bool = True
     tied: Sequence[tuple[str, str, tuple[int, ...]]] = ()  # weights tied across pipeline ranks
     # Per stage boundary, the (shape, dtype) of each tensor the stage's output carries, when the
     # step could predict them: transfers then go without count and headers.
@@ -90,9 +90,7 @@ class PipelineRuntime:
     replica_layers: frozenset[str] = frozenset()  # layers of which this rank only holds tied copies
     device: torch.device = field(init=False)  # see __post_init__
     grads: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
-    loss_sum: torch.Tensor | None = None
-    sq_norm: torch.Tensor | None = None
-    _local_metrics: torch.Tensor | None = None  # (loss sum, squared norm[, not-finite]) of this rank
+    _local_metrics: torch.Tensor | None = None  # this rank's share of what the ranks sum (exchange.local)
     _pending_metrics: tuple[Handle, tuple[str, ...]] | None = None  # all-reduce started, axes still to go
     events: list[tuple[int, str, float, float]] = field(default_factory=list)
     _inbox: dict[tuple[str, int, int], Any] = field(default_factory=dict)
@@ -357,31 +355,27 @@ class PipelineRuntime:
             handle.wait()
         self._sends.clear()
         self._collect_grads()
-        dtype = self._metric_dtype()
-        local_loss = (
-            torch.stack([x.to(dtype) for x in self._losses]).sum()
-            if self._losses
-            else torch.zeros((), dtype=dtype, device=self.device)
-        )
         self._sum_tied_grads()
         self.final_grads = self.grads if self.finalize_grads is None else self.finalize_grads(self.grads)
+        if self.exchange.empty:
+            return
         # A tied copy's gradient is also its owner's: count it once in the norm.
         counted: Any = {k: v for k, v in self.final_grads.items() if k not in self.replica_layers}
         pieces: list[torch.Tensor] = list(optree.tree_leaves(counted))
-        values = [local_loss, sum_of_squares(pieces, dtype, self.device)]
-        if self.check_finite:
-            values.append(1.0 - all_finite(pieces, self.device).to(dtype))
-        self._local_metrics = torch.stack(values)
+        self._local_metrics = self.exchange.local(self._losses, pieces, self._metric_dtype(), self.device)
 
     def reduce_metrics(self, action: Action) -> None:
-        """Start the all-reduce of this rank's metrics; :meth:`wait_metrics` completes it."""
+        """Start the all-reduce of this rank's share; :meth:`wait_metrics` completes it. A step
+        that exchanges nothing (no metric asked for, no rule needing one) sends nothing."""
+        if self.exchange.empty:
+            return
         if self._local_metrics is None:
             raise RuntimeError("reduce_metrics before finish_grads")
         axes = self.metric_axes or (self.axis,)
         self._pending_metrics = (psum_async(self._local_metrics, axes[0], mesh=self.mesh), axes[1:])
 
     def wait_metrics(self) -> None:
-        """``loss_sum``, ``sq_norm`` and ``finite`` summed over the metric axes (once; later calls return)."""
+        """``summed``: the shares summed over the metric axes (once; later calls return)."""
         if self._pending_metrics is None:
             return
         handle, rest = self._pending_metrics
@@ -389,8 +383,7 @@ class PipelineRuntime:
         total = handle.wait()
         for axis in rest:
             total = psum(total, axis, mesh=self.mesh)
-        self.loss_sum, self.sq_norm = total[0], total[1]
-        self.finite = not self.check_finite or bool(total[2] == 0)
+        self.summed = self.exchange.unpack(total)
 
     def _sum_tied_grads(self) -> None:
         """Every rank using a tied weight sends its gradient to the others and sums all of them in

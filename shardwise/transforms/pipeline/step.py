@@ -227,7 +227,8 @@ class PipelineStep(Step):
                     layer: {k: _grad_or_zeros(grads.get(layer, {}), k, t) for k, t in tensors.items()}
                     for layer, tensors in state.params.items()
                 }
-                return unscale_like(full, master, scale)
+                # Without a precision policy the gradients are already in the master dtype, unscaled.
+                return full if prec is None and scale == 1.0 else unscale_like(full, master, scale)
             return unscale_like(store.reduce(grads, None if prec is None else prec.policy.reduce), master, scale)
 
         micro = split_microbatches(batch, self.microbatches)
@@ -245,7 +246,7 @@ class PipelineStep(Step):
             loss_scale=scale / replicas,
             finalize_grads=finalize,
             metric_axes=(self.axis,) if store is None else (self.axis, store.axis),
-            check_finite=prec is not None,
+            exchange=self.metric_exchange(),
             tied=layout.tied,
             replica_layers=frozenset(o for o, _ in layout.replicas_of(index)),
             layouts=self.boundary_layouts(layout, micro[0][0]),
@@ -254,29 +255,23 @@ class PipelineStep(Step):
 
         # Clipping needs the global norm and mixed precision the global finite flag before the
         # update; otherwise the metrics' all-reduce completes while this rank updates.
-        needs_metrics = self.clip_norm is not None or prec is not None
+        needs_summed = self.clip_norm is not None or prec is not None
 
         def update(_action: object) -> None:
-            norm = None
-            if needs_metrics:
+            if needs_summed:
                 runtime.wait_metrics()
-                assert runtime.sq_norm is not None
-                norm = runtime.sq_norm.sqrt()
-            new_master, opt_state, loss_scale = self.finish(state, runtime.final_grads, master, norm, runtime.finite)
+            summed = runtime.summed
+            new_master, opt_state, loss_scale = self.finish(state, runtime.final_grads, master, summed.norm, summed.finite)
             held = new_master if store is None else store.rebuild(new_master)
             result.append((held, opt_state, loss_scale))
 
         runtime.run(layout.actions_of(index), update)
         runtime.wait_metrics()
-        assert runtime.loss_sum is not None and runtime.sq_norm is not None
         params, opt_state, loss_scale = result[0]
-        metrics: Metrics = {
-            "loss": runtime.loss_sum / (self.microbatches * replicas),
-            "grad_norm": runtime.sq_norm.sqrt(),
-        }
+        metrics = self.report(runtime.summed, self.microbatches * replicas)
         if prec is not None:
             metrics["loss_scale"] = host_scalar(scale)
-            metrics["skipped"] = host_scalar(not runtime.finite)
+            metrics["skipped"] = host_scalar(not runtime.summed.finite)
         if self.trace:
             metrics["trace"] = runtime.events  # type: ignore[assignment]
         return state._replace(params=params, opt_state=opt_state, step=state.step + 1, loss_scale=loss_scale), metrics

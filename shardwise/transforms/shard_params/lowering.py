@@ -29,7 +29,7 @@ WAIT_GATHER = "wait_gather"  # wait for it; the unit's parameters are now usable
 FREE = "free"  # drop a gathered unit
 REDUCE_SCATTER = "reduce_scatter"  # issue an async reduce-scatter of a unit's gradient
 WAIT_REDUCE = "wait_reduce"  # wait for it; this rank holds its gradient shard
-REDUCE_METRICS = "reduce_metrics"  # one all-reduce of (loss, squared gradient norm)
+REDUCE_METRICS = "reduce_metrics"  # one all-reduce of what the step exchanges (engine.metrics)
 GATHER_PARAMS = "gather_params"  # stage 1/2: all-gather a unit's updated shard into full params
 WAIT_PARAMS = "wait_params"
 

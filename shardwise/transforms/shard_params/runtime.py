@@ -22,9 +22,8 @@ from ...engine._storage import free_storage, owns_storage, refill_storage
 from ...engine.chain import Chain
 from ...engine.executor import Executor, LossFn
 from ...engine.flat import UnitLayout
-from ...engine.optim import sum_of_squares
+from ...engine.metrics import EXCHANGE_METRICS, NOTHING_SUMMED, MetricExchange, Summed
 from ...engine.plan import BACKWARD, FORWARD, LOSS, UPDATE, Action
-from ...engine.precision import all_finite
 from .lowering import (
     FREE,
     GATHER,
@@ -39,7 +38,7 @@ from .lowering import (
 
 @dataclass
 class ShardRuntime:
-    """One rank's step: ``run(actions)`` leaves gradient shards, the loss and the squared norm."""
+    """One rank's step: ``run(actions)`` leaves gradient shards and the summed metric values."""
 
     chain: Chain
     loss_fn: LossFn
@@ -53,14 +52,13 @@ class ShardRuntime:
     grad_scale: float = 1.0  # the precision loss scale, divided out of the reduced gradients
     gather_from: Mapping[str, torch.Tensor] | None = None  # compute-dtype shards to gather (mixed precision)
     reduce_dtype: torch.dtype | None = None  # dtype gradients travel in (mixed precision)
-    check_finite: bool = False  # mixed precision: skip the update everywhere if any gradient is not finite
-    finite: bool = True
+    # What the ranks sum after the backward (the step's metrics, the norm to clip by, the finite flag).
+    exchange: MetricExchange = EXCHANGE_METRICS
+    summed: Summed = NOTHING_SUMMED
     params_view: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     grads: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     grad_shards: dict[str, torch.Tensor] = field(default_factory=dict)
     losses: list[torch.Tensor] = field(default_factory=list)
-    loss_sum: torch.Tensor | None = None
-    sq_norm: torch.Tensor | None = None
     gathered_bytes: int = 0
     peak_gathered_bytes: int = 0
     _pending_gathers: dict[str, Any] = field(default_factory=dict)
@@ -168,18 +166,15 @@ class ShardRuntime:
         self.grad_shards[unit] = shard if self.grad_scale == 1.0 else shard / self.grad_scale
 
     def reduce_metrics(self, action: Action) -> None:
-        """One small all-reduce carries the loss sum, the squared gradient norm of every shard and,
-        under mixed precision, how many ranks saw a non-finite gradient (all skip a bad step together)."""
+        """One small all-reduce of what the step exchanges: the loss sum, the squared norm of every
+        gradient shard and, under mixed precision, how many ranks saw a non-finite gradient (all
+        skip a bad step together). Nothing, when nothing is asked for."""
         if not self.losses:
             raise RuntimeError("reduce_metrics before any loss")
         dtype = torch.float64 if any(s.dtype == torch.float64 for s in self.grad_shards.values()) else torch.float32
-        local_loss = torch.stack([loss.to(dtype) for loss in self.losses]).sum()
-        values = [local_loss, sum_of_squares(list(self.grad_shards.values()), dtype)]
-        if self.check_finite:
-            values.append(1.0 - all_finite(self.grad_shards.values()).to(dtype))
-        total = psum(torch.stack(values), self.axis, mesh=self.mesh)
-        self.loss_sum, self.sq_norm = total[0], total[1]
-        self.finite = not self.check_finite or bool(total[2] == 0)
+        device = self.losses[0].device
+        local = self.exchange.local(self.losses, list(self.grad_shards.values()), dtype, device)
+        self.summed = self.exchange.unpack(None if local is None else psum(local, self.axis, mesh=self.mesh))
 
     # -- stage 1/2: rebuild the replicated parameters after the update ----------------
     def gather_params(self, action: Action) -> None:

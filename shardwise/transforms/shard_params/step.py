@@ -138,28 +138,24 @@ class ShardedStep(Step):
                 u: t.to(prec.for_layer(u).compute) for u, t in shards.items()
             },
             reduce_dtype=None if prec is None else prec.policy.reduce,
-            check_finite=prec is not None,
+            exchange=self.metric_exchange(),
         )
         outcome: list[tuple[Any, Any, Any]] = []
 
         def update(_action: object) -> None:
-            assert runtime.sq_norm is not None
-            outcome.append(self.finish(state, runtime.grad_shards, shards, runtime.sq_norm.sqrt(), runtime.finite))
+            summed = runtime.summed
+            outcome.append(self.finish(state, runtime.grad_shards, shards, summed.norm, summed.finite))
             runtime.new_shards = outcome[0][0]
 
         actions = lower_rank(self.chain, list(layout.units), self.options)
         runtime.run(actions, update)
-        assert runtime.loss_sum is not None and runtime.sq_norm is not None
         new_shards, opt_state, loss_scale = outcome[0]
         params: Any = new_shards if self.stage == 3 else self._merge(state.params, runtime.new_full_params)
-        metrics = {
-            "loss": (runtime.loss_sum / (n * parts)),
-            "grad_norm": runtime.sq_norm.sqrt(),
-            "peak_gathered_bytes": host_scalar(runtime.peak_gathered_bytes),
-        }
+        metrics = self.report(runtime.summed, n * parts)
+        metrics["peak_gathered_bytes"] = host_scalar(runtime.peak_gathered_bytes)
         if prec is not None:
             metrics["loss_scale"] = host_scalar(scale)
-            metrics["skipped"] = host_scalar(not runtime.finite)
+            metrics["skipped"] = host_scalar(not runtime.summed.finite)
         new_state = state._replace(params=params, opt_state=opt_state, step=state.step + 1, loss_scale=loss_scale)
         return new_state, metrics
 

@@ -1,0 +1,108 @@
+"""What a step reports after its update, and the values its ranks sum to report it.
+
+A step can report two metrics, each the same on every rank: ``loss`` (the mean
+loss over the whole global batch) and ``grad_norm`` (the L2 norm of the whole
+gradient, before clipping). ``train_step(..., metrics=...)`` picks them.
+
+Neither is free once the step is distributed. The loss of a pipeline is known
+only where the last stage runs, and every rank holds a part of the gradient, so
+reporting them takes one small all-reduce per step, and ``grad_norm`` one more
+read of every gradient. On a pipeline that sits on the critical path: the rank
+that finishes last waits for it. Some rules need the same exchange anyway
+(clipping needs the global norm, mixed precision the global finite flag before
+the update); without them, a step asked for no metric exchanges nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .optim import sum_of_squares
+from .precision import all_finite
+
+REPORTABLE = ("loss", "grad_norm")
+
+
+def check_metrics(metrics: Iterable[str]) -> tuple[str, ...]:
+    """``metrics`` as a tuple in :data:`REPORTABLE` order, or an error naming what is wrong."""
+    if isinstance(metrics, str):
+        raise TypeError(
+            f"metrics: expected a collection of metric names, got the string {metrics!r}; "
+            f"write metrics=({metrics!r},)"
+        )
+    try:
+        names = set(metrics)
+    except TypeError:
+        raise TypeError(f"metrics: expected a collection of metric names such as {REPORTABLE}, got {metrics!r}") from None
+    unknown = sorted(str(n) for n in names - set(REPORTABLE))
+    if unknown:
+        raise ValueError(f"metrics: unknown {unknown}; a step reports any of {REPORTABLE} (or none: metrics=())")
+    return tuple(n for n in REPORTABLE if n in names)
+
+
+@dataclass(frozen=True)
+class Summed:
+    """The exchanged values, summed over the ranks: ``None`` for what was not exchanged."""
+
+    loss_sum: torch.Tensor | None = None
+    sq_norm: torch.Tensor | None = None
+    finite: bool = True
+
+    @property
+    def norm(self) -> torch.Tensor | None:
+        """The global gradient norm, if it was exchanged."""
+        return None if self.sq_norm is None else self.sq_norm.sqrt()
+
+
+@dataclass(frozen=True)
+class MetricExchange:
+    """Which values the ranks of one step sum together after their backward.
+
+    ``loss``: the summed losses, for the ``loss`` metric. ``norm``: the squared
+    gradient norm, for ``grad_norm`` or clipping. ``finite``: a count of ranks
+    that saw a non-finite gradient, so that every rank skips a bad update together.
+    """
+
+    loss: bool
+    norm: bool
+    finite: bool
+
+    @property
+    def empty(self) -> bool:
+        return not (self.loss or self.norm or self.finite)
+
+    def local(
+        self, losses: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor | None:
+        """This rank's share, one vector for one all-reduce (``None`` when nothing is exchanged).
+
+        ``losses`` are this rank's per-micro-batch losses (none on a pipeline rank without the
+        last stage), ``grads`` the gradients it counts in the norm.
+        """
+        values = []
+        if self.loss:
+            summed = torch.stack([x.to(dtype) for x in losses]).sum() if losses else None
+            values.append(summed if summed is not None else torch.zeros((), dtype=dtype, device=device))
+        if self.norm:
+            values.append(sum_of_squares(grads, dtype, device))
+        if self.finite:
+            values.append(1.0 - all_finite(grads, device).to(dtype))
+        return torch.stack(values) if values else None
+
+    def unpack(self, total: torch.Tensor | None) -> Summed:
+        """The summed vector :meth:`local` made, by name."""
+        if total is None:
+            return Summed()
+        values = iter(total)
+        loss_sum = next(values) if self.loss else None
+        sq_norm = next(values) if self.norm else None
+        finite = not self.finite or bool(next(values) == 0)
+        return Summed(loss_sum, sq_norm, finite)
+
+
+# Defaults for the runtimes: the step's metrics exchanged and nothing summed yet.
+EXCHANGE_METRICS = MetricExchange(loss=True, norm=True, finite=False)
+NOTHING_SUMMED = Summed()
