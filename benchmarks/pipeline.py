@@ -323,7 +323,7 @@ def build_runners(cfg: Config) -> tuple[dict[str, Runner], dict[str, str], dict[
             ours = Ours(cfg, schedule)
         except Exception as exc:
             reason = f"{type(exc).__name__}: {exc}"
-            skipped[ours_name] = reason
+            skipped[ours_name] = skipped[variant_name("ours_quiet", schedule)] = reason
             skipped[torch_name] = f"no common split (sw.pipeline refused it: {reason})"
             continue
         if "ours" in cfg.impls:

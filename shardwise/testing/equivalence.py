@@ -113,9 +113,10 @@ def assert_equivalent(
 
     Every rank gets the same global batches and the same full ``params``; the
     distributed step decides what each rank computes. After every step the
-    loss, the gradient norm (when both report it) and the full parameters
-    (``step.full_params``) of every rank must match the reference within
-    ``atol + rtol * max|reference|`` per tensor.
+    loss and the gradient norm (each when both steps report it: see
+    ``Step.with_metrics``) and the full parameters (``step.full_params``) of
+    every rank must match the reference within ``atol + rtol * max|reference|``
+    per tensor.
     ``rtol`` defaults by dtype (see ``DEFAULT_RTOL``). With
     ``backend="processes"`` the step, params and batches must be picklable.
 
