@@ -33,6 +33,12 @@ def pipeline(
     (rank, op, start, end) events to the metrics; ``poison=True`` fills every
     received buffer with NaN once it is used up (a test of stale reuse).
 
+    The loss and gradient norm it reports are global, the same on every rank:
+    one small all-reduce per step, which the rank that finishes last waits
+    for, and a pass over its gradients for the norm. ``step.with_metrics(())``
+    reports neither and sums nothing (unless clipping or mixed precision need
+    it), the work torch's pipeline schedules do.
+
     Weights tied across stages on different ranks (a GPT head sharing the
     embedding) stay tied: each rank using one holds a copy, and the copies'
     gradients are exchanged and summed so they take the same update.
