@@ -110,6 +110,9 @@ def test_pool_reuses_processes_and_recovers_after_a_failed_run(pool2: ProcessPoo
 @pytest.mark.gloo
 def test_keyboard_interrupt_in_the_parent_ends_every_process(pool2: ProcessPool) -> None:
     pids = pool2.run(_pid)
+    # A suite started in the background (`cmd &` in a script) inherits SIGINT ignored, and
+    # Python then installs no KeyboardInterrupt handler: put the one an interactive run has.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     # As from Ctrl-C, the signal may land on any thread; the parent must still react.
     timer = threading.Timer(0.5, signal.raise_signal, args=(signal.SIGINT,))
     timer.start()
@@ -118,6 +121,7 @@ def test_keyboard_interrupt_in_the_parent_ends_every_process(pool2: ProcessPool)
             pool2.run(_sleep, 60.0)
     finally:
         timer.cancel()
+        signal.signal(signal.SIGINT, previous)
     assert pool2.pids == []
     _assert_ended(pids)
 
