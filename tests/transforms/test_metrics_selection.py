@@ -140,3 +140,26 @@ def test_a_bad_selection_is_refused_with_what_to_write(metrics: Any, error: type
         step.with_metrics(metrics)
     with pytest.raises(error):
         sw.train_step(step.chain, step.loss_fn, step.optimizer, metrics=metrics)
+
+
+@pytest.mark.parametrize("kind", ["zero-3", "pipeline x zero-3"])
+def test_a_loop_may_log_every_other_step_on_one_state(kind: str) -> None:
+    """The logging loop of the docs: a quiet step between reporting ones, on the same state."""
+    transform, axes, _ = KINDS[kind]
+    step, params, batches = _problem()
+    loud = transform(step)
+    quiet = loud.with_metrics(())
+    batches = batches * 2
+
+    def body() -> Any:
+        mesh = sw.Mesh(**axes)
+        mixed, alone = loud.init(params, mesh), loud.init(params, mesh)
+        for i, batch in enumerate(batches):
+            mixed, reported = (loud if i % 2 else quiet)(mixed, batch)
+            expected = ({"loss", "grad_norm"} if i % 2 else set()) | ({"peak_gathered_bytes"} if kind == "zero-3" else set())
+            assert set(reported) == expected
+            alone, _ = loud(alone, batch)
+        return loud.full_params(mixed), loud.full_params(alone)
+
+    for mixed, alone in sw.launch(body, 4 if "pipeline" in kind else 2):
+        _assert_same_params(mixed, alone)
