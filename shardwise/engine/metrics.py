@@ -56,6 +56,10 @@ class Summed:
         """The global gradient norm, if it was exchanged."""
         return None if self.sq_norm is None else self.sq_norm.sqrt()
 
+    def mean_loss(self, losses: int) -> torch.Tensor | None:
+        """The global mean loss, if it was exchanged: the sum counted ``losses`` losses."""
+        return None if self.loss_sum is None else self.loss_sum / losses
+
 
 @dataclass(frozen=True)
 class MetricExchange:

@@ -23,7 +23,7 @@ from .chain import Chain
 from .data_parallel import DataParallel
 from .devices import host_scalar
 from .executor import Executor, LossFn
-from .metrics import REPORTABLE, MetricExchange, Summed, check_metrics
+from .metrics import REPORTABLE, MetricExchange, check_metrics
 from .optim import Optimizer, global_norm
 from .plan import BACKWARD, FORWARD, LOSS, UPDATE, Action, Plan
 from .precision import Precision, all_finite
@@ -152,15 +152,15 @@ class Step:
         """What the ranks of this step sum after the backward (nothing, if no metric or rule needs it)."""
         return MetricExchange(loss="loss" in self.metrics, norm=self.needs_norm, finite=self.precision is not None)
 
-    def report(self, summed: Summed, batch_parts: int) -> Metrics:
-        """The asked-for metrics from the summed values: the loss sum counted ``batch_parts`` losses."""
+    def report(self, loss: torch.Tensor | None, norm: torch.Tensor | None) -> Metrics:
+        """The asked-for metrics, from the global mean loss and gradient norm (given when asked for)."""
         metrics: Metrics = {}
         if "loss" in self.metrics:
-            assert summed.loss_sum is not None
-            metrics["loss"] = summed.loss_sum / batch_parts
+            assert loss is not None, "the step's loss was asked for but not computed"
+            metrics["loss"] = loss
         if "grad_norm" in self.metrics:
-            assert summed.sq_norm is not None
-            metrics["grad_norm"] = summed.sq_norm.sqrt()
+            assert norm is not None, "the step's gradient norm was asked for but not computed"
+            metrics["grad_norm"] = norm
         return metrics
 
     # -- precision helpers shared by every kind of step ---------------------------
@@ -226,12 +226,7 @@ class Step:
         norm = global_norm(grads) if self.needs_norm else None
         # Without a precision policy a step behaves as torch does: no finiteness check, no skip.
         finite = self.precision is None or bool(all_finite(optree.tree_leaves(grads)))
-        metrics: Metrics = {}
-        if "loss" in self.metrics:
-            metrics["loss"] = executor.loss
-        if "grad_norm" in self.metrics:
-            assert norm is not None
-            metrics["grad_norm"] = norm
+        metrics = self.report(executor.loss, norm)
         params, opt_state, loss_scale = self.finish(state, grads, state.params, norm, finite)
         if self.precision is not None:
             metrics["loss_scale"] = host_scalar(scale)

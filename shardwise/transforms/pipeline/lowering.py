@@ -43,8 +43,9 @@ def lower_rank(schedule: Schedule, rank: int) -> tuple[Action, ...]:
     The step ends with its gradients finished, the metrics' all-reduce started (a no-op for a
     step that reports no metric and needs none) and the update. The update waits for the
     all-reduce only when it depends on it (clipping by the global norm, skipping on a
-    non-finite gradient anywhere); otherwise the all-reduce completes while the rank updates, and a rank whose last compute comes early (the last
-    stage, in 1F1B) updates while the others still compute instead of waiting for them.
+    non-finite gradient anywhere); otherwise the all-reduce completes while the rank
+    updates, and a rank whose last compute comes early (the last stage, in 1F1B) updates
+    while the others still compute instead of waiting for them.
     """
     last = schedule.num_stages - 1
     place = schedule.placement

@@ -268,10 +268,11 @@ class PipelineStep(Step):
         runtime.run(layout.actions_of(index), update)
         runtime.wait_metrics()
         params, opt_state, loss_scale = result[0]
-        metrics = self.report(runtime.summed, self.microbatches * replicas)
+        summed = runtime.summed
+        metrics = self.report(summed.mean_loss(self.microbatches * replicas), summed.norm)
         if prec is not None:
             metrics["loss_scale"] = host_scalar(scale)
-            metrics["skipped"] = host_scalar(not runtime.summed.finite)
+            metrics["skipped"] = host_scalar(not summed.finite)
         if self.trace:
             metrics["trace"] = runtime.events  # type: ignore[assignment]
         return state._replace(params=params, opt_state=opt_state, step=state.step + 1, loss_scale=loss_scale), metrics

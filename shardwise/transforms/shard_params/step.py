@@ -151,11 +151,12 @@ class ShardedStep(Step):
         runtime.run(actions, update)
         new_shards, opt_state, loss_scale = outcome[0]
         params: Any = new_shards if self.stage == 3 else self._merge(state.params, runtime.new_full_params)
-        metrics = self.report(runtime.summed, n * parts)
+        summed = runtime.summed
+        metrics = self.report(summed.mean_loss(n * parts), summed.norm)
         metrics["peak_gathered_bytes"] = host_scalar(runtime.peak_gathered_bytes)
         if prec is not None:
             metrics["loss_scale"] = host_scalar(scale)
-            metrics["skipped"] = host_scalar(not runtime.summed.finite)
+            metrics["skipped"] = host_scalar(not summed.finite)
         new_state = state._replace(params=params, opt_state=opt_state, step=state.step + 1, loss_scale=loss_scale)
         return new_state, metrics
 
