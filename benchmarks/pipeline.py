@@ -535,12 +535,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--mlp-hidden {args.mlp_hidden}: the MLP needs a positive width")
     if args.warmup < 1 or args.steps < 1:
         parser.error("--steps and --warmup must be >= 1 (the first step infers torch's stage shapes)")
-    unknown = set(args.schedules.split(",")) - set(SCHEDULES)
-    if unknown:
-        parser.error(f"unknown schedules {sorted(unknown)}; choose from {', '.join(SCHEDULES)}")
-    unknown = set(args.impls.split(",")) - set(IMPLS)
-    if unknown:
-        parser.error(f"--impls: unknown {sorted(unknown)}; choose from {', '.join(IMPLS)}")
+    args.schedules = picked(parser, "--schedules", args.schedules, SCHEDULES)
+    args.impls = picked(parser, "--impls", args.impls, IMPLS)
     if args.profile and args.profile.partition(":")[::2] not in {(i, s) for i in IMPLS for s in SCHEDULES}:
         parser.error(f"--profile {args.profile!r}: use IMPL:SCHEDULE, e.g. ours:1f1b or torch:gpipe")
     for batch in (args.mlp_batch, args.gpt_batch):
@@ -549,10 +545,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def picked(parser: argparse.ArgumentParser, flag: str, value: str, known: tuple[str, ...]) -> tuple[str, ...]:
+    """The comma-separated names of ``value``, in ``known``'s order; an unknown one is a usage error."""
+    names = set(value.split(","))
+    if names - set(known):
+        parser.error(f"{flag}: unknown {sorted(names - set(known))}; choose from {', '.join(known)}")
+    return tuple(name for name in known if name in names)
+
+
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args = parse_args(argv)
-    schedules = tuple(s for s in SCHEDULES if s in args.schedules.split(","))
-    impls = tuple(i for i in IMPLS if i in args.impls.split(","))
+    schedules, impls = args.schedules, args.impls
     refs: dict[str, list[float]] = {}
 
     def measure(pool: ProcessPool, world: int, model: str, batch: int) -> list[dict[str, Any]]:

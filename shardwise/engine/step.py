@@ -148,6 +148,12 @@ class Step:
         """Whether the step computes the global gradient norm: reported, or needed to clip."""
         return "grad_norm" in self.metrics or self.clip_norm is not None
 
+    @property
+    def update_needs_sums(self) -> bool:
+        """Whether the update depends on the summed values: clipping by the global norm, or
+        skipping everywhere on a gradient that is not finite somewhere."""
+        return self.clip_norm is not None or self.precision is not None
+
     def metric_exchange(self) -> MetricExchange:
         """What the ranks of this step sum after the backward (nothing, if no metric or rule needs it)."""
         return MetricExchange(loss="loss" in self.metrics, norm=self.needs_norm, finite=self.precision is not None)

@@ -253,12 +253,9 @@ class PipelineStep(Step):
         )
         result: list[tuple[Any, Any, Any]] = []
 
-        # Clipping needs the global norm and mixed precision the global finite flag before the
-        # update; otherwise the metrics' all-reduce completes while this rank updates.
-        needs_summed = self.clip_norm is not None or prec is not None
-
         def update(_action: object) -> None:
-            if needs_summed:
+            # Otherwise the metrics' all-reduce completes while this rank updates.
+            if self.update_needs_sums:
                 runtime.wait_metrics()
             summed = runtime.summed
             new_master, opt_state, loss_scale = self.finish(state, runtime.final_grads, master, summed.norm, summed.finite)
