@@ -67,6 +67,18 @@ def _loop(name: str, lists: Sequence[TensorList], *args: object, **kwargs: objec
     return [op(*tensors, *args, **kwargs) for tensors in zip(*lists, strict=True)]
 
 
+def _kernel_groups(first: TensorList) -> list[list[int]] | None:
+    """Indices of ``first`` per (device, dtype), or None when all share one (the usual case,
+    checked without building the groups: an optimizer makes several calls per group of tensors)."""
+    device, dtype = first[0].device, first[0].dtype
+    if all(t.dtype == dtype and t.device == device for t in first[1:]):
+        return None
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = defaultdict(list)
+    for i, tensor in enumerate(first):
+        groups[(tensor.device, tensor.dtype)].append(i)
+    return list(groups.values())
+
+
 def _apply_inplace(name: str, lists: Sequence[TensorList], *args: object, **kwargs: object) -> list[Tensor]:
     """``torch.<name>_`` on the first list (written in place, then returned), or the per-tensor method."""
     op = foreach_op(name + "_")
@@ -74,11 +86,12 @@ def _apply_inplace(name: str, lists: Sequence[TensorList], *args: object, **kwar
         method = name.removeprefix("_foreach_") + "_"
         for first, *rest in zip(*lists, strict=True):
             getattr(first, method)(*rest, *args, **kwargs)
+        return list(lists[0])
+    groups = _kernel_groups(lists[0])
+    if groups is None:
+        op(*lists, *args, **kwargs)
     else:
-        groups: dict[tuple[torch.device, torch.dtype], list[int]] = defaultdict(list)
-        for i, tensor in enumerate(lists[0]):
-            groups[(tensor.device, tensor.dtype)].append(i)
-        for indices in groups.values():
+        for indices in groups:
             op(*([tensors[i] for i in indices] for tensors in lists), *args, **kwargs)
     return list(lists[0])
 
@@ -103,13 +116,11 @@ def _apply(
     op = foreach_op(name)
     if op is None:
         return _loop(name, lists, *args, **kwargs)
-    groups: dict[tuple[torch.device, torch.dtype], list[int]] = defaultdict(list)
-    for i, tensor in enumerate(lists[0]):
-        groups[(tensor.device, tensor.dtype)].append(i)
-    if len(groups) == 1:
+    groups = _kernel_groups(lists[0])
+    if groups is None:
         return list(op(*lists, *args, **kwargs))
     out: list[Tensor | None] = [None] * len(lists[0])
-    for indices in groups.values():
+    for indices in groups:
         results = op(*([tensors[i] for i in indices] for tensors in lists), *args, **kwargs)
         for i, result in zip(indices, results, strict=True):
             out[i] = result

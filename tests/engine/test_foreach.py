@@ -114,6 +114,26 @@ def test_mixed_dtypes_are_grouped_and_keep_their_order() -> None:
         assert torch.equal(g, torch.add(x, y, alpha=0.5))
 
 
+def test_kernel_calls_are_grouped_by_device_and_dtype_only_when_the_list_mixes_them() -> None:
+    # CPU kernels would take a mixed list anyway; accelerators' fused kernels need one
+    # (device, dtype) per call, so the groups are checked here, not through the values.
+    mixed = [torch.randn(3), torch.randn(2, dtype=torch.float64), torch.randn(4), torch.zeros(2, device="meta")]
+    assert fe._kernel_groups(mixed) == [[0, 2], [1], [3]]
+    assert fe._kernel_groups([torch.randn(3), torch.randn(5)]) is None  # one call, no groups built
+    assert fe._kernel_groups([torch.randn(3)]) is None
+
+
+def test_inplace_writes_every_tensor_of_a_mixed_list_bitwise_as_out_of_place() -> None:
+    xs = [torch.randn(3), torch.randn(2, dtype=torch.float64), torch.randn(4)]
+    ys = [torch.randn_like(x) for x in xs]
+    expected = fe.add(xs, ys, alpha=0.5)
+    targets = [x.clone() for x in xs]
+    got = fe.add(targets, ys, alpha=0.5, inplace=True)
+    assert all(g is t for g, t in zip(got, targets, strict=True))  # written in place, returned
+    for g, e in zip(got, expected, strict=True):
+        assert g.dtype == e.dtype and torch.equal(g, e)
+
+
 def test_empty_lists_and_length_mismatch() -> None:
     assert fe.add([], [], alpha=1.0) == []
     with pytest.raises(ValueError, match="differ in length"):
