@@ -7,7 +7,8 @@ gloo ranks inherit that ``sys.path`` and import it the same way.
 What is here:
 
 * command-line flags every script spells the same (``--steps``, ``--warmup``,
-  ``--worlds``, ``--models``, ``--mlp-batch``, ``--gpt-batch``, ``--out``);
+  ``--worlds``, ``--models``, ``--mlp-batch``, ``--gpt-batch``, ``--out``,
+  ``--malloc``);
 * :func:`environment`: the machine / version keys written into every JSON line;
 * :func:`json_lines`: one JSON object per line on stdout and, optionally, in a file;
 * :func:`sweep`: the training benchmarks' loop over worlds (one gloo
@@ -76,8 +77,46 @@ def add_out_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", help="also write the JSON lines to this file")
 
 
+# glibc's malloc moves its mmap and trim thresholds with what a process has allocated and
+# freed so far. A step that frees megabytes at the top of the heap then has them handed
+# back to the OS and faults them in again on the next step (about 1 ms per thousand pages
+# here), and whether that hits one library's step or the other's depends on the order
+# their buffers happen to lie in the heap, which running them round-robin in one process
+# mixes. "steady" fixes both thresholds high for the rank processes (glibc's documented
+# environment tunables), so neither library's step pays for the heap's history.
+STEADY_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(256 << 20), "MALLOC_TRIM_THRESHOLD_": str(256 << 20)}
+MALLOC_MODES = ("default", "steady")
+
+
+def add_malloc_flag(parser: argparse.ArgumentParser) -> None:
+    """``--malloc default|steady``: glibc's malloc as it comes, or with fixed thresholds (:data:`STEADY_MALLOC`)."""
+    parser.add_argument("--malloc", choices=MALLOC_MODES, default="default",
+                        help="glibc malloc in the rank processes: 'default' (as it comes) or 'steady' (mmap "
+                             "and trim thresholds fixed at 256 MB: no step pays page faults for memory an "
+                             "earlier step gave back to the OS)")
+
+
+@contextlib.contextmanager
+def malloc_mode(mode: str) -> Iterator[None]:
+    """Rank processes started inside get ``mode``'s malloc environment (glibc reads it at start)."""
+    saved = {key: os.environ.get(key) for key in STEADY_MALLOC}
+    try:
+        for key, value in STEADY_MALLOC.items():
+            if mode == "steady":
+                os.environ[key] = value
+            else:
+                os.environ.pop(key, None)
+        yield
+    finally:
+        for key, old in saved.items():
+            if old is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = old
+
+
 # -- output --------------------------------------------------------------------------------
-ENV_KEYS = ("cores", "loadavg_1m", "threads_per_rank", "torch", "shardwise")
+ENV_KEYS = ("cores", "loadavg_1m", "threads_per_rank", "malloc", "torch", "shardwise")
 
 
 def environment(threads_per_rank: int | None = None, keys: Iterable[str] = ENV_KEYS) -> dict[str, Any]:
@@ -85,12 +124,15 @@ def environment(threads_per_rank: int | None = None, keys: Iterable[str] = ENV_K
 
     ``cores`` (``os.cpu_count()``), ``loadavg_1m`` (the machine's 1-minute load
     average: well above ``cores`` means something else was running),
-    ``threads_per_rank`` (only when given), ``torch`` and ``shardwise`` (versions).
+    ``threads_per_rank`` (only when given), ``malloc`` (``steady`` when
+    :data:`STEADY_MALLOC` is set for the ranks, else ``default``), ``torch`` and
+    ``shardwise`` (versions).
     ``keys`` keeps only those of them.
     """
     values: dict[str, Any] = {
         "cores": os.cpu_count(),
         "loadavg_1m": round(os.getloadavg()[0], 2),
+        "malloc": "steady" if all(os.environ.get(k) == v for k, v in STEADY_MALLOC.items()) else "default",
         "torch": torch.__version__,
         "shardwise": sw.__version__,
     }
@@ -137,11 +179,12 @@ def sweep(
     all its models. ``measure(pool, world, model, batch)`` returns the rows of
     one (world, model); ``batch`` is ``args.mlp_batch`` or ``args.gpt_batch``.
     Rows go out as soon as they are made (:func:`json_lines`, to ``args.out`` too).
+    The ranks run with ``args.malloc`` (:func:`malloc_mode`).
     """
     worlds = [int(w) for w in args.worlds.split(",")]
     models = args.models.split(",")
     rows: list[dict[str, Any]] = []
-    with json_lines(args.out) as emit:
+    with json_lines(args.out) as emit, malloc_mode(args.malloc):
         for world in worlds:
             with ProcessPool(world, timeout=POOL_TIMEOUT_S) as pool:
                 for model in models:

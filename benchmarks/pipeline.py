@@ -99,6 +99,11 @@ One JSON object per (model, world, schedule, impl) on stdout (and in ``--out``):
   the rank's threads) of a timed step. With more ranks than cores the ranks
   share the CPU, so the step time follows the total CPU time as much as the
   critical path.
+* ``malloc``: ``default``, or ``steady`` with ``--malloc steady``, which starts the
+  ranks with glibc's mmap and trim thresholds fixed (``_common.STEADY_MALLOC``).
+  By default glibc moves them with the process's history, and a step may refault
+  memory an earlier step freed; which library pays depends on where both
+  libraries' buffers lie in the heap they share (see ``minor_faults_per_step``).
 * ``cores``: ``os.cpu_count()``; ``loadavg_1m`` the machine's load when the
   line was written. With ``world > cores`` the ranks oversubscribe the CPU:
   step times and measured bubbles then include time a rank was descheduled.
@@ -121,6 +126,7 @@ from _common import (
     GPT_UNITS,
     MLP_HIDDEN,
     add_batch_flags,
+    add_malloc_flag,
     add_out_flag,
     add_run_flags,
     environment,
@@ -529,6 +535,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="cProfile this variant (e.g. ours:1f1b) on --profile-rank after the timed steps")
     parser.add_argument("--profile-rank", type=int, default=0)
     parser.add_argument("--profile-steps", type=int, default=5)
+    add_malloc_flag(parser)
     add_out_flag(parser)
     args = parser.parse_args(argv)
     if args.mlp_hidden < 1:

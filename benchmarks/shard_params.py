@@ -70,6 +70,7 @@ import torch.distributed as dist
 from _common import (
     GPT_UNITS,
     add_batch_flags,
+    add_malloc_flag,
     add_out_flag,
     add_run_flags,
     environment,
@@ -298,6 +299,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add_batch_flags(parser)
     parser.add_argument("--profile", choices=VARIANTS, help="cProfile this variant on rank 0 (to stderr)")
     parser.add_argument("--profile-steps", type=int, default=5)
+    add_malloc_flag(parser)
     add_out_flag(parser)
     args = parser.parse_args(argv)
     if args.warmup < 1 or args.steps < 1:
