@@ -99,20 +99,15 @@ def add_malloc_flag(parser: argparse.ArgumentParser) -> None:
 @contextlib.contextmanager
 def malloc_mode(mode: str) -> Iterator[None]:
     """Rank processes started inside get ``mode``'s malloc environment (glibc reads it at start)."""
-    saved = {key: os.environ.get(key) for key in STEADY_MALLOC}
+    saved = {key: os.environ.pop(key, None) for key in STEADY_MALLOC}
+    if mode == "steady":
+        os.environ.update(STEADY_MALLOC)
     try:
-        for key, value in STEADY_MALLOC.items():
-            if mode == "steady":
-                os.environ[key] = value
-            else:
-                os.environ.pop(key, None)
         yield
     finally:
-        for key, old in saved.items():
-            if old is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = old
+        for key in STEADY_MALLOC:
+            os.environ.pop(key, None)
+        os.environ.update({key: old for key, old in saved.items() if old is not None})
 
 
 # -- output --------------------------------------------------------------------------------
