@@ -73,8 +73,11 @@ One JSON object per (model, world, schedule, impl) on stdout (and in ``--out``):
   ``max_rel_loss_diff`` compares every step (warm-up included) with a
   single-process torch run of the whole model on the whole batch. float32:
   expect ~1e-6, not 0.
-* ours only, from the runtime trace (``metrics["trace"]``, every rank's
-  compute events of the step on one clock): ``bubble_measured`` is
+* from every rank's compute events of the step, on one clock (ours: the runtime
+  trace, ``metrics["trace"]``; torch: each ``PipelineStage``'s
+  ``forward_one_chunk`` / ``backward_one_chunk``, timed by wrapping those two
+  methods on the stage objects; each span includes the library's own
+  bookkeeping around the compute, the messages do not): ``bubble_measured`` is
   ``Timeline.from_measured(schedule, events).bubble_fraction``, the idle share
   of the ranks' time between the first compute and the last (median over the
   timed steps; waiting for messages counts as idle). ``bubble_sim_unit`` is
@@ -300,6 +303,10 @@ class TorchPipe:
             (only,) = pipe_stages
             self.schedule = cls(only, cfg.microbatches, loss_fn=loss_fn)
         self.opt = torch_adamw([p for m in self.modules for p in m.parameters()])
+        # Each compute timed as ours are, to compare op times and hand-overs (see the docstring).
+        self.events: list[list[tuple[int, str, float, float]]] = []  # per step, this rank's compute events
+        for pipe_stage in pipe_stages:
+            self._time_computes(pipe_stage, rank)
         self.first = 0 in mine
         self.last = len(stages) - 1 in mine
         self.param_count = sum(p.numel() for m in self.modules for p in m.parameters())
@@ -310,9 +317,24 @@ class TorchPipe:
         losses: list[torch.Tensor] = []
         args = (x,) if self.first else ()
         kwargs: dict[str, Any] = {"target": y, "losses": losses} if self.last else {}
+        self.events.append([])
         self.schedule.step(*args, return_outputs=False, **kwargs)
         self.opt.step()
         return torch.stack([loss.detach() for loss in losses]).mean() if self.last else None
+
+    def _time_computes(self, pipe_stage: Any, rank: int) -> None:
+        """Record (rank, "<stage>F<mb>" or "<stage>B<mb>", start, end) for each of the stage's
+        forwards and backwards, by wrapping the two public methods the schedules call on it."""
+        for kind, name in (("F", "forward_one_chunk"), ("B", "backward_one_chunk")):
+            method = getattr(pipe_stage, name)
+
+            def timed_compute(chunk: int, *args: Any, _method: Any = method, _kind: str = kind, **kwargs: Any) -> Any:
+                start = time.perf_counter()
+                out = _method(chunk, *args, **kwargs)
+                self.events[-1].append((rank, f"{pipe_stage.stage_index}{_kind}{chunk}", start, time.perf_counter()))
+                return out
+
+            setattr(pipe_stage, name, timed_compute)
 
 
 Runner = Ours | TorchPipe
@@ -376,7 +398,7 @@ def bench_rank(cfg: Config) -> dict[str, Any]:
         "faults": dict(faults),
         "cpu": dict(cpu),
         "losses": losses,
-        "events": {name: r.events[cfg.warmup:] for name, r in runners.items() if isinstance(r, Ours)},
+        "events": {name: r.events[cfg.warmup:] for name, r in runners.items()},
         "skipped": skipped,
         "stages": stages_of,
         "quiet_same_params": {schedule: same_params(runners, schedule) for schedule in stages_of},
@@ -402,6 +424,10 @@ def same_params(runners: dict[str, Runner], schedule: str) -> bool | None:
 def bubble_figures(cfg: Config, schedule_name: str, stages: int, per_step: list[list[tuple]]) -> dict[str, Any]:
     """Measured bubble (median over steps) against the simulator's, with unit and measured costs."""
     schedule = get_schedule(schedule_name, cfg.world, stages, cfg.microbatches)
+    expected = sorted(str(op) for ops in schedule.ranks for op in ops)
+    for events in per_step:  # every op of the schedule timed once, or the figures would mislead
+        if sorted(op for _, op, _, _ in events) != expected:
+            raise AssertionError(f"{schedule_name}: the timed computes of a step are not the schedule's ops")
     timelines = [Timeline.from_measured(schedule, events) for events in per_step]
     by_kind: dict[str, list[float]] = defaultdict(list)
     by_stage: dict[tuple[int, str], list[float]] = defaultdict(list)
@@ -508,11 +534,10 @@ def rows_for(cfg: Config, per_rank: list[dict[str, Any]], ref: list[float]) -> l
             else:  # quiet: checked instead against the reporting step's parameters on every rank
                 checks = [r["quiet_same_params"][schedule] for r in per_rank]
                 row["params_equal_to_ours"] = None if None in checks else all(checks)
-            if impl.startswith("ours"):
-                if found is not None and losses.get(torch_name) is not None:
-                    row["first_loss_rel_diff_vs_torch"] = rel_diff(found[0], losses[torch_name][0])
-                steps = zip(*(r["events"][name] for r in per_rank), strict=True)
-                row |= bubble_figures(cfg, schedule, row["stages"], [[e for events in step for e in events] for step in steps])
+            if impl.startswith("ours") and found is not None and losses.get(torch_name) is not None:
+                row["first_loss_rel_diff_vs_torch"] = rel_diff(found[0], losses[torch_name][0])
+            steps = zip(*(r["events"][name] for r in per_rank), strict=True)
+            row |= bubble_figures(cfg, schedule, row["stages"], [[e for events in step for e in events] for step in steps])
             rows.append(row)
     return rows
 

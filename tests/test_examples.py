@@ -119,3 +119,6 @@ def test_pipeline_benchmark_runs_and_checks_itself() -> None:
     # The quiet step reports no loss; its parameters ended bitwise equal to ours on both ranks.
     assert "first_loss" not in rows["ours_quiet"] and rows["ours_quiet"]["params_equal_to_ours"] is True
     assert all(row["median_step_s"] > 0 and row["paired_ratio_to_torch"] > 0 for row in rows.values())
+    # Both libraries' computes were timed (the benchmark checks it timed each op of the schedule once).
+    for row in rows.values():
+        assert set(row["mean_op_ms"]) == {"F", "B"} and row["handover_ms"] is not None, row
