@@ -6,10 +6,13 @@ reference. float64 and SGD with momentum: 1e-12 relative, as on threads.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
 import shardwise as sw
+from shardwise.collectives.processes import launch_processes
 from shardwise.testing.models import mlp
 
 pytestmark = pytest.mark.gloo
@@ -73,3 +76,40 @@ def test_all_four_transforms_on_gloo_equal_single_device(gloo4: object) -> None:
     reference = sw.mixed_precision(step, policy, loss_scale="dynamic")
     expected = sw.testing.record_history(reference, reference.init(params), batches)
     sw.testing.compare_histories(gloo4.run(_all_four_rank, 4), expected, rtol=1e-12)  # type: ignore[attr-defined]
+
+
+class _Broke(ValueError):
+    pass
+
+
+def _loss_failing_on_call(fail_at: int):  # type: ignore[no-untyped-def]
+    calls = [0]
+
+    def loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        calls[0] += 1
+        if calls[0] == fail_at:
+            raise _Broke(f"the loss broke on purpose at call {fail_at}")
+        return torch.nn.functional.mse_loss(out, target)
+
+    return loss
+
+
+def _rank_whose_last_stage_fails(schedule: str) -> None:
+    """Stage 1's loss raises in the middle of the second step, while rank 0 waits for its gradients."""
+    step, params, batches = _problem()
+    step = sw.train_step(step.chain, _loss_failing_on_call(fail_at=6), step.optimizer)  # step 2's 2nd micro-batch
+    piped = sw.pipeline(step, "pp", schedule, 4, stages=4 if schedule == "interleaved_1f1b" else None)
+    state = piped.init(params, sw.Mesh(pp=2))
+    for batch in batches:
+        state, _ = piped(state, batch)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b"])
+def test_a_rank_failing_mid_step_ends_every_rank_with_its_error(schedule: str) -> None:
+    """No hang: the failing rank's error is the one raised, long before the 30 s a receive may wait."""
+    start = time.monotonic()
+    with pytest.raises(sw.RankFailed) as info:
+        launch_processes(_rank_whose_last_stage_fails, 2, timeout=30.0, args=(schedule,))
+    assert time.monotonic() - start < 20.0
+    assert info.value.rank == 1
+    assert "the loss broke on purpose at call 6" in str(info.value)

@@ -7,6 +7,8 @@ SGD with momentum throughout: Adam's scale invariance would hide a wrong 1/m.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from hypothesis import given
@@ -150,6 +152,35 @@ def test_bad_arguments_are_refused() -> None:
 
     with pytest.raises(sw.RankFailed, match=r"pipeline\(microbatches=4\): batch size 6 .* does not divide into 4 equal parts"):
         sw.launch(run, 2)
+
+
+@pytest.mark.parametrize("schedule,stages", [("1f1b", None), ("interleaved_1f1b", 4), ("zb_v", None)])
+def test_a_rank_failing_mid_step_ends_every_rank_with_its_error(schedule: str, stages: int | None) -> None:
+    """The last stage's loss raises in the middle of the second step, while the other rank waits for
+    its gradients: no hang, and the error raised is the failing rank's, long before the timeout."""
+    step, params, batches = _mlp_problem(depth=5, seed=0, batch=8)
+    calls = [0]  # only the rank holding the last stage computes the loss
+
+    def loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        calls[0] += 1
+        if calls[0] == 6:  # step 2's second micro-batch
+            raise ValueError("the loss broke on purpose")
+        return torch.nn.functional.mse_loss(out, target)
+
+    piped = sw.pipeline(sw.train_step(step.chain, loss, step.optimizer), "pp", schedule, 4, stages=stages)
+    failing = piped.layout(sw.Mesh(pp=2), params).schedule.placement[-1]
+
+    def run() -> None:
+        state = piped.init(params, sw.Mesh(pp=2))
+        for batch in batches:
+            state, _ = piped(state, batch)
+
+    start = time.monotonic()
+    with pytest.raises(sw.RankFailed, match="the loss broke on purpose") as info:
+        sw.launch(run, 2, timeout=30.0)
+    assert time.monotonic() - start < 20.0
+    assert info.value.rank == failing
+    assert calls[0] == 6
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
