@@ -95,3 +95,32 @@ def test_functionalized_layers_never_fall_back_to_functional_call(monkeypatch: p
     monkeypatch.setattr(_module_call, "functional_call", refuse)
     tokens = torch.randint(0, 32, (2, 8))
     assert torch.equal(chain(params, tokens), gpt(tokens))
+
+
+class _TwoPaths(nn.Module):
+    """One Linear reachable as ``a`` and as ``b``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(3, 3)
+        self.b = self.a
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+def test_a_submodule_reachable_by_two_paths_gets_its_own_parameters_back() -> None:
+    """torch's functional_call swaps such a slot twice and restores the swapped-in tensor
+    (pytorch/pytorch#164759); ModuleCall reads every original before it swaps any."""
+    module = _TwoPaths()
+    weight, bias = module.a.weight, module.a.bias
+    saved = weight.detach().clone()
+    tensors = _fresh(module)
+    assert tensors.keys() == {"a.weight", "a.bias"}  # the alias is fed under the first name
+    x = torch.randn(4, 3)
+    got = ModuleCall(module)(tensors, x)
+    assert module.a.weight is weight and module.b.weight is weight and module.a.bias is bias
+    assert torch.equal(weight, saved)
+    copy = _TwoPaths()  # functional_call on a module of its own: it may not give the parameters back
+    copy.load_state_dict(module.state_dict())
+    assert torch.equal(got, functional_call(copy, tensors, (x,), strict=True))
