@@ -88,8 +88,9 @@ class MetricExchange:
         """
         values = []
         if self.loss:
-            summed = torch.stack([x.to(dtype) for x in losses]).sum() if losses else None
-            values.append(summed if summed is not None else torch.zeros((), dtype=dtype, device=device))
+            values.append(
+                torch.stack([x.to(dtype) for x in losses]).sum() if losses else torch.zeros((), dtype=dtype, device=device)
+            )
         if self.norm:
             values.append(sum_of_squares(grads, dtype, device))
         if self.finite:

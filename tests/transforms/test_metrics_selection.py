@@ -8,6 +8,7 @@ only one a step of these kinds makes, so a step asked for nothing must issue non
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 from typing import Any
@@ -53,12 +54,7 @@ def _run(step: Any, axes: dict[str, int], params: Any, batches: list[Any]) -> li
         psums = [r.shape for r in ledger.records if r.op == "psum"]
         return step.full_params(state), reported, psums
 
-    if not axes:
-        return [body()]
-    world = 1
-    for size in axes.values():
-        world *= size
-    return sw.launch(body, world)
+    return sw.launch(body, math.prod(axes.values())) if axes else [body()]
 
 
 def _assert_same_params(got: Any, expected: Any) -> None:

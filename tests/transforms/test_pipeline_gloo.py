@@ -78,17 +78,13 @@ def test_all_four_transforms_on_gloo_equal_single_device(gloo4: object) -> None:
     sw.testing.compare_histories(gloo4.run(_all_four_rank, 4), expected, rtol=1e-12)  # type: ignore[attr-defined]
 
 
-class _Broke(ValueError):
-    pass
-
-
 def _loss_failing_on_call(fail_at: int):  # type: ignore[no-untyped-def]
     calls = [0]
 
     def loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         calls[0] += 1
         if calls[0] == fail_at:
-            raise _Broke(f"the loss broke on purpose at call {fail_at}")
+            raise ValueError(f"the loss broke on purpose at call {fail_at}")
         return torch.nn.functional.mse_loss(out, target)
 
     return loss
