@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import shardwise as sw
-from shardwise.collectives.processes import ProcessPool
+from shardwise.collectives.backends.processes import ProcessPool
 from shardwise.testing.models import TinyGPT
 
 T = TypeVar("T")

@@ -94,8 +94,8 @@ from _common import (
 )
 
 import shardwise as sw
-from shardwise.collectives.processes import ProcessPool
-from shardwise.collectives.runtime import current_backend
+from shardwise.collectives.backends.current import current_backend
+from shardwise.collectives.backends.processes import ProcessPool
 
 OPS = ("psum", "all_gather", "psum_scatter", "all_to_all", "broadcast", "ppermute", "send_recv")
 DEFAULT_SIZES = "4K,16K,64K,256K,1M,4M,16M,64M"

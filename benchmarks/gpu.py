@@ -79,7 +79,7 @@ import torch.nn.functional as F
 from _common import emit, environment, lm_loss, note
 
 import shardwise as sw
-from shardwise.collectives.processes import _free_port  # the launcher's own port probe
+from shardwise.collectives.backends.processes import _free_port  # the launcher's own port probe
 from shardwise.testing.equivalence import compare_histories, record_history
 from shardwise.testing.models import TinyGPT, mlp
 

@@ -154,7 +154,7 @@ from _common import (
 from torch import nn
 
 import shardwise as sw
-from shardwise.collectives.processes import ProcessPool
+from shardwise.collectives.backends.processes import ProcessPool
 from shardwise.testing.models import TinyGPT
 from shardwise.transforms.pipeline import Costs, Timeline, get_schedule, simulate
 

@@ -91,7 +91,7 @@ from _common import (
 from torch import nn
 
 import shardwise as sw
-from shardwise.collectives.processes import ProcessPool
+from shardwise.collectives.backends.processes import ProcessPool
 from shardwise.engine.step import tree_nbytes
 from shardwise.testing.models import TinyGPT
 

@@ -34,7 +34,7 @@ torch.set_num_threads(1)
 
 
 def _pool(world: int) -> Iterator[object]:
-    from shardwise.collectives.processes import ProcessPool
+    from shardwise.collectives.backends.processes import ProcessPool
 
     with ProcessPool(world, timeout=60.0) as pool:
         yield pool

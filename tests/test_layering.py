@@ -2,12 +2,18 @@
 
 collectives imports nothing of ours; engine imports only collectives;
 transforms import engine and collectives but never each other; testing and
-cli sit on top.
+cli sit on top. And no shardwise module imports itself back through others:
+the module graph has no cycle.
+
+Every import statement counts, at module level or inside a function (a lazy
+import is still a dependency, and hiding one in a function is how a cycle
+survives), under ``if TYPE_CHECKING:`` too.
 """
 
 from __future__ import annotations
 
 import ast
+from collections.abc import Collection, Iterator, Mapping
 from pathlib import Path
 
 import pytest
@@ -15,30 +21,37 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "shardwise"
 
 
-def _module_name(path: Path) -> str:
-    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+def _module_name(path: Path, package: Path = PACKAGE) -> str:
+    parts = path.relative_to(package.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _imports(path: Path) -> set[str]:
-    """Absolute names of the shardwise modules that ``path`` imports."""
+def _import_statements(path: Path, package: Path = PACKAGE) -> Iterator[tuple[str, list[str]]]:
+    """(module, names) of every import in ``path``: ``import m`` gives (m, []), ``from m import a, b``
+    gives (m, [a, b]) with relative modules made absolute."""
     tree = ast.parse(path.read_text(), filename=str(path))
-    here = _module_name(path).split(".")
-    is_package = path.name == "__init__.py"
-    found: set[str] = set()
+    here = _module_name(path, package).split(".")
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            found.update(a.name for a in node.names if a.name.startswith("shardwise"))
+            for alias in node.names:
+                yield alias.name, []
         elif isinstance(node, ast.ImportFrom):
             if node.level:
-                base = here if is_package else here[:-1]
+                base = here if path.name == "__init__.py" else here[:-1]
                 base = base[: len(base) - (node.level - 1)]
                 module = ".".join(base + ([node.module] if node.module else []))
             else:
                 module = node.module or ""
-            if module.startswith("shardwise"):
-                found.add(module)
-                found.update(f"{module}.{a.name}" for a in node.names)
+            yield module, [alias.name for alias in node.names]
+
+
+def _imports(path: Path) -> set[str]:
+    """Absolute names of the shardwise modules (and imported names) that ``path`` imports."""
+    found: set[str] = set()
+    for module, names in _import_statements(path):
+        if module.startswith("shardwise"):
+            found.add(module)
+            found.update(f"{module}.{name}" for name in names)
     return found
 
 
@@ -87,4 +100,92 @@ def test_layering(path: Path) -> None:
 def test_scanner_sees_relative_imports() -> None:
     """The import scanner must see relative imports, or the test above could never fail."""
     fake = PACKAGE / "collectives" / "mesh.py"
-    assert "shardwise.collectives.runtime" in _imports(fake)
+    assert "shardwise.collectives.backends.current" in _imports(fake)
+
+
+# -- import cycles ------------------------------------------------------------------
+def import_graph(modules: Mapping[str, Path], package: Path = PACKAGE) -> dict[str, set[str]]:
+    """Module -> the modules among ``modules`` its import statements name.
+
+    ``from pkg import name`` depends on the module ``pkg.name`` when there is
+    one, else on ``pkg`` (``name`` is something its ``__init__`` defines).
+    Importing ``a.b.c`` also runs ``a`` and ``a.b`` first, but a package never
+    imports its child back that way, so only ``a.b.c`` is an edge.
+    """
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        edges: set[str] = set()
+        for module, names in _import_statements(path, package):
+            for target in [f"{module}.{n}" for n in names] or [module]:
+                if target in modules:
+                    edges.add(target)
+                elif module in modules:
+                    edges.add(module)
+        graph[name] = edges
+    return graph
+
+
+def find_cycle(graph: Mapping[str, Collection[str]]) -> list[str] | None:
+    """One cycle of ``graph`` as a path that starts and ends at the same module, or None.
+
+    Iterative depth-first search in sorted order, so the cycle reported is the
+    same on every run.
+    """
+    on_path, done = 1, 2
+    state: dict[str, int] = {}
+    for root in sorted(graph):
+        if state.get(root):
+            continue
+        path, branches = [root], [iter(sorted(graph[root]))]
+        state[root] = on_path
+        while branches:
+            child = next(branches[-1], None)
+            if child is None:
+                state[path.pop()] = done
+                branches.pop()
+            elif state.get(child) == on_path:
+                return [*path[path.index(child) :], child]
+            elif not state.get(child):
+                state[child] = on_path
+                path.append(child)
+                branches.append(iter(sorted(graph.get(child, ()))))
+    return None
+
+
+def test_no_import_cycles() -> None:
+    cycle = find_cycle(import_graph({_module_name(p): p for p in SOURCES}))
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_the_cycle_finder_finds_a_planted_cycle() -> None:
+    graph = {
+        "pkg.a": {"pkg.b", "pkg.leaf"},
+        "pkg.b": {"pkg.c"},
+        "pkg.c": {"pkg.a"},
+        "pkg.leaf": set(),
+        "pkg.other": {"pkg.leaf", "pkg.a"},
+    }
+    assert find_cycle(graph) == ["pkg.a", "pkg.b", "pkg.c", "pkg.a"]
+    assert find_cycle({"pkg.me": {"pkg.me"}}) == ["pkg.me", "pkg.me"]
+    graph["pkg.c"] = set()
+    assert find_cycle(graph) is None
+
+
+def test_the_scan_finds_a_planted_cycle_through_lazy_and_type_checking_imports(tmp_path: Path) -> None:
+    package = tmp_path / "shardwise"
+    files = {
+        "__init__.py": "from .a import thing\n",
+        "a.py": "def thing():\n    from . import b  # lazy\n    return b\n",
+        "b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .sub.c import x\n",
+        "sub/__init__.py": "",
+        "sub/c.py": "import shardwise.a\nfrom ..a import thing as x\n",
+    }
+    for name, text in files.items():
+        (package / name).parent.mkdir(parents=True, exist_ok=True)
+        (package / name).write_text(text)
+    modules = {_module_name(p, package): p for p in sorted(package.rglob("*.py"))}
+    graph = import_graph(modules, package)
+    assert graph["shardwise"] == {"shardwise.a"}
+    assert graph["shardwise.a"] == {"shardwise.b"}  # ``from . import b`` names the module, not the package
+    assert graph["shardwise.sub.c"] == {"shardwise.a"}
+    assert find_cycle(graph) == ["shardwise.a", "shardwise.b", "shardwise.sub.c", "shardwise.a"]

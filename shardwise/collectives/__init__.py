@@ -1,11 +1,12 @@
 """Meshes, backends, differentiable collectives and the communication ledger."""
 
-from .backend import CollectiveError, CollectiveTimeout, Group, RankAborted
-from .context import current_mesh, use_mesh
-from .issue import Handle
-from .launch import RankFailed, launch
+from .backends.base import Group
+from .errors import CollectiveError, CollectiveTimeout, RankAborted, RankFailed, RankHung
+from .handle import Handle
+from .launch import launch
 from .ledger import CommRecord, Ledger, OpSummary, comm_ledger
 from .mesh import Mesh
+from .mesh_context import current_mesh, use_mesh
 from .ops import (
     all_gather,
     all_gather_async,
@@ -37,6 +38,7 @@ __all__ = [
     "OpSummary",
     "RankAborted",
     "RankFailed",
+    "RankHung",
     "all_gather",
     "all_gather_async",
     "all_to_all",

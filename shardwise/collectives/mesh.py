@@ -13,8 +13,8 @@ import itertools
 import math
 from collections.abc import Iterator, Mapping
 
-from .backend import Backend, Group
-from .runtime import current_backend
+from .backends.base import Backend, Group
+from .backends.current import current_backend
 
 
 class Mesh:

@@ -30,7 +30,7 @@ recorded in the ledger (with ``phase="backward"``) and are differentiable again.
 Integer and bool tensors work with every collective except pmean; they never
 carry gradients. The async forms refuse inputs that require grad.
 
-The shared start-up path is in ``issue.py``; point-to-point ``send``/``recv`` in ``p2p.py``.
+Each collective starts in ``start.py`` (through ``handle.issue``); point-to-point ``send``/``recv`` in ``p2p.py``.
 """
 
 from __future__ import annotations
@@ -40,18 +40,10 @@ from typing import Any
 
 import torch
 
-from .context import current_mesh
-from .issue import (
-    Handle,
-    Pairs,
-    Where,
-    check_perm,
-    check_root,
-    in_backward,
-    normalize_dim,
-    refuse_grad,
-    require_tensor,
-    resolve,
+from .handle import Handle
+from .mesh import Mesh
+from .mesh_context import current_mesh
+from .start import (
     start_all_gather,
     start_all_to_all,
     start_broadcast,
@@ -60,7 +52,8 @@ from .issue import (
     start_psum,
     start_psum_scatter,
 )
-from .mesh import Mesh
+from .validate import check_perm, check_root, normalize_dim, refuse_grad, require_tensor
+from .where import Pairs, Where, in_backward, resolve
 
 
 # -- autograd: one Function per collective ---------------------------------------------

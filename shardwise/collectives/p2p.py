@@ -11,9 +11,11 @@ import torch
 
 from . import ledger as _ledger
 from ._functorch import unwrap
-from .backend import check_p2p
-from .issue import Handle, Where, current_phase, refuse_grad, require_tensor, resolve
+from .backends.base import check_p2p
+from .handle import Handle
 from .mesh import Mesh
+from .validate import refuse_grad, require_tensor
+from .where import Where, current_phase, resolve
 
 
 # -- point to point: not differentiable ------------------------------------------------

@@ -18,9 +18,10 @@ from typing import Any
 import pytest
 import torch
 
-from shardwise.collectives.backend import CollectiveError, Group
+from shardwise.collectives.backends.base import Group
+from shardwise.collectives.backends.current import current_backend
+from shardwise.collectives.errors import CollectiveError
 from shardwise.collectives.mesh import Mesh
-from shardwise.collectives.runtime import current_backend
 
 pytestmark = pytest.mark.gloo
 

@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import shardwise as sw
-from shardwise.collectives.threads import ThreadsBackend
+from shardwise.collectives.backends.threads import ThreadsBackend
 
 
 @given(sizes=st.lists(st.integers(1, 4), min_size=1, max_size=3))

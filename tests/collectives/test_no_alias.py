@@ -38,7 +38,7 @@ from shardwise.collectives import (
     psum_scatter,
     psum_scatter_async,
 )
-from shardwise.collectives.backend import Group
+from shardwise.collectives.backends.base import Group
 
 Op = Callable[[torch.Tensor], torch.Tensor]
 

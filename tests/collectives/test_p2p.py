@@ -28,8 +28,9 @@ from shardwise.collectives import (
     recv,
     send,
 )
-from shardwise.collectives.backend import MAX_TAG
-from shardwise.collectives.runtime import SingleRankBackend, current_backend, use_backend
+from shardwise.collectives.backends.base import MAX_TAG
+from shardwise.collectives.backends.current import current_backend, use_backend
+from shardwise.collectives.backends.single import SingleRankBackend
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> None:
@@ -136,7 +137,7 @@ def to_self() -> dict[str, Any]:
 
 
 def _world() -> int:
-    from shardwise.collectives.runtime import current_backend
+    from shardwise.collectives.backends.current import current_backend
 
     return current_backend().world_size
 
@@ -409,7 +410,7 @@ def test_a_send_without_snapshot_returns_at_once_on_threads() -> None:
 def _many_unwaited_sends(count: int) -> list[float] | bool:
     """More unwaited snapshot=False sends than the backend keeps: it waits for the oldest itself,
     so the sender neither piles them up nor loses one."""
-    from shardwise.collectives import distributed_p2p
+    from shardwise.collectives.backends import distributed_p2p
 
     mesh = Mesh(pp=2)
     with mesh:
@@ -482,7 +483,7 @@ def test_send_stages_a_tensor_through_the_backends_p2p_device(monkeypatch: pytes
     """torch.distributed's messages travel on the CPU: a CUDA tensor is copied there first. CI has no
     GPU, so here the threads backend claims its messages travel on meta: the receiver then gets the
     staged (meta) copy, never the sender's CPU tensor."""
-    from shardwise.collectives.threads import ThreadsBackend
+    from shardwise.collectives.backends.threads import ThreadsBackend
 
     monkeypatch.setattr(ThreadsBackend, "p2p_device", property(lambda self: torch.device("meta")))
 

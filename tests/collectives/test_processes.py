@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardwise.collectives.backend import CollectiveTimeout
+from shardwise.collectives.backends.processes import ProcessPool, launch_processes
+from shardwise.collectives.errors import CollectiveTimeout
 from shardwise.collectives.launch import RankFailed, launch
 from shardwise.collectives.mesh import Mesh
-from shardwise.collectives.processes import ProcessPool, launch_processes
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import shardwise as sw
-from shardwise.collectives.processes import launch_processes
+from shardwise.collectives.backends.processes import launch_processes
 from shardwise.testing.models import mlp
 
 pytestmark = pytest.mark.gloo

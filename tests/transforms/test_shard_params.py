@@ -17,7 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import shardwise as sw
-from shardwise.collectives.threads import ThreadsBackend
+from shardwise.collectives.backends.threads import ThreadsBackend
 from shardwise.engine.step import tree_nbytes
 from shardwise.testing import strategies as sst
 from shardwise.testing.models import TinyGPT, mlp

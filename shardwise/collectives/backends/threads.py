@@ -7,7 +7,7 @@ thread timing. A rank that fails aborts the world: every rank waiting in a
 collective stops at once with :class:`RankAborted` instead of hanging, and a
 rank that never arrives makes the others fail with :class:`CollectiveTimeout`.
 
-Point-to-point messages go through a :class:`Mailbox` per world, keyed by
+Point-to-point messages go through a :class:`~.mailbox.Mailbox` per world, keyed by
 (src, dst, tag) and guarded by the world's condition: ``send`` deposits a
 detached clone and completes at once, ``recv`` waits for its message (or the
 timeout, or an aborted world).
@@ -23,18 +23,17 @@ from typing import NamedTuple
 
 import torch
 
-from .backend import (
+from ..errors import CollectiveError, CollectiveTimeout, RankAborted
+from .base import (
     Backend,
     CheckedWork,
-    CollectiveError,
-    CollectiveTimeout,
     CompletedWork,
     Group,
     Layout,
-    RankAborted,
     Work,
     check_p2p,
 )
+from .mailbox import Mailbox, MailKey
 
 
 class Payload(NamedTuple):
@@ -58,72 +57,6 @@ class _Rendezvous:
     error: BaseException | None = None
     taken: int = 0
     arrived_ranks: list[int] = field(default_factory=list)
-
-
-MailKey = tuple[int, int, int]  # (src, dst, tag), global ranks
-
-
-class Mailbox:
-    """Point-to-point messages, matched per (src, dst, tag) in the order sends and receives were issued.
-
-    A receive claims a sequence number when it is issued and takes exactly the
-    message sent with that number, so the n-th receive gets the n-th message
-    whatever order the receives are waited in. Thread-safe; every method takes
-    the condition, which may be shared (the threads world shares its own, so
-    an abort wakes waiting receives).
-    """
-
-    def __init__(self, cond: threading.Condition | None = None) -> None:
-        self._cond = cond if cond is not None else threading.Condition()
-        self._messages: dict[MailKey, dict[int, torch.Tensor]] = {}
-        self._sent: dict[MailKey, int] = {}
-        self._claimed: dict[MailKey, int] = {}
-
-    def put(self, key: MailKey, tensor: torch.Tensor) -> None:
-        with self._cond:
-            seq = self._sent.get(key, 0)
-            self._sent[key] = seq + 1
-            self._messages.setdefault(key, {})[seq] = tensor
-            self._cond.notify_all()
-
-    def claim(self, key: MailKey) -> int:
-        """The sequence number of the next receive on ``key``."""
-        with self._cond:
-            seq = self._claimed.get(key, 0)
-            self._claimed[key] = seq + 1
-            return seq
-
-    def has(self, key: MailKey, seq: int) -> bool:
-        with self._cond:
-            return seq in self._messages.get(key, {})
-
-    def take(
-        self,
-        key: MailKey,
-        seq: int,
-        timeout: float,
-        on_timeout: Callable[[], BaseException],
-        check: Callable[[], None] = lambda: None,
-    ) -> torch.Tensor:
-        """Wait up to ``timeout`` s for message ``seq`` on ``key`` and remove it.
-
-        ``check`` runs while waiting (under the condition) and may raise, e.g.
-        when the world aborted; ``on_timeout()`` is raised when time runs out.
-        """
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while True:
-                box = self._messages.get(key)
-                if box is not None and seq in box:
-                    tensor = box.pop(seq)
-                    if not box:
-                        del self._messages[key]
-                    return tensor
-                check()
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise on_timeout()
-                self._cond.wait(remaining)
 
 
 class ThreadsWorld:

@@ -34,14 +34,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .backend import (
-    Backend,
-    CollectiveError,
-    CollectiveTimeout,
-    CompletedWork,
-    Group,
-    Work,
-)
+from ..errors import CollectiveError, CollectiveTimeout
+from .base import Backend, CompletedWork, Group, Work
 from .distributed_p2p import PointToPoint
 from .distributed_p2p import flat_copy as _flat_copy
 from .distributed_p2p import is_timeout as _is_timeout

@@ -26,33 +26,29 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import datetime
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.util  # before our atexit hook is registered, see _close_all
-import os
 import pickle
 import signal
 import socket
 import sys
 import threading
 import time
-import traceback
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
-from typing import Any, NoReturn
+from typing import Any
 
-from .backend import CollectiveError
-from .launch import RankFailed
+from ..errors import RankFailed
+from .process_worker import MIN_STARTUP_S, worker_main
 
 _GRACE_S = 1.0  # after a failure, how long the other ranks may still report before being terminated
 _STOP_WAIT_S = 5.0  # how long idle workers get to exit after "stop"
 _SIGNAL_WAIT_S = 2.0  # how long to wait after SIGTERM (then SIGKILL) before giving up
-_MIN_STARTUP_S = 60.0
-_POLL_S = 0.2  # longest the parent sleeps between checks for KeyboardInterrupt  # rendezvous bound: processes start seconds apart on a loaded machine
+_POLL_S = 0.2  # longest the parent sleeps between checks for KeyboardInterrupt
 
 
 def launch_processes(
@@ -173,7 +169,7 @@ class _Ranks:
             for rank in range(world):
                 parent_end, child_end = ctx.Pipe(duplex=True)
                 proc = ctx.Process(
-                    target=_worker_main,
+                    target=worker_main,
                     args=(rank, world, port, timeout, child_end),
                     name=f"shardwise-rank-{rank}",
                     daemon=False,  # daemonic processes may not start their own (DataLoader workers)
@@ -192,7 +188,7 @@ class _Ranks:
         for attempt in range(2):
             ranks = cls(world, timeout)
             try:
-                results, failures = ranks._collect(deadline=time.monotonic() + max(timeout, _MIN_STARTUP_S) + 30.0)
+                results, failures = ranks._collect(deadline=time.monotonic() + max(timeout, MIN_STARTUP_S) + 30.0)
             except BaseException:
                 ranks.shutdown(wait=0.0)
                 raise
@@ -390,92 +386,3 @@ def _close_all() -> None:
         ranks.shutdown(wait=_STOP_WAIT_S)
 
 
-# -- the worker's side --------------------------------------------------------------
-def _worker_main(rank: int, world: int, port: int, timeout: float, conn: Connection) -> None:
-    """Entry point of a spawned rank: join the group, then run tasks until told to stop."""
-    # The parent owns Ctrl-C: it ends the workers itself, without a traceback per rank.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        backend = _init_rank(rank, world, port, timeout)
-    except BaseException as exc:
-        _send(conn, ("error", _describe_error(exc)))
-        _exit(1)
-    _send(conn, ("ready", None))
-    while True:
-        try:
-            kind, task = pickle.loads(conn.recv_bytes())
-        except (EOFError, OSError):
-            break  # the parent is gone
-        if kind != "run":
-            break
-        _send(conn, _run_task(task, backend))
-    # No destroy_process_group(): gloo may abort while tearing down, and the
-    # parent already has every result. os._exit skips all teardown.
-    _exit(0)
-
-
-def _init_rank(rank: int, world: int, port: int, timeout: float) -> Any:
-    import torch
-    import torch.distributed as dist
-
-    from .distributed import TorchDistributedBackend
-
-    if "OMP_NUM_THREADS" not in os.environ:
-        # Like torchrun: share the cores between ranks instead of oversubscribing them.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=max(timeout, _MIN_STARTUP_S)),
-    )
-    return TorchDistributedBackend.from_initialized(timeout)
-
-
-def _run_task(task: bytes, backend: Any) -> tuple[str, Any]:
-    from .runtime import use_backend
-
-    try:
-        fn, args = pickle.loads(task)
-        with use_backend(backend):
-            result = fn(*args)
-    except BaseException as exc:  # SystemExit too: the rank did not return
-        return ("error", _describe_error(exc))
-    try:
-        return ("ok", pickle.dumps(result))
-    except Exception as exc:
-        wrapped = TypeError(f"the result ({type(result).__name__}) cannot be pickled: {exc}")
-        return ("error", _describe_error(wrapped))
-
-
-def _describe_error(exc: BaseException) -> dict[str, Any]:
-    pickled: bytes | None
-    try:
-        pickled = pickle.dumps(exc)
-        pickle.loads(pickled)  # exceptions with a custom __init__ pickle but fail to unpickle
-    except Exception:
-        pickled = None
-    text = str(exc)
-    return {
-        "type": type(exc).__qualname__,
-        "message": text,
-        "traceback": "".join(traceback.format_exception(exc)),
-        "pickled": pickled,
-        "reaction": isinstance(exc, CollectiveError),
-        "addr_in_use": "EADDRINUSE" in text or "address already in use" in text.lower(),
-    }
-
-
-def _send(conn: Connection, message: tuple[str, Any]) -> None:
-    try:
-        conn.send_bytes(pickle.dumps(message))
-    except OSError:
-        _exit(1)  # the parent is gone: nobody is left to tell
-
-
-def _exit(code: int) -> NoReturn:
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(OSError, ValueError):
-            stream.flush()
-    os._exit(code)

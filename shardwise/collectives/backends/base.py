@@ -2,7 +2,7 @@
 
 A backend moves plain tensors between the ranks of a *group* (the global ranks
 of one mesh axis slice, in axis order). It knows nothing of autograd, meshes or
-the ledger: the differentiable collectives in ``ops.py`` sit on top of it, so a
+the ledger: the differentiable collectives in ``collectives/ops.py`` sit on top of it, so a
 new backend only has to implement these few primitives.
 
 Every primitive is asynchronous: it returns a :class:`Work` whose ``wait()``
@@ -58,6 +58,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import CollectiveError
+
 
 @dataclass(frozen=True)
 class Group:
@@ -82,18 +84,6 @@ class Group:
             return self.ranks.index(rank)
         except ValueError:
             raise ValueError(f"rank {rank} is not in the group of axis {self.axis!r} {self.ranks}") from None
-
-
-class CollectiveError(RuntimeError):
-    """A collective could not complete (timeout, a peer failed, backend error)."""
-
-
-class CollectiveTimeout(CollectiveError):
-    """A collective waited longer than the timeout; the message names the op, axis and missing ranks."""
-
-
-class RankAborted(CollectiveError):
-    """Another rank failed, so this rank stopped waiting in a collective."""
 
 
 MAX_TAG = 2**30 - 2

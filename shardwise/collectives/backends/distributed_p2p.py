@@ -41,17 +41,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .backend import (
-    CheckedWork,
-    CollectiveError,
-    CollectiveTimeout,
-    CompletedWork,
-    Layout,
-    Work,
-    check_p2p,
-)
-from .runtime import LocalRecvWork
-from .threads import Mailbox
+from ..errors import CollectiveError, CollectiveTimeout
+from .base import CheckedWork, CompletedWork, Layout, Work, check_p2p
+from .mailbox import LocalRecvWork, Mailbox
 
 # -- helpers ---------------------------------------------------------------------
 # Point-to-point header: ndim, dtype code, then the first _HEADER_DIMS sizes.

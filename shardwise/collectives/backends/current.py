@@ -1,0 +1,47 @@
+"""Which backend the calling rank talks through.
+
+Each rank (a thread of the threads backend, or a process on torch.distributed)
+has its own current backend in a context variable: threads do not share it,
+and nothing global is mutated. Outside any launch, a program runs as a world of
+one, unless torch.distributed is already initialised (torchrun), in which case
+the distributed backend is created for it on first use.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+
+import torch.distributed as dist
+
+from .base import Backend
+from .distributed import TorchDistributedBackend
+from .single import SingleRankBackend
+
+_current: contextvars.ContextVar[Backend | None] = contextvars.ContextVar(
+    "shardwise_backend", default=None
+)
+
+
+@contextlib.contextmanager
+def use_backend(backend: Backend) -> Iterator[Backend]:
+    """Make ``backend`` the current rank's backend inside the block."""
+    token = _current.set(backend)
+    try:
+        yield backend
+    finally:
+        _current.reset(token)
+
+
+def current_backend() -> Backend:
+    """The calling rank's backend (see the module docstring for the fallbacks)."""
+    backend = _current.get()
+    if backend is not None:
+        return backend
+    if dist.is_available() and dist.is_initialized():
+        backend = TorchDistributedBackend.from_initialized()
+    else:
+        backend = SingleRankBackend()
+    _current.set(backend)
+    return backend

@@ -1,0 +1,106 @@
+"""How each collective starts: the backend layout of its input and output, shared by the sync
+(differentiable, in ``ops.py``) and async forms. Each ``start_*`` returns a :class:`Handle`."""
+
+from __future__ import annotations
+
+import torch
+
+from .handle import Handle, issue
+from .validate import check_split
+from .where import Pairs, Where
+
+
+# ``snapshot``: True for the async forms (the caller may modify x before wait),
+# False for the sync forms (they wait at once; see Backend on snapshots).
+def start_psum(x: torch.Tensor, where: Where, snapshot: bool = True) -> Handle:
+    return issue(
+        "psum", where, x, lambda b, t, g, s: b.all_reduce(t, g, "psum", snapshot=s), snapshot=snapshot
+    )
+
+
+def start_pmean(x: torch.Tensor, where: Where, snapshot: bool = True) -> Handle:
+    n = where.size
+    # The backend's result is a fresh tensor of our own: divide it in place.
+    return issue(
+        "pmean",
+        where,
+        x,
+        lambda b, t, g, s: b.all_reduce(t, g, "pmean", snapshot=s),
+        lambda r: r.div_(n),
+        snapshot=snapshot,
+    )
+
+
+def start_all_gather(x: torch.Tensor, where: Where, dim: int, tiled: bool, snapshot: bool = True) -> Handle:
+    return issue(
+        "all_gather",
+        where,
+        x,
+        lambda b, t, g, s: b.all_gather(t, g, "all_gather", snapshot=s),
+        lambda stacked: _chunks_to(stacked, dim, tiled),  # stacked: (n, *x.shape)
+        snapshot=snapshot,
+    )
+
+
+def _chunks_to(chunks: torch.Tensor, dim: int, tiled: bool) -> torch.Tensor:
+    """Inverse of :func:`_chunks_first`: the backend's (n, ...) chunks put back along ``dim``."""
+    out = chunks.movedim(0, dim)
+    return (out.flatten(dim, dim + 1) if tiled else out).contiguous()
+
+
+def _chunks_first(x: torch.Tensor, dim: int, n: int, tiled: bool) -> torch.Tensor:
+    """The backend layout (n, ...): index k along ``dim`` (or its k-th tile, when tiled) first."""
+    if tiled:
+        x = x.unflatten(dim, (n, x.shape[dim] // n))
+    return x.movedim(dim, 0)
+
+
+def start_psum_scatter(x: torch.Tensor, where: Where, dim: int, tiled: bool, snapshot: bool = True) -> Handle:
+    check_split("psum_scatter", x, dim, where, tiled)
+    # Untiled, the reduced chunk has lost `dim`; tiled, its tile sits back at `dim`.
+    return issue(
+        "psum_scatter",
+        where,
+        x,
+        lambda b, t, g, s: b.reduce_scatter(t, g, "psum_scatter", snapshot=s),
+        snapshot=snapshot,
+        layout=lambda t: _chunks_first(t, dim, where.size, tiled),
+    )
+
+
+def start_all_to_all(
+    x: torch.Tensor, where: Where, split_dim: int, concat_dim: int, tiled: bool, snapshot: bool = True
+) -> Handle:
+    check_split("all_to_all", x, split_dim, where, tiled)
+
+    return issue(
+        "all_to_all",
+        where,
+        x,
+        lambda b, t, g, s: b.all_to_all(t, g, "all_to_all", snapshot=s),
+        lambda received: _chunks_to(received, concat_dim, tiled),  # received[j]: rank j's chunk for us
+        snapshot=snapshot,
+        layout=lambda t: _chunks_first(t, split_dim, where.size, tiled),
+    )
+
+
+def start_broadcast(x: torch.Tensor, where: Where, root: int, snapshot: bool = True) -> Handle:
+    return issue(
+        "broadcast",
+        where,
+        x,
+        lambda b, t, g, s: b.broadcast(t, root, g, "broadcast", snapshot=s),
+        snapshot=snapshot,
+        root=root,
+    )
+
+
+def start_ppermute(x: torch.Tensor, where: Where, pairs: Pairs, snapshot: bool = True) -> Handle:
+    return issue(
+        "ppermute",
+        where,
+        x,
+        lambda b, t, g, s: b.permute(t, pairs, g, "ppermute", snapshot=s),
+        snapshot=snapshot,
+        pairs=pairs,
+    )

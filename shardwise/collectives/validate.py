@@ -1,0 +1,72 @@
+"""Argument checks shared by the collectives: each error names the op, the argument and the fix."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .where import Pairs, Where
+
+
+def require_tensor(op: str, x: object) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{op} expects a torch.Tensor, got {type(x).__name__}")
+    return x
+
+
+def normalize_dim(op: str, x: torch.Tensor, dim: int, ndim: int, what: str = "dim") -> int:
+    """``dim`` made non-negative among ``ndim`` dims (negative dims count from the end)."""
+    if ndim == 0:
+        raise ValueError(f"{op}: {what}={dim} but the tensor of shape () has no dims; give it one")
+    if not -ndim <= dim < ndim:
+        raise ValueError(
+            f"{op}: {what}={dim} is out of range for the tensor of shape {tuple(x.shape)} "
+            f"(valid: {-ndim}..{ndim - 1})"
+        )
+    return dim % ndim
+
+
+def check_split(op: str, x: torch.Tensor, dim: int, where: Where, tiled: bool) -> None:
+    size, n = x.shape[dim], where.size
+    if tiled and size % n:
+        raise ValueError(
+            f"{op}(tiled=True): dim {dim} of the tensor of shape {tuple(x.shape)} has size {size}, "
+            f"which the size {n} of axis {where.axis!r} does not divide; pad that dim to a multiple of {n}"
+        )
+    if not tiled and size != n:
+        raise ValueError(
+            f"{op}(tiled=False): dim {dim} of the tensor of shape {tuple(x.shape)} has size {size} "
+            f"but must equal the size {n} of axis {where.axis!r}; use tiled=True to split it into {n} chunks"
+        )
+
+
+def check_perm(op: str, perm: Sequence[tuple[int, int]], where: Where) -> Pairs:
+    try:
+        pairs = tuple((int(src), int(dst)) for src, dst in perm)
+    except (TypeError, ValueError):
+        raise ValueError(f"{op}: perm must be pairs (src, dst) of axis indices, got {perm!r}") from None
+    n = where.size
+    for src, dst in pairs:
+        if not (0 <= src < n and 0 <= dst < n):
+            raise ValueError(f"{op}: pair ({src}, {dst}) is outside the axis {where.axis!r} of size {n}")
+    for k, name in ((0, "source"), (1, "destination")):
+        seen = [p[k] for p in pairs]
+        repeated = sorted({i for i in seen if seen.count(i) > 1})
+        if repeated:
+            raise ValueError(f"{op}: {name} indices {repeated} repeat in perm={list(pairs)}; each may appear once")
+    return pairs
+
+
+def check_root(op: str, root: int, where: Where) -> int:
+    if not 0 <= root < where.size:
+        raise ValueError(f"{op}: root={root} is outside the axis {where.axis!r} of size {where.size}")
+    return root
+
+
+def refuse_grad(op: str, x: torch.Tensor, fix: str | None = None) -> None:
+    if torch.is_grad_enabled() and x.requires_grad:
+        fix = fix or f"use the sync form {op.removesuffix('_async')}(...)"
+        raise RuntimeError(
+            f"{op} is not differentiable but its input requires grad: {fix} or call it under torch.no_grad()"
+        )
