@@ -22,6 +22,10 @@ class FunctionalizeError(ValueError):
     """A module that ``functionalize`` cannot turn into a Chain as asked; the message says why and what to do."""
 
 
+class FxTraceError(FunctionalizeError):
+    """torch.fx could not trace the module's forward (``functionalize`` may then record its calls instead)."""
+
+
 class _UnitTracer(fx.Tracer):
     """Traces through everything except the units, which stay as single call_module nodes."""
 
@@ -53,18 +57,34 @@ def _trace(module: nn.Module, units: list[str]) -> tuple[fx.Graph, dict[str, Any
     except FunctionalizeError:
         raise
     except Exception as e:
-        raise FunctionalizeError(
+        raise FxTraceError(
             f"functionalize: torch.fx cannot trace {type(module).__name__}.forward with units {units} "
-            f"({type(e).__name__}: {e}). This usually means Python control flow on tensor values "
-            "or shapes in the code between units. Move that code into a unit, write the model as "
-            "an nn.Sequential (functionalize(model) needs no tracing), or build the Chain from "
-            "explicit Layer objects."
+            f"({type(e).__name__}: {_first_line(e)}).{_likely_cause(module, e)}"
         ) from e
     finally:
         # The tracer parks tensor constants made in forward on the root (_tensor_constant0, ...);
         # take them back off so the user's module is left as it was.
         constants = {k: module.__dict__.pop(k) for k in set(vars(module)) - before}
     return graph, constants
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip().splitlines()
+    return text[0] if text else ""
+
+
+def _likely_cause(module: nn.Module, e: Exception) -> str:
+    """What to say about an fx failure: only what the error itself shows."""
+    text = str(e)
+    if "control flow" in text:
+        return (
+            " forward branches on a tensor value in the code between units (fx runs it on proxies, "
+            "whose values are unknown); move that code into a unit."
+        )
+    forward = inspect.signature(module.forward)
+    if any(p.kind == p.VAR_KEYWORD for p in forward.parameters.values()):
+        return " forward takes **kwargs (a decorated forward, as in Hugging Face models), which fx cannot bind."
+    return ""
 
 
 def _concrete_args(module: nn.Module) -> dict[str, Any]:

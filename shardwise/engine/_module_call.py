@@ -21,6 +21,10 @@ changes where modules keep their tensors.
 
 from __future__ import annotations
 
+import copy
+import inspect
+import threading
+from collections.abc import Mapping
 from typing import Any
 
 from torch import Tensor, nn
@@ -30,27 +34,37 @@ _Slot = tuple[dict[str, Any], str, str]  # (the submodule's _parameters or _buff
 
 
 class ModuleCall:
-    """``functional_call(module, tensors, (x,), strict=True)``, with the name walk done once."""
+    """``functional_call(module, tensors, (x,), strict=True)``, with the name walk done once.
 
-    def __init__(self, module: nn.Module) -> None:
+    With a ``prefix``, every key of ``tensors`` is the module's own name with that prefix (the
+    names a submodule's tensors have in its root module)."""
+
+    def __init__(self, module: nn.Module, prefix: str = "") -> None:
         self.module = module
-        self._slots, self._keys = _slots_of(module)
+        self.prefix = prefix  # what every key of ``tensors`` starts with (a submodule's path + ".")
+        self._slots, self._keys = _slots_of(module, prefix)
 
     def __call__(self, tensors: dict[str, Tensor], x: Any) -> Any:
+        return self.call(tensors, (x,), {})
+
+    def call(self, tensors: dict[str, Tensor], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """``module(*args, **kwargs)`` with ``tensors`` swapped in."""
         if self._slots is None or tensors.keys() != self._keys:
-            return functional_call(self.module, tensors, (x,), strict=True)
+            n = len(self.prefix)
+            unprefixed = {k[n:] if k.startswith(self.prefix) else k: t for k, t in tensors.items()}
+            return functional_call(self.module, unprefixed, args, kwargs, strict=True)
         slots = self._slots
         originals = [container[attr] for container, attr, _ in slots]
         try:
             for container, attr, key in slots:
                 container[attr] = tensors[key]
-            return self.module(x)
+            return self.module(*args, **kwargs)
         finally:
             for (container, attr, _), original in zip(slots, originals, strict=True):
                 container[attr] = original
 
 
-def _slots_of(module: nn.Module) -> tuple[list[_Slot] | None, frozenset[str]]:
+def _slots_of(module: nn.Module, prefix: str) -> tuple[list[_Slot] | None, frozenset[str]]:
     """Every (container, attribute, key) to swap, or None if a tensor is not kept in a container."""
     first_name: dict[int, str] = {}  # id(tensor) -> the name functional_call's caller gives it
     slots: list[_Slot] = []
@@ -64,7 +78,80 @@ def _slots_of(module: nn.Module) -> tuple[list[_Slot] | None, frozenset[str]]:
             container = getattr(owner, kind, None)
             if not isinstance(container, dict) or container.get(attr) is not tensor:
                 return None, frozenset()
-            key = first_name.setdefault(id(tensor), name)
+            key = first_name.setdefault(id(tensor), prefix + name)
             slots.append((container, attr, key))
     return slots, frozenset(first_name.values())
 
+
+
+class ThreadReplicas:
+    """A :class:`ModuleCall` per thread: ``module`` itself for the thread that made this, and for
+    every other thread a deep copy that shares the original's tensors.
+
+    ``functional_call`` swaps tensors into the module for the duration of a call, which is not
+    safe when threads (the threads backend runs ranks as threads) call one module at once. The
+    copies cost the module's structure, not its tensors (they are swapped out anyway).
+    Pickles as the module alone.
+    """
+
+    def __init__(self, module: nn.Module, prefix: str = "") -> None:
+        self.module = module
+        self.prefix = prefix
+        self._init_local()
+
+    def _init_local(self) -> None:
+        self._owner = threading.get_ident()
+        self._local = threading.local()
+        self._call: ModuleCall | None = None
+
+    def get(self) -> ModuleCall:
+        """This thread's ModuleCall."""
+        if threading.get_ident() == self._owner:
+            if self._call is None:
+                self._call = ModuleCall(self.module, self.prefix)
+            return self._call
+        call = getattr(self._local, "call", None)
+        if call is None:
+            named = [
+                *self.module.named_parameters(remove_duplicate=False),
+                *self.module.named_buffers(remove_duplicate=False),
+            ]
+            replica = copy.deepcopy(self.module, memo={id(t): t for _, t in named})
+            call = self._local.call = ModuleCall(replica, self.prefix)
+        return call
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"module": self.module, "prefix": self.prefix}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.module, self.prefix = state["module"], state["prefix"]
+        self._init_local()
+
+
+def call_arguments(module: nn.Module, x: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """How a layer calls ``module`` on its input ``x``: ``module(**x)`` for a dict whose keys are
+    all arguments of ``forward`` (an HF-style batch: ``input_ids``, ``attention_mask``,
+    ``labels``), else ``module(x)``. A forward that takes ``use_cache`` (Hugging Face models)
+    gets ``use_cache=False`` unless ``x`` sets it: a pure layer keeps no key/value cache."""
+    signature = _forward_parameters(module)
+    if isinstance(x, Mapping) and x and all(isinstance(k, str) for k in x) and _takes(signature, x):
+        args: tuple[Any, ...] = ()
+        kwargs = dict(x)
+    else:
+        args, kwargs = (x,), {}
+    if "use_cache" in signature and "use_cache" not in kwargs:
+        kwargs["use_cache"] = False
+    return args, kwargs
+
+
+def _forward_parameters(module: nn.Module) -> Mapping[str, inspect.Parameter]:
+    try:
+        return inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):  # a builtin or C forward: no keywords to offer
+        return {}
+
+
+def _takes(parameters: Mapping[str, inspect.Parameter], x: Mapping[str, Any]) -> bool:
+    # Named parameters only: a forward(x, **kwargs) given a dict means the dict itself.
+    keywords = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return all(k in parameters and parameters[k].kind in keywords for k in x)

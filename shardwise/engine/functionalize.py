@@ -44,9 +44,8 @@ Decisions:
 
 from __future__ import annotations
 
-import copy
 import difflib
-import threading
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -55,9 +54,11 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _NormBase
 
-from ._fx_split import FunctionalizeError, split_graph
-from ._module_call import ModuleCall
+from ._capture_split import Piece, split_by_calls
+from ._fx_split import FunctionalizeError, FxTraceError, split_graph
+from ._module_call import ThreadReplicas, call_arguments
 from .chain import Chain, Layer
+from .pytrees import float_leaves, register_output_types, unregistered_reason
 
 __all__ = ["FunctionalizeError", "functionalize"]
 
@@ -87,24 +88,63 @@ def functionalize(
         every layer has an entry, empty if it owns none.
     """
     _refuse_stateful(module)
-    pieces = _pieces(module, units)
+    pieces, recorded = _pieces(module, units, example_input)
     chain, params = _build_chain(pieces)
+    if recorded is not None:
+        example_input = recorded
     if example_input is not None:
         _check_against_module(module, chain, params, example_input)
     return chain, params
 
 
-def _pieces(module: nn.Module, units: Units) -> list[tuple[str, nn.Module]]:
-    """(layer name, module to call) for each layer."""
+Piece_ = tuple[str, nn.Module | Piece]
+
+
+def _pieces(module: nn.Module, units: Units, example: Any) -> tuple[list[Piece_], Any]:
+    """(layer name, module or Piece to call) for each layer, and the input the split was
+    recorded on (None when it was not recorded: the whole module, a Sequential, fx)."""
     if units is None:
         if isinstance(module, nn.Sequential):
             # _modules, not named_children(): a child repeated at two indices is two layers (tied).
-            return [(name, child) for name, child in module._modules.items() if child is not None]
-        return [(WHOLE_MODULE, module)]
+            return [(name, child) for name, child in module._modules.items() if child is not None], None
+        return [(WHOLE_MODULE, module)], None
     paths = _resolve_units(module, units)
     if paths is None:  # the root itself is the unit class
-        return [(WHOLE_MODULE, module)]
-    return split_graph(module, paths, ordered=not isinstance(units, type))
+        return [(WHOLE_MODULE, module)], None
+    ordered = not isinstance(units, type)
+    if not _is_transformers_model(module):
+        try:
+            return list(split_graph(module, paths, ordered=ordered)), None
+        except FxTraceError as e:
+            if example is None:
+                raise FunctionalizeError(
+                    f"{e} Pass example_input= (an input like your batches) and functionalize splits the "
+                    "model by recording which units forward calls on it, with which arguments, instead; "
+                    "or write the model as an nn.Sequential (functionalize(model) needs no tracing), or "
+                    "build the Chain from explicit Layer objects."
+                ) from e
+    # Hugging Face models, and modules fx cannot trace: record the calls on an example input.
+    example = example if example is not None else _dummy_input(module)
+    return list(split_by_calls(module, paths, example, ordered=ordered)), example
+
+
+def _is_transformers_model(module: nn.Module) -> bool:
+    modeling = sys.modules.get("transformers.modeling_utils")  # never import transformers ourselves
+    base = getattr(modeling, "PreTrainedModel", None)
+    return base is not None and isinstance(module, base)
+
+
+def _dummy_input(module: nn.Module) -> Tensor:
+    """A token batch for a Hugging Face model when no example is given: its own dummy ids."""
+    dummy = getattr(module, "dummy_inputs", None)
+    ids = dummy.get("input_ids") if isinstance(dummy, dict) else None
+    if not isinstance(ids, Tensor):
+        raise FunctionalizeError(
+            f"functionalize: {type(module).__name__} is split by recording its calls on an example input, "
+            "and it offers no dummy input_ids; pass example_input= (an input like your batches)."
+        )
+    device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    return ids.to(device)
 
 
 # --- refusing impure modules --------------------------------------------------------------
@@ -126,48 +166,27 @@ def _refuse_stateful(module: nn.Module) -> None:
 
 
 class _ModuleFn:
-    """A layer fn: ``functional_call`` of a module, on a per-thread replica of it."""
+    """A layer fn: ``functional_call`` of a module on the layer input (see ``call_arguments``),
+    on a per-thread replica of it; its output's ModelOutput / dataclass types become pytrees."""
 
     def __init__(self, module: nn.Module) -> None:
-        self.module = module
-        self._init_local()
+        self.replicas = ThreadReplicas(module)
 
-    def _init_local(self) -> None:
-        self._owner = threading.get_ident()
-        self._local = threading.local()
-        self._call: ModuleCall | None = None
+    @property
+    def module(self) -> nn.Module:
+        return self.replicas.module
 
     def __call__(self, tensors: dict[str, Tensor], x: Any) -> Any:
         # strict: every param and buffer must be given, so the module's own tensors never leak in.
-        return self._replica()(tensors, x)
-
-    def _replica(self) -> ModuleCall:
-        if threading.get_ident() == self._owner:
-            if self._call is None:
-                self._call = ModuleCall(self.module)
-            return self._call
-        call = getattr(self._local, "call", None)
-        if call is None:
-            named = [
-                *self.module.named_parameters(remove_duplicate=False),
-                *self.module.named_buffers(remove_duplicate=False),
-            ]
-            replica = copy.deepcopy(self.module, memo={id(t): t for _, t in named})
-            call = self._local.call = ModuleCall(replica)
-        return call
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"module": self.module}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.module = state["module"]
-        self._init_local()
+        call = self.replicas.get()
+        args, kwargs = call_arguments(call.module, x)
+        return register_output_types(call.call(tensors, args, kwargs))
 
     def __repr__(self) -> str:
         return f"functional_call({type(self.module).__name__})"
 
 
-def _build_chain(pieces: list[tuple[str, nn.Module]]) -> tuple[Chain, ParamTree]:
+def _build_chain(pieces: list[Piece_]) -> tuple[Chain, ParamTree]:
     owners: dict[int, tuple[str, str]] = {}  # id(param) -> (owner layer, owner's local name)
     copies: dict[int, Tensor] = {}  # id(tensor) -> its detached copy, made once
 
@@ -192,7 +211,8 @@ def _build_chain(pieces: list[tuple[str, nn.Module]]) -> tuple[Chain, ParamTree]
             else:
                 owners[id(p)] = (name, local)
                 owned[local] = copy_of(p)
-        layers.append(Layer(name, _ModuleFn(mod), tuple(param_names), buffers, ties))
+        fn = mod.fn if isinstance(mod, Piece) else _ModuleFn(mod)
+        layers.append(Layer(name, fn, tuple(param_names), buffers, ties))
         params[name] = owned
     return Chain(layers), params
 
@@ -285,13 +305,13 @@ def _check_against_module(module: nn.Module, chain: Chain, params: ParamTree, x:
     )
     with torch.no_grad(), torch.random.fork_rng(devices=devices):
         rng = _rng_states(devices)
-        expected = module(x)
+        args, kwargs = call_arguments(module, x)
+        expected = register_output_types(module(*args, **kwargs))
         _set_rng_states(devices, rng)
         got = x
         for i, layer in enumerate(chain):
             got = layer(chain.layer_params(params, layer), got)
-            if i < len(chain) - 1:
-                _check_passable(layer.name, got)
+            _check_passable(layer.name, got, last=i == len(chain) - 1)
     for (name, buffer_name), before in snapshot.items():
         if not _same(before, chain[name].buffers[buffer_name]):
             raise FunctionalizeError(
@@ -311,13 +331,32 @@ def _set_rng_states(devices: list[int], states: tuple[Tensor, list[Tensor]]) -> 
         torch.cuda.set_rng_state(state, d)
 
 
-def _check_passable(layer: str, y: Any) -> None:
-    ok = isinstance(y, Tensor) or (isinstance(y, tuple) and all(isinstance(t, Tensor) for t in y))
-    if not ok:
+def _check_passable(layer: str, y: Any, last: bool) -> None:
+    """Refuse an output with no floating-point tensor (the loss could reach no parameter through
+    it), and, between layers, an output with anything but tensors in it (a pipeline sends tensors)."""
+    leaves = optree.tree_leaves(y)
+    if not float_leaves(y):
+        opaque = [type(v).__name__ for v in leaves if not isinstance(v, Tensor)]
+        reasons = [r for r in (unregistered_reason(v) for v in leaves) if r]
+        why = f" ({'; '.join(reasons)})" if reasons else ""
         raise FunctionalizeError(
-            f"functionalize: layer {layer!r} returns a {type(y).__name__}, but the value passed between "
-            "layers must be a tensor or a tuple of tensors (it is what a pipeline stage sends)."
+            f"functionalize: layer {layer!r} returns {_kind(y)} that carries no floating-point tensor"
+            + (f"; optree sees it as opaque leaves {opaque}{why}" if opaque else "")
+            + ". Gradients flow only through floating tensors in tuples, lists, dicts, named tuples, "
+            "dataclasses or ModelOutputs: return the tensors (e.g. the logits), or register the output "
+            "class with optree.register_pytree_node."
         )
+    if not last:
+        others = sorted({type(v).__name__ for v in leaves if not isinstance(v, Tensor)})
+        if others:
+            raise FunctionalizeError(
+                f"functionalize: layer {layer!r} passes {_kind(y)} holding {others} to the next layer, but the "
+                "value passed between layers must hold only tensors (it is what a pipeline stage sends)."
+            )
+
+
+def _kind(y: Any) -> str:
+    return f"a {type(y).__name__}"
 
 
 def _same(a: Tensor, b: Tensor) -> bool:
@@ -343,10 +382,18 @@ def _compare_outputs(expected: Any, got: Any) -> None:
                 raise FunctionalizeError(
                     f"functionalize: the chain differs from the module at {where}: {_difference(want, have)}"
                 )
-        elif want != have:
+        elif not _same_leaf(want, have):
             raise FunctionalizeError(
                 f"functionalize: the chain differs from the module at {where}: {have!r} != {want!r}"
             )
+
+
+def _same_leaf(want: Any, have: Any) -> bool:
+    """Equal plain values; other objects (a cache, say) only of the same type: their ``==`` may be
+    elementwise or identity, neither of which says the chain computed the same."""
+    if isinstance(want, (bool, int, float, str, type(None))):
+        return type(want) is type(have) and want == have
+    return type(want) is type(have)
 
 
 def _difference(want: Tensor, have: Tensor) -> str:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, NamedTuple, TypeAlias
 
 import optree
@@ -127,43 +128,9 @@ def sgd(
             f"got momentum={momentum}, dampening={dampening}; set those or pass nesterov=False"
         )
 
-    def init(params: Params) -> SgdState:
-        buffers = optree.tree_map(torch.zeros_like, params) if momentum != 0 else None
-        return SgdState(step=_zero_step(), momentum=buffers)
-
-    @torch.no_grad()
-    def update(grads: Params, state: SgdState, params: Params) -> tuple[Params, SgdState]:
-        _check_state(state, SgdState, "sgd")
-        p, spec = optree.tree_flatten(params)
-        g = _leaves_like(grads, spec, "grads")
-        t = as_step(state.step)
-        step_lr = _lr_at(schedule, t)
-
-        d_p = fe.add(g, p, alpha=weight_decay) if weight_decay != 0 else g
-        buffers = None
-        if momentum != 0:
-            if state.momentum is None:
-                raise ValueError(
-                    "state.momentum: is None but momentum != 0; build the state with this optimizer's init"
-                )
-            b = _leaves_like(state.momentum, spec, "state.momentum")
-            if t == 0:
-                # torch starts the buffer at the first d_p itself, without dampening; the
-                # zeros from init only fix the state's structure.
-                if inplace:
-                    for buffer, x in zip(b, d_p, strict=True):
-                        buffer.copy_(x)
-                else:
-                    b = [x.clone() for x in d_p]
-            else:
-                b = fe.add(fe.mul_scalar(b, momentum, inplace=inplace), d_p, alpha=1 - dampening, inplace=inplace)
-            d_p = fe.add(d_p, b, alpha=momentum) if nesterov else b
-            buffers = optree.tree_unflatten(spec, b)
-
-        new_p = fe.add(p, d_p, alpha=-step_lr, inplace=inplace)
-        return optree.tree_unflatten(spec, new_p), SgdState(_next_step(state.step), buffers)
-
-    return Optimizer(init, update)
+    return Optimizer(
+        _SgdInit(momentum), _SgdUpdate(schedule, momentum, dampening, weight_decay, nesterov, inplace)
+    )
 
 
 def adamw(
@@ -197,27 +164,97 @@ def adamw(
     _check_nonnegative("eps", eps, "torch's default is 1e-8")
     _check_nonnegative("weight_decay", weight_decay, "0 turns weight decay off")
 
-    def init(params: Params) -> AdamWState:
+    return Optimizer(_AdamWInit(), _AdamWUpdate(schedule, beta1, beta2, eps, weight_decay, inplace))
+
+
+# The optimizers' functions are module-level frozen dataclasses, not closures, so that an
+# Optimizer pickles (the processes backend sends the step to every rank) and compares by value.
+
+
+@dataclass(frozen=True)
+class _SgdInit:
+    momentum: float
+
+    def __call__(self, params: Params) -> SgdState:
+        buffers = optree.tree_map(torch.zeros_like, params) if self.momentum != 0 else None
+        return SgdState(step=_zero_step(), momentum=buffers)
+
+
+@dataclass(frozen=True)
+class _SgdUpdate:
+    schedule: Schedule
+    momentum: float
+    dampening: float
+    weight_decay: float
+    nesterov: bool
+    inplace: bool
+
+    @torch.no_grad()
+    def __call__(self, grads: Params, state: SgdState, params: Params) -> tuple[Params, SgdState]:
+        _check_state(state, SgdState, "sgd")
+        p, spec = optree.tree_flatten(params)
+        g = _leaves_like(grads, spec, "grads")
+        t = as_step(state.step)
+        step_lr = _lr_at(self.schedule, t)
+
+        d_p = fe.add(g, p, alpha=self.weight_decay) if self.weight_decay != 0 else g
+        buffers = None
+        if self.momentum != 0:
+            if state.momentum is None:
+                raise ValueError(
+                    "state.momentum: is None but momentum != 0; build the state with this optimizer's init"
+                )
+            b = _leaves_like(state.momentum, spec, "state.momentum")
+            if t == 0:
+                # torch starts the buffer at the first d_p itself, without dampening; the
+                # zeros from init only fix the state's structure.
+                if self.inplace:
+                    for buffer, x in zip(b, d_p, strict=True):
+                        buffer.copy_(x)
+                else:
+                    b = [x.clone() for x in d_p]
+            else:
+                b = fe.add(fe.mul_scalar(b, self.momentum, inplace=self.inplace), d_p, alpha=1 - self.dampening, inplace=self.inplace)
+            d_p = fe.add(d_p, b, alpha=self.momentum) if self.nesterov else b
+            buffers = optree.tree_unflatten(spec, b)
+
+        new_p = fe.add(p, d_p, alpha=-step_lr, inplace=self.inplace)
+        return optree.tree_unflatten(spec, new_p), SgdState(_next_step(state.step), buffers)
+
+
+@dataclass(frozen=True)
+class _AdamWInit:
+    def __call__(self, params: Params) -> AdamWState:
         return AdamWState(
             step=_zero_step(),
             exp_avg=optree.tree_map(torch.zeros_like, params),
             exp_avg_sq=optree.tree_map(torch.zeros_like, params),
         )
 
+
+@dataclass(frozen=True)
+class _AdamWUpdate:
+    schedule: Schedule
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    inplace: bool
+
     @torch.no_grad()
-    def update(grads: Params, state: AdamWState, params: Params) -> tuple[Params, AdamWState]:
+    def __call__(self, grads: Params, state: AdamWState, params: Params) -> tuple[Params, AdamWState]:
         _check_state(state, AdamWState, "adamw")
         p, spec = optree.tree_flatten(params)
         g = _leaves_like(grads, spec, "grads")
         m = _leaves_like(state.exp_avg, spec, "state.exp_avg")
         v = _leaves_like(state.exp_avg_sq, spec, "state.exp_avg_sq")
         t = as_step(state.step) + 1  # torch counts the update first: bias corrections use t >= 1
-        step_lr = _lr_at(schedule, t - 1)
+        step_lr = _lr_at(self.schedule, t - 1)
 
         # Bias corrections are Python floats (double precision) for every dtype, as in
         # torch's non-capturable paths.
-        bias_correction1 = 1 - beta1**t
-        bias_correction2 = 1 - beta2**t
+        bias_correction1 = 1 - self.beta1**t
+        bias_correction2 = 1 - self.beta2**t
         step_size = step_lr / bias_correction1
         # One bounded group of tensors at a time (fe.bounded_groups): on CPU each group's
         # tensors stay in cache through all the ops, as in torch's single-tensor path, and the
@@ -228,13 +265,13 @@ def adamw(
         new_v: list[Tensor] = []
         for group in fe.bounded_groups(p):
             ps, gs, ms, vs = ([leaves[i] for i in group] for leaves in (p, g, m, v))
-            if weight_decay != 0:
-                ps = fe.mul_scalar(ps, 1 - step_lr * weight_decay, inplace=inplace)
-            ms = fe.lerp_scalar(ms, gs, 1 - beta1, inplace=inplace)
-            vs = fe.addcmul_scalar(fe.mul_scalar(vs, beta2, inplace=inplace), gs, gs, 1 - beta2, inplace=inplace)
+            if self.weight_decay != 0:
+                ps = fe.mul_scalar(ps, 1 - step_lr * self.weight_decay, inplace=self.inplace)
+            ms = fe.lerp_scalar(ms, gs, 1 - self.beta1, inplace=self.inplace)
+            vs = fe.addcmul_scalar(fe.mul_scalar(vs, self.beta2, inplace=self.inplace), gs, gs, 1 - self.beta2, inplace=self.inplace)
             # sqrt makes the one new list; the rest reuses it, as torch's foreach path does.
-            denom = fe.add_scalar(fe.div_scalar(fe.sqrt(vs), bias_correction2**0.5, inplace=True), eps, inplace=True)
-            new_p += fe.addcdiv_scalar(ps, ms, denom, -step_size, inplace=inplace)
+            denom = fe.add_scalar(fe.div_scalar(fe.sqrt(vs), bias_correction2**0.5, inplace=True), self.eps, inplace=True)
+            new_p += fe.addcdiv_scalar(ps, ms, denom, -step_size, inplace=self.inplace)
             new_m += ms
             new_v += vs
         m, v = new_m, new_v
@@ -245,8 +282,6 @@ def adamw(
             exp_avg_sq=optree.tree_unflatten(spec, v),
         )
         return optree.tree_unflatten(spec, new_p), new_state
-
-    return Optimizer(init, update)
 
 
 @torch.no_grad()

@@ -5,9 +5,24 @@ batches and compares the loss and every parameter after every step, on every
 rank. On failure it reports the first divergence: the step, the parameter
 path, the rank, the largest absolute and relative error.
 
-Errors are measured per tensor as ``max|a - b|`` against ``atol + rtol *
-max|b|`` (a norm-wise relative error), which stays meaningful for tensors with
-entries near zero, where an element-wise relative error is noise.
+How a tensor is judged (the default is scale-aware). Each tensor must satisfy
+
+    max|a - b|  <=  atol + rtol * scale,   scale = max|b| over the tensor's layer
+
+where ``b`` is the reference and "the tensor's layer" is the innermost
+container holding it in the params pytree (``params[layer]``: for a Chain, one
+layer's parameters; a metric is its own layer). This is a norm-wise test
+(infinity norm) per layer rather than per element or per tensor, because
+rounding errors are relative to the magnitudes a value is computed from, not
+to the value itself. An element-wise relative error is noise for entries near
+zero; a per-tensor one is noise for a tensor whose true value is zero: BERT's
+attention key bias has an exactly zero gradient (softmax ignores a shift of all
+scores of a query), so it moves only by rounding residue of the other
+gradients, ~1e-22 in float64, and two correct summation orders give residues
+that differ by 30-70 % of themselves. Against the scale of the layer those
+residues are 1e-22, as they should be, while a real bug (a learning rate off
+by a factor, a layer whose gradient is dropped, a shard summed twice) moves a
+layer's parameters by the size of an update, far above ``rtol`` of the layer.
 """
 
 from __future__ import annotations
@@ -55,22 +70,31 @@ class EquivalenceReport:
         return f"equivalent over {self.steps} steps; worst relative error {worst:.3g}"
 
 
-def _errors(actual: torch.Tensor, expected: torch.Tensor) -> tuple[float, float, float]:
+def _abs_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """``max|a - b|``; infinite for a shape or NaN / inf pattern that differs (NaN = NaN)."""
     a = actual.detach().to(torch.float64)
     b = expected.detach().to(torch.float64)
     if a.shape != b.shape:
-        return float("inf"), float("inf"), 0.0
+        return float("inf")
     diff = (a - b).abs()
     if diff.numel() == 0:
-        return 0.0, 0.0, 0.0
+        return 0.0
     nonfinite_mismatch = (a.isnan() != b.isnan()) | (a.isinf() != b.isinf())
     if bool(nonfinite_mismatch.any()):
-        return float("inf"), float("inf"), 0.0
+        return float("inf")
     diff = torch.where(a.isnan() & b.isnan(), torch.zeros_like(diff), diff)
-    abs_err = float(diff.max())
-    scale = float(b.abs().nan_to_num(posinf=0.0, neginf=0.0).max())
-    rel_err = abs_err / scale if scale > 0 else (0.0 if abs_err == 0 else float("inf"))
-    return abs_err, rel_err, scale
+    return float(diff.max())
+
+
+def _magnitude(t: torch.Tensor) -> float:
+    """``max|t|`` over its finite entries (0 for an empty tensor)."""
+    if t.numel() == 0:
+        return 0.0
+    return float(t.detach().to(torch.float64).abs().nan_to_num(posinf=0.0, neginf=0.0).max())
+
+
+def _relative(abs_err: float, scale: float) -> float:
+    return abs_err / scale if scale > 0 else (0.0 if abs_err == 0 else float("inf"))
 
 
 # Metrics compared when both steps report them: a padding or scaling bug shows in the norm.
@@ -115,8 +139,10 @@ def assert_equivalent(
     distributed step decides what each rank computes. After every step the
     loss and the gradient norm (each when both steps report it: see
     ``Step.with_metrics``) and the full parameters (``step.full_params``) of
-    every rank must match the reference within ``atol + rtol * max|reference|``
-    per tensor.
+    every rank must match the reference within ``atol + rtol * max|reference|``,
+    the largest reference magnitude of the tensor's layer (see the module
+    docstring: a tensor whose reference is rounding noise, such as a bias whose
+    true gradient is zero, is not a failure, and a wrong update still is).
     ``rtol`` defaults by dtype (see ``DEFAULT_RTOL``). With
     ``backend="processes"`` the step, params and batches must be picklable.
 
@@ -154,7 +180,6 @@ def compare_histories(
         worst_abs = worst_rel = 0.0
         for rank, history in enumerate(per_rank):
             got_metrics, got_params = history[index]
-            checks = [(k, got_metrics[k], v) for k, v in exp_metrics.items() if k in got_metrics]
             exp_paths, exp_leaves, exp_spec = optree.tree_flatten_with_path(exp_params)
             got_leaves, got_spec = optree.tree_flatten(got_params)
             if got_spec != exp_spec:
@@ -163,19 +188,30 @@ def compare_histories(
                     f"  got      {got_spec}\n  expected {exp_spec}",
                     index + 1, "<structure>", rank, float("inf"), float("inf"),
                 )
+            # Every tensor is judged against the largest reference magnitude of its layer
+            # (the module docstring says why).
+            layer_scale: dict[tuple[Any, ...], float] = {}
+            for path, e in zip(exp_paths, exp_leaves, strict=True):
+                layer_scale[path[:-1]] = max(layer_scale.get(path[:-1], 0.0), _magnitude(e))
+            # (where, got, expected, scale, whose scale)
+            checks: list[tuple[str, Any, Any, float, str]] = [
+                (k, got_metrics[k], v, _magnitude(v), k) for k, v in exp_metrics.items() if k in got_metrics
+            ]
             checks += [
-                ("params" + "".join(f"[{k!r}]" for k in path), g, e)
+                ("params" + "".join(f"[{k!r}]" for k in path), g, e, layer_scale[path[:-1]],
+                 "params" + "".join(f"[{k!r}]" for k in path[:-1]))
                 for path, g, e in zip(exp_paths, got_leaves, exp_leaves, strict=True)
             ]
-            for path, got, exp in checks:
-                abs_err, rel_err, scale = _errors(got, exp)
+            for where, got, exp, scale, layer in checks:
+                abs_err = _abs_error(got, exp)
+                rel_err = _relative(abs_err, scale)
                 worst_abs, worst_rel = max(worst_abs, abs_err), max(worst_rel, rel_err)
                 if not abs_err <= atol + rtol * scale:
                     raise NotEquivalentError(
-                        f"not equivalent: first divergence at step {index + 1}, {path}, rank {rank}: "
+                        f"not equivalent: first divergence at step {index + 1}, {where}, rank {rank}: "
                         f"max abs error {abs_err:.3g}, relative error {rel_err:.3g} "
-                        f"(allowed: atol={atol:g} + rtol={rtol:g} x max|reference| {scale:.3g})",
-                        index + 1, path, rank, abs_err, rel_err,
+                        f"(allowed: atol={atol:g} + rtol={rtol:g} x max|reference| of {layer} {scale:.3g})",
+                        index + 1, where, rank, abs_err, rel_err,
                     )
         report.max_abs_err.append(worst_abs)
         report.max_rel_err.append(worst_rel)
