@@ -52,13 +52,14 @@ from .collectives import (
 )
 from .engine.chain import Chain, Layer
 from .engine.functionalize import functionalize
+from .engine.layout import LeafSpec, Placement, StateLayout
 from .engine.plan import Action, Plan
 from .engine.state import TrainState
 from .engine.step import Step, train_step
 from .transforms.mixed_precision import DynamicLossScale, Policy, StaticLossScale, mixed_precision
-from .transforms.pipeline import PipelineStep, Schedule, pipeline
+from .transforms.pipeline import Schedule, pipeline
 from .transforms.remat import checkpoint_name, policies, remat, saved_bytes
-from .transforms.shard_params import ShardedStep, shard_params
+from .transforms.shard_params import shard_params
 
 __version__ = "0.1.0"
 
@@ -72,15 +73,16 @@ __all__ = [
     "Group",
     "Handle",
     "Layer",
+    "LeafSpec",
     "Ledger",
     "Mesh",
-    "PipelineStep",
+    "Placement",
     "Plan",
     "Policy",
     "RankAborted",
     "RankFailed",
     "Schedule",
-    "ShardedStep",
+    "StateLayout",
     "StaticLossScale",
     "Step",
     "TrainState",

@@ -1,184 +1,690 @@
-"""Runs one rank's actions of a Plan.
+"""The one executor: runs one rank's actions of any Plan, on any backend.
 
-Each layer's forward keeps its own small autograd graph: the layer input is a
-detached leaf, so ``B(layer)`` can run that layer's backward alone, in whatever
-order the plan says (a pipeline interleaves them; FSDP frees parameters
-between them). The kernels and the order of accumulation are those of one
-``loss.backward()`` over the whole chain, so results are bitwise equal to it.
+It dispatches on action kinds (``engine/plan.py``); every transform that
+communicates has put its collectives into the Plan as actions, so this is the
+only place a step's computation and communication happen.
+
+Compute. Each (stage, micro-batch) forward keeps its own autograd graph, cut at
+the stage input, so its backward runs whenever the plan says: as one ``B``, or
+as ``I`` (the input gradient, handed upstream at once; the graph is kept) and
+later ``W`` (the weight gradients). Without a pipeline every layer is its own
+stage, which is where ZeRO gathers and frees parameters. Every micro-batch's
+forward uses the same leaf per parameter for the whole step, and weight
+gradients go into that leaf's ``.grad`` (``autograd.backward(inputs=)``), so
+micro-batches accumulate in place as torch's modules accumulate ``.grad``. The
+loss of micro-batch ``m`` is seeded with ``loss_scale / (replicas * m)``, so the
+step equals the single-device step on the whole batch. Kernels and the order of
+accumulation are those of one ``loss.backward()``: results are bitwise equal.
+
+Parameters come from a :class:`ParamSource`: the compute copies, or ZeRO-3
+shards gathered unit by unit into flat buffers that ``free`` really releases
+(and a later gather refills in place: earlier graphs hold views of them, as in
+FSDP). Transfers between pipeline ranks go through ``send``/``recv`` with the
+peers the Plan names; every receive of the step is posted at the first one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import optree
 import torch
 
+from ..collectives import Handle, all_gather_async, psum, psum_async, psum_scatter_async, recv, send
+from ..collectives.mesh import Mesh
+from ._storage import free_storage, owns_storage, refill_storage
 from .chain import Chain
-from .plan import BACKWARD, FORWARD, LOSS, UPDATE, Action
+from .devices import device_of
+from .layout import Placement
+from .metrics import MetricExchange, Summed
+from .optim import global_norm
+from .plan import (
+    BACKWARD,
+    BACKWARD_INPUT,
+    BACKWARD_WEIGHT,
+    COMPUTES,
+    FORWARD,
+    FREE,
+    GATHER,
+    GATHER_PARAMS,
+    LOSS,
+    RECV_ACTIVATION,
+    RECV_GRAD,
+    RECV_TIED,
+    REDUCE_METRICS,
+    REDUCE_SCATTER,
+    SEND_ACTIVATION,
+    SEND_GRAD,
+    SEND_TIED,
+    SUM_TIED,
+    UPDATE,
+    WAIT_GATHER,
+    WAIT_METRICS,
+    WAIT_PARAMS,
+    WAIT_REDUCE,
+    WAIT_SENDS,
+    Action,
+)
+from .precision import all_finite
+from .sharding import FlatSharding
 
 LossFn = Callable[[Any, Any], torch.Tensor]
+Layout = tuple[torch.Size, torch.dtype]
+FINISH_GRADS = "finish_grads"  # the gradients the optimizer gets, and this rank's share of the metrics
+_OP_LETTER = {FORWARD: "F", BACKWARD: "B", BACKWARD_INPUT: "I", BACKWARD_WEIGHT: "W"}
 
 
-def _float_leaves(tree: Any) -> list[torch.Tensor]:
-    """The floating-point tensors of ``tree``, in pytree order: the values gradients flow through.
-
-    A layer's output and the next layer's input leaves have the same structure,
-    so gradients are matched between them by position in this list.
-    """
-    return [
-        t for t in optree.tree_leaves(tree) if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
-    ]
+def float_leaves(tree: Any) -> list[torch.Tensor]:
+    """The floating-point tensors of ``tree`` in pytree order: the values gradients flow through."""
+    return [t for t in optree.tree_leaves(tree) if isinstance(t, torch.Tensor) and t.is_floating_point()]
 
 
-def _as_input_leaf(tree: Any) -> Any:
-    """Cut the graph at a layer boundary: floating tensors become fresh leaves that require grad."""
-
-    def cut(t: Any) -> Any:
-        if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()):
-            return t.detach().requires_grad_(True)
-        return t
-
-    return optree.tree_map(cut, tree)
+def tag_of(kind: str, stage: int, microbatch: int, microbatches: int, leaf: int = 0) -> int:
+    """A distinct non-negative message tag per transfer and per tensor in it (gloo needs ints >= 0)."""
+    direction = 0 if kind == "activation" else 1
+    return (((stage * microbatches + microbatch) * 2 + direction) << 5) + leaf
 
 
-def _detached(tree: Any) -> Any:
-    return optree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, tree)
+TIED_TAG_BASE = 1 << 29  # above every activation/gradient tag (tag_of stays far below it)
 
 
-def _grads_of(
-    outputs: torch.Tensor | list[torch.Tensor],
-    output_grads: list[torch.Tensor | None] | None,
-    wrt: list[torch.Tensor],
-) -> list[torch.Tensor | None]:
-    """Gradients of ``outputs`` (seeded with ``output_grads``) w.r.t. ``wrt``; None where unused."""
-    pairs: list[tuple[torch.Tensor, torch.Tensor | None]]
-    if isinstance(outputs, torch.Tensor):
-        pairs = [(outputs, None)] if outputs.requires_grad else []
-    else:
-        assert output_grads is not None
-        pairs = [(o, g) for o, g in zip(outputs, output_grads, strict=True) if g is not None and o.requires_grad]
-    if not pairs or not wrt:
-        return [None] * len(wrt)
-    got = torch.autograd.grad(
-        [o for o, _ in pairs], wrt, [g for _, g in pairs] if output_grads is not None else None, allow_unused=True
-    )
-    return list(got)
+@dataclass
+class ParamSource:
+    """Where a rank's layers read their parameters: ``compute`` (full compute copies), or under
+    ZeRO-3 the flat units of ``sharding`` gathered from ``gather_from`` (this rank's shards,
+    cast to the compute dtype before they travel)."""
+
+    compute: Mapping[str, Mapping[str, torch.Tensor]] | None = None
+    sharding: FlatSharding | None = None
+    gather_from: Mapping[str, torch.Tensor] | None = None
 
 
 @dataclass
 class _Saved:
-    inputs: Any
-    params: dict[str, torch.Tensor]
-    outputs: Any
+    inputs: list[torch.Tensor]  # leaves that require grad (empty for stage 0)
+    params: dict[tuple[str, str], torch.Tensor]  # (owner layer, local name) -> the step's leaf
+    outputs: list[torch.Tensor]  # float leaves of the stage output (or [loss] on the last stage)
+    output_grads: list[torch.Tensor | None] | None = None  # kept between I and W
 
 
 @dataclass
 class Executor:
-    """Forward, loss and backward of a Chain on one batch, one action at a time.
-
-    After the plan has run, ``grads`` holds the gradient of the loss with
-    respect to every owned parameter (same pytree as the params), and ``loss``
-    the detached loss.
-    """
+    """One rank's step. After :meth:`run`: ``final_grads`` (what the optimizer got), ``summed``
+    (the exchanged metric values), ``losses``, ``events`` (when recording), the peak bytes of
+    gathered units."""
 
     chain: Chain
     loss_fn: LossFn
-    params: Mapping[str, Mapping[str, torch.Tensor]]
-    inputs: Any
-    targets: Any
-    loss_scale: float = 1.0
-    loss: torch.Tensor | None = None
-    grads: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
-    _saved: dict[str, _Saved] = field(default_factory=dict)
-    _next_input: Any = None
-    _output_grad: list[torch.Tensor | None] = field(default_factory=list)
-    _position: int = 0
+    mesh: Mesh | None
+    placement: Placement
+    source: ParamSource
+    microbatches: Sequence[tuple[Any, Any]]
+    seed: float  # each micro-batch's loss gradient: loss scale / (data-parallel replicas x micro-batches)
+    finalize: Callable[[dict[str, dict[str, torch.Tensor]]], Any]  # local grads -> unscaled master grads
+    update: Callable[[Any, Summed], Any]  # (final grads, summed) -> the new master tree (the optimizer)
+    master: Any  # the tree the optimizer updates (parameters, or ZeRO shards)
+    held: Any = None  # what the TrainState holds at rest (full parameters under ZeRO-1/2)
+    grad_scale: float = 1.0  # the precision loss scale, divided out of reduced gradient shards
+    reduce_dtype: torch.dtype | None = None
+    exchange: MetricExchange = field(default_factory=lambda: MetricExchange(False, False, False))
+    metric_axes: tuple[str, ...] = ()
+    replica_layers: frozenset[str] = frozenset()  # layers of which this rank holds only tied copies
+    boundaries: Sequence[Sequence[Layout]] | None = None  # predicted stage outputs: transfers go bare
+    poison: bool = False
+    record: bool = False
+    # -- results ----------------------------------------------------------------------------
+    final_grads: Any = None
+    summed: Summed = field(default_factory=Summed)
+    new_master: Any = None
+    new_held: Any = None
+    losses: list[torch.Tensor] = field(default_factory=list)
+    events: list[tuple[int, str, float, float]] = field(default_factory=list)
+    peak_gathered_bytes: int = 0
+    # -- per-step working state -------------------------------------------------------------
+    device: torch.device = field(init=False)
+    _view: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  # gathered units' parameters
+    _buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    _in_flight_bytes: int = 0
+    _pending: dict[tuple[str, str], Handle] = field(default_factory=dict)
+    _pending_order: list[str] = field(default_factory=list)
+    _grad_shards: dict[str, torch.Tensor] = field(default_factory=dict)
+    _leaves: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)
+    _bound: dict[int, tuple[list[Callable[[Any], Any]], dict[tuple[str, str], torch.Tensor]]] = field(
+        default_factory=dict
+    )
+    _saved: dict[tuple[int, int], _Saved] = field(default_factory=dict)
+    _outputs: dict[tuple[int, int], Any] = field(default_factory=dict)
+    _input_grads: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
+    _inbox: dict[tuple[str, int, int], Any] = field(default_factory=dict)
+    _sends: list[Handle] = field(default_factory=list)
+    _posted: dict[tuple[str, int, int], list[Handle]] | None = None
+    _tied_parts: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)
+    _local_metrics: torch.Tensor | None = None
+    _metrics_total: torch.Tensor | None = None
+    _metrics_handle: Handle | None = None
+    _actions: Sequence[Action] = ()
 
-    def run(self, actions: tuple[Action, ...], handlers: Mapping[str, Callable[[Action], None]] | None = None) -> None:
-        """Run ``actions`` in order; ``handlers`` maps extra action kinds (from transforms) to callables."""
-        own: dict[str, Callable[[Action], None]] = {
+    def __post_init__(self) -> None:
+        # Where this rank computes: its parameters', else its micro-batches'. Received values go
+        # there (torch.distributed delivers them on the CPU), and so do the metrics.
+        self.device = device_of(self.source.compute, self.source.gather_from, self.microbatches)
+
+    # -- dispatch ------------------------------------------------------------------------------
+    def run(self, actions: Sequence[Action]) -> None:
+        table: dict[str, Callable[[Action], None]] = {
             FORWARD: self.forward,
             LOSS: self.compute_loss,
             BACKWARD: self.backward,
+            BACKWARD_INPUT: self.backward,
+            BACKWARD_WEIGHT: self.backward,
+            GATHER: self.gather,
+            WAIT_GATHER: self.wait_gather,
+            FREE: self.free,
+            REDUCE_SCATTER: self.reduce_scatter,
+            WAIT_REDUCE: self.wait_reduce,
+            SEND_ACTIVATION: self.send_activation,
+            SEND_GRAD: self.send_grad,
+            RECV_ACTIVATION: self.receive,
+            RECV_GRAD: self.receive,
+            WAIT_SENDS: self.wait_sends,
+            SEND_TIED: self.send_tied,
+            RECV_TIED: self.recv_tied,
+            SUM_TIED: self.sum_tied,
+            FINISH_GRADS: self.finish_grads,
+            REDUCE_METRICS: self.reduce_metrics,
+            WAIT_METRICS: self.wait_metrics,
+            UPDATE: self.run_update,
+            GATHER_PARAMS: self.gather_params,
+            WAIT_PARAMS: self.wait_params,
         }
-        table = {**own, **(handlers or {})}
+        self._actions = actions
+        timed: list[tuple[Action, float, float]] = []
         for action in actions:
             handler = table.get(action.kind)
             if handler is None:
-                if action.kind == UPDATE:
-                    continue  # the Step applies the optimizer after the executor is done
                 raise ValueError(f"the executor has no handler for action {action} (kind {action.kind!r})")
-            handler(action)
+            if self.record and action.kind in COMPUTES:
+                start = time.perf_counter()
+                handler(action)
+                timed.append((action, start, time.perf_counter()))
+            else:
+                handler(action)
+        rank = 0 if self.mesh is None else self.mesh.rank
+        self.events.extend((rank, f"{a.stage}{_OP_LETTER[a.kind]}{a.microbatch}", s, e) for a, s, e in timed)
 
-    # -- actions --------------------------------------------------------------
+    # -- compute ---------------------------------------------------------------------------------
     def forward(self, action: Action) -> None:
-        name = self._layer_name(action)
-        index = self.chain.names.index(name)
-        if index != self._position:
-            raise RuntimeError(f"F({name}) runs out of order: expected layer {self.chain.names[self._position]!r}")
-        # The batch needs no gradient; only activations between layers do.
-        x = _detached(self.inputs) if index == 0 else _as_input_leaf(self._next_input)
-        local = {k: v.detach().requires_grad_(True) for k, v in self.chain.layer_params(self.params, name).items()}
+        s, m = _stage(action), _mb(action)
+        x = self.microbatches[m][0] if s == 0 else self._take_input(s, m)
+        inputs = [] if s == 0 else float_leaves(x)
+        if s > 0 and not inputs and self._earlier_layers_own_params(s):
+            previous = self.placement.stages[s - 1][-1]
+            raise ValueError(
+                f"layer {previous!r} passes no floating-point tensor to layer {self.placement.stages[s][0]!r}, so no "
+                "gradient can reach the parameters before it and they would never train; return the activations "
+                "as tensors, or tuples / lists / dicts / named tuples of tensors"
+            )
+        calls, leaves = self._bound_stage(s)
         with torch.enable_grad():
-            y = self.chain[name](local, x)
-        self._saved[name] = _Saved(x, local, y)
-        self._next_input = y
-        self._position += 1
+            for t in inputs:
+                t.requires_grad_(True)
+            y = x
+            for call in calls:
+                y = call(y)
+        self._outputs[(s, m)] = y
+        self._saved[(s, m)] = _Saved(inputs, leaves, float_leaves(y))
 
     def compute_loss(self, action: Action) -> None:
-        if self._position != len(self.chain):
-            raise RuntimeError("loss runs before the last layer's forward")
-        output = self._next_input
+        m = _mb(action)
+        s = self.placement.last
+        saved = self._saved[(s, m)]
         with torch.enable_grad():
-            loss = self.loss_fn(output, self.targets)
+            loss = self.loss_fn(self._outputs.pop((s, m)), self.microbatches[m][1])
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             raise ValueError(
                 f"loss_fn must return a scalar tensor (the mean loss over the batch), got {type(loss).__name__}"
                 + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
             )
-        scaled = loss if self.loss_scale == 1.0 else loss * self.loss_scale
-        self._output_grad = _grads_of(scaled, None, _float_leaves(output))
-        self.loss = loss.detach()
+        if not loss.requires_grad and self._earlier_layers_own_params(s + 1):
+            raise ValueError(
+                "the loss does not depend on any parameter: the chain's output carries no tensor that the "
+                f"parameters reach (layer {self.chain.names[-1]!r} returned "
+                f"{type(self._peek_output(saved)).__name__}); return the activations as tensors or pytrees of "
+                "tensors, and compute the loss from them"
+            )
+        self.losses.append(loss.detach())
+        saved.outputs = [loss]
 
     def backward(self, action: Action) -> None:
-        name = self._layer_name(action)
-        saved = self._saved.pop(name, None)
-        if saved is None:
-            raise RuntimeError(f"B({name}) runs before F({name}) or twice")
-        outs = _float_leaves(saved.outputs)
-        if len(outs) != len(self._output_grad):
-            raise RuntimeError(f"B({name}): {len(self._output_grad)} output gradients for {len(outs)} outputs")
-        ins = [t for t in _float_leaves(saved.inputs) if t.requires_grad]
-        param_names = list(saved.params)
-        got = _grads_of(outs, self._output_grad, ins + [saved.params[k] for k in param_names])
-        self._output_grad = got[: len(ins)]
-        self._accumulate(name, dict(zip(param_names, got[len(ins) :], strict=True)))
+        s, m = _stage(action), _mb(action)
+        saved = self._saved[(s, m)]
+        want_inputs = action.kind in (BACKWARD, BACKWARD_INPUT)
+        want_weights = action.kind in (BACKWARD, BACKWARD_WEIGHT)
+        if saved.output_grads is None:
+            saved.output_grads = self._output_grads(s, m, saved)
+        pairs = [(o, g) for o, g in zip(saved.outputs, saved.output_grads, strict=True) if g is not None and o.requires_grad]
+        outputs, seeds = [o for o, _ in pairs], [g for _, g in pairs]
+        got: list[torch.Tensor | None] = [None] * len(saved.inputs)
+        if want_inputs and not want_weights and pairs and saved.inputs:  # I: the graph stays for W
+            got = list(torch.autograd.grad(outputs, saved.inputs, seeds, retain_graph=True, allow_unused=True))
+        elif want_weights and pairs:
+            # B or W: weight gradients accumulate into the step's leaves (in place after the first);
+            # B also leaves each input's gradient in its (per micro-batch) leaf.
+            wrt = (saved.inputs if want_inputs else []) + list(saved.params.values())
+            if wrt:
+                torch.autograd.backward(outputs, seeds, inputs=wrt)
+            if want_inputs:
+                got = [x.grad for x in saved.inputs]
+        if want_inputs:
+            if saved.inputs and all(g is None for g in got) and self._earlier_layers_own_params(s):
+                previous = self.placement.stages[s - 1][-1]
+                raise ValueError(
+                    f"the output of layer {previous!r} does not reach the loss: no gradient flows back through "
+                    f"layer {self.placement.stages[s][0]!r}, so the layers before it would never train; make the "
+                    "next layers use their input (a layer that ignores it cuts the chain)"
+                )
+            # An input the stage did not use still gets a (zero) gradient: upstream expects one per output.
+            self._input_grads[(s, m)] = [
+                g if g is not None else torch.zeros_like(x) for g, x in zip(got, saved.inputs, strict=True)
+            ]
+        if want_weights:
+            del self._saved[(s, m)]
+            if self.poison:
+                self._poison(s, saved)
 
-    # -- helpers --------------------------------------------------------------
-    def _accumulate(self, layer: str, grads: dict[str, torch.Tensor | None]) -> None:
-        ties = self.chain[layer].ties
-        for local, g in grads.items():
-            owner, owner_local = ties.get(local, (layer, local))
-            if g is None:
-                g = torch.zeros_like(self.params[owner][owner_local])
-            slot = self.grads.setdefault(owner, {})
-            # Later layers run backward first, so a tied weight sums its uses in
-            # the order a single loss.backward() would.
-            slot[owner_local] = g if owner_local not in slot else slot[owner_local] + g
+    def _output_grads(self, s: int, m: int, saved: _Saved) -> list[torch.Tensor | None]:
+        if s == self.placement.last:
+            return [torch.full_like(saved.outputs[0], self.seed)]
+        if self.placement.stage_rank[s + 1] == self.placement.stage_rank[s]:
+            grads: Sequence[torch.Tensor] = self._input_grads.pop((s + 1, m))
+        else:
+            grads = self._inbox.pop(("grad", s + 1, m))
+        self._outputs.pop((s, m), None)
+        if len(grads) != len(saved.outputs):
+            raise RuntimeError(f"stage {s}, micro-batch {m}: {len(grads)} gradients came back for {len(saved.outputs)} outputs")
+        return list(grads)
 
-    def ordered_grads(self) -> dict[str, dict[str, torch.Tensor]]:
-        """Gradients in the params' own structure (every owned parameter present)."""
-        out: dict[str, dict[str, torch.Tensor]] = {}
-        for layer, tensors in self.params.items():
-            got = self.grads.get(layer, {})
-            out[layer] = {k: got[k] if k in got else torch.zeros_like(v) for k, v in tensors.items()}
-        return out
+    def _take_input(self, s: int, m: int) -> Any:
+        if self.placement.stage_rank[s - 1] == self.placement.stage_rank[s]:
+            y = self._outputs[(s - 1, m)]
+            return optree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, y)
+        return self._inbox.pop(("activation", s, m))
+
+    def _earlier_layers_own_params(self, s: int) -> bool:
+        return any(self.chain.owned_param_names(n) for layers in self.placement.stages[:s] for n in layers)
 
     @staticmethod
-    def _layer_name(action: Action) -> str:
-        if action.layer is None:
-            raise ValueError(f"action {action} needs a layer")
-        return action.layer
+    def _peek_output(saved: _Saved) -> Any:
+        return saved.outputs[0] if saved.outputs else None
+
+    def _bound_stage(self, s: int) -> tuple[list[Callable[[Any], Any]], dict[tuple[str, str], torch.Tensor]]:
+        """Stage ``s``'s layers bound to the step's leaves (tied ones through their owner), and the
+        leaves they use. Bound once per step and stage: every micro-batch runs the same calls."""
+        bound = self._bound.get(s)
+        if bound is None:
+            used: dict[tuple[str, str], torch.Tensor] = {}
+            calls = []
+            for name in self.placement.stages[s]:
+                layer = self.chain[name]
+                tensors = {local: self._leaf(layer.ties.get(local, (name, local)), used) for local in layer.param_names}
+                calls.append(layer.bind(tensors))
+            bound = self._bound[s] = (calls, used)
+        else:
+            for key in bound[1]:  # under ZeRO-3 a unit must be gathered whenever its layers compute
+                self._check_gathered(key)
+        return bound
+
+    def _leaf(self, key: tuple[str, str], used: dict[tuple[str, str], torch.Tensor]) -> torch.Tensor:
+        """The step's leaf (requires grad) for parameter ``key``; one leaf per parameter for the step."""
+        leaf = self._leaves.get(key)
+        if leaf is None:
+            owner, name = key
+            tensor = self._param(owner, name)
+            leaf = self._leaves[key] = tensor.detach().requires_grad_(True)
+        else:
+            self._check_gathered(key)
+        used[key] = leaf
+        return leaf
+
+    def _param(self, owner: str, name: str) -> torch.Tensor:
+        if self.source.sharding is not None and self.source.sharding.holds_shards:
+            unit = self._view.get(owner)
+            if unit is None:
+                raise RuntimeError(f"layer {owner!r}'s parameters are used while its unit is not gathered")
+            tensor = unit.get(name)
+        else:
+            assert self.source.compute is not None
+            tensor = self.source.compute.get(owner, {}).get(name)
+        if tensor is None:
+            raise KeyError(f"this rank holds no parameter {name!r} of layer {owner!r}, which its stages use")
+        return tensor
+
+    def _check_gathered(self, key: tuple[str, str]) -> None:
+        sharding = self.source.sharding
+        if sharding is not None and sharding.holds_shards and key[0] in sharding.units and key[0] not in self._view:
+            raise RuntimeError(f"layer {key[0]!r}'s parameters are used while its unit is not gathered")
+
+    def _poison(self, s: int, saved: _Saved) -> None:
+        """Fill what this (stage, micro-batch) received with NaN once it is used up: reusing a stale
+        buffer would then show in the result. Values handed over in memory are left alone."""
+        received = list(saved.output_grads or []) if s != self.placement.last else []
+        if s > 0 and self.placement.stage_rank[s - 1] != self.placement.stage_rank[s]:
+            received += saved.inputs
+        with torch.no_grad():
+            for t in received:
+                if t is not None:
+                    t.fill_(float("nan"))
+
+    # -- ZeRO: gathers, frees, reductions -------------------------------------------------------------
+    def _sharding(self) -> FlatSharding:
+        if self.source.sharding is None:
+            raise RuntimeError("a ZeRO action in a plan without sharding")
+        return self.source.sharding
+
+    def gather(self, action: Action) -> None:
+        unit, sharding = _layer(action), self._sharding()
+        assert self.source.gather_from is not None and action.axis is not None
+        self._pending[("gather", unit)] = all_gather_async(
+            self.source.gather_from[unit], action.axis, tiled=True, mesh=self.mesh
+        )
+        self._in_flight_bytes += sharding.units[unit].padded_numel * self.source.gather_from[unit].element_size()
+        self._note_memory()
+
+    def wait_gather(self, action: Action) -> None:
+        """Make a unit's parameters usable. A unit gathered before in this step is refilled in place:
+        its earlier forward's autograd graph holds views of that same storage (as FSDP does)."""
+        unit, sharding = _layer(action), self._sharding()
+        flat = self._pending.pop(("gather", unit)).wait()
+        self._in_flight_bytes -= flat.numel() * flat.element_size()
+        buffer = self._buffers.get(unit)
+        if buffer is None:
+            buffer = flat if owns_storage(flat) else flat.clone()
+            self._buffers[unit] = buffer
+        else:
+            refill_storage(buffer, flat)
+        del flat
+        self._view[unit] = sharding.units[unit].unflatten(buffer)
+        self._note_memory()
+
+    def free(self, action: Action) -> None:
+        """Drop a unit's parameters for real: the storage is released even though the autograd graph
+        of its forward still holds views of it; it is refilled before that backward runs."""
+        unit = _layer(action)
+        if self._view.pop(unit, None) is None:
+            raise RuntimeError(f"free({unit}) of a unit that is not gathered")
+        free_storage(self._buffers[unit])
+        self._note_memory()
+
+    def _note_memory(self) -> None:
+        live = sum(b.untyped_storage().nbytes() for b in self._buffers.values()) + self._in_flight_bytes
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, live)
+
+    def _unit_grads(self, unit: str) -> dict[str, torch.Tensor]:
+        """The accumulated local gradient of every parameter of ``unit`` (released from the leaves)."""
+        out: dict[str, torch.Tensor] = {}
+        for name in self._sharding().units[unit].names:
+            leaf = self._leaves.get((unit, name))
+            if leaf is not None and leaf.grad is not None:
+                out[name] = leaf.grad
+                leaf.grad = None
+        return out
+
+    def reduce_scatter(self, action: Action) -> None:
+        unit, sharding = _layer(action), self._sharding()
+        assert action.axis is not None
+        flat = sharding.units[unit].flatten_grads(self._unit_grads(unit), self.device)
+        if self.reduce_dtype is not None:
+            flat = flat.to(self.reduce_dtype)
+        self._pending[("reduce", unit)] = psum_scatter_async(flat, action.axis, tiled=True, mesh=self.mesh)
+
+    def wait_reduce(self, action: Action) -> None:
+        unit = _layer(action)
+        master = self.master[unit]
+        shard = self._pending.pop(("reduce", unit)).wait().to(master.dtype)
+        self._grad_shards[unit] = shard if self.grad_scale == 1.0 else shard / self.grad_scale
+
+    # -- pipeline transfers --------------------------------------------------------------------------
+    def send_activation(self, action: Action) -> None:
+        s, m = _stage(action), _mb(action)
+        self._send(self._outputs[(s, m)], "activation", s, m, action)
+
+    def send_grad(self, action: Action) -> None:
+        s, m = _stage(action), _mb(action)
+        self._send(tuple(self._input_grads.pop((s, m))), "grad", s, m, action)
+
+    def _send(self, value: Any, kind: str, s: int, m: int, action: Action) -> None:
+        leaves = optree.tree_leaves(value)
+        if not leaves:
+            raise ValueError(f"stage {s} passes no tensor to the next stage; a pipeline boundary carries at least one")
+        axis, dst, mb = _axis(action), _peer(action), len(self.microbatches)
+        known = self.boundaries is not None
+        if not known:  # the receiver learns how many tensors follow
+            count = torch.tensor(len(leaves), dtype=torch.int64, device="cpu")  # host-side control data
+            self._sends.append(send(count, axis, dst, tag=tag_of(kind, s, m, mb), mesh=self.mesh))
+        for i, leaf in enumerate(leaves, start=1):
+            # No snapshot: nothing modifies a stage output or an input gradient in place once made,
+            # and wait_sends waits for every send (by then the peers have posted their receives).
+            self._sends.append(
+                send(leaf.detach(), axis, dst, tag=tag_of(kind, s, m, mb, i), announce=not known, snapshot=False,
+                     mesh=self.mesh)
+            )
+
+    def _source_of(self, action: Action) -> tuple[str, int, int]:
+        """(kind, producing stage, micro-batch) of a receive action."""
+        s, m = _stage(action), _mb(action)
+        return ("activation", s - 1, m) if action.kind == RECV_ACTIVATION else ("grad", s + 1, m)
+
+    def _expected(self, kind: str, producer: int) -> Sequence[Layout]:
+        """The tensors a transfer carries, when predicted: an activation carries the producing
+        stage's output, a gradient one tensor per floating output of the stage below."""
+        assert self.boundaries is not None
+        outputs = self.boundaries[producer if kind == "activation" else producer - 1]
+        return outputs if kind == "activation" else [o for o in outputs if o[1].is_floating_point]
+
+    def _post_receives(self) -> None:
+        """Post every receive of the step, so transfers land while this rank computes (gloo moves a
+        message only once its receive is posted). With predicted layouts every tensor is received
+        as it is; otherwise the count and the first tensor (a transfer has at least one)."""
+        mb = len(self.microbatches)
+        self._posted = {}
+        for action in self._actions:
+            if action.kind not in (RECV_ACTIVATION, RECV_GRAD):
+                continue
+            kind, producer, m = self._source_of(action)
+            axis, src = _axis(action), _peer(action)
+            if self.boundaries is not None:
+                self._posted[(kind, producer, m)] = [
+                    recv(axis, src, tag=tag_of(kind, producer, m, mb, i), like=like, device=self.device, mesh=self.mesh)
+                    for i, like in enumerate(self._expected(kind, producer), start=1)
+                ]
+            else:
+                self._posted[(kind, producer, m)] = [
+                    recv(axis, src, tag=tag_of(kind, producer, m, mb), mesh=self.mesh),
+                    recv(axis, src, tag=tag_of(kind, producer, m, mb, 1), device=self.device, mesh=self.mesh),
+                ]
+
+    def receive(self, action: Action) -> None:
+        if self._posted is None:
+            self._post_receives()
+        assert self._posted is not None
+        kind, producer, m = self._source_of(action)
+        posted = self._posted.pop((kind, producer, m))
+        if self.boundaries is not None:
+            leaves = [handle.wait() for handle in posted]
+        else:
+            count, mb = int(posted[0].wait()), len(self.microbatches)
+            leaves = [posted[1].wait()] + [
+                recv(_axis(action), _peer(action), tag=tag_of(kind, producer, m, mb, i), device=self.device,
+                     mesh=self.mesh).wait()
+                for i in range(2, count + 1)
+            ]
+        value: Any = leaves if kind == "grad" else (leaves[0] if len(leaves) == 1 else tuple(leaves))
+        self._inbox[(kind, _stage(action) if kind == "activation" else producer, m)] = value
+
+    def wait_sends(self, action: Action) -> None:
+        for handle in self._sends:  # delivered: the peers posted every receive at their first one
+            handle.wait()
+        self._sends.clear()
+
+    # -- weights tied across pipeline ranks ---------------------------------------------------------
+    def _tied_grad(self, i: int) -> torch.Tensor:
+        owner, name, _users = self.placement.tied[i]
+        leaf = self._leaves.get((owner, name))
+        if leaf is not None and leaf.grad is not None:
+            return leaf.grad
+        return torch.zeros_like(self._held_param(owner, name))  # this rank's layers did not reach it
+
+    def _held_param(self, owner: str, name: str) -> torch.Tensor:
+        if self.source.compute is not None:
+            return self.source.compute[owner][name]
+        sharding = self._sharding()
+        lay = sharding.units[owner]
+        shape = lay.shapes[lay.names.index(name)]
+        assert self.source.gather_from is not None
+        return torch.zeros(shape, dtype=self.source.gather_from[owner].dtype, device=self.device)
+
+    def send_tied(self, action: Action) -> None:
+        i = _tied_index(action)
+        self._sends.append(send(self._tied_grad(i), _axis(action), _peer(action), tag=TIED_TAG_BASE + i, mesh=self.mesh))
+
+    def recv_tied(self, action: Action) -> None:
+        i = _tied_index(action)
+        mine = self._tied_grad(i)
+        got = recv(_axis(action), _peer(action), tag=TIED_TAG_BASE + i, device=mine.device, mesh=self.mesh).wait()
+        self._tied_parts.setdefault(i, {})[_peer(action)] = got
+
+    def sum_tied(self, action: Action) -> None:
+        """Every copy's gradient summed in axis order, so each copy takes the same update."""
+        i = _tied_index(action)
+        owner, name, users = self.placement.tied[i]
+        me = self.placement.index_of(self.mesh)
+        parts = {**self._tied_parts.pop(i, {}), me: self._tied_grad(i)}
+        for handle in self._sends:
+            handle.wait()
+        self._sends.clear()
+        total = parts[users[0]]
+        for peer in users[1:]:
+            total = total + parts[peer]
+        leaf = self._leaves.get((owner, name))
+        if leaf is None:
+            leaf = self._leaves[(owner, name)] = self._held_param(owner, name).detach().requires_grad_(True)
+        leaf.grad = total
+
+    # -- end of step -----------------------------------------------------------------------------------
+    def local_grads(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Every held parameter's accumulated gradient (zeros for one no forward reached)."""
+        assert self.source.compute is not None
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        for layer, tensors in self.source.compute.items():
+            out[layer] = {}
+            for name, t in tensors.items():
+                leaf = self._leaves.get((layer, name))
+                out[layer][name] = leaf.grad if leaf is not None and leaf.grad is not None else torch.zeros_like(t)
+        return out
+
+    def finish_grads(self, action: Action) -> None:
+        """The gradients the optimizer gets (``final_grads``) and this rank's share of the metrics."""
+        self._check_no_gather_pending()
+        if self.source.sharding is not None:
+            self.final_grads = dict(self._grad_shards)
+        else:
+            self.final_grads = self.finalize(self.local_grads())
+        self._leaves.clear()
+        if self.exchange.empty:
+            return
+        counted: Any = {k: v for k, v in self.final_grads.items() if k not in self.replica_layers}
+        pieces: list[torch.Tensor] = list(optree.tree_leaves(counted))
+        if not self.metric_axes:  # one rank: nothing to exchange, the values are already global
+            loss_sum = torch.stack(self.losses).sum() if len(self.losses) > 1 else self.losses[0]
+            norm = global_norm(counted) if self.exchange.norm else None
+            finite = not self.exchange.finite or bool(all_finite(pieces))
+            self.summed = Summed(loss_sum, None if norm is None else norm * norm, finite, exact_norm=norm)
+            return
+        self._local_metrics = self.exchange.local(self.losses, pieces, self._metric_dtype(), self.device)
+
+    def _check_no_gather_pending(self) -> None:
+        for key in [k for k in self._pending if k[0] == "gather"]:
+            raise RuntimeError(f"gather of unit {key[1]!r} issued but never waited for")
+
+    def reduce_metrics(self, action: Action) -> None:
+        """Sum this rank's share over ``action.axis``: the first axis asynchronously (the update need
+        not wait for it unless it uses the sums), later axes once the first is in."""
+        axis = _axis(action)
+        if self._metrics_handle is None and self._metrics_total is None:
+            if self._local_metrics is None:
+                raise RuntimeError("reduce_metrics before finish_grads")
+            self._metrics_handle = psum_async(self._local_metrics, axis, mesh=self.mesh)
+            return
+        self._complete_first_metrics()
+        assert self._metrics_total is not None
+        self._metrics_total = psum(self._metrics_total, axis, mesh=self.mesh)
+        self.summed = self.exchange.unpack(self._metrics_total)
+
+    def wait_metrics(self, action: Action) -> None:
+        self._complete_first_metrics()
+
+    def _complete_first_metrics(self) -> None:
+        if self._metrics_handle is not None:
+            self._metrics_total = self._metrics_handle.wait()
+            self._metrics_handle = None
+            self.summed = self.exchange.unpack(self._metrics_total)
+
+    def run_update(self, action: Action) -> None:
+        self.new_master = self.update(self.final_grads, self.summed)
+        sharding = self.source.sharding
+        if sharding is None or sharding.holds_shards:
+            self.new_held = self.new_master
+
+    def gather_params(self, action: Action) -> None:
+        """Stages 1-2: all-gather a unit's updated shard into its full parameters."""
+        unit = _layer(action)
+        self._pending[("params", unit)] = all_gather_async(self.new_master[unit], _axis(action), tiled=True, mesh=self.mesh)
+
+    def wait_params(self, action: Action) -> None:
+        unit = _layer(action)
+        flat = self._pending.pop(("params", unit)).wait()
+        if self.new_held is None:
+            self.new_held = {k: dict(v) for k, v in self.held.items()}
+        self.new_held[unit] = {k: v.clone() for k, v in self._sharding().units[unit].unflatten(flat).items()}
+
+    def _metric_dtype(self) -> torch.dtype:
+        dtypes = {t.dtype for t in optree.tree_leaves(self.master) if isinstance(t, torch.Tensor)}
+        return torch.float64 if torch.float64 in dtypes else torch.float32
+
+
+def _stage(action: Action) -> int:
+    if action.stage is None:
+        raise ValueError(f"action {action} names no stage")
+    return action.stage
+
+
+def _mb(action: Action) -> int:
+    """The action's micro-batch; a step that cuts no micro-batches has the one batch, 0."""
+    return 0 if action.microbatch is None else action.microbatch
+
+
+def _layer(action: Action) -> str:
+    if action.layer is None:
+        raise ValueError(f"action {action} needs a unit")
+    return action.layer
+
+
+def _axis(action: Action) -> str:
+    if action.axis is None:
+        raise ValueError(f"action {action} needs a mesh axis")
+    return action.axis
+
+
+def _peer(action: Action) -> int:
+    if action.peer is None:
+        raise ValueError(f"action {action} needs a peer")
+    return action.peer
+
+
+def _tied_index(action: Action) -> int:
+    if action.tied is None:
+        raise ValueError(f"action {action} names no tied weight")
+    return action.tied

@@ -50,10 +50,13 @@ class Summed:
     loss_sum: torch.Tensor | None = None
     sq_norm: torch.Tensor | None = None
     finite: bool = True
+    exact_norm: torch.Tensor | None = None  # on one rank: the norm as torch's clip_grad_norm_ computes it
 
     @property
     def norm(self) -> torch.Tensor | None:
         """The global gradient norm, if it was exchanged."""
+        if self.exact_norm is not None:
+            return self.exact_norm
         return None if self.sq_norm is None else self.sq_norm.sqrt()
 
     def mean_loss(self, losses: int) -> torch.Tensor | None:
@@ -107,7 +110,3 @@ class MetricExchange:
         finite = not self.finite or bool(next(values) == 0)
         return Summed(loss_sum, sq_norm, finite)
 
-
-# Defaults for the runtimes: the step's metrics exchanged and nothing summed yet.
-EXCHANGE_METRICS = MetricExchange(loss=True, norm=True, finite=False)
-NOTHING_SUMMED = Summed()

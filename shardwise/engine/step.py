@@ -1,16 +1,19 @@
-"""The single-device training step, the reference every transform is checked against.
+"""The training step as a value: the single-device reference, and every transformed step.
 
 ``train_step(chain, loss_fn, optimizer)`` returns a :class:`Step`: an immutable
 value with ``init(params, mesh) -> TrainState``, ``step(state, batch) ->
-(state, metrics)`` and ``plan(mesh) -> Plan``. Transforms (shard_params,
-pipeline, ...) take a Step and return a new one; this one computes exactly
-what ``loss.backward(); optimizer.step()`` computes on one device.
+(state, metrics)`` and ``plan(mesh, params, batch) -> Plan``. Transforms
+(shard_params, pipeline, mixed_precision, remat) append a frozen spec to
+``step.transforms`` (``engine/compose.py`` checks the stack); the step then runs
+the lowering of its whole stack (``engine/lower.py``) on the one executor
+(``engine/executor.py``). With no transform it computes exactly what
+``loss.backward(); optimizer.step()`` computes on one device.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,13 +23,23 @@ import torch
 from ..collectives.mesh import Mesh
 from .accounting import predict_kept_for_backward
 from .chain import Chain
-from .data_parallel import DataParallel
+from .compose import PLACEMENT, SHARDING, describe, find
 from .devices import host_scalar
-from .executor import Executor, LossFn
-from .metrics import REPORTABLE, MetricExchange, check_metrics
-from .optim import Optimizer, global_norm
-from .plan import BACKWARD, FORWARD, LOSS, UPDATE, Action, Plan
-from .precision import Precision, all_finite
+from .executor import Executor, LossFn, ParamSource
+from .layout import Placement, StateLayout, full_params, leaf_specs
+from .lower import (
+    annotate,
+    metric_axes,
+    microbatch_count,
+    placement_of,
+    predict_boundaries,
+    rank_actions,
+)
+from .metrics import REPORTABLE, MetricExchange, Summed, check_metrics
+from .optim import Optimizer
+from .plan import FREE, GATHER, Action, Plan
+from .precision import Precision
+from .sharding import FlatSharding
 from .state import Params, TrainState, map_params
 
 Metrics = dict[str, torch.Tensor]
@@ -101,11 +114,12 @@ def tree_nbytes(tree: Any) -> int:
 
 @dataclass(frozen=True)
 class Step:
-    """A training step as a value: the chain, the loss and the optimizer, and how to run them.
+    """A training step as a value: the chain, the loss and the optimizer, and the transforms on them.
 
     ``loss_fn(output, targets)`` must return the *mean* loss over the batch (the
     default reduction of torch's losses), so that a step on a split batch can be
-    made equal to the step on the whole batch.
+    made equal to the step on the whole batch. ``transforms`` is the stack of
+    frozen specs the transforms appended, innermost first.
     """
 
     chain: Chain
@@ -114,28 +128,22 @@ class Step:
     clip_norm: float | None = None
     precision: Precision | None = None  # set by mixed_precision
     metrics: tuple[str, ...] = REPORTABLE  # what the step reports (see shardwise.engine.metrics)
+    transforms: tuple[Any, ...] = ()
 
-    # -- composition hooks ------------------------------------------------------
-    def base_fields(self) -> dict[str, Any]:
-        """The fields every kind of step shares, to build a derived step from this one."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(Step)}
+    # -- the stack ----------------------------------------------------------------------------
+    @property
+    def pipeline_spec(self) -> Any:
+        """The pipeline's spec, if the step is pipelined."""
+        return find(self.transforms, PLACEMENT)
 
     @property
-    def data_parallel(self) -> DataParallel | None:
-        """The data-parallel sharding this step applies, if any (shard_params sets it)."""
-        return None
+    def sharding_spec(self) -> Any:
+        """shard_params' spec, if the step is data parallel with ZeRO sharding."""
+        return find(self.transforms, SHARDING)
 
-    def with_data_parallel(self, spec: DataParallel) -> Step:
-        """This step, data parallel with ZeRO sharding over ``spec.axis``.
-
-        Steps that drive their own computation (a pipeline) override this to
-        hold their layers in a sharded store; the plain step is made data
-        parallel by shard_params itself, so it never gets here.
-        """
-        raise ValueError(
-            f"{type(self).__name__} cannot be made data parallel over {spec.axis!r}: shard_params does not "
-            "compose with it"
-        )
+    def describe(self) -> str:
+        """The transform stack in text, innermost first."""
+        return describe(self.transforms)
 
     # -- metrics, shared by every kind of step --------------------------------------
     def with_metrics(self, metrics: Iterable[str]) -> Step:
@@ -169,7 +177,7 @@ class Step:
             metrics["grad_norm"] = norm
         return metrics
 
-    # -- precision helpers shared by every kind of step ---------------------------
+    # -- precision ------------------------------------------------------------------
     def master_params(self, params: Params) -> Params:
         """Detached copies of the parameters in the stored (master) dtype of each layer's policy."""
         # Always copies: the step owns its state (an in-place optimizer writes into it), so the
@@ -181,6 +189,20 @@ class Step:
             layer: {k: t.detach().to(prec.for_layer(layer).params, copy=True) for k, t in tensors.items()}
             for layer, tensors in params.items()
         }
+
+    def _master_meta(self, params: Params) -> Params:
+        """The master parameters as meta tensors: shapes and stored dtypes, no data."""
+        prec = self.precision
+        return {
+            layer: {
+                k: torch.empty(t.shape, dtype=t.dtype if prec is None else prec.for_layer(layer).params, device="meta")
+                for k, t in tensors.items()
+            }
+            for layer, tensors in params.items()
+        }
+
+    def _compute_params(self, params: Params) -> Params:
+        return params if self.precision is None else self.precision.compute_params(params)
 
     def initial_loss_scale(self) -> Any:
         return None if self.precision is None else self.precision.loss_scale
@@ -209,64 +231,263 @@ class Step:
         new_params, new_opt_state = self.optimizer.update(grads, state.opt_state, params)
         return new_params, new_opt_state, None if scale is None else scale.adjust(True)
 
+    # -- layout ------------------------------------------------------------------------
+    def _check_mesh(self, mesh: Mesh | None) -> Mesh | None:
+        for spec in self.transforms:
+            axis = getattr(spec, "axis", None)
+            if axis is None:
+                continue
+            if mesh is None:
+                raise ValueError(f"{spec.name}(axis={axis!r}) needs the mesh: call step.init(params, mesh)")
+            if axis not in mesh.axis_names:
+                raise ValueError(
+                    f"{spec.name}(axis={axis!r}): {mesh!r} has no axis {axis!r}; use one of {mesh.axis_names} "
+                    "or build the mesh with that axis"
+                )
+        return mesh
+
+    def layout(self, mesh: Mesh | None, params: Params, rank: int | None = None) -> StateLayout:
+        """How this step lays out ``params`` on ``mesh``, as seen by ``rank`` (default: the calling
+        rank inside a launched program, else rank 0): the placement of layers, the per-leaf shard
+        specs, and that rank's flat units."""
+        mesh = self._check_mesh(mesh)
+        check_params(self.chain, params)
+        placement, schedule = placement_of(self, mesh, params)
+        if rank is None and mesh is not None and placement.axis is not None:
+            try:
+                rank = mesh.rank
+            except RuntimeError:  # not inside a launched program: describe rank 0
+                rank = 0
+        index = placement.index_of(mesh, rank) if rank is not None else 0
+        meta = self._master_meta(params)
+        zero = self.sharding_spec
+        shardings: dict[int, FlatSharding | None] = {}
+        for i in sorted(set(placement.stage_rank)):
+            local = _local_params(meta, placement, i)
+            shardings[i] = (
+                None if zero is None or mesh is None else FlatSharding.of(zero.axis, zero.stage, local, mesh.axis_size(zero.axis))
+            )
+        return StateLayout(
+            placement, shardings[index], leaf_specs(meta, placement, shardings), tuple(params),
+            tuple(str(s) for s in self.transforms), schedule,
+        )
+
+    def boundaries(self, layout: StateLayout, inputs: Any) -> Any:
+        """The (shape, dtype) of every tensor each pipeline stage passes on, for micro-batch ``inputs``
+        (memoised per input layout; None when the chain cannot run on fake tensors)."""
+        key = ("boundaries", tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t for t in optree.tree_leaves(inputs)))
+        if key not in layout.cache:
+            prec = self.precision
+            shapes: dict[str, dict[str, tuple[torch.Size, torch.dtype]]] = {}
+            for spec in layout.leaves.values():
+                shapes.setdefault(spec.layer, {})[spec.name] = (torch.Size(spec.shape), spec.dtype)
+            layout.cache[key] = predict_boundaries(
+                self.chain, layout.placement, shapes,
+                lambda layer, dtype: dtype if prec is None else prec.for_layer(layer).compute, inputs,
+            )
+        return layout.cache[key]
+
     # -- state ----------------------------------------------------------------
     def init(self, params: Params, mesh: Mesh | None = None) -> TrainState:
-        """Build the TrainState from full parameters (every rank passes the same ones)."""
+        """Build this rank's TrainState from full parameters (every rank passes the same ones)."""
+        mesh = self._check_mesh(mesh)
         check_params(self.chain, params)
-        params = self.master_params(params)
-        return TrainState(params, self.optimizer.init(params), 0, self.initial_loss_scale())
+        layout = self.layout(mesh, params)
+        index = layout.index_of(mesh)
+        master = self.master_params(_local_params(params, layout.placement, index))
+        sharding = layout.sharding
+        held: Any
+        update_tree: Any
+        if sharding is None:
+            held, update_tree = master, master
+        else:
+            assert mesh is not None
+            dp_index = mesh.axis_index(sharding.axis)
+            held, update_tree = sharding.held(master, dp_index), sharding.shards_of(master, dp_index)
+        return TrainState(held, self.optimizer.init(update_tree), 0, self.initial_loss_scale(), mesh=mesh, layout=layout)
+
+    def _state_layout(self, state: TrainState) -> StateLayout:
+        layout = state.layout
+        stack = tuple(str(s) for s in self.transforms)
+        if not isinstance(layout, StateLayout) or layout.stack != stack:
+            made = layout.stack if isinstance(layout, StateLayout) else "something else"
+            raise ValueError(
+                f"this TrainState was made by {describe(made) if isinstance(made, tuple) else made}, not by this step "
+                f"({self.describe()}); build it with step.init(params, mesh)"
+            )
+        return layout
 
     def full_params(self, state: TrainState) -> Params:
-        """The complete parameters on this rank (a collective once params are sharded)."""
-        return state.params
+        """The complete parameters on every rank (collectives, once parameters are sharded or
+        pipelined: every rank calls this together)."""
+        return full_params(self._state_layout(state), state.params, state.mesh)
 
     # -- running --------------------------------------------------------------
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, Metrics]:
-        inputs, targets = split_batch(batch)
+        layout = self._state_layout(state)
+        mesh: Mesh | None = state.mesh
+        placement = layout.placement
+        index = layout.index_of(mesh)
+        pipe, sharding, prec = self.pipeline_spec, layout.sharding, self.precision
+        pair = split_batch(batch)
+        replicas = dp_index = 0
+        if sharding is not None:
+            assert mesh is not None
+            replicas, dp_index = mesh.axis_size(sharding.axis), mesh.axis_index(sharding.axis)
+            pair = split_over(pair, replicas, dp_index, f"shard_params over axis {sharding.axis!r} of size {replicas}")
+        k = microbatch_count(self)
+        what = f"pipeline(microbatches={k})" if pipe is not None else f"shard_params(accumulation={k}) on the local batch"
+        micro = [pair] if k == 1 and sharding is None else [split_over(pair, k, j, what) for j in range(k)]
         scale = self.loss_scale_value(state)
-        compute = state.params if self.precision is None else self.precision.compute_params(state.params)
-        executor = Executor(self.chain, self.loss_fn, compute, inputs, targets, loss_scale=scale)
-        executor.run(self.plan().for_rank(0))
-        grads = unscale_like(executor.ordered_grads(), state.params, scale)
-        assert executor.loss is not None
-        norm = global_norm(grads) if self.needs_norm else None
-        # Without a precision policy a step behaves as torch does: no finiteness check, no skip.
-        finite = self.precision is None or bool(all_finite(optree.tree_leaves(grads)))
-        metrics = self.report(executor.loss, norm)
-        params, opt_state, loss_scale = self.finish(state, grads, state.params, norm, finite)
-        if self.precision is not None:
+        if sharding is None:
+            master = state.params
+            source = ParamSource(compute=self._compute_params(state.params))
+        else:
+            master = sharding.my_shards(state.params, dp_index)
+            if sharding.holds_shards:
+                # Compute copies are cast once per step, before they travel: half the bytes in bf16.
+                gather_from = master if prec is None else {u: t.to(prec.for_layer(u).compute) for u, t in master.items()}
+                source = ParamSource(sharding=sharding, gather_from=gather_from)
+            else:
+                source = ParamSource(compute=self._compute_params(state.params), sharding=sharding)
+        # The actions depend on the stack (the layout's) and on what the step exchanges.
+        key = ("actions", index, self.metric_exchange(), self.update_needs_sums)
+        if key not in layout.cache:
+            layout.cache[key] = rank_actions(self, placement, layout.schedule, index, _units(sharding))
+        outcome: dict[str, Any] = {}
+
+        def update(grads: Any, summed: Summed) -> Any:
+            new_master, outcome["opt_state"], outcome["loss_scale"] = self.finish(
+                state, grads, master, summed.norm, summed.finite
+            )
+            return new_master
+
+        executor = Executor(
+            chain=self.chain,
+            loss_fn=self.loss_fn,
+            mesh=mesh,
+            placement=placement,
+            source=source,
+            microbatches=micro,
+            seed=scale / (max(replicas, 1) * k),
+            finalize=lambda grads: unscale_like(grads, master, scale),
+            update=update,
+            master=master,
+            held=state.params,
+            grad_scale=scale,
+            reduce_dtype=None if prec is None else prec.policy.reduce,
+            exchange=self.metric_exchange(),
+            metric_axes=metric_axes(self),
+            replica_layers=frozenset(o for o, _ in placement.replicas_of(index)),
+            boundaries=None if pipe is None else self.boundaries(layout, micro[0][0]),
+            poison=bool(pipe is not None and pipe.poison),
+            record=bool(pipe is not None and pipe.trace),
+        )
+        executor.run(layout.cache[key])
+        summed = executor.summed
+        metrics = self.report(summed.mean_loss(max(replicas, 1) * k), summed.norm)
+        if sharding is not None:
+            metrics["peak_gathered_bytes"] = host_scalar(executor.peak_gathered_bytes)
+        if prec is not None:
             metrics["loss_scale"] = host_scalar(scale)
-            metrics["skipped"] = host_scalar(not finite)
-        return state._replace(params=params, opt_state=opt_state, step=state.step + 1, loss_scale=loss_scale), metrics
+            metrics["skipped"] = host_scalar(not summed.finite)
+        if pipe is not None and pipe.trace:
+            metrics["trace"] = executor.events  # type: ignore[assignment]
+        new_state = state._replace(
+            params=executor.new_held, opt_state=outcome["opt_state"], step=state.step + 1,
+            loss_scale=outcome["loss_scale"],
+        )
+        return new_state, metrics
 
     # -- inspection -----------------------------------------------------------
     def plan(self, mesh: Mesh | None = None, params: Params | None = None, batch: Any = None) -> Plan:
-        """Per-rank actions: forward per layer, the loss, backward per layer in reverse, the update.
+        """Per-rank actions of one step: the lowering of the whole transform stack.
 
-        Every rank of ``mesh`` runs the whole step (nothing is distributed until
-        a transform says so). With ``params`` (real or ``device="meta"``
-        tensors), the plan also counts the bytes each rank holds; with a
-        ``batch`` too, the activation bytes kept for backward (predicted on
-        fake tensors: the figures ``sw.saved_bytes`` measures).
+        With ``params`` (real or ``device="meta"`` tensors), every communicating action
+        also says what it moves (dtype and bytes per tensor), and the plan counts the
+        bytes each rank holds; with a ``batch`` too, the pipeline's transfers are sized
+        and the activation bytes kept for backward are predicted (on fake tensors: the
+        figures ``sw.saved_bytes`` measures).
         """
-        mesh = mesh or Mesh(world=1)
-        names = self.chain.names
-        actions = (
-            (*tuple(Action(FORWARD, n) for n in names), Action(LOSS), *tuple(Action(BACKWARD, n) for n in reversed(names)), Action(UPDATE))
-        )
-        memory: dict[str, tuple[int, ...]] = {}
+        mesh = self._check_mesh(mesh) or Mesh(world=1)
         if params is not None:
             check_params(self.chain, params)
-            meta = map_params(lambda t: torch.empty_like(t, device="meta"), params)
-            per_rank = {
-                "params": tree_nbytes(meta),
-                "grads": tree_nbytes(meta),
-                "opt_state": tree_nbytes(self.optimizer.init(meta)),
-            }
-            if batch is not None:
-                per_rank["kept_for_backward"] = self.kept_for_backward(params, split_batch(batch)[0])
-            memory = {k: (v,) * mesh.size for k, v in per_rank.items()}
-        return Plan(mesh, (actions,) * mesh.size, memory)
+        placement, schedule = placement_of(self, mesh, params)
+        layouts = {r: self.layout(mesh, params, rank=r) for r in range(mesh.size)} if params is not None else {}
+        per_rank: list[tuple[Action, ...]] = []
+        for r in range(mesh.size):
+            index = placement.index_of(mesh, r)
+            if params is None:
+                actions = rank_actions(self, placement, schedule, index, self._units_without_params(placement, index))
+            else:
+                layout = layouts[r]
+                actions = rank_actions(self, placement, schedule, index, _units(layout.sharding))
+                boundaries = None
+                if batch is not None and self.pipeline_spec is not None:
+                    boundaries = self.boundaries(layout, self._one_microbatch(mesh, batch)[0])
+                master = self._master_meta(_local_params(params, placement, index))
+                update_tree = master if layout.sharding is None else _meta_shards(layout.sharding)
+                actions = annotate(actions, self, placement, layout.sharding, update_tree, boundaries)
+            per_rank.append(actions)
+        memory = {} if params is None else self._memory(mesh, params, batch, placement, layouts, per_rank)
+        return Plan(mesh, tuple(per_rank), memory)
+
+    def _units_without_params(self, placement: Placement, index: int) -> list[str] | None:
+        if self.sharding_spec is None:
+            return None
+        held = [n for n in placement.layers_of(index) if self.chain.owned_param_names(n)]
+        return held + [o for o, _ in placement.replicas_of(index) if o not in held]
+
+    def _one_microbatch(self, mesh: Mesh, batch: Any) -> tuple[Any, Any]:
+        pair = split_batch(batch)
+        zero = self.sharding_spec
+        if zero is not None:
+            n = mesh.axis_size(zero.axis)
+            pair = split_over(pair, n, 0, f"shard_params over axis {zero.axis!r} of size {n}")
+        k = microbatch_count(self)
+        return split_over(pair, k, 0, f"{k} micro-batches") if k > 1 else pair
+
+    def _memory(
+        self, mesh: Mesh, params: Params, batch: Any, placement: Placement,
+        layouts: dict[int, StateLayout], per_rank: list[tuple[Action, ...]],
+    ) -> dict[str, tuple[int, ...]]:
+        figures: dict[str, list[int]] = {"params": [], "grads": [], "opt_state": []}
+        zero = self.sharding_spec
+        if zero is not None:
+            figures["gathered_peak"] = []
+        for r in range(mesh.size):
+            layout = layouts[r]
+            master = self._master_meta(_local_params(params, placement, placement.index_of(mesh, r)))
+            sharding = layout.sharding
+            shards = None if sharding is None else _meta_shards(sharding)
+            figures["params"].append(tree_nbytes(shards if sharding is not None and sharding.holds_shards else master))
+            figures["grads"].append(tree_nbytes(shards if shards is not None else master))
+            figures["opt_state"].append(tree_nbytes(self.optimizer.init(shards if shards is not None else master)))
+            if "gathered_peak" in figures:
+                assert sharding is not None
+                figures["gathered_peak"].append(peak_gathered_units(per_rank[r], {
+                    u: lay.padded_numel * torch.empty((), dtype=self._gather_dtype(u, lay.dtype)).element_size()
+                    for u, lay in sharding.units.items()
+                }))
+        memory = {k: tuple(v) for k, v in figures.items()}
+        if batch is not None:
+            memory["kept_for_backward"] = self._kept_per_rank(mesh, params, batch, placement, layouts)
+        return memory
+
+    def _gather_dtype(self, unit: str, dtype: torch.dtype) -> torch.dtype:
+        return dtype if self.precision is None else self.precision.for_layer(unit).compute
+
+    def _kept_per_rank(
+        self, mesh: Mesh, params: Params, batch: Any, placement: Placement, layouts: dict[int, StateLayout]
+    ) -> tuple[int, ...]:
+        inputs = self._one_microbatch(mesh, batch)[0]
+        per_layer = predict_kept_for_backward(self.chain, self.compute_view(params), inputs)
+        pipe = self.pipeline_spec
+        if pipe is None:
+            return (sum(per_layer.values()),) * mesh.size
+        per_stage = [sum(per_layer[n] for n in layers) for layers in placement.stages]
+        per_index = pipe.kept_per_index(layouts[0].schedule, per_stage)
+        return tuple(per_index[placement.index_of(mesh, r)] for r in range(mesh.size))
 
     def kept_for_backward(self, params: Params, inputs: Any) -> int:
         """Predicted bytes the layers keep for backward on ``inputs`` (one forward, on fake tensors)."""
@@ -278,6 +499,36 @@ class Step:
         if self.precision is None:
             return params
         return self.precision.compute_params(self.master_params(params))
+
+
+def _local_params(params: Params, placement: Placement, index: int) -> Params:
+    """The parameters pipeline index ``index`` holds: its layers', and copies of tied weights."""
+    mine = set(placement.layers_of(index))
+    local = {k: dict(v) for k, v in params.items() if k in mine}
+    for owner, name in placement.replicas_of(index):
+        local.setdefault(owner, {})[name] = params[owner][name]
+    return local
+
+
+def _units(sharding: FlatSharding | None) -> list[str] | None:
+    return None if sharding is None else list(sharding.units)
+
+
+def _meta_shards(sharding: FlatSharding) -> dict[str, torch.Tensor]:
+    return {u: torch.empty(lay.shard_numel, dtype=lay.dtype, device="meta") for u, lay in sharding.units.items()}
+
+
+def peak_gathered_units(actions: Sequence[Action], unit_bytes: Mapping[str, int]) -> int:
+    """Largest total bytes of gathered (and in-flight) units at any point of ``actions``."""
+    held: set[str] = set()
+    peak = 0
+    for action in actions:
+        if action.kind == GATHER and action.layer is not None:
+            held.add(action.layer)
+        elif action.kind == FREE and action.layer is not None:
+            held.discard(action.layer)
+        peak = max(peak, sum(unit_bytes[u] for u in held))
+    return peak
 
 
 def train_step(

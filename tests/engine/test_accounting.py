@@ -71,7 +71,7 @@ def test_pipeline_plan_is_peak_in_flight_times_stage_bytes() -> None:
         mesh = sw.Mesh(pp=2)
         layout = piped.layout(mesh, params)
         per_layer = sw.saved_bytes(step, params, (batch[0][:4], batch[1][:4]))
-        stage = [sum(per_layer[n] for n in layers) for layers in layout.stages]
+        stage = [sum(per_layer[n] for n in layers) for layers in layout.placement.stages]
         peaks = simulate(layout.schedule).peak_activations
         expected = tuple(peaks[r] * stage[r] for r in range(2))
         assert piped.plan(mesh, params, batch).memory["kept_for_backward"] == expected

@@ -9,6 +9,7 @@ dropped micro-batch) is orders of magnitude larger.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -80,13 +81,14 @@ def test_a_wrong_step_is_caught() -> None:
     """The checker must be able to fail: a step that forgets to average over ranks diverges."""
     case_step, params, batches = _gpt_problem()
 
-    class Doubled(type(sw.shard_params(case_step, "dp", 3))):  # type: ignore[misc]
+    sharded = sw.shard_params(case_step, "dp", 3)
+
+    class Doubled(sw.Step):
         def __call__(self, state, batch):  # type: ignore[no-untyped-def]
             inputs, targets = batch
             return super().__call__(state, (torch.cat([inputs, inputs[:2]])[2:], targets))
 
-    bad = Doubled(case_step.chain, case_step.loss_fn, case_step.optimizer, clip_norm=case_step.clip_norm, axis="dp",
-                  stage=3)
+    bad = Doubled(**{f.name: getattr(sharded, f.name) for f in dataclasses.fields(sharded)})
     with pytest.raises(AssertionError, match="first divergence at step 1"):
         sw.testing.assert_equivalent(bad, case_step, sw.Mesh(dp=2), batches, params, rtol=F64_RTOL)
 
@@ -128,7 +130,7 @@ def test_bytes_held_equal_the_plan(n: int, stage: int, reshard: bool) -> None:
         assert predicted["params"][0] == total
 
 
-def _zero_volume(step: sw.ShardedStep, params: dict, n: int) -> tuple[int, int, list]:
+def _zero_volume(step: sw.Step, params: dict, n: int) -> tuple[int, int, list]:
     """(Ψ in bytes, ZeRO bytes sent per rank per step, the other collectives as (op, shape))."""
     mesh = sw.Mesh(dp=n)
     batch = (torch.randn(2 * n, 5, dtype=torch.float64), torch.randn(2 * n, 6, dtype=torch.float64))
@@ -143,7 +145,9 @@ def _zero_volume(step: sw.ShardedStep, params: dict, n: int) -> tuple[int, int, 
 
     results = sw.launch(one_step, n)
     assert all(r == results[0] for r in results), results
-    psi = sum(lay.padded_nbytes for lay in step.layouts(params, n).values())
+    sharding = step.layout(mesh, params).sharding
+    assert sharding is not None
+    psi = sum(lay.padded_nbytes for lay in sharding.units.values())
     return psi, *results[0]
 
 

@@ -5,12 +5,13 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import optree
 import torch
 
 from ...engine.chain import Chain
+from ...engine.compose import REWRITE, add
 from ...engine.precision import (
     DynamicLossScale,
     NoLossScale,
@@ -21,7 +22,23 @@ from ...engine.precision import (
 )
 from ...engine.step import Step
 
-__all__ = ["DynamicLossScale", "NoLossScale", "Policy", "Precision", "StaticLossScale", "mixed_precision"]
+__all__ = [
+    "DynamicLossScale", "NoLossScale", "Policy", "Precision", "PrecisionSpec", "StaticLossScale", "mixed_precision",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecisionSpec:
+    """mixed_precision in a step's stack: the casts live in the rewritten layers, the dtypes in
+    ``step.precision`` (ZeRO gathers in the compute dtype and reduces in the reduce dtype)."""
+
+    precision: Precision
+
+    name: ClassVar[str] = "mixed_precision"
+    role: ClassVar[str] = REWRITE
+
+    def __str__(self) -> str:
+        return f"mixed_precision({str(self.precision.policy)!r})"
 
 
 class _Cast:
@@ -92,8 +109,6 @@ def mixed_precision(
     """
     if not isinstance(step, Step):
         raise TypeError(f"mixed_precision(step=...) needs a shardwise Step, got {type(step).__name__}")
-    if step.precision is not None:
-        raise ValueError(f"mixed_precision was applied twice (already {step.precision.policy}); apply it once")
     base = _as_policy(policy, "mixed_precision(policy=...)")
     extra = tuple(
         (pattern, Policy.parse(p, base) if isinstance(p, str) else _as_policy(p, f"overrides[{pattern!r}]"))
@@ -105,5 +120,6 @@ def mixed_precision(
                 f"mixed_precision(overrides={{{pattern!r}: ...}}) matches no layer; layers are {list(step.chain.names)}"
             )
     precision = Precision(base, extra, as_loss_scale(loss_scale))
-    return dataclasses.replace(step, chain=cast_chain(step.chain, precision), precision=precision)
+    stacked = add(step, PrecisionSpec(precision))  # refuses a second mixed_precision first
+    return dataclasses.replace(stacked, chain=cast_chain(step.chain, precision), precision=precision)
 

@@ -26,7 +26,7 @@ from .builtins import (
 from .draw import ascii_timeline, gantt, write_chrome_trace
 from .schedule import B, F, I, PipeOp, Schedule, ScheduleError, W, loop_placement, v_placement
 from .simulate import Costs, Slot, Timeline, simulate
-from .step import PipelineLayout, PipelineStep
+from .spec import PipelineSpec
 from .validate import validate
 
 __all__ = [
@@ -36,8 +36,7 @@ __all__ = [
     "F",
     "I",
     "PipeOp",
-    "PipelineLayout",
-    "PipelineStep",
+    "PipelineSpec",
     "Schedule",
     "ScheduleError",
     "Slot",

@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from ...engine.compose import add
 from ...engine.step import Step
-from .step import PipelineStep
+from .spec import PipelineSpec
 
 
 def pipeline(
@@ -19,7 +20,7 @@ def pipeline(
     partition: Sequence[int] | None = None,
     trace: bool = False,
     poison: bool = False,
-) -> PipelineStep:
+) -> Step:
     """Cut ``step``'s chain into stages over mesh ``axis`` and run them by ``schedule``.
 
     ``schedule`` is a built-in name ("gpipe", "1f1b", "interleaved_1f1b",
@@ -45,7 +46,8 @@ def pipeline(
 
     Over a shard_params step (or with shard_params applied after), every
     pipeline rank's layers are also ZeRO-sharded over the data-parallel axis
-    of a 2-D mesh such as ``Mesh(dp=2, pp=2)``.
+    of a 2-D mesh such as ``Mesh(dp=2, pp=2)``: the Plan shows those gathers
+    and reduce-scatters among the schedule's computes.
 
     >>> import torch, shardwise as sw
     >>> chain, params = sw.functionalize(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)))
@@ -53,26 +55,15 @@ def pipeline(
     >>> print(step.plan(sw.Mesh(pp=2), params).for_rank(1)[0])
     recv_activation(stage1, mb=0, from=0)
     """
-    if isinstance(step, PipelineStep):
-        raise ValueError(f"pipeline was applied twice (already over axis {step.axis!r}); apply it once")
-    spec = step.data_parallel
-    if spec is not None:
-        # shard_params came first: keep its sharding, held by the pipeline per stage.
-        if getattr(step, "accumulation", 1) != 1 or getattr(step, "prefetch", 1) != 1:
-            raise ValueError(
-                "pipeline over a shard_params step with accumulation or prefetch set: the pipeline schedules "
-                "the computation (its micro-batches are the accumulation); drop those shard_params options"
-            )
-    elif type(step) is not Step:
-        raise ValueError(
-            f"pipeline(step=...) got a {type(step).__name__}; pipeline composes with train_step and shard_params"
-        )
+    if not isinstance(step, Step):
+        raise TypeError(f"pipeline(step=...) needs a shardwise Step (see train_step), got {type(step).__name__}")
+    if not isinstance(axis, str):
+        raise TypeError(f"pipeline(axis={axis!r}): the axis is a mesh axis name such as 'pp'")
     if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
         raise ValueError(f"pipeline(microbatches={microbatches!r}): the number of micro-batches is an int >= 1")
     if stages is not None and (isinstance(stages, bool) or not isinstance(stages, int) or stages < 1):
         raise ValueError(f"pipeline(stages={stages!r}): the number of stages is an int >= 1")
-    return PipelineStep(
-        **step.base_fields(),
+    spec = PipelineSpec(
         axis=axis,
         schedule=schedule,
         microbatches=microbatches,
@@ -80,5 +71,5 @@ def pipeline(
         partition=None if partition is None else tuple(partition),
         poison=poison,
         trace=trace,
-        dp=spec,
     )
+    return add(step, spec)

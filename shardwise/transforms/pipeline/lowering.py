@@ -1,76 +1,62 @@
-"""From a schedule to per-rank actions: the sends and receives the placement implies.
+"""From a schedule to one pipeline rank's actions: its computes, and the transfers placement implies.
 
 A schedule says which stage computes which micro-batch when. Where two
 neighbouring stages sit on different ranks, the activation of F(s, m) travels
 from stage s to s+1 and the gradient of B/I(s+1, m) back to stage s: each
-compute gets a receive before it and a send after it. Stages on the same rank
-hand values over in memory.
+compute gets a receive before it and a send after it, naming the peer's index
+along the pipeline axis. Stages on the same rank hand values over in memory.
+The last stage's forward is followed by the micro-batch's loss.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from ...engine.plan import Action
+from ...engine.layout import Placement
+from ...engine.plan import (
+    BACKWARD,
+    BACKWARD_INPUT,
+    BACKWARD_WEIGHT,
+    FORWARD,
+    LOSS,
+    RECV_ACTIVATION,
+    RECV_GRAD,
+    SEND_ACTIVATION,
+    SEND_GRAD,
+    Action,
+)
 from .schedule import PipeOp, Schedule
 
-RECV_ACTIVATION = "recv_activation"
-SEND_ACTIVATION = "send_activation"
-RECV_GRAD = "recv_grad"
-SEND_GRAD = "send_grad"
-COMPUTE = {"F": "forward", "B": "backward", "I": "backward_input", "W": "backward_weight"}
-FINISH_GRADS = "finish_grads"  # wait for sends; sum tied copies; reduce over data parallel; local metrics
-REDUCE_METRICS = "reduce_metrics"  # starts one all-reduce of what the step exchanges (engine.metrics)
-UPDATE = "update"
+COMPUTE = {"F": FORWARD, "B": BACKWARD, "I": BACKWARD_INPUT, "W": BACKWARD_WEIGHT}
 
 
-@dataclass(frozen=True)
-class Transfer:
-    """One point-to-point hand-over: what, between which stages, for which micro-batch."""
-
-    kind: str  # "activation" or "grad"
-    stage: int  # the stage that produces the value
-    microbatch: int
+def compute_action(op: PipeOp, placement: Placement) -> Action:
+    return Action(COMPUTE[op.kind], placement.stages[op.stage][0], op.microbatch, op.stage, label=f"stage{op.stage}")
 
 
-def compute_action(op: PipeOp) -> Action:
-    return Action(COMPUTE[op.kind], f"stage{op.stage}", op.microbatch)
-
-
-def lower_rank(schedule: Schedule, rank: int) -> tuple[Action, ...]:
-    """The actions of pipeline rank ``rank``: its schedule ops with receives and sends around them.
-
-    The step ends with its gradients finished, the metrics' all-reduce started (a no-op for a
-    step that reports no metric and needs none) and the update. The update waits for the
-    all-reduce only when it depends on it (clipping by the global norm, skipping on a
-    non-finite gradient anywhere); otherwise the all-reduce completes while the rank
-    updates, and a rank whose last compute comes early (the last stage, in 1F1B) updates
-    while the others still compute instead of waiting for them.
-    """
+def rank_computes(schedule: Schedule, placement: Placement, axis: str, rank: int) -> list[Action]:
+    """Pipeline rank ``rank``'s schedule ops with the receives and sends around them."""
     last = schedule.num_stages - 1
     place = schedule.placement
     out: list[Action] = []
+
+    def transfer(kind: str, s: int, m: int, peer: int) -> Action:
+        return Action(kind, placement.stages[s][0], m, s, axis=axis, peer=peer, label=f"stage{s}")
+
     for op in schedule.ranks[rank]:
         s, m = op.stage, op.microbatch
         if op.kind == "F":
             if s > 0 and place[s - 1] != rank:
-                out.append(Action(RECV_ACTIVATION, f"stage{s}", m, (("from", place[s - 1]),)))
-            out.append(compute_action(op))
-            if s < last and place[s + 1] != rank:
-                out.append(Action(SEND_ACTIVATION, f"stage{s}", m, (("to", place[s + 1]),)))
+                out.append(transfer(RECV_ACTIVATION, s, m, place[s - 1]))
+            out.append(compute_action(op, placement))
+            if s == last:
+                out.append(Action(LOSS, None, m))
+            elif place[s + 1] != rank:
+                out.append(transfer(SEND_ACTIVATION, s, m, place[s + 1]))
         elif op.kind in ("B", "I"):
             if s < last and place[s + 1] != rank:
-                out.append(Action(RECV_GRAD, f"stage{s}", m, (("from", place[s + 1]),)))
-            out.append(compute_action(op))
+                out.append(transfer(RECV_GRAD, s, m, place[s + 1]))
+            out.append(compute_action(op, placement))
             if s > 0 and place[s - 1] != rank:
-                out.append(Action(SEND_GRAD, f"stage{s}", m, (("to", place[s - 1]),)))
+                out.append(transfer(SEND_GRAD, s, m, place[s - 1]))
         else:
-            out.append(compute_action(op))
-    out += [Action(FINISH_GRADS), Action(REDUCE_METRICS), Action(UPDATE)]
-    return tuple(out)
-
-
-def tag_of(kind: str, stage: int, microbatch: int, microbatches: int, leaf: int = 0) -> int:
-    """A distinct non-negative message tag per transfer and per tensor in it (gloo needs ints >= 0)."""
-    direction = 0 if kind == "activation" else 1
-    return (((stage * microbatches + microbatch) * 2 + direction) << 5) + leaf
+            out.append(compute_action(op, placement))
+    return out

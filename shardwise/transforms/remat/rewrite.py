@@ -6,14 +6,13 @@ import dataclasses
 import fnmatch
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, ClassVar
 
 from ...engine.chain import Chain, LayerFn
+from ...engine.compose import REWRITE, add
 from ...engine.step import Step
 from . import policies as P
 from ._torch_sac import run_layer
-
-S = TypeVar("S", bound=Step)
 
 #: Policies by name, for ``remat(step, policy="dots_saveable")``.
 POLICIES: dict[str, Any] = {
@@ -89,17 +88,32 @@ def select_layers(chain: Chain, layers: str | Sequence[str], every: int) -> list
     return matched[::every]
 
 
-def remat(step: S, policy: Any = P.nothing_saveable, *, layers: str | Sequence[str] = "all", every: int = 1) -> S:
+@dataclass(frozen=True)
+class RematSpec:
+    """remat in a step's stack: the layers it runs under checkpointing, and the policy."""
+
+    policy: Any
+    layers: tuple[str, ...]
+
+    name: ClassVar[str] = "remat"
+    role: ClassVar[str] = REWRITE
+
+    def __str__(self) -> str:
+        policy = getattr(self.policy, "__name__", None) or type(self.policy).__name__
+        return f"remat({policy}, layers={list(self.layers)})"
+
+
+def remat(step: Step, policy: Any = P.nothing_saveable, *, layers: str | Sequence[str] = "all", every: int = 1) -> Step:
     """Run the selected layers of ``step`` under activation checkpointing with a save ``policy``.
 
     Each selected layer's function runs under torch's non-reentrant checkpoint
     with a selective-checkpoint policy: backward recomputes every value the
     policy does not save. ``layers`` is ``"all"``, an fnmatch pattern over
     layer names (``"blocks.*"``) or a list of them; ``every=k`` keeps every
-    k-th of the matched layers, starting with the first. The result is the
-    same kind of Step (a ShardedStep or PipelineStep stays one), computes
-    bitwise the same losses and parameters, and holds less for backward (see
-    :func:`saved_bytes`). Apply it once.
+    k-th of the matched layers, starting with the first. The result computes
+    bitwise the same losses and parameters, in any order with the other
+    transforms, and holds less for backward (see :func:`saved_bytes`). Apply it
+    once (also with mixed_precision between: the stack refuses a second remat).
     """
     if not isinstance(step, Step):
         raise TypeError(f"remat(step=...) needs a shardwise Step (see train_step), got {type(step).__name__}")
@@ -110,12 +124,13 @@ def remat(step: S, policy: Any = P.nothing_saveable, *, layers: str | Sequence[s
             f"(policy {next(iter(done.values()))!r}); apply remat once, with the policy and layers you want"
         )
     policy = resolve_policy(policy)
-    chosen = set(select_layers(step.chain, layers, every))
+    chosen = select_layers(step.chain, layers, every)
+    stacked = add(step, RematSpec(policy, tuple(chosen)))  # refuses a second remat first
     new_layers = [
-        dataclasses.replace(layer, fn=Remat(layer.fn, policy)) if layer.name in chosen else layer
+        dataclasses.replace(layer, fn=Remat(layer.fn, policy)) if layer.name in set(chosen) else layer
         for layer in step.chain
     ]
-    return dataclasses.replace(step, chain=Chain(new_layers))
+    return dataclasses.replace(stacked, chain=Chain(new_layers))
 
 
 def policies_of(chain: Chain) -> Mapping[str, Any]:

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from ...engine.data_parallel import DataParallel
-from ...engine.flat import UnitLayout
+from ...engine.compose import add
+from ...engine.sharding import UnitLayout
 from ...engine.step import Step
-from .lowering import ShardingOptions
-from .step import ShardedLayout, ShardedStep
+from .spec import ShardSpec
 
-__all__ = ["ShardedLayout", "ShardedStep", "ShardingOptions", "UnitLayout", "shard_params"]
+__all__ = ["ShardSpec", "UnitLayout", "shard_params"]
 
 
 def shard_params(
@@ -16,7 +15,7 @@ def shard_params(
     axis: str = "dp",
     stage: int = 3,
     *,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | None = None,
     prefetch: int = 1,
     accumulation: int = 1,
 ) -> Step:
@@ -27,27 +26,25 @@ def shard_params(
     optimizer state; stage 2 also reduce-scatters each layer's gradient as
     soon as its backward is done; stage 3 also keeps parameters sharded at
     rest, all-gathering each layer's parameters just before use (``prefetch``
-    layers ahead, asynchronously) and freeing them after use
+    computes ahead, asynchronously) and freeing them after use
     (``reshard_after_forward=True``: gathered again in backward) or keeping
-    them until backward (``False``). Each layer's parameters travel as one
-    flat buffer, padded to a multiple of the axis size; padding never reaches
-    results. ``accumulation=k`` splits each rank's batch into ``k``
-    micro-batches and reduces gradients only after the last one.
+    them until backward (``False``). The default (None) reshards, except under
+    a pipeline, where a rank's units stay gathered from their first compute of
+    the step to their last (torchtitan's rule; see ``engine/compose.py``). Each
+    layer's parameters travel as one flat buffer, padded to a multiple of the
+    axis size; padding never reaches results. ``accumulation=k`` splits each
+    rank's batch into ``k`` micro-batches and reduces gradients only after the
+    last one.
 
-    On a pipelined step (either order of the two transforms), each pipeline
-    rank's layers are sharded over ``axis``: gathered once per step before
-    their first compute and reduce-scattered after the last backward.
+    Composed with a pipeline (in either order), each pipeline rank's layers are
+    sharded over ``axis`` of a 2-D mesh such as ``Mesh(dp=2, pp=2)``.
 
     >>> import torch, shardwise as sw
     >>> chain, params = sw.functionalize(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)))
     >>> step = sw.shard_params(sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(lr=0.1)), "dp", stage=3)
-    >>> print(step.plan(sw.Mesh(dp=2)).for_rank(0)[:4])
-    (Action(kind='gather', layer='0', microbatch=None, args=()), Action(kind='gather', layer='2', microbatch=None, args=()), Action(kind='wait_gather', layer='0', microbatch=None, args=()), Action(kind='forward', layer='0', microbatch=0, args=()))
+    >>> print(" ".join(map(str, step.plan(sw.Mesh(dp=2)).for_rank(0)[:5])))
+    gather(0) gather(2) wait_gather(0) F(0, mb=0) wait_gather(2)
     """
-    if isinstance(step, ShardedStep):
-        raise ValueError(
-            f"shard_params was applied twice (already sharded over axis {step.axis!r}); apply it once"
-        )
     if not isinstance(step, Step):
         raise TypeError(f"shard_params(step=...) needs a shardwise Step (see train_step), got {type(step).__name__}")
     if not isinstance(axis, str):
@@ -58,25 +55,11 @@ def shard_params(
         raise ValueError(f"shard_params(prefetch={prefetch!r}): the prefetch depth is an int >= 0")
     if isinstance(accumulation, bool) or not isinstance(accumulation, int) or accumulation < 1:
         raise ValueError(f"shard_params(accumulation={accumulation!r}): the number of micro-batches is an int >= 1")
-    if type(step) is not Step:
-        # A step that drives its own computation (a pipeline) holds its layers sharded itself.
-        if accumulation != 1 or prefetch != 1:
-            raise ValueError(
-                f"shard_params(accumulation={accumulation}, prefetch={prefetch}) on a {type(step).__name__}: "
-                "that step schedules the computation, so gather units once per step and accumulate over its "
-                "own micro-batches; drop these options"
-            )
-        return step.with_data_parallel(DataParallel(axis, stage))
-    if stage != 3 and not reshard_after_forward:
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+        raise TypeError(f"shard_params(reshard_after_forward={reshard_after_forward!r}): True, False or None (the default)")
+    if stage != 3 and reshard_after_forward is False:
         raise ValueError(
             f"shard_params(stage={stage}, reshard_after_forward=False): only stage 3 shards parameters, "
             "so there is nothing to keep or reshard; drop the option or use stage=3"
         )
-    return ShardedStep(
-        **step.base_fields(),
-        axis=axis,
-        stage=stage,
-        reshard_after_forward=reshard_after_forward,
-        prefetch=prefetch,
-        accumulation=accumulation,
-    )
+    return add(step, ShardSpec(axis, stage, reshard_after_forward, prefetch, accumulation))

@@ -1,60 +1,39 @@
-"""From a sharded step to per-rank actions: when each unit is gathered, freed and reduced.
+"""shard_params' lowering pass: when each unit is gathered, freed and its gradient reduced.
 
-A *unit* is a chain layer that owns parameters; it is gathered and reduced as
-one flat buffer. A layer *needs* its own unit and the units that own the
-weights it ties to (a GPT head needs the embedding's unit).
+A *unit* is a chain layer's parameters held by this rank, gathered and reduced
+as one flat buffer. A compute *needs* the units of its stage's layers and the
+units holding the weights they tie to (a GPT head needs the embedding's unit).
 
-Forward and backward are each a sequence of compute actions. Before a compute
-the gathers of its units and of the next ``prefetch`` units are issued
-(async), so the next units travel while the current one computes; a unit is
-freed after a compute unless the next compute needs or prefetches it. With
-``reshard_after_forward`` every unit is freed at the end of the forward (and
-gathered again in backward, as the ZeRO paper counts: 3Ψ per step); without
-it, units stay from their forward until their last backward use (2Ψ).
-A unit's gradient is complete after the backward of its owner (ties point to
-earlier layers), so its reduce-scatter is issued right there (stage 2 and 3),
-or after the whole backward (stage 1).
+Before a compute, the gathers of its units and of the units the next
+``prefetch`` computes need are issued (async), so the next units travel while
+the current one computes; a unit is freed after a compute unless the next
+compute needs or prefetches it. Without a pipeline, forward and backward of
+each micro-batch are two passes: with ``reshard`` every unit is freed at the
+end of the forward (and gathered again in backward, as the ZeRO paper counts:
+3Ψ per step); without it, units stay from their forward until their last
+backward use (2Ψ). Under a pipeline the rank's whole compute sequence is one
+pass (``engine/compose.py`` says when it reshards). A unit's gradient is
+complete after the last compute that adds to it, so its reduce-scatter is
+issued right there (stages 2 and 3); the engine issues the deferred ones
+(stage 1, and units holding a weight tied across pipeline ranks, whose copies
+are summed first) at the end of the step.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
-from ...engine.chain import Chain
-from ...engine.plan import BACKWARD, FORWARD, LOSS, UPDATE, Action
-
-GATHER = "gather"  # issue an async all-gather of a unit's shards
-WAIT_GATHER = "wait_gather"  # wait for it; the unit's parameters are now usable
-FREE = "free"  # drop a gathered unit
-REDUCE_SCATTER = "reduce_scatter"  # issue an async reduce-scatter of a unit's gradient
-WAIT_REDUCE = "wait_reduce"  # wait for it; this rank holds its gradient shard
-REDUCE_METRICS = "reduce_metrics"  # one all-reduce of what the step exchanges (engine.metrics)
-GATHER_PARAMS = "gather_params"  # stage 1/2: all-gather a unit's updated shard into full params
-WAIT_PARAMS = "wait_params"
-
-
-@dataclass(frozen=True)
-class ShardingOptions:
-    """The options of shard_params that decide the action order."""
-
-    stage: int
-    reshard_after_forward: bool
-    prefetch: int
-    accumulation: int
-
-
-def layer_needs(chain: Chain, units: Sequence[str]) -> dict[str, tuple[str, ...]]:
-    """For every layer: the units that must be gathered for it to run."""
-    unit_set = set(units)
-    needs: dict[str, tuple[str, ...]] = {}
-    for layer in chain.layers:
-        wanted = [layer.name] if layer.name in unit_set else []
-        for owner, _ in layer.ties.values():
-            if owner in unit_set and owner not in wanted:
-                wanted.append(owner)
-        needs[layer.name] = tuple(wanted)
-    return needs
+from ...engine.plan import (
+    COMPUTES,
+    FORWARD,
+    FREE,
+    GATHER,
+    GRAD_COMPUTES,
+    LOSS,
+    REDUCE_SCATTER,
+    WAIT_GATHER,
+    Action,
+)
 
 
 def _upcoming(needs: Sequence[tuple[str, ...]], i: int, count: int) -> list[str]:
@@ -69,103 +48,122 @@ def _upcoming(needs: Sequence[tuple[str, ...]], i: int, count: int) -> list[str]
     return found
 
 
-def _gathered_pass(
-    computes: Sequence[Action],
-    needs: Sequence[tuple[str, ...]],
+def gathered_pass(
+    actions: Sequence[Action],
+    stage_needs: Mapping[int, tuple[str, ...]],
     live: set[str],
     prefetch: int,
     free: str,
+    axis: str,
 ) -> list[Action]:
-    """Computes with the gathers, waits and frees they need, updating ``live`` in place.
+    """``actions`` with the gathers, waits and frees their computes need, updating ``live`` in place.
 
-    ``free`` says when a live unit is dropped: "never"; "window" as soon as the
-    next compute neither needs nor prefetches it (least memory; it may be
-    gathered again later); "last_use" after the last compute that needs it.
+    Actions that compute nothing (loss, transfers) stay where they are. ``free`` says when a
+    live unit is dropped: "never"; "window" as soon as the next compute neither needs nor
+    prefetches it (least memory; it may be gathered again later); "last_use" after the last
+    compute that needs it.
     """
+    computes = [i for i, a in enumerate(actions) if a.kind in COMPUTES]
+    needs = [stage_needs[actions[i].stage or 0] for i in computes]
     out: list[Action] = []
     in_flight: list[str] = []
-    for i, compute in enumerate(computes):
+    position = {at: n for n, at in enumerate(computes)}
+    for at, action in enumerate(actions):
+        i = position.get(at)
+        if i is None:
+            out.append(action)
+            continue
         for unit in (*needs[i], *_upcoming(needs, i, prefetch)):
             if unit not in live and unit not in in_flight:
-                out.append(Action(GATHER, unit))
+                out.append(Action(GATHER, unit, axis=axis))
                 in_flight.append(unit)
         for unit in needs[i]:
             if unit in in_flight:
-                out.append(Action(WAIT_GATHER, unit))
+                out.append(Action(WAIT_GATHER, unit, axis=axis))
                 in_flight.remove(unit)
                 live.add(unit)
-        out.append(compute)
+        out.append(action)
         if free != "never":
             # Keep what the next compute will want gathered (its units and its prefetch):
             # freeing it here would only gather it again at once.
-            nxt = needs[i + 1] if i + 1 < len(computes) else ()
+            nxt = needs[i + 1] if i + 1 < len(needs) else ()
             keep = {*nxt, *_upcoming(needs, i + 1, prefetch)}
             if free == "last_use":
                 keep |= {u for later in needs[i + 1 :] for u in later}
             for unit in sorted(live - keep - set(in_flight)):
-                out.append(Action(FREE, unit))
+                out.append(Action(FREE, unit, axis=axis))
                 live.discard(unit)
     assert not in_flight, f"gathers issued but never used: {in_flight}"
     return out
 
 
-def lower_rank(chain: Chain, units: Sequence[str], options: ShardingOptions) -> tuple[Action, ...]:
-    """The actions of one rank (every rank of the data-parallel axis runs the same list)."""
-    needs = layer_needs(chain, units)
-    names = list(chain.names)
-    actions: list[Action] = []
-    for mb in range(options.accumulation):
-        last = mb == options.accumulation - 1
-        forward = [Action(FORWARD, n, microbatch=mb) for n in names]
-        backward = [Action(BACKWARD, n, microbatch=mb) for n in reversed(names)]
-        if options.stage == 3:
-            live: set[str] = set()
-            reshard = options.reshard_after_forward
-            actions += _gathered_pass(
-                forward, [needs[n] for n in names], live, options.prefetch, "window" if reshard else "never"
-            )
-            if reshard:
-                actions += [Action(FREE, u) for u in sorted(live)]
-                live.clear()
-            actions.append(Action(LOSS, microbatch=mb))
-            actions += _gathered_pass(
-                backward, [needs[n] for n in reversed(names)], live, options.prefetch,
-                "window" if reshard else "last_use",
-            )
-            actions += [Action(FREE, u) for u in sorted(live)]
-        else:
-            actions += [*forward, Action(LOSS, microbatch=mb), *backward]
-        if last:
-            actions = _insert_reduces(actions, units, options.stage, mb)
-    # Wait in the order the reduce-scatters were issued: the first one is likeliest done.
-    actions += [Action(WAIT_REDUCE, a.layer) for a in actions if a.kind == REDUCE_SCATTER]
-    actions.append(Action(REDUCE_METRICS))
-    actions.append(Action(UPDATE))
-    if options.stage in (1, 2):
-        actions += [Action(GATHER_PARAMS, u) for u in units] + [Action(WAIT_PARAMS, u) for u in units]
-    return tuple(actions)
-
-
-def _insert_reduces(actions: list[Action], units: Sequence[str], stage: int, mb: int) -> list[Action]:
-    """Stage 1 reduces after the whole backward; 2 and 3 right after each unit's own backward."""
-    if stage == 1:
-        return actions + [Action(REDUCE_SCATTER, u) for u in units]
-    out: list[Action] = []
+def _passes(actions: Sequence[Action]) -> list[list[Action]]:
+    """Cut a plain compute sequence into its passes: each micro-batch's forwards, its loss, its backwards."""
+    out: list[list[Action]] = []
     for action in actions:
-        out.append(action)
-        if action.kind == BACKWARD and action.microbatch == mb and action.layer in units:
-            out.append(Action(REDUCE_SCATTER, action.layer))
+        kind = _kind_of(action)
+        if out and _kind_of(out[-1][0]) == kind and kind != "loss":
+            out[-1].append(action)
+        else:
+            out.append([action])
     return out
 
 
-def peak_gathered_units(actions: Sequence[Action], unit_bytes: Mapping[str, int]) -> int:
-    """Largest total bytes of gathered (and in-flight) units at any point of ``actions``."""
-    held: set[str] = set()
-    peak = 0
-    for action in actions:
-        if action.kind == GATHER and action.layer is not None:
-            held.add(action.layer)
-        elif action.kind == FREE and action.layer is not None:
-            held.discard(action.layer)
-        peak = max(peak, sum(unit_bytes[u] for u in held))
-    return peak
+def _kind_of(action: Action) -> str:
+    return "forward" if action.kind == FORWARD else "loss" if action.kind == LOSS else "backward"
+
+
+def insert_gathers(
+    actions: Sequence[Action],
+    stage_needs: Mapping[int, tuple[str, ...]],
+    *,
+    stage: int,
+    reshard: bool,
+    prefetch: int,
+    pipelined: bool,
+    axis: str,
+) -> list[Action]:
+    """ZeRO-3's gathers and frees around the computes (stages 1 and 2 hold full parameters)."""
+    if stage != 3:
+        return list(actions)
+    live: set[str] = set()
+    if pipelined:
+        out = gathered_pass(actions, stage_needs, live, prefetch, "window" if reshard else "last_use", axis)
+    else:
+        out = []
+        for part in _passes(actions):
+            if part[0].kind == LOSS:
+                if reshard:  # every unit is freed at the end of the forward
+                    out += [Action(FREE, u, axis=axis) for u in sorted(live)]
+                    live.clear()
+                out += part
+                continue
+            forward = part[0].kind == FORWARD
+            mode = "window" if reshard else ("never" if forward else "last_use")
+            out += gathered_pass(part, stage_needs, live, prefetch, mode, axis)
+            if not forward:
+                out += [Action(FREE, u, axis=axis) for u in sorted(live)]
+                live.clear()
+    out += [Action(FREE, u, axis=axis) for u in sorted(live)]
+    return out
+
+
+def insert_reduces(
+    actions: Sequence[Action], stage_needs: Mapping[int, tuple[str, ...]], deferred: set[str], axis: str
+) -> list[Action]:
+    """Each unit's reduce-scatter right after the last compute that adds to its gradient."""
+    last: dict[str, int] = {}
+    for i, action in enumerate(actions):
+        if action.kind in GRAD_COMPUTES:
+            for unit in stage_needs[action.stage or 0]:
+                last[unit] = i
+    after: dict[int, list[str]] = {}
+    for unit, i in last.items():
+        if unit not in deferred:
+            after.setdefault(i, []).append(unit)
+    out: list[Action] = []
+    for i, action in enumerate(actions):
+        out.append(action)
+        out += [Action(REDUCE_SCATTER, u, axis=axis) for u in sorted(after.get(i, []), key=list(last).index)]
+    return out
+

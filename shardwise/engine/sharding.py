@@ -1,6 +1,7 @@
-"""Flat-buffer layout of one unit (a Chain layer) sharded over N ranks (ZeRO and FSDP use it).
+"""ZeRO's flat sharding, used by shard_params alone and inside a pipeline.
 
-A unit's owned parameters are flattened in name order into one 1-D buffer,
+A *unit* is a Chain layer's owned parameters on one rank (on a pipeline rank
+that only holds a copy of a weight tied across stages, just that copy). A unit's owned parameters are flattened in name order into one 1-D buffer,
 zero-padded to a multiple of N, and cut into N equal contiguous shards: rank
 ``i`` of the axis holds ``flat[i * shard : (i + 1) * shard]``. One all-gather
 rebuilds the unit; one reduce-scatter shards its gradient. Padding starts at
@@ -13,6 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -106,3 +108,42 @@ class UnitLayout:
     def shard_of(self, flat: torch.Tensor, index: int) -> torch.Tensor:
         """Shard ``index`` of a full flat buffer (a copy, so the full buffer can be freed)."""
         return flat[index * self.shard_numel : (index + 1) * self.shard_numel].clone()
+
+
+@dataclass(frozen=True)
+class FlatSharding:
+    """One rank's units sharded over mesh ``axis`` at ZeRO ``stage`` (1: optimizer state,
+    2: + gradients, 3: + parameters at rest)."""
+
+    axis: str
+    stage: int
+    units: dict[str, UnitLayout]
+
+    def __post_init__(self) -> None:
+        if self.stage not in (1, 2, 3):
+            raise ValueError(f"FlatSharding(stage={self.stage!r}): ZeRO stages are 1, 2 or 3")
+
+    @classmethod
+    def of(cls, axis: str, stage: int, params: Mapping[str, Mapping[str, torch.Tensor]], shards: int) -> FlatSharding:
+        """One flat layout per layer that holds parameters, in the params' order."""
+        return cls(axis, stage, {u: UnitLayout.of(u, t, shards) for u, t in params.items() if t})
+
+    @property
+    def holds_shards(self) -> bool:
+        """Whether the parameters at rest are this rank's shards (stage 3) or full (stages 1, 2)."""
+        return self.stage == 3
+
+    def shards_of(self, params: Mapping[str, Mapping[str, torch.Tensor]], index: int) -> dict[str, torch.Tensor]:
+        """This rank's shard of every unit, cut from full parameters."""
+        return {u: lay.shard_of(lay.flatten(params[u]), index) for u, lay in self.units.items()}
+
+    def held(self, params: Mapping[str, Mapping[str, torch.Tensor]], index: int) -> Any:
+        """What a TrainState holds at rest: the shards (stage 3) or the full parameters."""
+        return self.shards_of(params, index) if self.holds_shards else {k: dict(v) for k, v in params.items()}
+
+    def my_shards(self, held: Any, index: int) -> dict[str, torch.Tensor]:
+        """This rank's shards from what the TrainState holds (cut from full parameters at stages 1, 2)."""
+        return dict(held) if self.holds_shards else self.shards_of(held, index)
+
+    def shard_nbytes(self) -> int:
+        return sum(lay.shard_nbytes for lay in self.units.values())

@@ -1,0 +1,93 @@
+"""Composition rules: which transform stacks are accepted, and what each transform does when
+another is there. Stated once, here, over the stack of frozen specs a Step carries.
+
+A transform appends its spec to ``step.transforms`` through :func:`add`, which
+checks the whole new stack. Each spec has a ``name`` (the transform's), a
+``role`` (what the engine's lowering asks of it) and a text form. The rules:
+
+* Every transform is applied at most once: a second ``remat`` (also with
+  ``mixed_precision`` between the two), ``mixed_precision``, ``shard_params``
+  or ``pipeline`` is refused. Apply it once, with the options you want.
+* ``shard_params`` and ``pipeline`` go over different mesh axes, in either
+  order: the lowering is the same (the pipeline decides which layers a rank
+  holds and when they compute; ZeRO shards that rank's layers over its axis).
+* Under a pipeline, ZeRO does not reshard after forward by default: a stage's
+  units are gathered before their first compute of the step and kept to their
+  last (torchtitan's rule for PP: per-micro-batch all-gathers would cost more
+  than they save). ``reshard_after_forward=True`` given explicitly frees each
+  unit after every compute that the next one does not share, and gathers it
+  again (least memory, most traffic). ``prefetch`` gathers the units of the
+  next computes on this rank early, as without a pipeline.
+* Under a pipeline, ``shard_params(accumulation=k)`` is refused: the
+  pipeline's micro-batches are the accumulation (use ``microbatches=``).
+* ``mixed_precision`` and ``remat`` rewrite layer functions; in any order with
+  the others. Under ``mixed_precision`` ZeRO gathers parameters in the compute
+  dtype and reduces gradients in the policy's reduce dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .step import Step
+
+PLACEMENT = "placement"  # decides which layers each rank holds and when they compute (pipeline)
+SHARDING = "sharding"  # shards a rank's units over an axis (shard_params)
+REWRITE = "rewrite"  # rewrites layer functions (mixed_precision, remat)
+ROLES = (PLACEMENT, SHARDING, REWRITE)
+
+
+def describe(stack: tuple[Any, ...]) -> str:
+    return " -> ".join(str(s) for s in stack) or "(no transform)"
+
+
+def check_stack(stack: tuple[Any, ...]) -> None:
+    """Refuse a stack that cannot work, naming the transforms and the fix."""
+    seen: dict[str, Any] = {}
+    for spec in stack:
+        if spec.role not in ROLES:
+            raise TypeError(f"{spec!r} has role {spec.role!r}; a transform's role is one of {ROLES}")
+        if spec.name in seen:
+            raise ValueError(
+                f"{spec.name} was applied twice (the stack is {describe(stack)}; already {seen[spec.name]}); "
+                f"apply {spec.name} once, with the options you want"
+            )
+        seen[spec.name] = spec
+    placement = [s for s in stack if s.role == PLACEMENT]
+    sharding = [s for s in stack if s.role == SHARDING]
+    if placement and sharding:
+        pipe, zero = placement[0], sharding[0]
+        if pipe.axis == zero.axis:
+            raise ValueError(
+                f"shard_params and pipeline both use axis {zero.axis!r} ({describe(stack)}); give them different "
+                "axes of one mesh, e.g. sw.Mesh(dp=2, pp=2) with shard_params(..., 'dp') and pipeline(..., 'pp')"
+            )
+        if zero.accumulation != 1:
+            raise ValueError(
+                f"shard_params(accumulation={zero.accumulation}) with pipeline ({describe(stack)}): the pipeline's "
+                "micro-batches are the accumulation; drop accumulation and set pipeline(..., microbatches=...)"
+            )
+
+
+def add(step: Step, spec: Any) -> Step:
+    """``step`` with ``spec`` appended to its stack, once the new stack passes :func:`check_stack`."""
+    stack = (*step.transforms, spec)
+    check_stack(stack)
+    return dataclasses.replace(step, transforms=stack)
+
+
+def find(stack: tuple[Any, ...], role: str) -> Any:
+    """The spec playing ``role`` in the stack, or None."""
+    for spec in stack:
+        if spec.role == role:
+            return spec
+    return None
+
+
+def reshard_after_forward(sharding: Any, pipelined: bool) -> bool:
+    """The rule above: an explicit choice wins; by default, reshard alone, keep under a pipeline."""
+    if sharding.reshard_after_forward is not None:
+        return bool(sharding.reshard_after_forward)
+    return not pipelined

@@ -1,0 +1,223 @@
+"""Where every parameter lives on a mesh: the placement of layers and the per-leaf shard specs.
+
+A :class:`Placement` says which pipeline index holds which layers (without a
+pipeline: every layer on every rank, one stage per layer). A :class:`LeafSpec`
+says, for one parameter, its global shape and dtype, which pipeline indices hold
+a copy (a weight tied across stages has several), and under ZeRO where it sits in
+its unit's flat buffer and how that buffer is cut over the data-parallel axis.
+:class:`StateLayout` holds both, plus this rank's flat units: it is the static
+part of a TrainState, and everything that reads a state's layout (``full_params``,
+checkpoints, later tensor parallel) reads these instead of a transform's private
+types.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..collectives.mesh import Mesh
+from ..collectives.ops import all_gather, broadcast
+from .chain import Chain
+from .devices import device_of
+from .sharding import FlatSharding
+
+Tied = tuple[tuple[str, str, tuple[int, ...]], ...]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Layers per stage and the pipeline index of each stage (``axis`` None: no pipeline).
+
+    ``tied`` lists every weight whose users sit on more than one pipeline index:
+    (owner layer, local name, the indices that use it). Each of those indices holds a
+    copy; their gradients are exchanged and summed in index order, so every copy
+    takes the same update (Megatron keeps its tied embeddings this way).
+    """
+
+    axis: str | None
+    stages: tuple[tuple[str, ...], ...]
+    stage_rank: tuple[int, ...]
+    tied: Tied = ()
+
+    def __post_init__(self) -> None:
+        if len(self.stages) != len(self.stage_rank):
+            raise ValueError(f"Placement: {len(self.stages)} stages but {len(self.stage_rank)} stage ranks")
+
+    @classmethod
+    def single(cls, chain: Chain) -> Placement:
+        """Every layer on every rank, each its own stage (the unit of forward, backward, gathers)."""
+        return cls(None, tuple((n,) for n in chain.names), (0,) * len(chain))
+
+    @classmethod
+    def pipelined(cls, chain: Chain, axis: str, stages: Sequence[Sequence[str]], stage_rank: Sequence[int]) -> Placement:
+        stages_t = tuple(tuple(s) for s in stages)
+        ranks = tuple(stage_rank)
+        return cls(axis, stages_t, ranks, tied_across(chain, stages_t, ranks))
+
+    @property
+    def last(self) -> int:
+        return len(self.stages) - 1
+
+    def index_of(self, mesh: Mesh | None, rank: int | None = None) -> int:
+        """The pipeline index of ``rank`` (default: the calling rank); 0 without a pipeline."""
+        if self.axis is None or mesh is None:
+            return 0
+        return mesh.axis_index(self.axis) if rank is None else mesh.coords_of(rank)[self.axis]
+
+    def layers_of(self, index: int) -> tuple[str, ...]:
+        """The layers pipeline index ``index`` holds (its stages', in order)."""
+        return tuple(n for s, layers in enumerate(self.stages) if self.stage_rank[s] == index for n in layers)
+
+    def replicas_of(self, index: int) -> list[tuple[str, str]]:
+        """Tied weights ``index`` holds a copy of without owning their layer."""
+        mine = set(self.layers_of(index))
+        return [(owner, name) for owner, name, users in self.tied if index in users and owner not in mine]
+
+    def stage_of(self, layer: str) -> int:
+        for s, layers in enumerate(self.stages):
+            if layer in layers:
+                return s
+        raise KeyError(f"no stage holds layer {layer!r}")
+
+
+def tied_across(chain: Chain, stages: tuple[tuple[str, ...], ...], stage_rank: tuple[int, ...]) -> Tied:
+    """Every tied weight whose users sit on more than one pipeline index, with those indices."""
+    rank_of_layer = {n: stage_rank[s] for s, layers in enumerate(stages) for n in layers}
+    users: dict[tuple[str, str], set[int]] = {}
+    for layer in chain.layers:
+        for owner, name in layer.ties.values():
+            users.setdefault((owner, name), {rank_of_layer[owner]}).add(rank_of_layer[layer.name])
+    return tuple((o, n, tuple(sorted(r))) for (o, n), r in sorted(users.items()) if len(r) > 1)
+
+
+@dataclass(frozen=True)
+class LeafCopy:
+    """One pipeline index's copy of a parameter; under ZeRO, where it sits in that index's unit."""
+
+    index: int
+    unit: str | None = None  # the unit (flat buffer) holding it, under ZeRO
+    offset: int = 0  # its first element in the unit's flat buffer
+    unit_numel: int = 0  # the unit's padded length: ``shards`` equal shards of it
+
+
+@dataclass(frozen=True)
+class LeafSpec:
+    """One parameter of the model: its global shape and dtype (as stored: the master dtype),
+    the pipeline indices holding a copy (the owner's first), and the data-parallel sharding."""
+
+    layer: str
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    copies: tuple[LeafCopy, ...]
+    pipeline_axis: str | None = None
+    dp_axis: str | None = None  # ZeRO: the axis the flat units are cut over
+    zero_stage: int | None = None
+    shards: int = 1
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    def describe(self) -> str:
+        where = f"pipeline indices {[c.index for c in self.copies]} of {self.pipeline_axis!r}" if self.pipeline_axis else "every rank"
+        zero = f", ZeRO-{self.zero_stage} flat shard over {self.dp_axis!r} of {self.shards}" if self.dp_axis else ""
+        return f"{self.layer}.{self.name}: {list(self.shape)} {str(self.dtype).removeprefix('torch.')} on {where}{zero}"
+
+
+def leaf_specs(
+    params: Mapping[str, Mapping[str, torch.Tensor]],
+    placement: Placement,
+    shardings: Mapping[int, FlatSharding | None],
+) -> dict[tuple[str, str], LeafSpec]:
+    """The spec of every parameter, from the (full, master-dtype, possibly meta) params, the
+    placement and each pipeline index's flat units."""
+    holders: dict[tuple[str, str], list[int]] = {}
+    for index in sorted(set(placement.stage_rank)):
+        for layer in placement.layers_of(index):
+            for name in params.get(layer, {}):
+                holders.setdefault((layer, name), []).append(index)
+        for key in placement.replicas_of(index):
+            holders.setdefault(key, []).append(index)
+    specs: dict[tuple[str, str], LeafSpec] = {}
+    for (layer, name), indices in holders.items():
+        t = params[layer][name]
+        copies = []
+        shard_info: tuple[str | None, int | None, int] = (None, None, 1)
+        for index in indices:
+            sharding = shardings.get(index)
+            if sharding is None or layer not in sharding.units:
+                copies.append(LeafCopy(index))
+                continue
+            unit = sharding.units[layer]
+            offset = 0
+            for n, numel in zip(unit.names, unit.numels, strict=True):
+                if n == name:
+                    break
+                offset += numel
+            copies.append(LeafCopy(index, layer, offset, unit.padded_numel))
+            shard_info = (sharding.axis, sharding.stage, unit.shards)
+        specs[(layer, name)] = LeafSpec(
+            layer, name, tuple(t.shape), t.dtype, tuple(copies), placement.axis, *shard_info
+        )
+    return specs
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    """The static part of a TrainState: how the parameters are laid out on the mesh.
+
+    ``sharding`` is this rank's flat units (None without ZeRO); ``leaves`` the spec of
+    every parameter of the model; ``layers`` the keys of the full params pytree, in
+    order; ``stack`` the transforms that made the state (their text forms).
+    """
+
+    placement: Placement
+    sharding: FlatSharding | None
+    leaves: dict[tuple[str, str], LeafSpec]
+    layers: tuple[str, ...]
+    stack: tuple[str, ...]
+    schedule: Any = None  # the pipeline's Schedule, when there is one
+    # Derived data, memoised per input layout / pipeline index: never part of equality.
+    cache: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def index_of(self, mesh: Mesh | None) -> int:
+        return self.placement.index_of(mesh)
+
+    def describe(self) -> str:
+        return "\n".join(spec.describe() for spec in self.leaves.values())
+
+
+def full_params(layout: StateLayout, held: Any, mesh: Mesh | None) -> dict[str, dict[str, torch.Tensor]]:
+    """Every rank gets the complete parameters: an all-gather per unit under ZeRO-3, then a
+    broadcast of each layer from the pipeline index that owns it. Collectives: every rank
+    calls this together."""
+    local: dict[str, dict[str, torch.Tensor]]
+    sharding = layout.sharding
+    if sharding is not None and sharding.holds_shards:
+        assert mesh is not None
+        local = {}
+        for unit, lay in sharding.units.items():
+            flat = all_gather(held[unit], sharding.axis, tiled=True, mesh=mesh)
+            local[unit] = {k: v.clone() for k, v in lay.unflatten(flat).items()}
+    else:
+        local = {k: dict(v) for k, v in held.items()}
+    placement = layout.placement
+    if placement.axis is None:
+        return {layer: local.get(layer, {}) for layer in layout.layers}
+    assert mesh is not None
+    device = device_of(local)  # a rank holding no parameter at all receives on the CPU
+    full: dict[str, dict[str, torch.Tensor]] = {layer: {} for layer in layout.layers}
+    for (layer, name), spec in layout.leaves.items():
+        owner = spec.copies[0].index
+        mine = local.get(layer, {}).get(name)
+        x = mine if mine is not None else torch.zeros(spec.shape, dtype=spec.dtype, device=device)
+        full[layer][name] = broadcast(x, placement.axis, root=owner, mesh=mesh)
+    return full

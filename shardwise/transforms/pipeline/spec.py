@@ -1,0 +1,82 @@
+"""pipeline's spec: frozen data in the step's stack, and what the lowering asks of it."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from ...collectives.mesh import Mesh
+from ...engine.chain import Chain
+from ...engine.compose import PLACEMENT
+from ...engine.layout import Placement
+from ...engine.plan import Action
+from .builtins import get_schedule
+from .lowering import rank_computes
+from .partition import balanced_partition, check_partition, param_counts, stage_layers
+from .schedule import Schedule
+from .simulate import simulate
+from .validate import validate
+
+
+@dataclass(frozen=True)
+class PipelineSpec:
+    """The chain cut into stages over ``axis``, run by ``schedule`` (see :func:`pipeline`)."""
+
+    axis: str
+    schedule: Any = "1f1b"
+    microbatches: int = 1
+    stages: int | None = None
+    partition: tuple[int, ...] | None = None
+    poison: bool = False
+    trace: bool = False
+
+    name: ClassVar[str] = "pipeline"
+    role: ClassVar[str] = PLACEMENT
+
+    def __str__(self) -> str:
+        schedule = self.schedule if isinstance(self.schedule, str) else type(self.schedule).__name__
+        extra = "".join(
+            f", {k}={v!r}" for k, v in (("stages", self.stages), ("partition", self.partition)) if v is not None
+        )
+        return f"pipeline(axis={self.axis!r}, schedule={schedule!r}, microbatches={self.microbatches}{extra})"
+
+    def num_stages(self, ranks: int) -> int:
+        if self.stages is not None:
+            return self.stages
+        if isinstance(self.schedule, Schedule):
+            return self.schedule.num_stages
+        return 2 * ranks if self.schedule == "zb_v" else ranks
+
+    def place(self, chain: Chain, mesh: Mesh, params: Mapping[str, Any] | None) -> tuple[Placement, Schedule]:
+        """Stages, schedule and placement on ``mesh``; refuses anything that cannot run."""
+        if self.axis not in mesh.axis_names:
+            raise ValueError(f"pipeline(axis={self.axis!r}): {mesh!r} has no axis {self.axis!r}; use one of {mesh.axis_names}")
+        ranks = mesh.axis_size(self.axis)
+        count = self.num_stages(ranks)
+        names = list(chain.names)
+        if self.partition is not None:
+            counts = check_partition(self.partition, len(names), count)
+        elif params is not None:
+            counts = balanced_partition(param_counts(names, params), count)
+        else:
+            raise ValueError(
+                "pipeline balances stages by parameter count: pass the params (step.plan(mesh, params)) "
+                "or give the layer counts with pipeline(..., partition=[...])"
+            )
+        schedule = get_schedule(self.schedule, ranks, count, self.microbatches)
+        validate(schedule)
+        return Placement.pipelined(chain, self.axis, stage_layers(names, counts), schedule.placement), schedule
+
+    def rank_computes(self, placement: Placement, schedule: Schedule, index: int) -> list[Action]:
+        return rank_computes(schedule, placement, self.axis, index)
+
+    def kept_per_index(self, schedule: Schedule, per_stage: Sequence[int]) -> tuple[int, ...]:
+        """Activation bytes kept for backward per pipeline index: the schedule's peak number of
+        micro-batch activations on the rank (from the simulator) times the largest per-micro-batch
+        figure of its stages. Exact with one stage per rank, an upper bound with more."""
+        peaks = simulate(schedule).peak_activations
+        return tuple(
+            peaks[index] * max((per_stage[s] for s, p in enumerate(schedule.placement) if p == index), default=0)
+            for index in range(schedule.num_ranks)
+        )
