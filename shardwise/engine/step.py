@@ -393,6 +393,8 @@ class Step:
             metrics["skipped"] = host_scalar(not summed.finite)
         if pipe is not None and pipe.trace:
             metrics["trace"] = executor.events  # type: ignore[assignment]
+            # Every action with its position in this rank's list: a measured timeline of the Plan.
+            metrics["action_times"] = executor.action_times  # type: ignore[assignment]
         new_state = state._replace(
             params=executor.new_held, opt_state=outcome["opt_state"], step=state.step + 1,
             loss_scale=outcome["loss_scale"],
