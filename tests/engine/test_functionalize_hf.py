@@ -1,0 +1,410 @@
+"""Unmodified Hugging Face models through functionalize: whole, and split per block.
+
+Four families (GPT-2: tied head, learned positions; Llama: RoPE, RMSNorm, grouped-query
+attention; BERT: bidirectional, a mask that is None unless padded; Qwen2: Llama-like
+with attention biases), tiny random-init configs in float64, eager attention, no dropout.
+
+* A single-device step is bitwise a plain torch loop on the HF module (SGD with momentum,
+  and AdamW against torch.optim.AdamW): the chain runs the module's own code on the same
+  tensors, so there is no tolerance to explain.
+* ZeRO stages 1-3 at dp=2 and a 1F1B pipeline at pp=2 on the per-block split match the
+  single-device step (assert_equivalent's float64 default).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import optree
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import shardwise as sw
+from shardwise.engine import pytrees
+from shardwise.engine.functionalize import FunctionalizeError, functionalize
+
+T = pytest.importorskip("transformers", reason="the [hf] extra (pip install -e '.[hf]') is not installed")
+
+VOCAB, SEQ, BATCH = 64, 8, 4
+
+
+def gpt2() -> tuple[nn.Module, type[nn.Module]]:
+    cfg = T.GPT2Config(
+        vocab_size=VOCAB, n_positions=16, n_embd=16, n_layer=2, n_head=2,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager",
+        bos_token_id=0, eos_token_id=0,
+    )
+    return T.GPT2LMHeadModel(cfg), T.models.gpt2.modeling_gpt2.GPT2Block
+
+
+def llama() -> tuple[nn.Module, type[nn.Module]]:
+    cfg = T.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+        attn_implementation="eager", bos_token_id=0, eos_token_id=0,
+    )
+    return T.LlamaForCausalLM(cfg), T.models.llama.modeling_llama.LlamaDecoderLayer
+
+
+def bert() -> tuple[nn.Module, type[nn.Module]]:
+    cfg = T.BertConfig(
+        vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=32, max_position_embeddings=16, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, attn_implementation="eager",
+    )
+    return T.BertForMaskedLM(cfg), T.models.bert.modeling_bert.BertLayer
+
+
+def qwen2() -> tuple[nn.Module, type[nn.Module]]:
+    cfg = T.Qwen2Config(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+        attn_implementation="eager", bos_token_id=0, eos_token_id=0,
+    )
+    return T.Qwen2ForCausalLM(cfg), T.models.qwen2.modeling_qwen2.Qwen2DecoderLayer
+
+
+FAMILIES = {"gpt2": gpt2, "llama": llama, "bert": bert, "qwen2": qwen2}
+
+
+def build(family: str) -> tuple[nn.Module, type[nn.Module]]:
+    torch.manual_seed(0)
+    model, block = FAMILIES[family]()
+    return model.double(), block
+
+
+def token_batches(n: int = 3, seed: int = 1) -> list[tuple[Tensor, Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randint(0, VOCAB, (BATCH, SEQ), generator=g), torch.randint(0, VOCAB, (BATCH, SEQ), generator=g))
+        for _ in range(n)
+    ]
+
+
+def lm_loss(out: Any, targets: Tensor) -> Tensor:
+    """Cross entropy on ``out.logits`` in the model's dtype (HF's own loss upcasts to float32)."""
+    assert isinstance(out, T.utils.ModelOutput), type(out)  # the loss gets a real ModelOutput
+    return F.cross_entropy(out.logits.flatten(0, 1), targets.flatten())
+
+
+def call(model: nn.Module, x: Any) -> Any:
+    kwargs = dict(x) if isinstance(x, dict) else {"input_ids": x}
+    if "use_cache" in inspect.signature(model.forward).parameters:
+        kwargs["use_cache"] = False  # what functionalize's layers do: a pure layer keeps no cache
+    return model(**kwargs)
+
+
+def torch_loop(
+    model: nn.Module, batches: list[Any], make_opt: Callable[[Any], torch.optim.Optimizer],
+    loss: Callable[[Any, Any], Tensor],
+) -> tuple[nn.Module, list[Tensor]]:
+    model = copy.deepcopy(model)
+    opt = make_opt(model.parameters())
+    losses = []
+    for x, y in batches:
+        opt.zero_grad(set_to_none=True)
+        value = loss(call(model, x), y)
+        value.backward()
+        assert all(p.grad is not None for p in model.parameters())  # torch would skip a None grad
+        opt.step()
+        losses.append(value.detach())
+    return model, losses
+
+
+def assert_params_equal(state_params: dict[str, dict[str, Tensor]], model: nn.Module) -> None:
+    named = dict(model.named_parameters())
+    seen = 0
+    for layer, tensors in state_params.items():
+        for name, value in tensors.items():
+            assert torch.equal(value, named[name]), f"{layer}/{name}"
+            seen += 1
+    assert seen == len(named)  # every module parameter is in the params pytree once
+
+
+OPTIMIZERS = {
+    "sgd-momentum": (
+        lambda: sw.optim.sgd(0.1, momentum=0.9),
+        lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+    ),
+    "adamw": (
+        lambda: sw.optim.adamw(1e-2, weight_decay=0.1),
+        lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1),
+    ),
+}
+
+
+# --- single device: bitwise the torch loop -------------------------------------------------------
+
+
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+@pytest.mark.parametrize("split", ["whole", "blocks"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_step_is_bitwise_a_torch_loop(family: str, split: str, optimizer: str) -> None:
+    model, block = build(family)
+    ours, theirs = OPTIMIZERS[optimizer]
+    batches = token_batches()
+    chain, params = functionalize(model, units=None if split == "whole" else block)
+    assert len(chain) == (1 if split == "whole" else 4)
+    step = sw.train_step(chain, lm_loss, ours())
+    state = step.init(params)
+    losses = []
+    for batch in batches:
+        state, metrics = step(state, batch)
+        losses.append(metrics["loss"])
+    reference, expected = torch_loop(model, batches, theirs, lm_loss)
+    assert all(torch.equal(a, b) for a, b in zip(losses, expected, strict=True))
+    assert_params_equal(state.params, reference)
+
+
+def test_the_split_names_embed_blocks_head_and_keeps_gpt2s_tie() -> None:
+    model, block = build("gpt2")
+    chain, params = functionalize(model, units=block)
+    assert chain.names == ("embed", "transformer.h.0", "transformer.h.1", "head")
+    head = chain["head"]
+    assert head.ties == {"transformer.wte.weight": ("embed", "transformer.wte.weight")}
+    # the head holds what runs after the blocks, and not the position embedding
+    assert set(head.owned_param_names) == {"transformer.ln_f.weight", "transformer.ln_f.bias"}
+    assert "transformer.wpe.weight" in params["embed"]
+
+
+def test_units_by_path_give_the_same_split() -> None:
+    model, block = build("llama")
+    by_class, _ = functionalize(model, units=block)
+    by_path, _ = functionalize(model, units="model.layers")
+    assert by_class.names == by_path.names == ("embed", "model.layers.0", "model.layers.1", "head")
+
+
+# --- HF-style dict batches and the model's own loss ------------------------------------------
+
+
+def padded_batches(family: str, n: int = 2) -> list[tuple[dict[str, Tensor], None]]:
+    """Dict batches with right padding (attention_mask 0, labels -100) in some rows."""
+    out = []
+    for i, (ids, _) in enumerate(token_batches(n, seed=3)):
+        mask = torch.ones_like(ids)
+        mask[i % BATCH, SEQ - 3 :] = 0
+        labels = ids.masked_fill(mask == 0, -100)
+        out.append(({"input_ids": ids, "attention_mask": mask, "labels": labels}, None))
+    return out
+
+
+def own_loss(out: Any, targets: None) -> Tensor:
+    return out.loss
+
+
+@pytest.mark.parametrize("split", ["whole", "blocks"])
+@pytest.mark.parametrize("family", ["gpt2", "bert"])
+def test_dict_batches_train_through_the_models_own_loss(family: str, split: str) -> None:
+    model, block = build(family)
+    batches = padded_batches(family)
+    # BERT's mask is None for the unpadded example and a tensor for the padded batches.
+    unpadded = {**batches[0][0], "attention_mask": torch.ones(BATCH, SEQ, dtype=torch.long)}
+    chain, params = functionalize(model, units=None if split == "whole" else block, example_input=unpadded)
+    step = sw.train_step(chain, own_loss, sw.optim.sgd(0.1, momentum=0.9))
+    state = step.init(params)
+    losses = []
+    for batch in batches:
+        state, metrics = step(state, batch)
+        losses.append(metrics["loss"])
+    reference, expected = torch_loop(model, batches, OPTIMIZERS["sgd-momentum"][1], own_loss)
+    assert all(torch.equal(a, b) for a, b in zip(losses, expected, strict=True))
+    assert_params_equal(state.params, reference)
+
+
+def test_a_split_recorded_on_one_input_structure_refuses_another() -> None:
+    model, block = build("gpt2")
+    chain, params = functionalize(model, units=block)  # recorded on a bare ids tensor
+    batch = {"input_ids": torch.zeros(2, SEQ, dtype=torch.long)}
+    with pytest.raises(FunctionalizeError, match=r"the layer input has structure(.|\n)*example_input="):
+        chain(params, batch)
+
+
+# --- a ModelOutput trains ------------------------------------------------------------------
+
+
+def test_a_model_output_is_a_pytree_and_the_whole_model_trains() -> None:
+    model, _ = build("llama")
+    chain, params = functionalize(model, example_input=token_batches(1)[0][0])
+    step = sw.train_step(chain, lm_loss, sw.optim.sgd(0.1))
+    state, metrics = step(step.init(params), token_batches(1)[0])
+    assert float(metrics["grad_norm"]) > 0
+    moved = [
+        n for n, t in state.params["model"].items() if not torch.equal(t, params["model"][n])
+    ]
+    assert len(moved) == len(params["model"])
+    out = chain(params, token_batches(1)[0][0])
+    assert [type(v) for v in optree.tree_leaves(out)] == [Tensor]  # the logits; cache is off
+    rebuilt = optree.tree_map(lambda t: t, out)
+    assert type(rebuilt) is type(out) and rebuilt["logits"] is out.logits
+
+
+def test_functionalize_with_an_example_checks_whole_and_split_bitwise() -> None:
+    model, block = build("qwen2")
+    ids = token_batches(1)[0][0]
+    for units in (None, block):
+        functionalize(model, units=units, example_input=ids)  # raises on any bitwise difference
+
+
+# --- distributed, on the per-block split -----------------------------------------------------
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_zero_and_a_pipeline_match_the_single_device_step(family: str) -> None:
+    model, block = build(family)
+    chain, params = functionalize(model, units=block)
+    step = sw.train_step(chain, lm_loss, sw.optim.sgd(0.1, momentum=0.9))
+    batches = token_batches()
+    for stage in (1, 2, 3):
+        sw.testing.assert_equivalent(sw.shard_params(step, "dp", stage), step, sw.Mesh(dp=2), batches, params)
+    pipelined = sw.pipeline(step, "pp", "1f1b", microbatches=2)
+    sw.testing.assert_equivalent(pipelined, step, sw.Mesh(pp=2), batches, params)
+
+
+# --- refusals -------------------------------------------------------------------------------------
+
+
+class Untraceable(nn.Module):
+    """``len()`` of the input in the glue: fx cannot run it on a proxy (nor is it control flow)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 4)
+        self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+        self.out = nn.Linear(4, 3)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        x = self.emb(ids)[: len(ids)]
+        for b in self.blocks:
+            x = self.between(b(x))
+        return self.out(x)
+
+    def between(self, x: Tensor) -> Tensor:
+        return x
+
+
+def test_fx_failure_says_what_fx_reported_and_offers_the_recording_route() -> None:
+    with pytest.raises(FunctionalizeError) as info:
+        functionalize(Untraceable(), units="blocks")
+    message = str(info.value)
+    assert "'len' is not supported" in message and "example_input=" in message
+    assert "control flow" not in message
+    chain, _ = functionalize(Untraceable(), units="blocks", example_input=torch.tensor([[1, 2, 3]]))
+    assert chain.names == ("embed", "blocks.0", "blocks.1", "head")
+
+
+class Rescaled(Untraceable):
+    """Glue between the blocks changes the hidden state: no layer could hold it."""
+
+    def between(self, x: Tensor) -> Tensor:
+        return x * 2
+
+
+class _Pair(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        y = self.inner(x)
+        return y, y.detach()
+
+
+class TwoOutputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_Pair(nn.Linear(4, 4)) for _ in range(2))
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x[: len(x)]
+        for b in self.blocks:
+            x = b(x)[0]
+        return x
+
+
+@pytest.mark.parametrize(
+    ("module", "units", "message"),
+    [
+        (Rescaled(), "blocks", r"unit 'blocks.1' does not receive the output of 'blocks.0'"),
+        (TwoOutputs(), "blocks", r"unit 'blocks.0' returns a tuple of \(Tensor, Tensor\).*output_attentions=False"),
+    ],
+)
+def test_recorded_split_refusals_name_the_unit_and_the_fix(module: nn.Module, units: str, message: str) -> None:
+    x = torch.tensor([[1, 2, 3]]) if isinstance(module, Untraceable) else torch.randn(2, 4)
+    with pytest.raises(FunctionalizeError, match=message):
+        functionalize(module, units=units, example_input=x)
+
+
+class Argmax(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return x.argmax(-1)
+
+
+@dataclasses.dataclass
+class Normalised:
+    """__post_init__ changes its input, so rebuilding it from its fields would change values."""
+
+    logits: Tensor
+
+    def __post_init__(self) -> None:
+        self.logits = self.logits - self.logits.mean()
+
+
+class ReturnsNormalised(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x: Tensor) -> Normalised:
+        return Normalised(self.lin(x))
+
+
+def test_an_output_without_a_floating_tensor_is_refused_naming_the_layer() -> None:
+    with pytest.raises(FunctionalizeError, match=r"layer '1' returns a Tensor that carries no floating-point tensor"):
+        functionalize(nn.Sequential(nn.Linear(3, 3), Argmax()), example_input=torch.randn(2, 3))
+    with pytest.raises(FunctionalizeError, match=r"layer 'model'.*opaque leaves \['Normalised'\].*__post_init__"):
+        functionalize(ReturnsNormalised(), example_input=torch.randn(2, 3))
+
+
+@dataclasses.dataclass(frozen=True)
+class Output:
+    logits: Tensor
+    aux: Tensor | None = None
+
+
+class ReturnsOutput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+
+    def forward(self, x: Tensor) -> Output:
+        return Output(self.lin(x))
+
+
+def test_a_dataclass_output_flows_and_round_trips() -> None:
+    chain, params = functionalize(ReturnsOutput(), example_input=torch.randn(4, 3))
+    step = sw.train_step(chain, lambda out, y: F.mse_loss(out.logits, y), sw.optim.sgd(0.1))
+    _, metrics = step(step.init(params), (torch.randn(4, 3), torch.randn(4, 2)))
+    assert float(metrics["grad_norm"]) > 0
+    out = Output(torch.ones(2), None)
+    leaves, spec = optree.tree_flatten(out)
+    assert optree.tree_unflatten(spec, leaves) == out and len(leaves) == 1
+
+
+def test_optree_still_has_the_global_namespace_we_register_in() -> None:
+    """pytrees.py registers through optree's private global-namespace sentinel: fail loudly if
+    optree renames it, and check a registered class flattens with no namespace given."""
+    assert type(pytrees._GLOBAL_NAMESPACE).__name__ == "GlobalNamespace"
+
+    @dataclasses.dataclass
+    class Fresh:
+        value: Tensor
+
+    pytrees.register_output_types(Fresh(torch.ones(1)))
+    assert optree.register_pytree_node.get(Fresh) is not None
+    assert optree.tree_leaves(Fresh(torch.zeros(2)))[0].shape == (2,)
