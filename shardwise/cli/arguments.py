@@ -1,0 +1,101 @@
+"""What the command line reads: the mesh grammar and the user's ``FILE:FUNCTION``.
+
+Both raise :class:`UsageError`, which the command reports on one line and
+exits 2 for, as argparse does for its own usage errors.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ..collectives.mesh import Mesh
+
+
+class UsageError(Exception):
+    """The command line asked for something that cannot be: exit status 2."""
+
+
+def parse_mesh(text: str) -> Mesh:
+    """``"dp=2,pp=2"`` -> ``Mesh(dp=2, pp=2)``: comma-separated ``axis=size`` pairs, in mesh order.
+
+    >>> parse_mesh("dp=2,pp=2")
+    Mesh(dp=2, pp=2)
+    >>> parse_mesh("dp=two")
+    Traceback (most recent call last):
+    ...
+    shardwise.cli.arguments.UsageError: --mesh 'dp=two': size 'two' of axis 'dp' is not a whole number; write e.g. --mesh dp=2,pp=2
+    """
+    example = "write e.g. --mesh dp=2,pp=2"
+    sizes: dict[str, int] = {}
+    for item in text.split(","):
+        name, equals, size = (part.strip() for part in item.partition("="))
+        if not equals or not name:
+            raise UsageError(f"--mesh {text!r}: {item.strip()!r} is not axis=size; {example}")
+        if not name.isidentifier():
+            raise UsageError(f"--mesh {text!r}: axis name {name!r} must be an identifier such as dp; {example}")
+        if name in sizes:
+            raise UsageError(f"--mesh {text!r}: axis {name!r} is given twice")
+        if not size.isdigit():
+            raise UsageError(f"--mesh {text!r}: size {size!r} of axis {name!r} is not a whole number; {example}")
+        if int(size) < 1:
+            raise UsageError(f"--mesh {text!r}: axis {name!r} has size {size}; sizes are at least 1")
+        sizes[name] = int(size)
+    return Mesh(sizes)
+
+
+def load_function(target: str) -> Callable[..., Any]:
+    """Import ``FILE:FUNCTION`` by path and return the function.
+
+    The file is imported as a module named after it, with its folder first on
+    ``sys.path``, as ``python FILE`` would see it: so its own imports work and
+    spawned rank processes (``--backend processes``) can import it again.
+    """
+    file, colon, name = target.rpartition(":")
+    if not colon or not file or not name:
+        raise UsageError(f"{target!r}: write FILE:FUNCTION, e.g. train.py:make_step")
+    path = Path(file).resolve()
+    if not path.is_file():
+        raise UsageError(f"{target!r}: no such file {file!r}")
+    if path.suffix != ".py":
+        raise UsageError(f"{target!r}: {file!r} is not a Python file (.py)")
+    module_name = path.stem
+    if not module_name.isidentifier():
+        raise UsageError(f"{target!r}: rename {path.name!r} to a valid module name (letters, digits, _)")
+    loaded = sys.modules.get(module_name)
+    if loaded is not None and Path(getattr(loaded, "__file__", "") or "").resolve() != path:
+        raise UsageError(
+            f"{target!r}: a module named {module_name!r} is already imported from "
+            f"{getattr(loaded, '__file__', 'a built-in')}; rename {path.name!r}"
+        )
+    if loaded is None:
+        spec = importlib.util.spec_from_file_location(module_name, path)
+        if spec is None or spec.loader is None:
+            raise UsageError(f"{target!r}: cannot import {file!r}")
+        sys.path.insert(0, str(path.parent))
+        loaded = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = loaded  # before running it: dataclasses and pickle look it up there
+        try:
+            spec.loader.exec_module(loaded)
+        except BaseException:
+            del sys.modules[module_name]
+            raise
+    function = getattr(loaded, name, None)
+    if function is None:
+        public = sorted(n for n, v in vars(loaded).items() if callable(v) and not n.startswith("_"))
+        raise UsageError(f"{target!r}: {file!r} has no function {name!r}; it defines {public}")
+    if not callable(function):
+        raise UsageError(f"{target!r}: {name!r} is a {type(function).__name__}, not a function")
+    return function
+
+
+def call_for(target: str, function: Callable[..., Any], names: tuple[str, ...]) -> tuple[Any, ...]:
+    """Call the user's function with no arguments; it must return a tuple ``names`` long."""
+    result = function()
+    if not isinstance(result, tuple | list) or len(result) != len(names):
+        got = f"a {type(result).__name__}" + (f" of {len(result)}" if isinstance(result, tuple | list) else "")
+        raise UsageError(f"{target} must return ({', '.join(names)}), got {got}")
+    return tuple(result)

@@ -1,0 +1,126 @@
+"""``shardwise plan FILE:FUNCTION --mesh ...``: what every rank of a step will do, hold and send."""
+
+from __future__ import annotations
+
+import argparse
+from collections import Counter
+from typing import Any
+
+from ..collectives.launch import launch
+from ..collectives.ledger import Ledger, comm_ledger
+from ..collectives.mesh import Mesh
+from ..engine.plan import Plan
+from ..transforms.pipeline import ascii_timeline, simulate
+from .arguments import UsageError, call_for, load_function, parse_mesh
+
+HELP = "print the per-rank Plan of a step: actions, memory, communication"
+CONTRACT = ("step", "params", "batch")
+DESCRIPTION = """\
+Print the Plan of a training step on a mesh: every rank's actions in order, the
+bytes each rank holds (parameters, gradients, optimizer state, activations kept
+for backward), and what it communicates.
+
+FILE:FUNCTION names a function of no arguments in a Python file that returns
+(step, params, batch): a step built with shardwise (sw.train_step and any
+transforms), its full parameters and one global batch, e.g.
+
+    def make():
+        chain, params = sw.functionalize(model)
+        step = sw.shard_params(sw.train_step(chain, loss_fn, sw.optim.sgd(0.1)), "dp", stage=3)
+        return step, params, (inputs, targets)
+
+    shardwise plan train.py:make --mesh dp=2
+"""
+
+
+def mesh_argument(text: str) -> Mesh:
+    """``--mesh`` for argparse: a bad mesh is a usage error with its reason."""
+    try:
+        return parse_mesh(text)
+    except UsageError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def add_parser(verbs: Any) -> None:
+    parser = verbs.add_parser("plan", help=HELP, description=DESCRIPTION,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("target", metavar="FILE:FUNCTION", help="a function returning (step, params, batch)")
+    parser.add_argument("--mesh", type=mesh_argument, required=True, help="mesh axes and sizes, e.g. dp=2,pp=2")
+    parser.add_argument("--simulate", action="store_true", help="also print a simulated timeline of the step")
+    parser.add_argument("--measure", action="store_true",
+                        help="also run one step on threads and print the collectives it issued, per axis and op")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace, out: Any) -> int:
+    step, params, batch = call_for(args.target, load_function(args.target), CONTRACT)
+    mesh: Mesh = args.mesh
+    plan = step.plan(mesh, params, batch)
+    if not isinstance(plan, Plan):
+        raise UsageError(f"{args.target}: step.plan returned a {type(plan).__name__}, not a shardwise Plan")
+    data: dict[str, Any] = {"mesh": mesh.shape, **plan_data(plan)}
+    # The Plan's text already lists its bytes per axis and op (Plan.comm_bytes).
+    data["comm_bytes"] = {f"{axis}/{op}": list(per_rank) for (axis, op), per_rank in plan.comm_bytes().items()}
+    text = [str(plan), "", action_table(plan)]
+    if args.simulate:
+        data["simulation"], simulated = simulation(step, plan, mesh, params)
+        text += ["", simulated]
+    if args.measure:
+        ledger = measure(step, params, batch, mesh)
+        data["measured"] = {f"{axis}/{op}": vars(s) for (axis, op), s in ledger.summary().items()}
+        text += ["", "collectives measured over one step on threads (the communication ledger):", str(ledger)]
+    out.emit(data, text="\n".join(text))
+    return 0
+
+
+def plan_data(plan: Plan) -> dict[str, Any]:
+    """The Plan as JSON-ready data: each rank's coordinates and actions, the memory figures."""
+    return {
+        "ranks": [
+            {"rank": rank, "coords": plan.mesh.coords_of(rank), "actions": [str(a) for a in actions]}
+            for rank, actions in enumerate(plan.actions)
+        ],
+        "memory": {key: list(per_rank) for key, per_rank in plan.memory.items()},
+    }
+
+
+def action_table(plan: Plan) -> str:
+    """How many actions of each kind each rank performs: the communicating ones stand out."""
+    kinds = sorted({a.kind for actions in plan.actions for a in actions})
+    counts = [Counter(a.kind for a in actions) for actions in plan.actions]
+    width = max(len(k) for k in kinds) if kinds else 0
+    lines = ["actions per rank: " + " ".join(f"{r:>4}" for r in range(plan.mesh.size))]
+    lines += [f"  {kind:<{width}}  " + " ".join(f"{c[kind]:>4}" for c in counts) for kind in kinds]
+    return "\n".join(lines)
+
+
+def simulation(step: Any, plan: Plan, mesh: Mesh, params: Any) -> tuple[dict[str, Any] | None, str]:
+    """A simulated timeline: of the whole Plan where the library offers it, else of the pipeline schedule."""
+    import shardwise
+
+    whole_plan = getattr(shardwise, "simulate", None)
+    if callable(whole_plan):
+        timeline = whole_plan(plan)
+        return ({"of": "plan", "makespan": getattr(timeline, "makespan", None),
+                 "bubble_fraction": getattr(timeline, "bubble_fraction", None)},
+                f"simulated plan:\n{timeline}")
+    layout = getattr(step, "layout", None)
+    if not callable(layout):
+        return None, "simulated time: not available for this step (this version simulates pipeline schedules only)"
+    timeline = simulate(layout(mesh, params).schedule)
+    note = ("this version simulates the pipeline schedule only: computes at F=1, B=2, I=W=1 units, "
+            "no communication and no other transform")
+    return ({"of": "pipeline_schedule", "note": note, "makespan": timeline.makespan,
+             "bubble_fraction": timeline.bubble_fraction, "peak_activations": list(timeline.peak_activations)},
+            f"simulated pipeline schedule ({note}):\n{ascii_timeline(timeline)}")
+
+
+def measure(step: Any, params: Any, batch: Any, mesh: Mesh) -> Ledger:
+    """Run one step on ``mesh`` (ranks as threads) under the communication ledger."""
+    def program() -> None:
+        step(step.init(params, mesh), batch)
+
+    with comm_ledger() as ledger:
+        launch(program, mesh.size)
+    return ledger

@@ -1,0 +1,37 @@
+"""How a verb answers: text for people or one JSON object (``--json``) for programs."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+
+class CommandFailed(Exception):
+    """The command ran and the answer is "no" (an invalid schedule, a divergence): exit status 1.
+
+    ``data`` is what ``--json`` prints on stdout for it; the message goes to stderr either way.
+    """
+
+    def __init__(self, message: str, data: Mapping[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.data = dict(data or {})
+
+
+class Output:
+    """Prints a verb's result as text, or as one JSON object when ``as_json``."""
+
+    def __init__(self, as_json: bool) -> None:
+        self.as_json = as_json
+
+    def emit(self, data: Mapping[str, Any], text: str) -> None:
+        if self.as_json:
+            print(json.dumps({"ok": True, **data}, indent=1, default=str))
+        else:
+            print(text)
+
+    def fail(self, failure: CommandFailed) -> None:
+        if self.as_json:
+            print(json.dumps({"ok": False, "error": str(failure), **failure.data}, indent=1, default=str))
+        print(f"shardwise: error: {failure}", file=sys.stderr)

@@ -1,0 +1,270 @@
+"""The installed ``shardwise`` command, run as a user runs it: a subprocess, its exit status and output.
+
+Expected figures come from the library in this process (the schedule's simulated bubble, the
+Plan's actions), never from copies of the command's output.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from shardwise.cli import main
+from shardwise.cli.arguments import UsageError, parse_mesh
+from shardwise.collectives.mesh import Mesh
+from shardwise.transforms.pipeline import Schedule, ScheduleError, get_schedule, simulate, validate
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = ROOT / "examples" / "cli_steps.py"
+SCRIPT = Path(sys.executable).parent / "shardwise"
+DEADLOCK = "rank 0: 0F0 0B0 0F1 0B1\nrank 1: 1F1 1B1 1F0 1B0\n"
+
+
+def shardwise(*args: str, cwd: Path = ROOT, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    """Run the console script (``python -m shardwise.cli`` only where none is installed: see below)."""
+    command = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "shardwise.cli"]
+    return subprocess.run([*command, *args], capture_output=True, text=True, timeout=timeout, cwd=cwd)
+
+
+@dataclass
+class Ran:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture
+def in_process(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> Iterator[Callable[..., Ran]]:
+    """``main(argv)`` in this process (no interpreter start: most checks run this way), leaving
+    ``sys.path`` and ``sys.modules`` as they were."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    before = set(sys.modules)
+
+    def run(*args: str, cwd: Path = ROOT) -> Ran:
+        monkeypatch.chdir(cwd)
+        capsys.readouterr()
+        status = main(list(args))
+        out, err = capsys.readouterr()
+        return Ran(status, out, err)
+
+    yield run
+    for name in set(sys.modules) - before:
+        if name.startswith(("divergent", "broken", "short", "cli_steps")):
+            del sys.modules[name]
+
+
+def test_the_console_script_is_installed() -> None:
+    """pip install -e . makes ``shardwise`` beside this Python; the entry point must import."""
+    found = SCRIPT if SCRIPT.exists() else shutil.which("shardwise")
+    assert found, f"no shardwise command beside {sys.executable} or on PATH: pip install -e '.[test]'"
+    result = subprocess.run([str(found), "--help"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert all(verb in result.stdout for verb in ("schedule", "plan", "verify"))
+
+
+@pytest.mark.parametrize("verb", ["schedule", "plan", "verify"])
+def test_every_verb_has_help(verb: str, in_process: Callable[..., Ran]) -> None:
+    result = in_process(verb, "--help")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"usage: shardwise {verb}") and "--json" in result.stdout
+
+
+def test_no_verb_is_a_usage_error(in_process: Callable[..., Ran]) -> None:
+    result = in_process()
+    assert result.returncode == 2 and "usage: shardwise" in result.stderr
+
+
+# -- schedule ------------------------------------------------------------------------------------
+def test_schedule_prints_the_library_figures(in_process: Callable[..., Ran]) -> None:
+    expected = simulate(get_schedule("zb_h1", 4, 4, 8))
+    result = in_process("schedule", "zb_h1", "--ranks", "4", "--microbatches", "8")
+    assert result.returncode == 0, result.stderr
+    assert str(expected.schedule) in result.stdout
+    assert f"bubble {expected.bubble_fraction:.1%} of the ranks' time" in result.stdout
+    peaks = " ".join(f"{r}:{p}" for r, p in enumerate(expected.peak_activations))
+    assert f"peak activations held per rank: {peaks}" in result.stdout
+
+
+def test_schedule_json_and_drawings(tmp_path: Path) -> None:
+    png, svg, trace = tmp_path / "s.png", tmp_path / "s.svg", tmp_path / "s.json"
+    result = shardwise("schedule", "zb_v", "--ranks", "2", "--microbatches", "4", "--json",
+                       "--png", str(png), "--svg", str(svg), "--trace", str(trace))
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    expected = simulate(get_schedule("zb_v", 2, 4, 4))  # zb_v's default: two stages per rank
+    assert data["ok"] is True and data["stages"] == 4
+    assert data["bubble_fraction"] == expected.bubble_fraction
+    assert data["peak_activations"] == list(expected.peak_activations)
+    assert Schedule.parse(data["text"]) == expected.schedule
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "<svg" in svg.read_text()
+    assert {e["name"] for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"} == {
+        str(op) for op in expected.schedule.ops()
+    }
+
+
+def test_schedule_file_is_read_and_checked_against_the_flags(tmp_path: Path, in_process: Callable[..., Ran]) -> None:
+    path = tmp_path / "mine.txt"
+    path.write_text("# hand-written\nrank 0: 0F0 0F1 0B0 0B1\nrank 1: 1F0 1B0 1F1 1B1\n")
+    good = in_process("schedule", str(path), "--json")
+    assert good.returncode == 0, good.stderr
+    assert json.loads(good.stdout)["name"] == "mine"
+    wrong = in_process("schedule", str(path), "--microbatches", "3")
+    assert wrong.returncode == 1 and "microbatches=2, but --microbatches 3" in wrong.stderr
+
+
+@pytest.mark.parametrize("text", [DEADLOCK, "rank 0: 0F0 0X0\n", "rank 0: 0F0 0B0 0B0\n"],
+                         ids=["deadlock", "syntax", "duplicate"])
+def test_an_invalid_schedule_file_fails_with_the_library_message(tmp_path: Path, text: str, in_process: Callable[..., Ran]) -> None:
+    with pytest.raises(ScheduleError) as raised:
+        validate(Schedule.parse(text))
+    path = tmp_path / "bad.txt"
+    path.write_text(text)
+    result = in_process("schedule", str(path))
+    assert result.returncode == 1
+    assert str(raised.value) in result.stderr and "Traceback" not in result.stderr
+    as_json = in_process("schedule", str(path), "--json")
+    assert as_json.returncode == 1 and json.loads(as_json.stdout)["ok"] is False
+
+
+def test_a_deadlocked_schedule_through_the_console_script(tmp_path: Path) -> None:
+    path = tmp_path / "deadlock.txt"
+    path.write_text(DEADLOCK)
+    result = shardwise("schedule", str(path))
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.startswith(f"shardwise: error: schedule {str(path)!r} is invalid: the schedule deadlocks")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["schedule", "no_such_schedule", "--ranks", "2", "--microbatches", "2"], "neither a built-in schedule"),
+        (["schedule", "1f1b", "--microbatches", "2"], "needs --ranks"),
+        (["schedule", "1f1b", "--ranks", "2", "--stages", "4", "--microbatches", "2"], "one stage per rank"),
+        (["schedule", "1f1b", "--ranks", "0", "--microbatches", "2"], "not a positive whole number"),
+    ],
+)
+def test_schedule_usage_errors(args: list[str], message: str, in_process: Callable[..., Ran]) -> None:
+    result = in_process(*args)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+
+
+# -- the mesh grammar and FILE:FUNCTION ------------------------------------------------------------
+def test_mesh_grammar() -> None:
+    assert parse_mesh("dp=2,pp=2") == Mesh(dp=2, pp=2)
+    assert parse_mesh(" tp = 4 ") == Mesh(tp=4)
+
+
+@pytest.mark.parametrize(
+    ("text", "reason"),
+    [("dp", "is not axis=size"), ("=2", "is not axis=size"), ("dp=two", "not a whole number"),
+     ("dp=0", "sizes are at least 1"), ("dp=2,dp=2", "given twice"), ("2x=2", "must be an identifier"),
+     ("dp=2,", "is not axis=size")],
+)
+def test_bad_mesh_is_refused_with_the_reason(text: str, reason: str) -> None:
+    with pytest.raises(UsageError, match=reason):
+        parse_mesh(text)
+
+
+def test_bad_mesh_is_a_usage_error_of_the_command(in_process: Callable[..., Ran]) -> None:
+    result = in_process("plan", f"{STEPS}:composed", "--mesh", "dp=2,pp")
+    assert result.returncode == 2 and "argument --mesh" in result.stderr and "'pp' is not axis=size" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("target", "message"),
+    [("nowhere.py:make", "no such file 'nowhere.py'"), (f"{STEPS}:missing", "has no function 'missing'"),
+     (str(STEPS), "write FILE:FUNCTION")],
+)
+def test_missing_file_or_function_is_a_usage_error(target: str, message: str, in_process: Callable[..., Ran]) -> None:
+    result = in_process("plan", target, "--mesh", "dp=2")
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+
+
+def test_errors_in_the_users_code_exit_1_with_its_traceback(tmp_path: Path, in_process: Callable[..., Ran]) -> None:
+    (tmp_path / "broken.py").write_text("def make():\n    raise RuntimeError('my model is broken')\n")
+    (tmp_path / "short.py").write_text("def make():\n    return 1, 2\n")
+    raised = in_process("plan", "broken.py:make", "--mesh", "dp=2", cwd=tmp_path)
+    assert raised.returncode == 1 and "broken.py" in raised.stderr and "my model is broken" in raised.stderr
+    short = in_process("plan", "short.py:make", "--mesh", "dp=2", cwd=tmp_path)
+    assert short.returncode == 2 and "must return (step, params, batch), got a tuple of 2" in short.stderr
+
+
+# -- plan and verify -------------------------------------------------------------------------------
+def _cli_steps():  # type: ignore[no-untyped-def]
+    spec = importlib.util.spec_from_file_location("cli_steps_for_tests", STEPS)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_plan_json_is_the_library_plan() -> None:
+    step, params, batch = _cli_steps().composed()
+    mesh = Mesh(dp=2, pp=2)
+    plan = step.plan(mesh, params, batch)
+    result = shardwise("plan", f"{STEPS}:composed", "--mesh", "dp=2,pp=2", "--simulate", "--measure", "--json")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["mesh"] == {"dp": 2, "pp": 2}
+    assert [r["actions"] for r in data["ranks"]] == [[str(a) for a in plan.for_rank(r)] for r in range(4)]
+    assert data["memory"] == {k: list(v) for k, v in plan.memory.items()}
+    assert data["comm_bytes"] == {f"{axis}/{op}": list(v) for (axis, op), v in plan.comm_bytes().items()}
+    assert data["comm_bytes"]["dp/all_gather"] and data["comm_bytes"]["pp/send"]
+    assert data["simulation"]["bubble_fraction"] == simulate(step.layout(mesh, params).schedule).bubble_fraction
+    # One step really ran: ZeRO-3 gathered over dp, the pipeline sent activations over pp.
+    assert data["measured"]["dp/all_gather"]["count"] > 0 and data["measured"]["pp/send"]["sent_bytes"] > 0
+
+
+def test_plan_text(in_process: Callable[..., Ran]) -> None:
+    step, params, batch = _cli_steps().composed()
+    result = in_process("plan", f"{STEPS}:composed", "--mesh", "dp=2,pp=2")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(str(step.plan(Mesh(dp=2, pp=2), params, batch)))
+    assert "actions per rank:" in result.stdout
+
+
+def test_verify_passes_on_an_equivalent_step(in_process: Callable[..., Ran]) -> None:
+    result = in_process("verify", f"{STEPS}:verified", "--mesh", "dp=2,pp=2", "--json")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["equivalent"] is True and data["steps"] == 3 and max(data["max_rel_err"]) < 1e-10
+
+
+DIVERGENT = '''
+import torch
+import shardwise as sw
+from shardwise.testing.models import mlp
+
+
+def make():
+    torch.manual_seed(0)
+    chain, params = sw.functionalize(mlp([4, 8, 2]).double())
+    reference = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1))
+    step = sw.shard_params(sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.2)), "dp", stage=3)
+    batch = (torch.randn(4, 4, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64))
+    return step, reference, params, [batch, batch]
+'''
+
+
+def test_verify_exits_1_at_a_divergence(tmp_path: Path) -> None:
+    (tmp_path / "divergent.py").write_text(DIVERGENT)
+    result = shardwise("verify", "divergent.py:make", "--mesh", "dp=2", "--json", cwd=tmp_path)
+    assert result.returncode == 1
+    assert "not equivalent: first divergence at step 1" in result.stderr and "Traceback" not in result.stderr
+    data = json.loads(result.stdout)
+    assert data["ok"] is False and data["equivalent"] is False and data["step"] == 1
+
+
+@pytest.mark.gloo  # two gloo processes, each building the step from the file itself
+def test_verify_on_processes() -> None:
+    result = shardwise("verify", f"{STEPS}:verified", "--mesh", "dp=2,pp=2", "--backend", "processes")
+    assert result.returncode == 0, result.stderr
+    assert "equivalent over 3 steps" in result.stdout and "(processes)" in result.stdout
