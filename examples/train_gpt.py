@@ -19,11 +19,11 @@ import argparse
 import math
 import os
 import sys
-import time
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 import shardwise as sw
 from shardwise.testing.models import TinyGPT
@@ -68,15 +68,6 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-def progress(step: int, total: int, loss: float, started: float) -> None:
-    width = 30
-    done = int(width * step / total)
-    rate = step / max(time.perf_counter() - started, 1e-9)
-    bar = "#" * done + "." * (width - done)
-    end = "\n" if step == total else ""
-    print(f"\r[{bar}] step {step:4d}/{total}  loss {loss:6.3f}  {rate:5.1f} step/s", end=end, flush=True)
-
-
 def build_step(cfg: Config):
     torch.manual_seed(cfg.seed)
     model = TinyGPT(cfg.vocab, cfg.d_model, cfg.n_heads, cfg.n_layers, cfg.seq_len)
@@ -87,18 +78,18 @@ def build_step(cfg: Config):
 
 
 def train(cfg: Config) -> list[float]:
-    """The SPMD program: every rank runs this; rank 0 draws the progress bar."""
+    """The SPMD program: every rank runs this; rank 0 shows the progress bar."""
     step, params = build_step(cfg)
     mesh = sw.Mesh(dp=cfg.world)
     state = step.init(params, mesh)
     transitions = markov_language(cfg.vocab, successors=4, seed=cfg.seed)
     losses = []
-    started = time.perf_counter()
-    for i in range(cfg.steps):
-        state, metrics = step(state, sample_batch(transitions, cfg.batch, cfg.seq_len, i, cfg.seed))
-        losses.append(float(metrics["loss"]))
-        if mesh.rank == 0 and (i % 5 == 4 or i == cfg.steps - 1):
-            progress(i + 1, cfg.steps, losses[-1], started)
+    with tqdm(total=cfg.steps, desc="train", unit="step", disable=mesh.rank != 0) as bar:
+        for i in range(cfg.steps):
+            state, metrics = step(state, sample_batch(transitions, cfg.batch, cfg.seq_len, i, cfg.seed))
+            losses.append(float(metrics["loss"]))
+            bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
+            bar.update()
     return losses
 
 
