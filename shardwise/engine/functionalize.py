@@ -16,6 +16,25 @@ How the module is cut into layers:
   but used late does not have to cross a boundary. (Sinking glue past a unit reorders
   it relative to that unit; this changes no value, except that random glue ops, such
   as dropout in glue in training mode, would draw from the RNG in a different order.)
+* units given, for a Hugging Face ``PreTrainedModel`` or a module torch.fx cannot trace
+  (given ``example_input``): the module is run once on an example input (``example_input``,
+  or the model's own ``dummy_inputs`` ids) while hooks record every unit call, and cut into
+  ``"embed"`` (forward up to the first unit: embeddings, mask, position ids, rotary
+  embeddings), one layer per unit (named by its path, names relative to the root), and
+  ``"head"`` (forward after the last unit: final norm, head, the model's own loss). The
+  value between layers is a tuple of tensors; its layout is fixed by the example, so pass
+  an example like your batches (a dict batch if you train on dict batches). See
+  ``_capture_split`` for how, and what is refused.
+
+Layer inputs and outputs:
+
+* A dict input whose keys are all arguments of ``forward`` (``input_ids``,
+  ``attention_mask``, ``labels``) is passed as keywords (``module(**x)``); a ``forward``
+  that takes ``use_cache`` gets ``use_cache=False``.
+* Outputs may be any pytree of tensors: tuples, lists, dicts, named tuples, and (registered
+  with optree on first sight, see :mod:`shardwise.engine.pytrees`) ``ModelOutput`` and
+  dataclasses, so a loss on ``out.logits`` gets a real ``ModelOutput`` and gradients flow.
+  With an example input, an output carrying no floating-point tensor is refused.
 
 Every layer fn calls the module's code with its tensors swapped in, as
 ``torch.func.functional_call`` does (``_module_call.ModuleCall``: the same swap with the
@@ -81,11 +100,23 @@ def functionalize(
             stands for each of its children); or a module class, whose outermost
             instances become the units.
         example_input: if given, ``module(example_input)`` and the chain are run on it and
-            must agree bitwise, and no layer may modify its buffers.
+            must agree bitwise, no layer may modify its buffers, and every layer output must
+            carry a floating-point tensor. A split that records calls (Hugging Face models,
+            modules fx cannot trace) is recorded on it, and checked on it always.
 
     Returns:
         ``(chain, params)`` with ``params[layer_name][local_name]`` holding owned params only;
         every layer has an entry, empty if it owns none.
+
+    >>> import torch
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    >>> chain, params = functionalize(model, example_input=torch.randn(3, 4))
+    >>> chain.names, sorted(params["0"])
+    (('0', '1', '2'), ['bias', 'weight'])
+
+    A Hugging Face model split per block (``pip install -e ".[hf]"``), e.g.
+    ``functionalize(GPT2LMHeadModel(config), units=GPT2Block)``, gives the layers
+    ``("embed", "transformer.h.0", ..., "head")``.
     """
     _refuse_stateful(module)
     pieces, recorded = _pieces(module, units, example_input)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
+import pickle
 from collections.abc import Callable
 from typing import Any
 
@@ -408,3 +409,21 @@ def test_optree_still_has_the_global_namespace_we_register_in() -> None:
     pytrees.register_output_types(Fresh(torch.ones(1)))
     assert optree.register_pytree_node.get(Fresh) is not None
     assert optree.tree_leaves(Fresh(torch.zeros(2)))[0].shape == (2,)
+
+
+def test_dropout_in_training_mode_draws_as_the_module_does_and_the_split_pickles() -> None:
+    """GPT-2's default config has dropout 0.1 in embeddings, attention and residuals: the split
+    draws the same masks in the same order as the module (the head's replay of the embeddings
+    runs them in eval mode), and survives pickling (the processes backend sends it)."""
+    torch.manual_seed(0)
+    cfg = T.GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=16, n_layer=2, n_head=2,
+                       attn_implementation="eager", bos_token_id=0, eos_token_id=0)
+    model = T.GPT2LMHeadModel(cfg)
+    assert model.training
+    ids = token_batches(1)[0][0]
+    chain, params = functionalize(model, units=T.models.gpt2.modeling_gpt2.GPT2Block, example_input=ids)
+    torch.manual_seed(5)
+    expected = call(model, ids).logits
+    restored, restored_params = pickle.loads(pickle.dumps((chain, params)))
+    torch.manual_seed(5)
+    assert torch.equal(restored(restored_params, ids).logits, expected)
