@@ -4,7 +4,8 @@ Exit status, as pytest and torchrun use it: 0 when all is well, 1 when the
 command ran and the answer is "no" (an invalid schedule, a step that diverges
 from its reference, an error raised by your code), 2 for a usage error (a bad
 flag, a bad ``--mesh``, a missing FILE or FUNCTION). ``--json`` prints one JSON
-object on stdout instead of text.
+object on stdout instead of text, ``"ok": false`` with the reason for a "no";
+errors also go to stderr, and usage errors only there.
 
 >>> main(["schedule", "gpipe", "--ranks", "2", "--microbatches", "2"])
 rank 0: 0F0 0F1 0B0 0B1

@@ -85,8 +85,9 @@ def load_function(target: str) -> Callable[..., Any]:
             raise
     function = getattr(loaded, name, None)
     if function is None:
-        public = sorted(n for n, v in vars(loaded).items() if callable(v) and not n.startswith("_"))
-        raise UsageError(f"{target!r}: {file!r} has no function {name!r}; it defines {public}")
+        own = sorted(n for n, v in vars(loaded).items()
+                     if callable(v) and getattr(v, "__module__", None) == module_name and not n.startswith("_"))
+        raise UsageError(f"{target!r}: {file!r} has no function {name!r}; it defines {own}")
     if not callable(function):
         raise UsageError(f"{target!r}: {name!r} is a {type(function).__name__}, not a function")
     return function
