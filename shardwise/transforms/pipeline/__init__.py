@@ -10,8 +10,22 @@ it for its bubble and activation peak, and draw it:
 1f1b: makespan 9, bubble 33.3%
 rank 0 |0F0 0F1 ........0B0     ....0B1     |
 rank 1 |....1F0 1B0     1F1 1B1     ........|
+
+``simulate`` and the drawings also take a whole step's Plan (``step.plan(mesh,
+params, batch)``, any composition): a ``PlanTimeline`` with every transfer and
+collective, under ``PlanCosts`` (computes) and a ``CommModel`` (latency +
+bandwidth), both fitted from measured runs; ``PlanTimeline.from_measured``
+reads a run made with ``pipeline(..., trace=True)``.
 """
 
+from ...engine.simulate import (
+    CommModel,
+    PlanCosts,
+    PlanDeadlock,
+    PlanMismatch,
+    PlanSlot,
+    PlanTimeline,
+)
 from .api import pipeline
 from .builtins import (
     SCHEDULES,
@@ -25,18 +39,24 @@ from .builtins import (
 )
 from .draw import ascii_timeline, gantt, write_chrome_trace
 from .schedule import B, F, I, PipeOp, Schedule, ScheduleError, W, loop_placement, v_placement
-from .simulate import Costs, Slot, Timeline, simulate
+from .simulate import Costs, Slot, Timeline, plan_costs, simulate
 from .spec import PipelineSpec
 from .validate import validate
 
 __all__ = [
     "SCHEDULES",
     "B",
+    "CommModel",
     "Costs",
     "F",
     "I",
     "PipeOp",
     "PipelineSpec",
+    "PlanCosts",
+    "PlanDeadlock",
+    "PlanMismatch",
+    "PlanSlot",
+    "PlanTimeline",
     "Schedule",
     "ScheduleError",
     "Slot",
@@ -51,6 +71,7 @@ __all__ = [
     "looped_bfs",
     "one_f_one_b",
     "pipeline",
+    "plan_costs",
     "simulate",
     "v_placement",
     "validate",

@@ -1,5 +1,10 @@
 """``simulate(schedule, costs) -> Timeline``: when each action runs, the bubble and the activation peak.
 
+``simulate(plan, costs)`` takes a whole step's Plan instead (any composition:
+``step.plan(mesh, params, batch)``) and returns the engine's ``PlanTimeline``
+(``shardwise/engine/simulate.py``: computes, transfers and collectives, with a
+latency + bandwidth model); a schedule's ``Costs`` apply to it too.
+
 Each rank runs its actions in order; an action starts when its rank is free
 and every action it needs has finished, plus ``comm`` for a result that
 comes from another rank. Durations come from ``Costs`` (by default F=1, B=2,
@@ -17,8 +22,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from fractions import Fraction
 from types import MappingProxyType
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, overload
 
+from ...engine.plan import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Plan
+from ...engine.simulate import CommModel, PlanCosts, PlanTimeline, chrome_event, thread_name
+from ...engine.simulate import simulate as simulate_plan
 from .schedule import KINDS, B, F, I, PipeOp, Schedule, W
 from .validate import validate
 
@@ -80,6 +88,23 @@ class Slot(NamedTuple):
     start: float
     end: float
 
+    # What the drawings read of any slot (a Plan's slots have the same): label, colour key, roles.
+    @property
+    def label(self) -> str:
+        return str(self.op)
+
+    @property
+    def kind(self) -> str:
+        return self.op.kind
+
+    @property
+    def compute(self) -> bool:
+        return True
+
+    @property
+    def waiting(self) -> bool:
+        return False
+
 
 @dataclass(frozen=True)
 class Timeline:
@@ -111,6 +136,15 @@ class Timeline:
             for row in rows
         )
         return cls(schedule, ranks, unit_us=1e6)
+
+    @property
+    def name(self) -> str:
+        return self.schedule.name
+
+    @property
+    def transfers(self) -> tuple[()]:
+        """Nothing is drawn in flight: a schedule's transfers are its ``comm`` cost between ranks."""
+        return ()
 
     @property
     def makespan(self) -> float:
@@ -150,29 +184,47 @@ class Timeline:
     def to_chrome_trace(self, unit_us: float | None = None) -> dict[str, Any]:
         """Chrome trace JSON (Perfetto, chrome://tracing): one complete ("X") event per action, tid = rank."""
         scale = self.unit_us if unit_us is None else unit_us
-        events: list[dict[str, Any]] = [
-            {"name": "thread_name", "ph": "M", "pid": 0, "tid": rank, "args": {"name": f"rank {rank}"}}
-            for rank in range(len(self.ranks))
-        ]
+        events = [thread_name(rank, f"rank {rank}") for rank in range(len(self.ranks))]
         for rank, row in enumerate(self.ranks):
             events += [
-                {
-                    "name": str(slot.op),
-                    "cat": slot.op.kind,
-                    "ph": "X",
-                    "pid": 0,
-                    "tid": rank,
-                    "ts": float(slot.start * scale),
-                    "dur": float((slot.end - slot.start) * scale),
-                    "args": {"stage": slot.op.stage, "microbatch": slot.op.microbatch},
-                }
+                chrome_event(str(slot.op), slot.op.kind, rank, slot.start, slot.end, scale,
+                             {"stage": slot.op.stage, "microbatch": slot.op.microbatch})
                 for slot in row
             ]
         return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"schedule": self.schedule.name}}
 
 
-def simulate(schedule: Schedule, costs: Costs | Mapping[Any, float] | None = None) -> Timeline:
-    """Run ``schedule`` on paper under ``costs``; raises ``ScheduleError`` if it is invalid."""
+_PLAN_KIND = {F: FORWARD, B: BACKWARD, I: BACKWARD_INPUT, W: BACKWARD_WEIGHT}
+
+
+def plan_costs(costs: Costs) -> PlanCosts:
+    """A schedule's ``Costs`` for a Plan: the same compute times, and ``comm`` as each transfer's latency."""
+    return PlanCosts(
+        kind={FORWARD: costs.forward, BACKWARD: costs.backward, BACKWARD_INPUT: costs.backward_input,
+              BACKWARD_WEIGHT: costs.backward_weight},
+        stage={(_PLAN_KIND[kind], stage): value for (stage, kind), value in costs.per_stage.items()},
+        comm=CommModel(alpha={"send": costs.comm}),
+    )
+
+
+@overload
+def simulate(schedule: Schedule, costs: Costs | Mapping[Any, float] | None = None) -> Timeline: ...
+@overload
+def simulate(schedule: Plan, costs: PlanCosts | Costs | Mapping[Any, float] | None = None) -> PlanTimeline: ...
+def simulate(
+    schedule: Schedule | Plan, costs: PlanCosts | Costs | Mapping[Any, float] | None = None
+) -> Timeline | PlanTimeline:
+    """Run ``schedule`` on paper under ``costs``; raises ``ScheduleError`` if it is invalid.
+
+    Given a ``Plan`` (``step.plan(mesh, params, batch)``), simulate the whole step instead
+    (``shardwise.engine.simulate``) under ``PlanCosts``, or a schedule's ``Costs``.
+    """
+    if isinstance(schedule, Plan):
+        if isinstance(costs, Mapping):
+            costs = Costs.from_mapping(costs)
+        return simulate_plan(schedule, plan_costs(costs) if isinstance(costs, Costs) else costs)
+    if isinstance(costs, PlanCosts):
+        raise TypeError("simulate(schedule, costs): PlanCosts are for a Plan; give a schedule Costs")
     validate(schedule)
     if costs is None:
         costs = Costs()
