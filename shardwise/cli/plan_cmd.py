@@ -10,7 +10,8 @@ from ..collectives.launch import launch
 from ..collectives.ledger import Ledger, comm_ledger
 from ..collectives.mesh import Mesh
 from ..engine.plan import Plan
-from ..transforms.pipeline import ascii_timeline, simulate
+from ..engine.simulate import simulate as simulate_plan
+from ..transforms.pipeline import ascii_timeline
 from .arguments import UsageError, call_for, load_function, parse_mesh
 
 HELP = "print the per-rank Plan of a step: actions, memory, communication"
@@ -46,7 +47,7 @@ def add_parser(verbs: Any) -> None:
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("target", metavar="FILE:FUNCTION", help="a function returning (step, params, batch)")
     parser.add_argument("--mesh", type=mesh_argument, required=True, help="mesh axes and sizes, e.g. dp=2,pp=2")
-    parser.add_argument("--simulate", action="store_true", help="also print a simulated timeline of the step")
+    parser.add_argument("--simulate", action="store_true", help="also print a simulated timeline of the whole step")
     parser.add_argument("--measure", action="store_true",
                         help="also run one step on threads and print the collectives it issued, per axis and op")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
@@ -64,7 +65,7 @@ def run(args: argparse.Namespace, out: Any) -> int:
     data["comm_bytes"] = {f"{axis}/{op}": list(per_rank) for (axis, op), per_rank in plan.comm_bytes().items()}
     text = [str(plan), "", action_table(plan)]
     if args.simulate:
-        data["simulation"], simulated = simulation(step, plan, mesh, params)
+        data["simulation"], simulated = simulation(plan)
         text += ["", simulated]
     if args.measure:
         ledger = measure(step, params, batch, mesh)
@@ -95,25 +96,12 @@ def action_table(plan: Plan) -> str:
     return "\n".join(lines)
 
 
-def simulation(step: Any, plan: Plan, mesh: Mesh, params: Any) -> tuple[dict[str, Any] | None, str]:
-    """A simulated timeline: of the whole Plan where the library offers it, else of the pipeline schedule."""
-    import shardwise
-
-    whole_plan = getattr(shardwise, "simulate", None)
-    if callable(whole_plan):
-        timeline = whole_plan(plan)
-        return ({"of": "plan", "makespan": getattr(timeline, "makespan", None),
-                 "bubble_fraction": getattr(timeline, "bubble_fraction", None)},
-                f"simulated plan:\n{timeline}")
-    layout = getattr(step, "layout", None)
-    if not callable(layout):
-        return None, "simulated time: not available for this step (this version simulates pipeline schedules only)"
-    timeline = simulate(layout(mesh, params).schedule)
-    note = ("this version simulates the pipeline schedule only: computes at F=1, B=2, I=W=1 units, "
-            "no communication and no other transform")
-    return ({"of": "pipeline_schedule", "note": note, "makespan": timeline.makespan,
-             "bubble_fraction": timeline.bubble_fraction, "peak_activations": list(timeline.peak_activations)},
-            f"simulated pipeline schedule ({note}):\n{ascii_timeline(timeline)}")
+def simulation(plan: Plan) -> tuple[dict[str, Any], str]:
+    """The whole Plan simulated (computes, transfers and collectives under the default costs)."""
+    timeline = simulate_plan(plan)
+    data = {"makespan": timeline.makespan, "bubble_fraction": timeline.bubble_fraction,
+            "summary": timeline.summary()}
+    return data, f"simulated step (default costs; shardwise.engine.simulate.PlanCosts fits your own):\n{ascii_timeline(timeline)}"
 
 
 def measure(step: Any, params: Any, batch: Any, mesh: Mesh) -> Ledger:
