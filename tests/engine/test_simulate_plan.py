@@ -26,14 +26,9 @@ from shardwise.engine.plan import (
     Plan,
     Wire,
 )
-from shardwise.engine.simulate import (
-    CommModel,
-    PlanCosts,
-    PlanDeadlock,
-    PlanMismatch,
-    PlanTimeline,
-    simulate,
-)
+from shardwise.engine.plan_costs import CommModel, PlanCosts
+from shardwise.engine.plan_timeline import PlanTimeline
+from shardwise.engine.simulate import PlanDeadlock, PlanMismatch, simulate
 from shardwise.testing.models import mlp
 from shardwise.transforms import pipeline as pipe
 
@@ -226,3 +221,20 @@ def test_bad_costs_are_refused() -> None:
         CommModel(alpha={"allgather": 1.0})
     with pytest.raises(TypeError, match="needs a shardwise Plan"):
         simulate("1f1b")  # type: ignore[arg-type]
+
+
+def test_ranks_sharing_fewer_cores_share_them_equally() -> None:
+    short, long = Action(FORWARD, "x", 0, 0), Action(FORWARD, "y", 0, 1)
+    plan = Plan(sw.Mesh(dp=2), ((short,), (long,)))
+    costs = {(FORWARD, 0): 1.0, (FORWARD, 1): 3.0}
+    assert simulate(plan, PlanCosts(stage=costs)).makespan == 3.0
+    shared = simulate(plan, PlanCosts(stage=costs, cores=1))
+    # Both at half speed until the short one is done at 2; the long one has 2 left, alone.
+    assert [row[0].end for row in shared.ranks] == [2.0, 4.0]
+    # Measured that way, the fit recovers each action's own core time.
+    measured = [[[(0, 0.0, 2.0)], [(0, 0.0, 4.0)]]]
+    fitted = PlanCosts.fit(plan, measured, cores=1)
+    assert fitted.stage[(FORWARD, 0)] == 1.0 and fitted.stage[(FORWARD, 1)] == 3.0 and fitted.cores == 1
+    assert simulate(plan, fitted).ranks[1][0].end == 4.0
+    with pytest.raises(ValueError, match="cores must be a positive int"):
+        PlanCosts(cores=0)

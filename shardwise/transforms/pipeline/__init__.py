@@ -18,14 +18,9 @@ bandwidth), both fitted from measured runs; ``PlanTimeline.from_measured``
 reads a run made with ``pipeline(..., trace=True)``.
 """
 
-from ...engine.simulate import (
-    CommModel,
-    PlanCosts,
-    PlanDeadlock,
-    PlanMismatch,
-    PlanSlot,
-    PlanTimeline,
-)
+from ...engine.plan_costs import CommModel, PlanCosts
+from ...engine.plan_timeline import PlanSlot, PlanTimeline
+from ...engine.simulate import PlanDeadlock, PlanMismatch
 from .api import pipeline
 from .builtins import (
     SCHEDULES,

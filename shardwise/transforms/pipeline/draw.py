@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ...engine import plan as kinds
-from ...engine.simulate import PlanTimeline
+from ...engine.plan_timeline import PlanTimeline
 from .schedule import B, F, I, W
 from .simulate import Timeline
 

@@ -25,7 +25,8 @@ from types import MappingProxyType
 from typing import Any, NamedTuple, overload
 
 from ...engine.plan import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Plan
-from ...engine.simulate import CommModel, PlanCosts, PlanTimeline, chrome_event, thread_name
+from ...engine.plan_costs import CommModel, PlanCosts
+from ...engine.plan_timeline import PlanTimeline, chrome_event, thread_name
 from ...engine.simulate import simulate as simulate_plan
 from .schedule import KINDS, B, F, I, PipeOp, Schedule, W
 from .validate import validate

@@ -1,0 +1,240 @@
+"""What a Plan's actions cost: :class:`PlanCosts` (per action on its rank) and :class:`CommModel`
+(collectives and transfers), set by hand or fitted from measured runs.
+
+The communication model is a ring's: ``alpha x steps + beta x bytes x factor``
+per tensor, per op, over a group of ``n`` ranks: all-gather ``n-1`` steps moving
+``n-1`` times its input (a shard), reduce-scatter ``n-1`` and ``(n-1)/n`` of its
+input, all-reduce twice those, a send one message of its bytes.
+:meth:`CommModel.from_benchmark` fits alpha and beta by least squares (on
+relative error) to ``benchmarks/collectives.py``'s JSON lines;
+:meth:`PlanCosts.fit` reads every action's cost from measured steps.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from .plan import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action, Plan
+from .plan_timeline import KINDS, WAIT, ActionTimes, check_action_times, roles
+
+DEFAULT_COSTS = MappingProxyType({FORWARD: 1.0, BACKWARD: 2.0, BACKWARD_INPUT: 1.0, BACKWARD_WEIGHT: 1.0})
+COMM_OPS = ("all_gather", "psum_scatter", "psum", "send")
+
+
+def ring_shape(op: str, n: int) -> tuple[float, float]:
+    """(latency steps, bytes on one link per input byte) of ``op`` as a ring over ``n`` ranks."""
+    if op == "send":
+        return 1.0, 1.0
+    if op not in COMM_OPS:
+        raise ValueError(f"no communication model for op {op!r}; the model knows {COMM_OPS}")
+    if n <= 1:
+        return 0.0, 0.0  # a group of one moves nothing
+    return {"all_gather": (n - 1, n - 1), "psum_scatter": (n - 1, (n - 1) / n), "psum": (2 * (n - 1), 2 * (n - 1) / n)}[op]
+
+
+def _frozen(mapping: Mapping[Any, float], what: str) -> Mapping[Any, float]:
+    for key, value in mapping.items():
+        if not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"{what}[{key!r}] = {value}: a time must be finite and >= 0")
+    return MappingProxyType(dict(mapping))
+
+
+@dataclass(frozen=True)
+class CommModel:
+    """Time of a collective or transfer: per op, ``alpha`` per latency step and ``beta`` per byte on a link.
+
+    >>> model = CommModel(alpha={"send": 1e-5}, beta={"send": 1e-9})
+    >>> round(model.time("send", 1000, 2), 9)
+    1.1e-05
+    """
+
+    alpha: Mapping[str, float] = field(default_factory=dict)
+    beta: Mapping[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("alpha", "beta"):
+            table = getattr(self, name)
+            if unknown := sorted(set(table) - set(COMM_OPS)):
+                raise ValueError(f"CommModel.{name} has ops {unknown}; use {COMM_OPS}")
+            object.__setattr__(self, name, _frozen(table, f"CommModel.{name}"))
+
+    def time(self, op: str, nbytes: int, n: int) -> float:
+        """One tensor of ``nbytes`` (one rank's input) through ``op`` over ``n`` ranks."""
+        steps, factor = ring_shape(op, n)
+        return self.alpha.get(op, 0.0) * steps + self.beta.get(op, 0.0) * factor * nbytes
+
+    @classmethod
+    def fit(cls, samples: Iterable[tuple[str, int, int, float]]) -> CommModel:
+        """Least squares on relative error over ``(op, bytes, ranks, seconds)`` samples, per op.
+
+        A fit that would make alpha or beta negative keeps that term at 0 and fits the other;
+        with a single message size beta cannot be told from alpha, and only alpha is fitted.
+        """
+        by_op: dict[str, list[tuple[float, float, float]]] = defaultdict(list)
+        for op, nbytes, n, seconds in samples:
+            steps, factor = ring_shape(op, n)
+            if seconds > 0 and steps > 0:
+                by_op[op].append((steps, factor * nbytes, seconds))
+        alpha, beta = {}, {}
+        for op, rows in by_op.items():
+            alpha[op], beta[op] = _fit_two(rows)
+        return cls(alpha, beta)
+
+    @classmethod
+    def from_benchmark(cls, rows: Iterable[Mapping[str, Any]], backend: str = "gloo") -> CommModel:
+        """Fit from ``benchmarks/collectives.py``'s JSON lines of ``backend`` (psum, all_gather,
+        psum_scatter, and send_recv: a round trip, so two messages)."""
+        samples = []
+        for row in rows:
+            if row.get("bench") != "collectives" or row.get("backend") != backend:
+                continue
+            op, seconds = row["op"], float(row["median_s"])
+            if op == "send_recv":
+                samples.append(("send", int(row["bytes"]), 2, seconds / 2))
+            elif op in COMM_OPS:
+                samples.append((op, int(row["bytes"]), int(row["world"]), seconds))
+        if not samples:
+            raise ValueError(f"no collectives benchmark rows of backend {backend!r} with ops psum, all_gather, "
+                             "psum_scatter or send_recv: run python benchmarks/collectives.py --out FILE")
+        return cls.fit(samples)
+
+
+def _fit_two(rows: Sequence[tuple[float, float, float]]) -> tuple[float, float]:
+    """(a, b) >= 0 minimising sum(((a*s + b*x) - t) / t)^2 over rows (s, x, t)."""
+    w = [1.0 / (t * t) for _, _, t in rows]
+    ss = sum(wi * s * s for wi, (s, _, _) in zip(w, rows, strict=True))
+    sx = sum(wi * s * x for wi, (s, x, _) in zip(w, rows, strict=True))
+    xx = sum(wi * x * x for wi, (_, x, _) in zip(w, rows, strict=True))
+    st = sum(wi * s * t for wi, (s, _, t) in zip(w, rows, strict=True))
+    xt = sum(wi * x * t for wi, (_, x, t) in zip(w, rows, strict=True))
+    det = ss * xx - sx * sx
+    if det > 1e-9 * ss * xx:
+        a, b = (st * xx - sx * xt) / det, (ss * xt - sx * st) / det
+        if a >= 0 and b >= 0:
+            return a, b
+        if a < 0 and xx > 0:
+            return 0.0, max(0.0, xt / xx)
+    return max(0.0, st / ss), 0.0
+
+
+@dataclass(frozen=True)
+class PlanCosts:
+    """What each action costs its rank, and the communication model.
+
+    :meth:`of` looks up, first match wins: ``action`` by the action's text
+    (``"F(stage0, mb=1)"``), ``stage`` by (kind, stage), ``layer`` by (kind, layer
+    or unit), ``rank`` by (kind, rank), then ``kind``; ``kind`` defaults to
+    forward 1, backward 2, I 1, W 1 and 0 for every other kind. ``cores``: how
+    many cores the ranks share (None: one each; fewer than the ranks: the busy
+    ranks share them equally). ``unit_us``: microseconds per time unit in a
+    Chrome trace (1e6 for costs in seconds).
+    """
+
+    kind: Mapping[str, float] = field(default_factory=dict)
+    stage: Mapping[tuple[str, int], float] = field(default_factory=dict)
+    layer: Mapping[tuple[str, str], float] = field(default_factory=dict)
+    rank: Mapping[tuple[str, int], float] = field(default_factory=dict)
+    action: Mapping[str, float] = field(default_factory=dict)
+    comm: CommModel = field(default_factory=CommModel)
+    cores: int | None = None
+    unit_us: float = 1000.0
+
+    def __post_init__(self) -> None:
+        for name in ("kind", "stage", "layer", "rank"):
+            table = getattr(self, name)
+            for key in table:
+                kind = key if name == "kind" else key[0] if isinstance(key, tuple) and len(key) == 2 else None
+                if kind not in KINDS:
+                    raise ValueError(
+                        f"PlanCosts.{name} key {key!r}: " + ("" if name == "kind" else "use (kind, value) with ")
+                        + f"kind one of {', '.join(KINDS)}"
+                    )
+            object.__setattr__(self, name, _frozen(table, f"PlanCosts.{name}"))
+        object.__setattr__(self, "action", _frozen(self.action, "PlanCosts.action"))
+        if self.cores is not None and (isinstance(self.cores, bool) or not isinstance(self.cores, int) or self.cores < 1):
+            raise ValueError(f"PlanCosts.cores must be a positive int (or None: a core per rank), got {self.cores!r}")
+        if not isinstance(self.comm, CommModel):
+            raise TypeError(f"PlanCosts.comm must be a CommModel, got {type(self.comm).__name__}")
+
+    def of(self, action: Action, rank: int) -> float:
+        """How long ``action`` keeps ``rank`` busy (waiting excluded)."""
+        found = self.action.get(str(action))
+        if found is None and action.stage is not None:
+            found = self.stage.get((action.kind, action.stage))
+        if found is None and action.layer is not None:
+            found = self.layer.get((action.kind, action.layer))
+        if found is None:
+            found = self.rank.get((action.kind, rank))
+        if found is not None:
+            return found
+        return self.kind.get(action.kind, DEFAULT_COSTS.get(action.kind, 0.0))
+
+    @classmethod
+    def fit(cls, plan: Plan, steps: Iterable[Sequence[ActionTimes]],
+            comm: CommModel | None = None, statistic: str = "median", cores: int | None = None) -> PlanCosts:
+        """Costs in seconds from measured steps (per step, per rank, ``metrics["action_times"]``).
+
+        A compute, issue or bookkeeping action costs the ``statistic`` (median or mean) of its
+        durations, by (kind, stage) where it has a stage, else by (kind, layer), else by (kind,
+        rank); a blocking action the shortest of its durations by (kind, rank): the time it takes
+        when its data is already in. Every kind also gets the same over all its samples, for
+        actions not seen. With ``cores`` (the run's ranks shared that many), a duration counts
+        only the share of a core the action had: while ``k > cores`` ranks were busy, ``cores / k``.
+        """
+        samples: dict[tuple[str, Any], list[float]] = defaultdict(list)
+        blocking: set[str] = set()
+        for step in steps:
+            check_action_times(plan, step, "PlanCosts.fit")
+            work = _core_time(plan, step, cores)
+            for r, times in enumerate(step):
+                kinds_roles = roles(plan.actions[r])
+                for pos, start, end in times:
+                    a, role = plan.actions[r][pos], kinds_roles[pos]
+                    if role == WAIT:
+                        blocking.add(a.kind)
+                        key: tuple[str, Any] = ("rank", (a.kind, r))
+                    else:
+                        key = ("stage", (a.kind, a.stage)) if a.stage is not None else \
+                            ("layer", (a.kind, a.layer)) if a.layer is not None else ("rank", (a.kind, r))
+                    took = end - start if role == WAIT else work(start, end)
+                    samples[key].append(took)
+                    samples[("kind", a.kind)].append(took)
+        if statistic not in ("median", "mean"):
+            raise ValueError(f"PlanCosts.fit(statistic={statistic!r}): use 'median' or 'mean'")
+        average = statistics.median if statistic == "median" else statistics.fmean
+        if not samples:
+            raise ValueError("PlanCosts.fit: no measured actions (run the step with pipeline(..., trace=True))")
+        tables: dict[str, dict[Any, float]] = {"kind": {}, "stage": {}, "layer": {}, "rank": {}}
+        for (table, key), values in samples.items():
+            kind = key if table == "kind" else key[0]
+            tables[table][key] = min(values) if kind in blocking else average(values)
+        return cls(**tables, comm=comm or CommModel(), cores=cores, unit_us=1e6)
+
+
+def _core_time(plan: Plan, step: Sequence[ActionTimes], cores: int | None) -> Callable[[float, float], float]:
+    """``work(start, end)``: the core time a rank had from ``start`` to ``end`` (two of its action
+    boundaries) when the busy (not waiting) ranks of ``step`` shared ``cores`` equally."""
+    if cores is None:
+        return lambda start, end: end - start
+    change: dict[float, int] = defaultdict(int)
+    for r, times in enumerate(step):
+        kinds_roles = roles(plan.actions[r])
+        for pos, start, end in times:
+            change[start] += 0
+            change[end] += 0
+            if kinds_roles[pos] != WAIT:
+                change[start] += 1
+                change[end] -= 1
+    had: dict[float, float] = {}
+    busy, total, before = 0, 0.0, None
+    for t in sorted(change):
+        if before is not None:
+            total += (t - before) * (1.0 if busy <= cores else cores / busy)
+        had[t], busy, before = total, busy + change[t], t
+    return lambda start, end: had[end] - had[start]
