@@ -266,7 +266,7 @@ class Ours:
         mesh = sw.Mesh(pp=cfg.world)
         # Our default cut (balanced parameter counts), made explicit so torch can use the same one.
         balanced = sw.pipeline(step, "pp", schedule, cfg.microbatches, stages=stages).layout(mesh, params)
-        self.stages: tuple[tuple[str, ...], ...] = balanced.stages
+        self.stages: tuple[tuple[str, ...], ...] = balanced.placement.stages
         self.step_fn = sw.pipeline(step, "pp", schedule, cfg.microbatches, stages=stages,
                                    partition=[len(s) for s in self.stages], trace=True)
         if quiet:

@@ -58,7 +58,7 @@ def problem(seed: int = 0) -> tuple[sw.Step, dict, list]:
     return reference, params, batches
 
 
-def train(step: sw.PipelineStep, params: dict, batches: list, steps: int) -> list[float]:
+def train(step: sw.Step, params: dict, batches: list, steps: int) -> list[float]:
     """The SPMD program: the pipelined step over ``steps`` steps; rank 0 shows progress."""
     mesh = sw.Mesh(pp=2)
     state = step.init(params, mesh)

@@ -51,7 +51,7 @@ from .collectives import (
     send,
 )
 from .engine.chain import Chain, Layer
-from .engine.functionalize import functionalize
+from .engine.functionalize import FunctionalizeError, functionalize
 from .engine.layout import LeafSpec, Placement, StateLayout
 from .engine.plan import Action, Plan
 from .engine.state import TrainState
@@ -70,6 +70,7 @@ __all__ = [
     "CollectiveTimeout",
     "CommRecord",
     "DynamicLossScale",
+    "FunctionalizeError",
     "Group",
     "Handle",
     "Layer",

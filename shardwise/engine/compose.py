@@ -14,24 +14,40 @@ checks the whole new stack. Each spec has a ``name`` (the transform's), a
 * Under a pipeline, ZeRO does not reshard after forward by default: a stage's
   units are gathered before their first compute of the step and kept to their
   last (torchtitan's rule for PP: per-micro-batch all-gathers would cost more
-  than they save). ``reshard_after_forward=True`` given explicitly frees each
-  unit after every compute that the next one does not share, and gathers it
-  again (least memory, most traffic). ``prefetch`` gathers the units of the
-  next computes on this rank early, as without a pipeline.
+  than they save). ``reshard_after_forward=True`` given explicitly frees a
+  unit after every forward not followed by another forward, and after every
+  compute the next one does not share, and gathers it again (FSDP2's reshard
+  per micro-batch: least memory, most traffic). ``prefetch`` gathers the units
+  of the next computes on this rank early, as without a pipeline.
 * Under a pipeline, ``shard_params(accumulation=k)`` is refused: the
   pipeline's micro-batches are the accumulation (use ``microbatches=``).
-* ``mixed_precision`` and ``remat`` rewrite layer functions; in any order with
-  the others. Under ``mixed_precision`` ZeRO gathers parameters in the compute
-  dtype and reduces gradients in the policy's reduce dtype.
+* ``mixed_precision`` and ``remat`` rewrite layer functions, in any order with
+  the others, and the result does not depend on the order: the layers are
+  rebuilt from the chain train_step got, remat innermost and the precision
+  casts around it (a checkpointed layer then keeps its compute-dtype input,
+  not the input before the cast). Under ``mixed_precision`` ZeRO gathers
+  parameters in the compute dtype and reduces gradients in the reduce dtype.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, TypeVar
 
-if TYPE_CHECKING:
-    from .step import Step
+from .chain import Chain
+
+
+class Stacked(Protocol):
+    """What the rules need of a step (engine/step.py's Step): its stack and its chains."""
+
+    @property
+    def transforms(self) -> tuple[Any, ...]: ...
+
+    @property
+    def base_chain(self) -> Chain: ...
+
+
+S = TypeVar("S", bound=Stacked)
 
 PLACEMENT = "placement"  # decides which layers each rank holds and when they compute (pipeline)
 SHARDING = "sharding"  # shards a rank's units over an axis (shard_params)
@@ -71,11 +87,18 @@ def check_stack(stack: tuple[Any, ...]) -> None:
             )
 
 
-def add(step: Step, spec: Any) -> Step:
-    """``step`` with ``spec`` appended to its stack, once the new stack passes :func:`check_stack`."""
+def add(step: S, spec: Any, **fields: Any) -> S:
+    """``step`` with ``spec`` appended to its stack, once the new stack passes :func:`check_stack`
+    (and with ``fields`` replaced); a rewriting spec rebuilds the layers from the source chain."""
     stack = (*step.transforms, spec)
     check_stack(stack)
-    return dataclasses.replace(step, transforms=stack)
+    new = dataclasses.replace(step, transforms=stack, **fields)  # type: ignore[type-var]
+    if spec.role != REWRITE:
+        return new
+    chain = step.base_chain
+    for rewrite in sorted((s for s in stack if s.role == REWRITE), key=lambda s: s.rewrite_order):
+        chain = rewrite.rewrite(chain)
+    return dataclasses.replace(new, chain=chain, source_chain=step.base_chain)  # type: ignore[type-var]
 
 
 def find(stack: tuple[Any, ...], role: str) -> Any:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import optree
 import torch
@@ -35,6 +35,7 @@ from .layout import Placement
 from .plan import (
     BACKWARD,
     FORWARD,
+    FREE,
     GATHER,
     GATHER_PARAMS,
     LOSS,
@@ -57,8 +58,23 @@ from .plan import (
 )
 from .sharding import FlatSharding
 
-if TYPE_CHECKING:
-    from .step import Step
+
+class Step(Protocol):
+    """What the lowering reads of a step (engine/step.py's Step, which imports this module)."""
+
+    @property
+    def transforms(self) -> tuple[Any, ...]: ...
+
+    @property
+    def chain(self) -> Chain: ...
+
+    @property
+    def precision(self) -> Any: ...
+
+    @property
+    def update_needs_sums(self) -> bool: ...
+
+    def metric_exchange(self) -> Any: ...
 
 Boundary = tuple[tuple[torch.Size, torch.dtype], ...]
 
@@ -135,6 +151,7 @@ def rank_actions(
             pipelined=pipe is not None,
             deferred=set(deferred),
         )
+        actions = _sends_first(actions)
     if pipe is not None:
         actions.append(Action(WAIT_SENDS))
         for i, (owner, _name, users) in enumerate(placement.tied):
@@ -161,6 +178,21 @@ def rank_actions(
         actions += [Action(GATHER_PARAMS, u, axis=zero.axis) for u in units]
         actions += [Action(WAIT_PARAMS, u, axis=zero.axis) for u in units]
     return tuple(actions)
+
+
+def _sends_first(actions: Sequence[Action]) -> list[Action]:
+    """A compute's sends go straight after it, before the frees and reduce-scatters ZeRO put there:
+    a peer waits for the transfer, nobody waits for the free."""
+    out: list[Action] = []
+    for action in actions:
+        if action.kind in (SEND_ACTIVATION, SEND_GRAD):
+            j = len(out)
+            while j > 0 and out[j - 1].kind in (FREE, REDUCE_SCATTER):
+                j -= 1
+            out.insert(j, action)
+        else:
+            out.append(action)
+    return out
 
 
 # -- what each communicating action moves ------------------------------------------------------

@@ -139,12 +139,15 @@ class Plan:
 
     ``memory`` holds per-rank byte counts when the plan was made with the
     parameters (``step.plan(mesh, params)``): keys such as ``params``,
-    ``grads``, ``opt_state``, each a tuple with one entry per rank.
+    ``grads``, ``opt_state``, each a tuple with one entry per rank. ``layers``
+    says how the rewriting transforms run each layer (its compute dtype, its
+    remat policy), in the stack's words.
     """
 
     mesh: Mesh
     actions: tuple[tuple[Action, ...], ...]
     memory: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    layers: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if len(self.actions) != self.mesh.size:
@@ -197,6 +200,8 @@ class Plan:
             body = " ".join(str(a) for a in actions)
             lines.append(f"rank {rank} ({coords}): {len(actions)} actions")
             lines.extend(textwrap.wrap(body, width=96, initial_indent="  ", subsequent_indent="  "))
+        for layer, notes in self.layers.items():
+            lines.append(f"layer {layer}: {'; '.join(notes)}")
         for key, per_rank in self.memory.items():
             lines.append(f"{key} bytes per rank: {list(per_rank)}")
         for (axis, op), per_rank in self.comm_bytes().items():

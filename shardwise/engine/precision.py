@@ -4,7 +4,8 @@ A :class:`Policy` names four dtypes: the parameters as stored (the fp32
 master weights), the compute copies layers run with, the model output, and
 the dtype gradients are reduced in across ranks. ``Policy.parse`` reads the
 small grammar ``"params=f32,compute=bf16,output=f32,reduce=f32"`` (short
-keys ``p``, ``c``, ``o``, ``r``). A :class:`Precision` adds per-layer
+keys ``p``, ``c``, ``o``, ``r``); a key not given follows jmp: compute follows
+params, output follows compute, reduce follows params. A :class:`Precision` adds per-layer
 overrides by layer-name pattern and the loss scale.
 
 Loss scales are interchangeable NamedTuples (so a TrainState holding one
@@ -59,8 +60,15 @@ class Policy:
 
     @classmethod
     def parse(cls, text: str, base: Policy | None = None) -> Policy:
-        """Read ``"key=dtype,..."``; keys not given keep ``base``'s value (default: all f32)."""
-        values = dict((base or cls()).__dict__)
+        """Read ``"key=dtype,..."``.
+
+        Without ``base``, keys not given follow jmp's rules: params default to f32, compute
+        follows params, output follows compute, and reduce follows params (gradients are
+        reduced in the master dtype unless told otherwise), so ``"params=f64,compute=f64"``
+        is all-f64 and ``"compute=bf16"`` computes and returns bf16 over f32 masters. With
+        ``base`` (a layer override), keys not given keep ``base``'s values.
+        """
+        given: dict[str, torch.dtype] = {}
         for item in filter(None, (part.strip() for part in text.split(","))):
             key, sep, dtype = item.partition("=")
             if not sep or key.strip() not in _KEYS:
@@ -68,8 +76,16 @@ class Policy:
                     f"policy {text!r}: cannot read {item!r}; write key=dtype with keys "
                     "params/p, compute/c, output/o, reduce/r, e.g. 'params=f32,compute=bf16,output=f32'"
                 )
-            values[_KEYS[key.strip()]] = _dtype(dtype, f"policy {text!r}")
-        return cls(**values)
+            name = _KEYS[key.strip()]
+            if name in given:
+                raise ValueError(f"policy {text!r}: {name} is given twice; give each key once")
+            given[name] = _dtype(dtype, f"policy {text!r}")
+        if base is not None:
+            return cls(**{**base.__dict__, **given})
+        params = given.get("params", torch.float32)
+        compute = given.get("compute", params)
+        output = given.get("output", compute)
+        return cls(params, compute, output, given.get("reduce", params))
 
     def __str__(self) -> str:
         short = {v: k for k, v in _DTYPES.items() if len(k) <= 4 and k[0] in "fb"}

@@ -129,6 +129,13 @@ class Step:
     precision: Precision | None = None  # set by mixed_precision
     metrics: tuple[str, ...] = REPORTABLE  # what the step reports (see shardwise.engine.metrics)
     transforms: tuple[Any, ...] = ()
+    # The chain as train_step got it, once a rewriting transform made ``chain`` from it.
+    source_chain: Chain | None = None
+
+    @property
+    def base_chain(self) -> Chain:
+        """The chain before any rewriting transform (mixed_precision, remat)."""
+        return self.chain if self.source_chain is None else self.source_chain
 
     # -- the stack ----------------------------------------------------------------------------
     @property
@@ -432,7 +439,12 @@ class Step:
                 actions = annotate(actions, self, placement, layout.sharding, update_tree, boundaries)
             per_rank.append(actions)
         memory = {} if params is None else self._memory(mesh, params, batch, placement, layouts, per_rank)
-        return Plan(mesh, tuple(per_rank), memory)
+        notes: dict[str, tuple[str, ...]] = {}
+        # In the order the rewrites apply (engine/compose.py), whatever order they were applied in.
+        for spec in sorted(self.transforms, key=lambda spec: getattr(spec, "rewrite_order", -1)):
+            for layer, note in getattr(spec, "layer_notes", lambda chain: {})(self.chain).items():
+                notes[layer] = (*notes.get(layer, ()), note)
+        return Plan(mesh, tuple(per_rank), memory, {n: notes[n] for n in self.chain.names if n in notes})
 
     def _units_without_params(self, placement: Placement, index: int) -> list[str] | None:
         if self.sharding_spec is None:

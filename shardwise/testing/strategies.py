@@ -166,16 +166,18 @@ _TRANSFORMS: dict[str, Callable[..., Step]] = {
 
 @st.composite
 def shard_params_options(draw: st.DrawFn, axis: str = "dp", under_pipeline: bool = False) -> dict[str, Any]:
+    """shard_params' options: a ZeRO stage, resharding (stage 3: the default, True or False),
+    prefetch depth and, without a pipeline (whose micro-batches are the accumulation), accumulation."""
     stage = draw(st.sampled_from([1, 2, 3]))
-    if under_pipeline:  # the pipeline schedules the computation: no accumulation or prefetch of its own
-        return {"axis": axis, "stage": stage}
-    return {
+    options: dict[str, Any] = {
         "axis": axis,
         "stage": stage,
-        "reshard_after_forward": draw(st.booleans()) if stage == 3 else True,
+        "reshard_after_forward": draw(st.sampled_from([None, True, False])) if stage == 3 else None,
         "prefetch": draw(st.integers(0, 2)),
-        "accumulation": draw(st.integers(1, 3)),
     }
+    if not under_pipeline:
+        options["accumulation"] = draw(st.integers(1, 3))
+    return options
 
 
 @st.composite

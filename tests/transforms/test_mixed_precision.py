@@ -29,6 +29,34 @@ def test_policy_grammar_long_and_short_keys() -> None:
         Policy.parse("weights=f32")
 
 
+def test_keys_not_given_follow_jmp_and_reduce_follows_the_master_dtype() -> None:
+    f64, f32, bf16 = torch.float64, torch.float32, torch.bfloat16
+    assert Policy.parse("params=f64,compute=f64,output=f64") == Policy(f64, f64, f64, f64)
+    assert Policy.parse("params=f64") == Policy(f64, f64, f64, f64)
+    assert Policy.parse("compute=bf16") == Policy(f32, bf16, bf16, f32)
+    assert Policy.parse("params=f32,compute=bf16,output=f32") == Policy(f32, bf16, f32, f32)
+    assert Policy.parse("") == Policy()
+    with pytest.raises(ValueError, match="compute is given twice"):
+        Policy.parse("compute=bf16,c=f32")
+
+
+def test_an_all_f64_policy_keeps_zero3_exact() -> None:
+    """The policy the issue saw reduce in f32 (3e-8 off): every dtype f64 now, so ZeRO-3 matches
+    the single-device step to float64 rounding."""
+    torch.manual_seed(0)
+    chain, params = sw.functionalize(mlp([5, 7, 3]).double())
+    base = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1, momentum=0.9))
+    policy = "params=f64,compute=f64,output=f64"
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(4, 5, generator=gen, dtype=torch.float64), torch.randn(4, 3, generator=gen, dtype=torch.float64))
+               for _ in range(3)]
+    sharded = sw.shard_params(sw.mixed_precision(base, policy), "dp", 3)
+    reduce_dtypes = {w.dtype for a in sharded.plan(sw.Mesh(dp=2), params).for_rank(0) if a.kind == "reduce_scatter"
+                     for w in a.wire}
+    assert reduce_dtypes == {"float64"}
+    sw.testing.assert_equivalent(sharded, base, sw.Mesh(dp=2), batches, params, rtol=1e-13)
+
+
 def test_dynamic_loss_scale_follows_grad_scaler() -> None:
     s = DynamicLossScale(scale=8.0, growth_interval=3, min_scale=2.0)
     s = s.adjust(True).adjust(True)

@@ -36,9 +36,18 @@ class PrecisionSpec:
 
     name: ClassVar[str] = "mixed_precision"
     role: ClassVar[str] = REWRITE
+    rewrite_order: ClassVar[int] = 1  # the casts go around remat's checkpoint (engine/compose.py)
+
+    def rewrite(self, chain: Chain) -> Chain:
+        return cast_chain(chain, self.precision)
 
     def __str__(self) -> str:
-        return f"mixed_precision({str(self.precision.policy)!r})"
+        overrides = "".join(f", {pattern}: {policy}" for pattern, policy in self.precision.overrides)
+        return f"mixed_precision({str(self.precision.policy)!r}{overrides}, loss_scale={self.precision.loss_scale!r})"
+
+    def layer_notes(self, chain: Chain) -> dict[str, str]:
+        """What the Plan says of each layer: the policy it runs under."""
+        return {layer: str(self.precision.for_layer(layer)) for layer in chain.names}
 
 
 class _Cast:
@@ -120,6 +129,5 @@ def mixed_precision(
                 f"mixed_precision(overrides={{{pattern!r}: ...}}) matches no layer; layers are {list(step.chain.names)}"
             )
     precision = Precision(base, extra, as_loss_scale(loss_scale))
-    stacked = add(step, PrecisionSpec(precision))  # refuses a second mixed_precision first
-    return dataclasses.replace(stacked, chain=cast_chain(step.chain, precision), precision=precision)
+    return add(step, PrecisionSpec(precision), precision=precision)
 

@@ -97,10 +97,25 @@ class RematSpec:
 
     name: ClassVar[str] = "remat"
     role: ClassVar[str] = REWRITE
+    rewrite_order: ClassVar[int] = 0  # innermost: the precision casts go around it
+
+    def rewrite(self, chain: Chain) -> Chain:
+        chosen = set(self.layers)
+        return Chain([
+            dataclasses.replace(layer, fn=Remat(layer.fn, self.policy)) if layer.name in chosen else layer
+            for layer in chain
+        ])
 
     def __str__(self) -> str:
-        policy = getattr(self.policy, "__name__", None) or type(self.policy).__name__
-        return f"remat({policy}, layers={list(self.layers)})"
+        return f"remat({self.policy_name}, layers={list(self.layers)})"
+
+    @property
+    def policy_name(self) -> str:
+        return getattr(self.policy, "__name__", None) or repr(self.policy)
+
+    def layer_notes(self, chain: Chain) -> dict[str, str]:
+        """What the Plan says of each layer this spec touches."""
+        return {layer: f"remat {self.policy_name}" for layer in self.layers}
 
 
 def remat(step: Step, policy: Any = P.nothing_saveable, *, layers: str | Sequence[str] = "all", every: int = 1) -> Step:
@@ -117,20 +132,15 @@ def remat(step: Step, policy: Any = P.nothing_saveable, *, layers: str | Sequenc
     """
     if not isinstance(step, Step):
         raise TypeError(f"remat(step=...) needs a shardwise Step (see train_step), got {type(step).__name__}")
-    done = policies_of(step.chain)
+    done = policies_of(step.base_chain)
     if done:
         raise ValueError(
-            f"remat was applied twice: layers {sorted(done)} already run under remat "
-            f"(policy {next(iter(done.values()))!r}); apply remat once, with the policy and layers you want"
+            f"the chain's layers {sorted(done)} already run under remat (policy {next(iter(done.values()))!r}); "
+            "remat would checkpoint them twice: build the chain without the Remat wrappers and apply remat once"
         )
     policy = resolve_policy(policy)
     chosen = select_layers(step.chain, layers, every)
-    stacked = add(step, RematSpec(policy, tuple(chosen)))  # refuses a second remat first
-    new_layers = [
-        dataclasses.replace(layer, fn=Remat(layer.fn, policy)) if layer.name in set(chosen) else layer
-        for layer in step.chain
-    ]
-    return dataclasses.replace(stacked, chain=Chain(new_layers))
+    return add(step, RematSpec(policy, tuple(chosen)))
 
 
 def policies_of(chain: Chain) -> Mapping[str, Any]:

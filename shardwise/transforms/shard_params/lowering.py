@@ -60,8 +60,10 @@ def gathered_pass(
 
     Actions that compute nothing (loss, transfers) stay where they are. ``free`` says when a
     live unit is dropped: "never"; "window" as soon as the next compute neither needs nor
-    prefetches it (least memory; it may be gathered again later); "last_use" after the last
-    compute that needs it.
+    prefetches it (it may be gathered again later); "after_forward" as "window", and a
+    forward not followed by another forward also frees the units it used (FSDP's reshard
+    after forward, per micro-batch: least memory, most traffic); "last_use" after the last compute
+    that needs it.
     """
     computes = [i for i, a in enumerate(actions) if a.kind in COMPUTES]
     needs = [stage_needs[actions[i].stage or 0] for i in computes]
@@ -88,6 +90,9 @@ def gathered_pass(
             # freeing it here would only gather it again at once.
             nxt = needs[i + 1] if i + 1 < len(needs) else ()
             keep = {*nxt, *_upcoming(needs, i + 1, prefetch)}
+            next_is_forward = i + 1 < len(computes) and actions[computes[i + 1]].kind == FORWARD
+            if free == "after_forward" and action.kind == FORWARD and not next_is_forward:
+                keep -= set(needs[i])  # reshard what this forward used; the rest as in "window"
             if free == "last_use":
                 keep |= {u for later in needs[i + 1 :] for u in later}
             for unit in sorted(live - keep - set(in_flight)):
@@ -128,7 +133,7 @@ def insert_gathers(
         return list(actions)
     live: set[str] = set()
     if pipelined:
-        out = gathered_pass(actions, stage_needs, live, prefetch, "window" if reshard else "last_use", axis)
+        out = gathered_pass(actions, stage_needs, live, prefetch, "after_forward" if reshard else "last_use", axis)
     else:
         out = []
         for part in _passes(actions):
