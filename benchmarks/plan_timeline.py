@@ -65,6 +65,7 @@ from shardwise.transforms.pipeline import (
     PlanTimeline,
     ascii_timeline,
     gantt,
+    measured_transfers,
     simulate,
     write_chrome_trace,
 )
@@ -157,6 +158,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--microbatches", type=int, default=4, help="pipeline micro-batches (default 4)")
     parser.add_argument("--steps", type=int, default=30, help="recorded steps, >= 2: half calibrate (default 30)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
+    parser.add_argument("--comm", choices=("run", "benchmark"), default="run",
+                        help="fit communication from the calibration steps' waits (default) or from the "
+                             "collectives benchmark (--collectives FILE, else a short probe)")
     parser.add_argument("--collectives", help="JSON lines of benchmarks/collectives.py to fit communication from")
     parser.add_argument("--statistic", choices=("mean", "median"), default="mean",
                         help="what an action's measured durations calibrate to (default mean)")
@@ -173,27 +177,30 @@ def main(argv: list[str] | None = None) -> None:
     composed, params, batches = build(cfg)
     plan = composed.plan(mesh, params, batches[0])
 
-    if args.collectives:
-        rows = [json.loads(line) for line in Path(args.collectives).read_text().splitlines() if line.strip()]
-    else:
-        note(f"# probing collectives on {args.backend} (world 2)")
-        rows = probe_collectives(args.backend)
-    comm = CommModel.from_benchmark(rows, backend=args.backend)
-
     note(f"# {args.warmup + args.steps} steps of dp=2 x pp=2 on {args.backend}")
     per_rank = run_ranks(args.backend, rank_main, mesh.size, cfg)
     steps = [[per_rank[r][i] for r in range(mesh.size)] for i in range(args.steps)]
     half = args.steps // 2
     cores = args.cores or None
-    costs = PlanCosts.fit(plan, steps[:half], comm=comm, statistic=args.statistic, cores=cores)
+    costs = PlanCosts.fit(plan, steps[:half], statistic=args.statistic, cores=cores)
+    if args.comm == "run":  # what the first half's waits show
+        comm = CommModel.fit(measured_transfers(plan, steps[:half], costs))
+    elif args.collectives:
+        rows = [json.loads(line) for line in Path(args.collectives).read_text().splitlines() if line.strip()]
+        comm = CommModel.from_benchmark(rows, backend=args.backend)
+    else:
+        note(f"# probing collectives on {args.backend} (world 2)")
+        comm = CommModel.from_benchmark(probe_collectives(args.backend), backend=args.backend)
+    costs = dataclasses.replace(costs, comm=comm)
     measured = [PlanTimeline.from_measured(plan, step) for step in steps[half:]]
     simulated = simulate(plan, costs)
     no_comm = simulate(plan, dataclasses.replace(costs, comm=CommModel()))
-    own_cores = simulate(plan, PlanCosts.fit(plan, steps[:half], comm=comm, statistic=args.statistic))
+    own_cores = simulate(plan, dataclasses.replace(PlanCosts.fit(plan, steps[:half], statistic=args.statistic),
+                                                   comm=comm))
 
     shape = {"hidden": cfg.hidden, "layers": cfg.layers, "batch": cfg.batch, "microbatches": cfg.microbatches,
              "steps": cfg.steps, "backend": args.backend,
-             "statistic": args.statistic, "cores_modelled": cores}
+             "statistic": args.statistic, "cores_modelled": cores, "comm_from": args.comm}
     with json_lines(args.out) as emit:
         emit({"bench": "plan_timeline", "kind": "calibration", **shape,
               "alpha_s": dict(comm.alpha), "beta_s_per_byte": dict(comm.beta),

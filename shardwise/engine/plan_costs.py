@@ -14,14 +14,35 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections import defaultdict, deque
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from .plan import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action, Plan
-from .plan_timeline import KINDS, WAIT, ActionTimes, check_action_times, roles
+from .plan import (
+    BACKWARD,
+    BACKWARD_INPUT,
+    BACKWARD_WEIGHT,
+    FORWARD,
+    REDUCE_METRICS,
+    WAIT_METRICS,
+    Action,
+    Plan,
+)
+from .plan_timeline import (
+    ISSUE,
+    KINDS,
+    RECVS,
+    SENDS,
+    WAIT,
+    WAIT_OF,
+    ActionTimes,
+    channel,
+    check_action_times,
+    peer_rank,
+    roles,
+)
 
 DEFAULT_COSTS = MappingProxyType({FORWARD: 1.0, BACKWARD: 2.0, BACKWARD_INPUT: 1.0, BACKWARD_WEIGHT: 1.0})
 COMM_OPS = ("all_gather", "psum_scatter", "psum", "send")
@@ -238,3 +259,70 @@ def _core_time(plan: Plan, step: Sequence[ActionTimes], cores: int | None) -> Ca
             total += (t - before) * (1.0 if busy <= cores else cores / busy)
         had[t], busy, before = total, busy + change[t], t
     return lambda start, end: had[end] - had[start]
+
+
+def measured_transfers(plan: Plan, steps: Iterable[Sequence[ActionTimes]], costs: PlanCosts) -> list[
+        tuple[str, int, int, float]]:
+    """``(op, bytes, ranks, seconds)`` of the transfers and collectives of measured steps that some
+    rank was seen waiting for: the input :meth:`CommModel.fit` takes.
+
+    A message takes from the end of its send to the end of the receive that waited for it, less
+    the receive's own cost (``costs``); a collective from the last member's issue to the earliest
+    end of a wait for it that did wait, less that wait's cost. Only actions moving one tensor are
+    counted, and one clock must serve every rank (``time.perf_counter`` on one machine does).
+    Under CPU contention the figures include the time a woken rank waited for a core.
+    """
+    samples: list[tuple[str, int, int, float]] = []
+    for step in steps:
+        check_action_times(plan, step, "measured_transfers")
+        when = [{pos: (start, end) for pos, start, end in times} for times in step]
+        sent: dict[tuple[Any, ...], deque[float]] = defaultdict(deque)
+        calls: dict[tuple[Any, ...], list[tuple[float, float | None, int]]] = defaultdict(list)
+        for r, actions in enumerate(plan.actions):
+            for pos, a in enumerate(actions):
+                if a.kind in SENDS and pos in when[r]:
+                    sent[channel(r, peer_rank(plan.mesh, r, a), a)].append(when[r][pos][1])
+            for key, issued, waited, a in _collectives_of(plan, r):
+                if issued in when[r]:
+                    done = None
+                    if waited is not None and waited in when[r]:
+                        start, end = when[r][waited]
+                        own = costs.of(actions[waited], r)
+                        done = end - own if end - own > start else None  # it did wait for the data
+                    calls[key].append((when[r][issued][1], done, a.nbytes if len(a.wire) == 1 else -1))
+        for r, actions in enumerate(plan.actions):
+            for pos, a in enumerate(actions):
+                if a.kind not in RECVS or pos not in when[r]:
+                    continue
+                queue = sent.get(channel(r, peer_rank(plan.mesh, r, a), a))
+                if not queue:
+                    continue
+                send_end, (start, end) = queue.popleft(), when[r][pos]
+                took = end - costs.of(a, r) - send_end
+                if start < send_end and took > 0 and len(a.wire) == 1:
+                    samples.append(("send", a.nbytes, 2, took))
+        for (_axis, group, _k, op), members in calls.items():
+            dones = [d for _, d, _ in members if d is not None]
+            if len(members) == len(group) and dones and min(b for _, _, b in members) >= 0:
+                took = min(dones) - max(i for i, _, _ in members)
+                if took > 0:
+                    samples.append((op, max(b for _, _, b in members), len(group), took))
+    return samples
+
+
+def _collectives_of(plan: Plan, r: int) -> Iterator[tuple[tuple[Any, ...], int, int | None, Action]]:
+    """Per collective of rank ``r``: (its group's key, the issuing position, the waiting position)."""
+    actions, kinds_roles = plan.actions[r], roles(plan.actions[r])
+    seq: dict[str, int] = defaultdict(int)
+    for pos, a in enumerate(actions):
+        if a.op is None or a.axis is None or a.kind in SENDS or a.kind in RECVS:
+            continue
+        group = plan.mesh.group_ranks(a.axis, r)
+        key = (a.axis, group, seq[a.axis], a.op)
+        seq[a.axis] += 1
+        if kinds_roles[pos] != ISSUE:  # a sync all-reduce waits in itself
+            yield key, pos, pos, a
+            continue
+        wait = WAIT_METRICS if a.kind == REDUCE_METRICS else next(k for k, v in WAIT_OF.items() if v == a.kind)
+        later = (j for j in range(pos + 1, len(actions)) if actions[j].kind == wait and actions[j].layer == a.layer)
+        yield key, pos, next(later, None), a

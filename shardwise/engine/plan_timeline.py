@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, NamedTuple
 
+from ..collectives.mesh import Mesh
 from .executor import FINISH_GRADS
 from .plan import (
     BACKWARD,
@@ -75,6 +76,30 @@ def roles(actions: Sequence[Action]) -> tuple[str, ...]:
             out.append(LOCAL)
         metrics_issued |= a.kind == REDUCE_METRICS
     return tuple(out)
+
+
+class PlanMismatch(ValueError):
+    """The ranks' action lists do not fit together (a send nobody receives, collectives out of step)."""
+
+
+def peer_rank(mesh: Mesh, rank: int, a: Action) -> int:
+    """The global rank at the other end of transfer ``a`` of ``rank``."""
+    if a.axis is None or a.peer is None:
+        raise PlanMismatch(f"rank {rank}: {a} needs a mesh axis and a peer to pair with its other end")
+    return mesh.rank_of({**mesh.coords_of(rank), a.axis: a.peer})
+
+
+def channel(rank: int, peer: int, a: Action) -> tuple[Any, ...]:
+    """What a send or receive carries, the same on both ends: (sender, receiver, axis, payload)."""
+    if a.kind in (SEND_TIED, RECV_TIED):
+        payload: tuple[Any, ...] = ("tied", a.tied)
+    elif a.kind in (SEND_ACTIVATION, SEND_GRAD):
+        payload = ("activation" if a.kind == SEND_ACTIVATION else "grad", a.stage, a.microbatch)
+    else:  # a receive names its own stage; the producer is the one before (activation) or after (gradient)
+        step = -1 if a.kind == RECV_ACTIVATION else 1
+        payload = ("activation" if step < 0 else "grad", None if a.stage is None else a.stage + step, a.microbatch)
+    src, dst = (rank, peer) if a.kind in SENDS else (peer, rank)
+    return (src, dst, a.axis, *payload)
 
 
 def check_action_times(plan: Plan, per_rank: Sequence[ActionTimes], what: str) -> None:

@@ -42,12 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .plan import (
-    RECV_ACTIVATION,
-    RECV_TIED,
     REDUCE_METRICS,
-    SEND_ACTIVATION,
-    SEND_GRAD,
-    SEND_TIED,
     SUM_TIED,
     WAIT_METRICS,
     WAIT_SENDS,
@@ -55,7 +50,19 @@ from .plan import (
     Plan,
 )
 from .plan_costs import PlanCosts
-from .plan_timeline import ISSUE, RECVS, SENDS, WAIT_OF, PlanSlot, PlanTimeline, Transfer, roles
+from .plan_timeline import (
+    ISSUE,
+    RECVS,
+    SENDS,
+    WAIT_OF,
+    PlanMismatch,
+    PlanSlot,
+    PlanTimeline,
+    Transfer,
+    channel,
+    peer_rank,
+    roles,
+)
 
 
 class PlanDeadlock(RuntimeError):
@@ -67,10 +74,6 @@ class PlanDeadlock(RuntimeError):
         super().__init__("the plan deadlocks; these ranks wait forever:\n" + "\n".join(lines))
 
 
-class PlanMismatch(ValueError):
-    """The ranks' action lists do not fit together (a send nobody receives, collectives out of step)."""
-
-
 @dataclass
 class _Call:
     """One collective over one group: who has arrived when, and when it completes."""
@@ -80,19 +83,6 @@ class _Call:
     arrived: dict[int, float] = field(default_factory=dict)
     issued_by: dict[int, int] = field(default_factory=dict)  # rank -> action position
     done: float | None = None
-
-
-def _channel(rank: int, peer: int, a: Action) -> tuple[Any, ...]:
-    """What a send or receive carries, the same on both ends: (sender, receiver, axis, payload)."""
-    if a.kind in (SEND_TIED, RECV_TIED):
-        payload: tuple[Any, ...] = ("tied", a.tied)
-    elif a.kind in (SEND_ACTIVATION, SEND_GRAD):
-        payload = ("activation" if a.kind == SEND_ACTIVATION else "grad", a.stage, a.microbatch)
-    else:  # a receive names its own stage; the producer is the one before (activation) or after (gradient)
-        step = -1 if a.kind == RECV_ACTIVATION else 1
-        payload = ("activation" if step < 0 else "grad", None if a.stage is None else a.stage + step, a.microbatch)
-    src, dst = (rank, peer) if a.kind in SENDS else (peer, rank)
-    return (src, dst, a.axis, *payload)
 
 
 @dataclass
@@ -178,11 +168,6 @@ class _Simulation:
                     self._finish(r, now)
                     changed = True
 
-    def _peer_rank(self, r: int, a: Action) -> int:
-        if a.axis is None or a.peer is None:
-            raise PlanMismatch(f"rank {r}: {a} needs a mesh axis and a peer to pair with its other end")
-        return self.mesh.rank_of({**self.mesh.coords_of(r), a.axis: a.peer})
-
     def _transfer_time(self, a: Action, op: str, n: int) -> float:
         sizes = [w.nbytes for w in a.wire] or [0]  # an unknown payload still costs its latency
         return sum(self.costs.comm.time(op, nbytes, n) for nbytes in sizes)
@@ -193,7 +178,7 @@ class _Simulation:
         a = self.plan.actions[r][s.pos]
         if a.kind in RECVS:
             if s.received is None:
-                queue = self.mail.get(_channel(r, self._peer_rank(r, a), a))
+                queue = self.mail.get(channel(r, peer_rank(self.mesh, r, a), a))
                 if not queue:
                     return None
                 s.received = queue.popleft()
@@ -221,7 +206,7 @@ class _Simulation:
         a, role = self.plan.actions[r][i], self.roles[r][i]
         if a.kind in SENDS:
             delivered = now + self._transfer_time(a, "send", 2)
-            self.mail[_channel(r, self._peer_rank(r, a), a)].append(delivered)
+            self.mail[channel(r, peer_rank(self.mesh, r, a), a)].append(delivered)
             self.outbox[r].append(delivered)
             self.transfers[r].append(Transfer(r, i, a, now, delivered))
         elif role == ISSUE:  # an async collective
@@ -274,7 +259,7 @@ class _Simulation:
         s = self.state[r]
         a = self.plan.actions[r][s.pos]
         if a.kind in RECVS:
-            src = self._peer_rank(r, a)
+            src = peer_rank(self.mesh, r, a)
             return f"no matching send from rank {src} is ever issued ({self._where(src)})"
         if a.kind == REDUCE_METRICS:
             call = self.joined[r] or self.first_metrics[r]

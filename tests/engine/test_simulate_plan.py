@@ -26,7 +26,7 @@ from shardwise.engine.plan import (
     Plan,
     Wire,
 )
-from shardwise.engine.plan_costs import CommModel, PlanCosts
+from shardwise.engine.plan_costs import CommModel, PlanCosts, measured_transfers
 from shardwise.engine.plan_timeline import PlanTimeline
 from shardwise.engine.simulate import PlanDeadlock, PlanMismatch, simulate
 from shardwise.testing.models import mlp
@@ -238,3 +238,14 @@ def test_ranks_sharing_fewer_cores_share_them_equally() -> None:
     assert simulate(plan, fitted).ranks[1][0].end == 4.0
     with pytest.raises(ValueError, match="cores must be a positive int"):
         PlanCosts(cores=0)
+
+
+def test_measured_transfers_read_what_a_waiting_receive_saw() -> None:
+    send = Action(SEND_ACTIVATION, "x", 0, 0, axis="pp", peer=1, wire=wire(64))
+    recv = Action(RECV_ACTIVATION, "y", 0, 1, axis="pp", peer=0, wire=wire(64))
+    plan = Plan(sw.Mesh(pp=2), ((fwd(0), send), (recv, fwd(1))))
+    waited = [[(0, 0.0, 1.0), (1, 1.0, 1.25)], [(0, 0.0, 2.0), (1, 2.0, 3.0)]]
+    not_waiting = [[(0, 0.0, 1.0), (1, 1.0, 1.25)], [(0, 1.5, 1.75), (1, 1.75, 3.0)]]
+    costs = PlanCosts(rank={(RECV_ACTIVATION, 1): 0.25})
+    # Sent at 1.25; received at 2.0 by a rank waiting since 0, whose receive itself costs 0.25.
+    assert measured_transfers(plan, [waited, not_waiting], costs) == [("send", 64, 2, 0.5)]

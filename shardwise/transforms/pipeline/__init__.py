@@ -18,7 +18,7 @@ bandwidth), both fitted from measured runs; ``PlanTimeline.from_measured``
 reads a run made with ``pipeline(..., trace=True)``.
 """
 
-from ...engine.plan_costs import CommModel, PlanCosts
+from ...engine.plan_costs import CommModel, PlanCosts, measured_transfers
 from ...engine.plan_timeline import PlanSlot, PlanTimeline
 from ...engine.simulate import PlanDeadlock, PlanMismatch
 from .api import pipeline
@@ -64,6 +64,7 @@ __all__ = [
     "interleaved_1f1b",
     "loop_placement",
     "looped_bfs",
+    "measured_transfers",
     "one_f_one_b",
     "pipeline",
     "plan_costs",
