@@ -7,7 +7,10 @@ the module graph has no cycle.
 
 Every import statement counts, at module level or inside a function (a lazy
 import is still a dependency, and hiding one in a function is how a cycle
-survives), under ``if TYPE_CHECKING:`` too.
+survives). For the layering, imports under ``if TYPE_CHECKING:`` count too;
+for cycles they do not: they never run, so they cannot make a module see
+another half-initialised, and two modules whose signatures name each other's
+types are one design, not an import order.
 """
 
 from __future__ import annotations
@@ -26,12 +29,33 @@ def _module_name(path: Path, package: Path = PACKAGE) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _import_statements(path: Path, package: Path = PACKAGE) -> Iterator[tuple[str, list[str]]]:
+def _is_type_checking(node: ast.AST) -> bool:
+    test = node.test if isinstance(node, ast.If) else None
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _walk(node: ast.AST, type_checking: bool) -> Iterator[ast.AST]:
+    """Every node under ``node``; without ``type_checking``, not the bodies of ``if TYPE_CHECKING:``."""
+    yield node
+    for child in ast.iter_child_nodes(node):
+        if not type_checking and _is_type_checking(child):
+            assert isinstance(child, ast.If)
+            for other in child.orelse:
+                yield from _walk(other, type_checking)
+            continue
+        yield from _walk(child, type_checking)
+
+
+def _import_statements(
+    path: Path, package: Path = PACKAGE, type_checking: bool = True
+) -> Iterator[tuple[str, list[str]]]:
     """(module, names) of every import in ``path``: ``import m`` gives (m, []), ``from m import a, b``
     gives (m, [a, b]) with relative modules made absolute."""
     tree = ast.parse(path.read_text(), filename=str(path))
     here = _module_name(path, package).split(".")
-    for node in ast.walk(tree):
+    for node in _walk(tree, type_checking):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 yield alias.name, []
@@ -115,7 +139,7 @@ def import_graph(modules: Mapping[str, Path], package: Path = PACKAGE) -> dict[s
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
         edges: set[str] = set()
-        for module, names in _import_statements(path, package):
+        for module, names in _import_statements(path, package, type_checking=False):
             for target in [f"{module}.{n}" for n in names] or [module]:
                 if target in modules:
                     edges.add(target)
@@ -171,12 +195,13 @@ def test_the_cycle_finder_finds_a_planted_cycle() -> None:
     assert find_cycle(graph) is None
 
 
-def test_the_scan_finds_a_planted_cycle_through_lazy_and_type_checking_imports(tmp_path: Path) -> None:
+def test_the_scan_finds_a_planted_cycle_through_lazy_imports(tmp_path: Path) -> None:
     package = tmp_path / "shardwise"
     files = {
         "__init__.py": "from .a import thing\n",
         "a.py": "def thing():\n    from . import b  # lazy\n    return b\n",
-        "b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .sub.c import x\n",
+        "b.py": "from .sub.c import x\nif TYPE_CHECKING:\n    from . import a\nelse:\n    from . import d\n",
+        "d.py": "",
         "sub/__init__.py": "",
         "sub/c.py": "import shardwise.a\nfrom ..a import thing as x\n",
     }
@@ -187,5 +212,6 @@ def test_the_scan_finds_a_planted_cycle_through_lazy_and_type_checking_imports(t
     graph = import_graph(modules, package)
     assert graph["shardwise"] == {"shardwise.a"}
     assert graph["shardwise.a"] == {"shardwise.b"}  # ``from . import b`` names the module, not the package
+    assert graph["shardwise.b"] == {"shardwise.sub.c", "shardwise.d"}  # not the TYPE_CHECKING import
     assert graph["shardwise.sub.c"] == {"shardwise.a"}
     assert find_cycle(graph) == ["shardwise.a", "shardwise.b", "shardwise.sub.c", "shardwise.a"]

@@ -1,7 +1,8 @@
 """Run by test_processes.py under ``python -m torch.distributed.run --nproc-per-node 2``.
 
 torchrun only sets the environment: the script initialises the default process
-group itself, and the Mesh picks it up through runtime.current_backend().
+group itself, and the Mesh picks it up through backends.current.current_backend().
+Given no timeout, the backend takes shardwise's default, not torch's 30 minutes.
 """
 
 import os
@@ -18,7 +19,7 @@ def main() -> None:
     mesh = Mesh(dp=2)
     backend = mesh.backend
     total = backend.all_reduce(torch.tensor([1.0 + mesh.rank]), mesh.group("dp")).wait()
-    print(f"rank {mesh.rank}: {backend.name} all_reduce -> {total.tolist()}", flush=True)
+    print(f"rank {mesh.rank}: {backend.name} all_reduce -> {total.tolist()}, timeout {backend.timeout:g} s", flush=True)
     dist.barrier()
     sys.stdout.flush()
     # Skip gloo's teardown at exit: torch 2.13 sometimes aborts (SIGABRT) in it.

@@ -22,8 +22,9 @@ import torch
 
 from shardwise.collectives.backends.processes import ProcessPool, launch_processes
 from shardwise.collectives.errors import CollectiveTimeout
-from shardwise.collectives.launch import RankFailed, launch
+from shardwise.collectives.launch import RankFailed, RankHung, launch
 from shardwise.collectives.mesh import Mesh
+from shardwise.collectives.timeout import DEFAULT_TIMEOUT_S
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -134,11 +135,16 @@ def test_a_rank_that_never_arrives_times_the_others_out(tmp_path: Path, what: st
     with pytest.raises(RankFailed) as info:
         launch_processes(_record_pid_then, 2, timeout=2.0, args=(what, str(tmp_path)))
     assert time.monotonic() - start < 20.0  # not the 60 s rank 1 sleeps
-    assert info.value.rank == 0
     assert isinstance(info.value.__cause__, CollectiveTimeout)
     message = str(info.value)
     assert "CollectiveTimeout: psum on axis 'dp' (group ranks (0, 1)) on rank 0" in message
     assert "timed out" in message and "timeout 2 s" in message
+    if what == "sleep":  # rank 1 is still running: it is the one named, as hung
+        assert isinstance(info.value, RankHung) and info.value.rank == 1
+        assert message.startswith("rank 1 hung: still running")
+    else:  # rank 1 returned: rank 0 timed out, and the error says who had returned
+        assert type(info.value) is RankFailed and info.value.rank == 0
+        assert "ranks [1] had returned their results already" in message
     _assert_ended(_pids_in(tmp_path))
 
 
@@ -203,4 +209,4 @@ def test_under_torchrun_the_mesh_uses_the_initialized_process_group() -> None:
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output
     for rank in (0, 1):
-        assert f"rank {rank}: gloo all_reduce -> [3.0]" in proc.stdout, output
+        assert f"rank {rank}: gloo all_reduce -> [3.0], timeout {DEFAULT_TIMEOUT_S:g} s" in proc.stdout, output

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CollectiveError, CollectiveTimeout
+from ..timeout import DEFAULT_TIMEOUT_S, check_timeout
 from .base import Backend, CompletedWork, Group, Work
 from .distributed_p2p import PointToPoint
 from .distributed_p2p import flat_copy as _flat_copy
@@ -54,15 +55,14 @@ _DTYPE_REFUSALS = ("scalar type", "dtype", "datatype", "data type")
 class TorchDistributedBackend(PointToPoint, Backend):
     """One rank's handle on an initialised torch.distributed world."""
 
-    def __init__(self, timeout: float = 60.0) -> None:
+    def __init__(self, timeout: float = DEFAULT_TIMEOUT_S) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
                 "TorchDistributedBackend needs an initialised default process group: call "
                 "torch.distributed.init_process_group(...) first (torchrun sets up the environment "
                 "for it), or use shardwise.launch(main, world=N, backend='processes')"
             )
-        if timeout <= 0:
-            raise ValueError(f"TorchDistributedBackend(timeout={timeout!r}): timeout must be positive seconds")
+        timeout = check_timeout("TorchDistributedBackend", timeout)
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.timeout = float(timeout)
@@ -74,10 +74,15 @@ class TorchDistributedBackend(PointToPoint, Backend):
     def from_initialized(cls, timeout: float | None = None) -> TorchDistributedBackend:
         """Build the backend on the default process group (what torchrun users get).
 
-        Without ``timeout`` the default group's own timeout is used.
+        Without ``timeout``: the timeout given to ``init_process_group(timeout=...)``,
+        which is how a torchrun script sets the one timeout; when none was given
+        (the group has torch's default of 30 minutes), shardwise's own default
+        of 5 minutes (``collectives/timeout.py``). It bounds every wait of this
+        backend and the process groups it creates per mesh axis.
         """
         if timeout is None:
-            timeout = _default_group_timeout()
+            given = _default_group_timeout()
+            timeout = DEFAULT_TIMEOUT_S if given == dist.default_pg_timeout.total_seconds() else given
         return cls(timeout)
 
     @property

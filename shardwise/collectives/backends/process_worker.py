@@ -13,6 +13,8 @@ import os
 import pickle
 import signal
 import sys
+import threading
+import time
 import traceback
 from multiprocessing.connection import Connection
 from typing import Any, NoReturn
@@ -25,12 +27,14 @@ from .current import use_backend
 from .distributed import TorchDistributedBackend
 
 MIN_STARTUP_S = 60.0  # rendezvous bound: processes start seconds apart on a loaded machine
+_PARENT_POLL_S = 0.25  # how often a worker checks that its launcher is alive
 
 
-def worker_main(rank: int, world: int, port: int, timeout: float, conn: Connection) -> None:
+def worker_main(rank: int, world: int, port: int, timeout: float, parent_pid: int, conn: Connection) -> None:
     """Entry point of a spawned rank: join the group, then run tasks until told to stop."""
     # The parent owns Ctrl-C: it ends the workers itself, without a traceback per rank.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _watch_parent(parent_pid)
     try:
         backend = _init_rank(rank, world, port, timeout)
     except BaseException as exc:
@@ -48,6 +52,25 @@ def worker_main(rank: int, world: int, port: int, timeout: float, conn: Connecti
     # No destroy_process_group(): gloo may abort while tearing down, and the
     # parent already has every result. os._exit skips all teardown.
     _exit(0)
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """End this process as soon as its launcher is gone (SIGKILL, SIGTERM, a crash).
+
+    An idle worker sees its pipe close; a busy one (in a task, or stuck in
+    one) does not, so a daemon thread polls the parent pid: once the launcher
+    died, this process was handed to another parent. A thread rather than
+    Linux's PR_SET_PDEATHSIG, which fires when the parent *thread* that
+    spawned us exits (a pool created on a short-lived thread would lose its
+    ranks) and exists on Linux only.
+    """
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(_PARENT_POLL_S)
+        _exit(1)
+
+    threading.Thread(target=watch, name="shardwise-parent-watchdog", daemon=True).start()
 
 
 def _init_rank(rank: int, world: int, port: int, timeout: float) -> Any:

@@ -29,6 +29,7 @@ import contextlib
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.util  # before our atexit hook is registered, see _close_all
+import os
 import pickle
 import signal
 import socket
@@ -42,17 +43,34 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from ..errors import RankFailed
+from ..errors import RankFailed, RankHung
+from ..timeout import DEFAULT_TIMEOUT_S, check_timeout
 from .process_worker import MIN_STARTUP_S, worker_main
 
 _GRACE_S = 1.0  # after a failure, how long the other ranks may still report before being terminated
 _STOP_WAIT_S = 5.0  # how long idle workers get to exit after "stop"
 _SIGNAL_WAIT_S = 2.0  # how long to wait after SIGTERM (then SIGKILL) before giving up
+_TRACEBACK_MARK = "\n\n--- traceback of rank "  # where a failure's summary ends in its message
 _POLL_S = 0.2  # longest the parent sleeps between checks for KeyboardInterrupt
 
 
+def default_max_processes() -> int:
+    """The largest world spawned without being asked: 4 ranks per CPU, at least 8.
+
+    Every rank is an interpreter that imports torch (about 2 s of CPU and a few
+    hundred MB each): past a few per core, starting them alone takes minutes
+    and can exhaust memory, which is rarely what ``world=1000`` meant.
+    """
+    return max(8, 4 * (os.cpu_count() or 1))
+
+
 def launch_processes(
-    fn: Callable[..., Any], world: int, *, timeout: float, args: Sequence[Any] = ()
+    fn: Callable[..., Any],
+    world: int,
+    *,
+    timeout: float = DEFAULT_TIMEOUT_S,
+    args: Sequence[Any] = (),
+    max_processes: int | None = None,
 ) -> list[Any]:
     """Run ``fn(*args)`` on ``world`` new gloo processes; return each rank's result in rank order.
 
@@ -60,7 +78,7 @@ def launch_processes(
     :class:`RankFailed` for the rank that failed first; every process has ended
     by the time this returns or raises.
     """
-    with ProcessPool(world, timeout=timeout) as pool:
+    with ProcessPool(world, timeout=timeout, max_processes=max_processes) as pool:
         return pool.run(fn, *args)
 
 
@@ -77,13 +95,20 @@ class ProcessPool:
     interpreter exit, so a forgotten pool leaks no processes.
     """
 
-    def __init__(self, world: int, timeout: float = 60.0) -> None:
+    def __init__(self, world: int, timeout: float = DEFAULT_TIMEOUT_S, max_processes: int | None = None) -> None:
         if isinstance(world, bool) or not isinstance(world, int) or world <= 0:
             raise ValueError(f"ProcessPool(world={world!r}): world must be a positive int")
-        if not timeout > 0:
-            raise ValueError(f"ProcessPool(timeout={timeout!r}): timeout must be positive seconds")
+        self.timeout = check_timeout("ProcessPool", timeout)
+        bound = default_max_processes() if max_processes is None else max_processes
+        if world > bound:
+            raise ValueError(
+                f"world={world} would start {world} processes on a machine with {os.cpu_count()} CPUs, "
+                f"above the bound of {bound} "
+                + ("(4 per CPU, at least 8). " if max_processes is None else "given as max_processes. ")
+                + "Each rank imports torch (about 2 s and a few hundred MB). Use fewer ranks, "
+                f"backend='threads' (no processes), or pass max_processes={world} if you mean it."
+            )
         self.world = world
-        self.timeout = float(timeout)
         self._slot = _Slot()
         self._lock = threading.Lock()
         self._closed = False
@@ -157,6 +182,7 @@ class _Ranks:
 
     def __init__(self, world: int, timeout: float) -> None:
         self.world = world
+        self.timeout = timeout
         self.procs: list[BaseProcess] = []
         self.conns: list[Connection] = []
         self._eof: set[int] = set()  # ranks whose pipe is closed: wait on their exit only
@@ -170,7 +196,7 @@ class _Ranks:
                 parent_end, child_end = ctx.Pipe(duplex=True)
                 proc = ctx.Process(
                     target=worker_main,
-                    args=(rank, world, port, timeout, child_end),
+                    args=(rank, world, port, timeout, os.getpid(), child_end),
                     name=f"shardwise-rank-{rank}",
                     daemon=False,  # daemonic processes may not start their own (DataLoader workers)
                 )
@@ -210,21 +236,30 @@ class _Ranks:
         for conn in self.conns:
             with contextlib.suppress(OSError):  # a dead worker: _collect reports its exit code
                 conn.send_bytes(message)
-        results, failures = self._collect(deadline=None)
-        if failures:
+        results, failures = self._collect(deadline=None, last_rendezvous=self.timeout)
+        if failures or len(results) < self.world:
             self.shutdown(wait=0.0)
-            raise _root_cause(failures)
+            raise _run_error(results, failures, self.world, self.timeout)
         return [results[rank] for rank in range(self.world)]
 
-    def _collect(self, deadline: float | None) -> tuple[dict[int, Any], list[_Failure]]:
-        """Wait for one report per rank; after the first failure, wait at most the grace period."""
+    def _collect(
+        self, deadline: float | None, last_rendezvous: float | None = None
+    ) -> tuple[dict[int, Any], list[_Failure]]:
+        """Wait for one report per rank; after the first failure, wait at most the grace period.
+
+        With ``last_rendezvous`` (the timeout), the end of the task is a last
+        rendezvous: once a rank reported its result, the others have that long
+        (and the grace, so that a rank timing out in a collective reports
+        first) to report theirs.
+        """
         pending = set(range(self.world))
         results: dict[int, Any] = {}
         failures: list[_Failure] = []
         grace_until: float | None = None
+        finish_until: float | None = None
         while pending:
             now = time.monotonic()
-            limit = min((t for t in (deadline, grace_until) if t is not None), default=None)
+            limit = min((t for t in (deadline, grace_until, finish_until) if t is not None), default=None)
             if limit is not None and now >= limit:
                 break
             handles: list[Any] = [self.conns[r] for r in pending if r not in self._eof]
@@ -244,6 +279,8 @@ class _Ranks:
                         grace_until = time.monotonic() + _GRACE_S
                 else:
                     results[rank] = report[0]
+                    if last_rendezvous is not None and finish_until is None:
+                        finish_until = time.monotonic() + last_rendezvous + _GRACE_S
         return results, failures
 
     def _poll(self, rank: int) -> _Failure | tuple[Any] | None:
@@ -313,7 +350,7 @@ def _decode(rank: int, message: tuple[str, Any]) -> _Failure | tuple[Any]:
             error = pickle.loads(payload["pickled"])
         except Exception:
             error = None  # the text below still carries everything
-    message_text = f"{payload['type']}: {payload['message']}\n\n--- traceback of rank {rank} ---\n{payload['traceback']}"
+    message_text = f"{payload['type']}: {payload['message']}{_TRACEBACK_MARK}{rank} ---\n{payload['traceback']}"
     return _Failure(rank, message_text, error, payload["reaction"], payload["addr_in_use"])
 
 
@@ -322,6 +359,40 @@ def _root_cause(failures: list[_Failure]) -> RankFailed:
     error = RankFailed(root.rank, root.message)
     error.__cause__ = root.error
     return error
+
+
+def _run_error(results: dict[int, Any], failures: list[_Failure], world: int, timeout: float) -> RankFailed:
+    """The error of a run that did not deliver every result: the rank that failed, or the ones that hung."""
+    if any(not f.reaction for f in failures):
+        return _root_cause(failures)
+    silent = sorted(set(range(world)) - set(results) - {f.rank for f in failures})
+    returned = sorted(results)
+    if not silent:  # only reactions (timeouts, mismatches) from ranks that all reported
+        first = failures[0]
+        summary, traceback_text = _split_traceback(first.message)
+        if returned:
+            summary += (
+                f" (ranks {returned} had returned their results already: they skipped a collective the "
+                "others waited in, or returned early)"
+            )
+        return _root_cause([_Failure(first.rank, summary + traceback_text, first.error, first.reaction)])
+    if failures:  # the others timed out waiting for the silent ranks: those are the cause
+        first = failures[0]
+        summary, _ = _split_traceback(first.message)
+        hung = RankHung(tuple(silent), f"still running {_GRACE_S:g} s after rank {first.rank} stopped waiting: {summary}")
+        hung.__cause__ = first.error
+        return hung
+    return RankHung(
+        tuple(silent),
+        f"did not finish within the timeout of {timeout:g} s after rank {returned[0]} returned "
+        "(stuck after its last collective, or outside any)",
+    )
+
+
+def _split_traceback(message: str) -> tuple[str, str]:
+    """A failure's message as (summary, the remote traceback that follows it, or "")."""
+    head, sep, tail = message.partition(_TRACEBACK_MARK)
+    return head, sep + tail
 
 
 def _running_process(proc: BaseProcess) -> bool:

@@ -1,63 +1,166 @@
-"""Running one function on the rank threads of a :class:`~.threads.ThreadsWorld`."""
+"""Running one function on the rank threads of a :class:`~.threads.ThreadsWorld`, and always
+coming back.
+
+* A rank that raises stops every rank waiting in a collective at once
+  (:class:`RankAborted`); the launcher raises :class:`RankFailed` for it.
+* A rank that waits longer than the timeout for a peer raises
+  :class:`CollectiveTimeout` naming the peers that never arrived. Peers still
+  running a moment later are hung: :class:`RankHung` names them and quotes
+  the collective and axis they were awaited in.
+* The end of the function is a last rendezvous: a rank still running
+  ``timeout`` seconds after the first rank returned is hung after its last
+  collective (:class:`RankHung`).
+* KeyboardInterrupt (Ctrl-C) or SystemExit (a signal handler) in the
+  launcher stops every rank, then propagates.
+
+Python cannot kill a thread. The launcher stops a rank it gives up on by
+raising :class:`RankStopped` in its thread (``PyThreadState_SetAsyncExc``),
+which takes effect at the thread's next Python bytecode: a rank looping,
+polling or computing tensor ops stops within moments; one blocked in a single
+C call (a long ``time.sleep``, a lock) cannot, and stays behind as a daemon
+thread, which the error says. No rank thread is left running otherwise, so
+the interpreter never exits under a thread busy in torch (torch 2.13 then
+aborts with "terminate called without an active exception").
+"""
 
 from __future__ import annotations
 
 import contextvars
+import ctypes
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
-from ..errors import RankFailed
+from ..errors import CollectiveError, RankFailed, RankHung
 from .current import use_backend
 from .threads import ThreadsBackend, ThreadsWorld
 
-T = TypeVar("T")
+_POLL_S = 0.05  # the launcher checks its ranks this often (and reacts to Ctrl-C as soon)
+_GRACE_S = 1.0  # after a failure, how long the other ranks have to stop before they count as hung
+_SETTLE_S = 0.2  # how long cancelled ranks have to stop by themselves before RankStopped is raised in them
+_STOP_WAIT_S = 2.0  # how long stopped ranks have to leave their threads
 
 
-def run_on_threads(fn: Callable[..., T], world: int, timeout: float, args: tuple[Any, ...]) -> list[T]:
-    threads_world = ThreadsWorld(world, timeout)
-    results: list[Any] = [None] * world
+class RankStopped(BaseException):
+    """Raised in a rank thread by the launcher that gave up on it.
 
-    def body(rank: int) -> None:
+    A BaseException, so that ``except Exception`` in the rank's code does not swallow it.
+    """
+
+
+def run_on_threads(fn: Callable[..., Any], world: int, timeout: float, args: tuple[Any, ...]) -> list[Any]:
+    """Run ``fn(*args)`` on ``world`` rank threads; return their results in rank order."""
+    ranks = _RankThreads(fn, args, ThreadsWorld(world, timeout))
+    try:
+        ranks.start()
+        ranks.supervise()
+    except BaseException as exc:  # Ctrl-C, or SystemExit from a signal handler
+        ranks.stop(ranks.running(), f"the launcher was interrupted ({type(exc).__name__})")
+        raise
+    return ranks.outcome()
+
+
+class _RankThreads:
+    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...], world: ThreadsWorld) -> None:
+        self.world = world
+        self.results: list[Any] = [None] * world.world_size
+        self.finished_at: dict[int, float] = {}  # rank -> when it returned
+        self.threads: list[threading.Thread] = []
+        # Set as a rank's body ends. The launcher waits on these, never on Thread.join:
+        # in Python 3.11 a join interrupted by Ctrl-C marks a running thread as stopped.
+        self.done = [threading.Event() for _ in range(world.world_size)]
+        self._fn, self._args = fn, args
+
+    def _body(self, rank: int) -> None:
         try:
-            with use_backend(ThreadsBackend(threads_world, rank)):
-                results[rank] = fn(*args)
+            with use_backend(ThreadsBackend(self.world, rank)):
+                self.results[rank] = self._fn(*self._args)
+            self.finished_at[rank] = time.monotonic()
         except BaseException as exc:
-            threads_world.abort(rank, exc)
+            self.world.abort(rank, exc)
+        finally:
+            self.done[rank].set()
 
-    threads = []
-    for rank in range(world):
-        # Each rank runs in a copy of the caller's context, so a comm_ledger()
-        # opened around launch() sees every rank's collectives.
-        ctx = contextvars.copy_context()
-        t = threading.Thread(
-            target=ctx.run, args=(body, rank), name=f"shardwise-rank-{rank}", daemon=True
+    def start(self) -> None:
+        for rank in range(self.world.world_size):
+            # Each rank runs in a copy of the caller's context, so a comm_ledger()
+            # opened around launch() sees every rank's collectives.
+            ctx = contextvars.copy_context()
+            thread = threading.Thread(
+                target=ctx.run, args=(self._body, rank), name=f"shardwise-rank-{rank}", daemon=True
+            )
+            self.threads.append(thread)
+            thread.start()
+
+    def running(self) -> list[int]:
+        return [rank for rank, thread in enumerate(self.threads) if thread.is_alive() and not self.done[rank].is_set()]
+
+    def supervise(self) -> None:
+        """Wait until every rank ended, or a failure's grace ran out, or the last rendezvous timed out."""
+        failed_at: float | None = None
+        while running := self.running():
+            self.done[running[0]].wait(_POLL_S)
+            now = time.monotonic()
+            if self.world.failure is not None and failed_at is None:
+                failed_at = now
+            if failed_at is not None and now - failed_at > _GRACE_S:
+                return
+            first_done = min(self.finished_at.values(), default=None)
+            # Ranks waiting in a collective time out by themselves within ``timeout``;
+            # the grace lets that failure, which names the collective, come first.
+            if first_done is not None and now - first_done > self.world.timeout + _GRACE_S:
+                return
+
+    def outcome(self) -> list[Any]:
+        """The results, or the error that says which rank failed or hung (stopping the hung ones)."""
+        hung = self.running()
+        failure = self.world.failure
+        unstoppable = self.stop(hung, f"the launcher gave up on hung ranks {hung}") if hung else []
+        note = (
+            f"; rank threads {unstoppable} could not be stopped (blocked in a call outside Python code) "
+            "and keep running as daemon threads until this process exits"
+            if unstoppable
+            else ""
         )
-        threads.append(t)
-        t.start()
+        if failure is not None:
+            rank, error = failure
+            if hung and isinstance(error, CollectiveError):
+                # A timeout or abort on a waiting rank is a reaction; the ranks still running are the cause.
+                raise RankHung(
+                    tuple(hung),
+                    f"still running {_GRACE_S:g} s after rank {rank} stopped waiting: "
+                    f"{type(error).__name__}: {error}{note}",
+                ) from error
+            raise RankFailed(rank, f"{type(error).__name__}: {error}{note}") from error
+        if hung:
+            first = min(self.finished_at, key=self.finished_at.__getitem__)
+            raise RankHung(
+                tuple(hung),
+                f"did not finish within the timeout of {self.world.timeout:g} s after rank {first} returned "
+                f"(stuck after its last collective, or outside any){note}",
+            )
+        return self.results
 
-    _join_threads(threads, threads_world, timeout)
-    if threads_world.failure is not None:
-        # The first failure recorded is the root cause: later ones are RankAborted reactions.
-        rank, error = threads_world.failure
-        raise RankFailed(rank, f"{type(error).__name__}: {error}") from error
-    stuck = [i for i, t in enumerate(threads) if t.is_alive()]
-    if stuck:
-        raise RankFailed(stuck[0], f"ranks {stuck} did not finish within the timeout of {timeout:g} s")
-    return results
+    def stop(self, ranks: list[int], reason: str) -> list[int]:
+        """Stop the threads of ``ranks``; return those still running after a wait.
 
+        First the world is cancelled: a rank in (or entering) a collective stops
+        by itself, between two of the world's own steps. Only the ranks still
+        running after a moment get RankStopped raised in their thread: an
+        exception raised at an arbitrary bytecode could land inside the world's
+        locking, which the cancel never risks.
+        """
+        self.world.cancel(reason)
+        self._join(ranks, _SETTLE_S)
+        for rank in self.running():
+            ident = self.threads[rank].ident
+            if ident is not None:
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), ctypes.py_object(RankStopped))
+        self._join(ranks, _STOP_WAIT_S)
+        return [rank for rank in ranks if not self.done[rank].is_set()]
 
-def _join_threads(threads: list[threading.Thread], world: ThreadsWorld, timeout: float) -> None:
-    # Ranks in a collective stop on abort or timeout by themselves. A rank stuck
-    # outside any collective cannot be killed: once another rank has failed we
-    # give it one timeout to finish, then report it (it is a daemon thread).
-    failed_at: float | None = None
-    while any(t.is_alive() for t in threads):
-        for t in threads:
-            t.join(0.05)
-        if world.failure is not None and failed_at is None:
-            failed_at = time.monotonic()
-        if failed_at is not None and time.monotonic() - failed_at > timeout:
-            return
-
+    def _join(self, ranks: list[int], seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        for rank in ranks:
+            self.done[rank].wait(max(0.0, deadline - time.monotonic()))

@@ -71,6 +71,7 @@ class ThreadsWorld:
         self._pending: dict[tuple[tuple[int, ...], int], _Rendezvous] = {}
         self._calls: dict[tuple[int, tuple[int, ...]], int] = {}
         self.failure: tuple[int, BaseException] | None = None
+        self.cancelled: str | None = None  # why the launcher stopped the world, if it did
         self.mailbox = Mailbox(self._cond)
 
     def abort(self, rank: int, error: BaseException) -> None:
@@ -78,6 +79,12 @@ class ThreadsWorld:
         with self._cond:
             if self.failure is None:
                 self.failure = (rank, error)
+            self._cond.notify_all()
+
+    def cancel(self, reason: str) -> None:
+        """Stop every rank waiting in (or later issuing) a collective, as ``abort`` does, for ``reason``."""
+        with self._cond:
+            self.cancelled = self.cancelled or reason
             self._cond.notify_all()
 
     def arrive(
@@ -118,6 +125,8 @@ class ThreadsWorld:
         self._raise_if_aborted_in(rank, f"{op_name} on axis {group.axis!r}")
 
     def _raise_if_aborted_in(self, rank: int, where: str) -> None:
+        if self.cancelled is not None:
+            raise RankAborted(f"rank {rank} stopped in {where}: {self.cancelled}")
         if self.failure is not None:
             failed, error = self.failure
             raise RankAborted(
