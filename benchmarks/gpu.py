@@ -41,11 +41,11 @@ batches for every variant, stepped round-robin, AdamW everywhere:
 * ``torch:f32``: the ``nn.Module`` with ``torch.optim.AdamW``;
 * ``torch:bf16_autocast``: the same under ``torch.autocast(bfloat16)`` (matmuls
   in bf16; LayerNorm, softmax and the residual stream in fp32);
-* ``torch:bf16_pure``: what ``mixed_precision("compute=bf16")`` computes, written
+* ``torch:bf16_pure``: what ``mixed_precision("compute=bf16,output=f32")`` computes, written
   in torch: a bf16 copy of the module runs forward and backward, its gradients
   are cast to fp32 for the fp32 master weights' AdamW;
 * ``ours:f32``: ``sw.train_step``; ``ours:bf16``: ``sw.mixed_precision(step,
-  "compute=bf16")``; ``ours:zero3_dp1_f32``: ``sw.shard_params(step, "dp",
+  "compute=bf16,output=f32")``; ``ours:zero3_dp1_f32``: ``sw.shard_params(step, "dp",
   stage=3)`` on one rank.
 
 ``median_step_s`` is the median of ``--steps`` timed steps (synchronized before
@@ -210,7 +210,8 @@ def equivalence_checks(device: torch.device, quick: bool) -> list[tuple[str, Che
 
     def fp16_scaled() -> dict[str, Any]:
         chain, params, batches = gpt_case(device, torch.float32)
-        step = sw.mixed_precision(sw.train_step(chain, lm_loss, sgd), "compute=f16", loss_scale="dynamic")
+        # The loss in f32: an f16 loss cannot carry the loss scale (65536 > f16 max 65504).
+        step = sw.mixed_precision(sw.train_step(chain, lm_loss, sgd), "compute=f16,output=f32", loss_scale="dynamic")
         return equivalence(sw.shard_params(step, "dp", stage=3), step, sw.Mesh(dp=2), batches, params, rtol=2**-8)
 
     def remat() -> dict[str, Any]:
@@ -369,7 +370,7 @@ def our_step(base: torch.nn.Module, device: torch.device, mode: str) -> Callable
     chain, params = sw.functionalize(model, units=["tok_emb", "blocks", "head"])
     step: Any = sw.train_step(chain, lm_loss, sw.optim.adamw(LR, BETAS, EPS, WEIGHT_DECAY, inplace=True))
     if mode == "bf16":
-        step = sw.mixed_precision(step, "compute=bf16")
+        step = sw.mixed_precision(step, "compute=bf16,output=f32")
     if mode == "zero3":
         return one_rank_runner(sw.shard_params(step, "dp", stage=3), params)
     box = {"state": step.init(params)}

@@ -28,6 +28,7 @@ from .collectives import (
     Mesh,
     RankAborted,
     RankFailed,
+    RankHung,
     all_gather,
     all_gather_async,
     all_to_all,
@@ -57,7 +58,16 @@ from .engine.plan import Action, Plan
 from .engine.state import TrainState
 from .engine.step import Step, train_step
 from .transforms.mixed_precision import DynamicLossScale, Policy, StaticLossScale, mixed_precision
-from .transforms.pipeline import Schedule, pipeline
+from .transforms.pipeline import (
+    CommModel,
+    PlanCosts,
+    PlanDeadlock,
+    PlanMismatch,
+    PlanTimeline,
+    Schedule,
+    pipeline,
+    simulate,
+)
 from .transforms.remat import checkpoint_name, policies, remat, saved_bytes
 from .transforms.shard_params import shard_params
 
@@ -68,6 +78,7 @@ __all__ = [
     "Chain",
     "CollectiveError",
     "CollectiveTimeout",
+    "CommModel",
     "CommRecord",
     "DynamicLossScale",
     "FunctionalizeError",
@@ -79,9 +90,14 @@ __all__ = [
     "Mesh",
     "Placement",
     "Plan",
+    "PlanCosts",
+    "PlanDeadlock",
+    "PlanMismatch",
+    "PlanTimeline",
     "Policy",
     "RankAborted",
     "RankFailed",
+    "RankHung",
     "Schedule",
     "StateLayout",
     "StaticLossScale",
@@ -117,6 +133,7 @@ __all__ = [
     "saved_bytes",
     "send",
     "shard_params",
+    "simulate",
     "testing",
     "train_step",
 ]

@@ -69,12 +69,15 @@ from .plan import (
     Action,
 )
 from .precision import all_finite
+from .rng import mix, ranks_share_generators, seeded
 from .sharding import FlatSharding
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 Layout = tuple[torch.Size, torch.dtype]
 FINISH_GRADS = "finish_grads"  # the gradients the optimizer gets, and this rank's share of the metrics
 _OP_LETTER = {FORWARD: "F", BACKWARD: "B", BACKWARD_INPUT: "I", BACKWARD_WEIGHT: "W"}
+# The actions that may draw random numbers, and the code each mixes into its seed.
+_RANDOM = {FORWARD: 1, BACKWARD: 2, BACKWARD_INPUT: 2, BACKWARD_WEIGHT: 2, LOSS: 3}
 
 
 def float_leaves(tree: Any) -> list[torch.Tensor]:
@@ -135,12 +138,17 @@ class Executor:
     boundaries: Sequence[Sequence[Layout]] | None = None  # predicted stage outputs: transfers go bare
     poison: bool = False
     record: bool = False
+    # None: loss_fn returns the mean over the batch's rows. "sum": it returns (sum, count) over
+    # tokens. A callable (inputs, targets) -> count: it returns the mean over that many tokens.
+    tokens: Any = None
+    rng_seed: int | None = None  # this step's seed (engine/rng.py); None: the global generators as they are
     # -- results ----------------------------------------------------------------------------
     final_grads: Any = None
     summed: Summed = field(default_factory=Summed)
     new_master: Any = None
     new_held: Any = None
     losses: list[torch.Tensor] = field(default_factory=list)
+    counts: list[torch.Tensor] = field(default_factory=list)  # token-weighted: tokens per micro-batch
     events: list[tuple[int, str, float, float]] = field(default_factory=list)
     # When recording: every action this rank ran, (position in its action list, start, end), on
     # time.perf_counter's clock: the measured counterpart of a simulated Plan.
@@ -174,6 +182,8 @@ class Executor:
         # Where this rank computes: its parameters', else its micro-batches'. Received values go
         # there (torch.distributed delivers them on the CPU), and so do the metrics.
         self.device = device_of(self.source.compute, self.source.gather_from, self.microbatches)
+        self._shared_rng = ranks_share_generators()
+        self._rank = 0 if self.mesh is None else self.mesh.rank
 
     # -- dispatch ------------------------------------------------------------------------------
     def run(self, actions: Sequence[Action]) -> None:
@@ -209,6 +219,8 @@ class Executor:
             handler = table.get(action.kind)
             if handler is None:
                 raise ValueError(f"the executor has no handler for action {action} (kind {action.kind!r})")
+            if action.kind in _RANDOM:
+                handler = self._seeded(handler)
             if self.record:
                 start = clock()
                 handler(action)
@@ -224,6 +236,18 @@ class Executor:
             )
 
     # -- compute ---------------------------------------------------------------------------------
+    def _seeded(self, handler: Callable[[Action], None]) -> Callable[[Action], None]:
+        """``handler`` run with the generators seeded for its (rank, stage, micro-batch, kind)."""
+
+        def run(action: Action) -> None:
+            seed = None if self.rng_seed is None else mix(
+                self.rng_seed, self._rank, action.stage or 0, action.microbatch or 0, _RANDOM[action.kind]
+            )
+            with seeded(seed, self.device, self._shared_rng):
+                handler(action)
+
+        return run
+
     def forward(self, action: Action) -> None:
         s, m = _stage(action), _mb(action)
         x = self.microbatches[m][0] if s == 0 else self._take_input(s, m)
@@ -249,8 +273,10 @@ class Executor:
         m = _mb(action)
         s = self.placement.last
         saved = self._saved[(s, m)]
+        inputs, targets = self.microbatches[m]
         with torch.enable_grad():
-            loss = self.loss_fn(self._outputs.pop((s, m)), self.microbatches[m][1])
+            got = self.loss_fn(self._outputs.pop((s, m)), targets)
+        loss = self._token_sum(got, inputs, targets) if self.tokens is not None else got
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             raise ValueError(
                 f"loss_fn must return a scalar tensor (the mean loss over the batch), got {type(loss).__name__}"
@@ -265,6 +291,27 @@ class Executor:
             )
         self.losses.append(loss.detach())
         saved.outputs = [loss]
+
+    def _token_sum(self, got: Any, inputs: Any, targets: Any) -> torch.Tensor:
+        """The micro-batch's summed token loss; its token count goes to ``counts``."""
+        if self.tokens == "sum":
+            if not (isinstance(got, (tuple, list)) and len(got) == 2):
+                raise ValueError(
+                    "train_step(tokens='sum'): loss_fn must return a pair (sum of the token losses, number of "
+                    f"tokens), got {type(got).__name__}; e.g. cross_entropy(..., reduction='sum'), (labels != -100).sum()"
+                )
+            total, count = got
+        else:
+            total, count = None, self.tokens(inputs, targets)
+        count = torch.as_tensor(count).detach()
+        if count.dim() != 0 or count.dtype.is_complex:
+            raise ValueError(f"the token count must be a scalar, got a tensor of shape {tuple(count.shape)}")
+        if total is None:  # loss_fn gave the mean over ``count`` tokens
+            if not isinstance(got, torch.Tensor):
+                raise ValueError(f"loss_fn must return the mean loss over the tokens, got {type(got).__name__}")
+            total = got * count.to(got.dtype)
+        self.counts.append(count.to(torch.float64 if total.dtype == torch.float64 else torch.float32))
+        return total
 
     def backward(self, action: Action) -> None:
         s, m = _stage(action), _mb(action)
@@ -609,9 +656,10 @@ class Executor:
             loss_sum = torch.stack(self.losses).sum() if len(self.losses) > 1 else self.losses[0]
             norm = global_norm(counted) if self.exchange.norm else None
             finite = not self.exchange.finite or bool(all_finite(pieces))
-            self.summed = Summed(loss_sum, None if norm is None else norm * norm, finite, exact_norm=norm)
+            count = torch.stack(self.counts).sum() if self.exchange.count else None
+            self.summed = Summed(loss_sum, None if norm is None else norm * norm, finite, exact_norm=norm, count=count)
             return
-        self._local_metrics = self.exchange.local(self.losses, pieces, self._metric_dtype(), self.device)
+        self._local_metrics = self.exchange.local(self.losses, pieces, self._metric_dtype(), self.device, self.counts)
 
     def _check_no_gather_pending(self) -> None:
         for key in [k for k in self._pending if k[0] == "gather"]:

@@ -226,7 +226,7 @@ def annotate(
     f64 = any(isinstance(t, torch.Tensor) and t.dtype == torch.float64 for t in leaves)
     metric_dtype = torch.float64 if f64 else torch.float32
     exchange = step.metric_exchange()
-    metric_len = int(exchange.loss) + int(exchange.norm) + int(exchange.finite)
+    metric_len = exchange.length
     out: list[Action] = []
     for a in actions:
         wire: tuple[Wire, ...] = ()

@@ -51,6 +51,7 @@ class Summed:
     sq_norm: torch.Tensor | None = None
     finite: bool = True
     exact_norm: torch.Tensor | None = None  # on one rank: the norm as torch's clip_grad_norm_ computes it
+    count: torch.Tensor | None = None  # token-weighted steps: the global number of tokens
 
     @property
     def norm(self) -> torch.Tensor | None:
@@ -71,33 +72,45 @@ class MetricExchange:
     ``loss``: the summed losses, for the ``loss`` metric. ``norm``: the squared
     gradient norm, for ``grad_norm`` or clipping. ``finite``: a count of ranks
     that saw a non-finite gradient, so that every rank skips a bad update together.
+    ``count``: the number of tokens, which a token-weighted step divides by.
     """
 
     loss: bool
     norm: bool
     finite: bool
+    count: bool = False
 
     @property
     def empty(self) -> bool:
-        return not (self.loss or self.norm or self.finite)
+        return not (self.loss or self.norm or self.finite or self.count)
+
+    @property
+    def length(self) -> int:
+        """How many values one exchange sums."""
+        return int(self.loss) + int(self.norm) + int(self.finite) + int(self.count)
 
     def local(
-        self, losses: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], dtype: torch.dtype, device: torch.device
+        self,
+        losses: Sequence[torch.Tensor],
+        grads: Sequence[torch.Tensor],
+        dtype: torch.dtype,
+        device: torch.device,
+        counts: Sequence[torch.Tensor] = (),
     ) -> torch.Tensor | None:
         """This rank's share, one vector for one all-reduce (``None`` when nothing is exchanged).
 
         ``losses`` are this rank's per-micro-batch losses (none on a pipeline rank without the
-        last stage), ``grads`` the gradients it counts in the norm.
+        last stage), ``grads`` the gradients it counts in the norm, ``counts`` its tokens.
         """
         values = []
         if self.loss:
-            values.append(
-                torch.stack([x.to(dtype) for x in losses]).sum() if losses else torch.zeros((), dtype=dtype, device=device)
-            )
+            values.append(_sum(losses, dtype, device))
         if self.norm:
             values.append(sum_of_squares(grads, dtype, device))
         if self.finite:
             values.append(1.0 - all_finite(grads, device).to(dtype))
+        if self.count:
+            values.append(_sum(counts, dtype, device))
         return torch.stack(values) if values else None
 
     def unpack(self, total: torch.Tensor | None) -> Summed:
@@ -108,5 +121,11 @@ class MetricExchange:
         loss_sum = next(values) if self.loss else None
         sq_norm = next(values) if self.norm else None
         finite = not self.finite or bool(next(values) == 0)
-        return Summed(loss_sum, sq_norm, finite)
+        count = next(values) if self.count else None
+        return Summed(loss_sum, sq_norm, finite, count=count)
+
+
+def _sum(values: Sequence[torch.Tensor], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The sum of ``values`` in ``dtype`` (zero for none: a pipeline rank without the last stage)."""
+    return torch.stack([x.to(dtype) for x in values]).sum() if values else torch.zeros((), dtype=dtype, device=device)
 

@@ -25,9 +25,10 @@ class TrainState(NamedTuple):
 
     ``step`` counts completed updates. ``loss_scale`` is ``None`` unless a
     mixed-precision transform with loss scaling put one there. ``mesh`` and
-    ``layout`` are static: the mesh the state lives on and the transform's
-    description of how the parameters are laid out on it (``None`` for the
-    single-device step).
+    ``layout`` are static: the mesh the state lives on and how the parameters
+    are laid out on it (engine/layout.py's StateLayout). ``rng`` is the seed of
+    the step's random streams (engine/rng.py): with ``step`` it decides every
+    dropout mask, so a resumed run continues identically.
     """
 
     params: Any
@@ -36,3 +37,4 @@ class TrainState(NamedTuple):
     loss_scale: Any = None
     mesh: Any = None
     layout: Any = None
+    rng: Any = None

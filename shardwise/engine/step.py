@@ -39,6 +39,7 @@ from .metrics import REPORTABLE, MetricExchange, Summed, check_metrics
 from .optim import Optimizer
 from .plan import FREE, GATHER, Action, Plan
 from .precision import Precision
+from .rng import mix
 from .sharding import FlatSharding
 from .state import Params, TrainState, map_params
 
@@ -46,10 +47,14 @@ Metrics = dict[str, torch.Tensor]
 
 
 def split_batch(batch: Any) -> tuple[Any, Any]:
-    """A batch is ``(inputs, targets)``: inputs feed the chain, targets the loss."""
+    """A batch is ``(inputs, targets)``: inputs feed the chain, targets the loss. A dict (a Hugging
+    Face batch such as ``{"input_ids", "attention_mask", "labels"}``) is all inputs: the model
+    computes its own loss, and loss_fn gets ``(output, None)``."""
+    if isinstance(batch, Mapping):
+        return batch, None
     if not isinstance(batch, (tuple, list)) or len(batch) != 2:
         raise ValueError(
-            f"a batch must be a pair (inputs, targets), got {type(batch).__name__}"
+            f"a batch must be a pair (inputs, targets) or a dict of inputs, got {type(batch).__name__}"
             + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else "")
             + "; inputs feed the chain and targets go to loss_fn(output, targets)"
         )
@@ -128,6 +133,7 @@ class Step:
     clip_norm: float | None = None
     precision: Precision | None = None  # set by mixed_precision
     metrics: tuple[str, ...] = REPORTABLE  # what the step reports (see shardwise.engine.metrics)
+    tokens: Any = None  # how the loss weighs the batch (see train_step)
     transforms: tuple[Any, ...] = ()
     # The chain as train_step got it, once a rewriting transform made ``chain`` from it.
     source_chain: Chain | None = None
@@ -165,13 +171,16 @@ class Step:
 
     @property
     def update_needs_sums(self) -> bool:
-        """Whether the update depends on the summed values: clipping by the global norm, or
-        skipping everywhere on a gradient that is not finite somewhere."""
-        return self.clip_norm is not None or self.precision is not None
+        """Whether the update depends on the summed values: clipping by the global norm, skipping
+        everywhere on a gradient that is not finite somewhere, or dividing by the global token count."""
+        return self.clip_norm is not None or self.precision is not None or self.tokens is not None
 
     def metric_exchange(self) -> MetricExchange:
         """What the ranks of this step sum after the backward (nothing, if no metric or rule needs it)."""
-        return MetricExchange(loss="loss" in self.metrics, norm=self.needs_norm, finite=self.precision is not None)
+        return MetricExchange(
+            loss="loss" in self.metrics, norm=self.needs_norm, finite=self.precision is not None,
+            count=self.tokens is not None,
+        )
 
     def report(self, loss: torch.Tensor | None, norm: torch.Tensor | None) -> Metrics:
         """The asked-for metrics, from the global mean loss and gradient norm (given when asked for)."""
@@ -295,8 +304,14 @@ class Step:
         return layout.cache[key]
 
     # -- state ----------------------------------------------------------------
-    def init(self, params: Params, mesh: Mesh | None = None) -> TrainState:
-        """Build this rank's TrainState from full parameters (every rank passes the same ones)."""
+    def init(self, params: Params, mesh: Mesh | None = None, *, seed: int = 0) -> TrainState:
+        """Build this rank's TrainState from full parameters (every rank passes the same ones).
+
+        ``seed`` starts the step's random streams (dropout): every rank passes the same; each
+        rank, stage, micro-batch and step draws its own stream from it (engine/rng.py).
+        """
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"init(seed={seed!r}): the seed of the step's random streams is an int")
         mesh = self._check_mesh(mesh)
         check_params(self.chain, params)
         layout = self.layout(mesh, params)
@@ -311,7 +326,9 @@ class Step:
             assert mesh is not None
             dp_index = mesh.axis_index(sharding.axis)
             held, update_tree = sharding.held(master, dp_index), sharding.shards_of(master, dp_index)
-        return TrainState(held, self.optimizer.init(update_tree), 0, self.initial_loss_scale(), mesh=mesh, layout=layout)
+        return TrainState(
+            held, self.optimizer.init(update_tree), 0, self.initial_loss_scale(), mesh=mesh, layout=layout, rng=seed
+        )
 
     def _state_layout(self, state: TrainState) -> StateLayout:
         layout = state.layout
@@ -364,8 +381,13 @@ class Step:
         outcome: dict[str, Any] = {}
 
         def update(grads: Any, summed: Summed) -> Any:
+            norm = summed.norm
+            if self.tokens is not None:  # the gradients of the summed losses: divide by the global count
+                count = _token_count(summed)
+                grads = optree.tree_map(lambda g: g / count.to(g.dtype), grads)
+                norm = None if norm is None else norm / count.to(norm.dtype)
             new_master, outcome["opt_state"], outcome["loss_scale"] = self.finish(
-                state, grads, master, summed.norm, summed.finite
+                state, grads, master, norm, summed.finite
             )
             return new_master
 
@@ -376,7 +398,9 @@ class Step:
             placement=placement,
             source=source,
             microbatches=micro,
-            seed=scale / (max(replicas, 1) * k),
+            # A mean loss counts 1/(replicas x micro-batches) of the step; a token sum is divided
+            # by the global count in the update instead.
+            seed=scale if self.tokens is not None else scale / (max(replicas, 1) * k),
             finalize=lambda grads: unscale_like(grads, master, scale),
             update=update,
             master=master,
@@ -389,10 +413,18 @@ class Step:
             boundaries=None if pipe is None else self.boundaries(layout, micro[0][0]),
             poison=bool(pipe is not None and pipe.poison),
             record=bool(pipe is not None and pipe.trace),
+            tokens=self.tokens,
+            rng_seed=None if state.rng is None else mix(state.rng, state.step),
         )
         executor.run(layout.cache[key])
         summed = executor.summed
-        metrics = self.report(summed.mean_loss(max(replicas, 1) * k), summed.norm)
+        if self.tokens is not None:
+            count = _token_count(summed)
+            loss = None if summed.loss_sum is None else summed.loss_sum / count.to(summed.loss_sum.dtype)
+            norm = None if summed.norm is None else summed.norm / count.to(summed.norm.dtype)
+            metrics = self.report(loss, norm)
+        else:
+            metrics = self.report(summed.mean_loss(max(replicas, 1) * k), summed.norm)
         if sharding is not None:
             metrics["peak_gathered_bytes"] = host_scalar(executor.peak_gathered_bytes)
         if prec is not None:
@@ -515,6 +547,18 @@ class Step:
         return self.precision.compute_params(self.master_params(params))
 
 
+def _token_count(summed: Summed) -> torch.Tensor:
+    """The global token count of a token-weighted step, refused when there is none to learn from."""
+    count = summed.count
+    assert count is not None, "a token-weighted step exchanges its token count"
+    if not bool(count > 0):
+        raise ValueError(
+            "the global batch has no token to learn from (the token count is 0: every label is padding); "
+            "skip such batches or check the labels"
+        )
+    return count
+
+
 def _local_params(params: Params, placement: Placement, index: int) -> Params:
     """The parameters pipeline index ``index`` holds: its layers', and copies of tied weights."""
     mine = set(placement.layers_of(index))
@@ -552,12 +596,25 @@ def train_step(
     *,
     clip_norm: float | None = None,
     metrics: Iterable[str] = REPORTABLE,
+    tokens: Any = None,
 ) -> Step:
     """The single-device training step of ``chain`` under ``loss_fn`` and ``optimizer``.
 
     ``clip_norm`` clips the gradient to that global L2 norm before the update,
     as ``torch.nn.utils.clip_grad_norm_`` does. The metrics report the norm
     before clipping.
+
+    ``tokens`` says how the loss weighs the batch. ``None``: ``loss_fn`` returns
+    the mean over the batch's rows, which split into equal shards, so the mean
+    of the shards' means is the global mean. With padding (labels of -100,
+    masks) a shard's mean counts its own tokens, and that is no longer true:
+    ``tokens="sum"`` has ``loss_fn`` return ``(sum of the token losses, number of
+    tokens)``, and ``tokens=count_fn`` has it return the mean over
+    ``count_fn(inputs, targets)`` tokens (a Hugging Face model's own loss, with
+    ``count_fn = lambda x, _: (x["labels"][:, 1:] != -100).sum()``). The step's
+    loss is then the global sum over the global count, under data parallelism,
+    micro-batches and accumulation alike: one more value in the step's small
+    all-reduce, and the update waits for it.
 
     ``metrics`` names what each call reports: ``"loss"`` (the mean over the whole
     batch) and ``"grad_norm"``, the same values on every rank once the step is
@@ -593,4 +650,10 @@ def train_step(
         )
     if clip_norm is not None and not clip_norm > 0:
         raise ValueError(f"train_step(clip_norm={clip_norm!r}): the norm to clip to must be positive")
-    return Step(chain, loss_fn, optimizer, clip_norm, metrics=check_metrics(metrics))
+    if not (tokens is None or tokens == "sum" or callable(tokens)):
+        raise ValueError(
+            f"train_step(tokens={tokens!r}): use None (loss_fn returns the mean over the batch), 'sum' (it returns "
+            "(sum of token losses, token count)) or a function (inputs, targets) -> token count (it returns the "
+            "mean over those tokens)"
+        )
+    return Step(chain, loss_fn, optimizer, clip_norm, metrics=check_metrics(metrics), tokens=tokens)

@@ -100,7 +100,11 @@ def mixed_precision(
     optimizer state), the compute dtype, the model output dtype and the dtype
     gradients are reduced in across ranks; ``overrides`` maps layer-name
     patterns (fnmatch) to policies, e.g. ``{"head": "compute=f32"}`` (keys
-    not given keep the default policy's). Compute copies are cast once per
+    not given keep the default policy's). Keys not given in ``policy`` follow
+    jmp: compute follows params, output follows compute, reduce follows params.
+    The loss is computed on the output, in its dtype: with fp16 outputs a loss
+    scale above fp16's largest value (65504) overflows at once, so fp16 compute
+    with loss scaling wants ``output=f32``. Compute copies are cast once per
     step; with shard_params they are gathered in the compute dtype.
     ``loss_scale``: None, "dynamic" (2^16, x2 every 2000 finite steps, x0.5 on
     overflow, like torch.amp.GradScaler), a number (static) or a LossScale
