@@ -27,7 +27,7 @@ import sys
 import traceback
 from collections.abc import Sequence
 
-from . import plan_cmd, schedule_cmd, verify_cmd
+from . import checkpoint_cmd, plan_cmd, schedule_cmd, verify_cmd
 from .arguments import UsageError
 from .report import CommandFailed, Output
 
@@ -46,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     schedule_cmd.add_parser(verbs)
     plan_cmd.add_parser(verbs)
     verify_cmd.add_parser(verbs)
+    checkpoint_cmd.add_parser(verbs)
     return parser
 
 

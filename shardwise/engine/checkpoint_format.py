@@ -1,0 +1,272 @@
+"""The files of a checkpoint directory, written so that torch.distributed.checkpoint can read them.
+
+::
+
+    PATH/
+      __0_0.distcp, __1_0.distcp, ...  each rank's tensors, one ``torch.save`` record after another
+                                        (DCP's FileSystemWriter layout)
+      rank0.json, rank1.json, ...       each rank's index: per record the tensor's name, its box
+                                        (offsets, sizes) in the global tensor, byte offset, length, crc32
+      shardwise.json                    the checkpoint: format version, step count, loss scale, mesh,
+                                        stack, every tensor's global shape and dtype, the parameters'
+                                        shard specs, the optimizer state's layout
+      .metadata                         the same index as DCP's ``Metadata`` (a pickle, for DCP's reader)
+      COMMITTED                         written last: every file's size
+
+shardwise reads only the JSON files and the records, each with
+``torch.load(weights_only=True)``: loading executes no code from the file (DCP's own
+reader unpickles ``.metadata``). Tensor names are DCP's flattened keys:
+``model.<state_dict key>`` for the module's parameters and buffers (so
+``dcp.load({"model": module.state_dict()})`` fills a plain module) and
+``optim.<state path>.<key>`` / ``optim.<state path>`` for the optimizer state.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import zlib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+FORMAT = "shardwise-checkpoint"
+VERSION = 1
+META, COMMITTED, DCP_META = "shardwise.json", "COMMITTED", ".metadata"
+
+
+def data_file(rank: int) -> str:
+    return f"__{rank}_0.distcp"
+
+
+def index_file(rank: int) -> str:
+    return f"rank{rank}.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded: missing, partial, corrupt, or of another model."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_of(name: str, where: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointError(f"{where}: unknown dtype {name!r}")
+    return dtype
+
+
+@dataclass(frozen=True)
+class Record:
+    """One saved box of one tensor: where its bytes are."""
+
+    fqn: str
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    file: str
+    offset: int
+    length: int
+    crc32: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"fqn": self.fqn, "offsets": list(self.offsets), "sizes": list(self.sizes),
+                "offset": self.offset, "length": self.length, "crc32": self.crc32}
+
+    @classmethod
+    def from_json(cls, item: Mapping[str, Any], file: str) -> Record:
+        return cls(str(item["fqn"]), tuple(item["offsets"]), tuple(item["sizes"]), file,
+                   int(item["offset"]), int(item["length"]), int(item["crc32"]))
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename or a new file in ``path`` durable (POSIX: the directory entry is data too)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json(path: Path, value: Any) -> None:
+    with open(path, "w") as f:
+        json.dump(value, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_rank(directory: Path, rank: int, boxes: Iterable[tuple[str, tuple[int, ...], torch.Tensor]],
+               tensors: Mapping[str, Any], fault: Any = None) -> int:
+    """Write one rank's boxes (name, offsets, host tensor) and their index, with the global shape and
+    dtype of each tensor they belong to (``tensors``); return the bytes written."""
+    name = data_file(rank)
+    records: list[Record] = []
+    with open(directory / name, "wb") as f:
+        for fqn, offsets, tensor in boxes:
+            buffer = io.BytesIO()
+            torch.save(tensor, buffer)
+            data = buffer.getbuffer()
+            offset = f.tell()
+            if fault is not None and len(records) == 1:  # a test's crash point: some records on disk
+                f.flush()
+                fault("rank-file-partial")
+            f.write(data)
+            records.append(Record(fqn, offsets, tuple(tensor.shape), name, offset, len(data), zlib.crc32(data)))
+        f.flush()
+        os.fsync(f.fileno())
+        total = f.tell()
+    write_json(directory / index_file(rank), {"rank": rank, "file": name, "bytes": total, "tensors": dict(tensors),
+                                              "records": [r.to_json() for r in records]})
+    return total
+
+
+# -- reading -----------------------------------------------------------------------------------
+def read_json(path: Path, what: str) -> Any:
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path.parent}: {path.name} is missing ({what})")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"checkpoint {path.parent}: {path.name} is corrupt ({what}): {err}") from None
+
+
+def check_committed(directory: Path) -> dict[str, Any]:
+    """The checkpoint's metadata, once its commit marker and every file it lists are as written."""
+    if not directory.is_dir():
+        raise CheckpointError(f"no checkpoint at {directory}: the directory does not exist")
+    if not (directory / META).exists() and (directory / DCP_META).is_file():
+        raise CheckpointError(
+            f"{directory} is a torch.distributed.checkpoint directory, not a shardwise checkpoint: start a step "
+            "from it with init_from_state_dict(step, read_dcp_state_dict(path, prefix), mesh)"
+        )
+    if not (directory / COMMITTED).is_file():
+        raise CheckpointError(
+            f"checkpoint {directory} is not committed: {COMMITTED} is missing, so a save was interrupted "
+            "before every rank had written its files; load the previous checkpoint"
+        )
+    marker = read_json(directory / COMMITTED, "the commit marker")
+    for name, size in marker.get("files", {}).items():
+        path = directory / name
+        if not path.is_file():
+            raise CheckpointError(f"checkpoint {directory}: {name} is missing (listed in {COMMITTED} with {size} bytes)")
+        if path.stat().st_size != size:
+            raise CheckpointError(
+                f"checkpoint {directory}: {name} has {path.stat().st_size} bytes, {COMMITTED} says {size}: "
+                "the file is truncated or was changed after the save"
+            )
+    meta = read_json(directory / META, "the checkpoint's metadata")
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"checkpoint {directory}: {META} is not a shardwise checkpoint's (format {meta.get('format')!r})")
+    if meta.get("version") != VERSION:
+        raise CheckpointError(
+            f"checkpoint {directory}: {META} has format version {meta.get('version')!r}; this shardwise reads "
+            f"version {VERSION}: load it with the shardwise that wrote it and export it (sw.full_state_dict)"
+        )
+    return meta
+
+
+def read_records(directory: Path, ranks: int) -> dict[str, list[Record]]:
+    """Every rank's records, by tensor name."""
+    by_fqn: dict[str, list[Record]] = {}
+    for rank in range(ranks):
+        index = read_json(directory / index_file(rank), f"rank {rank}'s index")
+        for item in index["records"]:
+            record = Record.from_json(item, index["file"])
+            by_fqn.setdefault(record.fqn, []).append(record)
+    return by_fqn
+
+
+class Reader:
+    """Whole tensors from a committed checkpoint's records (each checked against its crc32)."""
+
+    def __init__(self, directory: Path, meta: Mapping[str, Any]) -> None:
+        self.directory = directory
+        self.tensors: dict[str, Any] = meta["tensors"]
+        self.records = read_records(directory, int(meta["world"]))
+        self._files: dict[str, Any] = {}
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+
+    def _read(self, record: Record) -> torch.Tensor:
+        f = self._files.get(record.file)
+        if f is None:
+            f = self._files[record.file] = open(self.directory / record.file, "rb")  # noqa: SIM115 (kept open across records; close() ends it)
+        f.seek(record.offset)
+        data = f.read(record.length)
+        where = f"checkpoint {self.directory}: {record.file} at byte {record.offset} ({record.fqn})"
+        if len(data) != record.length or zlib.crc32(data) != record.crc32:
+            raise CheckpointError(f"{where}: the record is truncated or corrupt (its crc32 does not match)")
+        try:
+            t = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except (pickle.UnpicklingError, RuntimeError, EOFError) as err:
+            raise CheckpointError(f"{where}: the record does not load: {err}") from None
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != record.sizes:
+            raise CheckpointError(f"{where}: holds {type(t).__name__} {getattr(t, 'shape', '')}, expected a box of {record.sizes}")
+        return t
+
+    def full(self, fqn: str) -> torch.Tensor:
+        """The whole tensor ``fqn``, assembled from the boxes every rank saved of it."""
+        spec = self.tensors.get(fqn)
+        if spec is None:
+            raise CheckpointError(f"checkpoint {self.directory} has no tensor {fqn!r}")
+        shape = tuple(spec["shape"])
+        out = torch.empty(shape, dtype=dtype_of(spec["dtype"], fqn))
+        covered = 0
+        for record in self.records.get(fqn, []):
+            if len(record.offsets) != len(shape) or any(o < 0 or o + s > n for o, s, n in zip(record.offsets, record.sizes, shape, strict=True)):
+                raise CheckpointError(f"checkpoint {self.directory}: {record.file} has a box {record.offsets}+{record.sizes} outside {fqn} {list(shape)}")
+            view = out[tuple(slice(o, o + s) for o, s in zip(record.offsets, record.sizes, strict=True))]
+            view.copy_(self._read(record))
+            covered += view.numel()
+        if covered != out.numel():
+            raise CheckpointError(
+                f"checkpoint {self.directory}: the ranks' files hold {covered} of the {out.numel()} elements of "
+                f"{fqn} {list(shape)}; a rank file or index is missing records"
+            )
+        return out
+
+
+def dcp_metadata(meta: Mapping[str, Any], records: Mapping[str, list[Record]], aliases: Mapping[str, str]) -> Any:
+    """DCP's ``Metadata`` for the records, so ``torch.distributed.checkpoint.load`` reads the checkpoint;
+    an alias (a tied weight's other name) points at its parameter's bytes."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        StorageMeta,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    state: dict[str, Any] = {}
+    storage: dict[Any, Any] = {}
+    planner: dict[str, tuple[str, ...]] = {}
+    names = {**{fqn: fqn for fqn in meta["tensors"]}, **aliases}
+    for fqn, source in names.items():
+        spec = meta["tensors"][source]
+        chunks = []
+        for r in records.get(source, []):
+            chunks.append(ChunkStorageMetadata(torch.Size(r.offsets), torch.Size(r.sizes)))
+            storage[MetadataIndex(fqn, torch.Size(r.offsets))] = _StorageInfo(r.file, r.offset, r.length)
+        properties = TensorProperties(dtype=dtype_of(spec["dtype"], fqn))
+        state[fqn] = TensorStorageMetadata(properties, torch.Size(spec["shape"]), chunks)
+        planner[fqn] = tuple(fqn.split(".", 1))
+    return Metadata(state, planner_data=planner, storage_data=storage, storage_meta=StorageMeta(), version="1.0.0")
+
+
+def write_dcp_metadata(directory: Path, metadata: Any) -> None:
+    with open(directory / DCP_META, "wb") as f:
+        pickle.dump(metadata, f)
+        f.flush()
+        os.fsync(f.fileno())

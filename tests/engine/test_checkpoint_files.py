@@ -1,0 +1,164 @@
+"""A checkpoint on disk: refused when partial, corrupt, of another version or of another model;
+replaced atomically; never able to run code on load; described by ``shardwise checkpoint inspect``."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import shardwise as sw
+from shardwise.cli import main as cli_main
+from shardwise.engine import checkpoint as ck
+from shardwise.engine.checkpoint_format import CheckpointError
+from shardwise.testing.models import mlp
+
+
+def _step(widths: tuple[int, ...] = (4, 6, 3)) -> tuple[Any, Any]:
+    torch.manual_seed(0)
+    chain, params = sw.functionalize(mlp(list(widths)).double())
+    base = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1, momentum=0.9))
+    return sw.shard_params(base, "dp", stage=3), params
+
+
+def _saved(tmp_path: Path, name: str = "c") -> tuple[Path, Any, Any]:
+    step, params = _step()
+    path = tmp_path / name
+
+    def main() -> None:
+        ck.save(path, step.init(params, sw.Mesh(dp=2)), step)
+
+    sw.launch(main, 2)
+    return path, step, params
+
+
+def _load(path: Path, step: Any) -> Any:
+    return sw.launch(lambda: ck.load(path, step, sw.Mesh(dp=2)), 2)
+
+
+def _refused(path: Path, step: Any, *fragments: str) -> None:
+    with pytest.raises(sw.RankFailed) as info:
+        _load(path, step)
+    for fragment in fragments:
+        assert fragment in str(info.value), str(info.value)
+
+
+def test_a_truncated_rank_file_is_refused_naming_it(tmp_path: Path) -> None:
+    path, step, _ = _saved(tmp_path)
+    data = path / "__1_0.distcp"
+    data.write_bytes(data.read_bytes()[:-100])
+    _refused(path, step, "__1_0.distcp", "truncated")
+
+
+def test_a_corrupt_record_is_refused_by_its_checksum(tmp_path: Path) -> None:
+    path, step, _ = _saved(tmp_path)
+    data = path / "__0_0.distcp"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF  # same size: only the crc32 can tell
+    data.write_bytes(bytes(raw))
+    _refused(path, step, "__0_0.distcp", "crc32")
+
+
+def test_a_missing_rank_file_is_refused_naming_it(tmp_path: Path) -> None:
+    path, step, _ = _saved(tmp_path)
+    (path / "rank1.json").unlink()
+    _refused(path, step, "rank1.json", "missing")
+
+
+def test_an_uncommitted_checkpoint_is_refused(tmp_path: Path) -> None:
+    path, step, _ = _saved(tmp_path)
+    (path / "COMMITTED").unlink()
+    _refused(path, step, "not committed", "COMMITTED")
+
+
+def test_another_format_version_is_refused(tmp_path: Path) -> None:
+    path, step, _ = _saved(tmp_path)
+    meta = json.loads((path / "shardwise.json").read_text())
+    (path / "shardwise.json").write_text(json.dumps({**meta, "version": 99}))
+    # the marker lists sizes: rewrite it as a save of version 99 would have
+    marker = json.loads((path / "COMMITTED").read_text())
+    marker["files"]["shardwise.json"] = (path / "shardwise.json").stat().st_size
+    (path / "COMMITTED").write_text(json.dumps(marker))
+    _refused(path, step, "format version 99", "reads version 1")
+
+
+def test_a_checkpoint_of_another_model_is_refused(tmp_path: Path) -> None:
+    path, _, _ = _saved(tmp_path)
+    deeper, _ = _step((4, 6, 6, 3))
+    _refused(path, deeper, "another model", "4.weight")
+    wider, wider_params = _step((4, 8, 3))  # same names, other shapes
+    with pytest.raises(CheckpointError, match="shapes differ"):
+        ck.load(path, wider, None, like=wider_params)  # checked before any layout is made
+
+
+def test_a_record_that_would_run_code_is_refused(tmp_path: Path) -> None:
+    path, step, _ = _saved(tmp_path)
+
+    class Payload:
+        def __reduce__(self) -> Any:
+            return (os.system, ("echo owned",))
+
+    buffer = io.BytesIO()
+    torch.save(Payload(), buffer, pickle_module=pickle)
+    index = json.loads((path / "rank0.json").read_text())
+    record = index["records"][0]
+    raw = bytearray((path / "__0_0.distcp").read_bytes())
+    evil = buffer.getvalue()
+    raw[record["offset"]: record["offset"] + record["length"]] = evil
+    (path / "__0_0.distcp").write_bytes(bytes(raw))
+    import zlib
+
+    shift = len(evil) - record["length"]
+    for r in index["records"]:
+        if r["offset"] > record["offset"]:
+            r["offset"] += shift
+    record.update(length=len(evil), crc32=zlib.crc32(evil))
+    (path / "rank0.json").write_text(json.dumps(index))
+    marker = json.loads((path / "COMMITTED").read_text())
+    marker["files"].update({n: (path / n).stat().st_size for n in ("rank0.json", "__0_0.distcp")})
+    (path / "COMMITTED").write_text(json.dumps(marker))
+    _refused(path, step, "does not load", "__0_0.distcp")
+
+
+def test_overwrite_replaces_atomically_and_an_interrupted_replace_keeps_the_old_one(tmp_path: Path) -> None:
+    path, step, params = _saved(tmp_path)
+    with pytest.raises(sw.RankFailed, match="exists; pass overwrite=True"):
+        sw.launch(lambda: ck.save(path, step.init(params, sw.Mesh(dp=2)), step), 2)
+
+    def advance_and_overwrite() -> None:
+        state, _ = step(step.init(params, sw.Mesh(dp=2)), (torch.randn(4, 4, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)))
+        ck.save(path, state, step, overwrite=True)
+
+    sw.launch(advance_and_overwrite, 2)
+    assert _load(path, step)[0].step == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]
+    # a crash between the two renames leaves only the moved-aside checkpoint: load finds it
+    os.rename(path, tmp_path / ".c.previous")
+    assert _load(path, step)[0].step == 1
+
+
+def test_a_save_left_partial_is_named_when_loading(tmp_path: Path) -> None:
+    path, step, _ = _saved(tmp_path)
+    shutil.move(path, tmp_path / ".c.partial")
+    (tmp_path / ".c.partial" / "COMMITTED").unlink()
+    _refused(path, step, "interrupted", ".c.partial")
+
+
+def test_inspect_lists_ranks_and_leaves(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path, _, _ = _saved(tmp_path)
+    assert cli_main(["checkpoint", "inspect", str(path)]) == 0
+    text = capsys.readouterr().out
+    assert "step 0" in text and "rank 1" in text and "0.weight" in text and "ZeRO-3" in text
+    assert cli_main(["checkpoint", "inspect", str(path), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [r["rank"] for r in report["ranks"]] == [0, 1]
+    assert {"model.0.weight", "optim.momentum.0.weight"} <= set(report["tensors"])
+    assert cli_main(["checkpoint", "inspect", str(tmp_path / "nothing")]) == 1
+    assert "no checkpoint" in capsys.readouterr().err

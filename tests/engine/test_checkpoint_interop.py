@@ -1,0 +1,146 @@
+"""Interop: torch.distributed.checkpoint reads a shardwise checkpoint into a plain module and a DCP
+checkpoint of a module starts a shardwise step; the exported state_dict loads strictly into the
+module (tied weights, persistent buffers) and through a transformers model's save_pretrained."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import shardwise as sw
+from shardwise.engine import checkpoint as ck
+from shardwise.engine.checkpoint_format import CheckpointError
+from shardwise.engine.checkpoint_state_dict import (
+    full_state_dict,
+    init_from_state_dict,
+    read_dcp_state_dict,
+)
+from shardwise.testing.models import TinyGPT
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+
+def _gpt() -> TinyGPT:
+    return TinyGPT(vocab=32, d_model=16, n_heads=2, n_layers=2, seq_len=8).double()
+
+
+def _lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _train_save_export(step: Any, params: Any, mesh: sw.Mesh, batch: Any, path: Path) -> dict:
+    state, _ = step(step.init(params, mesh), batch)
+    ck.save(path, state, step)
+    return full_state_dict(step, state)
+
+
+def test_dcp_loads_a_pipelined_zero3_checkpoint_into_a_plain_module(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = _gpt()
+    chain, params = sw.functionalize(model, units=["tok_emb", "blocks", "head"])
+    step = sw.pipeline(sw.shard_params(sw.train_step(chain, _lm_loss, sw.optim.adamw(1e-2)), "dp", stage=3), "pp", "1f1b", 2)
+    gen = torch.Generator().manual_seed(1)
+    batch = (torch.randint(32, (4, 8), generator=gen), torch.randint(32, (4, 8), generator=gen))
+    exported = sw.launch(functools.partial(_train_save_export, step, params, sw.Mesh(dp=2, pp=2), batch, tmp_path / "c"), 4)
+    fresh = _gpt()
+    target = fresh.state_dict()
+    dcp.load({"model": target}, checkpoint_id=tmp_path / "c", no_dist=True)
+    assert set(target) == set(exported[0])
+    for key, value in target.items():
+        assert torch.equal(value, exported[0][key]), key
+    assert not torch.equal(target["tok_emb.weight"], model.tok_emb.weight.detach())  # it trained
+    assert fresh.head.weight is fresh.tok_emb.weight
+    # the optimizer state is there for DCP too, under optim.<state>.<key>
+    moments = {"exp_avg": {"tok_emb.weight": torch.zeros(32, 16, dtype=torch.float64)}}  # a tied weight once
+    dcp.load({"optim": moments}, checkpoint_id=tmp_path / "c", no_dist=True)
+    assert moments["exp_avg"]["tok_emb.weight"].abs().sum() > 0
+
+
+def test_a_dcp_checkpoint_of_a_module_starts_a_sharded_step(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = _gpt()
+    dcp.save({"model": model.state_dict()}, checkpoint_id=tmp_path / "d", no_dist=True)
+    chain, _ = sw.functionalize(_gpt(), units=["tok_emb", "blocks", "head"])  # other random weights
+    step = sw.shard_params(sw.train_step(chain, _lm_loss, sw.optim.sgd(0.1)), "dp", stage=3)
+    with pytest.raises(CheckpointError, match=r"torch\.distributed\.checkpoint directory"):
+        ck.load(tmp_path / "d", step, sw.Mesh(dp=1))
+    state_dict = read_dcp_state_dict(tmp_path / "d", prefix="model.")
+
+    def main() -> dict:
+        return full_state_dict(step, init_from_state_dict(step, state_dict, sw.Mesh(dp=2)))
+
+    for exported in sw.launch(main, 2):
+        assert set(exported) == set(model.state_dict())
+        for key, value in model.state_dict().items():
+            assert torch.equal(exported[key], value), key
+
+
+def test_init_from_state_dict_refuses_a_state_dict_of_another_module() -> None:
+    chain, _ = sw.functionalize(_gpt(), units=["tok_emb", "blocks", "head"])
+    step = sw.train_step(chain, _lm_loss, sw.optim.sgd(0.1))
+    other = TinyGPT(vocab=32, d_model=16, n_heads=2, n_layers=3, seq_len=8).double().state_dict()
+    with pytest.raises(CheckpointError, match=r"unexpected \['blocks\.2\."):
+        init_from_state_dict(step, other)
+    untied = _gpt().state_dict()
+    untied["head.weight"] = untied["head.weight"] + 1
+    with pytest.raises(CheckpointError, match=r"'head\.weight' is tied to 'tok_emb\.weight'"):
+        init_from_state_dict(step, untied)
+
+
+def test_full_state_dict_loads_strictly_with_shared_children_and_buffers() -> None:
+    shared = torch.nn.Linear(3, 3)
+    model = torch.nn.Sequential(shared, torch.nn.BatchNorm1d(3).eval(), torch.nn.Tanh(), shared).double()
+    norm = model[1]
+    assert isinstance(norm, torch.nn.BatchNorm1d) and norm.running_mean is not None
+    norm.running_mean.fill_(0.5)
+    chain, params = sw.functionalize(model)
+    step = sw.pipeline(sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1)), "pp", "gpipe", 1, partition=[2, 2])
+    batch = (torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64))
+
+    def main() -> dict:
+        state, _ = step(step.init(params, sw.Mesh(pp=2)), batch)
+        return full_state_dict(step, state)
+
+    exported = sw.launch(main, 2)[0]
+    assert set(exported) == set(model.state_dict())  # '3.weight' too, and num_batches_tracked
+    assert exported["3.weight"] is exported["0.weight"]
+    reference = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1))
+    expected = reference.full_params(reference(reference.init(params), batch)[0])
+    assert torch.allclose(exported["0.weight"], expected["0"]["weight"], rtol=1e-12, atol=0)
+    fresh = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3), torch.nn.Tanh(), torch.nn.Linear(3, 3)).double()
+    fresh[3] = fresh[0]
+    fresh.load_state_dict(exported, strict=True)
+    assert torch.equal(fresh.state_dict()["1.running_mean"], torch.full((3,), 0.5, dtype=torch.float64))
+
+
+def test_a_transformers_model_saves_the_exported_state_dict(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=2, n_head=2,
+                                     bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    chain, params = sw.functionalize(model, units=transformers.models.gpt2.modeling_gpt2.GPT2Block)
+    step = sw.shard_params(sw.train_step(chain, _lm_loss_of_output, sw.optim.adamw(1e-2)), "dp", stage=3)
+    ids = torch.randint(32, (4, 8), generator=torch.Generator().manual_seed(1))
+
+    def main() -> dict:
+        state, _ = step(step.init(params, sw.Mesh(dp=2)), (ids, ids))
+        return full_state_dict(step, state)
+
+    exported = sw.launch(main, 2)[0]
+    fresh = transformers.GPT2LMHeadModel(config)
+    fresh.load_state_dict(exported, strict=True)
+    fresh.save_pretrained(tmp_path / "hf", state_dict=dict(exported))  # it drops tied names from the dict it is given
+    reloaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf")
+    for key, value in reloaded.state_dict().items():
+        assert torch.equal(value, exported[key]), key
+    assert not torch.equal(exported["transformer.wte.weight"], model.transformer.wte.weight.detach())
+
+
+def _lm_loss_of_output(output: Any, targets: torch.Tensor) -> torch.Tensor:
+    return _lm_loss(output.logits, targets)
