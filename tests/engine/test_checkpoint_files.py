@@ -162,3 +162,15 @@ def test_inspect_lists_ranks_and_leaves(tmp_path: Path, capsys: pytest.CaptureFi
     assert {"model.0.weight", "optim.momentum.0.weight"} <= set(report["tensors"])
     assert cli_main(["checkpoint", "inspect", str(tmp_path / "nothing")]) == 1
     assert "no checkpoint" in capsys.readouterr().err
+
+
+def test_the_step_count_and_the_random_streams_seed_come_back(tmp_path: Path) -> None:
+    step, params = _step()
+
+    def main() -> None:
+        state, _ = step(step.init(params, sw.Mesh(dp=2), seed=7), (torch.randn(4, 4, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)))
+        ck.save(tmp_path / "c", state, step)
+
+    sw.launch(main, 2)
+    loaded = _load(tmp_path / "c", step)[1]
+    assert (loaded.step, loaded.rng) == (1, 7)
