@@ -100,9 +100,13 @@ def main(argv: list[str] | None = None) -> list[float]:
     cfg = Config(**vars(parser.parse_args(argv)))
     torch.set_num_threads(1)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torchrun
+        import datetime
+
         import torch.distributed as dist
 
-        dist.init_process_group("gloo")
+        # One bound for every wait (shardwise's default): a rank that hangs fails the run in
+        # minutes, not after torch's 30-minute default.
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
         try:
             cfg = Config(**{**cfg.__dict__, "world": dist.get_world_size()})
             losses = train(cfg)

@@ -9,7 +9,7 @@ with the same values right before the backward. Autograd's version counter
 would take the refill for a modification of a saved tensor, so the refill
 runs under torch's ``_unsafe_preserve_version_counter``: a private API, used
 here and nowhere else, checked by tests/engine/test_storage.py. ``storage_key`` reads
-a storage's private ``_cdata`` address, and ``fake_tensors`` runs code on fake tensors
+a storage's private ``_cdata`` address, ``version_of`` a tensor's version counter, and ``fake_tensors`` runs code on fake tensors
 (``torch._subclasses.FakeTensorMode``): shapes, dtypes and kernel choices of the real
 device, no data and no arithmetic.
 """
@@ -52,6 +52,12 @@ def refill_storage(buffer: torch.Tensor, values: torch.Tensor) -> None:
 def owns_storage(t: torch.Tensor) -> bool:
     """True when ``t`` is exactly its whole storage (so resizing the storage resizes only ``t``)."""
     return t.storage_offset() == 0 and t.is_contiguous() and t.untyped_storage().nbytes() == nbytes(t)
+
+
+def version_of(t: torch.Tensor) -> int:
+    """How many in-place writes ``t``'s memory has seen (autograd's version counter, the private
+    ``_version``): a layer that wrote into one of its buffers changed it."""
+    return t._version
 
 
 def storage_key(t: torch.Tensor) -> int:

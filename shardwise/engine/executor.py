@@ -35,7 +35,7 @@ import torch
 
 from ..collectives import Handle, all_gather_async, psum, psum_async, psum_scatter_async, recv, send
 from ..collectives.mesh import Mesh
-from ._storage import free_storage, owns_storage, refill_storage
+from ._storage import free_storage, owns_storage, refill_storage, version_of
 from .chain import Chain
 from .devices import device_of
 from .layout import Placement
@@ -260,12 +260,26 @@ class Executor:
                 "as tensors, or tuples / lists / dicts / named tuples of tensors"
             )
         calls, leaves = self._bound_stage(s)
+        names = self.placement.stages[s]
         with torch.enable_grad():
             for t in inputs:
                 t.requires_grad_(True)
             y = x
-            for call in calls:
-                y = call(y)
+            for name, call in zip(names, calls, strict=True):
+                buffers = self.chain[name].buffers
+                versions = [version_of(b) for b in buffers.values()]
+                try:
+                    y = call(y)
+                except Exception as err:  # say where, with what: the message is torch's
+                    err.add_note(f"in layer {name!r} (stage {s}, micro-batch {m}), on input {_describe(y)}")
+                    raise
+                changed = [b for b, v in zip(buffers, versions, strict=True) if version_of(buffers[b]) != v]
+                if changed:
+                    raise ValueError(
+                        f"layer {name!r} wrote into its buffers {changed} during forward: a pure layer keeps no "
+                        "state, so the update would be lost between steps or leak across ranks; make it a "
+                        "parameter, compute it from the input, or leave the module in eval mode"
+                    )
         self._outputs[(s, m)] = y
         self._saved[(s, m)] = _Saved(inputs, leaves, float_leaves(y))
 
@@ -709,6 +723,16 @@ class Executor:
     def _metric_dtype(self) -> torch.dtype:
         dtypes = {t.dtype for t in optree.tree_leaves(self.master) if isinstance(t, torch.Tensor)}
         return torch.float64 if torch.float64 in dtypes else torch.float32
+
+
+def _describe(tree: Any) -> str:
+    """A layer input in a few words: each tensor's dtype and shape."""
+    parts = [
+        f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+        for t in optree.tree_leaves(tree)
+    ]
+    text = ", ".join(parts[:6]) + (f", ... ({len(parts)} leaves)" if len(parts) > 6 else "")
+    return text or "no tensor"
 
 
 def _stage(action: Action) -> int:

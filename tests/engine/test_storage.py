@@ -23,6 +23,17 @@ def test_free_and_refill_is_invisible_to_autograd_and_gives_the_same_gradients()
     assert torch.equal(got, expected)
 
 
+def test_version_of_counts_in_place_writes_only() -> None:
+    from shardwise.engine._storage import version_of
+
+    t = torch.zeros(3, dtype=torch.int64)
+    before = version_of(t)
+    _ = t + 1
+    assert version_of(t) == before
+    t += 1
+    assert version_of(t) == before + 1 and version_of(t[1:]) == before + 1  # views share the counter
+
+
 def test_owns_storage() -> None:
     t = torch.zeros(10)
     assert owns_storage(t) and not owns_storage(t[2:]) and not owns_storage(t[:5])

@@ -1,0 +1,65 @@
+"""What the executor refuses, and how it says where: nothing trains silently wrong."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import shardwise as sw
+
+
+class _Counter(torch.nn.Module):
+    """Counts its calls in a buffer: state a pure layer would lose (or share across thread ranks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 2)
+        self.register_buffer("count", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.count += 1
+        return self.lin(x)
+
+
+def _step(model: torch.nn.Module) -> tuple[sw.Step, dict]:
+    chain, params = sw.functionalize(model)
+    return sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1)), params
+
+
+def test_a_layer_writing_into_its_buffers_is_refused() -> None:
+    step, params = _step(torch.nn.Sequential(_Counter(), torch.nn.Linear(2, 1)))
+    with pytest.raises(ValueError, match=r"layer '0' wrote into its buffers \['count'\] during forward"):
+        step(step.init(params), (torch.randn(4, 3), torch.randn(4, 1)))
+
+
+def test_a_batch_that_does_not_fit_names_the_layer_and_the_input() -> None:
+    step, params = _step(torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Tanh(), torch.nn.Linear(2, 1)))
+    with pytest.raises(RuntimeError, match="cannot be multiplied") as caught:
+        step(step.init(params), (torch.randn(4, 5), torch.randn(4, 1)))
+    assert caught.value.__notes__ == ["in layer '0' (stage 0, micro-batch 0), on input float32[4, 5]"]
+    with pytest.raises(RuntimeError) as caught:
+        step(step.init(params), (torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 1)))
+    assert caught.value.__notes__ == ["in layer '0' (stage 0, micro-batch 0), on input float64[4, 3]"]
+
+
+def test_a_layer_whose_output_does_not_reach_the_loss_is_refused() -> None:
+    """The later layer ignores its input: the earlier one would never train."""
+    chain = sw.Chain([
+        sw.Layer("first", lambda p, x: x @ p["w"], ("w",)),
+        sw.Layer("cut", lambda p, x: torch.ones_like(x) * p["b"], ("b",)),
+    ])
+    params = {"first": {"w": torch.randn(3, 2)}, "cut": {"b": torch.ones(())}}
+    step = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1))
+    with pytest.raises(ValueError, match="the output of layer 'first' does not reach the loss"):
+        step(step.init(params), (torch.randn(4, 3), torch.randn(4, 2)))
+
+
+def test_a_layer_passing_no_float_tensor_on_is_refused() -> None:
+    chain = sw.Chain([
+        sw.Layer("first", lambda p, x: (x @ p["w"]).argmax(-1), ("w",)),
+        sw.Layer("second", lambda p, x: x.double()[:, None] * p["s"], ("s",)),
+    ])
+    params = {"first": {"w": torch.randn(3, 2)}, "second": {"s": torch.ones(1)}}
+    step = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1))
+    with pytest.raises(ValueError, match="layer 'first' passes no floating-point tensor to layer 'second'"):
+        step(step.init(params), (torch.randn(4, 3), torch.randn(4, 1)))
