@@ -427,3 +427,44 @@ def test_dropout_in_training_mode_draws_as_the_module_does_and_the_split_pickles
     restored, restored_params = pickle.loads(pickle.dumps((chain, params)))
     torch.manual_seed(5)
     assert torch.equal(restored(restored_params, ids).logits, expected)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_zero_at_world_4_zb_v_and_all_four_transforms_on_dp_pp(family: str) -> None:
+    model, block = build(family)
+    chain, params = functionalize(model, units=block)  # embed, 2 blocks, head: 4 layers
+    step = sw.train_step(chain, lm_loss, sw.optim.sgd(0.1, momentum=0.9))
+    batches = token_batches()
+    sw.testing.assert_equivalent(sw.shard_params(step, "dp", 3), step, sw.Mesh(dp=4), batches, params)
+    zb_v = sw.pipeline(step, "pp", "zb_v", microbatches=2)  # 2 stages a rank, in a V
+    sw.testing.assert_equivalent(zb_v, step, sw.Mesh(pp=2), batches, params)
+    f64 = "params=f64,compute=f64,output=f64"
+    composed = sw.mixed_precision(
+        sw.remat(sw.pipeline(sw.shard_params(step, "dp", 3), "pp", "1f1b", 2), sw.policies.dots_saveable), f64,
+        loss_scale="dynamic",
+    )
+    reference = sw.mixed_precision(step, f64, loss_scale="dynamic")
+    sw.testing.assert_equivalent(composed, reference, sw.Mesh(dp=2, pp=2), batches, params)
+
+
+def test_padded_dict_batches_over_dp_equal_the_global_batch_when_the_loss_counts_tokens() -> None:
+    """GPT-2's own loss is a mean over its shard's labels: over dp, a mean of shard means, unless the
+    step is told how many tokens each shard's mean counted."""
+    model, block = build("gpt2")
+    batches = padded_batches("gpt2")
+    for ids, _ in ((b[0]["labels"], None) for b in batches):
+        ids[0, :] = -100  # one row of padding only: the dp shards count different numbers of tokens
+    chain, params = functionalize(model, units=block, example_input=batches[0][0])
+
+    def counted(inputs: dict[str, Tensor], targets: None) -> Tensor:
+        return (inputs["labels"][:, 1:] != -100).sum()  # GPT-2 predicts each next token
+
+    step = sw.train_step(chain, own_loss, sw.optim.sgd(0.1, momentum=0.9), tokens=counted)
+    # transformers computes its loss in float32 (ForCausalLMLoss upcasts the logits), so each shard's
+    # mean is rounded to float32 (2^-24 relative) before it is weighed by its count: 1e-6, not 1e-12.
+    rtol = 1e-6
+    sw.testing.assert_equivalent(sw.shard_params(step, "dp", 3), step, sw.Mesh(dp=2), batches, params, rtol=rtol)
+    mean_step = sw.train_step(chain, own_loss, sw.optim.sgd(0.1, momentum=0.9))
+    with pytest.raises(AssertionError, match="first divergence"):  # the mean of shard means is another step
+        sw.testing.assert_equivalent(sw.shard_params(mean_step, "dp", 3), step, sw.Mesh(dp=2), batches, params,
+                                     rtol=rtol)
