@@ -51,7 +51,10 @@ from .collectives import (
     recv,
     send,
 )
+from .engine import checkpoint
 from .engine.chain import Chain, Layer
+from .engine.checkpoint_format import CheckpointError
+from .engine.checkpoint_state_dict import full_state_dict, init_from_state_dict, read_dcp_state_dict
 from .engine.functionalize import FunctionalizeError, functionalize
 from .engine.layout import LeafSpec, Placement, StateLayout
 from .engine.plan import Action, Plan
@@ -76,6 +79,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Action",
     "Chain",
+    "CheckpointError",
     "CollectiveError",
     "CollectiveTimeout",
     "CommModel",
@@ -111,10 +115,13 @@ __all__ = [
     "axis_size",
     "broadcast",
     "broadcast_async",
+    "checkpoint",
     "checkpoint_name",
     "comm_ledger",
     "current_mesh",
+    "full_state_dict",
     "functionalize",
+    "init_from_state_dict",
     "launch",
     "mixed_precision",
     "optim",
@@ -128,6 +135,7 @@ __all__ = [
     "psum_scatter",
     "psum_scatter_async",
     "pvary",
+    "read_dcp_state_dict",
     "recv",
     "remat",
     "saved_bytes",

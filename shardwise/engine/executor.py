@@ -11,9 +11,11 @@ later ``W`` (the weight gradients). Without a pipeline every layer is its own
 stage, which is where ZeRO gathers and frees parameters. Every micro-batch's
 forward uses the same leaf per parameter for the whole step, and weight
 gradients go into that leaf's ``.grad`` (``autograd.backward(inputs=)``), so
-micro-batches accumulate in place as torch's modules accumulate ``.grad``. The
-loss of micro-batch ``m`` is seeded with ``loss_scale / (replicas * m)``, so the
-step equals the single-device step on the whole batch. Kernels and the order of
+micro-batches accumulate in place as torch's modules accumulate ``.grad``. Each
+micro-batch's loss is seeded with ``loss_scale / (replicas x micro-batches)``, so
+the step equals the single-device step on the whole batch (a token-weighted
+step seeds its summed losses with the loss scale alone and divides by the global
+token count in the update). Kernels and the order of
 accumulation are those of one ``loss.backward()``: results are bitwise equal.
 
 Parameters come from a :class:`ParamSource`: the compute copies, or ZeRO-3
@@ -46,6 +48,7 @@ from .plan import (
     BACKWARD_INPUT,
     BACKWARD_WEIGHT,
     COMPUTES,
+    FINISH_GRADS,
     FORWARD,
     FREE,
     GATHER,
@@ -59,6 +62,7 @@ from .plan import (
     SEND_ACTIVATION,
     SEND_GRAD,
     SEND_TIED,
+    SHORT,
     SUM_TIED,
     UPDATE,
     WAIT_GATHER,
@@ -67,15 +71,14 @@ from .plan import (
     WAIT_REDUCE,
     WAIT_SENDS,
     Action,
+    Boundary,
 )
 from .precision import all_finite
-from .rng import mix, ranks_share_generators, seeded
+from .rng import mix, preserved, ranks_share_generators, seeded
 from .sharding import FlatSharding
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 Layout = tuple[torch.Size, torch.dtype]
-FINISH_GRADS = "finish_grads"  # the gradients the optimizer gets, and this rank's share of the metrics
-_OP_LETTER = {FORWARD: "F", BACKWARD: "B", BACKWARD_INPUT: "I", BACKWARD_WEIGHT: "W"}
 # The actions that may draw random numbers, and the code each mixes into its seed.
 _RANDOM = {FORWARD: 1, BACKWARD: 2, BACKWARD_INPUT: 2, BACKWARD_WEIGHT: 2, LOSS: 3}
 
@@ -88,7 +91,7 @@ def float_leaves(tree: Any) -> list[torch.Tensor]:
 def tag_of(kind: str, stage: int, microbatch: int, microbatches: int, leaf: int = 0) -> int:
     """A distinct non-negative message tag per transfer and per tensor in it (gloo needs ints >= 0)."""
     direction = 0 if kind == "activation" else 1
-    return (((stage * microbatches + microbatch) * 2 + direction) << 5) + leaf
+    return (((stage * microbatches + microbatch) * 2 + direction) << 10) + leaf
 
 
 TIED_TAG_BASE = 1 << 29  # above every activation/gradient tag (tag_of stays far below it)
@@ -131,11 +134,12 @@ class Executor:
     master: Any  # the tree the optimizer updates (parameters, or ZeRO shards)
     held: Any = None  # what the TrainState holds at rest (full parameters under ZeRO-1/2)
     grad_scale: float = 1.0  # the precision loss scale, divided out of reduced gradient shards
-    reduce_dtype: torch.dtype | None = None
+    reduce_dtypes: Mapping[str, torch.dtype] | None = None  # per unit: the dtype its gradient travels in
+    metric_dtype: torch.dtype = torch.float32  # the same on every rank (metrics.metric_dtype)
     exchange: MetricExchange = field(default_factory=lambda: MetricExchange(False, False, False))
     metric_axes: tuple[str, ...] = ()
     replica_layers: frozenset[str] = frozenset()  # layers of which this rank holds only tied copies
-    boundaries: Sequence[Sequence[Layout]] | None = None  # predicted stage outputs: transfers go bare
+    boundaries: Sequence[Boundary] | None = None  # predicted stage outputs: transfers go bare
     poison: bool = False
     record: bool = False
     # None: loss_fn returns the mean over the batch's rows. "sum": it returns (sum, count) over
@@ -187,6 +191,10 @@ class Executor:
 
     # -- dispatch ------------------------------------------------------------------------------
     def run(self, actions: Sequence[Action]) -> None:
+        with preserved(self.device, self._shared_rng, active=self.rng_seed is not None):
+            self._run(actions)
+
+    def _run(self, actions: Sequence[Action]) -> None:
         table: dict[str, Callable[[Action], None]] = {
             FORWARD: self.forward,
             LOSS: self.compute_loss,
@@ -231,7 +239,7 @@ class Executor:
             # Named after the step, so recording costs two clock reads per action while it runs.
             rank = 0 if self.mesh is None else self.mesh.rank
             self.events.extend(
-                (rank, f"{actions[i].stage}{_OP_LETTER[actions[i].kind]}{actions[i].microbatch}", s, e)
+                (rank, f"{actions[i].stage}{SHORT[actions[i].kind]}{actions[i].microbatch}", s, e)
                 for i, s, e in self.action_times if actions[i].kind in COMPUTES
             )
 
@@ -288,8 +296,9 @@ class Executor:
         s = self.placement.last
         saved = self._saved[(s, m)]
         inputs, targets = self.microbatches[m]
+        output = self._outputs.pop((s, m))
         with torch.enable_grad():
-            got = self.loss_fn(self._outputs.pop((s, m)), targets)
+            got = self.loss_fn(output, targets)
         loss = self._token_sum(got, inputs, targets) if self.tokens is not None else got
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             raise ValueError(
@@ -299,9 +308,8 @@ class Executor:
         if not loss.requires_grad and self._earlier_layers_own_params(s + 1):
             raise ValueError(
                 "the loss does not depend on any parameter: the chain's output carries no tensor that the "
-                f"parameters reach (layer {self.chain.names[-1]!r} returned "
-                f"{type(self._peek_output(saved)).__name__}); return the activations as tensors or pytrees of "
-                "tensors, and compute the loss from them"
+                f"parameters reach (layer {self.chain.names[-1]!r} returned {type(output).__name__}); return the "
+                "activations as tensors or pytrees of tensors, and compute the loss from them"
             )
         self.losses.append(loss.detach())
         saved.outputs = [loss]
@@ -385,10 +393,6 @@ class Executor:
     def _earlier_layers_own_params(self, s: int) -> bool:
         return any(self.chain.owned_param_names(n) for layers in self.placement.stages[:s] for n in layers)
 
-    @staticmethod
-    def _peek_output(saved: _Saved) -> Any:
-        return saved.outputs[0] if saved.outputs else None
-
     def _bound_stage(self, s: int) -> tuple[list[Callable[[Any], Any]], dict[tuple[str, str], torch.Tensor]]:
         """Stage ``s``'s layers bound to the step's leaves (tied ones through their owner), and the
         leaves they use. Bound once per step and stage: every micro-batch runs the same calls."""
@@ -438,7 +442,9 @@ class Executor:
 
     def _poison(self, s: int, saved: _Saved) -> None:
         """Fill what this (stage, micro-batch) received with NaN once it is used up: reusing a stale
-        buffer would then show in the result. Values handed over in memory are left alone."""
+        buffer would then show in the result. That is the activations received from another rank
+        and the output gradients, also those handed over in memory (nothing uses them after this
+        backward); activations handed over in memory are left alone (their producer's graph holds them)."""
         received = list(saved.output_grads or []) if s != self.placement.last else []
         if s > 0 and self.placement.stage_rank[s - 1] != self.placement.stage_rank[s]:
             received += saved.inputs
@@ -505,8 +511,8 @@ class Executor:
         unit, sharding = _layer(action), self._sharding()
         assert action.axis is not None
         flat = sharding.units[unit].flatten_grads(self._unit_grads(unit), self.device)
-        if self.reduce_dtype is not None:
-            flat = flat.to(self.reduce_dtype)
+        if self.reduce_dtypes is not None:
+            flat = flat.to(self.reduce_dtypes[unit])
         self._pending[("reduce", unit)] = psum_scatter_async(flat, action.axis, tiled=True, mesh=self.mesh)
 
     def wait_reduce(self, action: Action) -> None:
@@ -530,6 +536,14 @@ class Executor:
             raise ValueError(f"stage {s} passes no tensor to the next stage; a pipeline boundary carries at least one")
         axis, dst, mb = _axis(action), _peer(action), len(self.microbatches)
         known = self.boundaries is not None
+        if len(leaves) >= 1 << 10:
+            raise ValueError(f"stage {s} passes {len(leaves)} tensors on; a transfer carries at most 1023")
+        if not known and kind == "activation" and not _flat(value):
+            raise ValueError(
+                f"stage {s} passes a {type(value).__name__} to the next rank, but its shapes could not be "
+                "predicted on fake tensors (data-dependent code), so the receiver cannot rebuild its "
+                "structure; return a tensor or a tuple of tensors at this boundary"
+            )
         if not known:  # the receiver learns how many tensors follow
             count = torch.tensor(len(leaves), dtype=torch.int64, device="cpu")  # host-side control data
             self._sends.append(send(count, axis, dst, tag=tag_of(kind, s, m, mb), mesh=self.mesh))
@@ -550,7 +564,7 @@ class Executor:
         """The tensors a transfer carries, when predicted: an activation carries the producing
         stage's output, a gradient one tensor per floating output of the stage below."""
         assert self.boundaries is not None
-        outputs = self.boundaries[producer if kind == "activation" else producer - 1]
+        outputs = self.boundaries[producer if kind == "activation" else producer - 1].leaves
         return outputs if kind == "activation" else [o for o in outputs if o[1].is_floating_point]
 
     def _post_receives(self) -> None:
@@ -590,7 +604,12 @@ class Executor:
                      mesh=self.mesh).wait()
                 for i in range(2, count + 1)
             ]
-        value: Any = leaves if kind == "grad" else (leaves[0] if len(leaves) == 1 else tuple(leaves))
+        if kind == "grad":
+            value: Any = leaves
+        elif self.boundaries is not None:  # the stage output as it was made: a dict, a ModelOutput, ...
+            value = optree.tree_unflatten(self.boundaries[producer].spec, leaves)
+        else:
+            value = leaves[0] if len(leaves) == 1 else tuple(leaves)
         self._inbox[(kind, _stage(action) if kind == "activation" else producer, m)] = value
 
     def wait_sends(self, action: Action) -> None:
@@ -673,7 +692,7 @@ class Executor:
             count = torch.stack(self.counts).sum() if self.exchange.count else None
             self.summed = Summed(loss_sum, None if norm is None else norm * norm, finite, exact_norm=norm, count=count)
             return
-        self._local_metrics = self.exchange.local(self.losses, pieces, self._metric_dtype(), self.device, self.counts)
+        self._local_metrics = self.exchange.local(self.losses, pieces, self.metric_dtype, self.device, self.counts)
 
     def _check_no_gather_pending(self) -> None:
         for key in [k for k in self._pending if k[0] == "gather"]:
@@ -720,9 +739,12 @@ class Executor:
             self.new_held = {k: dict(v) for k, v in self.held.items()}
         self.new_held[unit] = {k: v.clone() for k, v in self._sharding().units[unit].unflatten(flat).items()}
 
-    def _metric_dtype(self) -> torch.dtype:
-        dtypes = {t.dtype for t in optree.tree_leaves(self.master) if isinstance(t, torch.Tensor)}
-        return torch.float64 if torch.float64 in dtypes else torch.float32
+
+def _flat(value: Any) -> bool:
+    """A tensor, or a tuple of tensors: what an announced transfer rebuilds."""
+    return isinstance(value, torch.Tensor) or (
+        type(value) is tuple and all(isinstance(t, torch.Tensor) for t in value)
+    )
 
 
 def _describe(tree: Any) -> str:

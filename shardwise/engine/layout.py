@@ -147,8 +147,10 @@ def leaf_specs(
         for key in placement.replicas_of(index):
             holders.setdefault(key, []).append(index)
     specs: dict[tuple[str, str], LeafSpec] = {}
-    for (layer, name), indices in holders.items():
+    for (layer, name), found in holders.items():
         t = params[layer][name]
+        owner = placement.stage_rank[placement.stage_of(layer)]
+        indices = sorted(found, key=lambda i: (i != owner, i))  # the owner's copy first
         copies = []
         shard_info: tuple[str | None, int | None, int] = (None, None, 1)
         for index in indices:

@@ -30,10 +30,10 @@ from ..collectives.mesh import Mesh
 from ._storage import fake_tensors
 from .chain import Chain
 from .compose import PLACEMENT, SHARDING, find, reshard_after_forward
-from .executor import FINISH_GRADS
 from .layout import Placement
 from .plan import (
     BACKWARD,
+    FINISH_GRADS,
     FORWARD,
     FREE,
     GATHER,
@@ -54,6 +54,7 @@ from .plan import (
     WAIT_REDUCE,
     WAIT_SENDS,
     Action,
+    Boundary,
     Wire,
 )
 from .sharding import FlatSharding
@@ -76,7 +77,6 @@ class Step(Protocol):
 
     def metric_exchange(self) -> Any: ...
 
-Boundary = tuple[tuple[torch.Size, torch.dtype], ...]
 
 
 def placement_of(step: Step, mesh: Mesh | None, params: Mapping[str, Any] | None) -> tuple[Placement, Any]:
@@ -210,21 +210,19 @@ def annotate(
     sharding: FlatSharding | None,
     master: Mapping[str, Any],
     boundaries: Sequence[Boundary] | None,
+    metric_dtype: torch.dtype,
 ) -> tuple[Action, ...]:
     """``actions`` with the dtype and bytes of every tensor each communicating action moves.
 
     ``master`` is the rank's tree the optimizer updates (parameters, or ZeRO shards) as real or
     meta tensors; ``boundaries`` the tensors every stage boundary carries (None: unknown, so
-    transfers stay unannotated).
+    transfers stay unannotated); ``metric_dtype`` the model-wide dtype of the metrics' exchange.
     """
     prec = step.precision
 
     def compute(layer: str, dtype: torch.dtype) -> torch.dtype:
         return dtype if prec is None else prec.for_layer(layer).compute
 
-    leaves: list[Any] = optree.tree_leaves(dict(master))  # type: ignore[arg-type]
-    f64 = any(isinstance(t, torch.Tensor) and t.dtype == torch.float64 for t in leaves)
-    metric_dtype = torch.float64 if f64 else torch.float32
     exchange = step.metric_exchange()
     metric_len = exchange.length
     out: list[Action] = []
@@ -235,7 +233,7 @@ def annotate(
             if a.kind == GATHER:
                 wire = (_wire(unit.shard_numel, compute(a.layer, unit.dtype)),)
             elif a.kind == REDUCE_SCATTER:
-                dtype = prec.policy.reduce if prec is not None else unit.dtype
+                dtype = prec.for_layer(a.layer).reduce if prec is not None else unit.dtype
                 wire = (_wire(unit.padded_numel, dtype),)
             else:
                 wire = (_wire(unit.shard_numel, unit.dtype),)
@@ -251,7 +249,7 @@ def annotate(
             b = a.stage if a.kind in (SEND_ACTIVATION, RECV_GRAD) else a.stage - 1
             grads = a.kind in (SEND_GRAD, RECV_GRAD)
             boundary = boundaries[b]
-            wire = tuple(_wire(shape, dtype) for shape, dtype in boundary if not grads or dtype.is_floating_point)
+            wire = tuple(_wire(shape, dtype) for shape, dtype in boundary.leaves if not grads or dtype.is_floating_point)
         out.append(dataclasses.replace(a, wire=wire) if wire else a)
     return tuple(out)
 
@@ -273,7 +271,8 @@ def predict_boundaries(
     compute_dtype: Callable[[str, torch.dtype], torch.dtype],
     inputs: Any,
 ) -> tuple[Boundary, ...] | None:
-    """The (shape, dtype) of every tensor each stage boundary carries, for micro-batch ``inputs``.
+    """The (shape, dtype) of every tensor each stage boundary carries, and their pytree structure,
+    for micro-batch ``inputs``.
 
     Predicted by running the chain on fake tensors (no data, no arithmetic), so every rank
     knows what it will receive and transfers go without counts or headers. Every rank predicts
@@ -290,7 +289,8 @@ def predict_boundaries(
             for layers in placement.stages[:-1]:
                 for name in layers:
                     x = chain[name](chain.layer_params(params, name), x)
-                found.append(tuple((t.shape, t.dtype) for t in optree.tree_leaves(x)))
+                leaves, spec = optree.tree_flatten(x)
+                found.append(Boundary(tuple((t.shape, t.dtype) for t in leaves), spec))
             return tuple(found)
     except Exception:  # data-dependent code cannot run on fake tensors: announce instead
         return None

@@ -125,6 +125,12 @@ class MetricExchange:
         return Summed(loss_sum, sq_norm, finite, count=count)
 
 
+def metric_dtype(dtypes: Iterable[torch.dtype]) -> torch.dtype:
+    """The dtype the ranks exchange their shares in: float64 if any parameter of the model is (every
+    rank must pick the same, so this reads the whole model's dtypes, not one rank's)."""
+    return torch.float64 if torch.float64 in set(dtypes) else torch.float32
+
+
 def _sum(values: Sequence[torch.Tensor], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """The sum of ``values`` in ``dtype`` (zero for none: a pipeline rank without the last stage)."""
     return torch.stack([x.to(dtype) for x in values]).sum() if values else torch.zeros((), dtype=dtype, device=device)

@@ -18,6 +18,9 @@ from __future__ import annotations
 import textwrap
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
 
 from ..collectives.mesh import Mesh
 
@@ -27,6 +30,7 @@ LOSS = "loss"  # the loss of one micro-batch, on the rank that holds the last st
 BACKWARD = "backward"  # a stage's backward: input and weight gradients
 BACKWARD_INPUT = "backward_input"  # zero-bubble I: the input gradient only (the graph is kept)
 BACKWARD_WEIGHT = "backward_weight"  # zero-bubble W: the weight gradients, later
+FINISH_GRADS = "finish_grads"  # the gradients the optimizer gets, and this rank's share of the metrics
 UPDATE = "update"  # the optimizer on this rank's (shards of the) parameters
 COMPUTES = (FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT)
 GRAD_COMPUTES = (BACKWARD, BACKWARD_WEIGHT)  # the actions that add to weight gradients
@@ -68,7 +72,15 @@ LEDGER_OP = {
     REDUCE_METRICS: "psum",
 }
 
-_SHORT = {FORWARD: "F", BACKWARD: "B", BACKWARD_INPUT: "I", BACKWARD_WEIGHT: "W"}
+SHORT = {FORWARD: "F", BACKWARD: "B", BACKWARD_INPUT: "I", BACKWARD_WEIGHT: "W"}  # a compute's letter
+
+
+class Boundary(NamedTuple):
+    """What one pipeline stage passes to the next: each tensor's (shape, dtype), and the pytree
+    structure they form (a dict, a named tuple, a ModelOutput), which the receiver rebuilds."""
+
+    leaves: tuple[tuple[torch.Size, torch.dtype], ...]
+    spec: Any  # optree.PyTreeSpec
 
 
 @dataclass(frozen=True)
@@ -111,7 +123,7 @@ class Action:
         return sum(w.nbytes for w in self.wire)
 
     def __str__(self) -> str:
-        head = _SHORT.get(self.kind, self.kind)
+        head = SHORT.get(self.kind, self.kind)
         subject = self.label if self.label is not None else self.layer
         inner = [] if subject is None else [subject]
         if self.microbatch is not None:

@@ -17,11 +17,11 @@ from fractions import Fraction
 from typing import Any, NamedTuple
 
 from ..collectives.mesh import Mesh
-from .executor import FINISH_GRADS
 from .plan import (
     BACKWARD,
     BACKWARD_INPUT,
     BACKWARD_WEIGHT,
+    FINISH_GRADS,
     FORWARD,
     FREE,
     GATHER,

@@ -11,9 +11,11 @@ restores the state it saw in forward).
 
 Thread ranks share one generator, so their computes take turns while it is
 seeded and used (a lock around each compute on the threads backend). A layer
-that runs a collective inside its forward would then wait for a peer that
-waits for the lock: the threads backend's collectives time out with the
-rank's name rather than hang, and the lock is taken only on that backend.
+that runs a collective inside its compute lends the generators while it waits
+(the threads backend's blocking-wait hook): it saves their state, lets the
+peer it waits for compute, and takes them back as they were, so its stream
+continues undisturbed. The step leaves the user's own generator state as it
+found it (:func:`preserved`).
 """
 
 from __future__ import annotations
@@ -24,9 +26,11 @@ from collections.abc import Iterator
 
 import torch
 
+from ..collectives.backends.blocking import on_blocking_wait
 from ..collectives.backends.current import current_backend
 
 _SHARED = threading.Lock()  # thread ranks share torch's default generators
+_HOLDER = threading.local()  # the device this thread's compute holds the generators for, if any
 _MASK = (1 << 63) - 1
 
 
@@ -46,6 +50,15 @@ def ranks_share_generators() -> bool:
     return current_backend().name == "threads"
 
 
+def _generators(device: torch.device) -> list[torch.Generator]:
+    """The default generators a compute on ``device`` draws from: the CPU's, and the GPU's."""
+    gens = [torch.default_generator]
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        gens.append(torch.cuda.default_generators[index])
+    return gens
+
+
 @contextlib.contextmanager
 def seeded(seed: int | None, device: torch.device, shared: bool) -> Iterator[None]:
     """Run the block with ``device``'s default generator (and the CPU's) seeded with ``seed``."""
@@ -53,8 +66,54 @@ def seeded(seed: int | None, device: torch.device, shared: bool) -> Iterator[Non
         yield
         return
     with _SHARED if shared else contextlib.nullcontext():
-        torch.default_generator.manual_seed(seed)
-        if device.type == "cuda":
-            index = device.index if device.index is not None else torch.cuda.current_device()
-            torch.cuda.default_generators[index].manual_seed(seed)
+        for gen in _generators(device):
+            gen.manual_seed(seed)
+        _HOLDER.device = device if shared else None
+        try:
+            yield
+        finally:
+            _HOLDER.device = None
+
+
+@contextlib.contextmanager
+def _lend_while_blocked() -> Iterator[None]:
+    """Around a blocking wait of a thread rank that holds the generators: let the others compute,
+    and take the generators back in the state this rank left them."""
+    device = getattr(_HOLDER, "device", None)
+    if device is None:
         yield
+        return
+    states = [gen.get_state() for gen in _generators(device)]
+    _HOLDER.device = None
+    _SHARED.release()
+    try:
+        yield
+    finally:
+        _SHARED.acquire()
+        for gen, state in zip(_generators(device), states, strict=True):
+            gen.set_state(state)
+        _HOLDER.device = device
+
+
+on_blocking_wait(_lend_while_blocked)
+
+
+@contextlib.contextmanager
+def preserved(device: torch.device, shared: bool, active: bool) -> Iterator[None]:
+    """The block leaves the default generators as it found them (a step's streams are its own).
+
+    Across thread ranks, which share the generators and run at once, "as found" is the state
+    when this rank's step began: their own draws outside the steps are not reproducible anyway.
+    """
+    if not active:
+        yield
+        return
+    lock = _SHARED if shared else contextlib.nullcontext()
+    with lock:
+        states = [gen.get_state() for gen in _generators(device)]
+    try:
+        yield
+    finally:
+        with lock:
+            for gen, state in zip(_generators(device), states, strict=True):
+                gen.set_state(state)

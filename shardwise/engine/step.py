@@ -35,7 +35,7 @@ from .lower import (
     predict_boundaries,
     rank_actions,
 )
-from .metrics import REPORTABLE, MetricExchange, Summed, check_metrics
+from .metrics import REPORTABLE, MetricExchange, Summed, check_metrics, metric_dtype
 from .optim import Optimizer
 from .plan import FREE, GATHER, Action, Plan
 from .precision import Precision
@@ -121,9 +121,10 @@ def tree_nbytes(tree: Any) -> int:
 class Step:
     """A training step as a value: the chain, the loss and the optimizer, and the transforms on them.
 
-    ``loss_fn(output, targets)`` must return the *mean* loss over the batch (the
+    ``loss_fn(output, targets)`` returns the *mean* loss over the batch (the
     default reduction of torch's losses), so that a step on a split batch can be
-    made equal to the step on the whole batch. ``transforms`` is the stack of
+    made equal to the step on the whole batch; or, with ``tokens`` (see
+    :func:`train_step`), a token sum and count, or a mean over counted tokens. ``transforms`` is the stack of
     frozen specs the transforms appended, innermost first.
     """
 
@@ -406,7 +407,10 @@ class Step:
             master=master,
             held=state.params,
             grad_scale=scale,
-            reduce_dtype=None if prec is None else prec.policy.reduce,
+            reduce_dtypes=None if prec is None or sharding is None else {
+                u: prec.for_layer(u).reduce for u in sharding.units
+            },
+            metric_dtype=metric_dtype(spec.dtype for spec in layout.leaves.values()),
             exchange=self.metric_exchange(),
             metric_axes=metric_axes(self),
             replica_layers=frozenset(o for o, _ in placement.replicas_of(index)),
@@ -468,7 +472,10 @@ class Step:
                     boundaries = self.boundaries(layout, self._one_microbatch(mesh, batch)[0])
                 master = self._master_meta(_local_params(params, placement, index))
                 update_tree = master if layout.sharding is None else _meta_shards(layout.sharding)
-                actions = annotate(actions, self, placement, layout.sharding, update_tree, boundaries)
+                actions = annotate(
+                    actions, self, placement, layout.sharding, update_tree, boundaries,
+                    metric_dtype(spec.dtype for spec in layout.leaves.values()),
+                )
             per_rank.append(actions)
         memory = {} if params is None else self._memory(mesh, params, batch, placement, layouts, per_rank)
         notes: dict[str, tuple[str, ...]] = {}

@@ -169,12 +169,10 @@ def shard_params_options(draw: st.DrawFn, axis: str = "dp", under_pipeline: bool
     """shard_params' options: a ZeRO stage, resharding (stage 3: the default, True or False),
     prefetch depth and, without a pipeline (whose micro-batches are the accumulation), accumulation."""
     stage = draw(st.sampled_from([1, 2, 3]))
-    options: dict[str, Any] = {
-        "axis": axis,
-        "stage": stage,
-        "reshard_after_forward": draw(st.sampled_from([None, True, False])) if stage == 3 else None,
-        "prefetch": draw(st.integers(0, 2)),
-    }
+    options: dict[str, Any] = {"axis": axis, "stage": stage}
+    if stage == 3:  # only stage 3 gathers: the other stages refuse these options
+        options["reshard_after_forward"] = draw(st.sampled_from([None, True, False]))
+        options["prefetch"] = draw(st.integers(0, 2))
     if not under_pipeline:
         options["accumulation"] = draw(st.integers(1, 3))
     return options

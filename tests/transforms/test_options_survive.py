@@ -31,7 +31,8 @@ def _problem() -> tuple[sw.Step, dict, tuple[torch.Tensor, torch.Tensor]]:
 def _transforms(options: dict[str, Any]) -> dict[str, Callable[[sw.Step], sw.Step]]:
     return {
         "shard_params": lambda s: sw.shard_params(
-            s, "dp", options["stage"], reshard_after_forward=options["reshard"], prefetch=options["prefetch"]
+            s, "dp", options["stage"], **({"reshard_after_forward": options["reshard"], "prefetch": options["prefetch"]}
+                                          if options["stage"] == 3 else {})
         ),
         "pipeline": lambda s: sw.pipeline(
             s, "pp", options["schedule"], options["microbatches"], stages=4 if options["schedule"] == "interleaved_1f1b" else 2
@@ -61,7 +62,7 @@ OPTIONS = st.fixed_dictionaries({
 
 # What each option may be changed to; a change must change the Plan.
 ALTERNATIVES: dict[str, Callable[[Any, dict[str, Any]], list[Any]]] = {
-    "stage": lambda v, o: [s for s in (1, 2, 3) if s != v and (s == 3 or o["reshard"] is not False)],
+    "stage": lambda v, o: [s for s in (1, 2, 3) if s != v],
     "reshard": lambda v, o: [] if o["stage"] != 3 else [r for r in (True, False) if r != (False if v is None else v)],
     # Prefetch can only act where a rank's computes need different units: with two stages a rank.
     "prefetch": lambda v, o: [0 if v else 1] if o["stage"] == 3 and o["schedule"] == "interleaved_1f1b" else [],
@@ -79,8 +80,6 @@ def _fingerprint(plan: sw.Plan) -> tuple[Any, ...]:
 
 @given(options=OPTIONS, order=st.permutations(["shard_params", "pipeline", "remat", "mixed_precision"]))
 def test_the_plan_is_the_same_in_every_order_and_reflects_every_option(options: dict[str, Any], order: list[str]) -> None:
-    if options["stage"] != 3 and options["reshard"] is False:
-        options = {**options, "reshard": None}  # refused at stages 1, 2 (tested below)
     step, params, batch = _problem()
     canonical = ("shard_params", "pipeline", "remat", "mixed_precision")
     plan = _build(step, tuple(order), options).plan(MESH, params, batch)
@@ -131,5 +130,6 @@ def test_a_transform_applied_twice_is_refused_even_with_another_between() -> Non
         sw.remat(sw.mixed_precision(sw.remat(step), "compute=bf16"))
     with pytest.raises(ValueError, match="mixed_precision was applied twice"):
         sw.mixed_precision(sw.remat(sw.mixed_precision(step, "compute=bf16")), "compute=bf16")
-    with pytest.raises(ValueError, match="only stage 3 shards parameters"):
-        sw.shard_params(step, "dp", 2, reshard_after_forward=False)
+    for option in ({"reshard_after_forward": False}, {"prefetch": 2}, {"prefetch": 0}):
+        with pytest.raises(ValueError, match="only stage 3 shards parameters"):
+            sw.shard_params(step, "dp", 2, **option)

@@ -33,6 +33,7 @@ from .base import (
     Work,
     check_p2p,
 )
+from .blocking import blocking
 from .mailbox import Mailbox, MailKey
 
 
@@ -198,7 +199,8 @@ class _ThreadWork(Work):
 
     def wait(self) -> torch.Tensor:
         if self._result is None:
-            self._result = self.world.wait(self)
+            with blocking():
+                self._result = self.world.wait(self)
         return self._result
 
     def is_completed(self) -> bool:
@@ -212,7 +214,8 @@ class _ThreadRecvWork(Work):
 
     def wait(self) -> torch.Tensor:
         if self._result is None:
-            self._result = self.world.take(self)
+            with blocking():
+                self._result = self.world.take(self)
         return self._result
 
     def is_completed(self) -> bool:

@@ -56,6 +56,11 @@ class _Cast:
     def __init__(self, fn: Any, compute: torch.dtype, output: torch.dtype | None) -> None:
         self.fn, self.compute, self.output = fn, compute, output
 
+    @property
+    def __wrapped__(self) -> Any:
+        """The layer function it casts around (remat_of and the accounting look through it)."""
+        return self.fn
+
     def __call__(self, tensors: Mapping[str, torch.Tensor], x: Any) -> Any:
         # Parameters arrive already cast once per step by the step; `.to` is then free.
         tensors = {k: _to(v, self.compute) for k, v in tensors.items()}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -35,11 +36,22 @@ class PipelineSpec:
     role: ClassVar[str] = PLACEMENT
 
     def __str__(self) -> str:
-        schedule = self.schedule if isinstance(self.schedule, str) else type(self.schedule).__name__
         extra = "".join(
             f", {k}={v!r}" for k, v in (("stages", self.stages), ("partition", self.partition)) if v is not None
         )
-        return f"pipeline(axis={self.axis!r}, schedule={schedule!r}, microbatches={self.microbatches}{extra})"
+        return f"pipeline(axis={self.axis!r}, schedule={self.schedule_text}, microbatches={self.microbatches}{extra})"
+
+    @property
+    def schedule_text(self) -> str:
+        """The schedule in words that tell two schedules apart: a built-in's name, a function's
+        qualified name, a Schedule's (or schedule text's) own digest."""
+        schedule = self.schedule
+        if isinstance(schedule, str) and "\n" not in schedule and ":" not in schedule:
+            return repr(schedule)
+        if callable(schedule) and not isinstance(schedule, Schedule):
+            return f"{getattr(schedule, '__module__', '?')}.{getattr(schedule, '__qualname__', repr(schedule))}"
+        text = str(schedule)
+        return f"<schedule {hashlib.sha1(text.encode()).hexdigest()[:12]}>"
 
     def num_stages(self, ranks: int) -> int:
         if self.stages is not None:

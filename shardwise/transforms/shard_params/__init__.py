@@ -16,7 +16,7 @@ def shard_params(
     stage: int = 3,
     *,
     reshard_after_forward: bool | None = None,
-    prefetch: int = 1,
+    prefetch: int | None = None,
     accumulation: int = 1,
 ) -> Step:
     """Make ``step`` data parallel over mesh ``axis``, sharding what ZeRO ``stage`` shards.
@@ -26,7 +26,7 @@ def shard_params(
     optimizer state; stage 2 also reduce-scatters each layer's gradient as
     soon as its backward is done; stage 3 also keeps parameters sharded at
     rest, all-gathering each layer's parameters just before use (``prefetch``
-    computes ahead, asynchronously) and freeing them after use
+    computes ahead, asynchronously; 1 by default) and freeing them after use
     (``reshard_after_forward=True``: gathered again in backward) or keeping
     them until backward (``False``). The default (None) reshards, except under
     a pipeline, where a rank's units stay gathered from their first compute of
@@ -51,15 +51,18 @@ def shard_params(
         raise TypeError(f"shard_params(axis={axis!r}): the axis is a mesh axis name such as 'dp'")
     if stage not in (1, 2, 3):
         raise ValueError(f"shard_params(stage={stage!r}): ZeRO stages are 1, 2 or 3")
-    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+    if prefetch is not None and (isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0):
         raise ValueError(f"shard_params(prefetch={prefetch!r}): the prefetch depth is an int >= 0")
     if isinstance(accumulation, bool) or not isinstance(accumulation, int) or accumulation < 1:
         raise ValueError(f"shard_params(accumulation={accumulation!r}): the number of micro-batches is an int >= 1")
     if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
         raise TypeError(f"shard_params(reshard_after_forward={reshard_after_forward!r}): True, False or None (the default)")
-    if stage != 3 and reshard_after_forward is False:
-        raise ValueError(
-            f"shard_params(stage={stage}, reshard_after_forward=False): only stage 3 shards parameters, "
-            "so there is nothing to keep or reshard; drop the option or use stage=3"
-        )
-    return add(step, ShardSpec(axis, stage, reshard_after_forward, prefetch, accumulation))
+    # Stages 1 and 2 hold full parameters and gather none: asking to keep gathered ones, or to
+    # prefetch, would be an option that does nothing. (True states what they do: nothing kept.)
+    for name, value in (("reshard_after_forward", reshard_after_forward), ("prefetch", prefetch)):
+        if stage != 3 and value is not None and value is not True:
+            raise ValueError(
+                f"shard_params(stage={stage}, {name}={value!r}): only stage 3 shards parameters, so there is "
+                "nothing to gather, keep or prefetch; drop the option or use stage=3"
+            )
+    return add(step, ShardSpec(axis, stage, reshard_after_forward, 1 if prefetch is None else prefetch, accumulation))
