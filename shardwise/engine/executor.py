@@ -23,6 +23,8 @@ shards gathered unit by unit into flat buffers that ``free`` really releases
 (and a later gather refills in place: earlier graphs hold views of them, as in
 FSDP). Transfers between pipeline ranks go through ``send``/``recv`` with the
 peers the Plan names; every receive of the step is posted at the first one.
+ZeRO's actions live in ``executor_zero.py`` and the pipeline's transfers in
+``executor_transfers.py``, mixins of the one :class:`Executor`.
 """
 
 from __future__ import annotations
@@ -35,11 +37,13 @@ from typing import Any
 import optree
 import torch
 
-from ..collectives import Handle, all_gather_async, psum, psum_async, psum_scatter_async, recv, send
+from ..collectives import Handle, psum, psum_async
 from ..collectives.mesh import Mesh
-from ._storage import free_storage, owns_storage, refill_storage, version_of
+from ._storage import version_of
 from .chain import Chain
 from .devices import device_of
+from .executor_transfers import TransferActions
+from .executor_zero import ZeroActions
 from .layout import Placement
 from .metrics import MetricExchange, Summed
 from .optim import global_norm
@@ -78,7 +82,6 @@ from .rng import mix, preserved, ranks_share_generators, seeded
 from .sharding import FlatSharding
 
 LossFn = Callable[[Any, Any], torch.Tensor]
-Layout = tuple[torch.Size, torch.dtype]
 # The actions that may draw random numbers, and the code each mixes into its seed.
 _RANDOM = {FORWARD: 1, BACKWARD: 2, BACKWARD_INPUT: 2, BACKWARD_WEIGHT: 2, LOSS: 3}
 
@@ -86,15 +89,6 @@ _RANDOM = {FORWARD: 1, BACKWARD: 2, BACKWARD_INPUT: 2, BACKWARD_WEIGHT: 2, LOSS:
 def float_leaves(tree: Any) -> list[torch.Tensor]:
     """The floating-point tensors of ``tree`` in pytree order: the values gradients flow through."""
     return [t for t in optree.tree_leaves(tree) if isinstance(t, torch.Tensor) and t.is_floating_point()]
-
-
-def tag_of(kind: str, stage: int, microbatch: int, microbatches: int, leaf: int = 0) -> int:
-    """A distinct non-negative message tag per transfer and per tensor in it (gloo needs ints >= 0)."""
-    direction = 0 if kind == "activation" else 1
-    return (((stage * microbatches + microbatch) * 2 + direction) << 10) + leaf
-
-
-TIED_TAG_BASE = 1 << 29  # above every activation/gradient tag (tag_of stays far below it)
 
 
 @dataclass
@@ -117,7 +111,7 @@ class _Saved:
 
 
 @dataclass
-class Executor:
+class Executor(ZeroActions, TransferActions):
     """One rank's step. After :meth:`run`: ``final_grads`` (what the optimizer got), ``summed``
     (the exchanged metric values), ``losses``, ``events`` (when recording), the peak bytes of
     gathered units."""
@@ -257,7 +251,7 @@ class Executor:
         return run
 
     def forward(self, action: Action) -> None:
-        s, m = _stage(action), _mb(action)
+        s, m = action.require("stage"), action.mb
         x = self.microbatches[m][0] if s == 0 else self._take_input(s, m)
         inputs = [] if s == 0 else float_leaves(x)
         if s > 0 and not inputs and self._earlier_layers_own_params(s):
@@ -292,7 +286,7 @@ class Executor:
         self._saved[(s, m)] = _Saved(inputs, leaves, float_leaves(y))
 
     def compute_loss(self, action: Action) -> None:
-        m = _mb(action)
+        m = action.mb
         s = self.placement.last
         saved = self._saved[(s, m)]
         inputs, targets = self.microbatches[m]
@@ -336,7 +330,7 @@ class Executor:
         return total
 
     def backward(self, action: Action) -> None:
-        s, m = _stage(action), _mb(action)
+        s, m = action.require("stage"), action.mb
         saved = self._saved[(s, m)]
         want_inputs = action.kind in (BACKWARD, BACKWARD_INPUT)
         want_weights = action.kind in (BACKWARD, BACKWARD_WEIGHT)
@@ -453,214 +447,6 @@ class Executor:
                 if t is not None:
                     t.fill_(float("nan"))
 
-    # -- ZeRO: gathers, frees, reductions -------------------------------------------------------------
-    def _sharding(self) -> FlatSharding:
-        if self.source.sharding is None:
-            raise RuntimeError("a ZeRO action in a plan without sharding")
-        return self.source.sharding
-
-    def gather(self, action: Action) -> None:
-        unit, sharding = _layer(action), self._sharding()
-        assert self.source.gather_from is not None and action.axis is not None
-        self._pending[("gather", unit)] = all_gather_async(
-            self.source.gather_from[unit], action.axis, tiled=True, mesh=self.mesh
-        )
-        self._in_flight_bytes += sharding.units[unit].padded_numel * self.source.gather_from[unit].element_size()
-        self._note_memory()
-
-    def wait_gather(self, action: Action) -> None:
-        """Make a unit's parameters usable. A unit gathered before in this step is refilled in place:
-        its earlier forward's autograd graph holds views of that same storage (as FSDP does)."""
-        unit, sharding = _layer(action), self._sharding()
-        flat = self._pending.pop(("gather", unit)).wait()
-        self._in_flight_bytes -= flat.numel() * flat.element_size()
-        buffer = self._buffers.get(unit)
-        if buffer is None:
-            buffer = flat if owns_storage(flat) else flat.clone()
-            self._buffers[unit] = buffer
-        else:
-            refill_storage(buffer, flat)
-        del flat
-        self._view[unit] = sharding.units[unit].unflatten(buffer)
-        self._note_memory()
-
-    def free(self, action: Action) -> None:
-        """Drop a unit's parameters for real: the storage is released even though the autograd graph
-        of its forward still holds views of it; it is refilled before that backward runs."""
-        unit = _layer(action)
-        if self._view.pop(unit, None) is None:
-            raise RuntimeError(f"free({unit}) of a unit that is not gathered")
-        free_storage(self._buffers[unit])
-        self._note_memory()
-
-    def _note_memory(self) -> None:
-        live = sum(b.untyped_storage().nbytes() for b in self._buffers.values()) + self._in_flight_bytes
-        self.peak_gathered_bytes = max(self.peak_gathered_bytes, live)
-
-    def _unit_grads(self, unit: str) -> dict[str, torch.Tensor]:
-        """The accumulated local gradient of every parameter of ``unit`` (released from the leaves)."""
-        out: dict[str, torch.Tensor] = {}
-        for name in self._sharding().units[unit].names:
-            leaf = self._leaves.get((unit, name))
-            if leaf is not None and leaf.grad is not None:
-                out[name] = leaf.grad
-                leaf.grad = None
-        return out
-
-    def reduce_scatter(self, action: Action) -> None:
-        unit, sharding = _layer(action), self._sharding()
-        assert action.axis is not None
-        flat = sharding.units[unit].flatten_grads(self._unit_grads(unit), self.device)
-        if self.reduce_dtypes is not None:
-            flat = flat.to(self.reduce_dtypes[unit])
-        self._pending[("reduce", unit)] = psum_scatter_async(flat, action.axis, tiled=True, mesh=self.mesh)
-
-    def wait_reduce(self, action: Action) -> None:
-        unit = _layer(action)
-        master = self.master[unit]
-        shard = self._pending.pop(("reduce", unit)).wait().to(master.dtype)
-        self._grad_shards[unit] = shard if self.grad_scale == 1.0 else shard / self.grad_scale
-
-    # -- pipeline transfers --------------------------------------------------------------------------
-    def send_activation(self, action: Action) -> None:
-        s, m = _stage(action), _mb(action)
-        self._send(self._outputs[(s, m)], "activation", s, m, action)
-
-    def send_grad(self, action: Action) -> None:
-        s, m = _stage(action), _mb(action)
-        self._send(tuple(self._input_grads.pop((s, m))), "grad", s, m, action)
-
-    def _send(self, value: Any, kind: str, s: int, m: int, action: Action) -> None:
-        leaves = optree.tree_leaves(value)
-        if not leaves:
-            raise ValueError(f"stage {s} passes no tensor to the next stage; a pipeline boundary carries at least one")
-        axis, dst, mb = _axis(action), _peer(action), len(self.microbatches)
-        known = self.boundaries is not None
-        if len(leaves) >= 1 << 10:
-            raise ValueError(f"stage {s} passes {len(leaves)} tensors on; a transfer carries at most 1023")
-        if not known and kind == "activation" and not _flat(value):
-            raise ValueError(
-                f"stage {s} passes a {type(value).__name__} to the next rank, but its shapes could not be "
-                "predicted on fake tensors (data-dependent code), so the receiver cannot rebuild its "
-                "structure; return a tensor or a tuple of tensors at this boundary"
-            )
-        if not known:  # the receiver learns how many tensors follow
-            count = torch.tensor(len(leaves), dtype=torch.int64, device="cpu")  # host-side control data
-            self._sends.append(send(count, axis, dst, tag=tag_of(kind, s, m, mb), mesh=self.mesh))
-        for i, leaf in enumerate(leaves, start=1):
-            # No snapshot: nothing modifies a stage output or an input gradient in place once made,
-            # and wait_sends waits for every send (by then the peers have posted their receives).
-            self._sends.append(
-                send(leaf.detach(), axis, dst, tag=tag_of(kind, s, m, mb, i), announce=not known, snapshot=False,
-                     mesh=self.mesh)
-            )
-
-    def _source_of(self, action: Action) -> tuple[str, int, int]:
-        """(kind, producing stage, micro-batch) of a receive action."""
-        s, m = _stage(action), _mb(action)
-        return ("activation", s - 1, m) if action.kind == RECV_ACTIVATION else ("grad", s + 1, m)
-
-    def _expected(self, kind: str, producer: int) -> Sequence[Layout]:
-        """The tensors a transfer carries, when predicted: an activation carries the producing
-        stage's output, a gradient one tensor per floating output of the stage below."""
-        assert self.boundaries is not None
-        outputs = self.boundaries[producer if kind == "activation" else producer - 1].leaves
-        return outputs if kind == "activation" else [o for o in outputs if o[1].is_floating_point]
-
-    def _post_receives(self) -> None:
-        """Post every receive of the step, so transfers land while this rank computes (gloo moves a
-        message only once its receive is posted). With predicted layouts every tensor is received
-        as it is; otherwise the count and the first tensor (a transfer has at least one)."""
-        mb = len(self.microbatches)
-        self._posted = {}
-        for action in self._actions:
-            if action.kind not in (RECV_ACTIVATION, RECV_GRAD):
-                continue
-            kind, producer, m = self._source_of(action)
-            axis, src = _axis(action), _peer(action)
-            if self.boundaries is not None:
-                self._posted[(kind, producer, m)] = [
-                    recv(axis, src, tag=tag_of(kind, producer, m, mb, i), like=like, device=self.device, mesh=self.mesh)
-                    for i, like in enumerate(self._expected(kind, producer), start=1)
-                ]
-            else:
-                self._posted[(kind, producer, m)] = [
-                    recv(axis, src, tag=tag_of(kind, producer, m, mb), mesh=self.mesh),
-                    recv(axis, src, tag=tag_of(kind, producer, m, mb, 1), device=self.device, mesh=self.mesh),
-                ]
-
-    def receive(self, action: Action) -> None:
-        if self._posted is None:
-            self._post_receives()
-        assert self._posted is not None
-        kind, producer, m = self._source_of(action)
-        posted = self._posted.pop((kind, producer, m))
-        if self.boundaries is not None:
-            leaves = [handle.wait() for handle in posted]
-        else:
-            count, mb = int(posted[0].wait()), len(self.microbatches)
-            leaves = [posted[1].wait()] + [
-                recv(_axis(action), _peer(action), tag=tag_of(kind, producer, m, mb, i), device=self.device,
-                     mesh=self.mesh).wait()
-                for i in range(2, count + 1)
-            ]
-        if kind == "grad":
-            value: Any = leaves
-        elif self.boundaries is not None:  # the stage output as it was made: a dict, a ModelOutput, ...
-            value = optree.tree_unflatten(self.boundaries[producer].spec, leaves)
-        else:
-            value = leaves[0] if len(leaves) == 1 else tuple(leaves)
-        self._inbox[(kind, _stage(action) if kind == "activation" else producer, m)] = value
-
-    def wait_sends(self, action: Action) -> None:
-        for handle in self._sends:  # delivered: the peers posted every receive at their first one
-            handle.wait()
-        self._sends.clear()
-
-    # -- weights tied across pipeline ranks ---------------------------------------------------------
-    def _tied_grad(self, i: int) -> torch.Tensor:
-        owner, name, _users = self.placement.tied[i]
-        leaf = self._leaves.get((owner, name))
-        if leaf is not None and leaf.grad is not None:
-            return leaf.grad
-        return torch.zeros_like(self._held_param(owner, name))  # this rank's layers did not reach it
-
-    def _held_param(self, owner: str, name: str) -> torch.Tensor:
-        if self.source.compute is not None:
-            return self.source.compute[owner][name]
-        sharding = self._sharding()
-        lay = sharding.units[owner]
-        shape = lay.shapes[lay.names.index(name)]
-        assert self.source.gather_from is not None
-        return torch.zeros(shape, dtype=self.source.gather_from[owner].dtype, device=self.device)
-
-    def send_tied(self, action: Action) -> None:
-        i = _tied_index(action)
-        self._sends.append(send(self._tied_grad(i), _axis(action), _peer(action), tag=TIED_TAG_BASE + i, mesh=self.mesh))
-
-    def recv_tied(self, action: Action) -> None:
-        i = _tied_index(action)
-        mine = self._tied_grad(i)
-        got = recv(_axis(action), _peer(action), tag=TIED_TAG_BASE + i, device=mine.device, mesh=self.mesh).wait()
-        self._tied_parts.setdefault(i, {})[_peer(action)] = got
-
-    def sum_tied(self, action: Action) -> None:
-        """Every copy's gradient summed in axis order, so each copy takes the same update."""
-        i = _tied_index(action)
-        owner, name, users = self.placement.tied[i]
-        me = self.placement.index_of(self.mesh)
-        parts = {**self._tied_parts.pop(i, {}), me: self._tied_grad(i)}
-        for handle in self._sends:
-            handle.wait()
-        self._sends.clear()
-        total = parts[users[0]]
-        for peer in users[1:]:
-            total = total + parts[peer]
-        leaf = self._leaves.get((owner, name))
-        if leaf is None:
-            leaf = self._leaves[(owner, name)] = self._held_param(owner, name).detach().requires_grad_(True)
-        leaf.grad = total
-
     # -- end of step -----------------------------------------------------------------------------------
     def local_grads(self) -> dict[str, dict[str, torch.Tensor]]:
         """Every held parameter's accumulated gradient (zeros for one no forward reached)."""
@@ -701,7 +487,7 @@ class Executor:
     def reduce_metrics(self, action: Action) -> None:
         """Sum this rank's share over ``action.axis``: the first axis asynchronously (the update need
         not wait for it unless it uses the sums), later axes once the first is in."""
-        axis = _axis(action)
+        axis = action.require("axis")
         if self._metrics_handle is None and self._metrics_total is None:
             if self._local_metrics is None:
                 raise RuntimeError("reduce_metrics before finish_grads")
@@ -727,25 +513,6 @@ class Executor:
         if sharding is None or sharding.holds_shards:
             self.new_held = self.new_master
 
-    def gather_params(self, action: Action) -> None:
-        """Stages 1-2: all-gather a unit's updated shard into its full parameters."""
-        unit = _layer(action)
-        self._pending[("params", unit)] = all_gather_async(self.new_master[unit], _axis(action), tiled=True, mesh=self.mesh)
-
-    def wait_params(self, action: Action) -> None:
-        unit = _layer(action)
-        flat = self._pending.pop(("params", unit)).wait()
-        if self.new_held is None:
-            self.new_held = {k: dict(v) for k, v in self.held.items()}
-        self.new_held[unit] = {k: v.clone() for k, v in self._sharding().units[unit].unflatten(flat).items()}
-
-
-def _flat(value: Any) -> bool:
-    """A tensor, or a tuple of tensors: what an announced transfer rebuilds."""
-    return isinstance(value, torch.Tensor) or (
-        type(value) is tuple and all(isinstance(t, torch.Tensor) for t in value)
-    )
-
 
 def _describe(tree: Any) -> str:
     """A layer input in a few words: each tensor's dtype and shape."""
@@ -755,38 +522,3 @@ def _describe(tree: Any) -> str:
     ]
     text = ", ".join(parts[:6]) + (f", ... ({len(parts)} leaves)" if len(parts) > 6 else "")
     return text or "no tensor"
-
-
-def _stage(action: Action) -> int:
-    if action.stage is None:
-        raise ValueError(f"action {action} names no stage")
-    return action.stage
-
-
-def _mb(action: Action) -> int:
-    """The action's micro-batch; a step that cuts no micro-batches has the one batch, 0."""
-    return 0 if action.microbatch is None else action.microbatch
-
-
-def _layer(action: Action) -> str:
-    if action.layer is None:
-        raise ValueError(f"action {action} needs a unit")
-    return action.layer
-
-
-def _axis(action: Action) -> str:
-    if action.axis is None:
-        raise ValueError(f"action {action} needs a mesh axis")
-    return action.axis
-
-
-def _peer(action: Action) -> int:
-    if action.peer is None:
-        raise ValueError(f"action {action} needs a peer")
-    return action.peer
-
-
-def _tied_index(action: Action) -> int:
-    if action.tied is None:
-        raise ValueError(f"action {action} names no tied weight")
-    return action.tied

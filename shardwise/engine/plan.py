@@ -113,6 +113,18 @@ class Action:
     label: str | None = None  # the text form of the action's subject, when not ``layer``
 
     @property
+    def mb(self) -> int:
+        """The micro-batch; 0 for a step that cuts no micro-batches (the one batch)."""
+        return 0 if self.microbatch is None else self.microbatch
+
+    def require(self, name: str) -> Any:
+        """Field ``name``, which this kind of action must have: a clear error when it is missing."""
+        value = getattr(self, name)
+        if value is None:
+            raise ValueError(f"action {self} has no {name}, which a {self.kind!r} action needs")
+        return value
+
+    @property
     def op(self) -> str | None:
         """The ledger's name of the collective this action issues, if it issues one."""
         return LEDGER_OP.get(self.kind)
