@@ -197,6 +197,25 @@ class StateLayout:
         return "\n".join(spec.describe() for spec in self.leaves.values())
 
 
+def local_params(params: Mapping[str, Mapping[str, torch.Tensor]], placement: Placement, index: int) -> dict[str, dict[str, torch.Tensor]]:
+    """The parameters pipeline index ``index`` holds: its layers', and copies of tied weights."""
+    mine = set(placement.layers_of(index))
+    local = {k: dict(v) for k, v in params.items() if k in mine}
+    for owner, name in placement.replicas_of(index):
+        local.setdefault(owner, {})[name] = params[owner][name]
+    return local
+
+
+def unit_names(sharding: FlatSharding | None) -> list[str] | None:
+    """The ZeRO units of a rank, in order (None without ZeRO)."""
+    return None if sharding is None else list(sharding.units)
+
+
+def meta_shards(sharding: FlatSharding) -> dict[str, torch.Tensor]:
+    """This rank's shard of every unit as meta tensors: what ZeRO's optimizer updates, no data."""
+    return {u: torch.empty(lay.shard_numel, dtype=lay.dtype, device="meta") for u, lay in sharding.units.items()}
+
+
 def full_params(layout: StateLayout, held: Any, mesh: Mesh | None) -> dict[str, dict[str, torch.Tensor]]:
     """Every rank gets the complete parameters: an all-gather per unit under ZeRO-3, then a
     broadcast of each layer from the pipeline index that owns it. Collectives: every rank

@@ -9,7 +9,10 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
+import optree
 import torch
+
+from .chain import Chain
 
 Params = dict[str, dict[str, torch.Tensor]]
 """Parameter pytree: layer name -> local parameter name -> tensor (see Chain)."""
@@ -38,3 +41,30 @@ class TrainState(NamedTuple):
     mesh: Any = None
     layout: Any = None
     rng: Any = None
+
+
+def check_params(chain: Chain, params: Any) -> None:
+    """Refuse a params pytree that does not match the chain, naming the layer and the names."""
+    if not isinstance(params, Mapping):
+        raise TypeError(
+            f"params must be a dict layer name -> dict of tensors (as functionalize returns), got {type(params).__name__}"
+        )
+    unknown = set(params) - set(chain.names)
+    if unknown:
+        raise ValueError(f"params has layers {sorted(unknown)} that the chain does not have; chain layers: {list(chain.names)}")
+    for layer in chain.layers:
+        expected = set(chain.owned_param_names(layer.name))
+        got = set(params.get(layer.name, {}))
+        if expected != got:
+            raise ValueError(
+                f"params[{layer.name!r}] does not match the chain: missing {sorted(expected - got)}, "
+                f"unexpected {sorted(got - expected)}"
+            )
+        for name, value in params.get(layer.name, {}).items():
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"params[{layer.name!r}][{name!r}] is a {type(value).__name__}, not a tensor")
+
+
+def tree_nbytes(tree: Any) -> int:
+    """Bytes of every tensor leaf of ``tree`` (meta tensors count their would-be size)."""
+    return sum(t.numel() * t.element_size() for t in optree.tree_leaves(tree) if isinstance(t, torch.Tensor))

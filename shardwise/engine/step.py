@@ -13,7 +13,7 @@ the lowering of its whole stack (``engine/lower.py``) on the one executor
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,13 +22,13 @@ import torch
 
 from ..collectives.mesh import Mesh
 from .accounting import predict_kept_for_backward
+from .batches import split_batch, split_over
 from .chain import Chain
 from .compose import PLACEMENT, SHARDING, describe, find
 from .devices import host_scalar
 from .executor import Executor, LossFn, ParamSource
-from .layout import Placement, StateLayout, full_params, leaf_specs
+from .layout import StateLayout, full_params, leaf_specs, local_params, unit_names
 from .lower import (
-    annotate,
     metric_axes,
     microbatch_count,
     placement_of,
@@ -37,67 +37,17 @@ from .lower import (
 )
 from .metrics import REPORTABLE, MetricExchange, Summed, check_metrics, metric_dtype
 from .optim import Optimizer
-from .plan import FREE, GATHER, Action, Plan
+from .plan import Plan
+from .planning import plan_of
 from .precision import Precision
 from .rng import mix
 from .sharding import FlatSharding
-from .state import Params, TrainState, map_params
+from .state import Params, TrainState, check_params, map_params
 
 Metrics = dict[str, torch.Tensor]
 
 
-def split_batch(batch: Any) -> tuple[Any, Any]:
-    """A batch is ``(inputs, targets)``: inputs feed the chain, targets the loss. A dict (a Hugging
-    Face batch such as ``{"input_ids", "attention_mask", "labels"}``) is all inputs: the model
-    computes its own loss, and loss_fn gets ``(output, None)``."""
-    if isinstance(batch, Mapping):
-        return batch, None
-    if not isinstance(batch, (tuple, list)) or len(batch) != 2:
-        raise ValueError(
-            f"a batch must be a pair (inputs, targets) or a dict of inputs, got {type(batch).__name__}"
-            + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else "")
-            + "; inputs feed the chain and targets go to loss_fn(output, targets)"
-        )
-    return batch[0], batch[1]
 
-
-def split_over(tree: Any, parts: int, index: int, what: str) -> Any:
-    """Slice ``index`` of ``parts`` equal slices along dim 0 of every tensor in ``tree``."""
-
-    def cut(t: Any) -> Any:
-        if not isinstance(t, torch.Tensor) or t.dim() == 0:
-            raise ValueError(f"{what}: every batch leaf must be a tensor with a batch dim, got {t!r:.60}")
-        if t.shape[0] % parts:
-            raise ValueError(
-                f"{what}: batch size {t.shape[0]} (tensor of shape {tuple(t.shape)}) does not divide into "
-                f"{parts} equal parts; use a batch size that is a multiple of {parts}"
-            )
-        size = t.shape[0] // parts
-        return t[index * size : (index + 1) * size]
-
-    return optree.tree_map(cut, tree)
-
-
-def check_params(chain: Chain, params: Any) -> None:
-    """Refuse a params pytree that does not match the chain, naming the layer and the names."""
-    if not isinstance(params, Mapping):
-        raise TypeError(
-            f"params must be a dict layer name -> dict of tensors (as functionalize returns), got {type(params).__name__}"
-        )
-    unknown = set(params) - set(chain.names)
-    if unknown:
-        raise ValueError(f"params has layers {sorted(unknown)} that the chain does not have; chain layers: {list(chain.names)}")
-    for layer in chain.layers:
-        expected = set(chain.owned_param_names(layer.name))
-        got = set(params.get(layer.name, {}))
-        if expected != got:
-            raise ValueError(
-                f"params[{layer.name!r}] does not match the chain: missing {sorted(expected - got)}, "
-                f"unexpected {sorted(got - expected)}"
-            )
-        for name, value in params.get(layer.name, {}).items():
-            if not isinstance(value, torch.Tensor):
-                raise TypeError(f"params[{layer.name!r}][{name!r}] is a {type(value).__name__}, not a tensor")
 
 
 def clip_scale(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
@@ -111,10 +61,6 @@ def unscale_like(grads: Any, like: Any, scale: float) -> Any:
         return optree.tree_map(lambda g, p: g.to(p.dtype), grads, like)
     return optree.tree_map(lambda g, p: g.to(p.dtype) / scale, grads, like)
 
-
-def tree_nbytes(tree: Any) -> int:
-    """Bytes of every tensor leaf of ``tree`` (meta tensors count their would-be size)."""
-    return sum(t.numel() * t.element_size() for t in optree.tree_leaves(tree) if isinstance(t, torch.Tensor))
 
 
 @dataclass(frozen=True)
@@ -280,7 +226,7 @@ class Step:
         zero = self.sharding_spec
         shardings: dict[int, FlatSharding | None] = {}
         for i in sorted(set(placement.stage_rank)):
-            local = _local_params(meta, placement, i)
+            local = local_params(meta, placement, i)
             shardings[i] = (
                 None if zero is None or mesh is None else FlatSharding.of(zero.axis, zero.stage, local, mesh.axis_size(zero.axis))
             )
@@ -317,7 +263,7 @@ class Step:
         check_params(self.chain, params)
         layout = self.layout(mesh, params)
         index = layout.index_of(mesh)
-        master = self.master_params(_local_params(params, layout.placement, index))
+        master = self.master_params(local_params(params, layout.placement, index))
         sharding = layout.sharding
         held: Any
         update_tree: Any
@@ -378,7 +324,7 @@ class Step:
         # The actions depend on the stack (the layout's) and on what the step exchanges.
         key = ("actions", index, self.metric_exchange(), self.update_needs_sums)
         if key not in layout.cache:
-            layout.cache[key] = rank_actions(self, placement, layout.schedule, index, _units(sharding))
+            layout.cache[key] = rank_actions(self, placement, layout.schedule, index, unit_names(sharding))
         outcome: dict[str, Any] = {}
 
         def update(grads: Any, summed: Summed) -> Any:
@@ -452,95 +398,9 @@ class Step:
         also says what it moves (dtype and bytes per tensor), and the plan counts the
         bytes each rank holds; with a ``batch`` too, the pipeline's transfers are sized
         and the activation bytes kept for backward are predicted (on fake tensors: the
-        figures ``sw.saved_bytes`` measures).
+        figures ``sw.saved_bytes`` measures). See ``engine/planning.py``.
         """
-        mesh = self._check_mesh(mesh) or Mesh(world=1)
-        if params is not None:
-            check_params(self.chain, params)
-        placement, schedule = placement_of(self, mesh, params)
-        layouts = {r: self.layout(mesh, params, rank=r) for r in range(mesh.size)} if params is not None else {}
-        per_rank: list[tuple[Action, ...]] = []
-        for r in range(mesh.size):
-            index = placement.index_of(mesh, r)
-            if params is None:
-                actions = rank_actions(self, placement, schedule, index, self._units_without_params(placement, index))
-            else:
-                layout = layouts[r]
-                actions = rank_actions(self, placement, schedule, index, _units(layout.sharding))
-                boundaries = None
-                if batch is not None and self.pipeline_spec is not None:
-                    boundaries = self.boundaries(layout, self._one_microbatch(mesh, batch)[0])
-                master = self._master_meta(_local_params(params, placement, index))
-                update_tree = master if layout.sharding is None else _meta_shards(layout.sharding)
-                actions = annotate(
-                    actions, self, placement, layout.sharding, update_tree, boundaries,
-                    metric_dtype(spec.dtype for spec in layout.leaves.values()),
-                )
-            per_rank.append(actions)
-        memory = {} if params is None else self._memory(mesh, params, batch, placement, layouts, per_rank)
-        notes: dict[str, tuple[str, ...]] = {}
-        # In the order the rewrites apply (engine/compose.py), whatever order they were applied in.
-        for spec in sorted(self.transforms, key=lambda spec: getattr(spec, "rewrite_order", -1)):
-            for layer, note in getattr(spec, "layer_notes", lambda chain: {})(self.chain).items():
-                notes[layer] = (*notes.get(layer, ()), note)
-        return Plan(mesh, tuple(per_rank), memory, {n: notes[n] for n in self.chain.names if n in notes})
-
-    def _units_without_params(self, placement: Placement, index: int) -> list[str] | None:
-        if self.sharding_spec is None:
-            return None
-        held = [n for n in placement.layers_of(index) if self.chain.owned_param_names(n)]
-        return held + [o for o, _ in placement.replicas_of(index) if o not in held]
-
-    def _one_microbatch(self, mesh: Mesh, batch: Any) -> tuple[Any, Any]:
-        pair = split_batch(batch)
-        zero = self.sharding_spec
-        if zero is not None:
-            n = mesh.axis_size(zero.axis)
-            pair = split_over(pair, n, 0, f"shard_params over axis {zero.axis!r} of size {n}")
-        k = microbatch_count(self)
-        return split_over(pair, k, 0, f"{k} micro-batches") if k > 1 else pair
-
-    def _memory(
-        self, mesh: Mesh, params: Params, batch: Any, placement: Placement,
-        layouts: dict[int, StateLayout], per_rank: list[tuple[Action, ...]],
-    ) -> dict[str, tuple[int, ...]]:
-        figures: dict[str, list[int]] = {"params": [], "grads": [], "opt_state": []}
-        zero = self.sharding_spec
-        if zero is not None:
-            figures["gathered_peak"] = []
-        for r in range(mesh.size):
-            layout = layouts[r]
-            master = self._master_meta(_local_params(params, placement, placement.index_of(mesh, r)))
-            sharding = layout.sharding
-            shards = None if sharding is None else _meta_shards(sharding)
-            figures["params"].append(tree_nbytes(shards if sharding is not None and sharding.holds_shards else master))
-            figures["grads"].append(tree_nbytes(shards if shards is not None else master))
-            figures["opt_state"].append(tree_nbytes(self.optimizer.init(shards if shards is not None else master)))
-            if "gathered_peak" in figures:
-                assert sharding is not None
-                figures["gathered_peak"].append(peak_gathered_units(per_rank[r], {
-                    u: lay.padded_numel * torch.empty((), dtype=self._gather_dtype(u, lay.dtype)).element_size()
-                    for u, lay in sharding.units.items()
-                }))
-        memory = {k: tuple(v) for k, v in figures.items()}
-        if batch is not None:
-            memory["kept_for_backward"] = self._kept_per_rank(mesh, params, batch, placement, layouts)
-        return memory
-
-    def _gather_dtype(self, unit: str, dtype: torch.dtype) -> torch.dtype:
-        return dtype if self.precision is None else self.precision.for_layer(unit).compute
-
-    def _kept_per_rank(
-        self, mesh: Mesh, params: Params, batch: Any, placement: Placement, layouts: dict[int, StateLayout]
-    ) -> tuple[int, ...]:
-        inputs = self._one_microbatch(mesh, batch)[0]
-        per_layer = predict_kept_for_backward(self.chain, self.compute_view(params), inputs)
-        pipe = self.pipeline_spec
-        if pipe is None:
-            return (sum(per_layer.values()),) * mesh.size
-        per_stage = [sum(per_layer[n] for n in layers) for layers in placement.stages]
-        per_index = pipe.kept_per_index(layouts[0].schedule, per_stage)
-        return tuple(per_index[placement.index_of(mesh, r)] for r in range(mesh.size))
+        return plan_of(self, self._check_mesh(mesh) or Mesh(world=1), params, batch)
 
     def kept_for_backward(self, params: Params, inputs: Any) -> int:
         """Predicted bytes the layers keep for backward on ``inputs`` (one forward, on fake tensors)."""
@@ -566,34 +426,8 @@ def _token_count(summed: Summed) -> torch.Tensor:
     return count
 
 
-def _local_params(params: Params, placement: Placement, index: int) -> Params:
-    """The parameters pipeline index ``index`` holds: its layers', and copies of tied weights."""
-    mine = set(placement.layers_of(index))
-    local = {k: dict(v) for k, v in params.items() if k in mine}
-    for owner, name in placement.replicas_of(index):
-        local.setdefault(owner, {})[name] = params[owner][name]
-    return local
 
 
-def _units(sharding: FlatSharding | None) -> list[str] | None:
-    return None if sharding is None else list(sharding.units)
-
-
-def _meta_shards(sharding: FlatSharding) -> dict[str, torch.Tensor]:
-    return {u: torch.empty(lay.shard_numel, dtype=lay.dtype, device="meta") for u, lay in sharding.units.items()}
-
-
-def peak_gathered_units(actions: Sequence[Action], unit_bytes: Mapping[str, int]) -> int:
-    """Largest total bytes of gathered (and in-flight) units at any point of ``actions``."""
-    held: set[str] = set()
-    peak = 0
-    for action in actions:
-        if action.kind == GATHER and action.layer is not None:
-            held.add(action.layer)
-        elif action.kind == FREE and action.layer is not None:
-            held.discard(action.layer)
-        peak = max(peak, sum(unit_bytes[u] for u in held))
-    return peak
 
 
 def train_step(

@@ -5,7 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from ...engine.accounting import kept_for_backward
-from ...engine.step import Step, check_params, split_batch
+from ...engine.batches import split_batch
+from ...engine.state import check_params
+from ...engine.step import Step
 
 
 def saved_bytes(step: Step, params: Any, batch: Any) -> dict[str, int]:

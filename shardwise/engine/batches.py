@@ -1,0 +1,46 @@
+"""A batch and its slices: ``(inputs, targets)`` pytrees cut along their batch dim.
+
+A rank of a data-parallel axis takes its slice of the global batch, and a
+micro-batch its slice of the rank's; every tensor leaf must have the batch dim
+and divide evenly, or the error names the tensor and the fix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import optree
+import torch
+
+
+def split_batch(batch: Any) -> tuple[Any, Any]:
+    """A batch is ``(inputs, targets)``: inputs feed the chain, targets the loss. A dict (a Hugging
+    Face batch such as ``{"input_ids", "attention_mask", "labels"}``) is all inputs: the model
+    computes its own loss, and loss_fn gets ``(output, None)``."""
+    if isinstance(batch, Mapping):
+        return batch, None
+    if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+        raise ValueError(
+            f"a batch must be a pair (inputs, targets) or a dict of inputs, got {type(batch).__name__}"
+            + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else "")
+            + "; inputs feed the chain and targets go to loss_fn(output, targets)"
+        )
+    return batch[0], batch[1]
+
+
+def split_over(tree: Any, parts: int, index: int, what: str) -> Any:
+    """Slice ``index`` of ``parts`` equal slices along dim 0 of every tensor in ``tree``."""
+
+    def cut(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor) or t.dim() == 0:
+            raise ValueError(f"{what}: every batch leaf must be a tensor with a batch dim, got {t!r:.60}")
+        if t.shape[0] % parts:
+            raise ValueError(
+                f"{what}: batch size {t.shape[0]} (tensor of shape {tuple(t.shape)}) does not divide into "
+                f"{parts} equal parts; use a batch size that is a multiple of {parts}"
+            )
+        size = t.shape[0] // parts
+        return t[index * size : (index + 1) * size]
+
+    return optree.tree_map(cut, tree)
