@@ -49,6 +49,7 @@ import json
 import os
 import statistics
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -103,10 +104,16 @@ def build(cfg: Config) -> tuple[sw.Step, dict[str, Any], list[tuple[torch.Tensor
     return composed, params, batches
 
 
+# Thread ranks share torch's global generator: one build at a time, or their seeded
+# initialisations interleave and the ranks start from different weights (step.init refuses).
+_BUILD = threading.Lock()
+
+
 def rank_main(cfg: Config) -> list[ActionTimes]:
     """Every step after a barrier of all ranks; the recorded steps' action times of this rank."""
     torch.set_num_threads(1)
-    composed, params, batches = build(cfg)
+    with _BUILD:
+        composed, params, batches = build(cfg)
     mesh = sw.Mesh(**MESH_SHAPE)
     world = sw.Mesh(world=mesh.size)
     backend, everyone = world.backend, world.group("world")

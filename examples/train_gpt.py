@@ -77,9 +77,14 @@ def build_step(cfg: Config):
     return sw.shard_params(step, "dp", stage=cfg.stage), params
 
 
-def train(cfg: Config) -> list[float]:
-    """The SPMD program: every rank runs this; rank 0 shows the progress bar."""
-    step, params = build_step(cfg)
+def train(cfg: Config, built: tuple[sw.Step, dict] | None = None) -> list[float]:
+    """The SPMD program: every rank runs this; rank 0 shows the progress bar.
+
+    Thread ranks get the step built once, before they start: building the model in each of
+    them would race on torch's global generator and give ranks different weights (which
+    ``step.init`` refuses). Processes build their own, each from the same seed.
+    """
+    step, params = built if built is not None else build_step(cfg)
     mesh = sw.Mesh(dp=cfg.world)
     state = step.init(params, mesh)
     transitions = markov_language(cfg.vocab, successors=4, seed=cfg.seed)
@@ -116,7 +121,7 @@ def main(argv: list[str] | None = None) -> list[float]:
             # the process (SIGABRT) in about 1 run in 20 of this example; destroyed here, in none of 100.
             dist.destroy_process_group()
     else:
-        losses = sw.launch(train, world=cfg.world, args=(cfg,))[0]
+        losses = sw.launch(train, world=cfg.world, args=(cfg, build_step(cfg)))[0]
     if losses and (os.environ.get("RANK", "0") == "0"):
         print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} (uniform guess: {math.log(cfg.vocab):.3f})")
     return losses

@@ -22,10 +22,11 @@ import torch
 
 from ..collectives.mesh import Mesh
 from .accounting import predict_kept_for_backward
+from .agreement import check_ranks_agree
 from .batches import split_batch, split_over
 from .chain import Chain
 from .compose import PLACEMENT, SHARDING, describe, find
-from .devices import host_scalar
+from .devices import device_of, host_scalar
 from .executor import Executor, LossFn, ParamSource
 from .layout import StateLayout, full_params, leaf_specs, local_params, unit_names
 from .lower import (
@@ -262,6 +263,17 @@ class Step:
         mesh = self._check_mesh(mesh)
         check_params(self.chain, params)
         layout = self.layout(mesh, params)
+        if mesh is not None and self.transforms and any(getattr(s, "axis", None) for s in self.transforms):
+            check_ranks_agree(mesh, {
+                "transform stack": self.describe(),
+                "schedule": str(layout.schedule),
+                "mesh": repr(mesh),
+                "parameter names, shapes and dtypes": repr([(k, n, tuple(t.shape), t.dtype) for k, v in params.items() for n, t in v.items()]),
+                # One pass over the values: thread ranks that built the model themselves race on the
+                # global generator and start from different weights.
+                "parameter values": repr([float(t.detach().double().sum()) for v in params.values() for t in v.values()]),
+                "seed": str(seed),
+            }, device_of(params))
         index = layout.index_of(mesh)
         master = self.master_params(local_params(params, layout.placement, index))
         sharding = layout.sharding
