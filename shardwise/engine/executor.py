@@ -221,14 +221,12 @@ class Executor(ZeroActions, TransferActions):
             handler = table.get(action.kind)
             if handler is None:
                 raise ValueError(f"the executor has no handler for action {action} (kind {action.kind!r})")
-            if action.kind in _RANDOM:
-                handler = self._seeded(handler)
             if self.record:
                 start = clock()
-                handler(action)
+                self._call(handler, action)
                 self.action_times.append((position, start, clock()))
             else:
-                handler(action)
+                self._call(handler, action)
         if self.record:
             # Named after the step, so recording costs two clock reads per action while it runs.
             rank = 0 if self.mesh is None else self.mesh.rank
@@ -238,17 +236,16 @@ class Executor(ZeroActions, TransferActions):
             )
 
     # -- compute ---------------------------------------------------------------------------------
-    def _seeded(self, handler: Callable[[Action], None]) -> Callable[[Action], None]:
-        """``handler`` run with the generators seeded for its (rank, stage, micro-batch, kind)."""
-
-        def run(action: Action) -> None:
-            seed = None if self.rng_seed is None else mix(
-                self.rng_seed, self._rank, action.stage or 0, action.microbatch or 0, _RANDOM[action.kind]
-            )
-            with seeded(seed, self.device, self._shared_rng):
-                handler(action)
-
-        return run
+    def _call(self, handler: Callable[[Action], None], action: Action) -> None:
+        """Run ``handler``; a compute runs with the generators seeded for its (rank, stage,
+        micro-batch, kind)."""
+        code = _RANDOM.get(action.kind)
+        if code is None or self.rng_seed is None:
+            handler(action)
+            return
+        seed = mix(self.rng_seed, self._rank, action.stage or 0, action.microbatch or 0, code)
+        with seeded(seed, self.device, self._shared_rng):
+            handler(action)
 
     def forward(self, action: Action) -> None:
         s, m = action.require("stage"), action.mb

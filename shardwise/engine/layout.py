@@ -13,6 +13,7 @@ types.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +24,7 @@ from ..collectives.mesh import Mesh
 from ..collectives.ops import all_gather, broadcast
 from .chain import Chain
 from .devices import device_of
+from .metrics import metric_dtype
 from .sharding import FlatSharding
 
 Tied = tuple[tuple[str, str, tuple[int, ...]], ...]
@@ -192,6 +194,11 @@ class StateLayout:
 
     def index_of(self, mesh: Mesh | None) -> int:
         return self.placement.index_of(mesh)
+
+    @functools.cached_property
+    def metric_dtype(self) -> torch.dtype:
+        """The dtype the metrics' exchange uses: the whole model's (every rank the same), read once."""
+        return metric_dtype(spec.dtype for spec in self.leaves.values())
 
     def describe(self) -> str:
         return "\n".join(spec.describe() for spec in self.leaves.values())

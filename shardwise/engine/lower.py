@@ -57,6 +57,7 @@ from .plan import (
     Boundary,
     Wire,
 )
+from .precision import compute_dtype
 from .sharding import FlatSharding
 
 
@@ -221,7 +222,7 @@ def annotate(
     prec = step.precision
 
     def compute(layer: str, dtype: torch.dtype) -> torch.dtype:
-        return dtype if prec is None else prec.for_layer(layer).compute
+        return compute_dtype(prec, layer, dtype)
 
     exchange = step.metric_exchange()
     metric_len = exchange.length

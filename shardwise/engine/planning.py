@@ -18,8 +18,8 @@ from .accounting import predict_kept_for_backward
 from .batches import split_batch, split_over
 from .layout import Placement, StateLayout, local_params, meta_shards, unit_names
 from .lower import annotate, microbatch_count, placement_of, rank_actions
-from .metrics import metric_dtype
 from .plan import FREE, GATHER, Action, Plan
+from .precision import compute_dtype
 from .state import Params, check_params, tree_nbytes
 
 if TYPE_CHECKING:
@@ -55,7 +55,7 @@ def plan_of(step: Step, mesh: Mesh, params: Params | None, batch: Any) -> Plan:
             update_tree = master if layout.sharding is None else meta_shards(layout.sharding)
             actions = annotate(
                 actions, step, placement, layout.sharding, update_tree, boundaries,
-                metric_dtype(spec.dtype for spec in layout.leaves.values()),
+                layout.metric_dtype,
             )
         per_rank.append(actions)
     memory = {} if params is None else _memory(step, mesh, params, batch, placement, layouts, per_rank)
@@ -100,7 +100,7 @@ def _memory(
         if "gathered_peak" in figures:
             assert sharding is not None
             figures["gathered_peak"].append(peak_gathered_units(per_rank[r], {
-                u: lay.padded_numel * torch.empty((), dtype=_gather_dtype(step, u, lay.dtype)).element_size()
+                u: lay.padded_numel * torch.empty((), dtype=compute_dtype(step.precision, u, lay.dtype)).element_size()
                 for u, lay in sharding.units.items()
             }))
     memory = {k: tuple(v) for k, v in figures.items()}

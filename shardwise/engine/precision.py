@@ -178,6 +178,12 @@ class Precision:
         }
 
 
+def compute_dtype(precision: Precision | None, layer: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype ``layer`` computes in: its policy's compute dtype, or ``dtype`` (the stored one)
+    without a precision policy."""
+    return dtype if precision is None else precision.for_layer(layer).compute
+
+
 def all_finite(tensors: Any, device: torch.device | None = None) -> torch.Tensor:
     """A 0-d float tensor: 1.0 if every element of every tensor is finite, else 0.0 (1.0 on
     ``device`` for no tensors)."""

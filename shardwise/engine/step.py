@@ -13,6 +13,7 @@ the lowering of its whole stack (``engine/lower.py``) on the one executor
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -36,11 +37,11 @@ from .lower import (
     predict_boundaries,
     rank_actions,
 )
-from .metrics import REPORTABLE, MetricExchange, Summed, check_metrics, metric_dtype
+from .metrics import REPORTABLE, MetricExchange, Summed, check_metrics
 from .optim import Optimizer
 from .plan import Plan
 from .planning import plan_of
-from .precision import Precision
+from .precision import Precision, compute_dtype
 from .rng import mix
 from .sharding import FlatSharding
 from .state import Params, TrainState, check_params, map_params
@@ -101,6 +102,12 @@ class Step:
     def sharding_spec(self) -> Any:
         """shard_params' spec, if the step is data parallel with ZeRO sharding."""
         return find(self.transforms, SHARDING)
+
+    @functools.cached_property
+    def stack_key(self) -> tuple[str, ...]:
+        """Each transform's text form: what a TrainState records of the step that made it (read
+        once per step value, not at every call)."""
+        return tuple(str(spec) for spec in self.transforms)
 
     def describe(self) -> str:
         """The transform stack in text, innermost first."""
@@ -233,7 +240,7 @@ class Step:
             )
         return StateLayout(
             placement, shardings[index], leaf_specs(meta, placement, shardings), tuple(params),
-            tuple(str(s) for s in self.transforms), schedule,
+            self.stack_key, schedule,
         )
 
     def boundaries(self, layout: StateLayout, inputs: Any) -> Any:
@@ -247,7 +254,7 @@ class Step:
                 shapes.setdefault(spec.layer, {})[spec.name] = (torch.Size(spec.shape), spec.dtype)
             layout.cache[key] = predict_boundaries(
                 self.chain, layout.placement, shapes,
-                lambda layer, dtype: dtype if prec is None else prec.for_layer(layer).compute, inputs,
+                lambda layer, dtype: compute_dtype(prec, layer, dtype), inputs,
             )
         return layout.cache[key]
 
@@ -291,7 +298,7 @@ class Step:
 
     def _state_layout(self, state: TrainState) -> StateLayout:
         layout = state.layout
-        stack = tuple(str(s) for s in self.transforms)
+        stack = self.stack_key
         if not isinstance(layout, StateLayout) or layout.stack != stack:
             made = layout.stack if isinstance(layout, StateLayout) else "something else"
             raise ValueError(
@@ -368,7 +375,7 @@ class Step:
             reduce_dtypes=None if prec is None or sharding is None else {
                 u: prec.for_layer(u).reduce for u in sharding.units
             },
-            metric_dtype=metric_dtype(spec.dtype for spec in layout.leaves.values()),
+            metric_dtype=layout.metric_dtype,
             exchange=self.metric_exchange(),
             metric_axes=metric_axes(self),
             replica_layers=frozenset(o for o, _ in placement.replicas_of(index)),
