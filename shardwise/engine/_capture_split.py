@@ -47,6 +47,7 @@ from torch import Tensor, nn
 
 from ._fx_split import FunctionalizeError
 from ._module_call import ThreadReplicas, call_arguments
+from ._storage import is_fake
 from .pytrees import register_output_types
 
 EMBED, HEAD = "embed", "head"
@@ -255,6 +256,7 @@ class _Layout:
         self.slot = slot
         groups: dict[Any, int] = {}
         self.group_slots: list[list[tuple[int, int]]] = []  # per group: (unit, leaf) slots
+        self.absent: list[bool] = []  # per group: None in the example (an attention mask the model skipped)
         self.units: list[_Leaves] = []
         for u, call in enumerate(calls):
             rest: Any = _without_hidden(call, slot)
@@ -267,6 +269,7 @@ class _Layout:
                     if key not in groups:
                         groups[key] = len(self.group_slots)
                         self.group_slots.append([])
+                        self.absent.append(leaf is None)
                     self.group_slots[groups[key]].append((u, j))
                     constants.append(_TRAVELS)
                     where.append(1 + groups[key])
@@ -293,7 +296,12 @@ class _Layout:
             for u, call in enumerate(calls)
         ]
         entries = [hidden]
-        for slots in self.group_slots:
+        # On fake tensors (a pipeline predicting what its stages pass on) a model cannot read data, so
+        # it builds what it may skip on real inputs (Hugging Face's sdpa attention skips an all-causal
+        # mask). Such a value follows the example: absent where the example had none, as on real inputs
+        # like it.
+        predicting = is_fake(hidden)
+        for g, slots in enumerate(self.group_slots):
             values = [unit_leaves[u][j] for u, j in slots]
             first = values[0]
             if any(v is not first for v in values[1:]):
@@ -302,7 +310,7 @@ class _Layout:
                     f"functionalize: units {self.paths[u0]!r} and {self.paths[u1]!r} shared an argument in the "
                     "example input but get different values now; pass example_input= an input like your batches."
                 )
-            entries.append(absent_marker() if first is None else _as_tensor(first))
+            entries.append(absent_marker() if first is None or (predicting and self.absent[g]) else _as_tensor(first))
         input_leaves = self.inputs.check("the layer input", x)
         for leaf, i in zip(input_leaves, self.inputs.where, strict=True):
             if i >= 0:

@@ -67,6 +67,13 @@ def storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
+def is_fake(t: Any) -> bool:
+    """Whether ``t`` is a fake tensor (made inside :func:`fake_tensors`)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
+
+
 @contextlib.contextmanager
 def fake_tensors() -> Iterator[Callable[[Any], Any]]:
     """Inside the block, ``fake(t)`` turns a real tensor into a fake one on the same device.
