@@ -56,7 +56,7 @@ from .engine.chain import Chain, Layer
 from .engine.checkpoint_format import CheckpointError
 from .engine.checkpoint_state_dict import full_state_dict, init_from_state_dict, read_dcp_state_dict
 from .engine.functionalize import FunctionalizeError, functionalize
-from .engine.layout import LeafSpec, Placement, StateLayout
+from .engine.layout import LeafSpec, Placement, StateLayout, TensorSplit
 from .engine.plan import Action, Plan
 from .engine.state import TrainState
 from .engine.step import Step, train_step
@@ -73,6 +73,16 @@ from .transforms.pipeline import (
 )
 from .transforms.remat import checkpoint_name, policies, remat, saved_bytes
 from .transforms.shard_params import shard_params
+from .transforms.tensor_parallel import (
+    Colwise,
+    Region,
+    Rowwise,
+    gpt2_plan,
+    llama_plan,
+    tensor_parallel,
+    tiny_gpt_plan,
+    vocab_parallel_cross_entropy,
+)
 
 __version__ = "0.1.0"
 
@@ -82,6 +92,7 @@ __all__ = [
     "CheckpointError",
     "CollectiveError",
     "CollectiveTimeout",
+    "Colwise",
     "CommModel",
     "CommRecord",
     "DynamicLossScale",
@@ -102,10 +113,13 @@ __all__ = [
     "RankAborted",
     "RankFailed",
     "RankHung",
+    "Region",
+    "Rowwise",
     "Schedule",
     "StateLayout",
     "StaticLossScale",
     "Step",
+    "TensorSplit",
     "TrainState",
     "all_gather",
     "all_gather_async",
@@ -121,8 +135,10 @@ __all__ = [
     "current_mesh",
     "full_state_dict",
     "functionalize",
+    "gpt2_plan",
     "init_from_state_dict",
     "launch",
+    "llama_plan",
     "mixed_precision",
     "optim",
     "pipeline",
@@ -142,6 +158,9 @@ __all__ = [
     "send",
     "shard_params",
     "simulate",
+    "tensor_parallel",
     "testing",
+    "tiny_gpt_plan",
     "train_step",
+    "vocab_parallel_cross_entropy",
 ]

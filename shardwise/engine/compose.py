@@ -21,6 +21,12 @@ checks the whole new stack. Each spec has a ``name`` (the transform's), a
   of the next computes on this rank early, as without a pipeline.
 * Under a pipeline, ``shard_params(accumulation=k)`` is refused: the
   pipeline's micro-batches are the accumulation (use ``microbatches=``).
+* ``tensor_parallel`` goes over its own mesh axis, not shard_params' nor the
+  pipeline's: 2-D is ``Mesh(dp=2, tp=2)`` with ZeRO sharding each rank's
+  tensor-parallel slices over ``dp``; 3-D adds ``pp``, whose stages hold those
+  slices. Its layers are rewritten first (innermost): remat then recomputes a
+  layer's collectives with its forward, and the precision casts go around them,
+  so the tensor-parallel reductions run in the compute dtype.
 * ``mixed_precision`` and ``remat`` rewrite layer functions, in any order with
   the others, and the result does not depend on the order: the layers are
   rebuilt from the chain train_step got, remat innermost and the precision
@@ -52,7 +58,9 @@ S = TypeVar("S", bound=Stacked)
 PLACEMENT = "placement"  # decides which layers each rank holds and when they compute (pipeline)
 SHARDING = "sharding"  # shards a rank's units over an axis (shard_params)
 REWRITE = "rewrite"  # rewrites layer functions (mixed_precision, remat)
-ROLES = (PLACEMENT, SHARDING, REWRITE)
+SPLIT = "split"  # cuts parameters over an axis and rewrites the layers that use them (tensor_parallel)
+ROLES = (PLACEMENT, SHARDING, REWRITE, SPLIT)
+_REBUILDS = (REWRITE, SPLIT)  # the roles whose specs rebuild the chain
 
 
 def describe(stack: tuple[Any, ...]) -> str:
@@ -71,6 +79,15 @@ def check_stack(stack: tuple[Any, ...]) -> None:
                 f"apply {spec.name} once, with the options you want"
             )
         seen[spec.name] = spec
+    split = [s for s in stack if s.role == SPLIT]
+    for tp in split:
+        for other in stack:
+            if other is not tp and getattr(other, "axis", None) == tp.axis:
+                raise ValueError(
+                    f"tensor_parallel and {other.name} both use axis {tp.axis!r} ({describe(stack)}); give them "
+                    "different axes of one mesh, e.g. sw.Mesh(dp=2, tp=2) with shard_params(..., 'dp') and "
+                    "tensor_parallel(..., 'tp')"
+                )
     placement = [s for s in stack if s.role == PLACEMENT]
     sharding = [s for s in stack if s.role == SHARDING]
     if placement and sharding:
@@ -93,11 +110,12 @@ def add(step: S, spec: Any, **fields: Any) -> S:
     stack = (*step.transforms, spec)
     check_stack(stack)
     new = dataclasses.replace(step, transforms=stack, **fields)  # type: ignore[type-var]
-    if spec.role != REWRITE:
+    if spec.role not in _REBUILDS:
         return new
     chain = step.base_chain
-    for rewrite in sorted((s for s in stack if s.role == REWRITE), key=lambda s: s.rewrite_order):
-        chain = rewrite.rewrite(chain)
+    for rewrite in sorted((s for s in stack if s.role in _REBUILDS), key=lambda s: s.rewrite_order):
+        # A split reads the rest of the stack (mixed_precision's reduce dtype applies to its sums).
+        chain = rewrite.rewrite(chain, stack) if rewrite.role == SPLIT else rewrite.rewrite(chain)
     return dataclasses.replace(new, chain=chain, source_chain=step.base_chain)  # type: ignore[type-var]
 
 

@@ -29,6 +29,7 @@ ZeRO's actions live in ``executor_zero.py`` and the pipeline's transfers in
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -37,8 +38,9 @@ from typing import Any
 import optree
 import torch
 
-from ..collectives import Handle, psum, psum_async
+from ..collectives import Handle, all_gather_async, psum, psum_async
 from ..collectives.mesh import Mesh
+from ..collectives.mesh_context import use_mesh
 from ._storage import version_of
 from .chain import Chain
 from .devices import device_of
@@ -51,6 +53,7 @@ from .plan import (
     BACKWARD,
     BACKWARD_INPUT,
     BACKWARD_WEIGHT,
+    CHECK_REPLICAS,
     COMPUTES,
     FINISH_GRADS,
     FORWARD,
@@ -69,6 +72,7 @@ from .plan import (
     SHORT,
     SUM_TIED,
     UPDATE,
+    WAIT_CHECK,
     WAIT_GATHER,
     WAIT_METRICS,
     WAIT_PARAMS,
@@ -140,6 +144,13 @@ class Executor(ZeroActions, TransferActions):
     # tokens. A callable (inputs, targets) -> count: it returns the mean over that many tokens.
     tokens: Any = None
     rng_seed: int | None = None  # this step's seed (engine/rng.py); None: the global generators as they are
+    # Under tensor parallel, on all but the first index of its axis: the gradients the metrics count
+    # (keys, or per ZeRO unit the ranges of its shard), and no loss or token count. None: everything.
+    counted: Any = None
+    rng_rank: int | None = None  # the rank whose random streams this one draws (None: its own)
+    # Under tensor parallel: the gradients of replicated parameters (keys, or per ZeRO unit the ranges
+    # of its shard), which must come out equal on every index of the axis (check_replicas).
+    replicated: Any = None
     # -- results ----------------------------------------------------------------------------
     final_grads: Any = None
     summed: Summed = field(default_factory=Summed)
@@ -175,6 +186,8 @@ class Executor(ZeroActions, TransferActions):
     _metrics_total: torch.Tensor | None = None
     _metrics_handle: Handle | None = None
     _actions: Sequence[Action] = ()
+    _check_handle: Handle | None = None
+    _check_local: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         # Where this rank computes: its parameters', else its micro-batches'. Received values go
@@ -182,10 +195,13 @@ class Executor(ZeroActions, TransferActions):
         self.device = device_of(self.source.compute, self.source.gather_from, self.microbatches)
         self._shared_rng = ranks_share_generators()
         self._rank = 0 if self.mesh is None else self.mesh.rank
+        self._rng_rank = self._rank if self.rng_rank is None else self.rng_rank
 
     # -- dispatch ------------------------------------------------------------------------------
     def run(self, actions: Sequence[Action]) -> None:
-        with preserved(self.device, self._shared_rng, active=self.rng_seed is not None):
+        # The step's mesh is the default of collectives issued inside a layer (tensor parallel).
+        in_mesh = contextlib.nullcontext() if self.mesh is None else use_mesh(self.mesh)
+        with in_mesh, preserved(self.device, self._shared_rng, active=self.rng_seed is not None):
             self._run(actions)
 
     def _run(self, actions: Sequence[Action]) -> None:
@@ -209,6 +225,8 @@ class Executor(ZeroActions, TransferActions):
             RECV_TIED: self.recv_tied,
             SUM_TIED: self.sum_tied,
             FINISH_GRADS: self.finish_grads,
+            CHECK_REPLICAS: self.check_replicas,
+            WAIT_CHECK: self.wait_check,
             REDUCE_METRICS: self.reduce_metrics,
             WAIT_METRICS: self.wait_metrics,
             UPDATE: self.run_update,
@@ -243,7 +261,7 @@ class Executor(ZeroActions, TransferActions):
         if code is None or self.rng_seed is None:
             handler(action)
             return
-        seed = mix(self.rng_seed, self._rank, action.stage or 0, action.microbatch or 0, code)
+        seed = mix(self.rng_seed, self._rng_rank, action.stage or 0, action.microbatch or 0, code)
         with seeded(seed, self.device, self._shared_rng):
             handler(action)
 
@@ -475,11 +493,46 @@ class Executor(ZeroActions, TransferActions):
             count = torch.stack(self.counts).sum() if self.exchange.count else None
             self.summed = Summed(loss_sum, None if norm is None else norm * norm, finite, exact_norm=norm, count=count)
             return
-        self._local_metrics = self.exchange.local(self.losses, pieces, self.metric_dtype, self.device, self.counts)
+        losses, counts = self.losses, self.counts
+        if self.counted is not None:  # a tensor-parallel index but the first: its split gradients only
+            losses, counts = [], []
+            pieces = _counted_pieces(counted, self.counted)
+        self._local_metrics = self.exchange.local(losses, pieces, self.metric_dtype, self.device, counts)
 
     def _check_no_gather_pending(self) -> None:
         for key in [k for k in self._pending if k[0] == "gather"]:
             raise RuntimeError(f"gather of unit {key[1]!r} issued but never waited for")
+
+    def check_replicas(self, action: Action) -> None:
+        """Issue the all-gather of a checksum of this rank's replicated gradients over the
+        tensor-parallel axis: they must be the same on every index (else a replicated parameter was
+        used on per-rank values without its gradient being summed, or random ops differed)."""
+        pieces = _counted_pieces(self.final_grads, self.replicated) if self.replicated is not None else []
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        absolute = torch.zeros((), dtype=torch.float64, device=self.device)
+        for g in pieces:
+            total = total + g.double().sum()
+            absolute = absolute + g.double().abs().sum()
+        self._check_local = torch.stack([total, absolute])
+        self._check_handle = all_gather_async(self._check_local, action.require("axis"), mesh=self.mesh)
+
+    def wait_check(self, action: Action) -> None:
+        assert self._check_handle is not None and self._check_local is not None, "wait_check before check_replicas"
+        every = self._check_handle.wait()
+        self._check_handle = None
+        scale = float(every[:, 1].abs().max()) + 1e-30
+        spread = float((every - every[0]).abs().max())
+        # Equal bitwise when right (every index sums the same values in the same order); a missed sum
+        # differs by about the gradient itself. The slack covers collectives that round differently.
+        if spread > 1e-6 * scale:
+            axis = action.require("axis")
+            raise ValueError(
+                f"tensor_parallel: the gradients of the replicated parameters differ between the ranks of axis "
+                f"{axis!r} (checksums {every.tolist()}), so their copies would drift apart. A replicated "
+                "parameter is used on per-rank values without its gradient being summed: mark the attention or "
+                "MLP module holding it as a Region() in the plan, or name the blocks in sequence_parallel= if it "
+                "acts on sequence slices"
+            )
 
     def reduce_metrics(self, action: Action) -> None:
         """Sum this rank's share over ``action.axis``: the first axis asynchronously (the update need
@@ -509,6 +562,13 @@ class Executor(ZeroActions, TransferActions):
         sharding = self.source.sharding
         if sharding is None or sharding.holds_shards:
             self.new_held = self.new_master
+
+
+def _counted_pieces(grads: Any, counted: Any) -> list[torch.Tensor]:
+    """The gradients (or, of ZeRO's flat shards, the ranges) that ``counted`` names."""
+    if isinstance(counted, frozenset):
+        return [g for layer, tensors in grads.items() for name, g in tensors.items() if (layer, name) in counted]
+    return [grads[u][a:b] for u, ranges in counted.items() if u in grads for a, b in ranges]
 
 
 def _describe(tree: Any) -> str:

@@ -121,6 +121,9 @@ def functionalize(
     _refuse_stateful(module)
     pieces, recorded = _pieces(module, units, example_input)
     chain, params = _build_chain(pieces)
+    if units is None and isinstance(module, nn.Sequential):
+        for layer in chain:  # each layer calls a child: its modules' paths in the model start with its name
+            layer.fn.root_prefix = layer.name  # type: ignore[attr-defined]
     if recorded is not None:
         example_input = recorded
     if example_input is not None:
@@ -202,6 +205,7 @@ class _ModuleFn:
 
     def __init__(self, module: nn.Module) -> None:
         self.replicas = ThreadReplicas(module)
+        self.root_prefix = ""  # the module's path in the model functionalize was given
 
     @property
     def module(self) -> nn.Module:

@@ -7,8 +7,10 @@ a copy (a weight tied across stages has several), and under ZeRO where it sits i
 its unit's flat buffer and how that buffer is cut over the data-parallel axis.
 :class:`StateLayout` holds both, plus this rank's flat units: it is the static
 part of a TrainState, and everything that reads a state's layout (``full_params``,
-checkpoints, later tensor parallel) reads these instead of a transform's private
-types.
+checkpoints, tensor parallel) reads these instead of a transform's private
+types. Under tensor parallelism a :class:`TensorSplit` says which dim of a leaf
+the tensor-parallel axis cuts; every other layout (ZeRO units, pipeline copies)
+is of the slices a rank computes with.
 """
 
 from __future__ import annotations
@@ -97,6 +99,56 @@ def tied_across(chain: Chain, stages: tuple[tuple[str, ...], ...], stage_rank: t
 
 
 @dataclass(frozen=True)
+class TensorSplit:
+    """How tensor parallelism cuts one parameter: ``dim`` into ``parts`` equal slices over ``axis``.
+
+    With ``blocks`` > 1 the dim is ``blocks`` equal blocks (a fused q, k, v projection), each cut
+    into ``parts``: a rank holds its slice of every block, concatenated.
+    """
+
+    axis: str
+    dim: int
+    parts: int
+    blocks: int = 1
+
+    def __post_init__(self) -> None:
+        if self.parts < 1 or self.blocks < 1:
+            raise ValueError(f"TensorSplit: parts={self.parts} and blocks={self.blocks} must be positive")
+
+    def check(self, shape: Sequence[int], where: str) -> None:
+        """Refuse a global ``shape`` this split does not divide, naming the parameter."""
+        if self.dim >= len(shape):
+            raise ValueError(f"{where} has shape {list(shape)}, which has no dim {self.dim} to split over {self.axis!r}")
+        if shape[self.dim] % (self.parts * self.blocks):
+            fused = f" ({self.blocks} fused blocks, each split {self.parts} ways)" if self.blocks > 1 else ""
+            raise ValueError(
+                f"{where} has shape {list(shape)}: dim {self.dim} ({shape[self.dim]}) does not split into "
+                f"{self.parts * self.blocks} equal parts{fused} over axis {self.axis!r}; use a tensor-parallel "
+                f"size that divides it, or leave this parameter replicated"
+            )
+
+    def local_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
+        out = list(shape)
+        out[self.dim] //= self.parts
+        return tuple(out)
+
+    def global_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
+        out = list(shape)
+        out[self.dim] *= self.parts
+        return tuple(out)
+
+    def local(self, full: torch.Tensor, index: int) -> torch.Tensor:
+        """Axis index ``index``'s slice of the whole parameter ``full`` (a copy)."""
+        blocks = full.chunk(self.blocks, self.dim) if self.blocks > 1 else (full,)
+        return torch.cat([b.chunk(self.parts, self.dim)[index] for b in blocks], self.dim).clone()
+
+    def join(self, pieces: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The whole parameter from every index's slice, in axis order."""
+        per_rank = [p.chunk(self.blocks, self.dim) for p in pieces]
+        return torch.cat([per_rank[r][b] for b in range(self.blocks) for r in range(len(pieces))], self.dim)
+
+
+@dataclass(frozen=True)
 class LeafCopy:
     """One pipeline index's copy of a parameter; under ZeRO, where it sits in that index's unit."""
 
@@ -120,6 +172,12 @@ class LeafSpec:
     dp_axis: str | None = None  # ZeRO: the axis the flat units are cut over
     zero_stage: int | None = None
     shards: int = 1
+    split: TensorSplit | None = None  # tensor parallel: how the tensor-parallel axis cuts it
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        """The shape one rank's layers compute with: ``shape`` cut by the tensor-parallel split."""
+        return self.shape if self.split is None else self.split.local_shape(self.shape)
 
     @property
     def numel(self) -> int:
@@ -131,16 +189,23 @@ class LeafSpec:
     def describe(self) -> str:
         where = f"pipeline indices {[c.index for c in self.copies]} of {self.pipeline_axis!r}" if self.pipeline_axis else "every rank"
         zero = f", ZeRO-{self.zero_stage} flat shard over {self.dp_axis!r} of {self.shards}" if self.dp_axis else ""
-        return f"{self.layer}.{self.name}: {list(self.shape)} {str(self.dtype).removeprefix('torch.')} on {where}{zero}"
+        split = self.split
+        tp = "" if split is None else f", dim {split.dim} split over {split.axis!r} in {split.parts}" + (
+            f" (each of {split.blocks} fused blocks)" if split.blocks > 1 else ""
+        )
+        return f"{self.layer}.{self.name}: {list(self.shape)} {str(self.dtype).removeprefix('torch.')} on {where}{zero}{tp}"
 
 
 def leaf_specs(
     params: Mapping[str, Mapping[str, torch.Tensor]],
     placement: Placement,
     shardings: Mapping[int, FlatSharding | None],
+    splits: Mapping[tuple[str, str], TensorSplit] | None = None,
 ) -> dict[tuple[str, str], LeafSpec]:
-    """The spec of every parameter, from the (full, master-dtype, possibly meta) params, the
-    placement and each pipeline index's flat units."""
+    """The spec of every parameter, from the (master-dtype, possibly meta) params as a rank computes
+    with them (cut by ``splits`` under tensor parallelism), the placement and each pipeline index's
+    flat units. The spec's shape is the whole parameter's."""
+    splits = splits or {}
     holders: dict[tuple[str, str], list[int]] = {}
     for index in sorted(set(placement.stage_rank)):
         for layer in placement.layers_of(index):
@@ -168,8 +233,10 @@ def leaf_specs(
                 offset += numel
             copies.append(LeafCopy(index, layer, offset, unit.padded_numel))
             shard_info = (sharding.axis, sharding.stage, unit.shards)
+        split = splits.get((layer, name))
+        shape = tuple(t.shape) if split is None else split.global_shape(t.shape)
         specs[(layer, name)] = LeafSpec(
-            layer, name, tuple(t.shape), t.dtype, tuple(copies), placement.axis, *shard_info
+            layer, name, shape, t.dtype, tuple(copies), placement.axis, *shard_info, split=split
         )
     return specs
 
@@ -239,13 +306,20 @@ def full_params(layout: StateLayout, held: Any, mesh: Mesh | None) -> dict[str, 
         local = {k: dict(v) for k, v in held.items()}
     placement = layout.placement
     if placement.axis is None:
-        return {layer: local.get(layer, {}) for layer in layout.layers}
-    assert mesh is not None
-    device = device_of(local)  # a rank holding no parameter at all receives on the CPU
-    full: dict[str, dict[str, torch.Tensor]] = {layer: {} for layer in layout.layers}
+        full = {layer: local.get(layer, {}) for layer in layout.layers}
+    else:
+        assert mesh is not None
+        device = device_of(local)  # a rank holding no parameter at all receives on the CPU
+        full = {layer: {} for layer in layout.layers}
+        for (layer, name), spec in layout.leaves.items():
+            owner = spec.copies[0].index
+            mine = local.get(layer, {}).get(name)
+            x = mine if mine is not None else torch.zeros(spec.local_shape, dtype=spec.dtype, device=device)
+            full[layer][name] = broadcast(x, placement.axis, root=owner, mesh=mesh)
     for (layer, name), spec in layout.leaves.items():
-        owner = spec.copies[0].index
-        mine = local.get(layer, {}).get(name)
-        x = mine if mine is not None else torch.zeros(spec.shape, dtype=spec.dtype, device=device)
-        full[layer][name] = broadcast(x, placement.axis, root=owner, mesh=mesh)
+        split = spec.split
+        if split is not None:  # tensor parallel: every index's slice, joined
+            assert mesh is not None
+            pieces = all_gather(full[layer][name].contiguous(), split.axis, mesh=mesh)
+            full[layer][name] = split.join(list(pieces.unbind(0)))
     return full

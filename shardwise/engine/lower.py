@@ -29,10 +29,13 @@ import torch
 from ..collectives.mesh import Mesh
 from ._storage import fake_tensors
 from .chain import Chain
-from .compose import PLACEMENT, SHARDING, find, reshard_after_forward
+from .compose import PLACEMENT, SHARDING, SPLIT, find, reshard_after_forward
 from .layout import Placement
 from .plan import (
     BACKWARD,
+    BACKWARD_INPUT,
+    BACKWARD_WEIGHT,
+    CHECK_REPLICAS,
     FINISH_GRADS,
     FORWARD,
     FREE,
@@ -48,7 +51,11 @@ from .plan import (
     SEND_GRAD,
     SEND_TIED,
     SUM_TIED,
+    TP_ALL_GATHER,
+    TP_PSUM,
+    TP_PSUM_SCATTER,
     UPDATE,
+    WAIT_CHECK,
     WAIT_METRICS,
     WAIT_PARAMS,
     WAIT_REDUCE,
@@ -125,9 +132,10 @@ def stage_needs(chain: Chain, placement: Placement, units: Sequence[str]) -> dic
 
 
 def metric_axes(step: Step) -> tuple[str, ...]:
-    """The axes the metrics' share is summed over: the pipeline's, then the data-parallel one."""
-    pipe, zero = find(step.transforms, PLACEMENT), find(step.transforms, SHARDING)
-    return tuple(spec.axis for spec in (pipe, zero) if spec is not None)
+    """The axes the metrics' share is summed over: the pipeline's, the data-parallel one, then the
+    tensor-parallel one (whose first index alone counts the loss and the replicated gradients)."""
+    pipe, zero, tp = find(step.transforms, PLACEMENT), find(step.transforms, SHARDING), find(step.transforms, SPLIT)
+    return tuple(spec.axis for spec in (pipe, zero, tp) if spec is not None)
 
 
 def rank_actions(
@@ -166,6 +174,9 @@ def rank_actions(
         # Wait in the order the reduce-scatters were issued: the first one is likeliest done.
         actions += [Action(WAIT_REDUCE, a.layer, axis=zero.axis) for a in actions if a.kind == REDUCE_SCATTER]
     actions.append(Action(FINISH_GRADS))
+    tp = find(step.transforms, SPLIT)
+    if tp is not None:
+        actions.append(Action(CHECK_REPLICAS, axis=tp.axis))
     axes = metric_axes(step)
     if not step.metric_exchange().empty and axes:
         actions.append(Action(REDUCE_METRICS, axis=axes[0]))
@@ -175,10 +186,36 @@ def rank_actions(
         actions += [*rest, Action(UPDATE)] if step.update_needs_sums else [Action(UPDATE), *rest]
     else:
         actions.append(Action(UPDATE))
+    if tp is not None:  # the replicated gradients agree before anything is updated
+        at = next(i for i, a in enumerate(actions) if a.kind == UPDATE)
+        actions.insert(at, Action(WAIT_CHECK, axis=tp.axis))
     if zero is not None and zero.stage != 3:
         actions += [Action(GATHER_PARAMS, u, axis=zero.axis) for u in units]
         actions += [Action(WAIT_PARAMS, u, axis=zero.axis) for u in units]
     return tuple(actions)
+
+
+# (compute kind, stage) -> every collective it issues inside its layers: (op, label, wire)
+Inside = Mapping[tuple[str, int], Sequence[tuple[str, str, Wire]]]
+_INSIDE_KIND = {"psum": TP_PSUM, "all_gather": TP_ALL_GATHER, "psum_scatter": TP_PSUM_SCATTER}
+
+
+def insert_inside(actions: Sequence[Action], inside: Inside, axis: str) -> tuple[Action, ...]:
+    """``actions`` with, after each compute, the collectives its layers issue while it runs (over
+    ``axis``, labelled by the module that issues them): the executor skips these, the ledger has them."""
+    loss_stage = next((s for kind, s in inside if kind == LOSS), 0)  # the last stage's
+    out: list[Action] = []
+    for a in actions:
+        out.append(a)
+        if a.kind in (FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT):
+            stage = a.require("stage")
+        elif a.kind == LOSS:
+            stage = loss_stage
+        else:
+            continue
+        for op, label, wire in inside.get((a.kind, stage), ()):
+            out.append(Action(_INSIDE_KIND[op], a.layer, a.microbatch, stage, axis, wire=(wire,), label=label))
+    return tuple(out)
 
 
 def _sends_first(actions: Sequence[Action]) -> list[Action]:
@@ -199,7 +236,7 @@ def _sends_first(actions: Sequence[Action]) -> list[Action]:
 # -- what each communicating action moves ------------------------------------------------------
 
 
-def _wire(shape: Sequence[int] | int, dtype: torch.dtype) -> Wire:
+def wire_of(shape: Sequence[int] | int, dtype: torch.dtype) -> Wire:
     numel = shape if isinstance(shape, int) else int(torch.Size(shape).numel())
     return Wire(str(dtype).removeprefix("torch."), numel * torch.empty((), dtype=dtype).element_size())
 
@@ -232,25 +269,27 @@ def annotate(
         if a.kind in (GATHER, REDUCE_SCATTER, GATHER_PARAMS) and sharding is not None and a.layer is not None:
             unit = sharding.units[a.layer]
             if a.kind == GATHER:
-                wire = (_wire(unit.shard_numel, compute(a.layer, unit.dtype)),)
+                wire = (wire_of(unit.shard_numel, compute(a.layer, unit.dtype)),)
             elif a.kind == REDUCE_SCATTER:
                 dtype = prec.for_layer(a.layer).reduce if prec is not None else unit.dtype
-                wire = (_wire(unit.padded_numel, dtype),)
+                wire = (wire_of(unit.padded_numel, dtype),)
             else:
-                wire = (_wire(unit.shard_numel, unit.dtype),)
+                wire = (wire_of(unit.shard_numel, unit.dtype),)
         elif a.kind == REDUCE_METRICS:
-            wire = (_wire(metric_len, metric_dtype),)
+            wire = (wire_of(metric_len, metric_dtype),)
+        elif a.kind == CHECK_REPLICAS:
+            wire = (wire_of(2, torch.float64),)  # (sum, sum of magnitudes) of the replicated gradients
         elif a.kind in (SEND_TIED, RECV_TIED) and a.tied is not None:
             owner, name, _ = placement.tied[a.tied]
             shape, dtype = _param_shape(sharding, master, owner, name)
-            wire = (_wire(shape, compute(owner, dtype)),)
+            wire = (wire_of(shape, compute(owner, dtype)),)
         elif a.kind in (SEND_ACTIVATION, RECV_ACTIVATION, SEND_GRAD, RECV_GRAD) and boundaries is not None:
             assert a.stage is not None
             # Boundary b is what stage b passes to stage b + 1; a gradient travels back over it.
             b = a.stage if a.kind in (SEND_ACTIVATION, RECV_GRAD) else a.stage - 1
             grads = a.kind in (SEND_GRAD, RECV_GRAD)
             boundary = boundaries[b]
-            wire = tuple(_wire(shape, dtype) for shape, dtype in boundary.leaves if not grads or dtype.is_floating_point)
+            wire = tuple(wire_of(shape, dtype) for shape, dtype in boundary.leaves if not grads or dtype.is_floating_point)
         out.append(dataclasses.replace(a, wire=wire) if wire else a)
     return tuple(out)
 

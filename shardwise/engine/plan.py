@@ -58,6 +58,14 @@ WAIT_SENDS = "wait_sends"  # every send of the step delivered
 REDUCE_METRICS = "reduce_metrics"  # an all-reduce of what the step exchanges (async on the first axis)
 WAIT_METRICS = "wait_metrics"  # the summed values are known
 
+# -- tensor parallel: collectives a layer issues inside its compute (the action just before) ----
+TP_PSUM = "tp_psum"  # an all-reduce (Megatron's g in forward, f in backward)
+TP_ALL_GATHER = "tp_all_gather"  # sequence parallel's gather, or a column-parallel output made whole
+TP_PSUM_SCATTER = "tp_psum_scatter"  # sequence parallel's reduce-scatter
+INSIDE_COMPUTE = (TP_PSUM, TP_ALL_GATHER, TP_PSUM_SCATTER)  # issued by their compute: the executor skips them
+CHECK_REPLICAS = "check_replicas"  # all-gather a checksum of the replicated gradients over the axis
+WAIT_CHECK = "wait_check"  # they must be equal on every index: else the step refuses before its update
+
 #: The collective (as the ledger names it) that each communicating action issues.
 LEDGER_OP = {
     GATHER: "all_gather",
@@ -70,6 +78,10 @@ LEDGER_OP = {
     RECV_GRAD: "recv",
     RECV_TIED: "recv",
     REDUCE_METRICS: "psum",
+    CHECK_REPLICAS: "all_gather",
+    TP_PSUM: "psum",
+    TP_ALL_GATHER: "all_gather",
+    TP_PSUM_SCATTER: "psum_scatter",
 }
 
 SHORT = {FORWARD: "F", BACKWARD: "B", BACKWARD_INPUT: "I", BACKWARD_WEIGHT: "W"}  # a compute's letter
@@ -142,7 +154,7 @@ class Action:
             inner.append(f"mb={self.microbatch}")
         if self.peer is not None:
             inner.append(("to" if self.kind.startswith("send") else "from") + f"={self.peer}")
-        if self.kind == REDUCE_METRICS and self.axis is not None:
+        if self.kind in (REDUCE_METRICS, *INSIDE_COMPUTE) and self.axis is not None:
             inner.append(f"axis={self.axis}")
         return f"{head}({', '.join(inner)})" if inner else head
 

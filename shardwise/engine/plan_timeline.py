@@ -21,11 +21,13 @@ from .plan import (
     BACKWARD,
     BACKWARD_INPUT,
     BACKWARD_WEIGHT,
+    CHECK_REPLICAS,
     FINISH_GRADS,
     FORWARD,
     FREE,
     GATHER,
     GATHER_PARAMS,
+    INSIDE_COMPUTE,
     LOSS,
     RECV_ACTIVATION,
     RECV_GRAD,
@@ -37,6 +39,7 @@ from .plan import (
     SEND_TIED,
     SUM_TIED,
     UPDATE,
+    WAIT_CHECK,
     WAIT_GATHER,
     WAIT_METRICS,
     WAIT_PARAMS,
@@ -57,7 +60,7 @@ KINDS = (*COMPUTE_KINDS, GATHER, WAIT_GATHER, FREE, REDUCE_SCATTER, WAIT_REDUCE,
          FINISH_GRADS, REDUCE_METRICS, WAIT_METRICS)
 SENDS = (SEND_ACTIVATION, SEND_GRAD, SEND_TIED)
 RECVS = (RECV_ACTIVATION, RECV_GRAD, RECV_TIED)
-WAIT_OF = {WAIT_GATHER: GATHER, WAIT_REDUCE: REDUCE_SCATTER, WAIT_PARAMS: GATHER_PARAMS}
+WAIT_OF = {WAIT_GATHER: GATHER, WAIT_REDUCE: REDUCE_SCATTER, WAIT_PARAMS: GATHER_PARAMS, WAIT_CHECK: CHECK_REPLICAS}
 ASYNC = tuple(WAIT_OF.values())
 
 
@@ -70,7 +73,7 @@ def roles(actions: Sequence[Action]) -> tuple[str, ...]:
             out.append(COMPUTE)
         elif a.kind in SENDS or a.kind in ASYNC or (a.kind == REDUCE_METRICS and not metrics_issued):
             out.append(ISSUE)
-        elif a.kind in RECVS or a.kind in WAIT_OF or a.kind in (WAIT_SENDS, WAIT_METRICS, REDUCE_METRICS):
+        elif a.kind in RECVS or a.kind in WAIT_OF or a.kind in (WAIT_SENDS, WAIT_METRICS, REDUCE_METRICS, *INSIDE_COMPUTE):
             out.append(WAIT)
         else:
             out.append(LOCAL)

@@ -17,7 +17,15 @@ from ..collectives.mesh import Mesh
 from .accounting import predict_kept_for_backward
 from .batches import split_batch, split_over
 from .layout import Placement, StateLayout, local_params, meta_shards, unit_names
-from .lower import annotate, microbatch_count, placement_of, rank_actions
+from .lower import (
+    Inside,
+    annotate,
+    insert_inside,
+    microbatch_count,
+    placement_of,
+    rank_actions,
+    wire_of,
+)
 from .plan import FREE, GATHER, Action, Plan
 from .precision import compute_dtype
 from .state import Params, check_params, tree_nbytes
@@ -41,6 +49,7 @@ def plan_of(step: Step, mesh: Mesh, params: Params | None, batch: Any) -> Plan:
     placement, schedule = placement_of(step, mesh, params)
     layouts = {r: step.layout(mesh, params, rank=r) for r in range(mesh.size)} if params is not None else {}
     per_rank: list[tuple[Action, ...]] = []
+    inside = _inside_computes(step, mesh, params, batch, placement, layouts)
     for r in range(mesh.size):
         index = placement.index_of(mesh, r)
         if params is None:
@@ -50,21 +59,39 @@ def plan_of(step: Step, mesh: Mesh, params: Params | None, batch: Any) -> Plan:
             actions = rank_actions(step, placement, schedule, index, unit_names(layout.sharding))
             boundaries = None
             if batch is not None and step.pipeline_spec is not None:
-                boundaries = step.boundaries(layout, one_microbatch(step, mesh, batch)[0])
-            master = step._master_meta(local_params(params, placement, index))
+                boundaries = step.boundaries(layout, one_microbatch(step, mesh, batch)[0], mesh)
+            master = step._master_meta(local_params(step.tp_view(params, mesh, r), placement, index))
             update_tree = master if layout.sharding is None else meta_shards(layout.sharding)
             actions = annotate(
                 actions, step, placement, layout.sharding, update_tree, boundaries,
                 layout.metric_dtype,
             )
+            if inside is not None:
+                actions = insert_inside(actions, inside, step.split_spec.axis)
         per_rank.append(actions)
     memory = {} if params is None else _memory(step, mesh, params, batch, placement, layouts, per_rank)
     notes: dict[str, tuple[str, ...]] = {}
     # In the order the rewrites apply (engine/compose.py), whatever order they were applied in.
     for spec in sorted(step.transforms, key=lambda spec: getattr(spec, "rewrite_order", -1)):
-        for layer, note in getattr(spec, "layer_notes", lambda chain: {})(step.chain).items():
+        for layer, note in getattr(spec, "layer_notes", lambda chain: {})(step.base_chain).items():
             notes[layer] = (*notes.get(layer, ()), note)
     return Plan(mesh, tuple(per_rank), memory, {n: notes[n] for n in step.chain.names if n in notes})
+
+def _inside_computes(
+    step: Step, mesh: Mesh, params: Params | None, batch: Any, placement: Placement, layouts: dict[int, StateLayout]
+) -> Inside | None:
+    """The collectives each compute issues inside its layers (tensor parallel), predicted on fake
+    tensors from a micro-batch: None without tensor parallel, parameters or a batch."""
+    tp = step.split_spec
+    if tp is None or params is None or batch is None:
+        return None
+    shapes: dict[str, dict[str, tuple[torch.Size, torch.dtype]]] = {}
+    for spec in layouts[0].leaves.values():
+        dtype = compute_dtype(step.precision, spec.layer, spec.dtype)
+        shapes.setdefault(spec.layer, {})[spec.name] = (torch.Size(spec.local_shape), dtype)
+    found = tp.inner_collectives(step.chain, placement, shapes, step.loss_fn, one_microbatch(step, mesh, batch), mesh)
+    return {key: [(op, label, wire_of(shape, dtype)) for op, label, dtype, shape in issued] for key, issued in found.items()}
+
 
 def _units_without_params(step: Step, placement: Placement, index: int) -> list[str] | None:
     if step.sharding_spec is None:
@@ -91,7 +118,7 @@ def _memory(
         figures["gathered_peak"] = []
     for r in range(mesh.size):
         layout = layouts[r]
-        master = step._master_meta(local_params(params, placement, placement.index_of(mesh, r)))
+        master = step._master_meta(local_params(step.tp_view(params, mesh, r), placement, placement.index_of(mesh, r)))
         sharding = layout.sharding
         shards = None if sharding is None else meta_shards(sharding)
         figures["params"].append(tree_nbytes(shards if sharding is not None and sharding.holds_shards else master))
@@ -115,7 +142,8 @@ def _kept_per_rank(
     step: Step, mesh: Mesh, params: Params, batch: Any, placement: Placement, layouts: dict[int, StateLayout]
 ) -> tuple[int, ...]:
     inputs = one_microbatch(step, mesh, batch)[0]
-    per_layer = predict_kept_for_backward(step.chain, step.compute_view(params), inputs)
+    with step.tp_predicting(mesh):
+        per_layer = predict_kept_for_backward(step.chain, step.compute_view(step.tp_view(params, mesh, 0)), inputs)
     pipe = step.pipeline_spec
     if pipe is None:
         return (sum(per_layer.values()),) * mesh.size

@@ -105,6 +105,17 @@ class UnitLayout:
         views = torch.split(flat[: self.numel], list(self.numels))
         return {n: v.view(s) for n, v, s in zip(self.names, views, self.shapes, strict=True)}
 
+    def ranges_in_shard(self, names: frozenset[str], index: int) -> list[tuple[int, int]]:
+        """Where the parameters ``names`` lie in shard ``index``: (start, stop) offsets into the shard."""
+        lo, hi = index * self.shard_numel, (index + 1) * self.shard_numel
+        out, offset = [], 0
+        for name, numel in zip(self.names, self.numels, strict=True):
+            start, stop = max(offset, lo), min(offset + numel, hi)
+            if name in names and start < stop:
+                out.append((start - lo, stop - lo))
+            offset += numel
+        return out
+
     def shard_of(self, flat: torch.Tensor, index: int) -> torch.Tensor:
         """Shard ``index`` of a full flat buffer (a copy, so the full buffer can be freed)."""
         return flat[index * self.shard_numel : (index + 1) * self.shard_numel].clone()

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .plan import (
+    INSIDE_COMPUTE,
     REDUCE_METRICS,
     SUM_TIED,
     WAIT_METRICS,
@@ -195,6 +196,10 @@ class _Simulation:
             joined = self.joined[r]
             assert joined is not None
             return joined.done
+        if a.kind in INSIDE_COMPUTE:  # a layer's collective (tensor parallel): sync, the group meets
+            if self.joined[r] is None:
+                self.joined[r] = self._arrive(r, s.pos, a, s.start)
+            return self.joined[r].done  # type: ignore[union-attr]
         if a.kind in (WAIT_SENDS, SUM_TIED):  # the executor waits for every send so far in both
             return max([s.start, *self.outbox[r]])
         return s.start
@@ -219,6 +224,8 @@ class _Simulation:
             del self.pending[r][(WAIT_OF[a.kind], a.layer)]
         elif a.kind in (WAIT_METRICS, REDUCE_METRICS):
             self.first_metrics[r] = self.joined[r] = None
+        elif a.kind in INSIDE_COMPUTE:
+            self.joined[r] = None
         elif a.kind in (WAIT_SENDS, SUM_TIED):
             self.outbox[r].clear()
         self.rows[r].append(PlanSlot(r, i, a, s.start, now, role))

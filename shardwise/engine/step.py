@@ -12,6 +12,7 @@ the lowering of its whole stack (``engine/lower.py``) on the one executor
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable, Iterable
@@ -26,7 +27,7 @@ from .accounting import predict_kept_for_backward
 from .agreement import check_ranks_agree
 from .batches import split_batch, split_over
 from .chain import Chain
-from .compose import PLACEMENT, SHARDING, describe, find
+from .compose import PLACEMENT, SHARDING, SPLIT, describe, find
 from .devices import device_of, host_scalar
 from .executor import Executor, LossFn, ParamSource
 from .layout import StateLayout, full_params, leaf_specs, local_params, unit_names
@@ -102,6 +103,25 @@ class Step:
     def sharding_spec(self) -> Any:
         """shard_params' spec, if the step is data parallel with ZeRO sharding."""
         return find(self.transforms, SHARDING)
+
+    @property
+    def split_spec(self) -> Any:
+        """tensor_parallel's spec, if the step splits parameters over an axis."""
+        return find(self.transforms, SPLIT)
+
+    def tp_view(self, params: Params, mesh: Mesh | None, rank: int | None = None) -> Params:
+        """The parameters as ``rank`` (default: the calling rank) computes with them: under
+        tensor_parallel its slices of the split ones, else ``params`` itself."""
+        tp = self.split_spec
+        if tp is None:
+            return params
+        assert mesh is not None
+        return tp.local_params(self.base_chain, params, mesh, rank)
+
+    def tp_predicting(self, mesh: Mesh | None) -> Any:
+        """A block in which the layers may run on fake tensors: tensor-parallel collectives move nothing."""
+        tp = self.split_spec
+        return contextlib.nullcontext() if tp is None or mesh is None else tp.predicting(mesh)
 
     @functools.cached_property
     def stack_key(self) -> tuple[str, ...]:
@@ -224,13 +244,15 @@ class Step:
         mesh = self._check_mesh(mesh)
         check_params(self.chain, params)
         placement, schedule = placement_of(self, mesh, params)
-        if rank is None and mesh is not None and placement.axis is not None:
+        if rank is None and mesh is not None and (placement.axis is not None or self.split_spec is not None):
             try:
                 rank = mesh.rank
             except RuntimeError:  # not inside a launched program: describe rank 0
                 rank = 0
         index = placement.index_of(mesh, rank) if rank is not None else 0
-        meta = self._master_meta(params)
+        meta = self._master_meta(self.tp_view(params, mesh, rank))
+        tp = self.split_spec
+        splits = None if tp is None or mesh is None else tp.splits(self.base_chain, mesh.axis_size(tp.axis))
         zero = self.sharding_spec
         shardings: dict[int, FlatSharding | None] = {}
         for i in sorted(set(placement.stage_rank)):
@@ -239,11 +261,11 @@ class Step:
                 None if zero is None or mesh is None else FlatSharding.of(zero.axis, zero.stage, local, mesh.axis_size(zero.axis))
             )
         return StateLayout(
-            placement, shardings[index], leaf_specs(meta, placement, shardings), tuple(params),
+            placement, shardings[index], leaf_specs(meta, placement, shardings, splits), tuple(params),
             self.stack_key, schedule,
         )
 
-    def boundaries(self, layout: StateLayout, inputs: Any) -> Any:
+    def boundaries(self, layout: StateLayout, inputs: Any, mesh: Mesh | None = None) -> Any:
         """The (shape, dtype) of every tensor each pipeline stage passes on, for micro-batch ``inputs``
         (memoised per input layout; None when the chain cannot run on fake tensors)."""
         key = ("boundaries", tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t for t in optree.tree_leaves(inputs)))
@@ -251,11 +273,12 @@ class Step:
             prec = self.precision
             shapes: dict[str, dict[str, tuple[torch.Size, torch.dtype]]] = {}
             for spec in layout.leaves.values():
-                shapes.setdefault(spec.layer, {})[spec.name] = (torch.Size(spec.shape), spec.dtype)
-            layout.cache[key] = predict_boundaries(
-                self.chain, layout.placement, shapes,
-                lambda layer, dtype: compute_dtype(prec, layer, dtype), inputs,
-            )
+                shapes.setdefault(spec.layer, {})[spec.name] = (torch.Size(spec.local_shape), spec.dtype)
+            with self.tp_predicting(mesh):
+                layout.cache[key] = predict_boundaries(
+                    self.chain, layout.placement, shapes,
+                    lambda layer, dtype: compute_dtype(prec, layer, dtype), inputs,
+                )
         return layout.cache[key]
 
     # -- state ----------------------------------------------------------------
@@ -282,7 +305,7 @@ class Step:
                 "seed": str(seed),
             }, device_of(params))
         index = layout.index_of(mesh)
-        master = self.master_params(local_params(params, layout.placement, index))
+        master = self.master_params(local_params(self.tp_view(params, mesh), layout.placement, index))
         sharding = layout.sharding
         held: Any
         update_tree: Any
@@ -379,11 +402,14 @@ class Step:
             exchange=self.metric_exchange(),
             metric_axes=metric_axes(self),
             replica_layers=frozenset(o for o, _ in placement.replicas_of(index)),
-            boundaries=None if pipe is None else self.boundaries(layout, micro[0][0]),
+            boundaries=None if pipe is None else self.boundaries(layout, micro[0][0], mesh),
             poison=bool(pipe is not None and pipe.poison),
             record=bool(pipe is not None and pipe.trace),
             tokens=self.tokens,
             rng_seed=None if state.rng is None else mix(state.rng, state.step),
+            counted=self._counted(layout, mesh),
+            rng_rank=self._rng_rank(mesh),
+            replicated=None if self.split_spec is None else self._tp_selection(layout, mesh, replicated=True),
         )
         executor.run(layout.cache[key])
         summed = executor.summed
@@ -408,6 +434,44 @@ class Step:
             loss_scale=outcome["loss_scale"],
         )
         return new_state, metrics
+
+    def _tp_selection(self, layout: StateLayout, mesh: Mesh | None, replicated: bool) -> Any:
+        """Under tensor_parallel, this rank's gradients of the replicated parameters (``replicated``)
+        or of the split ones: their keys, or under ZeRO per unit the ranges of its flat shard."""
+        tp = self.split_spec
+        assert tp is not None and mesh is not None
+        key = ("tp_selection", replicated)
+        if key not in layout.cache:
+            whole = tp.replicated(self.base_chain)
+            sharding = layout.sharding
+            if sharding is None:
+                layout.cache[key] = frozenset(
+                    (s.layer, s.name) for s in layout.leaves.values() if ((s.layer, s.name) in whole) == replicated
+                )
+            else:
+                index = mesh.axis_index(sharding.axis)
+                layout.cache[key] = {
+                    u: lay.ranges_in_shard(frozenset(n for n in lay.names if ((u, n) in whole) == replicated), index)
+                    for u, lay in sharding.units.items()
+                }
+        return layout.cache[key]
+
+    def _counted(self, layout: StateLayout, mesh: Mesh | None) -> Any:
+        """Under tensor_parallel, on every index of its axis but the first: which gradients count in the
+        metrics (the split ones; a replicated parameter is counted once, by index 0, and so are the
+        loss and the tokens, which every index computes alike). None: all of them."""
+        tp = self.split_spec
+        if tp is None or mesh is None or mesh.axis_index(tp.axis) == 0:
+            return None
+        return self._tp_selection(layout, mesh, replicated=False)
+
+    def _rng_rank(self, mesh: Mesh | None) -> int | None:
+        """The rank whose random streams this rank draws: under tensor_parallel the first index of its
+        axis, so that random ops on replicated values (dropout on the residual stream) agree."""
+        tp = self.split_spec
+        if tp is None or mesh is None:
+            return None
+        return mesh.rank_of({**mesh.coords, tp.axis: 0})
 
     # -- inspection -----------------------------------------------------------
     def plan(self, mesh: Mesh | None = None, params: Params | None = None, batch: Any = None) -> Plan:

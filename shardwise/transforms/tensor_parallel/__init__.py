@@ -1,0 +1,103 @@
+"""tensor_parallel: Megatron column / row parallel layers by name pattern, sequence parallel, and a
+vocabulary-parallel loss."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from ...engine.compose import add
+from ...engine.step import Step
+from .loss import SplitLogitsLoss, vocab_parallel_cross_entropy
+from .plans import GPT2_BLOCKS, LLAMA_BLOCKS, TINY_GPT_BLOCKS, gpt2_plan, llama_plan, tiny_gpt_plan
+from .spec import TPSpec
+from .styles import Colwise, Region, Rowwise, Style
+
+__all__ = [
+    "GPT2_BLOCKS",
+    "LLAMA_BLOCKS",
+    "TINY_GPT_BLOCKS",
+    "Colwise",
+    "Region",
+    "Rowwise",
+    "TPSpec",
+    "gpt2_plan",
+    "llama_plan",
+    "tensor_parallel",
+    "tiny_gpt_plan",
+    "vocab_parallel_cross_entropy",
+]
+
+
+def tensor_parallel(
+    step: Step, axis: str = "tp", plan: Mapping[str, Style] | None = None, *, sequence_parallel: str | None = None
+) -> Step:
+    """Split the parameters of ``step``'s layers over mesh ``axis`` as ``plan`` says (Megatron-LM).
+
+    ``plan`` maps module path patterns (fnmatch over ``model.named_modules()`` paths) to
+    :class:`Colwise`, :class:`Rowwise` and :class:`Region` (see ``styles.py``); modules it does not
+    name keep their parameters whole on every rank. Each rank of ``axis`` holds its slice of every
+    split parameter and computes with it; the layers run unchanged, and the communication goes
+    through shardwise's differentiable collectives (an all-reduce where a Rowwise output is summed
+    and where a Region's input gradient is, in backward), listed in the Plan with their bytes.
+    Every rank of ``axis`` takes the same batch; the step equals ``step`` on it.
+
+    ``sequence_parallel`` is a pattern naming the transformer blocks (``"model.layers.*"``): between
+    their tensor-parallel regions, the residual stream, norms and dropout run on each rank's slice
+    of the sequence (Megatron-SP), and the all-reduces become all-gathers and reduce-scatters. The
+    sequence is split at the first block's input and gathered at the last one's output.
+
+    When the head leaves the logits split (``Colwise(output="sharded")``), ``loss_fn`` must compute
+    its cross-entropy with :func:`vocab_parallel_cross_entropy`; a step whose loss does not is refused.
+
+    Every step checks that the gradients of the replicated parameters came out equal on every
+    rank of ``axis`` (``check_replicas``: a 16-byte all-gather of their sum and sum of
+    magnitudes), and refuses to update when they did not: a replicated parameter used on per-rank
+    values without its gradient being summed would otherwise drift apart silently. Random ops draw
+    the same streams on every rank of ``axis`` (dropout on the replicated residual stream agrees).
+
+    It composes with ``shard_params`` (2-D: ZeRO over another axis shards each rank's slices),
+    ``pipeline`` (3-D), ``mixed_precision`` (the collectives run in the compute dtype) and
+    ``remat`` (a recomputed forward issues its collectives again); the global gradient norm counts
+    a replicated parameter once.
+
+    >>> import torch, shardwise as sw
+    >>> from shardwise.testing.models import mlp
+    >>> model = mlp([8, 32, 8])
+    >>> chain, params = sw.functionalize(model)
+    >>> step = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(lr=0.1))
+    >>> tp = sw.tensor_parallel(step, "tp", {"0": sw.Colwise(), "2": sw.Rowwise()})
+    >>> plan = tp.plan(sw.Mesh(tp=2), params, (torch.randn(4, 8), torch.randn(4, 8)))
+    >>> " ".join(str(a) for a in plan.for_rank(0))
+    'F(0) F(1) F(2) tp_psum(2, axis=tp) loss B(2) B(1) B(0) finish_grads check_replicas reduce_metrics(axis=tp) wait_check update wait_metrics'
+
+    Layer 2's partial outputs (4 x 8 float32: 128 bytes) are summed, and so are the metrics (8 bytes):
+
+    >>> plan.comm_bytes()[("tp", "psum")]
+    (136, 136)
+    """
+    if not isinstance(step, Step):
+        raise TypeError(f"tensor_parallel(step=...) needs a shardwise Step (see train_step), got {type(step).__name__}")
+    if not isinstance(axis, str) or not axis:
+        raise TypeError(f"tensor_parallel(axis={axis!r}): the axis is a mesh axis name such as 'tp'")
+    if not isinstance(plan, Mapping) or not plan:
+        raise ValueError(
+            f"tensor_parallel(plan={plan!r}): give a dict of module path patterns to styles, e.g. "
+            "{'model.layers.*.mlp.up_proj': sw.Colwise(), 'model.layers.*.mlp.down_proj': sw.Rowwise()}, "
+            "or a ready one such as sw.llama_plan()"
+        )
+    for pattern, style in plan.items():
+        if not isinstance(pattern, str) or not pattern:
+            raise TypeError(f"tensor_parallel: plan key {pattern!r} is not a module path pattern")
+        if not isinstance(style, (Colwise, Rowwise, Region)):
+            raise TypeError(
+                f"tensor_parallel: plan[{pattern!r}] = {style!r}; a style is sw.Colwise(), sw.Rowwise() or sw.Region()"
+            )
+    if sequence_parallel is not None and (not isinstance(sequence_parallel, str) or not sequence_parallel):
+        raise TypeError(
+            f"tensor_parallel(sequence_parallel={sequence_parallel!r}): a module path pattern naming the "
+            "transformer blocks, such as 'model.layers.*', or None"
+        )
+    spec = TPSpec(axis, tuple(plan.items()), sequence_parallel)
+    spec.resolved(step.base_chain)  # a plan that cannot work is refused now, not at the first step
+    loss_fn = SplitLogitsLoss(step.loss_fn, axis) if spec.splits_logits(step.base_chain) else step.loss_fn
+    return add(step, spec, loss_fn=loss_fn)

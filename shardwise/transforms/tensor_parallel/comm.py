@@ -1,0 +1,193 @@
+"""Megatron's communication inside a tensor-parallel layer, as shardwise collectives.
+
+Each operation is one line of forward and one of backward (picotron's
+``tp_communications.py``), over the tensor-parallel axis of the current mesh:
+
+* ``enter``: identity forward, all-reduce backward (Megatron's f, JAX's
+  ``pvary``); under sequence parallel: all-gather of the sequence forward,
+  reduce-scatter backward.
+* ``leave``: all-reduce forward, identity backward (Megatron's g, ``psum``);
+  under sequence parallel: reduce-scatter of the sequence forward, all-gather
+  backward.
+* ``gather_invariant``: all-gather forward, this rank's slice of the gradient
+  backward: a split value made whole for a computation every rank then does
+  alike (a column-parallel output gathered, the sequence after the last
+  sequence-parallel block).
+* ``scatter``: this rank's slice of the sequence forward, all-gather backward
+  (where sequence parallel begins).
+* ``vary``: ``enter`` on a replicated parameter used on per-rank values, so its
+  gradient is summed over the axis.
+
+Predicting. Inside :func:`predicting` the operations move nothing: they record
+what they would issue (the collective, its input's shape and dtype, forward or
+backward) and return tensors of the right shape, so running a layer forward and
+backward on fake tensors lists every collective it issues, in order. That list is
+what the Plan shows; the contract test checks it against the ledger.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ...collectives import all_gather, axis_index, axis_size, psum, psum_scatter
+from ...collectives.where import in_backward
+
+
+@dataclass(frozen=True)
+class Issued:
+    """One collective a layer issues: the ledger's op name, its input, and the phase."""
+
+    op: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    phase: str  # "forward" or "backward"
+    label: str  # the module that issued it
+
+
+@dataclass
+class _Prediction:
+    size: int
+    issued: list[Issued]
+
+
+_predicting: contextvars.ContextVar[_Prediction | None] = contextvars.ContextVar("shardwise_tp_predicting", default=None)
+
+
+@contextlib.contextmanager
+def predicting(size: int) -> Iterator[list[Issued]]:
+    """Inside the block no operation communicates: each records what it would issue over an axis
+    of ``size`` ranks into the yielded list."""
+    prediction = _Prediction(size, [])
+    token = _predicting.set(prediction)
+    try:
+        yield prediction.issued
+    finally:
+        _predicting.reset(token)
+
+
+def tp_size(axis: str) -> int:
+    """The axis size, also while predicting."""
+    prediction = _predicting.get()
+    return prediction.size if prediction is not None else axis_size(axis)
+
+
+def tp_index(axis: str) -> int:
+    prediction = _predicting.get()
+    return 0 if prediction is not None else axis_index(axis)
+
+
+# -- the operations ------------------------------------------------------------------------------
+# Each is one autograd Function: an op in forward and its transpose in backward, among "psum",
+# "psum_scatter", "all_gather", "slice" (this rank's part, nothing moved) and None (identity).
+# ``reduce``: the dtype sums travel in (mixed_precision's reduce dtype), None for the value's own.
+
+
+def enter(x: torch.Tensor, axis: str, seq_dim: int | None, label: str, reduce: torch.dtype | None = None) -> torch.Tensor:
+    """Megatron's f: identity forward, all-reduce backward; sequence parallel: all-gather the sequence."""
+    if seq_dim is None:
+        return _comm(x, axis, None, "psum", 0, reduce, label)
+    return _comm(x, axis, "all_gather", "psum_scatter", seq_dim, reduce, label)
+
+
+def leave(x: torch.Tensor, axis: str, seq_dim: int | None, label: str, reduce: torch.dtype | None = None) -> torch.Tensor:
+    """Megatron's g: all-reduce forward, identity backward; sequence parallel: reduce-scatter the sequence."""
+    if seq_dim is None:
+        return _comm(x, axis, "psum", None, 0, reduce, label)
+    _check_divides(x, seq_dim, axis, label)
+    return _comm(x, axis, "psum_scatter", "all_gather", seq_dim, reduce, label)
+
+
+def gather_invariant(x: torch.Tensor, axis: str, dim: int, label: str) -> torch.Tensor:
+    """All-gather of ``dim`` forward, this rank's slice of the gradient backward."""
+    return _comm(x, axis, "all_gather", "slice", dim % x.dim(), None, label)
+
+
+def scatter(x: torch.Tensor, axis: str, seq_dim: int, label: str) -> torch.Tensor:
+    """This rank's slice of ``seq_dim`` forward, all-gather of the gradient backward."""
+    _check_divides(x, seq_dim, axis, label)
+    return _comm(x, axis, "slice", "all_gather", seq_dim, None, label)
+
+
+def vary(x: torch.Tensor, axis: str, label: str, reduce: torch.dtype | None = None) -> torch.Tensor:
+    """A replicated parameter used on per-rank values: identity forward, its gradient summed over the axis."""
+    return enter(x, axis, None, label, reduce)
+
+
+def _comm(
+    x: torch.Tensor, axis: str, forward_op: str | None, backward_op: str | None, dim: int,
+    reduce: torch.dtype | None, label: str,
+) -> torch.Tensor:
+    if not (x.is_floating_point() or x.is_complex()):
+        raise TypeError(f"tensor_parallel: {label!r} passes a {x.dtype} tensor where a floating one is split or summed")
+    return _TPComm.apply(x, axis, forward_op, backward_op, dim, reduce, label)
+
+
+def _apply(op: str | None, x: torch.Tensor, axis: str, dim: int, reduce: torch.dtype | None, label: str, phase: str) -> torch.Tensor:
+    """One op on ``x``: moved for real, or (while predicting) recorded with the right output shape."""
+    prediction = _predicting.get()
+    n = prediction.size if prediction is not None else axis_size(axis)
+    wire = reduce if reduce is not None and op in ("psum", "psum_scatter") else x.dtype
+    if prediction is not None:
+        if op in ("psum", "psum_scatter", "all_gather"):
+            prediction.issued.append(Issued(op, tuple(x.shape), wire, phase, label))
+        if op == "all_gather":
+            return torch.cat([x] * n, dim)
+        if op in ("psum_scatter", "slice"):
+            return x.narrow(dim, 0, x.shape[dim] // n).clone()
+        return x.clone()
+    if op is None:
+        return x.clone()
+    if op == "slice":
+        return x.chunk(n, dim)[axis_index(axis)].contiguous()
+    if op == "all_gather":
+        return all_gather(x.contiguous(), axis, dim, tiled=True)
+    sent = x.to(wire)
+    out = psum(sent, axis) if op == "psum" else psum_scatter(sent.contiguous(), axis, dim, tiled=True)
+    return out.to(x.dtype)
+
+
+class _TPComm(torch.autograd.Function):
+    """``forward_op`` in forward, ``backward_op`` (its transpose) on the gradient in backward."""
+
+    @staticmethod
+    def forward(
+        x: torch.Tensor, axis: str, forward_op: str | None, backward_op: str | None, dim: int,
+        reduce: torch.dtype | None, label: str,
+    ) -> torch.Tensor:
+        return _apply(forward_op, x, axis, dim, reduce, label, "forward")
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        _, ctx.axis, _, ctx.backward_op, ctx.dim, ctx.reduce, ctx.label = inputs
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        with in_backward():
+            grad = _apply(ctx.backward_op, g, ctx.axis, ctx.dim, ctx.reduce, ctx.label, "backward")
+        return grad, None, None, None, None, None, None
+
+
+def all_max(x: torch.Tensor, axis: str, label: str) -> torch.Tensor:
+    """The elementwise maximum over the axis (no gradient): an all-gather, then the max."""
+    x = x.detach()
+    prediction = _predicting.get()
+    if prediction is not None:
+        prediction.issued.append(Issued("all_gather", tuple(x.shape), x.dtype, "forward", label))
+        return x.clone()
+    return all_gather(x, axis).amax(0)
+
+
+def _check_divides(x: torch.Tensor, dim: int, axis: str, label: str) -> None:
+    n = tp_size(axis)
+    if x.shape[dim] % n:
+        raise ValueError(
+            f"tensor_parallel(sequence_parallel=...): {label!r} splits the sequence (dim {dim}, length "
+            f"{x.shape[dim]}) over {n} ranks of axis {axis!r}, which does not divide it; use a sequence "
+            f"length that is a multiple of {n}, or sequence_parallel=None"
+        )

@@ -1,0 +1,105 @@
+"""The vocabulary-parallel cross-entropy: the loss of logits split over the vocabulary, never gathered.
+
+Each rank holds ``logits[..., its vocabulary slice]``. The loss needs, per
+token, the log of the sum of every exponential and the target's logit: each rank
+computes its part of both, the parts are summed over the axis (an all-gather of
+the per-token maxima first, for stability), and the gradient of each rank's
+slice is its own softmax slice minus the target's one-hot slice. Megatron's
+``vocab_parallel_cross_entropy``; the bytes moved are three per-token values,
+not the vocabulary.
+
+:func:`vocab_parallel_cross_entropy` is plain ``F.cross_entropy`` wherever the
+logits are whole (the single-device step, or a tensor-parallel step whose head
+gathers its output), so one ``loss_fn`` serves the reference and the
+tensor-parallel step. A tensor-parallel step whose head leaves the logits split
+refuses a loss that does not call it: a loss of each rank's vocabulary slice
+would train silently wrong.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .comm import all_max, leave, tp_index
+
+_split_over: contextvars.ContextVar[_Split | None] = contextvars.ContextVar("shardwise_vocab_split", default=None)
+
+
+@dataclass
+class _Split:
+    axis: str
+    calls: int = 0
+
+
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor, targets: torch.Tensor, *, ignore_index: int = -100, reduction: str = "mean"
+) -> torch.Tensor:
+    """``F.cross_entropy(logits, targets)`` over logits of shape ``(..., vocab)`` and integer targets
+    of shape ``(...)``; inside a tensor-parallel step whose head splits the vocabulary, computed
+    from each rank's slice without gathering the logits.
+
+    >>> import torch, shardwise as sw
+    >>> logits, targets = torch.randn(4, 10, dtype=torch.float64), torch.tensor([1, 2, -100, 9])
+    >>> want = torch.nn.functional.cross_entropy(logits, targets)
+    >>> bool(sw.vocab_parallel_cross_entropy(logits, targets) == want)
+    True
+    """
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"vocab_parallel_cross_entropy(reduction={reduction!r}): use 'mean' or 'sum'")
+    if logits.shape[:-1] != targets.shape:
+        raise ValueError(
+            f"vocab_parallel_cross_entropy: logits {list(logits.shape)} need targets of shape "
+            f"{list(logits.shape[:-1])} (one per row), got {list(targets.shape)}"
+        )
+    split = _split_over.get()
+    flat, flat_targets = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
+    if split is None:
+        return F.cross_entropy(flat, flat_targets, ignore_index=ignore_index, reduction=reduction)
+    split.calls += 1
+    axis, label = split.axis, "vocab_parallel_cross_entropy"
+    rows = flat.shape[-1]
+    start = tp_index(axis) * rows
+    top = all_max(flat.max(-1).values, axis, label)
+    shifted = flat - top.unsqueeze(-1)
+    log_sum = leave(shifted.exp().sum(-1), axis, None, label).log()
+    mine = (flat_targets >= start) & (flat_targets < start + rows)
+    local = (flat_targets - start).clamp(0, rows - 1)
+    picked = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
+    target_logit = leave(picked, axis, None, label)
+    valid = flat_targets != ignore_index
+    losses = (log_sum - target_logit).masked_fill(~valid, 0.0)
+    total = losses.sum()
+    return total if reduction == "sum" else total / valid.sum().to(total.dtype)
+
+
+class SplitLogitsLoss:
+    """The step's loss when the head leaves the logits split over ``axis``: ``loss_fn`` must compute
+    its cross-entropy with :func:`vocab_parallel_cross_entropy`, which then works on the slices."""
+
+    def __init__(self, loss_fn: Callable[[Any, Any], Any], axis: str) -> None:
+        self.loss_fn, self.axis = loss_fn, axis
+
+    def __call__(self, output: Any, targets: Any) -> Any:
+        split = _Split(self.axis)
+        token = _split_over.set(split)
+        try:
+            loss = self.loss_fn(output, targets)
+        finally:
+            _split_over.reset(token)
+        if split.calls == 0:
+            raise ValueError(
+                f"tensor_parallel: the head leaves the logits split over {self.axis!r} (Colwise(output='sharded')), "
+                "but loss_fn never called sw.vocab_parallel_cross_entropy, so it would compute a loss of each "
+                "rank's slice of the vocabulary; compute the cross-entropy with sw.vocab_parallel_cross_entropy "
+                "(plain cross-entropy wherever the logits are whole), or give the head Colwise(output='replicated')"
+            )
+        return loss
+
+    def __repr__(self) -> str:
+        return f"SplitLogitsLoss({self.loss_fn!r}, axis={self.axis!r})"

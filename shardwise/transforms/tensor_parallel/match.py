@@ -1,0 +1,243 @@
+"""Resolving a tensor-parallel plan on a chain: which module of which layer gets which style, how
+each parameter is split, and which replicated parameters are used on per-rank values.
+
+A layer built by ``functionalize`` calls a module (``fn.replicas.module``); its
+modules' paths in the original model are ``fn.root_prefix`` + the replica's
+prefix + their path inside it, and their parameters' local names in the layer
+are the replica's prefix + their path + the parameter name. Hand-written layers
+(plain functions) have no modules, so a plan cannot reach them.
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from ...engine.chain import Chain, Layer
+from .styles import Colwise, Region, Rowwise, Style
+
+LINEAR, CONV1D, EMBEDDING = "linear", "conv1d", "embedding"
+
+
+def module_kind(module: nn.Module) -> str | None:
+    """``linear``, ``conv1d`` (Hugging Face's transposed Linear) or ``embedding``; None otherwise."""
+    if isinstance(module, nn.Linear):
+        return LINEAR
+    if isinstance(module, nn.Embedding):
+        return EMBEDDING
+    if type(module).__name__ == "Conv1D" and hasattr(module, "nf") and getattr(module, "weight", None) is not None:
+        return CONV1D
+    return None
+
+
+@dataclass(frozen=True)
+class Install:
+    """One module of a layer's replica and what tensor parallel does to it."""
+
+    subpath: str  # inside the layer's module
+    path: str  # in the original model
+    style: Style
+    kind: str | None
+    seq_dim: int | None  # 1 inside a sequence-parallel block: the sequence is split there
+    enters: bool  # a Colwise outside any Region enters the parallel region itself
+
+
+@dataclass
+class LayerPlan:
+    """What tensor parallel does to one layer."""
+
+    layer: str
+    installs: list[Install] = field(default_factory=list)
+    blocks: list[tuple[str, str, bool, bool]] = field(default_factory=list)  # (subpath, path, first, last)
+    vary: set[str] = field(default_factory=set)  # local names: replicated, used on per-rank values
+
+
+@dataclass(frozen=True)
+class ParamSplit:
+    dim: int
+    blocks: int
+    by: str  # the module path and style that split it, for errors
+
+
+@dataclass
+class Resolved:
+    """The plan on a chain: per layer, and every split parameter by (owner layer, owner local name)."""
+
+    layers: dict[str, LayerPlan]
+    splits: dict[tuple[str, str], ParamSplit]
+    heads: list[tuple[str, str, int]]  # (module path, attribute, value): must divide by the axis size
+    matched: dict[str, list[str]]  # pattern -> module paths
+
+
+def _modules_of(layer: Layer) -> tuple[nn.Module, str, str] | None:
+    replicas = getattr(layer.fn, "replicas", None)
+    module = getattr(replicas, "module", None)
+    if not isinstance(module, nn.Module):
+        return None
+    return module, str(getattr(layer.fn, "root_prefix", "")), str(getattr(replicas, "prefix", ""))
+
+
+def _join(*parts: str) -> str:
+    return ".".join(p.strip(".") for p in parts if p.strip("."))
+
+
+def _is_stub(module: nn.Module) -> bool:
+    return type(module).__name__ == "_UnitStub"
+
+
+def resolve(chain: Chain, plan: Mapping[str, Style], sequence_parallel: str | None) -> Resolved:
+    """Match ``plan`` (and the sequence-parallel block pattern) on ``chain``; refuse what cannot work."""
+    found: list[tuple[Layer, nn.Module, str, str, str, nn.Module]] = []  # (layer, root module, root prefix, prefix, subpath, module)
+    for layer in chain:
+        got = _modules_of(layer)
+        if got is None:
+            continue
+        root, root_prefix, prefix = got
+        for subpath, module in root.named_modules():
+            if not _is_stub(module):
+                found.append((layer, root, root_prefix, prefix, subpath, module))
+    if not found:
+        raise ValueError(
+            "tensor_parallel: no layer of the chain calls a module (its layers are hand-written functions), so a "
+            "plan of module name patterns reaches nothing; build the chain with sw.functionalize(model, units=...)"
+        )
+    paths = {_join(rp, p, sub): None for _, _, rp, p, sub, _ in found}
+    matched: dict[str, list[str]] = {}
+    for pattern in [*plan, *([sequence_parallel] if sequence_parallel else [])]:
+        hits = [path for path in paths if fnmatch.fnmatchcase(path, pattern)]
+        if not hits:
+            close = difflib.get_close_matches(pattern, list(paths), n=4, cutoff=0.4)
+            hint = f"; close module paths: {close}" if close else f"; module paths look like {list(paths)[:6]}"
+            what = "sequence_parallel" if pattern == sequence_parallel and pattern not in plan else f"plan[{pattern!r}]"
+            raise ValueError(f"tensor_parallel: {what} matches no module of the model{hint}")
+        matched[pattern] = hits
+    style_of: dict[str, tuple[str, Style]] = {}
+    for pattern, style in plan.items():
+        for path in matched[pattern]:
+            if path in style_of and style_of[path][1] != style:
+                raise ValueError(
+                    f"tensor_parallel: module {path!r} matches plan[{style_of[path][0]!r}] = {style_of[path][1]} and "
+                    f"plan[{pattern!r}] = {style}; make the patterns select it once"
+                )
+            style_of[path] = (pattern, style)
+    # The blocks are the outermost modules the pattern matches (fnmatch's * also matches dots).
+    hits = [p for p in paths if sequence_parallel and fnmatch.fnmatchcase(p, sequence_parallel)]
+    blocks_in_order = [p for p in hits if not any(p.startswith(q + ".") for q in hits)]
+    region_paths = [p for p, (_, s) in style_of.items() if isinstance(s, Region)]
+    layers: dict[str, LayerPlan] = {}
+    splits: dict[tuple[str, str], ParamSplit] = {}
+    heads: list[tuple[str, str, int]] = []
+    uses: list[tuple[str, str, tuple[str, str], bool]] = []  # (layer, module path, param key, styled)
+    for layer, _root, root_prefix, prefix, subpath, module in found:
+        path = _join(root_prefix, prefix, subpath)
+        lp = layers.setdefault(layer.name, LayerPlan(layer.name))
+        inside = [r for r in region_paths if path.startswith(r + ".")]
+        in_block = any(path == b or path.startswith(b + ".") for b in blocks_in_order)
+        seq_dim = 1 if in_block else None
+        if path in blocks_in_order:
+            lp.blocks.append((subpath, path, path == blocks_in_order[0], path == blocks_in_order[-1]))
+        chosen: Style | None = style_of[path][1] if path in style_of else None
+        kind = module_kind(module)
+        own = {f"{prefix}{_join(subpath, n)}": n for n, _ in module.named_parameters(recurse=False)}
+        declared = {local: name for local, name in own.items() if local in layer.param_names}
+        if chosen is not None:
+            _check_fits(path, chosen, kind, module)
+            frozen = sorted(local for local in own if local in layer.buffers)
+            if frozen and not isinstance(chosen, Region):
+                raise ValueError(
+                    f"tensor_parallel: {chosen} on {path!r}, whose {frozen} are frozen (requires_grad=False): a frozen "
+                    "tensor travels whole with its layer and is never split; leave the module replicated"
+                )
+            lp.installs.append(Install(subpath, path, chosen, kind, seq_dim, isinstance(chosen, Colwise) and not inside))
+            if isinstance(chosen, Region):
+                for attr in (*chosen.heads, *chosen.local):
+                    heads.append((path, attr, _read_attribute(module, path, attr)))
+        for local, name in declared.items():
+            key = layer.ties.get(local, (layer.name, local))
+            cut = _param_split(chosen, kind, name, module)
+            split = None if cut is None else ParamSplit(cut[0], cut[1], f"{path} ({chosen})")
+            if split is not None:
+                earlier = splits.get(key)
+                if earlier is not None and (earlier.dim, earlier.blocks) != (split.dim, split.blocks):
+                    raise ValueError(
+                        f"tensor_parallel: parameter {key[1]!r} of layer {key[0]!r} is tied, and split on dim "
+                        f"{earlier.dim} by {earlier.by} but on dim {split.dim} by {split.by}; a tied weight is split "
+                        "one way: give both modules styles that cut it alike"
+                    )
+                splits[key] = split
+            uses.append((layer.name, path, key, split is not None))
+            replicated_bias = isinstance(chosen, Rowwise) and name == "bias"
+            if split is None and (in_block or (inside and not replicated_bias)):
+                lp.vary.add(local)
+    for _layer, path, key, styled in uses:
+        if not styled and key in splits:
+            raise ValueError(
+                f"tensor_parallel: parameter {key[1]!r} of layer {key[0]!r} is split by {splits[key].by}, but module "
+                f"{path!r} uses it too and has no style that splits it alike (a tied weight: an output head tied to "
+                "the embedding); give it one, e.g. Rowwise() on the Embedding with Colwise() on the head: both cut "
+                "the vocabulary"
+            )
+    return Resolved(layers, splits, heads, matched)
+
+
+def _param_split(style: Style | None, kind: str | None, name: str, module: nn.Module) -> tuple[int, int] | None:
+    """(dim, fused blocks) a style splits a module's parameter on, or None: replicated."""
+    if isinstance(style, Colwise):
+        if kind == LINEAR:
+            return 0, style.fused
+        if kind == CONV1D:
+            return (1 if name == "weight" else 0), style.fused
+        if kind == EMBEDDING:
+            return 1, 1
+    if isinstance(style, Rowwise):
+        if name == "bias":
+            return None
+        if kind == LINEAR:
+            return 1, 1
+        if kind == CONV1D:
+            return 0, 1
+        if kind == EMBEDDING:
+            return 0, 1
+    return None
+
+
+def _check_fits(path: str, style: Style, kind: str | None, module: nn.Module) -> None:
+    if isinstance(style, Region):
+        return
+    if kind is None:
+        raise ValueError(
+            f"tensor_parallel: {style} on {path!r}, a {type(module).__name__}: Colwise and Rowwise split an "
+            "nn.Linear, a Hugging Face Conv1D or an nn.Embedding; give its projections the styles, and the "
+            "module itself Region() if it is an attention or MLP block"
+        )
+    if kind == EMBEDDING:
+        if isinstance(style, Colwise) and style.fused != 1:
+            raise ValueError(f"tensor_parallel: {style} on the Embedding {path!r}: an embedding has no fused blocks")
+        for option in ("max_norm", "sparse", "scale_grad_by_freq"):
+            if getattr(module, option, None):
+                raise ValueError(
+                    f"tensor_parallel: the Embedding {path!r} sets {option}={getattr(module, option)!r}, which a "
+                    "split embedding does not reproduce; leave it replicated or drop the option"
+                )
+    extra = sorted(n for n, _ in module.named_parameters(recurse=False) if n not in ("weight", "bias"))
+    if extra:
+        raise ValueError(f"tensor_parallel: {style} on {path!r}: it has parameters {extra} besides weight and bias")
+
+
+def _read_attribute(module: nn.Module, path: str, attr: str) -> int:
+    value: Any = module
+    for part in attr.split("."):
+        if not hasattr(value, part):
+            raise ValueError(
+                f"tensor_parallel: Region on {path!r} names the attribute {attr!r}, which "
+                f"{type(module).__name__} does not have; name the attribute that counts its heads"
+            )
+        value = getattr(value, part)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"tensor_parallel: {path}.{attr} is {value!r}, not a count that the axis size must divide")
+    return value

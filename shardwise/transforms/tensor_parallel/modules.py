@@ -1,0 +1,169 @@
+"""The tensor-parallel forward of each styled module, installed on a copy of the layer's module.
+
+The layer code does not change: each styled module of a layer's module gets a
+``forward`` attribute (a :class:`TPForward`, which pickles and deep-copies with
+its module) that calls the class's own forward around the communication of
+``comm.py``; the layer fn is a copy of the original one calling that module.
+The original model, and the single-device step's layers, are untouched.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ...engine._module_call import ThreadReplicas
+from ...engine.chain import Layer
+from .comm import enter, gather_invariant, leave, scatter, tp_index, tp_size, vary
+from .match import CONV1D, EMBEDDING, LINEAR, Install, LayerPlan
+from .styles import Colwise, Region, Rowwise
+
+
+class TPForward:
+    """A styled module's forward under tensor parallel: communication around the class's forward."""
+
+    def __init__(
+        self, module: nn.Module, axis: str, install: Install | None, block: tuple[bool, bool] | None,
+        reduce: torch.dtype | None,
+    ) -> None:
+        self.module, self.axis, self.install, self.block, self.reduce = module, axis, install, block, reduce
+        self.locals = {}
+        if install is not None and isinstance(install.style, Region):
+            self.locals = {attr: getattr(module, attr) for attr in install.style.local}
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        m, install = self.module, self.install
+        if self.block is not None and self.block[0]:  # the first sequence-parallel block: split the sequence
+            args, kwargs = _map_hidden(m, args, kwargs, lambda h: scatter(h, self.axis, 1, _label(install, m)))
+        if install is None:
+            out = type(m).forward(m, *args, **kwargs)
+        else:
+            out = self._styled(install, args, kwargs)
+        if self.block is not None and self.block[1]:  # the last one: the whole sequence again
+            out = _map_first(out, lambda h: gather_invariant(h, self.axis, 1, _label(install, m)))
+        return out
+
+    def _styled(self, install: Install, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        m, style, axis, label = self.module, install.style, self.axis, install.path
+        weight, bias = _tensor(m, "weight"), _tensor(m, "bias")
+        if isinstance(style, Region):
+            n = tp_size(axis)
+            for attr, value in self.locals.items():
+                setattr(m, attr, value // n)
+            args, kwargs = _map_hidden(m, args, kwargs, lambda h: enter(h, axis, install.seq_dim, label, self.reduce))
+            return type(m).forward(m, *args, **kwargs)
+        (x,) = args
+        if isinstance(style, Colwise):
+            if install.enters and install.kind != EMBEDDING:
+                x = enter(x, axis, install.seq_dim, label, self.reduce)
+            y = _conv1d(x, _require(weight), bias) if install.kind == CONV1D else type(m).forward(m, x)
+            return gather_invariant(y, axis, y.dim() - 1, label) if style.output == "replicated" else y
+        assert isinstance(style, Rowwise)
+        if install.kind == EMBEDDING:
+            return leave(_vocab_lookup(m, x, axis), axis, None, label, self.reduce)
+        assert weight is not None
+        y = F.linear(x, weight) if install.kind == LINEAR else _conv1d(x, weight, None)
+        y = leave(y, axis, install.seq_dim, label, self.reduce)
+        return y if bias is None else y + bias
+
+
+def _tensor(m: nn.Module, name: str) -> Tensor | None:
+    t = getattr(m, name, None)
+    return t if isinstance(t, Tensor) else None
+
+
+def _require(t: Tensor | None) -> Tensor:
+    assert t is not None, "a styled Linear / Conv1D / Embedding has a weight"
+    return t
+
+
+def _label(install: Install | None, m: nn.Module) -> str:
+    return install.path if install is not None else type(m).__name__
+
+
+def _conv1d(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """Hugging Face's Conv1D (``x @ weight + bias``, weight ``(in, out)``) on a weight slice."""
+    flat = x.reshape(-1, x.size(-1))
+    y = torch.mm(flat, weight) if bias is None else torch.addmm(bias, flat, weight)
+    return y.view(*x.shape[:-1], weight.shape[1])
+
+
+def _vocab_lookup(m: nn.Module, ids: Tensor, axis: str) -> Tensor:
+    """This rank's rows of a vocabulary-split embedding: ids outside them look up zeros."""
+    weight = _tensor(m, "weight")
+    assert weight is not None
+    rows = weight.shape[0]
+    start = tp_index(axis) * rows
+    outside = (ids < start) | (ids >= start + rows)
+    local = (ids - start).masked_fill(outside, 0)
+    padding = getattr(m, "padding_idx", None)
+    local_padding = padding - start if isinstance(padding, int) and start <= padding < start + rows else None
+    y = F.embedding(local, weight, local_padding)
+    return y.masked_fill(outside.unsqueeze(-1), 0.0)
+
+
+def _first_parameter(m: nn.Module) -> str | None:
+    params = list(inspect.signature(type(m).forward).parameters)
+    return params[1] if len(params) > 1 else None
+
+
+def _map_hidden(
+    m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], fn: Callable[[Tensor], Tensor]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Apply ``fn`` to the module's first argument (the hidden states), positional or by name."""
+    if args:
+        return (fn(args[0]), *args[1:]), kwargs
+    name = _first_parameter(m)
+    if name is None or name not in kwargs:
+        raise ValueError(f"tensor_parallel: {type(m).__name__} was called without its hidden states {name!r}")
+    return args, {**kwargs, name: fn(kwargs[name])}
+
+
+def _map_first(out: Any, fn: Callable[[Tensor], Tensor]) -> Any:
+    if isinstance(out, Tensor):
+        return fn(out)
+    if type(out) is tuple and out and isinstance(out[0], Tensor):
+        return (fn(out[0]), *out[1:])
+    raise ValueError(f"tensor_parallel: a sequence-parallel block returned {type(out).__name__}, not its hidden states")
+
+
+class VaryFn:
+    """A layer fn whose replicated parameters used on per-rank values have their gradients summed
+    over the axis (``vary``), around the layer fn calling the tensor-parallel module."""
+
+    def __init__(
+        self, fn: Callable[[dict[str, Tensor], Any], Any], axis: str, names: frozenset[str], reduce: torch.dtype | None
+    ) -> None:
+        self.fn, self.axis, self.names, self.reduce = fn, axis, names, reduce
+
+    def __call__(self, tensors: dict[str, Tensor], x: Any) -> Any:
+        if self.names:
+            tensors = {k: vary(t, self.axis, k, self.reduce) if k in self.names else t for k, t in tensors.items()}
+        return self.fn(tensors, x)
+
+    def __repr__(self) -> str:
+        return f"tensor_parallel({self.fn!r})"
+
+
+def rewrite_layer(layer: Layer, plan: LayerPlan, axis: str, reduce: torch.dtype | None) -> Layer:
+    """``layer`` calling a copy of its module with the tensor-parallel forwards installed; sums
+    travel in ``reduce`` (None: the values' own dtype)."""
+    fn = layer.fn
+    replicas = fn.replicas  # type: ignore[attr-defined]
+    module = replicas.module
+    named = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+    copied = copy.deepcopy(module, memo={id(t): t for _, t in named})
+    blocks = {sub: (first, last) for sub, _path, first, last in plan.blocks}
+    installs = {i.subpath: i for i in plan.installs}
+    for subpath in sorted(set(blocks) | set(installs)):
+        target = copied.get_submodule(subpath)
+        target.forward = TPForward(target, axis, installs.get(subpath), blocks.get(subpath), reduce)
+    new_fn = copy.copy(fn)
+    new_fn.replicas = ThreadReplicas(copied, replicas.prefix)  # type: ignore[attr-defined]
+    return Layer(layer.name, VaryFn(new_fn, axis, frozenset(plan.vary), reduce), layer.param_names, layer.buffers, layer.ties)

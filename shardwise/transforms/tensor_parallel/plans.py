@@ -1,0 +1,69 @@
+"""Ready tensor-parallel plans for common model families (module paths of Hugging Face models).
+
+Each returns a plain dict of pattern -> style that can be edited like any other plan.
+"""
+
+from __future__ import annotations
+
+from .styles import Colwise, Region, Rowwise, Style
+
+
+def llama_plan(*, vocab_parallel: bool = True) -> dict[str, Style]:
+    """Llama-style decoders (Llama, Mistral, Qwen2): q/k/v and gate/up split on their outputs,
+    o/down on their inputs, whole heads per rank (query and key/value heads must both divide by
+    the axis size: grouped-query attention keeps its groups), the embedding split on the
+    vocabulary, and the head's logits left split for :func:`vocab_parallel_cross_entropy`
+    (``vocab_parallel=False``: gathered, for any loss)."""
+    return {
+        "model.embed_tokens": Rowwise(),
+        "model.layers.*.self_attn": Region(heads=("config.num_attention_heads", "config.num_key_value_heads")),
+        "model.layers.*.self_attn.[qkv]_proj": Colwise(),
+        "model.layers.*.self_attn.o_proj": Rowwise(),
+        "model.layers.*.mlp": Region(),
+        "model.layers.*.mlp.gate_proj": Colwise(),
+        "model.layers.*.mlp.up_proj": Colwise(),
+        "model.layers.*.mlp.down_proj": Rowwise(),
+        "lm_head": Colwise(output="sharded" if vocab_parallel else "replicated"),
+    }
+
+
+LLAMA_BLOCKS = "model.layers.*"  # sequence_parallel= for llama_plan
+
+
+def gpt2_plan(*, vocab_parallel: bool = True) -> dict[str, Style]:
+    """GPT-2 (transformers' ``GPT2LMHeadModel``). ``c_attn`` is one Conv1D computing q, k and v
+    side by side (weight ``(hidden, 3 * hidden)``): it is split as three fused blocks, so a rank
+    holds the same heads of each, and ``split_size`` (the width the attention cuts the fused
+    output at) is divided by the axis size. The token embedding is tied to the head, so both
+    split the vocabulary; the position embedding stays whole."""
+    return {
+        "transformer.wte": Rowwise(),
+        "transformer.h.*.attn": Region(heads=("num_heads",), local=("split_size",)),
+        "transformer.h.*.attn.c_attn": Colwise(fused=3),
+        "transformer.h.*.attn.c_proj": Rowwise(),
+        "transformer.h.*.mlp": Region(),
+        "transformer.h.*.mlp.c_fc": Colwise(),
+        "transformer.h.*.mlp.c_proj": Rowwise(),
+        "lm_head": Colwise(output="sharded" if vocab_parallel else "replicated"),
+    }
+
+
+GPT2_BLOCKS = "transformer.h.*"
+
+
+def tiny_gpt_plan(*, vocab_parallel: bool = True) -> dict[str, Style]:
+    """:class:`shardwise.testing.TinyGPT`: fused ``qkv`` Linear, a 2-layer MLP, the head tied to the
+    token embedding."""
+    return {
+        "tok_emb": Rowwise(),
+        "blocks.*.attn": Region(heads=("n_heads",)),
+        "blocks.*.attn.qkv": Colwise(fused=3),
+        "blocks.*.attn.proj": Rowwise(),
+        "blocks.*.mlp": Region(),
+        "blocks.*.mlp.0": Colwise(),
+        "blocks.*.mlp.2": Rowwise(),
+        "head": Colwise(output="sharded" if vocab_parallel else "replicated"),
+    }
+
+
+TINY_GPT_BLOCKS = "blocks.*"

@@ -1,0 +1,139 @@
+"""tensor_parallel's spec: frozen data in the step's stack, and what the engine asks of it."""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from ...collectives.mesh import Mesh
+from ...engine.chain import Chain
+from ...engine.compose import SPLIT
+from ...engine.layout import Placement, TensorSplit
+from .comm import predicting
+from .match import Resolved, resolve
+from .modules import rewrite_layer
+from .predict import predict
+from .styles import Colwise, Rowwise, Style
+
+_RESOLVED: weakref.WeakKeyDictionary[Chain, dict[Any, Resolved]] = weakref.WeakKeyDictionary()
+
+
+@dataclass(frozen=True)
+class TPSpec:
+    """Parameters split over ``axis`` by the styles of ``plan`` (see :func:`tensor_parallel`)."""
+
+    axis: str
+    plan: tuple[tuple[str, Style], ...]
+    sequence_parallel: str | None = None
+
+    name: ClassVar[str] = "tensor_parallel"
+    role: ClassVar[str] = SPLIT
+    rewrite_order: ClassVar[int] = -1  # innermost: remat recomputes its collectives, the casts go around
+
+    def __str__(self) -> str:
+        plan = ", ".join(f"{p!r}: {s}" for p, s in self.plan)
+        sp = f", sequence_parallel={self.sequence_parallel!r}" if self.sequence_parallel else ""
+        return f"tensor_parallel(axis={self.axis!r}, plan={{{plan}}}{sp})"
+
+    # -- the plan on a chain --------------------------------------------------------------------
+    def resolved(self, chain: Chain) -> Resolved:
+        per_chain = _RESOLVED.setdefault(chain, {})
+        if self not in per_chain:
+            per_chain[self] = resolve(chain, dict(self.plan), self.sequence_parallel)
+        return per_chain[self]
+
+    def rewrite(self, chain: Chain, stack: tuple[Any, ...] = ()) -> Chain:
+        """The chain with every styled layer calling its tensor-parallel module; under
+        mixed_precision in ``stack``, its sums travel in each layer's reduce dtype."""
+        resolved = self.resolved(chain)
+        precision = next((getattr(s, "precision", None) for s in stack if s.name == "mixed_precision"), None)
+        layers = []
+        for layer in chain:
+            lp = resolved.layers.get(layer.name)
+            reduce = None if precision is None else precision.for_layer(layer.name).reduce
+            changes = lp is not None and (lp.installs or lp.blocks or lp.vary)
+            layers.append(rewrite_layer(layer, lp, self.axis, reduce) if changes and lp is not None else layer)
+        rewritten = Chain(layers)
+        _RESOLVED.setdefault(rewritten, {})[self] = resolved
+        return rewritten
+
+    def splits_logits(self, chain: Chain) -> bool:
+        """Whether the chain's output leaves the tensor-parallel region split (a sharded Colwise last)."""
+        last = None
+        for layer in chain:
+            lp = self.resolved(chain).layers.get(layer.name)
+            for install in lp.installs if lp is not None else ():
+                if isinstance(install.style, (Colwise, Rowwise)):
+                    last = install.style
+        return isinstance(last, Colwise) and last.output == "sharded"
+
+    def splits(self, chain: Chain, parts: int) -> dict[tuple[str, str], TensorSplit]:
+        """Every split parameter, by (owner layer, owner's local name), for an axis of ``parts``."""
+        return {k: TensorSplit(self.axis, s.dim, parts, s.blocks) for k, s in self.resolved(chain).splits.items()}
+
+    def check_sizes(self, chain: Chain, params: Mapping[str, Mapping[str, torch.Tensor]], parts: int) -> None:
+        """Refuse heads or parameter dims that the axis size does not divide, naming them."""
+        for path, attr, value in self.resolved(chain).heads:
+            if value % parts:
+                raise ValueError(
+                    f"tensor_parallel: {path}.{attr} is {value}, which the {parts} ranks of axis {self.axis!r} do "
+                    f"not divide (each rank computes whole heads); use a tensor-parallel size that divides {value}"
+                )
+        for (layer, name), split in self.splits(chain, parts).items():
+            split.check(tuple(params[layer][name].shape), f"tensor_parallel: parameter {name!r} of layer {layer!r}")
+
+    def local_params(
+        self, chain: Chain, params: Mapping[str, Mapping[str, torch.Tensor]], mesh: Mesh, rank: int | None
+    ) -> dict[str, dict[str, torch.Tensor]]:
+        """The parameters as tensor-parallel index of ``rank`` (default: the calling rank) computes with."""
+        parts = mesh.axis_size(self.axis)
+        self.check_sizes(chain, params, parts)
+        index = mesh.axis_index(self.axis) if rank is None else mesh.coords_of(rank)[self.axis]
+        splits = self.splits(chain, parts)
+        return {
+            layer: {n: splits[(layer, n)].local(t, index) if (layer, n) in splits else t for n, t in tensors.items()}
+            for layer, tensors in params.items()
+        }
+
+    def replicated(self, chain: Chain) -> frozenset[tuple[str, str]]:
+        """The parameters every tensor-parallel index holds whole (counted once in the gradient norm)."""
+        splits = self.resolved(chain).splits
+        return frozenset((layer.name, n) for layer in chain for n in layer.owned_param_names if (layer.name, n) not in splits)
+
+    # -- prediction --------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def predicting(self, mesh: Mesh) -> Iterator[None]:
+        """Run the layers on fake tensors: the collectives move nothing, shapes are this mesh's."""
+        with predicting(mesh.axis_size(self.axis)):
+            yield
+
+    def inner_collectives(
+        self,
+        chain: Chain,
+        placement: Placement,
+        shapes: Mapping[str, Mapping[str, tuple[torch.Size, torch.dtype]]],
+        loss_fn: Callable[[Any, Any], Any],
+        micro: tuple[Any, Any],
+        mesh: Mesh,
+    ) -> dict[tuple[str, int], list[tuple[str, str, torch.dtype, tuple[int, ...]]]]:
+        """For every (compute kind, stage): each collective it issues, as (op, label, dtype, shape)."""
+        found = predict(chain, placement, shapes, loss_fn, micro[0], micro[1], mesh.axis_size(self.axis))
+        return {k: [(i.op, i.label, i.dtype, i.shape) for i in v] for k, v in found.items()}
+
+    def layer_notes(self, chain: Chain) -> dict[str, str]:
+        """Per layer, what tensor parallel does to it, for the Plan."""
+        notes = {}
+        for name, lp in self.resolved(chain).layers.items():
+            parts = [f"{i.path}: {i.style}" for i in lp.installs]
+            if lp.blocks:
+                parts.append("sequence parallel: " + ", ".join(p for _, p, _, _ in lp.blocks))
+            if lp.vary:
+                parts.append(f"gradients summed over {self.axis!r}: {sorted(lp.vary)}")
+            if parts:
+                notes[name] = "tensor parallel: " + "; ".join(parts)
+        return notes

@@ -1,0 +1,77 @@
+"""The styles a tensor-parallel plan gives to modules, by name pattern.
+
+As in torchtitan and DTensor's ``parallelize_module``, a plan maps module path
+patterns (fnmatch, on the paths ``model.named_modules()`` gives) to styles:
+
+* :class:`Colwise`: a Linear (or a Hugging Face ``Conv1D``) split on its output
+  features, bias too: each rank computes its slice of the output, which stays
+  split (``output="sharded"``, the input of a Rowwise or a vocab-parallel loss)
+  or is gathered (``output="replicated"``). ``fused=3`` for a fused q, k, v
+  projection (GPT-2's ``c_attn``): the output is three blocks, each split, so a
+  rank holds its heads of q, of k and of v. On an Embedding: split on the hidden
+  dim, the output gathered.
+* :class:`Rowwise`: a Linear (or ``Conv1D``) split on its input features; the
+  partial outputs are summed over the axis (reduce-scattered over the sequence
+  under sequence parallel), then the bias, replicated, is added once. On an
+  Embedding: split on the vocabulary (each rank looks up its rows, the others
+  contribute zeros, and the lookups are summed).
+* :class:`Region`: a module whose input enters the parallel region once
+  (Megatron's f: identity forward, all-reduce backward; an all-gather of the
+  sequence under sequence parallel): an attention or MLP block holding the
+  Colwise / Rowwise pair. ``heads`` names the attributes that count attention
+  heads (and key/value heads), which must divide by the axis size; ``local``
+  names int attributes each rank divides by it (GPT-2's ``split_size``).
+
+A Colwise module outside any Region enters the region itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+OUTPUTS = ("sharded", "replicated")
+
+
+@dataclass(frozen=True)
+class Colwise:
+    """Split on the output features (see the module docstring)."""
+
+    output: str = "sharded"
+    fused: int = 1
+
+    def __post_init__(self) -> None:
+        if self.output not in OUTPUTS:
+            raise ValueError(f"Colwise(output={self.output!r}): choose one of {OUTPUTS}")
+        if isinstance(self.fused, bool) or not isinstance(self.fused, int) or self.fused < 1:
+            raise ValueError(f"Colwise(fused={self.fused!r}): the number of fused blocks is a positive int (3 for q, k, v)")
+        if self.fused > 1 and self.output == "replicated":
+            raise ValueError(
+                f"Colwise(fused={self.fused}, output='replicated'): a fused projection's gathered output would "
+                "interleave the blocks' slices; keep output='sharded' (the attention splits its heads)"
+            )
+
+
+@dataclass(frozen=True)
+class Rowwise:
+    """Split on the input features (or, on an Embedding, the vocabulary); the outputs are summed."""
+
+
+@dataclass(frozen=True)
+class Region:
+    """A module whose input enters the tensor-parallel region once (see the module docstring)."""
+
+    heads: tuple[str, ...] = ()
+    local: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for field_name in ("heads", "local"):
+            value = getattr(self, field_name)
+            if isinstance(value, str):
+                object.__setattr__(self, field_name, (value,))
+            elif not all(isinstance(v, str) and v for v in value):
+                raise TypeError(f"Region({field_name}={value!r}): attribute names, e.g. ('num_heads',)")
+            else:
+                object.__setattr__(self, field_name, tuple(value))
+
+
+Style = Colwise | Rowwise | Region
