@@ -232,19 +232,29 @@ def _snapshot(state: TrainState, step: Any, layout: StateLayout, mesh: Mesh | No
     out: list[tuple[str, tuple[int, ...], torch.Tensor]] = []
     tensors: dict[str, Any] = {}
 
-    def add(fqn: str, shape: tuple[int, ...], segment: torch.Tensor, start: int, stop: int) -> None:
+    def add(fqn: str, shape: tuple[int, ...], segment: torch.Tensor, start: int, stop: int, spec: Any = None) -> None:
+        """Elements [start, stop) of this rank's tensor as boxes of the whole one (of ``shape``);
+        under tensor parallel this rank's tensor is its slice of the whole (``spec.split``)."""
         tensors[fqn] = {"shape": list(shape), "dtype": dtype_name(segment.dtype)}
-        for offsets, sizes in boxes(shape, start, stop):
-            first = flat_start(shape, offsets) - start
+        split = None if spec is None else spec.split
+        held = shape if split is None else spec.local_shape
+        for offsets, sizes in boxes(held, start, stop):
+            first = flat_start(held, offsets) - start
             box = segment[first : first + math.prod(sizes)].reshape(sizes)
-            out.append((fqn, offsets, box.detach().to("cpu", copy=True)))  # a copy: training goes on
+            pieces = [(offsets, box)] if split is None else split.to_global(offsets, box, tp_index, shape)
+            for at, piece in pieces:
+                out.append((fqn, at, piece.detach().to("cpu", copy=True)))  # a copy: training goes on
 
+    tp_index = 0
+    tp_axes = {s.split.axis for s in layout.leaves.values() if s.split is not None}
+    if tp_axes and mesh is not None:
+        tp_index = mesh.axis_index(next(iter(tp_axes)))
     for region in my_regions(layout, mesh):
         key = names.param_key[(region.layer, region.name)]
-        shape = layout.leaves[(region.layer, region.name)].shape
-        add(f"model.{key}", shape, region.cut(tree), region.start, region.stop)
+        spec = layout.leaves[(region.layer, region.name)]
+        add(f"model.{key}", spec.shape, region.cut(tree), region.start, region.stop, spec)
         for path, mirror in mirrors.items():
-            add(f"optim.{path}.{key}", shape, region.cut(mirror), region.start, region.stop)
+            add(f"optim.{path}.{key}", spec.shape, region.cut(mirror), region.start, region.stop, spec)
     if rank == 0:
         for path, t in scalars.items():
             add(f"optim.{path}", tuple(t.shape), t.reshape(-1), 0, t.numel())
@@ -357,7 +367,9 @@ def _build_state(reader: Reader, meta: Mapping[str, Any], step: Any, mesh: Mesh 
     layout = step.layout(mesh, params_meta)
     index = layout.index_of(mesh)
     local = local_keys(layout, index, {layer: list(ts) for layer, ts in params_meta.items()})
-    full = {layer: {n: reader.full(f"model.{keys[(layer, n)]}").to(device) for n in names} for layer, names in local.items()}
+    tp_slices = _tp_slicer(step, layout, mesh)
+    full = {layer: {n: tp_slices(layer, n, reader.full(f"model.{keys[(layer, n)]}")).to(device) for n in names}
+            for layer, names in local.items()}
     master = step.master_params(full)
     sharding = layout.sharding
     dp = 0 if sharding is None or mesh is None else mesh.axis_index(sharding.axis)
@@ -373,7 +385,8 @@ def _build_state(reader: Reader, meta: Mapping[str, Any], step: Any, mesh: Mesh 
         )
 
     def mirror(path: str) -> Any:
-        tree = {layer: {n: reader.full(f"optim.{path}.{keys[(layer, n)]}").to(device=device, dtype=master[layer][n].dtype)
+        tree = {layer: {n: tp_slices(layer, n, reader.full(f"optim.{path}.{keys[(layer, n)]}")).to(
+                            device=device, dtype=master[layer][n].dtype)
                         for n in names} for layer, names in local.items()}
         return tree if sharding is None else sharding.shards_of(tree, dp)
 
@@ -387,6 +400,21 @@ def _build_state(reader: Reader, meta: Mapping[str, Any], step: Any, mesh: Mesh 
     extra = {"rng": meta["rng"]} if "rng" in TrainState._fields and meta.get("rng") is not None else {}
     return TrainState(held, opt_state, int(meta["step"]), _loss_scale(meta, step, reader.directory), mesh=mesh,
                       layout=layout, **extra)
+
+
+def _tp_slicer(step: Any, layout: StateLayout, mesh: Mesh | None) -> Callable[[str, str, torch.Tensor], torch.Tensor]:
+    """Whole tensor -> what this rank holds of it: its tensor-parallel slice where the layout splits it."""
+    index = {}
+    for spec in layout.leaves.values():
+        if spec.split is not None:
+            assert mesh is not None
+            index[spec.split.axis] = mesh.axis_index(spec.split.axis)
+
+    def cut(layer: str, name: str, whole: torch.Tensor) -> torch.Tensor:
+        split = layout.leaves[(layer, name)].split
+        return whole if split is None else split.local(whole, index[split.axis])
+
+    return cut
 
 
 def _loss_scale(meta: Mapping[str, Any], step: Any, directory: Path) -> Any:

@@ -88,15 +88,25 @@ def my_regions(layout: StateLayout, mesh: Mesh | None) -> list[Region]:
     """What the calling rank saves of every parameter-shaped tree (see the module docstring)."""
     index = layout.index_of(mesh)
     sharding = layout.sharding
+    splits = {s.split.axis for s in layout.leaves.values() if s.split is not None}
+    split_index = 0
     if mesh is not None:
-        used = {layout.placement.axis, None if sharding is None else sharding.axis}
+        used = {layout.placement.axis, None if sharding is None else sharding.axis, *splits}
         if any(c != 0 for axis, c in mesh.coords.items() if axis not in used):
             return []
+        split_index = sum(mesh.axis_index(a) for a in splits)  # tensor parallel: one axis at most
+
+    def mine(layer: str, name: str) -> bool:
+        """This rank saves its copy: the owner's pipeline index, and a whole (replicated) parameter
+        only on the first index of the tensor-parallel axis."""
+        spec = layout.leaves[(layer, name)]
+        return spec.copies[0].index == index and (spec.split is not None or split_index == 0)
+
     regions: list[Region] = []
     if sharding is None:
         for (layer, name), spec in layout.leaves.items():
-            if spec.copies[0].index == index:
-                regions.append(Region(layer, name, 0, spec.numel))
+            if mine(layer, name):
+                regions.append(Region(layer, name, 0, math.prod(spec.local_shape)))
         return regions
     assert mesh is not None
     dp = mesh.axis_index(sharding.axis)
@@ -104,7 +114,7 @@ def my_regions(layout: StateLayout, mesh: Mesh | None) -> list[Region]:
         low, high = dp * lay.shard_numel, (dp + 1) * lay.shard_numel
         offset = 0
         for name, numel in zip(lay.names, lay.numels, strict=True):
-            if layout.leaves[(unit, name)].copies[0].index == index:
+            if mine(unit, name):
                 a, b = max(low, offset), min(high, offset + numel)
                 if a < b:
                     regions.append(Region(unit, name, a - offset, b - offset, unit, a - low))

@@ -142,6 +142,25 @@ class TensorSplit:
         blocks = full.chunk(self.blocks, self.dim) if self.blocks > 1 else (full,)
         return torch.cat([b.chunk(self.parts, self.dim)[index] for b in blocks], self.dim).clone()
 
+    def to_global(
+        self, offsets: Sequence[int], box: torch.Tensor, index: int, shape: Sequence[int]
+    ) -> list[tuple[tuple[int, ...], torch.Tensor]]:
+        """A box of axis index ``index``'s slice (at ``offsets`` in the slice) as boxes of the whole
+        parameter of ``shape``: (their offsets in it, their values), one per fused block it spans."""
+        d, width, start = self.dim, box.shape[self.dim], offsets[self.dim]
+        block = shape[d] // self.blocks  # one fused block of the whole; the slice holds 1/parts of each
+        mine = block // self.parts
+        out = []
+        at = start
+        while at < start + width:
+            b = at // mine
+            stop = min(start + width, (b + 1) * mine)
+            moved = list(offsets)
+            moved[d] = b * block + index * mine + (at - b * mine)
+            out.append((tuple(moved), box.narrow(d, at - start, stop - at)))
+            at = stop
+        return out
+
     def join(self, pieces: Sequence[torch.Tensor]) -> torch.Tensor:
         """The whole parameter from every index's slice, in axis order."""
         per_rank = [p.chunk(self.blocks, self.dim) for p in pieces]

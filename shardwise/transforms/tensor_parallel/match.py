@@ -136,7 +136,9 @@ def resolve(chain: Chain, plan: Mapping[str, Style], sequence_parallel: str | No
     for layer, _root, root_prefix, prefix, subpath, module in found:
         path = _join(root_prefix, prefix, subpath)
         lp = layers.setdefault(layer.name, LayerPlan(layer.name))
-        inside = [r for r in region_paths if path.startswith(r + ".")]
+        # A Region's own parameters, and its modules', act on per-rank values (after its input enters).
+        inside = [r for r in region_paths if path == r or path.startswith(r + ".")]
+        enclosing = [r for r in inside if r != path]
         in_block = any(path == b or path.startswith(b + ".") for b in blocks_in_order)
         seq_dim = 1 if in_block else None
         if path in blocks_in_order:
@@ -153,7 +155,7 @@ def resolve(chain: Chain, plan: Mapping[str, Style], sequence_parallel: str | No
                     f"tensor_parallel: {chosen} on {path!r}, whose {frozen} are frozen (requires_grad=False): a frozen "
                     "tensor travels whole with its layer and is never split; leave the module replicated"
                 )
-            lp.installs.append(Install(subpath, path, chosen, kind, seq_dim, isinstance(chosen, Colwise) and not inside))
+            lp.installs.append(Install(subpath, path, chosen, kind, seq_dim, isinstance(chosen, Colwise) and not enclosing))
             if isinstance(chosen, Region):
                 for attr in (*chosen.heads, *chosen.local):
                     heads.append((path, attr, _read_attribute(module, path, attr)))
