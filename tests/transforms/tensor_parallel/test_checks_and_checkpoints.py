@@ -65,7 +65,7 @@ def test_a_replicated_parameter_used_on_per_rank_values_is_refused_unless_in_a_r
     batch = (torch.randn(4, 8, dtype=torch.float64), torch.randn(4, 8, dtype=torch.float64))
     split = {"block.up": sw.Colwise(), "block.down": sw.Rowwise()}
     # Without a Region the gain's gradient is each rank's part: its copies would train apart.
-    with pytest.raises(sw.RankFailed, match="replicated parameters differ .* Region"):
+    with pytest.raises(sw.RankFailed, match=r"replicated parameters differ .* Region"):
         _run(sw.tensor_parallel(step, "tp", split), sw.Mesh(tp=2), params, batch)
     # In a Region it is summed over the ranks, and the step is the single-device one.
     (metrics, full), _ = _run(sw.tensor_parallel(step, "tp", {"block": sw.Region(), **split}), sw.Mesh(tp=2), params, batch)
