@@ -24,6 +24,7 @@ from typing import NamedTuple
 import torch
 
 from ..errors import CollectiveError, CollectiveTimeout, RankAborted
+from ._dispatch import outside_dispatch_modes
 from .base import (
     Backend,
     CheckedWork,
@@ -116,7 +117,9 @@ class ThreadsWorld:
             rdv.arrived_ranks.append(rank)
             if len(rdv.arrived_ranks) == group.size:
                 try:
-                    rdv.results = rdv.compute([s for s in rdv.slots if s is not None])
+                    # Outside this thread's dispatch modes: the arithmetic is every rank's, not this one's.
+                    with outside_dispatch_modes():
+                        rdv.results = rdv.compute([s for s in rdv.slots if s is not None])
                 except BaseException as exc:  # shape mismatch and such: every rank sees it
                     rdv.error = exc
                 self._cond.notify_all()

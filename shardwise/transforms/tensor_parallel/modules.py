@@ -22,7 +22,7 @@ from ...engine._module_call import ThreadReplicas
 from ...engine.chain import Layer
 from .comm import enter, gather_invariant, leave, scatter, tp_index, tp_size, vary
 from .match import CONV1D, EMBEDDING, LINEAR, Install, LayerPlan
-from .styles import Colwise, Region, Rowwise
+from .styles import Colwise, Region, Rowwise, gathers
 
 
 class TPForward:
@@ -63,7 +63,7 @@ class TPForward:
             if install.enters and install.kind != EMBEDDING:
                 x = enter(x, axis, install.seq_dim, label, self.reduce)
             y = _conv1d(x, _require(weight), bias) if install.kind == CONV1D else type(m).forward(m, x)
-            return gather_invariant(y, axis, y.dim() - 1, label) if style.output == "replicated" else y
+            return gather_invariant(y, axis, y.dim() - 1, label) if gathers(style, install.kind == EMBEDDING) else y
         assert isinstance(style, Rowwise)
         if install.kind == EMBEDDING:
             return leave(_vocab_lookup(m, x, axis), axis, None, label, self.reduce)

@@ -15,10 +15,10 @@ from ...engine.chain import Chain
 from ...engine.compose import SPLIT
 from ...engine.layout import Placement, TensorSplit
 from .comm import predicting
-from .match import Resolved, resolve
+from .match import EMBEDDING, Resolved, resolve
 from .modules import rewrite_layer
 from .predict import predict
-from .styles import Colwise, Rowwise, Style
+from .styles import Colwise, Rowwise, Style, gathers
 
 _RESOLVED: weakref.WeakKeyDictionary[Chain, dict[Any, Resolved]] = weakref.WeakKeyDictionary()
 
@@ -69,8 +69,8 @@ class TPSpec:
             lp = self.resolved(chain).layers.get(layer.name)
             for install in lp.installs if lp is not None else ():
                 if isinstance(install.style, (Colwise, Rowwise)):
-                    last = install.style
-        return isinstance(last, Colwise) and last.output == "sharded"
+                    last = install
+        return last is not None and isinstance(last.style, Colwise) and not gathers(last.style, last.kind == EMBEDDING)
 
     def splits(self, chain: Chain, parts: int) -> dict[tuple[str, str], TensorSplit]:
         """Every split parameter, by (owner layer, owner's local name), for an axis of ``parts``."""

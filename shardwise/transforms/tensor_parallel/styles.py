@@ -5,11 +5,11 @@ patterns (fnmatch, on the paths ``model.named_modules()`` gives) to styles:
 
 * :class:`Colwise`: a Linear (or a Hugging Face ``Conv1D``) split on its output
   features, bias too: each rank computes its slice of the output, which stays
-  split (``output="sharded"``, the input of a Rowwise or a vocab-parallel loss)
-  or is gathered (``output="replicated"``). ``fused=3`` for a fused q, k, v
+  split (``output="sharded"``, the default: the input of a Rowwise or a
+  vocab-parallel loss) or is gathered (``output="replicated"``). ``fused=3`` for a fused q, k, v
   projection (GPT-2's ``c_attn``): the output is three blocks, each split, so a
   rank holds its heads of q, of k and of v. On an Embedding: split on the hidden
-  dim, the output gathered.
+  dim, the output gathered (by default; ``output="sharded"`` keeps it split).
 * :class:`Rowwise`: a Linear (or ``Conv1D``) split on its input features; the
   partial outputs are summed over the axis (reduce-scattered over the sequence
   under sequence parallel), then the bias, replicated, is added once. On an
@@ -36,12 +36,12 @@ OUTPUTS = ("sharded", "replicated")
 class Colwise:
     """Split on the output features (see the module docstring)."""
 
-    output: str = "sharded"
+    output: str | None = None  # None: "sharded" on a Linear / Conv1D, "replicated" on an Embedding
     fused: int = 1
 
     def __post_init__(self) -> None:
-        if self.output not in OUTPUTS:
-            raise ValueError(f"Colwise(output={self.output!r}): choose one of {OUTPUTS}")
+        if self.output is not None and self.output not in OUTPUTS:
+            raise ValueError(f"Colwise(output={self.output!r}): choose one of {OUTPUTS}, or leave it out")
         if isinstance(self.fused, bool) or not isinstance(self.fused, int) or self.fused < 1:
             raise ValueError(f"Colwise(fused={self.fused!r}): the number of fused blocks is a positive int (3 for q, k, v)")
         if self.fused > 1 and self.output == "replicated":
@@ -75,3 +75,8 @@ class Region:
 
 
 Style = Colwise | Rowwise | Region
+
+
+def gathers(style: Colwise, embedding: bool) -> bool:
+    """Whether a Colwise module's output is gathered: as asked, else on an Embedding only."""
+    return style.output == "replicated" or (style.output is None and embedding)
