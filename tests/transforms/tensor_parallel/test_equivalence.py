@@ -156,27 +156,13 @@ def test_mixed_precision_compute_f32(order: str, build: dict[str, Callable]) -> 
 
 
 @pytest.mark.parametrize("sp", [SP, NO_SP])
-@pytest.mark.parametrize("policy", ["nothing_saveable", "everything_saveable"])
+@pytest.mark.parametrize("policy", ["nothing_saveable", "dots_saveable", "everything_saveable"])
 def test_remat(policy: str, sp: str, build: dict[str, Callable]) -> None:
-    """A recomputed forward issues its collectives again; the result is unchanged."""
+    """A recomputed forward issues its collectives again; the result is unchanged. A selective
+    policy (dots_saveable) runs torch's selective-checkpoint mode around the layers' collectives."""
     problem = build["tiny_gpt"]()
     step = sw.remat(_tp(problem, sp == SP), getattr(sw.policies, policy))
     sw.testing.assert_equivalent(step, problem.step, sw.Mesh(tp=4), problem.batches, problem.params, rtol=F64_RTOL)
-
-
-@pytest.mark.xfail(strict=True, raises=sw.RankFailed, reason=(
-    "remat with a selective policy (dots_saveable) around layers that issue collectives fails on the threads "
-    "backend: 'CollectiveError: psum on axis 'tp' failed: aten.add_.Tensor encountered during backward but not "
-    "found in storage'. ThreadsWorld.arrive runs a collective's arithmetic (clone, add_, stack) on the last "
-    "rank to arrive, under that thread's TorchDispatchMode, so torch's selective-checkpoint mode of whichever "
-    "rank arrives last sees those ops, which differ between forward and recompute. Not tensor_parallel's own "
-    "code: torch's create_selective_checkpoint_contexts around a bare sw.psum fails the same way"))
-def test_remat_with_a_selective_policy(build: dict[str, Callable]) -> None:
-    problem = build["tiny_gpt"](steps=2)
-    step = sw.remat(_tp(problem, True), sw.policies.dots_saveable)
-    for _ in range(3):  # the arrival order decides; three runs make a pass by luck unlikely
-        sw.testing.assert_equivalent(step, problem.step, sw.Mesh(tp=4), problem.batches, problem.params,
-                                     rtol=F64_RTOL)
 
 
 @pytest.mark.parametrize("mesh_shape", [{"tp": 4}, {"dp": 2, "tp": 2}, {"dp": 2, "pp": 2, "tp": 2}],
@@ -243,20 +229,12 @@ def test_full_params_and_leaf_specs(build: dict[str, Callable]) -> None:
             assert tuple(held[layer][name].shape) == spec.local_shape
 
 
-# -- known gaps --------------------------------------------------------------------------------
+# -- an embedding split on its hidden dim ------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, raises=sw.RankFailed, reason=(
-    "Colwise() on an nn.Embedding leaves its output split on the hidden dim (output='sharded' is the default), "
-    "although styles.py says 'On an Embedding: split on the hidden dim, the output gathered'; the next op (the "
-    "position embedding's add) fails with a raw shape error. Colwise(output='replicated') works"))
-def test_an_embedding_split_on_its_hidden_dim(build: dict[str, Callable]) -> None:
+@pytest.mark.parametrize("style", [sw.Colwise(), sw.Colwise(output="replicated")], ids=["default", "replicated"])
+def test_an_embedding_split_on_its_hidden_dim_is_gathered(style: sw.Colwise, build: dict[str, Callable]) -> None:
+    """Colwise on an Embedding cuts the hidden dim and gathers its output (by default too)."""
     problem = build["tiny_gpt"](tie=False)
-    step = sw.tensor_parallel(problem.step, "tp", {"tok_emb": sw.Colwise()})
-    sw.testing.assert_equivalent(step, problem.step, sw.Mesh(tp=2), problem.batches, problem.params, rtol=F64_RTOL)
-
-
-def test_an_embedding_split_on_its_hidden_dim_and_gathered(build: dict[str, Callable]) -> None:
-    problem = build["tiny_gpt"](tie=False)
-    step = sw.tensor_parallel(problem.step, "tp", {"tok_emb": sw.Colwise(output="replicated"), "head": sw.Colwise()})
+    step = sw.tensor_parallel(problem.step, "tp", {"tok_emb": style, "head": sw.Colwise()})
     sw.testing.assert_equivalent(step, problem.step, sw.Mesh(tp=2), problem.batches, problem.params, rtol=F64_RTOL)
