@@ -34,6 +34,7 @@ from ..transforms.mixed_precision import mixed_precision
 from ..transforms.pipeline import pipeline
 from ..transforms.remat import remat
 from ..transforms.shard_params import shard_params
+from ..transforms.tensor_parallel import Colwise, Rowwise, tensor_parallel
 from .models import mlp
 
 ACTIVATIONS = ("gelu", "relu", "silu", "tanh")
@@ -161,6 +162,7 @@ _TRANSFORMS: dict[str, Callable[..., Step]] = {
     "pipeline": pipeline,
     "remat": remat,
     "mixed_precision": mixed_precision,
+    "tensor_parallel": tensor_parallel,
 }
 
 
@@ -189,15 +191,40 @@ def pipeline_options(draw: st.DrawFn, axis: str = "pp") -> dict[str, Any]:
 
 
 @st.composite
+def tensor_parallel_options(draw: st.DrawFn, case: ChainCase, size: int, axis: str = "tp") -> dict[str, Any] | None:
+    """A tensor-parallel plan for a drawn MLP: some of its Linear pairs around an activation
+    (``"0"``, ``"2"``; ``"4"``, ``"6"``; ...) split Megatron's way, the first on its output features
+    (which ``size`` must divide) and the second on its input features, the rest left whole; None
+    when no pair's middle width divides by ``size``."""
+    linears = list(range(0, 2 * (len(case.widths) - 1), 2))  # mlp(): Linear at even positions
+    pairs = [(a, b) for a, b in zip(linears, linears[1:], strict=False) if case.widths[a // 2 + 1] % size == 0]
+    chosen, last = [], -1
+    for a, b in pairs:
+        if a > last and draw(st.booleans()):
+            chosen.append((a, b))
+            last = b
+    if not chosen:
+        return None
+    plan: dict[str, Any] = {}
+    for a, b in chosen:
+        plan[str(a)], plan[str(b)] = Colwise(), Rowwise()
+    return {"axis": axis, "plan": plan}
+
+
+@st.composite
 def transform_stacks(
-    draw: st.DrawFn, axis: str = "dp", pp: str | None = None, precision: str | None = None
+    draw: st.DrawFn, axis: str = "dp", pp: str | None = None, precision: str | None = None,
+    tp: dict[str, Any] | None = None,
 ) -> TransformStack:
     """A stack of transforms in a drawn order: shard_params over ``axis``, a pipeline over ``pp``
-    when given, remat with a drawn policy or none, and mixed_precision with ``precision`` when
-    given (an all-f64 policy keeps a float64 comparison exact)."""
+    when given, tensor_parallel with the options ``tp`` when given (see
+    :func:`tensor_parallel_options`), remat with a drawn policy or none, and mixed_precision with
+    ``precision`` when given (an all-f64 policy keeps a float64 comparison exact)."""
     parts: list[tuple[str, dict[str, Any]]] = [
         ("shard_params", draw(shard_params_options(axis, under_pipeline=pp is not None)))
     ]
+    if tp is not None:
+        parts.append(("tensor_parallel", tp))
     if pp is not None:
         parts.append(("pipeline", draw(pipeline_options(pp))))
     policy = draw(st.sampled_from([None, "nothing_saveable", "dots_saveable", "everything_saveable"]))

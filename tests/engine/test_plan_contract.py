@@ -70,6 +70,32 @@ def test_every_rank_issues_exactly_the_collectives_its_plan_lists(
     assert plan.count("update") == mesh.size
 
 
+@given(
+    problem=sst.problems(max_depth=4, max_steps=1),
+    dp=st.sampled_from([1, 2]),
+    pp=st.sampled_from([1, 2]),
+    tp=st.sampled_from([2, 4]),
+    precision=st.sampled_from(PRECISIONS),
+    data=st.data(),
+)
+def test_a_tensor_parallel_stack_issues_exactly_its_plan(
+    problem: sst.Problem, dp: int, pp: int, tp: int, precision: str | None, data: st.DataObject
+) -> None:
+    """The collectives the layers issue inside their computes too (listed after each compute), on
+    tp alone, dp x tp, pp x tp and dp x pp x tp, at most 8 ranks."""
+    assume(dp * pp * tp <= 8 and len(problem.case.chain) >= pp)
+    options = data.draw(sst.tensor_parallel_options(problem.case, tp))
+    assume(options is not None)
+    stack = data.draw(sst.transform_stacks("dp", pp="pp" if pp > 1 else None, precision=precision, tp=options))
+    mesh = sw.Mesh(**{k: v for k, v in (("dp", dp), ("pp", pp), ("tp", tp)) if v > 1 or k == "tp"})
+    if dp == 1:  # shard_params needs its axis: keep it at size 1
+        mesh = sw.Mesh(dp=1, **mesh.shape)
+    step = stack.apply(problem.step)
+    batch = problem.batches_for(mesh, multiple=stack.microbatches)[0]
+    plan = _check_contract(step, mesh, problem.params, batch)
+    assert plan.count("tp_psum") > 0
+
+
 @given(problem=sst.problems(max_depth=4, max_steps=1), dp=st.sampled_from([2, 3]), data=st.data())
 def test_zero_alone_issues_exactly_its_plan(problem: sst.Problem, dp: int, data: st.DataObject) -> None:
     stack = data.draw(sst.transform_stacks("dp", precision=data.draw(st.sampled_from(PRECISIONS))))
