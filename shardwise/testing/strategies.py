@@ -17,6 +17,7 @@ then check the transformed step against the single-device one:
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -197,7 +198,7 @@ def tensor_parallel_options(draw: st.DrawFn, case: ChainCase, size: int, axis: s
     (which ``size`` must divide) and the second on its input features, the rest left whole; None
     when no pair's middle width divides by ``size``."""
     linears = list(range(0, 2 * (len(case.widths) - 1), 2))  # mlp(): Linear at even positions
-    pairs = [(a, b) for a, b in zip(linears, linears[1:], strict=False) if case.widths[a // 2 + 1] % size == 0]
+    pairs = [(a, b) for a, b in itertools.pairwise(linears) if case.widths[a // 2 + 1] % size == 0]
     chosen, last = [], -1
     for a, b in pairs:
         if a > last and draw(st.booleans()):
