@@ -119,3 +119,17 @@ def test_pipeline_benchmark_runs_and_checks_itself() -> None:
     # Both libraries' computes were timed (the benchmark checks it timed each op of the schedule once).
     for row in rows.values():
         assert set(row["mean_op_ms"]) == {"F", "B"} and row["handover_ms"] is not None, row
+
+
+def test_tensor_parallel_example_is_equivalent_and_learns(capsys: pytest.CaptureFixture[str]) -> None:
+    """examples/tensor_parallel.py: an HF Llama on dp=2 x pp=2 x tp=2 (8 thread ranks), checked in
+    float64 against the single-device step, then trained in float32."""
+    pytest.importorskip("transformers", reason="examples/tensor_parallel.py needs the [hf] extra: pip install -e '.[hf]'")
+    losses = _load("tensor_parallel").main(["--check-steps", "2", "--steps", "12"])
+    out = capsys.readouterr().out
+    assert "-> pipeline(axis='pp', schedule='1f1b', microbatches=2) -> shard_params(axis='dp', stage=3" in out
+    assert re.search(r"^tp bytes sent by rank 0 per step: \{'all_gather': \d+, 'psum': \d+, 'psum_scatter': \d+\}",
+                     out, re.MULTILINE), out
+    assert re.search(r"^equivalent over 2 steps", out, re.MULTILINE), out
+    assert len(re.findall(r"^step +\d+  loss ", out, re.MULTILINE)) == 12  # rank 0 alone prints
+    assert len(losses) == 12 and sum(losses[-4:]) < 0.8 * sum(losses[:4])  # measured: 4.18 -> 2.43
