@@ -16,6 +16,7 @@ order of an update: far above 1e-12.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -28,7 +29,7 @@ SP = "sp"
 NO_SP = "no-sp"
 
 
-def _tp(problem, sequence_parallel: bool, plan=None, axis: str = "tp") -> sw.Step:  # type: ignore[no-untyped-def]
+def _tp(problem: Any, sequence_parallel: bool, plan: dict[str, Any] | None = None, axis: str = "tp") -> sw.Step:
     return sw.tensor_parallel(
         problem.step, axis, problem.plan if plan is None else plan,
         sequence_parallel=problem.blocks if sequence_parallel else None,

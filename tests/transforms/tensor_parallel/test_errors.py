@@ -261,7 +261,7 @@ def test_a_region_around_a_residual_block_is_refused_by_the_replica_check(build:
     """A Region on the whole Block also sums the residual path's gradient over the ranks: the
     norms' gradients then differ between the ranks, which the step's replica check refuses."""
     problem = build["tiny_gpt"](steps=1)
-    plan = {"blocks.?": sw.Region(heads=("attn.n_heads",)), "blocks.*.attn.qkv": sw.Colwise(fused=3),
+    plan: dict[str, Any] = {"blocks.?": sw.Region(heads=("attn.n_heads",)), "blocks.*.attn.qkv": sw.Colwise(fused=3),
             "blocks.*.attn.proj": sw.Rowwise(), "blocks.*.mlp.0": sw.Colwise(), "blocks.*.mlp.2": sw.Rowwise()}
     step = sw.tensor_parallel(problem.step, "tp", plan)
     with pytest.raises(sw.RankFailed, match=r"the gradients of the replicated parameters differ between the ranks of "
@@ -321,13 +321,13 @@ def test_hand_written_layers_cannot_be_reached() -> None:
 
 @pytest.mark.parametrize("make,error,message", [
     (lambda: sw.Colwise(output="gathered"), ValueError, r"Colwise\(output='gathered'\): choose one of"),
-    (lambda: sw.Colwise(output=3), ValueError, r"Colwise\(output=3\): choose one of"),
+    (lambda: sw.Colwise(output=3), ValueError, r"Colwise\(output=3\): choose one of"),  # type: ignore[arg-type]
     (lambda: sw.Colwise(fused=0), ValueError, r"Colwise\(fused=0\): the number of fused blocks is a positive int"),
     (lambda: sw.Colwise(fused=True), ValueError, r"Colwise\(fused=True\): the number of fused blocks"),
-    (lambda: sw.Colwise(fused=1.5), ValueError, r"Colwise\(fused=1\.5\): the number of fused blocks"),
+    (lambda: sw.Colwise(fused=1.5), ValueError, r"Colwise\(fused=1\.5\): the number of fused blocks"),  # type: ignore[arg-type]
     (lambda: sw.Colwise(fused=3, output="replicated"), ValueError,
      r"Colwise\(fused=3, output='replicated'\): a fused projection's gathered output would interleave"),
-    (lambda: sw.Region(heads=(1,)), TypeError, r"Region\(heads=\(1,\)\): attribute names, e\.g\. \('num_heads',\)"),
+    (lambda: sw.Region(heads=(1,)), TypeError, r"Region\(heads=\(1,\)\): attribute names, e\.g\. \('num_heads',\)"),  # type: ignore[arg-type]
     (lambda: sw.Region(local=("",)), TypeError, r"Region\(local=\(''\,\)\): attribute names"),
 ], ids=["output", "output-int", "fused-0", "fused-bool", "fused-float", "fused-gathered", "heads-int", "local-empty"])
 def test_bad_style_arguments(make: Callable[[], Any], error: type[Exception], message: str) -> None:
@@ -347,11 +347,12 @@ def test_bad_tensor_parallel_arguments(build: dict[str, Callable]) -> None:
     problem = build["tiny_gpt"](steps=1)
     step, plan = problem.step, problem.plan
     with pytest.raises(TypeError, match=r"tensor_parallel\(step=\.\.\.\) needs a shardwise Step .* got Chain"):
-        sw.tensor_parallel(step.chain, "tp", plan)  # type: ignore[arg-type]
+        sw.tensor_parallel(step.chain, "tp", plan)
     for axis in ("", 3):
         with pytest.raises(TypeError, match=r"tensor_parallel\(axis=.*\): the axis is a mesh axis name such as 'tp'"):
             sw.tensor_parallel(step, axis, plan)  # type: ignore[arg-type]
-    for empty in (None, {}):
+    empties: tuple[dict[str, Any] | None, ...] = (None, {})
+    for empty in empties:
         with pytest.raises(ValueError, match=r"give a dict of module path patterns to styles, e\.g\. .* sw\.llama_plan"):
             sw.tensor_parallel(step, "tp", empty)
     with pytest.raises(TypeError, match=r"plan\['head'\] = 'colwise'; a style is sw\.Colwise\(\), sw\.Rowwise\(\)"):
