@@ -22,7 +22,6 @@ import pytest
 import torch
 
 import shardwise as sw
-from shardwise.testing.equivalence import DEFAULT_RTOL
 
 F64_RTOL = 1e-12
 SP = "sp"
@@ -146,7 +145,7 @@ def test_mixed_precision_compute_f32(order: str, build: dict[str, Callable]) -> 
     else:
         step = sw.tensor_parallel(reference, "tp", problem.plan, sequence_parallel=problem.blocks)
     sw.testing.assert_equivalent(step, reference, sw.Mesh(tp=2), problem.batches, problem.params,
-                                 rtol=DEFAULT_RTOL[torch.float32])
+                                 rtol=sw.testing.DEFAULT_RTOL[torch.float32])
     inside = [a for a in step.plan(sw.Mesh(tp=2), problem.params, problem.batches[0]).for_rank(0)
               if a.kind.startswith("tp_")]
     sums = {w.dtype for a in inside if a.kind in ("tp_psum", "tp_psum_scatter") and a.label != "vocab_parallel_cross_entropy"
