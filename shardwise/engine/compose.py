@@ -26,7 +26,8 @@ checks the whole new stack. Each spec has a ``name`` (the transform's), a
   tensor-parallel slices over ``dp``; 3-D adds ``pp``, whose stages hold those
   slices. Its layers are rewritten first (innermost): remat then recomputes a
   layer's collectives with its forward, and the precision casts go around them,
-  so the tensor-parallel reductions run in the compute dtype.
+  so its sums travel in each layer's reduce dtype and its gathers in the
+  compute dtype.
 * ``mixed_precision`` and ``remat`` rewrite layer functions, in any order with
   the others, and the result does not depend on the order: the layers are
   rebuilt from the chain train_step got, remat innermost and the precision

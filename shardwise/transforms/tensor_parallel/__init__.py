@@ -52,11 +52,13 @@ def tensor_parallel(
     Every step checks that the gradients of the replicated parameters came out equal on every
     rank of ``axis`` (``check_replicas``: a 16-byte all-gather of their sum and sum of
     magnitudes), and refuses to update when they did not: a replicated parameter used on per-rank
-    values without its gradient being summed would otherwise drift apart silently. Random ops draw
-    the same streams on every rank of ``axis`` (dropout on the replicated residual stream agrees).
+    values without its gradient being summed would otherwise drift apart silently. Random ops on
+    replicated values draw the same stream on every rank of ``axis`` (dropout on the residual stream
+    agrees); inside a Region, up to the Rowwise that sums its output, and in a sequence-parallel
+    block, each rank draws its own (its heads', its slice of the sequence's).
 
     It composes with ``shard_params`` (2-D: ZeRO over another axis shards each rank's slices),
-    ``pipeline`` (3-D), ``mixed_precision`` (the collectives run in the compute dtype) and
+    ``pipeline`` (3-D), ``mixed_precision`` (sums travel in the reduce dtype, gathers in the compute dtype) and
     ``remat`` (a recomputed forward issues its collectives again); the global gradient norm counts
     a replicated parameter once.
 

@@ -71,6 +71,11 @@ def predicting(size: int) -> Iterator[list[Issued]]:
         _predicting.reset(token)
 
 
+def predicting_now() -> bool:
+    """Whether the layers run inside :func:`predicting` (on fake tensors)."""
+    return _predicting.get() is not None
+
+
 def tp_size(axis: str) -> int:
     """The axis size, also while predicting."""
     prediction = _predicting.get()

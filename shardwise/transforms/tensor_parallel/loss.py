@@ -90,16 +90,23 @@ class SplitLogitsLoss:
         token = _split_over.set(split)
         try:
             loss = self.loss_fn(output, targets)
+        except Exception as err:
+            if split.calls == 0:  # most likely a loss of the whole vocabulary meeting a slice of it
+                raise ValueError(self._refusal()) from err
+            raise
         finally:
             _split_over.reset(token)
         if split.calls == 0:
-            raise ValueError(
-                f"tensor_parallel: the head leaves the logits split over {self.axis!r} (Colwise(output='sharded')), "
-                "but loss_fn never called sw.vocab_parallel_cross_entropy, so it would compute a loss of each "
-                "rank's slice of the vocabulary; compute the cross-entropy with sw.vocab_parallel_cross_entropy "
-                "(plain cross-entropy wherever the logits are whole), or give the head Colwise(output='replicated')"
-            )
+            raise ValueError(self._refusal())
         return loss
+
+    def _refusal(self) -> str:
+        return (
+            f"tensor_parallel: the head leaves the logits split over {self.axis!r} (Colwise(output='sharded')), "
+            "but loss_fn never called sw.vocab_parallel_cross_entropy, so it would compute a loss of each "
+            "rank's slice of the vocabulary; compute the cross-entropy with sw.vocab_parallel_cross_entropy "
+            "(plain cross-entropy wherever the logits are whole), or give the head Colwise(output='replicated')"
+        )
 
     def __repr__(self) -> str:
         return f"SplitLogitsLoss({self.loss_fn!r}, axis={self.axis!r})"

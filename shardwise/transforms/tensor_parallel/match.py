@@ -128,11 +128,21 @@ def resolve(chain: Chain, plan: Mapping[str, Style], sequence_parallel: str | No
     # The blocks are the outermost modules the pattern matches (fnmatch's * also matches dots).
     hits = [p for p in paths if sequence_parallel and fnmatch.fnmatchcase(p, sequence_parallel)]
     blocks_in_order = [p for p in hits if not any(p.startswith(q + ".") for q in hits)]
+    for region in (p for p, (_, s) in style_of.items() if isinstance(s, Region)):
+        inner = [p for p, (_, s) in style_of.items() if p.startswith(region + ".") and isinstance(s, (Colwise, Rowwise))]
+        if not inner:
+            raise ValueError(
+                f"tensor_parallel: plan[{style_of[region][0]!r}] = Region() on {region!r}, which holds no Colwise or "
+                "Rowwise module: a Region's input gradient is summed over the axis because its split projections "
+                "each computed a part of it, so a Region without them would count every gradient upstream N "
+                "times; put the Region on the attention or MLP module that holds the split pair, or drop it"
+            )
     region_paths = [p for p, (_, s) in style_of.items() if isinstance(s, Region)]
     layers: dict[str, LayerPlan] = {}
     splits: dict[tuple[str, str], ParamSplit] = {}
     heads: list[tuple[str, str, int]] = []
     uses: list[tuple[str, str, tuple[str, str], bool]] = []  # (layer, module path, param key, styled)
+    first_names: dict[int, dict[int, str]] = {}
     for layer, _root, root_prefix, prefix, subpath, module in found:
         path = _join(root_prefix, prefix, subpath)
         lp = layers.setdefault(layer.name, LayerPlan(layer.name))
@@ -145,7 +155,10 @@ def resolve(chain: Chain, plan: Mapping[str, Style], sequence_parallel: str | No
             lp.blocks.append((subpath, path, path == blocks_in_order[0], path == blocks_in_order[-1]))
         chosen: Style | None = style_of[path][1] if path in style_of else None
         kind = module_kind(module)
-        own = {f"{prefix}{_join(subpath, n)}": n for n, _ in module.named_parameters(recurse=False)}
+        # Each parameter by the name the layer knows it under: an alias (a head tied to the embedding
+        # inside one module) is fed under its first name, as functional_call's tie_weights does.
+        first = first_names.setdefault(id(_root), {id(t): n for n, t in _root.named_parameters()})
+        own = {f"{prefix}{first.get(id(t), _join(subpath, n))}": n for n, t in module.named_parameters(recurse=False)}
         declared = {local: name for local, name in own.items() if local in layer.param_names}
         if chosen is not None:
             _check_fits(path, chosen, kind, module)
@@ -155,7 +168,13 @@ def resolve(chain: Chain, plan: Mapping[str, Style], sequence_parallel: str | No
                     f"tensor_parallel: {chosen} on {path!r}, whose {frozen} are frozen (requires_grad=False): a frozen "
                     "tensor travels whole with its layer and is never split; leave the module replicated"
                 )
-            lp.installs.append(Install(subpath, path, chosen, kind, seq_dim, isinstance(chosen, Colwise) and not enclosing))
+            # A split module computes with this layer's parameters. Where the layer holds none of them it
+            # is not this layer's to run: a Hugging Face head replays the code before the first block on
+            # placeholders of the embedding, whose lookup must not be summed over the axis again.
+            if isinstance(chosen, Region) or declared:
+                lp.installs.append(
+                    Install(subpath, path, chosen, kind, seq_dim, isinstance(chosen, Colwise) and not enclosing)
+                )
             if isinstance(chosen, Region):
                 for attr in (*chosen.heads, *chosen.local):
                     heads.append((path, attr, _read_attribute(module, path, attr)))

@@ -9,9 +9,11 @@ The original model, and the single-device step's layers, are untouched.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -20,7 +22,8 @@ from torch import Tensor, nn
 
 from ...engine._module_call import ThreadReplicas
 from ...engine.chain import Layer
-from .comm import enter, gather_invariant, leave, scatter, tp_index, tp_size, vary
+from ...engine.rng import mix
+from .comm import enter, gather_invariant, leave, predicting_now, scatter, tp_index, tp_size, vary
 from .match import CONV1D, EMBEDDING, LINEAR, Install, LayerPlan
 from .styles import Colwise, Region, Rowwise, gathers
 
@@ -30,23 +33,26 @@ class TPForward:
 
     def __init__(
         self, module: nn.Module, axis: str, install: Install | None, block: tuple[bool, bool] | None,
-        reduce: torch.dtype | None,
+        reduce: torch.dtype | None, path: str,
     ) -> None:
         self.module, self.axis, self.install, self.block, self.reduce = module, axis, install, block, reduce
+        self.path = path  # in the model: what errors and the Plan call it
         self.locals = {}
+        self.hidden = _first_parameter(module)  # read once: inspect.signature costs ~10 us a call
         if install is not None and isinstance(install.style, Region):
             self.locals = {attr: getattr(module, attr) for attr in install.style.local}
+        # Random ops on per-rank values (a sequence-parallel block's slices, a Region's heads) draw a
+        # stream of their own on each rank; elsewhere (the replicated residual stream) every rank the same.
+        self.own_stream = block is not None or (install is not None and isinstance(install.style, Region))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         m, install = self.module, self.install
         if self.block is not None and self.block[0]:  # the first sequence-parallel block: split the sequence
-            args, kwargs = _map_hidden(m, args, kwargs, lambda h: scatter(h, self.axis, 1, _label(install, m)))
-        if install is None:
-            out = type(m).forward(m, *args, **kwargs)
-        else:
-            out = self._styled(install, args, kwargs)
+            args, kwargs = _map_hidden(m, self.hidden, args, kwargs, lambda h: scatter(h, self.axis, 1, self.path))
+        with _rank_stream(self.axis, args, kwargs, sticky=self.block is not None) if self.own_stream else contextlib.nullcontext():
+            out = type(m).forward(m, *args, **kwargs) if install is None else self._styled(install, args, kwargs)
         if self.block is not None and self.block[1]:  # the last one: the whole sequence again
-            out = _map_first(out, lambda h: gather_invariant(h, self.axis, 1, _label(install, m)))
+            out = _map_first(out, lambda h: gather_invariant(h, self.axis, 1, self.path))
         return out
 
     def _styled(self, install: Install, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -56,7 +62,7 @@ class TPForward:
             n = tp_size(axis)
             for attr, value in self.locals.items():
                 setattr(m, attr, value // n)
-            args, kwargs = _map_hidden(m, args, kwargs, lambda h: enter(h, axis, install.seq_dim, label, self.reduce))
+            args, kwargs = _map_hidden(m, self.hidden, args, kwargs, lambda h: enter(h, axis, install.seq_dim, label, self.reduce))
             return type(m).forward(m, *args, **kwargs)
         (x,) = args
         if isinstance(style, Colwise):
@@ -68,9 +74,61 @@ class TPForward:
         if install.kind == EMBEDDING:
             return leave(_vocab_lookup(m, x, axis), axis, None, label, self.reduce)
         assert weight is not None
+        width = weight.shape[1] if install.kind == LINEAR else weight.shape[0]
+        if x.shape[-1] != width:
+            raise ValueError(
+                f"tensor_parallel: Rowwise() on {label!r} takes its input split on the features ({width} of "
+                f"{width * tp_size(axis)} on each rank), but got {x.shape[-1]}: give the module before it "
+                "Colwise() (its output stays split), inside the same Region"
+            )
         y = F.linear(x, weight) if install.kind == LINEAR else _conv1d(x, weight, None)
         y = leave(y, axis, install.seq_dim, label, self.reduce)
+        _back_to_shared()  # the summed output is every rank's: so are the random ops on it
         return y if bias is None else y + bias
+
+
+# -- random streams: per rank on per-rank values, shared on replicated ones ------------------------
+_streams = threading.local()  # .saved: the shared streams' state while this rank draws its own
+
+
+def _generators(device: torch.device) -> list[torch.Generator]:
+    gens = [torch.default_generator]
+    if device.type == "cuda":
+        gens.append(torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()])
+    return gens
+
+
+@contextlib.contextmanager
+def _rank_stream(axis: str, args: tuple[Any, ...], kwargs: dict[str, Any], sticky: bool) -> Iterator[None]:
+    """Inside the block the default generators draw this rank's own stream, seeded from one draw of
+    the shared one, until a Rowwise sums the region's output (then the shared stream goes on, as on
+    every rank: dropout on the replicated residual stream agrees); ``sticky`` (a sequence-parallel
+    block, whose values are all per-rank) keeps the rank's stream to the end. A recomputation
+    replays both, from the state torch's checkpoint restores."""
+    if predicting_now() or getattr(_streams, "saved", None) is not None:
+        yield
+        return
+    tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, Tensor)]
+    gens = _generators(tensors[0].device if tensors else torch.device("cpu"))
+    base = int(torch.empty((), dtype=torch.int64).random_().item())
+    saved = [g.get_state() for g in gens]
+    for i, g in enumerate(gens):
+        g.manual_seed(mix(base, tp_index(axis), i))
+    _streams.saved, _streams.gens, _streams.sticky = saved, gens, sticky
+    try:
+        yield
+    finally:
+        _back_to_shared(force=True)
+
+
+def _back_to_shared(force: bool = False) -> None:
+    """The shared streams again, where this rank left them (after a Rowwise sums a region's output)."""
+    saved = getattr(_streams, "saved", None)
+    if saved is None or (_streams.sticky and not force):
+        return
+    for g, state in zip(_streams.gens, saved, strict=True):
+        g.set_state(state)
+    _streams.saved = None
 
 
 def _tensor(m: nn.Module, name: str) -> Tensor | None:
@@ -81,10 +139,6 @@ def _tensor(m: nn.Module, name: str) -> Tensor | None:
 def _require(t: Tensor | None) -> Tensor:
     assert t is not None, "a styled Linear / Conv1D / Embedding has a weight"
     return t
-
-
-def _label(install: Install | None, m: nn.Module) -> str:
-    return install.path if install is not None else type(m).__name__
 
 
 def _conv1d(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
@@ -114,12 +168,11 @@ def _first_parameter(m: nn.Module) -> str | None:
 
 
 def _map_hidden(
-    m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], fn: Callable[[Tensor], Tensor]
+    m: nn.Module, name: str | None, args: tuple[Any, ...], kwargs: dict[str, Any], fn: Callable[[Tensor], Tensor]
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """Apply ``fn`` to the module's first argument (the hidden states), positional or by name."""
+    """Apply ``fn`` to the module's first argument (the hidden states, ``name``), positional or by name."""
     if args:
         return (fn(args[0]), *args[1:]), kwargs
-    name = _first_parameter(m)
     if name is None or name not in kwargs:
         raise ValueError(f"tensor_parallel: {type(m).__name__} was called without its hidden states {name!r}")
     return args, {**kwargs, name: fn(kwargs[name])}
@@ -163,7 +216,8 @@ def rewrite_layer(layer: Layer, plan: LayerPlan, axis: str, reduce: torch.dtype 
     installs = {i.subpath: i for i in plan.installs}
     for subpath in sorted(set(blocks) | set(installs)):
         target = copied.get_submodule(subpath)
-        target.forward = TPForward(target, axis, installs.get(subpath), blocks.get(subpath), reduce)
+        path = installs[subpath].path if subpath in installs else next(p for sub, p, _, _ in plan.blocks if sub == subpath)
+        target.forward = TPForward(target, axis, installs.get(subpath), blocks.get(subpath), reduce, path)
     new_fn = copy.copy(fn)
     new_fn.replicas = ThreadReplicas(copied, replicas.prefix)  # type: ignore[attr-defined]
     return Layer(layer.name, VaryFn(new_fn, axis, frozenset(plan.vary), reduce), layer.param_names, layer.buffers, layer.ties)

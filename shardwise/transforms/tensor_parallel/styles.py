@@ -67,11 +67,10 @@ class Region:
         for field_name in ("heads", "local"):
             value = getattr(self, field_name)
             if isinstance(value, str):
-                object.__setattr__(self, field_name, (value,))
-            elif not all(isinstance(v, str) and v for v in value):
+                value = (value,)
+            if not isinstance(value, (tuple, list)) or not all(isinstance(v, str) and v for v in value):
                 raise TypeError(f"Region({field_name}={value!r}): attribute names, e.g. ('num_heads',)")
-            else:
-                object.__setattr__(self, field_name, tuple(value))
+            object.__setattr__(self, field_name, tuple(value))
 
 
 Style = Colwise | Rowwise | Region

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,64 @@ class Model(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.block(x)
+
+
+class Probe(nn.Module):
+    """Dropout that records its mask under its name, per thread (rank)."""
+
+    masks: dict[tuple[str, int], list[torch.Tensor]] = {}
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = F.dropout(torch.ones_like(x), p=0.5, training=True)
+        Probe.masks.setdefault((self.name, threading.get_ident()), []).append(mask.detach().clone())
+        return x * mask
+
+
+class MLPBlock(nn.Module):
+    """Pre-norm residual MLP with dropout on the split hidden features and on the residual stream."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(8)
+        self.mlp = nn.Sequential(nn.Linear(8, 16), Probe("hidden"), nn.Linear(16, 8))
+        self.out = Probe("residual")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.out(self.mlp(self.norm(x)))
+
+
+class Blocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([MLPBlock()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks[0](x)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_random_ops_draw_per_rank_on_per_rank_values_and_alike_on_replicated_ones(sequence_parallel: bool) -> None:
+    torch.manual_seed(0)
+    chain, params = sw.functionalize(Blocks().double(), units=["blocks"])
+    step = sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1))
+    plan = {"blocks.*.mlp": sw.Region(), "blocks.*.mlp.0": sw.Colwise(), "blocks.*.mlp.2": sw.Rowwise()}
+    tp = sw.tensor_parallel(step, "tp", plan, sequence_parallel="blocks.*" if sequence_parallel else None)
+    batch = (torch.randn(2, 4, 8, dtype=torch.float64), torch.randn(2, 4, 8, dtype=torch.float64))
+    Probe.masks.clear()
+    _run(tp, sw.Mesh(tp=2), params, batch, steps=1)
+    by_name: dict[str, list[torch.Tensor]] = {}
+    for (name, _thread), masks in sorted(Probe.masks.items(), key=lambda kv: kv[0][0]):
+        by_name.setdefault(name, []).append(masks[0])
+    hidden, residual = by_name["hidden"], by_name["residual"]
+    assert len(hidden) == len(residual) == 2  # one per rank
+    assert not torch.equal(hidden[0], hidden[1])  # each rank's slice of the features: its own mask
+    # The residual stream is replicated without sequence parallel (one mask, every rank), and each
+    # rank's slice of the sequence with it (its own mask).
+    assert torch.equal(residual[0], residual[1]) is (not sequence_parallel)
 
 
 def _run(step: sw.Step, mesh: sw.Mesh, params: Any, batch: Any, steps: int = 2) -> list[Any]:

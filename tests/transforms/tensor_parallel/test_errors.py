@@ -88,10 +88,6 @@ def test_a_sequence_the_axis_does_not_divide(build: dict[str, Callable]) -> None
         _one_step(step, problem.params, sw.Mesh(tp=4), problem.batches[0])
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "the sequence-parallel divisibility error names the block's class ('Block'), not its module path "
-    "('blocks.0'): comm._check_divides gets modules._label(install=None, m), which falls back to type(m).__name__ "
-    "for a block that has no style of its own"))
 def test_a_sequence_the_axis_does_not_divide_names_the_block(build: dict[str, Callable]) -> None:
     problem = build["tiny_gpt"](steps=1, seq=6)
     step = sw.tensor_parallel(problem.step, "tp", problem.plan, sequence_parallel=problem.blocks)
@@ -240,11 +236,6 @@ def test_split_logits_with_plain_cross_entropy_is_refused_by_the_plan(build: dic
         step.plan(sw.Mesh(tp=2), problem.params, problem.batches[0])
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "a step whose loss fails on split logits hides the refusal: F.cross_entropy on each rank's vocabulary slice "
-    "raises 'IndexError: Target 41 is out of bounds' inside loss_fn, and SplitLogitsLoss checks that "
-    "vocab_parallel_cross_entropy was called only after loss_fn returned, so the step ends with the IndexError "
-    "instead of the tensor_parallel message (the Plan, on fake tensors, does refuse it)"))
 def test_split_logits_with_plain_cross_entropy_is_refused_by_the_step(build: dict[str, Callable]) -> None:
     problem = build["tiny_gpt"](steps=1)
     step = sw.tensor_parallel(sw.train_step(problem.step.chain, _plain_cross_entropy, sw.optim.sgd(0.1)), "tp",
@@ -275,11 +266,6 @@ REGION_WITHOUT_SPLIT = [
 ]
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "a Region around a module that holds no Colwise / Rowwise module is accepted and trains silently wrong: its "
-    "input's gradient is all-reduced over tp although every rank computed the whole of it, so everything upstream "
-    "gets N times its gradient (grad_norm 8-11 % off at tp 2). Every rank is wrong alike, so the replica check "
-    "cannot see it; tensor_parallel() should refuse such a Region, naming it"))
 @pytest.mark.parametrize("case,extra", REGION_WITHOUT_SPLIT, ids=[c for c, _ in REGION_WITHOUT_SPLIT])
 def test_a_region_that_holds_no_split_module_is_refused(case: str, extra: dict, build: dict[str, Callable]) -> None:
     family = case.split("-")[0]
@@ -295,10 +281,6 @@ def test_a_region_that_holds_no_split_module_is_refused(case: str, extra: dict, 
     raise AssertionError(f"accepted, and {report}")  # never reached: the step is not the reference
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "a Rowwise whose input is whole (no sharded Colwise before it) fails with torch's raw 'mat1 and mat2 shapes "
-    "cannot be multiplied (4x8 and 4x16)', which names neither the module nor the fix; the Plan fails alike, "
-    "after fake_tensor logs a traceback"))
 def test_a_rowwise_layer_whose_input_is_not_split(build: dict[str, Callable]) -> None:
     problem = build["mlp"]((8, 16, 8), {"0": sw.Rowwise()}, steps=1)
     step = sw.tensor_parallel(problem.step, "tp", problem.plan)
@@ -335,9 +317,6 @@ def test_bad_style_arguments(make: Callable[[], Any], error: type[Exception], me
         make()
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "Region(heads=5) (and Region(local=None)) raise Python's raw \"'int' object is not iterable\" from "
-    "Region.__post_init__, which iterates the value before checking that it is a tuple of names"))
 def test_a_region_given_a_number_for_its_heads() -> None:
     with pytest.raises(TypeError, match=r"Region\(heads=5\): attribute names"):
         sw.Region(heads=5)  # type: ignore[arg-type]
