@@ -47,7 +47,7 @@ from .devices import device_of
 from .executor_transfers import TransferActions
 from .executor_zero import ZeroActions
 from .layout import Placement
-from .metrics import MetricExchange, Summed
+from .metrics import MetricExchange, Summed, different_batches
 from .optim import global_norm
 from .plan import (
     BACKWARD,
@@ -147,6 +147,7 @@ class Executor(ZeroActions, TransferActions):
     # Under tensor parallel, on all but the first index of its axis: the gradients the metrics count
     # (keys, or per ZeRO unit the ranges of its shard), and no loss or token count. None: everything.
     counted: Any = None
+    batch_fingerprint: torch.Tensor | None = None  # of the global batch, when the exchange checks it
     rng_rank: int | None = None  # the rank whose random streams this one draws (None: its own)
     # Under tensor parallel: the gradients of replicated parameters (keys, or per ZeRO unit the ranges
     # of its shard), which must come out equal on every index of the axis (check_replicas).
@@ -497,7 +498,9 @@ class Executor(ZeroActions, TransferActions):
         if self.counted is not None:  # a tensor-parallel index but the first: its split gradients only
             losses, counts = [], []
             pieces = _counted_pieces(counted, self.counted)
-        self._local_metrics = self.exchange.local(losses, pieces, self.metric_dtype, self.device, counts)
+        self._local_metrics = self.exchange.local(
+            losses, pieces, self.metric_dtype, self.device, counts, self.batch_fingerprint, self._rank
+        )
 
     def _check_no_gather_pending(self) -> None:
         for key in [k for k in self._pending if k[0] == "gather"]:
@@ -513,15 +516,18 @@ class Executor(ZeroActions, TransferActions):
         for g in pieces:
             total = total + g.double().sum()
             absolute = absolute + g.double().abs().sum()
-        self._check_local = torch.stack([total, absolute])
+        batch = torch.zeros((), dtype=torch.float64) if self.batch_fingerprint is None else self.batch_fingerprint
+        self._check_local = torch.stack([total, absolute, batch.to(device=self.device, dtype=torch.float64)])
         self._check_handle = all_gather_async(self._check_local, action.require("axis"), mesh=self.mesh)
 
     def wait_check(self, action: Action) -> None:
         assert self._check_handle is not None and self._check_local is not None, "wait_check before check_replicas"
         every = self._check_handle.wait()
         self._check_handle = None
+        if not torch.equal(every[:, 2], every[0, 2].expand(every.shape[0])):  # computed alike from one batch
+            raise ValueError(different_batches(f"the ranks of axis {action.require('axis')!r}"))
         scale = float(every[:, 1].abs().max()) + 1e-30
-        spread = float((every - every[0]).abs().max())
+        spread = float((every[:, :2] - every[0, :2]).abs().max())
         # Equal bitwise when right (every index sums the same values in the same order); a missed sum
         # differs by about the gradient itself. The slack covers collectives that round differently.
         if spread > 1e-6 * scale:

@@ -278,7 +278,8 @@ def annotate(
         elif a.kind == REDUCE_METRICS:
             wire = (wire_of(metric_len, metric_dtype),)
         elif a.kind == CHECK_REPLICAS:
-            wire = (wire_of(2, torch.float64),)  # (sum, sum of magnitudes) of the replicated gradients
+            # (sum, sum of magnitudes) of the replicated gradients, and the batch's fingerprint
+            wire = (wire_of(3, torch.float64),)
         elif a.kind in (SEND_TIED, RECV_TIED) and a.tied is not None:
             owner, name, _ = placement.tied[a.tied]
             shape, dtype = _param_shape(sharding, master, owner, name)

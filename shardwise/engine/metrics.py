@@ -17,7 +17,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+import optree
 import torch
 
 from .optim import sum_of_squares
@@ -52,6 +54,23 @@ class Summed:
     finite: bool = True
     exact_norm: torch.Tensor | None = None  # on one rank: the norm as torch's clip_grad_norm_ computes it
     count: torch.Tensor | None = None  # token-weighted steps: the global number of tokens
+    batch: tuple[torch.Tensor, torch.Tensor] | None = None  # the batch fingerprints' sum, and weighted sum
+
+    def batches_differ(self, ranks: Sequence[int]) -> bool:
+        """Whether the ``ranks`` that summed their batch fingerprints passed different batches.
+
+        Each rank adds its fingerprint f and ``batch_weight(rank) * f``; with one f everywhere the
+        weighted sum is (the sum of the weights) x (the mean f), and a rank whose f differs leaves a
+        residual of the order of its difference (linear in it: no squares to cancel)."""
+        if self.batch is None or len(ranks) <= 1:
+            return False
+        total, weighted = (float(v) for v in self.batch)
+        weights = sum(batch_weight(r) for r in ranks)
+        mean = total / len(ranks)
+        residual = abs(weighted - weights * mean)
+        # A sum of n values rounds by at most (n - 1) eps of their magnitudes: twice that is slack.
+        eps = torch.finfo(self.batch[0].dtype).eps
+        return residual > 4 * len(ranks) * eps * (abs(weighted) + weights * abs(mean)) + 1e-300
 
     @property
     def norm(self) -> torch.Tensor | None:
@@ -79,6 +98,9 @@ class MetricExchange:
     norm: bool
     finite: bool
     count: bool = False
+    # A distributed step's check that every rank passed the same global batch: a fingerprint of it
+    # and a weighted copy ride along (they add no collective: nothing is exchanged for them alone).
+    batch: bool = False
 
     @property
     def empty(self) -> bool:
@@ -87,7 +109,7 @@ class MetricExchange:
     @property
     def length(self) -> int:
         """How many values one exchange sums."""
-        return int(self.loss) + int(self.norm) + int(self.finite) + int(self.count)
+        return int(self.loss) + int(self.norm) + int(self.finite) + int(self.count) + 2 * int(self.batch)
 
     def local(
         self,
@@ -96,6 +118,8 @@ class MetricExchange:
         dtype: torch.dtype,
         device: torch.device,
         counts: Sequence[torch.Tensor] = (),
+        fingerprint: torch.Tensor | None = None,
+        rank: int = 0,
     ) -> torch.Tensor | None:
         """This rank's share, one vector for one all-reduce (``None`` when nothing is exchanged).
 
@@ -111,6 +135,10 @@ class MetricExchange:
             values.append(1.0 - all_finite(grads, device).to(dtype))
         if self.count:
             values.append(_sum(counts, dtype, device))
+        if self.batch:
+            assert fingerprint is not None, "a step that checks its batch computes its fingerprint"
+            f = fingerprint.to(device=device, dtype=torch.float64)
+            values += [f.to(dtype), (f * batch_weight(rank)).to(dtype)]
         return torch.stack(values) if values else None
 
     def unpack(self, total: torch.Tensor | None) -> Summed:
@@ -122,7 +150,38 @@ class MetricExchange:
         sq_norm = next(values) if self.norm else None
         finite = not self.finite or bool(next(values) == 0)
         count = next(values) if self.count else None
-        return Summed(loss_sum, sq_norm, finite, count=count)
+        batch = (next(values), next(values)) if self.batch else None
+        return Summed(loss_sum, sq_norm, finite, count=count, batch=batch)
+
+
+def different_batches(who: str = "the ranks") -> str:
+    """The refusal of a step whose ranks passed different batches."""
+    return (
+        f"{who} passed different batches to this step (their fingerprints differ): every rank passes "
+        "the same global batch, and the step gives each its part (under shard_params its rows, under "
+        "pipeline its micro-batches, under tensor_parallel all of it). Draw the batches with the same "
+        "seed on every rank, or load them on one rank and broadcast them"
+    )
+
+
+def batch_weight(rank: int) -> float:
+    """A weight in [1, 2) for ``rank``'s batch fingerprint, unlike its neighbours' (see batches_differ)."""
+    return 1.0 + ((rank * 2654435761) % 1009) / 1009
+
+
+def batch_fingerprint(batch: Any) -> torch.Tensor:
+    """One number per batch, the same on every rank given the same batch and unlike it for another
+    (rows swapped included): each tensor's mean of its elements times a pseudo-random sign per
+    position, in float64. Signed, it is of the order of the batch's fluctuations, not its mean, so
+    two different batches differ by about their own size."""
+    total = torch.zeros((), dtype=torch.float64, device="cpu")  # not on a default device the user set
+    for leaf in optree.tree_leaves(batch):
+        if isinstance(leaf, torch.Tensor) and leaf.numel():
+            flat = leaf.detach().reshape(-1).to(torch.float64)
+            index = torch.arange(flat.numel(), device=flat.device, dtype=torch.int64)
+            signs = ((index * 2654435761) // 128 % 2) * 2 - 1
+            total = total + ((flat * signs).sum() / flat.numel()).cpu()
+    return total
 
 
 def metric_dtype(dtypes: Iterable[torch.dtype]) -> torch.dtype:

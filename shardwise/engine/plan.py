@@ -63,7 +63,7 @@ TP_PSUM = "tp_psum"  # an all-reduce (Megatron's g in forward, f in backward)
 TP_ALL_GATHER = "tp_all_gather"  # sequence parallel's gather, or a column-parallel output made whole
 TP_PSUM_SCATTER = "tp_psum_scatter"  # sequence parallel's reduce-scatter
 INSIDE_COMPUTE = (TP_PSUM, TP_ALL_GATHER, TP_PSUM_SCATTER)  # issued by their compute: the executor skips them
-CHECK_REPLICAS = "check_replicas"  # all-gather a checksum of the replicated gradients over the axis
+CHECK_REPLICAS = "check_replicas"  # all-gather a checksum of the replicated gradients (and the batch's) over the axis
 WAIT_CHECK = "wait_check"  # they must be equal on every index: else the step refuses before its update
 
 #: The collective (as the ledger names it) that each communicating action issues.

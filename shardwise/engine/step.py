@@ -38,7 +38,14 @@ from .lower import (
     predict_boundaries,
     rank_actions,
 )
-from .metrics import REPORTABLE, MetricExchange, Summed, check_metrics
+from .metrics import (
+    REPORTABLE,
+    MetricExchange,
+    Summed,
+    batch_fingerprint,
+    check_metrics,
+    different_batches,
+)
 from .optim import Optimizer
 from .plan import Plan
 from .planning import plan_of
@@ -154,7 +161,7 @@ class Step:
         """What the ranks of this step sum after the backward (nothing, if no metric or rule needs it)."""
         return MetricExchange(
             loss="loss" in self.metrics, norm=self.needs_norm, finite=self.precision is not None,
-            count=self.tokens is not None,
+            count=self.tokens is not None, batch=bool(metric_axes(self)),
         )
 
     def report(self, loss: torch.Tensor | None, norm: torch.Tensor | None) -> Metrics:
@@ -408,11 +415,15 @@ class Step:
             tokens=self.tokens,
             rng_seed=None if state.rng is None else mix(state.rng, state.step),
             counted=self._counted(layout, mesh),
+            # Summed with the metrics (and, under tensor_parallel, compared in its replica check).
+            batch_fingerprint=batch_fingerprint(batch) if self.metric_exchange().batch or self.split_spec else None,
             rng_rank=self._rng_rank(mesh),
             replicated=None if self.split_spec is None else self._tp_selection(layout, mesh, replicated=True),
         )
         executor.run(layout.cache[key])
         summed = executor.summed
+        if mesh is not None and summed.batches_differ(_exchange_group(mesh, metric_axes(self))):
+            raise ValueError(different_batches())
         if self.tokens is not None:
             count = _token_count(summed)
             loss = None if summed.loss_sum is None else summed.loss_sum / count.to(summed.loss_sum.dtype)
@@ -495,6 +506,13 @@ class Step:
         if self.precision is None:
             return params
         return self.precision.compute_params(self.master_params(params))
+
+
+def _exchange_group(mesh: Mesh, axes: tuple[str, ...]) -> list[int]:
+    """The ranks whose shares the calling rank's metrics exchange sums: those that differ from it
+    on ``axes`` only."""
+    me = mesh.coords
+    return [r for r in range(mesh.size) if all(c == me[a] for a, c in mesh.coords_of(r).items() if a not in axes)]
 
 
 def _token_count(summed: Summed) -> torch.Tensor:

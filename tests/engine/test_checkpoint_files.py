@@ -132,8 +132,11 @@ def test_overwrite_replaces_atomically_and_an_interrupted_replace_keeps_the_old_
     with pytest.raises(sw.RankFailed, match="exists; pass overwrite=True"):
         sw.launch(lambda: ck.save(path, step.init(params, sw.Mesh(dp=2)), step), 2)
 
+    # One batch for both ranks: each drawing its own would pass different batches (the step refuses).
+    batch = (torch.randn(4, 4, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64))
+
     def advance_and_overwrite() -> None:
-        state, _ = step(step.init(params, sw.Mesh(dp=2)), (torch.randn(4, 4, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)))
+        state, _ = step(step.init(params, sw.Mesh(dp=2)), batch)
         ck.save(path, state, step, overwrite=True)
 
     sw.launch(advance_and_overwrite, 2)
@@ -166,9 +169,10 @@ def test_inspect_lists_ranks_and_leaves(tmp_path: Path, capsys: pytest.CaptureFi
 
 def test_the_step_count_and_the_random_streams_seed_come_back(tmp_path: Path) -> None:
     step, params = _step()
+    batch = (torch.randn(4, 4, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64))  # one for both ranks
 
     def main() -> None:
-        state, _ = step(step.init(params, sw.Mesh(dp=2), seed=7), (torch.randn(4, 4, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)))
+        state, _ = step(step.init(params, sw.Mesh(dp=2), seed=7), batch)
         ck.save(tmp_path / "c", state, step)
 
     sw.launch(main, 2)

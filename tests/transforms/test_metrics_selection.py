@@ -3,7 +3,9 @@ asked for, updates exactly as it does reporting everything, and sums across rank
 metric or a rule (clipping, mixed precision's skip) needs.
 
 The ledger counts the all-reduces (``psum``) each step issues: the metrics' exchange is the
-only one a step of these kinds makes, so a step asked for nothing must issue none.
+only one a step of these kinds makes, so a step asked for nothing must issue none. When a
+distributed step exchanges anything, two more values ride along: the fingerprint of the batch and
+a weighted copy, which tell whether every rank passed the same batch.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ KINDS: dict[str, tuple[Callable[[Any], Any], dict[str, int], int]] = {
     "pipeline x zero-3": (lambda s: sw.shard_params(sw.pipeline(s, "pp", "1f1b", 2), "dp", 3), {"dp": 2, "pp": 2}, 2),
 }
 SELECTIONS = [(), ("loss",), ("grad_norm",), ("loss", "grad_norm")]
+BATCH_CHECK = 2  # the batch fingerprint and a weighted copy
 
 
 def _problem(clip_norm: float | None = None) -> tuple[Any, Any, list[Any]]:
@@ -77,8 +80,9 @@ def test_each_selection_reports_it_updates_the_same_and_exchanges_only_what_it_n
                 assert sorted(metrics) == sorted(selection), (kind, selection)
                 for name in selection:
                     assert torch.equal(metrics[name], metrics_full[name]), (kind, selection, name)
-            # One value per asked-for metric, in every psum of every step; none when nothing is asked.
-            expected = [(len(selection),)] * (psums_per_exchange * len(batches)) if selection else []
+            # One value per asked-for metric (and the batch's two), in every psum of every step; none
+            # when nothing is asked.
+            expected = [(len(selection) + BATCH_CHECK,)] * (psums_per_exchange * len(batches)) if selection else []
             assert psums == expected, (kind, selection)
 
 
@@ -99,7 +103,7 @@ def test_clipping_still_sums_the_norm_when_no_metric_is_asked_for(kind: str) -> 
     for (params_got, reported, psums), (params_full, _, _) in zip(got, full, strict=True):
         _assert_same_params(params_got, params_full)
         assert reported == [{}, {}]
-        assert psums == [(1,)] * (psums_per_exchange * len(batches))  # the squared norm alone
+        assert psums == [(1 + BATCH_CHECK,)] * (psums_per_exchange * len(batches))  # the squared norm alone
 
 
 @pytest.mark.parametrize("kind", ["zero-3", "pipeline"])
@@ -111,7 +115,7 @@ def test_mixed_precision_still_sums_the_finite_flag_when_no_metric_is_asked_for(
     got = _run(transform(mixed).with_metrics(()), axes, params, batches)
     for (params_got, _, psums), (params_full, _, _) in zip(got, full, strict=True):
         _assert_same_params(params_got, params_full)
-        assert psums == [(1,)] * (psums_per_exchange * len(batches))
+        assert psums == [(1 + BATCH_CHECK,)] * (psums_per_exchange * len(batches))
 
 
 def test_a_quiet_step_reports_nothing_but_precision_state() -> None:

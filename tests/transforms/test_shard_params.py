@@ -160,7 +160,7 @@ def test_ledger_matches_zero_volumes(n: int, stage: int, reshard: bool, factor: 
     step = sw.shard_params(base, "dp", stage, reshard_after_forward=reshard)
     psi, zero, other = _zero_volume(step, params, n)
     assert zero * n == factor * psi * (n - 1)
-    assert other == [("psum", (2,))]
+    assert other == [("psum", (4,))]  # loss and squared norm, and the batch fingerprint and a weighted copy
 
 
 # -- behaviour ------------------------------------------------------------------------------

@@ -50,9 +50,10 @@ def tensor_parallel(
     its cross-entropy with :func:`vocab_parallel_cross_entropy`; a step whose loss does not is refused.
 
     Every step checks that the gradients of the replicated parameters came out equal on every
-    rank of ``axis`` (``check_replicas``: a 16-byte all-gather of their sum and sum of
-    magnitudes), and refuses to update when they did not: a replicated parameter used on per-rank
-    values without its gradient being summed would otherwise drift apart silently. Random ops on
+    rank of ``axis`` (``check_replicas``: a 24-byte all-gather of their sum and sum of
+    magnitudes, and of the batch's fingerprint), and refuses to update when they did not: a
+    replicated parameter used on per-rank values without its gradient being summed would otherwise
+    drift apart silently (and ranks given different batches are told so). Random ops on
     replicated values draw the same stream on every rank of ``axis`` (dropout on the residual stream
     agrees); inside a Region, up to the Rowwise that sums its output, and in a sequence-parallel
     block, each rank draws its own (its heads', its slice of the sequence's).
@@ -72,10 +73,11 @@ def tensor_parallel(
     >>> " ".join(str(a) for a in plan.for_rank(0))
     'F(0) F(1) F(2) tp_psum(2, axis=tp) loss B(2) B(1) B(0) finish_grads check_replicas reduce_metrics(axis=tp) wait_check update wait_metrics'
 
-    Layer 2's partial outputs (4 x 8 float32: 128 bytes) are summed, and so are the metrics (8 bytes):
+    Layer 2's partial outputs (4 x 8 float32: 128 bytes) are summed, and so are the metrics (the loss,
+    the squared norm, the batch's fingerprint and a weighted copy: 16 bytes):
 
     >>> plan.comm_bytes()[("tp", "psum")]
-    (136, 136)
+    (144, 144)
     """
     if not isinstance(step, Step):
         raise TypeError(f"tensor_parallel(step=...) needs a shardwise Step (see train_step), got {type(step).__name__}")

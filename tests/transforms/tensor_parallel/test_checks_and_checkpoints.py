@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -52,7 +52,7 @@ class Model(nn.Module):
 class Probe(nn.Module):
     """Dropout that records its mask under its name, per thread (rank)."""
 
-    masks: dict[tuple[str, int], list[torch.Tensor]] = {}
+    masks: ClassVar[dict[tuple[str, int], list[torch.Tensor]]] = {}
 
     def __init__(self, name: str) -> None:
         super().__init__()
