@@ -306,8 +306,8 @@ class Step:
                 "schedule": str(layout.schedule),
                 "mesh": repr(mesh),
                 "parameter names, shapes and dtypes": repr([(k, n, tuple(t.shape), t.dtype) for k, v in params.items() for n, t in v.items()]),
-                # One pass over the values: thread ranks that built the model themselves race on the
-                # global generator and start from different weights.
+                # One pass over the values: ranks that built the model themselves from different seeds
+                # start from different weights.
                 "parameter values": repr([float(t.detach().double().sum()) for v in params.values() for t in v.values()]),
                 "seed": str(seed),
             }, device_of(params))

@@ -48,7 +48,7 @@ def test_a_rank_with_another_schedule_or_seed_is_named() -> None:
 
 
 def test_ranks_that_start_from_other_weights_are_named() -> None:
-    """What thread ranks that build the model themselves, racing on torch's global generator, get."""
+    """What ranks that build the model themselves without seeding alike get."""
     base, params = _base()
 
     def build() -> None:
@@ -58,3 +58,32 @@ def test_ranks_that_start_from_other_weights_are_named() -> None:
 
     with pytest.raises(sw.RankFailed, match=r"rank 1 differs from rank 0 in its parameter values"):
         sw.launch(build, 2)
+
+
+def _train_gpt_built_in_each_rank() -> tuple[float, list[float]]:
+    """Each rank seeds torch and builds the model itself (no model passed in): thread ranks start one
+    at a time, up to their first collective, so none draws from the shared generator meanwhile."""
+    from shardwise.testing.models import Block, TinyGPT
+
+    torch.manual_seed(0)
+    chain, params = sw.functionalize(TinyGPT(vocab=32, d_model=16, n_heads=2, n_layers=2, seq_len=8), units=Block)
+    step = sw.shard_params(
+        sw.train_step(chain, lambda o, y: torch.nn.functional.cross_entropy(o.flatten(0, 1), y.flatten()),
+                      sw.optim.sgd(0.1)),
+        "dp",
+    )
+    mesh = sw.Mesh(dp=4)
+    state = step.init(params, mesh)  # refuses ranks that built different models
+    ids = torch.randint(0, 32, (8, 8), generator=torch.Generator().manual_seed(1))
+    losses = []
+    for _ in range(3):
+        state, metrics = step(state, (ids, ids))
+        losses.append(float(metrics["loss"]))
+    return float(sum(t.sum() for t in step.full_params(state)["blocks.0"].values())), losses
+
+
+def test_thread_ranks_that_build_the_model_themselves_agree_run_to_run() -> None:
+    first = sw.launch(_train_gpt_built_in_each_rank, 4, timeout=120)
+    second = sw.launch(_train_gpt_built_in_each_rank, 4, timeout=120)
+    assert len({repr(r) for r in first}) == 1  # every rank the same
+    assert first == second  # bitwise, run to run

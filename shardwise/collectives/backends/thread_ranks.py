@@ -13,6 +13,11 @@ coming back.
 * KeyboardInterrupt (Ctrl-C) or SystemExit (a signal handler) in the
   launcher stops every rank, then propagates.
 
+Ranks start one at a time: rank r + 1 starts when rank r first waits in a collective
+(or returns). Code before a rank's first collective (seeding torch and building a model)
+therefore never interleaves with another rank's, so ranks that seed alike build alike,
+run to run, although thread ranks share torch's one global generator.
+
 Python cannot kill a thread. The launcher stops a rank it gives up on by
 raising :class:`RankStopped` in its thread (``PyThreadState_SetAsyncExc``),
 which takes effect at the thread's next Python bytecode: a rank looping,
@@ -25,14 +30,16 @@ aborts with "terminate called without an active exception").
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import ctypes
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..errors import CollectiveError, RankFailed, RankHung
+from .blocking import on_blocking_wait
 from .current import use_backend
 from .threads import ThreadsBackend, ThreadsWorld
 
@@ -40,6 +47,22 @@ _POLL_S = 0.05  # the launcher checks its ranks this often (and reacts to Ctrl-C
 _GRACE_S = 1.0  # after a failure, how long the other ranks have to stop before they count as hung
 _SETTLE_S = 0.2  # how long cancelled ranks have to stop by themselves before RankStopped is raised in them
 _STOP_WAIT_S = 2.0  # how long stopped ranks have to leave their threads
+
+
+_baton = threading.local()  # .release: starts the next rank, at this rank's first wait
+
+
+@contextlib.contextmanager
+def _pass_baton() -> Iterator[None]:
+    """At a rank's first blocking wait, start the next rank (see the module docstring)."""
+    release = getattr(_baton, "release", None)
+    if release is not None:
+        _baton.release = None
+        release()
+    yield
+
+
+on_blocking_wait(_pass_baton)
 
 
 class RankStopped(BaseException):
@@ -70,9 +93,12 @@ class _RankThreads:
         # Set as a rank's body ends. The launcher waits on these, never on Thread.join:
         # in Python 3.11 a join interrupted by Ctrl-C marks a running thread as stopped.
         self.done = [threading.Event() for _ in range(world.world_size)]
+        self.started = [False] * world.world_size
+        self._starting = threading.Lock()
         self._fn, self._args = fn, args
 
     def _body(self, rank: int) -> None:
+        _baton.release = lambda: self._start(rank + 1)
         try:
             with use_backend(ThreadsBackend(self.world, rank)):
                 self.results[rank] = self._fn(*self._args)
@@ -80,6 +106,8 @@ class _RankThreads:
         except BaseException as exc:
             self.world.abort(rank, exc)
         finally:
+            _baton.release = None
+            self._start(rank + 1)  # if its first wait did not already
             self.done[rank].set()
 
     def start(self) -> None:
@@ -91,10 +119,26 @@ class _RankThreads:
                 target=ctx.run, args=(self._body, rank), name=f"shardwise-rank-{rank}", daemon=True
             )
             self.threads.append(thread)
-            thread.start()
+        self._start(0)
+
+    def _start(self, rank: int) -> None:
+        """Start ``rank``'s thread, once; after a cancel it does not run (nor do the ranks after it)."""
+        with self._starting:
+            if rank >= len(self.threads) or self.started[rank]:
+                return
+            self.started[rank] = True
+        if self.world.cancelled is not None or self.world.failure is not None:
+            self.done[rank].set()
+            self._start(rank + 1)
+            return
+        self.threads[rank].start()
 
     def running(self) -> list[int]:
-        return [rank for rank, thread in enumerate(self.threads) if thread.is_alive() and not self.done[rank].is_set()]
+        """Ranks not ended: running, or waiting for their turn to start."""
+        return [
+            rank for rank, thread in enumerate(self.threads)
+            if not self.done[rank].is_set() and (thread.is_alive() or not self.started[rank])
+        ]
 
     def supervise(self) -> None:
         """Wait until every rank ended, or a failure's grace ran out, or the last rendezvous timed out."""
@@ -152,6 +196,8 @@ class _RankThreads:
         locking, which the cancel never risks.
         """
         self.world.cancel(reason)
+        for rank in ranks:  # those that never started never will
+            self._start(rank)
         self._join(ranks, _SETTLE_S)
         for rank in self.running():
             ident = self.threads[rank].ident
