@@ -275,6 +275,12 @@ class StateLayout:
     layers: tuple[str, ...]
     stack: tuple[str, ...]
     schedule: Any = None  # the pipeline's Schedule, when there is one
+    # The optimizer's state: per path of a subtree shaped like the parameters (``"momentum"``,
+    # ``"exp_avg"``), each parameter's spec as that state holds it (its dtype; split, copied and
+    # sharded as the parameter is); and every other state tensor (step counts) by path, as
+    # (shape, dtype), whole on every rank.
+    opt_leaves: dict[str, dict[tuple[str, str], LeafSpec]] = field(default_factory=dict)
+    opt_scalars: dict[str, tuple[tuple[int, ...], torch.dtype]] = field(default_factory=dict)
     # Derived data, memoised per input layout / pipeline index: never part of equality.
     cache: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
 
@@ -287,7 +293,13 @@ class StateLayout:
         return metric_dtype(spec.dtype for spec in self.leaves.values())
 
     def describe(self) -> str:
-        return "\n".join(spec.describe() for spec in self.leaves.values())
+        """One line per parameter, and per optimizer-state leaf."""
+        lines = [spec.describe() for spec in self.leaves.values()]
+        for path, specs in self.opt_leaves.items():
+            lines += [f"optimizer {path}: {spec.describe()}" for spec in specs.values()]
+        lines += [f"optimizer {path}: {list(shape)} {str(dtype).removeprefix('torch.')} on every rank"
+                  for path, (shape, dtype) in self.opt_scalars.items()]
+        return "\n".join(lines)
 
 
 def local_params(params: Mapping[str, Mapping[str, torch.Tensor]], placement: Placement, index: int) -> dict[str, dict[str, torch.Tensor]]:

@@ -27,10 +27,11 @@ from .accounting import predict_kept_for_backward
 from .agreement import check_ranks_agree
 from .batches import split_batch, split_over
 from .chain import Chain
+from .checkpoint_cut import split_opt_state
 from .compose import PLACEMENT, SHARDING, SPLIT, describe, find
 from .devices import device_of, host_scalar
 from .executor import Executor, LossFn, ParamSource
-from .layout import StateLayout, full_params, leaf_specs, local_params, unit_names
+from .layout import StateLayout, full_params, leaf_specs, local_params, meta_shards, unit_names
 from .lower import (
     metric_axes,
     microbatch_count,
@@ -267,10 +268,32 @@ class Step:
             shardings[i] = (
                 None if zero is None or mesh is None else FlatSharding.of(zero.axis, zero.stage, local, mesh.axis_size(zero.axis))
             )
+        leaves = leaf_specs(meta, placement, shardings, splits)
+        opt_leaves: dict[str, dict[tuple[str, str], Any]] = {}
+        opt_scalars: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        for i in sorted(set(placement.stage_rank)):  # every pipeline index's state, like ``leaves``
+            mirrors, scalars = self._opt_specs(leaves, local_params(meta, placement, i), shardings[i])
+            for path, specs in mirrors.items():
+                opt_leaves.setdefault(path, {}).update(specs)
+            opt_scalars.update(scalars)
         return StateLayout(
-            placement, shardings[index], leaf_specs(meta, placement, shardings, splits), tuple(params),
-            self.stack_key, schedule,
+            placement, shardings[index], leaves, tuple(params), self.stack_key, schedule, opt_leaves=opt_leaves,
+            opt_scalars=opt_scalars,
         )
+
+    def _opt_specs(self, leaves: dict[tuple[str, str], Any], master: Params, sharding: FlatSharding | None) -> tuple[
+            dict[str, dict[tuple[str, str], Any]], dict[str, tuple[tuple[int, ...], torch.dtype]]]:
+        """The optimizer state's specs (see StateLayout.opt_leaves), from its state on meta tensors."""
+        update = master if sharding is None else meta_shards(sharding)
+        mirrors, scalars = split_opt_state(self.optimizer.init(update), update)
+        opt_leaves: dict[str, dict[tuple[str, str], Any]] = {}
+        for path, mirror in mirrors.items():
+            opt_leaves[path] = {}
+            for key, spec in leaves.items():
+                held = mirror.get(key[0]) if sharding is not None else mirror.get(key[0], {}).get(key[1])
+                if isinstance(held, torch.Tensor):
+                    opt_leaves[path][key] = dataclasses.replace(spec, dtype=held.dtype)
+        return opt_leaves, {path: (tuple(t.shape), t.dtype) for path, t in scalars.items()}
 
     def boundaries(self, layout: StateLayout, inputs: Any, mesh: Mesh | None = None) -> Any:
         """The (shape, dtype) of every tensor each pipeline stage passes on, for micro-batch ``inputs``
