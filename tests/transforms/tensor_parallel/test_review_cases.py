@@ -1,0 +1,298 @@
+"""Review of tensor_parallel (issue 17): defects found, each a strict xfail until fixed.
+
+Every case is a small float64 model on thread ranks. A test asserts the behaviour the
+design asks for (the single-device step, or a refusal that names the place and the fix), so
+it passes once the defect is fixed; the ``reason`` says what happens now.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, ClassVar
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import shardwise as sw
+from shardwise.testing.models import Block, TinyGPT, mlp
+
+F64_RTOL = 1e-12
+
+
+def _one_step(step: sw.Step, params: Any, mesh: sw.Mesh, batch_of_rank: Any) -> list[Any]:
+    """One step on every rank; ``batch_of_rank(rank)`` is the batch that rank passes."""
+
+    def main() -> Any:
+        state = step.init(params, mesh)
+        state, metrics = step(state, batch_of_rank(mesh.rank))
+        return metrics
+
+    return sw.launch(main, mesh.size, timeout=120)
+
+
+# -- a Region the layer never calls ---------------------------------------------------------------
+
+
+class EmbedThenMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.mlp = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.emb(ids))
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "units=['emb', 'mlp'] makes each child of the Sequential a layer; Region() on 'mlp' is accepted and "
+    "installed on a container no layer calls, and it stops mlp.0's Colwise from entering the region itself, "
+    "so the input gradient is never summed over tp: the vocab-split embedding trains silently wrong"
+))
+def test_a_region_no_layer_calls_is_refused_or_trains_right() -> None:
+    torch.manual_seed(0)
+    chain, params = sw.functionalize(EmbedThenMLP().double(), units=["emb", "mlp"])
+    step = sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1))
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.randint(16, (4, 3), generator=gen), torch.randn(4, 3, 8, dtype=torch.float64, generator=gen))] * 2
+    plan: dict[str, Any] = {"emb": sw.Rowwise(), "mlp": sw.Region(), "mlp.0": sw.Colwise(), "mlp.2": sw.Rowwise()}
+    try:
+        tp = sw.tensor_parallel(step, "tp", plan)
+    except ValueError as err:  # refusing is a fix too: it must name the Region
+        assert "'mlp'" in str(err)
+        return
+    sw.testing.assert_equivalent(tp, step, sw.Mesh(tp=2), batches, params, rtol=F64_RTOL)
+
+
+# -- whether the logits leave split is read from registration order, not execution order ---------------
+
+
+class HeadRegisteredFirst(nn.Module):
+    """One layer (functionalize's default for a plain module); the head is registered before the MLP."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.head = nn.Linear(8, 16, bias=False)
+        self.mlp = nn.ModuleDict({"up": nn.Linear(8, 32), "down": nn.Linear(32, 8)})
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        h = h + self.mlp["down"](torch.tanh(self.mlp["up"](h)))
+        return self.head(h)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "splits_logits takes the last styled module in named_modules() order (the MLP's Rowwise), so the "
+    "loss is not wrapped: vocab_parallel_cross_entropy runs plain F.cross_entropy on each rank's slice "
+    "of the vocabulary, silently (targets below vocab/2 here; others raise torch's IndexError)"
+))
+def test_split_logits_from_a_head_registered_before_the_blocks() -> None:
+    torch.manual_seed(0)
+    chain, params = sw.functionalize(HeadRegisteredFirst().double())
+    step = sw.train_step(chain, lambda o, y: sw.vocab_parallel_cross_entropy(o, y), sw.optim.sgd(0.1))
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.randint(16, (4, 6), generator=gen), torch.randint(8, (4, 6), generator=gen))] * 2
+    plan: dict[str, Any] = {"emb": sw.Rowwise(), "mlp.up": sw.Colwise(), "mlp.down": sw.Rowwise(), "head": sw.Colwise()}
+    tp = sw.tensor_parallel(step, "tp", plan)
+    sw.testing.assert_equivalent(tp, step, sw.Mesh(tp=2), batches, params, rtol=F64_RTOL)
+
+
+class DownRegisteredFirst(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = nn.Linear(32, 8)  # runs last
+        self.up = nn.Linear(8, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.tanh(self.up(x)))
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "the last styled module in registration order is the Colwise 'up', so the step believes the logits "
+    "are split and refuses F.mse_loss ('the head leaves the logits split'), though 'down' sums them"
+))
+def test_a_rowwise_registered_before_its_colwise_is_not_taken_for_split_logits() -> None:
+    torch.manual_seed(0)
+    chain, params = sw.functionalize(DownRegisteredFirst().double())
+    step = sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1))
+    batches = [(torch.randn(4, 8, dtype=torch.float64), torch.randn(4, 8, dtype=torch.float64))]
+    tp = sw.tensor_parallel(step, "tp", {"up": sw.Colwise(), "down": sw.Rowwise()})
+    sw.testing.assert_equivalent(tp, step, sw.Mesh(tp=2), batches, params, rtol=F64_RTOL)
+
+
+# -- the batch check ----------------------------------------------------------------------------------
+
+
+def _swapped_rows_step(kind: str) -> tuple[sw.Step, sw.Mesh, Any, Any]:
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=64, d_model=16, n_heads=2, n_layers=1, seq_len=256).double()
+    chain, params = sw.functionalize(model, units=Block)
+    step = sw.train_step(chain, lambda o, y: sw.vocab_parallel_cross_entropy(o, y), sw.optim.sgd(0.1))
+    gen = torch.Generator().manual_seed(1)
+    ids, targets = torch.randint(64, (4, 256), generator=gen), torch.randint(64, (4, 256), generator=gen)
+
+    def batch_of_rank(rank: int) -> Any:
+        order = [0, 1, 2, 3] if rank == 0 else [2, 1, 0, 3]  # rank 1: the same rows, two of them swapped
+        return ids[order], targets[order]
+
+    if kind == "tp":
+        return sw.tensor_parallel(step, "tp", sw.tiny_gpt_plan()), sw.Mesh(tp=2), params, batch_of_rank
+    return sw.shard_params(step, "dp", 1), sw.Mesh(dp=2), params, batch_of_rank
+
+
+@pytest.mark.parametrize("kind", ["tp", "dp"])
+@pytest.mark.xfail(strict=True, reason=(
+    "batch_fingerprint's sign ((i * 2654435761) // 128 % 2) is bit 7 of i * odd, which depends on i mod 256 "
+    "only: rows of token ids whose length is a multiple of 256 (sequences of 256, 512, 1024 tokens) can be "
+    "permuted without changing the fingerprint (integer sums are exact, so not even rounding differs), and "
+    "the step trains on rank-dependent batches"
+))
+def test_ranks_passing_rows_in_another_order_are_told(kind: str) -> None:
+    step, mesh, params, batch_of_rank = _swapped_rows_step(kind)
+    with pytest.raises(sw.RankFailed, match="different batches"):
+        _one_step(step, params, mesh, batch_of_rank)
+
+
+def _masked_mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Missing targets (NaN) are skipped."""
+    keep = ~y.isnan()
+    return ((out - y.nan_to_num()) ** 2 * keep).sum() / keep.sum()
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "a NaN (or an inf) in the batch makes the fingerprint NaN, and wait_check compares fingerprints with "
+    "torch.equal, for which NaN != NaN: every rank passed the same batch, yet the step refuses with "
+    "'passed different batches'"
+))
+def test_a_batch_with_missing_targets_is_not_taken_for_different_batches() -> None:
+    torch.manual_seed(0)
+    chain, params = sw.functionalize(mlp([8, 16, 8]).double())
+    step = sw.train_step(chain, _masked_mse, sw.optim.sgd(0.1))
+    x, y = torch.randn(4, 8, dtype=torch.float64), torch.randn(4, 8, dtype=torch.float64)
+    y[0, 3] = float("nan")
+    tp = sw.tensor_parallel(step, "tp", {"0": sw.Colwise(), "2": sw.Rowwise()})
+    got = _one_step(tp, params, sw.Mesh(tp=2), lambda rank: (x, y))
+    _, want = step(step.init(params), (x, y))
+    torch.testing.assert_close(got[0]["loss"], want["loss"], rtol=F64_RTOL, atol=0)
+
+
+# -- the replica check's slack ------------------------------------------------------------------------
+
+
+class SmallGain(nn.Module):
+    """A replicated gain on each rank's slice of the features (no Region): its gradient is a part on each
+    rank. A large replicated Linear before it carries most of the replicated gradients' magnitude."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = nn.Linear(512, 512)
+        self.up = nn.Linear(512, 16)
+        self.gain = nn.Parameter(torch.tensor(1.0))
+        self.down = nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.tanh(self.up(self.pre(x))) * (1 + 1e-4 * self.gain))
+
+
+class SmallGainModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = SmallGain()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block(x)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "check_replicas compares two sums over all replicated gradients with a slack of 1e-6 x their total "
+    "magnitude: the gain's missed sum (about 1e-9 of it) passes, and its copies drift apart "
+    "(1.00000024 and 0.99999984 after 3 steps; the single-device step: 1.00000008)"
+))
+def test_a_missed_sum_on_a_small_replicated_gradient_is_refused() -> None:
+    torch.manual_seed(0)
+    chain, params = sw.functionalize(SmallGainModel().double(), units=["block"])
+    step = sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1))
+    batch = (torch.randn(64, 512, dtype=torch.float64), torch.randn(64, 8, dtype=torch.float64))
+    tp = sw.tensor_parallel(step, "tp", {"block.up": sw.Colwise(), "block.down": sw.Rowwise()})
+    with pytest.raises(sw.RankFailed, match="replicated parameters differ"):
+        _one_step(tp, params, sw.Mesh(tp=2), lambda rank: batch)
+
+
+# -- random streams between a Colwise that enters the region itself and its Rowwise -------------------
+
+
+class Probe(nn.Module):
+    """Dropout that records its mask, per thread (rank)."""
+
+    masks: ClassVar[dict[int, list[torch.Tensor]]] = {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = F.dropout(torch.ones_like(x), p=0.5, training=True)
+        Probe.masks.setdefault(threading.get_ident(), []).append(mask.detach().clone())
+        return x * mask
+
+
+class DropoutMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(8, 16), Probe(), nn.Linear(16, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(x)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "only a Region or a sequence-parallel block draws per-rank streams; between a Colwise that enters the "
+    "region itself and its Rowwise (each a layer here, so no Region can hold them) every rank draws the "
+    "shared stream: each rank's slice of the hidden features gets the same mask (features j and j + 8 are "
+    "always dropped together)"
+))
+def test_dropout_on_split_features_draws_a_mask_per_rank_without_a_region() -> None:
+    torch.manual_seed(0)
+    chain, params = sw.functionalize(DropoutMLP().double(), units=["mlp"])
+    step = sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1))
+    batch = (torch.randn(64, 8, dtype=torch.float64), torch.randn(64, 8, dtype=torch.float64))
+    tp = sw.tensor_parallel(step, "tp", {"mlp.0": sw.Colwise(), "mlp.2": sw.Rowwise()})
+    Probe.masks.clear()
+    _one_step(tp, params, sw.Mesh(tp=2), lambda rank: batch)
+    first, second = (masks[0] for masks in Probe.masks.values())
+    assert not torch.equal(first, second)
+
+
+# -- unclear errors and silent acceptance of bad input --------------------------------------------------
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "a sharded Colwise feeding a module without a style fails with torch's raw 'mat1 and mat2 shapes "
+    "cannot be multiplied (4x16 and 32x16)', naming neither tensor_parallel, the layer nor the fix"
+))
+def test_a_split_output_reaching_an_unstyled_module_is_named() -> None:
+    torch.manual_seed(0)
+    chain, params = sw.functionalize(mlp([8, 32, 16, 8]).double())
+    step = sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1))
+    batch = (torch.randn(4, 8, dtype=torch.float64), torch.randn(4, 8, dtype=torch.float64))
+    with pytest.raises((ValueError, sw.RankFailed), match=r"tensor_parallel.*'2'"):
+        tp = sw.tensor_parallel(step, "tp", {"0": sw.Colwise()})
+        _one_step(tp, params, sw.Mesh(tp=2), lambda rank: batch)
+
+
+@pytest.mark.parametrize("bad", ["target", "input"])
+@pytest.mark.xfail(strict=True, reason=(
+    "a target id >= vocab (vocab_parallel_cross_entropy: no rank owns it, its logit counts as 0) and an "
+    "input id >= vocab (the vocab-split embedding looks up zeros) are accepted silently; the single-device "
+    "step raises IndexError for both"
+))
+def test_ids_outside_the_vocabulary_are_refused(bad: str) -> None:
+    torch.manual_seed(0)
+    chain, params = sw.functionalize(TinyGPT(vocab=64, d_model=32, n_heads=4, n_layers=1, seq_len=8).double(), units=Block)
+    step = sw.train_step(chain, lambda o, y: sw.vocab_parallel_cross_entropy(o, y), sw.optim.sgd(0.1))
+    ids = torch.randint(0, 64, (4, 8))
+    wrong = ids.clone()
+    wrong[0, 0] = 64
+    batch = (ids, wrong) if bad == "target" else (wrong, ids)
+    with pytest.raises(IndexError):
+        step(step.init(params), batch)  # the reference refuses it
+    with pytest.raises(sw.RankFailed):
+        _one_step(sw.tensor_parallel(step, "tp", sw.tiny_gpt_plan()), params, sw.Mesh(tp=2), lambda rank: batch)
