@@ -177,11 +177,19 @@ def batch_fingerprint(batch: Any) -> torch.Tensor:
     total = torch.zeros((), dtype=torch.float64, device="cpu")  # not on a default device the user set
     for leaf in optree.tree_leaves(batch):
         if isinstance(leaf, torch.Tensor) and leaf.numel():
-            flat = leaf.detach().reshape(-1).to(torch.float64)
-            index = torch.arange(flat.numel(), device=flat.device, dtype=torch.int64)
-            signs = ((index * 2654435761) // 128 % 2) * 2 - 1
-            total = total + ((flat * signs).sum() / flat.numel()).cpu()
+            # NaN and infinities (markers of missing values) count as fixed numbers: alike on every rank.
+            flat = torch.nan_to_num(leaf.detach().reshape(-1).to(torch.float64), nan=0.5, posinf=1.5, neginf=-1.5)
+            total = total + ((flat * _signs(flat.numel(), flat.device)).sum() / flat.numel()).cpu()
+            total = total + 1e-3 * leaf.dim() + 1e-6 * leaf.numel() ** 0.5  # a reshaped batch differs too
     return total
+
+
+def _signs(n: int, device: torch.device) -> torch.Tensor:
+    """A pseudo-random +1 / -1 per position: every bit of the position counts (a multiplicative hash,
+    xor-shifted, its bit 32), so moving rows of any length changes the signs they meet."""
+    h = torch.arange(n, device=device, dtype=torch.int64) * -7046029254386353131  # 0x9E3779B97F4A7C15, wrapped
+    h = h ^ (h >> 29)
+    return ((h >> 32) & 1).to(torch.float64) * 2 - 1
 
 
 def metric_dtype(dtypes: Iterable[torch.dtype]) -> torch.dtype:

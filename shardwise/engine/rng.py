@@ -50,7 +50,7 @@ def ranks_share_generators() -> bool:
     return current_backend().name == "threads"
 
 
-def _generators(device: torch.device) -> list[torch.Generator]:
+def default_generators(device: torch.device) -> list[torch.Generator]:
     """The default generators a compute on ``device`` draws from: the CPU's, and the GPU's."""
     gens = [torch.default_generator]
     if device.type == "cuda":
@@ -66,7 +66,7 @@ def seeded(seed: int | None, device: torch.device, shared: bool) -> Iterator[Non
         yield
         return
     with _SHARED if shared else contextlib.nullcontext():
-        for gen in _generators(device):
+        for gen in default_generators(device):
             gen.manual_seed(seed)
         _HOLDER.device = device if shared else None
         try:
@@ -83,14 +83,14 @@ def _lend_while_blocked() -> Iterator[None]:
     if device is None:
         yield
         return
-    states = [gen.get_state() for gen in _generators(device)]
+    states = [gen.get_state() for gen in default_generators(device)]
     _HOLDER.device = None
     _SHARED.release()
     try:
         yield
     finally:
         _SHARED.acquire()
-        for gen, state in zip(_generators(device), states, strict=True):
+        for gen, state in zip(default_generators(device), states, strict=True):
             gen.set_state(state)
         _HOLDER.device = device
 
@@ -110,10 +110,10 @@ def preserved(device: torch.device, shared: bool, active: bool) -> Iterator[None
         return
     lock = _SHARED if shared else contextlib.nullcontext()
     with lock:
-        states = [gen.get_state() for gen in _generators(device)]
+        states = [gen.get_state() for gen in default_generators(device)]
     try:
         yield
     finally:
         with lock:
-            for gen, state in zip(_generators(device), states, strict=True):
+            for gen, state in zip(default_generators(device), states, strict=True):
                 gen.set_state(state)

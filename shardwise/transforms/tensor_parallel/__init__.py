@@ -103,5 +103,5 @@ def tensor_parallel(
         )
     spec = TPSpec(axis, tuple(plan.items()), sequence_parallel)
     spec.resolved(step.base_chain)  # a plan that cannot work is refused now, not at the first step
-    loss_fn = SplitLogitsLoss(step.loss_fn, axis) if spec.splits_logits(step.base_chain) else step.loss_fn
+    loss_fn = step.loss_fn if isinstance(step.loss_fn, SplitLogitsLoss) else SplitLogitsLoss(step.loss_fn, axis)
     return add(step, spec, loss_fn=loss_fn)

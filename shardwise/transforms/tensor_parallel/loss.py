@@ -26,7 +26,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .comm import all_max, leave, tp_index
+from .comm import all_max, leave, predicting_now, tp_index, tp_size
+from .modules import forget_split_output, output_is_split
 
 _split_over: contextvars.ContextVar[_Split | None] = contextvars.ContextVar("shardwise_vocab_split", default=None)
 
@@ -64,6 +65,14 @@ def vocab_parallel_cross_entropy(
     split.calls += 1
     axis, label = split.axis, "vocab_parallel_cross_entropy"
     rows = flat.shape[-1]
+    vocab = rows * tp_size(axis)
+    if not predicting_now():
+        wrong = (flat_targets != ignore_index) & ((flat_targets < 0) | (flat_targets >= vocab))
+        if bool(wrong.any()):
+            raise IndexError(
+                f"vocab_parallel_cross_entropy: target {int(flat_targets[wrong][0])} is out of bounds for a "
+                f"vocabulary of {vocab} (ignore_index={ignore_index})"
+            )
     start = tp_index(axis) * rows
     top = all_max(flat.max(-1).values, axis, label)
     shifted = flat - top.unsqueeze(-1)
@@ -79,13 +88,19 @@ def vocab_parallel_cross_entropy(
 
 
 class SplitLogitsLoss:
-    """The step's loss when the head leaves the logits split over ``axis``: ``loss_fn`` must compute
-    its cross-entropy with :func:`vocab_parallel_cross_entropy`, which then works on the slices."""
+    """A tensor-parallel step's loss. When the head left the logits split over ``axis`` (the last
+    split module this rank ran was a sharded Colwise: what ran decides, not the plan's order),
+    ``loss_fn`` must compute its cross-entropy with :func:`vocab_parallel_cross_entropy`, which
+    then works on the slices; otherwise it runs as it is."""
 
     def __init__(self, loss_fn: Callable[[Any, Any], Any], axis: str) -> None:
         self.loss_fn, self.axis = loss_fn, axis
 
     def __call__(self, output: Any, targets: Any) -> Any:
+        split_logits = output_is_split()
+        forget_split_output()  # the forward is over: the next one starts whole
+        if not split_logits:
+            return self.loss_fn(output, targets)
         split = _Split(self.axis)
         token = _split_over.set(split)
         try:

@@ -45,6 +45,8 @@ class Install:
     kind: str | None
     seq_dim: int | None  # 1 inside a sequence-parallel block: the sequence is split there
     enters: bool  # a Colwise outside any Region enters the parallel region itself
+    region: str | None = None  # the Region it sits in, if any
+    must_run: bool = False  # a split module that computes with the layer's own parameters: it must run
 
 
 @dataclass
@@ -172,9 +174,14 @@ def resolve(chain: Chain, plan: Mapping[str, Style], sequence_parallel: str | No
             # is not this layer's to run: a Hugging Face head replays the code before the first block on
             # placeholders of the embedding, whose lookup must not be summed over the axis again.
             if isinstance(chosen, Region) or declared:
-                lp.installs.append(
-                    Install(subpath, path, chosen, kind, seq_dim, isinstance(chosen, Colwise) and not enclosing)
-                )
+                # Known to the layer under its own names (not only as another module's alias): the layer
+                # must call it, or its split parameters would be used without its communication.
+                own_names = {f"{prefix}{_join(subpath, n)}" for n, _ in module.named_parameters(recurse=False)}
+                lp.installs.append(Install(
+                    subpath, path, chosen, kind, seq_dim, isinstance(chosen, Colwise) and not enclosing,
+                    region=enclosing[-1] if enclosing else None,
+                    must_run=not isinstance(chosen, Region) and bool(own_names & set(layer.param_names)),
+                ))
             if isinstance(chosen, Region):
                 for attr in (*chosen.heads, *chosen.local):
                     heads.append((path, attr, _read_attribute(module, path, attr)))

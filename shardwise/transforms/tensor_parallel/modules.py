@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from ...engine._module_call import ThreadReplicas
 from ...engine.chain import Layer
-from ...engine.rng import mix
+from ...engine.rng import default_generators, mix
 from .comm import enter, gather_invariant, leave, predicting_now, scatter, tp_index, tp_size, vary
 from .match import CONV1D, EMBEDDING, LINEAR, Install, LayerPlan
 from .styles import Colwise, Region, Rowwise, gathers
@@ -47,6 +47,9 @@ class TPForward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         m, install = self.module, self.install
+        called = getattr(_flow, "called", None)
+        if called is not None:
+            called.add(self.path)
         if self.block is not None and self.block[0]:  # the first sequence-parallel block: split the sequence
             args, kwargs = _map_hidden(m, self.hidden, args, kwargs, lambda h: scatter(h, self.axis, 1, self.path))
         with _rank_stream(self.axis, args, kwargs, sticky=self.block is not None) if self.own_stream else contextlib.nullcontext():
@@ -63,16 +66,31 @@ class TPForward:
             for attr, value in self.locals.items():
                 setattr(m, attr, value // n)
             args, kwargs = _map_hidden(m, self.hidden, args, kwargs, lambda h: enter(h, axis, install.seq_dim, label, self.reduce))
-            return type(m).forward(m, *args, **kwargs)
+            _flow.regions = getattr(_flow, "regions", 0) + 1
+            try:
+                return type(m).forward(m, *args, **kwargs)
+            finally:
+                _flow.regions -= 1
         (x,) = args
         if isinstance(style, Colwise):
             if install.enters and install.kind != EMBEDDING:
                 x = enter(x, axis, install.seq_dim, label, self.reduce)
+            elif not install.enters and not getattr(_flow, "regions", 0):
+                raise ValueError(
+                    f"tensor_parallel: Colwise() on {label!r} sits inside Region {install.region!r}, which this layer "
+                    "never entered (no layer calls that module: each of its children is a layer of its own), so its "
+                    "input's gradient would never be summed over the axis; put the Region on a module a layer calls "
+                    f"(make {install.region!r} one unit of functionalize), or drop it and the Colwise enters the "
+                    "region itself"
+                )
             y = _conv1d(x, _require(weight), bias) if install.kind == CONV1D else type(m).forward(m, x)
-            return gather_invariant(y, axis, y.dim() - 1, label) if gathers(style, install.kind == EMBEDDING) else y
+            gathered = gathers(style, install.kind == EMBEDDING)
+            _flow.split_output = not gathered
+            return gather_invariant(y, axis, y.dim() - 1, label) if gathered else y
         assert isinstance(style, Rowwise)
+        _flow.split_output = False
         if install.kind == EMBEDDING:
-            return leave(_vocab_lookup(m, x, axis), axis, None, label, self.reduce)
+            return leave(_vocab_lookup(m, x, axis, label), axis, None, label, self.reduce)
         assert weight is not None
         width = weight.shape[1] if install.kind == LINEAR else weight.shape[0]
         if x.shape[-1] != width:
@@ -87,15 +105,23 @@ class TPForward:
         return y if bias is None else y + bias
 
 
+# What this rank's layers have run, per thread (rank): .regions, how many Regions it is inside;
+# .split_output, whether the last split module it ran left its output split (a sharded Colwise).
+_flow = threading.local()
+
+
+def output_is_split() -> bool:
+    """Whether the last split module this rank ran left its output split (the logits of a head)."""
+    return bool(getattr(_flow, "split_output", False))
+
+
+def forget_split_output() -> None:
+    """The end of a forward (the loss): nothing is split any more."""
+    _flow.split_output = False
+
+
 # -- random streams: per rank on per-rank values, shared on replicated ones ------------------------
 _streams = threading.local()  # .saved: the shared streams' state while this rank draws its own
-
-
-def _generators(device: torch.device) -> list[torch.Generator]:
-    gens = [torch.default_generator]
-    if device.type == "cuda":
-        gens.append(torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()])
-    return gens
 
 
 @contextlib.contextmanager
@@ -109,7 +135,7 @@ def _rank_stream(axis: str, args: tuple[Any, ...], kwargs: dict[str, Any], stick
         yield
         return
     tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, Tensor)]
-    gens = _generators(tensors[0].device if tensors else torch.device("cpu"))
+    gens = default_generators(tensors[0].device if tensors else torch.device("cpu"))
     base = int(torch.empty((), dtype=torch.int64).random_().item())
     saved = [g.get_state() for g in gens]
     for i, g in enumerate(gens):
@@ -148,11 +174,16 @@ def _conv1d(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return y.view(*x.shape[:-1], weight.shape[1])
 
 
-def _vocab_lookup(m: nn.Module, ids: Tensor, axis: str) -> Tensor:
+def _vocab_lookup(m: nn.Module, ids: Tensor, axis: str, label: str) -> Tensor:
     """This rank's rows of a vocabulary-split embedding: ids outside them look up zeros."""
     weight = _tensor(m, "weight")
     assert weight is not None
     rows = weight.shape[0]
+    if not predicting_now() and ids.numel() and bool(((ids < 0) | (ids >= rows * tp_size(axis))).any()):
+        raise IndexError(
+            f"tensor_parallel: {label!r} looks up ids outside its vocabulary of {rows * tp_size(axis)} "
+            f"(from {int(ids.min())} to {int(ids.max())}); index out of range, as the whole Embedding would say"
+        )
     start = tp_index(axis) * rows
     outside = (ids < start) | (ids >= start + rows)
     local = (ids - start).masked_fill(outside, 0)
@@ -191,17 +222,61 @@ class VaryFn:
     over the axis (``vary``), around the layer fn calling the tensor-parallel module."""
 
     def __init__(
-        self, fn: Callable[[dict[str, Tensor], Any], Any], axis: str, names: frozenset[str], reduce: torch.dtype | None
+        self, fn: Callable[[dict[str, Tensor], Any], Any], axis: str, names: frozenset[str], reduce: torch.dtype | None,
+        must_run: frozenset[str] = frozenset(),
     ) -> None:
-        self.fn, self.axis, self.names, self.reduce = fn, axis, names, reduce
+        self.fn, self.axis, self.names, self.reduce, self.must_run = fn, axis, names, reduce, must_run
 
     def __call__(self, tensors: dict[str, Tensor], x: Any) -> Any:
         if self.names:
             tensors = {k: vary(t, self.axis, k, self.reduce) if k in self.names else t for k, t in tensors.items()}
-        return self.fn(tensors, x)
+        outer = getattr(_flow, "called", None)
+        called: set[str] = set()
+        _flow.called = called
+        try:
+            out = self.fn(tensors, x)
+        finally:
+            _flow.called = outer
+        missed = sorted(self.must_run - called)
+        if missed:
+            raise ValueError(
+                f"tensor_parallel: this layer computed without calling {missed} as modules (torch.fx traced through "
+                "them, or they did not run), so their split parameters were used without their communication; "
+                "make each a leaf of the split (a unit of functionalize, or a torch.nn module), or leave it whole"
+            )
+        return out
 
     def __repr__(self) -> str:
         return f"tensor_parallel({self.fn!r})"
+
+
+class GuardFn:
+    """A layer fn tensor parallel leaves as it is, which names a likely cause when it fails on a value a
+    Colwise left split (its output="sharded" reaching a module that is not a Rowwise)."""
+
+    def __init__(self, fn: Callable[[dict[str, Tensor], Any], Any], layer: str, axis: str) -> None:
+        self.fn, self.layer, self.axis = fn, layer, axis
+
+    def __call__(self, tensors: dict[str, Tensor], x: Any) -> Any:
+        if not output_is_split():
+            return self.fn(tensors, x)
+        try:
+            return self.fn(tensors, x)
+        except RuntimeError as err:  # what torch raises on shapes that do not fit (not its control flow)
+            raise ValueError(
+                f"tensor_parallel: layer {self.layer!r} failed ({type(err).__name__}: {err}) on a value the last "
+                f"split module before it left split over {self.axis!r} (a Colwise with output='sharded'): the "
+                "module that takes a split output must be a Rowwise in the plan, or give the Colwise "
+                "output='replicated'"
+            ) from err
+
+    def __repr__(self) -> str:
+        return repr(self.fn)
+
+
+def guard_layer(layer: Layer, axis: str) -> Layer:
+    """``layer`` as it is, naming the likely cause when it fails on a split value (see GuardFn)."""
+    return Layer(layer.name, GuardFn(layer.fn, layer.name, axis), layer.param_names, layer.buffers, layer.ties)
 
 
 def rewrite_layer(layer: Layer, plan: LayerPlan, axis: str, reduce: torch.dtype | None) -> Layer:
@@ -220,4 +295,8 @@ def rewrite_layer(layer: Layer, plan: LayerPlan, axis: str, reduce: torch.dtype 
         target.forward = TPForward(target, axis, installs.get(subpath), blocks.get(subpath), reduce, path)
     new_fn = copy.copy(fn)
     new_fn.replicas = ThreadReplicas(copied, replicas.prefix)  # type: ignore[attr-defined]
-    return Layer(layer.name, VaryFn(new_fn, axis, frozenset(plan.vary), reduce), layer.param_names, layer.buffers, layer.ties)
+    must_run = frozenset(i.path for i in plan.installs if i.must_run)
+    return Layer(
+        layer.name, VaryFn(new_fn, axis, frozenset(plan.vary), reduce, must_run), layer.param_names, layer.buffers,
+        layer.ties,
+    )

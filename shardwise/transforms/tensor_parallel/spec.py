@@ -15,10 +15,10 @@ from ...engine.chain import Chain
 from ...engine.compose import SPLIT
 from ...engine.layout import Placement, TensorSplit
 from .comm import predicting
-from .match import EMBEDDING, Resolved, resolve
-from .modules import rewrite_layer
+from .match import Resolved, resolve
+from .modules import guard_layer, rewrite_layer
 from .predict import predict
-from .styles import Colwise, Rowwise, Style, gathers
+from .styles import Style
 
 _RESOLVED: weakref.WeakKeyDictionary[Chain, dict[Any, Resolved]] = weakref.WeakKeyDictionary()
 
@@ -57,20 +57,10 @@ class TPSpec:
             lp = resolved.layers.get(layer.name)
             reduce = None if precision is None else precision.for_layer(layer.name).reduce
             changes = lp is not None and (lp.installs or lp.blocks or lp.vary)
-            layers.append(rewrite_layer(layer, lp, self.axis, reduce) if changes and lp is not None else layer)
+            layers.append(rewrite_layer(layer, lp, self.axis, reduce) if changes and lp is not None else guard_layer(layer, self.axis))
         rewritten = Chain(layers)
         _RESOLVED.setdefault(rewritten, {})[self] = resolved
         return rewritten
-
-    def splits_logits(self, chain: Chain) -> bool:
-        """Whether the chain's output leaves the tensor-parallel region split (a sharded Colwise last)."""
-        last = None
-        for layer in chain:
-            lp = self.resolved(chain).layers.get(layer.name)
-            for install in lp.installs if lp is not None else ():
-                if isinstance(install.style, (Colwise, Rowwise)):
-                    last = install
-        return last is not None and isinstance(last.style, Colwise) and not gathers(last.style, last.kind == EMBEDDING)
 
     def splits(self, chain: Chain, parts: int) -> dict[tuple[str, str], TensorSplit]:
         """Every split parameter, by (owner layer, owner's local name), for an axis of ``parts``."""
