@@ -28,6 +28,7 @@ Point to point (``send`` / ``recv``) lives in ``distributed_p2p.py``.
 from __future__ import annotations
 
 import datetime
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -67,7 +68,10 @@ class TorchDistributedBackend(PointToPoint, Backend):
         self.world_size = dist.get_world_size()
         self.timeout = float(timeout)
         self.name = str(dist.get_backend())
-        self._groups: dict[tuple[int, ...], Any] = {}
+        # Weak: torch's registry owns the process groups. A group shardwise kept alive past
+        # destroy_process_group() would be torn down at interpreter exit, and gloo then aborts the
+        # process now and then ("terminate called without an active exception").
+        self._groups: dict[tuple[int, ...], weakref.ref[Any]] = {}
         self._init_p2p()
 
     @classmethod
@@ -236,9 +240,13 @@ class TorchDistributedBackend(PointToPoint, Backend):
         return pg, order
 
     def _process_group(self, members: tuple[int, ...], group: Group, op_name: str) -> Any:
-        pg = self._groups.get(members)
+        known = self._groups.get(members)
+        pg = None if known is None else known()
         if pg is not None:
             return pg
+        if not dist.is_initialized():
+            raise self._error(f"starting {op_name}", group, RuntimeError(
+                "the default process group was destroyed (destroy_process_group()); collectives need it"))
         if members == tuple(range(self.world_size)):
             pg = dist.group.WORLD
         else:
@@ -255,7 +263,7 @@ class TorchDistributedBackend(PointToPoint, Backend):
                 )
             except Exception as exc:
                 raise self._error(f"creating the process group for {op_name}", group, exc) from exc
-        self._groups[members] = pg
+        self._groups[members] = weakref.ref(pg)
         return pg
 
     def _issue(self, op_name: str, group: Group, x: torch.Tensor, call: Callable[[], Any]) -> Any:
