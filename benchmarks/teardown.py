@@ -1,5 +1,9 @@
 """Teardown: launch after launch in fresh interpreters, counting the ones that do not exit cleanly.
 
+``--backends torchrun`` runs the guide's torchrun recipe instead (``torchrun --nproc-per-node
+world``: a process group with the one timeout, a ZeRO-3 step, a barrier, destroy_process_group),
+where torch 2.13 on gloo used to abort at exit now and then.
+
 Each launch is its own interpreter running ``shardwise.launch(main, world)`` (a psum and a
 send/recv round trip per rank) on one backend, so an abort while the interpreter or gloo tears
 down (torch 2.13's SIGABRT, "terminate called without an active exception") is a crash, as is
@@ -14,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -43,6 +48,43 @@ if __name__ == "__main__":
 """
 
 
+TORCHRUN_PROGRAM = """
+import datetime, os, torch, torch.distributed as dist, shardwise as sw
+from shardwise.testing.models import mlp
+
+def main():
+    torch.manual_seed(0)
+    chain, params = sw.functionalize(mlp([6, 16, 3]))
+    step = sw.shard_params(sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1)), "dp", stage=3)
+    mesh = sw.Mesh(dp=dist.get_world_size())
+    state = step.init(params, mesh)
+    gen = torch.Generator().manual_seed(0)
+    state, metrics = step(state, (torch.randn(8, 6, generator=gen), torch.randn(8, 3, generator=gen)))
+    print(os.getpid(), flush=True)
+
+if __name__ == "__main__":
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    try:
+        main()
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _command(backend: str, world: int, script: Path) -> list[str]:
+    if backend == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--max-restarts", "0",
+                "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), str(script)]
+    return [sys.executable, str(script), backend, str(world)]
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -56,15 +98,14 @@ def run(backend: str, world: int, launches: int) -> dict[str, object]:
     crashes: list[str] = []
     # A file, not ``python -c``: spawned rank processes import the main script.
     script = Path(tempfile.mkdtemp(prefix="shardwise-teardown-")) / "launch_once.py"
-    script.write_text(PROGRAM)
+    script.write_text(TORCHRUN_PROGRAM if backend == "torchrun" else PROGRAM)
     started = time.monotonic()
     for i in range(launches):
         proc = subprocess.run(
-            [sys.executable, str(script), backend, str(world)],
-            capture_output=True, text=True, timeout=300, env=env, cwd=ROOT,
+            _command(backend, world, script), capture_output=True, text=True, timeout=300, env=env, cwd=ROOT,
         )  # fmt: skip
-        pids = [int(p) for p in proc.stdout.split()] if proc.returncode == 0 else []
-        if backend == "processes" and proc.returncode == 0:
+        pids = [int(p) for p in proc.stdout.split() if p.isdigit()] if proc.returncode == 0 else []
+        if backend in ("processes", "torchrun") and proc.returncode == 0:
             left = [pid for pid in pids if _alive(pid)]
             if left:
                 crashes.append(f"launch {i}: rank processes {left} still running")
@@ -85,7 +126,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--launches", type=int, default=100)
     parser.add_argument("--world", type=int, default=2)
-    parser.add_argument("--backends", default="threads,processes")
+    parser.add_argument("--backends", default="threads,processes", help="threads, processes, torchrun")
     args = parser.parse_args()
     for backend in args.backends.split(","):
         print(json.dumps(run(backend, args.world, args.launches)), flush=True)

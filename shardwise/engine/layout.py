@@ -260,6 +260,23 @@ def leaf_specs(
     return specs
 
 
+class BoundedCache(dict[Any, Any]):
+    """A dict that forgets its oldest entry past ``size`` entries: a layout memoises per input
+    layout (batch shapes), and a run whose sequence lengths vary must not grow it without end."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.size = size
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        if key not in self and len(self) >= self.size:
+            del self[next(iter(self))]
+        super().__setitem__(key, value)
+
+    def __reduce__(self) -> tuple[Any, tuple[int]]:
+        return BoundedCache, (self.size,)  # a cache travels empty
+
+
 @dataclass(frozen=True)
 class StateLayout:
     """The static part of a TrainState: how the parameters are laid out on the mesh.
@@ -282,7 +299,7 @@ class StateLayout:
     opt_leaves: dict[str, dict[tuple[str, str], LeafSpec]] = field(default_factory=dict)
     opt_scalars: dict[str, tuple[tuple[int, ...], torch.dtype]] = field(default_factory=dict)
     # Derived data, memoised per input layout / pipeline index: never part of equality.
-    cache: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
+    cache: dict[Any, Any] = field(default_factory=lambda: BoundedCache(64), compare=False, repr=False)
 
     def index_of(self, mesh: Mesh | None) -> int:
         return self.placement.index_of(mesh)

@@ -253,6 +253,8 @@ def test_teardown_launches_exit_cleanly() -> None:
     rows = [subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO)]
     command[command.index("4")], command[-1] = "2", "processes"
     rows.append(subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO))
+    command[-1] = "torchrun"  # the guide's recipe under torchrun
+    rows.append(subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO))
     for proc in rows:
         assert proc.returncode == 0, proc.stderr
         row = json.loads(proc.stdout)

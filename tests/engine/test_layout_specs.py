@@ -55,3 +55,13 @@ def test_a_tensor_parallel_state_spec_says_its_split() -> None:
     assert momentum[("2", "weight")].split == sw.TensorSplit("tp", 1, 2)
     assert momentum[("2", "bias")].split is None  # added once, after the sum: whole on every rank
     assert momentum[("0", "weight")].shape == (8, 4) and momentum[("0", "weight")].local_shape == (4, 4)
+
+
+def test_a_layout_memoises_a_bounded_number_of_input_layouts() -> None:
+    # Varying sequence lengths: one set of actions and boundaries per input layout, never without end.
+    chain, params = _chain()
+    step = sw.pipeline(sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1)), "pp", "1f1b", 2)
+    layout = step.layout(sw.Mesh(pp=2), params)
+    for rows in range(2, 400, 2):
+        step.boundaries(layout, torch.randn(rows, 4))
+    assert 0 < len(layout.cache) <= 64
