@@ -16,7 +16,8 @@ What is checked
 ``"kind": "equivalence"``: ``sw.testing.assert_equivalent`` with parameters and
 batches on the device, ranks as threads of this process sharing it:
 ``shard_params`` stage 1/2/3 (MLP and GPT, float64), every built-in pipeline
-schedule over ``pp=2`` (MLP, float64), a GPT pipeline, the README's
+schedule over ``pp=2`` (MLP, float64), a GPT pipeline, tensor parallel (tp 2 with and without sequence parallel, dp 2 x tp 2
+with ZeRO-3; TinyGPT, float64), the README's
 composition of all four transforms on ``dp=2 x pp=2`` (bf16 compute), fp16 with
 dynamic loss scaling under ``shard_params`` and full remat under it. ``ok`` is
 true when the distributed step matched its reference and every tensor of the
@@ -81,7 +82,7 @@ from _common import emit, environment, lm_loss, note
 import shardwise as sw
 from shardwise.collectives.backends.processes import _free_port  # the launcher's own port probe
 from shardwise.testing.equivalence import compare_histories, record_history
-from shardwise.testing.models import TinyGPT, mlp
+from shardwise.testing.models import Block, TinyGPT, mlp
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zb_h1", "zb_v")
 Check = Callable[[], dict[str, Any]]
@@ -220,7 +221,22 @@ def equivalence_checks(device: torch.device, quick: bool) -> list[tuple[str, Che
         rematted = sw.shard_params(sw.remat(step, policy=sw.policies.nothing_saveable), "dp", stage=3)
         return equivalence(rematted, step, sw.Mesh(dp=2), batches, params)
 
+    def tensor_parallel(sequence_parallel: bool, mesh: sw.Mesh) -> dict[str, Any]:
+        # TinyGPT split per block (units=Block: the attention's widths come from its projections).
+        torch.manual_seed(0)
+        model = TinyGPT(vocab=64, d_model=32, n_heads=4, n_layers=2, seq_len=16).to(device, f64)
+        chain, params = sw.functionalize(model, units=Block)
+        _, _, batches = gpt_case(device, f64)
+        step = sw.train_step(chain, lambda o, y: sw.vocab_parallel_cross_entropy(o, y), sgd, clip_norm=1.0)
+        tp = sw.tensor_parallel(step, "tp", sw.tiny_gpt_plan(), sequence_parallel="blocks.*" if sequence_parallel else None)
+        if "dp" in mesh.axis_names:
+            tp = sw.shard_params(tp, "dp", stage=3)
+        return equivalence(tp, step, mesh, batches, params)
+
     checks += [
+        ("tensor_parallel:gpt:tp2", lambda: tensor_parallel(False, sw.Mesh(tp=2))),
+        ("tensor_parallel:gpt:tp2:sequence_parallel", lambda: tensor_parallel(True, sw.Mesh(tp=2))),
+        ("tensor_parallel:gpt:dp2xtp2:stage3", lambda: tensor_parallel(True, sw.Mesh(dp=2, tp=2))),
         ("pipeline:gpt:1f1b", pipe_gpt),
         ("composed:dp2xpp2:bf16:remat", composed),
         ("shard_params:gpt:stage3:fp16_dynamic_scale", fp16_scaled),
