@@ -231,6 +231,8 @@ def _snapshot(state: TrainState, step: Any, layout: StateLayout, mesh: Mesh | No
     mirrors, scalars = split_opt_state(state.opt_state, tree)
     out: list[tuple[str, tuple[int, ...], torch.Tensor]] = []
     tensors: dict[str, Any] = {}
+    tp_axes = {s.split.axis for s in layout.leaves.values() if s.split is not None}
+    tp_index = mesh.axis_index(next(iter(tp_axes))) if tp_axes and mesh is not None else 0  # tensor parallel
 
     def add(fqn: str, shape: tuple[int, ...], segment: torch.Tensor, start: int, stop: int, spec: Any = None) -> None:
         """Elements [start, stop) of this rank's tensor as boxes of the whole one (of ``shape``);
@@ -245,10 +247,6 @@ def _snapshot(state: TrainState, step: Any, layout: StateLayout, mesh: Mesh | No
             for at, piece in pieces:
                 out.append((fqn, at, piece.detach().to("cpu", copy=True)))  # a copy: training goes on
 
-    tp_index = 0
-    tp_axes = {s.split.axis for s in layout.leaves.values() if s.split is not None}
-    if tp_axes and mesh is not None:
-        tp_index = mesh.axis_index(next(iter(tp_axes)))
     for region in my_regions(layout, mesh):
         key = names.param_key[(region.layer, region.name)]
         spec = layout.leaves[(region.layer, region.name)]

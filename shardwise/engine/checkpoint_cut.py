@@ -94,7 +94,7 @@ def my_regions(layout: StateLayout, mesh: Mesh | None) -> list[Region]:
         used = {layout.placement.axis, None if sharding is None else sharding.axis, *splits}
         if any(c != 0 for axis, c in mesh.coords.items() if axis not in used):
             return []
-        split_index = sum(mesh.axis_index(a) for a in splits)  # tensor parallel: one axis at most
+        split_index = mesh.axis_index(next(iter(splits))) if splits else 0  # tensor parallel: one axis
 
     def mine(layer: str, name: str) -> bool:
         """This rank saves its copy: the owner's pipeline index, and a whole (replicated) parameter

@@ -77,6 +77,7 @@ def plan_of(step: Step, mesh: Mesh, params: Params | None, batch: Any) -> Plan:
             notes[layer] = (*notes.get(layer, ()), note)
     return Plan(mesh, tuple(per_rank), memory, {n: notes[n] for n in step.chain.names if n in notes})
 
+
 def _inside_computes(
     step: Step, mesh: Mesh, params: Params | None, batch: Any, placement: Placement, layouts: dict[int, StateLayout]
 ) -> Inside | None:
