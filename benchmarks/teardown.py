@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -60,7 +61,7 @@ def main():
     state = step.init(params, mesh)
     gen = torch.Generator().manual_seed(0)
     state, metrics = step(state, (torch.randn(8, 6, generator=gen), torch.randn(8, 3, generator=gen)))
-    print(os.getpid(), flush=True)
+    os.write(1, f"{os.getpid()}\\n".encode())  # one write: the ranks share the pipe, print() writes twice
 
 if __name__ == "__main__":
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
@@ -104,7 +105,8 @@ def run(backend: str, world: int, launches: int) -> dict[str, object]:
         proc = subprocess.run(
             _command(backend, world, script), capture_output=True, text=True, timeout=300, env=env, cwd=ROOT,
         )  # fmt: skip
-        pids = [int(p) for p in proc.stdout.split() if p.isdigit()] if proc.returncode == 0 else []
+        # The ranks print their PIDs: on one line (launch), or each on its own (torchrun's workers).
+        pids = [int(p) for p in re.findall(r"^[\d ]+$", proc.stdout, re.M) for p in p.split()] if proc.returncode == 0 else []
         if backend in ("processes", "torchrun") and proc.returncode == 0:
             left = [pid for pid in pids if _alive(pid)]
             if left:

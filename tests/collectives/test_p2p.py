@@ -153,13 +153,14 @@ _ABORT_SEEN: list[BaseException] = []
 
 
 def peer_raises() -> None:
+    # Rank 0 waits first (thread ranks start one at a time: rank 1 starts once rank 0 waits).
     mesh = Mesh(pp=2)
     with mesh:
-        if mesh.rank == 0:
+        if mesh.rank == 1:
             time.sleep(0.2)
-            raise ValueError("stage 0 broke")
+            raise ValueError("stage 1 broke")
         try:
-            recv("pp", 0, tag=2).wait()
+            recv("pp", 1, tag=2).wait()
         except RankAborted as exc:
             _ABORT_SEEN.append(exc)
             raise
@@ -224,11 +225,11 @@ def test_a_recv_whose_sender_never_sends_times_out_naming_peer_and_tag() -> None
 def test_a_peer_that_raises_stops_the_waiting_recv_quickly() -> None:
     _ABORT_SEEN.clear()
     start = time.monotonic()
-    with pytest.raises(RankFailed, match="stage 0 broke") as info:
+    with pytest.raises(RankFailed, match="stage 1 broke") as info:
         launch(peer_raises, 2, timeout=30.0)
     assert time.monotonic() - start < 5
-    assert info.value.rank == 0
-    assert len(_ABORT_SEEN) == 1 and "recv from rank 0 (tag 2)" in str(_ABORT_SEEN[0])
+    assert info.value.rank == 1
+    assert len(_ABORT_SEEN) == 1 and "recv from rank 1 (tag 2)" in str(_ABORT_SEEN[0])
 
 
 def test_send_refuses_grad_and_checks_its_arguments() -> None:
