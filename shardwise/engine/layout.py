@@ -207,7 +207,10 @@ class LeafSpec:
 
     def describe(self) -> str:
         where = f"pipeline indices {[c.index for c in self.copies]} of {self.pipeline_axis!r}" if self.pipeline_axis else "every rank"
-        zero = f", ZeRO-{self.zero_stage} flat shard over {self.dp_axis!r} of {self.shards}" if self.dp_axis else ""
+        zero = ""
+        if self.dp_axis:
+            sharded = "kept as" if self.zero_stage == 3 else "whole at rest, updated in"  # ZeRO-1/2 shard the state
+            zero = f", ZeRO-{self.zero_stage}: {sharded} a flat shard over {self.dp_axis!r} of {self.shards}"
         split = self.split
         tp = "" if split is None else f", dim {split.dim} split over {split.axis!r} in {split.parts}" + (
             f" (each of {split.blocks} fused blocks)" if split.blocks > 1 else ""
