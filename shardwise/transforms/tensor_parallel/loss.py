@@ -74,6 +74,11 @@ def vocab_parallel_cross_entropy(
                 f"vocabulary of {vocab} (ignore_index={ignore_index})"
             )
     start = tp_index(axis) * rows
+    # Half-precision logits are summed in float32, across the vocabulary and over the ranks (as
+    # torch's cross-entropy accumulates them): bf16 sums of exponentials would lose the loss.
+    given = flat.dtype
+    if given in (torch.float16, torch.bfloat16):
+        flat = flat.float()
     top = all_max(flat.max(-1).values, axis, label)
     shifted = flat - top.unsqueeze(-1)
     log_sum = leave(shifted.exp().sum(-1), axis, None, label).log()
@@ -84,7 +89,8 @@ def vocab_parallel_cross_entropy(
     valid = flat_targets != ignore_index
     losses = (log_sum - target_logit).masked_fill(~valid, 0.0)
     total = losses.sum()
-    return total if reduction == "sum" else total / valid.sum().to(total.dtype)
+    loss = total if reduction == "sum" else total / valid.sum().to(total.dtype)
+    return loss.to(given)
 
 
 class SplitLogitsLoss:
