@@ -15,6 +15,7 @@ the update); without them, a step asked for no metric exchanges nothing.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -179,11 +180,12 @@ def batch_fingerprint(batch: Any) -> torch.Tensor:
         if isinstance(leaf, torch.Tensor) and leaf.numel():
             # NaN and infinities (markers of missing values) count as fixed numbers: alike on every rank.
             flat = torch.nan_to_num(leaf.detach().reshape(-1).to(torch.float64), nan=0.5, posinf=1.5, neginf=-1.5)
-            total = total + ((flat * _signs(flat.numel(), flat.device)).sum() / flat.numel()).cpu()
+            total = total + (torch.dot(flat, _signs(flat.numel(), flat.device)) / flat.numel()).cpu()
             total = total + 1e-3 * leaf.dim() + 1e-6 * leaf.numel() ** 0.5  # a reshaped batch differs too
     return total
 
 
+@functools.lru_cache(maxsize=8)  # a step's batches keep their sizes: made once, not every step
 def _signs(n: int, device: torch.device) -> torch.Tensor:
     """A pseudo-random +1 / -1 per position: every bit of the position counts (a multiplicative hash,
     xor-shifted, its bit 32), so moving rows of any length changes the signs they meet."""
