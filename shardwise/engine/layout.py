@@ -264,16 +264,27 @@ def leaf_specs(
 
 
 class BoundedCache(dict[Any, Any]):
-    """A dict that forgets its oldest entry past ``size`` entries: a layout memoises per input
-    layout (batch shapes), and a run whose sequence lengths vary must not grow it without end."""
+    """A dict that forgets its least recently used entry past ``size`` entries: a layout memoises
+    per input layout (batch shapes), and a run whose sequence lengths vary must not grow it without
+    end, nor lose what every step reads (its actions) to the shapes it saw once."""
 
     def __init__(self, size: int) -> None:
         super().__init__()
         self.size = size
 
+    def __getitem__(self, key: Any) -> Any:
+        value = super().pop(key)  # KeyError as a dict raises it
+        super().__setitem__(key, value)  # now the most recently used
+        return value
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        return self[key] if key in self else default  # noqa: SIM401 (self.get would recurse)
+
     def __setitem__(self, key: Any, value: Any) -> None:
-        if key not in self and len(self) >= self.size:
-            del self[next(iter(self))]
+        if key in self:
+            super().pop(key)
+        elif len(self) >= self.size:
+            super().pop(next(iter(self)))
         super().__setitem__(key, value)
 
     def __reduce__(self) -> tuple[Any, tuple[int]]:

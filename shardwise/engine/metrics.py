@@ -171,27 +171,45 @@ def batch_weight(rank: int) -> float:
 
 
 def batch_fingerprint(batch: Any) -> torch.Tensor:
-    """One number per batch, the same on every rank given the same batch and unlike it for another
-    (rows swapped included): each tensor's mean of its elements times a pseudo-random sign per
-    position, in float64. Signed, it is of the order of the batch's fluctuations, not its mean, so
-    two different batches differ by about their own size."""
-    total = torch.zeros((), dtype=torch.float64, device="cpu")  # not on a default device the user set
+    """One number per batch, the same on every rank given the same batch and unlike it for another:
+    per tensor, the mean of its elements times a pseudo-random sign per position (rows moved, any
+    change of a few elements), plus half its plain mean (a constant shift), in float64 (on the
+    batch's device, one copy to the host at the end)."""
+    parts: list[torch.Tensor] = []
+    shape_terms = 0.0
     for leaf in optree.tree_leaves(batch):
         if isinstance(leaf, torch.Tensor) and leaf.numel():
             # NaN and infinities (markers of missing values) count as fixed numbers: alike on every rank.
             flat = torch.nan_to_num(leaf.detach().reshape(-1).to(torch.float64), nan=0.5, posinf=1.5, neginf=-1.5)
-            total = total + (torch.dot(flat, _signs(flat.numel(), flat.device)) / flat.numel()).cpu()
-            total = total + 1e-3 * leaf.dim() + 1e-6 * leaf.numel() ** 0.5  # a reshaped batch differs too
-    return total
+            n = flat.numel()
+            parts.append(torch.dot(flat, _signs(n, flat.device)) / n + 0.5 * flat.mean())
+            shape_terms += 1e-3 * leaf.dim() + 1e-6 * n**0.5  # a reshaped batch differs too
+    if not parts:
+        return torch.tensor(shape_terms, dtype=torch.float64)
+    return (torch.stack([p.to(parts[0].device) for p in parts]).sum().cpu() + shape_terms).to(torch.float64)
+
+
+_CACHED_SIGNS = 1 << 20  # positions: beyond, the signs are made for each call, not kept
+
+
+def _signs(n: int, device: torch.device) -> torch.Tensor:
+    """A pseudo-random +1 / -1 per position, from splitmix64 of the position (no structure at low
+    positions: neighbours do not cancel), so moving elements of any length changes the signs they meet."""
+    return _cached_signs(n, device) if n <= _CACHED_SIGNS else _make_signs(n, device)
 
 
 @functools.lru_cache(maxsize=8)  # a step's batches keep their sizes: made once, not every step
-def _signs(n: int, device: torch.device) -> torch.Tensor:
-    """A pseudo-random +1 / -1 per position: every bit of the position counts (a multiplicative hash,
-    xor-shifted, its bit 32), so moving rows of any length changes the signs they meet."""
-    h = torch.arange(n, device=device, dtype=torch.int64) * -7046029254386353131  # 0x9E3779B97F4A7C15, wrapped
-    h = h ^ (h >> 29)
-    return ((h >> 32) & 1).to(torch.float64) * 2 - 1
+def _cached_signs(n: int, device: torch.device) -> torch.Tensor:
+    return _make_signs(n, device)
+
+
+def _make_signs(n: int, device: torch.device) -> torch.Tensor:
+    z = torch.arange(1, n + 1, device=device, dtype=torch.int64) * -7046029254386353131  # 0x9E3779B97F4A7C15
+    # torch's >> on int64 is arithmetic: the masks make each shift the logical one splitmix64 takes.
+    z = (z ^ ((z >> 30) & ((1 << 34) - 1))) * -4658895280553007687  # 0xBF58476D1CE4E5B9
+    z = (z ^ ((z >> 27) & ((1 << 37) - 1))) * -7723592293110705685  # 0x94D049BB133111EB
+    z = z ^ ((z >> 31) & ((1 << 33) - 1))
+    return ((z >> 40) & 1).to(torch.float64) * 2 - 1
 
 
 def metric_dtype(dtypes: Iterable[torch.dtype]) -> torch.dtype:

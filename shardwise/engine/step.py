@@ -395,8 +395,9 @@ class Step:
                 source = ParamSource(compute=self._compute_params(state.params), sharding=sharding)
         # The actions depend on the stack (the layout's) and on what the step exchanges.
         key = ("actions", index, self.metric_exchange(), self.update_needs_sums)
-        if key not in layout.cache:
-            layout.cache[key] = rank_actions(self, placement, layout.schedule, index, unit_names(sharding))
+        actions = layout.cache.get(key)
+        if actions is None:
+            actions = layout.cache[key] = rank_actions(self, placement, layout.schedule, index, unit_names(sharding))
         outcome: dict[str, Any] = {}
 
         def update(grads: Any, summed: Summed) -> Any:
@@ -443,7 +444,7 @@ class Step:
             rng_rank=self._rng_rank(mesh),
             replicated=None if self.split_spec is None else self._tp_selection(layout, mesh, replicated=True),
         )
-        executor.run(layout.cache[key])
+        executor.run(actions)
         summed = executor.summed
         if mesh is not None and summed.batches_differ(_exchange_group(mesh, metric_axes(self))):
             raise ValueError(different_batches())

@@ -1,11 +1,10 @@
 """Review of the late changes (staggered thread-rank start, the batch check, the bounded layout
-cache) as strict xfails: each test states what should happen and fails today."""
+cache): each test states what should happen (each failed before its fix)."""
 
 from __future__ import annotations
 
 import time
 
-import pytest
 import torch
 
 import shardwise as sw
@@ -24,9 +23,6 @@ def _poll_an_async_psum() -> object:
     return handle.wait()
 
 
-@pytest.mark.xfail(strict=True, reason="thread ranks start one at a time, at the previous rank's first "
-                   "blocking wait: a rank that polls Handle.is_completed() never starts the next rank "
-                   "(without a bound in the rank, launch never returns)")
 def test_a_rank_polling_its_handle_lets_its_peer_run() -> None:
     results = sw.launch(_poll_an_async_psum, 2, timeout=60)
     assert all(isinstance(r, torch.Tensor) and float(r) == 2.0 for r in results)
@@ -38,9 +34,6 @@ def _slow_setup_then_psum() -> torch.Tensor:
     return sw.psum(torch.ones(1), "dp", mesh=mesh)
 
 
-@pytest.mark.xfail(strict=True, reason="the staggered start serialises every rank's setup: rank 0 waits "
-                   "in its first collective for the sum of the others' setups (6 s), past the timeout of 5 s, "
-                   "and healthy ranks are reported as never arriving")
 def test_setup_shorter_than_the_timeout_on_every_rank_does_not_time_out() -> None:
     results = sw.launch(_slow_setup_then_psum, 3, timeout=5.0)
     assert [float(r) for r in results] == [3.0, 3.0, 3.0]
@@ -51,8 +44,6 @@ def _work_without_collectives() -> int:
     return 1
 
 
-@pytest.mark.xfail(strict=True, reason="ranks that never communicate now run one after the other: the last "
-                   "finishes 5 s after the first, past the last rendezvous (timeout 2 s), and is called hung")
 def test_ranks_that_never_communicate_are_not_hung() -> None:
     assert sw.launch(_work_without_collectives, 3, timeout=2.0) == [1, 1, 1]
 
@@ -70,10 +61,6 @@ def _pipeline_with_many_batch_sizes() -> str:
     return "ok"
 
 
-@pytest.mark.xfail(strict=True, raises=sw.RankFailed, reason="BoundedCache forgets its oldest entry "
-                   "(FIFO, a hit does not refresh it): the 'actions' key, found at the top of Step.__call__, "
-                   "is evicted by the 'boundaries' key of a new batch shape and read back with "
-                   "layout.cache[key]: KeyError at the 64th distinct batch size")
 def test_a_pipeline_step_survives_more_batch_shapes_than_the_cache_holds() -> None:
     assert sw.launch(_pipeline_with_many_batch_sizes, 2, timeout=120) == ["ok", "ok"]
 
@@ -95,9 +82,6 @@ def _batch_shifted_on_rank_1(shift: float) -> str:
     return "accepted"
 
 
-@pytest.mark.xfail(strict=True, reason="batch_fingerprint's signs come in opposite pairs (s[2k] == -s[2k+1]) over the "
-                   "first 180 positions, and sum to zero over every even length up to 178 and many longer ones "
-                   "(512, 2048, 4096): a tensor of such a size shifted by a constant has the same fingerprint")
 def test_a_batch_shifted_by_a_constant_on_one_rank_is_refused() -> None:
     results = sw.launch(_batch_shifted_on_rank_1, 2, timeout=60, args=(1.0,))
     assert all(r.startswith("refused") for r in results), results

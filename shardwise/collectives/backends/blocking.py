@@ -32,3 +32,18 @@ def blocking() -> Iterator[None]:
         for hook in _hooks:
             stack.enter_context(hook())
         yield
+
+
+_poll_hooks: list[Callable[[], None]] = []
+
+
+def on_poll(hook: Callable[[], None]) -> None:
+    """Call ``hook()`` whenever a thread rank polls a collective's completion (registering twice is once)."""
+    if hook not in _poll_hooks:
+        _poll_hooks.append(hook)
+
+
+def polled() -> None:
+    """A thread rank asked whether a collective completed: as much a wait as a blocking one."""
+    for hook in _poll_hooks:
+        hook()

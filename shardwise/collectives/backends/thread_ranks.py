@@ -13,10 +13,13 @@ coming back.
 * KeyboardInterrupt (Ctrl-C) or SystemExit (a signal handler) in the
   launcher stops every rank, then propagates.
 
-Ranks start one at a time: rank r + 1 starts when rank r first waits in a collective
-(or returns). Code before a rank's first collective (seeding torch and building a model)
-therefore never interleaves with another rank's, so ranks that seed alike build alike,
-run to run, although thread ranks share torch's one global generator.
+Ranks start one at a time: rank r + 1 starts when rank r first waits in a collective (or
+polls one, or returns), or at the latest a few seconds after rank r started (a fraction of
+the timeout, so waiting for a late start never uses it up). Code before a rank's first
+collective (seeding torch and building a model) therefore does not interleave with another
+rank's, so ranks that seed alike build alike, run to run, although thread ranks share
+torch's one global generator; a build that takes longer than the turn may interleave, and
+``step.init`` then refuses ranks that built different models.
 
 Python cannot kill a thread. The launcher stops a rank it gives up on by
 raising :class:`RankStopped` in its thread (``PyThreadState_SetAsyncExc``),
@@ -39,7 +42,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..errors import CollectiveError, RankFailed, RankHung
-from .blocking import on_blocking_wait
+from .blocking import on_blocking_wait, on_poll
 from .current import use_backend
 from .threads import ThreadsBackend, ThreadsWorld
 
@@ -52,17 +55,28 @@ _STOP_WAIT_S = 2.0  # how long stopped ranks have to leave their threads
 _baton = threading.local()  # .release: starts the next rank, at this rank's first wait
 
 
-@contextlib.contextmanager
-def _pass_baton() -> Iterator[None]:
-    """At a rank's first blocking wait, start the next rank (see the module docstring)."""
+def _release_baton() -> None:
+    """At a rank's first wait (or poll), start the next rank (see the module docstring)."""
     release = getattr(_baton, "release", None)
     if release is not None:
         _baton.release = None
         release()
+
+
+@contextlib.contextmanager
+def _pass_baton() -> Iterator[None]:
+    _release_baton()
     yield
 
 
 on_blocking_wait(_pass_baton)
+on_poll(_release_baton)
+
+
+def start_turn(timeout: float, world: int) -> float:
+    """The longest a rank waits for the one before it to reach its first collective: a fraction of
+    the timeout, so that waiting for the last rank to start never takes the timeout up."""
+    return min(5.0, timeout / (4 * max(world, 1)))
 
 
 class RankStopped(BaseException):
@@ -94,6 +108,8 @@ class _RankThreads:
         # in Python 3.11 a join interrupted by Ctrl-C marks a running thread as stopped.
         self.done = [threading.Event() for _ in range(world.world_size)]
         self.started = [False] * world.world_size
+        self.started_at: list[float | None] = [None] * world.world_size
+        self.turn = start_turn(world.timeout, world.world_size)
         self._starting = threading.Lock()
         self._fn, self._args = fn, args
 
@@ -127,11 +143,21 @@ class _RankThreads:
             if rank >= len(self.threads) or self.started[rank]:
                 return
             self.started[rank] = True
+            self.started_at[rank] = time.monotonic()
         if self.world.cancelled is not None or self.world.failure is not None:
             self.done[rank].set()
             self._start(rank + 1)
             return
         self.threads[rank].start()
+
+    def _start_late(self, now: float) -> None:
+        """Start the next rank whose turn ran out: the one before it started ``turn`` seconds ago and
+        has not waited yet (a long setup, or a rank that never communicates)."""
+        pending = next((r for r, s in enumerate(self.started) if not s), None)
+        if pending is not None and pending > 0:
+            previous = self.started_at[pending - 1]
+            if previous is not None and now - previous > self.turn:
+                self._start(pending)
 
     def running(self) -> list[int]:
         """Ranks not ended: running, or waiting for their turn to start."""
@@ -146,6 +172,7 @@ class _RankThreads:
         while running := self.running():
             self.done[running[0]].wait(_POLL_S)
             now = time.monotonic()
+            self._start_late(now)
             if self.world.failure is not None and failed_at is None:
                 failed_at = now
             if failed_at is not None and now - failed_at > _GRACE_S:

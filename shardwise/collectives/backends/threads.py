@@ -34,7 +34,7 @@ from .base import (
     Work,
     check_p2p,
 )
-from .blocking import blocking
+from .blocking import blocking, polled
 from .mailbox import Mailbox, MailKey
 
 
@@ -207,6 +207,7 @@ class _ThreadWork(Work):
         return self._result
 
     def is_completed(self) -> bool:
+        polled()
         return self._result is not None or self.rendezvous.results is not None
 
 
@@ -222,6 +223,7 @@ class _ThreadRecvWork(Work):
         return self._result
 
     def is_completed(self) -> bool:
+        polled()
         return self._result is not None or self.world.mailbox.has(self.key, self.seq)
 
 
