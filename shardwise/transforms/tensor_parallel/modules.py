@@ -252,12 +252,21 @@ class VaryFn:
 
 class GuardFn:
     """A layer fn tensor parallel leaves as it is, which names a likely cause when it fails on a value a
-    Colwise left split (its output="sharded" reaching a module that is not a Rowwise)."""
+    Colwise left split (its output="sharded" reaching a module that is not a Rowwise). A layer that
+    sits between a layer of sharded Colwise modules and the layer of their Rowwise (``between``:
+    decided from the chain's order, so a recomputation decides alike) acts on per-rank values and
+    draws this rank's random stream."""
 
-    def __init__(self, fn: Callable[[dict[str, Tensor], Any], Any], layer: str, axis: str) -> None:
-        self.fn, self.layer, self.axis = fn, layer, axis
+    def __init__(self, fn: Callable[[dict[str, Tensor], Any], Any], layer: str, axis: str, between: bool = False) -> None:
+        self.fn, self.layer, self.axis, self.between = fn, layer, axis, between
 
     def __call__(self, tensors: dict[str, Tensor], x: Any) -> Any:
+        if self.between:
+            with _rank_stream(self.axis, (x,), {}, sticky=True):
+                return self._call(tensors, x)
+        return self._call(tensors, x)
+
+    def _call(self, tensors: dict[str, Tensor], x: Any) -> Any:
         if not output_is_split():
             return self.fn(tensors, x)
         try:
@@ -274,9 +283,9 @@ class GuardFn:
         return repr(self.fn)
 
 
-def guard_layer(layer: Layer, axis: str) -> Layer:
+def guard_layer(layer: Layer, axis: str, between: bool) -> Layer:
     """``layer`` as it is, naming the likely cause when it fails on a split value (see GuardFn)."""
-    return Layer(layer.name, GuardFn(layer.fn, layer.name, axis), layer.param_names, layer.buffers, layer.ties)
+    return Layer(layer.name, GuardFn(layer.fn, layer.name, axis, between), layer.param_names, layer.buffers, layer.ties)
 
 
 def rewrite_layer(layer: Layer, plan: LayerPlan, axis: str, reduce: torch.dtype | None) -> Layer:

@@ -15,10 +15,10 @@ from ...engine.chain import Chain
 from ...engine.compose import SPLIT
 from ...engine.layout import Placement, TensorSplit
 from .comm import predicting
-from .match import Resolved, resolve
+from .match import EMBEDDING, LayerPlan, Resolved, resolve
 from .modules import guard_layer, rewrite_layer
 from .predict import predict
-from .styles import Style
+from .styles import Colwise, Rowwise, Style, gathers
 
 _RESOLVED: weakref.WeakKeyDictionary[Chain, dict[Any, Resolved]] = weakref.WeakKeyDictionary()
 
@@ -53,11 +53,16 @@ class TPSpec:
         resolved = self.resolved(chain)
         precision = next((getattr(s, "precision", None) for s in stack if s.name == "mixed_precision"), None)
         layers = []
+        split = False  # whether the layers so far leave their output split (by the chain's order)
         for layer in chain:
             lp = resolved.layers.get(layer.name)
             reduce = None if precision is None else precision.for_layer(layer.name).reduce
             changes = lp is not None and (lp.installs or lp.blocks or lp.vary)
-            layers.append(rewrite_layer(layer, lp, self.axis, reduce) if changes and lp is not None else guard_layer(layer, self.axis))
+            if changes and lp is not None:
+                layers.append(rewrite_layer(layer, lp, self.axis, reduce))
+                split = _leaves_split(lp, split)
+            else:
+                layers.append(guard_layer(layer, self.axis, between=split))
         rewritten = Chain(layers)
         _RESOLVED.setdefault(rewritten, {})[self] = resolved
         return rewritten
@@ -127,3 +132,17 @@ class TPSpec:
             if parts:
                 notes[name] = "tensor parallel: " + "; ".join(parts)
         return notes
+
+
+def _leaves_split(lp: LayerPlan, before: bool) -> bool:
+    """Whether a layer leaves its output split: after a Rowwise, no; after only sharded Colwise
+    modules (that enter the region themselves: a layer of its own each, as an nn.Sequential's
+    children are), yes; otherwise as it found it."""
+    styled = [i for i in lp.installs if isinstance(i.style, (Colwise, Rowwise))]
+    if any(isinstance(i.style, Rowwise) for i in styled):
+        return False
+    if styled and lp.blocks == [] and all(
+        isinstance(i.style, Colwise) and i.enters and not gathers(i.style, i.kind == EMBEDDING) for i in styled
+    ):
+        return True
+    return before

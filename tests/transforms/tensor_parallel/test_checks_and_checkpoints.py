@@ -202,3 +202,20 @@ def test_a_tensor_parallel_checkpoint_resumes_on_another_mesh(tmp_path: Path, ta
         for name, want in tensors.items():
             # Each mesh sums its partial results in its own order: float64 rounding only.
             torch.testing.assert_close(full[layer][name], want, rtol=1e-12, atol=1e-14)
+
+
+def test_dropout_between_split_layers_is_per_rank_and_recomputed_alike() -> None:
+    # Layer "1" sits between a Colwise layer and its Rowwise layer (an nn.Sequential's children):
+    # it acts on each rank's slice of the features, so it draws the rank's stream; remat replays it.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.3), nn.Linear(16, 8)).double().train()
+    chain, params = sw.functionalize(model)
+    step = sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1, momentum=0.9))
+    tp = sw.tensor_parallel(step, "tp", {"0": sw.Colwise(), "2": sw.Rowwise()})
+    batch = (torch.randn(16, 8, dtype=torch.float64), torch.randn(16, 8, dtype=torch.float64))
+    plain = _run(tp, sw.Mesh(tp=2), params, batch, steps=3)
+    rematted = _run(sw.remat(tp, sw.policies.nothing_saveable), sw.Mesh(tp=2), params, batch, steps=3)
+    for (m_plain, p_plain), (m_remat, p_remat) in zip(plain, rematted, strict=True):
+        assert torch.equal(m_plain["loss"], m_remat["loss"])
+        for name in p_plain["0"]:
+            assert torch.equal(p_plain["0"][name], p_remat["0"][name])

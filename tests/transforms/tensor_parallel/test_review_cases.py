@@ -1,6 +1,5 @@
 """Review of tensor_parallel (issue 17): the defects found, each a test of the behaviour the design
-asks for; the one still open (dropout across layers between a Colwise and its Rowwise) is a strict
-xfail, documented in docs/guide.md's known limits.
+asks for.
 
 Every case is a small float64 model on thread ranks. A test asserts the behaviour the
 design asks for (the single-device step, or a refusal that names the place and the fix), so
@@ -215,12 +214,6 @@ class DropoutMLP(nn.Module):
         return self.mlp(x)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "only a Region or a sequence-parallel block draws per-rank streams; between a Colwise that enters the "
-    "region itself and its Rowwise (each a layer here, so no Region can hold them) every rank draws the "
-    "shared stream: each rank's slice of the hidden features gets the same mask (features j and j + 8 are "
-    "always dropped together)"
-))
 def test_dropout_on_split_features_draws_a_mask_per_rank_without_a_region() -> None:
     torch.manual_seed(0)
     chain, params = sw.functionalize(DropoutMLP().double(), units=["mlp"])
