@@ -86,6 +86,8 @@ class TPForward:
             y = _conv1d(x, _require(weight), bias) if install.kind == CONV1D else type(m).forward(m, x)
             gathered = gathers(style, install.kind == EMBEDDING)
             _flow.split_output = not gathered
+            if install.enters and not gathered:  # per-rank values follow, up to their Rowwise (or the layer's end)
+                _start_rank_stream(axis, y.device)
             return gather_invariant(y, axis, y.dim() - 1, label) if gathered else y
         assert isinstance(style, Rowwise)
         _flow.split_output = False
@@ -145,6 +147,19 @@ def _rank_stream(axis: str, args: tuple[Any, ...], kwargs: dict[str, Any], stick
         yield
     finally:
         _back_to_shared(force=True)
+
+
+def _start_rank_stream(axis: str, device: torch.device) -> None:
+    """From here this rank draws its own stream (seeded from one draw of the shared one) until a Rowwise
+    sums the values, or the layer ends (VaryFn): a Colwise that entered the region itself, without a
+    Region around it to say where per-rank values begin."""
+    if predicting_now() or getattr(_streams, "saved", None) is not None:
+        return
+    gens = default_generators(device)
+    base = int(torch.empty((), dtype=torch.int64).random_().item())
+    _streams.saved, _streams.gens, _streams.sticky = [g.get_state() for g in gens], gens, False
+    for i, g in enumerate(gens):
+        g.manual_seed(mix(base, tp_index(axis), i))
 
 
 def _back_to_shared(force: bool = False) -> None:
@@ -237,6 +252,7 @@ class VaryFn:
             out = self.fn(tensors, x)
         finally:
             _flow.called = outer
+            _back_to_shared(force=True)  # a per-rank stream a Colwise began ends with its layer
         missed = sorted(self.must_run - called)
         if missed:
             raise ValueError(

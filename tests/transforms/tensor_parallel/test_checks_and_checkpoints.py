@@ -219,3 +219,42 @@ def test_dropout_between_split_layers_is_per_rank_and_recomputed_alike() -> None
         assert torch.equal(m_plain["loss"], m_remat["loss"])
         for name in p_plain["0"]:
             assert torch.equal(p_plain["0"][name], p_remat["0"][name])
+
+
+class UpDropDown(nn.Module):
+    """A Colwise, dropout on its split features and a Rowwise, in one module with no Region."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.drop, self.down = nn.Linear(8, 16), Probe("split features"), nn.Linear(16, 8)
+        self.after = Probe("summed")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.after(self.down(self.drop(self.up(x))))
+
+
+class OneBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = UpDropDown()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block(x)
+
+
+def test_dropout_after_a_self_entering_colwise_in_one_layer_is_per_rank_until_the_rowwise() -> None:
+    torch.manual_seed(0)
+    chain, params = sw.functionalize(OneBlock().double(), units=["block"])
+    step = sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1))
+    tp = sw.tensor_parallel(step, "tp", {"block.up": sw.Colwise(), "block.down": sw.Rowwise()})
+    batch = (torch.randn(4, 8, dtype=torch.float64), torch.randn(4, 8, dtype=torch.float64))
+    Probe.masks.clear()
+    plain = _run(tp, sw.Mesh(tp=2), params, batch, steps=2)
+    masks: dict[str, list[torch.Tensor]] = {}
+    for (name, _thread), recorded in sorted(Probe.masks.items(), key=lambda kv: kv[0][0]):
+        masks.setdefault(name, []).append(recorded[0])
+    assert not torch.equal(*masks["split features"])  # each rank's features: its own mask
+    assert torch.equal(*masks["summed"])  # after the Rowwise's sum: one mask for all
+    rematted = _run(sw.remat(tp, sw.policies.nothing_saveable), sw.Mesh(tp=2), params, batch, steps=2)
+    for (_, full_plain), (_, full_remat) in zip(plain, rematted, strict=True):  # recomputed alike
+        assert all(torch.equal(full_plain["block"][n], full_remat["block"][n]) for n in full_plain["block"])
