@@ -394,7 +394,8 @@ class Step:
             else:
                 source = ParamSource(compute=self._compute_params(state.params), sharding=sharding)
         # The actions depend on the stack (the layout's) and on what the step exchanges.
-        key = ("actions", index, self.metric_exchange(), self.update_needs_sums)
+        exchange, axes = self.metric_exchange(), metric_axes(self)  # read once a step
+        key = ("actions", index, exchange, self.update_needs_sums)
         actions = layout.cache.get(key)
         if actions is None:
             actions = layout.cache[key] = rank_actions(self, placement, layout.schedule, index, unit_names(sharding))
@@ -430,8 +431,8 @@ class Step:
                 u: prec.for_layer(u).reduce for u in sharding.units
             },
             metric_dtype=layout.metric_dtype,
-            exchange=self.metric_exchange(),
-            metric_axes=metric_axes(self),
+            exchange=exchange,
+            metric_axes=axes,
             replica_layers=frozenset(o for o, _ in placement.replicas_of(index)),
             boundaries=None if pipe is None else self.boundaries(layout, micro[0][0], mesh),
             poison=bool(pipe is not None and pipe.poison),
@@ -440,13 +441,13 @@ class Step:
             rng_seed=None if state.rng is None else mix(state.rng, state.step),
             counted=self._counted(layout, mesh),
             # Summed with the metrics (and, under tensor_parallel, compared in its replica check).
-            batch_fingerprint=batch_fingerprint(batch) if self.metric_exchange().batch or self.split_spec else None,
+            batch_fingerprint=batch_fingerprint(batch) if exchange.batch or self.split_spec else None,
             rng_rank=self._rng_rank(mesh),
             replicated=None if self.split_spec is None else self._tp_selection(layout, mesh, replicated=True),
         )
         executor.run(actions)
         summed = executor.summed
-        if mesh is not None and summed.batches_differ(_exchange_group(mesh, metric_axes(self))):
+        if mesh is not None and summed.batch is not None and summed.batches_differ(_exchange_group(mesh, axes)):
             raise ValueError(different_batches())
         if self.tokens is not None:
             count = _token_count(summed)

@@ -128,38 +128,35 @@ _streams = threading.local()  # .saved: the shared streams' state while this ran
 
 @contextlib.contextmanager
 def _rank_stream(axis: str, args: tuple[Any, ...], kwargs: dict[str, Any], sticky: bool) -> Iterator[None]:
-    """Inside the block the default generators draw this rank's own stream, seeded from one draw of
-    the shared one, until a Rowwise sums the region's output (then the shared stream goes on, as on
-    every rank: dropout on the replicated residual stream agrees); ``sticky`` (a sequence-parallel
-    block, whose values are all per-rank) keeps the rank's stream to the end. A recomputation
-    replays both, from the state torch's checkpoint restores."""
-    if predicting_now() or getattr(_streams, "saved", None) is not None:
-        yield
-        return
+    """Inside the block the default generators draw this rank's own stream (see _start_rank_stream),
+    until a Rowwise sums the region's output (then the shared stream goes on, as on every rank:
+    dropout on the replicated residual stream agrees); ``sticky`` (a sequence-parallel block, whose
+    values are all per-rank) keeps the rank's stream to the end of the block."""
     tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, Tensor)]
-    gens = default_generators(tensors[0].device if tensors else torch.device("cpu"))
-    base = int(torch.empty((), dtype=torch.int64).random_().item())
-    saved = [g.get_state() for g in gens]
-    for i, g in enumerate(gens):
-        g.manual_seed(mix(base, tp_index(axis), i))
-    _streams.saved, _streams.gens, _streams.sticky = saved, gens, sticky
+    if not _start_rank_stream(axis, tensors[0].device if tensors else torch.device("cpu"), sticky):
+        yield  # predicting, or already inside a stream of this rank's
+        return
     try:
         yield
     finally:
         _back_to_shared(force=True)
 
 
-def _start_rank_stream(axis: str, device: torch.device) -> None:
-    """From here this rank draws its own stream (seeded from one draw of the shared one) until a Rowwise
-    sums the values, or the layer ends (VaryFn): a Colwise that entered the region itself, without a
-    Region around it to say where per-rank values begin."""
+def _start_rank_stream(axis: str, device: torch.device, sticky: bool = False) -> bool:
+    """From here this rank draws its own stream, seeded from one draw of the shared one (so the shared
+    streams stay alike on every rank, and a recomputation, from the state torch's checkpoint restores,
+    replays both), until _back_to_shared. Alone (not sticky) it is what a Colwise that entered the
+    region itself begins, with no Region around it to say where per-rank values begin: a Rowwise
+    ends it, or the end of the layer (VaryFn). False when it did not begin one (predicting, or one
+    already runs)."""
     if predicting_now() or getattr(_streams, "saved", None) is not None:
-        return
+        return False
     gens = default_generators(device)
     base = int(torch.empty((), dtype=torch.int64).random_().item())
-    _streams.saved, _streams.gens, _streams.sticky = [g.get_state() for g in gens], gens, False
+    _streams.saved, _streams.gens, _streams.sticky = [g.get_state() for g in gens], gens, sticky
     for i, g in enumerate(gens):
         g.manual_seed(mix(base, tp_index(axis), i))
+    return True
 
 
 def _back_to_shared(force: bool = False) -> None:
