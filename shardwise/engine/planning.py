@@ -75,6 +75,9 @@ def plan_of(step: Step, mesh: Mesh, params: Params | None, batch: Any) -> Plan:
     for spec in sorted(step.transforms, key=lambda spec: getattr(spec, "rewrite_order", -1)):
         for layer, note in getattr(spec, "layer_notes", lambda chain: {})(step.base_chain).items():
             notes[layer] = (*notes.get(layer, ()), note)
+            if spec is step.split_spec and inside is None:  # not silently absent: say what is missing
+                notes[layer] += ("its collectives inside the layer are not listed: they are predicted from a "
+                                 "batch, step.plan(mesh, params, batch)",)
     return Plan(mesh, tuple(per_rank), memory, {n: notes[n] for n in step.chain.names if n in notes})
 
 

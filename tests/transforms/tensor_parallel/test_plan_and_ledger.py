@@ -268,3 +268,19 @@ def test_zero_shards_the_tensor_parallel_slices(stage: int, build: dict[str, Cal
         units = len(problem.step.chain)
         for h in held:
             assert per_tp_rank <= 2 * h < per_tp_rank + 2 * units * F64
+
+
+def test_a_plan_without_a_batch_says_its_in_layer_collectives_are_not_listed(build: dict[str, Callable]) -> None:
+    problem = build["tiny_gpt"]()
+    step = sw.tensor_parallel(problem.step, "tp", problem.plan)
+    mesh = sw.Mesh(tp=2)
+    without, with_batch = step.plan(mesh, problem.params), step.plan(mesh, problem.params, problem.batches[0])
+    assert not [a for a in without.for_rank(0) if a.kind.startswith("tp_")]
+    assert [a for a in with_batch.for_rank(0) if a.kind.startswith("tp_")]
+    missing = "collectives inside the layer are not listed"
+    split_layers = [layer for layer, notes in with_batch.layers.items() if any("tensor parallel" in n for n in notes)]
+    assert split_layers
+    for layer in split_layers:
+        assert any(missing in n for n in without.layers[layer]), without.layers[layer]
+        assert not any(missing in n for n in with_batch.layers[layer])
+    assert missing in str(without)
