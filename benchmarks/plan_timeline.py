@@ -2,7 +2,7 @@
 
 Run it from the repository root:
 
-    python benchmarks/plan_timeline.py                              # gloo processes, ~1-2 minutes on 2 cores
+    python benchmarks/plan_timeline.py                              # gloo processes, ~15 s on 2 idle cores
     python benchmarks/plan_timeline.py --backend threads --steps 20
     python benchmarks/plan_timeline.py --collectives collectives.jsonl --draw out/   # + pictures
 
@@ -20,25 +20,35 @@ for every process of the machine).
 Calibration and comparison
 --------------------------
 * Computes, issues and bookkeeping: ``PlanCosts.fit`` on the first half of the
-  recorded steps (median duration per (kind, stage), (kind, unit) or (kind,
-  rank); a blocking action its shortest duration).
-* Communication: ``CommModel.from_benchmark`` (least squares of ``alpha x steps +
-  beta x bytes x factor``, per op) on ``benchmarks/collectives.py``'s JSON lines of
-  the same backend: ``--collectives FILE``, or else a short probe run here first
-  (ops psum, all_gather, psum_scatter and send_recv, 1 KiB to 1 MiB, world 2, as
-  the step's dp and pp groups are).
-* ``simulate(plan, costs)`` then predicts the step. The measured figures are the
-  medians over the second half of the steps of ``PlanTimeline.from_measured``:
-  ``step_s`` its makespan (first action of any rank to last action of any rank)
-  and ``bubble`` its ``1 - compute / (ranks x makespan)``.
+  recorded steps (``--statistic`` per (kind, stage), (kind, unit) or (kind,
+  rank); a blocking action its shortest duration), with ``--cores C``: only the
+  share of a core an action had while more than ``C`` ranks were busy, and the
+  same sharing simulated.
+* Communication: ``CommModel.fit`` (least squares of ``alpha x steps + beta x
+  bytes x factor``, per op, on one median per size) on what the first half's
+  waits show (``measured_transfers``, default), or ``CommModel.from_benchmark``
+  on ``benchmarks/collectives.py``'s JSON lines of the same backend (``--comm
+  benchmark``: ``--collectives FILE``, or else a short probe run here first, ops
+  psum, all_gather, psum_scatter and send_recv, 1 KiB to 1 MiB, world 2, as the
+  step's dp and pp groups are).
+* The prediction: ``simulate(plan, costs.of_step(plan, step))`` for every
+  calibration step (its own action costs, the fitted waits and communication),
+  the median of those. The measured figures are the medians over the second half
+  of ``PlanTimeline.from_measured``: ``step_s`` its makespan (first action of any
+  rank to last action of any rank) and ``bubble`` its ``1 - compute / (ranks x
+  makespan)``.
 
 Output: JSON lines. ``kind: "calibration"`` (the fitted alpha and beta, and
-compute medians); ``kind: "compare"``: ``measured_step_s``, ``simulated_step_s``,
-``step_ratio`` (simulated / measured), the same for ``bubble`` and ``comm_wait_s``
-(mean per rank), ``simulated_no_comm_step_s`` (the same costs, communication
-free: what the transfers add), ``within_15pct`` for both ratios, and the machine
-(``cores``, ``loadavg_1m``). With 4 ranks on fewer cores the ranks share CPUs,
-which the model does not know (see benchmarks/README.md).
+compute averages); ``kind: "compare"``: ``measured_step_s``,
+``simulated_step_s``, ``step_ratio`` (simulated / measured), the same for
+``bubble`` and ``comm_wait_s`` (mean per rank), ``averaged_costs_*``: one
+simulation at the averaged costs instead (shorter: the critical path of average
+costs is not the average critical path), ``replay_*_ratio`` (each calibration
+step simulated at its own costs against that same step: the model alone) and
+``halves_*_ratio`` (the calibration half's measured median against the compared
+half's: how much the machine drifted), ``simulated_no_comm_step_s`` (the same
+costs, communication free: what the transfers add), ``within_15pct`` for the
+step and bubble ratios, and the machine (``cores``, ``loadavg_1m``).
 """
 
 from __future__ import annotations
@@ -200,10 +210,13 @@ def main(argv: list[str] | None = None) -> None:
         comm = CommModel.from_benchmark(probe_collectives(args.backend), backend=args.backend)
     costs = dataclasses.replace(costs, comm=comm)
     measured = [PlanTimeline.from_measured(plan, step) for step in steps[half:]]
-    simulated = simulate(plan, costs)
-    no_comm = simulate(plan, dataclasses.replace(costs, comm=CommModel()))
-    own_cores = simulate(plan, dataclasses.replace(PlanCosts.fit(plan, steps[:half], statistic=args.statistic),
-                                                   comm=comm))
+    # The prediction: each calibration step's own action costs simulated (costs.of_step), the
+    # median of those; and, for comparison, one simulation at the averaged costs.
+    per_step = [simulate(plan, costs.of_step(plan, step)) for step in steps[:half]]
+    averaged = simulate(plan, costs)
+    no_comm = [simulate(plan, dataclasses.replace(costs.of_step(plan, step), comm=CommModel())) for step in steps[:half]]
+    one_core_each = dataclasses.replace(PlanCosts.fit(plan, steps[:half], statistic=args.statistic), comm=comm)
+    own_cores = [simulate(plan, one_core_each.of_step(plan, step)) for step in steps[:half]]
 
     shape = {"hidden": cfg.hidden, "layers": cfg.layers, "batch": cfg.batch, "microbatches": cfg.microbatches,
              "steps": cfg.steps, "backend": args.backend,
@@ -215,17 +228,30 @@ def main(argv: list[str] | None = None) -> None:
               "update_ms": {r: round(v * 1e3, 4) for (k, r), v in costs.rank.items() if k == "update"}})
         row: dict[str, Any] = {"bench": "plan_timeline", "kind": "compare", **shape}
         for figure, key in (("makespan", "step_s"), ("bubble_fraction", "bubble"), ("comm_wait", "comm_wait_s")):
-            got = median_of(measured, figure)
-            want = statistics.fmean(simulated.comm_wait) if figure == "comm_wait" else getattr(simulated, figure)
+            got, want = median_of(measured, figure), median_of(per_step, figure)
+            one = statistics.fmean(averaged.comm_wait) if figure == "comm_wait" else getattr(averaged, figure)
+            name = key.removesuffix("_s")
             row |= {f"measured_{key}": round(got, 6), f"simulated_{key}": round(want, 6),
-                    f"{key.removesuffix('_s')}_ratio": ratio(want, got)}
-        row["simulated_no_comm_step_s"] = round(no_comm.makespan, 6)
-        row["simulated_core_per_rank_step_s"] = round(own_cores.makespan, 6)
-        row["simulated_core_per_rank_bubble"] = round(own_cores.bubble_fraction, 6)
-        row["within_15pct"] = all(r is not None and abs(r - 1) <= 0.15 for r in (row["step_ratio"], row["bubble_ratio"]))
+                    f"{name}_ratio": ratio(want, got), f"averaged_costs_{key}": round(one, 6),
+                    f"averaged_costs_{name}_ratio": ratio(one, got)}
+        # Two checks on the prediction: each calibration step simulated at its own costs against
+        # that same step (the model alone, no step-to-step change), and how far the calibration
+        # half's measured steps were from the compared half's (the machine's drift).
+        calibration = [PlanTimeline.from_measured(plan, step) for step in steps[:half]]
+        for figure, key in (("makespan", "step"), ("bubble_fraction", "bubble")):
+            row[f"replay_{key}_ratio"] = round(statistics.median(
+                getattr(sim, figure) / getattr(real, figure) for sim, real in zip(per_step, calibration, strict=True)
+                if getattr(real, figure) > 0), 3)
+            row[f"halves_{key}_ratio"] = ratio(median_of(calibration, figure), median_of(measured, figure))
+        row["simulated_no_comm_step_s"] = round(median_of(no_comm, "makespan"), 6)
+        row["simulated_core_per_rank_step_s"] = round(median_of(own_cores, "makespan"), 6)
+        row["simulated_core_per_rank_bubble"] = round(median_of(own_cores, "bubble_fraction"), 6)
+        row["within_15pct"] = all(abs(median_of(per_step, figure) / median_of(measured, figure) - 1) <= 0.15
+                                  for figure in ("makespan", "bubble_fraction"))
         emit(row | environment(keys=("cores", "loadavg_1m", "torch")))
     if args.draw:
-        draw(Path(args.draw), simulated, measured[len(measured) // 2])
+        middle = sorted(per_step, key=lambda t: t.makespan)[len(per_step) // 2]  # the median simulated step
+        draw(Path(args.draw), middle, sorted(measured, key=lambda t: t.makespan)[len(measured) // 2])
 
 
 def draw(folder: Path, simulated: PlanTimeline, measured: PlanTimeline) -> None:

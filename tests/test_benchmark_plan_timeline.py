@@ -11,14 +11,16 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_plan_timeline_benchmark_compares_simulated_with_measured(tmp_path: Path) -> None:
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "plan_timeline.py"), "--backend", "threads", "--steps", "4",
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "plan_timeline.py"), "--backend", "threads", "--steps", "8",
            "--warmup", "1", "--hidden", "16", "--layers", "4", "--batch", "16", "--cores", "0",
            "--draw", str(tmp_path)]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = {row["kind"]: row for row in map(json.loads, result.stdout.splitlines())}
     assert set(rows) == {"calibration", "compare"}
-    assert set(rows["calibration"]["alpha_s"]) == {"psum", "all_gather", "psum_scatter", "send"}
+    # Which transfers some rank waited for depends on timing; those it fitted are the step's ops.
+    fitted = set(rows["calibration"]["alpha_s"])
+    assert fitted and fitted <= {"psum", "all_gather", "psum_scatter", "send"}, rows["calibration"]
     compare = rows["compare"]
     for key in ("step", "bubble"):
         measured, simulated = compare[f"measured_{key}" + ("_s" if key == "step" else "")], compare[
@@ -26,6 +28,12 @@ def test_plan_timeline_benchmark_compares_simulated_with_measured(tmp_path: Path
         assert measured > 0 and simulated > 0
         assert compare[f"{key}_ratio"] == round(simulated / measured, 3)
     assert compare["cores_modelled"] is None
+    # The prediction (each calibration step's own costs) and one simulation at the averaged costs.
+    assert compare["averaged_costs_step_s"] > 0 and compare["simulated_no_comm_step_s"] <= compare["simulated_step_s"]
+    assert compare["replay_step_ratio"] > 0 and compare["halves_step_ratio"] > 0
+    ratios = [compare["step_ratio"], compare["bubble_ratio"]]
+    if all(abs(abs(r - 1) - 0.15) > 1e-3 for r in ratios):  # away from where rounding decides
+        assert compare["within_15pct"] == all(abs(r - 1) <= 0.15 for r in ratios)
     for name in ("simulated", "measured"):
         assert json.loads((tmp_path / f"{name}.json").read_text())["traceEvents"]
         assert (tmp_path / f"{name}.txt").read_text().startswith(f"{name}: makespan")

@@ -16,7 +16,7 @@ import math
 import statistics
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
 
@@ -94,14 +94,25 @@ class CommModel:
     def fit(cls, samples: Iterable[tuple[str, int, int, float]]) -> CommModel:
         """Least squares on relative error over ``(op, bytes, ranks, seconds)`` samples, per op.
 
+        Each sample counts at the median of its (op, bytes, ranks): a few outliers of a noisy run
+        (a transfer that seemed to take microseconds because its wait began just as the data
+        came in) do not set the fit, and a size seen often still weighs more than one seen once.
         A fit that would make alpha or beta negative keeps that term at 0 and fits the other;
         with a single message size beta cannot be told from alpha, and only alpha is fitted.
+
+        >>> fitted = CommModel.fit([("send", 64, 2, t) for t in (1e-6, 3e-4, 4e-4, 5e-4)])
+        >>> round(fitted.alpha["send"], 6)
+        0.00035
         """
-        by_op: dict[str, list[tuple[float, float, float]]] = defaultdict(list)
+        seen: dict[tuple[str, int, int], list[float]] = defaultdict(list)
         for op, nbytes, n, seconds in samples:
+            if seconds > 0:
+                seen[(op, nbytes, n)].append(seconds)
+        by_op: dict[str, list[tuple[float, float, float, int]]] = defaultdict(list)
+        for (op, nbytes, n), times in seen.items():
             steps, factor = ring_shape(op, n)
-            if seconds > 0 and steps > 0:
-                by_op[op].append((steps, factor * nbytes, seconds))
+            if steps > 0:
+                by_op[op].append((steps, factor * nbytes, statistics.median(times), len(times)))
         alpha, beta = {}, {}
         for op, rows in by_op.items():
             alpha[op], beta[op] = _fit_two(rows)
@@ -126,14 +137,14 @@ class CommModel:
         return cls.fit(samples)
 
 
-def _fit_two(rows: Sequence[tuple[float, float, float]]) -> tuple[float, float]:
-    """(a, b) >= 0 minimising sum(((a*s + b*x) - t) / t)^2 over rows (s, x, t)."""
-    w = [1.0 / (t * t) for _, _, t in rows]
-    ss = sum(wi * s * s for wi, (s, _, _) in zip(w, rows, strict=True))
-    sx = sum(wi * s * x for wi, (s, x, _) in zip(w, rows, strict=True))
-    xx = sum(wi * x * x for wi, (_, x, _) in zip(w, rows, strict=True))
-    st = sum(wi * s * t for wi, (s, _, t) in zip(w, rows, strict=True))
-    xt = sum(wi * x * t for wi, (_, x, t) in zip(w, rows, strict=True))
+def _fit_two(rows: Sequence[tuple[float, float, float, int]]) -> tuple[float, float]:
+    """(a, b) >= 0 minimising sum(n * (((a*s + b*x) - t) / t)^2) over rows (s, x, t, n)."""
+    w = [n / (t * t) for _, _, t, n in rows]
+    ss = sum(wi * s * s for wi, (s, _, _, _) in zip(w, rows, strict=True))
+    sx = sum(wi * s * x for wi, (s, x, _, _) in zip(w, rows, strict=True))
+    xx = sum(wi * x * x for wi, (_, x, _, _) in zip(w, rows, strict=True))
+    st = sum(wi * s * t for wi, (s, _, t, _) in zip(w, rows, strict=True))
+    xt = sum(wi * x * t for wi, (_, x, t, _) in zip(w, rows, strict=True))
     det = ss * xx - sx * sx
     if det > 1e-9 * ss * xx:
         a, b = (st * xx - sx * xt) / det, (ss * xt - sx * st) / det
@@ -148,7 +159,8 @@ def _fit_two(rows: Sequence[tuple[float, float, float]]) -> tuple[float, float]:
 class PlanCosts:
     """What each action costs its rank, and the communication model.
 
-    :meth:`of` looks up, first match wins: ``action`` by the action's text
+    :meth:`of` looks up, first match wins: ``slot`` by (rank, position in its
+    list) (:meth:`of_step` fills it), ``action`` by the action's text
     (``"F(stage0, mb=1)"``), ``stage`` by (kind, stage), ``layer`` by (kind, layer
     or unit), ``rank`` by (kind, rank), then ``kind``; ``kind`` defaults to
     forward 1, backward 2, I 1, W 1 and 0 for every other kind. ``cores``: how
@@ -162,6 +174,7 @@ class PlanCosts:
     layer: Mapping[tuple[str, str], float] = field(default_factory=dict)
     rank: Mapping[tuple[str, int], float] = field(default_factory=dict)
     action: Mapping[str, float] = field(default_factory=dict)
+    slot: Mapping[tuple[int, int], float] = field(default_factory=dict)
     comm: CommModel = field(default_factory=CommModel)
     cores: int | None = None
     unit_us: float = 1000.0
@@ -178,14 +191,17 @@ class PlanCosts:
                     )
             object.__setattr__(self, name, _frozen(table, f"PlanCosts.{name}"))
         object.__setattr__(self, "action", _frozen(self.action, "PlanCosts.action"))
+        object.__setattr__(self, "slot", _frozen(self.slot, "PlanCosts.slot"))
         if self.cores is not None and (isinstance(self.cores, bool) or not isinstance(self.cores, int) or self.cores < 1):
             raise ValueError(f"PlanCosts.cores must be a positive int (or None: a core per rank), got {self.cores!r}")
         if not isinstance(self.comm, CommModel):
             raise TypeError(f"PlanCosts.comm must be a CommModel, got {type(self.comm).__name__}")
 
-    def of(self, action: Action, rank: int) -> float:
-        """How long ``action`` keeps ``rank`` busy (waiting excluded)."""
-        found = self.action.get(str(action))
+    def of(self, action: Action, rank: int, position: int | None = None) -> float:
+        """How long ``action`` (at ``position`` of ``rank``'s list, if given) keeps ``rank`` busy, waiting excluded."""
+        found = None if position is None else self.slot.get((rank, position))
+        if found is None:
+            found = self.action.get(str(action))
         if found is None and action.stage is not None:
             found = self.stage.get((action.kind, action.stage))
         if found is None and action.layer is not None:
@@ -237,10 +253,43 @@ class PlanCosts:
             tables[table][key] = min(values) if kind in blocking else average(values)
         return cls(**tables, comm=comm or CommModel(), cores=cores, unit_us=1e6)
 
+    def of_step(self, plan: Plan, step: Sequence[ActionTimes]) -> PlanCosts:
+        """These costs, with every compute, issue and bookkeeping action of one measured ``step``
+        at what it cost there (its core time under ``cores``, as :meth:`fit` counts it).
+
+        Simulating each measured step's own costs keeps what one set of averages loses: actions
+        vary from step to step, a step's critical path runs through its slow ones, and the
+        critical path of average costs is shorter than the average critical path. Waits keep
+        these costs (a wait's own cost once its data is in) and transfers the comm model, so the
+        simulation still decides when every rank waits; an action missing from ``step`` keeps
+        these costs too.
+
+        >>> import shardwise as sw
+        >>> from shardwise.engine.plan import FORWARD, Action, Plan
+        >>> from shardwise.engine.simulate import simulate
+        >>> f = Action(FORWARD, "x", 0, 0)
+        >>> plan = Plan(sw.Mesh(dp=2), ((f,), (f,)))  # two ranks, one forward each
+        >>> measured = [[[(0, 0.0, 1.0)], [(0, 0.0, 3.0)]], [[(0, 0.0, 3.0)], [(0, 0.0, 1.0)]]]
+        >>> costs = PlanCosts.fit(plan, measured, statistic="mean")
+        >>> simulate(plan, costs).makespan  # every forward at the mean, 2
+        2.0
+        >>> [simulate(plan, costs.of_step(plan, step)).makespan for step in measured]  # as measured
+        [3.0, 3.0]
+        """
+        check_action_times(plan, step, "PlanCosts.of_step")
+        work = _core_time(plan, step, self.cores)
+        slot = {}
+        for r, times in enumerate(step):
+            kinds_roles = roles(plan.actions[r])
+            slot.update({(r, pos): work(start, end) for pos, start, end in times if kinds_roles[pos] != WAIT})
+        return replace(self, slot=slot)
+
 
 def _core_time(plan: Plan, step: Sequence[ActionTimes], cores: int | None) -> Callable[[float, float], float]:
     """``work(start, end)``: the core time a rank had from ``start`` to ``end`` (two of its action
-    boundaries) when the busy (not waiting) ranks of ``step`` shared ``cores`` equally."""
+    boundaries) when the busy (not waiting) ranks of ``step`` shared ``cores`` equally. A wait
+    counts as idle throughout: its own cost once its data is in (small) cannot be told apart from
+    its waiting in a measured step."""
     if cores is None:
         return lambda start, end: end - start
     change: dict[float, int] = defaultdict(int)
@@ -267,29 +316,39 @@ def measured_transfers(plan: Plan, steps: Iterable[Sequence[ActionTimes]], costs
     rank was seen waiting for: the input :meth:`CommModel.fit` takes.
 
     A message takes from the end of its send to the end of the receive that waited for it, less
-    the receive's own cost (``costs``); a collective from the last member's issue to the earliest
-    end of a wait for it that did wait, less that wait's cost. Only actions moving one tensor are
-    counted, and one clock must serve every rank (``time.perf_counter`` on one machine does).
-    Under CPU contention the figures include the time a woken rank waited for a core.
+    the receive's own cost (``costs``). A collective takes from when it could begin to the
+    earliest end of a wait for it that did wait, less that wait's cost; it could begin at the
+    last member's issue (the start of a synchronous one), or later, when the group's previous
+    collective came in (a group runs its collectives in order, as ``simulate`` does). Where that
+    previous one is known only to have been in by some time after the last issue (its waits
+    found it in), the start is unknown and the sample is left out. Only actions moving one
+    tensor are counted, and one clock must serve every rank (``time.perf_counter`` on one
+    machine does). Under CPU contention the figures include the time a woken rank waited for a
+    core.
     """
     samples: list[tuple[str, int, int, float]] = []
     for step in steps:
         check_action_times(plan, step, "measured_transfers")
         when = [{pos: (start, end) for pos, start, end in times} for times in step]
         sent: dict[tuple[Any, ...], deque[float]] = defaultdict(deque)
-        calls: dict[tuple[Any, ...], list[tuple[float, float | None, int]]] = defaultdict(list)
+        calls: dict[tuple[Any, ...], list[tuple[float, float | None, float | None, int]]] = defaultdict(list)
+        ops: dict[tuple[Any, ...], str] = {}
         for r, actions in enumerate(plan.actions):
             for pos, a in enumerate(actions):
                 if a.kind in SENDS and pos in when[r]:
                     sent[channel(r, peer_rank(plan.mesh, r, a), a)].append(when[r][pos][1])
             for key, issued, waited, a in _collectives_of(plan, r):
                 if issued in when[r]:
-                    done = None
+                    done = in_by = None
                     if waited is not None and waited in when[r]:
                         start, end = when[r][waited]
                         own = costs.of(actions[waited], r)
                         done = end - own if end - own > start else None  # it did wait for the data
-                    calls[key].append((when[r][issued][1], done, a.nbytes if len(a.wire) == 1 else -1))
+                        in_by = start if done is None else None  # it did not: in by its start
+                    # A synchronous collective (issued where it is waited for) is there from its start.
+                    arrived = when[r][issued][0] if issued == waited else when[r][issued][1]
+                    calls[key].append((arrived, done, in_by, a.nbytes if len(a.wire) == 1 else -1))
+                    ops[key] = a.op or "psum"
         for r, actions in enumerate(plan.actions):
             for pos, a in enumerate(actions):
                 if a.kind not in RECVS or pos not in when[r]:
@@ -301,13 +360,26 @@ def measured_transfers(plan: Plan, steps: Iterable[Sequence[ActionTimes]], costs
                 took = end - costs.of(a, r) - send_end
                 if start < send_end and took > 0 and len(a.wire) == 1:
                     samples.append(("send", a.nbytes, 2, took))
-        for (_axis, group, _k, op), members in calls.items():
-            dones = [d for _, d, _ in members if d is not None]
-            if len(members) == len(group) and dones and min(b for _, _, b in members) >= 0:
-                took = min(dones) - max(i for i, _, _ in members)
-                if took > 0:
-                    samples.append((op, max(b for _, _, b in members), len(group), took))
+        for (axis, group, k), members in calls.items():
+            dones = [d for _, d, _, _ in members if d is not None]
+            if len(members) == len(group) and dones and min(b for *_, b in members) >= 0:
+                began = _could_begin(max(i for i, *_ in members), calls.get((axis, group, k - 1), ()))
+                if began is not None and min(dones) > began:
+                    samples.append((ops[(axis, group, k)], max(b for *_, b in members), len(group),
+                                    min(dones) - began))
     return samples
+
+
+def _could_begin(last_issue: float, previous: Sequence[tuple[float, float | None, float | None, int]]) -> float | None:
+    """When a collective issued last at ``last_issue`` could begin, behind the group's ``previous``
+    one ((issue, came in, in by, bytes) per member); None where that is unknown."""
+    came_in = [d for _, d, _, _ in previous if d is not None]
+    if came_in:  # some member waited for it: it came in then
+        return max(last_issue, min(came_in))
+    in_by = [t for _, _, t, _ in previous if t is not None]
+    if not in_by or min(in_by) <= last_issue:  # it was in before this one was issued (or never seen)
+        return last_issue
+    return None  # in somewhere between the last issue and min(in_by): the start is unknown
 
 
 def _collectives_of(plan: Plan, r: int) -> Iterator[tuple[tuple[Any, ...], int, int | None, Action]]:
@@ -318,7 +390,7 @@ def _collectives_of(plan: Plan, r: int) -> Iterator[tuple[tuple[Any, ...], int, 
         if a.op is None or a.axis is None or a.kind in SENDS or a.kind in RECVS:
             continue
         group = plan.mesh.group_ranks(a.axis, r)
-        key = (a.axis, group, seq[a.axis], a.op)
+        key = (a.axis, group, seq[a.axis])
         seq[a.axis] += 1
         if kinds_roles[pos] != ISSUE:  # a sync all-reduce waits in itself
             yield key, pos, pos, a

@@ -9,7 +9,7 @@ The model, and what it assumes:
 * Ranks are independent processors, unless ``PlanCosts.cores`` says they share
   fewer cores than there are ranks: then the ranks that are busy at a moment
   share the cores equally (processor sharing; a waiting rank uses none).
-  Links are never shared: transfers do not slow each other down.
+  Messages do not slow each other down.
 * A transfer or collective takes :meth:`CommModel.time` (``engine/plan_costs.py``:
   a ring's latency and bandwidth terms per op).
 * A send is delivered its transfer time after it is issued (the executor posts
@@ -19,9 +19,12 @@ The model, and what it assumes:
   activation or gradient of a stage and micro-batch, or a tied weight).
   ``wait_sends`` and ``sum_tied`` wait until every send so far is delivered.
 * The k-th collective a rank issues over an axis meets the k-th of every rank of
-  its group there. An async one (gather, reduce_scatter, gather_params, the first
-  reduce_metrics) starts when the last member has issued it and completes its
-  transfer time later; its wait blocks the rank until then. A sync one (the later
+  its group there. A group runs its collectives one at a time, in that order (a
+  process group's collectives run in order on one stream on NCCL; on gloo, four
+  reduce-scatters issued back to back were measured landing one after another). An async one (gather, reduce_scatter, gather_params,
+  the first reduce_metrics) starts when the last member has issued it and the
+  group's previous one is done, and completes its transfer time later; its wait
+  blocks the rank until then. A sync one (the later
   reduce_metrics, once the first is in) blocks until every member has arrived and
   the transfer is done.
 * Nothing waits forever: ranks that would are reported (:class:`PlanDeadlock`)
@@ -109,6 +112,7 @@ class _Simulation:
         self.mail: dict[tuple[Any, ...], deque[float]] = defaultdict(deque)
         self.outbox: list[list[float]] = [[] for _ in range(n)]  # delivery times of undelivered sends
         self.calls: dict[tuple[Any, ...], _Call] = {}
+        self.group_free: dict[tuple[Any, ...], float] = {}  # (axis, group) -> when its last collective is done
         self.seq: list[dict[str, int]] = [defaultdict(int) for _ in range(n)]
         self.pending: list[dict[tuple[str, str | None], _Call]] = [{} for _ in range(n)]
         self.first_metrics: list[_Call | None] = [None] * n
@@ -147,7 +151,7 @@ class _Simulation:
         s = self.state[r]
         if rate == 1.0 and not s.shared:  # alone all along: exactly its start plus its cost
             assert s.busy_since is not None
-            return s.busy_since + self.costs.of(self.plan.actions[r][s.pos], r)
+            return s.busy_since + self.costs.of(self.plan.actions[r][s.pos], r, s.pos)
         return now + s.remaining / rate
 
     def _settle(self, now: float) -> None:
@@ -163,7 +167,7 @@ class _Simulation:
                         if ready is None or ready > now:
                             break
                         s.busy_since, s.shared = now, False
-                        s.remaining = self.costs.of(self.plan.actions[r][s.pos], r)
+                        s.remaining = self.costs.of(self.plan.actions[r][s.pos], r, s.pos)
                     if s.remaining > 0:
                         break
                     self._finish(r, now)
@@ -254,10 +258,11 @@ class _Simulation:
             )
         call.arrived[r], call.issued_by[r] = when, i
         if len(call.arrived) == len(group):
-            begin = max(call.arrived.values())
+            begin = max([*call.arrived.values(), self.group_free.get((a.axis, group), 0.0)])
             issued = {m: self.plan.actions[m][call.issued_by[m]] for m in group}
             largest = max(issued.values(), key=lambda action: action.nbytes)
             call.done = begin + self._transfer_time(largest, a.op or "psum", len(group))
+            self.group_free[(a.axis, group)] = call.done
             for m in group:
                 self.transfers[m].append(Transfer(m, call.issued_by[m], issued[m], begin, call.done))
         return call
