@@ -3,8 +3,12 @@ robustly from a run's waits, and a measured step replayed at its own costs."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
+from hypothesis import assume, given
+from hypothesis import strategies as st
 
 import shardwise as sw
 from shardwise.engine.plan import (
@@ -23,6 +27,7 @@ from shardwise.engine.plan import (
 )
 from shardwise.engine.plan_costs import CommModel, PlanCosts, measured_transfers
 from shardwise.engine.simulate import simulate
+from shardwise.testing import strategies as sst
 from shardwise.testing.models import mlp
 
 
@@ -139,3 +144,41 @@ def test_a_slot_cost_is_its_rank_and_position_only() -> None:
     assert [s.end for s in simulate(plan, costs).ranks[1]] == [4.0, 5.0]
     with pytest.raises(ValueError, match=r"PlanCosts.slot\[\(1, 0\)\] = -1"):
         PlanCosts(slot={(1, 0): -1.0})
+
+
+@given(
+    problem=sst.problems(max_depth=4, max_steps=1),
+    dp=st.sampled_from([1, 2]),
+    pp=st.sampled_from([1, 2]),
+    cores=st.sampled_from([None, 1, 2, 3]),
+    data=st.data(),
+)
+def test_any_drawn_stack_replayed_at_its_simulated_costs_is_that_simulation(
+    problem: sst.Problem, dp: int, pp: int, cores: int | None, data: st.DataObject
+) -> None:
+    stack = data.draw(sst.transform_stacks("dp", pp="pp"))
+    assume(len(problem.case.chain) >= pp)
+    mesh = sw.Mesh(dp=dp, pp=pp)
+    batch = problem.batches_for(mesh, multiple=stack.microbatches)[0]
+    plan = stack.apply(problem.step).plan(mesh, problem.params, batch)
+    work = st.integers(1, 4).map(float)  # whole numbers keep unshared times exact
+    kinds = {FORWARD: data.draw(work), UPDATE: data.draw(work), GATHER: data.draw(work) / 4,
+             REDUCE_SCATTER: data.draw(work) / 4, SEND_ACTIVATION: data.draw(work) / 4, SEND_GRAD: data.draw(work) / 4}
+    comm = CommModel(alpha={op: data.draw(work) / 2 for op in ("all_gather", "psum_scatter", "psum", "send")})
+    truth = simulate(plan, PlanCosts(kind=kinds, cores=cores, comm=comm))
+    step = [[(s.position, s.start, s.end) for s in row] for row in truth.ranks]
+    replayed = simulate(plan, PlanCosts(cores=cores, comm=comm).of_step(plan, step))
+    assert replayed.makespan == pytest.approx(truth.makespan, abs=1e-9)
+    for got, want in zip(replayed.ranks, truth.ranks, strict=True):
+        assert [t for s in got for t in (s.start, s.end)] == pytest.approx([t for s in want for t in (s.start, s.end)],
+                                                                            abs=1e-9)
+    # The queue: a group's collectives never overlap in the simulation.
+    spans: dict[tuple, list[tuple[float, float]]] = {}
+    for r, flights in enumerate(truth.transfers):
+        for t in flights:
+            if t.action.op not in (None, "send") and t.end > t.start:
+                key = (t.action.axis, mesh.group_ranks(t.action.axis, r))
+                spans.setdefault(key, []).append((t.start, t.end))
+    for key, found in spans.items():
+        ordered = sorted(set(found))
+        assert all(a[1] <= b[0] + 1e-12 for a, b in itertools.pairwise(ordered)), (key, ordered)
