@@ -41,6 +41,7 @@ import torch
 from ..collectives import Handle, all_gather_async, psum, psum_async
 from ..collectives.mesh import Mesh
 from ..collectives.mesh_context import use_mesh
+from . import inside_times
 from ._storage import version_of
 from .chain import Chain
 from .devices import device_of
@@ -160,8 +161,9 @@ class Executor(ZeroActions, TransferActions):
     losses: list[torch.Tensor] = field(default_factory=list)
     counts: list[torch.Tensor] = field(default_factory=list)  # token-weighted: tokens per micro-batch
     events: list[tuple[int, str, float, float]] = field(default_factory=list)
-    # When recording: every action this rank ran, (position in its action list, start, end), on
-    # time.perf_counter's clock: the measured counterpart of a simulated Plan.
+    # When recording: every action of this rank's Plan, (position in the Plan's list, start, end), on
+    # time.perf_counter's clock (a compute's in-layer collectives too): the measured counterpart
+    # of a simulated Plan.
     action_times: list[tuple[int, float, float]] = field(default_factory=list)
     peak_gathered_bytes: int = 0
     # -- per-step working state -------------------------------------------------------------
@@ -236,14 +238,21 @@ class Executor(ZeroActions, TransferActions):
         }
         self._actions = actions
         clock = time.perf_counter
+        ran: list[tuple[int, float, float]] = []  # when recording: (position here, start, end)
+        planned = 0  # the position of the running action in the Plan's list, which also lists the
+        # collectives a compute issues inside its layers (tensor parallel) right after it
         for position, action in enumerate(actions):
             handler = table.get(action.kind)
             if handler is None:
                 raise ValueError(f"the executor has no handler for action {action} (kind {action.kind!r})")
             if self.record:
-                start = clock()
-                self._call(handler, action)
-                self.action_times.append((position, start, clock()))
+                with inside_times.recording() as inside:
+                    start = clock()
+                    self._call(handler, action)
+                    ran.append((position, start, clock()))
+                self.action_times.append((planned, *ran[-1][1:]))
+                self.action_times.extend((planned + 1 + k, s, e) for k, (s, e) in enumerate(inside))
+                planned += 1 + len(inside)
             else:
                 self._call(handler, action)
         if self.record:
@@ -251,7 +260,7 @@ class Executor(ZeroActions, TransferActions):
             rank = 0 if self.mesh is None else self.mesh.rank
             self.events.extend(
                 (rank, f"{actions[i].stage}{SHORT[actions[i].kind]}{actions[i].microbatch}", s, e)
-                for i, s, e in self.action_times if actions[i].kind in COMPUTES
+                for i, s, e in ran if actions[i].kind in COMPUTES
             )
 
     # -- compute ---------------------------------------------------------------------------------

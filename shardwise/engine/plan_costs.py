@@ -25,12 +25,14 @@ from .plan import (
     BACKWARD_INPUT,
     BACKWARD_WEIGHT,
     FORWARD,
+    INSIDE_COMPUTE,
     REDUCE_METRICS,
     WAIT_METRICS,
     Action,
     Plan,
 )
 from .plan_timeline import (
+    COMPUTE_KINDS,
     ISSUE,
     KINDS,
     RECVS,
@@ -228,7 +230,7 @@ class PlanCosts:
         blocking: set[str] = set()
         for step in steps:
             check_action_times(plan, step, "PlanCosts.fit")
-            work = _core_time(plan, step, cores)
+            own = _own_times(plan, step, cores)
             for r, times in enumerate(step):
                 kinds_roles = roles(plan.actions[r])
                 for pos, start, end in times:
@@ -239,14 +241,14 @@ class PlanCosts:
                     else:
                         key = ("stage", (a.kind, a.stage)) if a.stage is not None else \
                             ("layer", (a.kind, a.layer)) if a.layer is not None else ("rank", (a.kind, r))
-                    took = end - start if role == WAIT else work(start, end)
+                    took = end - start if role == WAIT else own[(r, pos)]
                     samples[key].append(took)
                     samples[("kind", a.kind)].append(took)
         if statistic not in ("median", "mean"):
             raise ValueError(f"PlanCosts.fit(statistic={statistic!r}): use 'median' or 'mean'")
         average = statistics.median if statistic == "median" else statistics.fmean
         if not samples:
-            raise ValueError("PlanCosts.fit: no measured actions (run the step with pipeline(..., trace=True))")
+            raise ValueError("PlanCosts.fit: no measured actions (run the step traced: step.with_trace())")
         tables: dict[str, dict[Any, float]] = {"kind": {}, "stage": {}, "layer": {}, "rank": {}}
         for (table, key), values in samples.items():
             kind = key if table == "kind" else key[0]
@@ -277,19 +279,43 @@ class PlanCosts:
         [3.0, 3.0]
         """
         check_action_times(plan, step, "PlanCosts.of_step")
-        work = _core_time(plan, step, self.cores)
-        slot = {}
-        for r, times in enumerate(step):
-            kinds_roles = roles(plan.actions[r])
-            slot.update({(r, pos): work(start, end) for pos, start, end in times if kinds_roles[pos] != WAIT})
-        return replace(self, slot=slot)
+        return replace(self, slot=_own_times(plan, step, self.cores))
+
+
+def _own_times(plan: Plan, step: Sequence[ActionTimes], cores: int | None) -> dict[tuple[int, int], float]:
+    """Per (rank, position), what each compute, issue and bookkeeping action of a measured step
+    cost its rank: its core time (:func:`_core_time`), less the time of the collectives it issued
+    inside its layers (tensor parallel) while it ran, which the Plan lists, and a simulation runs,
+    after it."""
+    work = _core_time(plan, step, cores)
+    own: dict[tuple[int, int], float] = {}
+    for r, times in enumerate(step):
+        kinds_roles = roles(plan.actions[r])
+        own.update({(r, pos): work(start, end) for pos, start, end in times if kinds_roles[pos] != WAIT})
+        for outer, start, end in _nested(plan, r, times):
+            own[(r, outer)] -= work(start, end)
+    return own
+
+
+def _nested(plan: Plan, r: int, times: ActionTimes) -> list[tuple[int, float, float]]:
+    """The collectives rank ``r``'s computes issued inside their layers, measured within them:
+    (the compute's position, the part of the collective's time inside the compute's)."""
+    found, outer = [], None
+    for pos, start, end in sorted(times):
+        kind = plan.actions[r][pos].kind
+        if kind in INSIDE_COMPUTE:
+            if outer is not None and min(end, outer[2]) > max(start, outer[1]):
+                found.append((outer[0], max(start, outer[1]), min(end, outer[2])))
+        else:
+            outer = (pos, start, end) if kind in COMPUTE_KINDS else None
+    return found
 
 
 def _core_time(plan: Plan, step: Sequence[ActionTimes], cores: int | None) -> Callable[[float, float], float]:
     """``work(start, end)``: the core time a rank had from ``start`` to ``end`` (two of its action
     boundaries) when the busy (not waiting) ranks of ``step`` shared ``cores`` equally. A wait
     counts as idle throughout: its own cost once its data is in (small) cannot be told apart from
-    its waiting in a measured step."""
+    its waiting in a measured step. So does a collective a compute issues inside its layers."""
     if cores is None:
         return lambda start, end: end - start
     change: dict[float, int] = defaultdict(int)
@@ -301,6 +327,9 @@ def _core_time(plan: Plan, step: Sequence[ActionTimes], cores: int | None) -> Ca
             if kinds_roles[pos] != WAIT:
                 change[start] += 1
                 change[end] -= 1
+        for _, start, end in _nested(plan, r, times):  # idle inside its busy compute
+            change[start] -= 1
+            change[end] += 1
     had: dict[float, float] = {}
     busy, total, before = 0, 0.0, None
     for t in sorted(change):

@@ -4,7 +4,7 @@
 transfer or collective, a wait for one, or bookkeeping); :class:`PlanTimeline`
 holds the slots, what each rank had in flight, and the figures (makespan,
 compute time, bubble, time in waits). ``PlanTimeline.from_measured`` reads a run
-made with ``pipeline(..., trace=True)`` (its ``metrics["action_times"]``), and
+made with ``step.with_trace()`` (its ``metrics["action_times"]``), and
 ``engine/simulate.py`` makes the same from a Plan on paper, so both draw and
 compare alike.
 """

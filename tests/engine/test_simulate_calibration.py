@@ -19,6 +19,7 @@ from shardwise.engine.plan import (
     REDUCE_SCATTER,
     SEND_ACTIVATION,
     SEND_GRAD,
+    TP_PSUM,
     UPDATE,
     WAIT_GATHER,
     Action,
@@ -182,3 +183,23 @@ def test_any_drawn_stack_replayed_at_its_simulated_costs_is_that_simulation(
     for key, found in spans.items():
         ordered = sorted(set(found))
         assert all(a[1] <= b[0] + 1e-12 for a, b in itertools.pairwise(ordered)), (key, ordered)
+
+
+def test_a_compute_costs_its_time_less_the_collectives_it_issued_inside_its_layers() -> None:
+    f = Action(FORWARD, "x", 0, 0)
+    inside = Action(TP_PSUM, "x", 0, 0, axis="tp", wire=(Wire("float32", 64),))
+    plan = Plan(sw.Mesh(tp=2), ((f, inside), (f, inside)))
+    # Measured, the all-reduce ran inside the forward: [1, 2] within [0, 3] (rank 1: [1.5, 2] in [0, 3]).
+    measured = [[(0, 0.0, 3.0), (1, 1.0, 2.0)], [(0, 0.0, 3.0), (1, 1.5, 2.0)]]
+    costs = PlanCosts(comm=CommModel(alpha={"psum": 0.25})).of_step(plan, measured)
+    assert costs.of(f, 0, 0) == 2.0 and costs.of(f, 1, 0) == 2.5
+    # Simulated, the Plan runs it after its compute, which costs only its own time there.
+    timeline = simulate(plan, costs)
+    assert [(s.start, s.end) for s in timeline.ranks[0]] == [(0.0, 2.0), (2.0, 3.0)]
+    # A timeline in which it ran after its compute (a simulated one) keeps the compute's whole time.
+    sequential = [[(s.position, s.start, s.end) for s in row] for row in timeline.ranks]
+    assert PlanCosts().of_step(plan, sequential).of(f, 0, 0) == 2.0
+    # On one shared core, a rank waiting in it is idle: both forwards run at half speed in [0, 1]
+    # and [2, 3], rank 1's alone in [1, 1.5] while rank 0 waits; rank 0 had 1.0 of the core, rank 1 1.5.
+    shared = PlanCosts(cores=1).of_step(plan, measured)
+    assert shared.of(f, 0, 0) == pytest.approx(1.0) and shared.of(f, 1, 0) == pytest.approx(1.5)

@@ -15,7 +15,7 @@ rank 1 |....1F0 1B0     1F1 1B1     ........|
 params, batch)``, any composition): a ``PlanTimeline`` with every transfer and
 collective, under ``PlanCosts`` (computes) and a ``CommModel`` (latency +
 bandwidth), both fitted from measured runs; ``PlanTimeline.from_measured``
-reads a run made with ``pipeline(..., trace=True)``.
+reads a run made with ``step.with_trace()`` (or ``pipeline(..., trace=True)``).
 """
 
 from ...engine.plan_costs import CommModel, PlanCosts, measured_transfers

@@ -37,6 +37,7 @@ import torch
 
 from ...collectives import all_gather, axis_index, axis_size, psum, psum_scatter
 from ...collectives.where import in_backward
+from ...engine import inside_times
 
 
 @dataclass(frozen=True)
@@ -150,10 +151,11 @@ def _apply(op: str | None, x: torch.Tensor, axis: str, dim: int, reduce: torch.d
         return x.view_as(x)
     if op == "slice":
         return x.chunk(n, dim)[axis_index(axis)].contiguous()
-    if op == "all_gather":
-        return all_gather(x.contiguous(), axis, dim, tiled=True)
-    sent = x.to(wire)
-    out = psum(sent, axis) if op == "psum" else psum_scatter(sent.contiguous(), axis, dim, tiled=True)
+    with inside_times.timed():  # a traced step's Plan lists it as an action of its own
+        if op == "all_gather":
+            return all_gather(x.contiguous(), axis, dim, tiled=True)
+        sent = x.to(wire)
+        out = psum(sent, axis) if op == "psum" else psum_scatter(sent.contiguous(), axis, dim, tiled=True)
     return out.to(x.dtype)
 
 
@@ -185,7 +187,8 @@ def all_max(x: torch.Tensor, axis: str, label: str) -> torch.Tensor:
     if prediction is not None:
         prediction.issued.append(Issued("all_gather", tuple(x.shape), x.dtype, "forward", label))
         return x.clone()
-    return all_gather(x, axis).amax(0)
+    with inside_times.timed():
+        return all_gather(x, axis).amax(0)
 
 
 def _check_divides(x: torch.Tensor, dim: int, axis: str, label: str) -> None:

@@ -99,6 +99,37 @@ def test_every_rank_issues_exactly_the_collectives_its_plan_lists(
         assert opt == plan.memory["opt_state"][rank]
 
 
+TRACED = [("tiny_gpt", "tp2"), ("llama", "tp2-sp"), ("tiny_gpt", "dp2xpp2xtp2-sp"), ("tiny_gpt", "tp2-sp-remat")]
+
+
+@pytest.mark.parametrize("family,stack", TRACED, ids=[f"{f}-{s}" for f, s in TRACED])
+def test_a_traced_step_times_every_action_of_its_plan_in_layer_collectives_included(
+    family: str, stack: str, build: dict[str, Callable]
+) -> None:
+    problem = build[family](steps=1)
+    step, mesh = _stack(stack)(problem)
+    traced, batch = step.with_trace(), problem.batches[0]
+    plan = step.plan(mesh, problem.params, batch)
+
+    def run() -> list:
+        return list(traced(traced.init(problem.params, mesh), batch)[1]["action_times"])
+
+    for rank, times in enumerate(sw.launch(run, mesh.size)):
+        actions = plan.actions[rank]
+        assert [pos for pos, _, _ in times] == list(range(len(actions))), f"rank {rank}"
+        # Each in-layer collective at its Plan position ran inside the compute listed before it.
+        compute = None
+        for pos, start, end in times:
+            kind = actions[pos].kind
+            if kind.startswith("tp_"):
+                assert compute is not None and compute[0] <= start <= end <= compute[1], (rank, actions[pos])
+            elif kind in ("forward", "backward", "backward_input", "backward_weight", "loss"):
+                compute = (start, end)
+            else:
+                compute = None
+        assert sum(actions[pos].kind.startswith("tp_") for pos, _, _ in times) > 0
+
+
 # -- Megatron's volumes, from the shapes ---------------------------------------------------------
 
 BATCH, SEQ, HIDDEN, LAYERS, VOCAB = 4, 8, 32, 2, 64
