@@ -11,6 +11,7 @@ compare alike.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
@@ -57,7 +58,7 @@ COMPUTE, ISSUE, WAIT, LOCAL = "compute", "issue", "wait", "local"
 COMPUTE_KINDS = (FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, LOSS, UPDATE)
 KINDS = (*COMPUTE_KINDS, GATHER, WAIT_GATHER, FREE, REDUCE_SCATTER, WAIT_REDUCE, GATHER_PARAMS, WAIT_PARAMS,
          SEND_ACTIVATION, RECV_ACTIVATION, SEND_GRAD, RECV_GRAD, SEND_TIED, RECV_TIED, SUM_TIED, WAIT_SENDS,
-         FINISH_GRADS, REDUCE_METRICS, WAIT_METRICS)
+         FINISH_GRADS, REDUCE_METRICS, WAIT_METRICS, *INSIDE_COMPUTE, CHECK_REPLICAS, WAIT_CHECK)
 SENDS = (SEND_ACTIVATION, SEND_GRAD, SEND_TIED)
 RECVS = (RECV_ACTIVATION, RECV_GRAD, RECV_TIED)
 WAIT_OF = {WAIT_GATHER: GATHER, WAIT_REDUCE: REDUCE_SCATTER, WAIT_PARAMS: GATHER_PARAMS, WAIT_CHECK: CHECK_REPLICAS}
@@ -222,8 +223,19 @@ class PlanTimeline:
 
     @property
     def busy(self) -> tuple[float, ...]:
-        """Time each rank spends computing (forward, backward, I, W, loss, update)."""
-        return tuple(sum(s.end - s.start for s in row if s.compute) for row in self.ranks)
+        """Time each rank spends computing (forward, backward, I, W, loss, update), less the time
+        its computes spent in the collectives they issue inside their layers (tensor parallel: a
+        measured compute holds them, a simulated one is followed by them)."""
+        out = []
+        for row in self.ranks:
+            inside = sorted((s.start, s.end) for s in row if s.kind in INSIDE_COMPUTE)
+            starts = [start for start, _ in inside]
+            total = 0.0
+            for c in (s for s in row if s.compute):
+                held = inside[bisect.bisect_left(starts, c.start):bisect.bisect_left(starts, c.end)]
+                total += c.end - c.start - sum(min(c.end, end) - start for start, end in held)
+            out.append(total)
+        return tuple(out)
 
     @property
     def comm_wait(self) -> tuple[float, ...]:

@@ -27,6 +27,7 @@ from shardwise.engine.plan import (
     Wire,
 )
 from shardwise.engine.plan_costs import CommModel, PlanCosts, measured_transfers
+from shardwise.engine.plan_timeline import PlanTimeline
 from shardwise.engine.simulate import simulate
 from shardwise.testing import strategies as sst
 from shardwise.testing.models import mlp
@@ -196,6 +197,9 @@ def test_a_compute_costs_its_time_less_the_collectives_it_issued_inside_its_laye
     # Simulated, the Plan runs it after its compute, which costs only its own time there.
     timeline = simulate(plan, costs)
     assert [(s.start, s.end) for s in timeline.ranks[0]] == [(0.0, 2.0), (2.0, 3.0)]
+    # Busy time, and so the bubble, counts the compute without it, measured or simulated alike.
+    assert PlanTimeline.from_measured(plan, measured).busy == (2.0, 2.5)
+    assert timeline.busy[0] == 2.0
     # A timeline in which it ran after its compute (a simulated one) keeps the compute's whole time.
     sequential = [[(s.position, s.start, s.end) for s in row] for row in timeline.ranks]
     assert PlanCosts().of_step(plan, sequential).of(f, 0, 0) == 2.0

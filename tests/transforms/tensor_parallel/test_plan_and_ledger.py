@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import shardwise as sw
+from shardwise.engine.plan_costs import PlanCosts
 from shardwise.engine.state import tree_nbytes
 
 F64 = 8  # bytes per element
@@ -114,7 +115,8 @@ def test_a_traced_step_times_every_action_of_its_plan_in_layer_collectives_inclu
     def run() -> list:
         return list(traced(traced.init(problem.params, mesh), batch)[1]["action_times"])
 
-    for rank, times in enumerate(sw.launch(run, mesh.size)):
+    measured = sw.launch(run, mesh.size)
+    for rank, times in enumerate(measured):
         actions = plan.actions[rank]
         assert [pos for pos, _, _ in times] == list(range(len(actions))), f"rank {rank}"
         # Each in-layer collective at its Plan position ran inside the compute listed before it.
@@ -128,6 +130,10 @@ def test_a_traced_step_times_every_action_of_its_plan_in_layer_collectives_inclu
             else:
                 compute = None
         assert sum(actions[pos].kind.startswith("tp_") for pos, _, _ in times) > 0
+    # The measured step calibrates a simulation of the Plan (its tp kinds are costed like any).
+    costs = PlanCosts.fit(plan, [measured], statistic="mean")
+    replayed = sw.simulate(plan, costs.of_step(plan, measured))
+    assert replayed.makespan > 0 and 0 <= replayed.bubble_fraction < 1
 
 
 # -- Megatron's volumes, from the shapes ---------------------------------------------------------
