@@ -225,6 +225,9 @@ class PlanCosts:
         when its data is already in. Every kind also gets the same over all its samples, for
         actions not seen. With ``cores`` (the run's ranks shared that many), a duration counts
         only the share of a core the action had: while ``k > cores`` ranks were busy, ``cores / k``.
+        A compute's duration leaves out the collectives it issued inside its layers (tensor
+        parallel: the Plan lists them after it, each costed as a wait), and its rank counts as
+        idle while in them.
         """
         samples: dict[tuple[str, Any], list[float]] = defaultdict(list)
         blocking: set[str] = set()

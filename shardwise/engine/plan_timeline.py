@@ -112,7 +112,11 @@ def check_action_times(plan: Plan, per_rank: Sequence[ActionTimes], what: str) -
     for r, times in enumerate(per_rank):
         for pos, start, end in times:
             if not 0 <= pos < len(plan.actions[r]):
-                raise ValueError(f"{what}: rank {r} has {len(plan.actions[r])} actions, not one at position {pos}")
+                raise ValueError(
+                    f"{what}: rank {r} has {len(plan.actions[r])} actions, not one at position {pos}; were the "
+                    "times measured on this plan's step, mesh and batch? (a tensor-parallel plan made without a "
+                    "batch lists none of its in-layer collectives: step.plan(mesh, params, batch))"
+                )
             if end < start:
                 raise ValueError(f"{what}: rank {r}'s action {plan.actions[r][pos]} ends ({end}) before it starts ({start})")
 

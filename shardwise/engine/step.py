@@ -95,7 +95,8 @@ class Step:
     transforms: tuple[Any, ...] = ()
     # The chain as train_step got it, once a rewriting transform made ``chain`` from it.
     source_chain: Chain | None = None
-    trace: bool = False  # whether a step reports when each of its Plan's actions ran (with_trace)
+    trace: bool | None = None  # whether a step reports when each of its Plan's actions ran (with_trace);
+    # None: as its pipeline says (pipeline(..., trace=True)), else not
 
     @property
     def base_chain(self) -> Chain:
@@ -156,7 +157,9 @@ class Step:
         and ``PlanCosts.fit`` read, and
         ``metrics["trace"]``, the computes as ``(rank, label, start, end)``. Any stack can be
         traced (``pipeline(..., trace=True)`` is the same for a pipelined one); it costs two clock
-        reads per action. The states and updates are unchanged.
+        reads per action (and, under tensor parallel, a context variable set per action and two
+        clock reads per in-layer collective). ``with_trace(False)`` turns it off, a pipeline's
+        ``trace=True`` included. The states and updates are unchanged.
 
         >>> import torch, shardwise as sw
         >>> from shardwise.testing.models import mlp
@@ -174,8 +177,10 @@ class Step:
     @property
     def traced(self) -> bool:
         """Whether a step reports its action times (:meth:`with_trace`, or ``pipeline(..., trace=True)``)."""
+        if self.trace is not None:
+            return self.trace
         pipe = self.pipeline_spec
-        return self.trace or bool(pipe is not None and pipe.trace)
+        return bool(pipe is not None and pipe.trace)
 
     @property
     def needs_norm(self) -> bool:

