@@ -25,7 +25,7 @@ Calibration and comparison
   share of a core an action had while more than ``C`` ranks were busy, and the
   same sharing simulated.
 * Communication: ``CommModel.fit`` (least squares of ``alpha x steps + beta x
-  bytes x factor``, per op, on one median per size) on what the first half's
+  bytes x factor``, per op, each sample at its size's mean) on what the first half's
   waits show (``measured_transfers``, default), or ``CommModel.from_benchmark``
   on ``benchmarks/collectives.py``'s JSON lines of the same backend (``--comm
   benchmark``: ``--collectives FILE``, or else a short probe run here first, ops

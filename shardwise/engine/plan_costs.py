@@ -96,15 +96,17 @@ class CommModel:
     def fit(cls, samples: Iterable[tuple[str, int, int, float]]) -> CommModel:
         """Least squares on relative error over ``(op, bytes, ranks, seconds)`` samples, per op.
 
-        Each sample counts at the median of its (op, bytes, ranks): a few outliers of a noisy run
-        (a transfer that seemed to take microseconds because its wait began just as the data
-        came in) do not set the fit, and a size seen often still weighs more than one seen once.
-        A fit that would make alpha or beta negative keeps that term at 0 and fits the other;
-        with a single message size beta cannot be told from alpha, and only alpha is fitted.
+        Each sample counts at the mean of its (op, bytes, ranks): what transfers of that size take
+        on average, which is what they add up to along a step's critical path (a noisy run's
+        slow tails included). A size seen often weighs more than one seen once, and a transfer
+        that seemed to take microseconds (its wait began just as the data came in) moves its
+        size's mean a little, where on its own, in a fit on relative error, it would set the
+        fit. A fit that would make alpha or beta negative keeps that term at 0 and fits the
+        other; with a single message size beta cannot be told from alpha, and only alpha is fitted.
 
         >>> fitted = CommModel.fit([("send", 64, 2, t) for t in (1e-6, 3e-4, 4e-4, 5e-4)])
         >>> round(fitted.alpha["send"], 6)
-        0.00035
+        0.0003
         """
         seen: dict[tuple[str, int, int], list[float]] = defaultdict(list)
         for op, nbytes, n, seconds in samples:
@@ -114,7 +116,7 @@ class CommModel:
         for (op, nbytes, n), times in seen.items():
             steps, factor = ring_shape(op, n)
             if steps > 0:
-                by_op[op].append((steps, factor * nbytes, statistics.median(times), len(times)))
+                by_op[op].append((steps, factor * nbytes, statistics.fmean(times), len(times)))
         alpha, beta = {}, {}
         for op, rows in by_op.items():
             alpha[op], beta[op] = _fit_two(rows)
