@@ -5,6 +5,7 @@ Run it from the repository root:
     python benchmarks/plan_timeline.py                              # gloo processes, ~15 s on 2 idle cores
     python benchmarks/plan_timeline.py --backend threads --steps 20
     python benchmarks/plan_timeline.py --collectives collectives.jsonl --draw out/   # + pictures
+    python benchmarks/plan_timeline.py --stack tp2 --hidden 256 --layers 4 --batch 8   # tensor parallel
 
 What runs
 ---------
@@ -16,6 +17,11 @@ torch thread each, every step after a barrier; ``--warmup`` untimed steps, then
 ``--steps`` recorded ones: each rank's ``metrics["action_times"]``, every
 action of its Plan with its start and end (``time.perf_counter``, one clock
 for every process of the machine).
+
+``--stack tp2`` runs a tensor-parallel step instead: TinyGPT (``--hidden``
+wide, ``--layers`` blocks, 4 heads, ``--batch`` rows of 32 tokens) under
+``sw.tensor_parallel(..., sequence_parallel=blocks)`` with the vocabulary-parallel
+loss, on ``Mesh(tp=2)``, traced with ``step.with_trace()``.
 
 Calibration and comparison
 --------------------------
@@ -70,6 +76,7 @@ from torch import nn
 
 import shardwise as sw
 from shardwise.collectives.backends.processes import ProcessPool
+from shardwise.testing.models import Block, TinyGPT
 from shardwise.transforms.pipeline import (
     CommModel,
     PlanCosts,
@@ -80,9 +87,11 @@ from shardwise.transforms.pipeline import (
     simulate,
     write_chrome_trace,
 )
+from shardwise.transforms.tensor_parallel import TINY_GPT_BLOCKS
 
 TIMEOUT_S = 600.0
-MESH_SHAPE = {"dp": 2, "pp": 2}
+MESH_SHAPES = {"dp2xpp2": {"dp": 2, "pp": 2}, "tp2": {"tp": 2}}
+TP_VOCAB, TP_SEQ = 512, 32
 PROBE_OPS = ("psum", "all_gather", "psum_scatter", "send_recv")
 PROBE_SIZES = [1 << 10, 1 << 13, 1 << 16, 1 << 18, 1 << 20]
 ActionTimes = list[tuple[int, float, float]]
@@ -96,12 +105,19 @@ class Config:
     microbatches: int
     steps: int
     warmup: int
+    stack: str = "dp2xpp2"
     seed: int = 0
+
+    @property
+    def mesh(self) -> sw.Mesh:
+        return sw.Mesh(**MESH_SHAPES[self.stack])
 
 
 def build(cfg: Config) -> tuple[sw.Step, dict[str, Any], list[tuple[torch.Tensor, torch.Tensor]]]:
     """The composed step, the seeded parameters and the batches (identical in every process)."""
     torch.manual_seed(cfg.seed)
+    if cfg.stack == "tp2":
+        return build_tp(cfg)
     layers: list[nn.Module] = []
     for _ in range(cfg.layers):
         layers += [nn.Linear(cfg.hidden, cfg.hidden), nn.GELU()]
@@ -114,6 +130,19 @@ def build(cfg: Config) -> tuple[sw.Step, dict[str, Any], list[tuple[torch.Tensor
     return composed, params, batches
 
 
+def build_tp(cfg: Config) -> tuple[sw.Step, dict[str, Any], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """TinyGPT (``--hidden`` wide, ``--layers`` blocks, 4 heads) at tp=2 with sequence parallel and
+    the vocabulary-parallel loss, traced."""
+    model = TinyGPT(vocab=TP_VOCAB, d_model=cfg.hidden, n_heads=4, n_layers=cfg.layers, seq_len=TP_SEQ)
+    chain, params = sw.functionalize(model, units=Block)
+    step = sw.train_step(chain, sw.vocab_parallel_cross_entropy, sw.optim.adamw(1e-3))
+    split = sw.tensor_parallel(step, "tp", sw.tiny_gpt_plan(), sequence_parallel=TINY_GPT_BLOCKS).with_trace()
+    gen = torch.Generator().manual_seed(cfg.seed + 1)
+    batches = [(torch.randint(TP_VOCAB, (cfg.batch, TP_SEQ), generator=gen),
+                torch.randint(TP_VOCAB, (cfg.batch, TP_SEQ), generator=gen)) for _ in range(cfg.warmup + cfg.steps)]
+    return split, params, batches
+
+
 # Thread ranks share torch's global generator: one build at a time, or their seeded
 # initialisations interleave and the ranks start from different weights (step.init refuses).
 _BUILD = threading.Lock()
@@ -124,7 +153,7 @@ def rank_main(cfg: Config) -> list[ActionTimes]:
     torch.set_num_threads(1)
     with _BUILD:
         composed, params, batches = build(cfg)
-    mesh = sw.Mesh(**MESH_SHAPE)
+    mesh = cfg.mesh
     world = sw.Mesh(world=mesh.size)
     backend, everyone = world.backend, world.group("world")
     state = composed.init(params, mesh)
@@ -169,6 +198,10 @@ def ratio(simulated: float, measured: float) -> float | None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--backend", choices=("gloo", "threads"), default="gloo")
+    parser.add_argument("--stack", choices=tuple(MESH_SHAPES), default="dp2xpp2",
+                        help="dp2xpp2: the MLP under shard_params(pipeline(1f1b)) (default); tp2: TinyGPT at "
+                             "tp=2 with sequence parallel (--hidden its width, --layers its blocks, --batch rows "
+                             f"of {TP_SEQ} tokens)")
     parser.add_argument("--hidden", type=int, default=512, help="MLP width (default 512)")
     parser.add_argument("--layers", type=int, default=8, help="Linear layers (default 8)")
     parser.add_argument("--batch", type=int, default=256, help="global batch rows (default 256)")
@@ -189,12 +222,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.steps < 2:
         parser.error("--steps must be >= 2: the first half calibrates, the second is compared")
-    cfg = Config(args.hidden, args.layers, args.batch, args.microbatches, args.steps, args.warmup)
-    mesh = sw.Mesh(**MESH_SHAPE)
+    cfg = Config(args.hidden, args.layers, args.batch, args.microbatches, args.steps, args.warmup, args.stack)
+    mesh = cfg.mesh
     composed, params, batches = build(cfg)
     plan = composed.plan(mesh, params, batches[0])
 
-    note(f"# {args.warmup + args.steps} steps of dp=2 x pp=2 on {args.backend}")
+    note(f"# {args.warmup + args.steps} steps of {cfg.stack} on {args.backend}")
     per_rank = run_ranks(args.backend, rank_main, mesh.size, cfg)
     steps = [[per_rank[r][i] for r in range(mesh.size)] for i in range(args.steps)]
     half = args.steps // 2
@@ -218,7 +251,8 @@ def main(argv: list[str] | None = None) -> None:
     one_core_each = dataclasses.replace(PlanCosts.fit(plan, steps[:half], statistic=args.statistic), comm=comm)
     own_cores = [simulate(plan, one_core_each.of_step(plan, step)) for step in steps[:half]]
 
-    shape = {"hidden": cfg.hidden, "layers": cfg.layers, "batch": cfg.batch, "microbatches": cfg.microbatches,
+    shape = {"stack": cfg.stack, "hidden": cfg.hidden, "layers": cfg.layers, "batch": cfg.batch,
+             "microbatches": cfg.microbatches,
              "steps": cfg.steps, "backend": args.backend,
              "statistic": args.statistic, "cores_modelled": cores, "comm_from": args.comm}
     with json_lines(args.out) as emit:

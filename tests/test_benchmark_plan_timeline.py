@@ -1,4 +1,5 @@
-"""benchmarks/plan_timeline.py, tiny on threads: it calibrates, simulates and compares a dp=2 x pp=2 step."""
+"""benchmarks/plan_timeline.py, tiny on threads: it calibrates, simulates and compares a dp=2 x pp=2 step
+and a tp=2 one."""
 
 from __future__ import annotations
 
@@ -12,9 +13,13 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_plan_timeline_benchmark_compares_simulated_with_measured(tmp_path: Path) -> None:
+STACKS = {"dp2xpp2": ["--layers", "4", "--batch", "16"], "tp2": ["--layers", "2", "--batch", "4"]}
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_plan_timeline_benchmark_compares_simulated_with_measured(stack: str, tmp_path: Path) -> None:
     cmd = [sys.executable, str(ROOT / "benchmarks" / "plan_timeline.py"), "--backend", "threads", "--steps", "8",
-           "--warmup", "1", "--hidden", "16", "--layers", "4", "--batch", "16", "--cores", "0",
+           "--warmup", "1", "--hidden", "16", "--stack", stack, *STACKS[stack], "--cores", "0",
            "--draw", str(tmp_path)]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -31,7 +36,7 @@ def test_plan_timeline_benchmark_compares_simulated_with_measured(tmp_path: Path
         # The ratio is of the unrounded figures, rounded to 3 places; the figures printed are rounded
         # to 6 (a 12 ms step to the microsecond), so their quotient may round to its neighbour.
         assert compare[f"{key}_ratio"] == pytest.approx(simulated / measured, abs=1e-3), compare
-    assert compare["cores_modelled"] is None
+    assert compare["cores_modelled"] is None and compare["stack"] == stack
     # The prediction (each calibration step's own costs) and one simulation at the averaged costs.
     assert compare["averaged_costs_step_s"] > 0 and compare["simulated_no_comm_step_s"] <= compare["simulated_step_s"]
     assert compare["replay_step_ratio"] > 0 and compare["halves_step_ratio"] > 0
