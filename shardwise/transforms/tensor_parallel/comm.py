@@ -151,12 +151,13 @@ def _apply(op: str | None, x: torch.Tensor, axis: str, dim: int, reduce: torch.d
         return x.view_as(x)
     if op == "slice":
         return x.chunk(n, dim)[axis_index(axis)].contiguous()
-    sent = x.contiguous() if op == "all_gather" else x.to(wire).contiguous()
-    with inside_times.timed():  # a traced step's Plan lists it as an action of its own
-        if op == "all_gather":
-            return all_gather(sent, axis, dim, tiled=True)
-        out = psum(sent, axis) if op == "psum" else psum_scatter(sent, axis, dim, tiled=True)
-    return out.to(x.dtype)
+    # Each through inside_times.timed: a traced step's Plan lists it as an action of its own.
+    if op == "all_gather":
+        return inside_times.timed(lambda: all_gather(x.contiguous(), axis, dim, tiled=True))
+    sent = x.to(wire).contiguous()
+    if op == "psum":
+        return inside_times.timed(lambda: psum(sent, axis)).to(x.dtype)
+    return inside_times.timed(lambda: psum_scatter(sent, axis, dim, tiled=True)).to(x.dtype)
 
 
 class _TPComm(torch.autograd.Function):
@@ -187,8 +188,7 @@ def all_max(x: torch.Tensor, axis: str, label: str) -> torch.Tensor:
     if prediction is not None:
         prediction.issued.append(Issued("all_gather", tuple(x.shape), x.dtype, "forward", label))
         return x.clone()
-    with inside_times.timed():
-        return all_gather(x, axis).amax(0)
+    return inside_times.timed(lambda: all_gather(x, axis)).amax(0)
 
 
 def _check_divides(x: torch.Tensor, dim: int, axis: str, label: str) -> None:
