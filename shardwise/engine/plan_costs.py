@@ -122,6 +122,23 @@ class CommModel:
             alpha[op], beta[op] = _fit_two(rows)
         return cls(alpha, beta)
 
+    def covering(self, plan: Plan) -> tuple[CommModel, tuple[str, ...]]:
+        """This model with a figure for every op ``plan`` moves: those it has none for at 0 (free),
+        and which they were. ``simulate`` refuses a model that has figures for some ops and not for
+        one the plan moves; a fit from a run knows only the transfers some rank waited for.
+
+        >>> import torch, shardwise as sw
+        >>> from shardwise.testing.models import mlp
+        >>> chain, params = sw.functionalize(mlp([4, 8, 2]))
+        >>> step = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1))
+        >>> plan = sw.shard_params(step, "dp", 3).plan(sw.Mesh(dp=2), params, (torch.randn(4, 4), torch.randn(4, 2)))
+        >>> CommModel(alpha={"all_gather": 1e-4}).covering(plan)[1]
+        ('psum', 'psum_scatter')
+        """
+        needed = {"send" if a.op in ("send", "recv") else a.op for actions in plan.actions for a in actions if a.op}
+        unknown = tuple(sorted(needed - set(self.alpha) - set(self.beta)))
+        return CommModel({**self.alpha, **dict.fromkeys(unknown, 0.0)}, dict(self.beta)), unknown
+
     @classmethod
     def from_benchmark(cls, rows: Iterable[Mapping[str, Any]], backend: str = "gloo") -> CommModel:
         """Fit from ``benchmarks/collectives.py``'s JSON lines of ``backend`` (psum, all_gather,

@@ -174,8 +174,17 @@ class _Simulation:
                     changed = True
 
     def _transfer_time(self, a: Action, op: str, n: int) -> float:
+        comm = self.costs.comm
+        if (comm.alpha or comm.beta) and op not in comm.alpha and op not in comm.beta:
+            # A model with figures for some ops and not this one would price it free, silently.
+            raise ValueError(
+                f"simulate: the plan's {a} needs a communication time for op {op!r}, and the CommModel has "
+                f"figures only for {sorted({*comm.alpha, *comm.beta})}; give it alpha (and beta) for {op!r} "
+                f"(0.0 to make it free), e.g. fitted from runs that waited for it, or use CommModel() for free "
+                "communication throughout"
+            )
         sizes = [w.nbytes for w in a.wire] or [0]  # an unknown payload still costs its latency
-        return sum(self.costs.comm.time(op, nbytes, n) for nbytes in sizes)
+        return sum(comm.time(op, nbytes, n) for nbytes in sizes)
 
     def _ready_time(self, r: int) -> float | None:
         """When rank ``r``'s current action may start its CPU phase (None: not known yet)."""

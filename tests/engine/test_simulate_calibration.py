@@ -213,3 +213,11 @@ def test_a_compute_costs_its_time_less_the_collectives_it_issued_inside_its_laye
     # and [2, 3], rank 1's alone in [1, 1.5] while rank 0 waits; rank 0 had 1.0 of the core, rank 1 1.5.
     shared = PlanCosts(cores=1).of_step(plan, measured)
     assert shared.of(f, 0, 0) == pytest.approx(1.0) and shared.of(f, 1, 0) == pytest.approx(1.5)
+
+
+def test_a_comm_model_without_a_figure_for_an_op_the_plan_moves_is_refused() -> None:
+    plan = _two_gathers()
+    with pytest.raises(ValueError, match=r"op 'all_gather'.*figures only for \['send'\].*0\.0 to make it free"):
+        simulate(plan, PlanCosts(comm=CommModel(alpha={"send": 1.0})))
+    assert simulate(plan, PlanCosts(comm=CommModel(alpha={"all_gather": 0.0}))).makespan == 1.0  # free, said so
+    assert simulate(plan, PlanCosts()).makespan == 1.0  # no model at all: everything free

@@ -204,7 +204,8 @@ def plan_costs(costs: Costs) -> PlanCosts:
         kind={FORWARD: costs.forward, BACKWARD: costs.backward, BACKWARD_INPUT: costs.backward_input,
               BACKWARD_WEIGHT: costs.backward_weight},
         stage={(_PLAN_KIND[kind], stage): value for (stage, kind), value in costs.per_stage.items()},
-        comm=CommModel(alpha={"send": costs.comm}),
+        # A schedule knows no metrics all-reduce: free here, so that both simulations agree.
+        comm=CommModel(alpha={"send": costs.comm, "psum": 0.0}),
     )
 
 
