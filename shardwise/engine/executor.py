@@ -249,8 +249,9 @@ class Executor(ZeroActions, TransferActions):
                 with inside_times.recording() as inside:
                     start = clock()
                     self._call(handler, action)
-                    ran.append((position, start, clock()))
-                self.action_times.append((planned, *ran[-1][1:]))
+                    end = clock()
+                ran.append((position, start, end))
+                self.action_times.append((planned, start, end))
                 self.action_times.extend((planned + 1 + k, s, e) for k, (s, e) in enumerate(inside))
                 planned += 1 + len(inside)
             else:

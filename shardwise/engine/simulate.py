@@ -21,12 +21,12 @@ The model, and what it assumes:
 * The k-th collective a rank issues over an axis meets the k-th of every rank of
   its group there. A group runs its collectives one at a time, in that order (a
   process group's collectives run in order on one stream on NCCL; on gloo, four
-  reduce-scatters issued back to back were measured landing one after another). An async one (gather, reduce_scatter, gather_params,
-  the first reduce_metrics) starts when the last member has issued it and the
-  group's previous one is done, and completes its transfer time later; its wait
-  blocks the rank until then. A sync one (the later
-  reduce_metrics, once the first is in) blocks until every member has arrived and
-  the transfer is done.
+  reduce-scatters issued back to back were measured landing one after another).
+  An async one (gather, reduce_scatter, gather_params, the first reduce_metrics)
+  starts when the last member has issued it and the group's previous one is
+  done, and completes its transfer time later; its wait blocks the rank until
+  then. A sync one (the later reduce_metrics, a tensor-parallel layer's) blocks
+  until every member has arrived and the transfer is done.
 * Nothing waits forever: ranks that would are reported (:class:`PlanDeadlock`)
   with what each waits for; a send nobody receives, or a collective some member
   never issues, is a :class:`PlanMismatch`.
