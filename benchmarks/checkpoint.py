@@ -34,7 +34,7 @@ from torch import nn
 
 import shardwise as sw
 from shardwise.collectives.backends.processes import ProcessPool
-from shardwise.engine import checkpoint as ck
+from shardwise.engine.checkpoint import save_load as ck
 
 MB = 1e6
 

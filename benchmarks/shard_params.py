@@ -92,7 +92,7 @@ from torch import nn
 
 import shardwise as sw
 from shardwise.collectives.backends.processes import ProcessPool
-from shardwise.engine.state import tree_nbytes
+from shardwise.engine.layout.state import tree_nbytes
 from shardwise.testing.models import TinyGPT
 
 OURS = ("stage1", "stage2", "stage3")

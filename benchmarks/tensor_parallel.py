@@ -94,7 +94,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import shardwise as sw
 from shardwise.collectives.backends.processes import ProcessPool
 from shardwise.collectives.ledger import algorithm_sent_bytes
-from shardwise.engine.state import tree_nbytes
+from shardwise.engine.layout.state import tree_nbytes
 from shardwise.transforms.tensor_parallel import LLAMA_BLOCKS
 
 VARIANTS = ("ours", "torch")

@@ -51,15 +51,15 @@ from .collectives import (
     recv,
     send,
 )
-from .engine import checkpoint
-from .engine.chain import Chain, Layer
-from .engine.checkpoint_format import CheckpointError
-from .engine.checkpoint_state_dict import full_state_dict, init_from_state_dict, read_dcp_state_dict
-from .engine.functionalize import FunctionalizeError, functionalize
-from .engine.layout import LeafSpec, Placement, StateLayout, TensorSplit
-from .engine.plan import Action, Plan
-from .engine.state import TrainState
-from .engine.step import Step, train_step
+from .engine.checkpoint import save_load as checkpoint
+from .engine.checkpoint.file_format import CheckpointError
+from .engine.checkpoint.state_dict import full_state_dict, init_from_state_dict, read_dcp_state_dict
+from .engine.layout.state import TrainState
+from .engine.layout.state_layout import LeafSpec, Placement, StateLayout, TensorSplit
+from .engine.model.chain import Chain, Layer
+from .engine.model.functionalize import FunctionalizeError, functionalize
+from .engine.plan.actions import Action, Plan
+from .engine.step.step import Step, train_step
 from .transforms.mixed_precision import DynamicLossScale, Policy, StaticLossScale, mixed_precision
 from .transforms.pipeline import (
     CommModel,

@@ -12,8 +12,15 @@ matching ``torch.optim.SGD`` and ``torch.optim.AdamW``.
 tensor([0.9000, 0.9000])
 """
 
-from .engine.optim import AdamWState, Optimizer, SgdState, adamw, global_norm, sgd
-from .engine.schedules import constant, cosine_decay, join, linear, linear_warmup, warmup_cosine
+from .engine.optim.optimizers import AdamWState, Optimizer, SgdState, adamw, global_norm, sgd
+from .engine.optim.schedules import (
+    constant,
+    cosine_decay,
+    join,
+    linear,
+    linear_warmup,
+    warmup_cosine,
+)
 
 __all__ = [
     "AdamWState",

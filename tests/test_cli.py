@@ -20,7 +20,7 @@ import pytest
 from shardwise.cli import main
 from shardwise.cli.arguments import UsageError, parse_mesh
 from shardwise.collectives.mesh import Mesh
-from shardwise.engine.simulate import simulate as simulate_plan
+from shardwise.engine.simulate.simulation import simulate as simulate_plan
 from shardwise.transforms.pipeline import Schedule, ScheduleError, get_schedule, simulate, validate
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -2,7 +2,9 @@
 
 collectives imports nothing of ours; engine imports only collectives;
 transforms import engine and collectives but never each other; testing and
-cli sit on top. And no shardwise module imports itself back through others:
+cli sit on top. Inside the engine, each folder imports only the folders before it in
+``ENGINE_ORDER`` (the order ``shardwise/engine/__init__.py`` states), and nothing outside the
+engine imports an engine module whose name is private. And no shardwise module imports itself back through others:
 the module graph has no cycle.
 
 Every import statement counts, at module level or inside a function (a lazy
@@ -96,6 +98,54 @@ ALLOWED = {
 }
 
 SOURCES = sorted(PACKAGE.rglob("*.py"))
+
+# The engine's folders, each importing only those before it (shardwise/engine/__init__.py).
+ENGINE_ORDER = ("torch_api", "model", "optim", "layout", "stack", "plan", "simulate", "run", "checkpoint", "step")
+# simulate reads Plans only; run never needs the simulation.
+ENGINE_NOT_IMPORTED = {("run", "simulate")}
+
+
+def _engine_room(module: str) -> str:
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[1] == "engine" else ""
+
+
+def test_engine_rooms_are_the_stated_ones() -> None:
+    """Every engine module is in one of the stated folders: no flat module beside them."""
+    rooms = {_engine_room(_module_name(p)) for p in SOURCES if _layer(_module_name(p)) == "engine"}
+    assert rooms - {""} == set(ENGINE_ORDER), sorted(rooms)
+    stated = (PACKAGE / "engine" / "__init__.py").read_text()
+    for room in ENGINE_ORDER:
+        assert f"``{room}" in stated, f"shardwise/engine/__init__.py does not say what {room} owns"
+
+
+@pytest.mark.parametrize(
+    "path",
+    [p for p in SOURCES if _engine_room(_module_name(p))],
+    ids=lambda p: str(p.relative_to(PACKAGE)),
+)
+def test_engine_room_order(path: Path) -> None:
+    room = _engine_room(_module_name(path))
+    for target in _imports(path):
+        theirs = _engine_room(target)
+        if not theirs or theirs == room:
+            continue
+        assert ENGINE_ORDER.index(theirs) < ENGINE_ORDER.index(room), (
+            f"{_module_name(path)} imports {target}: engine/{room} may import only the folders before it, "
+            f"{list(ENGINE_ORDER[: ENGINE_ORDER.index(room)])}"
+        )
+        assert (room, theirs) not in ENGINE_NOT_IMPORTED, f"{_module_name(path)} imports {target}"
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_no_private_engine_module_from_outside(path: Path) -> None:
+    """Transforms, testing and the CLI reach the engine through its public names only."""
+    if _layer(_module_name(path)) == "engine":
+        return
+    for target in _imports(path):
+        if _layer(target) == "engine":
+            private = [part for part in target.split(".")[2:] if part.startswith("_") and not part.startswith("__")]
+            assert not private, f"{_module_name(path)} imports {target}: {private[0]} is private to the engine"
 
 
 def test_sources_found() -> None:

@@ -6,8 +6,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from ..engine.checkpoint import describe
-from ..engine.checkpoint_format import CheckpointError
+from ..engine.checkpoint.file_format import CheckpointError
+from ..engine.checkpoint.save_load import describe
 from .report import CommandFailed, Output
 
 HELP = "look inside a shardwise checkpoint"

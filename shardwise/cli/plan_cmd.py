@@ -9,8 +9,8 @@ from typing import Any
 from ..collectives.launch import launch
 from ..collectives.ledger import Ledger, comm_ledger
 from ..collectives.mesh import Mesh
-from ..engine.plan import Plan
-from ..engine.simulate import simulate as simulate_plan
+from ..engine.plan.actions import Plan
+from ..engine.simulate.simulation import simulate as simulate_plan
 from ..transforms.pipeline import ascii_timeline
 from .arguments import UsageError, call_for, load_function, parse_mesh
 
@@ -101,7 +101,7 @@ def simulation(plan: Plan) -> tuple[dict[str, Any], str]:
     timeline = simulate_plan(plan)
     data = {"makespan": timeline.makespan, "bubble_fraction": timeline.bubble_fraction,
             "summary": timeline.summary()}
-    return data, f"simulated step (default costs; shardwise.engine.simulate.PlanCosts fits your own):\n{ascii_timeline(timeline)}"
+    return data, f"simulated step (default costs; sw.PlanCosts fits your own):\n{ascii_timeline(timeline)}"
 
 
 def measure(step: Any, params: Any, batch: Any, mesh: Mesh) -> Ledger:

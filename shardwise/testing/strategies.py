@@ -27,10 +27,10 @@ import torch
 from hypothesis import strategies as st
 
 from ..collectives.mesh import Mesh
-from ..engine.chain import Chain
-from ..engine.functionalize import functionalize
-from ..engine.optim import Optimizer, adamw, sgd
-from ..engine.step import Step, train_step
+from ..engine.model.chain import Chain
+from ..engine.model.functionalize import functionalize
+from ..engine.optim.optimizers import Optimizer, adamw, sgd
+from ..engine.step.step import Step, train_step
 from ..transforms.mixed_precision import mixed_precision
 from ..transforms.pipeline import pipeline
 from ..transforms.remat import remat

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import shardwise as sw
-from shardwise.engine.accounting import kept_for_backward, predict_kept_for_backward
+from shardwise.engine.plan.accounting import kept_for_backward, predict_kept_for_backward
 from shardwise.testing.models import TinyGPT, mlp
 from shardwise.transforms.pipeline import simulate
 

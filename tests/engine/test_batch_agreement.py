@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import shardwise as sw
-from shardwise.engine.metrics import Summed, batch_fingerprint, batch_weight
+from shardwise.engine.run.metrics import Summed, batch_fingerprint, batch_weight
 from shardwise.testing.models import mlp
 
 

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given
 from torch import Tensor
 
-from shardwise.engine.chain import Chain, Layer
+from shardwise.engine.model.chain import Chain, Layer
 
 
 def linear(t: dict[str, Tensor], x: Tensor) -> Tensor:

@@ -19,8 +19,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import shardwise as sw
-from shardwise.engine import checkpoint as ck
-from shardwise.engine.checkpoint_cut import boxes, flat_start
+from shardwise.engine.checkpoint import save_load as ck
+from shardwise.engine.checkpoint.cut import boxes, flat_start
 from shardwise.testing import strategies as sst
 from shardwise.testing.models import mlp
 

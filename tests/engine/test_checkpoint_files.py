@@ -16,8 +16,8 @@ import torch
 
 import shardwise as sw
 from shardwise.cli import main as cli_main
-from shardwise.engine import checkpoint as ck
-from shardwise.engine.checkpoint_format import CheckpointError
+from shardwise.engine.checkpoint import save_load as ck
+from shardwise.engine.checkpoint.file_format import CheckpointError
 from shardwise.testing.models import mlp
 
 

@@ -13,9 +13,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import shardwise as sw
-from shardwise.engine import checkpoint as ck
-from shardwise.engine.checkpoint_format import CheckpointError
-from shardwise.engine.checkpoint_state_dict import (
+from shardwise.engine.checkpoint import save_load as ck
+from shardwise.engine.checkpoint.file_format import CheckpointError
+from shardwise.engine.checkpoint.state_dict import (
     full_state_dict,
     init_from_state_dict,
     read_dcp_state_dict,

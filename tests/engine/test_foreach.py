@@ -1,5 +1,5 @@
 """Guards on torch's private ``torch._foreach_*`` kernels, as wrapped in
-``shardwise.engine._foreach``: if a torch upgrade removes, renames or changes one of them,
+``shardwise.engine.optim.foreach``: if a torch upgrade removes, renames or changes one of them,
 these tests fail here, by name, rather than the optimizers drifting silently.
 
 Every wrapper is checked against its per-tensor fallback loop with exact equality: on CPU
@@ -15,7 +15,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from shardwise.engine import _foreach as fe
+from shardwise.engine.optim import foreach as fe
 
 SHAPES = [(3, 5), (7,), (), (2, 3, 4), (0,)]
 
@@ -66,7 +66,7 @@ def test_every_wrapped_op_is_covered_here() -> None:
 def test_private_op_exists(name: str) -> None:
     assert fe.foreach_op(name) is not None, (
         f"torch {torch.__version__} has no torch.{name}: shardwise falls back to a per-tensor "
-        "loop (correct, slower); update shardwise/engine/_foreach.py for the new API"
+        "loop (correct, slower); update shardwise/engine/optim/foreach.py for the new API"
     )
 
 

@@ -18,8 +18,8 @@ import torch
 from hypothesis import given
 from torch import Tensor, nn
 
-from shardwise.engine.chain import Chain
-from shardwise.engine.functionalize import FunctionalizeError, functionalize
+from shardwise.engine.model.chain import Chain
+from shardwise.engine.model.functionalize import FunctionalizeError, functionalize
 from shardwise.testing.models import Block, TinyGPT, mlp
 
 ParamTree = dict[str, dict[str, Tensor]]

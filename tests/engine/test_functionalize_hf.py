@@ -27,8 +27,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import shardwise as sw
-from shardwise.engine import pytrees
-from shardwise.engine.functionalize import FunctionalizeError, functionalize
+from shardwise.engine.model import pytrees
+from shardwise.engine.model.functionalize import FunctionalizeError, functionalize
 
 T = pytest.importorskip("transformers", reason="the [hf] extra (pip install -e '.[hf]') is not installed")
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from shardwise.engine._module_call import ModuleCall
+from shardwise.engine.model.module_call import ModuleCall
 from shardwise.testing.models import TinyGPT
 
 
@@ -83,8 +83,8 @@ def test_an_exception_in_forward_restores_the_module() -> None:
 
 @pytest.mark.parametrize("units", [None, ["tok_emb", "blocks", "head"]], ids=["whole", "fx-units"])
 def test_functionalized_layers_never_fall_back_to_functional_call(monkeypatch: pytest.MonkeyPatch, units: object) -> None:
-    from shardwise.engine import _module_call
-    from shardwise.engine.functionalize import functionalize
+    from shardwise.engine.model import module_call as _module_call
+    from shardwise.engine.model.functionalize import functionalize
 
     gpt = TinyGPT(vocab=32, d_model=16, n_heads=2, n_layers=2, seq_len=8, tie_weights=True)
     chain, params = functionalize(gpt, units=units)  # type: ignore[arg-type]

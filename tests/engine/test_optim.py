@@ -22,7 +22,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shardwise.engine.optim import (
+from shardwise.engine.optim.optimizers import (
     STATE_TYPES,
     AdamWState,
     Optimizer,
@@ -31,7 +31,7 @@ from shardwise.engine.optim import (
     global_norm,
     sgd,
 )
-from shardwise.engine.schedules import cosine_decay, join, linear_warmup, warmup_cosine
+from shardwise.engine.optim.schedules import cosine_decay, join, linear_warmup, warmup_cosine
 
 Tree = Any
 STEPS = 20
@@ -368,7 +368,7 @@ def test_global_norm_is_torch_total_norm() -> None:
 
 
 def test_sum_of_squares_is_the_squared_global_norm() -> None:
-    from shardwise.engine.optim import sum_of_squares
+    from shardwise.engine.optim.optimizers import sum_of_squares
 
     gen = torch.Generator().manual_seed(5)
     tensors = [torch.randn(3, 4, generator=gen, dtype=torch.float64), torch.randn(7, generator=gen, dtype=torch.float64)]

@@ -16,7 +16,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 import shardwise as sw
-from shardwise.engine.state import tree_nbytes
+from shardwise.engine.layout.state import tree_nbytes
 from shardwise.testing import strategies as sst
 from shardwise.testing.models import mlp
 

@@ -13,7 +13,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shardwise.engine.schedules import (
+from shardwise.engine.optim.schedules import (
     Constant,
     CosineDecay,
     Join,

@@ -11,7 +11,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 import shardwise as sw
-from shardwise.engine.plan import (
+from shardwise.engine.plan.actions import (
     FORWARD,
     GATHER,
     GATHER_PARAMS,
@@ -26,9 +26,9 @@ from shardwise.engine.plan import (
     Plan,
     Wire,
 )
-from shardwise.engine.plan_costs import CommModel, PlanCosts, _fit_two, measured_transfers
-from shardwise.engine.plan_timeline import PlanTimeline
-from shardwise.engine.simulate import simulate
+from shardwise.engine.simulate.costs import CommModel, PlanCosts, _fit_two, measured_transfers
+from shardwise.engine.simulate.simulation import simulate
+from shardwise.engine.simulate.timeline import PlanTimeline
 from shardwise.testing import strategies as sst
 from shardwise.testing.models import mlp
 

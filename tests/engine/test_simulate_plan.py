@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import shardwise as sw
-from shardwise.engine.plan import (
+from shardwise.engine.plan.actions import (
     BACKWARD,
     FORWARD,
     GATHER,
@@ -26,9 +26,9 @@ from shardwise.engine.plan import (
     Plan,
     Wire,
 )
-from shardwise.engine.plan_costs import CommModel, PlanCosts, measured_transfers
-from shardwise.engine.plan_timeline import PlanTimeline
-from shardwise.engine.simulate import PlanDeadlock, PlanMismatch, simulate
+from shardwise.engine.simulate.costs import CommModel, PlanCosts, measured_transfers
+from shardwise.engine.simulate.simulation import PlanDeadlock, PlanMismatch, simulate
+from shardwise.engine.simulate.timeline import PlanTimeline
 from shardwise.testing.models import mlp
 from shardwise.transforms import pipeline as pipe
 

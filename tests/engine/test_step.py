@@ -8,7 +8,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 import shardwise as sw
-from shardwise.engine.state import tree_nbytes
+from shardwise.engine.layout.state import tree_nbytes
 from shardwise.testing.models import TinyGPT, mlp
 
 

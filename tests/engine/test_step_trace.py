@@ -8,8 +8,8 @@ import itertools
 import torch
 
 import shardwise as sw
-from shardwise.engine.plan import COMPUTES, FORWARD, GATHER, REDUCE_SCATTER, SHORT
-from shardwise.engine.plan_timeline import PlanTimeline
+from shardwise.engine.plan.actions import COMPUTES, FORWARD, GATHER, REDUCE_SCATTER, SHORT
+from shardwise.engine.simulate.timeline import PlanTimeline
 from shardwise.testing.models import TinyGPT, mlp
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from shardwise.engine._storage import free_storage, owns_storage, refill_storage
+from shardwise.engine.torch_api import free_storage, owns_storage, refill_storage
 
 
 def test_free_and_refill_is_invisible_to_autograd_and_gives_the_same_gradients() -> None:
@@ -24,7 +24,7 @@ def test_free_and_refill_is_invisible_to_autograd_and_gives_the_same_gradients()
 
 
 def test_version_of_counts_in_place_writes_only() -> None:
-    from shardwise.engine._storage import version_of
+    from shardwise.engine.torch_api import version_of
 
     t = torch.zeros(3, dtype=torch.int64)
     before = version_of(t)
@@ -40,7 +40,7 @@ def test_owns_storage() -> None:
 
 
 def test_storage_key_tells_storages_apart_on_cpu_and_meta() -> None:
-    from shardwise.engine._storage import storage_key
+    from shardwise.engine.torch_api import storage_key
 
     for device in ("cpu", "meta"):
         a, b = torch.empty(4, device=device), torch.empty(4, device=device)
@@ -49,7 +49,7 @@ def test_storage_key_tells_storages_apart_on_cpu_and_meta() -> None:
 
 
 def test_fake_tensors_keep_the_device_and_the_kernel_choice() -> None:
-    from shardwise.engine._storage import fake_tensors
+    from shardwise.engine.torch_api import fake_tensors
 
     q = torch.randn(2, 2, 8, 4)
     with fake_tensors() as fake:

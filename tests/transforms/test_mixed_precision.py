@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import shardwise as sw
-from shardwise.engine.precision import DynamicLossScale, NoLossScale, Policy, StaticLossScale
+from shardwise.engine.layout.precision import DynamicLossScale, NoLossScale, Policy, StaticLossScale
 from shardwise.testing.models import mlp
 
 # -- policies and loss scales ------------------------------------------------------------------

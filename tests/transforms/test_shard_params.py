@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 import shardwise as sw
 from shardwise.collectives.backends.threads import ThreadsBackend
-from shardwise.engine.state import tree_nbytes
+from shardwise.engine.layout.state import tree_nbytes
 from shardwise.testing import strategies as sst
 from shardwise.testing.models import TinyGPT, mlp
 

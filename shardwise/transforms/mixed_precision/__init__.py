@@ -10,9 +10,7 @@ from typing import Any, ClassVar
 import optree
 import torch
 
-from ...engine.chain import Chain
-from ...engine.compose import REWRITE, add
-from ...engine.precision import (
+from ...engine.layout.precision import (
     DynamicLossScale,
     NoLossScale,
     Policy,
@@ -20,7 +18,9 @@ from ...engine.precision import (
     StaticLossScale,
     as_loss_scale,
 )
-from ...engine.step import Step
+from ...engine.model.chain import Chain
+from ...engine.stack.compose import REWRITE, add
+from ...engine.step.step import Step
 
 __all__ = [
     "DynamicLossScale", "NoLossScale", "Policy", "Precision", "PrecisionSpec", "StaticLossScale", "mixed_precision",
@@ -36,7 +36,7 @@ class PrecisionSpec:
 
     name: ClassVar[str] = "mixed_precision"
     role: ClassVar[str] = REWRITE
-    rewrite_order: ClassVar[int] = 1  # the casts go around remat's checkpoint (engine/compose.py)
+    rewrite_order: ClassVar[int] = 1  # the casts go around remat's checkpoint (engine/stack/compose.py)
 
     def rewrite(self, chain: Chain) -> Chain:
         return cast_chain(chain, self.precision)

@@ -18,9 +18,9 @@ bandwidth), both fitted from measured runs; ``PlanTimeline.from_measured``
 reads a run made with ``step.with_trace()`` (or ``pipeline(..., trace=True)``).
 """
 
-from ...engine.plan_costs import CommModel, PlanCosts, measured_transfers
-from ...engine.plan_timeline import PlanSlot, PlanTimeline
-from ...engine.simulate import PlanDeadlock, PlanMismatch
+from ...engine.simulate.costs import CommModel, PlanCosts, measured_transfers
+from ...engine.simulate.simulation import PlanDeadlock, PlanMismatch
+from ...engine.simulate.timeline import PlanSlot, PlanTimeline
 from .api import pipeline
 from .builtins import (
     SCHEDULES,

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ...engine.compose import add
-from ...engine.step import Step
+from ...engine.stack.compose import add
+from ...engine.step.step import Step
 from .spec import PipelineSpec
 
 

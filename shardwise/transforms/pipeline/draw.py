@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ...engine import plan as kinds
-from ...engine.plan_timeline import PlanTimeline
+from ...engine.plan import actions as kinds
+from ...engine.simulate.timeline import PlanTimeline
 from .schedule import B, F, I, W
 from .simulate import Timeline
 

@@ -10,8 +10,8 @@ The last stage's forward is followed by the micro-batch's loss.
 
 from __future__ import annotations
 
-from ...engine.layout import Placement
-from ...engine.plan import (
+from ...engine.layout.state_layout import Placement
+from ...engine.plan.actions import (
     BACKWARD,
     BACKWARD_INPUT,
     BACKWARD_WEIGHT,

@@ -2,7 +2,7 @@
 
 ``simulate(plan, costs)`` takes a whole step's Plan instead (any composition:
 ``step.plan(mesh, params, batch)``) and returns the engine's ``PlanTimeline``
-(``shardwise/engine/simulate.py``: computes, transfers and collectives, with a
+(``shardwise/engine/simulate/``: computes, transfers and collectives, with a
 latency + bandwidth model); a schedule's ``Costs`` apply to it too.
 
 Each rank runs its actions in order; an action starts when its rank is free
@@ -24,10 +24,10 @@ from fractions import Fraction
 from types import MappingProxyType
 from typing import Any, NamedTuple, overload
 
-from ...engine.plan import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Plan
-from ...engine.plan_costs import CommModel, PlanCosts
-from ...engine.plan_timeline import PlanTimeline, chrome_event, thread_name
-from ...engine.simulate import simulate as simulate_plan
+from ...engine.plan.actions import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Plan
+from ...engine.simulate.costs import CommModel, PlanCosts
+from ...engine.simulate.simulation import simulate as simulate_plan
+from ...engine.simulate.timeline import PlanTimeline, chrome_event, thread_name
 from .schedule import KINDS, B, F, I, PipeOp, Schedule, W
 from .validate import validate
 
@@ -219,7 +219,7 @@ def simulate(
     """Run ``schedule`` on paper under ``costs``; raises ``ScheduleError`` if it is invalid.
 
     Given a ``Plan`` (``step.plan(mesh, params, batch)``), simulate the whole step instead
-    (``shardwise.engine.simulate``) under ``PlanCosts``, or a schedule's ``Costs``.
+    (``shardwise.engine.simulate.simulation``) under ``PlanCosts``, or a schedule's ``Costs``.
     """
     if isinstance(schedule, Plan):
         if isinstance(costs, Mapping):

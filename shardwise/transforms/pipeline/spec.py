@@ -8,10 +8,10 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ...collectives.mesh import Mesh
-from ...engine.chain import Chain
-from ...engine.compose import PLACEMENT
-from ...engine.layout import Placement
-from ...engine.plan import Action
+from ...engine.layout.state_layout import Placement
+from ...engine.model.chain import Chain
+from ...engine.plan.actions import Action
+from ...engine.stack.compose import PLACEMENT
 from .builtins import get_schedule
 from .lowering import rank_computes
 from .partition import balanced_partition, check_partition, param_counts, stage_layers

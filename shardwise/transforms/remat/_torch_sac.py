@@ -56,8 +56,8 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from ...engine._storage import storage_key as engine_storage_key
-from ...engine.accounting import current_observer
+from ...engine.plan.accounting import current_observer
+from ...engine.torch_api import storage_key as engine_storage_key
 from .policies import EverythingSaveable, NothingSaveable, OffloadToCpu
 
 Observer = Callable[[torch.Tensor], None]

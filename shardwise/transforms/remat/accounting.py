@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...engine.accounting import kept_for_backward
-from ...engine.batches import split_batch
-from ...engine.state import check_params
-from ...engine.step import Step
+from ...engine.layout.state import check_params
+from ...engine.plan.accounting import kept_for_backward
+from ...engine.plan.batches import split_batch
+from ...engine.step.step import Step
 
 
 def saved_bytes(step: Step, params: Any, batch: Any) -> dict[str, int]:

@@ -8,9 +8,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from ...engine.chain import Chain, LayerFn
-from ...engine.compose import REWRITE, add
-from ...engine.step import Step
+from ...engine.model.chain import Chain, LayerFn
+from ...engine.stack.compose import REWRITE, add
+from ...engine.step.step import Step
 from . import policies as P
 from ._torch_sac import run_layer
 

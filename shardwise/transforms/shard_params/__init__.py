@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from ...engine.compose import add
-from ...engine.sharding import UnitLayout
-from ...engine.step import Step
+from ...engine.layout.sharding import UnitLayout
+from ...engine.stack.compose import add
+from ...engine.step.step import Step
 from .spec import ShardSpec
 
 __all__ = ["ShardSpec", "UnitLayout", "shard_params"]
@@ -30,7 +30,7 @@ def shard_params(
     (``reshard_after_forward=True``: gathered again in backward) or keeping
     them until backward (``False``). The default (None) reshards, except under
     a pipeline, where a rank's units stay gathered from their first compute of
-    the step to their last (torchtitan's rule; see ``engine/compose.py``). Each
+    the step to their last (torchtitan's rule; see ``engine/stack/compose.py``). Each
     layer's parameters travel as one flat buffer, padded to a multiple of the
     axis size; padding never reaches results. ``accumulation=k`` splits each
     rank's batch into ``k`` micro-batches and reduces gradients only after the

@@ -12,7 +12,7 @@ each micro-batch are two passes: with ``reshard`` every unit is freed at the
 end of the forward (and gathered again in backward, as the ZeRO paper counts:
 3Ψ per step); without it, units stay from their forward until their last
 backward use (2Ψ). Under a pipeline the rank's whole compute sequence is one
-pass (``engine/compose.py`` says when it reshards). A unit's gradient is
+pass (``engine/stack/compose.py`` says when it reshards). A unit's gradient is
 complete after the last compute that adds to it, so its reduce-scatter is
 issued right there (stages 2 and 3); the engine issues the deferred ones
 (stage 1, and units holding a weight tied across pipeline ranks, whose copies
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from ...engine.plan import (
+from ...engine.plan.actions import (
     COMPUTES,
     FORWARD,
     FREE,

@@ -6,8 +6,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-from ...engine.compose import SHARDING
-from ...engine.plan import Action
+from ...engine.plan.actions import Action
+from ...engine.stack.compose import SHARDING
 from .lowering import insert_gathers, insert_reduces
 
 
@@ -15,7 +15,7 @@ from .lowering import insert_gathers, insert_reduces
 class ShardSpec:
     """Data parallel over ``axis`` with ZeRO ``stage`` sharding (see :func:`shard_params`).
 
-    ``reshard_after_forward`` None means the default of ``engine/compose.py``: reshard
+    ``reshard_after_forward`` None means the default of ``engine/stack/compose.py``: reshard
     alone, keep the units under a pipeline.
     """
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ...engine.compose import add
-from ...engine.step import Step
+from ...engine.stack.compose import add
+from ...engine.step.step import Step
 from .loss import SplitLogitsLoss, vocab_parallel_cross_entropy
 from .plans import GPT2_BLOCKS, LLAMA_BLOCKS, TINY_GPT_BLOCKS, gpt2_plan, llama_plan, tiny_gpt_plan
 from .spec import TPSpec

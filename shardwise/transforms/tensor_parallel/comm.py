@@ -37,7 +37,7 @@ import torch
 
 from ...collectives import all_gather, axis_index, axis_size, psum, psum_scatter
 from ...collectives.where import in_backward
-from ...engine import inside_times
+from ...engine.run import inside_times
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from typing import Any
 
 from torch import nn
 
-from ...engine.chain import Chain, Layer
+from ...engine.model.chain import Chain, Layer
 from .styles import Colwise, Region, Rowwise, Style
 
 LINEAR, CONV1D, EMBEDDING = "linear", "conv1d", "embedding"

@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ...engine._module_call import ThreadReplicas
-from ...engine.chain import Layer
-from ...engine.rng import default_generators, mix
+from ...engine.model.chain import Layer
+from ...engine.model.module_call import ThreadReplicas
+from ...engine.run.rng import default_generators, mix
 from .comm import enter, gather_invariant, leave, predicting_now, scatter, tp_index, tp_size, vary
 from .match import CONV1D, EMBEDDING, LINEAR, Install, LayerPlan
 from .styles import Colwise, Region, Rowwise, gathers

@@ -18,9 +18,9 @@ from typing import Any
 import optree
 import torch
 
-from ...engine._storage import fake_tensors
-from ...engine.chain import Chain
-from ...engine.layout import Placement
+from ...engine.layout.state_layout import Placement
+from ...engine.model.chain import Chain
+from ...engine.torch_api import fake_tensors
 from .comm import Issued, predicting
 
 Predicted = dict[tuple[str, int], list[Issued]]  # (compute kind, stage) -> what it issues

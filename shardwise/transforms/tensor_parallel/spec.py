@@ -11,9 +11,9 @@ from typing import Any, ClassVar
 import torch
 
 from ...collectives.mesh import Mesh
-from ...engine.chain import Chain
-from ...engine.compose import SPLIT
-from ...engine.layout import Placement, TensorSplit
+from ...engine.layout.state_layout import Placement, TensorSplit
+from ...engine.model.chain import Chain
+from ...engine.stack.compose import SPLIT
 from .comm import predicting
 from .match import EMBEDDING, LayerPlan, Resolved, resolve
 from .modules import guard_layer, rewrite_layer

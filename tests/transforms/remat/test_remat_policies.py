@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import shardwise as sw
 import shardwise.transforms.remat as remat_pkg
-from shardwise.engine.chain import Chain, Layer
+from shardwise.engine.model.chain import Chain, Layer
 from shardwise.transforms.remat import (
     CHECKPOINT_NAME_OP,
     _torch_sac,

@@ -22,8 +22,8 @@ import pytest
 import torch
 
 import shardwise as sw
-from shardwise.engine.plan_costs import PlanCosts
-from shardwise.engine.state import tree_nbytes
+from shardwise.engine.layout.state import tree_nbytes
+from shardwise.engine.simulate.costs import PlanCosts
 
 F64 = 8  # bytes per element
 

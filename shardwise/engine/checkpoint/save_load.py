@@ -1,0 +1,445 @@
+"""Sharded checkpoints: every rank saves its own shards, and a checkpoint loads on any mesh.
+
+``save(path, state, step)`` writes, on every rank together, the parameters and
+optimizer state as global tensors cut into the boxes each rank owns (see
+``checkpoint_cut``), in torch.distributed.checkpoint's file layout (see
+``checkpoint_format``), with the step count, loss scale, mesh, transform stack and
+per-leaf shard specs. ``load(path, step, mesh)`` rebuilds each tensor a rank needs
+from those boxes and lays it out as ``step.init`` would on ``mesh``: the mesh, the
+ZeRO stage, the pipeline partition and the precision policy may all differ from the
+ones that saved it, and training continues as if it had never stopped.
+
+A save is atomic. Ranks write into ``.<name>.partial`` next to ``path``; when every rank
+has written (they agree through a psum of a flag, so a rank that failed stops them
+all), rank 0 writes the metadata and the ``COMMITTED`` marker, and renames the
+directory to ``path`` (a checkpoint already there is moved to ``.<name>.previous``
+first and removed after). A crash at any point leaves the previous checkpoint
+loadable; ``load`` refuses a directory without its marker, and finds the previous
+checkpoint if the crash fell between the two renames.
+
+``save(..., blocking=False)`` copies this rank's shards to host memory and writes them
+from a thread while training goes on; ``handle.wait()`` (every rank calls it; the next
+``save`` calls it for you) commits.
+
+>>> import tempfile, torch, shardwise as sw
+>>> from shardwise.engine import checkpoint
+>>> chain, params = sw.functionalize(torch.nn.Sequential(torch.nn.Linear(4, 3)))
+>>> step = sw.shard_params(sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1, momentum=0.9)), "dp", stage=3)
+>>> batch = (torch.randn(8, 4), torch.randn(8, 3))
+>>> path = tempfile.mkdtemp() + "/ckpt"
+>>> def train_and_save():
+...     state, _ = step(step.init(params, sw.Mesh(dp=2)), batch)
+...     checkpoint.save(path, state, step)
+>>> _ = sw.launch(train_and_save, world=2)
+>>> def resume():           # on four ranks now: the state is resharded
+...     state = checkpoint.load(path, step, sw.Mesh(dp=4))
+...     return state.step, state.params["0"].shape
+>>> sw.launch(resume, world=4)[0]
+(1, torch.Size([4]))
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import threading
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ...collectives.mesh import Mesh
+from ...collectives.ops import psum
+from ..layout.devices import device_of
+from ..layout.precision import DynamicLossScale, NoLossScale, StaticLossScale
+from ..layout.state import TrainState
+from ..layout.state_layout import StateLayout
+from .cut import (
+    boxes,
+    flat_start,
+    held_and_update,
+    local_keys,
+    my_regions,
+    rebuild_opt_state,
+    split_opt_state,
+    update_tree,
+)
+from .file_format import (
+    COMMITTED,
+    DCP_META,
+    FORMAT,
+    META,
+    VERSION,
+    CheckpointError,
+    Reader,
+    check_committed,
+    data_file,
+    dcp_metadata,
+    dtype_name,
+    dtype_of,
+    fsync_dir,
+    index_file,
+    read_json,
+    read_records,
+    write_dcp_metadata,
+    write_json,
+    write_rank,
+)
+from .names import state_dict_names
+
+__all__ = ["CheckpointError", "SaveHandle", "describe", "load", "save"]
+
+# A test's crash points: called with the name of each point a save passes (see tests).
+_fault: Callable[[str], None] | None = None
+_pending = threading.local()  # this rank's unfinished async save (ranks are threads on the threads backend)
+_LOSS_SCALES = {cls.__name__: cls for cls in (NoLossScale, StaticLossScale, DynamicLossScale)}
+
+
+def _reached(point: str) -> None:
+    if _fault is not None:
+        _fault(point)
+
+
+def _partial(target: Path) -> Path:
+    return target.parent / f".{target.name}.partial"
+
+
+def _previous(target: Path) -> Path:
+    return target.parent / f".{target.name}.previous"
+
+
+def _agree(mesh: Mesh | None, ok: bool, device: torch.device) -> bool:
+    """Whether every rank is ok (a barrier: a psum of a flag over every mesh axis)."""
+    if mesh is None:
+        return ok
+    flag = torch.tensor([0.0 if ok else 1.0], dtype=torch.float64, device=device)
+    for axis in mesh.axis_names:
+        flag = psum(flag, axis, mesh=mesh)
+    return float(flag.item()) == 0.0
+
+
+def _layout_of(state: TrainState, step: Any) -> StateLayout:
+    layout = state.layout
+    stack = tuple(str(s) for s in step.transforms)
+    if not isinstance(layout, StateLayout) or layout.stack != stack:
+        made = layout.stack if isinstance(layout, StateLayout) else type(layout).__name__
+        raise ValueError(f"save: this TrainState was made by {made}, not by this step ({stack}); pass the step that made it")
+    return layout
+
+
+class SaveHandle:
+    """A save under way: ``wait()`` (on every rank) finishes and commits it and returns its path."""
+
+    def __init__(self, target: Path, commit: Callable[[bool], None], writer: threading.Thread | None,
+                 mesh: Mesh | None, device: torch.device) -> None:
+        self.path = target
+        self._commit, self._writer, self._mesh, self._device = commit, writer, mesh, device
+        self.error: BaseException | None = None
+        self.bytes_written = 0
+        self._done = False
+
+    def done(self) -> bool:
+        """Whether this rank's files are written (the commit still needs ``wait``)."""
+        return self._writer is None or not self._writer.is_alive()
+
+    def wait(self) -> Path:
+        """Wait for every rank's files, commit, and return the checkpoint's path (collective)."""
+        if self._done:
+            return self.path
+        self._done = True
+        if getattr(_pending, "handle", None) is self:
+            _pending.handle = None
+        if self._writer is not None:
+            self._writer.join()
+        ok = _agree(self._mesh, self.error is None, self._device)
+        if not ok:
+            if self.error is not None:
+                raise CheckpointError(f"save to {self.path}: this rank could not write its files: {self.error}") from self.error
+            raise CheckpointError(f"save to {self.path}: another rank could not write its files; nothing was committed")
+        self._commit(True)
+        return self.path
+
+
+def save(path: str | os.PathLike[str], state: TrainState, step: Any, *, blocking: bool = True,
+         overwrite: bool = False) -> SaveHandle:
+    """Save ``state`` (made by ``step``) to the directory ``path``; every rank calls this together.
+
+    ``blocking=False`` returns once this rank's shards are copied to host memory; the files
+    are written by a thread, and ``handle.wait()`` (on every rank) commits them. A checkpoint
+    already at ``path`` is replaced (atomically) only with ``overwrite=True``.
+    """
+    previous = getattr(_pending, "handle", None)
+    if previous is not None:
+        previous.wait()  # one save at a time: the next waits for (and commits) the last
+    layout = _layout_of(state, step)
+    mesh: Mesh | None = state.mesh
+    rank, world = (0, 1) if mesh is None else (mesh.rank, mesh.size)
+    device = device_of(state.params)
+    target = Path(path)
+    partial = _partial(target)
+    problem = None
+    if target.exists() and not overwrite:
+        problem = f"{target} exists; pass overwrite=True to replace it, or save to a new path"
+    elif rank == 0:
+        try:
+            if partial.exists():
+                shutil.rmtree(partial)  # what an interrupted save left
+            partial.mkdir(parents=True)
+        except OSError as err:
+            problem = f"cannot create {partial}: {err}"
+    if not _agree(mesh, problem is None, device):
+        raise CheckpointError(f"save to {target}: {problem or 'rank 0 could not prepare the directory (see its error)'}")
+    _reached("prepared")
+    names = state_dict_names(step.base_chain)
+    boxes_, tensors, meta = _snapshot(state, step, layout, mesh, names, rank)
+
+    def write(handle: SaveHandle) -> None:
+        try:
+            handle.bytes_written = write_rank(partial, rank, boxes_, tensors, _fault)
+            _reached("rank-written")
+        except BaseException as err:  # reported to every rank by wait()'s agreement
+            handle.error = err
+
+    def commit(ok: bool) -> None:
+        problem: str | None = None
+        if rank == 0:
+            try:
+                _reached("before-commit")
+                _commit(partial, target, meta, world, names.aliases)
+            except Exception as err:
+                problem = f"{type(err).__name__}: {err}"
+        if not _agree(mesh, problem is None, device):
+            raise CheckpointError(f"save to {target}: the commit failed: {problem or 'on rank 0 (see its error)'}")
+
+    handle = SaveHandle(target, commit, None, mesh, device)
+    if blocking:
+        write(handle)
+        handle.wait()
+        return handle
+    handle._writer = threading.Thread(target=write, args=(handle,), name=f"shardwise-save-rank{rank}", daemon=True)
+    handle._writer.start()
+    _pending.handle = handle
+    return handle
+
+
+def _snapshot(state: TrainState, step: Any, layout: StateLayout, mesh: Mesh | None, names: Any, rank: int) -> tuple[
+        list[tuple[str, tuple[int, ...], torch.Tensor]], dict[str, Any], dict[str, Any]]:
+    """Host copies of this rank's boxes, the global shape and dtype of their tensors, and the metadata."""
+    tree = update_tree(layout, mesh, state.params)
+    mirrors, scalars = split_opt_state(state.opt_state, tree)
+    out: list[tuple[str, tuple[int, ...], torch.Tensor]] = []
+    tensors: dict[str, Any] = {}
+    tp_axes = {s.split.axis for s in layout.leaves.values() if s.split is not None}
+    tp_index = mesh.axis_index(next(iter(tp_axes))) if tp_axes and mesh is not None else 0  # tensor parallel
+
+    def add(fqn: str, shape: tuple[int, ...], segment: torch.Tensor, start: int, stop: int, spec: Any = None) -> None:
+        """Elements [start, stop) of this rank's tensor as boxes of the whole one (of ``shape``);
+        under tensor parallel this rank's tensor is its slice of the whole (``spec.split``)."""
+        tensors[fqn] = {"shape": list(shape), "dtype": dtype_name(segment.dtype)}
+        split = None if spec is None else spec.split
+        held = shape if split is None else spec.local_shape
+        for offsets, sizes in boxes(held, start, stop):
+            first = flat_start(held, offsets) - start
+            box = segment[first : first + math.prod(sizes)].reshape(sizes)
+            pieces = [(offsets, box)] if split is None else split.to_global(offsets, box, tp_index, shape)
+            for at, piece in pieces:
+                out.append((fqn, at, piece.detach().to("cpu", copy=True)))  # a copy: training goes on
+
+    for region in my_regions(layout, mesh):
+        key = names.param_key[(region.layer, region.name)]
+        spec = layout.leaves[(region.layer, region.name)]
+        add(f"model.{key}", spec.shape, region.cut(tree), region.start, region.stop, spec)
+        for path, mirror in mirrors.items():
+            add(f"optim.{path}.{key}", spec.shape, region.cut(mirror), region.start, region.stop, spec)
+    if rank == 0:
+        for path, t in scalars.items():
+            add(f"optim.{path}", tuple(t.shape), t.reshape(-1), 0, t.numel())
+        for key, (layer, name) in names.buffers.items():
+            t = step.base_chain[layer].buffers[name]
+            add(f"model.{key}", tuple(t.shape), t.reshape(-1), 0, t.numel())
+    mesh_shape = None if mesh is None else mesh.shape
+    meta = {
+        "format": FORMAT, "version": VERSION, "step": int(state.step),
+        "loss_scale": None if state.loss_scale is None else
+        {"type": type(state.loss_scale).__name__, "fields": state.loss_scale._asdict()},
+        "rng": getattr(state, "rng", None),  # the seed of the step's random streams, where states carry one
+        "stack": list(layout.stack), "mesh": mesh_shape, "world": 1 if mesh is None else mesh.size,
+        "layers": list(layout.layers),
+        "params": [{"layer": s.layer, "name": s.name, "key": names.param_key[(s.layer, s.name)],
+                    "shape": list(s.shape), "dtype": dtype_name(s.dtype)} for s in layout.leaves.values()],
+        "leaves": {names.param_key[k]: s.describe() for k, s in layout.leaves.items()},
+        "buffers": {f"model.{k}": list(v) for k, v in names.buffers.items()},
+        "aliases": {f"model.{a}": f"model.{k}" for a, k in names.aliases.items()},
+        "optimizer": {"mirrors": sorted(mirrors), "scalars": sorted(scalars)},
+    }
+    return out, tensors, meta
+
+
+def _commit(partial: Path, target: Path, meta: dict[str, Any], world: int, aliases: Mapping[str, str]) -> None:
+    """Rank 0, once every rank has written: metadata, the commit marker, then the renames."""
+    tensors: dict[str, Any] = {}
+    for rank in range(world):
+        tensors.update(read_json(partial / index_file(rank), f"rank {rank}'s index")["tensors"])
+    meta = {**meta, "tensors": tensors}
+    write_json(partial / META, meta)
+    write_dcp_metadata(partial, dcp_metadata(meta, read_records(partial, world), {f"model.{a}": f"model.{k}" for a, k in aliases.items()}))
+    files = {p.name: p.stat().st_size for p in sorted(partial.iterdir()) if p.name != COMMITTED}
+    write_json(partial / COMMITTED, {"files": files})
+    fsync_dir(partial)
+    _reached("committed")
+    previous = _previous(target)
+    if previous.exists():
+        shutil.rmtree(previous)
+    if target.exists():
+        os.rename(target, previous)
+        _reached("between-renames")
+    os.rename(partial, target)
+    fsync_dir(target.parent)
+    if previous.exists():
+        shutil.rmtree(previous)
+
+
+# -- loading ---------------------------------------------------------------------------------------
+def resolve(path: str | os.PathLike[str]) -> Path:
+    """The committed checkpoint directory for ``path``: itself, or the checkpoint a save that was
+    replacing it had moved aside when it was interrupted."""
+    target = Path(path)
+    previous = _previous(target)
+    if not target.exists() and (previous / COMMITTED).is_file():
+        return previous
+    if not target.exists() and _partial(target).exists():
+        raise CheckpointError(
+            f"no checkpoint at {target}: a save to it was interrupted ({_partial(target)} holds its unfinished files)"
+        )
+    return target
+
+
+def load(path: str | os.PathLike[str], step: Any, mesh: Mesh | None = None, *,
+         like: Any = None, device: torch.device | str = "cpu") -> TrainState:
+    """This rank's TrainState for ``step`` on ``mesh`` from the checkpoint at ``path``, resharded.
+
+    Every rank calls it (no collectives: each reads what it needs). ``like`` (params, real or
+    ``device="meta"``) also checks every parameter's shape against the checkpoint's. Tensors
+    are read onto ``device``.
+    """
+    directory = resolve(path)
+    meta = check_committed(directory)
+    params_meta, keys = _check_model(directory, meta, step, like)
+    reader = Reader(directory, meta)
+    try:
+        return _build_state(reader, meta, step, mesh, params_meta, keys, torch.device(device))
+    finally:
+        reader.close()
+
+
+def _check_model(directory: Path, meta: Mapping[str, Any], step: Any, like: Any) -> tuple[dict[str, dict[str, torch.Tensor]], dict[tuple[str, str], str]]:
+    """The checkpoint's parameters as meta tensors, once they are the ones ``step``'s chain has."""
+    saved = {(p["layer"], p["name"]): p for p in meta["params"]}
+    chain = step.chain
+    wanted = {(layer.name, n) for layer in chain.layers for n in layer.owned_param_names}
+    if set(saved) != wanted:
+        missing = sorted(f"{a}.{b}" for a, b in wanted - set(saved))
+        extra = sorted(f"{a}.{b}" for a, b in set(saved) - wanted)
+        raise CheckpointError(
+            f"checkpoint {directory} is of another model: this step's chain has parameters {missing[:8]} that it "
+            f"lacks, and it has {extra[:8]} that the chain does not"
+        )
+    params: dict[str, dict[str, torch.Tensor]] = {layer.name: {} for layer in chain.layers}
+    for (layer, name), p in saved.items():
+        params[layer][name] = torch.empty(tuple(p["shape"]), dtype=dtype_of(p["dtype"], p["key"]), device="meta")
+    if like is not None:
+        bad = [f"{layer}.{name}: checkpoint {list(t.shape)}, like {list(like[layer][name].shape)}"
+               for layer, ts in params.items() for name, t in ts.items() if tuple(like[layer][name].shape) != tuple(t.shape)]
+        if bad:
+            raise CheckpointError(f"checkpoint {directory} is of another model: parameter shapes differ: {bad[:8]}")
+    # step.init's order: each layer's parameters in the chain's order
+    ordered = {layer.name: {n: params[layer.name][n] for n in layer.owned_param_names} for layer in chain.layers}
+    return ordered, {k: p["key"] for k, p in saved.items()}
+
+
+def _build_state(reader: Reader, meta: Mapping[str, Any], step: Any, mesh: Mesh | None,
+                 params_meta: dict[str, dict[str, torch.Tensor]], keys: Mapping[tuple[str, str], str],
+                 device: torch.device) -> TrainState:
+    layout = step.layout(mesh, params_meta)
+    index = layout.index_of(mesh)
+    local = local_keys(layout, index, {layer: list(ts) for layer, ts in params_meta.items()})
+    tp_slices = _tp_slicer(step, layout, mesh)
+    full = {layer: {n: tp_slices(layer, n, reader.full(f"model.{keys[(layer, n)]}")).to(device) for n in names}
+            for layer, names in local.items()}
+    master = step.master_params(full)
+    sharding = layout.sharding
+    dp = 0 if sharding is None or mesh is None else mesh.axis_index(sharding.axis)
+    held, update = held_and_update(sharding, master, dp)
+    template = step.optimizer.init(update)
+    wanted_mirrors, wanted_scalars = (sorted(x) for x in split_opt_state(template, update))
+    saved = meta["optimizer"]
+    if wanted_mirrors != saved["mirrors"] or wanted_scalars != saved["scalars"]:
+        raise CheckpointError(
+            f"checkpoint {reader.directory}: its optimizer state has per-parameter {saved['mirrors']} and "
+            f"{saved['scalars']}, this step's optimizer has {wanted_mirrors} and {wanted_scalars}; load it "
+            "with the optimizer that saved it"
+        )
+
+    def mirror(path: str) -> Any:
+        tree = {layer: {n: tp_slices(layer, n, reader.full(f"optim.{path}.{keys[(layer, n)]}")).to(
+                            device=device, dtype=master[layer][n].dtype)
+                        for n in names} for layer, names in local.items()}
+        return tree if sharding is None else sharding.shards_of(tree, dp)
+
+    def scalar(path: str, like: torch.Tensor) -> torch.Tensor:
+        t = reader.full(f"optim.{path}")
+        if t.shape != like.shape:
+            raise CheckpointError(f"checkpoint {reader.directory}: optim.{path} has shape {list(t.shape)}, this optimizer's {list(like.shape)}")
+        return t.to(device=like.device, dtype=like.dtype)
+
+    opt_state = rebuild_opt_state(template, update, mirror, scalar)
+    extra = {"rng": meta["rng"]} if "rng" in TrainState._fields and meta.get("rng") is not None else {}
+    return TrainState(held, opt_state, int(meta["step"]), _loss_scale(meta, step, reader.directory), mesh=mesh,
+                      layout=layout, **extra)
+
+
+def _tp_slicer(step: Any, layout: StateLayout, mesh: Mesh | None) -> Callable[[str, str, torch.Tensor], torch.Tensor]:
+    """Whole tensor -> what this rank holds of it: its tensor-parallel slice where the layout splits it."""
+    index = {}
+    for spec in layout.leaves.values():
+        if spec.split is not None:
+            assert mesh is not None
+            index[spec.split.axis] = mesh.axis_index(spec.split.axis)
+
+    def cut(layer: str, name: str, whole: torch.Tensor) -> torch.Tensor:
+        split = layout.leaves[(layer, name)].split
+        return whole if split is None else split.local(whole, index[split.axis])
+
+    return cut
+
+
+def _loss_scale(meta: Mapping[str, Any], step: Any, directory: Path) -> Any:
+    initial = step.initial_loss_scale()
+    saved = meta["loss_scale"]
+    if saved is None:
+        return initial  # nothing to restore: the step's own starting value
+    if initial is None or type(initial).__name__ != saved["type"]:
+        raise CheckpointError(
+            f"checkpoint {directory} carries a {saved['type']}, but this step's loss scale is "
+            f"{type(initial).__name__ if initial is not None else 'none'}: load it with a mixed_precision "
+            f"step whose loss_scale is a {saved['type']}"
+        )
+    return _LOSS_SCALES[saved["type"]](**saved["fields"])
+
+
+def describe(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """What a committed checkpoint holds: its metadata, and per rank its file, bytes and records."""
+    directory = resolve(path)
+    meta = check_committed(directory)
+    records = read_records(directory, int(meta["world"]))
+    ranks: list[dict[str, Any]] = []
+    for rank in range(int(meta["world"])):
+        mine = [r for rs in records.values() for r in rs if r.file == data_file(rank)]
+        ranks.append({
+            "rank": rank, "file": data_file(rank), "bytes": sum(r.length for r in mine),
+            "tensors": sorted({r.fqn for r in mine}),
+            "records": [{"tensor": r.fqn, "offsets": list(r.offsets), "sizes": list(r.sizes), "bytes": r.length} for r in mine],
+        })
+    return {"path": str(directory), "dcp_metadata": (directory / DCP_META).is_file(), **meta, "ranks": ranks}

@@ -1,0 +1,149 @@
+"""A step's parameters as the original module's ``state_dict``, and back; DCP checkpoints of one.
+
+``full_state_dict(step, state)`` gathers the full parameters (a collective) and names
+them as the module ``functionalize`` was given named them (``checkpoint_names``):
+every key of ``module.state_dict()``, a tied weight's names all holding the one
+tensor (as ``state_dict`` gives them), persistent buffers included, so
+``module.load_state_dict(sd, strict=True)`` and a transformers model's
+``save_pretrained(dir, state_dict=sd)`` take it. ``init_from_state_dict(step,
+state_dict, mesh)`` is ``step.init`` from such a dict. ``read_dcp_state_dict(path)``
+reads a torch.distributed.checkpoint directory of a module's state_dict into whole
+tensors without unpickling anything but DCP's own metadata classes.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ...collectives.mesh import Mesh
+from ..layout.state import TrainState
+from .file_format import DCP_META, CheckpointError
+from .names import state_dict_names
+
+
+def full_state_dict(step: Any, state: TrainState) -> dict[str, torch.Tensor]:
+    """The module's ``state_dict()`` from a state of ``step`` (every rank calls it: it gathers).
+
+    >>> import torch, shardwise as sw
+    >>> from shardwise.engine.checkpoint.state_dict import full_state_dict
+    >>> model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Tanh(), torch.nn.Linear(2, 1))
+    >>> chain, params = sw.functionalize(model)
+    >>> step = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1))
+    >>> state, _ = step(step.init(params), (torch.randn(4, 3), torch.randn(4, 1)))
+    >>> sd = full_state_dict(step, state)
+    >>> sorted(sd), model.load_state_dict(sd, strict=True)
+    (['0.bias', '0.weight', '2.bias', '2.weight'], <All keys matched successfully>)
+    """
+    full = step.full_params(state)
+    chain = step.base_chain
+    names = state_dict_names(chain)
+    out: dict[str, torch.Tensor] = {}
+    for key, (kind, layer, name) in names.keys.items():
+        out[key] = full[layer][name] if kind == "param" else chain[layer].buffers[name]
+    return out
+
+
+def init_from_state_dict(step: Any, state_dict: dict[str, torch.Tensor], mesh: Mesh | None = None) -> TrainState:
+    """``step.init`` from a module's ``state_dict`` (every key of it; buffers and a tied weight's
+    other names must equal what the chain holds)."""
+    names = state_dict_names(step.base_chain)
+    missing = sorted(set(names.keys) - set(state_dict))
+    unexpected = sorted(set(state_dict) - set(names.keys))
+    if missing or unexpected:
+        raise CheckpointError(
+            f"init_from_state_dict: the state_dict does not match the step's module: missing {missing[:8]}, "
+            f"unexpected {unexpected[:8]}"
+        )
+    params: dict[str, dict[str, torch.Tensor]] = {layer.name: {} for layer in step.base_chain.layers}
+    for (layer, name), key in names.param_key.items():
+        params[layer][name] = state_dict[key]
+    for alias, key in names.aliases.items():
+        if not torch.equal(state_dict[alias], state_dict[key]):
+            raise CheckpointError(f"init_from_state_dict: {alias!r} is tied to {key!r} in the module, but their values differ")
+    for key, (layer, name) in names.buffers.items():
+        held = step.base_chain[layer].buffers[name]
+        if not torch.equal(state_dict[key].to(held.dtype), held):
+            raise CheckpointError(
+                f"init_from_state_dict: buffer {key!r} differs from the chain's; buffers are part of the chain: "
+                "load the state_dict into the module and functionalize it again"
+            )
+    for layer in params:
+        params[layer] = {n: params[layer][n] for n in step.base_chain[layer].owned_param_names}
+    return step.init(params, mesh)
+
+
+# -- reading a DCP checkpoint (without running code from it) ------------------------------------
+_DCP_CLASSES = {
+    ("torch.distributed.checkpoint.metadata", n)
+    for n in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+              "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"), ("collections", "OrderedDict"),
+    ("torch.serialization", "_get_layout"),  # a layout by its name ("torch.strided")
+    ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),  # StorageMeta.checkpoint_id
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Rebuilds DCP's metadata dataclasses, torch sizes, dtypes, layouts and memory formats only."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _DCP_CLASSES:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"{DCP_META} refers to {module}.{name}, which is not DCP metadata")
+
+
+def read_dcp_metadata(path: str | os.PathLike[str]) -> Any:
+    """DCP's ``Metadata`` of the checkpoint directory ``path``, unpickling only its own classes."""
+    file = Path(path) / DCP_META
+    if not file.is_file():
+        raise CheckpointError(f"{path} is not a torch.distributed.checkpoint directory: {DCP_META} is missing")
+    with open(file, "rb") as f:
+        try:
+            return _MetadataUnpickler(f).load()
+        except (pickle.UnpicklingError, EOFError, AttributeError) as err:
+            raise CheckpointError(f"{file}: not DCP metadata ({err})") from None
+
+
+def read_dcp_state_dict(path: str | os.PathLike[str], prefix: str = "") -> dict[str, torch.Tensor]:
+    """The whole tensors of a DCP checkpoint (FileSystemWriter, torch_save records) whose keys start
+    with ``prefix`` (``"model."`` for ``dcp.save({"model": sd})``), the prefix removed.
+
+    ``init_from_state_dict(step, read_dcp_state_dict(path), mesh)`` starts a step from it."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = read_dcp_metadata(path)
+    out: dict[str, torch.Tensor] = {}
+    for fqn, spec in metadata.state_dict_metadata.items():
+        if not fqn.startswith(prefix) or not isinstance(spec, TensorStorageMetadata):
+            continue
+        t = torch.empty(tuple(spec.size), dtype=spec.properties.dtype)
+        covered = 0
+        for chunk in spec.chunks:
+            info = metadata.storage_data[_index(fqn, chunk.offsets)]
+            with open(Path(path) / info.relative_path, "rb") as f:
+                f.seek(info.offset)
+                data = f.read(info.length)
+            if getattr(info, "transform_descriptors", None):
+                raise CheckpointError(f"{path}: {fqn} is stored with transforms {info.transform_descriptors}, which this reader does not undo")
+            box = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            t[tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes, strict=True))].copy_(box)
+            covered += box.numel()
+        if covered != t.numel():
+            raise CheckpointError(f"{path}: its chunks of {fqn} hold {covered} of {t.numel()} elements")
+        out[fqn[len(prefix):]] = t
+    return out
+
+
+def _index(fqn: str, offsets: torch.Size) -> Any:
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    return MetadataIndex(fqn, offsets)

@@ -1,0 +1,197 @@
+"""Mixed-precision policies and loss scales, as small frozen values (after jmp).
+
+A :class:`Policy` names four dtypes: the parameters as stored (the fp32
+master weights), the compute copies layers run with, the model output, and
+the dtype gradients are reduced in across ranks. ``Policy.parse`` reads the
+small grammar ``"params=f32,compute=bf16,output=f32,reduce=f32"`` (short
+keys ``p``, ``c``, ``o``, ``r``); a key not given follows jmp: compute follows
+params, output follows compute, reduce follows params. A :class:`Precision` adds per-layer
+overrides by layer-name pattern and the loss scale.
+
+Loss scales are interchangeable NamedTuples (so a TrainState holding one
+flattens, saves and loads with nothing registered) whose ``adjust(finite)``
+returns the next value, with ``torch.amp.GradScaler``'s semantics.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+
+_DTYPES = {
+    "f64": torch.float64, "float64": torch.float64, "double": torch.float64,
+    "f32": torch.float32, "float32": torch.float32, "float": torch.float32,
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "f16": torch.float16, "float16": torch.float16, "half": torch.float16,
+}
+_KEYS = {"params": "params", "p": "params", "compute": "compute", "c": "compute",
+         "output": "output", "o": "output", "reduce": "reduce", "r": "reduce"}
+
+
+def _dtype(text: str, where: str) -> torch.dtype:
+    try:
+        return _DTYPES[text.strip().lower()]
+    except KeyError:
+        raise ValueError(f"{where}: unknown dtype {text!r}; use one of {sorted(_DTYPES)}") from None
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Dtypes of the stored parameters, the compute copies, the model output and gradient reduction.
+
+    >>> Policy.parse("params=f32,compute=bf16,output=f32")
+    Policy(params=torch.float32, compute=torch.bfloat16, output=torch.float32, reduce=torch.float32)
+    """
+
+    params: torch.dtype = torch.float32
+    compute: torch.dtype = torch.float32
+    output: torch.dtype = torch.float32
+    reduce: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        for name in ("params", "compute", "output", "reduce"):
+            value = getattr(self, name)
+            if not (isinstance(value, torch.dtype) and value.is_floating_point):
+                raise ValueError(f"Policy({name}={value!r}): a floating-point torch dtype is needed")
+
+    @classmethod
+    def parse(cls, text: str, base: Policy | None = None) -> Policy:
+        """Read ``"key=dtype,..."``.
+
+        Without ``base``, keys not given follow jmp's rules: params default to f32, compute
+        follows params, output follows compute, and reduce follows params (gradients are
+        reduced in the master dtype unless told otherwise), so ``"params=f64,compute=f64"``
+        is all-f64 and ``"compute=bf16"`` computes and returns bf16 over f32 masters. With
+        ``base`` (a layer override), keys not given keep ``base``'s values.
+        """
+        given: dict[str, torch.dtype] = {}
+        for item in filter(None, (part.strip() for part in text.split(","))):
+            key, sep, dtype = item.partition("=")
+            if not sep or key.strip() not in _KEYS:
+                raise ValueError(
+                    f"policy {text!r}: cannot read {item!r}; write key=dtype with keys "
+                    "params/p, compute/c, output/o, reduce/r, e.g. 'params=f32,compute=bf16,output=f32'"
+                )
+            name = _KEYS[key.strip()]
+            if name in given:
+                raise ValueError(f"policy {text!r}: {name} is given twice; give each key once")
+            given[name] = _dtype(dtype, f"policy {text!r}")
+        if base is not None:
+            return cls(**{**base.__dict__, **given})
+        params = given.get("params", torch.float32)
+        compute = given.get("compute", params)
+        output = given.get("output", compute)
+        return cls(params, compute, output, given.get("reduce", params))
+
+    def __str__(self) -> str:
+        short = {v: k for k, v in _DTYPES.items() if len(k) <= 4 and k[0] in "fb"}
+        return ",".join(f"{k}={short[getattr(self, k)]}" for k in ("params", "compute", "output", "reduce"))
+
+
+class NoLossScale(NamedTuple):
+    """No loss scaling (bf16 and fp32 need none)."""
+
+    def scale_value(self) -> float:
+        return 1.0
+
+    def adjust(self, finite: bool) -> NoLossScale:
+        return self
+
+
+class StaticLossScale(NamedTuple):
+    """A fixed factor; a step with a non-finite gradient is still skipped."""
+
+    scale: float
+
+    def scale_value(self) -> float:
+        return float(self.scale)
+
+    def adjust(self, finite: bool) -> StaticLossScale:
+        return self
+
+
+class DynamicLossScale(NamedTuple):
+    """torch.amp.GradScaler's rule: x``growth_factor`` after ``growth_interval`` finite steps in a
+    row, x``backoff_factor`` (never below ``min_scale``) on a step with a non-finite gradient."""
+
+    scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    min_scale: float = 1.0
+    good_steps: int = 0
+
+    def scale_value(self) -> float:
+        return float(self.scale)
+
+    def adjust(self, finite: bool) -> DynamicLossScale:
+        if not finite:
+            return self._replace(scale=max(self.scale * self.backoff_factor, self.min_scale), good_steps=0)
+        if self.good_steps + 1 >= self.growth_interval:
+            return self._replace(scale=self.scale * self.growth_factor, good_steps=0)
+        return self._replace(good_steps=self.good_steps + 1)
+
+
+LossScale = NoLossScale | StaticLossScale | DynamicLossScale
+
+
+def as_loss_scale(spec: Any) -> LossScale:
+    """``None``/"none", "dynamic", a number (static), or a LossScale value."""
+    if spec is None or spec == "none":
+        return NoLossScale()
+    if spec == "dynamic":
+        return DynamicLossScale()
+    if isinstance(spec, (NoLossScale, StaticLossScale, DynamicLossScale)):
+        return spec
+    if isinstance(spec, (int, float)) and not isinstance(spec, bool) and spec > 0:
+        return StaticLossScale(float(spec))
+    raise ValueError(
+        f"loss_scale={spec!r}: use None, 'dynamic', a positive number (static), or a "
+        "DynamicLossScale(...)/StaticLossScale(...)"
+    )
+
+
+@dataclass(frozen=True)
+class Precision:
+    """The precision of a step: a default policy, per-layer overrides, and the initial loss scale."""
+
+    policy: Policy
+    overrides: tuple[tuple[str, Policy], ...] = field(default=())
+    loss_scale: Any = field(default_factory=NoLossScale)
+
+    def for_layer(self, name: str) -> Policy:
+        """The first override whose pattern matches ``name`` (fnmatch), else the default policy."""
+        for pattern, policy in self.overrides:
+            if fnmatch.fnmatchcase(name, pattern):
+                return policy
+        return self.policy
+
+    def compute_params(self, params: Mapping[str, Mapping[str, torch.Tensor]]) -> dict[str, dict[str, torch.Tensor]]:
+        """Compute copies of the parameters, cast once per step by each owning layer's policy."""
+        return {
+            layer: {k: t.detach().to(self.for_layer(layer).compute) for k, t in tensors.items()}
+            for layer, tensors in params.items()
+        }
+
+
+def compute_dtype(precision: Precision | None, layer: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype ``layer`` computes in: its policy's compute dtype, or ``dtype`` (the stored one)
+    without a precision policy."""
+    return dtype if precision is None else precision.for_layer(layer).compute
+
+
+def all_finite(tensors: Any, device: torch.device | None = None) -> torch.Tensor:
+    """A 0-d float tensor: 1.0 if every element of every tensor is finite, else 0.0 (1.0 on
+    ``device`` for no tensors)."""
+    flags = [torch.isfinite(t).all() for t in tensors]
+    return torch.stack(flags).all().to(torch.float64) if flags else torch.ones((), dtype=torch.float64, device=device)
+
+
+def metric_dtype(dtypes: Iterable[torch.dtype]) -> torch.dtype:
+    """The dtype the ranks exchange their shares in: float64 if any parameter of the model is (every
+    rank must pick the same, so this reads the whole model's dtypes, not one rank's)."""
+    return torch.float64 if torch.float64 in set(dtypes) else torch.float32

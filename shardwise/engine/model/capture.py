@@ -1,0 +1,601 @@
+"""Cutting a module into units by recording its calls (the route for models fx cannot trace).
+
+Hugging Face models cannot be traced by torch.fx (decorated ``forward(*args,
+**kwargs)``, data-dependent mask code), but their structure is regular: glue
+(embeddings, position ids, the attention mask, rotary embeddings), then a loop
+over blocks, then more glue (final norm, head, the model's own loss). So the
+module is run once on an example input while hooks record, in order, every
+unit call with its arguments and output, and when every other submodule runs.
+The chain is then
+
+* ``"embed"``: ``root(x)`` up to the last unit, with the units replaced by stubs
+  that pass the hidden state through and record what forward gives each unit
+  (it stops at the last one). Its output, the *carry*, is a tuple of tensors:
+  the hidden state, every tensor the units receive besides it (mask, position
+  ids, ``(cos, sin)``), and the tensors of ``x`` itself (ids, mask, labels).
+* one layer per unit: ``unit(hidden, **what forward gave it)`` through
+  ``ModuleCall``, returning the carry with the new hidden state.
+* ``"head"``: ``root(x)`` again with the units stubbed, the last one returning
+  the carried hidden state: the code after the loop (norm, head, loss) runs as
+  written, and the output is the module's own (a ``ModelOutput``).
+
+The code before the first unit thus runs twice (in ``embed`` and, discarded, in
+``head``): cheap (an embedding lookup and a mask), and exact. In ``head`` the
+parameters only that code reads are zero placeholders (one element each,
+expanded), so the last pipeline stage does not hold the embedding table, and its
+dropout modules run in eval mode so the replay draws no random numbers.
+The example check (``functionalize`` always runs it here) proves bitwise that
+nothing after the loop reads those placeholders.
+
+What crosses a boundary is a tuple of tensors, a structure fixed by the example
+input (a pipeline sends tensors). A tensor-or-None argument travels as a tensor
+or as the ``ABSENT`` marker (BERT's mask is None for an unpadded batch and a
+tensor for a padded one). Non-tensor arguments (``use_cache=False``) are fixed
+at the example's values and checked on every call.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import optree
+import torch
+from torch import Tensor, nn
+
+from ..torch_api import is_fake
+from .fx_split import FunctionalizeError
+from .module_call import ThreadReplicas, call_arguments
+from .pytrees import register_output_types
+
+EMBED, HEAD = "embed", "head"
+
+
+def absent_marker() -> Tensor:
+    """What travels in the carry for an argument that is None in this call."""
+    return torch.empty((0, 0, 0), dtype=torch.int8)
+
+
+def _is_absent(t: Tensor) -> bool:
+    return t.dtype == torch.int8 and t.shape == (0, 0, 0)
+
+
+# --- recording the example run ----------------------------------------------------------------
+
+
+@dataclass
+class _UnitCall:
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    output: Any = None
+
+
+@dataclass
+class _Recording:
+    calls: list[_UnitCall]
+    phase: dict[str, set[str]]  # module path -> {"before", "between", "after"}
+    output: Any
+    executed: list[str]  # unit paths in the order forward ran them
+
+
+def _record(root: nn.Module, paths: list[str], x: Any) -> _Recording:
+    unit_index = {p: i for i, p in enumerate(paths)}
+    calls: dict[int, _UnitCall] = {}
+    phase: dict[str, set[str]] = {}
+    state = {"started": 0, "ended": 0}
+    handles = []
+
+    def when() -> str:
+        if state["started"] == 0:
+            return "before"
+        return "after" if state["ended"] == len(paths) else "between"
+
+    for path, sub in root.named_modules():
+        if path in unit_index:
+            i = unit_index[path]
+
+            def pre(mod: nn.Module, args: Any, kwargs: Any, i: int = i, path: str = path) -> None:
+                if i in calls:
+                    raise FunctionalizeError(
+                        f"functionalize: unit {path!r} is called more than once in forward, but a unit "
+                        "is one layer and runs once; make the code that calls it repeatedly the unit instead."
+                    )
+                calls[i] = _UnitCall(tuple(args), dict(kwargs))
+                state["started"] += 1
+
+            def post(mod: nn.Module, args: Any, kwargs: Any, out: Any, i: int = i) -> None:
+                calls[i].output = out
+                state["ended"] += 1
+
+            handles.append(sub.register_forward_pre_hook(pre, with_kwargs=True))
+            handles.append(sub.register_forward_hook(post, with_kwargs=True))
+        elif not any(path.startswith(p + ".") for p in paths):
+
+            def seen(mod: nn.Module, args: Any, path: str = path) -> None:
+                phase.setdefault(path, set()).add(when())
+
+            handles.append(sub.register_forward_pre_hook(seen))
+    try:
+        args, kwargs = call_arguments(root, x)
+        with torch.no_grad():
+            output = root(*args, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    missing = [p for i, p in enumerate(paths) if i not in calls]
+    if missing:
+        raise FunctionalizeError(
+            f"functionalize: units {missing} are never called when {type(root).__name__} runs on the "
+            "example input; choose units that forward calls."
+        )
+    return _Recording([calls[i] for i in range(len(paths))], phase, output, [paths[i] for i in calls])
+
+
+# --- where the hidden state travels -----------------------------------------------------------
+
+
+Slot = tuple[str, int | str]  # ("arg", position) or ("kwarg", name)
+
+
+def _hidden_of_output(path: str, out: Any) -> Tensor:
+    if isinstance(out, Tensor):
+        return out
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], Tensor):
+        extra = [type(v).__name__ for v in out[1:] if isinstance(v, Tensor)]
+        if not extra:
+            return out[0]
+    raise FunctionalizeError(
+        f"functionalize: unit {path!r} returns {_describe(out)}, but a unit passes one hidden state "
+        "on: a tensor, or a tuple of it and Nones. Turn off extra outputs (output_attentions=False, "
+        "use_cache=False), or choose the blocks that return the hidden state as units."
+    )
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of ({', '.join(type(v).__name__ for v in value)})"
+    return f"a {type(value).__name__}"
+
+
+def _hidden_slot(paths: list[str], calls: list[_UnitCall]) -> Slot:
+    """Which argument of every unit is the hidden state: the one the previous unit's output fills."""
+    slots: list[Slot] = []
+    for i in range(1, len(calls)):
+        previous = _hidden_of_output(paths[i - 1], calls[i - 1].output)
+        found: list[Slot] = [("arg", j) for j, a in enumerate(calls[i].args) if a is previous]
+        found += [("kwarg", k) for k, v in calls[i].kwargs.items() if v is previous]
+        if not found:
+            raise FunctionalizeError(
+                f"functionalize: unit {paths[i]!r} does not receive the output of {paths[i - 1]!r}: forward "
+                f"changes the hidden state between them. Make that code part of a unit (list units by "
+                f"path), or split at modules that pass their output straight on."
+            )
+        slots.append(found[0])
+    _hidden_of_output(paths[-1], calls[-1].output)
+    if slots and any(s != slots[0] for s in slots):
+        raise FunctionalizeError(
+            f"functionalize: the units receive their hidden state in different arguments ({slots}); "
+            "choose units of one kind."
+        )
+    if slots:
+        return slots[0]
+    first = calls[0]
+    if first.args:
+        return ("arg", 0)
+    if "hidden_states" in first.kwargs:
+        return ("kwarg", "hidden_states")
+    raise FunctionalizeError(
+        f"functionalize: cannot tell which argument of {paths[0]!r} is its input; list two units or more"
+    )
+
+
+def _without_hidden(call: _UnitCall, slot: Slot) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    kind, where = slot
+    if kind == "arg":
+        return tuple(a for j, a in enumerate(call.args) if j != where), dict(call.kwargs)
+    return call.args, {k: v for k, v in call.kwargs.items() if k != where}
+
+
+def _with_hidden(
+    hidden: Tensor, slot: Slot, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    kind, where = slot
+    if kind == "arg":
+        assert isinstance(where, int)
+        return (*args[:where], hidden, *args[where:]), kwargs
+    return args, {**kwargs, str(where): hidden}
+
+
+# --- the static layout of the carry ------------------------------------------------------------
+
+_CONSTANT_TYPES = (bool, int, float, str, type(None))
+
+
+@dataclass(frozen=True)
+class _Leaves:
+    """A pytree whose tensor-or-None leaves travel in the carry and whose other leaves are fixed."""
+
+    spec: optree.PyTreeSpec
+    constants: tuple[Any, ...]  # per leaf: the fixed value, or _TRAVELS
+    where: tuple[int, ...]  # per leaf: index into the carry, or -1 for a constant
+
+    def rebuild(self, carry: Sequence[Tensor]) -> Any:
+        leaves = [
+            c if i < 0 else (None if _is_absent(carry[i]) else carry[i])
+            for c, i in zip(self.constants, self.where, strict=True)
+        ]
+        return optree.tree_unflatten(self.spec, leaves)
+
+    def check(self, what: str, tree: Any) -> list[Any]:
+        """The leaves of ``tree``, refusing a structure or constant other than the example's."""
+        leaves, spec = optree.tree_flatten(tree, none_is_leaf=True)
+        if spec != self.spec:
+            raise FunctionalizeError(
+                f"functionalize: {what} has structure {spec}, but the split was recorded on an example "
+                f"with {self.spec}. Pass functionalize(..., example_input=) an input like your batches."
+            )
+        for c, i, leaf in zip(self.constants, self.where, leaves, strict=True):
+            if i < 0 and not (type(leaf) is type(c) and leaf == c):
+                raise FunctionalizeError(
+                    f"functionalize: {what} has {leaf!r} where the example had {c!r}; the split fixes "
+                    "non-tensor arguments at the example's values. Pass example_input= an input like your batches."
+                )
+        return leaves
+
+
+_TRAVELS = object()
+
+
+class _Layout:
+    """Carry = (hidden, one entry per group of unit arguments, the tensors of the input)."""
+
+    def __init__(self, paths: list[str], calls: list[_UnitCall], slot: Slot, x: Any) -> None:
+        self.paths = paths
+        self.slot = slot
+        groups: dict[Any, int] = {}
+        self.group_slots: list[list[tuple[int, int]]] = []  # per group: (unit, leaf) slots
+        self.absent: list[bool] = []  # per group: None in the example (an attention mask the model skipped)
+        self.units: list[_Leaves] = []
+        for u, call in enumerate(calls):
+            rest: Any = _without_hidden(call, slot)
+            leaves, spec = optree.tree_flatten(rest, none_is_leaf=True)
+            paths_of = optree.tree_paths(rest, none_is_leaf=True)
+            constants, where = [], []
+            for j, leaf in enumerate(leaves):
+                if isinstance(leaf, Tensor) or leaf is None:
+                    key = ("tensor", id(leaf)) if isinstance(leaf, Tensor) else ("none", paths_of[j])
+                    if key not in groups:
+                        groups[key] = len(self.group_slots)
+                        self.group_slots.append([])
+                        self.absent.append(leaf is None)
+                    self.group_slots[groups[key]].append((u, j))
+                    constants.append(_TRAVELS)
+                    where.append(1 + groups[key])
+                else:
+                    _check_constant(paths[u], paths_of[j], leaf)
+                    constants.append(leaf)
+                    where.append(-1)
+            self.units.append(_Leaves(spec, tuple(constants), tuple(where)))
+        start = 1 + len(self.group_slots)
+        leaves, spec = optree.tree_flatten(x, none_is_leaf=True)
+        constants, where = [], []
+        for leaf in leaves:
+            if isinstance(leaf, Tensor) or leaf is None:
+                constants.append(_TRAVELS)
+                where.append(start + len([w for w in where if w >= 0]))
+            else:
+                constants.append(leaf)
+                where.append(-1)
+        self.inputs = _Leaves(spec, tuple(constants), tuple(where))
+
+    def carry(self, hidden: Tensor, calls: list[_UnitCall], x: Any) -> tuple[Tensor, ...]:
+        unit_leaves = [
+            self.units[u].check(f"the arguments of unit {self.paths[u]!r}", _without_hidden(call, self.slot))
+            for u, call in enumerate(calls)
+        ]
+        entries = [hidden]
+        # On fake tensors (a pipeline predicting what its stages pass on) a model cannot read data, so
+        # it builds what it may skip on real inputs (Hugging Face's sdpa attention skips an all-causal
+        # mask). Such a value follows the example: absent where the example had none, as on real inputs
+        # like it.
+        predicting = is_fake(hidden)
+        for g, slots in enumerate(self.group_slots):
+            values = [unit_leaves[u][j] for u, j in slots]
+            first = values[0]
+            if any(v is not first for v in values[1:]):
+                (u0, _), (u1, _) = slots[0], slots[next(k for k, v in enumerate(values) if v is not first)]
+                raise FunctionalizeError(
+                    f"functionalize: units {self.paths[u0]!r} and {self.paths[u1]!r} shared an argument in the "
+                    "example input but get different values now; pass example_input= an input like your batches."
+                )
+            entries.append(absent_marker() if first is None or (predicting and self.absent[g]) else _as_tensor(first))
+        input_leaves = self.inputs.check("the layer input", x)
+        for leaf, i in zip(input_leaves, self.inputs.where, strict=True):
+            if i >= 0:
+                entries.append(absent_marker() if leaf is None else leaf)
+        return tuple(entries)
+
+
+def _as_tensor(value: Any) -> Tensor:
+    assert isinstance(value, Tensor)
+    return value
+
+
+def _check_constant(unit: str, path: tuple[Any, ...], value: Any) -> None:
+    if isinstance(value, _CONSTANT_TYPES):
+        return
+    where = "".join(f"[{k!r}]" for k in path)
+    hint = (
+        " It is a key/value cache: turn the cache off (use_cache=False)."
+        if "cache" in type(value).__name__.lower()
+        else ""
+    )
+    raise FunctionalizeError(
+        f"functionalize: unit {unit!r} receives a {type(value).__name__} at arguments{where}; only "
+        f"tensors and plain constants can cross a layer boundary.{hint}"
+    )
+
+
+# --- stubs standing in for the units inside the embed / head replicas --------------------------
+
+
+class _Stopped(Exception):
+    """Raised by the last unit's stub in ``embed``: the rest of forward is ``head``'s."""
+
+
+class _UnitStub(nn.Module):
+    """Stands where a unit was: records its call, passes the hidden state on, stops or emits.
+
+    Plain attributes of the unit (``attention_type``, ``layer_idx``) stay readable, since
+    forward may consult them; its submodules and tensors are not here."""
+
+    def __init__(self, unit: nn.Module, index: int, slot: Slot, output: Any) -> None:
+        super().__init__()
+        self.index, self.slot = index, slot
+        self.attributes = {
+            k: v for k, v in vars(unit).items() if not k.startswith("_") and not isinstance(v, (nn.Module, Tensor))
+        }
+        # None: the unit returns the hidden state itself; else the tuple type it returns it in.
+        self.output_type: type | None = None if isinstance(output, Tensor) else type(output)
+        self.output_rest = () if isinstance(output, Tensor) else tuple(output[1:])
+        self.mode = "pass"  # pass | stop | emit
+        self.recorded: list[_UnitCall] | None = None
+        self.emit: Tensor | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            attributes = self.__dict__.get("attributes", {})
+            if name in attributes:
+                return attributes[name]
+            raise
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        call = _UnitCall(args, kwargs)
+        if self.recorded is not None:
+            self.recorded.append(call)
+        if self.mode == "stop":
+            raise _Stopped
+        kind, where = self.slot
+        hidden = self.emit if self.mode == "emit" else (args[where] if kind == "arg" else kwargs[where])  # type: ignore[index]
+        if self.output_type is None:
+            return hidden
+        return self.output_type((hidden, *self.output_rest))
+
+
+def _stubbed_root(root: nn.Module, paths: list[str], recording: _Recording, slot: Slot) -> nn.Module:
+    """A copy of ``root`` (sharing its tensors) whose units are stubs."""
+    named = [*root.named_parameters(remove_duplicate=False), *root.named_buffers(remove_duplicate=False)]
+    memo: dict[int, Any] = {id(t): t for _, t in named}
+    for path in paths:  # the units themselves are not copied
+        memo[id(root.get_submodule(path))] = None
+    stubbed = copy.deepcopy(root, memo)
+    for i, path in enumerate(paths):
+        parent_path, _, attr = path.rpartition(".")
+        parent = stubbed.get_submodule(parent_path)
+        parent._modules[attr] = _UnitStub(root.get_submodule(path), i, slot, recording.calls[i].output)
+    return stubbed
+
+
+def _stubs(module: nn.Module) -> list[_UnitStub]:
+    return sorted((m for m in module.modules() if isinstance(m, _UnitStub)), key=lambda s: s.index)
+
+
+# --- the layers --------------------------------------------------------------------------------
+
+
+@dataclass
+class Piece:
+    """A layer to build: its fn(tensors, x), and its params and buffers by local name."""
+
+    fn: Callable[[dict[str, Tensor], Any], Any]
+    parameters: list[tuple[str, Tensor]]
+    buffers: list[tuple[str, Tensor]]
+
+    def named_parameters(self) -> Iterator[tuple[str, Tensor]]:
+        return iter(self.parameters)
+
+    def named_buffers(self) -> Iterator[tuple[str, Tensor]]:
+        return iter(self.buffers)
+
+
+class _Placeholders:
+    """Zero tensors, one element each expanded to full shape, for params a phase never reads."""
+
+    def __init__(self, specs: dict[str, tuple[torch.Size, torch.dtype]]) -> None:
+        self.specs = specs
+
+    def make(self, like: dict[str, Tensor]) -> dict[str, Tensor]:
+        device = next((t.device for t in like.values()), torch.device("cpu"))
+        return {
+            k: torch.zeros((), dtype=dtype, device=device).expand(shape) for k, (shape, dtype) in self.specs.items()
+        }
+
+
+class EmbedFn:
+    """``root(x)`` up to the last unit: returns the carry."""
+
+    def __init__(self, stubbed: nn.Module, layout: _Layout, placeholders: _Placeholders) -> None:
+        self.replicas = ThreadReplicas(stubbed)
+        self.layout, self.placeholders = layout, placeholders
+
+    def __call__(self, tensors: dict[str, Tensor], x: Any) -> tuple[Tensor, ...]:
+        call = self.replicas.get()
+        stubs = _stubs(call.module)
+        recorded: list[_UnitCall] = []
+        for stub in stubs:
+            stub.mode, stub.recorded = "pass", recorded
+        stubs[-1].mode = "stop"
+        args, kwargs = call_arguments(call.module, x)
+        try:
+            call.call({**tensors, **self.placeholders.make(tensors)}, args, kwargs)
+        except _Stopped:
+            pass
+        else:
+            raise FunctionalizeError("functionalize: forward did not reach its last unit on this input")
+        finally:
+            for stub in stubs:
+                stub.recorded = None
+        if len(recorded) != len(stubs):
+            raise FunctionalizeError(
+                f"functionalize: forward called {len(recorded)} units on this input, but {len(stubs)} on the example"
+            )
+        kind, where = self.layout.slot
+        first = recorded[0]
+        hidden = first.args[where] if kind == "arg" else first.kwargs[where]  # type: ignore[index]
+        return self.layout.carry(hidden, recorded, x)
+
+    def __repr__(self) -> str:
+        return f"embed({type(self.replicas.module).__name__} up to its first unit)"
+
+
+class UnitFn:
+    """One unit on the carry: ``unit(hidden, **its arguments)``; the carry with the new hidden state."""
+
+    def __init__(self, unit: nn.Module, path: str, index: int, layout: _Layout) -> None:
+        self.replicas = ThreadReplicas(unit, prefix=path + ".")
+        self.path, self.index, self.layout = path, index, layout
+
+    def __call__(self, tensors: dict[str, Tensor], carry: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+        rest_args, rest_kwargs = self.layout.units[self.index].rebuild(carry)
+        args, kwargs = _with_hidden(carry[0], self.layout.slot, rest_args, rest_kwargs)
+        out = self.replicas.get().call(tensors, args, kwargs)
+        return (_hidden_of_output(self.path, out), *carry[1:])
+
+    def __repr__(self) -> str:
+        return f"functional_call({type(self.replicas.module).__name__})"
+
+
+class HeadFn:
+    """``root(x)`` with the units stubbed and the last one giving the carried hidden state."""
+
+    def __init__(self, stubbed: nn.Module, layout: _Layout, placeholders: _Placeholders) -> None:
+        self.replicas = ThreadReplicas(stubbed)
+        self.layout, self.placeholders = layout, placeholders
+
+    def __call__(self, tensors: dict[str, Tensor], carry: tuple[Tensor, ...]) -> Any:
+        call = self.replicas.get()
+        stubs = _stubs(call.module)
+        for stub in stubs:
+            stub.mode, stub.recorded = "pass", None
+        stubs[-1].mode, stubs[-1].emit = "emit", carry[0]
+        x = self.layout.inputs.rebuild(carry)
+        args, kwargs = call_arguments(call.module, x)
+        try:
+            out = call.call({**tensors, **self.placeholders.make(tensors)}, args, kwargs)
+        finally:
+            stubs[-1].emit = None
+        return register_output_types(out)
+
+    def __repr__(self) -> str:
+        return f"head({type(self.replicas.module).__name__} after its last unit)"
+
+
+def split_by_calls(
+    root: nn.Module, paths: list[str], example: Any, ordered: bool
+) -> list[tuple[str, Piece]]:
+    """``embed``, one piece per unit, ``head``: the layers of the call-recording split.
+
+    ``ordered``: the paths were listed by the user, and must be in execution order."""
+    recording = _record(root, paths, example)
+    if recording.executed != paths:
+        if ordered:
+            raise FunctionalizeError(
+                "functionalize: units must be listed in the order forward runs them; forward runs "
+                f"{recording.executed}"
+            )
+        paths = recording.executed
+        recording = _record(root, paths, example)
+    slot = _hidden_slot(paths, recording.calls)
+    layout = _Layout(paths, recording.calls, slot, example)
+    stubbed = _stubbed_root(root, paths, recording, slot)
+    embed_ids, head_ids = _phase_params(root, paths, recording)
+    params = list(stubbed.named_parameters())
+    buffers = list(stubbed.named_buffers())
+
+    def phase(ids: set[int]) -> tuple[list[tuple[str, Tensor]], _Placeholders]:
+        real: list[tuple[str, Tensor]] = [(n, p) for n, p in params if id(p) in ids or not p.requires_grad]
+        fake = {n: (p.shape, p.dtype) for n, p in params if not (id(p) in ids or not p.requires_grad)}
+        return real, _Placeholders(fake)
+
+    embed_params, embed_fake = phase(embed_ids)
+    head_params, head_fake = phase(head_ids)
+    head_root = _eval_before_only(stubbed, recording)
+    pieces: list[tuple[str, Piece]] = [
+        (EMBED, Piece(EmbedFn(stubbed, layout, embed_fake), embed_params, buffers))
+    ]
+    for i, path in enumerate(paths):
+        unit = root.get_submodule(path)
+        pieces.append(
+            (
+                path,
+                Piece(
+                    UnitFn(unit, path, i, layout),
+                    list(unit.named_parameters(prefix=path)),
+                    list(unit.named_buffers(prefix=path)),
+                ),
+            )
+        )
+    pieces.append((HEAD, Piece(HeadFn(head_root, layout, head_fake), head_params, buffers)))
+    return pieces
+
+
+def _phase_params(root: nn.Module, paths: list[str], recording: _Recording) -> tuple[set[int], set[int]]:
+    """ids of the params ``embed`` and ``head`` really use: those of modules run before the first
+    unit, resp. after the last; a module that holds units (the root, ``transformer``) may read its
+    own params anywhere, so both get them; a module never run goes to ``head`` (it holds the rest)."""
+    embed: set[int] = set()
+    head: set[int] = set()
+    for path, sub in root.named_modules():
+        if path in paths or any(path.startswith(p + ".") for p in paths):
+            continue
+        own = [id(p) for p in sub.parameters(recurse=False)]
+        holds_units = any(p.startswith(path + ".") or not path for p in paths)
+        seen = recording.phase.get(path, set())
+        if "between" in seen and own and not holds_units:
+            raise FunctionalizeError(
+                f"functionalize: module {path!r} has parameters and runs between units; make it part of a "
+                "unit (list units by path) so that it belongs to one layer."
+            )
+        if holds_units or "before" in seen:
+            embed.update(own)
+        if holds_units or "after" in seen or not seen:
+            head.update(own)
+    return embed, head
+
+
+def _eval_before_only(stubbed: nn.Module, recording: _Recording) -> nn.Module:
+    """A copy of ``stubbed`` (sharing tensors) whose modules that only run before the units are in
+    eval mode: in ``head`` their output is discarded, so their dropout must not draw."""
+    named = [*stubbed.named_parameters(remove_duplicate=False), *stubbed.named_buffers(remove_duplicate=False)]
+    head = copy.deepcopy(stubbed, {id(t): t for _, t in named})
+    units = [m for m in head.modules() if isinstance(m, _UnitStub)]
+    for path, sub in head.named_modules():
+        holds_units = any(u in units for u in sub.modules())
+        if recording.phase.get(path) == {"before"} and not holds_units:
+            sub.train(False)
+    return head
+

@@ -1,0 +1,449 @@
+"""functionalize: turn an ``nn.Module`` into a :class:`Chain` of pure layers and a params pytree.
+
+How the module is cut into layers:
+
+* ``units=None`` and an ``nn.Sequential``: one layer per child, named as the child
+  (``"0"``, ``"1"``, ... or the ``OrderedDict`` keys); local names are the child's own
+  (``"weight"``, ``"bias"``).
+* ``units=None`` and any other module: one layer named ``"model"`` holding the
+  whole module; local names are the module's qualified names.
+* ``units=[paths]`` or ``units=SomeModuleClass``: the module is traced with torch.fx,
+  the units kept as leaf calls, and the graph is cut into one segment per unit: the
+  glue code before the unit plus the unit call (glue after the last unit joins the last
+  segment). Each segment is an ``fx.GraphModule`` over the original module, so local
+  names stay the original qualified names (``"blocks.0.ln1.weight"``, ``"pos_emb"``).
+  A glue op runs in the segment of its first user, so a param read early in forward
+  but used late does not have to cross a boundary. (Sinking glue past a unit reorders
+  it relative to that unit; this changes no value, except that random glue ops, such
+  as dropout in glue in training mode, would draw from the RNG in a different order.)
+* units given, for a Hugging Face ``PreTrainedModel`` or a module torch.fx cannot trace
+  (given ``example_input``): the module is run once on an example input (``example_input``,
+  or the model's own ``dummy_inputs`` ids) while hooks record every unit call, and cut into
+  ``"embed"`` (forward up to the first unit: embeddings, mask, position ids, rotary
+  embeddings), one layer per unit (named by its path, names relative to the root), and
+  ``"head"`` (forward after the last unit: final norm, head, the model's own loss). The
+  value between layers is a tuple of tensors; its layout is fixed by the example, so pass
+  an example like your batches (a dict batch if you train on dict batches). See
+  ``capture`` for how, and what is refused.
+
+Layer inputs and outputs:
+
+* A dict input whose keys are all arguments of ``forward`` (``input_ids``,
+  ``attention_mask``, ``labels``) is passed as keywords (``module(**x)``); a ``forward``
+  that takes ``use_cache`` gets ``use_cache=False``.
+* Outputs may be any pytree of tensors: tuples, lists, dicts, named tuples, and (registered
+  with optree on first sight, see :mod:`shardwise.engine.model.pytrees`) ``ModelOutput`` and
+  dataclasses, so a loss on ``out.logits`` gets a real ``ModelOutput`` and gradients flow.
+  With an example input, an output carrying no floating-point tensor is refused.
+
+Every layer fn calls the module's code with its tensors swapped in, as
+``torch.func.functional_call`` does (``module_call.ModuleCall``: the same swap with the
+name walk done once), so outputs are bitwise those of the module: same ops, same order,
+equal values.
+Parameters come back as detached copies (``requires_grad=False``; call
+``requires_grad_()`` to use ``backward``), so training them never touches the module.
+
+Decisions:
+
+* Shared parameters are found by identity. The first layer that uses one owns it;
+  later layers name it in ``Layer.ties``. Inside one layer a shared param appears once,
+  under the name ``named_parameters()`` gives, and ``functional_call(tie_weights=True)``
+  feeds it under every alias, so its gradient is the sum over all uses.
+* Parameters with ``requires_grad=False`` are frozen: they travel as buffers (in
+  ``Layer.buffers``, never updated, never in the params pytree).
+* Buffers are detached copies carried in ``Layer.buffers``; a buffer shared by several
+  layers is copied once and the copy is shared.
+* A module that updates state in forward (BatchNorm in training mode with running
+  stats) is refused: a pure layer cannot update it.
+* ``functional_call`` swaps tensors into the module for the duration of a call, which is
+  not safe when threads (the threads backend runs ranks as threads) call one module at
+  once. Each thread therefore runs its own replica of the module, a deep copy that
+  shares the original's tensors (they are swapped out anyway).
+"""
+
+from __future__ import annotations
+
+import difflib
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import optree
+import torch
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _NormBase
+
+from .capture import Piece, split_by_calls
+from .chain import Chain, Layer
+from .fx_split import FunctionalizeError, FxTraceError, split_graph
+from .module_call import ThreadReplicas, call_arguments
+from .pytrees import float_leaves, register_output_types, unregistered_reason
+
+__all__ = ["FunctionalizeError", "functionalize"]
+
+Units = str | Sequence[str] | type[nn.Module] | None
+ParamTree = dict[str, dict[str, Tensor]]
+
+WHOLE_MODULE = "model"
+_CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+
+
+def functionalize(
+    module: nn.Module, *, units: Units = None, example_input: Any = None
+) -> tuple[Chain, ParamTree]:
+    """Split ``module`` into a :class:`Chain` of pure layers and return it with its params.
+
+    Args:
+        module: the model. Its parameters are copied, never modified.
+        units: how to cut it (see the module docstring): ``None``; a list of submodule paths
+            in execution order (a path naming a ModuleList / Sequential / ModuleDict
+            stands for each of its children); or a module class, whose outermost
+            instances become the units.
+        example_input: if given, ``module(example_input)`` and the chain are run on it and
+            must agree bitwise, no layer may modify its buffers, and every layer output must
+            carry a floating-point tensor. A split that records calls (Hugging Face models,
+            modules fx cannot trace) is recorded on it, and checked on it always.
+
+    Returns:
+        ``(chain, params)`` with ``params[layer_name][local_name]`` holding owned params only;
+        every layer has an entry, empty if it owns none.
+
+    >>> import torch
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    >>> chain, params = functionalize(model, example_input=torch.randn(3, 4))
+    >>> chain.names, sorted(params["0"])
+    (('0', '1', '2'), ['bias', 'weight'])
+
+    A Hugging Face model split per block (``pip install -e ".[hf]"``), e.g.
+    ``functionalize(GPT2LMHeadModel(config), units=GPT2Block)``, gives the layers
+    ``("embed", "transformer.h.0", ..., "head")``.
+    """
+    _refuse_stateful(module)
+    pieces, recorded = _pieces(module, units, example_input)
+    chain, params = _build_chain(pieces)
+    if units is None and isinstance(module, nn.Sequential):
+        for layer in chain:  # each layer calls a child: its modules' paths in the model start with its name
+            layer.fn.root_prefix = layer.name  # type: ignore[attr-defined]
+    if recorded is not None:
+        example_input = recorded
+    if example_input is not None:
+        _check_against_module(module, chain, params, example_input)
+    return chain, params
+
+
+Piece_ = tuple[str, nn.Module | Piece]
+
+
+def _pieces(module: nn.Module, units: Units, example: Any) -> tuple[list[Piece_], Any]:
+    """(layer name, module or Piece to call) for each layer, and the input the split was
+    recorded on (None when it was not recorded: the whole module, a Sequential, fx)."""
+    if units is None:
+        if isinstance(module, nn.Sequential):
+            # _modules, not named_children(): a child repeated at two indices is two layers (tied).
+            return [(name, child) for name, child in module._modules.items() if child is not None], None
+        return [(WHOLE_MODULE, module)], None
+    paths = _resolve_units(module, units)
+    if paths is None:  # the root itself is the unit class
+        return [(WHOLE_MODULE, module)], None
+    ordered = not isinstance(units, type)
+    if not _is_transformers_model(module):
+        try:
+            return list(split_graph(module, paths, ordered=ordered)), None
+        except FxTraceError as e:
+            if example is None:
+                raise FunctionalizeError(
+                    f"{e} Pass example_input= (an input like your batches) and functionalize splits the "
+                    "model by recording which units forward calls on it, with which arguments, instead; "
+                    "or write the model as an nn.Sequential (functionalize(model) needs no tracing), or "
+                    "build the Chain from explicit Layer objects."
+                ) from e
+    # Hugging Face models, and modules fx cannot trace: record the calls on an example input.
+    example = example if example is not None else _dummy_input(module)
+    return list(split_by_calls(module, paths, example, ordered=ordered)), example
+
+
+def _is_transformers_model(module: nn.Module) -> bool:
+    modeling = sys.modules.get("transformers.modeling_utils")  # never import transformers ourselves
+    base = getattr(modeling, "PreTrainedModel", None)
+    return base is not None and isinstance(module, base)
+
+
+def _dummy_input(module: nn.Module) -> Tensor:
+    """A token batch for a Hugging Face model when no example is given: its own dummy ids."""
+    dummy = getattr(module, "dummy_inputs", None)
+    ids = dummy.get("input_ids") if isinstance(dummy, dict) else None
+    if not isinstance(ids, Tensor):
+        raise FunctionalizeError(
+            f"functionalize: {type(module).__name__} is split by recording its calls on an example input, "
+            "and it offers no dummy input_ids; pass example_input= (an input like your batches)."
+        )
+    device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    return ids.to(device)
+
+
+# --- refusing impure modules --------------------------------------------------------------
+
+
+def _refuse_stateful(module: nn.Module) -> None:
+    for path, sub in module.named_modules():
+        if isinstance(sub, _NormBase) and sub.training and sub.track_running_stats:
+            where = repr(path) if path else "the module itself"
+            raise FunctionalizeError(
+                f"functionalize: {where} ({type(sub).__name__}) updates running_mean / running_var "
+                "in forward because it is in training mode, and a pure layer cannot update state. "
+                "Call module.eval() first (it then normalises with the running stats), or use "
+                "GroupNorm / LayerNorm, or build it with track_running_stats=False."
+            )
+
+
+# --- building the chain -------------------------------------------------------------------
+
+
+class _ModuleFn:
+    """A layer fn: ``functional_call`` of a module on the layer input (see ``call_arguments``),
+    on a per-thread replica of it; its output's ModelOutput / dataclass types become pytrees."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.replicas = ThreadReplicas(module)
+        self.root_prefix = ""  # the module's path in the model functionalize was given
+
+    @property
+    def module(self) -> nn.Module:
+        return self.replicas.module
+
+    def __call__(self, tensors: dict[str, Tensor], x: Any) -> Any:
+        # strict: every param and buffer must be given, so the module's own tensors never leak in.
+        call = self.replicas.get()
+        args, kwargs = call_arguments(call.module, x)
+        return register_output_types(call.call(tensors, args, kwargs))
+
+    def __repr__(self) -> str:
+        return f"functional_call({type(self.module).__name__})"
+
+
+def _build_chain(pieces: list[Piece_]) -> tuple[Chain, ParamTree]:
+    owners: dict[int, tuple[str, str]] = {}  # id(param) -> (owner layer, owner's local name)
+    copies: dict[int, Tensor] = {}  # id(tensor) -> its detached copy, made once
+
+    def copy_of(t: Tensor) -> Tensor:
+        if id(t) not in copies:
+            copies[id(t)] = t.detach().clone()
+        return copies[id(t)]
+
+    layers, params = [], {}
+    for name, mod in pieces:
+        param_names: list[str] = []
+        owned: dict[str, Tensor] = {}
+        ties: dict[str, tuple[str, str]] = {}
+        buffers = {local: copy_of(b) for local, b in mod.named_buffers()}
+        for local, p in mod.named_parameters():  # remove_duplicate: one entry per tensor
+            if not p.requires_grad:
+                buffers[local] = copy_of(p)  # frozen: carried, never trained
+                continue
+            param_names.append(local)
+            if id(p) in owners:
+                ties[local] = owners[id(p)]
+            else:
+                owners[id(p)] = (name, local)
+                owned[local] = copy_of(p)
+        fn = mod.fn if isinstance(mod, Piece) else _ModuleFn(mod)
+        layers.append(Layer(name, fn, tuple(param_names), buffers, ties))
+        params[name] = owned
+    return Chain(layers), params
+
+
+# --- resolving units ----------------------------------------------------------------------
+
+
+def _resolve_units(
+    module: nn.Module, units: str | Sequence[str] | type[nn.Module]
+) -> list[str] | None:
+    """Unit paths, containers expanded; None if the root module is itself the unit class."""
+    if isinstance(units, type):
+        return _units_of_class(module, units)
+    given = [units] if isinstance(units, str) else list(units)
+    if not given:
+        raise FunctionalizeError("functionalize: units is empty; pass None for the default split")
+    paths: list[str] = []
+    for path in given:
+        paths.extend(_expand_unit(module, path))
+    _refuse_overlaps(paths)
+    return paths
+
+
+def _units_of_class(module: nn.Module, cls: type[nn.Module]) -> list[str] | None:
+    if isinstance(module, cls):
+        return None
+    found: list[str] = []
+    for path, sub in module.named_modules():
+        inside = any(path.startswith(f + ".") for f in found)
+        if isinstance(sub, cls) and not inside:
+            found.append(path)
+    if not found:
+        kinds = sorted({type(m).__name__ for m in module.modules()})
+        raise FunctionalizeError(
+            f"functionalize: units={cls.__name__} but {type(module).__name__} contains no {cls.__name__}; "
+            f"module classes present: {kinds}"
+        )
+    return found
+
+
+def _expand_unit(module: nn.Module, path: str) -> list[str]:
+    if not isinstance(path, str) or not path:
+        raise FunctionalizeError(
+            f"functionalize: unit {path!r} is not a submodule path; for the whole module as one layer pass units=None"
+        )
+    try:
+        sub = module.get_submodule(path)
+    except AttributeError:
+        known = [p for p, _ in module.named_modules() if p]
+        close = difflib.get_close_matches(path, known, n=3)
+        hint = (
+            f"; did you mean {close}?"
+            if close
+            else f"; top-level children: {[n for n, _ in module.named_children()]}"
+        )
+        raise FunctionalizeError(
+            f"functionalize: unknown unit {path!r}: {type(module).__name__} has no such submodule{hint}"
+        ) from None
+    if isinstance(sub, _CONTAINERS):
+        children = list(sub._modules)
+        if not children:
+            raise FunctionalizeError(
+                f"functionalize: unit {path!r} is an empty {type(sub).__name__}"
+            )
+        return [f"{path}.{child}" for child in children]
+    return [path]
+
+
+def _refuse_overlaps(paths: list[str]) -> None:
+    for i, a in enumerate(paths):
+        for b in paths[i + 1 :]:
+            if a == b:
+                raise FunctionalizeError(f"functionalize: unit {a!r} is listed twice")
+            if b.startswith(a + ".") or a.startswith(b + "."):
+                outer, inner = (a, b) if b.startswith(a + ".") else (b, a)
+                raise FunctionalizeError(
+                    f"functionalize: units {outer!r} and {inner!r} overlap ({inner!r} is inside {outer!r}); "
+                    "a unit is one layer, so keep only one of them"
+                )
+
+
+# --- tracing and splitting ----------------------------------------------------------------
+
+
+def _check_against_module(module: nn.Module, chain: Chain, params: ParamTree, x: Any) -> None:
+    """Run module and chain on ``x`` from the same RNG state; refuse any bitwise difference."""
+    snapshot = {(layer.name, n): b.clone() for layer in chain for n, b in layer.buffers.items()}
+    devices = sorted(
+        {t.device.index or 0 for t in optree.tree_leaves(x) if isinstance(t, Tensor) and t.is_cuda}
+    )
+    with torch.no_grad(), torch.random.fork_rng(devices=devices):
+        rng = _rng_states(devices)
+        args, kwargs = call_arguments(module, x)
+        expected = register_output_types(module(*args, **kwargs))
+        _set_rng_states(devices, rng)
+        got = x
+        for i, layer in enumerate(chain):
+            got = layer(chain.layer_params(params, layer), got)
+            _check_passable(layer.name, got, last=i == len(chain) - 1)
+    for (name, buffer_name), before in snapshot.items():
+        if not _same(before, chain[name].buffers[buffer_name]):
+            raise FunctionalizeError(
+                f"functionalize: layer {name!r} modified its buffer {buffer_name!r} in forward; a pure "
+                "layer cannot carry state. Put the module in eval mode or drop the in-place update."
+            )
+    _compare_outputs(expected, got)
+
+
+def _rng_states(devices: list[int]) -> tuple[Tensor, list[Tensor]]:
+    return torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in devices]
+
+
+def _set_rng_states(devices: list[int], states: tuple[Tensor, list[Tensor]]) -> None:
+    torch.set_rng_state(states[0])
+    for d, state in zip(devices, states[1], strict=True):
+        torch.cuda.set_rng_state(state, d)
+
+
+def _check_passable(layer: str, y: Any, last: bool) -> None:
+    """Refuse an output with no floating-point tensor (the loss could reach no parameter through
+    it), and, between layers, an output with anything but tensors in it (a pipeline sends tensors)."""
+    leaves = optree.tree_leaves(y)
+    if not float_leaves(y):
+        opaque = [type(v).__name__ for v in leaves if not isinstance(v, Tensor)]
+        reasons = [r for r in (unregistered_reason(v) for v in leaves) if r]
+        why = f" ({'; '.join(reasons)})" if reasons else ""
+        raise FunctionalizeError(
+            f"functionalize: layer {layer!r} returns {_kind(y)} that carries no floating-point tensor"
+            + (f"; optree sees it as opaque leaves {opaque}{why}" if opaque else "")
+            + ". Gradients flow only through floating tensors in tuples, lists, dicts, named tuples, "
+            "dataclasses or ModelOutputs: return the tensors (e.g. the logits), or register the output "
+            "class with optree.register_pytree_node."
+        )
+    if not last:
+        others = sorted({type(v).__name__ for v in leaves if not isinstance(v, Tensor)})
+        if others:
+            raise FunctionalizeError(
+                f"functionalize: layer {layer!r} passes {_kind(y)} holding {others} to the next layer, but the "
+                "value passed between layers must hold only tensors (it is what a pipeline stage sends)."
+            )
+
+
+def _kind(y: Any) -> str:
+    return f"a {type(y).__name__}"
+
+
+def _same(a: Tensor, b: Tensor) -> bool:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    equal = a == b
+    if a.is_floating_point() or a.is_complex():
+        equal |= a.isnan() & b.isnan()
+    return bool(equal.all())
+
+
+def _compare_outputs(expected: Any, got: Any) -> None:
+    paths, leaves, spec = optree.tree_flatten_with_path(expected, none_is_leaf=True)
+    got_leaves, got_spec = optree.tree_flatten(got, none_is_leaf=True)
+    if spec != got_spec:
+        raise FunctionalizeError(
+            f"functionalize: the chain returns a {got_spec}, but the module returns a {spec}"
+        )
+    for path, want, have in zip(paths, leaves, got_leaves, strict=True):
+        where = "output" + "".join(f"[{k!r}]" for k in path)
+        if isinstance(want, Tensor) and isinstance(have, Tensor):
+            if not _same(want, have):
+                raise FunctionalizeError(
+                    f"functionalize: the chain differs from the module at {where}: {_difference(want, have)}"
+                )
+        elif not _same_leaf(want, have):
+            raise FunctionalizeError(
+                f"functionalize: the chain differs from the module at {where}: {have!r} != {want!r}"
+            )
+
+
+def _same_leaf(want: Any, have: Any) -> bool:
+    """Equal plain values; other objects (a cache, say) only of the same type: their ``==`` may be
+    elementwise or identity, neither of which says the chain computed the same."""
+    if isinstance(want, (bool, int, float, str, type(None))):
+        return type(want) is type(have) and want == have
+    return type(want) is type(have)
+
+
+def _difference(want: Tensor, have: Tensor) -> str:
+    if want.shape != have.shape or want.dtype != have.dtype:
+        return f"module gives {want.dtype}{list(want.shape)}, chain gives {have.dtype}{list(have.shape)}"
+    diff = (want.double() - have.double()).abs().nan_to_num(nan=float("inf"))
+    flat = int(diff.argmax())
+    index = (
+        tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), want.shape))
+        if want.dim()
+        else ()
+    )
+    return (
+        f"largest difference {diff.max().item():.6g} at index {list(index)} "
+        f"(module {want[index].item()!r}, chain {have[index].item()!r}). "
+        "The split changed the computation: check code between units that depends on call order "
+        "or module attributes (hooks, random ops in glue)."
+    )

@@ -1,0 +1,394 @@
+"""Functional optimizers: ``init`` and ``update`` are pure functions over pytrees of tensors.
+
+An :class:`Optimizer` has the shape of optax's ``GradientTransformation``, except that
+``update`` returns the new parameters rather than an update to add::
+
+    opt = adamw(lr=warmup_cosine(3e-4, 100, 10_000))
+    state = opt.init(params)
+    params, state = opt.update(grads, state, params)
+
+The math is torch's, operation for operation (``torch/optim/sgd.py`` and the single-tensor
+and foreach paths of ``torch/optim/adam.py`` with ``decoupled_weight_decay``), so on CPU the
+results agree bitwise with ``torch.optim.SGD`` / ``torch.optim.AdamW``; see
+``tests/engine/test_optim.py``.
+
+Contracts the rest of the engine relies on:
+
+- Pure: inputs (grads, state, params) are never written to; every returned tensor is new.
+  The math runs under ``torch.no_grad()``, like ``optimizer.step()``.
+- Elementwise: each output element depends only on the same element of the inputs and on
+  scalars (lr, betas, the step count), never on a tensor's shape. So ``update`` run on 1-D
+  shards of flattened parameters returns exactly the shards of the full update (ZeRO).
+- State is a NamedTuple of tensors (optree flattens it with no registration). ``step`` is a
+  0-d ``torch.int64`` tensor on the CPU counting updates applied so far: an integer so it
+  counts exactly forever (torch's float32 step stops at 2**24) and compares and
+  serializes without rounding, and on the CPU so reading it (for the schedule and the bias
+  corrections) never waits for an accelerator. ``torch.save`` / ``torch.load`` round-trip
+  it; load a whole state object under ``torch.serialization.safe_globals(STATE_TYPES)``,
+  or save its flattened leaves, which need no allow-listing.
+- Parameter trees may mix devices and dtypes: the vectorized kernels run grouped by
+  (device, dtype), as in torch (see :mod:`shardwise.engine.optim.foreach`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple, TypeAlias
+
+import optree
+import torch
+from torch import Tensor
+
+from . import foreach as fe
+from .schedules import Constant, Schedule, as_step
+
+__all__ = [
+    "STATE_TYPES",
+    "AdamWState",
+    "OptState",
+    "Optimizer",
+    "Params",
+    "SgdState",
+    "adamw",
+    "global_norm",
+    "sgd",
+    "sum_of_squares",
+]
+
+Params: TypeAlias = Any
+"""Any optree pytree whose leaves are tensors, e.g. ``dict[str, dict[str, Tensor]]``."""
+OptState: TypeAlias = Any
+"""An optimizer's state: a pytree of tensors (for the built-in ones, a NamedTuple)."""
+
+
+class Optimizer(NamedTuple):
+    """A functional optimizer: a pair of pure functions.
+
+    ``init(params) -> state``; ``update(grads, state, params) -> (new_params, new_state)``,
+    where ``grads`` has the same tree structure as ``params``.
+    """
+
+    init: Callable[[Params], OptState]
+    update: Callable[[Params, OptState, Params], tuple[Params, OptState]]
+
+
+class SgdState(NamedTuple):
+    """State of :func:`sgd`: updates applied so far, and the momentum buffers (a tree like
+    the params; None when ``momentum == 0``, so plain SGD carries no per-parameter state)."""
+
+    step: Tensor
+    momentum: Params | None
+
+
+class AdamWState(NamedTuple):
+    """State of :func:`adamw`: updates applied so far and the first and second moment
+    estimates (trees like the params), as torch's ``exp_avg`` and ``exp_avg_sq``."""
+
+    step: Tensor
+    exp_avg: Params
+    exp_avg_sq: Params
+
+
+# What `torch.load(weights_only=True)` must be allowed to rebuild to load a whole state.
+STATE_TYPES: tuple[type, ...] = (SgdState, AdamWState)
+
+
+def sgd(
+    lr: float | Schedule,
+    momentum: float = 0.0,
+    dampening: float = 0.0,
+    weight_decay: float = 0.0,
+    nesterov: bool = False,
+    *,
+    inplace: bool = False,
+) -> Optimizer:
+    """Stochastic gradient descent, as ``torch.optim.SGD`` with the same arguments.
+
+    Per update with gradient ``g``: ``d = g + weight_decay * p``; with momentum, the buffer
+    ``b`` becomes ``d`` on the first update (no dampening) and ``momentum * b + (1 -
+    dampening) * d`` after; ``d`` becomes ``d + momentum * b`` (nesterov) or ``b``; finally
+    ``p - lr * d``. ``lr`` is a float or a schedule called with the update count.
+
+    ``inplace=True`` writes the new parameters and state into the ones given, as torch
+    does, and returns them (bitwise the same values): the update then allocates nothing
+    parameter-sized, but it consumes its inputs, so a TrainState passed to a step must
+    not be used after the call (the step's own inputs are donated, as with JAX's
+    ``donate_argnums``). ``step.init`` copies the parameters it is given, so those stay intact.
+    """
+    schedule = _as_schedule(lr)
+    _check_nonnegative("momentum", momentum, "0 turns momentum off")
+    _check_nonnegative("weight_decay", weight_decay, "0 turns weight decay off")
+    if not math.isfinite(dampening):
+        raise ValueError(f"dampening: must be finite, got {dampening}; torch's default is 0")
+    if nesterov and (momentum <= 0 or dampening != 0):
+        raise ValueError(
+            f"nesterov: Nesterov momentum needs momentum > 0 and dampening == 0 (torch's rule), "
+            f"got momentum={momentum}, dampening={dampening}; set those or pass nesterov=False"
+        )
+
+    return Optimizer(
+        _SgdInit(momentum), _SgdUpdate(schedule, momentum, dampening, weight_decay, nesterov, inplace)
+    )
+
+
+def adamw(
+    lr: float | Schedule,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 1e-2,
+    *,
+    inplace: bool = False,
+) -> Optimizer:
+    """Adam with decoupled weight decay, as ``torch.optim.AdamW`` (defaults included).
+
+    Per update ``t`` (counting from 1) with gradient ``g``: ``p *= 1 - lr * weight_decay``;
+    ``m = lerp(m, g, 1 - beta1)``; ``v = beta2 * v + (1 - beta2) * g * g``;
+    ``p -= lr / (1 - beta1**t) * m / (sqrt(v) / sqrt(1 - beta2**t) + eps)``.
+    ``lr`` is a float or a schedule called with ``t - 1`` (0 for the first update).
+    ``inplace=True`` updates the given parameters and state (see :func:`sgd`).
+    """
+    schedule = _as_schedule(lr)
+    if len(betas) != 2:
+        raise ValueError(
+            f"betas: expected a pair (beta1, beta2), got {betas!r}; torch's default is (0.9, 0.999)"
+        )
+    beta1, beta2 = float(betas[0]), float(betas[1])
+    for i, beta in enumerate((beta1, beta2)):
+        if not 0.0 <= beta < 1.0:
+            raise ValueError(
+                f"betas[{i}]: must be in [0, 1), got {beta}; it is a moving-average decay, "
+                "e.g. (0.9, 0.999)"
+            )
+    _check_nonnegative("eps", eps, "torch's default is 1e-8")
+    _check_nonnegative("weight_decay", weight_decay, "0 turns weight decay off")
+
+    return Optimizer(_AdamWInit(), _AdamWUpdate(schedule, beta1, beta2, eps, weight_decay, inplace))
+
+
+# The optimizers' functions are module-level frozen dataclasses, not closures, so that an
+# Optimizer pickles (the processes backend sends the step to every rank) and compares by value.
+
+
+@dataclass(frozen=True)
+class _SgdInit:
+    momentum: float
+
+    def __call__(self, params: Params) -> SgdState:
+        buffers = optree.tree_map(torch.zeros_like, params) if self.momentum != 0 else None
+        return SgdState(step=_zero_step(), momentum=buffers)
+
+
+@dataclass(frozen=True)
+class _SgdUpdate:
+    schedule: Schedule
+    momentum: float
+    dampening: float
+    weight_decay: float
+    nesterov: bool
+    inplace: bool
+
+    @torch.no_grad()
+    def __call__(self, grads: Params, state: SgdState, params: Params) -> tuple[Params, SgdState]:
+        _check_state(state, SgdState, "sgd")
+        p, spec = optree.tree_flatten(params)
+        g = _leaves_like(grads, spec, "grads")
+        t = as_step(state.step)
+        step_lr = _lr_at(self.schedule, t)
+
+        d_p = fe.add(g, p, alpha=self.weight_decay) if self.weight_decay != 0 else g
+        buffers = None
+        if self.momentum != 0:
+            if state.momentum is None:
+                raise ValueError(
+                    "state.momentum: is None but momentum != 0; build the state with this optimizer's init"
+                )
+            b = _leaves_like(state.momentum, spec, "state.momentum")
+            if t == 0:
+                # torch starts the buffer at the first d_p itself, without dampening; the
+                # zeros from init only fix the state's structure.
+                if self.inplace:
+                    for buffer, x in zip(b, d_p, strict=True):
+                        buffer.copy_(x)
+                else:
+                    b = [x.clone() for x in d_p]
+            else:
+                b = fe.add(fe.mul_scalar(b, self.momentum, inplace=self.inplace), d_p, alpha=1 - self.dampening, inplace=self.inplace)
+            d_p = fe.add(d_p, b, alpha=self.momentum) if self.nesterov else b
+            buffers = optree.tree_unflatten(spec, b)
+
+        new_p = fe.add(p, d_p, alpha=-step_lr, inplace=self.inplace)
+        return optree.tree_unflatten(spec, new_p), SgdState(_next_step(state.step), buffers)
+
+
+@dataclass(frozen=True)
+class _AdamWInit:
+    def __call__(self, params: Params) -> AdamWState:
+        return AdamWState(
+            step=_zero_step(),
+            exp_avg=optree.tree_map(torch.zeros_like, params),
+            exp_avg_sq=optree.tree_map(torch.zeros_like, params),
+        )
+
+
+@dataclass(frozen=True)
+class _AdamWUpdate:
+    schedule: Schedule
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    inplace: bool
+
+    @torch.no_grad()
+    def __call__(self, grads: Params, state: AdamWState, params: Params) -> tuple[Params, AdamWState]:
+        _check_state(state, AdamWState, "adamw")
+        p, spec = optree.tree_flatten(params)
+        g = _leaves_like(grads, spec, "grads")
+        m = _leaves_like(state.exp_avg, spec, "state.exp_avg")
+        v = _leaves_like(state.exp_avg_sq, spec, "state.exp_avg_sq")
+        t = as_step(state.step) + 1  # torch counts the update first: bias corrections use t >= 1
+        step_lr = _lr_at(self.schedule, t - 1)
+
+        # Bias corrections are Python floats (double precision) for every dtype, as in
+        # torch's non-capturable paths.
+        bias_correction1 = 1 - self.beta1**t
+        bias_correction2 = 1 - self.beta2**t
+        step_size = step_lr / bias_correction1
+        # One bounded group of tensors at a time (fe.bounded_groups): on CPU each group's
+        # tensors stay in cache through all the ops, as in torch's single-tensor path, and the
+        # one temporary (sqrt's) is reused. Every op is elementwise, so the grouping changes
+        # no value; the order of operations is torch's, so the rounding is too.
+        new_p: list[Tensor] = []
+        new_m: list[Tensor] = []
+        new_v: list[Tensor] = []
+        for group in fe.bounded_groups(p):
+            ps, gs, ms, vs = ([leaves[i] for i in group] for leaves in (p, g, m, v))
+            if self.weight_decay != 0:
+                ps = fe.mul_scalar(ps, 1 - step_lr * self.weight_decay, inplace=self.inplace)
+            ms = fe.lerp_scalar(ms, gs, 1 - self.beta1, inplace=self.inplace)
+            vs = fe.addcmul_scalar(fe.mul_scalar(vs, self.beta2, inplace=self.inplace), gs, gs, 1 - self.beta2, inplace=self.inplace)
+            # sqrt makes the one new list; the rest reuses it, as torch's foreach path does.
+            denom = fe.add_scalar(fe.div_scalar(fe.sqrt(vs), bias_correction2**0.5, inplace=True), self.eps, inplace=True)
+            new_p += fe.addcdiv_scalar(ps, ms, denom, -step_size, inplace=self.inplace)
+            new_m += ms
+            new_v += vs
+        m, v = new_m, new_v
+
+        new_state = AdamWState(
+            step=_next_step(state.step),
+            exp_avg=optree.tree_unflatten(spec, m),
+            exp_avg_sq=optree.tree_unflatten(spec, v),
+        )
+        return optree.tree_unflatten(spec, new_p), new_state
+
+
+@torch.no_grad()
+def global_norm(tree: Params) -> Tensor:
+    """The L2 norm of all of ``tree``'s elements together, computed as
+    ``torch.nn.utils.get_total_norm`` / ``clip_grad_norm_`` do: one norm per tensor (in
+    that tensor's dtype), then the norm of those norms, on the first leaf's device.
+    An empty tree has norm ``tensor(0.)``.
+
+    On sharded gradients this is the norm of the local shards only: combine ranks by
+    summing squared norms (``psum(global_norm(shards) ** 2) ** 0.5``).
+
+    The per-tensor norms are summed in the tree's insertion order, the order of
+    ``module.parameters()`` for functionalized params, as torch sums them: optree's
+    sorted dict keys would put ``bias`` before ``weight``, and a different order of
+    the sum can differ in the last bit.
+    """
+    leaves = list(_leaves_in_insertion_order(tree))
+    if not leaves:
+        return torch.tensor(0.0)
+    first_device = leaves[0].device
+    norms = fe.norm(leaves, 2.0)
+    return torch.linalg.vector_norm(torch.stack([n.to(first_device) for n in norms]), 2.0)
+
+
+def _leaves_in_insertion_order(tree: Any) -> Iterator[Tensor]:
+    """The tensors of nested mappings, lists and tuples, mappings in insertion order."""
+    if isinstance(tree, Tensor):
+        yield tree
+    elif isinstance(tree, Mapping):
+        for value in tree.values():
+            yield from _leaves_in_insertion_order(value)
+    elif isinstance(tree, (list, tuple)):
+        for value in tree:
+            yield from _leaves_in_insertion_order(value)
+    else:
+        yield from (t for t in optree.tree_leaves(tree) if isinstance(t, Tensor))
+
+
+@torch.no_grad()
+def sum_of_squares(tensors: Sequence[Tensor], dtype: torch.dtype, device: torch.device | None = None) -> Tensor:
+    """The sum of the squares of every element of ``tensors``, in ``dtype`` (0 for none, on ``device``).
+
+    One norm per tensor (the foreach kernel: no squared copy of any tensor), squared and
+    summed. Ranks holding parts of the gradients add their sums (one all-reduce); the
+    global norm is the square root of the total.
+    """
+    if not tensors:
+        return torch.zeros((), dtype=dtype, device=device)
+    return torch.stack([n.to(dtype) for n in fe.norm(tensors, 2.0)]).square().sum()
+
+
+def _as_schedule(lr: float | Schedule) -> Schedule:
+    if callable(lr):
+        return lr
+    try:
+        value = float(lr)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"lr: expected a float or a schedule (a callable step -> lr), got {type(lr).__name__} {lr!r}"
+        ) from None
+    if not value >= 0 or math.isinf(value):
+        raise ValueError(f"lr: must be finite and >= 0, got {value}; e.g. lr=1e-3")
+    return Constant(value)
+
+
+def _lr_at(schedule: Schedule, step: int) -> float:
+    value = float(schedule(step))
+    # `not value >= 0` also catches NaN.
+    if not value >= 0 or math.isinf(value):
+        raise ValueError(
+            f"lr: the schedule {schedule!r} returned {value} at step {step}; "
+            "a learning rate must be finite and >= 0"
+        )
+    return value
+
+
+def _check_nonnegative(name: str, value: float, hint: str) -> None:
+    if not value >= 0 or math.isinf(value):
+        raise ValueError(f"{name}: must be finite and >= 0, got {value}; {hint}")
+
+
+def _check_state(state: object, expected: type, optimizer: str) -> None:
+    if not isinstance(state, expected):
+        raise TypeError(
+            f"state: {optimizer}.update expects the {expected.__name__} its init returned, "
+            f"got {type(state).__name__}"
+        )
+
+
+def _leaves_like(tree: Params, spec: optree.PyTreeSpec, name: str) -> list[Tensor]:
+    """``tree``'s leaves, checking that it has the params' structure, so leaves pair up."""
+    leaves, tree_spec = optree.tree_flatten(tree)
+    if tree_spec != spec:
+        raise ValueError(
+            f"{name}: its tree structure {tree_spec} differs from the params' {spec}; "
+            "pass one tensor per parameter, in the same containers"
+        )
+    return leaves
+
+
+def _zero_step() -> Tensor:
+    # On the host, as torch.optim keeps its `step` (unless capturable): the learning-rate
+    # schedule and bias corrections read it as a Python number without a device sync.
+    return torch.zeros((), dtype=torch.int64, device="cpu")
+
+
+def _next_step(step: Tensor) -> Tensor:
+    # A new tensor (never an in-place `+=`): the caller's state stays as it was.
+    return step + 1

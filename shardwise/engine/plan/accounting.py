@@ -1,0 +1,104 @@
+"""What each layer keeps alive for its backward: measured, or predicted on meta tensors.
+
+Each layer's forward runs once, as the executor runs it (inputs cut at layer
+boundaries, gradients on), while every tensor kept for backward is shown to
+an observer: autograd's saved tensors through saved-tensor hooks, and what a
+layer wrapper keeps by its own means (remat's checkpoint) through
+:func:`current_observer`, which such wrappers consult. Each distinct storage
+counts once at its full size (a kept view keeps its whole storage). Left out
+is what lives regardless: the layer's parameters and buffers, and its output
+(the executor holds every output until that layer's backward; a layer's
+input is counted when backward keeps it, so summing over layers counts each
+boundary activation at most once).
+
+``predict_kept_for_backward`` runs the same on fake copies of the parameters,
+buffers and inputs (torch's FakeTensorMode, through engine/torch_api.py): shapes,
+dtypes and kernel choices flow, no arithmetic is done, and the figures equal
+the measured ones (a test checks it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import optree
+import torch
+
+from ..model.chain import Chain
+from ..torch_api import fake_tensors, storage_key
+
+Observer = Callable[[torch.Tensor], None]
+
+_observer: contextvars.ContextVar[Observer | None] = contextvars.ContextVar("shardwise_kept_observer", default=None)
+
+
+def current_observer() -> Observer | None:
+    """The observer of kept tensors, for layer wrappers that keep tensors outside autograd's hooks."""
+    return _observer.get()
+
+
+@contextlib.contextmanager
+def observing(observer: Observer) -> Iterator[None]:
+    """Show ``observer`` every tensor kept for backward by code run inside."""
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        observer(t)
+        return t
+
+    token = _observer.set(observer)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield
+    finally:
+        _observer.reset(token)
+
+
+def _cut(tree: Any, requires_grad: bool) -> Any:
+    """Detach every tensor; floating ones become leaves that require grad (a layer boundary)."""
+
+    def cut(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        t = t.detach()
+        return t.requires_grad_(True) if requires_grad and (t.is_floating_point() or t.is_complex()) else t
+
+    return optree.tree_map(cut, tree)
+
+
+def kept_for_backward(
+    chain: Chain, params: Mapping[str, Mapping[str, torch.Tensor]], inputs: Any
+) -> dict[str, int]:
+    """Bytes each layer keeps alive for its backward on ``inputs``, by layer name (see the module docstring)."""
+    result: dict[str, int] = {}
+    x = _cut(inputs, requires_grad=False)
+    for position, layer in enumerate(chain):
+        local = {k: v.detach().requires_grad_(True) for k, v in chain.layer_params(params, layer.name).items()}
+        if position > 0:
+            x = _cut(x, requires_grad=True)
+        kept: list[torch.Tensor] = []
+        with torch.enable_grad(), observing(kept.append):
+            y = layer(local, x)
+        outputs = [t for t in optree.tree_leaves(y) if isinstance(t, torch.Tensor)]
+        resident = {storage_key(t) for t in [*local.values(), *layer.buffers.values(), *outputs]}
+        sizes = {storage_key(t): t.untyped_storage().nbytes() for t in kept}
+        result[layer.name] = sum(n for key, n in sizes.items() if key not in resident)
+        del kept
+        x = _cut(y, requires_grad=False)
+    return result
+
+
+def predict_kept_for_backward(
+    chain: Chain, params: Mapping[str, Mapping[str, torch.Tensor]], inputs: Any
+) -> dict[str, int]:
+    """``kept_for_backward`` on fake copies (shapes, dtypes and kernel choices only): the same figures,
+    computed without touching data."""
+    with fake_tensors() as fake:
+        fake_chain = Chain(
+            [dataclasses.replace(layer, buffers={k: fake(v) for k, v in layer.buffers.items()}) for layer in chain]
+        )
+        fake_params = {layer: {k: fake(t) for k, t in tensors.items()} for layer, tensors in params.items()}
+        return kept_for_backward(fake_chain, fake_params, optree.tree_map(fake, inputs))

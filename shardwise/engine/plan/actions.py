@@ -1,0 +1,246 @@
+"""The Plan: one list of typed actions per rank, the unit of truth of a step.
+
+``step.plan(mesh, params, batch)`` lowers the step's whole transform stack into
+a Plan; the one executor (``engine/run/executor.py``) runs it; the simulator and
+the drawings read it. Every collective and transfer a step issues is an action
+here, with its mesh axis, its peer, and (when the plan was made with the
+parameters, and the batch for activations) the dtype and bytes of every tensor
+it puts on the wire: the contract test runs the step under ``comm_ledger()``
+and checks that each rank issued exactly :meth:`Plan.collectives` of it.
+
+Actions are small frozen values with a short text form (``F(blocks.0)``,
+``B(s1, mb=0)``, ``gather(head)``, ``send_activation(s0, mb=1, to=1)``,
+``update``), so a Plan prints readably and two plans compare with ``==``.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+
+from ...collectives.mesh import Mesh
+
+# -- compute --------------------------------------------------------------------------------
+FORWARD = "forward"  # a stage's layers on one micro-batch
+LOSS = "loss"  # the loss of one micro-batch, on the rank that holds the last stage
+BACKWARD = "backward"  # a stage's backward: input and weight gradients
+BACKWARD_INPUT = "backward_input"  # zero-bubble I: the input gradient only (the graph is kept)
+BACKWARD_WEIGHT = "backward_weight"  # zero-bubble W: the weight gradients, later
+FINISH_GRADS = "finish_grads"  # the gradients the optimizer gets, and this rank's share of the metrics
+UPDATE = "update"  # the optimizer on this rank's (shards of the) parameters
+COMPUTES = (FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT)
+GRAD_COMPUTES = (BACKWARD, BACKWARD_WEIGHT)  # the actions that add to weight gradients
+
+# -- ZeRO: a unit (a layer's owned parameters as one flat buffer) over a data-parallel axis ----
+GATHER = "gather"  # issue the all-gather of a unit's shards
+WAIT_GATHER = "wait_gather"  # wait for it: the unit's parameters are usable
+FREE = "free"  # release a gathered unit's memory
+REDUCE_SCATTER = "reduce_scatter"  # issue the reduce-scatter of a unit's gradient
+WAIT_REDUCE = "wait_reduce"  # wait for it: this rank holds its gradient shard
+GATHER_PARAMS = "gather_params"  # stages 1-2: all-gather an updated shard into full parameters
+WAIT_PARAMS = "wait_params"
+
+# -- pipeline: point-to-point transfers between stages along the pipeline axis --------------
+SEND_ACTIVATION = "send_activation"
+RECV_ACTIVATION = "recv_activation"
+SEND_GRAD = "send_grad"
+RECV_GRAD = "recv_grad"
+SEND_TIED = "send_tied"  # a weight tied across pipeline ranks: this rank's gradient to a peer
+RECV_TIED = "recv_tied"
+SUM_TIED = "sum_tied"  # add the copies' gradients in axis order (every copy then updates alike)
+WAIT_SENDS = "wait_sends"  # every send of the step delivered
+
+# -- metrics (engine/run/metrics.py) -------------------------------------------------------------
+REDUCE_METRICS = "reduce_metrics"  # an all-reduce of what the step exchanges (async on the first axis)
+WAIT_METRICS = "wait_metrics"  # the summed values are known
+
+# -- tensor parallel: collectives a layer issues inside its compute (the action just before) ----
+TP_PSUM = "tp_psum"  # an all-reduce (Megatron's g in forward, f in backward)
+TP_ALL_GATHER = "tp_all_gather"  # sequence parallel's gather, or a column-parallel output made whole
+TP_PSUM_SCATTER = "tp_psum_scatter"  # sequence parallel's reduce-scatter
+INSIDE_COMPUTE = (TP_PSUM, TP_ALL_GATHER, TP_PSUM_SCATTER)  # issued by their compute: the executor skips them
+CHECK_REPLICAS = "check_replicas"  # all-gather a checksum of the replicated gradients (and the batch's) over the axis
+WAIT_CHECK = "wait_check"  # they must be equal on every index: else the step refuses before its update
+
+#: The collective (as the ledger names it) that each communicating action issues.
+LEDGER_OP = {
+    GATHER: "all_gather",
+    REDUCE_SCATTER: "psum_scatter",
+    GATHER_PARAMS: "all_gather",
+    SEND_ACTIVATION: "send",
+    SEND_GRAD: "send",
+    SEND_TIED: "send",
+    RECV_ACTIVATION: "recv",
+    RECV_GRAD: "recv",
+    RECV_TIED: "recv",
+    REDUCE_METRICS: "psum",
+    CHECK_REPLICAS: "all_gather",
+    TP_PSUM: "psum",
+    TP_ALL_GATHER: "all_gather",
+    TP_PSUM_SCATTER: "psum_scatter",
+}
+
+SHORT = {FORWARD: "F", BACKWARD: "B", BACKWARD_INPUT: "I", BACKWARD_WEIGHT: "W"}  # a compute's letter
+
+
+class Boundary(NamedTuple):
+    """What one pipeline stage passes to the next: each tensor's (shape, dtype), and the pytree
+    structure they form (a dict, a named tuple, a ModelOutput), which the receiver rebuilds."""
+
+    leaves: tuple[tuple[torch.Size, torch.dtype], ...]
+    spec: Any  # optree.PyTreeSpec
+
+
+@dataclass(frozen=True)
+class Wire:
+    """One tensor a communicating action puts on the wire (or receives): its dtype and bytes."""
+
+    dtype: str  # as the ledger writes it, e.g. "float32"
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Action:
+    """One thing a rank does.
+
+    ``layer`` names the layer, unit or (for a multi-layer pipeline stage) the stage's
+    first layer; ``stage`` is the stage index of compute and transfer actions. A
+    collective or transfer has its mesh ``axis``; a transfer its ``peer`` (the other
+    end's index along that axis). ``wire`` lists what it moves, one entry per tensor,
+    when the plan was made with enough to know (empty otherwise).
+    """
+
+    kind: str
+    layer: str | None = None
+    microbatch: int | None = None
+    stage: int | None = None
+    axis: str | None = None
+    peer: int | None = None
+    wire: tuple[Wire, ...] = ()
+    tied: int | None = None  # the index of a weight tied across pipeline ranks (Placement.tied)
+    label: str | None = None  # the text form of the action's subject, when not ``layer``
+
+    @property
+    def mb(self) -> int:
+        """The micro-batch; 0 for a step that cuts no micro-batches (the one batch)."""
+        return 0 if self.microbatch is None else self.microbatch
+
+    def require(self, name: str) -> Any:
+        """Field ``name``, which this kind of action must have: a clear error when it is missing."""
+        value = getattr(self, name)
+        if value is None:
+            raise ValueError(f"action {self} has no {name}, which a {self.kind!r} action needs")
+        return value
+
+    @property
+    def op(self) -> str | None:
+        """The ledger's name of the collective this action issues, if it issues one."""
+        return LEDGER_OP.get(self.kind)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the action puts on the wire (or receives), summed over its tensors."""
+        return sum(w.nbytes for w in self.wire)
+
+    def __str__(self) -> str:
+        head = SHORT.get(self.kind, self.kind)
+        subject = self.label if self.label is not None else self.layer
+        inner = [] if subject is None else [subject]
+        if self.microbatch is not None:
+            inner.append(f"mb={self.microbatch}")
+        if self.peer is not None:
+            inner.append(("to" if self.kind.startswith("send") else "from") + f"={self.peer}")
+        if self.kind in (REDUCE_METRICS, *INSIDE_COMPUTE) and self.axis is not None:
+            inner.append(f"axis={self.axis}")
+        return f"{head}({', '.join(inner)})" if inner else head
+
+
+@dataclass(frozen=True)
+class Collective:
+    """What the ledger records for one tensor of one communicating action (see ``CommRecord``)."""
+
+    op: str
+    axis: str
+    dtype: str
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Per-rank action lists for one training step on ``mesh``, plus accounting figures.
+
+    ``memory`` holds per-rank byte counts when the plan was made with the
+    parameters (``step.plan(mesh, params)``): keys such as ``params``,
+    ``grads``, ``opt_state``, each a tuple with one entry per rank. ``layers``
+    says how the rewriting transforms run each layer (its compute dtype, its
+    remat policy), in the stack's words.
+    """
+
+    mesh: Mesh
+    actions: tuple[tuple[Action, ...], ...]
+    memory: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    layers: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if len(self.actions) != self.mesh.size:
+            raise ValueError(
+                f"Plan has {len(self.actions)} action lists but {self.mesh!r} has {self.mesh.size} ranks"
+            )
+
+    def for_rank(self, rank: int) -> tuple[Action, ...]:
+        return self.actions[rank]
+
+    def count(self, kind: str, rank: int | None = None) -> int:
+        """How many actions of ``kind`` one rank (or all ranks together) performs."""
+        ranks: Sequence[int] = range(self.mesh.size) if rank is None else [rank]
+        return sum(1 for r in ranks for a in self.actions[r] if a.kind == kind)
+
+    def collectives(self, rank: int) -> Iterator[Collective]:
+        """Every collective ``rank`` issues, in order, one per tensor, as the ledger records them.
+
+        Needs a plan made with the parameters (and, for a pipeline's transfers, a batch):
+        an action whose payload is unknown raises rather than being skipped.
+        """
+        for action in self.actions[rank]:
+            op = action.op
+            if op is None:
+                continue
+            if not action.wire:
+                raise ValueError(
+                    f"{action} on rank {rank}: its payload is unknown; make the plan with the "
+                    "parameters and a batch (step.plan(mesh, params, batch))"
+                )
+            assert action.axis is not None
+            for w in action.wire:
+                yield Collective(op, action.axis, w.dtype, w.nbytes)
+
+    def comm_bytes(self) -> dict[tuple[str, str], tuple[int, ...]]:
+        """Bytes each rank hands to each (axis, collective) in one step: the inputs of its
+        collectives and the tensors it sends or receives (not the ring algorithm's traffic,
+        which ``Ledger.sent_bytes`` counts). Unknown payloads count zero."""
+        out: dict[tuple[str, str], list[int]] = {}
+        for rank, actions in enumerate(self.actions):
+            for a in actions:
+                if a.op is not None and a.axis is not None:
+                    out.setdefault((a.axis, a.op), [0] * self.mesh.size)[rank] += a.nbytes
+        return {k: tuple(v) for k, v in sorted(out.items())}
+
+    def __str__(self) -> str:
+        lines = [f"Plan on {self.mesh!r}: {self.mesh.size} rank(s)"]
+        for rank, actions in enumerate(self.actions):
+            coords = ", ".join(f"{k}={v}" for k, v in self.mesh.coords_of(rank).items())
+            body = " ".join(str(a) for a in actions)
+            lines.append(f"rank {rank} ({coords}): {len(actions)} actions")
+            lines.extend(textwrap.wrap(body, width=96, initial_indent="  ", subsequent_indent="  "))
+        for layer, notes in self.layers.items():
+            lines.append(f"layer {layer}: {'; '.join(notes)}")
+        for key, per_rank in self.memory.items():
+            lines.append(f"{key} bytes per rank: {list(per_rank)}")
+        for (axis, op), per_rank in self.comm_bytes().items():
+            if any(per_rank):
+                lines.append(f"{op} over {axis!r} bytes per rank: {list(per_rank)}")
+        return "\n".join(lines)

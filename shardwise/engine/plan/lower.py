@@ -1,0 +1,337 @@
+"""Lowering: from a Step's whole transform stack to each rank's actions.
+
+The passes run in a fixed order of roles (``engine/stack/compose.py``), whatever the
+order the transforms were applied in:
+
+1. placement: the pipeline spec says which layers each pipeline index holds
+   and lists its computes and transfers (or, without one, every layer is a
+   stage and each micro-batch runs forward, loss and backward in turn);
+2. sharding: the shard_params spec inserts the gathers, frees and
+   reduce-scatters of the rank's units around those computes;
+3. the step's end, here: the tied weights' exchange, the remaining
+   reductions, the gradients for the optimizer, the metrics' all-reduces, the
+   update and (ZeRO-1/2) the all-gather of the updated shards.
+
+:func:`annotate` then fills in what every communicating action moves (dtype and
+bytes per tensor) from the parameters, the precision policy and the tensors
+each stage boundary carries.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
+
+import optree
+import torch
+
+from ...collectives.mesh import Mesh
+from ..layout.precision import compute_dtype
+from ..layout.sharding import FlatSharding
+from ..layout.state_layout import Placement
+from ..model.chain import Chain
+from ..stack.compose import PLACEMENT, SHARDING, SPLIT, find, reshard_after_forward
+from ..torch_api import fake_tensors
+from .actions import (
+    BACKWARD,
+    BACKWARD_INPUT,
+    BACKWARD_WEIGHT,
+    CHECK_REPLICAS,
+    FINISH_GRADS,
+    FORWARD,
+    FREE,
+    GATHER,
+    GATHER_PARAMS,
+    LOSS,
+    RECV_ACTIVATION,
+    RECV_GRAD,
+    RECV_TIED,
+    REDUCE_METRICS,
+    REDUCE_SCATTER,
+    SEND_ACTIVATION,
+    SEND_GRAD,
+    SEND_TIED,
+    SUM_TIED,
+    TP_ALL_GATHER,
+    TP_PSUM,
+    TP_PSUM_SCATTER,
+    UPDATE,
+    WAIT_CHECK,
+    WAIT_METRICS,
+    WAIT_PARAMS,
+    WAIT_REDUCE,
+    WAIT_SENDS,
+    Action,
+    Boundary,
+    Wire,
+)
+
+
+class Step(Protocol):
+    """What the lowering reads of a step (engine/step/step.py's Step, which imports this module)."""
+
+    @property
+    def transforms(self) -> tuple[Any, ...]: ...
+
+    @property
+    def chain(self) -> Chain: ...
+
+    @property
+    def precision(self) -> Any: ...
+
+    @property
+    def update_needs_sums(self) -> bool: ...
+
+    def metric_exchange(self) -> Any: ...
+
+
+
+def placement_of(step: Step, mesh: Mesh | None, params: Mapping[str, Any] | None) -> tuple[Placement, Any]:
+    """(Placement, schedule or None) of the step on ``mesh``."""
+    pipe = find(step.transforms, PLACEMENT)
+    if pipe is None:
+        return Placement.single(step.chain), None
+    if mesh is None:
+        raise ValueError(f"pipeline(axis={pipe.axis!r}) needs the mesh: call step.init(params, mesh)")
+    return pipe.place(step.chain, mesh, params)
+
+
+def microbatch_count(step: Step) -> int:
+    """How many micro-batches each rank's batch is cut into."""
+    pipe, zero = find(step.transforms, PLACEMENT), find(step.transforms, SHARDING)
+    if pipe is not None:
+        return int(pipe.microbatches)
+    return 1 if zero is None else int(zero.accumulation)
+
+
+def plain_computes(placement: Placement, microbatches: int, numbered: bool) -> list[Action]:
+    """Each micro-batch in turn: every layer's forward, the loss, every layer's backward."""
+    out: list[Action] = []
+    for m in range(microbatches):
+        mb = m if numbered else None
+        out += [Action(FORWARD, layers[0], mb, s) for s, layers in enumerate(placement.stages)]
+        out.append(Action(LOSS, None, mb))
+        out += [Action(BACKWARD, placement.stages[s][0], mb, s) for s in reversed(range(len(placement.stages)))]
+    return out
+
+
+def stage_needs(chain: Chain, placement: Placement, units: Sequence[str]) -> dict[int, tuple[str, ...]]:
+    """For every stage: the units that must be gathered for its layers to run (their own, and the
+    units holding the weights they tie to)."""
+    unit_set = set(units)
+    needs: dict[int, tuple[str, ...]] = {}
+    for s, layers in enumerate(placement.stages):
+        wanted: list[str] = []
+        for name in layers:
+            for owner in (name, *(o for o, _ in chain[name].ties.values())):
+                if owner in unit_set and owner not in wanted:
+                    wanted.append(owner)
+        needs[s] = tuple(wanted)
+    return needs
+
+
+def metric_axes(step: Step) -> tuple[str, ...]:
+    """The axes the metrics' share is summed over: the pipeline's, the data-parallel one, then the
+    tensor-parallel one (whose first index alone counts the loss and the replicated gradients)."""
+    pipe, zero, tp = find(step.transforms, PLACEMENT), find(step.transforms, SHARDING), find(step.transforms, SPLIT)
+    return tuple(spec.axis for spec in (pipe, zero, tp) if spec is not None)
+
+
+def rank_actions(
+    step: Step, placement: Placement, schedule: Any, index: int, units: Sequence[str] | None
+) -> tuple[Action, ...]:
+    """The actions of pipeline index ``index`` (every rank along the other axes runs the same list);
+    ``units`` are the rank's ZeRO units (the layers it holds parameters of), under shard_params."""
+    pipe, zero = find(step.transforms, PLACEMENT), find(step.transforms, SHARDING)
+    if pipe is not None:
+        actions = list(pipe.rank_computes(placement, schedule, index))
+    else:
+        actions = plain_computes(placement, microbatch_count(step), numbered=zero is not None)
+    deferred: list[str] = []
+    units = list(units or ())
+    if zero is not None:
+        tied_units = {owner for owner, _, users in placement.tied if index in users}
+        deferred = units if zero.stage == 1 else [u for u in units if u in tied_units]
+        actions = zero.insert(
+            actions,
+            stage_needs(step.chain, placement, units),
+            reshard=reshard_after_forward(zero, pipelined=pipe is not None),
+            pipelined=pipe is not None,
+            deferred=set(deferred),
+        )
+        actions = _sends_first(actions)
+    if pipe is not None:
+        actions.append(Action(WAIT_SENDS))
+        for i, (owner, _name, users) in enumerate(placement.tied):
+            if index in users:
+                peers = [u for u in users if u != index]
+                actions += [Action(SEND_TIED, owner, axis=pipe.axis, peer=p, tied=i) for p in peers]
+                actions += [Action(RECV_TIED, owner, axis=pipe.axis, peer=p, tied=i) for p in peers]
+                actions.append(Action(SUM_TIED, owner, tied=i))
+    if zero is not None:
+        actions += [Action(REDUCE_SCATTER, u, axis=zero.axis) for u in deferred]
+        # Wait in the order the reduce-scatters were issued: the first one is likeliest done.
+        actions += [Action(WAIT_REDUCE, a.layer, axis=zero.axis) for a in actions if a.kind == REDUCE_SCATTER]
+    actions.append(Action(FINISH_GRADS))
+    tp = find(step.transforms, SPLIT)
+    if tp is not None:
+        actions.append(Action(CHECK_REPLICAS, axis=tp.axis))
+    axes = metric_axes(step)
+    if not step.metric_exchange().empty and axes:
+        actions.append(Action(REDUCE_METRICS, axis=axes[0]))
+        rest = [Action(WAIT_METRICS), *(Action(REDUCE_METRICS, axis=a) for a in axes[1:])]
+        # The update waits for the sums only when it uses them (clipping, the skip on a non-finite
+        # gradient); otherwise the all-reduce completes while this rank updates.
+        actions += [*rest, Action(UPDATE)] if step.update_needs_sums else [Action(UPDATE), *rest]
+    else:
+        actions.append(Action(UPDATE))
+    if tp is not None:  # the replicated gradients agree before anything is updated
+        at = next(i for i, a in enumerate(actions) if a.kind == UPDATE)
+        actions.insert(at, Action(WAIT_CHECK, axis=tp.axis))
+    if zero is not None and zero.stage != 3:
+        actions += [Action(GATHER_PARAMS, u, axis=zero.axis) for u in units]
+        actions += [Action(WAIT_PARAMS, u, axis=zero.axis) for u in units]
+    return tuple(actions)
+
+
+# (compute kind, stage) -> every collective it issues inside its layers: (op, label, wire)
+Inside = Mapping[tuple[str, int], Sequence[tuple[str, str, Wire]]]
+_INSIDE_KIND = {"psum": TP_PSUM, "all_gather": TP_ALL_GATHER, "psum_scatter": TP_PSUM_SCATTER}
+
+
+def insert_inside(actions: Sequence[Action], inside: Inside, axis: str) -> tuple[Action, ...]:
+    """``actions`` with, after each compute, the collectives its layers issue while it runs (over
+    ``axis``, labelled by the module that issues them): the executor skips these, the ledger has them."""
+    loss_stage = next((s for kind, s in inside if kind == LOSS), 0)  # the last stage's
+    out: list[Action] = []
+    for a in actions:
+        out.append(a)
+        if a.kind in (FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT):
+            stage = a.require("stage")
+        elif a.kind == LOSS:
+            stage = loss_stage
+        else:
+            continue
+        for op, label, wire in inside.get((a.kind, stage), ()):
+            out.append(Action(_INSIDE_KIND[op], a.layer, a.microbatch, stage, axis, wire=(wire,), label=label))
+    return tuple(out)
+
+
+def _sends_first(actions: Sequence[Action]) -> list[Action]:
+    """A compute's sends go straight after it, before the frees and reduce-scatters ZeRO put there:
+    a peer waits for the transfer, nobody waits for the free."""
+    out: list[Action] = []
+    for action in actions:
+        if action.kind in (SEND_ACTIVATION, SEND_GRAD):
+            j = len(out)
+            while j > 0 and out[j - 1].kind in (FREE, REDUCE_SCATTER):
+                j -= 1
+            out.insert(j, action)
+        else:
+            out.append(action)
+    return out
+
+
+# -- what each communicating action moves ------------------------------------------------------
+
+
+def wire_of(shape: Sequence[int] | int, dtype: torch.dtype) -> Wire:
+    numel = shape if isinstance(shape, int) else int(torch.Size(shape).numel())
+    return Wire(str(dtype).removeprefix("torch."), numel * torch.empty((), dtype=dtype).element_size())
+
+
+def annotate(
+    actions: Sequence[Action],
+    step: Step,
+    placement: Placement,
+    sharding: FlatSharding | None,
+    master: Mapping[str, Any],
+    boundaries: Sequence[Boundary] | None,
+    metric_dtype: torch.dtype,
+) -> tuple[Action, ...]:
+    """``actions`` with the dtype and bytes of every tensor each communicating action moves.
+
+    ``master`` is the rank's tree the optimizer updates (parameters, or ZeRO shards) as real or
+    meta tensors; ``boundaries`` the tensors every stage boundary carries (None: unknown, so
+    transfers stay unannotated); ``metric_dtype`` the model-wide dtype of the metrics' exchange.
+    """
+    prec = step.precision
+
+    def compute(layer: str, dtype: torch.dtype) -> torch.dtype:
+        return compute_dtype(prec, layer, dtype)
+
+    exchange = step.metric_exchange()
+    metric_len = exchange.length
+    out: list[Action] = []
+    for a in actions:
+        wire: tuple[Wire, ...] = ()
+        if a.kind in (GATHER, REDUCE_SCATTER, GATHER_PARAMS) and sharding is not None and a.layer is not None:
+            unit = sharding.units[a.layer]
+            if a.kind == GATHER:
+                wire = (wire_of(unit.shard_numel, compute(a.layer, unit.dtype)),)
+            elif a.kind == REDUCE_SCATTER:
+                dtype = prec.for_layer(a.layer).reduce if prec is not None else unit.dtype
+                wire = (wire_of(unit.padded_numel, dtype),)
+            else:
+                wire = (wire_of(unit.shard_numel, unit.dtype),)
+        elif a.kind == REDUCE_METRICS:
+            wire = (wire_of(metric_len, metric_dtype),)
+        elif a.kind == CHECK_REPLICAS:
+            # (sum, sum of magnitudes) of the replicated gradients, and the batch's fingerprint
+            wire = (wire_of(3, torch.float64),)
+        elif a.kind in (SEND_TIED, RECV_TIED) and a.tied is not None:
+            owner, name, _ = placement.tied[a.tied]
+            shape, dtype = _param_shape(sharding, master, owner, name)
+            wire = (wire_of(shape, compute(owner, dtype)),)
+        elif a.kind in (SEND_ACTIVATION, RECV_ACTIVATION, SEND_GRAD, RECV_GRAD) and boundaries is not None:
+            assert a.stage is not None
+            # Boundary b is what stage b passes to stage b + 1; a gradient travels back over it.
+            b = a.stage if a.kind in (SEND_ACTIVATION, RECV_GRAD) else a.stage - 1
+            grads = a.kind in (SEND_GRAD, RECV_GRAD)
+            boundary = boundaries[b]
+            wire = tuple(wire_of(shape, dtype) for shape, dtype in boundary.leaves if not grads or dtype.is_floating_point)
+        out.append(dataclasses.replace(a, wire=wire) if wire else a)
+    return tuple(out)
+
+
+def _param_shape(
+    sharding: FlatSharding | None, master: Mapping[str, Any], owner: str, name: str
+) -> tuple[tuple[int, ...], torch.dtype]:
+    if sharding is not None and owner in sharding.units:
+        unit = sharding.units[owner]
+        return tuple(unit.shapes[unit.names.index(name)]), unit.dtype
+    t = master[owner][name]
+    return tuple(t.shape), t.dtype
+
+
+def predict_boundaries(
+    chain: Chain,
+    placement: Placement,
+    shapes: Mapping[str, Mapping[str, tuple[torch.Size, torch.dtype]]],
+    compute_dtype: Callable[[str, torch.dtype], torch.dtype],
+    inputs: Any,
+) -> tuple[Boundary, ...] | None:
+    """The (shape, dtype) of every tensor each stage boundary carries, and their pytree structure,
+    for micro-batch ``inputs``.
+
+    Predicted by running the chain on fake tensors (no data, no arithmetic), so every rank
+    knows what it will receive and transfers go without counts or headers. Every rank predicts
+    the same; if the chain cannot run on fake tensors, all fall back to announced transfers.
+    """
+    try:
+        with fake_tensors() as fake:
+            params = {
+                layer: {k: torch.empty(shape, dtype=compute_dtype(layer, dtype)) for k, (shape, dtype) in t.items()}
+                for layer, t in shapes.items()
+            }
+            x = optree.tree_map(fake, inputs)
+            found = []
+            for layers in placement.stages[:-1]:
+                for name in layers:
+                    x = chain[name](chain.layer_params(params, name), x)
+                leaves, spec = optree.tree_flatten(x)
+                found.append(Boundary(tuple((t.shape, t.dtype) for t in leaves), spec))
+            return tuple(found)
+    except Exception:  # data-dependent code cannot run on fake tensors: announce instead
+        return None

@@ -1,0 +1,595 @@
+"""The one executor: runs one rank's actions of any Plan, on any backend.
+
+It dispatches on action kinds (``engine/plan/actions.py``); every transform that
+communicates has put its collectives into the Plan as actions, so this is the
+only place a step's computation and communication happen.
+
+Compute. Each (stage, micro-batch) forward keeps its own autograd graph, cut at
+the stage input, so its backward runs whenever the plan says: as one ``B``, or
+as ``I`` (the input gradient, handed upstream at once; the graph is kept) and
+later ``W`` (the weight gradients). Without a pipeline every layer is its own
+stage, which is where ZeRO gathers and frees parameters. Every micro-batch's
+forward uses the same leaf per parameter for the whole step, and weight
+gradients go into that leaf's ``.grad`` (``autograd.backward(inputs=)``), so
+micro-batches accumulate in place as torch's modules accumulate ``.grad``. Each
+micro-batch's loss is seeded with ``loss_scale / (replicas x micro-batches)``, so
+the step equals the single-device step on the whole batch (a token-weighted
+step seeds its summed losses with the loss scale alone and divides by the global
+token count in the update). Kernels and the order of
+accumulation are those of one ``loss.backward()``: results are bitwise equal.
+
+Parameters come from a :class:`ParamSource`: the compute copies, or ZeRO-3
+shards gathered unit by unit into flat buffers that ``free`` really releases
+(and a later gather refills in place: earlier graphs hold views of them, as in
+FSDP). Transfers between pipeline ranks go through ``send``/``recv`` with the
+peers the Plan names; every receive of the step is posted at the first one.
+ZeRO's actions live in ``executor_zero.py`` and the pipeline's transfers in
+``executor_transfers.py``, mixins of the one :class:`Executor`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import optree
+import torch
+
+from ...collectives import Handle, all_gather_async, psum, psum_async
+from ...collectives.mesh import Mesh
+from ...collectives.mesh_context import use_mesh
+from ..layout.devices import device_of
+from ..layout.precision import all_finite
+from ..layout.sharding import FlatSharding
+from ..layout.state_layout import Placement
+from ..model.chain import Chain
+from ..optim.optimizers import global_norm
+from ..plan.actions import (
+    BACKWARD,
+    BACKWARD_INPUT,
+    BACKWARD_WEIGHT,
+    CHECK_REPLICAS,
+    COMPUTES,
+    FINISH_GRADS,
+    FORWARD,
+    FREE,
+    GATHER,
+    GATHER_PARAMS,
+    LOSS,
+    RECV_ACTIVATION,
+    RECV_GRAD,
+    RECV_TIED,
+    REDUCE_METRICS,
+    REDUCE_SCATTER,
+    SEND_ACTIVATION,
+    SEND_GRAD,
+    SEND_TIED,
+    SHORT,
+    SUM_TIED,
+    UPDATE,
+    WAIT_CHECK,
+    WAIT_GATHER,
+    WAIT_METRICS,
+    WAIT_PARAMS,
+    WAIT_REDUCE,
+    WAIT_SENDS,
+    Action,
+    Boundary,
+)
+from ..torch_api import version_of
+from . import inside_times
+from .metrics import MetricExchange, Summed, different_batches
+from .rng import mix, preserved, ranks_share_generators, seeded
+from .transfers import TransferActions
+from .zero import ZeroActions
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+# The actions that may draw random numbers, and the code each mixes into its seed.
+_RANDOM = {FORWARD: 1, BACKWARD: 2, BACKWARD_INPUT: 2, BACKWARD_WEIGHT: 2, LOSS: 3}
+
+
+def float_leaves(tree: Any) -> list[torch.Tensor]:
+    """The floating-point tensors of ``tree`` in pytree order: the values gradients flow through."""
+    return [t for t in optree.tree_leaves(tree) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+
+
+@dataclass
+class ParamSource:
+    """Where a rank's layers read their parameters: ``compute`` (full compute copies), or under
+    ZeRO-3 the flat units of ``sharding`` gathered from ``gather_from`` (this rank's shards,
+    cast to the compute dtype before they travel)."""
+
+    compute: Mapping[str, Mapping[str, torch.Tensor]] | None = None
+    sharding: FlatSharding | None = None
+    gather_from: Mapping[str, torch.Tensor] | None = None
+
+
+@dataclass
+class _Saved:
+    inputs: list[torch.Tensor]  # leaves that require grad (empty for stage 0)
+    params: dict[tuple[str, str], torch.Tensor]  # (owner layer, local name) -> the step's leaf
+    outputs: list[torch.Tensor]  # float leaves of the stage output (or [loss] on the last stage)
+    output_grads: list[torch.Tensor | None] | None = None  # kept between I and W
+
+
+@dataclass
+class Executor(ZeroActions, TransferActions):
+    """One rank's step. After :meth:`run`: ``final_grads`` (what the optimizer got), ``summed``
+    (the exchanged metric values), ``losses``, ``events`` (when recording), the peak bytes of
+    gathered units."""
+
+    chain: Chain
+    loss_fn: LossFn
+    mesh: Mesh | None
+    placement: Placement
+    source: ParamSource
+    microbatches: Sequence[tuple[Any, Any]]
+    seed: float  # each micro-batch's loss gradient: loss scale / (data-parallel replicas x micro-batches)
+    finalize: Callable[[dict[str, dict[str, torch.Tensor]]], Any]  # local grads -> unscaled master grads
+    update: Callable[[Any, Summed], Any]  # (final grads, summed) -> the new master tree (the optimizer)
+    master: Any  # the tree the optimizer updates (parameters, or ZeRO shards)
+    held: Any = None  # what the TrainState holds at rest (full parameters under ZeRO-1/2)
+    grad_scale: float = 1.0  # the precision loss scale, divided out of reduced gradient shards
+    reduce_dtypes: Mapping[str, torch.dtype] | None = None  # per unit: the dtype its gradient travels in
+    metric_dtype: torch.dtype = torch.float32  # the same on every rank (metrics.metric_dtype)
+    exchange: MetricExchange = field(default_factory=lambda: MetricExchange(False, False, False))
+    metric_axes: tuple[str, ...] = ()
+    replica_layers: frozenset[str] = frozenset()  # layers of which this rank holds only tied copies
+    boundaries: Sequence[Boundary] | None = None  # predicted stage outputs: transfers go bare
+    poison: bool = False
+    record: bool = False
+    # None: loss_fn returns the mean over the batch's rows. "sum": it returns (sum, count) over
+    # tokens. A callable (inputs, targets) -> count: it returns the mean over that many tokens.
+    tokens: Any = None
+    rng_seed: int | None = None  # this step's seed (engine/run/rng.py); None: the global generators as they are
+    # Under tensor parallel, on all but the first index of its axis: the gradients the metrics count
+    # (keys, or per ZeRO unit the ranges of its shard), and no loss or token count. None: everything.
+    counted: Any = None
+    batch_fingerprint: torch.Tensor | None = None  # of the global batch, when the exchange checks it
+    rng_rank: int | None = None  # the rank whose random streams this one draws (None: its own)
+    # Under tensor parallel: the gradients of replicated parameters (keys, or per ZeRO unit the ranges
+    # of its shard), which must come out equal on every index of the axis (check_replicas).
+    replicated: Any = None
+    # -- results ----------------------------------------------------------------------------
+    final_grads: Any = None
+    summed: Summed = field(default_factory=Summed)
+    new_master: Any = None
+    new_held: Any = None
+    losses: list[torch.Tensor] = field(default_factory=list)
+    counts: list[torch.Tensor] = field(default_factory=list)  # token-weighted: tokens per micro-batch
+    events: list[tuple[int, str, float, float]] = field(default_factory=list)
+    # When recording: every action of this rank's Plan, (position in the Plan's list, start, end), on
+    # time.perf_counter's clock (a compute's in-layer collectives too): the measured counterpart
+    # of a simulated Plan.
+    action_times: list[tuple[int, float, float]] = field(default_factory=list)
+    peak_gathered_bytes: int = 0
+    # -- per-step working state -------------------------------------------------------------
+    device: torch.device = field(init=False)
+    _view: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  # gathered units' parameters
+    _buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    _in_flight_bytes: int = 0
+    _pending: dict[tuple[str, str], Handle] = field(default_factory=dict)
+    _pending_order: list[str] = field(default_factory=list)
+    _grad_shards: dict[str, torch.Tensor] = field(default_factory=dict)
+    _leaves: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)
+    _bound: dict[int, tuple[list[Callable[[Any], Any]], dict[tuple[str, str], torch.Tensor]]] = field(
+        default_factory=dict
+    )
+    _saved: dict[tuple[int, int], _Saved] = field(default_factory=dict)
+    _outputs: dict[tuple[int, int], Any] = field(default_factory=dict)
+    _input_grads: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
+    _inbox: dict[tuple[str, int, int], Any] = field(default_factory=dict)
+    _sends: list[Handle] = field(default_factory=list)
+    _posted: dict[tuple[str, int, int], list[Handle]] | None = None
+    _tied_parts: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)
+    _local_metrics: torch.Tensor | None = None
+    _metrics_total: torch.Tensor | None = None
+    _metrics_handle: Handle | None = None
+    _actions: Sequence[Action] = ()
+    _check_handle: Handle | None = None
+    _check_local: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        # Where this rank computes: its parameters', else its micro-batches'. Received values go
+        # there (torch.distributed delivers them on the CPU), and so do the metrics.
+        self.device = device_of(self.source.compute, self.source.gather_from, self.microbatches)
+        self._shared_rng = ranks_share_generators()
+        self._rank = 0 if self.mesh is None else self.mesh.rank
+        self._rng_rank = self._rank if self.rng_rank is None else self.rng_rank
+
+    # -- dispatch ------------------------------------------------------------------------------
+    def run(self, actions: Sequence[Action]) -> None:
+        # The step's mesh is the default of collectives issued inside a layer (tensor parallel).
+        in_mesh = contextlib.nullcontext() if self.mesh is None else use_mesh(self.mesh)
+        with in_mesh, preserved(self.device, self._shared_rng, active=self.rng_seed is not None):
+            self._run(actions)
+
+    def _run(self, actions: Sequence[Action]) -> None:
+        table: dict[str, Callable[[Action], None]] = {
+            FORWARD: self.forward,
+            LOSS: self.compute_loss,
+            BACKWARD: self.backward,
+            BACKWARD_INPUT: self.backward,
+            BACKWARD_WEIGHT: self.backward,
+            GATHER: self.gather,
+            WAIT_GATHER: self.wait_gather,
+            FREE: self.free,
+            REDUCE_SCATTER: self.reduce_scatter,
+            WAIT_REDUCE: self.wait_reduce,
+            SEND_ACTIVATION: self.send_activation,
+            SEND_GRAD: self.send_grad,
+            RECV_ACTIVATION: self.receive,
+            RECV_GRAD: self.receive,
+            WAIT_SENDS: self.wait_sends,
+            SEND_TIED: self.send_tied,
+            RECV_TIED: self.recv_tied,
+            SUM_TIED: self.sum_tied,
+            FINISH_GRADS: self.finish_grads,
+            CHECK_REPLICAS: self.check_replicas,
+            WAIT_CHECK: self.wait_check,
+            REDUCE_METRICS: self.reduce_metrics,
+            WAIT_METRICS: self.wait_metrics,
+            UPDATE: self.run_update,
+            GATHER_PARAMS: self.gather_params,
+            WAIT_PARAMS: self.wait_params,
+        }
+        self._actions = actions
+        clock = time.perf_counter
+        ran: list[tuple[int, float, float]] = []  # when recording: (position here, start, end)
+        planned = 0  # the position of the running action in the Plan's list, which also lists the
+        # collectives a compute issues inside its layers (tensor parallel) right after it
+        for position, action in enumerate(actions):
+            handler = table.get(action.kind)
+            if handler is None:
+                raise ValueError(f"the executor has no handler for action {action} (kind {action.kind!r})")
+            if self.record:
+                with inside_times.recording() as inside:
+                    start = clock()
+                    self._call(handler, action)
+                    end = clock()
+                ran.append((position, start, end))
+                self.action_times.append((planned, start, end))
+                self.action_times.extend((planned + 1 + k, s, e) for k, (s, e) in enumerate(inside))
+                planned += 1 + len(inside)
+            else:
+                self._call(handler, action)
+        if self.record:
+            # Named after the step, so recording costs two clock reads per action while it runs.
+            rank = 0 if self.mesh is None else self.mesh.rank
+            self.events.extend(
+                (rank, f"{actions[i].stage}{SHORT[actions[i].kind]}{actions[i].microbatch}", s, e)
+                for i, s, e in ran if actions[i].kind in COMPUTES
+            )
+
+    # -- compute ---------------------------------------------------------------------------------
+    def _call(self, handler: Callable[[Action], None], action: Action) -> None:
+        """Run ``handler``; a compute runs with the generators seeded for its (rank, stage,
+        micro-batch, kind)."""
+        code = _RANDOM.get(action.kind)
+        if code is None or self.rng_seed is None:
+            handler(action)
+            return
+        seed = mix(self.rng_seed, self._rng_rank, action.stage or 0, action.microbatch or 0, code)
+        with seeded(seed, self.device, self._shared_rng):
+            handler(action)
+
+    def forward(self, action: Action) -> None:
+        s, m = action.require("stage"), action.mb
+        x = self.microbatches[m][0] if s == 0 else self._take_input(s, m)
+        inputs = [] if s == 0 else float_leaves(x)
+        if s > 0 and not inputs and self._earlier_layers_own_params(s):
+            previous = self.placement.stages[s - 1][-1]
+            raise ValueError(
+                f"layer {previous!r} passes no floating-point tensor to layer {self.placement.stages[s][0]!r}, so no "
+                "gradient can reach the parameters before it and they would never train; return the activations "
+                "as tensors, or tuples / lists / dicts / named tuples of tensors"
+            )
+        calls, leaves = self._bound_stage(s)
+        names = self.placement.stages[s]
+        with torch.enable_grad():
+            for t in inputs:
+                t.requires_grad_(True)
+            y = x
+            for name, call in zip(names, calls, strict=True):
+                buffers = self.chain[name].buffers
+                versions = [version_of(b) for b in buffers.values()]
+                try:
+                    y = call(y)
+                except Exception as err:  # say where, with what: the message is torch's
+                    err.add_note(f"in layer {name!r} (stage {s}, micro-batch {m}), on input {_describe(y)}")
+                    raise
+                changed = [b for b, v in zip(buffers, versions, strict=True) if version_of(buffers[b]) != v]
+                if changed:
+                    raise ValueError(
+                        f"layer {name!r} wrote into its buffers {changed} during forward: a pure layer keeps no "
+                        "state, so the update would be lost between steps or leak across ranks; make it a "
+                        "parameter, compute it from the input, or leave the module in eval mode"
+                    )
+        self._outputs[(s, m)] = y
+        self._saved[(s, m)] = _Saved(inputs, leaves, float_leaves(y))
+
+    def compute_loss(self, action: Action) -> None:
+        m = action.mb
+        s = self.placement.last
+        saved = self._saved[(s, m)]
+        inputs, targets = self.microbatches[m]
+        output = self._outputs.pop((s, m))
+        with torch.enable_grad():
+            got = self.loss_fn(output, targets)
+        loss = self._token_sum(got, inputs, targets) if self.tokens is not None else got
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            raise ValueError(
+                f"loss_fn must return a scalar tensor (the mean loss over the batch), got {type(loss).__name__}"
+                + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
+            )
+        if not loss.requires_grad and self._earlier_layers_own_params(s + 1):
+            raise ValueError(
+                "the loss does not depend on any parameter: the chain's output carries no tensor that the "
+                f"parameters reach (layer {self.chain.names[-1]!r} returned {type(output).__name__}); return the "
+                "activations as tensors or pytrees of tensors, and compute the loss from them"
+            )
+        self.losses.append(loss.detach())
+        saved.outputs = [loss]
+
+    def _token_sum(self, got: Any, inputs: Any, targets: Any) -> torch.Tensor:
+        """The micro-batch's summed token loss; its token count goes to ``counts``."""
+        if self.tokens == "sum":
+            if not (isinstance(got, (tuple, list)) and len(got) == 2):
+                raise ValueError(
+                    "train_step(tokens='sum'): loss_fn must return a pair (sum of the token losses, number of "
+                    f"tokens), got {type(got).__name__}; e.g. cross_entropy(..., reduction='sum'), (labels != -100).sum()"
+                )
+            total, count = got
+        else:
+            total, count = None, self.tokens(inputs, targets)
+        count = torch.as_tensor(count).detach()
+        if count.dim() != 0 or count.dtype.is_complex:
+            raise ValueError(f"the token count must be a scalar, got a tensor of shape {tuple(count.shape)}")
+        if total is None:  # loss_fn gave the mean over ``count`` tokens
+            if not isinstance(got, torch.Tensor):
+                raise ValueError(f"loss_fn must return the mean loss over the tokens, got {type(got).__name__}")
+            total = got * count.to(got.dtype)
+        self.counts.append(count.to(torch.float64 if total.dtype == torch.float64 else torch.float32))
+        return total
+
+    def backward(self, action: Action) -> None:
+        s, m = action.require("stage"), action.mb
+        saved = self._saved[(s, m)]
+        want_inputs = action.kind in (BACKWARD, BACKWARD_INPUT)
+        want_weights = action.kind in (BACKWARD, BACKWARD_WEIGHT)
+        if saved.output_grads is None:
+            saved.output_grads = self._output_grads(s, m, saved)
+        pairs = [(o, g) for o, g in zip(saved.outputs, saved.output_grads, strict=True) if g is not None and o.requires_grad]
+        outputs, seeds = [o for o, _ in pairs], [g for _, g in pairs]
+        got: list[torch.Tensor | None] = [None] * len(saved.inputs)
+        if want_inputs and not want_weights and pairs and saved.inputs:  # I: the graph stays for W
+            got = list(torch.autograd.grad(outputs, saved.inputs, seeds, retain_graph=True, allow_unused=True))
+        elif want_weights and pairs:
+            # B or W: weight gradients accumulate into the step's leaves (in place after the first);
+            # B also leaves each input's gradient in its (per micro-batch) leaf.
+            wrt = (saved.inputs if want_inputs else []) + list(saved.params.values())
+            if wrt:
+                torch.autograd.backward(outputs, seeds, inputs=wrt)
+            if want_inputs:
+                got = [x.grad for x in saved.inputs]
+        if want_inputs:
+            if saved.inputs and all(g is None for g in got) and self._earlier_layers_own_params(s):
+                previous = self.placement.stages[s - 1][-1]
+                raise ValueError(
+                    f"the output of layer {previous!r} does not reach the loss: no gradient flows back through "
+                    f"layer {self.placement.stages[s][0]!r}, so the layers before it would never train; make the "
+                    "next layers use their input (a layer that ignores it cuts the chain)"
+                )
+            # An input the stage did not use still gets a (zero) gradient: upstream expects one per output.
+            self._input_grads[(s, m)] = [
+                g if g is not None else torch.zeros_like(x) for g, x in zip(got, saved.inputs, strict=True)
+            ]
+        if want_weights:
+            del self._saved[(s, m)]
+            if self.poison:
+                self._poison(s, saved)
+
+    def _output_grads(self, s: int, m: int, saved: _Saved) -> list[torch.Tensor | None]:
+        if s == self.placement.last:
+            return [torch.full_like(saved.outputs[0], self.seed)]
+        if self.placement.stage_rank[s + 1] == self.placement.stage_rank[s]:
+            grads: Sequence[torch.Tensor] = self._input_grads.pop((s + 1, m))
+        else:
+            grads = self._inbox.pop(("grad", s + 1, m))
+        self._outputs.pop((s, m), None)
+        if len(grads) != len(saved.outputs):
+            raise RuntimeError(f"stage {s}, micro-batch {m}: {len(grads)} gradients came back for {len(saved.outputs)} outputs")
+        return list(grads)
+
+    def _take_input(self, s: int, m: int) -> Any:
+        if self.placement.stage_rank[s - 1] == self.placement.stage_rank[s]:
+            y = self._outputs[(s - 1, m)]
+            return optree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, y)
+        return self._inbox.pop(("activation", s, m))
+
+    def _earlier_layers_own_params(self, s: int) -> bool:
+        return any(self.chain.owned_param_names(n) for layers in self.placement.stages[:s] for n in layers)
+
+    def _bound_stage(self, s: int) -> tuple[list[Callable[[Any], Any]], dict[tuple[str, str], torch.Tensor]]:
+        """Stage ``s``'s layers bound to the step's leaves (tied ones through their owner), and the
+        leaves they use. Bound once per step and stage: every micro-batch runs the same calls."""
+        bound = self._bound.get(s)
+        if bound is None:
+            used: dict[tuple[str, str], torch.Tensor] = {}
+            calls = []
+            for name in self.placement.stages[s]:
+                layer = self.chain[name]
+                tensors = {local: self._leaf(layer.ties.get(local, (name, local)), used) for local in layer.param_names}
+                calls.append(layer.bind(tensors))
+            bound = self._bound[s] = (calls, used)
+        else:
+            for key in bound[1]:  # under ZeRO-3 a unit must be gathered whenever its layers compute
+                self._check_gathered(key)
+        return bound
+
+    def _leaf(self, key: tuple[str, str], used: dict[tuple[str, str], torch.Tensor]) -> torch.Tensor:
+        """The step's leaf (requires grad) for parameter ``key``; one leaf per parameter for the step."""
+        leaf = self._leaves.get(key)
+        if leaf is None:
+            owner, name = key
+            tensor = self._param(owner, name)
+            leaf = self._leaves[key] = tensor.detach().requires_grad_(True)
+        else:
+            self._check_gathered(key)
+        used[key] = leaf
+        return leaf
+
+    def _param(self, owner: str, name: str) -> torch.Tensor:
+        if self.source.sharding is not None and self.source.sharding.holds_shards:
+            unit = self._view.get(owner)
+            if unit is None:
+                raise RuntimeError(f"layer {owner!r}'s parameters are used while its unit is not gathered")
+            tensor = unit.get(name)
+        else:
+            assert self.source.compute is not None
+            tensor = self.source.compute.get(owner, {}).get(name)
+        if tensor is None:
+            raise KeyError(f"this rank holds no parameter {name!r} of layer {owner!r}, which its stages use")
+        return tensor
+
+    def _check_gathered(self, key: tuple[str, str]) -> None:
+        sharding = self.source.sharding
+        if sharding is not None and sharding.holds_shards and key[0] in sharding.units and key[0] not in self._view:
+            raise RuntimeError(f"layer {key[0]!r}'s parameters are used while its unit is not gathered")
+
+    def _poison(self, s: int, saved: _Saved) -> None:
+        """Fill what this (stage, micro-batch) received with NaN once it is used up: reusing a stale
+        buffer would then show in the result. That is the activations received from another rank
+        and the output gradients, also those handed over in memory (nothing uses them after this
+        backward); activations handed over in memory are left alone (their producer's graph holds them)."""
+        received = list(saved.output_grads or []) if s != self.placement.last else []
+        if s > 0 and self.placement.stage_rank[s - 1] != self.placement.stage_rank[s]:
+            received += saved.inputs
+        with torch.no_grad():
+            for t in received:
+                if t is not None:
+                    t.fill_(float("nan"))
+
+    # -- end of step -----------------------------------------------------------------------------------
+    def local_grads(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Every held parameter's accumulated gradient (zeros for one no forward reached)."""
+        assert self.source.compute is not None
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        for layer, tensors in self.source.compute.items():
+            out[layer] = {}
+            for name, t in tensors.items():
+                leaf = self._leaves.get((layer, name))
+                out[layer][name] = leaf.grad if leaf is not None and leaf.grad is not None else torch.zeros_like(t)
+        return out
+
+    def finish_grads(self, action: Action) -> None:
+        """The gradients the optimizer gets (``final_grads``) and this rank's share of the metrics."""
+        self._check_no_gather_pending()
+        if self.source.sharding is not None:
+            self.final_grads = dict(self._grad_shards)
+        else:
+            self.final_grads = self.finalize(self.local_grads())
+        self._leaves.clear()
+        if self.exchange.empty:
+            return
+        counted: Any = {k: v for k, v in self.final_grads.items() if k not in self.replica_layers}
+        pieces: list[torch.Tensor] = list(optree.tree_leaves(counted))
+        if not self.metric_axes:  # one rank: nothing to exchange, the values are already global
+            loss_sum = torch.stack(self.losses).sum() if len(self.losses) > 1 else self.losses[0]
+            norm = global_norm(counted) if self.exchange.norm else None
+            finite = not self.exchange.finite or bool(all_finite(pieces))
+            count = torch.stack(self.counts).sum() if self.exchange.count else None
+            self.summed = Summed(loss_sum, None if norm is None else norm * norm, finite, exact_norm=norm, count=count)
+            return
+        losses, counts = self.losses, self.counts
+        if self.counted is not None:  # a tensor-parallel index but the first: its split gradients only
+            losses, counts = [], []
+            pieces = _counted_pieces(counted, self.counted)
+        self._local_metrics = self.exchange.local(
+            losses, pieces, self.metric_dtype, self.device, counts, self.batch_fingerprint, self._rank
+        )
+
+    def _check_no_gather_pending(self) -> None:
+        for key in [k for k in self._pending if k[0] == "gather"]:
+            raise RuntimeError(f"gather of unit {key[1]!r} issued but never waited for")
+
+    def check_replicas(self, action: Action) -> None:
+        """Issue the all-gather of a checksum of this rank's replicated gradients over the
+        tensor-parallel axis: they must be the same on every index (else a replicated parameter was
+        used on per-rank values without its gradient being summed, or random ops differed)."""
+        pieces = _counted_pieces(self.final_grads, self.replicated) if self.replicated is not None else []
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        absolute = torch.zeros((), dtype=torch.float64, device=self.device)
+        for g in pieces:
+            total = total + g.double().sum()
+            absolute = absolute + g.double().abs().sum()
+        batch = torch.zeros((), dtype=torch.float64) if self.batch_fingerprint is None else self.batch_fingerprint
+        self._check_local = torch.stack([total, absolute, batch.to(device=self.device, dtype=torch.float64)])
+        self._check_handle = all_gather_async(self._check_local, action.require("axis"), mesh=self.mesh)
+
+    def wait_check(self, action: Action) -> None:
+        assert self._check_handle is not None and self._check_local is not None, "wait_check before check_replicas"
+        every = self._check_handle.wait()
+        self._check_handle = None
+        if not torch.equal(every[:, 2], every[0, 2].expand(every.shape[0])):  # computed alike from one batch
+            raise ValueError(different_batches(f"the ranks of axis {action.require('axis')!r}"))
+        # Equal bitwise when right: every index sums the same values in the same order (a sum over
+        # the axis gives every index the same bits), so any difference, however small, is a missed sum.
+        if not torch.equal(every[:, :2], every[:1, :2].expand(every.shape[0], 2)):
+            axis = action.require("axis")
+            raise ValueError(
+                f"tensor_parallel: the gradients of the replicated parameters differ between the ranks of axis "
+                f"{axis!r} (checksums {every.tolist()}), so their copies would drift apart. A replicated "
+                "parameter is used on per-rank values without its gradient being summed: mark the attention or "
+                "MLP module holding it as a Region() in the plan, or name the blocks in sequence_parallel= if it "
+                "acts on sequence slices"
+            )
+
+    def reduce_metrics(self, action: Action) -> None:
+        """Sum this rank's share over ``action.axis``: the first axis asynchronously (the update need
+        not wait for it unless it uses the sums), later axes once the first is in."""
+        axis = action.require("axis")
+        if self._metrics_handle is None and self._metrics_total is None:
+            if self._local_metrics is None:
+                raise RuntimeError("reduce_metrics before finish_grads")
+            self._metrics_handle = psum_async(self._local_metrics, axis, mesh=self.mesh)
+            return
+        self._complete_first_metrics()
+        assert self._metrics_total is not None
+        self._metrics_total = psum(self._metrics_total, axis, mesh=self.mesh)
+        self.summed = self.exchange.unpack(self._metrics_total)
+
+    def wait_metrics(self, action: Action) -> None:
+        self._complete_first_metrics()
+
+    def _complete_first_metrics(self) -> None:
+        if self._metrics_handle is not None:
+            self._metrics_total = self._metrics_handle.wait()
+            self._metrics_handle = None
+            self.summed = self.exchange.unpack(self._metrics_total)
+
+    def run_update(self, action: Action) -> None:
+        self.new_master = self.update(self.final_grads, self.summed)
+        sharding = self.source.sharding
+        if sharding is None or sharding.holds_shards:
+            self.new_held = self.new_master
+
+
+def _counted_pieces(grads: Any, counted: Any) -> list[torch.Tensor]:
+    """The gradients (or, of ZeRO's flat shards, the ranges) that ``counted`` names."""
+    if isinstance(counted, frozenset):
+        return [g for layer, tensors in grads.items() for name, g in tensors.items() if (layer, name) in counted]
+    return [grads[u][a:b] for u, ranges in counted.items() if u in grads for a, b in ranges]
+
+
+def _describe(tree: Any) -> str:
+    """A layer input in a few words: each tensor's dtype and shape."""
+    parts = [
+        f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+        for t in optree.tree_leaves(tree)
+    ]
+    text = ", ".join(parts[:6]) + (f", ... ({len(parts)} leaves)" if len(parts) > 6 else "")
+    return text or "no tensor"

@@ -1,0 +1,119 @@
+"""Random streams of a step: dropout reproducible on every backend, run to run and on resume.
+
+torch's ops draw from its process-global default generators (``F.dropout``
+takes no generator), which thread ranks share. So every compute of a step
+(a stage's forward or backward on one micro-batch) runs with the default
+generator of its device seeded from ``(state seed, step, rank, stage,
+micro-batch, kind)``: the same masks on threads, processes and torchrun, the
+same after a save and resume (the seed and the step count live in the
+TrainState), and remat's recomputation replays them (torch's checkpoint
+restores the state it saw in forward).
+
+Thread ranks share one generator, so their computes take turns while it is
+seeded and used (a lock around each compute on the threads backend). A layer
+that runs a collective inside its compute lends the generators while it waits
+(the threads backend's blocking-wait hook): it saves their state, lets the
+peer it waits for compute, and takes them back as they were, so its stream
+continues undisturbed. The step leaves the user's own generator state as it
+found it (:func:`preserved`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+
+import torch
+
+from ...collectives.backends.blocking import on_blocking_wait
+from ...collectives.backends.current import current_backend
+
+_SHARED = threading.Lock()  # thread ranks share torch's default generators
+_HOLDER = threading.local()  # the device this thread's compute holds the generators for, if any
+_MASK = (1 << 63) - 1
+
+
+def mix(*values: int) -> int:
+    """A 63-bit seed from integers (splitmix64 rounds): distinct inputs give unrelated streams."""
+    state = 0x9E3779B97F4A7C15
+    for value in values:
+        state = (state ^ (value & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
+        state ^= state >> 27
+        state = state * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
+        state ^= state >> 31
+    return state & _MASK
+
+
+def ranks_share_generators() -> bool:
+    """Whether the calling rank shares torch's generators with other ranks (thread ranks do)."""
+    return current_backend().name == "threads"
+
+
+def default_generators(device: torch.device) -> list[torch.Generator]:
+    """The default generators a compute on ``device`` draws from: the CPU's, and the GPU's."""
+    gens = [torch.default_generator]
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        gens.append(torch.cuda.default_generators[index])
+    return gens
+
+
+@contextlib.contextmanager
+def seeded(seed: int | None, device: torch.device, shared: bool) -> Iterator[None]:
+    """Run the block with ``device``'s default generator (and the CPU's) seeded with ``seed``."""
+    if seed is None:
+        yield
+        return
+    with _SHARED if shared else contextlib.nullcontext():
+        for gen in default_generators(device):
+            gen.manual_seed(seed)
+        _HOLDER.device = device if shared else None
+        try:
+            yield
+        finally:
+            _HOLDER.device = None
+
+
+@contextlib.contextmanager
+def _lend_while_blocked() -> Iterator[None]:
+    """Around a blocking wait of a thread rank that holds the generators: let the others compute,
+    and take the generators back in the state this rank left them."""
+    device = getattr(_HOLDER, "device", None)
+    if device is None:
+        yield
+        return
+    states = [gen.get_state() for gen in default_generators(device)]
+    _HOLDER.device = None
+    _SHARED.release()
+    try:
+        yield
+    finally:
+        _SHARED.acquire()
+        for gen, state in zip(default_generators(device), states, strict=True):
+            gen.set_state(state)
+        _HOLDER.device = device
+
+
+on_blocking_wait(_lend_while_blocked)
+
+
+@contextlib.contextmanager
+def preserved(device: torch.device, shared: bool, active: bool) -> Iterator[None]:
+    """The block leaves the default generators as it found them (a step's streams are its own).
+
+    Across thread ranks, which share the generators and run at once, "as found" is the state
+    when this rank's step began: their own draws outside the steps are not reproducible anyway.
+    """
+    if not active:
+        yield
+        return
+    lock = _SHARED if shared else contextlib.nullcontext()
+    with lock:
+        states = [gen.get_state() for gen in default_generators(device)]
+    try:
+        yield
+    finally:
+        with lock:
+            for gen, state in zip(default_generators(device), states, strict=True):
+                gen.set_state(state)

@@ -1,0 +1,202 @@
+"""The executor's pipeline actions: activations and gradients between stages on different ranks,
+and the gradients of weights tied across pipeline ranks.
+
+Every receive of the step is posted at the rank's first one, so transfers land
+while it computes. With the stage boundaries predicted (``engine/plan/lower.py``),
+each tensor travels bare and the receiver rebuilds the stage output's pytree;
+otherwise a count goes first and the output must be flat. A mixin of
+:class:`~shardwise.engine.run.executor.Executor`, whose fields it uses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import optree
+import torch
+
+from ...collectives import Handle, recv, send
+from ...collectives.mesh import Mesh
+from ..layout.state_layout import Placement
+from ..plan.actions import RECV_ACTIVATION, RECV_GRAD, Action, Boundary
+
+if TYPE_CHECKING:
+    from .executor import ParamSource
+
+Layout = tuple[torch.Size, torch.dtype]
+
+
+def tag_of(kind: str, stage: int, microbatch: int, microbatches: int, leaf: int = 0) -> int:
+    """A distinct non-negative message tag per transfer and per tensor in it (gloo needs ints >= 0)."""
+    direction = 0 if kind == "activation" else 1
+    return (((stage * microbatches + microbatch) * 2 + direction) << 10) + leaf
+
+
+TIED_TAG_BASE = 1 << 29  # above every activation/gradient tag (tag_of stays far below it)
+
+
+def _flat(value: Any) -> bool:
+    """A tensor, or a tuple of tensors: what an announced transfer rebuilds."""
+    return isinstance(value, torch.Tensor) or (
+        type(value) is tuple and all(isinstance(t, torch.Tensor) for t in value)
+    )
+
+
+class TransferActions:
+    """send/recv of activations and gradients, wait_sends, send_tied/recv_tied/sum_tied."""
+
+    mesh: Mesh | None
+    placement: Placement
+    source: ParamSource
+    microbatches: Sequence[tuple[Any, Any]]
+    boundaries: Sequence[Boundary] | None
+    device: torch.device
+    _outputs: dict[tuple[int, int], Any]
+    _input_grads: dict[tuple[int, int], list[torch.Tensor]]
+    _inbox: dict[tuple[str, int, int], Any]
+    _sends: list[Handle]
+    _posted: dict[tuple[str, int, int], list[Handle]] | None
+    _actions: Sequence[Action]
+    _tied_parts: dict[int, dict[int, torch.Tensor]]
+    _leaves: dict[tuple[str, str], torch.Tensor]
+
+    def send_activation(self, action: Action) -> None:
+        s, m = action.require("stage"), action.mb
+        self._send(self._outputs[(s, m)], "activation", s, m, action)
+
+    def send_grad(self, action: Action) -> None:
+        s, m = action.require("stage"), action.mb
+        self._send(tuple(self._input_grads.pop((s, m))), "grad", s, m, action)
+
+    def _send(self, value: Any, kind: str, s: int, m: int, action: Action) -> None:
+        leaves = optree.tree_leaves(value)
+        if not leaves:
+            raise ValueError(f"stage {s} passes no tensor to the next stage; a pipeline boundary carries at least one")
+        axis, dst, mb = action.require("axis"), action.require("peer"), len(self.microbatches)
+        known = self.boundaries is not None
+        if len(leaves) >= 1 << 10:
+            raise ValueError(f"stage {s} passes {len(leaves)} tensors on; a transfer carries at most 1023")
+        if not known and kind == "activation" and not _flat(value):
+            raise ValueError(
+                f"stage {s} passes a {type(value).__name__} to the next rank, but its shapes could not be "
+                "predicted on fake tensors (data-dependent code), so the receiver cannot rebuild its "
+                "structure; return a tensor or a tuple of tensors at this boundary"
+            )
+        if not known:  # the receiver learns how many tensors follow
+            count = torch.tensor(len(leaves), dtype=torch.int64, device="cpu")  # host-side control data
+            self._sends.append(send(count, axis, dst, tag=tag_of(kind, s, m, mb), mesh=self.mesh))
+        for i, leaf in enumerate(leaves, start=1):
+            # No snapshot: nothing modifies a stage output or an input gradient in place once made,
+            # and wait_sends waits for every send (by then the peers have posted their receives).
+            self._sends.append(
+                send(leaf.detach(), axis, dst, tag=tag_of(kind, s, m, mb, i), announce=not known, snapshot=False,
+                     mesh=self.mesh)
+            )
+
+    def _source_of(self, action: Action) -> tuple[str, int, int]:
+        """(kind, producing stage, micro-batch) of a receive action."""
+        s, m = action.require("stage"), action.mb
+        return ("activation", s - 1, m) if action.kind == RECV_ACTIVATION else ("grad", s + 1, m)
+
+    def _expected(self, kind: str, producer: int) -> Sequence[Layout]:
+        """The tensors a transfer carries, when predicted: an activation carries the producing
+        stage's output, a gradient one tensor per floating output of the stage below."""
+        assert self.boundaries is not None
+        outputs = self.boundaries[producer if kind == "activation" else producer - 1].leaves
+        return outputs if kind == "activation" else [o for o in outputs if o[1].is_floating_point]
+
+    def _post_receives(self) -> None:
+        """Post every receive of the step, so transfers land while this rank computes (gloo moves a
+        message only once its receive is posted). With predicted layouts every tensor is received
+        as it is; otherwise the count and the first tensor (a transfer has at least one)."""
+        mb = len(self.microbatches)
+        self._posted = {}
+        for action in self._actions:
+            if action.kind not in (RECV_ACTIVATION, RECV_GRAD):
+                continue
+            kind, producer, m = self._source_of(action)
+            axis, src = action.require("axis"), action.require("peer")
+            if self.boundaries is not None:
+                self._posted[(kind, producer, m)] = [
+                    recv(axis, src, tag=tag_of(kind, producer, m, mb, i), like=like, device=self.device, mesh=self.mesh)
+                    for i, like in enumerate(self._expected(kind, producer), start=1)
+                ]
+            else:
+                self._posted[(kind, producer, m)] = [
+                    recv(axis, src, tag=tag_of(kind, producer, m, mb), mesh=self.mesh),
+                    recv(axis, src, tag=tag_of(kind, producer, m, mb, 1), device=self.device, mesh=self.mesh),
+                ]
+
+    def receive(self, action: Action) -> None:
+        if self._posted is None:
+            self._post_receives()
+        assert self._posted is not None
+        kind, producer, m = self._source_of(action)
+        posted = self._posted.pop((kind, producer, m))
+        if self.boundaries is not None:
+            leaves = [handle.wait() for handle in posted]
+        else:
+            count, mb = int(posted[0].wait()), len(self.microbatches)
+            leaves = [posted[1].wait()] + [
+                recv(action.require("axis"), action.require("peer"), tag=tag_of(kind, producer, m, mb, i), device=self.device,
+                     mesh=self.mesh).wait()
+                for i in range(2, count + 1)
+            ]
+        if kind == "grad":
+            value: Any = leaves
+        elif self.boundaries is not None:  # the stage output as it was made: a dict, a ModelOutput, ...
+            value = optree.tree_unflatten(self.boundaries[producer].spec, leaves)
+        else:
+            value = leaves[0] if len(leaves) == 1 else tuple(leaves)
+        self._inbox[(kind, action.require("stage") if kind == "activation" else producer, m)] = value
+
+    def wait_sends(self, action: Action) -> None:
+        for handle in self._sends:  # delivered: the peers posted every receive at their first one
+            handle.wait()
+        self._sends.clear()
+
+    def _tied_grad(self, i: int) -> torch.Tensor:
+        owner, name, _users = self.placement.tied[i]
+        leaf = self._leaves.get((owner, name))
+        if leaf is not None and leaf.grad is not None:
+            return leaf.grad
+        return torch.zeros_like(self._held_param(owner, name))  # this rank's layers did not reach it
+
+    def _held_param(self, owner: str, name: str) -> torch.Tensor:
+        if self.source.compute is not None:
+            return self.source.compute[owner][name]
+        sharding = self.source.sharding
+        assert sharding is not None, "a rank holds its parameters either as compute copies or as ZeRO units"
+        lay = sharding.units[owner]
+        shape = lay.shapes[lay.names.index(name)]
+        assert self.source.gather_from is not None
+        return torch.zeros(shape, dtype=self.source.gather_from[owner].dtype, device=self.device)
+
+    def send_tied(self, action: Action) -> None:
+        i = action.require("tied")
+        self._sends.append(send(self._tied_grad(i), action.require("axis"), action.require("peer"), tag=TIED_TAG_BASE + i, mesh=self.mesh))
+
+    def recv_tied(self, action: Action) -> None:
+        i = action.require("tied")
+        mine = self._tied_grad(i)
+        got = recv(action.require("axis"), action.require("peer"), tag=TIED_TAG_BASE + i, device=mine.device, mesh=self.mesh).wait()
+        self._tied_parts.setdefault(i, {})[action.require("peer")] = got
+
+    def sum_tied(self, action: Action) -> None:
+        """Every copy's gradient summed in axis order, so each copy takes the same update."""
+        i = action.require("tied")
+        owner, name, users = self.placement.tied[i]
+        me = self.placement.index_of(self.mesh)
+        parts = {**self._tied_parts.pop(i, {}), me: self._tied_grad(i)}
+        for handle in self._sends:
+            handle.wait()
+        self._sends.clear()
+        total = parts[users[0]]
+        for peer in users[1:]:
+            total = total + parts[peer]
+        leaf = self._leaves.get((owner, name))
+        if leaf is None:
+            leaf = self._leaves[(owner, name)] = self._held_param(owner, name).detach().requires_grad_(True)
+        leaf.grad = total
+

@@ -1,0 +1,125 @@
+"""The executor's ZeRO actions: gather a unit's shards, free it, reduce-scatter its gradient,
+and (stages 1-2) all-gather the updated shards into full parameters.
+
+A unit is gathered into one flat buffer; ``free`` releases the buffer's memory
+for real even though the autograd graph of the unit's forward still holds views
+of it, and a later gather refills the same storage in place before that
+backward runs (as FSDP does). A mixin of :class:`~shardwise.engine.run.executor.Executor`,
+whose fields it uses.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ...collectives import Handle, all_gather_async, psum_scatter_async
+from ...collectives.mesh import Mesh
+from ..layout.sharding import FlatSharding
+from ..plan.actions import Action
+from ..torch_api import free_storage, owns_storage, refill_storage
+
+if TYPE_CHECKING:
+    from .executor import ParamSource
+
+
+class ZeroActions:
+    """gather, wait_gather, free, reduce_scatter, wait_reduce, gather_params, wait_params."""
+
+    mesh: Mesh | None
+    source: ParamSource
+    master: Any
+    held: Any
+    new_master: Any
+    new_held: Any
+    device: torch.device
+    grad_scale: float
+    reduce_dtypes: Any
+    peak_gathered_bytes: int
+    _view: dict[str, dict[str, torch.Tensor]]
+    _buffers: dict[str, torch.Tensor]
+    _in_flight_bytes: int
+    _pending: dict[tuple[str, str], Handle]
+    _grad_shards: dict[str, torch.Tensor]
+    _leaves: dict[tuple[str, str], torch.Tensor]
+
+    def _sharding(self) -> FlatSharding:
+        if self.source.sharding is None:
+            raise RuntimeError("a ZeRO action in a plan without sharding")
+        return self.source.sharding
+
+    def gather(self, action: Action) -> None:
+        unit, sharding = action.require("layer"), self._sharding()
+        assert self.source.gather_from is not None and action.axis is not None
+        self._pending[("gather", unit)] = all_gather_async(
+            self.source.gather_from[unit], action.axis, tiled=True, mesh=self.mesh
+        )
+        self._in_flight_bytes += sharding.units[unit].padded_numel * self.source.gather_from[unit].element_size()
+        self._note_memory()
+
+    def wait_gather(self, action: Action) -> None:
+        """Make a unit's parameters usable. A unit gathered before in this step is refilled in place:
+        its earlier forward's autograd graph holds views of that same storage (as FSDP does)."""
+        unit, sharding = action.require("layer"), self._sharding()
+        flat = self._pending.pop(("gather", unit)).wait()
+        self._in_flight_bytes -= flat.numel() * flat.element_size()
+        buffer = self._buffers.get(unit)
+        if buffer is None:
+            buffer = flat if owns_storage(flat) else flat.clone()
+            self._buffers[unit] = buffer
+        else:
+            refill_storage(buffer, flat)
+        del flat
+        self._view[unit] = sharding.units[unit].unflatten(buffer)
+        self._note_memory()
+
+    def free(self, action: Action) -> None:
+        """Drop a unit's parameters for real: the storage is released even though the autograd graph
+        of its forward still holds views of it; it is refilled before that backward runs."""
+        unit = action.require("layer")
+        if self._view.pop(unit, None) is None:
+            raise RuntimeError(f"free({unit}) of a unit that is not gathered")
+        free_storage(self._buffers[unit])
+        self._note_memory()
+
+    def _note_memory(self) -> None:
+        live = sum(b.untyped_storage().nbytes() for b in self._buffers.values()) + self._in_flight_bytes
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, live)
+
+    def _unit_grads(self, unit: str) -> dict[str, torch.Tensor]:
+        """The accumulated local gradient of every parameter of ``unit`` (released from the leaves)."""
+        out: dict[str, torch.Tensor] = {}
+        for name in self._sharding().units[unit].names:
+            leaf = self._leaves.get((unit, name))
+            if leaf is not None and leaf.grad is not None:
+                out[name] = leaf.grad
+                leaf.grad = None
+        return out
+
+    def reduce_scatter(self, action: Action) -> None:
+        unit, sharding = action.require("layer"), self._sharding()
+        assert action.axis is not None
+        flat = sharding.units[unit].flatten_grads(self._unit_grads(unit), self.device)
+        if self.reduce_dtypes is not None:
+            flat = flat.to(self.reduce_dtypes[unit])
+        self._pending[("reduce", unit)] = psum_scatter_async(flat, action.axis, tiled=True, mesh=self.mesh)
+
+    def wait_reduce(self, action: Action) -> None:
+        unit = action.require("layer")
+        master = self.master[unit]
+        shard = self._pending.pop(("reduce", unit)).wait().to(master.dtype)
+        self._grad_shards[unit] = shard if self.grad_scale == 1.0 else shard / self.grad_scale
+
+    def gather_params(self, action: Action) -> None:
+        """Stages 1-2: all-gather a unit's updated shard into its full parameters."""
+        unit = action.require("layer")
+        self._pending[("params", unit)] = all_gather_async(self.new_master[unit], action.require("axis"), tiled=True, mesh=self.mesh)
+
+    def wait_params(self, action: Action) -> None:
+        unit = action.require("layer")
+        flat = self._pending.pop(("params", unit)).wait()
+        if self.new_held is None:
+            self.new_held = {k: dict(v) for k, v in self.held.items()}
+        self.new_held[unit] = {k: v.clone() for k, v in self._sharding().units[unit].unflatten(flat).items()}
+

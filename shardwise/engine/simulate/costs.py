@@ -1,0 +1,451 @@
+"""What a Plan's actions cost: :class:`PlanCosts` (per action on its rank) and :class:`CommModel`
+(collectives and transfers), set by hand or fitted from measured runs.
+
+The communication model is a ring's: ``alpha x steps + beta x bytes x factor``
+per tensor, per op, over a group of ``n`` ranks: all-gather ``n-1`` steps moving
+``n-1`` times its input (a shard), reduce-scatter ``n-1`` and ``(n-1)/n`` of its
+input, all-reduce twice those, a send one message of its bytes.
+:meth:`CommModel.from_benchmark` fits alpha and beta by least squares (on
+relative error) to ``benchmarks/collectives.py``'s JSON lines;
+:meth:`PlanCosts.fit` reads every action's cost from measured steps.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import defaultdict, deque
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+from typing import Any
+
+from ..plan.actions import (
+    BACKWARD,
+    BACKWARD_INPUT,
+    BACKWARD_WEIGHT,
+    FORWARD,
+    INSIDE_COMPUTE,
+    REDUCE_METRICS,
+    WAIT_METRICS,
+    Action,
+    Plan,
+)
+from .timeline import (
+    COMPUTE_KINDS,
+    ISSUE,
+    KINDS,
+    RECVS,
+    SENDS,
+    WAIT,
+    WAIT_OF,
+    ActionTimes,
+    channel,
+    check_action_times,
+    peer_rank,
+    roles,
+)
+
+DEFAULT_COSTS = MappingProxyType({FORWARD: 1.0, BACKWARD: 2.0, BACKWARD_INPUT: 1.0, BACKWARD_WEIGHT: 1.0})
+COMM_OPS = ("all_gather", "psum_scatter", "psum", "send")
+
+
+def ring_shape(op: str, n: int) -> tuple[float, float]:
+    """(latency steps, bytes on one link per input byte) of ``op`` as a ring over ``n`` ranks."""
+    if op == "send":
+        return 1.0, 1.0
+    if op not in COMM_OPS:
+        raise ValueError(f"no communication model for op {op!r}; the model knows {COMM_OPS}")
+    if n <= 1:
+        return 0.0, 0.0  # a group of one moves nothing
+    return {"all_gather": (n - 1, n - 1), "psum_scatter": (n - 1, (n - 1) / n), "psum": (2 * (n - 1), 2 * (n - 1) / n)}[op]
+
+
+def _frozen(mapping: Mapping[Any, float], what: str) -> Mapping[Any, float]:
+    for key, value in mapping.items():
+        if not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"{what}[{key!r}] = {value}: a time must be finite and >= 0")
+    return MappingProxyType(dict(mapping))
+
+
+@dataclass(frozen=True)
+class CommModel:
+    """Time of a collective or transfer: per op, ``alpha`` per latency step and ``beta`` per byte on a link.
+
+    >>> model = CommModel(alpha={"send": 1e-5}, beta={"send": 1e-9})
+    >>> round(model.time("send", 1000, 2), 9)
+    1.1e-05
+    """
+
+    alpha: Mapping[str, float] = field(default_factory=dict)
+    beta: Mapping[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("alpha", "beta"):
+            table = getattr(self, name)
+            if unknown := sorted(set(table) - set(COMM_OPS)):
+                raise ValueError(f"CommModel.{name} has ops {unknown}; use {COMM_OPS}")
+            object.__setattr__(self, name, _frozen(table, f"CommModel.{name}"))
+
+    def time(self, op: str, nbytes: int, n: int) -> float:
+        """One tensor of ``nbytes`` (one rank's input) through ``op`` over ``n`` ranks."""
+        steps, factor = ring_shape(op, n)
+        return self.alpha.get(op, 0.0) * steps + self.beta.get(op, 0.0) * factor * nbytes
+
+    @classmethod
+    def fit(cls, samples: Iterable[tuple[str, int, int, float]]) -> CommModel:
+        """Least squares on relative error over ``(op, bytes, ranks, seconds)`` samples, per op.
+
+        Each sample counts at the mean of its (op, bytes, ranks): what transfers of that size take
+        on average, which is what they add up to along a step's critical path (a noisy run's
+        slow tails included). A size seen often weighs more than one seen once, and a transfer
+        that seemed to take microseconds (its wait began just as the data came in) moves its
+        size's mean a little, where on its own, in a fit on relative error, it would set the
+        fit. A fit that would make alpha or beta negative keeps that term at 0 and fits the
+        other; with a single message size beta cannot be told from alpha, and only alpha is fitted.
+
+        >>> fitted = CommModel.fit([("send", 64, 2, t) for t in (1e-6, 3e-4, 4e-4, 5e-4)])
+        >>> round(fitted.alpha["send"], 6)
+        0.0003
+        """
+        seen: dict[tuple[str, int, int], list[float]] = defaultdict(list)
+        for op, nbytes, n, seconds in samples:
+            if seconds > 0:
+                seen[(op, nbytes, n)].append(seconds)
+        by_op: dict[str, list[tuple[float, float, float, int]]] = defaultdict(list)
+        for (op, nbytes, n), times in seen.items():
+            steps, factor = ring_shape(op, n)
+            if steps > 0:
+                by_op[op].append((steps, factor * nbytes, statistics.fmean(times), len(times)))
+        alpha, beta = {}, {}
+        for op, rows in by_op.items():
+            alpha[op], beta[op] = _fit_two(rows)
+        return cls(alpha, beta)
+
+    def covering(self, plan: Plan) -> tuple[CommModel, tuple[str, ...]]:
+        """This model with a figure for every op ``plan`` moves: those it has none for at 0 (free),
+        and which they were. ``simulate`` refuses a model that has figures for some ops and not for
+        one the plan moves; a fit from a run knows only the transfers some rank waited for.
+
+        >>> import torch, shardwise as sw
+        >>> from shardwise.testing.models import mlp
+        >>> chain, params = sw.functionalize(mlp([4, 8, 2]))
+        >>> step = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1))
+        >>> plan = sw.shard_params(step, "dp", 3).plan(sw.Mesh(dp=2), params, (torch.randn(4, 4), torch.randn(4, 2)))
+        >>> CommModel(alpha={"all_gather": 1e-4}).covering(plan)[1]
+        ('psum', 'psum_scatter')
+        """
+        needed = {"send" if a.op in ("send", "recv") else a.op for actions in plan.actions for a in actions if a.op}
+        unknown = tuple(sorted(needed - set(self.alpha) - set(self.beta)))
+        return CommModel({**self.alpha, **dict.fromkeys(unknown, 0.0)}, dict(self.beta)), unknown
+
+    @classmethod
+    def from_benchmark(cls, rows: Iterable[Mapping[str, Any]], backend: str = "gloo") -> CommModel:
+        """Fit from ``benchmarks/collectives.py``'s JSON lines of ``backend`` (psum, all_gather,
+        psum_scatter, and send_recv: a round trip, so two messages)."""
+        samples = []
+        for row in rows:
+            if row.get("bench") != "collectives" or row.get("backend") != backend:
+                continue
+            op, seconds = row["op"], float(row["median_s"])
+            if op == "send_recv":
+                samples.append(("send", int(row["bytes"]), 2, seconds / 2))
+            elif op in COMM_OPS:
+                samples.append((op, int(row["bytes"]), int(row["world"]), seconds))
+        if not samples:
+            raise ValueError(f"no collectives benchmark rows of backend {backend!r} with ops psum, all_gather, "
+                             "psum_scatter or send_recv: run python benchmarks/collectives.py --out FILE")
+        return cls.fit(samples)
+
+
+def _fit_two(rows: Sequence[tuple[float, float, float, int]]) -> tuple[float, float]:
+    """(a, b) >= 0 minimising sum(n * (((a*s + b*x) - t) / t)^2) over rows (s, x, t, n)."""
+    w = [n / (t * t) for _, _, t, n in rows]
+    ss = sum(wi * s * s for wi, (s, _, _, _) in zip(w, rows, strict=True))
+    sx = sum(wi * s * x for wi, (s, x, _, _) in zip(w, rows, strict=True))
+    xx = sum(wi * x * x for wi, (_, x, _, _) in zip(w, rows, strict=True))
+    st = sum(wi * s * t for wi, (s, _, t, _) in zip(w, rows, strict=True))
+    xt = sum(wi * x * t for wi, (_, x, t, _) in zip(w, rows, strict=True))
+    det = ss * xx - sx * sx
+    if det > 1e-9 * ss * xx:
+        a, b = (st * xx - sx * xt) / det, (ss * xt - sx * st) / det
+        if a >= 0 and b >= 0:
+            return a, b
+        if a < 0 and xx > 0:
+            return 0.0, max(0.0, xt / xx)
+    return max(0.0, st / ss), 0.0
+
+
+@dataclass(frozen=True)
+class PlanCosts:
+    """What each action costs its rank, and the communication model.
+
+    :meth:`of` looks up, first match wins: ``slot`` by (rank, position in its
+    list) (:meth:`of_step` fills it), ``action`` by the action's text
+    (``"F(stage0, mb=1)"``), ``stage`` by (kind, stage), ``layer`` by (kind, layer
+    or unit), ``rank`` by (kind, rank), then ``kind``; ``kind`` defaults to
+    forward 1, backward 2, I 1, W 1 and 0 for every other kind. ``cores``: how
+    many cores the ranks share (None: one each; fewer than the ranks: the busy
+    ranks share them equally). ``unit_us``: microseconds per time unit in a
+    Chrome trace (1e6 for costs in seconds).
+    """
+
+    kind: Mapping[str, float] = field(default_factory=dict)
+    stage: Mapping[tuple[str, int], float] = field(default_factory=dict)
+    layer: Mapping[tuple[str, str], float] = field(default_factory=dict)
+    rank: Mapping[tuple[str, int], float] = field(default_factory=dict)
+    action: Mapping[str, float] = field(default_factory=dict)
+    slot: Mapping[tuple[int, int], float] = field(default_factory=dict)
+    comm: CommModel = field(default_factory=CommModel)
+    cores: int | None = None
+    unit_us: float = 1000.0
+
+    def __post_init__(self) -> None:
+        for name in ("kind", "stage", "layer", "rank"):
+            table = getattr(self, name)
+            for key in table:
+                kind = key if name == "kind" else key[0] if isinstance(key, tuple) and len(key) == 2 else None
+                if kind not in KINDS:
+                    raise ValueError(
+                        f"PlanCosts.{name} key {key!r}: " + ("" if name == "kind" else "use (kind, value) with ")
+                        + f"kind one of {', '.join(KINDS)}"
+                    )
+            object.__setattr__(self, name, _frozen(table, f"PlanCosts.{name}"))
+        object.__setattr__(self, "action", _frozen(self.action, "PlanCosts.action"))
+        object.__setattr__(self, "slot", _frozen(self.slot, "PlanCosts.slot"))
+        if self.cores is not None and (isinstance(self.cores, bool) or not isinstance(self.cores, int) or self.cores < 1):
+            raise ValueError(f"PlanCosts.cores must be a positive int (or None: a core per rank), got {self.cores!r}")
+        if not isinstance(self.comm, CommModel):
+            raise TypeError(f"PlanCosts.comm must be a CommModel, got {type(self.comm).__name__}")
+
+    def of(self, action: Action, rank: int, position: int | None = None) -> float:
+        """How long ``action`` (at ``position`` of ``rank``'s list, if given) keeps ``rank`` busy, waiting excluded."""
+        found = None if position is None else self.slot.get((rank, position))
+        if found is None:
+            found = self.action.get(str(action))
+        if found is None and action.stage is not None:
+            found = self.stage.get((action.kind, action.stage))
+        if found is None and action.layer is not None:
+            found = self.layer.get((action.kind, action.layer))
+        if found is None:
+            found = self.rank.get((action.kind, rank))
+        if found is not None:
+            return found
+        return self.kind.get(action.kind, DEFAULT_COSTS.get(action.kind, 0.0))
+
+    @classmethod
+    def fit(cls, plan: Plan, steps: Iterable[Sequence[ActionTimes]],
+            comm: CommModel | None = None, statistic: str = "median", cores: int | None = None) -> PlanCosts:
+        """Costs in seconds from measured steps (per step, per rank, ``metrics["action_times"]``).
+
+        A compute, issue or bookkeeping action costs the ``statistic`` (median or mean) of its
+        durations, by (kind, stage) where it has a stage, else by (kind, layer), else by (kind,
+        rank); a blocking action the shortest of its durations by (kind, rank): the time it takes
+        when its data is already in. Every kind also gets the same over all its samples, for
+        actions not seen. With ``cores`` (the run's ranks shared that many), a duration counts
+        only the share of a core the action had: while ``k > cores`` ranks were busy, ``cores / k``.
+        A compute's duration leaves out the collectives it issued inside its layers (tensor
+        parallel: the Plan lists them after it, each costed as a wait), and its rank counts as
+        idle while in them.
+        """
+        samples: dict[tuple[str, Any], list[float]] = defaultdict(list)
+        blocking: set[str] = set()
+        for step in steps:
+            check_action_times(plan, step, "PlanCosts.fit")
+            own = _own_times(plan, step, cores)
+            for r, times in enumerate(step):
+                kinds_roles = roles(plan.actions[r])
+                for pos, start, end in times:
+                    a, role = plan.actions[r][pos], kinds_roles[pos]
+                    if role == WAIT:
+                        blocking.add(a.kind)
+                        key: tuple[str, Any] = ("rank", (a.kind, r))
+                    else:
+                        key = ("stage", (a.kind, a.stage)) if a.stage is not None else \
+                            ("layer", (a.kind, a.layer)) if a.layer is not None else ("rank", (a.kind, r))
+                    took = end - start if role == WAIT else own[(r, pos)]
+                    samples[key].append(took)
+                    samples[("kind", a.kind)].append(took)
+        if statistic not in ("median", "mean"):
+            raise ValueError(f"PlanCosts.fit(statistic={statistic!r}): use 'median' or 'mean'")
+        average = statistics.median if statistic == "median" else statistics.fmean
+        if not samples:
+            raise ValueError("PlanCosts.fit: no measured actions (run the step traced: step.with_trace())")
+        tables: dict[str, dict[Any, float]] = {"kind": {}, "stage": {}, "layer": {}, "rank": {}}
+        for (table, key), values in samples.items():
+            kind = key if table == "kind" else key[0]
+            tables[table][key] = min(values) if kind in blocking else average(values)
+        return cls(**tables, comm=comm or CommModel(), cores=cores, unit_us=1e6)
+
+    def of_step(self, plan: Plan, step: Sequence[ActionTimes]) -> PlanCosts:
+        """These costs, with every compute, issue and bookkeeping action of one measured ``step``
+        at what it cost there (its core time under ``cores``, as :meth:`fit` counts it).
+
+        Simulating each measured step's own costs keeps what one set of averages loses: actions
+        vary from step to step, a step's critical path runs through its slow ones, and the
+        critical path of average costs is shorter than the average critical path. Waits keep
+        these costs (a wait's own cost once its data is in) and transfers the comm model, so the
+        simulation still decides when every rank waits; an action missing from ``step`` keeps
+        these costs too.
+
+        >>> import shardwise as sw
+        >>> from shardwise.engine.plan.actions import FORWARD, Action, Plan
+        >>> from shardwise.engine.simulate.simulation import simulate
+        >>> f = Action(FORWARD, "x", 0, 0)
+        >>> plan = Plan(sw.Mesh(dp=2), ((f,), (f,)))  # two ranks, one forward each
+        >>> measured = [[[(0, 0.0, 1.0)], [(0, 0.0, 3.0)]], [[(0, 0.0, 3.0)], [(0, 0.0, 1.0)]]]
+        >>> costs = PlanCosts.fit(plan, measured, statistic="mean")
+        >>> simulate(plan, costs).makespan  # every forward at the mean, 2
+        2.0
+        >>> [simulate(plan, costs.of_step(plan, step)).makespan for step in measured]  # as measured
+        [3.0, 3.0]
+        """
+        check_action_times(plan, step, "PlanCosts.of_step")
+        return replace(self, slot=_own_times(plan, step, self.cores))
+
+
+def _own_times(plan: Plan, step: Sequence[ActionTimes], cores: int | None) -> dict[tuple[int, int], float]:
+    """Per (rank, position), what each compute, issue and bookkeeping action of a measured step
+    cost its rank: its core time (:func:`_core_time`), less the time of the collectives it issued
+    inside its layers (tensor parallel) while it ran, which the Plan lists, and a simulation runs,
+    after it."""
+    work = _core_time(plan, step, cores)
+    own: dict[tuple[int, int], float] = {}
+    for r, times in enumerate(step):
+        kinds_roles = roles(plan.actions[r])
+        own.update({(r, pos): work(start, end) for pos, start, end in times if kinds_roles[pos] != WAIT})
+        for outer, start, end in _nested(plan, r, times):
+            own[(r, outer)] -= work(start, end)
+    return own
+
+
+def _nested(plan: Plan, r: int, times: ActionTimes) -> list[tuple[int, float, float]]:
+    """The collectives rank ``r``'s computes issued inside their layers, measured within them:
+    (the compute's position, the part of the collective's time inside the compute's)."""
+    found, outer = [], None
+    for pos, start, end in sorted(times):
+        kind = plan.actions[r][pos].kind
+        if kind in INSIDE_COMPUTE:
+            if outer is not None and min(end, outer[2]) > max(start, outer[1]):
+                found.append((outer[0], max(start, outer[1]), min(end, outer[2])))
+        else:
+            outer = (pos, start, end) if kind in COMPUTE_KINDS else None
+    return found
+
+
+def _core_time(plan: Plan, step: Sequence[ActionTimes], cores: int | None) -> Callable[[float, float], float]:
+    """``work(start, end)``: the core time a rank had from ``start`` to ``end`` (two of its action
+    boundaries) when the busy (not waiting) ranks of ``step`` shared ``cores`` equally. A wait
+    counts as idle throughout: its own cost once its data is in (small) cannot be told apart from
+    its waiting in a measured step. So does a collective a compute issues inside its layers."""
+    if cores is None:
+        return lambda start, end: end - start
+    change: dict[float, int] = defaultdict(int)
+    for r, times in enumerate(step):
+        kinds_roles = roles(plan.actions[r])
+        for pos, start, end in times:
+            change[start] += 0
+            change[end] += 0
+            if kinds_roles[pos] != WAIT:
+                change[start] += 1
+                change[end] -= 1
+        for _, start, end in _nested(plan, r, times):  # idle inside its busy compute
+            change[start] -= 1
+            change[end] += 1
+    had: dict[float, float] = {}
+    busy, total, before = 0, 0.0, None
+    for t in sorted(change):
+        if before is not None:
+            total += (t - before) * (1.0 if busy <= cores else cores / busy)
+        had[t], busy, before = total, busy + change[t], t
+    return lambda start, end: had[end] - had[start]
+
+
+def measured_transfers(plan: Plan, steps: Iterable[Sequence[ActionTimes]], costs: PlanCosts) -> list[
+        tuple[str, int, int, float]]:
+    """``(op, bytes, ranks, seconds)`` of the transfers and collectives of measured steps that some
+    rank was seen waiting for: the input :meth:`CommModel.fit` takes.
+
+    A message takes from the end of its send to the end of the receive that waited for it, less
+    the receive's own cost (``costs``). A collective takes from when it could begin to the
+    earliest end of a wait for it that did wait, less that wait's cost; it could begin at the
+    last member's issue (the start of a synchronous one), or later, when the group's previous
+    collective came in (a group runs its collectives in order, as ``simulate`` does). Where that
+    previous one is known only to have been in by some time after the last issue (its waits
+    found it in), the start is unknown and the sample is left out. Only actions moving one
+    tensor are counted, and one clock must serve every rank (``time.perf_counter`` on one
+    machine does). Under CPU contention the figures include the time a woken rank waited for a
+    core.
+    """
+    samples: list[tuple[str, int, int, float]] = []
+    for step in steps:
+        check_action_times(plan, step, "measured_transfers")
+        when = [{pos: (start, end) for pos, start, end in times} for times in step]
+        sent: dict[tuple[Any, ...], deque[float]] = defaultdict(deque)
+        calls: dict[tuple[Any, ...], list[tuple[float, float | None, float | None, int]]] = defaultdict(list)
+        ops: dict[tuple[Any, ...], str] = {}
+        for r, actions in enumerate(plan.actions):
+            for pos, a in enumerate(actions):
+                if a.kind in SENDS and pos in when[r]:
+                    sent[channel(r, peer_rank(plan.mesh, r, a), a)].append(when[r][pos][1])
+            for key, issued, waited, a in _collectives_of(plan, r):
+                if issued in when[r]:
+                    done = in_by = None
+                    if waited is not None and waited in when[r]:
+                        start, end = when[r][waited]
+                        own = costs.of(actions[waited], r)
+                        done = end - own if end - own > start else None  # it did wait for the data
+                        in_by = start if done is None else None  # it did not: in by its start
+                    # A synchronous collective (issued where it is waited for) is there from its start.
+                    arrived = when[r][issued][0] if issued == waited else when[r][issued][1]
+                    calls[key].append((arrived, done, in_by, a.nbytes if len(a.wire) == 1 else -1))
+                    ops[key] = a.op or "psum"
+        for r, actions in enumerate(plan.actions):
+            for pos, a in enumerate(actions):
+                if a.kind not in RECVS or pos not in when[r]:
+                    continue
+                queue = sent.get(channel(r, peer_rank(plan.mesh, r, a), a))
+                if not queue:
+                    continue
+                send_end, (start, end) = queue.popleft(), when[r][pos]
+                took = end - costs.of(a, r) - send_end
+                if start < send_end and took > 0 and len(a.wire) == 1:
+                    samples.append(("send", a.nbytes, 2, took))
+        for (axis, group, k), members in calls.items():
+            dones = [d for _, d, _, _ in members if d is not None]
+            if len(members) == len(group) and dones and min(b for *_, b in members) >= 0:
+                began = _could_begin(max(i for i, *_ in members), calls.get((axis, group, k - 1), ()))
+                if began is not None and min(dones) > began:
+                    samples.append((ops[(axis, group, k)], max(b for *_, b in members), len(group),
+                                    min(dones) - began))
+    return samples
+
+
+def _could_begin(last_issue: float, previous: Sequence[tuple[float, float | None, float | None, int]]) -> float | None:
+    """When a collective issued last at ``last_issue`` could begin, behind the group's ``previous``
+    one ((issue, came in, in by, bytes) per member); None where that is unknown."""
+    came_in = [d for _, d, _, _ in previous if d is not None]
+    if came_in:  # some member waited for it: it came in then
+        return max(last_issue, min(came_in))
+    in_by = [t for _, _, t, _ in previous if t is not None]
+    if not in_by or min(in_by) <= last_issue:  # it was in before this one was issued (or never seen)
+        return last_issue
+    return None  # in somewhere between the last issue and min(in_by): the start is unknown
+
+
+def _collectives_of(plan: Plan, r: int) -> Iterator[tuple[tuple[Any, ...], int, int | None, Action]]:
+    """Per collective of rank ``r``: (its group's key, the issuing position, the waiting position)."""
+    actions, kinds_roles = plan.actions[r], roles(plan.actions[r])
+    seq: dict[str, int] = defaultdict(int)
+    for pos, a in enumerate(actions):
+        if a.op is None or a.axis is None or a.kind in SENDS or a.kind in RECVS:
+            continue
+        group = plan.mesh.group_ranks(a.axis, r)
+        key = (a.axis, group, seq[a.axis])
+        seq[a.axis] += 1
+        if kinds_roles[pos] != ISSUE:  # a sync all-reduce waits in itself
+            yield key, pos, pos, a
+            continue
+        wait = WAIT_METRICS if a.kind == REDUCE_METRICS else next(k for k, v in WAIT_OF.items() if v == a.kind)
+        later = (j for j in range(pos + 1, len(actions)) if actions[j].kind == wait and actions[j].layer == a.layer)
+        yield key, pos, next(later, None), a

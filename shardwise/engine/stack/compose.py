@@ -1,0 +1,135 @@
+"""Composition rules: which transform stacks are accepted, and what each transform does when
+another is there. Stated once, here, over the stack of frozen specs a Step carries.
+
+A transform appends its spec to ``step.transforms`` through :func:`add`, which
+checks the whole new stack. Each spec has a ``name`` (the transform's), a
+``role`` (what the engine's lowering asks of it) and a text form. The rules:
+
+* Every transform is applied at most once: a second ``remat`` (also with
+  ``mixed_precision`` between the two), ``mixed_precision``, ``shard_params``
+  or ``pipeline`` is refused. Apply it once, with the options you want.
+* ``shard_params`` and ``pipeline`` go over different mesh axes, in either
+  order: the lowering is the same (the pipeline decides which layers a rank
+  holds and when they compute; ZeRO shards that rank's layers over its axis).
+* Under a pipeline, ZeRO does not reshard after forward by default: a stage's
+  units are gathered before their first compute of the step and kept to their
+  last (torchtitan's rule for PP: per-micro-batch all-gathers would cost more
+  than they save). ``reshard_after_forward=True`` given explicitly frees a
+  unit after every forward not followed by another forward, and after every
+  compute the next one does not share, and gathers it again (FSDP2's reshard
+  per micro-batch: least memory, most traffic). ``prefetch`` gathers the units
+  of the next computes on this rank early, as without a pipeline.
+* Under a pipeline, ``shard_params(accumulation=k)`` is refused: the
+  pipeline's micro-batches are the accumulation (use ``microbatches=``).
+* ``tensor_parallel`` goes over its own mesh axis, not shard_params' nor the
+  pipeline's: 2-D is ``Mesh(dp=2, tp=2)`` with ZeRO sharding each rank's
+  tensor-parallel slices over ``dp``; 3-D adds ``pp``, whose stages hold those
+  slices. Its layers are rewritten first (innermost): remat then recomputes a
+  layer's collectives with its forward, and the precision casts go around them,
+  so its sums travel in each layer's reduce dtype and its gathers in the
+  compute dtype.
+* ``mixed_precision`` and ``remat`` rewrite layer functions, in any order with
+  the others, and the result does not depend on the order: the layers are
+  rebuilt from the chain train_step got, remat innermost and the precision
+  casts around it (a checkpointed layer then keeps its compute-dtype input,
+  not the input before the cast). Under ``mixed_precision`` ZeRO gathers
+  parameters in the compute dtype and reduces gradients in the reduce dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol, TypeVar
+
+from ..model.chain import Chain
+
+
+class Stacked(Protocol):
+    """What the rules need of a step (engine/step/step.py's Step): its stack and its chains."""
+
+    @property
+    def transforms(self) -> tuple[Any, ...]: ...
+
+    @property
+    def base_chain(self) -> Chain: ...
+
+
+S = TypeVar("S", bound=Stacked)
+
+PLACEMENT = "placement"  # decides which layers each rank holds and when they compute (pipeline)
+SHARDING = "sharding"  # shards a rank's units over an axis (shard_params)
+REWRITE = "rewrite"  # rewrites layer functions (mixed_precision, remat)
+SPLIT = "split"  # cuts parameters over an axis and rewrites the layers that use them (tensor_parallel)
+ROLES = (PLACEMENT, SHARDING, REWRITE, SPLIT)
+_REBUILDS = (REWRITE, SPLIT)  # the roles whose specs rebuild the chain
+
+
+def describe(stack: tuple[Any, ...]) -> str:
+    return " -> ".join(str(s) for s in stack) or "(no transform)"
+
+
+def check_stack(stack: tuple[Any, ...]) -> None:
+    """Refuse a stack that cannot work, naming the transforms and the fix."""
+    seen: dict[str, Any] = {}
+    for spec in stack:
+        if spec.role not in ROLES:
+            raise TypeError(f"{spec!r} has role {spec.role!r}; a transform's role is one of {ROLES}")
+        if spec.name in seen:
+            raise ValueError(
+                f"{spec.name} was applied twice (the stack is {describe(stack)}; already {seen[spec.name]}); "
+                f"apply {spec.name} once, with the options you want"
+            )
+        seen[spec.name] = spec
+    split = [s for s in stack if s.role == SPLIT]
+    for tp in split:
+        for other in stack:
+            if other is not tp and getattr(other, "axis", None) == tp.axis:
+                raise ValueError(
+                    f"tensor_parallel and {other.name} both use axis {tp.axis!r} ({describe(stack)}); give them "
+                    "different axes of one mesh, e.g. sw.Mesh(dp=2, tp=2) with shard_params(..., 'dp') and "
+                    "tensor_parallel(..., 'tp')"
+                )
+    placement = [s for s in stack if s.role == PLACEMENT]
+    sharding = [s for s in stack if s.role == SHARDING]
+    if placement and sharding:
+        pipe, zero = placement[0], sharding[0]
+        if pipe.axis == zero.axis:
+            raise ValueError(
+                f"shard_params and pipeline both use axis {zero.axis!r} ({describe(stack)}); give them different "
+                "axes of one mesh, e.g. sw.Mesh(dp=2, pp=2) with shard_params(..., 'dp') and pipeline(..., 'pp')"
+            )
+        if zero.accumulation != 1:
+            raise ValueError(
+                f"shard_params(accumulation={zero.accumulation}) with pipeline ({describe(stack)}): the pipeline's "
+                "micro-batches are the accumulation; drop accumulation and set pipeline(..., microbatches=...)"
+            )
+
+
+def add(step: S, spec: Any, **fields: Any) -> S:
+    """``step`` with ``spec`` appended to its stack, once the new stack passes :func:`check_stack`
+    (and with ``fields`` replaced); a rewriting spec rebuilds the layers from the source chain."""
+    stack = (*step.transforms, spec)
+    check_stack(stack)
+    new = dataclasses.replace(step, transforms=stack, **fields)  # type: ignore[type-var]
+    if spec.role not in _REBUILDS:
+        return new
+    chain = step.base_chain
+    for rewrite in sorted((s for s in stack if s.role in _REBUILDS), key=lambda s: s.rewrite_order):
+        # A split reads the rest of the stack (mixed_precision's reduce dtype applies to its sums).
+        chain = rewrite.rewrite(chain, stack) if rewrite.role == SPLIT else rewrite.rewrite(chain)
+    return dataclasses.replace(new, chain=chain, source_chain=step.base_chain)  # type: ignore[type-var]
+
+
+def find(stack: tuple[Any, ...], role: str) -> Any:
+    """The spec playing ``role`` in the stack, or None."""
+    for spec in stack:
+        if spec.role == role:
+            return spec
+    return None
+
+
+def reshard_after_forward(sharding: Any, pipelined: bool) -> bool:
+    """The rule above: an explicit choice wins; by default, reshard alone, keep under a pipeline."""
+    if sharding.reshard_after_forward is not None:
+        return bool(sharding.reshard_after_forward)
+    return not pipelined

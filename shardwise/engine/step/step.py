@@ -1,0 +1,668 @@
+"""The training step as a value: the single-device reference, and every transformed step.
+
+``train_step(chain, loss_fn, optimizer)`` returns a :class:`Step`: an immutable
+value with ``init(params, mesh) -> TrainState``, ``step(state, batch) ->
+(state, metrics)`` and ``plan(mesh, params, batch) -> Plan``. Transforms
+(shard_params, pipeline, mixed_precision, remat) append a frozen spec to
+``step.transforms`` (``engine/stack/compose.py`` checks the stack); the step then runs
+the lowering of its whole stack (``engine/plan/lower.py``) on the one executor
+(``engine/run/executor.py``). With no transform it computes exactly what
+``loss.backward(); optimizer.step()`` computes on one device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import optree
+import torch
+
+from ...collectives.mesh import Mesh
+from ..checkpoint.cut import split_opt_state
+from ..layout.devices import device_of, host_scalar
+from ..layout.precision import Precision, compute_dtype
+from ..layout.sharding import FlatSharding
+from ..layout.state import Params, TrainState, check_params, map_params
+from ..layout.state_layout import (
+    StateLayout,
+    full_params,
+    leaf_specs,
+    local_params,
+    meta_shards,
+    unit_names,
+)
+from ..model.chain import Chain
+from ..optim.optimizers import Optimizer
+from ..plan.accounting import predict_kept_for_backward
+from ..plan.actions import Plan
+from ..plan.batches import split_batch, split_over
+from ..plan.lower import (
+    metric_axes,
+    microbatch_count,
+    placement_of,
+    predict_boundaries,
+    rank_actions,
+)
+from ..run.agreement import check_ranks_agree
+from ..run.executor import Executor, LossFn, ParamSource
+from ..run.metrics import (
+    REPORTABLE,
+    MetricExchange,
+    Summed,
+    batch_fingerprint,
+    check_metrics,
+    different_batches,
+)
+from ..run.rng import mix
+from ..stack.compose import PLACEMENT, SHARDING, SPLIT, describe, find
+from .planning import plan_of
+
+Metrics = dict[str, torch.Tensor]
+
+
+
+
+
+def clip_scale(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """The factor that clips a gradient of global ``norm`` to ``max_norm`` (torch's clip_grad_norm_)."""
+    return torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+
+
+def unscale_like(grads: Any, like: Any, scale: float) -> Any:
+    """Gradients in the dtype of ``like`` (the master parameters), divided by the loss scale."""
+    if scale == 1.0:
+        return optree.tree_map(lambda g, p: g.to(p.dtype), grads, like)
+    return optree.tree_map(lambda g, p: g.to(p.dtype) / scale, grads, like)
+
+
+
+@dataclass(frozen=True)
+class Step:
+    """A training step as a value: the chain, the loss and the optimizer, and the transforms on them.
+
+    ``loss_fn(output, targets)`` returns the *mean* loss over the batch (the
+    default reduction of torch's losses), so that a step on a split batch can be
+    made equal to the step on the whole batch; or, with ``tokens`` (see
+    :func:`train_step`), a token sum and count, or a mean over counted tokens. ``transforms`` is the stack of
+    frozen specs the transforms appended, innermost first.
+    """
+
+    chain: Chain
+    loss_fn: LossFn
+    optimizer: Optimizer
+    clip_norm: float | None = None
+    precision: Precision | None = None  # set by mixed_precision
+    metrics: tuple[str, ...] = REPORTABLE  # what the step reports (see shardwise.engine.run.metrics)
+    tokens: Any = None  # how the loss weighs the batch (see train_step)
+    transforms: tuple[Any, ...] = ()
+    # The chain as train_step got it, once a rewriting transform made ``chain`` from it.
+    source_chain: Chain | None = None
+    trace: bool | None = None  # whether a step reports when each of its Plan's actions ran (with_trace);
+    # None: as its pipeline says (pipeline(..., trace=True)), else not
+
+    @property
+    def base_chain(self) -> Chain:
+        """The chain before any rewriting transform (mixed_precision, remat)."""
+        return self.chain if self.source_chain is None else self.source_chain
+
+    # -- the stack ----------------------------------------------------------------------------
+    @property
+    def pipeline_spec(self) -> Any:
+        """The pipeline's spec, if the step is pipelined."""
+        return find(self.transforms, PLACEMENT)
+
+    @property
+    def sharding_spec(self) -> Any:
+        """shard_params' spec, if the step is data parallel with ZeRO sharding."""
+        return find(self.transforms, SHARDING)
+
+    @property
+    def split_spec(self) -> Any:
+        """tensor_parallel's spec, if the step splits parameters over an axis."""
+        return find(self.transforms, SPLIT)
+
+    def tp_view(self, params: Params, mesh: Mesh | None, rank: int | None = None) -> Params:
+        """The parameters as ``rank`` (default: the calling rank) computes with them: under
+        tensor_parallel its slices of the split ones, else ``params`` itself."""
+        tp = self.split_spec
+        if tp is None:
+            return params
+        assert mesh is not None
+        return tp.local_params(self.base_chain, params, mesh, rank)
+
+    def tp_predicting(self, mesh: Mesh | None) -> Any:
+        """A block in which the layers may run on fake tensors: tensor-parallel collectives move nothing."""
+        tp = self.split_spec
+        return contextlib.nullcontext() if tp is None or mesh is None else tp.predicting(mesh)
+
+    @functools.cached_property
+    def stack_key(self) -> tuple[str, ...]:
+        """Each transform's text form: what a TrainState records of the step that made it (read
+        once per step value, not at every call)."""
+        return tuple(str(spec) for spec in self.transforms)
+
+    def describe(self) -> str:
+        """The transform stack in text, innermost first."""
+        return describe(self.transforms)
+
+    # -- metrics, shared by every kind of step --------------------------------------
+    def with_metrics(self, metrics: Iterable[str]) -> Step:
+        """This step reporting ``metrics`` instead (any of ``"loss"``, ``"grad_norm"``; ``()`` for
+        none). It takes and returns the same states and updates them in the same way."""
+        return dataclasses.replace(self, metrics=check_metrics(metrics))
+
+    def with_trace(self, on: bool = True) -> Step:
+        """This step also reporting when each action of its rank's Plan ran: ``metrics["action_times"]``,
+        ``(position in the rank's Plan actions, start, end)`` per action (``time.perf_counter``
+        seconds; the collectives a compute issues inside its layers, under tensor parallel, at
+        their own positions, within their compute's time), what ``PlanTimeline.from_measured``
+        and ``PlanCosts.fit`` read, and
+        ``metrics["trace"]``, the computes as ``(rank, label, start, end)``. Any stack can be
+        traced (``pipeline(..., trace=True)`` is the same for a pipelined one); it costs two clock
+        reads per action (and, under tensor parallel, a context variable set per action and two
+        clock reads per in-layer collective). ``with_trace(False)`` turns it off, a pipeline's
+        ``trace=True`` included. The states and updates are unchanged.
+
+        >>> import torch, shardwise as sw
+        >>> from shardwise.testing.models import mlp
+        >>> chain, params = sw.functionalize(mlp([4, 8, 2]))
+        >>> step = sw.shard_params(sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1)), "dp", 3)
+        >>> traced, batch = step.with_trace(), (torch.randn(8, 4), torch.randn(8, 2))
+        >>> def one_step():
+        ...     return traced(traced.init(params, sw.Mesh(dp=2)), batch)[1]["action_times"]
+        >>> times = sw.launch(one_step, world=2)
+        >>> [len(t) for t in times] == [len(a) for a in traced.plan(sw.Mesh(dp=2), params, batch).actions]
+        True
+        """
+        return dataclasses.replace(self, trace=bool(on))
+
+    @property
+    def traced(self) -> bool:
+        """Whether a step reports its action times (:meth:`with_trace`, or ``pipeline(..., trace=True)``)."""
+        if self.trace is not None:
+            return self.trace
+        pipe = self.pipeline_spec
+        return bool(pipe is not None and pipe.trace)
+
+    @property
+    def needs_norm(self) -> bool:
+        """Whether the step computes the global gradient norm: reported, or needed to clip."""
+        return "grad_norm" in self.metrics or self.clip_norm is not None
+
+    @property
+    def update_needs_sums(self) -> bool:
+        """Whether the update depends on the summed values: clipping by the global norm, skipping
+        everywhere on a gradient that is not finite somewhere, or dividing by the global token count."""
+        return self.clip_norm is not None or self.precision is not None or self.tokens is not None
+
+    def metric_exchange(self) -> MetricExchange:
+        """What the ranks of this step sum after the backward (nothing, if no metric or rule needs it)."""
+        return MetricExchange(
+            loss="loss" in self.metrics, norm=self.needs_norm, finite=self.precision is not None,
+            count=self.tokens is not None, batch=bool(metric_axes(self)),
+        )
+
+    def report(self, loss: torch.Tensor | None, norm: torch.Tensor | None) -> Metrics:
+        """The asked-for metrics, from the global mean loss and gradient norm (given when asked for)."""
+        metrics: Metrics = {}
+        if "loss" in self.metrics:
+            assert loss is not None, "the step's loss was asked for but not computed"
+            metrics["loss"] = loss
+        if "grad_norm" in self.metrics:
+            assert norm is not None, "the step's gradient norm was asked for but not computed"
+            metrics["grad_norm"] = norm
+        return metrics
+
+    # -- precision ------------------------------------------------------------------
+    def master_params(self, params: Params) -> Params:
+        """Detached copies of the parameters in the stored (master) dtype of each layer's policy."""
+        # Always copies: the step owns its state (an in-place optimizer writes into it), so the
+        # caller's tensors must never be the state's.
+        if self.precision is None:
+            return map_params(lambda t: t.detach().clone(), params)
+        prec = self.precision
+        return {
+            layer: {k: t.detach().to(prec.for_layer(layer).params, copy=True) for k, t in tensors.items()}
+            for layer, tensors in params.items()
+        }
+
+    def _master_meta(self, params: Params) -> Params:
+        """The master parameters as meta tensors: shapes and stored dtypes, no data."""
+        prec = self.precision
+        return {
+            layer: {
+                k: torch.empty(t.shape, dtype=t.dtype if prec is None else prec.for_layer(layer).params, device="meta")
+                for k, t in tensors.items()
+            }
+            for layer, tensors in params.items()
+        }
+
+    def _compute_params(self, params: Params) -> Params:
+        return params if self.precision is None else self.precision.compute_params(params)
+
+    def initial_loss_scale(self) -> Any:
+        return None if self.precision is None else self.precision.loss_scale
+
+    def loss_scale_value(self, state: TrainState) -> float:
+        return 1.0 if state.loss_scale is None else state.loss_scale.scale_value()
+
+    def finish(
+        self, state: TrainState, grads: Any, params: Any, norm: torch.Tensor | None, finite: bool
+    ) -> tuple[Any, Any, Any]:
+        """Clip and update, or skip the update when a gradient anywhere was not finite.
+
+        ``grads`` are unscaled and in the dtype of ``params`` (what the
+        optimizer updates). ``norm`` is the global gradient norm, needed only with
+        ``clip_norm``. Returns (params, optimizer state, loss scale).
+        """
+        scale = state.loss_scale
+        if not finite:
+            # Every rank saw the same global flag, so every rank skips together.
+            return params, state.opt_state, None if scale is None else scale.adjust(False)
+        if self.clip_norm is not None:
+            if norm is None:
+                raise ValueError("Step.finish: clip_norm is set, so the global gradient norm must be given")
+            factor = clip_scale(norm, self.clip_norm)
+            grads = optree.tree_map(lambda g: g * factor.to(g.dtype), grads)
+        new_params, new_opt_state = self.optimizer.update(grads, state.opt_state, params)
+        return new_params, new_opt_state, None if scale is None else scale.adjust(True)
+
+    # -- layout ------------------------------------------------------------------------
+    def _check_mesh(self, mesh: Mesh | None) -> Mesh | None:
+        for spec in self.transforms:
+            axis = getattr(spec, "axis", None)
+            if axis is None:
+                continue
+            if mesh is None:
+                raise ValueError(f"{spec.name}(axis={axis!r}) needs the mesh: call step.init(params, mesh)")
+            if axis not in mesh.axis_names:
+                raise ValueError(
+                    f"{spec.name}(axis={axis!r}): {mesh!r} has no axis {axis!r}; use one of {mesh.axis_names} "
+                    "or build the mesh with that axis"
+                )
+        return mesh
+
+    def layout(self, mesh: Mesh | None, params: Params, rank: int | None = None) -> StateLayout:
+        """How this step lays out ``params`` on ``mesh``, as seen by ``rank`` (default: the calling
+        rank inside a launched program, else rank 0): the placement of layers, the per-leaf shard
+        specs, and that rank's flat units."""
+        mesh = self._check_mesh(mesh)
+        check_params(self.chain, params)
+        placement, schedule = placement_of(self, mesh, params)
+        if rank is None and mesh is not None and (placement.axis is not None or self.split_spec is not None):
+            try:
+                rank = mesh.rank
+            except RuntimeError:  # not inside a launched program: describe rank 0
+                rank = 0
+        index = placement.index_of(mesh, rank) if rank is not None else 0
+        meta = self._master_meta(self.tp_view(params, mesh, rank))
+        tp = self.split_spec
+        splits = None if tp is None or mesh is None else tp.splits(self.base_chain, mesh.axis_size(tp.axis))
+        zero = self.sharding_spec
+        shardings: dict[int, FlatSharding | None] = {}
+        for i in sorted(set(placement.stage_rank)):
+            local = local_params(meta, placement, i)
+            shardings[i] = (
+                None if zero is None or mesh is None else FlatSharding.of(zero.axis, zero.stage, local, mesh.axis_size(zero.axis))
+            )
+        leaves = leaf_specs(meta, placement, shardings, splits)
+        opt_leaves: dict[str, dict[tuple[str, str], Any]] = {}
+        opt_scalars: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        for i in sorted(set(placement.stage_rank)):  # every pipeline index's state, like ``leaves``
+            mirrors, scalars = self._opt_specs(leaves, local_params(meta, placement, i), shardings[i])
+            for path, specs in mirrors.items():
+                opt_leaves.setdefault(path, {}).update(specs)
+            opt_scalars.update(scalars)
+        return StateLayout(
+            placement, shardings[index], leaves, tuple(params), self.stack_key, schedule, opt_leaves=opt_leaves,
+            opt_scalars=opt_scalars,
+        )
+
+    def _opt_specs(self, leaves: dict[tuple[str, str], Any], master: Params, sharding: FlatSharding | None) -> tuple[
+            dict[str, dict[tuple[str, str], Any]], dict[str, tuple[tuple[int, ...], torch.dtype]]]:
+        """The optimizer state's specs (see StateLayout.opt_leaves), from its state on meta tensors."""
+        update = master if sharding is None else meta_shards(sharding)
+        mirrors, scalars = split_opt_state(self.optimizer.init(update), update)
+        opt_leaves: dict[str, dict[tuple[str, str], Any]] = {}
+        for path, mirror in mirrors.items():
+            opt_leaves[path] = {}
+            for key, spec in leaves.items():
+                held = mirror.get(key[0]) if sharding is not None else mirror.get(key[0], {}).get(key[1])
+                if isinstance(held, torch.Tensor):
+                    opt_leaves[path][key] = dataclasses.replace(spec, dtype=held.dtype)
+        return opt_leaves, {path: (tuple(t.shape), t.dtype) for path, t in scalars.items()}
+
+    def boundaries(self, layout: StateLayout, inputs: Any, mesh: Mesh | None = None) -> Any:
+        """The (shape, dtype) of every tensor each pipeline stage passes on, for micro-batch ``inputs``
+        (memoised per input layout; None when the chain cannot run on fake tensors)."""
+        key = ("boundaries", tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t for t in optree.tree_leaves(inputs)))
+        if key not in layout.cache:
+            prec = self.precision
+            shapes: dict[str, dict[str, tuple[torch.Size, torch.dtype]]] = {}
+            for spec in layout.leaves.values():
+                shapes.setdefault(spec.layer, {})[spec.name] = (torch.Size(spec.local_shape), spec.dtype)
+            with self.tp_predicting(mesh):
+                layout.cache[key] = predict_boundaries(
+                    self.chain, layout.placement, shapes,
+                    lambda layer, dtype: compute_dtype(prec, layer, dtype), inputs,
+                )
+        return layout.cache[key]
+
+    # -- state ----------------------------------------------------------------
+    def init(self, params: Params, mesh: Mesh | None = None, *, seed: int = 0) -> TrainState:
+        """Build this rank's TrainState from full parameters (every rank passes the same ones).
+
+        ``seed`` starts the step's random streams (dropout): every rank passes the same; each
+        rank, stage, micro-batch and step draws its own stream from it (engine/run/rng.py).
+        """
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"init(seed={seed!r}): the seed of the step's random streams is an int")
+        mesh = self._check_mesh(mesh)
+        check_params(self.chain, params)
+        layout = self.layout(mesh, params)
+        if mesh is not None and self.transforms and any(getattr(s, "axis", None) for s in self.transforms):
+            check_ranks_agree(mesh, {
+                "transform stack": self.describe(),
+                "schedule": str(layout.schedule),
+                "mesh": repr(mesh),
+                "parameter names, shapes and dtypes": repr([(k, n, tuple(t.shape), t.dtype) for k, v in params.items() for n, t in v.items()]),
+                # One pass over the values: ranks that built the model themselves from different seeds
+                # start from different weights.
+                "parameter values": repr([float(t.detach().double().sum()) for v in params.values() for t in v.values()]),
+                "seed": str(seed),
+            }, device_of(params))
+        index = layout.index_of(mesh)
+        master = self.master_params(local_params(self.tp_view(params, mesh), layout.placement, index))
+        sharding = layout.sharding
+        held: Any
+        update_tree: Any
+        if sharding is None:
+            held, update_tree = master, master
+        else:
+            assert mesh is not None
+            dp_index = mesh.axis_index(sharding.axis)
+            held, update_tree = sharding.held(master, dp_index), sharding.shards_of(master, dp_index)
+        return TrainState(
+            held, self.optimizer.init(update_tree), 0, self.initial_loss_scale(), mesh=mesh, layout=layout, rng=seed
+        )
+
+    def _state_layout(self, state: TrainState) -> StateLayout:
+        layout = state.layout
+        stack = self.stack_key
+        if not isinstance(layout, StateLayout) or layout.stack != stack:
+            made = layout.stack if isinstance(layout, StateLayout) else "something else"
+            raise ValueError(
+                f"this TrainState was made by {describe(made) if isinstance(made, tuple) else made}, not by this step "
+                f"({self.describe()}); build it with step.init(params, mesh)"
+            )
+        return layout
+
+    def full_params(self, state: TrainState) -> Params:
+        """The complete parameters on every rank (collectives, once parameters are sharded or
+        pipelined: every rank calls this together)."""
+        return full_params(self._state_layout(state), state.params, state.mesh)
+
+    # -- running --------------------------------------------------------------
+    def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, Metrics]:
+        layout = self._state_layout(state)
+        mesh: Mesh | None = state.mesh
+        placement = layout.placement
+        index = layout.index_of(mesh)
+        pipe, sharding, prec = self.pipeline_spec, layout.sharding, self.precision
+        pair = split_batch(batch)
+        replicas = dp_index = 0
+        if sharding is not None:
+            assert mesh is not None
+            replicas, dp_index = mesh.axis_size(sharding.axis), mesh.axis_index(sharding.axis)
+            pair = split_over(pair, replicas, dp_index, f"shard_params over axis {sharding.axis!r} of size {replicas}")
+        k = microbatch_count(self)
+        what = f"pipeline(microbatches={k})" if pipe is not None else f"shard_params(accumulation={k}) on the local batch"
+        micro = [pair] if k == 1 and sharding is None else [split_over(pair, k, j, what) for j in range(k)]
+        scale = self.loss_scale_value(state)
+        if sharding is None:
+            master = state.params
+            source = ParamSource(compute=self._compute_params(state.params))
+        else:
+            master = sharding.my_shards(state.params, dp_index)
+            if sharding.holds_shards:
+                # Compute copies are cast once per step, before they travel: half the bytes in bf16.
+                gather_from = master if prec is None else {u: t.to(prec.for_layer(u).compute) for u, t in master.items()}
+                source = ParamSource(sharding=sharding, gather_from=gather_from)
+            else:
+                source = ParamSource(compute=self._compute_params(state.params), sharding=sharding)
+        # The actions depend on the stack (the layout's) and on what the step exchanges.
+        exchange, axes = self.metric_exchange(), metric_axes(self)  # read once a step
+        key = ("actions", index, exchange, self.update_needs_sums)
+        actions = layout.cache.get(key)
+        if actions is None:
+            actions = layout.cache[key] = rank_actions(self, placement, layout.schedule, index, unit_names(sharding))
+        outcome: dict[str, Any] = {}
+
+        def update(grads: Any, summed: Summed) -> Any:
+            norm = summed.norm
+            if self.tokens is not None:  # the gradients of the summed losses: divide by the global count
+                count = _token_count(summed)
+                grads = optree.tree_map(lambda g: g / count.to(g.dtype), grads)
+                norm = None if norm is None else norm / count.to(norm.dtype)
+            new_master, outcome["opt_state"], outcome["loss_scale"] = self.finish(
+                state, grads, master, norm, summed.finite
+            )
+            return new_master
+
+        executor = Executor(
+            chain=self.chain,
+            loss_fn=self.loss_fn,
+            mesh=mesh,
+            placement=placement,
+            source=source,
+            microbatches=micro,
+            # A mean loss counts 1/(replicas x micro-batches) of the step; a token sum is divided
+            # by the global count in the update instead.
+            seed=scale if self.tokens is not None else scale / (max(replicas, 1) * k),
+            finalize=lambda grads: unscale_like(grads, master, scale),
+            update=update,
+            master=master,
+            held=state.params,
+            grad_scale=scale,
+            reduce_dtypes=None if prec is None or sharding is None else {
+                u: prec.for_layer(u).reduce for u in sharding.units
+            },
+            metric_dtype=layout.metric_dtype,
+            exchange=exchange,
+            metric_axes=axes,
+            replica_layers=frozenset(o for o, _ in placement.replicas_of(index)),
+            boundaries=None if pipe is None else self.boundaries(layout, micro[0][0], mesh),
+            poison=bool(pipe is not None and pipe.poison),
+            record=self.traced,
+            tokens=self.tokens,
+            rng_seed=None if state.rng is None else mix(state.rng, state.step),
+            counted=self._counted(layout, mesh),
+            # Summed with the metrics (and, under tensor_parallel, compared in its replica check).
+            batch_fingerprint=batch_fingerprint(batch) if exchange.batch or self.split_spec else None,
+            rng_rank=self._rng_rank(mesh),
+            replicated=None if self.split_spec is None else self._tp_selection(layout, mesh, replicated=True),
+        )
+        executor.run(actions)
+        summed = executor.summed
+        if mesh is not None and summed.batch is not None and summed.batches_differ(_exchange_group(mesh, axes)):
+            raise ValueError(different_batches())
+        if self.tokens is not None:
+            count = _token_count(summed)
+            loss = None if summed.loss_sum is None else summed.loss_sum / count.to(summed.loss_sum.dtype)
+            norm = None if summed.norm is None else summed.norm / count.to(summed.norm.dtype)
+            metrics = self.report(loss, norm)
+        else:
+            metrics = self.report(summed.mean_loss(max(replicas, 1) * k), summed.norm)
+        if sharding is not None:
+            metrics["peak_gathered_bytes"] = host_scalar(executor.peak_gathered_bytes)
+        if prec is not None:
+            metrics["loss_scale"] = host_scalar(scale)
+            metrics["skipped"] = host_scalar(not summed.finite)
+        if self.traced:
+            metrics["trace"] = executor.events  # type: ignore[assignment]
+            # Every action with its position in this rank's list: a measured timeline of the Plan.
+            metrics["action_times"] = executor.action_times  # type: ignore[assignment]
+        new_state = state._replace(
+            params=executor.new_held, opt_state=outcome["opt_state"], step=state.step + 1,
+            loss_scale=outcome["loss_scale"],
+        )
+        return new_state, metrics
+
+    def _tp_selection(self, layout: StateLayout, mesh: Mesh | None, replicated: bool) -> Any:
+        """Under tensor_parallel, this rank's gradients of the replicated parameters (``replicated``)
+        or of the split ones: their keys, or under ZeRO per unit the ranges of its flat shard."""
+        tp = self.split_spec
+        assert tp is not None and mesh is not None
+        key = ("tp_selection", replicated)
+        if key not in layout.cache:
+            whole = tp.replicated(self.base_chain)
+            sharding = layout.sharding
+            if sharding is None:
+                layout.cache[key] = frozenset(
+                    (s.layer, s.name) for s in layout.leaves.values() if ((s.layer, s.name) in whole) == replicated
+                )
+            else:
+                index = mesh.axis_index(sharding.axis)
+                layout.cache[key] = {
+                    u: lay.ranges_in_shard(frozenset(n for n in lay.names if ((u, n) in whole) == replicated), index)
+                    for u, lay in sharding.units.items()
+                }
+        return layout.cache[key]
+
+    def _counted(self, layout: StateLayout, mesh: Mesh | None) -> Any:
+        """Under tensor_parallel, on every index of its axis but the first: which gradients count in the
+        metrics (the split ones; a replicated parameter is counted once, by index 0, and so are the
+        loss and the tokens, which every index computes alike). None: all of them."""
+        tp = self.split_spec
+        if tp is None or mesh is None or mesh.axis_index(tp.axis) == 0:
+            return None
+        return self._tp_selection(layout, mesh, replicated=False)
+
+    def _rng_rank(self, mesh: Mesh | None) -> int | None:
+        """The rank whose random streams this rank draws: under tensor_parallel the first index of its
+        axis, so that random ops on replicated values (dropout on the residual stream) agree."""
+        tp = self.split_spec
+        if tp is None or mesh is None:
+            return None
+        return mesh.rank_of({**mesh.coords, tp.axis: 0})
+
+    # -- inspection -----------------------------------------------------------
+    def plan(self, mesh: Mesh | None = None, params: Params | None = None, batch: Any = None) -> Plan:
+        """Per-rank actions of one step: the lowering of the whole transform stack.
+
+        With ``params`` (real or ``device="meta"`` tensors), every communicating action
+        also says what it moves (dtype and bytes per tensor), and the plan counts the
+        bytes each rank holds; with a ``batch`` too, the pipeline's transfers are sized
+        and the activation bytes kept for backward are predicted (on fake tensors: the
+        figures ``sw.saved_bytes`` measures). See ``engine/step/planning.py``.
+        """
+        return plan_of(self, self._check_mesh(mesh) or Mesh(world=1), params, batch)
+
+    def kept_for_backward(self, params: Params, inputs: Any) -> int:
+        """Predicted bytes the layers keep for backward on ``inputs`` (one forward, on fake tensors)."""
+        return sum(predict_kept_for_backward(self.chain, self.compute_view(params), inputs).values())
+
+    def compute_view(self, params: Params) -> Params:
+        """The parameters as the layers receive them: the compute copies under a precision policy
+        (cast once per step and held anyway, so not counted as kept activations)."""
+        if self.precision is None:
+            return params
+        return self.precision.compute_params(self.master_params(params))
+
+
+def _exchange_group(mesh: Mesh, axes: tuple[str, ...]) -> list[int]:
+    """The ranks whose shares the calling rank's metrics exchange sums: those that differ from it
+    on ``axes`` only."""
+    me = mesh.coords
+    return [r for r in range(mesh.size) if all(c == me[a] for a, c in mesh.coords_of(r).items() if a not in axes)]
+
+
+def _token_count(summed: Summed) -> torch.Tensor:
+    """The global token count of a token-weighted step, refused when there is none to learn from."""
+    count = summed.count
+    assert count is not None, "a token-weighted step exchanges its token count"
+    if not bool(count > 0):
+        raise ValueError(
+            "the global batch has no token to learn from (the token count is 0: every label is padding); "
+            "skip such batches or check the labels"
+        )
+    return count
+
+
+
+
+
+
+def train_step(
+    chain: Chain,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    optimizer: Optimizer,
+    *,
+    clip_norm: float | None = None,
+    metrics: Iterable[str] = REPORTABLE,
+    tokens: Any = None,
+) -> Step:
+    """The single-device training step of ``chain`` under ``loss_fn`` and ``optimizer``.
+
+    ``clip_norm`` clips the gradient to that global L2 norm before the update,
+    as ``torch.nn.utils.clip_grad_norm_`` does. The metrics report the norm
+    before clipping.
+
+    ``tokens`` says how the loss weighs the batch. ``None``: ``loss_fn`` returns
+    the mean over the batch's rows, which split into equal shards, so the mean
+    of the shards' means is the global mean. With padding (labels of -100,
+    masks) a shard's mean counts its own tokens, and that is no longer true:
+    ``tokens="sum"`` has ``loss_fn`` return ``(sum of the token losses, number of
+    tokens)``, and ``tokens=count_fn`` has it return the mean over
+    ``count_fn(inputs, targets)`` tokens (a Hugging Face model's own loss, with
+    ``count_fn = lambda x, _: (x["labels"][:, 1:] != -100).sum()``). The step's
+    loss is then the global sum over the global count, under data parallelism,
+    micro-batches and accumulation alike: one more value in the step's small
+    all-reduce, and the update waits for it.
+
+    ``metrics`` names what each call reports: ``"loss"`` (the mean over the whole
+    batch) and ``"grad_norm"``, the same values on every rank once the step is
+    distributed. Each costs something there (one small all-reduce per step, and a
+    pass over every gradient for the norm), so a loop that logs now and then can
+    run ``step.with_metrics(())`` in between: the same step on the same states,
+    reporting neither (torch's pipeline schedules, for one, report nothing but
+    the last stage's losses).
+
+    >>> import torch, shardwise as sw
+    >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+    <torch._C.Generator object at ...>
+    >>> chain, params = sw.functionalize(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)))
+    >>> step = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(lr=0.1, momentum=0.9))
+    >>> state = step.init(params)
+    >>> batch = (torch.randn(16, 4), torch.randn(16, 1))
+    >>> state, metrics = step(state, batch)
+    >>> sorted(metrics), state.step
+    (['grad_norm', 'loss'], 1)
+    >>> state, metrics = step.with_metrics(())(state, batch)
+    >>> metrics, state.step
+    ({}, 2)
+    """
+    if isinstance(chain, tuple):
+        raise TypeError("train_step got a (chain, params) tuple: pass the chain, and give params to step.init(params)")
+    if not isinstance(chain, Chain):
+        raise TypeError(f"train_step(chain=...) needs a shardwise Chain (see functionalize), got {type(chain).__name__}")
+    if not callable(loss_fn):
+        raise TypeError(f"train_step(loss_fn=...) must be callable loss_fn(output, targets), got {loss_fn!r}")
+    if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
+        raise TypeError(
+            f"train_step(optimizer=...) needs a functional optimizer such as shardwise.optim.sgd(...), got {optimizer!r}"
+        )
+    if clip_norm is not None and not clip_norm > 0:
+        raise ValueError(f"train_step(clip_norm={clip_norm!r}): the norm to clip to must be positive")
+    if not (tokens is None or tokens == "sum" or callable(tokens)):
+        raise ValueError(
+            f"train_step(tokens={tokens!r}): use None (loss_fn returns the mean over the batch), 'sum' (it returns "
+            "(sum of token losses, token count)) or a function (inputs, targets) -> token count (it returns the "
+            "mean over those tokens)"
+        )
+    return Step(chain, loss_fn, optimizer, clip_norm, metrics=check_metrics(metrics), tokens=tokens)
