@@ -22,7 +22,7 @@ from a thread while training goes on; ``handle.wait()`` (every rank calls it; th
 ``save`` calls it for you) commits.
 
 >>> import tempfile, torch, shardwise as sw
->>> from shardwise.engine import checkpoint
+>>> checkpoint = sw.checkpoint
 >>> chain, params = sw.functionalize(torch.nn.Sequential(torch.nn.Linear(4, 3)))
 >>> step = sw.shard_params(sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1, momentum=0.9)), "dp", stage=3)
 >>> batch = (torch.randn(8, 4), torch.randn(8, 3))
