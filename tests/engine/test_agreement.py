@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
+
 import pytest
 import torch
 
 import shardwise as sw
+from shardwise.engine.run.agreement import stable_text
 from shardwise.testing.models import mlp
 
 
@@ -87,3 +91,75 @@ def test_thread_ranks_that_build_the_model_themselves_agree_run_to_run() -> None
     second = sw.launch(_train_gpt_built_in_each_rank, 4, timeout=120)
     assert len({repr(r) for r in first}) == 1  # every rank the same
     assert first == second  # bitwise, run to run
+
+
+def _with_optimizer(optimizer_of: Callable[[int], sw.optim.Optimizer]) -> None:
+    """Rank r builds the ZeRO step with ``optimizer_of(r)``."""
+    base, params = _base()
+
+    def build() -> None:
+        mesh = sw.Mesh(dp=2)
+        step = dataclasses.replace(base, optimizer=optimizer_of(mesh.rank))
+        sw.shard_params(step, "dp", 3).init(params, mesh)
+
+    sw.launch(build, 2, timeout=30)
+
+
+def test_a_rank_with_another_learning_rate_is_named() -> None:
+    expected = (r"rank 1 differs from rank 0 in its optimizer \(optimizer: .*lr=0\.2.* "
+                r"where rank 0 has .*lr=0\.1")
+    with pytest.raises(sw.RankFailed, match=expected):
+        _with_optimizer(lambda rank: sw.optim.sgd(0.1 if rank == 0 else 0.2, momentum=0.9))
+
+
+def test_a_rank_with_another_momentum_or_schedule_is_named() -> None:
+    expected = (r"rank 1 differs from rank 0 in its optimizer \(optimizer: .*momentum=0\.5.* "
+                r"where rank 0 has .*momentum=0\.9")
+    with pytest.raises(sw.RankFailed, match=expected):
+        _with_optimizer(lambda rank: sw.optim.sgd(0.1, momentum=0.9 if rank == 0 else 0.5))
+    with pytest.raises(sw.RankFailed, match=r"in its optimizer .*warmup_steps=20"):
+        _with_optimizer(lambda r: sw.optim.adamw(sw.optim.warmup_cosine(1e-3, 10 + 10 * r, 100)))
+
+
+def test_a_rank_with_another_loss_or_clipping_is_named() -> None:
+    base, params = _base()
+
+    def build() -> None:
+        mesh = sw.Mesh(dp=2)
+        loss = torch.nn.functional.mse_loss if mesh.rank == 0 else torch.nn.functional.l1_loss
+        step = dataclasses.replace(base, loss_fn=loss, clip_norm=1.0 + mesh.rank)
+        sw.shard_params(step, "dp", 3).init(params, mesh)
+
+    expected = (r"rank 1 differs from rank 0 in its loss function, gradient clipping "
+                r"\(loss function: .*l1_loss.* where rank 0 has .*mse_loss.*; "
+                r"gradient clipping: '2\.0' where rank 0 has '1\.0'\)")
+    with pytest.raises(sw.RankFailed, match=expected):
+        sw.launch(build, 2, timeout=30)
+
+
+def test_ranks_that_built_the_same_optimizer_and_loss_themselves_agree() -> None:
+    base, params = _base()
+
+    def build() -> int:
+        mesh = sw.Mesh(dp=2)
+        lr = 0.1  # a closure and a schedule, built on every rank: the same text, no addresses
+        step = dataclasses.replace(
+            base, loss_fn=lambda o, y: torch.nn.functional.mse_loss(o, y) * lr,
+            optimizer=sw.optim.adamw(
+                sw.optim.join([sw.optim.constant(lr), sw.optim.linear(lr, 0.0, 10)], [5])
+            ),
+        )
+        return sw.shard_params(step, "dp", 3).init(params, mesh).step
+
+    assert sw.launch(build, 2, timeout=30) == [0, 0]
+
+
+def test_stable_text_has_no_addresses_and_sees_closures() -> None:
+    def scaled(k: float) -> Callable[[torch.Tensor], torch.Tensor]:
+        return lambda x: x * k
+
+    assert stable_text(scaled(2.0)) == stable_text(scaled(2.0)) != stable_text(scaled(3.0))
+    texts = stable_text(sw.optim.sgd(0.1, momentum=0.9)) + stable_text(torch.nn.CrossEntropyLoss())
+    assert " at 0x" not in texts
+    smoothed = torch.nn.CrossEntropyLoss(label_smoothing=0.1)
+    assert stable_text(smoothed) != stable_text(torch.nn.CrossEntropyLoss())

@@ -103,3 +103,67 @@ def test_the_check_is_rounding_safe_and_sees_one_rank_with_another_batch(ranks: 
     assert summed(ranks // 2, other).batches_differ(list(range(ranks)))  # one rank drew its own batch
     if ranks <= 8:  # float32 at a few ranks sees a batch whose fingerprint is off by a percent
         assert summed(ranks // 2, f * 1.01).batches_differ(list(range(ranks)))
+
+
+def _square_problem() -> tuple[sw.Step, Any, tuple[torch.Tensor, torch.Tensor]]:
+    """A model whose inputs and targets have one shape, so that they can be swapped."""
+    torch.manual_seed(0)
+    chain, params = sw.functionalize(mlp([4, 8, 4]).double())
+    gen = torch.Generator().manual_seed(0)
+    x, y = (torch.randn(8, 4, generator=gen, dtype=torch.float64) for _ in range(2))
+    step = sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1))
+    return sw.shard_params(step, "dp", 3), params, (x, y)
+
+
+def _launch_with(batch_of: Any) -> list[int]:
+    step, params, (x, y) = _square_problem()
+    mesh = sw.Mesh(dp=2)
+
+    def run() -> int:
+        state, _ = step(step.init(params, mesh), batch_of(mesh.rank, x, y))
+        return state.step
+
+    return sw.launch(run, mesh.size, timeout=60)
+
+
+def test_inputs_and_targets_swapped_on_one_rank_are_refused() -> None:
+    with pytest.raises(sw.RankFailed, match="passed different batches"):
+        _launch_with(lambda rank, x, y: (y, x) if rank == 1 else (x, y))
+
+
+def test_nan_on_one_rank_where_another_has_a_number_is_refused() -> None:
+    def nan_or_half(rank: int, x: torch.Tensor, y: torch.Tensor) -> tuple[Any, Any]:
+        x = x.clone()
+        x[5, 1] = float("nan") if rank == 0 else 0.5  # in rank 1's rows: rank 0 never computes it
+        return x, y
+
+    with pytest.raises(sw.RankFailed, match="passed different batches"):
+        _launch_with(nan_or_half)
+
+
+def test_identical_batches_pass_with_nan_infinities_and_signed_zeros() -> None:
+    def marked(rank: int, x: torch.Tensor, y: torch.Tensor) -> tuple[Any, Any]:
+        x = x.clone()
+        # NaN made by different ops on each rank (their signs and payloads may differ), and -0.0
+        # where the other rank has 0.0: the same values.
+        inf = torch.tensor(float("inf"))
+        x[0, 0] = torch.tensor(0.0) / 0.0 if rank == 0 else inf - inf
+        x[1, 1], x[2, 2] = float("inf"), -float("inf")
+        x[3, 3] = -0.0 if rank == 0 else 0.0
+        return x, y
+
+    assert _launch_with(marked) == [1, 1]
+
+
+def test_the_fingerprint_sees_each_leaf_at_its_place_and_non_finite_values() -> None:
+    x, y = _batch(0)
+    assert batch_fingerprint((x, y)) == batch_fingerprint((x.clone(), y.clone()))
+    as_dict = {"inputs": x, "targets": y}
+    assert batch_fingerprint(as_dict) != batch_fingerprint({"inputs": y.T, "targets": x.T})
+    assert batch_fingerprint((x, y)) != batch_fingerprint((y, x))
+    assert batch_fingerprint((x, y)) != batch_fingerprint([x, y])  # another container
+    for value in (0.5, 0.0, float("inf"), -float("inf"), 1.5, -1.5):
+        a, b = x.clone(), x.clone()
+        a[2, 3], b[2, 3] = float("nan"), value
+        assert batch_fingerprint((a, y)) != batch_fingerprint((b, y)), value
+    assert batch_fingerprint(torch.tensor([1, 2])) != batch_fingerprint(torch.tensor([2, 1]))

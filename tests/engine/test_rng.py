@@ -9,6 +9,7 @@ forward's masks, and another seed gives other masks (the streams are really rand
 from __future__ import annotations
 
 import io
+import time
 
 import optree
 import pytest
@@ -128,3 +129,46 @@ def test_a_bad_seed_is_refused() -> None:
     step, params, _ = PROBLEM
     with pytest.raises(TypeError, match="seed of the step's random streams is an int"):
         step.init(params, seed="0")  # type: ignore[arg-type]
+
+
+class _Slow(torch.nn.Module):
+    """Computes for ``seconds`` in every forward once ``on`` (in short sleeps, so that the launcher
+    can stop its thread); not during functionalize."""
+
+    on = False
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        deadline = time.monotonic() + (self.seconds if _Slow.on else 0.0)
+        while time.monotonic() < deadline:
+            time.sleep(0.02)
+        return x
+
+
+def test_a_compute_holding_the_generators_past_the_timeout_fails_the_launch() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(6, 8), torch.nn.Dropout(0.3), _Slow(8.0), torch.nn.Linear(8, 2)
+    ).double()
+    chain, params = sw.functionalize(model)
+    step = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1))
+    step = sw.shard_params(step, "dp")
+    batch = PROBLEM[2][0]
+    mesh, timeout = sw.Mesh(dp=2), 1.0
+
+    def run() -> None:
+        step(step.init(params, mesh), batch)
+
+    _Slow.on = True
+    started = time.monotonic()
+    try:
+        expected = (r"rank \d waited 1 s for torch's shared random generators "
+                    r".*rank \d holds them .* raise launch\(timeout=\.\.\.\)")
+        with pytest.raises(sw.RankFailed, match=expected):
+            sw.launch(run, mesh.size, backend="threads", timeout=timeout)
+    finally:
+        _Slow.on = False
+    assert time.monotonic() - started < timeout + 4.0

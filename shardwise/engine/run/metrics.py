@@ -16,6 +16,7 @@ the update); without them, a step asked for no metric exchanges nothing.
 from __future__ import annotations
 
 import functools
+import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -171,45 +172,82 @@ def batch_weight(rank: int) -> float:
 
 
 def batch_fingerprint(batch: Any) -> torch.Tensor:
-    """One number per batch, the same on every rank given the same batch and unlike it for another:
-    per tensor, the mean of its elements times a pseudo-random sign per position (rows moved, any
-    change of a few elements), plus half its plain mean (a constant shift), in float64 (on the
-    batch's device, one copy to the host at the end)."""
+    """One number per batch, the same on every rank given the same batch and unlike it for another.
+
+    Every element is hashed from its bits, its position in its tensor and its tensor's position
+    in the tree (swapped inputs and targets differ, so do rows moved), and the hashes averaged
+    per tensor: a hash of the bits tells NaN and infinities from every finite value (all NaNs
+    alike, and -0.0 as 0.0). Plus small terms for each tensor's shape and the tree's structure.
+    In float64, on the batch's device, with one copy to the host at the end."""
+    leaves, treespec = optree.tree_flatten(batch)
     parts: list[torch.Tensor] = []
-    shape_terms = 0.0
-    for leaf in optree.tree_leaves(batch):
-        if isinstance(leaf, torch.Tensor) and leaf.numel():
-            # NaN and infinities (markers of missing values) count as fixed numbers: alike on every rank.
-            flat = torch.nan_to_num(leaf.detach().reshape(-1).to(torch.float64), nan=0.5, posinf=1.5, neginf=-1.5)
-            n = flat.numel()
-            parts.append(torch.dot(flat, _signs(n, flat.device)) / n + 0.5 * flat.mean())
+    # The structure (a dict's keys, a tuple's length): a batch of other containers differs too.
+    shape_terms = 1e-3 * zlib.crc32(str(treespec).encode()) / 2**32
+    for index, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor):
+            n = leaf.numel()
             shape_terms += 1e-3 * leaf.dim() + 1e-6 * n**0.5  # a reshaped batch differs too
+            if n:
+                parts.append(_hashes(_bits(leaf), index).mean() * 2.0**-52)  # in [-1, 1)
     if not parts:
         return torch.tensor(shape_terms, dtype=torch.float64)
     return (torch.stack([p.to(parts[0].device) for p in parts]).sum().cpu() + shape_terms).to(torch.float64)
 
 
-_CACHED_SIGNS = 1 << 20  # positions: beyond, the signs are made for each call, not kept
+def _bits(leaf: torch.Tensor) -> torch.Tensor:
+    """The elements of ``leaf`` as int64 words, equal exactly when the values are (NaN as NaN)."""
+    flat = leaf.detach().reshape(-1)
+    if flat.is_complex():
+        flat = torch.view_as_real(flat).reshape(-1)
+    if not flat.is_floating_point():
+        return flat.to(torch.int64)  # integers and bools exactly, whatever their size
+    # + 0.0 turns -0.0 into 0.0 (equal values, equal words); NaN's sign and payload depend on
+    # the op that made it, so every NaN gets one word, which no finite value or infinity has.
+    wide = flat.to(torch.float64) + 0.0
+    return torch.where(torch.isnan(wide), _NAN_WORD, wide.view(torch.int64))
 
 
-def _signs(n: int, device: torch.device) -> torch.Tensor:
-    """A pseudo-random +1 / -1 per position, from splitmix64 of the position (no structure at low
-    positions: neighbours do not cancel), so moving elements of any length changes the signs they meet."""
-    return _cached_signs(n, device) if n <= _CACHED_SIGNS else _make_signs(n, device)
+_NAN_WORD = 0x7FF8000000000000  # float64's canonical quiet NaN
 
 
-@functools.lru_cache(maxsize=8)  # a step's batches keep their sizes: made once, not every step
-def _cached_signs(n: int, device: torch.device) -> torch.Tensor:
-    return _make_signs(n, device)
+def _hashes(words: torch.Tensor, leaf: int) -> torch.Tensor:
+    """A pseudo-random float64 in [-2**52, 2**52) per word, from the word, its position and
+    ``leaf``."""
+    # Two multiplications with a xor-shift between (half of splitmix64's finalizer, as the step
+    # runs it on every element): the top bits then depend on every bit of word and key.
+    z = words ^ _keys(words.numel(), leaf, words.device)
+    z = z * -4658895280553007687  # 0xBF58476D1CE4E5B9
+    z = (z ^ ((z >> 32) & ((1 << 32) - 1))) * -7723592293110705685  # 0x94D049BB133111EB
+    return (z >> 11).to(torch.float64)  # the top 53 bits, exact in float64
 
 
-def _make_signs(n: int, device: torch.device) -> torch.Tensor:
-    z = torch.arange(1, n + 1, device=device, dtype=torch.int64) * -7046029254386353131  # 0x9E3779B97F4A7C15
+_CACHED_KEYS = 1 << 20  # positions: beyond, the keys are made for each call, not kept
+
+
+def _keys(n: int, leaf: int, device: torch.device) -> torch.Tensor:
+    """A pseudo-random int64 per position of tensor ``leaf`` of the tree."""
+    return _cached_keys(n, leaf, device) if n <= _CACHED_KEYS else _make_keys(n, leaf, device)
+
+
+@functools.lru_cache(maxsize=16)  # a step's batches keep their sizes: made once, not every step
+def _cached_keys(n: int, leaf: int, device: torch.device) -> torch.Tensor:
+    return _make_keys(n, leaf, device)
+
+
+def _make_keys(n: int, leaf: int, device: torch.device) -> torch.Tensor:
+    # splitmix64: a Weyl sequence (step 0x9E3779B97F4A7C15) through the mixer; each leaf starts
+    # 2**40 positions further on.
+    z = torch.arange(1, n + 1, device=device, dtype=torch.int64) + (leaf << 40)
+    z = z * -7046029254386353131
+    return _mix(z)
+
+
+def _mix(z: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finalizer on int64 words: every output bit depends on every input bit."""
     # torch's >> on int64 is arithmetic: the masks make each shift the logical one splitmix64 takes.
     z = (z ^ ((z >> 30) & ((1 << 34) - 1))) * -4658895280553007687  # 0xBF58476D1CE4E5B9
     z = (z ^ ((z >> 27) & ((1 << 37) - 1))) * -7723592293110705685  # 0x94D049BB133111EB
-    z = z ^ ((z >> 31) & ((1 << 33) - 1))
-    return ((z >> 40) & 1).to(torch.float64) * 2 - 1
+    return z ^ ((z >> 31) & ((1 << 33) - 1))
 
 
 def _sum(values: Sequence[torch.Tensor], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

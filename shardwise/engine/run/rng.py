@@ -16,6 +16,11 @@ that runs a collective inside its compute lends the generators while it waits
 peer it waits for compute, and takes them back as they were, so its stream
 continues undisturbed. The step leaves the user's own generator state as it
 found it (:func:`preserved`).
+
+Every wait for the generators is bounded by the launch's one timeout: a rank
+whose compute holds them longer (a layer stuck, or slower than the timeout
+allows) makes the ranks waiting for them fail with a CollectiveTimeout that
+names it, instead of hanging the launch.
 """
 
 from __future__ import annotations
@@ -28,9 +33,11 @@ import torch
 
 from ...collectives.backends.blocking import on_blocking_wait
 from ...collectives.backends.current import current_backend
+from ...collectives.errors import CollectiveTimeout
 
 _SHARED = threading.Lock()  # thread ranks share torch's default generators
 _HOLDER = threading.local()  # the device this thread's compute holds the generators for, if any
+_OWNER: list[int | None] = [None]  # the rank holding _SHARED (thread ranks share this module)
 _MASK = (1 << 63) - 1
 
 
@@ -65,7 +72,7 @@ def seeded(seed: int | None, device: torch.device, shared: bool) -> Iterator[Non
     if seed is None:
         yield
         return
-    with _SHARED if shared else contextlib.nullcontext():
+    with _holding("to seed them for a compute") if shared else contextlib.nullcontext():
         for gen in default_generators(device):
             gen.manual_seed(seed)
         _HOLDER.device = device if shared else None
@@ -73,6 +80,38 @@ def seeded(seed: int | None, device: torch.device, shared: bool) -> Iterator[Non
             yield
         finally:
             _HOLDER.device = None
+
+
+@contextlib.contextmanager
+def _holding(why: str) -> Iterator[None]:
+    """Hold the shared generators for the block (released at its end if still held: a wait
+    inside it may have lent them and failed to take them back)."""
+    _acquire(why)
+    try:
+        yield
+    finally:
+        if getattr(_HOLDER, "held", False):
+            _release()
+
+
+def _acquire(why: str) -> None:
+    """Take the shared generators, waiting at most the launch's timeout."""
+    backend = current_backend()
+    if not _SHARED.acquire(timeout=backend.timeout):
+        owner = _OWNER[0]
+        holder = "another rank" if owner is None else f"rank {owner}"  # None: it let go just now
+        raise CollectiveTimeout(
+            f"rank {backend.rank} waited {backend.timeout:g} s for torch's shared random "
+            f"generators ({why}): {holder} holds them while it computes (thread ranks take turns "
+            f"with them under dropout), and its compute ran longer than the timeout. If {holder}'s "
+            "layer is just slow, raise launch(timeout=...); else find what it is stuck in"
+        )
+    _OWNER[0], _HOLDER.held = backend.rank, True
+
+
+def _release() -> None:
+    _OWNER[0], _HOLDER.held = None, False
+    _SHARED.release()
 
 
 @contextlib.contextmanager
@@ -85,11 +124,11 @@ def _lend_while_blocked() -> Iterator[None]:
         return
     states = [gen.get_state() for gen in default_generators(device)]
     _HOLDER.device = None
-    _SHARED.release()
+    _release()
     try:
         yield
     finally:
-        _SHARED.acquire()
+        _acquire("to take them back after a collective inside its compute")
         for gen, state in zip(default_generators(device), states, strict=True):
             gen.set_state(state)
         _HOLDER.device = device
@@ -108,12 +147,11 @@ def preserved(device: torch.device, shared: bool, active: bool) -> Iterator[None
     if not active:
         yield
         return
-    lock = _SHARED if shared else contextlib.nullcontext()
-    with lock:
+    with _holding("to save their state") if shared else contextlib.nullcontext():
         states = [gen.get_state() for gen in default_generators(device)]
     try:
         yield
     finally:
-        with lock:
+        with _holding("to restore their state") if shared else contextlib.nullcontext():
             for gen, state in zip(default_generators(device), states, strict=True):
                 gen.set_state(state)

@@ -8,6 +8,10 @@ checks the whole new stack. Each spec has a ``name`` (the transform's), a
 * Every transform is applied at most once: a second ``remat`` (also with
   ``mixed_precision`` between the two), ``mixed_precision``, ``shard_params``
   or ``pipeline`` is refused. Apply it once, with the options you want.
+* A stack holds at most one spec of each of the roles PLACEMENT, SHARDING and
+  SPLIT, whatever the transforms' names: the lowering asks the stack for *the*
+  spec of such a role (:func:`find`), so a second one would be ignored. Only
+  REWRITE specs (mixed_precision and remat) stack: each rewrites the chain.
 * ``shard_params`` and ``pipeline`` go over different mesh axes, in either
   order: the lowering is the same (the pipeline decides which layers a rank
   holds and when they compute; ZeRO shards that rank's layers over its axis).
@@ -62,6 +66,8 @@ REWRITE = "rewrite"  # rewrites layer functions (mixed_precision, remat)
 SPLIT = "split"  # cuts parameters over an axis and rewrites the layers that use them (tensor_parallel)
 ROLES = (PLACEMENT, SHARDING, REWRITE, SPLIT)
 _REBUILDS = (REWRITE, SPLIT)  # the roles whose specs rebuild the chain
+# The roles the engine looks up with find(), which returns one spec: a second would be ignored.
+ONCE = (PLACEMENT, SHARDING, SPLIT)
 
 
 def describe(stack: tuple[Any, ...]) -> str:
@@ -80,6 +86,7 @@ def check_stack(stack: tuple[Any, ...]) -> None:
                 f"apply {spec.name} once, with the options you want"
             )
         seen[spec.name] = spec
+    _check_once_roles(stack)
     split = [s for s in stack if s.role == SPLIT]
     for tp in split:
         for other in stack:
@@ -105,6 +112,21 @@ def check_stack(stack: tuple[Any, ...]) -> None:
             )
 
 
+def _check_once_roles(stack: tuple[Any, ...]) -> None:
+    """Refuse a second spec of a role in :data:`ONCE`, naming both transforms."""
+    first: dict[str, Any] = {}
+    for spec in stack:
+        if spec.role not in ONCE:
+            continue
+        if spec.role in first:
+            raise ValueError(
+                f"{spec} and {first[spec.role]} both play the role {spec.role!r} "
+                f"(the stack is {describe(stack)}); the engine lowers one {spec.role} transform "
+                f"per step and would ignore the second: apply only one of them"
+            )
+        first[spec.role] = spec
+
+
 def add(step: S, spec: Any, **fields: Any) -> S:
     """``step`` with ``spec`` appended to its stack, once the new stack passes :func:`check_stack`
     (and with ``fields`` replaced); a rewriting spec rebuilds the layers from the source chain."""
@@ -121,7 +143,7 @@ def add(step: S, spec: Any, **fields: Any) -> S:
 
 
 def find(stack: tuple[Any, ...], role: str) -> Any:
-    """The spec playing ``role`` in the stack, or None."""
+    """The spec playing ``role`` in the stack, or None (check_stack allows one per role in ONCE)."""
     for spec in stack:
         if spec.role == role:
             return spec

@@ -375,6 +375,14 @@ class Step:
                 # start from different weights.
                 "parameter values": repr([float(t.detach().double().sum()) for v in params.values() for t in v.values()]),
                 "seed": str(seed),
+                # What else decides the update: one rank with another learning rate, momentum or
+                # clipping would train on silently (under ZeRO each updates its own shard).
+                "optimizer": self.optimizer,
+                "loss function": self.loss_fn,
+                "precision policy": self.precision,
+                "gradient clipping": self.clip_norm,
+                "token weighting": self.tokens,
+                "metrics": self.metrics,
             }, device_of(params))
         index = layout.index_of(mesh)
         master = self.master_params(local_params(self.tp_view(params, mesh), layout.placement, index))
