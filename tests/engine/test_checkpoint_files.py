@@ -17,7 +17,7 @@ import torch
 import shardwise as sw
 from shardwise.cli import main as cli_main
 from shardwise.engine.checkpoint import save_load as ck
-from shardwise.engine.checkpoint.file_format import CheckpointError
+from shardwise.engine.checkpoint.file_format import CheckpointError, write_commit_marker, write_json
 from shardwise.testing.models import mlp
 
 
@@ -81,12 +81,11 @@ def test_an_uncommitted_checkpoint_is_refused(tmp_path: Path) -> None:
 def test_another_format_version_is_refused(tmp_path: Path) -> None:
     path, step, _ = _saved(tmp_path)
     meta = json.loads((path / "shardwise.json").read_text())
-    (path / "shardwise.json").write_text(json.dumps({**meta, "version": 99}))
-    # the marker lists sizes: rewrite it as a save of version 99 would have
-    marker = json.loads((path / "COMMITTED").read_text())
-    marker["files"]["shardwise.json"] = (path / "shardwise.json").stat().st_size
-    (path / "COMMITTED").write_text(json.dumps(marker))
-    _refused(path, step, "format version 99", "reads version 1")
+    meta.pop("sha256")
+    # rewrite the files as a save of version 99 would have: signed, and the marker listing them
+    write_json(path / "shardwise.json", {**meta, "version": 99})
+    write_commit_marker(path)
+    _refused(path, step, "format version 99", "reads versions 1 and 2")
 
 
 def test_a_checkpoint_of_another_model_is_refused(tmp_path: Path) -> None:
@@ -120,10 +119,9 @@ def test_a_record_that_would_run_code_is_refused(tmp_path: Path) -> None:
         if r["offset"] > record["offset"]:
             r["offset"] += shift
     record.update(length=len(evil), crc32=zlib.crc32(evil))
-    (path / "rank0.json").write_text(json.dumps(index))
-    marker = json.loads((path / "COMMITTED").read_text())
-    marker["files"].update({n: (path / n).stat().st_size for n in ("rank0.json", "__0_0.distcp")})
-    (path / "COMMITTED").write_text(json.dumps(marker))
+    index.pop("sha256")
+    write_json(path / "rank0.json", index)  # signed and committed, as a save would have
+    write_commit_marker(path)
     _refused(path, step, "does not load", "__0_0.distcp")
 
 

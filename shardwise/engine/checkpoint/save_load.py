@@ -83,6 +83,8 @@ from .file_format import (
     index_file,
     read_json,
     read_records,
+    verified,
+    write_commit_marker,
     write_dcp_metadata,
     write_json,
     write_rank,
@@ -285,8 +287,7 @@ def _commit(partial: Path, target: Path, meta: dict[str, Any], world: int, alias
     meta = {**meta, "tensors": tensors}
     write_json(partial / META, meta)
     write_dcp_metadata(partial, dcp_metadata(meta, read_records(partial, world), {f"model.{a}": f"model.{k}" for a, k in aliases.items()}))
-    files = {p.name: p.stat().st_size for p in sorted(partial.iterdir()) if p.name != COMMITTED}
-    write_json(partial / COMMITTED, {"files": files})
+    write_commit_marker(partial)
     fsync_dir(partial)
     _reached("committed")
     previous = _previous(target)
@@ -433,7 +434,7 @@ def describe(path: str | os.PathLike[str]) -> dict[str, Any]:
     """What a committed checkpoint holds: its metadata, and per rank its file, bytes and records."""
     directory = resolve(path)
     meta = check_committed(directory)
-    records = read_records(directory, int(meta["world"]))
+    records = read_records(directory, int(meta["world"]), verify=verified(meta))
     ranks: list[dict[str, Any]] = []
     for rank in range(int(meta["world"])):
         mine = [r for rs in records.values() for r in rs if r.file == data_file(rank)]
