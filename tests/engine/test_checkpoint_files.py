@@ -11,6 +11,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import optree
 import pytest
 import torch
 
@@ -21,10 +22,13 @@ from shardwise.engine.checkpoint.file_format import CheckpointError, write_commi
 from shardwise.testing.models import mlp
 
 
-def _step(widths: tuple[int, ...] = (4, 6, 3)) -> tuple[Any, Any]:
+def _step(widths: tuple[int, ...] = (4, 6, 3), dtype: torch.dtype = torch.float64,
+          policy: str | None = None) -> tuple[Any, Any]:
     torch.manual_seed(0)
-    chain, params = sw.functionalize(mlp(list(widths)).double())
+    chain, params = sw.functionalize(mlp(list(widths)).to(dtype))
     base = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1, momentum=0.9))
+    if policy is not None:
+        base = sw.mixed_precision(base, policy)
     return sw.shard_params(base, "dp", stage=3), params
 
 
@@ -93,8 +97,28 @@ def test_a_checkpoint_of_another_model_is_refused(tmp_path: Path) -> None:
     deeper, _ = _step((4, 6, 6, 3))
     _refused(path, deeper, "another model", "4.weight")
     wider, wider_params = _step((4, 8, 3))  # same names, other shapes
-    with pytest.raises(CheckpointError, match="shapes differ"):
+    with pytest.raises(CheckpointError, match="shapes or dtypes differ"):
         ck.load(path, wider, None, like=wider_params)  # checked before any layout is made
+
+
+def test_a_model_of_other_widths_is_refused_without_like(tmp_path: Path) -> None:
+    """The step's modules say what it was built for: loading must not train with the checkpoint's
+    shapes instead."""
+    path, _, _ = _saved(tmp_path)
+    wider, _ = _step((4, 8, 3))
+    _refused(path, wider,
+             "0.weight (params['0']['weight']) is float64 [6, 4] in the checkpoint, float64 [8, 4] in the model",
+             "its widths")
+
+
+def test_a_model_of_another_dtype_is_refused_and_a_policy_that_stores_it_loads(tmp_path: Path) -> None:
+    path, step, _ = _saved(tmp_path)
+    single, _ = _step(dtype=torch.float32)
+    _refused(path, single, "is float64 [6, 4] in the checkpoint, float32 [6, 4] in the model", "mixed_precision")
+    stored_f64, _ = _step(dtype=torch.float32, policy="params=f64,compute=f32")  # its master params are f64
+    for got, want in zip(_load(path, stored_f64), _load(path, step), strict=True):
+        pairs = zip(optree.tree_leaves(got.params), optree.tree_leaves(want.params), strict=True)
+        assert all(a.dtype == torch.float64 and torch.equal(a, b) for a, b in pairs)
 
 
 def test_a_record_that_would_run_code_is_refused(tmp_path: Path) -> None:

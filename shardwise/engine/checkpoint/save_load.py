@@ -89,7 +89,7 @@ from .file_format import (
     write_json,
     write_rank,
 )
-from .names import state_dict_names
+from .names import module_params, state_dict_names
 
 __all__ = ["CheckpointError", "SaveHandle", "describe", "load", "save"]
 
@@ -321,9 +321,11 @@ def load(path: str | os.PathLike[str], step: Any, mesh: Mesh | None = None, *,
          like: Any = None, device: torch.device | str = "cpu") -> TrainState:
     """This rank's TrainState for ``step`` on ``mesh`` from the checkpoint at ``path``, resharded.
 
-    Every rank calls it (no collectives: each reads what it needs). ``like`` (params, real or
-    ``device="meta"``) also checks every parameter's shape against the checkpoint's. Tensors
-    are read onto ``device``.
+    Every rank calls it (no collectives: each reads what it needs). Every parameter's shape and
+    dtype must be those the step expects: its chain's modules' (as ``functionalize`` kept them),
+    cast by the step's precision policy, and, when given, those of ``like`` (params, real or
+    ``device="meta"``). A hand-written layer has no module, so only ``like`` checks its
+    parameters. Tensors are read onto ``device``.
     """
     directory = resolve(path)
     meta = check_committed(directory)
@@ -350,14 +352,48 @@ def _check_model(directory: Path, meta: Mapping[str, Any], step: Any, like: Any)
     params: dict[str, dict[str, torch.Tensor]] = {layer.name: {} for layer in chain.layers}
     for (layer, name), p in saved.items():
         params[layer][name] = torch.empty(tuple(p["shape"]), dtype=dtype_of(p["dtype"], p["key"]), device="meta")
-    if like is not None:
-        bad = [f"{layer}.{name}: checkpoint {list(t.shape)}, like {list(like[layer][name].shape)}"
-               for layer, ts in params.items() for name, t in ts.items() if tuple(like[layer][name].shape) != tuple(t.shape)]
-        if bad:
-            raise CheckpointError(f"checkpoint {directory} is of another model: parameter shapes differ: {bad[:8]}")
+    _check_fits(directory, params, {k: p["key"] for k, p in saved.items()}, step, like)
     # step.init's order: each layer's parameters in the chain's order
     ordered = {layer.name: {n: params[layer.name][n] for n in layer.owned_param_names} for layer in chain.layers}
     return ordered, {k: p["key"] for k, p in saved.items()}
+
+
+def _check_fits(directory: Path, params: Mapping[str, Mapping[str, torch.Tensor]],
+                keys: Mapping[tuple[str, str], str], step: Any, like: Any) -> None:
+    """Refuse a checkpoint whose parameters' shapes or (master) dtypes are not those of the model
+    the step was built for (its modules' tensors) or of ``like``: loaded, it would train with the
+    checkpoint's shapes, or fail later in a matmul."""
+    sources = [("like", {(layer, n): t for layer, ts in like.items() for n, t in ts.items()})] if like is not None else []
+    sources.append(("the model", module_params(step.base_chain)))
+    bad = []
+    for source, tensors in sources:
+        expected = _master_meta(step, tensors)
+        for (layer, name), want in expected.items():
+            got = params.get(layer, {}).get(name)
+            if got is None:
+                bad.append(f"params[{layer!r}][{name!r}] is in {source}, not in the checkpoint")
+            elif (tuple(got.shape), got.dtype) != (tuple(want.shape), want.dtype):
+                bad.append(f"{keys[(layer, name)]} (params[{layer!r}][{name!r}]) is {_kind(got)} in the checkpoint, "
+                           f"{_kind(want)} in {source}")
+    if bad:
+        raise CheckpointError(
+            f"checkpoint {directory} is of another model: parameter shapes or dtypes differ from the checkpoint's: "
+            f"{'; '.join(bad[:8])}; load it for a model built like the one that saved it (its widths, and its dtype: "
+            "model.to(dtype) before functionalize, or a mixed_precision step whose params dtype is the checkpoint's)"
+        )
+
+
+def _master_meta(step: Any, tensors: Mapping[tuple[str, str], torch.Tensor]) -> dict[tuple[str, str], torch.Tensor]:
+    """``tensors`` as the step stores them (its precision policy's master dtype), as meta tensors."""
+    tree: dict[str, dict[str, torch.Tensor]] = {}
+    for (layer, name), t in tensors.items():
+        tree.setdefault(layer, {})[name] = torch.empty(tuple(t.shape), dtype=t.dtype, device="meta")
+    master = step.master_params(tree)
+    return {(layer, name): t for layer, ts in master.items() for name, t in ts.items()}
+
+
+def _kind(t: torch.Tensor) -> str:
+    return f"{dtype_name(t.dtype)} {list(t.shape)}"
 
 
 def _build_state(reader: Reader, meta: Mapping[str, Any], step: Any, mesh: Mesh | None,
