@@ -106,16 +106,17 @@ def test_a_model_of_other_widths_is_refused_without_like(tmp_path: Path) -> None
     shapes instead."""
     path, _, _ = _saved(tmp_path)
     wider, _ = _step((4, 8, 3))
-    _refused(path, wider,
-             "0.weight (params['0']['weight']) is float64 [6, 4] in the checkpoint, float64 [8, 4] in the model",
-             "its widths")
+    _refused(path, wider, "0.weight (params['0']['weight']) is float64 [6, 4] in the checkpoint, "
+             "float64 [8, 4] in the model", "its widths")
 
 
-def test_a_model_of_another_dtype_is_refused_and_a_policy_that_stores_it_loads(tmp_path: Path) -> None:
+def test_another_dtype_is_refused_and_a_policy_that_stores_it_loads(tmp_path: Path) -> None:
     path, step, _ = _saved(tmp_path)
     single, _ = _step(dtype=torch.float32)
-    _refused(path, single, "is float64 [6, 4] in the checkpoint, float32 [6, 4] in the model", "mixed_precision")
-    stored_f64, _ = _step(dtype=torch.float32, policy="params=f64,compute=f32")  # its master params are f64
+    _refused(path, single, "is float64 [6, 4] in the checkpoint, float32 [6, 4] in the model",
+             "mixed_precision")
+    # its master params are float64: it loads
+    stored_f64, _ = _step(dtype=torch.float32, policy="params=f64,compute=f32")
     for got, want in zip(_load(path, stored_f64), _load(path, step), strict=True):
         pairs = zip(optree.tree_leaves(got.params), optree.tree_leaves(want.params), strict=True)
         assert all(a.dtype == torch.float64 and torch.equal(a, b) for a, b in pairs)

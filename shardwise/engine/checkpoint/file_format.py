@@ -11,8 +11,8 @@
                                         stack, every tensor's global shape and dtype, the parameters'
                                         shard specs, the optimizer state's layout
       .metadata                         the same index as DCP's ``Metadata`` (a pickle, for DCP's reader)
-      COMMITTED                         written last: every file's size, and the sha256 of every file
-                                        but the rank files (whose records the crc32s cover)
+      COMMITTED                         written last: every file's size, and the sha256 of every
+                                        file but the rank files (whose records the crc32s cover)
 
 Every file shardwise reads is verified before its content is used: each JSON file carries
 ``"sha256"``, the digest of its canonical content (sorted keys, no spaces) without that key,
@@ -108,7 +108,8 @@ def fsync_dir(path: Path) -> None:
 
 def _digest(value: Any) -> str:
     """sha256 of the canonical JSON of ``value``: what the file says, whatever its whitespace."""
-    return hashlib.sha256(json.dumps(value, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    canonical = json.dumps(value, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
 
 
 def _file_digest(path: Path) -> str:
@@ -155,20 +156,21 @@ def write_rank(directory: Path, rank: int, boxes: Iterable[tuple[str, tuple[int,
 
 def write_commit_marker(directory: Path) -> None:
     """``COMMITTED``: every other file's size and, but for the rank files, its sha256 (their
-    records' crc32s, in the verified indexes, cover them: hashing them would read every byte again)."""
+    records' crc32s, in the verified indexes, cover them: hashing would read every byte again)."""
     files: dict[str, Any] = {}
     for path in sorted(directory.iterdir()):
         if path.name != COMMITTED:
             data = path.name.endswith(".distcp")
-            files[path.name] = {"bytes": path.stat().st_size, CHECKSUM: None if data else _file_digest(path)}
+            digest = None if data else _file_digest(path)
+            files[path.name] = {"bytes": path.stat().st_size, CHECKSUM: digest}
     write_json(directory / COMMITTED, {"version": VERSION, "files": files})
 
 
 # -- reading -----------------------------------------------------------------------------------
 def _modified(path: Path, what: str, how: str) -> CheckpointError:
     return CheckpointError(
-        f"checkpoint {path.parent}: {path.name} ({what}) was modified or corrupted after the save: {how}; "
-        "restore the file from a copy of this checkpoint, or load another checkpoint"
+        f"checkpoint {path.parent}: {path.name} ({what}) was modified or corrupted after the "
+        f"save: {how}; restore the file from a copy of this checkpoint, or load another checkpoint"
     )
 
 
@@ -192,8 +194,8 @@ def read_json(path: Path, what: str, *, verify: bool = True) -> dict[str, Any]:
         return value
     stored = value.pop(CHECKSUM, None)
     if stored is None:
-        raise _modified(path, what, f"it carries no {CHECKSUM} checksum, which every file of a format version "
-                        f"{VERSION} checkpoint has")
+        raise _modified(path, what, f"it carries no {CHECKSUM} checksum, which every file of a "
+                        f"format version {VERSION} checkpoint has")
     if _digest(value) != stored:
         raise _modified(path, what, f"its content does not match its {CHECKSUM} checksum")
     return value
@@ -216,23 +218,25 @@ def check_committed(directory: Path) -> dict[str, Any]:
     version, files = _read_marker(directory)
     for name, (size, digest) in files.items():
         _check_listed(directory, name, size, digest)
-    meta = read_json(directory / META, "the checkpoint's metadata", verify=version != UNVERIFIED_VERSION)
+    what = "the checkpoint's metadata"
+    meta = read_json(directory / META, what, verify=version != UNVERIFIED_VERSION)
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"checkpoint {directory}: {META} is not a shardwise checkpoint's (format {meta.get('format')!r})")
     if meta.get("version") not in (UNVERIFIED_VERSION, VERSION):
         raise CheckpointError(
-            f"checkpoint {directory}: {META} has format version {meta.get('version')!r}; this shardwise reads "
-            f"versions {UNVERIFIED_VERSION} and {VERSION}: load it with the shardwise that wrote it and export it "
-            "(sw.full_state_dict)"
+            f"checkpoint {directory}: {META} has format version {meta.get('version')!r}; this "
+            f"shardwise reads versions {UNVERIFIED_VERSION} and {VERSION}: load it with the "
+            "shardwise that wrote it and export it (sw.full_state_dict)"
         )
     if meta["version"] != version:
-        raise _modified(directory / META, "the checkpoint's metadata",
+        raise _modified(directory / META, what,
                         f"it says format version {meta['version']}, {COMMITTED} says {version}")
     if version == UNVERIFIED_VERSION:
         warnings.warn(
-            f"checkpoint {directory} is format version {UNVERIFIED_VERSION}, whose index and metadata files carry "
-            "no checksums: a changed or corrupted one would load wrong values unnoticed; save it again (with this "
-            f"shardwise) to get a verified version {VERSION} checkpoint",
+            f"checkpoint {directory} is format version {UNVERIFIED_VERSION}, whose index and "
+            "metadata files carry no checksums: a changed or corrupted one would load wrong values "
+            f"unnoticed; save it again (with this shardwise) to get a verified version {VERSION} "
+            "checkpoint",
             UserWarning, stacklevel=3,
         )
     return meta
@@ -247,8 +251,9 @@ def _read_marker(directory: Path) -> tuple[int, dict[str, tuple[int, str | None]
         return UNVERIFIED_VERSION, {name: (size, None) for name, size in old.items()}  # sizes only
     marker = read_json(path, "the commit marker")
     try:
+        files = marker["files"]
         return int(marker["version"]), {
-            str(name): (int(entry["bytes"]), entry[CHECKSUM]) for name, entry in marker["files"].items()
+            str(name): (int(entry["bytes"]), entry[CHECKSUM]) for name, entry in files.items()
         }
     except (KeyError, TypeError, ValueError) as err:
         raise _modified(path, "the commit marker", f"it lacks {err}") from None
@@ -259,17 +264,18 @@ def _check_listed(directory: Path, name: str, size: int, digest: str | None) -> 
     path = directory / name
     if not path.is_file():
         raise CheckpointError(
-            f"checkpoint {directory}: {name} is missing (listed in {COMMITTED} with {size} bytes); restore it "
-            "from a copy of this checkpoint, or load another checkpoint"
+            f"checkpoint {directory}: {name} is missing (listed in {COMMITTED} with {size} bytes); "
+            "restore it from a copy of this checkpoint, or load another checkpoint"
         )
     if path.stat().st_size != size:
         raise CheckpointError(
-            f"checkpoint {directory}: {name} has {path.stat().st_size} bytes, {COMMITTED} says {size}: "
-            "the file is truncated or was changed after the save; restore it from a copy of this checkpoint, "
-            "or load another checkpoint"
+            f"checkpoint {directory}: {name} has {path.stat().st_size} bytes, {COMMITTED} says "
+            f"{size}: the file is truncated or was changed after the save; restore it from a copy "
+            "of this checkpoint, or load another checkpoint"
         )
     if digest is not None and _file_digest(path) != digest:
-        raise _modified(path, f"listed in {COMMITTED}", f"its {CHECKSUM} is not the one {COMMITTED} lists")
+        how = f"its {CHECKSUM} is not the one {COMMITTED} lists"
+        raise _modified(path, f"listed in {COMMITTED}", how)
 
 
 def verified(meta: Mapping[str, Any]) -> bool:

@@ -87,7 +87,7 @@ def module_params(chain: Chain) -> dict[tuple[str, str], torch.Tensor]:
         if not isinstance(module, nn.Module):
             continue
         prefix, owned = str(getattr(replicas, "prefix", "")), set(layer.owned_param_names)
-        for name, t in module.named_parameters(remove_duplicate=False):  # a tied weight's every name
+        for name, t in module.named_parameters(remove_duplicate=False):  # every tied name
             if prefix + name in owned:
                 out[(layer.name, prefix + name)] = t
     return out
