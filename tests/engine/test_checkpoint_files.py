@@ -11,20 +11,24 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import optree
 import pytest
 import torch
 
 import shardwise as sw
 from shardwise.cli import main as cli_main
 from shardwise.engine.checkpoint import save_load as ck
-from shardwise.engine.checkpoint.file_format import CheckpointError
+from shardwise.engine.checkpoint.file_format import CheckpointError, write_commit_marker, write_json
 from shardwise.testing.models import mlp
 
 
-def _step(widths: tuple[int, ...] = (4, 6, 3)) -> tuple[Any, Any]:
+def _step(widths: tuple[int, ...] = (4, 6, 3), dtype: torch.dtype = torch.float64,
+          policy: str | None = None) -> tuple[Any, Any]:
     torch.manual_seed(0)
-    chain, params = sw.functionalize(mlp(list(widths)).double())
+    chain, params = sw.functionalize(mlp(list(widths)).to(dtype))
     base = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1, momentum=0.9))
+    if policy is not None:
+        base = sw.mixed_precision(base, policy)
     return sw.shard_params(base, "dp", stage=3), params
 
 
@@ -81,12 +85,11 @@ def test_an_uncommitted_checkpoint_is_refused(tmp_path: Path) -> None:
 def test_another_format_version_is_refused(tmp_path: Path) -> None:
     path, step, _ = _saved(tmp_path)
     meta = json.loads((path / "shardwise.json").read_text())
-    (path / "shardwise.json").write_text(json.dumps({**meta, "version": 99}))
-    # the marker lists sizes: rewrite it as a save of version 99 would have
-    marker = json.loads((path / "COMMITTED").read_text())
-    marker["files"]["shardwise.json"] = (path / "shardwise.json").stat().st_size
-    (path / "COMMITTED").write_text(json.dumps(marker))
-    _refused(path, step, "format version 99", "reads version 1")
+    meta.pop("sha256")
+    # rewrite the files as a save of version 99 would have: signed, and the marker listing them
+    write_json(path / "shardwise.json", {**meta, "version": 99})
+    write_commit_marker(path)
+    _refused(path, step, "format version 99", "reads versions 1 and 2")
 
 
 def test_a_checkpoint_of_another_model_is_refused(tmp_path: Path) -> None:
@@ -94,8 +97,29 @@ def test_a_checkpoint_of_another_model_is_refused(tmp_path: Path) -> None:
     deeper, _ = _step((4, 6, 6, 3))
     _refused(path, deeper, "another model", "4.weight")
     wider, wider_params = _step((4, 8, 3))  # same names, other shapes
-    with pytest.raises(CheckpointError, match="shapes differ"):
+    with pytest.raises(CheckpointError, match="shapes or dtypes differ"):
         ck.load(path, wider, None, like=wider_params)  # checked before any layout is made
+
+
+def test_a_model_of_other_widths_is_refused_without_like(tmp_path: Path) -> None:
+    """The step's modules say what it was built for: loading must not train with the checkpoint's
+    shapes instead."""
+    path, _, _ = _saved(tmp_path)
+    wider, _ = _step((4, 8, 3))
+    _refused(path, wider, "0.weight (params['0']['weight']) is float64 [6, 4] in the checkpoint, "
+             "float64 [8, 4] in the model", "its widths")
+
+
+def test_another_dtype_is_refused_and_a_policy_that_stores_it_loads(tmp_path: Path) -> None:
+    path, step, _ = _saved(tmp_path)
+    single, _ = _step(dtype=torch.float32)
+    _refused(path, single, "is float64 [6, 4] in the checkpoint, float32 [6, 4] in the model",
+             "mixed_precision")
+    # its master params are float64: it loads
+    stored_f64, _ = _step(dtype=torch.float32, policy="params=f64,compute=f32")
+    for got, want in zip(_load(path, stored_f64), _load(path, step), strict=True):
+        pairs = zip(optree.tree_leaves(got.params), optree.tree_leaves(want.params), strict=True)
+        assert all(a.dtype == torch.float64 and torch.equal(a, b) for a, b in pairs)
 
 
 def test_a_record_that_would_run_code_is_refused(tmp_path: Path) -> None:
@@ -120,10 +144,9 @@ def test_a_record_that_would_run_code_is_refused(tmp_path: Path) -> None:
         if r["offset"] > record["offset"]:
             r["offset"] += shift
     record.update(length=len(evil), crc32=zlib.crc32(evil))
-    (path / "rank0.json").write_text(json.dumps(index))
-    marker = json.loads((path / "COMMITTED").read_text())
-    marker["files"].update({n: (path / n).stat().st_size for n in ("rank0.json", "__0_0.distcp")})
-    (path / "COMMITTED").write_text(json.dumps(marker))
+    index.pop("sha256")
+    write_json(path / "rank0.json", index)  # signed and committed, as a save would have
+    write_commit_marker(path)
     _refused(path, step, "does not load", "__0_0.distcp")
 
 

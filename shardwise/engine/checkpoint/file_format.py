@@ -11,7 +11,15 @@
                                         stack, every tensor's global shape and dtype, the parameters'
                                         shard specs, the optimizer state's layout
       .metadata                         the same index as DCP's ``Metadata`` (a pickle, for DCP's reader)
-      COMMITTED                         written last: every file's size
+      COMMITTED                         written last: every file's size, and the sha256 of every
+                                        file but the rank files (whose records the crc32s cover)
+
+Every file shardwise reads is verified before its content is used: each JSON file carries
+``"sha256"``, the digest of its canonical content (sorted keys, no spaces) without that key,
+and the marker's digests tie the files together (a rank index from another save, each one
+consistent in itself, is refused too); each record's bytes match the crc32 in its verified
+index. Format version 1 (before checksums) still loads, with a warning that it cannot be
+verified.
 
 shardwise reads only the JSON files and the records, each with
 ``torch.load(weights_only=True)``: loading executes no code from the file (DCP's own
@@ -23,10 +31,12 @@ reader unpickles ``.metadata``). Tensor names are DCP's flattened keys:
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
 import pickle
+import warnings
 import zlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -36,8 +46,10 @@ from typing import Any
 import torch
 
 FORMAT = "shardwise-checkpoint"
-VERSION = 1
+VERSION = 2  # 2: checksums in every JSON file and in the marker; 1: sizes only
+UNVERIFIED_VERSION = 1  # still read, with a warning (see check_committed)
 META, COMMITTED, DCP_META = "shardwise.json", "COMMITTED", ".metadata"
+CHECKSUM = "sha256"
 
 
 def data_file(rank: int) -> str:
@@ -94,9 +106,25 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_json(path: Path, value: Any) -> None:
+def _digest(value: Any) -> str:
+    """sha256 of the canonical JSON of ``value``: what the file says, whatever its whitespace."""
+    canonical = json.dumps(value, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def _file_digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_json(path: Path, value: Mapping[str, Any]) -> None:
+    """Write ``value`` with its checksum inside (``read_json`` verifies it), durably."""
+    assert CHECKSUM not in value, f"{path.name}: {CHECKSUM!r} is the checksum's key"
     with open(path, "w") as f:
-        json.dump(value, f, indent=1)
+        json.dump({**value, CHECKSUM: _digest(value)}, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
 
@@ -126,15 +154,51 @@ def write_rank(directory: Path, rank: int, boxes: Iterable[tuple[str, tuple[int,
     return total
 
 
+def write_commit_marker(directory: Path) -> None:
+    """``COMMITTED``: every other file's size and, but for the rank files, its sha256 (their
+    records' crc32s, in the verified indexes, cover them: hashing would read every byte again)."""
+    files: dict[str, Any] = {}
+    for path in sorted(directory.iterdir()):
+        if path.name != COMMITTED:
+            data = path.name.endswith(".distcp")
+            digest = None if data else _file_digest(path)
+            files[path.name] = {"bytes": path.stat().st_size, CHECKSUM: digest}
+    write_json(directory / COMMITTED, {"version": VERSION, "files": files})
+
+
 # -- reading -----------------------------------------------------------------------------------
-def read_json(path: Path, what: str) -> Any:
+def _modified(path: Path, what: str, how: str) -> CheckpointError:
+    return CheckpointError(
+        f"checkpoint {path.parent}: {path.name} ({what}) was modified or corrupted after the "
+        f"save: {how}; restore the file from a copy of this checkpoint, or load another checkpoint"
+    )
+
+
+def _load_json(path: Path, what: str) -> Any:
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path.parent}: {path.name} is missing ({what})")
     try:
         with open(path) as f:
             return json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"checkpoint {path.parent}: {path.name} is corrupt ({what}): {err}") from None
+        raise _modified(path, what, f"it is not JSON ({err})") from None
+
+
+def read_json(path: Path, what: str, *, verify: bool = True) -> dict[str, Any]:
+    """A JSON file of the checkpoint, once its content matches its checksum (``verify=False``: a
+    format-version-1 file, which has none)."""
+    value = _load_json(path, what)
+    if not isinstance(value, dict):
+        raise _modified(path, what, f"it holds a {type(value).__name__}, not an object")
+    if not verify:
+        return value
+    stored = value.pop(CHECKSUM, None)
+    if stored is None:
+        raise _modified(path, what, f"it carries no {CHECKSUM} checksum, which every file of a "
+                        f"format version {VERSION} checkpoint has")
+    if _digest(value) != stored:
+        raise _modified(path, what, f"its content does not match its {CHECKSUM} checksum")
+    return value
 
 
 def check_committed(directory: Path) -> dict[str, Any]:
@@ -151,32 +215,79 @@ def check_committed(directory: Path) -> dict[str, Any]:
             f"checkpoint {directory} is not committed: {COMMITTED} is missing, so a save was interrupted "
             "before every rank had written its files; load the previous checkpoint"
         )
-    marker = read_json(directory / COMMITTED, "the commit marker")
-    for name, size in marker.get("files", {}).items():
-        path = directory / name
-        if not path.is_file():
-            raise CheckpointError(f"checkpoint {directory}: {name} is missing (listed in {COMMITTED} with {size} bytes)")
-        if path.stat().st_size != size:
-            raise CheckpointError(
-                f"checkpoint {directory}: {name} has {path.stat().st_size} bytes, {COMMITTED} says {size}: "
-                "the file is truncated or was changed after the save"
-            )
-    meta = read_json(directory / META, "the checkpoint's metadata")
+    version, files = _read_marker(directory)
+    for name, (size, digest) in files.items():
+        _check_listed(directory, name, size, digest)
+    what = "the checkpoint's metadata"
+    meta = read_json(directory / META, what, verify=version != UNVERIFIED_VERSION)
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"checkpoint {directory}: {META} is not a shardwise checkpoint's (format {meta.get('format')!r})")
-    if meta.get("version") != VERSION:
+    if meta.get("version") not in (UNVERIFIED_VERSION, VERSION):
         raise CheckpointError(
-            f"checkpoint {directory}: {META} has format version {meta.get('version')!r}; this shardwise reads "
-            f"version {VERSION}: load it with the shardwise that wrote it and export it (sw.full_state_dict)"
+            f"checkpoint {directory}: {META} has format version {meta.get('version')!r}; this "
+            f"shardwise reads versions {UNVERIFIED_VERSION} and {VERSION}: load it with the "
+            "shardwise that wrote it and export it (sw.full_state_dict)"
+        )
+    if meta["version"] != version:
+        raise _modified(directory / META, what,
+                        f"it says format version {meta['version']}, {COMMITTED} says {version}")
+    if version == UNVERIFIED_VERSION:
+        warnings.warn(
+            f"checkpoint {directory} is format version {UNVERIFIED_VERSION}, whose index and "
+            "metadata files carry no checksums: a changed or corrupted one would load wrong values "
+            f"unnoticed; save it again (with this shardwise) to get a verified version {VERSION} "
+            "checkpoint",
+            UserWarning, stacklevel=3,
         )
     return meta
 
 
-def read_records(directory: Path, ranks: int) -> dict[str, list[Record]]:
-    """Every rank's records, by tensor name."""
+def _read_marker(directory: Path) -> tuple[int, dict[str, tuple[int, str | None]]]:
+    """The marker's format version and its files: name -> (bytes, sha256 or None)."""
+    path = directory / COMMITTED
+    raw = _load_json(path, "the commit marker")
+    old = raw.get("files") if isinstance(raw, dict) and set(raw) == {"files"} else None
+    if isinstance(old, dict) and all(type(size) is int for size in old.values()):
+        return UNVERIFIED_VERSION, {name: (size, None) for name, size in old.items()}  # sizes only
+    marker = read_json(path, "the commit marker")
+    try:
+        files = marker["files"]
+        return int(marker["version"]), {
+            str(name): (int(entry["bytes"]), entry[CHECKSUM]) for name, entry in files.items()
+        }
+    except (KeyError, TypeError, ValueError) as err:
+        raise _modified(path, "the commit marker", f"it lacks {err}") from None
+
+
+def _check_listed(directory: Path, name: str, size: int, digest: str | None) -> None:
+    """One file the marker lists: present, of its size and (where listed) of its sha256."""
+    path = directory / name
+    if not path.is_file():
+        raise CheckpointError(
+            f"checkpoint {directory}: {name} is missing (listed in {COMMITTED} with {size} bytes); "
+            "restore it from a copy of this checkpoint, or load another checkpoint"
+        )
+    if path.stat().st_size != size:
+        raise CheckpointError(
+            f"checkpoint {directory}: {name} has {path.stat().st_size} bytes, {COMMITTED} says "
+            f"{size}: the file is truncated or was changed after the save; restore it from a copy "
+            "of this checkpoint, or load another checkpoint"
+        )
+    if digest is not None and _file_digest(path) != digest:
+        how = f"its {CHECKSUM} is not the one {COMMITTED} lists"
+        raise _modified(path, f"listed in {COMMITTED}", how)
+
+
+def verified(meta: Mapping[str, Any]) -> bool:
+    """Whether the checkpoint of ``meta`` carries checksums (format version 2 on)."""
+    return meta.get("version") != UNVERIFIED_VERSION
+
+
+def read_records(directory: Path, ranks: int, *, verify: bool = True) -> dict[str, list[Record]]:
+    """Every rank's records, by tensor name (``verify=False``: a version-1 checkpoint's)."""
     by_fqn: dict[str, list[Record]] = {}
     for rank in range(ranks):
-        index = read_json(directory / index_file(rank), f"rank {rank}'s index")
+        index = read_json(directory / index_file(rank), f"rank {rank}'s index", verify=verify)
         for item in index["records"]:
             record = Record.from_json(item, index["file"])
             by_fqn.setdefault(record.fqn, []).append(record)
@@ -189,7 +300,7 @@ class Reader:
     def __init__(self, directory: Path, meta: Mapping[str, Any]) -> None:
         self.directory = directory
         self.tensors: dict[str, Any] = meta["tensors"]
-        self.records = read_records(directory, int(meta["world"]))
+        self.records = read_records(directory, int(meta["world"]), verify=verified(meta))
         self._files: dict[str, Any] = {}
 
     def close(self) -> None:

@@ -76,6 +76,23 @@ def state_dict_names(chain: Chain) -> StateDictNames:
     return StateDictNames(keys, param_key)
 
 
+def module_params(chain: Chain) -> dict[tuple[str, str], torch.Tensor]:
+    """The tensors the chain's modules hold for its owned parameters, by (layer, name): the
+    shapes and dtypes a step of this chain was built for. Hand-written layers (no module) say
+    nothing, so they are absent."""
+    out: dict[tuple[str, str], torch.Tensor] = {}
+    for layer in chain.layers:
+        replicas = getattr(layer.fn, "replicas", None)
+        module = getattr(replicas, "module", None)
+        if not isinstance(module, nn.Module):
+            continue
+        prefix, owned = str(getattr(replicas, "prefix", "")), set(layer.owned_param_names)
+        for name, t in module.named_parameters(remove_duplicate=False):  # every tied name
+            if prefix + name in owned:
+                out[(layer.name, prefix + name)] = t
+    return out
+
+
 def _layer_keys(chain: Chain, layer: Layer) -> dict[str, Source]:
     replicas = getattr(layer.fn, "replicas", None)
     module = getattr(replicas, "module", None)

@@ -13,9 +13,13 @@ A save is atomic. Ranks write into ``.<name>.partial`` next to ``path``; when ev
 has written (they agree through a psum of a flag, so a rank that failed stops them
 all), rank 0 writes the metadata and the ``COMMITTED`` marker, and renames the
 directory to ``path`` (a checkpoint already there is moved to ``.<name>.previous``
-first and removed after). A crash at any point leaves the previous checkpoint
-loadable; ``load`` refuses a directory without its marker, and finds the previous
-checkpoint if the crash fell between the two renames.
+first and removed after). A crash at any point, also in a save after a crashed one,
+leaves a complete checkpoint that ``load`` finds: ``path``, else ``.previous`` (the
+crash fell between the renames), else a committed ``.partial`` (a first save's crash
+after its marker). A save first puts
+that one back at ``path`` and removes the rest, so it never removes the only complete
+checkpoint; with ``overwrite=False`` it refuses while one exists. ``load`` refuses a
+directory without its marker.
 
 ``save(..., blocking=False)`` copies this rank's shards to host memory and writes them
 from a thread while training goes on; ``handle.wait()`` (every rank calls it; the next
@@ -83,11 +87,13 @@ from .file_format import (
     index_file,
     read_json,
     read_records,
+    verified,
+    write_commit_marker,
     write_dcp_metadata,
     write_json,
     write_rank,
 )
-from .names import state_dict_names
+from .names import module_params, state_dict_names
 
 __all__ = ["CheckpointError", "SaveHandle", "describe", "load", "save"]
 
@@ -100,6 +106,18 @@ _LOSS_SCALES = {cls.__name__: cls for cls in (NoLossScale, StaticLossScale, Dyna
 def _reached(point: str) -> None:
     if _fault is not None:
         _fault(point)
+
+
+def _rename(source: Path, dest: Path) -> None:
+    os.rename(source, dest)
+
+
+def _discard(directory: Path) -> None:
+    """Remove a checkpoint directory, its commit marker first: a removal stopped half way leaves
+    no directory that passes for a complete checkpoint."""
+    (directory / COMMITTED).unlink(missing_ok=True)
+    fsync_dir(directory)
+    shutil.rmtree(directory)
 
 
 def _partial(target: Path) -> Path:
@@ -180,12 +198,14 @@ def save(path: str | os.PathLike[str], state: TrainState, step: Any, *, blocking
     target = Path(path)
     partial = _partial(target)
     problem = None
-    if target.exists() and not overwrite:
-        problem = f"{target} exists; pass overwrite=True to replace it, or save to a new path"
+    existing = _loadable(target)
+    if existing is not None and not overwrite:
+        left = "" if existing == target else (
+            f" (as {existing.name}, left by an interrupted save; load finds it there)")
+        problem = f"{target} exists{left}; pass overwrite=True to replace it, or save to a new path"
     elif rank == 0:
         try:
-            if partial.exists():
-                shutil.rmtree(partial)  # what an interrupted save left
+            _recover(target)
             partial.mkdir(parents=True)
         except OSError as err:
             problem = f"cannot create {partial}: {err}"
@@ -285,31 +305,61 @@ def _commit(partial: Path, target: Path, meta: dict[str, Any], world: int, alias
     meta = {**meta, "tensors": tensors}
     write_json(partial / META, meta)
     write_dcp_metadata(partial, dcp_metadata(meta, read_records(partial, world), {f"model.{a}": f"model.{k}" for a, k in aliases.items()}))
-    files = {p.name: p.stat().st_size for p in sorted(partial.iterdir()) if p.name != COMMITTED}
-    write_json(partial / COMMITTED, {"files": files})
+    write_commit_marker(partial)
     fsync_dir(partial)
     _reached("committed")
     previous = _previous(target)
-    if previous.exists():
-        shutil.rmtree(previous)
     if target.exists():
-        os.rename(target, previous)
+        if previous.exists():
+            _discard(previous)  # target is complete: a .previous is not the only checkpoint
+        _rename(target, previous)
         _reached("between-renames")
-    os.rename(partial, target)
+    _rename(partial, target)  # here the new checkpoint takes over; .previous is the old one
     fsync_dir(target.parent)
     if previous.exists():
-        shutil.rmtree(previous)
+        _discard(previous)
+
+
+def _complete(directory: Path) -> bool:
+    """Whether ``directory`` holds a committed checkpoint whose files are as written."""
+    try:
+        check_committed(directory)
+    except CheckpointError:
+        return False
+    return True
+
+
+def _loadable(target: Path) -> Path | None:
+    """Where the checkpoint for ``target`` is: ``target`` itself, else (a save stopped between its
+    renames) the ``.previous`` it had moved aside: a save that did not return has not replaced
+    it; else (a first save stopped after its marker) its committed ``.partial``."""
+    if target.exists():
+        return target
+    return next((d for d in (_previous(target), _partial(target)) if _complete(d)), None)
+
+
+def _recover(target: Path) -> None:
+    """Rank 0, before a save writes: put what an interrupted save left back in place, then remove
+    the rest. Each step leaves a complete checkpoint where ``_loadable`` finds it: the rename
+    moves it to ``target``, and what is removed after is not it."""
+    found = _loadable(target)
+    if found is not None and found != target:
+        _rename(found, target)
+        fsync_dir(target.parent)
+    for leftover in (_partial(target), _previous(target)):
+        if leftover.exists():
+            _discard(leftover)
 
 
 # -- loading ---------------------------------------------------------------------------------------
 def resolve(path: str | os.PathLike[str]) -> Path:
-    """The committed checkpoint directory for ``path``: itself, or the checkpoint a save that was
-    replacing it had moved aside when it was interrupted."""
+    """The committed checkpoint directory for ``path``: itself, or the complete one an interrupted
+    save left beside it (see ``_loadable``)."""
     target = Path(path)
-    previous = _previous(target)
-    if not target.exists() and (previous / COMMITTED).is_file():
-        return previous
-    if not target.exists() and _partial(target).exists():
+    found = _loadable(target)
+    if found is not None:
+        return found
+    if _partial(target).exists():
         raise CheckpointError(
             f"no checkpoint at {target}: a save to it was interrupted ({_partial(target)} holds its unfinished files)"
         )
@@ -320,9 +370,11 @@ def load(path: str | os.PathLike[str], step: Any, mesh: Mesh | None = None, *,
          like: Any = None, device: torch.device | str = "cpu") -> TrainState:
     """This rank's TrainState for ``step`` on ``mesh`` from the checkpoint at ``path``, resharded.
 
-    Every rank calls it (no collectives: each reads what it needs). ``like`` (params, real or
-    ``device="meta"``) also checks every parameter's shape against the checkpoint's. Tensors
-    are read onto ``device``.
+    Every rank calls it (no collectives: each reads what it needs). Every parameter's shape and
+    dtype must be those the step expects: its chain's modules' (as ``functionalize`` kept them),
+    cast by the step's precision policy, and, when given, those of ``like`` (params, real or
+    ``device="meta"``). A hand-written layer has no module, so only ``like`` checks its
+    parameters. Tensors are read onto ``device``.
     """
     directory = resolve(path)
     meta = check_committed(directory)
@@ -349,14 +401,52 @@ def _check_model(directory: Path, meta: Mapping[str, Any], step: Any, like: Any)
     params: dict[str, dict[str, torch.Tensor]] = {layer.name: {} for layer in chain.layers}
     for (layer, name), p in saved.items():
         params[layer][name] = torch.empty(tuple(p["shape"]), dtype=dtype_of(p["dtype"], p["key"]), device="meta")
-    if like is not None:
-        bad = [f"{layer}.{name}: checkpoint {list(t.shape)}, like {list(like[layer][name].shape)}"
-               for layer, ts in params.items() for name, t in ts.items() if tuple(like[layer][name].shape) != tuple(t.shape)]
-        if bad:
-            raise CheckpointError(f"checkpoint {directory} is of another model: parameter shapes differ: {bad[:8]}")
+    _check_fits(directory, params, {k: p["key"] for k, p in saved.items()}, step, like)
     # step.init's order: each layer's parameters in the chain's order
     ordered = {layer.name: {n: params[layer.name][n] for n in layer.owned_param_names} for layer in chain.layers}
     return ordered, {k: p["key"] for k, p in saved.items()}
+
+
+def _check_fits(directory: Path, params: Mapping[str, Mapping[str, torch.Tensor]],
+                keys: Mapping[tuple[str, str], str], step: Any, like: Any) -> None:
+    """Refuse a checkpoint whose parameters' shapes or (master) dtypes are not those of the model
+    the step was built for (its modules' tensors) or of ``like``: loaded, it would train with the
+    checkpoint's shapes, or fail later in a matmul."""
+    sources = []
+    if like is not None:
+        sources.append(("like", {(layer, n): t for layer, ts in like.items() for n, t in ts.items()}))
+    sources.append(("the model", module_params(step.base_chain)))
+    bad = []
+    for source, tensors in sources:
+        expected = _master_meta(step, tensors)
+        for (layer, name), want in expected.items():
+            got = params.get(layer, {}).get(name)
+            if got is None:
+                bad.append(f"params[{layer!r}][{name!r}] is in {source}, not in the checkpoint")
+            elif (tuple(got.shape), got.dtype) != (tuple(want.shape), want.dtype):
+                bad.append(f"{keys[(layer, name)]} (params[{layer!r}][{name!r}]) is {_kind(got)} "
+                           f"in the checkpoint, {_kind(want)} in {source}")
+    if bad:
+        raise CheckpointError(
+            f"checkpoint {directory} is of another model: parameter shapes or dtypes differ from "
+            f"the checkpoint's: {'; '.join(bad[:8])}; load it for a model built like the one that "
+            "saved it (its widths, and its dtype: model.to(dtype) before functionalize, or a "
+            "mixed_precision step whose params dtype is the checkpoint's)"
+        )
+
+
+def _master_meta(step: Any, tensors: Mapping[tuple[str, str], torch.Tensor]
+                 ) -> dict[tuple[str, str], torch.Tensor]:
+    """``tensors`` as the step stores them (its precision policy's master dtype), as meta."""
+    tree: dict[str, dict[str, torch.Tensor]] = {}
+    for (layer, name), t in tensors.items():
+        tree.setdefault(layer, {})[name] = torch.empty(tuple(t.shape), dtype=t.dtype, device="meta")
+    master = step.master_params(tree)
+    return {(layer, name): t for layer, ts in master.items() for name, t in ts.items()}
+
+
+def _kind(t: torch.Tensor) -> str:
+    return f"{dtype_name(t.dtype)} {list(t.shape)}"
 
 
 def _build_state(reader: Reader, meta: Mapping[str, Any], step: Any, mesh: Mesh | None,
@@ -433,7 +523,7 @@ def describe(path: str | os.PathLike[str]) -> dict[str, Any]:
     """What a committed checkpoint holds: its metadata, and per rank its file, bytes and records."""
     directory = resolve(path)
     meta = check_committed(directory)
-    records = read_records(directory, int(meta["world"]))
+    records = read_records(directory, int(meta["world"]), verify=verified(meta))
     ranks: list[dict[str, Any]] = []
     for rank in range(int(meta["world"])):
         mine = [r for rs in records.values() for r in rs if r.file == data_file(rank)]

@@ -1,0 +1,179 @@
+"""The commit protocol under crashes: wherever a save stops (each crash point it passes, each
+rename and each removal it makes, a removal stopped half way), and wherever the save after such a
+crash stops, a complete checkpoint stays and ``load`` finds it: the state loadable before the save
+or the one it saves, never a mix, never nothing. ``overwrite=False`` refuses while one exists,
+also one that only a recovery would put back in place.
+
+One device (no mesh): the protocol is rank 0's alone, and a save takes milliseconds, so every
+point of two saves in a row is tried.
+"""
+
+from __future__ import annotations
+
+import itertools
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import optree
+import pytest
+import torch
+
+import shardwise as sw
+from shardwise.engine.checkpoint import save_load as ck
+from shardwise.engine.checkpoint.file_format import COMMITTED, CheckpointError
+from shardwise.testing.models import mlp
+
+
+class Crash(Exception):
+    """What a test raises where a save would have died."""
+
+
+@pytest.fixture(scope="module")
+def problem() -> tuple[Any, list[Any]]:
+    """A step and three states of it, one step apart (so each differs from the others)."""
+    torch.manual_seed(0)
+    chain, params = sw.functionalize(mlp([4, 6, 3]).double())
+    step = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1, momentum=0.9))
+    batch = (torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64))
+    states = [step.init(params)]
+    for _ in range(2):
+        states.append(step(states[-1], batch)[0])
+    return step, states
+
+
+class _CrashAt:
+    """Counts the points a save passes; a crash is due at the ``at``-th (or the one so named)."""
+
+    def __init__(self, at: int | str) -> None:
+        self.at, self.passed, self.reached = at, 0, False
+
+    def tick(self, what: str) -> bool:
+        self.passed += 1
+        self.reached = self.reached or self.at in (self.passed, what)
+        return self.at in (self.passed, what)
+
+
+@pytest.fixture
+def crash_at(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """``crash_at(n)``: the next save dies at its ``n``-th point (a crash point, a rename, a
+    removal: the removal half done, its marker gone first as the code removes it), or at the
+    point named ``n``."""
+    rename, discard = ck._rename, ck._discard
+    current: list[_CrashAt] = []
+
+    def crashing_rename(source: Path, dest: Path) -> None:
+        if current and current[0].tick(f"rename {source.name}"):
+            raise Crash(f"before renaming {source.name} to {dest.name}")
+        rename(source, dest)
+
+    def crashing_discard(directory: Path) -> None:
+        if current and current[0].tick(f"remove {directory.name}"):
+            (directory / COMMITTED).unlink(missing_ok=True)
+            for file in sorted(directory.iterdir())[:1]:
+                file.unlink()
+            raise Crash(f"half way through removing {directory.name}")
+        discard(directory)
+
+    def fault(point: str) -> None:
+        if current and current[0].tick(point):
+            raise Crash(f"at {point}")
+
+    monkeypatch.setattr(ck, "_rename", crashing_rename)
+    monkeypatch.setattr(ck, "_discard", crashing_discard)
+    monkeypatch.setattr(ck, "_fault", fault)
+
+    def arm(n: int | str) -> _CrashAt:
+        current[:] = [_CrashAt(n)]
+        return current[0]
+
+    yield arm
+    current.clear()
+
+
+def _save(path: Path, state: Any, step: Any, crash: _CrashAt, **kw: Any) -> bool:
+    """Whether the save crashed (at ``crash``'s point)."""
+    try:
+        ck.save(path, state, step, overwrite=True, **kw)
+    except (Crash, CheckpointError) as err:
+        # a rank's write error is the cause; the commit's error names it
+        assert isinstance(err, Crash) or isinstance(err.__cause__, Crash) or "Crash" in str(err), err
+        return True
+    assert not crash.reached, "the save passed its crash point without crashing"
+    return False
+
+
+def _which(path: Path, step: Any, states: list[Any]) -> int:
+    """The index of the state that loads from ``path``, which must be one of ``states`` exactly."""
+    loaded = ck.load(path, step)
+    leaves = optree.tree_leaves((loaded.params, loaded.opt_state))
+    for i, state in enumerate(states):
+        pairs = zip(leaves, optree.tree_leaves((state.params, state.opt_state)), strict=True)
+        if loaded.step == state.step and all(torch.equal(a, b) for a, b in pairs):
+            return i
+    raise AssertionError(f"{path} loads none of the saved states (its step is {loaded.step})")
+
+
+def _copy(source: Path, dest: Path) -> Path:
+    shutil.copytree(source, dest)
+    return dest
+
+
+def test_a_crash_anywhere_in_a_replace_and_in_the_save_after_it_keeps_a_checkpoint(
+    problem: tuple[Any, list[Any]], crash_at: Any, tmp_path: Path
+) -> None:
+    step, (s0, s1, s2) = problem
+    base = tmp_path / "base"
+    base.mkdir()
+    ck.save(base / "c", s0, step)
+    points = 0
+    for n in itertools.count(1):
+        first = _copy(base, tmp_path / f"n{n}")
+        crashed = _save(first / "c", s1, step, crash_at(n))
+        before = _which(first / "c", step, [s0, s1]) if crashed else 1
+        for m in itertools.count(1):
+            second = _copy(first, tmp_path / f"n{n}m{m}")
+            crashed_again = _save(second / "c", s2, step, crash_at(m))
+            got = _which(second / "c", step, [s0, s1, s2])
+            assert got in (before, 2), f"crashes at points {n}, {m}: state {got}, not {before} or 2"
+            if not crashed_again:
+                assert got == 2 and [p.name for p in second.iterdir()] == ["c"], list(second.iterdir())
+                break
+            shutil.rmtree(second)
+        points += 1
+        if not crashed:
+            assert sorted(p.name for p in first.iterdir()) == ["c"]
+            break
+        shutil.rmtree(first)
+    assert points >= 8, "every rename, removal and crash point of a save is tried"
+
+
+def test_overwrite_false_refuses_a_recoverable_checkpoint_and_changes_nothing(
+    problem: tuple[Any, list[Any]], crash_at: Any, tmp_path: Path
+) -> None:
+    step, (s0, s1, s2) = problem
+    path = tmp_path / "c"
+    ck.save(path, s0, step)
+    assert _save(path, s1, step, crash_at("between-renames"))
+    assert not path.exists()  # only .c.previous and a committed .c.partial
+    listing = sorted(p.name for p in tmp_path.iterdir())
+    with pytest.raises(CheckpointError, match="overwrite=True"):
+        ck.save(path, s2, step)
+    assert sorted(p.name for p in tmp_path.iterdir()) == listing
+    assert _which(path, step, [s0, s1]) == 0  # the old one: the save that replaced it did not return
+    crash_at(0)  # disarmed: no point is the 0th
+    ck.save(path, s2, step, overwrite=True)
+    assert _which(path, step, [s2]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]
+
+
+def test_async_save_commits_through_the_same_protocol(
+    problem: tuple[Any, list[Any]], crash_at: Any, tmp_path: Path
+) -> None:
+    step, (s0, s1, _) = problem
+    path = tmp_path / "c"
+    ck.save(path, s0, step)
+    handle = ck.save(path, s1, step, blocking=False, overwrite=True)
+    assert handle.wait() == path
+    assert _which(path, step, [s1]) == 0
