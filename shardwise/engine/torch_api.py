@@ -75,8 +75,9 @@ def is_fake(t: Any) -> bool:
 
 
 @contextlib.contextmanager
-def fake_tensors() -> Iterator[Callable[[Any], Any]]:
-    """Inside the block, ``fake(t)`` turns a real tensor into a fake one on the same device.
+def fake_tensors(meta_device: torch.device | str = "cpu") -> Iterator[Callable[[Any], Any]]:
+    """Inside the block, ``fake(t)`` turns a real tensor into a fake one on the same device, and
+    a meta tensor (a parameter of a meta-built model) into a fake one on ``meta_device``.
 
     Unlike ``device="meta"``, a fake CPU tensor dispatches to the CPU kernels' choices
     (scaled_dot_product_attention picks the same backend), so what a layer saves is the same.
@@ -84,4 +85,12 @@ def fake_tensors() -> Iterator[Callable[[Any], Any]]:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        yield lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t
+
+        def fake(t: Any) -> Any:
+            if not isinstance(t, torch.Tensor):
+                return t
+            if t.is_meta:  # made inside the mode: a fake tensor, no memory
+                return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=meta_device)
+            return mode.from_tensor(t)
+
+        yield fake

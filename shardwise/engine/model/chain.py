@@ -106,7 +106,10 @@ def _check_layer(layer: Layer) -> None:
 class Chain:
     """An immutable sequence of :class:`Layer` run one after another: ``chain(params, x)``."""
 
-    def __init__(self, layers: Sequence[Layer]) -> None:
+    def __init__(self, layers: Sequence[Layer], init: Any = None) -> None:
+        # init: how the meta parameters of a meta-built module are made (materialize.ModuleInit);
+        # None when every parameter comes with its values.
+        self.init = init
         self._layers = tuple(layers)
         for i, layer in enumerate(self._layers):
             if not isinstance(layer, Layer):

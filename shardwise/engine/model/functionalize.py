@@ -40,8 +40,14 @@ Every layer fn calls the module's code with its tensors swapped in, as
 ``torch.func.functional_call`` does (``module_call.ModuleCall``: the same swap with the
 name walk done once), so outputs are bitwise those of the module: same ops, same order,
 equal values.
-Parameters come back as detached copies (``requires_grad=False``; call
-``requires_grad_()`` to use ``backward``), so training them never touches the module.
+Who owns what: the returned parameters and the layers' buffers *are* the module's tensors,
+detached (``requires_grad=False``; call ``requires_grad_()`` to use ``backward``): no data is
+copied. The chain keeps only a skeleton of the module (its structure, every parameter and buffer
+a meta tensor; ``module_call.skeleton``), so deleting the module and the returned params frees the
+model's memory. A step never trains these tensors in place: ``Step.init`` copies (or cuts the
+rank's shards of) them into its own state, so the module is left as it was. A module built on
+the meta device gives meta parameters; ``Step.init`` then materializes each rank's own shards
+from the module's initializers (see ``materialize``).
 
 Decisions:
 
@@ -51,8 +57,8 @@ Decisions:
   feeds it under every alias, so its gradient is the sum over all uses.
 * Parameters with ``requires_grad=False`` are frozen: they travel as buffers (in
   ``Layer.buffers``, never updated, never in the params pytree).
-* Buffers are detached copies carried in ``Layer.buffers``; a buffer shared by several
-  layers is copied once and the copy is shared.
+* Buffers are carried in ``Layer.buffers`` (the module's own, detached); a buffer shared by
+  several layers is one tensor in each.
 * A module that updates state in forward (BatchNorm in training mode with running
   stats) is refused: a pure layer cannot update it.
 * ``functional_call`` swaps tensors into the module for the duration of a call, which is
@@ -64,7 +70,6 @@ Decisions:
 from __future__ import annotations
 
 import difflib
-import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -76,6 +81,7 @@ from torch.nn.modules.batchnorm import _NormBase
 from .capture import Piece, split_by_calls
 from .chain import Chain, Layer
 from .fx_split import FunctionalizeError, FxTraceError, split_graph
+from .materialize import InitFn, ModuleInit, has_meta_tensors, is_transformers_model, stand_in
 from .module_call import ThreadReplicas, call_arguments
 from .pytrees import float_leaves, register_output_types, unregistered_reason
 
@@ -89,12 +95,17 @@ _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 
 
 def functionalize(
-    module: nn.Module, *, units: Units = None, example_input: Any = None
+    module: nn.Module,
+    *,
+    units: Units = None,
+    example_input: Any = None,
+    init_fn: InitFn | None = None,
+    device: torch.device | str | None = None,
 ) -> tuple[Chain, ParamTree]:
     """Split ``module`` into a :class:`Chain` of pure layers and return it with its params.
 
     Args:
-        module: the model. Its parameters are copied, never modified.
+        module: the model. Never modified; the chain keeps no reference to its tensors.
         units: how to cut it (see the module docstring): ``None``; a list of submodule paths
             in execution order (a path naming a ModuleList / Sequential / ModuleDict
             stands for each of its children); or a module class, whose outermost
@@ -103,6 +114,12 @@ def functionalize(
             must agree bitwise, no layer may modify its buffers, and every layer output must
             carry a floating-point tensor. A split that records calls (Hugging Face models,
             modules fx cannot trace) is recorded on it, and checked on it always.
+        init_fn: for a module built on the meta device: ``fn(module)`` that initializes a
+            module's own parameters and buffers (as ``model.apply(fn)`` would apply it); by
+            default a Hugging Face model's ``_init_weights``, else each module's
+            ``reset_parameters()`` (see :mod:`shardwise.engine.model.materialize`).
+        device: for a module built on the meta device: where its buffers are made now and its
+            parameters later, by ``Step.init`` (default: the CPU).
 
     Returns:
         ``(chain, params)`` with ``params[layer_name][local_name]`` holding owned params only;
@@ -119,16 +136,58 @@ def functionalize(
     ``("embed", "transformer.h.0", ..., "head")``.
     """
     _refuse_stateful(module)
-    pieces, recorded = _pieces(module, units, example_input)
-    chain, params = _build_chain(pieces)
+    init, target, origin = _meta_init(module, init_fn, device)
+    pieces, recorded = _pieces(target, units, example_input)
+    chain, params, sources = _build_chain(pieces)
     if units is None and isinstance(module, nn.Sequential):
         for layer in chain:  # each layer calls a child: its modules' paths in the model start with its name
             layer.fn.root_prefix = layer.name  # type: ignore[attr-defined]
     if recorded is not None:
         example_input = recorded
     if example_input is not None:
-        _check_against_module(module, chain, params, example_input)
-    return chain, params
+        _check_against_module(target, chain, params, example_input)
+    if init is None:
+        return chain, params
+    # A meta-built module: the chain says how to make its parameters; they are returned meta.
+    meta, paths = _meta_params(target, sources, origin)
+    meta = {layer: meta.get(layer, {}) for layer in params}  # every layer has an entry
+    return Chain(chain.layers, ModuleInit(module, paths, init.init_fn, init.device)), meta
+
+
+def _meta_init(
+    module: nn.Module, init_fn: InitFn | None, device: torch.device | str | None
+) -> tuple[ModuleInit | None, nn.Module, dict[int, Tensor]]:
+    """For a meta-built module: how to make its tensors, the module to split (a stand-in that
+    runs: zero-cost parameters, made buffers) and which of the module's tensors each stand-in
+    tensor is. For any other module: (None, the module, {})."""
+    if not has_meta_tensors(module):
+        if init_fn is not None or device is not None:
+            given = "init_fn" if init_fn is not None else "device"
+            raise TypeError(
+                f"functionalize({given}=...) is for a module built on the meta device, and "
+                f"{type(module).__name__} holds its values already: drop {given}= (move a real "
+                "model with module.to(device) first)."
+            )
+        return None, module, {}
+    init = ModuleInit(module, {}, init_fn, torch.device(device if device is not None else "cpu"))
+    # Buffers are the chain's own (layers carry them): made now, each from its module's initializer.
+    buffers = {id(b): init.tensor(path, seed=0) for path, b in module.named_buffers() if b.is_meta}
+    target, origin = stand_in(module, buffers, init.device)
+    return init, target, origin
+
+
+def _meta_params(
+    module: nn.Module, sources: dict[tuple[str, str], Tensor], origin: dict[int, Tensor]
+) -> tuple[ParamTree, dict[tuple[str, str], str]]:
+    """The meta parameters of a meta-built module by (layer, local name), and the path of each
+    in ``module`` (its first name, if tied), from the stand-in tensors the split was made of."""
+    path_of = {id(t): path for path, t in module.named_parameters()}
+    params: ParamTree = {}
+    paths: dict[tuple[str, str], str] = {}
+    for (layer, name), t in sources.items():
+        params.setdefault(layer, {})[name] = origin[id(t)].detach()
+        paths[(layer, name)] = path_of[id(t)]
+    return params, paths
 
 
 Piece_ = tuple[str, nn.Module | Piece]
@@ -146,7 +205,7 @@ def _pieces(module: nn.Module, units: Units, example: Any) -> tuple[list[Piece_]
     if paths is None:  # the root itself is the unit class
         return [(WHOLE_MODULE, module)], None
     ordered = not isinstance(units, type)
-    if not _is_transformers_model(module):
+    if not is_transformers_model(module):
         try:
             return list(split_graph(module, paths, ordered=ordered)), None
         except FxTraceError as e:
@@ -160,12 +219,6 @@ def _pieces(module: nn.Module, units: Units, example: Any) -> tuple[list[Piece_]
     # Hugging Face models, and modules fx cannot trace: record the calls on an example input.
     example = example if example is not None else _dummy_input(module)
     return list(split_by_calls(module, paths, example, ordered=ordered)), example
-
-
-def _is_transformers_model(module: nn.Module) -> bool:
-    modeling = sys.modules.get("transformers.modeling_utils")  # never import transformers ourselves
-    base = getattr(modeling, "PreTrainedModel", None)
-    return base is not None and isinstance(module, base)
 
 
 def _dummy_input(module: nn.Module) -> Tensor:
@@ -221,16 +274,20 @@ class _ModuleFn:
         return f"functional_call({type(self.module).__name__})"
 
 
-def _build_chain(pieces: list[Piece_]) -> tuple[Chain, ParamTree]:
+def _build_chain(pieces: list[Piece_]) -> tuple[Chain, ParamTree, dict[tuple[str, str], Tensor]]:
+    """The chain, its params (the pieces' tensors detached) and, by (layer, local name), the
+    tensor each owned param was detached from."""
     owners: dict[int, tuple[str, str]] = {}  # id(param) -> (owner layer, owner's local name)
-    copies: dict[int, Tensor] = {}  # id(tensor) -> its detached copy, made once
+    detached: dict[int, Tensor] = {}  # id(tensor) -> the tensor detached, once
 
     def copy_of(t: Tensor) -> Tensor:
-        if id(t) not in copies:
-            copies[id(t)] = t.detach().clone()
-        return copies[id(t)]
+        # The module's own tensor (detached: no copy of the data, and no autograd history).
+        if id(t) not in detached:
+            detached[id(t)] = t.detach()
+        return detached[id(t)]
 
     layers, params = [], {}
+    sources: dict[tuple[str, str], Tensor] = {}
     for name, mod in pieces:
         param_names: list[str] = []
         owned: dict[str, Tensor] = {}
@@ -246,10 +303,11 @@ def _build_chain(pieces: list[Piece_]) -> tuple[Chain, ParamTree]:
             else:
                 owners[id(p)] = (name, local)
                 owned[local] = copy_of(p)
+                sources[(name, local)] = p
         fn = mod.fn if isinstance(mod, Piece) else _ModuleFn(mod)
         layers.append(Layer(name, fn, tuple(param_names), buffers, ties))
         params[name] = owned
-    return Chain(layers), params
+    return Chain(layers), params, sources
 
 
 # --- resolving units ----------------------------------------------------------------------

@@ -85,18 +85,35 @@ def _slots_of(module: nn.Module, prefix: str) -> tuple[list[_Slot] | None, froze
 
 
 
-class ThreadReplicas:
-    """A :class:`ModuleCall` per thread: ``module`` itself for the thread that made this, and for
-    every other thread a deep copy that shares the original's tensors.
+def skeleton(module: nn.Module) -> nn.Module:
+    """A copy of ``module``'s structure whose parameters and buffers are meta tensors of the same
+    shapes and dtypes: what a layer keeps of the module it calls, since every call swaps the real
+    tensors in (``ModuleCall`` is strict, so a meta tensor left in place fails loudly, never
+    silently). Tied tensors stay tied (one meta tensor under each alias). Tensors kept as plain
+    attributes, not registered, are copied as they are: forward reads them."""
+    memo: dict[int, Any] = {}
+    for _, t in module.named_parameters(remove_duplicate=False):
+        if id(t) not in memo:
+            memo[id(t)] = nn.Parameter(t.detach().to("meta"), requires_grad=t.requires_grad)
+    for _, b in module.named_buffers(remove_duplicate=False):
+        if id(b) not in memo:
+            memo[id(b)] = b.detach().to("meta")
+    return copy.deepcopy(module, memo)
 
+
+class ThreadReplicas:
+    """A :class:`ModuleCall` per thread over a :func:`skeleton` of ``module``: the skeleton for
+    the thread that made this, and for every other thread a deep copy of it.
+
+    The skeleton holds no parameter data, so a chain owns no second copy of the model and the
+    user's module can be deleted (or kept, and trained, or changed: the chain never reads it).
     ``functional_call`` swaps tensors into the module for the duration of a call, which is not
-    safe when threads (the threads backend runs ranks as threads) call one module at once. The
-    copies cost the module's structure, not its tensors (they are swapped out anyway).
-    Pickles as the module alone.
+    safe when threads (the threads backend runs ranks as threads) call one module at once, hence
+    a copy per thread. Pickles as the skeleton alone.
     """
 
     def __init__(self, module: nn.Module, prefix: str = "") -> None:
-        self.module = module
+        self.module = skeleton(module)
         self.prefix = prefix
         self._init_local()
 

@@ -96,7 +96,9 @@ def predict_kept_for_backward(
 ) -> dict[str, int]:
     """``kept_for_backward`` on fake copies (shapes, dtypes and kernel choices only): the same figures,
     computed without touching data."""
-    with fake_tensors() as fake:
+    # Meta parameters (a meta-built model) are predicted on the device the batch is on.
+    device = next((t.device for t in optree.tree_leaves(inputs) if isinstance(t, torch.Tensor)), "cpu")
+    with fake_tensors(device) as fake:
         fake_chain = Chain(
             [dataclasses.replace(layer, buffers={k: fake(v) for k, v in layer.buffers.items()}) for layer in chain]
         )

@@ -60,6 +60,7 @@ from ..run.metrics import (
 )
 from ..run.rng import mix
 from ..stack.compose import PLACEMENT, SHARDING, SPLIT, describe, find
+from .init_state import held_params, init_seeding, meta_names, sampled_values
 from .planning import plan_of
 
 Metrics = dict[str, torch.Tensor]
@@ -355,15 +356,24 @@ class Step:
 
     # -- state ----------------------------------------------------------------
     def init(self, params: Params, mesh: Mesh | None = None, *, seed: int = 0) -> TrainState:
-        """Build this rank's TrainState from full parameters (every rank passes the same ones).
+        """Build this rank's TrainState from the model's parameters (every rank passes the same).
 
-        ``seed`` starts the step's random streams (dropout): every rank passes the same; each
-        rank, stage, micro-batch and step draws its own stream from it (engine/run/rng.py).
+        A rank holds only its own part (its pipeline stages' layers, its tensor-parallel slices,
+        its ZeRO shards) and builds it one layer at a time: its peak is its part plus one full
+        layer. Meta parameters (a model built on the meta device, functionalized) are made
+        here, each from the module's own initializer seeded from ``(seed, its path)``, on the
+        device functionalize was given: the same values on every mesh and stack as on one
+        device (see ``shardwise.engine.model.materialize``). Real ones are copied (or cut), so
+        the state never shares memory with ``params``.
+
+        ``seed`` also starts the step's random streams (dropout): every rank passes the same;
+        each rank, stage, micro-batch and step draws its own stream from it (engine/run/rng.py).
         """
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"init(seed={seed!r}): the seed of the step's random streams is an int")
         mesh = self._check_mesh(mesh)
         check_params(self.chain, params)
+        maker = self._parameter_maker(params)
         layout = self.layout(mesh, params)
         if mesh is not None and self.transforms and any(getattr(s, "axis", None) for s in self.transforms):
             check_ranks_agree(mesh, {
@@ -371,9 +381,11 @@ class Step:
                 "schedule": str(layout.schedule),
                 "mesh": repr(mesh),
                 "parameter names, shapes and dtypes": repr([(k, n, tuple(t.shape), t.dtype) for k, v in params.items() for n, t in v.items()]),
-                # One pass over the values: ranks that built the model themselves from different seeds
-                # start from different weights.
-                "parameter values": repr([float(t.detach().double().sum()) for v in params.values() for t in v.values()]),
+                # A sample of each tensor: ranks that built the model themselves from different seeds
+                # (or loaded other checkpoints) start from different weights.
+                "parameter values": sampled_values(params),
+                "how meta parameters are made": "none" if maker is None else maker.describe(),
+                "parameter init_fn": None if maker is None else maker.init_fn,
                 "seed": str(seed),
                 # What else decides the update: one rank with another learning rate, momentum or
                 # clipping would train on silently (under ZeRO each updates its own shard).
@@ -383,21 +395,50 @@ class Step:
                 "gradient clipping": self.clip_norm,
                 "token weighting": self.tokens,
                 "metrics": self.metrics,
-            }, device_of(params))
+            }, self._agreement_device(params, maker))
         index = layout.index_of(mesh)
-        master = self.master_params(local_params(self.tp_view(params, mesh), layout.placement, index))
         sharding = layout.sharding
-        held: Any
-        update_tree: Any
-        if sharding is None:
-            held, update_tree = master, master
-        else:
-            assert mesh is not None
-            dp_index = mesh.axis_index(sharding.axis)
-            held, update_tree = sharding.held(master, dp_index), sharding.shards_of(master, dp_index)
+        dp_index = 0 if sharding is None or mesh is None else mesh.axis_index(sharding.axis)
+
+        def make(layer: str, names: list[str]) -> dict[str, torch.Tensor]:
+            given = params.get(layer, {})
+            made = {n: t for n, t in given.items() if n in names and not t.is_meta}
+            missing = [n for n in names if n not in made]
+            if missing:
+                assert maker is not None  # _parameter_maker refused meta parameters without one
+                made.update(maker.tensors(layer, missing, seed, lambda s: init_seeding(s, maker.device)))
+            return made
+
+        shapes = {k: {n: t.to("meta") for n, t in v.items()} for k, v in params.items()}
+
+        def to_local(layer: str, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            local = self.tp_view({**shapes, layer: {**shapes[layer], **values}}, mesh)[layer]
+            return self.master_params({layer: {n: local[n] for n in values}})[layer]
+
+        held, update_tree = held_params(params, layout, index, dp_index, make, to_local)
         return TrainState(
             held, self.optimizer.init(update_tree), 0, self.initial_loss_scale(), mesh=mesh, layout=layout, rng=seed
         )
+
+    @staticmethod
+    def _agreement_device(params: Params, maker: Any) -> torch.device:
+        device = device_of(params)
+        return maker.device if device.type == "meta" and maker is not None else device
+
+    def _parameter_maker(self, params: Params) -> Any:
+        """The chain's way of making meta parameters, if ``params`` holds any (refused without)."""
+        missing = meta_names(params)
+        maker = self.base_chain.init
+        if missing and maker is None:
+            layer, name = missing[0]
+            raise ValueError(
+                f"init: params[{layer!r}][{name!r}] (and {len(missing) - 1} more) are meta tensors, with "
+                "no values and no way to make them: this chain was not made by functionalize from a "
+                "module built on the meta device. Pass real values, or functionalize the meta-built "
+                "module (its chain makes each rank's parameters from the module's initializers), or "
+                "load them (sw.checkpoint.load, sw.init_from_state_dict)."
+            )
+        return maker if missing else None
 
     def _state_layout(self, state: TrainState) -> StateLayout:
         layout = state.layout

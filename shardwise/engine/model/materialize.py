@@ -1,0 +1,182 @@
+"""Materialize a meta-built module's tensors one at a time, from the module's own initializers.
+
+A model built under ``with torch.device("meta")`` has shapes and dtypes but no data. Each
+parameter (or buffer) is made on its own: an empty tensor on the target device is put in its
+slot of the module, the module that owns it is initialized (then each module above it, in the
+order ``module.apply`` visits them: children first), and the tensor is taken out again. So a
+rank makes only the tensors it holds, one unit at a time, and the user's module is left meta.
+
+Which initializer runs on a module:
+
+* ``init_fn(module)`` when given: applied to the owner and every module above it, as
+  ``model.apply(init_fn)`` would (nanoGPT's ``_init_weights``, torchtitan's ``init_weights``);
+* a Hugging Face model's own ``_init_weights(module)``, likewise on the owner and above (it
+  re-initializes some weights from their parent: GPT-2's scaled ``c_proj``; and it computes
+  buffers such as rotary frequencies and position ids);
+* else the owner's ``reset_parameters()`` (torch's layers); a module without one is refused,
+  naming it and asking for ``init_fn``.
+
+Every tensor's random draws are seeded from ``(seed, its path in the module)``, so its values
+do not depend on which other tensors a rank makes, on the mesh or on the stack: a ZeRO-3 shard
+on 512 ranks holds the values the same seed gives on one device. The values differ from the
+module's eager init under ``torch.manual_seed`` (that draws every tensor from one stream).
+
+An initializer that leaves part of a tensor unset would leave uninitialized memory in it: each
+tensor is made twice, from two different fills, and any element that differs is refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import sys
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .fx_split import FunctionalizeError
+
+InitFn = Callable[[nn.Module], Any]
+Seeding = Callable[[int], contextlib.AbstractContextManager[Any]]
+
+__all__ = ["InitFn", "ModuleInit", "has_meta_tensors", "is_transformers_model", "path_seed", "stand_in"]
+
+
+def has_meta_tensors(module: nn.Module) -> bool:
+    return any(t.is_meta for t in (*module.parameters(), *module.buffers()))
+
+
+def path_seed(seed: int, path: str) -> int:
+    """A 63-bit seed from ``seed`` and a tensor's path: stable across processes and machines
+    (Python's ``hash`` of a string is not)."""
+    digest = hashlib.sha256(f"{seed}:{path}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+@contextlib.contextmanager
+def _forked_seed(seed: int) -> Iterator[None]:
+    """Default seeding: the process's generators seeded for the block, restored after it."""
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
+
+
+@dataclass(eq=False)
+class ModuleInit:
+    """How the meta tensors of a functionalized module are made: which tensor of ``module``
+    each (layer, local name) is, the initializer, and the device they are made on.
+
+    Held by the Chain of a meta-built module (``chain.init``); ``Step.init`` asks it for the
+    tensors of one layer at a time. Pickles with the module (meta tensors pickle as shapes).
+    """
+
+    module: nn.Module
+    paths: Mapping[tuple[str, str], str]  # (layer, local name) -> the tensor's path in module
+    init_fn: InitFn | None = None
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
+
+    def describe(self) -> str:
+        """What decides the values (ranks must agree on it): the initializer and the device type."""
+        how = getattr(self.init_fn, "__qualname__", repr(self.init_fn)) if self.init_fn else self._default_name()
+        return f"{type(self.module).__name__} initialized by {how} on {self.device.type}"
+
+    def _default_name(self) -> str:
+        return "_init_weights" if is_transformers_model(self.module) else "reset_parameters"
+
+    def tensors(
+        self, layer: str, names: list[str], seed: int, seeding: Seeding | None = None
+    ) -> dict[str, Tensor]:
+        """The tensors ``names`` of ``layer``, made on ``self.device`` (see the module docstring)."""
+        return {name: self.tensor(self.paths[(layer, name)], seed, seeding) for name in names}
+
+    def tensor(self, path: str, seed: int, seeding: Seeding | None = None) -> Tensor:
+        seeding = seeding or _forked_seed
+        owner_path, _, name = path.rpartition(".")
+        chain = _modules_down_to(self.module, owner_path)
+        owner = chain[-1]
+        slots: dict[str, Any] = owner._parameters if name in owner._parameters else owner._buffers
+        made = []
+        with self._lock:  # thread ranks make tensors of one module: one swap at a time
+            meta = slots[name]
+            if meta is None or not meta.is_meta:
+                raise AssertionError(f"{path} is not a meta tensor")  # ModuleInit is made for meta ones
+            try:
+                for fill in (0, 1):
+                    empty = torch.full(meta.shape, fill, dtype=meta.dtype, device=self.device)
+                    slots[name] = nn.Parameter(empty, meta.requires_grad) if isinstance(meta, nn.Parameter) else empty
+                    with seeding(path_seed(seed, path)), torch.no_grad():
+                        self._initialize(chain, path)
+                    made.append(slots[name].detach())
+            finally:
+                slots[name] = meta
+        first, second = made
+        if first.shape != meta.shape or first.dtype != meta.dtype or not torch.equal(first, second):
+            raise FunctionalizeError(
+                f"initializing {path!r} ({type(owner).__name__}, {self._default_name() if self.init_fn is None else 'init_fn'})"
+                " left some of its elements unset (or changed its shape or dtype), so they would hold "
+                "whatever memory held before. Pass functionalize(..., init_fn=fn) with an fn(module) "
+                "that sets every parameter and buffer of the modules it is given."
+            )
+        return second
+
+    def _initialize(self, chain: list[nn.Module], path: str) -> None:
+        owner = chain[-1]
+        if self.init_fn is not None:
+            for module in reversed(chain):
+                self.init_fn(module)
+        elif is_transformers_model(self.module):
+            init_weights: InitFn = getattr(self.module, "_init_weights")  # noqa: B009 - HF's, per module
+            for module in reversed(chain):
+                init_weights(module)
+        elif callable(reset := getattr(owner, "reset_parameters", None)):
+            reset()
+        else:
+            raise FunctionalizeError(
+                f"functionalize: {path!r} is on the meta device and its module "
+                f"({type(owner).__name__} at {'.'.join(path.split('.')[:-1]) or 'the root'!r}) has no "
+                "reset_parameters() to initialize it; pass functionalize(..., init_fn=fn), an "
+                "fn(module) that initializes a module's own parameters and buffers (applied as "
+                "model.apply(fn) would), or load the values (sw.init_from_state_dict)."
+            )
+
+
+def _modules_down_to(root: nn.Module, path: str) -> list[nn.Module]:
+    """[root, ..., the module at ``path``]."""
+    chain = [root]
+    for part in path.split(".") if path else []:
+        chain.append(chain[-1].get_submodule(part))
+    return chain
+
+
+def is_transformers_model(module: nn.Module) -> bool:
+    modeling = sys.modules.get("transformers.modeling_utils")  # never import transformers ourselves
+    base = getattr(modeling, "PreTrainedModel", None)
+    return base is not None and isinstance(module, base)
+
+
+def stand_in(
+    module: nn.Module, buffers: Mapping[int, Tensor], device: torch.device
+) -> tuple[nn.Module, dict[int, Tensor]]:
+    """A copy of a meta-built ``module`` that runs: each meta parameter a zero of its shape on
+    ``device`` that holds one element (expanded), each meta buffer its made value from
+    ``buffers`` (by id), the real tensors shared. What the split records its calls on. Also: id
+    of each stand-in tensor -> the module's own tensor it stands for."""
+    memo: dict[int, Any] = {}
+    origin: dict[int, Tensor] = {}
+    for _, t in module.named_parameters(remove_duplicate=False):
+        if id(t) not in memo:
+            zero = torch.zeros((), dtype=t.dtype, device=device).expand(t.shape)
+            memo[id(t)] = nn.Parameter(zero, t.requires_grad) if t.is_meta else t
+            origin[id(memo[id(t)])] = t
+    for _, b in module.named_buffers(remove_duplicate=False):
+        if id(b) not in memo:
+            memo[id(b)] = buffers[id(b)] if b.is_meta else b
+            origin[id(memo[id(b)])] = b
+    return copy.deepcopy(module, memo), origin

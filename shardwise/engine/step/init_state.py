@@ -1,0 +1,96 @@
+"""How ``Step.init`` builds a rank's parameters: one layer at a time, only what the rank holds.
+
+For each layer the rank holds (its pipeline stages', and copies of tied weights it uses), the
+layer's full values are made or read (a meta parameter from the chain's initializer, seeded per
+parameter path; a real one as given), cut to the rank's tensor-parallel slices, copied into the
+master dtype and cut to the rank's ZeRO shard; then the full values are dropped before the next
+layer. So init's peak is the rank's shards plus one full layer, not the model.
+
+The agreement check reads O(1) values per tensor: ranks that built or loaded the model from
+different seeds or checkpoints differ almost everywhere, and a sample of each tensor at fixed
+positions shows it without a pass over the whole model. Meta parameters agree by construction:
+the ranks compare how they are made instead (the initializer and the seed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+from ..layout.sharding import FlatSharding
+from ..layout.state_layout import StateLayout, local_params
+from ..run.rng import preserved, ranks_share_generators, seeded
+
+Params = Mapping[str, Mapping[str, torch.Tensor]]
+# The few positions of each tensor the agreement check reads.
+SAMPLED = 64
+
+
+def meta_names(params: Params) -> list[tuple[str, str]]:
+    return [(layer, n) for layer, d in params.items() for n, t in d.items() if t.is_meta]
+
+
+def sampled_values(params: Params) -> str:
+    """A text fingerprint of ``params``: each real tensor's values at ``SAMPLED`` fixed positions
+    (a NaN shows as nan), each meta tensor as 'meta'. O(SAMPLED) reads per tensor."""
+    parts = []
+    for d in params.values():
+        for t in d.values():
+            if t.is_meta:
+                parts.append("meta")
+                continue
+            flat = t.detach().reshape(-1)
+            if flat.numel() == 0:
+                parts.append("empty")
+                continue
+            where = torch.linspace(0, flat.numel() - 1, min(SAMPLED, flat.numel()), device=flat.device).long()
+            parts.append(repr(flat[where].double().cpu().tolist()))
+    return ";".join(parts)
+
+
+@contextlib.contextmanager
+def init_seeding(seed: int, device: torch.device) -> Iterator[None]:
+    """The default generators seeded for one tensor's initializer, and left as they were (thread
+    ranks share them, so this takes their turn as a compute does)."""
+    shared = ranks_share_generators()
+    with preserved(device, shared, True), seeded(seed, device, shared):
+        yield
+
+
+def held_params(
+    params: Params,
+    layout: StateLayout,
+    index: int,
+    dp_index: int,
+    make: Callable[[str, list[str]], dict[str, torch.Tensor]],
+    to_local: Callable[[str, dict[str, torch.Tensor]], dict[str, torch.Tensor]],
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(what the TrainState holds, what the optimizer updates), built one layer at a time.
+
+    ``make(layer, names)`` gives the full values of those parameters of ``layer`` (made or
+    read); ``to_local(layer, values)`` cuts them to this rank's tensor-parallel slices in the
+    master dtype, as copies the state owns.
+    """
+    shapes = {layer: {n: t.to("meta") for n, t in d.items()} for layer, d in params.items()}
+    wanted = local_params(shapes, layout.placement, index)  # the layers (and tied copies) held
+    sharding: FlatSharding | None = layout.sharding
+    held: dict[str, Any] = {}
+    update: dict[str, Any] = {}
+    for layer, names in wanted.items():
+        master = to_local(layer, make(layer, list(names)))
+        if sharding is None:
+            held[layer] = master
+            continue
+        unit = sharding.units.get(layer)
+        shard = None if unit is None else unit.shard_of(unit.flatten(master), dp_index)
+        if shard is not None:
+            update[layer] = shard
+        if not sharding.holds_shards:
+            held[layer] = master
+        elif shard is not None:
+            held[layer] = shard
+        del master  # the full layer goes before the next one is made
+    return (held, held) if sharding is None else (held, update)

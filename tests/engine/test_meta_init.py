@@ -1,0 +1,194 @@
+"""Models built on the meta device: functionalize describes them, Step.init makes each rank's part.
+
+Each parameter is made from the module's own initializer seeded by (seed, its path), so a
+sharded init equals the one-device init bitwise, whatever the stack; then the steps train alike.
+Models: unmodified Hugging Face Llama and GPT-2 (tiny configs, random init) split per block,
+an nn.Sequential, and TinyGPT with a user init_fn.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import shardwise as sw
+from shardwise.engine.model.functionalize import FunctionalizeError
+from shardwise.testing.models import Block, CausalSelfAttention, TinyGPT, mlp
+
+T = pytest.importorskip("transformers", reason="the [hf] extra (pip install -e '.[hf]') is not installed")
+
+VOCAB, HIDDEN, SEQ, BATCH = 64, 32, 8, 4
+
+
+def tokens(n: int = 2, seed: int = 1) -> list[tuple[Tensor, Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [(torch.randint(VOCAB, (BATCH, SEQ), generator=gen), torch.randint(VOCAB, (BATCH, SEQ), generator=gen))
+            for _ in range(n)]
+
+
+def hf_loss(out: Any, targets: Tensor) -> Tensor:
+    return sw.vocab_parallel_cross_entropy(out.logits, targets)
+
+
+def logits_loss(logits: Tensor, targets: Tensor) -> Tensor:
+    return sw.vocab_parallel_cross_entropy(logits, targets)
+
+
+def llama() -> tuple[nn.Module, Any, dict[str, Any]]:
+    cfg = T.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2 * SEQ,
+        attn_implementation="eager", bos_token_id=0, eos_token_id=0,
+    )
+    return T.LlamaForCausalLM(cfg), T.models.llama.modeling_llama.LlamaDecoderLayer, sw.llama_plan()
+
+
+def gpt2() -> tuple[nn.Module, Any, dict[str, Any]]:
+    cfg = T.GPT2Config(
+        vocab_size=VOCAB, n_positions=2 * SEQ, n_embd=HIDDEN, n_layer=2, n_head=4, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager", bos_token_id=0, eos_token_id=0,
+    )
+    return T.GPT2LMHeadModel(cfg), T.models.gpt2.modeling_gpt2.GPT2Block, sw.gpt2_plan()
+
+
+def init_tiny_gpt(module: nn.Module) -> None:
+    """What TinyGPT's own __init__ does, per module (its causal mask buffer included)."""
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, mean=0.0, std=0.02)
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        nn.init.zeros_(module.bias)
+    if isinstance(module, nn.LayerNorm):
+        module.reset_parameters()
+    if isinstance(module, TinyGPT):
+        nn.init.normal_(module.pos_emb, std=0.02)
+    if isinstance(module, CausalSelfAttention):
+        module.mask.copy_(torch.tril(torch.ones_like(module.mask, dtype=torch.bool)))
+
+
+def tiny_gpt() -> tuple[nn.Module, Any, dict[str, Any]]:
+    return TinyGPT(vocab=VOCAB, d_model=HIDDEN, n_heads=4, n_layers=2, seq_len=SEQ), Block, sw.tiny_gpt_plan()
+
+
+FAMILIES: dict[str, Callable[[], tuple[nn.Module, Any, dict[str, Any]]]] = {
+    "llama": llama, "gpt2": gpt2, "tiny_gpt": tiny_gpt,
+}
+
+
+def meta_built(family: str) -> tuple[sw.Step, dict[str, Any], dict[str, Any]]:
+    with torch.device("meta"):
+        model, block, plan = FAMILIES[family]()
+    model = model.double()
+    init_fn = init_tiny_gpt if family == "tiny_gpt" else None
+    chain, params = sw.functionalize(model, units=block, example_input=tokens(1)[0][0], init_fn=init_fn)
+    assert all(t.is_meta for d in params.values() for t in d.values())
+    loss = logits_loss if family == "tiny_gpt" else hf_loss
+    return sw.train_step(chain, loss, sw.optim.sgd(0.1, momentum=0.9)), params, plan
+
+
+STACKS: dict[str, tuple[Callable[[sw.Step, dict[str, Any]], sw.Step], sw.Mesh]] = {
+    "zero3 dp2": (lambda s, plan: sw.shard_params(s, "dp", stage=3), sw.Mesh(dp=2)),
+    "zero3 dp2 x pp2": (lambda s, plan: sw.shard_params(sw.pipeline(s, "pp", "1f1b", 2), "dp", stage=3),
+                        sw.Mesh(dp=2, pp=2)),
+    "tp2": (lambda s, plan: sw.tensor_parallel(s, "tp", plan), sw.Mesh(tp=2)),
+}
+
+
+@pytest.mark.parametrize("stack", list(STACKS))
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_meta_built_model_initialized_by_shard_equals_one_device_and_trains_alike(family: str, stack: str) -> None:
+    reference, params, plan = meta_built(family)
+    transform, mesh = STACKS[stack]
+    step = transform(reference, plan)
+    one = reference.init(params, seed=7).params
+
+    def full() -> Any:
+        return step.full_params(step.init(params, mesh, seed=7))
+
+    for rank_params in sw.launch(full, world=mesh.size):
+        assert rank_params.keys() == one.keys()
+        for layer, tensors in one.items():
+            for name, value in tensors.items():
+                assert torch.equal(rank_params[layer][name], value), (layer, name)
+    # the values are a real init: not all zero, weights drawn, norms ones
+    assert any(float(t.abs().sum()) > 0 for d in one.values() for t in d.values())
+    report = sw.testing.assert_equivalent(step, reference, mesh, tokens(), params)
+    assert report.steps == 2
+
+
+def test_made_values_do_not_depend_on_the_mesh_but_on_the_seed() -> None:
+    with torch.device("meta"):
+        model = mlp([6, 8, 4])
+    chain, params = sw.functionalize(model)
+    step = sw.shard_params(sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1)), "dp", stage=3)
+
+    worlds = {}
+    for world in (2, 4):
+        def program(world: int = world) -> Any:
+            return step.full_params(step.init(params, sw.Mesh(dp=world), seed=3))
+        worlds[world] = sw.launch(program, world=world)[0]
+    for layer, tensors in worlds[2].items():
+        for name, value in tensors.items():
+            assert torch.equal(worlds[4][layer][name], value)
+    other = sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1)).init(params, seed=4).params
+    assert not torch.equal(other["0"]["weight"], worlds[2]["0"]["weight"])
+
+
+def test_buffers_of_a_meta_built_model_are_made_as_the_eager_model_has_them() -> None:
+    with torch.device("meta"):
+        meta_model, block, _ = llama()
+    eager, _, _ = llama()
+    chain, _ = sw.functionalize(meta_model, units=block)
+    made = {n: b for layer in chain for n, b in layer.buffers.items()}
+    assert made, "the chain carries the rotary frequencies"
+    for name, buffer in eager.named_buffers():
+        assert not made[name].is_meta
+        assert torch.equal(made[name], buffer), name
+
+
+def test_a_module_without_an_initializer_is_named_and_init_fn_is_asked_for() -> None:
+    with torch.device("meta"):
+        model, block, _ = tiny_gpt()
+    # pos_emb is a parameter of TinyGPT itself, which has no reset_parameters; and the causal mask
+    # buffer would be left unset by torch's layers' own initializers.
+    with pytest.raises(FunctionalizeError, match=r"has no reset_parameters\(\).*init_fn"):
+        sw.functionalize(model, units=block)
+
+
+def test_an_init_fn_that_leaves_a_tensor_unset_is_refused() -> None:
+    with torch.device("meta"):
+        model, block, _ = tiny_gpt()
+
+    def forgets_the_mask(module: nn.Module) -> None:  # sets every parameter but not the mask
+        if isinstance(module, TinyGPT):
+            nn.init.normal_(module.pos_emb, std=0.02)
+        elif callable(getattr(module, "reset_parameters", None)):
+            module.reset_parameters()
+
+    with pytest.raises(FunctionalizeError, match=r"'blocks.0.attn.mask'.*left some of its elements unset"):
+        sw.functionalize(model, units=block, init_fn=forgets_the_mask)
+
+
+def test_meta_parameters_without_a_way_to_make_them_are_refused() -> None:
+    chain, params = sw.functionalize(nn.Sequential(nn.Linear(3, 2)))
+    meta = {layer: {n: t.to("meta") for n, t in d.items()} for layer, d in params.items()}
+    step = sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1))
+    with pytest.raises(ValueError, match=r"params\['0'\]\['(weight|bias)'\].*meta tensors.*functionalize the meta-built"):
+        step.init(meta)
+
+
+def test_init_fn_and_device_are_refused_for_a_model_that_has_its_values() -> None:
+    with pytest.raises(TypeError, match=r"init_fn=.*meta device.*drop init_fn"):
+        sw.functionalize(nn.Sequential(nn.Linear(3, 2)), init_fn=lambda m: None)
+
+
+def test_the_users_meta_module_is_left_meta() -> None:
+    with torch.device("meta"):
+        model, block, _ = llama()
+    chain, params = sw.functionalize(model, units=block)
+    sw.train_step(chain, hf_loss, sw.optim.sgd(0.1)).init(params)
+    assert all(t.is_meta for t in [*model.parameters(), *model.buffers()])
