@@ -221,8 +221,11 @@ def test_plan_shows_overlap() -> None:
     text = " ".join(map(str, actions))
     # The next layer's gather is issued before the current layer computes.
     assert text.startswith("gather(0) gather(2) wait_gather(0) F(0, mb=0)")
-    # A layer's gradient reduce-scatter is issued right after its backward.
-    assert "B(2, mb=0) reduce_scatter(2)" in text
+    # A layer's gradient reduce-scatter is issued right after its backward and the free of its
+    # gathered parameters; the one before it is waited for just then (one in flight at a time).
+    assert "B(4, mb=0) free(4) reduce_scatter(4) B(3, mb=0)" in text
+    assert "B(2, mb=0) free(2) wait_reduce(4) reduce_scatter(2)" in text
+    assert text.count("wait_reduce") == text.count("reduce_scatter") == 3
     no_prefetch = " ".join(map(str, sw.shard_params(base, "dp", 3, prefetch=0).plan(sw.Mesh(dp=2)).for_rank(0)))
     assert no_prefetch.startswith("gather(0) wait_gather(0) F(0, mb=0)")
 

@@ -11,6 +11,7 @@ decoupled decay keep it at zero); it is cut off before anything is returned.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -87,14 +88,26 @@ class UnitLayout:
             pieces.append(like.new_zeros(self.padding))
         return torch.cat(pieces)
 
-    def flatten_grads(self, grads: Mapping[str, torch.Tensor], device: torch.device) -> torch.Tensor:
-        """The padded flat buffer of the unit's gradients; a parameter the loss did not reach
-        counts as zeros, made on ``device``."""
-        filled = {
-            n: grads[n] if n in grads else torch.zeros(shape, dtype=self.dtype, device=device)
-            for n, shape in zip(self.names, self.shapes, strict=True)
-        }
-        return self.flatten(filled)
+    def flatten_grads(self, grads: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor:
+        """The padded flat buffer of the unit's gradients, taking them out of ``grads`` one by one
+        as they are copied in (so the unit's gradients are not held twice); a parameter the loss
+        did not reach counts as zeros."""
+        dtypes = [g.dtype for g in grads.values()] + ([self.dtype] if len(grads) < len(self.names) else [])
+        dtype = functools.reduce(torch.promote_types, dtypes)  # what concatenating them gives
+        first = next(iter(grads.values()), None)
+        flat = torch.empty(self.padded_numel, dtype=dtype, device=device if first is None else first.device)
+        offset = 0
+        for name, numel in zip(self.names, self.numels, strict=True):
+            piece = flat[offset : offset + numel]
+            grad = grads.pop(name, None)
+            if grad is None:
+                piece.zero_()
+            else:
+                piece.copy_(grad.reshape(-1))
+            del grad
+            offset += numel
+        flat[offset:].zero_()
+        return flat
 
     def unflatten(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """Views of the parameters in a full (gathered) flat buffer; the padding is dropped."""

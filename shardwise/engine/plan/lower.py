@@ -171,8 +171,7 @@ def rank_actions(
                 actions.append(Action(SUM_TIED, owner, tied=i))
     if zero is not None:
         actions += [Action(REDUCE_SCATTER, u, axis=zero.axis) for u in deferred]
-        # Wait in the order the reduce-scatters were issued: the first one is likeliest done.
-        actions += [Action(WAIT_REDUCE, a.layer, axis=zero.axis) for a in actions if a.kind == REDUCE_SCATTER]
+        actions = _waits_for_reductions(actions, zero.axis)
     actions.append(Action(FINISH_GRADS))
     tp = find(step.transforms, SPLIT)
     if tp is not None:
@@ -193,6 +192,25 @@ def rank_actions(
         actions += [Action(GATHER_PARAMS, u, axis=zero.axis) for u in units]
         actions += [Action(WAIT_PARAMS, u, axis=zero.axis) for u in units]
     return tuple(actions)
+
+
+def _waits_for_reductions(actions: list[Action], axis: str) -> list[Action]:
+    """A wait for each reduce-scatter: just before the next one is issued, the last at the end.
+
+    A unit's full local gradient lives until its reduce-scatter is waited for: waiting for them
+    all at the end kept the whole model's gradients at once (a ZeRO-3 rank's peak held the
+    model's gradients, not its shards). One in flight at a time, as FSDP2 does: each still has
+    the backward of the next unit to overlap with, and only one unit's full gradient is alive
+    while the next is flattened."""
+    out: list[Action] = []
+    pending: list[str] = []
+    for action in actions:
+        if action.kind == REDUCE_SCATTER and action.layer is not None:
+            out += [Action(WAIT_REDUCE, unit, axis=axis) for unit in pending]
+            pending = [action.layer]
+        out.append(action)
+    out += [Action(WAIT_REDUCE, unit, axis=axis) for unit in pending]
+    return out
 
 
 # (compute kind, stage) -> every collective it issues inside its layers: (op, label, wire)

@@ -16,7 +16,7 @@ pass (``engine/stack/compose.py`` says when it reshards). A unit's gradient is
 complete after the last compute that adds to it, so its reduce-scatter is
 issued right there (stages 2 and 3); the engine issues the deferred ones
 (stage 1, and units holding a weight tied across pipeline ranks, whose copies
-are summed first) at the end of the step.
+are summed first) at the end of the step, after the frees that follow that compute.
 """
 
 from __future__ import annotations
@@ -166,9 +166,16 @@ def insert_reduces(
     for unit, i in last.items():
         if unit not in deferred:
             after.setdefault(i, []).append(unit)
+    # Each goes after the frees that follow its compute: the unit's gathered parameters are
+    # released before its gradient is flattened for the reduce-scatter (one full unit less at
+    # the backward's peak).
     out: list[Action] = []
+    waiting: list[Action] = []
     for i, action in enumerate(actions):
+        if waiting and action.kind != FREE:
+            out += waiting
+            waiting = []
         out.append(action)
-        out += [Action(REDUCE_SCATTER, u, axis=axis) for u in sorted(after.get(i, []), key=list(last).index)]
-    return out
+        waiting += [Action(REDUCE_SCATTER, u, axis=axis) for u in sorted(after.get(i, []), key=list(last).index)]
+    return out + waiting
 
