@@ -15,6 +15,7 @@ import torch
 
 from ...collectives.mesh import Mesh
 from ..layout.precision import compute_dtype
+from ..layout.sharding import FlatSharding
 from ..layout.state import Params, check_params, tree_nbytes
 from ..layout.state_layout import Placement, StateLayout, local_params, meta_shards, unit_names
 from ..plan.accounting import predict_kept_for_backward
@@ -134,10 +135,33 @@ def _memory(
                 u: lay.padded_numel * torch.empty((), dtype=compute_dtype(step.precision, u, lay.dtype)).element_size()
                 for u, lay in sharding.units.items()
             }))
+        if zero is not None:
+            assert sharding is not None
+            figures.setdefault("reduce_buffers", []).append(_reduce_buffers(step, sharding))
     memory = {k: tuple(v) for k, v in figures.items()}
     if batch is not None:
         memory["kept_for_backward"] = _kept_per_rank(step, mesh, params, batch, placement, layouts)
+    # Every figure is live at the backward's worst moment: the state at rest, the gradients, the
+    # units gathered, the reduce buffers and what the forward kept (an upper bound, tight for
+    # ZeRO-3: benchmarks/memory.py measures it within a few percent).
+    memory["peak"] = tuple(sum(per_rank) for per_rank in zip(*memory.values(), strict=True))
     return memory
+
+
+def _reduce_buffers(step: Step, sharding: FlatSharding) -> int:
+    """Bytes of full unit gradients alive at once on their way to a reduce-scatter: at stages 2
+    and 3 one unit's being made while the previous one's is in flight (one in flight, see
+    lower._waits_for_reductions); at stage 1 every unit's until the deferred reductions at the
+    end, plus the one being flattened."""
+    sizes = [lay.padded_numel * torch.empty((), dtype=_reduce_dtype(step, u, lay.dtype)).element_size()
+             for u, lay in sharding.units.items()]
+    if not sizes:
+        return 0
+    return sum(sizes) + max(sizes) if sharding.stage == 1 else 2 * max(sizes)
+
+
+def _reduce_dtype(step: Step, unit: str, dtype: torch.dtype) -> torch.dtype:
+    return dtype if step.precision is None else step.precision.for_layer(unit).reduce
 
 def _gather_dtype(step: Step, unit: str, dtype: torch.dtype) -> torch.dtype:
     return dtype if step.precision is None else step.precision.for_layer(unit).compute
