@@ -133,3 +133,19 @@ def test_tensor_parallel_example_is_equivalent_and_learns(capsys: pytest.Capture
     assert re.search(r"^equivalent over 2 steps", out, re.MULTILINE), out
     assert len(re.findall(r"^step +\d+  loss ", out, re.MULTILINE)) == 12  # rank 0 alone prints
     assert len(losses) == 12 and sum(losses[-4:]) < 0.8 * sum(losses[:4])  # measured: 4.18 -> 2.43
+
+
+@pytest.mark.gloo  # a few pools of two gloo processes
+def test_memory_benchmark_runs_and_reports_each_variant() -> None:
+    """benchmarks/memory.py on a small model: one line per variant with peaks and the Plan's figures."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "memory.py"), "--widths", "256", "--layers", "4",
+           "--worlds", "2", "--steps", "1", "--batch", "8"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = {row["variant"]: row for row in map(json.loads, result.stdout.splitlines())}
+    assert set(rows) == {"one_process", "fsdp2_meta", "shardwise_meta", "shardwise_meta_functional", "shardwise_eager"}
+    for row in rows.values():
+        assert row["peak_bytes"] >= row["init_peak_bytes"] >= 0, row
+    assert rows["fsdp2_meta"]["ratio_to_fsdp2"] == 1.0
+    plan = rows["shardwise_meta"]["plan"]
+    assert plan["peak"] == sum(v for k, v in plan.items() if k not in ("peak", "plan_sum")), plan

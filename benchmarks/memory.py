@@ -1,0 +1,254 @@
+"""Peak memory per rank: one process, torch FSDP2 with meta-device init, and shardwise ZeRO-3.
+
+Run it from the repository root:
+
+    python benchmarks/memory.py                                  # ~200 MB model, worlds 2,4
+    python benchmarks/memory.py --widths 2048,4096 --worlds 2,4,8 --out memory.jsonl
+
+What is measured
+----------------
+The model is ``layers`` x ``Linear(width, width)`` (12 x 2048: 201 MB of float32 parameters;
+12 x 4096: 805 MB), AdamW, an MSE loss on a global batch of ``batch`` rows, ``steps`` steps.
+Every variant runs in processes of its own (a fresh gloo :class:`ProcessPool`, one thread per
+rank), so that no variant inherits another's high-water mark. Each rank first runs the variant
+once on a tiny model (so that the imports and one-time setup of its code path are not counted
+as the model's), then records its VmRSS (the baseline) and resets the kernel's high-water mark
+VmHWM (/proc/self/clear_refs), builds, initializes and trains, and reads VmHWM after init and
+after the steps.
+
+glibc's mmap and trim thresholds are fixed at 128 KiB in the ranks (``MALLOC_MMAP_THRESHOLD_``
+and ``MALLOC_TRIM_THRESHOLD_``), so that freed tensors return to the system at once and RSS
+follows live memory; torch's CPU allocator caches nothing.
+
+Variants:
+
+* ``one_process`` (world 1): the whole model built in one process, a plain torch loop with
+  ``torch.optim.AdamW`` on the whole batch.
+* ``fsdp2_meta``: built under ``torch.device("meta")``, ``fully_shard`` on every Linear and
+  the root, ``to_empty(device="cpu")``, ``reset_parameters()`` per Linear (torch's recipe),
+  ``torch.optim.AdamW``; each rank steps on its slice of the batch.
+* ``shardwise_meta``: built under ``torch.device("meta")``, ``sw.functionalize``, then
+  ``sw.shard_params(step, "dp", stage=3)`` and ``step.init(params, mesh)``: each rank makes
+  only its shards, one layer at a time, from the layers' ``reset_parameters``; AdamW with
+  ``inplace=True`` (it writes the new parameters and moments into the state given, as
+  ``torch.optim.AdamW`` does).
+* ``shardwise_meta_functional``: the same with the functional AdamW (the default: the state
+  passed in is left as it was, so the update holds the old and the new state at once).
+* ``shardwise_eager``: the model built in full on every rank (as the README shows it), then
+  functionalized and initialized as ``shardwise_meta``.
+
+Output: one JSON line per (width, world, variant) with ``init_peak_bytes`` and
+``peak_bytes`` (VmHWM above the baseline, the largest over ranks), ``model_bytes`` (the full
+model's parameters), ``ratio_to_fsdp2`` (peak over FSDP2's peak at that world), and for
+shardwise the Plan's figures for rank 0 (``plan``: params, grads, opt_state, gathered_peak,
+reduce_buffers, kept_for_backward, and their sum ``peak``, the Plan's prediction of the peak).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from _common import add_out_flag, environment, json_lines, note
+from torch import nn
+
+import shardwise as sw
+from shardwise.collectives.backends.processes import ProcessPool
+
+LIVE_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(128 << 10), "MALLOC_TRIM_THRESHOLD_": str(128 << 10)}
+VARIANTS = ("fsdp2_meta", "shardwise_meta", "shardwise_meta_functional", "shardwise_eager")
+
+
+@dataclass(frozen=True)
+class Config:
+    width: int
+    layers: int
+    batch: int
+    steps: int
+    world: int
+
+
+def _status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+class Peak:
+    """VmHWM above the VmRSS of the moment it was made (the kernel's high-water mark, reset)."""
+
+    def __init__(self) -> None:
+        gc.collect()
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS
+        self.base = _status("VmRSS")
+
+    def now(self) -> int:
+        return _status("VmHWM") - self.base
+
+
+def build(cfg: Config) -> nn.Sequential:
+    return nn.Sequential(*[nn.Linear(cfg.width, cfg.width) for _ in range(cfg.layers)])
+
+
+def batch_of(cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return torch.randn(cfg.batch, cfg.width, generator=gen), torch.randn(cfg.batch, cfg.width, generator=gen)
+
+
+def one_process(cfg: Config) -> dict[str, Any]:
+    peak = Peak()
+    model = build(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    init_peak = peak.now()
+    x, y = batch_of(cfg)
+    for _ in range(cfg.steps):
+        opt.zero_grad(set_to_none=True)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+    return {"init_peak_bytes": init_peak, "peak_bytes": peak.now()}
+
+
+def fsdp2_meta(cfg: Config) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    peak = Peak()
+    mesh = init_device_mesh("cpu", (cfg.world,))
+    with torch.device("meta"):
+        model = build(cfg)
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.to_empty(device="cpu")
+    for layer in model:
+        assert isinstance(layer, nn.Linear)
+        layer.reset_parameters()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    init_peak = peak.now()
+    x, y = batch_of(cfg)
+    rows = cfg.batch // cfg.world
+    rank = dist.get_rank()
+    x, y = x[rank * rows : (rank + 1) * rows], y[rank * rows : (rank + 1) * rows]
+    for _ in range(cfg.steps):
+        opt.zero_grad(set_to_none=True)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+    return {"init_peak_bytes": init_peak, "peak_bytes": peak.now()}
+
+
+def shardwise_zero3(cfg: Config, meta: bool, inplace: bool = True) -> dict[str, Any]:
+    peak = Peak()
+    if meta:
+        with torch.device("meta"):
+            model = build(cfg)
+    else:
+        torch.manual_seed(0)  # every rank builds the same weights (init checks that they agree)
+        model = build(cfg)
+    chain, params = sw.functionalize(model)
+    del model
+    optimizer = sw.optim.adamw(1e-3, inplace=inplace)
+    step = sw.shard_params(sw.train_step(chain, F.mse_loss, optimizer), "dp", stage=3)
+    mesh = sw.Mesh(dp=cfg.world)
+    state = step.init(params, mesh)
+    del params
+    gc.collect()
+    init_peak = peak.now()
+    batch = batch_of(cfg)
+    for _ in range(cfg.steps):
+        state, _ = step(state, batch)
+    return {"init_peak_bytes": init_peak, "peak_bytes": peak.now()}
+
+
+def shardwise_meta(cfg: Config) -> dict[str, Any]:
+    return shardwise_zero3(cfg, meta=True)
+
+
+def shardwise_eager(cfg: Config) -> dict[str, Any]:
+    return shardwise_zero3(cfg, meta=False)
+
+
+def shardwise_meta_functional(cfg: Config) -> dict[str, Any]:
+    return shardwise_zero3(cfg, meta=True, inplace=False)
+
+
+def plan_figures(cfg: Config) -> dict[str, int]:
+    """The Plan's memory figures for rank 0 (made here, on meta parameters: no data)."""
+    with torch.device("meta"):
+        model = build(cfg)
+    chain, params = sw.functionalize(model)
+    step = sw.shard_params(sw.train_step(chain, F.mse_loss, sw.optim.adamw(1e-3)), "dp", stage=3)
+    x, y = batch_of(cfg)
+    plan = step.plan(sw.Mesh(dp=cfg.world), params, (x, y))
+    return {key: int(per_rank[0]) for key, per_rank in plan.memory.items()}
+
+
+PROGRAMS = {
+    "fsdp2_meta": fsdp2_meta,
+    "shardwise_meta": shardwise_meta,
+    "shardwise_meta_functional": shardwise_meta_functional,
+    "shardwise_eager": shardwise_eager,
+}
+
+
+def warmed(program: Any, cfg: Config) -> dict[str, Any]:
+    """``program(cfg)`` after a run of it on a tiny model: the imports and one-time setup its
+    code path does on first use (tens of MB: torch.fx, FSDP's modules) are not the model's."""
+    program(dataclasses.replace(cfg, width=8, batch=cfg.world * 2, steps=1))
+    return program(cfg)
+
+
+def run(cfg: Config, variant: str) -> dict[str, Any]:
+    program = one_process if variant == "one_process" else PROGRAMS[variant]
+    with ProcessPool(cfg.world, timeout=1800) as pool:
+        per_rank = pool.run(warmed, program, cfg)
+    return {
+        "init_peak_bytes": max(r["init_peak_bytes"] for r in per_rank),
+        "peak_bytes": max(r["peak_bytes"] for r in per_rank),
+        "peak_bytes_per_rank": [r["peak_bytes"] for r in per_rank],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--widths", default="2048", help="comma-separated Linear widths (default 2048: 201 MB)")
+    parser.add_argument("--layers", type=int, default=12, help="Linear layers (default 12)")
+    parser.add_argument("--worlds", default="2,4", help="comma-separated world sizes (default 2,4)")
+    parser.add_argument("--batch", type=int, default=32, help="global batch rows (default 32)")
+    parser.add_argument("--steps", type=int, default=2, help="training steps per variant (default 2)")
+    add_out_flag(parser)
+    args = parser.parse_args()
+    os.environ.update(LIVE_MALLOC)  # the ranks start with it (glibc reads it at process start)
+    with json_lines(args.out) as emit:
+        for width in (int(w) for w in args.widths.split(",")):
+            model_bytes = args.layers * (width * width + width) * 4
+            base = Config(width, args.layers, args.batch, args.steps, 1)
+            row = {"bench": "memory", "variant": "one_process", "width": width, "world": 1,
+                   "model_bytes": model_bytes, **run(base, "one_process")}
+            emit({**row, **environment(), "malloc": "128KiB thresholds"})
+            for world in (int(w) for w in args.worlds.split(",")):
+                cfg = Config(width, args.layers, args.batch, args.steps, world)
+                results = {}
+                for variant in VARIANTS:
+                    note(f"# width {width}, world {world}: {variant}")
+                    results[variant] = run(cfg, variant)
+                fsdp2 = results["fsdp2_meta"]["peak_bytes"]
+                for variant, result in results.items():
+                    row = {"bench": "memory", "variant": variant, "width": width, "world": world,
+                           "model_bytes": model_bytes, **result, "ratio_to_fsdp2": round(result["peak_bytes"] / fsdp2, 3)}
+                    if variant.startswith("shardwise"):
+                        row["plan"] = plan_figures(cfg)
+                    emit({**row, **environment(), "malloc": "128KiB thresholds"})
+
+
+if __name__ == "__main__":
+    main()
