@@ -61,8 +61,8 @@ from torch import nn
 
 import shardwise as sw
 from shardwise.collectives.backends.processes import ProcessPool
+from shardwise.testing.memory import LIVE_MALLOC, PeakRSS
 
-LIVE_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(128 << 10), "MALLOC_TRIM_THRESHOLD_": str(128 << 10)}
 VARIANTS = ("fsdp2_meta", "shardwise_meta", "shardwise_meta_functional", "shardwise_eager")
 
 
@@ -75,27 +75,6 @@ class Config:
     world: int
 
 
-def _status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(key)
-
-
-class Peak:
-    """VmHWM above the VmRSS of the moment it was made (the kernel's high-water mark, reset)."""
-
-    def __init__(self) -> None:
-        gc.collect()
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets VmHWM to the current RSS
-        self.base = _status("VmRSS")
-
-    def now(self) -> int:
-        return _status("VmHWM") - self.base
-
-
 def build(cfg: Config) -> nn.Sequential:
     return nn.Sequential(*[nn.Linear(cfg.width, cfg.width) for _ in range(cfg.layers)])
 
@@ -106,23 +85,23 @@ def batch_of(cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def one_process(cfg: Config) -> dict[str, Any]:
-    peak = Peak()
+    peak = PeakRSS()
     model = build(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    init_peak = peak.now()
+    init_peak = peak.peak()
     x, y = batch_of(cfg)
     for _ in range(cfg.steps):
         opt.zero_grad(set_to_none=True)
         F.mse_loss(model(x), y).backward()
         opt.step()
-    return {"init_peak_bytes": init_peak, "peak_bytes": peak.now()}
+    return {"init_peak_bytes": init_peak, "peak_bytes": peak.peak()}
 
 
 def fsdp2_meta(cfg: Config) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    peak = Peak()
+    peak = PeakRSS()
     mesh = init_device_mesh("cpu", (cfg.world,))
     with torch.device("meta"):
         model = build(cfg)
@@ -134,7 +113,7 @@ def fsdp2_meta(cfg: Config) -> dict[str, Any]:
         assert isinstance(layer, nn.Linear)
         layer.reset_parameters()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    init_peak = peak.now()
+    init_peak = peak.peak()
     x, y = batch_of(cfg)
     rows = cfg.batch // cfg.world
     rank = dist.get_rank()
@@ -143,11 +122,11 @@ def fsdp2_meta(cfg: Config) -> dict[str, Any]:
         opt.zero_grad(set_to_none=True)
         F.mse_loss(model(x), y).backward()
         opt.step()
-    return {"init_peak_bytes": init_peak, "peak_bytes": peak.now()}
+    return {"init_peak_bytes": init_peak, "peak_bytes": peak.peak()}
 
 
 def shardwise_zero3(cfg: Config, meta: bool, inplace: bool = True) -> dict[str, Any]:
-    peak = Peak()
+    peak = PeakRSS()
     if meta:
         with torch.device("meta"):
             model = build(cfg)
@@ -162,11 +141,11 @@ def shardwise_zero3(cfg: Config, meta: bool, inplace: bool = True) -> dict[str, 
     state = step.init(params, mesh)
     del params
     gc.collect()
-    init_peak = peak.now()
+    init_peak = peak.peak()
     batch = batch_of(cfg)
     for _ in range(cfg.steps):
         state, _ = step(state, batch)
-    return {"init_peak_bytes": init_peak, "peak_bytes": peak.now()}
+    return {"init_peak_bytes": init_peak, "peak_bytes": peak.peak()}
 
 
 def shardwise_meta(cfg: Config) -> dict[str, Any]:

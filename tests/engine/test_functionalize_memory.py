@@ -15,17 +15,18 @@ import textwrap
 
 import pytest
 
+from shardwise.testing.memory import LIVE_MALLOC
+
 CHILD = textwrap.dedent(
     """
     import gc, json, sys
     import torch
     from torch import nn
     import shardwise as sw
+    from shardwise.testing.memory import status_bytes
 
     def rss():
-        for line in open("/proc/self/status"):
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
+        return status_bytes("VmRSS")
 
     units = None if sys.argv[1] == "sequential" else nn.Linear
     torch.manual_seed(0)
@@ -50,7 +51,7 @@ MODEL_BYTES = 12 * (1024 * 1024 + 1024) * 4
 
 @pytest.mark.parametrize("split", ["sequential", "fx"])
 def test_deleting_the_model_after_functionalize_frees_its_memory(split: str) -> None:
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
+    env = {**os.environ, **LIVE_MALLOC}
     out = subprocess.run(
         [sys.executable, "-c", CHILD, split], capture_output=True, text=True, env=env, timeout=120, check=True
     )

@@ -8,14 +8,13 @@ that freed tensors go back at once and RSS follows live memory.
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import shardwise as sw
+from shardwise.testing.memory import LIVE_MALLOC, PeakRSS
 
 pytestmark = pytest.mark.gloo
 
@@ -26,19 +25,8 @@ ONE_PROCESS_STATE = 4 * MODEL_BYTES
 BUDGET = ONE_PROCESS_STATE // 2  # per rank: the model's training state does not fit in it
 
 
-def _status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(key)
-
-
 def _train(width: int) -> tuple[int, int]:
-    gc.collect()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM := VmRSS
-    base = _status("VmRSS")
+    meter = PeakRSS()
     with torch.device("meta"):
         model = nn.Sequential(*[nn.Linear(width, width) for _ in range(LAYERS)])
     chain, params = sw.functionalize(model)
@@ -49,7 +37,7 @@ def _train(width: int) -> tuple[int, int]:
     for _ in range(2):
         state, metrics = step(state, batch)
     assert torch.isfinite(metrics["loss"])
-    measured = _status("VmHWM") - base
+    measured = meter.peak()
     mesh = sw.Mesh(dp=WORLD)
     predicted = step.plan(mesh, params, batch).memory["peak"][mesh.rank]
     return measured, predicted
@@ -64,8 +52,8 @@ def _rank() -> tuple[int, int]:
 def measured() -> list[tuple[int, int]]:
     """(measured peak, the Plan's peak) of each rank, from one run of the ranks."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("MALLOC_MMAP_THRESHOLD_", str(128 << 10))
-        patch.setenv("MALLOC_TRIM_THRESHOLD_", str(128 << 10))
+        for key, value in LIVE_MALLOC.items():
+            patch.setenv(key, value)
         return sw.launch(_rank, WORLD, backend="processes", timeout=240)
 
 
