@@ -81,6 +81,7 @@ from ..plan.actions import (
 )
 from ..torch_api import version_of
 from . import inside_times
+from .batch_keys import unknown_keys_message
 from .metrics import MetricExchange, Summed, different_batches
 from .rng import mix, preserved, ranks_share_generators, seeded
 from .transfers import TransferActions
@@ -311,6 +312,9 @@ class Executor(ZeroActions, TransferActions):
                 try:
                     y = call(y)
                 except Exception as err:  # say where, with what: the message is torch's
+                    keys = unknown_keys_message(name, self.chain[name].fn, y)
+                    if keys is not None:
+                        raise ValueError(keys) from err
                     err.add_note(f"in layer {name!r} (stage {s}, micro-batch {m}), on input {_describe(y)}")
                     raise
                 changed = [b for b, v in zip(buffers, versions, strict=True) if version_of(buffers[b]) != v]

@@ -60,7 +60,7 @@ from ..run.metrics import (
 )
 from ..run.rng import mix
 from ..stack.compose import PLACEMENT, SHARDING, SPLIT, describe, find
-from .planning import plan_of
+from .planning import batch_multiple, plan_of
 
 Metrics = dict[str, torch.Tensor]
 
@@ -424,13 +424,17 @@ class Step:
         pipe, sharding, prec = self.pipeline_spec, layout.sharding, self.precision
         pair = split_batch(batch)
         replicas = dp_index = 0
+        k = microbatch_count(self)
+        whole = batch_multiple(self, mesh)
         if sharding is not None:
             assert mesh is not None
             replicas, dp_index = mesh.axis_size(sharding.axis), mesh.axis_index(sharding.axis)
-            pair = split_over(pair, replicas, dp_index, f"shard_params over axis {sharding.axis!r} of size {replicas}")
-        k = microbatch_count(self)
+            where = f"shard_params over axis {sharding.axis!r} of size {replicas}"
+            pair = split_over(pair, replicas, dp_index, where, whole)
         what = f"pipeline(microbatches={k})" if pipe is not None else f"shard_params(accumulation={k}) on the local batch"
-        micro = [pair] if k == 1 and sharding is None else [split_over(pair, k, j, what) for j in range(k)]
+        micro = [pair] if k == 1 and sharding is None else [
+            split_over(pair, k, j, what, whole) for j in range(k)
+        ]
         scale = self.loss_scale_value(state)
         if sharding is None:
             master = state.params
