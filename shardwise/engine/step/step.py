@@ -22,6 +22,7 @@ from typing import Any
 import optree
 import torch
 
+from ...collectives.backends.current import current_backend
 from ...collectives.mesh import Mesh
 from ..checkpoint.cut import split_opt_state
 from ..layout.devices import device_of, host_scalar
@@ -419,6 +420,7 @@ class Step:
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, Metrics]:
         layout = self._state_layout(state)
         mesh: Mesh | None = state.mesh
+        _check_world(mesh)
         placement = layout.placement
         index = layout.index_of(mesh)
         pipe, sharding, prec = self.pipeline_spec, layout.sharding, self.precision
@@ -592,6 +594,22 @@ def _exchange_group(mesh: Mesh, axes: tuple[str, ...]) -> list[int]:
     on ``axes`` only."""
     me = mesh.coords
     return [r for r in range(mesh.size) if all(c == me[a] for a, c in mesh.coords_of(r).items() if a not in axes)]
+
+
+def _check_world(mesh: Mesh | None) -> None:
+    """Refuse a TrainState of another world (one torch.save'd on another mesh): it holds one
+    rank's shards of its own mesh, which only sw.checkpoint reshards."""
+    if mesh is None:  # a single-device state: every rank may run its own
+        return
+    world = current_backend().world_size
+    if mesh.size != world:
+        raise ValueError(
+            f"this TrainState was made on {mesh!r} ({mesh.size} ranks), but this program runs on "
+            f"a world of {world}: a state (a torch.save'd one too) holds one rank's part of its "
+            "own mesh; to go on with another mesh, save it on that mesh with "
+            "sw.checkpoint.save(path, state, step) and load it with "
+            "sw.checkpoint.load(path, step, mesh), which reshards"
+        )
 
 
 def _token_count(summed: Summed) -> torch.Tensor:
