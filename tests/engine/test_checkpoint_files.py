@@ -201,3 +201,38 @@ def test_the_step_count_and_the_random_streams_seed_come_back(tmp_path: Path) ->
     sw.launch(main, 2)
     loaded = _load(tmp_path / "c", step)[1]
     assert (loaded.step, loaded.rng) == (1, 7)
+
+
+def test_a_path_that_is_not_a_checkpoint_says_what_it_is(tmp_path: Path) -> None:
+    """A directory of other files was called "an interrupted save", a file "does not exist"."""
+    step, _ = _tiny_step()
+    (tmp_path / "notes.txt").write_text("x")
+    torch.save({"a": 1}, tmp_path / "state.pt")
+    other = r"is not a shardwise checkpoint: it holds none of its files .*\['notes\.txt', 'state\.pt'"
+    with pytest.raises(CheckpointError, match=other + r"\]; pass the directory"):
+        sw.checkpoint.load(tmp_path, step)
+    a_file = r"state\.pt: it is a file, and a shardwise checkpoint is a directory .*torch\.load"
+    with pytest.raises(CheckpointError, match=a_file):
+        sw.checkpoint.load(tmp_path / "state.pt", step)
+
+
+def test_a_torch_saved_state_on_another_world_points_to_sw_checkpoint() -> None:
+    step, params = _tiny_step(dp=True)
+    blob = sw.launch(lambda: _torch_saved(step.init(params, sw.Mesh(dp=2))), 2)[0]
+    batch = (torch.randn(4, 3), torch.randn(4, 2))
+    hint = (r"made on Mesh\(dp=2\) \(2 ranks\), but this program runs on a world of 4.*"
+            r"sw\.checkpoint\.save\(path, state, step\).*sw\.checkpoint\.load\(path, step, mesh\)")
+    with pytest.raises(sw.RankFailed, match=hint):
+        sw.launch(lambda: step(torch.load(io.BytesIO(blob), weights_only=False), batch), 4)
+
+
+def _tiny_step(dp: bool = False) -> tuple[sw.Step, Any]:
+    chain, params = sw.functionalize(mlp([3, 4, 2]))
+    step = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1))
+    return (sw.shard_params(step, "dp", 3) if dp else step), params
+
+
+def _torch_saved(state: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return buffer.getvalue()

@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import shardwise as sw
 from shardwise.testing.models import mlp
@@ -113,3 +114,38 @@ def test_two_custom_schedules_are_two_stacks() -> None:
             b(a.init(params, mesh), (torch.randn(4, 4), torch.randn(4, 3)))
 
     sw.launch(refuse, 2)
+
+
+class _TakesIds(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: Any = None) -> torch.Tensor:
+        return self.lin(input_ids if attention_mask is None else input_ids * attention_mask)
+
+
+def test_a_misspelled_dict_batch_key_names_the_keys_it_has_and_the_ones_expected() -> None:
+    """Was torch's raw error from inside the model (the dict went in whole as input_ids)."""
+    x = torch.randn(4, 4, dtype=torch.float64)
+    chain, params = sw.functionalize(_TakesIds().double(), example_input={"input_ids": x})
+    step = sw.train_step(chain, lambda out, _: out.pow(2).mean(), sw.optim.sgd(0.1))
+    message = (r"dict with keys \['input_id'\], but _TakesIds\.forward takes "
+               r"\['input_ids', 'attention_mask'\], not \['input_id'\]"
+               r".*\('input_id' -> 'input_ids'\?\)")
+    with pytest.raises(ValueError, match=message):
+        step(step.init(params), ({"input_id": x}, None))
+
+
+def test_a_batch_that_does_not_split_names_the_multiple_it_needs() -> None:
+    """Batch 6 on dp 2 with 2 micro-batches: each rank's 3 rows do not split in 2; the global
+    batch needs a multiple of 4 (the message said 2)."""
+    chain, params = sw.functionalize(mlp([3, 4, 2]).double())
+    reference = sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1))
+    step = sw.shard_params(reference, "dp", 1, accumulation=2)
+    batch = (torch.randn(6, 3, dtype=torch.float64), torch.randn(6, 2, dtype=torch.float64))
+    need = r"a global batch size that is a multiple of 4 \(2 ranks of axis 'dp' x 2 micro-batches\)"
+    with pytest.raises(ValueError, match=need):
+        step.plan(sw.Mesh(dp=2), params, batch)
+    with pytest.raises(sw.RankFailed, match=need):
+        sw.launch(lambda: step(step.init(params, sw.Mesh(dp=2)), batch), 2)

@@ -118,3 +118,13 @@ def test_bad_token_losses_are_refused_with_the_fix() -> None:
     step = sw.train_step(chain, _summed_ce, sw.optim.sgd(0.1), tokens="sum")
     with pytest.raises(ValueError, match="no token to learn from"):
         step(step.init(params), _batches([[SEQ] * ROWS])[0])
+
+
+def test_a_shard_of_only_padding_adds_nothing_to_a_counted_mean() -> None:
+    """dp=2 under ``tokens=count_fn``, the first shard all padding: its mean over 0 tokens is NaN,
+    and it must add zero (value and gradient) to the global sum over the global count."""
+    chain, params, _ = _model()
+    batches = _batches([[SEQ] * 4 + [0] * 4, [0] * 8])
+    reference = sw.train_step(chain, _mean_ce, sw.optim.sgd(0.2, momentum=0.9), tokens=_count)
+    sharded = sw.shard_params(reference, "dp", 3)
+    sw.testing.assert_equivalent(sharded, reference, sw.Mesh(dp=2), batches, params, rtol=F64_RTOL)

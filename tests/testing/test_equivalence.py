@@ -136,3 +136,33 @@ def test_a_correct_bert_run_passes_and_wrong_ones_fail() -> None:
         sw.testing.assert_equivalent(sw.shard_params(scaled, "dp", 1), step, sw.Mesh(dp=2), batches, params)
     with pytest.raises(NotEquivalentError, match=r"step 1, params\['bert.encoder.layer.1'\]"):
         sw.testing.assert_equivalent(_DropsLayer(step, "bert.encoder.layer.1"), step, sw.Mesh(dp=1), batches, params)
+
+
+def test_an_unpicklable_object_in_the_model_is_named_without_printing_tensors() -> None:
+    """Was a 21,683-character TypeError: the repr of the whole task, every tensor in it, and
+    advice to move a function that was already at the top level."""
+    import threading
+
+    torch.manual_seed(0)
+    model = mlp([3, 5, 2]).double()
+    model[2].lock = threading.Lock()
+    chain, params = sw.functionalize(model)
+    step = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1))
+    batches = [(torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64))]
+    with pytest.raises(TypeError) as caught:
+        sw.testing.assert_equivalent(step, step, sw.Mesh(dp=2), batches, params,
+                                     backend="processes")
+    message = str(caught.value)
+    where = "step.chain._layers[2].fn.replicas.module.lock is a _thread.lock"
+    assert message.startswith(f"_rank_program cannot be pickled: {where}"), message
+    assert "tensor(" not in message and len(message) < 400 and message.count("\n") < 3, message
+    assert "backend='threads'" in message and "top level" not in message, message
+
+
+def test_a_lambda_loss_is_named_with_the_fix() -> None:
+    step, params, batches = _problem()
+    lam = sw.train_step(step.chain, lambda out, y: ((out - y) ** 2).mean(), sw.optim.sgd(0.1))
+    fix = r"(?s)step\.loss_fn is a function .*define it at the top level"
+    with pytest.raises(TypeError, match=fix):
+        sw.testing.assert_equivalent(lam, lam, sw.Mesh(dp=2), batches[:1], params,
+                                     backend="processes")

@@ -45,6 +45,7 @@ from typing import Any
 
 from ..errors import RankFailed, RankHung
 from ..timeout import DEFAULT_TIMEOUT_S, check_timeout
+from .pickle_path import unpicklable
 from .process_worker import MIN_STARTUP_S, worker_main
 
 _GRACE_S = 1.0  # after a failure, how long the other ranks may still report before being terminated
@@ -426,7 +427,8 @@ def _pickle_task(fn: Callable[..., Any], args: tuple[Any, ...]) -> bytes:
     """Pickle ``(fn, args)`` or explain why they cannot travel to spawned processes."""
     if not callable(fn):
         raise TypeError(f"expected a function to run on every rank, got {type(fn).__name__} {fn!r}")
-    name = getattr(fn, "__qualname__", repr(fn))
+    # A partial's repr prints its arguments, tensors and all: name the function it calls.
+    name = _name_of(fn)
     how = (
         "Processes are spawned, so fn travels by reference: define it at the top level of an "
         "importable module (not a lambda, nested function or interactive session), or use the "
@@ -438,14 +440,40 @@ def _pickle_task(fn: Callable[..., Any], args: tuple[Any, ...]) -> bytes:
     try:
         pickled_fn = pickle.dumps(fn)
     except Exception as exc:
-        raise TypeError(f"{name} cannot be pickled ({type(exc).__name__}: {exc}). {how}") from exc
+        raise TypeError(_not_picklable(fn, name, exc, how)) from exc
     try:
         return pickle.dumps((pickle.loads(pickled_fn), args))
     except Exception as exc:
+        found = unpicklable(args, "args")
+        where = "" if found is None else f": {found[0]} is a {_type_name(found[1])}"
         raise TypeError(
-            f"the arguments for {name} cannot be pickled ({type(exc).__name__}: {exc}); pass plain "
-            "data, tensors or module-level objects"
+            f"the arguments for {name} cannot be pickled{where} ({type(exc).__name__}: {exc}); "
+            "pass plain data, tensors or module-level objects"
         ) from exc
+
+
+def _name_of(fn: Callable[..., Any]) -> str:
+    """``fn``'s name; for a partial, its function's (a partial's repr prints every argument)."""
+    named = getattr(fn, "func", fn)
+    return str(getattr(named, "__qualname__", None) or type(fn).__name__)
+
+
+def _not_picklable(fn: Callable[..., Any], name: str, exc: Exception, how: str) -> str:
+    """Which part of ``fn`` does not pickle, without printing it (a repr shows every tensor)."""
+    found = unpicklable(fn, "fn")
+    if found is None or found[0] in ("fn", "fn.func"):
+        return f"{name} cannot be pickled ({type(exc).__name__}: {exc}). {how}"
+    path, obj, err = found
+    fix = "define it at the top level of an importable module" if callable(obj) else "drop it"
+    return (
+        f"{name} cannot be pickled: {path} is a {_type_name(obj)} ({type(err).__name__}: {err}).\n"
+        f"Processes are spawned, so every object the ranks use travels pickled: {fix} (or make "
+        "it picklable), or use the threads backend (backend='threads')."
+    )
+
+
+def _type_name(obj: Any) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}".removeprefix("builtins.")
 
 
 # Registered after multiprocessing.util's own hook, so it runs first (atexit is

@@ -201,14 +201,40 @@ def read_json(path: Path, what: str, *, verify: bool = True) -> dict[str, Any]:
     return value
 
 
+def _not_a_directory(path: Path) -> str:
+    """What ``path`` is, when a checkpoint directory was expected."""
+    if not path.exists():
+        return f"no checkpoint at {path}: it does not exist"
+    what = "a file" if path.is_file() else "not a directory"
+    return (
+        f"no checkpoint at {path}: it is {what}, and a shardwise checkpoint is a directory (the "
+        "one sw.checkpoint.save wrote); a file from torch.save reads back with torch.load"
+    )
+
+
+def _written_by_a_save(directory: Path) -> bool:
+    """Whether a save began writing here (its metadata or a rank's index or data file)."""
+    names = [p.name for p in directory.iterdir()]
+    return META in names or any(
+        (n.startswith("rank") and n.endswith(".json")) or n.endswith(".distcp") for n in names
+    )
+
+
 def check_committed(directory: Path) -> dict[str, Any]:
     """The checkpoint's metadata, once its commit marker and every file it lists are as written."""
     if not directory.is_dir():
-        raise CheckpointError(f"no checkpoint at {directory}: the directory does not exist")
+        raise CheckpointError(_not_a_directory(directory))
     if not (directory / META).exists() and (directory / DCP_META).is_file():
         raise CheckpointError(
             f"{directory} is a torch.distributed.checkpoint directory, not a shardwise checkpoint: start a step "
             "from it with init_from_state_dict(step, read_dcp_state_dict(path, prefix), mesh)"
+        )
+    if not (directory / COMMITTED).is_file() and not _written_by_a_save(directory):
+        listed = sorted(p.name for p in directory.iterdir())
+        raise CheckpointError(
+            f"{directory} is not a shardwise checkpoint: it holds none of its files ({META}, "
+            f"{COMMITTED}, rank*.json), but {listed[:5] or 'nothing'}"
+            f"{' ...' if len(listed) > 5 else ''}; pass the directory sw.checkpoint.save wrote"
         )
     if not (directory / COMMITTED).is_file():
         raise CheckpointError(

@@ -29,8 +29,14 @@ def split_batch(batch: Any) -> tuple[Any, Any]:
     return batch[0], batch[1]
 
 
-def split_over(tree: Any, parts: int, index: int, what: str) -> Any:
-    """Slice ``index`` of ``parts`` equal slices along dim 0 of every tensor in ``tree``."""
+def split_over(
+    tree: Any, parts: int, index: int, what: str, whole: tuple[int, str] | None = None
+) -> Any:
+    """Slice ``index`` of ``parts`` equal slices along dim 0 of every tensor in ``tree``.
+
+    ``whole``: (n, why) when the global batch is cut n ways in all (data-parallel ranks x
+    micro-batches), so the fix names the multiple it needs, not this cut's ``parts``."""
+    multiple, why = whole if whole is not None else (parts, "")
 
     def cut(t: Any) -> Any:
         if not isinstance(t, torch.Tensor) or t.dim() == 0:
@@ -38,7 +44,8 @@ def split_over(tree: Any, parts: int, index: int, what: str) -> Any:
         if t.shape[0] % parts:
             raise ValueError(
                 f"{what}: batch size {t.shape[0]} (tensor of shape {tuple(t.shape)}) does not divide into "
-                f"{parts} equal parts; use a batch size that is a multiple of {parts}"
+                f"{parts} equal parts; use a global batch size that is a multiple of "
+                f"{multiple}{why}"
             )
         size = t.shape[0] // parts
         return t[index * size : (index + 1) * size]

@@ -81,6 +81,7 @@ from ..plan.actions import (
 )
 from ..torch_api import version_of
 from . import inside_times
+from .batch_keys import unknown_keys_message
 from .metrics import MetricExchange, Summed, different_batches
 from .rng import mix, preserved, ranks_share_generators, seeded
 from .transfers import TransferActions
@@ -94,6 +95,18 @@ _RANDOM = {FORWARD: 1, BACKWARD: 2, BACKWARD_INPUT: 2, BACKWARD_WEIGHT: 2, LOSS:
 def float_leaves(tree: Any) -> list[torch.Tensor]:
     """The floating-point tensors of ``tree`` in pytree order: the values gradients flow through."""
     return [t for t in optree.tree_leaves(tree) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+
+
+def _no_tokens(mean: torch.Tensor, output: Any) -> torch.Tensor:
+    """The summed loss of a micro-batch without tokens: exactly 0, with zero gradients.
+
+    Its mean over no tokens is NaN (0/0), and NaN x 0 is NaN, in the value and in the gradient:
+    the global step divides by the global count, to which this shard adds nothing. Summing an
+    empty slice of each output keeps the loss on the graph (so backward runs as on any rank)."""
+    zero = mean.detach().new_zeros(())
+    for leaf in float_leaves(output):
+        zero = zero + leaf.flatten()[:0].sum().to(zero.dtype)
+    return zero
 
 
 @dataclass
@@ -299,6 +312,9 @@ class Executor(ZeroActions, TransferActions):
                 try:
                     y = call(y)
                 except Exception as err:  # say where, with what: the message is torch's
+                    keys = unknown_keys_message(name, self.chain[name].fn, y)
+                    if keys is not None:
+                        raise ValueError(keys) from err
                     err.add_note(f"in layer {name!r} (stage {s}, micro-batch {m}), on input {_describe(y)}")
                     raise
                 changed = [b for b, v in zip(buffers, versions, strict=True) if version_of(buffers[b]) != v]
@@ -319,7 +335,7 @@ class Executor(ZeroActions, TransferActions):
         output = self._outputs.pop((s, m))
         with torch.enable_grad():
             got = self.loss_fn(output, targets)
-        loss = self._token_sum(got, inputs, targets) if self.tokens is not None else got
+        loss = self._token_sum(got, inputs, targets, output) if self.tokens is not None else got
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             raise ValueError(
                 f"loss_fn must return a scalar tensor (the mean loss over the batch), got {type(loss).__name__}"
@@ -334,7 +350,7 @@ class Executor(ZeroActions, TransferActions):
         self.losses.append(loss.detach())
         saved.outputs = [loss]
 
-    def _token_sum(self, got: Any, inputs: Any, targets: Any) -> torch.Tensor:
+    def _token_sum(self, got: Any, inputs: Any, targets: Any, output: Any) -> torch.Tensor:
         """The micro-batch's summed token loss; its token count goes to ``counts``."""
         if self.tokens == "sum":
             if not (isinstance(got, (tuple, list)) and len(got) == 2):
@@ -351,7 +367,7 @@ class Executor(ZeroActions, TransferActions):
         if total is None:  # loss_fn gave the mean over ``count`` tokens
             if not isinstance(got, torch.Tensor):
                 raise ValueError(f"loss_fn must return the mean loss over the tokens, got {type(got).__name__}")
-            total = got * count.to(got.dtype)
+            total = got * count.to(got.dtype) if bool(count != 0) else _no_tokens(got, output)
         self.counts.append(count.to(torch.float64 if total.dtype == torch.float64 else torch.float32))
         return total
 

@@ -107,11 +107,23 @@ def _units_without_params(step: Step, placement: Placement, index: int) -> list[
 def one_microbatch(step: Step, mesh: Mesh, batch: Any) -> tuple[Any, Any]:
     pair = split_batch(batch)
     zero = step.sharding_spec
+    whole = batch_multiple(step, mesh)
     if zero is not None:
         n = mesh.axis_size(zero.axis)
-        pair = split_over(pair, n, 0, f"shard_params over axis {zero.axis!r} of size {n}")
+        pair = split_over(pair, n, 0, f"shard_params over axis {zero.axis!r} of size {n}", whole)
     k = microbatch_count(step)
-    return split_over(pair, k, 0, f"{k} micro-batches") if k > 1 else pair
+    return split_over(pair, k, 0, f"{k} micro-batches", whole) if k > 1 else pair
+
+
+def batch_multiple(step: Step, mesh: Mesh | None) -> tuple[int, str]:
+    """What the global batch size must be a multiple of: it is cut per data-parallel rank, then
+    per micro-batch; and the words that say so."""
+    k = microbatch_count(step)
+    zero = step.sharding_spec
+    if zero is None or mesh is None or k == 1:
+        return (k if zero is None or mesh is None else mesh.axis_size(zero.axis)), ""
+    ranks = mesh.axis_size(zero.axis)
+    return ranks * k, f" ({ranks} ranks of axis {zero.axis!r} x {k} micro-batches)"
 
 def _memory(
     step: Step, mesh: Mesh, params: Params, batch: Any, placement: Placement,

@@ -22,6 +22,7 @@ from typing import Any
 import optree
 import torch
 
+from ...collectives.backends.current import current_backend
 from ...collectives.mesh import Mesh
 from ..checkpoint.cut import split_opt_state
 from ..layout.devices import device_of, host_scalar
@@ -61,7 +62,7 @@ from ..run.metrics import (
 from ..run.rng import mix
 from ..stack.compose import PLACEMENT, SHARDING, SPLIT, describe, find
 from .init_state import held_params, init_seeding, meta_names, sampled_values
-from .planning import plan_of
+from .planning import batch_multiple, plan_of
 
 Metrics = dict[str, torch.Tensor]
 
@@ -460,18 +461,23 @@ class Step:
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, Metrics]:
         layout = self._state_layout(state)
         mesh: Mesh | None = state.mesh
+        _check_world(mesh)
         placement = layout.placement
         index = layout.index_of(mesh)
         pipe, sharding, prec = self.pipeline_spec, layout.sharding, self.precision
         pair = split_batch(batch)
         replicas = dp_index = 0
+        k = microbatch_count(self)
+        whole = batch_multiple(self, mesh)
         if sharding is not None:
             assert mesh is not None
             replicas, dp_index = mesh.axis_size(sharding.axis), mesh.axis_index(sharding.axis)
-            pair = split_over(pair, replicas, dp_index, f"shard_params over axis {sharding.axis!r} of size {replicas}")
-        k = microbatch_count(self)
+            where = f"shard_params over axis {sharding.axis!r} of size {replicas}"
+            pair = split_over(pair, replicas, dp_index, where, whole)
         what = f"pipeline(microbatches={k})" if pipe is not None else f"shard_params(accumulation={k}) on the local batch"
-        micro = [pair] if k == 1 and sharding is None else [split_over(pair, k, j, what) for j in range(k)]
+        micro = [pair] if k == 1 and sharding is None else [
+            split_over(pair, k, j, what, whole) for j in range(k)
+        ]
         scale = self.loss_scale_value(state)
         if sharding is None:
             master = state.params
@@ -629,6 +635,22 @@ def _exchange_group(mesh: Mesh, axes: tuple[str, ...]) -> list[int]:
     on ``axes`` only."""
     me = mesh.coords
     return [r for r in range(mesh.size) if all(c == me[a] for a, c in mesh.coords_of(r).items() if a not in axes)]
+
+
+def _check_world(mesh: Mesh | None) -> None:
+    """Refuse a TrainState of another world (one torch.save'd on another mesh): it holds one
+    rank's shards of its own mesh, which only sw.checkpoint reshards."""
+    if mesh is None:  # a single-device state: every rank may run its own
+        return
+    world = current_backend().world_size
+    if mesh.size != world:
+        raise ValueError(
+            f"this TrainState was made on {mesh!r} ({mesh.size} ranks), but this program runs on "
+            f"a world of {world}: a state (a torch.save'd one too) holds one rank's part of its "
+            "own mesh; to go on with another mesh, save it on that mesh with "
+            "sw.checkpoint.save(path, state, step) and load it with "
+            "sw.checkpoint.load(path, step, mesh), which reshards"
+        )
 
 
 def _token_count(summed: Summed) -> torch.Tensor:

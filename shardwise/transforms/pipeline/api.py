@@ -7,6 +7,7 @@ from typing import Any
 
 from ...engine.stack.compose import add
 from ...engine.step.step import Step
+from .builtins import check_schedule_name
 from .spec import PipelineSpec
 
 
@@ -63,6 +64,8 @@ def pipeline(
         raise ValueError(f"pipeline(microbatches={microbatches!r}): the number of micro-batches is an int >= 1")
     if stages is not None and (isinstance(stages, bool) or not isinstance(stages, int) or stages < 1):
         raise ValueError(f"pipeline(stages={stages!r}): the number of stages is an int >= 1")
+    if isinstance(schedule, str):
+        check_schedule_name(schedule)  # here, not at the first step: a misspelled name is known now
     spec = PipelineSpec(
         axis=axis,
         schedule=schedule,

@@ -10,6 +10,7 @@ these orders are computed by ``simulate``, not asserted here.
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable, Mapping
 from typing import TypeAlias
 
@@ -224,6 +225,41 @@ SCHEDULES: Mapping[str, Builder] = {
 }
 
 
+def _key(name: str) -> str:
+    return name.strip().lower().replace("-", "_")
+
+
+def check_schedule_name(spec: str) -> None:
+    """Refuse a string that is neither a built-in name nor schedule text (a misspelled name was
+    read as text, and failed as a pipeline action)."""
+    if _key(spec) in SCHEDULES or _is_schedule_text(spec):
+        return
+    close = difflib.get_close_matches(_key(spec), list(SCHEDULES), n=1)
+    guess = f" (did you mean {close[0]!r}?)" if close else ""
+    raise ValueError(
+        f"unknown pipeline schedule {spec!r}{guess}: use "
+        f"one of {sorted(SCHEDULES)}, a function (ranks, stages, microbatches) -> Schedule, a "
+        "Schedule, or its text form: one line of actions per rank, such as '0F0 0F1 0B0 0B1'"
+    )
+
+
+def _is_schedule_text(spec: str) -> bool:
+    """Several lines, a ``rank k:`` prefix, or one line whose every token is an action."""
+    lines = [line.split("#", 1)[0].strip() for line in spec.splitlines()]
+    if sum(1 for line in lines if line) > 1 or ":" in spec:
+        return True
+    tokens = spec.split()
+    return bool(tokens) and all(_is_action(token) for token in tokens)
+
+
+def _is_action(token: str) -> bool:
+    try:
+        PipeOp.parse(token)
+    except ValueError:
+        return False
+    return True
+
+
 def get_schedule(
     spec: str | Builder | Schedule, ranks: int, stages: int, microbatches: int
 ) -> Schedule:
@@ -235,16 +271,10 @@ def get_schedule(
     if isinstance(spec, Schedule):
         schedule = spec
     elif isinstance(spec, str):
-        key = spec.strip().lower().replace("-", "_")
-        if key in SCHEDULES:
-            schedule = SCHEDULES[key](ranks, stages, microbatches)
-        elif any(ch.isdigit() for ch in spec):
-            schedule = Schedule.parse(spec)
-        else:
-            raise ValueError(
-                f"unknown pipeline schedule {spec!r}: use one of {sorted(SCHEDULES)}, "
-                f"a function (ranks, stages, microbatches) -> Schedule, a Schedule or its text form"
-            )
+        check_schedule_name(spec)
+        key = _key(spec)
+        builtin = SCHEDULES.get(key)
+        schedule = Schedule.parse(spec) if builtin is None else builtin(ranks, stages, microbatches)
     elif callable(spec):
         schedule = spec(ranks, stages, microbatches)
     else:

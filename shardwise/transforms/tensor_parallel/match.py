@@ -139,6 +139,7 @@ def resolve(chain: Chain, plan: Mapping[str, Style], sequence_parallel: str | No
                 "each computed a part of it, so a Region without them would count every gradient upstream N "
                 "times; put the Region on the attention or MLP module that holds the split pair, or drop it"
             )
+    _check_regions_close(style_of)
     region_paths = [p for p, (_, s) in style_of.items() if isinstance(s, Region)]
     layers: dict[str, LayerPlan] = {}
     splits: dict[tuple[str, str], ParamSplit] = {}
@@ -183,6 +184,7 @@ def resolve(chain: Chain, plan: Mapping[str, Style], sequence_parallel: str | No
                     must_run=not isinstance(chosen, Region) and bool(own_names & set(layer.param_names)),
                 ))
             if isinstance(chosen, Region):
+                _check_heads_named(style_of[path][0], path, chosen, module)
                 for attr in (*chosen.heads, *chosen.local):
                     heads.append((path, attr, _read_attribute(module, path, attr)))
         for local, name in declared.items():
@@ -211,6 +213,42 @@ def resolve(chain: Chain, plan: Mapping[str, Style], sequence_parallel: str | No
                 "the vocabulary"
             )
     return Resolved(layers, splits, heads, matched)
+
+
+def _check_regions_close(style_of: Mapping[str, tuple[str, Style]]) -> None:
+    """Refuse a Region whose split outputs no Rowwise sums: the module that takes them (an output
+    projection) would multiply a slice of the features by its whole weight."""
+    for region, (pattern, style) in style_of.items():
+        if not isinstance(style, Region):
+            continue
+        inner = {p: s for p, (_, s) in style_of.items() if p.startswith(region + ".")}
+        split = [p for p, s in inner.items() if isinstance(s, Colwise) and s.output != "replicated"]
+        if split and not any(isinstance(s, Rowwise) for s in inner.values()):
+            raise ValueError(
+                f"tensor_parallel: plan[{pattern!r}] = Region on {region!r} holds Colwise() on "
+                f"{split}, whose outputs stay split over the axis, but no Rowwise() to sum them; "
+                "add Rowwise() on the module that takes them (the output projection, e.g. "
+                "'o_proj' in sw.llama_plan()), or give the Colwise output='replicated'"
+            )
+
+
+# The attributes an attention module counts its heads by (TinyGPT, GPT-2, hand-written ones).
+HEAD_COUNTS = (
+    "n_heads", "n_head", "num_heads", "num_attention_heads", "num_key_value_heads", "n_kv_heads",
+)
+
+
+def _check_heads_named(pattern: str, path: str, style: Region, module: nn.Module) -> None:
+    """Refuse a Region without heads= on a module that counts heads: nothing would check that the
+    axis size divides them, and a reshape by the whole count splits each rank's features wrongly."""
+    counts = {k: v for k, v in vars(module).items() if k in HEAD_COUNTS and type(v) is int}
+    if style.heads or not counts:
+        return
+    raise ValueError(
+        f"tensor_parallel: plan[{pattern!r}] = {style} on {path!r}, a {type(module).__name__} with "
+        f"{counts}, names no heads: each rank must compute whole heads, 1/N of them; give "
+        f"Region(heads={tuple(counts)!r})"
+    )
 
 
 def _param_split(style: Style | None, kind: str | None, name: str, module: nn.Module) -> tuple[int, int] | None:

@@ -69,6 +69,10 @@ class TPForward:
             _flow.regions = getattr(_flow, "regions", 0) + 1
             try:
                 return type(m).forward(m, *args, **kwargs)
+            except (RuntimeError, ValueError) as err:
+                if _is_ours(err):
+                    raise
+                raise ValueError(_region_failed(m, label, style, err, tp_size(axis))) from err
             finally:
                 _flow.regions -= 1
         (x,) = args
@@ -85,7 +89,7 @@ class TPForward:
                 )
             y = _conv1d(x, _require(weight), bias) if install.kind == CONV1D else type(m).forward(m, x)
             gathered = gathers(style, install.kind == EMBEDDING)
-            _flow.split_output = not gathered
+            _flow.split_output, _flow.split_by = not gathered, label
             if install.enters and not gathered:  # per-rank values follow, up to their Rowwise (or the layer's end)
                 _start_rank_stream(axis, y.device)
             return gather_invariant(y, axis, y.dim() - 1, label) if gathered else y
@@ -110,6 +114,40 @@ class TPForward:
 # What this rank's layers have run, per thread (rank): .regions, how many Regions it is inside;
 # .split_output, whether the last split module it ran left its output split (a sharded Colwise).
 _flow = threading.local()
+
+
+def _is_ours(err: BaseException) -> bool:
+    """Whether shardwise raised ``err`` (it names its own cause): only torch's get explained."""
+    return type(err).__module__.startswith("shardwise") or str(err).startswith("tensor_parallel:")
+
+
+def _region_failed(m: nn.Module, path: str, style: Region, err: BaseException, parts: int) -> str:
+    """Why a Region's module likely failed: it computes with a whole count each rank divides."""
+    counts = _head_counts(m, set(style.heads) | set(style.local))
+    found = f"; {type(m).__name__} has {counts}" if counts else ""
+    return (
+        f"tensor_parallel: Region {path!r} failed ({type(err).__name__}: {err}): each of the "
+        f"{parts} ranks holds 1/{parts} of its heads, but the module computes with a count it was "
+        f"not told to divide{found}; name its head counts in Region(heads=(...)) and the "
+        "widths it cuts at in Region(local=(...)), e.g. Region(heads=('num_heads',), "
+        "local=('split_size',))"
+    )
+
+
+def _head_counts(m: nn.Module, named: set[str]) -> dict[str, int]:
+    """The module's int attributes that look like head counts or widths, not already named."""
+    config = getattr(m, "config", None)
+    values = {**getattr(config, "__dict__", {}), **vars(m)}
+    return {
+        k: v for k, v in sorted(values.items())
+        if type(v) is int and ("heads" in k or k in ("n_head", "split_size")) and k not in named
+        and f"config.{k}" not in named
+    }
+
+
+def split_by() -> str:
+    """The module that left the output split (see output_is_split), for errors."""
+    return str(getattr(_flow, "split_by", "a Colwise"))
 
 
 def output_is_split() -> bool:
@@ -247,6 +285,10 @@ class VaryFn:
         _flow.called = called
         try:
             out = self.fn(tensors, x)
+        except RuntimeError as err:  # torch's, on shapes that do not fit: explained if split
+            if not output_is_split() or _is_ours(err):
+                raise
+            raise ValueError(f"tensor_parallel: {_unsummed(err, self.axis)}") from err
         finally:
             _flow.called = outer
             _back_to_shared(force=True)  # a per-rank stream a Colwise began ends with its layer
@@ -261,6 +303,15 @@ class VaryFn:
 
     def __repr__(self) -> str:
         return f"tensor_parallel({self.fn!r})"
+
+
+def _unsummed(err: BaseException, axis: str) -> str:
+    """A module failed on the output a sharded Colwise left split: no Rowwise took it."""
+    return (
+        f"Colwise() on {split_by()!r} left its output split over {axis!r} (output='sharded') and "
+        f"no Rowwise() took it, so the module after it failed ({type(err).__name__}: {err}); give "
+        "that module Rowwise() in the plan (both in one Region), or the Colwise output='replicated'"
+    )
 
 
 class GuardFn:
@@ -285,12 +336,8 @@ class GuardFn:
         try:
             return self.fn(tensors, x)
         except RuntimeError as err:  # what torch raises on shapes that do not fit (not its control flow)
-            raise ValueError(
-                f"tensor_parallel: layer {self.layer!r} failed ({type(err).__name__}: {err}) on a value the last "
-                f"split module before it left split over {self.axis!r} (a Colwise with output='sharded'): the "
-                "module that takes a split output must be a Rowwise in the plan, or give the Colwise "
-                "output='replicated'"
-            ) from err
+            message = f"tensor_parallel: layer {self.layer!r}: {_unsummed(err, self.axis)}"
+            raise ValueError(message) from err
 
     def __repr__(self) -> str:
         return repr(self.fn)

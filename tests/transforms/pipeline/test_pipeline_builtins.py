@@ -5,9 +5,12 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+import shardwise as sw
+from shardwise.testing.models import mlp
 from shardwise.transforms.pipeline import (
     SCHEDULES,
     B,
@@ -118,3 +121,16 @@ def test_get_schedule_refusals() -> None:
         get_schedule("0F0\n1F0 1B0", 2, 2, 1)
     with pytest.raises(TypeError, match="a name, a function, a Schedule or text"):
         get_schedule(3, 2, 2, 2)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("name", ["zbh1", "1f1b_v2", "interleaved1f1b"])
+def test_a_misspelled_name_with_digits_is_refused_not_read_as_schedule_text(name: str) -> None:
+    """A name with a digit was read as schedule text, and failed as a pipeline action."""
+    known = r"use one of \['1f1b', 'gpipe', .*'zb_v'\].*its text form: one line of actions per rank"
+    refused = rf"unknown pipeline schedule '{name}' \(did you mean .*\): {known}"
+    with pytest.raises(ValueError, match=refused):
+        get_schedule(name, 2, 2, 2)
+    chain, _ = sw.functionalize(mlp([3, 4, 2]))
+    step = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1))
+    with pytest.raises(ValueError, match=rf"unknown pipeline schedule '{name}'"):
+        sw.pipeline(step, "pp", name, 2)  # refused here, before any mesh

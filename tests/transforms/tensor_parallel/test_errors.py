@@ -290,6 +290,63 @@ def test_a_rowwise_layer_whose_input_is_not_split(build: dict[str, Callable]) ->
     assert "'0'" in message and "Rowwise" in message and "Colwise" in message, message
 
 
+def test_a_region_whose_colwise_outputs_no_rowwise_sums(build: dict[str, Callable]) -> None:
+    """sw.llama_plan() without its o_proj: q, k and v stay split into the whole o_proj."""
+    problem = build["llama"](steps=1)
+    plan = {k: v for k, v in problem.plan.items() if not k.endswith("o_proj")}
+    message = (r"Region on 'model\.layers\.0\.self_attn' holds Colwise\(\) on "
+               r"\['model\.layers\.0\.self_attn\.q_proj'.* no Rowwise\(\).*o_proj")
+    with pytest.raises(ValueError, match=message):
+        sw.tensor_parallel(problem.step, "tp", plan)
+
+
+def test_a_colwise_without_its_rowwise_names_the_colwise(build: dict[str, Callable]) -> None:
+    """TinyGPT's first MLP Linear alone: the second one gets split features (was torch's raw
+    "mat1 and mat2 shapes cannot be multiplied"), refused by the Plan and by the first step."""
+    problem = build["tiny_gpt"](steps=1)
+    step = sw.tensor_parallel(problem.step, "tp", {"blocks.*.mlp.0": sw.Colwise()})
+    message = (r"Colwise\(\) on 'blocks\.0\.mlp\.0' left its output split over 'tp' .* "
+               r"no Rowwise\(\) took it.*give that module Rowwise\(\) in the plan .* "
+               r"output='replicated'")
+    with pytest.raises(ValueError, match=message):
+        step.plan(sw.Mesh(tp=2), problem.params, problem.batches[0])
+    with pytest.raises(sw.RankFailed, match=message):
+        _one_step(step, problem.params, sw.Mesh(tp=2), problem.batches[0])
+
+
+def test_a_region_without_heads_on_a_module_that_counts_them(build: dict[str, Callable]) -> None:
+    problem = build["tiny_gpt"](steps=1)
+    plan = {**problem.plan, "blocks.*.attn": sw.Region()}
+    message = (r"Region\(heads=\(\), local=\(\)\) on 'blocks\.0\.attn', a CausalSelfAttention "
+               r"with \{'n_heads': 4\}, names no heads.*give Region\(heads=\('n_heads',\)\)")
+    with pytest.raises(ValueError, match=message):
+        sw.tensor_parallel(problem.step, "tp", plan)
+
+
+class _Attention(nn.Module):
+    """Reshapes by its whole head count (under a name tensor parallel cannot guess)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.groups, self.qkv, self.out = 4, nn.Linear(8, 24), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).view(*x.shape[:-1], 3, self.groups, 2).unbind(-3)
+        return self.out((q * k * v).flatten(-2))
+
+
+def test_a_region_that_fails_on_a_count_it_was_not_told_to_divide() -> None:
+    """Was torch's raw view error from inside the attention."""
+    torch.manual_seed(0)
+    chain, params = sw.functionalize(nn.Sequential(_Attention()).double())
+    step = sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1))
+    plan = {"0": sw.Region(), "0.qkv": sw.Colwise(fused=3), "0.out": sw.Rowwise()}
+    batch = (torch.randn(4, 8, dtype=torch.float64), torch.randn(4, 8, dtype=torch.float64))
+    message = r"Region '0' failed \(RuntimeError: .*\): each of the 2 ranks holds 1/2 of its heads"
+    with pytest.raises(ValueError, match=message + r".*Region\(heads=\(\.\.\.\)\)"):
+        sw.tensor_parallel(step, "tp", plan).plan(sw.Mesh(tp=2), params, batch)
+
+
 # -- hand-written layers, arguments -------------------------------------------------------------
 
 
