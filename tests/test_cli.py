@@ -198,6 +198,53 @@ def test_errors_in_the_users_code_exit_1_with_its_traceback(tmp_path: Path, in_p
     assert short.returncode == 2 and "must return (step, params, batch), got a tuple of 2" in short.stderr
 
 
+def test_json_reports_an_error_in_the_users_code_as_one_object(tmp_path: Path, in_process: Callable[..., Ran]) -> None:
+    """A program reading --json gets its object in every outcome (stdout was empty)."""
+    (tmp_path / "broken.py").write_text("def make():\n    raise RuntimeError('my model is broken')\n")
+    raised = in_process("plan", "broken.py:make", "--mesh", "dp=2", "--json", cwd=tmp_path)
+    assert raised.returncode == 1
+    data = json.loads(raised.stdout)
+    assert data["ok"] is False and data["error"] == "RuntimeError: my model is broken"
+    assert "broken.py" in data["traceback"]
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--timeout", "-1", "'-1' is not a positive number of seconds"),
+        ("--timeout", "0", "'0' is not a positive number of seconds"),
+        ("--timeout", "nan", "'nan' is not a finite number"),
+        ("--rtol", "-1", "'-1' is negative; a tolerance is 0 or more"),
+        ("--atol", "-0.5", "'-0.5' is negative"),
+        ("--rtol", "inf", "'inf' is not a finite number"),
+    ],
+)
+def test_verify_refuses_a_negative_timeout_or_tolerance(
+    flag: str, value: str, message: str, in_process: Callable[..., Ran]
+) -> None:
+    """A negative tolerance made every step 'not equivalent'; a negative timeout, every wait fail."""
+    result = in_process("verify", f"{STEPS}:verified", "--mesh", "dp=2", flag, value)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert len([line for line in result.stderr.splitlines() if "error" in line]) == 1
+
+
+def test_plan_measure_counts_the_steps_collectives_and_says_they_equal_the_plan(
+    in_process: Callable[..., Ran],
+) -> None:
+    step, params, batch = _cli_steps().composed()
+    plan = step.plan(Mesh(dp=2, pp=2), params, batch)
+    result = in_process("plan", f"{STEPS}:composed", "--mesh", "dp=2,pp=2", "--measure", "--timeout", "60", "--json")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["ledger_equals_plan"] is True
+    # Only the step's: init's agreement all-gathers are not in the count.
+    counted = sum(entry["count"] for entry in data["measured"].values())
+    assert counted == sum(1 for rank in range(4) for _ in plan.collectives(rank))
+    text = in_process("plan", f"{STEPS}:composed", "--mesh", "dp=2,pp=2", "--measure")
+    assert "every rank issued exactly the collectives its Plan lists" in text.stdout
+    assert in_process("plan", f"{STEPS}:composed", "--mesh", "dp=2", "--timeout", "-3").returncode == 2
+
+
 # -- plan and verify -------------------------------------------------------------------------------
 def _cli_steps():  # type: ignore[no-untyped-def]
     spec = importlib.util.spec_from_file_location("cli_steps_for_tests", STEPS)

@@ -72,4 +72,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as err:  # raised by the user's code (or ours): show where, exit 1
         traceback.print_exc()
         print(f"shardwise {args.verb}: error: {type(err).__name__} (traceback above)", file=sys.stderr)
+        # A program reading --json gets its one object in every outcome, never an empty stdout.
+        out.fail_quietly(f"{type(err).__name__}: {err}", {"traceback": traceback.format_exc()})
         return FAILED

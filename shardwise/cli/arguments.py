@@ -6,7 +6,9 @@ exits 2 for, as argparse does for its own usage errors.
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
+import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -45,6 +47,32 @@ def parse_mesh(text: str) -> Mesh:
             raise UsageError(f"--mesh {text!r}: axis {name!r} has size {size}; sizes are at least 1")
         sizes[name] = int(size)
     return Mesh(sizes)
+
+
+def positive_seconds(text: str) -> float:
+    """``--timeout`` for argparse: a finite number of seconds above 0."""
+    value = _number(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds, e.g. 120")
+    return value
+
+
+def tolerance(text: str) -> float:
+    """``--rtol`` / ``--atol`` for argparse: a finite number, 0 or more."""
+    value = _number(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is negative; a tolerance is 0 or more, e.g. 1e-6")
+    return value
+
+
+def _number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
 
 
 def load_function(target: str) -> Callable[..., Any]:

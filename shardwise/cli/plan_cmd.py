@@ -7,12 +7,12 @@ from collections import Counter
 from typing import Any
 
 from ..collectives.launch import launch
-from ..collectives.ledger import Ledger, comm_ledger
+from ..collectives.ledger import CommRecord, Ledger, comm_ledger
 from ..collectives.mesh import Mesh
 from ..engine.plan.actions import Plan
 from ..engine.simulate.simulation import simulate as simulate_plan
 from ..transforms.pipeline import ascii_timeline
-from .arguments import UsageError, call_for, load_function, parse_mesh
+from .arguments import UsageError, call_for, load_function, parse_mesh, positive_seconds
 
 HELP = "print the per-rank Plan of a step: actions, memory, communication"
 CONTRACT = ("step", "params", "batch")
@@ -49,7 +49,10 @@ def add_parser(verbs: Any) -> None:
     parser.add_argument("--mesh", type=mesh_argument, required=True, help="mesh axes and sizes, e.g. dp=2,pp=2")
     parser.add_argument("--simulate", action="store_true", help="also print a simulated timeline of the whole step")
     parser.add_argument("--measure", action="store_true",
-                        help="also run one step on threads and print the collectives it issued, per axis and op")
+                        help="also run one step on threads, print the collectives it issued (per axis and op; "
+                             "init's are not counted) and whether each rank's equal the Plan's")
+    parser.add_argument("--timeout", type=positive_seconds, default=120.0,
+                        help="with --measure: seconds any collective may wait (default 120)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     parser.set_defaults(run=run)
 
@@ -68,9 +71,14 @@ def run(args: argparse.Namespace, out: Any) -> int:
         data["simulation"], simulated = simulation(plan)
         text += ["", simulated]
     if args.measure:
-        ledger = measure(step, params, batch, mesh)
+        ledger = measure(step, params, batch, mesh, args.timeout)
         data["measured"] = {f"{axis}/{op}": vars(s) for (axis, op), s in ledger.summary().items()}
-        text += ["", "collectives measured over one step on threads (the communication ledger):", str(ledger)]
+        differ = ranks_off_plan(plan, ledger)
+        data["ledger_equals_plan"] = not differ
+        verdict = ("every rank issued exactly the collectives its Plan lists" if not differ
+                   else f"ranks {differ} did not issue the collectives their Plan lists")
+        text += ["", "collectives measured over one step on threads (the communication ledger; init's not "
+                 "counted):", str(ledger), verdict]
     out.emit(data, text="\n".join(text))
     return 0
 
@@ -104,11 +112,29 @@ def simulation(plan: Plan) -> tuple[dict[str, Any], str]:
     return data, f"simulated step (default costs; sw.PlanCosts fits your own):\n{ascii_timeline(timeline)}"
 
 
-def measure(step: Any, params: Any, batch: Any, mesh: Mesh) -> Ledger:
-    """Run one step on ``mesh`` (ranks as threads) under the communication ledger."""
-    def program() -> None:
-        step(step.init(params, mesh), batch)
+def measure(step: Any, params: Any, batch: Any, mesh: Mesh, timeout: float) -> Ledger:
+    """Run one step on ``mesh`` (ranks as threads) under the communication ledger: the step's
+    collectives only, not those of ``init`` (its agreement checks are not the step's)."""
 
-    with comm_ledger() as ledger:
-        launch(program, mesh.size)
+    def program() -> tuple[CommRecord, ...]:
+        state = step.init(params, mesh)
+        with comm_ledger() as mine:
+            step(state, batch)
+        return mine.records
+
+    ledger = Ledger()
+    for records in launch(program, mesh.size, timeout=timeout):
+        for record in records:
+            ledger.add(record)
     return ledger
+
+
+def ranks_off_plan(plan: Plan, ledger: Ledger) -> list[int]:
+    """The ranks whose recorded collectives are not, in order, the ones their Plan lists."""
+    off = []
+    for rank in range(plan.mesh.size):
+        got = [(r.op, r.axis, r.dtype, r.nbytes) for r in ledger.records if r.rank == rank]
+        want = [(c.op, c.axis, c.dtype, c.nbytes) for c in plan.collectives(rank)]
+        if got != want:
+            off.append(rank)
+    return off

@@ -32,6 +32,10 @@ class Output:
             print(text)
 
     def fail(self, failure: CommandFailed) -> None:
-        if self.as_json:
-            print(json.dumps({"ok": False, "error": str(failure), **failure.data}, indent=1, default=str))
+        self.fail_quietly(str(failure), failure.data)
         print(f"shardwise: error: {failure}", file=sys.stderr)
+
+    def fail_quietly(self, error: str, data: Mapping[str, Any]) -> None:
+        """The ``"ok": false`` object on stdout under ``--json`` (the message is on stderr already)."""
+        if self.as_json:
+            print(json.dumps({"ok": False, "error": error, **data}, indent=1, default=str))

@@ -18,7 +18,7 @@ from ..testing.equivalence import (
     compare_histories,
     record_history,
 )
-from .arguments import call_for, load_function
+from .arguments import call_for, load_function, positive_seconds, tolerance
 from .plan_cmd import mesh_argument
 from .report import CommandFailed
 
@@ -59,9 +59,10 @@ def add_parser(verbs: Any) -> None:
     parser.add_argument("--mesh", type=mesh_argument, required=True, help="mesh axes and sizes, e.g. dp=2,pp=2")
     parser.add_argument("--backend", choices=("threads", "processes"), default="threads",
                         help="ranks as threads of this process (default) or as local gloo processes")
-    parser.add_argument("--rtol", type=float, help="relative tolerance (default: by parameter dtype)")
-    parser.add_argument("--atol", type=float, default=0.0, help="absolute tolerance (default 0)")
-    parser.add_argument("--timeout", type=float, default=120.0, help="seconds any collective may wait (default 120)")
+    parser.add_argument("--rtol", type=tolerance, help="relative tolerance, 0 or more (default: by parameter dtype)")
+    parser.add_argument("--atol", type=tolerance, default=0.0, help="absolute tolerance, 0 or more (default 0)")
+    parser.add_argument("--timeout", type=positive_seconds, default=120.0,
+                        help="seconds any collective may wait (default 120)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     parser.set_defaults(run=run)
 
