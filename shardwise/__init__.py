@@ -82,6 +82,7 @@ from .transforms.tensor_parallel import (
     tensor_parallel,
     tiny_gpt_plan,
     vocab_parallel_cross_entropy,
+    vocab_parallel_logsumexp,
 )
 
 __version__ = "0.1.0"
@@ -163,4 +164,5 @@ __all__ = [
     "tiny_gpt_plan",
     "train_step",
     "vocab_parallel_cross_entropy",
+    "vocab_parallel_logsumexp",
 ]

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 
 from ...engine.stack.compose import add
 from ...engine.step.step import Step
-from .loss import SplitLogitsLoss, vocab_parallel_cross_entropy
+from .loss import SplitLogitsLoss, vocab_parallel_cross_entropy, vocab_parallel_logsumexp
 from .plans import GPT2_BLOCKS, LLAMA_BLOCKS, TINY_GPT_BLOCKS, gpt2_plan, llama_plan, tiny_gpt_plan
 from .spec import TPSpec
 from .styles import Colwise, Region, Rowwise, Style
@@ -25,6 +25,7 @@ __all__ = [
     "tensor_parallel",
     "tiny_gpt_plan",
     "vocab_parallel_cross_entropy",
+    "vocab_parallel_logsumexp",
 ]
 
 

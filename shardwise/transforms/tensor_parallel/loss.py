@@ -11,9 +11,12 @@ not the vocabulary.
 :func:`vocab_parallel_cross_entropy` is plain ``F.cross_entropy`` wherever the
 logits are whole (the single-device step, or a tensor-parallel step whose head
 gathers its output), so one ``loss_fn`` serves the reference and the
-tensor-parallel step. A tensor-parallel step whose head leaves the logits split
-refuses a loss that does not call it: a loss of each rank's vocabulary slice
-would train silently wrong.
+tensor-parallel step; :func:`vocab_parallel_logsumexp` likewise (a z-loss term).
+A tensor-parallel step whose head leaves the logits split refuses a loss that
+does not call it, and any other computation on the split logits (they reach the
+loss as :class:`SplitLogits`, which lets through only what keeps the vocabulary
+dimension whole: reshapes, slices of the leading dimensions, casts): a loss of
+each rank's vocabulary slice would train silently wrong.
 """
 
 from __future__ import annotations
@@ -39,7 +42,12 @@ class _Split:
 
 
 def vocab_parallel_cross_entropy(
-    logits: torch.Tensor, targets: torch.Tensor, *, ignore_index: int = -100, reduction: str = "mean"
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
 ) -> torch.Tensor:
     """``F.cross_entropy(logits, targets)`` over logits of shape ``(..., vocab)`` and integer targets
     of shape ``(...)``; inside a tensor-parallel step whose head splits the vocabulary, computed
@@ -59,9 +67,13 @@ def vocab_parallel_cross_entropy(
             f"{list(logits.shape[:-1])} (one per row), got {list(targets.shape)}"
         )
     split = _split_over.get()
+    logits = plain(logits)
     flat, flat_targets = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"vocab_parallel_cross_entropy(label_smoothing={label_smoothing}): use a value in [0, 1]")
     if split is None:
-        return F.cross_entropy(flat, flat_targets, ignore_index=ignore_index, reduction=reduction)
+        return F.cross_entropy(flat, flat_targets, ignore_index=ignore_index, reduction=reduction,
+                               label_smoothing=label_smoothing)
     split.calls += 1
     axis, label = split.axis, "vocab_parallel_cross_entropy"
     rows = flat.shape[-1]
@@ -87,10 +99,117 @@ def vocab_parallel_cross_entropy(
     picked = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
     target_logit = leave(picked, axis, None, label)
     valid = flat_targets != ignore_index
-    losses = (log_sum - target_logit).masked_fill(~valid, 0.0)
+    losses = log_sum - target_logit
+    if label_smoothing:  # torch's: (1 - e) * nll + e * the mean over the vocabulary of -log p
+        mean_logit = leave(shifted.sum(-1), axis, None, label) / vocab
+        losses = (1 - label_smoothing) * losses + label_smoothing * (log_sum - mean_logit)
+    losses = losses.masked_fill(~valid, 0.0)
     total = losses.sum()
     loss = total if reduction == "sum" else total / valid.sum().to(total.dtype)
     return loss.to(given)
+
+
+def vocab_parallel_logsumexp(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.logsumexp(-1)``; inside a tensor-parallel step whose head splits the vocabulary,
+    computed from each rank's slice (the maxima and the sums of exponentials summed over the
+    axis), in float32 for half-precision logits and returned in their dtype. For a z-loss:
+    ``loss = ce + 1e-4 * vocab_parallel_logsumexp(logits).pow(2).mean()``.
+
+    >>> import torch, shardwise as sw
+    >>> logits = torch.randn(3, 5, dtype=torch.float64)
+    >>> bool(torch.equal(sw.vocab_parallel_logsumexp(logits), logits.logsumexp(-1)))
+    True
+    """
+    split = _split_over.get()
+    logits = plain(logits)
+    if split is None:
+        return logits.logsumexp(-1)
+    split.calls += 1
+    axis, label = split.axis, "vocab_parallel_logsumexp"
+    given = logits.dtype
+    values = logits.float() if given in (torch.float16, torch.bfloat16) else logits
+    top = all_max(values.max(-1).values, axis, label)
+    log_sum = leave((values - top.unsqueeze(-1)).exp().sum(-1), axis, None, label).log()
+    return (log_sum + top).to(given)
+
+
+class SplitLogitsMisuse(TypeError):
+    """A computation on logits split over the vocabulary other than the vocab-parallel ones."""
+
+    def __init__(self, op: str) -> None:
+        super().__init__(_misuse(op))
+        self.op = op
+
+
+# Ops that keep the vocabulary dimension whole (the last): the result is still the rank's slice
+# of the same logits, so the vocab-parallel functions still compute on it right.
+_LAYOUT = frozenset({
+    "view", "reshape", "flatten", "unflatten", "squeeze", "unsqueeze", "contiguous", "float",
+    "double", "half", "bfloat16", "to", "type_as", "__getitem__", "narrow", "select", "clone",
+    "detach", "requires_grad_", "retain_grad",
+})
+
+
+class SplitLogits(torch.Tensor):
+    """The logits a split head gives the loss: this rank's slice of the vocabulary. Only the
+    vocab-parallel functions compute on them (unwrapped); reshapes, slices of the leading
+    dimensions and casts keep the wrapper; any other op is refused, naming it: a logsumexp,
+    softmax or sum over a slice of the vocabulary is each rank's part, not the whole."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "") or ""
+        # Tensor attributes (shape, dtype, device, ...) are read through their getters.
+        if name == "__get__" or _is_query(func):
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        if name in _LAYOUT:
+            with torch._C.DisableTorchFunctionSubclass():
+                out = func(*args, **kwargs)
+            first = args[0] if args else None
+            if isinstance(out, torch.Tensor) and isinstance(first, torch.Tensor) and out.dim() and first.dim() and \
+                    out.shape[-1] == first.shape[-1] and out.is_floating_point():
+                return out.as_subclass(SplitLogits)
+            if isinstance(out, torch.Tensor) and out.is_floating_point() and name not in ("detach",):
+                raise SplitLogitsMisuse(f"{name} changing the vocabulary dimension")
+            return out
+        raise SplitLogitsMisuse(name or repr(func))
+
+
+def _is_query(func: Any) -> bool:
+    """Reads that compute nothing on the values (size, dim, dtype, device, is_floating_point)."""
+    return getattr(func, "__name__", "") in {
+        "size", "dim", "numel", "is_floating_point", "is_complex", "element_size", "stride",
+        "__len__", "is_contiguous", "data_ptr", "get_device", "__repr__", "__format__",
+    }
+
+
+def _misuse(what: str) -> str:
+    return (
+        f"tensor_parallel: the loss computes {what} on logits split over the vocabulary (each rank "
+        "holds a slice of it, Colwise(output='sharded')): that is each rank's part, not the whole, "
+        "and would train silently wrong. Use sw.vocab_parallel_cross_entropy for the cross-entropy "
+        "and sw.vocab_parallel_logsumexp for a z-loss term, or give the head "
+        "Colwise(output='replicated') to compute any loss on whole logits."
+    )
+
+
+def plain(logits: torch.Tensor) -> torch.Tensor:
+    """``logits`` as a plain tensor (a :class:`SplitLogits` unwrapped; autograd sees the same value)."""
+    return logits.as_subclass(torch.Tensor) if isinstance(logits, SplitLogits) else logits
+
+
+def _wrap_split(output: Any) -> Any:
+    """The head's output with its floating tensors as SplitLogits (what the loss may do with them
+    is then checked op by op)."""
+    import optree
+
+    return optree.tree_map(
+        lambda t: t.as_subclass(SplitLogits) if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
+        output,
+        none_is_leaf=True,
+    )
 
 
 class SplitLogitsLoss:
@@ -109,8 +228,13 @@ class SplitLogitsLoss:
             return self.loss_fn(output, targets)
         split = _Split(self.axis)
         token = _split_over.set(split)
+        guarded = output if predicting_now() else _wrap_split(output)  # fake tensors: shapes only
         try:
-            loss = self.loss_fn(output, targets)
+            loss = plain(self.loss_fn(guarded, targets))
+        except SplitLogitsMisuse as err:
+            if split.calls == 0:  # the whole loss ignored the split: say that first
+                raise ValueError(f"{self._refusal()} (it computed {err.op} on them)") from err
+            raise
         except Exception as err:
             if split.calls == 0:  # most likely a loss of the whole vocabulary meeting a slice of it
                 raise ValueError(self._refusal()) from err

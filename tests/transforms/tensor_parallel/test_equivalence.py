@@ -238,3 +238,26 @@ def test_an_embedding_split_on_its_hidden_dim_is_gathered(style: sw.Colwise, bui
     problem = build["tiny_gpt"](tie=False)
     step = sw.tensor_parallel(problem.step, "tp", {"tok_emb": style, "head": sw.Colwise()})
     sw.testing.assert_equivalent(step, problem.step, sw.Mesh(tp=2), problem.batches, problem.params, rtol=F64_RTOL)
+
+
+def _z_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """PaLM's z-loss beside label-smoothed cross-entropy, both computed on the split logits."""
+    shifted, labels = logits[:, :-1], targets[:, :-1]  # a slice of the leading dims stays split
+    ce = sw.vocab_parallel_cross_entropy(shifted, labels, label_smoothing=0.1)
+    return ce + 0.05 * sw.vocab_parallel_logsumexp(logits).pow(2).mean()
+
+
+@pytest.mark.parametrize("family", ["tiny_gpt", "llama"])
+@pytest.mark.parametrize("tp", [2, 4])
+def test_a_z_loss_and_label_smoothing_on_split_logits_equal_one_device(
+    family: str, tp: int, build: dict[str, Callable]
+) -> None:
+    problem = build[family]()
+    if family == "llama":
+        def loss(out: Any, targets: torch.Tensor) -> torch.Tensor:
+            return _z_loss(out.logits, targets)
+    else:
+        loss = _z_loss
+    reference = sw.train_step(problem.step.chain, loss, sw.optim.sgd(0.1, momentum=0.9))
+    step = sw.tensor_parallel(reference, "tp", problem.plan)
+    sw.testing.assert_equivalent(step, reference, sw.Mesh(tp=tp), problem.batches, problem.params, rtol=F64_RTOL)

@@ -9,6 +9,7 @@ for what only running shows (a loss that ignores the split logits).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -220,7 +221,33 @@ def test_split_logits_with_a_loss_that_ignores_the_split(build: dict[str, Callab
     step = sw.tensor_parallel(sw.train_step(problem.step.chain, entropy, sw.optim.sgd(0.1)), "tp", problem.plan)
     with pytest.raises(ValueError, match=SPLIT_LOGITS):
         step.plan(sw.Mesh(tp=2), problem.params, problem.batches[0])
-    with pytest.raises(sw.RankFailed, match=SPLIT_LOGITS):
+    # The step sees what the loss did with the split logits, and names the op.
+    with pytest.raises(sw.RankFailed, match=SPLIT_LOGITS + r".*\(it computed log_softmax on them\)"):
+        _one_step(step, problem.params, sw.Mesh(tp=2), problem.batches[0])
+
+
+MISUSE = r"the loss computes {op} on logits split over the vocabulary.*sw\.vocab_parallel_logsumexp"
+
+
+@pytest.mark.parametrize(
+    ("extra", "op"),
+    [
+        (lambda logits: 0.05 * logits.logsumexp(-1).pow(2).mean(), "logsumexp"),
+        (lambda logits: logits.softmax(-1).max(-1).values.mean(), "softmax"),
+        (lambda logits: 1e-3 * logits.pow(2).mean(), "pow"),
+        (lambda logits: logits[..., :3].mean(), "__getitem__ changing the vocabulary dimension"),
+    ],
+)
+def test_any_other_computation_on_split_logits_is_refused(
+    extra: Callable[[torch.Tensor], torch.Tensor], op: str, build: dict[str, Callable]
+) -> None:
+    problem = build["tiny_gpt"](steps=1)
+
+    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return sw.vocab_parallel_cross_entropy(logits, targets) + extra(logits)
+
+    step = sw.tensor_parallel(sw.train_step(problem.step.chain, loss, sw.optim.sgd(0.1)), "tp", problem.plan)
+    with pytest.raises(sw.RankFailed, match=MISUSE.format(op=re.escape(op))):
         _one_step(step, problem.params, sw.Mesh(tp=2), problem.batches[0])
 
 
