@@ -18,7 +18,8 @@ Every file shardwise reads is verified before its content is used: each JSON fil
 ``"sha256"``, the digest of its canonical content (sorted keys, no spaces) without that key,
 and the marker's digests tie the files together (a rank index from another save, each one
 consistent in itself, is refused too); each record's bytes match the crc32 in its verified
-index. Format version 1 (before checksums) still loads, with a warning that it cannot be
+index, and each 64 KiB chunk of its raw data the chunk's crc32 there (a load reads only the
+chunks it needs: see ``record_io``). Format version 1 (before checksums) still loads, with a warning that it cannot be
 verified.
 
 shardwise reads only the JSON files and the records, each with
