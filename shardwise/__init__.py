@@ -54,6 +54,7 @@ from .collectives import (
 from .engine.checkpoint import save_load as checkpoint
 from .engine.checkpoint.file_format import CheckpointError
 from .engine.checkpoint.state_dict import full_state_dict, init_from_state_dict, read_dcp_state_dict
+from .engine.checkpoint.weights import init_from_dcp, init_from_pretrained
 from .engine.layout.state import TrainState
 from .engine.layout.state_layout import LeafSpec, Placement, StateLayout, TensorSplit
 from .engine.model.chain import Chain, Layer
@@ -137,6 +138,8 @@ __all__ = [
     "full_state_dict",
     "functionalize",
     "gpt2_plan",
+    "init_from_dcp",
+    "init_from_pretrained",
     "init_from_state_dict",
     "launch",
     "llama_plan",

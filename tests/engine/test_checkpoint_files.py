@@ -144,6 +144,10 @@ def test_a_record_that_would_run_code_is_refused(tmp_path: Path) -> None:
         if r["offset"] > record["offset"]:
             r["offset"] += shift
     record.update(length=len(evil), crc32=zlib.crc32(evil))
+    # as a record saved before ranged reads (no chunk crc32s), which is read whole and unpickled;
+    # with them, the load would read the chunks at data_offset and refuse them by their crc32s
+    record.pop("data_offset")
+    record.pop("chunk_crc32s")
     index.pop("sha256")
     write_json(path / "rank0.json", index)  # signed and committed, as a save would have
     write_commit_marker(path)

@@ -18,7 +18,8 @@ Every file shardwise reads is verified before its content is used: each JSON fil
 ``"sha256"``, the digest of its canonical content (sorted keys, no spaces) without that key,
 and the marker's digests tie the files together (a rank index from another save, each one
 consistent in itself, is refused too); each record's bytes match the crc32 in its verified
-index. Format version 1 (before checksums) still loads, with a warning that it cannot be
+index, and each 64 KiB chunk of its raw data the chunk's crc32 there (a load reads only the
+chunks it needs: see ``record_io``). Format version 1 (before checksums) still loads, with a warning that it cannot be
 verified.
 
 shardwise reads only the JSON files and the records, each with
@@ -45,6 +46,11 @@ from typing import Any
 
 import torch
 
+from .cut import Box
+from .errors import CheckpointError as CheckpointError  # re-exported: callers import it from here
+from .record_io import RawData, contiguous_copy, raw_data, read_pieces
+from .regions import assemble, whole
+
 FORMAT = "shardwise-checkpoint"
 VERSION = 2  # 2: checksums in every JSON file and in the marker; 1: sizes only
 UNVERIFIED_VERSION = 1  # still read, with a warning (see check_committed)
@@ -60,10 +66,6 @@ def index_file(rank: int) -> str:
     return f"rank{rank}.json"
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded: missing, partial, corrupt, or of another model."""
-
-
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -77,7 +79,8 @@ def dtype_of(name: str, where: str) -> torch.dtype:
 
 @dataclass(frozen=True)
 class Record:
-    """One saved box of one tensor: where its bytes are."""
+    """One saved box of one tensor: where its bytes are (and, saved since ranged reads, where its
+    raw data is in them, with a crc32 per chunk: see ``record_io``)."""
 
     fqn: str
     offsets: tuple[int, ...]
@@ -86,15 +89,22 @@ class Record:
     offset: int
     length: int
     crc32: int
+    raw: RawData | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"fqn": self.fqn, "offsets": list(self.offsets), "sizes": list(self.sizes),
-                "offset": self.offset, "length": self.length, "crc32": self.crc32}
+        out = {"fqn": self.fqn, "offsets": list(self.offsets), "sizes": list(self.sizes),
+               "offset": self.offset, "length": self.length, "crc32": self.crc32}
+        if self.raw is not None:
+            out.update(data_offset=self.raw.offset, chunk_crc32s=list(self.raw.crc32s))
+        return out
 
     @classmethod
     def from_json(cls, item: Mapping[str, Any], file: str) -> Record:
+        raw = None
+        if "data_offset" in item:
+            raw = RawData(int(item["data_offset"]), tuple(int(c) for c in item["chunk_crc32s"]))
         return cls(str(item["fqn"]), tuple(item["offsets"]), tuple(item["sizes"]), file,
-                   int(item["offset"]), int(item["length"]), int(item["crc32"]))
+                   int(item["offset"]), int(item["length"]), int(item["crc32"]), raw)
 
 
 def fsync_dir(path: Path) -> None:
@@ -136,16 +146,19 @@ def write_rank(directory: Path, rank: int, boxes: Iterable[tuple[str, tuple[int,
     name = data_file(rank)
     records: list[Record] = []
     with open(directory / name, "wb") as f:
-        for fqn, offsets, tensor in boxes:
+        for fqn, offsets, saved in boxes:
+            tensor = contiguous_copy(saved)
             buffer = io.BytesIO()
             torch.save(tensor, buffer)
             data = buffer.getbuffer()
+            raw = raw_data(data, tensor)
             offset = f.tell()
             if fault is not None and len(records) == 1:  # a test's crash point: some records on disk
                 f.flush()
                 fault("rank-file-partial")
             f.write(data)
-            records.append(Record(fqn, offsets, tuple(tensor.shape), name, offset, len(data), zlib.crc32(data)))
+            records.append(Record(fqn, offsets, tuple(tensor.shape), name, offset, len(data),
+                                  zlib.crc32(data), raw))
         f.flush()
         os.fsync(f.fileno())
         total = f.tell()
@@ -321,7 +334,9 @@ def read_records(directory: Path, ranks: int, *, verify: bool = True) -> dict[st
 
 
 class Reader:
-    """Whole tensors from a committed checkpoint's records (each checked against its crc32)."""
+    """Tensors, whole or in part, from a committed checkpoint's records: of each record only the
+    chunks that hold what is asked for, each checked against its crc32 (a record saved without
+    chunk crc32s is read whole, checked against its crc32)."""
 
     def __init__(self, directory: Path, meta: Mapping[str, Any]) -> None:
         self.directory = directory
@@ -334,13 +349,20 @@ class Reader:
             f.close()
         self._files.clear()
 
-    def _read(self, record: Record) -> torch.Tensor:
+    def _file(self, record: Record) -> Any:
         f = self._files.get(record.file)
         if f is None:
             f = self._files[record.file] = open(self.directory / record.file, "rb")  # noqa: SIM115 (kept open across records; close() ends it)
+        return f
+
+    def _where(self, record: Record) -> str:
+        return f"checkpoint {self.directory}: {record.file} at byte {record.offset} ({record.fqn})"
+
+    def _read(self, record: Record) -> torch.Tensor:
+        f = self._file(record)
         f.seek(record.offset)
         data = f.read(record.length)
-        where = f"checkpoint {self.directory}: {record.file} at byte {record.offset} ({record.fqn})"
+        where = self._where(record)
         if len(data) != record.length or zlib.crc32(data) != record.crc32:
             raise CheckpointError(f"{where}: the record is truncated or corrupt (its crc32 does not match)")
         try:
@@ -351,26 +373,32 @@ class Reader:
             raise CheckpointError(f"{where}: holds {type(t).__name__} {getattr(t, 'shape', '')}, expected a box of {record.sizes}")
         return t
 
+    def _pieces(self, record: Record, dtype: torch.dtype) -> Any:
+        def read(pieces: list[Box]) -> list[torch.Tensor]:
+            if record.raw is None:
+                t = self._read(record)
+                return [t[tuple(slice(o, o + s) for o, s in zip(at, size, strict=True))]
+                        for at, size in pieces]
+            return read_pieces(self._file(record), self._where(record), record.offset,
+                               record.sizes, dtype, record.raw, pieces)
+        return read
+
+    def partial(self, fqn: str, wants: list[Box]) -> torch.Tensor:
+        """Tensor ``fqn`` of its global shape with the elements of the boxes ``wants`` read (the
+        rest NaN, or 0 for integers: see ``regions``)."""
+        spec = self.tensors.get(fqn)
+        if spec is None:
+            raise CheckpointError(f"checkpoint {self.directory} has no tensor {fqn!r}")
+        dtype = dtype_of(spec["dtype"], fqn)
+        stored = [((r.offsets, r.sizes), self._pieces(r, dtype)) for r in self.records.get(fqn, [])]
+        return assemble(f"checkpoint {self.directory}", fqn, spec["shape"], dtype, wants, stored)
+
     def full(self, fqn: str) -> torch.Tensor:
         """The whole tensor ``fqn``, assembled from the boxes every rank saved of it."""
         spec = self.tensors.get(fqn)
         if spec is None:
             raise CheckpointError(f"checkpoint {self.directory} has no tensor {fqn!r}")
-        shape = tuple(spec["shape"])
-        out = torch.empty(shape, dtype=dtype_of(spec["dtype"], fqn))
-        covered = 0
-        for record in self.records.get(fqn, []):
-            if len(record.offsets) != len(shape) or any(o < 0 or o + s > n for o, s, n in zip(record.offsets, record.sizes, shape, strict=True)):
-                raise CheckpointError(f"checkpoint {self.directory}: {record.file} has a box {record.offsets}+{record.sizes} outside {fqn} {list(shape)}")
-            view = out[tuple(slice(o, o + s) for o, s in zip(record.offsets, record.sizes, strict=True))]
-            view.copy_(self._read(record))
-            covered += view.numel()
-        if covered != out.numel():
-            raise CheckpointError(
-                f"checkpoint {self.directory}: the ranks' files hold {covered} of the {out.numel()} elements of "
-                f"{fqn} {list(shape)}; a rank file or index is missing records"
-            )
-        return out
+        return self.partial(fqn, whole(spec["shape"]))
 
 
 def dcp_metadata(meta: Mapping[str, Any], records: Mapping[str, list[Record]], aliases: Mapping[str, str]) -> Any:

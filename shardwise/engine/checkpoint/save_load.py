@@ -94,6 +94,7 @@ from .file_format import (
     write_rank,
 )
 from .names import module_params, state_dict_names
+from .regions import wanted_boxes
 
 __all__ = ["CheckpointError", "SaveHandle", "describe", "load", "save"]
 
@@ -456,10 +457,17 @@ def _build_state(reader: Reader, meta: Mapping[str, Any], step: Any, mesh: Mesh 
     index = layout.index_of(mesh)
     local = local_keys(layout, index, {layer: list(ts) for layer, ts in params_meta.items()})
     tp_slices = _tp_slicer(step, layout, mesh)
-    full = {layer: {n: tp_slices(layer, n, reader.full(f"model.{keys[(layer, n)]}")).to(device) for n in names}
-            for layer, names in local.items()}
-    master = step.master_params(full)
     sharding = layout.sharding
+
+    def mine(fqn: str, layer: str, name: str, shard: bool) -> torch.Tensor:
+        """This rank's slice of ``fqn``, read only where it keeps it (see ``regions``)."""
+        part = reader.partial(fqn, wanted_boxes(layout, mesh, layer, name, shard=shard))
+        return tp_slices(layer, name, part)
+
+    at_rest = sharding is not None and sharding.holds_shards  # stage 3 keeps only the shards
+    full = {layer: {n: mine(f"model.{keys[(layer, n)]}", layer, n, at_rest).to(device)
+                    for n in names} for layer, names in local.items()}
+    master = step.master_params(full)
     dp = 0 if sharding is None or mesh is None else mesh.axis_index(sharding.axis)
     held, update = held_and_update(sharding, master, dp)
     template = step.optimizer.init(update)
@@ -473,7 +481,7 @@ def _build_state(reader: Reader, meta: Mapping[str, Any], step: Any, mesh: Mesh 
         )
 
     def mirror(path: str) -> Any:
-        tree = {layer: {n: tp_slices(layer, n, reader.full(f"optim.{path}.{keys[(layer, n)]}")).to(
+        tree = {layer: {n: mine(f"optim.{path}.{keys[(layer, n)]}", layer, n, True).to(
                             device=device, dtype=master[layer][n].dtype)
                         for n in names} for layer, names in local.items()}
         return tree if sharding is None else sharding.shards_of(tree, dp)

@@ -356,7 +356,8 @@ class Step:
         return layout.cache[key]
 
     # -- state ----------------------------------------------------------------
-    def init(self, params: Params, mesh: Mesh | None = None, *, seed: int = 0) -> TrainState:
+    def init(self, params: Params, mesh: Mesh | None = None, *, seed: int = 0,
+             source: Any = None) -> TrainState:
         """Build this rank's TrainState from the model's parameters (every rank passes the same).
 
         A rank holds only its own part (its pipeline stages' layers, its tensor-parallel slices,
@@ -369,12 +370,16 @@ class Step:
 
         ``seed`` also starts the step's random streams (dropout): every rank passes the same;
         each rank, stage, micro-batch and step draws its own stream from it (engine/run/rng.py).
+
+        ``source`` (a weights file's reader: ``sw.init_from_pretrained``, ``sw.init_from_dcp``)
+        gives the meta parameters' values instead: ``source.tensors(layer, names, layout, mesh)``,
+        read one layer at a time, of each parameter only what this rank keeps.
         """
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"init(seed={seed!r}): the seed of the step's random streams is an int")
         mesh = self._check_mesh(mesh)
         check_params(self.chain, params)
-        maker = self._parameter_maker(params)
+        maker = None if source is not None else self._parameter_maker(params)
         layout = self.layout(mesh, params)
         if mesh is not None and self.transforms and any(getattr(s, "axis", None) for s in self.transforms):
             check_ranks_agree(mesh, {
@@ -385,7 +390,8 @@ class Step:
                 # A sample of each tensor: ranks that built the model themselves from different seeds
                 # (or loaded other checkpoints) start from different weights.
                 "parameter values": sampled_values(params),
-                "how meta parameters are made": "none" if maker is None else maker.describe(),
+                "how meta parameters are made": source.describe() if source is not None else
+                "none" if maker is None else maker.describe(),
                 "parameter init_fn": None if maker is None else maker.init_fn,
                 "seed": str(seed),
                 # What else decides the update: one rank with another learning rate, momentum or
@@ -396,7 +402,7 @@ class Step:
                 "gradient clipping": self.clip_norm,
                 "token weighting": self.tokens,
                 "metrics": self.metrics,
-            }, self._agreement_device(params, maker))
+            }, source.device if source is not None else self._agreement_device(params, maker))
         index = layout.index_of(mesh)
         sharding = layout.sharding
         dp_index = 0 if sharding is None or mesh is None else mesh.axis_index(sharding.axis)
@@ -405,7 +411,9 @@ class Step:
             given = params.get(layer, {})
             made = {n: t for n, t in given.items() if n in names and not t.is_meta}
             missing = [n for n in names if n not in made]
-            if missing:
+            if missing and source is not None:
+                made.update(source.tensors(layer, missing, layout, mesh))
+            elif missing:
                 assert maker is not None  # _parameter_maker refused meta parameters without one
                 made.update(maker.tensors(layer, missing, seed, lambda s: init_seeding(s, maker.device)))
             return made

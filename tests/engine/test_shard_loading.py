@@ -1,0 +1,340 @@
+"""Loading shard by shard: each rank reads only the bytes it keeps, and gets the same values.
+
+Bytes are counted where the loaders open files (every read of every file, metadata
+included), per rank thread. At ZeRO-3 over four ranks a rank keeps a quarter of every
+parameter and of its momentum, so it reads about a quarter of the data: the bound 0.3
+leaves room for the indexes and, in a shardwise checkpoint, for the 64 KiB chunks at each
+end of a range that are read whole to check their crc32 (stated exactly where it matters).
+The values are compared bitwise with loading whole tensors (no arithmetic is involved).
+"""
+
+from __future__ import annotations
+
+import builtins
+import collections
+import json
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import save_file
+
+import shardwise as sw
+from shardwise.engine.checkpoint import file_format, safetensors_files, save_load, weights
+from shardwise.engine.checkpoint.errors import CheckpointError
+from shardwise.engine.checkpoint.record_io import CHUNK_BYTES
+from shardwise.engine.checkpoint.regions import whole
+from shardwise.engine.checkpoint.state_dict import full_state_dict
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+WIDTH, LAYERS = 1024, 4  # 4 MiB per layer in float32: large against a 64 KiB chunk
+
+
+class _Counted:
+    def __init__(self, f: Any, counts: collections.Counter[str]) -> None:
+        self._f, self._counts = f, counts
+
+    def read(self, *args: Any) -> Any:
+        data = self._f.read(*args)
+        self._counts[threading.current_thread().name] += len(data)
+        return data
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._f, name)
+
+    def __enter__(self) -> _Counted:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._f.close()
+
+
+@pytest.fixture
+def bytes_read(monkeypatch: pytest.MonkeyPatch) -> Iterator[collections.Counter[str]]:
+    """Bytes each thread reads through the loaders' ``open`` (a rank is a thread)."""
+    counts: collections.Counter[str] = collections.Counter()
+
+    def counting_open(file: Any, mode: str = "r", *args: Any, **kw: Any) -> Any:
+        f = builtins.open(file, mode, *args, **kw)  # noqa: SIM115 (the caller closes it)
+        return _Counted(f, counts) if "r" in mode else f
+
+    for module in (file_format, safetensors_files, weights):
+        monkeypatch.setattr(module, "open", counting_open, raising=False)
+    yield counts
+
+
+def _rank_reads(counts: collections.Counter[str], world: int) -> list[int]:
+    return [counts[f"shardwise-rank-{r}"] for r in range(world)]
+
+
+def _linear_step(stage: int = 3) -> tuple[Any, Any, Any]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
+    chain, params = sw.functionalize(model)
+    step = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1, momentum=0.9))
+    return model, sw.shard_params(step, "dp", stage=stage), params
+
+
+def _data_bytes(path: Path, suffix: str) -> int:
+    return sum(f.stat().st_size for f in path.iterdir() if f.name.endswith(suffix))
+
+
+def _saved(path: Path, step: Any, params: Any, world: int) -> None:
+    batch = (torch.randn(8, WIDTH), torch.randn(8, WIDTH))
+
+    def main() -> None:
+        state, _ = step(step.init(params, sw.Mesh(dp=world)), batch)
+        sw.checkpoint.save(path, state, step)
+
+    sw.launch(main, world)
+
+
+def _states_equal(a: Any, b: Any) -> None:
+    import optree
+
+    leaves_a, leaves_b = (
+        optree.tree_leaves((a.params, a.opt_state)),
+        optree.tree_leaves((b.params, b.opt_state)),
+    )
+    assert len(leaves_a) == len(leaves_b)
+    for x, y in zip(leaves_a, leaves_b, strict=True):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("saved_on", [1, 4])
+def test_a_zero3_rank_reads_a_quarter_of_a_checkpoint_and_loads_what_whole_reads_give(
+    saved_on: int,
+    tmp_path: Path,
+    bytes_read: collections.Counter[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _, step, params = _linear_step()
+    _saved(tmp_path / "c", step, params, saved_on)  # saved on one rank: each record a whole tensor
+    total = _data_bytes(tmp_path / "c", ".distcp")
+    loaded = sw.launch(lambda: sw.checkpoint.load(tmp_path / "c", step, sw.Mesh(dp=4)), 4)
+    # a quarter, the chunks at the two ends of its range of each layer and of its momentum,
+    # and the JSON files (every rank reads every index)
+    slack = 2 * CHUNK_BYTES * 2 * LAYERS + _data_bytes(tmp_path / "c", ".json")
+    for reads in _rank_reads(bytes_read, 4):
+        assert total / 4 < reads < total / 4 + slack < 0.3 * total, (reads, total)
+    # what the load gave before ranged reads: every tensor read whole, then cut
+    monkeypatch.setattr(
+        save_load,
+        "wanted_boxes",
+        lambda layout, mesh, layer, name, shard: whole(layout.leaves[(layer, name)].shape),
+    )
+    for a, b in zip(
+        loaded,
+        sw.launch(lambda: sw.checkpoint.load(tmp_path / "c", step, sw.Mesh(dp=4)), 4),
+        strict=True,
+    ):
+        _states_equal(a, b)
+
+
+def test_records_without_chunk_checksums_are_read_whole_and_checked(tmp_path: Path) -> None:
+    _, step, params = _linear_step()
+    _saved(tmp_path / "c", step, params, 2)
+    expected = sw.launch(lambda: sw.checkpoint.load(tmp_path / "c", step, sw.Mesh(dp=2)), 2)
+    for rank in range(2):  # as saved before ranged reads
+        index = json.loads((tmp_path / "c" / f"rank{rank}.json").read_text())
+        index.pop("sha256")
+        for record in index["records"]:
+            record.pop("data_offset", None)
+            record.pop("chunk_crc32s", None)
+        file_format.write_json(tmp_path / "c" / f"rank{rank}.json", index)
+    file_format.write_commit_marker(tmp_path / "c")
+    for a, b in zip(
+        expected,
+        sw.launch(lambda: sw.checkpoint.load(tmp_path / "c", step, sw.Mesh(dp=2)), 2),
+        strict=True,
+    ):
+        _states_equal(a, b)
+    data = tmp_path / "c" / "__0_0.distcp"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    with pytest.raises(sw.RankFailed, match="crc32 does not match"):
+        sw.launch(lambda: sw.checkpoint.load(tmp_path / "c", step, sw.Mesh(dp=2)), 2)
+
+
+def test_a_corrupt_chunk_a_rank_reads_is_refused_naming_the_file(tmp_path: Path) -> None:
+    _, step, params = _linear_step()
+    _saved(tmp_path / "c", step, params, 1)
+    index = json.loads((tmp_path / "c" / "rank0.json").read_text())
+    record = max(index["records"], key=lambda r: r["length"])
+    data = tmp_path / "c" / "__0_0.distcp"
+    raw = bytearray(data.read_bytes())
+    raw[record["offset"] + record["data_offset"] + 3] ^= (
+        0xFF  # in the first chunk, which rank 0 reads
+    )
+    data.write_bytes(bytes(raw))
+    with pytest.raises(sw.RankFailed, match=r"__0_0\.distcp .*chunk's crc32 does not match"):
+        sw.launch(lambda: sw.checkpoint.load(tmp_path / "c", step, sw.Mesh(dp=4)), 4)
+
+
+def test_pretrained_safetensors_at_zero3_dp4_read_a_quarter(
+    tmp_path: Path, bytes_read: collections.Counter[str]
+) -> None:
+    model, step, _ = _linear_step()
+    save_file(model.state_dict(), tmp_path / "model.safetensors")
+    with torch.device("meta"):
+        meta = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
+    chain, _ = sw.functionalize(meta)
+    step = sw.shard_params(
+        sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1)), "dp", stage=3
+    )
+    total = _data_bytes(tmp_path, ".safetensors")
+
+    def main() -> dict:
+        return full_state_dict(step, sw.init_from_pretrained(step, tmp_path, sw.Mesh(dp=4)))
+
+    exported = sw.launch(main, 4)
+    for reads in _rank_reads(bytes_read, 4):
+        assert 0.2 * total < reads < 0.27 * total, (reads, total)
+    for key, value in model.state_dict().items():
+        assert torch.equal(exported[0][key], value), key
+
+
+T = pytest.importorskip(
+    "transformers", reason="the [hf] extra (pip install -e '.[hf]') is not installed"
+)
+VOCAB, HIDDEN, SEQ = 64, 32, 8
+
+
+def _llama() -> Any:
+    cfg = T.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=2 * HIDDEN,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2 * SEQ,
+        attn_implementation="eager",
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    return T.LlamaForCausalLM(cfg)
+
+
+def _hf_loss(out: Any, targets: torch.Tensor) -> torch.Tensor:
+    return sw.vocab_parallel_cross_entropy(out.logits, targets)
+
+
+def _meta_llama_step() -> Any:
+    with torch.device("meta"):
+        model = _llama()
+    block = T.models.llama.modeling_llama.LlamaDecoderLayer
+    chain, _ = sw.functionalize(
+        model, units=block, example_input=torch.zeros(2, SEQ, dtype=torch.long)
+    )
+    return sw.train_step(chain, _hf_loss, sw.optim.sgd(0.1, momentum=0.9))
+
+
+STACKS = {
+    "zero3 dp2": (lambda s: sw.shard_params(s, "dp", stage=3), sw.Mesh(dp=2)),
+    "tp2": (lambda s: sw.tensor_parallel(s, "tp", sw.llama_plan()), sw.Mesh(tp=2)),
+}
+
+
+@pytest.mark.parametrize("shards", ["one file", "sharded"])
+@pytest.mark.parametrize("stack", list(STACKS))
+def test_an_unmodified_llama_loads_shard_by_shard_as_saved(
+    stack: str, shards: str, tmp_path: Path, bytes_read: collections.Counter[str]
+) -> None:
+    torch.manual_seed(0)
+    real = _llama()
+    real.save_pretrained(tmp_path, max_shard_size="20KB" if shards == "sharded" else "5GB")
+    assert (tmp_path / "model.safetensors.index.json").is_file() == (shards == "sharded")
+    transform, mesh = STACKS[stack]
+    step = transform(_meta_llama_step())
+
+    def main() -> dict:
+        return full_state_dict(step, sw.init_from_pretrained(step, tmp_path, mesh))
+
+    expected = real.state_dict()
+    for exported in sw.launch(main, mesh.size):
+        assert set(exported) == set(expected)
+        for key, value in expected.items():
+            assert torch.equal(exported[key], value), key
+    total = _data_bytes(tmp_path, ".safetensors")
+    for reads in _rank_reads(bytes_read, mesh.size):
+        assert reads < 0.75 * total, (
+            reads,
+            total,
+        )  # half of every split tensor, plus the replicated norms
+
+
+def test_a_dcp_checkpoint_of_a_module_loads_chunk_by_chunk(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    real = _llama()
+    dcp.save({"model": real.state_dict()}, checkpoint_id=tmp_path / "d", no_dist=True)
+    step = sw.shard_params(_meta_llama_step(), "dp", stage=3)
+
+    def main() -> dict:
+        return full_state_dict(
+            step, sw.init_from_dcp(step, tmp_path / "d", sw.Mesh(dp=2), prefix="model.")
+        )
+
+    for exported in sw.launch(main, 2):
+        for key, value in real.state_dict().items():
+            assert torch.equal(exported[key], value), key
+
+
+def test_a_dcp_directory_saved_sharded_is_read_a_share_per_rank(
+    tmp_path: Path, bytes_read: collections.Counter[str]
+) -> None:
+    _, step, params = _linear_step()
+    _saved(tmp_path / "c", step, params, 4)  # a shardwise checkpoint is a DCP directory too
+    total = _data_bytes(tmp_path / "c", ".distcp")
+    states = sw.launch(
+        lambda: sw.init_from_dcp(step, tmp_path / "c", sw.Mesh(dp=4), prefix="model."), 4
+    )
+    for reads in _rank_reads(bytes_read, 4):
+        assert reads < 0.3 * total, (
+            reads,
+            total,
+        )  # only the parameters' chunks, and of those its own
+    expected = sw.launch(lambda: sw.checkpoint.load(tmp_path / "c", step, sw.Mesh(dp=4)).params, 4)
+    for state, held in zip(states, expected, strict=True):
+        for unit, shard in held.items():
+            assert torch.equal(state.params[unit], shard), unit
+
+
+def _pretrained(tmp_path: Path, edit: Any) -> tuple[Any, Path]:
+    model, _, _ = _linear_step()
+    sd = dict(model.state_dict())
+    edit(sd)
+    save_file(sd, tmp_path / "model.safetensors")
+    with torch.device("meta"):
+        meta = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
+    chain, _ = sw.functionalize(meta)
+    return sw.shard_params(
+        sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1)), "dp", stage=3
+    ), tmp_path
+
+
+def test_a_missing_tensor_is_refused_naming_its_key(tmp_path: Path) -> None:
+    step, path = _pretrained(tmp_path, lambda sd: sd.pop("2.bias"))
+    with pytest.raises(CheckpointError, match=r"missing \['2\.bias'\], unexpected \[\]"):
+        sw.init_from_pretrained(step, path, sw.Mesh(dp=1))
+
+
+def test_a_mis_shaped_tensor_is_refused_naming_its_key(tmp_path: Path) -> None:
+    step, path = _pretrained(
+        tmp_path, lambda sd: sd.update({"1.weight": torch.zeros(WIDTH, WIDTH - 1)})
+    )
+    with pytest.raises(
+        CheckpointError, match=r"'1\.weight' has shape \[1024, 1023\], the model's params\['1'\]"
+    ):
+        sw.init_from_pretrained(step, path, sw.Mesh(dp=1))
+
+
+def test_an_unexpected_tensor_is_refused_naming_its_key(tmp_path: Path) -> None:
+    step, path = _pretrained(tmp_path, lambda sd: sd.update({"extra.weight": torch.zeros(2)}))
+    with pytest.raises(CheckpointError, match=r"unexpected \['extra\.weight'\]"):
+        sw.init_from_pretrained(step, path, sw.Mesh(dp=1))
