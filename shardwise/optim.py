@@ -12,6 +12,7 @@ matching ``torch.optim.SGD`` and ``torch.optim.AdamW``.
 tensor([0.9000, 0.9000])
 """
 
+from .engine.optim.groups import Group, group
 from .engine.optim.optimizers import AdamWState, Optimizer, SgdState, adamw, global_norm, sgd
 from .engine.optim.schedules import (
     constant,
@@ -24,12 +25,14 @@ from .engine.optim.schedules import (
 
 __all__ = [
     "AdamWState",
+    "Group",
     "Optimizer",
     "SgdState",
     "adamw",
     "constant",
     "cosine_decay",
     "global_norm",
+    "group",
     "join",
     "linear",
     "linear_warmup",

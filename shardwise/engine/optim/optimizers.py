@@ -42,6 +42,7 @@ import torch
 from torch import Tensor
 
 from . import foreach as fe
+from .groups import Group, Options, ParamGroups, Pieces, Runs, tree_runs
 from .schedules import Constant, Schedule, as_step
 
 __all__ = [
@@ -64,14 +65,19 @@ OptState: TypeAlias = Any
 
 
 class Optimizer(NamedTuple):
-    """A functional optimizer: a pair of pure functions.
+    """A functional optimizer: a pair of pure functions, and its parameter groups.
 
     ``init(params) -> state``; ``update(grads, state, params) -> (new_params, new_state)``,
-    where ``grads`` has the same tree structure as ``params``.
+    where ``grads`` has the same tree structure as ``params``. With ``groups`` (see
+    :mod:`shardwise.engine.optim.groups`), ``update`` also takes ``runs=``: a tree like
+    ``params`` of :class:`~shardwise.engine.optim.groups.Runs`, each leaf's options range by
+    range, which a Step gives for ZeRO's flat shards; without it the options are resolved
+    from the tree's own paths and shapes.
     """
 
     init: Callable[[Params], OptState]
-    update: Callable[[Params, OptState, Params], tuple[Params, OptState]]
+    update: Callable[..., tuple[Params, OptState]]
+    groups: ParamGroups | None = None
 
 
 class SgdState(NamedTuple):
@@ -103,6 +109,7 @@ def sgd(
     nesterov: bool = False,
     *,
     inplace: bool = False,
+    groups: Sequence[Group] | None = None,
 ) -> Optimizer:
     """Stochastic gradient descent, as ``torch.optim.SGD`` with the same arguments.
 
@@ -116,6 +123,10 @@ def sgd(
     parameter-sized, but it consumes its inputs, so a TrainState passed to a step must
     not be used after the call (the step's own inputs are donated, as with JAX's
     ``donate_argnums``). ``step.init`` copies the parameters it is given, so those stay intact.
+
+    ``groups``: per-parameter options, ``[sw.optim.group("*.bias", weight_decay=0.0), ...]``
+    (first match wins; see :func:`~shardwise.engine.optim.groups.group`), as torch's param
+    groups with ``lr = lr * lr_scale``; a frozen group's parameters and buffers stay as they are.
     """
     schedule = _as_schedule(lr)
     _check_nonnegative("momentum", momentum, "0 turns momentum off")
@@ -128,9 +139,11 @@ def sgd(
             f"got momentum={momentum}, dampening={dampening}; set those or pass nesterov=False"
         )
 
-    return Optimizer(
-        _SgdInit(momentum), _SgdUpdate(schedule, momentum, dampening, weight_decay, nesterov, inplace)
+    param_groups = ParamGroups.of(groups, weight_decay)
+    update = _SgdUpdate(
+        schedule, momentum, dampening, weight_decay, nesterov, inplace, param_groups
     )
+    return Optimizer(_SgdInit(momentum), update, param_groups)
 
 
 def adamw(
@@ -140,6 +153,7 @@ def adamw(
     weight_decay: float = 1e-2,
     *,
     inplace: bool = False,
+    groups: Sequence[Group] | None = None,
 ) -> Optimizer:
     """Adam with decoupled weight decay, as ``torch.optim.AdamW`` (defaults included).
 
@@ -147,7 +161,8 @@ def adamw(
     ``m = lerp(m, g, 1 - beta1)``; ``v = beta2 * v + (1 - beta2) * g * g``;
     ``p -= lr / (1 - beta1**t) * m / (sqrt(v) / sqrt(1 - beta2**t) + eps)``.
     ``lr`` is a float or a schedule called with ``t - 1`` (0 for the first update).
-    ``inplace=True`` updates the given parameters and state (see :func:`sgd`).
+    ``inplace=True`` updates the given parameters and state (see :func:`sgd`); ``groups`` as
+    for :func:`sgd` (a group's ``weight_decay`` and ``lr`` enter the decay factor too, as torch's).
     """
     schedule = _as_schedule(lr)
     if len(betas) != 2:
@@ -164,7 +179,9 @@ def adamw(
     _check_nonnegative("eps", eps, "torch's default is 1e-8")
     _check_nonnegative("weight_decay", weight_decay, "0 turns weight decay off")
 
-    return Optimizer(_AdamWInit(), _AdamWUpdate(schedule, beta1, beta2, eps, weight_decay, inplace))
+    param_groups = ParamGroups.of(groups, weight_decay)
+    update = _AdamWUpdate(schedule, beta1, beta2, eps, weight_decay, inplace, param_groups)
+    return Optimizer(_AdamWInit(), update, param_groups)
 
 
 # The optimizers' functions are module-level frozen dataclasses, not closures, so that an
@@ -188,38 +205,54 @@ class _SgdUpdate:
     weight_decay: float
     nesterov: bool
     inplace: bool
+    groups: ParamGroups | None = None
 
     @torch.no_grad()
-    def __call__(self, grads: Params, state: SgdState, params: Params) -> tuple[Params, SgdState]:
+    def __call__(
+        self, grads: Params, state: SgdState, params: Params, *, runs: Params | None = None
+    ) -> tuple[Params, SgdState]:
         _check_state(state, SgdState, "sgd")
         p, spec = optree.tree_flatten(params)
         g = _leaves_like(grads, spec, "grads")
         t = as_step(state.step)
         step_lr = _lr_at(self.schedule, t)
-
-        d_p = fe.add(g, p, alpha=self.weight_decay) if self.weight_decay != 0 else g
-        buffers = None
+        b: list[Tensor] = []
         if self.momentum != 0:
             if state.momentum is None:
                 raise ValueError(
                     "state.momentum: is None but momentum != 0; build the state with this optimizer's init"
                 )
             b = _leaves_like(state.momentum, spec, "state.momentum")
-            if t == 0:
-                # torch starts the buffer at the first d_p itself, without dampening; the
-                # zeros from init only fix the state's structure.
-                if self.inplace:
-                    for buffer, x in zip(b, d_p, strict=True):
-                        buffer.copy_(x)
-                else:
-                    b = [x.clone() for x in d_p]
-            else:
-                b = fe.add(fe.mul_scalar(b, self.momentum, inplace=self.inplace), d_p, alpha=1 - self.dampening, inplace=self.inplace)
-            d_p = fe.add(d_p, b, alpha=self.momentum) if self.nesterov else b
-            buffers = optree.tree_unflatten(spec, b)
-
-        new_p = fe.add(p, d_p, alpha=-step_lr, inplace=self.inplace)
+        pieces = _pieces(self.groups, self.weight_decay, params, spec, runs, p)
+        out_p: dict[int, Tensor] = {}
+        out_b: dict[int, Tensor] = {}
+        for opts, idx in pieces.classes():
+            ps, d_p = pieces.take(p, idx), pieces.take(g, idx)
+            if opts.weight_decay != 0:
+                d_p = fe.add(d_p, ps, alpha=opts.weight_decay)
+            if self.momentum != 0:
+                bs = self._momentum(pieces.take(b, idx), d_p, t)
+                d_p = fe.add(d_p, bs, alpha=self.momentum) if self.nesterov else bs
+                out_b.update(zip(idx, bs, strict=True))
+            lr = step_lr * opts.lr_scale
+            out_p.update(zip(idx, fe.add(ps, d_p, alpha=-lr, inplace=self.inplace), strict=True))
+        buffers = None
+        if self.momentum != 0:
+            buffers = optree.tree_unflatten(spec, pieces.assemble(b, out_b, self.inplace))
+        new_p = pieces.assemble(p, out_p, self.inplace)
         return optree.tree_unflatten(spec, new_p), SgdState(_next_step(state.step), buffers)
+
+    def _momentum(self, b: list[Tensor], d_p: list[Tensor], t: int) -> list[Tensor]:
+        if t == 0:
+            # torch starts the buffer at the first d_p itself, without dampening; the
+            # zeros from init only fix the state's structure.
+            if self.inplace:
+                for buffer, x in zip(b, d_p, strict=True):
+                    buffer.copy_(x)
+                return b
+            return [x.clone() for x in d_p]
+        decayed = fe.mul_scalar(b, self.momentum, inplace=self.inplace)
+        return fe.add(decayed, d_p, alpha=1 - self.dampening, inplace=self.inplace)
 
 
 @dataclass(frozen=True)
@@ -240,9 +273,12 @@ class _AdamWUpdate:
     eps: float
     weight_decay: float
     inplace: bool
+    groups: ParamGroups | None = None
 
     @torch.no_grad()
-    def __call__(self, grads: Params, state: AdamWState, params: Params) -> tuple[Params, AdamWState]:
+    def __call__(
+        self, grads: Params, state: AdamWState, params: Params, *, runs: Params | None = None
+    ) -> tuple[Params, AdamWState]:
         _check_state(state, AdamWState, "adamw")
         p, spec = optree.tree_flatten(params)
         g = _leaves_like(grads, spec, "grads")
@@ -250,12 +286,33 @@ class _AdamWUpdate:
         v = _leaves_like(state.exp_avg_sq, spec, "state.exp_avg_sq")
         t = as_step(state.step) + 1  # torch counts the update first: bias corrections use t >= 1
         step_lr = _lr_at(self.schedule, t - 1)
+        pieces = _pieces(self.groups, self.weight_decay, params, spec, runs, p)
+        out: tuple[dict[int, Tensor], ...] = ({}, {}, {})
+        for opts, idx in pieces.classes():
+            results = self._math([pieces.take(x, idx) for x in (p, g, m, v)], opts, step_lr, t)
+            for o, r in zip(out, results, strict=True):
+                o.update(zip(idx, r, strict=True))
+        new_p, new_m, new_v = (
+            pieces.assemble(x, o, self.inplace) for x, o in zip((p, m, v), out, strict=True)
+        )
+        new_state = AdamWState(
+            step=_next_step(state.step),
+            exp_avg=optree.tree_unflatten(spec, new_m),
+            exp_avg_sq=optree.tree_unflatten(spec, new_v),
+        )
+        return optree.tree_unflatten(spec, new_p), new_state
 
+    def _math(
+        self, tensors: list[list[Tensor]], opts: Options, step_lr: float, t: int
+    ) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
+        """One option set's (params, exp_avg, exp_avg_sq), torch's AdamW operation for operation."""
+        p, g, m, v = tensors
+        lr = step_lr * opts.lr_scale
         # Bias corrections are Python floats (double precision) for every dtype, as in
         # torch's non-capturable paths.
         bias_correction1 = 1 - self.beta1**t
         bias_correction2 = 1 - self.beta2**t
-        step_size = step_lr / bias_correction1
+        step_size = lr / bias_correction1
         # One bounded group of tensors at a time (fe.bounded_groups): on CPU each group's
         # tensors stay in cache through all the ops, as in torch's single-tensor path, and the
         # one temporary (sqrt's) is reused. Every op is elementwise, so the grouping changes
@@ -265,8 +322,8 @@ class _AdamWUpdate:
         new_v: list[Tensor] = []
         for group in fe.bounded_groups(p):
             ps, gs, ms, vs = ([leaves[i] for i in group] for leaves in (p, g, m, v))
-            if self.weight_decay != 0:
-                ps = fe.mul_scalar(ps, 1 - step_lr * self.weight_decay, inplace=self.inplace)
+            if opts.weight_decay != 0:
+                ps = fe.mul_scalar(ps, 1 - lr * opts.weight_decay, inplace=self.inplace)
             ms = fe.lerp_scalar(ms, gs, 1 - self.beta1, inplace=self.inplace)
             vs = fe.addcmul_scalar(fe.mul_scalar(vs, self.beta2, inplace=self.inplace), gs, gs, 1 - self.beta2, inplace=self.inplace)
             # sqrt makes the one new list; the rest reuses it, as torch's foreach path does.
@@ -274,14 +331,7 @@ class _AdamWUpdate:
             new_p += fe.addcdiv_scalar(ps, ms, denom, -step_size, inplace=self.inplace)
             new_m += ms
             new_v += vs
-        m, v = new_m, new_v
-
-        new_state = AdamWState(
-            step=_next_step(state.step),
-            exp_avg=optree.tree_unflatten(spec, m),
-            exp_avg_sq=optree.tree_unflatten(spec, v),
-        )
-        return optree.tree_unflatten(spec, new_p), new_state
+        return new_p, new_m, new_v
 
 
 @torch.no_grad()
@@ -381,6 +431,24 @@ def _leaves_like(tree: Params, spec: optree.PyTreeSpec, name: str) -> list[Tenso
             "pass one tensor per parameter, in the same containers"
         )
     return leaves
+
+
+def _pieces(
+    groups: ParamGroups | None, weight_decay: float, params: Params, spec: optree.PyTreeSpec,
+    runs: Params | None, leaves: list[Tensor],
+) -> Pieces:
+    """The params' leaves cut by their options: ``runs`` as given (a Step's, for flat shards),
+    else resolved from the tree (whole leaves)."""
+    default = Options(weight_decay)
+    if runs is None:
+        return Pieces(tree_runs(groups, default, params), leaves)
+    given, runs_spec = optree.tree_flatten(runs)
+    if runs_spec != spec or not all(isinstance(r, Runs) for r in given):
+        raise ValueError(
+            f"runs: expected a tree like the params ({spec}) of Runs, got {runs_spec}; "
+            "give one Runs per parameter leaf"
+        )
+    return Pieces(given, leaves)
 
 
 def _zero_step() -> Tensor:

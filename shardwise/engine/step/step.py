@@ -62,6 +62,7 @@ from ..run.metrics import (
 from ..run.rng import mix
 from ..stack.compose import PLACEMENT, SHARDING, SPLIT, describe, find
 from .init_state import held_params, init_seeding, meta_names, sampled_values
+from .param_groups import check_clipping, master_runs, param_options
 from .planning import batch_multiple, plan_of
 
 Metrics = dict[str, torch.Tensor]
@@ -271,8 +272,19 @@ class Step:
                 raise ValueError("Step.finish: clip_norm is set, so the global gradient norm must be given")
             factor = clip_scale(norm, self.clip_norm)
             grads = optree.tree_map(lambda g: g * factor.to(g.dtype), grads)
-        new_params, new_opt_state = self.optimizer.update(grads, state.opt_state, params)
+        new_params, new_opt_state = self._update(state, grads, params)
         return new_params, new_opt_state, None if scale is None else scale.adjust(True)
+
+    def _update(self, state: TrainState, grads: Any, params: Any) -> tuple[Any, Any]:
+        """The optimizer's update; a grouped one is told each leaf's options range by range
+        (under ZeRO a flat shard mixes parameters of different groups)."""
+        groups = getattr(self.optimizer, "groups", None)  # a user's optimizer may have no groups
+        if groups is None:
+            return self.optimizer.update(grads, state.opt_state, params)
+        layout, sharding = self._state_layout(state), state.layout.sharding
+        dp_index = 0 if sharding is None else state.mesh.axis_index(sharding.axis)
+        runs = master_runs(groups, self.base_chain, layout, params, dp_index)
+        return self.optimizer.update(grads, state.opt_state, params, runs=runs)
 
     # -- layout ------------------------------------------------------------------------
     def _check_mesh(self, mesh: Mesh | None) -> Mesh | None:
@@ -381,6 +393,10 @@ class Step:
         check_params(self.chain, params)
         maker = None if source is not None else self._parameter_maker(params)
         layout = self.layout(mesh, params)
+        groups = getattr(self.optimizer, "groups", None)
+        if groups is not None:  # a group that matches nothing is refused before anything is made
+            param_options(groups, self.base_chain, layout)
+            check_clipping(groups, self.base_chain, layout, self.clip_norm)
         if mesh is not None and self.transforms and any(getattr(s, "axis", None) for s in self.transforms):
             check_ranks_agree(mesh, {
                 "transform stack": self.describe(),
