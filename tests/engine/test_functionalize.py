@@ -541,3 +541,18 @@ def test_example_input_catches_a_layer_that_mutates_a_buffer() -> None:
 
     with pytest.raises(FunctionalizeError, match="layer 'model' modified its buffer 'count'"):
         functionalize(Counter(), example_input=torch.zeros(1))
+
+
+def test_a_module_holding_an_object_deepcopy_refuses_is_functionalized_and_runs_on_threads() -> None:
+    """The chain's skeleton (and each thread's replica) copies the module; a lock in it cannot be
+    deep-copied, so the copy is made module by module, sharing the lock."""
+    import shardwise as sw
+
+    model = mlp([3, 5, 2]).double()
+    model[2].lock = threading.Lock()
+    x = torch.randn(4, 3, dtype=torch.float64)
+    chain, params = functionalize(model, example_input=x)
+    assert chain["2"].fn.module.lock is model[2].lock
+    assert all(t.is_meta for t in chain["0"].fn.module.parameters())
+    for out in sw.launch(lambda: chain(params, x), world=2):  # rank 1 runs on its own replica
+        assert torch.equal(out, model(x))

@@ -98,7 +98,37 @@ def skeleton(module: nn.Module) -> nn.Module:
     for _, b in module.named_buffers(remove_duplicate=False):
         if id(b) not in memo:
             memo[id(b)] = b.detach().to("meta")
-    return copy.deepcopy(module, memo)
+    return copy_structure(module, memo)
+
+
+def copy_structure(module: nn.Module, tensors: dict[int, Any]) -> nn.Module:
+    """A deep copy of ``module`` with its registered tensors replaced as ``tensors`` says (by id).
+
+    A module holding an object that cannot be deep-copied (a lock, a file, a process group) is
+    copied module by module instead: each submodule a shallow copy with its own parameter,
+    buffer and submodule dicts (what a call swaps tensors in and out of), its other attributes
+    shared with the original."""
+    try:
+        return copy.deepcopy(module, dict(tensors))
+    except (TypeError, copy.Error, RuntimeError, NotImplementedError):
+        return _shallow_tree(module, tensors, {})
+
+
+def _shallow_tree(module: nn.Module, tensors: dict[int, Any], seen: dict[int, nn.Module]) -> nn.Module:
+    if id(module) in seen:  # a submodule under two names stays one module
+        return seen[id(module)]
+    twin = copy.copy(module)
+    seen[id(module)] = twin
+
+    def swap(t: Any) -> Any:
+        return tensors.get(id(t), t) if t is not None else None
+
+    twin._parameters = {k: swap(v) for k, v in module._parameters.items()}
+    twin._buffers = {k: swap(v) for k, v in module._buffers.items()}
+    twin._modules = {
+        k: None if v is None else _shallow_tree(v, tensors, seen) for k, v in module._modules.items()
+    }
+    return twin
 
 
 class ThreadReplicas:
@@ -134,7 +164,7 @@ class ThreadReplicas:
                 *self.module.named_parameters(remove_duplicate=False),
                 *self.module.named_buffers(remove_duplicate=False),
             ]
-            replica = copy.deepcopy(self.module, memo={id(t): t for _, t in named})
+            replica = copy_structure(self.module, {id(t): t for _, t in named})
             call = self._local.call = ModuleCall(replica, self.prefix)
         return call
 
