@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
 import shardwise as sw
-from shardwise.engine.plan.accounting import kept_for_backward, predict_kept_for_backward
+from shardwise.engine.plan.accounting import kept_for_backward, observing, predict_kept_for_backward
+from shardwise.engine.run.executor import Executor
+from shardwise.engine.torch_api import storage_key
 from shardwise.testing.models import TinyGPT, mlp
 from shardwise.transforms.pipeline import simulate
 
@@ -73,7 +77,8 @@ def test_pipeline_plan_is_peak_in_flight_times_stage_bytes() -> None:
         per_layer = sw.saved_bytes(step, params, (batch[0][:4], batch[1][:4]))
         stage = [sum(per_layer[n] for n in layers) for layers in layout.placement.stages]
         peaks = simulate(layout.schedule).peak_activations
-        expected = tuple(peaks[r] * stage[r] for r in range(2))
+        once = (batch[0].untyped_storage().nbytes(), 0)  # the first Linear keeps the whole batch
+        expected = tuple(peaks[r] * (stage[r] - once[r]) + once[r] for r in range(2))
         assert piped.plan(mesh, params, batch).memory["kept_for_backward"] == expected
     gpipe = sw.pipeline(step, "pp", "gpipe", 4, partition=[3, 4]).plan(mesh, params, batch)
     one_f_one_b = sw.pipeline(step, "pp", "1f1b", 4, partition=[3, 4]).plan(mesh, params, batch)
@@ -89,3 +94,60 @@ def test_mixed_precision_counts_bf16_activations_not_weight_copies() -> None:
         assert bf16[layer] * 2 == f32[layer]
     plan = sw.remat(sw.mixed_precision(step, "compute=bf16")).plan(None, params, batch)
     assert plan.memory["kept_for_backward"] == (sum(bf16.values()),)
+
+
+def kept_in_run(step: sw.Step, mesh: sw.Mesh, params: Any, batch: Any) -> tuple[int, ...]:
+    """Per pipeline index, the bytes of every distinct storage autograd's saved-tensor hooks see
+    during the forwards of one real step, less the stage's parameters and outputs (held anyway):
+    with all forwards before any backward (gpipe), what the run keeps at its peak."""
+    kept: dict[int, dict[int, int]] = {}
+    forward = Executor.forward
+
+    def observed(self: Executor, action: Any) -> None:
+        seen: dict[int, int] = {}
+        with observing(lambda t: seen.__setitem__(storage_key(t), t.untyped_storage().nbytes())):
+            forward(self, action)
+        saved = self._saved[(action.stage, action.mb)]
+        resident = {storage_key(t) for t in [*saved.params.values(), *saved.outputs]}
+        mine = kept.setdefault(self.placement.index_of(self.mesh), {})
+        mine.update({key: n for key, n in seen.items() if key not in resident})
+
+    def run() -> None:
+        step(step.init(params, mesh), batch)
+
+    Executor.forward = observed  # type: ignore[method-assign]
+    try:
+        sw.launch(run, mesh.size)
+    finally:
+        Executor.forward = forward  # type: ignore[method-assign]
+    return tuple(sum(kept.get(i, {}).values()) for i in range(mesh.size))
+
+
+def _mlp_step():  # type: ignore[no-untyped-def]
+    torch.manual_seed(0)
+    chain, params = sw.functionalize(mlp([8, 16, 4]))
+    step = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1))
+    return step, params, (torch.randn(6, 8), torch.randn(6, 4))
+
+
+@pytest.mark.parametrize("microbatches", [1, 2, 3])
+def test_the_first_stage_keeps_the_batch_once_however_many_micro_batches_view_it(
+    microbatches: int,
+) -> None:
+    """Micro-batches are views of one batch: the first Linear keeps its storage (192 B) once."""
+    step, params, batch = _mlp_step()
+    piped = sw.pipeline(step, "pp", "gpipe", microbatches)
+    mesh = sw.Mesh(pp=2)
+    measured = kept_in_run(piped, mesh, params, batch)
+    assert measured[0] == batch[0].untyped_storage().nbytes() == 192
+    assert piped.plan(mesh, params, batch).memory["kept_for_backward"] == measured
+
+
+def test_a_custom_schedule_counts_the_batch_once() -> None:
+    """A schedule of one's own, all forwards first on pp 2: what each rank keeps, as the run."""
+    step, params, batch = _mlp_step()
+    schedule = sw.Schedule.parse("0F0 0F1 0F2 0B0 0B1 0B2\n1F0 1F1 1F2 1B0 1B1 1B2")
+    piped = sw.pipeline(step, "pp", schedule, 3)
+    mesh = sw.Mesh(pp=2)
+    planned = piped.plan(mesh, params, batch).memory["kept_for_backward"]
+    assert planned == kept_in_run(piped, mesh, params, batch)
