@@ -11,8 +11,9 @@ import shardwise as sw
 from shardwise.engine.plan.accounting import kept_for_backward, observing, predict_kept_for_backward
 from shardwise.engine.run.executor import Executor
 from shardwise.engine.torch_api import storage_key
-from shardwise.testing.models import TinyGPT, mlp
+from shardwise.testing.models import Block, TinyGPT, mlp
 from shardwise.transforms.pipeline import simulate
+from shardwise.transforms.tensor_parallel import TINY_GPT_BLOCKS
 
 
 def _lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -97,7 +98,7 @@ def test_mixed_precision_counts_bf16_activations_not_weight_copies() -> None:
 
 
 def kept_in_run(step: sw.Step, mesh: sw.Mesh, params: Any, batch: Any) -> tuple[int, ...]:
-    """Per pipeline index, the bytes of every distinct storage autograd's saved-tensor hooks see
+    """Per rank, the bytes of every distinct storage autograd's saved-tensor hooks see
     during the forwards of one real step, less the stage's parameters and outputs (held anyway):
     with all forwards before any backward (gpipe), what the run keeps at its peak."""
     kept: dict[int, dict[int, int]] = {}
@@ -109,7 +110,7 @@ def kept_in_run(step: sw.Step, mesh: sw.Mesh, params: Any, batch: Any) -> tuple[
             forward(self, action)
         saved = self._saved[(action.stage, action.mb)]
         resident = {storage_key(t) for t in [*saved.params.values(), *saved.outputs]}
-        mine = kept.setdefault(self.placement.index_of(self.mesh), {})
+        mine = kept.setdefault(self.mesh.rank, {})
         mine.update({key: n for key, n in seen.items() if key not in resident})
 
     def run() -> None:
@@ -151,3 +152,19 @@ def test_a_custom_schedule_counts_the_batch_once() -> None:
     mesh = sw.Mesh(pp=2)
     planned = piped.plan(mesh, params, batch).memory["kept_for_backward"]
     assert planned == kept_in_run(piped, mesh, params, batch)
+
+
+@pytest.mark.parametrize("sequence_parallel", [None, TINY_GPT_BLOCKS])
+def test_a_tensor_parallel_plan_keeps_what_the_run_keeps(sequence_parallel: str | None) -> None:
+    """Under sequence parallel the norms' weights, replicated, take ``vary`` (identity forward):
+    the run keeps the weight itself, held anyway, so it is no activation memory."""
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=64, d_model=32, n_heads=4, n_layers=2, seq_len=8).double()
+    chain, params = sw.functionalize(model, units=Block)
+    step = sw.train_step(chain, sw.vocab_parallel_cross_entropy, sw.optim.sgd(0.1))
+    gen = torch.Generator().manual_seed(1)
+    batch = (torch.randint(64, (4, 8), generator=gen), torch.randint(64, (4, 8), generator=gen))
+    tp = sw.tensor_parallel(step, "tp", sw.tiny_gpt_plan(), sequence_parallel=sequence_parallel)
+    mesh = sw.Mesh(tp=2)
+    planned = tp.plan(mesh, params, batch).memory["kept_for_backward"]
+    assert planned == kept_in_run(tp, mesh, params, batch)
