@@ -59,14 +59,14 @@ def observing(observer: Observer) -> Iterator[None]:
         _observer.reset(token)
 
 
-def _cut(tree: Any, requires_grad: bool) -> Any:
-    """Detach every tensor; floating ones become leaves that require grad (a layer boundary)."""
+def _cut(tree: Any) -> Any:
+    """Detach every tensor (a layer boundary); those that required grad (depend on a parameter)
+    become leaves that do, as the executor's stage inputs (RoPE's cos and sin do not)."""
 
     def cut(t: Any) -> Any:
         if not isinstance(t, torch.Tensor):
             return t
-        t = t.detach()
-        return t.requires_grad_(True) if requires_grad and (t.is_floating_point() or t.is_complex()) else t
+        return t.detach().requires_grad_(t.requires_grad)
 
     return optree.tree_map(cut, tree)
 
@@ -89,11 +89,9 @@ def kept_parts(
     own: dict[str, int] = {}
     of_batch: dict[str, dict[int, int]] = {}
     batch = {storage_key(t) for t in optree.tree_leaves(inputs) if isinstance(t, torch.Tensor)}
-    x = _cut(inputs, requires_grad=False)
-    for position, layer in enumerate(chain):
+    x = optree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, inputs)
+    for layer in chain:
         local = {k: v.detach().requires_grad_(True) for k, v in chain.layer_params(params, layer.name).items()}
-        if position > 0:
-            x = _cut(x, requires_grad=True)
         kept: list[torch.Tensor] = []
         with torch.enable_grad(), observing(kept.append):
             y = layer(local, x)
@@ -104,7 +102,7 @@ def kept_parts(
         own[layer.name] = sum(n for key, n in sizes.items() if key not in batch)
         of_batch[layer.name] = {key: n for key, n in sizes.items() if key in batch}
         del kept
-        x = _cut(y, requires_grad=False)
+        x = _cut(y)
     return KeptParts(own, of_batch)
 
 
