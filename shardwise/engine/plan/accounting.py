@@ -9,7 +9,9 @@ counts once at its full size (a kept view keeps its whole storage). Left out
 is what lives regardless: the layer's parameters and buffers, and its output
 (the executor holds every output until that layer's backward; a layer's
 input is counted when backward keeps it, so summing over layers counts each
-boundary activation at most once).
+boundary activation at most once). What a layer keeps of the batch itself
+(the inputs' storages) is told apart by :func:`kept_parts`: micro-batches are
+views of one batch, so that memory is kept once however many are in flight.
 
 ``predict_kept_for_backward`` runs the same on fake copies of the parameters,
 buffers and inputs (torch's FakeTensorMode, through engine/torch_api.py): shapes,
@@ -23,7 +25,7 @@ import contextlib
 import contextvars
 import dataclasses
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import optree
 import torch
@@ -57,38 +59,59 @@ def observing(observer: Observer) -> Iterator[None]:
         _observer.reset(token)
 
 
-def _cut(tree: Any, requires_grad: bool) -> Any:
-    """Detach every tensor; floating ones become leaves that require grad (a layer boundary)."""
+def _cut(tree: Any) -> Any:
+    """Detach every tensor (a layer boundary); those that required grad (depend on a parameter)
+    become leaves that do, as the executor's stage inputs (RoPE's cos and sin do not)."""
 
     def cut(t: Any) -> Any:
         if not isinstance(t, torch.Tensor):
             return t
-        t = t.detach()
-        return t.requires_grad_(True) if requires_grad and (t.is_floating_point() or t.is_complex()) else t
+        return t.detach().requires_grad_(t.requires_grad)
 
     return optree.tree_map(cut, tree)
 
 
-def kept_for_backward(
+class KeptParts(NamedTuple):
+    """Per layer, the bytes it keeps of its own (``own``) and the storages of the batch it keeps
+    (``batch``: storage -> bytes, keys shared by every layer of one call)."""
+
+    own: dict[str, int]
+    batch: dict[str, dict[int, int]]
+
+    def totals(self) -> dict[str, int]:
+        return {name: n + sum(self.batch[name].values()) for name, n in self.own.items()}
+
+
+def kept_parts(
     chain: Chain, params: Mapping[str, Mapping[str, torch.Tensor]], inputs: Any
-) -> dict[str, int]:
-    """Bytes each layer keeps alive for its backward on ``inputs``, by layer name (see the module docstring)."""
-    result: dict[str, int] = {}
-    x = _cut(inputs, requires_grad=False)
-    for position, layer in enumerate(chain):
+) -> KeptParts:
+    """:func:`kept_for_backward`, with what each layer keeps of the batch's own storages apart."""
+    own: dict[str, int] = {}
+    of_batch: dict[str, dict[int, int]] = {}
+    batch = {storage_key(t) for t in optree.tree_leaves(inputs) if isinstance(t, torch.Tensor)}
+    x = optree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, inputs)
+    for layer in chain:
         local = {k: v.detach().requires_grad_(True) for k, v in chain.layer_params(params, layer.name).items()}
-        if position > 0:
-            x = _cut(x, requires_grad=True)
         kept: list[torch.Tensor] = []
         with torch.enable_grad(), observing(kept.append):
             y = layer(local, x)
         outputs = [t for t in optree.tree_leaves(y) if isinstance(t, torch.Tensor)]
         resident = {storage_key(t) for t in [*local.values(), *layer.buffers.values(), *outputs]}
         sizes = {storage_key(t): t.untyped_storage().nbytes() for t in kept}
-        result[layer.name] = sum(n for key, n in sizes.items() if key not in resident)
+        sizes = {key: n for key, n in sizes.items() if key not in resident}
+        own[layer.name] = sum(n for key, n in sizes.items() if key not in batch)
+        of_batch[layer.name] = {key: n for key, n in sizes.items() if key in batch}
         del kept
-        x = _cut(y, requires_grad=False)
-    return result
+        x = _cut(y)
+    return KeptParts(own, of_batch)
+
+
+def kept_for_backward(
+    chain: Chain, params: Mapping[str, Mapping[str, torch.Tensor]], inputs: Any
+) -> dict[str, int]:
+    """Bytes each layer keeps alive for its backward on ``inputs``, by layer name (see the module
+    docstring)."""
+    return kept_parts(chain, params, inputs).totals()
 
 
 def predict_kept_for_backward(
@@ -96,6 +119,13 @@ def predict_kept_for_backward(
 ) -> dict[str, int]:
     """``kept_for_backward`` on fake copies (shapes, dtypes and kernel choices only): the same figures,
     computed without touching data."""
+    return predict_kept_parts(chain, params, inputs).totals()
+
+
+def predict_kept_parts(
+    chain: Chain, params: Mapping[str, Mapping[str, torch.Tensor]], inputs: Any
+) -> KeptParts:
+    """:func:`kept_parts` on fake copies (see :func:`predict_kept_for_backward`)."""
     # Meta parameters (a meta-built model) are predicted on the device the batch is on.
     device = next((t.device for t in optree.tree_leaves(inputs) if isinstance(t, torch.Tensor)), "cpu")
     with fake_tensors(device) as fake:
@@ -103,4 +133,4 @@ def predict_kept_for_backward(
             [dataclasses.replace(layer, buffers={k: fake(v) for k, v in layer.buffers.items()}) for layer in chain]
         )
         fake_params = {layer: {k: fake(t) for k, t in tensors.items()} for layer, tensors in params.items()}
-        return kept_for_backward(fake_chain, fake_params, optree.tree_map(fake, inputs))
+        return kept_parts(fake_chain, fake_params, optree.tree_map(fake, inputs))

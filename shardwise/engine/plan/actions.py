@@ -93,6 +93,13 @@ class Boundary(NamedTuple):
 
     leaves: tuple[tuple[torch.Size, torch.dtype], ...]
     spec: Any  # optree.PyTreeSpec
+    # Per leaf, whether a gradient comes back for it: whether it depends on a parameter. A floating
+    # value made from buffers and the batch alone (RoPE's cos and sin) needs none.
+    grads: tuple[bool, ...] = ()
+
+    def grad_leaves(self) -> list[tuple[torch.Size, torch.dtype]]:
+        """The (shape, dtype) of each gradient that travels back over the boundary."""
+        return [leaf for leaf, grad in zip(self.leaves, self.grads, strict=True) if grad]
 
 
 @dataclass(frozen=True)

@@ -308,7 +308,8 @@ def annotate(
             b = a.stage if a.kind in (SEND_ACTIVATION, RECV_GRAD) else a.stage - 1
             grads = a.kind in (SEND_GRAD, RECV_GRAD)
             boundary = boundaries[b]
-            wire = tuple(wire_of(shape, dtype) for shape, dtype in boundary.leaves if not grads or dtype.is_floating_point)
+            carried = boundary.grad_leaves() if grads else boundary.leaves
+            wire = tuple(wire_of(shape, dtype) for shape, dtype in carried)
         out.append(dataclasses.replace(a, wire=wire) if wire else a)
     return tuple(out)
 
@@ -330,17 +331,24 @@ def predict_boundaries(
     compute_dtype: Callable[[str, torch.dtype], torch.dtype],
     inputs: Any,
 ) -> tuple[Boundary, ...] | None:
-    """The (shape, dtype) of every tensor each stage boundary carries, and their pytree structure,
-    for micro-batch ``inputs``.
+    """The (shape, dtype) of every tensor each stage boundary carries, their pytree structure and
+    which of them a gradient comes back for (those that depend on a parameter), for micro-batch
+    ``inputs``.
 
     Predicted by running the chain on fake tensors (no data, no arithmetic), so every rank
     knows what it will receive and transfers go without counts or headers. Every rank predicts
     the same; if the chain cannot run on fake tensors, all fall back to announced transfers.
     """
     try:
-        with fake_tensors() as fake:
+        # Parameters require grad as in the run, so each leaf's requires_grad says whether it
+        # depends on one (the batch does not require grad).
+        with fake_tensors() as fake, torch.enable_grad():
             params = {
-                layer: {k: torch.empty(shape, dtype=compute_dtype(layer, dtype)) for k, (shape, dtype) in t.items()}
+                layer: {
+                    k: torch.empty(shape, dtype=compute_dtype(layer, dtype))
+                    .requires_grad_(dtype.is_floating_point)
+                    for k, (shape, dtype) in t.items()
+                }
                 for layer, t in shapes.items()
             }
             x = optree.tree_map(fake, inputs)
@@ -349,7 +357,8 @@ def predict_boundaries(
                 for name in layers:
                     x = chain[name](chain.layer_params(params, name), x)
                 leaves, spec = optree.tree_flatten(x)
-                found.append(Boundary(tuple((t.shape, t.dtype) for t in leaves), spec))
+                grads = tuple(t.is_floating_point() and t.requires_grad for t in leaves)
+                found.append(Boundary(tuple((t.shape, t.dtype) for t in leaves), spec, grads))
             return tuple(found)
     except Exception:  # data-dependent code cannot run on fake tensors: announce instead
         return None

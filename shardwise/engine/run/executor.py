@@ -97,6 +97,10 @@ def float_leaves(tree: Any) -> list[torch.Tensor]:
     return [t for t in optree.tree_leaves(tree) if isinstance(t, torch.Tensor) and t.is_floating_point()]
 
 
+def _needs_grad(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad
+
+
 def _no_tokens(mean: torch.Tensor, output: Any) -> torch.Tensor:
     """The summed loss of a micro-batch without tokens: exactly 0, with zero gradients.
 
@@ -291,8 +295,7 @@ class Executor(ZeroActions, TransferActions):
 
     def forward(self, action: Action) -> None:
         s, m = action.require("stage"), action.mb
-        x = self.microbatches[m][0] if s == 0 else self._take_input(s, m)
-        inputs = [] if s == 0 else float_leaves(x)
+        x, inputs = (self.microbatches[m][0], []) if s == 0 else self._take_input(s, m)
         if s > 0 and not inputs and self._earlier_layers_own_params(s):
             previous = self.placement.stages[s - 1][-1]
             raise ValueError(
@@ -325,7 +328,7 @@ class Executor(ZeroActions, TransferActions):
                         "parameter, compute it from the input, or leave the module in eval mode"
                     )
         self._outputs[(s, m)] = y
-        self._saved[(s, m)] = _Saved(inputs, leaves, float_leaves(y))
+        self._saved[(s, m)] = _Saved(inputs, leaves, self._carrying_grads(s, y))
 
     def compute_loss(self, action: Action) -> None:
         m = action.mb
@@ -420,11 +423,28 @@ class Executor(ZeroActions, TransferActions):
             raise RuntimeError(f"stage {s}, micro-batch {m}: {len(grads)} gradients came back for {len(saved.outputs)} outputs")
         return list(grads)
 
-    def _take_input(self, s: int, m: int) -> Any:
+    def _take_input(self, s: int, m: int) -> tuple[Any, list[torch.Tensor]]:
+        """Stage ``s``'s input for micro-batch ``m``, and its leaves a gradient goes back for:
+        those that depend on a parameter (not RoPE's cos and sin, made from buffers and ids)."""
         if self.placement.stage_rank[s - 1] == self.placement.stage_rank[s]:
             y = self._outputs[(s - 1, m)]
-            return optree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, y)
-        return self._inbox.pop(("activation", s, m))
+            x = optree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, y)
+            pairs = zip(optree.tree_leaves(y), optree.tree_leaves(x), strict=True)
+            return x, [c for o, c in pairs if _needs_grad(o)]
+        x = self._inbox.pop(("activation", s, m))
+        if self.boundaries is None:  # announced: the sender expects one per floating leaf
+            return x, float_leaves(x)
+        grads = self.boundaries[s - 1].grads
+        return x, [t for t, g in zip(optree.tree_leaves(x), grads, strict=True) if g]
+
+    def _carrying_grads(self, s: int, y: Any) -> list[torch.Tensor]:
+        """The leaves of stage ``s``'s output a gradient comes back for: those that depend on a
+        parameter, unless the next stage cannot tell which (announced transfers to another
+        rank), which then sends one for every floating leaf."""
+        rank = self.placement.stage_rank
+        if s == self.placement.last or (self.boundaries is None and rank[s + 1] != rank[s]):
+            return float_leaves(y)
+        return [t for t in float_leaves(y) if t.requires_grad]
 
     def _earlier_layers_own_params(self, s: int) -> bool:
         return any(self.chain.owned_param_names(n) for layers in self.placement.stages[:s] for n in layers)

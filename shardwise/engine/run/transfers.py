@@ -101,10 +101,11 @@ class TransferActions:
 
     def _expected(self, kind: str, producer: int) -> Sequence[Layout]:
         """The tensors a transfer carries, when predicted: an activation carries the producing
-        stage's output, a gradient one tensor per floating output of the stage below."""
+        stage's output, a gradient one tensor per output of the stage below that depends on a
+        parameter."""
         assert self.boundaries is not None
-        outputs = self.boundaries[producer if kind == "activation" else producer - 1].leaves
-        return outputs if kind == "activation" else [o for o in outputs if o[1].is_floating_point]
+        boundary = self.boundaries[producer if kind == "activation" else producer - 1]
+        return boundary.leaves if kind == "activation" else boundary.grad_leaves()
 
     def _post_receives(self) -> None:
         """Post every receive of the step, so transfers land while this rank computes (gloo moves a

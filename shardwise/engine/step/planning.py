@@ -18,7 +18,7 @@ from ..layout.precision import compute_dtype
 from ..layout.sharding import FlatSharding
 from ..layout.state import Params, check_params, tree_nbytes
 from ..layout.state_layout import Placement, StateLayout, local_params, meta_shards, unit_names
-from ..plan.accounting import predict_kept_for_backward
+from ..plan.accounting import predict_kept_parts
 from ..plan.actions import FREE, GATHER, Action, Plan
 from ..plan.batches import split_batch, split_over
 from ..plan.lower import (
@@ -191,13 +191,21 @@ def _kept_per_rank(
 ) -> tuple[int, ...]:
     inputs = one_microbatch(step, mesh, batch)[0]
     with step.tp_predicting(mesh):
-        per_layer = predict_kept_for_backward(step.chain, step.compute_view(step.tp_view(params, mesh, 0)), inputs)
+        view = step.compute_view(step.tp_view(params, mesh, 0))
+        parts = predict_kept_parts(step.chain, view, inputs)
     pipe = step.pipeline_spec
     if pipe is None:
-        return (sum(per_layer.values()),) * mesh.size
-    per_stage = [sum(per_layer[n] for n in layers) for layers in placement.stages]
-    per_index = pipe.kept_per_index(layouts[0].schedule, per_stage)
+        return (sum(parts.own.values()) + _batch_bytes(parts.batch, step.chain.names),) * mesh.size
+    per_stage = [sum(parts.own[n] for n in layers) for layers in placement.stages]
+    # Micro-batches are views of one batch: what the stages keep of it is kept once.
+    of_batch = [_batch_bytes(parts.batch, layers) for layers in placement.stages]
+    per_index = pipe.kept_per_index(layouts[0].schedule, per_stage, of_batch)
     return tuple(per_index[placement.index_of(mesh, r)] for r in range(mesh.size))
+
+
+def _batch_bytes(of_batch: Mapping[str, Mapping[int, int]], layers: Sequence[str]) -> int:
+    """Bytes of the batch's storages that ``layers`` keep, each storage once."""
+    return sum({key: n for layer in layers for key, n in of_batch[layer].items()}.values())
 
 
 def peak_gathered_units(actions: Sequence[Action], unit_bytes: Mapping[str, int]) -> int:

@@ -83,12 +83,18 @@ class PipelineSpec:
     def rank_computes(self, placement: Placement, schedule: Schedule, index: int) -> list[Action]:
         return rank_computes(schedule, placement, self.axis, index)
 
-    def kept_per_index(self, schedule: Schedule, per_stage: Sequence[int]) -> tuple[int, ...]:
+    def kept_per_index(
+        self, schedule: Schedule, per_stage: Sequence[int], of_batch: Sequence[int] | None = None
+    ) -> tuple[int, ...]:
         """Activation bytes kept for backward per pipeline index: the schedule's peak number of
         micro-batch activations on the rank (from the simulator) times the largest per-micro-batch
-        figure of its stages. Exact with one stage per rank, an upper bound with more."""
+        figure of its stages, plus, once, what its stages keep of the batch itself (``of_batch``,
+        per stage: every micro-batch is a view of that one storage). Exact with one stage per
+        rank, an upper bound with more."""
         peaks = simulate(schedule).peak_activations
+        shared = of_batch if of_batch is not None else [0] * len(per_stage)
         return tuple(
             peaks[index] * max((per_stage[s] for s, p in enumerate(schedule.placement) if p == index), default=0)
+            + sum(shared[s] for s, p in enumerate(schedule.placement) if p == index)
             for index in range(schedule.num_ranks)
         )
