@@ -38,6 +38,7 @@ import torch
 from ...collectives import all_gather, axis_index, axis_size, psum, psum_scatter
 from ...collectives.where import in_backward
 from ...engine.run import inside_times
+from . import positions
 
 
 @dataclass(frozen=True)
@@ -131,7 +132,10 @@ def _comm(
 ) -> torch.Tensor:
     if not (x.is_floating_point() or x.is_complex()):
         raise TypeError(f"tensor_parallel: {label!r} passes a {x.dtype} tensor where a floating one is split or summed")
-    return _TPComm.apply(x, axis, forward_op, backward_op, dim, reduce, label)
+    def run() -> torch.Tensor:
+        return _TPComm.apply(x, axis, forward_op, backward_op, dim, reduce, label)
+
+    return positions.collective(run, x, forward_op, dim)  # whether its output holds a slice
 
 
 def _apply(op: str | None, x: torch.Tensor, axis: str, dim: int, reduce: torch.dtype | None, label: str, phase: str) -> torch.Tensor:

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from ...engine.model.chain import Layer
 from ...engine.model.module_call import ThreadReplicas
 from ...engine.run.rng import default_generators, mix
+from . import positions
 from .comm import enter, gather_invariant, leave, predicting_now, scatter, tp_index, tp_size, vary
 from .match import CONV1D, EMBEDDING, LINEAR, Install, LayerPlan
 from .styles import Colwise, Region, Rowwise, gathers
@@ -44,6 +45,9 @@ class TPForward:
         # Random ops on per-rank values (a sequence-parallel block's slices, a Region's heads) draw a
         # stream of their own on each rank; elsewhere (the replicated residual stream) every rank the same.
         self.own_stream = block is not None or (install is not None and isinstance(install.style, Region))
+        # The input shapes this block was followed for (positions.py): once each, the first step's
+        # or the Plan's, before any update.
+        self.followed: set[tuple[Any, ...]] = set()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         m, install = self.module, self.install
@@ -52,11 +56,32 @@ class TPForward:
             called.add(self.path)
         if self.block is not None and self.block[0]:  # the first sequence-parallel block: split the sequence
             args, kwargs = _map_hidden(m, self.hidden, args, kwargs, lambda h: scatter(h, self.axis, 1, self.path))
-        with _rank_stream(self.axis, args, kwargs, sticky=self.block is not None) if self.own_stream else contextlib.nullcontext():
+        follow = self._follow(args, kwargs)
+        with (
+            _rank_stream(self.axis, args, kwargs, sticky=self.block is not None) if self.own_stream
+            else contextlib.nullcontext(),
+            contextlib.nullcontext() if follow is None
+            else positions.following(self.path, m, follow[1], tp_size(self.axis)),
+        ):
             out = type(m).forward(m, *args, **kwargs) if install is None else self._styled(install, args, kwargs)
+        if follow is not None:
+            self.followed.add(follow[0])
         if self.block is not None and self.block[1]:  # the last one: the whole sequence again
             out = _map_first(out, lambda h: gather_invariant(h, self.axis, 1, self.path))
         return out
+
+    def _follow(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], Tensor] | None:
+        """A sequence-parallel block's hidden states, to follow through this call (see positions.py)
+        and the key it is done for; None when it is no block, or was followed for this input."""
+        if self.block is None:
+            return None
+        hidden = args[0] if args else kwargs.get(self.hidden or "")
+        if not isinstance(hidden, Tensor):
+            return None
+        key = (tuple(hidden.shape), hidden.dtype, self.module.training)
+        return None if key in self.followed else (key, hidden)
 
     def _styled(self, install: Install, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         m, style, axis, label = self.module, install.style, self.axis, install.path
