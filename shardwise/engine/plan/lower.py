@@ -171,7 +171,7 @@ def rank_actions(
                 actions.append(Action(SUM_TIED, owner, tied=i))
     if zero is not None:
         actions += [Action(REDUCE_SCATTER, u, axis=zero.axis) for u in deferred]
-        actions = _waits_for_reductions(actions, zero.axis)
+        actions = _waits_for_reductions(actions, zero.axis, deferred=len(deferred))
     actions.append(Action(FINISH_GRADS))
     tp = find(step.transforms, SPLIT)
     if tp is not None:
@@ -194,21 +194,33 @@ def rank_actions(
     return tuple(actions)
 
 
-def _waits_for_reductions(actions: list[Action], axis: str) -> list[Action]:
-    """A wait for each reduce-scatter: just before the next one is issued, the last at the end.
+# Reduce-scatters of the backward in flight at once (see _waits_for_reductions).
+REDUCTIONS_IN_FLIGHT = 1
+
+
+def _waits_for_reductions(actions: list[Action], axis: str, deferred: int) -> list[Action]:
+    """A wait for each reduce-scatter: at most ``REDUCTIONS_IN_FLIGHT`` of the backward's in
+    flight (the oldest waited for just before another is issued), the last ``deferred`` ones
+    (issued together at the end of the step) all at once, then waited for in order.
 
     A unit's full local gradient lives until its reduce-scatter is waited for: waiting for them
     all at the end kept the whole model's gradients at once (a ZeRO-3 rank's peak held the
-    model's gradients, not its shards). One in flight at a time, as FSDP2 does: each still has
-    the backward of the next unit to overlap with, and only one unit's full gradient is alive
-    while the next is flattened."""
+    model's gradients, not its shards). One in flight, as FSDP2: each still has the next unit's
+    backward to overlap with. Measured on gloo (an 8 x Linear(512) MLP, world 2, three paired
+    runs of 30 steps, step time over FSDP2's): ZeRO-3 0.71 with one in flight, 0.70 with two or
+    four, 0.71 with all; ZeRO-2 0.60, 0.57, 0.53 and 0.56: within the noise, for one unit's
+    gradient more per reduction in flight. The deferred ones (stage 1, tied units) come after
+    the backward, where the full gradients are held anyway: all in flight, as before."""
     out: list[Action] = []
     pending: list[str] = []
-    for action in actions:
-        if action.kind == REDUCE_SCATTER and action.layer is not None:
-            out += [Action(WAIT_REDUCE, unit, axis=axis) for unit in pending]
-            pending = [action.layer]
+    reductions = [i for i, a in enumerate(actions) if a.kind == REDUCE_SCATTER]
+    bounded = set(reductions[: len(reductions) - deferred])
+    for i, action in enumerate(actions):
+        if i in bounded and len(pending) >= REDUCTIONS_IN_FLIGHT:
+            out.append(Action(WAIT_REDUCE, pending.pop(0), axis=axis))
         out.append(action)
+        if action.kind == REDUCE_SCATTER and action.layer is not None:
+            pending.append(action.layer)
     out += [Action(WAIT_REDUCE, unit, axis=axis) for unit in pending]
     return out
 

@@ -164,13 +164,13 @@ def _memory(
 def _reduce_buffers(step: Step, sharding: FlatSharding) -> int:
     """Bytes of full unit gradients alive at once on their way to a reduce-scatter: at stages 2
     and 3 one unit's being made while the previous one's is in flight (one in flight, see
-    lower._waits_for_reductions); at stage 1 every unit's until the deferred reductions at the
-    end, plus the one being flattened."""
+    lower._waits_for_reductions); at stage 1 every unit's, and the flat copy of each, all in
+    flight together at the end of the step."""
     sizes = [lay.padded_numel * torch.empty((), dtype=_reduce_dtype(step, u, lay.dtype)).element_size()
              for u, lay in sharding.units.items()]
     if not sizes:
         return 0
-    return sum(sizes) + max(sizes) if sharding.stage == 1 else 2 * max(sizes)
+    return 2 * sum(sizes) if sharding.stage == 1 else 2 * max(sizes)
 
 
 def _comm_buffers(sharding: FlatSharding) -> int:
