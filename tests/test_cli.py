@@ -316,3 +316,10 @@ def test_verify_on_processes() -> None:
     result = shardwise("verify", f"{STEPS}:verified", "--mesh", "dp=2,pp=2", "--backend", "processes")
     assert result.returncode == 0, result.stderr
     assert "equivalent over 3 steps" in result.stdout and "(processes)" in result.stdout
+
+
+def test_python_dash_m_shardwise_is_the_command() -> None:
+    result = subprocess.run([sys.executable, "-m", "shardwise", "schedule", "gpipe", "--ranks", "2",
+                             "--microbatches", "2", "--json"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["ok"] is True
