@@ -10,8 +10,9 @@ be checked against the single-device one.
 >>> def main():
 ...     mesh = sw.Mesh(dp=2)
 ...     state = step.init(params, mesh)
-...     torch.manual_seed(0)
-...     state, metrics = step(state, (torch.randn(8, 4), torch.randn(8, 2)))
+...     gen = torch.Generator().manual_seed(0)   # the same batch on every rank (thread ranks
+...     batch = (torch.randn(8, 4, generator=gen), torch.randn(8, 2, generator=gen))  # share torch's)
+...     state, metrics = step(state, batch)
 ...     return state.params["0"].shape       # each rank holds half of layer 0
 >>> sw.launch(main, world=2)
 [torch.Size([20]), torch.Size([20])]
