@@ -76,8 +76,9 @@ class ModuleInit:
     tensors of one layer at a time. Pickles with the module (meta tensors pickle as shapes).
     """
 
-    module: nn.Module
-    paths: Mapping[tuple[str, str], str]  # (layer, local name) -> the tensor's path in module
+    # repr=False: a chain's repr (in an error message) must not print the whole model
+    module: nn.Module = field(repr=False)
+    paths: Mapping[tuple[str, str], str] = field(repr=False)  # (layer, local) -> path in module
     init_fn: InitFn | None = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)

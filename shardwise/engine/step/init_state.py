@@ -61,7 +61,7 @@ def init_seeding(seed: int, device: torch.device) -> Iterator[None]:
 
 
 def held_params(
-    params: Params,
+    shapes: Params,
     layout: StateLayout,
     index: int,
     dp_index: int,
@@ -70,11 +70,10 @@ def held_params(
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """(what the TrainState holds, what the optimizer updates), built one layer at a time.
 
-    ``make(layer, names)`` gives the full values of those parameters of ``layer`` (made or
-    read); ``to_local(layer, values)`` cuts them to this rank's tensor-parallel slices in the
-    master dtype, as copies the state owns.
+    ``shapes`` are the parameters as meta tensors; ``make(layer, names)`` gives the full values
+    of those parameters of ``layer`` (made or read); ``to_local(layer, values)`` cuts them to
+    this rank's tensor-parallel slices in the master dtype, as copies the state owns.
     """
-    shapes = {layer: {n: t.to("meta") for n, t in d.items()} for layer, d in params.items()}
     wanted = local_params(shapes, layout.placement, index)  # the layers (and tied copies) held
     sharding: FlatSharding | None = layout.sharding
     held: dict[str, Any] = {}

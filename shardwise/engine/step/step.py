@@ -440,7 +440,7 @@ class Step:
             local = self.tp_view({**shapes, layer: {**shapes[layer], **values}}, mesh)[layer]
             return self.master_params({layer: {n: local[n] for n in values}})[layer]
 
-        held, update_tree = held_params(params, layout, index, dp_index, make, to_local)
+        held, update_tree = held_params(shapes, layout, index, dp_index, make, to_local)
         return TrainState(
             held, self.optimizer.init(update_tree), 0, self.initial_loss_scale(), mesh=mesh, layout=layout, rng=seed
         )
