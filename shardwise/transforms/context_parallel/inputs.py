@@ -17,7 +17,7 @@ class Shapes(NamedTuple):
 
 
 def check_qkv(op: str, q: object, k: object, v: object) -> Shapes:
-    """The shapes of ``q`` [batch, heads, seq_local, head_dim] and ``k``/``v`` [batch, kv_heads, seq_local, head_dim]."""
+    """The shapes of ``q`` [batch, heads, seq_local, head_dim] and of ``k``, ``v`` (kv_heads in place of heads)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
