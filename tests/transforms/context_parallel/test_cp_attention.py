@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 import shardwise.transforms.context_parallel.ring as ring_module
 from shardwise.collectives import Mesh, axis_index, launch
 from shardwise.transforms.context_parallel import ring_attention, shard_sequence, ulysses_attention
+from shardwise.transforms.context_parallel.online_softmax import attend_block
 
 TOL = {"rtol": 1e-12, "atol": 1e-12}
 
@@ -151,11 +152,11 @@ def test_balanced_causal_ring_gives_every_rank_the_same_work(monkeypatch):
     work: dict[int, int] = {}
     lock = threading.Lock()
 
-    def counting(q, k, v, scale, mask=None):
+    def counting(q, k, v, scale, diagonal=None):
         with lock:
             rank = axis_index("cp")
             work[rank] = work.get(rank, 0) + q.shape[2] * k.shape[2]
-        return original(q, k, v, scale, mask)
+        return original(q, k, v, scale, diagonal)
 
     monkeypatch.setattr(ring_module, "attend_block", counting)
     for balanced in (True, False):
@@ -188,3 +189,15 @@ def test_ring_under_no_grad_and_without_grad_inputs():
 
     for rank, out in enumerate(launch(main, world=2, timeout=60)):
         torch.testing.assert_close(out, expected_slice(ref, rank, 2, False), **TOL)
+
+
+@pytest.mark.parametrize("diagonal", [None, 0, 3])
+def test_block_attention_backward_passes_gradcheck_through_output_and_log_sum_exp(diagonal):
+    """The block's backward recomputes its probabilities; gradcheck holds it to finite differences,
+    for the output and the log-sum-exp both (the merge differentiates through the latter)."""
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 2, 3, 4, dtype=torch.float64, generator=gen, requires_grad=True)
+    k, v = (torch.randn(1, 2, 6, 4, dtype=torch.float64, generator=gen, requires_grad=True) for _ in range(2))
+    if diagonal is not None:
+        k, v = (t[..., : diagonal + 3, :].detach().requires_grad_() for t in (k, v))
+    assert torch.autograd.gradcheck(lambda q, k, v: tuple(attend_block(q, k, v, 0.7, diagonal)), (q, k, v))
