@@ -201,3 +201,19 @@ def test_block_attention_backward_passes_gradcheck_through_output_and_log_sum_ex
     if diagonal is not None:
         k, v = (t[..., : diagonal + 3, :].detach().requires_grad_() for t in (k, v))
     assert torch.autograd.gradcheck(lambda q, k, v: tuple(attend_block(q, k, v, 0.7, diagonal)), (q, k, v))
+
+
+@pytest.mark.parametrize("attention", [ring_attention, ulysses_attention])
+def test_torch_func_grad_equals_autograd(attention):
+    q, k, v, _ = inputs(1, 2, 2, 8, 4)
+
+    def main():
+        with Mesh(cp=2):
+            local = [shard_sequence(t, "cp", dim=2) for t in (q, k, v)]
+            functional = torch.func.grad(lambda *t: attention(*t, "cp").pow(2).sum(), argnums=(0, 1, 2))(*local)
+            leaves = [t.clone().requires_grad_() for t in local]
+            return functional, torch.autograd.grad(attention(*leaves, "cp").pow(2).sum(), leaves)
+
+    for functional, autograd in launch(main, world=2, timeout=60):
+        for a, b in zip(functional, autograd, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
