@@ -130,8 +130,9 @@ def test_capacity_drops_by_the_stated_rule(ep):
     assert results[0][0].dropped > 0  # the case exercises dropping
 
 
-def test_ranks_may_hold_different_token_counts():
+def test_ranks_may_hold_different_token_counts_even_none():
     check(make_moe(4, 4, 2, True), [1, 7], None)
+    check(make_moe(4, 4, 2, True), [0, 3], 1.0)
     check(make_moe(4, 4, 2, True), [3, 8, 2, 5], 1.0)
 
 
