@@ -5,7 +5,9 @@ embedding added in the top-level forward (glue between units, on purpose), a
 ``ModuleList`` of :class:`Block`, a final LayerNorm and an output head tied to the
 token embedding. Attention is causal through a registered, non-persistent mask
 buffer, so functionalizing it exercises buffers as well as tied weights.
-:func:`mlp` builds a plain ``nn.Sequential``.
+:func:`mlp` builds a plain ``nn.Sequential``. :class:`TopKMoE` is a top-k mixture of experts in
+Hugging Face Mixtral's layout (router ``gate``, fused 3-D ``experts``), and :class:`MoEBlock` a pre-LN
+transformer block whose MLP it is.
 """
 
 from __future__ import annotations
@@ -133,3 +135,71 @@ class TinyGPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x))
+
+
+class FusedExperts(nn.Module):
+    """``num_experts`` SwiGLU experts as fused 3-D weights, as HF's ``MixtralExperts`` stores them."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.randn(num_experts, 2 * intermediate, hidden) * hidden**-0.5)
+        self.down_proj = nn.Parameter(torch.randn(num_experts, hidden, intermediate) * intermediate**-0.5)
+
+    def expert(self, e: int, x: Tensor) -> Tensor:
+        gate, up = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down_proj[e])
+
+
+class TopKMoE(nn.Module):
+    """A top-k mixture of experts on one device: ``x [..., hidden] -> [..., hidden]``.
+
+    The router is HF Mixtral's: softmax over the experts, the top ``top_k``, renormalized to sum to one
+    when ``normalize`` (Qwen2-MoE's ``norm_topk_prob``). Every token reaches every expert it chose (no
+    capacity). The forward is the plain loop over experts HF writes, the reference that expert
+    parallel is checked against; ``router_logits(x)`` gives what the auxiliary loss needs.
+
+    >>> import torch
+    >>> from shardwise.testing.models import TopKMoE
+    >>> moe = TopKMoE(hidden=8, intermediate=16, num_experts=4, top_k=2)
+    >>> moe(torch.randn(2, 3, 8)).shape
+    torch.Size([2, 3, 8])
+    """
+
+    def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, normalize: bool = True) -> None:
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k={top_k} must be in 1..num_experts={num_experts}")
+        self.top_k, self.normalize = top_k, normalize
+        self.gate = nn.Linear(hidden, num_experts, bias=False)
+        self.experts = FusedExperts(num_experts, hidden, intermediate)
+
+    def router_logits(self, x: Tensor) -> Tensor:
+        return self.gate(x.reshape(-1, x.shape[-1]))
+
+    def forward(self, x: Tensor) -> Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        probs = torch.softmax(self.router_logits(x), dim=-1)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        if self.normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        out = torch.zeros_like(flat)
+        for e in range(self.gate.out_features):
+            token, slot = torch.where(chosen == e)
+            if token.numel():
+                out = out.index_add(0, token, self.experts.expert(e, flat[token]) * weights[token, slot, None])
+        return out.view_as(x)
+
+
+class MoEBlock(nn.Module):
+    """Pre-LN transformer block with a :class:`TopKMoE` as its MLP: ``x + attn(ln1(x))`` then ``x + moe(ln2(x))``."""
+
+    def __init__(self, d_model: int, n_heads: int, seq_len: int, num_experts: int, top_k: int) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d_model)
+        self.attn = CausalSelfAttention(d_model, n_heads, seq_len)
+        self.ln2 = nn.LayerNorm(d_model)
+        self.moe = TopKMoE(d_model, 2 * d_model, num_experts, top_k)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.moe(self.ln2(x))

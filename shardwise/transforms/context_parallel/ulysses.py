@@ -1,0 +1,95 @@
+"""Ulysses attention (DeepSpeed): all-to-all from sequence-split to head-split, whole-sequence attention
+on the local heads, all-to-all back.
+
+Rank ``r`` of ``n`` trades its slice of the sequence of every head for the whole sequence of heads
+``r*H/n .. (r+1)*H/n - 1`` (and key/value heads ``r*Hkv/n ..``: with ``Hkv/n`` whole key/value heads
+per rank, each local query head's key/value head is local too). The all-to-alls are shardwise's
+differentiable ones; their transposes are all-to-alls the other way, so the backward sends the same
+bytes again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ...collectives import Mesh, all_to_all, axis_size
+from .inputs import check_qkv, default_scale
+from .layout import check_sequence_length, shard_order
+
+Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def ulysses_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    axis: str,
+    *,
+    attn: Attention | None = None,
+    causal: bool | None = None,
+    scale: float | None = None,
+    balanced: bool = True,
+    mesh: Mesh | None = None,
+) -> torch.Tensor:
+    """Attention of this rank's slice of the sequence, computed head by head on the rank that owns the head.
+
+    ``q`` is [batch, heads, seq_local, head_dim], ``k`` and ``v`` [batch, kv_heads, seq_local, head_dim],
+    sharded as :func:`shard_sequence` cuts them with the same ``balanced``; the axis size must divide
+    ``heads`` and ``kv_heads``. ``attn(q, k, v)`` computes attention over the *whole* sequence in global
+    order for the local heads (q [batch, heads/n, seq, head_dim], k/v [batch, kv_heads/n, seq, head_dim]);
+    by default torch's ``scaled_dot_product_attention`` with ``is_causal=causal`` (default True) and
+    ``scale``, which a custom ``attn`` does itself (passing them with it is refused). Returns this
+    rank's slice of the output, shaped like ``q``.
+
+    >>> import torch, shardwise as sw
+    >>> from shardwise.transforms.context_parallel import ulysses_attention, shard_sequence, unshard_sequence
+    >>> q, k, v = torch.randn(3, 1, 2, 8, 4, dtype=torch.float64).unbind(0)
+    >>> def main():
+    ...     with sw.Mesh(cp=2):
+    ...         local = [shard_sequence(t, "cp", dim=2) for t in (q, k, v)]
+    ...         return unshard_sequence(ulysses_attention(*local, "cp"), "cp", dim=2)
+    >>> out = sw.launch(main, world=2, timeout=60)
+    >>> torch.allclose(out[0], torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
+    True
+    """
+    shapes = check_qkv("ulysses_attention", q, k, v)
+    n = axis_size(axis, mesh=mesh)
+    for name, heads in (("q", shapes.heads), ("k and v", shapes.kv_heads)):
+        if heads % n:
+            raise ValueError(
+                f"ulysses_attention: {name} have {heads} heads, which the size {n} of axis {axis!r} does not "
+                f"divide (each rank takes whole heads); use ring_attention, or an axis size that divides {heads}"
+            )
+    if attn is not None and (causal is not None or scale is not None):
+        raise ValueError(
+            "ulysses_attention: attn= replaces the default attention, which is what causal= and scale= configure; "
+            "pass either attn or causal/scale, and apply the mask and scale inside attn"
+        )
+    if attn is None:
+        attn = _sdpa(True if causal is None else causal, default_scale(scale, shapes.head_dim))
+    seq = shapes.seq_local * n
+    order = None
+    if balanced and n > 1:
+        check_sequence_length("ulysses_attention", seq, n, balanced, axis)
+        order = shard_order(seq, n, balanced).to(q.device)
+
+    def heads_split(t: torch.Tensor) -> torch.Tensor:
+        whole = all_to_all(t, axis, split_dim=1, concat_dim=2, tiled=True, mesh=mesh)  # in shard order
+        return whole if order is None else whole.index_select(2, torch.argsort(order))
+
+    out = attn(heads_split(q), heads_split(k), heads_split(v))
+    if order is not None:
+        out = out.index_select(2, order)
+    return all_to_all(out, axis, split_dim=2, concat_dim=1, tiled=True, mesh=mesh)
+
+
+def _sdpa(causal: bool, scale: float) -> Attention:
+    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(
+            q, k, v, is_causal=causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+        )
+
+    return attention

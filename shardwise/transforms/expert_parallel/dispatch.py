@@ -1,0 +1,146 @@
+"""Dispatch tokens to the ranks that own their experts, run the local experts, combine the results back.
+
+1. Route (``router.py``) and give every assignment a slot in its expert's queue (``capacity.py``).
+2. Exchange counts: one all-gather of each rank's assignments made and kept per expert and its token
+   count. Every rank then knows ``slots``, the most kept assignments any rank sends any expert.
+3. Dispatch: each rank lays its kept assignments out as [experts, slots, hidden] (zeros in unused
+   slots) and one tiled ``all_to_all`` sends expert ``e``'s rows to the rank that owns ``e``.
+4. The owner runs its experts on everything it received, [local experts, ranks * slots, hidden], in
+   batched matmuls (padding rows too, whose results are never read: GShard's fixed-shape compute).
+5. Combine: the inverse ``all_to_all`` brings each row back; each token sums its kept assignments'
+   rows times their router weights.
+
+Both all-to-alls are shardwise's differentiable ones (their transposes, in backward, are all-to-alls
+the other way), so gradients reach the tokens, the router and the owners' expert weights; the
+expert weights' gradients are complete on their owner (no reduction over the axis), while replicated
+parameters (the router, everything dense) get per-rank gradients that a psum over the axis completes.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from ...collectives import Mesh, all_gather, all_to_all, axis_size
+from .aux_loss import load_balancing_loss
+from .capacity import assign_slots, expert_capacity
+from .experts import Activation, run_experts
+from .router import check_router, route
+
+
+class MoEOutput(NamedTuple):
+    """The combined ``output`` [tokens, hidden] of this rank's tokens, and what the routing did globally."""
+
+    output: torch.Tensor
+    aux_loss: torch.Tensor  # invariant over the axis: see aux_loss.py
+    tokens_per_expert: torch.Tensor  # [num_experts] int64: top-k assignments to each expert, every rank
+    dropped: int  # assignments dropped for capacity, every rank
+    slots: int  # rows per (rank, expert) in each all-to-all: what its bytes are made of
+
+
+def moe_dispatch_combine(
+    tokens: torch.Tensor,
+    router_logits: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    axis: str,
+    *,
+    top_k: int,
+    router: str = "softmax_topk_renormalized",
+    capacity_factor: float | None = None,
+    act: Activation = F.silu,
+    mesh: Mesh | None = None,
+) -> MoEOutput:
+    """A mixture-of-experts layer on this rank's ``tokens`` [n, hidden] with the experts split over ``axis``.
+
+    ``router_logits`` [n, num_experts] are the router's scores of these tokens; ``gate_up_proj``
+    [E/ep, 2 * intermediate, hidden] and ``down_proj`` [E/ep, hidden, intermediate] are this rank's
+    experts (:func:`shard_experts` cuts them from the full fused weights). ``capacity_factor=None``
+    drops nothing and equals the single-device layer exactly; otherwise ``capacity.py`` states which
+    assignments are dropped. Ranks may hold different numbers of tokens.
+
+    >>> import torch, shardwise as sw
+    >>> from shardwise.transforms.expert_parallel import moe_dispatch_combine, shard_experts
+    >>> gen = torch.Generator().manual_seed(0)
+    >>> x, router = torch.randn(8, 4, generator=gen), torch.randn(4, 4, generator=gen)
+    >>> gate_up, down = torch.randn(4, 6, 4, generator=gen), torch.randn(4, 4, 3, generator=gen)
+    >>> def main():
+    ...     with sw.Mesh(ep=2) as mesh:
+    ...         mine = x[4 * mesh.rank : 4 * mesh.rank + 4]  # each rank its tokens, half the experts
+    ...         local = [shard_experts(w, "ep") for w in (gate_up, down)]
+    ...         return moe_dispatch_combine(mine, mine @ router.T, *local, "ep", top_k=2)
+    >>> results = sw.launch(main, world=2, timeout=60)
+    >>> results[0].output.shape, results[0].tokens_per_expert.sum().item(), results[0].dropped
+    (torch.Size([4, 4]), 16, 0)
+    """
+    num_experts = _check(tokens, router_logits, gate_up_proj, down_proj, axis, top_k, mesh)
+    check_router(router)
+    ep = axis_size(axis, mesh=mesh)
+    local_experts = num_experts // ep
+    n, hidden = tokens.shape
+    routing = route(router_logits, top_k, router)
+    slots = assign_slots(routing.experts, num_experts, expert_capacity(n, top_k, num_experts, capacity_factor))
+
+    stats = torch.cat([slots.counts, slots.kept_counts, torch.tensor([n], device=slots.counts.device)])
+    every = all_gather(stats, axis, mesh=mesh)  # [ep, 2E + 1], integers: no gradient
+    counts, kept_counts = every[:, :num_experts].sum(0), every[:, num_experts : 2 * num_experts]
+    width = max(int(kept_counts.max()), 1)  # an empty exchange still needs a shape
+
+    token_ids = torch.arange(n, device=tokens.device).unsqueeze(1).expand(n, top_k)
+    row = routing.experts * width + slots.position.clamp(max=width - 1)  # dropped: any row, weight 0
+    kept_rows, kept_tokens = row[slots.kept], token_ids[slots.kept]
+    send = tokens.new_zeros(num_experts * width, hidden).index_copy(0, kept_rows, tokens[kept_tokens])
+    received = all_to_all(send, axis, split_dim=0, concat_dim=0, tiled=True, mesh=mesh)
+
+    by_expert = received.view(ep, local_experts, width, hidden).transpose(0, 1).reshape(local_experts, -1, hidden)
+    computed = run_experts(by_expert, gate_up_proj, down_proj, act)
+    by_source = computed.view(local_experts, ep, width, hidden).transpose(0, 1).reshape(-1, hidden)
+    back = all_to_all(by_source, axis, split_dim=0, concat_dim=0, tiled=True, mesh=mesh)
+
+    weights = routing.weights.to(tokens.dtype) * slots.kept
+    output = (back[row] * weights.unsqueeze(-1)).sum(dim=1)
+    aux = load_balancing_loss(routing.probs, counts, int(every[:, -1].sum()), axis, mesh=mesh)
+    dropped = int((every[:, :num_experts] - kept_counts).sum())
+    return MoEOutput(output, aux, counts, dropped, width)
+
+
+def _check(
+    tokens: object,
+    logits: object,
+    gate_up: object,
+    down: object,
+    axis: str,
+    top_k: object,
+    mesh: Mesh | None,
+) -> int:
+    """The number of experts, after checking every argument against the others."""
+    for name, t, ndim in (("tokens", tokens, 2), ("router_logits", logits, 2), ("gate_up_proj", gate_up, 3),
+                          ("down_proj", down, 3)):
+        if not isinstance(t, torch.Tensor) or t.ndim != ndim:
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"moe_dispatch_combine: {name} must be a {ndim}-D tensor, got {got}")
+    assert isinstance(tokens, torch.Tensor) and isinstance(logits, torch.Tensor)
+    assert isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)
+    n, hidden = tokens.shape
+    num_experts = logits.shape[1]
+    if logits.shape[0] != n:
+        raise ValueError(f"moe_dispatch_combine: router_logits has {logits.shape[0]} rows but tokens has {n}")
+    ep = axis_size(axis, mesh=mesh)
+    if num_experts % ep:
+        raise ValueError(
+            f"moe_dispatch_combine: {num_experts} experts do not divide over axis {axis!r} of size {ep}; "
+            f"use an expert count that is a multiple of {ep}, or a smaller axis"
+        )
+    local = num_experts // ep
+    intermediate = down.shape[2]
+    if gate_up.shape != (local, 2 * intermediate, hidden) or down.shape != (local, hidden, intermediate):
+        raise ValueError(
+            f"moe_dispatch_combine: with {num_experts} experts over {ep} ranks and hidden {hidden}, this rank's "
+            f"gate_up_proj must be ({local}, 2 * intermediate, {hidden}) and down_proj ({local}, {hidden}, "
+            f"intermediate); got {tuple(gate_up.shape)} and {tuple(down.shape)} (cut them with shard_experts)"
+        )
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
+        raise ValueError(f"moe_dispatch_combine: top_k={top_k!r} must be an int in 1..{num_experts} (the experts)")
+    return num_experts
