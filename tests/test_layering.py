@@ -18,6 +18,7 @@ types are one design, not an import order.
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Collection, Iterator, Mapping
 from pathlib import Path
 
@@ -265,3 +266,46 @@ def test_the_scan_finds_a_planted_cycle_through_lazy_imports(tmp_path: Path) -> 
     assert graph["shardwise.b"] == {"shardwise.sub.c", "shardwise.d"}  # not the TYPE_CHECKING import
     assert graph["shardwise.sub.c"] == {"shardwise.a"}
     assert find_cycle(graph) == ["shardwise.a", "shardwise.b", "shardwise.sub.c", "shardwise.a"]
+
+
+# -- the engine asks roles, never a transform by name ---------------------------------------
+# Identifiers that name the split transform (tensor parallel) rather than its role: outside
+# engine/stack/ (whose compose.py states the rules, which may name transforms) the engine says
+# "split" and asks the SPLIT role (engine/stack/roles.py).
+_TRANSFORM_NAMES = re.compile(r"tensor_parallel|(^|_)tp($|_)|split_spec", re.IGNORECASE)
+
+
+def _identifiers(tree: ast.AST) -> Iterator[tuple[int, str]]:
+    """(line, name) of every name the code binds or reads: variables, attributes, functions, classes, arguments."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            yield node.lineno, node.id
+        elif isinstance(node, ast.Attribute):
+            yield node.lineno, node.attr
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            yield node.lineno, node.name
+        elif isinstance(node, ast.arg):
+            yield node.lineno, node.arg
+        elif isinstance(node, ast.keyword) and node.arg is not None:
+            yield node.value.lineno, node.arg
+
+
+def transform_names_in(path: Path) -> list[str]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    return [f"{path.name}:{line}: {name}" for line, name in _identifiers(tree) if _TRANSFORM_NAMES.search(name)]
+
+
+@pytest.mark.parametrize(
+    "path",
+    [p for p in SOURCES if _engine_room(_module_name(p)) and _engine_room(_module_name(p)) != "stack"],
+    ids=lambda p: str(p.relative_to(PACKAGE)),
+)
+def test_the_engine_names_no_split_transform_outside_the_stack(path: Path) -> None:
+    assert transform_names_in(path) == [], "ask the SPLIT role (engine/stack/roles.py) instead"
+
+
+def test_the_transform_name_scan_finds_a_planted_name(tmp_path: Path) -> None:
+    planted = tmp_path / "x.py"
+    planted.write_text("def f(step):\n    tp = step.split_spec\n    return TP_PSUM, split, step.tensor_parallel_axis\n")
+    found = sorted(entry.split(": ")[1] for entry in transform_names_in(planted))
+    assert found == ["TP_PSUM", "split_spec", "tensor_parallel_axis", "tp"]  # not ``split`` nor ``step``

@@ -1,15 +1,16 @@
-"""A stack holds one spec of each role the engine lowers once (engine/stack/compose.py).
+"""The roles a spec plays (engine/stack/roles.py) and the stack's rules on them (engine/stack/compose.py).
 
-The lowering asks the stack for *the* spec playing PLACEMENT, SHARDING or SPLIT; a second spec
-of one of those roles, from a transform of another name, would be ignored silently. Only
-REWRITE specs (mixed_precision, remat) stack.
+Every spec implements its role's protocol, and one that lacks a member is refused naming it. The
+lowering asks the stack for *the* spec playing PLACEMENT, SHARDING or SPLIT; a second spec of one
+of those roles, from a transform of another name, would be ignored silently. Only REWRITE specs
+(mixed_precision, remat) stack, rebuilt in the one stated order.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import pytest
 import torch.nn.functional as F
@@ -23,7 +24,9 @@ from shardwise.engine.stack.compose import (
     SPLIT,
     add,
     check_stack,
+    rewrites_in_order,
 )
+from shardwise.engine.stack.roles import NO_SPLIT, PROTOCOLS, check_role, protocol_members, split_of
 from shardwise.testing.models import mlp
 
 TP_PLAN = {"0": sw.Colwise(), "2": sw.Rowwise()}
@@ -36,14 +39,84 @@ def _step() -> sw.Step:
 
 @dataclass(frozen=True)
 class _Other:
-    """A transform of another name playing ``role`` (as a new one, say context_parallel, would)."""
+    """A transform of another name playing ``role`` (as a new one, say context_parallel, would):
+    every other member of its role's protocol is a stub (``missing`` names those it leaves out)."""
 
     role: str
     axis: str = "cp"
+    missing: tuple[str, ...] = ()
     name: ClassVar[str] = "other_transform"
 
     def __str__(self) -> str:
         return f"other_transform(role={self.role}, axis={self.axis!r})"
+
+    def __getattr__(self, member: str) -> Any:  # only for the members the dataclass has not
+        if member in protocol_members(PROTOCOLS[self.role]) and member not in self.missing:
+            return lambda *args, **kwargs: None
+        raise AttributeError(member)
+
+
+def _shipped_specs() -> list[Any]:
+    """One spec of every transform shardwise ships."""
+    step = sw.remat(sw.mixed_precision(_step(), "compute=bf16"))
+    step = sw.pipeline(sw.shard_params(sw.tensor_parallel(step, "tp", TP_PLAN), "dp"), "pp", "1f1b", 2)
+    return list(step.transforms)
+
+
+@pytest.mark.parametrize("spec", _shipped_specs(), ids=lambda spec: spec.name)
+def test_every_shipped_spec_implements_its_role_protocol(spec: Any) -> None:
+    members = protocol_members(PROTOCOLS[spec.role])
+    assert {"name", "role"} <= set(members)
+    assert [m for m in members if not hasattr(spec, m)] == []
+    check_role(spec)
+
+
+def test_the_stack_without_a_split_reads_no_split_which_implements_the_split_protocol() -> None:
+    check_role(NO_SPLIT)
+    assert split_of(_step().transforms) is NO_SPLIT and NO_SPLIT.axis is None
+    split = sw.tensor_parallel(_step(), "tp", TP_PLAN)
+    assert split_of(split.transforms) is split.transforms[0] and split.split is split.transforms[0]
+    assert NO_SPLIT.local_view(split.chain, {}, None, None) == {}
+
+
+@pytest.mark.parametrize("role", [PLACEMENT, SHARDING, SPLIT, REWRITE])
+def test_a_spec_missing_a_member_of_its_role_is_refused_naming_it(role: str) -> None:
+    members = [m for m in protocol_members(PROTOCOLS[role]) if m not in ("name", "role")]
+    check_role(_Other(role))  # the stub with every member is fine
+    for member in members:
+        if member == "axis":
+            continue  # a dataclass field of the stub
+        with pytest.raises(TypeError, match=rf"_Other plays the role '{role}' but has no '{member}'.*roles.py"):
+            check_role(_Other(role, missing=(member,)))
+    with pytest.raises(TypeError, match="but has no 'rewrite'"):
+        add(_step(), _Other(REWRITE if role == REWRITE else SPLIT, missing=("rewrite",)))
+
+
+def test_a_spec_of_an_unknown_role_is_refused() -> None:
+    with pytest.raises(TypeError, match=r"has role 'reorder'; a transform's role is one of"):
+        check_stack((_Other(SPLIT), _OtherRole()))
+
+
+@dataclass(frozen=True)
+class _OtherRole:
+    role: str = "reorder"
+    name: ClassVar[str] = "reorder"
+
+
+def test_a_rewrite_that_the_stated_order_does_not_place_is_refused() -> None:
+    with pytest.raises(TypeError, match=r"REWRITE_ORDER .* does not say where .* add 'other_transform' to it"):
+        check_stack((_Other(REWRITE),))
+
+
+def test_the_chain_is_rebuilt_in_the_stated_order_whatever_order_the_transforms_came_in() -> None:
+    base = _step()
+    orders = [
+        sw.tensor_parallel(sw.remat(sw.mixed_precision(base, "compute=bf16")), "tp", TP_PLAN),
+        sw.mixed_precision(sw.remat(sw.tensor_parallel(base, "tp", TP_PLAN)), "compute=bf16"),
+        sw.remat(sw.tensor_parallel(sw.mixed_precision(base, "compute=bf16"), "tp", TP_PLAN), layers="0"),
+    ]
+    for step in orders:
+        assert [s.name for s in rewrites_in_order(step.transforms)] == ["tensor_parallel", "remat", "mixed_precision"]
 
 
 def test_once_roles_are_the_roles_find_is_asked_for() -> None:

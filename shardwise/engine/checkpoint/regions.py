@@ -51,11 +51,11 @@ def wanted_boxes(
     if spec.split is None:
         return local_boxes
     assert mesh is not None
-    tp = mesh.axis_index(spec.split.axis)
+    index = mesh.axis_index(spec.split.axis)
     out: list[Box] = []
     for offsets, sizes in local_boxes:
         for at, piece in spec.split.to_global(
-            offsets, torch.empty(sizes, device="meta"), tp, spec.shape
+            offsets, torch.empty(sizes, device="meta"), index, spec.shape
         ):
             out.append((at, tuple(piece.shape)))
     return out

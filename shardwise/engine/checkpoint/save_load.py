@@ -252,8 +252,8 @@ def _snapshot(state: TrainState, step: Any, layout: StateLayout, mesh: Mesh | No
     mirrors, scalars = split_opt_state(state.opt_state, tree)
     out: list[tuple[str, tuple[int, ...], torch.Tensor]] = []
     tensors: dict[str, Any] = {}
-    tp_axes = {s.split.axis for s in layout.leaves.values() if s.split is not None}
-    tp_index = mesh.axis_index(next(iter(tp_axes))) if tp_axes and mesh is not None else 0  # tensor parallel
+    split_axes = {s.split.axis for s in layout.leaves.values() if s.split is not None}
+    split_index = mesh.axis_index(next(iter(split_axes))) if split_axes and mesh is not None else 0  # a split transform: one axis
 
     def add(fqn: str, shape: tuple[int, ...], segment: torch.Tensor, start: int, stop: int, spec: Any = None) -> None:
         """Elements [start, stop) of this rank's tensor as boxes of the whole one (of ``shape``);
@@ -264,7 +264,7 @@ def _snapshot(state: TrainState, step: Any, layout: StateLayout, mesh: Mesh | No
         for offsets, sizes in boxes(held, start, stop):
             first = flat_start(held, offsets) - start
             box = segment[first : first + math.prod(sizes)].reshape(sizes)
-            pieces = [(offsets, box)] if split is None else split.to_global(offsets, box, tp_index, shape)
+            pieces = [(offsets, box)] if split is None else split.to_global(offsets, box, split_index, shape)
             for at, piece in pieces:
                 out.append((fqn, at, piece.detach().to("cpu", copy=True)))  # a copy: training goes on
 
@@ -456,13 +456,13 @@ def _build_state(reader: Reader, meta: Mapping[str, Any], step: Any, mesh: Mesh 
     layout = step.layout(mesh, params_meta)
     index = layout.index_of(mesh)
     local = local_keys(layout, index, {layer: list(ts) for layer, ts in params_meta.items()})
-    tp_slices = _tp_slicer(step, layout, mesh)
+    split_slices = _split_slicer(step, layout, mesh)
     sharding = layout.sharding
 
     def mine(fqn: str, layer: str, name: str, shard: bool) -> torch.Tensor:
         """This rank's slice of ``fqn``, read only where it keeps it (see ``regions``)."""
         part = reader.partial(fqn, wanted_boxes(layout, mesh, layer, name, shard=shard))
-        return tp_slices(layer, name, part)
+        return split_slices(layer, name, part)
 
     at_rest = sharding is not None and sharding.holds_shards  # stage 3 keeps only the shards
     full = {layer: {n: mine(f"model.{keys[(layer, n)]}", layer, n, at_rest).to(device)
@@ -498,8 +498,8 @@ def _build_state(reader: Reader, meta: Mapping[str, Any], step: Any, mesh: Mesh 
                       layout=layout, **extra)
 
 
-def _tp_slicer(step: Any, layout: StateLayout, mesh: Mesh | None) -> Callable[[str, str, torch.Tensor], torch.Tensor]:
-    """Whole tensor -> what this rank holds of it: its tensor-parallel slice where the layout splits it."""
+def _split_slicer(step: Any, layout: StateLayout, mesh: Mesh | None) -> Callable[[str, str, torch.Tensor], torch.Tensor]:
+    """Whole tensor -> what this rank holds of it: its slice where the layout splits it (a split transform)."""
     index = {}
     for spec in layout.leaves.values():
         if spec.split is not None:

@@ -212,10 +212,10 @@ class LeafSpec:
             sharded = "kept as" if self.zero_stage == 3 else "whole at rest, updated in"  # ZeRO-1/2 shard the state
             zero = f", ZeRO-{self.zero_stage}: {sharded} a flat shard over {self.dp_axis!r} of {self.shards}"
         split = self.split
-        tp = "" if split is None else f", dim {split.dim} split over {split.axis!r} in {split.parts}" + (
+        cut = "" if split is None else f", dim {split.dim} split over {split.axis!r} in {split.parts}" + (
             f" (each of {split.blocks} fused blocks)" if split.blocks > 1 else ""
         )
-        return f"{self.layer}.{self.name}: {list(self.shape)} {str(self.dtype).removeprefix('torch.')} on {where}{zero}{tp}"
+        return f"{self.layer}.{self.name}: {list(self.shape)} {str(self.dtype).removeprefix('torch.')} on {where}{zero}{cut}"
 
 
 def leaf_specs(

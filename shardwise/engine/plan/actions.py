@@ -58,12 +58,14 @@ WAIT_SENDS = "wait_sends"  # every send of the step delivered
 REDUCE_METRICS = "reduce_metrics"  # an all-reduce of what the step exchanges (async on the first axis)
 WAIT_METRICS = "wait_metrics"  # the summed values are known
 
-# -- tensor parallel: collectives a layer issues inside its compute (the action just before) ----
-TP_PSUM = "tp_psum"  # an all-reduce (Megatron's g in forward, f in backward)
-TP_ALL_GATHER = "tp_all_gather"  # sequence parallel's gather, or a column-parallel output made whole
-TP_PSUM_SCATTER = "tp_psum_scatter"  # sequence parallel's reduce-scatter
-INSIDE_COMPUTE = (TP_PSUM, TP_ALL_GATHER, TP_PSUM_SCATTER)  # issued by their compute: the executor skips them
-CHECK_REPLICAS = "check_replicas"  # all-gather a checksum of the replicated gradients (and the batch's) over the axis
+# -- a split transform: collectives a layer issues inside its compute (the action just before) ----
+# (The kinds' text, "tp_...", is the Plan's printed vocabulary, kept as tensor parallel made it.)
+INSIDE_PSUM = "tp_psum"  # an all-reduce (Megatron's g in forward, f in backward)
+INSIDE_ALL_GATHER = "tp_all_gather"  # sequence parallel's gather, or a column-parallel output made whole
+INSIDE_PSUM_SCATTER = "tp_psum_scatter"  # sequence parallel's reduce-scatter
+INSIDE_COMPUTE = (INSIDE_PSUM, INSIDE_ALL_GATHER, INSIDE_PSUM_SCATTER)  # issued by their compute: the executor skips them
+# all-gather a checksum of the split's replicated gradients (and the batch's) over its axis
+CHECK_REPLICAS = "check_replicas"
 WAIT_CHECK = "wait_check"  # they must be equal on every index: else the step refuses before its update
 
 #: The collective (as the ledger names it) that each communicating action issues.
@@ -79,9 +81,9 @@ LEDGER_OP = {
     RECV_TIED: "recv",
     REDUCE_METRICS: "psum",
     CHECK_REPLICAS: "all_gather",
-    TP_PSUM: "psum",
-    TP_ALL_GATHER: "all_gather",
-    TP_PSUM_SCATTER: "psum_scatter",
+    INSIDE_PSUM: "psum",
+    INSIDE_ALL_GATHER: "all_gather",
+    INSIDE_PSUM_SCATTER: "psum_scatter",
 }
 
 SHORT = {FORWARD: "F", BACKWARD: "B", BACKWARD_INPUT: "I", BACKWARD_WEIGHT: "W"}  # a compute's letter

@@ -31,7 +31,8 @@ from ..layout.precision import compute_dtype
 from ..layout.sharding import FlatSharding
 from ..layout.state_layout import Placement
 from ..model.chain import Chain
-from ..stack.compose import PLACEMENT, SHARDING, SPLIT, find, reshard_after_forward
+from ..stack.compose import PLACEMENT, SHARDING, find, reshard_after_forward
+from ..stack.roles import split_of
 from ..torch_api import fake_tensors
 from .actions import (
     BACKWARD,
@@ -43,6 +44,9 @@ from .actions import (
     FREE,
     GATHER,
     GATHER_PARAMS,
+    INSIDE_ALL_GATHER,
+    INSIDE_PSUM,
+    INSIDE_PSUM_SCATTER,
     LOSS,
     RECV_ACTIVATION,
     RECV_GRAD,
@@ -53,9 +57,6 @@ from .actions import (
     SEND_GRAD,
     SEND_TIED,
     SUM_TIED,
-    TP_ALL_GATHER,
-    TP_PSUM,
-    TP_PSUM_SCATTER,
     UPDATE,
     WAIT_CHECK,
     WAIT_METRICS,
@@ -133,9 +134,11 @@ def stage_needs(chain: Chain, placement: Placement, units: Sequence[str]) -> dic
 
 def metric_axes(step: Step) -> tuple[str, ...]:
     """The axes the metrics' share is summed over: the pipeline's, the data-parallel one, then the
-    tensor-parallel one (whose first index alone counts the loss and the replicated gradients)."""
-    pipe, zero, tp = find(step.transforms, PLACEMENT), find(step.transforms, SHARDING), find(step.transforms, SPLIT)
-    return tuple(spec.axis for spec in (pipe, zero, tp) if spec is not None)
+    split's (on which one index per group counts what they all compute alike: SplitRole.counts_replicated)."""
+    pipe, zero = find(step.transforms, PLACEMENT), find(step.transforms, SHARDING)
+    axes = tuple(spec.axis for spec in (pipe, zero) if spec is not None)
+    split_axis = split_of(step.transforms).axis
+    return axes if split_axis is None else (*axes, split_axis)
 
 
 def rank_actions(
@@ -173,9 +176,9 @@ def rank_actions(
         actions += [Action(REDUCE_SCATTER, u, axis=zero.axis) for u in deferred]
         actions = _waits_for_reductions(actions, zero.axis, deferred=len(deferred))
     actions.append(Action(FINISH_GRADS))
-    tp = find(step.transforms, SPLIT)
-    if tp is not None:
-        actions.append(Action(CHECK_REPLICAS, axis=tp.axis))
+    split_axis = split_of(step.transforms).axis
+    if split_axis is not None:  # the split's replicated gradients are compared over its axis
+        actions.append(Action(CHECK_REPLICAS, axis=split_axis))
     axes = metric_axes(step)
     if not step.metric_exchange().empty and axes:
         actions.append(Action(REDUCE_METRICS, axis=axes[0]))
@@ -185,9 +188,9 @@ def rank_actions(
         actions += [*rest, Action(UPDATE)] if step.update_needs_sums else [Action(UPDATE), *rest]
     else:
         actions.append(Action(UPDATE))
-    if tp is not None:  # the replicated gradients agree before anything is updated
+    if split_axis is not None:  # the replicated gradients agree before anything is updated
         at = next(i for i, a in enumerate(actions) if a.kind == UPDATE)
-        actions.insert(at, Action(WAIT_CHECK, axis=tp.axis))
+        actions.insert(at, Action(WAIT_CHECK, axis=split_axis))
     if zero is not None and zero.stage != 3:
         actions += [Action(GATHER_PARAMS, u, axis=zero.axis) for u in units]
         actions += [Action(WAIT_PARAMS, u, axis=zero.axis) for u in units]
@@ -227,7 +230,7 @@ def _waits_for_reductions(actions: list[Action], axis: str, deferred: int) -> li
 
 # (compute kind, stage) -> every collective it issues inside its layers: (op, label, wire)
 Inside = Mapping[tuple[str, int], Sequence[tuple[str, str, Wire]]]
-_INSIDE_KIND = {"psum": TP_PSUM, "all_gather": TP_ALL_GATHER, "psum_scatter": TP_PSUM_SCATTER}
+_INSIDE_KIND = {"psum": INSIDE_PSUM, "all_gather": INSIDE_ALL_GATHER, "psum_scatter": INSIDE_PSUM_SCATTER}
 
 
 def insert_inside(actions: Sequence[Action], inside: Inside, axis: str) -> tuple[Action, ...]:

@@ -124,6 +124,17 @@ class ParamSource:
     gather_from: Mapping[str, torch.Tensor] | None = None
 
 
+@dataclass(frozen=True)
+class ReplicaCheck:
+    """The gradients that must come out equal on every index of a split's axis (keys, or per ZeRO
+    unit the ranges of this rank's shard), and what the error says when they do not: the split's
+    name and how to fix it."""
+
+    selection: Any
+    by: str
+    fix: str
+
+
 @dataclass
 class _Saved:
     inputs: list[torch.Tensor]  # leaves that require grad (empty for stage 0)
@@ -162,14 +173,15 @@ class Executor(ZeroActions, TransferActions):
     # tokens. A callable (inputs, targets) -> count: it returns the mean over that many tokens.
     tokens: Any = None
     rng_seed: int | None = None  # this step's seed (engine/run/rng.py); None: the global generators as they are
-    # Under tensor parallel, on all but the first index of its axis: the gradients the metrics count
-    # (keys, or per ZeRO unit the ranges of its shard), and no loss or token count. None: everything.
+    # Under a split that replicates values over its axis, on all but one index of it: the gradients the
+    # metrics count (keys, or per ZeRO unit the ranges of its shard), and no loss or token count.
+    # None: everything.
     counted: Any = None
     batch_fingerprint: torch.Tensor | None = None  # of the global batch, when the exchange checks it
     rng_rank: int | None = None  # the rank whose random streams this one draws (None: its own)
-    # Under tensor parallel: the gradients of replicated parameters (keys, or per ZeRO unit the ranges
-    # of its shard), which must come out equal on every index of the axis (check_replicas).
-    replicated: Any = None
+    # Under a split: the gradients of the parameters it replicates, which must come out equal on every
+    # index of its axis (check_replicas).
+    replicas: ReplicaCheck | None = None
     # -- results ----------------------------------------------------------------------------
     final_grads: Any = None
     summed: Summed = field(default_factory=Summed)
@@ -219,7 +231,7 @@ class Executor(ZeroActions, TransferActions):
 
     # -- dispatch ------------------------------------------------------------------------------
     def run(self, actions: Sequence[Action]) -> None:
-        # The step's mesh is the default of collectives issued inside a layer (tensor parallel).
+        # The step's mesh is the default of collectives issued inside a layer (by a split transform).
         in_mesh = contextlib.nullcontext() if self.mesh is None else use_mesh(self.mesh)
         with in_mesh, preserved(self.device, self._shared_rng, active=self.rng_seed is not None):
             self._run(actions)
@@ -257,7 +269,7 @@ class Executor(ZeroActions, TransferActions):
         clock = time.perf_counter
         ran: list[tuple[int, float, float]] = []  # when recording: (position here, start, end)
         planned = 0  # the position of the running action in the Plan's list, which also lists the
-        # collectives a compute issues inside its layers (tensor parallel) right after it
+        # collectives a compute issues inside its layers (a split transform's) right after it
         for position, action in enumerate(actions):
             handler = table.get(action.kind)
             if handler is None:
@@ -541,7 +553,7 @@ class Executor(ZeroActions, TransferActions):
             self.summed = Summed(loss_sum, None if norm is None else norm * norm, finite, exact_norm=norm, count=count)
             return
         losses, counts = self.losses, self.counts
-        if self.counted is not None:  # a tensor-parallel index but the first: its split gradients only
+        if self.counted is not None:  # an index of a split's axis that counts only its split gradients
             losses, counts = [], []
             pieces = _counted_pieces(counted, self.counted)
         self._local_metrics = self.exchange.local(
@@ -553,10 +565,10 @@ class Executor(ZeroActions, TransferActions):
             raise RuntimeError(f"gather of unit {key[1]!r} issued but never waited for")
 
     def check_replicas(self, action: Action) -> None:
-        """Issue the all-gather of a checksum of this rank's replicated gradients over the
-        tensor-parallel axis: they must be the same on every index (else a replicated parameter was
-        used on per-rank values without its gradient being summed, or random ops differed)."""
-        pieces = _counted_pieces(self.final_grads, self.replicated) if self.replicated is not None else []
+        """Issue the all-gather of a checksum of this rank's replicated gradients over the split's
+        axis: they must be the same on every index (else a replicated parameter was used on per-rank
+        values without its gradient being summed, or random ops differed)."""
+        pieces = _counted_pieces(self.final_grads, self.replicas.selection) if self.replicas is not None else []
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         absolute = torch.zeros((), dtype=torch.float64, device=self.device)
         for g in pieces:
@@ -576,12 +588,10 @@ class Executor(ZeroActions, TransferActions):
         # the axis gives every index the same bits), so any difference, however small, is a missed sum.
         if not torch.equal(every[:, :2], every[:1, :2].expand(every.shape[0], 2)):
             axis = action.require("axis")
+            by, fix = ("the split", "") if self.replicas is None else (self.replicas.by, self.replicas.fix)
             raise ValueError(
-                f"tensor_parallel: the gradients of the replicated parameters differ between the ranks of axis "
-                f"{axis!r} (checksums {every.tolist()}), so their copies would drift apart. A replicated "
-                "parameter is used on per-rank values without its gradient being summed: mark the attention or "
-                "MLP module holding it as a Region() in the plan, or name the blocks in sequence_parallel= if it "
-                "acts on sequence slices"
+                f"{by}: the gradients of the replicated parameters differ between the ranks of axis "
+                f"{axis!r} (checksums {every.tolist()}), so their copies would drift apart. {fix}"
             )
 
     def reduce_metrics(self, action: Action) -> None:

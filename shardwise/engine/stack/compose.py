@@ -3,7 +3,9 @@ another is there. Stated once, here, over the stack of frozen specs a Step carri
 
 A transform appends its spec to ``step.transforms`` through :func:`add`, which
 checks the whole new stack. Each spec has a ``name`` (the transform's), a
-``role`` (what the engine's lowering asks of it) and a text form. The rules:
+``role`` (what the engine's lowering asks of it) and a text form, and implements
+its role's protocol (``engine/stack/roles.py``: a spec lacking a member is refused,
+naming it). The rules:
 
 * Every transform is applied at most once: a second ``remat`` (also with
   ``mixed_precision`` between the two), ``mixed_precision``, ``shard_params``
@@ -38,6 +40,8 @@ checks the whole new stack. Each spec has a ``name`` (the transform's), a
   casts around it (a checkpointed layer then keeps its compute-dtype input,
   not the input before the cast). Under ``mixed_precision`` ZeRO gathers
   parameters in the compute dtype and reduces gradients in the reduce dtype.
+  :data:`REWRITE_ORDER` states that order once; a rewriting transform it does not
+  place is refused.
 """
 
 from __future__ import annotations
@@ -46,6 +50,12 @@ import dataclasses
 from typing import Any, Protocol, TypeVar
 
 from ..model.chain import Chain
+from .roles import PLACEMENT, REWRITE, ROLES, SHARDING, SPLIT, check_role
+
+__all__ = [
+    "ONCE", "PLACEMENT", "REWRITE", "REWRITE_ORDER", "ROLES", "SHARDING", "SPLIT", "add", "check_stack", "describe",
+    "find", "reshard_after_forward", "rewrites_in_order",
+]
 
 
 class Stacked(Protocol):
@@ -60,12 +70,12 @@ class Stacked(Protocol):
 
 S = TypeVar("S", bound=Stacked)
 
-PLACEMENT = "placement"  # decides which layers each rank holds and when they compute (pipeline)
-SHARDING = "sharding"  # shards a rank's units over an axis (shard_params)
-REWRITE = "rewrite"  # rewrites layer functions (mixed_precision, remat)
-SPLIT = "split"  # cuts parameters over an axis and rewrites the layers that use them (tensor_parallel)
-ROLES = (PLACEMENT, SHARDING, REWRITE, SPLIT)
 _REBUILDS = (REWRITE, SPLIT)  # the roles whose specs rebuild the chain
+# The order add() rebuilds the chain in, innermost first, whatever order the transforms were applied
+# in (the rules above): the split's layers (remat then recomputes their collectives with their
+# forward, and the casts go around them), remat's checkpoints, mixed_precision's casts around both.
+# A rebuilding spec is placed by its role (SPLIT) or, for REWRITE specs, by its transform's name.
+REWRITE_ORDER = (SPLIT, "remat", "mixed_precision")
 # The roles the engine looks up with find(), which returns one spec: a second would be ignored.
 ONCE = (PLACEMENT, SHARDING, SPLIT)
 
@@ -78,8 +88,12 @@ def check_stack(stack: tuple[Any, ...]) -> None:
     """Refuse a stack that cannot work, naming the transforms and the fix."""
     seen: dict[str, Any] = {}
     for spec in stack:
-        if spec.role not in ROLES:
-            raise TypeError(f"{spec!r} has role {spec.role!r}; a transform's role is one of {ROLES}")
+        check_role(spec)
+        if spec.role == REWRITE and spec.name not in REWRITE_ORDER:
+            raise TypeError(
+                f"{spec} rewrites layers, but compose.REWRITE_ORDER {REWRITE_ORDER} does not say where its rewrite "
+                f"goes among the others: add {spec.name!r} to it (shardwise/engine/stack/compose.py)"
+            )
         if spec.name in seen:
             raise ValueError(
                 f"{spec.name} was applied twice (the stack is {describe(stack)}; already {seen[spec.name]}); "
@@ -136,10 +150,16 @@ def add(step: S, spec: Any, **fields: Any) -> S:
     if spec.role not in _REBUILDS:
         return new
     chain = step.base_chain
-    for rewrite in sorted((s for s in stack if s.role in _REBUILDS), key=lambda s: s.rewrite_order):
+    for rewrite in rewrites_in_order(stack):
         # A split reads the rest of the stack (mixed_precision's reduce dtype applies to its sums).
         chain = rewrite.rewrite(chain, stack) if rewrite.role == SPLIT else rewrite.rewrite(chain)
     return dataclasses.replace(new, chain=chain, source_chain=step.base_chain)  # type: ignore[type-var]
+
+
+def rewrites_in_order(stack: tuple[Any, ...]) -> list[Any]:
+    """The specs of ``stack`` that rebuild the chain, in :data:`REWRITE_ORDER` (innermost first)."""
+    rebuilding = [s for s in stack if s.role in _REBUILDS]
+    return sorted(rebuilding, key=lambda s: REWRITE_ORDER.index(SPLIT if s.role == SPLIT else s.name))
 
 
 def find(stack: tuple[Any, ...], role: str) -> Any:

@@ -30,6 +30,7 @@ from ..plan.lower import (
     rank_actions,
     wire_of,
 )
+from ..stack.compose import rewrites_in_order
 
 if TYPE_CHECKING:
     from .step import Step
@@ -44,13 +45,14 @@ def plan_of(step: Step, mesh: Mesh, params: Params | None, batch: Any) -> Plan:
     and the activation bytes kept for backward are predicted (on fake tensors: the
     figures ``sw.saved_bytes`` measures).
     """
-    mesh = step._check_mesh(mesh) or Mesh(world=1)
+    mesh = step.check_mesh(mesh) or Mesh(world=1)
     if params is not None:
         check_params(step.chain, params)
     placement, schedule = placement_of(step, mesh, params)
     layouts = {r: step.layout(mesh, params, rank=r) for r in range(mesh.size)} if params is not None else {}
     per_rank: list[tuple[Action, ...]] = []
     inside = _inside_computes(step, mesh, params, batch, placement, layouts)
+    split_axis = step.split.axis
     for r in range(mesh.size):
         index = placement.index_of(mesh, r)
         if params is None:
@@ -61,22 +63,22 @@ def plan_of(step: Step, mesh: Mesh, params: Params | None, batch: Any) -> Plan:
             boundaries = None
             if batch is not None and step.pipeline_spec is not None:
                 boundaries = step.boundaries(layout, one_microbatch(step, mesh, batch)[0], mesh)
-            master = step._master_meta(local_params(step.tp_view(params, mesh, r), placement, index))
+            master = step.master_meta(local_params(step.local_view(params, mesh, r), placement, index))
             update_tree = master if layout.sharding is None else meta_shards(layout.sharding)
             actions = annotate(
                 actions, step, placement, layout.sharding, update_tree, boundaries,
                 layout.metric_dtype,
             )
-            if inside is not None:
-                actions = insert_inside(actions, inside, step.split_spec.axis)
+            if inside is not None and split_axis is not None:  # inside is made only under a split
+                actions = insert_inside(actions, inside, split_axis)
         per_rank.append(actions)
     memory = {} if params is None else _memory(step, mesh, params, batch, placement, layouts, per_rank)
     notes: dict[str, tuple[str, ...]] = {}
     # In the order the rewrites apply (engine/stack/compose.py), whatever order they were applied in.
-    for spec in sorted(step.transforms, key=lambda spec: getattr(spec, "rewrite_order", -1)):
-        for layer, note in getattr(spec, "layer_notes", lambda chain: {})(step.base_chain).items():
+    for spec in rewrites_in_order(step.transforms):
+        for layer, note in spec.layer_notes(step.base_chain).items():
             notes[layer] = (*notes.get(layer, ()), note)
-            if spec is step.split_spec and inside is None:  # not silently absent: say what is missing
+            if spec is step.split and inside is None:  # not silently absent: say what is missing
                 notes[layer] += ("its collectives inside the layer are not listed: they are predicted from a "
                                  "batch, step.plan(mesh, params, batch)",)
     return Plan(mesh, tuple(per_rank), memory, {n: notes[n] for n in step.chain.names if n in notes})
@@ -85,16 +87,16 @@ def plan_of(step: Step, mesh: Mesh, params: Params | None, batch: Any) -> Plan:
 def _inside_computes(
     step: Step, mesh: Mesh, params: Params | None, batch: Any, placement: Placement, layouts: dict[int, StateLayout]
 ) -> Inside | None:
-    """The collectives each compute issues inside its layers (tensor parallel), predicted on fake
-    tensors from a micro-batch: None without tensor parallel, parameters or a batch."""
-    tp = step.split_spec
-    if tp is None or params is None or batch is None:
+    """The collectives each compute issues inside its layers (a split transform's), predicted on fake
+    tensors from a micro-batch: None without a split, parameters or a batch."""
+    split = step.split
+    if split.axis is None or params is None or batch is None:
         return None
     shapes: dict[str, dict[str, tuple[torch.Size, torch.dtype]]] = {}
     for spec in layouts[0].leaves.values():
         dtype = compute_dtype(step.precision, spec.layer, spec.dtype)
         shapes.setdefault(spec.layer, {})[spec.name] = (torch.Size(spec.local_shape), dtype)
-    found = tp.inner_collectives(step.chain, placement, shapes, step.loss_fn, one_microbatch(step, mesh, batch), mesh)
+    found = split.inner_collectives(step.chain, placement, shapes, step.loss_fn, one_microbatch(step, mesh, batch), mesh)
     return {key: [(op, label, wire_of(shape, dtype)) for op, label, dtype, shape in issued] for key, issued in found.items()}
 
 
@@ -135,7 +137,7 @@ def _memory(
         figures["gathered_peak"] = []
     for r in range(mesh.size):
         layout = layouts[r]
-        master = step._master_meta(local_params(step.tp_view(params, mesh, r), placement, placement.index_of(mesh, r)))
+        master = step.master_meta(local_params(step.local_view(params, mesh, r), placement, placement.index_of(mesh, r)))
         sharding = layout.sharding
         shards = None if sharding is None else meta_shards(sharding)
         figures["params"].append(tree_nbytes(shards if sharding is not None and sharding.holds_shards else master))
@@ -190,8 +192,8 @@ def _kept_per_rank(
     step: Step, mesh: Mesh, params: Params, batch: Any, placement: Placement, layouts: dict[int, StateLayout]
 ) -> tuple[int, ...]:
     inputs = one_microbatch(step, mesh, batch)[0]
-    with step.tp_predicting(mesh):
-        view = step.compute_view(step.tp_view(params, mesh, 0))
+    with step.predicting(mesh):
+        view = step.compute_view(step.local_view(params, mesh, 0))
         parts = predict_kept_parts(step.chain, view, inputs)
     pipe = step.pipeline_spec
     if pipe is None:

@@ -22,66 +22,29 @@ from typing import Any
 import optree
 import torch
 
-from ...collectives.backends.current import current_backend
 from ...collectives.mesh import Mesh
-from ..checkpoint.cut import split_opt_state
-from ..layout.devices import device_of, host_scalar
-from ..layout.precision import Precision, compute_dtype
-from ..layout.sharding import FlatSharding
-from ..layout.state import Params, TrainState, check_params, map_params
-from ..layout.state_layout import (
-    StateLayout,
-    full_params,
-    leaf_specs,
-    local_params,
-    meta_shards,
-    unit_names,
-)
+from ..layout.devices import device_of
+from ..layout.precision import Precision
+from ..layout.state import Params, TrainState, check_params
+from ..layout.state_layout import StateLayout, full_params
 from ..model.chain import Chain
 from ..optim.optimizers import Optimizer
 from ..plan.accounting import predict_kept_for_backward
 from ..plan.actions import Plan
-from ..plan.batches import split_batch, split_over
-from ..plan.lower import (
-    metric_axes,
-    microbatch_count,
-    placement_of,
-    predict_boundaries,
-    rank_actions,
-)
+from ..plan.lower import metric_axes
 from ..run.agreement import check_ranks_agree
-from ..run.executor import Executor, LossFn, ParamSource
-from ..run.metrics import (
-    REPORTABLE,
-    MetricExchange,
-    Summed,
-    batch_fingerprint,
-    check_metrics,
-    different_batches,
-)
-from ..run.rng import mix
-from ..stack.compose import PLACEMENT, SHARDING, SPLIT, describe, find
+from ..run.executor import LossFn
+from ..run.metrics import REPORTABLE, MetricExchange, check_metrics
+from ..stack.compose import PLACEMENT, SHARDING, describe, find
+from ..stack.roles import SplitRole, split_of
 from .init_state import held_params, init_seeding, meta_names, sampled_values
+from .layouts import build_layout, check_mesh, stage_boundaries
+from .master import clip_scale, compute_params, master_meta, master_params
 from .param_groups import check_clipping, master_runs, param_options
-from .planning import batch_multiple, plan_of
+from .planning import plan_of
+from .run_inputs import finish_run, prepare_run
 
 Metrics = dict[str, torch.Tensor]
-
-
-
-
-
-def clip_scale(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
-    """The factor that clips a gradient of global ``norm`` to ``max_norm`` (torch's clip_grad_norm_)."""
-    return torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-
-
-def unscale_like(grads: Any, like: Any, scale: float) -> Any:
-    """Gradients in the dtype of ``like`` (the master parameters), divided by the loss scale."""
-    if scale == 1.0:
-        return optree.tree_map(lambda g, p: g.to(p.dtype), grads, like)
-    return optree.tree_map(lambda g, p: g.to(p.dtype) / scale, grads, like)
-
 
 
 @dataclass(frozen=True)
@@ -125,23 +88,18 @@ class Step:
         return find(self.transforms, SHARDING)
 
     @property
-    def split_spec(self) -> Any:
-        """tensor_parallel's spec, if the step splits parameters over an axis."""
-        return find(self.transforms, SPLIT)
+    def split(self) -> SplitRole:
+        """The spec that splits parameters over an axis (tensor_parallel), or NO_SPLIT, which cuts nothing."""
+        return split_of(self.transforms)
 
-    def tp_view(self, params: Params, mesh: Mesh | None, rank: int | None = None) -> Params:
-        """The parameters as ``rank`` (default: the calling rank) computes with them: under
-        tensor_parallel its slices of the split ones, else ``params`` itself."""
-        tp = self.split_spec
-        if tp is None:
-            return params
-        assert mesh is not None
-        return tp.local_params(self.base_chain, params, mesh, rank)
+    def local_view(self, params: Params, mesh: Mesh | None, rank: int | None = None) -> Params:
+        """The parameters as ``rank`` (default: the calling rank) computes with them: under a split
+        transform its slices of the split ones, else ``params`` itself."""
+        return self.split.local_view(self.base_chain, params, mesh, rank)
 
-    def tp_predicting(self, mesh: Mesh | None) -> Any:
-        """A block in which the layers may run on fake tensors: tensor-parallel collectives move nothing."""
-        tp = self.split_spec
-        return contextlib.nullcontext() if tp is None or mesh is None else tp.predicting(mesh)
+    def predicting(self, mesh: Mesh | None) -> contextlib.AbstractContextManager[Any]:
+        """A block in which the layers may run on fake tensors: a split's collectives move nothing."""
+        return contextlib.nullcontext() if mesh is None else self.split.predicting(mesh)
 
     @functools.cached_property
     def stack_key(self) -> tuple[str, ...]:
@@ -224,29 +182,11 @@ class Step:
     # -- precision ------------------------------------------------------------------
     def master_params(self, params: Params) -> Params:
         """Detached copies of the parameters in the stored (master) dtype of each layer's policy."""
-        # Always copies: the step owns its state (an in-place optimizer writes into it), so the
-        # caller's tensors must never be the state's.
-        if self.precision is None:
-            return map_params(lambda t: t.detach().clone(), params)
-        prec = self.precision
-        return {
-            layer: {k: t.detach().to(prec.for_layer(layer).params, copy=True) for k, t in tensors.items()}
-            for layer, tensors in params.items()
-        }
+        return master_params(self.precision, params)
 
-    def _master_meta(self, params: Params) -> Params:
+    def master_meta(self, params: Params) -> Params:
         """The master parameters as meta tensors: shapes and stored dtypes, no data."""
-        prec = self.precision
-        return {
-            layer: {
-                k: torch.empty(t.shape, dtype=t.dtype if prec is None else prec.for_layer(layer).params, device="meta")
-                for k, t in tensors.items()
-            }
-            for layer, tensors in params.items()
-        }
-
-    def _compute_params(self, params: Params) -> Params:
-        return params if self.precision is None else self.precision.compute_params(params)
+        return master_meta(self.precision, params)
 
     def initial_loss_scale(self) -> Any:
         return None if self.precision is None else self.precision.loss_scale
@@ -287,85 +227,20 @@ class Step:
         return self.optimizer.update(grads, state.opt_state, params, runs=runs)
 
     # -- layout ------------------------------------------------------------------------
-    def _check_mesh(self, mesh: Mesh | None) -> Mesh | None:
-        for spec in self.transforms:
-            axis = getattr(spec, "axis", None)
-            if axis is None:
-                continue
-            if mesh is None:
-                raise ValueError(f"{spec.name}(axis={axis!r}) needs the mesh: call step.init(params, mesh)")
-            if axis not in mesh.axis_names:
-                raise ValueError(
-                    f"{spec.name}(axis={axis!r}): {mesh!r} has no axis {axis!r}; use one of {mesh.axis_names} "
-                    "or build the mesh with that axis"
-                )
-        return mesh
+    def check_mesh(self, mesh: Mesh | None) -> Mesh | None:
+        """``mesh``, refused (naming the transform and the axis) unless it has every axis the stack uses."""
+        return check_mesh(self.transforms, mesh)
 
     def layout(self, mesh: Mesh | None, params: Params, rank: int | None = None) -> StateLayout:
         """How this step lays out ``params`` on ``mesh``, as seen by ``rank`` (default: the calling
         rank inside a launched program, else rank 0): the placement of layers, the per-leaf shard
-        specs, and that rank's flat units."""
-        mesh = self._check_mesh(mesh)
-        check_params(self.chain, params)
-        placement, schedule = placement_of(self, mesh, params)
-        if rank is None and mesh is not None and (placement.axis is not None or self.split_spec is not None):
-            try:
-                rank = mesh.rank
-            except RuntimeError:  # not inside a launched program: describe rank 0
-                rank = 0
-        index = placement.index_of(mesh, rank) if rank is not None else 0
-        meta = self._master_meta(self.tp_view(params, mesh, rank))
-        tp = self.split_spec
-        splits = None if tp is None or mesh is None else tp.splits(self.base_chain, mesh.axis_size(tp.axis))
-        zero = self.sharding_spec
-        shardings: dict[int, FlatSharding | None] = {}
-        for i in sorted(set(placement.stage_rank)):
-            local = local_params(meta, placement, i)
-            shardings[i] = (
-                None if zero is None or mesh is None else FlatSharding.of(zero.axis, zero.stage, local, mesh.axis_size(zero.axis))
-            )
-        leaves = leaf_specs(meta, placement, shardings, splits)
-        opt_leaves: dict[str, dict[tuple[str, str], Any]] = {}
-        opt_scalars: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
-        for i in sorted(set(placement.stage_rank)):  # every pipeline index's state, like ``leaves``
-            mirrors, scalars = self._opt_specs(leaves, local_params(meta, placement, i), shardings[i])
-            for path, specs in mirrors.items():
-                opt_leaves.setdefault(path, {}).update(specs)
-            opt_scalars.update(scalars)
-        return StateLayout(
-            placement, shardings[index], leaves, tuple(params), self.stack_key, schedule, opt_leaves=opt_leaves,
-            opt_scalars=opt_scalars,
-        )
-
-    def _opt_specs(self, leaves: dict[tuple[str, str], Any], master: Params, sharding: FlatSharding | None) -> tuple[
-            dict[str, dict[tuple[str, str], Any]], dict[str, tuple[tuple[int, ...], torch.dtype]]]:
-        """The optimizer state's specs (see StateLayout.opt_leaves), from its state on meta tensors."""
-        update = master if sharding is None else meta_shards(sharding)
-        mirrors, scalars = split_opt_state(self.optimizer.init(update), update)
-        opt_leaves: dict[str, dict[tuple[str, str], Any]] = {}
-        for path, mirror in mirrors.items():
-            opt_leaves[path] = {}
-            for key, spec in leaves.items():
-                held = mirror.get(key[0]) if sharding is not None else mirror.get(key[0], {}).get(key[1])
-                if isinstance(held, torch.Tensor):
-                    opt_leaves[path][key] = dataclasses.replace(spec, dtype=held.dtype)
-        return opt_leaves, {path: (tuple(t.shape), t.dtype) for path, t in scalars.items()}
+        specs, and that rank's flat units (``engine/step/layouts.py``)."""
+        return build_layout(self, mesh, params, rank)
 
     def boundaries(self, layout: StateLayout, inputs: Any, mesh: Mesh | None = None) -> Any:
         """The (shape, dtype) of every tensor each pipeline stage passes on, for micro-batch ``inputs``
         (memoised per input layout; None when the chain cannot run on fake tensors)."""
-        key = ("boundaries", tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t for t in optree.tree_leaves(inputs)))
-        if key not in layout.cache:
-            prec = self.precision
-            shapes: dict[str, dict[str, tuple[torch.Size, torch.dtype]]] = {}
-            for spec in layout.leaves.values():
-                shapes.setdefault(spec.layer, {})[spec.name] = (torch.Size(spec.local_shape), spec.dtype)
-            with self.tp_predicting(mesh):
-                layout.cache[key] = predict_boundaries(
-                    self.chain, layout.placement, shapes,
-                    lambda layer, dtype: compute_dtype(prec, layer, dtype), inputs,
-                )
-        return layout.cache[key]
+        return stage_boundaries(self, layout, inputs, mesh)
 
     # -- state ----------------------------------------------------------------
     def init(self, params: Params, mesh: Mesh | None = None, *, seed: int = 0,
@@ -389,7 +264,7 @@ class Step:
         """
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"init(seed={seed!r}): the seed of the step's random streams is an int")
-        mesh = self._check_mesh(mesh)
+        mesh = self.check_mesh(mesh)
         check_params(self.chain, params)
         maker = None if source is not None else self._parameter_maker(params)
         layout = self.layout(mesh, params)
@@ -437,7 +312,7 @@ class Step:
         shapes = {k: {n: t.to("meta") for n, t in v.items()} for k, v in params.items()}
 
         def to_local(layer: str, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-            local = self.tp_view({**shapes, layer: {**shapes[layer], **values}}, mesh)[layer]
+            local = self.local_view({**shapes, layer: {**shapes[layer], **values}}, mesh)[layer]
             return self.master_params({layer: {n: local[n] for n in values}})[layer]
 
         held, update_tree = held_params(shapes, layout, index, dp_index, make, to_local)
@@ -483,152 +358,10 @@ class Step:
 
     # -- running --------------------------------------------------------------
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, Metrics]:
-        layout = self._state_layout(state)
-        mesh: Mesh | None = state.mesh
-        _check_world(mesh)
-        placement = layout.placement
-        index = layout.index_of(mesh)
-        pipe, sharding, prec = self.pipeline_spec, layout.sharding, self.precision
-        pair = split_batch(batch)
-        replicas = dp_index = 0
-        k = microbatch_count(self)
-        whole = batch_multiple(self, mesh)
-        if sharding is not None:
-            assert mesh is not None
-            replicas, dp_index = mesh.axis_size(sharding.axis), mesh.axis_index(sharding.axis)
-            where = f"shard_params over axis {sharding.axis!r} of size {replicas}"
-            pair = split_over(pair, replicas, dp_index, where, whole)
-        what = f"pipeline(microbatches={k})" if pipe is not None else f"shard_params(accumulation={k}) on the local batch"
-        micro = [pair] if k == 1 and sharding is None else [
-            split_over(pair, k, j, what, whole) for j in range(k)
-        ]
-        scale = self.loss_scale_value(state)
-        if sharding is None:
-            master = state.params
-            source = ParamSource(compute=self._compute_params(state.params))
-        else:
-            master = sharding.my_shards(state.params, dp_index)
-            if sharding.holds_shards:
-                # Compute copies are cast once per step, before they travel: half the bytes in bf16.
-                gather_from = master if prec is None else {u: t.to(prec.for_layer(u).compute) for u, t in master.items()}
-                source = ParamSource(sharding=sharding, gather_from=gather_from)
-            else:
-                source = ParamSource(compute=self._compute_params(state.params), sharding=sharding)
-        # The actions depend on the stack (the layout's) and on what the step exchanges.
-        exchange, axes = self.metric_exchange(), metric_axes(self)  # read once a step
-        key = ("actions", index, exchange, self.update_needs_sums)
-        actions = layout.cache.get(key)
-        if actions is None:
-            actions = layout.cache[key] = rank_actions(self, placement, layout.schedule, index, unit_names(sharding))
-        outcome: dict[str, Any] = {}
-
-        def update(grads: Any, summed: Summed) -> Any:
-            norm = summed.norm
-            if self.tokens is not None:  # the gradients of the summed losses: divide by the global count
-                count = _token_count(summed)
-                grads = optree.tree_map(lambda g: g / count.to(g.dtype), grads)
-                norm = None if norm is None else norm / count.to(norm.dtype)
-            new_master, outcome["opt_state"], outcome["loss_scale"] = self.finish(
-                state, grads, master, norm, summed.finite
-            )
-            return new_master
-
-        executor = Executor(
-            chain=self.chain,
-            loss_fn=self.loss_fn,
-            mesh=mesh,
-            placement=placement,
-            source=source,
-            microbatches=micro,
-            # A mean loss counts 1/(replicas x micro-batches) of the step; a token sum is divided
-            # by the global count in the update instead.
-            seed=scale if self.tokens is not None else scale / (max(replicas, 1) * k),
-            finalize=lambda grads: unscale_like(grads, master, scale),
-            update=update,
-            master=master,
-            held=state.params,
-            grad_scale=scale,
-            reduce_dtypes=None if prec is None or sharding is None else {
-                u: prec.for_layer(u).reduce for u in sharding.units
-            },
-            metric_dtype=layout.metric_dtype,
-            exchange=exchange,
-            metric_axes=axes,
-            replica_layers=frozenset(o for o, _ in placement.replicas_of(index)),
-            boundaries=None if pipe is None else self.boundaries(layout, micro[0][0], mesh),
-            poison=bool(pipe is not None and pipe.poison),
-            record=self.traced,
-            tokens=self.tokens,
-            rng_seed=None if state.rng is None else mix(state.rng, state.step),
-            counted=self._counted(layout, mesh),
-            # Summed with the metrics (and, under tensor_parallel, compared in its replica check).
-            batch_fingerprint=batch_fingerprint(batch) if exchange.batch or self.split_spec else None,
-            rng_rank=self._rng_rank(mesh),
-            replicated=None if self.split_spec is None else self._tp_selection(layout, mesh, replicated=True),
-        )
-        executor.run(actions)
-        summed = executor.summed
-        if mesh is not None and summed.batch is not None and summed.batches_differ(_exchange_group(mesh, axes)):
-            raise ValueError(different_batches())
-        if self.tokens is not None:
-            count = _token_count(summed)
-            loss = None if summed.loss_sum is None else summed.loss_sum / count.to(summed.loss_sum.dtype)
-            norm = None if summed.norm is None else summed.norm / count.to(summed.norm.dtype)
-            metrics = self.report(loss, norm)
-        else:
-            metrics = self.report(summed.mean_loss(max(replicas, 1) * k), summed.norm)
-        if sharding is not None:
-            metrics["peak_gathered_bytes"] = host_scalar(executor.peak_gathered_bytes)
-        if prec is not None:
-            metrics["loss_scale"] = host_scalar(scale)
-            metrics["skipped"] = host_scalar(not summed.finite)
-        if self.traced:
-            metrics["trace"] = executor.events  # type: ignore[assignment]
-            # Every action with its position in this rank's list: a measured timeline of the Plan.
-            metrics["action_times"] = executor.action_times  # type: ignore[assignment]
-        new_state = state._replace(
-            params=executor.new_held, opt_state=outcome["opt_state"], step=state.step + 1,
-            loss_scale=outcome["loss_scale"],
-        )
-        return new_state, metrics
-
-    def _tp_selection(self, layout: StateLayout, mesh: Mesh | None, replicated: bool) -> Any:
-        """Under tensor_parallel, this rank's gradients of the replicated parameters (``replicated``)
-        or of the split ones: their keys, or under ZeRO per unit the ranges of its flat shard."""
-        tp = self.split_spec
-        assert tp is not None and mesh is not None
-        key = ("tp_selection", replicated)
-        if key not in layout.cache:
-            whole = tp.replicated(self.base_chain)
-            sharding = layout.sharding
-            if sharding is None:
-                layout.cache[key] = frozenset(
-                    (s.layer, s.name) for s in layout.leaves.values() if ((s.layer, s.name) in whole) == replicated
-                )
-            else:
-                index = mesh.axis_index(sharding.axis)
-                layout.cache[key] = {
-                    u: lay.ranges_in_shard(frozenset(n for n in lay.names if ((u, n) in whole) == replicated), index)
-                    for u, lay in sharding.units.items()
-                }
-        return layout.cache[key]
-
-    def _counted(self, layout: StateLayout, mesh: Mesh | None) -> Any:
-        """Under tensor_parallel, on every index of its axis but the first: which gradients count in the
-        metrics (the split ones; a replicated parameter is counted once, by index 0, and so are the
-        loss and the tokens, which every index computes alike). None: all of them."""
-        tp = self.split_spec
-        if tp is None or mesh is None or mesh.axis_index(tp.axis) == 0:
-            return None
-        return self._tp_selection(layout, mesh, replicated=False)
-
-    def _rng_rank(self, mesh: Mesh | None) -> int | None:
-        """The rank whose random streams this rank draws: under tensor_parallel the first index of its
-        axis, so that random ops on replicated values (dropout on the residual stream) agree."""
-        tp = self.split_spec
-        if tp is None or mesh is None:
-            return None
-        return mesh.rank_of({**mesh.coords, tp.axis: 0})
+        """One training step on the global ``batch``: ``(new state, metrics)`` (every rank passes the same batch)."""
+        prepared = prepare_run(self, state, self._state_layout(state), batch)  # the rank's lowering is cached
+        prepared.run()
+        return finish_run(self, state, prepared)
 
     # -- inspection -----------------------------------------------------------
     def plan(self, mesh: Mesh | None = None, params: Params | None = None, batch: Any = None) -> Plan:
@@ -640,7 +373,7 @@ class Step:
         and the activation bytes kept for backward are predicted (on fake tensors: the
         figures ``sw.saved_bytes`` measures). See ``engine/step/planning.py``.
         """
-        return plan_of(self, self._check_mesh(mesh) or Mesh(world=1), params, batch)
+        return plan_of(self, self.check_mesh(mesh) or Mesh(world=1), params, batch)
 
     def kept_for_backward(self, params: Params, inputs: Any) -> int:
         """Predicted bytes the layers keep for backward on ``inputs`` (one forward, on fake tensors)."""
@@ -649,48 +382,7 @@ class Step:
     def compute_view(self, params: Params) -> Params:
         """The parameters as the layers receive them: the compute copies under a precision policy
         (cast once per step and held anyway, so not counted as kept activations)."""
-        if self.precision is None:
-            return params
-        return self.precision.compute_params(self.master_params(params))
-
-
-def _exchange_group(mesh: Mesh, axes: tuple[str, ...]) -> list[int]:
-    """The ranks whose shares the calling rank's metrics exchange sums: those that differ from it
-    on ``axes`` only."""
-    me = mesh.coords
-    return [r for r in range(mesh.size) if all(c == me[a] for a, c in mesh.coords_of(r).items() if a not in axes)]
-
-
-def _check_world(mesh: Mesh | None) -> None:
-    """Refuse a TrainState of another world (one torch.save'd on another mesh): it holds one
-    rank's shards of its own mesh, which only sw.checkpoint reshards."""
-    if mesh is None:  # a single-device state: every rank may run its own
-        return
-    world = current_backend().world_size
-    if mesh.size != world:
-        raise ValueError(
-            f"this TrainState was made on {mesh!r} ({mesh.size} ranks), but this program runs on "
-            f"a world of {world}: a state (a torch.save'd one too) holds one rank's part of its "
-            "own mesh; to go on with another mesh, save it on that mesh with "
-            "sw.checkpoint.save(path, state, step) and load it with "
-            "sw.checkpoint.load(path, step, mesh), which reshards"
-        )
-
-
-def _token_count(summed: Summed) -> torch.Tensor:
-    """The global token count of a token-weighted step, refused when there is none to learn from."""
-    count = summed.count
-    assert count is not None, "a token-weighted step exchanges its token count"
-    if not bool(count > 0):
-        raise ValueError(
-            "the global batch has no token to learn from (the token count is 0: every label is padding); "
-            "skip such batches or check the labels"
-        )
-    return count
-
-
-
-
+        return params if self.precision is None else compute_params(self.precision, self.master_params(params))
 
 
 def train_step(

@@ -36,7 +36,6 @@ class PrecisionSpec:
 
     name: ClassVar[str] = "mixed_precision"
     role: ClassVar[str] = REWRITE
-    rewrite_order: ClassVar[int] = 1  # the casts go around remat's checkpoint (engine/stack/compose.py)
 
     def rewrite(self, chain: Chain) -> Chain:
         return cast_chain(chain, self.precision)

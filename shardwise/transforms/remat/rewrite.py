@@ -97,7 +97,6 @@ class RematSpec:
 
     name: ClassVar[str] = "remat"
     role: ClassVar[str] = REWRITE
-    rewrite_order: ClassVar[int] = 0  # innermost: the precision casts go around it
 
     def rewrite(self, chain: Chain) -> Chain:
         chosen = set(self.layers)

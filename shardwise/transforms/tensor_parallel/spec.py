@@ -33,7 +33,11 @@ class TPSpec:
 
     name: ClassVar[str] = "tensor_parallel"
     role: ClassVar[str] = SPLIT
-    rewrite_order: ClassVar[int] = -1  # innermost: remat recomputes its collectives, the casts go around
+    replica_fix: ClassVar[str] = (
+        "A replicated parameter is used on per-rank values without its gradient being summed: mark the attention or "
+        "MLP module holding it as a Region() in the plan, or name the blocks in sequence_parallel= if it acts on "
+        "sequence slices"
+    )
 
     def __str__(self) -> str:
         plan = ", ".join(f"{p!r}: {s}" for p, s in self.plan)
@@ -71,6 +75,10 @@ class TPSpec:
         """Every split parameter, by (owner layer, owner's local name), for an axis of ``parts``."""
         return {k: TensorSplit(self.axis, s.dim, parts, s.blocks) for k, s in self.resolved(chain).splits.items()}
 
+    def tensor_splits(self, chain: Chain, mesh: Mesh | None) -> dict[tuple[str, str], TensorSplit]:
+        """Every split parameter, by (owner layer, owner's local name), for this axis of ``mesh``."""
+        return self.splits(chain, _mesh(mesh, self.axis).axis_size(self.axis))
+
     def check_sizes(self, chain: Chain, params: Mapping[str, Mapping[str, torch.Tensor]], parts: int) -> None:
         """Refuse heads or parameter dims that the axis size does not divide, naming them."""
         for path, attr, value in self.resolved(chain).heads:
@@ -82,10 +90,11 @@ class TPSpec:
         for (layer, name), split in self.splits(chain, parts).items():
             split.check(tuple(params[layer][name].shape), f"tensor_parallel: parameter {name!r} of layer {layer!r}")
 
-    def local_params(
-        self, chain: Chain, params: Mapping[str, Mapping[str, torch.Tensor]], mesh: Mesh, rank: int | None
+    def local_view(
+        self, chain: Chain, params: Mapping[str, Mapping[str, torch.Tensor]], mesh: Mesh | None, rank: int | None
     ) -> dict[str, dict[str, torch.Tensor]]:
         """The parameters as tensor-parallel index of ``rank`` (default: the calling rank) computes with."""
+        mesh = _mesh(mesh, self.axis)
         parts = mesh.axis_size(self.axis)
         self.check_sizes(chain, params, parts)
         index = mesh.axis_index(self.axis) if rank is None else mesh.coords_of(rank)[self.axis]
@@ -100,11 +109,22 @@ class TPSpec:
         splits = self.resolved(chain).splits
         return frozenset((layer.name, n) for layer in chain for n in layer.owned_param_names if (layer.name, n) not in splits)
 
+    def counts_replicated(self, mesh: Mesh | None) -> bool:
+        """Index 0 of the axis alone counts the loss, the tokens and the replicated gradients in the
+        metrics: every index computes them alike."""
+        return _mesh(mesh, self.axis).axis_index(self.axis) == 0
+
+    def rng_rank(self, mesh: Mesh | None) -> int:
+        """The first index of the axis: random ops on replicated values (dropout on the residual
+        stream) draw alike on every index."""
+        mesh = _mesh(mesh, self.axis)
+        return mesh.rank_of({**mesh.coords, self.axis: 0})
+
     # -- prediction --------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def predicting(self, mesh: Mesh) -> Iterator[None]:
+    def predicting(self, mesh: Mesh | None) -> Iterator[None]:
         """Run the layers on fake tensors: the collectives move nothing, shapes are this mesh's."""
-        with predicting(mesh.axis_size(self.axis)):
+        with predicting(_mesh(mesh, self.axis).axis_size(self.axis)):
             yield
 
     def inner_collectives(
@@ -132,6 +152,13 @@ class TPSpec:
             if parts:
                 notes[name] = "tensor parallel: " + "; ".join(parts)
         return notes
+
+
+def _mesh(mesh: Mesh | None, axis: str) -> Mesh:
+    """The step's mesh, which a split step always has (step.init refuses none: its axis needs one)."""
+    if mesh is None:
+        raise ValueError(f"tensor_parallel(axis={axis!r}) needs the mesh: call step.init(params, mesh)")
+    return mesh
 
 
 def _leaves_split(lp: LayerPlan, before: bool) -> bool:

@@ -1,0 +1,246 @@
+"""The roles a transform's spec plays for the engine, each a written protocol: the few members the
+engine may read or call on a spec of that role, and when it does. Nothing else of a spec is
+ever asked (engine/stack/compose.py's rules aside, which may name transforms).
+
+Every spec is frozen data with a ``name`` (its transform's), a ``role`` (one of
+:data:`ROLES`) and a text form (``str(spec)``, what a TrainState records of the step).
+:func:`check_role` refuses a spec that lacks a member of its role's protocol, naming it.
+
+* PLACEMENT (pipeline) decides which layers each rank holds and when they compute.
+* SHARDING (shard_params) shards a rank's units over a data-parallel axis.
+* SPLIT (tensor_parallel) cuts parameters over an axis and rewrites the layers that use them.
+* REWRITE (mixed_precision, remat) rewrites layer functions.
+
+A stack without a SPLIT spec reads :data:`NO_SPLIT` instead (:func:`split_of`): a split that
+cuts nothing, so the engine asks the same questions of every step.
+
+How the next transforms would plug in (not built yet):
+
+* expert_parallel: a SPLIT spec over ``ep``. ``tensor_splits`` cuts the experts' fused 3-D
+  parameters on dim 0 (a TensorSplit of ``ep``); ``rewrite`` installs the MoE layers' all-to-all
+  dispatch and combine; ``inner_collectives`` predicts those all-to-alls for the Plan;
+  ``replicated`` names the non-expert parameters. Because ``ep`` is also a batch axis, the
+  batch is cut over it and the replicated parameters' gradients are summed over it: the engine
+  does not ask a split that yet, so that needs two members added here when it is built
+  ("the axes this split cuts the batch over", "the axes a parameter's gradient is summed
+  over"), read where the batch is cut (step/run_inputs.py) and where the metrics' axes are
+  chosen (plan/lower.py's metric_axes).
+* context_parallel: a SPLIT spec over ``cp`` that cuts no parameter (``tensor_splits``
+  empty, ``replicated`` every parameter) and rewrites the attention layers (ring or
+  all-to-all); its batch is cut on the sequence dim over ``cp`` and every gradient is summed
+  over ``cp``: the same two members as expert_parallel's. ``counts_replicated`` is true on
+  every index (each holds other tokens: its loss and tokens count) and ``rng_rank`` is its own.
+* Either goes in its own folder and adds one rule to compose.py: which axes it may share
+  (expert_parallel with shard_params' axis, as a batch axis), and, if both are in one stack,
+  the once-per-stack rule for SPLIT becomes "one split per axis" there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Protocol
+
+import torch
+
+from ...collectives.mesh import Mesh
+from ..layout.state import Params
+from ..layout.state_layout import TensorSplit
+from ..model.chain import Chain
+
+PLACEMENT = "placement"  # decides which layers each rank holds and when they compute (pipeline)
+SHARDING = "sharding"  # shards a rank's units over an axis (shard_params)
+REWRITE = "rewrite"  # rewrites layer functions (mixed_precision, remat)
+SPLIT = "split"  # cuts parameters over an axis and rewrites the layers that use them (tensor_parallel)
+ROLES = (PLACEMENT, SHARDING, REWRITE, SPLIT)
+
+# The plan room comes after this one, so its types (Placement's schedule, Action) are Any here.
+
+
+class Spec(Protocol):
+    """What every spec has."""
+
+    name: str  # the transform's name: in errors, and in compose.py's rules
+    role: str  # one of ROLES: which protocol below the engine reads it by
+
+
+class PlacementRole(Spec, Protocol):
+    """A spec that places the chain's layers on the ranks of an axis and orders their computes."""
+
+    axis: str  # step.init and step.plan: the mesh must have it
+    microbatches: int  # the lowering and the batch cut: how many micro-batches a rank's batch is cut into
+    poison: bool  # the step's run: whether used transfer buffers are filled with NaN
+    trace: bool  # Step.traced: whether a step reports its action times by default
+
+    def place(self, chain: Chain, mesh: Mesh, params: Params | None) -> tuple[Any, Any]:
+        """The lowering, once per layout: (Placement, schedule) of the chain on ``mesh``, refusing what cannot run."""
+        ...
+
+    def rank_computes(self, placement: Any, schedule: Any, index: int) -> list[Any]:
+        """The lowering: the compute actions of the ranks at ``index`` of the axis, in order."""
+        ...
+
+    def kept_per_index(
+        self, schedule: Any, per_stage: Sequence[int], of_batch: Sequence[int] | None = None
+    ) -> tuple[int, ...]:
+        """step.plan with a batch: the activation bytes each index keeps for backward."""
+        ...
+
+
+class ShardingRole(Spec, Protocol):
+    """A spec that shards each rank's units (a layer's owned parameters, flat) over an axis."""
+
+    axis: str  # the data-parallel axis: the batch is cut over it, the units sharded over it
+    stage: int  # ZeRO stage: what is sharded (1: optimizer state, 2: + gradients, 3: + parameters)
+    accumulation: int  # the lowering and the batch cut: micro-batches per rank without a pipeline
+    reshard_after_forward: bool | None  # compose.reshard_after_forward: None means the stated default
+
+    def insert(
+        self, actions: Sequence[Any], stage_needs: Mapping[int, tuple[str, ...]], *, reshard: bool, pipelined: bool,
+        deferred: set[str],
+    ) -> list[Any]:
+        """The lowering: the rank's computes with the gathers, frees and reduce-scatters inserted."""
+        ...
+
+
+class RewriteRole(Spec, Protocol):
+    """A spec that rewrites layer functions (compose.add rebuilds the chain in REWRITE_ORDER)."""
+
+    def rewrite(self, chain: Chain) -> Chain:
+        """compose.add, each time the stack changes: ``chain`` with this spec's layer functions."""
+        ...
+
+    def layer_notes(self, chain: Chain) -> dict[str, str]:
+        """step.plan: per layer, what this spec does to it, for the Plan's notes."""
+        ...
+
+
+class SplitRole(Spec, Protocol):
+    """A spec that cuts parameters over an axis and rewrites the layers that compute with them."""
+
+    axis: str | None  # None: nothing is split (NO_SPLIT); else the mesh must have it
+    replica_fix: str  # the replica check's error: how to fix replicated gradients that differ over the axis
+
+    def rewrite(self, chain: Chain, stack: tuple[Any, ...]) -> Chain:
+        """compose.add: ``chain`` with the split layers (``stack``: the rest, e.g. a reduce dtype to sum in)."""
+        ...
+
+    def layer_notes(self, chain: Chain) -> dict[str, str]:
+        """step.plan: per layer, what the split does to it, for the Plan's notes."""
+        ...
+
+    def tensor_splits(self, chain: Chain, mesh: Mesh | None) -> dict[tuple[str, str], TensorSplit] | None:
+        """step.layout: how each split parameter, by (owner layer, local name), is cut over the axis."""
+        ...
+
+    def local_view(self, chain: Chain, params: Params, mesh: Mesh | None, rank: int | None) -> Params:
+        """step.layout, init, plan: ``params`` as ``rank`` (None: the calling rank) computes with them."""
+        ...
+
+    def replicated(self, chain: Chain) -> frozenset[tuple[str, str]]:
+        """The step's run: the parameters every index of the axis holds whole (their gradients must agree)."""
+        ...
+
+    def counts_replicated(self, mesh: Mesh | None) -> bool:
+        """The step's run: whether this rank counts what every index computes alike (loss, tokens,
+        replicated gradients) in the metrics; one index per group does, or they would be counted again."""
+        ...
+
+    def rng_rank(self, mesh: Mesh | None) -> int | None:
+        """The step's run: the rank whose random streams this rank draws (None: its own)."""
+        ...
+
+    def predicting(self, mesh: Mesh | None) -> contextlib.AbstractContextManager[Any]:
+        """step.plan and the pipeline's boundaries: a block in which the layers run on fake tensors."""
+        ...
+
+    def inner_collectives(
+        self, chain: Chain, placement: Any, shapes: Mapping[str, Mapping[str, tuple[torch.Size, torch.dtype]]],
+        loss_fn: Callable[[Any, Any], Any], micro: tuple[Any, Any], mesh: Mesh,
+    ) -> dict[tuple[str, int], list[tuple[str, str, torch.dtype, tuple[int, ...]]]]:
+        """step.plan with a batch: per (compute kind, stage), each collective its layers issue, as
+        (op, label, dtype, shape): the Plan lists them after their compute."""
+        ...
+
+
+PROTOCOLS: dict[str, type] = {
+    PLACEMENT: PlacementRole, SHARDING: ShardingRole, REWRITE: RewriteRole, SPLIT: SplitRole,
+}
+
+
+def protocol_members(protocol: type) -> tuple[str, ...]:
+    """The members a protocol states (attributes and methods), its bases' included, in order."""
+    names: dict[str, None] = {}
+    for cls in reversed(protocol.__mro__):
+        if cls is object or cls is Protocol or not getattr(cls, "_is_protocol", False):
+            continue
+        for name in (*getattr(cls, "__annotations__", {}), *vars(cls)):
+            if not name.startswith("_"):
+                names[name] = None
+    return tuple(names)
+
+
+def check_role(spec: Any) -> None:
+    """Refuse a spec without a known role, or without a member of its role's protocol, naming it."""
+    role = getattr(spec, "role", None)
+    if role not in PROTOCOLS:
+        raise TypeError(f"{spec!r} has role {role!r}; a transform's role is one of {ROLES}")
+    protocol = PROTOCOLS[role]
+    missing = [name for name in protocol_members(protocol) if not hasattr(spec, name)]
+    if missing:
+        raise TypeError(
+            f"{type(spec).__name__} plays the role {role!r} but has no {', '.join(repr(m) for m in missing)}: a "
+            f"{role} spec implements {protocol.__name__} (shardwise/engine/stack/roles.py), the members the engine "
+            "asks of it"
+        )
+
+
+class NoSplit:
+    """The split of a stack without one: nothing is cut, every rank computes with whole parameters."""
+
+    name = "no split"
+    role = SPLIT
+    axis: str | None = None
+    replica_fix = ""
+
+    def __str__(self) -> str:
+        return "no split"
+
+    def rewrite(self, chain: Chain, stack: tuple[Any, ...]) -> Chain:
+        return chain
+
+    def layer_notes(self, chain: Chain) -> dict[str, str]:
+        return {}
+
+    def tensor_splits(self, chain: Chain, mesh: Mesh | None) -> dict[tuple[str, str], TensorSplit] | None:
+        return None
+
+    def local_view(self, chain: Chain, params: Params, mesh: Mesh | None, rank: int | None) -> Params:
+        return params
+
+    def replicated(self, chain: Chain) -> frozenset[tuple[str, str]]:
+        return frozenset((layer.name, n) for layer in chain for n in layer.owned_param_names)
+
+    def counts_replicated(self, mesh: Mesh | None) -> bool:
+        return True
+
+    def rng_rank(self, mesh: Mesh | None) -> int | None:
+        return None
+
+    @contextlib.contextmanager
+    def predicting(self, mesh: Mesh | None) -> Iterator[None]:
+        yield
+
+    def inner_collectives(
+        self, chain: Chain, placement: Any, shapes: Mapping[str, Mapping[str, tuple[torch.Size, torch.dtype]]],
+        loss_fn: Callable[[Any, Any], Any], micro: tuple[Any, Any], mesh: Mesh,
+    ) -> dict[tuple[str, int], list[tuple[str, str, torch.dtype, tuple[int, ...]]]]:
+        return {}
+
+
+NO_SPLIT = NoSplit()
+
+
+def split_of(stack: tuple[Any, ...]) -> SplitRole:
+    """The stack's SPLIT spec (check_stack allows one), or :data:`NO_SPLIT`."""
+    return next((spec for spec in stack if spec.role == SPLIT), NO_SPLIT)

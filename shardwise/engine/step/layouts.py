@@ -1,0 +1,105 @@
+"""How a step lays out the parameters on a mesh: the checks of the mesh, the StateLayout of a rank
+(placement, per-leaf shard specs, the rank's flat units, the optimizer state's specs) and the
+pipeline's stage boundaries predicted on fake tensors."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+import optree
+import torch
+
+from ...collectives.mesh import Mesh
+from ..checkpoint.cut import split_opt_state
+from ..layout.precision import compute_dtype
+from ..layout.sharding import FlatSharding
+from ..layout.state import Params, check_params
+from ..layout.state_layout import StateLayout, leaf_specs, local_params, meta_shards
+from ..plan.lower import placement_of, predict_boundaries
+
+if TYPE_CHECKING:
+    from .step import Step
+
+
+def check_mesh(transforms: tuple[Any, ...], mesh: Mesh | None) -> Mesh | None:
+    """``mesh``, once it has the axis of every spec that goes over one (refused, naming it, if not)."""
+    for spec in transforms:
+        axis = getattr(spec, "axis", None)  # REWRITE specs go over no axis
+        if axis is None:
+            continue
+        if mesh is None:
+            raise ValueError(f"{spec.name}(axis={axis!r}) needs the mesh: call step.init(params, mesh)")
+        if axis not in mesh.axis_names:
+            raise ValueError(
+                f"{spec.name}(axis={axis!r}): {mesh!r} has no axis {axis!r}; use one of {mesh.axis_names} "
+                "or build the mesh with that axis"
+            )
+    return mesh
+
+
+def build_layout(step: Step, mesh: Mesh | None, params: Params, rank: int | None) -> StateLayout:
+    """See Step.layout."""
+    mesh = check_mesh(step.transforms, mesh)
+    check_params(step.chain, params)
+    placement, schedule = placement_of(step, mesh, params)
+    split = step.split
+    if rank is None and mesh is not None and (placement.axis is not None or split.axis is not None):
+        try:
+            rank = mesh.rank
+        except RuntimeError:  # not inside a launched program: describe rank 0
+            rank = 0
+    index = placement.index_of(mesh, rank) if rank is not None else 0
+    meta = step.master_meta(step.local_view(params, mesh, rank))
+    splits = split.tensor_splits(step.base_chain, mesh)
+    zero = step.sharding_spec
+    shardings: dict[int, FlatSharding | None] = {}
+    for i in sorted(set(placement.stage_rank)):
+        local = local_params(meta, placement, i)
+        shardings[i] = (
+            None if zero is None or mesh is None else FlatSharding.of(zero.axis, zero.stage, local, mesh.axis_size(zero.axis))
+        )
+    leaves = leaf_specs(meta, placement, shardings, splits)
+    opt_leaves: dict[str, dict[tuple[str, str], Any]] = {}
+    opt_scalars: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    for i in sorted(set(placement.stage_rank)):  # every pipeline index's state, like ``leaves``
+        mirrors, scalars = _opt_specs(step, leaves, local_params(meta, placement, i), shardings[i])
+        for path, specs in mirrors.items():
+            opt_leaves.setdefault(path, {}).update(specs)
+        opt_scalars.update(scalars)
+    return StateLayout(
+        placement, shardings[index], leaves, tuple(params), step.stack_key, schedule, opt_leaves=opt_leaves,
+        opt_scalars=opt_scalars,
+    )
+
+
+def _opt_specs(step: Step, leaves: dict[tuple[str, str], Any], master: Params, sharding: FlatSharding | None) -> tuple[
+        dict[str, dict[tuple[str, str], Any]], dict[str, tuple[tuple[int, ...], torch.dtype]]]:
+    """The optimizer state's specs (see StateLayout.opt_leaves), from its state on meta tensors."""
+    update = master if sharding is None else meta_shards(sharding)
+    mirrors, scalars = split_opt_state(step.optimizer.init(update), update)
+    opt_leaves: dict[str, dict[tuple[str, str], Any]] = {}
+    for path, mirror in mirrors.items():
+        opt_leaves[path] = {}
+        for key, spec in leaves.items():
+            held = mirror.get(key[0]) if sharding is not None else mirror.get(key[0], {}).get(key[1])
+            if isinstance(held, torch.Tensor):
+                opt_leaves[path][key] = dataclasses.replace(spec, dtype=held.dtype)
+    return opt_leaves, {path: (tuple(t.shape), t.dtype) for path, t in scalars.items()}
+
+
+def stage_boundaries(step: Step, layout: StateLayout, inputs: Any, mesh: Mesh | None) -> Any:
+    """See Step.boundaries."""
+    leaves = optree.tree_leaves(inputs)
+    key = ("boundaries", tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t for t in leaves))
+    if key not in layout.cache:
+        prec = step.precision
+        shapes: dict[str, dict[str, tuple[torch.Size, torch.dtype]]] = {}
+        for spec in layout.leaves.values():
+            shapes.setdefault(spec.layer, {})[spec.name] = (torch.Size(spec.local_shape), spec.dtype)
+        with step.predicting(mesh):
+            layout.cache[key] = predict_boundaries(
+                step.chain, layout.placement, shapes,
+                lambda layer, dtype: compute_dtype(prec, layer, dtype), inputs,
+            )
+    return layout.cache[key]

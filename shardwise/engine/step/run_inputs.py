@@ -1,0 +1,256 @@
+"""What one call of a step gives the executor: made from the step, its TrainState and the batch.
+
+:func:`rank_run` is what a rank's run reads of its layout and of the step's stack (its Plan
+actions, what the metrics count, the replica check's selection, whose random streams it draws);
+it depends on the layout and on what the step exchanges only, so it is made once per layout and
+kept in the layout's cache. :func:`prepare_run` adds what changes every call (the rank's
+micro-batches, where its layers read their parameters, the loss scale, the step's seed, the
+optimizer's update) and :func:`finish_run` turns the executor's results into the new TrainState
+and the metrics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import optree
+import torch
+
+from ...collectives.backends.current import current_backend
+from ...collectives.mesh import Mesh
+from ..layout.devices import host_scalar
+from ..layout.sharding import FlatSharding
+from ..layout.state import TrainState
+from ..layout.state_layout import StateLayout, unit_names
+from ..plan.actions import Action
+from ..plan.batches import split_batch, split_over
+from ..plan.lower import metric_axes, microbatch_count, rank_actions
+from ..run.executor import Executor, ParamSource, ReplicaCheck
+from ..run.metrics import MetricExchange, Summed, batch_fingerprint, different_batches
+from ..run.rng import mix
+from ..stack.roles import SplitRole
+from .master import compute_params, unscale_like
+from .planning import batch_multiple
+
+if TYPE_CHECKING:
+    from .step import Metrics, Step
+
+
+@dataclass(frozen=True)
+class RankRun:
+    """What a rank's run reads of its layout and of the step's stack (see :func:`rank_run`)."""
+
+    actions: tuple[Action, ...]  # this rank's Plan actions
+    exchange: MetricExchange  # what the ranks sum after the backward
+    metric_axes: tuple[str, ...]  # the axes they sum it over
+    replica_layers: frozenset[str]  # layers of which this rank holds only tied copies
+    reduce_dtypes: Mapping[str, torch.dtype] | None  # under ZeRO and a precision policy: per unit
+    counted: Any  # the gradients this rank's metrics count (None: all), see SplitRole.counts_replicated
+    replicas: ReplicaCheck | None  # the gradients that must agree over the split's axis
+    rng_rank: int | None  # the rank whose random streams this one draws (None: its own)
+
+
+def rank_run(step: Step, layout: StateLayout, mesh: Mesh | None) -> RankRun:
+    """This rank's :class:`RankRun`, made once per layout and per what the step exchanges."""
+    exchange = step.metric_exchange()
+    key = ("rank run", layout.index_of(mesh), exchange, step.update_needs_sums)
+    made = layout.cache.get(key)
+    if made is None:
+        made = layout.cache[key] = _make_rank_run(step, layout, mesh, exchange)
+    assert isinstance(made, RankRun)
+    return made
+
+
+def _make_rank_run(step: Step, layout: StateLayout, mesh: Mesh | None, exchange: MetricExchange) -> RankRun:
+    placement, sharding, prec, split = layout.placement, layout.sharding, step.precision, step.split
+    index = layout.index_of(mesh)
+    splits = split.axis is not None
+    return RankRun(
+        actions=rank_actions(step, placement, layout.schedule, index, unit_names(sharding)),
+        exchange=exchange,
+        metric_axes=metric_axes(step),
+        replica_layers=frozenset(o for o, _ in placement.replicas_of(index)),
+        reduce_dtypes=None if prec is None or sharding is None else {
+            u: prec.for_layer(u).reduce for u in sharding.units
+        },
+        counted=None if split.counts_replicated(mesh) else gradient_selection(split, step, layout, mesh, False),
+        replicas=ReplicaCheck(gradient_selection(split, step, layout, mesh, True), split.name, split.replica_fix)
+        if splits else None,
+        rng_rank=split.rng_rank(mesh),
+    )
+
+
+def gradient_selection(split: SplitRole, step: Step, layout: StateLayout, mesh: Mesh | None, replicated: bool) -> Any:
+    """This rank's gradients of the parameters the split replicates (``replicated``) or of the ones
+    it cuts: their keys, or under ZeRO per unit the ranges of its flat shard."""
+    whole = split.replicated(step.base_chain)
+    sharding = layout.sharding
+    if sharding is None:
+        return frozenset(
+            (s.layer, s.name) for s in layout.leaves.values() if ((s.layer, s.name) in whole) == replicated
+        )
+    assert mesh is not None
+    index = mesh.axis_index(sharding.axis)
+    return {
+        u: lay.ranges_in_shard(frozenset(n for n in lay.names if ((u, n) in whole) == replicated), index)
+        for u, lay in sharding.units.items()
+    }
+
+
+def local_microbatches(step: Step, mesh: Mesh | None, sharding: FlatSharding | None, batch: Any) -> tuple[
+        list[tuple[Any, Any]], int]:
+    """(this rank's micro-batches, the data-parallel replicas): the global batch cut over
+    shard_params' axis, then into the pipeline's micro-batches or shard_params' accumulation."""
+    pair = split_batch(batch)
+    replicas = 0
+    k = microbatch_count(step)
+    whole = batch_multiple(step, mesh)
+    if sharding is not None:
+        assert mesh is not None
+        replicas, dp_index = mesh.axis_size(sharding.axis), mesh.axis_index(sharding.axis)
+        where = f"shard_params over axis {sharding.axis!r} of size {replicas}"
+        pair = split_over(pair, replicas, dp_index, where, whole)
+    pipelined = step.pipeline_spec is not None
+    what = f"pipeline(microbatches={k})" if pipelined else f"shard_params(accumulation={k}) on the local batch"
+    if k == 1 and sharding is None:
+        return [pair], replicas
+    return [split_over(pair, k, j, what, whole) for j in range(k)], replicas
+
+
+def param_source(step: Step, state: TrainState, sharding: FlatSharding | None) -> tuple[Any, ParamSource]:
+    """(what the optimizer updates, where the layers read their parameters) of this rank's state."""
+    prec = step.precision
+    if sharding is None:
+        return state.params, ParamSource(compute=compute_params(prec, state.params))
+    master = sharding.my_shards(state.params, state.mesh.axis_index(sharding.axis))
+    if sharding.holds_shards:
+        # Compute copies are cast once per step, before they travel: half the bytes in bf16.
+        gather_from = master if prec is None else {u: t.to(prec.for_layer(u).compute) for u, t in master.items()}
+        return master, ParamSource(sharding=sharding, gather_from=gather_from)
+    return master, ParamSource(compute=compute_params(prec, state.params), sharding=sharding)
+
+
+@dataclass
+class PreparedRun:
+    """One call of a step, ready to run: its executor, the rank's cached run, and what the update
+    made besides the new master tree (the optimizer state, the loss scale)."""
+
+    executor: Executor
+    rank: RankRun
+    replicas: int  # the data-parallel replicas the batch was cut into (0: none)
+    outcome: dict[str, Any]
+
+    def run(self) -> None:
+        self.executor.run(self.rank.actions)
+
+
+def prepare_run(step: Step, state: TrainState, layout: StateLayout, batch: Any) -> PreparedRun:
+    """The executor of this call on ``batch``, with the rank's cached :class:`RankRun`."""
+    mesh: Mesh | None = state.mesh
+    _check_world(mesh)
+    run = rank_run(step, layout, mesh)
+    sharding, pipe = layout.sharding, step.pipeline_spec
+    micro, replicas = local_microbatches(step, mesh, sharding, batch)
+    master, source = param_source(step, state, sharding)
+    scale, k = step.loss_scale_value(state), microbatch_count(step)
+    outcome: dict[str, Any] = {}
+
+    def update(grads: Any, summed: Summed) -> Any:
+        norm = summed.norm
+        if step.tokens is not None:  # the gradients of the summed losses: divide by the global count
+            grads, norm = divided_by_tokens(grads, norm, summed)
+        new_master, outcome["opt_state"], outcome["loss_scale"] = step.finish(state, grads, master, norm, summed.finite)
+        return new_master
+
+    executor = Executor(
+        chain=step.chain, loss_fn=step.loss_fn, mesh=mesh, placement=layout.placement, source=source,
+        microbatches=micro,
+        # A mean loss counts 1/(replicas x micro-batches) of the step; a token sum is divided
+        # by the global count in the update instead.
+        seed=scale if step.tokens is not None else scale / (max(replicas, 1) * k),
+        finalize=lambda grads: unscale_like(grads, master, scale), update=update,
+        master=master, held=state.params, grad_scale=scale, reduce_dtypes=run.reduce_dtypes,
+        metric_dtype=layout.metric_dtype, exchange=run.exchange, metric_axes=run.metric_axes,
+        replica_layers=run.replica_layers,
+        boundaries=None if pipe is None else step.boundaries(layout, micro[0][0], mesh),
+        poison=bool(pipe is not None and pipe.poison), record=step.traced, tokens=step.tokens,
+        rng_seed=None if state.rng is None else mix(state.rng, state.step), counted=run.counted,
+        # Summed with the metrics (and, under a split, compared in its replica check).
+        batch_fingerprint=batch_fingerprint(batch) if run.exchange.batch or run.replicas is not None else None,
+        rng_rank=run.rng_rank, replicas=run.replicas,
+    )
+    return PreparedRun(executor, run, replicas, outcome)
+
+
+def finish_run(step: Step, state: TrainState, prepared: PreparedRun) -> tuple[TrainState, Metrics]:
+    """The new TrainState and the metrics, once the prepared run ran."""
+    mesh, executor, summed = state.mesh, prepared.executor, prepared.executor.summed
+    if mesh is not None and summed.batch is not None and summed.batches_differ(
+        _exchange_group(mesh, prepared.rank.metric_axes)
+    ):
+        raise ValueError(different_batches())
+    if step.tokens is not None:
+        count = token_count(summed)
+        loss = None if summed.loss_sum is None else summed.loss_sum / count.to(summed.loss_sum.dtype)
+        norm = None if summed.norm is None else summed.norm / count.to(summed.norm.dtype)
+        metrics = step.report(loss, norm)
+    else:
+        metrics = step.report(summed.mean_loss(max(prepared.replicas, 1) * microbatch_count(step)), summed.norm)
+    if state.layout.sharding is not None:
+        metrics["peak_gathered_bytes"] = host_scalar(executor.peak_gathered_bytes)
+    if step.precision is not None:
+        metrics["loss_scale"] = host_scalar(step.loss_scale_value(state))
+        metrics["skipped"] = host_scalar(not summed.finite)
+    if step.traced:
+        metrics["trace"] = executor.events  # type: ignore[assignment]
+        # Every action with its position in this rank's list: a measured timeline of the Plan.
+        metrics["action_times"] = executor.action_times  # type: ignore[assignment]
+    new_state = state._replace(
+        params=executor.new_held, opt_state=prepared.outcome["opt_state"], step=state.step + 1,
+        loss_scale=prepared.outcome["loss_scale"],
+    )
+    return new_state, metrics
+
+
+def token_count(summed: Summed) -> torch.Tensor:
+    """The global token count of a token-weighted step, refused when there is none to learn from."""
+    count = summed.count
+    assert count is not None, "a token-weighted step exchanges its token count"
+    if not bool(count > 0):
+        raise ValueError(
+            "the global batch has no token to learn from (the token count is 0: every label is padding); "
+            "skip such batches or check the labels"
+        )
+    return count
+
+
+def divided_by_tokens(grads: Any, norm: torch.Tensor | None, summed: Summed) -> tuple[Any, torch.Tensor | None]:
+    """The gradients (and norm) of the summed losses of a token-weighted step, divided by the global count."""
+    count = token_count(summed)
+    grads = optree.tree_map(lambda g: g / count.to(g.dtype), grads)
+    return grads, None if norm is None else norm / count.to(norm.dtype)
+
+
+def _check_world(mesh: Mesh | None) -> None:
+    """Refuse a TrainState of another world (one torch.save'd on another mesh): it holds one
+    rank's shards of its own mesh, which only sw.checkpoint reshards."""
+    if mesh is None:  # a single-device state: every rank may run its own
+        return
+    world = current_backend().world_size
+    if mesh.size != world:
+        raise ValueError(
+            f"this TrainState was made on {mesh!r} ({mesh.size} ranks), but this program runs on "
+            f"a world of {world}: a state (a torch.save'd one too) holds one rank's part of its "
+            "own mesh; to go on with another mesh, save it on that mesh with "
+            "sw.checkpoint.save(path, state, step) and load it with "
+            "sw.checkpoint.load(path, step, mesh), which reshards"
+        )
+
+
+def _exchange_group(mesh: Mesh, axes: tuple[str, ...]) -> list[int]:
+    """The ranks whose shares the calling rank's metrics exchange sums: those that differ from it
+    on ``axes`` only."""
+    me = mesh.coords
+    return [r for r in range(mesh.size) if all(c == me[a] for a, c in mesh.coords_of(r).items() if a not in axes)]
