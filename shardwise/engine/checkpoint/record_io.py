@@ -130,16 +130,86 @@ def read_box_into(
     """Copy the ``pieces`` (boxes in a stored box of ``sizes``, each with the view it goes to) of
     the raw row-major box at byte ``data_at`` of ``f`` into their views. Only the bytes that hold
     them are read (with ``crc32s``, a crc32 per ``CHUNK_BYTES`` of the box: the whole chunks that
-    hold them, each checked), at most ``READ_BYTES`` of whole rows at a time, and copied from the
-    read into the views directly (strided: no per-run work in Python for whole rows)."""
+    hold them, each checked). A piece that is one contiguous run of the box going to a contiguous
+    view (a flat shard's piece: the usual case) is read into the view itself; the others through
+    ``buffer``, at most ``READ_BYTES`` of whole rows at a time, each copied into its view with
+    one strided copy."""
     if not sizes:  # a 0-d tensor: one row of one element
         sizes = (1,)
         pieces = [(((0,), (1,)), view.reshape(1)) for _, view in pieces]
     itemsize = dtype.itemsize
-    row_bytes = math.prod(sizes[1:]) * itemsize
-    nbytes = sizes[0] * row_bytes
+    nbytes = math.prod(sizes) * itemsize
     if crc32s is not None and len(crc32s) != -(-nbytes // CHUNK_BYTES):
         raise CheckpointError(f"{where}: the index lists {len(crc32s)} chunk crc32s for {nbytes} bytes")
+    strided, direct = [], []
+    for box, view in pieces:
+        spans = runs(sizes, box)
+        if len(spans) == 1 and view.dtype == dtype and view.device.type == "cpu" and view.is_contiguous():
+            (start, n), = spans
+            direct.append((start * itemsize, (start + n) * itemsize, view.view(torch.uint8).reshape(-1)))
+        else:
+            strided.append((box, view))
+    for lo, hi, into in _joined(direct):
+        _read_run(f, where, data_at, lo, hi, nbytes, into.numpy().data, crc32s, buffer)
+    if strided:
+        _read_rows(f, where, data_at, sizes, dtype, strided, crc32s, buffer)
+
+
+def _joined(runs_: list[tuple[int, int, torch.Tensor]]) -> list[tuple[int, int, torch.Tensor]]:
+    """Byte runs of a box with the bytes they go to, runs that follow each other in the box and
+    in memory joined into one (the pieces of one flat shard in one record: their chunks at the
+    seams are then read once)."""
+    out: list[tuple[int, int, torch.Tensor]] = []
+    for lo, hi, into in sorted(runs_, key=lambda r: r[0]):
+        if out and out[-1][1] == lo and out[-1][2].data_ptr() + out[-1][2].numel() == into.data_ptr():
+            first = out[-1][2]
+            both = torch.empty(0, dtype=torch.uint8).set_(
+                first.untyped_storage(), first.storage_offset(), (first.numel() + into.numel(),), (1,)
+            )
+            out[-1] = (out[-1][0], hi, both)
+        else:
+            out.append((lo, hi, into))
+    return out
+
+
+def _read_run(
+    f: SeekableReader, where: str, data_at: int, lo: int, hi: int, nbytes: int, into: memoryview,
+    crc32s: tuple[int, ...] | None, buffer: ReadBuffer,
+) -> None:
+    """Bytes ``[lo, hi)`` of the box into ``into``: the whole chunks among them straight into it,
+    the chunks at its two ends (read whole, for their crc32s) through ``buffer``."""
+    if crc32s is None:
+        _read_span(f, where, data_at, into, lo, lo, hi, None)
+        return
+    inner_lo = -(-lo // CHUNK_BYTES) * CHUNK_BYTES
+    inner_hi = hi if hi == nbytes else hi // CHUNK_BYTES * CHUNK_BYTES
+    if inner_lo >= inner_hi:  # within a chunk or two: read them whole
+        inner_lo = inner_hi = hi
+    if inner_lo < inner_hi:
+        _read_span(f, where, data_at, into[inner_lo - lo : inner_hi - lo], inner_lo, inner_lo, inner_hi, crc32s)
+    for a, b in ((lo, inner_lo), (inner_hi, hi)):  # the ends: parts of chunks
+        if a < b:
+            g_lo, g_hi = a // CHUNK_BYTES * CHUNK_BYTES, min(-(-b // CHUNK_BYTES) * CHUNK_BYTES, nbytes)
+            block = buffer.get(g_hi - g_lo)
+            _read_span(f, where, data_at, block, g_lo, g_lo, g_hi, crc32s)
+            into[a - lo : b - lo] = block[a - g_lo : b - g_lo]
+
+
+def _read_rows(
+    f: SeekableReader,
+    where: str,
+    data_at: int,
+    sizes: tuple[int, ...],
+    dtype: torch.dtype,
+    pieces: list[tuple[Box, torch.Tensor]],
+    crc32s: tuple[int, ...] | None,
+    buffer: ReadBuffer,
+) -> None:
+    """The pieces of the box through ``buffer``, in blocks of whole rows (dim 0) of at most
+    ``READ_BYTES`` (or one row), each piece's part of a block copied into its view at once."""
+    itemsize = dtype.itemsize
+    row_bytes = math.prod(sizes[1:]) * itemsize
+    nbytes = sizes[0] * row_bytes
     grain = 1 if crc32s is None else CHUNK_BYTES  # what is read: whole chunks where they are checked
     wanted = _merged([
         (s * itemsize // grain * grain, min(-(-(s + n) * itemsize // grain) * grain, nbytes))
