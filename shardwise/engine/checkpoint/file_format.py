@@ -101,7 +101,7 @@ class Record:
     def from_json(cls, item: Mapping[str, Any], file: str) -> Record:
         raw = None
         if "data_offset" in item:
-            raw = RawData(int(item["data_offset"]), tuple(int(c) for c in item["chunk_crc32s"]))
+            raw = RawData(int(item["data_offset"]), tuple(map(int, item["chunk_crc32s"])))
         return cls(str(item["fqn"]), tuple(item["offsets"]), tuple(item["sizes"]), file,
                    int(item["offset"]), int(item["length"]), int(item["crc32"]), raw)
 

@@ -37,7 +37,8 @@ class _Filler:
 
     def __init__(self, reader: Reader, layout: StateLayout, mesh: Mesh | None,
                  keys: Mapping[tuple[str, str], str], device: torch.device) -> None:
-        self.reader, self.layout, self.mesh, self.keys, self.device = reader, layout, mesh, keys, device
+        self.reader, self.layout, self.keys, self.device = reader, layout, keys, device
+        self.coords = {} if mesh is None else mesh.coords  # asked once: a mesh works them out per call
 
     def slices(self, prefix: str, like: Mapping[str, Mapping[str, torch.Tensor]]) -> Params:
         """Each parameter's tensor-parallel slice (of ``like``'s shapes and dtypes), read whole."""
@@ -52,8 +53,7 @@ class _Filler:
 
     def shards(self, prefix: str, sharding: FlatSharding, like: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This rank's flat shard of every unit (of ``like``'s dtypes), its padding zero."""
-        assert self.mesh is not None
-        dp = self.mesh.axis_index(sharding.axis)
+        dp = self.coords[sharding.axis]
         out: dict[str, torch.Tensor] = {}
         for unit, lay in sharding.units.items():
             into = torch.empty(lay.shard_numel, dtype=like[unit].dtype, device=self.device)
@@ -64,7 +64,7 @@ class _Filler:
         return out
 
     def _read(self, prefix: str, layer: str, name: str, into: torch.Tensor, *, shard: bool) -> None:
-        placed = placed_boxes(self.layout, self.mesh, layer, name, into, shard=shard)
+        placed = placed_boxes(self.layout, self.coords, layer, name, into, shard=shard)
         self.reader.read_into(f"{prefix}.{self.keys[(layer, name)]}", placed)
 
 

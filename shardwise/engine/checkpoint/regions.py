@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -37,7 +37,7 @@ ReadInto = Callable[[list[Placed]], None]
 
 
 def _kept_range(
-    layout: StateLayout, mesh: Mesh | None, layer: str, name: str, shard: bool
+    layout: StateLayout, coords: Mapping[str, int], layer: str, name: str, shard: bool
 ) -> tuple[int, int, int | None]:
     """``(start, stop, at)``: the elements ``[start, stop)`` of the flattened tensor-parallel
     slice of ``(layer, name)`` this rank keeps, and where ``start`` sits in its unit's flat
@@ -48,7 +48,7 @@ def _kept_range(
     unit = None if sharding is None or not shard else sharding.units.get(layer)
     if unit is None or name not in unit.names:
         return 0, math.prod(local), None
-    assert sharding is not None and mesh is not None
+    assert sharding is not None
     i = unit.names.index(name)
     if tuple(unit.shapes[i]) != tuple(local):
         raise CheckpointError(
@@ -56,25 +56,26 @@ def _kept_range(
             f"{list(local)}; the layout is inconsistent (a bug: please report it)"
         )
     offset = sum(unit.numels[:i])
-    low = mesh.axis_index(sharding.axis) * unit.shard_numel
+    low = coords[sharding.axis] * unit.shard_numel
     start = min(max(low - offset, 0), math.prod(local))
     stop = max(min(low + unit.shard_numel - offset, math.prod(local)), start)
     return start, stop, offset + start - low
 
 
 def placed_boxes(
-    layout: StateLayout, mesh: Mesh | None, layer: str, name: str, into: torch.Tensor, *, shard: bool
+    layout: StateLayout, coords: Mapping[str, int], layer: str, name: str, into: torch.Tensor, *, shard: bool
 ) -> list[Placed]:
-    """The boxes of parameter ``(layer, name)``'s global tensor this rank keeps, each with the view
-    of ``into`` its elements go to: ``into`` is the parameter's tensor-parallel slice (contiguous,
-    of its local shape), or, when ``shard`` and ZeRO cuts it, its unit's flat shard."""
+    """The boxes of parameter ``(layer, name)``'s global tensor the rank at ``coords`` (its mesh
+    coordinates, ``mesh.coords``) keeps, each with the view of ``into`` its elements go to: ``into``
+    is the parameter's tensor-parallel slice (contiguous, of its local shape), or, when ``shard``
+    and ZeRO cuts it, its unit's flat shard."""
     spec = layout.leaves[(layer, name)]
     local = spec.local_shape
-    start, stop, at = _kept_range(layout, mesh, layer, name, shard)
+    start, stop, at = _kept_range(layout, coords, layer, name, shard)
     flat = into.view(-1)
     base = -start if at is None else at - start  # a kept element's place in ``flat``, less its own
     out: list[Placed] = []
-    tp = None if spec.split is None or mesh is None else mesh.axis_index(spec.split.axis)
+    tp = None if spec.split is None else coords[spec.split.axis]
     for offsets, sizes in boxes(local, start, stop):
         first = base + flat_start(local, offsets)
         view = flat[first : first + math.prod(sizes)].view(sizes)
@@ -93,12 +94,13 @@ def wanted_boxes(
     """The boxes of parameter ``(layer, name)``'s global tensor this rank reads: its
     tensor-parallel slice, cut to its ZeRO shard when ``shard`` (what it keeps at rest)."""
     spec = layout.leaves[(layer, name)]
-    start, stop, at = _kept_range(layout, mesh, layer, name, shard)
+    coords = {} if mesh is None else mesh.coords
+    start, stop, at = _kept_range(layout, coords, layer, name, shard)
     if start >= stop:
         return []  # none of it is in this rank's shard
     size = math.prod(spec.local_shape) if at is None else stop - start
     into = torch.empty(spec.local_shape if at is None else (at + size,), device="meta")
-    return [box for box, _ in placed_boxes(layout, mesh, layer, name, into, shard=shard)]
+    return [box for box, _ in placed_boxes(layout, coords, layer, name, into, shard=shard)]
 
 
 def whole(shape: Sequence[int]) -> list[Box]:
