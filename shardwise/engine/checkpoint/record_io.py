@@ -146,7 +146,7 @@ def read_box_into(
         spans = runs(sizes, box)
         if len(spans) == 1 and view.dtype == dtype and view.device.type == "cpu" and view.is_contiguous():
             (start, n), = spans
-            direct.append((start * itemsize, (start + n) * itemsize, view.view(torch.uint8).reshape(-1)))
+            direct.append((start * itemsize, (start + n) * itemsize, _bytes_of(view, 0, view.numel() * itemsize)))
         else:
             strided.append((box, view))
     for lo, hi, into in _joined(direct):
@@ -163,13 +163,17 @@ def _joined(runs_: list[tuple[int, int, torch.Tensor]]) -> list[tuple[int, int, 
     for lo, hi, into in sorted(runs_, key=lambda r: r[0]):
         if out and out[-1][1] == lo and out[-1][2].data_ptr() + out[-1][2].numel() == into.data_ptr():
             first = out[-1][2]
-            both = torch.empty(0, dtype=torch.uint8).set_(
-                first.untyped_storage(), first.storage_offset(), (first.numel() + into.numel(),), (1,)
-            )
-            out[-1] = (out[-1][0], hi, both)
+            out[-1] = (out[-1][0], hi, _bytes_of(first, 0, first.numel() + into.numel()))
         else:
             out.append((lo, hi, into))
     return out
+
+
+def _bytes_of(view: torch.Tensor, start: int, nbytes: int) -> torch.Tensor:
+    """Bytes ``[start, start + nbytes)`` from the first of a contiguous ``view``'s, as a 1-D uint8
+    tensor on its storage (``Tensor.view(torch.uint8)`` refuses a size-1 dim of another stride)."""
+    at = view.storage_offset() * view.element_size() + start
+    return torch.empty(0, dtype=torch.uint8).set_(view.untyped_storage(), at, (nbytes,), (1,))
 
 
 def _read_run(

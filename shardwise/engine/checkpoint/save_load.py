@@ -6,7 +6,7 @@ optimizer state as global tensors cut into the boxes each rank owns (see
 ``checkpoint_format``), with the step count, loss scale, mesh, transform stack and
 per-leaf shard specs. ``load(path, step, mesh)`` lays out a rank's tensors as
 ``step.init`` would on ``mesh`` and reads into them the parts of those boxes that meet
-them (see ``checkpoint_load_state``), never a whole tensor the rank does not keep: the mesh, the
+them (see ``load_state``), never a whole tensor the rank does not keep: the mesh, the
 ZeRO stage, the pipeline partition and the precision policy may all differ from the
 ones that saved it, and training continues as if it had never stopped.
 
