@@ -307,13 +307,22 @@ class Step:
         specs, and that rank's flat units."""
         mesh = self._check_mesh(mesh)
         check_params(self.chain, params)
-        placement, schedule = placement_of(self, mesh, params)
+        placement, _ = placement_of(self, mesh, params)
         if rank is None and mesh is not None and (placement.axis is not None or self.split_spec is not None):
             try:
                 rank = mesh.rank
             except RuntimeError:  # not inside a launched program: describe rank 0
                 rank = 0
         index = placement.index_of(mesh, rank) if rank is not None else 0
+        return self.layouts_by_index(mesh, params, rank)[index]
+
+    def layouts_by_index(self, mesh: Mesh | None, params: Params, rank: int | None = None) -> dict[int, StateLayout]:
+        """:meth:`layout` for every pipeline index, of the ranks with ``rank``'s tensor-parallel index:
+        they share every spec (each index's state is in every layout) and differ only in their flat
+        units, so the specs are made once (a Plan of 512 ranks asks for 64 layouts)."""
+        mesh = self._check_mesh(mesh)
+        check_params(self.chain, params)
+        placement, schedule = placement_of(self, mesh, params)
         meta = self._master_meta(self.tp_view(params, mesh, rank))
         tp = self.split_spec
         splits = None if tp is None or mesh is None else tp.splits(self.base_chain, mesh.axis_size(tp.axis))
@@ -332,10 +341,13 @@ class Step:
             for path, specs in mirrors.items():
                 opt_leaves.setdefault(path, {}).update(specs)
             opt_scalars.update(scalars)
-        return StateLayout(
-            placement, shardings[index], leaves, tuple(params), self.stack_key, schedule, opt_leaves=opt_leaves,
-            opt_scalars=opt_scalars,
-        )
+        return {
+            i: StateLayout(
+                placement, shardings[i], leaves, tuple(params), self.stack_key, schedule, opt_leaves=opt_leaves,
+                opt_scalars=opt_scalars,
+            )
+            for i in shardings
+        }
 
     def _opt_specs(self, leaves: dict[tuple[str, str], Any], master: Params, sharding: FlatSharding | None) -> tuple[
             dict[str, dict[tuple[str, str], Any]], dict[str, tuple[tuple[int, ...], torch.dtype]]]:
