@@ -31,6 +31,7 @@ from ..layout.precision import compute_dtype
 from ..layout.sharding import FlatSharding
 from ..layout.state_layout import Placement
 from ..model.chain import Chain
+from ..model.reuse import LayerMemo
 from ..stack.compose import PLACEMENT, SHARDING, find, reshard_after_forward
 from ..stack.roles import split_of
 from ..torch_api import fake_tensors
@@ -368,9 +369,19 @@ def predict_boundaries(
             }
             x = optree.tree_map(fake, inputs)
             found = []
+            memo = LayerMemo()  # identical layers (a stack of blocks) run once
             for layers in placement.stages[:-1]:
                 for name in layers:
-                    x = chain[name](chain.layer_params(params, name), x)
+                    layer = chain[name]
+                    tensors = {**chain.layer_params(params, name), **layer.buffers}
+                    key = memo.key(layer.fn, tensors, x, name)
+                    reused = memo.lookup(key, x)
+                    if reused is not None:
+                        x = reused[0]
+                        continue
+                    y = layer.fn(tensors, x)
+                    memo.store(key, x, y)
+                    x = y
                 leaves, spec = optree.tree_flatten(x)
                 grads = tuple(t.is_floating_point() and t.requires_grad for t in leaves)
                 found.append(Boundary(tuple((t.shape, t.dtype) for t in leaves), spec, grads))

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from .step import Step
 
 
-def plan_of(step: Step, mesh: Mesh, params: Params | None, batch: Any) -> Plan:
+def plan_of(step: Step, mesh: Mesh, params: Params | None, batch: Any, *, share_identical_ranks: bool = True) -> Plan:
     """Per-rank actions of one step: the lowering of the whole transform stack.
 
     With ``params`` (real or ``device="meta"`` tensors), every communicating action
@@ -44,35 +44,56 @@ def plan_of(step: Step, mesh: Mesh, params: Params | None, batch: Any) -> Plan:
     bytes each rank holds; with a ``batch`` too, the pipeline's transfers are sized
     and the activation bytes kept for backward are predicted (on fake tensors: the
     figures ``sw.saved_bytes`` measures).
+
+    Ranks that differ only in their data-parallel coordinate (their ZeRO shard, their slice of
+    the batch) lower to the same actions and hold the same bytes: what a rank does depends on
+    its pipeline index and its tensor-parallel index only. So each of those *rank classes* is
+    lowered once and its actions and figures shared by its ranks (512 ranks of dp 8 x pp 8 x tp 8
+    are 64 classes; ZeRO-3 alone over 512 is one), and what a class predicts on fake tensors (the
+    pipeline's boundaries) is predicted once per distinct set of local shapes.
+    ``share_identical_ranks=False`` lowers every rank on its own (the reference the tests compare
+    the shared plan with).
     """
     mesh = step.check_mesh(mesh) or Mesh(world=1)
     if params is not None:
         check_params(step.chain, params)
     placement, schedule = placement_of(step, mesh, params)
-    layouts = {r: step.layout(mesh, params, rank=r) for r in range(mesh.size)} if params is not None else {}
-    per_rank: list[tuple[Action, ...]] = []
-    inside = _inside_computes(step, mesh, params, batch, placement, layouts)
+    class_of = [rank_class(step, mesh, placement, r) if share_identical_ranks else r for r in range(mesh.size)]
+    first: dict[Any, int] = {}  # each class's lowest rank stands for it
+    for r, c in enumerate(class_of):
+        first.setdefault(c, r)
+    layouts = _layouts(step, mesh, params, placement, first) if params is not None else {}
+    inside = _inside_computes(step, mesh, params, batch, placement, layouts[class_of[0]] if layouts else None)
     split_axis = step.split.axis
-    for r in range(mesh.size):
+    boundaries_of: dict[Any, Any] = {}  # local shapes -> the pipeline's boundaries (the same for equal shapes)
+    by_class: dict[Any, tuple[Action, ...]] = {}
+    masters: dict[Any, Params] = {}  # each class's master parameters (meta), as it holds them
+    for c, r in first.items():
         index = placement.index_of(mesh, r)
         if params is None:
-            actions = rank_actions(step, placement, schedule, index, _units_without_params(step, placement, index))
-        else:
-            layout = layouts[r]
-            actions = rank_actions(step, placement, schedule, index, unit_names(layout.sharding))
-            boundaries = None
-            if batch is not None and step.pipeline_spec is not None:
-                boundaries = step.boundaries(layout, one_microbatch(step, mesh, batch)[0], mesh)
-            master = step.master_meta(local_params(step.local_view(params, mesh, r), placement, index))
-            update_tree = master if layout.sharding is None else meta_shards(layout.sharding)
-            actions = annotate(
-                actions, step, placement, layout.sharding, update_tree, boundaries,
-                layout.metric_dtype,
-            )
-            if inside is not None and split_axis is not None:  # inside is made only under a split
-                actions = insert_inside(actions, inside, split_axis)
-        per_rank.append(actions)
-    memory = {} if params is None else _memory(step, mesh, params, batch, placement, layouts, per_rank)
+            by_class[c] = rank_actions(step, placement, schedule, index, _units_without_params(step, placement, index))
+            continue
+        layout = layouts[c]
+        actions = rank_actions(step, placement, schedule, index, unit_names(layout.sharding))
+        boundaries = None
+        if batch is not None and step.pipeline_spec is not None:
+            shapes = tuple((key, spec.local_shape, spec.dtype) for key, spec in layout.leaves.items())
+            if shapes not in boundaries_of:
+                boundaries_of[shapes] = step.boundaries(layout, one_microbatch(step, mesh, batch)[0], mesh)
+            boundaries = boundaries_of[shapes]
+        master = masters[c] = step.master_meta(local_params(step.local_view(params, mesh, r), placement, index))
+        update_tree = master if layout.sharding is None else meta_shards(layout.sharding)
+        actions = annotate(
+            actions, step, placement, layout.sharding, update_tree, boundaries,
+            layout.metric_dtype,
+        )
+        if inside is not None and split_axis is not None:  # inside is made only under a split
+            actions = insert_inside(actions, inside, split_axis)
+        by_class[c] = actions
+    per_rank = [by_class[c] for c in class_of]
+    memory = {}
+    if params is not None:
+        memory = _memory(step, mesh, params, batch, placement, layouts, class_of, masters, by_class)
     notes: dict[str, tuple[str, ...]] = {}
     # In the order the rewrites apply (engine/stack/compose.py), whatever order they were applied in.
     for spec in rewrites_in_order(step.transforms):
@@ -84,16 +105,39 @@ def plan_of(step: Step, mesh: Mesh, params: Params | None, batch: Any) -> Plan:
     return Plan(mesh, tuple(per_rank), memory, {n: notes[n] for n in step.chain.names if n in notes})
 
 
+def _layouts(
+    step: Step, mesh: Mesh, params: Params, placement: Placement, first: Mapping[Any, int]
+) -> dict[Any, StateLayout]:
+    """Each class's layout, those of one split index made together (``layouts_by_index``)."""
+    axis = step.split.axis
+    by_index: dict[Any, dict[int, StateLayout]] = {}
+    out: dict[Any, StateLayout] = {}
+    for c, r in first.items():
+        coordinate = r if not isinstance(c, tuple) else None if axis is None else mesh.coords_of(r)[axis]
+        if coordinate not in by_index:
+            by_index[coordinate] = step.layouts_by_index(mesh, params, rank=r)
+        out[c] = by_index[coordinate][placement.index_of(mesh, r)]
+    return out
+
+
+def rank_class(step: Step, mesh: Mesh, placement: Placement, rank: int) -> tuple[int, int | None]:
+    """What decides a rank's actions and bytes: its pipeline index and its index on the split's axis.
+    Its data-parallel coordinate does not (every ZeRO shard of a unit has the same padded size,
+    and a rank's shard is chosen at run time), nor does any other axis's."""
+    axis = step.split.axis
+    return placement.index_of(mesh, rank), None if axis is None else mesh.coords_of(rank)[axis]
+
+
 def _inside_computes(
-    step: Step, mesh: Mesh, params: Params | None, batch: Any, placement: Placement, layouts: dict[int, StateLayout]
+    step: Step, mesh: Mesh, params: Params | None, batch: Any, placement: Placement, layout: StateLayout | None
 ) -> Inside | None:
     """The collectives each compute issues inside its layers (a split transform's), predicted on fake
     tensors from a micro-batch: None without a split, parameters or a batch."""
     split = step.split
-    if split.axis is None or params is None or batch is None:
+    if split.axis is None or params is None or batch is None or layout is None:
         return None
     shapes: dict[str, dict[str, tuple[torch.Size, torch.dtype]]] = {}
-    for spec in layouts[0].leaves.values():
+    for spec in layout.leaves.values():
         dtype = compute_dtype(step.precision, spec.layer, spec.dtype)
         shapes.setdefault(spec.layer, {})[spec.name] = (torch.Size(spec.local_shape), dtype)
     found = split.inner_collectives(step.chain, placement, shapes, step.loss_fn, one_microbatch(step, mesh, batch), mesh)
@@ -129,38 +173,37 @@ def batch_multiple(step: Step, mesh: Mesh | None) -> tuple[int, str]:
 
 def _memory(
     step: Step, mesh: Mesh, params: Params, batch: Any, placement: Placement,
-    layouts: dict[int, StateLayout], per_rank: list[tuple[Action, ...]],
+    layouts: Mapping[Any, StateLayout], class_of: Sequence[Any], masters: Mapping[Any, Params],
+    actions: Mapping[Any, tuple[Action, ...]],
 ) -> dict[str, tuple[int, ...]]:
-    figures: dict[str, list[int]] = {"params": [], "grads": [], "opt_state": []}
-    zero = step.sharding_spec
-    if zero is not None:
-        figures["gathered_peak"] = []
-    for r in range(mesh.size):
-        layout = layouts[r]
-        master = step.master_meta(local_params(step.local_view(params, mesh, r), placement, placement.index_of(mesh, r)))
-        sharding = layout.sharding
-        shards = None if sharding is None else meta_shards(sharding)
-        figures["params"].append(tree_nbytes(shards if sharding is not None and sharding.holds_shards else master))
-        figures["grads"].append(tree_nbytes(shards if shards is not None else master))
-        figures["opt_state"].append(tree_nbytes(step.optimizer.init(shards if shards is not None else master)))
-        if "gathered_peak" in figures:
-            assert sharding is not None
-            figures["gathered_peak"].append(peak_gathered_units(per_rank[r], {
-                u: lay.padded_numel * torch.empty((), dtype=compute_dtype(step.precision, u, lay.dtype)).element_size()
-                for u, lay in sharding.units.items()
-            }))
-        if zero is not None:
-            assert sharding is not None
-            figures.setdefault("reduce_buffers", []).append(_reduce_buffers(step, sharding))
-            figures.setdefault("comm_buffers", []).append(_comm_buffers(sharding))
-    memory = {k: tuple(v) for k, v in figures.items()}
+    """Each figure per rank, counted once per rank class (see :func:`rank_class`)."""
+    by_class = {c: _class_memory(step, layouts[c], masters[c], actions[c]) for c in masters}
+    memory = {k: tuple(by_class[c][k] for c in class_of) for k in by_class[class_of[0]]}
     if batch is not None:
-        memory["kept_for_backward"] = _kept_per_rank(step, mesh, params, batch, placement, layouts)
+        memory["kept_for_backward"] = _kept_per_rank(step, mesh, params, batch, placement, layouts[class_of[0]])
     # Every figure is live at the backward's worst moment: the state at rest, the gradients, the
     # units gathered, the reduce buffers and what the forward kept (an upper bound, tight for
     # ZeRO-3: benchmarks/memory.py measures it within a few percent).
     memory["peak"] = tuple(sum(per_rank) for per_rank in zip(*memory.values(), strict=True))
     return memory
+
+
+def _class_memory(step: Step, layout: StateLayout, master: Params, actions: tuple[Action, ...]) -> dict[str, int]:
+    figures: dict[str, int] = {}
+    sharding = layout.sharding
+    shards = None if sharding is None else meta_shards(sharding)
+    figures["params"] = tree_nbytes(shards if sharding is not None and sharding.holds_shards else master)
+    figures["grads"] = tree_nbytes(shards if shards is not None else master)
+    figures["opt_state"] = tree_nbytes(step.optimizer.init(shards if shards is not None else master))
+    if step.sharding_spec is not None:
+        assert sharding is not None
+        figures["gathered_peak"] = peak_gathered_units(actions, {
+                u: lay.padded_numel * torch.empty((), dtype=compute_dtype(step.precision, u, lay.dtype)).element_size()
+                for u, lay in sharding.units.items()
+            })
+        figures["reduce_buffers"] = _reduce_buffers(step, sharding)
+        figures["comm_buffers"] = _comm_buffers(sharding)
+    return figures
 
 
 def _reduce_buffers(step: Step, sharding: FlatSharding) -> int:
@@ -189,7 +232,7 @@ def _gather_dtype(step: Step, unit: str, dtype: torch.dtype) -> torch.dtype:
     return dtype if step.precision is None else step.precision.for_layer(unit).compute
 
 def _kept_per_rank(
-    step: Step, mesh: Mesh, params: Params, batch: Any, placement: Placement, layouts: dict[int, StateLayout]
+    step: Step, mesh: Mesh, params: Params, batch: Any, placement: Placement, layout: StateLayout
 ) -> tuple[int, ...]:
     inputs = one_microbatch(step, mesh, batch)[0]
     with step.predicting(mesh):
@@ -201,7 +244,7 @@ def _kept_per_rank(
     per_stage = [sum(parts.own[n] for n in layers) for layers in placement.stages]
     # Micro-batches are views of one batch: what the stages keep of it is kept once.
     of_batch = [_batch_bytes(parts.batch, layers) for layers in placement.stages]
-    per_index = pipe.kept_per_index(layouts[0].schedule, per_stage, of_batch)
+    per_index = pipe.kept_per_index(layout.schedule, per_stage, of_batch)
     return tuple(per_index[placement.index_of(mesh, r)] for r in range(mesh.size))
 
 

@@ -38,7 +38,7 @@ from ..run.metrics import REPORTABLE, MetricExchange, check_metrics
 from ..stack.compose import PLACEMENT, SHARDING, describe, find
 from ..stack.roles import SplitRole, split_of
 from .init_state import held_params, init_seeding, meta_names, sampled_values
-from .layouts import build_layout, check_mesh, stage_boundaries
+from .layouts import build_layout, check_mesh, layouts_by_index, stage_boundaries
 from .master import clip_scale, compute_params, master_meta, master_params
 from .param_groups import check_clipping, master_runs, param_options
 from .planning import plan_of
@@ -236,6 +236,11 @@ class Step:
         rank inside a launched program, else rank 0): the placement of layers, the per-leaf shard
         specs, and that rank's flat units (``engine/step/layouts.py``)."""
         return build_layout(self, mesh, params, rank)
+
+    def layouts_by_index(self, mesh: Mesh | None, params: Params, rank: int | None = None) -> dict[int, StateLayout]:
+        """:meth:`layout` for every pipeline index, of the ranks with ``rank``'s split index (made together:
+        they share every spec)."""
+        return layouts_by_index(self, mesh, params, rank)
 
     def boundaries(self, layout: StateLayout, inputs: Any, mesh: Mesh | None = None) -> Any:
         """The (shape, dtype) of every tensor each pipeline stage passes on, for micro-batch ``inputs``
