@@ -18,8 +18,7 @@ import torch
 from tqdm import tqdm
 
 import shardwise as sw
-from shardwise.testing.models import mlp
-from shardwise.transforms.pipeline import (
+from shardwise.schedules import (
     Schedule,
     ScheduleError,
     ascii_timeline,
@@ -27,6 +26,7 @@ from shardwise.transforms.pipeline import (
     get_schedule,
     simulate,
 )
+from shardwise.testing.models import mlp
 
 CUSTOM = """
 # 2 ranks, 4 microbatches

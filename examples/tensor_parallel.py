@@ -8,14 +8,14 @@ The model is a ``LlamaForCausalLM`` built from a small config with random weight
 downloaded), split per decoder layer by ``sw.functionalize``. Three transforms make its step
 distributed on ``Mesh(dp=2, pp=2, tp=2)``:
 
-* ``tensor_parallel`` with ``sw.llama_plan()``: q/k/v and gate/up split on their outputs,
+* ``tensor_parallel`` with ``sw.tp.llama_plan()``: q/k/v and gate/up split on their outputs,
   o/down on their inputs (whole heads per rank, grouped-query attention keeps its groups), the
   embedding and the head split on the vocabulary, and sequence parallel over the decoder layers
   (``"model.layers.*"``): norms and the residual stream run on each rank's slice of the sequence;
 * ``pipeline``: the decoder layers in two stages, 1F1B over 2 micro-batches;
 * ``shard_params`` stage 3: ZeRO-3 over dp shards each rank's tensor-parallel slices.
 
-The loss is ``sw.vocab_parallel_cross_entropy``: the head leaves the logits split over the
+The loss is ``sw.tp.vocab_parallel_cross_entropy``: the head leaves the logits split over the
 vocabulary, and it computes the cross-entropy from the slices without gathering them (on the
 single-device step it is plain cross-entropy). The composed step is first checked in float64
 against the single-device step with ``sw.testing.assert_equivalent``, then trained in float32 on
@@ -33,7 +33,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 import shardwise as sw
-from shardwise.transforms.tensor_parallel import LLAMA_BLOCKS
+from shardwise.tp import LLAMA_BLOCKS
 
 MESH = {"dp": 2, "pp": 2, "tp": 2}
 MICROBATCHES = 2
@@ -41,7 +41,7 @@ MICROBATCHES = 2
 
 def lm_loss(out: Any, targets: torch.Tensor) -> torch.Tensor:
     """The next-token cross-entropy of the model's logits, whole or split over the vocabulary."""
-    return sw.vocab_parallel_cross_entropy(out.logits, targets)
+    return sw.tp.vocab_parallel_cross_entropy(out.logits, targets)
 
 
 def batches(vocab: int, batch: int, seq: int, count: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -71,7 +71,7 @@ def build(args: argparse.Namespace, example: torch.Tensor, *, float64: bool) -> 
     model = model.double() if float64 else model.float()
     chain, params = sw.functionalize(model, units=LlamaDecoderLayer, example_input=example)
     step = sw.train_step(chain, lm_loss, sw.optim.sgd(args.lr, momentum=0.9), clip_norm=1.0)
-    composed = sw.tensor_parallel(step, "tp", sw.llama_plan(), sequence_parallel=LLAMA_BLOCKS)
+    composed = sw.tensor_parallel(step, "tp", sw.tp.llama_plan(), sequence_parallel=LLAMA_BLOCKS)
     composed = sw.pipeline(composed, "pp", schedule="1f1b", microbatches=MICROBATCHES)
     composed = sw.shard_params(composed, "dp", stage=3)
     return composed, step, params

@@ -48,7 +48,7 @@ def launch(
     >>> import torch, shardwise as sw
     >>> def main():
     ...     mesh = sw.Mesh(dp=2)
-    ...     return sw.psum(torch.tensor([1.0 + mesh.rank]), "dp", mesh=mesh)
+    ...     return sw.collectives.psum(torch.tensor([1.0 + mesh.rank]), "dp", mesh=mesh)
     >>> sw.launch(main, world=2, timeout=60)
     [tensor([3.]), tensor([3.])]
     """

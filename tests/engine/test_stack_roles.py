@@ -26,7 +26,7 @@ from shardwise.engine.stack.compose import (
 )
 from shardwise.testing.models import mlp
 
-TP_PLAN = {"0": sw.Colwise(), "2": sw.Rowwise()}
+TP_PLAN = {"0": sw.tp.Colwise(), "2": sw.tp.Rowwise()}
 
 
 def _step() -> sw.Step:

@@ -42,7 +42,7 @@ def plan_of(step: Step, mesh: Mesh, params: Params | None, batch: Any) -> Plan:
     also says what it moves (dtype and bytes per tensor), and the plan counts the
     bytes each rank holds; with a ``batch`` too, the pipeline's transfers are sized
     and the activation bytes kept for backward are predicted (on fake tensors: the
-    figures ``sw.saved_bytes`` measures).
+    figures ``sw.policies.saved_bytes`` measures).
     """
     mesh = step._check_mesh(mesh) or Mesh(world=1)
     if params is not None:

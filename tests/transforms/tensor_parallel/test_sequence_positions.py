@@ -58,7 +58,7 @@ def test_attention_outside_a_region_is_refused(
     )
     with pytest.raises(ValueError, match=message):
         step.plan(sw.Mesh(tp=2), problem.params, problem.batches[0])
-    with pytest.raises(sw.RankFailed, match=message):
+    with pytest.raises(sw.collectives.RankFailed, match=message):
         _one_step(step, problem.params, sw.Mesh(tp=2), problem.batches[0])
 
 
