@@ -11,6 +11,7 @@ peak, draw it, and give it to ``sw.pipeline(step, axis, schedule=...)``.
 custom: makespan 9, bubble 33.3%
 rank 0 |0F0 0F1 ........0B0     ....0B1     |
 rank 1 |....1F0 1B0     1F1 1B1     ........|
+legend: 0F1 = stage 0, micro-batch 1 (F forward, B backward); . idle
 """
 
 from .transforms.pipeline import (

@@ -16,6 +16,7 @@ rank 1: 1F0 1F1 1B0 1B1
 gpipe: makespan 9, bubble 33.3%
 rank 0 |0F0 0F1 ............0B0     0B1     |
 rank 1 |....1F0 1F1 1B0     1B1     ........|
+legend: 0F1 = stage 0, micro-batch 1 (F forward, B backward); . idle
 <BLANKLINE>
 bubble 33.3% of the ranks' time (makespan 9 units)
 peak activations held per rank: 0:2 1:2

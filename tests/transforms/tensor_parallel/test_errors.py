@@ -208,7 +208,7 @@ def test_a_mesh_without_the_axis(build: dict[str, Callable]) -> None:
 # -- the loss of split logits -------------------------------------------------------------------
 
 SPLIT_LOGITS = (r"the head leaves the logits split over 'tp' \(Colwise\(output='sharded'\)\), but loss_fn never called "
-                r"sw\.vocab_parallel_cross_entropy.*or give the head Colwise\(output='replicated'\)")
+                r"sw\.tp\.vocab_parallel_cross_entropy.*or give the head Colwise\(output='replicated'\)")
 
 
 def test_split_logits_with_a_loss_that_ignores_the_split(build: dict[str, Callable]) -> None:
@@ -226,7 +226,7 @@ def test_split_logits_with_a_loss_that_ignores_the_split(build: dict[str, Callab
         _one_step(step, problem.params, sw.Mesh(tp=2), problem.batches[0])
 
 
-MISUSE = r"the loss computes {op} on logits split over the vocabulary.*sw\.vocab_parallel_logsumexp"
+MISUSE = r"the loss computes {op} on logits split over the vocabulary.*sw\.tp\.vocab_parallel_logsumexp"
 
 
 @pytest.mark.parametrize(
@@ -420,9 +420,11 @@ def test_bad_tensor_parallel_arguments(build: dict[str, Callable]) -> None:
             sw.tensor_parallel(step, axis, plan)  # type: ignore[arg-type]
     empties: tuple[dict[str, Any] | None, ...] = (None, {})
     for empty in empties:
-        with pytest.raises(ValueError, match=r"give a dict of module path patterns to styles, e\.g\. .* sw\.llama_plan"):
+        with pytest.raises(ValueError,
+                           match=r"give a dict of module path patterns to styles, e\.g\. .* sw\.tp\.llama_plan"):
             sw.tensor_parallel(step, "tp", empty)
-    with pytest.raises(TypeError, match=r"plan\['head'\] = 'colwise'; a style is sw\.Colwise\(\), sw\.Rowwise\(\)"):
+    with pytest.raises(TypeError,
+                       match=r"plan\['head'\] = 'colwise'; a style is sw\.tp\.Colwise\(\), sw\.tp\.Rowwise\(\)"):
         sw.tensor_parallel(step, "tp", {"head": "colwise"})  # type: ignore[dict-item]
     with pytest.raises(TypeError, match=r"plan key 3 is not a module path pattern"):
         sw.tensor_parallel(step, "tp", {3: sw.tp.Colwise()})  # type: ignore[dict-item]
