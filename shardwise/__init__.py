@@ -46,6 +46,9 @@ from .transforms.tensor_parallel import tensor_parallel
 
 __version__ = "0.1.0"
 
+# A traceback names an exception by its module: the public one, not where it happens to live.
+FunctionalizeError.__module__ = __name__
+
 # What a first program uses; everything else is one namespace down (docs/api.md lists all of it).
 __all__ = [
     "Chain",

@@ -27,6 +27,9 @@ from .transforms.pipeline import (
     measured_transfers,
 )
 
+# A traceback names an exception by its module: the public one, not where it happens to live.
+PlanDeadlock.__module__ = PlanMismatch.__module__ = __name__
+
 __all__ = [
     "Action",
     "CommModel",

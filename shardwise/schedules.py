@@ -34,6 +34,9 @@ from .transforms.pipeline import (
     zb_v,
 )
 
+# A traceback names an exception by its module: the public one, not where it happens to live.
+ScheduleError.__module__ = __name__
+
 __all__ = [
     "SCHEDULES",
     "Costs",

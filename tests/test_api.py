@@ -1,9 +1,16 @@
-"""The public surface: small at the top level, the rest in namespaces, all of it listed in docs/api.md."""
+"""The public surface: small at the top level, the rest in namespaces, all of it listed in docs/api.md;
+and what users read names public things: no internal module path (``shardwise.engine....``,
+``engine/stack/compose.py``) in the messages the package raises or warns, in the docstrings of the
+public names, or in the names of the exceptions a traceback shows."""
 
 from __future__ import annotations
 
+import ast
 import importlib
+import inspect
 import re
+import subprocess
+import sys
 import types
 import warnings
 from pathlib import Path
@@ -86,3 +93,75 @@ def test_an_old_top_level_name_still_works_and_says_where_it_moved(name: str) ->
 def test_an_unknown_top_level_name_points_to_the_api_page() -> None:
     with pytest.raises(AttributeError, match=r"no attribute 'Colwize' \(docs/api.md lists the public names\)"):
         sw.Colwize  # noqa: B018
+
+
+# -- no internal module paths in what users read ---------------------------------------------------
+PACKAGE = Path(__file__).resolve().parents[1] / "shardwise"
+STEMS = sorted({p.stem for p in PACKAGE.rglob("*.py") if p.stem not in ("__init__", "__main__")})
+INTERNAL = re.compile(
+    r"shardwise\.(engine|transforms)\b|\b(engine|transforms|collectives)/|\b(" + "|".join(STEMS) + r")\.py\b"
+)
+# Calls whose strings reach the user: the messages of exceptions and warnings, the command's output.
+SHOWN = {"warn", "print", "UsageError", "CommandFailed"}
+
+
+def shown_strings(path: Path) -> list[tuple[int, str]]:
+    """Every string constant (f-string parts too) in a ``raise`` or a call that shows it to the user."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        roots: list[ast.AST] = []
+        if isinstance(node, ast.Raise) and node.exc is not None:
+            roots.append(node.exc)
+        elif isinstance(node, ast.Call):
+            name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            if name in SHOWN:
+                roots.append(node)
+        for root in roots:
+            found += [(sub.lineno, sub.value) for sub in ast.walk(root)
+                      if isinstance(sub, ast.Constant) and isinstance(sub.value, str)]
+    return found
+
+
+def test_no_message_the_package_raises_names_an_internal_module() -> None:
+    offending = [f"{path.relative_to(PACKAGE.parent)}:{line}: {text!r}" for path in sorted(PACKAGE.rglob("*.py"))
+                 for line, text in shown_strings(path) if INTERNAL.search(text)]
+    assert not offending, "point to the public name or to docs/ instead:\n" + "\n".join(offending)
+
+
+def test_the_scan_sees_a_raise_that_names_an_internal_module(tmp_path: Path) -> None:
+    source = tmp_path / "bad.py"
+    source.write_text('def f(x):\n    raise ValueError(f"bad {x}; see engine/stack/compose.py")\n'
+                      'import warnings\nwarnings.warn("see shardwise.engine.plan.lower")\nprint("fine")\n')
+    assert [text for _, text in shown_strings(source) if INTERNAL.search(text)] == [
+        "; see engine/stack/compose.py", "see shardwise.engine.plan.lower"]
+
+
+def test_no_public_docstring_names_an_internal_module() -> None:
+    for dotted in SUBMODULES:
+        __import__(f"shardwise.{dotted}")
+    offending = []
+    for name in sorted(public_names()):
+        obj: object = sw
+        for part in name.split(".")[1:]:
+            obj = getattr(obj, part)
+        docs = {name: inspect.getdoc(obj) or ""}
+        if isinstance(obj, type):  # and its public methods
+            docs |= {f"{name}.{n}": inspect.getdoc(m) or "" for n, m in vars(obj).items()
+                     if not n.startswith("_") and callable(m)}
+        offending += [f"{where}: {match[0]!r}" for where, doc in docs.items() for match in INTERNAL.finditer(doc)]
+    assert not offending, "\n".join(offending)
+
+
+@pytest.mark.parametrize("name", sorted(n for n in public_names() if n.endswith(("Error", "Deadlock", "Mismatch"))))
+def test_a_public_exception_is_named_by_its_public_module(name: str) -> None:
+    obj: object = sw
+    for part in name.split(".")[1:]:
+        obj = getattr(obj, part)
+    assert isinstance(obj, type) and issubclass(obj, Exception)
+    assert not obj.__module__.startswith(("shardwise.engine", "shardwise.transforms")), obj.__module__
+
+
+def test_a_traceback_names_the_public_exception() -> None:
+    code = "import shardwise as sw; sw.checkpoint.load('no/such/checkpoint', None)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.stderr.splitlines()[-1].startswith("shardwise.checkpoint.CheckpointError: "), result.stderr

@@ -39,7 +39,7 @@ def launch(
 ) -> list[T]:
     """Run ``fn(*args)`` on ``world`` ranks and return each rank's result, in rank order.
 
-    ``timeout`` (seconds, default 300: see ``collectives/timeout.py``) bounds
+    ``timeout`` (seconds, default 300) bounds
     every wait of every rank: a rank that dies, hangs or never arrives makes
     the run fail after at most that long, with an error naming it.
     ``backend="processes"`` refuses a world larger than ``max_processes``

@@ -35,7 +35,7 @@ def tensor_parallel(
     """Split the parameters of ``step``'s layers over mesh ``axis`` as ``plan`` says (Megatron-LM).
 
     ``plan`` maps module path patterns (fnmatch over ``model.named_modules()`` paths) to
-    :class:`Colwise`, :class:`Rowwise` and :class:`Region` (see ``styles.py``); modules it does not
+    :class:`Colwise`, :class:`Rowwise` and :class:`Region` (``sw.tp``); modules it does not
     name keep their parameters whole on every rank. Each rank of ``axis`` holds its slice of every
     split parameter and computes with it; the layers run unchanged, and the communication goes
     through shardwise's differentiable collectives (an all-reduce where a Rowwise output is summed
