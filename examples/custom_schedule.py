@@ -69,8 +69,12 @@ def train(step: sw.Step, params: dict, batches: list, steps: int) -> list[float]
     return losses
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The description as written, and every option's default in its help."""
+
+
 def main(argv: list[str] | None = None) -> list[float]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--png", type=Path, default=Path("custom_schedule.png"), help="where to draw the schedule")
     parser.add_argument("--steps", type=int, default=50, help="training steps after the check")
     args = parser.parse_args(argv)

@@ -90,18 +90,22 @@ def train(step: sw.Step, params: dict, data: list) -> list[float]:
     return losses
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The description as written, and every option's default in its help."""
+
+
 def main(argv: list[str] | None = None) -> list[float]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--check-steps", type=int, default=2, help="float64 steps compared with the single device")
     parser.add_argument("--steps", type=int, default=40, help="float32 training steps after the check")
-    parser.add_argument("--vocab", type=int, default=64)
-    parser.add_argument("--d-model", type=int, default=32)
+    parser.add_argument("--vocab", type=int, default=64, help="vocabulary size")
+    parser.add_argument("--d-model", type=int, default=32, help="model width")
     parser.add_argument("--n-layers", type=int, default=2, help="decoder layers (at least one per pipeline stage)")
     parser.add_argument("--n-heads", type=int, default=4, help="query heads (the tp size must divide them)")
     parser.add_argument("--n-kv-heads", type=int, default=2, help="key/value heads (the tp size must divide them)")
     parser.add_argument("--seq-len", type=int, default=16, help="a multiple of the tp size (sequence parallel)")
     parser.add_argument("--batch", type=int, default=8, help="a multiple of dp x micro-batches")
-    parser.add_argument("--lr", type=float, default=0.1)
+    parser.add_argument("--lr", type=float, default=0.1, help="learning rate")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     mesh = sw.Mesh(MESH)
