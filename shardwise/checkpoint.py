@@ -21,8 +21,9 @@ from .engine.checkpoint.save_load import SaveHandle, describe, load, save
 from .engine.checkpoint.state_dict import full_state_dict, init_from_state_dict, read_dcp_state_dict
 from .engine.checkpoint.weights import init_from_dcp, init_from_pretrained
 
-# A traceback names an exception by its module: the public one, not where it happens to live.
-CheckpointError.__module__ = __name__
+# A traceback names an exception by its module, and a handle's repr its class's: the public one,
+# not where it happens to live.
+CheckpointError.__module__ = SaveHandle.__module__ = __name__
 
 __all__ = [
     "CheckpointError",

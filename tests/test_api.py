@@ -16,6 +16,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+import torch
 
 import shardwise as sw
 
@@ -159,6 +160,13 @@ def test_a_public_exception_is_named_by_its_public_module(name: str) -> None:
         obj = getattr(obj, part)
     assert isinstance(obj, type) and issubclass(obj, Exception)
     assert not obj.__module__.startswith(("shardwise.engine", "shardwise.transforms")), obj.__module__
+
+
+def test_a_save_handle_prints_as_a_public_class(tmp_path: Path) -> None:
+    chain, params = sw.functionalize(torch.nn.Linear(2, 2))
+    step = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1))
+    handle = sw.checkpoint.save(tmp_path / "c", step.init(params), step)
+    assert repr(handle).startswith("<shardwise.checkpoint.SaveHandle object at ")
 
 
 def test_a_traceback_names_the_public_exception() -> None:
