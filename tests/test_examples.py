@@ -45,7 +45,7 @@ def test_custom_schedule_is_drawn_checked_and_trained(tmp_path: Path, capsys: py
 def test_compose_all_is_equivalent_and_learns(capsys: pytest.CaptureFixture[str]) -> None:
     losses = _load("compose_all").main(["--check-steps", "2", "--steps", "12"])
     out = capsys.readouterr().out
-    assert "Plan on Mesh(dp=2, pp=2): 4 rank(s)" in out
+    assert "Plan on Mesh(dp=2, pp=2): 4 ranks" in out
     assert re.search(r"^equivalent over 2 steps", out, re.MULTILINE), out
     assert len(losses) == 12 and losses[-1] < 0.8 * losses[0]  # measured: 4.18 -> 3.00
 
