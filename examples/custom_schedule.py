@@ -80,12 +80,12 @@ def main(argv: list[str] | None = None) -> list[float]:
     args = parser.parse_args(argv)
 
     custom = Schedule.parse(CUSTOM, name="custom")
-    sw.transforms.pipeline.validate(custom)  # raises ScheduleError naming the rank, action and rule
+    sw.schedules.validate(custom)  # raises ScheduleError naming the rank, action and rule
     print(custom, "", ascii_timeline(simulate(custom)), sep="\n")
     compare(custom)
     print(f"drew {gantt(simulate(custom), args.png)}")
     try:
-        sw.transforms.pipeline.validate(Schedule.parse(DEADLOCKED))
+        sw.schedules.validate(Schedule.parse(DEADLOCKED))
     except ScheduleError as err:
         print(f"refused, as it should be: {err}")
     else:
