@@ -80,7 +80,7 @@ def measure(stack: str, args: argparse.Namespace) -> dict[str, Any]:
     t2 = time.perf_counter()
 
     def loss(out: Any, targets: torch.Tensor) -> torch.Tensor:
-        return sw.vocab_parallel_cross_entropy(out.logits, targets)
+        return sw.tp.vocab_parallel_cross_entropy(out.logits, targets)
 
     step = sw.train_step(chain, loss, sw.optim.adamw(3e-4))
     if stack == "zero3":
@@ -90,7 +90,7 @@ def measure(stack: str, args: argparse.Namespace) -> dict[str, Any]:
     else:
         side = round(args.ranks ** (1 / 3))
         mesh = sw.Mesh(dp=side, pp=side, tp=side)
-        step = sw.tensor_parallel(step, "tp", sw.llama_plan(), sequence_parallel=LLAMA_BLOCKS)
+        step = sw.tensor_parallel(step, "tp", sw.tp.llama_plan(), sequence_parallel=LLAMA_BLOCKS)
         step = sw.pipeline(step, "pp", "1f1b", microbatches=args.microbatches)
         step = sw.shard_params(step, "dp", stage=3)
         step = sw.mixed_precision(step, "params=f32,compute=bf16,output=f32")

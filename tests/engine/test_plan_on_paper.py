@@ -43,11 +43,11 @@ def meta_llama(layers: int, hidden: int = 32, heads: int = 4, kv_heads: int = 2,
 
 
 def loss(out: Any, targets: torch.Tensor) -> torch.Tensor:
-    return sw.vocab_parallel_cross_entropy(out.logits, targets)
+    return sw.tp.vocab_parallel_cross_entropy(out.logits, targets)
 
 
 def planned(layers: int, stack: Callable[[sw.Step], sw.Step], mesh: sw.Mesh, *, share: bool = True,
-            batch: int = 8, seq: int = 16) -> sw.Plan:
+            batch: int = 8, seq: int = 16) -> sw.plan.Plan:
     chain, params = sw.functionalize(meta_llama(layers), units=DecoderLayer, example_input=EXAMPLE)
     step = stack(sw.train_step(chain, loss, sw.optim.adamw(1e-3)))
     ids = torch.zeros((batch, seq), dtype=torch.long)
@@ -83,7 +83,7 @@ STACKS: dict[str, tuple[Callable[[sw.Step], sw.Step], sw.Mesh]] = {
     ),
     "zero3 dp2 x pp2 x tp2 bf16": (
         lambda s: sw.mixed_precision(sw.shard_params(sw.pipeline(
-            sw.tensor_parallel(s, "tp", sw.llama_plan(), sequence_parallel=LLAMA_BLOCKS), "pp", "1f1b", 2,
+            sw.tensor_parallel(s, "tp", sw.tp.llama_plan(), sequence_parallel=LLAMA_BLOCKS), "pp", "1f1b", 2,
         ), "dp", stage=3), "compute=bf16"),
         sw.Mesh(dp=2, pp=2, tp=2),
     ),

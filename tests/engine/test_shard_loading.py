@@ -168,7 +168,7 @@ def test_records_without_chunk_checksums_are_read_whole_and_checked(tmp_path: Pa
     raw = bytearray(data.read_bytes())
     raw[len(raw) // 2] ^= 0xFF
     data.write_bytes(bytes(raw))
-    with pytest.raises(sw.RankFailed, match="crc32 does not match"):
+    with pytest.raises(sw.collectives.RankFailed, match="crc32 does not match"):
         sw.launch(lambda: sw.checkpoint.load(tmp_path / "c", step, sw.Mesh(dp=2)), 2)
 
 
@@ -183,7 +183,7 @@ def test_a_corrupt_chunk_a_rank_reads_is_refused_naming_the_file(tmp_path: Path)
         0xFF  # in the first chunk, which rank 0 reads
     )
     data.write_bytes(bytes(raw))
-    with pytest.raises(sw.RankFailed, match=r"__0_0\.distcp .*chunk's crc32 does not match"):
+    with pytest.raises(sw.collectives.RankFailed, match=r"__0_0\.distcp .*chunk's crc32 does not match"):
         sw.launch(lambda: sw.checkpoint.load(tmp_path / "c", step, sw.Mesh(dp=4)), 4)
 
 
@@ -201,7 +201,7 @@ def test_pretrained_safetensors_at_zero3_dp4_read_a_quarter(
     total = _data_bytes(tmp_path, ".safetensors")
 
     def main() -> dict:
-        return full_state_dict(step, sw.init_from_pretrained(step, tmp_path, sw.Mesh(dp=4)))
+        return full_state_dict(step, sw.checkpoint.init_from_pretrained(step, tmp_path, sw.Mesh(dp=4)))
 
     exported = sw.launch(main, 4)
     for reads in _rank_reads(bytes_read, 4):
@@ -233,7 +233,7 @@ def _llama() -> Any:
 
 
 def _hf_loss(out: Any, targets: torch.Tensor) -> torch.Tensor:
-    return sw.vocab_parallel_cross_entropy(out.logits, targets)
+    return sw.tp.vocab_parallel_cross_entropy(out.logits, targets)
 
 
 def _meta_llama_step() -> Any:
@@ -248,7 +248,7 @@ def _meta_llama_step() -> Any:
 
 STACKS = {
     "zero3 dp2": (lambda s: sw.shard_params(s, "dp", stage=3), sw.Mesh(dp=2)),
-    "tp2": (lambda s: sw.tensor_parallel(s, "tp", sw.llama_plan()), sw.Mesh(tp=2)),
+    "tp2": (lambda s: sw.tensor_parallel(s, "tp", sw.tp.llama_plan()), sw.Mesh(tp=2)),
 }
 
 
@@ -265,7 +265,7 @@ def test_an_unmodified_llama_loads_shard_by_shard_as_saved(
     step = transform(_meta_llama_step())
 
     def main() -> dict:
-        return full_state_dict(step, sw.init_from_pretrained(step, tmp_path, mesh))
+        return full_state_dict(step, sw.checkpoint.init_from_pretrained(step, tmp_path, mesh))
 
     expected = real.state_dict()
     for exported in sw.launch(main, mesh.size):
@@ -288,7 +288,7 @@ def test_a_dcp_checkpoint_of_a_module_loads_chunk_by_chunk(tmp_path: Path) -> No
 
     def main() -> dict:
         return full_state_dict(
-            step, sw.init_from_dcp(step, tmp_path / "d", sw.Mesh(dp=2), prefix="model.")
+            step, sw.checkpoint.init_from_dcp(step, tmp_path / "d", sw.Mesh(dp=2), prefix="model.")
         )
 
     for exported in sw.launch(main, 2):
@@ -303,7 +303,7 @@ def test_a_dcp_directory_saved_sharded_is_read_a_share_per_rank(
     _saved(tmp_path / "c", step, params, 4)  # a shardwise checkpoint is a DCP directory too
     total = _data_bytes(tmp_path / "c", ".distcp")
     states = sw.launch(
-        lambda: sw.init_from_dcp(step, tmp_path / "c", sw.Mesh(dp=4), prefix="model."), 4
+        lambda: sw.checkpoint.init_from_dcp(step, tmp_path / "c", sw.Mesh(dp=4), prefix="model."), 4
     )
     for reads in _rank_reads(bytes_read, 4):
         assert reads < 0.3 * total, (
@@ -332,7 +332,7 @@ def _pretrained(tmp_path: Path, edit: Any) -> tuple[Any, Path]:
 def test_a_missing_tensor_is_refused_naming_its_key(tmp_path: Path) -> None:
     step, path = _pretrained(tmp_path, lambda sd: sd.pop("2.bias"))
     with pytest.raises(CheckpointError, match=r"missing \['2\.bias'\], unexpected \[\]"):
-        sw.init_from_pretrained(step, path, sw.Mesh(dp=1))
+        sw.checkpoint.init_from_pretrained(step, path, sw.Mesh(dp=1))
 
 
 def test_a_mis_shaped_tensor_is_refused_naming_its_key(tmp_path: Path) -> None:
@@ -342,10 +342,10 @@ def test_a_mis_shaped_tensor_is_refused_naming_its_key(tmp_path: Path) -> None:
     with pytest.raises(
         CheckpointError, match=r"'1\.weight' has shape \[1024, 1023\], the model's params\['1'\]"
     ):
-        sw.init_from_pretrained(step, path, sw.Mesh(dp=1))
+        sw.checkpoint.init_from_pretrained(step, path, sw.Mesh(dp=1))
 
 
 def test_an_unexpected_tensor_is_refused_naming_its_key(tmp_path: Path) -> None:
     step, path = _pretrained(tmp_path, lambda sd: sd.update({"extra.weight": torch.zeros(2)}))
     with pytest.raises(CheckpointError, match=r"unexpected \['extra\.weight'\]"):
-        sw.init_from_pretrained(step, path, sw.Mesh(dp=1))
+        sw.checkpoint.init_from_pretrained(step, path, sw.Mesh(dp=1))

@@ -29,7 +29,7 @@ from shardwise.engine.stack.compose import (
 from shardwise.engine.stack.roles import NO_SPLIT, PROTOCOLS, check_role, protocol_members, split_of
 from shardwise.testing.models import mlp
 
-TP_PLAN = {"0": sw.Colwise(), "2": sw.Rowwise()}
+TP_PLAN = {"0": sw.tp.Colwise(), "2": sw.tp.Rowwise()}
 
 
 def _step() -> sw.Step:

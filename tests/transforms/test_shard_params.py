@@ -137,7 +137,7 @@ def _zero_volume(step: sw.Step, params: dict, n: int) -> tuple[int, int, list]:
 
     def one_step() -> tuple[int, list]:
         state = step.init(params, mesh)
-        with sw.comm_ledger() as ledger:
+        with sw.collectives.comm_ledger() as ledger:
             step(state, batch)
         zero = sum(r.sent_bytes for r in ledger.records if r.op in ("all_gather", "psum_scatter"))
         other = [(r.op, r.shape) for r in ledger.records if r.op not in ("all_gather", "psum_scatter")]
@@ -241,7 +241,7 @@ def test_batch_that_does_not_divide_is_refused(n: int, extra: int) -> None:
         mesh = sw.Mesh(dp=n)
         step(step.init(params, mesh), batch)
 
-    with pytest.raises(sw.RankFailed, match=r"batch size \d+ .* does not divide into"):
+    with pytest.raises(sw.collectives.RankFailed, match=r"batch size \d+ .* does not divide into"):
         sw.launch(run, n)
 
 

@@ -264,7 +264,7 @@ def check_committed(directory: Path) -> dict[str, Any]:
         raise CheckpointError(
             f"checkpoint {directory}: {META} has format version {meta.get('version')!r}; this "
             f"shardwise reads versions {UNVERIFIED_VERSION} and {VERSION}: load it with the "
-            "shardwise that wrote it and export it (sw.full_state_dict)"
+            "shardwise that wrote it and export it (sw.checkpoint.full_state_dict)"
         )
     if meta["version"] != version:
         raise _modified(directory / META, what,

@@ -121,7 +121,7 @@ def functionalize(
         init_fn: for a module built on the meta device: ``fn(module)`` that initializes a
             module's own parameters and buffers (as ``model.apply(fn)`` would apply it); by
             default a Hugging Face model's ``_init_weights``, else each module's
-            ``reset_parameters()`` (see :mod:`shardwise.engine.model.materialize`).
+            ``reset_parameters()`` (docs/guide.md, "Models larger than one rank").
         device: for a module built on the meta device: where its buffers are made now and its
             parameters later, by ``Step.init`` (default: the CPU).
 

@@ -43,7 +43,7 @@ def plan_of(step: Step, mesh: Mesh, params: Params | None, batch: Any, *, share_
     also says what it moves (dtype and bytes per tensor), and the plan counts the
     bytes each rank holds; with a ``batch`` too, the pipeline's transfers are sized
     and the activation bytes kept for backward are predicted (on fake tensors: the
-    figures ``sw.saved_bytes`` measures).
+    figures ``sw.policies.saved_bytes`` measures).
 
     Ranks that differ only in their data-parallel coordinate (their ZeRO shard, their slice of
     the batch) lower to the same actions and hold the same bytes: what a rank does depends on

@@ -257,13 +257,13 @@ class Step:
         layer. Meta parameters (a model built on the meta device, functionalized) are made
         here, each from the module's own initializer seeded from ``(seed, its path)``, on the
         device functionalize was given: the same values on every mesh and stack as on one
-        device (see ``shardwise.engine.model.materialize``). Real ones are copied (or cut), so
+        device (docs/guide.md, "Models larger than one rank"). Real ones are copied (or cut), so
         the state never shares memory with ``params``.
 
         ``seed`` also starts the step's random streams (dropout): every rank passes the same;
-        each rank, stage, micro-batch and step draws its own stream from it (engine/run/rng.py).
+        each rank, stage, micro-batch and step draws its own stream from it.
 
-        ``source`` (a weights file's reader: ``sw.init_from_pretrained``, ``sw.init_from_dcp``)
+        ``source`` (a weights file's reader: ``sw.checkpoint.init_from_pretrained``, ``sw.checkpoint.init_from_dcp``)
         gives the meta parameters' values instead: ``source.tensors(layer, names, layout, mesh)``,
         read one layer at a time, of each parameter only what this rank keeps.
         """
@@ -341,7 +341,7 @@ class Step:
                 "no values and no way to make them: this chain was not made by functionalize from a "
                 "module built on the meta device. Pass real values, or functionalize the meta-built "
                 "module (its chain makes each rank's parameters from the module's initializers), or "
-                "load them (sw.checkpoint.load, sw.init_from_state_dict)."
+                "load them (sw.checkpoint.load, sw.checkpoint.init_from_state_dict)."
             )
         return maker if missing else None
 
@@ -376,7 +376,7 @@ class Step:
         also says what it moves (dtype and bytes per tensor), and the plan counts the
         bytes each rank holds; with a ``batch`` too, the pipeline's transfers are sized
         and the activation bytes kept for backward are predicted (on fake tensors: the
-        figures ``sw.saved_bytes`` measures). See ``engine/step/planning.py``.
+        figures ``sw.policies.saved_bytes`` measures). docs/guide.md, "Reading a Plan", reads one.
         """
         return plan_of(self, self.check_mesh(mesh) or Mesh(world=1), params, batch)
 

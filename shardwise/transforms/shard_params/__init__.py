@@ -30,7 +30,7 @@ def shard_params(
     (``reshard_after_forward=True``: gathered again in backward) or keeping
     them until backward (``False``). The default (None) reshards, except under
     a pipeline, where a rank's units stay gathered from their first compute of
-    the step to their last (torchtitan's rule; see ``engine/stack/compose.py``). Each
+    the step to their last (torchtitan's rule). Each
     layer's parameters travel as one flat buffer, padded to a multiple of the
     axis size; padding never reaches results. ``accumulation=k`` splits each
     rank's batch into ``k`` micro-batches and reduces gradients only after the
