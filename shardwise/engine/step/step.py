@@ -234,7 +234,7 @@ class Step:
     def layout(self, mesh: Mesh | None, params: Params, rank: int | None = None) -> StateLayout:
         """How this step lays out ``params`` on ``mesh``, as seen by ``rank`` (default: the calling
         rank inside a launched program, else rank 0): the placement of layers, the per-leaf shard
-        specs, and that rank's flat units (``engine/step/layouts.py``)."""
+        specs, and that rank's flat units."""
         return build_layout(self, mesh, params, rank)
 
     def layouts_by_index(self, mesh: Mesh | None, params: Params, rank: int | None = None) -> dict[int, StateLayout]:
