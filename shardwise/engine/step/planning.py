@@ -14,12 +14,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ...collectives.mesh import Mesh
+from ..layout.devices import device_of
 from ..layout.precision import compute_dtype
 from ..layout.sharding import FlatSharding
 from ..layout.state import Params, check_params, tree_nbytes
 from ..layout.state_layout import Placement, StateLayout, local_params, meta_shards, unit_names
 from ..plan.accounting import predict_kept_parts
-from ..plan.actions import FREE, GATHER, Action, Plan
+from ..plan.actions import FREE, GATHER, GRAD_COMPUTES, REDUCE_SCATTER, WAIT_REDUCE, Action, Plan
 from ..plan.batches import split_batch, split_over
 from ..plan.lower import (
     Inside,
@@ -28,6 +29,7 @@ from ..plan.lower import (
     microbatch_count,
     placement_of,
     rank_actions,
+    reduce_sizes,
     wire_of,
 )
 
@@ -51,13 +53,19 @@ def plan_of(step: Step, mesh: Mesh, params: Params | None, batch: Any) -> Plan:
     layouts = {r: step.layout(mesh, params, rank=r) for r in range(mesh.size)} if params is not None else {}
     per_rank: list[tuple[Action, ...]] = []
     inside = _inside_computes(step, mesh, params, batch, placement, layouts)
+    device = planned_device(params, batch)
     for r in range(mesh.size):
         index = placement.index_of(mesh, r)
         if params is None:
-            actions = rank_actions(step, placement, schedule, index, _units_without_params(step, placement, index))
+            actions = rank_actions(
+                step, placement, schedule, index, _units_without_params(step, placement, index), device
+            )
         else:
             layout = layouts[r]
-            actions = rank_actions(step, placement, schedule, index, unit_names(layout.sharding))
+            actions = rank_actions(
+                step, placement, schedule, index, unit_names(layout.sharding), device,
+                reduce_sizes(step, layout.sharding),
+            )
             boundaries = None
             if batch is not None and step.pipeline_spec is not None:
                 boundaries = step.boundaries(layout, one_microbatch(step, mesh, batch)[0], mesh)
@@ -80,6 +88,14 @@ def plan_of(step: Step, mesh: Mesh, params: Params | None, batch: Any) -> Plan:
                 notes[layer] += ("its collectives inside the layer are not listed: they are predicted from a "
                                  "batch, step.plan(mesh, params, batch)",)
     return Plan(mesh, tuple(per_rank), memory, {n: notes[n] for n in step.chain.names if n in notes})
+
+
+def planned_device(params: Params | None, batch: Any) -> torch.device:
+    """Where the planned ranks compute: their parameters' device, or for meta parameters (a model
+    not yet made) the batch's, else the CPU. The run reads its parameters' device: a plan of a
+    meta model for a GPU run wants a batch on the GPU."""
+    device = device_of(params, default="cpu")
+    return device_of(batch, default="cpu") if device.type == "meta" else device
 
 
 def _inside_computes(
@@ -149,7 +165,7 @@ def _memory(
             }))
         if zero is not None:
             assert sharding is not None
-            figures.setdefault("reduce_buffers", []).append(_reduce_buffers(step, sharding))
+            figures.setdefault("reduce_buffers", []).append(_reduce_buffers(step, sharding, per_rank[r]))
             figures.setdefault("comm_buffers", []).append(_comm_buffers(sharding))
     memory = {k: tuple(v) for k, v in figures.items()}
     if batch is not None:
@@ -161,16 +177,33 @@ def _memory(
     return memory
 
 
-def _reduce_buffers(step: Step, sharding: FlatSharding) -> int:
-    """Bytes of full unit gradients alive at once on their way to a reduce-scatter: at stages 2
-    and 3 one unit's being made while the previous one's is in flight (one in flight, see
-    lower._waits_for_reductions); at stage 1 every unit's, and the flat copy of each, all in
-    flight together at the end of the step."""
-    sizes = [lay.padded_numel * torch.empty((), dtype=_reduce_dtype(step, u, lay.dtype)).element_size()
-             for u, lay in sharding.units.items()]
-    if not sizes:
-        return 0
-    return 2 * sum(sizes) if sharding.stage == 1 else 2 * max(sizes)
+def _reduce_buffers(step: Step, sharding: FlatSharding, actions: Sequence[Action]) -> int:
+    """Peak bytes of full gradients on their way to a reduce-scatter, walking ``actions``: while a
+    backward runs, the next bucket's gradients and the copies in flight; when a bucket is issued,
+    its gradients (twice when it joins several units: they and the copy that
+    concatenates them; one unit's move into its flat buffer one by one), the copies still in
+    flight (how many: lower._waits_for_reductions), and after the last compute the gradients of
+    every bucket still to be issued (the deferred ones of tied weights, complete and waiting)."""
+    sizes = {u: lay.padded_numel * torch.empty((), dtype=_reduce_dtype(step, u, lay.dtype)).element_size()
+             for u, lay in sharding.units.items()}
+    last_compute = max((i for i, a in enumerate(actions) if a.kind in GRAD_COMPUTES), default=-1)
+    issued = [(i, a.units or (a.require("layer"),)) for i, a in enumerate(actions) if a.kind == REDUCE_SCATTER]
+    bucket_bytes = [sum(sizes[u] for u in b) for _, b in issued]
+    pending: dict[str, int] = {}
+    peak = made = 0  # made: how many buckets were issued so far
+    for i, action in enumerate(actions):
+        if action.kind in GRAD_COMPUTES and made < len(issued):  # the next bucket's gradients grow
+            peak = max(peak, bucket_bytes[made] + sum(pending.values()))
+        elif action.kind == WAIT_REDUCE:
+            pending.pop(action.require("layer"), None)
+        elif action.kind == REDUCE_SCATTER:
+            units = action.units or (action.require("layer"),)
+            size = sum(sizes[u] for u in units)
+            waiting = sum(sum(sizes[u] for u in b) for j, b in issued if j > i) if i > last_compute else 0
+            peak = max(peak, size * (2 if len(units) > 1 else 1) + sum(pending.values()) + waiting)
+            pending[units[0]] = size
+            made += 1
+    return peak
 
 
 def _comm_buffers(sharding: FlatSharding) -> int:

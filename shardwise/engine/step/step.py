@@ -48,6 +48,7 @@ from ..plan.lower import (
     placement_of,
     predict_boundaries,
     rank_actions,
+    reduce_sizes,
 )
 from ..run.agreement import check_ranks_agree
 from ..run.executor import Executor, LossFn, ParamSource
@@ -516,10 +517,13 @@ class Step:
                 source = ParamSource(compute=self._compute_params(state.params), sharding=sharding)
         # The actions depend on the stack (the layout's) and on what the step exchanges.
         exchange, axes = self.metric_exchange(), metric_axes(self)  # read once a step
-        key = ("actions", index, exchange, self.update_needs_sums)
+        device = device_of(master)
+        key = ("actions", index, exchange, self.update_needs_sums, device.type)
         actions = layout.cache.get(key)
         if actions is None:
-            actions = layout.cache[key] = rank_actions(self, placement, layout.schedule, index, unit_names(sharding))
+            actions = layout.cache[key] = rank_actions(
+                self, placement, layout.schedule, index, unit_names(sharding), device, reduce_sizes(self, sharding)
+            )
         outcome: dict[str, Any] = {}
 
         def update(grads: Any, summed: Summed) -> Any:
