@@ -63,6 +63,13 @@ def test_each_bucket_is_one_action_with_its_bytes(size: str, expected: list[str]
     text = " ".join(map(str, actions))
     first = expected[0]
     assert f"B({first.split('+')[-1]}, mb=0) reduce_scatter({first})" in text
+    # Stage 1 holds the full gradients: as many buckets (of the units in their order), all after the backward.
+    held = sw.shard_params(base, "dp", 1, bucket_mb=BUCKETS[size]).plan(sw.Mesh(dp=4), params).for_rank(0)
+    kinds = [a.kind for a in held]
+    late = [a for a in held if a.kind == "reduce_scatter"]
+    assert len(late) == len(expected)
+    assert sorted(u for a in late for u in (a.units or (a.layer,))) == ["0", "2", "4", "6"]
+    assert kinds.index("reduce_scatter") > max(i for i, k in enumerate(kinds) if k == "backward")
 
 
 @pytest.mark.parametrize("size", list(BUCKETS))

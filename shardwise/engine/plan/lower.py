@@ -156,7 +156,9 @@ def rank_actions(
     units = list(units or ())
     if zero is not None:
         tied_units = {owner for owner, _, users in placement.tied if index in users}
-        deferred = [u for u in units if u in tied_units]
+        # Stage 1 holds every full gradient until the end of the step, where it reduces them (in
+        # buckets): issuing them during the backward would make it stage 2.
+        deferred = units if zero.stage == 1 else [u for u in units if u in tied_units]
         actions = zero.insert(
             actions,
             stage_needs(step.chain, placement, units),
@@ -175,11 +177,14 @@ def rank_actions(
                 actions.append(Action(SUM_TIED, owner, tied=i))
     buckets: list[tuple[str, ...]] = [(u,) for u in units]
     if zero is not None:
+        late = [(u,) for u in deferred]
         if sizes is not None:
             actions, buckets = _bucket_reductions(actions, zero, sizes)
-        actions += [Action(REDUCE_SCATTER, u, axis=zero.axis) for u in deferred]
+            late = zero.buckets(deferred, sizes)
+            buckets = [*buckets, *late]
+        actions += [_bucket_action(REDUCE_SCATTER, b, zero.axis) for b in late]
         in_flight = zero.reductions_in_flight(device)
-        actions = _waits_for_reductions(actions, zero.axis, deferred=len(deferred), in_flight=in_flight)
+        actions = _waits_for_reductions(actions, zero.axis, deferred=len(late), in_flight=in_flight)
     actions.append(Action(FINISH_GRADS))
     tp = find(step.transforms, SPLIT)
     if tp is not None:

@@ -46,9 +46,10 @@ def shard_params(
     on a GPU. The Plan shows the waits and counts the buffers (``memory["reduce_buffers"]``).
 
     At stages 1 and 2 the gradients of consecutive units travel in buckets of at most
-    ``bucket_mb`` MiB (a larger unit alone; default ``DEFAULT_BUCKET_MB``): each bucket's
-    reduce-scatter is issued as soon as its last unit's gradient is complete, during the
-    backward, and the updated shards come back in the same buckets. Stage 3 reduces and gathers
+    ``bucket_mb`` MiB (a larger unit alone; default ``DEFAULT_BUCKET_MB``). At stage 2 each
+    bucket's reduce-scatter is issued as soon as its last unit's gradient is complete, during
+    the backward; stage 1, which holds the full gradients, issues them all after the backward.
+    The updated shards come back in the same buckets. Stage 3 reduces and gathers
     unit by unit (its units are gathered and freed one at a time). Each bucket is one action of
     the Plan (``reduce_scatter(2+0)``), listed when the plan is made with the parameters.
 
