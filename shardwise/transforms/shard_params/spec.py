@@ -13,8 +13,10 @@ from ...engine.plan.actions import Action
 from ...engine.stack.compose import SHARDING
 from .lowering import insert_gathers, insert_reduces
 
-# Stages 1-2: the gradient bytes reduced in one collective. Measured on gloo (world 2, the
-# benchmarks' MLP and TinyGPT, paired runs; benchmarks/README.md, issue 27).
+# Stages 1-2: the gradient bytes reduced in one collective. Not tuned yet (issue 27: the paired
+# timings of the session that added it ran at a load of 40 on 2 cores, which drowned the
+# differences). 4 MiB makes a few buckets of the benchmarks' models (the 8 MiB MLP: two), so the
+# first is issued while the backward still runs; DDP's default is 25 MiB.
 DEFAULT_BUCKET_MB = 4.0
 
 
