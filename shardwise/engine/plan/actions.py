@@ -132,6 +132,8 @@ class Action:
     wire: tuple[Wire, ...] = ()
     tied: int | None = None  # the index of a weight tied across pipeline ranks (Placement.tied)
     label: str | None = None  # the text form of the action's subject, when not ``layer``
+    # A ZeRO bucket's units, in its order (``layer`` is the first), when several travel as one collective
+    units: tuple[str, ...] = ()
 
     @property
     def mb(self) -> int:
