@@ -181,8 +181,8 @@ def torch_context_parallel(cfg: Config) -> dict[str, Any]:
         # The buffers are sharded in place on entry; not restored on exit (they are ours, and a leaf that
         # requires grad cannot be resized back, which would hide the real error).
         with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[2, 2, 2], no_restore_buffers=set(buffers)):
-            leaves = [b.requires_grad_() for b in buffers]
-            out = F.scaled_dot_product_attention(*leaves, is_causal=True)
+            q, k, v = (b.requires_grad_() for b in buffers)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             out.sum().backward()
     except Exception as exc:  # torch's CP on CPU: record why, as the brief asks, and move on
         root = exc
