@@ -62,6 +62,7 @@ from .engine.model.chain import Chain, Layer
 from .engine.model.functionalize import FunctionalizeError, functionalize
 from .engine.plan.actions import Action, Plan
 from .engine.step.step import Step, train_step
+from .plan_search import search
 from .transforms.mixed_precision import DynamicLossScale, Policy, StaticLossScale, mixed_precision
 from .transforms.pipeline import (
     CommModel,
@@ -160,6 +161,7 @@ __all__ = [
     "recv",
     "remat",
     "saved_bytes",
+    "search",
     "send",
     "shard_params",
     "simulate",
