@@ -1,4 +1,4 @@
-"""The ``shardwise`` command: look at schedules and Plans, verify a step, from the shell.
+"""The ``shardwise`` command: look at schedules and Plans, verify a step, search layouts, from the shell.
 
 Exit status, as pytest and torchrun use it: 0 when all is well, 1 when the
 command ran and the answer is "no" (an invalid schedule, a step that diverges
@@ -27,7 +27,7 @@ import sys
 import traceback
 from collections.abc import Sequence
 
-from . import checkpoint_cmd, plan_cmd, schedule_cmd, verify_cmd
+from . import checkpoint_cmd, plan_cmd, schedule_cmd, search_cmd, verify_cmd
 from .arguments import UsageError
 from .report import CommandFailed, Output
 
@@ -47,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan_cmd.add_parser(verbs)
     verify_cmd.add_parser(verbs)
     checkpoint_cmd.add_parser(verbs)
+    search_cmd.add_parser(verbs)
     return parser
 
 

@@ -18,6 +18,7 @@ from .candidate import Candidate
 from .certify import certify
 from .compute import FlopCompute, LayerCosts, MeasuredCompute, params_per_layer
 from .driver import search
+from .plot import plot_frontier
 from .rank import Priced, Refused
 from .result import SearchResult, frontier
 from .space import Space
@@ -36,5 +37,6 @@ __all__ = [
     "frontier",
     "params_per_layer",
     "parse_bytes",
+    "plot_frontier",
     "search",
 ]

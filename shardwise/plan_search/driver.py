@@ -80,11 +80,12 @@ def search(
         (priced if isinstance(outcome, Priced) else refused).append(outcome)  # type: ignore[arg-type]
     priced.sort(key=lambda p: (p.time, p.memory, str(p.candidate)))
     fitting = len(priced)
-    if certify_with is not None:
-        priced = _certified(priced, refused, top, tp_plan, certify_with)
+    chosen = priced[:top] if certify_with is None else _certified(priced, refused, top, tp_plan, certify_with)
+    failed = {r.candidate for r in refused}
+    others = [p for p in priced if p.candidate not in {c.candidate for c in chosen} and p.candidate not in failed]
     source = getattr(compute, "source", None) or type(compute).__name__
-    return SearchResult(tuple(priced[:top]), tuple(refused), fitting, tuple(skipped), world, budget, source,
-                        comm is not None)
+    return SearchResult(tuple(chosen), tuple(refused), fitting, tuple(others), tuple(skipped), world, budget,
+                        source, comm is not None)
 
 
 def _certified(priced: list[Priced], refused: list[Refused], top: int, tp_plan: Mapping[str, Any] | None,

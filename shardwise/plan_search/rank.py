@@ -29,6 +29,7 @@ from ..engine.simulate.simulation import simulate
 from ..engine.step.step import Step
 from .candidate import Candidate
 from .compute import LayerCosts
+from .units import format_bytes
 
 COMPOSE, PLAN, MEMORY, SIMULATE, CERTIFY = "compose", "plan", "memory", "simulate", "certify"
 
@@ -63,11 +64,13 @@ class Priced:
 
 @dataclass(frozen=True)
 class Refused:
-    """A candidate left out at ``stage`` (compose, plan, memory, simulate, certify), and why."""
+    """A candidate left out at ``stage`` (compose, plan, memory, simulate, certify), and why:
+    ``reason`` is shared by the candidates left out alike, ``detail`` is this one's own."""
 
     candidate: Candidate
     stage: str
     reason: str
+    detail: str = ""
 
 
 def first_line(err: BaseException) -> str:
@@ -167,7 +170,8 @@ def price(
         return Refused(candidate, PLAN, first_line(err))
     peak = plan.memory["peak"]
     if max(peak) > budget:
-        return Refused(candidate, MEMORY, f"peak {max(peak)} bytes on a rank is over the budget of {budget}")
+        return Refused(candidate, MEMORY, f"a rank's predicted peak is over the budget of {format_bytes(budget)}",
+                       f"peak {max(peak)} bytes on rank {peak.index(max(peak))}")
     try:
         priced = plan_costs(plan, step, candidate, compute(candidate), params, comm=comm, cores=cores,
                             base_opt_bytes=base_opt_bytes)

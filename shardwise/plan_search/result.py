@@ -24,12 +24,14 @@ def frontier(ranked: Sequence[Priced]) -> list[Priced]:
 @dataclass(frozen=True)
 class SearchResult:
     """``ranked``: the layouts that fit (and passed certification when asked), fastest first by
-    simulated step time, the first ``top`` of the ``fitting`` ones; ``refused``: every candidate
-    left out, with the stage and the reason; ``skipped``: whole parts of the space not tried, and why (tensor parallel without a plan)."""
+    simulated step time, the first ``top`` of the ``fitting`` ones (``others``: the rest that fit,
+    not certified); ``refused``: every candidate left out, with the stage and the reason;
+    ``skipped``: whole parts of the space not tried, and why (tensor parallel without a plan)."""
 
     ranked: tuple[Priced, ...]
     refused: tuple[Refused, ...]
     fitting: int
+    others: tuple[Priced, ...]
     skipped: tuple[str, ...]
     world: int
     budget: int
@@ -51,7 +53,8 @@ class SearchResult:
         return Counter((r.stage, r.reason) for r in self.refused)
 
     def frontier(self) -> list[Priced]:
-        return frontier(self.ranked)
+        """The time-memory frontier of every layout that fits (``ranked`` and ``others``)."""
+        return frontier([*self.ranked, *self.others])
 
     def table(self, top: int | None = None) -> str:
         """The ranked layouts as text: rank, stack, predicted time, peak memory, bytes per axis."""
@@ -77,7 +80,9 @@ class SearchResult:
         return {
             "world": self.world, "memory_per_rank": self.budget, "compute": self.compute_source,
             "comm_priced": self.comm_priced, "fitting": self.fitting, "ranked": [p.as_dict() for p in self.ranked],
+            "others": [p.as_dict() for p in self.others],
             "frontier": [str(p.candidate) for p in self.frontier()],
-            "refused": [{"stack": str(r.candidate), "stage": r.stage, "reason": r.reason} for r in self.refused],
+            "refused": [{"stack": str(r.candidate), "stage": r.stage, "reason": r.reason, "detail": r.detail}
+                        for r in self.refused],
             "skipped": list(self.skipped),
         }

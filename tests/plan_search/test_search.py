@@ -122,6 +122,9 @@ def test_nothing_fits_a_tiny_budget_and_says_why() -> None:
                       space=SMALL_SPACE)
     assert found.ranked == () and found.fitting == 0
     assert {r.stage for r in found.refused} == {MEMORY}
+    # One reason for all of them (each keeps its own peak in the detail), so they count together.
+    assert list(found.refusals_by_reason().values()) == [len(found.refused)] and len(found.refused) > 1
+    assert all(r.detail.startswith("peak ") for r in found.refused)
     with pytest.raises(ValueError, match="fits 16 B per rank"):
         _ = found.best
 
