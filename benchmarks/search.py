@@ -8,9 +8,11 @@ units, the vocabulary-parallel loss, ``sw.tiny_gpt_plan()``) and a tiny Hugging 
 1. ``sw.search`` prices every candidate: compute from single-device steps measured in this
    process (``MeasuredCompute``, one torch thread, as a rank has), communication from a short
    probe of the collectives on the same 4 gloo ranks (``CommModel.from_benchmark``), the ranks
-   sharing this machine's cores (``PlanCosts.cores``).
-2. Every layout that fits is run on the 4 ranks: ``--warmup`` steps, then ``--steps`` timed
-   ones (a barrier before each; a step's time is its slowest rank's); measured = the median.
+   sharing ``--cores`` cores (``PlanCosts.cores``; several values: each priced and compared
+   against the one measurement, since what the ranks get of a loaded machine is not known).
+2. Every layout that fits is run on the 4 ranks, all of them interleaved (step ``i`` of every
+   layout before step ``i + 1`` of any): ``--warmup`` steps, then ``--steps`` timed ones (a
+   barrier before each; a step's time is its slowest rank's); measured = the median.
 3. One JSON line per layout (predicted and measured seconds, predicted peak), then a summary
    line per model: Spearman's rank correlation of predicted against measured (ties get their
    average rank), and how far the search's first choice is from the measured best
@@ -31,11 +33,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from _common import environment, json_lines, note
+from _common import environment, json_lines, note, round_robin
 
 import shardwise as sw
 from shardwise.collectives.backends.processes import ProcessPool
-from shardwise.plan_search import Candidate, Space
+from shardwise.plan_search import Candidate, MeasuredCompute, SearchResult, Space
 from shardwise.testing.models import Block, TinyGPT
 
 WORLD = 4
@@ -89,21 +91,20 @@ def build(cfg: ModelConfig) -> tuple[sw.Step, Any, list[tuple[torch.Tensor, torc
     return sw.train_step(chain, llama_loss, optimizer), params, batches, sw.llama_plan()
 
 
-def rank_main(cfg: ModelConfig, candidate: Candidate, warmup: int, steps: int) -> list[float]:
-    """This rank's seconds per timed step of ``candidate`` (a barrier of all ranks before each)."""
+def rank_main(cfg: ModelConfig, candidates: list[Candidate], warmup: int, steps: int) -> dict[str, list[float]]:
+    """This rank's seconds per timed step of every candidate, interleaved (``round_robin``: step
+    ``i`` of each before step ``i + 1`` of any), so a change in the machine's load over the run
+    falls on every layout alike rather than on the ones measured at that moment."""
     torch.set_num_threads(1)
     step, params, batches, tp_plan = build(cfg)
-    applied = candidate.apply(step, tp_plan).with_metrics(())
-    state = applied.init(params, candidate.mesh)
-    world = sw.Mesh(world=WORLD)
-    backend, everyone = world.backend, world.group("world")
-    times = []
-    for i in range(warmup + steps):
-        backend.barrier(everyone)
-        start = time.perf_counter()
-        state, _ = applied(state, batches[i % len(batches)])
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
+    applied = {str(c): c.apply(step, tp_plan).with_metrics(()) for c in candidates}
+    states = {str(c): applied[str(c)].init(params, c.mesh) for c in candidates}
+
+    def one_step(name: str, i: int, batch: Any) -> None:
+        states[name], _ = applied[name](states[name], batch)
+
+    feed = [batches[i % len(batches)] for i in range(warmup + steps)]
+    times, _ = round_robin(list(applied), feed, warmup, one_step)
     return times
 
 
@@ -150,44 +151,56 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
     parser.add_argument("--memory", default="64MiB", help="memory per rank for the search (default 64MiB)")
     parser.add_argument("--remat", default="none,nothing_saveable", help="remat policies to search, 'none' for off")
-    parser.add_argument("--cores", type=int, default=os.cpu_count() or 1, help="cores the ranks share (default: all)")
+    parser.add_argument("--cores", default=str(os.cpu_count() or 1),
+                        help="comma-separated: cores the ranks share in the simulation, each priced and compared "
+                             "(default: this machine's count)")
     parser.add_argument("--out", help="also write the JSON lines to this file")
     args = parser.parse_args(argv)
     remat = tuple(None if r == "none" else r for r in args.remat.split(","))
-    space = Space(remat=remat)
+    space = Space(remat=remat, microbatches=(1, 2, 4))
     with json_lines(args.out) as write, ProcessPool(WORLD, timeout=TIMEOUT_S) as pool:
         note("# probing the collectives on 4 gloo ranks")
         comm = probe_comm(pool)
         for name in args.models.split(","):
             cfg = ModelConfig(name)
             step, params, batches, tp_plan = build(cfg)
-            torch.set_num_threads(1)
-            started = time.perf_counter()
-            found = sw.search(step, params, batches[0], world=WORLD, memory_per_rank=args.memory, comm=comm,
-                              tp_plan=tp_plan, space=space, top=10_000, cores=args.cores)
-            search_s = time.perf_counter() - started
-            note(found.table())
-            predicted, measured = [], []
-            for p in found.ranked:
-                per_rank = pool.run(rank_main, cfg, p.candidate, args.warmup, args.steps)
-                seconds = statistics.median(max(step_times) for step_times in zip(*per_rank, strict=True))
-                predicted.append(p.time)
-                measured.append(seconds)
-                emit_row = {"bench": "search", "model": name, "stack": str(p.candidate), "predicted_s": p.time,
-                            "measured_s": seconds, "ratio": round(p.time / seconds, 3), "peak_bytes": p.memory}
-                write(emit_row)
-            best = min(measured)
-            stacks = [str(p.candidate) for p in found.ranked]
-            order_pred = [stacks[i] for i in sorted(range(len(predicted)), key=predicted.__getitem__)]
-            order_meas = [stacks[i] for i in sorted(range(len(measured)), key=measured.__getitem__)]
-            write({"bench": "search", "model": name, "ranking": "predicted", "order": order_pred})
-            write({"bench": "search", "model": name, "ranking": "measured", "order": order_meas})
-            write({"bench": "search", "model": name, "summary": True, "layouts": len(measured),
-                  "refused": len(found.refused), "spearman": round(spearman(predicted, measured), 3),
-                  "top_choice_vs_best": round(measured[0] / best, 3), "search_s": round(search_s, 1),
-                  "refusals": {f"{s}: {why}": n for (s, why), n in found.refusals_by_reason().items()},
-                  **environment(1)})
-            sys.stdout.flush()
+            # One single-device measurement serves every pricing below.
+            compute = MeasuredCompute(step, params, batches[0], smallest=1.0 / (WORLD * max(space.microbatches)))
+            found: dict[int, SearchResult] = {}
+            for cores in (int(c) for c in args.cores.split(",")):
+                started = time.perf_counter()
+                found[cores] = sw.search(step, params, batches[0], world=WORLD, memory_per_rank=args.memory,
+                                         comm=comm, compute=compute, tp_plan=tp_plan, space=space, top=10_000,
+                                         cores=cores)
+                note(f"# {name}, simulated on {cores} cores ({time.perf_counter() - started:.0f} s)")
+                note(found[cores].table())
+            layouts = [p.candidate for p in next(iter(found.values())).ranked]
+            note(f"# measuring {len(layouts)} layouts of {name}, interleaved")
+            per_rank = pool.run(rank_main, cfg, layouts, args.warmup, args.steps)
+            # A step takes as long as its slowest rank; a layout, the median of its steps.
+            measured = {str(c): statistics.median(max(t) for t in zip(*(r[str(c)] for r in per_rank), strict=True))
+                        for c in layouts}
+            for cores, result in found.items():
+                compare(name, cores, result, measured, write)
+
+
+def compare(name: str, cores: int, found: SearchResult, measured: dict[str, float], write: Any) -> None:
+    """One JSON line per layout, both rankings, and the summary: Spearman and the first choice."""
+    stacks = [str(p.candidate) for p in found.ranked]
+    predicted = [p.time for p in found.ranked]
+    seconds = [measured[s] for s in stacks]
+    for p, took in zip(found.ranked, seconds, strict=True):
+        write({"bench": "search", "model": name, "cores": cores, "stack": str(p.candidate), "predicted_s": p.time,
+               "measured_s": took, "ratio": round(p.time / took, 3), "peak_bytes": p.memory})
+    for ranking, values in (("predicted", predicted), ("measured", seconds)):
+        order = [stacks[i] for i in sorted(range(len(values)), key=values.__getitem__)]
+        write({"bench": "search", "model": name, "cores": cores, "ranking": ranking, "order": order})
+    write({"bench": "search", "model": name, "cores": cores, "summary": True, "layouts": len(stacks),
+           "refused": len(found.refused), "spearman": round(spearman(predicted, seconds), 3),
+           "top_choice": stacks[0], "measured_best": min(measured, key=measured.__getitem__),
+           "top_choice_vs_best": round(seconds[0] / min(seconds), 3),
+           "refusals": {f"{s}: {why}": n for (s, why), n in found.refusals_by_reason().items()}, **environment(1)})
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":
