@@ -12,6 +12,7 @@ pair is measured with those rewrites applied (:class:`MeasuredCompute`).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -25,12 +26,14 @@ from ..engine.step.step import Step
 from .candidate import Candidate
 
 Key = tuple[str, str | None]  # (action kind, layer or None)
+PER_ACTION = "per_action"  # measure_once's key for the executor's time between actions
 
 
 @dataclass(frozen=True)
 class LayerCosts:
     """Seconds per (kind, layer) of a single-device step at the whole batch (``full``) and at
-    ``small_fraction`` of it (``small``).
+    ``small_fraction`` of it (``small``); ``per_action``: the executor's own time between two
+    actions, which every action of a Plan pays (a distributed Plan has many more actions).
 
     >>> costs = LayerCosts({("forward", "a"): 3.0}, {("forward", "a"): 1.5}, 0.25)
     >>> costs.at("forward", "a", 0.5), costs.at("forward", "b", 0.5)
@@ -41,6 +44,7 @@ class LayerCosts:
     small: Mapping[Key, float]
     small_fraction: float
     source: str = "measured"
+    per_action: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.small_fraction < 1:
@@ -79,15 +83,20 @@ def measure_once(step: Step, params: Any, batch: Any, steps: int = 10, warmup: i
     plan = traced.plan(None, params, batch)
     state = traced.init(params)
     shortest: dict[int, float] = {}
+    between = float("inf")
     for i in range(warmup + steps):
         state, metrics = traced(state, batch)
         if i >= warmup:
-            for pos, start, end in metrics["action_times"]:
+            ordered = sorted(metrics["action_times"], key=lambda t: t[1])
+            for pos, start, end in ordered:
                 shortest[pos] = min(shortest.get(pos, float("inf")), end - start)
+            gaps = [max(0.0, b[1] - a[2]) for a, b in itertools.pairwise(ordered)]
+            between = min(between, sum(gaps) / max(1, len(gaps)))
     times: dict[Key, float] = {}
     for pos, action in enumerate(plan.actions[0]):
         key = (action.kind, action.layer)
         times[key] = times.get(key, 0.0) + shortest.get(pos, 0.0)
+    times[(PER_ACTION, None)] = 0.0 if between == float("inf") else between
     return times
 
 
@@ -122,7 +131,9 @@ class MeasuredCompute:
                 small = measure_once(rewritten, self.params, _shrink(self.batch, n), self.steps) if n < whole else {}
             finally:
                 torch.set_num_threads(before)
-            self._cache[key] = LayerCosts(full, small, n / whole if n < whole else 0.0)
+            per_action = full.pop((PER_ACTION, None))
+            small.pop((PER_ACTION, None), None)
+            self._cache[key] = LayerCosts(full, small, n / whole if n < whole else 0.0, per_action=per_action)
         return self._cache[key]
 
 

@@ -121,7 +121,8 @@ def plan_costs(
     """Every action of ``plan`` priced from single-device ``costs``: a compute at its share of
     the batch (``1 / (dp x micro-batches)``) times its layers' share of the parameters, the
     loss at its share of the batch, the update and the other bookkeeping at the rank's share
-    of the optimizer state; collectives and transfers by ``comm``."""
+    of the optimizer state, each action also the executor's time per action; collectives and
+    transfers by ``comm``."""
     names = list(step.chain.names)
     per_stage = _stage_layers(plan, names) if candidate.pp > 1 else {}
     shares = _shares(step, candidate, params)
@@ -134,6 +135,7 @@ def plan_costs(
             by_kind[kind] = by_kind.get(kind, 0.0) + seconds
     slot: dict[tuple[int, int], float] = {}
     for r, actions in enumerate(plan.actions):
+        slot.update({(r, pos): costs.per_action for pos in range(len(actions))})
         if base_opt_bytes and opt is not None:
             state_share = opt[r] / base_opt_bytes
         else:  # a stateless optimizer (plain SGD): the parameters' share instead
@@ -144,13 +146,12 @@ def plan_costs(
                 layers = per_stage.get(a.stage, [a.layer]) if a.stage is not None and per_stage else [a.layer]
                 # Zero-bubble schedules split a backward in two: each half of the measured one.
                 kind, half = (BACKWARD, 0.5) if a.kind in (BACKWARD_INPUT, BACKWARD_WEIGHT) else (a.kind, 1.0)
-                slot[(r, pos)] = half * sum(
+                slot[(r, pos)] += half * sum(
                     costs.at(kind, layer, batch_share * shares[r].get(layer, 1.0)) for layer in layers)
             elif a.kind == LOSS:
-                slot[(r, pos)] = costs.at(LOSS, None, batch_share)
+                slot[(r, pos)] += costs.at(LOSS, None, batch_share)
             elif a.kind in by_kind:
-                whole = by_kind[a.kind]
-                slot[(r, pos)] = whole * min(1.0, state_share)
+                slot[(r, pos)] += by_kind[a.kind] * min(1.0, state_share)
     return PlanCosts(slot=slot, comm=comm.covering(plan)[0], cores=cores, unit_us=1e6)
 
 

@@ -14,6 +14,7 @@ from shardwise.engine.simulate.simulation import simulate
 from shardwise.plan_search import (
     Candidate,
     FlopCompute,
+    LayerCosts,
     MeasuredCompute,
     Space,
     certify,
@@ -201,3 +202,13 @@ def test_bad_arguments_are_refused_clearly() -> None:
     with pytest.raises(ValueError, match="data parallel is shard_params"):
         Candidate(dp=2)
     assert parse_bytes("80GB") == 80 * 10**9 and parse_bytes("2KiB") == 2048
+
+
+def test_every_action_pays_the_executors_time_per_action() -> None:
+    """With nothing but a per-action cost, one rank's step takes that times its action count."""
+    step, params, batches = mlp_problem([8, 16, 8], batch=8)
+    only_overhead = LayerCosts({}, {}, 0.0, per_action=1e-3)
+    found = sw.search(step, params, batches[0], world=1, memory_per_rank="1GB", compute=lambda c: only_overhead,
+                      space=SMALL_SPACE)
+    (single,) = found.ranked
+    assert single.time == pytest.approx(1e-3 * len(single.plan.actions[0]))
