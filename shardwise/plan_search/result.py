@@ -67,8 +67,8 @@ class SearchResult:
             mark = "*" if id(p) in on_frontier else " "
             lines.append(f"{i:>3}{mark} {p.candidate!s:<44} {format_seconds(p.time):>11} {format_bytes(p.memory):>11}  "
                          + axes + ("" if p.certified is None else f"  [{p.certified}]"))
-        lines.append(f"(* on the frontier of these; {self.fitting} layouts fit, {len(self.refused)} were refused; "
-                     f"compute costs {self.compute_source})")
+        lines.append(f"(* on the time-memory frontier of all {self.fitting} layouts that fit; "
+                     f"{len(self.refused)} were refused; compute costs {self.compute_source})")
         if not self.comm_priced:
             lines.append("communication is not priced: pass comm=CommModel (e.g. CommModel.from_benchmark)")
         for (stage, why), n in self.refusals_by_reason().most_common():

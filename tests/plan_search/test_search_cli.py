@@ -44,7 +44,7 @@ def test_table_json_and_plot(target: Path, tmp_path: Path, capsys: pytest.Captur
     assert main(["search", f"{target}:make", "--world", "2", "--memory", "1MiB", "--flops", "1e9", "--top", "3"]) == 0
     text = capsys.readouterr().out
     assert text.splitlines()[0].split() == ["#", "stack", "time/step", "peak/rank", "bytes", "per", "axis"]
-    assert "communication is not priced" in text and "layouts fit" in text
+    assert "communication is not priced" in text and "layouts that fit" in text
     picture = tmp_path / "frontier.png"
     assert main(["search", f"{target}:make", "--world", "2", "--memory", "1MiB", "--flops", "1e9", "--json",
                  "--plot", str(picture)]) == 0
