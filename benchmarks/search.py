@@ -195,13 +195,13 @@ def compare(name: str, cores: int, found: SearchResult, measured: dict[str, floa
     predicted = [p.time for p in found.ranked]
     seconds = [measured[s] for s in stacks]
     for p, took in zip(found.ranked, seconds, strict=True):
-        write({"bench": "search", "model": name, "cores": cores, "measured": statistic, "stack": str(p.candidate),
+        write({"bench": "search", "model": name, "simulated_cores": cores, "measured": statistic, "stack": str(p.candidate),
                "predicted_s": p.time, "measured_s": took, "ratio": round(p.time / took, 3), "peak_bytes": p.memory})
     for ranking, values in (("predicted", predicted), ("measured", seconds)):
         order = [stacks[i] for i in sorted(range(len(values)), key=values.__getitem__)]
-        write({"bench": "search", "model": name, "cores": cores, "measured": statistic, "ranking": ranking,
+        write({"bench": "search", "model": name, "simulated_cores": cores, "measured": statistic, "ranking": ranking,
                "order": order})
-    write({"bench": "search", "model": name, "cores": cores, "measured": statistic, "summary": True,
+    write({"bench": "search", "model": name, "simulated_cores": cores, "measured": statistic, "summary": True,
            "layouts": len(stacks),
            "refused": len(found.refused), "spearman": round(spearman(predicted, seconds), 3),
            "top_choice": stacks[0], "measured_best": min(measured, key=measured.__getitem__),
