@@ -108,7 +108,7 @@ def _shares(step: Step, candidate: Candidate, params: Any) -> list[dict[str, flo
     full = {layer: sum(t.numel() for t in tensors.values()) for layer, tensors in params.items()}
     shares = []
     for r in range(mesh.size):
-        local = step.tp_view(params, mesh, r) if candidate.tp > 1 else params
+        local = step.local_view(params, mesh, r) if candidate.tp > 1 else params
         shares.append({layer: (sum(t.numel() for t in local[layer].values()) / n if n else 1.0)
                        for layer, n in full.items()})
     return shares
