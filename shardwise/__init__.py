@@ -38,6 +38,7 @@ from .engine.layout.state import TrainState
 from .engine.model.chain import Chain, Layer
 from .engine.model.functionalize import FunctionalizeError, functionalize
 from .engine.step.step import Step, train_step
+from .plan_search import search
 from .transforms.mixed_precision import mixed_precision
 from .transforms.pipeline import pipeline, simulate
 from .transforms.remat import remat
@@ -70,6 +71,7 @@ __all__ = [
     "precision",
     "remat",
     "schedules",
+    "search",
     "shard_params",
     "simulate",
     "tensor_parallel",

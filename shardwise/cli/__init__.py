@@ -1,4 +1,4 @@
-"""The ``shardwise`` command: look at schedules and Plans, verify a step, from the shell.
+"""The ``shardwise`` command: look at schedules and Plans, verify a step, search layouts, from the shell.
 
 Exit status, as pytest and torchrun use it: 0 when all is well, 1 when the
 command ran and the answer is "no" (an invalid schedule, a step that diverges
@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
-from . import checkpoint_cmd, plan_cmd, schedule_cmd, verify_cmd
+from . import checkpoint_cmd, plan_cmd, schedule_cmd, search_cmd, verify_cmd
 from .arguments import UsageError
 from .report import CommandFailed, Output, one_line
 
@@ -74,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan_cmd.add_parser(verbs)
     verify_cmd.add_parser(verbs)
     checkpoint_cmd.add_parser(verbs)
+    search_cmd.add_parser(verbs)
     for command in _commands(parser):
         command.add_argument("--traceback", action="store_true",
                              help="on an error raised by your code (or ours), print its whole traceback too")

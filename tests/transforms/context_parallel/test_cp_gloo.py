@@ -28,9 +28,9 @@ def _rank(kind: str, world: int):  # type: ignore[no-untyped-def]
         local = [shard_sequence(t, "cp", dim=2).requires_grad_() for t in _inputs()]
         out = attention(*local, "cp")
         grads = torch.autograd.grad(out.pow(2).sum(), local)
-        whole = [sw.all_gather(t.detach(), "cp", dim=2, tiled=True) for t in (out, *grads)]
+        whole = [sw.collectives.all_gather(t.detach(), "cp", dim=2, tiled=True) for t in (out, *grads)]
         # The global position of every gathered row, so the whole sequence can be put back in order.
-        positions = sw.all_gather(shard_sequence(torch.arange(16), "cp", dim=0), "cp", dim=0, tiled=True)
+        positions = sw.collectives.all_gather(shard_sequence(torch.arange(16), "cp", dim=0), "cp", dim=0, tiled=True)
         inverse = torch.argsort(positions)
         return [t.index_select(2, inverse) for t in whole]
 

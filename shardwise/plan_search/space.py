@@ -1,0 +1,71 @@
+"""The search space: which candidates to try for a world size, and the ones left out before
+any transform is applied (with the reason).
+
+Every ``dp x pp x tp`` factorisation of the world, and for each the options that apply:
+ZeRO stages over dp (and resharding for ZeRO-3 under a pipeline), schedules and micro-batch
+counts over pp, remat policies and precisions everywhere. Options that do not apply to a
+shape are not multiplied in (a schedule without pp), so every candidate is distinct and is
+planned once. Whether a candidate can work is for the transforms to say (``Candidate.apply``):
+the space knows nothing of the composition rules.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from .candidate import Candidate
+
+
+@dataclass(frozen=True)
+class Space:
+    """The options to combine. ``remat`` and ``precision`` hold None for "leave as it is".
+
+    >>> [str(c) for c in Space(zero_stages=(3,), remat=(None,)).candidates(2, tensor_parallel=False)]
+    ['dp2 zero3', 'pp2 gpipe mb1', 'pp2 gpipe mb2', 'pp2 gpipe mb4', 'pp2 1f1b mb1', 'pp2 1f1b mb2', 'pp2 1f1b mb4']
+    """
+
+    zero_stages: tuple[int, ...] = (1, 2, 3)
+    reshard_under_pipeline: tuple[bool | None, ...] = (None,)
+    schedules: tuple[str, ...] = ("gpipe", "1f1b")
+    microbatches: tuple[int, ...] = (1, 2, 4)
+    remat: tuple[str | None, ...] = (None, "nothing_saveable")
+    precision: tuple[str | None, ...] = (None,)
+    max_tp: int | None = None
+    max_pp: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("zero_stages", "schedules", "microbatches", "remat", "precision", "reshard_under_pipeline"):
+            if not getattr(self, name):
+                raise ValueError(f"Space({name}=()): give at least one option (None where it means 'as it is')")
+        if bad := [s for s in self.zero_stages if s not in (1, 2, 3)]:
+            raise ValueError(f"Space(zero_stages={self.zero_stages}): {bad} are not ZeRO stages (1, 2, 3)")
+        if bad := [k for k in self.microbatches if isinstance(k, bool) or not isinstance(k, int) or k < 1]:
+            raise ValueError(f"Space(microbatches={self.microbatches}): {bad} are not counts >= 1")
+
+    def shapes(self, world: int, tensor_parallel: bool = True) -> Iterator[tuple[int, int, int]]:
+        """(dp, pp, tp) with ``dp * pp * tp == world``: data parallel first, then pipelines, then tp."""
+        if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+            raise ValueError(f"world={world!r}: the number of ranks is an int >= 1")
+        for dp in sorted((d for d in range(1, world + 1) if world % d == 0), reverse=True):
+            rest = world // dp
+            for pp in sorted(d for d in range(1, rest + 1) if rest % d == 0):
+                tp = rest // pp
+                if (tp > 1 and not tensor_parallel) or (self.max_tp and tp > self.max_tp) or (
+                        self.max_pp and pp > self.max_pp):
+                    continue
+                yield dp, pp, tp
+
+    def candidates(self, world: int, tensor_parallel: bool = True) -> Iterator[Candidate]:
+        """Every combination of the options that applies to each shape of ``world`` ranks;
+        ``tensor_parallel=False`` (no TP plan) leaves out the shapes with tp > 1."""
+        for dp, pp, tp in self.shapes(world, tensor_parallel):
+            zeros: tuple[int, ...] = self.zero_stages if dp > 1 else (0,)
+            pipes: list[tuple[str | None, int]] = (
+                [(s, k) for s in self.schedules for k in self.microbatches] if pp > 1 else [(None, 1)])
+            for zero, (schedule, k), remat, precision in itertools.product(zeros, pipes, self.remat, self.precision):
+                reshards = self.reshard_under_pipeline if zero == 3 and pp > 1 else (None,)
+                for reshard in reshards:
+                    yield Candidate(dp=dp, tp=tp, pp=pp, zero_stage=zero, reshard_after_forward=reshard,
+                                    schedule=schedule, microbatches=k, remat=remat, precision=precision)

@@ -1,0 +1,214 @@
+"""sw.search: within budget, ranked by predicted time, refusals reported, results certified."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import shardwise as sw
+from shardwise.engine.simulate.simulation import simulate
+from shardwise.plan_search import (
+    Candidate,
+    FlopCompute,
+    LayerCosts,
+    MeasuredCompute,
+    Space,
+    certify,
+    driver,
+    params_per_layer,
+    parse_bytes,
+)
+from shardwise.plan_search.rank import CERTIFY, COMPOSE, MEMORY, meta, plan_costs
+from shardwise.testing.equivalence import NotEquivalentError
+from shardwise.testing.models import mlp
+
+SMALL_SPACE = Space(zero_stages=(1, 3), schedules=("1f1b",), microbatches=(1, 2), remat=(None,))
+
+
+def mlp_problem(widths: list[int], batch: int, dtype: torch.dtype = torch.float32, seed: int = 0) -> tuple[Any, ...]:
+    torch.manual_seed(seed)
+    chain, params = sw.functionalize(mlp(widths).to(dtype))
+    step = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.05, momentum=0.9))
+    gen = torch.Generator().manual_seed(seed + 1)
+    batches = [(torch.randn(batch, widths[0], generator=gen, dtype=dtype),
+                torch.randn(batch, widths[-1], generator=gen, dtype=dtype)) for _ in range(2)]
+    return step, params, batches
+
+
+def flops(step: Any, params: Any, batch: int) -> FlopCompute:
+    return FlopCompute(params_per_layer(step, params), flops_per_second=1e8, samples=batch)
+
+
+def peak_of(candidate: Candidate, step: Any, params: Any, batch: Any, tp_plan: Any = None) -> int:
+    """A rank's largest predicted peak, planned afresh on the real parameters (not the search's path)."""
+    return max(candidate.apply(step, tp_plan).plan(candidate.mesh, params, batch).memory["peak"])
+
+
+@given(
+    hidden=st.sampled_from([8, 16, 48]),
+    layers=st.integers(1, 3),
+    world=st.sampled_from([1, 2, 4]),
+    budget_share=st.floats(0.0, 1.0),
+)
+def test_never_returns_a_layout_over_its_budget(hidden: int, layers: int, world: int, budget_share: float) -> None:
+    step, params, batches = mlp_problem([8] + [hidden] * layers + [4], batch=8)
+    everything = sw.search(step, params, batches[0], world=world, memory_per_rank=2**40, top=100,
+                           compute=flops(step, params, 8), space=SMALL_SPACE)
+    peaks = sorted(p.memory for p in everything.ranked)
+    assert peaks, everything.table()
+    # A budget between the smallest and the largest peak: some fit, some do not.
+    budget = max(1, int(peaks[0] + budget_share * (peaks[-1] - peaks[0])))
+    found = sw.search(step, params, batches[0], world=world, memory_per_rank=budget, top=100,
+                      compute=flops(step, params, 8), space=SMALL_SPACE)
+    for p in found.ranked:
+        assert peak_of(p.candidate, step, params, batches[0]) <= budget, p.candidate
+    over = {str(p.candidate) for p in everything.ranked if p.memory > budget}
+    assert over == {str(r.candidate) for r in found.refused if r.stage == MEMORY}
+    assert len(found.ranked) + len(over) == len(everything.ranked)
+
+
+def test_ranked_by_the_simulated_time_of_each_plan() -> None:
+    step, params, batches = mlp_problem([8, 32, 32, 8], batch=8)
+    compute = flops(step, params, 8)
+    comm = sw.plan.CommModel(alpha={op: 1e-4 for op in ("all_gather", "psum_scatter", "psum", "send")},
+                        beta={op: 1e-9 for op in ("all_gather", "psum_scatter", "psum", "send")})
+    found = sw.search(step, params, batches[0], world=2, memory_per_rank="1GB", top=100, compute=compute,
+                      comm=comm, space=SMALL_SPACE)
+    times = [p.time for p in found.ranked]
+    assert times == sorted(times) and len(times) > 2
+    base_opt = step.plan(None, meta(params)).memory["opt_state"][0]
+    for p in found.ranked:  # each time is its own plan's simulation, recomputed here
+        costs = plan_costs(p.plan, p.step, p.candidate, compute(p.candidate), meta(params), comm=comm, cores=None,
+                           base_opt_bytes=base_opt)
+        assert simulate(p.plan, costs).makespan == pytest.approx(p.time, rel=1e-12)
+        assert p.bytes_per_axis == {axis: max(sum(per_rank[r] for (a, _), per_rank in p.plan.comm_bytes().items()
+                                                 if a == axis) for r in range(2))
+                                    for axis in {a for a, _ in p.plan.comm_bytes()}}
+
+
+def test_the_ranking_follows_the_communication_costs() -> None:
+    """Make data-parallel traffic very dear and pipelines come first; make sends dear and ZeRO does."""
+    step, params, batches = mlp_problem([8, 64, 64, 64, 8], batch=8)
+    compute = flops(step, params, 8)
+    dear, cheap = 1.0, 1e-9
+    dp_dear = sw.plan.CommModel(alpha={"send": cheap, "all_gather": dear, "psum_scatter": dear, "psum": cheap})
+    pp_dear = sw.plan.CommModel(alpha={"send": dear, "all_gather": cheap, "psum_scatter": cheap, "psum": cheap})
+    first = [sw.search(step, params, batches[0], world=2, memory_per_rank="1GB", compute=compute, comm=comm,
+                       space=SMALL_SPACE).best.candidate for comm in (dp_dear, pp_dear)]
+    assert first[0].pp == 2 and first[1].dp == 2
+
+
+def test_refusals_by_the_transforms_are_reported_with_their_reasons() -> None:
+    step, params, batches = mlp_problem([8, 16, 8], batch=6)
+    already = sw.remat(step)  # the space's remat is then a second one: compose refuses it
+    found = sw.search(already, params, batches[0], world=2, memory_per_rank="1GB", top=100,
+                      compute=flops(step, params, 6), space=Space(zero_stages=(3,), remat=("dots_saveable",)))
+    reasons = found.refusals_by_reason()
+    composed = [(why, n) for (stage, why), n in reasons.items() if stage == COMPOSE]
+    assert composed and all("remat was applied twice" in why for why, _ in composed), reasons
+    assert sum(n for _, n in composed) == len(found.refused) - sum(n for (s, _), n in reasons.items() if s != COMPOSE)
+    assert "refused by compose" in found.table()
+    assert found.skipped == ("tensor parallel shapes (tp > 1): no tp_plan= given",)
+    with pytest.raises(ValueError, match="no layout of 2 ranks fits"):
+        _ = found.best
+
+
+def test_nothing_fits_a_tiny_budget_and_says_why() -> None:
+    step, params, batches = mlp_problem([8, 16, 8], batch=8)
+    found = sw.search(step, params, batches[0], world=2, memory_per_rank=16, compute=flops(step, params, 8),
+                      space=SMALL_SPACE)
+    assert found.ranked == () and found.fitting == 0
+    assert {r.stage for r in found.refused} == {MEMORY}
+    # One reason for all of them (each keeps its own peak in the detail), so they count together.
+    assert list(found.refusals_by_reason().values()) == [len(found.refused)] and len(found.refused) > 1
+    assert all(r.detail.startswith("peak ") for r in found.refused)
+    with pytest.raises(ValueError, match="fits 16 B per rank"):
+        _ = found.best
+
+
+def test_every_returned_layout_is_certified_on_the_small_model() -> None:
+    step, params, batches = mlp_problem([8, 32, 32, 8], batch=8)
+    small = mlp_problem([8, 6, 6, 8], batch=8, dtype=torch.float64, seed=3)
+    found = sw.search(step, params, batches[0], world=4, memory_per_rank="1GB", top=3,
+                      compute=flops(step, params, 8), space=SMALL_SPACE, certify_with=small)
+    assert len(found.ranked) == 3
+    for p in found.ranked:
+        assert p.certified is not None and p.certified.startswith("equivalent over 2 steps"), p
+        assert p.mesh.size == 4
+
+
+def test_a_layout_that_fails_certification_is_never_returned(monkeypatch: pytest.MonkeyPatch) -> None:
+    step, params, batches = mlp_problem([8, 32, 8], batch=8)
+    small = mlp_problem([8, 6, 8], batch=8, dtype=torch.float64)
+    ranked = sw.search(step, params, batches[0], world=2, memory_per_rank="1GB", top=100,
+                       compute=flops(step, params, 8), space=SMALL_SPACE).ranked
+    broken = ranked[0].candidate
+    real = driver.certify
+
+    def certify_but_break_one(candidate: Candidate, *args: Any, **kwargs: Any) -> Any:
+        if candidate == broken:
+            raise NotEquivalentError("planted: params differ", 0, "0.weight", 0, 1.0, 1.0)
+        return real(candidate, *args, **kwargs)
+
+    monkeypatch.setattr(driver, "certify", certify_but_break_one)
+    found = sw.search(step, params, batches[0], world=2, memory_per_rank="1GB", top=2,
+                      compute=flops(step, params, 8), space=SMALL_SPACE, certify_with=small)
+    assert broken not in [p.candidate for p in found.ranked] and len(found.ranked) == 2
+    assert [(r.stage, r.reason) for r in found.refused if r.candidate == broken] == [
+        (CERTIFY, "NotEquivalentError: planted: params differ")]
+
+
+def test_certify_catches_a_wrong_layout() -> None:
+    """A layout whose small step computes something else fails: its reference differs."""
+    step, params, batches = mlp_problem([8, 6, 8], batch=8, dtype=torch.float64)
+    other = sw.train_step(step.chain, torch.nn.functional.l1_loss, sw.optim.sgd(0.05, momentum=0.9))
+    good = Candidate(dp=2, zero_stage=2)
+    assert "equivalent" in str(certify(good, step, params, batches))
+
+    class Wrong(Candidate):
+        def apply(self, step: Any, tp_plan: Any = None) -> Any:
+            return sw.shard_params(other, "dp", 2)
+
+    with pytest.raises(NotEquivalentError):
+        certify(Wrong(dp=2, zero_stage=2), step, params, batches)
+
+
+def test_tensor_parallel_layouts_with_a_plan_and_measured_costs() -> None:
+    step, params, batches = mlp_problem([8, 32, 8], batch=8)
+    tp_plan = {"0": sw.tp.Colwise(), "2": sw.tp.Rowwise()}
+    compute = MeasuredCompute(step, params, batches[0], smallest=0.25, steps=2)
+    found = sw.search(step, params, batches[0], world=2, memory_per_rank="1GB", top=100, tp_plan=tp_plan,
+                      compute=compute, space=SMALL_SPACE)
+    assert any(p.candidate.tp == 2 for p in found.ranked) and found.skipped == ()
+    costs = compute(Candidate())
+    assert all(costs.full[("forward", layer)] > 0 and costs.full[("backward", layer)] > 0 for layer in step.chain.names)
+    assert set(costs.small) == set(costs.full) and costs.small_fraction == 0.25
+
+
+def test_bad_arguments_are_refused_clearly() -> None:
+    step, params, batches = mlp_problem([8, 16, 8], batch=8)
+    with pytest.raises(ValueError, match="write a number and a unit"):
+        sw.search(step, params, batches[0], world=2, memory_per_rank="lots")
+    with pytest.raises(ValueError, match="world=0"):
+        sw.search(step, params, batches[0], world=0, memory_per_rank="1GB", compute=flops(step, params, 8))
+    with pytest.raises(ValueError, match="top=0"):
+        sw.search(step, params, batches[0], world=2, memory_per_rank="1GB", top=0)
+    with pytest.raises(ValueError, match="meta device"):
+        sw.search(step, meta(params), batches[0], world=2, memory_per_rank="1GB")
+    with pytest.raises(ValueError, match="data parallel is shard_params"):
+        Candidate(dp=2)
+    assert parse_bytes("80GB") == 80 * 10**9 and parse_bytes("2KiB") == 2048
+
+
+def test_every_action_pays_the_executors_time_per_action() -> None:
+    """With nothing but a per-action cost, one rank's step takes that times its action count."""
+    step, params, batches = mlp_problem([8, 16, 8], batch=8)
+    only_overhead = LayerCosts({}, {}, 0.0, per_action=1e-3)
+    found = sw.search(step, params, batches[0], world=1, memory_per_rank="1GB", compute=lambda c: only_overhead,
+                      space=SMALL_SPACE)
+    (single,) = found.ranked
+    assert single.time == pytest.approx(1e-3 * len(single.plan.actions[0]))

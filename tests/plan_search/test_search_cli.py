@@ -1,0 +1,65 @@
+"""``shardwise search FILE:FUNCTION --world N --memory M``: a table, JSON, a plot, clear usage errors."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from shardwise.cli import main
+
+TARGET = '''
+import torch, shardwise as sw
+from shardwise.plan_search import Space
+from shardwise.testing.models import mlp
+
+
+def make():
+    torch.manual_seed(0)
+    chain, params = sw.functionalize(mlp([8, 32, 8]))
+    step = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1, momentum=0.9))
+    batch = (torch.randn(8, 8), torch.randn(8, 8))
+    space = Space(zero_stages=(1, 3), schedules=("1f1b",), microbatches=(1, 2), remat=(None,))
+    return step, params, batch, {"tp_plan": {"0": sw.tp.Colwise(), "2": sw.tp.Rowwise()}, "space": space}
+
+
+def bad_options():
+    return (*make()[:3], {"tp_pln": {}})
+'''
+
+
+@pytest.fixture
+def target(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    path = tmp_path / "search_target.py"
+    path.write_text(TARGET)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    yield path
+    sys.modules.pop("search_target", None)
+
+
+def test_table_json_and_plot(target: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["search", f"{target}:make", "--world", "2", "--memory", "1MiB", "--flops", "1e9", "--top", "3"]) == 0
+    text = capsys.readouterr().out
+    assert text.splitlines()[0].split() == ["#", "stack", "time/step", "peak/rank", "bytes", "per", "axis"]
+    assert "communication is not priced" in text and "layouts that fit" in text
+    picture = tmp_path / "frontier.png"
+    assert main(["search", f"{target}:make", "--world", "2", "--memory", "1MiB", "--flops", "1e9", "--json",
+                 "--plot", str(picture)]) == 0
+    data = json.loads(capsys.readouterr().out)
+    times = [row["time_s"] for row in data["ranked"]]
+    assert data["ok"] and times == sorted(times) and {row["tp"] for row in data["ranked"]} == {1, 2}
+    assert all(row["peak_bytes"] <= 2**20 for row in data["ranked"] + data["others"])
+    pytest.importorskip("matplotlib")
+    assert data["plot"] == f"plot written to {picture}" and picture.stat().st_size > 1000
+
+
+def test_usage_errors(target: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["search", f"{target}:make", "--world", "2", "--memory", "lots"]) == 2
+    assert "write a number and a unit" in capsys.readouterr().err
+    assert main(["search", f"{target}:bad_options", "--world", "2", "--memory", "1GB", "--flops", "1e9"]) == 2
+    assert "options ['tp_pln'] are not search options" in capsys.readouterr().err
+    assert main(["search", f"{target}:make", "--world", "2", "--memory", "1GB", "--comm", "nowhere.jsonl"]) == 2
+    assert "no such file" in capsys.readouterr().err
