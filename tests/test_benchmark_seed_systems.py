@@ -44,10 +44,10 @@ def test_a_missing_package_skips_its_systems_with_the_install_command(
     for system in systems:
         reason = benchmarks.missing(system)
         assert reason is not None and f"{package} is not installed" in reason and "pip install" in reason
-        model = nn.Linear(2, 2)
+        adamw = benchmarks.AdamW(1e-3, (0.9, 0.999), 1e-8, 0.0)
         # Refused before anything else is asked of it: no process group is needed to be told.
         with pytest.raises(benchmarks.SystemMissing, match=f"{package} is not installed"):
-            benchmarks.build(system, model, [], nn.functional.mse_loss, benchmarks.AdamW(1e-3, (0.9, 0.999), 1e-8, 0.0), 1)
+            benchmarks.build(system, nn.Linear(2, 2), [], nn.functional.mse_loss, adamw, 1)
     others = [s for s in benchmarks.SYSTEMS if benchmarks.PACKAGE_OF[s] != package]
     for system in others:  # hiding one package says nothing about the other
         other = benchmarks.PACKAGE_OF[system]
