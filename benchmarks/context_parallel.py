@@ -15,7 +15,7 @@ the output against a fixed upstream gradient, to the rank's q, k and v. Variants
 
 * ``ring``: :func:`ring_attention`, balanced causal layout (``shard_sequence(balanced=True)``).
 * ``ulysses``: :func:`ulysses_attention`, the same layout (all-to-all to whole heads, sdpa, back).
-* ``allgather_kv`` (the baseline, written here): the same layout; one ``sw.all_gather`` of the rank's
+* ``allgather_kv`` (the baseline, written here): the same layout; one ``sw.collectives.all_gather`` of the rank's
   stacked k/v slices (its transpose, a reduce-scatter, carries their gradients back), then torch's
   sdpa of the rank's queries over the whole sequence with the mask ``key position <= query position``
   (the balanced layout gives each rank two chunks, so the mask is explicit, not ``is_causal``).
@@ -28,7 +28,7 @@ Timing: all variants run in the same processes, stepped round-robin after a barr
 per-round ratios. Memory: in fresh processes with glibc's thresholds at 128 KiB (RSS follows live
 memory), per variant one warm-up step, then ``peak_bytes_per_rank``: VmHWM above the RSS before the
 step (``shardwise.testing.memory.PeakRSS``), the largest over ranks. Bytes: ``sent_bytes_per_step``
-from ``sw.comm_ledger()`` on the busiest rank (forward and backward), beside ``formula_sent_bytes``
+from ``sw.collectives.comm_ledger()`` on the busiest rank (forward and backward), beside ``formula_sent_bytes``
 (``ring_attention_bytes`` / ``ulysses_attention_bytes`` x 2 passes; the all-gather: ``(cp - 1)`` x the
 k/v slice forward, and its reduce-scatter the same backward). ``max_abs_diff_to_allgather``: the
 largest difference of the output and the three gradients from the baseline's, on every rank.
@@ -94,8 +94,8 @@ def whole_inputs(cfg: Config) -> tuple[torch.Tensor, ...]:
 
 def allgather_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: str) -> torch.Tensor:
     """The baseline: gather every rank's k/v, then sdpa of the local (balanced-layout) queries over them."""
-    n, i = sw.axis_size(axis), sw.axis_index(axis)
-    kv = sw.all_gather(torch.stack([k, v]), axis, dim=3, tiled=True)  # [2, b, h, seq, d], in shard order
+    n, i = sw.collectives.axis_size(axis), sw.collectives.axis_index(axis)
+    kv = sw.collectives.all_gather(torch.stack([k, v]), axis, dim=3, tiled=True)  # [2, b, h, seq, d], in shard order
     order = shard_order(kv.shape[3], n, balanced=True)  # global position of every gathered key
     local = q.shape[2]
     mask = order.view(1, -1) <= order[i * local : (i + 1) * local].view(-1, 1)
@@ -150,7 +150,7 @@ def measure_memory_and_bytes(cfg: Config) -> dict[str, Any]:
             one_step(name, local)
             dist.barrier()
             meter = PeakRSS()
-            with sw.comm_ledger() as ledger:
+            with sw.collectives.comm_ledger() as ledger:
                 result = one_step(name, local)
             peaks[name] = meter.peak()
             sent[name] = ledger.sent_bytes()

@@ -28,7 +28,7 @@ fixed upstream gradient, to the tokens, the router weight and the rank's expert 
 The local experts of the FairScale variants are views of the same fused weights (:class:`FusedExpert`).
 Timing as in the other benchmarks (round-robin in the same processes, the slowest rank per step,
 ``ratio_to_fairscale`` over ``fairscale``'s median, ``paired_ratio_to_fairscale`` the median of the
-per-round ratios). Bytes per step on the busiest rank: shardwise from ``sw.comm_ledger()`` (the count
+per-round ratios). Bytes per step on the busiest rank: shardwise from ``sw.collectives.comm_ledger()`` (the count
 all-gather, four all-to-alls and the auxiliary loss's psum) beside ``formula_sent_bytes``
 (``moe_all_to_all_bytes`` x 2 passes + ``moe_count_exchange_bytes`` + the psum of ``E`` float32, with
 the slots the step used); FairScale's by wrapping
@@ -209,7 +209,7 @@ def rank_body(cfg: Config) -> dict[str, Any]:
         ref_grad = torch.autograd.grad(moe(ref_tokens), ref_tokens, g)[0]
         for name in VARIANTS:
             counter.sent = 0
-            with sw.comm_ledger() as ledger:
+            with sw.collectives.comm_ledger() as ledger:
                 out, g_tokens = one_step(name)
             info[name].update(ledger_sent=ledger.sent_bytes(), wrapped_sent=counter.sent,
                               diff=max(float((out - ref_out).abs().max()), float((g_tokens - ref_grad).abs().max())))

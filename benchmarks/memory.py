@@ -1,9 +1,10 @@
-"""Peak memory per rank: one process, torch FSDP2 with meta-device init, and shardwise ZeRO-3.
+"""Peak memory per rank: one process, torch FSDP2 with meta-device init, FairScale, DeepSpeed and shardwise ZeRO-3.
 
 Run it from the repository root:
 
     python benchmarks/memory.py                                  # ~200 MB model, worlds 2,4
-    python benchmarks/memory.py --widths 2048,4096 --worlds 2,4,8 --out memory.jsonl
+    python benchmarks/memory.py --models 200mb,800mb --worlds 2,4,8 --out memory.jsonl
+    python benchmarks/memory.py --variants fsdp2_meta,shardwise_meta --widths 1024
 
 What is measured
 ----------------
@@ -27,6 +28,13 @@ Variants:
 * ``fsdp2_meta``: built under ``torch.device("meta")``, ``fully_shard`` on every Linear and
   the root, ``to_empty(device="cpu")``, ``reset_parameters()`` per Linear (torch's recipe),
   ``torch.optim.AdamW``; each rank steps on its slice of the batch.
+* ``fairscale_fsdp``: FairScale's FSDP on every Linear and the root (it has no meta-device
+  init: every rank builds the whole model, seeded, and FSDP keeps its shard), ``torch.optim.AdamW``.
+* ``deepspeed_zero3_init``: DeepSpeed ZeRO-3, the model built inside ``deepspeed.zero.Init``
+  (each parameter partitioned as it is made: DeepSpeed's way to build a model larger than a
+  rank), its engine with ``torch.optim.AdamW`` and its default buckets; ``deepspeed_zero3``:
+  the same with the model built whole on every rank first. FairScale and DeepSpeed are
+  optional (``seed_systems.py``); a row says ``skipped`` when one is not installed.
 * ``shardwise_meta``: built under ``torch.device("meta")``, ``sw.functionalize``, then
   ``sw.shard_params(step, "dp", stage=3)`` and ``step.init(params, mesh)``: each rank makes
   only its shards, one layer at a time, from the layers' ``reset_parameters``; AdamW with
@@ -39,7 +47,8 @@ Variants:
 
 Output: one JSON line per (width, world, variant) with ``init_peak_bytes`` and
 ``peak_bytes`` (VmHWM above the baseline, the largest over ranks), ``model_bytes`` (the full
-model's parameters), ``ratio_to_fsdp2`` (peak over FSDP2's peak at that world), and for
+model's parameters), ``ratio_to_fsdp2`` (peak over FSDP2's peak at that world),
+``plan_peak_bytes`` (the Plan's predicted peak for shardwise ZeRO-3 there, on every row), and for
 shardwise the Plan's figures for rank 0 (``plan``: params, grads, opt_state, gathered_peak,
 reduce_buffers, kept_for_backward, and their sum ``peak``, the Plan's prediction of the peak).
 """
@@ -53,6 +62,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+import seed_systems
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -63,7 +73,11 @@ import shardwise as sw
 from shardwise.collectives.backends.processes import ProcessPool
 from shardwise.testing.memory import LIVE_MALLOC, PeakRSS
 
-VARIANTS = ("fsdp2_meta", "shardwise_meta", "shardwise_meta_functional", "shardwise_eager")
+VARIANTS = ("fsdp2_meta", "fairscale_fsdp", "deepspeed_zero3_init", "deepspeed_zero3", "shardwise_meta",
+            "shardwise_meta_functional", "shardwise_eager")
+# --models: the two sizes of issue 25, as Linear widths (12 layers).
+MODEL_WIDTHS = {"200mb": 2048, "800mb": 4096}
+ADAMW = seed_systems.AdamW(1e-3, (0.9, 0.999), 1e-8, 0.01)  # torch.optim.AdamW's defaults, as the others
 
 
 @dataclass(frozen=True)
@@ -125,6 +139,56 @@ def fsdp2_meta(cfg: Config) -> dict[str, Any]:
     return {"init_peak_bytes": init_peak, "peak_bytes": peak.peak()}
 
 
+def local_rows(cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's slice of the batch (the torch-style systems step on their slice)."""
+    x, y = batch_of(cfg)
+    rows, rank = cfg.batch // cfg.world, dist.get_rank()
+    return x[rank * rows : (rank + 1) * rows], y[rank * rows : (rank + 1) * rows]
+
+
+def train_seed_system(cfg: Config, peak: PeakRSS, trainer: seed_systems.Trainer) -> dict[str, Any]:
+    init_peak = peak.peak()
+    x, y = local_rows(cfg)
+    for _ in range(cfg.steps):
+        trainer.step(x, y)
+    return {"init_peak_bytes": init_peak, "peak_bytes": peak.peak()}
+
+
+def fairscale_fsdp(cfg: Config) -> dict[str, Any]:
+    """FairScale's FSDP has no meta-device init: every rank builds the whole model, FSDP keeps its shard."""
+    peak = PeakRSS()
+    torch.manual_seed(0)
+    model = build(cfg)
+    trainer = seed_systems.build("fairscale_fsdp", model, list(model), F.mse_loss, ADAMW, cfg.batch // cfg.world)
+    del model
+    gc.collect()
+    return train_seed_system(cfg, peak, trainer)
+
+
+def deepspeed_zero3(cfg: Config, zero_init: bool) -> dict[str, Any]:
+    """DeepSpeed ZeRO-3, the model built inside ``zero.Init`` (partitioned as it is made) or whole."""
+    micro_batch = cfg.batch // cfg.world
+    peak = PeakRSS()
+    torch.manual_seed(0)
+    if zero_init:
+        with seed_systems.deepspeed_zero3_init(ADAMW, micro_batch):
+            model = build(cfg)
+    else:
+        model = build(cfg)
+    trainer = seed_systems.build("deepspeed_zero3", model, list(model), F.mse_loss, ADAMW, micro_batch)
+    del model
+    gc.collect()
+    return train_seed_system(cfg, peak, trainer)
+
+
+def deepspeed_zero3_init(cfg: Config) -> dict[str, Any]:
+    return deepspeed_zero3(cfg, zero_init=True)
+
+
+def deepspeed_zero3_eager(cfg: Config) -> dict[str, Any]:
+    return deepspeed_zero3(cfg, zero_init=False)
+
+
 def shardwise_zero3(cfg: Config, meta: bool, inplace: bool = True) -> dict[str, Any]:
     peak = PeakRSS()
     if meta:
@@ -173,6 +237,9 @@ def plan_figures(cfg: Config) -> dict[str, int]:
 
 PROGRAMS = {
     "fsdp2_meta": fsdp2_meta,
+    "fairscale_fsdp": fairscale_fsdp,
+    "deepspeed_zero3_init": deepspeed_zero3_init,
+    "deepspeed_zero3": deepspeed_zero3_eager,
     "shardwise_meta": shardwise_meta,
     "shardwise_meta_functional": shardwise_meta_functional,
     "shardwise_eager": shardwise_eager,
@@ -197,36 +264,80 @@ def run(cfg: Config, variant: str) -> dict[str, Any]:
     }
 
 
-def main() -> None:
+SEED_SYSTEM_OF = {"fairscale_fsdp": "fairscale_fsdp", "deepspeed_zero3_init": "deepspeed_zero3",
+                  "deepspeed_zero3": "deepspeed_zero3"}
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--widths", default="2048", help="comma-separated Linear widths (default 2048: 201 MB)")
+    parser.add_argument("--models", default="200mb",
+                        help="comma-separated: 200mb (12 x Linear(2048), 201 MB), 800mb (12 x Linear(4096), 805 MB); "
+                             "default 200mb")
+    parser.add_argument("--widths", help="comma-separated Linear widths instead of --models")
     parser.add_argument("--layers", type=int, default=12, help="Linear layers (default 12)")
     parser.add_argument("--worlds", default="2,4", help="comma-separated world sizes (default 2,4)")
     parser.add_argument("--batch", type=int, default=32, help="global batch rows (default 32)")
     parser.add_argument("--steps", type=int, default=2, help="training steps per variant (default 2)")
+    parser.add_argument("--variants", default=",".join(("one_process", *VARIANTS)),
+                        help="comma-separated subset of one_process," + ",".join(VARIANTS)
+                             + " (default all; fsdp2_meta, the ratios' reference, always runs)")
     add_out_flag(parser)
     args = parser.parse_args()
+    if args.widths:
+        args.widths = [int(w) for w in args.widths.split(",")]
+    else:
+        unknown = sorted(set(args.models.split(",")) - set(MODEL_WIDTHS))
+        if unknown:
+            parser.error(f"--models: unknown {', '.join(unknown)}; choose from {', '.join(MODEL_WIDTHS)}")
+        args.widths = [MODEL_WIDTHS[m] for m in args.models.split(",")]
+    chosen = args.variants.split(",")
+    unknown = sorted(set(chosen) - {"one_process", *VARIANTS})
+    if unknown:
+        parser.error(f"--variants: unknown {', '.join(unknown)}; choose from one_process, {', '.join(VARIANTS)}")
+    args.one_process = "one_process" in chosen
+    args.variants = [v for v in VARIANTS if v in chosen or v == "fsdp2_meta"]
+    return args
+
+
+def measured(cfg: Config, variant: str) -> dict[str, Any]:
+    """``run(cfg, variant)``, or why it did not run: its package is missing, or it failed (the error)."""
+    system = SEED_SYSTEM_OF.get(variant)
+    reason = seed_systems.missing(system) if system else None
+    if reason is not None:
+        return {"skipped": reason}
+    try:
+        return run(cfg, variant)
+    except sw.collectives.RankFailed as exc:  # one system failing must not lose the others' rows
+        return {"failed": str(exc).splitlines()[0]}
+
+
+def main() -> None:
+    args = parse_args()
     os.environ.update(LIVE_MALLOC)  # the ranks start with it (glibc reads it at process start)
+    stated = {"malloc": "128KiB thresholds"}
     with json_lines(args.out) as emit:
-        for width in (int(w) for w in args.widths.split(",")):
+        for width in args.widths:
             model_bytes = args.layers * (width * width + width) * 4
-            base = Config(width, args.layers, args.batch, args.steps, 1)
-            row = {"bench": "memory", "variant": "one_process", "width": width, "world": 1,
-                   "model_bytes": model_bytes, **run(base, "one_process")}
-            emit({**row, **environment(), "malloc": "128KiB thresholds"})
+            if args.one_process:
+                base = Config(width, args.layers, args.batch, args.steps, 1)
+                row = {"bench": "memory", "variant": "one_process", "width": width, "world": 1,
+                       "model_bytes": model_bytes, **run(base, "one_process")}
+                emit({**row, **environment(), **stated})
             for world in (int(w) for w in args.worlds.split(",")):
                 cfg = Config(width, args.layers, args.batch, args.steps, world)
-                results = {}
-                for variant in VARIANTS:
+                plan = plan_figures(cfg)  # shardwise's prediction, beside every system's measurement
+                fsdp2 = None
+                for variant in args.variants:
                     note(f"# width {width}, world {world}: {variant}")
-                    results[variant] = run(cfg, variant)
-                fsdp2 = results["fsdp2_meta"]["peak_bytes"]
-                for variant, result in results.items():
+                    result = measured(cfg, variant)
                     row = {"bench": "memory", "variant": variant, "width": width, "world": world,
-                           "model_bytes": model_bytes, **result, "ratio_to_fsdp2": round(result["peak_bytes"] / fsdp2, 3)}
+                           "model_bytes": model_bytes, **result, "plan_peak_bytes": plan["peak"]}
+                    if "peak_bytes" in result:
+                        fsdp2 = fsdp2 or (result["peak_bytes"] if variant == "fsdp2_meta" else None)
+                        row["ratio_to_fsdp2"] = round(result["peak_bytes"] / fsdp2, 3) if fsdp2 else None
                     if variant.startswith("shardwise"):
-                        row["plan"] = plan_figures(cfg)
-                    emit({**row, **environment(), "malloc": "128KiB thresholds"})
+                        row["plan"] = plan
+                    emit({**row, **environment(), **stated})
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""shard_params (ZeRO-1/2/3) against torch's DDP and FSDP2, side by side on gloo processes.
+"""shard_params (ZeRO-1/2/3) against torch's DDP and FSDP2, FairScale and DeepSpeed, side by side on gloo processes.
 
 Run it from the repository root:
 
@@ -25,10 +25,15 @@ Variants, all with AdamW (lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight decay
 * ``fsdp2``: ``torch.distributed.fsdp.fully_shard`` on every block (GPT) or
   every Linear (MLP), then on the root, on a CPU device mesh + ``torch.optim.AdamW``.
   Torch ranks take their slice of the global batch.
+* ``fairscale_fsdp`` (FairScale's FSDP, wrapped as FSDP2 is), ``fairscale_oss`` (FairScale's
+  OSS optimizer + ShardedDDP), ``deepspeed_zero2`` / ``deepspeed_zero3`` (DeepSpeed's engine),
+  each with ``torch.optim.AdamW``, stepped on its slice as torch's are; built by
+  ``seed_systems.py``, which says what each needs on CPU. Optional: a system whose package is
+  not installed is a ``skipped`` row. ``--variants`` runs a subset (FSDP2 always runs).
 
 Every world runs in one :class:`~shardwise.collectives.processes.ProcessPool`
 (gloo, one process per rank, ``torch.set_num_threads(1)`` in each). Inside a
-rank all five variants are built and stepped round-robin (step i of every
+rank all the variants are built and stepped round-robin (step i of every
 variant, then step i + 1 ...), so they share the same machine conditions and
 slow drift hits them alike. Each step starts after a ``dist.barrier()``.
 
@@ -38,7 +43,9 @@ One JSON object per (model, world, variant) on stdout (and in ``--out``):
 
 * ``median_step_s``: median over the ``steps`` timed steps (after ``warmup``
   untimed ones) of the slowest rank's wall time for that step.
-  ``ratio_to_fsdp2`` is that median divided by FSDP2's (> 1: slower than FSDP2).
+  ``ratio_to_fsdp2`` is that median divided by FSDP2's (> 1: slower than FSDP2);
+  ``paired_ratio_to_fsdp2`` the median over rounds of the step's time over FSDP2's step of the
+  same round (load that drifts during the run cancels; the figure to compare).
 * ``model_state_bytes_per_rank``: parameters + optimizer state held by one
   rank at rest (largest over ranks). Ours: ``tree_nbytes(state.params) +
   tree_nbytes(state.opt_state)``; FSDP2: the local shards of the parameters
@@ -49,13 +56,16 @@ One JSON object per (model, world, variant) on stdout (and in ``--out``):
 * ``max_rel_loss_diff``: the largest ``|loss - ref| / |ref|`` over all steps
   (warm-up included) against a single-process torch run of the same model,
   batches and ``torch.optim.AdamW``. float32, so expect ~1e-6, not 0.
+* ``update_check``: ``|loss_1 - ref_1| / |untrained_1 - ref_1|``, where ``untrained_1`` is
+  batch 1's loss under the initial weights: about 0 for a variant whose first update is
+  torch's, 1 for one whose step changes nothing (so that a no-op cannot pass for fast).
 * ``cores``: ``os.cpu_count()``. With ``world > cores`` the ranks
   oversubscribe the CPU and step times measure contention as much as the method.
   ``loadavg_1m`` is the machine's load when the line was written: if it is
   well above ``cores``, something else was running and the absolute times are
   inflated (the ratios less so: the variants are interleaved step by step).
 * ``skipped``: present (with the reason) instead of timings when a variant
-  could not be built on this torch.
+  could not be built here (an older torch; FairScale or DeepSpeed not installed).
 """
 
 from __future__ import annotations
@@ -65,10 +75,15 @@ import inspect
 from dataclasses import dataclass
 from typing import Any
 
+import seed_systems
 import torch
 import torch.distributed as dist
 from _common import (
+    BETAS,
+    EPS,
     GPT_UNITS,
+    LR,
+    WEIGHT_DECAY,
     add_batch_flags,
     add_malloc_flag,
     add_out_flag,
@@ -79,6 +94,7 @@ from _common import (
     max_rel_diff,
     median_of_max,
     note,
+    paired_ratio_median,
     profile_steps,
     reference_losses,
     round_robin,
@@ -96,7 +112,7 @@ from shardwise.engine.layout.state import tree_nbytes
 from shardwise.testing.models import TinyGPT
 
 OURS = ("stage1", "stage2", "stage3")
-VARIANTS = (*OURS, "ddp", "fsdp2")
+VARIANTS = (*OURS, "ddp", "fsdp2", *seed_systems.SYSTEMS)
 
 
 @dataclass(frozen=True)
@@ -111,6 +127,7 @@ class Config:
     seed: int = 0
     profile: str | None = None  # a variant to cProfile on rank 0 after the timed steps
     profile_steps: int = 5
+    variants: tuple[str, ...] = VARIANTS
 
 
 # -- models, data (shared with pipeline.py: _common) ------------------------------------------
@@ -206,9 +223,33 @@ def make_fsdp2(cfg: Config) -> TorchVariant:
     return TorchVariant(cfg, model)
 
 
-def make_variant(name: str, cfg: Config) -> Ours | TorchVariant:
+class SeedVariant:
+    """FairScale or DeepSpeed (:mod:`seed_systems`); each rank steps on its slice, as torch's do."""
+
+    global_loss = False
+
+    def __init__(self, cfg: Config, system: str) -> None:
+        model = build_model(cfg)
+        units = list(model.blocks) if isinstance(model, TinyGPT) else [m for m in model if isinstance(m, nn.Linear)]
+        self.trainer = seed_systems.build(system, model, units, loss_fn_of(cfg.model),
+                                          seed_systems.AdamW(LR, BETAS, EPS, WEIGHT_DECAY), cfg.batch // cfg.world)
+        self.rank, self.world = dist.get_rank(), cfg.world
+
+    def step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return self.trainer.step(*local_slice(batch, self.rank, self.world))
+
+    def state_bytes(self) -> int:
+        return self.trainer.state_bytes()
+
+
+Runner = Ours | TorchVariant | SeedVariant
+
+
+def make_variant(name: str, cfg: Config) -> Runner:
     if name in OURS:
         return Ours(cfg, stage=int(name[-1]))
+    if name in seed_systems.SYSTEMS:
+        return SeedVariant(cfg, name)
     return {"ddp": make_ddp, "fsdp2": make_fsdp2}[name](cfg)
 
 
@@ -218,12 +259,12 @@ def bench_rank(cfg: Config) -> dict[str, Any]:
     torch.set_num_threads(1)
     rank = dist.get_rank()
     batches = batches_of(cfg)
-    runners: dict[str, Ours | TorchVariant] = {}
+    runners: dict[str, Runner] = {}
     skipped: dict[str, str] = {}
-    for name in VARIANTS:
+    for name in cfg.variants:
         try:
             runners[name] = make_variant(name, cfg)
-        except Exception as exc:  # the same refusal on every rank: nothing was issued yet
+        except Exception as exc:  # the same refusal on every rank (a missing package, an old torch)
             skipped[name] = f"{type(exc).__name__}: {exc}"
     ledger_bytes: dict[str, int] = {}
 
@@ -250,7 +291,7 @@ def bench_rank(cfg: Config) -> dict[str, Any]:
     return result
 
 
-def global_losses(runner: Ours | TorchVariant, losses: list[torch.Tensor], world: int) -> list[float]:
+def global_losses(runner: Runner, losses: list[torch.Tensor], world: int) -> list[float]:
     """Per-step loss on the global batch: torch ranks average their slice means (equal slices)."""
     stacked = torch.stack([loss.float() for loss in losses])
     if not runner.global_loss:
@@ -260,7 +301,28 @@ def global_losses(runner: Ours | TorchVariant, losses: list[torch.Tensor], world
 
 
 # -- the parent: run, aggregate, print ---------------------------------------------------------
-def rows_for(cfg: Config, per_rank: list[dict[str, Any]], ref: list[float]) -> list[dict[str, Any]]:
+@dataclass(frozen=True)
+class Reference:
+    """The single-process torch run: every step's loss, and batch 1's loss before any update."""
+
+    losses: list[float]
+    untrained_loss_1: float
+
+    def update_check(self, losses: list[float]) -> float:
+        """How far step 1's loss is from torch's, relative to how far one update moved torch's:
+        about 0 for a system that updates as torch does, 1 for one whose step changes nothing."""
+        return abs(losses[1] - self.losses[1]) / abs(self.untrained_loss_1 - self.losses[1])
+
+
+def reference_of(cfg: Config) -> Reference:
+    batches = batches_of(cfg)
+    with torch.no_grad():
+        x, y = batches[1]
+        untrained = loss_fn_of(cfg.model)(build_model(cfg)(x), y).item()
+    return Reference(reference_losses(build_model(cfg), loss_fn_of(cfg.model), batches), untrained)
+
+
+def rows_for(cfg: Config, per_rank: list[dict[str, Any]], ref: Reference) -> list[dict[str, Any]]:
     """One output object per variant, aggregated over ranks."""
     base = {
         "bench": "shard_params",
@@ -274,20 +336,24 @@ def rows_for(cfg: Config, per_rank: list[dict[str, Any]], ref: list[float]) -> l
     first = per_rank[0]
     medians = {name: median_of_max(r["times"][name] for r in per_rank) for name in first["times"]}
     rows = []
-    for name in VARIANTS:
+    for name in cfg.variants:
         if name in first["skipped"]:
             rows.append({**base, "variant": name, "skipped": first["skipped"][name]})
             continue
         fsdp2 = medians.get("fsdp2")
         losses = first["losses"][name]
+        paired = (paired_ratio_median([r["times"][name] for r in per_rank], [r["times"]["fsdp2"] for r in per_rank])
+                  if fsdp2 else None)
         rows.append({
             **base,
             "variant": name,
             "median_step_s": round(medians[name], 5),
             "ratio_to_fsdp2": round(medians[name] / fsdp2, 3) if fsdp2 else None,
+            "paired_ratio_to_fsdp2": round(paired, 3) if paired else None,
             "model_state_bytes_per_rank": max(r["state_bytes"][name] for r in per_rank),
             "ledger_sent_bytes_per_step": max(r["ledger_bytes"][name] for r in per_rank) if name in OURS else None,
-            "max_rel_loss_diff": max_rel_diff(losses, ref),
+            "max_rel_loss_diff": max_rel_diff(losses, ref.losses),
+            "update_check": float(f"{ref.update_check(losses):.3g}"),
             "final_loss": round(losses[-1], 5),
         })
     return rows
@@ -297,11 +363,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_run_flags(parser, steps=8, warmup=2)
     add_batch_flags(parser)
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help=f"comma-separated subset of {','.join(VARIANTS)} (default all; fsdp2 is always run)")
     parser.add_argument("--profile", choices=VARIANTS, help="cProfile this variant on rank 0 (to stderr)")
     parser.add_argument("--profile-steps", type=int, default=5)
     add_malloc_flag(parser)
     add_out_flag(parser)
     args = parser.parse_args(argv)
+    chosen = args.variants.split(",")
+    unknown = sorted(set(chosen) - set(VARIANTS))
+    if unknown:
+        parser.error(f"--variants: unknown {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
+    # FSDP2 is the reference of every ratio; the order stays VARIANTS' (the round-robin's order).
+    args.variants = tuple(v for v in VARIANTS if v in chosen or v == "fsdp2")
     if args.warmup < 1 or args.steps < 1:
         parser.error("--steps and --warmup must be >= 1 (a warm-up step carries the ledger)")
     return args
@@ -309,13 +383,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args = parse_args(argv)
-    refs: dict[str, list[float]] = {}
+    refs: dict[str, Reference] = {}
 
     def measure(pool: ProcessPool, world: int, model: str, batch: int) -> list[dict[str, Any]]:
         cfg = Config(model, world, args.steps, args.warmup, batch,
-                     profile=args.profile, profile_steps=args.profile_steps)
+                     profile=args.profile, profile_steps=args.profile_steps, variants=args.variants)
         if model not in refs:  # the reference does not depend on the world
-            refs[model] = reference_losses(build_model(cfg), loss_fn_of(model), batches_of(cfg))
+            refs[model] = reference_of(cfg)
         per_rank = run_on_ranks(pool, bench_rank, cfg, label=f"{model}, world {world}")
         if per_rank[0].get("profile"):
             note(f"--- cProfile of {args.profile}, {model}, world {world}, rank 0 ---\n" + per_rank[0]["profile"])
