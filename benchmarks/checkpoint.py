@@ -227,7 +227,8 @@ def row(cfg: Config, library: str, per_rank: list[dict[str, Any]]) -> dict[str, 
         "benchmark": "checkpoint", "library": library, "world": cfg.world,
         "state_mb_per_rank": round(written / MB, 2),
         "save_s": round(save, 4), "save_mb_s_per_rank": round(written / MB / save, 1),
-        "load_s": round(load, 4), "load_read_mb_per_rank": round(read / MB, 2), "load_mb_s_per_rank": round(read / MB / load, 1),
+        "load_s": round(load, 4), "load_read_mb_per_rank": round(read / MB, 2),
+        "load_mb_s_per_rank": round(read / MB / load, 1),
         "save_vs_dcp": round(ratios["save_s"], 3), "load_vs_dcp": round(ratios["load_s"], 3),
         "async_stall_s": round(max(max(r["async_call_s"]) for r in results), 4),
         "step_s": round(step, 4),
@@ -249,7 +250,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     rows = []
     with json_lines(args.out) as emit:
         for world in (int(w) for w in args.worlds.split(",")):
-            cfg = Config(world, args.width, args.depth, args.repeats, args.steps, tempfile.mkdtemp(prefix="ckpt-bench-"))
+            cfg = Config(
+                world, args.width, args.depth, args.repeats, args.steps, tempfile.mkdtemp(prefix="ckpt-bench-")
+            )
             with ProcessPool(world, timeout=120.0) as pool:
                 per_rank = run_on_ranks(pool, bench_rank, cfg, label=f"checkpoint, world {world}")
             for library in ("shardwise", "dcp"):

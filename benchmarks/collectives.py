@@ -20,7 +20,8 @@ all_gather      ``all_gather(x, "x", tiled=True)``               ``all_gather_si
 psum_scatter    ``psum_scatter(x, "x", tiled=True)``             ``reduce_scatter_single(out, x)`` [#]_
 all_to_all      ``all_to_all(x, "x", 0, 0, tiled=True)``         ``all_to_all_single(out, x)``
 broadcast       ``broadcast(x, "x", root=0)``                    ``broadcast(x, src=0)`` (in place)
-ppermute        ``ppermute(x, "x", [(i, i+1 mod n)])``, a ring   ``batch_isend_irecv([isend(x, next), irecv(out, prev)])``
+ppermute        ``ppermute(x, "x", [(i, i+1 mod n)])``, a ring   ``batch_isend_irecv`` of
+                                                                ``[isend(x, next), irecv(out, prev)]``
 send_recv       a round trip between ranks 2k and 2k+1 [#]_      the same with ``irecv`` / ``isend``
 ==============  ==============================================  =============================================
 
@@ -273,7 +274,9 @@ def summarise(
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", default=DEFAULT_SIZES, help=f"bytes per rank, K/M/G suffixes (default {DEFAULT_SIZES})")
+    parser.add_argument(
+        "--sizes", default=DEFAULT_SIZES, help=f"bytes per rank, K/M/G suffixes (default {DEFAULT_SIZES})"
+    )
     add_worlds_flag(parser)
     parser.add_argument("--backends", default="threads,gloo", help="threads and/or gloo (default both)")
     parser.add_argument("--ops", default=",".join(OPS), help=f"subset of {','.join(OPS)}")

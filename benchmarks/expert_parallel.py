@@ -179,7 +179,9 @@ def rank_body(cfg: Config) -> dict[str, Any]:
         top2 = Top2Gate(cfg.hidden, cfg.experts)
         del top2.wg.weight
         top2.wg.weight = router  # a plain attribute now: the same leaf, so its gradient lands on router
-        counts = torch.bincount(torch.topk(mine @ router.detach().T, cfg.top_k).indices.flatten(), minlength=cfg.experts)
+        counts = torch.bincount(
+            torch.topk(mine @ router.detach().T, cfg.top_k).indices.flatten(), minlength=cfg.experts
+        )
         nodrop = counts.max().clone()
         dist.all_reduce(nodrop, op=dist.ReduceOp.MAX)  # all_to_all needs one capacity on every rank
         layers = {"fairscale": MOELayer(top2, experts), "fairscale_nodrop": MOELayer(

@@ -16,7 +16,8 @@ What is checked
 ``"kind": "equivalence"``: ``sw.testing.assert_equivalent`` with parameters and
 batches on the device, ranks as threads of this process sharing it:
 ``shard_params`` stage 1/2/3 (MLP and GPT, float64), every built-in pipeline
-schedule over ``pp=2`` (MLP, float64), a GPT pipeline, tensor parallel (tp 2 with and without sequence parallel, dp 2 x tp 2
+schedule over ``pp=2`` (MLP, float64), a GPT pipeline, tensor parallel (tp 2 with and without
+sequence parallel, dp 2 x tp 2
 with ZeRO-3; TinyGPT, float64), the README's
 composition of all four transforms on ``dp=2 x pp=2`` (bf16 compute), fp16 with
 dynamic loss scaling under ``shard_params`` and full remat under it. ``ok`` is
@@ -93,7 +94,11 @@ def _frames(tb: Any) -> list[str]:
 
 
 def error_row(exc: BaseException) -> dict[str, Any]:
-    row: dict[str, Any] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:2000], "where": _frames(exc.__traceback__)}
+    row: dict[str, Any] = {
+        "ok": False,
+        "error": f"{type(exc).__name__}: {exc}"[:2000],
+        "where": _frames(exc.__traceback__),
+    }
     cause = exc.__cause__ or exc.__context__
     if cause is not None:
         row["cause"] = f"{type(cause).__name__}: {cause}"[:2000]
@@ -119,7 +124,10 @@ def mlp_case(device: torch.device, dtype: torch.dtype, seed: int = 0) -> Case:
     chain, params = sw.functionalize(mlp([12, 32, 32, 32, 32, 6]).to(device, dtype))
     gen = torch.Generator().manual_seed(seed + 1)
     batches = [
-        (torch.randn(16, 12, generator=gen, dtype=dtype).to(device), torch.randn(16, 6, generator=gen, dtype=dtype).to(device))
+        (
+            torch.randn(16, 12, generator=gen, dtype=dtype).to(device),
+            torch.randn(16, 6, generator=gen, dtype=dtype).to(device),
+        )
         for _ in range(3)
     ]
     return chain, params, batches

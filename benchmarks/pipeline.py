@@ -537,7 +537,9 @@ def rows_for(cfg: Config, per_rank: list[dict[str, Any]], ref: list[float]) -> l
             if impl.startswith("ours") and found is not None and losses.get(torch_name) is not None:
                 row["first_loss_rel_diff_vs_torch"] = rel_diff(found[0], losses[torch_name][0])
             steps = zip(*(r["events"][name] for r in per_rank), strict=True)
-            row |= bubble_figures(cfg, schedule, row["stages"], [[e for events in step for e in events] for step in steps])
+            row |= bubble_figures(
+                cfg, schedule, row["stages"], [[e for events in step for e in events] for step in steps]
+            )
             rows.append(row)
     return rows
 

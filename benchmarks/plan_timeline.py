@@ -250,7 +250,9 @@ def main(argv: list[str] | None = None) -> None:
     # median of those; and, for comparison, one simulation at the averaged costs.
     per_step = [simulate(plan, costs.of_step(plan, step)) for step in steps[:half]]
     averaged = simulate(plan, costs)
-    no_comm = [simulate(plan, dataclasses.replace(costs.of_step(plan, step), comm=CommModel())) for step in steps[:half]]
+    no_comm = [
+        simulate(plan, dataclasses.replace(costs.of_step(plan, step), comm=CommModel())) for step in steps[:half]
+    ]
     one_core_each = dataclasses.replace(PlanCosts.fit(plan, steps[:half], statistic=args.statistic), comm=comm)
     own_cores = [simulate(plan, one_core_each.of_step(plan, step)) for step in steps[:half]]
 

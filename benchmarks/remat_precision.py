@@ -352,7 +352,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             "saved_ratio_to_none": round(ref_saved / total, 3) if total else None,
             "median_step_s": round(medians[name], 5),
             "ratio_to_baseline": round(medians[name] / ref_time, 3),
-            "paired_ratio_median": round(statistics.median(a / b for a, b in zip(times[name], times[BASELINE], strict=True)), 3),
+            "paired_ratio_median": round(
+                statistics.median(a / b for a, b in zip(times[name], times[BASELINE], strict=True)), 3
+            ),
             "final_loss": round(ls[-1], 6),
             "final_loss_rel_diff": float(f"{abs(ls[-1] - ref_losses[-1]) / abs(ref_losses[-1]):.3g}"),
             "max_rel_loss_diff": float(f"{max(abs(a - b) / abs(b) for a, b in zip(ls, ref_losses, strict=True)):.3g}"),

@@ -77,7 +77,12 @@ def build(cfg: ModelConfig) -> tuple[sw.Step, Any, list[tuple[torch.Tensor, torc
     if cfg.name == "gpt":
         model = TinyGPT(vocab=cfg.vocab, d_model=cfg.hidden, n_heads=cfg.heads, n_layers=cfg.layers, seq_len=cfg.seq)
         chain, params = sw.functionalize(model, units=Block)
-        return sw.train_step(chain, sw.tp.vocab_parallel_cross_entropy, optimizer), params, batches, sw.tp.tiny_gpt_plan()
+        return (
+            sw.train_step(chain, sw.tp.vocab_parallel_cross_entropy, optimizer),
+            params,
+            batches,
+            sw.tp.tiny_gpt_plan(),
+        )
     import transformers
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
@@ -195,8 +200,19 @@ def compare(name: str, cores: int, found: SearchResult, measured: dict[str, floa
     predicted = [p.time for p in found.ranked]
     seconds = [measured[s] for s in stacks]
     for p, took in zip(found.ranked, seconds, strict=True):
-        write({"bench": "search", "model": name, "simulated_cores": cores, "measured": statistic, "stack": str(p.candidate),
-               "predicted_s": p.time, "measured_s": took, "ratio": round(p.time / took, 3), "peak_bytes": p.memory})
+        write(
+            {
+                "bench": "search",
+                "model": name,
+                "simulated_cores": cores,
+                "measured": statistic,
+                "stack": str(p.candidate),
+                "predicted_s": p.time,
+                "measured_s": took,
+                "ratio": round(p.time / took, 3),
+                "peak_bytes": p.memory,
+            }
+        )
     for ranking, values in (("predicted", predicted), ("measured", seconds)):
         order = [stacks[i] for i in sorted(range(len(values)), key=values.__getitem__)]
         write({"bench": "search", "model": name, "simulated_cores": cores, "measured": statistic, "ranking": ranking,

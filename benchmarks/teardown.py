@@ -106,7 +106,11 @@ def run(backend: str, world: int, launches: int) -> dict[str, object]:
             _command(backend, world, script), capture_output=True, text=True, timeout=300, env=env, cwd=ROOT,
         )  # fmt: skip
         # The ranks print their PIDs: on one line (launch), or each on its own (torchrun's workers).
-        pids = [int(p) for p in re.findall(r"^[\d ]+$", proc.stdout, re.M) for p in p.split()] if proc.returncode == 0 else []
+        pids = (
+            [int(p) for p in re.findall(r"^[\d ]+$", proc.stdout, re.M) for p in p.split()]
+            if proc.returncode == 0
+            else []
+        )
         if backend in ("processes", "torchrun") and proc.returncode == 0:
             left = [pid for pid in pids if _alive(pid)]
             if left:

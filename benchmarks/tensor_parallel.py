@@ -356,7 +356,9 @@ def bench_rank(cfg: Config) -> dict[str, Any]:
     times, losses = round_robin(runners, batches, cfg.warmup, step)
     ours = runners["ours"]
     assert isinstance(ours, Ours)
-    plan_in = {f"{axis}:{op}": per_rank[rank] for (axis, op), per_rank in ours.plan.comm_bytes().items() if per_rank[rank]}
+    plan_in = {
+        f"{axis}:{op}": per_rank[rank] for (axis, op), per_rank in ours.plan.comm_bytes().items() if per_rank[rank]
+    }
     result: dict[str, Any] = {
         "times": times,
         "losses": {name: [float(loss) for loss in ls] for name, ls in losses.items()},

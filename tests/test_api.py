@@ -62,7 +62,8 @@ def test_the_comparison_sees_a_name_added_or_removed() -> None:
     text = API_PAGE.read_text()
     assert "sw.tp.Colwise" in listed_names(text)
     assert "sw.tp.Colwise" not in listed_names(text.replace("- `sw.tp.Colwise`", "- sw.tp.Colwise"))
-    assert listed_names("- `sw.tp.NewStyle` — one line\n- `sw.x.y` z\n  - `sw.nested` no\n") == ["sw.tp.NewStyle", "sw.x.y"]
+    listing = "- `sw.tp.NewStyle` — one line\n- `sw.x.y` z\n  - `sw.nested` no\n"
+    assert listed_names(listing) == ["sw.tp.NewStyle", "sw.x.y"]
 
 
 def test_every_listed_name_resolves_without_a_warning() -> None:

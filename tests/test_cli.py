@@ -124,7 +124,9 @@ def test_schedule_file_is_read_and_checked_against_the_flags(tmp_path: Path, in_
 
 @pytest.mark.parametrize("text", [DEADLOCK, "rank 0: 0F0 0X0\n", "rank 0: 0F0 0B0 0B0\n"],
                          ids=["deadlock", "syntax", "duplicate"])
-def test_an_invalid_schedule_file_fails_with_the_library_message(tmp_path: Path, text: str, in_process: Callable[..., Ran]) -> None:
+def test_an_invalid_schedule_file_fails_with_the_library_message(
+    tmp_path: Path, text: str, in_process: Callable[..., Ran]
+) -> None:
     with pytest.raises(ScheduleError) as raised:
         validate(Schedule.parse(text))
     path = tmp_path / "bad.txt"
@@ -141,7 +143,9 @@ def test_a_deadlocked_schedule_through_the_console_script(tmp_path: Path) -> Non
     path.write_text(DEADLOCK)
     result = shardwise("schedule", str(path))
     assert result.returncode == 1 and "Traceback" not in result.stderr
-    assert result.stderr.startswith(f"shardwise schedule: error: schedule {str(path)!r} is invalid: the schedule deadlocks")
+    assert result.stderr.startswith(
+        f"shardwise schedule: error: schedule {str(path)!r} is invalid: the schedule deadlocks"
+    )
     assert result.stderr.count("\n") == 1, result.stderr
 
 
@@ -191,7 +195,9 @@ def test_missing_file_or_function_is_a_usage_error(target: str, message: str, in
     assert result.returncode == 2 and message in result.stderr, result.stderr
 
 
-def test_errors_in_the_users_code_exit_1_in_one_line_that_says_where(tmp_path: Path, in_process: Callable[..., Ran]) -> None:
+def test_errors_in_the_users_code_exit_1_in_one_line_that_says_where(
+    tmp_path: Path, in_process: Callable[..., Ran]
+) -> None:
     (tmp_path / "broken.py").write_text("def make():\n    raise RuntimeError('my model\\nis broken')\n")
     (tmp_path / "short.py").write_text("def make():\n    return 1, 2\n")
     raised = in_process("plan", "broken.py:make", "--mesh", "dp=2", cwd=tmp_path)

@@ -124,7 +124,9 @@ def test_pipeline_benchmark_runs_and_checks_itself() -> None:
 def test_tensor_parallel_example_is_equivalent_and_learns(capsys: pytest.CaptureFixture[str]) -> None:
     """examples/tensor_parallel.py: an HF Llama on dp=2 x pp=2 x tp=2 (8 thread ranks), checked in
     float64 against the single-device step, then trained in float32."""
-    pytest.importorskip("transformers", reason="examples/tensor_parallel.py needs the [hf] extra: pip install -e '.[hf]'")
+    pytest.importorskip(
+        "transformers", reason="examples/tensor_parallel.py needs the [hf] extra: pip install -e '.[hf]'"
+    )
     losses = _load("tensor_parallel").main(["--check-steps", "2", "--steps", "12"])
     out = capsys.readouterr().out
     assert "-> pipeline(axis='pp', schedule='1f1b', microbatches=2) -> shard_params(axis='dp', stage=3" in out
@@ -182,5 +184,7 @@ def test_an_examples_help_says_every_default(name: str, monkeypatch: pytest.Monk
 
 
 def test_the_help_reader_sees_an_option_without_a_default() -> None:
-    text = "options:\n  -h, --help  show this\n  --steps STEPS  training steps (default:\n                 3)\n  --lr LR\n"
+    text = (
+        "options:\n  -h, --help  show this\n  --steps STEPS  training steps (default:\n                 3)\n  --lr LR\n"
+    )
     assert _help_entries(text) == {"-h, --help": "show this", "--steps": "training steps (default: 3)", "--lr": ""}

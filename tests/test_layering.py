@@ -2,7 +2,8 @@
 
 collectives imports nothing of ours; engine imports only collectives;
 transforms import engine and collectives but never each other; testing and
-cli sit on top, and plan_search between them (it uses testing; the CLI uses it). Inside the engine, each folder imports only the folders before it in
+cli sit on top, and plan_search between them (it uses testing; the CLI uses it). Inside the engine,
+each folder imports only the folders before it in
 ``ENGINE_ORDER`` (the order ``shardwise/engine/__init__.py`` states), and nothing outside the
 engine imports an engine module whose name is private. And no shardwise module imports itself back through others:
 the module graph has no cycle.

@@ -26,10 +26,11 @@ def parse_mesh(text: str) -> Mesh:
 
     >>> parse_mesh("dp=2,pp=2")
     Mesh(dp=2, pp=2)
-    >>> parse_mesh("dp=two")
+    >>> parse_mesh("dp=two")  # doctest: +NORMALIZE_WHITESPACE
     Traceback (most recent call last):
     ...
-    shardwise.cli.arguments.UsageError: --mesh 'dp=two': size 'two' of axis 'dp' is not a whole number; write e.g. --mesh dp=2,pp=2
+    shardwise.cli.arguments.UsageError: --mesh 'dp=two': size 'two' of axis 'dp' is not a whole number;
+    write e.g. --mesh dp=2,pp=2
     """
     example = "write e.g. --mesh dp=2,pp=2"
     sizes: dict[str, int] = {}

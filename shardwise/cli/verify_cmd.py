@@ -93,7 +93,9 @@ def run(args: argparse.Namespace, out: Any) -> int:
     return 0
 
 
-def _verify_on_processes(args: argparse.Namespace, reference: Any, params: Any, batches: list[Any]) -> EquivalenceReport:
+def _verify_on_processes(
+    args: argparse.Namespace, reference: Any, params: Any, batches: list[Any]
+) -> EquivalenceReport:
     """``assert_equivalent`` with every rank process building the step from FILE:FUNCTION itself."""
     expected = record_history(reference, reference.init(params), batches)
     per_rank = launch(_rank_history, args.mesh.size, backend="processes", timeout=args.timeout,

@@ -9,7 +9,8 @@ with the same values right before the backward. Autograd's version counter
 would take the refill for a modification of a saved tensor, so the refill
 runs under torch's ``_unsafe_preserve_version_counter``: a private API, used
 here and nowhere else, checked by tests/engine/test_storage.py. ``storage_key`` reads
-a storage's private ``_cdata`` address, ``version_of`` a tensor's version counter, and ``fake_tensors`` runs code on fake tensors
+a storage's private ``_cdata`` address, ``version_of`` a tensor's version counter, and ``fake_tensors``
+runs code on fake tensors
 (``torch._subclasses.FakeTensorMode``): shapes, dtypes and kernel choices of the real
 device, no data and no arithmetic.
 """

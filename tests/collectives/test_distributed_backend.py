@@ -170,7 +170,11 @@ def _check(results: list[dict[str, Any]], dtype: torch.dtype) -> None:
                 got = r["got"][op]
                 assert got.dtype == dtype and got.shape == want.shape, (rank, kind, op, got.shape, got.dtype)
                 torch.testing.assert_close(
-                    got, want, rtol=0, atol=0, msg=lambda m, rank=rank, kind=kind, op=op: f"rank {rank} {kind} {op}: {m}"
+                    got,
+                    want,
+                    rtol=0,
+                    atol=0,
+                    msg=lambda m, rank=rank, kind=kind, op=op: f"rank {rank} {kind} {op}: {m}",
                 )
 
 

@@ -4,7 +4,8 @@ axis), and leaves no process and no rank thread behind.
 
 Faults, injected on one rank (rank 1) between two collectives: raise, SIGKILL of its process,
 hang before the last collective, hang after it, skip it (threads at world 2 and 4, processes at
-world 2: four processes cost 15 s to start here); then Ctrl-C and SIGTERM to the launcher. Timeouts are short (1-2 s); the bounds on elapsed time are generous (the machine is
+world 2: four processes cost 15 s to start here); then Ctrl-C and SIGTERM to the launcher. Timeouts
+are short (1-2 s); the bounds on elapsed time are generous (the machine is
 shared), but far below what a hang would take (forever) or the old double timeout.
 """
 

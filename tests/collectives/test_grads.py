@@ -58,7 +58,9 @@ class GlobalSPMD(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, inp: torch.Tensor, body: Callable[..., torch.Tensor], world: int, kinds: tuple[str, str]) -> torch.Tensor:
+    def forward(
+        ctx: Any, inp: torch.Tensor, body: Callable[..., torch.Tensor], world: int, kinds: tuple[str, str]
+    ) -> torch.Tensor:
         in_kind, out_kind = kinds
         mesh = Mesh(dp=world)
 
@@ -108,12 +110,27 @@ CASES: list[tuple[str, Callable[..., torch.Tensor], Callable[[int], tuple[int, .
     ("pmean", lambda x, r, m: pmean(x, "dp", mesh=m), lambda n: (3,), (VARYING, INVARIANT)),
     ("pvary", lambda x, r, m: pvary(x, "dp", mesh=m) * (r + 1), lambda n: (2, 2), (INVARIANT, VARYING)),
     ("all_gather", lambda x, r, m: all_gather(x, "dp", dim=1, mesh=m), lambda n: (2, 2), (VARYING, VARYING)),
-    ("all_gather_tiled", lambda x, r, m: all_gather(x, "dp", dim=-1, tiled=True, mesh=m), lambda n: (2, 2), (VARYING, VARYING)),
+    (
+        "all_gather_tiled",
+        lambda x, r, m: all_gather(x, "dp", dim=-1, tiled=True, mesh=m),
+        lambda n: (2, 2),
+        (VARYING, VARYING),
+    ),
     ("psum_scatter", lambda x, r, m: psum_scatter(x, "dp", dim=-1, mesh=m), lambda n: (2, n), (VARYING, VARYING)),
-    ("psum_scatter_tiled", lambda x, r, m: psum_scatter(x, "dp", dim=0, tiled=True, mesh=m), lambda n: (2 * n, 1), (VARYING, VARYING)),
+    (
+        "psum_scatter_tiled",
+        lambda x, r, m: psum_scatter(x, "dp", dim=0, tiled=True, mesh=m),
+        lambda n: (2 * n, 1),
+        (VARYING, VARYING),
+    ),
     ("ppermute", lambda x, r, m: ppermute(x, "dp", _shift(m.size), mesh=m), lambda n: (3,), (VARYING, VARYING)),
     ("all_to_all", lambda x, r, m: all_to_all(x, "dp", 0, 1, mesh=m), lambda n: (n, 2), (VARYING, VARYING)),
-    ("all_to_all_tiled", lambda x, r, m: all_to_all(x, "dp", 1, 0, tiled=True, mesh=m), lambda n: (2, 2 * n), (VARYING, VARYING)),
+    (
+        "all_to_all_tiled",
+        lambda x, r, m: all_to_all(x, "dp", 1, 0, tiled=True, mesh=m),
+        lambda n: (2, 2 * n),
+        (VARYING, VARYING),
+    ),
     ("broadcast", lambda x, r, m: broadcast(x, "dp", root=m.size - 1, mesh=m), lambda n: (3,), (VARYING, VARYING)),
 ]
 

@@ -108,10 +108,7 @@ def test_psum_scatter_matches_the_reference(world, dtype, seed, shape_dim, tiled
     xs = [make(seed, r, tuple(shape), dtype) for r in range(world)]
     results = spmd(world, lambda r: psum_scatter(xs[r], "dp", dim=dim, tiled=tiled))
     total = sum_in_order(xs)
-    if tiled:
-        want = list(torch.tensor_split(total, world, dim=dim))
-    else:
-        want = [total.select(dim, i) for i in range(world)]
+    want = list(torch.tensor_split(total, world, dim=dim)) if tiled else [total.select(dim, i) for i in range(world)]
     assert_all_equal(results, [w.contiguous() for w in want])
 
 
@@ -314,7 +311,9 @@ def test_bad_arguments_are_refused_with_a_clear_error(call, error_type, words):
 
 
 def test_a_collective_without_a_mesh_says_how_to_give_one():
-    with pytest.raises(RuntimeError, match=r"psum\(axis='dp'\) needs a mesh: call it inside `with mesh:` or pass mesh="):
+    with pytest.raises(
+        RuntimeError, match=r"psum\(axis='dp'\) needs a mesh: call it inside `with mesh:` or pass mesh="
+    ):
         psum(torch.ones(1), "dp")
 
 

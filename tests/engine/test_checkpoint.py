@@ -78,7 +78,11 @@ RESHARDS: dict[str, tuple[Any, Any, Any, Any]] = {
     "pp2 -> single": (_pp, sw.Mesh(pp=2), lambda s: s, None),
     "single -> pp2": (lambda s: s, None, _pp, sw.Mesh(pp=2)),
     "dp2xpp2-zero3 -> pp2 other partition": (
-        lambda s: _pp(_zero(s, 3)), sw.Mesh(dp=2, pp=2), lambda s: _pp(s, schedule="gpipe", partition=[4, 1]), sw.Mesh(pp=2)),
+        lambda s: _pp(_zero(s, 3)),
+        sw.Mesh(dp=2, pp=2),
+        lambda s: _pp(s, schedule="gpipe", partition=[4, 1]),
+        sw.Mesh(pp=2),
+    ),
     "pp2 -> dp2xpp3-zero2": (_pp, sw.Mesh(pp=2), lambda s: _pp(_zero(s, 2), stages=3), sw.Mesh(dp=2, pp=3)),
 }
 
@@ -141,8 +145,11 @@ def test_dynamic_loss_scale_survives_a_reshard(tmp_path: Path) -> None:
     assert resumed == reference
     assert reference[0] != [reference[0][0]] * len(reference[0]), "the scale must change after the save point"
     expected = sw.testing.record_history(step, step.init(params), batches)
-    sw.testing.compare_histories(roundtrip(mixed, sw.Mesh(dp=2), target, sw.Mesh(pp=2), params, batches, 3, tmp_path / "d"),
-                                 expected[3:], rtol=RTOL)
+    sw.testing.compare_histories(
+        roundtrip(mixed, sw.Mesh(dp=2), target, sw.Mesh(pp=2), params, batches, 3, tmp_path / "d"),
+        expected[3:],
+        rtol=RTOL,
+    )
 
 
 def _stack(draw: st.DrawFn, kind: str) -> tuple[Any, sw.Mesh]:

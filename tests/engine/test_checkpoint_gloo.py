@@ -33,8 +33,10 @@ def _problem() -> tuple[Any, Any, list]:
     chain, params = sw.functionalize(mlp([5, 7, 3]).double())
     step = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1, momentum=0.9))
     gen = torch.Generator().manual_seed(1)
-    batches = [(torch.randn(8, 5, generator=gen, dtype=torch.float64), torch.randn(8, 3, generator=gen, dtype=torch.float64))
-               for _ in range(2)]
+    batches = [
+        (torch.randn(8, 5, generator=gen, dtype=torch.float64), torch.randn(8, 3, generator=gen, dtype=torch.float64))
+        for _ in range(2)
+    ]
     return step, params, batches
 
 

@@ -43,10 +43,14 @@ def test_dcp_loads_a_pipelined_zero3_checkpoint_into_a_plain_module(tmp_path: Pa
     torch.manual_seed(0)
     model = _gpt()
     chain, params = sw.functionalize(model, units=["tok_emb", "blocks", "head"])
-    step = sw.pipeline(sw.shard_params(sw.train_step(chain, _lm_loss, sw.optim.adamw(1e-2)), "dp", stage=3), "pp", "1f1b", 2)
+    step = sw.pipeline(
+        sw.shard_params(sw.train_step(chain, _lm_loss, sw.optim.adamw(1e-2)), "dp", stage=3), "pp", "1f1b", 2
+    )
     gen = torch.Generator().manual_seed(1)
     batch = (torch.randint(32, (4, 8), generator=gen), torch.randint(32, (4, 8), generator=gen))
-    exported = sw.launch(functools.partial(_train_save_export, step, params, sw.Mesh(dp=2, pp=2), batch, tmp_path / "c"), 4)
+    exported = sw.launch(
+        functools.partial(_train_save_export, step, params, sw.Mesh(dp=2, pp=2), batch, tmp_path / "c"), 4
+    )
     fresh = _gpt()
     target = fresh.state_dict()
     dcp.load({"model": target}, checkpoint_id=tmp_path / "c", no_dist=True)
@@ -99,7 +103,9 @@ def test_full_state_dict_loads_strictly_with_shared_children_and_buffers() -> No
     assert isinstance(norm, torch.nn.BatchNorm1d) and norm.running_mean is not None
     norm.running_mean.fill_(0.5)
     chain, params = sw.functionalize(model)
-    step = sw.pipeline(sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1)), "pp", "gpipe", 1, partition=[2, 2])
+    step = sw.pipeline(
+        sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1)), "pp", "gpipe", 1, partition=[2, 2]
+    )
     batch = (torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64))
 
     def main() -> dict:
@@ -112,7 +118,9 @@ def test_full_state_dict_loads_strictly_with_shared_children_and_buffers() -> No
     reference = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1))
     expected = reference.full_params(reference(reference.init(params), batch)[0])
     assert torch.allclose(exported["0.weight"], expected["0"]["weight"], rtol=1e-12, atol=0)
-    fresh = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3), torch.nn.Tanh(), torch.nn.Linear(3, 3)).double()
+    fresh = torch.nn.Sequential(
+        torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3), torch.nn.Tanh(), torch.nn.Linear(3, 3)
+    ).double()
     fresh[3] = fresh[0]
     fresh.load_state_dict(exported, strict=True)
     assert torch.equal(fresh.state_dict()["1.running_mean"], torch.full((3,), 0.5, dtype=torch.float64))

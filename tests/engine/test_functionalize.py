@@ -476,7 +476,8 @@ class TwoInputs(nn.Module):
         (
             Masked,
             ["blocks"],
-            r"between units 'blocks.0' and 'blocks.1' 2 values cross(.|\n)*'gt' = gt\(\.\.\.\) at File(.|\n)*'blocks_0', the output of 'blocks.0'(.|\n)*buffer",
+            r"between units 'blocks.0' and 'blocks.1' 2 values cross(.|\n)*'gt' = gt\(\.\.\.\) at File(.|\n)*"
+            r"'blocks_0', the output of 'blocks.0'(.|\n)*buffer",
         ),
         (Masked, nn.Linear, "contains no Linear"),
         (

@@ -31,7 +31,9 @@ def _chain() -> tuple[sw.Chain, dict]:
 def test_every_optimizer_state_leaf_has_the_spec_of_its_parameter(name: str, transform, mesh, optimizer: str) -> None:
     chain, params = _chain()
     opt = sw.optim.sgd(0.1, momentum=0.9) if optimizer == "sgd" else sw.optim.adamw(1e-3)
-    step = sw.mixed_precision(transform(sw.train_step(chain, torch.nn.functional.mse_loss, opt)), "params=f64,compute=f32")
+    step = sw.mixed_precision(
+        transform(sw.train_step(chain, torch.nn.functional.mse_loss, opt)), "params=f64,compute=f32"
+    )
     layout = step.layout(mesh, params)
     mirrors = {"sgd": ["momentum"], "adamw": ["exp_avg", "exp_avg_sq"]}[optimizer]
     assert sorted(layout.opt_leaves) == mirrors

@@ -177,7 +177,9 @@ def test_meta_parameters_without_a_way_to_make_them_are_refused() -> None:
     chain, params = sw.functionalize(nn.Sequential(nn.Linear(3, 2)))
     meta = {layer: {n: t.to("meta") for n, t in d.items()} for layer, d in params.items()}
     step = sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1))
-    with pytest.raises(ValueError, match=r"params\['0'\]\['(weight|bias)'\].*meta tensors.*functionalize the meta-built"):
+    with pytest.raises(
+        ValueError, match=r"params\['0'\]\['(weight|bias)'\].*meta tensors.*functionalize the meta-built"
+    ):
         step.init(meta)
 
 

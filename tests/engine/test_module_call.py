@@ -82,7 +82,9 @@ def test_an_exception_in_forward_restores_the_module() -> None:
 
 
 @pytest.mark.parametrize("units", [None, ["tok_emb", "blocks", "head"]], ids=["whole", "fx-units"])
-def test_functionalized_layers_never_fall_back_to_functional_call(monkeypatch: pytest.MonkeyPatch, units: object) -> None:
+def test_functionalized_layers_never_fall_back_to_functional_call(
+    monkeypatch: pytest.MonkeyPatch, units: object
+) -> None:
     from shardwise.engine.model import module_call as _module_call
     from shardwise.engine.model.functionalize import functionalize
 

@@ -371,7 +371,10 @@ def test_sum_of_squares_is_the_squared_global_norm() -> None:
     from shardwise.engine.optim.optimizers import sum_of_squares
 
     gen = torch.Generator().manual_seed(5)
-    tensors = [torch.randn(3, 4, generator=gen, dtype=torch.float64), torch.randn(7, generator=gen, dtype=torch.float64)]
+    tensors = [
+        torch.randn(3, 4, generator=gen, dtype=torch.float64),
+        torch.randn(7, generator=gen, dtype=torch.float64),
+    ]
     expected = sum(float((t * t).sum()) for t in tensors)
     got = sum_of_squares(tensors, torch.float64)
     assert got.dtype == torch.float64 and got.shape == ()

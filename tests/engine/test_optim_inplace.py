@@ -19,13 +19,18 @@ FACTORIES = {
 @pytest.mark.parametrize("name", sorted(FACTORIES))
 def test_inplace_update_is_bitwise_the_pure_one_and_reuses_the_tensors(name: str) -> None:
     gen = torch.Generator().manual_seed(0)
-    params = {"a": {"w": torch.randn(3, 4, generator=gen)}, "b": {"v": torch.randn(5, generator=gen, dtype=torch.float64)}}
+    params = {
+        "a": {"w": torch.randn(3, 4, generator=gen)},
+        "b": {"v": torch.randn(5, generator=gen, dtype=torch.float64)},
+    }
     pure, inplace = FACTORIES[name](False), FACTORIES[name](True)
     p1 = {k: {n: t.clone() for n, t in v.items()} for k, v in params.items()}
     p2 = {k: {n: t.clone() for n, t in v.items()} for k, v in params.items()}
     s1, s2 = pure.init(p1), inplace.init(p2)
     for _ in range(5):
-        grads = {k: {n: torch.randn(t.shape, generator=gen, dtype=t.dtype) for n, t in v.items()} for k, v in params.items()}
+        grads = {
+            k: {n: torch.randn(t.shape, generator=gen, dtype=t.dtype) for n, t in v.items()} for k, v in params.items()
+        }
         before = p2["a"]["w"]
         p1, s1 = pure.update(grads, s1, p1)
         p2, s2 = inplace.update(grads, s2, p2)

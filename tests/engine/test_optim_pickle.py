@@ -64,8 +64,10 @@ def test_assert_equivalent_on_processes_with_the_librarys_optimizer() -> None:
     opt = sw.optim.sgd(sw.optim.warmup_cosine(0.1, 1, 4), momentum=0.9)
     step = sw.train_step(chain, torch.nn.functional.mse_loss, opt)
     g = torch.Generator().manual_seed(2)
-    batches = [(torch.randn(4, 3, generator=g, dtype=torch.float64), torch.randn(4, 2, generator=g, dtype=torch.float64))
-               for _ in range(2)]
+    batches = [
+        (torch.randn(4, 3, generator=g, dtype=torch.float64), torch.randn(4, 2, generator=g, dtype=torch.float64))
+        for _ in range(2)
+    ]
     report = sw.testing.assert_equivalent(
         sw.shard_params(step, "dp", 3), step, sw.Mesh(dp=2), batches, params, backend="processes", timeout=60
     )

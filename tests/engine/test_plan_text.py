@@ -30,7 +30,9 @@ def test_no_line_cuts_an_action() -> None:
     for rank in (0, 1):
         texts = [str(a) for a in plan.for_rank(rank)]
         assert any(" " in t for t in texts)  # or the check below could not fail
-        assert any(" ".join(texts) == " ".join(bodies[i:j]) for i in range(len(bodies)) for j in range(i, len(bodies) + 1))
+        assert any(
+            " ".join(texts) == " ".join(bodies[i:j]) for i in range(len(bodies)) for j in range(i, len(bodies) + 1)
+        )
         assert all(any(t in body for body in bodies) for t in texts)
     assert all(len(line) <= WIDTH for line in lines if line.startswith("  "))
 

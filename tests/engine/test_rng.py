@@ -27,8 +27,10 @@ def _problem() -> tuple[sw.Step, dict, list]:
     chain, params = sw.functionalize(model)
     step = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1, momentum=0.9))
     gen = torch.Generator().manual_seed(1)
-    batches = [(torch.randn(8, 6, generator=gen, dtype=torch.float64), torch.randn(8, 2, generator=gen, dtype=torch.float64))
-               for _ in range(3)]
+    batches = [
+        (torch.randn(8, 6, generator=gen, dtype=torch.float64), torch.randn(8, 2, generator=gen, dtype=torch.float64))
+        for _ in range(3)
+    ]
     return step, params, batches
 
 
@@ -86,8 +88,10 @@ def test_processes_draw_the_masks_threads_draw() -> None:
     """A pipeline moves values exactly, so processes equal threads bitwise. With data parallelism
     gloo sums gradients in another order than threads, so they agree to float64 rounding only:
     other masks would differ by far more (dropout 0.3 changes every update)."""
-    assert all(_equal(a, b) for a, b in zip(sw.launch(_pipelined_run, 2), sw.launch(_pipelined_run, 2, backend="processes"),
-                                            strict=True))
+    assert all(
+        _equal(a, b)
+        for a, b in zip(sw.launch(_pipelined_run, 2), sw.launch(_pipelined_run, 2, backend="processes"), strict=True)
+    )
     for a, b in zip(sw.launch(_sharded_run, 4), sw.launch(_sharded_run, 4, backend="processes"), strict=True):
         for x, y in zip(a, b, strict=True):
             torch.testing.assert_close(x, y, rtol=1e-12, atol=1e-14)

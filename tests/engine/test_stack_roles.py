@@ -86,7 +86,10 @@ def test_a_spec_missing_a_member_of_its_role_is_refused_naming_it(role: str) -> 
     for member in members:
         if member == "axis":
             continue  # a dataclass field of the stub
-        with pytest.raises(TypeError, match=rf"_Other plays the role '{role}' but has no '{member}'.*protocol {PROTOCOLS[role].__name__}"):
+        with pytest.raises(
+            TypeError,
+            match=rf"_Other plays the role '{role}' but has no '{member}'.*protocol {PROTOCOLS[role].__name__}",
+        ):
             check_role(_Other(role, missing=(member,)))
     with pytest.raises(TypeError, match="but has no 'rewrite'"):
         add(_step(), _Other(REWRITE if role == REWRITE else SPLIT, missing=("rewrite",)))

@@ -44,7 +44,9 @@ def test_mlp_steps_match_eager_torch_bitwise(widths: list[int], clip: float | No
     for b in batches:
         state, metrics = step(state, b)
         ours.append(metrics["loss"])
-    eager = _eager_steps(model, torch.nn.functional.mse_loss, torch.optim.SGD(model.parameters(), 0.1, 0.9), batches, clip)
+    eager = _eager_steps(
+        model, torch.nn.functional.mse_loss, torch.optim.SGD(model.parameters(), 0.1, 0.9), batches, clip
+    )
     assert all(torch.equal(a, b) for a, b in zip(ours, eager, strict=True))
     for name, p in model.named_parameters():
         layer, local = name.split(".", 1)

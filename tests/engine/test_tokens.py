@@ -19,7 +19,8 @@ F64_RTOL = 1e-12
 
 def _summed_ce(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     flat = targets.flatten()
-    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), flat, ignore_index=-100, reduction="sum"), (flat != -100).sum()
+    total = torch.nn.functional.cross_entropy(logits.flatten(0, 1), flat, ignore_index=-100, reduction="sum")
+    return total, (flat != -100).sum()
 
 
 def _mean_ce(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -68,8 +68,15 @@ class _Poison:
 # --- the scale-aware default tolerance --------------------------------------------------------
 
 
-def _history(bias: float, other: float = 1.0) -> list[tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]]:
-    params = {"layer": {"weight": torch.full((3,), other, dtype=torch.float64), "bias": torch.full((2,), bias, dtype=torch.float64)}}
+def _history(
+    bias: float, other: float = 1.0
+) -> list[tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]]:
+    params = {
+        "layer": {
+            "weight": torch.full((3,), other, dtype=torch.float64),
+            "bias": torch.full((2,), bias, dtype=torch.float64),
+        }
+    }
     return [({}, params)]
 
 

@@ -48,8 +48,10 @@ def test_an_all_f64_policy_keeps_zero3_exact() -> None:
     base = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1, momentum=0.9))
     policy = "params=f64,compute=f64,output=f64"
     gen = torch.Generator().manual_seed(1)
-    batches = [(torch.randn(4, 5, generator=gen, dtype=torch.float64), torch.randn(4, 3, generator=gen, dtype=torch.float64))
-               for _ in range(3)]
+    batches = [
+        (torch.randn(4, 5, generator=gen, dtype=torch.float64), torch.randn(4, 3, generator=gen, dtype=torch.float64))
+        for _ in range(3)
+    ]
     sharded = sw.shard_params(sw.mixed_precision(base, policy), "dp", 3)
     reduce_dtypes = {w.dtype for a in sharded.plan(sw.Mesh(dp=2), params).for_rank(0) if a.kind == "reduce_scatter"
                      for w in a.wire}

@@ -35,7 +35,8 @@ def _transforms(options: dict[str, Any]) -> dict[str, Callable[[sw.Step], sw.Ste
                                           if options["stage"] == 3 else {})
         ),
         "pipeline": lambda s: sw.pipeline(
-            s, "pp", options["schedule"], options["microbatches"], stages=4 if options["schedule"] == "interleaved_1f1b" else 2
+            s, "pp", options["schedule"], options["microbatches"],
+            stages=4 if options["schedule"] == "interleaved_1f1b" else 2,
         ),
         "remat": lambda s: sw.remat(s, options["policy"], layers=options["layers"]),
         "mixed_precision": lambda s: sw.mixed_precision(s, options["precision"]),
@@ -79,7 +80,9 @@ def _fingerprint(plan: sw.plan.Plan) -> tuple[Any, ...]:
 
 
 @given(options=OPTIONS, order=st.permutations(["shard_params", "pipeline", "remat", "mixed_precision"]))
-def test_the_plan_is_the_same_in_every_order_and_reflects_every_option(options: dict[str, Any], order: list[str]) -> None:
+def test_the_plan_is_the_same_in_every_order_and_reflects_every_option(
+    options: dict[str, Any], order: list[str]
+) -> None:
     step, params, batch = _problem()
     canonical = ("shard_params", "pipeline", "remat", "mixed_precision")
     plan = _build(step, tuple(order), options).plan(MESH, params, batch)
@@ -89,7 +92,9 @@ def test_the_plan_is_the_same_in_every_order_and_reflects_every_option(options: 
     for name, alternatives in ALTERNATIVES.items():
         for value in alternatives(options[name], options):
             changed = _build(step, tuple(order), {**options, name: value}).plan(MESH, params)
-            assert _fingerprint(changed) != _fingerprint(plan), f"{name}={value!r} instead of {options[name]!r} left the Plan unchanged"
+            assert _fingerprint(changed) != _fingerprint(plan), (
+                f"{name}={value!r} instead of {options[name]!r} left the Plan unchanged"
+            )
     if options["schedule"] != "interleaved_1f1b":  # one stage a rank: every compute needs the same units
         other = _build(step, tuple(order), {**options, "prefetch": 2 - options["prefetch"]}).plan(MESH, params)
         assert _fingerprint(other) == _fingerprint(plan)

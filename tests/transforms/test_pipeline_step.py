@@ -265,7 +265,10 @@ def test_step_ends_with_grads_then_metrics_then_update_and_reports_the_global_me
     chain, params = sw.functionalize(mlp([4, 6, 5, 3], "tanh").double())
     step = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1, momentum=0.9), clip_norm=clip_norm)
     gen = torch.Generator().manual_seed(4)
-    batch = (torch.randn(8, 4, generator=gen, dtype=torch.float64), torch.randn(8, 3, generator=gen, dtype=torch.float64))
+    batch = (
+        torch.randn(8, 4, generator=gen, dtype=torch.float64),
+        torch.randn(8, 3, generator=gen, dtype=torch.float64),
+    )
     piped = sw.pipeline(step, "pp", "1f1b", 4)
     mesh = sw.Mesh(pp=2)
     for actions in piped.plan(mesh, params).actions:

@@ -22,7 +22,8 @@ waited, and waits for the oldest itself once ``_MAX_UNWAITED`` are pending, so a
 caller that never waits cannot pile them up. A receive posts
 its header receive when issued and its payload receive once the header
 arrived, strictly in the order the receives of one (src, tag) were issued; for
-the same reason its ``is_completed()`` is True only once ``wait()`` returned. Sends to this very rank go through a local mailbox (gloo cannot send
+the same reason its ``is_completed()`` is True only once ``wait()`` returned. Sends to this very
+rank go through a local mailbox (gloo cannot send
 to itself). Only CPU tensors travel (NCCL ignores tags, so the pure ``nccl``
 backend refuses point to point for now): ``collectives.send`` copies a CUDA
 tensor to the CPU first (``p2p_device``), and ``recv(..., device=)`` puts it

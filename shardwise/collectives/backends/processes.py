@@ -380,7 +380,9 @@ def _run_error(results: dict[int, Any], failures: list[_Failure], world: int, ti
     if failures:  # the others timed out waiting for the silent ranks: those are the cause
         first = failures[0]
         summary, _ = _split_traceback(first.message)
-        hung = RankHung(tuple(silent), f"still running {_GRACE_S:g} s after rank {first.rank} stopped waiting: {summary}")
+        hung = RankHung(
+            tuple(silent), f"still running {_GRACE_S:g} s after rank {first.rank} stopped waiting: {summary}"
+        )
         hung.__cause__ = first.error
         return hung
     return RankHung(

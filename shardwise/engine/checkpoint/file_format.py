@@ -259,7 +259,9 @@ def check_committed(directory: Path) -> dict[str, Any]:
     what = "the checkpoint's metadata"
     meta = read_json(directory / META, what, verify=version != UNVERIFIED_VERSION)
     if meta.get("format") != FORMAT:
-        raise CheckpointError(f"checkpoint {directory}: {META} is not a shardwise checkpoint's (format {meta.get('format')!r})")
+        raise CheckpointError(
+            f"checkpoint {directory}: {META} is not a shardwise checkpoint's (format {meta.get('format')!r})"
+        )
     if meta.get("version") not in (UNVERIFIED_VERSION, VERSION):
         raise CheckpointError(
             f"checkpoint {directory}: {META} has format version {meta.get('version')!r}; this "
@@ -370,7 +372,9 @@ class Reader:
         except (pickle.UnpicklingError, RuntimeError, EOFError) as err:
             raise CheckpointError(f"{where}: the record does not load: {err}") from None
         if not isinstance(t, torch.Tensor) or tuple(t.shape) != record.sizes:
-            raise CheckpointError(f"{where}: holds {type(t).__name__} {getattr(t, 'shape', '')}, expected a box of {record.sizes}")
+            raise CheckpointError(
+                f"{where}: holds {type(t).__name__} {getattr(t, 'shape', '')}, expected a box of {record.sizes}"
+            )
         return t
 
     def _read_into(self, record: Record, dtype: torch.dtype) -> ReadInto:

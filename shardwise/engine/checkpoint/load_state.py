@@ -107,7 +107,10 @@ def build_state(reader: Reader, meta: Mapping[str, Any], step: Any, mesh: Mesh |
     def scalar(path: str, like: torch.Tensor) -> torch.Tensor:
         t = reader.full(f"optim.{path}")
         if t.shape != like.shape:
-            raise CheckpointError(f"checkpoint {reader.directory}: optim.{path} has shape {list(t.shape)}, this optimizer's {list(like.shape)}")
+            raise CheckpointError(
+                f"checkpoint {reader.directory}: optim.{path} has shape {list(t.shape)}, "
+                f"this optimizer's {list(like.shape)}"
+            )
         return t.to(device=device if like.is_meta else like.device, dtype=like.dtype)
 
     opt_state = rebuild_opt_state(template, update_meta, mirror, scalar)

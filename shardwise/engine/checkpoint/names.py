@@ -70,7 +70,12 @@ def state_dict_names(chain: Chain) -> StateDictNames:
     for key, (kind, owner, name) in keys.items():
         if kind == "param":
             param_key.setdefault((owner, name), key)
-    missing = [f"{layer.name}.{n}" for layer in chain.layers for n in layer.owned_param_names if (layer.name, n) not in param_key]
+    missing = [
+        f"{layer.name}.{n}"
+        for layer in chain.layers
+        for n in layer.owned_param_names
+        if (layer.name, n) not in param_key
+    ]
     if missing:
         raise ValueError(f"state_dict_names: parameters {missing} have no name in their layer's module")
     return StateDictNames(keys, param_key)

@@ -29,7 +29,9 @@ from a thread while training goes on; ``handle.wait()`` (every rank calls it; th
 >>> import tempfile, torch, shardwise as sw
 >>> checkpoint = sw.checkpoint
 >>> chain, params = sw.functionalize(torch.nn.Sequential(torch.nn.Linear(4, 3)))
->>> step = sw.shard_params(sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1, momentum=0.9)), "dp", stage=3)
+>>> step = sw.shard_params(
+...     sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1, momentum=0.9)), "dp", stage=3
+... )
 >>> batch = (torch.randn(8, 4), torch.randn(8, 3))
 >>> path = tempfile.mkdtemp() + "/ckpt"
 >>> def train_and_save():
@@ -134,7 +136,9 @@ def _layout_of(state: TrainState, step: Any) -> StateLayout:
     stack = tuple(str(s) for s in step.transforms)
     if not isinstance(layout, StateLayout) or layout.stack != stack:
         made = layout.stack if isinstance(layout, StateLayout) else type(layout).__name__
-        raise ValueError(f"save: this TrainState was made by {made}, not by this step ({stack}); pass the step that made it")
+        raise ValueError(
+            f"save: this TrainState was made by {made}, not by this step ({stack}); pass the step that made it"
+        )
     return layout
 
 
@@ -165,7 +169,9 @@ class SaveHandle:
         ok = _agree(self._mesh, self.error is None, self._device)
         if not ok:
             if self.error is not None:
-                raise CheckpointError(f"save to {self.path}: this rank could not write its files: {self.error}") from self.error
+                raise CheckpointError(
+                    f"save to {self.path}: this rank could not write its files: {self.error}"
+                ) from self.error
             raise CheckpointError(f"save to {self.path}: another rank could not write its files; nothing was committed")
         self._commit(True)
         return self.path
@@ -201,7 +207,9 @@ def save(path: str | os.PathLike[str], state: TrainState, step: Any, *, blocking
         except OSError as err:
             problem = f"cannot create {partial}: {err}"
     if not _agree(mesh, problem is None, device):
-        raise CheckpointError(f"save to {target}: {problem or 'rank 0 could not prepare the directory (see its error)'}")
+        raise CheckpointError(
+            f"save to {target}: {problem or 'rank 0 could not prepare the directory (see its error)'}"
+        )
     _reached("prepared")
     names = state_dict_names(step.base_chain)
     boxes_, tensors, meta = _snapshot(state, step, layout, mesh, names, rank)
@@ -243,7 +251,8 @@ def _snapshot(state: TrainState, step: Any, layout: StateLayout, mesh: Mesh | No
     out: list[tuple[str, tuple[int, ...], torch.Tensor]] = []
     tensors: dict[str, Any] = {}
     split_axes = {s.split.axis for s in layout.leaves.values() if s.split is not None}
-    split_index = mesh.axis_index(next(iter(split_axes))) if split_axes and mesh is not None else 0  # a split transform: one axis
+    # a split transform: one axis
+    split_index = mesh.axis_index(next(iter(split_axes))) if split_axes and mesh is not None else 0
 
     def add(fqn: str, shape: tuple[int, ...], segment: torch.Tensor, start: int, stop: int, spec: Any = None) -> None:
         """Elements [start, stop) of this rank's tensor as boxes of the whole one (of ``shape``);
@@ -295,7 +304,10 @@ def _commit(partial: Path, target: Path, meta: dict[str, Any], world: int, alias
         tensors.update(read_json(partial / index_file(rank), f"rank {rank}'s index")["tensors"])
     meta = {**meta, "tensors": tensors}
     write_json(partial / META, meta)
-    write_dcp_metadata(partial, dcp_metadata(meta, read_records(partial, world), {f"model.{a}": f"model.{k}" for a, k in aliases.items()}))
+    write_dcp_metadata(
+        partial,
+        dcp_metadata(meta, read_records(partial, world), {f"model.{a}": f"model.{k}" for a, k in aliases.items()}),
+    )
     write_commit_marker(partial)
     fsync_dir(partial)
     _reached("committed")
@@ -377,7 +389,9 @@ def load(path: str | os.PathLike[str], step: Any, mesh: Mesh | None = None, *,
         reader.close()
 
 
-def _check_model(directory: Path, meta: Mapping[str, Any], step: Any, like: Any) -> tuple[dict[str, dict[str, torch.Tensor]], dict[tuple[str, str], str]]:
+def _check_model(
+    directory: Path, meta: Mapping[str, Any], step: Any, like: Any
+) -> tuple[dict[str, dict[str, torch.Tensor]], dict[tuple[str, str], str]]:
     """The checkpoint's parameters as meta tensors, once they are the ones ``step``'s chain has."""
     saved = {(p["layer"], p["name"]): p for p in meta["params"]}
     chain = step.chain
@@ -451,6 +465,8 @@ def describe(path: str | os.PathLike[str]) -> dict[str, Any]:
         ranks.append({
             "rank": rank, "file": data_file(rank), "bytes": sum(r.length for r in mine),
             "tensors": sorted({r.fqn for r in mine}),
-            "records": [{"tensor": r.fqn, "offsets": list(r.offsets), "sizes": list(r.sizes), "bytes": r.length} for r in mine],
+            "records": [
+                {"tensor": r.fqn, "offsets": list(r.offsets), "sizes": list(r.sizes), "bytes": r.length} for r in mine
+            ],
         })
     return {"path": str(directory), "dcp_metadata": (directory / DCP_META).is_file(), **meta, "ranks": ranks}

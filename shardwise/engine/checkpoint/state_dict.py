@@ -64,7 +64,9 @@ def init_from_state_dict(step: Any, state_dict: dict[str, torch.Tensor], mesh: M
         params[layer][name] = state_dict[key]
     for alias, key in names.aliases.items():
         if not torch.equal(state_dict[alias], state_dict[key]):
-            raise CheckpointError(f"init_from_state_dict: {alias!r} is tied to {key!r} in the module, but their values differ")
+            raise CheckpointError(
+                f"init_from_state_dict: {alias!r} is tied to {key!r} in the module, but their values differ"
+            )
     for key, (layer, name) in names.buffers.items():
         held = step.base_chain[layer].buffers[name]
         if not torch.equal(state_dict[key].to(held.dtype), held):
@@ -95,7 +97,9 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _DCP_CLASSES:
             return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
+        if module == "torch" and isinstance(
+            getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)
+        ):
             return getattr(torch, name)
         raise pickle.UnpicklingError(f"{DCP_META} refers to {module}.{name}, which is not DCP metadata")
 
@@ -132,7 +136,10 @@ def read_dcp_state_dict(path: str | os.PathLike[str], prefix: str = "") -> dict[
                 f.seek(info.offset)
                 data = f.read(info.length)
             if getattr(info, "transform_descriptors", None):
-                raise CheckpointError(f"{path}: {fqn} is stored with transforms {info.transform_descriptors}, which this reader does not undo")
+                raise CheckpointError(
+                    f"{path}: {fqn} is stored with transforms {info.transform_descriptors}, "
+                    "which this reader does not undo"
+                )
             box = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
             t[tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes, strict=True))].copy_(box)
             covered += box.numel()

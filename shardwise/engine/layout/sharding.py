@@ -1,7 +1,8 @@
 """ZeRO's flat sharding, used by shard_params alone and inside a pipeline.
 
 A *unit* is a Chain layer's owned parameters on one rank (on a pipeline rank
-that only holds a copy of a weight tied across stages, just that copy). A unit's owned parameters are flattened in name order into one 1-D buffer,
+that only holds a copy of a weight tied across stages, just that copy). A unit's owned parameters
+are flattened in name order into one 1-D buffer,
 zero-padded to a multiple of N, and cut into N equal contiguous shards: rank
 ``i`` of the axis holds ``flat[i * shard : (i + 1) * shard]``. One all-gather
 rebuilds the unit; one reduce-scatter shards its gradient. Padding starts at

@@ -47,11 +47,14 @@ def check_params(chain: Chain, params: Any) -> None:
     """Refuse a params pytree that does not match the chain, naming the layer and the names."""
     if not isinstance(params, Mapping):
         raise TypeError(
-            f"params must be a dict layer name -> dict of tensors (as functionalize returns), got {type(params).__name__}"
+            "params must be a dict layer name -> dict of tensors (as functionalize returns), "
+            f"got {type(params).__name__}"
         )
     unknown = set(params) - set(chain.names)
     if unknown:
-        raise ValueError(f"params has layers {sorted(unknown)} that the chain does not have; chain layers: {list(chain.names)}")
+        raise ValueError(
+            f"params has layers {sorted(unknown)} that the chain does not have; chain layers: {list(chain.names)}"
+        )
     for layer in chain.layers:
         expected = set(chain.owned_param_names(layer.name))
         got = set(params.get(layer.name, {}))

@@ -57,7 +57,9 @@ class Placement:
         return cls(None, tuple((n,) for n in chain.names), (0,) * len(chain))
 
     @classmethod
-    def pipelined(cls, chain: Chain, axis: str, stages: Sequence[Sequence[str]], stage_rank: Sequence[int]) -> Placement:
+    def pipelined(
+        cls, chain: Chain, axis: str, stages: Sequence[Sequence[str]], stage_rank: Sequence[int]
+    ) -> Placement:
         stages_t = tuple(tuple(s) for s in stages)
         ranks = tuple(stage_rank)
         return cls(axis, stages_t, ranks, tied_across(chain, stages_t, ranks))
@@ -118,7 +120,9 @@ class TensorSplit:
     def check(self, shape: Sequence[int], where: str) -> None:
         """Refuse a global ``shape`` this split does not divide, naming the parameter."""
         if self.dim >= len(shape):
-            raise ValueError(f"{where} has shape {list(shape)}, which has no dim {self.dim} to split over {self.axis!r}")
+            raise ValueError(
+                f"{where} has shape {list(shape)}, which has no dim {self.dim} to split over {self.axis!r}"
+            )
         if shape[self.dim] % (self.parts * self.blocks):
             fused = f" ({self.blocks} fused blocks, each split {self.parts} ways)" if self.blocks > 1 else ""
             raise ValueError(
@@ -208,7 +212,11 @@ class LeafSpec:
         return n
 
     def describe(self) -> str:
-        where = f"pipeline indices {[c.index for c in self.copies]} of {self.pipeline_axis!r}" if self.pipeline_axis else "every rank"
+        where = (
+            f"pipeline indices {[c.index for c in self.copies]} of {self.pipeline_axis!r}"
+            if self.pipeline_axis
+            else "every rank"
+        )
         zero = ""
         if self.dp_axis:
             sharded = "kept as" if self.zero_stage == 3 else "whole at rest, updated in"  # ZeRO-1/2 shard the state
@@ -217,7 +225,8 @@ class LeafSpec:
         cut = "" if split is None else f", dim {split.dim} split over {split.axis!r} in {split.parts}" + (
             f" (each of {split.blocks} fused blocks)" if split.blocks > 1 else ""
         )
-        return f"{self.layer}.{self.name}: {list(self.shape)} {str(self.dtype).removeprefix('torch.')} on {where}{zero}{cut}"
+        dtype = str(self.dtype).removeprefix("torch.")
+        return f"{self.layer}.{self.name}: {list(self.shape)} {dtype} on {where}{zero}{cut}"
 
 
 def leaf_specs(
@@ -335,7 +344,9 @@ class StateLayout:
         return "\n".join(lines)
 
 
-def local_params(params: Mapping[str, Mapping[str, torch.Tensor]], placement: Placement, index: int) -> dict[str, dict[str, torch.Tensor]]:
+def local_params(
+    params: Mapping[str, Mapping[str, torch.Tensor]], placement: Placement, index: int
+) -> dict[str, dict[str, torch.Tensor]]:
     """The parameters pipeline index ``index`` holds: its layers', and copies of tied weights."""
     mine = set(placement.layers_of(index))
     local = {k: dict(v) for k, v in params.items() if k in mine}

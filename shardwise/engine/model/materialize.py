@@ -120,7 +120,8 @@ class ModuleInit:
         first, second = made
         if first.shape != meta.shape or first.dtype != meta.dtype or not torch.equal(first, second):
             raise FunctionalizeError(
-                f"initializing {path!r} ({type(owner).__name__}, {self._default_name() if self.init_fn is None else 'init_fn'})"
+                f"initializing {path!r} "
+                f"({type(owner).__name__}, {self._default_name() if self.init_fn is None else 'init_fn'})"
                 " left some of its elements unset (or changed its shape or dtype), so they would hold "
                 "whatever memory held before. Pass functionalize(..., init_fn=fn) with an fn(module) "
                 "that sets every parameter and buffer of the modules it is given."

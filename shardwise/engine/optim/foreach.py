@@ -152,12 +152,16 @@ def lerp_scalar(xs: TensorList, ys: TensorList, weight: float, *, inplace: bool 
     return _apply("_foreach_lerp", [xs, ys], weight=weight, inplace=inplace)
 
 
-def addcmul_scalar(xs: TensorList, ys: TensorList, zs: TensorList, value: float, *, inplace: bool = False) -> list[Tensor]:
+def addcmul_scalar(
+    xs: TensorList, ys: TensorList, zs: TensorList, value: float, *, inplace: bool = False
+) -> list[Tensor]:
     """``x + value * y * z`` per triple."""
     return _apply("_foreach_addcmul", [xs, ys, zs], value=value, inplace=inplace)
 
 
-def addcdiv_scalar(xs: TensorList, ys: TensorList, zs: TensorList, value: float, *, inplace: bool = False) -> list[Tensor]:
+def addcdiv_scalar(
+    xs: TensorList, ys: TensorList, zs: TensorList, value: float, *, inplace: bool = False
+) -> list[Tensor]:
     """``x + value * y / z`` per triple."""
     return _apply("_foreach_addcdiv", [xs, ys, zs], value=value, inplace=inplace)
 

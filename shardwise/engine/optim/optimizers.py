@@ -325,9 +325,13 @@ class _AdamWUpdate:
             if opts.weight_decay != 0:
                 ps = fe.mul_scalar(ps, 1 - lr * opts.weight_decay, inplace=self.inplace)
             ms = fe.lerp_scalar(ms, gs, 1 - self.beta1, inplace=self.inplace)
-            vs = fe.addcmul_scalar(fe.mul_scalar(vs, self.beta2, inplace=self.inplace), gs, gs, 1 - self.beta2, inplace=self.inplace)
+            vs = fe.addcmul_scalar(
+                fe.mul_scalar(vs, self.beta2, inplace=self.inplace), gs, gs, 1 - self.beta2, inplace=self.inplace
+            )
             # sqrt makes the one new list; the rest reuses it, as torch's foreach path does.
-            denom = fe.add_scalar(fe.div_scalar(fe.sqrt(vs), bias_correction2**0.5, inplace=True), self.eps, inplace=True)
+            denom = fe.add_scalar(
+                fe.div_scalar(fe.sqrt(vs), bias_correction2**0.5, inplace=True), self.eps, inplace=True
+            )
             new_p += fe.addcdiv_scalar(ps, ms, denom, -step_size, inplace=self.inplace)
             new_m += ms
             new_v += vs

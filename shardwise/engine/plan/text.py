@@ -21,8 +21,8 @@ if TYPE_CHECKING:
 WIDTH = 96
 INDENT = "  "
 FIGURES_AS_A_LIST = 8  # up to this many ranks, a figure per rank prints as a plain list
-MOST_DIFFERENCES = 3
-LONGEST_RANK_LIST = 40  # characters; a longer list of ranks is named by the coordinates they share  # up to this many differing actions, a rank prints as another "but ..."
+MOST_DIFFERENCES = 3  # up to this many differing actions, a rank prints as another "but ..."
+LONGEST_RANK_LIST = 40  # characters; a longer list of ranks is named by the coordinates they share
 
 
 def plan_text(plan: Plan) -> str:

@@ -371,7 +371,8 @@ class Executor(ZeroActions, TransferActions):
             if not (isinstance(got, (tuple, list)) and len(got) == 2):
                 raise ValueError(
                     "train_step(tokens='sum'): loss_fn must return a pair (sum of the token losses, number of "
-                    f"tokens), got {type(got).__name__}; e.g. cross_entropy(..., reduction='sum'), (labels != -100).sum()"
+                    f"tokens), got {type(got).__name__}; "
+                    "e.g. cross_entropy(..., reduction='sum'), (labels != -100).sum()"
                 )
             total, count = got
         else:
@@ -393,7 +394,9 @@ class Executor(ZeroActions, TransferActions):
         want_weights = action.kind in (BACKWARD, BACKWARD_WEIGHT)
         if saved.output_grads is None:
             saved.output_grads = self._output_grads(s, m, saved)
-        pairs = [(o, g) for o, g in zip(saved.outputs, saved.output_grads, strict=True) if g is not None and o.requires_grad]
+        pairs = [
+            (o, g) for o, g in zip(saved.outputs, saved.output_grads, strict=True) if g is not None and o.requires_grad
+        ]
         outputs, seeds = [o for o, _ in pairs], [g for _, g in pairs]
         got: list[torch.Tensor | None] = [None] * len(saved.inputs)
         if want_inputs and not want_weights and pairs and saved.inputs:  # I: the graph stays for W
@@ -432,7 +435,9 @@ class Executor(ZeroActions, TransferActions):
             grads = self._inbox.pop(("grad", s + 1, m))
         self._outputs.pop((s, m), None)
         if len(grads) != len(saved.outputs):
-            raise RuntimeError(f"stage {s}, micro-batch {m}: {len(grads)} gradients came back for {len(saved.outputs)} outputs")
+            raise RuntimeError(
+                f"stage {s}, micro-batch {m}: {len(grads)} gradients came back for {len(saved.outputs)} outputs"
+            )
         return list(grads)
 
     def _take_input(self, s: int, m: int) -> tuple[Any, list[torch.Tensor]]:

@@ -40,7 +40,9 @@ def check_metrics(metrics: Iterable[str]) -> tuple[str, ...]:
     try:
         names = set(metrics)
     except TypeError:
-        raise TypeError(f"metrics: expected a collection of metric names such as {REPORTABLE}, got {metrics!r}") from None
+        raise TypeError(
+            f"metrics: expected a collection of metric names such as {REPORTABLE}, got {metrics!r}"
+        ) from None
     unknown = sorted(str(n) for n in names - set(REPORTABLE))
     if unknown:
         raise ValueError(f"metrics: unknown {unknown}; a step reports any of {REPORTABLE} (or none: metrics=())")

@@ -140,8 +140,13 @@ class TransferActions:
         else:
             count, mb = int(posted[0].wait()), len(self.microbatches)
             leaves = [posted[1].wait()] + [
-                recv(action.require("axis"), action.require("peer"), tag=tag_of(kind, producer, m, mb, i), device=self.device,
-                     mesh=self.mesh).wait()
+                recv(
+                    action.require("axis"),
+                    action.require("peer"),
+                    tag=tag_of(kind, producer, m, mb, i),
+                    device=self.device,
+                    mesh=self.mesh,
+                ).wait()
                 for i in range(2, count + 1)
             ]
         if kind == "grad":
@@ -176,12 +181,22 @@ class TransferActions:
 
     def send_tied(self, action: Action) -> None:
         i = action.require("tied")
-        self._sends.append(send(self._tied_grad(i), action.require("axis"), action.require("peer"), tag=TIED_TAG_BASE + i, mesh=self.mesh))
+        self._sends.append(
+            send(
+                self._tied_grad(i),
+                action.require("axis"),
+                action.require("peer"),
+                tag=TIED_TAG_BASE + i,
+                mesh=self.mesh,
+            )
+        )
 
     def recv_tied(self, action: Action) -> None:
         i = action.require("tied")
         mine = self._tied_grad(i)
-        got = recv(action.require("axis"), action.require("peer"), tag=TIED_TAG_BASE + i, device=mine.device, mesh=self.mesh).wait()
+        got = recv(
+            action.require("axis"), action.require("peer"), tag=TIED_TAG_BASE + i, device=mine.device, mesh=self.mesh
+        ).wait()
         self._tied_parts.setdefault(i, {})[action.require("peer")] = got
 
     def sum_tied(self, action: Action) -> None:

@@ -58,7 +58,9 @@ def ring_shape(op: str, n: int) -> tuple[float, float]:
         raise ValueError(f"no communication model for op {op!r}; the model knows {COMM_OPS}")
     if n <= 1:
         return 0.0, 0.0  # a group of one moves nothing
-    return {"all_gather": (n - 1, n - 1), "psum_scatter": (n - 1, (n - 1) / n), "psum": (2 * (n - 1), 2 * (n - 1) / n)}[op]
+    return {
+        "all_gather": (n - 1, n - 1), "psum_scatter": (n - 1, (n - 1) / n), "psum": (2 * (n - 1), 2 * (n - 1) / n)
+    }[op]
 
 
 def _frozen(mapping: Mapping[Any, float], what: str) -> Mapping[Any, float]:
@@ -213,7 +215,9 @@ class PlanCosts:
             object.__setattr__(self, name, _frozen(table, f"PlanCosts.{name}"))
         object.__setattr__(self, "action", _frozen(self.action, "PlanCosts.action"))
         object.__setattr__(self, "slot", _frozen(self.slot, "PlanCosts.slot"))
-        if self.cores is not None and (isinstance(self.cores, bool) or not isinstance(self.cores, int) or self.cores < 1):
+        if self.cores is not None and (
+            isinstance(self.cores, bool) or not isinstance(self.cores, int) or self.cores < 1
+        ):
             raise ValueError(f"PlanCosts.cores must be a positive int (or None: a core per rank), got {self.cores!r}")
         if not isinstance(self.comm, CommModel):
             raise TypeError(f"PlanCosts.comm must be a CommModel, got {type(self.comm).__name__}")

@@ -135,8 +135,13 @@ class _Simulation:
             wakes = [t for r in ranks if not self._done(r) and r not in ends
                      and (t := self._ready_time(r)) is not None and t > now]
             if not ends and not wakes:
-                raise PlanDeadlock({r: (self.state[r].pos, self.plan.actions[r][self.state[r].pos], self._why_blocked(r))
-                                    for r in ranks if not self._done(r)})
+                raise PlanDeadlock(
+                    {
+                        r: (self.state[r].pos, self.plan.actions[r][self.state[r].pos], self._why_blocked(r))
+                        for r in ranks
+                        if not self._done(r)
+                    }
+                )
             later = min([*ends.values(), *wakes])
             for r, end in ends.items():
                 s = self.state[r]
@@ -205,7 +210,9 @@ class _Simulation:
                 first = self.first_metrics[r]
                 if first is not None and first.done is None:
                     return None
-                self.joined[r] = self._arrive(r, s.pos, a, s.start if first is None else max(s.start, first.done or 0.0))
+                self.joined[r] = self._arrive(
+                    r, s.pos, a, s.start if first is None else max(s.start, first.done or 0.0)
+                )
             joined = self.joined[r]
             assert joined is not None
             return joined.done
@@ -282,10 +289,7 @@ class _Simulation:
         if a.kind in RECVS:
             src = peer_rank(self.mesh, r, a)
             return f"no matching send from rank {src} is ever issued ({self._where(src)})"
-        if a.kind == REDUCE_METRICS:
-            call = self.joined[r] or self.first_metrics[r]
-        else:
-            call = self._issued_call(r, a)
+        call = (self.joined[r] or self.first_metrics[r]) if a.kind == REDUCE_METRICS else self._issued_call(r, a)
         assert call is not None
         missing = [m for m in call.group if m not in call.arrived]
         return (f"{call.action} over axis {call.action.axis!r} needs ranks {missing} too, which never issue it ("
@@ -324,7 +328,9 @@ def simulate(plan: Plan, costs: PlanCosts | None = None) -> PlanTimeline:
     12.0
     """
     if not isinstance(plan, Plan):
-        raise TypeError(f"simulate(plan) needs a shardwise Plan (step.plan(mesh, params, batch)), got {type(plan).__name__}")
+        raise TypeError(
+            f"simulate(plan) needs a shardwise Plan (step.plan(mesh, params, batch)), got {type(plan).__name__}"
+        )
     if costs is None:
         costs = PlanCosts()
     elif not isinstance(costs, PlanCosts):

@@ -74,7 +74,11 @@ def roles(actions: Sequence[Action]) -> tuple[str, ...]:
             out.append(COMPUTE)
         elif a.kind in SENDS or a.kind in ASYNC or (a.kind == REDUCE_METRICS and not metrics_issued):
             out.append(ISSUE)
-        elif a.kind in RECVS or a.kind in WAIT_OF or a.kind in (WAIT_SENDS, WAIT_METRICS, REDUCE_METRICS, *INSIDE_COMPUTE):
+        elif (
+            a.kind in RECVS
+            or a.kind in WAIT_OF
+            or a.kind in (WAIT_SENDS, WAIT_METRICS, REDUCE_METRICS, *INSIDE_COMPUTE)
+        ):
             out.append(WAIT)
         else:
             out.append(LOCAL)
@@ -118,7 +122,9 @@ def check_action_times(plan: Plan, per_rank: Sequence[ActionTimes], what: str) -
                     "batch lists none of its in-layer collectives: step.plan(mesh, params, batch))"
                 )
             if end < start:
-                raise ValueError(f"{what}: rank {r}'s action {plan.actions[r][pos]} ends ({end}) before it starts ({start})")
+                raise ValueError(
+                    f"{what}: rank {r}'s action {plan.actions[r][pos]} ends ({end}) before it starts ({start})"
+                )
 
 
 # -- the timeline -------------------------------------------------------------------------------

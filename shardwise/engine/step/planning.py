@@ -155,8 +155,12 @@ def _inside_computes(
     for spec in layout.leaves.values():
         dtype = compute_dtype(step.precision, spec.layer, spec.dtype)
         shapes.setdefault(spec.layer, {})[spec.name] = (torch.Size(spec.local_shape), dtype)
-    found = split.inner_collectives(step.chain, placement, shapes, step.loss_fn, one_microbatch(step, mesh, batch), mesh)
-    return {key: [(op, label, wire_of(shape, dtype)) for op, label, dtype, shape in issued] for key, issued in found.items()}
+    found = split.inner_collectives(
+        step.chain, placement, shapes, step.loss_fn, one_microbatch(step, mesh, batch), mesh
+    )
+    return {
+        key: [(op, label, wire_of(shape, dtype)) for op, label, dtype, shape in issued] for key, issued in found.items()
+    }
 
 
 def _units_without_params(step: Step, placement: Placement, index: int) -> list[str] | None:

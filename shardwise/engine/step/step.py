@@ -282,7 +282,9 @@ class Step:
                 "transform stack": self.describe(),
                 "schedule": str(layout.schedule),
                 "mesh": repr(mesh),
-                "parameter names, shapes and dtypes": repr([(k, n, tuple(t.shape), t.dtype) for k, v in params.items() for n, t in v.items()]),
+                "parameter names, shapes and dtypes": repr(
+                    [(k, n, tuple(t.shape), t.dtype) for k, v in params.items() for n, t in v.items()]
+                ),
                 # A sample of each tensor: ranks that built the model themselves from different seeds
                 # (or loaded other checkpoints) start from different weights.
                 "parameter values": sampled_values(params),
@@ -428,7 +430,9 @@ def train_step(
     >>> import torch, shardwise as sw
     >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
     <torch._C.Generator object at ...>
-    >>> chain, params = sw.functionalize(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)))
+    >>> chain, params = sw.functionalize(
+    ...     torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    ... )
     >>> step = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(lr=0.1, momentum=0.9))
     >>> state = step.init(params)
     >>> batch = (torch.randn(16, 4), torch.randn(16, 1))
@@ -442,12 +446,15 @@ def train_step(
     if isinstance(chain, tuple):
         raise TypeError("train_step got a (chain, params) tuple: pass the chain, and give params to step.init(params)")
     if not isinstance(chain, Chain):
-        raise TypeError(f"train_step(chain=...) needs a shardwise Chain (see functionalize), got {type(chain).__name__}")
+        raise TypeError(
+            f"train_step(chain=...) needs a shardwise Chain (see functionalize), got {type(chain).__name__}"
+        )
     if not callable(loss_fn):
         raise TypeError(f"train_step(loss_fn=...) must be callable loss_fn(output, targets), got {loss_fn!r}")
     if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
         raise TypeError(
-            f"train_step(optimizer=...) needs a functional optimizer such as shardwise.optim.sgd(...), got {optimizer!r}"
+            "train_step(optimizer=...) needs a functional optimizer such as shardwise.optim.sgd(...), "
+            f"got {optimizer!r}"
         )
     if clip_norm is not None and not clip_norm > 0:
         raise ValueError(f"train_step(clip_norm={clip_norm!r}): the norm to clip to must be positive")

@@ -122,7 +122,9 @@ def mixed_precision(
     skipped on every rank: parameters and optimizer state stay as they were.
 
     >>> import torch, shardwise as sw
-    >>> chain, params = sw.functionalize(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)))
+    >>> chain, params = sw.functionalize(
+    ...     torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    ... )
     >>> step = sw.mixed_precision(sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1)),
     ...                           "params=f32,compute=bf16,output=f32", loss_scale="dynamic")
     >>> state = step.init(params)

@@ -51,7 +51,9 @@ def pipeline(
     and reduce-scatters among the schedule's computes.
 
     >>> import torch, shardwise as sw
-    >>> chain, params = sw.functionalize(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)))
+    >>> chain, params = sw.functionalize(
+    ...     torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    ... )
     >>> step = sw.pipeline(sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1)), "pp", "gpipe", 2)
     >>> print(step.plan(sw.Mesh(pp=2), params).for_rank(1)[0])
     recv_activation(stage1, mb=0, from=0)

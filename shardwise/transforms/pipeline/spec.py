@@ -63,7 +63,9 @@ class PipelineSpec:
     def place(self, chain: Chain, mesh: Mesh, params: Mapping[str, Any] | None) -> tuple[Placement, Schedule]:
         """Stages, schedule and placement on ``mesh``; refuses anything that cannot run."""
         if self.axis not in mesh.axis_names:
-            raise ValueError(f"pipeline(axis={self.axis!r}): {mesh!r} has no axis {self.axis!r}; use one of {mesh.axis_names}")
+            raise ValueError(
+                f"pipeline(axis={self.axis!r}): {mesh!r} has no axis {self.axis!r}; use one of {mesh.axis_names}"
+            )
         ranks = mesh.axis_size(self.axis)
         count = self.num_stages(ranks)
         names = list(chain.names)

@@ -172,7 +172,8 @@ def sac_policy_fn(predicate: Predicate) -> Callable[..., CheckpointPolicy]:
         if not isinstance(save, bool):
             # Not a TypeError: torch turns a TypeError raised inside an operator like `@` into NotImplemented.
             raise ValueError(
-                f"remat policy {predicate!r} returned {save!r} for {op}; a policy answers True (save) or False (recompute)"
+                f"remat policy {predicate!r} returned {save!r} for {op}; "
+                "a policy answers True (save) or False (recompute)"
             )
         return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
 

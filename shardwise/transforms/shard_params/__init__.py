@@ -57,7 +57,9 @@ def shard_params(
     sharded over ``axis`` of a 2-D mesh such as ``Mesh(dp=2, pp=2)``.
 
     >>> import torch, shardwise as sw
-    >>> chain, params = sw.functionalize(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)))
+    >>> chain, params = sw.functionalize(
+    ...     torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    ... )
     >>> step = sw.shard_params(sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(lr=0.1)), "dp", stage=3)
     >>> print(" ".join(map(str, step.plan(sw.Mesh(dp=2)).for_rank(0)[:5])))
     gather(0) gather(2) wait_gather(0) F(0, mb=0) free(0)
@@ -88,7 +90,9 @@ def shard_params(
                 "(its units are gathered and freed one by one); buckets are for stages 1 and 2: drop bucket_mb"
             )
     if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
-        raise TypeError(f"shard_params(reshard_after_forward={reshard_after_forward!r}): True, False or None (the default)")
+        raise TypeError(
+            f"shard_params(reshard_after_forward={reshard_after_forward!r}): True, False or None (the default)"
+        )
     # Stages 1 and 2 hold full parameters and gather none: asking to keep gathered ones, or to
     # prefetch, would be an option that does nothing. (True states what they do: nothing kept.)
     for name, value in (("reshard_after_forward", reshard_after_forward), ("prefetch", prefetch)):

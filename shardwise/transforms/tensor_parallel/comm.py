@@ -58,7 +58,9 @@ class _Prediction:
     issued: list[Issued]
 
 
-_predicting: contextvars.ContextVar[_Prediction | None] = contextvars.ContextVar("shardwise_tp_predicting", default=None)
+_predicting: contextvars.ContextVar[_Prediction | None] = contextvars.ContextVar(
+    "shardwise_tp_predicting", default=None
+)
 
 
 @contextlib.contextmanager
@@ -95,14 +97,18 @@ def tp_index(axis: str) -> int:
 # ``reduce``: the dtype sums travel in (mixed_precision's reduce dtype), None for the value's own.
 
 
-def enter(x: torch.Tensor, axis: str, seq_dim: int | None, label: str, reduce: torch.dtype | None = None) -> torch.Tensor:
+def enter(
+    x: torch.Tensor, axis: str, seq_dim: int | None, label: str, reduce: torch.dtype | None = None
+) -> torch.Tensor:
     """Megatron's f: identity forward, all-reduce backward; sequence parallel: all-gather the sequence."""
     if seq_dim is None:
         return _comm(x, axis, None, "psum", 0, reduce, label)
     return _comm(x, axis, "all_gather", "psum_scatter", seq_dim, reduce, label)
 
 
-def leave(x: torch.Tensor, axis: str, seq_dim: int | None, label: str, reduce: torch.dtype | None = None) -> torch.Tensor:
+def leave(
+    x: torch.Tensor, axis: str, seq_dim: int | None, label: str, reduce: torch.dtype | None = None
+) -> torch.Tensor:
     """Megatron's g: all-reduce forward, identity backward; sequence parallel: reduce-scatter the sequence."""
     if seq_dim is None:
         return _comm(x, axis, "psum", None, 0, reduce, label)
@@ -138,7 +144,9 @@ def _comm(
     return positions.collective(run, x, forward_op, dim)  # whether its output holds a slice
 
 
-def _apply(op: str | None, x: torch.Tensor, axis: str, dim: int, reduce: torch.dtype | None, label: str, phase: str) -> torch.Tensor:
+def _apply(
+    op: str | None, x: torch.Tensor, axis: str, dim: int, reduce: torch.dtype | None, label: str, phase: str
+) -> torch.Tensor:
     """One op on ``x``: moved for real, or (while predicting) recorded with the right output shape."""
     prediction = _predicting.get()
     n = prediction.size if prediction is not None else axis_size(axis)

@@ -94,7 +94,8 @@ def _is_stub(module: nn.Module) -> bool:
 
 def resolve(chain: Chain, plan: Mapping[str, Style], sequence_parallel: str | None) -> Resolved:
     """Match ``plan`` (and the sequence-parallel block pattern) on ``chain``; refuse what cannot work."""
-    found: list[tuple[Layer, nn.Module, str, str, str, nn.Module]] = []  # (layer, root module, root prefix, prefix, subpath, module)
+    # (layer, root module, root prefix, prefix, subpath, module)
+    found: list[tuple[Layer, nn.Module, str, str, str, nn.Module]] = []
     for layer in chain:
         got = _modules_of(layer)
         if got is None:
@@ -131,7 +132,9 @@ def resolve(chain: Chain, plan: Mapping[str, Style], sequence_parallel: str | No
     hits = [p for p in paths if sequence_parallel and fnmatch.fnmatchcase(p, sequence_parallel)]
     blocks_in_order = [p for p in hits if not any(p.startswith(q + ".") for q in hits)]
     for region in (p for p, (_, s) in style_of.items() if isinstance(s, Region)):
-        inner = [p for p, (_, s) in style_of.items() if p.startswith(region + ".") and isinstance(s, (Colwise, Rowwise))]
+        inner = [
+            p for p, (_, s) in style_of.items() if p.startswith(region + ".") and isinstance(s, (Colwise, Rowwise))
+        ]
         if not inner:
             raise ValueError(
                 f"tensor_parallel: plan[{style_of[region][0]!r}] = Region() on {region!r}, which holds no Colwise or "

@@ -91,7 +91,9 @@ class TPForward:
             n = tp_size(axis)
             for attr, value in self.locals.items():
                 setattr(m, attr, value // n)
-            args, kwargs = _map_hidden(m, self.hidden, args, kwargs, lambda h: enter(h, axis, install.seq_dim, label, self.reduce))
+            args, kwargs = _map_hidden(
+                m, self.hidden, args, kwargs, lambda h: enter(h, axis, install.seq_dim, label, self.reduce)
+            )
             _flow.regions = getattr(_flow, "regions", 0) + 1
             try:
                 return type(m).forward(m, *args, **kwargs)
@@ -355,7 +357,9 @@ class GuardFn:
     decided from the chain's order, so a recomputation decides alike) acts on per-rank values and
     draws this rank's random stream."""
 
-    def __init__(self, fn: Callable[[dict[str, Tensor], Any], Any], layer: str, axis: str, between: bool = False) -> None:
+    def __init__(
+        self, fn: Callable[[dict[str, Tensor], Any], Any], layer: str, axis: str, between: bool = False
+    ) -> None:
         self.fn, self.layer, self.axis, self.between = fn, layer, axis, between
 
     def reuse_key(self) -> Any:
@@ -399,7 +403,9 @@ def rewrite_layer(layer: Layer, plan: LayerPlan, axis: str, reduce: torch.dtype 
     installs = {i.subpath: i for i in plan.installs}
     for subpath in sorted(set(blocks) | set(installs)):
         target = copied.get_submodule(subpath)
-        path = installs[subpath].path if subpath in installs else next(p for sub, p, _, _ in plan.blocks if sub == subpath)
+        path = (
+            installs[subpath].path if subpath in installs else next(p for sub, p, _, _ in plan.blocks if sub == subpath)
+        )
         target.forward = TPForward(target, axis, installs.get(subpath), blocks.get(subpath), reduce, path)
     new_fn = copy.copy(fn)
     new_fn.replicas = ThreadReplicas(copied, replicas.prefix)  # type: ignore[attr-defined]

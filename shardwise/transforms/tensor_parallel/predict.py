@@ -90,7 +90,9 @@ def predict(
                     else:
                         outputs = _floats(y)
                 out[("forward", s)] = forward
-                runs.append((outputs, _floats(x_in) if s > 0 else [], [p for p in params.values() if p.requires_grad], y))
+                runs.append(
+                    (outputs, _floats(x_in) if s > 0 else [], [p for p in params.values() if p.requires_grad], y)
+                )
             (outputs, ins, ps, y), (outputs2, ins2, ps2, _) = runs
             seeds = [torch.ones_like(o) for o in outputs]
             used = [o for o in outputs if o.requires_grad]
@@ -101,7 +103,9 @@ def predict(
             del issued[start:]
             used2 = [o for o in outputs2 if o.requires_grad]
             if used2 and ins2:
-                torch.autograd.grad(used2, ins2, [torch.ones_like(o) for o in used2], retain_graph=True, allow_unused=True)
+                torch.autograd.grad(
+                    used2, ins2, [torch.ones_like(o) for o in used2], retain_graph=True, allow_unused=True
+                )
             out[("backward_input", s)] = issued[start:]
             del issued[start:]
             if used2 and ps2:

@@ -107,7 +107,9 @@ class TPSpec:
     def replicated(self, chain: Chain) -> frozenset[tuple[str, str]]:
         """The parameters every tensor-parallel index holds whole (counted once in the gradient norm)."""
         splits = self.resolved(chain).splits
-        return frozenset((layer.name, n) for layer in chain for n in layer.owned_param_names if (layer.name, n) not in splits)
+        return frozenset(
+            (layer.name, n) for layer in chain for n in layer.owned_param_names if (layer.name, n) not in splits
+        )
 
     def counts_replicated(self, mesh: Mesh | None) -> bool:
         """Index 0 of the axis alone counts the loss, the tokens and the replicated gradients in the

@@ -43,7 +43,9 @@ class Colwise:
         if self.output is not None and self.output not in OUTPUTS:
             raise ValueError(f"Colwise(output={self.output!r}): choose one of {OUTPUTS}, or leave it out")
         if isinstance(self.fused, bool) or not isinstance(self.fused, int) or self.fused < 1:
-            raise ValueError(f"Colwise(fused={self.fused!r}): the number of fused blocks is a positive int (3 for q, k, v)")
+            raise ValueError(
+                f"Colwise(fused={self.fused!r}): the number of fused blocks is a positive int (3 for q, k, v)"
+            )
         if self.fused > 1 and self.output == "replicated":
             raise ValueError(
                 f"Colwise(fused={self.fused}, output='replicated'): a fused projection's gathered output would "

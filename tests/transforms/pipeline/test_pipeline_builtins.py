@@ -94,7 +94,9 @@ def test_bad_sizes_are_refused_with_the_fix() -> None:
         looped_bfs(2, 3, 4)
     with pytest.raises(ValueError, match=r"gpipe.*multiple of ranks"):
         gpipe(3, 4, 4)
-    with pytest.raises(ValueError, match=r"microbatches must be a multiple of ranks \(4\), as in Megatron-LM.*use microbatches=8"):
+    with pytest.raises(
+        ValueError, match=r"microbatches must be a multiple of ranks \(4\), as in Megatron-LM.*use microbatches=8"
+    ):
         interleaved_1f1b(4, 8, 6)
     with pytest.raises(ValueError, match=r"zb_v runs two stages per rank in a V: stages must be 2 \* ranks = 6"):
         zb_v(3, 3, 6)
@@ -115,7 +117,10 @@ def test_get_schedule_sources() -> None:
 def test_get_schedule_refusals() -> None:
     with pytest.raises(ValueError, match=r"unknown pipeline schedule 'pipedream'.*'1f1b'"):
         get_schedule("pipedream", 2, 2, 2)
-    with pytest.raises(ValueError, match="has ranks=2, stages=2, microbatches=2 but the pipeline needs ranks=2, stages=2, microbatches=4"):
+    with pytest.raises(
+        ValueError,
+        match="has ranks=2, stages=2, microbatches=2 but the pipeline needs ranks=2, stages=2, microbatches=4",
+    ):
         get_schedule(one_f_one_b(2, 2, 2), 2, 2, 4)
     with pytest.raises(ScheduleError, match="no backward"):
         get_schedule("0F0\n1F0 1B0", 2, 2, 1)

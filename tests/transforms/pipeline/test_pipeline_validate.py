@@ -74,9 +74,16 @@ def test_wrong_rank() -> None:
 
 
 def test_out_of_range_and_duplicates() -> None:
-    refused("rank 0: 0F0 0B0 0F1 0B1", r"rank 0, action 2 \(0F1\): microbatch 1 out of range.*microbatches 0..0", microbatches=1)
+    refused(
+        "rank 0: 0F0 0B0 0F1 0B1",
+        r"rank 0, action 2 \(0F1\): microbatch 1 out of range.*microbatches 0..0",
+        microbatches=1,
+    )
     refused("rank 0: 0F0 0B0 1F0", r"rank 0, action 2 \(1F0\): stage 1 out of range.*stages 0..0", placement=[0])
-    refused("rank 0: 0F0 0F0 0B0", r"rank 0, action 1 \(0F0\): a second F of stage 0, microbatch 0 \(the first is rank 0, action 0\)")
+    refused(
+        "rank 0: 0F0 0F0 0B0",
+        r"rank 0, action 1 \(0F0\): a second F of stage 0, microbatch 0 \(the first is rank 0, action 0\)",
+    )
     refused("rank 0: 0F0 0B0", r"placement\[0\] = 3, but the schedule has ranks 0..0", placement=[3])
 
 

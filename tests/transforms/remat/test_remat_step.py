@@ -79,7 +79,10 @@ def _gpt(dtype: torch.dtype, vocab: int = 32, d_model: int = 16, seq_len: int = 
     chain, params = sw.functionalize(model, units=["tok_emb", "blocks", "head"])
     step = sw.train_step(chain, _lm_loss, sw.optim.sgd(lr=0.5, momentum=0.9))
     gen = torch.Generator().manual_seed(1)
-    batches = [(torch.randint(vocab, (4, seq_len), generator=gen), torch.randint(vocab, (4, seq_len), generator=gen)) for _ in range(3)]
+    batches = [
+        (torch.randint(vocab, (4, seq_len), generator=gen), torch.randint(vocab, (4, seq_len), generator=gen))
+        for _ in range(3)
+    ]
     return step, params, batches
 
 
@@ -96,7 +99,9 @@ def _gpt(dtype: torch.dtype, vocab: int = 32, d_model: int = 16, seq_len: int = 
 def test_remat_is_exact_on_drawn_mlps(case: sst.ChainCase, policy: Any, every: int, seed: int) -> None:
     step = sw.train_step(case.chain, F.mse_loss, sw.optim.sgd(lr=0.1, momentum=0.9))
     batches = sst.batches(case.widths[0], case.widths[-1], 4, 3, case.dtype, seed)
-    _assert_bitwise_equal(_history(remat(step, policy, every=every), case.params, batches), _history(step, case.params, batches))
+    _assert_bitwise_equal(
+        _history(remat(step, policy, every=every), case.params, batches), _history(step, case.params, batches)
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
@@ -113,7 +118,9 @@ def test_remat_composes_with_zero3_exactly(policy: Any) -> None:
     rematted = remat(sharded, policy)
     assert rematted.sharding_spec == sharded.sharding_spec and rematted.sharding_spec.stage == 3
     mesh = sw.Mesh(dp=2)
-    _assert_bitwise_equal(_distributed_history(rematted, mesh, params, batches), _distributed_history(sharded, mesh, params, batches))
+    _assert_bitwise_equal(
+        _distributed_history(rematted, mesh, params, batches), _distributed_history(sharded, mesh, params, batches)
+    )
     # and remat applied before shard_params is the same step
     _assert_bitwise_equal(
         _distributed_history(sw.shard_params(remat(step, policy), "dp", stage=3), mesh, params, batches),
@@ -130,7 +137,9 @@ def test_remat_composes_with_pipeline_exactly(schedule: str, policy: Any) -> Non
     rematted = remat(piped, policy)
     assert rematted.pipeline_spec == piped.pipeline_spec and rematted.pipeline_spec.schedule == schedule
     mesh = sw.Mesh(pp=2)
-    _assert_bitwise_equal(_distributed_history(rematted, mesh, params, batches), _distributed_history(piped, mesh, params, batches))
+    _assert_bitwise_equal(
+        _distributed_history(rematted, mesh, params, batches), _distributed_history(piped, mesh, params, batches)
+    )
     _assert_bitwise_equal(
         _distributed_history(sw.pipeline(remat(step, policy), "pp", schedule, 2), mesh, params, batches),
         _distributed_history(piped, mesh, params, batches),

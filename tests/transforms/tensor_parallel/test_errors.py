@@ -144,8 +144,11 @@ def test_an_embedding_option_a_split_does_not_reproduce() -> None:
 def test_a_region_naming_an_attribute_the_module_lacks(build: dict[str, Callable]) -> None:
     problem = build["tiny_gpt"](steps=1)
     plan = {**problem.plan, "blocks.*.attn": sw.tp.Region(heads=("num_heads",))}
-    with pytest.raises(ValueError, match=r"Region on 'blocks\.0\.attn' names the attribute 'num_heads', which "
-                                         r"CausalSelfAttention does not have; name the attribute that counts its heads"):
+    with pytest.raises(
+        ValueError,
+        match=r"Region on 'blocks\.0\.attn' names the attribute 'num_heads', which "
+        r"CausalSelfAttention does not have; name the attribute that counts its heads",
+    ):
         sw.tensor_parallel(problem.step, "tp", plan)
 
 
@@ -174,8 +177,11 @@ def test_a_tied_weight_split_by_one_user_and_used_whole_by_the_other(build: dict
 
 def test_a_tied_weight_split_two_ways(build: dict[str, Callable]) -> None:
     problem = build["tiny_gpt"](steps=1)
-    with pytest.raises(ValueError, match=r"parameter 'tok_emb\.weight' of layer 'blocks\.0' is tied, and split on dim 1 "
-                                         r"by tok_emb .* but on dim 0 by head .* give both modules styles that cut it"):
+    with pytest.raises(
+        ValueError,
+        match=r"parameter 'tok_emb\.weight' of layer 'blocks\.0' is tied, and split on dim 1 "
+        r"by tok_emb .* but on dim 0 by head .* give both modules styles that cut it",
+    ):
         sw.tensor_parallel(problem.step, "tp", {"tok_emb": sw.tp.Colwise(), "head": sw.tp.Colwise()})
 
 

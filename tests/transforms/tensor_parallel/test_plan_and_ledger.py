@@ -188,7 +188,8 @@ def _megatron_problem(build: dict[str, Callable], plan: str, sp: bool) -> tuple[
 
 def _ring(op: str, nbytes: int, n: int) -> int:
     """Bytes one rank sends (ring algorithms; the ledger's convention)."""
-    return {"psum": 2 * nbytes * (n - 1) // n, "all_gather": (n - 1) * nbytes, "psum_scatter": nbytes * (n - 1) // n}[op]
+    wire = {"psum": 2 * nbytes * (n - 1) // n, "all_gather": (n - 1) * nbytes, "psum_scatter": nbytes * (n - 1) // n}
+    return wire[op]
 
 
 @pytest.mark.parametrize("n", [2, 4])
@@ -239,7 +240,11 @@ def test_the_vocabulary_parallel_embedding_and_loss(n: int, build: dict[str, Cal
     step, problem = _megatron_problem(build, "all", sp=False)
     records = _without_step_end(_tp_records(step, problem.params, n, problem.batches[0]))
     forward = [("psum", "forward", ACT)] * (1 + 2 * LAYERS)
-    loss = [("all_gather", "forward", TOKENS * F64), ("psum", "forward", TOKENS * F64), ("psum", "forward", TOKENS * F64)]
+    loss = [
+        ("all_gather", "forward", TOKENS * F64),
+        ("psum", "forward", TOKENS * F64),
+        ("psum", "forward", TOKENS * F64),
+    ]
     backward = [("psum", "backward", ACT)] * (1 + 2 * LAYERS)
     assert [(r.op, r.phase, r.nbytes) for r in records] == forward + loss + backward
     gathered = build["tiny_gpt"](steps=1, vocab_parallel=False)

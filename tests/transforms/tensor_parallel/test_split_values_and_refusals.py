@@ -244,7 +244,9 @@ def test_a_split_output_reaching_an_unstyled_module_is_named() -> None:
 @pytest.mark.parametrize("bad", ["target", "input"])
 def test_ids_outside_the_vocabulary_are_refused(bad: str) -> None:
     torch.manual_seed(0)
-    chain, params = sw.functionalize(TinyGPT(vocab=64, d_model=32, n_heads=4, n_layers=1, seq_len=8).double(), units=Block)
+    chain, params = sw.functionalize(
+        TinyGPT(vocab=64, d_model=32, n_heads=4, n_layers=1, seq_len=8).double(), units=Block
+    )
     step = sw.train_step(chain, lambda o, y: sw.tp.vocab_parallel_cross_entropy(o, y), sw.optim.sgd(0.1))
     ids = torch.randint(0, 64, (4, 8))
     wrong = ids.clone()
