@@ -62,6 +62,7 @@ from .engine.model.chain import Chain, Layer
 from .engine.model.functionalize import FunctionalizeError, functionalize
 from .engine.plan.actions import Action, Plan
 from .engine.step.step import Step, train_step
+from .transforms.expert_parallel import expert_parallel
 from .transforms.mixed_precision import DynamicLossScale, Policy, StaticLossScale, mixed_precision
 from .transforms.pipeline import (
     CommModel,
@@ -136,6 +137,7 @@ __all__ = [
     "checkpoint_name",
     "comm_ledger",
     "current_mesh",
+    "expert_parallel",
     "full_state_dict",
     "functionalize",
     "gpt2_plan",

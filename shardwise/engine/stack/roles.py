@@ -141,6 +141,12 @@ class SplitRole(Spec, Protocol):
         """The step's run: the parameters every index of the axis holds whole (their gradients must agree)."""
         ...
 
+    def batch_axes(self, mesh: Mesh | None) -> tuple[str, ...]:
+        """The batch cut (step/run_inputs.py, planning's micro-batch): the axes this split cuts the batch
+        over, after shard_params' (each index its own share, whose loss and tokens it counts; the mean is
+        over them too). Empty: every index takes the same batch."""
+        ...
+
     def counts_replicated(self, mesh: Mesh | None) -> bool:
         """The step's run: whether this rank counts what every index computes alike (loss, tokens,
         replicated gradients) in the metrics; one index per group does, or they would be counted again."""
@@ -220,6 +226,9 @@ class NoSplit:
 
     def replicated(self, chain: Chain) -> frozenset[tuple[str, str]]:
         return frozenset((layer.name, n) for layer in chain for n in layer.owned_param_names)
+
+    def batch_axes(self, mesh: Mesh | None) -> tuple[str, ...]:
+        return ()
 
     def counts_replicated(self, mesh: Mesh | None) -> bool:
         return True
