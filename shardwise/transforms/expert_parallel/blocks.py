@@ -32,13 +32,14 @@ KNOWN = ("TopKMoE", "MixtralSparseMoeBlock")
 class Block:
     """One MoE block of a layer: its path in the layer's module, its experts and its router."""
 
-    path: str  # in the layer's module ("" for the module itself)
+    path: str  # in the module the layer calls ("" for the module itself)
     kind: str  # one of KNOWN
     num_experts: int
+    prefix: str = ""  # what the layer's local names of that module's tensors start with
 
     def local_names(self) -> tuple[str, ...]:
         """The layer's local names of this block's expert weights."""
-        prefix = f"{self.path}." if self.path else ""
+        prefix = self.prefix + (f"{self.path}." if self.path else "")
         return tuple(prefix + w for w in EXPERT_WEIGHTS)
 
 
@@ -48,7 +49,7 @@ def holds_experts(module: nn.Module) -> bool:
     return all(isinstance(w, torch.Tensor) and w.ndim == 3 for w in weights)
 
 
-def find_blocks(module: nn.Module, where: str) -> list[Block]:
+def find_blocks(module: nn.Module, where: str, prefix: str = "") -> list[Block]:
     """Every MoE block in ``module`` (the top-most of nested ones), refusing one it does not know."""
     found: list[Block] = []
     for path, sub in module.named_modules():
@@ -64,7 +65,7 @@ def find_blocks(module: nn.Module, where: str) -> list[Block]:
                 "tell which experts each token goes to. Use a known block, or write its forward with "
                 "shardwise.transforms.expert_parallel.moe_dispatch_combine and one of its ROUTERS"
             )
-        found.append(Block(path, name, int(sub.experts.gate_up_proj.shape[0])))
+        found.append(Block(path, name, int(sub.experts.gate_up_proj.shape[0]), prefix))
     return found
 
 
@@ -73,7 +74,8 @@ def _router(module: Any, kind: str) -> tuple[Callable[[torch.Tensor], torch.Tens
     if kind == "TopKMoE":
         router = "softmax_topk_renormalized" if module.normalize else "softmax_topk"
         return module.gate, router, F.silu
-    return lambda x: F.linear(x, module.gate.weight), "softmax_topk_renormalized", module.experts.act_fn
+    # MixtralTopKRouter takes its softmax, top k and renormalization in float32 whatever the dtype: so does this.
+    return lambda x: F.linear(x, module.gate.weight).float(), "softmax_topk_renormalized", module.experts.act_fn
 
 
 class EPForward:

@@ -31,10 +31,14 @@ def resolve(chain: Chain) -> Blocks:
         return _RESOLVED[chain]
     found: Blocks = {}
     for layer in chain:
-        module = getattr(layer.fn, "module", None)
+        # A layer functionalize built calls a module (fn.replicas.module) whose tensors' local names
+        # in the layer start with the replica's prefix (a decoder layer's path in the model).
+        replicas = getattr(layer.fn, "replicas", None)
+        module = getattr(replicas, "module", None)
         if not isinstance(module, nn.Module):
             continue
-        blocks = tuple(find_blocks(module, layer.name))
+        prefix = str(getattr(replicas, "prefix", ""))
+        blocks = tuple(find_blocks(module, prefix.rstrip(".") or layer.name, prefix))
         for b in blocks:
             missing = [n for n in b.local_names() if n not in layer.owned_param_names]
             if missing:
@@ -44,8 +48,6 @@ def resolve(chain: Chain) -> Blocks:
                     f"{missing} as trainable parameters (frozen or tied); expert parallel splits trainable experts"
                 )
         if blocks:
-            if not hasattr(layer.fn, "replicas"):
-                raise ValueError(f"expert_parallel: layer {layer.name!r} is not a module call; functionalize the model")
             found[layer.name] = blocks
     if not found:
         raise ValueError(

@@ -139,3 +139,33 @@ def test_clear_errors() -> None:
         sw.tensor_parallel(sw.expert_parallel(step, "ep"), "tp", {"0": sw.Colwise()})
     with pytest.raises(ValueError, match="both use axis 'ep'"):
         sw.shard_params(sw.expert_parallel(step, "ep"), "ep", 1)
+
+
+def _lm_loss(out: Any, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.logits.reshape(-1, out.logits.shape[-1]), targets.reshape(-1))
+
+
+@pytest.mark.parametrize("stack", ["ep", "dp x ep"])
+def test_hf_mixtral_per_decoder_layer_equals_the_single_device_step(stack: str) -> None:
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.mixtral.modeling_mixtral import MixtralDecoderLayer
+
+    torch.manual_seed(0)
+    cfg = transformers.MixtralConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=16,
+        router_jitter_noise=0.0, attn_implementation="eager",
+        experts_implementation="eager",  # the default grouped_mm has no float64 kernel bos_token_id=0, eos_token_id=0,
+    )
+    model = transformers.MixtralForCausalLM(cfg).double()
+    gen = torch.Generator().manual_seed(1)
+    data = [(torch.randint(32, (4, 6), generator=gen), torch.randint(32, (4, 6), generator=gen)) for _ in range(2)]
+    chain, params = sw.functionalize(model, units=MixtralDecoderLayer, example_input=data[0][0])
+    step = sw.train_step(chain, _lm_loss, sw.optim.sgd(0.1, momentum=0.9))
+    ep = sw.expert_parallel(step, "ep")
+    mesh = sw.Mesh(ep=2)
+    if stack == "dp x ep":
+        ep, mesh = sw.shard_params(ep, "dp", 3), sw.Mesh(dp=2, ep=2)
+    split = sorted(name for (_layer, name) in ep.split.tensor_splits(ep.chain, mesh))
+    assert split == [f"model.layers.{i}.mlp.experts.{w}" for i in (0, 1) for w in ("down_proj", "gate_up_proj")]
+    sw.testing.assert_equivalent(ep, step, mesh, data, params)
