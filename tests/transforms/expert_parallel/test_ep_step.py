@@ -169,3 +169,25 @@ def test_hf_mixtral_per_decoder_layer_equals_the_single_device_step(stack: str) 
     split = sorted(name for (_layer, name) in ep.split.tensor_splits(ep.chain, mesh))
     assert split == [f"model.layers.{i}.mlp.experts.{w}" for i in (0, 1) for w in ("down_proj", "gate_up_proj")]
     sw.testing.assert_equivalent(ep, step, mesh, data, params)
+
+
+def test_a_capacity_that_drops_nothing_equals_the_single_device_step() -> None:
+    # capacity ceil(4.0 * tokens * top_k / 4) >= every expert's assignments on a rank: nothing is dropped.
+    step, params = moe_model()
+    sw.testing.assert_equivalent(sw.expert_parallel(step, "ep", capacity_factor=4.0), step, sw.Mesh(ep=2), batches(),
+                                 params)
+
+
+def test_under_remat_and_mixed_precision_the_ledger_is_the_plan_and_it_simulates() -> None:
+    step, params = moe_model()
+    ep = sw.remat(sw.mixed_precision(sw.expert_parallel(step, "ep"), "params=f64,compute=f32,output=f64,reduce=f64"))
+    mesh, batch = sw.Mesh(ep=2), batches(1)[0]
+    plan = ep.plan(mesh, params, batch)
+    for rank, got in enumerate(_ledger(ep, mesh, params, batch)):
+        assert got == [(c.op, c.axis, c.dtype, c.nbytes) for c in plan.collectives(rank)], f"rank {rank}"
+    wires = {(c.op, c.dtype) for c in plan.collectives(0)}
+    # The all-to-alls travel in the compute dtype, the replicated gradients' sums in the reduce dtype;
+    # remat recomputes each MoE forward in backward: its all-to-alls twice more.
+    assert ("all_to_all", "float32") in wires and ("psum", "float64") in wires
+    assert sum(c.op == "all_to_all" for c in plan.collectives(0)) == 2 * 3 * 2
+    assert sw.simulate(plan).ranks
