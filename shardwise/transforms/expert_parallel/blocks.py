@@ -6,6 +6,8 @@ A block is a module with an ``experts`` child holding fused 3-D ``gate_up_proj``
 * ``TopKMoE`` (shardwise.testing.models): router ``gate`` (a Linear), renormalized when ``normalize``.
 * ``MixtralSparseMoeBlock`` (HF): router ``gate`` a ``MixtralTopKRouter`` (softmax, top k, renormalized),
   activation ``experts.act_fn``; router jitter noise in training is refused (it draws per token).
+* ``Qwen2MoeSparseMoeBlock`` (HF): router ``gate`` a ``Qwen2MoeTopKRouter`` (renormalized when
+  ``norm_topk_prob``), plus its shared expert, a dense MLP gated by a sigmoid: replicated, added after.
 
 Any other module holding fused experts is refused, naming it: its router is not known to compute
 what ``router.py``'s routers do.
@@ -25,7 +27,8 @@ from .capacity import expert_capacity
 from .dispatch import moe_dispatch_combine
 
 EXPERT_WEIGHTS = ("experts.gate_up_proj", "experts.down_proj")
-KNOWN = ("TopKMoE", "MixtralSparseMoeBlock")
+KNOWN = ("TopKMoE", "MixtralSparseMoeBlock", "Qwen2MoeSparseMoeBlock")
+_ROUTER_OF = {"MixtralSparseMoeBlock": "MixtralTopKRouter", "Qwen2MoeSparseMoeBlock": "Qwen2MoeTopKRouter"}
 
 
 @dataclass(frozen=True)
@@ -57,7 +60,7 @@ def find_blocks(module: nn.Module, where: str, prefix: str = "") -> list[Block]:
             continue
         name = type(sub).__name__
         router = type(getattr(sub, "gate", None)).__name__
-        known = name == "TopKMoE" or (name == "MixtralSparseMoeBlock" and router == "MixtralTopKRouter")
+        known = name == "TopKMoE" or (name in _ROUTER_OF and router == _ROUTER_OF[name])
         if not known:
             raise ValueError(
                 f"expert_parallel: {where}{'.' + path if path else ''} ({name}, router {router}) holds fused experts, "
@@ -74,8 +77,10 @@ def _router(module: Any, kind: str) -> tuple[Callable[[torch.Tensor], torch.Tens
     if kind == "TopKMoE":
         router = "softmax_topk_renormalized" if module.normalize else "softmax_topk"
         return module.gate, router, F.silu
-    # MixtralTopKRouter takes its softmax, top k and renormalization in float32 whatever the dtype: so does this.
-    return lambda x: F.linear(x, module.gate.weight).float(), "softmax_topk_renormalized", module.experts.act_fn
+    # HF's routers take their softmax, top k and renormalization in float32 whatever the dtype: so does this.
+    renormalized = kind == "MixtralSparseMoeBlock" or bool(module.gate.norm_topk_prob)
+    router = "softmax_topk_renormalized" if renormalized else "softmax_topk"
+    return lambda x: F.linear(x, module.gate.weight).float(), router, module.experts.act_fn
 
 
 class EPForward:
@@ -98,11 +103,14 @@ class EPForward:
             )
         logits_of, router, act = _router(m, self.block.kind)
         flat = hidden_states.reshape(-1, hidden_states.shape[-1])
-        n, top_k = flat.shape[0], int(m.top_k)
+        n, top_k = flat.shape[0], int(m.top_k if hasattr(m, "top_k") else m.gate.top_k)
         capacity = expert_capacity(n, top_k, self.block.num_experts, self.capacity_factor)
         out = moe_dispatch_combine(
             flat, logits_of(flat), m.experts.gate_up_proj, m.experts.down_proj, self.axis, top_k=top_k,
             router=router, capacity_factor=self.capacity_factor, act=act,
             slots=max(1, n if capacity is None else min(capacity, n)), aux_loss=False,
         )
-        return out.output.view(hidden_states.shape)
+        output = out.output
+        if self.block.kind == "Qwen2MoeSparseMoeBlock":  # the shared expert: dense, on this rank's tokens
+            output = output + torch.sigmoid(m.shared_expert_gate(flat)) * m.shared_expert(flat)
+        return output.view(hidden_states.shape)

@@ -52,7 +52,8 @@ def resolve(chain: Chain) -> Blocks:
     if not found:
         raise ValueError(
             "expert_parallel: the step's chain has no mixture-of-experts block (a module with fused experts "
-            "experts.gate_up_proj / experts.down_proj: TopKMoE, HF MixtralSparseMoeBlock); nothing to split"
+            "experts.gate_up_proj / experts.down_proj: TopKMoE, HF MixtralSparseMoeBlock, "
+            "Qwen2MoeSparseMoeBlock); nothing to split"
         )
     _RESOLVED[chain] = found
     return found

@@ -191,3 +191,22 @@ def test_under_remat_and_mixed_precision_the_ledger_is_the_plan_and_it_simulates
     assert ("all_to_all", "float32") in wires and ("psum", "float64") in wires
     assert sum(c.op == "all_to_all" for c in plan.collectives(0)) == 2 * 3 * 2
     assert sw.simulate(plan).ranks
+
+
+def test_hf_qwen2_moe_with_its_shared_expert_equals_the_single_device_step() -> None:
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeDecoderLayer
+
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2MoeConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=24, moe_intermediate_size=12,
+        shared_expert_intermediate_size=20, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        num_experts=4, num_experts_per_tok=2, norm_topk_prob=False, max_position_embeddings=16,
+        attn_implementation="eager", experts_implementation="eager", bos_token_id=0, eos_token_id=0,
+    )
+    model = transformers.Qwen2MoeForCausalLM(cfg).double()
+    gen = torch.Generator().manual_seed(1)
+    data = [(torch.randint(32, (4, 6), generator=gen), torch.randint(32, (4, 6), generator=gen)) for _ in range(2)]
+    chain, params = sw.functionalize(model, units=Qwen2MoeDecoderLayer, example_input=data[0][0])
+    step = sw.train_step(chain, _lm_loss, sw.optim.sgd(0.1, momentum=0.9))
+    sw.testing.assert_equivalent(sw.expert_parallel(step, "ep"), step, sw.Mesh(ep=2), data, params)
