@@ -107,21 +107,21 @@ def _units_without_params(step: Step, placement: Placement, index: int) -> list[
     held = [n for n in placement.layers_of(index) if step.chain.owned_param_names(n)]
     return held + [o for o, _ in placement.replicas_of(index) if o not in held]
 
-def batch_cuts(step: Step, mesh: Mesh | None) -> list[tuple[str, int]]:
-    """The axes the global batch is cut over, with their sizes: shard_params', then the split's
-    (SplitRole.batch_axes; expert_parallel's), each rank taking its share."""
+def batch_cuts(step: Step, mesh: Mesh | None) -> list[tuple[str, int, str]]:
+    """The axes the global batch is cut over, with their sizes and the words naming the cut:
+    shard_params', then the split's (SplitRole.batch_axes; expert_parallel's), each rank taking its share."""
     if mesh is None:
         return []
-    zero = step.sharding_spec
-    axes = ([] if zero is None else [zero.axis]) + list(step.split.batch_axes(mesh))
-    return [(a, mesh.axis_size(a)) for a in axes]
+    zero, split = step.sharding_spec, step.split
+    named = ([] if zero is None else [(zero.axis, "shard_params")]) + [(a, split.name) for a in split.batch_axes(mesh)]
+    return [(a, mesh.axis_size(a), f"{who} over axis {a!r} of size {mesh.axis_size(a)}") for a, who in named]
 
 
 def one_microbatch(step: Step, mesh: Mesh, batch: Any) -> tuple[Any, Any]:
     pair = split_batch(batch)
     whole = batch_multiple(step, mesh)
-    for axis, n in batch_cuts(step, mesh):
-        pair = split_over(pair, n, 0, f"the batch cut over axis {axis!r} of size {n}", whole)
+    for _axis, n, what in batch_cuts(step, mesh):
+        pair = split_over(pair, n, 0, what, whole)
     k = microbatch_count(step)
     return split_over(pair, k, 0, f"{k} micro-batches", whole) if k > 1 else pair
 
@@ -131,10 +131,10 @@ def batch_multiple(step: Step, mesh: Mesh | None) -> tuple[int, str]:
     rank of a split that cuts the batch), then per micro-batch; and the words that say so."""
     k = microbatch_count(step)
     cuts = batch_cuts(step, mesh)
-    ranks = math.prod(n for _, n in cuts)
+    ranks = math.prod(n for _, n, _ in cuts)
     if not cuts or (k == 1 and len(cuts) == 1):
         return ranks * k, ""
-    words = " x ".join(f"{n} ranks of axis {a!r}" for a, n in cuts)
+    words = " x ".join(f"{n} ranks of axis {a!r}" for a, n, _ in cuts)
     return ranks * k, f" ({words}{f' x {k} micro-batches' if k > 1 else ''})"
 
 def _memory(

@@ -111,10 +111,10 @@ def local_microbatches(step: Step, mesh: Mesh | None, sharding: FlatSharding | N
     k = microbatch_count(step)
     whole = batch_multiple(step, mesh)
     cuts = batch_cuts(step, mesh)
-    for axis, n in cuts:
+    for axis, n, what in cuts:
         assert mesh is not None
-        pair = split_over(pair, n, mesh.axis_index(axis), f"the batch cut over axis {axis!r} of size {n}", whole)
-    replicas = math.prod(n for _, n in cuts) if cuts else 0
+        pair = split_over(pair, n, mesh.axis_index(axis), what, whole)
+    replicas = math.prod(n for _, n, _ in cuts) if cuts else 0
     pipelined = step.pipeline_spec is not None
     what = f"pipeline(microbatches={k})" if pipelined else f"shard_params(accumulation={k}) on the local batch"
     if k == 1 and sharding is None:

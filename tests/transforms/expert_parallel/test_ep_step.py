@@ -139,6 +139,9 @@ def test_clear_errors() -> None:
         sw.tensor_parallel(sw.expert_parallel(step, "ep"), "tp", {"0": sw.Colwise()})
     with pytest.raises(ValueError, match="both use axis 'ep'"):
         sw.shard_params(sw.expert_parallel(step, "ep"), "ep", 1)
+    uneven = (torch.randn(6, 4, 6, dtype=torch.float64), torch.randn(6, 4, 3, dtype=torch.float64))
+    with pytest.raises(ValueError, match="expert_parallel over axis 'ep' of size 4"):
+        sw.expert_parallel(step, "ep").plan(sw.Mesh(ep=4), params, uneven)
 
 
 def _lm_loss(out: Any, targets: torch.Tensor) -> torch.Tensor:
