@@ -213,3 +213,29 @@ def test_hf_qwen2_moe_with_its_shared_expert_equals_the_single_device_step() -> 
     chain, params = sw.functionalize(model, units=Qwen2MoeDecoderLayer, example_input=data[0][0])
     step = sw.train_step(chain, _lm_loss, sw.optim.sgd(0.1, momentum=0.9))
     sw.testing.assert_equivalent(sw.expert_parallel(step, "ep"), step, sw.Mesh(ep=2), data, params)
+
+
+def test_from_the_meta_device_each_rank_makes_only_its_experts_and_they_equal_one_device() -> None:
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.mixtral.modeling_mixtral import MixtralDecoderLayer
+
+    cfg = transformers.MixtralConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=16,
+        attn_implementation="eager", experts_implementation="eager", bos_token_id=0, eos_token_id=0,
+    )
+    with torch.device("meta"):
+        model = transformers.MixtralForCausalLM(cfg)
+    chain, meta_params = sw.functionalize(model, units=MixtralDecoderLayer, example_input=torch.zeros(2, 4).long())
+    step = sw.train_step(chain, _lm_loss, sw.optim.sgd(0.1))
+    ep = sw.expert_parallel(step, "ep")
+    name = "model.layers.0.mlp.experts.gate_up_proj"
+
+    def made() -> tuple[tuple[int, ...], Any]:
+        state = ep.init(meta_params, sw.Mesh(ep=2), seed=0)
+        return tuple(state.params["model.layers.0"][name].shape), ep.full_params(state)
+
+    (shape, full), _ = sw.launch(made, 2, timeout=120)
+    assert shape == (2, 48, 16)  # 2 of the 4 experts on each rank
+    reference = step.init(meta_params, seed=0).params
+    assert all(torch.equal(full[k][n], reference[k][n]) for k in reference for n in reference[k])
