@@ -11,9 +11,12 @@ On gloo processes (2 by default, ``--worlds``), one MLP of ``--depth`` square Li
   ``dcp.async_save``'s stall the same way.
 
 MB/s per rank: save = the bytes this rank wrote (its file) / wall time of the slowest rank;
-load = the bytes this rank read / that time. A shardwise load reads whole tensors and cuts them,
-so at ZeRO-3 without a pipeline every rank reads the whole checkpoint: its load figure counts
-all of it. One JSON line per (world, library); times are medians over ``--repeats``.
+load = the bytes this rank read / that time. Both load on the mesh that saved, so each reads its
+own share (shardwise: the 64 KiB chunks holding it, each checked against its crc32). The two
+libraries take turns in every repeat (a shardwise save and load, then DCP's, on the same ranks),
+so a change of load on the machine falls on both alike; ``load_vs_dcp`` is the median of the
+per-repeat ratios of the load times. One JSON line per (world, library); times are medians over
+``--repeats``.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -84,100 +87,138 @@ def dir_bytes(path: Path, rank: int | None = None) -> int:
     return sum(p.stat().st_size for p in files)
 
 
-def bench_shardwise(cfg: Config) -> dict[str, Any]:
-    rank = dist.get_rank()
-    chain, params = sw.functionalize(build(cfg))
-    step = sw.shard_params(sw.train_step(chain, nn.functional.mse_loss, sw.optim.adamw(1e-3)), "dp", stage=3)
-    mesh = sw.Mesh(dp=cfg.world)
-    batch = batch_of(cfg, 2 * cfg.world)
-    state, _ = step(step.init(params, mesh), batch)
-    saves, loads, stalls = [], [], []
-    for i in range(cfg.repeats):
-        path = Path(cfg.root) / f"sw{i}"
-        _, seconds = timed(lambda path=path: ck.save(path, state, step))
-        saves.append(seconds)
-        loaded, seconds = timed(lambda path=path: ck.load(path, step, mesh))
-        loads.append(seconds)
-        assert loaded.step == state.step
-    written, read = dir_bytes(path, rank), dir_bytes(path)
-    holder = {"state": state}
+class Library(Protocol):
+    """One library's state on this rank, and how it saves, loads and async-saves it."""
 
-    def train() -> None:
-        holder["state"] = step(holder["state"], batch)[0]
+    def save(self, path: Path) -> None: ...
 
-    baseline = step_times(train, cfg.steps)
-    dist.barrier()
-    start = time.perf_counter()
-    handle = ck.save(Path(cfg.root) / "sw-async", holder["state"], step, blocking=False)
-    stalls.append(time.perf_counter() - start)
-    during = step_times(train, cfg.steps)  # every rank steps (collectives), written or not
-    handle.wait()
-    return {"save_s": saves, "load_s": loads, "written": written, "read": read, "async_call_s": stalls,
-            "step_s": baseline, "step_during_write_s": during}
+    def load(self, path: Path) -> None: ...
+
+    def async_part(self, root: Path) -> dict[str, Any]: ...
 
 
-def bench_dcp(cfg: Config) -> dict[str, Any]:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+class Shardwise:
+    def __init__(self, cfg: Config) -> None:
+        chain, params = sw.functionalize(build(cfg))
+        self.step = sw.shard_params(sw.train_step(chain, nn.functional.mse_loss, sw.optim.adamw(1e-3)), "dp", stage=3)
+        self.mesh = sw.Mesh(dp=cfg.world)
+        self.batch = batch_of(cfg, 2 * cfg.world)
+        self.state, _ = self.step(self.step.init(params, self.mesh), self.batch)
+        self.cfg = cfg
 
-    rank = dist.get_rank()
-    async_group = dist.new_group(backend="gloo")
-    model = build(cfg)
-    device_mesh = init_device_mesh("cpu", (cfg.world,))
-    for part in model:
-        if isinstance(part, nn.Linear):
-            fully_shard(part, mesh=device_mesh)
-    fully_shard(model, mesh=device_mesh)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    x, y = batch_of(cfg, 2 * cfg.world)
-    local = slice(rank * 2, rank * 2 + 2)
+    def save(self, path: Path) -> None:
+        ck.save(path, self.state, self.step)
 
-    def train() -> None:
-        optimizer.zero_grad()
-        nn.functional.mse_loss(model(x[local]), y[local]).backward()
-        optimizer.step()
+    def load(self, path: Path) -> None:
+        loaded = ck.load(path, self.step, self.mesh)
+        assert loaded.step == self.state.step
 
-    train()
-    saves, loads = [], []
-    for i in range(cfg.repeats):
-        path = Path(cfg.root) / f"dcp{i}"
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        _, seconds = timed(lambda path=path, sd={"model": model_sd, "optim": optim_sd}: dcp.save(sd, checkpoint_id=path))
-        saves.append(seconds)
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        _, seconds = timed(lambda path=path, sd={"model": model_sd, "optim": optim_sd}: dcp.load(sd, checkpoint_id=path))
-        loads.append(seconds)
-    written = dir_bytes(path, rank)
-    read = written  # DCP reads the chunks that overlap this rank's shards: its own here
-    baseline = step_times(train, cfg.steps)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    dist.barrier()
-    start = time.perf_counter()
-    # its own group: the writer's collectives must not interleave with training's on the default one
-    future = dcp.async_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=Path(cfg.root) / "dcp-async",
-                            process_group=async_group)
-    stall = time.perf_counter() - start
-    during = step_times(train, cfg.steps)
-    future.result()
-    return {"save_s": saves, "load_s": loads, "written": written, "read": read, "async_call_s": [stall],
-            "step_s": baseline, "step_during_write_s": during}
+    def async_part(self, root: Path) -> dict[str, Any]:
+        holder = {"state": self.state}
+
+        def train() -> None:
+            holder["state"] = self.step(holder["state"], self.batch)[0]
+
+        baseline = step_times(train, self.cfg.steps)
+        dist.barrier()
+        start = time.perf_counter()
+        handle = ck.save(root / "sw-async", holder["state"], self.step, blocking=False)
+        stall = time.perf_counter() - start
+        during = step_times(train, self.cfg.steps)  # every rank steps (collectives), written or not
+        handle.wait()
+        return {"async_call_s": [stall], "step_s": baseline, "step_during_write_s": during}
+
+
+class Dcp:
+    def __init__(self, cfg: Config) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        rank = dist.get_rank()
+        self.async_group = dist.new_group(backend="gloo")
+        self.model = build(cfg)
+        device_mesh = init_device_mesh("cpu", (cfg.world,))
+        for part in self.model:
+            if isinstance(part, nn.Linear):
+                fully_shard(part, mesh=device_mesh)
+        fully_shard(self.model, mesh=device_mesh)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
+        self.x, self.y = batch_of(cfg, 2 * cfg.world)
+        self.local = slice(rank * 2, rank * 2 + 2)
+        self.cfg = cfg
+        self.train()
+
+    def train(self) -> None:
+        self.optimizer.zero_grad()
+        nn.functional.mse_loss(self.model(self.x[self.local]), self.y[self.local]).backward()
+        self.optimizer.step()
+
+    def state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def save(self, path: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(self.state_dict(), checkpoint_id=path)
+
+    def load(self, path: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.load(self.state_dict(), checkpoint_id=path)
+
+    def async_part(self, root: Path) -> dict[str, Any]:
+        import torch.distributed.checkpoint as dcp
+
+        baseline = step_times(self.train, self.cfg.steps)
+        sd = self.state_dict()
+        dist.barrier()
+        start = time.perf_counter()
+        # its own group: the writer's collectives must not interleave with training's on the default one
+        future = dcp.async_save(sd, checkpoint_id=root / "dcp-async", process_group=self.async_group)
+        stall = time.perf_counter() - start
+        during = step_times(self.train, self.cfg.steps)
+        future.result()
+        return {"async_call_s": [stall], "step_s": baseline, "step_during_write_s": during}
 
 
 def bench_rank(cfg: Config) -> dict[str, Any]:
     torch.set_num_threads(1)
-    out = {"shardwise": bench_shardwise(cfg), "dcp": bench_dcp(cfg)}
+    rank = dist.get_rank()
+    libraries: dict[str, Library] = {"shardwise": Shardwise(cfg), "dcp": Dcp(cfg)}
+    out: dict[str, dict[str, Any]] = {name: {"save_s": [], "load_s": []} for name in libraries}
+    root = Path(cfg.root)
+    for i in range(cfg.repeats):  # the libraries take turns: each repeat times both under one load
+        for name, library in libraries.items():
+            path = root / f"{name}{i}"
+            _, seconds = timed(lambda library=library, path=path: library.save(path))
+            out[name]["save_s"].append(seconds)
+            _, seconds = timed(lambda library=library, path=path: library.load(path))
+            out[name]["load_s"].append(seconds)
+    for name, library in libraries.items():
+        last = root / f"{name}{cfg.repeats - 1}"
+        # both read their own share on the mesh that saved: the rank's file (DCP: the chunks that
+        # overlap its shards; shardwise: the 64 KiB chunks holding them)
+        out[name].update(written=dir_bytes(last, rank), read=dir_bytes(last, rank), **library.async_part(root))
     dist.barrier()
-    if dist.get_rank() == 0:
+    if rank == 0:
         shutil.rmtree(cfg.root, ignore_errors=True)
     return out
 
 
 def row(cfg: Config, library: str, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     results = [r[library] for r in per_rank]
-    save = statistics.median(max(r["save_s"][i] for r in results) for i in range(cfg.repeats))
-    load = statistics.median(max(r["load_s"][i] for r in results) for i in range(cfg.repeats))
+
+    def slowest(name: str, what: str) -> list[float]:
+        """Per repeat, the slowest rank's time."""
+        return [max(r[name][what][i] for r in per_rank) for i in range(cfg.repeats)]
+
+    save = statistics.median(slowest(library, "save_s"))
+    load = statistics.median(slowest(library, "load_s"))
+    ratios = {what: statistics.median(a / b for a, b in zip(slowest(library, what), slowest("dcp", what), strict=True))
+              for what in ("save_s", "load_s")}
     written = max(r["written"] for r in results)
     read = max(r["read"] for r in results)
     step = statistics.median(t for r in results for t in r["step_s"])
@@ -187,6 +228,7 @@ def row(cfg: Config, library: str, per_rank: list[dict[str, Any]]) -> dict[str, 
         "state_mb_per_rank": round(written / MB, 2),
         "save_s": round(save, 4), "save_mb_s_per_rank": round(written / MB / save, 1),
         "load_s": round(load, 4), "load_read_mb_per_rank": round(read / MB, 2), "load_mb_s_per_rank": round(read / MB / load, 1),
+        "save_vs_dcp": round(ratios["save_s"], 3), "load_vs_dcp": round(ratios["load_s"], 3),
         "async_stall_s": round(max(max(r["async_call_s"]) for r in results), 4),
         "step_s": round(step, 4),
         "step_during_async_write_s": round(statistics.median(during), 4) if during else None,

@@ -62,7 +62,7 @@ One JSON object per (backend, world, op, size) on stdout (and in ``--out``):
   equals ``ledger_sent_bytes`` for every op here. Compare busbw across ops and
   worlds; compare it with your memory bandwidth (threads) or loopback TCP
   throughput (gloo).
-* ``ledger_sent_bytes``: what ``shardwise.comm_ledger()`` recorded as sent for
+* ``ledger_sent_bytes``: what ``shardwise.collectives.comm_ledger()`` recorded as sent for
   ONE call, largest over ranks (the broadcast chain's last rank sends nothing).
 * ``torch_median_s`` / ``ratio_to_torch`` (gloo only, ``null`` on threads): the
   same statistic for torch's own call, and ours divided by it (> 1: we are
@@ -127,14 +127,14 @@ def _round_trip(mesh: sw.Mesh) -> Callable[[torch.Tensor], torch.Tensor]:
     partner = me ^ 1
 
     def round_trip(x: torch.Tensor) -> torch.Tensor:
-        back = sw.recv(AXIS, partner, like=(x.shape, x.dtype), mesh=mesh)
+        back = sw.collectives.recv(AXIS, partner, like=(x.shape, x.dtype), mesh=mesh)
         if me % 2 == 0:
-            sent = sw.send(x, AXIS, partner, announce=False, snapshot=False, mesh=mesh)
+            sent = sw.collectives.send(x, AXIS, partner, announce=False, snapshot=False, mesh=mesh)
             out = back.wait()
             sent.wait()
             return out
         out = back.wait()
-        sw.send(out, AXIS, partner, announce=False, snapshot=False, mesh=mesh).wait()
+        sw.collectives.send(out, AXIS, partner, announce=False, snapshot=False, mesh=mesh).wait()
         return out
 
     return round_trip
@@ -146,12 +146,12 @@ def _ours(op: str, mesh: sw.Mesh) -> Callable[[torch.Tensor], torch.Tensor]:
     n = mesh.size
     ring = [(i, (i + 1) % n) for i in range(n)]
     return {
-        "psum": lambda x: sw.psum(x, AXIS, mesh=mesh),
-        "all_gather": lambda x: sw.all_gather(x, AXIS, 0, tiled=True, mesh=mesh),
-        "psum_scatter": lambda x: sw.psum_scatter(x, AXIS, 0, tiled=True, mesh=mesh),
-        "all_to_all": lambda x: sw.all_to_all(x, AXIS, 0, 0, tiled=True, mesh=mesh),
-        "broadcast": lambda x: sw.broadcast(x, AXIS, 0, mesh=mesh),
-        "ppermute": lambda x: sw.ppermute(x, AXIS, ring, mesh=mesh),
+        "psum": lambda x: sw.collectives.psum(x, AXIS, mesh=mesh),
+        "all_gather": lambda x: sw.collectives.all_gather(x, AXIS, 0, tiled=True, mesh=mesh),
+        "psum_scatter": lambda x: sw.collectives.psum_scatter(x, AXIS, 0, tiled=True, mesh=mesh),
+        "all_to_all": lambda x: sw.collectives.all_to_all(x, AXIS, 0, 0, tiled=True, mesh=mesh),
+        "broadcast": lambda x: sw.collectives.broadcast(x, AXIS, 0, mesh=mesh),
+        "ppermute": lambda x: sw.collectives.ppermute(x, AXIS, ring, mesh=mesh),
     }[op]
 
 
@@ -212,7 +212,7 @@ def rank_main(op: str, sizes: list[int], reps: list[int], with_torch: bool) -> l
         # Torch's in-place calls (all_reduce, broadcast) overwrite their input: give them their own.
         raw = _torch_call(op, x.clone()) if with_torch else None
         barrier()
-        with sw.comm_ledger() as ledger:  # the warm-up call
+        with sw.collectives.comm_ledger() as ledger:  # the warm-up call
             result = ours(x)
         if raw is not None and (theirs := raw()).shape != result.shape:  # also torch's warm-up
             raise AssertionError(f"{op}: ours returned {tuple(result.shape)}, torch {tuple(theirs.shape)}")

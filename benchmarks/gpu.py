@@ -227,8 +227,9 @@ def equivalence_checks(device: torch.device, quick: bool) -> list[tuple[str, Che
         model = TinyGPT(vocab=64, d_model=32, n_heads=4, n_layers=2, seq_len=16).to(device, f64)
         chain, params = sw.functionalize(model, units=Block)
         _, _, batches = gpt_case(device, f64)
-        step = sw.train_step(chain, lambda o, y: sw.vocab_parallel_cross_entropy(o, y), sgd, clip_norm=1.0)
-        tp = sw.tensor_parallel(step, "tp", sw.tiny_gpt_plan(), sequence_parallel="blocks.*" if sequence_parallel else None)
+        step = sw.train_step(chain, lambda o, y: sw.tp.vocab_parallel_cross_entropy(o, y), sgd, clip_norm=1.0)
+        sp = "blocks.*" if sequence_parallel else None
+        tp = sw.tensor_parallel(step, "tp", sw.tp.tiny_gpt_plan(), sequence_parallel=sp)
         if "dp" in mesh.axis_names:
             tp = sw.shard_params(tp, "dp", stage=3)
         return equivalence(tp, step, mesh, batches, params)
@@ -259,8 +260,8 @@ def process_group_child(backend: str, device_name: str) -> dict[str, Any]:
         out: dict[str, Any] = {}
         mesh = sw.Mesh(dp=1)
         x = torch.arange(4.0, device=device)
-        total = sw.psum(x, "dp", mesh=mesh)
-        gathered = sw.all_gather(x, "dp", mesh=mesh)
+        total = sw.collectives.psum(x, "dp", mesh=mesh)
+        gathered = sw.collectives.all_gather(x, "dp", mesh=mesh)
         out["psum_device"], out["all_gather_device"] = str(total.device), str(gathered.device)
         if not torch.equal(total, x) or not torch.equal(gathered.reshape(-1), x):
             raise AssertionError(f"world-1 psum/all_gather changed the values: {total}, {gathered}")

@@ -135,8 +135,8 @@ def build_tp(cfg: Config) -> tuple[sw.Step, dict[str, Any], list[tuple[torch.Ten
     the vocabulary-parallel loss, traced."""
     model = TinyGPT(vocab=TP_VOCAB, d_model=cfg.hidden, n_heads=4, n_layers=cfg.layers, seq_len=TP_SEQ)
     chain, params = sw.functionalize(model, units=Block)
-    step = sw.train_step(chain, sw.vocab_parallel_cross_entropy, sw.optim.adamw(1e-3))
-    split = sw.tensor_parallel(step, "tp", sw.tiny_gpt_plan(), sequence_parallel=TINY_GPT_BLOCKS).with_trace()
+    step = sw.train_step(chain, sw.tp.vocab_parallel_cross_entropy, sw.optim.adamw(1e-3))
+    split = sw.tensor_parallel(step, "tp", sw.tp.tiny_gpt_plan(), sequence_parallel=TINY_GPT_BLOCKS).with_trace()
     gen = torch.Generator().manual_seed(cfg.seed + 1)
     batches = [(torch.randint(TP_VOCAB, (cfg.batch, TP_SEQ), generator=gen),
                 torch.randint(TP_VOCAB, (cfg.batch, TP_SEQ), generator=gen)) for _ in range(cfg.warmup + cfg.steps)]

@@ -36,7 +36,7 @@ One JSON object per variant on stdout (and in ``--out``), then one
 ``"variant": "target:full_remat"`` line, then (unless ``--no-micro``) one
 ``"variant": "micro:matmul"`` line per matmul shape:
 
-* ``saved_bytes``: ``sw.saved_bytes(step, params, batch)`` summed over
+* ``saved_bytes``: ``sw.policies.saved_bytes(step, params, batch)`` summed over
   layers: bytes of activations each layer keeps for its backward, measured on
   the first batch (each distinct storage once; parameters, buffers and the
   layer's output not counted; see its docstring). ``saved_bytes_per_layer``
@@ -304,7 +304,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     base, params = build(args.seed)
     steps = {name: make_variant(base, name) for name in args.names}
     batches = make_batches(args.warmup + args.steps, args.batch, args.seed)
-    saved = {name: sw.saved_bytes(step, params, batches[0]) for name, step in steps.items()}
+    saved = {name: sw.policies.saved_bytes(step, params, batches[0]) for name, step in steps.items()}
     states = {name: step.init(params) for name, step in steps.items()}
     times: dict[str, list[float]] = {name: [] for name in steps}
     losses: dict[str, list[float]] = {name: [] for name in steps}

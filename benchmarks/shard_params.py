@@ -45,7 +45,7 @@ One JSON object per (model, world, variant) on stdout (and in ``--out``):
   and optimizer state tensors; DDP: full parameters + full optimizer state.
   Gradients and gathered (transient) parameters are not counted.
 * ``ledger_sent_bytes_per_step``: ours only; the bytes this rank sends in one
-  step as recorded by ``sw.comm_ledger()`` (largest over ranks). ``null`` for torch.
+  step as recorded by ``sw.collectives.comm_ledger()`` (largest over ranks). ``null`` for torch.
 * ``max_rel_loss_diff``: the largest ``|loss - ref| / |ref|`` over all steps
   (warm-up included) against a single-process torch run of the same model,
   batches and ``torch.optim.AdamW``. float32, so expect ~1e-6, not 0.
@@ -230,7 +230,7 @@ def bench_rank(cfg: Config) -> dict[str, Any]:
     def step(name: str, i: int, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         runner = runners[name]
         if isinstance(runner, Ours) and i == cfg.warmup - 1:  # the ledger costs: the last warm-up step
-            with sw.comm_ledger() as ledger:
+            with sw.collectives.comm_ledger() as ledger:
                 loss = runner.step(batch)
             ledger_bytes[name] = ledger.sent_bytes()
             return loss

@@ -33,10 +33,10 @@ import os, sys, torch, shardwise as sw
 
 def main():
     mesh = sw.Mesh(dp=int(sys.argv[2]))
-    total = sw.psum(torch.tensor([1.0 + mesh.rank]), "dp", mesh=mesh)
+    total = sw.collectives.psum(torch.tensor([1.0 + mesh.rank]), "dp", mesh=mesh)
     peer = (mesh.rank + 1) % mesh.size
-    sent = sw.send(total, "dp", peer, mesh=mesh)
-    got = sw.recv("dp", (mesh.rank - 1) % mesh.size, mesh=mesh).wait()
+    sent = sw.collectives.send(total, "dp", peer, mesh=mesh)
+    got = sw.collectives.recv("dp", (mesh.rank - 1) % mesh.size, mesh=mesh).wait()
     sent.wait()
     return os.getpid(), total.item(), got.item()
 

@@ -16,9 +16,9 @@ builds it from the same seed, so both variants start from the same weights.
 
 Variants, float32, SGD (lr 0.01, momentum 0.9), the same global batch on every rank:
 
-* ``ours``: ``sw.tensor_parallel(step, "tp", sw.llama_plan(), sequence_parallel=LLAMA_BLOCKS
+* ``ours``: ``sw.tensor_parallel(step, "tp", sw.tp.llama_plan(), sequence_parallel=LLAMA_BLOCKS
   or None)`` over ``sw.functionalize(model, units=LlamaDecoderLayer)``, ``sw.optim.sgd``; the
-  loss is ``sw.vocab_parallel_cross_entropy`` (the head leaves the logits split). The step's
+  loss is ``sw.tp.vocab_parallel_cross_entropy`` (the head leaves the logits split). The step's
   metrics are only the loss (no gradient norm, which torch does not compute either).
 * ``torch``: ``torch.distributed.tensor.parallel.parallelize_module`` on a 1-D CPU
   ``DeviceMesh`` (gloo) with torchtitan's Llama plan on the same module names: q/k/v and
@@ -49,7 +49,7 @@ One JSON object per (tp, sequence_parallel, variant):
 * ``sent_bytes_per_step``: bytes one rank sends in one step (largest over ranks), counted
   with one accounting for both (``shardwise.collectives.ledger.algorithm_sent_bytes``: ring
   all-reduce ``2 B (n-1)/n``, all-gather ``(n-1) B``, reduce-scatter ``B (n-1)/n``). Ours
-  from ``sw.comm_ledger()`` over the last warm-up step; torch from every functional
+  from ``sw.collectives.comm_ledger()`` over the last warm-up step; torch from every functional
   collective DTensor issues in that step, seen by a ``TorchDispatchMode`` (forward and
   backward: the sizes of the tensors handed to gloo). ``sent_bytes_by_op``: rank 0's per op
   (``psum`` = all-reduce, ``all_gather``, ``psum_scatter`` = reduce-scatter): count, input
@@ -162,7 +162,7 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 def ours_loss(out: Any, targets: torch.Tensor) -> torch.Tensor:
     """The same loss on our side: the head's logits stay split over tp."""
-    return sw.vocab_parallel_cross_entropy(out.logits, targets)
+    return sw.tp.vocab_parallel_cross_entropy(out.logits, targets)
 
 
 # -- ours --------------------------------------------------------------------------------------
@@ -175,7 +175,7 @@ class Ours:
         chain, params = sw.functionalize(model, units=decoder_layer_class(), example_input=example[0])
         step = sw.train_step(chain, ours_loss, sw.optim.sgd(LR, momentum=MOMENTUM, inplace=True), metrics=("loss",))
         blocks = LLAMA_BLOCKS if cfg.sequence_parallel else None
-        self.step_fn = sw.tensor_parallel(step, "tp", sw.llama_plan(), sequence_parallel=blocks)
+        self.step_fn = sw.tensor_parallel(step, "tp", sw.tp.llama_plan(), sequence_parallel=blocks)
         mesh = sw.Mesh(tp=cfg.tp)
         self.plan = self.step_fn.plan(mesh, params, example)
         self.state = self.step_fn.init(params, mesh)
@@ -341,7 +341,7 @@ def bench_rank(cfg: Config) -> dict[str, Any]:
         if i != cfg.warmup - 1:  # the last warm-up step is the counted one
             return runner.step(batch)
         if isinstance(runner, Ours):
-            with sw.comm_ledger() as ledger:
+            with sw.collectives.comm_ledger() as ledger:
                 loss = runner.step(batch)
             wire[name] = {f"{axis}:{op}": [s.count, s.nbytes, s.sent_bytes_per_rank.get(rank, 0)]
                           for (axis, op), s in ledger.summary().items()}

@@ -67,8 +67,12 @@ def train(step: sw.Step, params: dict, data: list, mesh_axes: dict[str, int]) ->
     return losses
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The description as written, and every option's default in its help."""
+
+
 def main(argv: list[str] | None = None) -> list[float]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--check-steps", type=int, default=3, help="steps compared with the single-device step")
     parser.add_argument("--steps", type=int, default=60, help="training steps after the check")
     args = parser.parse_args(argv)

@@ -18,8 +18,7 @@ import torch
 from tqdm import tqdm
 
 import shardwise as sw
-from shardwise.testing.models import mlp
-from shardwise.transforms.pipeline import (
+from shardwise.schedules import (
     Schedule,
     ScheduleError,
     ascii_timeline,
@@ -27,6 +26,7 @@ from shardwise.transforms.pipeline import (
     get_schedule,
     simulate,
 )
+from shardwise.testing.models import mlp
 
 CUSTOM = """
 # 2 ranks, 4 microbatches
@@ -69,19 +69,23 @@ def train(step: sw.Step, params: dict, batches: list, steps: int) -> list[float]
     return losses
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The description as written, and every option's default in its help."""
+
+
 def main(argv: list[str] | None = None) -> list[float]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--png", type=Path, default=Path("custom_schedule.png"), help="where to draw the schedule")
     parser.add_argument("--steps", type=int, default=50, help="training steps after the check")
     args = parser.parse_args(argv)
 
     custom = Schedule.parse(CUSTOM, name="custom")
-    sw.transforms.pipeline.validate(custom)  # raises ScheduleError naming the rank, action and rule
+    sw.schedules.validate(custom)  # raises ScheduleError naming the rank, action and rule
     print(custom, "", ascii_timeline(simulate(custom)), sep="\n")
     compare(custom)
     print(f"drew {gantt(simulate(custom), args.png)}")
     try:
-        sw.transforms.pipeline.validate(Schedule.parse(DEADLOCKED))
+        sw.schedules.validate(Schedule.parse(DEADLOCKED))
     except ScheduleError as err:
         print(f"refused, as it should be: {err}")
     else:

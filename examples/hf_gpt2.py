@@ -45,15 +45,16 @@ def batches(vocab: int, batch: int, seq: int, count: int, seed: int) -> list[tup
 
 
 def main(argv: list[str] | None = None) -> list[float]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=50)
-    parser.add_argument("--check-steps", type=int, default=2)
-    parser.add_argument("--vocab", type=int, default=64)
-    parser.add_argument("--d-model", type=int, default=32)
-    parser.add_argument("--n-layers", type=int, default=2)
-    parser.add_argument("--seq-len", type=int, default=16)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--steps", type=int, default=50, help="training steps after the check")
+    parser.add_argument("--check-steps", type=int, default=2, help="steps compared with the single-device step")
+    parser.add_argument("--vocab", type=int, default=64, help="vocabulary size")
+    parser.add_argument("--d-model", type=int, default=32, help="model width")
+    parser.add_argument("--n-layers", type=int, default=2, help="GPT-2 blocks")
+    parser.add_argument("--seq-len", type=int, default=16, help="tokens per sample")
+    parser.add_argument("--batch", type=int, default=8, help="global batch size")
+    parser.add_argument("--lr", type=float, default=3e-3, help="learning rate")
     args = parser.parse_args(argv)
 
     torch.manual_seed(0)

@@ -8,14 +8,14 @@ The model is a ``LlamaForCausalLM`` built from a small config with random weight
 downloaded), split per decoder layer by ``sw.functionalize``. Three transforms make its step
 distributed on ``Mesh(dp=2, pp=2, tp=2)``:
 
-* ``tensor_parallel`` with ``sw.llama_plan()``: q/k/v and gate/up split on their outputs,
+* ``tensor_parallel`` with ``sw.tp.llama_plan()``: q/k/v and gate/up split on their outputs,
   o/down on their inputs (whole heads per rank, grouped-query attention keeps its groups), the
   embedding and the head split on the vocabulary, and sequence parallel over the decoder layers
   (``"model.layers.*"``): norms and the residual stream run on each rank's slice of the sequence;
 * ``pipeline``: the decoder layers in two stages, 1F1B over 2 micro-batches;
 * ``shard_params`` stage 3: ZeRO-3 over dp shards each rank's tensor-parallel slices.
 
-The loss is ``sw.vocab_parallel_cross_entropy``: the head leaves the logits split over the
+The loss is ``sw.tp.vocab_parallel_cross_entropy``: the head leaves the logits split over the
 vocabulary, and it computes the cross-entropy from the slices without gathering them (on the
 single-device step it is plain cross-entropy). The composed step is first checked in float64
 against the single-device step with ``sw.testing.assert_equivalent``, then trained in float32 on
@@ -33,7 +33,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 import shardwise as sw
-from shardwise.transforms.tensor_parallel import LLAMA_BLOCKS
+from shardwise.tp import LLAMA_BLOCKS
 
 MESH = {"dp": 2, "pp": 2, "tp": 2}
 MICROBATCHES = 2
@@ -41,7 +41,7 @@ MICROBATCHES = 2
 
 def lm_loss(out: Any, targets: torch.Tensor) -> torch.Tensor:
     """The next-token cross-entropy of the model's logits, whole or split over the vocabulary."""
-    return sw.vocab_parallel_cross_entropy(out.logits, targets)
+    return sw.tp.vocab_parallel_cross_entropy(out.logits, targets)
 
 
 def batches(vocab: int, batch: int, seq: int, count: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -71,7 +71,7 @@ def build(args: argparse.Namespace, example: torch.Tensor, *, float64: bool) -> 
     model = model.double() if float64 else model.float()
     chain, params = sw.functionalize(model, units=LlamaDecoderLayer, example_input=example)
     step = sw.train_step(chain, lm_loss, sw.optim.sgd(args.lr, momentum=0.9), clip_norm=1.0)
-    composed = sw.tensor_parallel(step, "tp", sw.llama_plan(), sequence_parallel=LLAMA_BLOCKS)
+    composed = sw.tensor_parallel(step, "tp", sw.tp.llama_plan(), sequence_parallel=LLAMA_BLOCKS)
     composed = sw.pipeline(composed, "pp", schedule="1f1b", microbatches=MICROBATCHES)
     composed = sw.shard_params(composed, "dp", stage=3)
     return composed, step, params
@@ -90,18 +90,22 @@ def train(step: sw.Step, params: dict, data: list) -> list[float]:
     return losses
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The description as written, and every option's default in its help."""
+
+
 def main(argv: list[str] | None = None) -> list[float]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--check-steps", type=int, default=2, help="float64 steps compared with the single device")
     parser.add_argument("--steps", type=int, default=40, help="float32 training steps after the check")
-    parser.add_argument("--vocab", type=int, default=64)
-    parser.add_argument("--d-model", type=int, default=32)
+    parser.add_argument("--vocab", type=int, default=64, help="vocabulary size")
+    parser.add_argument("--d-model", type=int, default=32, help="model width")
     parser.add_argument("--n-layers", type=int, default=2, help="decoder layers (at least one per pipeline stage)")
     parser.add_argument("--n-heads", type=int, default=4, help="query heads (the tp size must divide them)")
     parser.add_argument("--n-kv-heads", type=int, default=2, help="key/value heads (the tp size must divide them)")
     parser.add_argument("--seq-len", type=int, default=16, help="a multiple of the tp size (sequence parallel)")
     parser.add_argument("--batch", type=int, default=8, help="a multiple of dp x micro-batches")
-    parser.add_argument("--lr", type=float, default=0.1)
+    parser.add_argument("--lr", type=float, default=0.1, help="learning rate")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     mesh = sw.Mesh(MESH)

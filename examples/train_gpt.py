@@ -44,6 +44,25 @@ class Config:
     seed: int = 0
 
 
+HELP = {  # what --help says of each Config field, beside its default
+    "steps": "training steps",
+    "world": "ranks (threads; under torchrun, the processes torchrun started)",
+    "stage": "ZeRO stage: 1 shards the optimizer state, 2 also gradients, 3 also parameters",
+    "batch": "global batch size (a multiple of --world)",
+    "seq_len": "tokens per sample",
+    "vocab": "vocabulary size of the synthetic language",
+    "d_model": "model width",
+    "n_heads": "attention heads",
+    "n_layers": "transformer blocks",
+    "lr": "peak learning rate (linear warm-up, cosine decay)",
+    "seed": "seed of the model and of the language",
+}
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The description as written, and every option's default in its help."""
+
+
 def markov_language(vocab: int, successors: int, seed: int) -> torch.Tensor:
     """A transition matrix where each token has ``successors`` likely next tokens."""
     gen = torch.Generator().manual_seed(seed)
@@ -99,9 +118,9 @@ def train(cfg: Config, built: tuple[sw.Step, dict] | None = None) -> list[float]
 
 
 def main(argv: list[str] | None = None) -> list[float]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     for field, default in Config().__dict__.items():
-        parser.add_argument(f"--{field.replace('_', '-')}", type=type(default), default=default)
+        parser.add_argument(f"--{field.replace('_', '-')}", type=type(default), default=default, help=HELP[field])
     cfg = Config(**vars(parser.parse_args(argv)))
     torch.set_num_threads(1)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torchrun

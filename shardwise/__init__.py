@@ -18,157 +18,104 @@ be checked against the single-device one.
 [torch.Size([20]), torch.Size([20])]
 """
 
-from . import optim, testing
-from .collectives import (
-    CollectiveError,
-    CollectiveTimeout,
-    CommRecord,
-    Group,
-    Handle,
-    Ledger,
-    Mesh,
-    RankAborted,
-    RankFailed,
-    RankHung,
-    all_gather,
-    all_gather_async,
-    all_to_all,
-    all_to_all_async,
-    axis_index,
-    axis_size,
-    broadcast,
-    broadcast_async,
-    comm_ledger,
-    current_mesh,
-    launch,
-    pmean,
-    ppermute,
-    ppermute_async,
-    psum,
-    psum_async,
-    psum_scatter,
-    psum_scatter_async,
-    pvary,
-    recv,
-    send,
+import warnings
+from typing import Any
+
+from . import (
+    checkpoint,
+    collectives,
+    layout,
+    optim,
+    plan,
+    policies,
+    precision,
+    schedules,
+    testing,
+    tp,
 )
-from .engine.checkpoint import save_load as checkpoint
-from .engine.checkpoint.file_format import CheckpointError
-from .engine.checkpoint.state_dict import full_state_dict, init_from_state_dict, read_dcp_state_dict
-from .engine.checkpoint.weights import init_from_dcp, init_from_pretrained
+from .collectives import Mesh, launch
 from .engine.layout.state import TrainState
-from .engine.layout.state_layout import LeafSpec, Placement, StateLayout, TensorSplit
 from .engine.model.chain import Chain, Layer
 from .engine.model.functionalize import FunctionalizeError, functionalize
-from .engine.plan.actions import Action, Plan
 from .engine.step.step import Step, train_step
 from .transforms.expert_parallel import expert_parallel
-from .transforms.mixed_precision import DynamicLossScale, Policy, StaticLossScale, mixed_precision
-from .transforms.pipeline import (
-    CommModel,
-    PlanCosts,
-    PlanDeadlock,
-    PlanMismatch,
-    PlanTimeline,
-    Schedule,
-    pipeline,
-    simulate,
-)
-from .transforms.remat import checkpoint_name, policies, remat, saved_bytes
+from .transforms.mixed_precision import mixed_precision
+from .transforms.pipeline import pipeline, simulate
+from .transforms.remat import remat
 from .transforms.shard_params import shard_params
-from .transforms.tensor_parallel import (
-    Colwise,
-    Region,
-    Rowwise,
-    gpt2_plan,
-    llama_plan,
-    tensor_parallel,
-    tiny_gpt_plan,
-    vocab_parallel_cross_entropy,
-    vocab_parallel_logsumexp,
-)
+from .transforms.tensor_parallel import tensor_parallel
 
 __version__ = "0.1.0"
 
+# A traceback names an exception by its module: the public one, not where it happens to live.
+FunctionalizeError.__module__ = __name__
+
+# What a first program uses; everything else is one namespace down (docs/api.md lists all of it).
 __all__ = [
-    "Action",
     "Chain",
-    "CheckpointError",
-    "CollectiveError",
-    "CollectiveTimeout",
-    "Colwise",
-    "CommModel",
-    "CommRecord",
-    "DynamicLossScale",
     "FunctionalizeError",
-    "Group",
-    "Handle",
     "Layer",
-    "LeafSpec",
-    "Ledger",
     "Mesh",
-    "Placement",
-    "Plan",
-    "PlanCosts",
-    "PlanDeadlock",
-    "PlanMismatch",
-    "PlanTimeline",
-    "Policy",
-    "RankAborted",
-    "RankFailed",
-    "RankHung",
-    "Region",
-    "Rowwise",
-    "Schedule",
-    "StateLayout",
-    "StaticLossScale",
     "Step",
-    "TensorSplit",
     "TrainState",
-    "all_gather",
-    "all_gather_async",
-    "all_to_all",
-    "all_to_all_async",
-    "axis_index",
-    "axis_size",
-    "broadcast",
-    "broadcast_async",
     "checkpoint",
-    "checkpoint_name",
-    "comm_ledger",
-    "current_mesh",
+    "collectives",
     "expert_parallel",
-    "full_state_dict",
     "functionalize",
-    "gpt2_plan",
-    "init_from_dcp",
-    "init_from_pretrained",
-    "init_from_state_dict",
     "launch",
-    "llama_plan",
+    "layout",
     "mixed_precision",
     "optim",
     "pipeline",
-    "pmean",
+    "plan",
     "policies",
-    "ppermute",
-    "ppermute_async",
-    "psum",
-    "psum_async",
-    "psum_scatter",
-    "psum_scatter_async",
-    "pvary",
-    "read_dcp_state_dict",
-    "recv",
+    "precision",
     "remat",
-    "saved_bytes",
-    "send",
+    "schedules",
     "shard_params",
     "simulate",
     "tensor_parallel",
     "testing",
-    "tiny_gpt_plan",
+    "tp",
     "train_step",
-    "vocab_parallel_cross_entropy",
-    "vocab_parallel_logsumexp",
 ]
+
+# Names that were top-level before 0.2, by the namespace that holds them now. They still work,
+# for this release, with a DeprecationWarning that names the new place, so that old code runs
+# and says what to change (plain aliases would keep it working silently, and never migrate).
+_MOVED = {
+    **{name: "collectives" for name in (
+        "CollectiveError", "CollectiveTimeout", "CommRecord", "Group", "Handle", "Ledger", "RankAborted",
+        "RankFailed", "RankHung", "all_gather", "all_gather_async", "all_to_all", "all_to_all_async",
+        "axis_index", "axis_size", "broadcast", "broadcast_async", "comm_ledger", "current_mesh", "pmean",
+        "ppermute", "ppermute_async", "psum", "psum_async", "psum_scatter", "psum_scatter_async", "pvary",
+        "recv", "send",
+    )},
+    **{name: "checkpoint" for name in (
+        "CheckpointError", "full_state_dict", "init_from_dcp", "init_from_pretrained", "init_from_state_dict",
+        "read_dcp_state_dict",
+    )},
+    **{name: "layout" for name in ("LeafSpec", "Placement", "StateLayout", "TensorSplit")},
+    **{name: "plan" for name in (
+        "Action", "CommModel", "Plan", "PlanCosts", "PlanDeadlock", "PlanMismatch", "PlanTimeline",
+    )},
+    **{name: "policies" for name in ("checkpoint_name", "saved_bytes")},
+    **{name: "precision" for name in ("DynamicLossScale", "Policy", "StaticLossScale")},
+    "Schedule": "schedules",
+    **{name: "tp" for name in (
+        "Colwise", "Region", "Rowwise", "gpt2_plan", "llama_plan", "tiny_gpt_plan",
+        "vocab_parallel_cross_entropy", "vocab_parallel_logsumexp",
+    )},
+}
+
+
+def __getattr__(name: str) -> Any:
+    namespace = _MOVED.get(name)
+    if namespace is None:
+        raise AttributeError(f"module 'shardwise' has no attribute {name!r} (docs/api.md lists the public names)")
+    warnings.warn(
+        f"sw.{name} moved to sw.{namespace}.{name}; the top-level name goes in the next release",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return getattr(globals()[namespace], name)

@@ -19,6 +19,7 @@ import pytest
 
 from shardwise.cli import main
 from shardwise.cli.arguments import UsageError, parse_mesh
+from shardwise.cli.report import one_line
 from shardwise.collectives.mesh import Mesh
 from shardwise.engine.simulate.simulation import simulate as simulate_plan
 from shardwise.transforms.pipeline import Schedule, ScheduleError, get_schedule, simulate, validate
@@ -80,7 +81,7 @@ def test_every_verb_has_help(verb: str, in_process: Callable[..., Ran]) -> None:
 
 def test_no_verb_is_a_usage_error(in_process: Callable[..., Ran]) -> None:
     result = in_process()
-    assert result.returncode == 2 and "usage: shardwise" in result.stderr
+    assert result.returncode == 2 and "VERB is one of schedule, plan, verify, checkpoint" in result.stderr
 
 
 # -- schedule ------------------------------------------------------------------------------------
@@ -130,7 +131,7 @@ def test_an_invalid_schedule_file_fails_with_the_library_message(tmp_path: Path,
     path.write_text(text)
     result = in_process("schedule", str(path))
     assert result.returncode == 1
-    assert str(raised.value) in result.stderr and "Traceback" not in result.stderr
+    assert one_line(str(raised.value)) in result.stderr and "Traceback" not in result.stderr
     as_json = in_process("schedule", str(path), "--json")
     assert as_json.returncode == 1 and json.loads(as_json.stdout)["ok"] is False
 
@@ -140,7 +141,8 @@ def test_a_deadlocked_schedule_through_the_console_script(tmp_path: Path) -> Non
     path.write_text(DEADLOCK)
     result = shardwise("schedule", str(path))
     assert result.returncode == 1 and "Traceback" not in result.stderr
-    assert result.stderr.startswith(f"shardwise: error: schedule {str(path)!r} is invalid: the schedule deadlocks")
+    assert result.stderr.startswith(f"shardwise schedule: error: schedule {str(path)!r} is invalid: the schedule deadlocks")
+    assert result.stderr.count("\n") == 1, result.stderr
 
 
 @pytest.mark.parametrize(
@@ -189,13 +191,44 @@ def test_missing_file_or_function_is_a_usage_error(target: str, message: str, in
     assert result.returncode == 2 and message in result.stderr, result.stderr
 
 
-def test_errors_in_the_users_code_exit_1_with_its_traceback(tmp_path: Path, in_process: Callable[..., Ran]) -> None:
-    (tmp_path / "broken.py").write_text("def make():\n    raise RuntimeError('my model is broken')\n")
+def test_errors_in_the_users_code_exit_1_in_one_line_that_says_where(tmp_path: Path, in_process: Callable[..., Ran]) -> None:
+    (tmp_path / "broken.py").write_text("def make():\n    raise RuntimeError('my model\\nis broken')\n")
     (tmp_path / "short.py").write_text("def make():\n    return 1, 2\n")
     raised = in_process("plan", "broken.py:make", "--mesh", "dp=2", cwd=tmp_path)
-    assert raised.returncode == 1 and "broken.py" in raised.stderr and "my model is broken" in raised.stderr
+    assert raised.returncode == 1 and raised.stderr.count("\n") == 1, raised.stderr
+    assert raised.stderr.startswith("shardwise plan: error: RuntimeError: my model; is broken (raised at ")
+    assert "broken.py:2, in make)" in raised.stderr and "Traceback" not in raised.stderr
+    whole = in_process("plan", "broken.py:make", "--mesh", "dp=2", "--traceback", cwd=tmp_path)
+    assert whole.returncode == 1 and whole.stderr.startswith("Traceback (most recent call last):")
+    assert whole.stderr.splitlines()[-1].startswith("shardwise plan: error: RuntimeError: my model; is broken")
     short = in_process("plan", "short.py:make", "--mesh", "dp=2", cwd=tmp_path)
     assert short.returncode == 2 and "must return (step, params, batch), got a tuple of 2" in short.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "status", "start"),
+    [
+        ([], 2, "shardwise: error: the following arguments are required: VERB (VERB is one of "),
+        (["plan"], 2, "shardwise plan: error: the following arguments are required: FILE:FUNCTION, --mesh"),
+        (["plan", f"{STEPS}:composed", "--mesh", "dp=2,pp"], 2, "shardwise plan: error: argument --mesh: "),
+        (["plan", f"{STEPS}:composed", "--mesh", "dp=3,pp=2"], 1,
+         "shardwise plan: error: ValueError: shard_params over axis 'dp' of size 3: batch size 8"),
+        (["schedule", "gpipe"], 2, "shardwise schedule: error: schedule 'gpipe' needs --ranks and --microbatches"),
+        (["checkpoint", "inspect", "no/such/dir"], 1, "shardwise checkpoint: error: no checkpoint at no/such/dir"),
+        (["verify", f"{STEPS}:verified", "--mesh", "dp=2", "--rtol", "-1"], 2, "shardwise verify: error: argument"),
+    ],
+    ids=["no-verb", "no-arguments", "bad-mesh", "library-error", "schedule-flags", "no-checkpoint", "bad-rtol"],
+)
+def test_every_error_is_one_line(args: list[str], status: int, start: str, in_process: Callable[..., Ran]) -> None:
+    """Usage errors (argparse's too, which print the usage first), a "no", an exception: one line on stderr."""
+    result = in_process(*args)
+    assert result.returncode == status and result.stderr.startswith(start), result.stderr
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr, result.stderr
+
+
+def test_one_line_joins_a_message_of_several_lines() -> None:
+    assert one_line("deadlocks:\n  rank 0 waits\n  rank 1 waits\n") == "deadlocks: rank 0 waits; rank 1 waits"
+    assert one_line("one") == "one"
 
 
 def test_json_reports_an_error_in_the_users_code_as_one_object(tmp_path: Path, in_process: Callable[..., Ran]) -> None:

@@ -3,6 +3,7 @@ and the README's commands are the ones CI runs."""
 
 from __future__ import annotations
 
+import ast
 import doctest
 import importlib
 import pkgutil
@@ -184,3 +185,20 @@ def test_license_matches_pyproject() -> None:
     assert 'license = "Apache-2.0"' in (ROOT / "pyproject.toml").read_text()
     text = (ROOT / "LICENSE").read_text()
     assert "Apache License" in text and "Version 2.0, January 2004" in text and "END OF TERMS AND CONDITIONS" in text
+
+
+@pytest.mark.gloo  # two local gloo processes, as the README's comment offers
+def test_the_readmes_processes_alternative_runs_as_its_comment_says(tmp_path: Path) -> None:
+    """The first example with its threads launch swapped for the commented processes one, called as the
+    comment says (under ``if __name__ == "__main__":``: every process re-imports the script)."""
+    code = next(b for b in blocks(ROOT / "README.md") if b.info == "python").code
+    threads = re.search(r"^print\(sw\.launch\(main, world=2\)\).*$", code, flags=re.MULTILINE)
+    offered = re.search(r'^# (sw\.launch\(main, world=2, backend="processes"\))  # .*if __name__ == "__main__":$',
+                        code, flags=re.MULTILINE)
+    assert threads and offered, "the README's first example no longer offers the processes launch in a comment"
+    script = tmp_path / "readme_processes.py"
+    script.write_text(code[: threads.start()] + f'if __name__ == "__main__":\n    print({offered[1]})\n')
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    losses = ast.literal_eval(result.stdout.strip().splitlines()[-1])
+    assert len(losses) == 2 and losses[0] == losses[1], result.stdout

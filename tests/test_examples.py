@@ -45,7 +45,7 @@ def test_custom_schedule_is_drawn_checked_and_trained(tmp_path: Path, capsys: py
 def test_compose_all_is_equivalent_and_learns(capsys: pytest.CaptureFixture[str]) -> None:
     losses = _load("compose_all").main(["--check-steps", "2", "--steps", "12"])
     out = capsys.readouterr().out
-    assert "Plan on Mesh(dp=2, pp=2): 4 rank(s)" in out
+    assert "Plan on Mesh(dp=2, pp=2): 4 ranks" in out
     assert re.search(r"^equivalent over 2 steps", out, re.MULTILINE), out
     assert len(losses) == 12 and losses[-1] < 0.8 * losses[0]  # measured: 4.18 -> 3.00
 
@@ -149,3 +149,38 @@ def test_memory_benchmark_runs_and_reports_each_variant() -> None:
     assert rows["fsdp2_meta"]["ratio_to_fsdp2"] == 1.0
     plan = rows["shardwise_meta"]["plan"]
     assert plan["peak"] == sum(v for k, v in plan.items() if k not in ("peak", "plan_sum")), plan
+
+
+def _help_entries(text: str) -> dict[str, str]:
+    """Each option of an argparse --help, with its help text (which may run over several lines)."""
+    entries: dict[str, str] = {}
+    current = None
+    for line in text.splitlines():
+        match = re.match(r"  (-[\w-]+(?:, -[\w-]+)?)(?: [A-Z_]+)?(?:\s+(.*))?$", line)
+        if match:
+            current = match[1]
+            entries[current] = match[2] or ""
+        elif current and line.startswith("    "):
+            entries[current] += " " + line.strip()
+        else:
+            current = None
+    return entries
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in (ROOT / "examples").glob("*.py")
+                                        if "argparse" in p.read_text()))
+def test_an_examples_help_says_every_default(name: str, monkeypatch: pytest.MonkeyPatch,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(sys, "argv", [f"examples/{name}.py", "--help"])
+    with pytest.raises(SystemExit) as exit_:
+        _load(name).main()
+    assert exit_.value.code == 0
+    entries = _help_entries(capsys.readouterr().out)
+    assert len(entries) > 2, entries
+    missing = [flag for flag, text in entries.items() if flag != "-h, --help" and "(default: " not in text]
+    assert not missing, f"examples/{name}.py --help gives no default for {missing}"
+
+
+def test_the_help_reader_sees_an_option_without_a_default() -> None:
+    text = "options:\n  -h, --help  show this\n  --steps STEPS  training steps (default:\n                 3)\n  --lr LR\n"
+    assert _help_entries(text) == {"-h, --help": "show this", "--steps": "training steps (default: 3)", "--lr": ""}

@@ -109,7 +109,7 @@ def simulation(plan: Plan) -> tuple[dict[str, Any], str]:
     timeline = simulate_plan(plan)
     data = {"makespan": timeline.makespan, "bubble_fraction": timeline.bubble_fraction,
             "summary": timeline.summary()}
-    return data, f"simulated step (default costs; sw.PlanCosts fits your own):\n{ascii_timeline(timeline)}"
+    return data, f"simulated step (default costs; sw.plan.PlanCosts fits your own):\n{ascii_timeline(timeline)}"
 
 
 def measure(step: Any, params: Any, batch: Any, mesh: Mesh, timeout: float) -> Ledger:

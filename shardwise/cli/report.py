@@ -8,6 +8,13 @@ from collections.abc import Mapping
 from typing import Any
 
 
+def one_line(message: str) -> str:
+    """A message of several lines (a deadlock's ranks, say) as the one line every error of the command is."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    return "".join(line + ("" if i == len(lines) - 1 else " " if line.endswith(":") else "; ")
+                   for i, line in enumerate(lines))
+
+
 class CommandFailed(Exception):
     """The command ran and the answer is "no" (an invalid schedule, a divergence): exit status 1.
 
@@ -22,8 +29,9 @@ class CommandFailed(Exception):
 class Output:
     """Prints a verb's result as text, or as one JSON object when ``as_json``."""
 
-    def __init__(self, as_json: bool) -> None:
+    def __init__(self, as_json: bool, prog: str = "shardwise") -> None:
         self.as_json = as_json
+        self.prog = prog
 
     def emit(self, data: Mapping[str, Any], text: str) -> None:
         if self.as_json:
@@ -33,7 +41,7 @@ class Output:
 
     def fail(self, failure: CommandFailed) -> None:
         self.fail_quietly(str(failure), failure.data)
-        print(f"shardwise: error: {failure}", file=sys.stderr)
+        print(f"{self.prog}: error: {one_line(str(failure))}", file=sys.stderr)
 
     def fail_quietly(self, error: str, data: Mapping[str, Any]) -> None:
         """The ``"ok": false`` object on stdout under ``--json`` (the message is on stderr already)."""

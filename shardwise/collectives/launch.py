@@ -39,7 +39,7 @@ def launch(
 ) -> list[T]:
     """Run ``fn(*args)`` on ``world`` ranks and return each rank's result, in rank order.
 
-    ``timeout`` (seconds, default 300: see ``collectives/timeout.py``) bounds
+    ``timeout`` (seconds, default 300) bounds
     every wait of every rank: a rank that dies, hangs or never arrives makes
     the run fail after at most that long, with an error naming it.
     ``backend="processes"`` refuses a world larger than ``max_processes``
@@ -48,7 +48,7 @@ def launch(
     >>> import torch, shardwise as sw
     >>> def main():
     ...     mesh = sw.Mesh(dp=2)
-    ...     return sw.psum(torch.tensor([1.0 + mesh.rank]), "dp", mesh=mesh)
+    ...     return sw.collectives.psum(torch.tensor([1.0 + mesh.rank]), "dp", mesh=mesh)
     >>> sw.launch(main, world=2, timeout=60)
     [tensor([3.]), tensor([3.])]
     """

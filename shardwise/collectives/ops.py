@@ -311,21 +311,27 @@ def psum_async(x: torch.Tensor, axis: str, *, mesh: Mesh | None = None) -> Handl
 
 
 def all_gather_async(
-    x: torch.Tensor, axis: str, dim: int = 0, tiled: bool = False, *, mesh: Mesh | None = None
+    x: torch.Tensor, axis: str, dim: int = 0, tiled: bool = False, *, mesh: Mesh | None = None,
+    snapshot: bool = True,
 ) -> Handle:
-    """Start :func:`all_gather`; ``.wait()`` returns its result."""
+    """Start :func:`all_gather`; ``.wait()`` returns its result. ``snapshot=False`` promises that
+    ``x`` is left unchanged until then, so it is not copied first."""
     x = _async_input("all_gather_async", x)
     where = resolve("all_gather_async", axis, mesh)
-    return start_all_gather(x, where, _gather_dim("all_gather_async", x, dim, tiled), tiled)
+    return start_all_gather(x, where, _gather_dim("all_gather_async", x, dim, tiled), tiled, snapshot=snapshot)
 
 
 def psum_scatter_async(
-    x: torch.Tensor, axis: str, dim: int = 0, tiled: bool = False, *, mesh: Mesh | None = None
+    x: torch.Tensor, axis: str, dim: int = 0, tiled: bool = False, *, mesh: Mesh | None = None,
+    snapshot: bool = True,
 ) -> Handle:
-    """Start :func:`psum_scatter`; ``.wait()`` returns its result."""
+    """Start :func:`psum_scatter`; ``.wait()`` returns its result. ``snapshot=False`` promises
+    that ``x`` is left unchanged until then, so it is not copied first (a whole gradient's bytes)."""
     x = _async_input("psum_scatter_async", x)
     where = resolve("psum_scatter_async", axis, mesh)
-    return start_psum_scatter(x, where, normalize_dim("psum_scatter_async", x, dim, x.ndim), tiled)
+    return start_psum_scatter(
+        x, where, normalize_dim("psum_scatter_async", x, dim, x.ndim), tiled, snapshot=snapshot
+    )
 
 
 def ppermute_async(

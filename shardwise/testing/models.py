@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+__all__ = ["Block", "CausalSelfAttention", "TinyGPT", "mlp"]
+
 _ACTIVATIONS: dict[str, type[nn.Module]] = {
     "gelu": nn.GELU,
     "relu": nn.ReLU,

@@ -38,6 +38,21 @@ from ..transforms.shard_params import shard_params
 from ..transforms.tensor_parallel import Colwise, Rowwise, tensor_parallel
 from .models import mlp
 
+__all__ = [
+    "ChainCase",
+    "Problem",
+    "TransformStack",
+    "batches",
+    "chains",
+    "meshes",
+    "optimizers",
+    "pipeline_options",
+    "problems",
+    "shard_params_options",
+    "tensor_parallel_options",
+    "transform_stacks",
+]
+
 ACTIVATIONS = ("gelu", "relu", "silu", "tanh")
 
 

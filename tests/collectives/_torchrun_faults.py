@@ -32,7 +32,7 @@ def main(fault: str) -> None:
             _hang()
         mesh = sw.Mesh(dp=dist.get_world_size())
         x = torch.ones(2)
-        sw.psum(x, "dp", mesh=mesh)
+        sw.collectives.psum(x, "dp", mesh=mesh)
         if mesh.rank == 1:
             if fault == "raise":
                 raise ValueError("rank 1 broke on purpose")
@@ -41,7 +41,7 @@ def main(fault: str) -> None:
             if fault == "hang_before":
                 _hang()
         if not (mesh.rank == 1 and fault == "skip"):
-            sw.all_gather(x, "dp", mesh=mesh)
+            sw.collectives.all_gather(x, "dp", mesh=mesh)
         if mesh.rank == 1 and fault == "hang_after":
             _hang()
         dist.barrier()

@@ -37,7 +37,7 @@ def test_a_rank_s_dispatch_mode_sees_none_of_another_rank_s_collective_arithmeti
     def main() -> list[str]:
         mesh = sw.Mesh(dp=2)
         with _Seen() as seen:
-            sw.psum(torch.ones(2) * (mesh.rank + 1), "dp", mesh=mesh)
+            sw.collectives.psum(torch.ones(2) * (mesh.rank + 1), "dp", mesh=mesh)
         return seen.ops
 
     for ops in sw.launch(main, 2, timeout=60):

@@ -45,7 +45,7 @@ def _faulty(fault: str) -> int:
     """Every rank meets in a psum, then rank 1 misbehaves as ``fault`` says around the last collective."""
     mesh = sw.Mesh(dp=current_backend().world_size)
     x = torch.ones(2)
-    sw.psum(x, "dp", mesh=mesh)
+    sw.collectives.psum(x, "dp", mesh=mesh)
     if mesh.rank == 1:
         if fault == "raise":
             raise ValueError("rank 1 broke on purpose")
@@ -55,7 +55,7 @@ def _faulty(fault: str) -> int:
             _hang()
         if fault == "skip":
             return mesh.rank
-    sw.all_gather(x, "dp", mesh=mesh)
+    sw.collectives.all_gather(x, "dp", mesh=mesh)
     if mesh.rank == 1 and fault == "hang_after":
         _hang()
     return mesh.rank
@@ -119,7 +119,7 @@ def test_threads_a_rank_blocked_in_c_is_reported_and_said_to_keep_running() -> N
     def main() -> None:
         if sw.Mesh(dp=2).rank == 1:
             release.wait()  # one blocking C call: no Python bytecode runs in it, so it cannot be stopped
-        sw.psum(torch.ones(1), "dp", mesh=sw.Mesh(dp=2))
+        sw.collectives.psum(torch.ones(1), "dp", mesh=sw.Mesh(dp=2))
 
     try:
         with pytest.raises(RankHung, match=r"rank threads \[1\] could not be stopped") as info:
@@ -140,7 +140,7 @@ def test_threads_ctrl_c_in_the_launcher_stops_every_rank() -> None:
         x = torch.randn(32, 32)
         while True:  # busy in torch and in collectives
             x = torch.tanh(x @ x)
-            sw.psum(x, "dp", mesh=mesh)
+            sw.collectives.psum(x, "dp", mesh=mesh)
             busy.set()
 
     def interrupt() -> None:

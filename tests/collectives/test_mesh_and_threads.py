@@ -59,7 +59,7 @@ def test_mesh_errors_name_the_problem() -> None:
     def wrong_size() -> None:
         sw.Mesh(dp=3).rank  # noqa: B018
 
-    with pytest.raises(sw.RankFailed, match=r"world=3"):
+    with pytest.raises(sw.collectives.RankFailed, match=r"world=3"):
         sw.launch(wrong_size, 2)
 
 
@@ -68,10 +68,10 @@ def test_a_rank_that_raises_stops_the_others_at_once() -> None:
         mesh = sw.Mesh(dp=4)
         if mesh.rank == 2:
             raise ValueError("boom on two")
-        sw.psum(torch.ones(1), "dp", mesh=mesh)  # the others wait here until rank 2's failure stops them
+        sw.collectives.psum(torch.ones(1), "dp", mesh=mesh)  # the others wait here until rank 2's failure stops them
 
     started = time.monotonic()
-    with pytest.raises(sw.RankFailed, match="rank 2 failed: ValueError: boom on two") as info:
+    with pytest.raises(sw.collectives.RankFailed, match="rank 2 failed: ValueError: boom on two") as info:
         sw.launch(main, 4, timeout=30)
     assert time.monotonic() - started < 5, "peers must stop on the failure, not on the timeout"
     assert info.value.rank == 2 and isinstance(info.value.__cause__, ValueError)
@@ -82,10 +82,12 @@ def test_a_rank_that_never_arrives_times_the_others_out_with_the_collective_name
         mesh = sw.Mesh(dp=2, pp=2)
         if mesh.coords["dp"] == 1:
             return
-        sw.all_gather(torch.ones(2), "dp", mesh=mesh)
+        sw.collectives.all_gather(torch.ones(2), "dp", mesh=mesh)
 
     started = time.monotonic()
-    with pytest.raises(sw.RankFailed, match=r"all_gather on axis 'dp' timed out after 0.5 s on rank \d: ranks \[\d\]"):
+    with pytest.raises(
+        sw.collectives.RankFailed, match=r"all_gather on axis 'dp' timed out after 0.5 s on rank \d: ranks \[\d\]"
+    ):
         sw.launch(main, 4, timeout=0.5)
     assert time.monotonic() - started < 5
 
@@ -94,9 +96,9 @@ def test_mismatched_collectives_are_reported() -> None:
     def main() -> None:
         mesh = sw.Mesh(dp=2)
         x = torch.ones(2)
-        sw.psum(x, "dp", mesh=mesh) if mesh.rank == 0 else sw.all_gather(x, "dp", mesh=mesh)
+        sw.collectives.psum(x, "dp", mesh=mesh) if mesh.rank == 0 else sw.collectives.all_gather(x, "dp", mesh=mesh)
 
-    with pytest.raises(sw.RankFailed, match="collective mismatch on axis 'dp'"):
+    with pytest.raises(sw.collectives.RankFailed, match="collective mismatch on axis 'dp'"):
         sw.launch(main, 2, timeout=5)
 
 
@@ -114,7 +116,7 @@ def test_threads_results_are_bitwise_repeatable() -> None:
     def main() -> torch.Tensor:
         mesh = sw.Mesh(dp=8)
         gen = torch.Generator().manual_seed(mesh.rank)
-        return sw.psum(torch.randn(1000, generator=gen, dtype=torch.float32), "dp", mesh=mesh)
+        return sw.collectives.psum(torch.randn(1000, generator=gen, dtype=torch.float32), "dp", mesh=mesh)
 
     first, second = sw.launch(main, 8), sw.launch(main, 8)
     assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))

@@ -53,7 +53,7 @@ def test_step_plan_reports_what_saved_bytes_measures() -> None:
     step, params, batch = _gpt()
     for variant in (step, sw.remat(step)):
         plan = variant.plan(sw.Mesh(dp=1), params, batch)
-        assert plan.memory["kept_for_backward"] == (sum(sw.saved_bytes(variant, params, batch).values()),)
+        assert plan.memory["kept_for_backward"] == (sum(sw.policies.saved_bytes(variant, params, batch).values()),)
     full = step.plan(None, params, batch).memory["kept_for_backward"][0]
     remat = sw.remat(step).plan(None, params, batch).memory["kept_for_backward"][0]
     assert full >= 3 * remat
@@ -64,7 +64,7 @@ def test_sharded_plan_counts_one_micro_batch_of_one_rank() -> None:
     sharded = sw.shard_params(step, "dp", 3, accumulation=2)
     plan = sharded.plan(sw.Mesh(dp=2), params, batch)
     quarter = (batch[0][:2], batch[1][:2])
-    assert plan.memory["kept_for_backward"] == (sum(sw.saved_bytes(step, params, quarter).values()),) * 2
+    assert plan.memory["kept_for_backward"] == (sum(sw.policies.saved_bytes(step, params, quarter).values()),) * 2
 
 
 def test_pipeline_plan_is_peak_in_flight_times_stage_bytes() -> None:
@@ -76,7 +76,7 @@ def test_pipeline_plan_is_peak_in_flight_times_stage_bytes() -> None:
         piped = sw.pipeline(step, "pp", schedule, 4, partition=[3, 4])
         mesh = sw.Mesh(pp=2)
         layout = piped.layout(mesh, params)
-        per_layer = sw.saved_bytes(step, params, (batch[0][:4], batch[1][:4]))
+        per_layer = sw.policies.saved_bytes(step, params, (batch[0][:4], batch[1][:4]))
         stage = [sum(per_layer[n] for n in layers) for layers in layout.placement.stages]
         peaks = simulate(layout.schedule).peak_activations
         once = (batch[0].untyped_storage().nbytes(), 0)  # the first Linear keeps the whole batch
@@ -90,8 +90,8 @@ def test_pipeline_plan_is_peak_in_flight_times_stage_bytes() -> None:
 def test_mixed_precision_counts_bf16_activations_not_weight_copies() -> None:
     """The compute copies are cast once per step and held anyway: only activations count, in bf16."""
     step, params, batch = _gpt()
-    f32 = sw.saved_bytes(sw.remat(step), params, batch)
-    bf16 = sw.saved_bytes(sw.remat(sw.mixed_precision(step, "compute=bf16")), params, batch)
+    f32 = sw.policies.saved_bytes(sw.remat(step), params, batch)
+    bf16 = sw.policies.saved_bytes(sw.remat(sw.mixed_precision(step, "compute=bf16")), params, batch)
     for layer in ("blocks.0", "blocks.1", "head"):  # each keeps only its (now bf16) input
         assert bf16[layer] * 2 == f32[layer]
     plan = sw.remat(sw.mixed_precision(step, "compute=bf16")).plan(None, params, batch)
@@ -150,7 +150,7 @@ def test_the_first_stage_keeps_the_batch_once_however_many_micro_batches_view_it
 def test_a_custom_schedule_counts_the_batch_once() -> None:
     """A schedule of one's own, all forwards first on pp 2: what each rank keeps, as the run."""
     step, params, batch = _mlp_step()
-    schedule = sw.Schedule.parse("0F0 0F1 0F2 0B0 0B1 0B2\n1F0 1F1 1F2 1B0 1B1 1B2")
+    schedule = sw.schedules.Schedule.parse("0F0 0F1 0F2 0B0 0B1 0B2\n1F0 1F1 1F2 1B0 1B1 1B2")
     piped = sw.pipeline(step, "pp", schedule, 3)
     mesh = sw.Mesh(pp=2)
     planned = piped.plan(mesh, params, batch).memory["kept_for_backward"]
@@ -164,10 +164,10 @@ def test_a_tensor_parallel_plan_keeps_what_the_run_keeps(sequence_parallel: str 
     torch.manual_seed(0)
     model = TinyGPT(vocab=64, d_model=32, n_heads=4, n_layers=2, seq_len=8).double()
     chain, params = sw.functionalize(model, units=Block)
-    step = sw.train_step(chain, sw.vocab_parallel_cross_entropy, sw.optim.sgd(0.1))
+    step = sw.train_step(chain, sw.tp.vocab_parallel_cross_entropy, sw.optim.sgd(0.1))
     gen = torch.Generator().manual_seed(1)
     batch = (torch.randint(64, (4, 8), generator=gen), torch.randint(64, (4, 8), generator=gen))
-    tp = sw.tensor_parallel(step, "tp", sw.tiny_gpt_plan(), sequence_parallel=sequence_parallel)
+    tp = sw.tensor_parallel(step, "tp", sw.tp.tiny_gpt_plan(), sequence_parallel=sequence_parallel)
     mesh = sw.Mesh(tp=2)
     planned = tp.plan(mesh, params, batch).memory["kept_for_backward"]
     assert planned == kept_in_run(tp, mesh, params, batch)
@@ -199,7 +199,7 @@ def _llama():  # type: ignore[no-untyped-def]
 def _ledgers(step: sw.Step, mesh: sw.Mesh, params: Any, batch: Any) -> list[list[tuple[str, int]]]:
     def run() -> list[tuple[str, int]]:
         state = step.init(params, mesh)
-        with sw.comm_ledger() as ledger:
+        with sw.collectives.comm_ledger() as ledger:
             step(state, batch)
         return [(r.op, r.nbytes) for r in ledger.records if r.rank == mesh.rank]
 

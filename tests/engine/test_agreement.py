@@ -27,7 +27,7 @@ def test_a_rank_with_another_stack_is_named() -> None:
         stage = 3 if mesh.axis_index("dp") == 0 else 2  # rank 1 read its flag differently
         sw.shard_params(base, "dp", stage).init(params, mesh)
 
-    with pytest.raises(sw.RankFailed, match=r"rank 1 differs from rank 0 in its transform stack"):
+    with pytest.raises(sw.collectives.RankFailed, match=r"rank 1 differs from rank 0 in its transform stack"):
         sw.launch(build, 2)
 
 
@@ -39,7 +39,7 @@ def test_a_rank_with_another_schedule_or_seed_is_named() -> None:
         name = "gpipe" if mesh.axis_index("pp") == 0 else "1f1b"
         sw.pipeline(base, "pp", name, 2).init(params, mesh)
 
-    with pytest.raises(sw.RankFailed, match=r"rank 1 differs from rank 0 in its transform stack, schedule"):
+    with pytest.raises(sw.collectives.RankFailed, match=r"rank 1 differs from rank 0 in its transform stack, schedule"):
         sw.launch(schedule, 2)
 
     def seed() -> None:
@@ -47,7 +47,7 @@ def test_a_rank_with_another_schedule_or_seed_is_named() -> None:
         step = sw.shard_params(sw.pipeline(base, "pp", "1f1b", 2), "dp", 3)
         step.init(params, mesh, seed=mesh.rank // 3)  # rank 3 alone
 
-    with pytest.raises(sw.RankFailed, match=r"rank 3 differs from rank 0 in its seed"):
+    with pytest.raises(sw.collectives.RankFailed, match=r"rank 3 differs from rank 0 in its seed"):
         sw.launch(seed, 4)
 
 
@@ -60,7 +60,7 @@ def test_ranks_that_start_from_other_weights_are_named() -> None:
         mine = {k: {n: t + mesh.axis_index("dp") for n, t in v.items()} for k, v in params.items()}
         sw.shard_params(base, "dp", 3).init(mine, mesh)
 
-    with pytest.raises(sw.RankFailed, match=r"rank 1 differs from rank 0 in its parameter values"):
+    with pytest.raises(sw.collectives.RankFailed, match=r"rank 1 differs from rank 0 in its parameter values"):
         sw.launch(build, 2)
 
 
@@ -108,16 +108,16 @@ def _with_optimizer(optimizer_of: Callable[[int], sw.optim.Optimizer]) -> None:
 def test_a_rank_with_another_learning_rate_is_named() -> None:
     expected = (r"rank 1 differs from rank 0 in its optimizer \(optimizer: .*lr=0\.2.* "
                 r"where rank 0 has .*lr=0\.1")
-    with pytest.raises(sw.RankFailed, match=expected):
+    with pytest.raises(sw.collectives.RankFailed, match=expected):
         _with_optimizer(lambda rank: sw.optim.sgd(0.1 if rank == 0 else 0.2, momentum=0.9))
 
 
 def test_a_rank_with_another_momentum_or_schedule_is_named() -> None:
     expected = (r"rank 1 differs from rank 0 in its optimizer \(optimizer: .*momentum=0\.5.* "
                 r"where rank 0 has .*momentum=0\.9")
-    with pytest.raises(sw.RankFailed, match=expected):
+    with pytest.raises(sw.collectives.RankFailed, match=expected):
         _with_optimizer(lambda rank: sw.optim.sgd(0.1, momentum=0.9 if rank == 0 else 0.5))
-    with pytest.raises(sw.RankFailed, match=r"in its optimizer .*warmup_steps=20"):
+    with pytest.raises(sw.collectives.RankFailed, match=r"in its optimizer .*warmup_steps=20"):
         _with_optimizer(lambda r: sw.optim.adamw(sw.optim.warmup_cosine(1e-3, 10 + 10 * r, 100)))
 
 
@@ -133,7 +133,7 @@ def test_a_rank_with_another_loss_or_clipping_is_named() -> None:
     expected = (r"rank 1 differs from rank 0 in its loss function, gradient clipping "
                 r"\(loss function: .*l1_loss.* where rank 0 has .*mse_loss.*; "
                 r"gradient clipping: '2\.0' where rank 0 has '1\.0'\)")
-    with pytest.raises(sw.RankFailed, match=expected):
+    with pytest.raises(sw.collectives.RankFailed, match=expected):
         sw.launch(build, 2, timeout=30)
 
 

@@ -33,9 +33,11 @@ def _batch(seed: int, dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor,
 STACKS = {
     "zero-3": (lambda s: sw.shard_params(s, "dp", 3), {"dp": 2}),
     "pipeline": (lambda s: sw.pipeline(s, "pp", "1f1b", 2), {"pp": 2}),
-    "tensor parallel": (lambda s: sw.tensor_parallel(s, "tp", {"0": sw.Colwise(), "2": sw.Rowwise()}), {"tp": 2}),
-    "dp x tp": (lambda s: sw.shard_params(sw.tensor_parallel(s, "tp", {"0": sw.Colwise(), "2": sw.Rowwise()}), "dp"),
-                {"dp": 2, "tp": 2}),
+    "tensor parallel": (lambda s: sw.tensor_parallel(s, "tp", {"0": sw.tp.Colwise(), "2": sw.tp.Rowwise()}), {"tp": 2}),
+    "dp x tp": (
+        lambda s: sw.shard_params(sw.tensor_parallel(s, "tp", {"0": sw.tp.Colwise(), "2": sw.tp.Rowwise()}), "dp"),
+        {"dp": 2, "tp": 2},
+    ),
 }
 
 
@@ -50,7 +52,9 @@ def test_ranks_that_pass_different_batches_are_refused(name: str, dtype: torch.d
         state = composed.init(params, mesh)
         composed(state, _batch(mesh.rank, dtype))  # a different batch on every rank
 
-    with pytest.raises(sw.RankFailed, match=r"the ranks( of axis .tp.)? passed different batches to this step"):
+    with pytest.raises(
+        sw.collectives.RankFailed, match=r"the ranks( of axis .tp.)? passed different batches to this step"
+    ):
         sw.launch(each_its_own, mesh.size, timeout=60)
 
     def the_same() -> float:
@@ -69,7 +73,7 @@ def test_rows_swapped_between_ranks_are_refused_too() -> None:
         order = torch.arange(8) if mesh.rank == 0 else torch.arange(8).flip(0)
         composed(composed.init(params, mesh), (x[order], y[order]))  # the same rows, in another order
 
-    with pytest.raises(sw.RankFailed, match="different batches"):
+    with pytest.raises(sw.collectives.RankFailed, match="different batches"):
         sw.launch(swapped, mesh.size, timeout=60)
 
 
@@ -127,7 +131,7 @@ def _launch_with(batch_of: Any) -> list[int]:
 
 
 def test_inputs_and_targets_swapped_on_one_rank_are_refused() -> None:
-    with pytest.raises(sw.RankFailed, match="passed different batches"):
+    with pytest.raises(sw.collectives.RankFailed, match="passed different batches"):
         _launch_with(lambda rank, x, y: (y, x) if rank == 1 else (x, y))
 
 
@@ -137,7 +141,7 @@ def test_nan_on_one_rank_where_another_has_a_number_is_refused() -> None:
         x[5, 1] = float("nan") if rank == 0 else 0.5  # in rank 1's rows: rank 0 never computes it
         return x, y
 
-    with pytest.raises(sw.RankFailed, match="passed different batches"):
+    with pytest.raises(sw.collectives.RankFailed, match="passed different batches"):
         _launch_with(nan_or_half)
 
 

@@ -115,7 +115,7 @@ def test_dynamic_loss_scale_survives_a_reshard(tmp_path: Path) -> None:
     """The scale grows every 2 finite steps: a load that dropped the count of good steps would
     grow it a step late. All-f64 policy, so the parameters are exact too."""
     step, params, batches = _problem(steps=5)
-    scale = sw.DynamicLossScale(scale=8.0, growth_interval=2)
+    scale = sw.precision.DynamicLossScale(scale=8.0, growth_interval=2)
     mixed = sw.mixed_precision(_zero(step, 3), "params=f64,compute=f64", loss_scale=scale)
     target = _pp(sw.mixed_precision(step, "params=f64,compute=f64", loss_scale=scale))
     path = tmp_path / "c"

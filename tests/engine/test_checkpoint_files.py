@@ -48,7 +48,7 @@ def _load(path: Path, step: Any) -> Any:
 
 
 def _refused(path: Path, step: Any, *fragments: str) -> None:
-    with pytest.raises(sw.RankFailed) as info:
+    with pytest.raises(sw.collectives.RankFailed) as info:
         _load(path, step)
     for fragment in fragments:
         assert fragment in str(info.value), str(info.value)
@@ -156,7 +156,7 @@ def test_a_record_that_would_run_code_is_refused(tmp_path: Path) -> None:
 
 def test_overwrite_replaces_atomically_and_an_interrupted_replace_keeps_the_old_one(tmp_path: Path) -> None:
     path, step, params = _saved(tmp_path)
-    with pytest.raises(sw.RankFailed, match="exists; pass overwrite=True"):
+    with pytest.raises(sw.collectives.RankFailed, match="exists; pass overwrite=True"):
         sw.launch(lambda: ck.save(path, step.init(params, sw.Mesh(dp=2)), step), 2)
 
     # One batch for both ranks: each drawing its own would pass different batches (the step refuses).
@@ -226,7 +226,7 @@ def test_a_torch_saved_state_on_another_world_points_to_sw_checkpoint() -> None:
     batch = (torch.randn(4, 3), torch.randn(4, 2))
     hint = (r"made on Mesh\(dp=2\) \(2 ranks\), but this program runs on a world of 4.*"
             r"sw\.checkpoint\.save\(path, state, step\).*sw\.checkpoint\.load\(path, step, mesh\)")
-    with pytest.raises(sw.RankFailed, match=hint):
+    with pytest.raises(sw.collectives.RankFailed, match=hint):
         sw.launch(lambda: step(torch.load(io.BytesIO(blob), weights_only=False), batch), 4)
 
 

@@ -70,7 +70,7 @@ def test_a_rank_killed_during_a_save_leaves_the_previous_checkpoint(
 ) -> None:
     first = tmp_path / "step1"
     second = first if target == "same" else tmp_path / "step2"
-    with pytest.raises(sw.RankFailed, match=f"rank {victim} failed: the process exited on signal SIGKILL"):
+    with pytest.raises(sw.collectives.RankFailed, match=f"rank {victim} failed: the process exited on signal SIGKILL"):
         pool.run(_save_then_die, str(first), str(second), point, victim)
     step, params, batches = _problem()
     state = ck.load(first, step)  # on one device now

@@ -48,7 +48,7 @@ def _edit_json(path: Path, edit: Any) -> None:
 
 
 def _refused(path: Path, step: Any, *fragments: str) -> None:
-    with pytest.raises(sw.RankFailed) as info:
+    with pytest.raises(sw.collectives.RankFailed) as info:
         _load(path, step)
     for fragment in fragments:
         assert fragment in str(info.value), str(info.value)

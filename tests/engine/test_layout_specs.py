@@ -23,7 +23,8 @@ def _chain() -> tuple[sw.Chain, dict]:
         ("zero-1", lambda s: sw.shard_params(s, "dp", 1), sw.Mesh(dp=2)),
         ("zero-3", lambda s: sw.shard_params(s, "dp", 3), sw.Mesh(dp=2)),
         ("pipeline", lambda s: sw.pipeline(s, "pp", "1f1b", 2), sw.Mesh(pp=2)),
-        ("tensor parallel", lambda s: sw.tensor_parallel(s, "tp", {"0": sw.Colwise(), "2": sw.Rowwise()}), sw.Mesh(tp=2)),
+        ("tensor parallel", lambda s: sw.tensor_parallel(s, "tp", {"0": sw.tp.Colwise(), "2": sw.tp.Rowwise()}),
+         sw.Mesh(tp=2)),
     ],
 )
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
@@ -48,11 +49,11 @@ def test_every_optimizer_state_leaf_has_the_spec_of_its_parameter(name: str, tra
 def test_a_tensor_parallel_state_spec_says_its_split() -> None:
     chain, params = _chain()
     step = sw.tensor_parallel(sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1, momentum=0.9)),
-                              "tp", {"0": sw.Colwise(), "2": sw.Rowwise()})
+                              "tp", {"0": sw.tp.Colwise(), "2": sw.tp.Rowwise()})
     layout = step.layout(sw.Mesh(tp=2), params)
     momentum = layout.opt_leaves["momentum"]
-    assert momentum[("0", "weight")].split == sw.TensorSplit("tp", 0, 2)
-    assert momentum[("2", "weight")].split == sw.TensorSplit("tp", 1, 2)
+    assert momentum[("0", "weight")].split == sw.layout.TensorSplit("tp", 0, 2)
+    assert momentum[("2", "weight")].split == sw.layout.TensorSplit("tp", 1, 2)
     assert momentum[("2", "bias")].split is None  # added once, after the sum: whole on every rank
     assert momentum[("0", "weight")].shape == (8, 4) and momentum[("0", "weight")].local_shape == (4, 4)
 

@@ -32,11 +32,11 @@ def tokens(n: int = 2, seed: int = 1) -> list[tuple[Tensor, Tensor]]:
 
 
 def hf_loss(out: Any, targets: Tensor) -> Tensor:
-    return sw.vocab_parallel_cross_entropy(out.logits, targets)
+    return sw.tp.vocab_parallel_cross_entropy(out.logits, targets)
 
 
 def logits_loss(logits: Tensor, targets: Tensor) -> Tensor:
-    return sw.vocab_parallel_cross_entropy(logits, targets)
+    return sw.tp.vocab_parallel_cross_entropy(logits, targets)
 
 
 def llama() -> tuple[nn.Module, Any, dict[str, Any]]:
@@ -45,7 +45,7 @@ def llama() -> tuple[nn.Module, Any, dict[str, Any]]:
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2 * SEQ,
         attn_implementation="eager", bos_token_id=0, eos_token_id=0,
     )
-    return T.LlamaForCausalLM(cfg), T.models.llama.modeling_llama.LlamaDecoderLayer, sw.llama_plan()
+    return T.LlamaForCausalLM(cfg), T.models.llama.modeling_llama.LlamaDecoderLayer, sw.tp.llama_plan()
 
 
 def gpt2() -> tuple[nn.Module, Any, dict[str, Any]]:
@@ -53,7 +53,7 @@ def gpt2() -> tuple[nn.Module, Any, dict[str, Any]]:
         vocab_size=VOCAB, n_positions=2 * SEQ, n_embd=HIDDEN, n_layer=2, n_head=4, resid_pdrop=0.0,
         embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager", bos_token_id=0, eos_token_id=0,
     )
-    return T.GPT2LMHeadModel(cfg), T.models.gpt2.modeling_gpt2.GPT2Block, sw.gpt2_plan()
+    return T.GPT2LMHeadModel(cfg), T.models.gpt2.modeling_gpt2.GPT2Block, sw.tp.gpt2_plan()
 
 
 def init_tiny_gpt(module: nn.Module) -> None:
@@ -71,7 +71,7 @@ def init_tiny_gpt(module: nn.Module) -> None:
 
 
 def tiny_gpt() -> tuple[nn.Module, Any, dict[str, Any]]:
-    return TinyGPT(vocab=VOCAB, d_model=HIDDEN, n_heads=4, n_layers=2, seq_len=SEQ), Block, sw.tiny_gpt_plan()
+    return TinyGPT(vocab=VOCAB, d_model=HIDDEN, n_heads=4, n_layers=2, seq_len=SEQ), Block, sw.tp.tiny_gpt_plan()
 
 
 FAMILIES: dict[str, Callable[[], tuple[nn.Module, Any, dict[str, Any]]]] = {

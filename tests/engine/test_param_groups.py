@@ -210,7 +210,7 @@ def test_ranks_with_other_groups_are_refused() -> None:
         opt = sw.optim.adamw(1e-3, groups=[sw.optim.group("*.bias", weight_decay=wd)])
         sw.shard_params(sw.train_step(chain, _lm_loss, opt), "dp", 1).init(params, mesh)
 
-    with pytest.raises(sw.RankFailed, match=r"rank 1 differs from rank 0 in its optimizer"):
+    with pytest.raises(sw.collectives.RankFailed, match=r"rank 1 differs from rank 0 in its optimizer"):
         sw.launch(build, 2)
 
 
@@ -219,7 +219,7 @@ def test_ranks_with_other_groups_are_refused() -> None:
 
 def _lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     # Works on whole logits and, inside a tensor-parallel step, on vocabulary-split ones.
-    return sw.vocab_parallel_cross_entropy(logits, targets)
+    return sw.tp.vocab_parallel_cross_entropy(logits, targets)
 
 
 def _batches(n: int = 3) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -293,7 +293,7 @@ RULES_TP = {
 def test_tensor_parallel_tp2_equals_one_device(opt: str, rule: str) -> None:
     """The predicate sees each parameter's global shape, not its slice."""
     step, params = _problem(opt, rule, RULES_TP)
-    split = sw.tensor_parallel(step, "tp", sw.tiny_gpt_plan(vocab_parallel=True))
+    split = sw.tensor_parallel(step, "tp", sw.tp.tiny_gpt_plan(vocab_parallel=True))
     sw.testing.assert_equivalent(split, step, sw.Mesh(tp=2), _batches(), params, rtol=F64_RTOL)
 
 

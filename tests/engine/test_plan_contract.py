@@ -27,7 +27,7 @@ PRECISIONS = [None, F64, "params=f64,compute=f32,output=f64", "params=f64,comput
 def _ledger_and_memory(step: sw.Step, mesh: sw.Mesh, params: Any, batch: Any) -> list[tuple[list, int, int, int]]:
     def run() -> tuple[list, int, int, int]:
         state = step.init(params, mesh)
-        with sw.comm_ledger() as ledger:
+        with sw.collectives.comm_ledger() as ledger:
             state, metrics = step(state, batch)
         me = mesh.rank
         got = [(r.op, r.axis, r.dtype, r.nbytes) for r in ledger.records if r.rank == me]
@@ -37,7 +37,7 @@ def _ledger_and_memory(step: sw.Step, mesh: sw.Mesh, params: Any, batch: Any) ->
     return sw.launch(run, mesh.size)
 
 
-def _check_contract(step: sw.Step, mesh: sw.Mesh, params: Any, batch: Any) -> sw.Plan:
+def _check_contract(step: sw.Step, mesh: sw.Mesh, params: Any, batch: Any) -> sw.plan.Plan:
     plan = step.plan(mesh, params, batch)
     for rank, (got, held, opt, peak) in enumerate(_ledger_and_memory(step, mesh, params, batch)):
         want = [(c.op, c.axis, c.dtype, c.nbytes) for c in plan.collectives(rank)]

@@ -167,7 +167,7 @@ def test_a_compute_holding_the_generators_past_the_timeout_fails_the_launch() ->
     try:
         expected = (r"rank \d waited 1 s for torch's shared random generators "
                     r".*rank \d holds them .* raise launch\(timeout=\.\.\.\)")
-        with pytest.raises(sw.RankFailed, match=expected):
+        with pytest.raises(sw.collectives.RankFailed, match=expected):
             sw.launch(run, mesh.size, backend="threads", timeout=timeout)
     finally:
         _Slow.on = False

@@ -144,9 +144,13 @@ def test_a_composed_step_is_simulated_and_drawn_with_its_collectives(tmp_path: P
     assert timeline.makespan > pipe.simulate(plan).makespan  # communication costs time
     assert timeline.peak_gathered_bytes == plan.memory["gathered_peak"]
     text = pipe.ascii_timeline(timeline)
-    rows = text.splitlines()[1:]
+    rows = [line for line in text.splitlines()[1:] if "|" in line]
     assert len(rows) == 2 * mesh.size  # each rank, and what it has in flight
     assert "g" in rows[1] and "r" in rows[1] and "s" in rows[1] and "~" in rows[0]
+    legend = text[text.index("\nlegend: "):]  # says what the glyphs on the drawing mean, and only those
+    assert "G gather;" in legend and "RS reduce_scatter;" in legend and "~ waiting;" in legend
+    assert "under a rank, in flight: g gather, " in legend and "I backward's input half" not in legend
+    assert all(len(line) <= 100 for line in legend.splitlines())
     trace = json.loads(pipe.write_chrome_trace(timeline, tmp_path / "plan.json").read_text())
     cats = {e.get("cat") for e in trace["traceEvents"] if e["tid"] % 2 == 1 and e["ph"] == "X"}
     assert {GATHER, REDUCE_SCATTER} <= cats

@@ -29,7 +29,7 @@ from shardwise.engine.stack.compose import (
 from shardwise.engine.stack.roles import NO_SPLIT, PROTOCOLS, check_role, protocol_members, split_of
 from shardwise.testing.models import mlp
 
-TP_PLAN = {"0": sw.Colwise(), "2": sw.Rowwise()}
+TP_PLAN = {"0": sw.tp.Colwise(), "2": sw.tp.Rowwise()}
 
 
 def _step() -> sw.Step:
@@ -86,7 +86,7 @@ def test_a_spec_missing_a_member_of_its_role_is_refused_naming_it(role: str) -> 
     for member in members:
         if member == "axis":
             continue  # a dataclass field of the stub
-        with pytest.raises(TypeError, match=rf"_Other plays the role '{role}' but has no '{member}'.*roles.py"):
+        with pytest.raises(TypeError, match=rf"_Other plays the role '{role}' but has no '{member}'.*protocol {PROTOCOLS[role].__name__}"):
             check_role(_Other(role, missing=(member,)))
     with pytest.raises(TypeError, match="but has no 'rewrite'"):
         add(_step(), _Other(REWRITE if role == REWRITE else SPLIT, missing=("rewrite",)))
@@ -104,7 +104,7 @@ class _OtherRole:
 
 
 def test_a_rewrite_that_the_stated_order_does_not_place_is_refused() -> None:
-    with pytest.raises(TypeError, match=r"REWRITE_ORDER .* does not say where .* add 'other_transform' to it"):
+    with pytest.raises(TypeError, match=r"REWRITE_ORDER .* does not say where .* add 'other_transform' to that table"):
         check_stack((_Other(REWRITE),))
 
 

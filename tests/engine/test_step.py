@@ -85,7 +85,7 @@ def test_plan_lists_forward_backward_update_and_prints() -> None:
     expected = ["F(0)", "F(1)", "F(2)", "loss", "B(2)", "B(1)", "B(0)", "finish_grads", "update"]
     assert [str(a) for a in plan.for_rank(1)] == expected
     text = str(plan)
-    assert "rank 1 (dp=1): 9 actions" in text and " ".join(expected) in text
+    assert "ranks 0, 1: 9 actions" in text and " ".join(expected) in text
     assert plan.memory["params"] == (tree_nbytes(params),) * 2
     assert plan.memory["opt_state"][0] == tree_nbytes(step.optimizer.init(params))
 

@@ -23,7 +23,8 @@ def _batches(n: int = 2, rows: int = 8, dims: tuple[int, int] = (4, 3)) -> list[
 def test_a_layer_that_calls_a_collective_runs_on_thread_ranks_with_dropout() -> None:
     """The random streams' lock is lent while a rank waits in a collective inside its compute."""
     chain = sw.Chain([
-        sw.Layer("mixed", lambda p, x: sw.pmean(torch.nn.functional.dropout(x @ p["w"], 0.2), "dp"), ("w",)),
+        sw.Layer("mixed", lambda p, x: sw.collectives.pmean(torch.nn.functional.dropout(x @ p["w"], 0.2), "dp"),
+                 ("w",)),
         sw.Layer("out", lambda p, x: x @ p["v"], ("v",)),
     ])
     gen = torch.Generator().manual_seed(0)
@@ -80,7 +81,7 @@ def test_a_per_layer_reduce_dtype_is_the_one_gradients_travel_in() -> None:
 
     def travelled() -> dict[str, str]:
         state = sharded.init(params, mesh)
-        with sw.comm_ledger() as ledger:
+        with sw.collectives.comm_ledger() as ledger:
             sharded(state, batch)
         return [r.dtype for r in ledger.records if r.op == "psum_scatter" and r.rank == mesh.rank]
 
@@ -147,5 +148,5 @@ def test_a_batch_that_does_not_split_names_the_multiple_it_needs() -> None:
     need = r"a global batch size that is a multiple of 4 \(2 ranks of axis 'dp' x 2 micro-batches\)"
     with pytest.raises(ValueError, match=need):
         step.plan(sw.Mesh(dp=2), params, batch)
-    with pytest.raises(sw.RankFailed, match=need):
+    with pytest.raises(sw.collectives.RankFailed, match=need):
         sw.launch(lambda: step(step.init(params, sw.Mesh(dp=2)), batch), 2)

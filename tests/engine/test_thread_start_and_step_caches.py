@@ -14,7 +14,7 @@ from shardwise.testing.models import mlp
 def _poll_an_async_psum() -> object:
     """Rank 0 polls its handle instead of waiting on it: it never enters a blocking wait."""
     mesh = sw.Mesh(dp=2)
-    handle = sw.psum_async(torch.ones(1), "dp", mesh=mesh)
+    handle = sw.collectives.psum_async(torch.ones(1), "dp", mesh=mesh)
     deadline = time.monotonic() + 20.0  # a bound so the test ends; the peer needs a moment, not this
     while not handle.is_completed():
         if time.monotonic() > deadline:
@@ -31,7 +31,7 @@ def test_a_rank_polling_its_handle_lets_its_peer_run() -> None:
 def _slow_setup_then_psum() -> torch.Tensor:
     time.sleep(3.0)  # reading data, say: well within the timeout of 5 s
     mesh = sw.Mesh(dp=3)
-    return sw.psum(torch.ones(1), "dp", mesh=mesh)
+    return sw.collectives.psum(torch.ones(1), "dp", mesh=mesh)
 
 
 def test_setup_shorter_than_the_timeout_on_every_rank_does_not_time_out() -> None:

@@ -50,7 +50,7 @@ def _run(step: Any, axes: dict[str, int], params: Any, batches: list[Any]) -> li
         mesh = sw.Mesh(**axes) if axes else None
         state = step.init(params, mesh) if mesh is not None else step.init(params)
         reported = []
-        with sw.comm_ledger() as ledger:
+        with sw.collectives.comm_ledger() as ledger:
             for batch in batches:
                 state, metrics = step(state, batch)
                 reported.append({k: v.clone() for k, v in metrics.items() if k in ("loss", "grad_norm")})

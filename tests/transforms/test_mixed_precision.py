@@ -183,7 +183,7 @@ def test_stage3_gathers_bf16_and_reduces_in_the_reduction_dtype() -> None:
     def traffic(step: sw.Step) -> dict[str, tuple[str, int]]:
         def run() -> dict[str, tuple[str, int]]:
             state = step.init(params, sw.Mesh(dp=2))
-            with sw.comm_ledger() as ledger:
+            with sw.collectives.comm_ledger() as ledger:
                 step(state, batches[0])
             out: dict[str, tuple[str, int]] = {}
             for r in ledger.records:

@@ -74,7 +74,7 @@ ALTERNATIVES: dict[str, Callable[[Any, dict[str, Any]], list[Any]]] = {
 }
 
 
-def _fingerprint(plan: sw.Plan) -> tuple[Any, ...]:
+def _fingerprint(plan: sw.plan.Plan) -> tuple[Any, ...]:
     return plan.actions, tuple(sorted(plan.memory.items())), tuple(plan.layers.items())
 
 

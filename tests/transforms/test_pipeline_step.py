@@ -150,7 +150,10 @@ def test_bad_arguments_are_refused() -> None:
         state = piped.init(params, sw.Mesh(pp=2))
         piped(state, batches[0])
 
-    with pytest.raises(sw.RankFailed, match=r"pipeline\(microbatches=4\): batch size 6 .* does not divide into 4 equal parts"):
+    with pytest.raises(
+        sw.collectives.RankFailed,
+        match=r"pipeline\(microbatches=4\): batch size 6 .* does not divide into 4 equal parts",
+    ):
         sw.launch(run, 2)
 
 
@@ -176,7 +179,7 @@ def test_a_rank_failing_mid_step_ends_every_rank_with_its_error(schedule: str, s
             state, _ = piped(state, batch)
 
     start = time.monotonic()
-    with pytest.raises(sw.RankFailed, match="the loss broke on purpose") as info:
+    with pytest.raises(sw.collectives.RankFailed, match="the loss broke on purpose") as info:
         sw.launch(run, 2, timeout=30.0)
     assert time.monotonic() - start < 20.0
     assert info.value.rank == failing
@@ -231,7 +234,7 @@ def test_transfers_carry_only_the_tensors_when_layouts_are_predicted() -> None:
 
     def sends() -> list[tuple[str, tuple[int, ...]]]:
         state = piped.init(params, mesh)
-        with sw.comm_ledger() as ledger:
+        with sw.collectives.comm_ledger() as ledger:
             piped(state, batches[0])
         return [(r.dtype, r.shape) for r in ledger.records if r.op == "send"]
 

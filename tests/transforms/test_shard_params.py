@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
+import optree
 import pytest
 import torch
 from hypothesis import given
@@ -137,7 +138,7 @@ def _zero_volume(step: sw.Step, params: dict, n: int) -> tuple[int, int, list]:
 
     def one_step() -> tuple[int, list]:
         state = step.init(params, mesh)
-        with sw.comm_ledger() as ledger:
+        with sw.collectives.comm_ledger() as ledger:
             step(state, batch)
         zero = sum(r.sent_bytes for r in ledger.records if r.op in ("all_gather", "psum_scatter"))
         other = [(r.op, r.shape) for r in ledger.records if r.op not in ("all_gather", "psum_scatter")]
@@ -217,7 +218,7 @@ def test_checkpoint_round_trip_continues_identically(tmp_path) -> None:  # type:
 
 def test_plan_shows_overlap() -> None:
     base, _params = _uneven_mlp()
-    actions = sw.shard_params(base, "dp", 3, prefetch=1).plan(sw.Mesh(dp=2)).for_rank(0)
+    actions = sw.shard_params(base, "dp", 3, prefetch=1, reduce_in_flight=1).plan(sw.Mesh(dp=2)).for_rank(0)
     text = " ".join(map(str, actions))
     # The next layer's gather is issued before the current layer computes.
     assert text.startswith("gather(0) gather(2) wait_gather(0) F(0, mb=0)")
@@ -228,6 +229,55 @@ def test_plan_shows_overlap() -> None:
     assert text.count("wait_reduce") == text.count("reduce_scatter") == 3
     no_prefetch = " ".join(map(str, sw.shard_params(base, "dp", 3, prefetch=0).plan(sw.Mesh(dp=2)).for_rank(0)))
     assert no_prefetch.startswith("gather(0) wait_gather(0) F(0, mb=0)")
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_no_reduction_in_flight_waits_before_the_next_compute(stage: int) -> None:
+    base, params = _uneven_mlp()
+    alone = {"bucket_mb": 1e-6} if stage == 2 else {}  # every unit its own bucket
+    plans = {
+        k: sw.shard_params(base, "dp", stage, reduce_in_flight=k, **alone).plan(sw.Mesh(dp=2), params) for k in (0, 1)
+    }
+    text = " ".join(map(str, plans[0].for_rank(0)))
+    for unit in ("4", "2", "0"):  # each reduce-scatter is waited for before anything else runs
+        assert f"reduce_scatter({unit}) wait_reduce({unit})" in text
+    assert " ".join(map(str, plans[1].for_rank(0))) != text
+    # One unit's full gradient less at the peak: the largest unit (layer 0: 5*7+7 = 42 float64)
+    # is made while, with one in flight, the next largest (3*6+6 = 7*3+3 = 24) may still travel.
+    held = {k: plan.memory["reduce_buffers"][0] for k, plan in plans.items()}
+    assert held == {0: 42 * 8, 1: (42 + 24) * 8}
+    assert plans[1].memory["peak"][0] - plans[0].memory["peak"][0] == 24 * 8
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_reductions_in_flight_change_no_result(stage: int) -> None:
+    base, params = _uneven_mlp()
+    batches = [(torch.randn(4, 5, dtype=torch.float64), torch.randn(4, 6, dtype=torch.float64)) for _ in range(2)]
+
+    def run(in_flight: int) -> list:
+        step = sw.shard_params(base, "dp", stage, reduce_in_flight=in_flight)
+        mesh = sw.Mesh(dp=2)
+        state = step.init(params, mesh)
+        for b in batches:
+            state, _ = step(state, b)
+        return [t.clone() for t in optree.tree_leaves(state.params)]
+
+    waited, overlapped = sw.launch(lambda: run(0), 2), sw.launch(lambda: run(2), 2)
+    for a, b in zip(waited, overlapped, strict=True):
+        for x, y in zip(a, b, strict=True):  # the same sums in the same order: bitwise equal
+            assert torch.equal(x, y)
+
+
+def test_reductions_in_flight_default_by_device() -> None:
+    base, params = _uneven_mlp()
+    spec = sw.shard_params(base, "dp", 3).sharding_spec
+    assert spec is not None
+    assert (spec.reductions_in_flight("cpu"), spec.reductions_in_flight("cuda")) == (0, 1)
+    chosen = sw.shard_params(base, "dp", 3, reduce_in_flight=2).sharding_spec
+    assert chosen is not None and chosen.reductions_in_flight("cpu") == 2
+    # The default on a CPU is the plan of 0 in flight.
+    plan = sw.shard_params(base, "dp", 3).plan(sw.Mesh(dp=2), params)
+    assert plan.for_rank(0) == sw.shard_params(base, "dp", 3, reduce_in_flight=0).plan(sw.Mesh(dp=2), params).for_rank(0)
 
 
 @given(n=st.sampled_from([2, 4]), extra=st.integers(1, 3))
@@ -241,7 +291,7 @@ def test_batch_that_does_not_divide_is_refused(n: int, extra: int) -> None:
         mesh = sw.Mesh(dp=n)
         step(step.init(params, mesh), batch)
 
-    with pytest.raises(sw.RankFailed, match=r"batch size \d+ .* does not divide into"):
+    with pytest.raises(sw.collectives.RankFailed, match=r"batch size \d+ .* does not divide into"):
         sw.launch(run, n)
 
 
@@ -251,6 +301,9 @@ def test_bad_options_are_refused() -> None:
         sw.shard_params(base, "dp", 4)
     with pytest.raises(ValueError, match="applied twice"):
         sw.shard_params(sw.shard_params(base, "dp"), "dp")
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match=r"reduce_in_flight=.*int >= 0"):
+            sw.shard_params(base, "dp", 3, reduce_in_flight=bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="only stage 3 shards parameters"):
         sw.shard_params(base, "dp", 2, reshard_after_forward=False)
     with pytest.raises(ValueError, match="has no axis 'dp'"):

@@ -11,10 +11,10 @@ state is replicated, only coordinate 0. A flat shard starts and ends anywhere in
 parameter, so its range is cut into a few boxes (a partial row, whole rows, a
 partial row, recursively): at most ``2 * ndim - 1`` per parameter and shard.
 
-Loading reads whole tensors back from those chunks, whatever mesh wrote them, and
-lays them out exactly as ``step.init`` does (the target's :class:`StateLayout`,
-then :class:`FlatSharding`'s cuts, padding zero), so resharding is the same code
-as a fresh start.
+Loading reads of those chunks, whatever mesh wrote them, the parts that meet what a
+rank keeps on the target mesh, straight into the tensors it keeps, laid out exactly as
+``step.init`` lays them out (the target's :class:`StateLayout` and its flat units,
+padding zero): see ``load_state``.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ import optree
 import torch
 
 from ...collectives.mesh import Mesh
-from ..layout.sharding import FlatSharding
 from ..layout.state_layout import StateLayout
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes) in the global tensor
@@ -180,16 +179,16 @@ def split_opt_state(opt_state: Any, like: Any) -> tuple[dict[str, Any], dict[str
 
 
 def rebuild_opt_state(
-    template: Any, like: Any, mirror: Callable[[str], Any], scalar: Callable[[str, torch.Tensor], torch.Tensor]
+    template: Any, like: Any, mirror: Callable[[str, Any], Any], scalar: Callable[[str, torch.Tensor], torch.Tensor]
 ) -> Any:
-    """``template`` (a fresh ``optimizer.init(like)``) with each mirror subtree from ``mirror(path)``
-    and each other tensor from ``scalar(path, template_leaf)``."""
+    """``template`` (a fresh ``optimizer.init(like)``, real or meta) with each mirror subtree from
+    ``mirror(path, template_subtree)`` and each other tensor from ``scalar(path, template_leaf)``."""
 
     def walk(node: Any, path: str) -> Any:
         if node is None:
             return None
         if path and _is_mirror(node, like):
-            return mirror(path)
+            return mirror(path, node)
         children = _children(node)
         if children is None:
             return scalar(path, node)
@@ -211,10 +210,3 @@ def local_keys(layout: StateLayout, index: int, names: Mapping[str, list[str]]) 
     for owner, name in placement.replicas_of(index):
         local.setdefault(owner, []).append(name)
     return local
-
-
-def held_and_update(sharding: FlatSharding | None, master: Any, dp_index: int) -> tuple[Any, Any]:
-    """What a TrainState holds at rest and what the optimizer updates, as ``step.init`` makes them."""
-    if sharding is None:
-        return master, master
-    return sharding.held(master, dp_index), sharding.shards_of(master, dp_index)

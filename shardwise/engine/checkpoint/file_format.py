@@ -46,10 +46,9 @@ from typing import Any
 
 import torch
 
-from .cut import Box
 from .errors import CheckpointError as CheckpointError  # re-exported: callers import it from here
-from .record_io import RawData, contiguous_copy, raw_data, read_pieces
-from .regions import assemble, whole
+from .record_io import RawData, ReadBuffer, contiguous_copy, raw_data, read_box_into
+from .regions import Placed, ReadInto, fill, whole
 
 FORMAT = "shardwise-checkpoint"
 VERSION = 2  # 2: checksums in every JSON file and in the marker; 1: sizes only
@@ -102,7 +101,7 @@ class Record:
     def from_json(cls, item: Mapping[str, Any], file: str) -> Record:
         raw = None
         if "data_offset" in item:
-            raw = RawData(int(item["data_offset"]), tuple(int(c) for c in item["chunk_crc32s"]))
+            raw = RawData(int(item["data_offset"]), tuple(map(int, item["chunk_crc32s"])))
         return cls(str(item["fqn"]), tuple(item["offsets"]), tuple(item["sizes"]), file,
                    int(item["offset"]), int(item["length"]), int(item["crc32"]), raw)
 
@@ -265,7 +264,7 @@ def check_committed(directory: Path) -> dict[str, Any]:
         raise CheckpointError(
             f"checkpoint {directory}: {META} has format version {meta.get('version')!r}; this "
             f"shardwise reads versions {UNVERIFIED_VERSION} and {VERSION}: load it with the "
-            "shardwise that wrote it and export it (sw.full_state_dict)"
+            "shardwise that wrote it and export it (sw.checkpoint.full_state_dict)"
         )
     if meta["version"] != version:
         raise _modified(directory / META, what,
@@ -343,6 +342,7 @@ class Reader:
         self.tensors: dict[str, Any] = meta["tensors"]
         self.records = read_records(directory, int(meta["world"]), verify=verified(meta))
         self._files: dict[str, Any] = {}
+        self._buffer = ReadBuffer()
 
     def close(self) -> None:
         for f in self._files.values():
@@ -373,32 +373,37 @@ class Reader:
             raise CheckpointError(f"{where}: holds {type(t).__name__} {getattr(t, 'shape', '')}, expected a box of {record.sizes}")
         return t
 
-    def _pieces(self, record: Record, dtype: torch.dtype) -> Any:
-        def read(pieces: list[Box]) -> list[torch.Tensor]:
+    def _read_into(self, record: Record, dtype: torch.dtype) -> ReadInto:
+        def read(pieces: list[Placed]) -> None:
             if record.raw is None:
                 t = self._read(record)
-                return [t[tuple(slice(o, o + s) for o, s in zip(at, size, strict=True))]
-                        for at, size in pieces]
-            return read_pieces(self._file(record), self._where(record), record.offset,
-                               record.sizes, dtype, record.raw, pieces)
+                for (at, size), view in pieces:
+                    view.copy_(t[tuple(slice(o, o + s) for o, s in zip(at, size, strict=True))])
+                return
+            read_box_into(self._file(record), self._where(record), record.offset + record.raw.offset,
+                          record.sizes, dtype, pieces, record.raw.crc32s, self._buffer)
         return read
 
-    def partial(self, fqn: str, wants: list[Box]) -> torch.Tensor:
-        """Tensor ``fqn`` of its global shape with the elements of the boxes ``wants`` read (the
-        rest NaN, or 0 for integers: see ``regions``)."""
+    def _spec(self, fqn: str) -> Any:
         spec = self.tensors.get(fqn)
         if spec is None:
             raise CheckpointError(f"checkpoint {self.directory} has no tensor {fqn!r}")
+        return spec
+
+    def read_into(self, fqn: str, placed: list[Placed]) -> None:
+        """Copy the elements of tensor ``fqn`` in each box of ``placed`` into its view, reading of
+        each record only the chunks that hold them (see ``record_io``)."""
+        spec = self._spec(fqn)
         dtype = dtype_of(spec["dtype"], fqn)
-        stored = [((r.offsets, r.sizes), self._pieces(r, dtype)) for r in self.records.get(fqn, [])]
-        return assemble(f"checkpoint {self.directory}", fqn, spec["shape"], dtype, wants, stored)
+        stored = [((r.offsets, r.sizes), self._read_into(r, dtype)) for r in self.records.get(fqn, [])]
+        fill(f"checkpoint {self.directory}", fqn, spec["shape"], placed, stored)
 
     def full(self, fqn: str) -> torch.Tensor:
         """The whole tensor ``fqn``, assembled from the boxes every rank saved of it."""
-        spec = self.tensors.get(fqn)
-        if spec is None:
-            raise CheckpointError(f"checkpoint {self.directory} has no tensor {fqn!r}")
-        return self.partial(fqn, whole(spec["shape"]))
+        spec = self._spec(fqn)
+        out = torch.empty(tuple(spec["shape"]), dtype=dtype_of(spec["dtype"], fqn))
+        self.read_into(fqn, [(whole(spec["shape"])[0], out)])
+        return out
 
 
 def dcp_metadata(meta: Mapping[str, Any], records: Mapping[str, list[Record]], aliases: Mapping[str, str]) -> Any:

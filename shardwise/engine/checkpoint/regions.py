@@ -1,22 +1,26 @@
-"""Which elements of each saved tensor a rank reads, and building a tensor from just those.
+"""Which elements of each saved tensor a rank reads, and where in the rank's own tensors they go.
 
 A rank needs, of a parameter's global tensor, its tensor-parallel slice and, where ZeRO
 keeps only its flat shard of that (the parameters at stage 3, the optimizer state at every
-stage), only the part of the slice inside the shard: ``wanted_boxes`` says which, as boxes
-of the global tensor. A store (a checkpoint's records, safetensors files, a DCP directory)
-reads the parts of its stored boxes that meet them (``assemble``), into a tensor of the
-global shape whose other elements are NaN (for floats: if a cut downstream ever used an
-element nobody read, the values would show it, and the tests compare bitwise). The cuts
-that follow (``TensorSplit.local``, ``FlatSharding``) are the same as for whole tensors, so
-a partial load lays out state exactly as ``step.init`` does.
+stage), only the part of the slice inside the shard. ``placed_boxes`` says which, as boxes
+of the global tensor, each with the view of the rank's destination (the parameter's slice,
+or its unit's flat shard) that its elements go to; ``fill`` copies into those views the
+parts of a store's stored boxes (a checkpoint's records, safetensors files, a DCP directory)
+that meet them, so a load never builds a tensor the rank does not keep. The mapping is the
+one a save cuts with (``TensorSplit.to_global``, the units' flat offsets), so a load lays out
+state exactly as ``step.init`` does.
+
+``wanted_boxes`` and ``assemble`` serve a reader that wants the global tensor itself (a
+whole layer for ``step.init``'s one-layer path): the elements of the boxes read, the others
+NaN (for floats: if a cut downstream ever used an element nobody read, the values would
+show it, and the tests compare bitwise).
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -25,8 +29,63 @@ from ..layout.state_layout import StateLayout
 from .cut import Box, boxes, flat_start
 from .errors import CheckpointError
 
-# Reads the given pieces (boxes in a stored box's own coordinates) of one stored box.
-ReadPieces = Callable[[list[Box]], list[torch.Tensor]]
+# A box of a global tensor and the view (of the box's sizes) of a rank's tensor its elements go to.
+Placed = tuple[Box, torch.Tensor]
+# Copies the given pieces of one stored box (boxes in the stored box's own coordinates) into
+# their views.
+ReadInto = Callable[[list[Placed]], None]
+
+
+def _kept_range(
+    layout: StateLayout, coords: Mapping[str, int], layer: str, name: str, shard: bool
+) -> tuple[int, int, int | None]:
+    """``(start, stop, at)``: the elements ``[start, stop)`` of the flattened tensor-parallel
+    slice of ``(layer, name)`` this rank keeps, and where ``start`` sits in its unit's flat
+    shard when ``shard`` and ZeRO cuts it (else ``at`` is None: it keeps the whole slice)."""
+    spec = layout.leaves[(layer, name)]
+    local = spec.local_shape
+    sharding = layout.sharding
+    unit = None if sharding is None or not shard else sharding.units.get(layer)
+    if unit is None or name not in unit.names:
+        return 0, math.prod(local), None
+    assert sharding is not None
+    i = unit.names.index(name)
+    if tuple(unit.shapes[i]) != tuple(local):
+        raise CheckpointError(
+            f"{layer}.{name}: its ZeRO unit holds it as {list(unit.shapes[i])}, its shard spec says "
+            f"{list(local)}; the layout is inconsistent (a bug: please report it)"
+        )
+    offset = sum(unit.numels[:i])
+    low = coords[sharding.axis] * unit.shard_numel
+    start = min(max(low - offset, 0), math.prod(local))
+    stop = max(min(low + unit.shard_numel - offset, math.prod(local)), start)
+    return start, stop, offset + start - low
+
+
+def placed_boxes(
+    layout: StateLayout, coords: Mapping[str, int], layer: str, name: str, into: torch.Tensor, *, shard: bool
+) -> list[Placed]:
+    """The boxes of parameter ``(layer, name)``'s global tensor the rank at ``coords`` (its mesh
+    coordinates, ``mesh.coords``) keeps, each with the view of ``into`` its elements go to: ``into``
+    is the parameter's tensor-parallel slice (contiguous, of its local shape), or, when ``shard``
+    and ZeRO cuts it, its unit's flat shard."""
+    spec = layout.leaves[(layer, name)]
+    local = spec.local_shape
+    start, stop, at = _kept_range(layout, coords, layer, name, shard)
+    flat = into.view(-1)
+    base = -start if at is None else at - start  # a kept element's place in ``flat``, less its own
+    out: list[Placed] = []
+    index = None if spec.split is None else coords[spec.split.axis]
+    for offsets, sizes in boxes(local, start, stop):
+        first = base + flat_start(local, offsets)
+        view = flat[first : first + math.prod(sizes)].view(sizes)
+        if spec.split is None:
+            out.append(((offsets, sizes), view))
+            continue
+        assert index is not None
+        for moved, piece in spec.split.to_global(offsets, view, index, spec.shape):
+            out.append(((moved, tuple(piece.shape)), piece))
+    return out
 
 
 def wanted_boxes(
@@ -35,30 +94,13 @@ def wanted_boxes(
     """The boxes of parameter ``(layer, name)``'s global tensor this rank reads: its
     tensor-parallel slice, cut to its ZeRO shard when ``shard`` (what it keeps at rest)."""
     spec = layout.leaves[(layer, name)]
-    local = spec.local_shape
-    start, stop = 0, math.prod(local)
-    sharding = layout.sharding
-    unit = None if sharding is None or not shard else sharding.units.get(layer)
-    if unit is not None and name in unit.names:
-        assert sharding is not None and mesh is not None
-        i = unit.names.index(name)
-        if tuple(unit.shapes[i]) == tuple(local):  # else read it whole: a superset is still right
-            offset = sum(unit.numels[:i])
-            dp = mesh.axis_index(sharding.axis)
-            low, high = dp * unit.shard_numel, (dp + 1) * unit.shard_numel
-            start, stop = max(low, offset) - offset, max(min(high, offset + stop), offset) - offset
-    local_boxes = boxes(local, start, stop)
-    if spec.split is None:
-        return local_boxes
-    assert mesh is not None
-    index = mesh.axis_index(spec.split.axis)
-    out: list[Box] = []
-    for offsets, sizes in local_boxes:
-        for at, piece in spec.split.to_global(
-            offsets, torch.empty(sizes, device="meta"), index, spec.shape
-        ):
-            out.append((at, tuple(piece.shape)))
-    return out
+    coords = {} if mesh is None else mesh.coords
+    start, stop, at = _kept_range(layout, coords, layer, name, shard)
+    if start >= stop:
+        return []  # none of it is in this rank's shard
+    size = math.prod(spec.local_shape) if at is None else stop - start
+    into = torch.empty(spec.local_shape if at is None else (at + size,), device="meta")
+    return [box for box, _ in placed_boxes(layout, coords, layer, name, into, shard=shard)]
 
 
 def whole(shape: Sequence[int]) -> list[Box]:
@@ -100,19 +142,18 @@ def poisoned(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(tuple(shape), dtype=dtype)
 
 
-def assemble(
+def fill(
     where: str,
     key: str,
     shape: Sequence[int],
-    dtype: torch.dtype,
-    wants: list[Box],
-    stored: Iterable[tuple[Box, ReadPieces]],
-) -> torch.Tensor:
-    """Tensor ``key`` of ``shape`` with the elements of ``wants`` read from the ``stored`` boxes
-    (each with how to read pieces of it) that meet them; refused unless they cover ``wants``."""
-    out = poisoned(shape, dtype)
+    placed: list[Placed],
+    stored: Iterable[tuple[Box, ReadInto]],
+) -> None:
+    """Copy into each view of ``placed`` the elements of its box of tensor ``key`` (of ``shape``)
+    from the ``stored`` boxes (each with how to read parts of it) that meet it; refused unless
+    they cover every placed box exactly once."""
     covered = 0
-    for (offsets, sizes), read in stored:
+    for (offsets, sizes), read_into in stored:
         if len(offsets) != len(shape) or any(
             o < 0 or o + s > n for o, s, n in zip(offsets, sizes, shape, strict=True)
         ):
@@ -120,27 +161,37 @@ def assemble(
                 f"{where}: a stored box {list(offsets)}+{list(sizes)} lies outside "
                 f"{key} {list(shape)}"
             )
-        found = [m for w in wants if (m := intersect((offsets, sizes), w)) is not None]
-        if not found:
-            continue
-        pieces = [
-            (tuple(a - o for a, o in zip(at, offsets, strict=True)), size) for at, size in found
-        ]
-        for (at, size), value in zip(found, read(pieces), strict=True):
-            out[tuple(slice(a, a + s) for a, s in zip(at, size, strict=True))].copy_(
-                value.reshape(size)
-            )
+        pieces: list[Placed] = []
+        for (box_at, _), view in placed:
+            met = intersect((offsets, sizes), (box_at, tuple(view.shape)))
+            if met is None:
+                continue
+            at, size = met
+            part = view[tuple(slice(a - b, a - b + s) for a, b, s in zip(at, box_at, size, strict=True))]
+            pieces.append(((tuple(a - o for a, o in zip(at, offsets, strict=True)), size), part))
             covered += math.prod(size)
-    needed = sum(math.prod(s) for _, s in wants)
+        if pieces:
+            read_into(pieces)
+    needed = sum(math.prod(view.shape) for _, view in placed)
     if covered != needed:
         raise CheckpointError(
             f"{where}: its stored boxes hold {covered} of the {needed} elements of "
             f"{key} {list(shape)} "
             "this rank reads; a file or an index is missing boxes (or holds some twice)"
         )
+
+
+def assemble(
+    where: str,
+    key: str,
+    shape: Sequence[int],
+    dtype: torch.dtype,
+    wants: list[Box],
+    stored: Iterable[tuple[Box, ReadInto]],
+) -> torch.Tensor:
+    """Tensor ``key`` of ``shape`` with the elements of ``wants`` read from the ``stored`` boxes
+    (see ``fill``), the others poisoned."""
+    out = poisoned(shape, dtype)
+    placed = [(w, out[tuple(slice(o, o + s) for o, s in zip(*w, strict=True))]) for w in wants]
+    fill(where, key, shape, placed, stored)
     return out
-
-
-def from_bytes(data: Any, dtype: torch.dtype) -> torch.Tensor:
-    """Elements of ``dtype`` from raw little-endian bytes (a copy the tensor owns)."""
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype)

@@ -18,13 +18,13 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from .cut import Box
 from .errors import CheckpointError
-from .regions import assemble, from_bytes, runs
+from .record_io import ReadBuffer, read_box_into
+from .regions import Placed, assemble
 
 INDEX, SINGLE = "model.safetensors.index.json", "model.safetensors"
 _MAX_HEADER = 100 << 20  # the safetensors library's own bound on a header
@@ -95,20 +95,11 @@ class SafetensorsFiles:
     def read(self, key: str, wants: list[Box]) -> torch.Tensor:
         """Tensor ``key`` with the elements of ``wants`` read (see ``regions.assemble``)."""
         entry = self.entries[key]
-        itemsize = torch.empty((), dtype=entry.dtype).element_size()
 
-        def pieces(boxes: list[Box]) -> list[torch.Tensor]:
+        def read_into(pieces: list[Placed]) -> None:
             with open(entry.file, "rb") as f:
-                return [
-                    from_bytes(
-                        b"".join(
-                            _read_at(f, entry.offset + s * itemsize, n * itemsize)
-                            for s, n in runs(entry.shape, box)
-                        ),
-                        entry.dtype,
-                    )
-                    for box in boxes
-                ]
+                read_box_into(f, f"{self.where}: {entry.file.name} ({key})", entry.offset,
+                              entry.shape, entry.dtype, pieces, None, ReadBuffer())
 
         return assemble(
             self.where,
@@ -116,18 +107,8 @@ class SafetensorsFiles:
             entry.shape,
             entry.dtype,
             wants,
-            [(((0,) * len(entry.shape), entry.shape), pieces)],
+            [(((0,) * len(entry.shape), entry.shape), read_into)],
         )
-
-
-def _read_at(f: Any, offset: int, length: int) -> bytes:
-    f.seek(offset)
-    data = f.read(length)
-    if len(data) != length:
-        raise CheckpointError(
-            f"{f.name}: {length} bytes at {offset} are past its end: the file is truncated"
-        )
-    return bytes(data)
 
 
 def _header(path: Path) -> dict[str, Entry]:

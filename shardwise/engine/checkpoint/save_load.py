@@ -4,8 +4,9 @@
 optimizer state as global tensors cut into the boxes each rank owns (see
 ``checkpoint_cut``), in torch.distributed.checkpoint's file layout (see
 ``checkpoint_format``), with the step count, loss scale, mesh, transform stack and
-per-leaf shard specs. ``load(path, step, mesh)`` rebuilds each tensor a rank needs
-from those boxes and lays it out as ``step.init`` would on ``mesh``: the mesh, the
+per-leaf shard specs. ``load(path, step, mesh)`` lays out a rank's tensors as
+``step.init`` would on ``mesh`` and reads into them the parts of those boxes that meet
+them (see ``load_state``), never a whole tensor the rank does not keep: the mesh, the
 ZeRO stage, the pipeline partition and the precision policy may all differ from the
 ones that saved it, and training continues as if it had never stopped.
 
@@ -57,19 +58,9 @@ import torch
 from ...collectives.mesh import Mesh
 from ...collectives.ops import psum
 from ..layout.devices import device_of
-from ..layout.precision import DynamicLossScale, NoLossScale, StaticLossScale
 from ..layout.state import TrainState
 from ..layout.state_layout import StateLayout
-from .cut import (
-    boxes,
-    flat_start,
-    held_and_update,
-    local_keys,
-    my_regions,
-    rebuild_opt_state,
-    split_opt_state,
-    update_tree,
-)
+from .cut import boxes, flat_start, my_regions, split_opt_state, update_tree
 from .file_format import (
     COMMITTED,
     DCP_META,
@@ -93,15 +84,14 @@ from .file_format import (
     write_json,
     write_rank,
 )
+from .load_state import build_state
 from .names import module_params, state_dict_names
-from .regions import wanted_boxes
 
 __all__ = ["CheckpointError", "SaveHandle", "describe", "load", "save"]
 
 # A test's crash points: called with the name of each point a save passes (see tests).
 _fault: Callable[[str], None] | None = None
 _pending = threading.local()  # this rank's unfinished async save (ranks are threads on the threads backend)
-_LOSS_SCALES = {cls.__name__: cls for cls in (NoLossScale, StaticLossScale, DynamicLossScale)}
 
 
 def _reached(point: str) -> None:
@@ -382,7 +372,7 @@ def load(path: str | os.PathLike[str], step: Any, mesh: Mesh | None = None, *,
     params_meta, keys = _check_model(directory, meta, step, like)
     reader = Reader(directory, meta)
     try:
-        return _build_state(reader, meta, step, mesh, params_meta, keys, torch.device(device))
+        return build_state(reader, meta, step, mesh, params_meta, keys, torch.device(device))
     finally:
         reader.close()
 
@@ -448,83 +438,6 @@ def _master_meta(step: Any, tensors: Mapping[tuple[str, str], torch.Tensor]
 
 def _kind(t: torch.Tensor) -> str:
     return f"{dtype_name(t.dtype)} {list(t.shape)}"
-
-
-def _build_state(reader: Reader, meta: Mapping[str, Any], step: Any, mesh: Mesh | None,
-                 params_meta: dict[str, dict[str, torch.Tensor]], keys: Mapping[tuple[str, str], str],
-                 device: torch.device) -> TrainState:
-    layout = step.layout(mesh, params_meta)
-    index = layout.index_of(mesh)
-    local = local_keys(layout, index, {layer: list(ts) for layer, ts in params_meta.items()})
-    split_slices = _split_slicer(step, layout, mesh)
-    sharding = layout.sharding
-
-    def mine(fqn: str, layer: str, name: str, shard: bool) -> torch.Tensor:
-        """This rank's slice of ``fqn``, read only where it keeps it (see ``regions``)."""
-        part = reader.partial(fqn, wanted_boxes(layout, mesh, layer, name, shard=shard))
-        return split_slices(layer, name, part)
-
-    at_rest = sharding is not None and sharding.holds_shards  # stage 3 keeps only the shards
-    full = {layer: {n: mine(f"model.{keys[(layer, n)]}", layer, n, at_rest).to(device)
-                    for n in names} for layer, names in local.items()}
-    master = step.master_params(full)
-    dp = 0 if sharding is None or mesh is None else mesh.axis_index(sharding.axis)
-    held, update = held_and_update(sharding, master, dp)
-    template = step.optimizer.init(update)
-    wanted_mirrors, wanted_scalars = (sorted(x) for x in split_opt_state(template, update))
-    saved = meta["optimizer"]
-    if wanted_mirrors != saved["mirrors"] or wanted_scalars != saved["scalars"]:
-        raise CheckpointError(
-            f"checkpoint {reader.directory}: its optimizer state has per-parameter {saved['mirrors']} and "
-            f"{saved['scalars']}, this step's optimizer has {wanted_mirrors} and {wanted_scalars}; load it "
-            "with the optimizer that saved it"
-        )
-
-    def mirror(path: str) -> Any:
-        tree = {layer: {n: mine(f"optim.{path}.{keys[(layer, n)]}", layer, n, True).to(
-                            device=device, dtype=master[layer][n].dtype)
-                        for n in names} for layer, names in local.items()}
-        return tree if sharding is None else sharding.shards_of(tree, dp)
-
-    def scalar(path: str, like: torch.Tensor) -> torch.Tensor:
-        t = reader.full(f"optim.{path}")
-        if t.shape != like.shape:
-            raise CheckpointError(f"checkpoint {reader.directory}: optim.{path} has shape {list(t.shape)}, this optimizer's {list(like.shape)}")
-        return t.to(device=like.device, dtype=like.dtype)
-
-    opt_state = rebuild_opt_state(template, update, mirror, scalar)
-    extra = {"rng": meta["rng"]} if "rng" in TrainState._fields and meta.get("rng") is not None else {}
-    return TrainState(held, opt_state, int(meta["step"]), _loss_scale(meta, step, reader.directory), mesh=mesh,
-                      layout=layout, **extra)
-
-
-def _split_slicer(step: Any, layout: StateLayout, mesh: Mesh | None) -> Callable[[str, str, torch.Tensor], torch.Tensor]:
-    """Whole tensor -> what this rank holds of it: its slice where the layout splits it (a split transform)."""
-    index = {}
-    for spec in layout.leaves.values():
-        if spec.split is not None:
-            assert mesh is not None
-            index[spec.split.axis] = mesh.axis_index(spec.split.axis)
-
-    def cut(layer: str, name: str, whole: torch.Tensor) -> torch.Tensor:
-        split = layout.leaves[(layer, name)].split
-        return whole if split is None else split.local(whole, index[split.axis])
-
-    return cut
-
-
-def _loss_scale(meta: Mapping[str, Any], step: Any, directory: Path) -> Any:
-    initial = step.initial_loss_scale()
-    saved = meta["loss_scale"]
-    if saved is None:
-        return initial  # nothing to restore: the step's own starting value
-    if initial is None or type(initial).__name__ != saved["type"]:
-        raise CheckpointError(
-            f"checkpoint {directory} carries a {saved['type']}, but this step's loss scale is "
-            f"{type(initial).__name__ if initial is not None else 'none'}: load it with a mixed_precision "
-            f"step whose loss_scale is a {saved['type']}"
-        )
-    return _LOSS_SCALES[saved["type"]](**saved["fields"])
 
 
 def describe(path: str | os.PathLike[str]) -> dict[str, Any]:

@@ -31,12 +31,11 @@ def full_state_dict(step: Any, state: TrainState) -> dict[str, torch.Tensor]:
     """The module's ``state_dict()`` from a state of ``step`` (every rank calls it: it gathers).
 
     >>> import torch, shardwise as sw
-    >>> from shardwise.engine.checkpoint.state_dict import full_state_dict
     >>> model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Tanh(), torch.nn.Linear(2, 1))
     >>> chain, params = sw.functionalize(model)
     >>> step = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1))
     >>> state, _ = step(step.init(params), (torch.randn(4, 3), torch.randn(4, 1)))
-    >>> sd = full_state_dict(step, state)
+    >>> sd = sw.checkpoint.full_state_dict(step, state)
     >>> sorted(sd), model.load_state_dict(sd, strict=True)
     (['0.bias', '0.weight', '2.bias', '2.weight'], <All keys matched successfully>)
     """

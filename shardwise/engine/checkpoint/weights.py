@@ -33,7 +33,7 @@ from ..layout.state_layout import StateLayout
 from .cut import Box
 from .errors import CheckpointError
 from .names import StateDictNames, module_params, state_dict_names
-from .regions import assemble, wanted_boxes, whole
+from .regions import Placed, ReadInto, assemble, wanted_boxes, whole
 from .safetensors_files import SafetensorsFiles
 from .state_dict import read_dcp_metadata
 
@@ -105,8 +105,8 @@ class DcpFiles:
         return assemble(self.where, key, tuple(spec.size), spec.properties.dtype, wants, stored)
 
 
-def _chunk_reader(path: Path, fqn: str, info: Any) -> Any:
-    def read(pieces: list[Box]) -> list[torch.Tensor]:
+def _chunk_reader(path: Path, fqn: str, info: Any) -> ReadInto:
+    def read(pieces: list[Placed]) -> None:
         if getattr(info, "transform_descriptors", None):
             raise CheckpointError(
                 f"{path}: {fqn} is stored with transforms {info.transform_descriptors}, "
@@ -121,10 +121,8 @@ def _chunk_reader(path: Path, fqn: str, info: Any) -> Any:
             raise CheckpointError(
                 f"{path}: the chunk of {fqn} in {info.relative_path} does not load: {err}"
             ) from None
-        return [
-            box[tuple(slice(o, o + s) for o, s in zip(at, size, strict=True))]
-            for at, size in pieces
-        ]
+        for (at, size), view in pieces:
+            view.copy_(box[tuple(slice(o, o + s) for o, s in zip(at, size, strict=True))])
 
     return read
 

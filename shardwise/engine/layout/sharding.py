@@ -13,11 +13,53 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+# (parameter name or None for padding, start, stop) in that parameter's flattened values
+Segment = tuple[str | None, int, int]
+
+
+def segments(unit: UnitLayout, lo: int, hi: int) -> list[Segment]:
+    """The pieces of the unit's flat range ``[lo, hi)``, in order: slices of its parameters and the padding."""
+    out: list[Segment] = []
+    offset = 0
+    for name, numel in zip(unit.names, unit.numels, strict=True):
+        start, stop = max(offset, lo), min(offset + numel, hi)
+        if start < stop:
+            out.append((name, start - offset, stop - offset))
+        offset += numel
+    start = max(offset, lo)
+    if start < hi:
+        out.append((None, 0, hi - start))
+    return out
+
+
+def shard_from(unit: UnitLayout, tensors: Mapping[str, torch.Tensor], index: int) -> torch.Tensor:
+    """Shard ``index`` of the unit cut from its full parameters: one copy of the shard's values,
+    not a flat buffer of the whole unit first."""
+    lo = index * unit.shard_numel
+    pieces = pieces_of(segments(unit, lo, lo + unit.shard_numel), tensors, unit.dtype)
+    if not pieces:
+        return torch.empty(0, dtype=unit.dtype)
+    return torch.cat(pieces) if len(pieces) > 1 else pieces[0].clone()
+
+
+def pieces_of(found: Sequence[Segment], tensors: Mapping[str, torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
+    """The 1-D slices ``found`` names (zeros for padding, and for a parameter absent from ``tensors``)."""
+    like = next(iter(tensors.values()), None)
+    out: list[torch.Tensor] = []
+    for name, start, stop in found:
+        t = tensors.get(name) if name is not None else None
+        if t is None:
+            device = like.device if like is not None else None
+            out.append(torch.zeros(stop - start, dtype=dtype if like is None else like.dtype, device=device))
+        else:
+            out.append(t.reshape(-1)[start:stop])
+    return out
 
 
 @dataclass(frozen=True)
@@ -159,7 +201,7 @@ class FlatSharding:
 
     def shards_of(self, params: Mapping[str, Mapping[str, torch.Tensor]], index: int) -> dict[str, torch.Tensor]:
         """This rank's shard of every unit, cut from full parameters."""
-        return {u: lay.shard_of(lay.flatten(params[u]), index) for u, lay in self.units.items()}
+        return {u: shard_from(lay, params[u], index) for u, lay in self.units.items()}
 
     def held(self, params: Mapping[str, Mapping[str, torch.Tensor]], index: int) -> Any:
         """What a TrainState holds at rest: the shards (stage 3) or the full parameters."""

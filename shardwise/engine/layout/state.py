@@ -29,8 +29,8 @@ class TrainState(NamedTuple):
     ``step`` counts completed updates. ``loss_scale`` is ``None`` unless a
     mixed-precision transform with loss scaling put one there. ``mesh`` and
     ``layout`` are static: the mesh the state lives on and how the parameters
-    are laid out on it (engine/layout/state_layout.py's StateLayout). ``rng`` is the seed of
-    the step's random streams (engine/run/rng.py): with ``step`` it decides every
+    are laid out on it (a ``sw.layout.StateLayout``). ``rng`` is the seed of
+    the step's random streams: with ``step`` it decides every
     dropout mask, so a resumed run continues identically.
     """
 

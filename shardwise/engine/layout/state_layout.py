@@ -139,6 +139,8 @@ class TensorSplit:
 
     def local(self, full: torch.Tensor, index: int) -> torch.Tensor:
         """Axis index ``index``'s slice of the whole parameter ``full`` (a copy)."""
+        if full.is_meta:  # shapes only (a Plan of a meta-built model): no chunks to cut and join
+            return torch.empty(self.local_shape(full.shape), dtype=full.dtype, device="meta")
         blocks = full.chunk(self.blocks, self.dim) if self.blocks > 1 else (full,)
         return torch.cat([b.chunk(self.parts, self.dim)[index] for b in blocks], self.dim).clone()
 

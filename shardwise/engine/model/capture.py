@@ -36,8 +36,9 @@ at the example's values and checked on every call.
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,10 +46,11 @@ import optree
 import torch
 from torch import Tensor, nn
 
-from ..torch_api import is_fake
+from ..torch_api import fake_tensors, is_fake
 from .fx_split import FunctionalizeError
 from .module_call import ThreadReplicas, call_arguments
 from .pytrees import register_output_types
+from .reuse import module_signature, reusing_forwards
 
 EMBED, HEAD = "embed", "head"
 
@@ -80,8 +82,13 @@ class _Recording:
     executed: list[str]  # unit paths in the order forward ran them
 
 
-def _record(root: nn.Module, paths: list[str], x: Any) -> _Recording:
+def _record(root: nn.Module, paths: list[str], x: Any, fake_units: bool = False) -> _Recording:
+    """Run ``root(x)`` once with hooks. ``fake_units``: from the first unit's call on, run on fake
+    tensors (shapes and dtypes, no arithmetic): the units and the code after them are most of a
+    large model's cost, while the code before them (the attention mask, which may read ids and
+    skip a mask it does not need) runs on the real example, as at run time."""
     unit_index = {p: i for i, p in enumerate(paths)}
+    faking = contextlib.ExitStack()
     calls: dict[int, _UnitCall] = {}
     phase: dict[str, set[str]] = {}
     state = {"started": 0, "ended": 0}
@@ -102,6 +109,9 @@ def _record(root: nn.Module, paths: list[str], x: Any) -> _Recording:
                         f"functionalize: unit {path!r} is called more than once in forward, but a unit "
                         "is one layer and runs once; make the code that calls it repeatedly the unit instead."
                     )
+                if fake_units and state["started"] == 0:
+                    faking.enter_context(fake_tensors())
+                    faking.enter_context(reusing_forwards([root.get_submodule(p) for p in paths]))
                 calls[i] = _UnitCall(tuple(args), dict(kwargs))
                 state["started"] += 1
 
@@ -122,6 +132,7 @@ def _record(root: nn.Module, paths: list[str], x: Any) -> _Recording:
         with torch.no_grad():
             output = root(*args, **kwargs)
     finally:
+        faking.close()
         for h in handles:
             h.remove()
     missing = [p for i, p in enumerate(paths) if i not in calls]
@@ -478,6 +489,14 @@ class UnitFn:
     def __init__(self, unit: nn.Module, path: str, index: int, layout: _Layout) -> None:
         self.replicas = ThreadReplicas(unit, prefix=path + ".")
         self.path, self.index, self.layout = path, index, layout
+        # Read off the model's own unit (its skeleton is a copy: the config it shares with the other
+        # units would compare unequal): units of one kind, called alike, compute alike.
+        signature = module_signature(unit)
+        self._reuse_key = None if signature is None else (UnitFn, signature, layout.slot, layout.units[index])
+
+    def reuse_key(self) -> Hashable | None:
+        """Equal for units that compute alike (see ``engine/model/reuse.py``)."""
+        return self._reuse_key
 
     def __call__(self, tensors: dict[str, Tensor], carry: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
         rest_args, rest_kwargs = self.layout.units[self.index].rebuild(carry)
@@ -515,12 +534,13 @@ class HeadFn:
 
 
 def split_by_calls(
-    root: nn.Module, paths: list[str], example: Any, ordered: bool
+    root: nn.Module, paths: list[str], example: Any, ordered: bool, fake_units: bool = False
 ) -> list[tuple[str, Piece]]:
     """``embed``, one piece per unit, ``head``: the layers of the call-recording split.
 
-    ``ordered``: the paths were listed by the user, and must be in execution order."""
-    recording = _record(root, paths, example)
+    ``ordered``: the paths were listed by the user, and must be in execution order.
+    ``fake_units``: record the units and the code after them on fake tensors (see ``_record``)."""
+    recording = _record(root, paths, example, fake_units)
     if recording.executed != paths:
         if ordered:
             raise FunctionalizeError(
@@ -528,7 +548,7 @@ def split_by_calls(
                 f"{recording.executed}"
             )
         paths = recording.executed
-        recording = _record(root, paths, example)
+        recording = _record(root, paths, example, fake_units)
     slot = _hidden_slot(paths, recording.calls)
     layout = _Layout(paths, recording.calls, slot, example)
     stubbed = _stubbed_root(root, paths, recording, slot)

@@ -84,6 +84,7 @@ from .fx_split import FunctionalizeError, FxTraceError, split_graph
 from .materialize import InitFn, ModuleInit, has_meta_tensors, is_transformers_model, stand_in
 from .module_call import ThreadReplicas, call_arguments
 from .pytrees import float_leaves, register_output_types, unregistered_reason
+from .shape_check import check_shapes_against_module
 
 __all__ = ["FunctionalizeError", "functionalize"]
 
@@ -113,11 +114,14 @@ def functionalize(
         example_input: if given, ``module(example_input)`` and the chain are run on it and
             must agree bitwise, no layer may modify its buffers, and every layer output must
             carry a floating-point tensor. A split that records calls (Hugging Face models,
-            modules fx cannot trace) is recorded on it, and checked on it always.
+            modules fx cannot trace) is recorded on it, and checked on it always. For a module
+            built on the meta device both run on fake tensors from the first unit on (see
+            ``capture._record`` and ``shape_check``): structure, shapes and dtypes agree, and
+            identical blocks run once.
         init_fn: for a module built on the meta device: ``fn(module)`` that initializes a
             module's own parameters and buffers (as ``model.apply(fn)`` would apply it); by
             default a Hugging Face model's ``_init_weights``, else each module's
-            ``reset_parameters()`` (see :mod:`shardwise.engine.model.materialize`).
+            ``reset_parameters()`` (docs/guide.md, "Models larger than one rank").
         device: for a module built on the meta device: where its buffers are made now and its
             parameters later, by ``Step.init`` (default: the CPU).
 
@@ -137,14 +141,16 @@ def functionalize(
     """
     _refuse_stateful(module)
     init, target, origin = _meta_init(module, init_fn, device)
-    pieces, recorded = _pieces(target, units, example_input)
+    pieces, recorded = _pieces(target, units, example_input, meta_built=init is not None)
     chain, params, sources = _build_chain(pieces)
     if units is None and isinstance(module, nn.Sequential):
         for layer in chain:  # each layer calls a child: its modules' paths in the model start with its name
             layer.fn.root_prefix = layer.name  # type: ignore[attr-defined]
     if recorded is not None:
         example_input = recorded
-    if example_input is not None:
+    if example_input is not None and init is not None:
+        check_shapes_against_module(target, chain, params, example_input, _check_passable, _unit_modules(target, units))
+    elif example_input is not None:
         _check_against_module(target, chain, params, example_input)
     if init is None:
         return chain, params
@@ -152,6 +158,12 @@ def functionalize(
     meta, paths = _meta_params(target, sources, origin)
     meta = {layer: meta.get(layer, {}) for layer in params}  # every layer has an entry
     return Chain(chain.layers, ModuleInit(module, paths, init.init_fn, init.device)), meta
+
+
+def _unit_modules(module: nn.Module, units: Units) -> list[nn.Module]:
+    """The modules ``units`` names in ``module`` (none for the default split)."""
+    paths = None if units is None else _resolve_units(module, units)
+    return [] if paths is None else [module.get_submodule(p) for p in paths]
 
 
 def _meta_init(
@@ -193,9 +205,10 @@ def _meta_params(
 Piece_ = tuple[str, nn.Module | Piece]
 
 
-def _pieces(module: nn.Module, units: Units, example: Any) -> tuple[list[Piece_], Any]:
+def _pieces(module: nn.Module, units: Units, example: Any, meta_built: bool) -> tuple[list[Piece_], Any]:
     """(layer name, module or Piece to call) for each layer, and the input the split was
-    recorded on (None when it was not recorded: the whole module, a Sequential, fx)."""
+    recorded on (None when it was not recorded: the whole module, a Sequential, fx). A
+    meta-built module's units are recorded on fake tensors (``capture._record``)."""
     if units is None:
         if isinstance(module, nn.Sequential):
             # _modules, not named_children(): a child repeated at two indices is two layers (tied).
@@ -218,7 +231,7 @@ def _pieces(module: nn.Module, units: Units, example: Any) -> tuple[list[Piece_]
                 ) from e
     # Hugging Face models, and modules fx cannot trace: record the calls on an example input.
     example = example if example is not None else _dummy_input(module)
-    return list(split_by_calls(module, paths, example, ordered=ordered)), example
+    return list(split_by_calls(module, paths, example, ordered=ordered, fake_units=meta_built)), example
 
 
 def _dummy_input(module: nn.Module) -> Tensor:

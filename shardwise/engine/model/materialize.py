@@ -144,7 +144,7 @@ class ModuleInit:
                 f"({type(owner).__name__} at {'.'.join(path.split('.')[:-1]) or 'the root'!r}) has no "
                 "reset_parameters() to initialize it; pass functionalize(..., init_fn=fn), an "
                 "fn(module) that initializes a module's own parameters and buffers (applied as "
-                "model.apply(fn) would), or load the values (sw.init_from_state_dict)."
+                "model.apply(fn) would), or load the values (sw.checkpoint.init_from_state_dict)."
             )
 
 

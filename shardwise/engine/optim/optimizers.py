@@ -69,8 +69,8 @@ class Optimizer(NamedTuple):
 
     ``init(params) -> state``; ``update(grads, state, params) -> (new_params, new_state)``,
     where ``grads`` has the same tree structure as ``params``. With ``groups`` (see
-    :mod:`shardwise.engine.optim.groups`), ``update`` also takes ``runs=``: a tree like
-    ``params`` of :class:`~shardwise.engine.optim.groups.Runs`, each leaf's options range by
+    :func:`sw.optim.group`), ``update`` also takes ``runs=``: a tree like
+    ``params`` of ``Runs``, each leaf's options range by
     range, which a Step gives for ZeRO's flat shards; without it the options are resolved
     from the tree's own paths and shapes.
     """
@@ -125,7 +125,7 @@ def sgd(
     ``donate_argnums``). ``step.init`` copies the parameters it is given, so those stay intact.
 
     ``groups``: per-parameter options, ``[sw.optim.group("*.bias", weight_decay=0.0), ...]``
-    (first match wins; see :func:`~shardwise.engine.optim.groups.group`), as torch's param
+    (first match wins; see :func:`sw.optim.group`), as torch's param
     groups with ``lr = lr * lr_scale``; a frozen group's parameters and buffers stay as they are.
     """
     schedule = _as_schedule(lr)

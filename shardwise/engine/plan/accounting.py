@@ -31,6 +31,7 @@ import optree
 import torch
 
 from ..model.chain import Chain
+from ..model.reuse import LayerMemo
 from ..torch_api import fake_tensors, storage_key
 
 Observer = Callable[[torch.Tensor], None]
@@ -83,15 +84,28 @@ class KeptParts(NamedTuple):
 
 
 def kept_parts(
-    chain: Chain, params: Mapping[str, Mapping[str, torch.Tensor]], inputs: Any
+    chain: Chain, params: Mapping[str, Mapping[str, torch.Tensor]], inputs: Any, *, reuse: bool = False
 ) -> KeptParts:
-    """:func:`kept_for_backward`, with what each layer keeps of the batch's own storages apart."""
+    """:func:`kept_for_backward`, with what each layer keeps of the batch's own storages apart.
+
+    ``reuse`` (on fake tensors only): a layer identical to one run before, on tensors and an input
+    like its, is not run again; its figures and output are that one's (``engine/model/reuse.py``:
+    a Llama's 80 blocks run once)."""
     own: dict[str, int] = {}
     of_batch: dict[str, dict[int, int]] = {}
     batch = {storage_key(t) for t in optree.tree_leaves(inputs) if isinstance(t, torch.Tensor)}
     x = optree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, inputs)
+    memo = LayerMemo(batch) if reuse else None
     for layer in chain:
         local = {k: v.detach().requires_grad_(True) for k, v in chain.layer_params(params, layer.name).items()}
+        key = None if memo is None else memo.key(layer.fn, {**local, **layer.buffers}, x, layer.name)
+        found = None if memo is None else memo.lookup(key, x)
+        if found is not None:  # a layer like one run before, on an input like its: it keeps alike
+            y, (own[layer.name], kept_inputs) = found
+            leaves = optree.tree_leaves(x, none_is_leaf=True)
+            of_batch[layer.name] = {storage_key(leaves[i]): n for i, n in kept_inputs.items()}
+            x = _cut(y)
+            continue
         kept: list[torch.Tensor] = []
         with torch.enable_grad(), observing(kept.append):
             y = layer(local, x)
@@ -102,8 +116,24 @@ def kept_parts(
         own[layer.name] = sum(n for key, n in sizes.items() if key not in batch)
         of_batch[layer.name] = {key: n for key, n in sizes.items() if key in batch}
         del kept
+        if memo is not None:
+            kept_inputs = _as_input_leaves(x, of_batch[layer.name])
+            if kept_inputs is not None:
+                memo.store(key, x, y, (own[layer.name], kept_inputs))
         x = _cut(y)
     return KeptParts(own, of_batch)
+
+
+def _as_input_leaves(x: Any, kept: Mapping[int, int]) -> dict[int, int] | None:
+    """The kept batch storages as indices of ``x``'s leaves (what a layer like this one keeps of
+    its own input), or None when one is not among them."""
+    first: dict[int, int] = {}
+    for i, t in enumerate(optree.tree_leaves(x, none_is_leaf=True)):
+        if isinstance(t, torch.Tensor):
+            first.setdefault(storage_key(t), i)
+    if any(key not in first for key in kept):
+        return None
+    return {first[key]: n for key, n in kept.items()}
 
 
 def kept_for_backward(
@@ -123,9 +153,10 @@ def predict_kept_for_backward(
 
 
 def predict_kept_parts(
-    chain: Chain, params: Mapping[str, Mapping[str, torch.Tensor]], inputs: Any
+    chain: Chain, params: Mapping[str, Mapping[str, torch.Tensor]], inputs: Any, *, reuse: bool = True
 ) -> KeptParts:
-    """:func:`kept_parts` on fake copies (see :func:`predict_kept_for_backward`)."""
+    """:func:`kept_parts` on fake copies (see :func:`predict_kept_for_backward`), identical layers
+    run once unless ``reuse=False``."""
     # Meta parameters (a meta-built model) are predicted on the device the batch is on.
     device = next((t.device for t in optree.tree_leaves(inputs) if isinstance(t, torch.Tensor)), "cpu")
     with fake_tensors(device) as fake:
@@ -133,4 +164,4 @@ def predict_kept_parts(
             [dataclasses.replace(layer, buffers={k: fake(v) for k, v in layer.buffers.items()}) for layer in chain]
         )
         fake_params = {layer: {k: fake(t) for k, t in tensors.items()} for layer, tensors in params.items()}
-        return kept_parts(fake_chain, fake_params, optree.tree_map(fake, inputs))
+        return kept_parts(fake_chain, fake_params, optree.tree_map(fake, inputs), reuse=reuse)

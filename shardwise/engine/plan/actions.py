@@ -15,7 +15,6 @@ Actions are small frozen values with a short text form (``F(blocks.0)``,
 
 from __future__ import annotations
 
-import textwrap
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -23,6 +22,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ...collectives.mesh import Mesh
+from .text import plan_text
 
 # -- compute --------------------------------------------------------------------------------
 FORWARD = "forward"  # a stage's layers on one micro-batch
@@ -135,6 +135,8 @@ class Action:
     wire: tuple[Wire, ...] = ()
     tied: int | None = None  # the index of a weight tied across pipeline ranks (Placement.tied)
     label: str | None = None  # the text form of the action's subject, when not ``layer``
+    # A ZeRO bucket's units, in its order (``layer`` is the first), when several travel as one collective
+    units: tuple[str, ...] = ()
 
     @property
     def mb(self) -> int:
@@ -242,17 +244,4 @@ class Plan:
         return {k: tuple(v) for k, v in sorted(out.items())}
 
     def __str__(self) -> str:
-        lines = [f"Plan on {self.mesh!r}: {self.mesh.size} rank(s)"]
-        for rank, actions in enumerate(self.actions):
-            coords = ", ".join(f"{k}={v}" for k, v in self.mesh.coords_of(rank).items())
-            body = " ".join(str(a) for a in actions)
-            lines.append(f"rank {rank} ({coords}): {len(actions)} actions")
-            lines.extend(textwrap.wrap(body, width=96, initial_indent="  ", subsequent_indent="  "))
-        for layer, notes in self.layers.items():
-            lines.append(f"layer {layer}: {'; '.join(notes)}")
-        for key, per_rank in self.memory.items():
-            lines.append(f"{key} bytes per rank: {list(per_rank)}")
-        for (axis, op), per_rank in self.comm_bytes().items():
-            if any(per_rank):
-                lines.append(f"{op} over {axis!r} bytes per rank: {list(per_rank)}")
-        return "\n".join(lines)
+        return plan_text(self)

@@ -31,6 +31,7 @@ from ..layout.precision import compute_dtype
 from ..layout.sharding import FlatSharding
 from ..layout.state_layout import Placement
 from ..model.chain import Chain
+from ..model.reuse import LayerMemo
 from ..stack.compose import PLACEMENT, SHARDING, find, reshard_after_forward
 from ..stack.roles import split_of
 from ..torch_api import fake_tensors
@@ -143,10 +144,14 @@ def metric_axes(step: Step) -> tuple[str, ...]:
 
 
 def rank_actions(
-    step: Step, placement: Placement, schedule: Any, index: int, units: Sequence[str] | None
+    step: Step, placement: Placement, schedule: Any, index: int, units: Sequence[str] | None,
+    device: torch.device | str = "cpu", sizes: Mapping[str, tuple[int, str]] | None = None,
 ) -> tuple[Action, ...]:
     """The actions of pipeline index ``index`` (every rank along the other axes runs the same list);
-    ``units`` are the rank's ZeRO units (the layers it holds parameters of), under shard_params."""
+    ``units`` are the rank's ZeRO units (the layers it holds parameters of), under shard_params;
+    ``device`` where the rank computes (shard_params' default of reductions in flight depends on it);
+    ``sizes`` each unit's (bytes, dtype) of its gradient on the wire, which buckets are made of
+    (None: unknown, each unit reduced alone)."""
     pipe, zero = find(step.transforms, PLACEMENT), find(step.transforms, SHARDING)
     if pipe is not None:
         actions = list(pipe.rank_computes(placement, schedule, index))
@@ -156,6 +161,8 @@ def rank_actions(
     units = list(units or ())
     if zero is not None:
         tied_units = {owner for owner, _, users in placement.tied if index in users}
+        # Stage 1 holds every full gradient until the end of the step, where it reduces them (in
+        # buckets): issuing them during the backward would make it stage 2.
         deferred = units if zero.stage == 1 else [u for u in units if u in tied_units]
         actions = zero.insert(
             actions,
@@ -173,9 +180,16 @@ def rank_actions(
                 actions += [Action(SEND_TIED, owner, axis=pipe.axis, peer=p, tied=i) for p in peers]
                 actions += [Action(RECV_TIED, owner, axis=pipe.axis, peer=p, tied=i) for p in peers]
                 actions.append(Action(SUM_TIED, owner, tied=i))
+    buckets: list[tuple[str, ...]] = [(u,) for u in units]
     if zero is not None:
-        actions += [Action(REDUCE_SCATTER, u, axis=zero.axis) for u in deferred]
-        actions = _waits_for_reductions(actions, zero.axis, deferred=len(deferred))
+        late = [(u,) for u in deferred]
+        if sizes is not None:
+            actions, buckets = _bucket_reductions(actions, zero, sizes)
+            late = zero.buckets(deferred, sizes)
+            buckets = [*buckets, *late]
+        actions += [_bucket_action(REDUCE_SCATTER, b, zero.axis) for b in late]
+        in_flight = zero.reductions_in_flight(device)
+        actions = _waits_for_reductions(actions, zero.axis, deferred=len(late), in_flight=in_flight)
     actions.append(Action(FINISH_GRADS))
     split_axis = split_of(step.transforms).axis
     if split_axis is not None:  # the split's replicated gradients are compared over its axis
@@ -193,39 +207,77 @@ def rank_actions(
         at = next(i for i, a in enumerate(actions) if a.kind == UPDATE)
         actions.insert(at, Action(WAIT_CHECK, axis=split_axis))
     if zero is not None and zero.stage != 3:
-        actions += [Action(GATHER_PARAMS, u, axis=zero.axis) for u in units]
-        actions += [Action(WAIT_PARAMS, u, axis=zero.axis) for u in units]
+        in_buckets = {u for b in buckets for u in b}
+        gathered = [*buckets, *((u,) for u in units if u not in in_buckets)]
+        actions += [_bucket_action(GATHER_PARAMS, b, zero.axis) for b in gathered]
+        actions += [_bucket_action(WAIT_PARAMS, b, zero.axis) for b in gathered]
     return tuple(actions)
 
 
-# Reduce-scatters of the backward in flight at once (see _waits_for_reductions).
-REDUCTIONS_IN_FLIGHT = 1
+def _bucket_action(kind: str, units: tuple[str, ...], axis: str) -> Action:
+    if len(units) == 1:
+        return Action(kind, units[0], axis=axis)
+    return Action(kind, units[0], axis=axis, units=units, label="+".join(units))
 
 
-def _waits_for_reductions(actions: list[Action], axis: str, deferred: int) -> list[Action]:
-    """A wait for each reduce-scatter: at most ``REDUCTIONS_IN_FLIGHT`` of the backward's in
-    flight (the oldest waited for just before another is issued), the last ``deferred`` ones
-    (issued together at the end of the step) all at once, then waited for in order.
+def _bucket_reductions(
+    actions: list[Action], zero: Any, sizes: Mapping[str, tuple[int, str]]
+) -> tuple[list[Action], list[tuple[str, ...]]]:
+    """The backward's reduce-scatters grouped into the spec's buckets, each issued where its last
+    unit's gradient is complete (that unit's own reduce-scatter was there); and the buckets."""
+    order = [a.require("layer") for a in actions if a.kind == REDUCE_SCATTER]
+    buckets = zero.buckets(order, sizes)
+    last = {b[-1]: b for b in buckets}
+    out = []
+    for a in actions:
+        if a.kind != REDUCE_SCATTER:
+            out.append(a)
+        elif a.layer in last:
+            out.append(_bucket_action(REDUCE_SCATTER, last[a.layer], zero.axis))
+    return out, buckets
+
+
+def reduce_sizes(step: Step, sharding: FlatSharding | None) -> dict[str, tuple[int, str]] | None:
+    """Each unit's (bytes, dtype) of its gradient on the wire: what buckets are made of."""
+    if sharding is None:
+        return None
+    out = {}
+    for u, lay in sharding.units.items():
+        dtype = step.precision.for_layer(u).reduce if step.precision is not None else lay.dtype
+        out[u] = (wire_of(lay.padded_numel, dtype).nbytes, f"{dtype}/{lay.dtype}")
+    return out
+
+
+def _waits_for_reductions(actions: list[Action], axis: str, deferred: int, in_flight: int) -> list[Action]:
+    """A wait for each reduce-scatter: at most ``in_flight`` of the backward's in flight (0: each
+    waited for right after it is issued, before the next compute; else the oldest waited for just
+    before another is issued), the last ``deferred`` ones (issued together at the end of the
+    step) all at once, then waited for in order.
 
     A unit's full local gradient lives until its reduce-scatter is waited for: waiting for them
     all at the end kept the whole model's gradients at once (a ZeRO-3 rank's peak held the
-    model's gradients, not its shards). One in flight, as FSDP2: each still has the next unit's
-    backward to overlap with. Measured on gloo (an 8 x Linear(512) MLP, world 2, three paired
-    runs of 30 steps, step time over FSDP2's): ZeRO-3 0.71 with one in flight, 0.70 with two or
-    four, 0.71 with all; ZeRO-2 0.60, 0.57, 0.53 and 0.56: within the noise, for one unit's
-    gradient more per reduction in flight. The deferred ones (stage 1, tied units) come after
-    the backward, where the full gradients are held anyway: all in flight, as before."""
+    model's gradients, not its shards). One in flight, as FSDP2 on a GPU: each still has the
+    next unit's backward to overlap with, for one unit's full gradient more at the peak. On gloo
+    (an 8 x Linear(512) MLP, world 2, three paired runs of 30 steps, step time over FSDP2's):
+    ZeRO-3 0.71 with one in flight, 0.70 with two or four, 0.71 with all; ZeRO-2 0.60, 0.57,
+    0.53 and 0.56: within the noise, so none in flight is the CPU default (see ShardSpec). The
+    deferred ones (stage 1, tied units) come after the backward, where the full gradients are
+    held anyway: all in flight."""
     out: list[Action] = []
-    pending: list[str] = []
+    pending: list[tuple[str, ...]] = []
     reductions = [i for i, a in enumerate(actions) if a.kind == REDUCE_SCATTER]
     bounded = set(reductions[: len(reductions) - deferred])
     for i, action in enumerate(actions):
-        if i in bounded and len(pending) >= REDUCTIONS_IN_FLIGHT:
-            out.append(Action(WAIT_REDUCE, pending.pop(0), axis=axis))
+        if i in bounded and in_flight > 0 and len(pending) >= in_flight:
+            out.append(_bucket_action(WAIT_REDUCE, pending.pop(0), axis))
         out.append(action)
         if action.kind == REDUCE_SCATTER and action.layer is not None:
-            pending.append(action.layer)
-    out += [Action(WAIT_REDUCE, unit, axis=axis) for unit in pending]
+            units = action.units or (action.layer,)
+            if i in bounded and in_flight == 0:
+                out.append(_bucket_action(WAIT_REDUCE, units, axis))
+            else:
+                pending.append(units)
+    out += [_bucket_action(WAIT_REDUCE, units, axis) for units in pending]
     return out
 
 
@@ -305,13 +357,15 @@ def annotate(
         wire: tuple[Wire, ...] = ()
         if a.kind in (GATHER, REDUCE_SCATTER, GATHER_PARAMS) and sharding is not None and a.layer is not None:
             unit = sharding.units[a.layer]
+            # A bucket's units share their dtypes (buckets are made so): its numels add up.
+            together = [sharding.units[u] for u in a.units or (a.layer,)]
             if a.kind == GATHER:
                 wire = (wire_of(unit.shard_numel, compute(a.layer, unit.dtype)),)
             elif a.kind == REDUCE_SCATTER:
                 dtype = prec.for_layer(a.layer).reduce if prec is not None else unit.dtype
-                wire = (wire_of(unit.padded_numel, dtype),)
+                wire = (wire_of(sum(u.padded_numel for u in together), dtype),)
             else:
-                wire = (wire_of(unit.shard_numel, unit.dtype),)
+                wire = (wire_of(sum(u.shard_numel for u in together), unit.dtype),)
         elif a.kind == REDUCE_METRICS:
             wire = (wire_of(metric_len, metric_dtype),)
         elif a.kind == CHECK_REPLICAS:
@@ -372,9 +426,19 @@ def predict_boundaries(
             }
             x = optree.tree_map(fake, inputs)
             found = []
+            memo = LayerMemo()  # identical layers (a stack of blocks) run once
             for layers in placement.stages[:-1]:
                 for name in layers:
-                    x = chain[name](chain.layer_params(params, name), x)
+                    layer = chain[name]
+                    tensors = {**chain.layer_params(params, name), **layer.buffers}
+                    key = memo.key(layer.fn, tensors, x, name)
+                    reused = memo.lookup(key, x)
+                    if reused is not None:
+                        x = reused[0]
+                        continue
+                    y = layer.fn(tensors, x)
+                    memo.store(key, x, y)
+                    x = y
                 leaves, spec = optree.tree_flatten(x)
                 grads = tuple(t.is_floating_point() and t.requires_grad for t in leaves)
                 found.append(Boundary(tuple((t.shape, t.dtype) for t in leaves), spec, grads))

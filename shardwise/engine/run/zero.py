@@ -16,6 +16,7 @@ import torch
 
 from ...collectives import Handle, all_gather_async, psum_scatter_async
 from ...collectives.mesh import Mesh
+from ..layout.buckets import Bucket, bucket_of
 from ..layout.sharding import FlatSharding
 from ..plan.actions import Action
 from ..torch_api import free_storage, owns_storage, refill_storage
@@ -53,7 +54,7 @@ class ZeroActions:
         unit, sharding = action.require("layer"), self._sharding()
         assert self.source.gather_from is not None and action.axis is not None
         self._pending[("gather", unit)] = all_gather_async(
-            self.source.gather_from[unit], action.axis, tiled=True, mesh=self.mesh
+            self.source.gather_from[unit], action.axis, tiled=True, mesh=self.mesh, snapshot=False
         )
         self._in_flight_bytes += sharding.units[unit].padded_numel * self.source.gather_from[unit].element_size()
         self._note_memory()
@@ -97,29 +98,48 @@ class ZeroActions:
                 leaf.grad = None
         return out
 
+    def _bucket(self, action: Action) -> Bucket:
+        sharding = self._sharding()
+        return bucket_of(tuple(sharding.units[u] for u in action.units or (action.require("layer"),)))
+
     def reduce_scatter(self, action: Action) -> None:
+        """Issue the reduce-scatter of a unit's gradient, or of a bucket's (one rank-major buffer of
+        its units' gradients, made in one copy)."""
         unit, sharding = action.require("layer"), self._sharding()
         assert action.axis is not None
-        flat = sharding.units[unit].flatten_grads(self._unit_grads(unit), self.device)
+        if action.units:
+            flat = self._bucket(action).reduce_input([self._unit_grads(u) for u in action.units])
+        else:
+            flat = sharding.units[unit].flatten_grads(self._unit_grads(unit), self.device)
         if self.reduce_dtypes is not None:
             flat = flat.to(self.reduce_dtypes[unit])
-        self._pending[("reduce", unit)] = psum_scatter_async(flat, action.axis, tiled=True, mesh=self.mesh)
+        # The flat buffer is this action's own and nothing writes to it: no snapshot copy.
+        self._pending[("reduce", unit)] = psum_scatter_async(
+            flat, action.axis, tiled=True, mesh=self.mesh, snapshot=False
+        )
 
     def wait_reduce(self, action: Action) -> None:
         unit = action.require("layer")
-        master = self.master[unit]
-        shard = self._pending.pop(("reduce", unit)).wait().to(master.dtype)
-        self._grad_shards[unit] = shard if self.grad_scale == 1.0 else shard / self.grad_scale
+        reduced = self._pending.pop(("reduce", unit)).wait()
+        shards = self._bucket(action).split_shards(reduced) if action.units else {unit: reduced}
+        for u, shard in shards.items():
+            shard = shard.to(self.master[u].dtype)
+            self._grad_shards[u] = shard if self.grad_scale == 1.0 else shard / self.grad_scale
 
     def gather_params(self, action: Action) -> None:
-        """Stages 1-2: all-gather a unit's updated shard into its full parameters."""
+        """Stages 1-2: all-gather a unit's (or a bucket's) updated shards into full parameters."""
         unit = action.require("layer")
-        self._pending[("params", unit)] = all_gather_async(self.new_master[unit], action.require("axis"), tiled=True, mesh=self.mesh)
+        flat = self._bucket(action).gather_input(self.new_master)
+        # The shards are the update's result, which nothing writes to before the wait: no copy.
+        self._pending[("params", unit)] = all_gather_async(
+            flat, action.require("axis"), tiled=True, mesh=self.mesh, snapshot=False
+        )
 
     def wait_params(self, action: Action) -> None:
+        """The gathered parameters are views of the all-gather's output (one copy of a parameter
+        that lies across two ranks' shards): no copy per parameter."""
         unit = action.require("layer")
         flat = self._pending.pop(("params", unit)).wait()
         if self.new_held is None:
             self.new_held = {k: dict(v) for k, v in self.held.items()}
-        self.new_held[unit] = {k: v.clone() for k, v in self._sharding().units[unit].unflatten(flat).items()}
-
+        self.new_held.update(self._bucket(action).unflatten(flat))

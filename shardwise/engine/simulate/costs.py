@@ -294,15 +294,13 @@ class PlanCosts:
         these costs too.
 
         >>> import shardwise as sw
-        >>> from shardwise.engine.plan.actions import FORWARD, Action, Plan
-        >>> from shardwise.engine.simulate.simulation import simulate
-        >>> f = Action(FORWARD, "x", 0, 0)
-        >>> plan = Plan(sw.Mesh(dp=2), ((f,), (f,)))  # two ranks, one forward each
+        >>> f = sw.plan.Action("forward", "x", 0, 0)
+        >>> plan = sw.plan.Plan(sw.Mesh(dp=2), ((f,), (f,)))  # two ranks, one forward each
         >>> measured = [[[(0, 0.0, 1.0)], [(0, 0.0, 3.0)]], [[(0, 0.0, 3.0)], [(0, 0.0, 1.0)]]]
-        >>> costs = PlanCosts.fit(plan, measured, statistic="mean")
-        >>> simulate(plan, costs).makespan  # every forward at the mean, 2
+        >>> costs = sw.plan.PlanCosts.fit(plan, measured, statistic="mean")
+        >>> sw.simulate(plan, costs).makespan  # every forward at the mean, 2
         2.0
-        >>> [simulate(plan, costs.of_step(plan, step)).makespan for step in measured]  # as measured
+        >>> [sw.simulate(plan, costs.of_step(plan, step)).makespan for step in measured]  # as measured
         [3.0, 3.0]
         """
         check_action_times(plan, step, "PlanCosts.of_step")

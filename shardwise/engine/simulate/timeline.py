@@ -123,10 +123,13 @@ def check_action_times(plan: Plan, per_rank: Sequence[ActionTimes], what: str) -
 
 # -- the timeline -------------------------------------------------------------------------------
 _LETTER = {FORWARD: "F", BACKWARD: "B", BACKWARD_INPUT: "I", BACKWARD_WEIGHT: "W"}
-_SHORT = {LOSS: "L", UPDATE: "U", GATHER: "G", WAIT_GATHER: "wG", FREE: "fr", REDUCE_SCATTER: "RS", WAIT_REDUCE: "wRS",
-          GATHER_PARAMS: "GP", WAIT_PARAMS: "wGP", SEND_ACTIVATION: "sa", RECV_ACTIVATION: "ra", SEND_GRAD: "sg",
-          RECV_GRAD: "rg", SEND_TIED: "st", RECV_TIED: "rt", SUM_TIED: "tie", WAIT_SENDS: "ws", FINISH_GRADS: "fin",
-          REDUCE_METRICS: "M", WAIT_METRICS: "wM"}
+# A drawing's few characters for each action that is not a compute (the legend under a drawing reads them).
+SHORT_LABELS = {
+    LOSS: "L", UPDATE: "U", GATHER: "G", WAIT_GATHER: "wG", FREE: "fr", REDUCE_SCATTER: "RS", WAIT_REDUCE: "wRS",
+    GATHER_PARAMS: "GP", WAIT_PARAMS: "wGP", SEND_ACTIVATION: "sa", RECV_ACTIVATION: "ra", SEND_GRAD: "sg",
+    RECV_GRAD: "rg", SEND_TIED: "st", RECV_TIED: "rt", SUM_TIED: "tie", WAIT_SENDS: "ws", FINISH_GRADS: "fin",
+    REDUCE_METRICS: "M", WAIT_METRICS: "wM",
+}
 
 
 def short_label(action: Action) -> str:
@@ -135,7 +138,7 @@ def short_label(action: Action) -> str:
         stage = "" if action.stage is None else str(action.stage)
         return f"{stage}{_LETTER[action.kind]}{'' if action.microbatch is None else action.microbatch}"
     mb = "" if action.microbatch is None or action.kind != LOSS else str(action.microbatch)
-    return _SHORT.get(action.kind, action.kind) + mb
+    return SHORT_LABELS.get(action.kind, action.kind) + mb
 
 
 class PlanSlot(NamedTuple):

@@ -99,7 +99,7 @@ def check_stack(stack: tuple[Any, ...]) -> None:
         if spec.role == REWRITE and spec.name not in REWRITE_ORDER:
             raise TypeError(
                 f"{spec} rewrites layers, but compose.REWRITE_ORDER {REWRITE_ORDER} does not say where its rewrite "
-                f"goes among the others: add {spec.name!r} to it (shardwise/engine/stack/compose.py)"
+                f"goes among the others: add {spec.name!r} to that table of the engine's stack rules"
             )
         if spec.name in seen:
             raise ValueError(

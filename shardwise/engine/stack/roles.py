@@ -191,8 +191,7 @@ def check_role(spec: Any) -> None:
     if missing:
         raise TypeError(
             f"{type(spec).__name__} plays the role {role!r} but has no {', '.join(repr(m) for m in missing)}: a "
-            f"{role} spec implements {protocol.__name__} (shardwise/engine/stack/roles.py), the members the engine "
-            "asks of it"
+            f"{role} spec implements the engine's protocol {protocol.__name__}: the members the engine asks of it"
         )
 
 

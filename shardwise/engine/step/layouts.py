@@ -42,22 +42,32 @@ def build_layout(step: Step, mesh: Mesh | None, params: Params, rank: int | None
     """See Step.layout."""
     mesh = check_mesh(step.transforms, mesh)
     check_params(step.chain, params)
-    placement, schedule = placement_of(step, mesh, params)
-    split = step.split
-    if rank is None and mesh is not None and (placement.axis is not None or split.axis is not None):
+    placement, _ = placement_of(step, mesh, params)
+    if rank is None and mesh is not None and (placement.axis is not None or step.split.axis is not None):
         try:
             rank = mesh.rank
         except RuntimeError:  # not inside a launched program: describe rank 0
             rank = 0
     index = placement.index_of(mesh, rank) if rank is not None else 0
+    return layouts_by_index(step, mesh, params, rank)[index]
+
+
+def layouts_by_index(step: Step, mesh: Mesh | None, params: Params, rank: int | None) -> dict[int, StateLayout]:
+    """See Step.layouts_by_index: every pipeline index's layout, of the ranks with ``rank``'s split index.
+    They share every spec (each index's state is in every layout) and differ only in their flat units,
+    so the specs are made once (a Plan of 512 ranks asks for 64 layouts, not 512)."""
+    mesh = check_mesh(step.transforms, mesh)
+    check_params(step.chain, params)
+    placement, schedule = placement_of(step, mesh, params)
     meta = step.master_meta(step.local_view(params, mesh, rank))
-    splits = split.tensor_splits(step.base_chain, mesh)
+    splits = step.split.tensor_splits(step.base_chain, mesh)
     zero = step.sharding_spec
     shardings: dict[int, FlatSharding | None] = {}
     for i in sorted(set(placement.stage_rank)):
         local = local_params(meta, placement, i)
         shardings[i] = (
-            None if zero is None or mesh is None else FlatSharding.of(zero.axis, zero.stage, local, mesh.axis_size(zero.axis))
+            None if zero is None or mesh is None
+            else FlatSharding.of(zero.axis, zero.stage, local, mesh.axis_size(zero.axis))
         )
     leaves = leaf_specs(meta, placement, shardings, splits)
     opt_leaves: dict[str, dict[tuple[str, str], Any]] = {}
@@ -67,10 +77,13 @@ def build_layout(step: Step, mesh: Mesh | None, params: Params, rank: int | None
         for path, specs in mirrors.items():
             opt_leaves.setdefault(path, {}).update(specs)
         opt_scalars.update(scalars)
-    return StateLayout(
-        placement, shardings[index], leaves, tuple(params), step.stack_key, schedule, opt_leaves=opt_leaves,
-        opt_scalars=opt_scalars,
-    )
+    return {
+        i: StateLayout(
+            placement, shardings[i], leaves, tuple(params), step.stack_key, schedule, opt_leaves=opt_leaves,
+            opt_scalars=opt_scalars,
+        )
+        for i in shardings
+    }
 
 
 def _opt_specs(step: Step, leaves: dict[tuple[str, str], Any], master: Params, sharding: FlatSharding | None) -> tuple[

@@ -15,12 +15,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ...collectives.mesh import Mesh
+from ..layout.devices import device_of
 from ..layout.precision import compute_dtype
 from ..layout.sharding import FlatSharding
 from ..layout.state import Params, check_params, tree_nbytes
 from ..layout.state_layout import Placement, StateLayout, local_params, meta_shards, unit_names
 from ..plan.accounting import predict_kept_parts
-from ..plan.actions import FREE, GATHER, Action, Plan
+from ..plan.actions import FREE, GATHER, GRAD_COMPUTES, REDUCE_SCATTER, WAIT_REDUCE, Action, Plan
 from ..plan.batches import split_batch, split_over
 from ..plan.lower import (
     Inside,
@@ -29,6 +30,7 @@ from ..plan.lower import (
     microbatch_count,
     placement_of,
     rank_actions,
+    reduce_sizes,
     wire_of,
 )
 from ..stack.compose import rewrites_in_order
@@ -37,43 +39,69 @@ if TYPE_CHECKING:
     from .step import Step
 
 
-def plan_of(step: Step, mesh: Mesh, params: Params | None, batch: Any) -> Plan:
+def plan_of(step: Step, mesh: Mesh, params: Params | None, batch: Any, *, share_identical_ranks: bool = True) -> Plan:
     """Per-rank actions of one step: the lowering of the whole transform stack.
 
     With ``params`` (real or ``device="meta"`` tensors), every communicating action
     also says what it moves (dtype and bytes per tensor), and the plan counts the
     bytes each rank holds; with a ``batch`` too, the pipeline's transfers are sized
     and the activation bytes kept for backward are predicted (on fake tensors: the
-    figures ``sw.saved_bytes`` measures).
+    figures ``sw.policies.saved_bytes`` measures).
+
+    Ranks that differ only in their data-parallel coordinate (their ZeRO shard, their slice of
+    the batch) lower to the same actions and hold the same bytes: what a rank does depends on
+    its pipeline index and its tensor-parallel index only. So each of those *rank classes* is
+    lowered once and its actions and figures shared by its ranks (512 ranks of dp 8 x pp 8 x tp 8
+    are 64 classes; ZeRO-3 alone over 512 is one), and what a class predicts on fake tensors (the
+    pipeline's boundaries) is predicted once per distinct set of local shapes.
+    ``share_identical_ranks=False`` lowers every rank on its own (the reference the tests compare
+    the shared plan with).
     """
     mesh = step.check_mesh(mesh) or Mesh(world=1)
     if params is not None:
         check_params(step.chain, params)
     placement, schedule = placement_of(step, mesh, params)
-    layouts = {r: step.layout(mesh, params, rank=r) for r in range(mesh.size)} if params is not None else {}
-    per_rank: list[tuple[Action, ...]] = []
-    inside = _inside_computes(step, mesh, params, batch, placement, layouts)
+    class_of = [rank_class(step, mesh, placement, r) if share_identical_ranks else r for r in range(mesh.size)]
+    first: dict[Any, int] = {}  # each class's lowest rank stands for it
+    for r, c in enumerate(class_of):
+        first.setdefault(c, r)
+    layouts = _layouts(step, mesh, params, placement, first) if params is not None else {}
+    inside = _inside_computes(step, mesh, params, batch, placement, layouts[class_of[0]] if layouts else None)
     split_axis = step.split.axis
-    for r in range(mesh.size):
+    device = planned_device(params, batch)
+    boundaries_of: dict[Any, Any] = {}  # local shapes -> the pipeline's boundaries (the same for equal shapes)
+    by_class: dict[Any, tuple[Action, ...]] = {}
+    masters: dict[Any, Params] = {}  # each class's master parameters (meta), as it holds them
+    for c, r in first.items():
         index = placement.index_of(mesh, r)
         if params is None:
-            actions = rank_actions(step, placement, schedule, index, _units_without_params(step, placement, index))
-        else:
-            layout = layouts[r]
-            actions = rank_actions(step, placement, schedule, index, unit_names(layout.sharding))
-            boundaries = None
-            if batch is not None and step.pipeline_spec is not None:
-                boundaries = step.boundaries(layout, one_microbatch(step, mesh, batch)[0], mesh)
-            master = step.master_meta(local_params(step.local_view(params, mesh, r), placement, index))
-            update_tree = master if layout.sharding is None else meta_shards(layout.sharding)
-            actions = annotate(
-                actions, step, placement, layout.sharding, update_tree, boundaries,
-                layout.metric_dtype,
+            by_class[c] = rank_actions(
+                step, placement, schedule, index, _units_without_params(step, placement, index), device
             )
-            if inside is not None and split_axis is not None:  # inside is made only under a split
-                actions = insert_inside(actions, inside, split_axis)
-        per_rank.append(actions)
-    memory = {} if params is None else _memory(step, mesh, params, batch, placement, layouts, per_rank)
+            continue
+        layout = layouts[c]
+        actions = rank_actions(
+            step, placement, schedule, index, unit_names(layout.sharding), device, reduce_sizes(step, layout.sharding)
+        )
+        boundaries = None
+        if batch is not None and step.pipeline_spec is not None:
+            shapes = tuple((key, spec.local_shape, spec.dtype) for key, spec in layout.leaves.items())
+            if shapes not in boundaries_of:
+                boundaries_of[shapes] = step.boundaries(layout, one_microbatch(step, mesh, batch)[0], mesh)
+            boundaries = boundaries_of[shapes]
+        master = masters[c] = step.master_meta(local_params(step.local_view(params, mesh, r), placement, index))
+        update_tree = master if layout.sharding is None else meta_shards(layout.sharding)
+        actions = annotate(
+            actions, step, placement, layout.sharding, update_tree, boundaries,
+            layout.metric_dtype,
+        )
+        if inside is not None and split_axis is not None:  # inside is made only under a split
+            actions = insert_inside(actions, inside, split_axis)
+        by_class[c] = actions
+    per_rank = [by_class[c] for c in class_of]
+    memory = {}
+    if params is not None:
+        memory = _memory(step, mesh, params, batch, placement, layouts, class_of, masters, by_class)
     notes: dict[str, tuple[str, ...]] = {}
     # In the order the rewrites apply (engine/stack/compose.py), whatever order they were applied in.
     for spec in rewrites_in_order(step.transforms):
@@ -85,16 +113,47 @@ def plan_of(step: Step, mesh: Mesh, params: Params | None, batch: Any) -> Plan:
     return Plan(mesh, tuple(per_rank), memory, {n: notes[n] for n in step.chain.names if n in notes})
 
 
+def _layouts(
+    step: Step, mesh: Mesh, params: Params, placement: Placement, first: Mapping[Any, int]
+) -> dict[Any, StateLayout]:
+    """Each class's layout, those of one split index made together (``layouts_by_index``)."""
+    axis = step.split.axis
+    by_index: dict[Any, dict[int, StateLayout]] = {}
+    out: dict[Any, StateLayout] = {}
+    for c, r in first.items():
+        coordinate = r if not isinstance(c, tuple) else None if axis is None else mesh.coords_of(r)[axis]
+        if coordinate not in by_index:
+            by_index[coordinate] = step.layouts_by_index(mesh, params, rank=r)
+        out[c] = by_index[coordinate][placement.index_of(mesh, r)]
+    return out
+
+
+def rank_class(step: Step, mesh: Mesh, placement: Placement, rank: int) -> tuple[int, int | None]:
+    """What decides a rank's actions and bytes: its pipeline index and its index on the split's axis.
+    Its data-parallel coordinate does not (every ZeRO shard of a unit has the same padded size,
+    and a rank's shard is chosen at run time), nor does any other axis's."""
+    axis = step.split.axis
+    return placement.index_of(mesh, rank), None if axis is None else mesh.coords_of(rank)[axis]
+
+
+def planned_device(params: Params | None, batch: Any) -> torch.device:
+    """Where the planned ranks compute: their parameters' device, or for meta parameters (a model
+    not yet made) the batch's, else the CPU. The run reads its parameters' device: a plan of a
+    meta model for a GPU run wants a batch on the GPU."""
+    device = device_of(params, default="cpu")
+    return device_of(batch, default="cpu") if device.type == "meta" else device
+
+
 def _inside_computes(
-    step: Step, mesh: Mesh, params: Params | None, batch: Any, placement: Placement, layouts: dict[int, StateLayout]
+    step: Step, mesh: Mesh, params: Params | None, batch: Any, placement: Placement, layout: StateLayout | None
 ) -> Inside | None:
     """The collectives each compute issues inside its layers (a split transform's), predicted on fake
     tensors from a micro-batch: None without a split, parameters or a batch."""
     split = step.split
-    if split.axis is None or params is None or batch is None:
+    if split.axis is None or params is None or batch is None or layout is None:
         return None
     shapes: dict[str, dict[str, tuple[torch.Size, torch.dtype]]] = {}
-    for spec in layouts[0].leaves.values():
+    for spec in layout.leaves.values():
         dtype = compute_dtype(step.precision, spec.layer, spec.dtype)
         shapes.setdefault(spec.layer, {})[spec.name] = (torch.Size(spec.local_shape), dtype)
     found = split.inner_collectives(step.chain, placement, shapes, step.loss_fn, one_microbatch(step, mesh, batch), mesh)
@@ -139,33 +198,14 @@ def batch_multiple(step: Step, mesh: Mesh | None) -> tuple[int, str]:
 
 def _memory(
     step: Step, mesh: Mesh, params: Params, batch: Any, placement: Placement,
-    layouts: dict[int, StateLayout], per_rank: list[tuple[Action, ...]],
+    layouts: Mapping[Any, StateLayout], class_of: Sequence[Any], masters: Mapping[Any, Params],
+    actions: Mapping[Any, tuple[Action, ...]],
 ) -> dict[str, tuple[int, ...]]:
-    figures: dict[str, list[int]] = {"params": [], "grads": [], "opt_state": []}
-    zero = step.sharding_spec
-    if zero is not None:
-        figures["gathered_peak"] = []
-    for r in range(mesh.size):
-        layout = layouts[r]
-        master = step.master_meta(local_params(step.local_view(params, mesh, r), placement, placement.index_of(mesh, r)))
-        sharding = layout.sharding
-        shards = None if sharding is None else meta_shards(sharding)
-        figures["params"].append(tree_nbytes(shards if sharding is not None and sharding.holds_shards else master))
-        figures["grads"].append(tree_nbytes(shards if shards is not None else master))
-        figures["opt_state"].append(tree_nbytes(step.optimizer.init(shards if shards is not None else master)))
-        if "gathered_peak" in figures:
-            assert sharding is not None
-            figures["gathered_peak"].append(peak_gathered_units(per_rank[r], {
-                u: lay.padded_numel * torch.empty((), dtype=compute_dtype(step.precision, u, lay.dtype)).element_size()
-                for u, lay in sharding.units.items()
-            }))
-        if zero is not None:
-            assert sharding is not None
-            figures.setdefault("reduce_buffers", []).append(_reduce_buffers(step, sharding))
-            figures.setdefault("comm_buffers", []).append(_comm_buffers(sharding))
-    memory = {k: tuple(v) for k, v in figures.items()}
+    """Each figure per rank, counted once per rank class (see :func:`rank_class`)."""
+    by_class = {c: _class_memory(step, layouts[c], masters[c], actions[c]) for c in masters}
+    memory = {k: tuple(by_class[c][k] for c in class_of) for k in by_class[class_of[0]]}
     if batch is not None:
-        memory["kept_for_backward"] = _kept_per_rank(step, mesh, params, batch, placement, layouts)
+        memory["kept_for_backward"] = _kept_per_rank(step, mesh, params, batch, placement, layouts[class_of[0]])
     # Every figure is live at the backward's worst moment: the state at rest, the gradients, the
     # units gathered, the reduce buffers and what the forward kept (an upper bound, tight for
     # ZeRO-3: benchmarks/memory.py measures it within a few percent).
@@ -173,22 +213,59 @@ def _memory(
     return memory
 
 
-def _reduce_buffers(step: Step, sharding: FlatSharding) -> int:
-    """Bytes of full unit gradients alive at once on their way to a reduce-scatter: at stages 2
-    and 3 one unit's being made while the previous one's is in flight (one in flight, see
-    lower._waits_for_reductions); at stage 1 every unit's, and the flat copy of each, all in
-    flight together at the end of the step."""
-    sizes = [lay.padded_numel * torch.empty((), dtype=_reduce_dtype(step, u, lay.dtype)).element_size()
-             for u, lay in sharding.units.items()]
-    if not sizes:
-        return 0
-    return 2 * sum(sizes) if sharding.stage == 1 else 2 * max(sizes)
+def _class_memory(step: Step, layout: StateLayout, master: Params, actions: tuple[Action, ...]) -> dict[str, int]:
+    figures: dict[str, int] = {}
+    sharding = layout.sharding
+    shards = None if sharding is None else meta_shards(sharding)
+    figures["params"] = tree_nbytes(shards if sharding is not None and sharding.holds_shards else master)
+    figures["grads"] = tree_nbytes(shards if shards is not None else master)
+    figures["opt_state"] = tree_nbytes(step.optimizer.init(shards if shards is not None else master))
+    if step.sharding_spec is not None:
+        assert sharding is not None
+        figures["gathered_peak"] = peak_gathered_units(actions, {
+                u: lay.padded_numel * torch.empty((), dtype=compute_dtype(step.precision, u, lay.dtype)).element_size()
+                for u, lay in sharding.units.items()
+            })
+        figures["reduce_buffers"] = _reduce_buffers(step, sharding, actions)
+        figures["comm_buffers"] = _comm_buffers(sharding)
+    return figures
+
+
+def _reduce_buffers(step: Step, sharding: FlatSharding, actions: Sequence[Action]) -> int:
+    """Peak bytes of full gradients on their way to a reduce-scatter, walking ``actions``: while a
+    backward runs, the next bucket's gradients and the copies in flight; when a bucket is issued,
+    its gradients (twice when it joins several units: they and the copy that
+    concatenates them; one unit's move into its flat buffer one by one), the copies still in
+    flight (how many: lower._waits_for_reductions), and after the last compute the gradients of
+    every bucket still to be issued (the deferred ones of tied weights, complete and waiting)."""
+    sizes = {u: lay.padded_numel * torch.empty((), dtype=_reduce_dtype(step, u, lay.dtype)).element_size()
+             for u, lay in sharding.units.items()}
+    last_compute = max((i for i, a in enumerate(actions) if a.kind in GRAD_COMPUTES), default=-1)
+    issued = [(i, a.units or (a.require("layer"),)) for i, a in enumerate(actions) if a.kind == REDUCE_SCATTER]
+    bucket_bytes = [sum(sizes[u] for u in b) for _, b in issued]
+    pending: dict[str, int] = {}
+    peak = made = 0  # made: how many buckets were issued so far
+    for i, action in enumerate(actions):
+        if action.kind in GRAD_COMPUTES and made < len(issued):  # the next bucket's gradients grow
+            peak = max(peak, bucket_bytes[made] + sum(pending.values()))
+        elif action.kind == WAIT_REDUCE:
+            pending.pop(action.require("layer"), None)
+        elif action.kind == REDUCE_SCATTER:
+            units = action.units or (action.require("layer"),)
+            size = sum(sizes[u] for u in units)
+            waiting = sum(sum(sizes[u] for u in b) for j, b in issued if j > i) if i > last_compute else 0
+            peak = max(peak, size * (2 if len(units) > 1 else 1) + sum(pending.values()) + waiting)
+            pending[units[0]] = size
+            made += 1
+    return peak
 
 
 def _comm_buffers(sharding: FlatSharding) -> int:
-    """A collective's own staging copy of one unit: on gloo an all-gather or a reduce-scatter of
-    a unit holds about one more unit while it runs (measured: the peak per rank of a ZeRO-3 run
-    was one unit above the other figures, at 4 and 16 MiB units, worlds 2 and 4)."""
+    """About one unit for what a collective holds of its own while it runs. Until issue 25 that
+    was our async collectives' snapshot of each reduce-scatter's input (a whole unit); that copy
+    is gone, but the measured peak per rank stayed above the other figures by 3, 11 and 17 MiB
+    at worlds 2, 4 and 8 (12 x 16 MiB units, gloo: its per-peer buffers grow with the world),
+    so one unit stays counted (the Plan within 3% of the measured peak at each of those worlds)."""
     return max((lay.padded_nbytes for lay in sharding.units.values()), default=0)
 
 
@@ -199,7 +276,7 @@ def _gather_dtype(step: Step, unit: str, dtype: torch.dtype) -> torch.dtype:
     return dtype if step.precision is None else step.precision.for_layer(unit).compute
 
 def _kept_per_rank(
-    step: Step, mesh: Mesh, params: Params, batch: Any, placement: Placement, layouts: dict[int, StateLayout]
+    step: Step, mesh: Mesh, params: Params, batch: Any, placement: Placement, layout: StateLayout
 ) -> tuple[int, ...]:
     inputs = one_microbatch(step, mesh, batch)[0]
     with step.predicting(mesh):
@@ -211,7 +288,7 @@ def _kept_per_rank(
     per_stage = [sum(parts.own[n] for n in layers) for layers in placement.stages]
     # Micro-batches are views of one batch: what the stages keep of it is kept once.
     of_batch = [_batch_bytes(parts.batch, layers) for layers in placement.stages]
-    per_index = pipe.kept_per_index(layouts[0].schedule, per_stage, of_batch)
+    per_index = pipe.kept_per_index(layout.schedule, per_stage, of_batch)
     return tuple(per_index[placement.index_of(mesh, r)] for r in range(mesh.size))
 
 

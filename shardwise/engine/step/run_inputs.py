@@ -21,13 +21,13 @@ import torch
 
 from ...collectives.backends.current import current_backend
 from ...collectives.mesh import Mesh
-from ..layout.devices import host_scalar
+from ..layout.devices import device_of, host_scalar
 from ..layout.sharding import FlatSharding
 from ..layout.state import TrainState
 from ..layout.state_layout import StateLayout, unit_names
 from ..plan.actions import Action
 from ..plan.batches import split_batch, split_over
-from ..plan.lower import metric_axes, microbatch_count, rank_actions
+from ..plan.lower import metric_axes, microbatch_count, rank_actions, reduce_sizes
 from ..run.executor import Executor, ParamSource, ReplicaCheck
 from ..run.metrics import MetricExchange, Summed, batch_fingerprint, different_batches
 from ..run.rng import mix
@@ -54,23 +54,28 @@ class RankRun:
     rng_rank: int | None  # the rank whose random streams this one draws (None: its own)
 
 
-def rank_run(step: Step, layout: StateLayout, mesh: Mesh | None) -> RankRun:
-    """This rank's :class:`RankRun`, made once per layout and per what the step exchanges."""
+def rank_run(step: Step, layout: StateLayout, mesh: Mesh | None, device: torch.device) -> RankRun:
+    """This rank's :class:`RankRun` on ``device`` (where its parameters are: how many reductions the
+    lowering keeps in flight depends on it), made once per layout and per what the step exchanges."""
     exchange = step.metric_exchange()
-    key = ("rank run", layout.index_of(mesh), exchange, step.update_needs_sums)
+    key = ("rank run", layout.index_of(mesh), exchange, step.update_needs_sums, device.type)
     made = layout.cache.get(key)
     if made is None:
-        made = layout.cache[key] = _make_rank_run(step, layout, mesh, exchange)
+        made = layout.cache[key] = _make_rank_run(step, layout, mesh, exchange, device)
     assert isinstance(made, RankRun)
     return made
 
 
-def _make_rank_run(step: Step, layout: StateLayout, mesh: Mesh | None, exchange: MetricExchange) -> RankRun:
+def _make_rank_run(
+    step: Step, layout: StateLayout, mesh: Mesh | None, exchange: MetricExchange, device: torch.device
+) -> RankRun:
     placement, sharding, prec, split = layout.placement, layout.sharding, step.precision, step.split
     index = layout.index_of(mesh)
     splits = split.axis is not None
     return RankRun(
-        actions=rank_actions(step, placement, layout.schedule, index, unit_names(sharding)),
+        actions=rank_actions(
+            step, placement, layout.schedule, index, unit_names(sharding), device, reduce_sizes(step, sharding)
+        ),
         exchange=exchange,
         metric_axes=metric_axes(step),
         replica_layers=frozenset(o for o, _ in placement.replicas_of(index)),
@@ -153,10 +158,10 @@ def prepare_run(step: Step, state: TrainState, layout: StateLayout, batch: Any) 
     """The executor of this call on ``batch``, with the rank's cached :class:`RankRun`."""
     mesh: Mesh | None = state.mesh
     _check_world(mesh)
-    run = rank_run(step, layout, mesh)
     sharding, pipe = layout.sharding, step.pipeline_spec
     micro, replicas = local_microbatches(step, mesh, sharding, batch)
     master, source = param_source(step, state, sharding)
+    run = rank_run(step, layout, mesh, device_of(master))
     scale, k = step.loss_scale_value(state), microbatch_count(step)
     outcome: dict[str, Any] = {}
 

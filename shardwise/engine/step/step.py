@@ -38,7 +38,7 @@ from ..run.metrics import REPORTABLE, MetricExchange, check_metrics
 from ..stack.compose import PLACEMENT, SHARDING, describe, find
 from ..stack.roles import SplitRole, split_of
 from .init_state import held_params, init_seeding, meta_names, sampled_values
-from .layouts import build_layout, check_mesh, stage_boundaries
+from .layouts import build_layout, check_mesh, layouts_by_index, stage_boundaries
 from .master import clip_scale, compute_params, master_meta, master_params
 from .param_groups import check_clipping, master_runs, param_options
 from .planning import plan_of
@@ -234,8 +234,13 @@ class Step:
     def layout(self, mesh: Mesh | None, params: Params, rank: int | None = None) -> StateLayout:
         """How this step lays out ``params`` on ``mesh``, as seen by ``rank`` (default: the calling
         rank inside a launched program, else rank 0): the placement of layers, the per-leaf shard
-        specs, and that rank's flat units (``engine/step/layouts.py``)."""
+        specs, and that rank's flat units."""
         return build_layout(self, mesh, params, rank)
+
+    def layouts_by_index(self, mesh: Mesh | None, params: Params, rank: int | None = None) -> dict[int, StateLayout]:
+        """:meth:`layout` for every pipeline index, of the ranks with ``rank``'s split index (made together:
+        they share every spec)."""
+        return layouts_by_index(self, mesh, params, rank)
 
     def boundaries(self, layout: StateLayout, inputs: Any, mesh: Mesh | None = None) -> Any:
         """The (shape, dtype) of every tensor each pipeline stage passes on, for micro-batch ``inputs``
@@ -252,13 +257,13 @@ class Step:
         layer. Meta parameters (a model built on the meta device, functionalized) are made
         here, each from the module's own initializer seeded from ``(seed, its path)``, on the
         device functionalize was given: the same values on every mesh and stack as on one
-        device (see ``shardwise.engine.model.materialize``). Real ones are copied (or cut), so
+        device (docs/guide.md, "Models larger than one rank"). Real ones are copied (or cut), so
         the state never shares memory with ``params``.
 
         ``seed`` also starts the step's random streams (dropout): every rank passes the same;
-        each rank, stage, micro-batch and step draws its own stream from it (engine/run/rng.py).
+        each rank, stage, micro-batch and step draws its own stream from it.
 
-        ``source`` (a weights file's reader: ``sw.init_from_pretrained``, ``sw.init_from_dcp``)
+        ``source`` (a weights file's reader: ``sw.checkpoint.init_from_pretrained``, ``sw.checkpoint.init_from_dcp``)
         gives the meta parameters' values instead: ``source.tensors(layer, names, layout, mesh)``,
         read one layer at a time, of each parameter only what this rank keeps.
         """
@@ -336,7 +341,7 @@ class Step:
                 "no values and no way to make them: this chain was not made by functionalize from a "
                 "module built on the meta device. Pass real values, or functionalize the meta-built "
                 "module (its chain makes each rank's parameters from the module's initializers), or "
-                "load them (sw.checkpoint.load, sw.init_from_state_dict)."
+                "load them (sw.checkpoint.load, sw.checkpoint.init_from_state_dict)."
             )
         return maker if missing else None
 
@@ -371,7 +376,7 @@ class Step:
         also says what it moves (dtype and bytes per tensor), and the plan counts the
         bytes each rank holds; with a ``batch`` too, the pipeline's transfers are sized
         and the activation bytes kept for backward are predicted (on fake tensors: the
-        figures ``sw.saved_bytes`` measures). See ``engine/step/planning.py``.
+        figures ``sw.policies.saved_bytes`` measures). docs/guide.md, "Reading a Plan", reads one.
         """
         return plan_of(self, self.check_mesh(mesh) or Mesh(world=1), params, batch)
 

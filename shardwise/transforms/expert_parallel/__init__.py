@@ -53,7 +53,8 @@ def expert_parallel(step: Step, axis: str = "ep", capacity_factor: float | None 
     two all-to-alls; every other parameter is replicated, and its gradient is summed over ``axis`` in
     backward (the mean of the ranks' shares, as data parallel); the experts' gradients are complete on
     their owner. ``capacity_factor=None`` drops no token and equals the single-device step; otherwise
-    each rank sends each expert at most ``ceil(f * tokens * top_k / E)`` assignments (``capacity.py``).
+    each rank sends each expert at most ``ceil(f * tokens * top_k / E)`` assignments (each token's first
+    choice in token order, then its second, ...; the rest are dropped).
     The all-to-alls carry that bound of rows per (rank, expert) (without a capacity: the rank's
     tokens), so the Plan states their bytes exactly. The modules' own forwards add no auxiliary loss,
     and neither does this.

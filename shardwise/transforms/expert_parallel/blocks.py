@@ -65,8 +65,8 @@ def find_blocks(module: nn.Module, where: str, prefix: str = "") -> list[Block]:
             raise ValueError(
                 f"expert_parallel: {where}{'.' + path if path else ''} ({name}, router {router}) holds fused experts, "
                 f"but its router is not one expert_parallel knows ({', '.join(KNOWN)} with their routers): it cannot "
-                "tell which experts each token goes to. Use a known block, or write its forward with "
-                "shardwise.transforms.expert_parallel.moe_dispatch_combine and one of its ROUTERS"
+                "tell which experts each token goes to. Use a known block, or write its forward with the expert-parallel "
+                "core, moe_dispatch_combine, and one of its routers"
             )
         found.append(Block(path, name, int(sub.experts.gate_up_proj.shape[0]), prefix))
     return found

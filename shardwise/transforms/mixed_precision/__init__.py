@@ -19,6 +19,7 @@ from ...engine.layout.precision import (
     as_loss_scale,
 )
 from ...engine.model.chain import Chain
+from ...engine.model.reuse import reuse_key
 from ...engine.stack.compose import REWRITE, add
 from ...engine.step.step import Step
 
@@ -59,6 +60,11 @@ class _Cast:
     def __wrapped__(self) -> Any:
         """The layer function it casts around (remat_of and the accounting look through it)."""
         return self.fn
+
+    def reuse_key(self) -> Any:
+        """Equal for casts alike around layer functions that compute alike (engine/model/reuse.py)."""
+        inner = reuse_key(self.fn)
+        return None if inner is None else (_Cast, self.compute, self.output, inner)
 
     def __call__(self, tensors: Mapping[str, torch.Tensor], x: Any) -> Any:
         # Parameters arrive already cast once per step by the step; `.to` is then free.

@@ -10,6 +10,7 @@ it for its bubble and activation peak, and draw it:
 1f1b: makespan 9, bubble 33.3%
 rank 0 |0F0 0F1 ........0B0     ....0B1     |
 rank 1 |....1F0 1B0     1F1 1B1     ........|
+legend: 0F1 = stage 0, micro-batch 1 (F forward, B backward); . idle
 
 ``simulate`` and the drawings also take a whole step's Plan (``step.plan(mesh,
 params, batch)``, any composition): a ``PlanTimeline`` with every transfer and

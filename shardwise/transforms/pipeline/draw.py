@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from ...engine.plan import actions as kinds
-from ...engine.simulate.timeline import PlanTimeline
+from ...engine.plan.text import wrap
+from ...engine.simulate.timeline import SHORT_LABELS, PlanTimeline
 from .schedule import B, F, I, W
 from .simulate import Timeline
 
@@ -41,7 +42,7 @@ def _color(slot: Any) -> str:
     return _COLORS.get(slot.kind, _WAIT_COLOR if slot.waiting else _OTHER_COLOR)
 
 
-def ascii_timeline(timeline: AnyTimeline, width: int | None = None) -> str:
+def ascii_timeline(timeline: AnyTimeline, width: int | None = None, legend: bool = True) -> str:
     """One row per rank; each action is its label drawn over its duration, idle time is '.'.
 
     A wait (a receive, a wait for a collective) is drawn with '~'. By default the
@@ -51,7 +52,8 @@ def ascii_timeline(timeline: AnyTimeline, width: int | None = None) -> str:
     cut, and an action shorter than one character may vanish. Under each rank of
     a simulated Plan, a row shows what it has in flight: ``g`` gathers, ``r``
     reduce-scatters, ``p`` parameter gathers, ``m`` metric all-reduces, ``s``
-    messages sent.
+    messages sent. A legend under the drawing says what each glyph on it means
+    (``legend=False`` leaves it out).
     """
     width = getattr(timeline, "ascii_width", None) if width is None else width
     makespan = timeline.makespan
@@ -77,7 +79,37 @@ def ascii_timeline(timeline: AnyTimeline, width: int | None = None) -> str:
                 first, last = round(t.start * scale), max(round(t.end * scale), round(t.start * scale) + 1)
                 flight[first:last] = _IN_FLIGHT.get(t.kind, "s") * (min(last, columns) - first)
             lines.append(f"{'':>6} |{''.join(flight[:columns])}|")
+    if legend:
+        lines.extend(legend_lines(timeline))
     return "\n".join(lines)
+
+
+# What a compute's letter means, and the words for what is in flight under a rank.
+_COMPUTE_WORDS = {F: "F forward", B: "B backward", I: "I backward's input half", W: "W its weight half"}
+_COMPUTE_LETTER = {kinds.FORWARD: F, kinds.BACKWARD: B, kinds.BACKWARD_INPUT: I, kinds.BACKWARD_WEIGHT: W}
+_IN_FLIGHT_WORDS = {"g": "g gather", "p": "p parameter gather", "r": "r reduce-scatter", "m": "m metrics' all-reduce",
+                    "s": "s message sent"}
+
+
+def legend_lines(timeline: AnyTimeline, width: int = 100) -> list[str]:
+    """``legend: 0F1 = stage 0's forward of micro-batch 1 (B backward, ...); G gather, ...; '.' idle``:
+    what each glyph of the drawing means, only those it shows, wrapped between entries."""
+    slots = [slot for row in timeline.ranks for slot in row]
+    letters = {_COMPUTE_LETTER.get(slot.kind, slot.kind) for slot in slots if slot.compute}
+    entries = []
+    if letters & set(_COMPUTE_WORDS):
+        words = ", ".join(_COMPUTE_WORDS[letter] for letter in (F, B, I, W) if letter in letters)
+        entries.append(f"0F1 = stage 0, micro-batch 1 ({words})")
+    shorts = {slot.kind: SHORT_LABELS[slot.kind] for slot in slots if not slot.compute and slot.kind in SHORT_LABELS}
+    entries += [f"{short} {kind}" for kind, short in sorted(shorts.items(), key=lambda item: item[1].lower())]
+    if any(slot.waiting for slot in slots):
+        entries.append("~ waiting")
+    entries.append(". idle")
+    flying = {_IN_FLIGHT.get(t.kind, "s") for row in (timeline.transfers or ()) for t in row}
+    if flying:
+        entries.append("under a rank, in flight: " + ", ".join(_IN_FLIGHT_WORDS[c] for c in "gprms" if c in flying))
+    lines = wrap([f"{entry};" for entry in entries[:-1]] + entries[-1:], width=width - len("legend: "), indent="")
+    return ["legend: " + lines[0], *(" " * len("legend: ") + line for line in lines[1:])]
 
 
 def _cells(row: Sequence[Any], columns: int, scale: float, cut: bool) -> str:

@@ -219,7 +219,7 @@ def simulate(
     """Run ``schedule`` on paper under ``costs``; raises ``ScheduleError`` if it is invalid.
 
     Given a ``Plan`` (``step.plan(mesh, params, batch)``), simulate the whole step instead
-    (``shardwise.engine.simulate.simulation``) under ``PlanCosts``, or a schedule's ``Costs``.
+    (a ``sw.plan.PlanTimeline``) under ``sw.plan.PlanCosts``, or a schedule's ``Costs``.
     """
     if isinstance(schedule, Plan):
         if isinstance(costs, Mapping):

@@ -71,8 +71,8 @@ def checkpoint_name(x: Tensor, name: str) -> Tensor:
     Returns a tensor equal to ``x`` (bitwise), to be used in its place.
 
     >>> import torch
-    >>> from shardwise.transforms.remat import checkpoint_name
-    >>> h = checkpoint_name(torch.ones(2), "h")
+    >>> import shardwise as sw
+    >>> h = sw.policies.checkpoint_name(torch.ones(2), "h")
     >>> h
     tensor([1., 1.])
     """

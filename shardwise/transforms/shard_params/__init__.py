@@ -5,9 +5,9 @@ from __future__ import annotations
 from ...engine.layout.sharding import UnitLayout
 from ...engine.stack.compose import add
 from ...engine.step.step import Step
-from .spec import ShardSpec
+from .spec import DEFAULT_BUCKET_MB, ShardSpec
 
-__all__ = ["ShardSpec", "UnitLayout", "shard_params"]
+__all__ = ["DEFAULT_BUCKET_MB", "ShardSpec", "UnitLayout", "shard_params"]
 
 
 def shard_params(
@@ -18,6 +18,8 @@ def shard_params(
     reshard_after_forward: bool | None = None,
     prefetch: int | None = None,
     accumulation: int = 1,
+    reduce_in_flight: int | None = None,
+    bucket_mb: float | None = None,
 ) -> Step:
     """Make ``step`` data parallel over mesh ``axis``, sharding what ZeRO ``stage`` shards.
 
@@ -30,11 +32,26 @@ def shard_params(
     (``reshard_after_forward=True``: gathered again in backward) or keeping
     them until backward (``False``). The default (None) reshards, except under
     a pipeline, where a rank's units stay gathered from their first compute of
-    the step to their last (torchtitan's rule; see ``engine/stack/compose.py``). Each
+    the step to their last (torchtitan's rule). Each
     layer's parameters travel as one flat buffer, padded to a multiple of the
     axis size; padding never reaches results. ``accumulation=k`` splits each
     rank's batch into ``k`` micro-batches and reduces gradients only after the
     last one.
+
+    ``reduce_in_flight`` bounds how many of the backward's gradient reduce-scatters (stages 2
+    and 3) are in flight at once: each holds its unit's full gradient until it is waited for.
+    0 waits for each before the next compute (least memory); 1 lets it overlap the next unit's
+    backward. The default (None) is 0 where the parameters are on a CPU, whose collectives run
+    on the same cores as the computes (gloo, threads: the overlap measured no faster), and 1
+    on a GPU. The Plan shows the waits and counts the buffers (``memory["reduce_buffers"]``).
+
+    At stages 1 and 2 the gradients of consecutive units travel in buckets of at most
+    ``bucket_mb`` MiB (a larger unit alone; default ``DEFAULT_BUCKET_MB``). At stage 2 each
+    bucket's reduce-scatter is issued as soon as its last unit's gradient is complete, during
+    the backward; stage 1, which holds the full gradients, issues them all after the backward.
+    The updated shards come back in the same buckets. Stage 3 reduces and gathers
+    unit by unit (its units are gathered and freed one at a time). Each bucket is one action of
+    the Plan (``reduce_scatter(2+0)``), listed when the plan is made with the parameters.
 
     Composed with a pipeline (in either order), each pipeline rank's layers are
     sharded over ``axis`` of a 2-D mesh such as ``Mesh(dp=2, pp=2)``.
@@ -55,6 +72,21 @@ def shard_params(
         raise ValueError(f"shard_params(prefetch={prefetch!r}): the prefetch depth is an int >= 0")
     if isinstance(accumulation, bool) or not isinstance(accumulation, int) or accumulation < 1:
         raise ValueError(f"shard_params(accumulation={accumulation!r}): the number of micro-batches is an int >= 1")
+    if reduce_in_flight is not None and (
+        isinstance(reduce_in_flight, bool) or not isinstance(reduce_in_flight, int) or reduce_in_flight < 0
+    ):
+        raise ValueError(
+            f"shard_params(reduce_in_flight={reduce_in_flight!r}): the number of gradient reductions in flight "
+            "is an int >= 0 (0: wait for each before the next compute), or None for the device's default"
+        )
+    if bucket_mb is not None:
+        if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not bucket_mb > 0:
+            raise ValueError(f"shard_params(bucket_mb={bucket_mb!r}): a bucket's size in MiB is a number > 0")
+        if stage == 3:
+            raise ValueError(
+                f"shard_params(stage=3, bucket_mb={bucket_mb!r}): stage 3 reduces each unit as its backward ends "
+                "(its units are gathered and freed one by one); buckets are for stages 1 and 2: drop bucket_mb"
+            )
     if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
         raise TypeError(f"shard_params(reshard_after_forward={reshard_after_forward!r}): True, False or None (the default)")
     # Stages 1 and 2 hold full parameters and gather none: asking to keep gathered ones, or to
@@ -65,4 +97,6 @@ def shard_params(
                 f"shard_params(stage={stage}, {name}={value!r}): only stage 3 shards parameters, so there is "
                 "nothing to gather, keep or prefetch; drop the option or use stage=3"
             )
-    return add(step, ShardSpec(axis, stage, reshard_after_forward, 1 if prefetch is None else prefetch, accumulation))
+    spec = ShardSpec(axis, stage, reshard_after_forward, 1 if prefetch is None else prefetch, accumulation,
+                     reduce_in_flight, None if bucket_mb is None else float(bucket_mb))
+    return add(step, spec)

@@ -6,9 +6,18 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
+import torch
+
+from ...engine.layout.buckets import bucket_units
 from ...engine.plan.actions import Action
 from ...engine.stack.compose import SHARDING
 from .lowering import insert_gathers, insert_reduces
+
+# Stages 1-2: the gradient bytes reduced in one collective. Not tuned yet (issue 27: the paired
+# timings of the session that added it ran at a load of 40 on 2 cores, which drowned the
+# differences). 4 MiB makes a few buckets of the benchmarks' models (the 8 MiB MLP: two), so the
+# first is issued while the backward still runs; DDP's default is 25 MiB.
+DEFAULT_BUCKET_MB = 4.0
 
 
 @dataclass(frozen=True)
@@ -24,16 +33,45 @@ class ShardSpec:
     reshard_after_forward: bool | None = None
     prefetch: int = 1
     accumulation: int = 1
+    reduce_in_flight: int | None = None  # None: chosen per device (reductions_in_flight)
+    bucket_mb: float | None = None  # stages 1-2: None is DEFAULT_BUCKET_MB (bucket_limit)
 
     name: ClassVar[str] = "shard_params"
     role: ClassVar[str] = SHARDING
 
     def __str__(self) -> str:
         reshard = "" if self.reshard_after_forward is None else f", reshard_after_forward={self.reshard_after_forward}"
+        in_flight = "" if self.reduce_in_flight is None else f", reduce_in_flight={self.reduce_in_flight}"
+        in_flight += "" if self.bucket_mb is None else f", bucket_mb={self.bucket_mb}"
         return (
             f"shard_params(axis={self.axis!r}, stage={self.stage}{reshard}, prefetch={self.prefetch}, "
-            f"accumulation={self.accumulation})"
+            f"accumulation={self.accumulation}{in_flight})"
         )
+
+    def reductions_in_flight(self, device: torch.device | str) -> int:
+        """How many of the backward's reduce-scatters may be in flight at once, on ``device``.
+
+        The default (None) is 0 on a CPU, 1 elsewhere. On a CPU (gloo, threads) a collective runs
+        on the same cores as the computes: keeping one in flight while the next unit's backward
+        runs bought no time in our measurements (benchmarks/README.md, issue 25) and held one more
+        unit's full gradient, where FSDP2 on CPU also reduces each unit before the next computes.
+        On a GPU the reduction runs beside the compute (NCCL), so one in flight hides it, as FSDP2.
+        """
+        if self.reduce_in_flight is not None:
+            return self.reduce_in_flight
+        return 0 if torch.device(device).type in ("cpu", "meta") else 1
+
+    def bucket_limit(self) -> int | None:
+        """Bytes a bucket of gradients may hold (stages 1-2); None: each unit reduced alone (stage 3,
+        whose units are gathered and freed one by one)."""
+        if self.stage == 3:
+            return None
+        return int((DEFAULT_BUCKET_MB if self.bucket_mb is None else self.bucket_mb) * 2**20)
+
+    def buckets(self, order: Sequence[str], sizes: Mapping[str, tuple[int, str]]) -> list[tuple[str, ...]]:
+        """The units reduced in ``order`` grouped into buckets (``sizes``: unit -> (bytes, dtype) of
+        its gradient on the wire)."""
+        return bucket_units(order, sizes, self.bucket_limit())
 
     def insert(
         self,

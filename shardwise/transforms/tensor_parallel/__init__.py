@@ -35,7 +35,7 @@ def tensor_parallel(
     """Split the parameters of ``step``'s layers over mesh ``axis`` as ``plan`` says (Megatron-LM).
 
     ``plan`` maps module path patterns (fnmatch over ``model.named_modules()`` paths) to
-    :class:`Colwise`, :class:`Rowwise` and :class:`Region` (see ``styles.py``); modules it does not
+    :class:`Colwise`, :class:`Rowwise` and :class:`Region` (``sw.tp``); modules it does not
     name keep their parameters whole on every rank. Each rank of ``axis`` holds its slice of every
     split parameter and computes with it; the layers run unchanged, and the communication goes
     through shardwise's differentiable collectives (an all-reduce where a Rowwise output is summed
@@ -69,7 +69,7 @@ def tensor_parallel(
     >>> model = mlp([8, 32, 8])
     >>> chain, params = sw.functionalize(model)
     >>> step = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(lr=0.1))
-    >>> tp = sw.tensor_parallel(step, "tp", {"0": sw.Colwise(), "2": sw.Rowwise()})
+    >>> tp = sw.tensor_parallel(step, "tp", {"0": sw.tp.Colwise(), "2": sw.tp.Rowwise()})
     >>> plan = tp.plan(sw.Mesh(tp=2), params, (torch.randn(4, 8), torch.randn(4, 8)))
     >>> " ".join(str(a) for a in plan.for_rank(0))
     'F(0) F(1) F(2) tp_psum(2, axis=tp) loss B(2) B(1) B(0) finish_grads check_replicas reduce_metrics(axis=tp) wait_check update wait_metrics'
@@ -87,15 +87,16 @@ def tensor_parallel(
     if not isinstance(plan, Mapping) or not plan:
         raise ValueError(
             f"tensor_parallel(plan={plan!r}): give a dict of module path patterns to styles, e.g. "
-            "{'model.layers.*.mlp.up_proj': sw.Colwise(), 'model.layers.*.mlp.down_proj': sw.Rowwise()}, "
-            "or a ready one such as sw.llama_plan()"
+            "{'model.layers.*.mlp.up_proj': sw.tp.Colwise(), 'model.layers.*.mlp.down_proj': sw.tp.Rowwise()}, "
+            "or a ready one such as sw.tp.llama_plan()"
         )
     for pattern, style in plan.items():
         if not isinstance(pattern, str) or not pattern:
             raise TypeError(f"tensor_parallel: plan key {pattern!r} is not a module path pattern")
         if not isinstance(style, (Colwise, Rowwise, Region)):
             raise TypeError(
-                f"tensor_parallel: plan[{pattern!r}] = {style!r}; a style is sw.Colwise(), sw.Rowwise() or sw.Region()"
+                f"tensor_parallel: plan[{pattern!r}] = {style!r}; a style is sw.tp.Colwise(), sw.tp.Rowwise() "
+                "or sw.tp.Region()"
             )
     if sequence_parallel is not None and (not isinstance(sequence_parallel, str) or not sequence_parallel):
         raise TypeError(

@@ -56,7 +56,7 @@ def vocab_parallel_cross_entropy(
     >>> import torch, shardwise as sw
     >>> logits, targets = torch.randn(4, 10, dtype=torch.float64), torch.tensor([1, 2, -100, 9])
     >>> want = torch.nn.functional.cross_entropy(logits, targets)
-    >>> bool(sw.vocab_parallel_cross_entropy(logits, targets) == want)
+    >>> bool(sw.tp.vocab_parallel_cross_entropy(logits, targets) == want)
     True
     """
     if reduction not in ("mean", "sum"):
@@ -117,7 +117,7 @@ def vocab_parallel_logsumexp(logits: torch.Tensor) -> torch.Tensor:
 
     >>> import torch, shardwise as sw
     >>> logits = torch.randn(3, 5, dtype=torch.float64)
-    >>> bool(torch.equal(sw.vocab_parallel_logsumexp(logits), logits.logsumexp(-1)))
+    >>> bool(torch.equal(sw.tp.vocab_parallel_logsumexp(logits), logits.logsumexp(-1)))
     True
     """
     split = _split_over.get()
@@ -189,8 +189,8 @@ def _misuse(what: str) -> str:
     return (
         f"tensor_parallel: the loss computes {what} on logits split over the vocabulary (each rank "
         "holds a slice of it, Colwise(output='sharded')): that is each rank's part, not the whole, "
-        "and would train silently wrong. Use sw.vocab_parallel_cross_entropy for the cross-entropy "
-        "and sw.vocab_parallel_logsumexp for a z-loss term, or give the head "
+        "and would train silently wrong. Use sw.tp.vocab_parallel_cross_entropy for the cross-entropy "
+        "and sw.tp.vocab_parallel_logsumexp for a z-loss term, or give the head "
         "Colwise(output='replicated') to compute any loss on whole logits."
     )
 
@@ -248,8 +248,8 @@ class SplitLogitsLoss:
     def _refusal(self) -> str:
         return (
             f"tensor_parallel: the head leaves the logits split over {self.axis!r} (Colwise(output='sharded')), "
-            "but loss_fn never called sw.vocab_parallel_cross_entropy, so it would compute a loss of each "
-            "rank's slice of the vocabulary; compute the cross-entropy with sw.vocab_parallel_cross_entropy "
+            "but loss_fn never called sw.tp.vocab_parallel_cross_entropy, so it would compute a loss of each "
+            "rank's slice of the vocabulary; compute the cross-entropy with sw.tp.vocab_parallel_cross_entropy "
             "(plain cross-entropy wherever the logits are whole), or give the head Colwise(output='replicated')"
         )
 

@@ -228,7 +228,7 @@ def _check_regions_close(style_of: Mapping[str, tuple[str, Style]]) -> None:
                 f"tensor_parallel: plan[{pattern!r}] = Region on {region!r} holds Colwise() on "
                 f"{split}, whose outputs stay split over the axis, but no Rowwise() to sum them; "
                 "add Rowwise() on the module that takes them (the output projection, e.g. "
-                "'o_proj' in sw.llama_plan()), or give the Colwise output='replicated'"
+                "'o_proj' in sw.tp.llama_plan()), or give the Colwise output='replicated'"
             )
 
 

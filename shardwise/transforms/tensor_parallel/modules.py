@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from ...engine.model.chain import Layer
 from ...engine.model.module_call import ThreadReplicas
+from ...engine.model.reuse import reuse_key
 from ...engine.run.rng import default_generators, mix
 from . import positions
 from .comm import enter, gather_invariant, leave, predicting_now, scatter, tp_index, tp_size, vary
@@ -301,6 +302,14 @@ class VaryFn:
         must_run: frozenset[str] = frozenset(),
     ) -> None:
         self.fn, self.axis, self.names, self.reduce, self.must_run = fn, axis, names, reduce, must_run
+        self._reuse_key: Any = None
+
+    def set_reuse_key(self, key: Any) -> None:
+        self._reuse_key = key
+
+    def reuse_key(self) -> Any:
+        """Equal for layers rewritten alike from layers that compute alike (engine/model/reuse.py)."""
+        return self._reuse_key
 
     def __call__(self, tensors: dict[str, Tensor], x: Any) -> Any:
         if self.names:
@@ -349,6 +358,11 @@ class GuardFn:
     def __init__(self, fn: Callable[[dict[str, Tensor], Any], Any], layer: str, axis: str, between: bool = False) -> None:
         self.fn, self.layer, self.axis, self.between = fn, layer, axis, between
 
+    def reuse_key(self) -> Any:
+        """Equal for guarded layers that compute alike (engine/model/reuse.py); its name is for errors."""
+        inner = reuse_key(self.fn)
+        return None if inner is None else (GuardFn, self.axis, self.between, inner)
+
     def __call__(self, tensors: dict[str, Tensor], x: Any) -> Any:
         if self.between:
             with _rank_stream(self.axis, (x,), {}, sticky=True):
@@ -390,7 +404,27 @@ def rewrite_layer(layer: Layer, plan: LayerPlan, axis: str, reduce: torch.dtype 
     new_fn = copy.copy(fn)
     new_fn.replicas = ThreadReplicas(copied, replicas.prefix)  # type: ignore[attr-defined]
     must_run = frozenset(i.path for i in plan.installs if i.must_run)
-    return Layer(
-        layer.name, VaryFn(new_fn, axis, frozenset(plan.vary), reduce, must_run), layer.param_names, layer.buffers,
-        layer.ties,
-    )
+    vary_fn = VaryFn(new_fn, axis, frozenset(plan.vary), reduce, must_run)
+    vary_fn.set_reuse_key(_rewrite_key(layer.name, fn, plan, axis, reduce))
+    return Layer(layer.name, vary_fn, layer.param_names, layer.buffers, layer.ties)
+
+
+def _rewrite_key(name: str, fn: Any, plan: LayerPlan, axis: str, reduce: torch.dtype | None) -> Any:
+    """What decides a rewritten layer's computation, its names relative to the layer (so that the
+    blocks of a stack, rewritten alike, compute alike: engine/model/reuse.py); None when the layer
+    fn does not say what it computes, or a style cannot be compared."""
+    inner = reuse_key(fn)
+    if inner is None:
+        return None
+    prefix = name + "."
+    installs = tuple(sorted(
+        (i.subpath, i.style, i.kind, i.seq_dim, i.enters, i.region and i.region.removeprefix(prefix), i.must_run)
+        for i in plan.installs
+    ))
+    blocks = tuple(sorted((sub, first, last) for sub, _path, first, last in plan.blocks))
+    key = (VaryFn, axis, reduce, installs, blocks, tuple(sorted(v.removeprefix(prefix) for v in plan.vary)), inner)
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key

@@ -301,8 +301,8 @@ class _Slices(TorchFunctionMode):
         blocks = re.sub(r"\.\d+$", ".*", self.block)
         return head + (
             f"give it a Region so that it sees the whole sequence, plan[{pattern!r}] = "
-            f"sw.Region({_heads_hint(module)}), with its projections Colwise() and Rowwise() (as "
-            "in sw.tiny_gpt_plan() or sw.llama_plan()), or leave "
+            f"sw.tp.Region({_heads_hint(module)}), with its projections Colwise() and Rowwise() (as "
+            "in sw.tp.tiny_gpt_plan() or sw.tp.llama_plan()), or leave "
             f"{blocks!r} out of sequence_parallel"
         )
 

@@ -11,15 +11,18 @@ holds the ledger to them.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import optree
 import torch
 
 from ...engine.layout.state_layout import Placement
+from ...engine.model import reuse as layer_reuse  # the module: a test switches its keys off
 from ...engine.model.chain import Chain
+from ...engine.model.reuse import LayerMemo, tree_signature
 from ...engine.torch_api import fake_tensors
 from .comm import Issued, predicting
 
@@ -46,10 +49,20 @@ def predict(
     """For every stage: the collectives of its forward, of the loss (last stage), and of its
     backward as ``B``, ``I`` and ``W``."""
     out: Predicted = {}
+    stages = LayerMemo()  # a stage like one predicted before (the middle of a stack of blocks) issues alike
     with fake_tensors() as fake, predicting(size) as issued:
         x = optree.tree_map(fake, inputs)
         y_targets = optree.tree_map(fake, targets)
         for s, layers in enumerate(placement.stages):
+            key = _stage_key(chain, layers, shapes, x, s, s == placement.last)
+            found = stages.lookup(key, x)
+            if found is not None:
+                y, (earlier, predicted) = found
+                names = dict(zip(earlier, layers, strict=True))
+                for kind, listed in predicted.items():
+                    out[(kind, s)] = [_renamed(entry, names) for entry in listed]
+                x = optree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, y)
+                continue
             runs = []
             for _ in range(2):  # one graph for B, one for I then W
                 params = {
@@ -96,5 +109,34 @@ def predict(
             out[("backward_weight", s)] = issued[start:]
             del issued[start:]
             del seeds
+            kinds = ("forward", "loss", "backward", "backward_input", "backward_weight")
+            stages.store(key, x, y, (tuple(layers), {k: out[(k, s)] for k in kinds if (k, s) in out}))
             x = optree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, y)
     return out
+
+
+def _stage_key(
+    chain: Chain, layers: Sequence[str], shapes: Mapping[str, Mapping[str, tuple[torch.Size, torch.dtype]]],
+    x: Any, s: int, last: bool,
+) -> Any:
+    """What decides a stage's collectives: its layers' functions (engine/model/reuse.py), their
+    parameters' shapes, its input, whether it is the first (its input needs no gradient) or the
+    last (the loss); None when a layer does not say what it computes, or a stage has ties."""
+    fns = [layer_reuse.reuse_key(chain[n].fn) for n in layers]
+    if any(k is None for k in fns) or any(chain[n].ties for n in layers):
+        return None
+    params = tuple(
+        tuple((k.removeprefix(n + "."), tuple(shape), dtype) for k, (shape, dtype) in shapes.get(n, {}).items())
+        for n in layers
+    )
+    inputs = tree_signature(x)
+    return None if inputs is None else (tuple(fns), params, inputs, s == 0, last)
+
+
+def _renamed(entry: Issued, names: Mapping[str, str]) -> Issued:
+    """A collective an earlier stage's layer issued, labelled as this stage's layer in its place
+    (a label starts with the path of the module that issues it)."""
+    for old, new in names.items():
+        if entry.label == old or entry.label.startswith(old + "."):
+            return dataclasses.replace(entry, label=new + entry.label[len(old):])
+    return entry

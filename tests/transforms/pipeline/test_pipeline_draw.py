@@ -27,7 +27,7 @@ def test_ascii_shows_every_op(name: str, p: int, m: int) -> None:
     stages = 2 * p if name == "zb_v" else p
     schedule = SCHEDULES[name](p, stages, p * m if name == "interleaved_1f1b" else m)
     timeline = simulate(schedule)
-    text = ascii_timeline(timeline)
+    text = ascii_timeline(timeline, legend=False)
     lines = text.splitlines()
     assert lines[0].startswith(f"{schedule.name}: makespan {timeline.makespan:g}, bubble")
     rows = lines[1:]
@@ -44,11 +44,19 @@ def test_ascii_layout() -> None:
     assert text.splitlines()[1:] == [
         "rank 0 |0F0 0F1 ........0B0     ....0B1     |",
         "rank 1 |....1F0 1B0     1F1 1B1     ........|",
+        "legend: 0F1 = stage 0, micro-batch 1 (F forward, B backward); . idle",
     ]
 
 
+def test_the_legend_names_the_glyphs_the_drawing_shows() -> None:
+    zero_bubble = ascii_timeline(simulate(zb_h1(2, 2, 3))).splitlines()[-1]
+    assert zero_bubble == ("legend: 0F1 = stage 0, micro-batch 1 "
+                           "(F forward, I backward's input half, W its weight half); . idle")
+    assert "legend" not in ascii_timeline(simulate(zb_h1(2, 2, 3)), legend=False)
+
+
 def test_ascii_fixed_width_cuts_labels() -> None:
-    text = ascii_timeline(simulate(zb_h1(2, 2, 4)), width=30)
+    text = ascii_timeline(simulate(zb_h1(2, 2, 4)), width=30, legend=False)
     assert all(len(row.split("|")[1]) == 30 for row in text.splitlines()[1:])
     with pytest.raises(ValueError, match="width must be >= 1"):
         ascii_timeline(simulate(zb_h1(2, 2, 4)), width=0)

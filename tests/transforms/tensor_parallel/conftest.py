@@ -47,11 +47,11 @@ class Problem:
 
 def lm_loss(logits: Tensor, targets: Tensor) -> Tensor:
     """Cross-entropy that works on whole logits and, inside a tensor-parallel step, on split ones."""
-    return sw.vocab_parallel_cross_entropy(logits, targets)
+    return sw.tp.vocab_parallel_cross_entropy(logits, targets)
 
 
 def hf_lm_loss(out: Any, targets: Tensor) -> Tensor:
-    return sw.vocab_parallel_cross_entropy(out.logits, targets)
+    return sw.tp.vocab_parallel_cross_entropy(out.logits, targets)
 
 
 def token_batches(n: int, batch: int = BATCH, seq: int = SEQ, seed: int = 1) -> list[tuple[Tensor, Tensor]]:
@@ -76,7 +76,7 @@ def build_tiny_gpt(
                     tie_weights=tie).double()
     chain, params = sw.functionalize(model, units=Block)
     step = sw.train_step(chain, lm_loss, optimizer(), clip_norm=clip_norm)
-    return Problem(step, params, token_batches(steps, batch, seq), sw.tiny_gpt_plan(vocab_parallel=vocab_parallel),
+    return Problem(step, params, token_batches(steps, batch, seq), sw.tp.tiny_gpt_plan(vocab_parallel=vocab_parallel),
                    TINY_GPT_BLOCKS, model)
 
 
@@ -100,7 +100,7 @@ def build_llama(
     chain, params = sw.functionalize(model, units=T.models.llama.modeling_llama.LlamaDecoderLayer,
                                      example_input=batches[0][0])
     step = sw.train_step(chain, hf_lm_loss, optimizer(), clip_norm=clip_norm)
-    return Problem(step, params, batches, sw.llama_plan(vocab_parallel=vocab_parallel), LLAMA_BLOCKS, model)
+    return Problem(step, params, batches, sw.tp.llama_plan(vocab_parallel=vocab_parallel), LLAMA_BLOCKS, model)
 
 
 def build_gpt2(
@@ -119,11 +119,11 @@ def build_gpt2(
     chain, params = sw.functionalize(model, units=T.models.gpt2.modeling_gpt2.GPT2Block,
                                      example_input=batches[0][0])
     step = sw.train_step(chain, hf_lm_loss, optimizer(), clip_norm=clip_norm)
-    return Problem(step, params, batches, sw.gpt2_plan(vocab_parallel=vocab_parallel), GPT2_BLOCKS, model)
+    return Problem(step, params, batches, sw.tp.gpt2_plan(vocab_parallel=vocab_parallel), GPT2_BLOCKS, model)
 
 
 MLP_WIDTHS = (8, 32, 16, 32, 8)
-MLP_PLAN = {"0": sw.Colwise(), "2": sw.Rowwise(), "4": sw.Colwise(), "6": sw.Rowwise()}
+MLP_PLAN = {"0": sw.tp.Colwise(), "2": sw.tp.Rowwise(), "4": sw.tp.Colwise(), "6": sw.tp.Rowwise()}
 
 
 def build_mlp(

@@ -91,7 +91,7 @@ def test_random_ops_draw_per_rank_on_per_rank_values_and_alike_on_replicated_one
     torch.manual_seed(0)
     chain, params = sw.functionalize(Blocks().double(), units=["blocks"])
     step = sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1))
-    plan = {"blocks.*.mlp": sw.Region(), "blocks.*.mlp.0": sw.Colwise(), "blocks.*.mlp.2": sw.Rowwise()}
+    plan = {"blocks.*.mlp": sw.tp.Region(), "blocks.*.mlp.0": sw.tp.Colwise(), "blocks.*.mlp.2": sw.tp.Rowwise()}
     tp = sw.tensor_parallel(step, "tp", plan, sequence_parallel="blocks.*" if sequence_parallel else None)
     batch = (torch.randn(2, 4, 8, dtype=torch.float64), torch.randn(2, 4, 8, dtype=torch.float64))
     Probe.masks.clear()
@@ -122,12 +122,13 @@ def test_a_replicated_parameter_used_on_per_rank_values_is_refused_unless_in_a_r
     chain, params = sw.functionalize(Model().double(), units=["block"])
     step = sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1))
     batch = (torch.randn(4, 8, dtype=torch.float64), torch.randn(4, 8, dtype=torch.float64))
-    split = {"block.up": sw.Colwise(), "block.down": sw.Rowwise()}
+    split = {"block.up": sw.tp.Colwise(), "block.down": sw.tp.Rowwise()}
     # Without a Region the gain's gradient is each rank's part: its copies would train apart.
-    with pytest.raises(sw.RankFailed, match=r"replicated parameters differ .* Region"):
+    with pytest.raises(sw.collectives.RankFailed, match=r"replicated parameters differ .* Region"):
         _run(sw.tensor_parallel(step, "tp", split), sw.Mesh(tp=2), params, batch)
     # In a Region it is summed over the ranks, and the step is the single-device one.
-    (metrics, full), _ = _run(sw.tensor_parallel(step, "tp", {"block": sw.Region(), **split}), sw.Mesh(tp=2), params, batch)
+    region_step = sw.tensor_parallel(step, "tp", {"block": sw.tp.Region(), **split})
+    (metrics, full), _ = _run(region_step, sw.Mesh(tp=2), params, batch)
     reference = step.init(params)
     for _ in range(2):
         reference, want = step(reference, batch)
@@ -145,8 +146,8 @@ def test_the_check_passes_and_replicas_agree_with_dropout_on_the_residual_stream
     model = GPT2LMHeadModel(config).double().train()
     ids = torch.randint(0, 64, (4, 8))
     chain, params = sw.functionalize(model, units=GPT2Block)
-    step = sw.train_step(chain, lambda o, y: sw.vocab_parallel_cross_entropy(o.logits, y), sw.optim.sgd(0.1))
-    tp = sw.tensor_parallel(step, "tp", sw.gpt2_plan())
+    step = sw.train_step(chain, lambda o, y: sw.tp.vocab_parallel_cross_entropy(o.logits, y), sw.optim.sgd(0.1))
+    tp = sw.tensor_parallel(step, "tp", sw.tp.gpt2_plan())
     out = _run(tp, sw.Mesh(tp=2), params, (ids, ids), steps=3)
     (m0, full0), (m1, full1) = out
     assert torch.equal(m0["loss"], m1["loss"])
@@ -155,7 +156,7 @@ def test_the_check_passes_and_replicas_agree_with_dropout_on_the_residual_stream
             assert torch.equal(full0[layer][name], full1[layer][name]), (layer, name)
     # Dropout did draw: the same step without it lands elsewhere.
     quiet = sw.tensor_parallel(sw.train_step(sw.functionalize(model.eval(), units=GPT2Block)[0], step.loss_fn,
-                                             sw.optim.sgd(0.1)), "tp", sw.gpt2_plan())
+                                             sw.optim.sgd(0.1)), "tp", sw.tp.gpt2_plan())
     (q0, _), _ = _run(quiet, sw.Mesh(tp=2), params, (ids, ids), steps=3)
     assert not torch.equal(q0["loss"], m0["loss"])
 
@@ -167,10 +168,12 @@ def test_the_check_passes_and_replicas_agree_with_dropout_on_the_residual_stream
 def test_a_tensor_parallel_checkpoint_resumes_on_another_mesh(tmp_path: Path, target: str) -> None:
     torch.manual_seed(0)
     chain, params = sw.functionalize(TinyGPT(**TINY).double(), units=Block)
-    step = sw.train_step(chain, lambda o, y: sw.vocab_parallel_cross_entropy(o, y), sw.optim.sgd(0.05, momentum=0.9))
+    step = sw.train_step(chain, lambda o, y: sw.tp.vocab_parallel_cross_entropy(o, y), sw.optim.sgd(0.05, momentum=0.9))
     ids = torch.randint(0, 64, (4, 8))
     batch = (ids, torch.randint(0, 64, (4, 8)))
-    saver = sw.shard_params(sw.tensor_parallel(step, "tp", sw.tiny_gpt_plan(), sequence_parallel="blocks.*"), "dp", 3)
+    saver = sw.shard_params(
+        sw.tensor_parallel(step, "tp", sw.tp.tiny_gpt_plan(), sequence_parallel="blocks.*"), "dp", 3
+    )
     mesh = sw.Mesh(dp=2, tp=2)
     reference = step.init(params)
     for _ in range(3):
@@ -184,10 +187,12 @@ def test_a_tensor_parallel_checkpoint_resumes_on_another_mesh(tmp_path: Path, ta
 
     sw.launch(save, mesh.size, timeout=120)
     targets = {
-        "tp4": (sw.tensor_parallel(step, "tp", sw.tiny_gpt_plan()), sw.Mesh(tp=4)),
+        "tp4": (sw.tensor_parallel(step, "tp", sw.tp.tiny_gpt_plan()), sw.Mesh(tp=4)),
         "dp2": (sw.shard_params(step, "dp", 2), sw.Mesh(dp=2)),
-        "pp2xtp2": (sw.pipeline(sw.tensor_parallel(step, "tp", sw.tiny_gpt_plan(vocab_parallel=False)), "pp", "gpipe", 2),
-                    sw.Mesh(pp=2, tp=2)),
+        "pp2xtp2": (
+            sw.pipeline(sw.tensor_parallel(step, "tp", sw.tp.tiny_gpt_plan(vocab_parallel=False)), "pp", "gpipe", 2),
+            sw.Mesh(pp=2, tp=2),
+        ),
         "single": (step, None),
     }
     loader, target_mesh = targets[target]
@@ -211,7 +216,7 @@ def test_dropout_between_split_layers_is_per_rank_and_recomputed_alike() -> None
     model = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.3), nn.Linear(16, 8)).double().train()
     chain, params = sw.functionalize(model)
     step = sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1, momentum=0.9))
-    tp = sw.tensor_parallel(step, "tp", {"0": sw.Colwise(), "2": sw.Rowwise()})
+    tp = sw.tensor_parallel(step, "tp", {"0": sw.tp.Colwise(), "2": sw.tp.Rowwise()})
     batch = (torch.randn(16, 8, dtype=torch.float64), torch.randn(16, 8, dtype=torch.float64))
     plain = _run(tp, sw.Mesh(tp=2), params, batch, steps=3)
     rematted = _run(sw.remat(tp, sw.policies.nothing_saveable), sw.Mesh(tp=2), params, batch, steps=3)
@@ -246,7 +251,7 @@ def test_dropout_after_a_self_entering_colwise_in_one_layer_is_per_rank_until_th
     torch.manual_seed(0)
     chain, params = sw.functionalize(OneBlock().double(), units=["block"])
     step = sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1))
-    tp = sw.tensor_parallel(step, "tp", {"block.up": sw.Colwise(), "block.down": sw.Rowwise()})
+    tp = sw.tensor_parallel(step, "tp", {"block.up": sw.tp.Colwise(), "block.down": sw.tp.Rowwise()})
     batch = (torch.randn(4, 8, dtype=torch.float64), torch.randn(4, 8, dtype=torch.float64))
     Probe.masks.clear()
     plain = _run(tp, sw.Mesh(tp=2), params, batch, steps=2)

@@ -44,7 +44,8 @@ def test_mlp_colwise_rowwise_pairs(tp: int, build: dict[str, Callable]) -> None:
 
 def test_mlp_with_a_gathered_column_parallel_layer(build: dict[str, Callable]) -> None:
     """A pair, then a Colwise whose output is gathered (every rank goes on with the whole of it)."""
-    problem = build["mlp"]((8, 16, 16, 8, 4), {"0": sw.Colwise(), "2": sw.Rowwise(), "4": sw.Colwise(output="replicated")})
+    split = {"0": sw.tp.Colwise(), "2": sw.tp.Rowwise(), "4": sw.tp.Colwise(output="replicated")}
+    problem = build["mlp"]((8, 16, 16, 8, 4), split)
     step = sw.tensor_parallel(problem.step, "tp", problem.plan)
     sw.testing.assert_equivalent(step, problem.step, sw.Mesh(tp=2), problem.batches, problem.params, rtol=F64_RTOL)
 
@@ -214,13 +215,14 @@ def test_full_params_and_leaf_specs(build: dict[str, Callable]) -> None:
                 assert torch.equal(at_init[layer][name], full), (rank, layer, name)
         qkv = layout.leaves[("blocks.0", "blocks.0.attn.qkv.weight")]
         assert qkv.shape == (3 * 32, 32) and qkv.local_shape == (3 * 16, 32)
-        assert qkv.split == sw.TensorSplit("tp", 0, 2, 3)  # three fused blocks, each halved
+        assert qkv.split == sw.layout.TensorSplit("tp", 0, 2, 3)  # three fused blocks, each halved
         q, k, v = problem.params["blocks.0"]["blocks.0.attn.qkv.weight"].chunk(3)
         mine = slice(16 * rank, 16 * (rank + 1))
         assert torch.equal(held["blocks.0"]["blocks.0.attn.qkv.weight"], torch.cat([q[mine], k[mine], v[mine]]))
-        assert layout.leaves[("blocks.0", "blocks.0.attn.proj.weight")].split == sw.TensorSplit("tp", 1, 2)
-        assert layout.leaves[("blocks.0", "blocks.0.mlp.0.bias")].split == sw.TensorSplit("tp", 0, 2)
-        assert layout.leaves[("blocks.0", "tok_emb.weight")].split == sw.TensorSplit("tp", 0, 2)  # the vocabulary
+        assert layout.leaves[("blocks.0", "blocks.0.attn.proj.weight")].split == sw.layout.TensorSplit("tp", 1, 2)
+        assert layout.leaves[("blocks.0", "blocks.0.mlp.0.bias")].split == sw.layout.TensorSplit("tp", 0, 2)
+        # the vocabulary
+        assert layout.leaves[("blocks.0", "tok_emb.weight")].split == sw.layout.TensorSplit("tp", 0, 2)
         for replicated in ("blocks.0.attn.proj.bias", "blocks.0.ln1.weight", "pos_emb"):
             spec = layout.leaves[("blocks.0", replicated)]
             assert spec.split is None and spec.local_shape == spec.shape
@@ -232,19 +234,19 @@ def test_full_params_and_leaf_specs(build: dict[str, Callable]) -> None:
 # -- an embedding split on its hidden dim ------------------------------------------------------
 
 
-@pytest.mark.parametrize("style", [sw.Colwise(), sw.Colwise(output="replicated")], ids=["default", "replicated"])
-def test_an_embedding_split_on_its_hidden_dim_is_gathered(style: sw.Colwise, build: dict[str, Callable]) -> None:
+@pytest.mark.parametrize("style", [sw.tp.Colwise(), sw.tp.Colwise(output="replicated")], ids=["default", "replicated"])
+def test_an_embedding_split_on_its_hidden_dim_is_gathered(style: sw.tp.Colwise, build: dict[str, Callable]) -> None:
     """Colwise on an Embedding cuts the hidden dim and gathers its output (by default too)."""
     problem = build["tiny_gpt"](tie=False)
-    step = sw.tensor_parallel(problem.step, "tp", {"tok_emb": style, "head": sw.Colwise()})
+    step = sw.tensor_parallel(problem.step, "tp", {"tok_emb": style, "head": sw.tp.Colwise()})
     sw.testing.assert_equivalent(step, problem.step, sw.Mesh(tp=2), problem.batches, problem.params, rtol=F64_RTOL)
 
 
 def _z_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """PaLM's z-loss beside label-smoothed cross-entropy, both computed on the split logits."""
     shifted, labels = logits[:, :-1], targets[:, :-1]  # a slice of the leading dims stays split
-    ce = sw.vocab_parallel_cross_entropy(shifted, labels, label_smoothing=0.1)
-    return ce + 0.05 * sw.vocab_parallel_logsumexp(logits).pow(2).mean()
+    ce = sw.tp.vocab_parallel_cross_entropy(shifted, labels, label_smoothing=0.1)
+    return ce + 0.05 * sw.tp.vocab_parallel_logsumexp(logits).pow(2).mean()
 
 
 @pytest.mark.parametrize("family", ["tiny_gpt", "llama"])

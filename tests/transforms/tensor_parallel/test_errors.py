@@ -43,7 +43,7 @@ def test_key_value_heads_that_the_axis_does_not_divide(build: dict[str, Callable
         step.plan(sw.Mesh(tp=4), problem.params, problem.batches[0])
     with pytest.raises(ValueError, match=message):
         step.layout(sw.Mesh(tp=4), problem.params)
-    with pytest.raises(sw.RankFailed, match=message):
+    with pytest.raises(sw.collectives.RankFailed, match=message):
         _init(step, problem.params, sw.Mesh(tp=4))
     step.plan(sw.Mesh(tp=2), problem.params, problem.batches[0])  # 2 divides both
 
@@ -59,12 +59,12 @@ def test_a_dim_the_axis_does_not_divide() -> None:
     torch.manual_seed(0)
     chain, params = sw.functionalize(mlp([8, 6, 8]).double())
     step = sw.tensor_parallel(sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1)), "tp",
-                              {"0": sw.Colwise(), "2": sw.Rowwise()})
+                              {"0": sw.tp.Colwise(), "2": sw.tp.Rowwise()})
     message = (r"parameter 'weight' of layer '0' has shape \[6, 8\]: dim 0 \(6\) does not split into 4 equal parts "
                r"over axis 'tp'; use a tensor-parallel size that divides it, or leave this parameter replicated")
     with pytest.raises(ValueError, match=message):
         step.layout(sw.Mesh(tp=4), params)
-    with pytest.raises(sw.RankFailed, match=message):
+    with pytest.raises(sw.collectives.RankFailed, match=message):
         _init(step, params, sw.Mesh(tp=4))
     step.layout(sw.Mesh(tp=2), params)
 
@@ -74,7 +74,7 @@ def test_fused_blocks_the_axis_does_not_divide() -> None:
     torch.manual_seed(0)
     chain, params = sw.functionalize(mlp([4, 12, 4]).double())
     step = sw.tensor_parallel(sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1)), "tp",
-                              {"0": sw.Colwise(fused=3), "2": sw.Rowwise()})
+                              {"0": sw.tp.Colwise(fused=3), "2": sw.tp.Rowwise()})
     with pytest.raises(ValueError, match=r"layer '0' has shape \[12, 4\].*3 fused blocks, each split 8 ways"):
         step.layout(sw.Mesh(tp=8), params)
 
@@ -85,7 +85,7 @@ def test_a_sequence_the_axis_does_not_divide(build: dict[str, Callable]) -> None
     message = r"splits the sequence \(dim 1, length 6\) over 4 ranks .* multiple of 4, or sequence_parallel=None"
     with pytest.raises(ValueError, match=message):
         step.plan(sw.Mesh(tp=4), problem.params, problem.batches[0])
-    with pytest.raises(sw.RankFailed, match=message):
+    with pytest.raises(sw.collectives.RankFailed, match=message):
         _one_step(step, problem.params, sw.Mesh(tp=4), problem.batches[0])
 
 
@@ -104,7 +104,7 @@ def test_a_pattern_that_matches_nothing(build: dict[str, Callable]) -> None:
     problem = build["tiny_gpt"](steps=1)
     with pytest.raises(ValueError, match=r"plan\['blocks\.\*\.atn\.qkv'\] matches no module of the model; close module "
                                          r"paths: \['blocks\.1\.attn\.qkv', 'blocks\.0\.attn\.qkv'"):
-        sw.tensor_parallel(problem.step, "tp", {"blocks.*.atn.qkv": sw.Colwise(fused=3)})
+        sw.tensor_parallel(problem.step, "tp", {"blocks.*.atn.qkv": sw.tp.Colwise(fused=3)})
     with pytest.raises(ValueError, match=r"sequence_parallel matches no module of the model; module paths look like"):
         sw.tensor_parallel(problem.step, "tp", problem.plan, sequence_parallel="layers.*")
 
@@ -113,22 +113,22 @@ def test_two_patterns_that_give_one_module_two_styles(build: dict[str, Callable]
     problem = build["tiny_gpt"](steps=1)
     with pytest.raises(ValueError, match=r"module 'head' matches plan\['head'\] = Colwise.* and plan\['h\*'\] = "
                                          r"Rowwise\(\); make the patterns select it once"):
-        sw.tensor_parallel(problem.step, "tp", {**problem.plan, "h*": sw.Rowwise()})
+        sw.tensor_parallel(problem.step, "tp", {**problem.plan, "h*": sw.tp.Rowwise()})
 
 
 def test_a_style_on_a_module_it_cannot_split(build: dict[str, Callable]) -> None:
     problem = build["tiny_gpt"](steps=1)
     with pytest.raises(ValueError, match=r"Colwise\(.*\) on 'blocks\.0\.ln1', a LayerNorm: Colwise and Rowwise split "
                                          r"an nn\.Linear, a Hugging Face Conv1D or an nn\.Embedding.*Region\(\)"):
-        sw.tensor_parallel(problem.step, "tp", {"blocks.*.ln1": sw.Colwise()})
+        sw.tensor_parallel(problem.step, "tp", {"blocks.*.ln1": sw.tp.Colwise()})
     with pytest.raises(ValueError, match=r"Rowwise\(\) on 'blocks\.0\.attn', a CausalSelfAttention"):
-        sw.tensor_parallel(problem.step, "tp", {"blocks.*.attn": sw.Rowwise()})
+        sw.tensor_parallel(problem.step, "tp", {"blocks.*.attn": sw.tp.Rowwise()})
 
 
 def test_fused_blocks_on_an_embedding(build: dict[str, Callable]) -> None:
     problem = build["tiny_gpt"](steps=1, tie=False)
     with pytest.raises(ValueError, match=r"Colwise\(.*fused=2\) on the Embedding 'tok_emb': an embedding has no fused"):
-        sw.tensor_parallel(problem.step, "tp", {"tok_emb": sw.Colwise(fused=2)})
+        sw.tensor_parallel(problem.step, "tp", {"tok_emb": sw.tp.Colwise(fused=2)})
 
 
 def test_an_embedding_option_a_split_does_not_reproduce() -> None:
@@ -138,12 +138,12 @@ def test_an_embedding_option_a_split_does_not_reproduce() -> None:
     step = sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1))
     with pytest.raises(ValueError, match=r"the Embedding '0' sets max_norm=1\.0, which a split embedding does not "
                                          r"reproduce; leave it replicated or drop the option"):
-        sw.tensor_parallel(step, "tp", {"0": sw.Rowwise()})
+        sw.tensor_parallel(step, "tp", {"0": sw.tp.Rowwise()})
 
 
 def test_a_region_naming_an_attribute_the_module_lacks(build: dict[str, Callable]) -> None:
     problem = build["tiny_gpt"](steps=1)
-    plan = {**problem.plan, "blocks.*.attn": sw.Region(heads=("num_heads",))}
+    plan = {**problem.plan, "blocks.*.attn": sw.tp.Region(heads=("num_heads",))}
     with pytest.raises(ValueError, match=r"Region on 'blocks\.0\.attn' names the attribute 'num_heads', which "
                                          r"CausalSelfAttention does not have; name the attribute that counts its heads"):
         sw.tensor_parallel(problem.step, "tp", plan)
@@ -157,7 +157,7 @@ def test_a_frozen_parameter_is_never_split() -> None:
     step = sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1))
     with pytest.raises(ValueError, match=r"Colwise\(.*\) on '0', whose \['weight'\] are frozen \(requires_grad=False\)"
                                          r".*leave the module replicated"):
-        sw.tensor_parallel(step, "tp", {"0": sw.Colwise(), "2": sw.Rowwise()})
+        sw.tensor_parallel(step, "tp", {"0": sw.tp.Colwise(), "2": sw.tp.Rowwise()})
 
 
 # -- tied weights --------------------------------------------------------------------------------
@@ -169,14 +169,14 @@ def test_a_tied_weight_split_by_one_user_and_used_whole_by_the_other(build: dict
     with pytest.raises(ValueError, match=r"parameter 'tok_emb\.weight' of layer 'blocks\.0' is split by head "
                                          r"\(Colwise.*\), but module 'tok_emb' uses it too .* Rowwise\(\) on the "
                                          r"Embedding with Colwise\(\) on the head"):
-        sw.tensor_parallel(problem.step, "tp", {"head": sw.Colwise()})
+        sw.tensor_parallel(problem.step, "tp", {"head": sw.tp.Colwise()})
 
 
 def test_a_tied_weight_split_two_ways(build: dict[str, Callable]) -> None:
     problem = build["tiny_gpt"](steps=1)
     with pytest.raises(ValueError, match=r"parameter 'tok_emb\.weight' of layer 'blocks\.0' is tied, and split on dim 1 "
                                          r"by tok_emb .* but on dim 0 by head .* give both modules styles that cut it"):
-        sw.tensor_parallel(problem.step, "tp", {"tok_emb": sw.Colwise(), "head": sw.Colwise()})
+        sw.tensor_parallel(problem.step, "tp", {"tok_emb": sw.tp.Colwise(), "head": sw.tp.Colwise()})
 
 
 # -- axes ---------------------------------------------------------------------------------------
@@ -208,7 +208,7 @@ def test_a_mesh_without_the_axis(build: dict[str, Callable]) -> None:
 # -- the loss of split logits -------------------------------------------------------------------
 
 SPLIT_LOGITS = (r"the head leaves the logits split over 'tp' \(Colwise\(output='sharded'\)\), but loss_fn never called "
-                r"sw\.vocab_parallel_cross_entropy.*or give the head Colwise\(output='replicated'\)")
+                r"sw\.tp\.vocab_parallel_cross_entropy.*or give the head Colwise\(output='replicated'\)")
 
 
 def test_split_logits_with_a_loss_that_ignores_the_split(build: dict[str, Callable]) -> None:
@@ -222,11 +222,11 @@ def test_split_logits_with_a_loss_that_ignores_the_split(build: dict[str, Callab
     with pytest.raises(ValueError, match=SPLIT_LOGITS):
         step.plan(sw.Mesh(tp=2), problem.params, problem.batches[0])
     # The step sees what the loss did with the split logits, and names the op.
-    with pytest.raises(sw.RankFailed, match=SPLIT_LOGITS + r".*\(it computed log_softmax on them\)"):
+    with pytest.raises(sw.collectives.RankFailed, match=SPLIT_LOGITS + r".*\(it computed log_softmax on them\)"):
         _one_step(step, problem.params, sw.Mesh(tp=2), problem.batches[0])
 
 
-MISUSE = r"the loss computes {op} on logits split over the vocabulary.*sw\.vocab_parallel_logsumexp"
+MISUSE = r"the loss computes {op} on logits split over the vocabulary.*sw\.tp\.vocab_parallel_logsumexp"
 
 
 @pytest.mark.parametrize(
@@ -244,10 +244,10 @@ def test_any_other_computation_on_split_logits_is_refused(
     problem = build["tiny_gpt"](steps=1)
 
     def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return sw.vocab_parallel_cross_entropy(logits, targets) + extra(logits)
+        return sw.tp.vocab_parallel_cross_entropy(logits, targets) + extra(logits)
 
     step = sw.tensor_parallel(sw.train_step(problem.step.chain, loss, sw.optim.sgd(0.1)), "tp", problem.plan)
-    with pytest.raises(sw.RankFailed, match=MISUSE.format(op=re.escape(op))):
+    with pytest.raises(sw.collectives.RankFailed, match=MISUSE.format(op=re.escape(op))):
         _one_step(step, problem.params, sw.Mesh(tp=2), problem.batches[0])
 
 
@@ -267,9 +267,9 @@ def test_split_logits_with_plain_cross_entropy_is_refused_by_the_step(build: dic
     problem = build["tiny_gpt"](steps=1)
     step = sw.tensor_parallel(sw.train_step(problem.step.chain, _plain_cross_entropy, sw.optim.sgd(0.1)), "tp",
                               problem.plan)
-    with pytest.raises(sw.RankFailed) as caught:
+    with pytest.raises(sw.collectives.RankFailed) as caught:
         _one_step(step, problem.params, sw.Mesh(tp=2), problem.batches[0])
-    assert "never called sw.vocab_parallel_cross_entropy" in str(caught.value), str(caught.value)
+    assert "never called sw.tp.vocab_parallel_cross_entropy" in str(caught.value), str(caught.value)
 
 
 # -- regions ------------------------------------------------------------------------------------
@@ -279,17 +279,19 @@ def test_a_region_around_a_residual_block_is_refused_by_the_replica_check(build:
     """A Region on the whole Block also sums the residual path's gradient over the ranks: the
     norms' gradients then differ between the ranks, which the step's replica check refuses."""
     problem = build["tiny_gpt"](steps=1)
-    plan: dict[str, Any] = {"blocks.?": sw.Region(heads=("attn.n_heads",)), "blocks.*.attn.qkv": sw.Colwise(fused=3),
-            "blocks.*.attn.proj": sw.Rowwise(), "blocks.*.mlp.0": sw.Colwise(), "blocks.*.mlp.2": sw.Rowwise()}
+    plan: dict[str, Any] = {
+            "blocks.?": sw.tp.Region(heads=("attn.n_heads",)), "blocks.*.attn.qkv": sw.tp.Colwise(fused=3),
+            "blocks.*.attn.proj": sw.tp.Rowwise(), "blocks.*.mlp.0": sw.tp.Colwise(), "blocks.*.mlp.2": sw.tp.Rowwise()}
     step = sw.tensor_parallel(problem.step, "tp", plan)
-    with pytest.raises(sw.RankFailed, match=r"the gradients of the replicated parameters differ between the ranks of "
-                                            r"axis 'tp'.*mark the attention or MLP module holding it as a Region"):
+    with pytest.raises(sw.collectives.RankFailed,
+                       match=r"the gradients of the replicated parameters differ between the ranks of "
+                             r"axis 'tp'.*mark the attention or MLP module holding it as a Region"):
         _one_step(step, problem.params, sw.Mesh(tp=2), problem.batches[0])
 
 
 REGION_WITHOUT_SPLIT = [
-    ("mlp-activation", {"0": sw.Colwise(output="replicated"), "1": sw.Region()}),
-    ("tiny_gpt-layernorm", {"blocks.*.ln1": sw.Region()}),
+    ("mlp-activation", {"0": sw.tp.Colwise(output="replicated"), "1": sw.tp.Region()}),
+    ("tiny_gpt-layernorm", {"blocks.*.ln1": sw.tp.Region()}),
 ]
 
 
@@ -309,16 +311,16 @@ def test_a_region_that_holds_no_split_module_is_refused(case: str, extra: dict, 
 
 
 def test_a_rowwise_layer_whose_input_is_not_split(build: dict[str, Callable]) -> None:
-    problem = build["mlp"]((8, 16, 8), {"0": sw.Rowwise()}, steps=1)
+    problem = build["mlp"]((8, 16, 8), {"0": sw.tp.Rowwise()}, steps=1)
     step = sw.tensor_parallel(problem.step, "tp", problem.plan)
-    with pytest.raises(sw.RankFailed) as caught:
+    with pytest.raises(sw.collectives.RankFailed) as caught:
         _one_step(step, problem.params, sw.Mesh(tp=2), problem.batches[0])
     message = str(caught.value)
     assert "'0'" in message and "Rowwise" in message and "Colwise" in message, message
 
 
 def test_a_region_whose_colwise_outputs_no_rowwise_sums(build: dict[str, Callable]) -> None:
-    """sw.llama_plan() without its o_proj: q, k and v stay split into the whole o_proj."""
+    """sw.tp.llama_plan() without its o_proj: q, k and v stay split into the whole o_proj."""
     problem = build["llama"](steps=1)
     plan = {k: v for k, v in problem.plan.items() if not k.endswith("o_proj")}
     message = (r"Region on 'model\.layers\.0\.self_attn' holds Colwise\(\) on "
@@ -331,19 +333,19 @@ def test_a_colwise_without_its_rowwise_names_the_colwise(build: dict[str, Callab
     """TinyGPT's first MLP Linear alone: the second one gets split features (was torch's raw
     "mat1 and mat2 shapes cannot be multiplied"), refused by the Plan and by the first step."""
     problem = build["tiny_gpt"](steps=1)
-    step = sw.tensor_parallel(problem.step, "tp", {"blocks.*.mlp.0": sw.Colwise()})
+    step = sw.tensor_parallel(problem.step, "tp", {"blocks.*.mlp.0": sw.tp.Colwise()})
     message = (r"Colwise\(\) on 'blocks\.0\.mlp\.0' left its output split over 'tp' .* "
                r"no Rowwise\(\) took it.*give that module Rowwise\(\) in the plan .* "
                r"output='replicated'")
     with pytest.raises(ValueError, match=message):
         step.plan(sw.Mesh(tp=2), problem.params, problem.batches[0])
-    with pytest.raises(sw.RankFailed, match=message):
+    with pytest.raises(sw.collectives.RankFailed, match=message):
         _one_step(step, problem.params, sw.Mesh(tp=2), problem.batches[0])
 
 
 def test_a_region_without_heads_on_a_module_that_counts_them(build: dict[str, Callable]) -> None:
     problem = build["tiny_gpt"](steps=1)
-    plan = {**problem.plan, "blocks.*.attn": sw.Region()}
+    plan = {**problem.plan, "blocks.*.attn": sw.tp.Region()}
     message = (r"Region\(heads=\(\), local=\(\)\) on 'blocks\.0\.attn', a CausalSelfAttention "
                r"with \{'n_heads': 4\}, names no heads.*give Region\(heads=\('n_heads',\)\)")
     with pytest.raises(ValueError, match=message):
@@ -367,7 +369,7 @@ def test_a_region_that_fails_on_a_count_it_was_not_told_to_divide() -> None:
     torch.manual_seed(0)
     chain, params = sw.functionalize(nn.Sequential(_Attention()).double())
     step = sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1))
-    plan = {"0": sw.Region(), "0.qkv": sw.Colwise(fused=3), "0.out": sw.Rowwise()}
+    plan = {"0": sw.tp.Region(), "0.qkv": sw.tp.Colwise(fused=3), "0.out": sw.tp.Rowwise()}
     batch = (torch.randn(4, 8, dtype=torch.float64), torch.randn(4, 8, dtype=torch.float64))
     message = r"Region '0' failed \(RuntimeError: .*\): each of the 2 ranks holds 1/2 of its heads"
     with pytest.raises(ValueError, match=message + r".*Region\(heads=\(\.\.\.\)\)"):
@@ -382,19 +384,21 @@ def test_hand_written_layers_cannot_be_reached() -> None:
     step = sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1))
     with pytest.raises(ValueError, match=r"no layer of the chain calls a module \(its layers are hand-written "
                                          r"functions\).*build the chain with sw\.functionalize\(model, units=\.\.\.\)"):
-        sw.tensor_parallel(step, "tp", {"a": sw.Colwise()})
+        sw.tensor_parallel(step, "tp", {"a": sw.tp.Colwise()})
 
 
 @pytest.mark.parametrize("make,error,message", [
-    (lambda: sw.Colwise(output="gathered"), ValueError, r"Colwise\(output='gathered'\): choose one of"),
-    (lambda: sw.Colwise(output=3), ValueError, r"Colwise\(output=3\): choose one of"),  # type: ignore[arg-type]
-    (lambda: sw.Colwise(fused=0), ValueError, r"Colwise\(fused=0\): the number of fused blocks is a positive int"),
-    (lambda: sw.Colwise(fused=True), ValueError, r"Colwise\(fused=True\): the number of fused blocks"),
-    (lambda: sw.Colwise(fused=1.5), ValueError, r"Colwise\(fused=1\.5\): the number of fused blocks"),  # type: ignore[arg-type]
-    (lambda: sw.Colwise(fused=3, output="replicated"), ValueError,
+    (lambda: sw.tp.Colwise(output="gathered"), ValueError, r"Colwise\(output='gathered'\): choose one of"),
+    (lambda: sw.tp.Colwise(output=3), ValueError, r"Colwise\(output=3\): choose one of"),  # type: ignore[arg-type]
+    (lambda: sw.tp.Colwise(fused=0), ValueError, r"Colwise\(fused=0\): the number of fused blocks is a positive int"),
+    (lambda: sw.tp.Colwise(fused=True), ValueError, r"Colwise\(fused=True\): the number of fused blocks"),
+    (lambda: sw.tp.Colwise(fused=1.5),  # type: ignore[arg-type]
+     ValueError, r"Colwise\(fused=1\.5\): the number of fused blocks"),
+    (lambda: sw.tp.Colwise(fused=3, output="replicated"), ValueError,
      r"Colwise\(fused=3, output='replicated'\): a fused projection's gathered output would interleave"),
-    (lambda: sw.Region(heads=(1,)), TypeError, r"Region\(heads=\(1,\)\): attribute names, e\.g\. \('num_heads',\)"),  # type: ignore[arg-type]
-    (lambda: sw.Region(local=("",)), TypeError, r"Region\(local=\(''\,\)\): attribute names"),
+    (lambda: sw.tp.Region(heads=(1,)),  # type: ignore[arg-type]
+     TypeError, r"Region\(heads=\(1,\)\): attribute names, e\.g\. \('num_heads',\)"),
+    (lambda: sw.tp.Region(local=("",)), TypeError, r"Region\(local=\(''\,\)\): attribute names"),
 ], ids=["output", "output-int", "fused-0", "fused-bool", "fused-float", "fused-gathered", "heads-int", "local-empty"])
 def test_bad_style_arguments(make: Callable[[], Any], error: type[Exception], message: str) -> None:
     with pytest.raises(error, match=message):
@@ -403,7 +407,7 @@ def test_bad_style_arguments(make: Callable[[], Any], error: type[Exception], me
 
 def test_a_region_given_a_number_for_its_heads() -> None:
     with pytest.raises(TypeError, match=r"Region\(heads=5\): attribute names"):
-        sw.Region(heads=5)  # type: ignore[arg-type]
+        sw.tp.Region(heads=5)  # type: ignore[arg-type]
 
 
 def test_bad_tensor_parallel_arguments(build: dict[str, Callable]) -> None:
@@ -416,12 +420,14 @@ def test_bad_tensor_parallel_arguments(build: dict[str, Callable]) -> None:
             sw.tensor_parallel(step, axis, plan)  # type: ignore[arg-type]
     empties: tuple[dict[str, Any] | None, ...] = (None, {})
     for empty in empties:
-        with pytest.raises(ValueError, match=r"give a dict of module path patterns to styles, e\.g\. .* sw\.llama_plan"):
+        with pytest.raises(ValueError,
+                           match=r"give a dict of module path patterns to styles, e\.g\. .* sw\.tp\.llama_plan"):
             sw.tensor_parallel(step, "tp", empty)
-    with pytest.raises(TypeError, match=r"plan\['head'\] = 'colwise'; a style is sw\.Colwise\(\), sw\.Rowwise\(\)"):
+    with pytest.raises(TypeError,
+                       match=r"plan\['head'\] = 'colwise'; a style is sw\.tp\.Colwise\(\), sw\.tp\.Rowwise\(\)"):
         sw.tensor_parallel(step, "tp", {"head": "colwise"})  # type: ignore[dict-item]
     with pytest.raises(TypeError, match=r"plan key 3 is not a module path pattern"):
-        sw.tensor_parallel(step, "tp", {3: sw.Colwise()})  # type: ignore[dict-item]
+        sw.tensor_parallel(step, "tp", {3: sw.tp.Colwise()})  # type: ignore[dict-item]
     with pytest.raises(TypeError, match=r"tensor_parallel\(sequence_parallel=True\): a module path pattern naming the "
                                         r"transformer blocks, such as 'model\.layers\.\*', or None"):
         sw.tensor_parallel(step, "tp", plan, sequence_parallel=True)  # type: ignore[arg-type]

@@ -25,7 +25,7 @@ VOCAB, SEQ, BATCH = 64, 8, 4
 
 
 def _lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return sw.vocab_parallel_cross_entropy(logits, targets)
+    return sw.tp.vocab_parallel_cross_entropy(logits, targets)
 
 
 def _problem(kind: str) -> tuple[sw.Step, dict, list]:
@@ -48,10 +48,10 @@ def _problem(kind: str) -> tuple[sw.Step, dict, list]:
 def _distributed(kind: str, case: str) -> tuple[sw.Step, sw.Mesh, dict, list]:
     step, params, batches = _problem(kind)
     if kind == "mlp":
-        plan: dict[str, Any] = {"0": sw.Colwise(), "2": sw.Rowwise(), "4": sw.Colwise(), "6": sw.Rowwise()}
+        plan: dict[str, Any] = {"0": sw.tp.Colwise(), "2": sw.tp.Rowwise(), "4": sw.tp.Colwise(), "6": sw.tp.Rowwise()}
         sp = None
     else:
-        plan, sp = sw.tiny_gpt_plan(vocab_parallel=case != "tp4-gathered"), TINY_GPT_BLOCKS
+        plan, sp = sw.tp.tiny_gpt_plan(vocab_parallel=case != "tp4-gathered"), TINY_GPT_BLOCKS
     if case == "tp4-gathered":
         sp = None
     tp = sw.tensor_parallel(step, "tp", plan, sequence_parallel=sp)
@@ -80,7 +80,7 @@ def test_tensor_parallel_on_gloo_equals_single_device(kind: str, case: str, gloo
 def _ledger_rank(kind: str, case: str) -> list:
     step, mesh, params, batches = _distributed(kind, case)
     state = step.init(params, mesh)
-    with sw.comm_ledger() as ledger:
+    with sw.collectives.comm_ledger() as ledger:
         step(state, batches[0])
     return [(r.op, r.axis, r.dtype, r.nbytes) for r in ledger.records]
 

@@ -33,7 +33,7 @@ def _ledgers(step: sw.Step, mesh: sw.Mesh, params: Any, batch: Any) -> list[tupl
 
     def run() -> tuple[list, int, int]:
         state = step.init(params, mesh)
-        with sw.comm_ledger() as ledger:
+        with sw.collectives.comm_ledger() as ledger:
             state, _ = step(state, batch)
         me = mesh.rank
         return [r for r in ledger.records if r.rank == me], tree_nbytes(state.params), tree_nbytes(state.opt_state)

@@ -44,14 +44,14 @@ def mlp_cases(draw: st.DrawFn) -> MlpCase:
         choices = ["whole"] + (["pair"] if i + 1 < linears else []) + (["gathered"] if i + 1 < linears else [])
         choice = draw(st.sampled_from(choices))
         if choice == "pair":
-            plan[str(2 * i)], plan[str(2 * i + 2)] = sw.Colwise(), sw.Rowwise()
+            plan[str(2 * i)], plan[str(2 * i + 2)] = sw.tp.Colwise(), sw.tp.Rowwise()
             i += 2
             continue
         if choice == "gathered":
-            plan[str(2 * i)] = sw.Colwise(output="replicated")
+            plan[str(2 * i)] = sw.tp.Colwise(output="replicated")
         i += 1
     if not plan:  # a plan splits something
-        plan = {"0": sw.Colwise(), "2": sw.Rowwise()} if linears > 1 else {}
+        plan = {"0": sw.tp.Colwise(), "2": sw.tp.Rowwise()} if linears > 1 else {}
     return MlpCase(widths, plan)
 
 

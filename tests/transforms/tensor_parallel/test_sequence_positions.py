@@ -35,12 +35,12 @@ def _one_step(step: sw.Step, params: Any, mesh: sw.Mesh, batch: Any) -> None:
 
 @pytest.mark.parametrize(("family", "part", "module", "fix"), [
     ("tiny_gpt", ".attn", r"'blocks\.0\.attn' \(CausalSelfAttention\)",
-     r"plan\['blocks\.\*\.attn'\] = sw\.Region\(heads=\('n_heads',\)\)"),
+     r"plan\['blocks\.\*\.attn'\] = sw\.tp\.Region\(heads=\('n_heads',\)\)"),
     ("llama", ".self_attn", r"'model\.layers\.0\.self_attn' \(LlamaAttention\)",
-     r"plan\['model\.layers\.\*\.self_attn'\] = sw\.Region\(heads=\('config\.num_attention_heads', "
+     r"plan\['model\.layers\.\*\.self_attn'\] = sw\.tp\.Region\(heads=\('config\.num_attention_heads', "
      r"'config\.num_key_value_heads'\)\)"),
     ("gpt2", ".attn", r"'transformer\.h\.0\.attn' \(GPT2Attention\)",
-     r"plan\['transformer\.h\.\*\.attn'\] = sw\.Region\(heads=\('num_heads',\), "
+     r"plan\['transformer\.h\.\*\.attn'\] = sw\.tp\.Region\(heads=\('num_heads',\), "
      r"local=\('split_size',\)\)"),
 ])
 def test_attention_outside_a_region_is_refused(
@@ -58,7 +58,7 @@ def test_attention_outside_a_region_is_refused(
     )
     with pytest.raises(ValueError, match=message):
         step.plan(sw.Mesh(tp=2), problem.params, problem.batches[0])
-    with pytest.raises(sw.RankFailed, match=message):
+    with pytest.raises(sw.collectives.RankFailed, match=message):
         _one_step(step, problem.params, sw.Mesh(tp=2), problem.batches[0])
 
 

@@ -52,10 +52,11 @@ def test_a_region_no_layer_calls_is_refused_or_trains_right() -> None:
     step = sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1))
     gen = torch.Generator().manual_seed(1)
     batches = [(torch.randint(16, (4, 3), generator=gen), torch.randn(4, 3, 8, dtype=torch.float64, generator=gen))] * 2
-    plan: dict[str, Any] = {"emb": sw.Rowwise(), "mlp": sw.Region(), "mlp.0": sw.Colwise(), "mlp.2": sw.Rowwise()}
+    plan: dict[str, Any] = {"emb": sw.tp.Rowwise(), "mlp": sw.tp.Region(),
+                            "mlp.0": sw.tp.Colwise(), "mlp.2": sw.tp.Rowwise()}
     tp = sw.tensor_parallel(step, "tp", plan)
     # Refused at the first step (where the layers run and the Region is seen not to), naming it.
-    with pytest.raises(sw.RankFailed, match=r"inside Region 'mlp', which this layer never entered"):
+    with pytest.raises(sw.collectives.RankFailed, match=r"inside Region 'mlp', which this layer never entered"):
         sw.testing.assert_equivalent(tp, step, sw.Mesh(tp=2), batches, params, rtol=F64_RTOL)
     with pytest.raises(ValueError, match=r"inside Region 'mlp'"):  # and by the Plan, made with a batch
         tp.plan(sw.Mesh(tp=2), params, batches[0])
@@ -82,10 +83,11 @@ class HeadRegisteredFirst(nn.Module):
 def test_split_logits_from_a_head_registered_before_the_blocks() -> None:
     torch.manual_seed(0)
     chain, params = sw.functionalize(HeadRegisteredFirst().double())
-    step = sw.train_step(chain, lambda o, y: sw.vocab_parallel_cross_entropy(o, y), sw.optim.sgd(0.1))
+    step = sw.train_step(chain, lambda o, y: sw.tp.vocab_parallel_cross_entropy(o, y), sw.optim.sgd(0.1))
     gen = torch.Generator().manual_seed(1)
     batches = [(torch.randint(16, (4, 6), generator=gen), torch.randint(8, (4, 6), generator=gen))] * 2
-    plan: dict[str, Any] = {"emb": sw.Rowwise(), "mlp.up": sw.Colwise(), "mlp.down": sw.Rowwise(), "head": sw.Colwise()}
+    plan: dict[str, Any] = {"emb": sw.tp.Rowwise(), "mlp.up": sw.tp.Colwise(),
+                            "mlp.down": sw.tp.Rowwise(), "head": sw.tp.Colwise()}
     tp = sw.tensor_parallel(step, "tp", plan)
     sw.testing.assert_equivalent(tp, step, sw.Mesh(tp=2), batches, params, rtol=F64_RTOL)
 
@@ -105,7 +107,7 @@ def test_a_rowwise_registered_before_its_colwise_is_not_taken_for_split_logits()
     chain, params = sw.functionalize(DownRegisteredFirst().double())
     step = sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1))
     batches = [(torch.randn(4, 8, dtype=torch.float64), torch.randn(4, 8, dtype=torch.float64))]
-    tp = sw.tensor_parallel(step, "tp", {"up": sw.Colwise(), "down": sw.Rowwise()})
+    tp = sw.tensor_parallel(step, "tp", {"up": sw.tp.Colwise(), "down": sw.tp.Rowwise()})
     sw.testing.assert_equivalent(tp, step, sw.Mesh(tp=2), batches, params, rtol=F64_RTOL)
 
 
@@ -116,7 +118,7 @@ def _swapped_rows_step(kind: str) -> tuple[sw.Step, sw.Mesh, Any, Any]:
     torch.manual_seed(0)
     model = TinyGPT(vocab=64, d_model=16, n_heads=2, n_layers=1, seq_len=256).double()
     chain, params = sw.functionalize(model, units=Block)
-    step = sw.train_step(chain, lambda o, y: sw.vocab_parallel_cross_entropy(o, y), sw.optim.sgd(0.1))
+    step = sw.train_step(chain, lambda o, y: sw.tp.vocab_parallel_cross_entropy(o, y), sw.optim.sgd(0.1))
     gen = torch.Generator().manual_seed(1)
     ids, targets = torch.randint(64, (4, 256), generator=gen), torch.randint(64, (4, 256), generator=gen)
 
@@ -125,14 +127,14 @@ def _swapped_rows_step(kind: str) -> tuple[sw.Step, sw.Mesh, Any, Any]:
         return ids[order], targets[order]
 
     if kind == "tp":
-        return sw.tensor_parallel(step, "tp", sw.tiny_gpt_plan()), sw.Mesh(tp=2), params, batch_of_rank
+        return sw.tensor_parallel(step, "tp", sw.tp.tiny_gpt_plan()), sw.Mesh(tp=2), params, batch_of_rank
     return sw.shard_params(step, "dp", 1), sw.Mesh(dp=2), params, batch_of_rank
 
 
 @pytest.mark.parametrize("kind", ["tp", "dp"])
 def test_ranks_passing_rows_in_another_order_are_told(kind: str) -> None:
     step, mesh, params, batch_of_rank = _swapped_rows_step(kind)
-    with pytest.raises(sw.RankFailed, match="different batches"):
+    with pytest.raises(sw.collectives.RankFailed, match="different batches"):
         _one_step(step, params, mesh, batch_of_rank)
 
 
@@ -148,7 +150,7 @@ def test_a_batch_with_missing_targets_is_not_taken_for_different_batches() -> No
     step = sw.train_step(chain, _masked_mse, sw.optim.sgd(0.1))
     x, y = torch.randn(4, 8, dtype=torch.float64), torch.randn(4, 8, dtype=torch.float64)
     y[0, 3] = float("nan")
-    tp = sw.tensor_parallel(step, "tp", {"0": sw.Colwise(), "2": sw.Rowwise()})
+    tp = sw.tensor_parallel(step, "tp", {"0": sw.tp.Colwise(), "2": sw.tp.Rowwise()})
     got = _one_step(tp, params, sw.Mesh(tp=2), lambda rank: (x, y))
     _, want = step(step.init(params), (x, y))
     torch.testing.assert_close(got[0]["loss"], want["loss"], rtol=F64_RTOL, atol=0)
@@ -186,8 +188,8 @@ def test_a_missed_sum_on_a_small_replicated_gradient_is_refused() -> None:
     chain, params = sw.functionalize(SmallGainModel().double(), units=["block"])
     step = sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1))
     batch = (torch.randn(64, 512, dtype=torch.float64), torch.randn(64, 8, dtype=torch.float64))
-    tp = sw.tensor_parallel(step, "tp", {"block.up": sw.Colwise(), "block.down": sw.Rowwise()})
-    with pytest.raises(sw.RankFailed, match="replicated parameters differ"):
+    tp = sw.tensor_parallel(step, "tp", {"block.up": sw.tp.Colwise(), "block.down": sw.tp.Rowwise()})
+    with pytest.raises(sw.collectives.RankFailed, match="replicated parameters differ"):
         _one_step(tp, params, sw.Mesh(tp=2), lambda rank: batch)
 
 
@@ -219,7 +221,7 @@ def test_dropout_on_split_features_draws_a_mask_per_rank_without_a_region() -> N
     chain, params = sw.functionalize(DropoutMLP().double(), units=["mlp"])
     step = sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1))
     batch = (torch.randn(64, 8, dtype=torch.float64), torch.randn(64, 8, dtype=torch.float64))
-    tp = sw.tensor_parallel(step, "tp", {"mlp.0": sw.Colwise(), "mlp.2": sw.Rowwise()})
+    tp = sw.tensor_parallel(step, "tp", {"mlp.0": sw.tp.Colwise(), "mlp.2": sw.tp.Rowwise()})
     Probe.masks.clear()
     _one_step(tp, params, sw.Mesh(tp=2), lambda rank: batch)
     first, second = (masks[0] for masks in Probe.masks.values())
@@ -234,8 +236,8 @@ def test_a_split_output_reaching_an_unstyled_module_is_named() -> None:
     chain, params = sw.functionalize(mlp([8, 32, 16, 8]).double())
     step = sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1))
     batch = (torch.randn(4, 8, dtype=torch.float64), torch.randn(4, 8, dtype=torch.float64))
-    with pytest.raises((ValueError, sw.RankFailed), match=r"tensor_parallel.*'2'"):
-        tp = sw.tensor_parallel(step, "tp", {"0": sw.Colwise()})
+    with pytest.raises((ValueError, sw.collectives.RankFailed), match=r"tensor_parallel.*'2'"):
+        tp = sw.tensor_parallel(step, "tp", {"0": sw.tp.Colwise()})
         _one_step(tp, params, sw.Mesh(tp=2), lambda rank: batch)
 
 
@@ -243,12 +245,12 @@ def test_a_split_output_reaching_an_unstyled_module_is_named() -> None:
 def test_ids_outside_the_vocabulary_are_refused(bad: str) -> None:
     torch.manual_seed(0)
     chain, params = sw.functionalize(TinyGPT(vocab=64, d_model=32, n_heads=4, n_layers=1, seq_len=8).double(), units=Block)
-    step = sw.train_step(chain, lambda o, y: sw.vocab_parallel_cross_entropy(o, y), sw.optim.sgd(0.1))
+    step = sw.train_step(chain, lambda o, y: sw.tp.vocab_parallel_cross_entropy(o, y), sw.optim.sgd(0.1))
     ids = torch.randint(0, 64, (4, 8))
     wrong = ids.clone()
     wrong[0, 0] = 64
     batch = (ids, wrong) if bad == "target" else (wrong, ids)
     with pytest.raises(IndexError):
         step(step.init(params), batch)  # the reference refuses it
-    with pytest.raises(sw.RankFailed):
-        _one_step(sw.tensor_parallel(step, "tp", sw.tiny_gpt_plan()), params, sw.Mesh(tp=2), lambda rank: batch)
+    with pytest.raises(sw.collectives.RankFailed):
+        _one_step(sw.tensor_parallel(step, "tp", sw.tp.tiny_gpt_plan()), params, sw.Mesh(tp=2), lambda rank: batch)

@@ -1,0 +1,130 @@
+"""A rank's TrainState from a checkpoint, each tensor read straight into what the rank keeps.
+
+The rank's tensors are made first, empty, as ``step.init`` would lay them out on the mesh
+(the target's :class:`StateLayout`): at ZeRO-3 one flat shard per unit, else each parameter's
+tensor-parallel slice; the optimizer's per-parameter state as flat shards under ZeRO, else
+slices; the padding of a shard zero. Then every saved record that meets them is read into
+them (``regions.placed_boxes`` and ``Reader.read_into``): no tensor of a parameter's global
+shape is ever built, so a load's memory is the rank's state plus one read (``record_io``).
+Only ZeRO-1/2's optimizer shards are cut, one unit at a time, from the whole parameters those
+stages keep anyway.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ...collectives.mesh import Mesh
+from ..layout.precision import DynamicLossScale, NoLossScale, StaticLossScale
+from ..layout.sharding import FlatSharding
+from ..layout.state import TrainState
+from ..layout.state_layout import StateLayout
+from .cut import local_keys, rebuild_opt_state, split_opt_state
+from .file_format import CheckpointError, Reader
+from .regions import placed_boxes
+
+_LOSS_SCALES = {cls.__name__: cls for cls in (NoLossScale, StaticLossScale, DynamicLossScale)}
+Params = dict[str, dict[str, torch.Tensor]]
+
+
+class _Filler:
+    """Makes this rank's tensors of one saved tree (``"model"``, or ``"optim.<path>"``) and reads
+    the checkpoint into them."""
+
+    def __init__(self, reader: Reader, layout: StateLayout, mesh: Mesh | None,
+                 keys: Mapping[tuple[str, str], str], device: torch.device) -> None:
+        self.reader, self.layout, self.keys, self.device = reader, layout, keys, device
+        self.coords = {} if mesh is None else mesh.coords  # asked once: a mesh works them out per call
+
+    def slices(self, prefix: str, like: Mapping[str, Mapping[str, torch.Tensor]]) -> Params:
+        """Each parameter's tensor-parallel slice (of ``like``'s shapes and dtypes), read whole."""
+        out: Params = {}
+        for layer, tensors in like.items():
+            out[layer] = {}
+            for name, t in tensors.items():
+                into = torch.empty(t.shape, dtype=t.dtype, device=self.device)
+                self._read(prefix, layer, name, into, shard=False)
+                out[layer][name] = into
+        return out
+
+    def shards(self, prefix: str, sharding: FlatSharding, like: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's flat shard of every unit (of ``like``'s dtypes), its padding zero."""
+        dp = self.coords[sharding.axis]
+        out: dict[str, torch.Tensor] = {}
+        for unit, lay in sharding.units.items():
+            into = torch.empty(lay.shard_numel, dtype=like[unit].dtype, device=self.device)
+            into[max(min(lay.numel - dp * lay.shard_numel, lay.shard_numel), 0) :].zero_()  # padding
+            for name in lay.names:
+                self._read(prefix, unit, name, into, shard=True)
+            out[unit] = into
+        return out
+
+    def _read(self, prefix: str, layer: str, name: str, into: torch.Tensor, *, shard: bool) -> None:
+        placed = placed_boxes(self.layout, self.coords, layer, name, into, shard=shard)
+        self.reader.read_into(f"{prefix}.{self.keys[(layer, name)]}", placed)
+
+
+def build_state(reader: Reader, meta: Mapping[str, Any], step: Any, mesh: Mesh | None,
+                params_meta: Params, keys: Mapping[tuple[str, str], str], device: torch.device) -> TrainState:
+    """This rank's TrainState for ``step`` on ``mesh``, read from the checkpoint of ``meta``
+    (whose parameters, as meta tensors, are ``params_meta``, saved under ``keys``)."""
+    layout = step.layout(mesh, params_meta)
+    local = local_keys(layout, layout.index_of(mesh), {layer: list(ts) for layer, ts in params_meta.items()})
+    # What this rank computes with, as meta tensors: its tensor-parallel slices in the master dtype.
+    sliced = {layer: {n: torch.empty(layout.leaves[(layer, n)].local_shape, dtype=params_meta[layer][n].dtype,
+                                     device="meta") for n in names} for layer, names in local.items()}
+    master = step.master_params(sliced)
+    filler = _Filler(reader, layout, mesh, keys, device)
+    sharding = layout.sharding
+    update_meta: Any = master  # what the optimizer updates (and its state mirrors), as meta
+    if sharding is None or not sharding.holds_shards:  # ZeRO-1/2 keep whole parameters too
+        held: Any = filler.slices("model", master)
+    if sharding is not None:
+        unit_like = {u: next(iter(master[u].values())) for u in sharding.units}
+        update_meta = {u: torch.empty(lay.shard_numel, dtype=unit_like[u].dtype, device="meta")
+                       for u, lay in sharding.units.items()}
+        if sharding.holds_shards:
+            held = filler.shards("model", sharding, unit_like)
+    template = step.optimizer.init(update_meta)
+    wanted_mirrors, wanted_scalars = (sorted(x) for x in split_opt_state(template, update_meta))
+    saved = meta["optimizer"]
+    if wanted_mirrors != saved["mirrors"] or wanted_scalars != saved["scalars"]:
+        raise CheckpointError(
+            f"checkpoint {reader.directory}: its optimizer state has per-parameter {saved['mirrors']} and "
+            f"{saved['scalars']}, this step's optimizer has {wanted_mirrors} and {wanted_scalars}; load it "
+            "with the optimizer that saved it"
+        )
+
+    def mirror(path: str, like: Any) -> Any:
+        if sharding is None:
+            return filler.slices(f"optim.{path}", like)
+        return filler.shards(f"optim.{path}", sharding, like)
+
+    def scalar(path: str, like: torch.Tensor) -> torch.Tensor:
+        t = reader.full(f"optim.{path}")
+        if t.shape != like.shape:
+            raise CheckpointError(f"checkpoint {reader.directory}: optim.{path} has shape {list(t.shape)}, this optimizer's {list(like.shape)}")
+        return t.to(device=device if like.is_meta else like.device, dtype=like.dtype)
+
+    opt_state = rebuild_opt_state(template, update_meta, mirror, scalar)
+    extra = {"rng": meta["rng"]} if "rng" in TrainState._fields and meta.get("rng") is not None else {}
+    return TrainState(held, opt_state, int(meta["step"]), _loss_scale(meta, step, reader.directory), mesh=mesh,
+                      layout=layout, **extra)
+
+
+def _loss_scale(meta: Mapping[str, Any], step: Any, directory: Path) -> Any:
+    initial = step.initial_loss_scale()
+    saved = meta["loss_scale"]
+    if saved is None:
+        return initial  # nothing to restore: the step's own starting value
+    if initial is None or type(initial).__name__ != saved["type"]:
+        raise CheckpointError(
+            f"checkpoint {directory} carries a {saved['type']}, but this step's loss scale is "
+            f"{type(initial).__name__ if initial is not None else 'none'}: load it with a mixed_precision "
+            f"step whose loss_scale is a {saved['type']}"
+        )
+    return _LOSS_SCALES[saved["type"]](**saved["fields"])

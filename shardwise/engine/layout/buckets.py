@@ -1,0 +1,132 @@
+"""Buckets: several ZeRO units' gradients, or updated shards, travelling as one collective.
+
+A bucket is laid out rank-major: row ``r`` of its flat buffer holds shard ``r`` of each of its
+units, in order. One tiled reduce-scatter of the bucket then leaves every rank of the axis its
+own shard of every unit (what the unit's reduce-scatter alone would give it), and one tiled
+all-gather of a rank's shards, concatenated, brings back every unit's full buffer as columns of
+the rows. A bucket of one unit is the unit's own flat buffer.
+
+Both directions copy each value once: the reduce input is one concatenation of slices of the
+gradients (no per-unit flat buffer first), and the gathered parameters are views of the
+all-gather's output wherever a parameter lies within one row (a parameter split over two ranks'
+shards is the one copy).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .sharding import Segment, UnitLayout, pieces_of, segments
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Units reduced (and, at stages 1-2, gathered) together, in this order."""
+
+    units: tuple[UnitLayout, ...]
+
+    def __post_init__(self) -> None:
+        if not self.units:
+            raise ValueError("a bucket holds at least one unit")
+        if len({u.shards for u in self.units}) != 1:
+            raise ValueError(f"bucket {self.names}: its units are cut into different numbers of shards")
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(u.unit for u in self.units)
+
+    @property
+    def shards(self) -> int:
+        return self.units[0].shards
+
+    @functools.cached_property
+    def offsets(self) -> tuple[int, ...]:
+        """Where each unit's shard starts in a row."""
+        out, at = [], 0
+        for u in self.units:
+            out.append(at)
+            at += u.shard_numel
+        return tuple(out)
+
+    @property
+    def shard_numel(self) -> int:
+        return sum(u.shard_numel for u in self.units)
+
+    @functools.cached_property
+    def _reduce_segments(self) -> tuple[tuple[int, Segment], ...]:
+        """(unit position, segment) of the whole rank-major buffer, in order."""
+        out: list[tuple[int, Segment]] = []
+        for r in range(self.shards):
+            for k, u in enumerate(self.units):
+                out += [(k, s) for s in segments(u, r * u.shard_numel, (r + 1) * u.shard_numel)]
+        return tuple(out)
+
+    def reduce_input(self, grads: Sequence[Mapping[str, torch.Tensor]]) -> torch.Tensor:
+        """The bucket's rank-major buffer of ``grads`` (one mapping per unit, in order; a missing
+        gradient counts as zeros), in the dtype concatenating them gives."""
+        pieces: list[torch.Tensor] = []
+        for k, segment in self._reduce_segments:
+            pieces += pieces_of([segment], grads[k], self.units[k].dtype)
+        return torch.cat(pieces)
+
+    def split_shards(self, reduced: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Each unit's shard in a reduced bucket (views of it)."""
+        return {u.unit: reduced[o : o + u.shard_numel] for u, o in zip(self.units, self.offsets, strict=True)}
+
+    def gather_input(self, shards: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """This rank's shards of the bucket's units, concatenated (what the all-gather sends)."""
+        if len(self.units) == 1:
+            return shards[self.units[0].unit]
+        return torch.cat([shards[u.unit] for u in self.units])
+
+    def unflatten(self, gathered: torch.Tensor) -> dict[str, dict[str, torch.Tensor]]:
+        """Every unit's parameters from a gathered bucket (all ranks' rows): views of it where a
+        parameter lies within one row, else one copy of its pieces; padding dropped."""
+        rows = gathered.view(self.shards, self.shard_numel)
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        for u, o in zip(self.units, self.offsets, strict=True):
+            s = u.shard_numel
+            params: dict[str, torch.Tensor] = {}
+            offset = 0
+            for name, numel, shape in zip(u.names, u.numels, u.shapes, strict=True):
+                if numel == 0:
+                    parts = [rows[0, o:o]]
+                else:
+                    parts = [
+                        rows[r, o + max(offset - r * s, 0) : o + min(offset + numel - r * s, s)]
+                        for r in range(offset // s, (offset + numel - 1) // s + 1)
+                    ]
+                flat = parts[0] if len(parts) == 1 else torch.cat(parts)
+                params[name] = flat.view(shape)
+                offset += numel
+            out[u.unit] = params
+        return out
+
+
+@functools.lru_cache(maxsize=512)
+def bucket_of(units: tuple[UnitLayout, ...]) -> Bucket:
+    """The bucket of ``units``, made once (its layout is worked out on first use, then reused every step)."""
+    return Bucket(units)
+
+
+def bucket_units(
+    order: Sequence[str], sizes: Mapping[str, tuple[int, str]], limit: int | None
+) -> list[tuple[str, ...]]:
+    """Consecutive units of ``order`` grouped into buckets of at most ``limit`` bytes each (a unit
+    larger than that alone), a bucket holding one dtype; ``sizes``: unit -> (bytes, dtype).
+    ``limit`` None: every unit alone."""
+    out: list[list[str]] = []
+    total = 0
+    for unit in order:
+        nbytes, dtype = sizes[unit]
+        if limit is not None and out and total + nbytes <= limit and sizes[out[-1][0]][1] == dtype:
+            out[-1].append(unit)
+            total += nbytes
+        else:
+            out.append([unit])
+            total = nbytes
+    return [tuple(b) for b in out]

@@ -1,0 +1,214 @@
+"""Running a layer on fake tensors once for all the layers identical to it.
+
+A large model is mostly a stack of identical blocks (80 ``LlamaDecoderLayer`` of one shape in
+a Llama-3-70B), and what shardwise predicts on fake tensors (functionalize's recording and
+check, the pipeline's boundaries, the bytes each layer keeps for backward) is a function of a
+layer's code, its tensors' shapes and dtypes and its input's: no data is read. So a layer whose
+function is *the same as* one already run, on tensors and an input *like* that one's, gives an
+output like that one's, and the run is skipped: the output is rebuilt from a recipe (each leaf
+the input leaf it passes on, or a new fake tensor of the recorded shape, strides, dtype and
+requires_grad), and whatever else the caller measured (bytes kept) is reused.
+
+"The same function" is said by the function itself: ``fn.reuse_key()`` returns a hashable key
+equal for functions that compute alike, or None. A function without one is always run; so is a
+wrapper (a transform's rewrite) that does not define one, so reuse can only be lost, never be
+wrong, where a transform is not written for it. Keys: ``capture.UnitFn`` (the unit's module
+structure, its tensors' shapes and its arguments' layout), mixed precision's cast.
+
+"Like" is :func:`tree_signature`: the tree's structure, and per tensor leaf its shape, strides,
+storage offset and size, dtype, device, requires_grad, which earlier leaf (if any) shares its
+storage and whether it is one of the caller's own (the batch's) storages; per other leaf its
+value. A tree with an unhashable leaf has no signature and is not reused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import optree
+import torch
+from torch import Tensor, nn
+
+from ..torch_api import storage_key
+
+__all__ = ["LayerMemo", "module_signature", "reuse_key", "reusing_forwards", "tree_signature"]
+
+# What a module's plain attributes may hold and still count as the same computation: its place in
+# a stack (Hugging Face blocks keep ``layer_idx`` for the key/value cache, which a pure layer turns
+# off). Any other attribute that differs (a sliding window, a layer type) makes modules differ.
+_POSITION_ATTRIBUTES = frozenset({"layer_idx"})
+
+
+def reuse_key(fn: Callable[..., Any]) -> Hashable | None:
+    """``fn.reuse_key()``, or None when ``fn`` does not say what it computes."""
+    method = getattr(fn, "reuse_key", None)
+    return method() if callable(method) else None
+
+
+def module_signature(module: nn.Module) -> Hashable | None:
+    """A key equal for modules that compute alike on alike inputs: per submodule its path, class
+    and plain attributes (``layer_idx`` aside), and per tensor its name, shape, dtype and
+    requires_grad; None if an attribute's value cannot be compared (not hashable)."""
+    parts: list[Any] = []
+    for path, sub in module.named_modules(remove_duplicate=False):
+        attributes: list[tuple[Any, ...]] = []
+        for k, v in sorted(vars(sub).items()):
+            if k.startswith("_") or k in _POSITION_ATTRIBUTES or isinstance(v, (nn.Module, Tensor)):
+                continue
+            if k == "training" or isinstance(v, (bool, int, float, str, type(None), torch.dtype)):
+                attributes.append((k, v))
+            elif _hashable(v):
+                attributes.append((k, type(v), v))
+            else:  # a config object, say: compared by identity (blocks of one model share it)
+                attributes.append((k, "id", id(v)))
+        tensors = [(n, tuple(t.shape), t.dtype, t.requires_grad)
+                   for n, t in [*sub.named_parameters(recurse=False), *sub.named_buffers(recurse=False)]]
+        parts.append((path, type(sub), tuple(attributes), tuple(tensors)))
+    return tuple(parts)
+
+
+def _hashable(v: Any) -> bool:
+    try:
+        hash(v)
+    except TypeError:
+        return False
+    return True
+
+
+def tree_signature(tree: Any, own: frozenset[int] = frozenset()) -> Hashable | None:
+    """What decides a fake run's shapes on ``tree`` (see the module docstring); ``own``: storage
+    keys the caller tells apart (the batch's). None if a leaf is neither a tensor nor hashable."""
+    leaves, spec = optree.tree_flatten(tree, none_is_leaf=True)
+    first: dict[int, int] = {}
+    out: list[Any] = [spec]
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, Tensor):
+            key = storage_key(leaf)
+            out.append((tuple(leaf.shape), leaf.stride(), leaf.storage_offset(), leaf.untyped_storage().nbytes(),
+                        leaf.dtype, leaf.device, leaf.requires_grad, first.setdefault(key, i), key in own))
+        elif _hashable(leaf):
+            out.append(("value", type(leaf), leaf))
+        else:
+            return None
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class _Recipe:
+    """How to rebuild an output: its structure, and per leaf the input leaf it is (an index), a
+    new tensor's (shape, strides, dtype, device, requires_grad), or a plain value."""
+
+    spec: optree.PyTreeSpec
+    leaves: tuple[tuple[str, Any], ...]
+
+    def rebuild(self, x: Any) -> Any:
+        inputs = optree.tree_leaves(x, none_is_leaf=True)
+        out = []
+        for kind, what in self.leaves:
+            if kind == "input":
+                out.append(inputs[what])
+            elif kind == "new":
+                shape, stride, dtype, device, grad = what
+                out.append(torch.empty_strided(shape, stride, dtype=dtype, device=device).requires_grad_(grad))
+            else:
+                out.append(what)
+        return optree.tree_unflatten(self.spec, out)
+
+
+def _recipe(x: Any, y: Any) -> _Recipe | None:
+    """``y`` as made of ``x``'s leaves and new tensors; None when a new tensor does not own its whole
+    storage, or shares it with another leaf (a rebuilt one could not share it alike)."""
+    inputs = {id(t): i for i, t in enumerate(optree.tree_leaves(x, none_is_leaf=True))}
+    leaves, spec = optree.tree_flatten(y, none_is_leaf=True)
+    storages = [storage_key(t) for t in leaves if isinstance(t, Tensor)]
+    made: list[tuple[str, Any]] = []
+    for leaf in leaves:
+        if not isinstance(leaf, Tensor):
+            made.append(("value", leaf))
+        elif id(leaf) in inputs:
+            made.append(("input", inputs[id(leaf)]))
+        elif (leaf.storage_offset() == 0 and leaf.untyped_storage().nbytes() == leaf.numel() * leaf.element_size()
+              and leaf.is_contiguous() and storages.count(storage_key(leaf)) == 1):
+            made.append(("new", (tuple(leaf.shape), leaf.stride(), leaf.dtype, leaf.device, leaf.requires_grad)))
+        else:
+            return None
+    return _Recipe(spec, tuple(made))
+
+
+class LayerMemo:
+    """The outputs (and what a caller measured) of layers run on fake tensors, by what decides
+    them: reuse them for a layer identical to one run before, on tensors and an input like its."""
+
+    def __init__(self, own: Iterable[int] = ()) -> None:
+        self.own = frozenset(own)  # storage keys told apart in inputs (the batch's)
+        self._seen: dict[Hashable, tuple[_Recipe, Any]] = {}
+        self.reused = 0  # how many runs were skipped (tests read it)
+
+    def key(self, fn: Callable[..., Any], tensors: Mapping[str, Tensor], x: Any, layer: str = "") -> Hashable | None:
+        """What decides ``fn(tensors, x)``'s shapes, or None when it cannot be told. Names of
+        ``tensors`` that start with the ``layer``'s name (a unit's path) count without it: the
+        blocks of a stack name their tensors by their own paths."""
+        fn_key = reuse_key(fn)
+        if fn_key is None:
+            return None
+        prefix = layer + "." if layer else ""
+        params = tree_signature([(k.removeprefix(prefix), t) for k, t in tensors.items()])
+        inputs = tree_signature(x, self.own)
+        return None if params is None or inputs is None else (fn_key, params, inputs)
+
+    def lookup(self, key: Hashable | None, x: Any) -> tuple[Any, Any] | None:
+        """(output rebuilt for input ``x``, what was measured) of a run with this key, or None."""
+        if key is None or key not in self._seen:
+            return None
+        recipe, measured = self._seen[key]
+        self.reused += 1
+        return recipe.rebuild(x), measured
+
+    def store(self, key: Hashable | None, x: Any, y: Any, measured: Any = None) -> None:
+        if key is None:
+            return
+        recipe = _recipe(x, y)
+        if recipe is not None:
+            self._seen[key] = (recipe, measured)
+
+
+@contextlib.contextmanager
+def reusing_forwards(modules: Sequence[nn.Module]) -> Iterator[LayerMemo]:
+    """Inside the block (on fake tensors only: a skipped forward computes nothing), a call of one
+    of ``modules`` alike to an earlier call of one of them (same :func:`module_signature`,
+    arguments like the earlier ones) returns an output rebuilt as that one's instead of running:
+    what functionalize's recording and check of a meta-built model do for its identical blocks."""
+    memo = LayerMemo()
+    replaced: list[tuple[nn.Module, Any]] = []
+    try:
+        for module in modules:
+            signature = module_signature(module)
+            if signature is None:
+                continue
+            replaced.append((module, module.__dict__.get("forward")))
+            module.forward = _reusing(memo, signature, module.forward)
+        yield memo
+    finally:
+        for module, own in reversed(replaced):
+            if own is None:
+                del module.forward
+            else:
+                module.forward = own
+
+
+def _reusing(memo: LayerMemo, signature: Hashable, forward: Callable[..., Any]) -> Callable[..., Any]:
+    def reused_or_run(*args: Any, **kwargs: Any) -> Any:
+        x = (args, kwargs)
+        inputs = tree_signature(x)
+        key = None if inputs is None else (signature, inputs)
+        found = memo.lookup(key, x)
+        if found is not None:
+            return found[0]
+        y = forward(*args, **kwargs)
+        memo.store(key, x, y)
+        return y
+
+    return reused_or_run

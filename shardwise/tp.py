@@ -1,0 +1,39 @@
+"""Tensor parallel's pieces: the styles a plan maps module paths to, ready plans, the vocabulary-parallel loss.
+
+``sw.tensor_parallel(step, axis, plan)`` takes a plan: a dict from module paths
+(fnmatch patterns on ``model.named_modules()``) to ``Colwise()``, ``Rowwise()``
+or ``Region()``. ``llama_plan``, ``gpt2_plan`` and ``tiny_gpt_plan`` are ready
+ones; ``docs/tensor_parallel.md`` says what each style does.
+
+>>> import shardwise as sw
+>>> sorted(sw.tp.tiny_gpt_plan().items())[:2]
+[('blocks.*.attn', Region(heads=('n_heads',), local=())), ('blocks.*.attn.proj', Rowwise())]
+"""
+
+from .transforms.tensor_parallel import (
+    GPT2_BLOCKS,
+    LLAMA_BLOCKS,
+    TINY_GPT_BLOCKS,
+    Colwise,
+    Region,
+    Rowwise,
+    gpt2_plan,
+    llama_plan,
+    tiny_gpt_plan,
+    vocab_parallel_cross_entropy,
+    vocab_parallel_logsumexp,
+)
+
+__all__ = [
+    "GPT2_BLOCKS",
+    "LLAMA_BLOCKS",
+    "TINY_GPT_BLOCKS",
+    "Colwise",
+    "Region",
+    "Rowwise",
+    "gpt2_plan",
+    "llama_plan",
+    "tiny_gpt_plan",
+    "vocab_parallel_cross_entropy",
+    "vocab_parallel_logsumexp",
+]

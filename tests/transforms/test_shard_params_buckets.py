@@ -1,0 +1,98 @@
+"""ZeRO-1/2 gradients in buckets: the same step as on one device, one collective per bucket.
+
+float64 on the threads backend, 1e-12 relative, as tests/transforms/test_shard_params.py explains:
+bucketing changes where values travel, not which sums are made (each element's reduction is the
+same sum over ranks), so any error in the rank-major layout (a shard of the wrong unit, padding
+leaking in, a row misplaced) shows as an error of order 1.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import shardwise as sw
+from shardwise.testing.models import mlp
+
+F64_RTOL = 1e-12
+KIB = 1 / 1024  # bucket_mb of one KiB
+
+
+def _problem() -> tuple[sw.Step, dict, list]:
+    torch.manual_seed(0)
+    # Units (float64, padded to a multiple of 4 ranks): 6*8+8 = 56 values (448 B), 8*8+8 = 72
+    # (576 B), twice, and 8*5+5 = 45 (48: 384 B).
+    chain, params = sw.functionalize(mlp([6, 8, 8, 8, 5]).double())
+    step = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(lr=0.1, momentum=0.9), clip_norm=1.0)
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 6, generator=gen, dtype=torch.float64),
+                torch.randn(8, 5, generator=gen, dtype=torch.float64)) for _ in range(3)]
+    return step, params, batches
+
+
+# Buckets smaller than every unit (each alone), of about two units, and one for all.
+BUCKETS = {"split": 0.3 * KIB, "pairs": 1.1 * KIB, "all": 1.0}
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("size", list(BUCKETS))
+def test_buckets_are_the_single_device_step(n: int, stage: int, size: str) -> None:
+    base, params, batches = _problem()
+    step = sw.shard_params(base, "dp", stage, bucket_mb=BUCKETS[size])
+    sw.testing.assert_equivalent(step, base, sw.Mesh(dp=n), batches, params, rtol=F64_RTOL)
+
+
+@pytest.mark.parametrize("size,expected", [
+    ("split", ["6", "4", "2", "0"]), ("pairs", ["6+4", "2+0"]), ("all", ["6+4+2+0"]),
+])
+def test_each_bucket_is_one_action_with_its_bytes(size: str, expected: list[str]) -> None:
+    base, params, _ = _problem()
+    plan = sw.shard_params(base, "dp", 2, bucket_mb=BUCKETS[size]).plan(sw.Mesh(dp=4), params)
+    actions = plan.for_rank(0)
+    reduces = [a for a in actions if a.kind == "reduce_scatter"]
+    assert [a.label or a.layer for a in reduces] == expected
+    padded = {"0": 56, "2": 72, "4": 72, "6": 48}
+    for a in reduces:  # the bucket's units' padded gradients, float64
+        assert a.nbytes == 8 * sum(padded[u] for u in (a.units or (a.layer,)))
+    gathers = [a for a in actions if a.kind == "gather_params"]
+    assert [a.label or a.layer for a in gathers] == expected  # the updated shards in the same buckets
+    for a in gathers:
+        assert a.nbytes == 8 * sum(padded[u] // 4 for u in (a.units or (a.layer,)))
+    # Each bucket is issued right after the backward that completes its last unit.
+    text = " ".join(map(str, actions))
+    first = expected[0]
+    assert f"B({first.split('+')[-1]}, mb=0) reduce_scatter({first})" in text
+    # Stage 1 holds the full gradients: as many buckets (of the units in their order), all after the backward.
+    held = sw.shard_params(base, "dp", 1, bucket_mb=BUCKETS[size]).plan(sw.Mesh(dp=4), params).for_rank(0)
+    kinds = [a.kind for a in held]
+    late = [a for a in held if a.kind == "reduce_scatter"]
+    assert len(late) == len(expected)
+    assert sorted(u for a in late for u in (a.units or (a.layer,))) == ["0", "2", "4", "6"]
+    assert kinds.index("reduce_scatter") > max(i for i, k in enumerate(kinds) if k == "backward")
+
+
+@pytest.mark.parametrize("size", list(BUCKETS))
+def test_the_run_issues_the_buckets_the_plan_lists(size: str) -> None:
+    base, params, batches = _problem()
+    step = sw.shard_params(base, "dp", 2, bucket_mb=BUCKETS[size])
+    mesh = sw.Mesh(dp=2)
+    plan = step.plan(mesh, params, batches[0])
+
+    def run() -> list:
+        state = step.init(params, mesh)
+        with sw.collectives.comm_ledger() as ledger:
+            step(state, batches[0])
+        return [(r.op, r.axis, r.dtype, r.nbytes) for r in ledger.records if r.rank == mesh.rank]
+
+    for rank, got in enumerate(sw.launch(run, 2)):
+        assert got == [(c.op, c.axis, c.dtype, c.nbytes) for c in plan.collectives(rank)]
+
+
+def test_bad_bucket_sizes_are_refused() -> None:
+    base, _, _ = _problem()
+    for bad in (0, -1.0, True, "4"):
+        with pytest.raises(ValueError, match=r"bucket_mb=.*number > 0"):
+            sw.shard_params(base, "dp", 2, bucket_mb=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="buckets are for stages 1 and 2"):
+        sw.shard_params(base, "dp", 3, bucket_mb=4)
