@@ -46,6 +46,7 @@ from .actions import (
     GATHER,
     GATHER_PARAMS,
     INSIDE_ALL_GATHER,
+    INSIDE_ALL_TO_ALL,
     INSIDE_PSUM,
     INSIDE_PSUM_SCATTER,
     LOSS,
@@ -282,7 +283,10 @@ def _waits_for_reductions(actions: list[Action], axis: str, deferred: int, in_fl
 
 # (compute kind, stage) -> every collective it issues inside its layers: (op, label, wire)
 Inside = Mapping[tuple[str, int], Sequence[tuple[str, str, Wire]]]
-_INSIDE_KIND = {"psum": INSIDE_PSUM, "all_gather": INSIDE_ALL_GATHER, "psum_scatter": INSIDE_PSUM_SCATTER}
+_INSIDE_KIND = {
+    "psum": INSIDE_PSUM, "all_gather": INSIDE_ALL_GATHER, "psum_scatter": INSIDE_PSUM_SCATTER,
+    "all_to_all": INSIDE_ALL_TO_ALL,
+}
 
 
 def insert_inside(actions: Sequence[Action], inside: Inside, axis: str) -> tuple[Action, ...]:

@@ -177,6 +177,7 @@ class Executor(ZeroActions, TransferActions):
     # metrics count (keys, or per ZeRO unit the ranges of its shard), and no loss or token count.
     # None: everything.
     counted: Any = None
+    counts_losses: bool = False  # with ``counted``: this rank's losses and tokens are its own (a split cut the batch)
     batch_fingerprint: torch.Tensor | None = None  # of the global batch, when the exchange checks it
     rng_rank: int | None = None  # the rank whose random streams this one draws (None: its own)
     # Under a split: the gradients of the parameters it replicates, which must come out equal on every
@@ -559,7 +560,8 @@ class Executor(ZeroActions, TransferActions):
             return
         losses, counts = self.losses, self.counts
         if self.counted is not None:  # an index of a split's axis that counts only its split gradients
-            losses, counts = [], []
+            if not self.counts_losses:
+                losses, counts = [], []
             pieces = _counted_pieces(counted, self.counted)
         self._local_metrics = self.exchange.local(
             losses, pieces, self.metric_dtype, self.device, counts, self.batch_fingerprint, self._rank

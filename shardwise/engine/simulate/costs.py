@@ -47,7 +47,7 @@ from .timeline import (
 )
 
 DEFAULT_COSTS = MappingProxyType({FORWARD: 1.0, BACKWARD: 2.0, BACKWARD_INPUT: 1.0, BACKWARD_WEIGHT: 1.0})
-COMM_OPS = ("all_gather", "psum_scatter", "psum", "send")
+COMM_OPS = ("all_gather", "psum_scatter", "psum", "all_to_all", "send")
 
 
 def ring_shape(op: str, n: int) -> tuple[float, float]:
@@ -58,8 +58,11 @@ def ring_shape(op: str, n: int) -> tuple[float, float]:
         raise ValueError(f"no communication model for op {op!r}; the model knows {COMM_OPS}")
     if n <= 1:
         return 0.0, 0.0  # a group of one moves nothing
+    # all_to_all (expert parallel's dispatch and combine): n - 1 pairwise steps, each rank sending the
+    # (n - 1) / n of its input that other ranks own.
     return {
-        "all_gather": (n - 1, n - 1), "psum_scatter": (n - 1, (n - 1) / n), "psum": (2 * (n - 1), 2 * (n - 1) / n)
+        "all_gather": (n - 1, n - 1), "psum_scatter": (n - 1, (n - 1) / n), "psum": (2 * (n - 1), 2 * (n - 1) / n),
+        "all_to_all": (n - 1, (n - 1) / n),
     }[op]
 
 

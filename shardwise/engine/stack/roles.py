@@ -14,25 +14,20 @@ Every spec is frozen data with a ``name`` (its transform's), a ``role`` (one of
 A stack without a SPLIT spec reads :data:`NO_SPLIT` instead (:func:`split_of`): a split that
 cuts nothing, so the engine asks the same questions of every step.
 
-How the next transforms would plug in (not built yet):
+* expert_parallel (transforms/expert_parallel/spec.py) is the SPLIT over ``ep`` that cuts the
+  batch too: ``tensor_splits`` cuts the experts' fused 3-D parameters on dim 0, ``rewrite``
+  installs the all-to-all dispatch and combine and sums every replicated parameter's gradient
+  over ``ep`` inside the layers (so no engine member is needed for that sum: the Plan lists it
+  as the layers' inner psums), ``batch_axes`` is ``(ep,)``: the batch is cut over it after
+  shard_params' axis, the loss seeded by 1 / (dp x ep), and each index counts its own loss and
+  tokens while ``counts_replicated`` keeps the replicated gradients to index 0 in the norm.
 
-* expert_parallel: a SPLIT spec over ``ep``. ``tensor_splits`` cuts the experts' fused 3-D
-  parameters on dim 0 (a TensorSplit of ``ep``); ``rewrite`` installs the MoE layers' all-to-all
-  dispatch and combine; ``inner_collectives`` predicts those all-to-alls for the Plan;
-  ``replicated`` names the non-expert parameters. Because ``ep`` is also a batch axis, the
-  batch is cut over it and the replicated parameters' gradients are summed over it: the engine
-  does not ask a split that yet, so that needs two members added here when it is built
-  ("the axes this split cuts the batch over", "the axes a parameter's gradient is summed
-  over"), read where the batch is cut (step/run_inputs.py) and where the metrics' axes are
-  chosen (plan/lower.py's metric_axes).
-* context_parallel: a SPLIT spec over ``cp`` that cuts no parameter (``tensor_splits``
-  empty, ``replicated`` every parameter) and rewrites the attention layers (ring or
-  all-to-all); its batch is cut on the sequence dim over ``cp`` and every gradient is summed
-  over ``cp``: the same two members as expert_parallel's. ``counts_replicated`` is true on
-  every index (each holds other tokens: its loss and tokens count) and ``rng_rank`` is its own.
-* Either goes in its own folder and adds one rule to compose.py: which axes it may share
-  (expert_parallel with shard_params' axis, as a batch axis), and, if both are in one stack,
-  the once-per-stack rule for SPLIT becomes "one split per axis" there.
+How the next would plug in (not built yet): context_parallel, a SPLIT spec over ``cp`` that
+cuts no parameter (``tensor_splits`` empty, ``replicated`` every parameter) and rewrites the
+attention layers (ring or all-to-all); ``batch_axes`` ``(cp,)`` would need a "dim" (it cuts the
+sequence, not the batch), and every gradient is summed over ``cp`` as expert_parallel sums its
+replicated ones. It goes in its own folder with one rule in compose.py; if two splits share a
+stack, the once-per-stack rule for SPLIT becomes "one split per axis" there.
 """
 
 from __future__ import annotations
@@ -141,6 +136,12 @@ class SplitRole(Spec, Protocol):
         """The step's run: the parameters every index of the axis holds whole (their gradients must agree)."""
         ...
 
+    def batch_axes(self, mesh: Mesh | None) -> tuple[str, ...]:
+        """The batch cut (step/run_inputs.py, planning's micro-batch): the axes this split cuts the batch
+        over, after shard_params' (each index its own share, whose loss and tokens it counts; the mean is
+        over them too). Empty: every index takes the same batch."""
+        ...
+
     def counts_replicated(self, mesh: Mesh | None) -> bool:
         """The step's run: whether this rank counts what every index computes alike (loss, tokens,
         replicated gradients) in the metrics; one index per group does, or they would be counted again."""
@@ -219,6 +220,9 @@ class NoSplit:
 
     def replicated(self, chain: Chain) -> frozenset[tuple[str, str]]:
         return frozenset((layer.name, n) for layer in chain for n in layer.owned_param_names)
+
+    def batch_axes(self, mesh: Mesh | None) -> tuple[str, ...]:
+        return ()
 
     def counts_replicated(self, mesh: Mesh | None) -> bool:
         return True

@@ -8,6 +8,7 @@ each rank holds, from the same layouts ``Step.init`` builds.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -169,26 +170,35 @@ def _units_without_params(step: Step, placement: Placement, index: int) -> list[
     held = [n for n in placement.layers_of(index) if step.chain.owned_param_names(n)]
     return held + [o for o, _ in placement.replicas_of(index) if o not in held]
 
+def batch_cuts(step: Step, mesh: Mesh | None) -> list[tuple[str, int, str]]:
+    """The axes the global batch is cut over, with their sizes and the words naming the cut:
+    shard_params', then the split's (SplitRole.batch_axes; expert_parallel's), each rank taking its share."""
+    if mesh is None:
+        return []
+    zero, split = step.sharding_spec, step.split
+    named = ([] if zero is None else [(zero.axis, "shard_params")]) + [(a, split.name) for a in split.batch_axes(mesh)]
+    return [(a, mesh.axis_size(a), f"{who} over axis {a!r} of size {mesh.axis_size(a)}") for a, who in named]
+
+
 def one_microbatch(step: Step, mesh: Mesh, batch: Any) -> tuple[Any, Any]:
     pair = split_batch(batch)
-    zero = step.sharding_spec
     whole = batch_multiple(step, mesh)
-    if zero is not None:
-        n = mesh.axis_size(zero.axis)
-        pair = split_over(pair, n, 0, f"shard_params over axis {zero.axis!r} of size {n}", whole)
+    for _axis, n, what in batch_cuts(step, mesh):
+        pair = split_over(pair, n, 0, what, whole)
     k = microbatch_count(step)
     return split_over(pair, k, 0, f"{k} micro-batches", whole) if k > 1 else pair
 
 
 def batch_multiple(step: Step, mesh: Mesh | None) -> tuple[int, str]:
-    """What the global batch size must be a multiple of: it is cut per data-parallel rank, then
-    per micro-batch; and the words that say so."""
+    """What the global batch size must be a multiple of: it is cut per data-parallel rank (and per
+    rank of a split that cuts the batch), then per micro-batch; and the words that say so."""
     k = microbatch_count(step)
-    zero = step.sharding_spec
-    if zero is None or mesh is None or k == 1:
-        return (k if zero is None or mesh is None else mesh.axis_size(zero.axis)), ""
-    ranks = mesh.axis_size(zero.axis)
-    return ranks * k, f" ({ranks} ranks of axis {zero.axis!r} x {k} micro-batches)"
+    cuts = batch_cuts(step, mesh)
+    ranks = math.prod(n for _, n, _ in cuts)
+    if not cuts or (k == 1 and len(cuts) == 1):
+        return ranks * k, ""
+    words = " x ".join(f"{n} ranks of axis {a!r}" for a, n, _ in cuts)
+    return ranks * k, f" ({words}{f' x {k} micro-batches' if k > 1 else ''})"
 
 def _memory(
     step: Step, mesh: Mesh, params: Params, batch: Any, placement: Placement,

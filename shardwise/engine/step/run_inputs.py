@@ -11,6 +11,7 @@ and the metrics.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -32,7 +33,7 @@ from ..run.metrics import MetricExchange, Summed, batch_fingerprint, different_b
 from ..run.rng import mix
 from ..stack.roles import SplitRole
 from .master import compute_params, unscale_like
-from .planning import batch_multiple
+from .planning import batch_cuts, batch_multiple
 
 if TYPE_CHECKING:
     from .step import Metrics, Step
@@ -48,6 +49,7 @@ class RankRun:
     replica_layers: frozenset[str]  # layers of which this rank holds only tied copies
     reduce_dtypes: Mapping[str, torch.dtype] | None  # under ZeRO and a precision policy: per unit
     counted: Any  # the gradients this rank's metrics count (None: all), see SplitRole.counts_replicated
+    counts_losses: bool  # whether it counts its losses and tokens also then: the split cut the batch
     replicas: ReplicaCheck | None  # the gradients that must agree over the split's axis
     rng_rank: int | None  # the rank whose random streams this one draws (None: its own)
 
@@ -81,6 +83,7 @@ def _make_rank_run(
             u: prec.for_layer(u).reduce for u in sharding.units
         },
         counted=None if split.counts_replicated(mesh) else gradient_selection(split, step, layout, mesh, False),
+        counts_losses=bool(split.batch_axes(mesh)),
         replicas=ReplicaCheck(gradient_selection(split, step, layout, mesh, True), split.name, split.replica_fix)
         if splits else None,
         rng_rank=split.rng_rank(mesh),
@@ -107,16 +110,16 @@ def gradient_selection(split: SplitRole, step: Step, layout: StateLayout, mesh: 
 def local_microbatches(step: Step, mesh: Mesh | None, sharding: FlatSharding | None, batch: Any) -> tuple[
         list[tuple[Any, Any]], int]:
     """(this rank's micro-batches, the data-parallel replicas): the global batch cut over
-    shard_params' axis, then into the pipeline's micro-batches or shard_params' accumulation."""
+    shard_params' axis and a split's batch axes (planning.batch_cuts), then into the pipeline's
+    micro-batches or shard_params' accumulation."""
     pair = split_batch(batch)
-    replicas = 0
     k = microbatch_count(step)
     whole = batch_multiple(step, mesh)
-    if sharding is not None:
+    cuts = batch_cuts(step, mesh)
+    for axis, n, what in cuts:
         assert mesh is not None
-        replicas, dp_index = mesh.axis_size(sharding.axis), mesh.axis_index(sharding.axis)
-        where = f"shard_params over axis {sharding.axis!r} of size {replicas}"
-        pair = split_over(pair, replicas, dp_index, where, whole)
+        pair = split_over(pair, n, mesh.axis_index(axis), what, whole)
+    replicas = math.prod(n for _, n, _ in cuts) if cuts else 0
     pipelined = step.pipeline_spec is not None
     what = f"pipeline(microbatches={k})" if pipelined else f"shard_params(accumulation={k}) on the local batch"
     if k == 1 and sharding is None:
@@ -182,6 +185,7 @@ def prepare_run(step: Step, state: TrainState, layout: StateLayout, batch: Any) 
         boundaries=None if pipe is None else step.boundaries(layout, micro[0][0], mesh),
         poison=bool(pipe is not None and pipe.poison), record=step.traced, tokens=step.tokens,
         rng_seed=None if state.rng is None else mix(state.rng, state.step), counted=run.counted,
+        counts_losses=run.counts_losses,
         # Summed with the metrics (and, under a split, compared in its replica check).
         batch_fingerprint=batch_fingerprint(batch) if run.exchange.batch or run.replicas is not None else None,
         rng_rank=run.rng_rank, replicas=run.replicas,

@@ -8,7 +8,8 @@ in every block it is given: a row with none would have ``lse = -inf`` and make t
 callers only pass blocks where each row sees a key.
 
 >>> import torch
->>> q, k, v = torch.randn(1, 1, 3, 4), torch.randn(1, 1, 6, 4), torch.randn(1, 1, 6, 4)
+>>> g = torch.Generator().manual_seed(0)  # its own stream: thread ranks in other doctests share the global one
+>>> q, k, v = (torch.randn(1, 1, n, 4, generator=g, dtype=torch.float64) for n in (3, 6, 6))
 >>> whole = attend_block(q, k, v, scale=0.5)
 >>> halves = merge_blocks(attend_block(q, k[..., :2, :], v[..., :2, :], 0.5),
 ...                       attend_block(q, k[..., 2:, :], v[..., 2:, :], 0.5))

@@ -6,43 +6,33 @@ exchange counts, dispatch with an ``all_to_all``, run the local experts (``exper
 fused 3-D weights), ``all_to_all`` back, combine; the capacity and drop rule in ``capacity.py``; the
 router's load-balancing loss over the global batch in ``aux_loss.py``; bytes in ``volumes.py``.
 
-How the ``expert_parallel(step, axis="ep", capacity_factor=None)`` spec will plug in, once the
-engine's role protocols land (nothing of it exists yet):
-
-* Role: a SHARDING of the expert parameters plus a REWRITE of the MoE layers. The sharding gives each
-  fused expert weight (``*.experts.gate_up_proj``, ``*.experts.down_proj``: HF Mixtral, Qwen2-MoE and
-  ``shardwise.testing.models.TopKMoE``) a split of dim 0 over ``axis`` in its shard spec, so each rank
-  materializes and checkpoints only its ``E/ep`` experts; the rewrite replaces the MoE block's forward
-  (router linear, then ``moe_dispatch_combine``) and maps the module's router class to a router name
-  (``MixtralTopKRouter`` -> "softmax_topk_renormalized"; ``Qwen2MoeTopKRouter`` by ``norm_topk_prob``);
-  a block whose router it does not recognise is refused, naming the module. Qwen2-MoE's shared expert
-  is a dense MLP and stays replicated.
-* Batch: the ``ep`` axis also splits the batch (each rank routes its own tokens), like a data axis.
-* Gradients: the expert weights' gradients are complete on their owner (the all-to-all transposes
-  brought every token's contribution) and are never reduced over ``ep``; under ``shard_params`` over a
-  separate dp axis they reduce over dp only. Every other parameter (router, attention, norms, shared
-  expert) is replicated over ``ep`` and its gradient is psum'd over ``ep`` (and dp).
-* Loss: the auxiliary loss is invariant over ``ep``: added to each rank's loss, its gradient counts
-  once; the step reports it once. Token-weighted losses divide by the global token count.
-* Plan: per MoE layer an all-gather of counts, then two all-to-alls forward and two backward; their
-  bytes depend on the routing, bounded by ``volumes.py`` with ``slots <= capacity`` (or the largest
-  rank's token count), and the ledger records what ran.
+:func:`expert_parallel` (``spec.py``) is the transform: a SPLIT spec over its axis that cuts the MoE
+blocks' experts (``blocks.py``) on dim 0, rewrites their forward to ``moe_dispatch_combine`` with the
+all-to-alls' rows fixed at their bound, sums every replicated parameter's gradient over the axis in
+backward (``comm.py``), and predicts those collectives on fake tensors for the Plan (``predict.py``).
 """
 
+from __future__ import annotations
+
+from ...engine.stack.compose import add
+from ...engine.step.step import Step
 from .aux_loss import load_balancing_loss
 from .capacity import Slots, assign_slots, expert_capacity
 from .dispatch import MoEOutput, moe_dispatch_combine
 from .experts import run_experts, shard_experts
 from .router import ROUTERS, Routing, route
+from .spec import EPSpec, resolve
 from .volumes import moe_all_to_all_bytes, moe_count_exchange_bytes
 
 __all__ = [
     "ROUTERS",
+    "EPSpec",
     "MoEOutput",
     "Routing",
     "Slots",
     "assign_slots",
     "expert_capacity",
+    "expert_parallel",
     "load_balancing_loss",
     "moe_all_to_all_bytes",
     "moe_count_exchange_bytes",
@@ -51,3 +41,46 @@ __all__ = [
     "run_experts",
     "shard_experts",
 ]
+
+
+def expert_parallel(step: Step, axis: str = "ep", capacity_factor: float | None = None) -> Step:
+    """Split the experts of ``step``'s mixture-of-experts blocks over mesh ``axis`` (torchtitan EP, DeepSpeed-MoE).
+
+    Each rank of ``axis`` holds (materializes, initializes, checkpoints) ``E / size`` experts of every
+    MoE block (``TopKMoE``; HF ``MixtralSparseMoeBlock`` and ``Qwen2MoeSparseMoeBlock``, whose shared
+    expert stays replicated) and routes its own share of the batch: the axis also cuts the batch, like
+    a data-parallel one. Tokens go to their experts' owners and back by
+    two all-to-alls; every other parameter is replicated, and its gradient is summed over ``axis`` in
+    backward (the mean of the ranks' shares, as data parallel); the experts' gradients are complete on
+    their owner. ``capacity_factor=None`` drops no token and equals the single-device step; otherwise
+    each rank sends each expert at most ``ceil(f * tokens * top_k / E)`` assignments (each token's first
+    choice in token order, then its second, ...; the rest are dropped).
+    The all-to-alls carry that bound of rows per (rank, expert) (without a capacity: the rank's
+    tokens), so the Plan states their bytes exactly. The modules' own forwards add no auxiliary loss,
+    and neither does this.
+
+    It composes with ``shard_params`` over another axis (ZeRO shards each rank's experts and
+    replicated parameters over ``dp``), ``mixed_precision`` and ``remat``; not yet with
+    ``tensor_parallel`` or ``pipeline`` (refused).
+
+    >>> import torch, shardwise as sw
+    >>> from shardwise.testing.models import TopKMoE
+    >>> torch.manual_seed(0) and None
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), TopKMoE(8, 8, num_experts=4, top_k=2)).double()
+    >>> chain, params = sw.functionalize(model)
+    >>> step = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(lr=0.1, momentum=0.9))
+    >>> ep = expert_parallel(step, "ep")
+    >>> batch = (torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 8, dtype=torch.float64))
+    >>> plan = ep.plan(sw.Mesh(ep=2), params, batch)
+    >>> sorted({c.op for c in plan.collectives(0)})
+    ['all_gather', 'all_to_all', 'psum']
+    >>> _ = sw.testing.assert_equivalent(ep, step, sw.Mesh(ep=2), [batch, batch], params)
+    """
+    if not isinstance(step, Step):
+        raise TypeError(f"expert_parallel(step=...) needs a shardwise Step (see train_step), got {type(step).__name__}")
+    if not isinstance(axis, str) or not axis:
+        raise TypeError(f"expert_parallel(axis={axis!r}): the axis is a mesh axis name such as 'ep'")
+    expert_capacity(1, 1, 1, capacity_factor)  # a factor that cannot work is refused now
+    spec = EPSpec(axis, None if capacity_factor is None else float(capacity_factor))
+    resolve(step.base_chain)  # a chain without a known MoE block is refused now, not at the first step
+    return add(step, spec)

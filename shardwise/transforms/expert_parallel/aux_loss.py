@@ -16,7 +16,8 @@ from ...collectives import Mesh, psum
 
 
 def load_balancing_loss(
-    probs: torch.Tensor, global_counts: torch.Tensor, global_tokens: int, axis: str, *, mesh: Mesh | None = None
+    probs: torch.Tensor, global_counts: torch.Tensor, global_tokens: int | torch.Tensor, axis: str, *,
+    mesh: Mesh | None = None,
 ) -> torch.Tensor:
     """``E * sum(f * P)`` from this rank's router ``probs`` [tokens, E] and the global assignment counts [E]."""
     num_experts = probs.shape[-1]

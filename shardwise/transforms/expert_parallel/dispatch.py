@@ -23,7 +23,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from ...collectives import Mesh, all_gather, all_to_all, axis_size
+from ...collectives import Mesh
+from . import comm
 from .aux_loss import load_balancing_loss
 from .capacity import assign_slots, expert_capacity
 from .experts import Activation, run_experts
@@ -34,9 +35,9 @@ class MoEOutput(NamedTuple):
     """The combined ``output`` [tokens, hidden] of this rank's tokens, and what the routing did globally."""
 
     output: torch.Tensor
-    aux_loss: torch.Tensor  # invariant over the axis: see aux_loss.py
+    aux_loss: torch.Tensor | None  # invariant over the axis: see aux_loss.py (None: not asked for)
     tokens_per_expert: torch.Tensor  # [num_experts] int64: top-k assignments to each expert, every rank
-    dropped: int  # assignments dropped for capacity, every rank
+    dropped: int  # assignments dropped for capacity, every rank (0 while predicting on fake tensors)
     slots: int  # rows per (rank, expert) in each all-to-all: what its bytes are made of
 
 
@@ -52,6 +53,8 @@ def moe_dispatch_combine(
     capacity_factor: float | None = None,
     act: Activation = F.silu,
     mesh: Mesh | None = None,
+    slots: int | None = None,
+    aux_loss: bool = True,
 ) -> MoEOutput:
     """A mixture-of-experts layer on this rank's ``tokens`` [n, hidden] with the experts split over ``axis``.
 
@@ -60,6 +63,11 @@ def moe_dispatch_combine(
     experts (:func:`shard_experts` cuts them from the full fused weights). ``capacity_factor=None``
     drops nothing and equals the single-device layer exactly; otherwise ``capacity.py`` states which
     assignments are dropped. Ranks may hold different numbers of tokens.
+
+    ``slots``: the rows per (rank, expert) of each all-to-all, fixed (the expert_parallel step passes its
+    bound, so that its Plan states the bytes exactly and the layer runs on fake tensors); None sizes them
+    by the routing (the most kept assignments any rank sends one expert). A routing that needs more than
+    ``slots`` is refused. ``aux_loss=False`` skips the load-balancing loss (and its psum).
 
     >>> import torch, shardwise as sw
     >>> from shardwise.transforms.expert_parallel import moe_dispatch_combine, shard_experts
@@ -77,33 +85,52 @@ def moe_dispatch_combine(
     """
     num_experts = _check(tokens, router_logits, gate_up_proj, down_proj, axis, top_k, mesh)
     check_router(router)
-    ep = axis_size(axis, mesh=mesh)
+    ep = comm.size(axis, mesh)
     local_experts = num_experts // ep
     n, hidden = tokens.shape
     routing = route(router_logits, top_k, router)
-    slots = assign_slots(routing.experts, num_experts, expert_capacity(n, top_k, num_experts, capacity_factor))
+    slot_of = assign_slots(routing.experts, num_experts, expert_capacity(n, top_k, num_experts, capacity_factor))
 
-    stats = torch.cat([slots.counts, slots.kept_counts, torch.tensor([n], device=slots.counts.device)])
-    every = all_gather(stats, axis, mesh=mesh)  # [ep, 2E + 1], integers: no gradient
+    stats = torch.cat([slot_of.counts, slot_of.kept_counts, torch.tensor([n], device=slot_of.counts.device)])
+    every = comm.gather_counts(stats, axis, "moe counts", mesh)  # [ep, 2E + 1], integers: no gradient
     counts, kept_counts = every[:, :num_experts].sum(0), every[:, num_experts : 2 * num_experts]
-    width = max(int(kept_counts.max()), 1)  # an empty exchange still needs a shape
+    predicting = comm.predicting_now()
+    width = _width(kept_counts, slots, predicting)
 
     token_ids = torch.arange(n, device=tokens.device).unsqueeze(1).expand(n, top_k)
-    row = routing.experts * width + slots.position.clamp(max=width - 1)  # dropped: any row, weight 0
-    kept_rows, kept_tokens = row[slots.kept], token_ids[slots.kept]
-    send = tokens.new_zeros(num_experts * width, hidden).index_copy(0, kept_rows, tokens[kept_tokens])
-    received = all_to_all(send, axis, split_dim=0, concat_dim=0, tiled=True, mesh=mesh)
+    row = routing.experts * width + slot_of.position.clamp(max=width - 1)  # dropped: any row, weight 0
+    # A dropped assignment goes to one extra row, cut off before sending: fixed shapes, no boolean
+    # indexing (the layer also runs on fake tensors); each kept row is written once.
+    dest = torch.where(slot_of.kept, row, num_experts * width).reshape(-1)
+    laid = tokens.new_zeros(num_experts * width + 1, hidden).index_add(0, dest, tokens[token_ids.reshape(-1)])
+    received = comm.exchange(laid[:-1], axis, "moe dispatch", mesh)
 
     by_expert = received.view(ep, local_experts, width, hidden).transpose(0, 1).reshape(local_experts, -1, hidden)
     computed = run_experts(by_expert, gate_up_proj, down_proj, act)
     by_source = computed.view(local_experts, ep, width, hidden).transpose(0, 1).reshape(-1, hidden)
-    back = all_to_all(by_source, axis, split_dim=0, concat_dim=0, tiled=True, mesh=mesh)
+    back = comm.exchange(by_source, axis, "moe combine", mesh)
 
-    weights = routing.weights.to(tokens.dtype) * slots.kept
+    weights = routing.weights.to(tokens.dtype) * slot_of.kept
     output = (back[row] * weights.unsqueeze(-1)).sum(dim=1)
-    aux = load_balancing_loss(routing.probs, counts, int(every[:, -1].sum()), axis, mesh=mesh)
-    dropped = int((every[:, :num_experts] - kept_counts).sum())
+    aux = load_balancing_loss(routing.probs, counts, every[:, -1].sum(), axis, mesh=mesh) if aux_loss else None
+    dropped = 0 if predicting else int((every[:, :num_experts] - kept_counts).sum())
     return MoEOutput(output, aux, counts, dropped, width)
+
+
+def _width(kept_counts: torch.Tensor, slots: int | None, predicting: bool) -> int:
+    """The rows per (rank, expert) of the all-to-alls: ``slots`` when fixed, else what the routing needs."""
+    if slots is None:
+        if predicting:
+            raise ValueError("moe_dispatch_combine: on fake tensors the all-to-all needs fixed slots= (its bound)")
+        return max(int(kept_counts.max()), 1)  # an empty exchange still needs a shape
+    if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+        raise ValueError(f"moe_dispatch_combine: slots={slots!r} must be a positive int (rows per rank and expert)")
+    if not predicting and int(kept_counts.max()) > slots:
+        raise ValueError(
+            f"moe_dispatch_combine: a rank keeps {int(kept_counts.max())} assignments for one expert, more than "
+            f"slots={slots}; give slots at least the capacity (or the tokens per rank without one)"
+        )
+    return slots
 
 
 def _check(
@@ -127,7 +154,7 @@ def _check(
     num_experts = logits.shape[1]
     if logits.shape[0] != n:
         raise ValueError(f"moe_dispatch_combine: router_logits has {logits.shape[0]} rows but tokens has {n}")
-    ep = axis_size(axis, mesh=mesh)
+    ep = comm.size(axis, mesh)
     if num_experts % ep:
         raise ValueError(
             f"moe_dispatch_combine: {num_experts} experts do not divide over axis {axis!r} of size {ep}; "

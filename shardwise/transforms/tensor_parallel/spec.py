@@ -111,6 +111,10 @@ class TPSpec:
             (layer.name, n) for layer in chain for n in layer.owned_param_names if (layer.name, n) not in splits
         )
 
+    def batch_axes(self, mesh: Mesh | None) -> tuple[str, ...]:
+        """None: every index of the axis takes the same batch."""
+        return ()
+
     def counts_replicated(self, mesh: Mesh | None) -> bool:
         """Index 0 of the axis alone counts the loss, the tokens and the replicated gradients in the
         metrics: every index computes them alike."""

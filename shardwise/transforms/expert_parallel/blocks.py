@@ -1,0 +1,116 @@
+"""The mixture-of-experts blocks expert_parallel recognizes, and their forward with the experts split.
+
+A block is a module with an ``experts`` child holding fused 3-D ``gate_up_proj`` [E, 2I, H] and
+``down_proj`` [E, H, I] (HF ``MixtralExperts``' layout). Known kinds, by class name:
+
+* ``TopKMoE`` (shardwise.testing.models): router ``gate`` (a Linear), renormalized when ``normalize``.
+* ``MixtralSparseMoeBlock`` (HF): router ``gate`` a ``MixtralTopKRouter`` (softmax, top k, renormalized),
+  activation ``experts.act_fn``; router jitter noise in training is refused (it draws per token).
+* ``Qwen2MoeSparseMoeBlock`` (HF): router ``gate`` a ``Qwen2MoeTopKRouter`` (renormalized when
+  ``norm_topk_prob``), plus its shared expert, a dense MLP gated by a sigmoid: replicated, added after.
+
+Any other module holding fused experts is refused, naming it: its router is not known to compute
+what ``router.py``'s routers do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .capacity import expert_capacity
+from .dispatch import moe_dispatch_combine
+
+EXPERT_WEIGHTS = ("experts.gate_up_proj", "experts.down_proj")
+KNOWN = ("TopKMoE", "MixtralSparseMoeBlock", "Qwen2MoeSparseMoeBlock")
+_ROUTER_OF = {"MixtralSparseMoeBlock": "MixtralTopKRouter", "Qwen2MoeSparseMoeBlock": "Qwen2MoeTopKRouter"}
+
+
+@dataclass(frozen=True)
+class Block:
+    """One MoE block of a layer: its path in the layer's module, its experts and its router."""
+
+    path: str  # in the module the layer calls ("" for the module itself)
+    kind: str  # one of KNOWN
+    num_experts: int
+    prefix: str = ""  # what the layer's local names of that module's tensors start with
+
+    def local_names(self) -> tuple[str, ...]:
+        """The layer's local names of this block's expert weights."""
+        prefix = self.prefix + (f"{self.path}." if self.path else "")
+        return tuple(prefix + w for w in EXPERT_WEIGHTS)
+
+
+def holds_experts(module: nn.Module) -> bool:
+    experts = getattr(module, "experts", None)
+    weights = [getattr(experts, w, None) for w in ("gate_up_proj", "down_proj")]
+    return all(isinstance(w, torch.Tensor) and w.ndim == 3 for w in weights)
+
+
+def find_blocks(module: nn.Module, where: str, prefix: str = "") -> list[Block]:
+    """Every MoE block in ``module`` (the top-most of nested ones), refusing one it does not know."""
+    found: list[Block] = []
+    for path, sub in module.named_modules():
+        if not holds_experts(sub) or any(path.startswith(f"{b.path}.") or not b.path for b in found):
+            continue
+        name = type(sub).__name__
+        router = type(getattr(sub, "gate", None)).__name__
+        known = name == "TopKMoE" or (name in _ROUTER_OF and router == _ROUTER_OF[name])
+        if not known:
+            raise ValueError(
+                f"expert_parallel: {where}{'.' + path if path else ''} ({name}, router {router}) holds fused experts, "
+                f"but its router is not one expert_parallel knows ({', '.join(KNOWN)} with their routers): it cannot "
+                "tell which experts each token goes to. Use a known block, or write its forward with the "
+                "expert-parallel core, moe_dispatch_combine, and one of its routers"
+            )
+        found.append(Block(path, name, int(sub.experts.gate_up_proj.shape[0]), prefix))
+    return found
+
+
+def _router(module: Any, kind: str) -> tuple[Callable[[torch.Tensor], torch.Tensor], str, Any]:
+    """(the router's logits of flat tokens, the router's name, the experts' activation) of a block."""
+    if kind == "TopKMoE":
+        router = "softmax_topk_renormalized" if module.normalize else "softmax_topk"
+        return module.gate, router, F.silu
+    # HF's routers take their softmax, top k and renormalization in float32 whatever the dtype: so does this.
+    renormalized = kind == "MixtralSparseMoeBlock" or bool(module.gate.norm_topk_prob)
+    router = "softmax_topk_renormalized" if renormalized else "softmax_topk"
+    return lambda x: F.linear(x, module.gate.weight).float(), router, module.experts.act_fn
+
+
+class EPForward:
+    """A block's forward with its experts split over ``axis``: router, then moe_dispatch_combine.
+
+    The all-to-alls carry ``slots`` rows per (rank, expert), fixed at their bound: the capacity when
+    there is one, else the rank's token count (a token picks an expert once), so the bytes do not
+    depend on the routing and the Plan states them exactly."""
+
+    def __init__(self, module: nn.Module, block: Block, axis: str, capacity_factor: float | None, where: str) -> None:
+        self.module, self.block, self.axis, self.where = module, block, axis, where
+        self.capacity_factor = capacity_factor
+
+    def __call__(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        m: Any = self.module  # a known block (find_blocks): its router and experts are there
+        if self.block.kind == "MixtralSparseMoeBlock" and m.training and m.jitter_noise > 0:
+            raise ValueError(
+                f"expert_parallel: {self.where} has router_jitter_noise={m.jitter_noise}, which scales each token by "
+                "random noise in training; set config.router_jitter_noise = 0"
+            )
+        logits_of, router, act = _router(m, self.block.kind)
+        flat = hidden_states.reshape(-1, hidden_states.shape[-1])
+        n, top_k = flat.shape[0], int(m.top_k if hasattr(m, "top_k") else m.gate.top_k)
+        capacity = expert_capacity(n, top_k, self.block.num_experts, self.capacity_factor)
+        out = moe_dispatch_combine(
+            flat, logits_of(flat), m.experts.gate_up_proj, m.experts.down_proj, self.axis, top_k=top_k,
+            router=router, capacity_factor=self.capacity_factor, act=act,
+            slots=max(1, n if capacity is None else min(capacity, n)), aux_loss=False,
+        )
+        output = out.output
+        if self.block.kind == "Qwen2MoeSparseMoeBlock":  # the shared expert: dense, on this rank's tokens
+            output = output + torch.sigmoid(m.shared_expert_gate(flat)) * m.shared_expert(flat)
+        return output.view(hidden_states.shape)

@@ -1,0 +1,207 @@
+"""expert_parallel's spec: frozen data in the step's stack (a SPLIT over its axis), and what the engine asks of it."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import weakref
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor, nn
+
+from ...collectives.mesh import Mesh
+from ...engine.layout.state_layout import Placement, TensorSplit
+from ...engine.model.chain import Chain, Layer
+from ...engine.model.module_call import ThreadReplicas
+from ...engine.stack.compose import SPLIT
+from .blocks import Block, EPForward, find_blocks
+from .comm import grad_summed, predicting
+from .predict import predict
+
+Blocks = dict[str, tuple[Block, ...]]  # layer name -> its MoE blocks
+_RESOLVED: weakref.WeakKeyDictionary[Chain, Blocks] = weakref.WeakKeyDictionary()
+
+
+def resolve(chain: Chain) -> Blocks:
+    """The MoE blocks of every layer of ``chain``, refusing a chain without one (or with one it does not know)."""
+    if chain in _RESOLVED:
+        return _RESOLVED[chain]
+    found: Blocks = {}
+    for layer in chain:
+        # A layer functionalize built calls a module (fn.replicas.module) whose tensors' local names
+        # in the layer start with the replica's prefix (a decoder layer's path in the model).
+        replicas = getattr(layer.fn, "replicas", None)
+        module = getattr(replicas, "module", None)
+        if not isinstance(module, nn.Module):
+            continue
+        prefix = str(getattr(replicas, "prefix", ""))
+        blocks = tuple(find_blocks(module, prefix.rstrip(".") or layer.name, prefix))
+        for b in blocks:
+            missing = [n for n in b.local_names() if n not in layer.owned_param_names]
+            if missing:
+                raise ValueError(
+                    f"expert_parallel: layer {layer.name!r} holds the experts {b.path or '(the layer)'} but does not "
+                    "own "
+                    f"{missing} as trainable parameters (frozen or tied); expert parallel splits trainable experts"
+                )
+        if blocks:
+            found[layer.name] = blocks
+    if not found:
+        raise ValueError(
+            "expert_parallel: the step's chain has no mixture-of-experts block (a module with fused experts "
+            "experts.gate_up_proj / experts.down_proj: TopKMoE, HF MixtralSparseMoeBlock, "
+            "Qwen2MoeSparseMoeBlock); nothing to split"
+        )
+    _RESOLVED[chain] = found
+    return found
+
+
+@dataclass(frozen=True)
+class EPSpec:
+    """Experts split over ``axis``, which also cuts the batch (see :func:`expert_parallel`)."""
+
+    axis: str
+    capacity_factor: float | None = None
+
+    name: ClassVar[str] = "expert_parallel"
+    role: ClassVar[str] = SPLIT
+    replica_fix: ClassVar[str] = (
+        "expert_parallel sums every replicated parameter's gradient over its axis inside the layers; a difference "
+        "means a layer computed differently on the ranks (random ops drawing alike?), or it is a bug: report it"
+    )
+
+    def __str__(self) -> str:
+        return f"expert_parallel(axis={self.axis!r}, capacity_factor={self.capacity_factor!r})"
+
+    def expert_keys(self, chain: Chain) -> frozenset[tuple[str, str]]:
+        blocks = resolve(chain).items()
+        return frozenset((layer, n) for layer, found in blocks for b in found for n in b.local_names())
+
+    def rewrite(self, chain: Chain, stack: tuple[Any, ...] = ()) -> Chain:
+        """The chain with every MoE block dispatching to its experts' owners, and every replicated
+        parameter's gradient summed over the axis (in mixed_precision's reduce dtype, if any)."""
+        blocks = resolve(chain)
+        experts = self.expert_keys(chain)
+        precision = next((getattr(s, "precision", None) for s in stack if s.name == "mixed_precision"), None)
+        layers = []
+        for layer in chain:
+            fn = layer.fn
+            if layer.name in blocks:
+                fn = self._install(fn, blocks[layer.name], layer.name)
+            summed = frozenset(n for n in layer.param_names if layer.ties.get(n, (layer.name, n)) not in experts)
+            reduce = None if precision is None else precision.for_layer(layer.name).reduce
+            layers.append(Layer(layer.name, SummedFn(fn, self.axis, summed, reduce), layer.param_names, layer.buffers,
+                                layer.ties))
+        rewritten = Chain(layers)
+        _RESOLVED[rewritten] = blocks
+        return rewritten
+
+    def _install(self, fn: Any, blocks: tuple[Block, ...], layer: str) -> Any:
+        """A copy of the layer fn whose module's MoE blocks run :class:`EPForward`."""
+        replicas = fn.replicas
+        module = replicas.module
+        named = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+        copied = copy.deepcopy(module, memo={id(t): t for _, t in named})
+        for b in blocks:
+            target = copied.get_submodule(b.path) if b.path else copied
+            where = f"{layer}.{b.path}" if b.path else layer
+            target.forward = EPForward(target, b, self.axis, self.capacity_factor, where)
+        new_fn = copy.copy(fn)
+        new_fn.replicas = ThreadReplicas(copied, replicas.prefix)
+        return new_fn
+
+    def tensor_splits(self, chain: Chain, mesh: Mesh | None) -> dict[tuple[str, str], TensorSplit]:
+        """Every expert weight, by (owner layer, local name): dim 0 (the experts) cut over the axis."""
+        parts = _mesh(mesh, self.axis).axis_size(self.axis)
+        for layer, blocks in resolve(chain).items():
+            for b in blocks:
+                if b.num_experts % parts:
+                    raise ValueError(
+                        f"expert_parallel: {layer}{'.' + b.path if b.path else ''} has {b.num_experts} experts, which "
+                        f"the {parts} ranks of axis {self.axis!r} do not divide; use an expert-parallel size that "
+                        f"divides {b.num_experts}"
+                    )
+        return {key: TensorSplit(self.axis, 0, parts) for key in self.expert_keys(chain)}
+
+    def local_view(
+        self, chain: Chain, params: Mapping[str, Mapping[str, Tensor]], mesh: Mesh | None, rank: int | None
+    ) -> dict[str, dict[str, Tensor]]:
+        """The parameters as ``rank``'s index of the axis (default: the calling rank's) computes with: its experts."""
+        mesh = _mesh(mesh, self.axis)
+        splits = self.tensor_splits(chain, mesh)
+        index = mesh.axis_index(self.axis) if rank is None else mesh.coords_of(rank)[self.axis]
+        return {
+            layer: {n: splits[(layer, n)].local(t, index) if (layer, n) in splits else t for n, t in tensors.items()}
+            for layer, tensors in params.items()
+        }
+
+    def replicated(self, chain: Chain) -> frozenset[tuple[str, str]]:
+        """Every parameter but the experts: each rank holds it whole and its summed gradient agrees."""
+        experts = self.expert_keys(chain)
+        return frozenset(
+            (layer.name, n) for layer in chain for n in layer.owned_param_names if (layer.name, n) not in experts
+        )
+
+    def batch_axes(self, mesh: Mesh | None) -> tuple[str, ...]:
+        """The axis cuts the batch: each rank routes its own tokens."""
+        return (self.axis,)
+
+    def counts_replicated(self, mesh: Mesh | None) -> bool:
+        """Index 0 alone counts the replicated gradients (summed, alike on every index) in the norm;
+        every index counts its own loss and tokens (the batch is cut over the axis) and experts."""
+        return _mesh(mesh, self.axis).axis_index(self.axis) == 0
+
+    def rng_rank(self, mesh: Mesh | None) -> None:
+        """Its own: every rank computes on its own tokens."""
+        return None
+
+    @contextlib.contextmanager
+    def predicting(self, mesh: Mesh | None) -> Iterator[None]:
+        with predicting(_mesh(mesh, self.axis).axis_size(self.axis)):
+            yield
+
+    def inner_collectives(
+        self, chain: Chain, placement: Placement, shapes: Mapping[str, Mapping[str, tuple[torch.Size, torch.dtype]]],
+        loss_fn: Callable[[Any, Any], Any], micro: tuple[Any, Any], mesh: Mesh,
+    ) -> dict[tuple[str, int], list[tuple[str, str, torch.dtype, tuple[int, ...]]]]:
+        """For every (compute kind, stage): each collective it issues, as (op, label, dtype, shape)."""
+        found = predict(chain, placement, shapes, loss_fn, micro[0], micro[1], mesh.axis_size(self.axis))
+        return {k: [(i.op, i.label, i.dtype, i.shape) for i in v] for k, v in found.items()}
+
+    def layer_notes(self, chain: Chain) -> dict[str, str]:
+        """Per layer, what expert parallel does to it, for the Plan."""
+        bound = "the rank's tokens" if self.capacity_factor is None else f"the capacity (factor {self.capacity_factor})"
+        notes = {}
+        for layer, blocks in resolve(chain).items():
+            parts = [
+                f"{b.path or '(the layer)'}: {b.num_experts} experts split over {self.axis!r}; an all-gather of the "
+                f"routing counts and two all-to-alls (dispatch, combine) of [experts x slots, hidden] forward, the "
+                f"two again backward; slots fixed at its bound, {bound}, so the bytes do not depend on the routing"
+                for b in blocks
+            ]
+            notes[layer] = "expert parallel: " + "; ".join(parts)
+        for other in chain:
+            if other.param_names and other.name not in notes:
+                notes[other.name] = f"expert parallel: replicated gradients summed over {self.axis!r} in backward"
+        return notes
+
+
+class SummedFn:
+    """A layer fn whose replicated parameters have their gradients summed over the axis (``grad_summed``)."""
+
+    def __init__(self, fn: Callable[[dict[str, Tensor], Any], Any], axis: str, names: frozenset[str],
+                 reduce: torch.dtype | None) -> None:
+        self.fn, self.axis, self.names, self.reduce = fn, axis, names, reduce
+
+    def __call__(self, tensors: dict[str, Tensor], x: Any) -> Any:
+        summed = {k: grad_summed(t, self.axis, k, self.reduce) if k in self.names else t for k, t in tensors.items()}
+        return self.fn(summed, x)
+
+
+def _mesh(mesh: Mesh | None, axis: str) -> Mesh:
+    if mesh is None:
+        raise ValueError(f"expert_parallel(axis={axis!r}) needs the mesh: call step.init(params, mesh)")
+    return mesh
