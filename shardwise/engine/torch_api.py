@@ -75,6 +75,15 @@ def is_fake(t: Any) -> bool:
     return isinstance(t, FakeTensor)
 
 
+def data_dependent_errors() -> tuple[type[Exception], ...]:
+    """What fake tensors raise where a computation reads data to decide a shape (``nonzero``, a
+    mixture-of-experts' routing, ``.item()``): whoever runs a model on fake tensors catches these
+    and falls back to real (stand-in) tensors. Private torch classes, named in this one place."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+
+    return (DataDependentOutputException, DynamicOutputShapeException)
+
+
 @contextlib.contextmanager
 def fake_tensors(meta_device: torch.device | str = "cpu") -> Iterator[Callable[[Any], Any]]:
     """Inside the block, ``fake(t)`` turns a real tensor into a fake one on the same device, and

@@ -57,3 +57,17 @@ def test_fake_tensors_keep_the_device_and_the_kernel_choice() -> None:
         assert f.device.type == "cpu" and f.shape == q.shape
         out = torch.nn.functional.scaled_dot_product_attention(f, f, f, is_causal=True)
         assert out.shape == q.shape
+
+
+def test_data_dependent_errors_are_what_fake_tensors_raise_on_a_data_dependent_shape() -> None:
+    """functionalize falls back to stand-in tensors on these (an MoE's routing reads its data)."""
+    import pytest
+
+    from shardwise.engine.torch_api import data_dependent_errors, fake_tensors
+
+    with fake_tensors() as fake:
+        x = fake(torch.tensor([0, 1, 0, 2]))
+        with pytest.raises(data_dependent_errors()):
+            torch.nonzero(x)
+        with pytest.raises(data_dependent_errors()):
+            x.sum().item()

@@ -78,6 +78,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _NormBase
 
+from ..torch_api import data_dependent_errors
 from .capture import Piece, split_by_calls
 from .chain import Chain, Layer
 from .fx_split import FunctionalizeError, FxTraceError, split_graph
@@ -115,9 +116,10 @@ def functionalize(
             must agree bitwise, no layer may modify its buffers, and every layer output must
             carry a floating-point tensor. A split that records calls (Hugging Face models,
             modules fx cannot trace) is recorded on it, and checked on it always. For a module
-            built on the meta device both run on fake tensors from the first unit on (see
-            ``capture._record`` and ``shape_check``): structure, shapes and dtypes agree, and
-            identical blocks run once.
+            built on the meta device both run on fake tensors from the first unit on:
+            structure, shapes and dtypes agree, and identical blocks run once; a model that
+            reads data to decide a shape (a mixture-of-experts' routing) runs on zero-cost
+            stand-in parameters instead.
         init_fn: for a module built on the meta device: ``fn(module)`` that initializes a
             module's own parameters and buffers (as ``model.apply(fn)`` would apply it); by
             default a Hugging Face model's ``_init_weights``, else each module's
@@ -141,23 +143,40 @@ def functionalize(
     """
     _refuse_stateful(module)
     init, target, origin = _meta_init(module, init_fn, device)
-    pieces, recorded = _pieces(target, units, example_input, meta_built=init is not None)
-    chain, params, sources = _build_chain(pieces)
-    if units is None and isinstance(module, nn.Sequential):
-        for layer in chain:  # each layer calls a child: its modules' paths in the model start with its name
-            layer.fn.root_prefix = layer.name  # type: ignore[attr-defined]
-    if recorded is not None:
-        example_input = recorded
-    if example_input is not None and init is not None:
-        check_shapes_against_module(target, chain, params, example_input, _check_passable, _unit_modules(target, units))
-    elif example_input is not None:
-        _check_against_module(target, chain, params, example_input)
+    try:
+        chain, params, sources, example_input = _split_and_check(target, units, example_input, init is not None)
+    except data_dependent_errors():
+        if init is None:
+            raise
+        # The model reads data to decide a shape (a mixture-of-experts' routing), which fake tensors
+        # cannot: record and check it on its stand-in tensors instead (real, zero-cost parameters).
+        chain, params, sources, example_input = _split_and_check(target, units, example_input, False)
     if init is None:
         return chain, params
     # A meta-built module: the chain says how to make its parameters; they are returned meta.
     meta, paths = _meta_params(target, sources, origin)
     meta = {layer: meta.get(layer, {}) for layer in params}  # every layer has an entry
     return Chain(chain.layers, ModuleInit(module, paths, init.init_fn, init.device)), meta
+
+
+def _split_and_check(
+    target: nn.Module, units: Units, example_input: Any, on_fake: bool
+) -> tuple[Chain, ParamTree, dict[tuple[str, str], Tensor], Any]:
+    """The chain of ``target`` split at ``units``, its parameters, their source tensors and the input
+    it was checked on; recorded and checked on fake tensors when ``on_fake`` (a meta-built module),
+    else on real ones."""
+    pieces, recorded = _pieces(target, units, example_input, meta_built=on_fake)
+    chain, params, sources = _build_chain(pieces)
+    if units is None and isinstance(target, nn.Sequential):
+        for layer in chain:  # each layer calls a child: its modules' paths in the model start with its name
+            layer.fn.root_prefix = layer.name  # type: ignore[attr-defined]
+    if recorded is not None:
+        example_input = recorded
+    if example_input is not None and on_fake:
+        check_shapes_against_module(target, chain, params, example_input, _check_passable, _unit_modules(target, units))
+    elif example_input is not None:
+        _check_against_module(target, chain, params, example_input)
+    return chain, params, sources, example_input
 
 
 def _unit_modules(module: nn.Module, units: Units) -> list[nn.Module]:

@@ -215,11 +215,6 @@ def test_hf_qwen2_moe_with_its_shared_expert_equals_the_single_device_step() -> 
     sw.testing.assert_equivalent(sw.expert_parallel(step, "ep"), step, sw.Mesh(ep=2), data, params)
 
 
-@pytest.mark.xfail(
-    strict=True, raises=torch._subclasses.fake_tensor.DynamicOutputShapeException,
-    reason="functionalize records a meta-built model on fake tensors, where HF's expert loop (nonzero) cannot run; "
-    "this passed before functionalize recorded meta models (branch ep, 95d27f6)",
-)
 def test_from_the_meta_device_each_rank_makes_only_its_experts_and_they_equal_one_device() -> None:
     transformers = pytest.importorskip("transformers")
     from transformers.models.mixtral.modeling_mixtral import MixtralDecoderLayer
