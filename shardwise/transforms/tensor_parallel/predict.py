@@ -207,8 +207,8 @@ def _layer(
         names = {earlier: name}
         renamed = {f.name: [_renamed(e, names) for e in getattr(run, f.name)]
                    for f in dataclasses.fields(run) if f.name not in ("loss", "from_input", "from_param")}
-        loss = None if run.loss is None else [_renamed(e, names) for e in run.loss]
-        return dataclasses.replace(run, loss=loss, **renamed), y
+        loss_issued = None if run.loss is None else [_renamed(e, names) for e in run.loss]
+        return dataclasses.replace(run, loss=loss_issued, **renamed), y
     graphs = []
     for _ in range(2):  # one graph for B, one for I then W
         params = fresh_params()
