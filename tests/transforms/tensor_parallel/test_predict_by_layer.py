@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import shardwise as sw
+from shardwise.engine.model import reuse
 from shardwise.transforms.tensor_parallel import LLAMA_BLOCKS
 from shardwise.transforms.tensor_parallel import predict as tp_predict
 from shardwise.transforms.tensor_parallel import spec as tp_spec
@@ -184,3 +185,29 @@ def test_layer_by_layer_a_block_runs_a_number_of_times_that_does_not_grow_with_t
         assert counts[12] == counts[6], counts
     else:  # the reference runs each stage's blocks (its two stages differ): the counter can tell
         assert counts[12] > counts[6], counts
+
+
+def test_remat_blocks_say_what_they_compute_and_the_plan_is_the_one_without_reuse(
+    block_forwards: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """remat's wrapper has a reuse key: its blocks run a number of times that does not grow with
+    them, and the Plan equals the one with every reuse key switched off (every block run)."""
+    transform, mesh = META["dp2xpp2xtp2-zero3-sp-bf16-remat"]
+    ids = torch.zeros((8, 16), dtype=torch.long)
+    counts, plans = {}, {}
+    for layers in (6, 12):
+        step, params = meta_llama_step(layers)
+        step = transform(step)
+        block_forwards[0] = 0
+        plans[layers] = step.plan(mesh, params, (ids, ids))
+        counts[layers] = block_forwards[0]
+    assert counts[12] == counts[6], counts
+    step, params = meta_llama_step(12)
+    step = transform(step)
+    with monkeypatch.context() as m:
+        m.setattr(reuse, "reuse_key", lambda fn: None)
+        m.setattr(reuse, "module_signature", lambda module: None)
+        unreused = step.plan(mesh, params, (ids, ids))
+    assert plans[12].actions == unreused.actions
+    assert dict(plans[12].memory) == dict(unreused.memory)
+    assert plans[12].layers == unreused.layers
