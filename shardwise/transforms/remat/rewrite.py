@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ...engine.model.chain import Chain, LayerFn
+from ...engine.model.reuse import reuse_key
 from ...engine.stack.compose import REWRITE, add
 from ...engine.step.step import Step
 from . import policies as P
@@ -36,6 +37,20 @@ class Remat:
     @property
     def __wrapped__(self) -> LayerFn:
         return self.fn
+
+    def reuse_key(self) -> Hashable | None:
+        """Equal for layers that compute alike under an equal policy (engine/model/reuse.py): what
+        is recomputed, saved or offloaded is the policy's choice on the same operations; None when
+        the layer does not say what it computes or the policy cannot be compared (not hashable)."""
+        inner = reuse_key(self.fn)
+        if inner is None:
+            return None
+        key = (Remat, self.policy, inner)
+        try:
+            hash(key)
+        except TypeError:
+            return None
+        return key
 
 
 def remat_of(fn: Any) -> Remat | None:

@@ -1,12 +1,22 @@
 """Which collectives each compute of a tensor-parallel step issues, predicted on fake tensors.
 
 The layers are run forward and backward (as one ``B``, and as ``I`` then ``W``
-for zero-bubble schedules), stage by stage, on fake tensors (no data, no
-arithmetic) inside ``comm.predicting``: every tensor-parallel operation records
-the collective it would issue. Remat and the precision casts are part of the
-rewritten layers, so a recomputed forward's collectives show in the backward, as
-they run. The lowering lists these after each compute, and the contract test
-holds the ledger to them.
+for zero-bubble schedules), on fake tensors (no data, no arithmetic) inside
+``comm.predicting``: every tensor-parallel operation records the collective it
+would issue. Remat and the precision casts are part of the rewritten layers, so a
+recomputed forward's collectives show in the backward, as they run. The lowering
+lists these after each compute, and the contract test holds the ledger to them.
+
+Layer by layer (the default). A stage's forward issues its layers' forwards in
+layer order, and its backward passes issue each layer's backward collectives in
+reverse layer order (autograd runs the nodes of a later layer before those of an
+earlier one: they are the only ones ready). So each layer is run on its own, on
+its input as the stage gives it (which leaves need a gradient, and whether each
+comes from the stage's input, for ``I``, or from a parameter, for ``W``), and a
+stage's lists are composed of its layers'; a layer identical to one run before
+(engine/model/reuse.py) on a like input is not run again: a 70B's 80 blocks run
+once. ``by_layer=False`` runs each stage whole (stages alike still reused): the
+reference the tests hold the layer-by-layer lists to.
 """
 
 from __future__ import annotations
@@ -45,9 +55,14 @@ def predict(
     inputs: Any,
     targets: Any,
     size: int,
+    *,
+    by_layer: bool = True,
 ) -> Predicted:
     """For every stage: the collectives of its forward, of the loss (last stage), and of its
-    backward as ``B``, ``I`` and ``W``."""
+    backward as ``B``, ``I`` and ``W``; ``by_layer=False``: each stage run whole (see the module
+    docstring)."""
+    if by_layer and not any(chain[n].ties for n in chain.names):  # a tie's owner may sit in another stage
+        return _predict_by_layer(chain, placement, shapes, loss_fn, inputs, targets, size)
     out: Predicted = {}
     stages = LayerMemo()  # a stage like one predicted before (the middle of a stack of blocks) issues alike
     with fake_tensors() as fake, predicting(size) as issued:
@@ -117,6 +132,142 @@ def predict(
             stages.store(key, x, y, (tuple(layers), {k: out[(k, s)] for k in kinds if (k, s) in out}))
             x = optree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, y)
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class _LayerIssued:
+    """What one layer issues, run on its own on its input as its stage gives it."""
+
+    forward: list[Issued]
+    loss: list[Issued] | None  # the last layer of the last stage: the loss's forward
+    backward: list[Issued]  # B: the gradients of its inputs and parameters
+    to_input: list[Issued]  # I: of its inputs that come from the stage's input
+    to_weight: list[Issued]  # W (after I): of its parameters and its inputs that come from a parameter
+    # per leaf of its output: does it come from the stage's input, from a parameter
+    from_input: tuple[bool, ...]
+    from_param: tuple[bool, ...]
+
+
+def _predict_by_layer(
+    chain: Chain,
+    placement: Placement,
+    shapes: Mapping[str, Mapping[str, tuple[torch.Size, torch.dtype]]],
+    loss_fn: Callable[[Any, Any], Any],
+    inputs: Any,
+    targets: Any,
+    size: int,
+) -> Predicted:
+    out: Predicted = {}
+    memo = LayerMemo()
+    with fake_tensors() as fake, predicting(size) as issued:
+        x = optree.tree_map(fake, inputs)
+        y_targets = optree.tree_map(fake, targets)
+        for s, layers in enumerate(placement.stages):
+            # As the executor: a stage's input needs a gradient only when it came from a stage before.
+            x = optree.tree_map(functools.partial(_cut, grad=s > 0), x)
+            leaves = optree.tree_leaves(x, none_is_leaf=True)
+            from_input = tuple(_needs_grad(t) for t in leaves)
+            from_param = tuple(False for _ in leaves)
+            runs: list[_LayerIssued] = []
+            for i, name in enumerate(layers):
+                with_loss = s == placement.last and i == len(layers) - 1
+                run, x = _layer(chain, name, shapes, x, from_input, from_param, with_loss, loss_fn, y_targets,
+                                memo, issued)
+                runs.append(run)
+                from_input, from_param = run.from_input, run.from_param
+                x = optree.tree_map(lambda t: _cut(t, t.requires_grad) if isinstance(t, torch.Tensor) else t, x)
+            out[("forward", s)] = [e for r in runs for e in r.forward]
+            if s == placement.last and runs[-1].loss is not None:
+                out[("loss", s)] = runs[-1].loss
+            out[("backward", s)] = [e for r in reversed(runs) for e in r.backward]
+            out[("backward_input", s)] = [e for r in reversed(runs) for e in r.to_input]
+            out[("backward_weight", s)] = [e for r in reversed(runs) for e in r.to_weight]
+            x = optree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, x)
+    return out
+
+
+def _needs_grad(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.requires_grad
+
+
+def _layer(
+    chain: Chain, name: str, shapes: Mapping[str, Mapping[str, tuple[torch.Size, torch.dtype]]], x: Any,
+    from_input: tuple[bool, ...], from_param: tuple[bool, ...], with_loss: bool,
+    loss_fn: Callable[[Any, Any], Any], targets: Any, memo: LayerMemo, issued: list[Issued],
+) -> tuple[_LayerIssued, Any]:
+    """One layer's collectives on input ``x`` (its leaves' gradients as marked), and its output;
+    a run like one before is reused (renamed to this layer)."""
+    layer = chain[name]
+
+    def fresh_params() -> dict[str, torch.Tensor]:
+        return {k: torch.empty(shape, dtype=dtype).requires_grad_(dtype.is_floating_point)
+                for k, (shape, dtype) in shapes.get(name, {}).items()}
+
+    base = memo.key(layer.fn, fresh_params(), x, layer=name)
+    key = None if base is None else (base, from_input, from_param, with_loss)
+    found = memo.lookup(key, x)
+    if found is not None:
+        y, (earlier, run) = found
+        names = {earlier: name}
+        renamed = {f.name: [_renamed(e, names) for e in getattr(run, f.name)]
+                   for f in dataclasses.fields(run) if f.name not in ("loss", "from_input", "from_param")}
+        loss_issued = None if run.loss is None else [_renamed(e, names) for e in run.loss]
+        return dataclasses.replace(run, loss=loss_issued, **renamed), y
+    graphs = []
+    for _ in range(2):  # one graph for B, one for I then W
+        params = fresh_params()
+        ps = [p for p in params.values() if p.requires_grad]
+        x_in = optree.tree_map(lambda t: _cut(t, t.requires_grad) if isinstance(t, torch.Tensor) else t, x)
+        ins = [t for t in optree.tree_leaves(x_in, none_is_leaf=True) if _needs_grad(t)]
+        start = len(issued)
+        with torch.enable_grad():
+            y = layer({local: params[local] for local in layer.param_names}, x_in)
+            forward = issued[start:]
+            del issued[start:]
+            loss_issued = None
+            if with_loss:
+                loss = loss_fn(y, targets)
+                loss = loss[0] if isinstance(loss, (tuple, list)) else loss
+                loss_issued = issued[start:]
+                del issued[start:]
+                outputs = [loss]
+            else:
+                outputs = _floats(y)
+        graphs.append((outputs, x_in, ins, ps, y))
+    (outputs, x_in, ins, ps, y), (outputs2, x_in2, _, ps2, _) = graphs
+    used = [o for o in outputs if o.requires_grad]
+    start = len(issued)
+    if used and (ins or ps):
+        torch.autograd.backward(used, [torch.ones_like(o) for o in used], inputs=ins + ps)
+    backward = issued[start:]
+    del issued[start:]
+    leaves2 = optree.tree_leaves(x_in2, none_is_leaf=True)
+    to_input_of = [t for t, f in zip(leaves2, from_input, strict=True) if f and _needs_grad(t)]
+    to_weight_of = [t for t, f in zip(leaves2, from_param, strict=True) if f and _needs_grad(t)] + ps2
+    used2 = [o for o in outputs2 if o.requires_grad]
+    if used2 and to_input_of:
+        torch.autograd.grad(used2, to_input_of, [torch.ones_like(o) for o in used2], retain_graph=True,
+                            allow_unused=True)
+    to_input = issued[start:]
+    del issued[start:]
+    if used2 and to_weight_of:
+        torch.autograd.grad(used2, to_weight_of, [torch.ones_like(o) for o in used2], allow_unused=True)
+    to_weight = issued[start:]
+    del issued[start:]
+    # Which of the output's leaves come from the stage's input, which from a parameter: a leaf the
+    # layer passes on keeps its marks; a new one that needs a gradient comes from what the layer used.
+    position = {id(t): i for i, t in enumerate(optree.tree_leaves(x_in, none_is_leaf=True))}
+    out_input, out_param = [], []
+    for t in optree.tree_leaves(y, none_is_leaf=True):
+        if isinstance(t, torch.Tensor) and id(t) in position:
+            out_input.append(from_input[position[id(t)]])
+            out_param.append(from_param[position[id(t)]])
+        else:
+            out_input.append(_needs_grad(t) and any(from_input))
+            out_param.append(_needs_grad(t) and (bool(ps) or any(from_param)))
+    run = _LayerIssued(forward, loss_issued, backward, to_input, to_weight, tuple(out_input), tuple(out_param))
+    memo.store(key, x_in, y, (name, run))
+    return run, y
 
 
 def _stage_key(

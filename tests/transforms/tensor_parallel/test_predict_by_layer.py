@@ -1,0 +1,213 @@
+"""Tensor parallel's in-layer collectives predicted layer by layer give the Plan predicted stage by stage.
+
+``predict`` composes a stage's forward, ``B``, ``I`` and ``W`` lists from each layer's, run once per
+distinct layer; ``by_layer=False`` runs every stage whole (the reference). The Plans of both must be
+equal, action by action (every collective, its bytes, its place) and figure by figure, for tensor
+parallel alone, with data parallel, with pipelines (1F1B, interleaved, zero-bubble), with and without
+sequence parallel, under mixed precision and remat; and the layer-by-layer way must run a block's
+forward a number of times that does not grow with the blocks.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+import shardwise as sw
+from shardwise.engine.model import reuse
+from shardwise.transforms.tensor_parallel import LLAMA_BLOCKS
+from shardwise.transforms.tensor_parallel import predict as tp_predict
+from shardwise.transforms.tensor_parallel import spec as tp_spec
+
+from .conftest import Problem, build_llama, build_tiny_gpt
+
+
+def _tp(problem: Problem, sp: bool) -> sw.Step:
+    return sw.tensor_parallel(problem.step, "tp", problem.plan, sequence_parallel=problem.blocks if sp else None)
+
+
+STACKS: dict[str, Callable[[Problem], tuple[sw.Step, sw.Mesh]]] = {
+    "tp2": lambda p: (_tp(p, False), sw.Mesh(tp=2)),
+    "tp2-sp": lambda p: (_tp(p, True), sw.Mesh(tp=2)),
+    "dp2xtp2-zero3-sp": lambda p: (sw.shard_params(_tp(p, True), "dp", 3), sw.Mesh(dp=2, tp=2)),
+    "pp2xtp2-1f1b": lambda p: (sw.pipeline(_tp(p, False), "pp", "1f1b", 2), sw.Mesh(pp=2, tp=2)),
+    "pp2xtp2-1f1b-sp": lambda p: (sw.pipeline(_tp(p, True), "pp", "1f1b", 2), sw.Mesh(pp=2, tp=2)),
+    "pp2xtp2-interleaved-sp": lambda p: (
+        sw.pipeline(_tp(p, True), "pp", "interleaved_1f1b", 2, stages=4), sw.Mesh(pp=2, tp=2)
+    ),
+    "pp2xtp2-zb_h1": lambda p: (sw.pipeline(_tp(p, False), "pp", "zb_h1", 2), sw.Mesh(pp=2, tp=2)),
+    "pp2xtp2-zb_h1-sp": lambda p: (sw.pipeline(_tp(p, True), "pp", "zb_h1", 2), sw.Mesh(pp=2, tp=2)),
+    "dp2xpp2xtp2-zero3-sp-bf16": lambda p: (
+        sw.mixed_precision(sw.shard_params(sw.pipeline(_tp(p, True), "pp", "1f1b", 2), "dp", 3),
+                           "params=f64,compute=bf16,output=f64,reduce=f32"),
+        sw.Mesh(dp=2, pp=2, tp=2),
+    ),
+    "tp2-sp-remat": lambda p: (sw.remat(_tp(p, True)), sw.Mesh(tp=2)),
+    "pp2xtp2-zb_h1-sp-remat": lambda p: (sw.pipeline(sw.remat(_tp(p, True)), "pp", "zb_h1", 2), sw.Mesh(pp=2, tp=2)),
+}
+
+PROBLEMS: dict[str, Callable[[], Problem]] = {
+    "tiny_gpt": lambda: build_tiny_gpt(steps=1, n_layers=6, tie=False),
+    "tiny_gpt-tied": lambda: build_tiny_gpt(steps=1, n_layers=4),  # ties: predicted stage by stage either way
+    "llama": lambda: build_llama(steps=1),
+}
+
+CASES = [("tiny_gpt", s) for s in STACKS] + [
+    ("llama", "tp2-sp"), ("llama", "pp2xtp2-zb_h1-sp"), ("llama", "dp2xpp2xtp2-zero3-sp-bf16"),
+    ("tiny_gpt-tied", "pp2xtp2-1f1b-sp"),
+]
+
+
+@pytest.mark.parametrize("family,stack", CASES, ids=[f"{f}-{s}" for f, s in CASES])
+def test_the_plan_predicted_layer_by_layer_equals_the_plan_predicted_stage_by_stage(
+    family: str, stack: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    problem = PROBLEMS[family]()
+    step, mesh = STACKS[stack](problem)
+    batch = problem.batches[0]
+    by_layer = step.plan(mesh, problem.params, batch)
+    with monkeypatch.context() as m:
+        m.setattr(tp_spec, "predict", functools.partial(tp_predict.predict, by_layer=False))
+        by_stage = step.plan(mesh, problem.params, batch)
+    assert any(a.kind.startswith("tp_") for r in range(mesh.size) for a in by_layer.for_rank(r))
+    for r in range(mesh.size):
+        assert by_layer.for_rank(r) == by_stage.for_rank(r), f"rank {r}"
+        assert list(by_layer.collectives(r)) == list(by_stage.collectives(r)), f"rank {r}"
+    assert by_layer.actions == by_stage.actions
+    assert dict(by_layer.memory) == dict(by_stage.memory)
+    assert by_layer.layers == by_stage.layers
+
+
+def test_a_stage_backward_lists_its_layers_in_reverse() -> None:
+    """The composition is not symmetric: a stage's B is not its layers' lists in forward order
+    (so the equality above would catch a composition in the wrong order)."""
+    problem = build_tiny_gpt(steps=1, n_layers=6, tie=False)
+    step, mesh = STACKS["pp2xtp2-1f1b-sp"](problem)
+    plan = step.plan(mesh, problem.params, problem.batches[0])
+    labels = [a for a in plan.for_rank(0) if a.kind.startswith("tp_")]
+    assert labels  # the stage issues in-layer collectives at all
+    order = [str(a) for a in labels]
+    assert order != list(reversed(order))
+
+
+T = pytest.importorskip("transformers", reason="the [hf] extra (pip install -e '.[hf]') is not installed")
+DecoderLayer = T.models.llama.modeling_llama.LlamaDecoderLayer
+
+
+def meta_llama_step(layers: int) -> tuple[sw.Step, Any]:
+    """A Llama of ``layers`` identical blocks built on meta (its blocks say what they compute)."""
+    cfg = T.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, bos_token_id=0, eos_token_id=0,
+    )
+    with torch.device("meta"):
+        model = T.LlamaForCausalLM(cfg)
+    example = torch.zeros((1, 8), dtype=torch.long)
+    chain, params = sw.functionalize(model, units=DecoderLayer, example_input=example)
+    return sw.train_step(chain, lambda out, t: sw.tp.vocab_parallel_cross_entropy(out.logits, t), sw.optim.adamw(1e-3)), params
+
+
+def _meta_tp(step: sw.Step, sp: bool = True) -> sw.Step:
+    return sw.tensor_parallel(step, "tp", sw.tp.llama_plan(), sequence_parallel=LLAMA_BLOCKS if sp else None)
+
+
+META: dict[str, tuple[Callable[[sw.Step], sw.Step], sw.Mesh]] = {
+    "tp2-sp": (_meta_tp, sw.Mesh(tp=2)),
+    "pp2xtp2-zb_h1": (lambda s: sw.pipeline(_meta_tp(s, False), "pp", "zb_h1", 2), sw.Mesh(pp=2, tp=2)),
+    "pp2xtp2-zb_h1-sp": (lambda s: sw.pipeline(_meta_tp(s), "pp", "zb_h1", 2), sw.Mesh(pp=2, tp=2)),
+    "pp2xtp2-interleaved-sp": (
+        lambda s: sw.pipeline(_meta_tp(s), "pp", "interleaved_1f1b", 2, stages=4), sw.Mesh(pp=2, tp=2)
+    ),
+    "dp2xpp2xtp2-zero3-sp-bf16-remat": (
+        lambda s: sw.mixed_precision(sw.shard_params(sw.pipeline(sw.remat(_meta_tp(s)), "pp", "1f1b", 2), "dp", 3),
+                                     "compute=bf16"),
+        sw.Mesh(dp=2, pp=2, tp=2),
+    ),
+    "dp2xpp2xtp2-zero3-sp-bf16": (
+        lambda s: sw.mixed_precision(sw.shard_params(sw.pipeline(_meta_tp(s), "pp", "1f1b", 2), "dp", 3),
+                                     "compute=bf16"),
+        sw.Mesh(dp=2, pp=2, tp=2),
+    ),
+}
+
+
+@pytest.mark.parametrize("stack", list(META))
+def test_on_a_stack_of_identical_blocks_the_reused_layers_give_the_plan_of_the_stages_run_whole(
+    stack: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    transform, mesh = META[stack]
+    step, params = meta_llama_step(8)
+    step = transform(step)
+    ids = torch.zeros((8, 16), dtype=torch.long)
+    by_layer = step.plan(mesh, params, (ids, ids))
+    with monkeypatch.context() as m:
+        m.setattr(tp_spec, "predict", functools.partial(tp_predict.predict, by_layer=False))
+        by_stage = step.plan(mesh, params, (ids, ids))
+    assert any(a.kind.startswith("tp_") for a in by_layer.for_rank(0))
+    assert by_layer.actions == by_stage.actions
+    assert dict(by_layer.memory) == dict(by_stage.memory)
+    assert by_layer.layers == by_stage.layers
+
+
+@pytest.fixture
+def block_forwards(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """How many times a LlamaDecoderLayer's forward really runs (a reused one does not)."""
+    count = [0]
+    forward = DecoderLayer.forward
+
+    def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        count[0] += 1
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(DecoderLayer, "forward", counted)
+    yield count
+
+
+@pytest.mark.parametrize("by_layer", [True, False])
+def test_layer_by_layer_a_block_runs_a_number_of_times_that_does_not_grow_with_the_blocks(
+    by_layer: bool, block_forwards: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tp_spec, "predict", functools.partial(tp_predict.predict, by_layer=by_layer))
+    transform, mesh = META["pp2xtp2-zb_h1-sp"]
+    ids = torch.zeros((8, 16), dtype=torch.long)
+    counts = {}
+    for layers in (6, 12):
+        step, params = meta_llama_step(layers)
+        step = transform(step)
+        block_forwards[0] = 0
+        step.plan(mesh, params, (ids, ids))
+        counts[layers] = block_forwards[0]
+    if by_layer:
+        assert counts[12] == counts[6], counts
+    else:  # the reference runs each stage's blocks (its two stages differ): the counter can tell
+        assert counts[12] > counts[6], counts
+
+
+def test_remat_blocks_say_what_they_compute_and_the_plan_is_the_one_without_reuse(
+    block_forwards: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """remat's wrapper has a reuse key: its blocks run a number of times that does not grow with
+    them, and the Plan equals the one with every reuse key switched off (every block run)."""
+    transform, mesh = META["dp2xpp2xtp2-zero3-sp-bf16-remat"]
+    ids = torch.zeros((8, 16), dtype=torch.long)
+    counts, plans = {}, {}
+    for layers in (6, 12):
+        step, params = meta_llama_step(layers)
+        step = transform(step)
+        block_forwards[0] = 0
+        plans[layers] = step.plan(mesh, params, (ids, ids))
+        counts[layers] = block_forwards[0]
+    assert counts[12] == counts[6], counts
+    step, params = meta_llama_step(12)
+    step = transform(step)
+    with monkeypatch.context() as m:
+        m.setattr(reuse, "reuse_key", lambda fn: None)
+        m.setattr(reuse, "module_signature", lambda module: None)
+        unreused = step.plan(mesh, params, (ids, ids))
+    assert plans[12].actions == unreused.actions
+    assert dict(plans[12].memory) == dict(unreused.memory)
+    assert plans[12].layers == unreused.layers
