@@ -108,7 +108,8 @@ def meta_llama_step(layers: int) -> tuple[sw.Step, Any]:
         model = T.LlamaForCausalLM(cfg)
     example = torch.zeros((1, 8), dtype=torch.long)
     chain, params = sw.functionalize(model, units=DecoderLayer, example_input=example)
-    return sw.train_step(chain, lambda out, t: sw.tp.vocab_parallel_cross_entropy(out.logits, t), sw.optim.adamw(1e-3)), params
+    loss = lambda out, t: sw.tp.vocab_parallel_cross_entropy(out.logits, t)  # noqa: E731
+    return sw.train_step(chain, loss, sw.optim.adamw(1e-3)), params
 
 
 def _meta_tp(step: sw.Step, sp: bool = True) -> sw.Step:
