@@ -54,7 +54,7 @@ def context_parallel(
     >>> chain, params = sw.functionalize(model, units=["tok_emb", "blocks", "head"])
     >>> loss = lambda logits, y: torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
     >>> step = sw.train_step(chain, loss, sw.optim.sgd(lr=0.1, momentum=0.9))
-    >>> cp = context_parallel(step, "cp")
+    >>> cp = sw.context_parallel(step, "cp")
     >>> ids = torch.randint(0, 16, (2, 9))
     >>> batch = (ids[:, :-1], ids[:, 1:])
     >>> sorted({c.op for c in cp.plan(sw.Mesh(cp=2), params, batch).collectives(0)})
