@@ -36,11 +36,12 @@ def context_parallel(
     Each rank of ``axis`` takes its part of every sequence of the batch (inputs and targets alike, along
     ``dim``; shift targets on the whole sequence first): with ``balanced``, chunks ``i`` and ``2n - 1 - i``
     of ``2n``, which gives every rank the same causal attention work. Its attention modules (causal
-    self-attentions with qkv, proj, head_dim and a causal mask: TinyGPT's) attend over the whole sequence
+    self-attentions with qkv, proj, head_dim and a causal mask: TinyGPT's; Hugging Face attentions on
+    ``attn_implementation="sdpa"`` without an attention mask: Llama's) attend over the whole sequence
     by ``attention="ring"`` (key/value slices passed round the ring, ``n - 1`` ppermutes each way) or
     ``"ulysses"`` (all-to-alls to a head split and back; the axis size must divide the heads). Position
-    tables (parameters named ``positions``, read at rows ``0 .. t - 1``) are read at the rank's global
-    positions. Every parameter is replicated over ``axis`` and its gradient summed over it in backward;
+    tables (parameters named ``positions``, read at rows ``0 .. t - 1``) are read, and Hugging Face
+    rotary embeddings computed, at the rank's global positions. Every parameter is replicated over ``axis`` and its gradient summed over it in backward;
     the loss is seeded by 1 / (dp x cp): a mean loss is the whole sequence's when every part holds as
     many counted tokens (for padded labels, count them with ``train_step(..., tokens=...)``).
 

@@ -63,6 +63,10 @@ def predicting(size: int) -> Iterator[list[Issued]]:
         _predicting.reset(token)
 
 
+def predicting_now() -> bool:
+    return _predicting.get() is not None
+
+
 def size(axis: str, mesh: Mesh | None = None) -> int:
     """The axis size, also while predicting."""
     prediction = _predicting.get()
@@ -86,15 +90,18 @@ def grad_summed(x: torch.Tensor, axis: str, label: str, reduce: torch.dtype | No
 
 
 def attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: str, attention: str, balanced: bool, label: str
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: str, attention: str, balanced: bool, label: str,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of this rank's queries over the whole sequence: ``ring_attention`` or
     ``ulysses_attention`` (q [batch, heads, seq_local, head_dim]; k, v with kv_heads)."""
     if _predicting.get() is not None:
-        return _PredictedAttention.apply(q, k, v, attention, label)
+        return _PredictedAttention.apply(q, k, v, attention, label, scale)
     if attention == "ring":
-        return inside_times.timed(lambda: ring_attention(q, k, v, axis, causal=True, balanced=balanced))
-    return inside_times.timed(lambda: ulysses_attention(q, k, v, axis, causal=True, balanced=balanced))
+        return inside_times.timed(lambda: ring_attention(q, k, v, axis, causal=True, balanced=balanced, scale=scale))
+    return inside_times.timed(
+        lambda: ulysses_attention(q, k, v, axis, causal=True, balanced=balanced, scale=scale)
+    )
 
 
 class _PredictedAttention(torch.autograd.Function):
@@ -102,7 +109,9 @@ class _PredictedAttention(torch.autograd.Function):
     attention issues forward and, in the order its autograd issues them, backward."""
 
     @staticmethod
-    def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention: str, label: str) -> torch.Tensor:
+    def forward(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention: str, label: str, scale: float | None
+    ) -> torch.Tensor:
         n = size("")
         if attention == "ring":
             for _ in range(n - 1):
@@ -112,11 +121,11 @@ class _PredictedAttention(torch.autograd.Function):
                 _record("all_to_all", tuple(t.shape), t.dtype, label)
         group = q.shape[1] // k.shape[1]
         keys, values = (t.repeat_interleave(group, dim=1) if group > 1 else t for t in (k, v))
-        return F.scaled_dot_product_attention(q, keys, values, is_causal=True)
+        return F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        q, k, v, ctx.attention, ctx.label = inputs
+        q, k, v, ctx.attention, ctx.label, _ = inputs
         ctx.shapes = [(tuple(t.shape), t.dtype) for t in (q, k, v)]
 
     @staticmethod
@@ -130,7 +139,7 @@ class _PredictedAttention(torch.autograd.Function):
             # the latest-made ready node first): v, k, q.
             for shape, dtype in ((tuple(g.shape), g.dtype), (v, vd), (k, kd), (q, qd)):
                 _record("all_to_all", shape, dtype, ctx.label)
-        return (torch.zeros(q, dtype=qd), torch.zeros(k, dtype=kd), torch.zeros(v, dtype=vd), None, None)
+        return (torch.zeros(q, dtype=qd), torch.zeros(k, dtype=kd), torch.zeros(v, dtype=vd), None, None, None)
 
 
 class _GradSum(torch.autograd.Function):

@@ -19,7 +19,7 @@ from ...engine.layout.state_layout import Placement, TensorSplit
 from ...engine.model.chain import Chain, Layer
 from ...engine.model.module_call import ThreadReplicas
 from ...engine.stack.compose import SPLIT
-from .attention import CPForward, LayerParts, find_parts, heads_of
+from .attention import CPForward, GlobalPositions, HFForward, LayerParts, find_parts, heads_of
 from .comm import grad_summed, index, predicting, size
 from .layout import check_sequence_length, local_chunks, shard_order
 from .predict import predict
@@ -78,7 +78,7 @@ class CPSpec:
         for layer in chain:
             fn = layer.fn
             parts = found.get(layer.name)
-            if parts is not None and parts.attentions:
+            if parts is not None and (parts.attentions or parts.rotaries):
                 fn = self._install(fn, parts, layer.name)
             tables = frozenset(parts.tables) if parts is not None else frozenset()
             reduce = None if precision is None else precision.for_layer(layer.name).reduce
@@ -98,7 +98,11 @@ class CPSpec:
         copied = copy.deepcopy(module, memo={id(t): t for _, t in named})
         for path in parts.attentions:
             target = copied.get_submodule(path)
-            target.forward = CPForward(target, self.axis, self.attention, self.balanced, f"{layer}: {path}")
+            kind = HFForward if hasattr(target, "q_proj") else CPForward
+            target.forward = kind(target, self.axis, self.attention, self.balanced, f"{layer}: {path}")
+        for path in parts.rotaries:
+            target = copied.get_submodule(path)
+            target.forward = GlobalPositions(target, self.axis, self.balanced)
         new_fn = copy.copy(fn)
         new_fn.replicas = ThreadReplicas(copied, replicas.prefix)
         return new_fn
