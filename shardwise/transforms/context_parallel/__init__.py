@@ -41,8 +41,9 @@ def context_parallel(
     by ``attention="ring"`` (key/value slices passed round the ring, ``n - 1`` ppermutes each way) or
     ``"ulysses"`` (all-to-alls to a head split and back; the axis size must divide the heads). Position
     tables (parameters named ``positions``, read at rows ``0 .. t - 1``) are read, and Hugging Face
-    rotary embeddings computed, at the rank's global positions. Every parameter is replicated over ``axis`` and its gradient summed over it in backward;
-    the loss is seeded by 1 / (dp x cp): a mean loss is the whole sequence's when every part holds as
+    rotary embeddings computed, at the rank's global positions. Every parameter is replicated over
+    ``axis`` and its gradient summed over it in backward; the loss is seeded by 1 / (dp x cp): a mean
+    loss is the whole sequence's when every part holds as
     many counted tokens (for padded labels, count them with ``train_step(..., tokens=...)``).
 
     It composes with ``shard_params`` over another axis (ZeRO over ``dp``), ``mixed_precision`` and
@@ -63,7 +64,9 @@ def context_parallel(
     >>> _ = sw.testing.assert_equivalent(cp, step, sw.Mesh(cp=2), [batch, batch], params)
     """
     if not isinstance(step, Step):
-        raise TypeError(f"context_parallel(step=...) needs a shardwise Step (see train_step), got {type(step).__name__}")
+        raise TypeError(
+            f"context_parallel(step=...) needs a shardwise Step (see train_step), got {type(step).__name__}"
+        )
     if not isinstance(axis, str) or not axis:
         raise TypeError(f"context_parallel(axis={axis!r}): the axis is a mesh axis name such as 'cp'")
     if attention not in ATTENTIONS:

@@ -177,3 +177,17 @@ def test_composition_rules() -> None:
         sw.tensor_parallel(cp, "tp", plan={"blocks.*.mlp.0": sw.tp.Colwise(), "blocks.*.mlp.2": sw.tp.Rowwise()})
     with pytest.raises(ValueError, match=r"context_parallel and shard_params both use axis 'cp'"):
         sw.shard_params(cp, "cp", 1)
+
+
+def test_cp_with_mixed_precision_and_remat_equals_the_same_policy_on_one_device() -> None:
+    step, params = gpt()
+    policy = "params=f64,compute=f64,output=f64"
+    reference = sw.mixed_precision(step, policy)
+    composed = sw.remat(sw.mixed_precision(context_parallel(step, "cp"), policy))
+    sw.testing.assert_equivalent(composed, reference, sw.Mesh(cp=2), batches(), params)
+
+
+def test_cp_with_zero_stage_2_and_accumulation_equals_the_single_device_step() -> None:
+    step, params = gpt()
+    composed = sw.shard_params(context_parallel(step, "cp", attention="ulysses"), "dp", 2, accumulation=2)
+    sw.testing.assert_equivalent(composed, step, sw.Mesh(dp=2, cp=2), batches(), params)
