@@ -39,6 +39,7 @@ from .engine.model.chain import Chain, Layer
 from .engine.model.functionalize import FunctionalizeError, functionalize
 from .engine.step.step import Step, train_step
 from .plan_search import search
+from .transforms.context_parallel import context_parallel
 from .transforms.expert_parallel import expert_parallel
 from .transforms.mixed_precision import mixed_precision
 from .transforms.pipeline import pipeline, simulate
@@ -61,6 +62,7 @@ __all__ = [
     "TrainState",
     "checkpoint",
     "collectives",
+    "context_parallel",
     "expert_parallel",
     "functionalize",
     "launch",

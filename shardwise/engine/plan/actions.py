@@ -63,9 +63,10 @@ WAIT_METRICS = "wait_metrics"  # the summed values are known
 INSIDE_PSUM = "tp_psum"  # an all-reduce (Megatron's g in forward, f in backward)
 INSIDE_ALL_GATHER = "tp_all_gather"  # sequence parallel's gather, or a column-parallel output made whole
 INSIDE_PSUM_SCATTER = "tp_psum_scatter"  # sequence parallel's reduce-scatter
-INSIDE_ALL_TO_ALL = "inside_all_to_all"  # expert parallel's dispatch and combine
+INSIDE_ALL_TO_ALL = "inside_all_to_all"  # expert parallel's dispatch and combine; Ulysses attention's
+INSIDE_PPERMUTE = "inside_ppermute"  # ring attention's key/value slice to the next rank
 # Issued by their compute: the executor skips them.
-INSIDE_COMPUTE = (INSIDE_PSUM, INSIDE_ALL_GATHER, INSIDE_PSUM_SCATTER, INSIDE_ALL_TO_ALL)
+INSIDE_COMPUTE = (INSIDE_PSUM, INSIDE_ALL_GATHER, INSIDE_PSUM_SCATTER, INSIDE_ALL_TO_ALL, INSIDE_PPERMUTE)
 # all-gather a checksum of the split's replicated gradients (and the batch's) over its axis
 CHECK_REPLICAS = "check_replicas"
 WAIT_CHECK = "wait_check"  # they must be equal on every index: else the step refuses before its update
@@ -87,6 +88,7 @@ LEDGER_OP = {
     INSIDE_ALL_GATHER: "all_gather",
     INSIDE_PSUM_SCATTER: "psum_scatter",
     INSIDE_ALL_TO_ALL: "all_to_all",
+    INSIDE_PPERMUTE: "ppermute",
 }
 
 SHORT = {FORWARD: "F", BACKWARD: "B", BACKWARD_INPUT: "I", BACKWARD_WEIGHT: "W"}  # a compute's letter

@@ -47,6 +47,7 @@ from .actions import (
     GATHER_PARAMS,
     INSIDE_ALL_GATHER,
     INSIDE_ALL_TO_ALL,
+    INSIDE_PPERMUTE,
     INSIDE_PSUM,
     INSIDE_PSUM_SCATTER,
     LOSS,
@@ -285,7 +286,7 @@ def _waits_for_reductions(actions: list[Action], axis: str, deferred: int, in_fl
 Inside = Mapping[tuple[str, int], Sequence[tuple[str, str, Wire]]]
 _INSIDE_KIND = {
     "psum": INSIDE_PSUM, "all_gather": INSIDE_ALL_GATHER, "psum_scatter": INSIDE_PSUM_SCATTER,
-    "all_to_all": INSIDE_ALL_TO_ALL,
+    "all_to_all": INSIDE_ALL_TO_ALL, "ppermute": INSIDE_PPERMUTE,
 }
 
 

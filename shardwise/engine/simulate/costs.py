@@ -47,12 +47,12 @@ from .timeline import (
 )
 
 DEFAULT_COSTS = MappingProxyType({FORWARD: 1.0, BACKWARD: 2.0, BACKWARD_INPUT: 1.0, BACKWARD_WEIGHT: 1.0})
-COMM_OPS = ("all_gather", "psum_scatter", "psum", "all_to_all", "send")
+COMM_OPS = ("all_gather", "psum_scatter", "psum", "all_to_all", "ppermute", "send")
 
 
 def ring_shape(op: str, n: int) -> tuple[float, float]:
     """(latency steps, bytes on one link per input byte) of ``op`` as a ring over ``n`` ranks."""
-    if op == "send":
+    if op in ("send", "ppermute"):  # ppermute (ring attention's pass): each rank sends its input to one peer
         return 1.0, 1.0
     if op not in COMM_OPS:
         raise ValueError(f"no communication model for op {op!r}; the model knows {COMM_OPS}")

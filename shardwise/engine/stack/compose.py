@@ -41,6 +41,12 @@ naming it). The rules:
   like tensor_parallel, so the two are refused together (one split per stack, for now), and it is
   refused under a pipeline until its collectives are checked there. mixed_precision and remat go
   around its layers as around tensor_parallel's (its gradient sums travel in the reduce dtype).
+* ``context_parallel`` goes over its own mesh axis, which cuts the *sequence* of every batch leaf
+  (after shard_params' cut of the batch over ``dp``): each part is a share, the loss seeded by
+  1 / (dp x cp); every parameter is replicated over ``cp`` and its gradient summed over ``cp`` inside
+  the layers, then ZeRO reduces over ``dp`` as usual. It is a SPLIT, so it is refused with
+  tensor_parallel or expert_parallel (one split per stack, for now), and under a pipeline until its
+  collectives are checked there.
 * ``mixed_precision`` and ``remat`` rewrite layer functions, in any order with
   the others, and the result does not depend on the order: the layers are
   rebuilt from the chain train_step got, remat innermost and the precision
@@ -117,6 +123,12 @@ def check_stack(stack: tuple[Any, ...]) -> None:
                     "different axes of one mesh, e.g. sw.Mesh(dp=2, tp=2) with shard_params(..., 'dp') and "
                     "tensor_parallel(..., 'tp')"
                 )
+        if tp.name == "context_parallel" and any(s.role == PLACEMENT for s in stack):
+            raise ValueError(
+                f"context_parallel with pipeline ({describe(stack)}) is not supported yet: its ring (or all-to-all) "
+                "collectives are predicted per layer but not checked under a pipeline's schedules; use "
+                "context_parallel with shard_params, mixed_precision and remat, or pipeline without it"
+            )
         if tp.name == "expert_parallel" and any(s.role == PLACEMENT for s in stack):
             raise ValueError(
                 f"expert_parallel with pipeline ({describe(stack)}) is not supported yet: its all-to-alls are "

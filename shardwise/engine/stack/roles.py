@@ -22,12 +22,12 @@ cuts nothing, so the engine asks the same questions of every step.
   shard_params' axis, the loss seeded by 1 / (dp x ep), and each index counts its own loss and
   tokens while ``counts_replicated`` keeps the replicated gradients to index 0 in the norm.
 
-How the next would plug in (not built yet): context_parallel, a SPLIT spec over ``cp`` that
-cuts no parameter (``tensor_splits`` empty, ``replicated`` every parameter) and rewrites the
-attention layers (ring or all-to-all); ``batch_axes`` ``(cp,)`` would need a "dim" (it cuts the
-sequence, not the batch), and every gradient is summed over ``cp`` as expert_parallel sums its
-replicated ones. It goes in its own folder with one rule in compose.py; if two splits share a
-stack, the once-per-stack rule for SPLIT becomes "one split per axis" there.
+* context_parallel (transforms/context_parallel/spec.py) is the SPLIT over ``cp`` that cuts no
+  parameter (``tensor_splits`` empty, ``replicated`` every parameter) and rewrites the attention
+  layers (ring or all-to-all); it cuts the *sequence* of the batch instead of the batch
+  (``sequence_parts``, ``cut_sequence``: after the batch axes' cut, each part counting as a share),
+  and sums every gradient over ``cp`` inside the layers as expert_parallel sums its replicated ones.
+  If two splits share a stack, the once-per-stack rule for SPLIT becomes "one split per axis".
 """
 
 from __future__ import annotations
@@ -142,6 +142,17 @@ class SplitRole(Spec, Protocol):
         over them too). Empty: every index takes the same batch."""
         ...
 
+    def sequence_parts(self, mesh: Mesh | None) -> int:
+        """The batch cut: how many ways this split cuts each sequence of the rank's share (1: not at all);
+        each part counts as a share in the loss's seed and mean, as a batch axis does."""
+        ...
+
+    def cut_sequence(self, pair: Any, mesh: Mesh | None, rank: int | None) -> Any:
+        """The batch cut (step/run_inputs.py, planning's micro-batch), after the batch axes': this rank's
+        part of every sequence of the (inputs, targets) ``pair`` as ``rank`` (None: the calling rank) takes it
+        (the pair itself when nothing is cut)."""
+        ...
+
     def counts_replicated(self, mesh: Mesh | None) -> bool:
         """The step's run: whether this rank counts what every index computes alike (loss, tokens,
         replicated gradients) in the metrics; one index per group does, or they would be counted again."""
@@ -223,6 +234,12 @@ class NoSplit:
 
     def batch_axes(self, mesh: Mesh | None) -> tuple[str, ...]:
         return ()
+
+    def sequence_parts(self, mesh: Mesh | None) -> int:
+        return 1
+
+    def cut_sequence(self, pair: Any, mesh: Mesh | None, rank: int | None) -> Any:
+        return pair
 
     def counts_replicated(self, mesh: Mesh | None) -> bool:
         return True

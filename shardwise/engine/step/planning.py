@@ -185,6 +185,7 @@ def one_microbatch(step: Step, mesh: Mesh, batch: Any) -> tuple[Any, Any]:
     whole = batch_multiple(step, mesh)
     for _axis, n, what in batch_cuts(step, mesh):
         pair = split_over(pair, n, 0, what, whole)
+    pair = step.split.cut_sequence(pair, mesh, 0)
     k = microbatch_count(step)
     return split_over(pair, k, 0, f"{k} micro-batches", whole) if k > 1 else pair
 

@@ -83,7 +83,7 @@ def _make_rank_run(
             u: prec.for_layer(u).reduce for u in sharding.units
         },
         counted=None if split.counts_replicated(mesh) else gradient_selection(split, step, layout, mesh, False),
-        counts_losses=bool(split.batch_axes(mesh)),
+        counts_losses=bool(split.batch_axes(mesh)) or split.sequence_parts(mesh) > 1,
         replicas=ReplicaCheck(gradient_selection(split, step, layout, mesh, True), split.name, split.replica_fix)
         if splits else None,
         rng_rank=split.rng_rank(mesh),
@@ -110,7 +110,8 @@ def gradient_selection(split: SplitRole, step: Step, layout: StateLayout, mesh: 
 def local_microbatches(step: Step, mesh: Mesh | None, sharding: FlatSharding | None, batch: Any) -> tuple[
         list[tuple[Any, Any]], int]:
     """(this rank's micro-batches, the data-parallel replicas): the global batch cut over
-    shard_params' axis and a split's batch axes (planning.batch_cuts), then into the pipeline's
+    shard_params' axis and a split's batch axes (planning.batch_cuts), its sequences cut by the split
+    (each part a replica), then into the pipeline's
     micro-batches or shard_params' accumulation."""
     pair = split_batch(batch)
     k = microbatch_count(step)
@@ -119,7 +120,9 @@ def local_microbatches(step: Step, mesh: Mesh | None, sharding: FlatSharding | N
     for axis, n, what in cuts:
         assert mesh is not None
         pair = split_over(pair, n, mesh.axis_index(axis), what, whole)
-    replicas = math.prod(n for _, n, _ in cuts) if cuts else 0
+    pair = step.split.cut_sequence(pair, mesh, None)
+    parts = step.split.sequence_parts(mesh)
+    replicas = math.prod(n for _, n, _ in cuts) * parts if cuts or parts > 1 else 0
     pipelined = step.pipeline_spec is not None
     what = f"pipeline(microbatches={k})" if pipelined else f"shard_params(accumulation={k}) on the local batch"
     if k == 1 and sharding is None:

@@ -10,32 +10,83 @@ Two attentions, both pure differentiable functions over a mesh axis (torchtitan 
 :func:`shard_sequence` / :func:`unshard_sequence` cut and join sequences (inputs, positions, labels)
 the way both expect; ``volumes.py`` gives the bytes each sends.
 
-How the ``context_parallel(step, axis, attention="ring" | "ulysses", balanced=True)`` spec will plug in,
-once the engine's role protocols land (nothing of it exists yet):
-
-* Role: a batch SPLIT of the sequence dim (like ``shard_params`` splits the batch dim) plus a REWRITE of
-  the attention layers. The split applies :func:`shard_sequence` to every batch leaf that has the
-  sequence dim (token ids, labels already shifted on the whole sequence, attention positions); the
-  rewrite swaps the attention kernel of the layers it names (HF ``sdpa`` attention via the attention
-  interface; TinyGPT's ``CausalSelfAttention``) for one of the two functions here, and feeds rotary
-  embeddings the global positions (``shard_sequence(torch.arange(seq_len))``). An attention it cannot
-  split (a custom mask, ``eager`` attention with a bias) is refused, naming the layer.
-* Parameters: none split; every parameter is replicated over ``axis``, and its gradient, a sum over
-  the ranks' tokens, is all-reduced (psum) over ``axis``; under ``shard_params`` the cp axis joins the
-  dp axis in that reduction (reduce-scatter over dp x cp), as torchtitan folds cp into FSDP's mesh.
-* Loss: token-weighted over the whole sequence: each rank sums its tokens' losses and the count of its
-  valid tokens, and the divisor is the psum of the counts over dp and cp (not a mean of rank means).
-* Plan: per attention layer, ``n - 1`` ring sends of the key/value slice (or four all-to-alls) forward
-  and the same in backward, bytes from ``volumes.py``; the ledger must match.
+:func:`context_parallel` is the transform (``spec.py``): a SPLIT over its axis that cuts every
+sequence of the batch, no parameter; its attention layers run one of the two functions here, its
+position tables are read at the rank's global positions, and every gradient is summed over the axis.
 """
 
+from ...engine.stack.compose import add
+from ...engine.step.step import Step
 from .layout import chunk_count, local_chunks, shard_order, shard_sequence, unshard_sequence
 from .ring import ring_attention
+from .spec import CPSpec
 from .ulysses import ulysses_attention
 from .volumes import ring_attention_bytes, ulysses_attention_bytes
 
+ATTENTIONS = ("ring", "ulysses")
+
+
+def context_parallel(
+    step: Step, axis: str = "cp", attention: str = "ring", balanced: bool = True,
+    positions: tuple[str, ...] = ("pos_emb",), dim: int = 1,
+) -> Step:
+    """Cut every sequence of ``step``'s batch over mesh ``axis``; attention exchanges the rest (torchtitan CP,
+    DeepSpeed Ulysses).
+
+    Each rank of ``axis`` takes its part of every sequence of the batch (inputs and targets alike, along
+    ``dim``; shift targets on the whole sequence first): with ``balanced``, chunks ``i`` and ``2n - 1 - i``
+    of ``2n``, which gives every rank the same causal attention work. Its attention modules (causal
+    self-attentions with qkv, proj, head_dim and a causal mask: TinyGPT's; Hugging Face attentions on
+    ``attn_implementation="sdpa"`` without an attention mask: Llama's) attend over the whole sequence
+    by ``attention="ring"`` (key/value slices passed round the ring, ``n - 1`` ppermutes each way) or
+    ``"ulysses"`` (all-to-alls to a head split and back; the axis size must divide the heads). Position
+    tables (parameters named ``positions``, read at rows ``0 .. t - 1``) are read, and Hugging Face
+    rotary embeddings computed, at the rank's global positions. Every parameter is replicated over
+    ``axis`` and its gradient summed over it in backward; the loss is seeded by 1 / (dp x cp): a mean
+    loss is the whole sequence's when every part holds as
+    many counted tokens (for padded labels, count them with ``train_step(..., tokens=...)``).
+
+    It composes with ``shard_params`` over another axis (ZeRO over ``dp``), ``mixed_precision`` and
+    ``remat``; not yet with ``pipeline``, ``tensor_parallel`` or ``expert_parallel`` (refused).
+
+    >>> import torch, shardwise as sw
+    >>> from shardwise.testing.models import TinyGPT
+    >>> torch.manual_seed(0) and None
+    >>> model = TinyGPT(vocab=16, d_model=8, n_heads=2, n_layers=1, seq_len=8).double()
+    >>> chain, params = sw.functionalize(model, units=["tok_emb", "blocks", "head"])
+    >>> loss = lambda logits, y: torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+    >>> step = sw.train_step(chain, loss, sw.optim.sgd(lr=0.1, momentum=0.9))
+    >>> cp = sw.context_parallel(step, "cp")
+    >>> ids = torch.randint(0, 16, (2, 9))
+    >>> batch = (ids[:, :-1], ids[:, 1:])
+    >>> sorted({c.op for c in cp.plan(sw.Mesh(cp=2), params, batch).collectives(0)})
+    ['all_gather', 'ppermute', 'psum']
+    >>> _ = sw.testing.assert_equivalent(cp, step, sw.Mesh(cp=2), [batch, batch], params)
+    """
+    if not isinstance(step, Step):
+        raise TypeError(
+            f"context_parallel(step=...) needs a shardwise Step (see train_step), got {type(step).__name__}"
+        )
+    if not isinstance(axis, str) or not axis:
+        raise TypeError(f"context_parallel(axis={axis!r}): the axis is a mesh axis name such as 'cp'")
+    if attention not in ATTENTIONS:
+        raise ValueError(f"context_parallel(attention={attention!r}): use one of {ATTENTIONS}")
+    if not isinstance(balanced, bool):
+        raise TypeError(f"context_parallel(balanced={balanced!r}) must be True or False")
+    if isinstance(positions, str) or not all(isinstance(p, str) and p for p in positions):
+        raise TypeError(f"context_parallel(positions={positions!r}) must be a tuple of parameter names")
+    if not isinstance(dim, int) or dim < 1:
+        raise ValueError(f"context_parallel(dim={dim!r}): the sequence dim of the batch's leaves, 1 or more (0 is "
+                         "the batch)")
+    spec = CPSpec(axis, attention, balanced, tuple(positions), dim)
+    spec.resolve(step.base_chain)  # a chain without a known attention is refused now, not at the first step
+    return add(step, spec)
+
+
 __all__ = [
+    "CPSpec",
     "chunk_count",
+    "context_parallel",
     "local_chunks",
     "ring_attention",
     "ring_attention_bytes",

@@ -149,6 +149,14 @@ class EPSpec:
         """The axis cuts the batch: each rank routes its own tokens."""
         return (self.axis,)
 
+    def sequence_parts(self, mesh: Mesh | None) -> int:
+        """1: the sequences are not cut."""
+        return 1
+
+    def cut_sequence(self, pair: Any, mesh: Mesh | None, rank: int | None) -> Any:
+        """The pair itself: the sequences are not cut."""
+        return pair
+
     def counts_replicated(self, mesh: Mesh | None) -> bool:
         """Index 0 alone counts the replicated gradients (summed, alike on every index) in the norm;
         every index counts its own loss and tokens (the batch is cut over the axis) and experts."""

@@ -115,6 +115,14 @@ class TPSpec:
         """None: every index of the axis takes the same batch."""
         return ()
 
+    def sequence_parts(self, mesh: Mesh | None) -> int:
+        """1: the sequences are not cut."""
+        return 1
+
+    def cut_sequence(self, pair: Any, mesh: Mesh | None, rank: int | None) -> Any:
+        """The pair itself: the sequences are not cut."""
+        return pair
+
     def counts_replicated(self, mesh: Mesh | None) -> bool:
         """Index 0 of the axis alone counts the loss, the tokens and the replicated gradients in the
         metrics: every index computes them alike."""

@@ -1,0 +1,165 @@
+"""What context_parallel rewrites in a layer: the attention modules it knows and the position tables.
+
+Two attentions are known, and their forwards replaced by the same projections around ring or Ulysses
+attention: a causal self-attention with a fused ``qkv`` projection, an output ``proj``, ``head_dim``
+and a lower-triangular ``mask`` buffer (TinyGPT's ``CausalSelfAttention``, :class:`CPForward`), and a
+Hugging Face causal attention on ``sdpa`` with ``q_proj`` / ``k_proj`` / ``v_proj`` / ``o_proj`` and
+rotary ``position_embeddings`` (Llama's, :class:`HFForward`). Any other module whose class name ends in
+``Attention`` is refused, naming it: left as it is it would attend within the rank's part of the
+sequence only. A Hugging Face rotary embedding (a module whose class name ends in ``RotaryEmbedding``,
+called as ``(x, position_ids)``) is fed the rank's global positions (:class:`GlobalPositions`).
+
+A position table is a parameter whose local name ends in one of ``positions`` (TinyGPT's ``pos_emb``,
+[1, max_len, d]; an embedding's [max_len, d] weight), read at rows ``0 .. t - 1`` by the layer.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...engine.model.chain import Layer
+from .comm import attend, index, predicting_now, size
+from .layout import shard_order
+
+
+@dataclass(frozen=True)
+class LayerParts:
+    """What a layer holds that context parallel rewrites: attention paths in its module, table names."""
+
+    attentions: tuple[str, ...]
+    tables: tuple[str, ...]
+    rotaries: tuple[str, ...] = ()
+
+
+def find_parts(layer: Layer, positions: tuple[str, ...]) -> LayerParts | None:
+    """The layer's known attentions and position tables (None: neither); an unknown attention is refused."""
+    tables = tuple(n for n in layer.param_names if any(n == p or n.endswith("." + p) for p in positions))
+    replicas = getattr(layer.fn, "replicas", None)
+    module = getattr(replicas, "module", None)
+    attentions: list[str] = []
+    rotaries: list[str] = []
+    if isinstance(module, nn.Module):
+        for path, sub in module.named_modules():
+            if type(sub).__name__.endswith("RotaryEmbedding"):
+                rotaries.append(path)
+            elif _known(sub) or _known_hf(sub, f"{layer.name}: {path}"):
+                attentions.append(path)
+            elif type(sub).__name__.endswith("Attention") and not any(path.startswith(a + ".") for a in attentions):
+                raise ValueError(
+                    f"context_parallel: layer {layer.name!r} holds the attention {path} ({type(sub).__name__}), "
+                    "which it cannot split over the sequence (it knows causal self-attentions with qkv, proj, "
+                    "head_dim and a lower-triangular mask buffer: TinyGPT's CausalSelfAttention; and Hugging Face "
+                    "causal attentions with q_proj, k_proj, v_proj, o_proj on attn_implementation='sdpa': "
+                    "Llama's); rewrite it to call ring_attention / ulysses_attention, or leave context_parallel out"
+                )
+    if not attentions and not tables and not rotaries:
+        return None
+    return LayerParts(tuple(attentions), tables, tuple(rotaries))
+
+
+def _known(module: nn.Module) -> bool:
+    mask = getattr(module, "mask", None)
+    return (
+        isinstance(getattr(module, "qkv", None), nn.Module) and isinstance(getattr(module, "proj", None), nn.Module)
+        and isinstance(getattr(module, "head_dim", None), int) and isinstance(mask, torch.Tensor)
+        and mask.dim() == 2 and mask.dtype == torch.bool
+        and (mask.is_meta or bool(torch.equal(mask, torch.ones_like(mask).tril())))
+    )
+
+
+def _known_hf(module: nn.Module, where: str) -> bool:
+    """A Hugging Face causal attention (q_proj .. o_proj, head_dim, a config); refused unless on sdpa."""
+    m: Any = module
+    if not all(isinstance(getattr(m, n, None), nn.Module) for n in ("q_proj", "k_proj", "v_proj", "o_proj")):
+        return False
+    config = getattr(m, "config", None)
+    if config is None or not isinstance(getattr(m, "head_dim", None), int) or not getattr(m, "is_causal", False):
+        return False
+    implementation = getattr(config, "_attn_implementation", None)
+    if implementation != "sdpa":
+        raise ValueError(
+            f"context_parallel: {where} ({type(m).__name__}) runs attn_implementation={implementation!r}; it splits "
+            "sdpa attention (plain causal softmax attention): build the model with attn_implementation='sdpa'"
+        )
+    return True
+
+
+def heads_of(module: nn.Module) -> int:
+    """A known attention's query heads: its qkv width over 3 x head_dim (q_proj's over head_dim)."""
+    m: Any = module
+    if hasattr(m, "q_proj"):
+        return int(m.q_proj.out_features) // int(m.head_dim)
+    return int(m.qkv.out_features) // (3 * int(m.head_dim))
+
+
+class CPForward:
+    """A known attention's forward with the sequence cut over ``axis``: its projections on the rank's
+    tokens, and attention over the whole sequence (``ring`` or ``ulysses``)."""
+
+    def __init__(self, module: nn.Module, axis: str, attention: str, balanced: bool, where: str) -> None:
+        self.module, self.axis, self.attention, self.balanced, self.where = module, axis, attention, balanced, where
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        m: Any = self.module
+        b, t, _ = x.shape
+        q, k, v = m.qkv(x).chunk(3, dim=-1)
+        q, k, v = (z.view(b, t, -1, m.head_dim).transpose(1, 2) for z in (q, k, v))
+        y = attend(q, k, v, self.axis, self.attention, self.balanced, self.where)
+        return m.proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class HFForward:
+    """A Hugging Face causal attention's forward with the sequence cut over ``axis``: its projections and
+    rotary embedding (already at global positions) on the rank's tokens, attention over the whole sequence."""
+
+    def __init__(self, module: nn.Module, axis: str, attention: str, balanced: bool, where: str) -> None:
+        self.module, self.axis, self.attention, self.balanced, self.where = module, axis, attention, balanced, where
+
+    def __call__(
+        self, hidden_states: torch.Tensor, position_embeddings: Any = None, attention_mask: Any = None,
+        *args: Any, **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
+        m: Any = self.module
+        if attention_mask is not None:
+            raise ValueError(
+                f"context_parallel: {self.where} got an attention mask (padding, or a mask sdpa cannot replace by "
+                "is_causal); it splits plain causal attention: pass no attention_mask, mark padding in the labels"
+            )
+        if m.training and float(getattr(m, "attention_dropout", 0.0)) > 0:
+            raise ValueError(
+                f"context_parallel: {self.where} has attention_dropout={m.attention_dropout}; ring and Ulysses "
+                "attention have no dropout: set config.attention_dropout = 0"
+            )
+        rotate = sys.modules[type(m).__module__].apply_rotary_pos_emb
+        shape = (*hidden_states.shape[:-1], -1, m.head_dim)
+        q, k, v = (proj(hidden_states).view(shape).transpose(1, 2) for proj in (m.q_proj, m.k_proj, m.v_proj))
+        cos, sin = position_embeddings
+        q, k = rotate(q, k, cos, sin)
+        y = attend(q, k, v, self.axis, self.attention, self.balanced, self.where, scale=float(m.scaling))
+        return m.o_proj(y.transpose(1, 2).reshape(*hidden_states.shape[:-1], -1).contiguous()), None
+
+
+class GlobalPositions:
+    """A rotary embedding's forward fed the rank's global positions: ``position_ids`` count the rank's
+    tokens (0 .. t - 1), which stand for the global positions the rank holds."""
+
+    def __init__(self, module: nn.Module, axis: str, balanced: bool) -> None:
+        self.module, self.axis, self.balanced = module, axis, balanced
+        self.forward = type(module).forward
+
+    def __call__(self, x: torch.Tensor, position_ids: torch.Tensor) -> Any:
+        n, t = size(self.axis), position_ids.shape[-1]
+        local = torch.arange(t, device=position_ids.device)
+        # Fake tensors (while predicting) hold no values to compare.
+        if not predicting_now() and not bool((position_ids == local).all()):
+            raise ValueError(
+                "context_parallel: a rotary embedding got position_ids that do not count 0 .. t - 1; it maps "
+                "the rank's token counts to their global positions, so pass no position_ids"
+            )
+        mine = shard_order(t * n, n, self.balanced)[index(self.axis) * t : (index(self.axis) + 1) * t]
+        return self.forward(self.module, x, mine.to(position_ids.device).expand_as(position_ids))

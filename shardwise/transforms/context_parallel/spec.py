@@ -1,0 +1,256 @@
+"""context_parallel's spec: frozen data in the step's stack (a SPLIT over its axis that cuts the
+sequence, no parameter), and what the engine asks of it."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import weakref
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import optree
+import torch
+from torch import Tensor
+
+from ...collectives.mesh import Mesh
+from ...engine.layout.state_layout import Placement, TensorSplit
+from ...engine.model.chain import Chain, Layer
+from ...engine.model.module_call import ThreadReplicas
+from ...engine.stack.compose import SPLIT
+from .attention import CPForward, GlobalPositions, HFForward, LayerParts, find_parts, heads_of
+from .comm import grad_summed, index, predicting, size
+from .layout import check_sequence_length, local_chunks, shard_order
+from .predict import predict
+
+_RESOLVED: weakref.WeakKeyDictionary[Chain, dict[str, LayerParts]] = weakref.WeakKeyDictionary()
+
+
+@dataclass(frozen=True)
+class CPSpec:
+    """Sequences cut over ``axis``; attention exchanges the rest (see :func:`context_parallel`)."""
+
+    axis: str
+    attention: str = "ring"
+    balanced: bool = True
+    positions: tuple[str, ...] = ("pos_emb",)
+    dim: int = 1
+
+    name: ClassVar[str] = "context_parallel"
+    role: ClassVar[str] = SPLIT
+    replica_fix: ClassVar[str] = (
+        "context_parallel sums every parameter's gradient over its axis inside the layers; a difference means "
+        "a layer computed differently on the ranks (random ops drawing alike?), or it is a bug: report it"
+    )
+
+    def __str__(self) -> str:
+        return (
+            f"context_parallel(axis={self.axis!r}, attention={self.attention!r}, balanced={self.balanced!r}, "
+            f"positions={self.positions!r})"
+        )
+
+    def resolve(self, chain: Chain) -> dict[str, LayerParts]:
+        """Per layer, its attention modules and position tables; a chain without attention is refused."""
+        if chain in _RESOLVED:
+            return _RESOLVED[chain]
+        found: dict[str, LayerParts] = {}
+        for layer in chain:
+            parts = find_parts(layer, self.positions)
+            if parts is not None:
+                found[layer.name] = parts
+        if not any(p.attentions for p in found.values()):
+            raise ValueError(
+                "context_parallel: the step's chain has no attention module it can split (a causal "
+                "self-attention with qkv and proj projections and a lower-triangular mask: TinyGPT's "
+                "CausalSelfAttention); nothing to run over the sequence's parts"
+            )
+        _RESOLVED[chain] = found
+        return found
+
+    def rewrite(self, chain: Chain, stack: tuple[Any, ...] = ()) -> Chain:
+        """The chain with every attention over the whole sequence, every position table read at the
+        rank's global positions, and every parameter's gradient summed over the axis (in
+        mixed_precision's reduce dtype, if any)."""
+        found = self.resolve(chain)
+        precision = next((getattr(s, "precision", None) for s in stack if s.name == "mixed_precision"), None)
+        layers = []
+        for layer in chain:
+            fn = layer.fn
+            parts = found.get(layer.name)
+            if parts is not None and (parts.attentions or parts.rotaries):
+                fn = self._install(fn, parts, layer.name)
+            tables = frozenset(parts.tables) if parts is not None else frozenset()
+            reduce = None if precision is None else precision.for_layer(layer.name).reduce
+            layers.append(Layer(
+                layer.name, CPLayerFn(fn, self, frozenset(layer.param_names), tables, reduce), layer.param_names,
+                layer.buffers, layer.ties,
+            ))
+        rewritten = Chain(layers)
+        _RESOLVED[rewritten] = found
+        return rewritten
+
+    def _install(self, fn: Any, parts: LayerParts, layer: str) -> Any:
+        """A copy of the layer fn whose module's attentions run :class:`CPForward`."""
+        replicas = fn.replicas
+        module = replicas.module
+        named = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+        copied = copy.deepcopy(module, memo={id(t): t for _, t in named})
+        for path in parts.attentions:
+            target = copied.get_submodule(path)
+            kind = HFForward if hasattr(target, "q_proj") else CPForward
+            target.forward = kind(target, self.axis, self.attention, self.balanced, f"{layer}: {path}")
+        for path in parts.rotaries:
+            target = copied.get_submodule(path)
+            target.forward = GlobalPositions(target, self.axis, self.balanced)
+        new_fn = copy.copy(fn)
+        new_fn.replicas = ThreadReplicas(copied, replicas.prefix)
+        return new_fn
+
+    def tensor_splits(self, chain: Chain, mesh: Mesh | None) -> dict[tuple[str, str], TensorSplit]:
+        """None cut: every parameter is replicated over the axis. Ulysses' head split is checked here,
+        where the mesh is first known (step.init, step.plan)."""
+        if self.attention == "ulysses":
+            parts = _mesh(mesh, self.axis).axis_size(self.axis)
+            for layer, found in self.resolve(chain).items():
+                for path in found.attentions:
+                    fn: Any = chain[layer].fn  # a module fn (find_parts found the attention there)
+                    heads = heads_of(fn.replicas.module.get_submodule(path))
+                    if heads % parts:
+                        raise ValueError(
+                            f"context_parallel: {layer}: {path} has {heads} heads, which the {parts} ranks of axis "
+                            f"{self.axis!r} do not divide (Ulysses gives each rank whole heads); use "
+                            "attention='ring', or an axis size that divides the heads"
+                        )
+        return {}
+
+    def local_view(
+        self, chain: Chain, params: Mapping[str, Mapping[str, Tensor]], mesh: Mesh | None, rank: int | None
+    ) -> Mapping[str, Mapping[str, Tensor]]:
+        """The parameters themselves: every rank of the axis computes with them whole."""
+        return params
+
+    def replicated(self, chain: Chain) -> frozenset[tuple[str, str]]:
+        """Every parameter: each rank holds it whole and its summed gradient agrees."""
+        return frozenset((layer.name, n) for layer in chain for n in layer.owned_param_names)
+
+    def batch_axes(self, mesh: Mesh | None) -> tuple[str, ...]:
+        """None: the axis cuts the sequence (:meth:`cut_sequence`), not the batch."""
+        return ()
+
+    def sequence_parts(self, mesh: Mesh | None) -> int:
+        """The axis size: each rank takes its part of every sequence."""
+        return _mesh(mesh, self.axis).axis_size(self.axis)
+
+    def cut_sequence(self, pair: Any, mesh: Mesh | None, rank: int | None) -> Any:
+        """This rank's part of every batch leaf along ``dim`` (inputs and targets alike), in the layout
+        the attention expects (balanced: chunks ``i`` and ``2n - 1 - i`` of ``2n``)."""
+        mesh = _mesh(mesh, self.axis)
+        n = mesh.axis_size(self.axis)
+        i = mesh.axis_index(self.axis) if rank is None else mesh.coords_of(rank)[self.axis]
+
+        def cut(t: Any) -> Any:
+            if not isinstance(t, torch.Tensor) or t.dim() <= self.dim:
+                shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(
+                    f"context_parallel cuts every batch leaf's sequence dim {self.dim}, but a leaf is {shape}; "
+                    "give inputs and targets a sequence dim (targets shifted on the whole sequence), or pass "
+                    "dim= where the sequence is"
+                )
+            length = check_sequence_length("context_parallel", t.shape[self.dim], n, self.balanced, self.axis)
+            chunks = local_chunks(i, n, self.balanced)
+            return torch.cat([t.narrow(self.dim, c * length, length) for c in chunks], self.dim)
+
+        return optree.tree_map(cut, pair)
+
+    def counts_replicated(self, mesh: Mesh | None) -> bool:
+        """Index 0 alone counts the gradients (summed, alike on every index) in the norm; every index
+        counts its own loss and tokens (its part of the sequences)."""
+        return _mesh(mesh, self.axis).axis_index(self.axis) == 0
+
+    def rng_rank(self, mesh: Mesh | None) -> None:
+        """Its own: every rank computes on its own tokens."""
+        return None
+
+    @contextlib.contextmanager
+    def predicting(self, mesh: Mesh | None) -> Iterator[None]:
+        with predicting(_mesh(mesh, self.axis).axis_size(self.axis)):
+            yield
+
+    def inner_collectives(
+        self, chain: Chain, placement: Placement, shapes: Mapping[str, Mapping[str, tuple[torch.Size, torch.dtype]]],
+        loss_fn: Callable[[Any, Any], Any], micro: tuple[Any, Any], mesh: Mesh,
+    ) -> dict[tuple[str, int], list[tuple[str, str, torch.dtype, tuple[int, ...]]]]:
+        """For every (compute kind, stage): each collective it issues, as (op, label, dtype, shape)."""
+        found = predict(chain, placement, shapes, loss_fn, micro[0], micro[1], mesh.axis_size(self.axis))
+        return {k: [(i.op, i.label, i.dtype, i.shape) for i in v] for k, v in found.items()}
+
+    def layer_notes(self, chain: Chain) -> dict[str, str]:
+        """Per layer, what context parallel does to it, for the Plan."""
+        how = {
+            "ring": "the key/value slice passed round the ring (n - 1 ppermutes forward, n - 1 backward)",
+            "ulysses": "all-to-alls from sequence- to head-split and back (4 forward, 4 backward)",
+        }[self.attention]
+        notes = {}
+        for name, parts in self.resolve(chain).items():
+            said = []
+            if parts.attentions:
+                said.append(f"attention {', '.join(parts.attentions)} over the whole sequence: {how}")
+            if parts.tables:
+                said.append(f"position tables {', '.join(parts.tables)} read at the rank's global positions")
+            notes[name] = "context parallel: " + "; ".join(said)
+        for other in chain:
+            if other.param_names:
+                summed = f"gradients summed over {self.axis!r} in backward"
+                notes[other.name] = f"{notes[other.name]}; {summed}" if other.name in notes else (
+                    f"context parallel: {summed}")
+        return notes
+
+
+class CPLayerFn:
+    """A layer fn under context parallel: its position tables read at the rank's global positions and
+    every parameter's gradient summed over the axis (``grad_summed``)."""
+
+    def __init__(self, fn: Callable[[dict[str, Tensor], Any], Any], spec: CPSpec, names: frozenset[str],
+                 tables: frozenset[str], reduce: torch.dtype | None) -> None:
+        self.fn, self.spec, self.names, self.tables, self.reduce = fn, spec, names, tables, reduce
+
+    def __call__(self, tensors: dict[str, Tensor], x: Any) -> Any:
+        spec = self.spec
+        summed = {k: grad_summed(t, spec.axis, k, self.reduce) if k in self.names else t for k, t in tensors.items()}
+        if self.tables:
+            local = _sequence_length(x, spec.dim)
+            summed = {k: self._at_positions(t, local) if k in self.tables else t for k, t in summed.items()}
+        return self.fn(summed, x)
+
+    def _at_positions(self, table: Tensor, local: int) -> Tensor:
+        """The table's rows at this rank's global positions, first: the layer reads rows 0 .. local - 1
+        (``table[:, :t]`` or an embedding of ``arange(t)``), which are then the right ones."""
+        spec = self.spec
+        n = size(spec.axis)
+        order = shard_order(local * n, n, spec.balanced)
+        mine = order[index(spec.axis) * local : (index(spec.axis) + 1) * local].to(table.device)
+        dim = table.dim() - 2
+        if table.shape[dim] < local * n:
+            raise ValueError(
+                f"context_parallel: the position table has {table.shape[dim]} positions, fewer than the sequence's "
+                f"{local * n}; use sequences no longer than the model's"
+            )
+        return table.index_select(dim, mine)
+
+
+def _sequence_length(x: Any, dim: int) -> int:
+    leaves = [t for t in optree.tree_leaves(x) if isinstance(t, torch.Tensor) and t.dim() > dim]
+    if not leaves:
+        raise ValueError(
+            f"context_parallel: a layer reading a position table got no tensor with a sequence dim {dim}; "
+            "the table must be read where the sequence is"
+        )
+    return int(leaves[0].shape[dim])
+
+
+def _mesh(mesh: Mesh | None, axis: str) -> Mesh:
+    if mesh is None:
+        raise ValueError(f"context_parallel(axis={axis!r}) needs the mesh: call step.init(params, mesh)")
+    return mesh
+

@@ -1,0 +1,77 @@
+"""sw.context_parallel on an unmodified Hugging Face Llama: sdpa attention over the whole sequence,
+rotary embeddings at the rank's global positions, equal to the single-device step; the Plan's
+collectives are what runs; an attention it cannot split is refused by name.
+
+float64 on thread ranks; results agree to rounding (assert_equivalent's float64 default).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import shardwise as sw
+
+T = pytest.importorskip("transformers", reason="the [hf] extra (pip install -e '.[hf]') is not installed")
+
+VOCAB, SEQ = 32, 16
+
+
+def llama(attn_implementation: str = "sdpa") -> tuple[sw.Step, Any, list[tuple[torch.Tensor, torch.Tensor]]]:
+    torch.manual_seed(0)
+    cfg = T.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=2 * SEQ, attn_implementation=attn_implementation,
+        bos_token_id=0, eos_token_id=0,
+    )
+    model = T.LlamaForCausalLM(cfg).double()
+    gen = torch.Generator().manual_seed(1)
+    batches = []
+    for _ in range(2):
+        ids = torch.randint(0, VOCAB, (2, SEQ + 1), generator=gen)
+        batches.append((ids[:, :-1], ids[:, 1:]))  # shifted on the whole sequence, before the cut
+    chain, params = sw.functionalize(model, units=T.models.llama.modeling_llama.LlamaDecoderLayer,
+                                     example_input=batches[0][0])
+    return sw.train_step(chain, lm_loss, sw.optim.sgd(0.1, momentum=0.9)), params, batches
+
+
+def lm_loss(out: Any, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.logits.flatten(0, 1), targets.flatten())
+
+
+@pytest.mark.parametrize("attention", ["ring", "ulysses"])
+def test_llama_over_cp_equals_the_single_device_step(attention: str) -> None:
+    step, params, batches = llama()
+    sw.testing.assert_equivalent(sw.context_parallel(step, "cp", attention=attention), step, sw.Mesh(cp=2), batches,
+                                 params)
+
+
+def test_llama_over_dp_by_cp_with_zero_equals_the_single_device_step() -> None:
+    step, params, batches = llama()
+    composed = sw.shard_params(sw.context_parallel(step, "cp"), "dp", 3)
+    sw.testing.assert_equivalent(composed, step, sw.Mesh(dp=2, cp=2), batches, params)
+
+
+def test_llama_issues_exactly_the_collectives_its_plan_lists() -> None:
+    step, params, batches = llama()
+    cp, mesh = sw.context_parallel(step, "cp"), sw.Mesh(cp=2)
+    plan = cp.plan(mesh, params, batches[0])
+    assert sum(c.op == "ppermute" for c in plan.collectives(0)) == 2 * 2  # 2 layers x (cp - 1) x forward, backward
+
+    def run() -> list[tuple[str, str, str, int]]:
+        state = cp.init(params, mesh)
+        with sw.collectives.comm_ledger() as ledger:
+            cp(state, batches[0])
+        return [(r.op, r.axis, r.dtype, r.nbytes) for r in ledger.records if r.rank == mesh.rank]
+
+    for rank, got in enumerate(sw.launch(run, mesh.size, timeout=120)):
+        assert got == [(c.op, c.axis, c.dtype, c.nbytes) for c in plan.collectives(rank)], f"rank {rank}"
+
+
+def test_eager_attention_is_refused_with_the_fix() -> None:
+    step, _, _ = llama("eager")
+    with pytest.raises(ValueError, match=r"self_attn \(LlamaAttention\) runs attn_implementation='eager'.*'sdpa'"):
+        sw.context_parallel(step, "cp")
