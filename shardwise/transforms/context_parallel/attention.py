@@ -39,6 +39,7 @@ class LayerParts:
 def find_parts(layer: Layer, positions: tuple[str, ...]) -> LayerParts | None:
     """The layer's known attentions and position tables (None: neither); an unknown attention is refused."""
     tables = tuple(n for n in layer.param_names if any(n == p or n.endswith("." + p) for p in positions))
+    _refuse_unlisted_position_tables(layer, tables)
     replicas = getattr(layer.fn, "replicas", None)
     module = getattr(replicas, "module", None)
     attentions: list[str] = []
@@ -60,6 +61,28 @@ def find_parts(layer: Layer, positions: tuple[str, ...]) -> LayerParts | None:
     if not attentions and not tables and not rotaries:
         return None
     return LayerParts(tuple(attentions), tables, tuple(rotaries))
+
+
+# Names models give a learned position table (GPT-2's wpe, BERT's position_embeddings, OPT's
+# embed_positions, ...): one not listed in positions= would be read at the rank's local positions.
+POSITION_TABLE_NAMES = frozenset({
+    "pos_emb", "pos_embed", "pos_embedding", "wpe", "position_embeddings", "position_embedding", "embed_positions",
+})
+
+
+def _refuse_unlisted_position_tables(layer: Layer, tables: tuple[str, ...]) -> None:
+    """A parameter named like a position table that ``positions=`` does not list: each rank would read
+    its rows 0 .. t-1 (its local positions) where the sequence's global ones are meant, and train a
+    different model without an error. Refused, naming it."""
+    for name in layer.param_names:
+        if name not in tables and POSITION_TABLE_NAMES.intersection(name.split(".")):
+            suggest = ".".join(name.split(".")[-2:]) if name.endswith(".weight") else name.split(".")[-1]
+            raise ValueError(
+                f"context_parallel: layer {layer.name!r} has the parameter {name!r}, named like a learned "
+                "position table, which positions= does not list; each rank would read it at its local "
+                f"positions. If the model reads it by position, add it: context_parallel(..., positions=(..., "
+                f"{suggest!r})); if it is not a position table, rename it"
+            )
 
 
 def _known(module: nn.Module) -> bool:

@@ -191,3 +191,29 @@ def test_cp_with_zero_stage_2_and_accumulation_equals_the_single_device_step() -
     step, params = gpt()
     composed = sw.shard_params(context_parallel(step, "cp", attention="ulysses"), "dp", 2, accumulation=2)
     sw.testing.assert_equivalent(composed, step, sw.Mesh(dp=2, cp=2), batches(), params)
+
+
+class RenamedPositions(TinyGPT):
+    """TinyGPT with its position table under another name (BERT's): context_parallel's default
+    positions=("pos_emb",) does not list it."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.position_embeddings = self._parameters.pop("pos_emb")
+
+    @property  # type: ignore[override]
+    def pos_emb(self) -> torch.Tensor:  # what TinyGPT.forward reads
+        return self.position_embeddings
+
+
+def test_a_position_table_positions_does_not_list_is_refused_and_listed_it_trains_right() -> None:
+    torch.manual_seed(0)
+    model = RenamedPositions(vocab=VOCAB, d_model=16, n_heads=4, n_layers=2, seq_len=SEQ).double()
+    chain, params = sw.functionalize(model, units=["tok_emb", "blocks", "head"])
+    step = sw.train_step(chain, next_token_loss, sw.optim.sgd(0.1, momentum=0.9))
+    # Read at each rank's local positions it would train another model, without an error.
+    with pytest.raises(ValueError, match=r"'position_embeddings', named like a learned position table.*"
+                                         r"positions=\(\.\.\., 'position_embeddings'\)"):
+        context_parallel(step, "cp").plan(sw.Mesh(cp=2), params, batches(1)[0])
+    listed = context_parallel(step, "cp", positions=("position_embeddings",))
+    sw.testing.assert_equivalent(listed, step, sw.Mesh(cp=2), batches(), params)
