@@ -145,8 +145,14 @@ def test_memory_benchmark_runs_and_reports_each_variant() -> None:
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = {row["variant"]: row for row in map(json.loads, result.stdout.splitlines())}
-    assert set(rows) == {"one_process", "fsdp2_meta", "shardwise_meta", "shardwise_meta_functional", "shardwise_eager"}
-    for row in rows.values():
+    ours_and_torch = {"one_process", "fsdp2_meta", "shardwise_meta", "shardwise_meta_functional", "shardwise_eager"}
+    seed_systems = {"fairscale_fsdp", "deepspeed_zero3", "deepspeed_zero3_init"}  # measured where installed
+    assert set(rows) == ours_and_torch | seed_systems, sorted(rows)
+    assert not [row for row in rows.values() if "failed" in row], rows
+    for name, row in rows.items():
+        if "skipped" in row:  # only a seed system may be missing, and it says how to install it
+            assert name in seed_systems and "pip install" in row["skipped"], row
+            continue
         assert row["peak_bytes"] >= row["init_peak_bytes"] >= 0, row
     assert rows["fsdp2_meta"]["ratio_to_fsdp2"] == 1.0
     plan = rows["shardwise_meta"]["plan"]
