@@ -11,23 +11,14 @@ import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import optree
 import torch
 
 from ...engine.layout.state_layout import Placement
 from ...engine.model.chain import Chain
-from ...engine.torch_api import fake_tensors
+from ...engine.plan.inside import predict_inside
 from .comm import Issued, predicting
 
 Predicted = dict[tuple[str, int], list[Issued]]  # (compute kind, stage) -> what it issues
-
-
-def _cut(t: Any, grad: bool) -> Any:
-    return t.detach().requires_grad_(grad) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
-
-
-def _floats(tree: Any) -> list[torch.Tensor]:
-    return [t for t in optree.tree_leaves(tree) if isinstance(t, torch.Tensor) and t.is_floating_point()]
 
 
 def predict(
@@ -39,38 +30,6 @@ def predict(
     targets: Any,
     size: int,
 ) -> Predicted:
-    """For every stage: the collectives of its forward, of the loss (last stage) and of its backward."""
-    out: Predicted = {}
-    with fake_tensors() as fake, predicting(size) as issued:
-        x = optree.tree_map(fake, inputs)
-        y_targets = optree.tree_map(fake, targets)
-        for s, layers in enumerate(placement.stages):
-            params = {
-                (layer, k): torch.empty(shape, dtype=dtype).requires_grad_(dtype.is_floating_point)
-                for layer in {*layers, *(o for n in layers for o, _ in chain[n].ties.values())}
-                for k, (shape, dtype) in shapes.get(layer, {}).items()
-            }
-            # As the executor: a stage's input needs a gradient only when it came from a stage before.
-            x_in = optree.tree_map(functools.partial(_cut, grad=s > 0), x)
-            with torch.enable_grad():
-                y = x_in
-                for name in layers:
-                    layer = chain[name]
-                    y = layer({local: params[layer.ties.get(local, (name, local))] for local in layer.param_names}, y)
-                out[("forward", s)] = list(issued)
-                issued.clear()
-                if s == placement.last:
-                    loss = loss_fn(y, y_targets)
-                    outputs = [loss[0] if isinstance(loss, (tuple, list)) else loss]
-                    out[("loss", s)] = list(issued)
-                    issued.clear()
-                else:
-                    outputs = _floats(y)
-            used = [o for o in outputs if o.requires_grad]
-            wanted = (_floats(x_in) if s > 0 else []) + [p for p in params.values() if p.requires_grad]
-            if used and wanted:
-                torch.autograd.backward(used, [torch.ones_like(o) for o in used], inputs=wanted)
-            out[("backward", s)] = list(issued)
-            issued.clear()
-            x = optree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, y)
-    return out
+    """For every stage: the collectives of its forward, of the loss (last stage) and of its backward
+    (the engine's ``predict_inside``, recording into this transform's ``comm.predicting``)."""
+    return predict_inside(chain, placement, shapes, loss_fn, inputs, targets, functools.partial(predicting, size))

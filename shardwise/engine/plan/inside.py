@@ -1,0 +1,80 @@
+"""The collectives a split transform's layers issue inside each compute, predicted on fake tensors.
+
+Every stage (without a pipeline: every layer) runs forward, the loss on the last, and backward, on
+fake tensors inside the transform's ``recording`` block, which yields the list its layers append what
+they would issue to, in the order the run issues it. The transform says what an entry is; this module
+only runs the computes and cuts the list per compute. expert_parallel and context_parallel predict
+through it (tensor parallel has its own layer-by-layer predictor, with zero-bubble's split backward).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import optree
+import torch
+
+from ..layout.state_layout import Placement
+from ..model.chain import Chain
+from ..torch_api import fake_tensors
+
+# (compute kind, stage) -> what that compute issues, the transform's entries in order
+Predicted = dict[tuple[str, int], list[Any]]
+
+
+def _cut(t: Any, grad: bool) -> Any:
+    return t.detach().requires_grad_(grad) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+
+
+def _floats(tree: Any) -> list[torch.Tensor]:
+    return [t for t in optree.tree_leaves(tree) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+
+
+def predict_inside(
+    chain: Chain,
+    placement: Placement,
+    shapes: Mapping[str, Mapping[str, tuple[torch.Size, torch.dtype]]],
+    loss_fn: Callable[[Any, Any], Any],
+    inputs: Any,
+    targets: Any,
+    recording: Callable[[], contextlib.AbstractContextManager[list[Any]]],
+) -> Predicted:
+    """For every stage: the entries ``recording``'s list got during its forward, the loss (last stage)
+    and its backward."""
+    out: Predicted = {}
+    with fake_tensors() as fake, recording() as issued:
+        x = optree.tree_map(fake, inputs)
+        y_targets = optree.tree_map(fake, targets)
+        for s, layers in enumerate(placement.stages):
+            params = {
+                (layer, k): torch.empty(shape, dtype=dtype).requires_grad_(dtype.is_floating_point)
+                for layer in {*layers, *(o for n in layers for o, _ in chain[n].ties.values())}
+                for k, (shape, dtype) in shapes.get(layer, {}).items()
+            }
+            # As the executor: a stage's input needs a gradient only when it came from a stage before.
+            x_in = optree.tree_map(functools.partial(_cut, grad=s > 0), x)
+            with torch.enable_grad():
+                y = x_in
+                for name in layers:
+                    layer = chain[name]
+                    y = layer({local: params[layer.ties.get(local, (name, local))] for local in layer.param_names}, y)
+                out[("forward", s)] = list(issued)
+                issued.clear()
+                if s == placement.last:
+                    loss = loss_fn(y, y_targets)
+                    outputs = [loss[0] if isinstance(loss, (tuple, list)) else loss]
+                    out[("loss", s)] = list(issued)
+                    issued.clear()
+                else:
+                    outputs = _floats(y)
+            used = [o for o in outputs if o.requires_grad]
+            wanted = (_floats(x_in) if s > 0 else []) + [p for p in params.values() if p.requires_grad]
+            if used and wanted:
+                torch.autograd.backward(used, [torch.ones_like(o) for o in used], inputs=wanted)
+            out[("backward", s)] = list(issued)
+            issued.clear()
+            x = optree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, y)
+    return out
