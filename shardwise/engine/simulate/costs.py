@@ -119,7 +119,8 @@ class CommModel:
 
         >>> fast, slow = CommModel.link(bandwidth=400e9), CommModel.link(bandwidth=40e9)
         >>> model = CommModel.two_level(intra=fast, inter=slow, ranks_per_node=8)
-        >>> within, across = model.time("psum", 8e9, 8, ranks=range(8)), model.time("psum", 8e9, 8, ranks=range(0, 64, 8))
+        >>> within = model.time("psum", 8e9, 8, ranks=range(8))  # ranks 0-7: node 0
+        >>> across = model.time("psum", 8e9, 8, ranks=range(0, 64, 8))  # one rank on each of 8 nodes
         >>> round(within, 6), round(across, 6)  # 2 x 7/8 of 8 GB at 400 and at 40 GB/s
         (0.035, 0.35)
         """

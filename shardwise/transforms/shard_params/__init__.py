@@ -71,9 +71,13 @@ def shard_params(
     >>> chain, params = sw.functionalize(
     ...     torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
     ... )
-    >>> step = sw.shard_params(sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(lr=0.1)), "dp", stage=3)
+    >>> base = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(lr=0.1))
+    >>> step = sw.shard_params(base, "dp", stage=3)
     >>> print(" ".join(map(str, step.plan(sw.Mesh(dp=2)).for_rank(0)[:5])))
     gather(0) gather(2) wait_gather(0) F(0, mb=0) free(0)
+    >>> hsdp = sw.shard_params(base, "dp", stage=3, replicate="node")  # shards over dp, replicas over node
+    >>> print(" ".join(str(a) for a in hsdp.plan(sw.Mesh(node=2, dp=2)).for_rank(0) if "replicas" in a.kind))
+    reduce_replicas(2) reduce_replicas(0) wait_replicas(2) wait_replicas(0)
     """
     if not isinstance(step, Step):
         raise TypeError(f"shard_params(step=...) needs a shardwise Step (see train_step), got {type(step).__name__}")
