@@ -15,6 +15,8 @@ no such direction.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -74,3 +76,17 @@ def test_sharded_step_on_gloo_equals_single_device(
     world = int(pool_name[-1])
     per_rank = pool.run(_run_rank, kind, world, options)
     sw.testing.compare_histories(per_rank, _reference(kind, world), rtol=1e-12)
+
+
+def _run_hsdp_rank(stage: int) -> list:
+    step, params, batches = _problem("mlp", 4)
+    # a gloo group per axis: dp {0, 1} and {2, 3}, node {0, 2} and {1, 3}
+    hsdp = sw.shard_params(step, "dp", stage, replicate="node")
+    return sw.testing.record_history(hsdp, hsdp.init(params, sw.Mesh(node=2, dp=2)), batches)
+
+
+def test_hsdp_on_gloo_equals_single_device(gloo4: Any) -> None:
+    """HSDP at world 4 on processes: each axis its own gloo group, the reduce-scatter over dp and the
+    shards' all-reduce over node in flight together."""
+    per_rank = gloo4.run(_run_hsdp_rank, 3)
+    sw.testing.compare_histories(per_rank, _reference("mlp", 4), rtol=1e-12)

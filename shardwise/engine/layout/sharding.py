@@ -180,20 +180,25 @@ class UnitLayout:
 @dataclass(frozen=True)
 class FlatSharding:
     """One rank's units sharded over mesh ``axis`` at ZeRO ``stage`` (1: optimizer state,
-    2: + gradients, 3: + parameters at rest)."""
+    2: + gradients, 3: + parameters at rest); under HSDP the same shards held by every index of
+    mesh axis ``replicate``."""
 
     axis: str
     stage: int
     units: dict[str, UnitLayout]
+    replicate: str | None = None
 
     def __post_init__(self) -> None:
         if self.stage not in (1, 2, 3):
             raise ValueError(f"FlatSharding(stage={self.stage!r}): ZeRO stages are 1, 2 or 3")
 
     @classmethod
-    def of(cls, axis: str, stage: int, params: Mapping[str, Mapping[str, torch.Tensor]], shards: int) -> FlatSharding:
+    def of(
+        cls, axis: str, stage: int, params: Mapping[str, Mapping[str, torch.Tensor]], shards: int,
+        replicate: str | None = None,
+    ) -> FlatSharding:
         """One flat layout per layer that holds parameters, in the params' order."""
-        return cls(axis, stage, {u: UnitLayout.of(u, t, shards) for u, t in params.items() if t})
+        return cls(axis, stage, {u: UnitLayout.of(u, t, shards) for u, t in params.items() if t}, replicate)
 
     @property
     def holds_shards(self) -> bool:

@@ -198,6 +198,7 @@ class LeafSpec:
     zero_stage: int | None = None
     shards: int = 1
     split: TensorSplit | None = None  # tensor parallel: how the tensor-parallel axis cuts it
+    replicate_axis: str | None = None  # HSDP: the axis whose every index holds the same flat shards
 
     @property
     def local_shape(self) -> tuple[int, ...]:
@@ -221,6 +222,8 @@ class LeafSpec:
         if self.dp_axis:
             sharded = "kept as" if self.zero_stage == 3 else "whole at rest, updated in"  # ZeRO-1/2 shard the state
             zero = f", ZeRO-{self.zero_stage}: {sharded} a flat shard over {self.dp_axis!r} of {self.shards}"
+            if self.replicate_axis:
+                zero += f", replicated over {self.replicate_axis!r}"
         split = self.split
         cut = "" if split is None else f", dim {split.dim} split over {split.axis!r} in {split.parts}" + (
             f" (each of {split.blocks} fused blocks)" if split.blocks > 1 else ""
@@ -253,6 +256,7 @@ def leaf_specs(
         indices = sorted(found, key=lambda i: (i != owner, i))  # the owner's copy first
         copies = []
         shard_info: tuple[str | None, int | None, int] = (None, None, 1)
+        replicate = None
         for index in indices:
             sharding = shardings.get(index)
             if sharding is None or layer not in sharding.units:
@@ -266,10 +270,12 @@ def leaf_specs(
                 offset += numel
             copies.append(LeafCopy(index, layer, offset, unit.padded_numel))
             shard_info = (sharding.axis, sharding.stage, unit.shards)
+            replicate = sharding.replicate
         split = splits.get((layer, name))
         shape = tuple(t.shape) if split is None else split.global_shape(t.shape)
         specs[(layer, name)] = LeafSpec(
-            layer, name, shape, t.dtype, tuple(copies), placement.axis, *shard_info, split=split
+            layer, name, shape, t.dtype, tuple(copies), placement.axis, *shard_info, split=split,
+            replicate_axis=replicate,
         )
     return specs
 

@@ -43,6 +43,9 @@ REDUCE_SCATTER = "reduce_scatter"  # issue the reduce-scatter of a unit's gradie
 WAIT_REDUCE = "wait_reduce"  # wait for it: this rank holds its gradient shard
 GATHER_PARAMS = "gather_params"  # stages 1-2: all-gather an updated shard into full parameters
 WAIT_PARAMS = "wait_params"
+# HSDP: all-reduce a reduce-scattered gradient shard over the replicas' axis, and wait for it
+REDUCE_REPLICAS = "reduce_replicas"
+WAIT_REPLICAS = "wait_replicas"
 
 # -- pipeline: point-to-point transfers between stages along the pipeline axis --------------
 SEND_ACTIVATION = "send_activation"
@@ -76,6 +79,7 @@ LEDGER_OP = {
     GATHER: "all_gather",
     REDUCE_SCATTER: "psum_scatter",
     GATHER_PARAMS: "all_gather",
+    REDUCE_REPLICAS: "psum",
     SEND_ACTIVATION: "send",
     SEND_GRAD: "send",
     SEND_TIED: "send",

@@ -55,6 +55,7 @@ from .actions import (
     RECV_GRAD,
     RECV_TIED,
     REDUCE_METRICS,
+    REDUCE_REPLICAS,
     REDUCE_SCATTER,
     SEND_ACTIVATION,
     SEND_GRAD,
@@ -65,6 +66,7 @@ from .actions import (
     WAIT_METRICS,
     WAIT_PARAMS,
     WAIT_REDUCE,
+    WAIT_REPLICAS,
     WAIT_SENDS,
     Action,
     Boundary,
@@ -136,10 +138,14 @@ def stage_needs(chain: Chain, placement: Placement, units: Sequence[str]) -> dic
 
 
 def metric_axes(step: Step) -> tuple[str, ...]:
-    """The axes the metrics' share is summed over: the pipeline's, the data-parallel one, then the
-    split's (on which one index per group counts what they all compute alike: SplitRole.counts_replicated)."""
+    """The axes the metrics' share is summed over: the pipeline's, the data-parallel one (and HSDP's
+    replicas' axis, on which only index 0 counts the gradients: every index holds the same shards),
+    then the split's (on which one index per group counts what they all compute alike:
+    SplitRole.counts_replicated)."""
     pipe, zero = find(step.transforms, PLACEMENT), find(step.transforms, SHARDING)
     axes = tuple(spec.axis for spec in (pipe, zero) if spec is not None)
+    if zero is not None and zero.replicate is not None:
+        axes = (*axes, zero.replicate)
     split_axis = split_of(step.transforms).axis
     return axes if split_axis is None else (*axes, split_axis)
 
@@ -191,6 +197,8 @@ def rank_actions(
         actions += [_bucket_action(REDUCE_SCATTER, b, zero.axis) for b in late]
         in_flight = zero.reductions_in_flight(device)
         actions = _waits_for_reductions(actions, zero.axis, deferred=len(late), in_flight=in_flight)
+        if zero.replicate is not None:
+            actions = _replica_reductions(actions, zero.replicate)
     actions.append(Action(FINISH_GRADS))
     split_axis = split_of(step.transforms).axis
     if split_axis is not None:  # the split's replicated gradients are compared over its axis
@@ -282,6 +290,22 @@ def _waits_for_reductions(actions: list[Action], axis: str, deferred: int, in_fl
     return out
 
 
+def _replica_reductions(actions: list[Action], axis: str) -> list[Action]:
+    """HSDP: each gradient shard all-reduced over the replicas' ``axis``, issued as soon as its
+    reduce-scatter is waited for and waited for at the end of the backward, before the gradients
+    are finished (FSDP2 waits for its all-reduce stream there too): they overlap the rest of the
+    backward, and hold only shards (``memory["replica_buffers"]``)."""
+    out: list[Action] = []
+    issued: list[tuple[str, ...]] = []
+    for action in actions:
+        out.append(action)
+        if action.kind == WAIT_REDUCE:
+            units = action.units or (action.require("layer"),)
+            out.append(_bucket_action(REDUCE_REPLICAS, units, axis))
+            issued.append(units)
+    return out + [_bucket_action(WAIT_REPLICAS, units, axis) for units in issued]
+
+
 # (compute kind, stage) -> every collective it issues inside its layers: (op, label, wire)
 Inside = Mapping[tuple[str, int], Sequence[tuple[str, str, Wire]]]
 _INSIDE_KIND = {
@@ -356,7 +380,8 @@ def annotate(
     out: list[Action] = []
     for a in actions:
         wire: tuple[Wire, ...] = ()
-        if a.kind in (GATHER, REDUCE_SCATTER, GATHER_PARAMS) and sharding is not None and a.layer is not None:
+        if a.kind in (GATHER, REDUCE_SCATTER, GATHER_PARAMS, REDUCE_REPLICAS) and sharding is not None \
+                and a.layer is not None:
             unit = sharding.units[a.layer]
             # A bucket's units share their dtypes (buckets are made so): its numels add up.
             together = [sharding.units[u] for u in a.units or (a.layer,)]
@@ -365,6 +390,9 @@ def annotate(
             elif a.kind == REDUCE_SCATTER:
                 dtype = prec.for_layer(a.layer).reduce if prec is not None else unit.dtype
                 wire = (wire_of(sum(u.padded_numel for u in together), dtype),)
+            elif a.kind == REDUCE_REPLICAS:  # the reduce-scattered shards, still in the reduce dtype
+                dtype = prec.for_layer(a.layer).reduce if prec is not None else unit.dtype
+                wire = (wire_of(sum(u.shard_numel for u in together), dtype),)
             else:
                 wire = (wire_of(sum(u.shard_numel for u in together), unit.dtype),)
         elif a.kind == REDUCE_METRICS:

@@ -63,6 +63,7 @@ from ..plan.actions import (
     RECV_GRAD,
     RECV_TIED,
     REDUCE_METRICS,
+    REDUCE_REPLICAS,
     REDUCE_SCATTER,
     SEND_ACTIVATION,
     SEND_GRAD,
@@ -75,6 +76,7 @@ from ..plan.actions import (
     WAIT_METRICS,
     WAIT_PARAMS,
     WAIT_REDUCE,
+    WAIT_REPLICAS,
     WAIT_SENDS,
     Action,
     Boundary,
@@ -204,6 +206,7 @@ class Executor(ZeroActions, TransferActions):
     _pending: dict[tuple[str, str], Handle] = field(default_factory=dict)
     _pending_order: list[str] = field(default_factory=list)
     _grad_shards: dict[str, torch.Tensor] = field(default_factory=dict)
+    _replica_input: dict[str, torch.Tensor] = field(default_factory=dict)
     _leaves: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)
     _bound: dict[int, tuple[list[Callable[[Any], Any]], dict[tuple[str, str], torch.Tensor]]] = field(
         default_factory=dict
@@ -249,6 +252,8 @@ class Executor(ZeroActions, TransferActions):
             FREE: self.free,
             REDUCE_SCATTER: self.reduce_scatter,
             WAIT_REDUCE: self.wait_reduce,
+            REDUCE_REPLICAS: self.reduce_replicas,
+            WAIT_REPLICAS: self.wait_replicas,
             SEND_ACTIVATION: self.send_activation,
             SEND_GRAD: self.send_grad,
             RECV_ACTIVATION: self.receive,

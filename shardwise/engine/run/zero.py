@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ...collectives import Handle, all_gather_async, psum_scatter_async
+from ...collectives import Handle, all_gather_async, psum_async, psum_scatter_async
 from ...collectives.mesh import Mesh
 from ..layout.buckets import Bucket, bucket_of
 from ..layout.sharding import FlatSharding
@@ -26,7 +26,8 @@ if TYPE_CHECKING:
 
 
 class ZeroActions:
-    """gather, wait_gather, free, reduce_scatter, wait_reduce, gather_params, wait_params."""
+    """gather, wait_gather, free, reduce_scatter, wait_reduce, (HSDP) reduce_replicas, wait_replicas,
+    gather_params, wait_params."""
 
     mesh: Mesh | None
     source: ParamSource
@@ -43,6 +44,7 @@ class ZeroActions:
     _in_flight_bytes: int
     _pending: dict[tuple[str, str], Handle]
     _grad_shards: dict[str, torch.Tensor]
+    _replica_input: dict[str, torch.Tensor]  # HSDP: reduce-scattered shards, to all-reduce over the replicas
     _leaves: dict[tuple[str, str], torch.Tensor]
 
     def _sharding(self) -> FlatSharding:
@@ -121,6 +123,25 @@ class ZeroActions:
     def wait_reduce(self, action: Action) -> None:
         unit = action.require("layer")
         reduced = self._pending.pop(("reduce", unit)).wait()
+        if self._sharding().replicate is not None:  # HSDP: all-reduced over the replicas first
+            self._replica_input[unit] = reduced
+            return
+        self._take_grad_shards(action, reduced)
+
+    def reduce_replicas(self, action: Action) -> None:
+        """HSDP: issue the all-reduce of a reduce-scattered shard (a bucket's shards) over the
+        replicas' axis, in the dtype it was reduced in."""
+        unit = action.require("layer")
+        self._pending[("replicas", unit)] = psum_async(
+            self._replica_input.pop(unit), action.require("axis"), mesh=self.mesh
+        )
+
+    def wait_replicas(self, action: Action) -> None:
+        self._take_grad_shards(action, self._pending.pop(("replicas", action.require("layer"))).wait())
+
+    def _take_grad_shards(self, action: Action, reduced: torch.Tensor) -> None:
+        """The reduced gradient shard of a unit (or a bucket's), in the master dtype and unscaled."""
+        unit = action.require("layer")
         shards = self._bucket(action).split_shards(reduced) if action.units else {unit: reduced}
         for u, shard in shards.items():
             shard = shard.to(self.master[u].dtype)

@@ -12,6 +12,7 @@ relative error) to ``benchmarks/collectives.py``'s JSON lines;
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 from collections import defaultdict, deque
@@ -77,6 +78,12 @@ def _frozen(mapping: Mapping[Any, float], what: str) -> Mapping[Any, float]:
 class CommModel:
     """Time of a collective or transfer: per op, ``alpha`` per latency step and ``beta`` per byte on a link.
 
+    Two levels (:meth:`two_level`): ``alpha`` and ``beta`` price a group whose ranks all sit on one
+    node, ``inter``'s figures a group that spans nodes (a ring runs at its slowest link); global
+    rank ``r`` sits on node ``r // ranks_per_node``. A mesh's last axis varies fastest, so in
+    ``Mesh(node=8, dp=8)`` with 8 ranks per node every ``dp`` group is one node and every ``node``
+    group spans eight.
+
     >>> model = CommModel(alpha={"send": 1e-5}, beta={"send": 1e-9})
     >>> round(model.time("send", 1000, 2), 9)
     1.1e-05
@@ -84,6 +91,8 @@ class CommModel:
 
     alpha: Mapping[str, float] = field(default_factory=dict)
     beta: Mapping[str, float] = field(default_factory=dict)
+    inter: CommModel | None = None  # two levels: the figures of a group that spans nodes
+    ranks_per_node: int | None = None  # two levels: rank r sits on node r // ranks_per_node
 
     def __post_init__(self) -> None:
         for name in ("alpha", "beta"):
@@ -91,11 +100,71 @@ class CommModel:
             if unknown := sorted(set(table) - set(COMM_OPS)):
                 raise ValueError(f"CommModel.{name} has ops {unknown}; use {COMM_OPS}")
             object.__setattr__(self, name, _frozen(table, f"CommModel.{name}"))
+        if (self.inter is None) != (self.ranks_per_node is None):
+            raise ValueError(
+                "CommModel: a two-level model needs both inter (the figures across nodes) and ranks_per_node; "
+                "use CommModel.two_level(intra=..., inter=..., ranks_per_node=...)"
+            )
+        if self.inter is not None:
+            if not isinstance(self.inter, CommModel) or self.inter.inter is not None:
+                raise TypeError(f"CommModel(inter={self.inter!r}): the figures across nodes are a one-level CommModel")
+            rpn = self.ranks_per_node
+            if isinstance(rpn, bool) or not isinstance(rpn, int) or rpn < 1:
+                raise ValueError(f"CommModel(ranks_per_node={rpn!r}): the number of ranks on a node is an int >= 1")
 
-    def time(self, op: str, nbytes: int, n: int) -> float:
-        """One tensor of ``nbytes`` (one rank's input) through ``op`` over ``n`` ranks."""
+    @classmethod
+    def two_level(cls, intra: CommModel, inter: CommModel, ranks_per_node: int) -> CommModel:
+        """A model of nodes of ``ranks_per_node`` ranks: ``intra`` prices a group within one node
+        (NVLink), ``inter`` one that spans nodes (the network).
+
+        >>> fast, slow = CommModel.link(bandwidth=400e9), CommModel.link(bandwidth=40e9)
+        >>> model = CommModel.two_level(intra=fast, inter=slow, ranks_per_node=8)
+        >>> within = model.time("psum", 8e9, 8, ranks=range(8))  # ranks 0-7: node 0
+        >>> across = model.time("psum", 8e9, 8, ranks=range(0, 64, 8))  # one rank on each of 8 nodes
+        >>> round(within, 6), round(across, 6)  # 2 x 7/8 of 8 GB at 400 and at 40 GB/s
+        (0.035, 0.35)
+        """
+        for name, model in (("intra", intra), ("inter", inter)):
+            if not isinstance(model, CommModel) or model.inter is not None:
+                raise TypeError(f"CommModel.two_level({name}=...): a one-level CommModel, got {model!r}")
+        return cls(intra.alpha, intra.beta, inter=inter, ranks_per_node=ranks_per_node)
+
+    @classmethod
+    def link(cls, bandwidth: float, latency: float = 0.0) -> CommModel:
+        """Every op over links of ``bandwidth`` bytes per second each way per rank, ``latency``
+        seconds per ring step: beta is ``1 / bandwidth``, alpha ``latency``.
+
+        >>> CommModel.link(bandwidth=1e9, latency=1e-5).time("all_gather", 1000, 4)  # 3 steps, 3000 bytes
+        3.3e-05
+        """
+        for name, value in (("bandwidth", bandwidth), ("latency", latency)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or value < 0 or (name == "bandwidth" and value == 0):
+                raise ValueError(f"CommModel.link({name}={value!r}): a finite number, " +
+                                 ("> 0 bytes per second" if name == "bandwidth" else ">= 0 seconds"))
+        return cls(dict.fromkeys(COMM_OPS, float(latency)), dict.fromkeys(COMM_OPS, 1.0 / bandwidth))
+
+    def level(self, ranks: Iterable[int] | None) -> CommModel:
+        """The one-level figures that price a group of global ``ranks``: this model's own (one level,
+        or a group within one node), or ``inter`` (a group that spans nodes)."""
+        if self.inter is None:
+            return self
+        if ranks is None:
+            raise ValueError("a two-level CommModel prices a group by where its ranks are: pass ranks=")
+        assert self.ranks_per_node is not None
+        nodes = {r // self.ranks_per_node for r in ranks}
+        return self.inter if len(nodes) > 1 else self._intra
+
+    @functools.cached_property
+    def _intra(self) -> CommModel:
+        return replace(self, inter=None, ranks_per_node=None)
+
+    def time(self, op: str, nbytes: int, n: int, ranks: Iterable[int] | None = None) -> float:
+        """One tensor of ``nbytes`` (one rank's input) through ``op`` over ``n`` ranks (the global
+        ``ranks`` of the group: a two-level model needs them)."""
+        model = self.level(ranks)
         steps, factor = ring_shape(op, n)
-        return self.alpha.get(op, 0.0) * steps + self.beta.get(op, 0.0) * factor * nbytes
+        return model.alpha.get(op, 0.0) * steps + model.beta.get(op, 0.0) * factor * nbytes
 
     @classmethod
     def fit(cls, samples: Iterable[tuple[str, int, int, float]]) -> CommModel:
@@ -142,7 +211,11 @@ class CommModel:
         """
         needed = {"send" if a.op in ("send", "recv") else a.op for actions in plan.actions for a in actions if a.op}
         unknown = tuple(sorted(needed - set(self.alpha) - set(self.beta)))
-        return CommModel({**self.alpha, **dict.fromkeys(unknown, 0.0)}, dict(self.beta)), unknown
+        covered = replace(self, alpha={**self.alpha, **dict.fromkeys(unknown, 0.0)})
+        if self.inter is None:
+            return covered, unknown
+        inter, across = self.inter.covering(plan)  # each level covers the plan's ops on its own
+        return replace(covered, inter=inter), tuple(sorted({*unknown, *across}))
 
     @classmethod
     def from_benchmark(cls, rows: Iterable[Mapping[str, Any]], backend: str = "gloo") -> CommModel:

@@ -11,7 +11,9 @@ The model, and what it assumes:
   share the cores equally (processor sharing; a waiting rank uses none).
   Messages do not slow each other down.
 * A transfer or collective takes :meth:`CommModel.time` (``engine/simulate/costs.py``:
-  a ring's latency and bandwidth terms per op).
+  a ring's latency and bandwidth terms per op), over the link its group crosses: a
+  two-level model prices a group within one node by its own figures, one spanning
+  nodes by its ``inter`` figures.
 * A send is delivered its transfer time after it is issued (the executor posts
   every receive of the step at the first one, so no message waits for its
   receive); a receive ends no earlier than that, plus its own cost. Sends and
@@ -178,8 +180,10 @@ class _Simulation:
                     self._finish(r, now)
                     changed = True
 
-    def _transfer_time(self, a: Action, op: str, n: int) -> float:
-        comm = self.costs.comm
+    def _transfer_time(self, a: Action, op: str, group: tuple[int, ...]) -> float:
+        """``a``'s time over ``group`` (global ranks), priced by the link it crosses (a two-level
+        CommModel: within a node, or across nodes)."""
+        comm = self.costs.comm.level(group)
         if (comm.alpha or comm.beta) and op not in comm.alpha and op not in comm.beta:
             # A model with figures for some ops and not this one would price it free, silently.
             raise ValueError(
@@ -189,7 +193,7 @@ class _Simulation:
                 "communication throughout"
             )
         sizes = [w.nbytes for w in a.wire] or [0]  # an unknown payload still costs its latency
-        return sum(comm.time(op, nbytes, n) for nbytes in sizes)
+        return sum(comm.time(op, nbytes, len(group)) for nbytes in sizes)
 
     def _ready_time(self, r: int) -> float | None:
         """When rank ``r``'s current action may start its CPU phase (None: not known yet)."""
@@ -230,7 +234,7 @@ class _Simulation:
         i = s.pos
         a, role = self.plan.actions[r][i], self.roles[r][i]
         if a.kind in SENDS:
-            delivered = now + self._transfer_time(a, "send", 2)
+            delivered = now + self._transfer_time(a, "send", (r, peer_rank(self.mesh, r, a)))
             self.mail[channel(r, peer_rank(self.mesh, r, a), a)].append(delivered)
             self.outbox[r].append(delivered)
             self.transfers[r].append(Transfer(r, i, a, now, delivered))
@@ -277,7 +281,7 @@ class _Simulation:
             begin = max([*call.arrived.values(), self.group_free.get((a.axis, group), 0.0)])
             issued = {m: self.plan.actions[m][call.issued_by[m]] for m in group}
             largest = max(issued.values(), key=lambda action: action.nbytes)
-            call.done = begin + self._transfer_time(largest, a.op or "psum", len(group))
+            call.done = begin + self._transfer_time(largest, a.op or "psum", group)
             self.group_free[(a.axis, group)] = call.done
             for m in group:
                 self.transfers[m].append(Transfer(m, call.issued_by[m], issued[m], begin, call.done))

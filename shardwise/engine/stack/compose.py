@@ -25,6 +25,12 @@ naming it). The rules:
   compute the next one does not share, and gathers it again (FSDP2's reshard
   per micro-batch: least memory, most traffic). ``prefetch`` gathers the units
   of the next computes on this rank early, as without a pipeline.
+* HSDP, ``shard_params(axis, replicate=r)``: ``r`` is a second data-parallel axis of the same
+  mesh, over which every index holds the same shards; it is none of the other axes (not
+  ``axis``, the pipeline's or a split's). Everything ZeRO does over ``axis`` stays as it is
+  (stages, gathers, buckets, prefetch, accumulation, the pipeline's and the splits' rules above
+  and below): the batch is cut over ``r`` before ``axis``, and each gradient shard is all-reduced
+  over ``r`` after its reduce-scatter over ``axis``, in the reduce dtype, before the update.
 * Under a pipeline, ``shard_params(accumulation=k)`` is refused: the
   pipeline's micro-batches are the accumulation (use ``microbatches=``).
 * ``tensor_parallel`` goes over its own mesh axis, not shard_params' nor the
@@ -137,6 +143,15 @@ def check_stack(stack: tuple[Any, ...]) -> None:
             )
     placement = [s for s in stack if s.role == PLACEMENT]
     sharding = [s for s in stack if s.role == SHARDING]
+    replicate = sharding[0].replicate if sharding else None
+    for other in (*placement, *split):
+        if replicate is not None and other.axis == replicate:
+            raise ValueError(
+                f"shard_params(replicate={replicate!r}) and {other.name} both use axis {replicate!r} "
+                f"({describe(stack)}); HSDP replicates the shards over an axis of its own: e.g. "
+                f"sw.Mesh(node=2, dp=2, {'pp' if other.role == PLACEMENT else 'tp'}=2) with "
+                f"shard_params(..., 'dp', replicate='node')"
+            )
     if placement and sharding:
         pipe, zero = placement[0], sharding[0]
         if pipe.axis == zero.axis:

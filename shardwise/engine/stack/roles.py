@@ -86,6 +86,9 @@ class ShardingRole(Spec, Protocol):
     """A spec that shards each rank's units (a layer's owned parameters, flat) over an axis."""
 
     axis: str  # the data-parallel axis: the batch is cut over it, the units sharded over it
+    # HSDP's second data-parallel axis (None: none): the batch is cut over it too, the shards replicated
+    # over it, and each gradient shard all-reduced over it after its reduce-scatter over ``axis``
+    replicate: str | None
     stage: int  # ZeRO stage: what is sharded (1: optimizer state, 2: + gradients, 3: + parameters)
     accumulation: int  # the lowering and the batch cut: micro-batches per rank without a pipeline
     reshard_after_forward: bool | None  # compose.reshard_after_forward: None means the stated default

@@ -25,16 +25,18 @@ if TYPE_CHECKING:
 def check_mesh(transforms: tuple[Any, ...], mesh: Mesh | None) -> Mesh | None:
     """``mesh``, once it has the axis of every spec that goes over one (refused, naming it, if not)."""
     for spec in transforms:
-        axis = getattr(spec, "axis", None)  # REWRITE specs go over no axis
-        if axis is None:
-            continue
-        if mesh is None:
-            raise ValueError(f"{spec.name}(axis={axis!r}) needs the mesh: call step.init(params, mesh)")
-        if axis not in mesh.axis_names:
-            raise ValueError(
-                f"{spec.name}(axis={axis!r}): {mesh!r} has no axis {axis!r}; use one of {mesh.axis_names} "
-                "or build the mesh with that axis"
-            )
+        # REWRITE specs go over no axis; HSDP's shard_params over a second one, ``replicate``
+        for field in ("axis", "replicate"):
+            axis = getattr(spec, field, None)
+            if axis is None:
+                continue
+            if mesh is None:
+                raise ValueError(f"{spec.name}({field}={axis!r}) needs the mesh: call step.init(params, mesh)")
+            if axis not in mesh.axis_names:
+                raise ValueError(
+                    f"{spec.name}({field}={axis!r}): {mesh!r} has no axis {axis!r}; use one of {mesh.axis_names} "
+                    "or build the mesh with that axis"
+                )
     return mesh
 
 
@@ -67,7 +69,7 @@ def layouts_by_index(step: Step, mesh: Mesh | None, params: Params, rank: int | 
         local = local_params(meta, placement, i)
         shardings[i] = (
             None if zero is None or mesh is None
-            else FlatSharding.of(zero.axis, zero.stage, local, mesh.axis_size(zero.axis))
+            else FlatSharding.of(zero.axis, zero.stage, local, mesh.axis_size(zero.axis), zero.replicate)
         )
     leaves = leaf_specs(meta, placement, shardings, splits)
     opt_leaves: dict[str, dict[tuple[str, str], Any]] = {}

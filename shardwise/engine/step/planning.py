@@ -21,7 +21,17 @@ from ..layout.sharding import FlatSharding
 from ..layout.state import Params, check_params, tree_nbytes
 from ..layout.state_layout import Placement, StateLayout, local_params, meta_shards, unit_names
 from ..plan.accounting import predict_kept_parts
-from ..plan.actions import FREE, GATHER, GRAD_COMPUTES, REDUCE_SCATTER, WAIT_REDUCE, Action, Plan
+from ..plan.actions import (
+    FREE,
+    GATHER,
+    GRAD_COMPUTES,
+    REDUCE_REPLICAS,
+    REDUCE_SCATTER,
+    WAIT_REDUCE,
+    WAIT_REPLICAS,
+    Action,
+    Plan,
+)
 from ..plan.batches import split_batch, split_over
 from ..plan.lower import (
     Inside,
@@ -172,11 +182,15 @@ def _units_without_params(step: Step, placement: Placement, index: int) -> list[
 
 def batch_cuts(step: Step, mesh: Mesh | None) -> list[tuple[str, int, str]]:
     """The axes the global batch is cut over, with their sizes and the words naming the cut:
-    shard_params', then the split's (SplitRole.batch_axes; expert_parallel's), each rank taking its share."""
+    shard_params' (under HSDP its replicas' axis, then its shards'), then the split's
+    (SplitRole.batch_axes; expert_parallel's), each rank taking its share."""
     if mesh is None:
         return []
     zero, split = step.sharding_spec, step.split
-    named = ([] if zero is None else [(zero.axis, "shard_params")]) + [(a, split.name) for a in split.batch_axes(mesh)]
+    named = [] if zero is None else [(zero.axis, "shard_params")]
+    if zero is not None and zero.replicate is not None:
+        named.insert(0, (zero.replicate, "shard_params(replicate=...)"))
+    named += [(a, split.name) for a in split.batch_axes(mesh)]
     return [(a, mesh.axis_size(a), f"{who} over axis {a!r} of size {mesh.axis_size(a)}") for a, who in named]
 
 
@@ -233,7 +247,23 @@ def _class_memory(step: Step, layout: StateLayout, master: Params, actions: tupl
             })
         figures["reduce_buffers"] = _reduce_buffers(step, sharding, actions)
         figures["comm_buffers"] = _comm_buffers(sharding)
+        if sharding.replicate is not None:
+            figures["replica_buffers"] = _replica_buffers(step, sharding, actions)
     return figures
+
+
+def _replica_buffers(step: Step, sharding: FlatSharding, actions: Sequence[Action]) -> int:
+    """HSDP: peak bytes of the gradient shards in flight in their all-reduce over the replicas' axis
+    (each in the reduce dtype, from its issue to its wait: lower._replica_reductions)."""
+    sizes = {u: lay.shard_numel * torch.empty((), dtype=_reduce_dtype(step, u, lay.dtype)).element_size()
+             for u, lay in sharding.units.items()}
+    live = peak = 0
+    for action in actions:
+        if action.kind in (REDUCE_REPLICAS, WAIT_REPLICAS):
+            size = sum(sizes[u] for u in action.units or (action.require("layer"),))
+            live += size if action.kind == REDUCE_REPLICAS else -size
+            peak = max(peak, live)
+    return peak
 
 
 def _reduce_buffers(step: Step, sharding: FlatSharding, actions: Sequence[Action]) -> int:

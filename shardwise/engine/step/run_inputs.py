@@ -72,6 +72,15 @@ def _make_rank_run(
     placement, sharding, prec, split = layout.placement, layout.sharding, step.precision, step.split
     index = layout.index_of(mesh)
     splits = split.axis is not None
+    counted = None if split.counts_replicated(mesh) else gradient_selection(split, step, layout, mesh, False)
+    counts_losses = bool(split.batch_axes(mesh)) or split.sequence_parts(mesh) > 1
+    if sharding is not None and sharding.replicate is not None and mesh is not None \
+            and mesh.axis_index(sharding.replicate) != 0:
+        # HSDP: every index of the replicas' axis holds the same all-reduced shards, which index 0
+        # counts (in the norm, the finite check); each index counts its own losses and tokens (its
+        # own rows of the batch), unless the split says this rank counts none.
+        counts_losses = counts_losses if counted is not None else True
+        counted = {}
     return RankRun(
         actions=rank_actions(
             step, placement, layout.schedule, index, unit_names(sharding), device, reduce_sizes(step, sharding)
@@ -82,8 +91,8 @@ def _make_rank_run(
         reduce_dtypes=None if prec is None or sharding is None else {
             u: prec.for_layer(u).reduce for u in sharding.units
         },
-        counted=None if split.counts_replicated(mesh) else gradient_selection(split, step, layout, mesh, False),
-        counts_losses=bool(split.batch_axes(mesh)) or split.sequence_parts(mesh) > 1,
+        counted=counted,
+        counts_losses=counts_losses,
         replicas=ReplicaCheck(gradient_selection(split, step, layout, mesh, True), split.name, split.replica_fix)
         if splits else None,
         rng_rank=split.rng_rank(mesh),

@@ -30,12 +30,14 @@ _COLORS = {
     kinds.BACKWARD_INPUT: _COMPUTE_COLORS[I], kinds.BACKWARD_WEIGHT: _COMPUTE_COLORS[W],
     kinds.LOSS: "#b07cd8", kinds.UPDATE: "#8c6d31",
     kinds.GATHER: "#17becf", kinds.GATHER_PARAMS: "#17becf", kinds.REDUCE_SCATTER: "#d62728",
+    kinds.REDUCE_REPLICAS: "#ff9896",
     kinds.REDUCE_METRICS: "#9467bd", kinds.SEND_ACTIVATION: "#7f7f7f", kinds.SEND_GRAD: "#7f7f7f",
     kinds.SEND_TIED: "#7f7f7f",
 }
 _WAIT_COLOR, _OTHER_COLOR = "#dddddd", "#555555"
 # The letter that marks a transfer in flight in the ASCII drawing's row under each rank.
-_IN_FLIGHT = {kinds.GATHER: "g", kinds.GATHER_PARAMS: "p", kinds.REDUCE_SCATTER: "r", kinds.REDUCE_METRICS: "m"}
+_IN_FLIGHT = {kinds.GATHER: "g", kinds.GATHER_PARAMS: "p", kinds.REDUCE_SCATTER: "r", kinds.REDUCE_METRICS: "m",
+              kinds.REDUCE_REPLICAS: "a"}
 
 
 def _color(slot: Any) -> str:
@@ -87,8 +89,8 @@ def ascii_timeline(timeline: AnyTimeline, width: int | None = None, legend: bool
 # What a compute's letter means, and the words for what is in flight under a rank.
 _COMPUTE_WORDS = {F: "F forward", B: "B backward", I: "I backward's input half", W: "W its weight half"}
 _COMPUTE_LETTER = {kinds.FORWARD: F, kinds.BACKWARD: B, kinds.BACKWARD_INPUT: I, kinds.BACKWARD_WEIGHT: W}
-_IN_FLIGHT_WORDS = {"g": "g gather", "p": "p parameter gather", "r": "r reduce-scatter", "m": "m metrics' all-reduce",
-                    "s": "s message sent"}
+_IN_FLIGHT_WORDS = {"g": "g gather", "p": "p parameter gather", "r": "r reduce-scatter",
+                    "a": "a replicas' all-reduce", "m": "m metrics' all-reduce", "s": "s message sent"}
 
 
 def legend_lines(timeline: AnyTimeline, width: int = 100) -> list[str]:
@@ -107,7 +109,7 @@ def legend_lines(timeline: AnyTimeline, width: int = 100) -> list[str]:
     entries.append(". idle")
     flying = {_IN_FLIGHT.get(t.kind, "s") for row in (timeline.transfers or ()) for t in row}
     if flying:
-        entries.append("under a rank, in flight: " + ", ".join(_IN_FLIGHT_WORDS[c] for c in "gprms" if c in flying))
+        entries.append("under a rank, in flight: " + ", ".join(_IN_FLIGHT_WORDS[c] for c in "gprams" if c in flying))
     lines = wrap([f"{entry};" for entry in entries[:-1]] + entries[-1:], width=width - len("legend: "), indent="")
     return ["legend: " + lines[0], *(" " * len("legend: ") + line for line in lines[1:])]
 

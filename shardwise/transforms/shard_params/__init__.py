@@ -20,6 +20,7 @@ def shard_params(
     accumulation: int = 1,
     reduce_in_flight: int | None = None,
     bucket_mb: float | None = None,
+    replicate: str | None = None,
 ) -> Step:
     """Make ``step`` data parallel over mesh ``axis``, sharding what ZeRO ``stage`` shards.
 
@@ -56,18 +57,48 @@ def shard_params(
     Composed with a pipeline (in either order), each pipeline rank's layers are
     sharded over ``axis`` of a 2-D mesh such as ``Mesh(dp=2, pp=2)``.
 
+    ``replicate`` names a second data-parallel axis (HSDP, torch FSDP2's 2-D mesh): the units are
+    sharded over ``axis`` only and every index of ``replicate`` holds the same shards. The batch is
+    cut over both axes (``replicate`` first); each unit's (or bucket's) gradient is reduce-scattered
+    over ``axis`` and the shard then all-reduced over ``replicate`` (in the reduce dtype, waited for
+    before the update), so the step still equals ``step`` on the whole batch. With ``axis`` within a
+    node and ``replicate`` across nodes (``Mesh(node=8, dp=8)``: the last axis varies fastest), the
+    gathers and reduce-scatters stay on the fast links and only the shard's all-reduce crosses the
+    slow ones, at the cost of holding a ``replicate``-th of the model per rank rather than a
+    ``(replicate x axis)``-th. Every stage, option and composition of ``axis`` applies unchanged.
+
     >>> import torch, shardwise as sw
     >>> chain, params = sw.functionalize(
     ...     torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
     ... )
-    >>> step = sw.shard_params(sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(lr=0.1)), "dp", stage=3)
+    >>> base = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(lr=0.1))
+    >>> step = sw.shard_params(base, "dp", stage=3)
     >>> print(" ".join(map(str, step.plan(sw.Mesh(dp=2)).for_rank(0)[:5])))
     gather(0) gather(2) wait_gather(0) F(0, mb=0) free(0)
+    >>> hsdp = sw.shard_params(base, "dp", stage=3, replicate="node")  # shards over dp, replicas over node
+    >>> print(" ".join(str(a) for a in hsdp.plan(sw.Mesh(node=2, dp=2)).for_rank(0) if "replicas" in a.kind))
+    reduce_replicas(2) reduce_replicas(0) wait_replicas(2) wait_replicas(0)
     """
     if not isinstance(step, Step):
         raise TypeError(f"shard_params(step=...) needs a shardwise Step (see train_step), got {type(step).__name__}")
+    if isinstance(axis, (tuple, list)) and len(axis) == 2 and all(isinstance(a, str) for a in axis):
+        raise TypeError(
+            f"shard_params(axis={axis!r}): HSDP (replicate over one axis, shard over another) is spelled "
+            f"shard_params(step, {axis[1]!r}, replicate={axis[0]!r}): axis is the one axis the units are sharded over"
+        )
     if not isinstance(axis, str):
         raise TypeError(f"shard_params(axis={axis!r}): the axis is a mesh axis name such as 'dp'")
+    if replicate is not None and not isinstance(replicate, str):
+        raise TypeError(
+            f"shard_params(replicate={replicate!r}): the axis the shards are replicated over is one mesh axis "
+            "name such as 'node' (or None: no replicas)"
+        )
+    if replicate == axis:
+        raise ValueError(
+            f"shard_params(axis={axis!r}, replicate={replicate!r}): the units cannot be sharded and replicated "
+            "over the same axis; name two axes of one mesh, e.g. sw.Mesh(node=2, dp=4) with "
+            "shard_params(step, 'dp', replicate='node')"
+        )
     if stage not in (1, 2, 3):
         raise ValueError(f"shard_params(stage={stage!r}): ZeRO stages are 1, 2 or 3")
     if prefetch is not None and (isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0):
@@ -102,5 +133,5 @@ def shard_params(
                 "nothing to gather, keep or prefetch; drop the option or use stage=3"
             )
     spec = ShardSpec(axis, stage, reshard_after_forward, 1 if prefetch is None else prefetch, accumulation,
-                     reduce_in_flight, None if bucket_mb is None else float(bucket_mb))
+                     reduce_in_flight, None if bucket_mb is None else float(bucket_mb), replicate)
     return add(step, spec)

@@ -35,6 +35,9 @@ class ShardSpec:
     accumulation: int = 1
     reduce_in_flight: int | None = None  # None: chosen per device (reductions_in_flight)
     bucket_mb: float | None = None  # stages 1-2: None is DEFAULT_BUCKET_MB (bucket_limit)
+    # HSDP: the mesh axis the shards are replicated over (None: sharded over ``axis`` alone). The batch
+    # is cut over it too, and each reduce-scattered gradient shard is all-reduced over it.
+    replicate: str | None = None
 
     name: ClassVar[str] = "shard_params"
     role: ClassVar[str] = SHARDING
@@ -43,8 +46,9 @@ class ShardSpec:
         reshard = "" if self.reshard_after_forward is None else f", reshard_after_forward={self.reshard_after_forward}"
         in_flight = "" if self.reduce_in_flight is None else f", reduce_in_flight={self.reduce_in_flight}"
         in_flight += "" if self.bucket_mb is None else f", bucket_mb={self.bucket_mb}"
+        replicate = "" if self.replicate is None else f", replicate={self.replicate!r}"
         return (
-            f"shard_params(axis={self.axis!r}, stage={self.stage}{reshard}, prefetch={self.prefetch}, "
+            f"shard_params(axis={self.axis!r}{replicate}, stage={self.stage}{reshard}, prefetch={self.prefetch}, "
             f"accumulation={self.accumulation}{in_flight})"
         )
 
