@@ -45,11 +45,7 @@ from .actions import (
     FREE,
     GATHER,
     GATHER_PARAMS,
-    INSIDE_ALL_GATHER,
-    INSIDE_ALL_TO_ALL,
-    INSIDE_PPERMUTE,
-    INSIDE_PSUM,
-    INSIDE_PSUM_SCATTER,
+    INSIDE,
     LOSS,
     RECV_ACTIVATION,
     RECV_GRAD,
@@ -306,17 +302,13 @@ def _replica_reductions(actions: list[Action], axis: str) -> list[Action]:
     return out + [_bucket_action(WAIT_REPLICAS, units, axis) for units in issued]
 
 
-# (compute kind, stage) -> every collective it issues inside its layers: (op, label, wire)
-Inside = Mapping[tuple[str, int], Sequence[tuple[str, str, Wire]]]
-_INSIDE_KIND = {
-    "psum": INSIDE_PSUM, "all_gather": INSIDE_ALL_GATHER, "psum_scatter": INSIDE_PSUM_SCATTER,
-    "all_to_all": INSIDE_ALL_TO_ALL, "ppermute": INSIDE_PPERMUTE,
-}
+# (compute kind, stage) -> every collective it issues inside its layers: (op, axis, label, wire)
+Inside = Mapping[tuple[str, int], Sequence[tuple[str, str, str, Wire]]]
 
 
-def insert_inside(actions: Sequence[Action], inside: Inside, axis: str) -> tuple[Action, ...]:
-    """``actions`` with, after each compute, the collectives its layers issue while it runs (over
-    ``axis``, labelled by the module that issues them): the executor skips these, the ledger has them."""
+def insert_inside(actions: Sequence[Action], inside: Inside) -> tuple[Action, ...]:
+    """``actions`` with, after each compute, the collectives its layers issue while it runs (each over
+    its axis, labelled by the module that issues it): the executor skips these, the ledger has them."""
     loss_stage = next((s for kind, s in inside if kind == LOSS), 0)  # the last stage's
     out: list[Action] = []
     for a in actions:
@@ -327,8 +319,8 @@ def insert_inside(actions: Sequence[Action], inside: Inside, axis: str) -> tuple
             stage = loss_stage
         else:
             continue
-        for op, label, wire in inside.get((a.kind, stage), ()):
-            out.append(Action(_INSIDE_KIND[op], a.layer, a.microbatch, stage, axis, wire=(wire,), label=label))
+        for op, axis, label, wire in inside.get((a.kind, stage), ()):
+            out.append(Action(INSIDE, a.layer, a.microbatch, stage, axis, wire=(wire,), label=label, op=op))
     return tuple(out)
 
 

@@ -41,6 +41,7 @@ import torch
 from ...collectives import Handle, all_gather_async, psum, psum_async
 from ...collectives.mesh import Mesh
 from ...collectives.mesh_context import use_mesh
+from ...collectives.timing import timing
 from ..layout.devices import device_of
 from ..layout.precision import all_finite
 from ..layout.sharding import FlatSharding
@@ -82,7 +83,6 @@ from ..plan.actions import (
     Boundary,
 )
 from ..torch_api import version_of
-from . import inside_times
 from .batch_keys import unknown_keys_message
 from .metrics import MetricExchange, Summed, different_batches
 from .rng import mix, preserved, ranks_share_generators, seeded
@@ -92,6 +92,7 @@ from .zero import ZeroActions
 LossFn = Callable[[Any, Any], torch.Tensor]
 # The actions that may draw random numbers, and the code each mixes into its seed.
 _RANDOM = {FORWARD: 1, BACKWARD: 2, BACKWARD_INPUT: 2, BACKWARD_WEIGHT: 2, LOSS: 3}
+_ISSUE_INSIDE = (*COMPUTES, LOSS)  # the actions whose layers may issue collectives (lower.insert_inside)
 
 
 def float_leaves(tree: Any) -> list[torch.Tensor]:
@@ -281,7 +282,12 @@ class Executor(ZeroActions, TransferActions):
             if handler is None:
                 raise ValueError(f"the executor has no handler for action {action} (kind {action.kind!r})")
             if self.record:
-                with inside_times.recording() as inside:
+                # Every collective a compute's layers issue (a split's), timed where it runs: the Plan
+                # lists each right after its compute.
+                timer: contextlib.AbstractContextManager[list[tuple[float, float]]] = (
+                    timing() if action.kind in _ISSUE_INSIDE else contextlib.nullcontext([])
+                )
+                with timer as inside:
                     start = clock()
                     self._call(handler, action)
                     end = clock()

@@ -11,7 +11,6 @@ and the metrics.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -26,14 +25,14 @@ from ..layout.sharding import FlatSharding
 from ..layout.state import TrainState
 from ..layout.state_layout import StateLayout, unit_names
 from ..plan.actions import Action
-from ..plan.batches import split_batch, split_over
+from ..plan.batches import split_over
 from ..plan.lower import metric_axes, microbatch_count, rank_actions, reduce_sizes
 from ..run.executor import Executor, ParamSource, ReplicaCheck
 from ..run.metrics import MetricExchange, Summed, batch_fingerprint, different_batches
 from ..run.rng import mix
 from ..stack.roles import SplitRole
+from .batch_cut import batch_multiple, rank_share
 from .master import compute_params, unscale_like
-from .planning import batch_cuts, batch_multiple
 
 if TYPE_CHECKING:
     from .step import Metrics, Step
@@ -73,7 +72,7 @@ def _make_rank_run(
     index = layout.index_of(mesh)
     splits = split.axis is not None
     counted = None if split.counts_replicated(mesh) else gradient_selection(split, step, layout, mesh, False)
-    counts_losses = bool(split.batch_axes(mesh)) or split.sequence_parts(mesh) > 1
+    counts_losses = split.batch_cut(mesh).cuts
     if sharding is not None and sharding.replicate is not None and mesh is not None \
             and mesh.axis_index(sharding.replicate) != 0:
         # HSDP: every index of the replicas' axis holds the same all-reduced shards, which index 0
@@ -118,20 +117,12 @@ def gradient_selection(split: SplitRole, step: Step, layout: StateLayout, mesh: 
 
 def local_microbatches(step: Step, mesh: Mesh | None, sharding: FlatSharding | None, batch: Any) -> tuple[
         list[tuple[Any, Any]], int]:
-    """(this rank's micro-batches, the data-parallel replicas): the global batch cut over
-    shard_params' axis and a split's batch axes (planning.batch_cuts), its sequences cut by the split
-    (each part a replica), then into the pipeline's
+    """(this rank's micro-batches, the replicas of the mean): its share of the global batch
+    (batch_cut.rank_share: shard_params' axis, then the split's cut), then cut into the pipeline's
     micro-batches or shard_params' accumulation."""
-    pair = split_batch(batch)
+    pair, replicas = rank_share(step, mesh, batch, None)
     k = microbatch_count(step)
     whole = batch_multiple(step, mesh)
-    cuts = batch_cuts(step, mesh)
-    for axis, n, what in cuts:
-        assert mesh is not None
-        pair = split_over(pair, n, mesh.axis_index(axis), what, whole)
-    pair = step.split.cut_sequence(pair, mesh, None)
-    parts = step.split.sequence_parts(mesh)
-    replicas = math.prod(n for _, n, _ in cuts) * parts if cuts or parts > 1 else 0
     pipelined = step.pipeline_spec is not None
     what = f"pipeline(microbatches={k})" if pipelined else f"shard_params(accumulation={k}) on the local batch"
     if k == 1 and sharding is None:

@@ -35,6 +35,7 @@ from ..plan.lower import metric_axes
 from ..run.agreement import check_ranks_agree
 from ..run.executor import LossFn
 from ..run.metrics import REPORTABLE, MetricExchange, check_metrics
+from ..stack import in_layer
 from ..stack.compose import PLACEMENT, SHARDING, describe, find
 from ..stack.roles import SplitRole, split_of
 from .init_state import held_params, init_seeding, meta_names, sampled_values
@@ -98,8 +99,12 @@ class Step:
         return self.split.local_view(self.base_chain, params, mesh, rank)
 
     def predicting(self, mesh: Mesh | None) -> contextlib.AbstractContextManager[Any]:
-        """A block in which the layers may run on fake tensors: a split's collectives move nothing."""
-        return contextlib.nullcontext() if mesh is None else self.split.predicting(mesh)
+        """A block in which the layers may run on fake tensors: a split's collectives move nothing, they
+        record what they would issue into the list it yields."""
+        axis = self.split.axis
+        if mesh is None or axis is None:
+            return contextlib.nullcontext([])
+        return in_layer.predicting({axis: mesh.axis_size(axis)})
 
     @functools.cached_property
     def stack_key(self) -> tuple[str, ...]:
@@ -120,12 +125,12 @@ class Step:
     def with_trace(self, on: bool = True) -> Step:
         """This step also reporting when each action of its rank's Plan ran: ``metrics["action_times"]``,
         ``(position in the rank's Plan actions, start, end)`` per action (``time.perf_counter``
-        seconds; the collectives a compute issues inside its layers, under tensor parallel, at
+        seconds; the collectives a compute issues inside its layers, under a split, at
         their own positions, within their compute's time), what ``PlanTimeline.from_measured``
         and ``PlanCosts.fit`` read, and
         ``metrics["trace"]``, the computes as ``(rank, label, start, end)``. Any stack can be
         traced (``pipeline(..., trace=True)`` is the same for a pipelined one); it costs two clock
-        reads per action (and, under tensor parallel, a context variable set per action and two
+        reads per action (and, under a split, a context variable set per compute and two
         clock reads per in-layer collective). ``with_trace(False)`` turns it off, a pipeline's
         ``trace=True`` included. The states and updates are unchanged.
 

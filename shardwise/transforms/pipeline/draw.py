@@ -104,6 +104,9 @@ def legend_lines(timeline: AnyTimeline, width: int = 100) -> list[str]:
         entries.append(f"0F1 = stage 0, micro-batch 1 ({words})")
     shorts = {slot.kind: SHORT_LABELS[slot.kind] for slot in slots if not slot.compute and slot.kind in SHORT_LABELS}
     entries += [f"{short} {kind}" for kind, short in sorted(shorts.items(), key=lambda item: item[1].lower())]
+    inside = sorted({str(slot.label) for slot in slots if slot.kind == kinds.INSIDE})  # the op (short_label)
+    if inside:
+        entries.append(f"{', '.join(inside)} a collective inside a layer")
     if any(slot.waiting for slot in slots):
         entries.append("~ waiting")
     entries.append(". idle")
