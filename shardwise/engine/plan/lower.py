@@ -33,7 +33,7 @@ from ..layout.state_layout import Placement
 from ..model.chain import Chain
 from ..model.reuse import LayerMemo
 from ..stack.compose import PLACEMENT, SHARDING, find, reshard_after_forward
-from ..stack.roles import split_of
+from ..stack.splits import splits_of
 from ..torch_api import fake_tensors
 from .actions import (
     BACKWARD,
@@ -136,14 +136,13 @@ def stage_needs(chain: Chain, placement: Placement, units: Sequence[str]) -> dic
 def metric_axes(step: Step) -> tuple[str, ...]:
     """The axes the metrics' share is summed over: the pipeline's, the data-parallel one (and HSDP's
     replicas' axis, on which only index 0 counts the gradients: every index holds the same shards),
-    then the split's (on which one index per group counts what they all compute alike:
+    then the splits' (on each, one index per group counts what they all compute alike:
     SplitRole.counts_replicated)."""
     pipe, zero = find(step.transforms, PLACEMENT), find(step.transforms, SHARDING)
     axes = tuple(spec.axis for spec in (pipe, zero) if spec is not None)
     if zero is not None and zero.replicate is not None:
         axes = (*axes, zero.replicate)
-    split_axis = split_of(step.transforms).axis
-    return axes if split_axis is None else (*axes, split_axis)
+    return (*axes, *splits_of(step.transforms).axes)
 
 
 def rank_actions(
@@ -196,9 +195,9 @@ def rank_actions(
         if zero.replicate is not None:
             actions = _replica_reductions(actions, zero.replicate)
     actions.append(Action(FINISH_GRADS))
-    split_axis = split_of(step.transforms).axis
-    if split_axis is not None:  # the split's replicated gradients are compared over its axis
-        actions.append(Action(CHECK_REPLICAS, axis=split_axis))
+    split_axes = splits_of(step.transforms).axes
+    # Each split's replicated gradients are compared over its axis.
+    actions += [Action(CHECK_REPLICAS, axis=axis) for axis in split_axes]
     axes = metric_axes(step)
     if not step.metric_exchange().empty and axes:
         actions.append(Action(REDUCE_METRICS, axis=axes[0]))
@@ -208,9 +207,9 @@ def rank_actions(
         actions += [*rest, Action(UPDATE)] if step.update_needs_sums else [Action(UPDATE), *rest]
     else:
         actions.append(Action(UPDATE))
-    if split_axis is not None:  # the replicated gradients agree before anything is updated
+    if split_axes:  # the replicated gradients agree before anything is updated
         at = next(i for i, a in enumerate(actions) if a.kind == UPDATE)
-        actions.insert(at, Action(WAIT_CHECK, axis=split_axis))
+        actions[at:at] = [Action(WAIT_CHECK, axis=axis) for axis in split_axes]
     if zero is not None and zero.stage != 3:
         in_buckets = {u for b in buckets for u in b}
         gathered = [*buckets, *((u,) for u in units if u not in in_buckets)]

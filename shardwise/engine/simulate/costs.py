@@ -535,5 +535,6 @@ def _collectives_of(plan: Plan, r: int) -> Iterator[tuple[tuple[Any, ...], int, 
             yield key, pos, pos, a
             continue
         wait = WAIT_METRICS if a.kind == REDUCE_METRICS else next(k for k, v in WAIT_OF.items() if v == a.kind)
-        later = (j for j in range(pos + 1, len(actions)) if actions[j].kind == wait and actions[j].layer == a.layer)
+        later = (j for j in range(pos + 1, len(actions))
+                 if actions[j].kind == wait and (actions[j].layer, actions[j].axis) == (a.layer, a.axis))
         yield key, pos, next(later, None), a

@@ -116,7 +116,7 @@ class _Simulation:
         self.calls: dict[tuple[Any, ...], _Call] = {}
         self.group_free: dict[tuple[Any, ...], float] = {}  # (axis, group) -> when its last collective is done
         self.seq: list[dict[str, int]] = [defaultdict(int) for _ in range(n)]
-        self.pending: list[dict[tuple[str, str | None], _Call]] = [{} for _ in range(n)]
+        self.pending: list[dict[tuple[str, str | None, str | None], _Call]] = [{} for _ in range(n)]
         self.first_metrics: list[_Call | None] = [None] * n
         self.joined: list[_Call | None] = [None] * n  # the sync collective a rank has arrived at
 
@@ -243,9 +243,9 @@ class _Simulation:
             if a.kind == REDUCE_METRICS:
                 self.first_metrics[r] = call
             else:
-                self.pending[r][(a.kind, a.layer)] = call
+                self.pending[r][(a.kind, a.layer, a.axis)] = call
         elif a.kind in WAIT_OF:
-            del self.pending[r][(WAIT_OF[a.kind], a.layer)]
+            del self.pending[r][(WAIT_OF[a.kind], a.layer, a.axis)]
         elif a.kind in (WAIT_METRICS, REDUCE_METRICS):
             self.first_metrics[r] = self.joined[r] = None
         elif a.kind == INSIDE:
@@ -256,7 +256,9 @@ class _Simulation:
         self.state[r] = _Rank(pos=i + 1, start=now)
 
     def _issued_call(self, r: int, a: Action) -> _Call:
-        call = self.first_metrics[r] if a.kind == WAIT_METRICS else self.pending[r].get((WAIT_OF[a.kind], a.layer))
+        call = (
+            self.first_metrics[r] if a.kind == WAIT_METRICS else self.pending[r].get((WAIT_OF[a.kind], a.layer, a.axis))
+        )
         if call is None:
             raise PlanMismatch(f"rank {r}: {a} waits for a collective this rank never issued before it")
         return call

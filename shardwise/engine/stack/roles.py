@@ -9,13 +9,28 @@ Every spec is frozen data with a ``name`` (its transform's), a ``role`` (one of
 * PLACEMENT (pipeline) decides which layers each rank holds and when they compute.
 * SHARDING (shard_params) shards a rank's units over a data-parallel axis.
 * SPLIT (tensor_parallel, expert_parallel, context_parallel) cuts parameters, the batch or its
-  sequences over an axis and rewrites the layers that compute with them; the collectives its layers
-  issue inside a compute go through ``stack/in_layer.py``, which records them while the engine
-  predicts the Plan; its cut of the batch is one :class:`BatchCut`.
+  sequences over an axis and rewrites the layers that compute with them.
 * REWRITE (mixed_precision, remat) rewrites layer functions.
 
-A stack without a SPLIT spec reads :data:`NO_SPLIT` instead (:func:`split_of`): a split that
-cuts nothing, so the engine asks the same questions of every step.
+A SPLIT is what the engine knows least about, so its protocol says it all:
+
+* what it cuts: ``tensor_splits`` (parameters, each over the split's axis; empty for none),
+  ``local_view`` (the slices a rank computes with), ``replicated`` (what every index holds whole),
+  and ``batch_cut``, one :class:`BatchCut` (the axes it cuts the batch over, the parts it cuts each
+  sequence into, and how to cut a pair of inputs and targets);
+* how its layers run: ``rewrite``; the collectives they issue inside a compute go through
+  ``stack/in_layer.py``, which records them while the engine predicts the Plan (so the Plan lists
+  them after their compute, as ``inside`` actions with their op) and a traced run times them; a
+  split may bring its own prediction (:class:`OwnPrediction`: tensor parallel's goes layer by layer),
+  else the engine's runs;
+* what a rank counts and draws: ``counts_replicated``, ``rng_rank``, ``replica_fix``.
+
+A step asks the stack's splits as one (``stack/splits.py``): none reads as ``NO_SPLIT``, which cuts
+nothing; several, one per mesh axis, have their answers combined. So a new split transform touches
+no engine file but one rule in compose.py: it lives in its own folder, plays this role, records its
+in-layer collectives through ``in_layer``, and compose.py says, if need be, where it cannot go yet
+or where its rewrite goes among the others'. expert_parallel and context_parallel are such
+transforms: no engine code names them outside compose.py's rules.
 """
 
 from __future__ import annotations
@@ -141,7 +156,7 @@ class RewriteRole(Spec, Protocol):
 class SplitRole(Spec, Protocol):
     """A spec that cuts parameters over an axis and rewrites the layers that compute with them."""
 
-    axis: str | None  # None: nothing is split (NO_SPLIT); else the mesh must have it
+    axis: str  # the mesh must have it; one split per axis (compose.py)
     replica_fix: str  # the replica check's error: how to fix replicated gradients that differ over the axis
 
     def rewrite(self, chain: Chain, stack: tuple[Any, ...]) -> Chain:
@@ -230,47 +245,3 @@ def check_role(spec: Any) -> None:
             f"{type(spec).__name__} plays the role {role!r} but has no {', '.join(repr(m) for m in missing)}: a "
             f"{role} spec implements the engine's protocol {protocol.__name__}: the members the engine asks of it"
         )
-
-
-class NoSplit:
-    """The split of a stack without one: nothing is cut, every rank computes with whole parameters."""
-
-    name = "no split"
-    role = SPLIT
-    axis: str | None = None
-    replica_fix = ""
-
-    def __str__(self) -> str:
-        return "no split"
-
-    def rewrite(self, chain: Chain, stack: tuple[Any, ...]) -> Chain:
-        return chain
-
-    def layer_notes(self, chain: Chain) -> dict[str, str]:
-        return {}
-
-    def tensor_splits(self, chain: Chain, mesh: Mesh | None) -> dict[tuple[str, str], TensorSplit] | None:
-        return None
-
-    def local_view(self, chain: Chain, params: Params, mesh: Mesh | None, rank: int | None) -> Params:
-        return params
-
-    def replicated(self, chain: Chain) -> frozenset[tuple[str, str]]:
-        return frozenset((layer.name, n) for layer in chain for n in layer.owned_param_names)
-
-    def batch_cut(self, mesh: Mesh | None) -> BatchCut:
-        return NO_CUT
-
-    def counts_replicated(self, mesh: Mesh | None) -> bool:
-        return True
-
-    def rng_rank(self, mesh: Mesh | None) -> int | None:
-        return None
-
-
-NO_SPLIT = NoSplit()
-
-
-def split_of(stack: tuple[Any, ...]) -> SplitRole:
-    """The stack's SPLIT spec (check_stack allows one), or :data:`NO_SPLIT`."""
-    return next((spec for spec in stack if spec.role == SPLIT), NO_SPLIT)

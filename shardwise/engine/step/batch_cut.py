@@ -22,15 +22,15 @@ if TYPE_CHECKING:
 
 def batch_cuts(step: Step, mesh: Mesh | None) -> list[tuple[str, int, str]]:
     """The axes the global batch is cut over, with their sizes and the words naming the cut:
-    shard_params' (under HSDP its replicas' axis, then its shards'), then the split's batch axes, each
-    rank taking its share."""
+    shard_params' (under HSDP its replicas' axis, then its shards'), then each split's batch axes (in the
+    stack's order), each rank taking its share."""
     if mesh is None:
         return []
-    zero, split = step.sharding_spec, step.split
+    zero = step.sharding_spec
     named = [] if zero is None else [(zero.axis, "shard_params")]
     if zero is not None and zero.replicate is not None:
         named.insert(0, (zero.replicate, "shard_params(replicate=...)"))
-    named += [(a, split.name) for a in split.batch_cut(mesh).axes]
+    named += [(a, part.name) for part in step.split.parts for a in part.batch_cut(mesh).axes]
     return [(a, mesh.axis_size(a), f"{who} over axis {a!r} of size {mesh.axis_size(a)}") for a, who in named]
 
 

@@ -44,8 +44,7 @@ from ..plan.lower import (
     reduce_sizes,
     wire_of,
 )
-from ..stack.compose import rewrites_in_order
-from ..stack.roles import own_prediction
+from ..stack.compose import SPLIT, rewrites_in_order
 from .batch_cut import batch_multiple, rank_share
 
 if TYPE_CHECKING:
@@ -119,7 +118,7 @@ def plan_of(step: Step, mesh: Mesh, params: Params | None, batch: Any, *, share_
     for spec in rewrites_in_order(step.transforms):
         for layer, note in spec.layer_notes(step.base_chain).items():
             notes[layer] = (*notes.get(layer, ()), note)
-            if spec is step.split and inside is None:  # not silently absent: say what is missing
+            if spec.role == SPLIT and inside is None:  # not silently absent: say what is missing
                 notes[layer] += ("its collectives inside the layer are not listed: they are predicted from a "
                                  "batch, step.plan(mesh, params, batch)",)
     return Plan(mesh, tuple(per_rank), memory, {n: notes[n] for n in step.chain.names if n in notes})
@@ -129,23 +128,21 @@ def _layouts(
     step: Step, mesh: Mesh, params: Params, placement: Placement, first: Mapping[Any, int]
 ) -> dict[Any, StateLayout]:
     """Each class's layout, those of one split index made together (``layouts_by_index``)."""
-    axis = step.split.axis
     by_index: dict[Any, dict[int, StateLayout]] = {}
     out: dict[Any, StateLayout] = {}
     for c, r in first.items():
-        coordinate = r if not isinstance(c, tuple) else None if axis is None else mesh.coords_of(r)[axis]
+        coordinate = step.split.coordinates(mesh, r) if isinstance(c, tuple) else r
         if coordinate not in by_index:
             by_index[coordinate] = step.layouts_by_index(mesh, params, rank=r)
         out[c] = by_index[coordinate][placement.index_of(mesh, r)]
     return out
 
 
-def rank_class(step: Step, mesh: Mesh, placement: Placement, rank: int) -> tuple[int, int | None]:
-    """What decides a rank's actions and bytes: its pipeline index and its index on the split's axis.
+def rank_class(step: Step, mesh: Mesh, placement: Placement, rank: int) -> tuple[int, tuple[int, ...]]:
+    """What decides a rank's actions and bytes: its pipeline index and its indices on the splits' axes.
     Its data-parallel coordinate does not (every ZeRO shard of a unit has the same padded size,
     and a rank's shard is chosen at run time), nor does any other axis's."""
-    axis = step.split.axis
-    return placement.index_of(mesh, rank), None if axis is None else mesh.coords_of(rank)[axis]
+    return placement.index_of(mesh, rank), step.split.coordinates(mesh, rank)
 
 
 def planned_device(params: Params | None, batch: Any) -> torch.device:
@@ -163,13 +160,13 @@ def _inside_computes(
     tensors from a micro-batch, by the split's own prediction or else the engine's: None without a split,
     parameters or a batch."""
     split = step.split
-    if split.axis is None or params is None or batch is None or layout is None:
+    if not split.axes or params is None or batch is None or layout is None:
         return None
     shapes: dict[str, dict[str, tuple[torch.Size, torch.dtype]]] = {}
     for spec in layout.leaves.values():
         dtype = compute_dtype(step.precision, spec.layer, spec.dtype)
         shapes.setdefault(spec.layer, {})[spec.name] = (torch.Size(spec.local_shape), dtype)
-    predict = own_prediction(split) or predict_inside
+    predict = split.own_prediction() or predict_inside
     inputs, targets = one_microbatch(step, mesh, batch)
     found = predict(
         step.chain, placement, shapes, step.loss_fn, inputs, targets, functools.partial(step.predicting, mesh)

@@ -35,9 +35,8 @@ from ..plan.lower import metric_axes
 from ..run.agreement import check_ranks_agree
 from ..run.executor import LossFn
 from ..run.metrics import REPORTABLE, MetricExchange, check_metrics
-from ..stack import in_layer
 from ..stack.compose import PLACEMENT, SHARDING, describe, find
-from ..stack.roles import SplitRole, split_of
+from ..stack.splits import Splits, splits_of
 from .init_state import held_params, init_seeding, meta_names, sampled_values
 from .layouts import build_layout, check_mesh, layouts_by_index, stage_boundaries
 from .master import clip_scale, compute_params, master_meta, master_params
@@ -88,10 +87,10 @@ class Step:
         """shard_params' spec, if the step is data parallel with ZeRO sharding."""
         return find(self.transforms, SHARDING)
 
-    @property
-    def split(self) -> SplitRole:
-        """The spec that splits parameters over an axis (tensor_parallel), or NO_SPLIT, which cuts nothing."""
-        return split_of(self.transforms)
+    @functools.cached_property
+    def split(self) -> Splits:
+        """The stack's splits (tensor_parallel, say; one per axis) as one, or NO_SPLIT, which cuts nothing."""
+        return splits_of(self.transforms)
 
     def local_view(self, params: Params, mesh: Mesh | None, rank: int | None = None) -> Params:
         """The parameters as ``rank`` (default: the calling rank) computes with them: under a split
@@ -101,10 +100,7 @@ class Step:
     def predicting(self, mesh: Mesh | None) -> contextlib.AbstractContextManager[Any]:
         """A block in which the layers may run on fake tensors: a split's collectives move nothing, they
         record what they would issue into the list it yields."""
-        axis = self.split.axis
-        if mesh is None or axis is None:
-            return contextlib.nullcontext([])
-        return in_layer.predicting({axis: mesh.axis_size(axis)})
+        return self.split.predicting(mesh)
 
     @functools.cached_property
     def stack_key(self) -> tuple[str, ...]:
