@@ -30,7 +30,7 @@ nothing; several, one per mesh axis, have their answers combined. So a new split
 no engine file but one rule in compose.py: it lives in its own folder, plays this role, records its
 in-layer collectives through ``in_layer``, and compose.py says, if need be, where it cannot go yet
 or where its rewrite goes among the others'. expert_parallel and context_parallel are such
-transforms: no engine code names them outside compose.py's rules.
+transforms: no engine code names them outside compose.py's rules (tests/test_layering.py checks it).
 """
 
 from __future__ import annotations

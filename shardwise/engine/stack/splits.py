@@ -1,8 +1,8 @@
 """The stack's SPLIT specs as the one split the engine asks: each over its own axis.
 
 A stack may hold several splits, one per mesh axis (compose.py's rule), e.g. tensor_parallel over
-``tp`` beside expert_parallel over ``ep``. The engine asks :class:`Splits` what it would ask one
-split, and gets the parts' answers combined:
+``tp`` beside another split over an axis of its own. The engine asks :class:`Splits` what it would
+ask one split, and gets the parts' answers combined:
 
 * ``axes``: the parts' axes, in the stack's order (each a coordinate of a rank's class in the Plan,
   an axis the metrics are summed over, an axis whose replicas are checked).
