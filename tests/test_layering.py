@@ -272,10 +272,16 @@ def test_the_scan_finds_a_planted_cycle_through_lazy_imports(tmp_path: Path) -> 
 
 
 # -- the engine asks roles, never a transform by name ---------------------------------------
-# Identifiers that name the split transform (tensor parallel) rather than its role: outside
-# engine/stack/ (whose compose.py states the rules, which may name transforms) the engine says
-# "split" and asks the SPLIT role (engine/stack/roles.py).
-_TRANSFORM_NAMES = re.compile(r"tensor_parallel|(^|_)tp($|_)|split_spec", re.IGNORECASE)
+# Identifiers that name a split transform (tensor, expert or context parallel) or what only one of
+# them has, rather than the role: outside engine/stack/ (whose compose.py states the rules, which may
+# name transforms) the engine says "split" and asks the SPLIT role (engine/stack/roles.py).
+_TRANSFORM_NAMES = re.compile(
+    r"tensor_parallel|expert_parallel|context_parallel|(^|_)(tp|ep|cp)($|_)|split_spec|expert|moe|router|ulysses|"
+    r"ring_attention",
+    re.IGNORECASE,
+)
+# Split transforms by name: engine code may compare with them (a string equal to one) in compose.py only.
+SPLIT_TRANSFORMS = ("tensor_parallel", "expert_parallel", "context_parallel")
 
 
 def _identifiers(tree: ast.AST) -> Iterator[tuple[int, str]]:
@@ -309,6 +315,34 @@ def test_the_engine_names_no_split_transform_outside_the_stack(path: Path) -> No
 
 def test_the_transform_name_scan_finds_a_planted_name(tmp_path: Path) -> None:
     planted = tmp_path / "x.py"
-    planted.write_text("def f(step):\n    tp = step.split_spec\n    return TP_PSUM, split, step.tensor_parallel_axis\n")
+    planted.write_text(
+        "def f(step, ep_size):\n    tp = step.split_spec\n    return TP_PSUM, split, step.tensor_parallel_axis, "
+        "INSIDE_ALL_TO_ALL, step.sequence_parts, moe_slots(cut=step.context_parallel)\n"
+    )
     found = sorted(entry.split(": ")[1] for entry in transform_names_in(planted))
-    assert found == ["TP_PSUM", "split_spec", "tensor_parallel_axis", "tp"]  # not ``split`` nor ``step``
+    # not ``split``, ``step``, ``sequence_parts`` (a generic batch cut) nor ``INSIDE_ALL_TO_ALL`` (an op)
+    assert found == ["TP_PSUM", "context_parallel", "ep_size", "moe_slots", "split_spec", "tensor_parallel_axis",
+                     "tp"]
+
+
+def transform_strings_in(path: Path) -> list[str]:
+    """``file:line: value`` of every string in ``path``'s code equal to a split transform's name."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    return [f"{path.name}:{node.lineno}: {node.value}" for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and node.value in SPLIT_TRANSFORMS]
+
+
+@pytest.mark.parametrize(
+    "path",
+    [p for p in SOURCES if _engine_room(_module_name(p)) and p.name != "compose.py"],
+    ids=lambda p: str(p.relative_to(PACKAGE)),
+)
+def test_the_engine_compares_with_a_split_transform_by_name_only_in_compose(path: Path) -> None:
+    """A new split transform touches the engine through its role and compose.py's rules, nowhere else."""
+    assert transform_strings_in(path) == [], "state the rule in engine/stack/compose.py, or ask the SPLIT role"
+
+
+def test_compose_is_where_the_split_transforms_are_named() -> None:
+    """The scan above can fail: compose.py's rules do name them."""
+    found = {entry.split(": ")[1] for entry in transform_strings_in(PACKAGE / "engine" / "stack" / "compose.py")}
+    assert found == set(SPLIT_TRANSFORMS)

@@ -9,7 +9,7 @@ from typing import Any
 from ..collectives.launch import launch
 from ..collectives.ledger import CommRecord, Ledger, comm_ledger
 from ..collectives.mesh import Mesh
-from ..engine.plan.actions import Plan
+from ..engine.plan.actions import INSIDE, Action, Plan
 from ..engine.simulate.simulation import simulate as simulate_plan
 from ..transforms.pipeline import ascii_timeline
 from .arguments import UsageError, call_for, load_function, parse_mesh, positive_seconds
@@ -95,12 +95,17 @@ def plan_data(plan: Plan) -> dict[str, Any]:
 
 
 def action_table(plan: Plan) -> str:
-    """How many actions of each kind each rank performs: the communicating ones stand out."""
-    kinds = sorted({a.kind for actions in plan.actions for a in actions})
-    counts = [Counter(a.kind for a in actions) for actions in plan.actions]
+    """How many actions of each kind each rank performs: the communicating ones stand out (a collective
+    a layer issues inside its compute by its op: ``inside psum``)."""
+
+    def kind(a: Action) -> str:
+        return f"{a.kind} {a.op}" if a.kind == INSIDE else a.kind
+
+    kinds = sorted({kind(a) for actions in plan.actions for a in actions})
+    counts = [Counter(kind(a) for a in actions) for actions in plan.actions]
     width = max(len(k) for k in kinds) if kinds else 0
     lines = ["actions per rank: " + " ".join(f"{r:>4}" for r in range(plan.mesh.size))]
-    lines += [f"  {kind:<{width}}  " + " ".join(f"{c[kind]:>4}" for c in counts) for kind in kinds]
+    lines += [f"  {k:<{width}}  " + " ".join(f"{c[k]:>4}" for c in counts) for k in kinds]
     return "\n".join(lines)
 
 

@@ -31,6 +31,7 @@ Integer and bool tensors work with every collective except pmean; they never
 carry gradients. The async forms refuse inputs that require grad.
 
 Each collective starts in ``start.py`` (through ``handle.issue``); point-to-point ``send``/``recv`` in ``p2p.py``.
+A synchronous one notes when it ran inside ``timing.timing()`` (what a traced step reads).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from .start import (
     start_psum,
     start_psum_scatter,
 )
+from .timing import timed
 from .validate import check_perm, check_root, normalize_dim, refuse_grad, require_tensor
 from .where import Pairs, Where, in_backward, resolve
 
@@ -62,7 +64,7 @@ class _PSum(torch.autograd.Function):
 
     @staticmethod
     def forward(x: torch.Tensor, where: Where) -> torch.Tensor:
-        return start_psum(x, where, snapshot=False).wait()
+        return timed(lambda: start_psum(x, where, snapshot=False).wait())
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -78,7 +80,7 @@ class _PMean(torch.autograd.Function):
 
     @staticmethod
     def forward(x: torch.Tensor, where: Where) -> torch.Tensor:
-        return start_pmean(x, where, snapshot=False).wait()
+        return timed(lambda: start_pmean(x, where, snapshot=False).wait())
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -111,7 +113,7 @@ class _AllGather(torch.autograd.Function):
 
     @staticmethod
     def forward(x: torch.Tensor, where: Where, dim: int, tiled: bool) -> torch.Tensor:
-        return start_all_gather(x, where, dim, tiled, snapshot=False).wait()
+        return timed(lambda: start_all_gather(x, where, dim, tiled, snapshot=False).wait())
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -128,7 +130,7 @@ class _PSumScatter(torch.autograd.Function):
 
     @staticmethod
     def forward(x: torch.Tensor, where: Where, dim: int, tiled: bool) -> torch.Tensor:
-        return start_psum_scatter(x, where, dim, tiled, snapshot=False).wait()
+        return timed(lambda: start_psum_scatter(x, where, dim, tiled, snapshot=False).wait())
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -147,7 +149,7 @@ class _AllToAll(torch.autograd.Function):
     def forward(
         x: torch.Tensor, where: Where, split_dim: int, concat_dim: int, tiled: bool
     ) -> torch.Tensor:
-        return start_all_to_all(x, where, split_dim, concat_dim, tiled, snapshot=False).wait()
+        return timed(lambda: start_all_to_all(x, where, split_dim, concat_dim, tiled, snapshot=False).wait())
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -165,7 +167,7 @@ class _Broadcast(torch.autograd.Function):
 
     @staticmethod
     def forward(x: torch.Tensor, where: Where, root: int) -> torch.Tensor:
-        return start_broadcast(x, where, root, snapshot=False).wait()
+        return timed(lambda: start_broadcast(x, where, root, snapshot=False).wait())
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -186,7 +188,7 @@ class _PPermute(torch.autograd.Function):
 
     @staticmethod
     def forward(x: torch.Tensor, where: Where, pairs: Pairs) -> torch.Tensor:
-        return start_ppermute(x, where, pairs, snapshot=False).wait()
+        return timed(lambda: start_ppermute(x, where, pairs, snapshot=False).wait())
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:

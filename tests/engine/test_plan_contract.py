@@ -74,16 +74,18 @@ def test_every_rank_issues_exactly_the_collectives_its_plan_lists(
     problem=sst.problems(max_depth=4, max_steps=1),
     dp=st.sampled_from([1, 2]),
     pp=st.sampled_from([1, 2]),
-    tp=st.sampled_from([2, 4]),
     precision=st.sampled_from(PRECISIONS),
     data=st.data(),
 )
 def test_a_tensor_parallel_stack_issues_exactly_its_plan(
-    problem: sst.Problem, dp: int, pp: int, tp: int, precision: str | None, data: st.DataObject
+    problem: sst.Problem, dp: int, pp: int, precision: str | None, data: st.DataObject
 ) -> None:
     """The collectives the layers issue inside their computes too (listed after each compute), on
     tp alone, dp x tp, pp x tp and dp x pp x tp, at most 8 ranks."""
-    assume(dp * pp * tp <= 8 and len(problem.case.chain) >= pp)
+    # tp among the sizes that fit and divide a hidden width (a drawn one rarely does otherwise)
+    sizes = [t for t in (2, 4) if dp * pp * t <= 8 and any(w % t == 0 for w in problem.case.widths[1:-1])]
+    assume(sizes and len(problem.case.chain) >= pp)
+    tp = data.draw(st.sampled_from(sizes))
     options = data.draw(sst.tensor_parallel_options(problem.case, tp))
     assume(options is not None)
     stack = data.draw(sst.transform_stacks("dp", pp="pp" if pp > 1 else None, precision=precision, tp=options))
@@ -93,7 +95,7 @@ def test_a_tensor_parallel_stack_issues_exactly_its_plan(
     step = stack.apply(problem.step)
     batch = problem.batches_for(mesh, multiple=stack.microbatches)[0]
     plan = _check_contract(step, mesh, problem.params, batch)
-    assert plan.count("tp_psum") > 0
+    assert any(a.kind == "inside" and a.op == "psum" for r in range(mesh.size) for a in plan.for_rank(r))
 
 
 @given(problem=sst.problems(max_depth=4, max_steps=1), dp=st.sampled_from([2, 3]), data=st.data())

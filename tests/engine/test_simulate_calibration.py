@@ -15,7 +15,7 @@ from shardwise.engine.plan.actions import (
     FORWARD,
     GATHER,
     GATHER_PARAMS,
-    INSIDE_PSUM,
+    INSIDE,
     REDUCE_METRICS,
     REDUCE_SCATTER,
     SEND_ACTIVATION,
@@ -194,7 +194,7 @@ def test_any_drawn_stack_replayed_at_its_simulated_costs_is_that_simulation(
 
 def test_a_compute_costs_its_time_less_the_collectives_it_issued_inside_its_layers() -> None:
     f = Action(FORWARD, "x", 0, 0)
-    inside = Action(INSIDE_PSUM, "x", 0, 0, axis="tp", wire=(Wire("float32", 64),))
+    inside = Action(INSIDE, "x", 0, 0, axis="tp", wire=(Wire("float32", 64),), op="psum")
     plan = Plan(sw.Mesh(tp=2), ((f, inside), (f, inside)))
     # Measured, the all-reduce ran inside the forward: [1, 2] within [0, 3] (rank 1: [1.5, 2] in [0, 3]).
     measured = [[(0, 0.0, 3.0), (1, 1.0, 2.0)], [(0, 0.0, 3.0), (1, 1.5, 2.0)]]

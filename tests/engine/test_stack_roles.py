@@ -1,9 +1,10 @@
 """The roles a spec plays (engine/stack/roles.py) and the stack's rules on them (engine/stack/compose.py).
 
 Every spec implements its role's protocol, and one that lacks a member is refused naming it. The
-lowering asks the stack for *the* spec playing PLACEMENT, SHARDING or SPLIT; a second spec of one
-of those roles, from a transform of another name, would be ignored silently. Only REWRITE specs
-(mixed_precision, remat) stack, rebuilt in the one stated order.
+lowering asks the stack for *the* spec playing PLACEMENT or SHARDING; a second spec of one of those
+roles, from a transform of another name, would be ignored silently. SPLIT specs stack one per axis
+(tests/engine/test_splits_per_axis.py); REWRITE specs (mixed_precision, remat) stack, rebuilt in the
+one stated order.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from shardwise.engine.stack.compose import (
     check_stack,
     rewrites_in_order,
 )
-from shardwise.engine.stack.roles import NO_SPLIT, PROTOCOLS, check_role, protocol_members, split_of
+from shardwise.engine.stack.roles import PROTOCOLS, check_role, protocol_members
+from shardwise.engine.stack.splits import NO_SPLIT, splits_of
 from shardwise.testing.models import mlp
 
 TP_PLAN = {"0": sw.tp.Colwise(), "2": sw.tp.Rowwise()}
@@ -71,11 +73,11 @@ def test_every_shipped_spec_implements_its_role_protocol(spec: Any) -> None:
     check_role(spec)
 
 
-def test_the_stack_without_a_split_reads_no_split_which_implements_the_split_protocol() -> None:
-    check_role(NO_SPLIT)
-    assert split_of(_step().transforms) is NO_SPLIT and NO_SPLIT.axis is None
+def test_the_stack_without_a_split_reads_no_split_and_a_split_reads_as_its_one_part() -> None:
+    assert splits_of(_step().transforms) is NO_SPLIT and NO_SPLIT.axes == () and NO_SPLIT.name == "no split"
     split = sw.tensor_parallel(_step(), "tp", TP_PLAN)
-    assert split_of(split.transforms) is split.transforms[0] and split.split is split.transforms[0]
+    assert split.split.parts == (split.transforms[0],) and split.split.axes == ("tp",)
+    assert split.split.name == "tensor_parallel"
     assert NO_SPLIT.local_view(split.chain, {}, None, None) == {}
 
 
@@ -123,7 +125,7 @@ def test_the_chain_is_rebuilt_in_the_stated_order_whatever_order_the_transforms_
 
 
 def test_once_roles_are_the_roles_find_is_asked_for() -> None:
-    assert set(ONCE) == {PLACEMENT, SHARDING, SPLIT}
+    assert set(ONCE) == {PLACEMENT, SHARDING}  # SPLIT: one per axis
 
 
 @pytest.mark.parametrize("axes", [("tp", "tp"), ("tp", "tq")], ids=["same axis", "different axes"])
@@ -136,7 +138,6 @@ def test_two_tensor_parallels_are_refused_naming_both(axes: tuple[str, str]) -> 
 
 
 @pytest.mark.parametrize("role, apply", [
-    (SPLIT, lambda s: sw.tensor_parallel(s, "tp", TP_PLAN)),
     (SHARDING, lambda s: sw.shard_params(s, "dp")),
     (PLACEMENT, lambda s: sw.pipeline(s, "pp", "1f1b", 2)),
 ])

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 import shardwise as sw
-from shardwise.engine.plan.actions import COMPUTES, FORWARD, GATHER, REDUCE_SCATTER, SHORT
+from shardwise.engine.plan.actions import COMPUTES, FORWARD, GATHER, INSIDE, LOSS, REDUCE_SCATTER, SHORT
 from shardwise.engine.simulate.timeline import PlanTimeline
-from shardwise.testing.models import TinyGPT, mlp
+from shardwise.testing.models import MoEBlock, TinyGPT, mlp
 
 
 def _mlp_step() -> tuple[sw.Step, dict]:
@@ -76,3 +79,44 @@ def test_with_trace_false_turns_a_pipelines_trace_off() -> None:
     assert piped.traced and not piped.with_trace(False).traced and piped.with_trace(False).with_trace().traced
     assert not sw.pipeline(step, "pp", "1f1b", 2).traced
 
+
+
+def _split_steps() -> dict[str, tuple[sw.Step, sw.Mesh, dict, tuple]]:
+    """A step of each split whose layers' collectives run inside library code or autograd's transposes
+    (ring attention's ppermutes, Ulysses' and the MoE's all-to-alls), and its mesh, parameters and batch."""
+    torch.manual_seed(0)
+    gpt = TinyGPT(vocab=16, d_model=16, n_heads=4, n_layers=2, seq_len=16).double()
+    chain, gpt_params = sw.functionalize(gpt, units=["tok_emb", "blocks", "head"])
+    gpt_step = sw.train_step(chain, lambda o, t: F.cross_entropy(o.flatten(0, 1), t.flatten()), sw.optim.sgd(0.1))
+    ids = torch.randint(0, 16, (2, 16))
+    moe = nn.Sequential(nn.Linear(6, 8), MoEBlock(8, 2, 4, 4, 2), nn.Linear(8, 3)).double()
+    moe_chain, moe_params = sw.functionalize(moe)
+    moe_step = sw.train_step(moe_chain, F.mse_loss, sw.optim.sgd(0.1))
+    moe_batch = (torch.randn(4, 4, 6, dtype=torch.float64), torch.randn(4, 4, 3, dtype=torch.float64))
+    return {
+        "cp4-ring": (sw.context_parallel(gpt_step, "cp"), sw.Mesh(cp=4), gpt_params, (ids, ids)),
+        "cp2-ulysses": (
+            sw.context_parallel(gpt_step, "cp", attention="ulysses"), sw.Mesh(cp=2), gpt_params, (ids, ids)
+        ),
+        "ep2": (sw.expert_parallel(moe_step, "ep"), sw.Mesh(ep=2), moe_params, moe_batch),
+    }
+
+
+@pytest.mark.parametrize("split", ["cp4-ring", "cp2-ulysses", "ep2"])
+def test_a_traced_split_step_times_each_in_layer_collective_at_its_plan_position(split: str) -> None:
+    """Every collective a compute issues is timed where it runs, whoever issues it (a library function,
+    autograd's transpose), so each action of the Plan, the in-layer ones included, has its time."""
+    step, mesh, params, batch = _split_steps()[split]
+    plan = step.plan(mesh, params, batch)
+    per_rank = _traced_run(step.with_trace(), mesh, params, batch, steps=1)
+    for r in range(mesh.size):
+        times = per_rank[r][-1][0]
+        actions = plan.actions[r]
+        assert [pos for pos, _, _ in times] == list(range(len(actions))), f"rank {r}"
+        compute = None
+        for pos, start, end in times:  # each in-layer collective inside the compute listed before it
+            if actions[pos].kind == INSIDE:
+                assert compute is not None and compute[0] <= start <= end <= compute[1], (r, actions[pos])
+            else:
+                compute = (start, end) if actions[pos].kind in (*COMPUTES, LOSS) else None
+        assert any(actions[pos].kind == INSIDE for pos, _, _ in times)

@@ -88,18 +88,19 @@ def my_regions(layout: StateLayout, mesh: Mesh | None) -> list[Region]:
     index = layout.index_of(mesh)
     sharding = layout.sharding
     splits = {s.split.axis for s in layout.leaves.values() if s.split is not None}
-    split_index = 0
+    coords: dict[str, int] = {}
     if mesh is not None:
         used = {layout.placement.axis, None if sharding is None else sharding.axis, *splits}
         if any(c != 0 for axis, c in mesh.coords.items() if axis not in used):
             return []
-        split_index = mesh.axis_index(next(iter(splits))) if splits else 0  # tensor parallel: one axis
+        coords = dict(mesh.coords)
 
     def mine(layer: str, name: str) -> bool:
-        """This rank saves its copy: the owner's pipeline index, and a whole (replicated) parameter
-        only on the first index of the tensor-parallel axis."""
+        """This rank saves its copy: the owner's pipeline index, and on every axis that cuts parameters
+        but not this one (it is whole over that axis) the first index only."""
         spec = layout.leaves[(layer, name)]
-        return spec.copies[0].index == index and (spec.split is not None or split_index == 0)
+        own = None if spec.split is None else spec.split.axis
+        return spec.copies[0].index == index and all(coords.get(a, 0) == 0 for a in splits if a != own)
 
     regions: list[Region] = []
     if sharding is None:

@@ -250,9 +250,7 @@ def _snapshot(state: TrainState, step: Any, layout: StateLayout, mesh: Mesh | No
     mirrors, scalars = split_opt_state(state.opt_state, tree)
     out: list[tuple[str, tuple[int, ...], torch.Tensor]] = []
     tensors: dict[str, Any] = {}
-    split_axes = {s.split.axis for s in layout.leaves.values() if s.split is not None}
-    # a split transform: one axis
-    split_index = mesh.axis_index(next(iter(split_axes))) if split_axes and mesh is not None else 0
+    coords = {} if mesh is None else dict(mesh.coords)  # a split leaf's index: the rank's on its axis
 
     def add(fqn: str, shape: tuple[int, ...], segment: torch.Tensor, start: int, stop: int, spec: Any = None) -> None:
         """Elements [start, stop) of this rank's tensor as boxes of the whole one (of ``shape``);
@@ -263,7 +261,9 @@ def _snapshot(state: TrainState, step: Any, layout: StateLayout, mesh: Mesh | No
         for offsets, sizes in boxes(held, start, stop):
             first = flat_start(held, offsets) - start
             box = segment[first : first + math.prod(sizes)].reshape(sizes)
-            pieces = [(offsets, box)] if split is None else split.to_global(offsets, box, split_index, shape)
+            pieces = [(offsets, box)] if split is None else split.to_global(
+                offsets, box, coords.get(split.axis, 0), shape
+            )
             for at, piece in pieces:
                 out.append((fqn, at, piece.detach().to("cpu", copy=True)))  # a copy: training goes on
 

@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ...collectives.mesh import Mesh
+from ..stack.in_layer import OPS as INSIDE_OPS
 from .text import plan_text
 
 # -- compute --------------------------------------------------------------------------------
@@ -61,15 +62,11 @@ WAIT_SENDS = "wait_sends"  # every send of the step delivered
 REDUCE_METRICS = "reduce_metrics"  # an all-reduce of what the step exchanges (async on the first axis)
 WAIT_METRICS = "wait_metrics"  # the summed values are known
 
-# -- a split transform: collectives a layer issues inside its compute (the action just before) ----
-# (The kinds' text, "tp_...", is the Plan's printed vocabulary, kept as tensor parallel made it.)
-INSIDE_PSUM = "tp_psum"  # an all-reduce (Megatron's g in forward, f in backward)
-INSIDE_ALL_GATHER = "tp_all_gather"  # sequence parallel's gather, or a column-parallel output made whole
-INSIDE_PSUM_SCATTER = "tp_psum_scatter"  # sequence parallel's reduce-scatter
-INSIDE_ALL_TO_ALL = "inside_all_to_all"  # expert parallel's dispatch and combine; Ulysses attention's
-INSIDE_PPERMUTE = "inside_ppermute"  # ring attention's key/value slice to the next rank
-# Issued by their compute: the executor skips them.
-INSIDE_COMPUTE = (INSIDE_PSUM, INSIDE_ALL_GATHER, INSIDE_PSUM_SCATTER, INSIDE_ALL_TO_ALL, INSIDE_PPERMUTE)
+# -- a split transform: a collective a layer issues inside its compute (the action just before) ------
+# Its ``op`` says which (stack/in_layer.py's OPS: psum, all_gather, psum_scatter, all_to_all,
+# ppermute); it prints as that op: ``psum(blocks.0.attn, axis=tp)``. Issued by its compute: the
+# executor skips it.
+INSIDE = "inside"
 # all-gather a checksum of the split's replicated gradients (and the batch's) over its axis
 CHECK_REPLICAS = "check_replicas"
 WAIT_CHECK = "wait_check"  # they must be equal on every index: else the step refuses before its update
@@ -88,12 +85,7 @@ LEDGER_OP = {
     RECV_TIED: "recv",
     REDUCE_METRICS: "psum",
     CHECK_REPLICAS: "all_gather",
-    INSIDE_PSUM: "psum",
-    INSIDE_ALL_GATHER: "all_gather",
-    INSIDE_PSUM_SCATTER: "psum_scatter",
-    INSIDE_ALL_TO_ALL: "all_to_all",
-    INSIDE_PPERMUTE: "ppermute",
-}
+}  # and INSIDE: its own ``op``
 
 SHORT = {FORWARD: "F", BACKWARD: "B", BACKWARD_INPUT: "I", BACKWARD_WEIGHT: "W"}  # a compute's letter
 
@@ -143,6 +135,18 @@ class Action:
     label: str | None = None  # the text form of the action's subject, when not ``layer``
     # A ZeRO bucket's units, in its order (``layer`` is the first), when several travel as one collective
     units: tuple[str, ...] = ()
+    # The collective (as the ledger names it) the action issues: set for INSIDE, filled in from
+    # LEDGER_OP for every other kind (None: it issues none).
+    op: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind == INSIDE:
+            if self.op not in INSIDE_OPS:
+                raise ValueError(f"an {INSIDE!r} action needs op= one of {INSIDE_OPS}, got {self.op!r}")
+        elif self.op != LEDGER_OP.get(self.kind):
+            if self.op is not None:
+                raise ValueError(f"a {self.kind!r} action issues {LEDGER_OP.get(self.kind)!r}, not op={self.op!r}")
+            object.__setattr__(self, "op", LEDGER_OP.get(self.kind))
 
     @property
     def mb(self) -> int:
@@ -157,24 +161,19 @@ class Action:
         return value
 
     @property
-    def op(self) -> str | None:
-        """The ledger's name of the collective this action issues, if it issues one."""
-        return LEDGER_OP.get(self.kind)
-
-    @property
     def nbytes(self) -> int:
         """Bytes the action puts on the wire (or receives), summed over its tensors."""
         return sum(w.nbytes for w in self.wire)
 
     def __str__(self) -> str:
-        head = SHORT.get(self.kind, self.kind)
+        head = str(self.op) if self.kind == INSIDE else SHORT.get(self.kind, self.kind)
         subject = self.label if self.label is not None else self.layer
         inner = [] if subject is None else [subject]
         if self.microbatch is not None:
             inner.append(f"mb={self.microbatch}")
         if self.peer is not None:
             inner.append(("to" if self.kind.startswith("send") else "from") + f"={self.peer}")
-        if self.kind in (REDUCE_METRICS, *INSIDE_COMPUTE) and self.axis is not None:
+        if self.kind in (REDUCE_METRICS, INSIDE) and self.axis is not None:
             inner.append(f"axis={self.axis}")
         return f"{head}({', '.join(inner)})" if inner else head
 

@@ -1,10 +1,11 @@
 """The collectives a split transform's layers issue inside each compute, predicted on fake tensors.
 
 Every stage (without a pipeline: every layer) runs forward, the loss on the last, and backward, on
-fake tensors inside the transform's ``recording`` block, which yields the list its layers append what
-they would issue to, in the order the run issues it. The transform says what an entry is; this module
-only runs the computes and cuts the list per compute. expert_parallel and context_parallel predict
-through it (tensor parallel has its own layer-by-layer predictor, with zero-bubble's split backward).
+fake tensors inside ``recording`` (the step's ``in_layer.predicting`` block, with every split's axes),
+which yields the list the layers append what they would issue to (``stack/in_layer.py``), in the
+order the run issues it; this module runs the computes and cuts the list per compute. It is the
+engine's prediction for every split; a split may bring its own (``roles.OwnPrediction``: tensor
+parallel's goes layer by layer, each distinct layer once, and knows zero-bubble's split backward).
 """
 
 from __future__ import annotations
@@ -19,10 +20,13 @@ import torch
 
 from ..layout.state_layout import Placement
 from ..model.chain import Chain
+from ..stack.in_layer import Issued
 from ..torch_api import fake_tensors
 
-# (compute kind, stage) -> what that compute issues, the transform's entries in order
-Predicted = dict[tuple[str, int], list[Any]]
+# (compute kind, stage) -> what that compute issues inside its layers, in order
+Predicted = dict[tuple[str, int], list[Issued]]
+# The block the layers run in: the step's in_layer.predicting, yielding the list they record into
+Recording = Callable[[], contextlib.AbstractContextManager[list[Issued]]]
 
 
 def _cut(t: Any, grad: bool) -> Any:
@@ -40,7 +44,7 @@ def predict_inside(
     loss_fn: Callable[[Any, Any], Any],
     inputs: Any,
     targets: Any,
-    recording: Callable[[], contextlib.AbstractContextManager[list[Any]]],
+    recording: Recording,
 ) -> Predicted:
     """For every stage: the entries ``recording``'s list got during its forward, the loss (last stage)
     and its backward."""

@@ -33,7 +33,7 @@ from ..layout.state_layout import Placement
 from ..model.chain import Chain
 from ..model.reuse import LayerMemo
 from ..stack.compose import PLACEMENT, SHARDING, find, reshard_after_forward
-from ..stack.roles import split_of
+from ..stack.splits import splits_of
 from ..torch_api import fake_tensors
 from .actions import (
     BACKWARD,
@@ -45,11 +45,7 @@ from .actions import (
     FREE,
     GATHER,
     GATHER_PARAMS,
-    INSIDE_ALL_GATHER,
-    INSIDE_ALL_TO_ALL,
-    INSIDE_PPERMUTE,
-    INSIDE_PSUM,
-    INSIDE_PSUM_SCATTER,
+    INSIDE,
     LOSS,
     RECV_ACTIVATION,
     RECV_GRAD,
@@ -140,14 +136,13 @@ def stage_needs(chain: Chain, placement: Placement, units: Sequence[str]) -> dic
 def metric_axes(step: Step) -> tuple[str, ...]:
     """The axes the metrics' share is summed over: the pipeline's, the data-parallel one (and HSDP's
     replicas' axis, on which only index 0 counts the gradients: every index holds the same shards),
-    then the split's (on which one index per group counts what they all compute alike:
+    then the splits' (on each, one index per group counts what they all compute alike:
     SplitRole.counts_replicated)."""
     pipe, zero = find(step.transforms, PLACEMENT), find(step.transforms, SHARDING)
     axes = tuple(spec.axis for spec in (pipe, zero) if spec is not None)
     if zero is not None and zero.replicate is not None:
         axes = (*axes, zero.replicate)
-    split_axis = split_of(step.transforms).axis
-    return axes if split_axis is None else (*axes, split_axis)
+    return (*axes, *splits_of(step.transforms).axes)
 
 
 def rank_actions(
@@ -200,9 +195,9 @@ def rank_actions(
         if zero.replicate is not None:
             actions = _replica_reductions(actions, zero.replicate)
     actions.append(Action(FINISH_GRADS))
-    split_axis = split_of(step.transforms).axis
-    if split_axis is not None:  # the split's replicated gradients are compared over its axis
-        actions.append(Action(CHECK_REPLICAS, axis=split_axis))
+    split_axes = splits_of(step.transforms).axes
+    # Each split's replicated gradients are compared over its axis.
+    actions += [Action(CHECK_REPLICAS, axis=axis) for axis in split_axes]
     axes = metric_axes(step)
     if not step.metric_exchange().empty and axes:
         actions.append(Action(REDUCE_METRICS, axis=axes[0]))
@@ -212,9 +207,9 @@ def rank_actions(
         actions += [*rest, Action(UPDATE)] if step.update_needs_sums else [Action(UPDATE), *rest]
     else:
         actions.append(Action(UPDATE))
-    if split_axis is not None:  # the replicated gradients agree before anything is updated
+    if split_axes:  # the replicated gradients agree before anything is updated
         at = next(i for i, a in enumerate(actions) if a.kind == UPDATE)
-        actions.insert(at, Action(WAIT_CHECK, axis=split_axis))
+        actions[at:at] = [Action(WAIT_CHECK, axis=axis) for axis in split_axes]
     if zero is not None and zero.stage != 3:
         in_buckets = {u for b in buckets for u in b}
         gathered = [*buckets, *((u,) for u in units if u not in in_buckets)]
@@ -306,17 +301,13 @@ def _replica_reductions(actions: list[Action], axis: str) -> list[Action]:
     return out + [_bucket_action(WAIT_REPLICAS, units, axis) for units in issued]
 
 
-# (compute kind, stage) -> every collective it issues inside its layers: (op, label, wire)
-Inside = Mapping[tuple[str, int], Sequence[tuple[str, str, Wire]]]
-_INSIDE_KIND = {
-    "psum": INSIDE_PSUM, "all_gather": INSIDE_ALL_GATHER, "psum_scatter": INSIDE_PSUM_SCATTER,
-    "all_to_all": INSIDE_ALL_TO_ALL, "ppermute": INSIDE_PPERMUTE,
-}
+# (compute kind, stage) -> every collective it issues inside its layers: (op, axis, label, wire)
+Inside = Mapping[tuple[str, int], Sequence[tuple[str, str, str, Wire]]]
 
 
-def insert_inside(actions: Sequence[Action], inside: Inside, axis: str) -> tuple[Action, ...]:
-    """``actions`` with, after each compute, the collectives its layers issue while it runs (over
-    ``axis``, labelled by the module that issues them): the executor skips these, the ledger has them."""
+def insert_inside(actions: Sequence[Action], inside: Inside) -> tuple[Action, ...]:
+    """``actions`` with, after each compute, the collectives its layers issue while it runs (each over
+    its axis, labelled by the module that issues it): the executor skips these, the ledger has them."""
     loss_stage = next((s for kind, s in inside if kind == LOSS), 0)  # the last stage's
     out: list[Action] = []
     for a in actions:
@@ -327,8 +318,8 @@ def insert_inside(actions: Sequence[Action], inside: Inside, axis: str) -> tuple
             stage = loss_stage
         else:
             continue
-        for op, label, wire in inside.get((a.kind, stage), ()):
-            out.append(Action(_INSIDE_KIND[op], a.layer, a.microbatch, stage, axis, wire=(wire,), label=label))
+        for op, axis, label, wire in inside.get((a.kind, stage), ()):
+            out.append(Action(INSIDE, a.layer, a.microbatch, stage, axis, wire=(wire,), label=label, op=op))
     return tuple(out)
 
 

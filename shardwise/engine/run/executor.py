@@ -41,6 +41,7 @@ import torch
 from ...collectives import Handle, all_gather_async, psum, psum_async
 from ...collectives.mesh import Mesh
 from ...collectives.mesh_context import use_mesh
+from ...collectives.timing import timing
 from ..layout.devices import device_of
 from ..layout.precision import all_finite
 from ..layout.sharding import FlatSharding
@@ -82,7 +83,6 @@ from ..plan.actions import (
     Boundary,
 )
 from ..torch_api import version_of
-from . import inside_times
 from .batch_keys import unknown_keys_message
 from .metrics import MetricExchange, Summed, different_batches
 from .rng import mix, preserved, ranks_share_generators, seeded
@@ -92,6 +92,7 @@ from .zero import ZeroActions
 LossFn = Callable[[Any, Any], torch.Tensor]
 # The actions that may draw random numbers, and the code each mixes into its seed.
 _RANDOM = {FORWARD: 1, BACKWARD: 2, BACKWARD_INPUT: 2, BACKWARD_WEIGHT: 2, LOSS: 3}
+_ISSUE_INSIDE = (*COMPUTES, LOSS)  # the actions whose layers may issue collectives (lower.insert_inside)
 
 
 def float_leaves(tree: Any) -> list[torch.Tensor]:
@@ -182,9 +183,9 @@ class Executor(ZeroActions, TransferActions):
     counts_losses: bool = False  # with ``counted``: this rank's losses and tokens are its own (a split cut the batch)
     batch_fingerprint: torch.Tensor | None = None  # of the global batch, when the exchange checks it
     rng_rank: int | None = None  # the rank whose random streams this one draws (None: its own)
-    # Under a split: the gradients of the parameters it replicates, which must come out equal on every
-    # index of its axis (check_replicas).
-    replicas: ReplicaCheck | None = None
+    # Per split axis: the gradients of the parameters that split replicates, which must come out equal
+    # on every index of its axis (check_replicas).
+    replicas: Mapping[str, ReplicaCheck] = field(default_factory=dict)
     # -- results ----------------------------------------------------------------------------
     final_grads: Any = None
     summed: Summed = field(default_factory=Summed)
@@ -222,8 +223,7 @@ class Executor(ZeroActions, TransferActions):
     _metrics_total: torch.Tensor | None = None
     _metrics_handle: Handle | None = None
     _actions: Sequence[Action] = ()
-    _check_handle: Handle | None = None
-    _check_local: torch.Tensor | None = None
+    _checks: dict[str, Handle] = field(default_factory=dict)  # per split axis: the replica check in flight
 
     def __post_init__(self) -> None:
         # Where this rank computes: its parameters', else its micro-batches'. Received values go
@@ -281,7 +281,12 @@ class Executor(ZeroActions, TransferActions):
             if handler is None:
                 raise ValueError(f"the executor has no handler for action {action} (kind {action.kind!r})")
             if self.record:
-                with inside_times.recording() as inside:
+                # Every collective a compute's layers issue (a split's), timed where it runs: the Plan
+                # lists each right after its compute.
+                timer: contextlib.AbstractContextManager[list[tuple[float, float]]] = (
+                    timing() if action.kind in _ISSUE_INSIDE else contextlib.nullcontext([])
+                )
+                with timer as inside:
                     start = clock()
                     self._call(handler, action)
                     end = clock()
@@ -577,30 +582,32 @@ class Executor(ZeroActions, TransferActions):
             raise RuntimeError(f"gather of unit {key[1]!r} issued but never waited for")
 
     def check_replicas(self, action: Action) -> None:
-        """Issue the all-gather of a checksum of this rank's replicated gradients over the split's
-        axis: they must be the same on every index (else a replicated parameter was used on per-rank
-        values without its gradient being summed, or random ops differed)."""
-        pieces = _counted_pieces(self.final_grads, self.replicas.selection) if self.replicas is not None else []
+        """Issue the all-gather of a checksum of this rank's replicated gradients over a split's axis:
+        they must be the same on every index (else a replicated parameter was used on per-rank values
+        without its gradient being summed, or random ops differed)."""
+        axis = action.require("axis")
+        replicas = self.replicas.get(axis)
+        pieces = _counted_pieces(self.final_grads, replicas.selection) if replicas is not None else []
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         absolute = torch.zeros((), dtype=torch.float64, device=self.device)
         for g in pieces:
             total = total + g.double().sum()
             absolute = absolute + g.double().abs().sum()
         batch = torch.zeros((), dtype=torch.float64) if self.batch_fingerprint is None else self.batch_fingerprint
-        self._check_local = torch.stack([total, absolute, batch.to(device=self.device, dtype=torch.float64)])
-        self._check_handle = all_gather_async(self._check_local, action.require("axis"), mesh=self.mesh)
+        local = torch.stack([total, absolute, batch.to(device=self.device, dtype=torch.float64)])
+        self._checks[axis] = all_gather_async(local, axis, mesh=self.mesh)
 
     def wait_check(self, action: Action) -> None:
-        assert self._check_handle is not None and self._check_local is not None, "wait_check before check_replicas"
-        every = self._check_handle.wait()
-        self._check_handle = None
+        axis = action.require("axis")
+        assert axis in self._checks, f"wait_check over {axis!r} before its check_replicas"
+        every = self._checks.pop(axis).wait()
         if not torch.equal(every[:, 2], every[0, 2].expand(every.shape[0])):  # computed alike from one batch
-            raise ValueError(different_batches(f"the ranks of axis {action.require('axis')!r}"))
+            raise ValueError(different_batches(f"the ranks of axis {axis!r}"))
         # Equal bitwise when right: every index sums the same values in the same order (a sum over
         # the axis gives every index the same bits), so any difference, however small, is a missed sum.
         if not torch.equal(every[:, :2], every[:1, :2].expand(every.shape[0], 2)):
-            axis = action.require("axis")
-            by, fix = ("the split", "") if self.replicas is None else (self.replicas.by, self.replicas.fix)
+            replicas = self.replicas.get(axis)
+            by, fix = ("the split", "") if replicas is None else (replicas.by, replicas.fix)
             raise ValueError(
                 f"{by}: the gradients of the replicated parameters differ between the ranks of axis "
                 f"{axis!r} (checksums {every.tolist()}), so their copies would drift apart. {fix}"

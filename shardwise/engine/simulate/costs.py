@@ -26,7 +26,7 @@ from ..plan.actions import (
     BACKWARD_INPUT,
     BACKWARD_WEIGHT,
     FORWARD,
-    INSIDE_COMPUTE,
+    INSIDE,
     REDUCE_METRICS,
     WAIT_METRICS,
     Action,
@@ -48,23 +48,33 @@ from .timeline import (
 )
 
 DEFAULT_COSTS = MappingProxyType({FORWARD: 1.0, BACKWARD: 2.0, BACKWARD_INPUT: 1.0, BACKWARD_WEIGHT: 1.0})
-COMM_OPS = ("all_gather", "psum_scatter", "psum", "all_to_all", "ppermute", "send")
+
+
+def _ring(steps: Callable[[int], float], factor: Callable[[int], float]) -> Callable[[int], tuple[float, float]]:
+    """A collective's shape over ``n`` ranks; a group of one moves nothing."""
+    return lambda n: (steps(n), factor(n)) if n > 1 else (0.0, 0.0)
+
+
+# The one table of what each op costs, whoever issues it (ZeRO, the metrics, a split's layers, a
+# pipeline's transfers): (latency steps, bytes on one link per input byte) as a ring over n ranks.
+RING_SHAPES: Mapping[str, Callable[[int], tuple[float, float]]] = MappingProxyType({
+    "all_gather": _ring(lambda n: n - 1, lambda n: n - 1),
+    "psum_scatter": _ring(lambda n: n - 1, lambda n: (n - 1) / n),
+    "psum": _ring(lambda n: 2 * (n - 1), lambda n: 2 * (n - 1) / n),
+    # n - 1 pairwise steps, each rank sending the (n - 1) / n of its input that other ranks own
+    "all_to_all": _ring(lambda n: n - 1, lambda n: (n - 1) / n),
+    "ppermute": lambda n: (1.0, 1.0),  # each rank sends its input to one peer (a ring's pass)
+    "send": lambda n: (1.0, 1.0),
+})
+COMM_OPS = tuple(RING_SHAPES)
 
 
 def ring_shape(op: str, n: int) -> tuple[float, float]:
     """(latency steps, bytes on one link per input byte) of ``op`` as a ring over ``n`` ranks."""
-    if op in ("send", "ppermute"):  # ppermute (ring attention's pass): each rank sends its input to one peer
-        return 1.0, 1.0
-    if op not in COMM_OPS:
+    shape = RING_SHAPES.get(op)
+    if shape is None:
         raise ValueError(f"no communication model for op {op!r}; the model knows {COMM_OPS}")
-    if n <= 1:
-        return 0.0, 0.0  # a group of one moves nothing
-    # all_to_all (expert parallel's dispatch and combine): n - 1 pairwise steps, each rank sending the
-    # (n - 1) / n of its input that other ranks own.
-    return {
-        "all_gather": (n - 1, n - 1), "psum_scatter": (n - 1, (n - 1) / n), "psum": (2 * (n - 1), 2 * (n - 1) / n),
-        "all_to_all": (n - 1, (n - 1) / n),
-    }[op]
+    return shape(n)
 
 
 def _frozen(mapping: Mapping[Any, float], what: str) -> Mapping[Any, float]:
@@ -324,9 +334,9 @@ class PlanCosts:
         when its data is already in. Every kind also gets the same over all its samples, for
         actions not seen. With ``cores`` (the run's ranks shared that many), a duration counts
         only the share of a core the action had: while ``k > cores`` ranks were busy, ``cores / k``.
-        A compute's duration leaves out the collectives it issued inside its layers (tensor
-        parallel: the Plan lists them after it, each costed as a wait), and its rank counts as
-        idle while in them.
+        A compute's duration leaves out the collectives it issued inside its layers (a split's:
+        the Plan lists them after it, each costed as a wait), and its rank counts as idle while
+        in them.
         """
         samples: dict[tuple[str, Any], list[float]] = defaultdict(list)
         blocking: set[str] = set()
@@ -385,7 +395,7 @@ class PlanCosts:
 def _own_times(plan: Plan, step: Sequence[ActionTimes], cores: int | None) -> dict[tuple[int, int], float]:
     """Per (rank, position), what each compute, issue and bookkeeping action of a measured step
     cost its rank: its core time (:func:`_core_time`), less the time of the collectives it issued
-    inside its layers (tensor parallel) while it ran, which the Plan lists, and a simulation runs,
+    inside its layers (a split's) while it ran, which the Plan lists, and a simulation runs,
     after it."""
     work = _core_time(plan, step, cores)
     own: dict[tuple[int, int], float] = {}
@@ -403,7 +413,7 @@ def _nested(plan: Plan, r: int, times: ActionTimes) -> list[tuple[int, float, fl
     found, outer = [], None
     for pos, start, end in sorted(times):
         kind = plan.actions[r][pos].kind
-        if kind in INSIDE_COMPUTE:
+        if kind == INSIDE:
             if outer is not None and min(end, outer[2]) > max(start, outer[1]):
                 found.append((outer[0], max(start, outer[1]), min(end, outer[2])))
         else:
@@ -525,5 +535,6 @@ def _collectives_of(plan: Plan, r: int) -> Iterator[tuple[tuple[Any, ...], int, 
             yield key, pos, pos, a
             continue
         wait = WAIT_METRICS if a.kind == REDUCE_METRICS else next(k for k, v in WAIT_OF.items() if v == a.kind)
-        later = (j for j in range(pos + 1, len(actions)) if actions[j].kind == wait and actions[j].layer == a.layer)
+        later = (j for j in range(pos + 1, len(actions))
+                 if actions[j].kind == wait and (actions[j].layer, actions[j].axis) == (a.layer, a.axis))
         yield key, pos, next(later, None), a

@@ -27,7 +27,7 @@ The model, and what it assumes:
   An async one (gather, reduce_scatter, gather_params, the first reduce_metrics)
   starts when the last member has issued it and the group's previous one is
   done, and completes its transfer time later; its wait blocks the rank until
-  then. A sync one (the later reduce_metrics, a tensor-parallel layer's) blocks
+  then. A sync one (the later reduce_metrics, a split layer's in-layer one) blocks
   until every member has arrived and the transfer is done.
 * Nothing waits forever: ranks that would are reported (:class:`PlanDeadlock`)
   with what each waits for; a send nobody receives, or a collective some member
@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..plan.actions import (
-    INSIDE_COMPUTE,
+    INSIDE,
     REDUCE_METRICS,
     SUM_TIED,
     WAIT_METRICS,
@@ -116,7 +116,7 @@ class _Simulation:
         self.calls: dict[tuple[Any, ...], _Call] = {}
         self.group_free: dict[tuple[Any, ...], float] = {}  # (axis, group) -> when its last collective is done
         self.seq: list[dict[str, int]] = [defaultdict(int) for _ in range(n)]
-        self.pending: list[dict[tuple[str, str | None], _Call]] = [{} for _ in range(n)]
+        self.pending: list[dict[tuple[str, str | None, str | None], _Call]] = [{} for _ in range(n)]
         self.first_metrics: list[_Call | None] = [None] * n
         self.joined: list[_Call | None] = [None] * n  # the sync collective a rank has arrived at
 
@@ -220,7 +220,7 @@ class _Simulation:
             joined = self.joined[r]
             assert joined is not None
             return joined.done
-        if a.kind in INSIDE_COMPUTE:  # a layer's collective (tensor parallel): sync, the group meets
+        if a.kind == INSIDE:  # a layer's collective (a split's): sync, the group meets
             if self.joined[r] is None:
                 self.joined[r] = self._arrive(r, s.pos, a, s.start)
             return self.joined[r].done  # type: ignore[union-attr]
@@ -243,12 +243,12 @@ class _Simulation:
             if a.kind == REDUCE_METRICS:
                 self.first_metrics[r] = call
             else:
-                self.pending[r][(a.kind, a.layer)] = call
+                self.pending[r][(a.kind, a.layer, a.axis)] = call
         elif a.kind in WAIT_OF:
-            del self.pending[r][(WAIT_OF[a.kind], a.layer)]
+            del self.pending[r][(WAIT_OF[a.kind], a.layer, a.axis)]
         elif a.kind in (WAIT_METRICS, REDUCE_METRICS):
             self.first_metrics[r] = self.joined[r] = None
-        elif a.kind in INSIDE_COMPUTE:
+        elif a.kind == INSIDE:
             self.joined[r] = None
         elif a.kind in (WAIT_SENDS, SUM_TIED):
             self.outbox[r].clear()
@@ -256,7 +256,9 @@ class _Simulation:
         self.state[r] = _Rank(pos=i + 1, start=now)
 
     def _issued_call(self, r: int, a: Action) -> _Call:
-        call = self.first_metrics[r] if a.kind == WAIT_METRICS else self.pending[r].get((WAIT_OF[a.kind], a.layer))
+        call = (
+            self.first_metrics[r] if a.kind == WAIT_METRICS else self.pending[r].get((WAIT_OF[a.kind], a.layer, a.axis))
+        )
         if call is None:
             raise PlanMismatch(f"rank {r}: {a} waits for a collective this rank never issued before it")
         return call
@@ -269,7 +271,7 @@ class _Simulation:
         k = self.seq[r][a.axis]
         self.seq[r][a.axis] = k + 1
         call = self.calls.setdefault((a.axis, group, k), _Call(a, group))
-        if (call.action.kind, call.action.layer) != (a.kind, a.layer):
+        if (call.action.kind, call.action.op, call.action.layer) != (a.kind, a.op, a.layer):
             first = next(iter(call.issued_by))
             raise PlanMismatch(
                 f"collective {k} over axis {a.axis!r} of ranks {list(group)}: rank {first} issues "

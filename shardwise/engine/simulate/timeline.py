@@ -28,7 +28,7 @@ from ..plan.actions import (
     FREE,
     GATHER,
     GATHER_PARAMS,
-    INSIDE_COMPUTE,
+    INSIDE,
     LOSS,
     RECV_ACTIVATION,
     RECV_GRAD,
@@ -61,7 +61,7 @@ COMPUTE_KINDS = (FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, LOSS, UPDAT
 KINDS = (*COMPUTE_KINDS, GATHER, WAIT_GATHER, FREE, REDUCE_SCATTER, WAIT_REDUCE, REDUCE_REPLICAS, WAIT_REPLICAS,
          GATHER_PARAMS, WAIT_PARAMS,
          SEND_ACTIVATION, RECV_ACTIVATION, SEND_GRAD, RECV_GRAD, SEND_TIED, RECV_TIED, SUM_TIED, WAIT_SENDS,
-         FINISH_GRADS, REDUCE_METRICS, WAIT_METRICS, *INSIDE_COMPUTE, CHECK_REPLICAS, WAIT_CHECK)
+         FINISH_GRADS, REDUCE_METRICS, WAIT_METRICS, INSIDE, CHECK_REPLICAS, WAIT_CHECK)
 SENDS = (SEND_ACTIVATION, SEND_GRAD, SEND_TIED)
 RECVS = (RECV_ACTIVATION, RECV_GRAD, RECV_TIED)
 WAIT_OF = {WAIT_GATHER: GATHER, WAIT_REDUCE: REDUCE_SCATTER, WAIT_PARAMS: GATHER_PARAMS, WAIT_CHECK: CHECK_REPLICAS,
@@ -81,7 +81,7 @@ def roles(actions: Sequence[Action]) -> tuple[str, ...]:
         elif (
             a.kind in RECVS
             or a.kind in WAIT_OF
-            or a.kind in (WAIT_SENDS, WAIT_METRICS, REDUCE_METRICS, *INSIDE_COMPUTE)
+            or a.kind in (WAIT_SENDS, WAIT_METRICS, REDUCE_METRICS, INSIDE)
         ):
             out.append(WAIT)
         else:
@@ -122,8 +122,8 @@ def check_action_times(plan: Plan, per_rank: Sequence[ActionTimes], what: str) -
             if not 0 <= pos < len(plan.actions[r]):
                 raise ValueError(
                     f"{what}: rank {r} has {len(plan.actions[r])} actions, not one at position {pos}; were the "
-                    "times measured on this plan's step, mesh and batch? (a tensor-parallel plan made without a "
-                    "batch lists none of its in-layer collectives: step.plan(mesh, params, batch))"
+                    "times measured on this plan's step, mesh and batch? (the plan of a split step, tensor parallel's "
+                    "say, made without a batch lists none of its in-layer collectives: step.plan(mesh, params, batch))"
                 )
             if end < start:
                 raise ValueError(
@@ -144,7 +144,10 @@ SHORT_LABELS = {
 
 
 def short_label(action: Action) -> str:
-    """A few characters for a drawing: ``0F1`` (stage 0, forward, micro-batch 1), ``wG`` (wait_gather) ..."""
+    """A few characters for a drawing: ``0F1`` (stage 0, forward, micro-batch 1), ``wG`` (wait_gather),
+    ``psum`` (a psum inside a layer) ..."""
+    if action.kind == INSIDE:  # a collective inside a layer: its op (the legend says so)
+        return str(action.op)
     if action.kind in _LETTER:
         stage = "" if action.stage is None else str(action.stage)
         return f"{stage}{_LETTER[action.kind]}{'' if action.microbatch is None else action.microbatch}"
@@ -242,11 +245,11 @@ class PlanTimeline:
     @property
     def busy(self) -> tuple[float, ...]:
         """Time each rank spends computing (forward, backward, I, W, loss, update), less the time
-        its computes spent in the collectives they issue inside their layers (tensor parallel: a
-        measured compute holds them, a simulated one is followed by them)."""
+        its computes spent in the collectives they issue inside their layers (a split's: a measured
+        compute holds them, a simulated one is followed by them)."""
         out = []
         for row in self.ranks:
-            inside = sorted((s.start, s.end) for s in row if s.kind in INSIDE_COMPUTE)
+            inside = sorted((s.start, s.end) for s in row if s.kind == INSIDE)
             starts = [start for start, _ in inside]
             total = 0.0
             for c in (s for s in row if s.compute):

@@ -10,10 +10,14 @@ naming it). The rules:
 * Every transform is applied at most once: a second ``remat`` (also with
   ``mixed_precision`` between the two), ``mixed_precision``, ``shard_params``
   or ``pipeline`` is refused. Apply it once, with the options you want.
-* A stack holds at most one spec of each of the roles PLACEMENT, SHARDING and
-  SPLIT, whatever the transforms' names: the lowering asks the stack for *the*
-  spec of such a role (:func:`find`), so a second one would be ignored. Only
-  REWRITE specs (mixed_precision and remat) stack: each rewrites the chain.
+* A stack holds at most one spec of each of the roles PLACEMENT and SHARDING, whatever the
+  transforms' names: the lowering asks the stack for *the* spec of such a role (:func:`find`), so a
+  second one would be ignored. REWRITE specs (mixed_precision and remat) stack: each rewrites the chain.
+* One split per axis: SPLIT specs stack when each goes over a mesh axis of its own (no other
+  transform's either), and the engine asks them as one split (``stack/splits.py``: their cuts merged,
+  their batch cuts in order, every axis's replicas checked). At most one of them brings its own
+  prediction of the in-layer collectives (the engine runs one predictor, which records them all).
+  Which splits may share a stack yet is :data:`NOT_YET_TOGETHER`'s to say.
 * ``shard_params`` and ``pipeline`` go over different mesh axes, in either
   order: the lowering is the same (the pipeline decides which layers a rank
   holds and when they compute; ZeRO shards that rank's layers over its axis).
@@ -44,15 +48,15 @@ naming it). The rules:
   over shard_params' axis, then over ``ep``; a replicated parameter's gradient is summed over ``ep``
   inside the layers (the mean, with the loss seeded by 1 / (dp x ep)), then ZeRO reduces over ``dp``
   as usual, sharding each rank's local parameters (its experts among them) over ``dp``. It is a SPLIT
-  like tensor_parallel, so the two are refused together (one split per stack, for now), and it is
+  like tensor_parallel; the two are refused together for now (:data:`NOT_YET_TOGETHER`), and it is
   refused under a pipeline until its collectives are checked there. mixed_precision and remat go
   around its layers as around tensor_parallel's (its gradient sums travel in the reduce dtype).
 * ``context_parallel`` goes over its own mesh axis, which cuts the *sequence* of every batch leaf
   (after shard_params' cut of the batch over ``dp``): each part is a share, the loss seeded by
   1 / (dp x cp); every parameter is replicated over ``cp`` and its gradient summed over ``cp`` inside
-  the layers, then ZeRO reduces over ``dp`` as usual. It is a SPLIT, so it is refused with
-  tensor_parallel or expert_parallel (one split per stack, for now), and under a pipeline until its
-  collectives are checked there.
+  the layers, then ZeRO reduces over ``dp`` as usual. It is a SPLIT, refused with tensor_parallel or
+  expert_parallel for now (:data:`NOT_YET_TOGETHER`), and under a pipeline until its collectives are
+  checked there.
 * ``mixed_precision`` and ``remat`` rewrite layer functions, in any order with
   the others, and the result does not depend on the order: the layers are
   rebuilt from the chain train_step got, remat innermost and the precision
@@ -60,7 +64,7 @@ naming it). The rules:
   not the input before the cast). Under ``mixed_precision`` ZeRO gathers
   parameters in the compute dtype and reduces gradients in the reduce dtype.
   :data:`REWRITE_ORDER` states that order once; a rewriting transform it does not
-  place is refused.
+  place is refused. Several splits rebuild innermost, tensor_parallel first (:data:`SPLIT_ORDER`).
 """
 
 from __future__ import annotations
@@ -69,11 +73,11 @@ import dataclasses
 from typing import Any, Protocol, TypeVar
 
 from ..model.chain import Chain
-from .roles import PLACEMENT, REWRITE, ROLES, SHARDING, SPLIT, check_role
+from .roles import PLACEMENT, REWRITE, ROLES, SHARDING, SPLIT, check_role, own_prediction
 
 __all__ = [
-    "ONCE", "PLACEMENT", "REWRITE", "REWRITE_ORDER", "ROLES", "SHARDING", "SPLIT", "add", "check_stack", "describe",
-    "find", "reshard_after_forward", "rewrites_in_order",
+    "NOT_YET_TOGETHER", "ONCE", "PLACEMENT", "REWRITE", "REWRITE_ORDER", "ROLES", "SHARDING", "SPLIT", "SPLIT_ORDER",
+    "add", "check_stack", "describe", "find", "reshard_after_forward", "rewrites_in_order",
 ]
 
 
@@ -95,8 +99,26 @@ _REBUILDS = (REWRITE, SPLIT)  # the roles whose specs rebuild the chain
 # forward, and the casts go around them), remat's checkpoints, mixed_precision's casts around both.
 # A rebuilding spec is placed by its role (SPLIT) or, for REWRITE specs, by its transform's name.
 REWRITE_ORDER = (SPLIT, "remat", "mixed_precision")
+# Several splits (one per axis) rebuild in this order of their names, innermost first, then the others
+# in the order they were applied: tensor_parallel installs its forwards in the layers' modules, which a
+# split that wraps the layer functions (a gradient sum around each) would hide from it.
+SPLIT_ORDER = ("tensor_parallel",)
 # The roles the engine looks up with find(), which returns one spec: a second would be ignored.
-ONCE = (PLACEMENT, SHARDING, SPLIT)
+ONCE = (PLACEMENT, SHARDING)
+# Splits that cannot share a stack yet, and why (one split per axis holds for the rest). Each of these
+# three rewrites a layer by wrapping its function (tensor_parallel's guard and gradient sums,
+# expert_parallel's and context_parallel's gradient sums), which hides the module the other finds
+# its blocks (the MoE, the attention, the styled modules) in; and their rewrites of one module
+# (tensor_parallel's heads and context_parallel's attention) are not known to compose.
+_HIDDEN = (
+    "{a} and {b} cannot share a stack yet: each rewrites a layer by wrapping its function, which hides the "
+    "module the other finds its blocks in, so the second would split nothing (or the wrong thing)"
+)
+NOT_YET_TOGETHER: dict[frozenset[str], str] = {
+    frozenset({"tensor_parallel", "expert_parallel"}): _HIDDEN,
+    frozenset({"tensor_parallel", "context_parallel"}): _HIDDEN,
+    frozenset({"expert_parallel", "context_parallel"}): _HIDDEN,
+}
 
 
 def describe(stack: tuple[Any, ...]) -> str:
@@ -120,15 +142,10 @@ def check_stack(stack: tuple[Any, ...]) -> None:
             )
         seen[spec.name] = spec
     _check_once_roles(stack)
+    _check_axes(stack)
     split = [s for s in stack if s.role == SPLIT]
+    _check_splits(stack, split)
     for tp in split:
-        for other in stack:
-            if other is not tp and getattr(other, "axis", None) == tp.axis:
-                raise ValueError(
-                    f"{tp.name} and {other.name} both use axis {tp.axis!r} ({describe(stack)}); give them "
-                    "different axes of one mesh, e.g. sw.Mesh(dp=2, tp=2) with shard_params(..., 'dp') and "
-                    "tensor_parallel(..., 'tp')"
-                )
         if tp.name == "context_parallel" and any(s.role == PLACEMENT for s in stack):
             raise ValueError(
                 f"context_parallel with pipeline ({describe(stack)}) is not supported yet: its ring (or all-to-all) "
@@ -166,6 +183,40 @@ def check_stack(stack: tuple[Any, ...]) -> None:
             )
 
 
+def _check_axes(stack: tuple[Any, ...]) -> None:
+    """Refuse two transforms over one mesh axis where a split is one of them (one split per axis)."""
+    for i, spec in enumerate(stack):
+        for other in stack[i + 1:]:
+            if SPLIT in (spec.role, other.role) and getattr(spec, "axis", None) is not None and (
+                getattr(other, "axis", None) == spec.axis
+            ):
+                split, rest = (spec, other) if spec.role == SPLIT else (other, spec)
+                raise ValueError(
+                    f"{split.name} and {rest.name} both use axis {split.axis!r} ({describe(stack)}); one split per "
+                    f"axis: give them different axes of one mesh, e.g. sw.Mesh(dp=2, tp=2) with "
+                    "shard_params(..., 'dp') and tensor_parallel(..., 'tp')"
+                )
+
+
+def _check_splits(stack: tuple[Any, ...], splits: list[Any]) -> None:
+    """Refuse splits that cannot share a stack yet, and two that bring their own in-layer prediction."""
+    for i, a in enumerate(splits):
+        for b in splits[i + 1:]:
+            why = NOT_YET_TOGETHER.get(frozenset({a.name, b.name}))
+            if why is not None:
+                first, second = sorted((a.name, b.name))
+                raise ValueError(
+                    f"{why.format(a=first, b=second)} ({describe(stack)}); apply one of them (the other's axis can "
+                    "go to shard_params)"
+                )
+    own = [s.name for s in splits if own_prediction(s) is not None]
+    if len(own) > 1:
+        raise ValueError(
+            f"{' and '.join(own)} each bring their own prediction of their layers' collectives ({describe(stack)}), "
+            "but a step runs one predictor for all its splits: apply one of them"
+        )
+
+
 def _check_once_roles(stack: tuple[Any, ...]) -> None:
     """Refuse a second spec of a role in :data:`ONCE`, naming both transforms."""
     first: dict[str, Any] = {}
@@ -199,7 +250,14 @@ def add(step: S, spec: Any, **fields: Any) -> S:
 def rewrites_in_order(stack: tuple[Any, ...]) -> list[Any]:
     """The specs of ``stack`` that rebuild the chain, in :data:`REWRITE_ORDER` (innermost first)."""
     rebuilding = [s for s in stack if s.role in _REBUILDS]
-    return sorted(rebuilding, key=lambda s: REWRITE_ORDER.index(SPLIT if s.role == SPLIT else s.name))
+
+    def place(spec: Any) -> tuple[int, int]:
+        if spec.role != SPLIT:
+            return REWRITE_ORDER.index(spec.name), 0
+        named = SPLIT_ORDER.index(spec.name) if spec.name in SPLIT_ORDER else len(SPLIT_ORDER)
+        return REWRITE_ORDER.index(SPLIT), named
+
+    return sorted(rebuilding, key=place)  # stable: the rest in the order applied
 
 
 def find(stack: tuple[Any, ...], role: str) -> Any:

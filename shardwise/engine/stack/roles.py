@@ -8,32 +8,36 @@ Every spec is frozen data with a ``name`` (its transform's), a ``role`` (one of
 
 * PLACEMENT (pipeline) decides which layers each rank holds and when they compute.
 * SHARDING (shard_params) shards a rank's units over a data-parallel axis.
-* SPLIT (tensor_parallel) cuts parameters over an axis and rewrites the layers that use them.
+* SPLIT (tensor_parallel, expert_parallel, context_parallel) cuts parameters, the batch or its
+  sequences over an axis and rewrites the layers that compute with them.
 * REWRITE (mixed_precision, remat) rewrites layer functions.
 
-A stack without a SPLIT spec reads :data:`NO_SPLIT` instead (:func:`split_of`): a split that
-cuts nothing, so the engine asks the same questions of every step.
+A SPLIT is what the engine knows least about, so its protocol says it all:
 
-* expert_parallel (transforms/expert_parallel/spec.py) is the SPLIT over ``ep`` that cuts the
-  batch too: ``tensor_splits`` cuts the experts' fused 3-D parameters on dim 0, ``rewrite``
-  installs the all-to-all dispatch and combine and sums every replicated parameter's gradient
-  over ``ep`` inside the layers (so no engine member is needed for that sum: the Plan lists it
-  as the layers' inner psums), ``batch_axes`` is ``(ep,)``: the batch is cut over it after
-  shard_params' axis, the loss seeded by 1 / (dp x ep), and each index counts its own loss and
-  tokens while ``counts_replicated`` keeps the replicated gradients to index 0 in the norm.
+* what it cuts: ``tensor_splits`` (parameters, each over the split's axis; empty for none),
+  ``local_view`` (the slices a rank computes with), ``replicated`` (what every index holds whole),
+  and ``batch_cut``, one :class:`BatchCut` (the axes it cuts the batch over, the parts it cuts each
+  sequence into, and how to cut a pair of inputs and targets);
+* how its layers run: ``rewrite``; the collectives they issue inside a compute go through
+  ``stack/in_layer.py``, which records them while the engine predicts the Plan (so the Plan lists
+  them after their compute, as ``inside`` actions with their op) and a traced run times them; a
+  split may bring its own prediction (:class:`OwnPrediction`: tensor parallel's goes layer by layer),
+  else the engine's runs;
+* what a rank counts and draws: ``counts_replicated``, ``rng_rank``, ``replica_fix``.
 
-* context_parallel (transforms/context_parallel/spec.py) is the SPLIT over ``cp`` that cuts no
-  parameter (``tensor_splits`` empty, ``replicated`` every parameter) and rewrites the attention
-  layers (ring or all-to-all); it cuts the *sequence* of the batch instead of the batch
-  (``sequence_parts``, ``cut_sequence``: after the batch axes' cut, each part counting as a share),
-  and sums every gradient over ``cp`` inside the layers as expert_parallel sums its replicated ones.
-  If two splits share a stack, the once-per-stack rule for SPLIT becomes "one split per axis".
+A step asks the stack's splits as one (``stack/splits.py``): none reads as ``NO_SPLIT``, which cuts
+nothing; several, one per mesh axis, have their answers combined. So a new split transform touches
+no engine file but one rule in compose.py: it lives in its own folder, plays this role, records its
+in-layer collectives through ``in_layer``, and compose.py says, if need be, where it cannot go yet
+or where its rewrite goes among the others'. expert_parallel and context_parallel are such
+transforms: no engine code names them outside compose.py's rules (tests/test_layering.py checks it).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -42,6 +46,7 @@ from ...collectives.mesh import Mesh
 from ..layout.state import Params
 from ..layout.state_layout import TensorSplit
 from ..model.chain import Chain
+from .in_layer import Issued
 
 PLACEMENT = "placement"  # decides which layers each rank holds and when they compute (pipeline)
 SHARDING = "sharding"  # shards a rank's units over an axis (shard_params)
@@ -50,6 +55,41 @@ SPLIT = "split"  # cuts parameters over an axis and rewrites the layers that use
 ROLES = (PLACEMENT, SHARDING, REWRITE, SPLIT)
 
 # The plan room comes after this one, so its types (Placement's schedule, Action) are Any here.
+
+
+@dataclass(frozen=True)
+class BatchCut:
+    """How a split cuts the batch (:meth:`SplitRole.batch_cut`), after shard_params' cut over its axis.
+
+    ``axes``: the mesh axes it cuts the batch (dim 0 of every leaf) over, in order: each index takes
+    its own share. ``sequence_parts``: how many parts it cuts each sequence of that share into, and
+    ``cut_sequence(pair, rank)``: the part of every sequence of the (inputs, targets) ``pair`` that
+    ``rank`` takes (None: the calling rank). Each share and each part is a replica of the mean: the
+    loss is seeded by 1 / (all of them), and each index counts its own loss and tokens.
+    """
+
+    axes: tuple[str, ...] = ()
+    sequence_parts: int = 1
+    cut_sequence: Callable[[Any, int | None], Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.sequence_parts < 1 or (self.sequence_parts > 1 and self.cut_sequence is None):
+            raise ValueError(
+                f"BatchCut(sequence_parts={self.sequence_parts}, cut_sequence={self.cut_sequence!r}): a cut of each "
+                "sequence into parts (at least 1) says how a rank cuts a pair: give cut_sequence"
+            )
+
+    @property
+    def cuts(self) -> bool:
+        """Whether the split's indices take different shares (and so count their own losses and tokens)."""
+        return bool(self.axes) or self.sequence_parts > 1
+
+    def sequence(self, pair: Any, rank: int | None) -> Any:
+        """``rank``'s part of every sequence of ``pair`` (the pair itself when sequences are not cut)."""
+        return pair if self.cut_sequence is None else self.cut_sequence(pair, rank)
+
+
+NO_CUT = BatchCut()  # the batch as shard_params left it: every index of the split takes the same
 
 
 class Spec(Protocol):
@@ -116,7 +156,7 @@ class RewriteRole(Spec, Protocol):
 class SplitRole(Spec, Protocol):
     """A spec that cuts parameters over an axis and rewrites the layers that compute with them."""
 
-    axis: str | None  # None: nothing is split (NO_SPLIT); else the mesh must have it
+    axis: str  # the mesh must have it; one split per axis (compose.py)
     replica_fix: str  # the replica check's error: how to fix replicated gradients that differ over the axis
 
     def rewrite(self, chain: Chain, stack: tuple[Any, ...]) -> Chain:
@@ -139,21 +179,9 @@ class SplitRole(Spec, Protocol):
         """The step's run: the parameters every index of the axis holds whole (their gradients must agree)."""
         ...
 
-    def batch_axes(self, mesh: Mesh | None) -> tuple[str, ...]:
-        """The batch cut (step/run_inputs.py, planning's micro-batch): the axes this split cuts the batch
-        over, after shard_params' (each index its own share, whose loss and tokens it counts; the mean is
-        over them too). Empty: every index takes the same batch."""
-        ...
-
-    def sequence_parts(self, mesh: Mesh | None) -> int:
-        """The batch cut: how many ways this split cuts each sequence of the rank's share (1: not at all);
-        each part counts as a share in the loss's seed and mean, as a batch axis does."""
-        ...
-
-    def cut_sequence(self, pair: Any, mesh: Mesh | None, rank: int | None) -> Any:
-        """The batch cut (step/run_inputs.py, planning's micro-batch), after the batch axes': this rank's
-        part of every sequence of the (inputs, targets) ``pair`` as ``rank`` (None: the calling rank) takes it
-        (the pair itself when nothing is cut)."""
+    def batch_cut(self, mesh: Mesh | None) -> BatchCut:
+        """The batch cut (engine/step/batch_cut.py, for the run and the Plan alike): how this split cuts
+        the rank's share of the global batch, after shard_params' cut (:data:`NO_CUT`: not at all)."""
         ...
 
     def counts_replicated(self, mesh: Mesh | None) -> bool:
@@ -165,17 +193,27 @@ class SplitRole(Spec, Protocol):
         """The step's run: the rank whose random streams this rank draws (None: its own)."""
         ...
 
-    def predicting(self, mesh: Mesh | None) -> contextlib.AbstractContextManager[Any]:
-        """step.plan and the pipeline's boundaries: a block in which the layers run on fake tensors."""
-        ...
+
+class OwnPrediction(Protocol):
+    """What a SPLIT spec may add (:func:`check_role` does not ask for it): its own prediction of the
+    collectives its layers issue inside each compute. Without it the engine predicts them
+    (``engine/plan/inside.py``'s ``predict_inside``: every stage run whole on fake tensors), which suits
+    any split whose layers record their collectives through ``in_layer`` (``stack/in_layer.py``); tensor
+    parallel brings its own (layer by layer, each distinct layer once, and zero-bubble's ``I`` and ``W``)."""
 
     def inner_collectives(
         self, chain: Chain, placement: Any, shapes: Mapping[str, Mapping[str, tuple[torch.Size, torch.dtype]]],
-        loss_fn: Callable[[Any, Any], Any], micro: tuple[Any, Any], mesh: Mesh,
-    ) -> dict[tuple[str, int], list[tuple[str, str, torch.dtype, tuple[int, ...]]]]:
-        """step.plan with a batch: per (compute kind, stage), each collective its layers issue, as
-        (op, label, dtype, shape): the Plan lists them after their compute."""
+        loss_fn: Callable[[Any, Any], Any], inputs: Any, targets: Any,
+        recording: Callable[[], contextlib.AbstractContextManager[list[Issued]]],
+    ) -> dict[tuple[str, int], list[Issued]]:
+        """step.plan with a batch: per (compute kind, stage), what its layers record inside ``recording()``
+        (the step's ``in_layer.predicting`` block, every split's axes), in order."""
         ...
+
+
+def own_prediction(spec: Any) -> Callable[..., dict[tuple[str, int], list[Issued]]] | None:
+    """``spec``'s :class:`OwnPrediction` member, or None: the engine predicts for it."""
+    return getattr(spec, "inner_collectives", None)
 
 
 PROTOCOLS: dict[str, type] = {
@@ -207,63 +245,3 @@ def check_role(spec: Any) -> None:
             f"{type(spec).__name__} plays the role {role!r} but has no {', '.join(repr(m) for m in missing)}: a "
             f"{role} spec implements the engine's protocol {protocol.__name__}: the members the engine asks of it"
         )
-
-
-class NoSplit:
-    """The split of a stack without one: nothing is cut, every rank computes with whole parameters."""
-
-    name = "no split"
-    role = SPLIT
-    axis: str | None = None
-    replica_fix = ""
-
-    def __str__(self) -> str:
-        return "no split"
-
-    def rewrite(self, chain: Chain, stack: tuple[Any, ...]) -> Chain:
-        return chain
-
-    def layer_notes(self, chain: Chain) -> dict[str, str]:
-        return {}
-
-    def tensor_splits(self, chain: Chain, mesh: Mesh | None) -> dict[tuple[str, str], TensorSplit] | None:
-        return None
-
-    def local_view(self, chain: Chain, params: Params, mesh: Mesh | None, rank: int | None) -> Params:
-        return params
-
-    def replicated(self, chain: Chain) -> frozenset[tuple[str, str]]:
-        return frozenset((layer.name, n) for layer in chain for n in layer.owned_param_names)
-
-    def batch_axes(self, mesh: Mesh | None) -> tuple[str, ...]:
-        return ()
-
-    def sequence_parts(self, mesh: Mesh | None) -> int:
-        return 1
-
-    def cut_sequence(self, pair: Any, mesh: Mesh | None, rank: int | None) -> Any:
-        return pair
-
-    def counts_replicated(self, mesh: Mesh | None) -> bool:
-        return True
-
-    def rng_rank(self, mesh: Mesh | None) -> int | None:
-        return None
-
-    @contextlib.contextmanager
-    def predicting(self, mesh: Mesh | None) -> Iterator[None]:
-        yield
-
-    def inner_collectives(
-        self, chain: Chain, placement: Any, shapes: Mapping[str, Mapping[str, tuple[torch.Size, torch.dtype]]],
-        loss_fn: Callable[[Any, Any], Any], micro: tuple[Any, Any], mesh: Mesh,
-    ) -> dict[tuple[str, int], list[tuple[str, str, torch.dtype, tuple[int, ...]]]]:
-        return {}
-
-
-NO_SPLIT = NoSplit()
-
-
-def split_of(stack: tuple[Any, ...]) -> SplitRole:
-    """The stack's SPLIT spec (check_stack allows one), or :data:`NO_SPLIT`."""
-    return next((spec for spec in stack if spec.role == SPLIT), NO_SPLIT)

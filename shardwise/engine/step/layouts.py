@@ -45,7 +45,7 @@ def build_layout(step: Step, mesh: Mesh | None, params: Params, rank: int | None
     mesh = check_mesh(step.transforms, mesh)
     check_params(step.chain, params)
     placement, _ = placement_of(step, mesh, params)
-    if rank is None and mesh is not None and (placement.axis is not None or step.split.axis is not None):
+    if rank is None and mesh is not None and (placement.axis is not None or step.split.axes):
         try:
             rank = mesh.rank
         except RuntimeError:  # not inside a launched program: describe rank 0

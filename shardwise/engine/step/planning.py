@@ -8,7 +8,7 @@ each rank holds, from the same layouts ``Step.init`` builds.
 
 from __future__ import annotations
 
-import math
+import functools
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -32,7 +32,8 @@ from ..plan.actions import (
     Action,
     Plan,
 )
-from ..plan.batches import split_batch, split_over
+from ..plan.batches import split_over
+from ..plan.inside import predict_inside
 from ..plan.lower import (
     Inside,
     annotate,
@@ -43,7 +44,8 @@ from ..plan.lower import (
     reduce_sizes,
     wire_of,
 )
-from ..stack.compose import rewrites_in_order
+from ..stack.compose import SPLIT, rewrites_in_order
+from .batch_cut import batch_multiple, rank_share
 
 if TYPE_CHECKING:
     from .step import Step
@@ -77,7 +79,6 @@ def plan_of(step: Step, mesh: Mesh, params: Params | None, batch: Any, *, share_
         first.setdefault(c, r)
     layouts = _layouts(step, mesh, params, placement, first) if params is not None else {}
     inside = _inside_computes(step, mesh, params, batch, placement, layouts[class_of[0]] if layouts else None)
-    split_axis = step.split.axis
     device = planned_device(params, batch)
     boundaries_of: dict[Any, Any] = {}  # local shapes -> the pipeline's boundaries (the same for equal shapes)
     by_class: dict[Any, tuple[Action, ...]] = {}
@@ -105,8 +106,8 @@ def plan_of(step: Step, mesh: Mesh, params: Params | None, batch: Any, *, share_
             actions, step, placement, layout.sharding, update_tree, boundaries,
             layout.metric_dtype,
         )
-        if inside is not None and split_axis is not None:  # inside is made only under a split
-            actions = insert_inside(actions, inside, split_axis)
+        if inside is not None:  # made only under a split
+            actions = insert_inside(actions, inside)
         by_class[c] = actions
     per_rank = [by_class[c] for c in class_of]
     memory = {}
@@ -117,7 +118,7 @@ def plan_of(step: Step, mesh: Mesh, params: Params | None, batch: Any, *, share_
     for spec in rewrites_in_order(step.transforms):
         for layer, note in spec.layer_notes(step.base_chain).items():
             notes[layer] = (*notes.get(layer, ()), note)
-            if spec is step.split and inside is None:  # not silently absent: say what is missing
+            if spec.role == SPLIT and inside is None:  # not silently absent: say what is missing
                 notes[layer] += ("its collectives inside the layer are not listed: they are predicted from a "
                                  "batch, step.plan(mesh, params, batch)",)
     return Plan(mesh, tuple(per_rank), memory, {n: notes[n] for n in step.chain.names if n in notes})
@@ -127,23 +128,21 @@ def _layouts(
     step: Step, mesh: Mesh, params: Params, placement: Placement, first: Mapping[Any, int]
 ) -> dict[Any, StateLayout]:
     """Each class's layout, those of one split index made together (``layouts_by_index``)."""
-    axis = step.split.axis
     by_index: dict[Any, dict[int, StateLayout]] = {}
     out: dict[Any, StateLayout] = {}
     for c, r in first.items():
-        coordinate = r if not isinstance(c, tuple) else None if axis is None else mesh.coords_of(r)[axis]
+        coordinate = step.split.coordinates(mesh, r) if isinstance(c, tuple) else r
         if coordinate not in by_index:
             by_index[coordinate] = step.layouts_by_index(mesh, params, rank=r)
         out[c] = by_index[coordinate][placement.index_of(mesh, r)]
     return out
 
 
-def rank_class(step: Step, mesh: Mesh, placement: Placement, rank: int) -> tuple[int, int | None]:
-    """What decides a rank's actions and bytes: its pipeline index and its index on the split's axis.
+def rank_class(step: Step, mesh: Mesh, placement: Placement, rank: int) -> tuple[int, tuple[int, ...]]:
+    """What decides a rank's actions and bytes: its pipeline index and its indices on the splits' axes.
     Its data-parallel coordinate does not (every ZeRO shard of a unit has the same padded size,
     and a rank's shard is chosen at run time), nor does any other axis's."""
-    axis = step.split.axis
-    return placement.index_of(mesh, rank), None if axis is None else mesh.coords_of(rank)[axis]
+    return placement.index_of(mesh, rank), step.split.coordinates(mesh, rank)
 
 
 def planned_device(params: Params | None, batch: Any) -> torch.device:
@@ -158,19 +157,22 @@ def _inside_computes(
     step: Step, mesh: Mesh, params: Params | None, batch: Any, placement: Placement, layout: StateLayout | None
 ) -> Inside | None:
     """The collectives each compute issues inside its layers (a split transform's), predicted on fake
-    tensors from a micro-batch: None without a split, parameters or a batch."""
+    tensors from a micro-batch, by the split's own prediction or else the engine's: None without a split,
+    parameters or a batch."""
     split = step.split
-    if split.axis is None or params is None or batch is None or layout is None:
+    if not split.axes or params is None or batch is None or layout is None:
         return None
     shapes: dict[str, dict[str, tuple[torch.Size, torch.dtype]]] = {}
     for spec in layout.leaves.values():
         dtype = compute_dtype(step.precision, spec.layer, spec.dtype)
         shapes.setdefault(spec.layer, {})[spec.name] = (torch.Size(spec.local_shape), dtype)
-    found = split.inner_collectives(
-        step.chain, placement, shapes, step.loss_fn, one_microbatch(step, mesh, batch), mesh
+    predict = split.own_prediction() or predict_inside
+    inputs, targets = one_microbatch(step, mesh, batch)
+    found = predict(
+        step.chain, placement, shapes, step.loss_fn, inputs, targets, functools.partial(step.predicting, mesh)
     )
     return {
-        key: [(op, label, wire_of(shape, dtype)) for op, label, dtype, shape in issued] for key, issued in found.items()
+        key: [(i.op, i.axis, i.label, wire_of(i.shape, i.dtype)) for i in issued] for key, issued in found.items()
     }
 
 
@@ -180,40 +182,13 @@ def _units_without_params(step: Step, placement: Placement, index: int) -> list[
     held = [n for n in placement.layers_of(index) if step.chain.owned_param_names(n)]
     return held + [o for o, _ in placement.replicas_of(index) if o not in held]
 
-def batch_cuts(step: Step, mesh: Mesh | None) -> list[tuple[str, int, str]]:
-    """The axes the global batch is cut over, with their sizes and the words naming the cut:
-    shard_params' (under HSDP its replicas' axis, then its shards'), then the split's
-    (SplitRole.batch_axes; expert_parallel's), each rank taking its share."""
-    if mesh is None:
-        return []
-    zero, split = step.sharding_spec, step.split
-    named = [] if zero is None else [(zero.axis, "shard_params")]
-    if zero is not None and zero.replicate is not None:
-        named.insert(0, (zero.replicate, "shard_params(replicate=...)"))
-    named += [(a, split.name) for a in split.batch_axes(mesh)]
-    return [(a, mesh.axis_size(a), f"{who} over axis {a!r} of size {mesh.axis_size(a)}") for a, who in named]
-
-
 def one_microbatch(step: Step, mesh: Mesh, batch: Any) -> tuple[Any, Any]:
-    pair = split_batch(batch)
-    whole = batch_multiple(step, mesh)
-    for _axis, n, what in batch_cuts(step, mesh):
-        pair = split_over(pair, n, 0, what, whole)
-    pair = step.split.cut_sequence(pair, mesh, 0)
+    """Rank 0's first micro-batch: what the Plan's predictions on fake tensors run on (every rank's
+    micro-batches have its shapes)."""
+    pair, _ = rank_share(step, mesh, batch, 0)
     k = microbatch_count(step)
-    return split_over(pair, k, 0, f"{k} micro-batches", whole) if k > 1 else pair
+    return split_over(pair, k, 0, f"{k} micro-batches", batch_multiple(step, mesh)) if k > 1 else pair
 
-
-def batch_multiple(step: Step, mesh: Mesh | None) -> tuple[int, str]:
-    """What the global batch size must be a multiple of: it is cut per data-parallel rank (and per
-    rank of a split that cuts the batch), then per micro-batch; and the words that say so."""
-    k = microbatch_count(step)
-    cuts = batch_cuts(step, mesh)
-    ranks = math.prod(n for _, n, _ in cuts)
-    if not cuts or (k == 1 and len(cuts) == 1):
-        return ranks * k, ""
-    words = " x ".join(f"{n} ranks of axis {a!r}" for a, n, _ in cuts)
-    return ranks * k, f" ({words}{f' x {k} micro-batches' if k > 1 else ''})"
 
 def _memory(
     step: Step, mesh: Mesh, params: Params, batch: Any, placement: Placement,

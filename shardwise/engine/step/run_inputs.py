@@ -11,7 +11,6 @@ and the metrics.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -26,14 +25,13 @@ from ..layout.sharding import FlatSharding
 from ..layout.state import TrainState
 from ..layout.state_layout import StateLayout, unit_names
 from ..plan.actions import Action
-from ..plan.batches import split_batch, split_over
+from ..plan.batches import split_over
 from ..plan.lower import metric_axes, microbatch_count, rank_actions, reduce_sizes
 from ..run.executor import Executor, ParamSource, ReplicaCheck
 from ..run.metrics import MetricExchange, Summed, batch_fingerprint, different_batches
 from ..run.rng import mix
-from ..stack.roles import SplitRole
+from .batch_cut import batch_multiple, rank_share
 from .master import compute_params, unscale_like
-from .planning import batch_cuts, batch_multiple
 
 if TYPE_CHECKING:
     from .step import Metrics, Step
@@ -48,9 +46,9 @@ class RankRun:
     metric_axes: tuple[str, ...]  # the axes they sum it over
     replica_layers: frozenset[str]  # layers of which this rank holds only tied copies
     reduce_dtypes: Mapping[str, torch.dtype] | None  # under ZeRO and a precision policy: per unit
-    counted: Any  # the gradients this rank's metrics count (None: all), see SplitRole.counts_replicated
-    counts_losses: bool  # whether it counts its losses and tokens also then: the split cut the batch
-    replicas: ReplicaCheck | None  # the gradients that must agree over the split's axis
+    counted: Any  # the gradients this rank's metrics count (None: all), see Splits.counted
+    counts_losses: bool  # whether it counts its losses and tokens also then: the splits cut the batch
+    replicas: Mapping[str, ReplicaCheck]  # per split axis, the gradients that must agree over it
     rng_rank: int | None  # the rank whose random streams this one draws (None: its own)
 
 
@@ -71,9 +69,9 @@ def _make_rank_run(
 ) -> RankRun:
     placement, sharding, prec, split = layout.placement, layout.sharding, step.precision, step.split
     index = layout.index_of(mesh)
-    splits = split.axis is not None
-    counted = None if split.counts_replicated(mesh) else gradient_selection(split, step, layout, mesh, False)
-    counts_losses = bool(split.batch_axes(mesh)) or split.sequence_parts(mesh) > 1
+    keys = split.counted(step.base_chain, mesh)
+    counted = None if keys is None else gradient_selection(keys, layout, mesh)
+    counts_losses = split.counts_losses(mesh)
     if sharding is not None and sharding.replicate is not None and mesh is not None \
             and mesh.axis_index(sharding.replicate) != 0:
         # HSDP: every index of the replicas' axis holds the same all-reduced shards, which index 0
@@ -93,45 +91,36 @@ def _make_rank_run(
         },
         counted=counted,
         counts_losses=counts_losses,
-        replicas=ReplicaCheck(gradient_selection(split, step, layout, mesh, True), split.name, split.replica_fix)
-        if splits else None,
+        replicas={
+            r.axis: ReplicaCheck(gradient_selection(r.keys, layout, mesh), r.by, r.fix)
+            for r in split.replica_checks(step.base_chain)
+        },
         rng_rank=split.rng_rank(mesh),
     )
 
 
-def gradient_selection(split: SplitRole, step: Step, layout: StateLayout, mesh: Mesh | None, replicated: bool) -> Any:
-    """This rank's gradients of the parameters the split replicates (``replicated``) or of the ones
-    it cuts: their keys, or under ZeRO per unit the ranges of its flat shard."""
-    whole = split.replicated(step.base_chain)
+def gradient_selection(keys: frozenset[tuple[str, str]], layout: StateLayout, mesh: Mesh | None) -> Any:
+    """This rank's gradients of the parameters ``keys`` (by owner layer and local name): their keys,
+    or under ZeRO per unit the ranges of its flat shard."""
     sharding = layout.sharding
     if sharding is None:
-        return frozenset(
-            (s.layer, s.name) for s in layout.leaves.values() if ((s.layer, s.name) in whole) == replicated
-        )
+        return frozenset((s.layer, s.name) for s in layout.leaves.values() if (s.layer, s.name) in keys)
     assert mesh is not None
     index = mesh.axis_index(sharding.axis)
     return {
-        u: lay.ranges_in_shard(frozenset(n for n in lay.names if ((u, n) in whole) == replicated), index)
+        u: lay.ranges_in_shard(frozenset(n for n in lay.names if (u, n) in keys), index)
         for u, lay in sharding.units.items()
     }
 
 
 def local_microbatches(step: Step, mesh: Mesh | None, sharding: FlatSharding | None, batch: Any) -> tuple[
         list[tuple[Any, Any]], int]:
-    """(this rank's micro-batches, the data-parallel replicas): the global batch cut over
-    shard_params' axis and a split's batch axes (planning.batch_cuts), its sequences cut by the split
-    (each part a replica), then into the pipeline's
+    """(this rank's micro-batches, the replicas of the mean): its share of the global batch
+    (batch_cut.rank_share: shard_params' axis, then the split's cut), then cut into the pipeline's
     micro-batches or shard_params' accumulation."""
-    pair = split_batch(batch)
+    pair, replicas = rank_share(step, mesh, batch, None)
     k = microbatch_count(step)
     whole = batch_multiple(step, mesh)
-    cuts = batch_cuts(step, mesh)
-    for axis, n, what in cuts:
-        assert mesh is not None
-        pair = split_over(pair, n, mesh.axis_index(axis), what, whole)
-    pair = step.split.cut_sequence(pair, mesh, None)
-    parts = step.split.sequence_parts(mesh)
-    replicas = math.prod(n for _, n, _ in cuts) * parts if cuts or parts > 1 else 0
     pipelined = step.pipeline_spec is not None
     what = f"pipeline(microbatches={k})" if pipelined else f"shard_params(accumulation={k}) on the local batch"
     if k == 1 and sharding is None:
@@ -199,7 +188,7 @@ def prepare_run(step: Step, state: TrainState, layout: StateLayout, batch: Any) 
         rng_seed=None if state.rng is None else mix(state.rng, state.step), counted=run.counted,
         counts_losses=run.counts_losses,
         # Summed with the metrics (and, under a split, compared in its replica check).
-        batch_fingerprint=batch_fingerprint(batch) if run.exchange.batch or run.replicas is not None else None,
+        batch_fingerprint=batch_fingerprint(batch) if run.exchange.batch or run.replicas else None,
         rng_rank=run.rng_rank, replicas=run.replicas,
     )
     return PreparedRun(executor, run, replicas, outcome)

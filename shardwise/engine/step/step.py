@@ -36,7 +36,7 @@ from ..run.agreement import check_ranks_agree
 from ..run.executor import LossFn
 from ..run.metrics import REPORTABLE, MetricExchange, check_metrics
 from ..stack.compose import PLACEMENT, SHARDING, describe, find
-from ..stack.roles import SplitRole, split_of
+from ..stack.splits import Splits, splits_of
 from .init_state import held_params, init_seeding, meta_names, sampled_values
 from .layouts import build_layout, check_mesh, layouts_by_index, stage_boundaries
 from .master import clip_scale, compute_params, master_meta, master_params
@@ -87,10 +87,10 @@ class Step:
         """shard_params' spec, if the step is data parallel with ZeRO sharding."""
         return find(self.transforms, SHARDING)
 
-    @property
-    def split(self) -> SplitRole:
-        """The spec that splits parameters over an axis (tensor_parallel), or NO_SPLIT, which cuts nothing."""
-        return split_of(self.transforms)
+    @functools.cached_property
+    def split(self) -> Splits:
+        """The stack's splits (tensor_parallel, say; one per axis) as one, or NO_SPLIT, which cuts nothing."""
+        return splits_of(self.transforms)
 
     def local_view(self, params: Params, mesh: Mesh | None, rank: int | None = None) -> Params:
         """The parameters as ``rank`` (default: the calling rank) computes with them: under a split
@@ -98,8 +98,9 @@ class Step:
         return self.split.local_view(self.base_chain, params, mesh, rank)
 
     def predicting(self, mesh: Mesh | None) -> contextlib.AbstractContextManager[Any]:
-        """A block in which the layers may run on fake tensors: a split's collectives move nothing."""
-        return contextlib.nullcontext() if mesh is None else self.split.predicting(mesh)
+        """A block in which the layers may run on fake tensors: a split's collectives move nothing, they
+        record what they would issue into the list it yields."""
+        return self.split.predicting(mesh)
 
     @functools.cached_property
     def stack_key(self) -> tuple[str, ...]:
@@ -120,12 +121,12 @@ class Step:
     def with_trace(self, on: bool = True) -> Step:
         """This step also reporting when each action of its rank's Plan ran: ``metrics["action_times"]``,
         ``(position in the rank's Plan actions, start, end)`` per action (``time.perf_counter``
-        seconds; the collectives a compute issues inside its layers, under tensor parallel, at
+        seconds; the collectives a compute issues inside its layers, under a split, at
         their own positions, within their compute's time), what ``PlanTimeline.from_measured``
         and ``PlanCosts.fit`` read, and
         ``metrics["trace"]``, the computes as ``(rank, label, start, end)``. Any stack can be
         traced (``pipeline(..., trace=True)`` is the same for a pipelined one); it costs two clock
-        reads per action (and, under tensor parallel, a context variable set per action and two
+        reads per action (and, under a split, a context variable set per compute and two
         clock reads per in-layer collective). ``with_trace(False)`` turns it off, a pipeline's
         ``trace=True`` included. The states and updates are unchanged.
 

@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 from ...engine.model.chain import Layer
-from .comm import attend, index, predicting_now, size
+from ...engine.stack import in_layer
+from .comm import attend
 from .layout import shard_order
 
 
@@ -176,13 +177,14 @@ class GlobalPositions:
         self.forward = type(module).forward
 
     def __call__(self, x: torch.Tensor, position_ids: torch.Tensor) -> Any:
-        n, t = size(self.axis), position_ids.shape[-1]
+        n, t = in_layer.size(self.axis), position_ids.shape[-1]
         local = torch.arange(t, device=position_ids.device)
         # Fake tensors (while predicting) hold no values to compare.
-        if not predicting_now() and not bool((position_ids == local).all()):
+        if not in_layer.predicting_now() and not bool((position_ids == local).all()):
             raise ValueError(
                 "context_parallel: a rotary embedding got position_ids that do not count 0 .. t - 1; it maps "
                 "the rank's token counts to their global positions, so pass no position_ids"
             )
-        mine = shard_order(t * n, n, self.balanced)[index(self.axis) * t : (index(self.axis) + 1) * t]
+        i = in_layer.index(self.axis)
+        mine = shard_order(t * n, n, self.balanced)[i * t : (i + 1) * t]
         return self.forward(self.module, x, mine.to(position_ids.device).expand_as(position_ids))

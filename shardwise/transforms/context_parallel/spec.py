@@ -3,10 +3,10 @@ sequence, no parameter), and what the engine asks of it."""
 
 from __future__ import annotations
 
-import contextlib
 import copy
+import functools
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -15,14 +15,14 @@ import torch
 from torch import Tensor
 
 from ...collectives.mesh import Mesh
-from ...engine.layout.state_layout import Placement, TensorSplit
+from ...engine.layout.state_layout import TensorSplit
 from ...engine.model.chain import Chain, Layer
 from ...engine.model.module_call import ThreadReplicas
+from ...engine.stack import in_layer
 from ...engine.stack.compose import SPLIT
+from ...engine.stack.roles import BatchCut
 from .attention import CPForward, GlobalPositions, HFForward, LayerParts, find_parts, heads_of
-from .comm import grad_summed, index, predicting, size
 from .layout import check_sequence_length, local_chunks, shard_order
-from .predict import predict
 
 _RESOLVED: weakref.WeakKeyDictionary[Chain, dict[str, LayerParts]] = weakref.WeakKeyDictionary()
 
@@ -134,15 +134,13 @@ class CPSpec:
         """Every parameter: each rank holds it whole and its summed gradient agrees."""
         return frozenset((layer.name, n) for layer in chain for n in layer.owned_param_names)
 
-    def batch_axes(self, mesh: Mesh | None) -> tuple[str, ...]:
-        """None: the axis cuts the sequence (:meth:`cut_sequence`), not the batch."""
-        return ()
+    def batch_cut(self, mesh: Mesh | None) -> BatchCut:
+        """The axis cuts each sequence, not the batch: each rank takes its part of every sequence
+        (:meth:`cut_sequence`)."""
+        parts = _mesh(mesh, self.axis).axis_size(self.axis)
+        return BatchCut(sequence_parts=parts, cut_sequence=functools.partial(self.cut_sequence, mesh=mesh))
 
-    def sequence_parts(self, mesh: Mesh | None) -> int:
-        """The axis size: each rank takes its part of every sequence."""
-        return _mesh(mesh, self.axis).axis_size(self.axis)
-
-    def cut_sequence(self, pair: Any, mesh: Mesh | None, rank: int | None) -> Any:
+    def cut_sequence(self, pair: Any, rank: int | None, mesh: Mesh | None) -> Any:
         """This rank's part of every batch leaf along ``dim`` (inputs and targets alike), in the layout
         the attention expects (balanced: chunks ``i`` and ``2n - 1 - i`` of ``2n``)."""
         mesh = _mesh(mesh, self.axis)
@@ -172,19 +170,6 @@ class CPSpec:
         """Its own: every rank computes on its own tokens."""
         return None
 
-    @contextlib.contextmanager
-    def predicting(self, mesh: Mesh | None) -> Iterator[None]:
-        with predicting(_mesh(mesh, self.axis).axis_size(self.axis)):
-            yield
-
-    def inner_collectives(
-        self, chain: Chain, placement: Placement, shapes: Mapping[str, Mapping[str, tuple[torch.Size, torch.dtype]]],
-        loss_fn: Callable[[Any, Any], Any], micro: tuple[Any, Any], mesh: Mesh,
-    ) -> dict[tuple[str, int], list[tuple[str, str, torch.dtype, tuple[int, ...]]]]:
-        """For every (compute kind, stage): each collective it issues, as (op, label, dtype, shape)."""
-        found = predict(chain, placement, shapes, loss_fn, micro[0], micro[1], mesh.axis_size(self.axis))
-        return {k: [(i.op, i.label, i.dtype, i.shape) for i in v] for k, v in found.items()}
-
     def layer_notes(self, chain: Chain) -> dict[str, str]:
         """Per layer, what context parallel does to it, for the Plan."""
         how = {
@@ -209,7 +194,7 @@ class CPSpec:
 
 class CPLayerFn:
     """A layer fn under context parallel: its position tables read at the rank's global positions and
-    every parameter's gradient summed over the axis (``grad_summed``)."""
+    every parameter's gradient summed over the axis (the engine's ``in_layer.grad_summed``)."""
 
     def __init__(self, fn: Callable[[dict[str, Tensor], Any], Any], spec: CPSpec, names: frozenset[str],
                  tables: frozenset[str], reduce: torch.dtype | None) -> None:
@@ -217,7 +202,9 @@ class CPLayerFn:
 
     def __call__(self, tensors: dict[str, Tensor], x: Any) -> Any:
         spec = self.spec
-        summed = {k: grad_summed(t, spec.axis, k, self.reduce) if k in self.names else t for k, t in tensors.items()}
+        summed = {
+            k: in_layer.grad_summed(t, spec.axis, k, self.reduce) if k in self.names else t for k, t in tensors.items()
+        }
         if self.tables:
             local = _sequence_length(x, spec.dim)
             summed = {k: self._at_positions(t, local) if k in self.tables else t for k, t in summed.items()}
@@ -227,9 +214,8 @@ class CPLayerFn:
         """The table's rows at this rank's global positions, first: the layer reads rows 0 .. local - 1
         (``table[:, :t]`` or an embedding of ``arange(t)``), which are then the right ones."""
         spec = self.spec
-        n = size(spec.axis)
-        order = shard_order(local * n, n, spec.balanced)
-        mine = order[index(spec.axis) * local : (index(spec.axis) + 1) * local].to(table.device)
+        n, i = in_layer.size(spec.axis), in_layer.index(spec.axis)
+        mine = shard_order(local * n, n, spec.balanced)[i * local : (i + 1) * local].to(table.device)
         dim = table.dim() - 2
         if table.shape[dim] < local * n:
             raise ValueError(

@@ -8,8 +8,9 @@ router's load-balancing loss over the global batch in ``aux_loss.py``; bytes in 
 
 :func:`expert_parallel` (``spec.py``) is the transform: a SPLIT spec over its axis that cuts the MoE
 blocks' experts (``blocks.py``) on dim 0, rewrites their forward to ``moe_dispatch_combine`` with the
-all-to-alls' rows fixed at their bound, sums every replicated parameter's gradient over the axis in
-backward (``comm.py``), and predicts those collectives on fake tensors for the Plan (``predict.py``).
+all-to-alls' rows fixed at their bound, and sums every replicated parameter's gradient over the axis in
+backward; its collectives record themselves through the engine's ``in_layer`` (``comm.py``), so the
+engine predicts them on fake tensors for the Plan.
 """
 
 from __future__ import annotations

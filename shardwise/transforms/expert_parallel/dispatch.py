@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ...collectives import Mesh
+from ...engine.stack import in_layer
 from . import comm
 from .aux_loss import load_balancing_loss
 from .capacity import assign_slots, expert_capacity
@@ -85,7 +86,7 @@ def moe_dispatch_combine(
     """
     num_experts = _check(tokens, router_logits, gate_up_proj, down_proj, axis, top_k, mesh)
     check_router(router)
-    ep = comm.size(axis, mesh)
+    ep = in_layer.size(axis, mesh)
     local_experts = num_experts // ep
     n, hidden = tokens.shape
     routing = route(router_logits, top_k, router)
@@ -94,7 +95,7 @@ def moe_dispatch_combine(
     stats = torch.cat([slot_of.counts, slot_of.kept_counts, torch.tensor([n], device=slot_of.counts.device)])
     every = comm.gather_counts(stats, axis, "moe counts", mesh)  # [ep, 2E + 1], integers: no gradient
     counts, kept_counts = every[:, :num_experts].sum(0), every[:, num_experts : 2 * num_experts]
-    predicting = comm.predicting_now()
+    predicting = in_layer.predicting_now()
     width = _width(kept_counts, slots, predicting)
 
     token_ids = torch.arange(n, device=tokens.device).unsqueeze(1).expand(n, top_k)
@@ -154,7 +155,7 @@ def _check(
     num_experts = logits.shape[1]
     if logits.shape[0] != n:
         raise ValueError(f"moe_dispatch_combine: router_logits has {logits.shape[0]} rows but tokens has {n}")
-    ep = comm.size(axis, mesh)
+    ep = in_layer.size(axis, mesh)
     if num_experts % ep:
         raise ValueError(
             f"moe_dispatch_combine: {num_experts} experts do not divide over axis {axis!r} of size {ep}; "

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -13,13 +12,13 @@ import torch
 from torch import Tensor, nn
 
 from ...collectives.mesh import Mesh
-from ...engine.layout.state_layout import Placement, TensorSplit
+from ...engine.layout.state_layout import TensorSplit
 from ...engine.model.chain import Chain, Layer
 from ...engine.model.module_call import ThreadReplicas
 from ...engine.stack.compose import SPLIT
+from ...engine.stack.in_layer import grad_summed
+from ...engine.stack.roles import BatchCut
 from .blocks import Block, EPForward, find_blocks
-from .comm import grad_summed, predicting
-from .predict import predict
 
 Blocks = dict[str, tuple[Block, ...]]  # layer name -> its MoE blocks
 _RESOLVED: weakref.WeakKeyDictionary[Chain, Blocks] = weakref.WeakKeyDictionary()
@@ -145,17 +144,9 @@ class EPSpec:
             (layer.name, n) for layer in chain for n in layer.owned_param_names if (layer.name, n) not in experts
         )
 
-    def batch_axes(self, mesh: Mesh | None) -> tuple[str, ...]:
+    def batch_cut(self, mesh: Mesh | None) -> BatchCut:
         """The axis cuts the batch: each rank routes its own tokens."""
-        return (self.axis,)
-
-    def sequence_parts(self, mesh: Mesh | None) -> int:
-        """1: the sequences are not cut."""
-        return 1
-
-    def cut_sequence(self, pair: Any, mesh: Mesh | None, rank: int | None) -> Any:
-        """The pair itself: the sequences are not cut."""
-        return pair
+        return BatchCut(axes=(self.axis,))
 
     def counts_replicated(self, mesh: Mesh | None) -> bool:
         """Index 0 alone counts the replicated gradients (summed, alike on every index) in the norm;
@@ -165,19 +156,6 @@ class EPSpec:
     def rng_rank(self, mesh: Mesh | None) -> None:
         """Its own: every rank computes on its own tokens."""
         return None
-
-    @contextlib.contextmanager
-    def predicting(self, mesh: Mesh | None) -> Iterator[None]:
-        with predicting(_mesh(mesh, self.axis).axis_size(self.axis)):
-            yield
-
-    def inner_collectives(
-        self, chain: Chain, placement: Placement, shapes: Mapping[str, Mapping[str, tuple[torch.Size, torch.dtype]]],
-        loss_fn: Callable[[Any, Any], Any], micro: tuple[Any, Any], mesh: Mesh,
-    ) -> dict[tuple[str, int], list[tuple[str, str, torch.dtype, tuple[int, ...]]]]:
-        """For every (compute kind, stage): each collective it issues, as (op, label, dtype, shape)."""
-        found = predict(chain, placement, shapes, loss_fn, micro[0], micro[1], mesh.axis_size(self.axis))
-        return {k: [(i.op, i.label, i.dtype, i.shape) for i in v] for k, v in found.items()}
 
     def layer_notes(self, chain: Chain) -> dict[str, str]:
         """Per layer, what expert parallel does to it, for the Plan."""

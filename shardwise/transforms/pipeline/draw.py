@@ -37,7 +37,7 @@ _COLORS = {
 _WAIT_COLOR, _OTHER_COLOR = "#dddddd", "#555555"
 # The letter that marks a transfer in flight in the ASCII drawing's row under each rank.
 _IN_FLIGHT = {kinds.GATHER: "g", kinds.GATHER_PARAMS: "p", kinds.REDUCE_SCATTER: "r", kinds.REDUCE_METRICS: "m",
-              kinds.REDUCE_REPLICAS: "a"}
+              kinds.REDUCE_REPLICAS: "a", kinds.INSIDE: "i", kinds.CHECK_REPLICAS: "c"}
 
 
 def _color(slot: Any) -> str:
@@ -53,9 +53,9 @@ def ascii_timeline(timeline: AnyTimeline, width: int | None = None, legend: bool
     With ``width`` (characters for the time axis) labels that do not fit are
     cut, and an action shorter than one character may vanish. Under each rank of
     a simulated Plan, a row shows what it has in flight: ``g`` gathers, ``r``
-    reduce-scatters, ``p`` parameter gathers, ``m`` metric all-reduces, ``s``
-    messages sent. A legend under the drawing says what each glyph on it means
-    (``legend=False`` leaves it out).
+    reduce-scatters, ``p`` parameter gathers, ``m`` metric all-reduces, ``i``
+    collectives inside a layer, ``c`` replica checks, ``s`` messages sent. A legend under the drawing
+    says what each glyph on it means (``legend=False`` leaves it out).
     """
     width = getattr(timeline, "ascii_width", None) if width is None else width
     makespan = timeline.makespan
@@ -90,7 +90,8 @@ def ascii_timeline(timeline: AnyTimeline, width: int | None = None, legend: bool
 _COMPUTE_WORDS = {F: "F forward", B: "B backward", I: "I backward's input half", W: "W its weight half"}
 _COMPUTE_LETTER = {kinds.FORWARD: F, kinds.BACKWARD: B, kinds.BACKWARD_INPUT: I, kinds.BACKWARD_WEIGHT: W}
 _IN_FLIGHT_WORDS = {"g": "g gather", "p": "p parameter gather", "r": "r reduce-scatter",
-                    "a": "a replicas' all-reduce", "m": "m metrics' all-reduce", "s": "s message sent"}
+                    "a": "a replicas' all-reduce", "m": "m metrics' all-reduce", "i": "i a collective inside a layer",
+                    "c": "c replica check", "s": "s message sent"}
 
 
 def legend_lines(timeline: AnyTimeline, width: int = 100) -> list[str]:
@@ -104,12 +105,15 @@ def legend_lines(timeline: AnyTimeline, width: int = 100) -> list[str]:
         entries.append(f"0F1 = stage 0, micro-batch 1 ({words})")
     shorts = {slot.kind: SHORT_LABELS[slot.kind] for slot in slots if not slot.compute and slot.kind in SHORT_LABELS}
     entries += [f"{short} {kind}" for kind, short in sorted(shorts.items(), key=lambda item: item[1].lower())]
+    inside = sorted({str(slot.label) for slot in slots if slot.kind == kinds.INSIDE})  # the op (short_label)
+    if inside:
+        entries.append(f"{', '.join(inside)} a collective inside a layer")
     if any(slot.waiting for slot in slots):
         entries.append("~ waiting")
     entries.append(". idle")
     flying = {_IN_FLIGHT.get(t.kind, "s") for row in (timeline.transfers or ()) for t in row}
     if flying:
-        entries.append("under a rank, in flight: " + ", ".join(_IN_FLIGHT_WORDS[c] for c in "gprams" if c in flying))
+        entries.append("under a rank, in flight: " + ", ".join(_IN_FLIGHT_WORDS[c] for c in "gpramics" if c in flying))
     lines = wrap([f"{entry};" for entry in entries[:-1]] + entries[-1:], width=width - len("legend: "), indent="")
     return ["legend: " + lines[0], *(" " * len("legend: ") + line for line in lines[1:])]
 

@@ -72,7 +72,7 @@ def tensor_parallel(
     >>> tp = sw.tensor_parallel(step, "tp", {"0": sw.tp.Colwise(), "2": sw.tp.Rowwise()})
     >>> plan = tp.plan(sw.Mesh(tp=2), params, (torch.randn(4, 8), torch.randn(4, 8)))
     >>> " ".join(str(a) for a in plan.for_rank(0))  # doctest: +NORMALIZE_WHITESPACE
-    'F(0) F(1) F(2) tp_psum(2, axis=tp) loss B(2) B(1) B(0) finish_grads check_replicas
+    'F(0) F(1) F(2) psum(2, axis=tp) loss B(2) B(1) B(0) finish_grads check_replicas
     reduce_metrics(axis=tp) wait_check update wait_metrics'
 
     Layer 2's partial outputs (4 x 8 float32: 128 bytes) are summed, and so are the metrics (the loss,

@@ -18,78 +18,23 @@ Each operation is one line of forward and one of backward (picotron's
 * ``vary``: ``enter`` on a replicated parameter used on per-rank values, so its
   gradient is summed over the axis.
 
-Predicting. Inside :func:`predicting` the operations move nothing: they record
-what they would issue (the collective, its input's shape and dtype, forward or
-backward) and return tensors of the right shape, so running a layer forward and
-backward on fake tensors lists every collective it issues, in order. That list is
-what the Plan shows; the contract test checks it against the ledger.
+Predicting. Inside the engine's ``in_layer.predicting`` block the operations move nothing: they
+record what they would issue (the collective, its axis, its input's shape and dtype, forward or
+backward) and return tensors of the right shape, so running a layer forward and backward on fake
+tensors lists every collective it issues, in order. That list is what the Plan shows; the contract
+test checks it against the ledger.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ...collectives import all_gather, axis_index, axis_size, psum, psum_scatter
+from ...collectives import all_gather, psum, psum_scatter
 from ...collectives.where import in_backward
-from ...engine.run import inside_times
+from ...engine.stack import in_layer
 from . import positions
-
-
-@dataclass(frozen=True)
-class Issued:
-    """One collective a layer issues: the ledger's op name, its input, and the phase."""
-
-    op: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    phase: str  # "forward" or "backward"
-    label: str  # the module that issued it
-
-
-@dataclass
-class _Prediction:
-    size: int
-    issued: list[Issued]
-
-
-_predicting: contextvars.ContextVar[_Prediction | None] = contextvars.ContextVar(
-    "shardwise_tp_predicting", default=None
-)
-
-
-@contextlib.contextmanager
-def predicting(size: int) -> Iterator[list[Issued]]:
-    """Inside the block no operation communicates: each records what it would issue over an axis
-    of ``size`` ranks into the yielded list."""
-    prediction = _Prediction(size, [])
-    token = _predicting.set(prediction)
-    try:
-        yield prediction.issued
-    finally:
-        _predicting.reset(token)
-
-
-def predicting_now() -> bool:
-    """Whether the layers run inside :func:`predicting` (on fake tensors)."""
-    return _predicting.get() is not None
-
-
-def tp_size(axis: str) -> int:
-    """The axis size, also while predicting."""
-    prediction = _predicting.get()
-    return prediction.size if prediction is not None else axis_size(axis)
-
-
-def tp_index(axis: str) -> int:
-    prediction = _predicting.get()
-    return 0 if prediction is not None else axis_index(axis)
-
 
 # -- the operations ------------------------------------------------------------------------------
 # Each is one autograd Function: an op in forward and its transpose in backward, among "psum",
@@ -148,12 +93,11 @@ def _apply(
     op: str | None, x: torch.Tensor, axis: str, dim: int, reduce: torch.dtype | None, label: str, phase: str
 ) -> torch.Tensor:
     """One op on ``x``: moved for real, or (while predicting) recorded with the right output shape."""
-    prediction = _predicting.get()
-    n = prediction.size if prediction is not None else axis_size(axis)
+    n = in_layer.size(axis)
     wire = reduce if reduce is not None and op in ("psum", "psum_scatter") else x.dtype
-    if prediction is not None:
+    if in_layer.predicting_now():
         if op in ("psum", "psum_scatter", "all_gather"):
-            prediction.issued.append(Issued(op, tuple(x.shape), wire, phase, label))
+            in_layer.record(op, axis, tuple(x.shape), wire, label, phase)
         if op == "all_gather":
             return torch.cat([x] * n, dim)
         if op in ("psum_scatter", "slice"):
@@ -164,14 +108,13 @@ def _apply(
     if op is None:  # Megatron's f forward and g backward are free: a view, no copy
         return x.view_as(x)
     if op == "slice":
-        return x.chunk(n, dim)[axis_index(axis)].contiguous()
-    # Each through inside_times.timed: a traced step's Plan lists it as an action of its own.
+        return x.chunk(n, dim)[in_layer.index(axis)].contiguous()
     if op == "all_gather":
-        return inside_times.timed(lambda: all_gather(x.contiguous(), axis, dim, tiled=True))
+        return all_gather(x.contiguous(), axis, dim, tiled=True)
     sent = x.to(wire).contiguous()
     if op == "psum":
-        return inside_times.timed(lambda: psum(sent, axis)).to(x.dtype)
-    return inside_times.timed(lambda: psum_scatter(sent, axis, dim, tiled=True)).to(x.dtype)
+        return psum(sent, axis).to(x.dtype)
+    return psum_scatter(sent, axis, dim, tiled=True).to(x.dtype)
 
 
 class _TPComm(torch.autograd.Function):
@@ -198,15 +141,14 @@ class _TPComm(torch.autograd.Function):
 def all_max(x: torch.Tensor, axis: str, label: str) -> torch.Tensor:
     """The elementwise maximum over the axis (no gradient): an all-gather, then the max."""
     x = x.detach()
-    prediction = _predicting.get()
-    if prediction is not None:
-        prediction.issued.append(Issued("all_gather", tuple(x.shape), x.dtype, "forward", label))
+    if in_layer.predicting_now():
+        in_layer.record("all_gather", axis, tuple(x.shape), x.dtype, label)
         return x.clone()
-    return inside_times.timed(lambda: all_gather(x, axis)).amax(0)
+    return all_gather(x, axis).amax(0)
 
 
 def _check_divides(x: torch.Tensor, dim: int, axis: str, label: str) -> None:
-    n = tp_size(axis)
+    n = in_layer.size(axis)
     if x.shape[dim] % n:
         raise ValueError(
             f"tensor_parallel(sequence_parallel=...): {label!r} splits the sequence (dim {dim}, length "

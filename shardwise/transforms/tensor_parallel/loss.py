@@ -29,7 +29,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .comm import all_max, leave, predicting_now, tp_index, tp_size
+from ...engine.stack import in_layer
+from .comm import all_max, leave
 from .modules import forget_split_output, output_is_split
 
 _split_over: contextvars.ContextVar[_Split | None] = contextvars.ContextVar("shardwise_vocab_split", default=None)
@@ -77,15 +78,15 @@ def vocab_parallel_cross_entropy(
     split.calls += 1
     axis, label = split.axis, "vocab_parallel_cross_entropy"
     rows = flat.shape[-1]
-    vocab = rows * tp_size(axis)
-    if not predicting_now():
+    vocab = rows * in_layer.size(axis)
+    if not in_layer.predicting_now():
         wrong = (flat_targets != ignore_index) & ((flat_targets < 0) | (flat_targets >= vocab))
         if bool(wrong.any()):
             raise IndexError(
                 f"vocab_parallel_cross_entropy: target {int(flat_targets[wrong][0])} is out of bounds for a "
                 f"vocabulary of {vocab} (ignore_index={ignore_index})"
             )
-    start = tp_index(axis) * rows
+    start = in_layer.index(axis) * rows
     # Half-precision logits are summed in float32, across the vocabulary and over the ranks (as
     # torch's cross-entropy accumulates them): bf16 sums of exponentials would lose the loss.
     given = flat.dtype
@@ -228,7 +229,7 @@ class SplitLogitsLoss:
             return self.loss_fn(output, targets)
         split = _Split(self.axis)
         token = _split_over.set(split)
-        guarded = output if predicting_now() else _wrap_split(output)  # fake tensors: shapes only
+        guarded = output if in_layer.predicting_now() else _wrap_split(output)  # fake tensors: shapes only
         try:
             loss = plain(self.loss_fn(guarded, targets))
         except SplitLogitsMisuse as err:

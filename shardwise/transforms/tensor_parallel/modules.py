@@ -24,8 +24,9 @@ from ...engine.model.chain import Layer
 from ...engine.model.module_call import ThreadReplicas
 from ...engine.model.reuse import reuse_key
 from ...engine.run.rng import default_generators, mix
+from ...engine.stack import in_layer
 from . import positions
-from .comm import enter, gather_invariant, leave, predicting_now, scatter, tp_index, tp_size, vary
+from .comm import enter, gather_invariant, leave, scatter, vary
 from .match import CONV1D, EMBEDDING, LINEAR, Install, LayerPlan
 from .styles import Colwise, Region, Rowwise, gathers
 
@@ -62,7 +63,7 @@ class TPForward:
             _rank_stream(self.axis, args, kwargs, sticky=self.block is not None) if self.own_stream
             else contextlib.nullcontext(),
             contextlib.nullcontext() if follow is None
-            else positions.following(self.path, m, follow[1], tp_size(self.axis)),
+            else positions.following(self.path, m, follow[1], in_layer.size(self.axis)),
         ):
             out = type(m).forward(m, *args, **kwargs) if install is None else self._styled(install, args, kwargs)
         if follow is not None:
@@ -88,7 +89,7 @@ class TPForward:
         m, style, axis, label = self.module, install.style, self.axis, install.path
         weight, bias = _tensor(m, "weight"), _tensor(m, "bias")
         if isinstance(style, Region):
-            n = tp_size(axis)
+            n = in_layer.size(axis)
             for attr, value in self.locals.items():
                 setattr(m, attr, value // n)
             args, kwargs = _map_hidden(
@@ -100,7 +101,7 @@ class TPForward:
             except (RuntimeError, ValueError) as err:
                 if _is_ours(err):
                     raise
-                raise ValueError(_region_failed(m, label, style, err, tp_size(axis))) from err
+                raise ValueError(_region_failed(m, label, style, err, in_layer.size(axis))) from err
             finally:
                 _flow.regions -= 1
         (x,) = args
@@ -130,7 +131,7 @@ class TPForward:
         if x.shape[-1] != width:
             raise ValueError(
                 f"tensor_parallel: Rowwise() on {label!r} takes its input split on the features ({width} of "
-                f"{width * tp_size(axis)} on each rank), but got {x.shape[-1]}: give the module before it "
+                f"{width * in_layer.size(axis)} on each rank), but got {x.shape[-1]}: give the module before it "
                 "Colwise() (its output stays split), inside the same Region"
             )
         y = F.linear(x, weight) if install.kind == LINEAR else _conv1d(x, weight, None)
@@ -215,13 +216,13 @@ def _start_rank_stream(axis: str, device: torch.device, sticky: bool = False) ->
     region itself begins, with no Region around it to say where per-rank values begin: a Rowwise
     ends it, or the end of the layer (VaryFn). False when it did not begin one (predicting, or one
     already runs)."""
-    if predicting_now() or getattr(_streams, "saved", None) is not None:
+    if in_layer.predicting_now() or getattr(_streams, "saved", None) is not None:
         return False
     gens = default_generators(device)
     base = int(torch.empty((), dtype=torch.int64).random_().item())
     _streams.saved, _streams.gens, _streams.sticky = [g.get_state() for g in gens], gens, sticky
     for i, g in enumerate(gens):
-        g.manual_seed(mix(base, tp_index(axis), i))
+        g.manual_seed(mix(base, in_layer.index(axis), i))
     return True
 
 
@@ -257,12 +258,12 @@ def _vocab_lookup(m: nn.Module, ids: Tensor, axis: str, label: str) -> Tensor:
     weight = _tensor(m, "weight")
     assert weight is not None
     rows = weight.shape[0]
-    if not predicting_now() and ids.numel() and bool(((ids < 0) | (ids >= rows * tp_size(axis))).any()):
+    if not in_layer.predicting_now() and ids.numel() and bool(((ids < 0) | (ids >= rows * in_layer.size(axis))).any()):
         raise IndexError(
-            f"tensor_parallel: {label!r} looks up ids outside its vocabulary of {rows * tp_size(axis)} "
+            f"tensor_parallel: {label!r} looks up ids outside its vocabulary of {rows * in_layer.size(axis)} "
             f"(from {int(ids.min())} to {int(ids.max())}); index out of range, as the whole Embedding would say"
         )
-    start = tp_index(axis) * rows
+    start = in_layer.index(axis) * rows
     outside = (ids < start) | (ids >= start + rows)
     local = (ids - start).masked_fill(outside, 0)
     padding = getattr(m, "padding_idx", None)

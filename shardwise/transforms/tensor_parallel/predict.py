@@ -2,10 +2,12 @@
 
 The layers are run forward and backward (as one ``B``, and as ``I`` then ``W``
 for zero-bubble schedules), on fake tensors (no data, no arithmetic) inside
-``comm.predicting``: every tensor-parallel operation records the collective it
-would issue. Remat and the precision casts are part of the rewritten layers, so a
-recomputed forward's collectives show in the backward, as they run. The lowering
-lists these after each compute, and the contract test holds the ledger to them.
+``recording`` (the step's ``in_layer.predicting`` block, every split's axes):
+every in-layer operation records the collective it would issue. Remat and the
+precision casts are part of the rewritten layers, so a recomputed forward's
+collectives show in the backward, as they run. The lowering lists these after
+each compute, and the contract test holds the ledger to them. This is the
+spec's own prediction (``TPSpec.inner_collectives``), in place of the engine's.
 
 Layer by layer (the default). A stage's forward issues its layers' forwards in
 layer order, and its backward passes issue each layer's backward collectives in
@@ -33,10 +35,9 @@ from ...engine.layout.state_layout import Placement
 from ...engine.model import reuse as layer_reuse  # the module: a test switches its keys off
 from ...engine.model.chain import Chain
 from ...engine.model.reuse import LayerMemo, tree_signature
+from ...engine.plan.inside import Predicted, Recording
+from ...engine.stack.in_layer import Issued
 from ...engine.torch_api import fake_tensors
-from .comm import Issued, predicting
-
-Predicted = dict[tuple[str, int], list[Issued]]  # (compute kind, stage) -> what it issues
 
 
 def _cut(t: Any, grad: bool) -> Any:
@@ -54,7 +55,7 @@ def predict(
     loss_fn: Callable[[Any, Any], Any],
     inputs: Any,
     targets: Any,
-    size: int,
+    recording: Recording,
     *,
     by_layer: bool = True,
 ) -> Predicted:
@@ -62,10 +63,10 @@ def predict(
     backward as ``B``, ``I`` and ``W``; ``by_layer=False``: each stage run whole (see the module
     docstring)."""
     if by_layer and not any(chain[n].ties for n in chain.names):  # a tie's owner may sit in another stage
-        return _predict_by_layer(chain, placement, shapes, loss_fn, inputs, targets, size)
+        return _predict_by_layer(chain, placement, shapes, loss_fn, inputs, targets, recording)
     out: Predicted = {}
     stages = LayerMemo()  # a stage like one predicted before (the middle of a stack of blocks) issues alike
-    with fake_tensors() as fake, predicting(size) as issued:
+    with fake_tensors() as fake, recording() as issued:
         x = optree.tree_map(fake, inputs)
         y_targets = optree.tree_map(fake, targets)
         for s, layers in enumerate(placement.stages):
@@ -155,11 +156,11 @@ def _predict_by_layer(
     loss_fn: Callable[[Any, Any], Any],
     inputs: Any,
     targets: Any,
-    size: int,
+    recording: Recording,
 ) -> Predicted:
     out: Predicted = {}
     memo = LayerMemo()
-    with fake_tensors() as fake, predicting(size) as issued:
+    with fake_tensors() as fake, recording() as issued:
         x = optree.tree_map(fake, inputs)
         y_targets = optree.tree_map(fake, targets)
         for s, layers in enumerate(placement.stages):

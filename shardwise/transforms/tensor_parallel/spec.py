@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -13,8 +12,9 @@ import torch
 from ...collectives.mesh import Mesh
 from ...engine.layout.state_layout import Placement, TensorSplit
 from ...engine.model.chain import Chain
+from ...engine.plan.inside import Predicted, Recording
 from ...engine.stack.compose import SPLIT
-from .comm import predicting
+from ...engine.stack.roles import NO_CUT, BatchCut
 from .match import EMBEDDING, LayerPlan, Resolved, resolve
 from .modules import guard_layer, rewrite_layer
 from .predict import predict
@@ -111,17 +111,9 @@ class TPSpec:
             (layer.name, n) for layer in chain for n in layer.owned_param_names if (layer.name, n) not in splits
         )
 
-    def batch_axes(self, mesh: Mesh | None) -> tuple[str, ...]:
+    def batch_cut(self, mesh: Mesh | None) -> BatchCut:
         """None: every index of the axis takes the same batch."""
-        return ()
-
-    def sequence_parts(self, mesh: Mesh | None) -> int:
-        """1: the sequences are not cut."""
-        return 1
-
-    def cut_sequence(self, pair: Any, mesh: Mesh | None, rank: int | None) -> Any:
-        """The pair itself: the sequences are not cut."""
-        return pair
+        return NO_CUT
 
     def counts_replicated(self, mesh: Mesh | None) -> bool:
         """Index 0 of the axis alone counts the loss, the tokens and the replicated gradients in the
@@ -135,24 +127,20 @@ class TPSpec:
         return mesh.rank_of({**mesh.coords, self.axis: 0})
 
     # -- prediction --------------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def predicting(self, mesh: Mesh | None) -> Iterator[None]:
-        """Run the layers on fake tensors: the collectives move nothing, shapes are this mesh's."""
-        with predicting(_mesh(mesh, self.axis).axis_size(self.axis)):
-            yield
-
     def inner_collectives(
         self,
         chain: Chain,
         placement: Placement,
         shapes: Mapping[str, Mapping[str, tuple[torch.Size, torch.dtype]]],
         loss_fn: Callable[[Any, Any], Any],
-        micro: tuple[Any, Any],
-        mesh: Mesh,
-    ) -> dict[tuple[str, int], list[tuple[str, str, torch.dtype, tuple[int, ...]]]]:
-        """For every (compute kind, stage): each collective it issues, as (op, label, dtype, shape)."""
-        found = predict(chain, placement, shapes, loss_fn, micro[0], micro[1], mesh.axis_size(self.axis))
-        return {k: [(i.op, i.label, i.dtype, i.shape) for i in v] for k, v in found.items()}
+        inputs: Any,
+        targets: Any,
+        recording: Recording,
+    ) -> Predicted:
+        """Its own prediction of the collectives each compute issues inside its layers, in place of the
+        engine's (which runs each stage whole and knows no zero-bubble ``I`` and ``W``): layer by layer,
+        each distinct layer once, so a 70B's 80 blocks run once (predict.py)."""
+        return predict(chain, placement, shapes, loss_fn, inputs, targets, recording)
 
     def layer_notes(self, chain: Chain) -> dict[str, str]:
         """Per layer, what tensor parallel does to it, for the Plan."""

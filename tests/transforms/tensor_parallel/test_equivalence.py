@@ -148,14 +148,14 @@ def test_mixed_precision_compute_f32(order: str, build: dict[str, Callable]) -> 
     sw.testing.assert_equivalent(step, reference, sw.Mesh(tp=2), problem.batches, problem.params,
                                  rtol=sw.testing.DEFAULT_RTOL[torch.float32])
     inside = [a for a in step.plan(sw.Mesh(tp=2), problem.params, problem.batches[0]).for_rank(0)
-              if a.kind.startswith("tp_")]
+              if a.kind == "inside"]
     sums = {
         w.dtype
         for a in inside
-        if a.kind in ("tp_psum", "tp_psum_scatter") and a.label != "vocab_parallel_cross_entropy"
+        if a.op in ("psum", "psum_scatter") and a.label != "vocab_parallel_cross_entropy"
         for w in a.wire
     }
-    gathers = {w.dtype for a in inside if a.kind == "tp_all_gather" and a.label != "vocab_parallel_cross_entropy"
+    gathers = {w.dtype for a in inside if a.op == "all_gather" and a.label != "vocab_parallel_cross_entropy"
                for w in a.wire}
     assert sums == {"float64"} and gathers == {"float32"}, (sums, gathers)
 

@@ -92,7 +92,7 @@ def test_every_rank_issues_exactly_the_collectives_its_plan_lists(
     step, mesh = _stack(stack)(problem)
     batch = problem.batches[0]
     plan = step.plan(mesh, problem.params, batch)
-    assert any(a.kind.startswith("tp_") for a in plan.for_rank(0))  # the contract covers the tp collectives
+    assert any(a.kind == "inside" for a in plan.for_rank(0))  # the contract covers the tp collectives
     for rank, (records, held, opt) in enumerate(_ledgers(step, mesh, problem.params, batch)):
         got = [(r.op, r.axis, r.dtype, r.nbytes) for r in records]
         want = [(c.op, c.axis, c.dtype, c.nbytes) for c in plan.collectives(rank)]
@@ -130,14 +130,14 @@ def test_a_traced_step_times_every_action_of_its_plan_in_layer_collectives_inclu
         compute = None
         for pos, start, end in times:
             kind = actions[pos].kind
-            if kind.startswith("tp_"):
+            if kind == "inside":
                 assert compute is not None and compute[0] <= start <= end <= compute[1], (rank, actions[pos])
             elif kind in ("forward", "backward", "backward_input", "backward_weight", "loss"):
                 compute = (start, end)
             else:
                 compute = None
-        assert sum(actions[pos].kind.startswith("tp_") for pos, _, _ in times) > 0
-    # The measured step calibrates a simulation of the Plan (its tp kinds are costed like any).
+        assert sum(actions[pos].kind == "inside" for pos, _, _ in times) > 0
+    # The measured step calibrates a simulation of the Plan (its in-layer actions are costed like any).
     costs = PlanCosts.fit(plan, [measured], statistic="mean")
     replayed = sw.simulate(plan, costs.of_step(plan, measured))
     assert replayed.makespan > 0 and 0 <= replayed.bubble_fraction < 1
@@ -324,8 +324,8 @@ def test_a_plan_without_a_batch_says_its_in_layer_collectives_are_not_listed(bui
     step = sw.tensor_parallel(problem.step, "tp", problem.plan)
     mesh = sw.Mesh(tp=2)
     without, with_batch = step.plan(mesh, problem.params), step.plan(mesh, problem.params, problem.batches[0])
-    assert not [a for a in without.for_rank(0) if a.kind.startswith("tp_")]
-    assert [a for a in with_batch.for_rank(0) if a.kind.startswith("tp_")]
+    assert not [a for a in without.for_rank(0) if a.kind == "inside"]
+    assert [a for a in with_batch.for_rank(0) if a.kind == "inside"]
     missing = "collectives inside the layer are not listed"
     split_layers = [layer for layer, notes in with_batch.layers.items() if any("tensor parallel" in n for n in notes)]
     assert split_layers

@@ -73,7 +73,7 @@ def test_the_plan_predicted_layer_by_layer_equals_the_plan_predicted_stage_by_st
     with monkeypatch.context() as m:
         m.setattr(tp_spec, "predict", functools.partial(tp_predict.predict, by_layer=False))
         by_stage = step.plan(mesh, problem.params, batch)
-    assert any(a.kind.startswith("tp_") for r in range(mesh.size) for a in by_layer.for_rank(r))
+    assert any(a.kind == "inside" for r in range(mesh.size) for a in by_layer.for_rank(r))
     for r in range(mesh.size):
         assert by_layer.for_rank(r) == by_stage.for_rank(r), f"rank {r}"
         assert list(by_layer.collectives(r)) == list(by_stage.collectives(r)), f"rank {r}"
@@ -88,7 +88,7 @@ def test_a_stage_backward_lists_its_layers_in_reverse() -> None:
     problem = build_tiny_gpt(steps=1, n_layers=6, tie=False)
     step, mesh = STACKS["pp2xtp2-1f1b-sp"](problem)
     plan = step.plan(mesh, problem.params, problem.batches[0])
-    labels = [a for a in plan.for_rank(0) if a.kind.startswith("tp_")]
+    labels = [a for a in plan.for_rank(0) if a.kind == "inside"]
     assert labels  # the stage issues in-layer collectives at all
     order = [str(a) for a in labels]
     assert order != list(reversed(order))
@@ -148,7 +148,7 @@ def test_on_a_stack_of_identical_blocks_the_reused_layers_give_the_plan_of_the_s
     with monkeypatch.context() as m:
         m.setattr(tp_spec, "predict", functools.partial(tp_predict.predict, by_layer=False))
         by_stage = step.plan(mesh, params, (ids, ids))
-    assert any(a.kind.startswith("tp_") for a in by_layer.for_rank(0))
+    assert any(a.kind == "inside" for a in by_layer.for_rank(0))
     assert by_layer.actions == by_stage.actions
     assert dict(by_layer.memory) == dict(by_stage.memory)
     assert by_layer.layers == by_stage.layers

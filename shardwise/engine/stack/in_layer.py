@@ -1,0 +1,165 @@
+"""The collectives a split's layers issue inside a compute: one recording context for every split.
+
+A SPLIT spec's layers communicate while they compute (tensor parallel's sums and gathers, expert
+parallel's all-to-alls, ring attention's ppermutes). The Plan lists each of them right after its
+compute, so the engine must know them before the step runs. Every split issues them through this
+module, which has one context variable:
+
+* While :func:`predicting` (the layers run on fake tensors: ``step.plan``, the pipeline's stage
+  boundaries), nothing moves: :func:`collective` (or :func:`record`) appends an :class:`Issued` (op,
+  axis, input shape and dtype, phase, label) to the block's list and returns a tensor of the shape
+  the run would give; :func:`size` and :func:`index` answer for the axes being predicted (index 0:
+  every index issues the same).
+* Otherwise the collective runs (a traced step times it where it runs: ``collectives/timing.py``),
+  and these functions cost one read of the context variable.
+
+Predicting holds every split's axis at once (a stack of splits, one per axis, predicts in one
+block), so an :class:`Issued` names its axis.
+
+>>> import torch
+>>> with predicting({"tp": 4}) as issued:
+...     y = collective("all_gather", "tp", torch.ones(2, 3), "mlp", run=lambda: None,
+...                    predicted=lambda: torch.ones(8, 3))
+...     where = size("tp"), index("tp")
+>>> y.shape, where, [(i.op, i.axis, i.shape, i.label) for i in issued]
+(torch.Size([8, 3]), (4, 0), [('all_gather', 'tp', (2, 3), 'mlp')])
+>>> predicting_now()
+False
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, TypeVar
+
+import torch
+
+from ...collectives import axis_index, axis_size, psum
+from ...collectives.mesh import Mesh
+
+T = TypeVar("T")
+
+#: The collectives a layer may issue inside its compute, as the ledger names them.
+OPS = ("psum", "all_gather", "psum_scatter", "all_to_all", "ppermute")
+
+
+@dataclass(frozen=True)
+class Issued:
+    """One collective a layer issues inside its compute: the ledger's op name, the mesh axis, its
+    input's shape and dtype (as it travels), the phase and who issued it (the module's path)."""
+
+    op: str
+    axis: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    phase: str  # "forward" or "backward"
+    label: str
+
+
+@dataclass(frozen=True)
+class _Prediction:
+    """What the context variable holds while predicting: each axis's size, and the list they record into."""
+
+    sizes: Mapping[str, int]
+    issued: list[Issued] = field(default_factory=list)
+
+
+_predicting: contextvars.ContextVar[_Prediction | None] = contextvars.ContextVar(
+    "shardwise_in_layer_predicting", default=None
+)
+
+
+@contextlib.contextmanager
+def predicting(sizes: Mapping[str, int]) -> Iterator[list[Issued]]:
+    """A block in which the layers run on fake tensors: no collective moves anything; each appends
+    what it would issue, over axes of ``sizes`` ({axis: ranks}), to the yielded list. Inside another
+    such block it predicts the outer block's axes too, into a list of its own."""
+    if not sizes or not all(isinstance(a, str) and isinstance(n, int) and n >= 1 for a, n in sizes.items()):
+        raise ValueError(f"predicting(sizes={dict(sizes)!r}): give each predicted mesh axis its size, e.g. {{'tp': 2}}")
+    outer = _predicting.get()
+    prediction = _Prediction(MappingProxyType({**(outer.sizes if outer is not None else {}), **sizes}))
+    token = _predicting.set(prediction)
+    try:
+        yield prediction.issued
+    finally:
+        _predicting.reset(token)
+
+
+def predicting_now() -> bool:
+    """Whether the layers run inside :func:`predicting` (on fake tensors: values are not known)."""
+    return _predicting.get() is not None
+
+
+def size(axis: str, mesh: Mesh | None = None) -> int:
+    """The size of mesh axis ``axis``, also while predicting (where the mesh is not running)."""
+    prediction = _predicting.get()
+    if prediction is None:
+        return axis_size(axis, mesh=mesh)
+    sizes = prediction.sizes
+    if axis not in sizes:
+        raise ValueError(
+            f"a layer asks the size of axis {axis!r} while predicting axes {sorted(sizes)}: the split that issues "
+            "collectives over it is not in the step's stack (every split's layers predict inside its step's block)"
+        )
+    return sizes[axis]
+
+
+def index(axis: str, mesh: Mesh | None = None) -> int:
+    """The calling rank's index on ``axis``; 0 while predicting (every index issues the same)."""
+    if _predicting.get() is not None:
+        size(axis)  # the axis must be one being predicted
+        return 0
+    return axis_index(axis, mesh=mesh)
+
+
+def record(op: str, axis: str, shape: tuple[int, ...], dtype: torch.dtype, label: str, phase: str = "forward") -> None:
+    """While predicting: note that the layer issues ``op`` over ``axis`` on an input of ``shape`` and
+    ``dtype`` (a collective whose fake output the caller makes itself, such as an attention's ring)."""
+    prediction = _predicting.get()
+    if prediction is None:
+        raise RuntimeError(f"in_layer.record({op!r}, {axis!r}, ...) outside predicting(): nothing would note it")
+    if op not in OPS:
+        raise ValueError(f"in_layer.record: op {op!r} is not a collective a layer issues; use one of {OPS}")
+    size(axis)
+    prediction.issued.append(Issued(op, axis, tuple(shape), dtype, phase, label))
+
+
+def collective(
+    op: str, axis: str, x: torch.Tensor, label: str, *, run: Callable[[], T], predicted: Callable[[], T],
+    phase: str = "forward", dtype: torch.dtype | None = None,
+) -> T:
+    """One collective a layer issues on ``x``: ``run()``, or while predicting, recorded (``x``'s shape,
+    in ``dtype`` if it travels in another) and ``predicted()``: the output the run would give, in shape."""
+    if predicting_now():
+        record(op, axis, tuple(x.shape), x.dtype if dtype is None else dtype, label, phase)
+        return predicted()
+    return run()
+
+
+def grad_summed(x: torch.Tensor, axis: str, label: str, reduce: torch.dtype | None = None) -> torch.Tensor:
+    """Identity forward (a view); backward, the gradient summed over ``axis`` (in ``reduce``, else its
+    own dtype): a parameter every index of the axis holds whole, used on the index's own share of the
+    batch or sequence, whose gradient is the sum over the shares (JAX's ``pvary``; Megatron's f)."""
+    return _GradSum.apply(x, axis, label, reduce)
+
+
+class _GradSum(torch.autograd.Function):
+    @staticmethod
+    def forward(x: torch.Tensor, axis: str, label: str, reduce: torch.dtype | None) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.axis, ctx.label, ctx.reduce = inputs[1], inputs[2], inputs[3]
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        sent = g.to(ctx.reduce if ctx.reduce is not None else g.dtype).contiguous()
+        if predicting_now():
+            record("psum", ctx.axis, tuple(sent.shape), sent.dtype, ctx.label, "backward")
+            return g.clone(), None, None, None
+        return psum(sent, ctx.axis).to(g.dtype), None, None, None
