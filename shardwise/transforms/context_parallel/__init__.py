@@ -3,12 +3,14 @@
 Two attentions, both pure differentiable functions over a mesh axis (torchtitan CP; DeepSpeed Ulysses):
 
 * :func:`ring_attention`: keys and values travel around the ring (``ppermute``), an online softmax
-  merges the blocks; causal attention load-balanced over ``2n`` chunks (``layout.py``).
+  merges the blocks (torch's CPU flash kernel each); causal attention load-balanced over ``2n``
+  chunks (``layout.py``).
 * :func:`ulysses_attention`: all-to-all from sequence-split to head-split, whole-sequence attention on
   the local heads, all-to-all back; the axis size must divide the (key/value) heads.
 
 :func:`shard_sequence` / :func:`unshard_sequence` cut and join sequences (inputs, positions, labels)
-the way both expect; ``volumes.py`` gives the bytes each sends.
+the way both expect; ``volumes.py`` gives the bytes each sends. Both take a :class:`TokenMask`
+(:func:`token_mask`): padding and packed sequences.
 
 :func:`context_parallel` is the transform (``spec.py``): a SPLIT over its axis that cuts every
 sequence of the batch, no parameter; its attention layers run one of the two functions here, its
@@ -18,6 +20,7 @@ position tables are read at the rank's global positions, and every gradient is s
 from ...engine.stack.compose import add
 from ...engine.step.step import Step
 from .layout import chunk_count, local_chunks, shard_order, shard_sequence, unshard_sequence
+from .masks import TokenMask, token_mask
 from .ring import ring_attention
 from .spec import CPSpec
 from .ulysses import ulysses_attention
@@ -85,6 +88,7 @@ def context_parallel(
 
 __all__ = [
     "CPSpec",
+    "TokenMask",
     "chunk_count",
     "context_parallel",
     "local_chunks",
@@ -92,6 +96,7 @@ __all__ = [
     "ring_attention_bytes",
     "shard_order",
     "shard_sequence",
+    "token_mask",
     "ulysses_attention",
     "ulysses_attention_bytes",
     "unshard_sequence",
