@@ -40,7 +40,7 @@ def context_parallel(
     ``dim``; shift targets on the whole sequence first): with ``balanced``, chunks ``i`` and ``2n - 1 - i``
     of ``2n``, which gives every rank the same causal attention work. Its attention modules (causal
     self-attentions with qkv, proj, head_dim and a causal mask: TinyGPT's; Hugging Face attentions on
-    ``attn_implementation="sdpa"`` without an attention mask: Llama's) attend over the whole sequence
+    ``attn_implementation="sdpa"``: Llama's) attend over the whole sequence
     by ``attention="ring"`` (key/value slices passed round the ring, ``n - 1`` ppermutes each way) or
     ``"ulysses"`` (all-to-alls to a head split and back; the axis size must divide the heads). Position
     tables (parameters named ``positions``, read at rows ``0 .. t - 1``) are read, and Hugging Face
@@ -48,6 +48,11 @@ def context_parallel(
     ``axis`` and its gradient summed over it in backward; the loss is seeded by 1 / (dp x cp): a mean
     loss is the whole sequence's when every part holds as
     many counted tokens (for padded labels, count them with ``train_step(..., tokens=...)``).
+
+    A batch dict's padding ``attention_mask`` (2-D) or, with ``attention_mask: None``, its restarting
+    ``position_ids`` (packed sequences) mask the attention as transformers reads them: the layer that
+    reads the batch all-gathers the rank's part and every attention gets the whole sequence's
+    :class:`TokenMask`; position ids the batch gives feed the rotary embeddings as they are.
 
     It composes with ``shard_params`` over another axis (ZeRO over ``dp``), ``mixed_precision`` and
     ``remat``; not yet with ``pipeline``, ``tensor_parallel`` or ``expert_parallel`` (refused).

@@ -15,7 +15,10 @@ A position table is a parameter whose local name ends in one of ``positions`` (T
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +29,7 @@ from ...engine.model.chain import Layer
 from ...engine.stack import in_layer
 from .comm import attend
 from .layout import shard_order
+from .masks import TokenMask, is_carried
 
 
 @dataclass(frozen=True)
@@ -149,11 +153,7 @@ class HFForward:
         *args: Any, **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:
         m: Any = self.module
-        if attention_mask is not None:
-            raise ValueError(
-                f"context_parallel: {self.where} got an attention mask (padding, or a mask sdpa cannot replace by "
-                "is_causal); it splits plain causal attention: pass no attention_mask, mark padding in the labels"
-            )
+        mask = self._mask(attention_mask, hidden_states.shape[1])
         if m.training and float(getattr(m, "attention_dropout", 0.0)) > 0:
             raise ValueError(
                 f"context_parallel: {self.where} has attention_dropout={m.attention_dropout}; ring and Ulysses "
@@ -164,26 +164,78 @@ class HFForward:
         q, k, v = (proj(hidden_states).view(shape).transpose(1, 2) for proj in (m.q_proj, m.k_proj, m.v_proj))
         cos, sin = position_embeddings
         q, k = rotate(q, k, cos, sin)
-        y = attend(q, k, v, self.axis, self.attention, self.balanced, self.where, scale=float(m.scaling))
+        y = attend(q, k, v, self.axis, self.attention, self.balanced, self.where, scale=float(m.scaling), mask=mask)
         return m.o_proj(y.transpose(1, 2).reshape(*hidden_states.shape[:-1], -1).contiguous()), None
+
+    def _mask(self, attention_mask: Any, local: int) -> TokenMask | None:
+        """The padding / packed-sequence mask the layer that read the batch made (see ``CPLayerFn``), or
+        None; any other mask is refused."""
+        if attention_mask is None:
+            return None
+        if not is_carried(attention_mask):
+            raise ValueError(
+                f"context_parallel: {self.where} got an attention mask it did not make ({_describe(attention_mask)}): "
+                "it splits causal attention with padding (a 2-D attention_mask in the batch) and packed sequences "
+                "(restarting position_ids in the batch), read where the model reads its batch; pass those in the "
+                "batch dict, not a mask of your own"
+            )
+        config: Any = getattr(self.module, "config", None)
+        window = getattr(config, "sliding_window", None)
+        if isinstance(window, int) and window < local * in_layer.size(self.axis):
+            raise ValueError(
+                f"context_parallel: {self.where} uses sliding-window attention (config.sliding_window={window}, "
+                f"shorter than the sequence's {local * in_layer.size(self.axis)} tokens), which it does not split: use "
+                "sequences no longer than the window, or leave context_parallel out"
+            )
+        return TokenMask.from_carried(attention_mask)
+
+
+def _describe(mask: Any) -> str:
+    return f"{type(mask).__name__} {tuple(mask.shape)} {mask.dtype}" if isinstance(mask, torch.Tensor) else repr(mask)
+
+
+# How the layer reading the batch gives the rotary embeddings positions, while it runs (``CPLayerFn``):
+# "given", the batch carries position_ids (cut like every token, each one its token's own); "counted",
+# the model counts 0 .. t - 1 itself, which GlobalPositions maps to the rank's global positions.
+_batch_positions: contextvars.ContextVar[str | None] = contextvars.ContextVar("shardwise_cp_positions", default=None)
+
+
+@contextlib.contextmanager
+def reading_batch(positions: str) -> Iterator[None]:
+    """Inside the block the layer that reads the batch runs (see :data:`_batch_positions`)."""
+    token = _batch_positions.set(positions)
+    try:
+        yield
+    finally:
+        _batch_positions.reset(token)
 
 
 class GlobalPositions:
     """A rotary embedding's forward fed the rank's global positions: ``position_ids`` count the rank's
-    tokens (0 .. t - 1), which stand for the global positions the rank holds."""
+    tokens (0 .. t - 1), which stand for the global positions the rank holds; position_ids the batch
+    gave (cut with the tokens) are each token's own, and pass as they are."""
 
     def __init__(self, module: nn.Module, axis: str, balanced: bool) -> None:
         self.module, self.axis, self.balanced = module, axis, balanced
         self.forward = type(module).forward
 
     def __call__(self, x: torch.Tensor, position_ids: torch.Tensor) -> Any:
+        how = _batch_positions.get()
         n, t = in_layer.size(self.axis), position_ids.shape[-1]
         local = torch.arange(t, device=position_ids.device)
+        if how is None and not in_layer.predicting_now() and not bool((position_ids == local).all()):
+            # Outside the layer that reads the batch: Hugging Face's "head" replays the code before the
+            # first block and discards it. (A rotary embedding inside the blocks would be an attention's
+            # own, which HFForward replaces: in transformers 5 those attentions get no position_embeddings.)
+            how = "given"
+        if how == "given":
+            return self.forward(self.module, x, position_ids)
         # Fake tensors (while predicting) hold no values to compare.
         if not in_layer.predicting_now() and not bool((position_ids == local).all()):
             raise ValueError(
-                "context_parallel: a rotary embedding got position_ids that do not count 0 .. t - 1; it maps "
-                "the rank's token counts to their global positions, so pass no position_ids"
+                "context_parallel: a rotary embedding got position_ids the model made that do not count 0 .. t - 1 "
+                "(the batch gave none); it maps the rank's token counts to their global positions: give each "
+                "token's position in the batch dict's position_ids instead"
             )
         i = in_layer.index(self.axis)
         mine = shard_order(t * n, n, self.balanced)[i * t : (i + 1) * t]

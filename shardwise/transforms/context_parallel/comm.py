@@ -2,6 +2,8 @@
 
 * ``attend``: the rank's attention over the whole sequence, ring (``ppermute`` of the key/value
   slice, ``n - 1`` times forward and again backward) or Ulysses (four all-to-alls forward, four back).
+* ``whole_sequence``: a per-token batch tensor (a padding mask, position ids) of the whole sequence
+  in global order, from every rank's part: one all-gather, in the layer that reads the batch.
 * Every parameter is replicated over the axis and used on this rank's part of the sequence, so its
   gradient is summed over the axis' parts in backward: the engine's ``in_layer.grad_summed``.
 
@@ -19,22 +21,44 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ...collectives import all_gather
 from ...engine.stack import in_layer
+from .layout import shard_order
+from .masks import TokenMask
 from .ring import ring_attention
 from .ulysses import ulysses_attention
 
 
+def whole_sequence(x: torch.Tensor, axis: str, balanced: bool, label: str) -> torch.Tensor:
+    """``x`` [batch, seq_local] (this rank's part of a per-token tensor, not differentiated) made whole,
+    in global order: every rank's part gathered over ``axis`` (one all-gather), then put in order."""
+    n = in_layer.size(axis)
+
+    def run() -> torch.Tensor:
+        with torch.no_grad():
+            return all_gather(x.contiguous(), axis, dim=1, tiled=True)
+
+    gathered = in_layer.collective(
+        "all_gather", axis, x, label, run=run, predicted=lambda: x.new_empty((x.shape[0], x.shape[1] * n))
+    )
+    if in_layer.predicting_now():
+        return gathered
+    order = shard_order(gathered.shape[1], n, balanced).to(x.device)
+    return gathered.index_select(1, torch.argsort(order))
+
+
 def attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: str, attention: str, balanced: bool, label: str,
-    scale: float | None = None,
+    scale: float | None = None, mask: TokenMask | None = None,
 ) -> torch.Tensor:
     """Causal attention of this rank's queries over the whole sequence: ``ring_attention`` or
-    ``ulysses_attention`` (q [batch, heads, seq_local, head_dim]; k, v with kv_heads)."""
+    ``ulysses_attention`` (q [batch, heads, seq_local, head_dim]; k, v with kv_heads), under ``mask``
+    (padding, packed sequences) if given."""
     if in_layer.predicting_now():
         return _PredictedAttention.apply(q, k, v, axis, attention, label, scale)
     if attention == "ring":
-        return ring_attention(q, k, v, axis, causal=True, balanced=balanced, scale=scale)
-    return ulysses_attention(q, k, v, axis, causal=True, balanced=balanced, scale=scale)
+        return ring_attention(q, k, v, axis, causal=True, balanced=balanced, scale=scale, mask=mask)
+    return ulysses_attention(q, k, v, axis, causal=True, balanced=balanced, scale=scale, mask=mask)
 
 
 class _PredictedAttention(torch.autograd.Function):

@@ -21,8 +21,10 @@ from ...engine.model.module_call import ThreadReplicas
 from ...engine.stack import in_layer
 from ...engine.stack.compose import SPLIT
 from ...engine.stack.roles import BatchCut
-from .attention import CPForward, GlobalPositions, HFForward, LayerParts, find_parts, heads_of
+from .attention import CPForward, GlobalPositions, HFForward, LayerParts, find_parts, heads_of, reading_batch
+from .comm import whole_sequence
 from .layout import check_sequence_length, local_chunks, shard_order
+from .masks import TokenMask, token_mask
 
 _RESOLVED: weakref.WeakKeyDictionary[Chain, dict[str, LayerParts]] = weakref.WeakKeyDictionary()
 
@@ -75,16 +77,16 @@ class CPSpec:
         found = self.resolve(chain)
         precision = next((getattr(s, "precision", None) for s in stack if s.name == "mixed_precision"), None)
         layers = []
-        for layer in chain:
+        for position, layer in enumerate(chain):
             fn = layer.fn
             parts = found.get(layer.name)
             if parts is not None and (parts.attentions or parts.rotaries):
                 fn = self._install(fn, parts, layer.name)
             tables = frozenset(parts.tables) if parts is not None else frozenset()
             reduce = None if precision is None else precision.for_layer(layer.name).reduce
+            wrapped = CPLayerFn(fn, self, frozenset(layer.param_names), tables, reduce, reads_batch=position == 0)
             layers.append(Layer(
-                layer.name, CPLayerFn(fn, self, frozenset(layer.param_names), tables, reduce), layer.param_names,
-                layer.buffers, layer.ties,
+                layer.name, wrapped, layer.param_names, layer.buffers, layer.ties,
             ))
         rewritten = Chain(layers)
         _RESOLVED[rewritten] = found
@@ -146,6 +148,9 @@ class CPSpec:
         mesh = _mesh(mesh, self.axis)
         n = mesh.axis_size(self.axis)
         i = mesh.axis_index(self.axis) if rank is None else mesh.coords_of(rank)[self.axis]
+        inputs = pair[0] if isinstance(pair, tuple) else pair
+        if isinstance(inputs, Mapping):
+            _check_batch_dict(inputs)
 
         def cut(t: Any) -> Any:
             if not isinstance(t, torch.Tensor) or t.dim() <= self.dim:
@@ -194,11 +199,16 @@ class CPSpec:
 
 class CPLayerFn:
     """A layer fn under context parallel: its position tables read at the rank's global positions and
-    every parameter's gradient summed over the axis (the engine's ``in_layer.grad_summed``)."""
+    every parameter's gradient summed over the axis (the engine's ``in_layer.grad_summed``). The layer
+    that reads the batch (the chain's first) also turns a batch dict's padding ``attention_mask`` or
+    restarting ``position_ids`` into the whole sequence's :class:`TokenMask`, which travels to every
+    attention in the mask's place (one all-gather of the rank's part), and tells the rotary embeddings
+    whether the batch gave positions."""
 
     def __init__(self, fn: Callable[[dict[str, Tensor], Any], Any], spec: CPSpec, names: frozenset[str],
-                 tables: frozenset[str], reduce: torch.dtype | None) -> None:
+                 tables: frozenset[str], reduce: torch.dtype | None, reads_batch: bool = False) -> None:
         self.fn, self.spec, self.names, self.tables, self.reduce = fn, spec, names, tables, reduce
+        self.reads_batch = reads_batch
 
     def __call__(self, tensors: dict[str, Tensor], x: Any) -> Any:
         spec = self.spec
@@ -208,7 +218,32 @@ class CPLayerFn:
         if self.tables:
             local = _sequence_length(x, spec.dim)
             summed = {k: self._at_positions(t, local) if k in self.tables else t for k, t in summed.items()}
-        return self.fn(summed, x)
+        if not self.reads_batch:
+            return self.fn(summed, x)
+        given = isinstance(x, Mapping) and x.get("position_ids") is not None
+        if isinstance(x, Mapping):
+            _check_batch_dict(x)  # cut_sequence checked it; a layer fn called directly is checked here
+            if x.get("attention_mask") is not None or given:
+                x = {**x, "attention_mask": self._token_mask(x).carried()}
+        with reading_batch("given" if given else "counted"):
+            return self.fn(summed, x)
+
+    def _token_mask(self, batch: Mapping[str, Any]) -> TokenMask:
+        """The whole sequence's padding (a 2-D attention_mask) or packed sequences (position_ids), as
+        transformers reads them, from this rank's part (all-gathered over the axis)."""
+        spec = self.spec
+        mask, positions = batch.get("attention_mask"), batch.get("position_ids")
+        if mask is not None:
+            if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+                token_mask(attention_mask=mask)  # refuses with the fix
+            whole = whole_sequence((mask != 0).to(torch.uint8), spec.axis, spec.balanced, "attention_mask")
+            return token_mask(attention_mask=whole)
+        if not isinstance(positions, torch.Tensor) or positions.dim() != 2:
+            raise ValueError(
+                f"context_parallel: the batch's position_ids is {_shape(positions)}; it must be a [batch, seq] "
+                "tensor, cut with the tokens"
+            )
+        return token_mask(position_ids=whole_sequence(positions, spec.axis, spec.balanced, "position_ids"))
 
     def _at_positions(self, table: Tensor, local: int) -> Tensor:
         """The table's rows at this rank's global positions, first: the layer reads rows 0 .. local - 1
@@ -223,6 +258,30 @@ class CPLayerFn:
                 f"{local * n}; use sequences no longer than the model's"
             )
         return table.index_select(dim, mine)
+
+
+def _check_batch_dict(batch: Mapping[str, Any]) -> None:
+    """Refuse what a batch dict can hold that context parallel would train wrong."""
+    mask = batch.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() != 2:
+        token_mask(attention_mask=mask)  # refuses with the fix
+    if batch.get("labels") is not None:
+        raise ValueError(
+            "context_parallel: the batch dict has labels, which the model would shift by one inside each rank's "
+            "part of the sequence (a wrong target at every chunk's end); pass the batch as (inputs, targets) with "
+            "the targets shifted on the whole sequence, and a loss_fn on the logits"
+        )
+    if batch.get("position_ids") is not None and "attention_mask" not in batch:
+        raise ValueError(
+            "context_parallel: the batch dict has position_ids but no attention_mask entry; the mask of the whole "
+            "sequence (packed sequences, as transformers reads them from position_ids) travels to the attentions "
+            "in its place: add 'attention_mask': None to the batch dict (and to functionalize's example_input), "
+            "which means the same to the model"
+        )
+
+
+def _shape(x: Any) -> str:
+    return f"of shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else f"a {type(x).__name__}"
 
 
 def _sequence_length(x: Any, dim: int) -> int:
