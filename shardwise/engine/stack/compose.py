@@ -54,9 +54,10 @@ naming it). The rules:
 * ``context_parallel`` goes over its own mesh axis, which cuts the *sequence* of every batch leaf
   (after shard_params' cut of the batch over ``dp``): each part is a share, the loss seeded by
   1 / (dp x cp); every parameter is replicated over ``cp`` and its gradient summed over ``cp`` inside
-  the layers, then ZeRO reduces over ``dp`` as usual. It is a SPLIT, refused with tensor_parallel or
-  expert_parallel for now (:data:`NOT_YET_TOGETHER`), and under a pipeline until its collectives are
-  checked there.
+  the layers, then ZeRO reduces over ``dp`` as usual. Under a pipeline each stage's layers cut their
+  micro-batch's sequence over ``cp`` (a stage's ranks on ``cp`` run the same schedule, so their ring
+  sends pair up; each compute lists its own). It is a SPLIT, refused with tensor_parallel or
+  expert_parallel for now (:data:`NOT_YET_TOGETHER`).
 * ``mixed_precision`` and ``remat`` rewrite layer functions, in any order with
   the others, and the result does not depend on the order: the layers are
   rebuilt from the chain train_step got, remat innermost and the precision
@@ -146,12 +147,6 @@ def check_stack(stack: tuple[Any, ...]) -> None:
     split = [s for s in stack if s.role == SPLIT]
     _check_splits(stack, split)
     for tp in split:
-        if tp.name == "context_parallel" and any(s.role == PLACEMENT for s in stack):
-            raise ValueError(
-                f"context_parallel with pipeline ({describe(stack)}) is not supported yet: its ring (or all-to-all) "
-                "collectives are predicted per layer but not checked under a pipeline's schedules; use "
-                "context_parallel with shard_params, mixed_precision and remat, or pipeline without it"
-            )
         if tp.name == "expert_parallel" and any(s.role == PLACEMENT for s in stack):
             raise ValueError(
                 f"expert_parallel with pipeline ({describe(stack)}) is not supported yet: its all-to-alls are "

@@ -54,8 +54,10 @@ def context_parallel(
     reads the batch all-gathers the rank's part and every attention gets the whole sequence's
     :class:`TokenMask`; position ids the batch gives feed the rotary embeddings as they are.
 
-    It composes with ``shard_params`` over another axis (ZeRO over ``dp``), ``mixed_precision`` and
-    ``remat``; not yet with ``pipeline``, ``tensor_parallel`` or ``expert_parallel`` (refused).
+    It composes with ``shard_params`` over another axis (ZeRO over ``dp``), ``pipeline`` over another
+    (each stage cuts its micro-batches' sequences; under a zero-bubble schedule the ring's backward runs
+    in both the input and the weight pass), ``mixed_precision`` and ``remat``; not yet with
+    ``tensor_parallel`` or ``expert_parallel`` (refused).
 
     >>> import torch, shardwise as sw
     >>> from shardwise.testing.models import TinyGPT
