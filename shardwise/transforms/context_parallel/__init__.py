@@ -40,8 +40,8 @@ def context_parallel(
     ``dim``; shift targets on the whole sequence first): with ``balanced``, chunks ``i`` and ``2n - 1 - i``
     of ``2n``, which gives every rank the same causal attention work. Its attention modules (causal
     self-attentions with qkv, proj, head_dim and a causal mask: TinyGPT's; Hugging Face attentions on
-    ``attn_implementation="sdpa"``: Llama's) attend over the whole sequence
-    by ``attention="ring"`` (key/value slices passed round the ring, ``n - 1`` ppermutes each way) or
+    ``attn_implementation="sdpa"``: Llama's, and GPT-2's with ``positions=("wpe.weight",)``) attend over
+    the whole sequence by ``attention="ring"`` (key/value slices passed round the ring, ``n - 1`` ppermutes each way) or
     ``"ulysses"`` (all-to-alls to a head split and back; the axis size must divide the heads). Position
     tables (parameters named ``positions``, read at rows ``0 .. t - 1``) are read, and Hugging Face
     rotary embeddings computed, at the rank's global positions. Every parameter is replicated over

@@ -1,16 +1,20 @@
 """What context_parallel rewrites in a layer: the attention modules it knows and the position tables.
 
-Two attentions are known, and their forwards replaced by the same projections around ring or Ulysses
+Three attentions are known, and their forwards replaced by the same projections around ring or Ulysses
 attention: a causal self-attention with a fused ``qkv`` projection, an output ``proj``, ``head_dim``
-and a lower-triangular ``mask`` buffer (TinyGPT's ``CausalSelfAttention``, :class:`CPForward`), and a
+and a lower-triangular ``mask`` buffer (TinyGPT's ``CausalSelfAttention``, :class:`CPForward`), a
 Hugging Face causal attention on ``sdpa`` with ``q_proj`` / ``k_proj`` / ``v_proj`` / ``o_proj`` and
-rotary ``position_embeddings`` (Llama's, :class:`HFForward`). Any other module whose class name ends in
+rotary ``position_embeddings`` (Llama's, :class:`HFForward`), and GPT-2's on ``sdpa`` with its fused
+``c_attn`` and ``c_proj`` (:class:`GPT2Forward`; its learned position table ``wpe`` is listed in
+``positions=``). Each takes the padding / packed-sequence mask the layer reading the batch made
+(a :class:`TokenMask` in the mask's place). Any other module whose class name ends in
 ``Attention`` is refused, naming it: left as it is it would attend within the rank's part of the
 sequence only. A Hugging Face rotary embedding (a module whose class name ends in ``RotaryEmbedding``,
 called as ``(x, position_ids)``) is fed the rank's global positions (:class:`GlobalPositions`).
 
 A position table is a parameter whose local name ends in one of ``positions`` (TinyGPT's ``pos_emb``,
-[1, max_len, d]; an embedding's [max_len, d] weight), read at rows ``0 .. t - 1`` by the layer.
+[1, max_len, d]; an embedding's [max_len, d] weight, GPT-2's ``wpe.weight``), read at rows
+``0 .. t - 1`` by the layer (unless the batch gives position ids: then at those).
 """
 
 from __future__ import annotations
@@ -53,15 +57,16 @@ def find_parts(layer: Layer, positions: tuple[str, ...]) -> LayerParts | None:
         for path, sub in module.named_modules():
             if type(sub).__name__.endswith("RotaryEmbedding"):
                 rotaries.append(path)
-            elif _known(sub) or _known_hf(sub, f"{layer.name}: {path}"):
+            elif _known(sub) or _known_hf(sub, f"{layer.name}: {path}") or _known_gpt2(sub, f"{layer.name}: {path}"):
                 attentions.append(path)
             elif type(sub).__name__.endswith("Attention") and not any(path.startswith(a + ".") for a in attentions):
                 raise ValueError(
                     f"context_parallel: layer {layer.name!r} holds the attention {path} ({type(sub).__name__}), "
                     "which it cannot split over the sequence (it knows causal self-attentions with qkv, proj, "
-                    "head_dim and a lower-triangular mask buffer: TinyGPT's CausalSelfAttention; and Hugging Face "
+                    "head_dim and a lower-triangular mask buffer: TinyGPT's CausalSelfAttention; Hugging Face "
                     "causal attentions with q_proj, k_proj, v_proj, o_proj on attn_implementation='sdpa': "
-                    "Llama's); rewrite it to call ring_attention / ulysses_attention, or leave context_parallel out"
+                    "Llama's; and GPT-2's fused c_attn / c_proj self-attention on sdpa); rewrite it to call "
+                    "ring_attention / ulysses_attention, or leave context_parallel out"
                 )
     if not attentions and not tables and not rotaries:
         return None
@@ -117,11 +122,38 @@ def _known_hf(module: nn.Module, where: str) -> bool:
     return True
 
 
+def _known_gpt2(module: nn.Module, where: str) -> bool:
+    """GPT-2's self-attention (a fused ``c_attn`` Conv1D, ``c_proj``, ``split_size``); refused unless on
+    sdpa, and as cross-attention."""
+    m: Any = module
+    if not all(isinstance(getattr(m, n, None), nn.Module) for n in ("c_attn", "c_proj")) or not hasattr(
+        m, "split_size"
+    ):
+        return False
+    config = getattr(m, "config", None)
+    if config is None or not isinstance(getattr(m, "head_dim", None), int):
+        return False
+    if getattr(m, "is_cross_attention", False):
+        raise ValueError(
+            f"context_parallel: {where} ({type(m).__name__}) is a cross-attention, whose keys are another sequence "
+            "it does not cut; leave context_parallel out of encoder-decoder models"
+        )
+    implementation = getattr(config, "_attn_implementation", None)
+    if implementation != "sdpa":
+        raise ValueError(
+            f"context_parallel: {where} ({type(m).__name__}) runs attn_implementation={implementation!r}; it splits "
+            "sdpa attention (plain causal softmax attention): build the model with attn_implementation='sdpa'"
+        )
+    return True
+
+
 def heads_of(module: nn.Module) -> int:
     """A known attention's query heads: its qkv width over 3 x head_dim (q_proj's over head_dim)."""
     m: Any = module
     if hasattr(m, "q_proj"):
         return int(m.q_proj.out_features) // int(m.head_dim)
+    if hasattr(m, "c_attn"):
+        return int(m.num_heads)
     return int(m.qkv.out_features) // (3 * int(m.head_dim))
 
 
@@ -208,6 +240,28 @@ def reading_batch(positions: str) -> Iterator[None]:
         yield
     finally:
         _batch_positions.reset(token)
+
+
+class GPT2Forward(HFForward):
+    """GPT-2's self-attention forward with the sequence cut over ``axis``: its fused projection on the
+    rank's tokens, attention over the whole sequence, its output projection and residual dropout."""
+
+    def __call__(
+        self, hidden_states: torch.Tensor, *args: Any, attention_mask: Any = None, **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
+        m: Any = self.module
+        mask = self._mask(attention_mask, hidden_states.shape[1])
+        if m.training and float(m.attn_dropout.p) > 0:
+            raise ValueError(
+                f"context_parallel: {self.where} has attention dropout (config.attn_pdrop={m.attn_dropout.p}); ring "
+                "and Ulysses attention have no dropout of the probabilities: set config.attn_pdrop = 0 (the "
+                "residual and embedding dropouts stay)"
+            )
+        shape = (*hidden_states.shape[:-1], -1, m.head_dim)
+        q, k, v = (t.view(shape).transpose(1, 2) for t in m.c_attn(hidden_states).split(m.split_size, dim=2))
+        y = attend(q, k, v, self.axis, self.attention, self.balanced, self.where, scale=float(m.scaling), mask=mask)
+        y = m.c_proj(y.transpose(1, 2).reshape(*hidden_states.shape[:-1], -1).contiguous())
+        return m.resid_dropout(y), None
 
 
 class GlobalPositions:

@@ -21,7 +21,16 @@ from ...engine.model.module_call import ThreadReplicas
 from ...engine.stack import in_layer
 from ...engine.stack.compose import SPLIT
 from ...engine.stack.roles import BatchCut
-from .attention import CPForward, GlobalPositions, HFForward, LayerParts, find_parts, heads_of, reading_batch
+from .attention import (
+    CPForward,
+    GlobalPositions,
+    GPT2Forward,
+    HFForward,
+    LayerParts,
+    find_parts,
+    heads_of,
+    reading_batch,
+)
 from .comm import whole_sequence
 from .layout import check_sequence_length, local_chunks, shard_order
 from .masks import TokenMask, token_mask
@@ -100,7 +109,7 @@ class CPSpec:
         copied = copy.deepcopy(module, memo={id(t): t for _, t in named})
         for path in parts.attentions:
             target = copied.get_submodule(path)
-            kind = HFForward if hasattr(target, "q_proj") else CPForward
+            kind = HFForward if hasattr(target, "q_proj") else GPT2Forward if hasattr(target, "c_attn") else CPForward
             target.forward = kind(target, self.axis, self.attention, self.balanced, f"{layer}: {path}")
         for path in parts.rotaries:
             target = copied.get_submodule(path)
@@ -215,12 +224,12 @@ class CPLayerFn:
         summed = {
             k: in_layer.grad_summed(t, spec.axis, k, self.reduce) if k in self.names else t for k, t in tensors.items()
         }
-        if self.tables:
+        given = self.reads_batch and isinstance(x, Mapping) and x.get("position_ids") is not None
+        if self.tables and not given:  # position ids the batch gives read the table at each token's own
             local = _sequence_length(x, spec.dim)
             summed = {k: self._at_positions(t, local) if k in self.tables else t for k, t in summed.items()}
         if not self.reads_batch:
             return self.fn(summed, x)
-        given = isinstance(x, Mapping) and x.get("position_ids") is not None
         if isinstance(x, Mapping):
             _check_batch_dict(x)  # cut_sequence checked it; a layer fn called directly is checked here
             if x.get("attention_mask") is not None or given:
