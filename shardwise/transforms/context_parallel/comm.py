@@ -55,7 +55,7 @@ def attend(
     ``ulysses_attention`` (q [batch, heads, seq_local, head_dim]; k, v with kv_heads), under ``mask``
     (padding, packed sequences) if given."""
     if in_layer.predicting_now():
-        return _PredictedAttention.apply(q, k, v, axis, attention, label, scale)
+        return _PredictedAttention.apply(q, k, v, axis, attention, label, scale, balanced)
     if attention == "ring":
         return ring_attention(q, k, v, axis, causal=True, balanced=balanced, scale=scale, mask=mask)
     return ulysses_attention(q, k, v, axis, causal=True, balanced=balanced, scale=scale, mask=mask)
@@ -68,7 +68,7 @@ class _PredictedAttention(torch.autograd.Function):
     @staticmethod
     def forward(
         q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: str, attention: str, label: str,
-        scale: float | None,
+        scale: float | None, balanced: bool,
     ) -> torch.Tensor:
         if attention == "ring":
             for _ in range(in_layer.size(axis) - 1):
@@ -82,8 +82,9 @@ class _PredictedAttention(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        q, k, v, ctx.axis, ctx.attention, ctx.label, _ = inputs
+        q, k, v, ctx.axis, ctx.attention, ctx.label, _, balanced = inputs
         ctx.shapes = [(tuple(t.shape), t.dtype) for t in (q, k, v)]
+        ctx.save_for_backward(*_kept_by_the_run(q, k, v, ctx.attention, in_layer.size(ctx.axis), balanced))
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -97,5 +98,29 @@ class _PredictedAttention(torch.autograd.Function):
             for shape, dtype in ((tuple(g.shape), g.dtype), (v, vd), (k, kd), (q, qd)):
                 in_layer.record("all_to_all", ctx.axis, shape, dtype, ctx.label, "backward")
         return (
-            torch.zeros(q, dtype=qd), torch.zeros(k, dtype=kd), torch.zeros(v, dtype=vd), None, None, None, None
+            torch.zeros(q, dtype=qd), torch.zeros(k, dtype=kd), torch.zeros(v, dtype=vd), None, None, None, None,
+            None,
         )
+
+
+def _kept_by_the_run(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention: str, n: int, balanced: bool
+) -> list[torch.Tensor]:
+    """Stand-ins (fake while predicting: no memory) of what the run's attention keeps for backward, so the
+    Plan's kept_for_backward counts it, on the rank that keeps the most (the Plan's figures are upper
+    bounds). Ring: q (its chunks are views of it), the n key/value slices it held (each
+    [2, *k.shape]), the merged output, and [batch, heads] rows of log-sum-exps and merge weights: on the
+    last index, balanced, 2n + 1 blocks of half its queries and 2n - 1 merges of two weights each;
+    unbalanced, n blocks and n - 1 merges of all of them. Ulysses: sdpa's whole-sequence q, k, v of the
+    rank's heads, its output and log-sum-exp (each the bytes of the local tensor of the same width), and
+    balanced, the four position vectors that reorder them."""
+    work = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    b, h, t, _ = q.shape
+    if attention == "ring":
+        rows = (t // 2) * (6 * n - 1) if balanced and n > 1 else t * (3 * n - 2)
+        kept = [q if work == q.dtype else q.new_empty(q.shape, dtype=work)]
+        kept += [k.new_empty((2, *k.shape), dtype=work) for _ in range(n)]
+        return [*kept, q.new_empty(q.shape, dtype=work), q.new_empty((b, h, rows), dtype=work)]
+    order = [q.new_empty(t * n, dtype=torch.int64) for _ in range(4 if balanced and n > 1 else 0)]
+    return [torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(q),
+            q.new_empty((b, h, t), dtype=work), *order]
