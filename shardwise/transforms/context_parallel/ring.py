@@ -12,7 +12,10 @@ against all the received keys, or all its queries against half of them.
 
 Each block is torch's tiled CPU flash attention kernel, which returns the block's log-sum-exp
 (``online_softmax.py``): a visible pair is one call, a causal one a square call with ``is_causal``,
-and a query chunk's blocks merge by their log-sum-exps as the key/value slices arrive.
+and a query chunk's blocks merge by their log-sum-exps as the key/value slices arrive. Under a
+:class:`TokenMask` (padding, packed sequences) a block nothing in sees is skipped, one wholly seen
+runs unmasked, and the others pass the kernel an additive mask built from the two chunks' tokens: a
+[query chunk, keys] tensor of the working dtype, made in forward and again in backward, never kept.
 
 The backward is torch's autograd through the same computation: the ``ppermute``s transpose to
 ``ppermute``s the other way round the ring (so the backward sends the same bytes again), and each
