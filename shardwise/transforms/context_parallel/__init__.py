@@ -56,8 +56,9 @@ def context_parallel(
 
     It composes with ``shard_params`` over another axis (ZeRO over ``dp``), ``pipeline`` over another
     (each stage cuts its micro-batches' sequences; under a zero-bubble schedule the ring's backward runs
-    in both the input and the weight pass), ``mixed_precision`` and ``remat``; not yet with
-    ``tensor_parallel`` or ``expert_parallel`` (refused).
+    in both the input and the weight pass), ``tensor_parallel`` over another (each tp rank's heads
+    attend over ``cp``; Ulysses cuts the rank's heads, so ``cp`` must divide heads / tp),
+    ``mixed_precision`` and ``remat``; not yet with ``expert_parallel`` (refused).
 
     >>> import torch, shardwise as sw
     >>> from shardwise.testing.models import TinyGPT

@@ -49,7 +49,7 @@ def find_parts(layer: Layer, positions: tuple[str, ...]) -> LayerParts | None:
     """The layer's known attentions and position tables (None: neither); an unknown attention is refused."""
     tables = tuple(n for n in layer.param_names if any(n == p or n.endswith("." + p) for p in positions))
     _refuse_unlisted_position_tables(layer, tables)
-    replicas = getattr(layer.fn, "replicas", None)
+    replicas = getattr(module_fn(layer.fn), "replicas", None)
     module = getattr(replicas, "module", None)
     attentions: list[str] = []
     rotaries: list[str] = []
@@ -71,6 +71,19 @@ def find_parts(layer: Layer, positions: tuple[str, ...]) -> LayerParts | None:
     if not attentions and not tables and not rotaries:
         return None
     return LayerParts(tuple(attentions), tables, tuple(rotaries))
+
+
+def module_fn(fn: Any) -> Any:
+    """The module fn (the one holding ``replicas``: the module it calls) inside ``fn``, following the
+    ``fn`` attribute of another split's wrapper (tensor_parallel's, rewritten before this one); None
+    when there is none."""
+    for _ in range(8):
+        if hasattr(fn, "replicas"):
+            return fn
+        fn = getattr(fn, "fn", None)
+        if fn is None:
+            return None
+    return None
 
 
 # Names models give a learned position table (GPT-2's wpe, BERT's position_embeddings, OPT's

@@ -29,6 +29,7 @@ from .attention import (
     LayerParts,
     find_parts,
     heads_of,
+    module_fn,
     reading_batch,
 )
 from .comm import whole_sequence
@@ -102,7 +103,18 @@ class CPSpec:
         return rewritten
 
     def _install(self, fn: Any, parts: LayerParts, layer: str) -> Any:
-        """A copy of the layer fn whose module's attentions run :class:`CPForward`."""
+        """A copy of the layer fn whose module's attentions run :class:`CPForward` (or HF's, GPT-2's), and
+        its rotary embeddings :class:`GlobalPositions`. Under another split's wrapper (tensor_parallel's)
+        the wrapper is copied around the new module fn; where that split installed a forward of its own
+        on the attention (tensor_parallel's Region, which calls the class's forward inside its own), ours
+        goes beneath it, as the forward of a subclass of the module's class."""
+        if hasattr(fn, "replicas"):
+            return self._install_in_module_fn(fn, parts, layer)
+        outer = copy.copy(fn)
+        outer.fn = self._install(fn.fn, parts, layer)
+        return outer
+
+    def _install_in_module_fn(self, fn: Any, parts: LayerParts, layer: str) -> Any:
         replicas = fn.replicas
         module = replicas.module
         named = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
@@ -110,7 +122,12 @@ class CPSpec:
         for path in parts.attentions:
             target = copied.get_submodule(path)
             kind = HFForward if hasattr(target, "q_proj") else GPT2Forward if hasattr(target, "c_attn") else CPForward
-            target.forward = kind(target, self.axis, self.attention, self.balanced, f"{layer}: {path}")
+            forward = kind(target, self.axis, self.attention, self.balanced, f"{layer}: {path}")
+            if "forward" in vars(target):  # another split's forward, which calls the class's: ours beneath it
+                target._context_parallel_forward = forward
+                target.__class__ = _beneath(type(target))
+            else:
+                target.forward = forward
         for path in parts.rotaries:
             target = copied.get_submodule(path)
             target.forward = GlobalPositions(target, self.axis, self.balanced)
@@ -126,7 +143,7 @@ class CPSpec:
             for layer, found in self.resolve(chain).items():
                 for path in found.attentions:
                     fn: Any = chain[layer].fn  # a module fn (find_parts found the attention there)
-                    heads = heads_of(fn.replicas.module.get_submodule(path))
+                    heads = heads_of(module_fn(fn).replicas.module.get_submodule(path))
                     if heads % parts:
                         raise ValueError(
                             f"context_parallel: {layer}: {path} has {heads} heads, which the {parts} ranks of axis "
@@ -267,6 +284,22 @@ class CPLayerFn:
                 f"{local * n}; use sequences no longer than the model's"
             )
         return table.index_select(dim, mine)
+
+
+_BENEATH: dict[type, type] = {}
+
+
+def _beneath(cls: type) -> type:
+    """A subclass of ``cls`` whose forward is the instance's ``_context_parallel_forward``, for a wrapper
+    installed on the instance that calls ``type(module).forward`` (the instance attribute, not a
+    closure, so that the copies each thread rank makes of the module call their own)."""
+    if cls not in _BENEATH:
+
+        def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+            return self._context_parallel_forward(*args, **kwargs)
+
+        _BENEATH[cls] = type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__})
+    return _BENEATH[cls]
 
 
 def _check_batch_dict(batch: Mapping[str, Any]) -> None:

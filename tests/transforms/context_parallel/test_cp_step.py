@@ -173,8 +173,6 @@ def test_composition_rules() -> None:
     cp = context_parallel(step, "cp")
     with pytest.raises(ValueError, match=r"context_parallel and pipeline both use axis 'cp'"):
         sw.pipeline(cp, "cp", schedule="gpipe", microbatches=2)
-    with pytest.raises(ValueError, match="context_parallel and tensor_parallel cannot share a stack yet"):
-        sw.tensor_parallel(cp, "tp", plan={"blocks.*.mlp.0": sw.tp.Colwise(), "blocks.*.mlp.2": sw.tp.Rowwise()})
     with pytest.raises(ValueError, match=r"context_parallel and shard_params both use axis 'cp'"):
         sw.shard_params(cp, "cp", 1)
 
