@@ -12,7 +12,9 @@ here and nowhere else, checked by tests/engine/test_storage.py. ``storage_key`` 
 a storage's private ``_cdata`` address, ``version_of`` a tensor's version counter, and ``fake_tensors``
 runs code on fake tensors
 (``torch._subclasses.FakeTensorMode``): shapes, dtypes and kernel choices of the real
-device, no data and no arithmetic.
+device, no data and no arithmetic. ``flash_attention_cpu`` and its backward are torch's CPU flash
+attention kernel called directly (``aten._scaled_dot_product_flash_attention_for_cpu``), which, unlike
+the public ``scaled_dot_product_attention``, returns each row's log-sum-exp.
 """
 
 from __future__ import annotations
@@ -104,3 +106,63 @@ def fake_tensors(meta_device: torch.device | str = "cpu") -> Iterator[Callable[[
             return mode.from_tensor(t)
 
         yield fake
+
+
+# The schemas the two flash-attention wrappers below are written against (torch 2.13); a test holds
+# torch to them, so a torch that changes either fails there, by name, rather than in a ring attention.
+FLASH_ATTENTION_CPU_SCHEMAS = (
+    "aten::_scaled_dot_product_flash_attention_for_cpu(Tensor query, Tensor key, Tensor value, "
+    "float dropout_p=0., bool is_causal=False, *, Tensor? attn_mask=None, float? scale=None) "
+    "-> (Tensor output, Tensor logsumexp)",
+    "aten::_scaled_dot_product_flash_attention_for_cpu_backward(Tensor grad_out, Tensor query, Tensor key, "
+    "Tensor value, Tensor out, Tensor logsumexp, float dropout_p, bool is_causal, *, Tensor? attn_mask=None, "
+    "float? scale=None) -> (Tensor grad_query, Tensor grad_key, Tensor grad_value)",
+)
+
+
+def _flash_ops() -> tuple[Any, Any] | None:
+    forward = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    backward = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+    if forward is None or backward is None:
+        return None
+    found = (str(forward.default._schema), str(backward.default._schema))
+    return (forward.default, backward.default) if found == FLASH_ATTENTION_CPU_SCHEMAS else None
+
+
+_FLASH = _flash_ops()
+
+
+def has_flash_attention_cpu(*tensors: torch.Tensor) -> bool:
+    """Whether :func:`flash_attention_cpu` can run on ``tensors``: this torch has the kernel with the
+    schema above, and they are CPU tensors of a dtype it takes (float64, float32, bfloat16, float16)."""
+    return _FLASH is not None and all(
+        t.device.type == "cpu" and t.dtype in (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+        for t in tensors
+    )
+
+
+def flash_attention_cpu(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float, mask: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of ``q`` [batch, heads, q_len, dim] over ``k``, ``v`` [batch, kv_heads, k_len,
+    dim] (kv_heads dividing heads: grouped-query), tiled, never holding the score matrix; returns the
+    output and each row's log-sum-exp of its scaled scores [batch, heads, q_len] (float32 for half
+    inputs). ``causal``: query ``i`` sees keys ``0 .. i`` (top-left aligned when q_len != k_len). ``mask``:
+    added to the scores, in q's dtype ([batch or 1, heads or 1, q_len, k_len]: 0 seen, -inf hidden); a
+    row it hides wholly gets a zero output and lse = 0."""
+    assert _FLASH is not None, "check has_flash_attention_cpu first"
+    out, lse = _FLASH[0](q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
+    return out, lse
+
+
+def flash_attention_cpu_backward(
+    grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+    lse: torch.Tensor, *, causal: bool, scale: float, mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of q, k, v for :func:`flash_attention_cpu`: the probabilities recomputed tile by
+    tile from ``lse`` as ``exp(scale * q k^T - lse)``, and each row's ``sum(grad_out * out)`` from the
+    ``out`` given (given the merged output of several blocks, each block's gradients are its share of the
+    merged attention's: see ring attention's block kernel). ``mask`` as in the forward."""
+    assert _FLASH is not None, "check has_flash_attention_cpu first"
+    dq, dk, dv = _FLASH[1](grad_out, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale)
+    return dq, dk, dv

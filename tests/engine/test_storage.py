@@ -1,4 +1,4 @@
-"""The one private torch API shardwise relies on, checked so a torch change fails loudly here."""
+"""The private torch APIs shardwise relies on (engine/torch_api.py), checked so a torch change fails loudly here."""
 
 from __future__ import annotations
 
@@ -71,3 +71,42 @@ def test_data_dependent_errors_are_what_fake_tensors_raise_on_a_data_dependent_s
             torch.nonzero(x)
         with pytest.raises(data_dependent_errors()):
             x.sum().item()
+
+
+def test_the_cpu_flash_attention_kernel_has_the_schema_the_wrappers_are_written_against() -> None:
+    """Ring attention's block kernel (transforms/context_parallel/online_softmax.py) calls it through these
+    wrappers; a torch that renamed it or changed its arguments would quietly fall back to the math kernel
+    (right, but slower): this test is where that shows."""
+    from shardwise.engine.torch_api import FLASH_ATTENTION_CPU_SCHEMAS, has_flash_attention_cpu
+
+    ops = (torch.ops.aten._scaled_dot_product_flash_attention_for_cpu,
+           torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward)
+    assert tuple(str(op.default._schema) for op in ops) == FLASH_ATTENTION_CPU_SCHEMAS
+    x = torch.zeros(1, 1, 2, 2)
+    assert has_flash_attention_cpu(x, x.double(), x.bfloat16())
+    assert not has_flash_attention_cpu(x.to("meta")) and not has_flash_attention_cpu(x.int())
+
+
+def test_cpu_flash_attention_returns_the_log_sum_exp_and_its_backward_the_gradients() -> None:
+    """float64, grouped-query heads, non-contiguous views, causal and not: equal to sdpa (which runs the
+    same kernel on CPU) and to the log-sum-exp of the scaled scores; the backward given the forward's
+    output equals autograd's gradients of sdpa."""
+    from shardwise.engine.torch_api import flash_attention_cpu, flash_attention_cpu_backward
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 12, 8, dtype=torch.float64, generator=gen)[:, :, 2:10]
+    kv = torch.randn(2, 2, 2, 8, 8, dtype=torch.float64, generator=gen)
+    k, v = kv.unbind(0)
+    g = torch.randn(2, 4, 8, 8, dtype=torch.float64, generator=gen)
+    for causal in (False, True):
+        out, lse = flash_attention_cpu(q, k, v, causal=causal, scale=0.3)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        want = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=causal, scale=0.3, enable_gqa=True)
+        torch.testing.assert_close(out, want.detach(), rtol=1e-13, atol=1e-13)
+        scores = q @ k.repeat_interleave(2, dim=1).transpose(-1, -2) * 0.3
+        if causal:
+            scores = scores.masked_fill(torch.ones(8, 8, dtype=torch.bool).triu(1), float("-inf"))
+        torch.testing.assert_close(lse, torch.logsumexp(scores, -1), rtol=1e-13, atol=1e-13)
+        grads = flash_attention_cpu_backward(g, q, k, v, out, lse, causal=causal, scale=0.3)
+        for got, expected in zip(grads, torch.autograd.grad(want, leaves, g), strict=True):
+            torch.testing.assert_close(got, expected, rtol=1e-13, atol=1e-13)

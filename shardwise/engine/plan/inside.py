@@ -1,7 +1,8 @@
 """The collectives a split transform's layers issue inside each compute, predicted on fake tensors.
 
-Every stage (without a pipeline: every layer) runs forward, the loss on the last, and backward, on
-fake tensors inside ``recording`` (the step's ``in_layer.predicting`` block, with every split's axes),
+Every stage (without a pipeline: every layer) runs forward, the loss on the last, and backward (under
+a pipeline also the split backward of zero-bubble schedules, input pass then weight pass), on fake
+tensors inside ``recording`` (the step's ``in_layer.predicting`` block, with every split's axes),
 which yields the list the layers append what they would issue to (``stack/in_layer.py``), in the
 order the run issues it; this module runs the computes and cuts the list per compute. It is the
 engine's prediction for every split; a split may bring its own (``roles.OwnPrediction``: tensor
@@ -47,7 +48,7 @@ def predict_inside(
     recording: Recording,
 ) -> Predicted:
     """For every stage: the entries ``recording``'s list got during its forward, the loss (last stage)
-    and its backward."""
+    and its backward (and, under a pipeline, its backward_input and backward_weight)."""
     out: Predicted = {}
     with fake_tensors() as fake, recording() as issued:
         x = optree.tree_map(fake, inputs)
@@ -75,10 +76,25 @@ def predict_inside(
                 else:
                     outputs = _floats(y)
             used = [o for o in outputs if o.requires_grad]
-            wanted = (_floats(x_in) if s > 0 else []) + [p for p in params.values() if p.requires_grad]
-            if used and wanted:
-                torch.autograd.backward(used, [torch.ones_like(o) for o in used], inputs=wanted)
+            seeds = [torch.ones_like(o) for o in used]
+            inputs_in = _floats(x_in) if s > 0 else []
+            weights = [p for p in params.values() if p.requires_grad]
+            split = placement.axis is not None  # a pipeline: its schedule may split the backward
+            if used and (inputs_in or weights):
+                torch.autograd.backward(used, seeds, inputs=inputs_in + weights, retain_graph=split)
             out[("backward", s)] = list(issued)
             issued.clear()
+            if split:
+                # Zero-bubble's split backward, as the executor runs it: I is autograd.grad to the stage's
+                # inputs on the kept graph, W a backward to the weights; a node both need runs in both,
+                # so what it issues is issued twice.
+                if used and inputs_in:
+                    torch.autograd.grad(used, inputs_in, seeds, retain_graph=True, allow_unused=True)
+                out[("backward_input", s)] = list(issued)
+                issued.clear()
+                if used and weights:
+                    torch.autograd.backward(used, seeds, inputs=weights)
+                out[("backward_weight", s)] = list(issued)
+                issued.clear()
             x = optree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, y)
     return out

@@ -54,9 +54,12 @@ naming it). The rules:
 * ``context_parallel`` goes over its own mesh axis, which cuts the *sequence* of every batch leaf
   (after shard_params' cut of the batch over ``dp``): each part is a share, the loss seeded by
   1 / (dp x cp); every parameter is replicated over ``cp`` and its gradient summed over ``cp`` inside
-  the layers, then ZeRO reduces over ``dp`` as usual. It is a SPLIT, refused with tensor_parallel or
-  expert_parallel for now (:data:`NOT_YET_TOGETHER`), and under a pipeline until its collectives are
-  checked there.
+  the layers, then ZeRO reduces over ``dp`` as usual. Under a pipeline each stage's layers cut their
+  micro-batch's sequence over ``cp`` (a stage's ranks on ``cp`` run the same schedule, so their ring
+  sends pair up; each compute lists its own). With ``tensor_parallel`` over another axis each tp
+  rank's heads attend over ``cp`` (tensor_parallel rewrites first; context_parallel's attention
+  forward runs inside tensor_parallel's Region on the module). It is refused with expert_parallel for
+  now (:data:`NOT_YET_TOGETHER`).
 * ``mixed_precision`` and ``remat`` rewrite layer functions, in any order with
   the others, and the result does not depend on the order: the layers are
   rebuilt from the chain train_step got, remat innermost and the precision
@@ -106,17 +109,16 @@ SPLIT_ORDER = ("tensor_parallel",)
 # The roles the engine looks up with find(), which returns one spec: a second would be ignored.
 ONCE = (PLACEMENT, SHARDING)
 # Splits that cannot share a stack yet, and why (one split per axis holds for the rest). Each of these
-# three rewrites a layer by wrapping its function (tensor_parallel's guard and gradient sums,
+# rewrites a layer by wrapping its function (tensor_parallel's guard and gradient sums,
 # expert_parallel's and context_parallel's gradient sums), which hides the module the other finds
-# its blocks (the MoE, the attention, the styled modules) in; and their rewrites of one module
-# (tensor_parallel's heads and context_parallel's attention) are not known to compose.
+# its blocks (the MoE, the attention, the styled modules) in. (context_parallel finds its attention
+# through tensor_parallel's wrapper and installs its forward beneath tensor_parallel's: they compose.)
 _HIDDEN = (
     "{a} and {b} cannot share a stack yet: each rewrites a layer by wrapping its function, which hides the "
     "module the other finds its blocks in, so the second would split nothing (or the wrong thing)"
 )
 NOT_YET_TOGETHER: dict[frozenset[str], str] = {
     frozenset({"tensor_parallel", "expert_parallel"}): _HIDDEN,
-    frozenset({"tensor_parallel", "context_parallel"}): _HIDDEN,
     frozenset({"expert_parallel", "context_parallel"}): _HIDDEN,
 }
 
@@ -146,12 +148,6 @@ def check_stack(stack: tuple[Any, ...]) -> None:
     split = [s for s in stack if s.role == SPLIT]
     _check_splits(stack, split)
     for tp in split:
-        if tp.name == "context_parallel" and any(s.role == PLACEMENT for s in stack):
-            raise ValueError(
-                f"context_parallel with pipeline ({describe(stack)}) is not supported yet: its ring (or all-to-all) "
-                "collectives are predicted per layer but not checked under a pipeline's schedules; use "
-                "context_parallel with shard_params, mixed_precision and remat, or pipeline without it"
-            )
         if tp.name == "expert_parallel" and any(s.role == PLACEMENT for s in stack):
             raise ValueError(
                 f"expert_parallel with pipeline ({describe(stack)}) is not supported yet: its all-to-alls are "

@@ -3,12 +3,14 @@
 Two attentions, both pure differentiable functions over a mesh axis (torchtitan CP; DeepSpeed Ulysses):
 
 * :func:`ring_attention`: keys and values travel around the ring (``ppermute``), an online softmax
-  merges the blocks; causal attention load-balanced over ``2n`` chunks (``layout.py``).
+  merges the blocks (torch's CPU flash kernel each); causal attention load-balanced over ``2n``
+  chunks (``layout.py``).
 * :func:`ulysses_attention`: all-to-all from sequence-split to head-split, whole-sequence attention on
   the local heads, all-to-all back; the axis size must divide the (key/value) heads.
 
 :func:`shard_sequence` / :func:`unshard_sequence` cut and join sequences (inputs, positions, labels)
-the way both expect; ``volumes.py`` gives the bytes each sends.
+the way both expect; ``volumes.py`` gives the bytes each sends. Both take a :class:`TokenMask`
+(:func:`token_mask`): padding and packed sequences.
 
 :func:`context_parallel` is the transform (``spec.py``): a SPLIT over its axis that cuts every
 sequence of the batch, no parameter; its attention layers run one of the two functions here, its
@@ -18,6 +20,7 @@ position tables are read at the rank's global positions, and every gradient is s
 from ...engine.stack.compose import add
 from ...engine.step.step import Step
 from .layout import chunk_count, local_chunks, shard_order, shard_sequence, unshard_sequence
+from .masks import TokenMask, token_mask
 from .ring import ring_attention
 from .spec import CPSpec
 from .ulysses import ulysses_attention
@@ -37,8 +40,8 @@ def context_parallel(
     ``dim``; shift targets on the whole sequence first): with ``balanced``, chunks ``i`` and ``2n - 1 - i``
     of ``2n``, which gives every rank the same causal attention work. Its attention modules (causal
     self-attentions with qkv, proj, head_dim and a causal mask: TinyGPT's; Hugging Face attentions on
-    ``attn_implementation="sdpa"`` without an attention mask: Llama's) attend over the whole sequence
-    by ``attention="ring"`` (key/value slices passed round the ring, ``n - 1`` ppermutes each way) or
+    ``attn_implementation="sdpa"``: Llama's, and GPT-2's with ``positions=("wpe.weight",)``) attend over
+    the whole sequence by ``attention="ring"`` (key/value slices passed round the ring, ``n - 1`` ppermutes each way) or
     ``"ulysses"`` (all-to-alls to a head split and back; the axis size must divide the heads). Position
     tables (parameters named ``positions``, read at rows ``0 .. t - 1``) are read, and Hugging Face
     rotary embeddings computed, at the rank's global positions. Every parameter is replicated over
@@ -46,8 +49,16 @@ def context_parallel(
     loss is the whole sequence's when every part holds as
     many counted tokens (for padded labels, count them with ``train_step(..., tokens=...)``).
 
-    It composes with ``shard_params`` over another axis (ZeRO over ``dp``), ``mixed_precision`` and
-    ``remat``; not yet with ``pipeline``, ``tensor_parallel`` or ``expert_parallel`` (refused).
+    A batch dict's padding ``attention_mask`` (2-D) or, with ``attention_mask: None``, its restarting
+    ``position_ids`` (packed sequences) mask the attention as transformers reads them: the layer that
+    reads the batch all-gathers the rank's part and every attention gets the whole sequence's
+    :class:`TokenMask`; position ids the batch gives feed the rotary embeddings as they are.
+
+    It composes with ``shard_params`` over another axis (ZeRO over ``dp``), ``pipeline`` over another
+    (each stage cuts its micro-batches' sequences; under a zero-bubble schedule the ring's backward runs
+    in both the input and the weight pass), ``tensor_parallel`` over another (each tp rank's heads
+    attend over ``cp``; Ulysses cuts the rank's heads, so ``cp`` must divide heads / tp),
+    ``mixed_precision`` and ``remat``; not yet with ``expert_parallel`` (refused).
 
     >>> import torch, shardwise as sw
     >>> from shardwise.testing.models import TinyGPT
@@ -85,6 +96,7 @@ def context_parallel(
 
 __all__ = [
     "CPSpec",
+    "TokenMask",
     "chunk_count",
     "context_parallel",
     "local_chunks",
@@ -92,6 +104,7 @@ __all__ = [
     "ring_attention_bytes",
     "shard_order",
     "shard_sequence",
+    "token_mask",
     "ulysses_attention",
     "ulysses_attention_bytes",
     "unshard_sequence",

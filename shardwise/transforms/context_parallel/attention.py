@@ -1,21 +1,28 @@
 """What context_parallel rewrites in a layer: the attention modules it knows and the position tables.
 
-Two attentions are known, and their forwards replaced by the same projections around ring or Ulysses
+Three attentions are known, and their forwards replaced by the same projections around ring or Ulysses
 attention: a causal self-attention with a fused ``qkv`` projection, an output ``proj``, ``head_dim``
-and a lower-triangular ``mask`` buffer (TinyGPT's ``CausalSelfAttention``, :class:`CPForward`), and a
+and a lower-triangular ``mask`` buffer (TinyGPT's ``CausalSelfAttention``, :class:`CPForward`), a
 Hugging Face causal attention on ``sdpa`` with ``q_proj`` / ``k_proj`` / ``v_proj`` / ``o_proj`` and
-rotary ``position_embeddings`` (Llama's, :class:`HFForward`). Any other module whose class name ends in
+rotary ``position_embeddings`` (Llama's, :class:`HFForward`), and GPT-2's on ``sdpa`` with its fused
+``c_attn`` and ``c_proj`` (:class:`GPT2Forward`; its learned position table ``wpe`` is listed in
+``positions=``). Each takes the padding / packed-sequence mask the layer reading the batch made
+(a :class:`TokenMask` in the mask's place). Any other module whose class name ends in
 ``Attention`` is refused, naming it: left as it is it would attend within the rank's part of the
 sequence only. A Hugging Face rotary embedding (a module whose class name ends in ``RotaryEmbedding``,
 called as ``(x, position_ids)``) is fed the rank's global positions (:class:`GlobalPositions`).
 
 A position table is a parameter whose local name ends in one of ``positions`` (TinyGPT's ``pos_emb``,
-[1, max_len, d]; an embedding's [max_len, d] weight), read at rows ``0 .. t - 1`` by the layer.
+[1, max_len, d]; an embedding's [max_len, d] weight, GPT-2's ``wpe.weight``), read at rows
+``0 .. t - 1`` by the layer (unless the batch gives position ids: then at those).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +33,7 @@ from ...engine.model.chain import Layer
 from ...engine.stack import in_layer
 from .comm import attend
 from .layout import shard_order
+from .masks import TokenMask, is_carried
 
 
 @dataclass(frozen=True)
@@ -41,7 +49,7 @@ def find_parts(layer: Layer, positions: tuple[str, ...]) -> LayerParts | None:
     """The layer's known attentions and position tables (None: neither); an unknown attention is refused."""
     tables = tuple(n for n in layer.param_names if any(n == p or n.endswith("." + p) for p in positions))
     _refuse_unlisted_position_tables(layer, tables)
-    replicas = getattr(layer.fn, "replicas", None)
+    replicas = getattr(module_fn(layer.fn), "replicas", None)
     module = getattr(replicas, "module", None)
     attentions: list[str] = []
     rotaries: list[str] = []
@@ -49,19 +57,33 @@ def find_parts(layer: Layer, positions: tuple[str, ...]) -> LayerParts | None:
         for path, sub in module.named_modules():
             if type(sub).__name__.endswith("RotaryEmbedding"):
                 rotaries.append(path)
-            elif _known(sub) or _known_hf(sub, f"{layer.name}: {path}"):
+            elif _known(sub) or _known_hf(sub, f"{layer.name}: {path}") or _known_gpt2(sub, f"{layer.name}: {path}"):
                 attentions.append(path)
             elif type(sub).__name__.endswith("Attention") and not any(path.startswith(a + ".") for a in attentions):
                 raise ValueError(
                     f"context_parallel: layer {layer.name!r} holds the attention {path} ({type(sub).__name__}), "
                     "which it cannot split over the sequence (it knows causal self-attentions with qkv, proj, "
-                    "head_dim and a lower-triangular mask buffer: TinyGPT's CausalSelfAttention; and Hugging Face "
+                    "head_dim and a lower-triangular mask buffer: TinyGPT's CausalSelfAttention; Hugging Face "
                     "causal attentions with q_proj, k_proj, v_proj, o_proj on attn_implementation='sdpa': "
-                    "Llama's); rewrite it to call ring_attention / ulysses_attention, or leave context_parallel out"
+                    "Llama's; and GPT-2's fused c_attn / c_proj self-attention on sdpa); rewrite it to call "
+                    "ring_attention / ulysses_attention, or leave context_parallel out"
                 )
     if not attentions and not tables and not rotaries:
         return None
     return LayerParts(tuple(attentions), tables, tuple(rotaries))
+
+
+def module_fn(fn: Any) -> Any:
+    """The module fn (the one holding ``replicas``: the module it calls) inside ``fn``, following the
+    ``fn`` attribute of another split's wrapper (tensor_parallel's, rewritten before this one); None
+    when there is none."""
+    for _ in range(8):
+        if hasattr(fn, "replicas"):
+            return fn
+        fn = getattr(fn, "fn", None)
+        if fn is None:
+            return None
+    return None
 
 
 # Names models give a learned position table (GPT-2's wpe, BERT's position_embeddings, OPT's
@@ -113,11 +135,38 @@ def _known_hf(module: nn.Module, where: str) -> bool:
     return True
 
 
+def _known_gpt2(module: nn.Module, where: str) -> bool:
+    """GPT-2's self-attention (a fused ``c_attn`` Conv1D, ``c_proj``, ``split_size``); refused unless on
+    sdpa, and as cross-attention."""
+    m: Any = module
+    if not all(isinstance(getattr(m, n, None), nn.Module) for n in ("c_attn", "c_proj")) or not hasattr(
+        m, "split_size"
+    ):
+        return False
+    config = getattr(m, "config", None)
+    if config is None or not isinstance(getattr(m, "head_dim", None), int):
+        return False
+    if getattr(m, "is_cross_attention", False):
+        raise ValueError(
+            f"context_parallel: {where} ({type(m).__name__}) is a cross-attention, whose keys are another sequence "
+            "it does not cut; leave context_parallel out of encoder-decoder models"
+        )
+    implementation = getattr(config, "_attn_implementation", None)
+    if implementation != "sdpa":
+        raise ValueError(
+            f"context_parallel: {where} ({type(m).__name__}) runs attn_implementation={implementation!r}; it splits "
+            "sdpa attention (plain causal softmax attention): build the model with attn_implementation='sdpa'"
+        )
+    return True
+
+
 def heads_of(module: nn.Module) -> int:
     """A known attention's query heads: its qkv width over 3 x head_dim (q_proj's over head_dim)."""
     m: Any = module
     if hasattr(m, "q_proj"):
         return int(m.q_proj.out_features) // int(m.head_dim)
+    if hasattr(m, "c_attn"):
+        return int(m.num_heads)
     return int(m.qkv.out_features) // (3 * int(m.head_dim))
 
 
@@ -149,11 +198,7 @@ class HFForward:
         *args: Any, **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:
         m: Any = self.module
-        if attention_mask is not None:
-            raise ValueError(
-                f"context_parallel: {self.where} got an attention mask (padding, or a mask sdpa cannot replace by "
-                "is_causal); it splits plain causal attention: pass no attention_mask, mark padding in the labels"
-            )
+        mask = self._mask(attention_mask, hidden_states.shape[1])
         if m.training and float(getattr(m, "attention_dropout", 0.0)) > 0:
             raise ValueError(
                 f"context_parallel: {self.where} has attention_dropout={m.attention_dropout}; ring and Ulysses "
@@ -164,26 +209,100 @@ class HFForward:
         q, k, v = (proj(hidden_states).view(shape).transpose(1, 2) for proj in (m.q_proj, m.k_proj, m.v_proj))
         cos, sin = position_embeddings
         q, k = rotate(q, k, cos, sin)
-        y = attend(q, k, v, self.axis, self.attention, self.balanced, self.where, scale=float(m.scaling))
+        y = attend(q, k, v, self.axis, self.attention, self.balanced, self.where, scale=float(m.scaling), mask=mask)
         return m.o_proj(y.transpose(1, 2).reshape(*hidden_states.shape[:-1], -1).contiguous()), None
+
+    def _mask(self, attention_mask: Any, local: int) -> TokenMask | None:
+        """The padding / packed-sequence mask the layer that read the batch made (see ``CPLayerFn``), or
+        None; any other mask is refused."""
+        if attention_mask is None:
+            return None
+        if not is_carried(attention_mask):
+            raise ValueError(
+                f"context_parallel: {self.where} got an attention mask it did not make ({_describe(attention_mask)}): "
+                "it splits causal attention with padding (a 2-D attention_mask in the batch) and packed sequences "
+                "(restarting position_ids in the batch), read where the model reads its batch; pass those in the "
+                "batch dict, not a mask of your own"
+            )
+        config: Any = getattr(self.module, "config", None)
+        window = getattr(config, "sliding_window", None)
+        if isinstance(window, int) and window < local * in_layer.size(self.axis):
+            raise ValueError(
+                f"context_parallel: {self.where} uses sliding-window attention (config.sliding_window={window}, "
+                f"shorter than the sequence's {local * in_layer.size(self.axis)} tokens), which it does not split: use "
+                "sequences no longer than the window, or leave context_parallel out"
+            )
+        return TokenMask.from_carried(attention_mask)
+
+
+def _describe(mask: Any) -> str:
+    return f"{type(mask).__name__} {tuple(mask.shape)} {mask.dtype}" if isinstance(mask, torch.Tensor) else repr(mask)
+
+
+# How the layer reading the batch gives the rotary embeddings positions, while it runs (``CPLayerFn``):
+# "given", the batch carries position_ids (cut like every token, each one its token's own); "counted",
+# the model counts 0 .. t - 1 itself, which GlobalPositions maps to the rank's global positions.
+_batch_positions: contextvars.ContextVar[str | None] = contextvars.ContextVar("shardwise_cp_positions", default=None)
+
+
+@contextlib.contextmanager
+def reading_batch(positions: str) -> Iterator[None]:
+    """Inside the block the layer that reads the batch runs (see :data:`_batch_positions`)."""
+    token = _batch_positions.set(positions)
+    try:
+        yield
+    finally:
+        _batch_positions.reset(token)
+
+
+class GPT2Forward(HFForward):
+    """GPT-2's self-attention forward with the sequence cut over ``axis``: its fused projection on the
+    rank's tokens, attention over the whole sequence, its output projection and residual dropout."""
+
+    def __call__(
+        self, hidden_states: torch.Tensor, *args: Any, attention_mask: Any = None, **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
+        m: Any = self.module
+        mask = self._mask(attention_mask, hidden_states.shape[1])
+        if m.training and float(m.attn_dropout.p) > 0:
+            raise ValueError(
+                f"context_parallel: {self.where} has attention dropout (config.attn_pdrop={m.attn_dropout.p}); ring "
+                "and Ulysses attention have no dropout of the probabilities: set config.attn_pdrop = 0 (the "
+                "residual and embedding dropouts stay)"
+            )
+        shape = (*hidden_states.shape[:-1], -1, m.head_dim)
+        q, k, v = (t.view(shape).transpose(1, 2) for t in m.c_attn(hidden_states).split(m.split_size, dim=2))
+        y = attend(q, k, v, self.axis, self.attention, self.balanced, self.where, scale=float(m.scaling), mask=mask)
+        y = m.c_proj(y.transpose(1, 2).reshape(*hidden_states.shape[:-1], -1).contiguous())
+        return m.resid_dropout(y), None
 
 
 class GlobalPositions:
     """A rotary embedding's forward fed the rank's global positions: ``position_ids`` count the rank's
-    tokens (0 .. t - 1), which stand for the global positions the rank holds."""
+    tokens (0 .. t - 1), which stand for the global positions the rank holds; position_ids the batch
+    gave (cut with the tokens) are each token's own, and pass as they are."""
 
     def __init__(self, module: nn.Module, axis: str, balanced: bool) -> None:
         self.module, self.axis, self.balanced = module, axis, balanced
         self.forward = type(module).forward
 
     def __call__(self, x: torch.Tensor, position_ids: torch.Tensor) -> Any:
+        how = _batch_positions.get()
         n, t = in_layer.size(self.axis), position_ids.shape[-1]
         local = torch.arange(t, device=position_ids.device)
+        if how is None and not in_layer.predicting_now() and not bool((position_ids == local).all()):
+            # Outside the layer that reads the batch: Hugging Face's "head" replays the code before the
+            # first block and discards it. (A rotary embedding inside the blocks would be an attention's
+            # own, which HFForward replaces: in transformers 5 those attentions get no position_embeddings.)
+            how = "given"
+        if how == "given":
+            return self.forward(self.module, x, position_ids)
         # Fake tensors (while predicting) hold no values to compare.
         if not in_layer.predicting_now() and not bool((position_ids == local).all()):
             raise ValueError(
-                "context_parallel: a rotary embedding got position_ids that do not count 0 .. t - 1; it maps "
-                "the rank's token counts to their global positions, so pass no position_ids"
+                "context_parallel: a rotary embedding got position_ids the model made that do not count 0 .. t - 1 "
+                "(the batch gave none); it maps the rank's token counts to their global positions: give each "
+                "token's position in the batch dict's position_ids instead"
             )
         i = in_layer.index(self.axis)
         mine = shard_order(t * n, n, self.balanced)[i * t : (i + 1) * t]

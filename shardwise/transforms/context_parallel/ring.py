@@ -10,26 +10,33 @@ Under a causal mask a pair (query chunk ``a``, key chunk ``b``) is either wholly
 With the balanced layout every step after the first costs every rank the same: half its queries
 against all the received keys, or all its queries against half of them.
 
+Each block is torch's tiled CPU flash attention kernel, which returns the block's log-sum-exp
+(``online_softmax.py``): a visible pair is one call, a causal one a square call with ``is_causal``,
+and a query chunk's blocks merge by their log-sum-exps as the key/value slices arrive. Under a
+:class:`TokenMask` (padding, packed sequences) a block nothing in sees is skipped, one wholly seen
+runs unmasked, and the others pass the kernel an additive mask built from the two chunks' tokens: a
+[query chunk, keys] tensor of the working dtype, made in forward and again in backward, never kept.
+
 The backward is torch's autograd through the same computation: the ``ppermute``s transpose to
 ``ppermute``s the other way round the ring (so the backward sends the same bytes again), and each
-block's attention is a small autograd.Function that recomputes its probabilities in backward instead
-of keeping them (``online_softmax.py``). Memory kept for backward: per step, the received key/value
-slice (in all, the whole sequence's keys and values, as an all-gather of them would keep) and the
-blocks' outputs and log-sum-exps; never a [queries, keys] matrix. Measured (B=1, H=8, S=1024, D=64,
-float32): 6-8 MiB per rank at cp 2 and 4, against 38 MiB for single-device math sdpa. Keeping only
-the local slice would need a backward that sends the keys and values round the ring again.
+block's backward is the flash kernel's, which recomputes its probabilities tile by tile from the
+log-sum-exp. Memory kept for backward: per step, the received key/value slice (in all, the whole
+sequence's keys and values, as an all-gather of them would keep), the blocks' log-sum-exps and the
+merged output; never a [queries, keys] matrix. Keeping only the local slice would need a backward
+that sends the keys and values round the ring again (torch's CP does).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from ...collectives import Mesh, axis_index, axis_size, ppermute
 from .inputs import check_qkv, default_scale
-from .layout import check_sequence_length, local_chunks
-from .online_softmax import Block, attend_block, merge_blocks
+from .layout import check_sequence_length, local_chunks, shard_order
+from .masks import TokenMask, check_mask
+from .online_softmax import BlockMask, OnlineSoftmax
 
 
 def ring_attention(
@@ -41,6 +48,7 @@ def ring_attention(
     causal: bool = True,
     balanced: bool = True,
     scale: float | None = None,
+    mask: TokenMask | None = None,
     mesh: Mesh | None = None,
 ) -> torch.Tensor:
     """Attention of this rank's queries over the whole sequence, whose slices the ranks of ``axis`` hold.
@@ -49,7 +57,10 @@ def ring_attention(
     (grouped-query attention when kv_heads < heads), each rank's slice of the sequence as
     :func:`shard_sequence` cuts it with the same ``balanced``. Returns this rank's slice of the output,
     shaped like ``q``: equal to ``torch.nn.functional.scaled_dot_product_attention(..., is_causal=causal)``
-    on the whole sequence, sharded. Half precision computes in float32.
+    on the whole sequence, sharded. Half precision computes in float32. ``mask``: padding and packed
+    sequences (:class:`TokenMask`, the whole sequence's, in global order; see :func:`token_mask`): each
+    block is masked from its chunks' tokens, a block nothing in sees is skipped, and a query that sees no
+    key gets zeros (torch's sdpa with the equivalent boolean mask, sharded).
 
     >>> import torch, shardwise as sw
     >>> from shardwise.transforms.context_parallel import ring_attention, shard_sequence, unshard_sequence
@@ -71,32 +82,36 @@ def ring_attention(
         length = check_sequence_length("ring_attention", shapes.seq_local * n, n, balanced, axis)
     else:
         length = shapes.seq_local
+    positions = None
+    if mask is not None:
+        check_mask("ring_attention", mask, shapes.batch, shapes.seq_local * n)
+        if balanced and n > 1:
+            check_sequence_length("ring_attention", shapes.seq_local * n, n, balanced, axis)
+        # Global position of every token, rank by rank (shard order): its rows of the mask.
+        positions = shard_order(shapes.seq_local * n, n, balanced).view(n, shapes.seq_local)
     work = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
     q_chunks = q.to(work).split(length, dim=2)
+    softmaxes = [OnlineSoftmax(qc, scale) for qc in q_chunks]
     mine = local_chunks(i, n, balanced) if chunked else (0,)
-    group = shapes.heads // shapes.kv_heads
     ring = [(r, (r + 1) % n) for r in range(n)]
 
-    merged: list[Block | None] = [None] * len(q_chunks)
     unused: list[torch.Tensor] = []
     kv = torch.stack([k, v])  # one message per step; sent in the input dtype
     for step in range(n):
         source = (i - step) % n
-        keys, values = (_expand(kv[j].to(work), group) for j in (0, 1))
+        keys, values = kv.to(work).unbind(0)
         theirs = local_chunks(source, n, balanced) if chunked else (0,)
         seen = False
-        for a, qc in enumerate(q_chunks):
-            block = _visible_block(qc, mine[a], theirs, keys, values, length, scale, causal)
-            if block is not None:
-                merged[a] = merge_blocks(merged[a], block)
-                seen = True
+        for a, softmax in enumerate(softmaxes):
+            tokens = None
+            if mask is not None and positions is not None:
+                tokens = _Tokens(mask, positions[i].split(length)[a], positions[source])
+            seen |= _add_visible(softmax, mine[a], theirs, keys, values, length, causal, tokens)
         if not seen:
             unused.append(kv)
         if step < n - 1:
             kv = ppermute(kv, axis, ring, mesh=mesh)
-    outs = [b.out for b in merged if b is not None]
-    assert len(outs) == len(q_chunks), "every query chunk sees at least its own keys"
-    out = torch.cat(outs, dim=2).to(q.dtype)
+    out = torch.cat([s.result() for s in softmaxes], dim=2).to(q.dtype)
     return _KeepInGraph.apply(out, *unused) if unused and torch.is_grad_enabled() else out
 
 
@@ -121,29 +136,44 @@ class _KeepInGraph(torch.autograd.Function):
         return (g, *(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.unused))
 
 
-def _expand(kv: torch.Tensor, group: int) -> torch.Tensor:
-    """Key/value heads repeated for their query-head group (grouped-query attention); heads are dim 1."""
-    return kv if group == 1 else kv.repeat_interleave(group, dim=1)
+class _Tokens(NamedTuple):
+    """The mask's view of one query chunk against one received slice: their global positions."""
+
+    mask: TokenMask
+    queries: torch.Tensor  # the query chunk's global positions
+    keys: torch.Tensor  # the received slice's, in the order it holds them
+
+    def block(self, start: int, width: int, causal: bool) -> BlockMask:
+        return BlockMask(self.mask, self.queries, self.keys[start : start + width], causal)
 
 
-def _visible_block(
-    qc: torch.Tensor,
+def _add_visible(
+    softmax: OnlineSoftmax,
     q_chunk: int,
     key_chunk_ids: tuple[int, ...],
     keys: torch.Tensor,
     values: torch.Tensor,
     length: int,
-    scale: float,
     causal: bool,
-) -> Block | None:
-    """Attention of one query chunk over the received key chunks it may see, or None when it sees none.
+    tokens: _Tokens | None = None,
+) -> bool:
+    """Add the received key chunks query chunk ``q_chunk`` may see to its softmax; False when it sees none.
 
     A slice holds its chunks in increasing order, so the visible ones (those not after ``q_chunk``)
-    are a prefix of it: a view, never a copy.
+    are a prefix of it, a view; the query chunk's own chunk, if there, ends it: the keys before it
+    are one block, wholly visible, and it is a causal square block. With ``tokens`` each block is
+    masked (a block nothing in sees is skipped).
     """
     visible = sum(1 for b in key_chunk_ids if not causal or b <= q_chunk)
     if not visible:
-        return None
-    diagonal = key_chunk_ids.index(q_chunk) * length if causal and q_chunk in key_chunk_ids else None
-    width = visible * length
-    return attend_block(qc, keys.narrow(2, 0, width), values.narrow(2, 0, width), scale, diagonal)
+        return False
+    diagonal = causal and q_chunk in key_chunk_ids
+    before = (visible - 1 if diagonal else visible) * length
+    added = False
+    if before:
+        block = None if tokens is None else tokens.block(0, before, causal=False)
+        added |= softmax.add(keys.narrow(2, 0, before), values.narrow(2, 0, before), causal=False, mask=block)
+    if diagonal:
+        block = None if tokens is None else tokens.block(before, length, causal=True)
+        added |= softmax.add(keys.narrow(2, before, length), values.narrow(2, before, length), causal=True, mask=block)
+    return added

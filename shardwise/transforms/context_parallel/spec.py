@@ -21,8 +21,20 @@ from ...engine.model.module_call import ThreadReplicas
 from ...engine.stack import in_layer
 from ...engine.stack.compose import SPLIT
 from ...engine.stack.roles import BatchCut
-from .attention import CPForward, GlobalPositions, HFForward, LayerParts, find_parts, heads_of
+from .attention import (
+    CPForward,
+    GlobalPositions,
+    GPT2Forward,
+    HFForward,
+    LayerParts,
+    find_parts,
+    heads_of,
+    module_fn,
+    reading_batch,
+)
+from .comm import whole_sequence
 from .layout import check_sequence_length, local_chunks, shard_order
+from .masks import TokenMask, token_mask
 
 _RESOLVED: weakref.WeakKeyDictionary[Chain, dict[str, LayerParts]] = weakref.WeakKeyDictionary()
 
@@ -75,31 +87,47 @@ class CPSpec:
         found = self.resolve(chain)
         precision = next((getattr(s, "precision", None) for s in stack if s.name == "mixed_precision"), None)
         layers = []
-        for layer in chain:
+        for position, layer in enumerate(chain):
             fn = layer.fn
             parts = found.get(layer.name)
             if parts is not None and (parts.attentions or parts.rotaries):
                 fn = self._install(fn, parts, layer.name)
             tables = frozenset(parts.tables) if parts is not None else frozenset()
             reduce = None if precision is None else precision.for_layer(layer.name).reduce
+            wrapped = CPLayerFn(fn, self, frozenset(layer.param_names), tables, reduce, reads_batch=position == 0)
             layers.append(Layer(
-                layer.name, CPLayerFn(fn, self, frozenset(layer.param_names), tables, reduce), layer.param_names,
-                layer.buffers, layer.ties,
+                layer.name, wrapped, layer.param_names, layer.buffers, layer.ties,
             ))
         rewritten = Chain(layers)
         _RESOLVED[rewritten] = found
         return rewritten
 
     def _install(self, fn: Any, parts: LayerParts, layer: str) -> Any:
-        """A copy of the layer fn whose module's attentions run :class:`CPForward`."""
+        """A copy of the layer fn whose module's attentions run :class:`CPForward` (or HF's, GPT-2's), and
+        its rotary embeddings :class:`GlobalPositions`. Under another split's wrapper (tensor_parallel's)
+        the wrapper is copied around the new module fn; where that split installed a forward of its own
+        on the attention (tensor_parallel's Region, which calls the class's forward inside its own), ours
+        goes beneath it, as the forward of a subclass of the module's class."""
+        if hasattr(fn, "replicas"):
+            return self._install_in_module_fn(fn, parts, layer)
+        outer = copy.copy(fn)
+        outer.fn = self._install(fn.fn, parts, layer)
+        return outer
+
+    def _install_in_module_fn(self, fn: Any, parts: LayerParts, layer: str) -> Any:
         replicas = fn.replicas
         module = replicas.module
         named = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
         copied = copy.deepcopy(module, memo={id(t): t for _, t in named})
         for path in parts.attentions:
             target = copied.get_submodule(path)
-            kind = HFForward if hasattr(target, "q_proj") else CPForward
-            target.forward = kind(target, self.axis, self.attention, self.balanced, f"{layer}: {path}")
+            kind = HFForward if hasattr(target, "q_proj") else GPT2Forward if hasattr(target, "c_attn") else CPForward
+            forward = kind(target, self.axis, self.attention, self.balanced, f"{layer}: {path}")
+            if "forward" in vars(target):  # another split's forward, which calls the class's: ours beneath it
+                target._context_parallel_forward = forward
+                target.__class__ = _beneath(type(target))
+            else:
+                target.forward = forward
         for path in parts.rotaries:
             target = copied.get_submodule(path)
             target.forward = GlobalPositions(target, self.axis, self.balanced)
@@ -115,7 +143,7 @@ class CPSpec:
             for layer, found in self.resolve(chain).items():
                 for path in found.attentions:
                     fn: Any = chain[layer].fn  # a module fn (find_parts found the attention there)
-                    heads = heads_of(fn.replicas.module.get_submodule(path))
+                    heads = heads_of(module_fn(fn).replicas.module.get_submodule(path))
                     if heads % parts:
                         raise ValueError(
                             f"context_parallel: {layer}: {path} has {heads} heads, which the {parts} ranks of axis "
@@ -146,6 +174,9 @@ class CPSpec:
         mesh = _mesh(mesh, self.axis)
         n = mesh.axis_size(self.axis)
         i = mesh.axis_index(self.axis) if rank is None else mesh.coords_of(rank)[self.axis]
+        inputs = pair[0] if isinstance(pair, tuple) else pair
+        if isinstance(inputs, Mapping):
+            _check_batch_dict(inputs)
 
         def cut(t: Any) -> Any:
             if not isinstance(t, torch.Tensor) or t.dim() <= self.dim:
@@ -194,21 +225,51 @@ class CPSpec:
 
 class CPLayerFn:
     """A layer fn under context parallel: its position tables read at the rank's global positions and
-    every parameter's gradient summed over the axis (the engine's ``in_layer.grad_summed``)."""
+    every parameter's gradient summed over the axis (the engine's ``in_layer.grad_summed``). The layer
+    that reads the batch (the chain's first) also turns a batch dict's padding ``attention_mask`` or
+    restarting ``position_ids`` into the whole sequence's :class:`TokenMask`, which travels to every
+    attention in the mask's place (one all-gather of the rank's part), and tells the rotary embeddings
+    whether the batch gave positions."""
 
     def __init__(self, fn: Callable[[dict[str, Tensor], Any], Any], spec: CPSpec, names: frozenset[str],
-                 tables: frozenset[str], reduce: torch.dtype | None) -> None:
+                 tables: frozenset[str], reduce: torch.dtype | None, reads_batch: bool = False) -> None:
         self.fn, self.spec, self.names, self.tables, self.reduce = fn, spec, names, tables, reduce
+        self.reads_batch = reads_batch
 
     def __call__(self, tensors: dict[str, Tensor], x: Any) -> Any:
         spec = self.spec
         summed = {
             k: in_layer.grad_summed(t, spec.axis, k, self.reduce) if k in self.names else t for k, t in tensors.items()
         }
-        if self.tables:
+        given = self.reads_batch and isinstance(x, Mapping) and x.get("position_ids") is not None
+        if self.tables and not given:  # position ids the batch gives read the table at each token's own
             local = _sequence_length(x, spec.dim)
             summed = {k: self._at_positions(t, local) if k in self.tables else t for k, t in summed.items()}
-        return self.fn(summed, x)
+        if not self.reads_batch:
+            return self.fn(summed, x)
+        if isinstance(x, Mapping):
+            _check_batch_dict(x)  # cut_sequence checked it; a layer fn called directly is checked here
+            if x.get("attention_mask") is not None or given:
+                x = {**x, "attention_mask": self._token_mask(x).carried()}
+        with reading_batch("given" if given else "counted"):
+            return self.fn(summed, x)
+
+    def _token_mask(self, batch: Mapping[str, Any]) -> TokenMask:
+        """The whole sequence's padding (a 2-D attention_mask) or packed sequences (position_ids), as
+        transformers reads them, from this rank's part (all-gathered over the axis)."""
+        spec = self.spec
+        mask, positions = batch.get("attention_mask"), batch.get("position_ids")
+        if mask is not None:
+            if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+                token_mask(attention_mask=mask)  # refuses with the fix
+            whole = whole_sequence((mask != 0).to(torch.uint8), spec.axis, spec.balanced, "attention_mask")
+            return token_mask(attention_mask=whole)
+        if not isinstance(positions, torch.Tensor) or positions.dim() != 2:
+            raise ValueError(
+                f"context_parallel: the batch's position_ids is {_shape(positions)}; it must be a [batch, seq] "
+                "tensor, cut with the tokens"
+            )
+        return token_mask(position_ids=whole_sequence(positions, spec.axis, spec.balanced, "position_ids"))
 
     def _at_positions(self, table: Tensor, local: int) -> Tensor:
         """The table's rows at this rank's global positions, first: the layer reads rows 0 .. local - 1
@@ -223,6 +284,46 @@ class CPLayerFn:
                 f"{local * n}; use sequences no longer than the model's"
             )
         return table.index_select(dim, mine)
+
+
+_BENEATH: dict[type, type] = {}
+
+
+def _beneath(cls: type) -> type:
+    """A subclass of ``cls`` whose forward is the instance's ``_context_parallel_forward``, for a wrapper
+    installed on the instance that calls ``type(module).forward`` (the instance attribute, not a
+    closure, so that the copies each thread rank makes of the module call their own)."""
+    if cls not in _BENEATH:
+
+        def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+            return self._context_parallel_forward(*args, **kwargs)
+
+        _BENEATH[cls] = type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__})
+    return _BENEATH[cls]
+
+
+def _check_batch_dict(batch: Mapping[str, Any]) -> None:
+    """Refuse what a batch dict can hold that context parallel would train wrong."""
+    mask = batch.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() != 2:
+        token_mask(attention_mask=mask)  # refuses with the fix
+    if batch.get("labels") is not None:
+        raise ValueError(
+            "context_parallel: the batch dict has labels, which the model would shift by one inside each rank's "
+            "part of the sequence (a wrong target at every chunk's end); pass the batch as (inputs, targets) with "
+            "the targets shifted on the whole sequence, and a loss_fn on the logits"
+        )
+    if batch.get("position_ids") is not None and "attention_mask" not in batch:
+        raise ValueError(
+            "context_parallel: the batch dict has position_ids but no attention_mask entry; the mask of the whole "
+            "sequence (packed sequences, as transformers reads them from position_ids) travels to the attentions "
+            "in its place: add 'attention_mask': None to the batch dict (and to functionalize's example_input), "
+            "which means the same to the model"
+        )
+
+
+def _shape(x: Any) -> str:
+    return f"of shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else f"a {type(x).__name__}"
 
 
 def _sequence_length(x: Any, dim: int) -> int:

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from ...collectives import Mesh, all_to_all, axis_size
 from .inputs import check_qkv, default_scale
 from .layout import check_sequence_length, shard_order
+from .masks import TokenMask, check_mask
 
 Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -32,6 +33,7 @@ def ulysses_attention(
     causal: bool | None = None,
     scale: float | None = None,
     balanced: bool = True,
+    mask: TokenMask | None = None,
     mesh: Mesh | None = None,
 ) -> torch.Tensor:
     """Attention of this rank's slice of the sequence, computed head by head on the rank that owns the head.
@@ -41,8 +43,10 @@ def ulysses_attention(
     ``heads`` and ``kv_heads``. ``attn(q, k, v)`` computes attention over the *whole* sequence in global
     order for the local heads (q [batch, heads/n, seq, head_dim], k/v [batch, kv_heads/n, seq, head_dim]);
     by default torch's ``scaled_dot_product_attention`` with ``is_causal=causal`` (default True) and
-    ``scale``, which a custom ``attn`` does itself (passing them with it is refused). Returns this
-    rank's slice of the output, shaped like ``q``.
+    ``scale``, which a custom ``attn`` does itself (passing them with it is refused). ``mask``: padding
+    and packed sequences (:class:`TokenMask`, the whole sequence's in global order; see
+    :func:`token_mask`), applied by the default attention as sdpa's boolean mask (a query that sees no
+    key gets zeros). Returns this rank's slice of the output, shaped like ``q``.
 
     >>> import torch, shardwise as sw
     >>> from shardwise.transforms.context_parallel import ulysses_attention, shard_sequence, unshard_sequence
@@ -63,14 +67,20 @@ def ulysses_attention(
                 f"ulysses_attention: {name} have {heads} heads, which the size {n} of axis {axis!r} does not "
                 f"divide (each rank takes whole heads); use ring_attention, or an axis size that divides {heads}"
             )
-    if attn is not None and (causal is not None or scale is not None):
+    if attn is not None and (causal is not None or scale is not None or mask is not None):
         raise ValueError(
-            "ulysses_attention: attn= replaces the default attention, which is what causal= and scale= configure; "
-            "pass either attn or causal/scale, and apply the mask and scale inside attn"
+            "ulysses_attention: attn= replaces the default attention, which is what causal=, scale= and mask= "
+            "configure; pass either attn or causal/scale/mask, and apply the mask and scale inside attn"
         )
-    if attn is None:
-        attn = _sdpa(True if causal is None else causal, default_scale(scale, shapes.head_dim))
     seq = shapes.seq_local * n
+    if attn is None:
+        causal = True if causal is None else causal
+        visible = None
+        if mask is not None:
+            check_mask("ulysses_attention", mask, shapes.batch, seq)
+            whole = torch.arange(seq, device=q.device)
+            visible = mask.visible(whole, whole, causal)
+        attn = _sdpa(causal, default_scale(scale, shapes.head_dim), visible)
     order = None
     if balanced and n > 1:
         check_sequence_length("ulysses_attention", seq, n, balanced, axis)
@@ -86,10 +96,11 @@ def ulysses_attention(
     return all_to_all(out, axis, split_dim=2, concat_dim=1, tiled=True, mesh=mesh)
 
 
-def _sdpa(causal: bool, scale: float) -> Attention:
+def _sdpa(causal: bool, scale: float, visible: torch.Tensor | None = None) -> Attention:
     def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return F.scaled_dot_product_attention(
-            q, k, v, is_causal=causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+            q, k, v, attn_mask=visible, is_causal=causal and visible is None, scale=scale,
+            enable_gqa=q.shape[1] != k.shape[1],
         )
 
     return attention

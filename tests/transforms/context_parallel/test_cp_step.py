@@ -171,10 +171,8 @@ def test_bad_options_are_refused() -> None:
 def test_composition_rules() -> None:
     step, _ = gpt()
     cp = context_parallel(step, "cp")
-    with pytest.raises(ValueError, match=r"context_parallel with pipeline .* is not supported yet"):
-        sw.pipeline(cp, "pp", schedule="gpipe", microbatches=2)
-    with pytest.raises(ValueError, match="context_parallel and tensor_parallel cannot share a stack yet"):
-        sw.tensor_parallel(cp, "tp", plan={"blocks.*.mlp.0": sw.tp.Colwise(), "blocks.*.mlp.2": sw.tp.Rowwise()})
+    with pytest.raises(ValueError, match=r"context_parallel and pipeline both use axis 'cp'"):
+        sw.pipeline(cp, "cp", schedule="gpipe", microbatches=2)
     with pytest.raises(ValueError, match=r"context_parallel and shard_params both use axis 'cp'"):
         sw.shard_params(cp, "cp", 1)
 
@@ -217,3 +215,34 @@ def test_a_position_table_positions_does_not_list_is_refused_and_listed_it_train
         context_parallel(step, "cp").plan(sw.Mesh(cp=2), params, batches(1)[0])
     listed = context_parallel(step, "cp", positions=("position_embeddings",))
     sw.testing.assert_equivalent(listed, step, sw.Mesh(cp=2), batches(), params)
+
+
+@pytest.mark.parametrize("attention", ["ring", "ulysses"])
+@pytest.mark.parametrize("cp", [2, 4])
+def test_the_plans_kept_for_backward_is_what_a_run_keeps(cp: int, attention: str) -> None:
+    """The Plan runs the attention on fake tensors, which keep nothing of the ring's key/value slices
+    unless the prediction says what the run keeps. Measured: the tensors a real run saves for backward
+    (saved-tensor hooks, per storage) plus the ring's merged output, which its blocks hold outside
+    autograd. The Plan's figure is the rank that keeps the most: Ulysses' ranks keep alike; the ring's
+    last index merges the most blocks; index i makes one block and one merge fewer for each of the
+    cp - 1 - i indices after it (their slices only its late chunk sees: one block, not two), so it keeps
+    3 (cp - 1 - i) fewer [batch, heads, SEQ / 2cp] rows of log-sum-exps and merge weights.
+    """
+    from shardwise.engine.plan.accounting import kept_for_backward
+
+    step, params = gpt()
+    composed, mesh = context_parallel(step, "cp", attention=attention), sw.Mesh(cp=cp)
+    batch = batches(1)[0]
+    planned = composed.plan(mesh, params, batch).memory["kept_for_backward"]
+
+    def run() -> int:
+        spec = next(s for s in composed.transforms if s.name == "context_parallel")
+        inputs = spec.cut_sequence(batch, rank=None, mesh=mesh)[0]
+        view = composed.compute_view(composed.local_view(params, mesh, 0))
+        with mesh:
+            return sum(kept_for_backward(composed.chain, view, inputs).values())
+
+    merged = 2 * 4 * 4 * (SEQ // cp) * 4 * 8 if attention == "ring" else 0  # 2 layers' [4, 4, SEQ / cp, 4]
+    for rank, measured in enumerate(sw.launch(run, cp, timeout=60)):
+        fewer_rows = 0 if attention == "ulysses" else 2 * 4 * 4 * 3 * (cp - 1 - rank) * (SEQ // (2 * cp)) * 8
+        assert planned[rank] == measured + merged + fewer_rows, (rank, planned[rank], measured + merged)
