@@ -15,6 +15,11 @@ from __future__ import annotations
 
 import builtins
 import collections
+import json
+import os
+import subprocess
+import sys
+import textwrap
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -27,6 +32,7 @@ import torch.distributed.checkpoint as dcp
 
 import shardwise as sw
 from shardwise.engine.checkpoint import dcp_files, file_format, safetensors_files, weights
+from shardwise.testing.memory import LIVE_MALLOC
 
 T = pytest.importorskip("transformers", reason="the [hf] extra (pip install -e '.[hf]') is not installed")
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -154,3 +160,61 @@ def test_each_rank_reads_the_bytes_it_keeps_and_gets_the_whole_loads_values(
         for a, b in zip(optree.tree_leaves((state.params, state.opt_state)),
                         optree.tree_leaves((expected.params, expected.opt_state)), strict=True):
             assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+CHILD = textwrap.dedent(
+    """
+    import json, sys, tempfile, warnings
+    warnings.filterwarnings("ignore", "torch.distributed is disabled")
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch import nn
+    from safetensors.torch import save_file
+    import shardwise as sw
+    from shardwise.testing.memory import PeakRSS
+
+    source, width, layers, world = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    root = tempfile.mkdtemp()
+
+    def model(w):
+        return nn.Sequential(*[nn.Linear(w, w) for _ in range(layers)])
+
+    def load(w):
+        path = f"{root}/{w}"
+        if source == "safetensors":
+            import os
+            os.makedirs(path)
+            save_file(model(w).state_dict(), f"{path}/model.safetensors")
+        else:
+            dcp.save({"model": model(w).state_dict()}, checkpoint_id=path, no_dist=True)
+        with torch.device("meta"):
+            chain, _ = sw.functionalize(model(w))
+        step = sw.shard_params(sw.train_step(chain, nn.functional.mse_loss, sw.optim.sgd(0.1)), "dp", stage=3)
+        meter = PeakRSS()
+        if source == "safetensors":
+            states = sw.launch(lambda: sw.checkpoint.init_from_pretrained(step, path, sw.Mesh(dp=world)), world)
+        else:
+            states = sw.launch(
+                lambda: sw.checkpoint.init_from_dcp(step, path, sw.Mesh(dp=world), prefix="model."), world)
+        return meter.peak(), sum(t.numel() * t.element_size() for s in states for t in s.params.values())
+
+    load(8)  # warm-up: the same code on a tiny model (imports, thread pool)
+    peak, held = load(width)
+    print(json.dumps({"peak": peak, "held": held}))
+    """
+)
+
+
+@pytest.mark.parametrize("source", ["safetensors", "dcp"])
+def test_loading_weights_holds_the_ranks_shards_and_no_whole_layer(source: str) -> None:
+    """Four thread ranks of one process load 8 x Linear(1024) at ZeRO-3: the process's peak above
+    the start of the load is the four ranks' shards (the whole model, once) and less than half a
+    layer more. Reading through a whole layer's tensor per rank (or a whole record) is over it."""
+    width, layers, world = 1024, 8, 4
+    layer = (width * width + width) * 4
+    env = {**os.environ, **LIVE_MALLOC}
+    out = subprocess.run([sys.executable, "-c", CHILD, source, str(width), str(layers), str(world)],
+                         capture_output=True, text=True, env=env, timeout=120, check=True)
+    measured = json.loads(out.stdout.strip().splitlines()[-1])
+    assert measured["held"] >= layers * layer  # every rank's shards: the model once, padded
+    assert 0.9 * measured["held"] < measured["peak"] < measured["held"] + layer // 2, measured
