@@ -1,4 +1,5 @@
-"""A model whose training state does not fit a rank's budget trains at world 4, each rank under it.
+"""A model whose training state does not fit a rank's budget trains at world 4, each rank under it;
+and, with SGD, one whose parameters alone do not fit it.
 
 Peak memory is the kernel's high-water mark (VmHWM) of each rank process above its RSS when the
 measured part starts, after a warm-up run of the same code on a tiny model (imports and one-time
@@ -7,6 +8,8 @@ that freed tensors go back at once and RSS follows live memory.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 import torch
@@ -23,14 +26,19 @@ MODEL_BYTES = LAYERS * (WIDTH * WIDTH + WIDTH) * 4
 # One process training it with AdamW holds parameters, gradients and two moments: 4 x the model.
 ONE_PROCESS_STATE = 4 * MODEL_BYTES
 BUDGET = ONE_PROCESS_STATE // 2  # per rank: the model's training state does not fit in it
+# A model of about as many bytes in twice as many layers, trained with SGD: its parameters alone
+# do not fit the budget below.
+SGD_WIDTH, SGD_LAYERS = 724, 24
+SGD_MODEL_BYTES = SGD_LAYERS * (SGD_WIDTH * SGD_WIDTH + SGD_WIDTH) * 4
 
 
-def _train(width: int) -> tuple[int, int]:
+def _train(width: int, optimizer: Any = None, layers: int = LAYERS) -> tuple[int, int]:
     meter = PeakRSS()
     with torch.device("meta"):
-        model = nn.Sequential(*[nn.Linear(width, width) for _ in range(LAYERS)])
+        model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
     chain, params = sw.functionalize(model)
-    step = sw.shard_params(sw.train_step(chain, F.mse_loss, sw.optim.adamw(1e-3, inplace=True)), "dp", stage=3)
+    optimizer = optimizer or sw.optim.adamw(1e-3, inplace=True)
+    step = sw.shard_params(sw.train_step(chain, F.mse_loss, optimizer), "dp", stage=3)
     state = step.init(params, sw.Mesh(dp=WORLD))
     gen = torch.Generator().manual_seed(0)
     batch = (torch.randn(8 * WORLD, width, generator=gen), torch.randn(8 * WORLD, width, generator=gen))
@@ -43,18 +51,25 @@ def _train(width: int) -> tuple[int, int]:
     return measured, predicted
 
 
-def _rank() -> tuple[int, int]:
+def _rank() -> tuple[tuple[int, int], tuple[int, int]]:
     _train(8)  # warm-up: the same code path on a tiny model
-    return _train(WIDTH)
+    adamw = _train(WIDTH)
+    _train(8, sw.optim.sgd(0.1), SGD_LAYERS)
+    return adamw, _train(SGD_WIDTH, sw.optim.sgd(0.1), SGD_LAYERS)
 
 
 @pytest.fixture(scope="module")
-def measured() -> list[tuple[int, int]]:
-    """(measured peak, the Plan's peak) of each rank, from one run of the ranks."""
+def runs() -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """Per rank, (measured peak, the Plan's peak) under AdamW and under SGD, from one run of the ranks."""
     with pytest.MonkeyPatch.context() as patch:
         for key, value in LIVE_MALLOC.items():
             patch.setenv(key, value)
         return sw.launch(_rank, WORLD, backend="processes", timeout=240)
+
+
+@pytest.fixture(scope="module")
+def measured(runs: list[tuple[tuple[int, int], tuple[int, int]]]) -> list[tuple[int, int]]:
+    return [adamw for adamw, _ in runs]
 
 
 def test_a_model_larger_than_a_ranks_budget_trains_at_world_4_under_it(measured: list[tuple[int, int]]) -> None:
@@ -71,3 +86,16 @@ def test_a_model_larger_than_a_ranks_budget_trains_at_world_4_under_it(measured:
 def test_the_plan_predicts_each_ranks_peak_within_10_percent(measured: list[tuple[int, int]]) -> None:
     for peak, predicted in measured:
         assert abs(peak - predicted) < 0.1 * peak, f"measured {peak >> 20} MiB, the Plan says {predicted >> 20} MiB"
+
+
+def test_a_model_whose_parameters_exceed_a_ranks_budget_trains_at_world_4_under_it(
+    runs: list[tuple[tuple[int, int], tuple[int, int]]],
+) -> None:
+    """The model's parameters alone (48 MiB) exceed the budget: with SGD a ZeRO-3 rank holds a quarter
+    of the parameters and of the gradients, and a gathered layer or two with their gradients (each
+    layer a 24th of the model)."""
+    budget = int(0.9 * SGD_MODEL_BYTES)  # measured: 36-37 MiB of 43
+    peaks = [sgd for _, (sgd, _) in runs]
+    assert all(SGD_MODEL_BYTES // 2 < peak < budget for peak in peaks), (
+        f"peak per rank {[p >> 20 for p in peaks]} MiB, budget {budget >> 20} MiB"
+    )

@@ -24,7 +24,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 
 import shardwise as sw
-from shardwise.engine.checkpoint import file_format, safetensors_files, weights
+from shardwise.engine.checkpoint import dcp_files, file_format, safetensors_files, weights
 from shardwise.engine.checkpoint.errors import CheckpointError
 from shardwise.engine.checkpoint.names import state_dict_names
 from shardwise.engine.checkpoint.record_io import CHUNK_BYTES
@@ -67,7 +67,7 @@ def bytes_read(monkeypatch: pytest.MonkeyPatch) -> Iterator[collections.Counter[
         f = builtins.open(file, mode, *args, **kw)  # noqa: SIM115 (the caller closes it)
         return _Counted(f, counts) if "r" in mode else f
 
-    for module in (file_format, safetensors_files, weights):
+    for module in (file_format, safetensors_files, weights, dcp_files):
         monkeypatch.setattr(module, "open", counting_open, raising=False)
     yield counts
 

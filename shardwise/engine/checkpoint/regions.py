@@ -9,11 +9,6 @@ parts of a store's stored boxes (a checkpoint's records, safetensors files, a DC
 that meet them, so a load never builds a tensor the rank does not keep. The mapping is the
 one a save cuts with (``TensorSplit.to_global``, the units' flat offsets), so a load lays out
 state exactly as ``step.init`` does.
-
-``wanted_boxes`` and ``assemble`` serve a reader that wants the global tensor itself (a
-whole layer for ``step.init``'s one-layer path): the elements of the boxes read, the others
-NaN (for floats: if a cut downstream ever used an element nobody read, the values would
-show it, and the tests compare bitwise).
 """
 
 from __future__ import annotations
@@ -24,7 +19,6 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from ...collectives.mesh import Mesh
 from ..layout.state_layout import StateLayout
 from .cut import Box, boxes, flat_start
 from .errors import CheckpointError
@@ -88,21 +82,6 @@ def placed_boxes(
     return out
 
 
-def wanted_boxes(
-    layout: StateLayout, mesh: Mesh | None, layer: str, name: str, *, shard: bool
-) -> list[Box]:
-    """The boxes of parameter ``(layer, name)``'s global tensor this rank reads: its
-    tensor-parallel slice, cut to its ZeRO shard when ``shard`` (what it keeps at rest)."""
-    spec = layout.leaves[(layer, name)]
-    coords = {} if mesh is None else mesh.coords
-    start, stop, at = _kept_range(layout, coords, layer, name, shard)
-    if start >= stop:
-        return []  # none of it is in this rank's shard
-    size = math.prod(spec.local_shape) if at is None else stop - start
-    into = torch.empty(spec.local_shape if at is None else (at + size,), device="meta")
-    return [box for box, _ in placed_boxes(layout, coords, layer, name, into, shard=shard)]
-
-
 def whole(shape: Sequence[int]) -> list[Box]:
     return [((0,) * len(shape), tuple(shape))]
 
@@ -133,13 +112,6 @@ def runs(shape: Sequence[int], box: Box) -> list[tuple[int, int]]:
         first = (*outer, offsets[k - 1], *(0,) * (len(shape) - k))
         out.append((flat_start(tuple(shape), first), length))
     return out
-
-
-def poisoned(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-    """A tensor for a partial read: NaN where it can be (shows an element nobody read), else 0."""
-    if dtype.is_floating_point or dtype.is_complex:
-        return torch.full(tuple(shape), float("nan"), dtype=dtype)
-    return torch.zeros(tuple(shape), dtype=dtype)
 
 
 def fill(
@@ -179,19 +151,3 @@ def fill(
             f"{key} {list(shape)} "
             "this rank reads; a file or an index is missing boxes (or holds some twice)"
         )
-
-
-def assemble(
-    where: str,
-    key: str,
-    shape: Sequence[int],
-    dtype: torch.dtype,
-    wants: list[Box],
-    stored: Iterable[tuple[Box, ReadInto]],
-) -> torch.Tensor:
-    """Tensor ``key`` of ``shape`` with the elements of ``wants`` read from the ``stored`` boxes
-    (see ``fill``), the others poisoned."""
-    out = poisoned(shape, dtype)
-    placed = [(w, out[tuple(slice(o, o + s) for o, s in zip(*w, strict=True))]) for w in wants]
-    fill(where, key, shape, placed, stored)
-    return out

@@ -21,10 +21,9 @@ from pathlib import Path
 
 import torch
 
-from .cut import Box
 from .errors import CheckpointError
 from .record_io import ReadBuffer, read_box_into
-from .regions import Placed, assemble
+from .regions import Placed, fill
 
 INDEX, SINGLE = "model.safetensors.index.json", "model.safetensors"
 _MAX_HEADER = 100 << 20  # the safetensors library's own bound on a header
@@ -92,23 +91,17 @@ class SafetensorsFiles:
             "model.save_pretrained(directory) wrote"
         )
 
-    def read(self, key: str, wants: list[Box]) -> torch.Tensor:
-        """Tensor ``key`` with the elements of ``wants`` read (see ``regions.assemble``)."""
+    def read_into(self, key: str, placed: list[Placed]) -> None:
+        """Copy the elements of tensor ``key`` in each box of ``placed`` into its view, reading only
+        the contiguous runs of the file that hold them."""
         entry = self.entries[key]
 
-        def read_into(pieces: list[Placed]) -> None:
+        def read(pieces: list[Placed]) -> None:
             with open(entry.file, "rb") as f:
                 read_box_into(f, f"{self.where}: {entry.file.name} ({key})", entry.offset,
                               entry.shape, entry.dtype, pieces, None, ReadBuffer())
 
-        return assemble(
-            self.where,
-            key,
-            entry.shape,
-            entry.dtype,
-            wants,
-            [(((0,) * len(entry.shape), entry.shape), read_into)],
-        )
+        fill(self.where, key, entry.shape, placed, [(((0,) * len(entry.shape), entry.shape), read)])
 
 
 def _header(path: Path) -> dict[str, Entry]:

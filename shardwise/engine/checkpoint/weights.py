@@ -3,12 +3,13 @@
 ``init_from_pretrained(step, directory, mesh)`` reads the safetensors files
 ``model.save_pretrained(directory)`` wrote; ``init_from_dcp(step, path, mesh)`` a
 torch.distributed.checkpoint directory of a module's state_dict. Both are ``step.init``
-with a source: its one-layer-at-a-time path asks for each layer's parameters, and each is
-read only where this rank keeps it (``regions.wanted_boxes``: its tensor-parallel slice,
-and at ZeRO-3 its flat shard of that). A safetensors file is read run by run, so a rank reads
-about its share of the bytes; a DCP checkpoint is read chunk by chunk (its records are
-``torch.save`` archives whose data cannot be found without reading them), so a rank reads
-every chunk that holds any of its elements: its share when the save was sharded alike.
+with a source: for each layer the rank holds, its tensors are made empty as the rank keeps
+them (at ZeRO-3 its unit's flat shard, padding zero; else each parameter's tensor-parallel
+slice, in the master dtype), and only their elements are read into them
+(``regions.placed_boxes``), so no tensor of a parameter's global shape is built. A
+safetensors file is read run by run (``safetensors_files``); a DCP record by the byte ranges
+of the elements kept, once its zip directory has said where its data starts (``dcp_files``).
+So a rank reads about its share of the bytes, whatever mesh saved them.
 
 Keys are the module's ``state_dict`` keys; a tied weight may be stored under any of its
 names (``save_pretrained`` keeps one). Every parameter must be there with the model's
@@ -19,10 +20,8 @@ master dtype, as ``step.init`` casts real parameters.
 
 from __future__ import annotations
 
-import io
 import os
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -30,12 +29,11 @@ import torch
 from ...collectives.mesh import Mesh
 from ..layout.state import TrainState
 from ..layout.state_layout import StateLayout
-from .cut import Box
+from .dcp_files import DcpFiles
 from .errors import CheckpointError
 from .names import StateDictNames, module_params, state_dict_names
-from .regions import Placed, ReadInto, assemble, wanted_boxes, whole
+from .regions import Placed, placed_boxes, whole
 from .safetensors_files import SafetensorsFiles
-from .state_dict import read_dcp_metadata
 
 
 class Store(Protocol):
@@ -43,7 +41,7 @@ class Store(Protocol):
 
     def shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]: ...
 
-    def read(self, key: str, wants: list[Box]) -> torch.Tensor: ...
+    def read_into(self, key: str, placed: list[Placed]) -> None: ...
 
 
 class Source:
@@ -57,74 +55,19 @@ class Source:
     def describe(self) -> str:
         return self.store.where
 
-    def tensors(
-        self, layer: str, names: list[str], layout: StateLayout, mesh: Mesh | None
-    ) -> dict[str, torch.Tensor]:
-        """The parameters ``names`` of ``layer``, each read only where this rank keeps it."""
-        at_rest = layout.sharding is not None and layout.sharding.holds_shards
-        return {
-            n: self.store.read(
-                self.keys[(layer, n)], wanted_boxes(layout, mesh, layer, n, shard=at_rest)
-            )
-            for n in names
-        }
+    def read_into(
+        self, layer: str, name: str, into: torch.Tensor, layout: StateLayout, mesh: Mesh | None, *, shard: bool
+    ) -> None:
+        """Parameter ``(layer, name)`` read into ``into``, this rank's tensor of it: its
+        tensor-parallel slice, or, when ``shard``, its unit's flat shard (see
+        ``regions.placed_boxes``); only the elements it keeps are read."""
+        placed = placed_boxes(layout, {} if mesh is None else mesh.coords, layer, name, into, shard=shard)
+        self.store.read_into(self.keys[(layer, name)], placed)
 
 
 class _Safetensors(SafetensorsFiles):
     def shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         return {k: (e.shape, e.dtype) for k, e in self.entries.items()}
-
-
-class DcpFiles:
-    """A DCP directory's tensors under ``prefix`` (the prefix removed), read chunk by chunk."""
-
-    def __init__(self, path: str | os.PathLike[str], prefix: str = "") -> None:
-        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-        self.path, self.where = Path(path), f"DCP checkpoint {path}"
-        self.metadata = read_dcp_metadata(path)
-        self.specs = {
-            fqn[len(prefix) :]: (fqn, spec)
-            for fqn, spec in self.metadata.state_dict_metadata.items()
-            if fqn.startswith(prefix) and isinstance(spec, TensorStorageMetadata)
-        }
-
-    def shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        return {k: (tuple(spec.size), spec.properties.dtype) for k, (_, spec) in self.specs.items()}
-
-    def read(self, key: str, wants: list[Box]) -> torch.Tensor:
-        from torch.distributed.checkpoint.metadata import MetadataIndex
-
-        fqn, spec = self.specs[key]
-        stored = []
-        for chunk in spec.chunks:
-            info = self.metadata.storage_data[MetadataIndex(fqn, chunk.offsets)]
-            stored.append(
-                ((tuple(chunk.offsets), tuple(chunk.sizes)), _chunk_reader(self.path, fqn, info))
-            )
-        return assemble(self.where, key, tuple(spec.size), spec.properties.dtype, wants, stored)
-
-
-def _chunk_reader(path: Path, fqn: str, info: Any) -> ReadInto:
-    def read(pieces: list[Placed]) -> None:
-        if getattr(info, "transform_descriptors", None):
-            raise CheckpointError(
-                f"{path}: {fqn} is stored with transforms {info.transform_descriptors}, "
-                "which this reader does not undo"
-            )
-        with open(path / info.relative_path, "rb") as f:
-            f.seek(info.offset)
-            data = f.read(info.length)
-        try:
-            box = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-        except Exception as err:  # a truncated or foreign record: name it
-            raise CheckpointError(
-                f"{path}: the chunk of {fqn} in {info.relative_path} does not load: {err}"
-            ) from None
-        for (at, size), view in pieces:
-            view.copy_(box[tuple(slice(o, o + s) for o, s in zip(at, size, strict=True))])
-
-    return read
 
 
 def init_from_pretrained(
@@ -203,7 +146,8 @@ def _check_buffers(step: Any, store: Store, names: StateDictNames) -> None:
     """Buffers are part of the chain (made when it was functionalized): a stored one must agree."""
     for key, (layer, name) in names.buffers.items():
         held = step.base_chain[layer].buffers[name]
-        stored = store.read(key, whole(tuple(held.shape)))
+        stored = torch.empty(tuple(held.shape), dtype=store.shapes()[key][1])
+        store.read_into(key, [(whole(tuple(held.shape))[0], stored)])
         if not torch.equal(stored.to(held.dtype), held.cpu()):
             raise CheckpointError(
                 f"{store.where}: buffer {key!r} differs from the chain's; buffers are part of the "

@@ -172,6 +172,7 @@ def rank_actions(
             reshard=reshard_after_forward(zero, pipelined=pipe is not None),
             pipelined=pipe is not None,
             deferred=set(deferred),
+            device=device,
         )
         actions = _sends_first(actions)
     if pipe is not None:

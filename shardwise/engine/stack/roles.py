@@ -135,9 +135,10 @@ class ShardingRole(Spec, Protocol):
 
     def insert(
         self, actions: Sequence[Any], stage_needs: Mapping[int, tuple[str, ...]], *, reshard: bool, pipelined: bool,
-        deferred: set[str],
+        deferred: set[str], device: Any = "cpu",
     ) -> list[Any]:
-        """The lowering: the rank's computes with the gathers, frees and reduce-scatters inserted."""
+        """The lowering: the rank's computes with the gathers, frees and reduce-scatters inserted
+        (``device``: where the rank computes, which some of its defaults depend on)."""
         ...
 
 

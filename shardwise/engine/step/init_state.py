@@ -60,6 +60,10 @@ def init_seeding(seed: int, device: torch.device) -> Iterator[None]:
         yield
 
 
+# Reads parameter (layer, name) into a tensor of the rank: its flat shard when the flag says so.
+ReadInto = Callable[[str, str, torch.Tensor, bool], None]
+
+
 def held_params(
     shapes: Params,
     layout: StateLayout,
@@ -67,23 +71,43 @@ def held_params(
     dp_index: int,
     make: Callable[[str, list[str]], dict[str, torch.Tensor]],
     to_local: Callable[[str, dict[str, torch.Tensor]], dict[str, torch.Tensor]],
+    read: ReadInto | None = None,
+    device: torch.device | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """(what the TrainState holds, what the optimizer updates), built one layer at a time.
 
     ``shapes`` are the parameters as meta tensors; ``make(layer, names)`` gives the full values
     of those parameters of ``layer`` (made or read); ``to_local(layer, values)`` cuts them to
     this rank's tensor-parallel slices in the master dtype, as copies the state owns.
+
+    With ``read`` (a weights file), nothing of a parameter's global shape is made: the rank's
+    tensors are made empty on ``device`` as it keeps them (at ZeRO-3 its unit's flat shard,
+    padding zero; else each tensor-parallel slice in the master dtype) and
+    ``read(layer, name, into, shard)`` fills each parameter's part of them.
     """
     wanted = local_params(shapes, layout.placement, index)  # the layers (and tied copies) held
     sharding: FlatSharding | None = layout.sharding
     held: dict[str, Any] = {}
     update: dict[str, Any] = {}
     for layer, names in wanted.items():
-        master = to_local(layer, make(layer, list(names)))
+        unit = None if sharding is None else sharding.units.get(layer)
+        if read is None:
+            master = to_local(layer, make(layer, list(names)))
+        else:
+            like = to_local(layer, {n: shapes[layer][n] for n in names})  # meta: what the rank keeps
+            if unit is not None and sharding is not None and sharding.holds_shards:
+                flat = torch.empty(unit.shard_numel, dtype=like[unit.names[0]].dtype, device=device)
+                flat[max(min(unit.numel - dp_index * unit.shard_numel, unit.shard_numel), 0) :].zero_()
+                for name in unit.names:
+                    read(layer, name, flat, True)
+                held[layer] = update[layer] = flat
+                continue
+            master = {n: torch.empty(t.shape, dtype=t.dtype, device=device) for n, t in like.items()}
+            for name, into in master.items():
+                read(layer, name, into, False)
         if sharding is None:
             held[layer] = master
             continue
-        unit = sharding.units.get(layer)
         shard = None if unit is None else unit.shard_of(unit.flatten(master), dp_index)
         if shard is not None:
             update[layer] = shard

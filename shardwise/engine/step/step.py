@@ -265,8 +265,9 @@ class Step:
         each rank, stage, micro-batch and step draws its own stream from it.
 
         ``source`` (a weights file's reader: ``sw.checkpoint.init_from_pretrained``, ``sw.checkpoint.init_from_dcp``)
-        gives the meta parameters' values instead: ``source.tensors(layer, names, layout, mesh)``,
-        read one layer at a time, of each parameter only what this rank keeps.
+        gives the meta parameters' values instead: ``source.read_into(layer, name, into, layout, mesh,
+        shard=)`` reads, one layer at a time, of each parameter only what this rank keeps, straight
+        into the rank's own tensor of it (its flat shard at ZeRO-3, else its slice).
         """
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"init(seed={seed!r}): the seed of the step's random streams is an int")
@@ -310,9 +311,7 @@ class Step:
             given = params.get(layer, {})
             made = {n: t for n, t in given.items() if n in names and not t.is_meta}
             missing = [n for n in names if n not in made]
-            if missing and source is not None:
-                made.update(source.tensors(layer, missing, layout, mesh))
-            elif missing:
+            if missing:
                 assert maker is not None  # _parameter_maker refused meta parameters without one
                 made.update(maker.tensors(layer, missing, seed, lambda s: init_seeding(s, maker.device)))
             return made
@@ -323,7 +322,10 @@ class Step:
             local = self.local_view({**shapes, layer: {**shapes[layer], **values}}, mesh)[layer]
             return self.master_params({layer: {n: local[n] for n in values}})[layer]
 
-        held, update_tree = held_params(shapes, layout, index, dp_index, make, to_local)
+        read = None if source is None else (
+            lambda layer, name, into, shard: source.read_into(layer, name, into, layout, mesh, shard=shard))
+        held, update_tree = held_params(shapes, layout, index, dp_index, make, to_local, read,
+                                        None if source is None else source.device)
         return TrainState(
             held, self.optimizer.init(update_tree), 0, self.initial_loss_scale(), mesh=mesh, layout=layout, rng=seed
         )

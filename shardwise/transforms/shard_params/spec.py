@@ -65,6 +65,18 @@ class ShardSpec:
             return self.reduce_in_flight
         return 0 if torch.device(device).type in ("cpu", "meta") else 1
 
+    def prefetches_backward_last(self, device: torch.device | str) -> bool:
+        """Whether a backward prefetches the units of its last compute (the first layer's) during
+        the compute before it, on ``device``: not on a CPU, yes elsewhere.
+
+        A backward's last compute comes where the gradient shards of every other unit are held: a
+        unit prefetched then sits beside the previous unit's gradient reduction (its flat gradient,
+        gloo's copy of it and the shard) at the step's peak (issue 25: 6 MiB per rank over 12 x
+        Linear(2048) at world 2, 2 MiB at world 4, which put ZeRO-3 at 1.001-1.004x FSDP2's peak). On
+        a CPU the gather, gathered just before the compute, costs no overlap that the shared cores
+        would have given (as ``reductions_in_flight``); on a GPU the prefetch hides it, as FSDP2."""
+        return torch.device(device).type not in ("cpu", "meta")
+
     def bucket_limit(self) -> int | None:
         """Bytes a bucket of gradients may hold (stages 1-2); None: each unit reduced alone (stage 3,
         whose units are gathered and freed one by one)."""
@@ -85,10 +97,11 @@ class ShardSpec:
         reshard: bool,
         pipelined: bool,
         deferred: set[str],
+        device: torch.device | str = "cpu",
     ) -> list[Action]:
         """The rank's computes with ZeRO's gathers, frees and (not deferred) reduce-scatters."""
         out = insert_gathers(
             actions, stage_needs, stage=self.stage, reshard=reshard, prefetch=self.prefetch,
-            pipelined=pipelined, axis=self.axis,
+            pipelined=pipelined, axis=self.axis, prefetch_backward_last=self.prefetches_backward_last(device),
         )
         return insert_reduces(out, stage_needs, deferred, self.axis)

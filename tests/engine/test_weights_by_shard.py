@@ -1,0 +1,220 @@
+"""Weights on disk load shard by shard: each rank reads its own bytes and nothing else of any size.
+
+An unmodified Hugging Face Llama (random, saved here) is loaded into a meta-built step at ZeRO-3
+dp 2, ZeRO-3 dp 2 x pp 2 and tp 2, from the safetensors files ``save_pretrained`` writes and from
+a DCP directory ``torch.distributed.checkpoint.save`` writes (on one rank: one record per tensor,
+so reading by records would read everything). Bytes are counted at every read of the files
+the loaders open, per rank thread. What a rank keeps is counted from its state (its flat shards
+without padding, or its slices): it must read exactly that, plus what says where things are (the
+safetensors headers; DCP's ``.metadata`` and, per record it reads, its zip directory and pickle,
+under 1.5 KiB each). The values equal, bitwise, ``step.init`` of the whole tensors
+(``init_from_state_dict``): no arithmetic is involved.
+"""
+
+from __future__ import annotations
+
+import builtins
+import collections
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import optree
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import shardwise as sw
+from shardwise.engine.checkpoint import dcp_files, file_format, safetensors_files, weights
+from shardwise.testing.memory import LIVE_MALLOC
+
+T = pytest.importorskip("transformers", reason="the [hf] extra (pip install -e '.[hf]') is not installed")
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+VOCAB, HIDDEN, SEQ = 512, 128, 8
+RECORD_OVERHEAD = 1536  # a DCP record's zip directory, local headers and pickle
+
+
+def _llama() -> Any:
+    return T.LlamaForCausalLM(T.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2 * SEQ,
+        attn_implementation="eager", bos_token_id=0, eos_token_id=0,
+    ))
+
+
+def _loss(out: Any, targets: torch.Tensor) -> torch.Tensor:
+    return sw.tp.vocab_parallel_cross_entropy(out.logits, targets)
+
+
+def _meta_step() -> sw.Step:
+    with torch.device("meta"):
+        model = _llama()
+    chain, _ = sw.functionalize(model, units=T.models.llama.modeling_llama.LlamaDecoderLayer,
+                                example_input=torch.zeros(2, SEQ, dtype=torch.long))
+    return sw.train_step(chain, _loss, sw.optim.sgd(0.1, momentum=0.9))
+
+
+STACKS: dict[str, tuple[Callable[[sw.Step], sw.Step], sw.Mesh]] = {
+    "zero3 dp2": (lambda s: sw.shard_params(s, "dp", stage=3), sw.Mesh(dp=2)),
+    "zero3 dp2 x pp2": (lambda s: sw.shard_params(sw.pipeline(s, "pp", "1f1b", 2), "dp", stage=3),
+                        sw.Mesh(dp=2, pp=2)),
+    "tp2": (lambda s: sw.tensor_parallel(s, "tp", sw.tp.llama_plan()), sw.Mesh(tp=2)),
+}
+
+
+class _Counted:
+    def __init__(self, f: Any, counts: collections.Counter[str]) -> None:
+        self._f, self._counts = f, counts
+
+    def read(self, *args: Any) -> Any:
+        data = self._f.read(*args)
+        self._counts[threading.current_thread().name] += len(data)
+        return data
+
+    def readinto(self, buffer: Any) -> Any:
+        n = self._f.readinto(buffer)
+        self._counts[threading.current_thread().name] += n or 0
+        return n
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._f, name)
+
+    def __enter__(self) -> _Counted:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._f.close()
+
+
+@pytest.fixture
+def bytes_read(monkeypatch: pytest.MonkeyPatch) -> Iterator[collections.Counter[str]]:
+    """Bytes each thread (a rank) reads through the loaders' ``open``."""
+    counts: collections.Counter[str] = collections.Counter()
+
+    def counting_open(file: Any, mode: str = "r", *args: Any, **kw: Any) -> Any:
+        f = builtins.open(file, mode, *args, **kw)  # noqa: SIM115 (the caller closes it)
+        return _Counted(f, counts) if "r" in mode else f
+
+    for module in (file_format, safetensors_files, weights, dcp_files):
+        monkeypatch.setattr(module, "open", counting_open, raising=False)
+    yield counts
+
+
+def _kept_bytes(state: Any, mesh: sw.Mesh) -> int:
+    """Bytes of the parameters this rank keeps (float32 on disk and at rest): its flat shards
+    without their padding, or its slices."""
+    sharding = state.layout.sharding
+    if sharding is None:
+        return sum(t.numel() * 4 for t in optree.tree_leaves(state.params))
+    dp = mesh.axis_index(sharding.axis)
+    return sum(min(lay.shard_numel, max(lay.numel - dp * lay.shard_numel, 0)) * 4
+               for lay in sharding.units.values())
+
+
+def _save(source: str, model: Any, root: Path) -> tuple[Path, int, int]:
+    """(where, bytes of tensor data, bytes read whatever is kept), the weights saved as ``source``."""
+    if source == "safetensors":
+        model.save_pretrained(root, max_shard_size="600KB")  # sharded: an index and several files
+        files = list(root.glob("*.safetensors"))
+        headers = sum(8 + int.from_bytes(f.read_bytes()[:8], "little") for f in files)
+        index = (root / "model.safetensors.index.json").stat().st_size
+        return root, sum(f.stat().st_size for f in files) - headers, headers + index
+    dcp.save({"model": model.state_dict()}, checkpoint_id=root / "d", no_dist=True)
+    records = len(model.state_dict())
+    data = sum(f.stat().st_size for f in (root / "d").glob("*.distcp"))
+    return root / "d", data, (root / "d" / ".metadata").stat().st_size + records * RECORD_OVERHEAD
+
+
+@pytest.mark.parametrize("source", ["safetensors", "dcp"])
+@pytest.mark.parametrize("stack", list(STACKS))
+def test_each_rank_reads_the_bytes_it_keeps_and_gets_the_whole_loads_values(
+    source: str, stack: str, tmp_path: Path, bytes_read: collections.Counter[str]
+) -> None:
+    torch.manual_seed(0)
+    real = _llama()
+    path, total, overhead = _save(source, real, tmp_path)
+    transform, mesh = STACKS[stack]
+    step = transform(_meta_step())
+    load = sw.checkpoint.init_from_pretrained if source == "safetensors" else (
+        lambda s, p, m: sw.checkpoint.init_from_dcp(s, p, m, prefix="model."))
+
+    def main() -> tuple[Any, int]:
+        state = load(step, path, mesh)
+        return state, _kept_bytes(state, mesh)
+
+    loaded = sw.launch(main, mesh.size)
+    reads = [bytes_read[f"shardwise-rank-{r}"] for r in range(mesh.size)]
+    bytes_read.clear()
+    whole = sw.launch(lambda: sw.checkpoint.init_from_state_dict(step, real.state_dict(), mesh), mesh.size)
+    share = 0.3 if "pp2" in stack else 0.55  # of the data: a quarter (half, at dp 2 or tp 2), and the norms
+    for (state, kept), read, expected in zip(loaded, reads, whole, strict=True):
+        assert kept <= read <= kept + overhead, (read, kept, overhead)
+        assert read < share * total, (read, total)
+        for a, b in zip(optree.tree_leaves((state.params, state.opt_state)),
+                        optree.tree_leaves((expected.params, expected.opt_state)), strict=True):
+            assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+CHILD = textwrap.dedent(
+    """
+    import json, sys, tempfile, warnings
+    warnings.filterwarnings("ignore", "torch.distributed is disabled")
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch import nn
+    from safetensors.torch import save_file
+    import shardwise as sw
+    from shardwise.testing.memory import PeakRSS
+
+    source, width, layers, world = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    root = tempfile.mkdtemp()
+
+    def model(w):
+        return nn.Sequential(*[nn.Linear(w, w) for _ in range(layers)])
+
+    def load(w):
+        path = f"{root}/{w}"
+        if source == "safetensors":
+            import os
+            os.makedirs(path)
+            save_file(model(w).state_dict(), f"{path}/model.safetensors")
+        else:
+            dcp.save({"model": model(w).state_dict()}, checkpoint_id=path, no_dist=True)
+        with torch.device("meta"):
+            chain, _ = sw.functionalize(model(w))
+        step = sw.shard_params(sw.train_step(chain, nn.functional.mse_loss, sw.optim.sgd(0.1)), "dp", stage=3)
+        meter = PeakRSS()
+        if source == "safetensors":
+            states = sw.launch(lambda: sw.checkpoint.init_from_pretrained(step, path, sw.Mesh(dp=world)), world)
+        else:
+            states = sw.launch(
+                lambda: sw.checkpoint.init_from_dcp(step, path, sw.Mesh(dp=world), prefix="model."), world)
+        return meter.peak(), sum(t.numel() * t.element_size() for s in states for t in s.params.values())
+
+    load(8)  # warm-up: the same code on a tiny model (imports, thread pool)
+    peak, held = load(width)
+    print(json.dumps({"peak": peak, "held": held}))
+    """
+)
+
+
+@pytest.mark.parametrize("source", ["safetensors", "dcp"])
+def test_loading_weights_holds_the_ranks_shards_and_no_whole_layer(source: str) -> None:
+    """Four thread ranks of one process load 8 x Linear(1024) at ZeRO-3: the process's peak above
+    the start of the load is the four ranks' shards (the whole model, once) and less than half a
+    layer more. Reading through a whole layer's tensor per rank (or a whole record) is over it."""
+    width, layers, world = 1024, 8, 4
+    layer = (width * width + width) * 4
+    env = {**os.environ, **LIVE_MALLOC}
+    out = subprocess.run([sys.executable, "-c", CHILD, source, str(width), str(layers), str(world)],
+                         capture_output=True, text=True, env=env, timeout=120, check=True)
+    measured = json.loads(out.stdout.strip().splitlines()[-1])
+    assert measured["held"] >= layers * layer  # every rank's shards: the model once, padded
+    assert 0.9 * measured["held"] < measured["peak"] < measured["held"] + layer // 2, measured
