@@ -132,7 +132,20 @@ def _known_hf(module: nn.Module, where: str) -> bool:
             f"context_parallel: {where} ({type(m).__name__}) runs attn_implementation={implementation!r}; it splits "
             "sdpa attention (plain causal softmax attention): build the model with attn_implementation='sdpa'"
         )
+    # HFForward is Llama's forward: a module it does not call (Qwen3's and OLMo-2's q_norm, k_norm)
+    # would be left out, and the step would train another model without an error.
+    extra = [n for n, _ in m.named_children() if n not in _HF_PROJECTIONS]
+    if extra:
+        raise ValueError(
+            f"context_parallel: {where} ({type(m).__name__}) holds {', '.join(extra)}, which the Llama-shaped forward "
+            f"it installs ({', '.join(_HF_PROJECTIONS)}, rotary embedding, sdpa) would not apply; it splits "
+            "attentions that are exactly Llama's: rewrite this one to call ring_attention / ulysses_attention, "
+            "or leave context_parallel out"
+        )
     return True
+
+
+_HF_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 def _known_gpt2(module: nn.Module, where: str) -> bool:

@@ -75,3 +75,23 @@ def test_eager_attention_is_refused_with_the_fix() -> None:
     step, _, _ = llama("eager")
     with pytest.raises(ValueError, match=r"self_attn \(LlamaAttention\) runs attn_implementation='eager'.*'sdpa'"):
         sw.context_parallel(step, "cp")
+
+
+@pytest.mark.parametrize("family", ["Qwen3", "Olmo2"])
+def test_an_hf_attention_with_a_module_its_forward_leaves_out_is_refused(family: str) -> None:
+    """Qwen3's and OLMo-2's attentions have Llama's q_proj .. o_proj plus q_norm and k_norm, which the
+    Llama-shaped forward context_parallel installs does not apply: it trained another model without an
+    error (the loss differed from the single device's by 5e-4 relative). Refused, naming the modules."""
+    torch.manual_seed(0)
+    config = getattr(T, f"{family}Config")(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=4, max_position_embeddings=2 * SEQ, attn_implementation="sdpa",
+        bos_token_id=0, eos_token_id=0,
+    )
+    model = getattr(T, f"{family}ForCausalLM")(config).double()
+    layer = getattr(getattr(T.models, family.lower()), f"modeling_{family.lower()}")
+    ids = torch.randint(0, VOCAB, (2, SEQ))
+    chain, _ = sw.functionalize(model, units=getattr(layer, f"{family}DecoderLayer"), example_input=ids)
+    step = sw.train_step(chain, lm_loss, sw.optim.sgd(0.1))
+    with pytest.raises(ValueError, match=rf"self_attn \({family}Attention\) holds q_norm, k_norm"):
+        sw.context_parallel(step, "cp")
