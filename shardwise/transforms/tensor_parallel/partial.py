@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import optree
@@ -67,6 +67,18 @@ def _name(func: Any) -> str:
     if name == "__get__":  # a property: x.shape, x.dtype
         name = str(getattr(getattr(func, "__self__", None), "__name__", name))
     return name
+
+
+def _mapped(
+    args: Sequence[Any], kwargs: dict[str, Any], fn: Callable[[Tensor], Tensor], which: Callable[[Tensor], bool]
+) -> tuple[Sequence[Any], dict[str, Any]]:
+    """``args`` and ``kwargs`` with ``fn`` applied to the tensors ``which`` selects (lists of tensors too)."""
+
+    def one(t: Any) -> Any:
+        return fn(t) if isinstance(t, Tensor) and which(t) else t
+
+    new_args = tuple(optree.tree_map(one, a, none_is_leaf=True) for a in args)
+    return new_args, {k: optree.tree_map(one, v, none_is_leaf=True) for k, v in kwargs.items()}
 
 
 def _inplace(name: str) -> bool:
@@ -108,7 +120,8 @@ class Follower(TorchFunctionMode):
         kwargs = kwargs or {}
         if self.quiet or not self.values:
             return func(*args, **kwargs)
-        leaves = [t for t in optree.tree_leaves((tuple(args), kwargs)) if isinstance(t, Tensor)]
+        given: Any = (tuple(args), kwargs)
+        leaves = [t for t in optree.tree_leaves(given) if isinstance(t, Tensor)]
         values = [t for t in leaves if t in self.values]
         if not values:
             return func(*args, **kwargs)
@@ -123,26 +136,21 @@ class Follower(TorchFunctionMode):
 
     def _on_values(
         self, name: str, args: Sequence[Any], kwargs: dict[str, Any], leaves: list[Tensor], values: list[Tensor]
-    ) -> tuple[Any, dict[str, Any], bool]:
+    ) -> tuple[Sequence[Any], dict[str, Any], bool]:
         """The arguments to run the op on, and whether its output is a partial sum."""
         base = name[:-1] if _inplace(name) and name.endswith("_") else name
         others = [t for t in leaves if t not in self.values]
         numbers = [a for a in args if isinstance(a, (int, float, complex)) and not isinstance(a, bool)]
         in_place_on_other = _inplace(name) and bool(args) and args[0] not in self.values
-        if base in SUMS and not numbers and not in_place_on_other:
-            mapped = optree.tree_map(
-                lambda t: to_partial(t, self.axis) if isinstance(t, Tensor) and t not in self.values
-                and t.is_floating_point() else t, (tuple(args), kwargs), none_is_leaf=True,
-            )
-            return mapped[0], mapped[1], True
+        if base in SUMS and not numbers and not in_place_on_other:  # a replicated addend counted once
+            return (*_mapped(args, kwargs, self._replicated, lambda t: t not in self.values), True)
         linear = base in LINEAR and len(values) == 1 and not any(t.requires_grad for t in others)
         if linear and not in_place_on_other and (base not in DIVIDES or (args and args[0] is values[0])):
             return args, kwargs, True
-        mapped = optree.tree_map(
-            lambda t: self._summed(t) if isinstance(t, Tensor) and t in self.values else t,
-            (tuple(args), kwargs), none_is_leaf=True,
-        )
-        return mapped[0], mapped[1], False
+        return (*_mapped(args, kwargs, self._summed, lambda t: t in self.values), False)
+
+    def _replicated(self, t: Tensor) -> Tensor:
+        return to_partial(t, self.axis) if t.is_floating_point() else t
 
     def _made(self, kind: str, t: Tensor, make: Any) -> Tensor:
         key = (kind, id(t))
