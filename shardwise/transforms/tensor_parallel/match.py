@@ -62,11 +62,16 @@ class LayerPlan:
     # layer before as the embedding's partial sums (reduce-scattered); this layer's output leaves as one.
     partial_in: bool = False
     partial_out: bool = False
+    # Its end: the last block's output stays a slice of the sequence up to the head, which gathers it (its
+    # gradient reduce-scattered); this layer's output leaves as a slice; this layer's input arrives as one.
+    slices_after: bool = False
+    slices_out: bool = False
+    slices_in: bool = False
 
     @property
     def follows(self) -> bool:
         """Whether the layer's call runs a partial.Follower."""
-        return self.partial_out or any(i.to_sequence for i in self.installs)
+        return self.partial_out or self.slices_after or self.slices_in or any(i.to_sequence for i in self.installs)
 
 
 @dataclass(frozen=True)
@@ -156,6 +161,7 @@ def resolve(chain: Chain, plan: Mapping[str, Style], sequence_parallel: str | No
     order = {layer.name: i for i, layer in enumerate(chain)}
     layer_of = {_join(rp, p, sub): layer.name for layer, _, rp, p, sub, _ in found}
     first_layer = layer_of[blocks_in_order[0]] if blocks_in_order else None
+    last_layer = layer_of[blocks_in_order[-1]] if blocks_in_order else None
     region_paths = [p for p, (_, s) in style_of.items() if isinstance(s, Region)]
     layers: dict[str, LayerPlan] = {}
     splits: dict[tuple[str, str], ParamSplit] = {}
@@ -210,6 +216,18 @@ def resolve(chain: Chain, plan: Mapping[str, Style], sequence_parallel: str | No
                     assert first_layer is not None
                     lp.partial_out = True
                     layers.setdefault(first_layer, LayerPlan(first_layer)).partial_in = True
+                # A head entering the region in the last block's layer or the one after gathers the last
+                # block's output itself: the code between (the final norm) runs on the slice (partial.py).
+                heads_it = (
+                    isinstance(chosen, Colwise) and kind in (LINEAR, CONV1D) and not enclosing and not in_block
+                    and last_layer is not None and 0 <= order[layer.name] - order[last_layer] <= 1
+                )
+                if heads_it:
+                    assert last_layer is not None
+                    last = layers.setdefault(last_layer, LayerPlan(last_layer))
+                    last.slices_after = True
+                    if layer.name != last_layer:
+                        last.slices_out = lp.slices_in = True
             if isinstance(chosen, Region):
                 _check_heads_named(style_of[path][0], path, chosen, module)
                 for attr in (*chosen.heads, *chosen.local):

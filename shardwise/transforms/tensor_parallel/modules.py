@@ -16,6 +16,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import optree
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -36,11 +37,13 @@ class TPForward:
 
     def __init__(
         self, module: nn.Module, axis: str, install: Install | None, block: tuple[bool, bool] | None,
-        reduce: torch.dtype | None, path: str, partial_in: bool = False,
+        reduce: torch.dtype | None, path: str, partial_in: bool = False, slices_after: bool = False,
     ) -> None:
         self.module, self.axis, self.install, self.block, self.reduce = module, axis, install, block, reduce
         # The first block: its input arrives from the layer before as the embedding's partial sums (partial.py).
         self.partial_in = partial_in
+        # The last: its output stays a slice, which the head gathers (partial.py).
+        self.slices_after = slices_after
         self.path = path  # in the model: what errors and the Plan call it
         self.locals = {}
         self.hidden = _first_parameter(module)  # read once: inspect.signature costs ~10 us a call
@@ -71,8 +74,14 @@ class TPForward:
         if follow is not None:
             self.followed.add(follow[0])
         if self.block is not None and self.block[1]:  # the last one: the whole sequence again
-            out = _map_first(out, lambda h: gather_invariant(h, self.axis, 1, self.path))
+            out = _map_first(out, self._end_sequence)
         return out
+
+    def _end_sequence(self, h: Tensor) -> Tensor:
+        """The last block's output: left a slice for the head to gather, or gathered here."""
+        if self.slices_after:
+            return partial.hold_slice(h)
+        return gather_invariant(h, self.axis, 1, self.path)
 
     def _split_sequence(self, h: Tensor) -> Tensor:
         """The first block's input cut to this rank's slice: the embedding's partial sums reduce-scattered,
@@ -116,7 +125,9 @@ class TPForward:
         (x,) = args
         if isinstance(style, Colwise):
             if install.enters and install.kind != EMBEDDING:
-                x = enter(x, axis, install.seq_dim, label, self.reduce)
+                # The last block's output, still a slice: gathered here, its gradient reduce-scattered.
+                seq_dim = 1 if partial.holds_slice(x) else install.seq_dim
+                x = enter(x, axis, seq_dim, label, self.reduce)
             elif not install.enters and not getattr(_flow, "regions", 0):
                 raise ValueError(
                     f"tensor_parallel: Colwise() on {label!r} sits inside Region {install.region!r}, which this layer "
@@ -320,6 +331,8 @@ class VaryFn:
         # The ends of the sequence-parallel region this layer holds (partial.py), from the LayerPlan.
         self.follows = plan is not None and plan.follows
         self.partial_out = plan is not None and plan.partial_out
+        self.slices_in = plan is not None and plan.slices_in
+        self.slices_out = plan is not None and plan.slices_out
         self.label = "" if plan is None else plan.layer
         self._reuse_key: Any = None
 
@@ -342,9 +355,13 @@ class VaryFn:
             if follower is None:
                 out = self.fn(tensors, x)
             else:
+                if self.slices_in:  # the last block's output, a slice of the sequence
+                    first = next((t for t in optree.tree_leaves(x, none_is_leaf=True) if isinstance(t, Tensor)), None)
+                    if first is not None:
+                        partial.hold_slice(first)
                 with follower:
                     out = self.fn(tensors, x)
-                out = follower.finish(out, self.partial_out)
+                out = follower.finish(out, self.partial_out, self.slices_out)
         except RuntimeError as err:  # torch's, on shapes that do not fit: explained if split
             if not output_is_split() or _is_ours(err):
                 raise
@@ -435,6 +452,7 @@ def rewrite_layer(layer: Layer, plan: LayerPlan, axis: str, reduce: torch.dtype 
         target.forward = TPForward(
             target, axis, installs.get(subpath), block, reduce, path,
             partial_in=plan.partial_in and block is not None and block[0],
+            slices_after=plan.slices_after and block is not None and block[1],
         )
     new_fn = copy.copy(fn)
     new_fn.replicas = ThreadReplicas(copied, replicas.prefix)  # type: ignore[attr-defined]
@@ -458,7 +476,7 @@ def _rewrite_key(name: str, fn: Any, plan: LayerPlan, axis: str, reduce: torch.d
         for i in plan.installs
     ))
     blocks = tuple(sorted((sub, first, last) for sub, _path, first, last in plan.blocks))
-    ends = (plan.partial_in, plan.partial_out)
+    ends = (plan.partial_in, plan.partial_out, plan.slices_after, plan.slices_out, plan.slices_in)
     key = (VaryFn, axis, reduce, installs, blocks, tuple(sorted(v.removeprefix(prefix) for v in plan.vary)), ends,
            inner)
     try:

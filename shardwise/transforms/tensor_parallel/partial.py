@@ -38,6 +38,7 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 from ...engine.stack import in_layer
+from .positions import ELEMENTWISE, Held, judge
 
 
 def _words(text: str) -> frozenset[str]:
@@ -111,6 +112,7 @@ class Follower(TorchFunctionMode):
         super().__init__()
         self.axis, self.reduce, self.label = axis, reduce, label
         self.values = _Tracked()
+        self.slices: dict[int, tuple[weakref.ref[Tensor], Held]] = {}  # the last block's output, its slice
         self.made: dict[tuple[str, int], tuple[weakref.ref[Tensor], Tensor]] = {}  # (kind, id) -> made once
         self.quiet = 0
 
@@ -118,16 +120,19 @@ class Follower(TorchFunctionMode):
         self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         kwargs = kwargs or {}
-        if self.quiet or not self.values:
+        if self.quiet or not (self.values or self.slices):
             return func(*args, **kwargs)
         given: Any = (tuple(args), kwargs)
         leaves = [t for t in optree.tree_leaves(given) if isinstance(t, Tensor)]
         values = [t for t in leaves if t in self.values]
-        if not values:
+        sliced = next((t for t in leaves if self.slice_of(t) is not None), None)
+        if not values and sliced is None:
             return func(*args, **kwargs)
         name = _name(func)
         if name in METADATA:
             return func(*args, **kwargs)
+        if sliced is not None:
+            return self._on_slice(func, name, args, kwargs, sliced)
         args, kwargs, partial_out = self._on_values(name, args, kwargs, leaves, values)
         out = func(*args, **kwargs)
         if partial_out:
@@ -148,6 +153,55 @@ class Follower(TorchFunctionMode):
         if linear and not in_place_on_other and (base not in DIVIDES or (args and args[0] is values[0])):
             return args, kwargs, True
         return (*_mapped(args, kwargs, self._summed, lambda t: t in self.values), False)
+
+    def slice_of(self, t: Any) -> Held | None:
+        """What ``t`` holds when it is a followed slice of the sequence (the last block's output)."""
+        entry = self.slices.get(id(t))
+        return entry[1] if entry is not None and entry[0]() is t else None
+
+    def hold_slice(self, tree: Any, held: Held) -> None:
+        for t in optree.tree_leaves(tree, none_is_leaf=True):
+            if isinstance(t, Tensor):
+                self.slices[id(t)] = (weakref.ref(t), held)
+
+    def _on_slice(self, func: Any, name: str, args: Sequence[Any], kwargs: dict[str, Any], x: Tensor) -> Any:
+        """An op on the last block's output, a slice of the sequence: run on the slice when it computes
+        position by position (positions.judge), its replicated tensors' gradients summed over the axis;
+        else on the whole sequence, gathered."""
+        held = self.slice_of(x)
+        assert held is not None
+        base = name[:-1] if _inplace(name) and name.endswith("_") else name
+        if not (_inplace(name) and base not in ELEMENTWISE):  # an in-place op that may not be position-wise runs whole
+            run_args, run_kwargs = _mapped(
+                args, kwargs, self._varied,
+                lambda t: self.slice_of(t) is None and t.requires_grad and t.is_floating_point(),
+            )
+            why: str | None = "fails"
+            made: Held | None = None
+            try:
+                out = func(*run_args, **run_kwargs)
+            except RuntimeError:  # shapes that do not fit a slice (a tensor of the whole sequence): gathered below
+                pass
+            else:
+                why, made = judge(func, run_args, run_kwargs, x, held, out, lambda t: self.slice_of(t) is not None)
+            if why is None:
+                if made is not None:
+                    self.hold_slice(out, made)
+                return out
+        whole_args, whole_kwargs = _mapped(args, kwargs, self._gathered, lambda t: self.slice_of(t) is not None)
+        return func(*whole_args, **whole_kwargs)
+
+    def _gathered(self, t: Tensor) -> Tensor:
+        """A slice made whole: all-gathered (this rank's slice of the gradient)."""
+        from .comm import gather_invariant
+
+        return self._made("gather", t, lambda x: gather_invariant(x, self.axis, 1, self.label))
+
+    def _varied(self, t: Tensor) -> Tensor:
+        """A replicated tensor used on a slice: its gradient summed over the axis."""
+        from .comm import vary
+
+        return self._made("vary", t, lambda x: vary(x, self.axis, self.label, self.reduce))
 
     def _replicated(self, t: Tensor) -> Tensor:
         return to_partial(t, self.axis) if t.is_floating_point() else t
@@ -171,9 +225,9 @@ class Follower(TorchFunctionMode):
 
         return self._made("sum", t, lambda x: leave(x, self.axis, None, self.label, self.reduce))
 
-    def finish(self, out: Any, values_out: bool) -> Any:
+    def finish(self, out: Any, values_out: bool, slices_out: bool = False) -> Any:
         """The layer's output as it leaves: its first leaf a partial sum when ``values_out`` (made one if
-        it is not), every other partial sum summed."""
+        it is not), or a slice when ``slices_out``; every other partial sum summed, slice gathered."""
         leaves, spec = optree.tree_flatten(out, none_is_leaf=True)
         changed = False
         for i, t in enumerate(leaves):
@@ -184,6 +238,8 @@ class Follower(TorchFunctionMode):
                 leaves[i], changed = self._summed(t), True
             elif first and values_out and t not in self.values and t.is_floating_point():
                 leaves[i], changed = to_partial(t, self.axis), True
+            elif self.slice_of(t) is not None and not (first and slices_out):
+                leaves[i], changed = self._gathered(t), True
         return optree.tree_unflatten(spec, leaves) if changed else out
 
 
@@ -205,6 +261,21 @@ def holds_values(t: Any) -> bool:
     """Whether ``t`` is a partial sum the current follower follows."""
     f = current()
     return f is not None and t in f.values
+
+
+def holds_slice(t: Any) -> bool:
+    """Whether ``t`` is the last block's output, a slice of the sequence the current follower follows."""
+    f = current()
+    return f is not None and f.slice_of(t) is not None
+
+
+def hold_slice(t: Tensor) -> Tensor:
+    """Follow ``t``, the last block's output, as this rank's slice of the sequence (match.py decided
+    that a follower runs)."""
+    f = current()
+    assert f is not None, "the layer of the last sequence-parallel block follows its output"
+    f.hold_slice(t, Held((t.shape[0], t.shape[1])))
+    return t
 
 
 def hold_values(t: Tensor) -> bool:
