@@ -58,8 +58,8 @@ class LayerPlan:
     installs: list[Install] = field(default_factory=list)
     blocks: list[tuple[str, str, bool, bool]] = field(default_factory=list)  # (subpath, path, first, last)
     vary: set[str] = field(default_factory=set)  # local names: replicated, used on per-rank values
-    # The start of the sequence-parallel region (partial.py): the first block's input arrives from the
-    # layer before as the embedding's partial sums (reduce-scattered); this layer's output leaves as one.
+    # The start of the sequence-parallel region (partial.py): this layer's input (leaf 0) arrives from the
+    # layer before as the embedding's partial sums; this layer's output leaves as one.
     partial_in: bool = False
     partial_out: bool = False
     # Its end: the last block's output stays a slice of the sequence up to the head, which gathers it (its
@@ -71,7 +71,8 @@ class LayerPlan:
     @property
     def follows(self) -> bool:
         """Whether the layer's call runs a partial.Follower."""
-        return self.partial_out or self.slices_after or self.slices_in or any(i.to_sequence for i in self.installs)
+        ends = (self.partial_in, self.partial_out, self.slices_after, self.slices_in)
+        return any(ends) or any(i.to_sequence for i in self.installs)
 
 
 @dataclass(frozen=True)

@@ -37,11 +37,9 @@ class TPForward:
 
     def __init__(
         self, module: nn.Module, axis: str, install: Install | None, block: tuple[bool, bool] | None,
-        reduce: torch.dtype | None, path: str, partial_in: bool = False, slices_after: bool = False,
+        reduce: torch.dtype | None, path: str, slices_after: bool = False,
     ) -> None:
         self.module, self.axis, self.install, self.block, self.reduce = module, axis, install, block, reduce
-        # The first block: its input arrives from the layer before as the embedding's partial sums (partial.py).
-        self.partial_in = partial_in
         # The last: its output stays a slice, which the head gathers (partial.py).
         self.slices_after = slices_after
         self.path = path  # in the model: what errors and the Plan call it
@@ -86,7 +84,7 @@ class TPForward:
     def _split_sequence(self, h: Tensor) -> Tensor:
         """The first block's input cut to this rank's slice: the embedding's partial sums reduce-scattered,
         a whole value sliced (its gradient all-gathered either way)."""
-        if self.partial_in or partial.holds_values(h):
+        if partial.holds_values(h):
             return leave(h, self.axis, 1, self.path, self.reduce)
         return scatter(h, self.axis, 1, self.path)
 
@@ -331,6 +329,7 @@ class VaryFn:
         # The ends of the sequence-parallel region this layer holds (partial.py), from the LayerPlan.
         self.follows = plan is not None and plan.follows
         self.partial_out = plan is not None and plan.partial_out
+        self.partial_in = plan is not None and plan.partial_in
         self.slices_in = plan is not None and plan.slices_in
         self.slices_out = plan is not None and plan.slices_out
         self.label = "" if plan is None else plan.layer
@@ -355,10 +354,11 @@ class VaryFn:
             if follower is None:
                 out = self.fn(tensors, x)
             else:
-                if self.slices_in:  # the last block's output, a slice of the sequence
-                    first = next((t for t in optree.tree_leaves(x, none_is_leaf=True) if isinstance(t, Tensor)), None)
-                    if first is not None:
-                        partial.hold_slice(first)
+                first = next((t for t in optree.tree_leaves(x, none_is_leaf=True) if isinstance(t, Tensor)), None)
+                if first is not None and self.partial_in:  # the embedding's partial sums, from the layer before
+                    partial.hold_values(first)
+                if first is not None and self.slices_in:  # the last block's output, a slice of the sequence
+                    partial.hold_slice(first)
                 with follower:
                     out = self.fn(tensors, x)
                 out = follower.finish(out, self.partial_out, self.slices_out)
@@ -451,7 +451,6 @@ def rewrite_layer(layer: Layer, plan: LayerPlan, axis: str, reduce: torch.dtype 
         block = blocks.get(subpath)
         target.forward = TPForward(
             target, axis, installs.get(subpath), block, reduce, path,
-            partial_in=plan.partial_in and block is not None and block[0],
             slices_after=plan.slices_after and block is not None and block[1],
         )
     new_fn = copy.copy(fn)

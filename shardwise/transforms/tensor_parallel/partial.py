@@ -19,10 +19,10 @@ partial sums through it and keeps the arithmetic exact:
   gradient, like a partial sum's, is every rank's);
 * anything else sums the partial over the axis first (an all-reduce, as before).
 
-The first block reduce-scatters its input when it is a followed partial sum, or when it comes from
-the layer before (decided by ``match.py``: the embedding's layer, right before the first block's);
-that layer's output leaves as a partial sum (a whole one made partial), and any other partial
-value leaving a layer is summed.
+The first block reduce-scatters its input when it is a followed partial sum, else slices it. Where
+the embedding sits in the layer right before the first block's (``match.py`` decides it from the
+chain), that layer's output leaves as a partial sum (a whole one made partial) and the next layer
+follows its input as one; any other partial value leaving a layer is summed.
 """
 
 from __future__ import annotations
