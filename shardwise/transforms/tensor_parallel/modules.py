@@ -28,6 +28,7 @@ from ...engine.run.rng import default_generators, mix
 from ...engine.stack import in_layer
 from . import partial, positions
 from .comm import enter, gather_invariant, leave, scatter, vary
+from .following import set_current
 from .match import CONV1D, EMBEDDING, LINEAR, Install, LayerPlan
 from .styles import Colwise, Region, Rowwise, gathers
 
@@ -349,7 +350,7 @@ class VaryFn:
         called: set[str] = set()
         _flow.called = called
         follower = partial.Follower(self.axis, self.reduce, self.label) if self.follows else None
-        outer_follower = partial.set_current(follower)
+        outer_follower = set_current(follower)
         try:
             if follower is None:
                 out = self.fn(tensors, x)
@@ -368,7 +369,7 @@ class VaryFn:
             raise ValueError(f"tensor_parallel: {_unsummed(err, self.axis)}") from err
         finally:
             _flow.called = outer
-            partial.set_current(outer_follower)
+            set_current(outer_follower)
             _back_to_shared(force=True)  # a per-rank stream a Colwise began ends with its layer
         missed = sorted(self.must_run - called)
         if missed:

@@ -27,7 +27,6 @@ follows its input as one; any other partial value leaving a layer is summed.
 
 from __future__ import annotations
 
-import threading
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -38,6 +37,8 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 from ...engine.stack import in_layer
+from .comm import gather_invariant, leave, vary
+from .following import current
 from .positions import ELEMENTWISE, Held, judge
 
 
@@ -193,14 +194,10 @@ class Follower(TorchFunctionMode):
 
     def _gathered(self, t: Tensor) -> Tensor:
         """A slice made whole: all-gathered (this rank's slice of the gradient)."""
-        from .comm import gather_invariant
-
         return self._made("gather", t, lambda x: gather_invariant(x, self.axis, 1, self.label))
 
     def _varied(self, t: Tensor) -> Tensor:
         """A replicated tensor used on a slice: its gradient summed over the axis."""
-        from .comm import vary
-
         return self._made("vary", t, lambda x: vary(x, self.axis, self.label, self.reduce))
 
     def _replicated(self, t: Tensor) -> Tensor:
@@ -221,8 +218,6 @@ class Follower(TorchFunctionMode):
 
     def _summed(self, t: Tensor) -> Tensor:
         """A partial sum made whole: all-reduced (its gradient, every rank's, passes as it is)."""
-        from .comm import leave
-
         return self._made("sum", t, lambda x: leave(x, self.axis, None, self.label, self.reduce))
 
     def finish(self, out: Any, values_out: bool, slices_out: bool = False) -> Any:
@@ -241,20 +236,6 @@ class Follower(TorchFunctionMode):
             elif self.slice_of(t) is not None and not (first and slices_out):
                 leaves[i], changed = self._gathered(t), True
         return optree.tree_unflatten(spec, leaves) if changed else out
-
-
-_current = threading.local()  # .follower: the one following this thread's layer call, if any
-
-
-def current() -> Follower | None:
-    return getattr(_current, "follower", None)
-
-
-def set_current(follower: Follower | None) -> Follower | None:
-    """Make ``follower`` this thread's; returns the one before (to restore)."""
-    outer = current()
-    _current.follower = follower
-    return outer
 
 
 def holds_values(t: Any) -> bool:
@@ -285,19 +266,6 @@ def hold_values(t: Tensor) -> bool:
         return False
     f.values.add(t)
     return True
-
-
-class quiet:
-    """No following while shardwise's own collectives run (their insides are not the model's code)."""
-
-    def __enter__(self) -> None:
-        self.follower = current()
-        if self.follower is not None:
-            self.follower.quiet += 1
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.follower is not None:
-            self.follower.quiet -= 1
 
 
 # -- a replicated value as a partial sum ---------------------------------------
