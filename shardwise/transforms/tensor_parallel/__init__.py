@@ -45,7 +45,9 @@ def tensor_parallel(
     ``sequence_parallel`` is a pattern naming the transformer blocks (``"model.layers.*"``): between
     their tensor-parallel regions, the residual stream, norms and dropout run on each rank's slice
     of the sequence (Megatron-SP), and the all-reduces become all-gathers and reduce-scatters. The
-    sequence is split at the first block's input and gathered at the last one's output.
+    sequence is split at the first block's input and gathered at the last one's output; a
+    vocabulary-split embedding's lookups are reduce-scattered into the first block and the head's
+    input gradient is reduce-scattered out of the last, as torch's DTensor plan does (partial.py).
 
     When the head leaves the logits split (``Colwise(output="sharded")``), ``loss_fn`` must compute
     its cross-entropy with :func:`vocab_parallel_cross_entropy`; a step whose loss does not is refused.

@@ -35,6 +35,7 @@ from ...collectives import all_gather, psum, psum_scatter
 from ...collectives.where import in_backward
 from ...engine.stack import in_layer
 from . import positions
+from .following import quiet
 
 # -- the operations ------------------------------------------------------------------------------
 # Each is one autograd Function: an op in forward and its transpose in backward, among "psum",
@@ -84,7 +85,8 @@ def _comm(
     if not (x.is_floating_point() or x.is_complex()):
         raise TypeError(f"tensor_parallel: {label!r} passes a {x.dtype} tensor where a floating one is split or summed")
     def run() -> torch.Tensor:
-        return _TPComm.apply(x, axis, forward_op, backward_op, dim, reduce, label)
+        with quiet():  # the reduced-form follower does not look inside our own collectives
+            return _TPComm.apply(x, axis, forward_op, backward_op, dim, reduce, label)
 
     return positions.collective(run, x, forward_op, dim)  # whether its output holds a slice
 

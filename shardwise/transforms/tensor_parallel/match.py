@@ -47,6 +47,7 @@ class Install:
     enters: bool  # a Colwise outside any Region enters the parallel region itself
     region: str | None = None  # the Region it sits in, if any
     must_run: bool = False  # a split module that computes with the layer's own parameters: it must run
+    to_sequence: bool = False  # a Rowwise embedding feeding the first sequence-parallel block: left unsummed
 
 
 @dataclass
@@ -57,6 +58,21 @@ class LayerPlan:
     installs: list[Install] = field(default_factory=list)
     blocks: list[tuple[str, str, bool, bool]] = field(default_factory=list)  # (subpath, path, first, last)
     vary: set[str] = field(default_factory=set)  # local names: replicated, used on per-rank values
+    # The start of the sequence-parallel region (partial.py): this layer's input (leaf 0) arrives from the
+    # layer before as the embedding's partial sums; this layer's output leaves as one.
+    partial_in: bool = False
+    partial_out: bool = False
+    # Its end: the last block's output stays a slice of the sequence up to the head, which gathers it (its
+    # gradient reduce-scattered); this layer's output leaves as a slice; this layer's input arrives as one.
+    slices_after: bool = False
+    slices_out: bool = False
+    slices_in: bool = False
+
+    @property
+    def follows(self) -> bool:
+        """Whether the layer's call runs a partial.Follower."""
+        ends = (self.partial_in, self.partial_out, self.slices_after, self.slices_in)
+        return any(ends) or any(i.to_sequence for i in self.installs)
 
 
 @dataclass(frozen=True)
@@ -143,6 +159,10 @@ def resolve(chain: Chain, plan: Mapping[str, Style], sequence_parallel: str | No
                 "times; put the Region on the attention or MLP module that holds the split pair, or drop it"
             )
     _check_regions_close(style_of)
+    order = {layer.name: i for i, layer in enumerate(chain)}
+    layer_of = {_join(rp, p, sub): layer.name for layer, _, rp, p, sub, _ in found}
+    first_layer = layer_of[blocks_in_order[0]] if blocks_in_order else None
+    last_layer = layer_of[blocks_in_order[-1]] if blocks_in_order else None
     region_paths = [p for p, (_, s) in style_of.items() if isinstance(s, Region)]
     layers: dict[str, LayerPlan] = {}
     splits: dict[tuple[str, str], ParamSplit] = {}
@@ -181,11 +201,34 @@ def resolve(chain: Chain, plan: Mapping[str, Style], sequence_parallel: str | No
                 # Known to the layer under its own names (not only as another module's alias): the layer
                 # must call it, or its split parameters would be used without its communication.
                 own_names = {f"{prefix}{_join(subpath, n)}" for n, _ in module.named_parameters(recurse=False)}
+                # The sequence-parallel region's ends (partial.py): an embedding split on the vocabulary in the
+                # first block's layer or the one before leaves its lookups unsummed for the block to reduce-scatter.
+                to_sequence = (
+                    isinstance(chosen, Rowwise) and kind == EMBEDDING and not in_block and first_layer is not None
+                    and 0 <= order[first_layer] - order[layer.name] <= 1
+                )
                 lp.installs.append(Install(
                     subpath, path, chosen, kind, seq_dim, isinstance(chosen, Colwise) and not enclosing,
                     region=enclosing[-1] if enclosing else None,
                     must_run=not isinstance(chosen, Region) and bool(own_names & set(layer.param_names)),
+                    to_sequence=to_sequence,
                 ))
+                if to_sequence and layer.name != first_layer:
+                    assert first_layer is not None
+                    lp.partial_out = True
+                    layers.setdefault(first_layer, LayerPlan(first_layer)).partial_in = True
+                # A head entering the region in the last block's layer or the one after gathers the last
+                # block's output itself: the code between (the final norm) runs on the slice (partial.py).
+                heads_it = (
+                    isinstance(chosen, Colwise) and kind in (LINEAR, CONV1D) and not enclosing and not in_block
+                    and last_layer is not None and 0 <= order[layer.name] - order[last_layer] <= 1
+                )
+                if heads_it:
+                    assert last_layer is not None
+                    last = layers.setdefault(last_layer, LayerPlan(last_layer))
+                    last.slices_after = True
+                    if layer.name != last_layer:
+                        last.slices_out = lp.slices_in = True
             if isinstance(chosen, Region):
                 _check_heads_named(style_of[path][0], path, chosen, module)
                 for attr in (*chosen.heads, *chosen.local):

@@ -16,6 +16,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import optree
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -25,8 +26,9 @@ from ...engine.model.module_call import ThreadReplicas
 from ...engine.model.reuse import reuse_key
 from ...engine.run.rng import default_generators, mix
 from ...engine.stack import in_layer
-from . import positions
+from . import partial, positions
 from .comm import enter, gather_invariant, leave, scatter, vary
+from .following import set_current
 from .match import CONV1D, EMBEDDING, LINEAR, Install, LayerPlan
 from .styles import Colwise, Region, Rowwise, gathers
 
@@ -36,9 +38,11 @@ class TPForward:
 
     def __init__(
         self, module: nn.Module, axis: str, install: Install | None, block: tuple[bool, bool] | None,
-        reduce: torch.dtype | None, path: str,
+        reduce: torch.dtype | None, path: str, slices_after: bool = False,
     ) -> None:
         self.module, self.axis, self.install, self.block, self.reduce = module, axis, install, block, reduce
+        # The last: its output stays a slice, which the head gathers (partial.py).
+        self.slices_after = slices_after
         self.path = path  # in the model: what errors and the Plan call it
         self.locals = {}
         self.hidden = _first_parameter(module)  # read once: inspect.signature costs ~10 us a call
@@ -57,7 +61,7 @@ class TPForward:
         if called is not None:
             called.add(self.path)
         if self.block is not None and self.block[0]:  # the first sequence-parallel block: split the sequence
-            args, kwargs = _map_hidden(m, self.hidden, args, kwargs, lambda h: scatter(h, self.axis, 1, self.path))
+            args, kwargs = _map_hidden(m, self.hidden, args, kwargs, self._split_sequence)
         follow = self._follow(args, kwargs)
         with (
             _rank_stream(self.axis, args, kwargs, sticky=self.block is not None) if self.own_stream
@@ -69,8 +73,21 @@ class TPForward:
         if follow is not None:
             self.followed.add(follow[0])
         if self.block is not None and self.block[1]:  # the last one: the whole sequence again
-            out = _map_first(out, lambda h: gather_invariant(h, self.axis, 1, self.path))
+            out = _map_first(out, self._end_sequence)
         return out
+
+    def _end_sequence(self, h: Tensor) -> Tensor:
+        """The last block's output: left a slice for the head to gather, or gathered here."""
+        if self.slices_after:
+            return partial.hold_slice(h)
+        return gather_invariant(h, self.axis, 1, self.path)
+
+    def _split_sequence(self, h: Tensor) -> Tensor:
+        """The first block's input cut to this rank's slice: the embedding's partial sums reduce-scattered,
+        a whole value sliced (its gradient all-gathered either way)."""
+        if partial.holds_values(h):
+            return leave(h, self.axis, 1, self.path, self.reduce)
+        return scatter(h, self.axis, 1, self.path)
 
     def _follow(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -107,7 +124,9 @@ class TPForward:
         (x,) = args
         if isinstance(style, Colwise):
             if install.enters and install.kind != EMBEDDING:
-                x = enter(x, axis, install.seq_dim, label, self.reduce)
+                # The last block's output, still a slice: gathered here, its gradient reduce-scattered.
+                seq_dim = 1 if partial.holds_slice(x) else install.seq_dim
+                x = enter(x, axis, seq_dim, label, self.reduce)
             elif not install.enters and not getattr(_flow, "regions", 0):
                 raise ValueError(
                     f"tensor_parallel: Colwise() on {label!r} sits inside Region {install.region!r}, which this layer "
@@ -125,7 +144,10 @@ class TPForward:
         assert isinstance(style, Rowwise)
         _flow.split_output = False
         if install.kind == EMBEDDING:
-            return leave(_vocab_lookup(m, x, axis, label), axis, None, label, self.reduce)
+            looked_up = _vocab_lookup(m, x, axis, label)
+            if install.to_sequence and partial.hold_values(looked_up):
+                return looked_up  # summed where the first block reduce-scatters it (partial.py)
+            return leave(looked_up, axis, None, label, self.reduce)
         assert weight is not None
         width = weight.shape[1] if install.kind == LINEAR else weight.shape[0]
         if x.shape[-1] != width:
@@ -302,9 +324,16 @@ class VaryFn:
 
     def __init__(
         self, fn: Callable[[dict[str, Tensor], Any], Any], axis: str, names: frozenset[str], reduce: torch.dtype | None,
-        must_run: frozenset[str] = frozenset(),
+        must_run: frozenset[str] = frozenset(), plan: LayerPlan | None = None,
     ) -> None:
         self.fn, self.axis, self.names, self.reduce, self.must_run = fn, axis, names, reduce, must_run
+        # The ends of the sequence-parallel region this layer holds (partial.py), from the LayerPlan.
+        self.follows = plan is not None and plan.follows
+        self.partial_out = plan is not None and plan.partial_out
+        self.partial_in = plan is not None and plan.partial_in
+        self.slices_in = plan is not None and plan.slices_in
+        self.slices_out = plan is not None and plan.slices_out
+        self.label = "" if plan is None else plan.layer
         self._reuse_key: Any = None
 
     def set_reuse_key(self, key: Any) -> None:
@@ -320,14 +349,27 @@ class VaryFn:
         outer = getattr(_flow, "called", None)
         called: set[str] = set()
         _flow.called = called
+        follower = partial.Follower(self.axis, self.reduce, self.label) if self.follows else None
+        outer_follower = set_current(follower)
         try:
-            out = self.fn(tensors, x)
+            if follower is None:
+                out = self.fn(tensors, x)
+            else:
+                first = next((t for t in optree.tree_leaves(x, none_is_leaf=True) if isinstance(t, Tensor)), None)
+                if first is not None and self.partial_in:  # the embedding's partial sums, from the layer before
+                    partial.hold_values(first)
+                if first is not None and self.slices_in:  # the last block's output, a slice of the sequence
+                    partial.hold_slice(first)
+                with follower:
+                    out = self.fn(tensors, x)
+                out = follower.finish(out, self.partial_out, self.slices_out)
         except RuntimeError as err:  # torch's, on shapes that do not fit: explained if split
             if not output_is_split() or _is_ours(err):
                 raise
             raise ValueError(f"tensor_parallel: {_unsummed(err, self.axis)}") from err
         finally:
             _flow.called = outer
+            set_current(outer_follower)
             _back_to_shared(force=True)  # a per-rank stream a Colwise began ends with its layer
         missed = sorted(self.must_run - called)
         if missed:
@@ -407,11 +449,15 @@ def rewrite_layer(layer: Layer, plan: LayerPlan, axis: str, reduce: torch.dtype 
         path = (
             installs[subpath].path if subpath in installs else next(p for sub, p, _, _ in plan.blocks if sub == subpath)
         )
-        target.forward = TPForward(target, axis, installs.get(subpath), blocks.get(subpath), reduce, path)
+        block = blocks.get(subpath)
+        target.forward = TPForward(
+            target, axis, installs.get(subpath), block, reduce, path,
+            slices_after=plan.slices_after and block is not None and block[1],
+        )
     new_fn = copy.copy(fn)
     new_fn.replicas = ThreadReplicas(copied, replicas.prefix)  # type: ignore[attr-defined]
     must_run = frozenset(i.path for i in plan.installs if i.must_run)
-    vary_fn = VaryFn(new_fn, axis, frozenset(plan.vary), reduce, must_run)
+    vary_fn = VaryFn(new_fn, axis, frozenset(plan.vary), reduce, must_run, plan)
     vary_fn.set_reuse_key(_rewrite_key(layer.name, fn, plan, axis, reduce))
     return Layer(layer.name, vary_fn, layer.param_names, layer.buffers, layer.ties)
 
@@ -425,11 +471,14 @@ def _rewrite_key(name: str, fn: Any, plan: LayerPlan, axis: str, reduce: torch.d
         return None
     prefix = name + "."
     installs = tuple(sorted(
-        (i.subpath, i.style, i.kind, i.seq_dim, i.enters, i.region and i.region.removeprefix(prefix), i.must_run)
+        (i.subpath, i.style, i.kind, i.seq_dim, i.enters, i.region and i.region.removeprefix(prefix), i.must_run,
+         i.to_sequence)
         for i in plan.installs
     ))
     blocks = tuple(sorted((sub, first, last) for sub, _path, first, last in plan.blocks))
-    key = (VaryFn, axis, reduce, installs, blocks, tuple(sorted(v.removeprefix(prefix) for v in plan.vary)), inner)
+    ends = (plan.partial_in, plan.partial_out, plan.slices_after, plan.slices_out, plan.slices_in)
+    key = (VaryFn, axis, reduce, installs, blocks, tuple(sorted(v.removeprefix(prefix) for v in plan.vary)), ends,
+           inner)
     try:
         hash(key)
     except TypeError:

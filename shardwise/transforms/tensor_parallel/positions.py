@@ -141,7 +141,15 @@ def _keeps_positions(index: Any, ndim: int, k: int) -> bool:
     if items and items[0] is Ellipsis:
         rest = items[1:]
         return not any(i is Ellipsis for i in rest) and sum(i is not None for i in rest) <= ndim - k
-    return len(items) >= k and all(isinstance(i, slice) and i == slice(None) for i in items[:k])
+    return len(items) >= k and all(_whole(i) for i in items[:k])
+
+
+def _whole(item: Any) -> bool:
+    """A slice that takes a whole dim in order: ``:``, ``0:``, ``::1`` (Hugging Face's
+    ``hidden[:, slice(-0, None), :]`` for ``logits_to_keep=0``)."""
+    return (
+        isinstance(item, slice) and item.start in (None, 0) and item.stop is None and item.step in (None, 1)
+    )
 
 
 @dataclass(frozen=True)

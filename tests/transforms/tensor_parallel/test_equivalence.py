@@ -97,6 +97,29 @@ def test_dp_x_tp(stage: int, order: str, build: dict[str, Callable]) -> None:
                                  rtol=F64_RTOL)
 
 
+@pytest.mark.parametrize("mesh_shape", [{"tp": 2}, {"dp": 2, "tp": 2}, {"pp": 2, "tp": 2}],
+                         ids=["tp2", "dp2xtp2", "pp2xtp2"])
+@pytest.mark.parametrize("family", ["tiny_gpt_units", "llama"])
+def test_sequence_parallel_ends_across_layers(family: str, mesh_shape: dict[str, int],
+                                              build: dict[str, Callable]) -> None:
+    """The embedding's lookups leave their layer unsummed and are reduce-scattered in the next (TinyGPT
+    split as ``tok_emb | blocks | head``: the position embedding is added in the first block's layer, to
+    the partial sums, once), and the last block's output leaves as a slice for the head's layer (the final
+    norm on the slice); HF Llama's embed and head layers likewise; under dp (ZeRO-3) and across pipeline
+    stages (a partial sum and a slice are what the stages exchange)."""
+    problem = build["llama" if family == "llama" else "tiny_gpt"](clip_norm=1.0)
+    reference, params = problem.step, problem.params
+    if family != "llama":
+        chain, params = sw.functionalize(problem.model, units=["tok_emb", "blocks", "head"])
+        reference = sw.train_step(chain, problem.step.loss_fn, sw.optim.sgd(0.1, momentum=0.9), clip_norm=1.0)
+    step = sw.tensor_parallel(reference, "tp", problem.plan, sequence_parallel=problem.blocks)
+    if "dp" in mesh_shape:
+        step = sw.shard_params(step, "dp", 3)
+    if "pp" in mesh_shape:
+        step = sw.pipeline(step, "pp", "1f1b", 2)
+    sw.testing.assert_equivalent(step, reference, sw.Mesh(**mesh_shape), problem.batches, params, rtol=F64_RTOL)
+
+
 def test_dp_x_tp_with_accumulation(build: dict[str, Callable]) -> None:
     problem = build["tiny_gpt"]()
     step = sw.shard_params(_tp(problem, True), "dp", 3, accumulation=2)

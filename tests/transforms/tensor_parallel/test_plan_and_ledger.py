@@ -233,6 +233,37 @@ def test_sequence_parallel_moves_the_same_volume_as_gathers_and_scatters(n: int,
 
 
 @pytest.mark.parametrize("n", [2, 4])
+def test_sequence_parallel_ends_reduce_scatter_as_dtensor_does(n: int, build: dict[str, Callable]) -> None:
+    """With the embedding and the head split too, the region's ends move what torch's DTensor plan moves
+    (``RowwiseParallel(output_layouts=Shard(1))`` on the embedding, ``ColwiseParallel(input_layouts=
+    Shard(1))`` on the head): the lookups are reduce-scattered into the first block (all-gathered in
+    backward), the last block's output is all-gathered by the head and the head's input gradient
+    reduce-scattered. No activation is all-reduced: Megatron's all-reduce-then-slice at each end sends
+    twice a reduce-scatter's bytes. The final norm runs on the slice, so its weight and bias have their
+    gradients summed (as DTensor's SequenceParallel norm does)."""
+    step, problem = _megatron_problem(build, "all", sp=True)
+    records = _without_step_end(_tp_records(step, problem.params, n, problem.batches[0]))
+    acts = [(r.op, r.phase, r.nbytes) for r in records if r.nbytes in (ACT, ACT // n)]
+    pair_forward = [("all_gather", "forward", ACT // n), ("psum_scatter", "forward", ACT)]
+    pair_backward = [("all_gather", "backward", ACT // n), ("psum_scatter", "backward", ACT)]
+    into, out_of = ("psum_scatter", "forward", ACT), ("all_gather", "forward", ACT // n)
+    into_back, out_of_back = ("all_gather", "backward", ACT // n), ("psum_scatter", "backward", ACT)
+    assert acts == [into, *pair_forward * 2 * LAYERS, out_of, out_of_back, *pair_backward * 2 * LAYERS, into_back]
+    assert not [r for r in records if r.op == "psum" and r.nbytes >= ACT // n], "an activation was all-reduced"
+    # Per step: the blocks' volume (Megatron-SP: one all-reduce's bytes per pair and direction), plus at each
+    # end one reduce-scatter and one all-gather of the activation (DTensor's), nothing more.
+    sent = sum(r.sent_bytes for r in records if r.nbytes in (ACT, ACT // n))
+    assert sent == (4 * LAYERS + 2) * (_ring("psum_scatter", ACT, n) + _ring("all_gather", ACT // n, n))
+    small = Counter((r.op, r.phase, r.nbytes) for r in records if r.nbytes not in (ACT, ACT // n))
+    final_norm = [t.numel() * F64 for t in problem.model.ln_f.parameters()]
+    assert small == Counter(
+        [("psum", "backward", b) for b in _replicated_per_block(problem)] * LAYERS
+        + [("psum", "backward", b) for b in final_norm]
+        + [("all_gather", "forward", TOKENS * F64)] + [("psum", "forward", TOKENS * F64)] * 2  # the loss
+    )
+
+
+@pytest.mark.parametrize("n", [2, 4])
 def test_the_vocabulary_parallel_embedding_and_loss(n: int, build: dict[str, Callable]) -> None:
     """On top of the blocks: the split embedding's lookups are summed (an all-reduce of the
     activations); the head's input gradient is summed in backward; the loss moves three values per
