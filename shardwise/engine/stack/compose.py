@@ -48,9 +48,11 @@ naming it). The rules:
   over shard_params' axis, then over ``ep``; a replicated parameter's gradient is summed over ``ep``
   inside the layers (the mean, with the loss seeded by 1 / (dp x ep)), then ZeRO reduces over ``dp``
   as usual, sharding each rank's local parameters (its experts among them) over ``dp``. It is a SPLIT
-  like tensor_parallel; the two are refused together for now (:data:`NOT_YET_TOGETHER`), and it is
-  refused under a pipeline until its collectives are checked there. mixed_precision and remat go
-  around its layers as around tensor_parallel's (its gradient sums travel in the reduce dtype).
+  like tensor_parallel; the two are refused together for now (:data:`NOT_YET_TOGETHER`). Under a
+  pipeline each stage's MoE blocks route their micro-batch's tokens over ``ep`` (a stage's ranks on
+  ``ep`` run the same schedule, so their all-to-alls pair up; each compute lists its own).
+  mixed_precision and remat go around its layers as around tensor_parallel's (its gradient sums travel
+  in the reduce dtype).
 * ``context_parallel`` goes over its own mesh axis, which cuts the *sequence* of every batch leaf
   (after shard_params' cut of the batch over ``dp``): each part is a share, the loss seeded by
   1 / (dp x cp); every parameter is replicated over ``cp`` and its gradient summed over ``cp`` inside
@@ -147,13 +149,6 @@ def check_stack(stack: tuple[Any, ...]) -> None:
     _check_axes(stack)
     split = [s for s in stack if s.role == SPLIT]
     _check_splits(stack, split)
-    for tp in split:
-        if tp.name == "expert_parallel" and any(s.role == PLACEMENT for s in stack):
-            raise ValueError(
-                f"expert_parallel with pipeline ({describe(stack)}) is not supported yet: its all-to-alls are "
-                "predicted per layer but not checked under a pipeline's schedules; use expert_parallel with "
-                "shard_params, mixed_precision and remat, or pipeline without it"
-            )
     placement = [s for s in stack if s.role == PLACEMENT]
     sharding = [s for s in stack if s.role == SHARDING]
     replicate = sharding[0].replicate if sharding else None

@@ -61,8 +61,9 @@ def expert_parallel(step: Step, axis: str = "ep", capacity_factor: float | None 
     and neither does this.
 
     It composes with ``shard_params`` over another axis (ZeRO shards each rank's experts and
-    replicated parameters over ``dp``), ``mixed_precision`` and ``remat``; not yet with
-    ``tensor_parallel`` or ``pipeline`` (refused).
+    replicated parameters over ``dp``), ``pipeline`` over another (each stage routes its micro-batches'
+    tokens; under a zero-bubble schedule the all-to-alls' backward runs in both the input and the
+    weight pass), ``mixed_precision`` and ``remat``; not yet with ``tensor_parallel`` (refused).
 
     >>> import torch, shardwise as sw
     >>> from shardwise.testing.models import TopKMoE
