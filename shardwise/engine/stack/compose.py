@@ -69,7 +69,13 @@ naming it). The rules:
   not the input before the cast). Under ``mixed_precision`` ZeRO gathers
   parameters in the compute dtype and reduces gradients in the reduce dtype.
   :data:`REWRITE_ORDER` states that order once; a rewriting transform it does not
-  place is refused. Several splits rebuild innermost, tensor_parallel first (:data:`SPLIT_ORDER`).
+  place is refused.
+* ``router_aux_loss`` rewrites outermost (after the casts): each layer carries its MoE blocks' routing
+  statistics beside its output to the loss, which sums the counts over every axis that cuts the batch
+  (``in_layer.batch_sum``) so the aux loss is the whole batch's, counted once. The Plan lists those
+  sums after the loss through the splits' prediction, so with ``shard_params`` it needs a split
+  (``expert_parallel``) in the stack; alone, or under a pipeline, the batch is not cut over ranks and
+  nothing is summed. Several splits rebuild innermost, tensor_parallel first (:data:`SPLIT_ORDER`).
 """
 
 from __future__ import annotations
@@ -103,7 +109,7 @@ _REBUILDS = (REWRITE, SPLIT)  # the roles whose specs rebuild the chain
 # in (the rules above): the split's layers (remat then recomputes their collectives with their
 # forward, and the casts go around them), remat's checkpoints, mixed_precision's casts around both.
 # A rebuilding spec is placed by its role (SPLIT) or, for REWRITE specs, by its transform's name.
-REWRITE_ORDER = (SPLIT, "remat", "mixed_precision")
+REWRITE_ORDER = (SPLIT, "remat", "mixed_precision", "router_aux_loss")
 # Several splits (one per axis) rebuild in this order of their names, innermost first, then the others
 # in the order they were applied: tensor_parallel installs its forwards in the layers' modules, which a
 # split that wraps the layer functions (a gradient sum around each) would hide from it.
@@ -151,6 +157,12 @@ def check_stack(stack: tuple[Any, ...]) -> None:
     _check_splits(stack, split)
     placement = [s for s in stack if s.role == PLACEMENT]
     sharding = [s for s in stack if s.role == SHARDING]
+    if sharding and not split and any(s.name == "router_aux_loss" for s in stack):
+        raise ValueError(
+            f"router_aux_loss with shard_params and no split ({describe(stack)}): the aux loss sums the routing "
+            f"counts over axis {sharding[0].axis!r}, which the Plan predicts with a split's layers; apply "
+            "expert_parallel over another axis first (sw.Mesh(dp=2, ep=2)), or router_aux_loss without shard_params"
+        )
     replicate = sharding[0].replicate if sharding else None
     for other in (*placement, *split):
         if replicate is not None and other.axis == replicate:
