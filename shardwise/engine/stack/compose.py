@@ -48,7 +48,10 @@ naming it). The rules:
   over shard_params' axis, then over ``ep``; a replicated parameter's gradient is summed over ``ep``
   inside the layers (the mean, with the loss seeded by 1 / (dp x ep)), then ZeRO reduces over ``dp``
   as usual, sharding each rank's local parameters (its experts among them) over ``dp``. It is a SPLIT
-  like tensor_parallel; the two are refused together for now (:data:`NOT_YET_TOGETHER`). Under a
+  like tensor_parallel. With ``tensor_parallel`` over another axis the experts are split over ``ep`` and
+  attention over ``tp`` (tensor_parallel rewrites first; expert_parallel finds the MoE blocks through
+  its layer wrapper and installs its forward on them; every tp rank routes the same tokens, so the
+  experts are replicated over ``tp``). Under a
   pipeline each stage's MoE blocks route their micro-batch's tokens over ``ep`` (a stage's ranks on
   ``ep`` run the same schedule, so their all-to-alls pair up; each compute lists its own).
   mixed_precision and remat go around its layers as around tensor_parallel's (its gradient sums travel
@@ -120,13 +123,13 @@ ONCE = (PLACEMENT, SHARDING)
 # rewrites a layer by wrapping its function (tensor_parallel's guard and gradient sums,
 # expert_parallel's and context_parallel's gradient sums), which hides the module the other finds
 # its blocks (the MoE, the attention, the styled modules) in. (context_parallel finds its attention
-# through tensor_parallel's wrapper and installs its forward beneath tensor_parallel's: they compose.)
+# through tensor_parallel's wrapper and installs its forward beneath tensor_parallel's; expert_parallel
+# finds its MoE blocks through it the same way: both compose with tensor_parallel.)
 _HIDDEN = (
     "{a} and {b} cannot share a stack yet: each rewrites a layer by wrapping its function, which hides the "
     "module the other finds its blocks in, so the second would split nothing (or the wrong thing)"
 )
 NOT_YET_TOGETHER: dict[frozenset[str], str] = {
-    frozenset({"tensor_parallel", "expert_parallel"}): _HIDDEN,
     frozenset({"expert_parallel", "context_parallel"}): _HIDDEN,
 }
 

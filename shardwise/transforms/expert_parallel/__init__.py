@@ -72,7 +72,9 @@ def expert_parallel(step: Step, axis: str = "ep", capacity_factor: float | None 
     It composes with ``shard_params`` over another axis (ZeRO shards each rank's experts and
     replicated parameters over ``dp``), ``pipeline`` over another (each stage routes its micro-batches'
     tokens; under a zero-bubble schedule the all-to-alls' backward runs in both the input and the
-    weight pass), ``mixed_precision`` and ``remat``; not yet with ``tensor_parallel`` (refused).
+    weight pass), ``tensor_parallel`` over another (attention split over ``tp``, the experts over
+    ``ep``; a tensor-parallel plan must leave the MoE block itself alone), ``mixed_precision`` and
+    ``remat``; not yet with ``context_parallel`` (refused).
 
     >>> import torch, shardwise as sw
     >>> from shardwise.testing.models import TopKMoE
