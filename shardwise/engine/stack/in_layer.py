@@ -172,9 +172,9 @@ class _GradSum(torch.autograd.Function):
 @dataclass(frozen=True)
 class BatchShares:
     """How the global batch is shared out where a compute runs: ``axes``, the mesh axes whose indices
-    hold different shares of it (shard_params', a split's batch and sequence axes), and ``shares``, the
-    shares of the mean a micro-batch's loss is (the ranks' shares times the micro-batches: the loss is
-    seeded by 1 / shares). One device, one micro-batch: ``BatchShares((), 1)``."""
+    hold different shares of it (shard_params', a split's batch and sequence axes), and ``shares``, how
+    many shares each micro-batch is cut into over them (the product of their sizes; the loss is seeded
+    by 1 / (shares x micro-batches)). One device: ``BatchShares((), 1)``."""
 
     axes: tuple[str, ...] = ()
     shares: int = 1

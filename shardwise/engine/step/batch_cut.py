@@ -65,9 +65,10 @@ def rank_share(step: Step, mesh: Mesh | None, batch: Any, rank: int | None) -> t
 
 def batch_shares(step: Step, mesh: Mesh | None) -> BatchShares:
     """The axes whose indices hold different shares of the batch (the cuts above, then a split's
-    sequence axis), and the shares of the mean each micro-batch's loss is (as the run seeds it)."""
+    sequence axis), and how many shares each micro-batch is cut into over them (the run seeds each
+    micro-batch's loss by 1 / (that x the micro-batches))."""
     axes = [a for a, _, _ in batch_cuts(step, mesh)]
     if mesh is not None:
         axes += [p.axis for p in step.split.parts if p.batch_cut(mesh).sequence_parts > 1]
     shares = math.prod(mesh.axis_size(a) for a in axes) if mesh is not None and axes else 1
-    return BatchShares(tuple(axes), shares * microbatch_count(step))
+    return BatchShares(tuple(axes), shares)

@@ -11,12 +11,12 @@ inside them):
 * every layer carries :class:`~.router_stats.RouterStats` beside its output (``Carried``): its MoE
   blocks report their router's logits (recomputed from the block's input: one small matmul, the same on
   one device and under expert_parallel), added to what came in;
-* the loss adds ``coef * aux``. A rank holding one of ``shares`` shares of the batch (the engine's
-  ``in_layer.batch_shares``: data-parallel and expert-parallel ranks, micro-batches) sums ``C`` and
-  ``R`` over the batch's axes (``in_layer.batch_sum``, no gradient) and adds
-  ``shares * E * sum_e C_e p_e / R^2``, with ``p`` its own probability sums: the step's loss, the mean
-  over the shares, then holds ``aux`` once, and its gradient is aux's (``aux`` is linear in each share's
-  ``p`` once ``C`` is known, and ``C`` carries no gradient, as in HF where top-k has none).
+* the loss adds ``coef * aux``. A rank holding one of ``shares`` shares of the micro-batch (the
+  engine's ``in_layer.batch_shares``: data-parallel and expert-parallel ranks) sums ``C`` and ``R``
+  over the batch's axes (``in_layer.batch_sum``, no gradient) and adds
+  ``shares * E * sum_e C_e p_e / R^2``, with ``p`` its own probability sums: the micro-batch's loss, the
+  mean over the shares, then holds ``aux`` once, and its gradient is aux's (``aux`` is linear in each
+  share's ``p`` once ``C`` is known, and ``C`` carries no gradient, as in HF where top-k has none).
 * Under micro-batches (a pipeline, or shard_params' accumulation) each micro-batch's ``aux`` is over
   its own tokens (on every rank), and the step's is their mean: what HF computes under gradient
   accumulation, not the aux of the whole batch (which no micro-batch can know before it runs).

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 import shardwise as sw
 
-from .test_ep_step import _ledger, _lm_loss, batches, moe_model
+from .test_ep_step import F64, _ledger, _lm_loss, batches, moe_model
 
 
 def _first_loss(step: sw.Step, params: Any, batch: Any) -> float:
@@ -113,3 +113,11 @@ def test_clear_errors() -> None:
                            sw.optim.sgd(0.1), tokens="sum")
     with pytest.raises(ValueError, match="router_aux_loss with train_step"):
         sw.router_aux_loss(summed, 0.1)
+
+
+def test_under_remat_and_mixed_precision_it_equals_the_same_policy_on_one_device() -> None:
+    """remat recomputes the blocks' router logits in backward (the reports run again, unheard)."""
+    step, params = moe_model()
+    reference = sw.mixed_precision(sw.router_aux_loss(step, 0.1), F64)
+    composed = sw.remat(sw.mixed_precision(sw.expert_parallel(sw.router_aux_loss(step, 0.1), "ep"), F64))
+    sw.testing.assert_equivalent(composed, reference, sw.Mesh(ep=2), batches(), params)
