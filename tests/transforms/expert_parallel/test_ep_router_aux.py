@@ -121,3 +121,28 @@ def test_under_remat_and_mixed_precision_it_equals_the_same_policy_on_one_device
     reference = sw.mixed_precision(sw.router_aux_loss(step, 0.1), F64)
     composed = sw.remat(sw.mixed_precision(sw.expert_parallel(sw.router_aux_loss(step, 0.1), "ep"), F64))
     sw.testing.assert_equivalent(composed, reference, sw.Mesh(ep=2), batches(), params)
+
+
+def test_hf_qwen2_moe_aux_loss_on_one_device_and_under_ep() -> None:
+    """Qwen2-MoE's router (no renormalization here) and its shared expert: the aux loss is the router's."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeDecoderLayer
+
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2MoeConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=24, moe_intermediate_size=12,
+        shared_expert_intermediate_size=20, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        num_experts=4, num_experts_per_tok=2, norm_topk_prob=False, max_position_embeddings=16,
+        attn_implementation="eager", experts_implementation="eager", bos_token_id=0, eos_token_id=0,
+    )
+    model = transformers.Qwen2MoeForCausalLM(cfg).double()
+    gen = torch.Generator().manual_seed(1)
+    data = [(torch.randint(32, (4, 6), generator=gen), torch.randint(32, (4, 6), generator=gen)) for _ in range(2)]
+    chain, params = sw.functionalize(model, units=Qwen2MoeDecoderLayer, example_input=data[0][0])
+    step = sw.train_step(chain, _lm_loss, sw.optim.sgd(0.1, momentum=0.9))
+    reference = sw.router_aux_loss(step, 0.5)
+    added = _first_loss(reference, params, data[0]) - _first_loss(step, params, data[0])
+    with torch.no_grad():
+        hf = model(data[0][0], output_router_logits=True).aux_loss
+    assert added == pytest.approx(0.5 * float(hf), rel=1e-6)  # HF sums in float32
+    sw.testing.assert_equivalent(sw.expert_parallel(reference, "ep"), reference, sw.Mesh(ep=2), data, params)
