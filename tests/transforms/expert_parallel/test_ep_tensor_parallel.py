@@ -72,3 +72,16 @@ def test_a_tensor_parallel_plan_styling_the_moe_block_is_refused() -> None:
     styled = sw.tensor_parallel(step, "tp", {**PLAN, **moe_styled})
     with pytest.raises(ValueError, match=r"expert_parallel: 1.moe \(TopKMoE\) already runs another split's forward"):
         sw.expert_parallel(styled, "ep")
+
+
+def test_pp_by_tp_by_ep_with_the_aux_loss_equals_the_single_device_step_and_the_ledger_is_the_plan() -> None:
+    step, params = moe_model()
+    reference = sw.router_aux_loss(step, 0.1)
+    composed = sw.pipeline(sw.tensor_parallel(sw.expert_parallel(reference, "ep"), "tp", PLAN), "pp", "1f1b", 1)
+    mesh = sw.Mesh(pp=2, ep=2, tp=2)
+    sw.testing.assert_equivalent(composed, reference, mesh, batches(), params)
+    batch = batches(1)[0]
+    plan = composed.plan(mesh, params, batch)
+    for rank, got in enumerate(_ledger(composed, mesh, params, batch)):
+        want = [(c.op, c.axis, c.dtype, c.nbytes) for c in plan.collectives(rank)]
+        assert got == want, f"rank {rank}\nledger: {got}\nplan:   {want}"
