@@ -63,8 +63,9 @@ naming it). The rules:
   micro-batch's sequence over ``cp`` (a stage's ranks on ``cp`` run the same schedule, so their ring
   sends pair up; each compute lists its own). With ``tensor_parallel`` over another axis each tp
   rank's heads attend over ``cp`` (tensor_parallel rewrites first; context_parallel's attention
-  forward runs inside tensor_parallel's Region on the module). It is refused with expert_parallel for
-  now (:data:`NOT_YET_TOGETHER`).
+  forward runs inside tensor_parallel's Region on the module). With ``expert_parallel`` over another
+  axis each rank routes the tokens of its batch share's sequence part (the batch cut over ``ep``, the
+  sequence over ``cp``; each finds its modules through the other's layer wrapper).
 * ``mixed_precision`` and ``remat`` rewrite layer functions, in any order with
   the others, and the result does not depend on the order: the layers are
   rebuilt from the chain train_step got, remat innermost and the precision
@@ -119,19 +120,13 @@ REWRITE_ORDER = (SPLIT, "remat", "mixed_precision", "router_aux_loss")
 SPLIT_ORDER = ("tensor_parallel",)
 # The roles the engine looks up with find(), which returns one spec: a second would be ignored.
 ONCE = (PLACEMENT, SHARDING)
-# Splits that cannot share a stack yet, and why (one split per axis holds for the rest). Each of these
+# Splits that cannot share a stack yet, and why, by their names (one split per axis holds for the rest):
+# a pair named here is refused with its message ({a} and {b}: the two names). None today: each split
 # rewrites a layer by wrapping its function (tensor_parallel's guard and gradient sums,
-# expert_parallel's and context_parallel's gradient sums), which hides the module the other finds
-# its blocks (the MoE, the attention, the styled modules) in. (context_parallel finds its attention
-# through tensor_parallel's wrapper and installs its forward beneath tensor_parallel's; expert_parallel
-# finds its MoE blocks through it the same way: both compose with tensor_parallel.)
-_HIDDEN = (
-    "{a} and {b} cannot share a stack yet: each rewrites a layer by wrapping its function, which hides the "
-    "module the other finds its blocks in, so the second would split nothing (or the wrong thing)"
-)
-NOT_YET_TOGETHER: dict[frozenset[str], str] = {
-    frozenset({"expert_parallel", "context_parallel"}): _HIDDEN,
-}
+# expert_parallel's and context_parallel's gradient sums), and each of expert_parallel and
+# context_parallel finds its modules (the MoE, the attention) through another's wrapper, following its
+# ``fn``; context_parallel installs its attention forward beneath tensor_parallel's Region.
+NOT_YET_TOGETHER: dict[frozenset[str], str] = {}
 
 
 def describe(stack: tuple[Any, ...]) -> str:

@@ -74,7 +74,7 @@ def expert_parallel(step: Step, axis: str = "ep", capacity_factor: float | None 
     tokens; under a zero-bubble schedule the all-to-alls' backward runs in both the input and the
     weight pass), ``tensor_parallel`` over another (attention split over ``tp``, the experts over
     ``ep``; a tensor-parallel plan must leave the MoE block itself alone), ``mixed_precision`` and
-    ``remat``; not yet with ``context_parallel`` (refused).
+    ``remat``, and ``context_parallel`` over another (each rank routes its sequence part's tokens).
 
     >>> import torch, shardwise as sw
     >>> from shardwise.testing.models import TopKMoE
