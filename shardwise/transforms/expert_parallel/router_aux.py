@@ -25,7 +25,7 @@ inside them):
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -86,12 +86,12 @@ class CarryRouterStats:
 
     def __call__(self, tensors: dict[str, torch.Tensor], x: Any) -> Carried:
         if self.first:
-            value, stats = x, None
+            value, stats, weights = x, None, _mask_of(x)
         elif isinstance(x, Carried):
-            value, stats = x.value, RouterStats(*x.router)
+            value, stats, weights = x.value, RouterStats(*x.router), x.weights
         else:
             raise TypeError(f"router_aux_loss: a layer got {type(x).__name__}, not the Carried the layer before makes")
-        with collecting() as found:
+        with collecting(weights) as found:
             y = self.fn(tensors, value)
         for s in found:
             stats = s if stats is None else stats + s
@@ -99,7 +99,20 @@ class CarryRouterStats:
             floats = [t for t in optree.tree_leaves(y) if isinstance(t, torch.Tensor) and t.is_floating_point()]
             like = floats[0] if floats else torch.empty(())
             stats = zeros_like_stats(self.num_experts, like.dtype, like.device)
-        return Carried(y, stats)
+        return Carried(y, stats, weights)
+
+
+def _mask_of(batch: Any) -> torch.Tensor | None:
+    """The batch's attention mask (a dict's ``attention_mask``, [batch, sequence] of 0 and 1), flat, or None."""
+    mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
+    if mask is None:
+        return None
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+        raise ValueError(
+            "router_aux_loss: the batch's attention_mask must be a [batch, sequence] tensor of 0 (padding) and 1, "
+            f"as HF's aux loss reads it; got {tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask)}"
+        )
+    return mask.reshape(-1)
 
 
 class RouterAuxLoss:
@@ -136,7 +149,7 @@ class ReportRouter:
         m: Any = self.module
         flat = hidden_states.reshape(-1, hidden_states.shape[-1])
         logits = m.gate(flat) if self.block.kind == "TopKMoE" else F.linear(flat, m.gate.weight)
-        report(logits, int(m.top_k if hasattr(m, "top_k") else m.gate.top_k))
+        report(logits, int(m.top_k if hasattr(m, "top_k") else m.gate.top_k), self.block.kind)
         if self.inner is not None:
             return self.inner(hidden_states, *args, **kwargs)
         return type(m).forward(m, hidden_states, *args, **kwargs)

@@ -146,3 +146,29 @@ def test_hf_qwen2_moe_aux_loss_on_one_device_and_under_ep() -> None:
         hf = model(data[0][0], output_router_logits=True).aux_loss
     assert added == pytest.approx(0.5 * float(hf), rel=1e-6)  # HF sums in float32
     sw.testing.assert_equivalent(sw.expert_parallel(reference, "ep"), reference, sw.Mesh(ep=2), data, params)
+
+
+def test_a_padded_batch_leaves_the_padding_out_as_hf_does_on_one_device_and_under_ep() -> None:
+    """HF weighs each row of the aux loss by the attention mask: padding routes, but does not count."""
+    from transformers.models.mixtral.modeling_mixtral import MixtralDecoderLayer
+
+    model, _, _, _ = _mixtral()
+    gen = torch.Generator().manual_seed(2)
+    data = []
+    for _ in range(2):
+        ids = torch.randint(1, 32, (4, 6), generator=gen)
+        mask = torch.ones(4, 6, dtype=torch.long)
+        mask[0, 4:] = mask[2, 3:] = mask[3, 5:] = 0  # right padding (left padding gives NaN in HF's eager attention)
+        data.append(({"input_ids": ids, "attention_mask": mask}, torch.randint(32, (4, 6), generator=gen)))
+    chain, params = sw.functionalize(model, units=MixtralDecoderLayer, example_input=data[0][0])
+    step = sw.train_step(chain, _lm_loss, sw.optim.sgd(0.1, momentum=0.9))
+    coef = 0.5
+    reference = sw.router_aux_loss(step, coef)
+    added = _first_loss(reference, params, data[0]) - _first_loss(step, params, data[0])
+    with torch.no_grad():
+        hf = model(**data[0][0], output_router_logits=True).aux_loss
+        unmasked = model(data[0][0]["input_ids"], output_router_logits=True).aux_loss
+    assert added == pytest.approx(coef * float(hf), rel=1e-6)  # HF sums in float32
+    assert abs(float(hf) - float(unmasked)) > 1e-3  # the mask matters here
+    composed = sw.shard_params(sw.expert_parallel(reference, "ep"), "dp", 1)
+    sw.testing.assert_equivalent(composed, reference, sw.Mesh(dp=2, ep=2), data, params)
