@@ -53,11 +53,15 @@ def test_on_one_device_it_is_hf_mixtrals_aux_loss() -> None:
     assert added > 0.1 * coef  # the aux loss is about top_k = 2 for a near-uniform router: it is there
 
 
-@pytest.mark.parametrize("ep", [2, 4])
-def test_ep_with_the_aux_loss_equals_the_single_device_step(ep: int) -> None:
+@pytest.mark.parametrize(("ep", "aux_first"), [(2, True), (4, True), (2, False)])
+def test_ep_with_the_aux_loss_equals_the_single_device_step(ep: int, aux_first: bool) -> None:
     step, params = moe_model()
     reference = sw.router_aux_loss(step, 0.1)
-    sw.testing.assert_equivalent(sw.expert_parallel(reference, "ep"), reference, sw.Mesh(ep=ep), batches(), params)
+    if aux_first:
+        composed = sw.expert_parallel(reference, "ep")
+    else:
+        composed = sw.router_aux_loss(sw.expert_parallel(step, "ep"), 0.1)
+    sw.testing.assert_equivalent(composed, reference, sw.Mesh(ep=ep), batches(), params)
 
 
 def test_dp_by_ep_with_zero_3_and_the_aux_loss_equals_the_single_device_step() -> None:
