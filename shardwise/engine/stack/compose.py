@@ -159,7 +159,8 @@ def check_stack(stack: tuple[Any, ...]) -> None:
         raise ValueError(
             f"router_aux_loss with shard_params and no split ({describe(stack)}): the aux loss sums the routing "
             f"counts over axis {sharding[0].axis!r}, which the Plan predicts with a split's layers; apply "
-            "expert_parallel over another axis first (sw.Mesh(dp=2, ep=2)), or router_aux_loss without shard_params"
+            "expert_parallel over another axis first (sw.Mesh(dp=2, ep=2); an ep axis of size 1 keeps every expert on "
+            "each rank: sw.Mesh(dp=2, ep=1))"
         )
     replicate = sharding[0].replicate if sharding else None
     for other in (*placement, *split):

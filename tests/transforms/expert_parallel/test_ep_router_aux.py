@@ -104,6 +104,18 @@ def test_the_plan_lists_the_counts_sums_after_the_loss_and_the_ledger_is_the_pla
         assert got == want, f"rank {rank}\nledger: {got}\nplan:   {want}"
 
 
+def test_data_parallel_alone_is_expert_parallel_over_an_axis_of_size_1() -> None:
+    """What the refusal of shard_params without a split suggests: every expert on each rank, the counts
+    summed over dp (and the ep axis of one rank), listed in the Plan."""
+    step, params = moe_model()
+    reference = sw.router_aux_loss(step, 0.1)
+    composed = sw.shard_params(sw.expert_parallel(reference, "ep"), "dp", 1)
+    sw.testing.assert_equivalent(composed, reference, sw.Mesh(dp=2, ep=1), batches(), params)
+    plan = composed.plan(sw.Mesh(dp=2, ep=1), params, batches(1)[0])
+    assert [(a.op, a.axis) for a in plan.actions[0] if a.label == "router aux counts"] == [("psum", "dp"),
+                                                                                          ("psum", "ep")]
+
+
 def test_clear_errors() -> None:
     step, _ = moe_model()
     with pytest.raises(ValueError, match=r"router_aux_loss\(coef=-1\)"):
