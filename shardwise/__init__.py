@@ -40,7 +40,7 @@ from .engine.model.functionalize import FunctionalizeError, functionalize
 from .engine.step.step import Step, train_step
 from .plan_search import search
 from .transforms.context_parallel import context_parallel
-from .transforms.expert_parallel import expert_parallel
+from .transforms.expert_parallel import expert_parallel, router_aux_loss
 from .transforms.mixed_precision import mixed_precision
 from .transforms.pipeline import pipeline, simulate
 from .transforms.remat import remat
@@ -74,6 +74,7 @@ __all__ = [
     "policies",
     "precision",
     "remat",
+    "router_aux_loss",
     "schedules",
     "search",
     "shard_params",

@@ -81,8 +81,9 @@ def test_the_top_level_is_small() -> None:
     """What a first program uses: a newcomer holds it in mind; anything more goes in a namespace."""
     # 28: the 25 of a first program, sw.search (issue 29 names it there: the layout search is a first
     # program's question too), and expert_parallel and context_parallel beside tensor_parallel (the
-    # transforms are what a first program applies).
-    assert len(sw.__all__) <= 28, sorted(sw.__all__)
+    # transforms are what a first program applies), and router_aux_loss (a transform on the step's loss,
+    # which the single-device reference applies too).
+    assert len(sw.__all__) <= 29, sorted(sw.__all__)
     assert sorted(sw.__all__) == sw.__all__, "keep the top-level __all__ sorted, as docs/api.md reads it"
 
 

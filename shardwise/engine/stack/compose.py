@@ -48,9 +48,14 @@ naming it). The rules:
   over shard_params' axis, then over ``ep``; a replicated parameter's gradient is summed over ``ep``
   inside the layers (the mean, with the loss seeded by 1 / (dp x ep)), then ZeRO reduces over ``dp``
   as usual, sharding each rank's local parameters (its experts among them) over ``dp``. It is a SPLIT
-  like tensor_parallel; the two are refused together for now (:data:`NOT_YET_TOGETHER`), and it is
-  refused under a pipeline until its collectives are checked there. mixed_precision and remat go
-  around its layers as around tensor_parallel's (its gradient sums travel in the reduce dtype).
+  like tensor_parallel. With ``tensor_parallel`` over another axis the experts are split over ``ep`` and
+  attention over ``tp`` (tensor_parallel rewrites first; expert_parallel finds the MoE blocks through
+  its layer wrapper and installs its forward on them; every tp rank routes the same tokens, so the
+  experts are replicated over ``tp``). Under a
+  pipeline each stage's MoE blocks route their micro-batch's tokens over ``ep`` (a stage's ranks on
+  ``ep`` run the same schedule, so their all-to-alls pair up; each compute lists its own).
+  mixed_precision and remat go around its layers as around tensor_parallel's (its gradient sums travel
+  in the reduce dtype).
 * ``context_parallel`` goes over its own mesh axis, which cuts the *sequence* of every batch leaf
   (after shard_params' cut of the batch over ``dp``): each part is a share, the loss seeded by
   1 / (dp x cp); every parameter is replicated over ``cp`` and its gradient summed over ``cp`` inside
@@ -58,8 +63,9 @@ naming it). The rules:
   micro-batch's sequence over ``cp`` (a stage's ranks on ``cp`` run the same schedule, so their ring
   sends pair up; each compute lists its own). With ``tensor_parallel`` over another axis each tp
   rank's heads attend over ``cp`` (tensor_parallel rewrites first; context_parallel's attention
-  forward runs inside tensor_parallel's Region on the module). It is refused with expert_parallel for
-  now (:data:`NOT_YET_TOGETHER`).
+  forward runs inside tensor_parallel's Region on the module). With ``expert_parallel`` over another
+  axis each rank routes the tokens of its batch share's sequence part (the batch cut over ``ep``, the
+  sequence over ``cp``; each finds its modules through the other's layer wrapper).
 * ``mixed_precision`` and ``remat`` rewrite layer functions, in any order with
   the others, and the result does not depend on the order: the layers are
   rebuilt from the chain train_step got, remat innermost and the precision
@@ -67,7 +73,13 @@ naming it). The rules:
   not the input before the cast). Under ``mixed_precision`` ZeRO gathers
   parameters in the compute dtype and reduces gradients in the reduce dtype.
   :data:`REWRITE_ORDER` states that order once; a rewriting transform it does not
-  place is refused. Several splits rebuild innermost, tensor_parallel first (:data:`SPLIT_ORDER`).
+  place is refused.
+* ``router_aux_loss`` rewrites outermost (after the casts): each layer carries its MoE blocks' routing
+  statistics beside its output to the loss, which sums the counts over every axis that cuts the batch
+  (``in_layer.batch_sum``) so the aux loss is the whole batch's, counted once. The Plan lists those
+  sums after the loss through the splits' prediction, so with ``shard_params`` it needs a split
+  (``expert_parallel``) in the stack; alone, or under a pipeline, the batch is not cut over ranks and
+  nothing is summed. Several splits rebuild innermost, tensor_parallel first (:data:`SPLIT_ORDER`).
 """
 
 from __future__ import annotations
@@ -101,26 +113,20 @@ _REBUILDS = (REWRITE, SPLIT)  # the roles whose specs rebuild the chain
 # in (the rules above): the split's layers (remat then recomputes their collectives with their
 # forward, and the casts go around them), remat's checkpoints, mixed_precision's casts around both.
 # A rebuilding spec is placed by its role (SPLIT) or, for REWRITE specs, by its transform's name.
-REWRITE_ORDER = (SPLIT, "remat", "mixed_precision")
+REWRITE_ORDER = (SPLIT, "remat", "mixed_precision", "router_aux_loss")
 # Several splits (one per axis) rebuild in this order of their names, innermost first, then the others
 # in the order they were applied: tensor_parallel installs its forwards in the layers' modules, which a
 # split that wraps the layer functions (a gradient sum around each) would hide from it.
 SPLIT_ORDER = ("tensor_parallel",)
 # The roles the engine looks up with find(), which returns one spec: a second would be ignored.
 ONCE = (PLACEMENT, SHARDING)
-# Splits that cannot share a stack yet, and why (one split per axis holds for the rest). Each of these
+# Splits that cannot share a stack yet, and why, by their names (one split per axis holds for the rest):
+# a pair named here is refused with its message ({a} and {b}: the two names). None today: each split
 # rewrites a layer by wrapping its function (tensor_parallel's guard and gradient sums,
-# expert_parallel's and context_parallel's gradient sums), which hides the module the other finds
-# its blocks (the MoE, the attention, the styled modules) in. (context_parallel finds its attention
-# through tensor_parallel's wrapper and installs its forward beneath tensor_parallel's: they compose.)
-_HIDDEN = (
-    "{a} and {b} cannot share a stack yet: each rewrites a layer by wrapping its function, which hides the "
-    "module the other finds its blocks in, so the second would split nothing (or the wrong thing)"
-)
-NOT_YET_TOGETHER: dict[frozenset[str], str] = {
-    frozenset({"tensor_parallel", "expert_parallel"}): _HIDDEN,
-    frozenset({"expert_parallel", "context_parallel"}): _HIDDEN,
-}
+# expert_parallel's and context_parallel's gradient sums), and each of expert_parallel and
+# context_parallel finds its modules (the MoE, the attention) through another's wrapper, following its
+# ``fn``; context_parallel installs its attention forward beneath tensor_parallel's Region.
+NOT_YET_TOGETHER: dict[frozenset[str], str] = {}
 
 
 def describe(stack: tuple[Any, ...]) -> str:
@@ -147,15 +153,15 @@ def check_stack(stack: tuple[Any, ...]) -> None:
     _check_axes(stack)
     split = [s for s in stack if s.role == SPLIT]
     _check_splits(stack, split)
-    for tp in split:
-        if tp.name == "expert_parallel" and any(s.role == PLACEMENT for s in stack):
-            raise ValueError(
-                f"expert_parallel with pipeline ({describe(stack)}) is not supported yet: its all-to-alls are "
-                "predicted per layer but not checked under a pipeline's schedules; use expert_parallel with "
-                "shard_params, mixed_precision and remat, or pipeline without it"
-            )
     placement = [s for s in stack if s.role == PLACEMENT]
     sharding = [s for s in stack if s.role == SHARDING]
+    if sharding and not split and any(s.name == "router_aux_loss" for s in stack):
+        raise ValueError(
+            f"router_aux_loss with shard_params and no split ({describe(stack)}): the aux loss sums the routing "
+            f"counts over axis {sharding[0].axis!r}, which the Plan predicts with a split's layers; apply "
+            "expert_parallel over another axis first (sw.Mesh(dp=2, ep=2); an ep axis of size 1 keeps every expert on "
+            "each rank: sw.Mesh(dp=2, ep=1))"
+        )
     replicate = sharding[0].replicate if sharding else None
     for other in (*placement, *split):
         if replicate is not None and other.axis == replicate:

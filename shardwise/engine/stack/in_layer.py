@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -163,3 +164,49 @@ class _GradSum(torch.autograd.Function):
             record("psum", ctx.axis, tuple(sent.shape), sent.dtype, ctx.label, "backward")
             return g.clone(), None, None, None
         return psum(sent, ctx.axis).to(g.dtype), None, None, None
+
+
+# -- the batch's shares: a statistic over the whole batch, inside a compute -----------------------
+
+
+@dataclass(frozen=True)
+class BatchShares:
+    """How the global batch is shared out where a compute runs: ``axes``, the mesh axes whose indices
+    hold different shares of it (shard_params', a split's batch and sequence axes), and ``shares``, how
+    many shares each micro-batch is cut into over them (the product of their sizes; the loss is seeded
+    by 1 / (shares x micro-batches)). One device: ``BatchShares((), 1)``."""
+
+    axes: tuple[str, ...] = ()
+    shares: int = 1
+
+
+_ONE_DEVICE = BatchShares()
+_batch_shares: contextvars.ContextVar[BatchShares | None] = contextvars.ContextVar(
+    "shardwise_in_layer_batch_shares", default=None
+)
+
+
+@contextlib.contextmanager
+def sharing_batch(shares: BatchShares) -> Iterator[None]:
+    """A block (a step's run, or its prediction) whose computes see ``shares`` (:func:`batch_shares`)."""
+    token = _batch_shares.set(shares)
+    try:
+        yield
+    finally:
+        _batch_shares.reset(token)
+
+
+def batch_shares() -> BatchShares:
+    """How the batch is shared out where the calling compute runs (the engine says, at run and while predicting)."""
+    shares = _batch_shares.get()
+    return _ONE_DEVICE if shares is None else shares
+
+
+def batch_sum(x: torch.Tensor, label: str) -> torch.Tensor:
+    """``x`` summed over every share of the batch (a psum over each of :func:`batch_shares`' axes, in
+    order; ``x`` itself on one device): a statistic of the whole batch that a layer or the loss needs
+    (a router's assignment counts), computed from each share's own. The sum carries no gradient."""
+    x = x.detach()
+    for axis in batch_shares().axes:
+        x = collective("psum", axis, x, label, run=functools.partial(psum, x, axis), predicted=x.clone)
+    return x

@@ -136,10 +136,11 @@ class Splits:
         return mesh.rank_of(coords)
 
     def predicting(self, mesh: Mesh | None) -> contextlib.AbstractContextManager[list[in_layer.Issued]]:
-        """A block in which the layers run on fake tensors, every part's collectives recording themselves."""
+        """A block in which the layers run on fake tensors, every part's collectives recording themselves
+        (over any axis of the mesh: a split's layers may also sum a statistic over the batch's axes)."""
         if mesh is None or not self.axes:
             return contextlib.nullcontext([])
-        return in_layer.predicting({axis: mesh.axis_size(axis) for axis in self.axes})
+        return in_layer.predicting({axis: mesh.axis_size(axis) for axis in mesh.axis_names})
 
     def own_prediction(self) -> Callable[..., dict[tuple[str, int], list[in_layer.Issued]]] | None:
         """The part's own prediction of the in-layer collectives, if one brings it (compose.py allows one)."""

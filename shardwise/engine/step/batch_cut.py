@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from ...collectives.mesh import Mesh
 from ..plan.batches import split_batch, split_over
 from ..plan.lower import microbatch_count
+from ..stack.in_layer import BatchShares
 
 if TYPE_CHECKING:
     from .step import Step
@@ -60,3 +61,14 @@ def rank_share(step: Step, mesh: Mesh | None, batch: Any, rank: int | None) -> t
     pair = cut.sequence(pair, rank)
     replicas = math.prod(n for _, n, _ in cuts) * cut.sequence_parts if cuts or cut.sequence_parts > 1 else 0
     return pair, replicas
+
+
+def batch_shares(step: Step, mesh: Mesh | None) -> BatchShares:
+    """The axes whose indices hold different shares of the batch (the cuts above, then a split's
+    sequence axis), and how many shares each micro-batch is cut into over them (the run seeds each
+    micro-batch's loss by 1 / (that x the micro-batches))."""
+    axes = [a for a, _, _ in batch_cuts(step, mesh)]
+    if mesh is not None:
+        axes += [p.axis for p in step.split.parts if p.batch_cut(mesh).sequence_parts > 1]
+    shares = math.prod(mesh.axis_size(a) for a in axes) if mesh is not None and axes else 1
+    return BatchShares(tuple(axes), shares)

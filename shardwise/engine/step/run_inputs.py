@@ -30,7 +30,9 @@ from ..plan.lower import metric_axes, microbatch_count, rank_actions, reduce_siz
 from ..run.executor import Executor, ParamSource, ReplicaCheck
 from ..run.metrics import MetricExchange, Summed, batch_fingerprint, different_batches
 from ..run.rng import mix
-from .batch_cut import batch_multiple, rank_share
+from ..stack import in_layer
+from ..stack.in_layer import BatchShares
+from .batch_cut import batch_multiple, batch_shares, rank_share
 from .master import compute_params, unscale_like
 
 if TYPE_CHECKING:
@@ -150,9 +152,11 @@ class PreparedRun:
     rank: RankRun
     replicas: int  # the data-parallel replicas the batch was cut into (0: none)
     outcome: dict[str, Any]
+    shares: BatchShares  # how the batch is shared out: what a compute's statistic of the whole batch sums over
 
     def run(self) -> None:
-        self.executor.run(self.rank.actions)
+        with in_layer.sharing_batch(self.shares):
+            self.executor.run(self.rank.actions)
 
 
 def prepare_run(step: Step, state: TrainState, layout: StateLayout, batch: Any) -> PreparedRun:
@@ -191,7 +195,7 @@ def prepare_run(step: Step, state: TrainState, layout: StateLayout, batch: Any) 
         batch_fingerprint=batch_fingerprint(batch) if run.exchange.batch or run.replicas else None,
         rng_rank=run.rng_rank, replicas=run.replicas,
     )
-    return PreparedRun(executor, run, replicas, outcome)
+    return PreparedRun(executor, run, replicas, outcome, batch_shares(step, mesh))
 
 
 def finish_run(step: Step, state: TrainState, prepared: PreparedRun) -> tuple[TrainState, Metrics]:

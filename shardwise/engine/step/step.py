@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,8 +35,10 @@ from ..plan.lower import metric_axes
 from ..run.agreement import check_ranks_agree
 from ..run.executor import LossFn
 from ..run.metrics import REPORTABLE, MetricExchange, check_metrics
+from ..stack import in_layer
 from ..stack.compose import PLACEMENT, SHARDING, describe, find
 from ..stack.splits import Splits, splits_of
+from .batch_cut import batch_shares
 from .init_state import held_params, init_seeding, meta_names, sampled_values
 from .layouts import build_layout, check_mesh, layouts_by_index, stage_boundaries
 from .master import clip_scale, compute_params, master_meta, master_params
@@ -100,7 +102,7 @@ class Step:
     def predicting(self, mesh: Mesh | None) -> contextlib.AbstractContextManager[Any]:
         """A block in which the layers may run on fake tensors: a split's collectives move nothing, they
         record what they would issue into the list it yields."""
-        return self.split.predicting(mesh)
+        return _predicting(self, mesh)
 
     @functools.cached_property
     def stack_key(self) -> tuple[str, ...]:
@@ -468,3 +470,11 @@ def train_step(
             "mean over those tokens)"
         )
     return Step(chain, loss_fn, optimizer, clip_norm, metrics=check_metrics(metrics), tokens=tokens)
+
+
+@contextlib.contextmanager
+def _predicting(step: Step, mesh: Mesh | None) -> Iterator[Any]:
+    """The splits' predicting block, in which the computes see how the batch is shared out (a statistic
+    of the whole batch is a psum over those axes: predicted, as the splits' collectives are)."""
+    with step.split.predicting(mesh) as issued, in_layer.sharing_batch(batch_shares(step, mesh)):
+        yield issued

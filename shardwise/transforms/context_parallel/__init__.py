@@ -58,7 +58,8 @@ def context_parallel(
     (each stage cuts its micro-batches' sequences; under a zero-bubble schedule the ring's backward runs
     in both the input and the weight pass), ``tensor_parallel`` over another (each tp rank's heads
     attend over ``cp``; Ulysses cuts the rank's heads, so ``cp`` must divide heads / tp),
-    ``mixed_precision`` and ``remat``; not yet with ``expert_parallel`` (refused).
+    ``expert_parallel`` over another (each rank routes the tokens of its sequence part),
+    ``mixed_precision`` and ``remat``.
 
     >>> import torch, shardwise as sw
     >>> from shardwise.testing.models import TinyGPT

@@ -5,6 +5,8 @@ mesh axis (torchtitan EP; DeepSpeed-MoE; FairScale ``MOELayer``): route (``route
 exchange counts, dispatch with an ``all_to_all``, run the local experts (``experts.py``: HF Mixtral's
 fused 3-D weights), ``all_to_all`` back, combine; the capacity and drop rule in ``capacity.py``; the
 router's load-balancing loss over the global batch in ``aux_loss.py``; bytes in ``volumes.py``.
+:func:`router_aux_loss` (``router_aux.py``, ``router_stats.py``) adds the routers' load-balancing loss
+to a step's loss, HF Mixtral's, on one device and under this transform alike.
 
 :func:`expert_parallel` (``spec.py``) is the transform: a SPLIT spec over its axis that cuts the MoE
 blocks' experts (``blocks.py``) on dim 0, rewrites their forward to ``moe_dispatch_combine`` with the
@@ -22,13 +24,19 @@ from .capacity import Slots, assign_slots, expert_capacity
 from .dispatch import MoEOutput, moe_dispatch_combine
 from .experts import run_experts, shard_experts
 from .router import ROUTERS, Routing, route
+from .router_aux import RouterAuxLoss, RouterAuxSpec, router_aux_loss
+from .router_stats import Carried, RouterStats
 from .spec import EPSpec, resolve
 from .volumes import moe_all_to_all_bytes, moe_count_exchange_bytes
 
 __all__ = [
     "ROUTERS",
+    "Carried",
     "EPSpec",
     "MoEOutput",
+    "RouterAuxLoss",
+    "RouterAuxSpec",
+    "RouterStats",
     "Routing",
     "Slots",
     "assign_slots",
@@ -39,6 +47,7 @@ __all__ = [
     "moe_count_exchange_bytes",
     "moe_dispatch_combine",
     "route",
+    "router_aux_loss",
     "run_experts",
     "shard_experts",
 ]
@@ -58,11 +67,14 @@ def expert_parallel(step: Step, axis: str = "ep", capacity_factor: float | None 
     choice in token order, then its second, ...; the rest are dropped).
     The all-to-alls carry that bound of rows per (rank, expert) (without a capacity: the rank's
     tokens), so the Plan states their bytes exactly. The modules' own forwards add no auxiliary loss,
-    and neither does this.
+    and neither does this: :func:`router_aux_loss` does, counted once over the whole batch.
 
     It composes with ``shard_params`` over another axis (ZeRO shards each rank's experts and
-    replicated parameters over ``dp``), ``mixed_precision`` and ``remat``; not yet with
-    ``tensor_parallel`` or ``pipeline`` (refused).
+    replicated parameters over ``dp``), ``pipeline`` over another (each stage routes its micro-batches'
+    tokens; under a zero-bubble schedule the all-to-alls' backward runs in both the input and the
+    weight pass), ``tensor_parallel`` over another (attention split over ``tp``, the experts over
+    ``ep``; a tensor-parallel plan must leave the MoE block itself alone), ``mixed_precision`` and
+    ``remat``, and ``context_parallel`` over another (each rank routes its sequence part's tokens).
 
     >>> import torch, shardwise as sw
     >>> from shardwise.testing.models import TopKMoE

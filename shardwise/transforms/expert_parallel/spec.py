@@ -31,8 +31,9 @@ def resolve(chain: Chain) -> Blocks:
     found: Blocks = {}
     for layer in chain:
         # A layer functionalize built calls a module (fn.replicas.module) whose tensors' local names
-        # in the layer start with the replica's prefix (a decoder layer's path in the model).
-        replicas = getattr(layer.fn, "replicas", None)
+        # in the layer start with the replica's prefix (a decoder layer's path in the model); another
+        # split's wrapper (tensor_parallel's, which rewrites first) holds that module fn as its ``fn``.
+        replicas = getattr(module_fn(layer.fn), "replicas", None)
         module = getattr(replicas, "module", None)
         if not isinstance(module, nn.Module):
             continue
@@ -99,7 +100,12 @@ class EPSpec:
         return rewritten
 
     def _install(self, fn: Any, blocks: tuple[Block, ...], layer: str) -> Any:
-        """A copy of the layer fn whose module's MoE blocks run :class:`EPForward`."""
+        """A copy of the layer fn whose module's MoE blocks run :class:`EPForward`; under another split's
+        wrapper (tensor_parallel's) the wrapper is copied around the new module fn."""
+        if not hasattr(fn, "replicas"):
+            outer = copy.copy(fn)
+            outer.fn = self._install(fn.fn, blocks, layer)
+            return outer
         replicas = fn.replicas
         module = replicas.module
         named = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
@@ -107,6 +113,12 @@ class EPSpec:
         for b in blocks:
             target = copied.get_submodule(b.path) if b.path else copied
             where = f"{layer}.{b.path}" if b.path else layer
+            if "forward" in vars(target):
+                raise ValueError(
+                    f"expert_parallel: {where} ({type(target).__name__}) already runs another split's forward "
+                    "(a tensor_parallel plan that styles the MoE block or its experts): expert_parallel splits its "
+                    "experts over its own axis; leave the MoE block out of the tensor-parallel plan"
+                )
             target.forward = EPForward(target, b, self.axis, self.capacity_factor, where)
         new_fn = copy.copy(fn)
         new_fn.replicas = ThreadReplicas(copied, replicas.prefix)
@@ -185,6 +197,18 @@ class SummedFn:
     def __call__(self, tensors: dict[str, Tensor], x: Any) -> Any:
         summed = {k: grad_summed(t, self.axis, k, self.reduce) if k in self.names else t for k, t in tensors.items()}
         return self.fn(summed, x)
+
+
+def module_fn(fn: Any) -> Any:
+    """The module fn (the one holding ``replicas``: the module it calls) inside ``fn``, following the
+    ``fn`` attribute of another split's wrapper; None when there is none."""
+    for _ in range(8):
+        if hasattr(fn, "replicas"):
+            return fn
+        fn = getattr(fn, "fn", None)
+        if fn is None:
+            return None
+    return None
 
 
 def _mesh(mesh: Mesh | None, axis: str) -> Mesh:

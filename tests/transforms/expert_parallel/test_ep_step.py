@@ -133,10 +133,6 @@ def test_clear_errors() -> None:
         sw.expert_parallel(sw.train_step(odd, F.mse_loss, sw.optim.sgd(0.1)), "ep")
     with pytest.raises(ValueError, match="capacity_factor=-1"):
         sw.expert_parallel(step, "ep", capacity_factor=-1)
-    with pytest.raises(ValueError, match="expert_parallel with pipeline"):
-        sw.pipeline(sw.expert_parallel(step, "ep"), "pp", "gpipe", 2)
-    with pytest.raises(ValueError, match="expert_parallel and tensor_parallel cannot share a stack yet"):
-        sw.tensor_parallel(sw.expert_parallel(step, "ep"), "tp", {"0": sw.tp.Colwise()})
     with pytest.raises(ValueError, match="both use axis 'ep'"):
         sw.shard_params(sw.expert_parallel(step, "ep"), "ep", 1)
     uneven = (torch.randn(6, 4, 6, dtype=torch.float64), torch.randn(6, 4, 3, dtype=torch.float64))

@@ -1,0 +1,190 @@
+"""sw.router_aux_loss: the routers' load-balancing loss in the step's loss, counted once over the batch.
+
+On one device it is Hugging Face Mixtral's ``output_router_logits=True`` aux loss (HF sums it in
+float32, hence that test's tolerance); under expert_parallel and ZeRO the step equals the
+single-device step with the same aux loss in float64 (assert_equivalent's default), and the ledger
+equals the Plan, which lists the routing counts' sums over the batch's axes after the loss.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import shardwise as sw
+
+from .test_ep_step import F64, _ledger, _lm_loss, batches, moe_model
+
+
+def _first_loss(step: sw.Step, params: Any, batch: Any) -> float:
+    _, metrics = step(step.init(params), batch)
+    return float(metrics["loss"])
+
+
+def _mixtral() -> tuple[Any, sw.Step, Any, list[Any]]:
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.mixtral.modeling_mixtral import MixtralDecoderLayer
+
+    torch.manual_seed(0)
+    cfg = transformers.MixtralConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=16,
+        router_jitter_noise=0.0, attn_implementation="eager", experts_implementation="eager", bos_token_id=0,
+        eos_token_id=0,
+    )
+    model = transformers.MixtralForCausalLM(cfg).double()
+    gen = torch.Generator().manual_seed(1)
+    data = [(torch.randint(32, (4, 6), generator=gen), torch.randint(32, (4, 6), generator=gen)) for _ in range(2)]
+    chain, params = sw.functionalize(model, units=MixtralDecoderLayer, example_input=data[0][0])
+    return model, sw.train_step(chain, _lm_loss, sw.optim.sgd(0.1, momentum=0.9)), params, data
+
+
+def test_on_one_device_it_is_hf_mixtrals_aux_loss() -> None:
+    model, step, params, data = _mixtral()
+    coef = 0.5
+    added = _first_loss(sw.router_aux_loss(step, coef), params, data[0]) - _first_loss(step, params, data[0])
+    with torch.no_grad():
+        hf = model(data[0][0], output_router_logits=True).aux_loss
+    # HF sums the counts and probabilities in float32: agreement to float32's rounding.
+    assert added == pytest.approx(coef * float(hf), rel=1e-6)
+    assert added > 0.1 * coef  # the aux loss is about top_k = 2 for a near-uniform router: it is there
+
+
+@pytest.mark.parametrize(("ep", "aux_first"), [(2, True), (4, True), (2, False)])
+def test_ep_with_the_aux_loss_equals_the_single_device_step(ep: int, aux_first: bool) -> None:
+    step, params = moe_model()
+    reference = sw.router_aux_loss(step, 0.1)
+    if aux_first:
+        composed = sw.expert_parallel(reference, "ep")
+    else:
+        composed = sw.router_aux_loss(sw.expert_parallel(step, "ep"), 0.1)
+    sw.testing.assert_equivalent(composed, reference, sw.Mesh(ep=ep), batches(), params)
+
+
+def test_dp_by_ep_with_zero_3_and_the_aux_loss_equals_the_single_device_step() -> None:
+    step, params = moe_model()
+    reference = sw.router_aux_loss(step, 0.1)
+    composed = sw.shard_params(sw.expert_parallel(reference, "ep"), "dp", 3)
+    sw.testing.assert_equivalent(composed, reference, sw.Mesh(dp=2, ep=2), batches(), params)
+
+
+def test_the_aux_loss_is_counted_once_not_per_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each rank's aux loss of its own share's routing, averaged, is another loss: the check sees it."""
+    from shardwise.engine.stack import in_layer
+
+    step, params = moe_model()
+    reference = sw.router_aux_loss(step, 1.0)
+    composed = sw.expert_parallel(reference, "ep")
+    with pytest.raises(AssertionError):  # the step without the aux loss differs
+        sw.testing.assert_equivalent(composed, step, sw.Mesh(ep=2), batches(1), params)
+    monkeypatch.setattr(in_layer, "batch_sum", lambda x, label: x.detach())  # each rank's own counts
+    with pytest.raises(AssertionError):
+        sw.testing.assert_equivalent(composed, reference, sw.Mesh(ep=2), batches(1), params)
+
+
+def test_hf_mixtral_with_the_aux_loss_under_ep_equals_the_single_device_step() -> None:
+    _, step, params, data = _mixtral()
+    reference = sw.router_aux_loss(step, 0.02)
+    sw.testing.assert_equivalent(sw.expert_parallel(reference, "ep"), reference, sw.Mesh(ep=2), data, params)
+
+
+def test_the_plan_lists_the_counts_sums_after_the_loss_and_the_ledger_is_the_plan() -> None:
+    step, params = moe_model()
+    composed = sw.shard_params(sw.expert_parallel(sw.router_aux_loss(step, 0.1), "ep", capacity_factor=1.0), "dp", 3)
+    mesh, batch = sw.Mesh(dp=2, ep=2), batches(1)[0]
+    plan = composed.plan(mesh, params, batch)
+    sums = [(a.op, a.axis, a.wire[0].nbytes) for a in plan.actions[0] if a.label == "router aux counts"]
+    # The 4 experts' counts and the rows, float64, summed over dp then ep.
+    assert sums == [("psum", "dp", 5 * 8), ("psum", "ep", 5 * 8)]
+    for rank, got in enumerate(_ledger(composed, mesh, params, batch)):
+        want = [(c.op, c.axis, c.dtype, c.nbytes) for c in plan.collectives(rank)]
+        assert got == want, f"rank {rank}\nledger: {got}\nplan:   {want}"
+
+
+def test_data_parallel_alone_is_expert_parallel_over_an_axis_of_size_1() -> None:
+    """What the refusal of shard_params without a split suggests: every expert on each rank, the counts
+    summed over dp (and the ep axis of one rank), listed in the Plan."""
+    step, params = moe_model()
+    reference = sw.router_aux_loss(step, 0.1)
+    composed = sw.shard_params(sw.expert_parallel(reference, "ep"), "dp", 1)
+    sw.testing.assert_equivalent(composed, reference, sw.Mesh(dp=2, ep=1), batches(), params)
+    plan = composed.plan(sw.Mesh(dp=2, ep=1), params, batches(1)[0])
+    assert [(a.op, a.axis) for a in plan.actions[0] if a.label == "router aux counts"] == [("psum", "dp"),
+                                                                                          ("psum", "ep")]
+
+
+def test_clear_errors() -> None:
+    step, _ = moe_model()
+    with pytest.raises(ValueError, match=r"router_aux_loss\(coef=-1\)"):
+        sw.router_aux_loss(step, -1)
+    with pytest.raises(ValueError, match="router_aux_loss with shard_params and no split"):
+        sw.shard_params(sw.router_aux_loss(step, 0.1), "dp", 1)
+    with pytest.raises(ValueError, match="router_aux_loss was applied twice"):
+        sw.router_aux_loss(sw.router_aux_loss(step, 0.1), 0.1)
+    chain = step.chain
+    summed = sw.train_step(chain, lambda out, y: (F.mse_loss(out, y, reduction="sum"), y.numel()),
+                           sw.optim.sgd(0.1), tokens="sum")
+    with pytest.raises(ValueError, match="router_aux_loss with train_step"):
+        sw.router_aux_loss(summed, 0.1)
+
+
+def test_under_remat_and_mixed_precision_it_equals_the_same_policy_on_one_device() -> None:
+    """remat recomputes the blocks' router logits in backward (the reports run again, unheard)."""
+    step, params = moe_model()
+    reference = sw.mixed_precision(sw.router_aux_loss(step, 0.1), F64)
+    composed = sw.remat(sw.mixed_precision(sw.expert_parallel(sw.router_aux_loss(step, 0.1), "ep"), F64))
+    sw.testing.assert_equivalent(composed, reference, sw.Mesh(ep=2), batches(), params)
+
+
+def test_hf_qwen2_moe_aux_loss_on_one_device_and_under_ep() -> None:
+    """Qwen2-MoE's router (no renormalization here) and its shared expert: the aux loss is the router's."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeDecoderLayer
+
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2MoeConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=24, moe_intermediate_size=12,
+        shared_expert_intermediate_size=20, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        num_experts=4, num_experts_per_tok=2, norm_topk_prob=False, max_position_embeddings=16,
+        attn_implementation="eager", experts_implementation="eager", bos_token_id=0, eos_token_id=0,
+    )
+    model = transformers.Qwen2MoeForCausalLM(cfg).double()
+    gen = torch.Generator().manual_seed(1)
+    data = [(torch.randint(32, (4, 6), generator=gen), torch.randint(32, (4, 6), generator=gen)) for _ in range(2)]
+    chain, params = sw.functionalize(model, units=Qwen2MoeDecoderLayer, example_input=data[0][0])
+    step = sw.train_step(chain, _lm_loss, sw.optim.sgd(0.1, momentum=0.9))
+    reference = sw.router_aux_loss(step, 0.5)
+    added = _first_loss(reference, params, data[0]) - _first_loss(step, params, data[0])
+    with torch.no_grad():
+        hf = model(data[0][0], output_router_logits=True).aux_loss
+    assert added == pytest.approx(0.5 * float(hf), rel=1e-6)  # HF sums in float32
+    sw.testing.assert_equivalent(sw.expert_parallel(reference, "ep"), reference, sw.Mesh(ep=2), data, params)
+
+
+def test_a_padded_batch_leaves_the_padding_out_as_hf_does_on_one_device_and_under_ep() -> None:
+    """HF weighs each row of the aux loss by the attention mask: padding routes, but does not count."""
+    from transformers.models.mixtral.modeling_mixtral import MixtralDecoderLayer
+
+    model, _, _, _ = _mixtral()
+    gen = torch.Generator().manual_seed(2)
+    data = []
+    for _ in range(2):
+        ids = torch.randint(1, 32, (4, 6), generator=gen)
+        mask = torch.ones(4, 6, dtype=torch.long)
+        mask[0, 4:] = mask[2, 3:] = mask[3, 5:] = 0  # right padding (left padding gives NaN in HF's eager attention)
+        data.append(({"input_ids": ids, "attention_mask": mask}, torch.randint(32, (4, 6), generator=gen)))
+    chain, params = sw.functionalize(model, units=MixtralDecoderLayer, example_input=data[0][0])
+    step = sw.train_step(chain, _lm_loss, sw.optim.sgd(0.1, momentum=0.9))
+    coef = 0.5
+    reference = sw.router_aux_loss(step, coef)
+    added = _first_loss(reference, params, data[0]) - _first_loss(step, params, data[0])
+    with torch.no_grad():
+        hf = model(**data[0][0], output_router_logits=True).aux_loss
+        unmasked = model(data[0][0]["input_ids"], output_router_logits=True).aux_loss
+    assert added == pytest.approx(coef * float(hf), rel=1e-6)  # HF sums in float32
+    assert abs(float(hf) - float(unmasked)) > 1e-3  # the mask matters here
+    composed = sw.shard_params(sw.expert_parallel(reference, "ep"), "dp", 1)
+    sw.testing.assert_equivalent(composed, reference, sw.Mesh(dp=2, ep=2), data, params)

@@ -1,0 +1,87 @@
+"""sw.expert_parallel beside sw.tensor_parallel: the experts split over ep, attention over tp.
+
+tensor_parallel rewrites the layers first (the engine's SPLIT_ORDER) and installs its forwards on the
+attention modules; expert_parallel finds the MoE blocks through tensor_parallel's layer wrapper and
+installs its forward on them. Each tp rank routes the same tokens (attention's output is summed over
+tp), so the experts are replicated over tp, and the batch is cut over ep. float64 on thread ranks,
+equal to the single-device step to rounding (assert_equivalent's float64 default); the ledger
+equals the Plan on both axes.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import shardwise as sw
+
+from .test_ep_router_aux import _mixtral
+from .test_ep_step import _ledger, batches, moe_model
+
+PLAN = {
+    "*.attn": sw.tp.Region(heads=("n_heads",)), "*.attn.qkv": sw.tp.Colwise(fused=3), "*.attn.proj": sw.tp.Rowwise(),
+}
+
+
+@pytest.mark.parametrize("ep_first", [True, False])
+def test_tp_2_by_ep_2_equals_the_single_device_step(ep_first: bool) -> None:
+    step, params = moe_model()
+    if ep_first:
+        composed = sw.tensor_parallel(sw.expert_parallel(step, "ep"), "tp", PLAN)
+    else:
+        composed = sw.expert_parallel(sw.tensor_parallel(step, "tp", PLAN), "ep")
+    mesh = sw.Mesh(ep=2, tp=2)
+    cut = {name: c.axis for (_layer, name), c in composed.split.tensor_splits(composed.base_chain, mesh).items()}
+    assert cut == {"attn.qkv.weight": "tp", "attn.qkv.bias": "tp", "attn.proj.weight": "tp",
+                   "moe.experts.gate_up_proj": "ep", "moe.experts.down_proj": "ep"}
+    sw.testing.assert_equivalent(composed, step, mesh, batches(), params)
+
+
+def test_every_rank_issues_exactly_the_collectives_its_plan_lists() -> None:
+    step, params = moe_model()
+    composed = sw.tensor_parallel(sw.expert_parallel(step, "ep", capacity_factor=1.0), "tp", PLAN)
+    mesh, batch = sw.Mesh(ep=2, tp=2), batches(1)[0]
+    plan = composed.plan(mesh, params, batch)
+    ops = {(c.axis, c.op) for c in plan.collectives(0)}
+    assert {("ep", "all_to_all"), ("ep", "psum"), ("tp", "psum")} <= ops
+    for rank, got in enumerate(_ledger(composed, mesh, params, batch)):
+        want = [(c.op, c.axis, c.dtype, c.nbytes) for c in plan.collectives(rank)]
+        assert got == want, f"rank {rank}\nledger: {got}\nplan:   {want}"
+
+
+def test_dp_by_tp_by_ep_with_zero_3_and_the_aux_loss_equals_the_single_device_step() -> None:
+    step, params = moe_model()
+    reference = sw.router_aux_loss(step, 0.1)
+    composed = sw.shard_params(sw.tensor_parallel(sw.expert_parallel(reference, "ep"), "tp", PLAN), "dp", 3)
+    sw.testing.assert_equivalent(composed, reference, sw.Mesh(dp=2, ep=2, tp=2), batches(), params)
+
+
+def test_hf_mixtral_tp_2_by_ep_2_equals_the_single_device_step() -> None:
+    _, step, params, data = _mixtral()
+    attention = {
+        "model.layers.*.self_attn": sw.tp.Region(heads=("config.num_attention_heads", "config.num_key_value_heads")),
+        "model.layers.*.self_attn.[qkv]_proj": sw.tp.Colwise(),
+        "model.layers.*.self_attn.o_proj": sw.tp.Rowwise(),
+    }
+    composed = sw.expert_parallel(sw.tensor_parallel(step, "tp", attention), "ep")
+    sw.testing.assert_equivalent(composed, step, sw.Mesh(ep=2, tp=2), data, params)
+
+
+def test_a_tensor_parallel_plan_styling_the_moe_block_is_refused() -> None:
+    step, _ = moe_model()
+    moe_styled = {"*.moe": sw.tp.Region(), "*.moe.gate": sw.tp.Colwise(output="replicated")}
+    styled = sw.tensor_parallel(step, "tp", {**PLAN, **moe_styled})
+    with pytest.raises(ValueError, match=r"expert_parallel: 1.moe \(TopKMoE\) already runs another split's forward"):
+        sw.expert_parallel(styled, "ep")
+
+
+def test_pp_by_tp_by_ep_with_the_aux_loss_equals_the_single_device_step_and_the_ledger_is_the_plan() -> None:
+    step, params = moe_model()
+    reference = sw.router_aux_loss(step, 0.1)
+    composed = sw.pipeline(sw.tensor_parallel(sw.expert_parallel(reference, "ep"), "tp", PLAN), "pp", "1f1b", 1)
+    mesh = sw.Mesh(pp=2, ep=2, tp=2)
+    sw.testing.assert_equivalent(composed, reference, mesh, batches(), params)
+    batch = batches(1)[0]
+    plan = composed.plan(mesh, params, batch)
+    for rank, got in enumerate(_ledger(composed, mesh, params, batch)):
+        want = [(c.op, c.axis, c.dtype, c.nbytes) for c in plan.collectives(rank)]
+        assert got == want, f"rank {rank}\nledger: {got}\nplan:   {want}"
