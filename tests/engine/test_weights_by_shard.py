@@ -218,3 +218,27 @@ def test_loading_weights_holds_the_ranks_shards_and_no_whole_layer(source: str) 
     measured = json.loads(out.stdout.strip().splitlines()[-1])
     assert measured["held"] >= layers * layer  # every rank's shards: the model once, padded
     assert 0.9 * measured["held"] < measured["peak"] < measured["held"] + layer // 2, measured
+
+
+def test_a_dcp_record_is_read_in_part_where_row_major_and_whole_where_not(tmp_path: Path) -> None:
+    """A record whose tensor is not row-major in its storage (DCP saves a transposed view as it is)
+    is read whole and loaded as DCP's reader does; the others by byte ranges. Both give the values."""
+    base = torch.arange(40.0).view(8, 5)
+    saved = {"rows": base[2:6], "transposed": base.t(), "plain": torch.arange(12.0).view(3, 4)}
+    dcp.save(saved, checkpoint_id=tmp_path, no_dist=True)
+    files = dcp_files.DcpFiles(tmp_path)
+    for key, value in saved.items():
+        out = torch.full(tuple(value.shape), float("nan"))
+        rows, cols = value.shape
+        files.read_into(key, [(((1, 1), (rows - 1, cols - 2)), out[1:, 1:-1])])
+        assert torch.equal(out[1:, 1:-1], value[1:, 1:-1]), key
+        assert out[0].isnan().all() and out[:, 0].isnan().all() and out[:, -1].isnan().all(), key
+
+
+def test_a_record_that_is_not_one_tensor_is_refused_naming_it(tmp_path: Path) -> None:
+    dcp.save({"w": torch.zeros(4, 4)}, checkpoint_id=tmp_path, no_dist=True)
+    data = next(tmp_path.glob("*.distcp"))
+    raw = bytearray(data.read_bytes())
+    data.write_bytes(bytes(len(raw)))  # zeros: no zip directory
+    with pytest.raises(sw.checkpoint.CheckpointError, match=r"the chunk of w in .* is not a torch.save record"):
+        dcp_files.DcpFiles(tmp_path).read_into("w", [(((0, 0), (4, 4)), torch.empty(4, 4))])
