@@ -32,6 +32,7 @@ import torch.distributed.checkpoint as dcp
 
 import shardwise as sw
 from shardwise.engine.checkpoint import dcp_files, file_format, safetensors_files, weights
+from shardwise.engine.checkpoint.record_io import CHUNK_BYTES
 from shardwise.testing.memory import LIVE_MALLOC
 
 T = pytest.importorskip("transformers", reason="the [hf] extra (pip install -e '.[hf]') is not installed")
@@ -218,3 +219,66 @@ def test_loading_weights_holds_the_ranks_shards_and_no_whole_layer(source: str) 
     measured = json.loads(out.stdout.strip().splitlines()[-1])
     assert measured["held"] >= layers * layer  # every rank's shards: the model once, padded
     assert 0.9 * measured["held"] < measured["peak"] < measured["held"] + layer // 2, measured
+
+
+def test_a_dcp_record_is_read_in_part_where_row_major_and_whole_where_not(tmp_path: Path) -> None:
+    """A record whose tensor is not row-major in its storage (DCP saves a transposed view as it is)
+    is read whole and loaded as DCP's reader does; the others by byte ranges. Both give the values."""
+    base = torch.arange(40.0).view(8, 5)
+    saved = {"rows": base[2:6], "transposed": base.t(), "plain": torch.arange(12.0).view(3, 4)}
+    dcp.save(saved, checkpoint_id=tmp_path, no_dist=True)
+    files = dcp_files.DcpFiles(tmp_path)
+    for key, value in saved.items():
+        out = torch.full(tuple(value.shape), float("nan"))
+        rows, cols = value.shape
+        files.read_into(key, [(((1, 1), (rows - 1, cols - 2)), out[1:, 1:-1])])
+        assert torch.equal(out[1:, 1:-1], value[1:, 1:-1]), key
+        assert out[0].isnan().all() and out[:, 0].isnan().all() and out[:, -1].isnan().all(), key
+
+
+def test_a_record_that_is_not_one_tensor_is_refused_naming_it(tmp_path: Path) -> None:
+    dcp.save({"w": torch.zeros(4, 4)}, checkpoint_id=tmp_path, no_dist=True)
+    data = next(tmp_path.glob("*.distcp"))
+    raw = bytearray(data.read_bytes())
+    data.write_bytes(bytes(len(raw)))  # zeros: no zip directory
+    with pytest.raises(sw.checkpoint.CheckpointError, match=r"the chunk of w in .* is not a torch.save record"):
+        dcp_files.DcpFiles(tmp_path).read_into("w", [(((0, 0), (4, 4)), torch.empty(4, 4))])
+
+
+def test_a_checkpoint_saved_on_one_rank_loads_at_dp2_x_pp2_a_quarter_per_rank(
+    tmp_path: Path, bytes_read: collections.Counter[str]
+) -> None:
+    """``checkpoint.load`` of a one-rank save at ZeRO-3 dp 2 x pp 2: each rank keeps a quarter of
+    every parameter and of its momentum (its stage's layers, its flat shard of each), and reads
+    that, the 64 KiB chunks at the two ends of each range it reads (read whole, for their crc32s)
+    and the indexes. Saved again from there and loaded on one rank, the state is the saved one,
+    bitwise."""
+    width, layers = 1024, 4
+    torch.manual_seed(0)
+    chain, params = sw.functionalize(torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)]))
+    base = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1, momentum=0.9))
+    one = sw.shard_params(base, "dp", stage=3)
+    split = sw.shard_params(sw.pipeline(base, "pp", "1f1b", 2), "dp", stage=3)
+    mesh, alone = sw.Mesh(dp=2, pp=2), sw.Mesh(dp=1)
+    gen = torch.Generator().manual_seed(1)
+    batch = (torch.randn(8, width, generator=gen), torch.randn(8, width, generator=gen))
+
+    def save_one() -> Any:
+        state, _ = one(one.init(params, alone), batch)
+        sw.checkpoint.save(tmp_path / "one", state, one)
+        return state
+
+    (saved,) = sw.launch(save_one, 1)
+    bytes_read.clear()
+    sw.launch(lambda: sw.checkpoint.save(tmp_path / "again", sw.checkpoint.load(tmp_path / "one", split, mesh), split),
+              4)
+    reads = [bytes_read[f"shardwise-rank-{r}"] for r in range(4)]
+    total = sum(f.stat().st_size for f in (tmp_path / "one").glob("*.distcp"))
+    indexes = sum(f.stat().st_size for f in (tmp_path / "one").glob("*.json"))
+    ends = 2 * CHUNK_BYTES * 2 * (layers // 2)  # per range: its stage's 2 layers, weights and momentum
+    for read in reads:
+        assert total / 4 < read < total / 4 + ends + indexes < 0.35 * total, (read, total)
+    (back,) = sw.launch(lambda: sw.checkpoint.load(tmp_path / "again", one, alone), 1)
+    for x, y in zip(optree.tree_leaves((back.params, back.opt_state)),
+                    optree.tree_leaves((saved.params, saved.opt_state)), strict=True):
+        assert torch.equal(x, y)

@@ -94,7 +94,7 @@ def _record_reader(path: Path, fqn: str, info: Any, sizes: tuple[int, ...], dtyp
             record = _Window(f, info.offset, info.length)
             try:
                 found = _locate(record, where)
-            except (zipfile.BadZipFile, pickle.UnpicklingError, EOFError, struct.error, ValueError) as err:
+            except (zipfile.BadZipFile, pickle.UnpicklingError, EOFError, struct.error, ValueError, KeyError) as err:
                 raise CheckpointError(f"{where} is not a torch.save record of one tensor ({err})") from None
             if found is None:  # not row-major in its storage: read it whole, as DCP's reader does
                 _load_whole(record, where, pieces)
