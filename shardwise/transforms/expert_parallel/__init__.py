@@ -73,7 +73,8 @@ def expert_parallel(step: Step, axis: str = "ep", capacity_factor: float | None 
     replicated parameters over ``dp``), ``pipeline`` over another (each stage routes its micro-batches'
     tokens; under a zero-bubble schedule the all-to-alls' backward runs in both the input and the
     weight pass), ``tensor_parallel`` over another (attention split over ``tp``, the experts over
-    ``ep``; a tensor-parallel plan must leave the MoE block itself alone), ``mixed_precision`` and
+    ``ep``; a tensor-parallel plan must leave the MoE block itself alone, and sequence parallel is
+    refused: each tp rank would route only its slice of the sequence), ``mixed_precision`` and
     ``remat``, and ``context_parallel`` over another (each rank routes its sequence part's tokens).
 
     >>> import torch, shardwise as sw

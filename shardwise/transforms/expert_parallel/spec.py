@@ -84,6 +84,14 @@ class EPSpec:
         """The chain with every MoE block dispatching to its experts' owners, and every replicated
         parameter's gradient summed over the axis (in mixed_precision's reduce dtype, if any)."""
         blocks = resolve(chain)
+        sequence_split = next((s for s in stack if getattr(s, "sequence_parallel", None)), None)
+        if sequence_split is not None:
+            raise ValueError(
+                f"expert_parallel with {sequence_split}: under sequence parallel each rank of {sequence_split.axis!r} "
+                "routes only its slice of the sequence, which expert_parallel does not handle yet (the experts' "
+                "gradients and the routing counts would need summing over that axis too); drop sequence_parallel= "
+                "(tensor_parallel without it composes with expert_parallel)"
+            )
         experts = self.expert_keys(chain)
         precision = next((getattr(s, "precision", None) for s in stack if s.name == "mixed_precision"), None)
         layers = []

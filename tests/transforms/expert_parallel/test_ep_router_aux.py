@@ -13,8 +13,11 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import shardwise as sw
+from shardwise.testing.models import MoEBlock
 
 from .test_ep_step import F64, _ledger, _lm_loss, batches, moe_model
 
@@ -188,3 +191,27 @@ def test_a_padded_batch_leaves_the_padding_out_as_hf_does_on_one_device_and_unde
     assert abs(float(hf) - float(unmasked)) > 1e-3  # the mask matters here
     composed = sw.shard_params(sw.expert_parallel(reference, "ep"), "dp", 1)
     sw.testing.assert_equivalent(composed, reference, sw.Mesh(dp=2, ep=2), data, params)
+
+
+@settings(max_examples=4)
+@given(
+    ep=st.sampled_from([2, 4]),
+    dp=st.sampled_from([1, 2]),
+    local_experts=st.integers(1, 2),
+    top_k=st.integers(1, 2),
+    coef=st.sampled_from([0.01, 1.0]),
+    seed=st.integers(0, 2**16),
+)
+def test_property_the_aux_loss_under_dp_by_ep_equals_the_single_device_step(
+    ep: int, dp: int, local_experts: int, top_k: int, coef: float, seed: int
+) -> None:
+    num_experts = ep * local_experts
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(6, 8), MoEBlock(8, 2, 4, num_experts, top_k), MoEBlock(8, 2, 4, num_experts, 1),
+        torch.nn.Linear(8, 3),
+    ).double()
+    chain, params = sw.functionalize(model)
+    reference = sw.router_aux_loss(sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1, momentum=0.9)), coef)
+    composed = sw.shard_params(sw.expert_parallel(reference, "ep"), "dp", 3)
+    sw.testing.assert_equivalent(composed, reference, sw.Mesh(dp=dp, ep=ep), batches(size=8), params)

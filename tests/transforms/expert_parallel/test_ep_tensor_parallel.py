@@ -66,6 +66,15 @@ def test_hf_mixtral_tp_2_by_ep_2_equals_the_single_device_step() -> None:
     sw.testing.assert_equivalent(composed, step, sw.Mesh(ep=2, tp=2), data, params)
 
 
+def test_sequence_parallel_is_refused_with_the_fix() -> None:
+    step, _ = moe_model()
+    sequence = sw.tensor_parallel(step, "tp", PLAN, sequence_parallel="[12]")
+    with pytest.raises(ValueError, match=r"expert_parallel with tensor_parallel\(.*only its slice.*drop sequence_"):
+        sw.expert_parallel(sequence, "ep")
+    with pytest.raises(ValueError, match=r"expert_parallel with tensor_parallel\(.*routes only its slice"):
+        sw.tensor_parallel(sw.expert_parallel(step, "ep"), "tp", PLAN, sequence_parallel="[12]")
+
+
 def test_a_tensor_parallel_plan_styling_the_moe_block_is_refused() -> None:
     step, _ = moe_model()
     moe_styled = {"*.moe": sw.tp.Region(), "*.moe.gate": sw.tp.Colwise(output="replicated")}
