@@ -35,7 +35,7 @@ from ...collectives import all_gather, psum, psum_scatter
 from ...collectives.where import in_backward
 from ...engine.stack import in_layer
 from . import positions
-from .following import quiet
+from .following import current, quiet
 
 # -- the operations ------------------------------------------------------------------------------
 # Each is one autograd Function: an op in forward and its transpose in backward, among "psum",
@@ -84,6 +84,10 @@ def _comm(
 ) -> torch.Tensor:
     if not (x.is_floating_point() or x.is_complex()):
         raise TypeError(f"tensor_parallel: {label!r} passes a {x.dtype} tensor where a floating one is split or summed")
+    follower = current()
+    if follower is not None:  # a value in reduced form (partial.py) is made whole unless this takes it so
+        x = follower.before_collective(x, forward_op, dim)
+
     def run() -> torch.Tensor:
         with quiet():  # the reduced-form follower does not look inside our own collectives
             return _TPComm.apply(x, axis, forward_op, backward_op, dim, reduce, label)

@@ -47,7 +47,7 @@ class Install:
     enters: bool  # a Colwise outside any Region enters the parallel region itself
     region: str | None = None  # the Region it sits in, if any
     must_run: bool = False  # a split module that computes with the layer's own parameters: it must run
-    to_sequence: bool = False  # a Rowwise embedding feeding the first sequence-parallel block: left unsummed
+    to_sequence: bool = False  # a Rowwise embedding outside the blocks: its lookups left unsummed (partial.py)
 
 
 @dataclass
@@ -203,9 +203,14 @@ def resolve(chain: Chain, plan: Mapping[str, Style], sequence_parallel: str | No
                 own_names = {f"{prefix}{_join(subpath, n)}" for n, _ in module.named_parameters(recurse=False)}
                 # The sequence-parallel region's ends (partial.py): an embedding split on the vocabulary in the
                 # first block's layer or the one before leaves its lookups unsummed for the block to reduce-scatter.
+                # Under sequence parallel such a lookup is left unsummed and followed (partial.py) where the
+                # first block takes it (in its layer or the one before), and after the first block's layer:
+                # there it is a Hugging Face head's replay of the code before the first block (whose embedding
+                # a tied head makes the layer's), never used, so never summed. (Without sequence parallel a
+                # partial sum would meet the residual stream and be summed again at each norm.)
                 to_sequence = (
                     isinstance(chosen, Rowwise) and kind == EMBEDDING and not in_block and first_layer is not None
-                    and 0 <= order[first_layer] - order[layer.name] <= 1
+                    and order[first_layer] - order[layer.name] <= 1
                 )
                 lp.installs.append(Install(
                     subpath, path, chosen, kind, seq_dim, isinstance(chosen, Colwise) and not enclosing,
@@ -213,7 +218,7 @@ def resolve(chain: Chain, plan: Mapping[str, Style], sequence_parallel: str | No
                     must_run=not isinstance(chosen, Region) and bool(own_names & set(layer.param_names)),
                     to_sequence=to_sequence,
                 ))
-                if to_sequence and layer.name != first_layer:
+                if to_sequence and first_layer is not None and order[first_layer] - order[layer.name] == 1:
                     assert first_layer is not None
                     lp.partial_out = True
                     layers.setdefault(first_layer, LayerPlan(first_layer)).partial_in = True

@@ -220,6 +220,17 @@ class Follower(TorchFunctionMode):
         """A partial sum made whole: all-reduced (its gradient, every rank's, passes as it is)."""
         return self._made("sum", t, lambda x: leave(x, self.axis, None, self.label, self.reduce))
 
+    def before_collective(self, x: Tensor, op: str | None, dim: int) -> Tensor:
+        """What one of our collectives takes for ``x``: the first block's reduce-scatter takes a partial sum
+        as it is and the head's all-gather a slice; any other is given the whole value."""
+        if self.quiet:
+            return x
+        if x in self.values and not (op == "psum_scatter" and dim == 1):
+            return self._summed(x)
+        if self.slice_of(x) is not None and not (op == "all_gather" and dim == 1):
+            return self._gathered(x)
+        return x
+
     def finish(self, out: Any, values_out: bool, slices_out: bool = False) -> Any:
         """The layer's output as it leaves: its first leaf a partial sum when ``values_out`` (made one if
         it is not), or a slice when ``slices_out``; every other partial sum summed, slice gathered."""

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import shardwise as sw
+from shardwise.testing.models import Block, TinyGPT
 
 F64_RTOL = 1e-12
 SP = "sp"
@@ -290,3 +291,35 @@ def test_a_z_loss_and_label_smoothing_on_split_logits_equal_one_device(
     reference = sw.train_step(problem.step.chain, loss, sw.optim.sgd(0.1, momentum=0.9))
     step = sw.tensor_parallel(reference, "tp", problem.plan)
     sw.testing.assert_equivalent(step, reference, sw.Mesh(tp=tp), problem.batches, problem.params, rtol=F64_RTOL)
+
+
+class _GluedGPT(TinyGPT):
+    """TinyGPT with glue the region's ends must not take in reduced form: a norm of the embedding
+    (not linear: its partial sums are summed first) and a flip of the sequence after the last block
+    (not position by position: the slice is gathered first)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.emb_norm = torch.nn.LayerNorm(self.pos_emb.shape[-1]).double()
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok_emb(idx) * 2.0  # linear: stays a partial sum
+        x = self.emb_norm(x) + self.pos_emb[:, : x.size(1)]
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x).flip(1).flip(1))
+
+
+def test_sequence_parallel_ends_sum_or_gather_what_glue_needs_whole(build: dict[str, Callable]) -> None:
+    problem = build["tiny_gpt"]()
+    torch.manual_seed(0)
+    model = _GluedGPT(vocab=64, d_model=32, n_heads=4, n_layers=2, seq_len=8).double()
+    chain, params = sw.functionalize(model, units=Block)
+    reference = sw.train_step(chain, problem.step.loss_fn, sw.optim.sgd(0.1, momentum=0.9))
+    step = sw.tensor_parallel(reference, "tp", problem.plan, sequence_parallel=problem.blocks)
+    sw.testing.assert_equivalent(step, reference, sw.Mesh(tp=2), problem.batches, params, rtol=F64_RTOL)
+    plan = step.plan(sw.Mesh(tp=2), params, problem.batches[0])
+    inside = [str(a) for a in plan.for_rank(0) if a.kind == "inside"]
+    assert inside[0] == "psum(blocks.0, axis=tp)", inside  # the embedding's partial sums, summed before the norm
+    assert "all_gather(blocks.1, axis=tp)" in inside  # the last block's slice, gathered before the flip
+    assert "psum(head, axis=tp)" in inside  # so the head's input gradient is all-reduced, as before

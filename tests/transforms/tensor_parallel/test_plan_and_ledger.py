@@ -263,6 +263,18 @@ def test_sequence_parallel_ends_reduce_scatter_as_dtensor_does(n: int, build: di
     )
 
 
+def test_a_tied_head_does_not_sum_the_embedding_lookup_it_replays(build: dict[str, Callable]) -> None:
+    """GPT-2's head layer replays the code before the first block (its output is discarded), and its tied
+    head makes the vocabulary-split embedding the layer's: under sequence parallel the replayed lookup
+    is left unsummed, and never used, so no activation is all-reduced in forward."""
+    problem = build["gpt2"](steps=1)
+    step = sw.tensor_parallel(problem.step, "tp", problem.plan, sequence_parallel=problem.blocks)
+    records = _without_step_end(_tp_records(step, problem.params, 2, problem.batches[0]))
+    forward = [(r.op, r.nbytes) for r in records if r.phase == "forward"]
+    assert ("psum_scatter", ACT) in forward  # the embedding's lookups, into the first block
+    assert not [op for op in forward if op[0] == "psum" and op[1] >= ACT // 2], forward
+
+
 @pytest.mark.parametrize("n", [2, 4])
 def test_the_vocabulary_parallel_embedding_and_loss(n: int, build: dict[str, Callable]) -> None:
     """On top of the blocks: the split embedding's lookups are summed (an all-reduce of the
