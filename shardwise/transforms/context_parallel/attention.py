@@ -211,6 +211,7 @@ class HFForward:
         *args: Any, **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:
         m: Any = self.module
+        self._refuse_a_shorter_window(hidden_states.shape[1])
         mask = self._mask(attention_mask, hidden_states.shape[1])
         if m.training and float(getattr(m, "attention_dropout", 0.0)) > 0:
             raise ValueError(
@@ -237,15 +238,21 @@ class HFForward:
                 "(restarting position_ids in the batch), read where the model reads its batch; pass those in the "
                 "batch dict, not a mask of your own"
             )
-        config: Any = getattr(self.module, "config", None)
-        window = getattr(config, "sliding_window", None)
+        return TokenMask.from_carried(attention_mask)
+
+    def _refuse_a_shorter_window(self, local: int) -> None:
+        """Sliding-window attention shorter than the whole sequence, with a mask or without one: a rank's
+        part may fit in the window, where the model makes no mask (and ring attention would see every key)."""
+        m: Any = self.module
+        # The module's own window where it has one (Qwen2's: None on its full-attention layers), else the config's.
+        window = m.sliding_window if hasattr(m, "sliding_window") else getattr(getattr(m, "config", None),
+                                                                                 "sliding_window", None)
         if isinstance(window, int) and window < local * in_layer.size(self.axis):
             raise ValueError(
                 f"context_parallel: {self.where} uses sliding-window attention (config.sliding_window={window}, "
                 f"shorter than the sequence's {local * in_layer.size(self.axis)} tokens), which it does not split: use "
                 "sequences no longer than the window, or leave context_parallel out"
             )
-        return TokenMask.from_carried(attention_mask)
 
 
 def _describe(mask: Any) -> str:
