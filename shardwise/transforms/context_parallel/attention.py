@@ -57,7 +57,7 @@ def find_parts(layer: Layer, positions: tuple[str, ...]) -> LayerParts | None:
         for path, sub in module.named_modules():
             if type(sub).__name__.endswith("RotaryEmbedding"):
                 rotaries.append(path)
-            elif _known(sub) or _known_hf(sub, f"{layer.name}: {path}") or _known_gpt2(sub, f"{layer.name}: {path}"):
+            elif any(known(sub, f"{layer.name}: {path}") for known in (_known, _known_hf, _known_gpt2)):
                 attentions.append(path)
             elif type(sub).__name__.endswith("Attention") and not any(path.startswith(a + ".") for a in attentions):
                 raise ValueError(
@@ -108,14 +108,23 @@ def _refuse_unlisted_position_tables(layer: Layer, tables: tuple[str, ...]) -> N
             )
 
 
-def _known(module: nn.Module) -> bool:
+def _known(module: nn.Module, where: str) -> bool:
     mask = getattr(module, "mask", None)
-    return (
+    known = (
         isinstance(getattr(module, "qkv", None), nn.Module) and isinstance(getattr(module, "proj", None), nn.Module)
         and isinstance(getattr(module, "head_dim", None), int) and isinstance(mask, torch.Tensor)
         and mask.dim() == 2 and mask.dtype == torch.bool
         and (mask.is_meta or bool(torch.equal(mask, torch.ones_like(mask).tril())))
     )
+    # CPForward is TinyGPT's forward: a module it does not call (a q_norm, a dropout) would be left out.
+    extra = [n for n, _ in module.named_children() if n not in ("qkv", "proj")] if known else []
+    if extra:
+        raise ValueError(
+            f"context_parallel: {where} ({type(module).__name__}) holds {', '.join(extra)}, which the forward it "
+            "installs (qkv, causal attention, proj: TinyGPT's CausalSelfAttention) would not apply; rewrite the "
+            "module to call ring_attention / ulysses_attention, or leave context_parallel out"
+        )
+    return known
 
 
 def _known_hf(module: nn.Module, where: str) -> bool:

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import shardwise as sw
-from shardwise.testing.models import TinyGPT
+from shardwise.testing.models import CausalSelfAttention, TinyGPT
 from shardwise.transforms.context_parallel import context_parallel
 
 VOCAB, SEQ = 16, 16
@@ -246,3 +246,26 @@ def test_the_plans_kept_for_backward_is_what_a_run_keeps(cp: int, attention: str
     for rank, measured in enumerate(sw.launch(run, cp, timeout=60)):
         fewer_rows = 0 if attention == "ulysses" else 2 * 4 * 4 * 3 * (cp - 1 - rank) * (SEQ // (2 * cp)) * 8
         assert planned[rank] == measured + merged + fewer_rows, (rank, planned[rank], measured + merged)
+
+
+class NormedAttention(CausalSelfAttention):
+    """TinyGPT's attention with a q_norm: qkv, proj, head_dim and the causal mask, so it looks known."""
+
+    def __init__(self, d_model: int, n_heads: int, seq_len: int) -> None:
+        super().__init__(d_model, n_heads, seq_len)
+        self.q_norm = nn.LayerNorm(d_model // n_heads)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = (z.view(b, t, -1, self.head_dim).transpose(1, 2) for z in self.qkv(x).chunk(3, dim=-1))
+        y = F.scaled_dot_product_attention(self.q_norm(q), k, v, attn_mask=self.mask[:t, :t])
+        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
+def test_a_known_looking_attention_with_a_module_its_forward_leaves_out_is_refused() -> None:
+    """The installed forward is TinyGPT's: it left the q_norm out and trained another model without an
+    error (the loss differed from the single device's by 6e-3 relative). Refused, naming the module."""
+    chain, _ = sw.functionalize(nn.Sequential(nn.Linear(8, 8), NormedAttention(8, 2, 16)))
+    step = sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1))
+    with pytest.raises(ValueError, match=r"\(NormedAttention\) holds q_norm, which the forward it installs"):
+        context_parallel(step, "cp")
