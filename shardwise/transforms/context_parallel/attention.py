@@ -56,6 +56,7 @@ def find_parts(layer: Layer, positions: tuple[str, ...]) -> LayerParts | None:
     if isinstance(module, nn.Module):
         for path, sub in module.named_modules():
             if type(sub).__name__.endswith("RotaryEmbedding"):
+                _refuse_length_dependent_rope(sub, f"{layer.name}: {path}")
                 rotaries.append(path)
             elif any(known(sub, f"{layer.name}: {path}") for known in (_known, _known_hf, _known_gpt2)):
                 attentions.append(path)
@@ -71,6 +72,21 @@ def find_parts(layer: Layer, positions: tuple[str, ...]) -> LayerParts | None:
     if not attentions and not tables and not rotaries:
         return None
     return LayerParts(tuple(attentions), tables, tuple(rotaries))
+
+
+def _refuse_length_dependent_rope(module: nn.Module, where: str) -> None:
+    """A rotary embedding whose frequencies follow the longest position a call sees (Hugging Face's
+    dynamic NTK and longrope types, which also keep it from call to call): a rank sees only its part's
+    positions, so ranks would rotate by other frequencies than the whole sequence's, without an error."""
+    kind = getattr(module, "rope_type", None)
+    kinds = kind.values() if isinstance(kind, dict) else (kind,)
+    scaled = sorted({k for k in kinds if isinstance(k, str) and ("dynamic" in k or k == "longrope")})
+    if scaled:
+        raise ValueError(
+            f"context_parallel: {where} ({type(module).__name__}) is rope_type {scaled[0]!r}, whose frequencies "
+            "depend on the longest position each call sees; a rank sees only its part of the sequence. Use a "
+            "rope type of fixed frequencies (default, linear, yarn, llama3), or leave context_parallel out"
+        )
 
 
 def module_fn(fn: Any) -> Any:
