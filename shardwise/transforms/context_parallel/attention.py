@@ -167,6 +167,15 @@ def _known_hf(module: nn.Module, where: str) -> bool:
             "attentions that are exactly Llama's: rewrite this one to call ring_attention / ulysses_attention, "
             "or leave context_parallel out"
         )
+    # ... nor what such a forward does beyond Llama's on its own settings (OLMo's clip_qkv clamps q, k, v;
+    # Starcoder2's residual_dropout drops the output).
+    clip, dropout = getattr(config, "clip_qkv", None), getattr(m, "residual_dropout", 0.0)
+    if clip is not None or (isinstance(dropout, float) and dropout > 0):
+        setting = f"config.clip_qkv={clip}" if clip is not None else f"residual_dropout={dropout}"
+        raise ValueError(
+            f"context_parallel: {where} ({type(m).__name__}) has {setting}, which the Llama-shaped forward it installs "
+            "would not apply: set it to None / 0, or leave context_parallel out"
+        )
     return True
 
 
