@@ -109,12 +109,19 @@ POSITION_TABLE_NAMES = frozenset({
 })
 
 
+# ... and any name with one of these words between its underscores (CLIP's positional_embedding, the
+# position_embedding_table of Karpathy's GPT, abs_pos_emb), which the list above missed.
+POSITION_WORDS = frozenset({"pos", "position", "positions", "positional"})
+
+
 def _refuse_unlisted_position_tables(layer: Layer, tables: tuple[str, ...]) -> None:
     """A parameter named like a position table that ``positions=`` does not list: each rank would read
     its rows 0 .. t-1 (its local positions) where the sequence's global ones are meant, and train a
     different model without an error. Refused, naming it."""
     for name in layer.param_names:
-        if name not in tables and POSITION_TABLE_NAMES.intersection(name.split(".")):
+        parts = name.split(".")
+        words = {w for part in parts for w in part.split("_")}
+        if name not in tables and (POSITION_TABLE_NAMES.intersection(parts) or POSITION_WORDS & words):
             suggest = ".".join(name.split(".")[-2:]) if name.endswith(".weight") else name.split(".")[-1]
             raise ValueError(
                 f"context_parallel: layer {layer.name!r} has the parameter {name!r}, named like a learned "

@@ -269,3 +269,29 @@ def test_a_known_looking_attention_with_a_module_its_forward_leaves_out_is_refus
     step = sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1))
     with pytest.raises(ValueError, match=r"\(NormedAttention\) holds q_norm, which the forward it installs"):
         context_parallel(step, "cp")
+
+
+@pytest.mark.parametrize("name", ["positional_embedding", "position_embedding_table", "abs_pos_emb"])
+def test_a_position_table_named_outside_the_known_names_is_refused(name: str) -> None:
+    """CLIP's positional_embedding (and Karpathy's position_embedding_table, abs_pos_emb) were not among the
+    known names: read at each rank's local positions, the step trained another model without an error (the
+    loss differed from the single device's by 5e-3 relative). Refused, with the fix; listed, it trains right."""
+
+    class Named(TinyGPT):
+        def __init__(self, **kwargs: Any) -> None:
+            super().__init__(**kwargs)
+            setattr(self, name, self._parameters.pop("pos_emb"))
+
+        @property  # type: ignore[override]
+        def pos_emb(self) -> torch.Tensor:
+            return getattr(self, name)
+
+    torch.manual_seed(0)
+    model = Named(vocab=VOCAB, d_model=16, n_heads=4, n_layers=1, seq_len=SEQ).double()
+    chain, params = sw.functionalize(model, units=["tok_emb", "blocks", "head"])
+    step = sw.train_step(chain, next_token_loss, sw.optim.sgd(0.1, momentum=0.9))
+    with pytest.raises(ValueError, match=rf"'{name}', named like a learned position table"):
+        context_parallel(step, "cp")
+    if name == "positional_embedding":
+        sw.testing.assert_equivalent(context_parallel(step, "cp", positions=(name,)), step, sw.Mesh(cp=2), batches(),
+                                     params)
