@@ -56,8 +56,9 @@ def find_parts(layer: Layer, positions: tuple[str, ...]) -> LayerParts | None:
     if isinstance(module, nn.Module):
         for path, sub in module.named_modules():
             if type(sub).__name__.endswith("RotaryEmbedding"):
+                _refuse_length_dependent_rope(sub, f"{layer.name}: {path}")
                 rotaries.append(path)
-            elif _known(sub) or _known_hf(sub, f"{layer.name}: {path}") or _known_gpt2(sub, f"{layer.name}: {path}"):
+            elif any(known(sub, f"{layer.name}: {path}") for known in (_known, _known_hf, _known_gpt2)):
                 attentions.append(path)
             elif type(sub).__name__.endswith("Attention") and not any(path.startswith(a + ".") for a in attentions):
                 raise ValueError(
@@ -71,6 +72,21 @@ def find_parts(layer: Layer, positions: tuple[str, ...]) -> LayerParts | None:
     if not attentions and not tables and not rotaries:
         return None
     return LayerParts(tuple(attentions), tables, tuple(rotaries))
+
+
+def _refuse_length_dependent_rope(module: nn.Module, where: str) -> None:
+    """A rotary embedding whose frequencies follow the longest position a call sees (Hugging Face's
+    dynamic NTK and longrope types, which also keep it from call to call): a rank sees only its part's
+    positions, so ranks would rotate by other frequencies than the whole sequence's, without an error."""
+    kind = getattr(module, "rope_type", None)
+    kinds = kind.values() if isinstance(kind, dict) else (kind,)
+    scaled = sorted({k for k in kinds if isinstance(k, str) and ("dynamic" in k or k == "longrope")})
+    if scaled:
+        raise ValueError(
+            f"context_parallel: {where} ({type(module).__name__}) is rope_type {scaled[0]!r}, whose frequencies "
+            "depend on the longest position each call sees; a rank sees only its part of the sequence. Use a "
+            "rope type of fixed frequencies (default, linear, yarn, llama3), or leave context_parallel out"
+        )
 
 
 def module_fn(fn: Any) -> Any:
@@ -93,12 +109,19 @@ POSITION_TABLE_NAMES = frozenset({
 })
 
 
+# ... and any name with one of these words between its underscores (CLIP's positional_embedding, the
+# position_embedding_table of Karpathy's GPT, abs_pos_emb), which the list above missed.
+POSITION_WORDS = frozenset({"pos", "position", "positions", "positional"})
+
+
 def _refuse_unlisted_position_tables(layer: Layer, tables: tuple[str, ...]) -> None:
     """A parameter named like a position table that ``positions=`` does not list: each rank would read
     its rows 0 .. t-1 (its local positions) where the sequence's global ones are meant, and train a
     different model without an error. Refused, naming it."""
     for name in layer.param_names:
-        if name not in tables and POSITION_TABLE_NAMES.intersection(name.split(".")):
+        parts = name.split(".")
+        words = {w for part in parts for w in part.split("_")}
+        if name not in tables and (POSITION_TABLE_NAMES.intersection(parts) or POSITION_WORDS & words):
             suggest = ".".join(name.split(".")[-2:]) if name.endswith(".weight") else name.split(".")[-1]
             raise ValueError(
                 f"context_parallel: layer {layer.name!r} has the parameter {name!r}, named like a learned "
@@ -108,14 +131,23 @@ def _refuse_unlisted_position_tables(layer: Layer, tables: tuple[str, ...]) -> N
             )
 
 
-def _known(module: nn.Module) -> bool:
+def _known(module: nn.Module, where: str) -> bool:
     mask = getattr(module, "mask", None)
-    return (
+    known = (
         isinstance(getattr(module, "qkv", None), nn.Module) and isinstance(getattr(module, "proj", None), nn.Module)
         and isinstance(getattr(module, "head_dim", None), int) and isinstance(mask, torch.Tensor)
         and mask.dim() == 2 and mask.dtype == torch.bool
         and (mask.is_meta or bool(torch.equal(mask, torch.ones_like(mask).tril())))
     )
+    # CPForward is TinyGPT's forward: a module it does not call (a q_norm, a dropout) would be left out.
+    extra = [n for n, _ in module.named_children() if n not in ("qkv", "proj")] if known else []
+    if extra:
+        raise ValueError(
+            f"context_parallel: {where} ({type(module).__name__}) holds {', '.join(extra)}, which the forward it "
+            "installs (qkv, causal attention, proj: TinyGPT's CausalSelfAttention) would not apply; rewrite the "
+            "module to call ring_attention / ulysses_attention, or leave context_parallel out"
+        )
+    return known
 
 
 def _known_hf(module: nn.Module, where: str) -> bool:
@@ -141,6 +173,15 @@ def _known_hf(module: nn.Module, where: str) -> bool:
             f"it installs ({', '.join(_HF_PROJECTIONS)}, rotary embedding, sdpa) would not apply; it splits "
             "attentions that are exactly Llama's: rewrite this one to call ring_attention / ulysses_attention, "
             "or leave context_parallel out"
+        )
+    # ... nor what such a forward does beyond Llama's on its own settings (OLMo's clip_qkv clamps q, k, v;
+    # Starcoder2's residual_dropout drops the output).
+    clip, dropout = getattr(config, "clip_qkv", None), getattr(m, "residual_dropout", 0.0)
+    if clip is not None or (isinstance(dropout, float) and dropout > 0):
+        setting = f"config.clip_qkv={clip}" if clip is not None else f"residual_dropout={dropout}"
+        raise ValueError(
+            f"context_parallel: {where} ({type(m).__name__}) has {setting}, which the Llama-shaped forward it installs "
+            "would not apply: set it to None / 0, or leave context_parallel out"
         )
     return True
 
@@ -211,6 +252,7 @@ class HFForward:
         *args: Any, **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:
         m: Any = self.module
+        self._refuse_a_shorter_window(hidden_states.shape[1])
         mask = self._mask(attention_mask, hidden_states.shape[1])
         if m.training and float(getattr(m, "attention_dropout", 0.0)) > 0:
             raise ValueError(
@@ -237,15 +279,21 @@ class HFForward:
                 "(restarting position_ids in the batch), read where the model reads its batch; pass those in the "
                 "batch dict, not a mask of your own"
             )
-        config: Any = getattr(self.module, "config", None)
-        window = getattr(config, "sliding_window", None)
+        return TokenMask.from_carried(attention_mask)
+
+    def _refuse_a_shorter_window(self, local: int) -> None:
+        """Sliding-window attention shorter than the whole sequence, with a mask or without one: a rank's
+        part may fit in the window, where the model makes no mask (and ring attention would see every key)."""
+        m: Any = self.module
+        # The module's own window where it has one (Qwen2's: None on its full-attention layers), else the config's.
+        window = m.sliding_window if hasattr(m, "sliding_window") else getattr(getattr(m, "config", None),
+                                                                                 "sliding_window", None)
         if isinstance(window, int) and window < local * in_layer.size(self.axis):
             raise ValueError(
                 f"context_parallel: {self.where} uses sliding-window attention (config.sliding_window={window}, "
                 f"shorter than the sequence's {local * in_layer.size(self.axis)} tokens), which it does not split: use "
                 "sequences no longer than the window, or leave context_parallel out"
             )
-        return TokenMask.from_carried(attention_mask)
 
 
 def _describe(mask: Any) -> str:

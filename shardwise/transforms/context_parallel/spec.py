@@ -36,7 +36,11 @@ from .comm import whole_sequence
 from .layout import check_sequence_length, local_chunks, shard_order
 from .masks import TokenMask, token_mask
 
-_RESOLVED: weakref.WeakKeyDictionary[Chain, dict[str, LayerParts]] = weakref.WeakKeyDictionary()
+# Per chain, per positions= (what a layer's tables are depends on it: another call on the same chain that
+# lists another table must not get the first call's).
+_RESOLVED: weakref.WeakKeyDictionary[Chain, dict[tuple[str, ...], dict[str, LayerParts]]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 @dataclass(frozen=True)
@@ -64,8 +68,9 @@ class CPSpec:
 
     def resolve(self, chain: Chain) -> dict[str, LayerParts]:
         """Per layer, its attention modules and position tables; a chain without attention is refused."""
-        if chain in _RESOLVED:
-            return _RESOLVED[chain]
+        known = _RESOLVED.get(chain, {}).get(self.positions)
+        if known is not None:
+            return known
         found: dict[str, LayerParts] = {}
         for layer in chain:
             parts = find_parts(layer, self.positions)
@@ -77,7 +82,7 @@ class CPSpec:
                 "self-attention with qkv and proj projections and a lower-triangular mask: TinyGPT's "
                 "CausalSelfAttention); nothing to run over the sequence's parts"
             )
-        _RESOLVED[chain] = found
+        _RESOLVED.setdefault(chain, {})[self.positions] = found
         return found
 
     def rewrite(self, chain: Chain, stack: tuple[Any, ...] = ()) -> Chain:
@@ -99,7 +104,7 @@ class CPSpec:
                 layer.name, wrapped, layer.param_names, layer.buffers, layer.ties,
             ))
         rewritten = Chain(layers)
-        _RESOLVED[rewritten] = found
+        _RESOLVED.setdefault(rewritten, {})[self.positions] = found
         return rewritten
 
     def _install(self, fn: Any, parts: LayerParts, layer: str) -> Any:

@@ -95,3 +95,43 @@ def test_an_hf_attention_with_a_module_its_forward_leaves_out_is_refused(family:
     step = sw.train_step(chain, lm_loss, sw.optim.sgd(0.1))
     with pytest.raises(ValueError, match=rf"self_attn \({family}Attention\) holds q_norm, k_norm"):
         sw.context_parallel(step, "cp")
+
+
+def test_a_rotary_embedding_whose_frequencies_follow_the_sequence_length_is_refused() -> None:
+    """Dynamic NTK rope recomputes its frequencies from the largest position a call sees, and keeps them:
+    each rank sees only its part's, so ranks rotated by other frequencies than the single device (the loss
+    differed by 4e-8 relative, with an example input shorter than the batches). Refused."""
+    torch.manual_seed(0)
+    cfg = T.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=SEQ // 2, attn_implementation="sdpa", bos_token_id=0,
+        eos_token_id=0, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+    )
+    chain, _ = sw.functionalize(T.LlamaForCausalLM(cfg).double(), units=T.models.llama.modeling_llama.LlamaDecoderLayer,
+                                example_input=torch.randint(0, VOCAB, (2, SEQ)))
+    step = sw.train_step(chain, lm_loss, sw.optim.sgd(0.1))
+    with pytest.raises(ValueError, match=r"rotary_emb \(LlamaRotaryEmbedding\) is rope_type 'dynamic'"):
+        sw.context_parallel(step, "cp")
+
+
+@pytest.mark.parametrize(("family", "setting"), [
+    ("Olmo", {"clip_qkv": 0.05}), ("Starcoder2", {"residual_dropout": 0.1}),
+])
+def test_an_hf_attention_whose_forward_does_more_than_llama_s_is_refused(family: str, setting: dict) -> None:
+    """OLMo's attention clamps q, k and v to clip_qkv in its forward, which the Llama-shaped forward left out:
+    another model without an error (the loss differed from the single device's by 3e-4 relative).
+    Starcoder2's drops its output by residual_dropout. Refused, naming the setting."""
+    torch.manual_seed(0)
+    config = getattr(T, f"{family}Config")(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=2 * SEQ, attn_implementation="sdpa", bos_token_id=0,
+        eos_token_id=0, **setting,
+    )
+    layer = getattr(getattr(T.models, family.lower()), f"modeling_{family.lower()}")
+    chain, _ = sw.functionalize(getattr(T, f"{family}ForCausalLM")(config).double(),
+                                units=getattr(layer, f"{family}DecoderLayer"),
+                                example_input=torch.randint(0, VOCAB, (2, SEQ)))
+    step = sw.train_step(chain, lm_loss, sw.optim.sgd(0.1))
+    name, value = next(iter(setting.items()))
+    with pytest.raises(ValueError, match=rf"\({family}Attention\) has (config\.)?{name}={value}"):
+        sw.context_parallel(step, "cp")

@@ -130,3 +130,23 @@ def test_a_four_dimensional_mask_is_refused() -> None:
 def test_sliding_window_attention_shorter_than_the_sequence_is_refused() -> None:
     step, params, batches = llama("left", sliding_window=4)
     refused(step, params, batches[0], r"sliding-window attention \(config.sliding_window=4")
+
+
+@pytest.mark.parametrize("family", ["Mistral", "Qwen2"])
+def test_a_sliding_window_between_a_part_and_the_sequence_is_refused_without_a_mask(family: str) -> None:
+    """A window of 12 over 16 tokens cut in two parts of 8: each rank's part fits in the window, so the model
+    makes no mask, and the ring attended over every earlier key: another model without an error (the loss
+    differed from the single device's by 1e-4 relative). Refused, with or without a mask in the batch."""
+    torch.manual_seed(0)
+    extra = {"use_sliding_window": True, "max_window_layers": 0} if family == "Qwen2" else {}
+    cfg = getattr(T, f"{family}Config")(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=2 * SEQ, attn_implementation="sdpa", bos_token_id=0,
+        eos_token_id=0, sliding_window=12, **extra,
+    )
+    ids = torch.randint(0, VOCAB, (2, SEQ + 1))
+    layer = getattr(getattr(T.models, family.lower()), f"modeling_{family.lower()}")
+    chain, params = sw.functionalize(getattr(T, f"{family}ForCausalLM")(cfg).double(),
+                                     units=getattr(layer, f"{family}DecoderLayer"), example_input=ids[:, :-1])
+    step = sw.train_step(chain, lm_loss, sw.optim.sgd(0.1))
+    refused(step, params, (ids[:, :-1], ids[:, 1:]), r"sliding-window attention \(config.sliding_window=12")

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import shardwise as sw
-from shardwise.testing.models import TinyGPT
+from shardwise.testing.models import CausalSelfAttention, TinyGPT
 from shardwise.transforms.context_parallel import context_parallel
 
 VOCAB, SEQ = 16, 16
@@ -246,3 +246,75 @@ def test_the_plans_kept_for_backward_is_what_a_run_keeps(cp: int, attention: str
     for rank, measured in enumerate(sw.launch(run, cp, timeout=60)):
         fewer_rows = 0 if attention == "ulysses" else 2 * 4 * 4 * 3 * (cp - 1 - rank) * (SEQ // (2 * cp)) * 8
         assert planned[rank] == measured + merged + fewer_rows, (rank, planned[rank], measured + merged)
+
+
+class NormedAttention(CausalSelfAttention):
+    """TinyGPT's attention with a q_norm: qkv, proj, head_dim and the causal mask, so it looks known."""
+
+    def __init__(self, d_model: int, n_heads: int, seq_len: int) -> None:
+        super().__init__(d_model, n_heads, seq_len)
+        self.q_norm = nn.LayerNorm(d_model // n_heads)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = (z.view(b, t, -1, self.head_dim).transpose(1, 2) for z in self.qkv(x).chunk(3, dim=-1))
+        y = F.scaled_dot_product_attention(self.q_norm(q), k, v, attn_mask=self.mask[:t, :t])
+        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
+def test_a_known_looking_attention_with_a_module_its_forward_leaves_out_is_refused() -> None:
+    """The installed forward is TinyGPT's: it left the q_norm out and trained another model without an
+    error (the loss differed from the single device's by 6e-3 relative). Refused, naming the module."""
+    chain, _ = sw.functionalize(nn.Sequential(nn.Linear(8, 8), NormedAttention(8, 2, 16)))
+    step = sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1))
+    with pytest.raises(ValueError, match=r"\(NormedAttention\) holds q_norm, which the forward it installs"):
+        context_parallel(step, "cp")
+
+
+@pytest.mark.parametrize("name", ["positional_embedding", "position_embedding_table", "abs_pos_emb"])
+def test_a_position_table_named_outside_the_known_names_is_refused(name: str) -> None:
+    """CLIP's positional_embedding (and Karpathy's position_embedding_table, abs_pos_emb) were not among the
+    known names: read at each rank's local positions, the step trained another model without an error (the
+    loss differed from the single device's by 5e-3 relative). Refused, with the fix; listed, it trains right."""
+
+    class Named(TinyGPT):
+        def __init__(self, **kwargs: Any) -> None:
+            super().__init__(**kwargs)
+            setattr(self, name, self._parameters.pop("pos_emb"))
+
+        @property  # type: ignore[override]
+        def pos_emb(self) -> torch.Tensor:
+            return getattr(self, name)
+
+    torch.manual_seed(0)
+    model = Named(vocab=VOCAB, d_model=16, n_heads=4, n_layers=1, seq_len=SEQ).double()
+    chain, params = sw.functionalize(model, units=["tok_emb", "blocks", "head"])
+    step = sw.train_step(chain, next_token_loss, sw.optim.sgd(0.1, momentum=0.9))
+    with pytest.raises(ValueError, match=rf"'{name}', named like a learned position table"):
+        context_parallel(step, "cp")
+    if name == "positional_embedding":
+        sw.testing.assert_equivalent(context_parallel(step, "cp", positions=(name,)), step, sw.Mesh(cp=2), batches(),
+                                     params)
+
+
+def test_a_second_call_on_the_same_chain_reads_the_tables_its_own_positions_list() -> None:
+    """The chain's attentions and tables were remembered per chain, not per positions=: a first call that
+    missed a table (under a name nothing recognises) made a second call listing it read it at local
+    positions too, another model without an error (loss off by 5e-3 relative)."""
+
+    class Named(TinyGPT):
+        def __init__(self, **kwargs: Any) -> None:
+            super().__init__(**kwargs)
+            self.table = self._parameters.pop("pos_emb")
+
+        @property  # type: ignore[override]
+        def pos_emb(self) -> torch.Tensor:
+            return self.table
+
+    torch.manual_seed(0)
+    model = Named(vocab=VOCAB, d_model=16, n_heads=4, n_layers=1, seq_len=SEQ).double()
+    chain, params = sw.functionalize(model, units=["tok_emb", "blocks", "head"])
+    step = sw.train_step(chain, next_token_loss, sw.optim.sgd(0.1, momentum=0.9))
+    context_parallel(step, "cp")  # "table" is no name it knows: read at local positions, as the user wrote
+    sw.testing.assert_equivalent(context_parallel(step, "cp", positions=("table",)), step, sw.Mesh(cp=2), batches(),
+                                 params)
