@@ -273,6 +273,9 @@ def test_reductions_in_flight_default_by_device() -> None:
     spec = sw.shard_params(base, "dp", 3).sharding_spec
     assert spec is not None
     assert (spec.reductions_in_flight("cpu"), spec.reductions_in_flight("cuda")) == (0, 1)
+    # Stage 2 holds at most one bucket more with one in flight, on any device.
+    stage2 = sw.shard_params(base, "dp", 2).sharding_spec
+    assert stage2 is not None and (stage2.reductions_in_flight("cpu"), stage2.reductions_in_flight("cuda")) == (1, 1)
     chosen = sw.shard_params(base, "dp", 3, reduce_in_flight=2).sharding_spec
     assert chosen is not None and chosen.reductions_in_flight("cpu") == 2
     # The default on a CPU is the plan of 0 in flight.

@@ -96,3 +96,31 @@ def test_bad_bucket_sizes_are_refused() -> None:
             sw.shard_params(base, "dp", 2, bucket_mb=bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="buckets are for stages 1 and 2"):
         sw.shard_params(base, "dp", 3, bucket_mb=4)
+
+
+@pytest.mark.parametrize(("stage", "size", "calls"), [(1, "split", 1), (2, "all", 1), (2, "pairs", 2), (2, "split", 4)])
+def test_a_buckets_backwards_run_as_one_autograd_call(
+    stage: int, size: str, calls: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The executor joins the backwards the Plan lists side by side (a ZeRO-1 backward whole, a ZeRO-2
+    one per bucket: its reduce-scatter and wait lie between buckets), and the step stays the single
+    device's (the test above runs the same cases)."""
+    step, params, batches = _problem()
+    sharded = sw.shard_params(step, "dp", stage, bucket_mb=BUCKETS[size])
+    counted: list[int] = []
+    backward = torch.autograd.backward
+
+    def counting(*args: object, **kwargs: object) -> None:
+        counted.append(1)
+        backward(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(torch.autograd, "backward", counting)
+    state = sharded.init(params, sw.Mesh(dp=1))
+    state, _ = sharded(state, batches[0])
+    assert len(counted) == calls
+    reference = step.init(params)
+    reference, _ = step(reference, batches[0])
+    got, want = sharded.full_params(state), reference.params
+    for layer, tensors in want.items():
+        for name, value in tensors.items():
+            torch.testing.assert_close(got[layer][name], value, rtol=F64_RTOL, atol=0)

@@ -15,7 +15,8 @@ when the collective is issued, so the caller may reuse its tensor at once; with
 ``snapshot=False`` (the sync collectives) torch reads the caller's tensor
 wherever it only reads (all_gather, reduce_scatter, all_to_all, the sends of
 permute, the broadcast root), and only all_reduce, which torch runs in place,
-still copies (into the buffer it returns).
+still copies (into the buffer it returns), as does reduce_scatter on gloo, which
+runs as an all-reduce (faster there than torch's gloo reduce-scatter).
 
 Two things differ from the threads backend. A group's first collective creates
 its process group, which blocks until every member arrives (later ones are
@@ -129,6 +130,8 @@ class TorchDistributedBackend(PointToPoint, Backend):
     ) -> Work:
         _check_leading_dim(x, group, op_name)
         pg, order = self._enter(x, group, op_name)
+        if x.device.type == "cpu" and "gloo" in self.name:
+            return self._reduce_scatter_by_all_reduce(x, group, pg, op_name)
         # torch leaves the input of a reduce-scatter unchanged (nccl by its API;
         # gloo checked by tests/collectives/test_no_alias.py), so without a
         # snapshot it reads the caller's tensor.
@@ -137,6 +140,21 @@ class TorchDistributedBackend(PointToPoint, Backend):
         out = torch.empty(rest.numel(), dtype=x.dtype, device=x.device)
         work = self._issue(op_name, group, x, lambda: _reduce_scatter_flat(out, send, group=pg, async_op=True))
         return _DistWork(self, op_name, group, x, [work], lambda: out.view(rest), keep_alive=(send,))
+
+    def _reduce_scatter_by_all_reduce(self, x: torch.Tensor, group: Group, pg: Any, op_name: str) -> Work:
+        """gloo's reduce-scatter: an all-reduce of a copy of ``x``, then this rank's row, copied.
+
+        gloo has no reduce-scatter of its own: torch's ``reduce_scatter_single`` on gloo took 1.45x
+        an all-reduce of the same buffer here (8 MiB, world 2; 1.15x at world 4, 1.2x at 1 MiB;
+        benchmarks/README.md, issue 27), and its list form as long or longer. The all-reduce runs
+        in place, so it works on a copy (the caller's tensor is left as it was), and the result is
+        a copy of this rank's row, so the whole buffer is released at the wait. The rows are in
+        the Group's order already: no reordering for a group listed out of rank order. The ledger
+        still counts the reduce-scatter's bytes (the op the program asked for)."""
+        buf = _flat_copy(x)
+        row = group.index(self.rank)
+        work = self._issue(op_name, group, x, lambda: dist.all_reduce(buf, group=pg, async_op=True))
+        return _DistWork(self, op_name, group, x, [work], lambda: buf.view(x.shape)[row].clone())
 
     def all_to_all(
         self, x: torch.Tensor, group: Group, op_name: str = "all_to_all", *, snapshot: bool = True

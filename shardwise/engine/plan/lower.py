@@ -265,7 +265,8 @@ def _waits_for_reductions(actions: list[Action], axis: str, deferred: int, in_fl
     next unit's backward to overlap with, for one unit's full gradient more at the peak. On gloo
     (an 8 x Linear(512) MLP, world 2, three paired runs of 30 steps, step time over FSDP2's):
     ZeRO-3 0.71 with one in flight, 0.70 with two or four, 0.71 with all; ZeRO-2 0.60, 0.57,
-    0.53 and 0.56: within the noise, so none in flight is the CPU default (see ShardSpec). The
+    0.53 and 0.56: within the noise, so none in flight is ZeRO-3's CPU default, and one ZeRO-2's,
+whose extra buffer is at most a bucket (see ShardSpec.reductions_in_flight). The
     deferred ones (stage 1, tied units) come after the backward, where the full gradients are
     held anyway: all in flight."""
     out: list[Action] = []

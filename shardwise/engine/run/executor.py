@@ -8,7 +8,11 @@ Compute. Each (stage, micro-batch) forward keeps its own autograd graph, cut at
 the stage input, so its backward runs whenever the plan says: as one ``B``, or
 as ``I`` (the input gradient, handed upstream at once; the graph is kept) and
 later ``W`` (the weight gradients). Without a pipeline every layer is its own
-stage, which is where ZeRO gathers and frees parameters. Every micro-batch's
+stage, which is where ZeRO gathers and frees parameters. Whole backwards of one
+micro-batch on consecutive stages with nothing between them in the plan run as
+one autograd call (their forwards leave those inputs on the graph,
+:func:`joined_backwards`): a ZeRO-1 or unsharded backward is one call, a ZeRO-2
+one one per gradient bucket (except when the step is traced, which times each). Every micro-batch's
 forward uses the same leaf per parameter for the whole step, and weight
 gradients go into that leaf's ``.grad`` (``autograd.backward(inputs=)``), so
 micro-batches accumulate in place as torch's modules accumulate ``.grad``. Each
@@ -30,6 +34,7 @@ ZeRO's actions live in ``executor_zero.py`` and the pipeline's transfers in
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -140,10 +145,44 @@ class ReplicaCheck:
 
 @dataclass
 class _Saved:
-    inputs: list[torch.Tensor]  # leaves that require grad (empty for stage 0)
+    inputs: list[torch.Tensor]  # leaves that require grad (empty for stage 0, and for a joined stage)
     params: dict[tuple[str, str], torch.Tensor]  # (owner layer, local name) -> the step's leaf
     outputs: list[torch.Tensor]  # float leaves of the stage output (or [loss] on the last stage)
     output_grads: list[torch.Tensor | None] | None = None  # kept between I and W
+    # A joined stage (its input left on the previous stage's graph): whether a gradient reached that
+    # input in the backward (set by a hook on it); None for a stage whose input is cut.
+    reached: list[bool] | None = None
+
+
+def joined_backwards(actions: Sequence[Action]) -> tuple[dict[tuple[int, int], int], set[tuple[int, int]]]:
+    """Runs of adjacent whole backwards of one micro-batch on consecutive stages (``B(s) B(s-1) ...``,
+    nothing between them), which then run as one autograd call: (stage at the top, micro-batch) ->
+    the run's lowest stage, and the (stage, micro-batch) backwards that call covers (all but the top).
+
+    Their forwards leave each input above the lowest on the previous stage's graph instead of cutting
+    it, so the one call goes through them as ``loss.backward()`` would; nothing between the backwards
+    (a ZeRO reduce-scatter, a free, a send) needed them apart. Without a pipeline every layer is its
+    own stage, so a ZeRO-1 backward is one call instead of one per layer, a ZeRO-2 one one per bucket.
+    """
+    tops: dict[tuple[int, int], int] = {}
+    covered: set[tuple[int, int]] = set()
+    top: tuple[int, int] | None = None
+    previous: Action | None = None
+    for action in actions:
+        if (
+            action.kind == BACKWARD and previous is not None and previous.kind == BACKWARD
+            and top is not None and previous.microbatch == action.microbatch
+            and previous.stage is not None and action.stage == previous.stage - 1
+        ):
+            s, m = action.require("stage"), action.mb
+            tops[top] = s
+            covered.add((s, m))
+        elif action.kind == BACKWARD:
+            top = (action.require("stage"), action.mb)
+        else:
+            top = None
+        previous = action
+    return tops, covered
 
 
 @dataclass
@@ -223,6 +262,9 @@ class Executor(ZeroActions, TransferActions):
     _metrics_total: torch.Tensor | None = None
     _metrics_handle: Handle | None = None
     _actions: Sequence[Action] = ()
+    _tops: dict[tuple[int, int], int] = field(default_factory=dict)  # joined_backwards
+    _covered: set[tuple[int, int]] = field(default_factory=set)
+    _joined: set[tuple[int, int]] = field(default_factory=set)  # (stage, mb) whose input stays on the graph
     _checks: dict[str, Handle] = field(default_factory=dict)  # per split axis: the replica check in flight
 
     def __post_init__(self) -> None:
@@ -272,6 +314,10 @@ class Executor(ZeroActions, TransferActions):
             WAIT_PARAMS: self.wait_params,
         }
         self._actions = actions
+        # A traced step times every backward, and the collectives its layers issue, on its own.
+        self._tops, self._covered = ({}, set()) if self.record else joined_backwards(actions)
+        # A stage's input stays on the graph when its backward and the one below it run as one call.
+        self._joined = {(s + 1, m) for s, m in self._covered}
         clock = time.perf_counter
         ran: list[tuple[int, float, float]] = []  # when recording: (position here, start, end)
         planned = 0  # the position of the running action in the Plan's list, which also lists the
@@ -318,7 +364,14 @@ class Executor(ZeroActions, TransferActions):
 
     def forward(self, action: Action) -> None:
         s, m = action.require("stage"), action.mb
-        x, inputs = (self.microbatches[m][0], []) if s == 0 else self._take_input(s, m)
+        joined = (s, m) in self._joined
+        if s == 0:
+            x, inputs = self.microbatches[m][0], []
+        elif joined:  # the backward runs through here in one call with the stage below
+            x = self._outputs[(s - 1, m)]
+            inputs = [t for t in optree.tree_leaves(x) if _needs_grad(t)]
+        else:
+            x, inputs = self._take_input(s, m)
         if s > 0 and not inputs and self._earlier_layers_own_params(s):
             previous = self.placement.stages[s - 1][-1]
             raise ValueError(
@@ -329,8 +382,9 @@ class Executor(ZeroActions, TransferActions):
         calls, leaves = self._bound_stage(s)
         names = self.placement.stages[s]
         with torch.enable_grad():
-            for t in inputs:
-                t.requires_grad_(True)
+            if not joined:
+                for t in inputs:
+                    t.requires_grad_(True)
             y = x
             for name, call in zip(names, calls, strict=True):
                 buffers = self.chain[name].buffers
@@ -351,7 +405,13 @@ class Executor(ZeroActions, TransferActions):
                         "parameter, compute it from the input, or leave the module in eval mode"
                     )
         self._outputs[(s, m)] = y
-        self._saved[(s, m)] = _Saved(inputs, leaves, self._carrying_grads(s, y))
+        if joined:
+            reached = [False] * len(inputs)
+            for k, t in enumerate(inputs):
+                t.register_hook(functools.partial(_mark, reached, k))
+            self._saved[(s, m)] = _Saved([], leaves, self._carrying_grads(s, y), reached=reached)
+        else:
+            self._saved[(s, m)] = _Saved(inputs, leaves, self._carrying_grads(s, y))
 
     def compute_loss(self, action: Action) -> None:
         m = action.mb
@@ -400,6 +460,12 @@ class Executor(ZeroActions, TransferActions):
 
     def backward(self, action: Action) -> None:
         s, m = action.require("stage"), action.mb
+        if (s, m) in self._covered:  # done by the call of the run's top stage
+            return
+        lowest = self._tops.get((s, m))
+        if lowest is not None:
+            self._joined_backward(s, lowest, m)
+            return
         saved = self._saved[(s, m)]
         want_inputs = action.kind in (BACKWARD, BACKWARD_INPUT)
         want_weights = action.kind in (BACKWARD, BACKWARD_WEIGHT)
@@ -422,12 +488,7 @@ class Executor(ZeroActions, TransferActions):
                 got = [x.grad for x in saved.inputs]
         if want_inputs:
             if saved.inputs and all(g is None for g in got) and self._earlier_layers_own_params(s):
-                previous = self.placement.stages[s - 1][-1]
-                raise ValueError(
-                    f"the output of layer {previous!r} does not reach the loss: no gradient flows back through "
-                    f"layer {self.placement.stages[s][0]!r}, so the layers before it would never train; make the "
-                    "next layers use their input (a layer that ignores it cuts the chain)"
-                )
+                self._not_reaching(s)
             # An input the stage did not use still gets a (zero) gradient: upstream expects one per output.
             self._input_grads[(s, m)] = [
                 g if g is not None else torch.zeros_like(x) for g, x in zip(got, saved.inputs, strict=True)
@@ -436,6 +497,49 @@ class Executor(ZeroActions, TransferActions):
             del self._saved[(s, m)]
             if self.poison:
                 self._poison(s, saved)
+
+    def _joined_backward(self, top: int, lowest: int, m: int) -> None:
+        """The whole backwards of stages ``top`` down to ``lowest`` (micro-batch ``m``) as one autograd
+        call: weight gradients into the step's leaves, ``lowest``'s input gradients kept for the stage
+        below, as the backwards one by one would leave them."""
+        saved = self._saved[(top, m)]
+        bottom = self._saved[(lowest, m)]
+        grads = self._output_grads(top, m, saved)
+        pairs = [(o, g) for o, g in zip(saved.outputs, grads, strict=True) if g is not None and o.requires_grad]
+        stages = [self._saved[(s, m)] for s in range(lowest, top + 1)]
+        wrt = list(bottom.inputs)
+        seen: set[int] = set()
+        for part in stages:
+            for leaf in part.params.values():
+                if id(leaf) not in seen:
+                    seen.add(id(leaf))
+                    wrt.append(leaf)
+        if pairs and wrt:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs], inputs=wrt)
+        for s in range(top, lowest, -1):  # each joined input must have had a gradient, as in backward
+            part = self._saved[(s, m)]
+            if part.reached and not any(part.reached) and self._earlier_layers_own_params(s):
+                self._not_reaching(s)
+            self._outputs.pop((s - 1, m), None)
+        got = [x.grad for x in bottom.inputs]
+        if bottom.inputs and all(g is None for g in got) and self._earlier_layers_own_params(lowest):
+            self._not_reaching(lowest)
+        self._input_grads[(lowest, m)] = [
+            g if g is not None else torch.zeros_like(x) for g, x in zip(got, bottom.inputs, strict=True)
+        ]
+        saved.output_grads = grads
+        for s in range(lowest, top + 1):
+            part = self._saved.pop((s, m))
+            if self.poison and s in (lowest, top):
+                self._poison(s, part)
+
+    def _not_reaching(self, s: int) -> None:
+        previous = self.placement.stages[s - 1][-1]
+        raise ValueError(
+            f"the output of layer {previous!r} does not reach the loss: no gradient flows back through "
+            f"layer {self.placement.stages[s][0]!r}, so the layers before it would never train; make the "
+            "next layers use their input (a layer that ignores it cuts the chain)"
+        )
 
     def _output_grads(self, s: int, m: int, saved: _Saved) -> list[torch.Tensor | None]:
         if s == self.placement.last:
@@ -641,6 +745,11 @@ class Executor(ZeroActions, TransferActions):
         sharding = self.source.sharding
         if sharding is None or sharding.holds_shards:
             self.new_held = self.new_master
+
+
+def _mark(reached: list[bool], k: int, grad: torch.Tensor) -> None:
+    """A joined stage input's gradient hook: note that a gradient reached it (and leave it as it is)."""
+    reached[k] = True
 
 
 def _counted_pieces(grads: Any, counted: Any) -> list[torch.Tensor]:

@@ -43,9 +43,12 @@ def shard_params(
     ``reduce_in_flight`` bounds how many of the backward's gradient reduce-scatters (stages 2
     and 3) are in flight at once: each holds its unit's full gradient until it is waited for.
     0 waits for each before the next compute (least memory); 1 lets it overlap the next unit's
-    backward. The default (None) is 0 where the parameters are on a CPU, whose collectives run
-    on the same cores as the computes (gloo, threads: the overlap measured no faster), and 1
-    on a GPU. The Plan shows the waits and counts the buffers (``memory["reduce_buffers"]``).
+    backward. The default (None) is 1, except for stage 3 where the parameters are on a CPU: 0.
+    A CPU's collectives run on the same cores as the computes (gloo, threads: the overlap
+    measured within the noise), so there the choice is by memory: one more unit's full gradient
+    at stage 3 (4-10% of the Plan's peak on the benchmarks' models; FSDP2 on CPU holds none), at
+    most one more bucket at stage 2 (0-0.2%). The Plan shows the waits and counts the buffers
+    (``memory["reduce_buffers"]``).
 
     At stages 1 and 2 the gradients of consecutive units travel in buckets of at most
     ``bucket_mb`` MiB (a larger unit alone; default ``DEFAULT_BUCKET_MB``). At stage 2 each

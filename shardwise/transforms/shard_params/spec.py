@@ -55,15 +55,19 @@ class ShardSpec:
     def reductions_in_flight(self, device: torch.device | str) -> int:
         """How many of the backward's reduce-scatters may be in flight at once, on ``device``.
 
-        The default (None) is 0 on a CPU, 1 elsewhere. On a CPU (gloo, threads) a collective runs
-        on the same cores as the computes: keeping one in flight while the next unit's backward
-        runs bought no time in our measurements (benchmarks/README.md, issue 25) and held one more
-        unit's full gradient, where FSDP2 on CPU also reduces each unit before the next computes.
-        On a GPU the reduction runs beside the compute (NCCL), so one in flight hides it, as FSDP2.
+        The default (None) is 1, except for ZeRO-3 on a CPU: 0. On a GPU the reduction runs beside
+        the compute (NCCL), so one in flight hides it, as FSDP2. On a CPU (gloo, threads) a
+        collective runs on the same cores as the computes, and the overlap measured within the
+        noise (benchmarks/README.md, issues 25 and 27), so the choice is by memory: at stage 3 one
+        in flight holds one more unit's full gradient, 4-5% of the Plan's peak on the benchmarks'
+        models and up to 10% on benchmarks/memory.py's at world 8, where FSDP2 on CPU reduces
+        each unit before the next computes; at stage 2 it is at most one more bucket
+        (``bucket_mb``) beside the full parameters and gradients ZeRO-2 holds, 0-0.2% of the
+        Plan's peak there, so it is not worth a wait before every bucket's next compute.
         """
         if self.reduce_in_flight is not None:
             return self.reduce_in_flight
-        return 0 if torch.device(device).type in ("cpu", "meta") else 1
+        return 0 if self.stage == 3 and torch.device(device).type in ("cpu", "meta") else 1
 
     def prefetches_backward_last(self, device: torch.device | str) -> bool:
         """Whether a backward prefetches the units of its last compute (the first layer's) during
