@@ -74,6 +74,8 @@ def test_a_plain_moe_loop_plans_its_ledger_is_the_plan_and_it_equals_one_device(
     composed, data = transform(step), batches()
     plan = composed.plan(mesh, params, data[0])
     assert all(n > 0 for n in plan.memory["kept_for_backward"])
+    stood_in = {layer for layer, notes in plan.layers.items() if any("zero-filled stand-ins" in n for n in notes)}
+    assert stood_in == {"blocks.0", "blocks.1"}, plan.layers  # the Plan says which figures are the stand-ins'
     if stack == "pp2":  # stage boundaries are not predicted on stand-ins (a shape there may depend on the
         # data): the transfers announce their shapes at run time, and the Plan says their bytes are unknown
         unknown = r"send_activation\(stage0, mb=0, to=1\) on rank 0: its payload is unknown"

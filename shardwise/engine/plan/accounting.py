@@ -80,6 +80,7 @@ class KeptParts(NamedTuple):
 
     own: dict[str, int]
     batch: dict[str, dict[int, int]]
+    stand_ins: tuple[str, ...] = ()  # the layers that ran on real stand-ins (they read data to decide a shape)
 
     def totals(self) -> dict[str, int]:
         return {name: n + sum(self.batch[name].values()) for name, n in self.own.items()}
@@ -98,6 +99,7 @@ def kept_parts(
     batch = {storage_key(t) for t in optree.tree_leaves(inputs) if isinstance(t, torch.Tensor)}
     x = optree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, inputs)
     memo = LayerMemo(batch) if reuse else None
+    stand_ins: list[str] = []
     for layer in chain:
         local = {k: v.detach().requires_grad_(True) for k, v in chain.layer_params(params, layer.name).items()}
         key = None if memo is None else memo.key(layer.fn, {**local, **layer.buffers}, x, layer.name)
@@ -116,6 +118,7 @@ def kept_parts(
             if not any(is_fake(t) for t in [*local.values(), *optree.tree_leaves(x)]):
                 raise
             kept, memo_ok = [], False
+            stand_ins.append(layer.name)
             with real_stand_ins() as real:  # it reads data to decide a shape: run it on real stand-ins
                 local = {k: real(v).detach().requires_grad_(True) for k, v in local.items()}
                 x_real = real(x)
@@ -139,7 +142,7 @@ def kept_parts(
             if kept_inputs is not None:
                 memo.store(key, x, y, (own[layer.name], kept_inputs))
         x = _cut(y)
-    return KeptParts(own, of_batch)
+    return KeptParts(own, of_batch, tuple(stand_ins))
 
 
 def _as_input_leaves(x: Any, kept: Mapping[int, int]) -> dict[int, int] | None:
