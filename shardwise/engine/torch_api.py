@@ -23,6 +23,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import optree
 import torch
 
 try:
@@ -106,6 +107,91 @@ def fake_tensors(meta_device: torch.device | str = "cpu") -> Iterator[Callable[[
             return mode.from_tensor(t)
 
         yield fake
+
+
+def _zeros_like(t: torch.Tensor) -> torch.Tensor:
+    """Zeros of ``t``'s shape, dtype and device: real or fake as the mode in force makes them."""
+    return torch.zeros(t.shape, dtype=t.dtype, device=t.device)
+
+
+def _stand_in(t: torch.Tensor) -> torch.Tensor:
+    return _zeros_like(t).requires_grad_(t.requires_grad and t.is_floating_point())
+
+
+@contextlib.contextmanager
+def real_stand_ins() -> Iterator[Callable[[Any], Any]]:
+    """Inside a :func:`fake_tensors` block: leave its fake mode for this block, where ``real(tree)`` gives
+    every fake tensor of ``tree`` a zero-filled real stand-in, a leaf of its shape, dtype and device
+    (requiring a gradient when it does); other leaves stay as they are.
+
+    For a layer that reads data to decide a shape (:func:`data_dependent_errors`), which fake tensors
+    cannot run: shapes are right; what depends on the data (which experts zeros route to) is the
+    stand-ins'."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    def real(tree: Any) -> Any:
+        return optree.tree_map(lambda t: _stand_in(t) if is_fake(t) else t, tree)
+
+    with unset_fake_temporarily():
+        yield real
+
+
+class _OnStandIns(torch.autograd.Function):
+    """``run`` on real stand-ins of the fake ``tensors``, outside the fake mode, in forward and backward."""
+
+    @staticmethod
+    def forward(ctx: Any, run: Callable[[list[torch.Tensor]], Any], box: list[Any], *tensors: torch.Tensor) -> Any:
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        with unset_fake_temporarily():
+            ctx.real_in = [_stand_in(t) if is_fake(t) else t for t in tensors]
+            with torch.enable_grad():
+                out = run(ctx.real_in)
+        leaves, spec = optree.tree_flatten(out)
+        ctx.real_out = [t for t in leaves if isinstance(t, torch.Tensor)]
+        box.extend([leaves, spec])
+        faked = tuple(_zeros_like(t) for t in ctx.real_out)  # fake: the mode is in force again
+        ctx.mark_non_differentiable(*(f for f, t in zip(faked, ctx.real_out, strict=True) if not t.requires_grad))
+        return faked
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        pairs = [(o, g) for o, g in zip(ctx.real_out, grads, strict=True) if o.requires_grad and g is not None]
+        wanted = [i for i, t in enumerate(ctx.real_in) if t.requires_grad]
+        got: tuple[torch.Tensor | None, ...] = ()
+        if pairs and wanted:
+            with unset_fake_temporarily():
+                got = torch.autograd.grad([o for o, _ in pairs], [ctx.real_in[i] for i in wanted],
+                                          [_zeros_like(g) for _, g in pairs], retain_graph=True, allow_unused=True)
+        out: list[torch.Tensor | None] = [None] * len(ctx.real_in)
+        for i, g in zip(wanted, got, strict=False):
+            out[i] = None if g is None else _zeros_like(g)  # fake again
+        return (None, None, *out)
+
+
+def run_on_stand_ins(fn: Callable[..., Any], *args: Any) -> Any:
+    """Inside a :func:`fake_tensors` block: ``fn(*args)`` run on zero-filled real stand-ins of ``args``'
+    fake tensors, outside the fake mode, its backward too (when a backward reaches it); the output's
+    tensors come back fake, their gradients reaching ``args``' tensors. For a layer that reads data to
+    decide a shape, in a prediction that also runs the backward (what a split's layers issue inside
+    their compute): shapes are right, what depends on the data is the stand-ins' (see
+    :func:`real_stand_ins`)."""
+    leaves: list[Any]
+    leaves, spec = optree.tree_flatten(list(args))  # type: ignore[arg-type]
+    where = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)]
+
+    def run(tensors: list[torch.Tensor]) -> Any:
+        filled = list(leaves)
+        for i, t in zip(where, tensors, strict=True):
+            filled[i] = t
+        return fn(*optree.tree_unflatten(spec, filled))
+
+    box: list[Any] = []
+    faked = iter(_OnStandIns.apply(run, box, *(leaves[i] for i in where)))
+    out_leaves, out_spec = box
+    return optree.tree_unflatten(out_spec, [next(faked) if isinstance(t, torch.Tensor) else t for t in out_leaves])
 
 
 # The schemas the two flash-attention wrappers below are written against (torch 2.13); a test holds

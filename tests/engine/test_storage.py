@@ -73,6 +73,27 @@ def test_data_dependent_errors_are_what_fake_tensors_raise_on_a_data_dependent_s
             x.sum().item()
 
 
+def test_stand_ins_run_a_data_dependent_shape_inside_fake_tensors_and_pass_gradients() -> None:
+    """The Plan's predictions run such a layer on real stand-ins (torch's unset_fake_temporarily):
+    its output comes back fake, and a backward reaches the fake inputs through it."""
+    from shardwise.engine.torch_api import fake_tensors, is_fake, real_stand_ins, run_on_stand_ins
+
+    def layer(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        rows = torch.nonzero(x[:, 0] >= 0).flatten()  # zeros: every row
+        return torch.zeros_like(x).index_add(0, rows, x[rows] @ w)
+
+    with fake_tensors() as fake:
+        w = fake(torch.randn(3, 3)).requires_grad_(True)
+        x = fake(torch.randn(4, 3)).requires_grad_(True)
+        y = run_on_stand_ins(layer, w, x)
+        assert is_fake(y) and y.shape == (4, 3)
+        gw, gx = torch.autograd.grad((y * 2).sum(), [w, x])
+        assert is_fake(gw) and gw.shape == (3, 3) and gx.shape == (4, 3)
+        with real_stand_ins() as real:
+            z = real(x)
+            assert not is_fake(z) and z.requires_grad and torch.equal(z, torch.zeros(4, 3))
+
+
 def test_the_cpu_flash_attention_kernel_has_the_schema_the_wrappers_are_written_against() -> None:
     """Ring attention's block kernel (transforms/context_parallel/online_softmax.py) calls it through these
     wrappers; a torch that renamed it or changed its arguments would quietly fall back to the math kernel

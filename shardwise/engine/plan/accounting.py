@@ -16,7 +16,9 @@ views of one batch, so that memory is kept once however many are in flight.
 ``predict_kept_for_backward`` runs the same on fake copies of the parameters,
 buffers and inputs (torch's FakeTensorMode, through engine/torch_api.py): shapes,
 dtypes and kernel choices flow, no arithmetic is done, and the figures equal
-the measured ones (a test checks it).
+the measured ones (a test checks it). A layer that reads data to decide a shape (a plain
+mixture-of-experts loop's ``torch.where``) cannot run on fake tensors: it runs on zero-filled real
+stand-ins instead (engine/torch_api.py, ``real_stand_ins``), its figures those of the stand-ins' routing.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import torch
 
 from ..model.chain import Chain
 from ..model.reuse import LayerMemo
-from ..torch_api import fake_tensors, storage_key
+from ..torch_api import data_dependent_errors, fake_tensors, is_fake, real_stand_ins, storage_key
 
 Observer = Callable[[torch.Tensor], None]
 
@@ -78,6 +80,7 @@ class KeptParts(NamedTuple):
 
     own: dict[str, int]
     batch: dict[str, dict[int, int]]
+    stand_ins: tuple[str, ...] = ()  # the layers that ran on real stand-ins (they read data to decide a shape)
 
     def totals(self) -> dict[str, int]:
         return {name: n + sum(self.batch[name].values()) for name, n in self.own.items()}
@@ -96,6 +99,7 @@ def kept_parts(
     batch = {storage_key(t) for t in optree.tree_leaves(inputs) if isinstance(t, torch.Tensor)}
     x = optree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, inputs)
     memo = LayerMemo(batch) if reuse else None
+    stand_ins: list[str] = []
     for layer in chain:
         local = {k: v.detach().requires_grad_(True) for k, v in chain.layer_params(params, layer.name).items()}
         key = None if memo is None else memo.key(layer.fn, {**local, **layer.buffers}, x, layer.name)
@@ -107,8 +111,25 @@ def kept_parts(
             x = _cut(y)
             continue
         kept: list[torch.Tensor] = []
-        with torch.enable_grad(), observing(kept.append):
-            y = layer(local, x)
+        try:
+            with torch.enable_grad(), observing(kept.append):
+                y = layer(local, x)
+        except data_dependent_errors():
+            if not any(is_fake(t) for t in [*local.values(), *optree.tree_leaves(x)]):
+                raise
+            kept, memo_ok = [], False
+            stand_ins.append(layer.name)
+            with real_stand_ins() as real:  # it reads data to decide a shape: run it on real stand-ins
+                local = {k: real(v).detach().requires_grad_(True) for k, v in local.items()}
+                x_real = real(x)
+                batch |= {storage_key(r) for t, r in zip(optree.tree_leaves(x), optree.tree_leaves(x_real), strict=True)
+                          if isinstance(t, torch.Tensor) and storage_key(t) in batch}
+                layer = dataclasses.replace(layer, buffers=real(dict(layer.buffers)))
+                with torch.enable_grad(), observing(kept.append):
+                    y = layer(local, x_real)
+                y = _cut(y)  # real leaves: the next layer runs on fake tensors again
+        else:
+            memo_ok = True
         outputs = [t for t in optree.tree_leaves(y) if isinstance(t, torch.Tensor)]
         resident = {storage_key(t) for t in [*local.values(), *layer.buffers.values(), *outputs]}
         sizes = {storage_key(t): t.untyped_storage().nbytes() for t in kept}
@@ -116,12 +137,12 @@ def kept_parts(
         own[layer.name] = sum(n for key, n in sizes.items() if key not in batch)
         of_batch[layer.name] = {key: n for key, n in sizes.items() if key in batch}
         del kept
-        if memo is not None:
+        if memo is not None and memo_ok:
             kept_inputs = _as_input_leaves(x, of_batch[layer.name])
             if kept_inputs is not None:
                 memo.store(key, x, y, (own[layer.name], kept_inputs))
         x = _cut(y)
-    return KeptParts(own, of_batch)
+    return KeptParts(own, of_batch, tuple(stand_ins))
 
 
 def _as_input_leaves(x: Any, kept: Mapping[int, int]) -> dict[int, int] | None:

@@ -7,11 +7,13 @@ which yields the list the layers append what they would issue to (``stack/in_lay
 order the run issues it; this module runs the computes and cuts the list per compute. It is the
 engine's prediction for every split; a split may bring its own (``roles.OwnPrediction``: tensor
 parallel's goes layer by layer, each distinct layer once, and knows zero-bubble's split backward).
+A layer that reads data to decide a shape runs on real stand-ins instead (engine/torch_api.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -20,9 +22,9 @@ import optree
 import torch
 
 from ..layout.state_layout import Placement
-from ..model.chain import Chain
+from ..model.chain import Chain, Layer
 from ..stack.in_layer import Issued
-from ..torch_api import fake_tensors
+from ..torch_api import data_dependent_errors, fake_tensors, run_on_stand_ins
 
 # (compute kind, stage) -> what that compute issues inside its layers, in order
 Predicted = dict[tuple[str, int], list[Issued]]
@@ -65,7 +67,8 @@ def predict_inside(
                 y = x_in
                 for name in layers:
                     layer = chain[name]
-                    y = layer({local: params[layer.ties.get(local, (name, local))] for local in layer.param_names}, y)
+                    tensors = {local: params[layer.ties.get(local, (name, local))] for local in layer.param_names}
+                    y = _run(layer, tensors, y, issued)
                 out[("forward", s)] = list(issued)
                 issued.clear()
                 if s == placement.last:
@@ -98,3 +101,16 @@ def predict_inside(
                 issued.clear()
             x = optree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, y)
     return out
+
+
+def _run(layer: Layer, tensors: dict[str, torch.Tensor], x: Any, issued: list[Issued]) -> Any:
+    """``layer`` on fake tensors; one that reads data to decide a shape (a plain mixture-of-experts
+    loop's ``torch.where``) runs again on real stand-ins, forward and backward (``run_on_stand_ins``),
+    what it recorded before it failed dropped."""
+    mark = len(issued)
+    try:
+        return layer(tensors, x)
+    except data_dependent_errors():
+        del issued[mark:]
+        return run_on_stand_ins(lambda buffers, t, x: dataclasses.replace(layer, buffers=buffers)(t, x),
+                                dict(layer.buffers), tensors, x)

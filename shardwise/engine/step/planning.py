@@ -110,10 +110,13 @@ def plan_of(step: Step, mesh: Mesh, params: Params | None, batch: Any, *, share_
             actions = insert_inside(actions, inside)
         by_class[c] = actions
     per_rank = [by_class[c] for c in class_of]
-    memory = {}
-    if params is not None:
-        memory = _memory(step, mesh, params, batch, placement, layouts, class_of, masters, by_class)
+    memory: dict[str, tuple[int, ...]] = {}
     notes: dict[str, tuple[str, ...]] = {}
+    if params is not None:
+        memory, stand_ins = _memory(step, mesh, params, batch, placement, layouts, class_of, masters, by_class)
+        for layer in stand_ins:  # not silently a guess: say which figure is the stand-ins'
+            notes[layer] = ("it reads data to decide a shape (a routing?), which fake tensors cannot: its "
+                            "kept_for_backward is predicted on zero-filled stand-ins (a real batch routes otherwise)",)
     # In the order the rewrites apply (engine/stack/compose.py), whatever order they were applied in.
     for spec in rewrites_in_order(step.transforms):
         for layer, note in spec.layer_notes(step.base_chain).items():
@@ -194,17 +197,20 @@ def _memory(
     step: Step, mesh: Mesh, params: Params, batch: Any, placement: Placement,
     layouts: Mapping[Any, StateLayout], class_of: Sequence[Any], masters: Mapping[Any, Params],
     actions: Mapping[Any, tuple[Action, ...]],
-) -> dict[str, tuple[int, ...]]:
-    """Each figure per rank, counted once per rank class (see :func:`rank_class`)."""
+) -> tuple[dict[str, tuple[int, ...]], tuple[str, ...]]:
+    """Each figure per rank, counted once per rank class (see :func:`rank_class`); and the layers whose
+    kept_for_backward ran on stand-ins."""
     by_class = {c: _class_memory(step, layouts[c], masters[c], actions[c]) for c in masters}
     memory = {k: tuple(by_class[c][k] for c in class_of) for k in by_class[class_of[0]]}
+    stand_ins: tuple[str, ...] = ()
     if batch is not None:
-        memory["kept_for_backward"] = _kept_per_rank(step, mesh, params, batch, placement, layouts[class_of[0]])
+        memory["kept_for_backward"], stand_ins = _kept_per_rank(step, mesh, params, batch, placement,
+                                                                layouts[class_of[0]])
     # Every figure is live at the backward's worst moment: the state at rest, the gradients, the
     # units gathered, the reduce buffers and what the forward kept (an upper bound, tight for
     # ZeRO-3: benchmarks/memory.py measures it within a few percent).
     memory["peak"] = tuple(sum(per_rank) for per_rank in zip(*memory.values(), strict=True))
-    return memory
+    return memory, stand_ins
 
 
 def _class_memory(step: Step, layout: StateLayout, master: Params, actions: tuple[Action, ...]) -> dict[str, int]:
@@ -287,19 +293,19 @@ def _gather_dtype(step: Step, unit: str, dtype: torch.dtype) -> torch.dtype:
 
 def _kept_per_rank(
     step: Step, mesh: Mesh, params: Params, batch: Any, placement: Placement, layout: StateLayout
-) -> tuple[int, ...]:
+) -> tuple[tuple[int, ...], tuple[str, ...]]:
     inputs = one_microbatch(step, mesh, batch)[0]
     with step.predicting(mesh):
         view = step.compute_view(step.local_view(params, mesh, 0))
         parts = predict_kept_parts(step.chain, view, inputs)
     pipe = step.pipeline_spec
     if pipe is None:
-        return (sum(parts.own.values()) + _batch_bytes(parts.batch, step.chain.names),) * mesh.size
+        return (sum(parts.own.values()) + _batch_bytes(parts.batch, step.chain.names),) * mesh.size, parts.stand_ins
     per_stage = [sum(parts.own[n] for n in layers) for layers in placement.stages]
     # Micro-batches are views of one batch: what the stages keep of it is kept once.
     of_batch = [_batch_bytes(parts.batch, layers) for layers in placement.stages]
     per_index = pipe.kept_per_index(layout.schedule, per_stage, of_batch)
-    return tuple(per_index[placement.index_of(mesh, r)] for r in range(mesh.size))
+    return tuple(per_index[placement.index_of(mesh, r)] for r in range(mesh.size)), parts.stand_ins
 
 
 def _batch_bytes(of_batch: Mapping[str, Mapping[int, int]], layers: Sequence[str]) -> int:

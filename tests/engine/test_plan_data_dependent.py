@@ -1,0 +1,100 @@
+"""A model that reads data to decide a shape plans, under context_parallel, shard_params and pipeline.
+
+The plain ``TopKMoE`` forward (HF's loop: ``torch.where(chosen == e)`` per expert) cannot run on fake
+tensors, which the Plan's predictions use (what each layer keeps for backward; the collectives a
+split's layers issue inside their compute). Such a layer runs on real zero-filled stand-ins instead,
+its gradients passed through so that the backward still runs through it: the Plan lists every
+collective the run issues (the ledger equals it), and the step equals the single-device step. Under
+a pipeline the stage boundaries stay unpredicted (their transfers announce their shapes), as before.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import shardwise as sw
+from shardwise.testing.models import TinyGPT, TopKMoE
+from shardwise.transforms.context_parallel import context_parallel
+
+VOCAB, SEQ = 16, 16
+
+
+class MoEGPT(TinyGPT):
+    """TinyGPT whose blocks' MLPs are plain TopKMoE (4 experts, top 2), not split by expert_parallel."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        for block in self.blocks:
+            block.mlp = TopKMoE(kwargs["d_model"], 2 * kwargs["d_model"], num_experts=4, top_k=2)
+
+
+def moe_gpt() -> tuple[sw.Step, Any]:
+    torch.manual_seed(0)
+    model = MoEGPT(vocab=VOCAB, d_model=16, n_heads=4, n_layers=2, seq_len=SEQ).double()
+    chain, params = sw.functionalize(model, units=["tok_emb", "blocks", "head"])
+    loss = lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten())  # noqa: E731
+    return sw.train_step(chain, loss, sw.optim.sgd(0.1, momentum=0.9)), params
+
+
+def batches(n: int = 2, size: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, VOCAB, (size, SEQ + 1), generator=gen)
+        out.append((ids[:, :-1], ids[:, 1:]))
+    return out
+
+
+def _ledger(step: sw.Step, mesh: sw.Mesh, params: Any, batch: Any) -> list[list[tuple[str, str, str, int]]]:
+    def run() -> list[tuple[str, str, str, int]]:
+        state = step.init(params, mesh)
+        with sw.collectives.comm_ledger() as ledger:
+            step(state, batch)
+        return [(r.op, r.axis, r.dtype, r.nbytes) for r in ledger.records if r.rank == mesh.rank]
+
+    return sw.launch(run, mesh.size, timeout=120)
+
+
+STACKS = {
+    "cp2-ring": (lambda s: context_parallel(s, "cp"), sw.Mesh(cp=2)),
+    "cp2-ulysses": (lambda s: context_parallel(s, "cp", attention="ulysses"), sw.Mesh(cp=2)),
+    "dp2-zero3": (lambda s: sw.shard_params(s, "dp", 3), sw.Mesh(dp=2)),
+    "pp2": (lambda s: sw.pipeline(s, "pp", "1f1b", 2), sw.Mesh(pp=2)),
+}
+
+
+@pytest.mark.parametrize("stack", list(STACKS))
+def test_a_plain_moe_loop_plans_its_ledger_is_the_plan_and_it_equals_one_device(stack: str) -> None:
+    step, params = moe_gpt()
+    transform, mesh = STACKS[stack]
+    composed, data = transform(step), batches()
+    plan = composed.plan(mesh, params, data[0])
+    assert all(n > 0 for n in plan.memory["kept_for_backward"])
+    stood_in = {layer for layer, notes in plan.layers.items() if any("zero-filled stand-ins" in n for n in notes)}
+    assert stood_in == {"blocks.0", "blocks.1"}, plan.layers  # the Plan says which figures are the stand-ins'
+    if stack == "pp2":  # stage boundaries are not predicted on stand-ins (a shape there may depend on the
+        # data): the transfers announce their shapes at run time, and the Plan says their bytes are unknown
+        unknown = r"send_activation\(stage0, mb=0, to=1\) on rank 0: its payload is unknown"
+        with pytest.raises(ValueError, match=unknown):
+            list(plan.collectives(0))
+        sw.testing.assert_equivalent(composed, step, mesh, data, params)
+        return
+    for rank, got in enumerate(_ledger(composed, mesh, params, data[0])):
+        want = [(c.op, c.axis, c.dtype, c.nbytes) for c in plan.collectives(rank)]
+        assert got == want, f"rank {rank}\nledger: {got}\nplan:   {want}"
+    if stack.startswith("cp"):  # the blocks' attention (beside the MoE loop in one layer) was predicted
+        assert any(c.axis == "cp" for c in plan.collectives(0))
+    sw.testing.assert_equivalent(composed, step, mesh, data, params)
+
+
+def test_a_layer_on_stand_ins_keeps_its_backward_collectives_in_the_plan() -> None:
+    """Ring attention's backward sends run inside the layer that also holds the MoE loop: the
+    stand-ins pass gradients through, so the Plan's backward lists them (cp - 1 per layer each way)."""
+    step, params = moe_gpt()
+    plan = context_parallel(step, "cp").plan(sw.Mesh(cp=2), params, batches(1)[0])
+    ring = [c for c in plan.collectives(0) if c.op == "ppermute"]
+    assert len(ring) == 2 * 2 * 1  # 2 layers x (forward, backward) x (cp - 1)
