@@ -22,7 +22,8 @@ Each candidate is bounded by arithmetic first (``shardwise/plan_search/bounds.py
 on its peak memory and its step time); only those that can still be among the ``--top``
 fastest are planned and simulated (the simulation walks one data-parallel replica:
 ``replicas.py``). Output: one JSON line with the wall time, the process's peak RSS (VmHWM,
-interpreter and imports included), how many candidates were refused by compose, by the memory
+interpreter and imports included), the CPU seconds of the process (``cpu_s``: on a shared
+machine, what the wall time would be with a core of its own), how many candidates were refused by compose, by the memory
 bound, by the Plan's memory, how many were planned and how many left out by the time bound,
 and the ranked layouts.
 """
@@ -88,7 +89,7 @@ def run(layers: int = 80, world: int = 512, memory: str = "80GB", sequences: int
     import shardwise as sw
     from shardwise.plan_search import FlopCompute, params_per_layer
 
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     step, params = llama_step(layers, seq)
     built = time.perf_counter()
     ids = torch.zeros((sequences, seq), dtype=torch.long)
@@ -102,7 +103,8 @@ def run(layers: int = 80, world: int = 512, memory: str = "80GB", sequences: int
         "benchmark": "search_at_scale", "parameters": n_params, "layers": layers, "world": world,
         "memory_per_rank": memory, "tokens_per_step": sequences * seq,
         "candidates": len(list(space.candidates(world))), "build_s": round(built - start, 2),
-        "search_s": round(done - built, 2), "wall_s": round(done - start, 2), "peak_rss_bytes": _vm("VmHWM"),
+        "search_s": round(done - built, 2), "wall_s": round(done - start, 2),
+        "cpu_s": round(time.process_time() - cpu, 2), "peak_rss_bytes": _vm("VmHWM"),
         "refused": {f"{stage}: {why}": n for (stage, why), n in stages.items()},
         "planned": found.fitting + sum(n for (stage, why), n in stages.items()
                                        if stage != "compose" and not why.startswith("a lower bound")),

@@ -7,23 +7,27 @@ it over whole spaces), so a candidate bounded out could not have been returned:
 
 * memory: a pipeline index holds its stages' share (by parameter count, the pipeline's own
   balanced partition) of the single-device step's parameters, gradients and optimizer state,
-  divided by tp and, as the ZeRO stage shards them, by dp; and the activations its schedule
+  divided by tp and ep and, as the ZeRO stage shards them, by dp; and the activations its schedule
   keeps (``kept_per_index``, as the Plan counts them) of its layers at one micro-batch,
   predicted as the Plan predicts them, once per (tp, micro-batch shape, remat, precision). The
   Plan's peak is the sum of those figures and more (buffers, gathered units) on the same rank.
 * time: a rank's computes run one at a time, each at least its layer's cost at its share of the
-  batch and of the parameters (between ``1 / tp`` and 1 of them); a stage cannot start before the
-  first micro-batch's forward through the stages before it; a 1F1B or GPipe pipeline's first
+  batch and of the parameters (between ``1 / (tp x ep)`` and 1 of them); a stage cannot start before the
+  first micro-batch's forward through the stages before it; a collective a split (tensor
+  parallel) issues inside a layer blocks the rank for at least its transfer (predicted as the
+  Plan predicts them, per layer); a 1F1B or GPipe pipeline's first
   micro-batch runs forward and backward through every stage in turn; and a dp group runs its
   collectives one at a time, among them a reduction of every gradient and a gather of every
   parameter over dp.
 
 What is shared between candidates: the single-device figures per (remat, precision), the kept
-bytes per layer per (tp, micro-batch shape, remat, precision), and the layer costs (``compute``).
+bytes and in-layer collectives per layer per (tp, micro-batch shape, remat, precision), and the
+layer costs (``compute``).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,8 +35,11 @@ from typing import Any
 import optree
 import torch
 
+from ..engine.layout.precision import compute_dtype
+from ..engine.layout.state_layout import Placement
 from ..engine.plan.accounting import predict_kept_parts
 from ..engine.plan.actions import BACKWARD, FORWARD, LOSS, UPDATE
+from ..engine.plan.inside import predict_inside
 from ..engine.simulate.costs import CommModel
 from ..engine.step.planning import one_microbatch
 from ..engine.step.step import Step
@@ -62,6 +69,7 @@ class Bounds:
     comm: CommModel | None = None
     _state: dict[Any, tuple[int, int, int, float]] = field(default_factory=dict, repr=False)
     _kept: dict[Any, dict[str, int]] = field(default_factory=dict, repr=False)
+    _issued: dict[Any, tuple[dict[str, float], dict[str, float], float]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self.names = list(self.step.chain.names)
@@ -103,6 +111,37 @@ class Bounds:
                 self._kept[key] = dict(predict_kept_parts(applied.chain, view, inputs).own)
         return self._kept[key]
 
+    def _inside(self, c: Candidate, applied: Step) -> tuple[dict[str, float], dict[str, float], float]:
+        """Seconds of the collectives a split's layers issue inside each layer's forward and backward
+        (and the loss's) on one micro-batch, as the Plan predicts them, priced by ``comm``: they
+        block the rank (a sync collective). Predicted once per (tp, micro-batch shape, remat,
+        precision), each layer as a stage of its own so that any partition can sum them."""
+        if self.comm is None or not applied.split.axes:
+            return {}, {}, 0.0
+        inputs, targets = one_microbatch(applied, c.mesh, self.batch)
+        shapes_key = tuple(tuple(t.shape) for t in optree.tree_leaves(inputs) if isinstance(t, torch.Tensor))
+        key = (*c.rewrites, tuple(c.mesh.axis_size(a) for a in applied.split.axes), shapes_key)
+        if key not in self._issued:
+            local = applied.local_view(self.params, c.mesh, 0)
+            shapes = {layer: {name: (t.shape, compute_dtype(applied.precision, layer, t.dtype))
+                              for name, t in tensors.items()} for layer, tensors in local.items()}
+            placement = Placement.pipelined(applied.chain, "pp", [[n] for n in self.names], range(len(self.names)))
+            predict = applied.split.own_prediction() or predict_inside
+            found = predict(applied.chain, placement, shapes, applied.loss_fn, inputs, targets,
+                            functools.partial(applied.predicting, c.mesh))
+            mesh = c.mesh
+
+            def seconds(kind: str, s: int) -> float:
+                assert self.comm is not None
+                return sum(self.comm.time(i.op, int(torch.Size(i.shape).numel()) * torch.empty((), dtype=i.dtype)
+                                          .element_size(), mesh.axis_size(i.axis), ranks=mesh.group_ranks(i.axis, 0))
+                           for i in found.get((kind, s), ()))
+
+            self._issued[key] = ({n: seconds(FORWARD, s) for s, n in enumerate(self.names)},
+                                 {n: seconds(BACKWARD, s) for s, n in enumerate(self.names)},
+                                 seconds(LOSS, len(self.names) - 1))
+        return self._issued[key]
+
     def __call__(self, c: Candidate, applied: Step) -> Bound:
         """``c``'s bounds; ``applied``: ``c``'s transforms on the step (for the pipeline's partition).
         Raises the Plan's own ValueError where the Plan would refuse the same way (a batch the
@@ -124,21 +163,23 @@ class Bounds:
         share = [0.0] * indices
         for s, layers in enumerate(stages):
             share[index_of[s]] += sum(self.weights[n] for n in layers) / self.total
-        state = [sh * (params_b / zp + (grads_b + opt_b) / zs) / c.tp for sh in share]
+        state = [sh * (params_b / zp + (grads_b + opt_b) / zs) / (c.tp * c.ep) for sh in share]
         memory = max(int(state[i]) + held[i] for i in range(indices))
-        return Bound(memory, self._time(c, stages, index_of, indices, share, wire, zs))
+        return Bound(memory, self._time(c, applied, stages, index_of, indices, share, wire, zs))
 
-    def _time(self, c: Candidate, stages: Sequence[Sequence[str]], index_of: Sequence[int], indices: int,
-              share: Sequence[float], wire: float, zs: int) -> float:
+    def _time(self, c: Candidate, applied: Step, stages: Sequence[Sequence[str]], index_of: Sequence[int],
+              indices: int, share: Sequence[float], wire: float, zs: int) -> float:
         costs = self.compute(c)
-        f = 1.0 / (c.dp * c.microbatches)
+        f_in, b_in, loss_in = self._inside(c, applied)
+        f = 1.0 / (c.batch_ways * c.microbatches)
+        split = c.tp * c.ep  # a rank holds between 1 / split and all of a layer's parameters
 
         def least(kind: str, layer: str | None, lo: float, hi: float) -> float:
             return min(costs.at(kind, layer, lo), costs.at(kind, layer, hi))
 
-        forward = [sum(least(FORWARD, n, f / c.tp, f) for n in layers) for layers in stages]
-        backward = [sum(least(BACKWARD, n, f / c.tp, f) for n in layers) for layers in stages]
-        loss = costs.at(LOSS, None, f)
+        forward = [sum(least(FORWARD, n, f / split, f) + f_in.get(n, 0.0) for n in layers) for layers in stages]
+        backward = [sum(least(BACKWARD, n, f / split, f) + b_in.get(n, 0.0) for n in layers) for layers in stages]
+        loss = costs.at(LOSS, None, f) + loss_in
         update = costs.full.get((UPDATE, None), 0.0)
         work = [0.0] * indices
         first = [len(stages)] * indices
@@ -148,7 +189,7 @@ class Bounds:
             first[i] = min(first[i], s)
         best = 0.0
         for i in range(indices):
-            own = work[i] + update * min(1.0, share[i] / (c.tp * zs))
+            own = work[i] + update * min(1.0, share[i] / (split * zs))
             best = max(best, sum(forward[:first[i]]) + own, self._dp_comm(c, stages, index_of, i, wire))
         if c.pp > 1 and c.schedule in FULL_CHAIN:
             best = max(best, sum(forward) + sum(backward) + loss)
@@ -167,7 +208,7 @@ class Bounds:
         group = mesh.group_ranks("dp", mesh.rank_of(coords))
         model = self.comm.level(group)
         held = sum(self.weights[n] for s, layers in enumerate(stages) if index_of[s] == index for n in layers)
-        nbytes = int(held * wire / c.tp)
+        nbytes = int(held * wire / (c.tp * c.ep))
         # One call each at the least: buckets (ZeRO-1 and 2) reduce many units in one collective.
         reduce = min(model.time(op, nbytes, c.dp) for op in ("psum_scatter", "psum"))
         return reduce + model.time("all_gather", nbytes // c.dp, c.dp)

@@ -33,6 +33,7 @@ def search(
     comm: CommModel | None = None, compute: Callable[[Candidate], LayerCosts] | None = None,
     tp_plan: Mapping[str, Any] | None = None, space: Space | None = None, top: int = 5,
     cores: int | None = None, certify_with: tuple[Step, Any, Sequence[Any]] | None = None, prune: bool = True,
+    cp_options: Mapping[str, Any] | None = None,
 ) -> SearchResult:
     """The layouts of ``step`` on ``world`` ranks that fit ``memory_per_rank``, fastest first.
 
@@ -48,7 +49,11 @@ def search(
     here, which needs real ``params``; or :class:`FlopCompute`), communication from ``comm``
     (default: free, and the result says so), ranks sharing ``cores`` cores (None: one each).
     Tensor parallel needs ``tp_plan`` (e.g. ``sw.tp.tiny_gpt_plan()``); without it those shapes are
-    skipped, with the reason. With ``certify_with=(small_step, small_params, small_batches)``,
+    skipped, with the reason. Context parallel (``Space(cp=...)``, with ``cp_options`` for
+    :func:`~shardwise.context_parallel`), expert parallel (``Space(ep=...)``) and HSDP
+    (``Space(replicate=...)``) are tried where the space asks for them; cp and ep only where the
+    model takes them (attention modules, mixture-of-experts blocks), else skipped with the
+    transform's reason. With ``certify_with=(small_step, small_params, small_batches)``,
     the best layouts are checked by :func:`certify` in rank order until ``top`` pass; one that
     fails is refused (stage ``certify``), never returned.
 
@@ -71,6 +76,8 @@ def search(
     budget = parse_bytes(memory_per_rank)
     space = space or Space()
     skipped = [] if tp_plan is not None else ["tensor parallel shapes (tp > 1): no tp_plan= given"]
+    allows = {"cp": _allows(step, "cp", space.cp, cp_options, skipped),
+              "ep": _allows(step, "ep", space.ep, None, skipped)}
     if compute is None:
         if _on_meta(params):
             raise ValueError("search: params are on the meta device, so no step can be measured; pass "
@@ -81,9 +88,9 @@ def search(
     bounds = Bounds(step, shapes, batch, compute, comm)
     refused: list[Refused] = []
     queue: list[tuple[float, str, Candidate, Step]] = []
-    for candidate in space.candidates(world, tensor_parallel=tp_plan is not None):
+    for candidate in space.candidates(world, tensor_parallel=tp_plan is not None, **allows):
         try:
-            applied = candidate.apply(step, tp_plan)
+            applied = candidate.apply(step, tp_plan, cp_options)
         except (ValueError, TypeError) as err:
             refused.append(Refused(candidate, COMPOSE, first_line(err)))
             continue
@@ -104,7 +111,8 @@ def search(
         c, step, shapes, batch, budget=budget, tp_plan=tp_plan, compute=compute, comm=comm or CommModel(),
         cores=cores, base_opt_bytes=base_opt, applied=applied))
     pricing.fill(top)
-    chosen = pricing.ranked()[:top] if certify_with is None else _certified(pricing, top, tp_plan, certify_with)
+    chosen = (pricing.ranked()[:top] if certify_with is None
+              else _certified(pricing, top, tp_plan, cp_options, certify_with))
     refused += pricing.refused
     failed = {r.candidate for r in refused}
     chosen_set = {c.candidate for c in chosen}
@@ -149,7 +157,22 @@ class _Pricing:
         return sorted(self.priced, key=lambda p: (p.time, p.memory, str(p.candidate)))
 
 
-def _certified(pricing: _Pricing, top: int, tp_plan: Mapping[str, Any] | None,
+def _allows(step: Step, axis: str, sizes: Sequence[int], options: Mapping[str, Any] | None,
+            skipped: list[str]) -> bool:
+    """Whether ``step``'s model takes context parallel (``cp``) or expert parallel (``ep``), tried
+    once: a model without attention modules or mixture-of-experts blocks is refused by the
+    transform, and its shapes are skipped, with the transform's reason."""
+    if all(n == 1 for n in sizes):
+        return False
+    try:
+        Candidate(**{axis: 2}).apply(step, None, options)  # type: ignore[arg-type]
+    except (ValueError, TypeError) as err:
+        skipped.append(f"{axis} > 1: {first_line(err)}")
+        return False
+    return True
+
+
+def _certified(pricing: _Pricing, top: int, tp_plan: Mapping[str, Any] | None, cp_options: Mapping[str, Any] | None,
                small: tuple[Step, Any, Sequence[Any]]) -> list[Priced]:
     """The first ``top`` of the priced layouts, fastest first, that pass :func:`certify` on the small
     model; one that fails is refused, and the next fastest is priced if the bounds had left it out."""
@@ -165,7 +188,8 @@ def _certified(pricing: _Pricing, top: int, tp_plan: Mapping[str, Any] | None,
                 break
             checked.add(p.candidate)
             try:
-                report = certify(p.candidate, small_step, small_params, small_batches, tp_plan=tp_plan)
+                report = certify(p.candidate, small_step, small_params, small_batches, tp_plan=tp_plan,
+                                 cp_options=cp_options)
             except (NotEquivalentError, ValueError, TypeError, RuntimeError) as err:
                 pricing.refused.append(Refused(p.candidate, CERTIFY, first_line(err)))
                 pricing.fill(pricing.want + 1)  # one fewer can be returned: the next may be needed

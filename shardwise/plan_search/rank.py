@@ -110,7 +110,7 @@ def _shares(step: Step, candidate: Candidate, params: Any, ranks: int) -> list[d
     full = {layer: sum(t.numel() for t in tensors.values()) for layer, tensors in params.items()}
     shares = []
     for r in range(ranks):
-        local = step.local_view(params, mesh, r) if candidate.tp > 1 else params
+        local = step.local_view(params, mesh, r) if step.split.axes else params
         shares.append({layer: (sum(t.numel() for t in local[layer].values()) / n if n else 1.0)
                        for layer, n in full.items()})
     return shares
@@ -121,7 +121,7 @@ def plan_costs(
     comm: CommModel, cores: int | None, base_opt_bytes: int,
 ) -> PlanCosts:
     """Every action of ``plan`` priced from single-device ``costs``: a compute at its share of
-    the batch (``1 / (dp x micro-batches)``) times its layers' share of the parameters, the
+    the batch (``1 / (dp x replicas x ep x cp x micro-batches)``) times its layers' share of the parameters, the
     loss at its share of the batch, the update and the other bookkeeping at the rank's share
     of the optimizer state, each action also the executor's time per action; collectives and
     transfers by ``comm``. ``plan`` may be :func:`~shardwise.plan_search.replicas.one_replica`'s
@@ -129,7 +129,7 @@ def plan_costs(
     names = list(step.chain.names)
     per_stage = _stage_layers(plan, names) if candidate.pp > 1 else {}
     shares = _shares(step, candidate, params, len(plan.actions))
-    batch_share = 1.0 / (candidate.dp * candidate.microbatches)
+    batch_share = 1.0 / (candidate.batch_ways * candidate.microbatches)
     opt = plan.memory.get("opt_state")
     state_bytes = plan.memory.get("params")
     by_kind: dict[str, float] = {}
@@ -164,7 +164,7 @@ def simulated_time(
 ) -> float:
     """The simulated makespan of ``plan``: of one data-parallel replica when the ranks have a core
     each (the same time, ``dp x`` fewer ranks to walk: ``replicas.py``), else of every rank."""
-    if candidate.dp > 1 and cores is None:
+    if candidate.dp > 1 and candidate.replicate == 1 and cores is None:
         reduced = one_replica(plan, candidate.dp)
         priced = plan_costs(reduced, step, candidate, costs, params, comm=comm, cores=None,
                             base_opt_bytes=base_opt_bytes)

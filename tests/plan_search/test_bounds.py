@@ -165,7 +165,8 @@ def test_the_70b_search_path_at_a_few_layers() -> None:
                       precision=(BF16,), max_tp=8)
         row = bench.run(layers=2, top=2, space=space)
     found = row["result"]
-    assert time.perf_counter() - start < 120
+    # Its CPU time, not its wall time: on a shared machine the wall time measures the others' load.
+    assert row["cpu_s"] < 90, (row["cpu_s"], time.perf_counter() - start)
     assert len(found.ranked) == 2 and all(p.memory <= 80e9 for p in found.ranked)
     assert found.bounded > 0 and row["planned"] < row["candidates"]
     assert found.ranked[0].time <= min(p.time for p in found.others)
