@@ -142,10 +142,15 @@ class Bounds:
                                  seconds(LOSS, len(self.names) - 1))
         return self._issued[key]
 
-    def __call__(self, c: Candidate, applied: Step) -> Bound:
+    def __call__(self, c: Candidate, applied: Step, full: bool = True) -> Bound:
         """``c``'s bounds; ``applied``: ``c``'s transforms on the step (for the pipeline's partition).
-        Raises the Plan's own ValueError where the Plan would refuse the same way (a batch the
-        mesh and micro-batches cannot cut, more stages than layers)."""
+        ``full=False``: without the activations and the in-layer collectives, which take a
+        prediction on fake tensors (seconds on a 70B shape) per (tp, micro-batch shape, remat,
+        precision); lower still, and what the search orders every candidate by before it asks
+        for the full bound of the ones that come first. Raises the Plan's own ValueError where
+        the Plan would refuse the same way (a batch the mesh and micro-batches cannot cut, more
+        stages than layers)."""
+        inputs = one_microbatch(applied, c.mesh, self.batch)[0]  # the lowering's check of the batch's cut
         pipe = applied.pipeline_spec
         if pipe is not None:
             placement, schedule = pipe.place(applied.chain, c.mesh, self.params)
@@ -157,7 +162,8 @@ class Bounds:
         params_b, grads_b, opt_b, wire = self._single(c)
         zp = c.dp if c.zero_stage == 3 else 1
         zs = c.dp if c.zero_stage else 1
-        kept = self._kept_per_layer(c, applied)  # raises the lowering's error for a batch it cannot cut
+        del inputs
+        kept = self._kept_per_layer(c, applied) if full else {}
         per_stage = [sum(kept.get(n, 0) for n in layers) for layers in stages]
         held = pipe.kept_per_index(schedule, per_stage) if pipe is not None else (per_stage[0],)
         share = [0.0] * indices
@@ -165,12 +171,12 @@ class Bounds:
             share[index_of[s]] += sum(self.weights[n] for n in layers) / self.total
         state = [sh * (params_b / zp + (grads_b + opt_b) / zs) / (c.tp * c.ep) for sh in share]
         memory = max(int(state[i]) + held[i] for i in range(indices))
-        return Bound(memory, self._time(c, applied, stages, index_of, indices, share, wire, zs))
+        return Bound(memory, self._time(c, applied, stages, index_of, indices, share, wire, zs, full))
 
     def _time(self, c: Candidate, applied: Step, stages: Sequence[Sequence[str]], index_of: Sequence[int],
-              indices: int, share: Sequence[float], wire: float, zs: int) -> float:
+              indices: int, share: Sequence[float], wire: float, zs: int, full: bool) -> float:
         costs = self.compute(c)
-        f_in, b_in, loss_in = self._inside(c, applied)
+        f_in, b_in, loss_in = self._inside(c, applied) if full else ({}, {}, 0.0)
         f = 1.0 / (c.batch_ways * c.microbatches)
         split = c.tp * c.ep  # a rank holds between 1 / split and all of a layer's parameters
 

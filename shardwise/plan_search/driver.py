@@ -4,6 +4,7 @@ time, and (when a small version of the model is given) the best certified."""
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -87,7 +88,7 @@ def search(
     base_opt = step.plan(None, shapes).memory.get("opt_state", (0,))[0]
     bounds = Bounds(step, shapes, batch, compute, comm)
     refused: list[Refused] = []
-    queue: list[tuple[float, str, Candidate, Step]] = []
+    queue: list[tuple[float, str, bool, Candidate, Step]] = []
     for candidate in space.candidates(world, tensor_parallel=tp_plan is not None, **allows):
         try:
             applied = candidate.apply(step, tp_plan, cp_options)
@@ -95,19 +96,25 @@ def search(
             refused.append(Refused(candidate, COMPOSE, first_line(err)))
             continue
         try:
-            bound = bounds(candidate, applied)
+            bound = bounds(candidate, applied, full=False)
         except ValueError as err:  # what the lowering says of this batch cut or partition
             refused.append(Refused(candidate, PLAN, first_line(err)))
             continue
         except (TypeError, RuntimeError):
             bound = Bound(0, 0.0)  # no bound: the Plan will say what is wrong
         if bound.memory > budget:
-            refused.append(Refused(candidate, MEMORY, f"a lower bound on a rank's peak (from the model's sizes) is "
-                                   f"over the budget of {format_bytes(budget)}", f"peak at least {bound.memory} bytes"))
+            refused.append(_over(candidate, bound, budget))
             continue
-        queue.append((bound.time, str(candidate), candidate, applied))
-    queue.sort(key=lambda q: (q[0], q[1]))
-    pricing = _Pricing(queue, prune, lambda c, applied: price(
+        queue.append((bound.time, str(candidate), False, candidate, applied))
+    heapq.heapify(queue)
+
+    def full_bound(c: Candidate, applied: Step) -> Bound:
+        try:
+            return bounds(c, applied)
+        except (ValueError, TypeError, RuntimeError):
+            return Bound(0, 0.0)  # no bound: the Plan will say what is wrong
+
+    pricing = _Pricing(queue, prune, budget, full_bound, lambda c, applied: price(
         c, step, shapes, batch, budget=budget, tp_plan=tp_plan, compute=compute, comm=comm or CommModel(),
         cores=cores, base_opt_bytes=base_opt, applied=applied))
     pricing.fill(top)
@@ -120,18 +127,24 @@ def search(
     others = [p for p in ranked if p.candidate not in chosen_set and p.candidate not in failed]
     source = getattr(compute, "source", None) or type(compute).__name__
     return SearchResult(tuple(chosen), tuple(refused), len(ranked), tuple(others), tuple(skipped), world, budget,
-                        source, comm is not None, bounded=len(queue) - pricing.pos,
-                        bounded_above=pricing.threshold())
+                        source, comm is not None, bounded=len(pricing.queue), bounded_above=pricing.threshold())
+
+
+def _over(candidate: Candidate, bound: Bound, budget: int) -> Refused:
+    return Refused(candidate, MEMORY, f"a lower bound on a rank's peak (from the model's sizes) is over the budget "
+                   f"of {format_bytes(budget)}", f"peak at least {bound.memory} bytes")
 
 
 class _Pricing:
-    """The candidates that passed the memory bound, priced in the order of their time bound until
-    none left can be among the ``want`` fastest (``prune``), or all of them."""
+    """The candidates that passed the cheap memory bound, a heap by their time bound: the first is
+    given its full bound (refused if that is over budget, put back if it moved), then priced,
+    until none left can be among the ``want`` fastest (``prune``), or all of them."""
 
-    def __init__(self, queue: list[tuple[float, str, Candidate, Step]], prune: bool,
+    def __init__(self, queue: list[tuple[float, str, bool, Candidate, Step]], prune: bool, budget: int,
+                 full_bound: Callable[[Candidate, Step], Bound],
                  price_one: Callable[[Candidate, Step], Priced | Refused]) -> None:
-        self.queue, self.prune, self.price_one = queue, prune, price_one
-        self.pos = 0
+        self.queue, self.prune, self.budget = queue, prune, budget
+        self.full_bound, self.price_one = full_bound, price_one
         self.priced: list[Priced] = []
         self.refused: list[Refused] = []
         self.want = 0
@@ -144,14 +157,21 @@ class _Pricing:
 
     def fill(self, want: int) -> None:
         self.want = max(self.want, want)
-        while self.pos < len(self.queue):
-            bound, _, candidate, applied = self.queue[self.pos]
+        while self.queue:
+            bound, name, full, candidate, applied = self.queue[0]
             limit = self.threshold() if self.prune else None
             if limit is not None and bound > limit:
                 return
+            heapq.heappop(self.queue)
+            if not full:
+                found = self.full_bound(candidate, applied)
+                if found.memory > self.budget:
+                    self.refused.append(_over(candidate, found, self.budget))
+                else:
+                    heapq.heappush(self.queue, (max(bound, found.time), name, True, candidate, applied))
+                continue
             outcome = self.price_one(candidate, applied)
             (self.priced if isinstance(outcome, Priced) else self.refused).append(outcome)  # type: ignore[arg-type]
-            self.pos += 1
 
     def ranked(self) -> list[Priced]:
         return sorted(self.priced, key=lambda p: (p.time, p.memory, str(p.candidate)))
