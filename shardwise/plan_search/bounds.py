@@ -13,7 +13,9 @@ it over whole spaces), so a candidate bounded out could not have been returned:
   Plan's peak is the sum of those figures and more (buffers, gathered units) on the same rank.
 * time: a rank's computes run one at a time, each at least its layer's cost at its share of the
   batch and of the parameters (between ``1 / (tp x ep)`` and 1 of them); a stage cannot start before the
-  first micro-batch's forward through the stages before it; a collective a split (tensor
+  first micro-batch's forward through the stages before it (and under GPipe and 1F1B, whose
+  last compute on a stage is a backward, cannot end before that backward has run through the
+  stages before it); a collective a split (tensor
   parallel) issues inside a layer blocks the rank for at least its transfer (predicted as the
   Plan predicts them, per layer); a 1F1B or GPipe pipeline's first
   micro-batch runs forward and backward through every stage in turn; and a dp group runs its
@@ -196,7 +198,11 @@ class Bounds:
         best = 0.0
         for i in range(indices):
             own = work[i] + update * min(1.0, share[i] / (split * zs))
-            best = max(best, sum(forward[:first[i]]) + own, self._dp_comm(c, stages, index_of, i, wire))
+            before = sum(forward[:first[i]])
+            # Under GPipe and 1F1B a stage's last compute is a backward, which every stage before
+            # it must then run too, one after another.
+            after = sum(backward[:first[i]]) if c.pp > 1 and c.schedule in FULL_CHAIN else 0.0
+            best = max(best, before + own, before + work[i] + after, self._dp_comm(c, stages, index_of, i, wire))
         if c.pp > 1 and c.schedule in FULL_CHAIN:
             best = max(best, sum(forward) + sum(backward) + loss)
         return best
