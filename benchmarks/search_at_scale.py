@@ -106,8 +106,11 @@ def run(layers: int = 80, world: int = 512, memory: str = "80GB", sequences: int
         "search_s": round(done - built, 2), "wall_s": round(done - start, 2),
         "cpu_s": round(time.process_time() - cpu, 2), "peak_rss_bytes": _vm("VmHWM"),
         "refused": {f"{stage}: {why}": n for (stage, why), n in stages.items()},
+        # Planned in full: what fits, what the Plan's own peak or the simulation refused (the
+        # lowering's refusals of a batch cut fail before any planning, in milliseconds).
         "planned": found.fitting + sum(n for (stage, why), n in stages.items()
-                                       if stage != "compose" and not why.startswith("a lower bound")),
+                                       if stage in ("memory", "simulate") and not why.startswith("a lower bound")),
+        "refused_by_lowering": sum(n for (stage, _), n in stages.items() if stage == "plan"),
         "fitting_planned": found.fitting, "bounded": found.bounded, "bounded_above_s": found.bounded_above,
         "ranked": [{"stack": str(p.candidate), "time_s": round(p.time, 4), "peak_gb": round(p.memory / 1e9, 2),
                     "bytes_per_axis_gb": {a: round(n / 1e9, 2) for a, n in p.bytes_per_axis.items()}}
