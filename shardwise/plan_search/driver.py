@@ -40,8 +40,8 @@ def search(
 
     Every candidate of ``space`` (default :class:`Space`: dp, pp, tp and their products, ZeRO
     1-3, gpipe and 1f1b with 1, 2 or 4 micro-batches, remat off and on) is applied with the real
-    transforms and bounded from the model's sizes (``bounds.py``: lower bounds on its peak memory
-    and its step time); one whose memory bound is over budget is refused, and the others are
+    transforms and bounded from the model's sizes (lower bounds on its peak memory and its step
+    time; the guide's "Searching at scale"); one whose memory bound is over budget is refused, and the others are
     planned in the order of their time bound, until the bound of the next is above the time of
     the ``top``-th fastest so far (``prune=False``: all of them; the result counts the ones left,
     ``bounded``). Each is planned once on meta parameters with the global ``batch``, refused when a rank's
