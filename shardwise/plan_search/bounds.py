@@ -167,7 +167,10 @@ class Bounds:
         del inputs
         kept = self._kept_per_layer(c, applied) if full else {}
         per_stage = [sum(kept.get(n, 0) for n in layers) for layers in stages]
-        held = pipe.kept_per_index(schedule, per_stage) if pipe is not None else (per_stage[0],)
+        if pipe is None or not full:  # (the schedule's simulation is for the full bound only)
+            held: Sequence[int] = (per_stage[0],) if pipe is None else (0,) * indices
+        else:
+            held = pipe.kept_per_index(schedule, per_stage)
         share = [0.0] * indices
         for s, layers in enumerate(stages):
             share[index_of[s]] += sum(self.weights[n] for n in layers) / self.total
