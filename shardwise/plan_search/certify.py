@@ -23,6 +23,7 @@ from .candidate import Candidate
 def certify(
     candidate: Candidate, step: Step, params: Any, batches: Sequence[Any], *,
     tp_plan: Mapping[str, Any] | None = None, rtol: float | None = None, timeout: float = 120.0,
+    cp_options: Mapping[str, Any] | None = None,
 ) -> EquivalenceReport:
     """Check ``candidate`` on the small ``step``: its transforms applied, on ``candidate.mesh``'s
     ranks as threads, against ``step`` on one device, over ``batches``; raise
@@ -40,6 +41,6 @@ def certify(
         raise TypeError(f"certify(candidate=...) takes a search Candidate, got {type(candidate).__name__}")
     if not batches:
         raise ValueError("certify needs at least one batch of the small model (two catch a wrong update)")
-    distributed = candidate.apply(step, tp_plan)
+    distributed = candidate.apply(step, tp_plan, cp_options)
     reference = Candidate(precision=candidate.precision).apply(step)
     return assert_equivalent(distributed, reference, candidate.mesh, batches, params, rtol=rtol, timeout=timeout)

@@ -1,8 +1,10 @@
-"""``search``: every candidate of the space priced once, pruned by memory, ranked by time,
-and (when a small version of the model is given) the best certified."""
+"""``search``: the candidates of the space bounded by arithmetic, the ones that can still be
+among the best priced once (planned, checked against the memory budget, simulated), ranked by
+time, and (when a small version of the model is given) the best certified."""
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -13,13 +15,14 @@ import torch
 from ..engine.simulate.costs import CommModel
 from ..engine.step.step import Step
 from ..testing.equivalence import NotEquivalentError
+from .bounds import Bound, Bounds
 from .candidate import Candidate
 from .certify import certify
 from .compute import LayerCosts, MeasuredCompute
-from .rank import CERTIFY, Priced, Refused, first_line, meta, price
+from .rank import CERTIFY, COMPOSE, MEMORY, PLAN, Priced, Refused, first_line, meta, price
 from .result import SearchResult
 from .space import Space
-from .units import parse_bytes
+from .units import format_bytes, parse_bytes
 
 
 def _on_meta(params: Any) -> bool:
@@ -30,19 +33,28 @@ def search(
     step: Step, params: Any, batch: Any, *, world: int, memory_per_rank: int | str,
     comm: CommModel | None = None, compute: Callable[[Candidate], LayerCosts] | None = None,
     tp_plan: Mapping[str, Any] | None = None, space: Space | None = None, top: int = 5,
-    cores: int | None = None, certify_with: tuple[Step, Any, Sequence[Any]] | None = None,
+    cores: int | None = None, certify_with: tuple[Step, Any, Sequence[Any]] | None = None, prune: bool = True,
+    cp_options: Mapping[str, Any] | None = None,
 ) -> SearchResult:
     """The layouts of ``step`` on ``world`` ranks that fit ``memory_per_rank``, fastest first.
 
     Every candidate of ``space`` (default :class:`Space`: dp, pp, tp and their products, ZeRO
     1-3, gpipe and 1f1b with 1, 2 or 4 micro-batches, remat off and on) is applied with the real
-    transforms, planned once on meta parameters with the global ``batch``, refused when a rank's
+    transforms and bounded from the model's sizes (lower bounds on its peak memory and its step
+    time; the guide's "Searching at scale"); one whose memory bound is over budget is refused, and the others are
+    planned in the order of their time bound, until the bound of the next is above the time of
+    the ``top``-th fastest so far (``prune=False``: all of them; the result counts the ones left,
+    ``bounded``). Each is planned once on meta parameters with the global ``batch``, refused when a rank's
     predicted peak (``plan.memory["peak"]``) is over budget, and simulated: compute from
     ``compute`` (default: :class:`MeasuredCompute`, single-device steps of ``step`` measured
     here, which needs real ``params``; or :class:`FlopCompute`), communication from ``comm``
     (default: free, and the result says so), ranks sharing ``cores`` cores (None: one each).
     Tensor parallel needs ``tp_plan`` (e.g. ``sw.tp.tiny_gpt_plan()``); without it those shapes are
-    skipped, with the reason. With ``certify_with=(small_step, small_params, small_batches)``,
+    skipped, with the reason. Context parallel (``Space(cp=...)``, with ``cp_options`` for
+    :func:`~shardwise.context_parallel`), expert parallel (``Space(ep=...)``) and HSDP
+    (``Space(replicate=...)``) are tried where the space asks for them; cp and ep only where the
+    model takes them (attention modules, mixture-of-experts blocks), else skipped with the
+    transform's reason. With ``certify_with=(small_step, small_params, small_batches)``,
     the best layouts are checked by :func:`certify` in rank order until ``top`` pass; one that
     fails is refused (stage ``certify``), never returned.
 
@@ -65,6 +77,8 @@ def search(
     budget = parse_bytes(memory_per_rank)
     space = space or Space()
     skipped = [] if tp_plan is not None else ["tensor parallel shapes (tp > 1): no tp_plan= given"]
+    allows = {"cp": _allows(step, "cp", space.cp, cp_options, skipped),
+              "ep": _allows(step, "ep", space.ep, None, skipped)}
     if compute is None:
         if _on_meta(params):
             raise ValueError("search: params are on the meta device, so no step can be measured; pass "
@@ -72,35 +86,133 @@ def search(
         compute = MeasuredCompute(step, params, batch, smallest=1.0 / (world * max(space.microbatches)))
     shapes = meta(params)
     base_opt = step.plan(None, shapes).memory.get("opt_state", (0,))[0]
-    priced: list[Priced] = []
+    bounds = Bounds(step, shapes, batch, compute, comm)
     refused: list[Refused] = []
-    for candidate in space.candidates(world, tensor_parallel=tp_plan is not None):
-        outcome = price(candidate, step, shapes, batch, budget=budget, tp_plan=tp_plan, compute=compute,
-                        comm=comm or CommModel(), cores=cores, base_opt_bytes=base_opt)
-        (priced if isinstance(outcome, Priced) else refused).append(outcome)  # type: ignore[arg-type]
-    priced.sort(key=lambda p: (p.time, p.memory, str(p.candidate)))
-    fitting = len(priced)
-    chosen = priced[:top] if certify_with is None else _certified(priced, refused, top, tp_plan, certify_with)
+    queue: list[tuple[float, str, bool, Candidate, Step]] = []
+    for candidate in space.candidates(world, tensor_parallel=tp_plan is not None, **allows):
+        try:
+            applied = candidate.apply(step, tp_plan, cp_options)
+        except (ValueError, TypeError) as err:
+            refused.append(Refused(candidate, COMPOSE, first_line(err)))
+            continue
+        try:
+            bound = bounds(candidate, applied, full=False)
+        except ValueError as err:  # what the lowering says of this batch cut or partition
+            refused.append(Refused(candidate, PLAN, first_line(err)))
+            continue
+        except (TypeError, RuntimeError):
+            bound = Bound(0, 0.0)  # no bound: the Plan will say what is wrong
+        if bound.memory > budget:
+            refused.append(_over(candidate, bound, budget))
+            continue
+        queue.append((bound.time, str(candidate), False, candidate, applied))
+    heapq.heapify(queue)
+
+    def full_bound(c: Candidate, applied: Step) -> Bound:
+        try:
+            return bounds(c, applied)
+        except (ValueError, TypeError, RuntimeError):
+            return Bound(0, 0.0)  # no bound: the Plan will say what is wrong
+
+    pricing = _Pricing(queue, prune, budget, full_bound, lambda c, applied: price(
+        c, step, shapes, batch, budget=budget, tp_plan=tp_plan, compute=compute, comm=comm or CommModel(),
+        cores=cores, base_opt_bytes=base_opt, applied=applied))
+    pricing.fill(top)
+    chosen = (pricing.ranked()[:top] if certify_with is None
+              else _certified(pricing, top, tp_plan, cp_options, certify_with))
+    refused += pricing.refused
     failed = {r.candidate for r in refused}
-    others = [p for p in priced if p.candidate not in {c.candidate for c in chosen} and p.candidate not in failed]
+    chosen_set = {c.candidate for c in chosen}
+    ranked = pricing.ranked()
+    others = [p for p in ranked if p.candidate not in chosen_set and p.candidate not in failed]
     source = getattr(compute, "source", None) or type(compute).__name__
-    return SearchResult(tuple(chosen), tuple(refused), fitting, tuple(others), tuple(skipped), world, budget,
-                        source, comm is not None)
+    return SearchResult(tuple(chosen), tuple(refused), len(ranked), tuple(others), tuple(skipped), world, budget,
+                        source, comm is not None, bounded=len(pricing.queue), bounded_above=pricing.threshold())
 
 
-def _certified(priced: list[Priced], refused: list[Refused], top: int, tp_plan: Mapping[str, Any] | None,
+def _over(candidate: Candidate, bound: Bound, budget: int) -> Refused:
+    return Refused(candidate, MEMORY, f"a lower bound on a rank's peak (from the model's sizes) is over the budget "
+                   f"of {format_bytes(budget)}", f"peak at least {bound.memory} bytes")
+
+
+class _Pricing:
+    """The candidates that passed the cheap memory bound, a heap by their time bound: the first is
+    given its full bound (refused if that is over budget, put back if it moved), then priced,
+    until none left can be among the ``want`` fastest (``prune``), or all of them."""
+
+    def __init__(self, queue: list[tuple[float, str, bool, Candidate, Step]], prune: bool, budget: int,
+                 full_bound: Callable[[Candidate, Step], Bound],
+                 price_one: Callable[[Candidate, Step], Priced | Refused]) -> None:
+        self.queue, self.prune, self.budget = queue, prune, budget
+        self.full_bound, self.price_one = full_bound, price_one
+        self.priced: list[Priced] = []
+        self.refused: list[Refused] = []
+        self.want = 0
+
+    def threshold(self) -> float | None:
+        """The ``want``-th fastest time so far: a candidate whose bound is above it cannot enter."""
+        if len(self.priced) < self.want or not self.want:
+            return None
+        return sorted(p.time for p in self.priced)[self.want - 1]
+
+    def fill(self, want: int) -> None:
+        self.want = max(self.want, want)
+        while self.queue:
+            bound, name, full, candidate, applied = self.queue[0]
+            limit = self.threshold() if self.prune else None
+            if limit is not None and bound > limit:
+                return
+            heapq.heappop(self.queue)
+            if not full:
+                found = self.full_bound(candidate, applied)
+                if found.memory > self.budget:
+                    self.refused.append(_over(candidate, found, self.budget))
+                else:
+                    heapq.heappush(self.queue, (max(bound, found.time), name, True, candidate, applied))
+                continue
+            outcome = self.price_one(candidate, applied)
+            (self.priced if isinstance(outcome, Priced) else self.refused).append(outcome)  # type: ignore[arg-type]
+
+    def ranked(self) -> list[Priced]:
+        return sorted(self.priced, key=lambda p: (p.time, p.memory, str(p.candidate)))
+
+
+def _allows(step: Step, axis: str, sizes: Sequence[int], options: Mapping[str, Any] | None,
+            skipped: list[str]) -> bool:
+    """Whether ``step``'s model takes context parallel (``cp``) or expert parallel (``ep``), tried
+    once: a model without attention modules or mixture-of-experts blocks is refused by the
+    transform, and its shapes are skipped, with the transform's reason."""
+    if all(n == 1 for n in sizes):
+        return False
+    try:
+        Candidate(**{axis: 2}).apply(step, None, options)  # type: ignore[arg-type]
+    except (ValueError, TypeError) as err:
+        skipped.append(f"{axis} > 1: {first_line(err)}")
+        return False
+    return True
+
+
+def _certified(pricing: _Pricing, top: int, tp_plan: Mapping[str, Any] | None, cp_options: Mapping[str, Any] | None,
                small: tuple[Step, Any, Sequence[Any]]) -> list[Priced]:
-    """The first ``top`` of ``priced`` that pass :func:`certify` on the small model; the ones that
-    fail go to ``refused``."""
+    """The first ``top`` of the priced layouts, fastest first, that pass :func:`certify` on the small
+    model; one that fails is refused, and the next fastest is priced if the bounds had left it out."""
     small_step, small_params, small_batches = small
     passed: list[Priced] = []
-    for p in priced:
-        if len(passed) == top:
+    checked: set[Candidate] = set()
+    while len(passed) < top:
+        todo = [p for p in pricing.ranked() if p.candidate not in checked]
+        if not todo:
             break
-        try:
-            report = certify(p.candidate, small_step, small_params, small_batches, tp_plan=tp_plan)
-        except (NotEquivalentError, ValueError, TypeError, RuntimeError) as err:
-            refused.append(Refused(p.candidate, CERTIFY, first_line(err)))
-            continue
-        passed.append(replace(p, certified=str(report)))
+        for p in todo:
+            if len(passed) == top:
+                break
+            checked.add(p.candidate)
+            try:
+                report = certify(p.candidate, small_step, small_params, small_batches, tp_plan=tp_plan,
+                                 cp_options=cp_options)
+            except (NotEquivalentError, ValueError, TypeError, RuntimeError) as err:
+                pricing.refused.append(Refused(p.candidate, CERTIFY, first_line(err)))
+                pricing.fill(pricing.want + 1)  # one fewer can be returned: the next may be needed
+                break
+            passed.append(replace(p, certified=str(report)))
     return passed

@@ -11,7 +11,7 @@ its actions, priced by :func:`plan_costs` and simulated.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -29,6 +29,7 @@ from ..engine.simulate.simulation import simulate
 from ..engine.step.step import Step
 from .candidate import Candidate
 from .compute import LayerCosts
+from .replicas import one_replica, replica_comm
 from .units import format_bytes
 
 COMPOSE, PLAN, MEMORY, SIMULATE, CERTIFY = "compose", "plan", "memory", "simulate", "certify"
@@ -101,14 +102,15 @@ def _stage_layers(plan: Plan, names: Sequence[str]) -> dict[int, list[str]]:
     return {stage: list(names[bounds[j]:bounds[j + 1]]) for j, (_, stage) in enumerate(starts)}
 
 
-def _shares(step: Step, candidate: Candidate, params: Any) -> list[dict[str, float]]:
-    """Per rank, per layer: the share of the layer's parameters the rank computes with (tensor
-    parallel splits them; 1 elsewhere), which a compute's cost scales with as with its batch."""
+def _shares(step: Step, candidate: Candidate, params: Any, ranks: int) -> list[dict[str, float]]:
+    """Per rank (the first ``ranks``), per layer: the share of the layer's parameters the rank
+    computes with (tensor parallel splits them; 1 elsewhere), which a compute's cost scales with
+    as with its batch."""
     mesh = candidate.mesh
     full = {layer: sum(t.numel() for t in tensors.values()) for layer, tensors in params.items()}
     shares = []
-    for r in range(mesh.size):
-        local = step.local_view(params, mesh, r) if candidate.tp > 1 else params
+    for r in range(ranks):
+        local = step.local_view(params, mesh, r) if step.split.axes else params
         shares.append({layer: (sum(t.numel() for t in local[layer].values()) / n if n else 1.0)
                        for layer, n in full.items()})
     return shares
@@ -119,14 +121,15 @@ def plan_costs(
     comm: CommModel, cores: int | None, base_opt_bytes: int,
 ) -> PlanCosts:
     """Every action of ``plan`` priced from single-device ``costs``: a compute at its share of
-    the batch (``1 / (dp x micro-batches)``) times its layers' share of the parameters, the
+    the batch (``1 / (dp x replicas x ep x cp x micro-batches)``) times its layers' share of the parameters, the
     loss at its share of the batch, the update and the other bookkeeping at the rank's share
     of the optimizer state, each action also the executor's time per action; collectives and
-    transfers by ``comm``."""
+    transfers by ``comm``. ``plan`` may be :func:`~shardwise.plan_search.replicas.one_replica`'s
+    (its ranks are the first of the candidate's mesh)."""
     names = list(step.chain.names)
     per_stage = _stage_layers(plan, names) if candidate.pp > 1 else {}
-    shares = _shares(step, candidate, params)
-    batch_share = 1.0 / (candidate.dp * candidate.microbatches)
+    shares = _shares(step, candidate, params, len(plan.actions))
+    batch_share = 1.0 / (candidate.batch_ways * candidate.microbatches)
     opt = plan.memory.get("opt_state")
     state_bytes = plan.memory.get("params")
     by_kind: dict[str, float] = {}
@@ -155,14 +158,31 @@ def plan_costs(
     return PlanCosts(slot=slot, comm=comm.covering(plan)[0], cores=cores, unit_us=1e6)
 
 
+def simulated_time(
+    plan: Plan, step: Step, candidate: Candidate, costs: LayerCosts, params: Any, *,
+    comm: CommModel, cores: int | None, base_opt_bytes: int,
+) -> float:
+    """The simulated makespan of ``plan``: of one data-parallel replica when the ranks have a core
+    each (the same time, ``dp x`` fewer ranks to walk: ``replicas.py``), else of every rank."""
+    if candidate.dp > 1 and candidate.replicate == 1 and cores is None:
+        reduced = one_replica(plan, candidate.dp)
+        priced = plan_costs(reduced, step, candidate, costs, params, comm=comm, cores=None,
+                            base_opt_bytes=base_opt_bytes)
+        priced = replace(priced, comm=replica_comm(priced.comm, candidate.dp, reduced.mesh.size))
+        return float(simulate(reduced, priced).makespan)
+    priced = plan_costs(plan, step, candidate, costs, params, comm=comm, cores=cores, base_opt_bytes=base_opt_bytes)
+    return float(simulate(plan, priced).makespan)
+
+
 def price(
     candidate: Candidate, base: Step, params: Any, batch: Any, *,
     budget: int, tp_plan: Mapping[str, Any] | None, compute: Callable[[Candidate], LayerCosts],
-    comm: CommModel, cores: int | None, base_opt_bytes: int,
+    comm: CommModel, cores: int | None, base_opt_bytes: int, applied: Step | None = None,
 ) -> Priced | Refused:
-    """``candidate`` priced, or refused with the stage and reason."""
+    """``candidate`` priced, or refused with the stage and reason (``applied``: its transforms on
+    ``base`` already, when the caller has them)."""
     try:
-        step = candidate.apply(base, tp_plan)
+        step = applied if applied is not None else candidate.apply(base, tp_plan)
     except (ValueError, TypeError) as err:
         return Refused(candidate, COMPOSE, first_line(err))
     try:
@@ -174,9 +194,8 @@ def price(
         return Refused(candidate, MEMORY, f"a rank's predicted peak is over the budget of {format_bytes(budget)}",
                        f"peak {max(peak)} bytes on rank {peak.index(max(peak))}")
     try:
-        priced = plan_costs(plan, step, candidate, compute(candidate), params, comm=comm, cores=cores,
-                            base_opt_bytes=base_opt_bytes)
-        seconds = simulate(plan, priced).makespan
+        seconds = simulated_time(plan, step, candidate, compute(candidate), params, comm=comm, cores=cores,
+                                 base_opt_bytes=base_opt_bytes)
     except (ValueError, RuntimeError) as err:
         return Refused(candidate, SIMULATE, first_line(err))
     return Priced(candidate, step, plan, float(seconds), tuple(peak), bytes_per_axis(plan))

@@ -26,7 +26,11 @@ class SearchResult:
     """``ranked``: the layouts that fit (and passed certification when asked), fastest first by
     simulated step time, the first ``top`` of the ``fitting`` ones (``others``: the rest that fit,
     not certified); ``refused``: every candidate left out, with the stage and the reason;
-    ``skipped``: whole parts of the space not tried, and why (tensor parallel without a plan)."""
+    ``skipped``: whole parts of the space not tried, and why (tensor parallel without a plan);
+    ``bounded``: how many candidates that passed the memory bound were never planned, because a
+    lower bound on their step time was above ``bounded_above`` (the time of the last layout that
+    could be returned), so none of them could be among the returned ones. ``others`` and the
+    frontier hold only the layouts planned."""
 
     ranked: tuple[Priced, ...]
     refused: tuple[Refused, ...]
@@ -37,6 +41,8 @@ class SearchResult:
     budget: int
     compute_source: str
     comm_priced: bool
+    bounded: int = 0
+    bounded_above: float | None = None
 
     @property
     def best(self) -> Priced:
@@ -71,6 +77,9 @@ class SearchResult:
                      f"{len(self.refused)} were refused; compute costs {self.compute_source})")
         if not self.comm_priced:
             lines.append("communication is not priced: pass comm=CommModel (e.g. CommModel.from_benchmark)")
+        if self.bounded:
+            lines.append(f"not planned ({self.bounded}): a lower bound on their step time is above "
+                         f"{format_seconds(self.bounded_above or 0.0)}, the slowest that could be returned")
         for (stage, why), n in self.refusals_by_reason().most_common():
             lines.append(f"refused by {stage} ({n}): {why}")
         lines += [f"skipped: {s}" for s in self.skipped]
@@ -84,5 +93,5 @@ class SearchResult:
             "frontier": [str(p.candidate) for p in self.frontier()],
             "refused": [{"stack": str(r.candidate), "stage": r.stage, "reason": r.reason, "detail": r.detail}
                         for r in self.refused],
-            "skipped": list(self.skipped),
+            "skipped": list(self.skipped), "bounded": self.bounded, "bounded_above_s": self.bounded_above,
         }

@@ -1,9 +1,10 @@
 """The search space: which candidates to try for a world size, and the ones left out before
 any transform is applied (with the reason).
 
-Every ``dp x pp x tp`` factorisation of the world, and for each the options that apply:
-ZeRO stages over dp (and resharding for ZeRO-3 under a pipeline), schedules and micro-batch
-counts over pp, remat policies and precisions everywhere. Options that do not apply to a
+Every ``dp x pp x tp`` factorisation of the world (of what is left of it after the context
+parallel, expert parallel and HSDP replica sizes asked for), and for each the options that
+apply: ZeRO stages over dp (and resharding for ZeRO-3 under a pipeline), schedules and
+micro-batch counts over pp, remat policies and precisions everywhere. Options that do not apply to a
 shape are not multiplied in (a schedule without pp), so every candidate is distinct and is
 planned once. Whether a candidate can work is for the transforms to say (``Candidate.apply``):
 the space knows nothing of the composition rules.
@@ -34,15 +35,21 @@ class Space:
     precision: tuple[str | None, ...] = (None,)
     max_tp: int | None = None
     max_pp: int | None = None
+    cp: tuple[int, ...] = (1,)
+    ep: tuple[int, ...] = (1,)
+    replicate: tuple[int, ...] = (1,)
 
     def __post_init__(self) -> None:
-        for name in ("zero_stages", "schedules", "microbatches", "remat", "precision", "reshard_under_pipeline"):
+        for name in ("zero_stages", "schedules", "microbatches", "remat", "precision", "reshard_under_pipeline",
+                     "cp", "ep", "replicate"):
             if not getattr(self, name):
                 raise ValueError(f"Space({name}=()): give at least one option (None where it means 'as it is')")
         if bad := [s for s in self.zero_stages if s not in (1, 2, 3)]:
             raise ValueError(f"Space(zero_stages={self.zero_stages}): {bad} are not ZeRO stages (1, 2, 3)")
-        if bad := [k for k in self.microbatches if isinstance(k, bool) or not isinstance(k, int) or k < 1]:
-            raise ValueError(f"Space(microbatches={self.microbatches}): {bad} are not counts >= 1")
+        for name in ("microbatches", "cp", "ep", "replicate"):
+            values = getattr(self, name)
+            if bad := [k for k in values if isinstance(k, bool) or not isinstance(k, int) or k < 1]:
+                raise ValueError(f"Space({name}={values}): {bad} are not counts >= 1")
 
     def shapes(self, world: int, tensor_parallel: bool = True) -> Iterator[tuple[int, int, int]]:
         """(dp, pp, tp) with ``dp * pp * tp == world``: data parallel first, then pipelines, then tp."""
@@ -57,15 +64,26 @@ class Space:
                     continue
                 yield dp, pp, tp
 
-    def candidates(self, world: int, tensor_parallel: bool = True) -> Iterator[Candidate]:
+    def candidates(self, world: int, tensor_parallel: bool = True, *, cp: bool = True,
+                   ep: bool = True) -> Iterator[Candidate]:
         """Every combination of the options that applies to each shape of ``world`` ranks;
-        ``tensor_parallel=False`` (no TP plan) leaves out the shapes with tp > 1."""
-        for dp, pp, tp in self.shapes(world, tensor_parallel):
-            zeros: tuple[int, ...] = self.zero_stages if dp > 1 else (0,)
-            pipes: list[tuple[str | None, int]] = (
-                [(s, k) for s in self.schedules for k in self.microbatches] if pp > 1 else [(None, 1)])
-            for zero, (schedule, k), remat, precision in itertools.product(zeros, pipes, self.remat, self.precision):
-                reshards = self.reshard_under_pipeline if zero == 3 and pp > 1 else (None,)
-                for reshard in reshards:
-                    yield Candidate(dp=dp, tp=tp, pp=pp, zero_stage=zero, reshard_after_forward=reshard,
-                                    schedule=schedule, microbatches=k, remat=remat, precision=precision)
+        ``tensor_parallel=False`` (no TP plan) leaves out the shapes with tp > 1, ``cp=False`` and
+        ``ep=False`` (the model allows neither) those with cp > 1 or ep > 1."""
+        for rep, e, c in itertools.product(self.replicate, self.ep if ep else (1,), self.cp if cp else (1,)):
+            if world % (rep * e * c):
+                continue
+            for dp, pp, tp in self.shapes(world // (rep * e * c), tensor_parallel):
+                if rep > 1 and dp == 1:
+                    continue  # HSDP replicates shards: it needs a sharded axis
+                yield from self._options(dp, pp, tp, rep, e, c)
+
+    def _options(self, dp: int, pp: int, tp: int, rep: int, e: int, c: int) -> Iterator[Candidate]:
+        zeros: tuple[int, ...] = self.zero_stages if dp > 1 else (0,)
+        pipes: list[tuple[str | None, int]] = (
+            [(s, k) for s in self.schedules for k in self.microbatches] if pp > 1 else [(None, 1)])
+        for zero, (schedule, k), remat, precision in itertools.product(zeros, pipes, self.remat, self.precision):
+            reshards = self.reshard_under_pipeline if zero == 3 and pp > 1 else (None,)
+            for reshard in reshards:
+                yield Candidate(dp=dp, tp=tp, pp=pp, zero_stage=zero, reshard_after_forward=reshard,
+                                schedule=schedule, microbatches=k, remat=remat, precision=precision,
+                                cp=c, ep=e, replicate=rep)

@@ -170,7 +170,7 @@ def test_certify_catches_a_wrong_layout() -> None:
     assert "equivalent" in str(certify(good, step, params, batches))
 
     class Wrong(Candidate):
-        def apply(self, step: Any, tp_plan: Any = None) -> Any:
+        def apply(self, step: Any, tp_plan: Any = None, cp_options: Any = None) -> Any:
             return sw.shard_params(other, "dp", 2)
 
     with pytest.raises(NotEquivalentError):

@@ -85,6 +85,7 @@ naming it). The rules:
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any, Protocol, TypeVar
 
 from ..model.chain import Chain
@@ -234,6 +235,31 @@ def _check_once_roles(stack: tuple[Any, ...]) -> None:
         first[spec.role] = spec
 
 
+# Rebuilt chains by source chain, then by the rewriting specs in order: a rebuild is a pure function
+# of those, and an expensive one on a large model (tensor parallel copies the module structure of
+# every layer: seconds for 80 decoder layers), which every transform added after a rewriting one
+# would otherwise repeat, and a search repeats for every candidate sharing those rewrites.
+_REBUILT: weakref.WeakKeyDictionary[Chain, dict[tuple[Any, ...], Chain]] = weakref.WeakKeyDictionary()
+
+
+def _rebuilt(source: Chain, stack: tuple[Any, ...]) -> Chain:
+    ordered = tuple(rewrites_in_order(stack))
+    try:
+        known = _REBUILT.setdefault(source, {})
+        found = known.get(ordered)
+    except TypeError:  # a spec that cannot be a key (unhashable): rebuild without the cache
+        known, found = None, None
+    if found is not None:
+        return found
+    chain = source
+    for rewrite in ordered:
+        # A split reads the rest of the stack (mixed_precision's reduce dtype applies to its sums).
+        chain = rewrite.rewrite(chain, stack) if rewrite.role == SPLIT else rewrite.rewrite(chain)
+    if known is not None:
+        known[ordered] = chain
+    return chain
+
+
 def add(step: S, spec: Any, **fields: Any) -> S:
     """``step`` with ``spec`` appended to its stack, once the new stack passes :func:`check_stack`
     (and with ``fields`` replaced); a rewriting spec rebuilds the layers from the source chain."""
@@ -242,10 +268,7 @@ def add(step: S, spec: Any, **fields: Any) -> S:
     new = dataclasses.replace(step, transforms=stack, **fields)  # type: ignore[type-var]
     if spec.role not in _REBUILDS:
         return new
-    chain = step.base_chain
-    for rewrite in rewrites_in_order(stack):
-        # A split reads the rest of the stack (mixed_precision's reduce dtype applies to its sums).
-        chain = rewrite.rewrite(chain, stack) if rewrite.role == SPLIT else rewrite.rewrite(chain)
+    chain = _rebuilt(step.base_chain, stack)
     return dataclasses.replace(new, chain=chain, source_chain=step.base_chain)  # type: ignore[type-var]
 
 
