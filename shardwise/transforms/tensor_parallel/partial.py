@@ -62,6 +62,10 @@ LINEAR = _words("""
     transpose permute __getitem__ narrow select chunk split unbind
 """)
 DIVIDES = _words("div divide true_divide __truediv__ __itruediv__ __div__")  # the partial must be the numerator
+# The LINEAR ops whose partial operand may be any of their tensors; every other one is linear in its first
+# operand only: ``pe.type_as(x)``, ``mask.expand_as(x)`` or ``cos.to(x)`` with ``x`` a partial sum give
+# ``pe`` or ``mask`` whole on every rank (a replicated value), not a partial sum of it.
+COMMUTES = _words("mul multiply __mul__ __rmul__")
 
 
 def _name(func: Any) -> str:
@@ -151,7 +155,7 @@ class Follower(TorchFunctionMode):
         if base in SUMS and not numbers and not in_place_on_other:  # a replicated addend counted once
             return (*_mapped(args, kwargs, self._replicated, lambda t: t not in self.values), True)
         linear = base in LINEAR and len(values) == 1 and not any(t.requires_grad for t in others)
-        if linear and not in_place_on_other and (base not in DIVIDES or (args and args[0] is values[0])):
+        if linear and not in_place_on_other and (base in COMMUTES or (args and args[0] is values[0])):
             return args, kwargs, True
         return (*_mapped(args, kwargs, self._summed, lambda t: t in self.values), False)
 

@@ -323,3 +323,33 @@ def test_sequence_parallel_ends_sum_or_gather_what_glue_needs_whole(build: dict[
     assert inside[0] == "psum(blocks.0, axis=tp)", inside  # the embedding's partial sums, summed before the norm
     assert "all_gather(blocks.1, axis=tp)" in inside  # the last block's slice, gathered before the flip
     assert "psum(head, axis=tp)" in inside  # so the head's input gradient is all-reduced, as before
+
+
+class _BufferGPT(TinyGPT):
+    """TinyGPT whose glue makes replicated tensors from the embedding's partial sums by their metadata: a
+    position buffer ``type_as`` the lookups and a padding mask ``expand_as`` them. Each is whole on every
+    rank, not a partial sum (followed as one, the buffer was added twice and the mask summed to 2)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.register_buffer("pe", torch.randn(1, 8, self.pos_emb.shape[-1], dtype=torch.float64))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok_emb(idx)
+        x = x * (idx != 0).to(x.dtype).unsqueeze(-1).expand_as(x) + self.pe[:, : x.size(1)].type_as(x)
+        x = x + self.pos_emb[:, : x.size(1)]
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def test_sequence_parallel_ends_keep_replicated_values_made_like_the_partial_sums_whole(
+    build: dict[str, Callable],
+) -> None:
+    problem = build["tiny_gpt"]()
+    torch.manual_seed(0)
+    model = _BufferGPT(vocab=64, d_model=32, n_heads=4, n_layers=2, seq_len=8).double()
+    chain, params = sw.functionalize(model, units=Block)
+    reference = sw.train_step(chain, problem.step.loss_fn, sw.optim.sgd(0.1, momentum=0.9))
+    step = sw.tensor_parallel(reference, "tp", problem.plan, sequence_parallel=problem.blocks)
+    sw.testing.assert_equivalent(step, reference, sw.Mesh(tp=2), problem.batches, params, rtol=F64_RTOL)
