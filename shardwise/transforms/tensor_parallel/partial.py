@@ -157,6 +157,16 @@ class Follower(TorchFunctionMode):
         linear = base in LINEAR and len(values) == 1 and not any(t.requires_grad for t in others)
         if linear and not in_place_on_other and (base in COMMUTES or (args and args[0] is values[0])):
             return args, kwargs, True
+        if (_inplace(name) or name == "__setitem__") and args and args[0] in self.values:
+            # x.clamp_(...), x[:, 0] = v, x.mul_(w): the caller keeps using x itself, so x is made whole in
+            # place (a copy of its sum), no longer followed, and the op then runs on it.
+            whole, x = self._summed(args[0]), args[0]
+            self.quiet += 1
+            try:
+                x.copy_(whole)
+            finally:
+                self.quiet -= 1
+            del self.values.refs[id(x)]
         return (*_mapped(args, kwargs, self._summed, lambda t: t in self.values), False)
 
     def slice_of(self, t: Any) -> Held | None:

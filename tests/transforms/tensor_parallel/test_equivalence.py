@@ -353,3 +353,31 @@ def test_sequence_parallel_ends_keep_replicated_values_made_like_the_partial_sum
     reference = sw.train_step(chain, problem.step.loss_fn, sw.optim.sgd(0.1, momentum=0.9))
     step = sw.tensor_parallel(reference, "tp", problem.plan, sequence_parallel=problem.blocks)
     sw.testing.assert_equivalent(step, reference, sw.Mesh(tp=2), problem.batches, params, rtol=F64_RTOL)
+
+
+class _InPlaceGPT(TinyGPT):
+    """TinyGPT whose glue changes the embedding's lookups in place by ops that are not linear in them (a
+    clamp, a row set to a learned vector): the caller keeps using the lookups themselves, so they must be
+    made whole in place (before, a summed copy took the op and the lookups went on as the partial sums)."""
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok_emb(idx)
+        x.clamp_(-0.05, 0.05)
+        x[:, 0] = self.pos_emb[0, 1]
+        x = x + self.pos_emb[:, : x.size(1)]
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def test_sequence_parallel_ends_make_the_partial_sums_whole_in_place_for_in_place_ops(
+    build: dict[str, Callable],
+) -> None:
+    problem = build["tiny_gpt"]()
+    torch.manual_seed(0)
+    model = _InPlaceGPT(vocab=64, d_model=32, n_heads=4, n_layers=2, seq_len=8).double()
+    chain, params = sw.functionalize(model, units=Block, example_input=problem.batches[0][0])
+    reference = sw.train_step(chain, problem.step.loss_fn, sw.optim.sgd(0.1, momentum=0.9))
+    step = sw.tensor_parallel(reference, "tp", problem.plan, sequence_parallel=problem.blocks)
+    sw.testing.assert_equivalent(step, reference, sw.Mesh(tp=2), problem.batches, params, rtol=F64_RTOL)
+    sw.testing.assert_equivalent(step, reference, sw.Mesh(tp=4), problem.batches, params, rtol=F64_RTOL)
