@@ -381,3 +381,63 @@ def test_sequence_parallel_ends_make_the_partial_sums_whole_in_place_for_in_plac
     step = sw.tensor_parallel(reference, "tp", problem.plan, sequence_parallel=problem.blocks)
     sw.testing.assert_equivalent(step, reference, sw.Mesh(tp=2), problem.batches, params, rtol=F64_RTOL)
     sw.testing.assert_equivalent(step, reference, sw.Mesh(tp=4), problem.batches, params, rtol=F64_RTOL)
+
+
+class _AfterBlocksGPT(TinyGPT):
+    """TinyGPT with glue after the last block, which under sequence parallel runs on each rank's slice of
+    the sequence: ``after(x)`` on the blocks' output."""
+
+    def __init__(self, after: Callable[[torch.Tensor, TinyGPT], torch.Tensor], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.after = after
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok_emb(idx) + self.pos_emb[:, : idx.size(1)]
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(self.after(x, self)))
+
+
+def _position_wise_in_place(x: torch.Tensor, model: TinyGPT) -> torch.Tensor:
+    x = x.clone()
+    x.mul_(2.0)
+    x[..., 0] = 1.0
+    x.add_(model.pos_emb[0, 0])
+    return x
+
+
+def _cumsum_in_place(x: torch.Tensor, model: TinyGPT) -> torch.Tensor:
+    x.cumsum_(1)
+    return x
+
+
+def _set_the_last_position(x: torch.Tensor, model: TinyGPT) -> torch.Tensor:
+    x = x.clone()
+    x[:, -1] = 0.0
+    return x
+
+
+def _after_blocks(after: Callable[[torch.Tensor, TinyGPT], torch.Tensor], problem: Any) -> tuple[sw.Step, Any, Any]:
+    torch.manual_seed(0)
+    model = _AfterBlocksGPT(after, vocab=64, d_model=32, n_heads=4, n_layers=2, seq_len=8).double()
+    chain, params = sw.functionalize(model, units=Block, example_input=problem.batches[0][0])
+    reference = sw.train_step(chain, problem.step.loss_fn, sw.optim.sgd(0.1, momentum=0.9))
+    return reference, sw.tensor_parallel(reference, "tp", problem.plan, sequence_parallel=problem.blocks), params
+
+
+def test_sequence_parallel_in_place_ops_on_the_last_blocks_slice(build: dict[str, Callable]) -> None:
+    """Position-wise in-place ops run on the slice; any other changed a gathered copy and dropped the change
+    (the caller goes on with the slice itself), another model without an error: refused, naming the fix."""
+    problem = build["tiny_gpt"]()
+    reference, step, params = _after_blocks(_position_wise_in_place, problem)
+    sw.testing.assert_equivalent(step, reference, sw.Mesh(tp=2), problem.batches, params, rtol=F64_RTOL)
+    for after, what in [(_cumsum_in_place, "cumsum_ is not a position-wise op"),
+                        (_set_the_last_position, "writes across positions")]:
+        reference, step, params = _after_blocks(after, problem)
+        sw.testing.assert_equivalent(reference, reference, sw.Mesh(tp=2), problem.batches[:1], params)
+        message = f"in place, and .*{what}.*train silently wrong: write it out of place"
+        with pytest.raises(ValueError, match=message):
+            step.plan(sw.Mesh(tp=2), params, problem.batches[0])
+        with pytest.raises(sw.collectives.RankFailed, match=message):
+            sw.testing.assert_equivalent(step, reference, sw.Mesh(tp=2), problem.batches, params, rtol=F64_RTOL)
+
