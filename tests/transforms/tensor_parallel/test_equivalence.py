@@ -454,3 +454,42 @@ def test_sequence_parallel_a_length_read_after_the_last_block(build: dict[str, C
     problem = build["tiny_gpt"]()
     reference, step, params = _after_blocks(_table_at_its_length, problem)
     sw.testing.assert_equivalent(step, reference, sw.Mesh(tp=2), problem.batches, params, rtol=F64_RTOL)
+
+
+def test_a_vocabulary_split_scaled_word_embedding_keeps_its_scale() -> None:
+    """HF Gemma's embedding is a GemmaTextScaledWordEmbedding (the lookup times sqrt(hidden)); the split
+    lookup dropped the scale, another model without an error (loss off by 9e-4 relative). An Embedding
+    subclass with any other forward of its own is refused under Rowwise. (Only the embedding is split:
+    Gemma's RMSNorm computes in float32, so a sum in another order differs by float32 rounding.)"""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.gemma.modeling_gemma import GemmaDecoderLayer
+
+    torch.manual_seed(0)
+    cfg = transformers.GemmaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=4, max_position_embeddings=16, attn_implementation="eager",
+        bos_token_id=0, eos_token_id=0, tie_word_embeddings=False,
+    )
+    model = transformers.GemmaForCausalLM(cfg).double()
+    gen = torch.Generator().manual_seed(1)
+    data = [(torch.randint(64, (4, 8), generator=gen), torch.randint(64, (4, 8), generator=gen)) for _ in range(2)]
+    chain, params = sw.functionalize(model, units=GemmaDecoderLayer, example_input=data[0][0])
+
+    def loss(out: Any, targets: torch.Tensor) -> torch.Tensor:
+        return sw.tp.vocab_parallel_cross_entropy(out.logits, targets)
+
+    reference = sw.train_step(chain, loss, sw.optim.sgd(0.1, momentum=0.9))
+    step = sw.tensor_parallel(reference, "tp", {"model.embed_tokens": sw.tp.Rowwise()})
+    sw.testing.assert_equivalent(step, reference, sw.Mesh(tp=2), data, params, rtol=F64_RTOL)
+
+    class Shifted(torch.nn.Embedding):
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return super().forward(ids) + 1.0
+
+    other = torch.nn.Sequential(Shifted(64, 8), torch.nn.Linear(8, 4)).double()
+    chain, params = sw.functionalize(other)
+    plain = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1))
+    split = sw.tensor_parallel(plain, "tp", {"0": sw.tp.Rowwise()})
+    batch = (torch.randint(64, (4, 3)), torch.randn(4, 3, 4, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"Rowwise.*Shifted, whose forward overrides nn.Embedding's.*Colwise"):
+        split.plan(sw.Mesh(tp=2), params, batch)
