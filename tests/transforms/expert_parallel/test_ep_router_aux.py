@@ -241,3 +241,15 @@ def test_a_padded_batch_under_remat_equals_the_single_device_step(stack: str) ->
     else:
         composed, mesh = sw.shard_params(sw.remat(sw.expert_parallel(reference, "ep")), "dp", 3), sw.Mesh(dp=2, ep=2)
     sw.testing.assert_equivalent(composed, reference, mesh, data, params)
+
+
+def test_mixtral_router_jitter_noise_is_refused() -> None:
+    """HF's aux loss is of the jittered router logits; the reported ones are of the block's input, so with
+    jitter in training the step's aux was not HF's, without an error."""
+    model, _, params, data = _mixtral()
+    for layer in model.model.layers:
+        layer.mlp.jitter_noise = 0.1
+    chain, params = sw.functionalize(model, units=type(model.model.layers[0]), example_input=data[0][0])
+    with_aux = sw.router_aux_loss(sw.train_step(chain, _lm_loss, sw.optim.sgd(0.1)), 0.02)
+    with pytest.raises(ValueError, match=r"router_jitter_noise=0.1.*set config.router_jitter_noise = 0"):
+        with_aux(with_aux.init(params), data[0])
