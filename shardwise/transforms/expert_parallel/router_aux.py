@@ -147,6 +147,12 @@ class ReportRouter:
 
     def __call__(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         m: Any = self.module
+        if self.block.kind == "MixtralSparseMoeBlock" and m.training and m.jitter_noise > 0:
+            raise ValueError(
+                f"router_aux_loss: a MixtralSparseMoeBlock has router_jitter_noise={m.jitter_noise}, which scales "
+                "each token by random noise before its router in training: the aux loss, computed from the block's "
+                "input, would not be HF's (of the jittered logits); set config.router_jitter_noise = 0"
+            )
         flat = hidden_states.reshape(-1, hidden_states.shape[-1])
         logits = m.gate(flat) if self.block.kind == "TopKMoE" else F.linear(flat, m.gate.weight)
         report(logits, int(m.top_k if hasattr(m, "top_k") else m.gate.top_k), self.block.kind)

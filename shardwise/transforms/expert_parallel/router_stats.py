@@ -48,6 +48,7 @@ class Carried(NamedTuple):
 class _Sink(NamedTuple):
     found: list[RouterStats]
     weights: torch.Tensor | None
+    routed: list[tuple[torch.Tensor, torch.Tensor]]  # (probabilities, chosen experts) of each report
 
 
 _sink: contextvars.ContextVar[_Sink | None] = contextvars.ContextVar("shardwise_router_stats", default=None)
@@ -58,20 +59,34 @@ def collecting(weights: torch.Tensor | None = None) -> Iterator[list[RouterStats
     """A block whose MoE blocks append their :class:`RouterStats` to the yielded list, each row weighted
     by ``weights`` (flat, one per token row; None: 1)."""
     found: list[RouterStats] = []
-    token = _sink.set(_Sink(found, weights))
+    routed: list[tuple[torch.Tensor, torch.Tensor]] = []
+    token = _sink.set(_Sink(found, weights, routed))
     try:
         yield found
     finally:
         _sink.reset(token)
+        # Weighed here, after the block ran: under remat its recomputation runs outside collecting() and
+        # without the mask, so the ops it replays (softmax, top k) must not depend on the weights.
+        found.extend(_weighed(probs, chosen, weights) for probs, chosen in routed)
 
 
 def router_stats(logits: torch.Tensor, top_k: int, weights: torch.Tensor | None = None) -> RouterStats:
     """HF's ``load_balancing_loss_func`` per layer: softmax over the experts, the top ``top_k`` of it
     counted, the probabilities summed (in float32 at least, float64 in float64), each row weighted by
     ``weights`` (HF's attention mask) when given."""
+    return _weighed(*_routed(logits, top_k), weights)
+
+
+def _routed(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router's probabilities [rows, E] and its chosen experts [rows, top_k] (no gradient)."""
     work = torch.promote_types(logits.dtype, torch.float32)
     probs = torch.softmax(logits.to(work), dim=-1)
-    chosen = torch.topk(probs.detach(), top_k, dim=-1).indices.reshape(-1)  # row-major: row 0's k, row 1's, ...
+    return probs, torch.topk(probs.detach(), top_k, dim=-1).indices
+
+
+def _weighed(probs: torch.Tensor, chosen_k: torch.Tensor, weights: torch.Tensor | None) -> RouterStats:
+    work, top_k = probs.dtype, chosen_k.shape[-1]
+    chosen = chosen_k.reshape(-1)  # row-major: row 0's k, row 1's, ...
     if weights is None:
         counts = probs.new_zeros(probs.shape[-1]).index_add(0, chosen, probs.new_ones(chosen.shape[0]))
         return RouterStats(counts, probs.sum(dim=0), probs.new_full((), float(probs.shape[0])))
@@ -91,9 +106,9 @@ def report(logits: torch.Tensor, top_k: int, where: str = "a MoE block") -> None
             f"{weights.shape[0]} tokens: a MoE block must route every token of the batch once (its rows the "
             "flattened [batch, sequence]) for the mask to weigh them"
         )
-    stats = router_stats(logits, top_k, weights)
+    routed = _routed(logits, top_k)
     if sink is not None:
-        sink.found.append(stats)
+        sink.routed.append(routed)
 
 
 def zeros_like_stats(num_experts: int, dtype: torch.dtype, device: torch.device) -> RouterStats:

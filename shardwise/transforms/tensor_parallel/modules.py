@@ -290,8 +290,20 @@ def _vocab_lookup(m: nn.Module, ids: Tensor, axis: str, label: str) -> Tensor:
     local = (ids - start).masked_fill(outside, 0)
     padding = getattr(m, "padding_idx", None)
     local_padding = padding - start if isinstance(padding, int) and start <= padding < start + rows else None
-    y = F.embedding(local, weight, local_padding)
-    return y.masked_fill(outside.unsqueeze(-1), 0.0)
+    y = F.embedding(local, weight, local_padding).masked_fill(outside.unsqueeze(-1), 0.0)
+    if type(m).forward is nn.Embedding.forward:
+        return y
+    # A subclass's forward is not run here (it would look up the global ids): Hugging Face's scaled word
+    # embeddings (Gemma's, BART's: the lookup times embed_scale) are linear in the lookup, so each rank's
+    # part is scaled as the whole would be; any other forward would be dropped without an error.
+    scale = getattr(m, "embed_scale", None)
+    if type(m).__name__.endswith("ScaledWordEmbedding") and isinstance(scale, (Tensor, float, int)):
+        return y * (scale.to(weight.dtype) if isinstance(scale, Tensor) else scale)
+    raise ValueError(
+        f"tensor_parallel: Rowwise() on {label!r} splits the vocabulary of {type(m).__name__}, whose forward "
+        "overrides nn.Embedding's; the split lookup would not run it (another model without an error). Give it "
+        "Colwise() (split on the hidden dim: its own forward runs), or leave it out of the plan"
+    )
 
 
 def _first_parameter(m: nn.Module) -> str | None:

@@ -39,7 +39,7 @@ from torch.overrides import TorchFunctionMode
 from ...engine.stack import in_layer
 from .comm import gather_invariant, leave, vary
 from .following import current
-from .positions import ELEMENTWISE, Held, judge
+from .positions import ELEMENTWISE, Held, _keeps_positions, judge
 
 
 def _words(text: str) -> frozenset[str]:
@@ -62,6 +62,10 @@ LINEAR = _words("""
     transpose permute __getitem__ narrow select chunk split unbind
 """)
 DIVIDES = _words("div divide true_divide __truediv__ __itruediv__ __div__")  # the partial must be the numerator
+# The LINEAR ops whose partial operand may be any of their tensors; every other one is linear in its first
+# operand only: ``pe.type_as(x)``, ``mask.expand_as(x)`` or ``cos.to(x)`` with ``x`` a partial sum give
+# ``pe`` or ``mask`` whole on every rank (a replicated value), not a partial sum of it.
+COMMUTES = _words("mul multiply __mul__ __rmul__")
 
 
 def _name(func: Any) -> str:
@@ -151,8 +155,18 @@ class Follower(TorchFunctionMode):
         if base in SUMS and not numbers and not in_place_on_other:  # a replicated addend counted once
             return (*_mapped(args, kwargs, self._replicated, lambda t: t not in self.values), True)
         linear = base in LINEAR and len(values) == 1 and not any(t.requires_grad for t in others)
-        if linear and not in_place_on_other and (base not in DIVIDES or (args and args[0] is values[0])):
+        if linear and not in_place_on_other and (base in COMMUTES or (args and args[0] is values[0])):
             return args, kwargs, True
+        if (_inplace(name) or name == "__setitem__") and args and args[0] in self.values:
+            # x.clamp_(...), x[:, 0] = v, x.mul_(w): the caller keeps using x itself, so x is made whole in
+            # place (a copy of its sum), no longer followed, and the op then runs on it.
+            whole, x = self._summed(args[0]), args[0]
+            self.quiet += 1
+            try:
+                x.copy_(whole)
+            finally:
+                self.quiet -= 1
+            del self.values.refs[id(x)]
         return (*_mapped(args, kwargs, self._summed, lambda t: t in self.values), False)
 
     def slice_of(self, t: Any) -> Held | None:
@@ -172,6 +186,12 @@ class Follower(TorchFunctionMode):
         held = self.slice_of(x)
         assert held is not None
         base = name[:-1] if _inplace(name) and name.endswith("_") else name
+        changes = (_inplace(name) or name == "__setitem__") and bool(args) and self.slice_of(args[0]) is not None
+        if changes:  # the caller keeps using the slice itself: a gathered copy would take the change and drop it
+            x = args[0]
+            held = self.slice_of(x)
+            assert held is not None
+            return self._in_place_on_slice(func, name, base, args, kwargs, x, held)
         if not (_inplace(name) and base not in ELEMENTWISE):  # an in-place op that may not be position-wise runs whole
             run_args, run_kwargs = _mapped(
                 args, kwargs, self._varied,
@@ -191,6 +211,39 @@ class Follower(TorchFunctionMode):
                 return out
         whole_args, whole_kwargs = _mapped(args, kwargs, self._gathered, lambda t: self.slice_of(t) is not None)
         return func(*whole_args, **whole_kwargs)
+
+    def _in_place_on_slice(
+        self, func: Any, name: str, base: str, args: Sequence[Any], kwargs: dict[str, Any], x: Tensor, held: Held
+    ) -> Any:
+        """An in-place op on the last block's output: run on the slice when it is position-wise, else refused."""
+        why: str | None = f"{name} is not a position-wise op"
+        if name == "__setitem__":
+            keeps = _keeps_positions(args[1], x.dim(), len(held.lead))
+            why = None if keeps else f"x[{args[1]!r}] = ... writes across positions"
+        elif base in ELEMENTWISE:
+            why = None
+        if why is None:
+            run_args, run_kwargs = _mapped(
+                args[1:], kwargs, self._varied,
+                lambda t: self.slice_of(t) is None and t.requires_grad and t.is_floating_point(),
+            )
+            try:
+                out = func(args[0], *run_args, **run_kwargs)
+            except RuntimeError as e:  # an operand of the whole sequence
+                why = f"{name} takes a tensor of another shape ({e})"
+            else:
+                holds = lambda t: self.slice_of(t) is not None  # noqa: E731
+                why, _ = judge(func, (args[0], *run_args), run_kwargs, x, held, out, holds)
+                if why is None:
+                    return out
+        fix = "x = torch.where(...)" if name == "__setitem__" else f"x = x.{base}(...)"
+        raise ValueError(
+            f"tensor_parallel(sequence_parallel=...): layer {self.label!r} changes the last sequence-parallel "
+            f"block's output in place, and {why}; that output holds this rank's slice of the sequence (it is "
+            "gathered where code needs the whole sequence, but a gathered copy would take the change and drop "
+            f"it), so the step would train silently wrong: write it out of place ({fix}), or leave the last "
+            "block out of sequence_parallel"
+        )
 
     def _gathered(self, t: Tensor) -> Tensor:
         """A slice made whole: all-gathered (this rank's slice of the gradient)."""

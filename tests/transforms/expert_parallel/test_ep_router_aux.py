@@ -215,3 +215,41 @@ def test_property_the_aux_loss_under_dp_by_ep_equals_the_single_device_step(
     reference = sw.router_aux_loss(sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1, momentum=0.9)), coef)
     composed = sw.shard_params(sw.expert_parallel(reference, "ep"), "dp", 3)
     sw.testing.assert_equivalent(composed, reference, sw.Mesh(dp=dp, ep=ep), batches(size=8), params)
+
+
+@pytest.mark.parametrize("stack", ["remat", "dp x ep, ZeRO-3, remat"])
+def test_a_padded_batch_under_remat_equals_the_single_device_step(stack: str) -> None:
+    """Under remat the MoE block's recomputation runs without the batch's mask (outside the layer's
+    collecting()). The rows were weighed by the mask inside the block, so the recomputation saved other
+    tensors: a CheckpointError (65 saved in forward, 64 in recomputation) that aborted the launch, and
+    made equal in count, a silently wrong router gradient (grad norm off by 5e-4 relative). The rows are
+    weighed after the block now; it replays the softmax and top k alone."""
+    from transformers.models.mixtral.modeling_mixtral import MixtralDecoderLayer
+
+    model, _, _, _ = _mixtral()
+    gen = torch.Generator().manual_seed(3)
+    data = []
+    for _ in range(2):
+        ids = torch.randint(1, 32, (8, 6), generator=gen)
+        mask = torch.ones(8, 6, dtype=torch.long)
+        mask[0, 4:] = mask[5, 2:] = mask[7, 5:] = 0
+        data.append(({"input_ids": ids, "attention_mask": mask}, torch.randint(32, (8, 6), generator=gen)))
+    chain, params = sw.functionalize(model, units=MixtralDecoderLayer, example_input=data[0][0])
+    reference = sw.router_aux_loss(sw.train_step(chain, _lm_loss, sw.optim.sgd(0.1, momentum=0.9)), 0.5)
+    if stack == "remat":
+        composed, mesh = sw.remat(sw.expert_parallel(reference, "ep")), sw.Mesh(ep=1)
+    else:
+        composed, mesh = sw.shard_params(sw.remat(sw.expert_parallel(reference, "ep")), "dp", 3), sw.Mesh(dp=2, ep=2)
+    sw.testing.assert_equivalent(composed, reference, mesh, data, params)
+
+
+def test_mixtral_router_jitter_noise_is_refused() -> None:
+    """HF's aux loss is of the jittered router logits; the reported ones are of the block's input, so with
+    jitter in training the step's aux was not HF's, without an error."""
+    model, _, params, data = _mixtral()
+    for layer in model.model.layers:
+        layer.mlp.jitter_noise = 0.1
+    chain, params = sw.functionalize(model, units=type(model.model.layers[0]), example_input=data[0][0])
+    with_aux = sw.router_aux_loss(sw.train_step(chain, _lm_loss, sw.optim.sgd(0.1)), 0.02)
+    with pytest.raises(ValueError, match=r"router_jitter_noise=0.1.*set config.router_jitter_noise = 0"):
+        with_aux(with_aux.init(params), data[0])
