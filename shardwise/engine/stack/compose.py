@@ -130,6 +130,25 @@ ONCE = (PLACEMENT, SHARDING)
 NOT_YET_TOGETHER: dict[frozenset[str], str] = {}
 
 
+def _check_whole_batch_losses(stack: tuple[Any, ...]) -> None:
+    """A loss term over the whole batch (the router aux loss: a product of two batch means) cannot be
+    computed one micro-batch at a time: each micro-batch's term would be over its own tokens, another
+    loss than the single-device step's, so micro-batches are refused unless the spec was told that
+    mean of per-micro-batch terms is the loss wanted (``per_microbatch``)."""
+    whole = [s for s in stack if s.name == "router_aux_loss" and not s.per_microbatch]
+    cutting = [
+        s for s in stack if getattr(s, "microbatches", 1) > 1 or getattr(s, "accumulation", 1) > 1
+    ]
+    if whole and cutting:
+        raise ValueError(
+            f"{whole[0]} with micro-batches ({describe(stack)}): the aux loss is a product of two means over "
+            "the whole batch, which no micro-batch knows before it runs, so each micro-batch's would be over "
+            "its own tokens and the step would train another loss than the single-device step's, without an "
+            f"error. Pass sw.router_aux_loss(step, {whole[0].coef!r}, per_microbatch=True) for that mean of "
+            "per-micro-batch losses (Hugging Face's under gradient accumulation), or use one micro-batch"
+        )
+
+
 def describe(stack: tuple[Any, ...]) -> str:
     return " -> ".join(str(s) for s in stack) or "(no transform)"
 
@@ -163,6 +182,7 @@ def check_stack(stack: tuple[Any, ...]) -> None:
             "expert_parallel over another axis first (sw.Mesh(dp=2, ep=2); an ep axis of size 1 keeps every expert on "
             "each rank: sw.Mesh(dp=2, ep=1))"
         )
+    _check_whole_batch_losses(stack)
     replicate = sharding[0].replicate if sharding else None
     for other in (*placement, *split):
         if replicate is not None and other.axis == replicate:
@@ -253,8 +273,10 @@ def _rebuilt(source: Chain, stack: tuple[Any, ...]) -> Chain:
         return found
     chain = source
     for rewrite in ordered:
-        # A split reads the rest of the stack (mixed_precision's reduce dtype applies to its sums).
-        chain = rewrite.rewrite(chain, stack) if rewrite.role == SPLIT else rewrite.rewrite(chain)
+        # A split reads the other rewrites (mixed_precision's reduce dtype applies to its sums), and
+        # only them: the cache's key is those rewrites, so a split shown the whole stack could build
+        # from a placement or a sharding spec and be handed back for a stack with another one.
+        chain = rewrite.rewrite(chain, ordered) if rewrite.role == SPLIT else rewrite.rewrite(chain)
     if known is not None:
         known[ordered] = chain
     return chain

@@ -50,12 +50,14 @@ class RouterAuxSpec:
 
     coef: float
     num_experts: int
+    per_microbatch: bool = False  # the caller took each micro-batch's aux (HF's accumulation) over the batch's
 
     name: ClassVar[str] = "router_aux_loss"
     role: ClassVar[str] = REWRITE
 
     def __str__(self) -> str:
-        return f"router_aux_loss(coef={self.coef!r})"
+        extra = ", per_microbatch=True" if self.per_microbatch else ""
+        return f"router_aux_loss(coef={self.coef!r}{extra})"
 
     def rewrite(self, chain: Chain) -> Chain:
         """Every layer carrying the routing statistics on, its MoE blocks reporting theirs."""
@@ -193,7 +195,7 @@ def _reporting(fn: Any, layer: str) -> Any:
     return new_fn
 
 
-def router_aux_loss(step: Step, coef: float) -> Step:
+def router_aux_loss(step: Step, coef: float, *, per_microbatch: bool = False) -> Step:
     """Add the routers' load-balancing loss, times ``coef``, to ``step``'s loss: Hugging Face Mixtral's and
     Qwen2-MoE's ``output_router_logits=True`` with ``router_aux_loss_coef=coef``, over the whole batch.
 
@@ -203,8 +205,11 @@ def router_aux_loss(step: Step, coef: float) -> Step:
     one device it is HF's loss; under ``expert_parallel`` and ``shard_params`` it is counted once over
     the whole batch (the routing counts are summed over the batch's axes; the Plan lists those sums after
     the loss), so the step equals the single-device one. Under micro-batches (``pipeline``,
-    ``shard_params(accumulation=)``) each micro-batch's aux is over its tokens, and the step's is their
-    mean (HF's under gradient accumulation). A token-weighted step (``train_step(tokens=...)``) is
+    ``shard_params(accumulation=)``) no micro-batch can know the whole batch's routing before it runs:
+    each micro-batch's aux would be over its own tokens and the step's their mean, which is HF's under
+    gradient accumulation but another loss than the single-device step's (the aux is not linear in the
+    batch). Such a stack is refused unless ``per_microbatch=True`` says that is the loss you want.
+    A token-weighted step (``train_step(tokens=...)``) is
     refused: give a mean loss.
 
     >>> import torch, shardwise as sw
@@ -238,5 +243,7 @@ def router_aux_loss(step: Step, coef: float) -> Step:
             "block's routing over one set of experts, so they must all have the same number"
         )
     num_experts = experts.pop()
-    spec = RouterAuxSpec(float(coef), num_experts)
+    if not isinstance(per_microbatch, bool):
+        raise TypeError(f"router_aux_loss(per_microbatch={per_microbatch!r}): True or False")
+    spec = RouterAuxSpec(float(coef), num_experts, per_microbatch)
     return add(step, spec, loss_fn=RouterAuxLoss(step.loss_fn, float(coef), num_experts))

@@ -59,7 +59,7 @@ def test_the_aux_loss_under_micro_batches_is_their_mean_and_the_ledger_is_the_pl
     are the mean of one-device steps on each micro-batch; the routing statistics cross the stage
     boundary with the activations (and their gradients come back)."""
     step, params = moe_model()
-    reference = sw.router_aux_loss(step, 0.1)
+    reference = sw.router_aux_loss(step, 0.1, per_microbatch=True)
     composed = sw.pipeline(sw.expert_parallel(reference, "ep"), "pp", schedule="zb_h1", microbatches=2)
     mesh, (x, y) = sw.Mesh(pp=2, ep=2), batches(1)[0]
 
@@ -82,3 +82,22 @@ def test_the_aux_loss_under_micro_batches_is_their_mean_and_the_ledger_is_the_pl
     for rank, got_ledger in enumerate(_ledger(composed, mesh, params, (x, y))):
         want_plan = [(c.op, c.axis, c.dtype, c.nbytes) for c in plan.collectives(rank)]
         assert got_ledger == want_plan, f"rank {rank}\nledger: {got_ledger}\nplan:   {want_plan}"
+
+
+@pytest.mark.parametrize("cut", ["pipeline", "accumulation"])
+def test_micro_batches_are_refused_unless_the_aux_loss_is_said_to_be_per_micro_batch(cut: str) -> None:
+    """The aux loss of a micro-batch is not its share of the whole batch's (a product of two batch means):
+    a micro-batched step would train another loss than the single-device step's without an error, so it is
+    refused, naming the opt-in; one micro-batch, and the opt-in, are accepted."""
+    step, _ = moe_model()
+
+    def cut_into(aux: sw.Step, n: int) -> sw.Step:
+        ep = sw.expert_parallel(aux, "ep")
+        if cut == "pipeline":
+            return sw.pipeline(ep, "pp", schedule="1f1b", microbatches=n)
+        return sw.shard_params(ep, "dp", 2, accumulation=n)
+
+    with pytest.raises(ValueError, match="per_microbatch=True"):
+        cut_into(sw.router_aux_loss(step, 0.1), 2)
+    assert "per_microbatch=True" in str(cut_into(sw.router_aux_loss(step, 0.1, per_microbatch=True), 2).transforms)
+    cut_into(sw.router_aux_loss(step, 0.1), 1)
