@@ -29,6 +29,23 @@ from .dispatch import moe_dispatch_combine
 EXPERT_WEIGHTS = ("experts.gate_up_proj", "experts.down_proj")
 KNOWN = ("TopKMoE", "MixtralSparseMoeBlock", "Qwen2MoeSparseMoeBlock")
 _ROUTER_OF = {"MixtralSparseMoeBlock": "MixtralTopKRouter", "Qwen2MoeSparseMoeBlock": "Qwen2MoeTopKRouter"}
+# Where each known block is defined: a class of the same name elsewhere (a copy of HF's code, edited)
+# is not the block whose forward expert_parallel reproduces.
+_HOME = {
+    "TopKMoE": "shardwise.testing.models",
+    "MixtralSparseMoeBlock": "transformers.models.mixtral.modeling_mixtral",
+    "Qwen2MoeSparseMoeBlock": "transformers.models.qwen2_moe.modeling_qwen2_moe",
+}
+
+
+def known_kind(module: nn.Module) -> str | None:
+    """The known block ``module`` is (its class or a base, from the module that defines it), if the
+    forward it runs is that block's own: expert_parallel replaces the forward with its reproduction,
+    so a subclass's or a same-named copy's forward (added dropout, noise, scaling) would be lost."""
+    for cls in type(module).__mro__:
+        if _HOME.get(cls.__name__) == cls.__module__:
+            return cls.__name__ if type(module).forward is getattr(cls, "forward", None) else None
+    return None
 
 
 @dataclass(frozen=True)
@@ -59,16 +76,29 @@ def find_blocks(module: nn.Module, where: str, prefix: str = "") -> list[Block]:
         if not holds_experts(sub) or any(path.startswith(f"{b.path}.") or not b.path for b in found):
             continue
         name = type(sub).__name__
-        router = type(getattr(sub, "gate", None)).__name__
-        known = name == "TopKMoE" or (name in _ROUTER_OF and router == _ROUTER_OF[name])
-        if not known:
+        router_cls = type(getattr(sub, "gate", None))
+        router = router_cls.__name__
+        kind = known_kind(sub)
+        router_known = kind == "TopKMoE" or (
+            kind in _ROUTER_OF and router == _ROUTER_OF[kind] and router_cls.__module__ == _HOME[kind]
+        )
+        if kind is None and any(c.__name__ in KNOWN for c in type(sub).__mro__):
+            raise ValueError(
+                f"expert_parallel: {where}{'.' + path if path else ''} is a {name} whose forward is not "
+                f"{', '.join(KNOWN)}'s own (a subclass overriding it, or a copy of the class defined in "
+                f"{type(sub).__module__}): expert_parallel replaces the block's forward with its reproduction of "
+                "the known one, so what yours adds (dropout, noise, scaling) would be lost without an error. Use "
+                "the library's class unchanged, or write your block's forward with moe_dispatch_combine"
+            )
+        if not router_known:
             raise ValueError(
                 f"expert_parallel: {where}{'.' + path if path else ''} ({name}, router {router}) holds fused experts, "
                 f"but its router is not one expert_parallel knows ({', '.join(KNOWN)} with their routers): it cannot "
                 "tell which experts each token goes to. Use a known block, or write its forward with the "
                 "expert-parallel core, moe_dispatch_combine, and one of its routers"
             )
-        found.append(Block(path, name, int(sub.experts.gate_up_proj.shape[0]), prefix))
+        assert kind is not None  # router_known implies a known kind
+        found.append(Block(path, kind, int(sub.experts.gate_up_proj.shape[0]), prefix))
     return found
 
 
