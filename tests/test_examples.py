@@ -194,3 +194,16 @@ def test_the_help_reader_sees_an_option_without_a_default() -> None:
         "options:\n  -h, --help  show this\n  --steps STEPS  training steps (default:\n                 3)\n  --lr LR\n"
     )
     assert _help_entries(text) == {"-h, --help": "show this", "--steps": "training steps (default: 3)", "--lr": ""}
+
+
+def test_before_after_benchmark_compares_two_trees() -> None:
+    """benchmarks/before_after.py (issue 26's before/after): a tree against itself, one config, one step."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "before_after.py"), "--trees", str(ROOT), str(ROOT),
+         "--rounds", "1", "--steps", "1", "--configs", "mlp1"],
+        capture_output=True, text=True, timeout=240, check=True,
+    )
+    lines = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [line["tree"] for line in lines[:2]] == [str(ROOT), str(ROOT)]
+    assert all(line["cpu"] > 0 and line["wall"] >= line["cpu"] * 0.99 for line in lines[:2])
+    assert lines[2]["cfg"] == "mlp1" and lines[2]["cpu_ratio_new_over_old_median"] > 0
