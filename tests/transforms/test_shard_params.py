@@ -23,6 +23,7 @@ from shardwise.collectives.backends.threads import ThreadsBackend
 from shardwise.engine.layout.state import tree_nbytes
 from shardwise.testing import strategies as sst
 from shardwise.testing.models import TinyGPT, mlp
+from shardwise.transforms.shard_params.spec import ShardSpec
 
 F64_RTOL = 1e-12
 
@@ -246,7 +247,38 @@ def test_no_reduction_in_flight_waits_before_the_next_compute(stage: int) -> Non
     # is made while, with one in flight, the next largest (3*6+6 = 7*3+3 = 24) may still travel.
     held = {k: plan.memory["reduce_buffers"][0] for k, plan in plans.items()}
     assert held == {0: 42 * 8, 1: (42 + 24) * 8}
-    assert plans[1].memory["peak"][0] - plans[0].memory["peak"][0] == 24 * 8
+    # The peak's in-flight part, at one action: with none in flight, layer 0's flat gradient and
+    # gloo's copy of it in its reduce-scatter (42 + 42; at stage 3 also layer 0's parameters beside
+    # its gradient while it computes: 42 + 42). With one, layer 0's gradient grows while layer 2's
+    # flat gradient and its copy travel (42 + 24 + 24), at stage 3 beside layer 0's parameters (+42).
+    at_rest = {k: sum(plan.memory[f][0] for f in ("params", "grads", "opt_state")) for k, plan in plans.items()}
+    in_flight = {k: plan.memory["peak"][0] - at_rest[k] for k, plan in plans.items()}
+    assert in_flight == {0: 84 * 8, 1: (90 if stage == 2 else 132) * 8}
+
+
+def test_the_plans_peak_follows_the_backwards_last_gather(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a CPU the backward's last unit (layer 0's) is gathered when its compute comes, not prefetched
+    during layer 2's backward (``ShardSpec.prefetches_backward_last``): the Plan's peak counts what
+    the actions hold together at one point, so it moves with the gather. Float64 units of 42, 24 and
+    24 elements (layers 0, 2, 4), none reduced in flight, gloo's copy of each reduce-scatter's input."""
+    base, params = _uneven_mlp()
+    step = sw.shard_params(base, "dp", 3, reduce_in_flight=0)
+
+    def peak_above_state() -> tuple[str, int]:
+        plan = step.plan(sw.Mesh(dp=2), params)
+        at_rest = sum(plan.memory[f][0] for f in ("params", "grads", "opt_state"))
+        return " ".join(map(str, plan.for_rank(0))), plan.memory["peak"][0] - at_rest
+
+    text, on_cpu = peak_above_state()
+    assert "wait_reduce(2) B(1, mb=0) gather(0) wait_gather(0) B(0, mb=0)" in text
+    # Layer 0's parameters and its gradient as it computes (42 + 42), then its flat gradient and the copy.
+    assert on_cpu == 84 * 8
+    monkeypatch.setattr(ShardSpec, "prefetches_backward_last", lambda self, device: True)  # a GPU's schedule
+    text, prefetched = peak_above_state()
+    assert "gather(0) wait_gather(2) B(2, mb=0)" in text
+    # Layer 0's parameters, prefetched, beside layer 2's reduce-scatter (24 + 24), or beside layer 2's
+    # parameters and gradient (24 + 24) as it computes.
+    assert prefetched == (42 + 24 + 24) * 8
 
 
 @pytest.mark.parametrize("stage", [2, 3])
