@@ -197,8 +197,9 @@ class Plan:
     ``grads``, ``opt_state``, each a tuple with one entry per rank; under
     ``shard_params`` also what comes and goes as the actions run, each at its
     own peak (``gathered_peak``, ``reduce_buffers``, ``comm_buffers``), and
-    ``in_flight``, the most they hold together at one action; ``peak`` is the
-    state, ``in_flight`` and ``kept_for_backward`` (with a batch). ``layers``
+    ``held_in_step``, the most those and the gradient shards made so far hold
+    together at one action; ``peak`` is then ``params``, ``opt_state``,
+    ``held_in_step`` and ``kept_for_backward`` (with a batch). ``layers``
     says how the rewriting transforms run each layer (its compute dtype, its
     remat policy), in the stack's words.
     """

@@ -27,6 +27,7 @@ from ..plan.actions import (
     GRAD_COMPUTES,
     REDUCE_REPLICAS,
     REDUCE_SCATTER,
+    WAIT_GATHER,
     WAIT_REDUCE,
     WAIT_REPLICAS,
     Action,
@@ -206,20 +207,20 @@ def _memory(
     if batch is not None:
         memory["kept_for_backward"], stand_ins = _kept_per_rank(step, mesh, params, batch, placement,
                                                                 layouts[class_of[0]])
-    # The state at rest (every gradient shard counted: the backward ends holding them all), what the
-    # forward kept, live at the backward's worst moment, and ``in_flight``: the most that the units
-    # gathered, the gradients on their way to a reduction and the collectives' copies hold together
-    # at one action. Each of those has its own figure, its own peak; they come at different actions
-    # (summing them counted, at ZeRO-3, a prefetched unit beside a reduce-scatter's copy that it
-    # never meets: 4-6% over the measured peak of benchmarks/memory.py).
-    memory["peak"] = tuple(
-        sum(figures[r] for k, figures in memory.items() if k not in _COME_AND_GO) for r in range(mesh.size)
-    )
+    # The state at rest but the gradients, what the forward kept (live at the backward's worst
+    # moment), and under shard_params ``held_in_step``: the most that the gradient shards made so
+    # far, the units gathered, the gradients on their way to a reduction and the collectives' copies
+    # hold together at one action. Each buffer has its own figure, its own peak; they come at
+    # different actions (summing them and every gradient shard counted, at ZeRO-3, a prefetched
+    # unit beside a reduce-scatter that it never meets, and shards not yet made: 4-6% over the
+    # measured peak of benchmarks/memory.py).
+    summed = [k for k in memory if k not in _COME_AND_GO and not (k == "grads" and "held_in_step" in memory)]
+    memory["peak"] = tuple(sum(memory[k][r] for k in summed) for r in range(mesh.size))
     return memory, stand_ins
 
 
 # The figures that come and go as the actions run, each its own peak: the Plan's peak counts instead
-# the most they hold together at one action (``in_flight``).
+# the most they hold together at one action (``held_in_step``).
 _COME_AND_GO = ("gathered_peak", "reduce_buffers", "comm_buffers", "replica_buffers")
 
 
@@ -245,8 +246,22 @@ def _class_memory(step: Step, layout: StateLayout, master: Params, actions: tupl
         levels["replica_buffers"] = _replica_levels(step, sharding, actions)
     for key, per_action in levels.items():
         figures[key] = max(per_action, default=0)
-    figures["in_flight"] = max((sum(at) for at in zip(*levels.values(), strict=True)), default=0)
+    assert shards is not None
+    made = _shards_made_levels(actions, {u: tree_nbytes(t) for u, t in shards.items()})
+    figures["held_in_step"] = max((sum(at) for at in zip(made, *levels.values(), strict=True)), default=0)
     return figures
+
+
+def _shards_made_levels(actions: Sequence[Action], shard_bytes: Mapping[str, int]) -> list[int]:
+    """At each action, the gradient shards made so far in the step: a unit's from its first
+    reduce-scatter on (the step starts without them: the update consumed the last step's); a unit
+    no listed reduce-scatter makes, from the start."""
+    first = {}
+    for i, action in enumerate(actions):
+        if action.kind == REDUCE_SCATTER:
+            for u in action.units or (action.require("layer"),):
+                first.setdefault(u, i)
+    return [sum(n for u, n in shard_bytes.items() if first.get(u, -1) <= i) for i in range(len(actions))]
 
 
 def _replica_levels(step: Step, sharding: FlatSharding, actions: Sequence[Action]) -> list[int]:
@@ -298,21 +313,29 @@ def _reduce_levels(step: Step, sharding: FlatSharding, actions: Sequence[Action]
 
 
 def _copy_levels(step: Step, sharding: FlatSharding, actions: Sequence[Action]) -> list[int]:
-    """At each action, what the reduce-scatters in flight hold of their own: on gloo each runs as an
-    all-reduce of a full copy of its (flat) input, from its issue to the end of its wait, when this
-    rank's row is copied out (``_reduce_scatter_by_all_reduce`` in collectives/backends/distributed.py;
-    the row is the gradient shard, counted in ``grads``). Counted on every device: what NCCL holds
-    during one was not measured."""
+    """At each action, what the collectives in flight hold of their own, from their issue to the end of
+    their wait. On gloo a reduce-scatter runs as an all-reduce of a full copy of its (flat) input, and
+    this rank's row is copied out at the wait (``_reduce_scatter_by_all_reduce`` in
+    collectives/backends/distributed.py; the row is the gradient shard, counted as made); gloo's
+    all-gather receives into a flat buffer of its own, the whole unit, and copies it into ours before
+    the wait returns (a per-action VmHWM trace at world 4: each wait_gather's high-water mark one unit
+    above the RSS after it). Counted on every device: what NCCL holds during them was not measured."""
     sizes = _reduce_sizes(step, sharding)
-    pending: dict[str, int] = {}
+    gathered = {u: lay.padded_numel * torch.empty((), dtype=_gather_dtype(step, u, lay.dtype)).element_size()
+                for u, lay in sharding.units.items()}
+    pending: dict[tuple[str, str], int] = {}
     levels = []
     for action in actions:
         if action.kind == REDUCE_SCATTER:
             units = action.units or (action.require("layer"),)
-            pending[units[0]] = sum(sizes[u] for u in units)
+            pending[REDUCE_SCATTER, units[0]] = sum(sizes[u] for u in units)
+        elif action.kind == GATHER and action.layer is not None:
+            pending[GATHER, action.layer] = gathered[action.layer]
         levels.append(sum(pending.values()))
         if action.kind == WAIT_REDUCE:
-            pending.pop(action.require("layer"), None)
+            pending.pop((REDUCE_SCATTER, action.require("layer")), None)
+        elif action.kind == WAIT_GATHER:
+            pending.pop((GATHER, action.require("layer")), None)
     return levels
 
 
