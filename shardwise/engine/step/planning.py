@@ -256,7 +256,7 @@ def _shards_made_levels(actions: Sequence[Action], shard_bytes: Mapping[str, int
     """At each action, the gradient shards made so far in the step: a unit's from its first
     reduce-scatter on (the step starts without them: the update consumed the last step's); a unit
     no listed reduce-scatter makes, from the start."""
-    first = {}
+    first: dict[str, int] = {}
     for i, action in enumerate(actions):
         if action.kind == REDUCE_SCATTER:
             for u in action.units or (action.require("layer"),):
