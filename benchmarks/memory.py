@@ -50,7 +50,9 @@ Output: one JSON line per (width, world, variant) with ``init_peak_bytes`` and
 model's parameters), ``ratio_to_fsdp2`` (peak over FSDP2's peak at that world),
 ``plan_peak_bytes`` (the Plan's predicted peak for shardwise ZeRO-3 there, on every row), and for
 shardwise the Plan's figures for rank 0 (``plan``: params, grads, opt_state, gathered_peak,
-reduce_buffers, kept_for_backward, and their sum ``peak``, the Plan's prediction of the peak).
+reduce_buffers, comm_buffers, each at its own peak, ``held_in_step``, the most those three and the
+gradient shards made so far hold together at one action, kept_for_backward, and ``peak``, the Plan's
+prediction of the peak: params + opt_state + held_in_step + kept_for_backward).
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ from shardwise.collectives.backends.threads import ThreadsBackend
 from shardwise.engine.layout.state import tree_nbytes
 from shardwise.testing import strategies as sst
 from shardwise.testing.models import TinyGPT, mlp
+from shardwise.transforms.shard_params.spec import ShardSpec
 
 F64_RTOL = 1e-12
 
@@ -246,7 +247,45 @@ def test_no_reduction_in_flight_waits_before_the_next_compute(stage: int) -> Non
     # is made while, with one in flight, the next largest (3*6+6 = 7*3+3 = 24) may still travel.
     held = {k: plan.memory["reduce_buffers"][0] for k, plan in plans.items()}
     assert held == {0: 42 * 8, 1: (42 + 24) * 8}
-    assert plans[1].memory["peak"][0] - plans[0].memory["peak"][0] == 24 * 8
+    # The most held together at one action (float64 elements: units of 42, 24 and 24, shards of 21,
+    # 12 and 12; each collective's own copy on gloo). Stage 2: layer 0's reduce-scatter, every shard
+    # made, its flat gradient and the copy (45 + 42 + 42), either way: with one in flight, layer 0's
+    # gradient grows beside layer 2's flat gradient and copy, less (24 + 42 + 24 + 24). Stage 3 with
+    # none in flight: the forward's first two gathers, both units and both receive copies (2 x 66);
+    # with one: layer 0's gather, shards 4 and 2 made, layer 0 and its copy, layer 2's reduce-scatter
+    # still in flight (24 + 2 x 42 + 2 x 24).
+    held_in_step = {k: plan.memory["held_in_step"][0] for k, plan in plans.items()}
+    assert held_in_step == ({0: 129 * 8, 1: 129 * 8} if stage == 2 else {0: 132 * 8, 1: 156 * 8})
+    for plan in plans.values():
+        at_rest = plan.memory["params"][0] + plan.memory["opt_state"][0]
+        assert plan.memory["peak"][0] == at_rest + plan.memory["held_in_step"][0]
+
+
+def test_the_plans_peak_follows_the_backwards_last_gather(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a CPU the backward's last unit (layer 0's) is gathered when its compute comes, not prefetched
+    during layer 2's backward (``ShardSpec.prefetches_backward_last``): the Plan's peak counts what
+    the actions hold together at one point, so it moves with the gather. Float64 units of 42, 24 and
+    24 elements (layers 0, 2, 4; shards of 21, 12, 12 at dp 2), none reduced in flight, gloo's own
+    copy in each collective (a reduce-scatter's input, an all-gather's receive buffer)."""
+    base, params = _uneven_mlp()
+    step = sw.shard_params(base, "dp", 3, reduce_in_flight=0)
+
+    def held_in_step() -> tuple[str, int]:
+        plan = step.plan(sw.Mesh(dp=2), params)
+        return " ".join(map(str, plan.for_rank(0))), plan.memory["held_in_step"][0]
+
+    text, on_cpu = held_in_step()
+    assert "wait_reduce(2) B(1, mb=0) gather(0) wait_gather(0) B(0, mb=0)" in text
+    # The backward stays below the forward's first two gathers: units 0 and 2 and gloo's receive
+    # copy of each (2 x (42 + 24)); at layer 0's reduce-scatter, every shard (21 + 12 + 12), its
+    # flat gradient and the copy (42 + 42).
+    assert on_cpu == 132 * 8
+    monkeypatch.setattr(ShardSpec, "prefetches_backward_last", lambda self, device: True)  # a GPU's schedule
+    text, prefetched = held_in_step()
+    assert "gather(0) wait_gather(2) B(2, mb=0)" in text
+    # Layer 0 prefetched, with its gather's copy (2 x 42), beside layer 2's reduce-scatter (its flat
+    # gradient and the copy, 2 x 24) and the shards of layers 4 and 2 (12 + 12).
+    assert prefetched == (2 * 42 + 2 * 24 + 24) * 8
 
 
 @pytest.mark.parametrize("stage", [2, 3])

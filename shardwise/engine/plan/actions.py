@@ -194,7 +194,12 @@ class Plan:
 
     ``memory`` holds per-rank byte counts when the plan was made with the
     parameters (``step.plan(mesh, params)``): keys such as ``params``,
-    ``grads``, ``opt_state``, each a tuple with one entry per rank. ``layers``
+    ``grads``, ``opt_state``, each a tuple with one entry per rank; under
+    ``shard_params`` also what comes and goes as the actions run, each at its
+    own peak (``gathered_peak``, ``reduce_buffers``, ``comm_buffers``), and
+    ``held_in_step``, the most those and the gradient shards made so far hold
+    together at one action; ``peak`` is then ``params``, ``opt_state``,
+    ``held_in_step`` and ``kept_for_backward`` (with a batch). ``layers``
     says how the rewriting transforms run each layer (its compute dtype, its
     remat policy), in the stack's words.
     """

@@ -27,6 +27,7 @@ from ..plan.actions import (
     GRAD_COMPUTES,
     REDUCE_REPLICAS,
     REDUCE_SCATTER,
+    WAIT_GATHER,
     WAIT_REDUCE,
     WAIT_REPLICAS,
     Action,
@@ -206,11 +207,21 @@ def _memory(
     if batch is not None:
         memory["kept_for_backward"], stand_ins = _kept_per_rank(step, mesh, params, batch, placement,
                                                                 layouts[class_of[0]])
-    # Every figure is live at the backward's worst moment: the state at rest, the gradients, the
-    # units gathered, the reduce buffers and what the forward kept (an upper bound, tight for
-    # ZeRO-3: benchmarks/memory.py measures it within a few percent).
-    memory["peak"] = tuple(sum(per_rank) for per_rank in zip(*memory.values(), strict=True))
+    # The state at rest but the gradients, what the forward kept (live at the backward's worst
+    # moment), and under shard_params ``held_in_step``: the most that the gradient shards made so
+    # far, the units gathered, the gradients on their way to a reduction and the collectives' copies
+    # hold together at one action. Each buffer has its own figure, its own peak; they come at
+    # different actions (summing them and every gradient shard counted, at ZeRO-3, a prefetched
+    # unit beside a reduce-scatter that it never meets, and shards not yet made: 4-6% over the
+    # measured peak of benchmarks/memory.py).
+    summed = [k for k in memory if k not in _COME_AND_GO and not (k == "grads" and "held_in_step" in memory)]
+    memory["peak"] = tuple(sum(memory[k][r] for k in summed) for r in range(mesh.size))
     return memory, stand_ins
+
+
+# The figures that come and go as the actions run, each its own peak: the Plan's peak counts instead
+# the most they hold together at one action (``held_in_step``).
+_COME_AND_GO = ("gathered_peak", "reduce_buffers", "comm_buffers", "replica_buffers")
 
 
 def _class_memory(step: Step, layout: StateLayout, master: Params, actions: tuple[Action, ...]) -> dict[str, int]:
@@ -220,69 +231,118 @@ def _class_memory(step: Step, layout: StateLayout, master: Params, actions: tupl
     figures["params"] = tree_nbytes(shards if sharding is not None and sharding.holds_shards else master)
     figures["grads"] = tree_nbytes(shards if shards is not None else master)
     figures["opt_state"] = tree_nbytes(step.optimizer.init(shards if shards is not None else master))
-    if step.sharding_spec is not None:
-        assert sharding is not None
-        figures["gathered_peak"] = peak_gathered_units(actions, {
-                u: lay.padded_numel * torch.empty((), dtype=compute_dtype(step.precision, u, lay.dtype)).element_size()
-                for u, lay in sharding.units.items()
-            })
-        figures["reduce_buffers"] = _reduce_buffers(step, sharding, actions)
-        figures["comm_buffers"] = _comm_buffers(sharding)
-        if sharding.replicate is not None:
-            figures["replica_buffers"] = _replica_buffers(step, sharding, actions)
+    if step.sharding_spec is None:
+        return figures
+    assert sharding is not None
+    levels = {
+        "gathered_peak": _gathered_levels(actions, {
+            u: lay.padded_numel * torch.empty((), dtype=compute_dtype(step.precision, u, lay.dtype)).element_size()
+            for u, lay in sharding.units.items()
+        }),
+        "reduce_buffers": _reduce_levels(step, sharding, actions),
+        "comm_buffers": _copy_levels(step, sharding, actions),
+    }
+    if sharding.replicate is not None:
+        levels["replica_buffers"] = _replica_levels(step, sharding, actions)
+    for key, per_action in levels.items():
+        figures[key] = max(per_action, default=0)
+    assert shards is not None
+    made = _shards_made_levels(actions, {u: tree_nbytes(t) for u, t in shards.items()})
+    figures["held_in_step"] = max((sum(at) for at in zip(made, *levels.values(), strict=True)), default=0)
     return figures
 
 
-def _replica_buffers(step: Step, sharding: FlatSharding, actions: Sequence[Action]) -> int:
-    """HSDP: peak bytes of the gradient shards in flight in their all-reduce over the replicas' axis
-    (each in the reduce dtype, from its issue to its wait: lower._replica_reductions)."""
+def _shards_made_levels(actions: Sequence[Action], shard_bytes: Mapping[str, int]) -> list[int]:
+    """At each action, the gradient shards made so far in the step: a unit's from its first
+    reduce-scatter on (the step starts without them: the update consumed the last step's); a unit
+    no listed reduce-scatter makes, from the start."""
+    first: dict[str, int] = {}
+    for i, action in enumerate(actions):
+        if action.kind == REDUCE_SCATTER:
+            for u in action.units or (action.require("layer"),):
+                first.setdefault(u, i)
+    return [sum(n for u, n in shard_bytes.items() if first.get(u, -1) <= i) for i in range(len(actions))]
+
+
+def _replica_levels(step: Step, sharding: FlatSharding, actions: Sequence[Action]) -> list[int]:
+    """HSDP, at each action: bytes of the gradient shards in flight in their all-reduce over the replicas'
+    axis (each in the reduce dtype, from its issue to the end of its wait: lower._replica_reductions)."""
     sizes = {u: lay.shard_numel * torch.empty((), dtype=_reduce_dtype(step, u, lay.dtype)).element_size()
              for u, lay in sharding.units.items()}
-    live = peak = 0
+    live = 0
+    levels = []
     for action in actions:
-        if action.kind in (REDUCE_REPLICAS, WAIT_REPLICAS):
-            size = sum(sizes[u] for u in action.units or (action.require("layer"),))
-            live += size if action.kind == REDUCE_REPLICAS else -size
-            peak = max(peak, live)
-    return peak
+        size = sum(sizes[u] for u in action.units or (action.require("layer"),)) if action.kind in (
+            REDUCE_REPLICAS, WAIT_REPLICAS) else 0
+        live += size if action.kind == REDUCE_REPLICAS else 0
+        levels.append(live)
+        live -= size if action.kind == WAIT_REPLICAS else 0
+    return levels
 
 
-def _reduce_buffers(step: Step, sharding: FlatSharding, actions: Sequence[Action]) -> int:
-    """Peak bytes of full gradients on their way to a reduce-scatter, walking ``actions``: while a
-    backward runs, the next bucket's gradients and the copies in flight; when a bucket is issued,
-    its gradients (twice when it joins several units: they and the copy that
-    concatenates them; one unit's move into its flat buffer one by one), the copies still in
-    flight (how many: lower._waits_for_reductions), and after the last compute the gradients of
-    every bucket still to be issued (the deferred ones of tied weights, complete and waiting)."""
-    sizes = {u: lay.padded_numel * torch.empty((), dtype=_reduce_dtype(step, u, lay.dtype)).element_size()
-             for u, lay in sharding.units.items()}
+def _reduce_levels(step: Step, sharding: FlatSharding, actions: Sequence[Action]) -> list[int]:
+    """At each action, bytes of full gradients on their way to a reduce-scatter: while a backward
+    runs, the next bucket's gradients and the flat inputs of the reduce-scatters in flight; when a
+    bucket is issued, its gradients (twice when it joins several units: they and the copy that
+    concatenates them; one unit's move into its flat buffer one by one), the flat inputs still in flight
+    (until their waits end: how many, lower._waits_for_reductions), and after the last compute the
+    gradients of every bucket still to be issued (the deferred ones of tied weights, complete and
+    waiting)."""
+    sizes = _reduce_sizes(step, sharding)
     last_compute = max((i for i, a in enumerate(actions) if a.kind in GRAD_COMPUTES), default=-1)
     issued = [(i, a.units or (a.require("layer"),)) for i, a in enumerate(actions) if a.kind == REDUCE_SCATTER]
     bucket_bytes = [sum(sizes[u] for u in b) for _, b in issued]
     pending: dict[str, int] = {}
-    peak = made = 0  # made: how many buckets were issued so far
+    levels = []
+    made = 0  # how many buckets were issued so far
     for i, action in enumerate(actions):
+        waiting = sum(sum(sizes[u] for u in b) for j, b in issued if j > i) if i > last_compute else 0
+        level = sum(pending.values()) + waiting
         if action.kind in GRAD_COMPUTES and made < len(issued):  # the next bucket's gradients grow
-            peak = max(peak, bucket_bytes[made] + sum(pending.values()))
-        elif action.kind == WAIT_REDUCE:
-            pending.pop(action.require("layer"), None)
+            level = bucket_bytes[made] + sum(pending.values())
         elif action.kind == REDUCE_SCATTER:
             units = action.units or (action.require("layer"),)
             size = sum(sizes[u] for u in units)
-            waiting = sum(sum(sizes[u] for u in b) for j, b in issued if j > i) if i > last_compute else 0
-            peak = max(peak, size * (2 if len(units) > 1 else 1) + sum(pending.values()) + waiting)
+            level = size * (2 if len(units) > 1 else 1) + sum(pending.values()) + waiting
             pending[units[0]] = size
             made += 1
-    return peak
+        levels.append(level)
+        if action.kind == WAIT_REDUCE:  # held until the wait ends
+            pending.pop(action.require("layer"), None)
+    return levels
 
 
-def _comm_buffers(sharding: FlatSharding) -> int:
-    """About one unit for what a collective holds of its own while it runs. Until issue 25 that
-    was our async collectives' snapshot of each reduce-scatter's input (a whole unit); that copy
-    is gone, but the measured peak per rank stayed above the other figures by 3, 11 and 17 MiB
-    at worlds 2, 4 and 8 (12 x 16 MiB units, gloo: its per-peer buffers grow with the world),
-    so one unit stays counted (the Plan within 3% of the measured peak at each of those worlds)."""
-    return max((lay.padded_nbytes for lay in sharding.units.values()), default=0)
+def _copy_levels(step: Step, sharding: FlatSharding, actions: Sequence[Action]) -> list[int]:
+    """At each action, what the collectives in flight hold of their own, from their issue to the end of
+    their wait. On gloo a reduce-scatter runs as an all-reduce of a full copy of its (flat) input, and
+    this rank's row is copied out at the wait (``_reduce_scatter_by_all_reduce`` in
+    collectives/backends/distributed.py; the row is the gradient shard, counted as made); gloo's
+    all-gather receives into a flat buffer of its own, the whole unit, and copies it into ours before
+    the wait returns (a per-action VmHWM trace at world 4: each wait_gather's high-water mark one unit
+    above the RSS after it). Counted on every device: what NCCL holds during them was not measured."""
+    sizes = _reduce_sizes(step, sharding)
+    gathered = {u: lay.padded_numel * torch.empty((), dtype=_gather_dtype(step, u, lay.dtype)).element_size()
+                for u, lay in sharding.units.items()}
+    pending: dict[tuple[str, str], int] = {}
+    levels = []
+    for action in actions:
+        if action.kind == REDUCE_SCATTER:
+            units = action.units or (action.require("layer"),)
+            pending[REDUCE_SCATTER, units[0]] = sum(sizes[u] for u in units)
+        elif action.kind == GATHER and action.layer is not None:
+            pending[GATHER, action.layer] = gathered[action.layer]
+        levels.append(sum(pending.values()))
+        if action.kind == WAIT_REDUCE:
+            pending.pop((REDUCE_SCATTER, action.require("layer")), None)
+        elif action.kind == WAIT_GATHER:
+            pending.pop((GATHER, action.require("layer")), None)
+    return levels
+
+
+def _reduce_sizes(step: Step, sharding: FlatSharding) -> dict[str, int]:
+    """Each unit's full (padded) gradient in the reduce dtype: what its reduce-scatter takes in."""
+    return {u: lay.padded_numel * torch.empty((), dtype=_reduce_dtype(step, u, lay.dtype)).element_size()
+            for u, lay in sharding.units.items()}
 
 
 def _reduce_dtype(step: Step, unit: str, dtype: torch.dtype) -> torch.dtype:
@@ -313,14 +373,14 @@ def _batch_bytes(of_batch: Mapping[str, Mapping[int, int]], layers: Sequence[str
     return sum({key: n for layer in layers for key, n in of_batch[layer].items()}.values())
 
 
-def peak_gathered_units(actions: Sequence[Action], unit_bytes: Mapping[str, int]) -> int:
-    """Largest total bytes of gathered (and in-flight) units at any point of ``actions``."""
+def _gathered_levels(actions: Sequence[Action], unit_bytes: Mapping[str, int]) -> list[int]:
+    """At each action (after it), the bytes of the units gathered or on their way."""
     held: set[str] = set()
-    peak = 0
+    levels = []
     for action in actions:
         if action.kind == GATHER and action.layer is not None:
             held.add(action.layer)
         elif action.kind == FREE and action.layer is not None:
             held.discard(action.layer)
-        peak = max(peak, sum(unit_bytes[u] for u in held))
-    return peak
+        levels.append(sum(unit_bytes[u] for u in held))
+    return levels
