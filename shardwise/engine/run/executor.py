@@ -90,7 +90,7 @@ from ..plan.actions import (
 from ..torch_api import version_of
 from .batch_keys import unknown_keys_message
 from .metrics import MetricExchange, Summed, different_batches
-from .rng import mix, preserved, ranks_share_generators, seeded
+from .rng import default_generators, mix, preserved, ranks_share_generators, seeded
 from .transfers import TransferActions
 from .zero import ZeroActions
 
@@ -102,6 +102,8 @@ _ISSUE_INSIDE = (*COMPUTES, LOSS)  # the actions whose layers may issue collecti
 
 def float_leaves(tree: Any) -> list[torch.Tensor]:
     """The floating-point tensors of ``tree`` in pytree order: the values gradients flow through."""
+    if isinstance(tree, torch.Tensor):  # the usual layer output
+        return [tree] if tree.is_floating_point() else []
     return [t for t in optree.tree_leaves(tree) if isinstance(t, torch.Tensor) and t.is_floating_point()]
 
 
@@ -274,6 +276,7 @@ class Executor(ZeroActions, TransferActions):
         self._shared_rng = ranks_share_generators()
         self._rank = 0 if self.mesh is None else self.mesh.rank
         self._rng_rank = self._rank if self.rng_rank is None else self.rng_rank
+        self._generators = default_generators(self.device)
 
     # -- dispatch ------------------------------------------------------------------------------
     def run(self, actions: Sequence[Action]) -> None:
@@ -359,8 +362,15 @@ class Executor(ZeroActions, TransferActions):
             handler(action)
             return
         seed = mix(self.rng_seed, self._rng_rank, action.stage or 0, action.microbatch or 0, code)
-        with seeded(seed, self.device, self._shared_rng):
-            handler(action)
+        if self._shared_rng:
+            with seeded(seed, self.device, True):
+                handler(action)
+            return
+        # Generators of its own (one rank per process): ``seeded`` without its lock and context
+        # managers, which cost more than the seeding itself on every compute of a small layer.
+        for gen in self._generators:
+            gen.manual_seed(seed)
+        handler(action)
 
     def forward(self, action: Action) -> None:
         s, m = action.require("stage"), action.mb
@@ -560,6 +570,9 @@ class Executor(ZeroActions, TransferActions):
         those that depend on a parameter (not RoPE's cos and sin, made from buffers and ids)."""
         if self.placement.stage_rank[s - 1] == self.placement.stage_rank[s]:
             y = self._outputs[(s - 1, m)]
+            if isinstance(y, torch.Tensor):  # the usual layer output: what the tree walk below gives
+                x = y.detach()
+                return x, [x] if _needs_grad(y) else []
             x = optree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, y)
             pairs = zip(optree.tree_leaves(y), optree.tree_leaves(x), strict=True)
             return x, [c for o, c in pairs if _needs_grad(o)]
