@@ -87,7 +87,7 @@ from ..plan.actions import (
     Action,
     Boundary,
 )
-from ..torch_api import version_of
+from ..torch_api import accumulate_backward, version_of
 from .batch_keys import unknown_keys_message
 from .metrics import MetricExchange, Summed, different_batches
 from .rng import default_generators, mix, preserved, ranks_share_generators, seeded
@@ -493,7 +493,7 @@ class Executor(ZeroActions, TransferActions):
             # B also leaves each input's gradient in its (per micro-batch) leaf.
             wrt = (saved.inputs if want_inputs else []) + list(saved.params.values())
             if wrt:
-                torch.autograd.backward(outputs, seeds, inputs=wrt)
+                accumulate_backward(outputs, seeds, wrt)
             if want_inputs:
                 got = [x.grad for x in saved.inputs]
         if want_inputs:
