@@ -569,10 +569,10 @@ class Executor(ZeroActions, TransferActions):
         """Stage ``s``'s input for micro-batch ``m``, and its leaves a gradient goes back for:
         those that depend on a parameter (not RoPE's cos and sin, made from buffers and ids)."""
         if self.placement.stage_rank[s - 1] == self.placement.stage_rank[s]:
-            y = self._outputs[(s - 1, m)]
+            y: Any = self._outputs[(s - 1, m)]
             if isinstance(y, torch.Tensor):  # the usual layer output: what the tree walk below gives
-                x = y.detach()
-                return x, [x] if _needs_grad(y) else []
+                alone = y.detach()
+                return alone, [alone] if _needs_grad(y) else []
             x = optree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, y)
             pairs = zip(optree.tree_leaves(y), optree.tree_leaves(x), strict=True)
             return x, [c for o, c in pairs if _needs_grad(o)]
