@@ -676,16 +676,19 @@ class Executor(ZeroActions, TransferActions):
         self._leaves.clear()
         if self.exchange.empty:
             return
-        counted: Any = {k: v for k, v in self.final_grads.items() if k not in self.replica_layers}
-        pieces: list[torch.Tensor] = list(optree.tree_leaves(counted))
+        counted: Any = (
+            {k: v for k, v in self.final_grads.items() if k not in self.replica_layers}
+            if self.replica_layers else self.final_grads
+        )
         if not self.metric_axes:  # one rank: nothing to exchange, the values are already global
             loss_sum = torch.stack(self.losses).sum() if len(self.losses) > 1 else self.losses[0]
             norm = global_norm(counted) if self.exchange.norm else None
-            finite = not self.exchange.finite or bool(all_finite(pieces))
+            finite = not self.exchange.finite or bool(all_finite(list(optree.tree_leaves(counted))))
             count = torch.stack(self.counts).sum() if self.exchange.count else None
             self.summed = Summed(loss_sum, None if norm is None else norm * norm, finite, exact_norm=norm, count=count)
             return
         losses, counts = self.losses, self.counts
+        pieces: list[torch.Tensor] = list(optree.tree_leaves(counted))
         if self.counted is not None:  # an index of a split's axis that counts only its split gradients
             if not self.counts_losses:
                 losses, counts = [], []
