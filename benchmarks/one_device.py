@@ -153,7 +153,7 @@ def profile(step: Callable[[Any], float], batches: list[Any], steps: int) -> Non
     note(out.getvalue())
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="mlp,gpt", help="comma-separated: mlp, gpt (default both)")
     parser.add_argument("--optims", default="sgd,adamw", help="comma-separated: sgd, adamw (default both)")
@@ -162,7 +162,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps of each first (default 3)")
     parser.add_argument("--profile", action="store_true", help="cProfile shardwise's step after (stderr)")
     add_out_flag(parser)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(1)
     with json_lines(args.out) as emit:
         for model in args.models.split(","):
