@@ -525,7 +525,7 @@ class Executor(ZeroActions, TransferActions):
                     seen.add(id(leaf))
                     wrt.append(leaf)
         if pairs and wrt:
-            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs], inputs=wrt)
+            accumulate_backward([o for o, _ in pairs], [g for _, g in pairs], wrt)
         for s in range(top, lowest, -1):  # each joined input must have had a gradient, as in backward
             part = self._saved[(s, m)]
             if part.reached and not any(part.reached) and self._earlier_layers_own_params(s):
