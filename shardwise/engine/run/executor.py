@@ -417,8 +417,14 @@ class Executor(ZeroActions, TransferActions):
         self._outputs[(s, m)] = y
         if joined:
             reached = [False] * len(inputs)
-            for k, t in enumerate(inputs):
-                t.register_hook(functools.partial(_mark, reached, k))
+            # One tensor in, one out, and a small graph between them: whether a gradient will reach
+            # the input is read off the graph now, instead of a Python hook called in backward.
+            known = _reaches(y, inputs[0]) if len(inputs) == 1 and isinstance(y, torch.Tensor) else None
+            if known is not None:
+                reached[0] = known
+            else:
+                for k, t in enumerate(inputs):
+                    t.register_hook(functools.partial(_mark, reached, k))
             self._saved[(s, m)] = _Saved([], leaves, self._carrying_grads(s, y), reached=reached)
         else:
             self._saved[(s, m)] = _Saved(inputs, leaves, self._carrying_grads(s, y))
@@ -761,6 +767,31 @@ class Executor(ZeroActions, TransferActions):
         sharding = self.source.sharding
         if sharding is None or sharding.holds_shards:
             self.new_held = self.new_master
+
+
+def _reaches(y: torch.Tensor, x: torch.Tensor, budget: int = 32) -> bool | None:
+    """Whether ``y``'s autograd graph leads to ``x`` (its producing node, at ``x``'s output index): True
+    or False once the walk is done, None when the graph has more than ``budget`` nodes (then ask a
+    hook). A layer's backward reaches its input exactly when its graph leads there."""
+    if y is x:
+        return True
+    target, index, start = x.grad_fn, x.output_nr, y.grad_fn
+    if target is None or start is None:
+        return None
+    stack, seen = [start], {start}
+    while stack:
+        budget -= 1
+        if budget < 0:
+            return None
+        for node, nr in stack.pop().next_functions:
+            if node is None:
+                continue
+            if node is target and nr == index:
+                return True
+            if node not in seen:
+                seen.add(node)
+                stack.append(node)
+    return False
 
 
 def _mark(reached: list[bool], k: int, grad: torch.Tensor) -> None:
