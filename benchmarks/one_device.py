@@ -22,7 +22,11 @@ each. Per round it records wall time (``perf_counter``) and CPU time of this thr
 cores), so wall time is inflated by waiting for a core; CPU time counts only the work done.
 One JSON line per (model, optimizer): the medians over rounds of the per-step times, and the
 median over rounds of the paired ratio shardwise / torch (both measured in the same round),
-for CPU and wall time, with the losses' largest relative difference over the steps.
+for CPU and wall time, the minor page faults per step (median over rounds), and the losses'
+largest relative difference over the steps. glibc's malloc hands memory a step freed back to the OS
+and faults it in again on the next one, depending on the heap's history (see ``STEADY_MALLOC`` in
+``_common.py``): run with ``MALLOC_MMAP_THRESHOLD_=268435456 MALLOC_TRIM_THRESHOLD_=268435456`` in
+the environment to take that out of both systems' times.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from _common import (
     loss_fn_of,
     make_batches,
     max_rel_diff,
+    minor_faults,
     note,
     seeded_model,
 )
@@ -96,14 +101,14 @@ def shardwise_step(model_name: str, optim: str) -> Callable[[Any], float]:
     return step
 
 
-def timed_steps(step: Callable[[Any], float], batches: list[Any]) -> tuple[float, float, list[float]]:
-    """Run ``step`` on each batch: CPU and wall seconds per step, and the losses."""
+def timed_steps(step: Callable[[Any], float], batches: list[Any]) -> tuple[float, float, list[float], float]:
+    """Run ``step`` on each batch: CPU and wall seconds per step, the losses, minor page faults per step."""
     losses = []
-    cpu, wall = time.thread_time(), time.perf_counter()
+    faults, cpu, wall = minor_faults(), time.thread_time(), time.perf_counter()
     for batch in batches:
         losses.append(step(batch))
     n = len(batches)
-    return (time.thread_time() - cpu) / n, (time.perf_counter() - wall) / n, losses
+    return (time.thread_time() - cpu) / n, (time.perf_counter() - wall) / n, losses, (minor_faults() - faults) / n
 
 
 def measure(model: str, optim: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -114,11 +119,13 @@ def measure(model: str, optim: str, args: argparse.Namespace) -> dict[str, Any]:
         losses[name] += timed_steps(step, batches[: args.warmup])[2]
     cpu: dict[str, list[float]] = {name: [] for name in systems}
     wall: dict[str, list[float]] = {name: [] for name in systems}
+    faults: dict[str, list[float]] = {name: [] for name in systems}
     for r in range(args.rounds):
         chunk = batches[args.warmup + r * args.steps: args.warmup + (r + 1) * args.steps]
         order = list(systems) if r % 2 == 0 else list(reversed(systems))
         for name in order:
-            c, w, lo = timed_steps(systems[name], chunk)
+            c, w, lo, f = timed_steps(systems[name], chunk)
+            faults[name].append(f)
             cpu[name].append(c)
             wall[name].append(w)
             losses[name] += lo
@@ -131,6 +138,8 @@ def measure(model: str, optim: str, args: argparse.Namespace) -> dict[str, Any]:
         "wall_ms_shardwise": round(med(wall["shardwise"]) * 1e3, 3),
         "wall_ratio": round(med(a / b for a, b in zip(wall["shardwise"], wall["torch"], strict=True)), 4),
         "cpu_ratios": [round(a / b, 4) for a, b in zip(cpu["shardwise"], cpu["torch"], strict=True)],
+        "faults_per_step_torch": med(faults["torch"]),
+        "faults_per_step_shardwise": med(faults["shardwise"]),
         "max_rel_loss_diff": max_rel_diff(losses["shardwise"], losses["torch"]),
         **environment(threads_per_rank=1),
     }
