@@ -9,8 +9,9 @@ with the same values right before the backward. Autograd's version counter
 would take the refill for a modification of a saved tensor, so the refill
 runs under torch's ``_unsafe_preserve_version_counter``: a private API, used
 here and nowhere else, checked by tests/engine/test_storage.py. ``storage_key`` reads
-a storage's private ``_cdata`` address, ``version_of`` a tensor's version counter, and ``fake_tensors``
-runs code on fake tensors
+a storage's private ``_cdata`` address, ``accumulate_backward`` calls autograd's engine as
+``torch.autograd.backward`` does (``_engine_run_backward``), ``version_of`` a tensor's version
+counter, and ``fake_tensors`` runs code on fake tensors
 (``torch._subclasses.FakeTensorMode``): shapes, dtypes and kernel choices of the real
 device, no data and no arithmetic. ``flash_attention_cpu`` and its backward are torch's CPU flash
 attention kernel called directly (``aten._scaled_dot_product_flash_attention_for_cpu``), which, unlike
@@ -20,11 +21,12 @@ the public ``scaled_dot_product_attention``, returns each row's log-sum-exp.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import optree
 import torch
+from torch.overrides import has_torch_function
 
 try:
     _preserve_version = torch.autograd._unsafe_preserve_version_counter
@@ -62,6 +64,34 @@ def version_of(t: torch.Tensor) -> int:
     """How many in-place writes ``t``'s memory has seen (autograd's version counter, the private
     ``_version``): a layer that wrote into one of its buffers changed it."""
     return t._version
+
+
+_ENGINE_RUN_BACKWARD = getattr(torch.autograd.graph, "_engine_run_backward", None)
+
+
+def accumulate_backward(
+    outputs: Sequence[torch.Tensor], seeds: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]
+) -> None:
+    """``torch.autograd.backward(outputs, seeds, inputs=inputs)``: the gradients into ``inputs``' ``.grad``.
+
+    Where every seed has its output's shape and dtype and no tensor overrides torch functions, the
+    engine is called as ``backward`` calls it (torch's private ``_engine_run_backward``) without its
+    per-call argument handling: ``_make_grads``' symbolic shape checks cost more than a small
+    layer's backward, and the executor runs one backward per layer. The same engine runs on the
+    same arguments, so the gradients are the same bits. Anything else goes through ``backward``.
+    """
+    if (
+        _ENGINE_RUN_BACKWARD is None
+        or not outputs
+        or not inputs
+        or any(o.shape != g.shape or o.dtype != g.dtype for o, g in zip(outputs, seeds, strict=True))
+        or has_torch_function((*outputs, *inputs))
+    ):
+        torch.autograd.backward(list(outputs), list(seeds), inputs=list(inputs))
+        return
+    _ENGINE_RUN_BACKWARD(
+        tuple(outputs), tuple(seeds), False, False, tuple(inputs), allow_unreachable=True, accumulate_grad=True
+    )
 
 
 def storage_key(t: torch.Tensor) -> int:

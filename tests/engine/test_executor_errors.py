@@ -63,3 +63,37 @@ def test_a_layer_passing_no_float_tensor_on_is_refused() -> None:
     step = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1))
     with pytest.raises(ValueError, match="layer 'first' passes no floating-point tensor to layer 'second'"):
         step(step.init(params), (torch.randn(4, 3), torch.randn(4, 1)))
+
+
+def test_a_joined_input_is_found_on_the_graph_or_left_to_a_hook() -> None:
+    """The joined backward reads off a small graph whether a layer's input gets a gradient (its
+    output's node at the input's own output index); a graph past the budget is left to a hook."""
+    from shardwise.engine.run.executor import _reaches
+
+    big = torch.randn(4, 6, requires_grad=True) * 1.0
+    a0, a1 = big.chunk(2, dim=1)  # one node, two outputs
+    b = torch.ones((), requires_grad=True)
+    assert _reaches(a0 * 2, a0) is True
+    assert _reaches(a1 * 2, a0) is False  # the same SplitBackward, the other output
+    assert _reaches(torch.ones_like(a0) * b, a0) is False
+    assert _reaches(a0, a0) is True
+    long = a0
+    for _ in range(40):
+        long = long * 1.0 + 0.0
+    assert _reaches(long, a0) is None
+
+
+def test_a_layer_ignoring_its_input_behind_a_large_graph_is_refused_too() -> None:
+    """Past the walk's budget the hook decides, and still refuses."""
+
+    def cut(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        y = torch.ones_like(x) * p["b"]
+        for _ in range(40):
+            y = y * 1.0 + 0.0
+        return y
+
+    chain = sw.Chain([sw.Layer("first", lambda p, x: x @ p["w"], ("w",)), sw.Layer("cut", cut, ("b",))])
+    params = {"first": {"w": torch.randn(3, 2)}, "cut": {"b": torch.ones(())}}
+    step = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1))
+    with pytest.raises(ValueError, match="the output of layer 'first' does not reach the loss"):
+        step(step.init(params), (torch.randn(4, 3), torch.randn(4, 2)))

@@ -36,6 +36,7 @@ CASES: dict[
     "add": ("_foreach_add", lambda dt: ([_tensors(0, dt), _tensors(1, dt)], {"alpha": -0.37})),
     "add_scalar": ("_foreach_add", lambda dt: ([_tensors(0, dt)], {"scalar": 1e-8})),
     "mul_scalar": ("_foreach_mul", lambda dt: ([_tensors(0, dt)], {"scalar": 0.999})),
+    "mul_tensor": ("_foreach_mul", lambda dt: ([_tensors(0, dt)], {"factor": torch.tensor(0.37)})),
     "div_scalar": ("_foreach_div", lambda dt: ([_tensors(0, dt)], {"scalar": 0.031622})),
     "lerp_scalar": (
         "_foreach_lerp",
@@ -132,6 +133,20 @@ def test_inplace_writes_every_tensor_of_a_mixed_list_bitwise_as_out_of_place() -
     assert all(g is t for g, t in zip(got, targets, strict=True))  # written in place, returned
     for g, e in zip(got, expected, strict=True):
         assert g.dtype == e.dtype and torch.equal(g, e)
+
+
+def test_mul_tensor_casts_the_factor_per_dtype_first_and_writes_in_place_as_out_of_place() -> None:
+    # As ``g * factor.to(g.dtype)``: the factor rounded to bfloat16 first, then one product.
+    xs = [torch.randn(5), torch.randn(3, dtype=torch.float64), torch.randn(4).to(torch.bfloat16)]
+    factor = torch.tensor(0.3712345, dtype=torch.float32)
+    expected = [x * factor.to(x.dtype) for x in xs]
+    got = fe.mul_tensor(xs, factor)
+    targets = [x.clone() for x in xs]
+    written = fe.mul_tensor(targets, factor, inplace=True)
+    assert all(w is t for w, t in zip(written, targets, strict=True))
+    for g, w, e in zip(got, written, expected, strict=True):
+        assert g.dtype == e.dtype and torch.equal(g, e) and torch.equal(w, e)
+    assert fe.mul_tensor([], factor) == []
 
 
 def test_empty_lists_and_length_mismatch() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from shardwise.engine.torch_api import free_storage, owns_storage, refill_storage
@@ -131,3 +132,30 @@ def test_cpu_flash_attention_returns_the_log_sum_exp_and_its_backward_the_gradie
         grads = flash_attention_cpu_backward(g, q, k, v, out, lse, causal=causal, scale=0.3)
         for got, expected in zip(grads, torch.autograd.grad(want, leaves, g), strict=True):
             torch.testing.assert_close(got, expected, rtol=1e-13, atol=1e-13)
+
+
+def test_accumulate_backward_takes_torch_engine_path_and_matches_backward_bitwise() -> None:
+    from shardwise.engine import torch_api
+
+    assert torch_api._ENGINE_RUN_BACKWARD is not None, (
+        f"torch {torch.__version__} has no torch.autograd.graph._engine_run_backward: accumulate_backward "
+        "falls back to torch.autograd.backward (correct, slower per layer); update engine/torch_api.py"
+    )
+
+    def grads(run: object) -> list[torch.Tensor]:
+        gen = torch.Generator().manual_seed(0)
+        w = torch.randn(5, 3, dtype=torch.float64, generator=gen).requires_grad_(True)
+        x = torch.randn(4, 3, dtype=torch.float64, generator=gen).requires_grad_(True)
+        seed = torch.randn(4, 5, dtype=torch.float64, generator=gen)
+        for _ in range(2):  # the second call accumulates into .grad, as micro-batches do
+            y = torch.tanh(x @ w.t())
+            run([y], [seed], [x, w])  # type: ignore[operator]
+        assert x.grad is not None and w.grad is not None
+        return [x.grad, w.grad]
+
+    expected = grads(lambda o, s, i: torch.autograd.backward(o, s, inputs=i))
+    assert all(torch.equal(g, e) for g, e in zip(grads(torch_api.accumulate_backward), expected, strict=True))
+    # A seed of another shape takes torch's own checks, and its error.
+    leaf = torch.randn(3, requires_grad=True)
+    with pytest.raises(RuntimeError, match="Mismatch in shape"):
+        torch_api.accumulate_backward([leaf * 2], [torch.ones(2)], [leaf])

@@ -69,6 +69,8 @@ def register_output_types(tree: Any) -> Any:
     >>> optree.tree_leaves(out)
     [tensor([1., 1.])]
     """
+    if isinstance(tree, Tensor):  # the usual layer output: nothing to look through
+        return tree
     while True:
         new = [
             leaf

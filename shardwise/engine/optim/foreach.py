@@ -35,6 +35,7 @@ __all__ = [
     "foreach_op",
     "lerp_scalar",
     "mul_scalar",
+    "mul_tensor",
     "norm",
     "sqrt",
 ]
@@ -140,6 +141,22 @@ def add_scalar(xs: TensorList, scalar: float, *, inplace: bool = False) -> list[
 def mul_scalar(xs: TensorList, scalar: float, *, inplace: bool = False) -> list[Tensor]:
     """``x * scalar`` per tensor."""
     return _apply("_foreach_mul", [xs], scalar, inplace=inplace)
+
+
+def mul_tensor(xs: TensorList, factor: Tensor, *, inplace: bool = False) -> list[Tensor]:
+    """``x * factor.to(x.dtype)`` per tensor, ``factor`` a 0-d tensor (a gradient-clipping
+    coefficient, say) that never leaves its device for a Python number: it is cast once per
+    (device, dtype) of ``xs``, so each product rounds once, in the tensor's own dtype."""
+    if not xs:
+        return []
+    groups = _kernel_groups(xs) or [list(range(len(xs)))]
+    out: list[Tensor | None] = [None] * len(xs)
+    for indices in groups:
+        part = [xs[i] for i in indices]
+        cast = factor.to(device=part[0].device, dtype=part[0].dtype)
+        for i, result in zip(indices, _apply("_foreach_mul", [part], cast, inplace=inplace), strict=True):
+            out[i] = result
+    return out  # type: ignore[return-value]  # every index is filled by exactly one group
 
 
 def div_scalar(xs: TensorList, scalar: float, *, inplace: bool = False) -> list[Tensor]:

@@ -353,12 +353,22 @@ def global_norm(tree: Params) -> Tensor:
     sorted dict keys would put ``bias`` before ``weight``, and a different order of
     the sum can differ in the last bit.
     """
-    leaves = list(_leaves_in_insertion_order(tree))
+    leaves = _insertion_ordered(tree)
     if not leaves:
         return torch.tensor(0.0)
     first_device = leaves[0].device
     norms = fe.norm(leaves, 2.0)
     return torch.linalg.vector_norm(torch.stack([n.to(first_device) for n in norms]), 2.0)
+
+
+def _insertion_ordered(tree: Any) -> list[Tensor]:
+    """:func:`_leaves_in_insertion_order` as a list; a step's gradients (a dict of dicts of
+    tensors) read in one comprehension instead of a generator per container."""
+    if isinstance(tree, dict) and all(type(v) is dict for v in tree.values()):
+        flat = [t for v in tree.values() for t in v.values()]
+        if all(isinstance(t, Tensor) for t in flat):
+            return flat
+    return list(_leaves_in_insertion_order(tree))
 
 
 def _leaves_in_insertion_order(tree: Any) -> Iterator[Tensor]:

@@ -87,10 +87,10 @@ from ..plan.actions import (
     Action,
     Boundary,
 )
-from ..torch_api import version_of
+from ..torch_api import accumulate_backward, version_of
 from .batch_keys import unknown_keys_message
 from .metrics import MetricExchange, Summed, different_batches
-from .rng import mix, preserved, ranks_share_generators, seeded
+from .rng import default_generators, mix, preserved, ranks_share_generators, seeded
 from .transfers import TransferActions
 from .zero import ZeroActions
 
@@ -102,6 +102,8 @@ _ISSUE_INSIDE = (*COMPUTES, LOSS)  # the actions whose layers may issue collecti
 
 def float_leaves(tree: Any) -> list[torch.Tensor]:
     """The floating-point tensors of ``tree`` in pytree order: the values gradients flow through."""
+    if isinstance(tree, torch.Tensor):  # the usual layer output
+        return [tree] if tree.is_floating_point() else []
     return [t for t in optree.tree_leaves(tree) if isinstance(t, torch.Tensor) and t.is_floating_point()]
 
 
@@ -274,6 +276,7 @@ class Executor(ZeroActions, TransferActions):
         self._shared_rng = ranks_share_generators()
         self._rank = 0 if self.mesh is None else self.mesh.rank
         self._rng_rank = self._rank if self.rng_rank is None else self.rng_rank
+        self._generators = default_generators(self.device)
 
     # -- dispatch ------------------------------------------------------------------------------
     def run(self, actions: Sequence[Action]) -> None:
@@ -359,8 +362,15 @@ class Executor(ZeroActions, TransferActions):
             handler(action)
             return
         seed = mix(self.rng_seed, self._rng_rank, action.stage or 0, action.microbatch or 0, code)
-        with seeded(seed, self.device, self._shared_rng):
-            handler(action)
+        if self._shared_rng:
+            with seeded(seed, self.device, True):
+                handler(action)
+            return
+        # Generators of its own (one rank per process): ``seeded`` without its lock and context
+        # managers, which cost more than the seeding itself on every compute of a small layer.
+        for gen in self._generators:
+            gen.manual_seed(seed)
+        handler(action)
 
     def forward(self, action: Action) -> None:
         s, m = action.require("stage"), action.mb
@@ -407,8 +417,14 @@ class Executor(ZeroActions, TransferActions):
         self._outputs[(s, m)] = y
         if joined:
             reached = [False] * len(inputs)
-            for k, t in enumerate(inputs):
-                t.register_hook(functools.partial(_mark, reached, k))
+            # One tensor in, one out, and a small graph between them: whether a gradient will reach
+            # the input is read off the graph now, instead of a Python hook called in backward.
+            known = _reaches(y, inputs[0]) if len(inputs) == 1 and isinstance(y, torch.Tensor) else None
+            if known is not None:
+                reached[0] = known
+            else:
+                for k, t in enumerate(inputs):
+                    t.register_hook(functools.partial(_mark, reached, k))
             self._saved[(s, m)] = _Saved([], leaves, self._carrying_grads(s, y), reached=reached)
         else:
             self._saved[(s, m)] = _Saved(inputs, leaves, self._carrying_grads(s, y))
@@ -483,7 +499,7 @@ class Executor(ZeroActions, TransferActions):
             # B also leaves each input's gradient in its (per micro-batch) leaf.
             wrt = (saved.inputs if want_inputs else []) + list(saved.params.values())
             if wrt:
-                torch.autograd.backward(outputs, seeds, inputs=wrt)
+                accumulate_backward(outputs, seeds, wrt)
             if want_inputs:
                 got = [x.grad for x in saved.inputs]
         if want_inputs:
@@ -515,7 +531,7 @@ class Executor(ZeroActions, TransferActions):
                     seen.add(id(leaf))
                     wrt.append(leaf)
         if pairs and wrt:
-            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs], inputs=wrt)
+            accumulate_backward([o for o, _ in pairs], [g for _, g in pairs], wrt)
         for s in range(top, lowest, -1):  # each joined input must have had a gradient, as in backward
             part = self._saved[(s, m)]
             if part.reached and not any(part.reached) and self._earlier_layers_own_params(s):
@@ -559,7 +575,10 @@ class Executor(ZeroActions, TransferActions):
         """Stage ``s``'s input for micro-batch ``m``, and its leaves a gradient goes back for:
         those that depend on a parameter (not RoPE's cos and sin, made from buffers and ids)."""
         if self.placement.stage_rank[s - 1] == self.placement.stage_rank[s]:
-            y = self._outputs[(s - 1, m)]
+            y: Any = self._outputs[(s - 1, m)]
+            if isinstance(y, torch.Tensor):  # the usual layer output: what the tree walk below gives
+                alone = y.detach()
+                return alone, [alone] if _needs_grad(y) else []
             x = optree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, y)
             pairs = zip(optree.tree_leaves(y), optree.tree_leaves(x), strict=True)
             return x, [c for o, c in pairs if _needs_grad(o)]
@@ -663,16 +682,19 @@ class Executor(ZeroActions, TransferActions):
         self._leaves.clear()
         if self.exchange.empty:
             return
-        counted: Any = {k: v for k, v in self.final_grads.items() if k not in self.replica_layers}
-        pieces: list[torch.Tensor] = list(optree.tree_leaves(counted))
+        counted: Any = (
+            {k: v for k, v in self.final_grads.items() if k not in self.replica_layers}
+            if self.replica_layers else self.final_grads
+        )
         if not self.metric_axes:  # one rank: nothing to exchange, the values are already global
             loss_sum = torch.stack(self.losses).sum() if len(self.losses) > 1 else self.losses[0]
             norm = global_norm(counted) if self.exchange.norm else None
-            finite = not self.exchange.finite or bool(all_finite(pieces))
+            finite = not self.exchange.finite or bool(all_finite(list(optree.tree_leaves(counted))))
             count = torch.stack(self.counts).sum() if self.exchange.count else None
             self.summed = Summed(loss_sum, None if norm is None else norm * norm, finite, exact_norm=norm, count=count)
             return
         losses, counts = self.losses, self.counts
+        pieces: list[torch.Tensor] = list(optree.tree_leaves(counted))
         if self.counted is not None:  # an index of a split's axis that counts only its split gradients
             if not self.counts_losses:
                 losses, counts = [], []
@@ -745,6 +767,31 @@ class Executor(ZeroActions, TransferActions):
         sharding = self.source.sharding
         if sharding is None or sharding.holds_shards:
             self.new_held = self.new_master
+
+
+def _reaches(y: torch.Tensor, x: torch.Tensor, budget: int = 32) -> bool | None:
+    """Whether ``y``'s autograd graph leads to ``x`` (its producing node, at ``x``'s output index): True
+    or False once the walk is done, None when the graph has more than ``budget`` nodes (then ask a
+    hook). A layer's backward reaches its input exactly when its graph leads there."""
+    if y is x:
+        return True
+    target, index, start = x.grad_fn, x.output_nr, y.grad_fn
+    if target is None or start is None:
+        return None
+    stack, seen = [start], {start}
+    while stack:
+        budget -= 1
+        if budget < 0:
+            return None
+        for node, nr in stack.pop().next_functions:
+            if node is None:
+                continue
+            if node is target and nr == index:
+                return True
+            if node not in seen:
+                seen.add(node)
+                stack.append(node)
+    return False
 
 
 def _mark(reached: list[bool], k: int, grad: torch.Tensor) -> None:

@@ -28,6 +28,7 @@ from ..layout.precision import Precision
 from ..layout.state import Params, TrainState, check_params
 from ..layout.state_layout import StateLayout, full_params
 from ..model.chain import Chain
+from ..optim import foreach as fe
 from ..optim.optimizers import Optimizer
 from ..plan.accounting import predict_kept_for_backward
 from ..plan.actions import Plan
@@ -203,8 +204,8 @@ class Step:
         """Clip and update, or skip the update when a gradient anywhere was not finite.
 
         ``grads`` are unscaled and in the dtype of ``params`` (what the
-        optimizer updates). ``norm`` is the global gradient norm, needed only with
-        ``clip_norm``. Returns (params, optimizer state, loss scale).
+        optimizer updates), and the step's own: clipping scales them in place. ``norm`` is the
+        global gradient norm, needed only with ``clip_norm``. Returns (params, optimizer state, loss scale).
         """
         scale = state.loss_scale
         if not finite:
@@ -213,8 +214,11 @@ class Step:
         if self.clip_norm is not None:
             if norm is None:
                 raise ValueError("Step.finish: clip_norm is set, so the global gradient norm must be given")
-            factor = clip_scale(norm, self.clip_norm)
-            grads = optree.tree_map(lambda g: g * factor.to(g.dtype), grads)
+            # In place, with one foreach call per dtype (as clip_grad_norm_): the step made these
+            # gradients and reads them nowhere else, and fresh copies of them would cost a
+            # page-faulting allocation of the model's size every step.
+            leaves, spec = optree.tree_flatten(grads)
+            grads = optree.tree_unflatten(spec, fe.mul_tensor(leaves, clip_scale(norm, self.clip_norm), inplace=True))
         new_params, new_opt_state = self._update(state, grads, params)
         return new_params, new_opt_state, None if scale is None else scale.adjust(True)
 
