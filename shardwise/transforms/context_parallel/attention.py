@@ -183,10 +183,36 @@ def _known_hf(module: nn.Module, where: str) -> bool:
             f"context_parallel: {where} ({type(m).__name__}) has {setting}, which the Llama-shaped forward it installs "
             "would not apply: set it to None / 0, or leave context_parallel out"
         )
+    # ... nor anything else another family's forward does in plain code (a soft cap of the scores, another
+    # scaling): only the attentions whose forward was checked equal to the installed one are split.
+    if _verified_hf(m) is None:
+        raise ValueError(
+            f"context_parallel: {where} is a {type(m).__name__} (from {type(m).__module__}), whose forward is not one "
+            f"context_parallel has checked against the Llama-shaped forward it installs ({', '.join(_VERIFIED_HF)}); "
+            "what it does beyond Llama's in its own code would be left out without an error. Use one of those "
+            "attentions, rewrite this one to call ring_attention / ulysses_attention, or leave context_parallel out"
+        )
     return True
 
 
 _HF_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+# The Hugging Face attentions whose forward is Llama's (checked equal to HFForward in float64 by the tests),
+# by class and the module that defines it (a copy of the class elsewhere may differ).
+_VERIFIED_HF = {
+    "LlamaAttention": "transformers.models.llama.modeling_llama",
+    "MistralAttention": "transformers.models.mistral.modeling_mistral",
+    "Qwen2Attention": "transformers.models.qwen2.modeling_qwen2",
+    "MixtralAttention": "transformers.models.mixtral.modeling_mixtral",
+    "Qwen2MoeAttention": "transformers.models.qwen2_moe.modeling_qwen2_moe",
+}
+
+
+def _verified_hf(module: nn.Module) -> str | None:
+    """The verified attention ``module`` is (its class or a base), if the forward it runs is that class's own."""
+    for cls in type(module).__mro__:
+        if _VERIFIED_HF.get(cls.__name__) == cls.__module__:
+            return cls.__name__ if type(module).forward is getattr(cls, "forward", None) else None
+    return None
 
 
 def _known_gpt2(module: nn.Module, where: str) -> bool:

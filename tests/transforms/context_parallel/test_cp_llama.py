@@ -135,3 +135,46 @@ def test_an_hf_attention_whose_forward_does_more_than_llama_s_is_refused(family:
     name, value = next(iter(setting.items()))
     with pytest.raises(ValueError, match=rf"\({family}Attention\) has (config\.)?{name}={value}"):
         sw.context_parallel(step, "cp")
+
+
+def _with_attention_class(cls_of: Any) -> sw.Step:
+    torch.manual_seed(0)
+    cfg = T.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=2 * SEQ, attn_implementation="sdpa", bos_token_id=0,
+        eos_token_id=0,
+    )
+    model = T.LlamaForCausalLM(cfg).double()
+    for layer in model.model.layers:
+        layer.self_attn.__class__ = cls_of(type(layer.self_attn))
+    chain, _ = sw.functionalize(model, units=T.models.llama.modeling_llama.LlamaDecoderLayer,
+                                example_input=torch.randint(0, VOCAB, (2, SEQ)))
+    return sw.train_step(chain, lm_loss, sw.optim.sgd(0.1))
+
+
+def _scaled(base: type) -> type:
+    def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out, weights = base.forward(self, *args, **kwargs)
+        return 0.5 * out, weights  # what the user's forward adds, which the installed forward would drop
+
+    return type("ScaledLlamaAttention", (base,), {"forward": forward})
+
+
+@pytest.mark.parametrize(
+    "cls_of",
+    [_scaled, lambda base: type("LlamaAttention", (base,), {"forward": _scaled(base).forward, "__module__": __name__})],
+    ids=["subclass_overriding_forward", "same_name_copy"],
+)
+def test_an_hf_attention_whose_forward_is_not_a_verified_one_is_refused(cls_of: Any) -> None:
+    """context_parallel installs a Llama-shaped forward in place of the attention's: a forward that does more
+    in its own code (here a scale; in other families a soft cap of the scores, another scaling) would be left
+    out without an error. Only the attentions checked equal to the installed forward are split; the rest are
+    refused, naming the class and where it is defined."""
+    step = _with_attention_class(cls_of)
+    with pytest.raises(ValueError, match=r"whose forward is not one context_parallel has checked"):
+        sw.context_parallel(step, "cp")
+
+
+def test_a_subclass_keeping_the_verified_forward_is_split() -> None:
+    step = _with_attention_class(lambda base: type("MyLlamaAttention", (base,), {}))
+    sw.context_parallel(step, "cp")  # accepted: the forward is LlamaAttention's own
