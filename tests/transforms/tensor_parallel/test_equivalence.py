@@ -446,14 +446,16 @@ def test_sequence_parallel_in_place_ops_on_the_last_blocks_slice(build: dict[str
             sw.testing.assert_equivalent(step, reference, sw.Mesh(tp=2), problem.batches, params, rtol=F64_RTOL)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "sequence parallel: after the last block x.size(1) is this rank's slice's length, so a table read at "
-    "pos_emb[:, :x.size(1)] takes positions 0..T/N-1 on every rank, another model without an error "
-    "(loss off by 3e-3 relative); the Follower lets shape reads through (Hugging Face reads them)"))
 def test_sequence_parallel_a_length_read_after_the_last_block(build: dict[str, Callable]) -> None:
+    """After the last block ``x.size(1)`` was this rank's slice's length, so ``pos_emb[:, :x.size(1)]`` took
+    positions 0..T/N-1 on every rank, another model without an error (loss off by 3e-3 relative). A read of
+    the slice's sequence length gathers it first: the code goes on with the whole sequence and its length."""
     problem = build["tiny_gpt"]()
     reference, step, params = _after_blocks(_table_at_its_length, problem)
     sw.testing.assert_equivalent(step, reference, sw.Mesh(tp=2), problem.batches, params, rtol=F64_RTOL)
+    sw.testing.assert_equivalent(step, reference, sw.Mesh(tp=4), problem.batches, params, rtol=F64_RTOL)
+    inside = [str(a) for a in step.plan(sw.Mesh(tp=2), params, problem.batches[0]).for_rank(0) if a.kind == "inside"]
+    assert "all_gather(blocks.1, axis=tp)" in inside, inside  # the slice, gathered at the length read
 
 
 def test_a_vocabulary_split_scaled_word_embedding_keeps_its_scale() -> None:
