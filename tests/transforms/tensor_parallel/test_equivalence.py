@@ -421,6 +421,16 @@ def _table_at_its_length(x: torch.Tensor, model: TinyGPT) -> torch.Tensor:
     return x + model.pos_emb[:, : x.size(1)]
 
 
+def _table_at_its_shape(x: torch.Tensor, model: TinyGPT) -> torch.Tensor:
+    y = x * 2.0  # a position-wise op first: y is a slice of its own
+    return y + model.pos_emb[0, torch.arange(x.shape[1])]
+
+
+def _rows_by_its_numel(x: torch.Tensor, model: TinyGPT) -> torch.Tensor:
+    rows = x.numel() // x.size(-1)
+    return (x.reshape(rows, -1) + model.pos_emb[0, :1]).view(x.size(0), -1, x.size(-1)) + model.pos_emb[:, : x.size(-2)]
+
+
 def _after_blocks(after: Callable[[torch.Tensor, TinyGPT], torch.Tensor], problem: Any) -> tuple[sw.Step, Any, Any]:
     torch.manual_seed(0)
     model = _AfterBlocksGPT(after, vocab=64, d_model=32, n_heads=4, n_layers=2, seq_len=8).double()
@@ -446,12 +456,15 @@ def test_sequence_parallel_in_place_ops_on_the_last_blocks_slice(build: dict[str
             sw.testing.assert_equivalent(step, reference, sw.Mesh(tp=2), problem.batches, params, rtol=F64_RTOL)
 
 
-def test_sequence_parallel_a_length_read_after_the_last_block(build: dict[str, Callable]) -> None:
+@pytest.mark.parametrize("after", [_table_at_its_length, _table_at_its_shape, _rows_by_its_numel])
+def test_sequence_parallel_a_length_read_after_the_last_block(
+    after: Callable[[torch.Tensor, TinyGPT], torch.Tensor], build: dict[str, Callable]
+) -> None:
     """After the last block ``x.size(1)`` was this rank's slice's length, so ``pos_emb[:, :x.size(1)]`` took
     positions 0..T/N-1 on every rank, another model without an error (loss off by 3e-3 relative). A read of
     the slice's sequence length gathers it first: the code goes on with the whole sequence and its length."""
     problem = build["tiny_gpt"]()
-    reference, step, params = _after_blocks(_table_at_its_length, problem)
+    reference, step, params = _after_blocks(after, problem)
     sw.testing.assert_equivalent(step, reference, sw.Mesh(tp=2), problem.batches, params, rtol=F64_RTOL)
     sw.testing.assert_equivalent(step, reference, sw.Mesh(tp=4), problem.batches, params, rtol=F64_RTOL)
     inside = [str(a) for a in step.plan(sw.Mesh(tp=2), params, problem.batches[0]).for_rank(0) if a.kind == "inside"]
