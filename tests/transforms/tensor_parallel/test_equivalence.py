@@ -431,10 +431,12 @@ def _rows_by_its_numel(x: torch.Tensor, model: TinyGPT) -> torch.Tensor:
     return (x.reshape(rows, -1) + model.pos_emb[0, :1]).view(x.size(0), -1, x.size(-1)) + model.pos_emb[:, : x.size(-2)]
 
 
-def _after_blocks(after: Callable[[torch.Tensor, TinyGPT], torch.Tensor], problem: Any) -> tuple[sw.Step, Any, Any]:
+def _after_blocks(
+    after: Callable[[torch.Tensor, TinyGPT], torch.Tensor], problem: Any, units: Any = Block
+) -> tuple[sw.Step, Any, Any]:
     torch.manual_seed(0)
     model = _AfterBlocksGPT(after, vocab=64, d_model=32, n_heads=4, n_layers=2, seq_len=8).double()
-    chain, params = sw.functionalize(model, units=Block, example_input=problem.batches[0][0])
+    chain, params = sw.functionalize(model, units=units, example_input=problem.batches[0][0])
     reference = sw.train_step(chain, problem.step.loss_fn, sw.optim.sgd(0.1, momentum=0.9))
     return reference, sw.tensor_parallel(reference, "tp", problem.plan, sequence_parallel=problem.blocks), params
 
@@ -469,6 +471,9 @@ def test_sequence_parallel_a_length_read_after_the_last_block(
     sw.testing.assert_equivalent(step, reference, sw.Mesh(tp=4), problem.batches, params, rtol=F64_RTOL)
     inside = [str(a) for a in step.plan(sw.Mesh(tp=2), params, problem.batches[0]).for_rank(0) if a.kind == "inside"]
     assert "all_gather(blocks.1, axis=tp)" in inside, inside  # the slice, gathered at the length read
+    # The head in a layer of its own: the last block's output crosses as a slice, read there.
+    reference, step, params = _after_blocks(after, problem, units=["blocks", "head"])
+    sw.testing.assert_equivalent(step, reference, sw.Mesh(tp=2), problem.batches, params, rtol=F64_RTOL)
 
 
 def test_a_vocabulary_split_scaled_word_embedding_keeps_its_scale() -> None:
