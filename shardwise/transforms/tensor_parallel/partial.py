@@ -37,7 +37,7 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 from ...engine.stack import in_layer
-from .comm import gather_invariant, leave, vary
+from .comm import gather_invariant, leave, scatter, vary
 from .following import current
 from .positions import ELEMENTWISE, Held, _keeps_positions, judge
 
@@ -118,6 +118,9 @@ class Follower(TorchFunctionMode):
         self.axis, self.reduce, self.label = axis, reduce, label
         self.values = _Tracked()
         self.slices: dict[int, tuple[weakref.ref[Tensor], Held]] = {}  # the last block's output, its slice
+        # A slice whose sequence length was read (x.size(1), x.shape, x.numel()), and its gathered value, which
+        # every later use of it takes: the length the code read is the whole sequence's.
+        self.whole: dict[int, tuple[weakref.ref[Tensor], Tensor]] = {}
         self.made: dict[tuple[str, int], tuple[weakref.ref[Tensor], Tensor]] = {}  # (kind, id) -> made once
         self.quiet = 0
 
@@ -125,16 +128,22 @@ class Follower(TorchFunctionMode):
         self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         kwargs = kwargs or {}
-        if self.quiet or not (self.values or self.slices):
+        if self.quiet or not (self.values or self.slices or self.whole):
             return func(*args, **kwargs)
         given: Any = (tuple(args), kwargs)
         leaves = [t for t in optree.tree_leaves(given) if isinstance(t, Tensor)]
+        if any(self.whole_of(t) is not None for t in leaves):
+            args, kwargs = _mapped(args, kwargs, self._whole_or, lambda t: self.whole_of(t) is not None)
+            given = (tuple(args), kwargs)
+            leaves = [t for t in optree.tree_leaves(given) if isinstance(t, Tensor)]
         values = [t for t in leaves if t in self.values]
         sliced = next((t for t in leaves if self.slice_of(t) is not None), None)
         if not values and sliced is None:
             return func(*args, **kwargs)
         name = _name(func)
         if name in METADATA:
+            if sliced is not None and args and args[0] is sliced and self._reads_length(name, args, kwargs, sliced):
+                return func(self._made_whole(sliced), *args[1:], **kwargs)
             return func(*args, **kwargs)
         if sliced is not None:
             return self._on_slice(func, name, args, kwargs, sliced)
@@ -173,6 +182,38 @@ class Follower(TorchFunctionMode):
         """What ``t`` holds when it is a followed slice of the sequence (the last block's output)."""
         entry = self.slices.get(id(t))
         return entry[1] if entry is not None and entry[0]() is t else None
+
+    def whole_of(self, t: Any) -> Tensor | None:
+        """The gathered value of ``t`` when it is a slice whose sequence length was read."""
+        entry = self.whole.get(id(t))
+        return entry[1] if entry is not None and entry[0]() is t else None
+
+    def _whole_or(self, t: Tensor) -> Tensor:
+        whole = self.whole_of(t)
+        return t if whole is None else whole
+
+    def _reads_length(self, name: str, args: Sequence[Any], kwargs: dict[str, Any], x: Tensor) -> bool:
+        """Whether reading ``name`` of the slice ``x`` gives a figure of its sequence length (the slice's,
+        1/N of the whole): its size or shape, its number of elements, a stride, or (folded) its length."""
+        held = self.slice_of(x)
+        assert held is not None
+        if name in ("shape", "numel", "nelement"):
+            return True
+        if name == "__len__":
+            return held.folded
+        if name in ("size", "stride"):
+            dim = args[1] if len(args) > 1 else kwargs.get("dim")
+            return not isinstance(dim, int) or dim % max(x.dim(), 1) < len(held.lead)
+        return False
+
+    def _made_whole(self, x: Tensor) -> Tensor:
+        """The slice ``x`` gathered, and taken for ``x`` by every later op of this layer: code that read the
+        sequence length goes on with the whole sequence, so a length it computes with is the true one
+        (``pos_emb[:, :x.size(1)]`` read at the slice's length took positions 0..T/N-1 on every rank)."""
+        whole = self._gathered(x)
+        del self.slices[id(x)]
+        self.whole[id(x)] = (weakref.ref(x), whole)
+        return whole
 
     def hold_slice(self, tree: Any, held: Held) -> None:
         for t in optree.tree_leaves(tree, none_is_leaf=True):
@@ -249,6 +290,10 @@ class Follower(TorchFunctionMode):
         """A slice made whole: all-gathered (this rank's slice of the gradient)."""
         return self._made("gather", t, lambda x: gather_invariant(x, self.axis, 1, self.label))
 
+    def _sliced(self, t: Tensor) -> Tensor:
+        """A whole value cut to this rank's slice of the sequence (its gradient all-gathered)."""
+        return self._made("slice", t, lambda x: scatter(x, self.axis, 1, self.label))
+
     def _varied(self, t: Tensor) -> Tensor:
         """A replicated tensor used on a slice: its gradient summed over the axis."""
         return self._made("vary", t, lambda x: vary(x, self.axis, self.label, self.reduce))
@@ -278,6 +323,7 @@ class Follower(TorchFunctionMode):
         as it is and the head's all-gather a slice; any other is given the whole value."""
         if self.quiet:
             return x
+        x = self._whole_or(x)
         if x in self.values and not (op == "psum_scatter" and dim == 1):
             return self._summed(x)
         if self.slice_of(x) is not None and not (op == "all_gather" and dim == 1):
@@ -293,7 +339,10 @@ class Follower(TorchFunctionMode):
             if not isinstance(t, Tensor):
                 continue
             first = i == 0
-            if t in self.values and not (first and values_out):
+            whole = self.whole_of(t)
+            if whole is not None:  # a slice whose length was read: whole, or sliced again to leave as a slice
+                leaves[i], changed = (self._sliced(whole) if first and slices_out else whole), True
+            elif t in self.values and not (first and values_out):
                 leaves[i], changed = self._summed(t), True
             elif first and values_out and t not in self.values and t.is_floating_point():
                 leaves[i], changed = to_partial(t, self.axis), True

@@ -421,10 +421,22 @@ def _table_at_its_length(x: torch.Tensor, model: TinyGPT) -> torch.Tensor:
     return x + model.pos_emb[:, : x.size(1)]
 
 
-def _after_blocks(after: Callable[[torch.Tensor, TinyGPT], torch.Tensor], problem: Any) -> tuple[sw.Step, Any, Any]:
+def _table_at_its_shape(x: torch.Tensor, model: TinyGPT) -> torch.Tensor:
+    y = x * 2.0  # a position-wise op first: y is a slice of its own
+    return y + model.pos_emb[0, torch.arange(x.shape[1])]
+
+
+def _rows_by_its_numel(x: torch.Tensor, model: TinyGPT) -> torch.Tensor:
+    rows = x.numel() // x.size(-1)
+    return (x.reshape(rows, -1) + model.pos_emb[0, :1]).view(x.size(0), -1, x.size(-1)) + model.pos_emb[:, : x.size(-2)]
+
+
+def _after_blocks(
+    after: Callable[[torch.Tensor, TinyGPT], torch.Tensor], problem: Any, units: Any = Block
+) -> tuple[sw.Step, Any, Any]:
     torch.manual_seed(0)
     model = _AfterBlocksGPT(after, vocab=64, d_model=32, n_heads=4, n_layers=2, seq_len=8).double()
-    chain, params = sw.functionalize(model, units=Block, example_input=problem.batches[0][0])
+    chain, params = sw.functionalize(model, units=units, example_input=problem.batches[0][0])
     reference = sw.train_step(chain, problem.step.loss_fn, sw.optim.sgd(0.1, momentum=0.9))
     return reference, sw.tensor_parallel(reference, "tp", problem.plan, sequence_parallel=problem.blocks), params
 
@@ -446,13 +458,21 @@ def test_sequence_parallel_in_place_ops_on_the_last_blocks_slice(build: dict[str
             sw.testing.assert_equivalent(step, reference, sw.Mesh(tp=2), problem.batches, params, rtol=F64_RTOL)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "sequence parallel: after the last block x.size(1) is this rank's slice's length, so a table read at "
-    "pos_emb[:, :x.size(1)] takes positions 0..T/N-1 on every rank, another model without an error "
-    "(loss off by 3e-3 relative); the Follower lets shape reads through (Hugging Face reads them)"))
-def test_sequence_parallel_a_length_read_after_the_last_block(build: dict[str, Callable]) -> None:
+@pytest.mark.parametrize("after", [_table_at_its_length, _table_at_its_shape, _rows_by_its_numel])
+def test_sequence_parallel_a_length_read_after_the_last_block(
+    after: Callable[[torch.Tensor, TinyGPT], torch.Tensor], build: dict[str, Callable]
+) -> None:
+    """After the last block ``x.size(1)`` was this rank's slice's length, so ``pos_emb[:, :x.size(1)]`` took
+    positions 0..T/N-1 on every rank, another model without an error (loss off by 3e-3 relative). A read of
+    the slice's sequence length gathers it first: the code goes on with the whole sequence and its length."""
     problem = build["tiny_gpt"]()
-    reference, step, params = _after_blocks(_table_at_its_length, problem)
+    reference, step, params = _after_blocks(after, problem)
+    sw.testing.assert_equivalent(step, reference, sw.Mesh(tp=2), problem.batches, params, rtol=F64_RTOL)
+    sw.testing.assert_equivalent(step, reference, sw.Mesh(tp=4), problem.batches, params, rtol=F64_RTOL)
+    inside = [str(a) for a in step.plan(sw.Mesh(tp=2), params, problem.batches[0]).for_rank(0) if a.kind == "inside"]
+    assert "all_gather(blocks.1, axis=tp)" in inside, inside  # the slice, gathered at the length read
+    # The head in a layer of its own: the last block's output crosses as a slice, read there.
+    reference, step, params = _after_blocks(after, problem, units=["blocks", "head"])
     sw.testing.assert_equivalent(step, reference, sw.Mesh(tp=2), problem.batches, params, rtol=F64_RTOL)
 
 
