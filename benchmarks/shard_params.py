@@ -19,6 +19,10 @@ Variants, all with AdamW (lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight decay
 * ``stage1`` / ``stage2`` / ``stage3``: ``sw.shard_params(step, "dp", stage)``
   with ``sw.optim.adamw``. Every rank is given the global batch and slices it
   itself.
+* ``stage1_at_once`` / ``stage2_at_once``: as ``stage1`` / ``stage2``, with the AdamW called as a
+  user's own optimizer is, so the engine updates every shard at once and then issues the
+  all-gathers; the built-in one updates bucket by bucket, each bucket's all-gather overlapping the
+  next bucket's update (the pair measures that pipeline in one run).
 * ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` with no buffer sync per
   forward (``forward_sync_buffers=False``; the only buffer, GPT's causal mask,
   is constant) + ``torch.optim.AdamW``.
@@ -111,7 +115,9 @@ from shardwise.collectives.backends.processes import ProcessPool
 from shardwise.engine.layout.state import tree_nbytes
 from shardwise.testing.models import TinyGPT
 
-OURS = ("stage1", "stage2", "stage3")
+# ``*_at_once``: ZeRO-1/2 with the optimizer updating every shard at once and the all-gathers issued
+# after it (as a user's own optimizer does), against the built-in one's update bucket by bucket.
+OURS = ("stage1", "stage2", "stage3", "stage1_at_once", "stage2_at_once")
 VARIANTS = (*OURS, "ddp", "fsdp2", *seed_systems.SYSTEMS)
 
 
@@ -158,10 +164,13 @@ class Ours:
 
     global_loss = True  # the step's loss metric is already the global mean
 
-    def __init__(self, cfg: Config, stage: int) -> None:
+    def __init__(self, cfg: Config, stage: int, at_once: bool = False) -> None:
         units = GPT_UNITS if cfg.model == "gpt" else None
         chain, params = sw.functionalize(build_model(cfg), units=units)
-        step = sw.train_step(chain, loss_fn_of(cfg.model), sw_adamw())
+        optimizer = sw_adamw()
+        if at_once:  # not a built-in optimizer to the engine: one update, then the all-gathers
+            optimizer = sw.optim.Optimizer(optimizer.init, _Whole(optimizer.update))
+        step = sw.train_step(chain, loss_fn_of(cfg.model), optimizer)
         self.step_fn = sw.shard_params(step, "dp", stage=stage)
         self.state = self.step_fn.init(params, sw.Mesh(dp=cfg.world))
 
@@ -171,6 +180,16 @@ class Ours:
 
     def state_bytes(self) -> int:
         return tree_nbytes(self.state.params) + tree_nbytes(self.state.opt_state)
+
+
+class _Whole:
+    """A built-in optimizer's update, called as a user's own optimizer is."""
+
+    def __init__(self, update: Any) -> None:
+        self.update = update
+
+    def __call__(self, grads: Any, state: Any, params: Any) -> Any:
+        return self.update(grads, state, params)
 
 
 class TorchVariant:
@@ -247,7 +266,7 @@ Runner = Ours | TorchVariant | SeedVariant
 
 def make_variant(name: str, cfg: Config) -> Runner:
     if name in OURS:
-        return Ours(cfg, stage=int(name[-1]))
+        return Ours(cfg, stage=int(name.removesuffix("_at_once")[-1]), at_once=name.endswith("_at_once"))
     if name in seed_systems.SYSTEMS:
         return SeedVariant(cfg, name)
     return {"ddp": make_ddp, "fsdp2": make_fsdp2}[name](cfg)
@@ -350,6 +369,10 @@ def rows_for(cfg: Config, per_rank: list[dict[str, Any]], ref: Reference) -> lis
             "median_step_s": round(medians[name], 5),
             "ratio_to_fsdp2": round(medians[name] / fsdp2, 3) if fsdp2 else None,
             "paired_ratio_to_fsdp2": round(paired, 3) if paired else None,
+            # stage1 / stage2 over the same stage updating at once (when both ran): the bucket pipeline's gain
+            **({"paired_ratio_to_at_once": round(paired_ratio_median(
+                [r["times"][name] for r in per_rank], [r["times"][f"{name}_at_once"] for r in per_rank]), 3)}
+               if f"{name}_at_once" in first["times"] and name not in first["skipped"] else {}),
             "model_state_bytes_per_rank": max(r["state_bytes"][name] for r in per_rank),
             "ledger_sent_bytes_per_step": max(r["ledger_bytes"][name] for r in per_rank) if name in OURS else None,
             "max_rel_loss_diff": max_rel_diff(losses, ref.losses),
@@ -363,8 +386,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_run_flags(parser, steps=8, warmup=2)
     add_batch_flags(parser)
-    parser.add_argument("--variants", default=",".join(VARIANTS),
-                        help=f"comma-separated subset of {','.join(VARIANTS)} (default all; fsdp2 is always run)")
+    parser.add_argument("--variants", default=",".join(v for v in VARIANTS if not v.endswith("_at_once")),
+                        help=f"comma-separated subset of {','.join(VARIANTS)} (default all but the *_at_once; "
+                        "fsdp2 is always run)")
     parser.add_argument("--profile", choices=VARIANTS, help="cProfile this variant on rank 0 (to stderr)")
     parser.add_argument("--profile-steps", type=int, default=5)
     add_malloc_flag(parser)
