@@ -203,7 +203,7 @@ def rank_actions(
     split_axes = splits_of(step.transforms).axes
     # Each split's replicated gradients are compared over its axis.
     actions += [Action(CHECK_REPLICAS, axis=axis) for axis in split_axes]
-    update, waits = _update_and_gathers(step, zero, units, buckets)
+    update, waits = _update_and_gathers(step, zero, units, buckets, device)
     axes = metric_axes(step)
     if not step.metric_exchange().empty and axes:
         actions.append(Action(REDUCE_METRICS, axis=axes[0]))
@@ -220,14 +220,15 @@ def rank_actions(
 
 
 def _update_and_gathers(
-    step: Step, zero: Any, units: Sequence[str], buckets: Sequence[tuple[str, ...]]
+    step: Step, zero: Any, units: Sequence[str], buckets: Sequence[tuple[str, ...]], device: torch.device | str
 ) -> tuple[list[Action], list[Action]]:
     """(the update and the all-gathers of ZeRO-1/2's updated shards, their waits at the step's end).
 
     A built-in optimizer (elementwise, its state keyed like the shards) updates one bucket at a
     time, and each bucket's all-gather is issued as soon as its shards are updated: it travels
     while the next bucket updates and the metrics complete, and is waited for only where the
-    step returns the full parameters. Another optimizer updates every shard at once, then the
+    step returns the full parameters (where the spec says so for ``device``:
+    ``ShardSpec.updates_in_buckets``). Otherwise every shard is updated at once, then the
     all-gathers are issued together."""
     if zero is None or zero.stage == 3:
         return [Action(UPDATE)], []
@@ -235,7 +236,7 @@ def _update_and_gathers(
     gathered = [*buckets, *((u,) for u in units if u not in in_buckets)]
     gathers = [_bucket_action(GATHER_PARAMS, b, zero.axis) for b in gathered]
     waits = [_bucket_action(WAIT_PARAMS, b, zero.axis) for b in gathered]
-    if not updates_by_key(step.optimizer) or not gathered:
+    if not (zero.updates_in_buckets(device) and updates_by_key(step.optimizer)) or not gathered:
         return [Action(UPDATE), *gathers], waits
     update: list[Action] = []
     for b, gather in zip(gathered, gathers, strict=True):
