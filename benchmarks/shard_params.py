@@ -19,6 +19,10 @@ Variants, all with AdamW (lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight decay
 * ``stage1`` / ``stage2`` / ``stage3``: ``sw.shard_params(step, "dp", stage)``
   with ``sw.optim.adamw``. Every rank is given the global batch and slices it
   itself.
+* ``stage1_update_in_buckets`` / ``stage2_update_in_buckets``: as ``stage1`` / ``stage2`` with
+  ``update_in_buckets=True``: the update runs bucket by bucket, each bucket's all-gather issued
+  as soon as its shards are updated (a CPU's default updates at once, then issues the
+  all-gathers); ``paired_ratio_to_at_once`` is its step over ``stage1`` / ``stage2``'s.
 * ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` with no buffer sync per
   forward (``forward_sync_buffers=False``; the only buffer, GPT's causal mask,
   is constant) + ``torch.optim.AdamW``.
@@ -111,7 +115,10 @@ from shardwise.collectives.backends.processes import ProcessPool
 from shardwise.engine.layout.state import tree_nbytes
 from shardwise.testing.models import TinyGPT
 
-OURS = ("stage1", "stage2", "stage3")
+# ``*_update_in_buckets``: ZeRO-1/2 updating bucket by bucket, each bucket's all-gather issued after its
+# update (``update_in_buckets=True``), against the CPU's default of one update, then the all-gathers.
+IN_BUCKETS = "_update_in_buckets"
+OURS = ("stage1", "stage2", "stage3", f"stage1{IN_BUCKETS}", f"stage2{IN_BUCKETS}")
 VARIANTS = (*OURS, "ddp", "fsdp2", *seed_systems.SYSTEMS)
 
 
@@ -158,11 +165,11 @@ class Ours:
 
     global_loss = True  # the step's loss metric is already the global mean
 
-    def __init__(self, cfg: Config, stage: int) -> None:
+    def __init__(self, cfg: Config, stage: int, in_buckets: bool = False) -> None:
         units = GPT_UNITS if cfg.model == "gpt" else None
         chain, params = sw.functionalize(build_model(cfg), units=units)
         step = sw.train_step(chain, loss_fn_of(cfg.model), sw_adamw())
-        self.step_fn = sw.shard_params(step, "dp", stage=stage)
+        self.step_fn = sw.shard_params(step, "dp", stage=stage, update_in_buckets=True if in_buckets else None)
         self.state = self.step_fn.init(params, sw.Mesh(dp=cfg.world))
 
     def step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -247,7 +254,7 @@ Runner = Ours | TorchVariant | SeedVariant
 
 def make_variant(name: str, cfg: Config) -> Runner:
     if name in OURS:
-        return Ours(cfg, stage=int(name[-1]))
+        return Ours(cfg, stage=int(name.removesuffix(IN_BUCKETS)[-1]), in_buckets=name.endswith(IN_BUCKETS))
     if name in seed_systems.SYSTEMS:
         return SeedVariant(cfg, name)
     return {"ddp": make_ddp, "fsdp2": make_fsdp2}[name](cfg)
@@ -350,6 +357,11 @@ def rows_for(cfg: Config, per_rank: list[dict[str, Any]], ref: Reference) -> lis
             "median_step_s": round(medians[name], 5),
             "ratio_to_fsdp2": round(medians[name] / fsdp2, 3) if fsdp2 else None,
             "paired_ratio_to_fsdp2": round(paired, 3) if paired else None,
+            # the update by buckets over the same stage's update at once (when both ran): the pipeline's gain
+            **({"paired_ratio_to_at_once": round(paired_ratio_median(
+                [r["times"][name] for r in per_rank],
+                [r["times"][name.removesuffix(IN_BUCKETS)] for r in per_rank]), 3)}
+               if name.endswith(IN_BUCKETS) and name.removesuffix(IN_BUCKETS) in first["times"] else {}),
             "model_state_bytes_per_rank": max(r["state_bytes"][name] for r in per_rank),
             "ledger_sent_bytes_per_step": max(r["ledger_bytes"][name] for r in per_rank) if name in OURS else None,
             "max_rel_loss_diff": max_rel_diff(losses, ref.losses),
@@ -363,8 +375,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_run_flags(parser, steps=8, warmup=2)
     add_batch_flags(parser)
-    parser.add_argument("--variants", default=",".join(VARIANTS),
-                        help=f"comma-separated subset of {','.join(VARIANTS)} (default all; fsdp2 is always run)")
+    parser.add_argument("--variants", default=",".join(v for v in VARIANTS if not v.endswith(IN_BUCKETS)),
+                        help=f"comma-separated subset of {','.join(VARIANTS)} (default all but the *{IN_BUCKETS}; "
+                        "fsdp2 is always run)")
     parser.add_argument("--profile", choices=VARIANTS, help="cProfile this variant on rank 0 (to stderr)")
     parser.add_argument("--profile-steps", type=int, default=5)
     add_malloc_flag(parser)

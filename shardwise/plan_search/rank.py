@@ -22,6 +22,8 @@ from ..engine.plan.actions import (
     BACKWARD_WEIGHT,
     COMPUTES,
     LOSS,
+    UPDATE,
+    Action,
     Plan,
 )
 from ..engine.simulate.costs import CommModel, PlanCosts
@@ -144,6 +146,7 @@ def plan_costs(
         else:  # a stateless optimizer (plain SGD): the parameters' share instead
             state_share = 1.0 if state_bytes is None else state_bytes[r] / max(1, sum(
                 t.numel() * t.element_size() for tensors in params.values() for t in tensors.values()))
+        parts = _update_parts(actions, params)
         for pos, a in enumerate(actions):
             if a.kind in COMPUTES and a.layer is not None:
                 layers = per_stage.get(a.stage, [a.layer]) if a.stage is not None and per_stage else [a.layer]
@@ -154,8 +157,21 @@ def plan_costs(
             elif a.kind == LOSS:
                 slot[(r, pos)] += costs.at(LOSS, None, batch_share)
             elif a.kind in by_kind:
-                slot[(r, pos)] += by_kind[a.kind] * min(1.0, state_share)
+                slot[(r, pos)] += by_kind[a.kind] * min(1.0, state_share) * parts.get(pos, 1.0)
     return PlanCosts(slot=slot, comm=comm.covering(plan)[0], cores=cores, unit_us=1e6)
+
+
+def _update_parts(actions: Sequence[Action], params: Any) -> dict[int, float]:
+    """Each update's share of its rank's update, by its units' parameter counts (ZeRO-1/2 update
+    bucket by bucket; equal shares where a unit is not a layer of ``params``)."""
+    parts = {pos: a.units or (a.layer,) for pos, a in enumerate(actions) if a.kind == UPDATE}
+    if len(parts) < 2:
+        return {}
+    sizes = {pos: sum(t.numel() for u in units for t in params.get(u, {}).values()) for pos, units in parts.items()}
+    total = sum(sizes.values())
+    if not total or not all(sizes.values()):
+        return dict.fromkeys(parts, 1.0 / len(parts))
+    return {pos: size / total for pos, size in sizes.items()}
 
 
 def simulated_time(

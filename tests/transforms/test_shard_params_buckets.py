@@ -73,10 +73,11 @@ def test_each_bucket_is_one_action_with_its_bytes(size: str, expected: list[str]
     assert kinds.index("reduce_scatter") > max(i for i, k in enumerate(kinds) if k == "backward")
 
 
+@pytest.mark.parametrize("in_buckets", [None, True])
 @pytest.mark.parametrize("size", list(BUCKETS))
-def test_the_run_issues_the_buckets_the_plan_lists(size: str) -> None:
+def test_the_run_issues_the_buckets_the_plan_lists(size: str, in_buckets: bool | None) -> None:
     base, params, batches = _problem()
-    step = sw.shard_params(base, "dp", 2, bucket_mb=BUCKETS[size])
+    step = sw.shard_params(base, "dp", 2, bucket_mb=BUCKETS[size], update_in_buckets=in_buckets)
     mesh = sw.Mesh(dp=2)
     plan = step.plan(mesh, params, batches[0])
 
@@ -125,3 +126,55 @@ def test_a_buckets_backwards_run_as_one_autograd_call(
     for layer, tensors in want.items():
         for name, value in tensors.items():
             torch.testing.assert_close(got[layer][name], value, rtol=F64_RTOL, atol=0)
+
+
+def _as_users(optimizer: sw.optim.Optimizer) -> sw.optim.Optimizer:
+    """The same optimizer as a user's own (not a built-in one): its update cannot be cut by bucket."""
+    return sw.optim.Optimizer(optimizer.init, lambda grads, state, params: optimizer.update(grads, state, params))
+
+
+@pytest.mark.parametrize("size", list(BUCKETS))
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw_inplace", "sgd_users"])
+def test_updating_bucket_by_bucket_is_the_single_device_step(size: str, optimizer: str) -> None:
+    """ZeRO-1/2 with update_in_buckets update one bucket at a time (AdamW's step count and moments
+    cut and joined per bucket, over three steps, in place too); a user's optimizer every shard at once."""
+    base, params, batches = _problem()
+    opt = {"adamw": sw.optim.adamw(lr=1e-2, weight_decay=0.1),
+           "adamw_inplace": sw.optim.adamw(lr=1e-2, weight_decay=0.1, inplace=True),
+           "sgd_users": _as_users(sw.optim.sgd(lr=0.1, momentum=0.9))}[optimizer]
+    base = sw.train_step(base.chain, torch.nn.functional.mse_loss, opt)  # no clipping: no wait before the update
+    for stage in (1, 2):
+        step = sw.shard_params(base, "dp", stage, bucket_mb=BUCKETS[size], update_in_buckets=True)
+        sw.testing.assert_equivalent(step, base, sw.Mesh(dp=2), batches, params, rtol=F64_RTOL)
+
+
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_each_buckets_all_gather_is_issued_after_its_update_and_waited_for_at_the_end(clip: float | None) -> None:
+    """update_in_buckets: update(b) gather_params(b) per bucket, in the reduce-scatters' order; the
+    waits after the metrics' (which a clipping update waits for first). A user's optimizer, False, and
+    the default on a CPU: one update, then the gathers."""
+    base, params, _ = _problem()
+    builtin, users = sw.optim.sgd(lr=0.1, momentum=0.9), _as_users(sw.optim.sgd(lr=0.1, momentum=0.9))
+    for opt, option, per_bucket in ((builtin, True, True), (users, True, False), (builtin, False, False),
+                                    (builtin, None, False)):
+        step = sw.train_step(base.chain, torch.nn.functional.mse_loss, opt, clip_norm=clip)
+        sharded = sw.shard_params(step, "dp", 2, bucket_mb=BUCKETS["pairs"], update_in_buckets=option)
+        actions = sharded.plan(sw.Mesh(dp=4), params).for_rank(0)
+        text = " ".join(map(str, actions[[a.kind for a in actions].index("finish_grads"):]))
+        if per_bucket:
+            tail = "update(6+4) gather_params(6+4) update(2+0) gather_params(2+0)"
+        else:
+            tail = "update gather_params(6+4) gather_params(2+0)"
+        metrics = "reduce_metrics(axis=dp)" + (" wait_metrics" if clip else "")
+        after = "" if clip else " wait_metrics"
+        assert text == f"finish_grads {metrics} {tail}{after} wait_params(6+4) wait_params(2+0)"
+
+
+def test_bad_update_in_buckets_is_refused() -> None:
+    base, _, _ = _problem()
+    with pytest.raises(TypeError, match=r"update_in_buckets='yes'.*True, False or None"):
+        sw.shard_params(base, "dp", 2, update_in_buckets="yes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="update by buckets is for stages 1 and 2"):
+        sw.shard_params(base, "dp", 3, update_in_buckets=True)
+    assert sw.shard_params(base, "dp", 2, update_in_buckets=False).transforms[-1].updates_in_buckets("cuda") is False
+    assert sw.shard_params(base, "dp", 2).transforms[-1].updates_in_buckets("cuda") is True

@@ -338,6 +338,39 @@ class _AdamWUpdate:
         return new_p, new_m, new_v
 
 
+def updates_by_key(optimizer: Any) -> bool:
+    """Whether ``optimizer`` is a built-in one, whose update of some top-level keys of a mapping of
+    parameters is those keys' part of the whole update (it is elementwise, and its state holds
+    scalars and trees keyed like the parameters): ZeRO-1/2 then update bucket by bucket."""
+    return isinstance(getattr(optimizer, "update", None), (_SgdUpdate, _AdamWUpdate))
+
+
+def state_part(state: OptState, keys: Sequence[str]) -> OptState:
+    """A built-in optimizer's state for the parameters under ``keys`` alone (see :func:`updates_by_key`):
+    each per-parameter tree cut to those keys, the step count shared."""
+    if not isinstance(state, (SgdState, AdamWState)):
+        raise TypeError(f"state: a built-in optimizer's state was expected, got {type(state).__name__}")
+    return type(state)(*(_cut(field, keys) for field in state))
+
+
+def join_parts(parts: Sequence[OptState], keys: Sequence[str]) -> OptState:
+    """The whole state from the :func:`state_part` states of updates that covered ``keys`` between them
+    (in that order); every part counts the same step."""
+    first = parts[0]
+    fields = []
+    for i, field in enumerate(first):
+        if isinstance(field, Mapping):
+            merged = {k: v for part in parts for k, v in part[i].items()}
+            fields.append({k: merged[k] for k in keys})
+        else:
+            fields.append(field)
+    return type(first)(*fields)
+
+
+def _cut(field: Any, keys: Sequence[str]) -> Any:
+    return {k: field[k] for k in keys} if isinstance(field, Mapping) else field
+
+
 @torch.no_grad()
 def global_norm(tree: Params) -> Tensor:
     """The L2 norm of all of ``tree``'s elements together, computed as

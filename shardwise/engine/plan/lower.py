@@ -32,6 +32,7 @@ from ..layout.sharding import FlatSharding
 from ..layout.state_layout import Placement
 from ..model.chain import Chain
 from ..model.reuse import LayerMemo
+from ..optim.optimizers import updates_by_key
 from ..stack.compose import PLACEMENT, SHARDING, find, reshard_after_forward
 from ..stack.splits import splits_of
 from ..torch_api import fake_tensors
@@ -84,6 +85,9 @@ class Step(Protocol):
 
     @property
     def update_needs_sums(self) -> bool: ...
+
+    @property
+    def optimizer(self) -> Any: ...
 
     def metric_exchange(self) -> Any: ...
 
@@ -199,24 +203,46 @@ def rank_actions(
     split_axes = splits_of(step.transforms).axes
     # Each split's replicated gradients are compared over its axis.
     actions += [Action(CHECK_REPLICAS, axis=axis) for axis in split_axes]
+    update, waits = _update_and_gathers(step, zero, units, buckets, device)
     axes = metric_axes(step)
     if not step.metric_exchange().empty and axes:
         actions.append(Action(REDUCE_METRICS, axis=axes[0]))
         rest = [Action(WAIT_METRICS), *(Action(REDUCE_METRICS, axis=a) for a in axes[1:])]
         # The update waits for the sums only when it uses them (clipping, the skip on a non-finite
         # gradient); otherwise the all-reduce completes while this rank updates.
-        actions += [*rest, Action(UPDATE)] if step.update_needs_sums else [Action(UPDATE), *rest]
+        actions += [*rest, *update] if step.update_needs_sums else [*update, *rest]
     else:
-        actions.append(Action(UPDATE))
+        actions += update
     if split_axes:  # the replicated gradients agree before anything is updated
         at = next(i for i, a in enumerate(actions) if a.kind == UPDATE)
         actions[at:at] = [Action(WAIT_CHECK, axis=axis) for axis in split_axes]
-    if zero is not None and zero.stage != 3:
-        in_buckets = {u for b in buckets for u in b}
-        gathered = [*buckets, *((u,) for u in units if u not in in_buckets)]
-        actions += [_bucket_action(GATHER_PARAMS, b, zero.axis) for b in gathered]
-        actions += [_bucket_action(WAIT_PARAMS, b, zero.axis) for b in gathered]
-    return tuple(actions)
+    return (*actions, *waits)
+
+
+def _update_and_gathers(
+    step: Step, zero: Any, units: Sequence[str], buckets: Sequence[tuple[str, ...]], device: torch.device | str
+) -> tuple[list[Action], list[Action]]:
+    """(the update and the all-gathers of ZeRO-1/2's updated shards, their waits at the step's end).
+
+    A built-in optimizer (elementwise, its state keyed like the shards) updates one bucket at a
+    time, and each bucket's all-gather is issued as soon as its shards are updated: it travels
+    while the next bucket updates and the metrics complete, and is waited for only where the
+    step returns the full parameters (where the spec says so for ``device``:
+    ``ShardSpec.updates_in_buckets``). Otherwise every shard is updated at once, then the
+    all-gathers are issued together."""
+    if zero is None or zero.stage == 3:
+        return [Action(UPDATE)], []
+    in_buckets = {u for b in buckets for u in b}
+    gathered = [*buckets, *((u,) for u in units if u not in in_buckets)]
+    gathers = [_bucket_action(GATHER_PARAMS, b, zero.axis) for b in gathered]
+    waits = [_bucket_action(WAIT_PARAMS, b, zero.axis) for b in gathered]
+    if not (zero.updates_in_buckets(device) and updates_by_key(step.optimizer)) or not gathered:
+        return [Action(UPDATE), *gathers], waits
+    update: list[Action] = []
+    for b, gather in zip(gathered, gathers, strict=True):
+        label = "+".join(b) if len(b) > 1 else None
+        update += [Action(UPDATE, b[0], units=b if len(b) > 1 else (), label=label), gather]
+    return update, waits
 
 
 def _bucket_action(kind: str, units: tuple[str, ...], axis: str) -> Action:

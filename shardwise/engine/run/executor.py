@@ -201,7 +201,8 @@ class Executor(ZeroActions, TransferActions):
     microbatches: Sequence[tuple[Any, Any]]
     seed: float  # each micro-batch's loss gradient: loss scale / (data-parallel replicas x micro-batches)
     finalize: Callable[[dict[str, dict[str, torch.Tensor]]], Any]  # local grads -> unscaled master grads
-    update: Callable[[Any, Summed], Any]  # (final grads, summed) -> the new master tree (the optimizer)
+    # (final grads, summed[, units]) -> the new master tree (the optimizer), or those units' part of it
+    update: Callable[..., Any]
     master: Any  # the tree the optimizer updates (parameters, or ZeRO shards)
     held: Any = None  # what the TrainState holds at rest (full parameters under ZeRO-1/2)
     grad_scale: float = 1.0  # the precision loss scale, divided out of reduced gradient shards
@@ -763,6 +764,13 @@ class Executor(ZeroActions, TransferActions):
             self.summed = self.exchange.unpack(self._metrics_total)
 
     def run_update(self, action: Action) -> None:
+        """The optimizer on this rank's master tree, or (ZeRO-1/2, the action naming a bucket) on that
+        bucket's units alone, so that its all-gather is issued while the next bucket updates."""
+        if action.layer is not None:
+            units = action.units or (action.layer,)
+            part = self.update({u: self.final_grads[u] for u in units}, self.summed, units)
+            self.new_master = {**(self.new_master or {}), **part}
+            return
         self.new_master = self.update(self.final_grads, self.summed)
         sharding = self.source.sharding
         if sharding is None or sharding.holds_shards:

@@ -24,6 +24,7 @@ from ..layout.devices import device_of, host_scalar
 from ..layout.sharding import FlatSharding
 from ..layout.state import TrainState
 from ..layout.state_layout import StateLayout, unit_names
+from ..optim.optimizers import join_parts, state_part
 from ..plan.actions import Action
 from ..plan.batches import split_over
 from ..plan.lower import metric_axes, microbatch_count, rank_actions, reduce_sizes
@@ -170,11 +171,21 @@ def prepare_run(step: Step, state: TrainState, layout: StateLayout, batch: Any) 
     scale, k = step.loss_scale_value(state), microbatch_count(step)
     outcome: dict[str, Any] = {}
 
-    def update(grads: Any, summed: Summed) -> Any:
+    def update(grads: Any, summed: Summed, units: tuple[str, ...] | None = None) -> Any:
+        """The new master tree, or with ``units`` (ZeRO-1/2, a bucket at a time) those units' part
+        of it; finish_run joins the parts' optimizer states."""
         norm = summed.norm
         if step.tokens is not None:  # the gradients of the summed losses: divide by the global count
             grads, norm = divided_by_tokens(grads, norm, summed)
-        new_master, outcome["opt_state"], outcome["loss_scale"] = step.finish(state, grads, master, norm, summed.finite)
+        if units is None:
+            new_master, outcome["opt_state"], outcome["loss_scale"] = step.finish(
+                state, grads, master, norm, summed.finite)
+            return new_master
+        part = state_part(state.opt_state, units)
+        new_master, opt_part, outcome["loss_scale"] = step.finish(
+            state, grads, {u: master[u] for u in units}, norm, summed.finite, opt_state=part)
+        outcome.setdefault("opt_parts", []).append(opt_part)
+        outcome.setdefault("updated", []).extend(units)
         return new_master
 
     executor = Executor(
@@ -221,8 +232,14 @@ def finish_run(step: Step, state: TrainState, prepared: PreparedRun) -> tuple[Tr
         metrics["trace"] = executor.events  # type: ignore[assignment]
         # Every action with its position in this rank's list: a measured timeline of the Plan.
         metrics["action_times"] = executor.action_times  # type: ignore[assignment]
+    outcome = prepared.outcome
+    if "opt_parts" in outcome:  # updated bucket by bucket: every unit exactly once
+        keys = list(executor.master)
+        if sorted(outcome["updated"]) != sorted(keys):
+            raise RuntimeError(f"the update by buckets covered units {outcome['updated']}, not this rank's {keys}")
+        outcome["opt_state"] = join_parts(outcome["opt_parts"], keys)
     new_state = state._replace(
-        params=executor.new_held, opt_state=prepared.outcome["opt_state"], step=state.step + 1,
+        params=executor.new_held, opt_state=outcome["opt_state"], step=state.step + 1,
         loss_scale=prepared.outcome["loss_scale"],
     )
     return new_state, metrics

@@ -199,18 +199,22 @@ class Step:
         return 1.0 if state.loss_scale is None else state.loss_scale.scale_value()
 
     def finish(
-        self, state: TrainState, grads: Any, params: Any, norm: torch.Tensor | None, finite: bool
+        self, state: TrainState, grads: Any, params: Any, norm: torch.Tensor | None, finite: bool,
+        opt_state: Any = None,
     ) -> tuple[Any, Any, Any]:
         """Clip and update, or skip the update when a gradient anywhere was not finite.
 
         ``grads`` are unscaled and in the dtype of ``params`` (what the
         optimizer updates), and the step's own: clipping scales them in place. ``norm`` is the
-        global gradient norm, needed only with ``clip_norm``. Returns (params, optimizer state, loss scale).
+        global gradient norm, needed only with ``clip_norm``. ``opt_state``: the optimizer state of
+        ``params`` when they are a part of the state's (ZeRO-1/2 update bucket by bucket); None:
+        ``state.opt_state``. Returns (params, optimizer state, loss scale).
         """
         scale = state.loss_scale
+        opt_state = state.opt_state if opt_state is None else opt_state
         if not finite:
             # Every rank saw the same global flag, so every rank skips together.
-            return params, state.opt_state, None if scale is None else scale.adjust(False)
+            return params, opt_state, None if scale is None else scale.adjust(False)
         if self.clip_norm is not None:
             if norm is None:
                 raise ValueError("Step.finish: clip_norm is set, so the global gradient norm must be given")
@@ -219,19 +223,19 @@ class Step:
             # page-faulting allocation of the model's size every step.
             leaves, spec = optree.tree_flatten(grads)
             grads = optree.tree_unflatten(spec, fe.mul_tensor(leaves, clip_scale(norm, self.clip_norm), inplace=True))
-        new_params, new_opt_state = self._update(state, grads, params)
+        new_params, new_opt_state = self._update(state, grads, params, opt_state)
         return new_params, new_opt_state, None if scale is None else scale.adjust(True)
 
-    def _update(self, state: TrainState, grads: Any, params: Any) -> tuple[Any, Any]:
+    def _update(self, state: TrainState, grads: Any, params: Any, opt_state: Any) -> tuple[Any, Any]:
         """The optimizer's update; a grouped one is told each leaf's options range by range
         (under ZeRO a flat shard mixes parameters of different groups)."""
         groups = getattr(self.optimizer, "groups", None)  # a user's optimizer may have no groups
         if groups is None:
-            return self.optimizer.update(grads, state.opt_state, params)
+            return self.optimizer.update(grads, opt_state, params)
         layout, sharding = self._state_layout(state), state.layout.sharding
         dp_index = 0 if sharding is None else state.mesh.axis_index(sharding.axis)
         runs = master_runs(groups, self.base_chain, layout, params, dp_index)
-        return self.optimizer.update(grads, state.opt_state, params, runs=runs)
+        return self.optimizer.update(grads, opt_state, params, runs=runs)
 
     # -- layout ------------------------------------------------------------------------
     def check_mesh(self, mesh: Mesh | None) -> Mesh | None:
