@@ -98,10 +98,12 @@ def test_a_wrong_step_is_caught() -> None:
 # -- accounting ----------------------------------------------------------------------------
 
 
-def _uneven_mlp() -> tuple[sw.Step, dict]:
+def _uneven_mlp(inplace: bool = False) -> tuple[sw.Step, dict]:
+    """Float64 layers of 42, 24 and 24 elements; ``inplace``: an update that allocates no new parameters
+    or moments (the Plan's peak is then the backward's, not the update's)."""
     torch.manual_seed(0)
     chain, params = sw.functionalize(mlp([5, 7, 3, 6]).double())
-    return sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.adamw(1e-2)), params
+    return sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.adamw(1e-2, inplace=inplace)), params
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
@@ -234,7 +236,7 @@ def test_plan_shows_overlap() -> None:
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_no_reduction_in_flight_waits_before_the_next_compute(stage: int) -> None:
-    base, params = _uneven_mlp()
+    base, params = _uneven_mlp(inplace=True)
     alone = {"bucket_mb": 1e-6} if stage == 2 else {}  # every unit its own bucket
     plans = {
         k: sw.shard_params(base, "dp", stage, reduce_in_flight=k, **alone).plan(sw.Mesh(dp=2), params) for k in (0, 1)
@@ -267,7 +269,7 @@ def test_the_plans_peak_follows_the_backwards_last_gather(monkeypatch: pytest.Mo
     the actions hold together at one point, so it moves with the gather. Float64 units of 42, 24 and
     24 elements (layers 0, 2, 4; shards of 21, 12, 12 at dp 2), none reduced in flight, gloo's own
     copy in each collective (a reduce-scatter's input, an all-gather's receive buffer)."""
-    base, params = _uneven_mlp()
+    base, params = _uneven_mlp(inplace=True)
     step = sw.shard_params(base, "dp", 3, reduce_in_flight=0)
 
     def held_in_step() -> tuple[str, int]:
