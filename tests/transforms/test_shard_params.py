@@ -374,3 +374,21 @@ def test_an_opaque_model_is_sharded_per_named_block() -> None:
     gen = torch.Generator().manual_seed(2)
     batches = [(torch.randint(40, (4, 8), generator=gen), torch.randint(40, (4, 8), generator=gen)) for _ in range(2)]
     sw.testing.assert_equivalent(sharded, step, sw.Mesh(dp=2), batches, params, rtol=F64_RTOL)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_the_plan_counts_what_the_update_allocates(stage: int) -> None:
+    """An out-of-place SGD update makes new parameter shards beside the old ones and every gradient
+    shard (float64 shards of 21, 12 and 12 elements at dp 2); an in-place one makes nothing but the
+    next update count (an int64 scalar), as both do."""
+    torch.manual_seed(0)
+    chain, params = sw.functionalize(mlp([5, 7, 3, 6]).double())
+    memory = {
+        inplace: sw.shard_params(sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1, inplace=inplace)),
+                                 "dp", stage).plan(sw.Mesh(dp=2), params).memory
+        for inplace in (False, True)
+    }
+    assert memory[False]["update_buffers"][0] == 45 * 8 + 8  # the shard of the 90 elements
+    assert memory[True]["update_buffers"][0] == 8
+    # At the update: every gradient shard and the new parameters.
+    assert memory[False]["held_in_step"][0] >= memory[False]["grads"][0] + memory[False]["update_buffers"][0]
