@@ -1,6 +1,6 @@
-"""What the optimizer's update allocates beyond its inputs, predicted on meta tensors.
+"""What the optimizer's update allocates beyond its inputs, predicted on fake tensors.
 
-The update runs once on meta copies of a rank's parameters, gradients and optimizer state (shapes
+The update runs once on fake copies of a rank's parameters, gradients and optimizer state (shapes
 and dtypes flow, no arithmetic is done) while a dispatch mode follows every storage an op makes:
 its bytes count from the op that makes it until the last tensor on it is gone. The figure is the
 most those hold at once: an out-of-place update's new parameters and state (they live beside the
@@ -17,7 +17,7 @@ import optree
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..torch_api import storage_key
+from ..torch_api import fake_tensors, storage_key
 
 __all__ = ["predict_update_bytes"]
 
@@ -48,24 +48,25 @@ class _NewStorages(TorchDispatchMode):
         return out
 
 
-def _stand_in(t: Any) -> Any:
-    """A meta copy of a tensor; a scalar (the update count, read as a number) real, at 1: a step
-    after the first, the steady state (SGD's first update starts its momentum from a copy instead)."""
-    if not isinstance(t, torch.Tensor):
-        return t
-    if t.dim() == 0:
-        return torch.ones((), dtype=t.dtype)
-    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+def _scalar_as_int(t: Any) -> Any:
+    """The update count (a 0-d tensor, read as a number) as the int 1: a step after the first, the
+    steady state (SGD's first update starts its momentum from a copy instead)."""
+    return 1 if isinstance(t, torch.Tensor) and t.dim() == 0 else t
 
 
-def predict_update_bytes(update: Any, params: Any, grads: Any, state: Any) -> int:
+def predict_update_bytes(
+    update: Any, params: Any, grads: Any, state: Any, device: torch.device | str = "cpu"
+) -> int:
     """The most memory ``update(grads, state, params)`` holds at once beyond its inputs (given as
-    meta or real tensors, left untouched): see the module docstring."""
-    mp, mg, ms = (optree.tree_map(_stand_in, tree) for tree in (params, grads, state))
-    leaves: list[Any] = [*optree.tree_leaves(mp), *optree.tree_leaves(mg), *optree.tree_leaves(ms)]
-    known = {storage_key(t) for t in leaves if isinstance(t, torch.Tensor)}
-    tracker = _NewStorages(known)
-    with tracker:
-        result = update(mg, ms, mp)
-    del result
+    meta or real tensors, left untouched), run on fake tensors on ``device`` (the update groups its
+    temporaries by device: bounded ranges on a CPU, one on an accelerator): see the module docstring."""
+    state = optree.tree_map(_scalar_as_int, state)
+    with fake_tensors(device) as fake:
+        fp, fg, fs = (optree.tree_map(fake, tree) for tree in (params, grads, state))
+        leaves: list[Any] = [*optree.tree_leaves(fp), *optree.tree_leaves(fg), *optree.tree_leaves(fs)]
+        known = {storage_key(t) for t in leaves if isinstance(t, torch.Tensor)}
+        tracker = _NewStorages(known)
+        with tracker:
+            result = update(fg, fs, fp)
+        del result
     return tracker.peak

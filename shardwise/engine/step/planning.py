@@ -203,7 +203,8 @@ def _memory(
 ) -> tuple[dict[str, tuple[int, ...]], tuple[str, ...]]:
     """Each figure per rank, counted once per rank class (see :func:`rank_class`); and the layers whose
     kept_for_backward ran on stand-ins."""
-    by_class = {c: _class_memory(step, layouts[c], masters[c], actions[c]) for c in masters}
+    device = planned_device(params, batch)
+    by_class = {c: _class_memory(step, layouts[c], masters[c], actions[c], device) for c in masters}
     memory = {k: tuple(by_class[c][k] for c in class_of) for k in by_class[class_of[0]]}
     stand_ins: tuple[str, ...] = ()
     if batch is not None:
@@ -226,7 +227,9 @@ def _memory(
 _COME_AND_GO = ("gathered_peak", "reduce_buffers", "comm_buffers", "replica_buffers", "update_buffers")
 
 
-def _class_memory(step: Step, layout: StateLayout, master: Params, actions: tuple[Action, ...]) -> dict[str, int]:
+def _class_memory(
+    step: Step, layout: StateLayout, master: Params, actions: tuple[Action, ...], device: torch.device
+) -> dict[str, int]:
     figures: dict[str, int] = {}
     sharding = layout.sharding
     shards = None if sharding is None else meta_shards(sharding)
@@ -249,7 +252,7 @@ def _class_memory(step: Step, layout: StateLayout, master: Params, actions: tupl
     # The update's own allocations (an out-of-place update's new parameters and state beside the
     # old ones, its temporaries), at the update, beside every gradient shard.
     assert shards is not None
-    update_bytes = predict_update_bytes(step.optimizer.update, shards, shards, step.optimizer.init(shards))
+    update_bytes = predict_update_bytes(step.optimizer.update, shards, shards, step.optimizer.init(shards), device)
     levels["update_buffers"] = [update_bytes if a.kind == UPDATE else 0 for a in actions]
     for key, per_action in levels.items():
         figures[key] = max(per_action, default=0)
