@@ -226,12 +226,14 @@ def shardwise_meta_functional(cfg: Config) -> dict[str, Any]:
     return shardwise_zero3(cfg, meta=True, inplace=False)
 
 
-def plan_figures(cfg: Config) -> dict[str, int]:
-    """The Plan's memory figures for rank 0 (made here, on meta parameters: no data)."""
+def plan_figures(cfg: Config, inplace: bool = True) -> dict[str, int]:
+    """The Plan's memory figures for rank 0 (made here, on meta parameters: no data), with the
+    optimizer the measured step uses (an out-of-place update allocates new parameters and moments)."""
     with torch.device("meta"):
         model = build(cfg)
     chain, params = sw.functionalize(model)
-    step = sw.shard_params(sw.train_step(chain, F.mse_loss, sw.optim.adamw(1e-3)), "dp", stage=3)
+    optimizer = sw.optim.adamw(1e-3, inplace=inplace)
+    step = sw.shard_params(sw.train_step(chain, F.mse_loss, optimizer), "dp", stage=3)
     x, y = batch_of(cfg)
     plan = step.plan(sw.Mesh(dp=cfg.world), params, (x, y))
     return {key: int(per_rank[0]) for key, per_rank in plan.memory.items()}
@@ -327,10 +329,13 @@ def main() -> None:
                 emit({**row, **environment(), **stated})
             for world in (int(w) for w in args.worlds.split(",")):
                 cfg = Config(width, args.layers, args.batch, args.steps, world)
-                plan = plan_figures(cfg)  # shardwise's prediction, beside every system's measurement
+                # shardwise's prediction (in-place AdamW), beside every system's measurement; the
+                # functional variant's own beside it.
+                plans = {True: plan_figures(cfg), False: plan_figures(cfg, inplace=False)}
                 fsdp2 = None
                 for variant in args.variants:
                     note(f"# width {width}, world {world}: {variant}")
+                    plan = plans[variant != "shardwise_meta_functional"]
                     result = measured(cfg, variant)
                     row = {"bench": "memory", "variant": variant, "width": width, "world": world,
                            "model_bytes": model_bytes, **result, "plan_peak_bytes": plan["peak"]}

@@ -160,8 +160,12 @@ def test_memory_benchmark_runs_and_reports_each_variant() -> None:
     # so far and the buffers hold together at one action (each buffer's own peak comes at its own action).
     assert plan["peak"] == sum(plan[k] for k in ("params", "opt_state", "kept_for_backward", "held_in_step")), plan
     assert max(plan["gathered_peak"], plan["reduce_buffers"]) <= plan["held_in_step"], plan
-    buffers = plan["gathered_peak"] + plan["reduce_buffers"] + plan["comm_buffers"]
+    buffers = plan["gathered_peak"] + plan["reduce_buffers"] + plan["comm_buffers"] + plan["update_buffers"]
     assert plan["held_in_step"] <= plan["grads"] + buffers, plan
+    # The functional AdamW's update makes new parameters and moments beside the old ones.
+    functional = rows["shardwise_meta_functional"]["plan"]
+    assert functional["update_buffers"] >= 3 * functional["params"], functional
+    assert functional["update_buffers"] > plan["update_buffers"], (functional, plan)
 
 
 def _help_entries(text: str) -> dict[str, str]:

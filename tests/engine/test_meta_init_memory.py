@@ -99,3 +99,13 @@ def test_a_model_whose_parameters_exceed_a_ranks_budget_trains_at_world_4_under_
     assert all(SGD_MODEL_BYTES // 2 < peak < budget for peak in peaks), (
         f"peak per rank {[p >> 20 for p in peaks]} MiB, budget {budget >> 20} MiB"
     )
+
+
+def test_the_plan_predicts_each_ranks_peak_within_10_percent_under_sgd(
+    runs: list[tuple[tuple[int, int], tuple[int, int]]],
+) -> None:
+    """SGD (not in place) peaks at its update: the new parameter shards beside the old ones and every
+    gradient shard (measured 36.3-37.7 MiB per rank; the Plan said 31.6 MiB, the backward's peak,
+    before it counted what the update allocates: 0.84-0.86 of the measured)."""
+    for _, (peak, predicted) in runs:
+        assert abs(peak - predicted) < 0.1 * peak, f"measured {peak >> 20} MiB, the Plan says {predicted >> 20} MiB"

@@ -98,10 +98,12 @@ def test_a_wrong_step_is_caught() -> None:
 # -- accounting ----------------------------------------------------------------------------
 
 
-def _uneven_mlp() -> tuple[sw.Step, dict]:
+def _uneven_mlp(inplace: bool = False) -> tuple[sw.Step, dict]:
+    """Float64 layers of 42, 24 and 24 elements; ``inplace``: an update that allocates no new parameters
+    or moments (the Plan's peak is then the backward's, not the update's)."""
     torch.manual_seed(0)
     chain, params = sw.functionalize(mlp([5, 7, 3, 6]).double())
-    return sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.adamw(1e-2)), params
+    return sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.adamw(1e-2, inplace=inplace)), params
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
@@ -234,7 +236,7 @@ def test_plan_shows_overlap() -> None:
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_no_reduction_in_flight_waits_before_the_next_compute(stage: int) -> None:
-    base, params = _uneven_mlp()
+    base, params = _uneven_mlp(inplace=True)
     alone = {"bucket_mb": 1e-6} if stage == 2 else {}  # every unit its own bucket
     plans = {
         k: sw.shard_params(base, "dp", stage, reduce_in_flight=k, **alone).plan(sw.Mesh(dp=2), params) for k in (0, 1)
@@ -267,7 +269,7 @@ def test_the_plans_peak_follows_the_backwards_last_gather(monkeypatch: pytest.Mo
     the actions hold together at one point, so it moves with the gather. Float64 units of 42, 24 and
     24 elements (layers 0, 2, 4; shards of 21, 12, 12 at dp 2), none reduced in flight, gloo's own
     copy in each collective (a reduce-scatter's input, an all-gather's receive buffer)."""
-    base, params = _uneven_mlp()
+    base, params = _uneven_mlp(inplace=True)
     step = sw.shard_params(base, "dp", 3, reduce_in_flight=0)
 
     def held_in_step() -> tuple[str, int]:
@@ -372,3 +374,20 @@ def test_an_opaque_model_is_sharded_per_named_block() -> None:
     gen = torch.Generator().manual_seed(2)
     batches = [(torch.randint(40, (4, 8), generator=gen), torch.randint(40, (4, 8), generator=gen)) for _ in range(2)]
     sw.testing.assert_equivalent(sharded, step, sw.Mesh(dp=2), batches, params, rtol=F64_RTOL)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_the_plan_counts_what_the_update_allocates(stage: int) -> None:
+    """An out-of-place SGD update makes new parameter shards beside the old ones and every gradient
+    shard (float64 shards of 21, 12 and 12 elements at dp 2); an in-place one makes nothing."""
+    torch.manual_seed(0)
+    chain, params = sw.functionalize(mlp([5, 7, 3, 6]).double())
+    memory = {
+        inplace: sw.shard_params(sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1, inplace=inplace)),
+                                 "dp", stage).plan(sw.Mesh(dp=2), params).memory
+        for inplace in (False, True)
+    }
+    assert memory[False]["update_buffers"][0] == 45 * 8  # the shard of the 90 elements
+    assert memory[True]["update_buffers"][0] == 0
+    # At the update: every gradient shard and the new parameters.
+    assert memory[False]["held_in_step"][0] >= memory[False]["grads"][0] + memory[False]["update_buffers"][0]

@@ -27,6 +27,7 @@ from ..plan.actions import (
     GRAD_COMPUTES,
     REDUCE_REPLICAS,
     REDUCE_SCATTER,
+    UPDATE,
     WAIT_GATHER,
     WAIT_REDUCE,
     WAIT_REPLICAS,
@@ -45,6 +46,7 @@ from ..plan.lower import (
     reduce_sizes,
     wire_of,
 )
+from ..plan.update_memory import predict_update_bytes
 from ..stack.compose import SPLIT, rewrites_in_order
 from .batch_cut import batch_multiple, rank_share
 
@@ -201,7 +203,8 @@ def _memory(
 ) -> tuple[dict[str, tuple[int, ...]], tuple[str, ...]]:
     """Each figure per rank, counted once per rank class (see :func:`rank_class`); and the layers whose
     kept_for_backward ran on stand-ins."""
-    by_class = {c: _class_memory(step, layouts[c], masters[c], actions[c]) for c in masters}
+    device = planned_device(params, batch)
+    by_class = {c: _class_memory(step, layouts[c], masters[c], actions[c], device) for c in masters}
     memory = {k: tuple(by_class[c][k] for c in class_of) for k in by_class[class_of[0]]}
     stand_ins: tuple[str, ...] = ()
     if batch is not None:
@@ -221,10 +224,12 @@ def _memory(
 
 # The figures that come and go as the actions run, each its own peak: the Plan's peak counts instead
 # the most they hold together at one action (``held_in_step``).
-_COME_AND_GO = ("gathered_peak", "reduce_buffers", "comm_buffers", "replica_buffers")
+_COME_AND_GO = ("gathered_peak", "reduce_buffers", "comm_buffers", "replica_buffers", "update_buffers")
 
 
-def _class_memory(step: Step, layout: StateLayout, master: Params, actions: tuple[Action, ...]) -> dict[str, int]:
+def _class_memory(
+    step: Step, layout: StateLayout, master: Params, actions: tuple[Action, ...], device: torch.device
+) -> dict[str, int]:
     figures: dict[str, int] = {}
     sharding = layout.sharding
     shards = None if sharding is None else meta_shards(sharding)
@@ -244,9 +249,13 @@ def _class_memory(step: Step, layout: StateLayout, master: Params, actions: tupl
     }
     if sharding.replicate is not None:
         levels["replica_buffers"] = _replica_levels(step, sharding, actions)
+    # The update's own allocations (an out-of-place update's new parameters and state beside the
+    # old ones, its temporaries), at the update, beside every gradient shard.
+    assert shards is not None
+    update_bytes = predict_update_bytes(step.optimizer.update, shards, shards, step.optimizer.init(shards), device)
+    levels["update_buffers"] = [update_bytes if a.kind == UPDATE else 0 for a in actions]
     for key, per_action in levels.items():
         figures[key] = max(per_action, default=0)
-    assert shards is not None
     made = _shards_made_levels(actions, {u: tree_nbytes(t) for u, t in shards.items()})
     figures["held_in_step"] = max((sum(at) for at in zip(made, *levels.values(), strict=True)), default=0)
     return figures
