@@ -214,3 +214,17 @@ def _takes(parameters: Mapping[str, inspect.Parameter], x: Mapping[str, Any]) ->
     # Named parameters only: a forward(x, **kwargs) given a dict means the dict itself.
     keywords = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     return all(k in parameters and parameters[k].kind in keywords for k in x)
+
+
+def module_fn(fn: Any) -> Any:
+    """The module fn (the one holding ``replicas``: the module it calls) inside a layer's ``fn``,
+    following the ``fn`` attribute of the split wrappers around it (a split rewritten before another
+    wraps the module fn the later one looks for); None when there is none."""
+    for _ in range(8):
+        if hasattr(fn, "replicas"):
+            return fn
+        fn = getattr(fn, "fn", None)
+        if fn is None:
+            return None
+    return None
+

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from ...engine.model.chain import Layer
+from ...engine.model.module_call import module_fn
 from ...engine.stack import in_layer
 from .comm import attend
 from .layout import shard_order
@@ -87,19 +88,6 @@ def _refuse_length_dependent_rope(module: nn.Module, where: str) -> None:
             "depend on the longest position each call sees; a rank sees only its part of the sequence. Use a "
             "rope type of fixed frequencies (default, linear, yarn, llama3), or leave context_parallel out"
         )
-
-
-def module_fn(fn: Any) -> Any:
-    """The module fn (the one holding ``replicas``: the module it calls) inside ``fn``, following the
-    ``fn`` attribute of another split's wrapper (tensor_parallel's, rewritten before this one); None
-    when there is none."""
-    for _ in range(8):
-        if hasattr(fn, "replicas"):
-            return fn
-        fn = getattr(fn, "fn", None)
-        if fn is None:
-            return None
-    return None
 
 
 # Names models give a learned position table (GPT-2's wpe, BERT's position_embeddings, OPT's

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from ...collectives.mesh import Mesh
 from ...engine.layout.state_layout import TensorSplit
 from ...engine.model.chain import Chain, Layer
-from ...engine.model.module_call import ThreadReplicas
+from ...engine.model.module_call import ThreadReplicas, module_fn
 from ...engine.stack.compose import SPLIT
 from ...engine.stack.in_layer import grad_summed
 from ...engine.stack.roles import BatchCut
@@ -205,18 +205,6 @@ class SummedFn:
     def __call__(self, tensors: dict[str, Tensor], x: Any) -> Any:
         summed = {k: grad_summed(t, self.axis, k, self.reduce) if k in self.names else t for k, t in tensors.items()}
         return self.fn(summed, x)
-
-
-def module_fn(fn: Any) -> Any:
-    """The module fn (the one holding ``replicas``: the module it calls) inside ``fn``, following the
-    ``fn`` attribute of another split's wrapper; None when there is none."""
-    for _ in range(8):
-        if hasattr(fn, "replicas"):
-            return fn
-        fn = getattr(fn, "fn", None)
-        if fn is None:
-            return None
-    return None
 
 
 def _mesh(mesh: Mesh | None, axis: str) -> Mesh:
