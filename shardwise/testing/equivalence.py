@@ -71,18 +71,23 @@ class EquivalenceReport:
 
 
 def _abs_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """``max|a - b|``; infinite for a shape or NaN / inf pattern that differs (NaN = NaN)."""
+    """``max|a - b|``; infinite for a shape or NaN / inf pattern that differs.
+
+    NaN equals NaN and an infinity equals the same infinity (``inf - inf`` is NaN, which would
+    otherwise make the error NaN: no tolerance rejects a NaN error, none accepts it either).
+    """
     a = actual.detach().to(torch.float64)
     b = expected.detach().to(torch.float64)
     if a.shape != b.shape:
         return float("inf")
-    diff = (a - b).abs()
-    if diff.numel() == 0:
+    if a.numel() == 0:
         return 0.0
-    nonfinite_mismatch = (a.isnan() != b.isnan()) | (a.isinf() != b.isinf())
+    both_nan = a.isnan() & b.isnan()
+    same_inf = a.isinf() & (a == b)
+    nonfinite_mismatch = (a.isnan() != b.isnan()) | ((a.isinf() | b.isinf()) & ~same_inf)
     if bool(nonfinite_mismatch.any()):
         return float("inf")
-    diff = torch.where(a.isnan() & b.isnan(), torch.zeros_like(diff), diff)
+    diff = torch.where(both_nan | same_inf, torch.zeros_like(a), (a - b).abs())
     return float(diff.max())
 
 

@@ -173,3 +173,38 @@ def test_a_lambda_loss_is_named_with_the_fix() -> None:
     with pytest.raises(TypeError, match=fix):
         sw.testing.assert_equivalent(lam, lam, sw.Mesh(dp=2), batches[:1], params,
                                      backend="processes")
+
+
+# --- non-finite values ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("actual", "expected", "error"),
+    [
+        ([1.0, float("inf")], [1.0, float("inf")], 0.0),  # the same infinity: inf - inf is NaN, not a mismatch
+        ([-float("inf"), 2.0], [-float("inf"), 2.5], 0.5),  # the finite entries still count
+        ([float("inf")], [-float("inf")], float("inf")),  # opposite infinities
+        ([float("inf")], [1e308], float("inf")),  # an infinity against a finite value
+        ([float("nan"), 1.0], [float("nan"), 1.0], 0.0),
+        ([float("nan")], [float("inf")], float("inf")),
+    ],
+)
+def test_nonfinite_entries_compare_by_value_and_sign(actual: list[float], expected: list[float], error: float) -> None:
+    from shardwise.testing.equivalence import _abs_error
+
+    got = _abs_error(torch.tensor(actual), torch.tensor(expected, dtype=torch.float64))
+    assert got == error
+
+
+def test_both_losses_infinite_is_not_a_divergence() -> None:
+    step, params, batches = _problem()
+    report = sw.testing.assert_equivalent(_Overflow(step), _Overflow(step), sw.Mesh(dp=2), batches[:2], params)
+    assert report.steps == 2
+
+
+class _Overflow(_Poison):
+    """A step whose reported loss overflowed to inf, the same in both runs."""
+
+    def __call__(self, state, batch):  # type: ignore[no-untyped-def]
+        state, metrics = self.step(state, batch)
+        return state, {**metrics, "loss": metrics["loss"] * float("inf")}
