@@ -249,14 +249,18 @@ def test_a_signal_to_the_launcher_ends_every_rank_cleanly(backend: str, sig: int
 # -- teardown ---------------------------------------------------------------------------------
 @pytest.mark.gloo
 def test_teardown_launches_exit_cleanly() -> None:
-    """The shortened benchmarks/teardown.py (100 launches per backend there): 0 crashes."""
-    command = [sys.executable, str(REPO / "benchmarks" / "teardown.py"), "--launches", "4", "--backends", "threads"]
-    rows = [subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO)]
-    command[command.index("4")], command[-1] = "2", "processes"
-    rows.append(subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO))
-    command[-1] = "torchrun"  # the guide's recipe under torchrun
-    rows.append(subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO))
-    for proc in rows:
-        assert proc.returncode == 0, proc.stderr
-        row = json.loads(proc.stdout)
-        assert row["crashes"] == 0 and row["launches"] > 0, row
+    """The shortened benchmarks/teardown.py (100 launches per backend there): 0 crashes.
+
+    One launch per backend: each is a fresh interpreter (and, for processes and torchrun, two more),
+    seconds apiece; a rare abort at exit is what the benchmark's 100 launches look for, and every
+    other process test here also fails on a rank that does not exit cleanly.
+    """
+    # torchrun: the guide's recipe under torchrun
+    command = [sys.executable, str(REPO / "benchmarks" / "teardown.py"), "--launches", "1",
+               "--backends", "threads,processes,torchrun"]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    rows = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [row["backend"] for row in rows] == ["threads", "processes", "torchrun"], rows
+    for row in rows:
+        assert row["crashes"] == 0 and row["launches"] == 1, row
