@@ -28,6 +28,7 @@ from ..engine.plan.actions import (
 )
 from ..engine.simulate.costs import CommModel, PlanCosts
 from ..engine.simulate.simulation import simulate
+from ..engine.simulate.timeline import ISSUE, SENDS, roles
 from ..engine.step.step import Step
 from .candidate import Candidate
 from .compute import LayerCosts
@@ -126,7 +127,8 @@ def plan_costs(
     the batch (``1 / (dp x replicas x ep x cp x micro-batches)``) times its layers' share of the parameters, the
     loss at its share of the batch, the update and the other bookkeeping at the rank's share
     of the optimizer state, each action also the executor's time per action; collectives and
-    transfers by ``comm``. ``plan`` may be :func:`~shardwise.plan_search.replicas.one_replica`'s
+    transfers by ``comm``, whose :meth:`~CommModel.issue_time` each send and async collective
+    also costs its rank's CPU when issued. ``plan`` may be :func:`~shardwise.plan_search.replicas.one_replica`'s
     (its ranks are the first of the candidate's mesh)."""
     names = list(step.chain.names)
     per_stage = _stage_layers(plan, names) if candidate.pp > 1 else {}
@@ -147,6 +149,7 @@ def plan_costs(
             state_share = 1.0 if state_bytes is None else state_bytes[r] / max(1, sum(
                 t.numel() * t.element_size() for tensors in params.values() for t in tensors.values()))
         parts = _update_parts(actions, params)
+        issuing = roles(actions)
         for pos, a in enumerate(actions):
             if a.kind in COMPUTES and a.layer is not None:
                 layers = per_stage.get(a.stage, [a.layer]) if a.stage is not None and per_stage else [a.layer]
@@ -158,6 +161,8 @@ def plan_costs(
                 slot[(r, pos)] += costs.at(LOSS, None, batch_share)
             elif a.kind in by_kind:
                 slot[(r, pos)] += by_kind[a.kind] * min(1.0, state_share) * parts.get(pos, 1.0)
+            if issuing[pos] == ISSUE and a.op is not None:  # the call's own CPU: its copy, the hand-off
+                slot[(r, pos)] += comm.issue_time("send" if a.kind in SENDS else a.op, a.nbytes)
     return PlanCosts(slot=slot, comm=comm.covering(plan)[0], cores=cores, unit_us=1e6)
 
 

@@ -87,6 +87,8 @@ def _frozen(mapping: Mapping[Any, float], what: str) -> Mapping[Any, float]:
 @dataclass(frozen=True)
 class CommModel:
     """Time of a collective or transfer: per op, ``alpha`` per latency step and ``beta`` per byte on a link.
+    ``issue`` and ``issue_per_byte``: what issuing one call costs the issuing rank's CPU
+    (:meth:`issue_time`; the search charges it to the send or async collective's issue).
 
     Two levels (:meth:`two_level`): ``alpha`` and ``beta`` price a group whose ranks all sit on one
     node, ``inter``'s figures a group that spans nodes (a ring runs at its slowest link); global
@@ -103,9 +105,13 @@ class CommModel:
     beta: Mapping[str, float] = field(default_factory=dict)
     inter: CommModel | None = None  # two levels: the figures of a group that spans nodes
     ranks_per_node: int | None = None  # two levels: rank r sits on node r // ranks_per_node
+    # What issuing one call costs the issuing rank's CPU (seconds per call, and per byte of its
+    # input), apart from the transfer: on gloo the call's copy and its hand-off to gloo's threads.
+    issue: Mapping[str, float] = field(default_factory=dict)
+    issue_per_byte: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for name in ("alpha", "beta"):
+        for name in ("alpha", "beta", "issue", "issue_per_byte"):
             table = getattr(self, name)
             if unknown := sorted(set(table) - set(COMM_OPS)):
                 raise ValueError(f"CommModel.{name} has ops {unknown}; use {COMM_OPS}")
@@ -137,7 +143,7 @@ class CommModel:
         for name, model in (("intra", intra), ("inter", inter)):
             if not isinstance(model, CommModel) or model.inter is not None:
                 raise TypeError(f"CommModel.two_level({name}=...): a one-level CommModel, got {model!r}")
-        return cls(intra.alpha, intra.beta, inter=inter, ranks_per_node=ranks_per_node)
+        return replace(intra, inter=inter, ranks_per_node=ranks_per_node)
 
     @classmethod
     def link(cls, bandwidth: float, latency: float = 0.0) -> CommModel:
@@ -168,6 +174,16 @@ class CommModel:
     @functools.cached_property
     def _intra(self) -> CommModel:
         return replace(self, inter=None, ranks_per_node=None)
+
+    def issue_time(self, op: str, nbytes: int) -> float:
+        """What issuing one ``op`` of ``nbytes`` (the rank's input) costs the issuing rank's CPU,
+        before the transfer runs on its own (0 where the model has no figure for ``op``).
+
+        >>> CommModel(issue={"send": 1e-4}, issue_per_byte={"send": 1e-9}).issue_time("send", 1000)
+        0.000101
+        """
+        ring_shape(op, 2)  # an unknown op is refused, as in time()
+        return self.issue.get(op, 0.0) + self.issue_per_byte.get(op, 0.0) * nbytes
 
     def time(self, op: str, nbytes: int, n: int, ranks: Iterable[int] | None = None) -> float:
         """One tensor of ``nbytes`` (one rank's input) through ``op`` over ``n`` ranks (the global
@@ -230,9 +246,17 @@ class CommModel:
     @classmethod
     def from_benchmark(cls, rows: Iterable[Mapping[str, Any]], backend: str = "gloo") -> CommModel:
         """Fit from ``benchmarks/collectives.py``'s JSON lines of ``backend`` (psum, all_gather,
-        psum_scatter, and send_recv: a round trip, so two messages)."""
+        psum_scatter, and send_recv: a round trip, so two messages). Rows of ``bench:
+        "collectives_issue"`` (``op``, ``bytes``, ``issue_s``: the mean time one call took to
+        return, measured while the ranks compute between calls, as a step's ranks do) set
+        :attr:`issue` and :attr:`issue_per_byte`, fitted per op as alpha and beta are."""
         samples = []
+        issued: dict[str, list[tuple[float, float, float, int]]] = defaultdict(list)
         for row in rows:
+            if row.get("bench") == "collectives_issue" and row.get("backend") == backend and row["op"] in COMM_OPS:
+                if float(row["issue_s"]) > 0:
+                    issued[row["op"]].append((1.0, float(row["bytes"]), float(row["issue_s"]), 1))
+                continue
             if row.get("bench") != "collectives" or row.get("backend") != backend:
                 continue
             op, seconds = row["op"], float(row["median_s"])
@@ -243,7 +267,9 @@ class CommModel:
         if not samples:
             raise ValueError(f"no collectives benchmark rows of backend {backend!r} with ops psum, all_gather, "
                              "psum_scatter or send_recv: run python benchmarks/collectives.py --out FILE")
-        return cls.fit(samples)
+        fitted = {op: _fit_two(points) for op, points in issued.items()}
+        return replace(cls.fit(samples), issue={op: a for op, (a, _) in fitted.items()},
+                       issue_per_byte={op: b for op, (_, b) in fitted.items()})
 
 
 def _fit_two(rows: Sequence[tuple[float, float, float, int]]) -> tuple[float, float]:
