@@ -286,8 +286,8 @@ def main_parser() -> argparse.ArgumentParser:
                              "issue@CORES (issue costs charged) or plain@CORES (not), CORES: measured (the probe's "
                              "count of the cores the ranks get), machine (os.cpu_count()) or a number")
     parser.add_argument("--world", type=int, default=WORLD, help=f"ranks (default {WORLD})")
-    parser.add_argument("--tiny", action="store_true", help="a smoke run: 2 layers of width 32, micro-batches 1-2, "
-                        "short probes")
+    parser.add_argument("--tiny", action="store_true", help="a smoke run: 2 layers of width 32, ZeRO-1 and 1F1B "
+                        "with 1-2 micro-batches only, short probes")
     parser.add_argument("--limit", type=int, default=None, help="measure only the first N layouts the first "
                         "pricing ranks (default all)")
     parser.add_argument("--out", help="also write the JSON lines to this file")
@@ -305,8 +305,9 @@ def run(args: argparse.Namespace, pool: ProcessPool, write: Any) -> None:
     world = pool.world
     pricings = [Pricing.parse(p) for p in args.pricing.split(",")]
     remat = tuple(None if r == "none" else r for r in args.remat.split(","))
-    space = Space(remat=remat, microbatches=(1, 2) if args.tiny else (1, 2, 4))
-    reps = 3 if args.tiny else 10
+    space = (Space(zero_stages=(1,), schedules=("1f1b",), microbatches=(1, 2), remat=remat) if args.tiny
+             else Space(remat=remat, microbatches=(1, 2, 4)))
+    reps = 2 if args.tiny else 10
     note(f"# probing the collectives on {world} gloo ranks")
     comm = probe_comm(pool, reps)
     cores_measured = probe_cores(pool, reps)
@@ -319,7 +320,7 @@ def run(args: argparse.Namespace, pool: ProcessPool, write: Any) -> None:
         step, params, batches, tp_plan = build(cfg)
         # One single-device measurement serves every pricing below.
         compute = MeasuredCompute(step, params, batches[0], smallest=1.0 / (world * max(space.microbatches)),
-                                  steps=3 if args.tiny else 10)
+                                  steps=2 if args.tiny else 10)
         found: dict[Pricing, SearchResult] = {}
         for pricing in pricings:
             cores = pricing.core_count(cores_measured, world)
