@@ -161,8 +161,10 @@ def plan_costs(
                 slot[(r, pos)] += costs.at(LOSS, None, batch_share)
             elif a.kind in by_kind:
                 slot[(r, pos)] += by_kind[a.kind] * min(1.0, state_share) * parts.get(pos, 1.0)
-            if issuing[pos] == ISSUE and a.op is not None:  # the call's own CPU: its copy, the hand-off
-                slot[(r, pos)] += comm.issue_time("send" if a.kind in SENDS else a.op, a.nbytes)
+            if issuing[pos] == ISSUE and a.op is not None:  # each call's own: its copy, the hand-off
+                op = "send" if a.kind in SENDS else a.op
+                slot[(r, pos)] += sum(comm.issue_time(op, w.nbytes) for w in a.wire) if a.wire \
+                    else comm.issue_time(op, 0)
     return PlanCosts(slot=slot, comm=comm.covering(plan)[0], cores=cores, unit_us=1e6)
 
 

@@ -16,7 +16,10 @@ The model, and what it assumes:
   nodes by its ``inter`` figures.
 * A send is delivered its transfer time after it is issued (the executor posts
   every receive of the step at the first one, so no message waits for its
-  receive); a receive ends no earlier than that, plus its own cost. Sends and
+  receive); a receive ends no earlier than that, plus its own cost. A send of
+  several tensors (a Hugging Face layer's output and its position embeddings)
+  puts them on the wire to its one peer back to back: one latency, all their
+  bytes. A collective of several tensors runs one collective per tensor. Sends and
   receives pair in order per (sender, receiver, axis, what travels: the
   activation or gradient of a stage and micro-batch, or a tied weight).
   ``wait_sends`` and ``sum_tied`` wait until every send so far is delivered.
@@ -193,6 +196,8 @@ class _Simulation:
                 "communication throughout"
             )
         sizes = [w.nbytes for w in a.wire] or [0]  # an unknown payload still costs its latency
+        if op == "send":  # its tensors go to one peer back to back, one stream: the latency once
+            return comm.time(op, sum(sizes), len(group))
         return sum(comm.time(op, nbytes, len(group)) for nbytes in sizes)
 
     def _ready_time(self, r: int) -> float | None:
