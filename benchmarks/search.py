@@ -7,19 +7,27 @@ units, the vocabulary-parallel loss, ``sw.tp.tiny_gpt_plan()``) and a tiny Huggi
 
 1. ``sw.search`` prices every candidate: compute from single-device steps measured in this
    process (``MeasuredCompute``, one torch thread, as a rank has), communication from a short
-   probe of the collectives on the same 4 gloo ranks (``CommModel.from_benchmark``), the ranks
-   sharing ``--cores`` cores (``PlanCosts.cores``; several values: each priced and compared
-   against the one measurement, since what the ranks get of a loaded machine is not known).
+   probe of the collectives on the same 4 gloo ranks (``CommModel.from_benchmark``). Two more
+   probes say what a single-device measurement cannot see: what issuing a send or an async
+   collective costs a rank while every rank computes (``issue_rank_main``: gloo's copy, the
+   hand-off to its threads, the peer it wakes; ``CommModel.issue``, charged per call), and how
+   many cores the ranks get together now (``probe_cores``: one rank's work alone against all
+   of them at once; on a loaded machine fewer than it has). Each ``--pricing`` is priced and
+   compared against the one measurement: ``issue@measured`` (issue costs, the probed cores,
+   rounded) and, beside it, without the issue costs (``plain``) or on the machine's count
+   (``machine``: ``os.cpu_count()``) or a given one.
 2. Every layout that fits is run on the 4 ranks, all of them interleaved (step ``i`` of every
    layout before step ``i + 1`` of any): ``--warmup`` steps, then ``--steps`` timed ones (a
    barrier before each; a step's time is its slowest rank's); measured = the median (and,
    compared separately, the fastest step: on a shared machine the least disturbed one).
-3. One JSON line per layout (predicted and measured seconds, predicted peak), then a summary
-   line per model: Spearman's rank correlation of predicted against measured (ties get their
-   average rank), and how far the search's first choice is from the measured best
-   (``top_choice_vs_best``: its measured time over the best measured time; 1.0 is the best).
+3. A line with the probes' figures; per pricing and model, one JSON line per layout
+   (predicted and measured seconds, predicted peak), then a summary line: Spearman's rank
+   correlation of predicted against measured (ties get their average rank), and how far the
+   search's first choice is from the measured best (``top_choice_vs_best``: its measured time
+   over the best measured time; 1.0 is the best).
 
-    python benchmarks/search.py [--models gpt,llama] [--steps 5] [--warmup 2] [--out FILE]
+    python benchmarks/search.py [--models gpt,llama] [--steps 5] [--warmup 2] [--pricing ...] [--out FILE]
+    python benchmarks/search.py --tiny --world 2 --models gpt --limit 2 --steps 1 --warmup 0   # a smoke run
 """
 
 from __future__ import annotations
