@@ -56,6 +56,23 @@ def test_a_send_delivers_after_alpha_plus_bytes_times_beta() -> None:
     assert (transfer.start, transfer.end, transfer.kind) == (1.0, 2.5, SEND_ACTIVATION)
 
 
+def test_a_send_of_several_tensors_is_one_stream_to_its_peer() -> None:
+    """The executor sends a transfer's tensors back to back to one peer: one latency, all the bytes
+    (a Hugging Face layer's output travels with its position embeddings). A collective of several
+    tensors is still one collective each."""
+    two = (Wire("float32", 600), Wire("float32", 400))
+    send = Action(SEND_ACTIVATION, "x", 0, 0, axis="pp", peer=1, wire=two)
+    recv = Action(RECV_ACTIVATION, "y", 0, 1, axis="pp", peer=0, wire=two)
+    plan = Plan(sw.Mesh(pp=2), ((fwd(0), send), (recv, fwd(1))))
+    costs = PlanCosts(comm=CommModel(alpha={"send": 0.5}, beta={"send": 0.001}))
+    # sent at 1; 0.5 + (600 + 400) x 0.001 later rank 1 has both (two latencies would be 3.0).
+    assert [(s.start, s.end) for s in simulate(plan, costs).ranks[1]] == [(0.0, 2.5), (2.5, 3.5)]
+    gather, wait = Action(GATHER, "u", axis="dp", wire=two), Action(WAIT_GATHER, "u", axis="dp")
+    plan = Plan(sw.Mesh(dp=2), ((gather, wait), (gather, wait)))
+    costs = PlanCosts(comm=CommModel(alpha={"all_gather": 0.25}, beta={"all_gather": 0.01}))
+    assert simulate(plan, costs).makespan == pytest.approx(2 * 0.25 + 1000 * 0.01)
+
+
 def test_a_gather_starts_when_the_last_rank_issues_it() -> None:
     unit = "u"
     gather, wait = Action(GATHER, unit, axis="dp", wire=wire(100)), Action(WAIT_GATHER, unit, axis="dp")

@@ -212,3 +212,33 @@ def test_every_action_pays_the_executors_time_per_action() -> None:
                       space=SMALL_SPACE)
     (single,) = found.ranked
     assert single.time == pytest.approx(1e-3 * len(single.plan.actions[0]))
+
+
+def test_each_send_and_async_collective_pays_its_issue_cost() -> None:
+    """With nothing but issue costs (1 s a tensor sent, 10 s an all-gather issued, 100 s a
+    reduce-scatter), each rank's slots add up to its calls of each: dp 2 x pp 2 under ZeRO-3."""
+    step, params, batches = mlp_problem([8, 16, 16, 8], batch=8)
+    candidate = Candidate(dp=2, pp=2, zero_stage=3, schedule="1f1b", microbatches=2)
+    applied = candidate.apply(step)
+    plan = applied.plan(candidate.mesh, meta(params), batches[0])
+    comm = sw.plan.CommModel(issue={"send": 1.0, "all_gather": 10.0, "psum_scatter": 100.0})
+    priced = plan_costs(plan, applied, candidate, LayerCosts({}, {}, 0.0), meta(params), comm=comm, cores=None,
+                        base_opt_bytes=1)
+    for r, actions in enumerate(plan.actions):
+        sends = sum(len(a.wire) for a in actions if a.kind.startswith("send_"))
+        gathers = sum(1 for a in actions if a.kind in ("gather", "gather_params"))
+        scatters = sum(1 for a in actions if a.kind == "reduce_scatter")
+        assert sends and gathers and scatters
+        own = sum(priced.of(a, r, pos) for pos, a in enumerate(actions))
+        assert own == pytest.approx(sends + 10 * gathers + 100 * scatters)
+
+
+def test_issue_costs_are_fitted_from_benchmark_rows() -> None:
+    rows = [{"bench": "collectives", "backend": "gloo", "op": "psum", "bytes": 1024, "world": 2, "median_s": 1e-4},
+            *({"bench": "collectives_issue", "backend": "gloo", "op": "send", "bytes": n, "issue_s": 1e-4 + 1e-7 * n}
+              for n in (1000, 3000))]
+    model = sw.plan.CommModel.from_benchmark(rows)
+    assert model.issue["send"] == pytest.approx(1e-4) and model.issue_per_byte["send"] == pytest.approx(1e-7)
+    assert model.issue_time("send", 2000) == pytest.approx(3e-4) and model.issue_time("psum", 2000) == 0.0
+    with pytest.raises(ValueError, match="issue has ops"):
+        sw.plan.CommModel(issue={"allreduce": 1.0})
