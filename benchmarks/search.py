@@ -279,7 +279,7 @@ class Pricing:
     def core_count(self, measured: float, world: int) -> int:
         if self.cores == "measured":
             return min(world, max(1, round(measured)))
-        return os.cpu_count() or 1 if self.cores == "machine" else int(self.cores)
+        return (os.cpu_count() or 1) if self.cores == "machine" else int(self.cores)
 
 
 def main_parser() -> argparse.ArgumentParser:
