@@ -325,14 +325,18 @@ def all_gather_async(
 
 def psum_scatter_async(
     x: torch.Tensor, axis: str, dim: int = 0, tiled: bool = False, *, mesh: Mesh | None = None,
-    snapshot: bool = True,
+    snapshot: bool = True, donate: bool = False,
 ) -> Handle:
     """Start :func:`psum_scatter`; ``.wait()`` returns its result. ``snapshot=False`` promises
-    that ``x`` is left unchanged until then, so it is not copied first (a whole gradient's bytes)."""
+    that ``x`` is left unchanged until then, so it is not copied first (a whole gradient's bytes).
+    ``donate=True`` (implies ``snapshot=False``) hands ``x`` over: the backend may reduce in it, so
+    its values are undefined afterwards and the caller must not read it again (gloo, which
+    reduce-scatters by an all-reduce, then runs it in ``x`` instead of a copy of it)."""
     x = _async_input("psum_scatter_async", x)
     where = resolve("psum_scatter_async", axis, mesh)
     return start_psum_scatter(
-        x, where, normalize_dim("psum_scatter_async", x, dim, x.ndim), tiled, snapshot=snapshot
+        x, where, normalize_dim("psum_scatter_async", x, dim, x.ndim), tiled,
+        snapshot=snapshot and not donate, donate=donate,
     )
 
 

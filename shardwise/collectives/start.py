@@ -55,14 +55,16 @@ def _chunks_first(x: torch.Tensor, dim: int, n: int, tiled: bool) -> torch.Tenso
     return x.movedim(dim, 0)
 
 
-def start_psum_scatter(x: torch.Tensor, where: Where, dim: int, tiled: bool, snapshot: bool = True) -> Handle:
+def start_psum_scatter(
+    x: torch.Tensor, where: Where, dim: int, tiled: bool, snapshot: bool = True, donate: bool = False
+) -> Handle:
     check_split("psum_scatter", x, dim, where, tiled)
     # Untiled, the reduced chunk has lost `dim`; tiled, its tile sits back at `dim`.
     return issue(
         "psum_scatter",
         where,
         x,
-        lambda b, t, g, s: b.reduce_scatter(t, g, "psum_scatter", snapshot=s),
+        lambda b, t, g, s: b.reduce_scatter(t, g, "psum_scatter", snapshot=s, donate=donate),
         snapshot=snapshot,
         layout=lambda t: _chunks_first(t, dim, where.size, tiled),
     )

@@ -226,8 +226,9 @@ def test_plan_shows_overlap() -> None:
     # The next layer's gather is issued before the current layer computes.
     assert text.startswith("gather(0) gather(2) wait_gather(0) F(0, mb=0)")
     # A layer's gradient reduce-scatter is issued right after its backward and the free of its
-    # gathered parameters; the one before it is waited for just then (one in flight at a time).
-    assert "B(4, mb=0) free(4) reduce_scatter(4) B(3, mb=0)" in text
+    # gathered parameters; the one before it is waited for just then (one in flight at a time). On a
+    # CPU the backward's prefetch (layer 2's gather) comes after it (ShardSpec.prefetches_backward_after).
+    assert "B(4, mb=0) free(4) reduce_scatter(4) gather(2) B(3, mb=0)" in text
     assert "B(2, mb=0) free(2) wait_reduce(4) reduce_scatter(2)" in text
     assert text.count("wait_reduce") == text.count("reduce_scatter") == 3
     no_prefetch = " ".join(map(str, sw.shard_params(base, "dp", 3, prefetch=0).plan(sw.Mesh(dp=2)).for_rank(0)))
@@ -242,33 +243,39 @@ def test_no_reduction_in_flight_waits_before_the_next_compute(stage: int) -> Non
         k: sw.shard_params(base, "dp", stage, reduce_in_flight=k, **alone).plan(sw.Mesh(dp=2), params) for k in (0, 1)
     }
     text = " ".join(map(str, plans[0].for_rank(0)))
-    for unit in ("4", "2", "0"):  # each reduce-scatter is waited for before anything else runs
-        assert f"reduce_scatter({unit}) wait_reduce({unit})" in text
+    # Each reduce-scatter is waited for before anything else runs but, at stage 3 on a CPU, the gather
+    # issued right after it, which travels beside it (ShardSpec.prefetches_backward_after).
+    after = {"4": " gather(2)", "2": " gather(0)", "0": ""} if stage == 3 else {"4": "", "2": "", "0": ""}
+    for unit, gather in after.items():
+        assert f"reduce_scatter({unit}){gather} wait_reduce({unit})" in text
     assert " ".join(map(str, plans[1].for_rank(0))) != text
     # One unit's full gradient less at the peak: the largest unit (layer 0: 5*7+7 = 42 float64)
     # is made while, with one in flight, the next largest (3*6+6 = 7*3+3 = 24) may still travel.
     held = {k: plan.memory["reduce_buffers"][0] for k, plan in plans.items()}
     assert held == {0: 42 * 8, 1: (42 + 24) * 8}
     # The most held together at one action (float64 elements: units of 42, 24 and 24, shards of 21,
-    # 12 and 12; each collective's own copy on gloo). Stage 2: layer 0's reduce-scatter, every shard
-    # made, its flat gradient and the copy (45 + 42 + 42), either way: with one in flight, layer 0's
-    # gradient grows beside layer 2's flat gradient and copy, less (24 + 42 + 24 + 24). Stage 3 with
-    # none in flight: the forward's first two gathers, both units and both receive copies (2 x 66);
-    # with one: layer 0's gather, shards 4 and 2 made, layer 0 and its copy, layer 2's reduce-scatter
-    # still in flight (24 + 2 x 42 + 2 x 24).
+    # 12 and 12; an all-gather's own receive copy on gloo; a reduce-scatter's flat input is donated,
+    # reduced in place). Stage 2: at the update, every shard and the update's own (45 + 45), either
+    # way: layer 0's reduce-scatter holds every shard and its flat gradient (45 + 42); with one in
+    # flight, layer 0's gradient grows beside layer 2's flat gradient (24 + 42 + 24). Stage 3, either
+    # way: the forward's first two gathers, both units and both receive copies (2 x 66), and, as
+    # much, layer 2's reduce-scatter with layer 0's gather beside it (shards 4 and 2, layer 2's flat
+    # gradient, layer 0 and its copy: 24 + 24 + 2 x 42); with one in flight, layer 0's gather is issued
+    # after the reduce-scatter of layer 2 is, when layer 4's is waited for.
     held_in_step = {k: plan.memory["held_in_step"][0] for k, plan in plans.items()}
-    assert held_in_step == ({0: 129 * 8, 1: 129 * 8} if stage == 2 else {0: 132 * 8, 1: 156 * 8})
+    assert held_in_step == ({0: 90 * 8, 1: 90 * 8} if stage == 2 else {0: 132 * 8, 1: 132 * 8})
     for plan in plans.values():
         at_rest = plan.memory["params"][0] + plan.memory["opt_state"][0]
         assert plan.memory["peak"][0] == at_rest + plan.memory["held_in_step"][0]
 
 
-def test_the_plans_peak_follows_the_backwards_last_gather(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On a CPU the backward's last unit (layer 0's) is gathered when its compute comes, not prefetched
-    during layer 2's backward (``ShardSpec.prefetches_backward_last``): the Plan's peak counts what
-    the actions hold together at one point, so it moves with the gather. Float64 units of 42, 24 and
-    24 elements (layers 0, 2, 4; shards of 21, 12, 12 at dp 2), none reduced in flight, gloo's own
-    copy in each collective (a reduce-scatter's input, an all-gather's receive buffer)."""
+def test_the_plans_peak_follows_the_backwards_prefetch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a CPU the backward issues each prefetch after the previous unit's reduce-scatter, beside which
+    it travels, not before that unit's compute (``ShardSpec.prefetches_backward_after``): the Plan's
+    peak counts what the actions hold together at one point, so it moves with the gather. Float64
+    units of 42, 24 and 24 elements (layers 0, 2, 4; shards of 21, 12, 12 at dp 2), none reduced in
+    flight, gloo's own copy in each all-gather (its receive buffer), none in a reduce-scatter (the flat
+    gradient is donated)."""
     base, params = _uneven_mlp(inplace=True)
     step = sw.shard_params(base, "dp", 3, reduce_in_flight=0)
 
@@ -277,17 +284,17 @@ def test_the_plans_peak_follows_the_backwards_last_gather(monkeypatch: pytest.Mo
         return " ".join(map(str, plan.for_rank(0))), plan.memory["held_in_step"][0]
 
     text, on_cpu = held_in_step()
-    assert "wait_reduce(2) B(1, mb=0) gather(0) wait_gather(0) B(0, mb=0)" in text
-    # The backward stays below the forward's first two gathers: units 0 and 2 and gloo's receive
-    # copy of each (2 x (42 + 24)); at layer 0's reduce-scatter, every shard (21 + 12 + 12), its
-    # flat gradient and the copy (42 + 42).
+    assert "B(2, mb=0) free(2) reduce_scatter(2) gather(0) wait_reduce(2) B(1, mb=0) wait_gather(0) B(0, mb=0)" in text
+    # The forward's first two gathers, units 0 and 2 and gloo's receive copy of each (2 x (42 + 24)),
+    # and as much at layer 2's reduce-scatter: shards 4 and 2 (12 + 12), its flat gradient (24),
+    # layer 0 gathered beside it with its copy (2 x 42).
     assert on_cpu == 132 * 8
-    monkeypatch.setattr(ShardSpec, "prefetches_backward_last", lambda self, device: True)  # a GPU's schedule
-    text, prefetched = held_in_step()
-    assert "gather(0) wait_gather(2) B(2, mb=0)" in text
-    # Layer 0 prefetched, with its gather's copy (2 x 42), beside layer 2's reduce-scatter (its flat
-    # gradient and the copy, 2 x 24) and the shards of layers 4 and 2 (12 + 12).
-    assert prefetched == (2 * 42 + 2 * 24 + 24) * 8
+    monkeypatch.setattr(ShardSpec, "prefetches_backward_after", lambda self, device: False)  # a GPU's schedule
+    text, before_compute = held_in_step()
+    assert "reduce_scatter(4) wait_reduce(4) B(3, mb=0) gather(0) wait_gather(2) B(2, mb=0)" in text
+    # Layer 0 prefetched, with its gather's copy (2 x 42), beside layer 2 computing its gradient
+    # (2 x 24) and layer 4's shard (12).
+    assert before_compute == (2 * 42 + 2 * 24 + 12) * 8
 
 
 @pytest.mark.parametrize("stage", [2, 3])

@@ -48,6 +48,10 @@ may then read ``x`` itself while the collective runs instead of copying it
 first, which saves a message-sized allocation and copy. The synchronous
 collectives (which wait at once) pass False; the async ones keep True. Either
 way the result is a new tensor that does not alias ``x``.
+
+``reduce_scatter`` also takes ``donate`` (default False): True hands ``x`` over (with
+``snapshot=False``), so a backend that reduces in place may do it in ``x`` itself instead of a
+copy of it (gloo's, an all-reduce); ``x``'s values are undefined afterwards. The others ignore it.
 """
 
 from __future__ import annotations
@@ -190,7 +194,8 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def reduce_scatter(
-        self, x: torch.Tensor, group: Group, op_name: str = "psum_scatter", *, snapshot: bool = True
+        self, x: torch.Tensor, group: Group, op_name: str = "psum_scatter", *, snapshot: bool = True,
+        donate: bool = False,
     ) -> Work: ...
 
     @abc.abstractmethod

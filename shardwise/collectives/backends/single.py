@@ -34,7 +34,8 @@ class SingleRankBackend(Backend):
         return CompletedWork(x.unsqueeze(0).clone())
 
     def reduce_scatter(
-        self, x: torch.Tensor, group: Group, op_name: str = "psum_scatter", *, snapshot: bool = True
+        self, x: torch.Tensor, group: Group, op_name: str = "psum_scatter", *, snapshot: bool = True,
+        donate: bool = False,
     ) -> Work:
         return CompletedWork(x[0].clone())
 

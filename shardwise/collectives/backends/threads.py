@@ -295,7 +295,8 @@ class ThreadsBackend(Backend):
         return self._run(group, op_name, x, None, compute, snapshot)
 
     def reduce_scatter(
-        self, x: torch.Tensor, group: Group, op_name: str = "psum_scatter", *, snapshot: bool = True
+        self, x: torch.Tensor, group: Group, op_name: str = "psum_scatter", *, snapshot: bool = True,
+        donate: bool = False,
     ) -> Work:
         if x.dim() == 0 or x.shape[0] != group.size:
             raise ValueError(

@@ -281,7 +281,9 @@ def reduce_sizes(step: Step, sharding: FlatSharding | None) -> dict[str, tuple[i
 
 def _waits_for_reductions(actions: list[Action], axis: str, deferred: int, in_flight: int) -> list[Action]:
     """A wait for each reduce-scatter: at most ``in_flight`` of the backward's in flight (0: each
-    waited for right after it is issued, before the next compute; else the oldest waited for just
+    waited for right after it is issued and the gathers issued right after it, which travel beside
+    it (a CPU's backward prefetch: ``ShardSpec.prefetches_backward_after``), before the next
+    compute; else the oldest waited for just
     before another is issued), the last ``deferred`` ones (issued together at the end of the
     step) all at once, then waited for in order.
 
@@ -297,18 +299,24 @@ whose extra buffer is at most a bucket (see ShardSpec.reductions_in_flight). The
     held anyway: all in flight."""
     out: list[Action] = []
     pending: list[tuple[str, ...]] = []
+    unwaited: tuple[str, ...] | None = None  # none in flight: the reduction to wait for before the next action
     reductions = [i for i, a in enumerate(actions) if a.kind == REDUCE_SCATTER]
     bounded = set(reductions[: len(reductions) - deferred])
     for i, action in enumerate(actions):
+        if unwaited is not None and action.kind != GATHER:  # a gather issued right after it overlaps it
+            out.append(_bucket_action(WAIT_REDUCE, unwaited, axis))
+            unwaited = None
         if i in bounded and in_flight > 0 and len(pending) >= in_flight:
             out.append(_bucket_action(WAIT_REDUCE, pending.pop(0), axis))
         out.append(action)
         if action.kind == REDUCE_SCATTER and action.layer is not None:
             units = action.units or (action.layer,)
             if i in bounded and in_flight == 0:
-                out.append(_bucket_action(WAIT_REDUCE, units, axis))
+                unwaited = units
             else:
                 pending.append(units)
+    if unwaited is not None:
+        out.append(_bucket_action(WAIT_REDUCE, unwaited, axis))
     out += [_bucket_action(WAIT_REDUCE, units, axis) for units in pending]
     return out
 

@@ -115,10 +115,9 @@ class ZeroActions:
             flat = sharding.units[unit].flatten_grads(self._unit_grads(unit), self.device)
         if self.reduce_dtypes is not None:
             flat = flat.to(self.reduce_dtypes[unit])
-        # The flat buffer is this action's own and nothing writes to it: no snapshot copy.
-        self._pending[("reduce", unit)] = psum_scatter_async(
-            flat, action.axis, tiled=True, mesh=self.mesh, snapshot=False
-        )
+        # The flat buffer is this action's own (a new tensor, the gradients copied in) and nothing
+        # reads it after: donated, so gloo's all-reduce runs in it instead of a copy of it.
+        self._pending[("reduce", unit)] = psum_scatter_async(flat, action.axis, tiled=True, mesh=self.mesh, donate=True)
 
     def wait_reduce(self, action: Action) -> None:
         unit = action.require("layer")

@@ -44,6 +44,7 @@ from ..plan.lower import (
     placement_of,
     rank_actions,
     reduce_sizes,
+    stage_needs,
     wire_of,
 )
 from ..plan.update_memory import predict_update_bytes
@@ -204,7 +205,7 @@ def _memory(
     """Each figure per rank, counted once per rank class (see :func:`rank_class`); and the layers whose
     kept_for_backward ran on stand-ins."""
     device = planned_device(params, batch)
-    by_class = {c: _class_memory(step, layouts[c], masters[c], actions[c], device) for c in masters}
+    by_class = {c: _class_memory(step, layouts[c], masters[c], actions[c], device, placement) for c in masters}
     memory = {k: tuple(by_class[c][k] for c in class_of) for k in by_class[class_of[0]]}
     stand_ins: tuple[str, ...] = ()
     if batch is not None:
@@ -228,7 +229,8 @@ _COME_AND_GO = ("gathered_peak", "reduce_buffers", "comm_buffers", "replica_buff
 
 
 def _class_memory(
-    step: Step, layout: StateLayout, master: Params, actions: tuple[Action, ...], device: torch.device
+    step: Step, layout: StateLayout, master: Params, actions: tuple[Action, ...], device: torch.device,
+    placement: Placement,
 ) -> dict[str, int]:
     figures: dict[str, int] = {}
     sharding = layout.sharding
@@ -244,7 +246,8 @@ def _class_memory(
             u: lay.padded_numel * torch.empty((), dtype=compute_dtype(step.precision, u, lay.dtype)).element_size()
             for u, lay in sharding.units.items()
         }),
-        "reduce_buffers": _reduce_levels(step, sharding, actions),
+        "reduce_buffers": _reduce_levels(step, sharding, actions,
+                                         stage_needs(step.chain, placement, tuple(sharding.units))),
         "comm_buffers": _copy_levels(step, sharding, actions),
     }
     if sharding.replicate is not None:
@@ -289,9 +292,12 @@ def _replica_levels(step: Step, sharding: FlatSharding, actions: Sequence[Action
     return levels
 
 
-def _reduce_levels(step: Step, sharding: FlatSharding, actions: Sequence[Action]) -> list[int]:
+def _reduce_levels(
+    step: Step, sharding: FlatSharding, actions: Sequence[Action], needs: Mapping[int, tuple[str, ...]]
+) -> list[int]:
     """At each action, bytes of full gradients on their way to a reduce-scatter: while a backward
-    runs, the next bucket's gradients and the flat inputs of the reduce-scatters in flight; when a
+    that adds to them runs (its stage ``needs`` one of their units: a layer without parameters makes
+    none), the next bucket's gradients, and the flat inputs of the reduce-scatters in flight; when a
     bucket is issued, its gradients (twice when it joins several units: they and the copy that
     concatenates them; one unit's move into its flat buffer one by one), the flat inputs still in flight
     (until their waits end: how many, lower._waits_for_reductions), and after the last compute the
@@ -307,7 +313,9 @@ def _reduce_levels(step: Step, sharding: FlatSharding, actions: Sequence[Action]
     for i, action in enumerate(actions):
         waiting = sum(sum(sizes[u] for u in b) for j, b in issued if j > i) if i > last_compute else 0
         level = sum(pending.values()) + waiting
-        if action.kind in GRAD_COMPUTES and made < len(issued):  # the next bucket's gradients grow
+        if action.kind in GRAD_COMPUTES and made < len(issued) and set(
+            needs.get(action.stage or 0, ())
+        ) & set(issued[made][1]):  # the next bucket's gradients grow
             level = bucket_bytes[made] + sum(pending.values())
         elif action.kind == REDUCE_SCATTER:
             units = action.units or (action.require("layer"),)
@@ -323,28 +331,23 @@ def _reduce_levels(step: Step, sharding: FlatSharding, actions: Sequence[Action]
 
 def _copy_levels(step: Step, sharding: FlatSharding, actions: Sequence[Action]) -> list[int]:
     """At each action, what the collectives in flight hold of their own, from their issue to the end of
-    their wait. On gloo a reduce-scatter runs as an all-reduce of a full copy of its (flat) input, and
-    this rank's row is copied out at the wait (``_reduce_scatter_by_all_reduce`` in
-    collectives/backends/distributed.py; the row is the gradient shard, counted as made); gloo's
-    all-gather receives into a flat buffer of its own, the whole unit, and copies it into ours before
-    the wait returns (a per-action VmHWM trace at world 4: each wait_gather's high-water mark one unit
-    above the RSS after it). Counted on every device: what NCCL holds during them was not measured."""
-    sizes = _reduce_sizes(step, sharding)
+    their wait: gloo's all-gather receives into a flat buffer of its own, the whole unit, and copies it
+    into ours before the wait returns (a per-action VmHWM trace at world 4: each wait_gather's
+    high-water mark one unit above the RSS after it). A reduce-scatter holds nothing of its own: the
+    executor donates its flat input, which gloo all-reduces in place (``_reduce_scatter_by_all_reduce``
+    in collectives/backends/distributed.py; the input is counted in ``reduce_buffers``, and the ring's
+    scratch, under 2 MiB, is not counted). Counted on every device: what NCCL holds during them was not
+    measured."""
     gathered = {u: lay.padded_numel * torch.empty((), dtype=_gather_dtype(step, u, lay.dtype)).element_size()
                 for u, lay in sharding.units.items()}
-    pending: dict[tuple[str, str], int] = {}
+    pending: dict[str, int] = {}
     levels = []
     for action in actions:
-        if action.kind == REDUCE_SCATTER:
-            units = action.units or (action.require("layer"),)
-            pending[REDUCE_SCATTER, units[0]] = sum(sizes[u] for u in units)
-        elif action.kind == GATHER and action.layer is not None:
-            pending[GATHER, action.layer] = gathered[action.layer]
+        if action.kind == GATHER and action.layer is not None:
+            pending[action.layer] = gathered[action.layer]
         levels.append(sum(pending.values()))
-        if action.kind == WAIT_REDUCE:
-            pending.pop((REDUCE_SCATTER, action.require("layer")), None)
-        elif action.kind == WAIT_GATHER:
-            pending.pop((GATHER, action.require("layer")), None)
+        if action.kind == WAIT_GATHER:
+            pending.pop(action.require("layer"), None)
     return levels
 
 

@@ -30,8 +30,9 @@ def shard_params(
     optimizer state; stage 2 also reduce-scatters each layer's gradient as
     soon as its backward is done; stage 3 also keeps parameters sharded at
     rest, all-gathering each layer's parameters just before use (``prefetch``
-    computes ahead, asynchronously; 1 by default; on a CPU the backward's last layer is
-    gathered when its turn comes, which keeps it out of the step's peak) and freeing them after use
+    computes ahead, asynchronously; 1 by default; on a CPU the backward issues each prefetch
+    after the previous layer's reduce-scatter, beside which it travels, not before that layer's
+    compute, which keeps it out of the step's peak) and freeing them after use
     (``reshard_after_forward=True``: gathered again in backward) or keeping
     them until backward (``False``). The default (None) reshards, except under
     a pipeline, where a rank's units stay gathered from their first compute of

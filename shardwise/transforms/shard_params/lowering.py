@@ -55,7 +55,7 @@ def gathered_pass(
     prefetch: int,
     free: str,
     axis: str,
-    prefetch_last: bool = True,
+    prefetch_after: bool = False,
 ) -> list[Action]:
     """``actions`` with the gathers, waits and frees their computes need, updating ``live`` in place.
 
@@ -64,13 +64,12 @@ def gathered_pass(
     prefetches it (it may be gathered again later); "after_forward" as "window", and a
     forward not followed by another forward also frees the units it used (FSDP's reshard
     after forward, per micro-batch: least memory, most traffic); "last_use" after the last compute
-    that needs it. Without ``prefetch_last``, the units of the pass's last compute are gathered
-    just before it, not prefetched during the compute before it (one already gathered stays,
-    as it would have: dropping it would only gather it again).
+    that needs it. With ``prefetch_after`` a compute's
+    prefetches are issued after it and its frees (so after the reduce-scatters that follow it), not
+    before it: they overlap those reductions instead of the compute.
     """
     computes = [i for i, a in enumerate(actions) if a.kind in COMPUTES]
     needs = [stage_needs[actions[i].stage or 0] for i in computes]
-    ahead = needs if prefetch_last else needs[:-1]  # the computes whose units may be prefetched
     out: list[Action] = []
     in_flight: list[str] = []
     position = {at: n for n, at in enumerate(computes)}
@@ -79,7 +78,8 @@ def gathered_pass(
         if i is None:
             out.append(action)
             continue
-        for unit in (*needs[i], *_upcoming(ahead, i, prefetch)):
+        upcoming = _upcoming(needs, i, prefetch)
+        for unit in (*needs[i], *([] if prefetch_after else upcoming)):
             if unit not in live and unit not in in_flight:
                 out.append(Action(GATHER, unit, axis=axis))
                 in_flight.append(unit)
@@ -102,6 +102,11 @@ def gathered_pass(
             for unit in sorted(live - keep - set(in_flight)):
                 out.append(Action(FREE, unit, axis=axis))
                 live.discard(unit)
+        if prefetch_after:
+            for unit in upcoming:
+                if unit not in live and unit not in in_flight:
+                    out.append(Action(GATHER, unit, axis=axis))
+                    in_flight.append(unit)
     assert not in_flight, f"gathers issued but never used: {in_flight}"
     return out
 
@@ -131,11 +136,11 @@ def insert_gathers(
     prefetch: int,
     pipelined: bool,
     axis: str,
-    prefetch_backward_last: bool = True,
+    prefetch_backward_after: bool = False,
 ) -> list[Action]:
-    """ZeRO-3's gathers and frees around the computes (stages 1 and 2 hold full parameters);
-    without ``prefetch_backward_last`` a backward pass's last compute's units are gathered just
-    before it, not prefetched (see ``ShardSpec.prefetches_backward_last``)."""
+    """ZeRO-3's gathers and frees around the computes (stages 1 and 2 hold full parameters); with
+    ``prefetch_backward_after`` a backward pass's prefetches are issued after each compute and its
+    frees, not before it (see ``ShardSpec.prefetches_backward_after``)."""
     if stage != 3:
         return list(actions)
     live: set[str] = set()
@@ -153,7 +158,7 @@ def insert_gathers(
             forward = part[0].kind == FORWARD
             mode = "window" if reshard else ("never" if forward else "last_use")
             out += gathered_pass(part, stage_needs, live, prefetch, mode, axis,
-                                 prefetch_last=forward or prefetch_backward_last)
+                                 prefetch_after=not forward and prefetch_backward_after)
             if not forward:
                 out += [Action(FREE, u, axis=axis) for u in sorted(live)]
                 live.clear()

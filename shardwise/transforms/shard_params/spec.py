@@ -86,17 +86,22 @@ class ShardSpec:
             return self.update_in_buckets
         return torch.device(device).type not in ("cpu", "meta")
 
-    def prefetches_backward_last(self, device: torch.device | str) -> bool:
-        """Whether a backward prefetches the units of its last compute (the first layer's) during
-        the compute before it, on ``device``: not on a CPU, yes elsewhere.
+    def prefetches_backward_after(self, device: torch.device | str) -> bool:
+        """Whether a backward issues its prefetches after each compute and that unit's reduce-scatter
+        (the prefetch overlaps the reduction), not before the compute, on ``device``: on a CPU, not
+        elsewhere.
 
-        A backward's last compute comes where the gradient shards of every other unit are held: a
-        unit prefetched then sits beside the previous unit's gradient reduction (its flat gradient,
-        gloo's copy of it and the shard) at the step's peak (issue 25: 6 MiB per rank over 12 x
-        Linear(2048) at world 2, 2 MiB at world 4, which put ZeRO-3 at 1.001-1.004x FSDP2's peak). On
-        a CPU the gather, gathered just before the compute, costs no overlap that the shared cores
-        would have given (as ``reductions_in_flight``); on a GPU the prefetch hides it, as FSDP2."""
-        return torch.device(device).type not in ("cpu", "meta")
+        Issued before the compute, the next unit's gathered buffer and gloo's receive copy of it (two
+        units) sit beside the computing unit, its fresh gradient and (at the reduce-scatter) its flat
+        copy: FSDP2's schedule, and the step's peak on a CPU (issue 25: 157 MiB per rank on 12 x
+        Linear(2048) at world 8, as FSDP2). Issued after the reduce-scatter, they meet only the
+        donated flat gradient. On a CPU the compute and the collectives share the cores, so the
+        overlap with the compute is not what it is on a GPU, where the prefetch stays before it.
+        The backward's last unit is gathered the same way, during the previous unit's reduce-scatter,
+        where every other unit's gradient shard is held: the step's peak on a CPU, one shard above
+        the unit before's (it replaced gathering that unit only when its compute came, which kept it
+        apart from the reduce-scatter, and from its overlap)."""
+        return torch.device(device).type in ("cpu", "meta")
 
     def bucket_limit(self) -> int | None:
         """Bytes a bucket of gradients may hold (stages 1-2); None: each unit reduced alone (stage 3,
@@ -123,6 +128,6 @@ class ShardSpec:
         """The rank's computes with ZeRO's gathers, frees and (not deferred) reduce-scatters."""
         out = insert_gathers(
             actions, stage_needs, stage=self.stage, reshard=reshard, prefetch=self.prefetch,
-            pipelined=pipelined, axis=self.axis, prefetch_backward_last=self.prefetches_backward_last(device),
+            pipelined=pipelined, axis=self.axis, prefetch_backward_after=self.prefetches_backward_after(device),
         )
         return insert_reduces(out, stage_needs, deferred, self.axis)
