@@ -150,6 +150,15 @@ def no_alias(world: int) -> dict[str, torch.Tensor]:
             results[f"async_{name}"] = y.clone()
             held.append((f"async {name}", y, y.clone()))
 
+        # A donated input may be reduced in (gloo): its result is checked against the sync one, and
+        # shares nothing with it.
+        for name, dim in (("psum_scatter", 0), ("psum_scatter_tiled_dim1", 1)):
+            x = _input(rank, world)
+            y = psum_scatter_async(x, "dp", dim=dim, tiled=dim == 1, donate=True).wait()
+            assert y.untyped_storage().data_ptr() != x.untyped_storage().data_ptr(), f"donated {name}: a view of x"
+            results[f"donated_{name}"] = y.clone()
+            held.append((f"donated {name}", y, y.clone()))
+
         ints = torch.arange(world * 4).reshape(world, 4) + 10 * rank
         ints_ref = ints.clone()
         y = psum(ints, "dp")
@@ -180,9 +189,10 @@ def no_alias(world: int) -> dict[str, torch.Tensor]:
 
 def _async_matches_sync(results: dict[str, torch.Tensor]) -> None:
     for key, value in results.items():
-        if key.startswith("async_"):
-            sync = results["sync_" + key.removeprefix("async_")]
-            assert torch.equal(value, sync), f"{key}: async result differs from sync (snapshot taken too late?)"
+        for kind in ("async_", "donated_"):
+            if key.startswith(kind):
+                sync = results["sync_" + key.removeprefix(kind)]
+                assert torch.equal(value, sync), f"{key}: result differs from sync (snapshot taken too late?)"
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -229,3 +239,18 @@ def gloo_reduce_scatter_reads_only(world: int) -> bool:
 def test_gloo_reduce_scatter_leaves_its_input_unchanged(gloo2):
     # TorchDistributedBackend.reduce_scatter(snapshot=False) hands torch the caller's tensor.
     assert all(gloo2.run(gloo_reduce_scatter_reads_only, gloo2.world))
+
+
+def gloo_donated_reduce_scatter_runs_in_place(world: int) -> bool:
+    """Rank program: a donated reduce-scatter on gloo all-reduces its input in place (no copy of it is
+    made: ZeRO's flat gradients are donated), and its result is this rank's row of that sum."""
+    mesh = Mesh(dp=world)
+    x = _input(mesh.rank, world)
+    want = psum(x, "dp", mesh=mesh)
+    got = psum_scatter_async(x, "dp", mesh=mesh, donate=True).wait()
+    return torch.equal(x, want) and torch.equal(got, want[mesh.rank])
+
+
+@pytest.mark.gloo
+def test_gloo_donated_reduce_scatter_runs_in_place(gloo2):
+    assert all(gloo2.run(gloo_donated_reduce_scatter_runs_in_place, gloo2.world))

@@ -170,6 +170,27 @@ def test_each_buckets_all_gather_is_issued_after_its_update_and_waited_for_at_th
         assert text == f"finish_grads {metrics} {tail}{after} wait_params(6+4) wait_params(2+0)"
 
 
+def test_the_plan_counts_each_buckets_update_not_the_whole_at_each() -> None:
+    """update_in_buckets: at each bucket's update the Plan counts that bucket's own allocations beside
+    what the buckets updated before keep (issue 25: it counted the whole update at every bucket). In
+    place, AdamW's temporaries span one bucket, fewer bytes than over every shard at once; SGD out of
+    place keeps each bucket's new shards, so at the last bucket they are all there, as at once."""
+    base, params, _ = _problem()
+    mesh = sw.Mesh(dp=4)
+    for opt, fewer in ((sw.optim.adamw(lr=1e-2, weight_decay=0.1, inplace=True), True), (sw.optim.sgd(lr=0.1), False)):
+        step = sw.train_step(base.chain, torch.nn.functional.mse_loss, opt)
+        figures = {
+            option: sw.shard_params(step, "dp", 2, bucket_mb=BUCKETS["pairs"], update_in_buckets=option)
+            .plan(mesh, params).memory
+            for option in (True, False)
+        }
+        by_bucket, at_once = (figures[o]["update_buffers"][0] for o in (True, False))
+        if fewer:
+            assert 0 < by_bucket < at_once
+        else:  # the new parameter shards, all of them: as many bytes as the gradient shards
+            assert by_bucket == at_once == figures[False]["grads"][0] > 0
+
+
 def test_bad_update_in_buckets_is_refused() -> None:
     base, _, _ = _problem()
     with pytest.raises(TypeError, match=r"update_in_buckets='yes'.*True, False or None"):

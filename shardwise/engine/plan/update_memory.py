@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..torch_api import fake_tensors, storage_key
 
-__all__ = ["predict_update_bytes"]
+__all__ = ["predict_update_held"]
 
 
 class _NewStorages(TorchDispatchMode):
@@ -54,12 +54,15 @@ def _scalar_as_int(t: Any) -> Any:
     return 1 if isinstance(t, torch.Tensor) and t.dim() == 0 else t
 
 
-def predict_update_bytes(
+def predict_update_held(
     update: Any, params: Any, grads: Any, state: Any, device: torch.device | str = "cpu"
-) -> int:
-    """The most memory ``update(grads, state, params)`` holds at once beyond its inputs (given as
-    meta or real tensors, left untouched), run on fake tensors on ``device`` (the update groups its
-    temporaries by device: bounded ranges on a CPU, one on an accelerator): see the module docstring."""
+) -> tuple[int, int]:
+    """(the most memory ``update(grads, state, params)`` holds at once beyond its inputs, the bytes of
+    new storages its result keeps: an out-of-place update's new parameters and state, none in place).
+
+    The inputs are given as meta or real tensors, left untouched; the update runs on fake tensors on
+    ``device`` (it groups its temporaries by device: bounded ranges on a CPU, one on an
+    accelerator): see the module docstring."""
     state = optree.tree_map(_scalar_as_int, state)
     with fake_tensors(device) as fake:
         fp, fg, fs = (optree.tree_map(fake, tree) for tree in (params, grads, state))
@@ -68,5 +71,6 @@ def predict_update_bytes(
         tracker = _NewStorages(known)
         with tracker:
             result = update(fg, fs, fp)
+        kept = tracker.live
         del result
-    return tracker.peak
+    return tracker.peak, kept

@@ -47,7 +47,7 @@ from ..plan.lower import (
     stage_needs,
     wire_of,
 )
-from ..plan.update_memory import predict_update_bytes
+from ..plan.update_memory import predict_update_held
 from ..stack.compose import SPLIT, rewrites_in_order
 from .batch_cut import batch_multiple, rank_share
 
@@ -255,13 +255,30 @@ def _class_memory(
     # The update's own allocations (an out-of-place update's new parameters and state beside the
     # old ones, its temporaries), at the update, beside every gradient shard.
     assert shards is not None
-    update_bytes = predict_update_bytes(step.optimizer.update, shards, shards, step.optimizer.init(shards), device)
-    levels["update_buffers"] = [update_bytes if a.kind == UPDATE else 0 for a in actions]
+    levels["update_buffers"] = _update_levels(step, shards, actions, device)
     for key, per_action in levels.items():
         figures[key] = max(per_action, default=0)
     made = _shards_made_levels(actions, {u: tree_nbytes(t) for u, t in shards.items()})
     figures["held_in_step"] = max((sum(at) for at in zip(made, *levels.values(), strict=True)), default=0)
     return figures
+
+
+def _update_levels(step: Step, shards: Mapping[str, Any], actions: Sequence[Action], device: torch.device) -> list[int]:
+    """At each update action, what the optimizer's update allocates: the whole update's own peak, or,
+    updated bucket by bucket (``update_in_buckets``), that bucket's beside what the buckets updated
+    before it keep (an out-of-place update's new shards and state; nothing in place)."""
+    levels = []
+    kept_before = 0
+    for action in actions:
+        if action.kind != UPDATE:
+            levels.append(0)
+            continue
+        units = action.units or ((action.layer,) if action.layer is not None else tuple(shards))
+        part = {u: shards[u] for u in units}
+        peak, kept = predict_update_held(step.optimizer.update, part, part, step.optimizer.init(part), device)
+        levels.append(kept_before + peak)
+        kept_before += kept
+    return levels
 
 
 def _shards_made_levels(actions: Sequence[Action], shard_bytes: Mapping[str, int]) -> list[int]:
