@@ -27,6 +27,7 @@ follows its input as one; any other partial value leaving a layer is summed.
 
 from __future__ import annotations
 
+import numbers
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -66,6 +67,7 @@ DIVIDES = _words("div divide true_divide __truediv__ __itruediv__ __div__")  # t
 # operand only: ``pe.type_as(x)``, ``mask.expand_as(x)`` or ``cos.to(x)`` with ``x`` a partial sum give
 # ``pe`` or ``mask`` whole on every rank (a replicated value), not a partial sum of it.
 COMMUTES = _words("mul multiply __mul__ __rmul__")
+CONCATS = _words("cat concat concatenate stack")  # their number arguments are dims, not addends
 
 
 def _name(func: Any) -> str:
@@ -85,6 +87,16 @@ def _mapped(
 
     new_args = tuple(optree.tree_map(one, a, none_is_leaf=True) for a in args)
     return new_args, {k: optree.tree_map(one, v, none_is_leaf=True) for k, v in kwargs.items()}
+
+
+def _adds_a_number(base: str, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+    """Whether a sum adds a plain number (``x + 0.5``, ``torch.add(x, other=0.5)``, ``x + np.float32(1)``,
+    ``x + True``), which every rank would add to its partial sum: it then takes the whole value. ``alpha=``
+    scales the other operand, and a concatenation's numbers are dims."""
+    if base in CONCATS:
+        return False
+    given = [*args, *(v for k, v in kwargs.items() if k != "alpha")]
+    return any(isinstance(a, numbers.Number) for a in given)
 
 
 def _inplace(name: str) -> bool:
@@ -147,8 +159,14 @@ class Follower(TorchFunctionMode):
             return func(*args, **kwargs)
         if sliced is not None:
             return self._on_slice(func, name, args, kwargs, sliced)
-        args, kwargs, partial_out = self._on_values(name, args, kwargs, leaves, values)
-        out = func(*args, **kwargs)
+        run_args, run_kwargs, partial_out = self._on_values(name, args, kwargs, leaves, values)
+        out = func(*run_args, **run_kwargs)
+        if partial_out and not _inplace(name) and not all(
+            t.is_floating_point() or t.is_complex() for t in optree.tree_leaves(out) if isinstance(t, Tensor)
+        ):  # a cast to integers or bools (x.to(torch.long), x.type_as(ids)) is not linear: it takes the sum
+            whole_args, whole_kwargs = _mapped(args, kwargs, self._summed, lambda t: t in self.values)
+            out = func(*whole_args, **whole_kwargs)
+            partial_out = False
         if partial_out:
             self.values.add(out)
         return out
@@ -159,9 +177,9 @@ class Follower(TorchFunctionMode):
         """The arguments to run the op on, and whether its output is a partial sum."""
         base = name[:-1] if _inplace(name) and name.endswith("_") else name
         others = [t for t in leaves if t not in self.values]
-        numbers = [a for a in args if isinstance(a, (int, float, complex)) and not isinstance(a, bool)]
         in_place_on_other = _inplace(name) and bool(args) and args[0] not in self.values
-        if base in SUMS and not numbers and not in_place_on_other:  # a replicated addend counted once
+        if base in SUMS and not _adds_a_number(base, args, kwargs) and not in_place_on_other:
+            # a replicated addend counted once
             return (*_mapped(args, kwargs, self._replicated, lambda t: t not in self.values), True)
         linear = base in LINEAR and len(values) == 1 and not any(t.requires_grad for t in others)
         if linear and not in_place_on_other and (base in COMMUTES or (args and args[0] is values[0])):
@@ -299,7 +317,9 @@ class Follower(TorchFunctionMode):
         return self._made("vary", t, lambda x: vary(x, self.axis, self.label, self.reduce))
 
     def _replicated(self, t: Tensor) -> Tensor:
-        return to_partial(t, self.axis) if t.is_floating_point() else t
+        """A replicated addend of a sum with partial sums, counted on index 0 only (an integer or bool one
+        too: ``x + ids`` adds the ids once, not once per rank)."""
+        return to_partial(t, self.axis)
 
     def _made(self, kind: str, t: Tensor, make: Any) -> Tensor:
         key = (kind, id(t))
