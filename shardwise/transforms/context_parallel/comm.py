@@ -27,6 +27,7 @@ from .layout import shard_order
 from .masks import TokenMask
 from .ring import ring_attention
 from .ulysses import ulysses_attention
+from .unsplit import installed_attention
 
 
 def whole_sequence(x: torch.Tensor, axis: str, balanced: bool, label: str) -> torch.Tensor:
@@ -54,11 +55,12 @@ def attend(
     """Causal attention of this rank's queries over the whole sequence: ``ring_attention`` or
     ``ulysses_attention`` (q [batch, heads, seq_local, head_dim]; k, v with kv_heads), under ``mask``
     (padding, packed sequences) if given."""
-    if in_layer.predicting_now():
-        return _PredictedAttention.apply(q, k, v, axis, attention, label, scale, balanced)
-    if attention == "ring":
-        return ring_attention(q, k, v, axis, causal=True, balanced=balanced, scale=scale, mask=mask)
-    return ulysses_attention(q, k, v, axis, causal=True, balanced=balanced, scale=scale, mask=mask)
+    with installed_attention():
+        if in_layer.predicting_now():
+            return _PredictedAttention.apply(q, k, v, axis, attention, label, scale, balanced)
+        if attention == "ring":
+            return ring_attention(q, k, v, axis, causal=True, balanced=balanced, scale=scale, mask=mask)
+        return ulysses_attention(q, k, v, axis, causal=True, balanced=balanced, scale=scale, mask=mask)
 
 
 class _PredictedAttention(torch.autograd.Function):

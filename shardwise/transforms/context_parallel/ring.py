@@ -37,8 +37,10 @@ from .inputs import check_qkv, default_scale
 from .layout import check_sequence_length, local_chunks, shard_order
 from .masks import TokenMask, check_mask
 from .online_softmax import BlockMask, OnlineSoftmax
+from .unsplit import installed_attention
 
 
+@installed_attention()
 def ring_attention(
     q: torch.Tensor,
     k: torch.Tensor,

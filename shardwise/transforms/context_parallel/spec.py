@@ -35,6 +35,7 @@ from .attention import (
 from .comm import whole_sequence
 from .layout import check_sequence_length, local_chunks, shard_order
 from .masks import TokenMask, token_mask
+from .unsplit import Unsplit
 
 # Per chain, per positions= (what a layer's tables are depends on it: another call on the same chain that
 # lists another table must not get the first call's).
@@ -99,7 +100,8 @@ class CPSpec:
                 fn = self._install(fn, parts, layer.name)
             tables = frozenset(parts.tables) if parts is not None else frozenset()
             reduce = None if precision is None else precision.for_layer(layer.name).reduce
-            wrapped = CPLayerFn(fn, self, frozenset(layer.param_names), tables, reduce, reads_batch=position == 0)
+            wrapped = CPLayerFn(fn, self, frozenset(layer.param_names), tables, reduce, reads_batch=position == 0,
+                                label=layer.name)
             layers.append(Layer(
                 layer.name, wrapped, layer.param_names, layer.buffers, layer.ties,
             ))
@@ -237,11 +239,26 @@ class CPLayerFn:
     whether the batch gave positions."""
 
     def __init__(self, fn: Callable[[dict[str, Tensor], Any], Any], spec: CPSpec, names: frozenset[str],
-                 tables: frozenset[str], reduce: torch.dtype | None, reads_batch: bool = False) -> None:
+                 tables: frozenset[str], reduce: torch.dtype | None, reads_batch: bool = False,
+                 label: str = "") -> None:
         self.fn, self.spec, self.names, self.tables, self.reduce = fn, spec, names, tables, reduce
-        self.reads_batch = reads_batch
+        self.reads_batch, self.label = reads_batch, label
+        self.checked: set[tuple[Any, ...]] = set()  # input shapes whose run was watched (unsplit.py)
 
     def __call__(self, tensors: dict[str, Tensor], x: Any) -> Any:
+        """The layer on the rank's part of the sequence; the first call for an input shape watched for an
+        attention left over the part only (``unsplit.py``)."""
+        shapes = tuple(tuple(t.shape) for t in optree.tree_leaves(x) if isinstance(t, Tensor))
+        if shapes in self.checked:
+            return self._call(tensors, x)
+        leaves = [t for t in optree.tree_leaves(x) if isinstance(t, Tensor) and t.dim() > self.spec.dim]
+        local = int(leaves[0].shape[self.spec.dim]) if leaves else None
+        with Unsplit(self.label, self.spec.axis, local):
+            out = self._call(tensors, x)
+        self.checked.add(shapes)
+        return out
+
+    def _call(self, tensors: dict[str, Tensor], x: Any) -> Any:
         spec = self.spec
         summed = {
             k: in_layer.grad_summed(t, spec.axis, k, self.reduce) if k in self.names else t for k, t in tensors.items()

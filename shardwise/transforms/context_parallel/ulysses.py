@@ -19,10 +19,12 @@ from ...collectives import Mesh, all_to_all, axis_size
 from .inputs import check_qkv, default_scale
 from .layout import check_sequence_length, shard_order
 from .masks import TokenMask, check_mask
+from .unsplit import installed_attention
 
 Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+@installed_attention()
 def ulysses_attention(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -1,0 +1,83 @@
+"""An attention context_parallel does not know, found by what it computes, and refused.
+
+context_parallel replaces the attentions it knows (``attention.py``: by their structure, and any other
+module whose class name ends in ``Attention`` is refused by name). An attention module named otherwise
+(a user's ``MHA``, ``SelfAttn``) was left as it is: it attended over the rank's part of the sequence
+only and trained another model without an error. So the first time a layer runs for an input shape (the
+Plan's prediction, or the first step), a TorchFunctionMode watches its ops outside the attention the
+transform installed (:func:`installed_attention`): a ``scaled_dot_product_attention``, or a softmax of
+a ``[..., t, t]`` tensor (eager attention's scores, ``t`` the rank's part of the sequence), is refused,
+naming the innermost module that runs it.
+
+What it cannot see: other ops that mix positions (a convolution or a cumulative sum over time, a
+token shift), and attention computed by code that bypasses ``__torch_function__``.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from types import FrameType
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+_ATTENTION = frozenset({"scaled_dot_product_attention"})
+_SOFTMAX = frozenset({"softmax", "log_softmax", "_softmax"})
+_state = threading.local()  # .installed: how deep this thread is in an installed attention
+
+
+@contextmanager
+def installed_attention() -> Iterator[None]:
+    """Inside the attention context_parallel installed (ring or Ulysses over the whole sequence)."""
+    _state.installed = getattr(_state, "installed", 0) + 1
+    try:
+        yield
+    finally:
+        _state.installed -= 1
+
+
+class Unsplit(TorchFunctionMode):
+    """Refuses attention over the rank's part of the sequence outside the installed attentions."""
+
+    def __init__(self, layer: str, axis: str, local: int | None) -> None:
+        super().__init__()
+        self.layer, self.axis, self.local = layer, axis, local
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if not getattr(_state, "installed", 0):
+            name = getattr(func, "__name__", "")
+            if name in _ATTENTION:
+                self._refuse(f"calls {name}")
+            if name in _SOFTMAX and self.local is not None:
+                x = args[0] if args else kwargs.get("input")
+                if isinstance(x, torch.Tensor) and x.dim() >= 3 and x.shape[-1] == x.shape[-2] == self.local:
+                    self._refuse(f"takes {name} of a {list(x.shape)} tensor (attention scores)")
+        return func(*args, **kwargs)
+
+    def _refuse(self, what: str) -> None:
+        module = _innermost_module(sys._getframe(2))
+        where = f"{type(module).__name__} in layer {self.layer!r}" if module is not None else f"layer {self.layer!r}"
+        raise ValueError(
+            f"context_parallel(axis={self.axis!r}): {where} {what} outside the attentions it splits, on this "
+            "rank's part of the sequence only: it would attend within the part and train another model without "
+            "an error. context_parallel splits TinyGPT's CausalSelfAttention, Hugging Face's Llama-shaped "
+            "attentions on sdpa and GPT-2's; rewrite this attention to call sw.context_parallel's "
+            "ring_attention / ulysses_attention, or leave context_parallel out"
+        )
+
+
+def _innermost_module(frame: FrameType | None) -> nn.Module | None:
+    while frame is not None:
+        obj = frame.f_locals.get("self")
+        if isinstance(obj, nn.Module):
+            return obj
+        frame = frame.f_back
+    return None

@@ -1,0 +1,64 @@
+"""An attention context_parallel does not know, and whose class name does not end in ``Attention``.
+
+It was left as it is: it attended over the rank's part of the sequence only, and the step trained
+another model without an error (TinyGPT with a user's ``MHA`` in its second block, cp 2: loss off by
+2e-3 relative at the first step, sdpa or eager). It is refused now by what it computes, at the Plan and
+at the first step: a ``scaled_dot_product_attention``, or a softmax of a ``[..., t, t]`` tensor, outside
+the attention context_parallel installed.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import shardwise as sw
+from shardwise.testing.models import Block, TinyGPT
+
+
+class MHA(nn.Module):
+    def __init__(self, d: int, heads: int, eager: bool) -> None:
+        super().__init__()
+        self.heads, self.eager = heads, eager
+        self.qkv, self.out = nn.Linear(d, 3 * d), nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = (z.view(b, t, self.heads, -1).transpose(1, 2) for z in self.qkv(x).chunk(3, -1))
+        if self.eager:
+            scores = (q @ k.transpose(-2, -1)) / q.shape[-1] ** 0.5
+            y = scores.masked_fill(~torch.ones(t, t, dtype=torch.bool).tril(), float("-inf")).softmax(-1) @ v
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(b, t, d))
+
+
+def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["sdpa", "eager"])
+def test_an_attention_it_does_not_know_by_name_is_refused(eager: bool) -> None:
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=32, d_model=16, n_heads=2, n_layers=2, seq_len=8).double()
+    model.blocks[1].attn = MHA(16, 2, eager).double()
+    ids = torch.randint(0, 32, (2, 9))
+    batches = [(ids[:, :-1], ids[:, 1:])] * 2
+    chain, params = sw.functionalize(model, units=Block)
+    reference = sw.train_step(chain, _loss, sw.optim.sgd(0.1, momentum=0.9))
+    step = sw.context_parallel(reference, "cp")
+    what = "softmax of a \\[2, 2, 4, 4\\] tensor" if eager else "scaled_dot_product_attention"
+    message = f"MHA in layer 'blocks.1' .*{what}.* outside the attentions it splits.*ring_attention"
+    with pytest.raises(ValueError, match=message):
+        step.plan(sw.Mesh(cp=2), params, batches[0])
+    step = sw.context_parallel(reference, "cp")  # a fresh step: its layers watch their first call again
+    with pytest.raises(sw.collectives.RankFailed, match=message):
+        sw.testing.assert_equivalent(step, reference, sw.Mesh(cp=2), batches, params, rtol=1e-12)
+    # The model without it is split, and equal to one device.
+    model.blocks[1].attn = type(model.blocks[0].attn)(16, 2, 8).double()
+    chain, params = sw.functionalize(model, units=Block)
+    reference = sw.train_step(chain, _loss, sw.optim.sgd(0.1, momentum=0.9))
+    sw.testing.assert_equivalent(sw.context_parallel(reference, "cp"), reference, sw.Mesh(cp=2), batches, params,
+                                 rtol=1e-12)
