@@ -373,7 +373,9 @@ def load(path: str | os.PathLike[str], step: Any, mesh: Mesh | None = None, *,
          like: Any = None, device: torch.device | str = "cpu") -> TrainState:
     """This rank's TrainState for ``step`` on ``mesh`` from the checkpoint at ``path``, resharded.
 
-    Every rank calls it (no collectives: each reads what it needs). Every parameter's shape and
+    Every rank calls it (each reads what it needs; the ranks first check, as ``step.init`` does, that
+    they built the same step: one rank with another learning rate or clipping is refused, not
+    trained on). Every parameter's shape and
     dtype must be those the step expects: its chain's modules' (as ``functionalize`` kept them),
     cast by the step's precision policy, and, when given, those of ``like`` (params, real or
     ``device="meta"``). A hand-written layer has no module, so only ``like`` checks its
@@ -382,6 +384,12 @@ def load(path: str | os.PathLike[str], step: Any, mesh: Mesh | None = None, *,
     directory = resolve(path)
     meta = check_committed(directory)
     params_meta, keys = _check_model(directory, meta, step, like)
+    step.check_ranks_agree(mesh, step.layout(mesh, params_meta), {
+        "parameter names, shapes and dtypes": repr(
+            [(k, n, tuple(t.shape), t.dtype) for k, v in params_meta.items() for n, t in v.items()]
+        ),
+        "checkpoint's step": str(meta["step"]),
+    }, torch.device(device))
     reader = Reader(directory, meta)
     try:
         return build_state(reader, meta, step, mesh, params_meta, keys, torch.device(device))

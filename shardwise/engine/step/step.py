@@ -259,6 +259,29 @@ class Step:
         return stage_boundaries(self, layout, inputs, mesh)
 
     # -- state ----------------------------------------------------------------
+    def check_ranks_agree(
+        self, mesh: Mesh | None, layout: StateLayout, parts: dict[str, object], device: torch.device
+    ) -> None:
+        """Refuse, on every rank alike, a rank that built another step than rank 0's (``run/agreement.py``):
+        its stack, schedule and mesh, ``parts`` (where its state comes from), and what else decides the
+        update. ``init`` and ``sw.checkpoint.load`` call it (every rank: it gathers)."""
+        if mesh is None or not (self.transforms and any(getattr(s, "axis", None) for s in self.transforms)):
+            return
+        check_ranks_agree(mesh, {
+            "transform stack": self.describe(),
+            "schedule": str(layout.schedule),
+            "mesh": repr(mesh),
+            **parts,
+            # What else decides the update: one rank with another learning rate, momentum or
+            # clipping would train on silently (under ZeRO each updates its own shard).
+            "optimizer": self.optimizer,
+            "loss function": self.loss_fn,
+            "precision policy": self.precision,
+            "gradient clipping": self.clip_norm,
+            "token weighting": self.tokens,
+            "metrics": self.metrics,
+        }, device)
+
     def init(self, params: Params, mesh: Mesh | None = None, *, seed: int = 0,
              source: Any = None) -> TrainState:
         """Build this rank's TrainState from the model's parameters (every rank passes the same).
@@ -289,30 +312,18 @@ class Step:
         if groups is not None:  # a group that matches nothing is refused before anything is made
             param_options(groups, self.base_chain, layout)
             check_clipping(groups, self.base_chain, layout, self.clip_norm)
-        if mesh is not None and self.transforms and any(getattr(s, "axis", None) for s in self.transforms):
-            check_ranks_agree(mesh, {
-                "transform stack": self.describe(),
-                "schedule": str(layout.schedule),
-                "mesh": repr(mesh),
-                "parameter names, shapes and dtypes": repr(
-                    [(k, n, tuple(t.shape), t.dtype) for k, v in params.items() for n, t in v.items()]
-                ),
-                # A sample of each tensor: ranks that built the model themselves from different seeds
-                # (or loaded other checkpoints) start from different weights.
-                "parameter values": sampled_values(params),
-                "how meta parameters are made": source.describe() if source is not None else
-                "none" if maker is None else maker.describe(),
-                "parameter init_fn": None if maker is None else maker.init_fn,
-                "seed": str(seed),
-                # What else decides the update: one rank with another learning rate, momentum or
-                # clipping would train on silently (under ZeRO each updates its own shard).
-                "optimizer": self.optimizer,
-                "loss function": self.loss_fn,
-                "precision policy": self.precision,
-                "gradient clipping": self.clip_norm,
-                "token weighting": self.tokens,
-                "metrics": self.metrics,
-            }, source.device if source is not None else self._agreement_device(params, maker))
+        self.check_ranks_agree(mesh, layout, {
+            "parameter names, shapes and dtypes": repr(
+                [(k, n, tuple(t.shape), t.dtype) for k, v in params.items() for n, t in v.items()]
+            ),
+            # A sample of each tensor: ranks that built the model themselves from different seeds
+            # (or loaded other checkpoints) start from different weights.
+            "parameter values": sampled_values(params),
+            "how meta parameters are made": source.describe() if source is not None else
+            "none" if maker is None else maker.describe(),
+            "parameter init_fn": None if maker is None else maker.init_fn,
+            "seed": str(seed),
+        }, source.device if source is not None else self._agreement_device(params, maker))
         index = layout.index_of(mesh)
         sharding = layout.sharding
         dp_index = 0 if sharding is None or mesh is None else mesh.axis_index(sharding.axis)
