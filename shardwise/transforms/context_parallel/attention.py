@@ -195,10 +195,15 @@ _VERIFIED_HF = {
 }
 
 
-def _verified_hf(module: nn.Module) -> str | None:
+# GPT-2's attention, checked equal to GPT2Forward (a class with its c_attn and c_proj, as GPT-BigCode's, or a
+# subclass with a forward of its own, computes otherwise: replaced, its own code was left out without an error).
+_VERIFIED_GPT2 = {"GPT2Attention": "transformers.models.gpt2.modeling_gpt2"}
+
+
+def _verified_hf(module: nn.Module, verified: dict[str, str] = _VERIFIED_HF) -> str | None:
     """The verified attention ``module`` is (its class or a base), if the forward it runs is that class's own."""
     for cls in type(module).__mro__:
-        if _VERIFIED_HF.get(cls.__name__) == cls.__module__:
+        if verified.get(cls.__name__) == cls.__module__:
             return cls.__name__ if type(module).forward is getattr(cls, "forward", None) else None
     return None
 
@@ -218,6 +223,14 @@ def _known_gpt2(module: nn.Module, where: str) -> bool:
         raise ValueError(
             f"context_parallel: {where} ({type(m).__name__}) is a cross-attention, whose keys are another sequence "
             "it does not cut; leave context_parallel out of encoder-decoder models"
+        )
+    if _verified_hf(m, _VERIFIED_GPT2) is None:
+        raise ValueError(
+            f"context_parallel: {where} is a {type(m).__name__} (from {type(m).__module__}) shaped like GPT-2's "
+            "attention (c_attn, c_proj), whose forward is not one context_parallel has checked against the GPT-2 "
+            "forward it installs (GPT2Attention's own); what it does beyond GPT-2's in its own code would be left "
+            "out without an error. Use GPT2Attention as it is, rewrite this one to call ring_attention / "
+            "ulysses_attention, or leave context_parallel out"
         )
     implementation = getattr(config, "_attn_implementation", None)
     if implementation != "sdpa":

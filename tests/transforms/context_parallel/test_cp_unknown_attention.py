@@ -62,3 +62,37 @@ def test_an_attention_it_does_not_know_by_name_is_refused(eager: bool) -> None:
     reference = sw.train_step(chain, _loss, sw.optim.sgd(0.1, momentum=0.9))
     sw.testing.assert_equivalent(sw.context_parallel(reference, "cp"), reference, sw.Mesh(cp=2), batches, params,
                                  rtol=1e-12)
+
+
+def test_a_gpt2_shaped_attention_whose_forward_is_not_gpt2s_is_refused() -> None:
+    """GPT-2's attention was recognised by its parts (c_attn, c_proj, split_size) and its forward replaced: a
+    subclass with a forward of its own (here: the output halved) lost it without an error (loss off by 2e-4
+    relative), and GPT-BigCode's failed on an AttributeError. Only GPT2Attention's own forward is replaced."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Attention, GPT2Block
+
+    class Halved(GPT2Attention):
+        def forward(self, hidden_states: torch.Tensor, *args: object, **kwargs: object) -> tuple:
+            out = super().forward(hidden_states, *args, **kwargs)
+            return (out[0] * 0.5, *out[1:])
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=64, n_positions=32, n_embd=16, n_layer=2, n_head=2, resid_pdrop=0,
+                                     embd_pdrop=0, attn_pdrop=0, attn_implementation="sdpa")
+    model = transformers.GPT2LMHeadModel(config).double()
+    ids = torch.randint(0, 64, (2, 17))
+    batches = [(ids[:, :-1], ids[:, 1:])] * 2
+
+    def loss(out: object, targets: torch.Tensor) -> torch.Tensor:
+        return _loss(out.logits, targets)  # type: ignore[attr-defined]
+
+    chain, params = sw.functionalize(model, units=GPT2Block, example_input=batches[0][0])
+    reference = sw.train_step(chain, loss, sw.optim.sgd(0.1, momentum=0.9))
+    step = sw.context_parallel(reference, "cp", positions=("wpe.weight",))
+    sw.testing.assert_equivalent(step, reference, sw.Mesh(cp=2), batches, params, rtol=1e-12)
+    for block in model.transformer.h:
+        block.attn.__class__ = Halved
+    chain, params = sw.functionalize(model, units=GPT2Block, example_input=batches[0][0])
+    reference = sw.train_step(chain, loss, sw.optim.sgd(0.1, momentum=0.9))
+    with pytest.raises(ValueError, match=r"attn is a Halved .* not one context_parallel has checked"):
+        sw.context_parallel(reference, "cp", positions=("wpe.weight",))
