@@ -349,3 +349,13 @@ def test_an_unexpected_tensor_is_refused_naming_its_key(tmp_path: Path) -> None:
     step, path = _pretrained(tmp_path, lambda sd: sd.update({"extra.weight": torch.zeros(2)}))
     with pytest.raises(CheckpointError, match=r"unexpected \['extra\.weight'\]"):
         sw.checkpoint.init_from_pretrained(step, path, sw.Mesh(dp=1))
+
+
+def test_a_shard_file_the_index_names_but_the_directory_lacks_is_refused_naming_it(tmp_path: Path) -> None:
+    """A cut-short copy of a sharded save: was a bare FileNotFoundError from deep in the reader."""
+    torch.manual_seed(0)
+    _llama().save_pretrained(tmp_path, max_shard_size="20KB")
+    last = sorted(tmp_path.glob("model-*.safetensors"))[-1]
+    last.unlink()
+    with pytest.raises(CheckpointError, match=rf"index\.json names \['{last.name}'\], which are not there"):
+        sw.checkpoint.init_from_pretrained(_meta_llama_step(), tmp_path)

@@ -58,6 +58,12 @@ class SafetensorsFiles:
         self.directory = Path(directory)
         self.where = f"safetensors weights {self.directory}"
         files, weight_map = self._files()
+        absent_files = [name for name in files if not (self.directory / name).is_file()]
+        if absent_files:
+            raise CheckpointError(
+                f"{self.where}: {INDEX} names {absent_files[:8]}, which are not there; copy every shard file "
+                "the index lists (a download or a copy was cut short?)"
+            )
         self.entries: dict[str, Entry] = {}
         for name in files:
             for key, entry in _header(self.directory / name).items():
