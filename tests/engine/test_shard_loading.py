@@ -359,3 +359,10 @@ def test_a_shard_file_the_index_names_but_the_directory_lacks_is_refused_naming_
     last.unlink()
     with pytest.raises(CheckpointError, match=rf"index\.json names \['{last.name}'\], which are not there"):
         sw.checkpoint.init_from_pretrained(_meta_llama_step(), tmp_path)
+
+
+def test_an_integer_tensor_for_a_floating_point_parameter_is_refused_naming_its_key(tmp_path: Path) -> None:
+    """Int8 codes under a weight's own name (a quantized save) were cast to the master dtype and trained on."""
+    step, path = _pretrained(tmp_path, lambda sd: sd.update({"1.weight": torch.ones(WIDTH, WIDTH, dtype=torch.int8)}))
+    with pytest.raises(CheckpointError, match=r"'1\.weight' is stored as torch\.int8, the model's params\['1'\]"):
+        sw.checkpoint.init_from_pretrained(step, path, sw.Mesh(dp=1))

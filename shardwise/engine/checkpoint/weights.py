@@ -14,8 +14,9 @@ So a rank reads about its share of the bytes, whatever mesh saved them.
 Keys are the module's ``state_dict`` keys; a tied weight may be stored under any of its
 names (``save_pretrained`` keeps one). Every parameter must be there with the model's
 shape, every persistent buffer with the value the chain holds, and nothing else: a missing,
-mis-shaped or unexpected tensor is refused, naming its key. Values are cast to the step's
-master dtype, as ``step.init`` casts real parameters.
+mis-shaped or unexpected tensor is refused, naming its key, and so is an integer tensor for a
+floating-point parameter. Values are cast to the step's master dtype, as ``step.init`` casts
+real parameters.
 """
 
 from __future__ import annotations
@@ -108,6 +109,12 @@ def _init(step: Any, store: Store, mesh: Mesh | None, seed: int) -> TrainState:
                     f"{store.where}: {key!r} has shape {list(shape)}, "
                     f"the model's params[{layer.name!r}][{n!r}] "
                     f"{list(want.shape)}; load weights saved from a model of this configuration"
+                )
+            if want is not None and want.is_floating_point() and not (dtype.is_floating_point or dtype.is_complex):
+                raise CheckpointError(
+                    f"{store.where}: {key!r} is stored as {dtype}, the model's params[{layer.name!r}][{n!r}] is "
+                    f"{want.dtype}: integer codes (a quantized save, whose scales live elsewhere) are not the "
+                    "weights; load a save of the floating-point weights"
                 )
             params[layer.name][n] = torch.empty(
                 shape, dtype=dtype if want is None else want.dtype, device="meta"
