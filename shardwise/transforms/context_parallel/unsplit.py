@@ -5,12 +5,13 @@ module whose class name ends in ``Attention`` is refused by name). An attention 
 (a user's ``MHA``, ``SelfAttn``) was left as it is: it attended over the rank's part of the sequence
 only and trained another model without an error. So the first time a layer runs for an input shape (the
 Plan's prediction, or the first step), a TorchFunctionMode watches its ops outside the attention the
-transform installed (:func:`installed_attention`): a ``scaled_dot_product_attention``, or a softmax of
-a ``[..., t, t]`` tensor (eager attention's scores, ``t`` the rank's part of the sequence), is refused,
+transform installed (:func:`installed_attention`): a ``scaled_dot_product_attention``, a softmax of a
+``[..., t, t]`` tensor (eager attention's scores, ``t`` the rank's part of the sequence), or a ``conv1d``
+of kernel > 1 over a length-``t`` dim (a convolution over time, as Mamba-style mixers have), is refused,
 naming the innermost module that runs it.
 
-What it cannot see: other ops that mix positions (a convolution or a cumulative sum over time, a
-token shift), and attention computed by code that bypasses ``__torch_function__``.
+What it cannot see: other ops that mix positions (a cumulative sum over time, a token shift by padding
+or rolling), and code that bypasses ``__torch_function__``.
 """
 
 from __future__ import annotations
@@ -56,10 +57,16 @@ class Unsplit(TorchFunctionMode):
             name = getattr(func, "__name__", "")
             if name in _ATTENTION:
                 self._refuse(f"calls {name}")
-            if name in _SOFTMAX and self.local is not None:
-                x = args[0] if args else kwargs.get("input")
-                if isinstance(x, torch.Tensor) and x.dim() >= 3 and x.shape[-1] == x.shape[-2] == self.local:
-                    self._refuse(f"takes {name} of a {list(x.shape)} tensor (attention scores)")
+            x = args[0] if args else kwargs.get("input")
+            w = args[1] if len(args) > 1 else kwargs.get("weight")
+            local = self.local
+            if not isinstance(x, torch.Tensor) or local is None:
+                pass
+            elif name in _SOFTMAX and x.dim() >= 3 and x.shape[-1] == x.shape[-2] == local:
+                self._refuse(f"takes {name} of a {list(x.shape)} tensor (attention scores)")
+            elif name == "conv1d" and isinstance(w, torch.Tensor) and x.shape[-1] == local and w.shape[-1] > 1:
+                self._refuse(f"convolves a {list(x.shape)} tensor over its last dim, the sequence, with a kernel "
+                             f"of {w.shape[-1]}")
         return func(*args, **kwargs)
 
     def _refuse(self, what: str) -> None:
@@ -67,10 +74,10 @@ class Unsplit(TorchFunctionMode):
         where = f"{type(module).__name__} in layer {self.layer!r}" if module is not None else f"layer {self.layer!r}"
         raise ValueError(
             f"context_parallel(axis={self.axis!r}): {where} {what} outside the attentions it splits, on this "
-            "rank's part of the sequence only: it would attend within the part and train another model without "
-            "an error. context_parallel splits TinyGPT's CausalSelfAttention, Hugging Face's Llama-shaped "
-            "attentions on sdpa and GPT-2's; rewrite this attention to call sw.context_parallel's "
-            "ring_attention / ulysses_attention, or leave context_parallel out"
+            "rank's part of the sequence only: it would mix the part's positions alone and train another model "
+            "without an error. context_parallel splits TinyGPT's CausalSelfAttention, Hugging Face's "
+            "Llama-shaped attentions on sdpa and GPT-2's; rewrite an attention to call ring_attention / "
+            "ulysses_attention (shardwise.transforms.context_parallel), or leave context_parallel out"
         )
 
 

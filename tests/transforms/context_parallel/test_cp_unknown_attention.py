@@ -39,6 +39,17 @@ def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
+class ShortConv(nn.Module):
+    """A causal depthwise convolution over time (Mamba-style token mixing): it mixes positions too."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(d, d, kernel_size=3, padding=2, groups=d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(x.transpose(1, 2))[..., : x.shape[1]].transpose(1, 2)
+
+
 @pytest.mark.parametrize("eager", [False, True], ids=["sdpa", "eager"])
 def test_an_attention_it_does_not_know_by_name_is_refused(eager: bool) -> None:
     torch.manual_seed(0)
@@ -62,6 +73,17 @@ def test_an_attention_it_does_not_know_by_name_is_refused(eager: bool) -> None:
     reference = sw.train_step(chain, _loss, sw.optim.sgd(0.1, momentum=0.9))
     sw.testing.assert_equivalent(sw.context_parallel(reference, "cp"), reference, sw.Mesh(cp=2), batches, params,
                                  rtol=1e-12)
+
+
+def test_a_convolution_over_time_beside_a_known_attention_is_refused() -> None:
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=32, d_model=16, n_heads=2, n_layers=2, seq_len=8).double()
+    model.blocks[1].mlp = ShortConv(16).double()  # the block's MLP slot: x + mlp(ln2(x))
+    ids = torch.randint(0, 32, (2, 9))
+    chain, params = sw.functionalize(model, units=Block)
+    step = sw.context_parallel(sw.train_step(chain, _loss, sw.optim.sgd(0.1)), "cp")
+    with pytest.raises(ValueError, match=r"Conv1d in layer 'blocks\.1' convolves .* with a kernel of 3"):
+        step.plan(sw.Mesh(cp=2), params, (ids[:, :-1], ids[:, 1:]))
 
 
 def test_a_gpt2_shaped_attention_whose_forward_is_not_gpt2s_is_refused() -> None:
