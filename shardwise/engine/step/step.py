@@ -262,9 +262,9 @@ class Step:
     def check_ranks_agree(
         self, mesh: Mesh | None, layout: StateLayout, parts: dict[str, object], device: torch.device
     ) -> None:
-        """Refuse, on every rank alike, a rank that built another step than rank 0's (``run/agreement.py``):
-        its stack, schedule and mesh, ``parts`` (where its state comes from), and what else decides the
-        update. ``init`` and ``sw.checkpoint.load`` call it (every rank: it gathers)."""
+        """Refuse, on every rank alike, a rank that built another step than rank 0's: its stack, schedule
+        and mesh, ``parts`` (where its state comes from), and what else decides the update (optimizer,
+        loss, precision, clipping). ``init`` and ``sw.checkpoint.load`` call it (every rank: it gathers)."""
         if mesh is None or not (self.transforms and any(getattr(s, "axis", None) for s in self.transforms)):
             return
         check_ranks_agree(mesh, {

@@ -77,7 +77,7 @@ class Unsplit(TorchFunctionMode):
             "rank's part of the sequence only: it would mix the part's positions alone and train another model "
             "without an error. context_parallel splits TinyGPT's CausalSelfAttention, Hugging Face's "
             "Llama-shaped attentions on sdpa and GPT-2's; rewrite an attention to call ring_attention / "
-            "ulysses_attention (shardwise.transforms.context_parallel), or leave context_parallel out"
+            "ulysses_attention, or leave context_parallel out"
         )
 
 
