@@ -48,7 +48,8 @@ class LayerParts:
 
 def find_parts(layer: Layer, positions: tuple[str, ...]) -> LayerParts | None:
     """The layer's known attentions and position tables (None: neither); an unknown attention is refused."""
-    tables = tuple(n for n in layer.param_names if any(n == p or n.endswith("." + p) for p in positions))
+    named = [*layer.param_names, *(n for n, b in layer.buffers.items() if b.is_floating_point())]
+    tables = tuple(n for n in named if any(n == p or n.endswith("." + p) for p in positions))
     _refuse_unlisted_position_tables(layer, tables)
     replicas = getattr(module_fn(layer.fn), "replicas", None)
     module = getattr(replicas, "module", None)
@@ -103,17 +104,19 @@ POSITION_WORDS = frozenset({"pos", "position", "positions", "positional"})
 
 
 def _refuse_unlisted_position_tables(layer: Layer, tables: tuple[str, ...]) -> None:
-    """A parameter named like a position table that ``positions=`` does not list: each rank would read
-    its rows 0 .. t-1 (its local positions) where the sequence's global ones are meant, and train a
-    different model without an error. Refused, naming it."""
-    for name in layer.param_names:
+    """A parameter (or a floating-point buffer: a fixed sinusoidal table) named like a position table that
+    ``positions=`` does not list: each rank would read its rows 0 .. t-1 (its local positions) where the
+    sequence's global ones are meant, and train a different model without an error. Refused, naming it."""
+    buffers = [n for n, b in layer.buffers.items() if b.is_floating_point()]  # a fixed (sinusoidal) table too
+    for name in [*layer.param_names, *buffers]:
         parts = name.split(".")
         words = {w for part in parts for w in part.split("_")}
         if name not in tables and (POSITION_TABLE_NAMES.intersection(parts) or POSITION_WORDS & words):
             suggest = ".".join(name.split(".")[-2:]) if name.endswith(".weight") else name.split(".")[-1]
             raise ValueError(
-                f"context_parallel: layer {layer.name!r} has the parameter {name!r}, named like a learned "
-                "position table, which positions= does not list; each rank would read it at its local "
+                f"context_parallel: layer {layer.name!r} has the {'buffer' if name in buffers else 'parameter'} "
+                f"{name!r}, named like a {'fixed' if name in buffers else 'learned'} position table, which "
+                "positions= does not list; each rank would read it at its local "
                 f"positions. If the model reads it by position, add it: context_parallel(..., positions=(..., "
                 f"{suggest!r})); if it is not a position table, rename it"
             )
