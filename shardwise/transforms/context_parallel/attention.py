@@ -12,7 +12,8 @@ rotary ``position_embeddings`` (Llama's, :class:`HFForward`), and GPT-2's on ``s
 sequence only. A Hugging Face rotary embedding (a module whose class name ends in ``RotaryEmbedding``,
 called as ``(x, position_ids)``) is fed the rank's global positions (:class:`GlobalPositions`).
 
-A position table is a parameter whose local name ends in one of ``positions`` (TinyGPT's ``pos_emb``,
+A position table is a parameter (or a floating-point buffer: a fixed table) whose local name ends in one
+of ``positions`` (TinyGPT's ``pos_emb``,
 [1, max_len, d]; an embedding's [max_len, d] weight, GPT-2's ``wpe.weight``), read at rows
 ``0 .. t - 1`` by the layer (unless the batch gives position ids: then at those).
 """
