@@ -96,6 +96,29 @@ def test_init_from_state_dict_refuses_a_state_dict_of_another_module() -> None:
         init_from_state_dict(step, untied)
 
 
+def test_init_from_state_dict_takes_the_modules_shapes_and_dtypes_as_load_state_dict_does() -> None:
+    """A bias of another shape was loaded as given and broadcast in the forward (another model without an
+    error); a bfloat16 state_dict made a float64 model's parameters bfloat16 (a GPT trains in bf16, its
+    embedding's lookups casting the rest). nn.Module.load_state_dict refuses the one and casts the other:
+    so does init_from_state_dict (and integer codes are refused)."""
+    chain, _ = sw.functionalize(_gpt(), units=["tok_emb", "blocks", "head"])
+    step = sw.train_step(chain, _lm_loss, sw.optim.sgd(0.1))
+    good = _gpt().state_dict()
+    for key, value, message in [
+        ("head.bias" if "head.bias" in good else "ln_f.bias", torch.zeros(1, dtype=torch.float64), r"has shape \[1\]"),
+        ("ln_f.weight", torch.ones(16, dtype=torch.int8), r"is torch\.int8, the model's"),
+    ]:
+        with pytest.raises(CheckpointError, match=rf"'{key}' {message}"):
+            init_from_state_dict(step, {**good, key: value})
+    half = {k: v.bfloat16() for k, v in good.items()}
+    state = init_from_state_dict(step, half)
+    for layer, tensors in state.params.items():
+        for name, t in tensors.items():
+            assert t.dtype == torch.float64, (layer, name, t.dtype)
+            key = name if name in half else f"{layer}.{name}"
+            assert torch.equal(t, half[key].double()), key
+
+
 def test_full_state_dict_loads_strictly_with_shared_children_and_buffers() -> None:
     shared = torch.nn.Linear(3, 3)
     model = torch.nn.Sequential(shared, torch.nn.BatchNorm1d(3).eval(), torch.nn.Tanh(), shared).double()

@@ -24,7 +24,7 @@ import torch
 from ...collectives.mesh import Mesh
 from ..layout.state import TrainState
 from .file_format import DCP_META, CheckpointError
-from .names import state_dict_names
+from .names import module_params, state_dict_names
 
 
 def full_state_dict(step: Any, state: TrainState) -> dict[str, torch.Tensor]:
@@ -50,7 +50,8 @@ def full_state_dict(step: Any, state: TrainState) -> dict[str, torch.Tensor]:
 
 def init_from_state_dict(step: Any, state_dict: dict[str, torch.Tensor], mesh: Mesh | None = None) -> TrainState:
     """``step.init`` from a module's ``state_dict`` (every key of it; buffers and a tied weight's
-    other names must equal what the chain holds)."""
+    other names must equal what the chain holds). As ``nn.Module.load_state_dict``, every parameter
+    must have the module's shape, and its values are cast to the module's dtype."""
     names = state_dict_names(step.base_chain)
     missing = sorted(set(names.keys) - set(state_dict))
     unexpected = sorted(set(state_dict) - set(names.keys))
@@ -60,8 +61,23 @@ def init_from_state_dict(step: Any, state_dict: dict[str, torch.Tensor], mesh: M
             f"unexpected {unexpected[:8]}"
         )
     params: dict[str, dict[str, torch.Tensor]] = {layer.name: {} for layer in step.base_chain.layers}
+    expected = module_params(step.base_chain)
     for (layer, name), key in names.param_key.items():
-        params[layer][name] = state_dict[key]
+        given, want = state_dict[key], expected.get((layer, name))
+        if want is not None:  # as nn.Module.load_state_dict: the module's shape, values cast to its dtype
+            if tuple(given.shape) != tuple(want.shape):
+                raise CheckpointError(
+                    f"init_from_state_dict: {key!r} has shape {list(given.shape)}, the model's "
+                    f"params[{layer!r}][{name!r}] {list(want.shape)}; load the state_dict of a model of this "
+                    "configuration"
+                )
+            if want.is_floating_point() and not (given.is_floating_point() or given.is_complex()):
+                raise CheckpointError(
+                    f"init_from_state_dict: {key!r} is {given.dtype}, the model's params[{layer!r}][{name!r}] "
+                    f"{want.dtype}: integer codes (a quantized model's) are not the weights"
+                )
+            given = given.to(want.dtype)
+        params[layer][name] = given
     for alias, key in names.aliases.items():
         if not torch.equal(state_dict[alias], state_dict[key]):
             raise CheckpointError(
