@@ -150,3 +150,15 @@ def test_a_batch_that_does_not_split_names_the_multiple_it_needs() -> None:
         step.plan(sw.Mesh(dp=2), params, batch)
     with pytest.raises(sw.collectives.RankFailed, match=need):
         sw.launch(lambda: step(step.init(params, sw.Mesh(dp=2)), batch), 2)
+
+
+def test_init_refuses_a_parameter_of_another_shape_than_its_modules() -> None:
+    """A bias of [1] in place of a Linear's [4] was taken and broadcast in the forward: another model, no error."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4)).double()
+    chain, params = sw.functionalize(model)
+    step = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1))
+    changed = {layer: dict(tensors) for layer, tensors in params.items()}
+    changed["0"]["bias"] = torch.zeros(1, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"params\['0'\]\['bias'\] has shape \[1\], its module's parameter \[4\]"):
+        step.init(changed)
+    step.init(params)  # functionalize's own fit

@@ -23,6 +23,7 @@ import optree
 import torch
 
 from ...collectives.mesh import Mesh
+from ..checkpoint.names import module_params
 from ..layout.devices import device_of
 from ..layout.precision import Precision
 from ..layout.state import Params, TrainState, check_params
@@ -306,6 +307,7 @@ class Step:
             raise TypeError(f"init(seed={seed!r}): the seed of the step's random streams is an int")
         mesh = self.check_mesh(mesh)
         check_params(self.chain, params)
+        self._check_module_shapes(params)
         maker = None if source is not None else self._parameter_maker(params)
         layout = self.layout(mesh, params)
         groups = getattr(self.optimizer, "groups", None)
@@ -350,6 +352,18 @@ class Step:
         return TrainState(
             held, self.optimizer.init(update_tree), 0, self.initial_loss_scale(), mesh=mesh, layout=layout, rng=seed
         )
+
+    def _check_module_shapes(self, params: Params) -> None:
+        """Refuse a parameter whose shape is not its module's: the module's forward would broadcast it (a
+        bias of [1]) or fail deep inside; functionalize's params, or a checkpoint of this model, fit."""
+        for (layer, name), want in module_params(self.base_chain).items():
+            given = params.get(layer, {}).get(name)
+            if given is not None and tuple(given.shape) != tuple(want.shape):
+                raise ValueError(
+                    f"init: params[{layer!r}][{name!r}] has shape {list(given.shape)}, its module's parameter "
+                    f"{list(want.shape)}; pass the params functionalize returned for this model (or load them "
+                    "with sw.checkpoint.init_from_state_dict)"
+                )
 
     @staticmethod
     def _agreement_device(params: Params, maker: Any) -> torch.device:
