@@ -176,3 +176,14 @@ def test_a_compute_holding_the_generators_past_the_timeout_fails_the_launch() ->
     finally:
         _Slow.on = False
     assert time.monotonic() - started < timeout + 4.0
+
+
+@pytest.mark.parametrize(
+    "values", [(0, 0, 0, 0, 1), (2**62 + 12345, 3, 7, 2, 2), (-5, 1, 0, 9, 3), (2**64 + 1, 2, 4, 6, 8)]
+)
+def test_a_compute_seed_mixed_in_two_parts_is_the_seed_mixed_at_once(values: tuple[int, ...]) -> None:
+    # The executor mixes (step seed, rank) once per step and each compute's (stage, micro-batch,
+    # kind) after it: the seeds, and so every dropout mask, must be those of mix(all five).
+    from shardwise.engine.run.rng import MASK, START, mix, mixed
+
+    assert mixed(mixed(START, *values[:2]), *values[2:]) & MASK == mix(*values)

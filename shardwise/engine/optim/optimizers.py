@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 
 from . import foreach as fe
-from .groups import Group, Options, ParamGroups, Pieces, Runs, tree_runs
+from .groups import Group, Options, ParamGroups, Pieces, Runs, tree_runs, whole_pieces
 from .schedules import Constant, Schedule, as_step
 
 __all__ = [
@@ -386,7 +386,7 @@ def global_norm(tree: Params) -> Tensor:
     sorted dict keys would put ``bias`` before ``weight``, and a different order of
     the sum can differ in the last bit.
     """
-    leaves = _insertion_ordered(tree)
+    leaves = tensor_leaves(tree)
     if not leaves:
         return torch.tensor(0.0)
     first_device = leaves[0].device
@@ -394,9 +394,10 @@ def global_norm(tree: Params) -> Tensor:
     return torch.linalg.vector_norm(torch.stack([n.to(first_device) for n in norms]), 2.0)
 
 
-def _insertion_ordered(tree: Any) -> list[Tensor]:
-    """:func:`_leaves_in_insertion_order` as a list; a step's gradients (a dict of dicts of
-    tensors) read in one comprehension instead of a generator per container."""
+def tensor_leaves(tree: Any) -> list[Tensor]:
+    """The tensors of ``tree``, mappings in insertion order (:func:`_leaves_in_insertion_order`);
+    a step's gradients (a dict of dicts of tensors) read in one comprehension instead of a
+    generator per container, or a flattening."""
     if isinstance(tree, dict) and all(type(v) is dict for v in tree.values()):
         flat = [t for v in tree.values() for t in v.values()]
         if all(isinstance(t, Tensor) for t in flat):
@@ -487,6 +488,8 @@ def _pieces(
     """The params' leaves cut by their options: ``runs`` as given (a Step's, for flat shards),
     else resolved from the tree (whole leaves)."""
     default = Options(weight_decay)
+    if runs is None and groups is None:  # whole leaves, one option set: the same cuts every step
+        return whole_pieces(tuple(t.numel() for t in leaves), default)
     if runs is None:
         return Pieces(tree_runs(groups, default, params), leaves)
     given, runs_spec = optree.tree_flatten(runs)

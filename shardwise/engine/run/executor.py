@@ -90,7 +90,7 @@ from ..plan.actions import (
 from ..torch_api import accumulate_backward, version_of
 from .batch_keys import unknown_keys_message
 from .metrics import MetricExchange, Summed, different_batches
-from .rng import default_generators, mix, preserved, ranks_share_generators, seeded
+from .rng import MASK, START, default_generators, mixed, preserved, ranks_share_generators, seeded
 from .transfers import TransferActions
 from .zero import ZeroActions
 
@@ -278,6 +278,7 @@ class Executor(ZeroActions, TransferActions):
         self._rank = 0 if self.mesh is None else self.mesh.rank
         self._rng_rank = self._rank if self.rng_rank is None else self.rng_rank
         self._generators = default_generators(self.device)
+        self._seed_prefix = None if self.rng_seed is None else mixed(START, self.rng_seed, self._rng_rank)
 
     # -- dispatch ------------------------------------------------------------------------------
     def run(self, actions: Sequence[Action]) -> None:
@@ -359,10 +360,13 @@ class Executor(ZeroActions, TransferActions):
         """Run ``handler``; a compute runs with the generators seeded for its (rank, stage,
         micro-batch, kind)."""
         code = _RANDOM.get(action.kind)
-        if code is None or self.rng_seed is None:
-            handler(action)
+        if code is None or self._seed_prefix is None or (
+            action.kind == BACKWARD and (action.stage, action.mb) in self._covered
+        ):
+            handler(action)  # (a backward that its run's top stage's call covered runs nothing)
             return
-        seed = mix(self.rng_seed, self._rng_rank, action.stage or 0, action.microbatch or 0, code)
+        # mix(rng_seed, rng rank, stage, micro-batch, code), the first two mixed once per step
+        seed = mixed(self._seed_prefix, action.stage or 0, action.microbatch or 0, code) & MASK
         if self._shared_rng:
             with seeded(seed, self.device, True):
                 handler(action)
@@ -380,7 +384,8 @@ class Executor(ZeroActions, TransferActions):
             x, inputs = self.microbatches[m][0], []
         elif joined:  # the backward runs through here in one call with the stage below
             x = self._outputs[(s - 1, m)]
-            inputs = [t for t in optree.tree_leaves(x) if _needs_grad(t)]
+            flat = [x] if isinstance(x, torch.Tensor) else optree.tree_leaves(x)
+            inputs = [t for t in flat if _needs_grad(t)]
         else:
             x, inputs = self._take_input(s, m)
         if s > 0 and not inputs and self._earlier_layers_own_params(s):
@@ -399,7 +404,7 @@ class Executor(ZeroActions, TransferActions):
             y = x
             for name, call in zip(names, calls, strict=True):
                 buffers = self.chain[name].buffers
-                versions = [version_of(b) for b in buffers.values()]
+                versions = [version_of(b) for b in buffers.values()] if buffers else None
                 try:
                     y = call(y)
                 except Exception as err:  # say where, with what: the message is torch's
@@ -408,6 +413,8 @@ class Executor(ZeroActions, TransferActions):
                         raise ValueError(keys) from err
                     err.add_note(f"in layer {name!r} (stage {s}, micro-batch {m}), on input {_describe(y)}")
                     raise
+                if versions is None:
+                    continue
                 changed = [b for b, v in zip(buffers, versions, strict=True) if version_of(buffers[b]) != v]
                 if changed:
                     raise ValueError(
