@@ -433,7 +433,9 @@ class Executor(ZeroActions, TransferActions):
             else:
                 for k, t in enumerate(inputs):
                     t.register_hook(functools.partial(_mark, reached, k))
-            self._saved[(s, m)] = _Saved([], leaves, self._carrying_grads(s, y), reached=reached)
+            # A stage whose backward the call of a stage above covers never reads its outputs.
+            outputs = [] if (s, m) in self._covered else self._carrying_grads(s, y)
+            self._saved[(s, m)] = _Saved([], leaves, outputs, reached=reached)
         else:
             self._saved[(s, m)] = _Saved(inputs, leaves, self._carrying_grads(s, y))
 
