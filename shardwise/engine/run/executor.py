@@ -187,6 +187,28 @@ def joined_backwards(actions: Sequence[Action]) -> tuple[dict[tuple[int, int], i
     return tops, covered
 
 
+def joined_forwards(actions: Sequence[Action], joined: set[tuple[int, int]]) -> dict[int, int]:
+    """Runs of adjacent forwards of one micro-batch on consecutive stages whose inputs stay on the
+    graph (``joined``: their backwards run as one call), which then run as one loop: the position of
+    a run's first forward -> the position after its last. Nothing between them in the Plan needed
+    them apart, and each keeps its own seed."""
+    runs: dict[int, int] = {}
+    i, n = 0, len(actions)
+    while i < n:
+        j = i + 1
+        if actions[i].kind == FORWARD:
+            while (
+                j < n and actions[j].kind == FORWARD and actions[j].microbatch == actions[i].microbatch
+                and actions[j].stage == actions[j - 1].require("stage") + 1
+                and (actions[j].stage, actions[j].mb) in joined
+            ):
+                j += 1
+            if j - i > 1:
+                runs[i] = j
+        i = j
+    return runs
+
+
 @dataclass
 class Executor(ZeroActions, TransferActions):
     """One rank's step. After :meth:`run`: ``final_grads`` (what the optimizer got), ``summed``
@@ -323,11 +345,20 @@ class Executor(ZeroActions, TransferActions):
         self._tops, self._covered = ({}, set()) if self.record else joined_backwards(actions)
         # A stage's input stays on the graph when its backward and the one below it run as one call.
         self._joined = {(s + 1, m) for s, m in self._covered}
+        # Forwards of such stages, adjacent in the Plan, run as one loop (a traced step times each).
+        forward_runs = joined_forwards(actions, self._joined)
+        after_run = 0
         clock = time.perf_counter
         ran: list[tuple[int, float, float]] = []  # when recording: (position here, start, end)
         planned = 0  # the position of the running action in the Plan's list, which also lists the
         # collectives a compute issues inside its layers (a split transform's) right after it
         for position, action in enumerate(actions):
+            if position < after_run:  # run by its run's first forward
+                continue
+            if position in forward_runs:
+                after_run = forward_runs[position]
+                self._forward_run(actions[position:after_run])
+                continue
             handler = table.get(action.kind)
             if handler is None:
                 raise ValueError(f"the executor has no handler for action {action} (kind {action.kind!r})")
@@ -377,7 +408,29 @@ class Executor(ZeroActions, TransferActions):
             gen.manual_seed(seed)
         handler(action)
 
+    def _forward_run(self, run: Sequence[Action]) -> None:
+        """Forwards of consecutive stages of one micro-batch (:func:`joined_forwards`) in one loop,
+        each with the generators seeded as :meth:`_call` seeds a forward."""
+        prefix = self._seed_prefix
+        with torch.enable_grad():
+            for action in run:
+                if prefix is None:
+                    self._forward(action)
+                    continue
+                seed = mixed(prefix, action.stage or 0, action.microbatch or 0, _RANDOM[FORWARD]) & MASK
+                if self._shared_rng:
+                    with seeded(seed, self.device, True):
+                        self._forward(action)
+                    continue
+                for gen in self._generators:
+                    gen.manual_seed(seed)
+                self._forward(action)
+
     def forward(self, action: Action) -> None:
+        with torch.enable_grad():
+            self._forward(action)
+
+    def _forward(self, action: Action) -> None:
         s, m = action.require("stage"), action.mb
         joined = (s, m) in self._joined
         if s == 0:
@@ -397,31 +450,30 @@ class Executor(ZeroActions, TransferActions):
             )
         calls, leaves = self._bound_stage(s)
         names = self.placement.stages[s]
-        with torch.enable_grad():
-            if not joined:
-                for t in inputs:
-                    t.requires_grad_(True)
-            y = x
-            for name, call in zip(names, calls, strict=True):
-                buffers = self.chain[name].buffers
-                versions = [version_of(b) for b in buffers.values()] if buffers else None
-                try:
-                    y = call(y)
-                except Exception as err:  # say where, with what: the message is torch's
-                    keys = unknown_keys_message(name, self.chain[name].fn, y)
-                    if keys is not None:
-                        raise ValueError(keys) from err
-                    err.add_note(f"in layer {name!r} (stage {s}, micro-batch {m}), on input {_describe(y)}")
-                    raise
-                if versions is None:
-                    continue
-                changed = [b for b, v in zip(buffers, versions, strict=True) if version_of(buffers[b]) != v]
-                if changed:
-                    raise ValueError(
-                        f"layer {name!r} wrote into its buffers {changed} during forward: a pure layer keeps no "
-                        "state, so the update would be lost between steps or leak across ranks; make it a "
-                        "parameter, compute it from the input, or leave the module in eval mode"
-                    )
+        if not joined:
+            for t in inputs:
+                t.requires_grad_(True)
+        y = x
+        for name, call in zip(names, calls, strict=True):
+            buffers = self.chain[name].buffers
+            versions = [version_of(b) for b in buffers.values()] if buffers else None
+            try:
+                y = call(y)
+            except Exception as err:  # say where, with what: the message is torch's
+                keys = unknown_keys_message(name, self.chain[name].fn, y)
+                if keys is not None:
+                    raise ValueError(keys) from err
+                err.add_note(f"in layer {name!r} (stage {s}, micro-batch {m}), on input {_describe(y)}")
+                raise
+            if versions is None:
+                continue
+            changed = [b for b, v in zip(buffers, versions, strict=True) if version_of(buffers[b]) != v]
+            if changed:
+                raise ValueError(
+                    f"layer {name!r} wrote into its buffers {changed} during forward: a pure layer keeps no "
+                    "state, so the update would be lost between steps or leak across ranks; make it a "
+                    "parameter, compute it from the input, or leave the module in eval mode"
+                )
         self._outputs[(s, m)] = y
         if joined:
             reached = [False] * len(inputs)
