@@ -36,12 +36,15 @@ def _first_tensor(tree: Any) -> torch.Tensor | None:
     parameters (a dict of dicts of tensors) walked to their first leaf, not flattened whole."""
     if isinstance(tree, torch.Tensor):
         return tree
-    if type(tree) is dict and all(type(k) is str for k in tree):
-        for key in sorted(tree):
-            found = _first_tensor(tree[key])
+    if type(tree) is dict and tree:
+        try:
+            first = min(tree)
+        except TypeError:  # keys of types that do not compare: optree's order
+            first = None
+        if type(first) is str and all(type(k) is str for k in tree):
+            found = _first_tensor(tree[first])
             if found is not None:
                 return found
-        return None
     return next((leaf for leaf in optree.tree_leaves(tree) if isinstance(leaf, torch.Tensor)), None)
 
 
