@@ -29,7 +29,7 @@ def _glibc() -> ctypes.CDLL | None:
     try:
         libc = ctypes.CDLL(None)
         libc.gnu_get_libc_version  # noqa: B018  (present in glibc only)
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, TypeError):  # not glibc (or no C library to open this way)
         return None
     libc.malloc.restype = ctypes.c_void_p
     libc.malloc.argtypes = [ctypes.c_size_t]
