@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import textwrap
@@ -33,7 +34,7 @@ CHILD = textwrap.dedent(
     state = step.init(params)
     batch = (torch.randn(32, 512), torch.randn(32, 512))
     faults = []
-    for _ in range(8):
+    for _ in range(10):
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         state, metrics = step(state, batch)
         metrics["loss"].item()
@@ -54,8 +55,9 @@ def _faults_per_step(malloc: dict[str, str]) -> list[int]:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc, counted by getrusage")
 def test_a_cpu_step_does_not_fault_its_gradients_in_again() -> None:
     faults = _faults_per_step({})
-    # 8 MB of gradients are 2,048 pages: a step that refaults them pays about that many.
-    assert max(faults[3:]) < 200, faults
+    # 8 MB of gradients are 2,048 pages: a step that refaults them pays about that many, every step
+    # (the median: a step may fault a few pages in for something else on a busy machine).
+    assert statistics.median(faults[3:]) < 200, faults
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc, counted by getrusage")
@@ -63,4 +65,4 @@ def test_thresholds_fixed_in_the_environment_are_kept() -> None:
     # The memory tests fix them low so that resident memory follows live tensors: the step must
     # not move them (glibc does not, once they are set), so every step maps its gradients afresh.
     faults = _faults_per_step(LIVE_MALLOC)
-    assert min(faults[3:]) > 1500, faults
+    assert statistics.median(faults[3:]) > 1500, faults
