@@ -175,3 +175,34 @@ def test_a_compute_holding_the_generators_past_the_timeout_fails_the_launch() ->
     finally:
         _Slow.on = False
     assert time.monotonic() - started < timeout + 4.0
+
+
+@pytest.mark.parametrize(
+    "values", [(0, 0, 0, 0, 1), (2**62 + 12345, 3, 7, 2, 2), (-5, 1, 0, 9, 3), (2**64 + 1, 2, 4, 6, 8)]
+)
+def test_a_compute_seed_mixed_in_two_parts_is_the_seed_mixed_at_once(values: tuple[int, ...]) -> None:
+    # The executor mixes (step seed, rank) once per step and each compute's (stage, micro-batch,
+    # kind) after it: the seeds, and so every dropout mask, must be those of mix(all five).
+    from shardwise.engine.run.rng import MASK, START, mix, mixed
+
+    assert mixed(mixed(START, *values[:2]), *values[2:]) & MASK == mix(*values)
+
+
+def test_joined_computes_draw_the_masks_of_separate_ones() -> None:
+    """Untraced, the forwards of consecutive layers run as one loop and their backwards as one call
+    (executor.joined_forwards / joined_backwards); traced, every compute runs alone, seeded on its
+    own. Each layer must draw the same masks either way, on one device and in a pipeline's ranks."""
+    from shardwise.engine.run.executor import joined_backwards, joined_forwards
+
+    step, params, batches = PROBLEM
+    actions = step.plan(None, params).for_rank(0)
+    covered = joined_backwards(actions)[1]
+    assert joined_forwards(actions, {(s + 1, m) for s, m in covered}) == {0: len(step.chain.names)}  # one run
+    plain = _run(step, params, batches, None)  # type: ignore[arg-type]
+    assert _equal(plain, _run(step.with_trace(), params, batches, None))  # type: ignore[arg-type]
+    assert not _equal(plain, _run(step, params, batches, None, seed=1))  # type: ignore[arg-type]
+    piped = sw.pipeline(step, "pp", "1f1b", 2)
+    mesh = sw.Mesh(pp=2)
+    joined = sw.launch(lambda: _run(piped, params, batches, mesh), 2)
+    alone = sw.launch(lambda: _run(piped.with_trace(), params, batches, mesh), 2)
+    assert all(_equal(a, b) for a, b in zip(joined, alone, strict=True))

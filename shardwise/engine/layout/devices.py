@@ -25,10 +25,27 @@ def device_of(*trees: Any, default: torch.device | str = "cpu") -> torch.device:
     device(type='meta')
     """
     for tree in trees:
-        for leaf in optree.tree_leaves(tree):
-            if isinstance(leaf, torch.Tensor):
-                return leaf.device
+        first = _first_tensor(tree)
+        if first is not None:
+            return first.device
     return torch.device(default)
+
+
+def _first_tensor(tree: Any) -> torch.Tensor | None:
+    """The first tensor among ``tree``'s leaves in optree's order (a dict's keys sorted): a step's
+    parameters (a dict of dicts of tensors) walked to their first leaf, not flattened whole."""
+    if isinstance(tree, torch.Tensor):
+        return tree
+    if type(tree) is dict and tree:
+        try:
+            first = min(tree)
+        except TypeError:  # keys of types that do not compare: optree's order
+            first = None
+        if type(first) is str and all(type(k) is str for k in tree):
+            found = _first_tensor(tree[first])
+            if found is not None:
+                return found
+    return next((leaf for leaf in optree.tree_leaves(tree) if isinstance(leaf, torch.Tensor)), None)
 
 
 def host_scalar(value: bool | int | float) -> torch.Tensor:

@@ -262,14 +262,17 @@ class Pieces:
     ``assemble`` puts the per-piece results back into leaves of the original shapes.
     """
 
-    def __init__(self, runs: Sequence[Runs], leaves: Sequence[Tensor]) -> None:
+    def __init__(self, runs: Sequence[Runs], leaves: Sequence[Tensor | int]) -> None:
+        """``leaves``: the tensors, or their numbers of elements."""
         self.cuts: list[tuple[int, int, int, bool]] = []  # (leaf, start, stop, whole leaf)
         self.options: list[Options] = []
+        self._classes: list[tuple[Options, list[int]]] | None = None
         for i, (r, leaf) in enumerate(zip(runs, leaves, strict=True)):
             total = r.runs[-1][1] if r.runs else 0
-            if r.runs and (r.runs[0][0] != 0 or total != leaf.numel()):
+            numel = leaf if isinstance(leaf, int) else leaf.numel()
+            if r.runs and (r.runs[0][0] != 0 or total != numel):
                 raise ValueError(
-                    f"parameter runs: leaf {i} has {leaf.numel()} elements but its runs cover "
+                    f"parameter runs: leaf {i} has {numel} elements but its runs cover "
                     f"[{r.runs[0][0]}, {total}); the runs must cover every element"
                 )
             for start, stop, opts in r.runs:
@@ -278,11 +281,13 @@ class Pieces:
         self.leaf_runs = [len(r.runs) for r in runs]
 
     def classes(self) -> list[tuple[Options, list[int]]]:
-        by: dict[Options, list[int]] = {}
-        for j, opts in enumerate(self.options):
-            if not opts.frozen:
-                by.setdefault(opts, []).append(j)
-        return list(by.items())
+        if self._classes is None:
+            by: dict[Options, list[int]] = {}
+            for j, opts in enumerate(self.options):
+                if not opts.frozen:
+                    by.setdefault(opts, []).append(j)
+            self._classes = list(by.items())
+        return self._classes
 
     def take(self, leaves: Sequence[Tensor], indices: Sequence[int]) -> list[Tensor]:
         out = []
@@ -313,6 +318,14 @@ class Pieces:
             else:
                 out.append(parts[0] if len(parts) == 1 else torch.cat(parts).view(leaf.shape))
         return out
+
+
+@functools.lru_cache(maxsize=64)
+def whole_pieces(numels: tuple[int, ...], options: Options) -> Pieces:
+    """The :class:`Pieces` of whole leaves of ``numels`` elements, all with ``options`` (what
+    ``tree_runs`` gives without groups). Cached: an optimizer without groups updates the same
+    leaves every step, and nothing changes a Pieces once made."""
+    return Pieces([Runs.whole(n, options) for n in numels], numels)
 
 
 def _flat(t: Tensor) -> Tensor:

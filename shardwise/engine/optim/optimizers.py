@@ -41,8 +41,9 @@ import optree
 import torch
 from torch import Tensor
 
+from . import flat
 from . import foreach as fe
-from .groups import Group, Options, ParamGroups, Pieces, Runs, tree_runs
+from .groups import Group, Options, ParamGroups, Pieces, Runs, tree_runs, whole_pieces
 from .schedules import Constant, Schedule, as_step
 
 __all__ = [
@@ -212,8 +213,8 @@ class _SgdUpdate:
         self, grads: Params, state: SgdState, params: Params, *, runs: Params | None = None
     ) -> tuple[Params, SgdState]:
         _check_state(state, SgdState, "sgd")
-        p, spec = optree.tree_flatten(params)
-        g = _leaves_like(grads, spec, "grads")
+        p, spec = flat.flatten(params)
+        g = flat.leaves_like(grads, spec, "grads")
         t = as_step(state.step)
         step_lr = _lr_at(self.schedule, t)
         b: list[Tensor] = []
@@ -222,7 +223,7 @@ class _SgdUpdate:
                 raise ValueError(
                     "state.momentum: is None but momentum != 0; build the state with this optimizer's init"
                 )
-            b = _leaves_like(state.momentum, spec, "state.momentum")
+            b = flat.leaves_like(state.momentum, spec, "state.momentum")
         pieces = _pieces(self.groups, self.weight_decay, params, spec, runs, p)
         out_p: dict[int, Tensor] = {}
         out_b: dict[int, Tensor] = {}
@@ -238,9 +239,9 @@ class _SgdUpdate:
             out_p.update(zip(idx, fe.add(ps, d_p, alpha=-lr, inplace=self.inplace), strict=True))
         buffers = None
         if self.momentum != 0:
-            buffers = optree.tree_unflatten(spec, pieces.assemble(b, out_b, self.inplace))
+            buffers = flat.unflatten(spec, pieces.assemble(b, out_b, self.inplace))
         new_p = pieces.assemble(p, out_p, self.inplace)
-        return optree.tree_unflatten(spec, new_p), SgdState(_next_step(state.step), buffers)
+        return flat.unflatten(spec, new_p), SgdState(_next_step(state.step), buffers)
 
     def _momentum(self, b: list[Tensor], d_p: list[Tensor], t: int) -> list[Tensor]:
         if t == 0:
@@ -280,10 +281,10 @@ class _AdamWUpdate:
         self, grads: Params, state: AdamWState, params: Params, *, runs: Params | None = None
     ) -> tuple[Params, AdamWState]:
         _check_state(state, AdamWState, "adamw")
-        p, spec = optree.tree_flatten(params)
-        g = _leaves_like(grads, spec, "grads")
-        m = _leaves_like(state.exp_avg, spec, "state.exp_avg")
-        v = _leaves_like(state.exp_avg_sq, spec, "state.exp_avg_sq")
+        p, spec = flat.flatten(params)
+        g = flat.leaves_like(grads, spec, "grads")
+        m = flat.leaves_like(state.exp_avg, spec, "state.exp_avg")
+        v = flat.leaves_like(state.exp_avg_sq, spec, "state.exp_avg_sq")
         t = as_step(state.step) + 1  # torch counts the update first: bias corrections use t >= 1
         step_lr = _lr_at(self.schedule, t - 1)
         pieces = _pieces(self.groups, self.weight_decay, params, spec, runs, p)
@@ -297,10 +298,10 @@ class _AdamWUpdate:
         )
         new_state = AdamWState(
             step=_next_step(state.step),
-            exp_avg=optree.tree_unflatten(spec, new_m),
-            exp_avg_sq=optree.tree_unflatten(spec, new_v),
+            exp_avg=flat.unflatten(spec, new_m),
+            exp_avg_sq=flat.unflatten(spec, new_v),
         )
-        return optree.tree_unflatten(spec, new_p), new_state
+        return flat.unflatten(spec, new_p), new_state
 
     def _math(
         self, tensors: list[list[Tensor]], opts: Options, step_lr: float, t: int
@@ -386,7 +387,7 @@ def global_norm(tree: Params) -> Tensor:
     sorted dict keys would put ``bias`` before ``weight``, and a different order of
     the sum can differ in the last bit.
     """
-    leaves = _insertion_ordered(tree)
+    leaves = tensor_leaves(tree)
     if not leaves:
         return torch.tensor(0.0)
     first_device = leaves[0].device
@@ -394,9 +395,10 @@ def global_norm(tree: Params) -> Tensor:
     return torch.linalg.vector_norm(torch.stack([n.to(first_device) for n in norms]), 2.0)
 
 
-def _insertion_ordered(tree: Any) -> list[Tensor]:
-    """:func:`_leaves_in_insertion_order` as a list; a step's gradients (a dict of dicts of
-    tensors) read in one comprehension instead of a generator per container."""
+def tensor_leaves(tree: Any) -> list[Tensor]:
+    """The tensors of ``tree``, mappings in insertion order (:func:`_leaves_in_insertion_order`);
+    a step's gradients (a dict of dicts of tensors) read in one comprehension instead of a
+    generator per container, or a flattening."""
     if isinstance(tree, dict) and all(type(v) is dict for v in tree.values()):
         flat = [t for v in tree.values() for t in v.values()]
         if all(isinstance(t, Tensor) for t in flat):
@@ -469,30 +471,21 @@ def _check_state(state: object, expected: type, optimizer: str) -> None:
         )
 
 
-def _leaves_like(tree: Params, spec: optree.PyTreeSpec, name: str) -> list[Tensor]:
-    """``tree``'s leaves, checking that it has the params' structure, so leaves pair up."""
-    leaves, tree_spec = optree.tree_flatten(tree)
-    if tree_spec != spec:
-        raise ValueError(
-            f"{name}: its tree structure {tree_spec} differs from the params' {spec}; "
-            "pass one tensor per parameter, in the same containers"
-        )
-    return leaves
-
-
 def _pieces(
-    groups: ParamGroups | None, weight_decay: float, params: Params, spec: optree.PyTreeSpec,
+    groups: ParamGroups | None, weight_decay: float, params: Params, structure: flat.Structure,
     runs: Params | None, leaves: list[Tensor],
 ) -> Pieces:
     """The params' leaves cut by their options: ``runs`` as given (a Step's, for flat shards),
     else resolved from the tree (whole leaves)."""
     default = Options(weight_decay)
+    if runs is None and groups is None:  # whole leaves, one option set: the same cuts every step
+        return whole_pieces(tuple(t.numel() for t in leaves), default)
     if runs is None:
         return Pieces(tree_runs(groups, default, params), leaves)
     given, runs_spec = optree.tree_flatten(runs)
-    if runs_spec != spec or not all(isinstance(r, Runs) for r in given):
+    if runs_spec != structure.spec or not all(isinstance(r, Runs) for r in given):
         raise ValueError(
-            f"runs: expected a tree like the params ({spec}) of Runs, got {runs_spec}; "
+            f"runs: expected a tree like the params ({structure.spec}) of Runs, got {runs_spec}; "
             "give one Runs per parameter leaf"
         )
     return Pieces(given, leaves)

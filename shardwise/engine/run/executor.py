@@ -90,7 +90,7 @@ from ..plan.actions import (
 from ..torch_api import accumulate_backward, version_of
 from .batch_keys import unknown_keys_message
 from .metrics import MetricExchange, Summed, different_batches
-from .rng import default_generators, mix, preserved, ranks_share_generators, seeded
+from .rng import MASK, START, default_generators, mixed, preserved, ranks_share_generators, seeded
 from .transfers import TransferActions
 from .zero import ZeroActions
 
@@ -187,6 +187,28 @@ def joined_backwards(actions: Sequence[Action]) -> tuple[dict[tuple[int, int], i
     return tops, covered
 
 
+def joined_forwards(actions: Sequence[Action], joined: set[tuple[int, int]]) -> dict[int, int]:
+    """Runs of adjacent forwards of one micro-batch on consecutive stages whose inputs stay on the
+    graph (``joined``: their backwards run as one call), which then run as one loop: the position of
+    a run's first forward -> the position after its last. Nothing between them in the Plan needed
+    them apart, and each keeps its own seed."""
+    runs: dict[int, int] = {}
+    i, n = 0, len(actions)
+    while i < n:
+        j = i + 1
+        if actions[i].kind == FORWARD:
+            while (
+                j < n and actions[j].kind == FORWARD and actions[j].microbatch == actions[i].microbatch
+                and actions[j].stage == actions[j - 1].require("stage") + 1
+                and (actions[j].stage, actions[j].mb) in joined
+            ):
+                j += 1
+            if j - i > 1:
+                runs[i] = j
+        i = j
+    return runs
+
+
 @dataclass
 class Executor(ZeroActions, TransferActions):
     """One rank's step. After :meth:`run`: ``final_grads`` (what the optimizer got), ``summed``
@@ -278,6 +300,7 @@ class Executor(ZeroActions, TransferActions):
         self._rank = 0 if self.mesh is None else self.mesh.rank
         self._rng_rank = self._rank if self.rng_rank is None else self.rng_rank
         self._generators = default_generators(self.device)
+        self._seed_prefix = None if self.rng_seed is None else mixed(START, self.rng_seed, self._rng_rank)
 
     # -- dispatch ------------------------------------------------------------------------------
     def run(self, actions: Sequence[Action]) -> None:
@@ -322,11 +345,20 @@ class Executor(ZeroActions, TransferActions):
         self._tops, self._covered = ({}, set()) if self.record else joined_backwards(actions)
         # A stage's input stays on the graph when its backward and the one below it run as one call.
         self._joined = {(s + 1, m) for s, m in self._covered}
+        # Forwards of such stages, adjacent in the Plan, run as one loop (a traced step times each).
+        forward_runs = joined_forwards(actions, self._joined)
+        after_run = 0
         clock = time.perf_counter
         ran: list[tuple[int, float, float]] = []  # when recording: (position here, start, end)
         planned = 0  # the position of the running action in the Plan's list, which also lists the
         # collectives a compute issues inside its layers (a split transform's) right after it
         for position, action in enumerate(actions):
+            if position < after_run:  # run by its run's first forward
+                continue
+            if position in forward_runs:
+                after_run = forward_runs[position]
+                self._forward_run(actions[position:after_run])
+                continue
             handler = table.get(action.kind)
             if handler is None:
                 raise ValueError(f"the executor has no handler for action {action} (kind {action.kind!r})")
@@ -359,10 +391,13 @@ class Executor(ZeroActions, TransferActions):
         """Run ``handler``; a compute runs with the generators seeded for its (rank, stage,
         micro-batch, kind)."""
         code = _RANDOM.get(action.kind)
-        if code is None or self.rng_seed is None:
-            handler(action)
+        if code is None or self._seed_prefix is None or (
+            action.kind == BACKWARD and (action.stage, action.mb) in self._covered
+        ):
+            handler(action)  # (a backward that its run's top stage's call covered runs nothing)
             return
-        seed = mix(self.rng_seed, self._rng_rank, action.stage or 0, action.microbatch or 0, code)
+        # mix(rng_seed, rng rank, stage, micro-batch, code), the first two mixed once per step
+        seed = mixed(self._seed_prefix, action.stage or 0, action.microbatch or 0, code) & MASK
         if self._shared_rng:
             with seeded(seed, self.device, True):
                 handler(action)
@@ -373,14 +408,37 @@ class Executor(ZeroActions, TransferActions):
             gen.manual_seed(seed)
         handler(action)
 
+    def _forward_run(self, run: Sequence[Action]) -> None:
+        """Forwards of consecutive stages of one micro-batch (:func:`joined_forwards`) in one loop,
+        each with the generators seeded as :meth:`_call` seeds a forward."""
+        prefix = self._seed_prefix
+        with torch.enable_grad():
+            for action in run:
+                if prefix is None:
+                    self._forward(action)
+                    continue
+                seed = mixed(prefix, action.stage or 0, action.microbatch or 0, _RANDOM[FORWARD]) & MASK
+                if self._shared_rng:
+                    with seeded(seed, self.device, True):
+                        self._forward(action)
+                    continue
+                for gen in self._generators:
+                    gen.manual_seed(seed)
+                self._forward(action)
+
     def forward(self, action: Action) -> None:
+        with torch.enable_grad():
+            self._forward(action)
+
+    def _forward(self, action: Action) -> None:
         s, m = action.require("stage"), action.mb
         joined = (s, m) in self._joined
         if s == 0:
             x, inputs = self.microbatches[m][0], []
         elif joined:  # the backward runs through here in one call with the stage below
             x = self._outputs[(s - 1, m)]
-            inputs = [t for t in optree.tree_leaves(x) if _needs_grad(t)]
+            flat = [x] if isinstance(x, torch.Tensor) else optree.tree_leaves(x)
+            inputs = [t for t in flat if _needs_grad(t)]
         else:
             x, inputs = self._take_input(s, m)
         if s > 0 and not inputs and self._earlier_layers_own_params(s):
@@ -392,29 +450,30 @@ class Executor(ZeroActions, TransferActions):
             )
         calls, leaves = self._bound_stage(s)
         names = self.placement.stages[s]
-        with torch.enable_grad():
-            if not joined:
-                for t in inputs:
-                    t.requires_grad_(True)
-            y = x
-            for name, call in zip(names, calls, strict=True):
-                buffers = self.chain[name].buffers
-                versions = [version_of(b) for b in buffers.values()]
-                try:
-                    y = call(y)
-                except Exception as err:  # say where, with what: the message is torch's
-                    keys = unknown_keys_message(name, self.chain[name].fn, y)
-                    if keys is not None:
-                        raise ValueError(keys) from err
-                    err.add_note(f"in layer {name!r} (stage {s}, micro-batch {m}), on input {_describe(y)}")
-                    raise
-                changed = [b for b, v in zip(buffers, versions, strict=True) if version_of(buffers[b]) != v]
-                if changed:
-                    raise ValueError(
-                        f"layer {name!r} wrote into its buffers {changed} during forward: a pure layer keeps no "
-                        "state, so the update would be lost between steps or leak across ranks; make it a "
-                        "parameter, compute it from the input, or leave the module in eval mode"
-                    )
+        if not joined:
+            for t in inputs:
+                t.requires_grad_(True)
+        y = x
+        for name, call in zip(names, calls, strict=True):
+            buffers = self.chain[name].buffers
+            versions = [version_of(b) for b in buffers.values()] if buffers else None
+            try:
+                y = call(y)
+            except Exception as err:  # say where, with what: the message is torch's
+                keys = unknown_keys_message(name, self.chain[name].fn, y)
+                if keys is not None:
+                    raise ValueError(keys) from err
+                err.add_note(f"in layer {name!r} (stage {s}, micro-batch {m}), on input {_describe(y)}")
+                raise
+            if versions is None:
+                continue
+            changed = [b for b, v in zip(buffers, versions, strict=True) if version_of(buffers[b]) != v]
+            if changed:
+                raise ValueError(
+                    f"layer {name!r} wrote into its buffers {changed} during forward: a pure layer keeps no "
+                    "state, so the update would be lost between steps or leak across ranks; make it a "
+                    "parameter, compute it from the input, or leave the module in eval mode"
+                )
         self._outputs[(s, m)] = y
         if joined:
             reached = [False] * len(inputs)
@@ -426,7 +485,9 @@ class Executor(ZeroActions, TransferActions):
             else:
                 for k, t in enumerate(inputs):
                     t.register_hook(functools.partial(_mark, reached, k))
-            self._saved[(s, m)] = _Saved([], leaves, self._carrying_grads(s, y), reached=reached)
+            # A stage whose backward the call of a stage above covers never reads its outputs.
+            outputs = [] if (s, m) in self._covered else self._carrying_grads(s, y)
+            self._saved[(s, m)] = _Saved([], leaves, outputs, reached=reached)
         else:
             self._saved[(s, m)] = _Saved(inputs, leaves, self._carrying_grads(s, y))
 

@@ -38,18 +38,27 @@ from ...collectives.errors import CollectiveTimeout
 _SHARED = threading.Lock()  # thread ranks share torch's default generators
 _HOLDER = threading.local()  # the device this thread's compute holds the generators for, if any
 _OWNER: list[int | None] = [None]  # the rank holding _SHARED (thread ranks share this module)
-_MASK = (1 << 63) - 1
+MASK = (1 << 63) - 1
+
+
+START = 0x9E3779B97F4A7C15  # mix's state before its first value
 
 
 def mix(*values: int) -> int:
     """A 63-bit seed from integers (splitmix64 rounds): distinct inputs give unrelated streams."""
-    state = 0x9E3779B97F4A7C15
+    return mixed(START, *values) & MASK
+
+
+def mixed(state: int, *values: int) -> int:
+    """The rounds of :func:`mix` from ``state`` (its start, or what ``mixed`` gave for the first
+    values), before the final mask: ``mix(a, b, c) == mixed(mixed(START, a, b), c) & MASK``, so a
+    step that mixes the same first values for every compute mixes them once."""
     for value in values:
         state = (state ^ (value & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
         state ^= state >> 27
         state = state * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
         state ^= state >> 31
-    return state & _MASK
+    return state
 
 
 def ranks_share_generators() -> bool:

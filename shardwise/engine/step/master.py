@@ -53,5 +53,23 @@ def clip_scale(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
 def unscale_like(grads: Any, like: Any, scale: float) -> Any:
     """Gradients in the dtype of ``like`` (the master parameters), divided by the loss scale."""
     if scale == 1.0:
+        if _same_dtypes(grads, like):  # the usual step: nothing to cast (``to`` would return each as is)
+            return grads
         return optree.tree_map(lambda g, p: g.to(p.dtype), grads, like)
     return optree.tree_map(lambda g, p: g.to(p.dtype) / scale, grads, like)
+
+
+def _same_dtypes(grads: Any, like: Any) -> bool:
+    """Whether ``grads`` and ``like`` are dicts of dicts of tensors with the same keys and dtypes
+    (False for any other tree: then the caller maps it, checking its structure)."""
+    if type(grads) is not dict or type(like) is not dict or grads.keys() != like.keys():
+        return False
+    for layer, tensors in grads.items():
+        params = like[layer]
+        if type(tensors) is not dict or type(params) is not dict or tensors.keys() != params.keys():
+            return False
+        for name, g in tensors.items():
+            p = params[name]
+            if not isinstance(g, torch.Tensor) or not isinstance(p, torch.Tensor) or g.dtype != p.dtype:
+                return False
+    return True

@@ -29,6 +29,7 @@ from ..plan.actions import Action
 from ..plan.batches import split_over
 from ..plan.lower import metric_axes, microbatch_count, rank_actions, reduce_sizes
 from ..run.executor import Executor, ParamSource, ReplicaCheck
+from ..run.heap import keep_freed
 from ..run.metrics import MetricExchange, Summed, batch_fingerprint, different_batches
 from ..run.rng import mix
 from ..stack import in_layer
@@ -167,7 +168,10 @@ def prepare_run(step: Step, state: TrainState, layout: StateLayout, batch: Any) 
     sharding, pipe = layout.sharding, step.pipeline_spec
     micro, replicas = local_microbatches(step, mesh, sharding, batch)
     master, source = param_source(step, state, sharding)
-    run = rank_run(step, layout, mesh, device_of(master))
+    device = device_of(master)
+    run = rank_run(step, layout, mesh, device)
+    if device.type == "cpu":
+        _keep_step_memory(layout, mesh, state)
     scale, k = step.loss_scale_value(state), microbatch_count(step)
     outcome: dict[str, Any] = {}
 
@@ -207,6 +211,15 @@ def prepare_run(step: Step, state: TrainState, layout: StateLayout, batch: Any) 
         rng_rank=run.rng_rank, replicas=run.replicas,
     )
     return PreparedRun(executor, run, replicas, outcome, batch_shares(step, mesh))
+
+
+def _keep_step_memory(layout: StateLayout, mesh: Mesh | None, state: TrainState) -> None:
+    """Once per layout and rank: glibc keeps what a step frees (about its parameters' bytes in
+    gradients) for the next step, instead of giving it back and faulting it in again (run/heap.py)."""
+    key = ("keep freed", layout.index_of(mesh))
+    if key not in layout.cache:
+        layout.cache[key] = True
+        keep_freed(sum(t.nbytes for t in optree.tree_leaves(state.params) if isinstance(t, torch.Tensor)))
 
 
 def finish_run(step: Step, state: TrainState, prepared: PreparedRun) -> tuple[TrainState, Metrics]:

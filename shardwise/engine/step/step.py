@@ -19,7 +19,6 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import optree
 import torch
 
 from ...collectives.mesh import Mesh
@@ -30,7 +29,7 @@ from ..layout.state import Params, TrainState, check_params
 from ..layout.state_layout import StateLayout, full_params
 from ..model.chain import Chain
 from ..optim import foreach as fe
-from ..optim.optimizers import Optimizer
+from ..optim.optimizers import Optimizer, tensor_leaves
 from ..plan.accounting import predict_kept_for_backward
 from ..plan.actions import Plan
 from ..plan.lower import metric_axes
@@ -222,8 +221,7 @@ class Step:
             # In place, with one foreach call per dtype (as clip_grad_norm_): the step made these
             # gradients and reads them nowhere else, and fresh copies of them would cost a
             # page-faulting allocation of the model's size every step.
-            leaves, spec = optree.tree_flatten(grads)
-            grads = optree.tree_unflatten(spec, fe.mul_tensor(leaves, clip_scale(norm, self.clip_norm), inplace=True))
+            fe.mul_tensor(tensor_leaves(grads), clip_scale(norm, self.clip_norm), inplace=True)
         new_params, new_opt_state = self._update(state, grads, params, opt_state)
         return new_params, new_opt_state, None if scale is None else scale.adjust(True)
 
