@@ -40,6 +40,7 @@ from ..stack import in_layer
 from ..stack.compose import PLACEMENT, SHARDING, describe, find
 from ..stack.splits import Splits, splits_of
 from .batch_cut import batch_shares
+from .donation import check_not_consumed, mark_updated
 from .init_state import held_params, init_seeding, meta_names, sampled_values
 from .layouts import build_layout, check_mesh, layouts_by_index, stage_boundaries
 from .master import clip_scale, compute_params, master_meta, master_params
@@ -402,9 +403,12 @@ class Step:
     # -- running --------------------------------------------------------------
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, Metrics]:
         """One training step on the global ``batch``: ``(new state, metrics)`` (every rank passes the same batch)."""
+        check_not_consumed(self, state)
         prepared = prepare_run(self, state, self._state_layout(state), batch)  # the rank's lowering is cached
         prepared.run()
-        return finish_run(self, state, prepared)
+        new_state, metrics = finish_run(self, state, prepared)
+        mark_updated(self, new_state)
+        return new_state, metrics
 
     # -- inspection -----------------------------------------------------------
     def plan(self, mesh: Mesh | None = None, params: Params | None = None, batch: Any = None) -> Plan:

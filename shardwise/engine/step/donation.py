@@ -1,0 +1,69 @@
+"""A TrainState an in-place optimizer consumed must not step again.
+
+``sw.optim.sgd(..., inplace=True)`` and ``adamw(..., inplace=True)`` write the new parameters and
+optimizer state into the ones they are given (torch's way, JAX's ``donate_argnums``): after
+``new, _ = step(state, batch)`` the tensors of ``state`` are those of ``new``. Stepping ``state``
+again (a retry, two branches from one state, an evaluation loop that reuses it) would start from
+moments and parameters a later update already wrote, while ``state.step`` says otherwise: another
+run, and no error. So each in-place step tags the tensors it leaves with the update count they
+hold, and a step refuses a state whose tensors hold more updates than the state says.
+
+One tensor per tree is tagged and checked: an in-place update writes every one of them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import optree
+import torch
+
+from ..layout.state import TrainState
+
+if TYPE_CHECKING:
+    from .step import Step
+
+_UPDATES = "_shardwise_updates"  # the update count a tensor holds, set by an in-place step
+
+
+def donates(step: Step) -> bool:
+    """Whether the step's optimizer updates in place (a user's optimizer: as it says, else not)."""
+    return bool(getattr(getattr(step.optimizer, "update", None), "inplace", False))
+
+
+def _witnesses(state: TrainState) -> list[torch.Tensor]:
+    """A tensor the update writes from each of the optimizer state and the parameters (not the
+    update count, a new tensor each step; not parameters still in flight, which reading would settle)."""
+    trees: list[Any] = [state.opt_state]
+    if isinstance(state.params, dict):  # a plain tree (a Mapping of gathers in flight settles when read)
+        trees.append(state.params)
+    found = []
+    for tree in trees:
+        leaf = next((t for t in optree.tree_leaves(tree) if isinstance(t, torch.Tensor) and t.ndim > 0), None)
+        if leaf is not None:
+            found.append(leaf)
+    return found
+
+
+def check_not_consumed(step: Step, state: TrainState) -> None:
+    """Refuse ``state`` when an in-place update already wrote past it."""
+    if not donates(step) or not isinstance(state, TrainState):
+        return
+    for tensor in _witnesses(state):
+        held = getattr(tensor, _UPDATES, None)
+        if held is not None and held > state.step:
+            raise ValueError(
+                f"state: this TrainState (step {state.step}) was consumed by an in-place update: its tensors "
+                f"already hold {held} updates (the optimizer's inplace=True writes the new state into the one "
+                "it is given, as torch does). Step the state the last call returned; to step one state more "
+                "than once, use the optimizer with inplace=False (the default). If you reset state.step on "
+                "purpose, copy its tensors first (optree.tree_map(torch.clone, ...))."
+            )
+
+
+def mark_updated(step: Step, state: TrainState) -> None:
+    """Tag the tensors of the state an in-place step returns with the update count they hold."""
+    if not donates(step):
+        return
+    for tensor in _witnesses(state):
+        setattr(tensor, _UPDATES, state.step)
