@@ -150,24 +150,27 @@ def test_updating_bucket_by_bucket_is_the_single_device_step(size: str, optimize
 
 @pytest.mark.parametrize("clip", [None, 1.0])
 def test_each_buckets_all_gather_is_issued_after_its_update_and_waited_for_at_the_end(clip: float | None) -> None:
-    """update_in_buckets: update(b) gather_params(b) per bucket, in the reduce-scatters' order; the
-    waits after the metrics' (which a clipping update waits for first). A user's optimizer, False, and
-    the default on a CPU: one update, then the gathers."""
+    """update_in_buckets: update(b) gather_params(b) per bucket, in the reduce-scatters' order; without
+    overlap_gather the waits after the metrics' (which a clipping update waits for first). A user's
+    optimizer, False, and the default on a CPU: one update, then the gathers. With overlap_gather (the
+    default) the same, and no wait at the end: the next step waits (its Plan's first actions)."""
     base, params, _ = _problem()
     builtin, users = sw.optim.sgd(lr=0.1, momentum=0.9), _as_users(sw.optim.sgd(lr=0.1, momentum=0.9))
     for opt, option, per_bucket in ((builtin, True, True), (users, True, False), (builtin, False, False),
                                     (builtin, None, False)):
         step = sw.train_step(base.chain, torch.nn.functional.mse_loss, opt, clip_norm=clip)
-        sharded = sw.shard_params(step, "dp", 2, bucket_mb=BUCKETS["pairs"], update_in_buckets=option)
-        actions = sharded.plan(sw.Mesh(dp=4), params).for_rank(0)
-        text = " ".join(map(str, actions[[a.kind for a in actions].index("finish_grads"):]))
         if per_bucket:
             tail = "update(6+4) gather_params(6+4) update(2+0) gather_params(2+0)"
         else:
             tail = "update gather_params(6+4) gather_params(2+0)"
         metrics = "reduce_metrics(axis=dp)" + (" wait_metrics" if clip else "")
         after = "" if clip else " wait_metrics"
-        assert text == f"finish_grads {metrics} {tail}{after} wait_params(6+4) wait_params(2+0)"
+        for overlap, waits in ((False, " wait_params(6+4) wait_params(2+0)"), (None, "")):
+            sharded = sw.shard_params(step, "dp", 2, bucket_mb=BUCKETS["pairs"], update_in_buckets=option,
+                                      overlap_gather=overlap)
+            actions = sharded.plan(sw.Mesh(dp=4), params).for_rank(0)
+            text = " ".join(map(str, actions[[a.kind for a in actions].index("finish_grads"):]))
+            assert text == f"finish_grads {metrics} {tail}{after}{waits}"
 
 
 def test_the_plan_counts_each_buckets_update_not_the_whole_at_each() -> None:

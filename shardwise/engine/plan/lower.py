@@ -204,6 +204,9 @@ def rank_actions(
     # Each split's replicated gradients are compared over its axis.
     actions += [Action(CHECK_REPLICAS, axis=axis) for axis in split_axes]
     update, waits = _update_and_gathers(step, zero, units, buckets, device)
+    if waits and zero.overlaps_gather(device):
+        actions = _waits_before_first_use(actions, waits, stage_needs(step.chain, placement, units))
+        waits = []
     axes = metric_axes(step)
     if not step.metric_exchange().empty and axes:
         actions.append(Action(REDUCE_METRICS, axis=axes[0]))
@@ -243,6 +246,28 @@ def _update_and_gathers(
         label = "+".join(b) if len(b) > 1 else None
         update += [Action(UPDATE, b[0], units=b if len(b) > 1 else (), label=label), gather]
     return update, waits
+
+
+def _waits_before_first_use(
+    actions: list[Action], waits: Sequence[Action], needs: Mapping[int, tuple[str, ...]]
+) -> list[Action]:
+    """ZeRO-1/2 with ``overlap_gather``: each ``wait_params`` of the all-gathers the previous step
+    issued at its end, just before the first forward that uses one of its units, so that the
+    gather overlaps the forwards before it; a bucket no forward uses is waited for before the
+    gradients are finished (the update then writes the shards that gather read)."""
+    first: dict[int, list[Action]] = {}
+    for wait in waits:
+        units = set(wait.units or (wait.require("layer"),))
+        at = next((i for i, a in enumerate(actions) if a.kind == FORWARD and units & set(needs.get(a.stage or 0, ()))),
+                  None)
+        if at is None:
+            at = next(i for i, a in enumerate(actions) if a.kind == FINISH_GRADS)
+        first.setdefault(at, []).append(wait)
+    out: list[Action] = []
+    for i, action in enumerate(actions):
+        out += first.get(i, [])
+        out.append(action)
+    return out
 
 
 def _bucket_action(kind: str, units: tuple[str, ...], axis: str) -> Action:

@@ -39,6 +39,7 @@ class ShardSpec:
     # is cut over it too, and each reduce-scattered gradient shard is all-reduced over it.
     replicate: str | None = None
     update_in_buckets: bool | None = None  # stages 1-2; None: chosen per device (updates_in_buckets)
+    overlap_gather: bool | None = None  # stages 1-2; None: the default (overlaps_gather)
 
     name: ClassVar[str] = "shard_params"
     role: ClassVar[str] = SHARDING
@@ -48,6 +49,7 @@ class ShardSpec:
         in_flight = "" if self.reduce_in_flight is None else f", reduce_in_flight={self.reduce_in_flight}"
         in_flight += "" if self.bucket_mb is None else f", bucket_mb={self.bucket_mb}"
         in_flight += "" if self.update_in_buckets is None else f", update_in_buckets={self.update_in_buckets}"
+        in_flight += "" if self.overlap_gather is None else f", overlap_gather={self.overlap_gather}"
         replicate = "" if self.replicate is None else f", replicate={self.replicate!r}"
         return (
             f"shard_params(axis={self.axis!r}{replicate}, stage={self.stage}{reshard}, prefetch={self.prefetch}, "
@@ -85,6 +87,19 @@ class ShardSpec:
         if self.update_in_buckets is not None:
             return self.update_in_buckets
         return torch.device(device).type not in ("cpu", "meta")
+
+    def overlaps_gather(self, device: torch.device | str) -> bool:
+        """Whether stages 1-2 leave the all-gathers of the updated shards in flight when the step
+        returns, each waited for by the next step just before the first forward that uses its
+        bucket (``wait_params`` at the top of the Plan, ``gather_params`` at its end), so that it
+        overlaps that step's forward. The TrainState then holds them in an ``InFlightParams``,
+        which waits for them all on any other read of ``state.params`` (engine/layout/in_flight.py).
+
+        The default (None): yes, on every device. The gathered buffers are the next step's
+        parameters, so the overlap holds no byte more than the wait at the step's end did."""
+        if self.stage == 3:
+            return False
+        return True if self.overlap_gather is None else self.overlap_gather
 
     def prefetches_backward_after(self, device: torch.device | str) -> bool:
         """Whether a backward issues its prefetches after each compute and that unit's reduce-scatter
