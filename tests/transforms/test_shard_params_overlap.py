@@ -102,10 +102,13 @@ def test_the_plan_waits_before_each_buckets_first_forward_and_issues_at_the_end(
     # unit's padded float64 buffer (56, 72, 72 and 45 -> 46 elements at dp 2).
     assert plan.memory["params_in_flight"] == ((56 + 72 + 72 + 46) * 8,) * 2
     assert plan.memory["peak"][0] >= plan.memory["params"][0] + plan.memory["params_in_flight"][0]
-    # The simulator waits for the previous step's gathers (in flight from time 0), in order.
-    timeline = sw.simulate(plan)
-    first = next(s for s in timeline.ranks[0] if s.action.kind == "wait_params")
-    assert first.position == 0
+    # The simulator waits for the previous step's gathers, on the link from time 0 in their order:
+    # 6+4 over [0, 5], 2+0 over [5, 10]; a forward costs 1, so wait_params(6+4) after four comes at 14.
+    comm = sw.plan.CommModel(alpha={"all_gather": 5.0, "psum_scatter": 0.0, "psum": 0.0})
+    timeline = sw.simulate(plan, sw.plan.PlanCosts(comm=comm))
+    for rank in (0, 1):
+        waits = [(s.position, s.end) for s in timeline.ranks[rank] if s.action.kind == "wait_params"]
+        assert waits == [(0, 10.0), (5, 14.0)]
 
 
 def test_the_ledger_of_every_step_is_the_plans() -> None:
