@@ -57,7 +57,8 @@ def test_each_bucket_is_one_action_with_its_bytes(size: str, expected: list[str]
     for a in reduces:  # the bucket's units' padded gradients, float64
         assert a.nbytes == 8 * sum(padded[u] for u in (a.units or (a.layer,)))
     gathers = [a for a in actions if a.kind == "gather_params"]
-    assert [a.label or a.layer for a in gathers] == expected  # the updated shards in the same buckets
+    # The updated shards in the same buckets, in the order the next step's forward waits for them.
+    assert [a.label or a.layer for a in gathers] == expected[::-1]
     for a in gathers:
         assert a.nbytes == 8 * sum(padded[u] // 4 for u in (a.units or (a.layer,)))
     # Each bucket is issued right after the backward that completes its last unit.
@@ -159,13 +160,15 @@ def test_each_buckets_all_gather_is_issued_after_its_update_and_waited_for_at_th
     for opt, option, per_bucket in ((builtin, True, True), (users, True, False), (builtin, False, False),
                                     (builtin, None, False)):
         step = sw.train_step(base.chain, torch.nn.functional.mse_loss, opt, clip_norm=clip)
-        if per_bucket:
-            tail = "update(6+4) gather_params(6+4) update(2+0) gather_params(2+0)"
-        else:
-            tail = "update gather_params(6+4) gather_params(2+0)"
         metrics = "reduce_metrics(axis=dp)" + (" wait_metrics" if clip else "")
         after = "" if clip else " wait_metrics"
         for overlap, waits in ((False, " wait_params(6+4) wait_params(2+0)"), (None, "")):
+            # overlapped: in the order the next forward waits for them
+            order = ["6+4", "2+0"] if overlap is False else ["2+0", "6+4"]
+            if per_bucket:
+                tail = " ".join(f"update({b}) gather_params({b})" for b in order)
+            else:
+                tail = "update " + " ".join(f"gather_params({b})" for b in order)
             sharded = sw.shard_params(step, "dp", 2, bucket_mb=BUCKETS["pairs"], update_in_buckets=option,
                                       overlap_gather=overlap)
             actions = sharded.plan(sw.Mesh(dp=4), params).for_rank(0)

@@ -94,21 +94,25 @@ def test_the_plan_waits_before_each_buckets_first_forward_and_issues_at_the_end(
     plan = step.plan(sw.Mesh(dp=2), params, batches[0])
     text = " ".join(map(str, plan.for_rank(0)))
     assert text.startswith("wait_params(2+0) F(0, mb=0) F(1, mb=0) F(2, mb=0) F(3, mb=0) wait_params(6+4) F(4, mb=0)")
-    assert text.endswith("wait_metrics update gather_params(6+4) gather_params(2+0)")  # clipping waits first
+    # Gathered in the order the next forward needs them (2+0 first: its wait comes first); clipping
+    # waits for the metrics before the update.
+    assert text.endswith("wait_metrics update gather_params(2+0) gather_params(6+4)")
     waiting = " ".join(map(str, sw.shard_params(base, "dp", 2, bucket_mb=1.1 * KIB, overlap_gather=False)
                            .plan(sw.Mesh(dp=2), params).for_rank(0)))
-    assert waiting.startswith("F(0, mb=0)") and waiting.endswith("wait_params(6+4) wait_params(2+0)")
+    assert waiting.startswith("F(0, mb=0)") and waiting.endswith(
+        "gather_params(6+4) gather_params(2+0) wait_params(6+4) wait_params(2+0)")
     # The updated parameters the gathers bring, from their issue across the step's end: every
     # unit's padded float64 buffer (56, 72, 72 and 45 -> 46 elements at dp 2).
     assert plan.memory["params_in_flight"] == ((56 + 72 + 72 + 46) * 8,) * 2
     assert plan.memory["peak"][0] >= plan.memory["params"][0] + plan.memory["params_in_flight"][0]
     # The simulator waits for the previous step's gathers, on the link from time 0 in their order:
-    # 6+4 over [0, 5], 2+0 over [5, 10]; a forward costs 1, so wait_params(6+4) after four comes at 14.
+    # 2+0 over [0, 5], 6+4 over [5, 10]; a forward costs 1, so the first forward starts at 5, and
+    # wait_params(6+4), after four, ends at 10.
     comm = sw.plan.CommModel(alpha={"all_gather": 5.0, "psum_scatter": 0.0, "psum": 0.0})
     timeline = sw.simulate(plan, sw.plan.PlanCosts(comm=comm))
     for rank in (0, 1):
         waits = [(s.position, s.end) for s in timeline.ranks[rank] if s.action.kind == "wait_params"]
-        assert waits == [(0, 10.0), (5, 14.0)]
+        assert waits == [(0, 5.0), (5, 10.0)]
 
 
 def test_the_ledger_of_every_step_is_the_plans() -> None:

@@ -203,9 +203,13 @@ def rank_actions(
     split_axes = splits_of(step.transforms).axes
     # Each split's replicated gradients are compared over its axis.
     actions += [Action(CHECK_REPLICAS, axis=axis) for axis in split_axes]
+    overlap = zero is not None and zero.overlaps_gather(device)
+    needs = stage_needs(step.chain, placement, units) if overlap else {}
+    if overlap:  # gathered in the order the next forward needs them: the first bucket waits for one
+        buckets = sorted(buckets, key=lambda b: _first_use(actions, b, needs))
     update, waits = _update_and_gathers(step, zero, units, buckets, device)
-    if waits and zero.overlaps_gather(device):
-        actions = _waits_before_first_use(actions, waits, stage_needs(step.chain, placement, units))
+    if waits and overlap:
+        actions = _waits_before_first_use(actions, waits, needs)
         waits = []
     axes = metric_axes(step)
     if not step.metric_exchange().empty and axes:
@@ -248,6 +252,15 @@ def _update_and_gathers(
     return update, waits
 
 
+def _first_use(actions: Sequence[Action], units: Sequence[str], needs: Mapping[int, tuple[str, ...]]) -> int:
+    """The position of the first forward that uses one of ``units``, else of ``finish_grads``."""
+    wanted = set(units)
+    for i, a in enumerate(actions):
+        if a.kind == FORWARD and wanted & set(needs.get(a.stage or 0, ())):
+            return i
+    return next(i for i, a in enumerate(actions) if a.kind == FINISH_GRADS)
+
+
 def _waits_before_first_use(
     actions: list[Action], waits: Sequence[Action], needs: Mapping[int, tuple[str, ...]]
 ) -> list[Action]:
@@ -257,12 +270,7 @@ def _waits_before_first_use(
     gradients are finished (the update then writes the shards that gather read)."""
     first: dict[int, list[Action]] = {}
     for wait in waits:
-        units = set(wait.units or (wait.require("layer"),))
-        at = next((i for i, a in enumerate(actions) if a.kind == FORWARD and units & set(needs.get(a.stage or 0, ()))),
-                  None)
-        if at is None:
-            at = next(i for i, a in enumerate(actions) if a.kind == FINISH_GRADS)
-        first.setdefault(at, []).append(wait)
+        first.setdefault(_first_use(actions, wait.units or (wait.require("layer"),), needs), []).append(wait)
     out: list[Action] = []
     for i, action in enumerate(actions):
         out += first.get(i, [])
