@@ -10,7 +10,9 @@ order the transforms were applied in:
    reduce-scatters of the rank's units around those computes;
 3. the step's end, here: the tied weights' exchange, the remaining
    reductions, the gradients for the optimizer, the metrics' all-reduces, the
-   update and (ZeRO-1/2) the all-gather of the updated shards.
+   update and (ZeRO-1/2) the all-gather of the updated shards, waited for at the
+   step's end or (``overlap_gather``) before each bucket's first forward of the next
+   step, at the top of the list.
 
 :func:`annotate` then fills in what every communicating action moves (dtype and
 bytes per tensor) from the parameters, the precision policy and the tensors
@@ -229,14 +231,14 @@ def rank_actions(
 def _update_and_gathers(
     step: Step, zero: Any, units: Sequence[str], buckets: Sequence[tuple[str, ...]], device: torch.device | str
 ) -> tuple[list[Action], list[Action]]:
-    """(the update and the all-gathers of ZeRO-1/2's updated shards, their waits at the step's end).
+    """(the update and the all-gathers of ZeRO-1/2's updated shards, their waits at the step's end;
+    with ``overlap_gather`` the caller moves the waits into the next step's forward instead).
 
     A built-in optimizer (elementwise, its state keyed like the shards) updates one bucket at a
     time, and each bucket's all-gather is issued as soon as its shards are updated: it travels
-    while the next bucket updates and the metrics complete, and is waited for only where the
-    step returns the full parameters (where the spec says so for ``device``:
-    ``ShardSpec.updates_in_buckets``). Otherwise every shard is updated at once, then the
-    all-gathers are issued together."""
+    while the next bucket updates and the metrics complete (where the spec says so for
+    ``device``: ``ShardSpec.updates_in_buckets``). Otherwise every shard is updated at once,
+    then the all-gathers are issued together."""
     if zero is None or zero.stage == 3:
         return [Action(UPDATE)], []
     in_buckets = {u for b in buckets for u in b}
