@@ -23,10 +23,11 @@ Variants, all with AdamW (lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight decay
   ``update_in_buckets=True``: the update runs bucket by bucket, each bucket's all-gather issued
   as soon as its shards are updated (a CPU's default updates at once, then issues the
   all-gathers); ``paired_ratio_to_at_once`` is its step over ``stage1`` / ``stage2``'s.
-* ``stage1_wait`` / ``stage2_wait``: as ``stage1`` / ``stage2`` with ``overlap_gather=False``: the
-  all-gathers of the updated shards are waited for at the step's end, where ``stage1`` /
-  ``stage2`` leave them in flight into the next step's forward; ``paired_ratio_to_wait`` (on the
-  ``stage1`` / ``stage2`` rows) is the overlapped step over the waiting one. Run with
+* ``stage1_overlap`` / ``stage2_overlap`` and ``stage1_wait`` / ``stage2_wait``: as ``stage1`` /
+  ``stage2`` with ``overlap_gather=True`` (the all-gathers of the updated shards left in flight
+  into the next step's forward) and ``False`` (waited for at the step's end, as the CPU's
+  default does); ``paired_ratio_to_wait`` (on the ``*_overlap`` rows) is the overlapped step over
+  the waiting one (``*_wait``, else the plain stage). Run with
   ``--block K`` (K consecutive steps per variant and turn, timed together, the last waiting for
   what it left in flight): stepped one at a time between the other variants' steps and
   barriers, the overlapped gather would complete during theirs, unpaid.
@@ -126,10 +127,11 @@ from shardwise.testing.models import TinyGPT
 # ``*_update_in_buckets``: ZeRO-1/2 updating bucket by bucket, each bucket's all-gather issued after its
 # update (``update_in_buckets=True``), against the CPU's default of one update, then the all-gathers.
 IN_BUCKETS = "_update_in_buckets"
-# ``*_wait``: ZeRO-1/2 waiting for the all-gathers of the updated shards at the step's end
-# (``overlap_gather=False``), against the default, which leaves them in flight into the next forward.
-WAIT = "_wait"
-OURS = ("stage1", "stage2", "stage3", f"stage1{IN_BUCKETS}", f"stage2{IN_BUCKETS}", f"stage1{WAIT}", f"stage2{WAIT}")
+# ``*_overlap``: ZeRO-1/2 leaving the all-gathers of the updated shards in flight into the next forward
+# (``overlap_gather=True``), against ``*_wait`` (``False``) or the CPU's default, which waits at the step's end.
+OVERLAP, WAIT = "_overlap", "_wait"
+OURS = ("stage1", "stage2", "stage3", f"stage1{IN_BUCKETS}", f"stage2{IN_BUCKETS}",
+        f"stage1{OVERLAP}", f"stage2{OVERLAP}", f"stage1{WAIT}", f"stage2{WAIT}")
 VARIANTS = (*OURS, "ddp", "fsdp2", *seed_systems.SYSTEMS)
 
 
@@ -177,12 +179,12 @@ class Ours:
 
     global_loss = True  # the step's loss metric is already the global mean
 
-    def __init__(self, cfg: Config, stage: int, in_buckets: bool = False, wait: bool = False) -> None:
+    def __init__(self, cfg: Config, stage: int, in_buckets: bool = False, overlap: bool | None = None) -> None:
         units = GPT_UNITS if cfg.model == "gpt" else None
         chain, params = sw.functionalize(build_model(cfg), units=units)
         step = sw.train_step(chain, loss_fn_of(cfg.model), sw_adamw())
         self.step_fn = sw.shard_params(step, "dp", stage=stage, update_in_buckets=True if in_buckets else None,
-                                       overlap_gather=False if wait else None)
+                                       overlap_gather=overlap)
         self.state = self.step_fn.init(params, sw.Mesh(dp=cfg.world))
 
     def step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -273,8 +275,9 @@ Runner = Ours | TorchVariant | SeedVariant
 
 def make_variant(name: str, cfg: Config) -> Runner:
     if name in OURS:
-        return Ours(cfg, stage=int(name.removesuffix(IN_BUCKETS).removesuffix(WAIT)[-1]),
-                    in_buckets=name.endswith(IN_BUCKETS), wait=name.endswith(WAIT))
+        stage = int(name.removesuffix(IN_BUCKETS).removesuffix(OVERLAP).removesuffix(WAIT)[-1])
+        overlap = True if name.endswith(OVERLAP) else False if name.endswith(WAIT) else None
+        return Ours(cfg, stage=stage, in_buckets=name.endswith(IN_BUCKETS), overlap=overlap)
     if name in seed_systems.SYSTEMS:
         return SeedVariant(cfg, name)
     return {"ddp": make_ddp, "fsdp2": make_fsdp2}[name](cfg)
@@ -388,10 +391,10 @@ def rows_for(cfg: Config, per_rank: list[dict[str, Any]], ref: Reference) -> lis
                 [r["times"][name] for r in per_rank],
                 [r["times"][name.removesuffix(IN_BUCKETS)] for r in per_rank]), 3)}
                if name.endswith(IN_BUCKETS) and name.removesuffix(IN_BUCKETS) in first["times"] else {}),
-            # the overlapped all-gather over the same stage's waiting one (when both ran)
+            # the overlapped all-gather over the same stage's waiting one (``*_wait``, else the CPU's default)
             **({"paired_ratio_to_wait": round(paired_ratio_median(
-                [r["times"][name] for r in per_rank], [r["times"][name + WAIT] for r in per_rank]), 3)}
-               if name + WAIT in first["times"] else {}),
+                [r["times"][name] for r in per_rank], [r["times"][waiting_of(name, first["times"])] for r in per_rank]),
+                3)} if name.endswith(OVERLAP) and waiting_of(name, first["times"]) else {}),
             "model_state_bytes_per_rank": max(r["state_bytes"][name] for r in per_rank),
             "ledger_sent_bytes_per_step": max(r["ledger_bytes"][name] for r in per_rank) if name in OURS else None,
             "max_rel_loss_diff": max_rel_diff(losses, ref.losses),
@@ -401,13 +404,21 @@ def rows_for(cfg: Config, per_rank: list[dict[str, Any]], ref: Reference) -> lis
     return rows
 
 
+def waiting_of(name: str, ran: Any) -> str | None:
+    """The variant an ``*_overlap`` one is paired with: its ``*_wait``, else its plain stage (on a
+    CPU the default waits at the step's end), if it ran."""
+    stage = name.removesuffix(OVERLAP)
+    return next((v for v in (stage + WAIT, stage) if v in ran), None)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_run_flags(parser, steps=8, warmup=2)
     add_batch_flags(parser)
-    parser.add_argument("--variants", default=",".join(v for v in VARIANTS if not v.endswith((IN_BUCKETS, WAIT))),
-                        help=f"comma-separated subset of {','.join(VARIANTS)} (default all but the *{IN_BUCKETS} "
-                        f"and *{WAIT}; fsdp2 is always run)")
+    parser.add_argument("--variants",
+                        default=",".join(v for v in VARIANTS if not v.endswith((IN_BUCKETS, OVERLAP, WAIT))),
+                        help=f"comma-separated subset of {','.join(VARIANTS)} (default all but the *{IN_BUCKETS}, "
+                        f"*{OVERLAP} and *{WAIT}; fsdp2 is always run)")
     parser.add_argument("--block", type=int, default=1,
                         help="consecutive steps per variant and turn, timed together (default 1: the variants "
                         "alternate step by step); > 1 charges ZeRO-1/2's overlapped all-gather to its own "

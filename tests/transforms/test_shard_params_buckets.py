@@ -57,8 +57,11 @@ def test_each_bucket_is_one_action_with_its_bytes(size: str, expected: list[str]
     for a in reduces:  # the bucket's units' padded gradients, float64
         assert a.nbytes == 8 * sum(padded[u] for u in (a.units or (a.layer,)))
     gathers = [a for a in actions if a.kind == "gather_params"]
-    # The updated shards in the same buckets, in the order the next step's forward waits for them.
-    assert [a.label or a.layer for a in gathers] == expected[::-1]
+    assert [a.label or a.layer for a in gathers] == expected  # the updated shards in the same buckets
+    # Overlapped with the next forward: in the order that forward waits for them.
+    overlapped = sw.shard_params(base, "dp", 2, bucket_mb=BUCKETS[size], overlap_gather=True).plan(
+        sw.Mesh(dp=4), params).for_rank(0)
+    assert [a.label or a.layer for a in overlapped if a.kind == "gather_params"] == expected[::-1]
     for a in gathers:
         assert a.nbytes == 8 * sum(padded[u] // 4 for u in (a.units or (a.layer,)))
     # Each bucket is issued right after the backward that completes its last unit.
@@ -153,8 +156,9 @@ def test_updating_bucket_by_bucket_is_the_single_device_step(size: str, optimize
 def test_each_buckets_all_gather_is_issued_after_its_update_and_waited_for_at_the_end(clip: float | None) -> None:
     """update_in_buckets: update(b) gather_params(b) per bucket, in the reduce-scatters' order; without
     overlap_gather the waits after the metrics' (which a clipping update waits for first). A user's
-    optimizer, False, and the default on a CPU: one update, then the gathers. With overlap_gather (the
-    default) the same, and no wait at the end: the next step waits (its Plan's first actions)."""
+    optimizer, False, and the default on a CPU: one update, then the gathers. With overlap_gather=True
+    the same, in the next forward's order, and no wait at the end: the next step waits (its Plan's
+    first actions)."""
     base, params, _ = _problem()
     builtin, users = sw.optim.sgd(lr=0.1, momentum=0.9), _as_users(sw.optim.sgd(lr=0.1, momentum=0.9))
     for opt, option, per_bucket in ((builtin, True, True), (users, True, False), (builtin, False, False),
@@ -162,9 +166,10 @@ def test_each_buckets_all_gather_is_issued_after_its_update_and_waited_for_at_th
         step = sw.train_step(base.chain, torch.nn.functional.mse_loss, opt, clip_norm=clip)
         metrics = "reduce_metrics(axis=dp)" + (" wait_metrics" if clip else "")
         after = "" if clip else " wait_metrics"
-        for overlap, waits in ((False, " wait_params(6+4) wait_params(2+0)"), (None, "")):
+        for overlap, waits in ((False, " wait_params(6+4) wait_params(2+0)"),
+                               (None, " wait_params(6+4) wait_params(2+0)"), (True, "")):
             # overlapped: in the order the next forward waits for them
-            order = ["6+4", "2+0"] if overlap is False else ["2+0", "6+4"]
+            order = ["2+0", "6+4"] if overlap else ["6+4", "2+0"]
             if per_bucket:
                 tail = " ".join(f"update({b}) gather_params({b})" for b in order)
             else:

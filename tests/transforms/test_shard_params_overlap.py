@@ -1,4 +1,5 @@
-"""ZeRO-1/2 with ``overlap_gather``: the all-gather of the updated shards overlaps the next forward.
+"""ZeRO-1/2 with ``overlap_gather=True`` (the default off a CPU): the all-gather of the updated
+shards overlaps the next forward.
 
 The step returns with its all-gathers in flight; the next step waits for each bucket before its
 first forward. Nothing about the arithmetic changes (the same update, the same gathered bytes),
@@ -74,7 +75,7 @@ def _run(step: sw.Step, params: dict, batches: list, world: int, mesh: sw.Mesh |
 ], ids=["each-unit", "pairs", "one-bucket", "update-in-buckets", "accumulation"])
 def test_overlapped_steps_equal_the_waiting_ones_bitwise(world: int, stage: int, options: dict) -> None:
     base, params, batches = _problem(world, "adamw" if options.get("update_in_buckets") else "sgd")
-    got = _run(sw.shard_params(base, "dp", stage, **options), params, batches, world)
+    got = _run(sw.shard_params(base, "dp", stage, overlap_gather=True, **options), params, batches, world)
     want = _run(sw.shard_params(base, "dp", stage, overlap_gather=False, **options), params, batches, world)
     reference = base.init(params)
     for batch in batches:
@@ -90,7 +91,7 @@ def test_overlapped_steps_equal_the_waiting_ones_bitwise(world: int, stage: int,
 
 def test_the_plan_waits_before_each_buckets_first_forward_and_issues_at_the_end() -> None:
     base, params, batches = _problem()
-    step = sw.shard_params(base, "dp", 2, bucket_mb=1.1 * KIB)
+    step = sw.shard_params(base, "dp", 2, bucket_mb=1.1 * KIB, overlap_gather=True)
     plan = step.plan(sw.Mesh(dp=2), params, batches[0])
     text = " ".join(map(str, plan.for_rank(0)))
     assert text.startswith("wait_params(2+0) F(0, mb=0) F(1, mb=0) F(2, mb=0) F(3, mb=0) wait_params(6+4) F(4, mb=0)")
@@ -119,7 +120,7 @@ def test_the_ledger_of_every_step_is_the_plans() -> None:
     """Several steps in a row, each issuing what the Plan lists (its gathers at its end, in flight
     into the next), and the waits issue nothing."""
     base, params, batches = _problem()
-    step = sw.shard_params(base, "dp", 2, bucket_mb=1.1 * KIB)
+    step = sw.shard_params(base, "dp", 2, bucket_mb=1.1 * KIB, overlap_gather=True)
     mesh = sw.Mesh(dp=2)
     plan = step.plan(mesh, params, batches[0])
 
@@ -142,7 +143,7 @@ def test_every_read_between_steps_sees_the_updated_params() -> None:
     waits for the gathers in flight first, and sees what the waiting step returns."""
     base, params, batches = _problem()
     mesh = sw.Mesh(dp=2)
-    overlapped = sw.shard_params(base, "dp", 2, bucket_mb=1.1 * KIB)
+    overlapped = sw.shard_params(base, "dp", 2, bucket_mb=1.1 * KIB, overlap_gather=True)
     waiting = sw.shard_params(base, "dp", 2, bucket_mb=1.1 * KIB, overlap_gather=False)
 
     def reads() -> list[tuple[str, Any]]:
@@ -185,7 +186,7 @@ def test_every_read_between_steps_sees_the_updated_params() -> None:
 
 def test_paths_flatten_as_a_dicts() -> None:
     base, params, batches = _problem()
-    step = sw.shard_params(base, "dp", 1)
+    step = sw.shard_params(base, "dp", 1, overlap_gather=True)
 
     def paths() -> tuple:
         state, _ = step(step.init(params, sw.Mesh(dp=2)), batches[0])
@@ -201,7 +202,7 @@ def test_an_older_state_stays_valid_and_steps_again_alike() -> None:
     waiting step's state k-1, and stepping it again gives step k's result again, bitwise."""
     base, params, batches = _problem(optimizer="adamw")
     mesh = sw.Mesh(dp=2)
-    step = sw.shard_params(base, "dp", 2, bucket_mb=1.1 * KIB)
+    step = sw.shard_params(base, "dp", 2, bucket_mb=1.1 * KIB, overlap_gather=True)
     waiting = sw.shard_params(base, "dp", 2, bucket_mb=1.1 * KIB, overlap_gather=False)
 
     def program() -> tuple:
@@ -226,7 +227,7 @@ def test_a_read_state_is_cut_again_from_what_was_read() -> None:
     state), so a change made to the parameters read is not lost behind the carried shards."""
     base, params, batches = _problem()
     mesh = sw.Mesh(dp=2)
-    step = sw.shard_params(base, "dp", 2, bucket_mb=1.1 * KIB)
+    step = sw.shard_params(base, "dp", 2, bucket_mb=1.1 * KIB, overlap_gather=True)
 
     def program() -> bool:
         state, _ = step(step.init(params, mesh), batches[0])
@@ -245,7 +246,7 @@ def test_a_read_state_is_cut_again_from_what_was_read() -> None:
 def test_a_checkpoint_saved_between_steps_is_the_waiting_steps(tmp_path: Path) -> None:
     base, params, batches = _problem(optimizer="adamw")
     mesh = sw.Mesh(dp=2)
-    steps = {"overlap": sw.shard_params(base, "dp", 2, bucket_mb=1.1 * KIB),
+    steps = {"overlap": sw.shard_params(base, "dp", 2, bucket_mb=1.1 * KIB, overlap_gather=True),
              "waiting": sw.shard_params(base, "dp", 2, bucket_mb=1.1 * KIB, overlap_gather=False)}
 
     def program(name: str) -> tuple:
@@ -282,7 +283,7 @@ def test_composed_with_precision_hsdp_and_a_pipeline() -> None:
         (lambda b, **o: sw.shard_params(sw.pipeline(b, "pp", "1f1b", 2), "dp", 2, **o), sw.Mesh(dp=2, pp=2), 4),
     ]
     for make, mesh, world in cases:
-        got = _run(make(base), params, batches, world, mesh)
+        got = _run(make(base, overlap_gather=True), params, batches, world, mesh)
         want = _run(make(base, overlap_gather=False), params, batches, world, mesh)
         for g, w in zip(got, want, strict=True):
             assert g[1] and g[1] > 0
@@ -297,6 +298,17 @@ def test_bad_overlap_options_are_refused() -> None:
     with pytest.raises(ValueError, match="overlap of that gather with the next forward is for stages 1 and 2"):
         sw.shard_params(base, "dp", 3, overlap_gather=True)
     assert "overlap_gather=False" in str(sw.shard_params(base, "dp", 2, overlap_gather=False).transforms[-1])
+
+
+def test_the_default_overlaps_off_a_cpu_only() -> None:
+    """On a CPU the step waits at its end (gloo measured no gain); elsewhere it overlaps."""
+    base, _, _ = _problem()
+    spec = sw.shard_params(base, "dp", 2).transforms[-1]
+    assert (spec.overlaps_gather("cpu"), spec.overlaps_gather("meta"), spec.overlaps_gather("cuda")) == (
+        False, False, True)
+    assert sw.shard_params(base, "dp", 1, overlap_gather=True).transforms[-1].overlaps_gather("cpu") is True
+    assert sw.shard_params(base, "dp", 1, overlap_gather=False).transforms[-1].overlaps_gather("cuda") is False
+    assert sw.shard_params(base, "dp", 3).transforms[-1].overlaps_gather("cuda") is False
 
 
 def _gloo_rank(world: int, overlap: bool, read_between: bool) -> tuple:

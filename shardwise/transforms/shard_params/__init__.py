@@ -64,15 +64,16 @@ def shard_params(
     Without it the optimizer updates every shard at once, then the all-gathers are issued. On a
     CPU (gloo) the pipeline measured no faster (see ``ShardSpec.updates_in_buckets``).
 
-    ``overlap_gather`` (stages 1-2; default None: on) leaves those all-gathers in flight when the
+    ``overlap_gather`` (stages 1-2; default None: not on a CPU, where gloo measured no gain, yes
+    elsewhere; see ``ShardSpec.overlaps_gather``) leaves those all-gathers in flight when the
     step returns: the next step waits for each bucket just before the first forward that uses
-    it (``wait_params(2+0) F(0, mb=0) ...`` at the top of the Plan), so the gather overlaps
-    the next forward instead of ending the step. The returned ``state.params`` then holds the
-    gathers in flight, and any read of it other than the next step's (indexing, iterating,
-    ``sw.checkpoint.save``, ``step.full_params``, ``torch.save``, optree) waits for them all
-    first: stale parameters cannot be read. An older state stays valid (its gathers were waited
-    for by the step that read it). ``overlap_gather=False`` waits for them at the step's end.
-    Stage 3 reduces and gathers
+    it (``wait_params(0+2) F(0, mb=0) ...`` at the top of the Plan; the gathers are issued in
+    that order), so the gather overlaps the next forward instead of ending the step. The
+    returned ``state.params`` then holds the gathers in flight, and any read of it other than
+    the next step's (indexing, iterating, ``sw.checkpoint.save``, ``step.full_params``,
+    ``torch.save``, optree) waits for them all first: stale parameters cannot be read. An older
+    state stays valid (its gathers were waited for by the step that read it).
+    ``overlap_gather=False`` waits for them at the step's end. Stage 3 reduces and gathers
     unit by unit (its units are gathered and freed one at a time). Each bucket is one action of
     the Plan (``reduce_scatter(2+0)``), listed when the plan is made with the parameters.
 
@@ -154,7 +155,9 @@ def shard_params(
             )
     if overlap_gather is not None:
         if not isinstance(overlap_gather, bool):
-            raise TypeError(f"shard_params(overlap_gather={overlap_gather!r}): True, False or None (the default: on)")
+            raise TypeError(
+                f"shard_params(overlap_gather={overlap_gather!r}): True, False or None (the device's default)"
+            )
         if stage == 3:
             raise ValueError(
                 f"shard_params(stage=3, overlap_gather={overlap_gather!r}): stage 3 holds shards and gathers no "

@@ -95,17 +95,20 @@ class ShardSpec:
         overlaps that step's forward. The TrainState then holds them in an ``InFlightParams``,
         which waits for them all on any other read of ``state.params`` (engine/layout/in_flight.py).
 
-        The default (None): yes, on every device. The gathered buffers are the next step's
-        parameters, so the overlap holds no byte more than the wait at the step's end did, and
-        it moves no work: on gloo the gather runs on gloo's threads, which a CPU with a core to
-        spare runs beside the forward. Measured on 2 cores shared with other work (load 9-16,
-        world 2, benchmarks/README.md): paired against the wait at the step's end 0.87-1.11,
-        within the noise, while the time waited for the gathers fell from 14.8 to 9.7 ms per
-        step (MLP, ZeRO-2); on NCCL the gathers of every bucket but the first hide behind the
-        forward."""
+        The default (None): not on a CPU, yes elsewhere. The gathered buffers are the next
+        step's parameters, so the overlap holds no byte more than the wait at the step's end did,
+        and it moves no work: on NCCL the gathers of every bucket but the first run on their own
+        stream beside the forward's kernels. On a CPU (gloo) the gather's copies run on gloo's
+        threads, on the cores the forward uses: measured on 2 cores (load 7-16, world 2, paired
+        against the wait at the step's end, ten runs of ZeRO-1/2 on the benchmarks' MLP and GPT,
+        benchmarks/README.md) 0.87-1.11, median 1.05, while the time waited for the gathers fell
+        from 14.8 to 9.7 ms per step (MLP, ZeRO-2): no gain, so a CPU waits at the step's end,
+        as ``updates_in_buckets``. ``overlap_gather=True`` overlaps there too."""
         if self.stage == 3:
             return False
-        return True if self.overlap_gather is None else self.overlap_gather
+        if self.overlap_gather is not None:
+            return self.overlap_gather
+        return torch.device(device).type not in ("cpu", "meta")
 
     def prefetches_backward_after(self, device: torch.device | str) -> bool:
         """Whether a backward issues its prefetches after each compute and that unit's reduce-scatter
