@@ -98,8 +98,10 @@ def test_the_plan_waits_before_each_buckets_first_forward_and_issues_at_the_end(
     # Gathered in the order the next forward needs them (2+0 first: its wait comes first); clipping
     # waits for the metrics before the update.
     assert text.endswith("wait_metrics update gather_params(2+0) gather_params(6+4)")
-    waiting = " ".join(map(str, sw.shard_params(base, "dp", 2, bucket_mb=1.1 * KIB, overlap_gather=False)
-                           .plan(sw.Mesh(dp=2), params).for_rank(0)))
+    assert "wait_params before gather_params: the previous step's, in flight" in str(plan)
+    waiting_plan = sw.shard_params(base, "dp", 2, bucket_mb=1.1 * KIB, overlap_gather=False).plan(sw.Mesh(dp=2), params)
+    assert "previous step's" not in str(waiting_plan)
+    waiting = " ".join(map(str, waiting_plan.for_rank(0)))
     assert waiting.startswith("F(0, mb=0)") and waiting.endswith(
         "gather_params(6+4) gather_params(2+0) wait_params(6+4) wait_params(2+0)")
     # The updated parameters the gathers bring, from their issue across the step's end: every
