@@ -305,7 +305,8 @@ class Executor(ZeroActions, TransferActions):
     def __post_init__(self) -> None:
         # Where this rank computes: its parameters', else its micro-batches'. Received values go
         # there (torch.distributed delivers them on the CPU), and so do the metrics.
-        self.device = device_of(self.source.compute, self.source.gather_from, self.microbatches)
+        # (With ZeRO-1/2's gathers still in flight the compute copies may be empty: the master shards.)
+        self.device = device_of(self.source.compute, self.source.gather_from, self.master, self.microbatches)
         self._shared_rng = ranks_share_generators()
         self._rank = 0 if self.mesh is None else self.mesh.rank
         self._rng_rank = self._rank if self.rng_rank is None else self.rng_rank
