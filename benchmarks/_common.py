@@ -216,7 +216,8 @@ def timed(fn: Callable[..., T], *args: Any, barrier: Callable[[], Any] = dist.ba
 
 
 def round_robin(
-    names: Iterable[str], batches: Sequence[Any], warmup: int, step: Callable[[str, int, Any], T]
+    names: Iterable[str], batches: Sequence[Any], warmup: int, step: Callable[[str, int, Any], T], *,
+    block: int = 1, finish: Callable[[str], None] | None = None,
 ) -> tuple[dict[str, list[float]], dict[str, list[T]]]:
     """Step every variant on every batch, interleaved: step ``i`` of each, then step ``i + 1`` ...
 
@@ -227,10 +228,33 @@ def round_robin(
     step left in the caches and the allocator's free lists differs by variant).
     Returns, per name, the wall times of the steps after the first ``warmup``
     and the results of every step.
+
+    ``block`` > 1: each turn runs ``block`` consecutive steps of one variant, timed together
+    after one barrier, then ``finish(name)`` inside the timing (a step that leaves work in flight
+    for the next, as ZeRO-1/2's overlapped all-gather, then pays for it within its own variant's
+    time: stepped one at a time between other variants and barriers, that work would run during
+    theirs). A block is one timed entry, its mean step time; a block with a warm-up step is untimed.
     """
     names = list(names)
     times: dict[str, list[float]] = {name: [] for name in names}
     results: dict[str, list[T]] = {name: [] for name in names}
+    if block > 1 or finish is not None:
+        for turn, start in enumerate(range(0, len(batches), block)):
+            chunk = range(start, min(start + block, len(batches)))
+            shift = turn % len(names) if names else 0
+            for name in names[shift:] + names[:shift]:
+
+                def run(name: str = name, chunk: range = chunk) -> list[T]:
+                    out = [step(name, i, batches[i]) for i in chunk]
+                    if finish is not None:
+                        finish(name)
+                    return out
+
+                out, elapsed = timed(run)
+                results[name] += out
+                if chunk.start >= warmup:
+                    times[name].append(elapsed / len(chunk))
+        return times, results
     for i, batch in enumerate(batches):
         shift = i % len(names) if names else 0
         for name in names[shift:] + names[:shift]:

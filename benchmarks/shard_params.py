@@ -23,6 +23,14 @@ Variants, all with AdamW (lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight decay
   ``update_in_buckets=True``: the update runs bucket by bucket, each bucket's all-gather issued
   as soon as its shards are updated (a CPU's default updates at once, then issues the
   all-gathers); ``paired_ratio_to_at_once`` is its step over ``stage1`` / ``stage2``'s.
+* ``stage1_overlap`` / ``stage2_overlap`` and ``stage1_wait`` / ``stage2_wait``: as ``stage1`` /
+  ``stage2`` with ``overlap_gather=True`` (the all-gathers of the updated shards left in flight
+  into the next step's forward) and ``False`` (waited for at the step's end, as the CPU's
+  default does); ``paired_ratio_to_wait`` (on the ``*_overlap`` rows) is the overlapped step over
+  the waiting one (``*_wait``, else the plain stage). Run with
+  ``--block K`` (K consecutive steps per variant and turn, timed together, the last waiting for
+  what it left in flight): stepped one at a time between the other variants' steps and
+  barriers, the overlapped gather would complete during theirs, unpaid.
 * ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` with no buffer sync per
   forward (``forward_sync_buffers=False``; the only buffer, GPT's causal mask,
   is constant) + ``torch.optim.AdamW``.
@@ -112,13 +120,18 @@ from torch import nn
 
 import shardwise as sw
 from shardwise.collectives.backends.processes import ProcessPool
+from shardwise.engine.layout.in_flight import InFlightParams
 from shardwise.engine.layout.state import tree_nbytes
 from shardwise.testing.models import TinyGPT
 
 # ``*_update_in_buckets``: ZeRO-1/2 updating bucket by bucket, each bucket's all-gather issued after its
 # update (``update_in_buckets=True``), against the CPU's default of one update, then the all-gathers.
 IN_BUCKETS = "_update_in_buckets"
-OURS = ("stage1", "stage2", "stage3", f"stage1{IN_BUCKETS}", f"stage2{IN_BUCKETS}")
+# ``*_overlap``: ZeRO-1/2 leaving the all-gathers of the updated shards in flight into the next forward
+# (``overlap_gather=True``), against ``*_wait`` (``False``) or the CPU's default, which waits at the step's end.
+OVERLAP, WAIT = "_overlap", "_wait"
+OURS = ("stage1", "stage2", "stage3", f"stage1{IN_BUCKETS}", f"stage2{IN_BUCKETS}",
+        f"stage1{OVERLAP}", f"stage2{OVERLAP}", f"stage1{WAIT}", f"stage2{WAIT}")
 VARIANTS = (*OURS, "ddp", "fsdp2", *seed_systems.SYSTEMS)
 
 
@@ -135,6 +148,7 @@ class Config:
     profile: str | None = None  # a variant to cProfile on rank 0 after the timed steps
     profile_steps: int = 5
     variants: tuple[str, ...] = VARIANTS
+    block: int = 1  # consecutive steps per variant and turn (_common.round_robin)
 
 
 # -- models, data (shared with pipeline.py: _common) ------------------------------------------
@@ -165,16 +179,23 @@ class Ours:
 
     global_loss = True  # the step's loss metric is already the global mean
 
-    def __init__(self, cfg: Config, stage: int, in_buckets: bool = False) -> None:
+    def __init__(self, cfg: Config, stage: int, in_buckets: bool = False, overlap: bool | None = None) -> None:
         units = GPT_UNITS if cfg.model == "gpt" else None
         chain, params = sw.functionalize(build_model(cfg), units=units)
         step = sw.train_step(chain, loss_fn_of(cfg.model), sw_adamw())
-        self.step_fn = sw.shard_params(step, "dp", stage=stage, update_in_buckets=True if in_buckets else None)
+        self.step_fn = sw.shard_params(step, "dp", stage=stage, update_in_buckets=True if in_buckets else None,
+                                       overlap_gather=overlap)
         self.state = self.step_fn.init(params, sw.Mesh(dp=cfg.world))
 
     def step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         self.state, metrics = self.step_fn(self.state, batch)
         return metrics["loss"].detach()
+
+    def settle(self) -> None:
+        """Wait for what the last step left in flight (ZeRO-1/2's all-gathers), as its next step would."""
+        params = self.state.params
+        if isinstance(params, InFlightParams):
+            params.settle()
 
     def state_bytes(self) -> int:
         return tree_nbytes(self.state.params) + tree_nbytes(self.state.opt_state)
@@ -254,7 +275,9 @@ Runner = Ours | TorchVariant | SeedVariant
 
 def make_variant(name: str, cfg: Config) -> Runner:
     if name in OURS:
-        return Ours(cfg, stage=int(name.removesuffix(IN_BUCKETS)[-1]), in_buckets=name.endswith(IN_BUCKETS))
+        stage = int(name.removesuffix(IN_BUCKETS).removesuffix(OVERLAP).removesuffix(WAIT)[-1])
+        overlap = True if name.endswith(OVERLAP) else False if name.endswith(WAIT) else None
+        return Ours(cfg, stage=stage, in_buckets=name.endswith(IN_BUCKETS), overlap=overlap)
     if name in seed_systems.SYSTEMS:
         return SeedVariant(cfg, name)
     return {"ddp": make_ddp, "fsdp2": make_fsdp2}[name](cfg)
@@ -284,7 +307,13 @@ def bench_rank(cfg: Config) -> dict[str, Any]:
             return loss
         return runner.step(batch)
 
-    times, losses = round_robin(runners, batches, cfg.warmup, step)
+    def finish(name: str) -> None:
+        runner = runners[name]
+        if isinstance(runner, Ours):
+            runner.settle()
+
+    times, losses = round_robin(runners, batches, cfg.warmup, step, block=cfg.block,
+                                finish=finish if cfg.block > 1 else None)
     result = {
         "times": times,
         "losses": {name: global_losses(runners[name], ls, cfg.world) for name, ls in losses.items()},
@@ -362,6 +391,10 @@ def rows_for(cfg: Config, per_rank: list[dict[str, Any]], ref: Reference) -> lis
                 [r["times"][name] for r in per_rank],
                 [r["times"][name.removesuffix(IN_BUCKETS)] for r in per_rank]), 3)}
                if name.endswith(IN_BUCKETS) and name.removesuffix(IN_BUCKETS) in first["times"] else {}),
+            # the overlapped all-gather over the same stage's waiting one (``*_wait``, else the CPU's default)
+            **({"paired_ratio_to_wait": round(paired_ratio_median(
+                [r["times"][name] for r in per_rank], [r["times"][waiting_of(name, first["times"])] for r in per_rank]),
+                3)} if name.endswith(OVERLAP) and waiting_of(name, first["times"]) else {}),
             "model_state_bytes_per_rank": max(r["state_bytes"][name] for r in per_rank),
             "ledger_sent_bytes_per_step": max(r["ledger_bytes"][name] for r in per_rank) if name in OURS else None,
             "max_rel_loss_diff": max_rel_diff(losses, ref.losses),
@@ -371,13 +404,26 @@ def rows_for(cfg: Config, per_rank: list[dict[str, Any]], ref: Reference) -> lis
     return rows
 
 
+def waiting_of(name: str, ran: Any) -> str | None:
+    """The variant an ``*_overlap`` one is paired with: its ``*_wait``, else its plain stage (on a
+    CPU the default waits at the step's end), if it ran."""
+    stage = name.removesuffix(OVERLAP)
+    return next((v for v in (stage + WAIT, stage) if v in ran), None)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_run_flags(parser, steps=8, warmup=2)
     add_batch_flags(parser)
-    parser.add_argument("--variants", default=",".join(v for v in VARIANTS if not v.endswith(IN_BUCKETS)),
-                        help=f"comma-separated subset of {','.join(VARIANTS)} (default all but the *{IN_BUCKETS}; "
-                        "fsdp2 is always run)")
+    parser.add_argument("--variants",
+                        default=",".join(v for v in VARIANTS if not v.endswith((IN_BUCKETS, OVERLAP, WAIT))),
+                        help=f"comma-separated subset of {','.join(VARIANTS)} (default all but the *{IN_BUCKETS}, "
+                        f"*{OVERLAP} and *{WAIT}; fsdp2 is always run)")
+    parser.add_argument("--block", type=int, default=1,
+                        help="consecutive steps per variant and turn, timed together (default 1: the variants "
+                        "alternate step by step); > 1 charges ZeRO-1/2's overlapped all-gather to its own "
+                        "variant (it would otherwise complete during the others' steps); --warmup and --steps "
+                        "should be multiples of it")
     parser.add_argument("--profile", choices=VARIANTS, help="cProfile this variant on rank 0 (to stderr)")
     parser.add_argument("--profile-steps", type=int, default=5)
     add_malloc_flag(parser)
@@ -389,6 +435,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--variants: unknown {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
     # FSDP2 is the reference of every ratio; the order stays VARIANTS' (the round-robin's order).
     args.variants = tuple(v for v in VARIANTS if v in chosen or v == "fsdp2")
+    if args.block < 1:
+        parser.error("--block must be >= 1")
     if args.warmup < 1 or args.steps < 1:
         parser.error("--steps and --warmup must be >= 1 (a warm-up step carries the ledger)")
     return args
@@ -400,7 +448,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
 
     def measure(pool: ProcessPool, world: int, model: str, batch: int) -> list[dict[str, Any]]:
         cfg = Config(model, world, args.steps, args.warmup, batch,
-                     profile=args.profile, profile_steps=args.profile_steps, variants=args.variants)
+                     profile=args.profile, profile_steps=args.profile_steps, variants=args.variants, block=args.block)
         if model not in refs:  # the reference does not depend on the world
             refs[model] = reference_of(cfg)
         per_rank = run_on_ranks(pool, bench_rank, cfg, label=f"{model}, world {world}")

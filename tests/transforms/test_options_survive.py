@@ -32,7 +32,7 @@ def _transforms(options: dict[str, Any]) -> dict[str, Callable[[sw.Step], sw.Ste
     return {
         "shard_params": lambda s: sw.shard_params(
             s, "dp", options["stage"], **({"reshard_after_forward": options["reshard"], "prefetch": options["prefetch"]}
-                                          if options["stage"] == 3 else {})
+                                          if options["stage"] == 3 else {"overlap_gather": options["overlap"]})
         ),
         "pipeline": lambda s: sw.pipeline(
             s, "pp", options["schedule"], options["microbatches"],
@@ -59,6 +59,7 @@ OPTIONS = st.fixed_dictionaries({
     "policy": st.sampled_from(["nothing_saveable", "dots_saveable"]),
     "layers": st.sampled_from(["all", "1", ["0", "2"]]),
     "precision": st.sampled_from(["params=f32,compute=bf16,output=f32", "params=f32,compute=f32", "compute=f16"]),
+    "overlap": st.sampled_from([None, False]),
 })
 
 # What each option may be changed to; a change must change the Plan.
@@ -72,6 +73,8 @@ ALTERNATIVES: dict[str, Callable[[Any, dict[str, Any]], list[Any]]] = {
     "policy": lambda v, o: ["everything_saveable"],
     "layers": lambda v, o: ["3"],
     "precision": lambda v, o: ["params=f32,compute=bf16,output=bf16,reduce=bf16"],
+    # Stages 1-2: where the updated shards' all-gathers are waited for (the next forward, or the step's end).
+    "overlap": lambda v, o: [] if o["stage"] == 3 else [True],  # None and False wait at the end on a CPU
 }
 
 

@@ -58,6 +58,10 @@ def test_each_bucket_is_one_action_with_its_bytes(size: str, expected: list[str]
         assert a.nbytes == 8 * sum(padded[u] for u in (a.units or (a.layer,)))
     gathers = [a for a in actions if a.kind == "gather_params"]
     assert [a.label or a.layer for a in gathers] == expected  # the updated shards in the same buckets
+    # Overlapped with the next forward: in the order that forward waits for them.
+    overlapped = sw.shard_params(base, "dp", 2, bucket_mb=BUCKETS[size], overlap_gather=True).plan(
+        sw.Mesh(dp=4), params).for_rank(0)
+    assert [a.label or a.layer for a in overlapped if a.kind == "gather_params"] == expected[::-1]
     for a in gathers:
         assert a.nbytes == 8 * sum(padded[u] // 4 for u in (a.units or (a.layer,)))
     # Each bucket is issued right after the backward that completes its last unit.
@@ -150,24 +154,31 @@ def test_updating_bucket_by_bucket_is_the_single_device_step(size: str, optimize
 
 @pytest.mark.parametrize("clip", [None, 1.0])
 def test_each_buckets_all_gather_is_issued_after_its_update_and_waited_for_at_the_end(clip: float | None) -> None:
-    """update_in_buckets: update(b) gather_params(b) per bucket, in the reduce-scatters' order; the
-    waits after the metrics' (which a clipping update waits for first). A user's optimizer, False, and
-    the default on a CPU: one update, then the gathers."""
+    """update_in_buckets: update(b) gather_params(b) per bucket, in the reduce-scatters' order; without
+    overlap_gather the waits after the metrics' (which a clipping update waits for first). A user's
+    optimizer, False, and the default on a CPU: one update, then the gathers. With overlap_gather=True
+    the same, in the next forward's order, and no wait at the end: the next step waits (its Plan's
+    first actions)."""
     base, params, _ = _problem()
     builtin, users = sw.optim.sgd(lr=0.1, momentum=0.9), _as_users(sw.optim.sgd(lr=0.1, momentum=0.9))
     for opt, option, per_bucket in ((builtin, True, True), (users, True, False), (builtin, False, False),
                                     (builtin, None, False)):
         step = sw.train_step(base.chain, torch.nn.functional.mse_loss, opt, clip_norm=clip)
-        sharded = sw.shard_params(step, "dp", 2, bucket_mb=BUCKETS["pairs"], update_in_buckets=option)
-        actions = sharded.plan(sw.Mesh(dp=4), params).for_rank(0)
-        text = " ".join(map(str, actions[[a.kind for a in actions].index("finish_grads"):]))
-        if per_bucket:
-            tail = "update(6+4) gather_params(6+4) update(2+0) gather_params(2+0)"
-        else:
-            tail = "update gather_params(6+4) gather_params(2+0)"
         metrics = "reduce_metrics(axis=dp)" + (" wait_metrics" if clip else "")
         after = "" if clip else " wait_metrics"
-        assert text == f"finish_grads {metrics} {tail}{after} wait_params(6+4) wait_params(2+0)"
+        for overlap, waits in ((False, " wait_params(6+4) wait_params(2+0)"),
+                               (None, " wait_params(6+4) wait_params(2+0)"), (True, "")):
+            # overlapped: in the order the next forward waits for them
+            order = ["2+0", "6+4"] if overlap else ["6+4", "2+0"]
+            if per_bucket:
+                tail = " ".join(f"update({b}) gather_params({b})" for b in order)
+            else:
+                tail = "update " + " ".join(f"gather_params({b})" for b in order)
+            sharded = sw.shard_params(step, "dp", 2, bucket_mb=BUCKETS["pairs"], update_in_buckets=option,
+                                      overlap_gather=overlap)
+            actions = sharded.plan(sw.Mesh(dp=4), params).for_rank(0)
+            text = " ".join(map(str, actions[[a.kind for a in actions].index("finish_grads"):]))
+            assert text == f"finish_grads {metrics} {tail}{after}{waits}"
 
 
 def test_the_plan_counts_each_buckets_update_not_the_whole_at_each() -> None:

@@ -32,6 +32,10 @@ class TrainState(NamedTuple):
     are laid out on it (a ``sw.layout.StateLayout``). ``rng`` is the seed of
     the step's random streams: with ``step`` it decides every
     dropout mask, so a resumed run continues identically.
+
+    After a ZeRO-1/2 step with ``overlap_gather`` (the default off a CPU), ``params`` is a read-only
+    mapping: the full parameters while the all-gathers that make them are in flight, which
+    any read waits for first (pickled or flattened, it is the plain dict).
     """
 
     params: Any

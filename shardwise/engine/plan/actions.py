@@ -196,7 +196,9 @@ class Plan:
     parameters (``step.plan(mesh, params)``): keys such as ``params``,
     ``grads``, ``opt_state``, each a tuple with one entry per rank; under
     ``shard_params`` also what comes and goes as the actions run, each at its
-    own peak (``gathered_peak``, ``reduce_buffers``, ``comm_buffers``), and
+    own peak (``gathered_peak``, ``reduce_buffers``, ``comm_buffers``; at stages 1-2
+    ``params_in_flight``, the updated parameters the step's all-gathers bring, beside the old
+    ones until the step returns, and with ``overlap_gather`` still in flight then), and
     ``held_in_step``, the most those and the gradient shards made so far hold
     together at one action; ``peak`` is then ``params``, ``opt_state``,
     ``held_in_step`` and ``kept_for_backward`` (with a batch). ``layers``

@@ -10,7 +10,9 @@ order the transforms were applied in:
    reduce-scatters of the rank's units around those computes;
 3. the step's end, here: the tied weights' exchange, the remaining
    reductions, the gradients for the optimizer, the metrics' all-reduces, the
-   update and (ZeRO-1/2) the all-gather of the updated shards.
+   update and (ZeRO-1/2) the all-gather of the updated shards, waited for at the
+   step's end or (``overlap_gather``) before each bucket's first forward of the next
+   step, at the top of the list.
 
 :func:`annotate` then fills in what every communicating action moves (dtype and
 bytes per tensor) from the parameters, the precision policy and the tensors
@@ -203,7 +205,14 @@ def rank_actions(
     split_axes = splits_of(step.transforms).axes
     # Each split's replicated gradients are compared over its axis.
     actions += [Action(CHECK_REPLICAS, axis=axis) for axis in split_axes]
+    overlap = zero is not None and zero.overlaps_gather(device)
+    needs = stage_needs(step.chain, placement, units) if overlap else {}
+    if overlap:  # gathered in the order the next forward needs them: the first bucket waits for one
+        buckets = sorted(buckets, key=lambda b: _first_use(actions, b, needs))
     update, waits = _update_and_gathers(step, zero, units, buckets, device)
+    if waits and overlap:
+        actions = _waits_before_first_use(actions, waits, needs)
+        waits = []
     axes = metric_axes(step)
     if not step.metric_exchange().empty and axes:
         actions.append(Action(REDUCE_METRICS, axis=axes[0]))
@@ -222,14 +231,14 @@ def rank_actions(
 def _update_and_gathers(
     step: Step, zero: Any, units: Sequence[str], buckets: Sequence[tuple[str, ...]], device: torch.device | str
 ) -> tuple[list[Action], list[Action]]:
-    """(the update and the all-gathers of ZeRO-1/2's updated shards, their waits at the step's end).
+    """(the update and the all-gathers of ZeRO-1/2's updated shards, their waits at the step's end;
+    with ``overlap_gather`` the caller moves the waits into the next step's forward instead).
 
     A built-in optimizer (elementwise, its state keyed like the shards) updates one bucket at a
     time, and each bucket's all-gather is issued as soon as its shards are updated: it travels
-    while the next bucket updates and the metrics complete, and is waited for only where the
-    step returns the full parameters (where the spec says so for ``device``:
-    ``ShardSpec.updates_in_buckets``). Otherwise every shard is updated at once, then the
-    all-gathers are issued together."""
+    while the next bucket updates and the metrics complete (where the spec says so for
+    ``device``: ``ShardSpec.updates_in_buckets``). Otherwise every shard is updated at once,
+    then the all-gathers are issued together."""
     if zero is None or zero.stage == 3:
         return [Action(UPDATE)], []
     in_buckets = {u for b in buckets for u in b}
@@ -243,6 +252,32 @@ def _update_and_gathers(
         label = "+".join(b) if len(b) > 1 else None
         update += [Action(UPDATE, b[0], units=b if len(b) > 1 else (), label=label), gather]
     return update, waits
+
+
+def _first_use(actions: Sequence[Action], units: Sequence[str], needs: Mapping[int, tuple[str, ...]]) -> int:
+    """The position of the first forward that uses one of ``units``, else of ``finish_grads``."""
+    wanted = set(units)
+    for i, a in enumerate(actions):
+        if a.kind == FORWARD and wanted & set(needs.get(a.stage or 0, ())):
+            return i
+    return next(i for i, a in enumerate(actions) if a.kind == FINISH_GRADS)
+
+
+def _waits_before_first_use(
+    actions: list[Action], waits: Sequence[Action], needs: Mapping[int, tuple[str, ...]]
+) -> list[Action]:
+    """ZeRO-1/2 with ``overlap_gather``: each ``wait_params`` of the all-gathers the previous step
+    issued at its end, just before the first forward that uses one of its units, so that the
+    gather overlaps the forwards before it; a bucket no forward uses is waited for before the
+    gradients are finished (the update then writes the shards that gather read)."""
+    first: dict[int, list[Action]] = {}
+    for wait in waits:
+        first.setdefault(_first_use(actions, wait.units or (wait.require("layer"),), needs), []).append(wait)
+    out: list[Action] = []
+    for i, action in enumerate(actions):
+        out += first.get(i, [])
+        out.append(action)
+    return out
 
 
 def _bucket_action(kind: str, units: tuple[str, ...], axis: str) -> Action:

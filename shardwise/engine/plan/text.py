@@ -45,6 +45,8 @@ def plan_text(plan: Plan) -> str:
             changes = [f"action {i} is {b} (not {a})" for i, (a, b) in enumerate(zip(texts[like], text, strict=True))
                        if a != b]
             lines.append(f"{head}: same as rank {like} but {'; '.join(changes)}")
+    if any(_waits_before_gathers([a.kind for a in actions]) for actions in plan.actions):
+        lines.append("wait_params before gather_params: the previous step's, in flight (overlap_gather)")
     for layer, notes in plan.layers.items():
         lines.append(f"layer {layer}: {'; '.join(notes)}")
     for key, per_rank in plan.memory.items():  # a figure per rank: which ranks hold what, folded
@@ -53,6 +55,12 @@ def plan_text(plan: Plan) -> str:
         if any(per_rank):
             lines.append(f"{op} over {axis!r} bytes per rank: {per_rank_figures(per_rank)}")
     return "\n".join(lines)
+
+
+def _waits_before_gathers(kinds: Sequence[str]) -> bool:
+    """Whether a rank's first ``wait_params`` comes before its first ``gather_params``."""
+    return "wait_params" in kinds and kinds.index("wait_params") < (
+        kinds.index("gather_params") if "gather_params" in kinds else len(kinds))
 
 
 def wrap(tokens: Sequence[str], width: int = WIDTH, indent: str = INDENT) -> list[str]:

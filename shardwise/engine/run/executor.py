@@ -47,7 +47,9 @@ from ...collectives import Handle, all_gather_async, psum, psum_async
 from ...collectives.mesh import Mesh
 from ...collectives.mesh_context import use_mesh
 from ...collectives.timing import timing
+from ..layout.buckets import Bucket
 from ..layout.devices import device_of
+from ..layout.in_flight import InFlightParams
 from ..layout.precision import all_finite
 from ..layout.sharding import FlatSharding
 from ..layout.state_layout import Placement
@@ -132,6 +134,11 @@ class ParamSource:
     compute: Mapping[str, Mapping[str, torch.Tensor]] | None = None
     sharding: FlatSharding | None = None
     gather_from: Mapping[str, torch.Tensor] | None = None
+    # ZeRO-1/2 with overlap_gather: the full parameters the last step's all-gathers are still
+    # bringing (``compute`` lacks their layers until each bucket's wait_params), and the cast of
+    # what a wait brings into compute copies (the precision policy's).
+    incoming: InFlightParams | None = None
+    cast: Callable[[dict[str, dict[str, torch.Tensor]]], Mapping[str, Mapping[str, torch.Tensor]]] | None = None
 
 
 @dataclass(frozen=True)
@@ -263,6 +270,9 @@ class Executor(ZeroActions, TransferActions):
     # of a simulated Plan.
     action_times: list[tuple[int, float, float]] = field(default_factory=list)
     peak_gathered_bytes: int = 0
+    # Stages 1-2: each bucket's all-gather of the updated shards not waited for in this step (with
+    # overlap_gather, all of them: the next step's TrainState holds them)
+    params_in_flight: list[tuple[Bucket, Handle]] = field(default_factory=list)
     # -- per-step working state -------------------------------------------------------------
     device: torch.device = field(init=False)
     _view: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  # gathered units' parameters
@@ -295,7 +305,8 @@ class Executor(ZeroActions, TransferActions):
     def __post_init__(self) -> None:
         # Where this rank computes: its parameters', else its micro-batches'. Received values go
         # there (torch.distributed delivers them on the CPU), and so do the metrics.
-        self.device = device_of(self.source.compute, self.source.gather_from, self.microbatches)
+        # (With ZeRO-1/2's gathers still in flight the compute copies may be empty: the master shards.)
+        self.device = device_of(self.source.compute, self.source.gather_from, self.master, self.microbatches)
         self._shared_rng = ranks_share_generators()
         self._rank = 0 if self.mesh is None else self.mesh.rank
         self._rng_rank = self._rank if self.rng_rank is None else self.rng_rank
@@ -737,6 +748,12 @@ class Executor(ZeroActions, TransferActions):
     def finish_grads(self, action: Action) -> None:
         """The gradients the optimizer gets (``final_grads``) and this rank's share of the metrics."""
         self._check_no_gather_pending()
+        incoming = self.source.incoming
+        if incoming is not None and incoming.in_flight:
+            raise RuntimeError(
+                f"{incoming.in_flight} all-gathers of the last step's updated shards were never waited for "
+                "before the update (which writes the shards they read): the Plan lists a wait_params for each"
+            )
         if self.source.sharding is not None:
             self.final_grads = dict(self._grad_shards)
         else:

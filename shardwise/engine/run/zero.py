@@ -46,6 +46,7 @@ class ZeroActions:
     _grad_shards: dict[str, torch.Tensor]
     _replica_input: dict[str, torch.Tensor]  # HSDP: reduce-scattered shards, to all-reduce over the replicas
     _leaves: dict[tuple[str, str], torch.Tensor]
+    params_in_flight: list[tuple[Bucket, Handle]]  # stages 1-2: the updated shards' all-gathers not waited for
 
     def _sharding(self) -> FlatSharding:
         if self.source.sharding is None:
@@ -149,17 +150,34 @@ class ZeroActions:
     def gather_params(self, action: Action) -> None:
         """Stages 1-2: all-gather a unit's (or a bucket's) updated shards into full parameters."""
         unit = action.require("layer")
-        flat = self._bucket(action).gather_input(self.new_master)
-        # The shards are the update's result, which nothing writes to before the wait: no copy.
-        self._pending[("params", unit)] = all_gather_async(
-            flat, action.require("axis"), tiled=True, mesh=self.mesh, snapshot=False
-        )
+        bucket = self._bucket(action)
+        flat = bucket.gather_input(self.new_master)
+        # The shards are the update's result, which nothing writes to before the wait (this step's,
+        # or with overlap_gather the next step's, before its update): no copy.
+        handle = all_gather_async(flat, action.require("axis"), tiled=True, mesh=self.mesh, snapshot=False)
+        self._pending[("params", unit)] = handle
+        self.params_in_flight.append((bucket, handle))
 
     def wait_params(self, action: Action) -> None:
         """The gathered parameters are views of the all-gather's output (one copy of a parameter
-        that lies across two ranks' shards): no copy per parameter."""
+        that lies across two ranks' shards): no copy per parameter.
+
+        The wait of this step's own gather (at its end), or with ``overlap_gather`` (listed before
+        the bucket's first forward, ahead of this step's gathers) the wait of the gather the last
+        step left in flight: its parameters become the layers' (their compute copies)."""
         unit = action.require("layer")
-        flat = self._pending.pop(("params", unit)).wait()
-        if self.new_held is None:
-            self.new_held = {k: dict(v) for k, v in self.held.items()}
-        self.new_held.update(self._bucket(action).unflatten(flat))
+        handle = self._pending.pop(("params", unit), None)
+        if handle is not None:
+            self.params_in_flight = [(b, h) for b, h in self.params_in_flight if h is not handle]
+            if self.new_held is None:
+                self.new_held = {k: dict(v) for k, v in self.held.items()}
+            self.new_held.update(self._bucket(action).unflatten(handle.wait()))
+            return
+        incoming = self.source.incoming
+        if incoming is None:  # the state's parameters were complete when the step began
+            return
+        units = action.units or (unit,)
+        got = incoming.wait_bucket(units)
+        compute = self.source.compute
+        assert isinstance(compute, dict) and self.source.cast is not None
+        compute.update(self.source.cast(got))

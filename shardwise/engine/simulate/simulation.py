@@ -32,6 +32,11 @@ The model, and what it assumes:
   done, and completes its transfer time later; its wait blocks the rank until
   then. A sync one (the later reduce_metrics, a split layer's in-layer one) blocks
   until every member has arrived and the transfer is done.
+* A ``wait_params`` listed before its ``gather_params`` (ZeRO-1/2 with ``overlap_gather``)
+  waits for the gather the previous step issued at its end: the Plan is simulated in its
+  steady state, those gathers on their group's link from time 0, one after another in the
+  order the Plan issues them, so the first forward that needs a bucket waits for what is left
+  of its transfer.
 * Nothing waits forever: ranks that would are reported (:class:`PlanDeadlock`)
   with what each waits for; a send nobody receives, or a collective some member
   never issues, is a :class:`PlanMismatch`.
@@ -50,10 +55,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..plan.actions import (
+    GATHER_PARAMS,
     INSIDE,
     REDUCE_METRICS,
     SUM_TIED,
     WAIT_METRICS,
+    WAIT_PARAMS,
     WAIT_SENDS,
     Action,
     Plan,
@@ -122,6 +129,36 @@ class _Simulation:
         self.pending: list[dict[tuple[str, str | None, str | None], _Call]] = [{} for _ in range(n)]
         self.first_metrics: list[_Call | None] = [None] * n
         self.joined: list[_Call | None] = [None] * n  # the sync collective a rank has arrived at
+        carried: dict[tuple[Any, ...], float] = {}  # (axis, group, k): when its k-th carried gather is done
+        for r in range(n):
+            self._carried_gathers(r, carried)
+
+    def _carried_gathers(self, r: int, carried: dict[tuple[Any, ...], float]) -> None:
+        """The previous step's gathers that rank ``r``'s Plan waits for before it issues its own (see
+        the module docstring): in flight from time 0 on their group's link, in issue order; the
+        k-th of a group is one collective, timed once for all its ranks (``carried``)."""
+        actions = self.plan.actions[r]
+        issued: set[tuple[str | None, str | None]] = set()
+        waited: set[tuple[str | None, str | None]] = set()
+        for a in actions:
+            if a.kind == GATHER_PARAMS:
+                issued.add((a.layer, a.axis))
+            elif a.kind == WAIT_PARAMS and (a.layer, a.axis) not in issued:
+                waited.add((a.layer, a.axis))
+        k: dict[str, int] = defaultdict(int)
+        for a in actions:
+            if a.kind != GATHER_PARAMS or (a.layer, a.axis) not in waited:
+                continue
+            if a.axis is None:
+                raise PlanMismatch(f"rank {r}: collective {a} names no mesh axis")
+            group = self.mesh.group_ranks(a.axis, r)
+            key = (a.axis, group, k[a.axis])
+            k[a.axis] += 1
+            if key not in carried:
+                begin = self.group_free.get((a.axis, group), 0.0)
+                carried[key] = self.group_free[(a.axis, group)] = (
+                    begin + self._transfer_time(a, a.op or "all_gather", group))
+            self.pending[r][(GATHER_PARAMS, a.layer, a.axis)] = _Call(a, group, done=carried[key])
 
     def _done(self, r: int) -> bool:
         return self.state[r].pos == len(self.plan.actions[r])

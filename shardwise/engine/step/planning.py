@@ -24,6 +24,7 @@ from ..plan.accounting import predict_kept_parts
 from ..plan.actions import (
     FREE,
     GATHER,
+    GATHER_PARAMS,
     GRAD_COMPUTES,
     REDUCE_REPLICAS,
     REDUCE_SCATTER,
@@ -225,7 +226,8 @@ def _memory(
 
 # The figures that come and go as the actions run, each its own peak: the Plan's peak counts instead
 # the most they hold together at one action (``held_in_step``).
-_COME_AND_GO = ("gathered_peak", "reduce_buffers", "comm_buffers", "replica_buffers", "update_buffers")
+_COME_AND_GO = ("gathered_peak", "reduce_buffers", "comm_buffers", "replica_buffers", "update_buffers",
+               "params_in_flight")
 
 
 def _class_memory(
@@ -256,6 +258,8 @@ def _class_memory(
     # old ones, its temporaries), at the update, beside every gradient shard.
     assert shards is not None
     levels["update_buffers"] = _update_levels(step, shards, actions, device)
+    if not sharding.holds_shards:
+        levels["params_in_flight"] = _params_levels(sharding, actions)
     for key, per_action in levels.items():
         figures[key] = max(per_action, default=0)
     made = _shards_made_levels(actions, {u: tree_nbytes(t) for u, t in shards.items()})
@@ -278,6 +282,22 @@ def _update_levels(step: Step, shards: Mapping[str, Any], actions: Sequence[Acti
         peak, kept = predict_update_held(step.optimizer.update, part, part, step.optimizer.init(part), device)
         levels.append(kept_before + peak)
         kept_before += kept
+    return levels
+
+
+def _params_levels(sharding: FlatSharding, actions: Sequence[Action]) -> list[int]:
+    """ZeRO-1/2, at each action: the updated full parameters the step's all-gathers bring (each
+    bucket's whole padded buffer, in the master dtype: the parameters are views of it), from its
+    ``gather_params`` to the step's end, where they are the new state's parameters beside the ones
+    the step began with (``params``, which its caller still holds). With ``overlap_gather`` they
+    are still in flight then, across the step boundary: the next step's ``wait_params`` come
+    before its first forwards, and until then the in-flight buffers are its ``params``."""
+    sizes = {u: lay.padded_numel * torch.empty((), dtype=lay.dtype).element_size() for u, lay in sharding.units.items()}
+    live, levels = 0, []
+    for action in actions:
+        if action.kind == GATHER_PARAMS:
+            live += sum(sizes[u] for u in action.units or (action.require("layer"),))
+        levels.append(live)
     return levels
 
 

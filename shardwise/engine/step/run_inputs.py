@@ -11,6 +11,7 @@ and the metrics.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -21,6 +22,7 @@ import torch
 from ...collectives.backends.current import current_backend
 from ...collectives.mesh import Mesh
 from ..layout.devices import device_of, host_scalar
+from ..layout.in_flight import InFlightParams
 from ..layout.sharding import FlatSharding
 from ..layout.state import TrainState
 from ..layout.state_layout import StateLayout, unit_names
@@ -135,14 +137,26 @@ def local_microbatches(step: Step, mesh: Mesh | None, sharding: FlatSharding | N
 def param_source(step: Step, state: TrainState, sharding: FlatSharding | None) -> tuple[Any, ParamSource]:
     """(what the optimizer updates, where the layers read their parameters) of this rank's state."""
     prec = step.precision
+    params = state.params
+    if isinstance(params, InFlightParams):
+        if sharding is not None and not sharding.holds_shards and not params.exposed:
+            # ZeRO-1/2 after an overlapped step: the update starts from the shards that step made
+            # (the ones its all-gathers carry), and each bucket's parameters join the compute copies
+            # at its wait_params (executor: wait_params), before its first forward.
+            incoming = params if params.in_flight else None
+            return dict(params.shards), ParamSource(
+                compute=dict(compute_params(prec, params.ready())), sharding=sharding, incoming=incoming,
+                cast=functools.partial(compute_params, prec),
+            )
+        params = params.copy()  # read by someone (so complete): cut again, as any other state's
     if sharding is None:
-        return state.params, ParamSource(compute=compute_params(prec, state.params))
-    master = sharding.my_shards(state.params, state.mesh.axis_index(sharding.axis))
+        return params, ParamSource(compute=compute_params(prec, params))
+    master = sharding.my_shards(params, state.mesh.axis_index(sharding.axis))
     if sharding.holds_shards:
         # Compute copies are cast once per step, before they travel: half the bytes in bf16.
         gather_from = master if prec is None else {u: t.to(prec.for_layer(u).compute) for u, t in master.items()}
         return master, ParamSource(sharding=sharding, gather_from=gather_from)
-    return master, ParamSource(compute=compute_params(prec, state.params), sharding=sharding)
+    return master, ParamSource(compute=compute_params(prec, params), sharding=sharding)
 
 
 @dataclass
@@ -252,10 +266,20 @@ def finish_run(step: Step, state: TrainState, prepared: PreparedRun) -> tuple[Tr
             raise RuntimeError(f"the update by buckets covered units {outcome['updated']}, not this rank's {keys}")
         outcome["opt_state"] = join_parts(outcome["opt_parts"], keys)
     new_state = state._replace(
-        params=executor.new_held, opt_state=outcome["opt_state"], step=state.step + 1,
+        params=_in_flight(executor) if executor.params_in_flight else executor.new_held,
+        opt_state=outcome["opt_state"], step=state.step + 1,
         loss_scale=prepared.outcome["loss_scale"],
     )
     return new_state, metrics
+
+
+def _in_flight(executor: Executor) -> InFlightParams:
+    """ZeRO-1/2 with overlap_gather: the new full parameters as the step's all-gathers will bring them."""
+    held = executor.held
+    old = held.settle() if isinstance(held, InFlightParams) else held  # every bucket was waited for
+    gathered = {u for bucket, _ in executor.params_in_flight for u in bucket.names}
+    base = {k: v for k, v in old.items() if k not in gathered}
+    return InFlightParams(base, executor.params_in_flight, executor.new_master, tuple(old))
 
 
 def token_count(summed: Summed) -> torch.Tensor:

@@ -22,6 +22,7 @@ def shard_params(
     bucket_mb: float | None = None,
     replicate: str | None = None,
     update_in_buckets: bool | None = None,
+    overlap_gather: bool | None = None,
 ) -> Step:
     """Make ``step`` data parallel over mesh ``axis``, sharding what ZeRO ``stage`` shards.
 
@@ -59,9 +60,20 @@ def shard_params(
     The updated shards come back in the same buckets. With ``update_in_buckets`` (default: not on
     a CPU, yes elsewhere) a built-in optimizer updates one bucket at a time and each bucket's
     all-gather is issued as soon as its shards are updated, overlapping the next bucket's update
-    (``update(6+4) gather_params(6+4) update(2+0) ...``); all are waited for at the step's end.
+    (``update(6+4) gather_params(6+4) update(2+0) ...``).
     Without it the optimizer updates every shard at once, then the all-gathers are issued. On a
-    CPU (gloo) the pipeline measured no faster (see ``ShardSpec.updates_in_buckets``). Stage 3 reduces and gathers
+    CPU (gloo) the pipeline measured no faster (see ``ShardSpec.updates_in_buckets``).
+
+    ``overlap_gather`` (stages 1-2; default None: not on a CPU, where gloo measured no gain, yes
+    elsewhere; see ``ShardSpec.overlaps_gather``) leaves those all-gathers in flight when the
+    step returns: the next step waits for each bucket just before the first forward that uses
+    it (``wait_params(0+2) F(0, mb=0) ...`` at the top of the Plan; the gathers are issued in
+    that order), so the gather overlaps the next forward instead of ending the step. The
+    returned ``state.params`` then holds the gathers in flight, and any read of it other than
+    the next step's (indexing, iterating, ``sw.checkpoint.save``, ``step.full_params``,
+    ``torch.save``, optree) waits for them all first: stale parameters cannot be read. An older
+    state stays valid (its gathers were waited for by the step that read it).
+    ``overlap_gather=False`` waits for them at the step's end. Stage 3 reduces and gathers
     unit by unit (its units are gathered and freed one at a time). Each bucket is one action of
     the Plan (``reduce_scatter(2+0)``), listed when the plan is made with the parameters.
 
@@ -141,6 +153,17 @@ def shard_params(
                 f"shard_params(stage=3, update_in_buckets={update_in_buckets!r}): stage 3 holds shards and "
                 "gathers no updated parameters; the update by buckets is for stages 1 and 2: drop the option"
             )
+    if overlap_gather is not None:
+        if not isinstance(overlap_gather, bool):
+            raise TypeError(
+                f"shard_params(overlap_gather={overlap_gather!r}): True, False or None (the device's default)"
+            )
+        if stage == 3:
+            raise ValueError(
+                f"shard_params(stage=3, overlap_gather={overlap_gather!r}): stage 3 holds shards and gathers no "
+                "updated parameters at the step's end (it gathers each unit before use, prefetch=); the overlap "
+                "of that gather with the next forward is for stages 1 and 2: drop the option"
+            )
     if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
         raise TypeError(
             f"shard_params(reshard_after_forward={reshard_after_forward!r}): True, False or None (the default)"
@@ -155,5 +178,5 @@ def shard_params(
             )
     spec = ShardSpec(axis, stage, reshard_after_forward, 1 if prefetch is None else prefetch, accumulation,
                      reduce_in_flight, None if bucket_mb is None else float(bucket_mb), replicate,
-                     update_in_buckets)
+                     update_in_buckets, overlap_gather)
     return add(step, spec)
