@@ -103,7 +103,7 @@ def kept_in_run(step: sw.Step, mesh: sw.Mesh, params: Any, batch: Any) -> tuple[
     during the forwards of one real step, less the stage's parameters and outputs (held anyway):
     with all forwards before any backward (gpipe), what the run keeps at its peak."""
     kept: dict[int, dict[int, int]] = {}
-    forward = Executor.forward
+    forward = Executor._forward  # each forward, alone or in a run of joined ones
 
     def observed(self: Executor, action: Any) -> None:
         seen: dict[int, int] = {}
@@ -119,11 +119,11 @@ def kept_in_run(step: sw.Step, mesh: sw.Mesh, params: Any, batch: Any) -> tuple[
     def run() -> None:
         step(step.init(params, mesh), batch)
 
-    Executor.forward = observed  # type: ignore[method-assign]
+    Executor._forward = observed  # type: ignore[method-assign]
     try:
         sw.launch(run, mesh.size)
     finally:
-        Executor.forward = forward  # type: ignore[method-assign]
+        Executor._forward = forward  # type: ignore[method-assign]
     return tuple(sum(kept.get(i, {}).values()) for i in range(mesh.size))
 
 
