@@ -75,11 +75,12 @@ def test_drawn_padding_equals_the_single_device_step_on_the_global_batch(padding
 
 
 def test_a_mean_of_shard_means_would_differ() -> None:
-    """The check can fail: the same padding under the mean loss is a different (wrong) step."""
+    """The check can fail: the same padding under a mean loss per shard is a different (wrong) step,
+    which a step refuses unless told ``tokens="per_shard_mean"`` (test_padded_labels.py)."""
     chain, params, _ = _model()
     padding = [[SEQ - 1] * 4 + [0] * 4, [0] * 8]  # the first dp shard is nearly all padding
     reference = sw.train_step(chain, _summed_ce, sw.optim.sgd(0.2, momentum=0.9), tokens="sum")
-    mean_step = sw.train_step(chain, _mean_ce, sw.optim.sgd(0.2, momentum=0.9))
+    mean_step = sw.train_step(chain, _mean_ce, sw.optim.sgd(0.2, momentum=0.9), tokens="per_shard_mean")
     with pytest.raises(AssertionError, match="first divergence at step 1"):
         sw.testing.assert_equivalent(sw.shard_params(mean_step, "dp", 3), reference, sw.Mesh(dp=2), _batches(padding),
                                      params, rtol=1e-6)

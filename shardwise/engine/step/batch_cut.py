@@ -12,6 +12,9 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
+import optree
+import torch
+
 from ...collectives.mesh import Mesh
 from ..plan.batches import split_batch, split_over
 from ..plan.lower import microbatch_count
@@ -19,6 +22,10 @@ from ..stack.in_layer import BatchShares
 
 if TYPE_CHECKING:
     from .step import Step
+
+# train_step(tokens=PER_SHARD_MEAN): a mean loss per share of the batch, the mean of those means taken
+# knowingly even where padding gives the shares different token counts (see refuse_padded_mean).
+PER_SHARD_MEAN = "per_shard_mean"
 
 
 def batch_cuts(step: Step, mesh: Mesh | None) -> list[tuple[str, int, str]]:
@@ -72,3 +79,49 @@ def batch_shares(step: Step, mesh: Mesh | None) -> BatchShares:
         axes += [p.axis for p in step.split.parts if p.batch_cut(mesh).sequence_parts > 1]
     shares = math.prod(mesh.axis_size(a) for a in axes) if mesh is not None and axes else 1
     return BatchShares(tuple(axes), shares)
+
+
+def refuse_padded_mean(step: Step, mesh: Mesh | None, batch: Any) -> None:
+    """Refuse a mean loss (``train_step(tokens=None)``) on a batch the step cuts (data parallel, context
+    parallel, expert parallel, micro-batches) whose integer tensors hold a negative value: padded labels
+    (-100, cross_entropy's ignore_index), so the shares' means count different numbers of tokens and
+    their mean is not the mean over the global batch, which the single-device step computes.
+
+    Every rank holds the global batch and finds the same: no collective, one small reduction per
+    integer tensor. An ignore value that is not negative (a pad token id) is not seen.
+    """
+    if step.tokens is not None:
+        return
+    cuts = [what for _, _, what in batch_cuts(step, mesh)]
+    if mesh is not None:
+        cuts += [f"{p.name} over axis {p.axis!r}" for p in step.split.parts if p.batch_cut(mesh).sequence_parts > 1]
+    k = microbatch_count(step)
+    if k > 1:
+        cuts.append(f"{k} micro-batches")
+    if not cuts:
+        return
+    where = _negative_integers(batch)
+    if where is None:
+        return
+    raise ValueError(
+        f"train_step(tokens=None) on a batch the step cuts ({' x '.join(cuts)}): batch{where} holds negative "
+        "integers (padded labels: -100, cross_entropy's ignore_index), so each share's mean loss counts its own "
+        "number of tokens and the mean of those means is not the single-device step's mean over the whole "
+        "batch. Pass tokens= to train_step: a count function, e.g. tokens=lambda inputs, targets: "
+        "(targets != -100).sum() (a Hugging Face model's own loss: (inputs['labels'][:, 1:] != -100).sum()), "
+        "with loss_fn the mean over those tokens; or tokens='sum' with loss_fn returning (sum of the token "
+        f"losses, token count); or tokens={PER_SHARD_MEAN!r} to train on the mean of the shares' means knowingly"
+    )
+
+
+def _negative_integers(batch: Any) -> str | None:
+    """The keypath (``[0]``, ``['labels']``) of the first integer tensor of ``batch`` holding a negative value."""
+    paths, leaves, _ = optree.tree_flatten_with_path(batch)
+    for path, t in zip(paths, leaves, strict=True):
+        if not isinstance(t, torch.Tensor) or t.is_meta or t.numel() == 0:
+            continue
+        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+            continue
+        if bool((t < 0).any()):
+            return "".join(f"[{k!r}]" for k in path)
+    return None

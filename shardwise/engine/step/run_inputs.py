@@ -36,7 +36,7 @@ from ..run.metrics import MetricExchange, Summed, batch_fingerprint, different_b
 from ..run.rng import mix
 from ..stack import in_layer
 from ..stack.in_layer import BatchShares
-from .batch_cut import batch_multiple, batch_shares, rank_share
+from .batch_cut import batch_multiple, batch_shares, rank_share, refuse_padded_mean
 from .master import compute_params, unscale_like
 
 if TYPE_CHECKING:
@@ -180,6 +180,7 @@ def prepare_run(step: Step, state: TrainState, layout: StateLayout, batch: Any) 
     mesh: Mesh | None = state.mesh
     _check_world(mesh)
     sharding, pipe = layout.sharding, step.pipeline_spec
+    refuse_padded_mean(step, mesh, batch)
     micro, replicas = local_microbatches(step, mesh, sharding, batch)
     master, source = param_source(step, state, sharding)
     device = device_of(master)
@@ -193,7 +194,7 @@ def prepare_run(step: Step, state: TrainState, layout: StateLayout, batch: Any) 
         """The new master tree, or with ``units`` (ZeRO-1/2, a bucket at a time) those units' part
         of it; finish_run joins the parts' optimizer states."""
         norm = summed.norm
-        if step.tokens is not None:  # the gradients of the summed losses: divide by the global count
+        if step.token_weighted:  # the gradients of the summed losses: divide by the global count
             grads, norm = divided_by_tokens(grads, norm, summed)
         if units is None:
             new_master, outcome["opt_state"], outcome["loss_scale"] = step.finish(
@@ -211,13 +212,14 @@ def prepare_run(step: Step, state: TrainState, layout: StateLayout, batch: Any) 
         microbatches=micro,
         # A mean loss counts 1/(replicas x micro-batches) of the step; a token sum is divided
         # by the global count in the update instead.
-        seed=scale if step.tokens is not None else scale / (max(replicas, 1) * k),
+        seed=scale if step.token_weighted else scale / (max(replicas, 1) * k),
         finalize=lambda grads: unscale_like(grads, master, scale), update=update,
         master=master, held=state.params, grad_scale=scale, reduce_dtypes=run.reduce_dtypes,
         metric_dtype=layout.metric_dtype, exchange=run.exchange, metric_axes=run.metric_axes,
         replica_layers=run.replica_layers,
         boundaries=None if pipe is None else step.boundaries(layout, micro[0][0], mesh),
-        poison=bool(pipe is not None and pipe.poison), record=step.traced, tokens=step.tokens,
+        poison=bool(pipe is not None and pipe.poison), record=step.traced,
+        tokens=step.tokens if step.token_weighted else None,
         rng_seed=None if state.rng is None else mix(state.rng, state.step), counted=run.counted,
         counts_losses=run.counts_losses,
         # Summed with the metrics (and, under a split, compared in its replica check).
@@ -243,7 +245,7 @@ def finish_run(step: Step, state: TrainState, prepared: PreparedRun) -> tuple[Tr
         _exchange_group(mesh, prepared.rank.metric_axes)
     ):
         raise ValueError(different_batches())
-    if step.tokens is not None:
+    if step.token_weighted:
         count = token_count(summed)
         loss = None if summed.loss_sum is None else summed.loss_sum / count.to(summed.loss_sum.dtype)
         norm = None if summed.norm is None else summed.norm / count.to(summed.norm.dtype)

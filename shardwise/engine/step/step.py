@@ -39,7 +39,7 @@ from ..run.metrics import REPORTABLE, MetricExchange, check_metrics
 from ..stack import in_layer
 from ..stack.compose import PLACEMENT, SHARDING, describe, find
 from ..stack.splits import Splits, splits_of
-from .batch_cut import batch_shares
+from .batch_cut import PER_SHARD_MEAN, batch_shares
 from .donation import check_not_consumed, mark_updated
 from .init_state import held_params, init_seeding, meta_names, sampled_values
 from .layouts import build_layout, check_mesh, layouts_by_index, stage_boundaries
@@ -164,13 +164,19 @@ class Step:
     def update_needs_sums(self) -> bool:
         """Whether the update depends on the summed values: clipping by the global norm, skipping
         everywhere on a gradient that is not finite somewhere, or dividing by the global token count."""
-        return self.clip_norm is not None or self.precision is not None or self.tokens is not None
+        return self.clip_norm is not None or self.precision is not None or self.token_weighted
+
+    @property
+    def token_weighted(self) -> bool:
+        """Whether the loss is weighed by counted tokens (``tokens="sum"`` or a count function), so that
+        the step divides the summed losses by the global count; not for None or ``"per_shard_mean"``."""
+        return self.tokens is not None and not (isinstance(self.tokens, str) and self.tokens == PER_SHARD_MEAN)
 
     def metric_exchange(self) -> MetricExchange:
         """What the ranks of this step sum after the backward (nothing, if no metric or rule needs it)."""
         return MetricExchange(
             loss="loss" in self.metrics, norm=self.needs_norm, finite=self.precision is not None,
-            count=self.tokens is not None, batch=bool(metric_axes(self)),
+            count=self.token_weighted, batch=bool(metric_axes(self)),
         )
 
     def report(self, loss: torch.Tensor | None, norm: torch.Tensor | None) -> Metrics:
@@ -457,7 +463,11 @@ def train_step(
     ``count_fn = lambda x, _: (x["labels"][:, 1:] != -100).sum()``). The step's
     loss is then the global sum over the global count, under data parallelism,
     micro-batches and accumulation alike: one more value in the step's small
-    all-reduce, and the update waits for it.
+    all-reduce, and the update waits for it. With ``None``, a step that cuts the
+    batch (data, context or expert parallel, micro-batches) refuses a batch whose
+    integer tensors hold a negative value (padded labels: -100, cross_entropy's
+    ``ignore_index``), naming these options; ``tokens="per_shard_mean"`` takes
+    the mean of the shards' means knowingly (not the single-device step's loss).
 
     ``metrics`` names what each call reports: ``"loss"`` (the mean over the whole
     batch) and ``"grad_norm"``, the same values on every rank once the step is
@@ -498,11 +508,11 @@ def train_step(
         )
     if clip_norm is not None and not clip_norm > 0:
         raise ValueError(f"train_step(clip_norm={clip_norm!r}): the norm to clip to must be positive")
-    if not (tokens is None or tokens == "sum" or callable(tokens)):
+    if not (tokens is None or (isinstance(tokens, str) and tokens in ("sum", PER_SHARD_MEAN)) or callable(tokens)):
         raise ValueError(
             f"train_step(tokens={tokens!r}): use None (loss_fn returns the mean over the batch), 'sum' (it returns "
-            "(sum of token losses, token count)) or a function (inputs, targets) -> token count (it returns the "
-            "mean over those tokens)"
+            "(sum of token losses, token count)), a function (inputs, targets) -> token count (it returns the "
+            f"mean over those tokens) or {PER_SHARD_MEAN!r} (the mean of the shards' mean losses, padding or not)"
         )
     return Step(chain, loss_fn, optimizer, clip_norm, metrics=check_metrics(metrics), tokens=tokens)
 

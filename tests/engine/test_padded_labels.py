@@ -1,0 +1,143 @@
+"""Padded labels under a cut batch: a mean loss per share (``train_step(tokens=None)``) is a mean of the
+shares' means, which padding makes another loss than the single-device step's. Refused, naming ``tokens=``.
+
+Hugging Face GPT-2 (tiny, float64) with labels padded by -100 (cross_entropy's ignore_index), under dp=2
+and under pipeline micro-batches. The reference is the single-device step with ``tokens=None``: the mean
+over the global batch's counted tokens. With ``tokens=count`` the distributed step equals it to float64
+rounding (assert_equivalent's default); ``tokens="per_shard_mean"`` is the mean of the shares' means,
+which the test computes by hand.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+import shardwise as sw
+from shardwise.collectives.launch import RankFailed
+
+T = pytest.importorskip("transformers", reason="the [hf] extra (pip install -e '.[hf]') is not installed")
+
+VOCAB, SEQ, BATCH = 32, 6, 4
+
+
+def gpt2() -> tuple[sw.Chain, Any]:
+    torch.manual_seed(0)
+    cfg = T.GPT2Config(
+        vocab_size=VOCAB, n_positions=8, n_embd=8, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0, attn_implementation="eager", bos_token_id=0, eos_token_id=0,
+    )
+    model = T.GPT2LMHeadModel(cfg).double()
+    ids = torch.zeros(BATCH, SEQ, dtype=torch.long)
+    return sw.functionalize(model, units=T.models.gpt2.modeling_gpt2.GPT2Block, example_input=ids)
+
+
+def lm_loss(out: Any, targets: Tensor) -> Tensor:
+    """Mean cross entropy over the counted (not -100) targets, in float64."""
+    return F.cross_entropy(out.logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
+
+
+def counted(inputs: Any, targets: Tensor) -> Tensor:
+    return (targets != -100).sum()
+
+
+def batches(padded: bool, n: int = 2) -> list[tuple[Tensor, Tensor]]:
+    """Row 0 of each batch nearly all padding, row 3 a little: the shares count different numbers of tokens."""
+    gen = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(VOCAB, (BATCH, SEQ), generator=gen)
+        labels = torch.randint(VOCAB, (BATCH, SEQ), generator=gen)
+        if padded:
+            labels[0, 1:] = -100
+            labels[3, SEQ - 2 :] = -100
+        out.append((ids, labels))
+    return out
+
+
+STACKS: dict[str, tuple[Callable[[sw.Step], sw.Step], sw.Mesh]] = {
+    "dp=2": (lambda s: sw.shard_params(s, "dp", 3), sw.Mesh(dp=2)),
+    "pp=2 x 2 micro-batches": (lambda s: sw.pipeline(s, "pp", "1f1b", 2), sw.Mesh(pp=2)),
+}
+
+
+def _run(step: sw.Step, mesh: sw.Mesh, params: Any, batch: Any) -> list[Any]:
+    def main() -> Any:
+        state = step.init(params, mesh)
+        return step(state, batch)[1]["loss"]
+
+    return sw.launch(main, mesh.size, timeout=120)
+
+
+@pytest.mark.parametrize("stack", sorted(STACKS))
+def test_a_mean_loss_on_padded_labels_is_refused_naming_tokens(stack: str) -> None:
+    chain, params = gpt2()
+    transform, mesh = STACKS[stack]
+    step = transform(sw.train_step(chain, lm_loss, sw.optim.sgd(0.1, momentum=0.9)))
+    cut = "shard_params over axis 'dp' of size 2" if "dp" in stack else "2 micro-batches"
+    refused = rf"ValueError: train_step\(tokens=None\) on a batch the step cuts \({cut}\): batch\[1\] holds negative"
+    with pytest.raises(RankFailed, match=rf"{refused} integers(.|\n)*tokens=lambda"):
+        _run(step, mesh, params, batches(padded=True)[0])
+
+
+@pytest.mark.parametrize("stack", sorted(STACKS))
+def test_padded_labels_with_tokens_equal_the_single_device_step(stack: str) -> None:
+    chain, params = gpt2()
+    reference = sw.train_step(chain, lm_loss, sw.optim.sgd(0.1, momentum=0.9))  # tokens=None: no cut, no refusal
+    weighted = sw.train_step(chain, lm_loss, sw.optim.sgd(0.1, momentum=0.9), tokens=counted)
+    transform, mesh = STACKS[stack]
+    sw.testing.assert_equivalent(transform(weighted), reference, mesh, batches(padded=True), params)
+
+
+@pytest.mark.parametrize("stack", sorted(STACKS))
+def test_per_shard_mean_opts_out_and_is_the_mean_of_the_shares_means(stack: str) -> None:
+    chain, params = gpt2()
+    reference = sw.train_step(chain, lm_loss, sw.optim.sgd(0.1, momentum=0.9))
+    opted = sw.train_step(chain, lm_loss, sw.optim.sgd(0.1, momentum=0.9), tokens="per_shard_mean")
+    transform, mesh = STACKS[stack]
+    ids, labels = batch = batches(padded=True)[0]
+    halves = [chain(params, part).logits for part in ids.chunk(2)]
+    by_hand = sum(F.cross_entropy(h.flatten(0, 1), t.flatten(), ignore_index=-100) for h, t in
+                  zip(halves, labels.chunk(2), strict=True)) / 2
+    whole = lm_loss(chain(params, ids), labels)
+    assert not torch.allclose(by_hand, whole, rtol=1e-6)  # the padding makes them differ
+    for loss in _run(transform(opted), mesh, params, batch):
+        torch.testing.assert_close(loss, by_hand.detach(), rtol=1e-12, atol=0)
+    # On one device the opt-out is the plain step: nothing is cut.
+    assert torch.equal(opted(opted.init(params), batch)[1]["loss"], reference(reference.init(params), batch)[1]["loss"])
+    with pytest.raises(AssertionError, match="first divergence"):  # and the distributed one is another step
+        sw.testing.assert_equivalent(transform(opted), reference, mesh, batches(padded=True), params)
+
+
+@pytest.mark.parametrize("stack", sorted(STACKS))
+def test_unpadded_labels_and_float_targets_run_with_a_mean_loss(stack: str) -> None:
+    chain, params = gpt2()
+    reference = sw.train_step(chain, lm_loss, sw.optim.sgd(0.1, momentum=0.9))
+    transform, mesh = STACKS[stack]
+    sw.testing.assert_equivalent(transform(reference), reference, mesh, batches(padded=False), params)
+
+    def soft(out: Any, targets: Tensor) -> Tensor:  # negative floats are values, not padding
+        return F.mse_loss(out.logits, targets)
+
+    floats = [(ids, torch.randn(BATCH, SEQ, VOCAB, dtype=torch.float64) - 5) for ids, _ in batches(padded=False)]
+    step = sw.train_step(chain, soft, sw.optim.sgd(0.1, momentum=0.9))
+    sw.testing.assert_equivalent(transform(step), step, mesh, floats, params)
+
+
+def test_labels_inside_a_dict_batch_are_found_for_the_models_own_loss() -> None:
+    chain, params = gpt2()
+    ids, labels = batches(padded=True)[0]
+    own = sw.train_step(chain, lambda out, _: out.loss, sw.optim.sgd(0.1))
+    with pytest.raises(RankFailed, match=r"batch\['labels'\] holds negative integers"):
+        _run(sw.shard_params(own, "dp", 3), sw.Mesh(dp=2), params, {"input_ids": ids, "labels": labels})
+
+
+def test_train_step_names_the_opt_out_among_the_token_options() -> None:
+    chain, _ = gpt2()
+    with pytest.raises(ValueError, match="'per_shard_mean'"):
+        sw.train_step(chain, lm_loss, sw.optim.sgd(0.1), tokens="mean")
