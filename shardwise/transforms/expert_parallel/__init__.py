@@ -53,7 +53,9 @@ __all__ = [
 ]
 
 
-def expert_parallel(step: Step, axis: str = "ep", capacity_factor: float | None = None) -> Step:
+def expert_parallel(
+    step: Step, axis: str = "ep", capacity_factor: float | None = None, *, drop_per_rank: bool = False
+) -> Step:
     """Split the experts of ``step``'s mixture-of-experts blocks over mesh ``axis`` (torchtitan EP, DeepSpeed-MoE).
 
     Each rank of ``axis`` holds (materializes, initializes, checkpoints) ``E / size`` experts of every
@@ -64,7 +66,12 @@ def expert_parallel(step: Step, axis: str = "ep", capacity_factor: float | None 
     backward (the mean of the ranks' shares, as data parallel); the experts' gradients are complete on
     their owner. ``capacity_factor=None`` drops no token and equals the single-device step; otherwise
     each rank sends each expert at most ``ceil(f * tokens * top_k / E)`` assignments (each token's first
-    choice in token order, then its second, ...; the rest are dropped).
+    choice in token order, then its second, ...). An assignment over that capacity would be dropped,
+    by each rank on its own tokens: which ones depends on how the mesh cuts the batch, and the
+    single-device step (the modules' own forwards) drops none. So a step that would drop one is
+    refused, naming the block and the count (every rank of the axis learns them from the routing
+    counts it gathers anyway: no extra collective), unless ``drop_per_rank=True`` says that per-rank
+    drop is the model you want; a factor that drops nothing on a batch is the single-device step.
     The all-to-alls carry that bound of rows per (rank, expert) (without a capacity: the rank's
     tokens), so the Plan states their bytes exactly. The modules' own forwards add no auxiliary loss,
     and neither does this: :func:`router_aux_loss` does, counted once over the whole batch.
@@ -95,6 +102,13 @@ def expert_parallel(step: Step, axis: str = "ep", capacity_factor: float | None 
     if not isinstance(axis, str) or not axis:
         raise TypeError(f"expert_parallel(axis={axis!r}): the axis is a mesh axis name such as 'ep'")
     expert_capacity(1, 1, 1, capacity_factor)  # a factor that cannot work is refused now
-    spec = EPSpec(axis, None if capacity_factor is None else float(capacity_factor))
+    if not isinstance(drop_per_rank, bool):
+        raise TypeError(f"expert_parallel(drop_per_rank={drop_per_rank!r}): True or False")
+    if drop_per_rank and capacity_factor is None:
+        raise ValueError(
+            "expert_parallel(drop_per_rank=True) without capacity_factor= drops nothing: give the capacity factor "
+            "whose overflow each rank may drop, or leave drop_per_rank False"
+        )
+    spec = EPSpec(axis, None if capacity_factor is None else float(capacity_factor), drop_per_rank)
     resolve(step.base_chain)  # a chain without a known MoE block is refused now, not at the first step
     return add(step, spec)

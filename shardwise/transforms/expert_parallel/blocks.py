@@ -120,9 +120,10 @@ class EPForward:
     there is one, else the rank's token count (a token picks an expert once), so the bytes do not
     depend on the routing and the Plan states them exactly."""
 
-    def __init__(self, module: nn.Module, block: Block, axis: str, capacity_factor: float | None, where: str) -> None:
+    def __init__(self, module: nn.Module, block: Block, axis: str, capacity_factor: float | None, where: str,
+                 drop_per_rank: bool = False) -> None:
         self.module, self.block, self.axis, self.where = module, block, axis, where
-        self.capacity_factor = capacity_factor
+        self.capacity_factor, self.drop_per_rank = capacity_factor, drop_per_rank
 
     def __call__(self, hidden_states: torch.Tensor) -> torch.Tensor:
         m: Any = self.module  # a known block (find_blocks): its router and experts are there
@@ -140,6 +141,15 @@ class EPForward:
             router=router, capacity_factor=self.capacity_factor, act=act,
             slots=max(1, n if capacity is None else min(capacity, n)), aux_loss=False,
         )
+        if out.dropped and not self.drop_per_rank:
+            raise ValueError(
+                f"expert_parallel(capacity_factor={self.capacity_factor!r}): {self.where} would drop {out.dropped} "
+                f"token assignments over its experts' capacity (ceil({self.capacity_factor!r} x tokens x top_k / "
+                f"{self.block.num_experts}), counted per rank over the rank's own tokens). Which ones drop depends on "
+                "how the mesh cuts the batch, and the single-device step drops none: this step would train another "
+                "model, without an error. Pass expert_parallel(..., drop_per_rank=True) to drop them knowingly, or "
+                "a larger capacity_factor (None drops nothing)"
+            )
         output = out.output
         if self.block.kind == "Qwen2MoeSparseMoeBlock":  # the shared expert: dense, on this rank's tokens
             output = output + torch.sigmoid(m.shared_expert_gate(flat)) * m.shared_expert(flat)

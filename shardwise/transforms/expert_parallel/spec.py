@@ -65,6 +65,7 @@ class EPSpec:
 
     axis: str
     capacity_factor: float | None = None
+    drop_per_rank: bool = False  # a rank may drop the assignments over the capacity (else: refused)
 
     name: ClassVar[str] = "expert_parallel"
     role: ClassVar[str] = SPLIT
@@ -74,7 +75,8 @@ class EPSpec:
     )
 
     def __str__(self) -> str:
-        return f"expert_parallel(axis={self.axis!r}, capacity_factor={self.capacity_factor!r})"
+        drop = ", drop_per_rank=True" if self.drop_per_rank else ""
+        return f"expert_parallel(axis={self.axis!r}, capacity_factor={self.capacity_factor!r}{drop})"
 
     def expert_keys(self, chain: Chain) -> frozenset[tuple[str, str]]:
         blocks = resolve(chain).items()
@@ -127,7 +129,7 @@ class EPSpec:
                     "(a tensor_parallel plan that styles the MoE block or its experts): expert_parallel splits its "
                     "experts over its own axis; leave the MoE block out of the tensor-parallel plan"
                 )
-            target.forward = EPForward(target, b, self.axis, self.capacity_factor, where)
+            target.forward = EPForward(target, b, self.axis, self.capacity_factor, where, self.drop_per_rank)
         new_fn = copy.copy(fn)
         new_fn.replicas = ThreadReplicas(copied, replicas.prefix)
         return new_fn
@@ -179,7 +181,10 @@ class EPSpec:
 
     def layer_notes(self, chain: Chain) -> dict[str, str]:
         """Per layer, what expert parallel does to it, for the Plan."""
-        bound = "the rank's tokens" if self.capacity_factor is None else f"the capacity (factor {self.capacity_factor})"
+        drops = "each rank drops its assignments over it" if self.drop_per_rank else "a step that would drop is refused"
+        bound = "the rank's tokens" if self.capacity_factor is None else (
+            f"the capacity (factor {self.capacity_factor}; {drops})"
+        )
         notes = {}
         for layer, blocks in resolve(chain).items():
             parts = [

@@ -96,7 +96,8 @@ def test_hf_mixtral_with_the_aux_loss_under_ep_equals_the_single_device_step() -
 
 def test_the_plan_lists_the_counts_sums_after_the_loss_and_the_ledger_is_the_plan() -> None:
     step, params = moe_model()
-    composed = sw.shard_params(sw.expert_parallel(sw.router_aux_loss(step, 0.1), "ep", capacity_factor=1.0), "dp", 3)
+    ep = sw.expert_parallel(sw.router_aux_loss(step, 0.1), "ep", capacity_factor=1.0, drop_per_rank=True)
+    composed = sw.shard_params(ep, "dp", 3)
     mesh, batch = sw.Mesh(dp=2, ep=2), batches(1)[0]
     plan = composed.plan(mesh, params, batch)
     sums = [(a.op, a.axis, a.wire[0].nbytes) for a in plan.actions[0] if a.label == "router aux counts"]

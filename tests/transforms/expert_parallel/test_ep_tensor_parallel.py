@@ -38,7 +38,7 @@ def test_tp_2_by_ep_2_equals_the_single_device_step(ep_first: bool) -> None:
 
 def test_every_rank_issues_exactly_the_collectives_its_plan_lists() -> None:
     step, params = moe_model()
-    composed = sw.tensor_parallel(sw.expert_parallel(step, "ep", capacity_factor=1.0), "tp", PLAN)
+    composed = sw.tensor_parallel(sw.expert_parallel(step, "ep", capacity_factor=1.0, drop_per_rank=True), "tp", PLAN)
     mesh, batch = sw.Mesh(ep=2, tp=2), batches(1)[0]
     plan = composed.plan(mesh, params, batch)
     ops = {(c.axis, c.op) for c in plan.collectives(0)}
