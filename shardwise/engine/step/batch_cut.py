@@ -115,13 +115,19 @@ def refuse_padded_mean(step: Step, mesh: Mesh | None, batch: Any) -> None:
 
 
 def _negative_integers(batch: Any) -> str | None:
-    """The keypath (``[0]``, ``['labels']``) of the first integer tensor of ``batch`` holding a negative value."""
+    """The keypath (``[0]``, ``['labels']``) of the first integer tensor of ``batch`` holding a negative
+    value: one reduction per such tensor, read back once per device (a GPU batch costs one sync)."""
     paths, leaves, _ = optree.tree_flatten_with_path(batch)
+    found: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
     for path, t in zip(paths, leaves, strict=True):
         if not isinstance(t, torch.Tensor) or t.is_meta or t.numel() == 0:
             continue
         if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
             continue
-        if bool((t < 0).any()):
-            return "".join(f"[{k!r}]" for k in path)
+        found.setdefault(t.device, []).append(("".join(f"[{k!r}]" for k in path), (t < 0).any()))
+    for flagged in found.values():
+        flags = torch.stack([f for _, f in flagged]).tolist()
+        for (where, _), negative in zip(flagged, flags, strict=True):
+            if negative:
+                return where
     return None
