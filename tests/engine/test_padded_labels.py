@@ -141,3 +141,25 @@ def test_train_step_names_the_opt_out_among_the_token_options() -> None:
     chain, _ = gpt2()
     with pytest.raises(ValueError, match="'per_shard_mean'"):
         sw.train_step(chain, lm_loss, sw.optim.sgd(0.1), tokens="mean")
+
+
+def test_context_parallel_cuts_sequences_and_refuses_a_mean_loss_on_padded_labels() -> None:
+    """Right padding leaves the sequence's later parts fewer tokens: the parts' means differ in count too."""
+    from shardwise.testing.models import TinyGPT
+
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=VOCAB, d_model=8, n_heads=2, n_layers=1, seq_len=8).double()
+    chain, params = sw.functionalize(model, units=["tok_emb", "blocks", "head"])
+
+    def loss(logits: Tensor, targets: Tensor) -> Tensor:
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
+
+    gen = torch.Generator().manual_seed(2)
+    ids, labels = torch.randint(VOCAB, (2, 8), generator=gen), torch.randint(VOCAB, (2, 8), generator=gen)
+    labels[0, 5:] = -100
+    mean = sw.context_parallel(sw.train_step(chain, loss, sw.optim.sgd(0.1)), "cp")
+    with pytest.raises(RankFailed, match=r"cuts \(context_parallel over axis 'cp'\): batch\[1\] holds negative"):
+        _run(mean, sw.Mesh(cp=2), params, (ids, labels))
+    reference = sw.train_step(chain, loss, sw.optim.sgd(0.1))
+    weighted = sw.train_step(chain, loss, sw.optim.sgd(0.1), tokens=counted)
+    sw.testing.assert_equivalent(sw.context_parallel(weighted, "cp"), reference, sw.Mesh(cp=2), [(ids, labels)], params)
