@@ -123,7 +123,8 @@ def sgd(
     does, and returns them (bitwise the same values): the update then allocates nothing
     parameter-sized, but it consumes its inputs, so a TrainState passed to a step must
     not be used after the call (the step's own inputs are donated, as with JAX's
-    ``donate_argnums``). ``step.init`` copies the parameters it is given, so those stay intact.
+    ``donate_argnums``; a step refuses a state whose tensors a later update already wrote).
+    ``step.init`` copies the parameters it is given, so those stay intact.
 
     ``groups``: per-parameter options, ``[sw.optim.group("*.bias", weight_decay=0.0), ...]``
     (first match wins; see :func:`sw.optim.group`), as torch's param
