@@ -143,27 +143,8 @@ def shard_params(
                 f"shard_params(stage=3, bucket_mb={bucket_mb!r}): stage 3 reduces each unit as its backward ends "
                 "(its units are gathered and freed one by one); buckets are for stages 1 and 2: drop bucket_mb"
             )
-    if update_in_buckets is not None:
-        if not isinstance(update_in_buckets, bool):
-            raise TypeError(
-                f"shard_params(update_in_buckets={update_in_buckets!r}): True, False or None (the device's default)"
-            )
-        if stage == 3:
-            raise ValueError(
-                f"shard_params(stage=3, update_in_buckets={update_in_buckets!r}): stage 3 holds shards and "
-                "gathers no updated parameters; the update by buckets is for stages 1 and 2: drop the option"
-            )
-    if overlap_gather is not None:
-        if not isinstance(overlap_gather, bool):
-            raise TypeError(
-                f"shard_params(overlap_gather={overlap_gather!r}): True, False or None (the device's default)"
-            )
-        if stage == 3:
-            raise ValueError(
-                f"shard_params(stage=3, overlap_gather={overlap_gather!r}): stage 3 holds shards and gathers no "
-                "updated parameters at the step's end (it gathers each unit before use, prefetch=); the overlap "
-                "of that gather with the next forward is for stages 1 and 2: drop the option"
-            )
+    _check_stage12_flag("update_in_buckets", update_in_buckets, stage, "the update by buckets")
+    _check_stage12_flag("overlap_gather", overlap_gather, stage, "the overlap of that gather with the next forward")
     if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
         raise TypeError(
             f"shard_params(reshard_after_forward={reshard_after_forward!r}): True, False or None (the default)"
@@ -180,3 +161,17 @@ def shard_params(
                      reduce_in_flight, None if bucket_mb is None else float(bucket_mb), replicate,
                      update_in_buckets, overlap_gather)
     return add(step, spec)
+
+
+def _check_stage12_flag(name: str, value: object, stage: int, what: str) -> None:
+    """A stages-1-2 option: True, False or None (the device's default), refused at stage 3."""
+    if value is None:
+        return
+    if not isinstance(value, bool):
+        raise TypeError(f"shard_params({name}={value!r}): True, False or None (the device's default)")
+    if stage == 3:
+        raise ValueError(
+            f"shard_params(stage=3, {name}={value!r}): stage 3 holds shards and gathers no updated parameters "
+            f"at the step's end (it gathers each unit before use, prefetch=); {what} is for stages 1 and 2: "
+            "drop the option"
+        )
