@@ -113,21 +113,30 @@ def one_process(cfg: Config) -> dict[str, Any]:
     return {"init_peak_bytes": init_peak, "peak_bytes": peak.peak()}
 
 
-def fsdp2_meta(cfg: Config) -> dict[str, Any]:
+def fsdp2_model(cfg: Config, before_shard: Any = None) -> nn.Sequential:
+    """The model built on meta, ``fully_shard`` per Linear and whole, materialized and initialized
+    (FSDP2's meta-device recipe); ``before_shard(i, layer)`` runs on each layer before its shard."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    peak = PeakRSS()
     mesh = init_device_mesh("cpu", (cfg.world,))
     with torch.device("meta"):
         model = build(cfg)
-    for layer in model:
+    for i, layer in enumerate(model):
+        if before_shard is not None:
+            before_shard(i, layer)
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     model.to_empty(device="cpu")
     for layer in model:
         assert isinstance(layer, nn.Linear)
         layer.reset_parameters()
+    return model
+
+
+def fsdp2_meta(cfg: Config) -> dict[str, Any]:
+    peak = PeakRSS()
+    model = fsdp2_model(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     init_peak = peak.peak()
     x, y = batch_of(cfg)

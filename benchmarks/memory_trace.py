@@ -88,24 +88,15 @@ def shardwise_meta(cfg: memory.Config) -> list[tuple[str, float, float]]:
 
 
 def fsdp2_meta(cfg: memory.Config) -> list[tuple[str, float, float]]:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
     marks = Marks()
-    mesh = init_device_mesh("cpu", (cfg.world,))
-    with torch.device("meta"):
-        model = memory.build(cfg)
-    for i, layer in enumerate(model):
-        layer.register_forward_pre_hook(lambda mod, args, i=i: marks.mark(f"pre F({i})"))
-        layer.register_forward_hook(lambda mod, args, out, i=i: marks.mark(f"F({i})"))
-        layer.register_full_backward_pre_hook(lambda mod, grads, i=i: marks.mark(f"pre B({i})"))
-        layer.register_full_backward_hook(lambda mod, gin, gout, i=i: marks.mark(f"B({i})"))
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    model.to_empty(device="cpu")
-    for layer in model:
-        assert isinstance(layer, nn.Linear)
-        layer.reset_parameters()
+
+    def hooks(i: int, layer: nn.Module) -> None:
+        layer.register_forward_pre_hook(lambda mod, args: marks.mark(f"pre F({i})"))
+        layer.register_forward_hook(lambda mod, args, out: marks.mark(f"F({i})"))
+        layer.register_full_backward_pre_hook(lambda mod, grads: marks.mark(f"pre B({i})"))
+        layer.register_full_backward_hook(lambda mod, gin, gout: marks.mark(f"B({i})"))
+
+    model = memory.fsdp2_model(cfg, hooks)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x, y = memory.local_rows(cfg)
     for i in range(cfg.steps):
