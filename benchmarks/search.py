@@ -12,7 +12,10 @@ units, the vocabulary-parallel loss, ``sw.tp.tiny_gpt_plan()``) and a tiny Huggi
    collective costs a rank while every rank computes (``issue_rank_main``: gloo's copy, the
    hand-off to its threads, the peer it wakes; ``CommModel.issue``, charged per call), and how
    many cores the ranks get together now (``probe_cores``: one rank's work alone against all
-   of them at once; on a loaded machine fewer than it has). Each ``--pricing`` is priced and
+   of them at once; on a loaded machine fewer than it has). The issue probe's times are wall
+   times with every rank busy, so the model keeps them times each rank's share of a core then
+   (``cores / world``): the CPU time of a call, which the simulation stretches by the
+   contention of each moment itself. Each ``--pricing`` is priced and
    compared against the one measurement: ``issue@measured`` (issue costs, the probed cores,
    rounded) and, beside it, without the issue costs (``plain``) or on the machine's count
    (``machine``: ``os.cpu_count()``) or a given one.
@@ -211,12 +214,18 @@ def probe_cores(pool: ProcessPool, reps: int) -> float:
     return len(per_rank) * alone / statistics.median(spans)
 
 
-def probe_comm(pool: ProcessPool, reps: int = 10) -> sw.plan.CommModel:
+def probe_comm(pool: ProcessPool, reps: int = 10, cores: float | None = None) -> sw.plan.CommModel:
     """alpha and beta per op, fitted to a short run of benchmarks/collectives.py on the pool's ranks,
-    and what issuing each op costs a busy rank (``issue_rank_main``)."""
+    and what issuing each op costs a busy rank (``issue_rank_main``). ``cores``: what the ranks get
+    together (``probe_cores``; None: a core each). Every rank computes around each issued call, so
+    each runs on ``cores / world`` of a core and a call's wall time is its CPU time stretched by
+    that: the rows say so (``core_share``), and the model keeps the CPU time, which the simulation
+    stretches by the contention of each moment of a step (a pipeline's idle ranks leave the cores
+    to the busy ones)."""
     import collectives  # this folder's benchmark; its ranks import it the same way
 
     world = pool.world
+    share = 1.0 if cores is None else min(1.0, cores / world)
     counts = [reps] * len(PROBE_SIZES)
     rows: list[dict[str, Any]] = []
     for op in PROBE_OPS:
@@ -229,7 +238,8 @@ def probe_comm(pool: ProcessPool, reps: int = 10) -> sw.plan.CommModel:
             times = [t for r in per_rank_issue for t in r[op][k]]
             # The mean: a step pays every call, the slow ones (a time slice lost) included.
             rows.append({"bench": "collectives_issue", "backend": "gloo", "world": world, "op": op, "bytes": nbytes,
-                         "issue_s": statistics.fmean(times), "issue_median_s": statistics.median(times)})
+                         "issue_s": statistics.fmean(times), "issue_median_s": statistics.median(times),
+                         "core_share": share})
     return sw.plan.CommModel.from_benchmark(rows, backend="gloo")
 
 
@@ -317,9 +327,10 @@ def run(args: argparse.Namespace, pool: ProcessPool, write: Any) -> None:
              else Space(remat=remat, microbatches=(1, 2, 4)))
     reps = 2 if args.tiny else 10
     note(f"# probing the collectives on {world} gloo ranks")
-    comm = probe_comm(pool, reps)
     cores_measured = probe_cores(pool, reps)
+    comm = probe_comm(pool, reps, cores_measured)
     write({"bench": "search", "probe": True, "cores_measured": round(cores_measured, 2),
+           "issue_core_share": round(min(1.0, cores_measured / world), 3),
            "issue_s": dict(comm.issue), "issue_per_byte_s": dict(comm.issue_per_byte), "alpha_s": dict(comm.alpha),
            "beta_s_per_byte": dict(comm.beta), **environment(1)})
     plain = replace(comm, issue={}, issue_per_byte={})

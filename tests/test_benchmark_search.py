@@ -58,6 +58,8 @@ def test_a_tiny_run_prints_consistent_rankings(bench: ModuleType, gloo2: Any) ->
         gloo2.run(exec, f"import sys; sys.path.remove({str(BENCHMARKS)!r})")
     probe = [r for r in rows if r.get("probe")]
     assert len(probe) == 1 and probe[0]["cores_measured"] > 0
+    # The issue probe's wall times are kept as CPU time: times each rank's share of a core then.
+    assert probe[0]["issue_core_share"] == pytest.approx(min(1.0, probe[0]["cores_measured"] / 2), abs=0.01)
     assert set(probe[0]["issue_s"]) == {"send", "all_gather", "psum_scatter", "psum"}
     for pricing in ("issue@measured", "plain@1"):
         for statistic in ("median", "min"):

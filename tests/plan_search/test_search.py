@@ -242,3 +242,19 @@ def test_issue_costs_are_fitted_from_benchmark_rows() -> None:
     assert model.issue_time("send", 2000) == pytest.approx(3e-4) and model.issue_time("psum", 2000) == 0.0
     with pytest.raises(ValueError, match="issue has ops"):
         sw.plan.CommModel(issue={"allreduce": 1.0})
+
+
+def test_issue_costs_measured_under_contention_are_kept_as_cpu_time() -> None:
+    """An issue probe run while 4 ranks computed on 1 core (``core_share`` 0.25) measured wall
+    times 4x a call's CPU time; the model keeps the CPU time, which the simulation stretches by
+    the contention of each moment itself (charging the wall time would stretch it twice)."""
+    rows = [{"bench": "collectives", "backend": "gloo", "op": "psum", "bytes": 1024, "world": 2, "median_s": 1e-4},
+            *({"bench": "collectives_issue", "backend": "gloo", "op": "send", "bytes": n, "issue_s": 4e-4 + 4e-7 * n,
+               "core_share": 0.25} for n in (1000, 3000)),
+            {"bench": "collectives_issue", "backend": "gloo", "op": "psum", "bytes": 1000, "issue_s": 1e-3,
+             "core_share": 2.0}]  # more cores than ranks: a core each, the wall time is the CPU time
+    model = sw.plan.CommModel.from_benchmark(rows)
+    assert model.issue["send"] == pytest.approx(1e-4) and model.issue_per_byte["send"] == pytest.approx(1e-7)
+    assert model.issue_time("psum", 1000) == pytest.approx(1e-3)
+    with pytest.raises(ValueError, match="core_share"):
+        sw.plan.CommModel.from_benchmark([*rows[:1], {**rows[1], "core_share": 0}])

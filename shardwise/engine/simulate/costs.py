@@ -249,13 +249,24 @@ class CommModel:
         psum_scatter, and send_recv: a round trip, so two messages). Rows of ``bench:
         "collectives_issue"`` (``op``, ``bytes``, ``issue_s``: the mean time one call took to
         return, measured while the ranks compute between calls, as a step's ranks do) set
-        :attr:`issue` and :attr:`issue_per_byte`, fitted per op as alpha and beta are."""
+        :attr:`issue` and :attr:`issue_per_byte`, fitted per op as alpha and beta are.
+
+        An issue row may say ``core_share``: the share of a core each rank had while it was
+        measured (``cores / ranks`` when every rank computed at once on fewer cores than ranks;
+        default 1). Its ``issue_s`` is a wall time, stretched by that contention; the model keeps
+        what the call costs the rank's CPU, ``issue_s x core_share``, because the simulation
+        stretches a rank's work by the contention of the moment itself (``PlanCosts.cores``),
+        and would otherwise stretch the call twice."""
         samples = []
         issued: dict[str, list[tuple[float, float, float, int]]] = defaultdict(list)
         for row in rows:
             if row.get("bench") == "collectives_issue" and row.get("backend") == backend and row["op"] in COMM_OPS:
+                share = float(row.get("core_share", 1.0))
+                if not share > 0:
+                    raise ValueError(f"collectives_issue row {dict(row)}: core_share is a rank's share of a core "
+                                     "while measured, above 0 (cores / ranks, or 1 with a core each)")
                 if float(row["issue_s"]) > 0:
-                    issued[row["op"]].append((1.0, float(row["bytes"]), float(row["issue_s"]), 1))
+                    issued[row["op"]].append((1.0, float(row["bytes"]), float(row["issue_s"]) * min(1.0, share), 1))
                 continue
             if row.get("bench") != "collectives" or row.get("backend") != backend:
                 continue
