@@ -4,10 +4,12 @@ any transform is applied (with the reason).
 Every ``dp x pp x tp`` factorisation of the world (of what is left of it after the context
 parallel, expert parallel and HSDP replica sizes asked for), and for each the options that
 apply: ZeRO stages over dp (and resharding for ZeRO-3 under a pipeline), schedules and
-micro-batch counts over pp, remat policies and precisions everywhere. Options that do not apply to a
-shape are not multiplied in (a schedule without pp), so every candidate is distinct and is
-planned once. Whether a candidate can work is for the transforms to say (``Candidate.apply``):
-the space knows nothing of the composition rules.
+micro-batch counts over pp, remat policies and precisions everywhere. Options that do not apply
+to a shape are not multiplied in (a schedule without pp), and schedules whose table is the same
+at a micro-batch count (GPipe and 1F1B at one micro-batch: the same actions on every rank) are
+one candidate, the first listed: so every candidate is distinct and is planned once. Whether a
+candidate can work is for the transforms to say (``Candidate.apply``): the space knows nothing
+of the composition rules.
 """
 
 from __future__ import annotations
@@ -16,6 +18,9 @@ import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from ..transforms.pipeline.builtins import get_schedule
+from ..transforms.pipeline.schedule import Schedule
+from ..transforms.pipeline.spec import PipelineSpec
 from .candidate import Candidate
 
 
@@ -24,7 +29,7 @@ class Space:
     """The options to combine. ``remat`` and ``precision`` hold None for "leave as it is".
 
     >>> [str(c) for c in Space(zero_stages=(3,), remat=(None,)).candidates(2, tensor_parallel=False)]
-    ['dp2 zero3', 'pp2 gpipe mb1', 'pp2 gpipe mb2', 'pp2 gpipe mb4', 'pp2 1f1b mb1', 'pp2 1f1b mb2', 'pp2 1f1b mb4']
+    ['dp2 zero3', 'pp2 gpipe mb1', 'pp2 gpipe mb2', 'pp2 gpipe mb4', 'pp2 1f1b mb2', 'pp2 1f1b mb4']
     """
 
     zero_stages: tuple[int, ...] = (1, 2, 3)
@@ -79,11 +84,29 @@ class Space:
 
     def _options(self, dp: int, pp: int, tp: int, rep: int, e: int, c: int) -> Iterator[Candidate]:
         zeros: tuple[int, ...] = self.zero_stages if dp > 1 else (0,)
-        pipes: list[tuple[str | None, int]] = (
-            [(s, k) for s in self.schedules for k in self.microbatches] if pp > 1 else [(None, 1)])
+        pipes: list[tuple[str | None, int]] = _distinct_schedules(self.schedules, self.microbatches, pp) \
+            if pp > 1 else [(None, 1)]
         for zero, (schedule, k), remat, precision in itertools.product(zeros, pipes, self.remat, self.precision):
             reshards = self.reshard_under_pipeline if zero == 3 and pp > 1 else (None,)
             for reshard in reshards:
                 yield Candidate(dp=dp, tp=tp, pp=pp, zero_stage=zero, reshard_after_forward=reshard,
                                 schedule=schedule, microbatches=k, remat=remat, precision=precision,
                                 cp=c, ep=e, replicate=rep)
+
+
+def _distinct_schedules(names: tuple[str, ...], microbatches: tuple[int, ...], pp: int) -> list[tuple[str | None, int]]:
+    """(schedule, micro-batches) pairs, less those whose schedule table equals an earlier one's at that
+    count (a schedule that cannot be built for it is kept: the transform says why when applied)."""
+    kept: list[tuple[str | None, int]] = []
+    tables: set[tuple[Schedule, int]] = set()
+    for name in names:
+        for k in microbatches:
+            try:  # the table the pipeline transform will run (its stage count for this schedule)
+                table = get_schedule(name, pp, PipelineSpec("pp", name, k).num_stages(pp), k)
+            except (ValueError, TypeError):
+                kept.append((name, k))
+                continue
+            if (table, k) not in tables:
+                tables.add((table, k))
+                kept.append((name, k))
+    return kept

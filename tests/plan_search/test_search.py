@@ -258,3 +258,25 @@ def test_issue_costs_measured_under_contention_are_kept_as_cpu_time() -> None:
     assert model.issue_time("psum", 1000) == pytest.approx(1e-3)
     with pytest.raises(ValueError, match="core_share"):
         sw.plan.CommModel.from_benchmark([*rows[:1], {**rows[1], "core_share": 0}])
+
+
+def test_schedules_that_run_alike_are_one_candidate() -> None:
+    """GPipe and 1F1B run one micro-batch with the same actions on every rank: one candidate, the first
+    listed, where each pipelined candidate left is a distinct schedule table."""
+    from shardwise.transforms.pipeline import get_schedule
+
+    space = Space(zero_stages=(1,), remat=(None,), schedules=("gpipe", "1f1b", "interleaved_1f1b", "zb_h1"),
+                  microbatches=(1, 2, 4))
+    pipelined = [c for c in space.candidates(4, tensor_parallel=False) if c.pp > 1]
+    names = {str(c) for c in pipelined}
+    assert "pp4 gpipe mb1" in names and "pp4 1f1b mb1" not in names and "pp4 1f1b mb2" in names
+    tables: dict[tuple[int, int, int], list[Any]] = {}
+    for c in pipelined:
+        assert c.schedule is not None
+        try:
+            table = get_schedule(c.schedule, c.pp, c.pp, c.microbatches)
+        except ValueError:  # refused when applied (interleaved at one micro-batch)
+            continue
+        key = (c.dp, c.pp, c.microbatches)
+        assert table not in tables.setdefault(key, []), c
+        tables[key].append(table)
