@@ -350,3 +350,26 @@ def test_on_gloo_processes_the_overlap_changes_no_bit(pool_name: str, request: p
         assert all(torch.equal(a, b) for a, b in zip(r_losses, w_losses, strict=True))
         assert all(_equal(a, b) for a, b in zip(r_reads, w_reads, strict=True))
         assert _equal(g_state.params, w_state.params) and _equal(g_state.opt_state, w_state.opt_state)
+
+
+def test_assert_equivalent_checks_the_carried_shards(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The checker reads the full parameters after every step. Read as a user's read, that made each
+    next step cut its shards again from them, so the checker certified that path and never the
+    carried shards (state.params.shards) a run without reads starts from: a wrong carried shard
+    passed it. Corrupt the carried shards: the checker must see it."""
+    from shardwise.engine.step import run_inputs
+
+    base, params, batches = _problem()
+    step = sw.shard_params(base, "dp", 2, bucket_mb=1.1 * KIB, overlap_gather=True)
+    report = sw.testing.assert_equivalent(step, base, sw.Mesh(dp=2), batches, params)
+    assert report.steps == len(batches)
+    made = run_inputs._in_flight
+
+    def corrupted(executor: Any) -> InFlightParams:
+        carried = made(executor)
+        carried.shards = {u: t + 1e-3 for u, t in carried.shards.items()}
+        return carried
+
+    monkeypatch.setattr(run_inputs, "_in_flight", corrupted)
+    with pytest.raises(sw.testing.NotEquivalentError):
+        sw.testing.assert_equivalent(step, base, sw.Mesh(dp=2), batches, params)
