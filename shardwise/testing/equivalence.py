@@ -37,6 +37,7 @@ import torch
 
 from ..collectives.launch import launch
 from ..collectives.mesh import Mesh
+from ..engine.layout.in_flight import InFlightParams
 
 # Default rtol by parameter dtype. float64: distributed sums change only the
 # rounding order, ~1e-16 per operation, so 1e-10 leaves room for depth and
@@ -113,8 +114,19 @@ def record_history(step: Any, state: Any, batches: Sequence[Any]) -> list[tuple[
     for batch in batches:
         state, metrics = step(state, batch)
         scalars = {k: metrics[k].detach().clone() for k in COMPARED_METRICS if k in metrics}
-        history.append((scalars, optree.tree_map(lambda t: t.detach().clone(), step.full_params(state))))
+        history.append((scalars, optree.tree_map(lambda t: t.detach().clone(), step.full_params(_as_stepped(state)))))
     return history
+
+
+def _as_stepped(state: Any) -> Any:
+    """``state`` whose parameters still in flight (ZeRO-1/2 with ``overlap_gather``) are read as the
+    next step reads them: a user's read would make that step cut its shards again from what was read,
+    and the checker would certify that path instead of the carried shards a run without reads takes.
+    (What is read here is cloned at once and never written.)"""
+    params = getattr(state, "params", None)
+    if isinstance(params, InFlightParams):
+        return state._replace(params=dict(params.settle()))
+    return state
 
 
 def _rank_program(step: Any, params: Any, mesh: Mesh, batches: Sequence[Any]) -> list[tuple[dict[str, Any], Any]]:

@@ -103,3 +103,55 @@ def test_an_in_place_run_equals_the_functional_one() -> None:
             state, _ = step(state, batch)
         results.append(optree.tree_leaves(state.params))
     assert all(torch.equal(x, y) for x, y in zip(*results, strict=True))
+
+
+
+@pytest.mark.parametrize("clip_norm", [1.0, None], ids=["clipped", "unclipped"])
+@pytest.mark.parametrize("stack", ["zero1", "zero3"])
+def test_a_step_refused_after_its_in_place_update_leaves_no_silent_retry(stack: str, clip_norm: float | None) -> None:
+    """Ranks that pass different batches are refused. An in-place optimizer that had already written
+    the state it was given made the retry (the same batch on every rank) train on from moments and
+    parameters the refused step wrote, without an error. Where the fingerprints are in before the
+    update (a clipped step waits for the norm they travel with) the refusal comes first and the
+    retry is right; elsewhere the update overlaps their exchange, and the retry is refused."""
+    step, params, batches = _problem(OPTIMIZERS["sgd_momentum"](True))
+    step = sw.train_step(step.chain, step.loss_fn, step.optimizer, clip_norm=clip_norm)
+    wrap, world = STACKS[stack]
+    s = wrap(step)
+
+    def run() -> bool:
+        mesh = sw.Mesh(dp=world)
+        state, _ = s(s.init(params, mesh), batches[0])
+        mine = batches[1] if mesh.rank == 0 else batches[2]
+        with pytest.raises(ValueError, match="different batches"):
+            s(state, mine)
+        if clip_norm is None:
+            with pytest.raises(ValueError, match="consumed by an in-place update"):
+                s(state, batches[1])
+            return True
+        retried, _ = s(state, batches[1])
+        fresh, _ = s(s.init(params, mesh), batches[0])
+        fresh, _ = s(fresh, batches[1])
+        got, want = optree.tree_leaves(s.full_params(retried)), optree.tree_leaves(s.full_params(fresh))
+        return all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+    assert all(sw.launch(run, world))
+
+
+@pytest.mark.parametrize("options", [{"stage": 1}, {"stage": 2}, {"stage": 2, "update_in_buckets": True}],
+                         ids=["zero1", "zero2", "zero2-update-in-buckets"])
+@pytest.mark.parametrize("name", ["sgd", "adamw"])
+def test_an_overlapped_zero_state_consumed_in_place_is_refused(name: str, options: dict) -> None:
+    """With overlap_gather the next step's update starts from the shards the last one gathered
+    (state.params.shards), which an in-place optimizer writes: plain SGD stepped an older state
+    again from shards a later update wrote, without an error (and without overlap it is right)."""
+    step, params, batches = _problem(OPTIMIZERS[name](True))
+    s = sw.shard_params(step, "dp", overlap_gather=True, bucket_mb=1 / 4096, **options)
+
+    def run() -> None:
+        first, _ = s(s.init(params, sw.Mesh(dp=2)), batches[0])
+        s(first, batches[1])
+        with pytest.raises(ValueError, match="consumed by an in-place update"):
+            s(first, batches[1])
+
+    sw.launch(run, 2)

@@ -350,3 +350,94 @@ def test_on_gloo_processes_the_overlap_changes_no_bit(pool_name: str, request: p
         assert all(torch.equal(a, b) for a, b in zip(r_losses, w_losses, strict=True))
         assert all(_equal(a, b) for a, b in zip(r_reads, w_reads, strict=True))
         assert _equal(g_state.params, w_state.params) and _equal(g_state.opt_state, w_state.opt_state)
+
+
+def test_assert_equivalent_checks_the_carried_shards(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The checker reads the full parameters after every step. Read as a user's read, that made each
+    next step cut its shards again from them, so the checker certified that path and never the
+    carried shards (state.params.shards) a run without reads starts from: a wrong carried shard
+    passed it. Corrupt the carried shards: the checker must see it."""
+    from shardwise.engine.step import run_inputs
+
+    base, params, batches = _problem()
+    step = sw.shard_params(base, "dp", 2, bucket_mb=1.1 * KIB, overlap_gather=True)
+    report = sw.testing.assert_equivalent(step, base, sw.Mesh(dp=2), batches, params)
+    assert report.steps == len(batches)
+    made = run_inputs._in_flight
+
+    def corrupted(executor: Any) -> InFlightParams:
+        carried = made(executor)
+        carried.shards = {u: t + 1e-3 for u, t in carried.shards.items()}
+        return carried
+
+    monkeypatch.setattr(run_inputs, "_in_flight", corrupted)
+    with pytest.raises(sw.testing.NotEquivalentError):
+        sw.testing.assert_equivalent(step, base, sw.Mesh(dp=2), batches, params)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_step_that_raises_midway_leaves_the_state_usable(stage: int) -> None:
+    """A step that raises after it waited for some of the carried buckets (a bad batch shape in the
+    first layer, a loss that raises after the forward): the state it was given still holds every
+    bucket, waited for or not, and the next steps are the waiting run's, bitwise."""
+    base, params, batches = _problem()
+    mesh = sw.Mesh(dp=2)
+    got_step = sw.shard_params(base, "dp", stage, bucket_mb=1.1 * KIB, overlap_gather=True)
+    want_step = sw.shard_params(base, "dp", stage, bucket_mb=1.1 * KIB, overlap_gather=False)
+    raising = sw.train_step(base.chain, lambda out, y: (_ for _ in ()).throw(RuntimeError("loss")), base.optimizer)
+    raising = sw.shard_params(raising, "dp", stage, bucket_mb=1.1 * KIB, overlap_gather=True)
+
+    def program() -> tuple:
+        state, _ = got_step(got_step.init(params, mesh), batches[0])
+        carried = state.params
+        assert isinstance(carried, InFlightParams) and carried.in_flight == 2
+        with pytest.raises(RuntimeError):
+            got_step(state, (batches[1][0][:, :5], batches[1][1]))  # the first layer refuses the shape
+        assert carried.in_flight == 1  # its bucket waited for, the other still in flight
+        with pytest.raises(RuntimeError, match="loss"):
+            raising(state, batches[1])  # every bucket waited for, then the loss raises
+        assert carried.in_flight == 0 and not carried.exposed
+        for batch in batches[1:]:
+            state, _ = got_step(state, batch)
+        want = want_step.init(params, mesh)
+        for batch in batches:
+            want, _ = want_step(want, batch)
+        return _equal(_copy(state.params), want.params) and _equal(state.opt_state, want.opt_state)
+
+    assert all(sw.launch(program, 2))
+
+
+def test_frozen_groups_a_skipped_step_and_a_read_from_another_thread() -> None:
+    """A frozen parameter group, a step the loss scale skips, and the parameters read from a thread
+    that is no rank after the launch: the waiting run's results, bitwise."""
+    import threading
+
+    _, params, batches = _problem()
+    frozen = sw.optim.sgd(lr=0.1, momentum=0.9, groups=[sw.optim.group("0.*", frozen=True)])
+    torch.manual_seed(0)
+    chain, _ = sw.functionalize(mlp([6, 8, 8, 8, 5]).double())
+    base = sw.train_step(chain, torch.nn.functional.mse_loss, frozen)
+    scaled = sw.mixed_precision(base, "params=f64,compute=f16,output=f64", loss_scale="dynamic")
+    overflow = [batches[0], (batches[1][0] * 1e6, batches[1][1]), *batches[2:]]
+    for make in (lambda **o: sw.shard_params(base, "dp", 2, bucket_mb=1.1 * KIB, **o),
+                 lambda **o: sw.shard_params(scaled, "dp", 1, bucket_mb=1.1 * KIB, **o)):
+        got = sw.launch(lambda make=make: _states(make(overlap_gather=True), params, overflow), 2)
+        want = sw.launch(lambda make=make: _states(make(overlap_gather=False), params, overflow), 2)
+        for (g_state, g_skipped), (w_state, w_skipped) in zip(got, want, strict=True):
+            assert g_skipped == w_skipped
+            assert isinstance(g_state.params, InFlightParams) and g_state.params.in_flight > 0
+            read: dict = {}
+            thread = threading.Thread(target=lambda s=g_state, out=read: out.update(_copy(s.params)))
+            thread.start()
+            thread.join(timeout=30)
+            assert _equal(read, w_state.params) and _equal(g_state.opt_state, w_state.opt_state)
+            assert torch.equal(read["0"]["weight"], params["0"]["weight"])  # frozen: never updated
+
+
+def _states(step: sw.Step, params: dict, batches: list) -> tuple[Any, list[float]]:
+    state = step.init(params, sw.Mesh(dp=2))
+    skipped = []
+    for batch in batches:
+        state, metrics = step(state, batch)
+        skipped.append(float(metrics.get("skipped", 0.0)))
+    return state, skipped

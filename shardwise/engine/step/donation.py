@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import optree
 import torch
 
+from ..layout.in_flight import InFlightParams
 from ..layout.state import TrainState
 
 if TYPE_CHECKING:
@@ -37,6 +38,8 @@ def _witnesses(state: TrainState) -> list[torch.Tensor]:
     trees: list[Any] = [state.opt_state]
     if isinstance(state.params, dict):  # a plain tree (a Mapping of gathers in flight settles when read)
         trees.append(state.params)
+    elif isinstance(state.params, InFlightParams):  # its shards, which the next update starts from
+        trees.append(state.params.shards)
     found = []
     for tree in trees:
         leaf = next((t for t in optree.tree_leaves(tree) if isinstance(t, torch.Tensor) and t.ndim > 0), None)
@@ -67,3 +70,14 @@ def mark_updated(step: Step, state: TrainState) -> None:
         return
     for tensor in _witnesses(state):
         setattr(tensor, _UPDATES, state.step)
+
+
+def mark_consumed(step: Step, state: TrainState, written: list[Any]) -> None:
+    """A step of ``state`` was refused after its in-place update: tag what that update wrote (and
+    so ``state``'s own tensors it wrote into) as holding one update more than ``state`` says. What
+    the update made is unknown when it failed midway: then ``state``'s own tensors are tagged."""
+    if not donates(step):
+        return
+    tensors = [t for tree in written for t in optree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
+    for tensor in tensors or _witnesses(state):
+        setattr(tensor, _UPDATES, max(getattr(tensor, _UPDATES, 0), state.step + 1))

@@ -174,6 +174,17 @@ class PreparedRun:
         with in_layer.sharing_batch(self.shares):
             self.executor.run(self.rank.actions)
 
+    @property
+    def updated(self) -> bool:
+        """Whether the optimizer ran (and, in place, wrote into the state it was given)."""
+        return "updating" in self.outcome
+
+    def written(self) -> list[Any]:
+        """What the update made (the new master tree and optimizer state, or their parts): an
+        in-place optimizer's are the given state's own tensors."""
+        trees = [self.executor.new_master, self.outcome.get("opt_state"), self.outcome.get("opt_parts")]
+        return [t for t in trees if t is not None]
+
 
 def prepare_run(step: Step, state: TrainState, layout: StateLayout, batch: Any) -> PreparedRun:
     """The executor of this call on ``batch``, with the rank's cached :class:`RankRun`."""
@@ -193,6 +204,12 @@ def prepare_run(step: Step, state: TrainState, layout: StateLayout, batch: Any) 
     def update(grads: Any, summed: Summed, units: tuple[str, ...] | None = None) -> Any:
         """The new master tree, or with ``units`` (ZeRO-1/2, a bucket at a time) those units' part
         of it; finish_run joins the parts' optimizer states."""
+        if "updating" not in outcome:
+            # Before the first write where the fingerprints are in already (a clipped or scaled step):
+            # an in-place optimizer writes into ``state``, which a refusal after it would leave
+            # consumed (Step.__call__ then marks it so: a retry is refused, not another model).
+            _check_same_batches(mesh, run.metric_axes, summed)
+            outcome["updating"] = True
         norm = summed.norm
         if step.token_weighted:  # the gradients of the summed losses: divide by the global count
             grads, norm = divided_by_tokens(grads, norm, summed)
@@ -241,10 +258,7 @@ def _keep_step_memory(layout: StateLayout, mesh: Mesh | None, state: TrainState)
 def finish_run(step: Step, state: TrainState, prepared: PreparedRun) -> tuple[TrainState, Metrics]:
     """The new TrainState and the metrics, once the prepared run ran."""
     mesh, executor, summed = state.mesh, prepared.executor, prepared.executor.summed
-    if mesh is not None and summed.batch is not None and summed.batches_differ(
-        _exchange_group(mesh, prepared.rank.metric_axes)
-    ):
-        raise ValueError(different_batches())
+    _check_same_batches(mesh, prepared.rank.metric_axes, summed)
     if step.token_weighted:
         count = token_count(summed)
         loss = None if summed.loss_sum is None else summed.loss_sum / count.to(summed.loss_sum.dtype)
@@ -317,6 +331,12 @@ def _check_world(mesh: Mesh | None) -> None:
             "sw.checkpoint.save(path, state, step) and load it with "
             "sw.checkpoint.load(path, step, mesh), which reshards"
         )
+
+
+def _check_same_batches(mesh: Mesh | None, axes: tuple[str, ...], summed: Summed) -> None:
+    """Refuse a step whose ranks passed different batches (their summed fingerprints say so)."""
+    if mesh is not None and summed.batch is not None and summed.batches_differ(_exchange_group(mesh, axes)):
+        raise ValueError(different_batches())
 
 
 def _exchange_group(mesh: Mesh, axes: tuple[str, ...]) -> list[int]:

@@ -40,7 +40,7 @@ from ..stack import in_layer
 from ..stack.compose import PLACEMENT, SHARDING, describe, find
 from ..stack.splits import Splits, splits_of
 from .batch_cut import PER_SHARD_MEAN, batch_shares
-from .donation import check_not_consumed, mark_updated
+from .donation import check_not_consumed, mark_consumed, mark_updated
 from .init_state import held_params, init_seeding, meta_names, sampled_values
 from .layouts import build_layout, check_mesh, layouts_by_index, stage_boundaries
 from .master import clip_scale, compute_params, master_meta, master_params
@@ -411,8 +411,13 @@ class Step:
         """One training step on the global ``batch``: ``(new state, metrics)`` (every rank passes the same batch)."""
         check_not_consumed(self, state)
         prepared = prepare_run(self, state, self._state_layout(state), batch)  # the rank's lowering is cached
-        prepared.run()
-        new_state, metrics = finish_run(self, state, prepared)
+        try:
+            prepared.run()
+            new_state, metrics = finish_run(self, state, prepared)
+        except BaseException:
+            if prepared.updated:  # refused after an in-place update wrote into ``state``
+                mark_consumed(self, state, prepared.written())
+            raise
         mark_updated(self, new_state)
         return new_state, metrics
 
