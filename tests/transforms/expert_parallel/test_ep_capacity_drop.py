@@ -12,12 +12,12 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-import torch
 
 import shardwise as sw
 from shardwise.collectives.launch import RankFailed
 
-from .test_ep_step import _lm_loss, batches, moe_model
+from .test_ep_router_aux import _mixtral
+from .test_ep_step import batches, moe_model
 
 STACKS = {
     "ep=2": (lambda s: s, sw.Mesh(ep=2)),
@@ -69,21 +69,8 @@ def test_a_capacity_that_drops_nothing_needs_no_opt_in(stack: str) -> None:
 
 
 def test_hf_mixtral_with_a_dropping_capacity_is_refused_and_runs_when_told() -> None:
-    transformers = pytest.importorskip("transformers")
-    from transformers.models.mixtral.modeling_mixtral import MixtralDecoderLayer
-
-    torch.manual_seed(0)
-    cfg = transformers.MixtralConfig(
-        vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=16,
-        router_jitter_noise=0.0, attn_implementation="eager", experts_implementation="eager", bos_token_id=0,
-        eos_token_id=0,
-    )
-    model = transformers.MixtralForCausalLM(cfg).double()
-    gen = torch.Generator().manual_seed(1)
-    data = [(torch.randint(32, (4, 6), generator=gen), torch.randint(32, (4, 6), generator=gen))]
-    chain, params = sw.functionalize(model, units=MixtralDecoderLayer, example_input=data[0][0])
-    step = sw.train_step(chain, _lm_loss, sw.optim.sgd(0.1, momentum=0.9))
+    _, step, params, data = _mixtral()
+    data = data[:1]
     mesh = sw.Mesh(ep=2)
     with pytest.raises(RankFailed, match=r"model\.layers\.\d\.mlp would drop \d+ token assignments"):
         _run(sw.expert_parallel(step, "ep", capacity_factor=0.5), mesh, params, data)
