@@ -257,10 +257,10 @@ def test_teardown_launches_exit_cleanly() -> None:
     """
     # torchrun: the guide's recipe under torchrun
     command = [sys.executable, str(REPO / "benchmarks" / "teardown.py"), "--launches", "1",
-               "--backends", "threads,processes,torchrun"]
+               "--backends", "processes,torchrun"]  # threads: every other subprocess test ends one
     proc = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
     rows = [json.loads(line) for line in proc.stdout.splitlines()]
-    assert [row["backend"] for row in rows] == ["threads", "processes", "torchrun"], rows
+    assert [row["backend"] for row in rows] == ["processes", "torchrun"], rows
     for row in rows:
         assert row["crashes"] == 0 and row["launches"] == 1, row
