@@ -31,6 +31,10 @@ Variants, all with AdamW (lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight decay
   ``--block K`` (K consecutive steps per variant and turn, timed together, the last waiting for
   what it left in flight): stepped one at a time between the other variants' steps and
   barriers, the overlapped gather would complete during theirs, unpaid.
+* ``stage1_ring`` / ``stage2_ring`` / ``stage3_ring``: the stage on gloo's own collectives (its
+  reduce-scatter run as an all-reduce ring, its all-gather) instead of the direct exchanges a CPU
+  runs by default (``collectives/backends/gloo_exchange.py``); ``paired_ratio_to_ring`` (on the
+  plain stage's row) is the default's step over this one's.
 * ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` with no buffer sync per
   forward (``forward_sync_buffers=False``; the only buffer, GPT's causal mask,
   is constant) + ``torch.optim.AdamW``.
@@ -83,6 +87,7 @@ One JSON object per (model, world, variant) on stdout (and in ``--out``):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 from dataclasses import dataclass
 from typing import Any
@@ -119,6 +124,7 @@ from _common import (
 from torch import nn
 
 import shardwise as sw
+from shardwise.collectives.backends.gloo_exchange import gloos_own_collectives
 from shardwise.collectives.backends.processes import ProcessPool
 from shardwise.engine.layout.in_flight import InFlightParams
 from shardwise.engine.layout.state import tree_nbytes
@@ -130,8 +136,12 @@ IN_BUCKETS = "_update_in_buckets"
 # ``*_overlap``: ZeRO-1/2 leaving the all-gathers of the updated shards in flight into the next forward
 # (``overlap_gather=True``), against ``*_wait`` (``False``) or the CPU's default, which waits at the step's end.
 OVERLAP, WAIT = "_overlap", "_wait"
+# ``*_ring``: the same step on gloo's own collectives (its reduce-scatter an all-reduce ring, its
+# all-gather), against the direct exchanges a CPU's gloo runs by default (collectives/backends/gloo_exchange.py).
+RING = "_ring"
 OURS = ("stage1", "stage2", "stage3", f"stage1{IN_BUCKETS}", f"stage2{IN_BUCKETS}",
-        f"stage1{OVERLAP}", f"stage2{OVERLAP}", f"stage1{WAIT}", f"stage2{WAIT}")
+        f"stage1{OVERLAP}", f"stage2{OVERLAP}", f"stage1{WAIT}", f"stage2{WAIT}",
+        f"stage1{RING}", f"stage2{RING}", f"stage3{RING}")
 VARIANTS = (*OURS, "ddp", "fsdp2", *seed_systems.SYSTEMS)
 
 
@@ -179,7 +189,10 @@ class Ours:
 
     global_loss = True  # the step's loss metric is already the global mean
 
-    def __init__(self, cfg: Config, stage: int, in_buckets: bool = False, overlap: bool | None = None) -> None:
+    def __init__(
+        self, cfg: Config, stage: int, in_buckets: bool = False, overlap: bool | None = None, ring: bool = False
+    ) -> None:
+        self.ring = ring
         units = GPT_UNITS if cfg.model == "gpt" else None
         chain, params = sw.functionalize(build_model(cfg), units=units)
         step = sw.train_step(chain, loss_fn_of(cfg.model), sw_adamw())
@@ -188,7 +201,8 @@ class Ours:
         self.state = self.step_fn.init(params, sw.Mesh(dp=cfg.world))
 
     def step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        self.state, metrics = self.step_fn(self.state, batch)
+        with gloos_own_collectives() if self.ring else contextlib.nullcontext():
+            self.state, metrics = self.step_fn(self.state, batch)
         return metrics["loss"].detach()
 
     def settle(self) -> None:
@@ -275,9 +289,9 @@ Runner = Ours | TorchVariant | SeedVariant
 
 def make_variant(name: str, cfg: Config) -> Runner:
     if name in OURS:
-        stage = int(name.removesuffix(IN_BUCKETS).removesuffix(OVERLAP).removesuffix(WAIT)[-1])
+        stage = int(name.removesuffix(IN_BUCKETS).removesuffix(OVERLAP).removesuffix(WAIT).removesuffix(RING)[-1])
         overlap = True if name.endswith(OVERLAP) else False if name.endswith(WAIT) else None
-        return Ours(cfg, stage=stage, in_buckets=name.endswith(IN_BUCKETS), overlap=overlap)
+        return Ours(cfg, stage=stage, in_buckets=name.endswith(IN_BUCKETS), overlap=overlap, ring=name.endswith(RING))
     if name in seed_systems.SYSTEMS:
         return SeedVariant(cfg, name)
     return {"ddp": make_ddp, "fsdp2": make_fsdp2}[name](cfg)
@@ -395,6 +409,10 @@ def rows_for(cfg: Config, per_rank: list[dict[str, Any]], ref: Reference) -> lis
             **({"paired_ratio_to_wait": round(paired_ratio_median(
                 [r["times"][name] for r in per_rank], [r["times"][waiting_of(name, first["times"])] for r in per_rank]),
                 3)} if name.endswith(OVERLAP) and waiting_of(name, first["times"]) else {}),
+            # the direct exchanges (the stage's default on a CPU) over gloo's own collectives
+            **({"paired_ratio_to_ring": round(paired_ratio_median(
+                [r["times"][name] for r in per_rank], [r["times"][name + RING] for r in per_rank]), 3)}
+               if name + RING in first["times"] else {}),
             "model_state_bytes_per_rank": max(r["state_bytes"][name] for r in per_rank),
             "ledger_sent_bytes_per_step": max(r["ledger_bytes"][name] for r in per_rank) if name in OURS else None,
             "max_rel_loss_diff": max_rel_diff(losses, ref.losses),
@@ -416,9 +434,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add_run_flags(parser, steps=8, warmup=2)
     add_batch_flags(parser)
     parser.add_argument("--variants",
-                        default=",".join(v for v in VARIANTS if not v.endswith((IN_BUCKETS, OVERLAP, WAIT))),
+                        default=",".join(v for v in VARIANTS if not v.endswith((IN_BUCKETS, OVERLAP, WAIT, RING))),
                         help=f"comma-separated subset of {','.join(VARIANTS)} (default all but the *{IN_BUCKETS}, "
-                        f"*{OVERLAP} and *{WAIT}; fsdp2 is always run)")
+                        f"*{OVERLAP}, *{WAIT} and *{RING}; fsdp2 is always run)")
     parser.add_argument("--block", type=int, default=1,
                         help="consecutive steps per variant and turn, timed together (default 1: the variants "
                         "alternate step by step); > 1 charges ZeRO-1/2's overlapped all-gather to its own "

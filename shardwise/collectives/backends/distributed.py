@@ -42,6 +42,7 @@ from .base import Backend, CompletedWork, Group, Work
 from .distributed_p2p import PointToPoint
 from .distributed_p2p import flat_copy as _flat_copy
 from .distributed_p2p import is_timeout as _is_timeout
+from .gloo_exchange import ExchangeGroup, exchanges
 
 # torch 2.13 renamed the flat collectives and warns (FutureWarning) on the old
 # names; torch 2.4 only has the old ones.
@@ -73,6 +74,8 @@ class TorchDistributedBackend(PointToPoint, Backend):
         # destroy_process_group() would be torn down at interpreter exit, and gloo then aborts the
         # process now and then ("terminate called without an active exception").
         self._groups: dict[tuple[int, ...], weakref.ref[Any]] = {}
+        # gloo on CPU: the member sets' exchanges (gloo_exchange.py), each on a process group of its own.
+        self._exchange_groups: dict[tuple[int, ...], ExchangeGroup] = {}
         self._init_p2p()
 
     @classmethod
@@ -115,6 +118,9 @@ class TorchDistributedBackend(PointToPoint, Backend):
         self, x: torch.Tensor, group: Group, op_name: str = "all_gather", *, snapshot: bool = True
     ) -> Work:
         pg, order = self._enter(x, group, op_name)
+        if self._exchanges(x, group):
+            works, rows = self._exchange_group(group, op_name).all_gather(_flat_input(x, False), group)
+            return _DistWork(self, op_name, group, x, works, lambda: rows.view(group.size, *x.shape))
         send = _flat_input(x, snapshot)  # torch only reads it
         out = torch.empty(group.size * x.numel(), dtype=x.dtype, device=x.device)
         work = self._issue(op_name, group, x, lambda: _all_gather_flat(out, send, group=pg, async_op=True))
@@ -131,7 +137,11 @@ class TorchDistributedBackend(PointToPoint, Backend):
     ) -> Work:
         _check_leading_dim(x, group, op_name)
         pg, order = self._enter(x, group, op_name)
-        if x.device.type == "cpu" and "gloo" in self.name:
+        if self._exchanges(x, group):
+            # The exchange reduces in its input: the donated buffer itself, else a copy of x.
+            rows = (x.detach().reshape(-1) if donate and x.is_contiguous() else _flat_copy(x)).view(group.size, -1)
+            return self._exchange_group(group, op_name).reduce_scatter(rows, group, op_name, x.shape[1:])
+        if self._on_gloo_cpu(x):
             return self._reduce_scatter_by_all_reduce(x, group, pg, op_name, donate)
         # torch leaves the input of a reduce-scatter unchanged (nccl by its API;
         # gloo checked by tests/collectives/test_no_alias.py), so without a
@@ -241,6 +251,32 @@ class TorchDistributedBackend(PointToPoint, Backend):
     # -- point to point -------------------------------------------------------
 
     # -- plumbing -------------------------------------------------------------
+    def _on_gloo_cpu(self, x: torch.Tensor) -> bool:
+        return x.device.type == "cpu" and "gloo" in self.name
+
+    def _exchanges(self, x: torch.Tensor, group: Group) -> bool:
+        """Whether this collective runs as a direct exchange (gloo_exchange.py): gloo on CPU, a
+        layer-sized message of a dtype gloo sums."""
+        return self._on_gloo_cpu(x) and exchanges(x, group)
+
+    def _exchange_group(self, group: Group, op_name: str) -> ExchangeGroup:
+        """The member set's exchanges, on a process group of their own (created at first use,
+        which every member reaches at the same collective)."""
+        members = tuple(sorted(group.ranks))
+        known = self._exchange_groups.get(members)
+        if known is not None and known.alive:
+            return known
+        try:
+            pg = dist.new_group(
+                list(members), timeout=datetime.timedelta(seconds=self.timeout), use_local_synchronization=True
+            )
+        except Exception as exc:
+            raise self._error(f"creating the exchange process group for {op_name}", group, exc) from exc
+        made = ExchangeGroup(pg, members, self.rank, self.timeout,
+                             lambda what, g, exc: self._error(what, g, exc))
+        self._exchange_groups[members] = made
+        return made
+
     def _enter(self, x: torch.Tensor, group: Group, op_name: str) -> tuple[Any, torch.Tensor | None]:
         """Check the call and return (process group, group order or None when it is the identity)."""
         group.index(self.rank)  # raises a clear ValueError when this rank is not a member
