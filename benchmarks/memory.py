@@ -11,11 +11,12 @@ What is measured
 The model is ``layers`` x ``Linear(width, width)`` (12 x 2048: 201 MB of float32 parameters;
 12 x 4096: 805 MB), AdamW, an MSE loss on a global batch of ``batch`` rows, ``steps`` steps.
 Every variant runs in processes of its own (a fresh gloo :class:`ProcessPool`, one thread per
-rank), so that no variant inherits another's high-water mark. Each rank first runs the variant
-once on a tiny model (so that the imports and one-time setup of its code path are not counted
-as the model's), then records its VmRSS (the baseline) and resets the kernel's high-water mark
-VmHWM (/proc/self/clear_refs), builds, initializes and trains, and reads VmHWM after init and
-after the steps.
+rank), so that no variant inherits another's high-water mark (``--pools world`` runs a world's
+variants in one pool instead: the test suite's smoke run, whose figures are not to be compared).
+Each rank first runs the variant once on a tiny model (so that the imports and one-time setup of
+its code path are not counted as the model's), then records its VmRSS (the baseline) and resets
+the kernel's high-water mark VmHWM (/proc/self/clear_refs), builds, initializes and trains, and
+reads VmHWM after init and after the steps.
 
 glibc's mmap and trim thresholds are fixed at 128 KiB in the ranks (``MALLOC_MMAP_THRESHOLD_``
 and ``MALLOC_TRIM_THRESHOLD_``), so that freed tensors return to the system at once and RSS
@@ -58,6 +59,7 @@ prediction of the peak: params + opt_state + held_in_step + kept_for_backward).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import os
@@ -266,9 +268,13 @@ def warmed(program: Any, cfg: Config) -> dict[str, Any]:
     return program(cfg)
 
 
-def run(cfg: Config, variant: str) -> dict[str, Any]:
+def run(cfg: Config, variant: str, pool: ProcessPool | None = None) -> dict[str, Any]:
+    """The variant on a fresh pool of ``cfg.world`` processes, or on ``pool`` where one is given."""
     program = one_process if variant == "one_process" else PROGRAMS[variant]
-    with ProcessPool(cfg.world, timeout=1800) as pool:
+    if pool is None:
+        with ProcessPool(cfg.world, timeout=1800) as fresh:
+            per_rank = fresh.run(warmed, program, cfg)
+    else:
         per_rank = pool.run(warmed, program, cfg)
     return {
         "init_peak_bytes": max(r["init_peak_bytes"] for r in per_rank),
@@ -294,6 +300,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--variants", default=",".join(("one_process", *VARIANTS)),
                         help="comma-separated subset of one_process," + ",".join(VARIANTS)
                              + " (default all; fsdp2_meta, the ratios' reference, always runs)")
+    parser.add_argument("--pools", choices=("variant", "world"), default="variant",
+                        help="variant: a fresh pool of processes per variant, so that none inherits another's "
+                             "memory; world: one pool per world for all its variants (a smoke run: start-up "
+                             "costs less, the figures are not comparable) (default: variant)")
     add_out_flag(parser)
     args = parser.parse_args()
     if args.widths:
@@ -312,14 +322,14 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def measured(cfg: Config, variant: str) -> dict[str, Any]:
-    """``run(cfg, variant)``, or why it did not run: its package is missing, or it failed (the error)."""
+def measured(cfg: Config, variant: str, pool: ProcessPool | None = None) -> dict[str, Any]:
+    """``run(cfg, variant, pool)``, or why it did not run: its package is missing, or it failed (the error)."""
     system = SEED_SYSTEM_OF.get(variant)
     reason = seed_systems.missing(system) if system else None
     if reason is not None:
         return {"skipped": reason}
     try:
-        return run(cfg, variant)
+        return run(cfg, variant, pool)
     except sw.collectives.RankFailed as exc:  # one system failing must not lose the others' rows
         return {"failed": str(exc).splitlines()[0]}
 
@@ -327,7 +337,7 @@ def measured(cfg: Config, variant: str) -> dict[str, Any]:
 def main() -> None:
     args = parse_args()
     os.environ.update(LIVE_MALLOC)  # the ranks start with it (glibc reads it at process start)
-    stated = {"malloc": "128KiB thresholds"}
+    stated = {"malloc": "128KiB thresholds", "pools": args.pools}
     with json_lines(args.out) as emit:
         for width in args.widths:
             model_bytes = args.layers * (width * width + width) * 4
@@ -342,18 +352,20 @@ def main() -> None:
                 # functional variant's own beside it.
                 plans = {True: plan_figures(cfg), False: plan_figures(cfg, inplace=False)}
                 fsdp2 = None
-                for variant in args.variants:
-                    note(f"# width {width}, world {world}: {variant}")
-                    plan = plans[variant != "shardwise_meta_functional"]
-                    result = measured(cfg, variant)
-                    row = {"bench": "memory", "variant": variant, "width": width, "world": world,
-                           "model_bytes": model_bytes, **result, "plan_peak_bytes": plan["peak"]}
-                    if "peak_bytes" in result:
-                        fsdp2 = fsdp2 or (result["peak_bytes"] if variant == "fsdp2_meta" else None)
-                        row["ratio_to_fsdp2"] = round(result["peak_bytes"] / fsdp2, 3) if fsdp2 else None
-                    if variant.startswith("shardwise"):
-                        row["plan"] = plan
-                    emit({**row, **environment(), **stated})
+                shared = ProcessPool(world, timeout=1800) if args.pools == "world" else None
+                with shared or contextlib.nullcontext():
+                    for variant in args.variants:
+                        note(f"# width {width}, world {world}: {variant}")
+                        plan = plans[variant != "shardwise_meta_functional"]
+                        result = measured(cfg, variant, shared)
+                        row = {"bench": "memory", "variant": variant, "width": width, "world": world,
+                               "model_bytes": model_bytes, **result, "plan_peak_bytes": plan["peak"]}
+                        if "peak_bytes" in result:
+                            fsdp2 = fsdp2 or (result["peak_bytes"] if variant == "fsdp2_meta" else None)
+                            row["ratio_to_fsdp2"] = round(result["peak_bytes"] / fsdp2, 3) if fsdp2 else None
+                        if variant.startswith("shardwise"):
+                            row["plan"] = plan
+                        emit({**row, **environment(), **stated})
 
 
 if __name__ == "__main__":

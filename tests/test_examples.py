@@ -137,11 +137,12 @@ def test_tensor_parallel_example_is_equivalent_and_learns(capsys: pytest.Capture
     assert len(losses) == 12 and sum(losses[-4:]) < 0.8 * sum(losses[:4])  # measured: 4.18 -> 2.43
 
 
-@pytest.mark.gloo  # a few pools of two gloo processes
+@pytest.mark.gloo  # a pool of one process (one_process: a fresh pool) and one of two gloo processes
 def test_memory_benchmark_runs_and_reports_each_variant() -> None:
-    """benchmarks/memory.py on a small model: one line per variant with peaks and the Plan's figures."""
+    """benchmarks/memory.py on a small model: one line per variant with peaks and the Plan's figures.
+    The world-2 variants share one pool (``--pools world``): each start of a pool costs seconds."""
     cmd = [sys.executable, str(ROOT / "benchmarks" / "memory.py"), "--widths", "256", "--layers", "4",
-           "--worlds", "2", "--steps", "1", "--batch", "8"]
+           "--worlds", "2", "--steps", "1", "--batch", "8", "--pools", "world"]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = {row["variant"]: row for row in map(json.loads, result.stdout.splitlines())}
@@ -149,6 +150,7 @@ def test_memory_benchmark_runs_and_reports_each_variant() -> None:
     seed_systems = {"fairscale_fsdp", "deepspeed_zero3", "deepspeed_zero3_init"}  # measured where installed
     assert set(rows) == ours_and_torch | seed_systems, sorted(rows)
     assert not [row for row in rows.values() if "failed" in row], rows
+    assert {row["pools"] for row in rows.values()} == {"world"}
     for name, row in rows.items():
         if "skipped" in row:  # only a seed system may be missing, and it says how to install it
             assert name in seed_systems and "pip install" in row["skipped"], row
