@@ -6,7 +6,8 @@ Run it from the repository root:
     python benchmarks/memory_trace.py --worlds 2 --variants shardwise_meta --timeline
 
 The model, the optimizer and the allocator settings are benchmarks/memory.py's (its ``fsdp2_meta`` and
-``shardwise_meta`` variants, each after a warm-up on a tiny model). In the last step each rank resets
+``shardwise_meta`` variants, each after a warm-up on a tiny model, each in a fresh pool of processes
+unless ``--pools world``). In the last step each rank resets
 the kernel's high-water mark (VmHWM) before every executor action (shardwise: ``Executor._call``
 patched) or at every module hook (FSDP2: forward pre/post and backward pre/post of each Linear), and
 reads VmHWM and VmRSS at the next mark: a segment's peak and the level after it, MiB above the rank's
@@ -19,6 +20,7 @@ Output: one JSON line per (world, variant, rank): ``peak_mib`` and the segment i
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 from typing import Any
@@ -124,6 +126,9 @@ def main() -> None:
     parser.add_argument("--variants", default="fsdp2_meta,shardwise_meta", help="comma-separated subset of "
                         + ",".join(PROGRAMS))
     parser.add_argument("--timeline", action="store_true", help="every segment of the last step, per rank")
+    parser.add_argument("--pools", choices=("variant", "world"), default="variant",
+                        help="as benchmarks/memory.py's: a fresh pool per variant, or one per world for its "
+                             "variants (a smoke run: the figures are not comparable) (default: variant)")
     add_out_flag(parser)
     args = parser.parse_args()
     unknown = sorted(set(args.variants.split(",")) - set(PROGRAMS))
@@ -133,17 +138,19 @@ def main() -> None:
     with json_lines(args.out) as emit:
         for world in (int(w) for w in args.worlds.split(",")):
             cfg = memory.Config(args.width, args.layers, args.batch, 2, world)
-            for variant in args.variants.split(","):
-                note(f"# width {args.width}, world {world}: {variant}")
-                with ProcessPool(world, timeout=1800) as pool:
-                    per_rank = pool.run(memory.warmed, PROGRAMS[variant], cfg)
-                for rank, rows in enumerate(per_rank):
-                    label, peak, _ = max(rows, key=lambda row: row[1])
-                    row: dict[str, Any] = {"bench": "memory_trace", "variant": variant, "width": args.width,
-                                           "world": world, "rank": rank, "peak_mib": peak, "at": label}
-                    if args.timeline:
-                        row["timeline"] = rows
-                    emit({**row, **environment(), "malloc": "128KiB thresholds"})
+            shared = ProcessPool(world, timeout=1800) if args.pools == "world" else None
+            with shared or contextlib.nullcontext():
+                for variant in args.variants.split(","):
+                    note(f"# width {args.width}, world {world}: {variant}")
+                    with contextlib.nullcontext(shared) if shared else ProcessPool(world, timeout=1800) as pool:
+                        per_rank = pool.run(memory.warmed, PROGRAMS[variant], cfg)
+                    for rank, rows in enumerate(per_rank):
+                        label, peak, _ = max(rows, key=lambda row: row[1])
+                        row: dict[str, Any] = {"bench": "memory_trace", "variant": variant, "width": args.width,
+                                               "world": world, "rank": rank, "peak_mib": peak, "at": label}
+                        if args.timeline:
+                            row["timeline"] = rows
+                        emit({**row, **environment(), "malloc": "128KiB thresholds", "pools": args.pools})
 
 
 if __name__ == "__main__":

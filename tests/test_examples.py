@@ -170,17 +170,18 @@ def test_memory_benchmark_runs_and_reports_each_variant() -> None:
     assert functional["update_buffers"] > plan["update_buffers"], (functional, plan)
 
 
-@pytest.mark.gloo  # two pools of two gloo processes
+@pytest.mark.gloo  # one pool of two gloo processes, for both systems
 def test_memory_trace_reports_each_ranks_peak_and_where() -> None:
     """benchmarks/memory_trace.py on a small model: a line per rank and system, its peak and the segment
     (an executor action of shardwise's, a module hook of FSDP2's) it came in."""
     cmd = [sys.executable, str(ROOT / "benchmarks" / "memory_trace.py"), "--width", "64", "--layers", "3",
-           "--worlds", "2", "--batch", "4", "--timeline"]
+           "--worlds", "2", "--batch", "4", "--timeline", "--pools", "world"]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [json.loads(line) for line in result.stdout.splitlines()]
     assert sorted((r["variant"], r["rank"]) for r in rows) == [("fsdp2_meta", 0), ("fsdp2_meta", 1),
                                                                 ("shardwise_meta", 0), ("shardwise_meta", 1)]
+    assert {row["pools"] for row in rows} == {"world"}
     for row in rows:
         labels = [label for label, _, _ in row["timeline"]]
         assert row["at"] in labels and row["peak_mib"] == max(peak for _, peak, _ in row["timeline"]), row
