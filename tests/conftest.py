@@ -50,3 +50,28 @@ def gloo2() -> Iterator[object]:
 def gloo4() -> Iterator[object]:
     """Four gloo ranks as processes, reused by every test that asks."""
     yield from _pool(4)
+
+
+class _StartedWith:
+    """A pool whose processes start (and restart, after a failed run) with ``env`` in their environment."""
+
+    def __init__(self, pool: object, env: dict[str, str]) -> None:
+        self.pool, self.env = pool, env
+
+    def run(self, fn: object, *args: object) -> list[object]:
+        with pytest.MonkeyPatch.context() as patch:
+            for key, value in self.env.items():
+                patch.setenv(key, value)
+            return self.pool.run(fn, *args)  # type: ignore[attr-defined]
+
+
+@pytest.fixture(scope="session")
+def live_malloc_gloo4() -> Iterator[object]:
+    """Four gloo ranks whose glibc returns freed memory at once (``LIVE_MALLOC``: RSS follows live
+    memory), shared by the tests that measure a rank's peak at world 4. Each measures after a warm-up
+    of its own code on a tiny model, from a reset high-water mark (``PeakRSS``)."""
+    from shardwise.collectives.backends.processes import ProcessPool
+    from shardwise.testing.memory import LIVE_MALLOC
+
+    with ProcessPool(4, timeout=240.0) as pool:
+        yield _StartedWith(pool, LIVE_MALLOC)

@@ -5,8 +5,9 @@ training state does not fit one rank's budget. Peak memory is the kernel's high-
 (VmHWM) of each process above its RSS when the load starts, after a warm-up load of a tiny
 checkpoint (imports and one-time setup are not the model's). glibc's mmap and trim thresholds
 are fixed at 128 KiB in the ranks so that freed tensors go back at once and RSS follows live
-memory. The bound is the rank's state (a quarter of the parameters and of both moments) plus one
-layer of the model: what a load needs beyond its result is one read (``READ_BYTES``, 4 MiB,
+memory (the suite's ``live_malloc_gloo4`` ranks, which test_meta_init_memory.py measures on too).
+The bound is the rank's state (a quarter of the parameters and of both moments) plus one layer of
+the model: what a load needs beyond its result is one read (``READ_BYTES``, 4 MiB,
 under a layer's 4 MiB here), so a load that built any whole layer's tensors besides would pass
 it only with the rest of the state exactly in place; building whole tensors of every parameter,
 as loads did before, is far over it.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -24,7 +26,7 @@ from torch import nn
 
 import shardwise as sw
 from shardwise.engine.checkpoint.record_io import READ_BYTES
-from shardwise.testing.memory import LIVE_MALLOC, PeakRSS
+from shardwise.testing.memory import PeakRSS
 
 pytestmark = pytest.mark.gloo
 
@@ -67,14 +69,11 @@ def _load(root: Path) -> tuple[int, int]:
 
 
 @pytest.fixture(scope="module")
-def measured(tmp_path_factory: pytest.TempPathFactory) -> list[tuple[int, int]]:
+def measured(tmp_path_factory: pytest.TempPathFactory, live_malloc_gloo4: Any) -> list[tuple[int, int]]:
     root = tmp_path_factory.mktemp("ckpt")
     sw.launch(functools.partial(_save, root / "tiny", 8), WORLD)
     sw.launch(functools.partial(_save, root / "big", WIDTH), WORLD)
-    with pytest.MonkeyPatch.context() as patch:
-        for key, value in LIVE_MALLOC.items():
-            patch.setenv(key, value)
-        return sw.launch(functools.partial(_load, root), WORLD, backend="processes", timeout=240)
+    return live_malloc_gloo4.run(functools.partial(_load, root))
 
 
 def test_a_zero3_load_at_world_4_peaks_at_the_ranks_state_plus_one_layer(measured: list[tuple[int, int]]) -> None:

@@ -4,7 +4,8 @@ and, with SGD, one whose parameters alone do not fit it.
 Peak memory is the kernel's high-water mark (VmHWM) of each rank process above its RSS when the
 measured part starts, after a warm-up run of the same code on a tiny model (imports and one-time
 setup are not the model's). glibc's mmap and trim thresholds are fixed at 128 KiB in the ranks so
-that freed tensors go back at once and RSS follows live memory.
+that freed tensors go back at once and RSS follows live memory (the suite's ``live_malloc_gloo4``
+ranks, which test_checkpoint_memory.py measures on too).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import shardwise as sw
-from shardwise.testing.memory import LIVE_MALLOC, PeakRSS
+from shardwise.testing.memory import PeakRSS
 
 pytestmark = pytest.mark.gloo
 
@@ -59,12 +60,9 @@ def _rank() -> tuple[tuple[int, int], tuple[int, int]]:
 
 
 @pytest.fixture(scope="module")
-def runs() -> list[tuple[tuple[int, int], tuple[int, int]]]:
+def runs(live_malloc_gloo4: Any) -> list[tuple[tuple[int, int], tuple[int, int]]]:
     """Per rank, (measured peak, the Plan's peak) under AdamW and under SGD, from one run of the ranks."""
-    with pytest.MonkeyPatch.context() as patch:
-        for key, value in LIVE_MALLOC.items():
-            patch.setenv(key, value)
-        return sw.launch(_rank, WORLD, backend="processes", timeout=240)
+    return live_malloc_gloo4.run(_rank)
 
 
 @pytest.fixture(scope="module")
