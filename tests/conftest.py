@@ -1,10 +1,13 @@
 """Suite-wide settings: strict warnings (pyproject), deterministic torch, hypothesis profiles,
-and long-lived gloo process pools shared by every multi-process test."""
+long-lived gloo process pools shared by every multi-process test, and mypy started beside the tests."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -75,3 +78,36 @@ def live_malloc_gloo4() -> Iterator[object]:
 
     with ProcessPool(4, timeout=240.0) as pool:
         yield _StartedWith(pool, LIVE_MALLOC)
+
+
+# -- mypy beside the tests ------------------------------------------------------------------
+# mypy reads the sources only and takes a core for 10-20 s (a fresh checkout has no cache). The
+# tests run one at a time, torch on one thread, so a second core is mostly idle: mypy starts there
+# as soon as the tests are collected, and test_mypy_clean reads its result.
+ROOT = Path(__file__).resolve().parents[1]
+_MYPY = pytest.StashKey[subprocess.Popen[str]]()
+
+
+def _start_mypy() -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "mypy"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if any(item.name == "test_mypy_clean" and item.path.name == "test_lint.py" for item in session.items):
+        session.config.stash[_MYPY] = _start_mypy()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    proc = session.config.stash.get(_MYPY, None)
+    if proc is not None and proc.poll() is None:  # the run stopped before test_mypy_clean read it
+        proc.kill()
+        proc.communicate()
+
+
+@pytest.fixture
+def mypy_result(request: pytest.FixtureRequest) -> subprocess.CompletedProcess[str]:
+    """``python -m mypy`` on the package (pyproject's settings): the run started at collection."""
+    proc = request.config.stash.get(_MYPY, None) or _start_mypy()
+    out, _ = proc.communicate(timeout=600)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, "")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -20,6 +19,6 @@ def test_ruff_clean() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_mypy_clean() -> None:
-    result = _run([sys.executable, "-m", "mypy"])
-    assert result.returncode == 0, result.stdout + result.stderr
+def test_mypy_clean(mypy_result: subprocess.CompletedProcess[str]) -> None:
+    """mypy ran beside the tests since they were collected (conftest.py)."""
+    assert mypy_result.returncode == 0, mypy_result.stdout + mypy_result.stderr
