@@ -15,12 +15,9 @@ from __future__ import annotations
 
 import builtins
 import collections
-import json
 import os
-import subprocess
-import sys
-import textwrap
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -31,9 +28,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import shardwise as sw
+from shardwise.collectives.backends.current import current_backend
 from shardwise.engine.checkpoint import dcp_files, file_format, safetensors_files, weights
 from shardwise.engine.checkpoint.record_io import CHUNK_BYTES
-from shardwise.testing.memory import LIVE_MALLOC
 
 T = pytest.importorskip("transformers", reason="the [hf] extra (pip install -e '.[hf]') is not installed")
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -163,27 +160,25 @@ def test_each_rank_reads_the_bytes_it_keeps_and_gets_the_whole_loads_values(
             assert a.dtype == b.dtype and torch.equal(a, b)
 
 
-CHILD = textwrap.dedent(
-    """
-    import json, sys, tempfile, warnings
-    warnings.filterwarnings("ignore", "torch.distributed is disabled")
-    import torch
-    import torch.distributed.checkpoint as dcp
-    from torch import nn
+def _load_weights(source: str, width: int, layers: int, world: int) -> dict[str, int] | None:
+    """On rank 0 of the suite's LIVE_MALLOC ranks (the others wait): save the model, then load it
+    at ZeRO-3 over ``world`` thread ranks; the process's peak above the start of the load, and
+    what the ranks hold."""
+    if current_backend().rank != 0:
+        return None
+    import tempfile
+
     from safetensors.torch import save_file
-    import shardwise as sw
+    from torch import nn
+
     from shardwise.testing.memory import PeakRSS
 
-    source, width, layers, world = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-    root = tempfile.mkdtemp()
-
-    def model(w):
+    def model(w: int) -> nn.Sequential:
         return nn.Sequential(*[nn.Linear(w, w) for _ in range(layers)])
 
-    def load(w):
+    def load(root: str, w: int) -> tuple[int, int]:
         path = f"{root}/{w}"
         if source == "safetensors":
-            import os
             os.makedirs(path)
             save_file(model(w).state_dict(), f"{path}/model.safetensors")
         else:
@@ -199,24 +194,22 @@ CHILD = textwrap.dedent(
                 lambda: sw.checkpoint.init_from_dcp(step, path, sw.Mesh(dp=world), prefix="model."), world)
         return meter.peak(), sum(t.numel() * t.element_size() for s in states for t in s.params.values())
 
-    load(8)  # warm-up: the same code on a tiny model (imports, thread pool)
-    peak, held = load(width)
-    print(json.dumps({"peak": peak, "held": held}))
-    """
-)
+    with warnings.catch_warnings(), tempfile.TemporaryDirectory() as root:
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        load(root, 8)  # warm-up: the same code on a tiny model (imports, thread pool)
+        peak, held = load(root, width)
+    return {"peak": peak, "held": held}
 
 
+@pytest.mark.gloo  # on the suite's LIVE_MALLOC gloo ranks
 @pytest.mark.parametrize("source", ["safetensors", "dcp"])
-def test_loading_weights_holds_the_ranks_shards_and_no_whole_layer(source: str) -> None:
+def test_loading_weights_holds_the_ranks_shards_and_no_whole_layer(source: str, live_malloc_gloo4: Any) -> None:
     """Four thread ranks of one process load 8 x Linear(1024) at ZeRO-3: the process's peak above
     the start of the load is the four ranks' shards (the whole model, once) and less than half a
     layer more. Reading through a whole layer's tensor per rank (or a whole record) is over it."""
     width, layers, world = 1024, 8, 4
     layer = (width * width + width) * 4
-    env = {**os.environ, **LIVE_MALLOC}
-    out = subprocess.run([sys.executable, "-c", CHILD, source, str(width), str(layers), str(world)],
-                         capture_output=True, text=True, env=env, timeout=120, check=True)
-    measured = json.loads(out.stdout.strip().splitlines()[-1])
+    measured = live_malloc_gloo4.run(_load_weights, source, width, layers, world)[0]
     assert measured["held"] >= layers * layer  # every rank's shards: the model once, padded
     assert 0.9 * measured["held"] < measured["peak"] < measured["held"] + layer // 2, measured
 
