@@ -32,6 +32,8 @@ from ``sw.collectives.comm_ledger()`` on the busiest rank (forward and backward)
 (``ring_attention_bytes`` / ``ulysses_attention_bytes`` x 2 passes; the all-gather: ``(cp - 1)`` x the
 k/v slice forward, and its reduce-scatter the same backward). ``max_abs_diff_to_allgather``: the
 largest difference of the output and the three gradients from the baseline's, on every rank.
+``--pools one`` (the test suite's smoke run) runs timing and memory in one pool, started with the
+low thresholds.
 """
 
 from __future__ import annotations
@@ -208,14 +210,22 @@ def live_malloc() -> Iterator[None]:
                 os.environ[key] = old
 
 
-def rows_for(cfg: Config) -> list[dict[str, Any]]:
+def rows_for(cfg: Config, pools: str = "two") -> list[dict[str, Any]]:
+    """``pools="one"``: timing, probe and memory in one pool started with ``live_malloc`` (a smoke
+    run: one start of the processes less; the times are not the default allocator's)."""
     base = {"bench": "context_parallel", "seq": cfg.seq, "cp": cfg.world, "heads": cfg.heads,
-            "head_dim": cfg.head_dim, "batch": cfg.batch, "dtype": "float32", "steps": cfg.steps}
-    with ProcessPool(cfg.world, timeout=TIMEOUT_S) as pool:
+            "head_dim": cfg.head_dim, "batch": cfg.batch, "dtype": "float32", "steps": cfg.steps, "pools": pools}
+    with contextlib.ExitStack() as held:
+        if pools == "one":
+            held.enter_context(live_malloc())
+        pool = held.enter_context(ProcessPool(cfg.world, timeout=TIMEOUT_S))
         note(f"# seq {cfg.seq}, cp {cfg.world}: timing")
         timed = pool.run(time_variants, cfg)
         probe = pool.run(torch_context_parallel, cfg)[0]
-    with live_malloc(), ProcessPool(cfg.world, timeout=TIMEOUT_S) as pool:
+        if pools == "two":
+            pool.close()
+            held.enter_context(live_malloc())
+            pool = held.enter_context(ProcessPool(cfg.world, timeout=TIMEOUT_S))
         note(f"# seq {cfg.seq}, cp {cfg.world}: memory and bytes")
         measured = pool.run(measure_memory_and_bytes, cfg)
     per_rank = {name: [r["times"][name] for r in timed] for name in VARIANTS}
@@ -251,6 +261,10 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per variant (default 5)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first, >= 1 (default 1)")
+    parser.add_argument("--pools", choices=("two", "one"), default="two",
+                        help="two: timing in one pool, memory in fresh processes with glibc's thresholds low; "
+                             "one: all in one pool with the low thresholds (a smoke run: one start of the "
+                             "processes less, the times are not the default allocator's) (default: two)")
     add_out_flag(parser)
     args = parser.parse_args()
     if args.warmup < 1:
@@ -259,7 +273,7 @@ def main() -> None:
         for world in (int(w) for w in args.worlds.split(",")):
             for seq in (int(s) for s in args.seqs.split(",")):
                 cfg = Config(seq, world, args.heads, args.head_dim, steps=args.steps, warmup=args.warmup)
-                for row in rows_for(cfg):
+                for row in rows_for(cfg, args.pools):
                     emit(row)
 
 

@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ["--seqs", "32", "--worlds", "2", "--heads", "2", "--head-dim", "4", "--steps", "2", "--warmup", "1"]
+# One pool for timing and memory: the smoke run starts two processes, not four.
+TINY = ["--seqs", "32", "--worlds", "2", "--heads", "2", "--head-dim", "4", "--steps", "2", "--warmup", "1",
+        "--pools", "one"]
 
 
 @pytest.mark.gloo  # two gloo processes
@@ -21,6 +23,7 @@ def test_context_parallel_benchmark_prints_every_system() -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     rows = {row["variant"]: row for row in map(json.loads, result.stdout.splitlines())}
     assert set(rows) == {"ring", "ulysses", "allgather_kv", "torch_cp"}
+    assert {row["pools"] for row in rows.values()} == {"one"}
     torch_cp = rows.pop("torch_cp")
     # Either timed or skipped with the error that stopped it: never silently absent.
     assert "median_step_s" in torch_cp or torch_cp["skipped"].startswith("torch's context_parallel"), torch_cp
