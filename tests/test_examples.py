@@ -82,14 +82,14 @@ def test_gpu_benchmark_dry_run_on_the_cpu() -> None:
 
 
 @pytest.mark.gloo  # the gloo half starts two processes
-def test_collectives_benchmark_round_trip() -> None:
+def test_collectives_benchmark_round_trip(capsys: pytest.CaptureFixture[str]) -> None:
     """benchmarks/collectives.py's send_recv (the pipeline's message pattern) runs and checks itself."""
-    def run(world: int) -> subprocess.CompletedProcess[str]:
-        cmd = [sys.executable, str(ROOT / "benchmarks" / "collectives.py"), "--backends", "threads,gloo",
-               "--worlds", str(world), "--ops", "send_recv", "--sizes", "4K", "--reps", "3"]
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
+    def args(world: int) -> list[str]:
+        return ["--backends", "threads,gloo", "--worlds", str(world), "--ops", "send_recv", "--sizes", "4K",
+                "--reps", "3"]
 
-    result = run(2)
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "collectives.py"), *args(2)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = {row["backend"]: row for row in map(json.loads, result.stdout.splitlines())}
     assert set(rows) == {"threads", "gloo"}
@@ -97,8 +97,17 @@ def test_collectives_benchmark_round_trip() -> None:
         assert row["op"] == "send_recv" and row["bytes"] == row["ledger_sent_bytes"] == 4096
         assert row["median_s"] > 0
     assert rows["threads"]["torch_median_s"] is None and rows["gloo"]["ratio_to_torch"] > 0
-    odd = run(3)
-    assert odd.returncode == 2 and "odd" in odd.stderr
+    # An odd world is refused as the arguments are read (exit status 2), in this process: no interpreter
+    # to start for it.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(ROOT / "benchmarks"))  # its sibling _common
+        spec = importlib.util.spec_from_file_location("collectives_benchmark", ROOT / "benchmarks" / "collectives.py")
+        assert spec is not None and spec.loader is not None
+        bench = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(bench)
+        with pytest.raises(SystemExit) as refused:
+            bench.main(args(3))
+    assert refused.value.code == 2 and "odd" in capsys.readouterr().err
 
 
 @pytest.mark.gloo  # two gloo processes
