@@ -1,11 +1,11 @@
 """Suite-wide settings: strict warnings (pyproject), deterministic torch, hypothesis profiles,
-long-lived gloo process pools shared by every multi-process test, and mypy started beside the tests."""
+long-lived gloo process pools shared by every multi-process test, and commands run beside the tests."""
 
 from __future__ import annotations
 
 import os
 import subprocess
-import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -80,34 +80,107 @@ def live_malloc_gloo4() -> Iterator[object]:
         yield _StartedWith(pool, LIVE_MALLOC)
 
 
-# -- mypy beside the tests ------------------------------------------------------------------
-# mypy reads the sources only and takes a core for 10-20 s (a fresh checkout has no cache). The
-# tests run one at a time, torch on one thread, so a second core is mostly idle: mypy starts there
-# as soon as the tests are collected, and test_mypy_clean reads its result.
+# -- commands beside the tests ------------------------------------------------------------------
+# A test marked ``beside(command, timeout=..., env=...)`` only reads the result of a command (mypy, a
+# benchmark's smoke run in a process of its own). The tests run one at a time, torch on one thread,
+# so a second core is mostly idle: once the tests are collected, those commands run there, one after
+# another in collection order, and each test reads its own with the ``beside`` fixture (waiting for
+# it, or running it then if its turn has not come). The result is subprocess.run's, as if run there.
 ROOT = Path(__file__).resolve().parents[1]
-_MYPY = pytest.StashKey[subprocess.Popen[str]]()
 
 
-def _start_mypy() -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "mypy"], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+class _Beside:
+    def __init__(self, jobs: dict[str, pytest.Mark]) -> None:
+        self._pending = dict(jobs)  # node id -> its mark, in collection order
+        self._done: dict[str, subprocess.CompletedProcess[str] | BaseException] = {}
+        self._events: dict[str, threading.Event] = {}
+        self._lock = threading.Lock()
+        self._procs: set[subprocess.Popen[str]] = set()
+        self._stopped = False
+        threading.Thread(target=self._loop, name="beside", daemon=True).start()
+
+    def _take(self, nodeid: str | None = None) -> tuple[str, pytest.Mark] | None:
+        with self._lock:
+            if self._stopped or not self._pending or (nodeid is not None and nodeid not in self._pending):
+                return None
+            nodeid = nodeid or next(iter(self._pending))
+            self._events[nodeid] = threading.Event()
+            return nodeid, self._pending.pop(nodeid)
+
+    def _loop(self) -> None:
+        while (job := self._take()) is not None:
+            self._run(*job)
+
+    def _run(self, nodeid: str, mark: pytest.Mark) -> None:
+        try:
+            self._done[nodeid] = self._call(mark)
+        except BaseException as exc:  # re-raised in the test
+            self._done[nodeid] = exc
+        finally:
+            self._events[nodeid].set()
+
+    def _call(self, mark: pytest.Mark) -> subprocess.CompletedProcess[str]:
+        (command,), timeout = mark.args, mark.kwargs.get("timeout", 300)
+        with subprocess.Popen(command, cwd=ROOT, env=mark.kwargs.get("env"), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) as proc:
+            with self._lock:
+                if self._stopped:
+                    proc.kill()
+                self._procs.add(proc)
+            try:
+                out, err = proc.communicate(timeout=timeout)
+            except BaseException:
+                proc.kill()
+                proc.communicate()
+                raise
+            finally:
+                with self._lock:
+                    self._procs.discard(proc)
+        return subprocess.CompletedProcess(command, proc.returncode, out, err)
+
+    def knows(self, nodeid: str) -> bool:
+        with self._lock:
+            return nodeid in self._pending or nodeid in self._events
+
+    def result(self, nodeid: str) -> subprocess.CompletedProcess[str]:
+        job = self._take(nodeid)
+        if job is not None:  # its turn has not come: run it now
+            self._run(*job)
+        self._events[nodeid].wait()
+        done = self._done.pop(nodeid)
+        if isinstance(done, BaseException):
+            raise done
+        return done
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopped = True
+            procs = list(self._procs)
+        for proc in procs:
+            proc.kill()
+
+
+_BESIDE = pytest.StashKey[_Beside]()
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    if any(item.name == "test_mypy_clean" and item.path.name == "test_lint.py" for item in session.items):
-        session.config.stash[_MYPY] = _start_mypy()
+    jobs = {item.nodeid: mark for item in session.items if (mark := item.get_closest_marker("beside"))}
+    if jobs:
+        session.config.stash[_BESIDE] = _Beside(jobs)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    proc = session.config.stash.get(_MYPY, None)
-    if proc is not None and proc.poll() is None:  # the run stopped before test_mypy_clean read it
-        proc.kill()
-        proc.communicate()
+    beside = session.config.stash.get(_BESIDE, None)
+    if beside is not None:  # a run stopped early (-x) leaves no command running
+        beside.stop()
 
 
 @pytest.fixture
-def mypy_result(request: pytest.FixtureRequest) -> subprocess.CompletedProcess[str]:
-    """``python -m mypy`` on the package (pyproject's settings): the run started at collection."""
-    proc = request.config.stash.get(_MYPY, None) or _start_mypy()
-    out, _ = proc.communicate(timeout=600)
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, "")
+def beside(request: pytest.FixtureRequest) -> subprocess.CompletedProcess[str]:
+    """The result of this test's ``beside`` command (see above)."""
+    mark = request.node.get_closest_marker("beside")
+    assert mark is not None, "the beside fixture is for tests marked beside(command, ...)"
+    runner = request.config.stash.get(_BESIDE, None)
+    if runner is None or not runner.knows(request.node.nodeid):
+        runner = _Beside({request.node.nodeid: mark})
+    return runner.result(request.node.nodeid)

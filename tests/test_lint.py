@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -19,6 +22,6 @@ def test_ruff_clean() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_mypy_clean(mypy_result: subprocess.CompletedProcess[str]) -> None:
-    """mypy ran beside the tests since they were collected (conftest.py)."""
-    assert mypy_result.returncode == 0, mypy_result.stdout + mypy_result.stderr
+@pytest.mark.beside([sys.executable, "-m", "mypy"], timeout=600)  # beside the other tests (conftest.py)
+def test_mypy_clean(beside: subprocess.CompletedProcess[str]) -> None:
+    assert beside.returncode == 0, beside.stdout + beside.stderr

@@ -146,14 +146,16 @@ def test_the_reused_figures_are_per_layer_those_of_a_run_layer_by_layer() -> Non
     assert predict_kept_parts(chain, params, ids, reuse=True) == predict_kept_parts(chain, params, ids, reuse=False)
 
 
-def test_a_scaled_down_model_is_planned_on_paper_in_bounded_time_and_memory() -> None:
+@pytest.mark.beside([sys.executable, str(ROOT / "benchmarks" / "plan_at_scale.py"), "--layers", "16", "--hidden",
+                     "1024", "--intermediate", "2048", "--heads", "16", "--kv-heads", "4", "--vocab", "1024", "--seq",
+                     "256", "--ranks", "64", "--microbatches", "4"],
+                    timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})  # beside the other tests (conftest)
+def test_a_scaled_down_model_is_planned_on_paper_in_bounded_time_and_memory(
+    beside: subprocess.CompletedProcess[str],
+) -> None:
     """Hidden 1024, 16 blocks, 64 ranks, ZeRO-3 alone and dp x pp x tp: the benchmark's script,
     in a process of its own (its VmHWM is its own)."""
-    command = [sys.executable, str(ROOT / "benchmarks" / "plan_at_scale.py"), "--layers", "16", "--hidden", "1024",
-               "--intermediate", "2048", "--heads", "16", "--kv-heads", "4", "--vocab", "1024", "--seq", "256",
-               "--ranks", "64", "--microbatches", "4"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False, cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    done = beside
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in done.stdout.splitlines()]
     assert [r["stack"] for r in rows] == ["zero3", "3d"]
