@@ -165,7 +165,7 @@ _BESIDE = pytest.StashKey[_Beside]()
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     jobs = {item.nodeid: mark for item in session.items if (mark := item.get_closest_marker("beside"))}
-    if jobs:
+    if jobs and not session.config.option.collectonly:
         session.config.stash[_BESIDE] = _Beside(jobs)
 
 
