@@ -111,12 +111,11 @@ def test_collectives_benchmark_round_trip(capsys: pytest.CaptureFixture[str]) ->
 
 
 @pytest.mark.gloo  # two gloo processes
-@pytest.mark.beside([sys.executable, str(ROOT / "benchmarks" / "pipeline.py"), "--models", "mlp", "--worlds", "2",
-                     "--schedules", "1f1b", "--steps", "2", "--warmup", "1", "--mlp-hidden", "16", "--malloc",
-                     "steady"], timeout=240)  # beside the other tests (conftest.py)
-def test_pipeline_benchmark_runs_and_checks_itself(beside: subprocess.CompletedProcess[str]) -> None:
+def test_pipeline_benchmark_runs_and_checks_itself() -> None:
     """benchmarks/pipeline.py: ours, ours reporting no metrics and torch's 1F1B on a narrow MLP."""
-    result = beside
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "pipeline.py"), "--models", "mlp", "--worlds", "2",
+           "--schedules", "1f1b", "--steps", "2", "--warmup", "1", "--mlp-hidden", "16", "--malloc", "steady"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = {row["impl"]: row for row in map(json.loads, result.stdout.splitlines())}
     assert set(rows) == {"ours", "ours_quiet", "torch"}
@@ -148,13 +147,12 @@ def test_tensor_parallel_example_is_equivalent_and_learns(capsys: pytest.Capture
 
 
 @pytest.mark.gloo  # a pool of one process (one_process: a fresh pool) and one of two gloo processes
-@pytest.mark.beside([sys.executable, str(ROOT / "benchmarks" / "memory.py"), "--widths", "256", "--layers", "4",
-                     "--worlds", "2", "--steps", "1", "--batch", "8", "--pools", "world"],
-                    timeout=300)  # beside the other tests (conftest.py)
-def test_memory_benchmark_runs_and_reports_each_variant(beside: subprocess.CompletedProcess[str]) -> None:
+def test_memory_benchmark_runs_and_reports_each_variant() -> None:
     """benchmarks/memory.py on a small model: one line per variant with peaks and the Plan's figures.
     The world-2 variants share one pool (``--pools world``): each start of a pool costs seconds."""
-    result = beside
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "memory.py"), "--widths", "256", "--layers", "4",
+           "--worlds", "2", "--steps", "1", "--batch", "8", "--pools", "world"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = {row["variant"]: row for row in map(json.loads, result.stdout.splitlines())}
     ours_and_torch = {"one_process", "fsdp2_meta", "shardwise_meta", "shardwise_meta_functional", "shardwise_eager"}
