@@ -86,6 +86,8 @@ def live_malloc_gloo4() -> Iterator[object]:
 # so a second core is mostly idle: once the tests are collected, those commands run there, one after
 # another in collection order, and each test reads its own with the ``beside`` fixture (waiting for
 # it, or running it then if its turn has not come). The result is subprocess.run's, as if run there.
+# Only for a command of one process that opens no port: one that starts gloo ranks, run beside the
+# first tests, made a torchrun fault test's 2 s rendezvous time out.
 ROOT = Path(__file__).resolve().parents[1]
 
 
