@@ -44,6 +44,9 @@ class ModuleCall:
         self.module = module
         self.prefix = prefix  # what every key of ``tensors`` starts with (a submodule's path + ".")
         self._slots, self._keys = _slots_of(module, prefix)
+        # Whether call_arguments adds use_cache=False to a call on a tensor, read once (a call on a
+        # tensor is otherwise module(x)).
+        self.takes_use_cache = "use_cache" in _forward_parameters(module)
 
     def __call__(self, tensors: dict[str, Tensor], x: Any) -> Any:
         return self.call(tensors, (x,), {})

@@ -14,9 +14,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
+
+
+class BoundStage(NamedTuple):
+    """A stage's layers bound to a step's leaves: (name, call, buffers) per layer, and the leaves used
+    by (owner layer, local name)."""
+
+    layers: tuple[tuple[str, Callable[[Any], Any], Mapping[str, torch.Tensor]], ...]
+    leaves: dict[tuple[str, str], torch.Tensor]
 
 
 @dataclass
@@ -26,10 +34,7 @@ class StageBindings:
     # (owner layer, local name) -> the parameter tensor its leaf was detached from
     sources: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)
     leaves: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)
-    # stage -> (its layers' calls bound to the leaves, the leaves they use): Executor._bound_stage
-    bound: dict[int, tuple[list[Callable[[Any], Any]], dict[tuple[str, str], torch.Tensor]]] = field(
-        default_factory=dict
-    )
+    bound: dict[int, BoundStage] = field(default_factory=dict)  # per stage: Executor._bound_stage
     chain: Any = None  # the chain whose layers were bound
 
     def ready_for(self, chain: Any, compute: Mapping[str, Mapping[str, torch.Tensor]]) -> bool:

@@ -91,7 +91,7 @@ from ..plan.actions import (
 )
 from ..torch_api import accumulate_backward, version_of
 from .batch_keys import unknown_keys_message
-from .bindings import StageBindings
+from .bindings import BoundStage, StageBindings
 from .metrics import MetricExchange, Summed, different_batches
 from .rng import MASK, START, default_generators, mixed, preserved, ranks_share_generators, seeded
 from .transfers import TransferActions
@@ -322,9 +322,7 @@ class Executor(ZeroActions, TransferActions):
     _grad_shards: dict[str, torch.Tensor] = field(default_factory=dict)
     _replica_input: dict[str, torch.Tensor] = field(default_factory=dict)
     _leaves: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)
-    _bound: dict[int, tuple[list[Callable[[Any], Any]], dict[tuple[str, str], torch.Tensor]]] = field(
-        default_factory=dict
-    )
+    _bound: dict[int, BoundStage] = field(default_factory=dict)
     _saved: dict[tuple[int, int], _Saved] = field(default_factory=dict)
     _outputs: dict[tuple[int, int], Any] = field(default_factory=dict)
     _input_grads: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
@@ -493,8 +491,10 @@ class Executor(ZeroActions, TransferActions):
             x, inputs = self.microbatches[m][0], []
         elif joined:  # the backward runs through here in one call with the stage below
             x = self._outputs[(s - 1, m)]
-            flat = [x] if isinstance(x, torch.Tensor) else optree.tree_leaves(x)
-            inputs = [t for t in flat if _needs_grad(t)]
+            if isinstance(x, torch.Tensor):  # the usual layer output: what the tree walk gives
+                inputs = [x] if x.is_floating_point() and x.requires_grad else []
+            else:
+                inputs = [t for t in optree.tree_leaves(x) if _needs_grad(t)]
         else:
             x, inputs = self._take_input(s, m)
         if s > 0 and not inputs and self._earlier_layers_own_params(s):
@@ -504,14 +504,12 @@ class Executor(ZeroActions, TransferActions):
                 "gradient can reach the parameters before it and they would never train; return the activations "
                 "as tensors, or tuples / lists / dicts / named tuples of tensors"
             )
-        calls, leaves = self._bound_stage(s)
-        names = self.placement.stages[s]
+        bound = self._bound_stage(s)
         if not joined:
             for t in inputs:
                 t.requires_grad_(True)
         y = x
-        for name, call in zip(names, calls, strict=True):
-            buffers = self.chain[name].buffers
+        for name, call, buffers in bound.layers:
             versions = [version_of(b) for b in buffers.values()] if buffers else None
             try:
                 y = call(y)
@@ -543,9 +541,9 @@ class Executor(ZeroActions, TransferActions):
                     t.register_hook(functools.partial(_mark, reached, k))
             # A stage whose backward the call of a stage above covers never reads its outputs.
             outputs = [] if (s, m) in self._covered else self._carrying_grads(s, y)
-            self._saved[(s, m)] = _Saved([], leaves, outputs, reached=reached)
+            self._saved[(s, m)] = _Saved([], bound.leaves, outputs, reached=reached)
         else:
-            self._saved[(s, m)] = _Saved(inputs, leaves, self._carrying_grads(s, y))
+            self._saved[(s, m)] = _Saved(inputs, bound.leaves, self._carrying_grads(s, y))
 
     def compute_loss(self, action: Action) -> None:
         m = action.mb
@@ -718,20 +716,20 @@ class Executor(ZeroActions, TransferActions):
     def _earlier_layers_own_params(self, s: int) -> bool:
         return any(self.chain.owned_param_names(n) for layers in self.placement.stages[:s] for n in layers)
 
-    def _bound_stage(self, s: int) -> tuple[list[Callable[[Any], Any]], dict[tuple[str, str], torch.Tensor]]:
+    def _bound_stage(self, s: int) -> BoundStage:
         """Stage ``s``'s layers bound to the step's leaves (tied ones through their owner), and the
         leaves they use. Bound once per step and stage: every micro-batch runs the same calls."""
         bound = self._bound.get(s)
         if bound is None:
             used: dict[tuple[str, str], torch.Tensor] = {}
-            calls = []
+            layers = []
             for name in self.placement.stages[s]:
                 layer = self.chain[name]
                 tensors = {local: self._leaf(layer.ties.get(local, (name, local)), used) for local in layer.param_names}
-                calls.append(layer.bind(tensors))
-            bound = self._bound[s] = (calls, used)
+                layers.append((name, layer.bind(tensors), layer.buffers))
+            bound = self._bound[s] = BoundStage(tuple(layers), used)
         elif self.source.sharding is not None:
-            for key in bound[1]:  # under ZeRO-3 a unit must be gathered whenever its layers compute
+            for key in bound.leaves:  # under ZeRO-3 a unit must be gathered whenever its layers compute
                 self._check_gathered(key)
         return bound
 
