@@ -15,6 +15,7 @@ from torch import nn
 
 import shardwise as sw
 from shardwise.engine.run.bindings import StageBindings
+from shardwise.engine.run.executor import Executor
 from shardwise.engine.step import run_inputs
 from shardwise.testing.models import TinyGPT
 
@@ -94,6 +95,15 @@ def _steps(model_name: str, optimizer: str, keep: bool, monkeypatch: pytest.Monk
         with pytest.raises(ValueError, match="on purpose"):  # a step failing in its loss, after every layer ran
             step(state, batches[0])
         refuse[0] = False
+        finish = Executor.finish_grads
+
+        def failing(self: Executor, action: Any) -> None:
+            raise RuntimeError("failed on purpose after the backward")
+
+        patch.setattr(Executor, "finish_grads", failing)
+        with pytest.raises(RuntimeError, match="after the backward"):  # gradients left in the leaves
+            step(state, batches[1])
+        patch.setattr(Executor, "finish_grads", finish)
         for batch in batches[2:]:
             state, metrics = step(state, batch)
             record(state, metrics)

@@ -36,6 +36,7 @@ class StageBindings:
     leaves: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)
     bound: dict[int, BoundStage] = field(default_factory=dict)  # per stage: Executor._bound_stage
     chain: Any = None  # the chain whose layers were bound
+    emptied: bool = True  # whether every leaf's .grad is None (a step that failed midway may leave some)
 
     def ready_for(self, chain: Any, compute: Mapping[str, Mapping[str, torch.Tensor]]) -> bool:
         """Make these the bindings of a step of ``chain`` reading ``compute``: kept (their gradients
@@ -45,15 +46,19 @@ class StageBindings:
             compute.get(owner, {}).get(name) is tensor for (owner, name), tensor in self.sources.items()
         )
         if kept:
-            self.clear_grads()
+            if not self.emptied:
+                self.clear_grads()
+            self.emptied = False  # until the step's end empties them
         else:
             self.sources.clear()
             self.leaves.clear()
             self.bound.clear()
             self.chain = chain
+            self.emptied = False
         return kept
 
     def clear_grads(self) -> None:
         """Empty every leaf's ``.grad``: the next backward writes fresh gradients, as into new leaves."""
         for leaf in self.leaves.values():
             leaf.grad = None
+        self.emptied = True
