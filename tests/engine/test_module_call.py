@@ -176,7 +176,8 @@ def test_direct_calls_are_bitwise_the_module_call_values_and_gradients(make: Any
 
 
 def test_a_module_with_hooks_or_a_subclass_is_called_as_a_module() -> None:
-    """Hooks (its own or global) run as module(x) runs them: the direct call steps aside."""
+    """Hooks (its own or global) and a forward set on the instance run as module(x) runs them: the
+    direct call steps aside."""
     lin = nn.Linear(4, 4)
     tensors = _fresh(lin)
     x = torch.randn(2, 4)
@@ -190,6 +191,11 @@ def test_a_module_with_hooks_or_a_subclass_is_called_as_a_module() -> None:
     finally:
         handle.remove()
     assert seen == ["own", "global"]
+
+    lin.forward = lambda input: 3 * torch.nn.functional.linear(input, lin.weight, lin.bias)  # as tensor_parallel
+    tripled = 3 * torch.nn.functional.linear(x, tensors["weight"], tensors["bias"])
+    assert torch.equal(ModuleCall(lin)(tensors, x), tripled)
+    del lin.forward
 
     class Doubled(nn.Linear):
         def forward(self, input: torch.Tensor) -> torch.Tensor:
