@@ -59,21 +59,19 @@ DIRECT: dict[type[nn.Module], _Direct] = {
 
 # Each class's forward as torch defines it: a class whose forward was patched takes the swap.
 _FORWARDS = {cls: cls.forward for cls in DIRECT}
-# What ``module(x)`` looks up on the instance: one set there (a transform's forward, as
-# tensor_parallel installs) takes the swap.
-_INSTANCE_OVERRIDES = ("forward", "_call_impl", "_wrapped_call_impl")
 
 
 def _calls_forward_alone(module: nn.Module) -> bool:
     """Whether ``module(x)`` would only call its class's own ``forward(x)`` (Module._wrapped_call_impl
     and _call_impl's fast path): no hooks of its own or global ones, not compiled, not traced, no
-    forward set on the instance or patched into the class."""
+    forward set on the instance (a transform's, as tensor_parallel installs; or what ``module(x)``
+    calls on the way) or patched into the class."""
     g, own = _torch_module, module.__dict__
     return not (
         module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks
         or g._global_forward_hooks or g._global_forward_pre_hooks or g._global_backward_hooks
         or g._global_backward_pre_hooks or module._compiled_call_impl is not None or torch._C._get_tracing_state()
-        or any(name in own for name in _INSTANCE_OVERRIDES)
+        or "forward" in own or "_call_impl" in own or "_wrapped_call_impl" in own
         or type(module).forward is not _FORWARDS[type(module)]
     )
 
