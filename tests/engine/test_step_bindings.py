@@ -133,6 +133,10 @@ def test_bindings_only_for_an_in_place_optimizer_on_one_device() -> None:
         state = step.init(params)
         prepared = run_inputs.prepare_run(step, state, state.layout, batches[0])
         assert isinstance(prepared.executor.bindings, expected)
+    # A precision policy makes new compute copies each step: nothing to keep.
+    step = sw.mixed_precision(sw.train_step(chain, loss_fn, sw.optim.sgd(0.1, inplace=True)), "params=f32,compute=bf16")
+    state = step.init(params)
+    assert run_inputs.prepare_run(step, state, state.layout, batches[0]).executor.bindings is None
 
 
 def test_kept_leaves_hold_no_gradient_between_steps() -> None:

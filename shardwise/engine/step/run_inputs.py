@@ -252,9 +252,11 @@ def prepare_run(step: Step, state: TrainState, layout: StateLayout, batch: Any) 
 
 def _bindings(step: Step, layout: StateLayout, mesh: Mesh | None, source: ParamSource) -> StageBindings | None:
     """The last step's leaves and bound layers, to be reused (run/bindings.py): one device, no ZeRO,
-    an in-place optimizer (whose next step reads the same parameter tensors). One per thread: thread
-    ranks may step states of one layout at once."""
-    if mesh is not None or source.sharding is not None or source.compute is None or not donates(step):
+    an in-place optimizer (whose next step reads the same parameter tensors), no precision policy
+    (whose compute copies are new each step: kept, they would hold a copy of the model between
+    steps). One per thread: thread ranks may step states of one layout at once."""
+    if mesh is not None or source.sharding is not None or source.compute is None or not donates(step) \
+            or step.precision is not None:
         return None
     key = ("bindings", threading.get_ident())
     bindings = layout.cache.get(key)
