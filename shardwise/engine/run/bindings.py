@@ -7,7 +7,8 @@ and bound calls serve it too, once their ``.grad`` is emptied: the forward recor
 tensors, and the backward writes fresh gradients into empty ``.grad`` as before, so the step
 computes the same bits. They are kept only where nothing else reads the leaves: one device, no
 ZeRO (whose gathered units change from step to step), no precision policy (new compute copies each
-step), an in-place optimizer; and checked before each step (the same chain and parameter tensors, or everything is bound again).
+step), an in-place optimizer; and checked before each step (the same chain and parameter tensors,
+or everything is bound again).
 """
 
 from __future__ import annotations
