@@ -155,3 +155,23 @@ def test_an_overlapped_zero_state_consumed_in_place_is_refused(name: str, option
             s(first, batches[1])
 
     sw.launch(run, 2)
+
+
+def _first_by_optree(tree: Any) -> Any:
+    return next((t for t in optree.tree_leaves(tree) if isinstance(t, torch.Tensor) and t.ndim > 0), None)
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_the_witness_is_the_first_array_leaf_in_optree_order(name: str) -> None:
+    """The walk that finds the tensor an in-place step tags (and the next step checks) picks what
+    flattening the whole tree would: the state's first array in optree's order."""
+    from shardwise.engine.step.donation import _first_array
+
+    step, params, _ = _problem(OPTIMIZERS[name](True))
+    state = step.init(params)
+    a, b = torch.ones(2), torch.ones(3)
+    odd_keys = {1: a, "x": b}  # keys that do not sort: optree's own order
+    trees = [state.opt_state, state.params, {"b": {"z": a}, "a": [torch.tensor(1.0), None, 3, (b,)]},
+             odd_keys, {"k": {}}, (torch.tensor(2.0),), {"o": torch.nn.ParameterDict({"p": a})}]
+    for tree in trees:
+        assert _first_array(tree) is _first_by_optree(tree), tree

@@ -4,12 +4,14 @@ computes bitwise what ``torch.func.functional_call`` computes, on the same terms
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
 from torch.func import functional_call
 
-from shardwise.engine.model.module_call import ModuleCall
+from shardwise.engine.model.module_call import DIRECT, ModuleCall
 from shardwise.testing.models import TinyGPT
 
 
@@ -126,3 +128,78 @@ def test_a_submodule_reachable_by_two_paths_gets_its_own_parameters_back() -> No
     copy = _TwoPaths()  # functional_call on a module of its own: it may not give the parameters back
     copy.load_state_dict(module.state_dict())
     assert torch.equal(got, functional_call(copy, tensors, (x,), strict=True))
+
+
+DIRECT_MODULES = {
+    "linear": lambda: nn.Linear(8, 6),
+    "linear-no-bias": lambda: nn.Linear(8, 6, bias=False),
+    "gelu": nn.GELU,
+    "gelu-tanh": lambda: nn.GELU(approximate="tanh"),
+    "relu": nn.ReLU,
+    "silu": nn.SiLU,
+    "tanh": nn.Tanh,
+    "dropout": lambda: nn.Dropout(0.3),
+    "dropout-eval": lambda: nn.Dropout(0.3).eval(),
+    "layernorm": lambda: nn.LayerNorm(8),
+    "layernorm-no-affine": lambda: nn.LayerNorm(8, elementwise_affine=False),
+    "layernorm-no-bias": lambda: nn.LayerNorm(8, bias=False),
+}
+
+
+def _swapped_and_direct(module: nn.Module, tensors: dict[str, torch.Tensor], x: torch.Tensor) -> tuple[
+        ModuleCall, ModuleCall]:
+    swapped = ModuleCall(module)
+    swapped._direct = None  # the swap around module(x), as for any other module
+    direct = ModuleCall(module)
+    assert direct._direct is DIRECT[type(module)]
+    return swapped, direct
+
+
+@pytest.mark.parametrize("make", list(DIRECT_MODULES.values()), ids=list(DIRECT_MODULES))
+def test_direct_calls_are_bitwise_the_module_call_values_and_gradients(make: Any) -> None:
+    """A module in DIRECT is called through its forward's one function: the same values and the same
+    gradients, bit for bit, as the swap around module(x) (dropout under the same seed)."""
+    module = make()
+    values = _fresh(module)
+    results = []
+    for use_direct in (False, True):
+        tensors = {k: v.clone().requires_grad_(True) for k, v in values.items()}
+        gen = torch.Generator().manual_seed(3)
+        x = torch.randn(5, 8, generator=gen).requires_grad_(True)
+        call = _swapped_and_direct(module, tensors, x)[use_direct]
+        torch.manual_seed(7)
+        y = call(tensors, x)
+        grads = torch.autograd.grad(y.square().sum(), [x, *tensors.values()])
+        results.append([y, *grads])
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_module_with_hooks_or_a_subclass_is_called_as_a_module() -> None:
+    """Hooks (its own or global) and a forward set on the instance run as module(x) runs them: the
+    direct call steps aside."""
+    lin = nn.Linear(4, 4)
+    tensors = _fresh(lin)
+    x = torch.randn(2, 4)
+    seen: list[str] = []
+    handle = lin.register_forward_hook(lambda m, i, o: seen.append("own"))
+    ModuleCall(lin)(tensors, x)
+    handle.remove()
+    handle = nn.modules.module.register_module_forward_hook(lambda m, i, o: seen.append("global"))
+    try:
+        ModuleCall(lin)(tensors, x)
+    finally:
+        handle.remove()
+    assert seen == ["own", "global"]
+
+    lin.forward = lambda input: 3 * torch.nn.functional.linear(input, lin.weight, lin.bias)  # as tensor_parallel
+    tripled = 3 * torch.nn.functional.linear(x, tensors["weight"], tensors["bias"])
+    assert torch.equal(ModuleCall(lin)(tensors, x), tripled)
+    del lin.forward
+
+    class Doubled(nn.Linear):
+        def forward(self, input: torch.Tensor) -> torch.Tensor:
+            return 2 * super().forward(input)
+
+    assert ModuleCall(Doubled(4, 4))._direct is None
+    assert set(DIRECT) >= {nn.Linear, nn.GELU}

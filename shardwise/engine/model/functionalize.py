@@ -299,6 +299,8 @@ class _ModuleFn:
     def __call__(self, tensors: dict[str, Tensor], x: Any) -> Any:
         # strict: every param and buffer must be given, so the module's own tensors never leak in.
         call = self.replicas.get()
+        if isinstance(x, Tensor) and not call.takes_use_cache:  # the usual layer input: module(x)
+            return register_output_types(call.call(tensors, (x,), {}))
         args, kwargs = call_arguments(call.module, x)
         return register_output_types(call.call(tensors, args, kwargs))
 

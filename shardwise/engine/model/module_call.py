@@ -17,6 +17,13 @@ handles it or raises its own error. A module that does not keep a tensor in thos
 dicts (one reparametrized with a property, say) is not handled here and always
 takes ``functional_call``. tests/engine/test_module_call.py fails loudly if torch
 changes where modules keep their tensors.
+
+A few leaf modules whose ``forward`` is one functional call (``nn.Linear``: ``F.linear(input,
+self.weight, self.bias)``, and the activations, dropout and ``LayerNorm`` in :data:`DIRECT`) are
+called through that function on the given tensors instead, when nothing would make
+``module(x)`` do more than call ``forward`` (no hooks on it or global ones, not compiled, not
+traced): the same function on the same tensors, so the same bits, without the swap and
+``Module.__call__`` (about a third of a small layer's call). A subclass always takes the swap.
 """
 
 from __future__ import annotations
@@ -28,10 +35,45 @@ import weakref
 from collections.abc import Mapping
 from typing import Any
 
+import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call
+from torch.nn.modules import module as _torch_module
 
 _Slot = tuple[dict[str, Any], str, str]  # (the submodule's _parameters or _buffers, attribute, key in tensors)
+_Direct = Any  # (module, tensors, input) -> output: its forward's one call on the given tensors
+
+# Exactly each module's forward (torch/nn/modules), on ``tensors`` in place of its parameters;
+# tests/engine/test_module_call.py checks each against module(x), values and gradients.
+DIRECT: dict[type[nn.Module], _Direct] = {
+    nn.Linear: lambda m, t, x: F.linear(x, t["weight"], t.get("bias")),
+    nn.GELU: lambda m, t, x: F.gelu(x, approximate=m.approximate),
+    nn.ReLU: lambda m, t, x: F.relu(x, inplace=m.inplace),
+    nn.SiLU: lambda m, t, x: F.silu(x, inplace=m.inplace),
+    nn.Tanh: lambda m, t, x: torch.tanh(x),
+    nn.Dropout: lambda m, t, x: F.dropout(x, m.p, m.training, m.inplace),
+    nn.LayerNorm: lambda m, t, x: F.layer_norm(x, m.normalized_shape, t.get("weight"), t.get("bias"), m.eps),
+}
+
+
+# Each class's forward as torch defines it: a class whose forward was patched takes the swap.
+_FORWARDS = {cls: cls.forward for cls in DIRECT}
+
+
+def _calls_forward_alone(module: nn.Module) -> bool:
+    """Whether ``module(x)`` would only call its class's own ``forward(x)`` (Module._wrapped_call_impl
+    and _call_impl's fast path): no hooks of its own or global ones, not compiled, not traced, no
+    forward set on the instance (a transform's, as tensor_parallel installs; or what ``module(x)``
+    calls on the way) or patched into the class."""
+    g, own = _torch_module, module.__dict__
+    return not (
+        module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks
+        or g._global_forward_hooks or g._global_forward_pre_hooks or g._global_backward_hooks
+        or g._global_backward_pre_hooks or module._compiled_call_impl is not None or torch._C._get_tracing_state()
+        or "forward" in own or "_call_impl" in own or "_wrapped_call_impl" in own
+        or type(module).forward is not _FORWARDS[type(module)]
+    )
 
 
 class ModuleCall:
@@ -44,6 +86,11 @@ class ModuleCall:
         self.module = module
         self.prefix = prefix  # what every key of ``tensors`` starts with (a submodule's path + ".")
         self._slots, self._keys = _slots_of(module, prefix)
+        # Its forward's one call (DIRECT), for a module of exactly such a type named without a prefix.
+        self._direct: _Direct | None = DIRECT.get(type(module)) if not prefix else None
+        # Whether call_arguments adds use_cache=False to a call on a tensor, read once (a call on a
+        # tensor is otherwise module(x)).
+        self.takes_use_cache = "use_cache" in _forward_parameters(module)
 
     def __call__(self, tensors: dict[str, Tensor], x: Any) -> Any:
         return self.call(tensors, (x,), {})
@@ -54,6 +101,10 @@ class ModuleCall:
             n = len(self.prefix)
             unprefixed = {k[n:] if k.startswith(self.prefix) else k: t for k, t in tensors.items()}
             return functional_call(self.module, unprefixed, args, kwargs, strict=True)
+        direct = self._direct
+        if direct is not None and not kwargs and len(args) == 1 and isinstance(args[0], Tensor) \
+                and _calls_forward_alone(self.module):
+            return direct(self.module, tensors, args[0])
         slots = self._slots
         originals = [container[attr] for container, attr, _ in slots]
         try:

@@ -91,6 +91,7 @@ from ..plan.actions import (
 )
 from ..torch_api import accumulate_backward, version_of
 from .batch_keys import unknown_keys_message
+from .bindings import BoundStage, StageBindings
 from .metrics import MetricExchange, Summed, different_batches
 from .rng import MASK, START, default_generators, mixed, preserved, ranks_share_generators, seeded
 from .transfers import TransferActions
@@ -216,6 +217,41 @@ def joined_forwards(actions: Sequence[Action], joined: set[tuple[int, int]]) -> 
     return runs
 
 
+@dataclass(frozen=True)
+class RunShape:
+    """What one rank's actions join (:func:`joined_backwards`, :func:`joined_forwards`), read once per
+    actions list: the same list (a layout's cached Plan actions) runs every step."""
+
+    tops: Mapping[tuple[int, int], int]  # (top stage, micro-batch) -> the lowest stage its call covers
+    covered: frozenset[tuple[int, int]]  # the backwards a call above runs
+    joined: frozenset[tuple[int, int]]  # (stage, micro-batch) whose input stays on the graph
+    forward_runs: Mapping[int, int]  # position of a run's first forward -> position after its last
+    skipped: frozenset[int]  # positions of the covered backwards, which run nothing
+
+
+_ALONE = RunShape({}, frozenset(), frozenset(), {}, frozenset())  # a traced step: every compute alone
+# id(actions) -> (actions, their shape); the actions are kept, so an id is never another list's.
+_SHAPES: dict[int, tuple[Sequence[Action], RunShape]] = {}
+_SHAPES_KEPT = 64  # the lists of as many layouts and ranks; beyond that the cache starts again
+
+
+def run_shape(actions: Sequence[Action]) -> RunShape:
+    """The :class:`RunShape` of ``actions``, made once per list."""
+    known = _SHAPES.get(id(actions))
+    if known is not None and known[0] is actions:
+        return known[1]
+    tops, covered = joined_backwards(actions)
+    joined = frozenset((s + 1, m) for s, m in covered)
+    skipped = frozenset(
+        i for i, a in enumerate(actions) if a.kind == BACKWARD and (a.stage, a.mb) in covered
+    )
+    shape = RunShape(tops, frozenset(covered), joined, joined_forwards(actions, set(joined)), skipped)
+    if len(_SHAPES) >= _SHAPES_KEPT:
+        _SHAPES.clear()
+    _SHAPES[id(actions)] = (actions, shape)
+    return shape
+
+
 @dataclass
 class Executor(ZeroActions, TransferActions):
     """One rank's step. After :meth:`run`: ``final_grads`` (what the optimizer got), ``summed``
@@ -254,6 +290,9 @@ class Executor(ZeroActions, TransferActions):
     counts_losses: bool = False  # with ``counted``: this rank's losses and tokens are its own (a split cut the batch)
     batch_fingerprint: torch.Tensor | None = None  # of the global batch, when the exchange checks it
     rng_rank: int | None = None  # the rank whose random streams this one draws (None: its own)
+    # One device, no ZeRO, an in-place optimizer: the leaves and bound layers of the last step of this
+    # rank, reused when the parameters are the same tensors (run/bindings.py); None: bound afresh.
+    bindings: StageBindings | None = None
     # Per split axis: the gradients of the parameters that split replicates, which must come out equal
     # on every index of its axis (check_replicas).
     replicas: Mapping[str, ReplicaCheck] = field(default_factory=dict)
@@ -283,9 +322,7 @@ class Executor(ZeroActions, TransferActions):
     _grad_shards: dict[str, torch.Tensor] = field(default_factory=dict)
     _replica_input: dict[str, torch.Tensor] = field(default_factory=dict)
     _leaves: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)
-    _bound: dict[int, tuple[list[Callable[[Any], Any]], dict[tuple[str, str], torch.Tensor]]] = field(
-        default_factory=dict
-    )
+    _bound: dict[int, BoundStage] = field(default_factory=dict)
     _saved: dict[tuple[int, int], _Saved] = field(default_factory=dict)
     _outputs: dict[tuple[int, int], Any] = field(default_factory=dict)
     _input_grads: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
@@ -297,9 +334,9 @@ class Executor(ZeroActions, TransferActions):
     _metrics_total: torch.Tensor | None = None
     _metrics_handle: Handle | None = None
     _actions: Sequence[Action] = ()
-    _tops: dict[tuple[int, int], int] = field(default_factory=dict)  # joined_backwards
-    _covered: set[tuple[int, int]] = field(default_factory=set)
-    _joined: set[tuple[int, int]] = field(default_factory=set)  # (stage, mb) whose input stays on the graph
+    _tops: Mapping[tuple[int, int], int] = field(default_factory=dict)  # RunShape.tops
+    _covered: frozenset[tuple[int, int]] = frozenset()  # RunShape.covered
+    _joined: frozenset[tuple[int, int]] = frozenset()  # (stage, mb) whose input stays on the graph
     _checks: dict[str, Handle] = field(default_factory=dict)  # per split axis: the replica check in flight
 
     def __post_init__(self) -> None:
@@ -312,6 +349,11 @@ class Executor(ZeroActions, TransferActions):
         self._rng_rank = self._rank if self.rng_rank is None else self.rng_rank
         self._generators = default_generators(self.device)
         self._seed_prefix = None if self.rng_seed is None else mixed(START, self.rng_seed, self._rng_rank)
+        bindings = self.bindings
+        if bindings is not None:
+            assert self.source.compute is not None and self.source.sharding is None, "bindings: one device, no ZeRO"
+            bindings.ready_for(self.chain, self.source.compute)
+            self._leaves, self._bound = bindings.leaves, bindings.bound
 
     # -- dispatch ------------------------------------------------------------------------------
     def run(self, actions: Sequence[Action]) -> None:
@@ -353,18 +395,19 @@ class Executor(ZeroActions, TransferActions):
         }
         self._actions = actions
         # A traced step times every backward, and the collectives its layers issue, on its own.
-        self._tops, self._covered = ({}, set()) if self.record else joined_backwards(actions)
-        # A stage's input stays on the graph when its backward and the one below it run as one call.
-        self._joined = {(s + 1, m) for s, m in self._covered}
-        # Forwards of such stages, adjacent in the Plan, run as one loop (a traced step times each).
-        forward_runs = joined_forwards(actions, self._joined)
+        # Otherwise runs of whole backwards run as one call (a covered one runs nothing), a stage's
+        # input staying on the graph when its backward and the one below it are in one call, and
+        # forwards of such stages, adjacent in the Plan, run as one loop.
+        shape = _ALONE if self.record else run_shape(actions)
+        self._tops, self._covered, self._joined = shape.tops, shape.covered, shape.joined
+        forward_runs, skipped = shape.forward_runs, shape.skipped
         after_run = 0
         clock = time.perf_counter
         ran: list[tuple[int, float, float]] = []  # when recording: (position here, start, end)
         planned = 0  # the position of the running action in the Plan's list, which also lists the
         # collectives a compute issues inside its layers (a split transform's) right after it
         for position, action in enumerate(actions):
-            if position < after_run:  # run by its run's first forward
+            if position < after_run or position in skipped:  # run by its run's first forward, or a call above
                 continue
             if position in forward_runs:
                 after_run = forward_runs[position]
@@ -448,8 +491,10 @@ class Executor(ZeroActions, TransferActions):
             x, inputs = self.microbatches[m][0], []
         elif joined:  # the backward runs through here in one call with the stage below
             x = self._outputs[(s - 1, m)]
-            flat = [x] if isinstance(x, torch.Tensor) else optree.tree_leaves(x)
-            inputs = [t for t in flat if _needs_grad(t)]
+            if isinstance(x, torch.Tensor):  # the usual layer output: what the tree walk gives
+                inputs = [x] if x.is_floating_point() and x.requires_grad else []
+            else:
+                inputs = [t for t in optree.tree_leaves(x) if _needs_grad(t)]
         else:
             x, inputs = self._take_input(s, m)
         if s > 0 and not inputs and self._earlier_layers_own_params(s):
@@ -459,14 +504,12 @@ class Executor(ZeroActions, TransferActions):
                 "gradient can reach the parameters before it and they would never train; return the activations "
                 "as tensors, or tuples / lists / dicts / named tuples of tensors"
             )
-        calls, leaves = self._bound_stage(s)
-        names = self.placement.stages[s]
+        bound = self._bound_stage(s)
         if not joined:
             for t in inputs:
                 t.requires_grad_(True)
         y = x
-        for name, call in zip(names, calls, strict=True):
-            buffers = self.chain[name].buffers
+        for name, call, buffers in bound.layers:
             versions = [version_of(b) for b in buffers.values()] if buffers else None
             try:
                 y = call(y)
@@ -498,9 +541,9 @@ class Executor(ZeroActions, TransferActions):
                     t.register_hook(functools.partial(_mark, reached, k))
             # A stage whose backward the call of a stage above covers never reads its outputs.
             outputs = [] if (s, m) in self._covered else self._carrying_grads(s, y)
-            self._saved[(s, m)] = _Saved([], leaves, outputs, reached=reached)
+            self._saved[(s, m)] = _Saved([], bound.leaves, outputs, reached=reached)
         else:
-            self._saved[(s, m)] = _Saved(inputs, leaves, self._carrying_grads(s, y))
+            self._saved[(s, m)] = _Saved(inputs, bound.leaves, self._carrying_grads(s, y))
 
     def compute_loss(self, action: Action) -> None:
         m = action.mb
@@ -673,20 +716,20 @@ class Executor(ZeroActions, TransferActions):
     def _earlier_layers_own_params(self, s: int) -> bool:
         return any(self.chain.owned_param_names(n) for layers in self.placement.stages[:s] for n in layers)
 
-    def _bound_stage(self, s: int) -> tuple[list[Callable[[Any], Any]], dict[tuple[str, str], torch.Tensor]]:
+    def _bound_stage(self, s: int) -> BoundStage:
         """Stage ``s``'s layers bound to the step's leaves (tied ones through their owner), and the
         leaves they use. Bound once per step and stage: every micro-batch runs the same calls."""
         bound = self._bound.get(s)
         if bound is None:
             used: dict[tuple[str, str], torch.Tensor] = {}
-            calls = []
+            layers = []
             for name in self.placement.stages[s]:
                 layer = self.chain[name]
                 tensors = {local: self._leaf(layer.ties.get(local, (name, local)), used) for local in layer.param_names}
-                calls.append(layer.bind(tensors))
-            bound = self._bound[s] = (calls, used)
-        else:
-            for key in bound[1]:  # under ZeRO-3 a unit must be gathered whenever its layers compute
+                layers.append((name, layer.bind(tensors), layer.buffers))
+            bound = self._bound[s] = BoundStage(tuple(layers), used)
+        elif self.source.sharding is not None:
+            for key in bound.leaves:  # under ZeRO-3 a unit must be gathered whenever its layers compute
                 self._check_gathered(key)
         return bound
 
@@ -697,6 +740,8 @@ class Executor(ZeroActions, TransferActions):
             owner, name = key
             tensor = self._param(owner, name)
             leaf = self._leaves[key] = tensor.detach().requires_grad_(True)
+            if self.bindings is not None:
+                self.bindings.sources[key] = tensor
         else:
             self._check_gathered(key)
         used[key] = leaf
@@ -758,7 +803,10 @@ class Executor(ZeroActions, TransferActions):
             self.final_grads = dict(self._grad_shards)
         else:
             self.final_grads = self.finalize(self.local_grads())
-        self._leaves.clear()
+        if self.bindings is not None:  # kept for the next step, without this one's gradients
+            self.bindings.clear_grads()
+        else:
+            self._leaves.clear()
         if self.exchange.empty:
             return
         counted: Any = (

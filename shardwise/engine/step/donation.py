@@ -42,10 +42,30 @@ def _witnesses(state: TrainState) -> list[torch.Tensor]:
         trees.append(state.params.shards)
     found = []
     for tree in trees:
-        leaf = next((t for t in optree.tree_leaves(tree) if isinstance(t, torch.Tensor) and t.ndim > 0), None)
+        leaf = _first_array(tree)
         if leaf is not None:
             found.append(leaf)
     return found
+
+
+def _first_array(tree: Any) -> torch.Tensor | None:
+    """The first tensor of ``tree`` with at least one dim, in optree's leaf order. Plain dicts (sorted
+    keys, as optree flattens them), lists and tuples are walked here and stop at the first find, which
+    costs a few microseconds where flattening a model's state takes tens; other nodes are flattened."""
+    if isinstance(tree, torch.Tensor):
+        return tree if tree.ndim > 0 else None
+    if tree is None or type(tree) in (int, float, bool, str):
+        return None
+    if type(tree) is dict:
+        try:
+            keys = sorted(tree)
+        except TypeError:  # keys that do not compare: optree's own order
+            keys = None
+        if keys is not None:
+            return next((t for t in map(_first_array, (tree[k] for k in keys)) if t is not None), None)
+    elif type(tree) in (list, tuple) or (isinstance(tree, tuple) and hasattr(tree, "_fields")):
+        return next((t for t in map(_first_array, tree) if t is not None), None)
+    return next((t for t in optree.tree_leaves(tree) if isinstance(t, torch.Tensor) and t.ndim > 0), None)
 
 
 def check_not_consumed(step: Step, state: TrainState) -> None:

@@ -12,6 +12,7 @@ and the metrics.
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -30,6 +31,7 @@ from ..optim.optimizers import join_parts, state_part
 from ..plan.actions import Action
 from ..plan.batches import split_over
 from ..plan.lower import metric_axes, microbatch_count, rank_actions, reduce_sizes
+from ..run.bindings import StageBindings
 from ..run.executor import Executor, ParamSource, ReplicaCheck
 from ..run.heap import keep_freed
 from ..run.metrics import MetricExchange, Summed, batch_fingerprint, different_batches
@@ -37,6 +39,7 @@ from ..run.rng import mix
 from ..stack import in_layer
 from ..stack.in_layer import BatchShares
 from .batch_cut import batch_multiple, batch_shares, rank_share, refuse_padded_mean
+from .donation import donates
 from .master import compute_params, unscale_like
 
 if TYPE_CHECKING:
@@ -242,8 +245,25 @@ def prepare_run(step: Step, state: TrainState, layout: StateLayout, batch: Any) 
         # Summed with the metrics (and, under a split, compared in its replica check).
         batch_fingerprint=batch_fingerprint(batch) if run.exchange.batch or run.replicas else None,
         rng_rank=run.rng_rank, replicas=run.replicas,
+        bindings=_bindings(step, layout, mesh, source),
     )
     return PreparedRun(executor, run, replicas, outcome, batch_shares(step, mesh))
+
+
+def _bindings(step: Step, layout: StateLayout, mesh: Mesh | None, source: ParamSource) -> StageBindings | None:
+    """The last step's leaves and bound layers, to be reused (run/bindings.py): one device, no ZeRO,
+    an in-place optimizer (whose next step reads the same parameter tensors), no precision policy
+    (whose compute copies are new each step: kept, they would hold a copy of the model between
+    steps). One per thread: thread ranks may step states of one layout at once."""
+    if mesh is not None or source.sharding is not None or source.compute is None or not donates(step) \
+            or step.precision is not None:
+        return None
+    key = ("bindings", threading.get_ident())
+    bindings = layout.cache.get(key)
+    if bindings is None:
+        bindings = layout.cache[key] = StageBindings()
+    assert isinstance(bindings, StageBindings)
+    return bindings
 
 
 def _keep_step_memory(layout: StateLayout, mesh: Mesh | None, state: TrainState) -> None:
