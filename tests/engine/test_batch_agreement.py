@@ -89,6 +89,33 @@ def test_a_quiet_step_exchanges_nothing_and_so_checks_nothing() -> None:
     assert sw.launch(each_its_own, mesh.size, timeout=60) == [1, 1]
 
 
+@pytest.mark.parametrize("name", ["zero-3", "pipeline"])
+def test_only_a_step_that_exchanges_metrics_hashes_its_batch(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The fingerprint rides along the metrics' exchange; hashing the batch costs a quiet pipelined
+    # MLP step a few percent, so a step that exchanges nothing must not compute it at all.
+    from shardwise.engine.step import run_inputs
+
+    hashed: list[int] = []
+
+    def counting(batch: Any) -> torch.Tensor:
+        hashed.append(1)
+        return batch_fingerprint(batch)
+
+    monkeypatch.setattr(run_inputs, "batch_fingerprint", counting)
+    step, params = _problem()
+    transform, axes = STACKS[name]
+    mesh = sw.Mesh(**axes)
+    for composed, expected in ((transform(step.with_metrics(())), 0), (transform(step), mesh.size)):
+        hashed.clear()
+
+        def one_step(composed: sw.Step = composed) -> int:
+            state, _ = composed(composed.init(params, mesh), _batch(0))
+            return state.step
+
+        assert sw.launch(one_step, mesh.size, timeout=60) == [1] * mesh.size
+        assert len(hashed) == expected, (composed.describe(), hashed)
+
+
 @pytest.mark.parametrize("ranks", [2, 8, 64])
 def test_the_check_is_rounding_safe_and_sees_one_rank_with_another_batch(ranks: int) -> None:
     # Every rank's share summed in float32, one rounding per add, as an all-reduce does.

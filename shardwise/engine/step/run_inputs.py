@@ -268,11 +268,17 @@ def _bindings(step: Step, layout: StateLayout, mesh: Mesh | None, source: ParamS
 
 def _keep_step_memory(layout: StateLayout, mesh: Mesh | None, state: TrainState) -> None:
     """Once per layout and rank: glibc keeps what a step frees (about its parameters' bytes in
-    gradients) for the next step, instead of giving it back and faulting it in again (run/heap.py)."""
+    gradients) for the next step, instead of giving it back and faulting it in again (run/heap.py).
+
+    Asked for four times the parameters' bytes: the free chunk at the top of the heap also holds
+    what the rest of the process freed next to the gradients (another model stepped in the same
+    process, as the benchmarks do, or the data pipeline), and a top chunk past the trim threshold
+    (twice the request) goes back to the OS whole: with one times, the pipeline benchmark's MLP
+    faulted its 4 MB of gradients in again every step on one rank."""
     key = ("keep freed", layout.index_of(mesh))
     if key not in layout.cache:
         layout.cache[key] = True
-        keep_freed(sum(t.nbytes for t in optree.tree_leaves(state.params) if isinstance(t, torch.Tensor)))
+        keep_freed(4 * sum(t.nbytes for t in optree.tree_leaves(state.params) if isinstance(t, torch.Tensor)))
 
 
 def finish_run(step: Step, state: TrainState, prepared: PreparedRun) -> tuple[TrainState, Metrics]:

@@ -174,10 +174,13 @@ class Step:
 
     def metric_exchange(self) -> MetricExchange:
         """What the ranks of this step sum after the backward (nothing, if no metric or rule needs it)."""
-        return MetricExchange(
+        values = MetricExchange(
             loss="loss" in self.metrics, norm=self.needs_norm, finite=self.precision is not None,
-            count=self.token_weighted, batch=bool(metric_axes(self)),
+            count=self.token_weighted,
         )
+        # The batch fingerprints ride along an exchange that happens anyway: a step that sums
+        # nothing neither exchanges nor computes them (hashing the batch costs a few ms a step).
+        return values if values.empty else dataclasses.replace(values, batch=bool(metric_axes(self)))
 
     def report(self, loss: torch.Tensor | None, norm: torch.Tensor | None) -> Metrics:
         """The asked-for metrics, from the global mean loss and gradient norm (given when asked for)."""
