@@ -64,8 +64,13 @@ _enabled = True
 
 def exchanges(x: torch.Tensor, group: Group) -> bool:
     """Whether a collective of ``x`` over ``group`` runs as an exchange (else as gloo's own)."""
-    per_member = x.numel() * x.element_size() // max(group.size, 1)
-    return _enabled and group.size > 1 and x.dtype in EXCHANGE_DTYPES and per_member >= MIN_EXCHANGE_BYTES
+    return _enabled and sized_for_exchange(x.numel() * x.element_size(), x.dtype, group.size)
+
+
+def sized_for_exchange(nbytes: int, dtype: torch.dtype, members: int) -> bool:
+    """Whether a collective of ``nbytes`` of ``dtype`` over ``members`` ranks is one the exchanges
+    take (the Plan asks before any tensor exists)."""
+    return members > 1 and dtype in EXCHANGE_DTYPES and nbytes // members >= MIN_EXCHANGE_BYTES
 
 
 @contextlib.contextmanager

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ...collectives.backends.gloo_exchange import sized_for_exchange
 from ...collectives.mesh import Mesh
 from ..layout.devices import device_of
 from ..layout.precision import compute_dtype
@@ -250,7 +251,7 @@ def _class_memory(
         }),
         "reduce_buffers": _reduce_levels(step, sharding, actions,
                                          stage_needs(step.chain, placement, tuple(sharding.units))),
-        "comm_buffers": _copy_levels(step, sharding, actions),
+        "comm_buffers": _copy_levels(step, sharding, actions, device),
     }
     if sharding.replicate is not None:
         levels["replica_buffers"] = _replica_levels(step, sharding, actions)
@@ -366,17 +367,25 @@ def _reduce_levels(
     return levels
 
 
-def _copy_levels(step: Step, sharding: FlatSharding, actions: Sequence[Action]) -> list[int]:
+def _copy_levels(
+    step: Step, sharding: FlatSharding, actions: Sequence[Action], device: torch.device
+) -> list[int]:
     """At each action, what the collectives in flight hold of their own, from their issue to the end of
-    their wait: gloo's all-gather receives into a flat buffer of its own, the whole unit, and copies it
-    into ours before the wait returns (a per-action VmHWM trace at world 4: each wait_gather's
-    high-water mark one unit above the RSS after it). A reduce-scatter holds nothing of its own: the
-    executor donates its flat input, which gloo all-reduces in place (``_reduce_scatter_by_all_reduce``
-    in collectives/backends/distributed.py; the input is counted in ``reduce_buffers``, and the ring's
-    scratch, under 2 MiB, is not counted). Counted on every device: what NCCL holds during them was not
-    measured."""
+    their wait. gloo's own all-gather receives into a flat buffer of its own, the whole unit, and copies
+    it into ours before the wait returns (a per-action VmHWM trace at world 4: each wait_gather's
+    high-water mark one unit above the RSS after it); on a CPU a unit big enough for the direct
+    exchanges (``collectives/backends/gloo_exchange.py``) is received straight into the result and
+    holds nothing, so only the smaller ones are counted there (800 MB model, world 8: the Plan said
+    569 MiB where 514 MiB were measured while it counted every unit). A reduce-scatter holds nothing
+    counted of its own: the executor donates its flat input (counted in ``reduce_buffers``) and the
+    exchange's receive buffers are 2 MiB at most (gloo's ring scratch, when it runs, under 2 MiB).
+    On other devices every unit is counted: what NCCL holds during them was not measured."""
     gathered = {u: lay.padded_numel * torch.empty((), dtype=_gather_dtype(step, u, lay.dtype)).element_size()
                 for u, lay in sharding.units.items()}
+    if device.type == "cpu":
+        gathered = {u: 0 if sized_for_exchange(n, _gather_dtype(step, u, sharding.units[u].dtype),
+                                               sharding.units[u].shards) else n
+                    for u, n in gathered.items()}
     pending: dict[str, int] = {}
     levels = []
     for action in actions:
