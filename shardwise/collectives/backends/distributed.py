@@ -15,8 +15,10 @@ when the collective is issued, so the caller may reuse its tensor at once; with
 ``snapshot=False`` (the sync collectives) torch reads the caller's tensor
 wherever it only reads (all_gather, reduce_scatter, all_to_all, the sends of
 permute, the broadcast root), and only all_reduce, which torch runs in place,
-still copies (into the buffer it returns), as does reduce_scatter on gloo, which
-runs as an all-reduce (faster there than torch's gloo reduce-scatter).
+still copies (into the buffer it returns). On gloo CPU tensors a reduce-scatter or
+all-gather of at least 64 KiB per member runs as a direct exchange between the
+members (``gloo_exchange.py``); a smaller reduce-scatter runs as an all-reduce
+(faster there than torch's gloo reduce-scatter), copying its input unless donated.
 
 Two things differ from the threads backend. A group's first collective creates
 its process group, which blocks until every member arrives (later ones are

@@ -117,7 +117,8 @@ class ZeroActions:
         if self.reduce_dtypes is not None:
             flat = flat.to(self.reduce_dtypes[unit])
         # The flat buffer is this action's own (a new tensor, the gradients copied in) and nothing
-        # reads it after: donated, so gloo's all-reduce runs in it instead of a copy of it.
+        # reads it after: donated, so gloo's exchange (or its all-reduce, for a small one) reduces in
+        # it instead of a copy of it.
         self._pending[("reduce", unit)] = psum_scatter_async(flat, action.axis, tiled=True, mesh=self.mesh, donate=True)
 
     def wait_reduce(self, action: Action) -> None:
