@@ -115,9 +115,9 @@ class ExchangeGroup:
 
     # -- reduce-scatter: rows of a donated buffer, reduced on the group's thread --------------
     def reduce_scatter(self, rows: torch.Tensor, group: Group, op_name: str, shape: torch.Size) -> Work:
-        """Reduce ``rows`` (shape (n, m), in the group's order, this call's own: it is reduced in
-        place) and return this member's row of the sum as ``shape``, copied (so the buffer is
-        released at the wait)."""
+        """Reduce ``rows`` (shape (n, m), in the group's order, this call's own: a big one is
+        reduced in place) and return this member's row of the sum as ``shape``, in a tensor of its
+        own (so the buffer is released at the wait)."""
         if (group.size - 1) * rows.shape[1] * rows.element_size() <= _RECEIVE_DEPTH * CHUNK_BYTES:
             return self._reduce_scatter_direct(rows, group, op_name, shape)
         job = _ReduceScatterJob(rows, group, op_name, shape)
@@ -188,6 +188,8 @@ class ExchangeGroup:
                 post(s + _RECEIVE_DEPTH)
         for work in sends:
             _wait(work, deadline)
+        # Copied at the end, not summed into a tensor of its own from the start: the copy is held
+        # only from here, not through the whole exchange (which the caller's compute overlaps).
         return own.clone()
 
     def _reduce_scatter_direct(self, rows: torch.Tensor, group: Group, op_name: str, shape: torch.Size) -> Work:
@@ -201,10 +203,12 @@ class ExchangeGroup:
         recvs = [dist.irecv(received[k - 1], ranks[(i - k) % n], group=pg, tag=tag) for k in range(1, n)]
 
         def finish() -> torch.Tensor:
-            own = rows[i]
-            for k in range(n - 1):
-                own += received[k]
-            return own.clone().view(shape)
+            # Summed into a tensor of its own (the additions and their order are the in-place
+            # sum's): no copy of the row is left to make for the caller to hold without the buffer.
+            total = rows[i] + received[0]
+            for k in range(1, n - 1):
+                total += received[k]
+            return total.view(shape)
 
         return _PostedWork(recvs + sends, finish, self._timeout, lambda exc: self._error_for(op_name, group, exc))
 
