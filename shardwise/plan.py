@@ -11,8 +11,8 @@ ranks would wait for each other forever raises ``PlanDeadlock``; one a run disag
 >>> chain, params = sw.functionalize(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)))
 >>> step = sw.shard_params(sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1)), "dp", stage=3)
 >>> plan = step.plan(sw.Mesh(dp=2), params, (torch.randn(4, 4), torch.randn(4, 2)))
->>> isinstance(plan, sw.plan.Plan), plan.count("gather", rank=0)   # each layer: for forward and backward
-(True, 4)
+>>> isinstance(plan, sw.plan.Plan), plan.count("gather", rank=0)   # for forward and backward, the last kept
+(True, 3)
 >>> type(sw.simulate(plan)) is sw.plan.PlanTimeline
 True
 """

@@ -34,7 +34,8 @@ def shard_params(
     computes ahead, asynchronously; 1 by default; on a CPU the backward issues each prefetch
     after the previous layer's reduce-scatter, beside which it travels, not before that layer's
     compute, which keeps it out of the step's peak) and freeing them after use
-    (``reshard_after_forward=True``: gathered again in backward) or keeping
+    (``reshard_after_forward=True``: gathered again in backward, but the last forward's units,
+    which the backward starts with, are kept across the loss) or keeping
     them until backward (``False``). The default (None) reshards, except under
     a pipeline, where a rank's units stay gathered from their first compute of
     the step to their last (torchtitan's rule). Each

@@ -9,8 +9,10 @@ Before a compute, the gathers of its units and of the units the next
 the current one computes; a unit is freed after a compute unless the next
 compute needs or prefetches it. Without a pipeline, forward and backward of
 each micro-batch are two passes: with ``reshard`` every unit is freed at the
-end of the forward (and gathered again in backward, as the ZeRO paper counts:
-3Ψ per step); without it, units stay from their forward until their last
+end of the forward and gathered again in backward (the ZeRO paper's 3Ψ per
+step), but the units the backward starts with (the last forward's), which are
+kept across the loss instead of being freed and gathered again at once (FSDP2
+keeps its root's parameters the same way); without it, units stay from their forward until their last
 backward use (2Ψ). Under a pipeline the rank's whole compute sequence is one
 pass (``engine/stack/compose.py`` says when it reshards). A unit's gradient is
 complete after the last compute that adds to it, so its reduce-scatter is
@@ -56,6 +58,7 @@ def gathered_pass(
     free: str,
     axis: str,
     prefetch_after: bool = False,
+    keep_at_end: frozenset[str] | set[str] = frozenset(),
 ) -> list[Action]:
     """``actions`` with the gathers, waits and frees their computes need, updating ``live`` in place.
 
@@ -92,7 +95,7 @@ def gathered_pass(
         if free != "never":
             # Keep what the next compute will want gathered (its units and its prefetch):
             # freeing it here would only gather it again at once.
-            nxt = needs[i + 1] if i + 1 < len(needs) else ()
+            nxt = needs[i + 1] if i + 1 < len(needs) else tuple(keep_at_end)
             keep = {*nxt, *_upcoming(needs, i + 1, prefetch)}
             next_is_forward = i + 1 < len(computes) and actions[computes[i + 1]].kind == FORWARD
             if free == "after_forward" and action.kind == FORWARD and not next_is_forward:
@@ -123,6 +126,15 @@ def _passes(actions: Sequence[Action]) -> list[list[Action]]:
     return out
 
 
+def _first_backward_needs(after: Sequence[list[Action]], stage_needs: Mapping[int, tuple[str, ...]]) -> set[str]:
+    """The units of the first backward compute when ``after`` opens with a loss and then that
+    backward (a forward pass's micro-batch goes on to its own backward); else none."""
+    if len(after) < 2 or after[0][0].kind != LOSS or _kind_of(after[1][0]) != "backward":
+        return set()
+    first = next((a for a in after[1] if a.kind in COMPUTES), None)
+    return set(stage_needs[first.stage or 0]) if first is not None else set()
+
+
 def _kind_of(action: Action) -> str:
     return "forward" if action.kind == FORWARD else "loss" if action.kind == LOSS else "backward"
 
@@ -148,17 +160,24 @@ def insert_gathers(
         out = gathered_pass(actions, stage_needs, live, prefetch, "after_forward" if reshard else "last_use", axis)
     else:
         out = []
-        for part in _passes(actions):
+        passes = _passes(actions)
+        for n, part in enumerate(passes):
+            # What the backward after this micro-batch's loss starts with (the last forward's units):
+            # kept across the loss, where freeing it would only gather it again at once (FSDP2
+            # keeps its root's parameters across the loss for the same reason).
+            loss_at = n if part[0].kind == LOSS else n + 1
+            starts_backward = _first_backward_needs(passes[loss_at:], stage_needs) if reshard else set()
             if part[0].kind == LOSS:
-                if reshard:  # every unit is freed at the end of the forward
-                    out += [Action(FREE, u, axis=axis) for u in sorted(live)]
-                    live.clear()
+                if reshard:  # every other unit is freed at the end of the forward
+                    out += [Action(FREE, u, axis=axis) for u in sorted(live - starts_backward)]
+                    live &= starts_backward
                 out += part
                 continue
             forward = part[0].kind == FORWARD
             mode = "window" if reshard else ("never" if forward else "last_use")
             out += gathered_pass(part, stage_needs, live, prefetch, mode, axis,
-                                 prefetch_after=not forward and prefetch_backward_after)
+                                 prefetch_after=not forward and prefetch_backward_after,
+                                 keep_at_end=starts_backward if forward else frozenset())
             if not forward:
                 out += [Action(FREE, u, axis=axis) for u in sorted(live)]
                 live.clear()
