@@ -10,10 +10,10 @@ the current one computes; a unit is freed after a compute unless the next
 compute needs or prefetches it. Without a pipeline, forward and backward of
 each micro-batch are two passes: with ``reshard`` every unit is freed at the
 end of the forward and gathered again in backward (the ZeRO paper's 3Ψ per
-step), but the units the backward starts with (the last forward's), which are
-kept across the loss instead of being freed and gathered again at once (FSDP2
-keeps its root's parameters the same way); without it, units stay from their forward until their last
-backward use (2Ψ). Under a pipeline the rank's whole compute sequence is one
+step), except the units the backward starts with (the last forward's): those
+are kept across the loss rather than freed and gathered again at once (FSDP2
+keeps its root's parameters the same way). Without ``reshard``, units stay
+from their forward until their last backward use (2Ψ). Under a pipeline the rank's whole compute sequence is one
 pass (``engine/stack/compose.py`` says when it reshards). A unit's gradient is
 complete after the last compute that adds to it, so its reduce-scatter is
 issued right there (stages 2 and 3); the engine issues the deferred ones
@@ -69,7 +69,8 @@ def gathered_pass(
     after forward, per micro-batch: least memory, most traffic); "last_use" after the last compute
     that needs it. With ``prefetch_after`` a compute's
     prefetches are issued after it and its frees (so after the reduce-scatters that follow it), not
-    before it: they overlap those reductions instead of the compute.
+    before it: they overlap those reductions instead of the compute. ``keep_at_end``: units the
+    last compute does not free (what comes after the pass starts with them).
     """
     computes = [i for i, a in enumerate(actions) if a.kind in COMPUTES]
     needs = [stage_needs[actions[i].stage or 0] for i in computes]
