@@ -126,6 +126,7 @@ from torch import nn
 import shardwise as sw
 from shardwise.collectives.backends.gloo_exchange import gloos_own_collectives
 from shardwise.collectives.backends.processes import ProcessPool
+from shardwise.collectives.backends.shared_memory_exchange import loopback_exchanges
 from shardwise.engine.layout.in_flight import InFlightParams
 from shardwise.engine.layout.state import tree_nbytes
 from shardwise.testing.models import TinyGPT
@@ -139,9 +140,12 @@ OVERLAP, WAIT = "_overlap", "_wait"
 # ``*_ring``: the same step on gloo's own collectives (its reduce-scatter an all-reduce ring, its
 # all-gather), against the direct exchanges a CPU's gloo runs by default (collectives/backends/gloo_exchange.py).
 RING = "_ring"
+# ``*_tcp``: the direct exchanges over gloo's loopback TCP, against shared memory, which the exchanges
+# of ranks on one host take by default (collectives/backends/shared_memory_exchange.py).
+TCP = "_tcp"
 OURS = ("stage1", "stage2", "stage3", f"stage1{IN_BUCKETS}", f"stage2{IN_BUCKETS}",
         f"stage1{OVERLAP}", f"stage2{OVERLAP}", f"stage1{WAIT}", f"stage2{WAIT}",
-        f"stage1{RING}", f"stage2{RING}", f"stage3{RING}")
+        f"stage1{RING}", f"stage2{RING}", f"stage3{RING}", f"stage1{TCP}", f"stage2{TCP}", f"stage3{TCP}")
 VARIANTS = (*OURS, "ddp", "fsdp2", *seed_systems.SYSTEMS)
 
 
@@ -190,9 +194,10 @@ class Ours:
     global_loss = True  # the step's loss metric is already the global mean
 
     def __init__(
-        self, cfg: Config, stage: int, in_buckets: bool = False, overlap: bool | None = None, ring: bool = False
+        self, cfg: Config, stage: int, in_buckets: bool = False, overlap: bool | None = None, ring: bool = False,
+        tcp: bool = False,
     ) -> None:
-        self.ring = ring
+        self.ring, self.tcp = ring, tcp
         units = GPT_UNITS if cfg.model == "gpt" else None
         chain, params = sw.functionalize(build_model(cfg), units=units)
         step = sw.train_step(chain, loss_fn_of(cfg.model), sw_adamw())
@@ -201,7 +206,7 @@ class Ours:
         self.state = self.step_fn.init(params, sw.Mesh(dp=cfg.world))
 
     def step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        with gloos_own_collectives() if self.ring else contextlib.nullcontext():
+        with gloos_own_collectives() if self.ring else loopback_exchanges() if self.tcp else contextlib.nullcontext():
             self.state, metrics = self.step_fn(self.state, batch)
         return metrics["loss"].detach()
 
@@ -289,9 +294,11 @@ Runner = Ours | TorchVariant | SeedVariant
 
 def make_variant(name: str, cfg: Config) -> Runner:
     if name in OURS:
-        stage = int(name.removesuffix(IN_BUCKETS).removesuffix(OVERLAP).removesuffix(WAIT).removesuffix(RING)[-1])
+        stage = int(name.removesuffix(IN_BUCKETS).removesuffix(OVERLAP).removesuffix(WAIT).removesuffix(RING)
+                    .removesuffix(TCP)[-1])
         overlap = True if name.endswith(OVERLAP) else False if name.endswith(WAIT) else None
-        return Ours(cfg, stage=stage, in_buckets=name.endswith(IN_BUCKETS), overlap=overlap, ring=name.endswith(RING))
+        return Ours(cfg, stage=stage, in_buckets=name.endswith(IN_BUCKETS), overlap=overlap, ring=name.endswith(RING),
+                    tcp=name.endswith(TCP))
     if name in seed_systems.SYSTEMS:
         return SeedVariant(cfg, name)
     return {"ddp": make_ddp, "fsdp2": make_fsdp2}[name](cfg)
@@ -413,6 +420,10 @@ def rows_for(cfg: Config, per_rank: list[dict[str, Any]], ref: Reference) -> lis
             **({"paired_ratio_to_ring": round(paired_ratio_median(
                 [r["times"][name] for r in per_rank], [r["times"][name + RING] for r in per_rank]), 3)}
                if name + RING in first["times"] else {}),
+            # the exchanges through shared memory (the default on one host) over loopback TCP
+            **({"paired_ratio_to_tcp": round(paired_ratio_median(
+                [r["times"][name] for r in per_rank], [r["times"][name + TCP] for r in per_rank]), 3)}
+               if name + TCP in first["times"] else {}),
             "model_state_bytes_per_rank": max(r["state_bytes"][name] for r in per_rank),
             "ledger_sent_bytes_per_step": max(r["ledger_bytes"][name] for r in per_rank) if name in OURS else None,
             "max_rel_loss_diff": max_rel_diff(losses, ref.losses),

@@ -1,14 +1,17 @@
-"""gloo's reduce-scatter and all-gather by direct exchange (collectives/backends/gloo_exchange.py).
+"""gloo's reduce-scatter and all-gather by direct exchange (collectives/backends/gloo_exchange.py),
+over loopback TCP and through shared memory (shared_memory_exchange.py, the default on one host).
 
 Layer-sized messages take the exchange; these tests make them big enough to run through several
-receive chunks with a remainder, on groups listed in and out of rank order and on mesh axes, with
-several exchanges in flight at once, and check every result exactly (the summed values are small
-dyadic rationals, exact in any order down to bfloat16), the inputs left alone unless donated, and
-a peer that never arrives ending in a timeout that names the collective.
+receive chunks (or slots) with a remainder, on groups listed in and out of rank order and on mesh
+axes, with several exchanges in flight at once, and check every result exactly (the summed values
+are small dyadic rationals, exact in any order down to bfloat16), the inputs left alone unless
+donated, and a peer that never arrives ending in a timeout that names the collective.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -18,7 +21,7 @@ import torch
 
 import shardwise as sw
 from shardwise.collectives import RankFailed
-from shardwise.collectives.backends import gloo_exchange
+from shardwise.collectives.backends import gloo_exchange, shared_memory_exchange
 from shardwise.collectives.backends.base import Group
 from shardwise.collectives.backends.current import current_backend
 from shardwise.collectives.backends.processes import ProcessPool
@@ -28,14 +31,18 @@ pytestmark = pytest.mark.gloo
 
 # Per member: 2.3 chunks of float32 (three chunks, the last one short; the group's thread streams
 # them, through chunks made small here to keep the test quick), or a row whose receives fit the two
-# receive buffers of the default chunk (the caller posts it whole).
+# receive buffers of the default chunk (the caller posts it whole), both over loopback TCP; or 2.3
+# shared-memory slots of float32 (a reduce-scatter's chunk is a slot's n-th: more chunks still).
 SMALL_CHUNK = gloo_exchange.MIN_EXCHANGE_BYTES
 ROW = (SMALL_CHUNK // 4) * 23 // 10 + 7
 SMALL_ROW = gloo_exchange.MIN_EXCHANGE_BYTES // 4 * 2 + 3
-CASES = {"streamed": (ROW, SMALL_CHUNK), "posted": (SMALL_ROW, gloo_exchange.CHUNK_BYTES)}
+SHARED_ROW = (shared_memory_exchange.SLOT_BYTES // 4) * 23 // 10 + 7
+CASES = {"streamed": (ROW, SMALL_CHUNK, "tcp"), "posted": (SMALL_ROW, gloo_exchange.CHUNK_BYTES, "tcp"),
+         "shared": (SHARED_ROW, gloo_exchange.CHUNK_BYTES, "shared")}
 IN_FLIGHT = 3
 
 
+@functools.lru_cache(maxsize=8)
 def _summed(n: int, dtype: torch.dtype, seed: int, row: int) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     return [(torch.randint(-63, 64, (n, row), generator=gen) / 8).to(dtype) for _ in range(n)]
@@ -55,14 +62,18 @@ def _group(kind: str) -> Group:
     return Group(kind, tuple(range(backend.world_size)))
 
 
-def _exchange_all(kinds: list[str], dtype: torch.dtype, row: int, chunk_bytes: int) -> dict[str, Any]:
+def _exchange_all(kinds: list[str], dtype: torch.dtype, row: int, chunk_bytes: int, transport: str) -> dict[str, Any]:
     """Per group kind: IN_FLIGHT reduce-scatters (donated and not) and all-gathers issued before
     any is waited, waited in reverse order."""
     default, gloo_exchange.CHUNK_BYTES = gloo_exchange.CHUNK_BYTES, chunk_bytes
     try:
-        return _exchange_each(kinds, dtype, row)
+        with shared_memory_exchange.loopback_exchanges() if transport == "tcp" else contextlib.nullcontext():
+            out = _exchange_each(kinds, dtype, row)
     finally:
         gloo_exchange.CHUNK_BYTES = default
+    for r in out.values():
+        r["transport"] = "shared" if transport == "shared" and r["shared"] else "tcp"
+    return out
 
 
 def _exchange_each(kinds: list[str], dtype: torch.dtype, row: int) -> dict[str, Any]:
@@ -83,16 +94,21 @@ def _exchange_each(kinds: list[str], dtype: torch.dtype, row: int) -> dict[str, 
         out[kind] = {
             "index": i, "size": group.size, "got": got,
             "untouched": all(torch.equal(a, b) for a, b in zip(kept, sums + moves, strict=True)),
+            # ZeRO-3 frees a gathered unit by resizing its storage to nothing
+            "resizable": all(t.untyped_storage().resizable() for t in got),
             "exchanged": tuple(sorted(group.ranks)) in backend._exchange_groups,
+            "shared": backend._exchange_groups[tuple(sorted(group.ranks))].shared is not None,
         }
     return out
 
 
-def _check(results: list[dict[str, Any]], dtype: torch.dtype, row: int) -> None:
+def _check(results: list[dict[str, Any]], dtype: torch.dtype, row: int, transport: str) -> None:
     for rank, per_kind in enumerate(results):
         for kind, r in per_kind.items():
             assert r["exchanged"], f"rank {rank} {kind}: the collectives did not take the exchange"
+            assert r["transport"] == transport, f"rank {rank} {kind}: over {r['transport']}, not {transport}"
             assert r["untouched"], f"rank {rank} {kind}: a collective wrote into an input it was not given"
+            assert r["resizable"], f"rank {rank} {kind}: a result's storage cannot be freed by resizing it"
             n, i = r["size"], r["index"]
             for s in range(IN_FLIGHT):
                 mine = [x[i] for x in _summed(n, dtype, s, row)]
@@ -108,14 +124,17 @@ def _check(results: list[dict[str, Any]], dtype: torch.dtype, row: int) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("case", list(CASES))
 def test_exchanges_world_2(gloo2: Any, dtype: torch.dtype, case: str) -> None:
-    row, chunk = CASES[case]
-    _check(gloo2.run(_exchange_all, ["world", "reversed"], dtype, row, chunk), dtype, row)
+    row, chunk, transport = CASES[case]
+    _check(gloo2.run(_exchange_all, ["world", "reversed"], dtype, row, chunk, transport), dtype, row, transport)
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_exchanges_world_4_and_mesh_axes(gloo4: Any, case: str) -> None:
-    row, chunk = CASES[case]
-    _check(gloo4.run(_exchange_all, ["world", "reversed", "dp", "pp"], torch.float32, row, chunk), torch.float32, row)
+    row, chunk, transport = CASES[case]
+    if transport == "shared":  # a reduce-scatter's chunk is a slot's quarter here: 2.3 of them still
+        row //= 4
+    _check(gloo4.run(_exchange_all, ["world", "reversed", "dp", "pp"], torch.float32, row, chunk, transport),
+           torch.float32, row, transport)
 
 
 def test_small_or_odd_messages_keep_gloos_own_collectives() -> None:
@@ -140,22 +159,73 @@ def _rank() -> int:
     return current_backend().rank
 
 
-def _rank_1_skips_a_reduce_scatter() -> int:
+def _rank_1_skips_a_reduce_scatter(transport: str) -> int:
     mesh = sw.Mesh(dp=2)
-    x = torch.ones(2, gloo_exchange.CHUNK_BYTES // 2 + 1)  # streamed by the group's thread
-    sw.collectives.psum_scatter(x, "dp", mesh=mesh)  # both meet once (the exchange group is made)
-    if mesh.rank != 1:
-        sw.collectives.psum_scatter(x, "dp", mesh=mesh)
+    x = torch.ones(2, gloo_exchange.CHUNK_BYTES // 2 + 1)  # streamed (by the group's thread either way)
+    with shared_memory_exchange.loopback_exchanges() if transport == "tcp" else contextlib.nullcontext():
+        sw.collectives.psum_scatter(x, "dp", mesh=mesh)  # both meet once (the exchange group is made)
+        if mesh.rank != 1:
+            sw.collectives.psum_scatter(x, "dp", mesh=mesh)
     return mesh.rank
 
 
-def test_a_peer_that_skips_an_exchange_ends_in_a_timeout_naming_it(short_pool: ProcessPool) -> None:
+@pytest.mark.parametrize("transport", ["tcp", "shared"])
+def test_a_peer_that_skips_an_exchange_ends_in_a_timeout_naming_it(short_pool: ProcessPool, transport: str) -> None:
     short_pool.run(_rank)  # start the ranks first: only the faulty run is timed
     started = time.monotonic()
     with pytest.raises(RankFailed) as info:
-        short_pool.run(_rank_1_skips_a_reduce_scatter)
+        short_pool.run(_rank_1_skips_a_reduce_scatter, transport)
     elapsed = time.monotonic() - started
     message = str(info.value)
     assert info.value.rank == 0, message
     assert "psum_scatter on axis 'dp'" in message and "timed out" in message, message
     assert elapsed < TIMEOUT + 8.0, elapsed
+
+
+# -- choosing shared memory ----------------------------------------------------------------
+def _open_with(patch: str) -> tuple[bool, str, list[str]]:
+    """open_same_host on a new process group of both ranks, with one thing made to differ or fail
+    on rank 1; what it gave, what it raised, and what it left in /dev/shm."""
+    import glob
+
+    import torch.distributed as dist
+
+    backend = current_backend()
+    pg = dist.new_group([0, 1], use_local_synchronization=True)
+    module = shared_memory_exchange
+    saved = (module._host_key, module._create_own, module.SLOT_BYTES)
+    if backend.rank == 1:
+        if patch == "host":
+            module._host_key = lambda: "another host"  # type: ignore[assignment]
+        elif patch == "shm":
+            def refuse(*args: Any) -> Any:
+                raise PermissionError("/dev/shm is read-only here")
+            module._create_own = refuse  # type: ignore[assignment]
+        elif patch == "slots":
+            module.SLOT_BYTES //= 2
+    try:
+        made = module.open_same_host(pg, (0, 1), backend.rank, 30.0, lambda *a: RuntimeError(str(a)))
+        outcome = (made is not None, "")
+        if made is not None:
+            made.close()
+    except ValueError as exc:
+        outcome = (False, str(exc))
+    finally:
+        module._host_key, module._create_own, module.SLOT_BYTES = saved  # type: ignore[assignment]
+    dist.barrier(group=pg)
+    return (*outcome, glob.glob("/dev/shm/shardwise-*"))
+
+
+@pytest.mark.parametrize("patch", ["none", "host", "shm", "slots"])
+def test_shared_memory_only_when_every_member_can_and_nothing_is_left_behind(gloo2: Any, patch: str) -> None:
+    """Members on different hosts or a member that cannot create its slots: every member keeps
+    loopback TCP. Slots of different sizes: every member refuses, naming the sizes. Either way
+    (and when it is taken) the files are gone from /dev/shm once the members have mapped them."""
+    results = gloo2.run(_open_with, patch)
+    for rank, (shared, error, left) in enumerate(results):
+        assert left == [], f"rank {rank}: left in /dev/shm: {left}"
+        assert shared == (patch == "none"), f"rank {rank} with {patch!r} different: shared memory {shared}"
+        if patch == "slots":
+            assert "slots of different sizes" in error and "SLOT_BYTES" in error, error
+        else:
+            assert error == "", error

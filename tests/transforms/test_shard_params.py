@@ -19,6 +19,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import shardwise as sw
+from shardwise.collectives.backends import shared_memory_exchange
 from shardwise.collectives.backends.threads import ThreadsBackend
 from shardwise.engine.layout.state import tree_nbytes
 from shardwise.testing import strategies as sst
@@ -278,17 +279,19 @@ def test_no_reduction_in_flight_waits_before_the_next_compute(stage: int) -> Non
 def test_the_plan_counts_no_receive_copy_for_gathers_the_exchanges_take() -> None:
     """On a CPU an all-gather of at least 64 KiB per member is a direct exchange, received straight
     into the gathered unit (collectives/backends/gloo_exchange.py): the Plan counts no copy of its
-    own for it, and still counts gloo's receive copy of a smaller unit. Float32 layers of
-    256 x 256 + 256 (263,168 B: 131,584 B per member at dp 2) and 4 x 256 + 4 (4,112 B)."""
+    own for it, and still counts gloo's receive copy of a smaller unit; the exchanges' shared-memory
+    slots (shared_memory_exchange.py) are held throughout. Float32 layers of 256 x 256 + 256
+    (263,168 B: 131,584 B per member at dp 2) and 4 x 256 + 4 (4,112 B)."""
     torch.manual_seed(0)
     chain, params = sw.functionalize(mlp([256, 256, 4]))
     base = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.adamw(1e-2, inplace=True))
     step = sw.shard_params(base, "dp", 3, reduce_in_flight=0)
     memory = step.plan(sw.Mesh(dp=2), params).memory
     small = (4 * 256 + 4) * 4
-    assert memory["comm_buffers"][0] == small
+    slots = shared_memory_exchange.SLOTS * shared_memory_exchange.SLOT_BYTES + shared_memory_exchange.SLOT_BYTES // 2
+    assert memory["comm_buffers"][0] == small + slots
     # At dp 4 a unit of 192 x 256 + 256 float32 (197,632 B) is 49,408 B per member: gloo's own path,
-    # counted whole, beside the small unit the forward prefetches while it travels.
+    # counted whole, beside the small unit the forward prefetches while it travels; no exchange, no slots.
     chain, params = sw.functionalize(mlp([192, 256, 4]))
     step = sw.shard_params(sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1)), "dp", 3)
     memory = step.plan(sw.Mesh(dp=4), params).memory

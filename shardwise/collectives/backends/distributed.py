@@ -17,7 +17,8 @@ wherever it only reads (all_gather, reduce_scatter, all_to_all, the sends of
 permute, the broadcast root), and only all_reduce, which torch runs in place,
 still copies (into the buffer it returns). On gloo CPU tensors a reduce-scatter or
 all-gather of at least 64 KiB per member runs as a direct exchange between the
-members (``gloo_exchange.py``); a smaller reduce-scatter runs as an all-reduce
+members (``gloo_exchange.py``), through shared memory when they share a host
+(``shared_memory_exchange.py``); a smaller reduce-scatter runs as an all-reduce
 (faster there than torch's gloo reduce-scatter), copying its input unless donated.
 
 Two things differ from the threads backend. A group's first collective creates
@@ -45,6 +46,7 @@ from .distributed_p2p import PointToPoint
 from .distributed_p2p import flat_copy as _flat_copy
 from .distributed_p2p import is_timeout as _is_timeout
 from .gloo_exchange import ExchangeGroup, exchanges
+from .shared_memory_exchange import in_use, open_same_host
 
 # torch 2.13 renamed the flat collectives and warns (FutureWarning) on the old
 # names; torch 2.4 only has the old ones.
@@ -121,7 +123,12 @@ class TorchDistributedBackend(PointToPoint, Backend):
     ) -> Work:
         pg, order = self._enter(x, group, op_name)
         if self._exchanges(x, group):
-            works, rows = self._exchange_group(group, op_name).all_gather(_flat_input(x, False), group)
+            exchange = self._exchange_group(group, op_name)
+            if in_use(exchange.shared):
+                assert exchange.shared is not None
+                return exchange.shared.all_gather(_flat_input(x, False), group, op_name,
+                                                  torch.Size([group.size, *x.shape]))
+            works, rows = exchange.all_gather(_flat_input(x, False), group)
             return _DistWork(self, op_name, group, x, works, lambda: rows.view(group.size, *x.shape))
         send = _flat_input(x, snapshot)  # torch only reads it
         out = torch.empty(group.size * x.numel(), dtype=x.dtype, device=x.device)
@@ -268,14 +275,20 @@ class TorchDistributedBackend(PointToPoint, Backend):
         known = self._exchange_groups.get(members)
         if known is not None and known.alive:
             return known
+        if known is not None and known.shared is not None:
+            known.shared.close()
         try:
             pg = dist.new_group(
                 list(members), timeout=datetime.timedelta(seconds=self.timeout), use_local_synchronization=True
             )
         except Exception as exc:
             raise self._error(f"creating the exchange process group for {op_name}", group, exc) from exc
-        made = ExchangeGroup(pg, members, self.rank, self.timeout,
-                             lambda what, g, exc: self._error(what, g, exc))
+        error_for = lambda what, g, exc: self._error(what, g, exc)  # noqa: E731
+        made = ExchangeGroup(pg, members, self.rank, self.timeout, error_for)
+        try:
+            made.shared = open_same_host(pg, members, members.index(self.rank), self.timeout, error_for)
+        except Exception as exc:
+            raise self._error(f"opening the shared-memory exchange for {op_name}", group, exc) from exc
         self._exchange_groups[members] = made
         return made
 

@@ -18,6 +18,9 @@ order (the chunks' receives must be posted as earlier ones are consumed, which n
 do while the caller computes). Either way it holds at most two chunks beyond its input, as gloo's
 ring did. The all-gather is posted whole at issue by the caller and waited by it.
 
+When every member of a set runs on one host, its exchanges go through shared memory instead of
+these messages (``shared_memory_exchange.py``, chosen when the set's process group is made).
+
 Each member set gets a process group of its own for these messages, so they never meet the
 user's point-to-point tags nor the set's other collectives. gloo matches the messages between two
 ranks on one tag in posting order, and every member issues the same exchanges in the same order
@@ -42,6 +45,7 @@ import torch.distributed as dist
 
 from ..errors import CollectiveError
 from .base import Group, Work
+from .shared_memory_exchange import SharedMemoryExchange, in_use
 
 # A reduce-scatter's two receive buffers are this big at most: what it holds of its own.
 CHUNK_BYTES = 1 << 20
@@ -101,6 +105,8 @@ class ExchangeGroup:
         self._queue: deque[_ReduceScatterJob] = deque()
         self._failure: CollectiveError | None = None
         self._thread: threading.Thread | None = None
+        # On one host: the same exchanges through shared memory (shared_memory_exchange.py).
+        self.shared: SharedMemoryExchange | None = None
 
     @property
     def alive(self) -> bool:
@@ -118,6 +124,9 @@ class ExchangeGroup:
         """Reduce ``rows`` (shape (n, m), in the group's order, this call's own: a big one is
         reduced in place) and return this member's row of the sum as ``shape``, in a tensor of its
         own (so the buffer is released at the wait)."""
+        if in_use(self.shared):
+            assert self.shared is not None
+            return self.shared.reduce_scatter(rows, group, op_name, shape)
         if (group.size - 1) * rows.shape[1] * rows.element_size() <= _RECEIVE_DEPTH * CHUNK_BYTES:
             return self._reduce_scatter_direct(rows, group, op_name, shape)
         job = _ReduceScatterJob(rows, group, op_name, shape)
@@ -155,6 +164,8 @@ class ExchangeGroup:
                 with self._cond:
                     self._queue.popleft()
                 job.done.set()
+                # Not kept while this thread waits for the next one: the result is the caller's.
+                del job
 
     def _reduce(self, rows: torch.Tensor, group: Group) -> torch.Tensor:
         ranks, n, i, pg = group.ranks, group.size, group.index(self._rank), self._pg()

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ...collectives.backends.gloo_exchange import sized_for_exchange
+from ...collectives.backends.shared_memory_exchange import transport_bytes
 from ...collectives.mesh import Mesh
 from ..layout.devices import device_of
 from ..layout.precision import compute_dtype
@@ -379,19 +380,27 @@ def _copy_levels(
     569 MiB where 514 MiB were measured while it counted every unit). A reduce-scatter holds nothing
     counted of its own: the executor donates its flat input (counted in ``reduce_buffers``) and the
     exchange's receive buffers are 2 MiB at most (gloo's ring scratch, when it runs, under 2 MiB).
+    On one host the exchanges go through shared memory instead: the slots a member writes into are
+    held from the first exchange on, at every action (``transport_bytes``).
     On other devices every unit is counted: what NCCL holds during them was not measured."""
     gathered = {u: lay.padded_numel * torch.empty((), dtype=_gather_dtype(step, u, lay.dtype)).element_size()
                 for u, lay in sharding.units.items()}
+    transport = 0
     if device.type == "cpu":
-        gathered = {u: 0 if sized_for_exchange(n, _gather_dtype(step, u, sharding.units[u].dtype),
-                                               sharding.units[u].shards) else n
-                    for u, n in gathered.items()}
+        exchanged = {u: sized_for_exchange(n, _gather_dtype(step, u, sharding.units[u].dtype), sharding.units[u].shards)
+                     for u, n in gathered.items()}
+        reduced = _reduce_sizes(step, sharding)
+        if any(exchanged.values()) or any(
+                sized_for_exchange(n, _reduce_dtype(step, u, sharding.units[u].dtype), sharding.units[u].shards)
+                for u, n in reduced.items()):
+            transport = transport_bytes(max(lay.shards for lay in sharding.units.values()))
+        gathered = {u: 0 if exchanged[u] else n for u, n in gathered.items()}
     pending: dict[str, int] = {}
     levels = []
     for action in actions:
         if action.kind == GATHER and action.layer is not None:
             pending[action.layer] = gathered[action.layer]
-        levels.append(sum(pending.values()))
+        levels.append(sum(pending.values()) + transport)
         if action.kind == WAIT_GATHER:
             pending.pop(action.require("layer"), None)
     return levels
