@@ -229,3 +229,42 @@ def test_shared_memory_only_when_every_member_can_and_nothing_is_left_behind(glo
             assert "slots of different sizes" in error and "SLOT_BYTES" in error, error
         else:
             assert error == "", error
+
+
+def _sums_of_random_floats(kinds: list[str]) -> dict[str, bool]:
+    """Per group kind, whether a reduce-scatter of random floats (sums that depend on their order)
+    is bitwise the same through shared memory and over TCP."""
+    backend = current_backend()
+    agree = {}
+    for kind in kinds:
+        group = _group(kind)
+        x = torch.randn(group.size, 70_000, generator=torch.Generator().manual_seed(backend.rank))
+        shared = backend.reduce_scatter(x, group).wait()
+        with shared_memory_exchange.loopback_exchanges():
+            tcp = backend.reduce_scatter(x, group).wait()
+        agree[kind] = torch.equal(shared, tcp)
+    return agree
+
+
+def test_shared_memory_sums_in_the_tcp_exchanges_order(gloo4: Any) -> None:
+    """The same additions in the same order over either transport, on groups listed in and out of
+    rank order: a run's sums do not depend on whether its ranks share a host."""
+    for rank, agree in enumerate(gloo4.run(_sums_of_random_floats, ["world", "reversed"])):
+        assert all(agree.values()), f"rank {rank}: {agree}"
+
+
+def _ranks_issue_different_all_gathers() -> int:
+    mesh = sw.Mesh(dp=2)
+    x = torch.ones(gloo_exchange.MIN_EXCHANGE_BYTES // 4 * (2 if mesh.rank == 0 else 3))
+    sw.collectives.all_gather(x, "dp", mesh=mesh)
+    return mesh.rank
+
+
+def test_members_that_issue_different_exchanges_fail_them(short_pool: ProcessPool) -> None:
+    """Every member's chunks go through one stream of slots: an all-gather of another length on one
+    member must fail the exchange on the others (naming what each issued), not hand them its bytes."""
+    short_pool.run(_rank)
+    with pytest.raises(RankFailed) as info:
+        short_pool.run(_ranks_issue_different_all_gathers)
+    message = str(info.value)
+    assert "issued different collectives" in message and "all_gather" in message, message

@@ -5,8 +5,8 @@ message, in the caller's thread: an ``isend`` of 0.5 MiB cost its caller about 0
 project's machine (1.1 GB/s). When every member of a set runs on one host, each member here has
 ``SLOTS`` slots of ``SLOT_BYTES`` in a file of its own in ``/dev/shm``, which it maps and its
 peers read; a member writes its part of a message into its next slot and its peers copy (or add)
-their part out of it. One byte-pair record through a FIFO per member says "slot written" or "slot read"; a
-member waits on its FIFO with ``select`` and a deadline. Measured between two ranks (issue 27's
+their part out of it. A two-byte record through a FIFO per member says "slot written" or "slot
+read"; a member waits on its FIFO with ``poll`` and a deadline. Measured between two ranks (issue 27's
 notes), one exchange round took 0.24-0.46x gloo's time from 64 KiB to 16 MiB.
 
 Messages are cut into chunks of one slot, so what a member set holds is fixed whatever the
@@ -18,10 +18,13 @@ issues the same exchanges in the same order, so chunk ``s`` of every member goes
 not read yet, however many exchanges are in flight. A member writes ahead into every slot its
 peers have freed and takes their chunks as they come.
 
-The files are unlinked as soon as every member mapped them (``open_same_host``), so nothing is
-left in ``/dev/shm`` when a rank dies. A peer that dies or stops mid-exchange shows as a wait
-that passes its deadline (or a FIFO that no one reads: ``BrokenPipeError``): the exchange and
-every later one on the set fail with that error, as the TCP exchanges do.
+The files are unlinked as soon as every member opened them (``open_same_host``), so nothing is
+left in ``/dev/shm`` when a rank dies afterwards (one killed during that setup, two rounds of
+``all_gather_object``, leaves its ``shardwise-*`` files). A peer that dies or stops mid-exchange
+shows as a wait that passes its deadline (or a FIFO that no one reads: ``BrokenPipeError``): the
+exchange and every later one on the set fail with that error, as the TCP exchanges do. Each chunk
+carries a header (which exchange, its kind and length, which chunk): members that issued different
+collectives fail the exchange with both sides named instead of adding each other's bytes.
 """
 
 from __future__ import annotations
@@ -51,6 +54,10 @@ _SHM_DIR = "/dev/shm"
 # A FIFO record is two bytes, what happened and who says it: a member's index fits one byte.
 _MAX_MEMBERS = 255
 _WRITTEN, _READ = 1, 2
+# Each slot starts with a header of what its chunk is (job number, kind, length, chunk length, chunk
+# number): a member that issued another exchange than its peers fails the exchange, not the sums.
+_HEADER_BYTES = 64
+_KINDS = {"all_gather": 0, "reduce_scatter": 1}
 
 ErrorFor = Callable[[str, Group, BaseException], CollectiveError]
 
@@ -103,22 +110,25 @@ def open_same_host(pg: Any, members: tuple[int, ...], index: int, timeout: float
     base = os.path.join(_SHM_DIR, f"shardwise-{said[0][1]}")
     own: list[str] = []
     made: dict[str, Any] = {}
+    oks: list[Any] = [None] * n
     try:
-        made = _create_own(base, index, own, slot_bytes)
-        ok = "ok"
-    except Exception as exc:  # said to every member, which all go on without shared memory
-        ok = f"rank {dist.get_rank()}: {exc}"
-    try:
-        oks: list[Any] = [None] * n
+        try:
+            _create_own(base, index, own, slot_bytes, made)
+            ok = "ok"
+        except Exception as exc:  # said to every member, which all go on without shared memory
+            ok = f"rank {dist.get_rank()}: {exc}"
         dist.all_gather_object(oks, ok, group=pg)
         if ok == "ok" and all(o == "ok" for o in oks):
             try:
-                made.update(_open_peers(base, index, n, slot_bytes))
+                _open_peers(base, index, n, made)
             except Exception as exc:
                 ok = f"rank {dist.get_rank()}: {exc}"
         dist.all_gather_object(oks, ok, group=pg)
+    except BaseException:
+        _close(made)
+        raise
     finally:
-        for path in own:  # every member mapped them (or gave up): the names can go
+        for path in own:  # every member opened them (or gave up): the names can go
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
     if ok != "ok" or any(o != "ok" for o in oks):
@@ -136,31 +146,32 @@ def _host_key() -> str:
     return f"{socket.gethostname()}/{boot}/{os.stat(_SHM_DIR).st_dev}" if os.path.isdir(_SHM_DIR) else ""
 
 
-def _create_own(base: str, index: int, own: list[str], slot_bytes: int) -> dict[str, Any]:
+def _create_own(base: str, index: int, own: list[str], slot_bytes: int, made: dict[str, Any]) -> None:
+    """This member's slots and FIFO, into ``made`` as they are opened (closed by the caller on failure)."""
     slots_path, fifo_path = f"{base}-{index}", f"{base}-{index}.fifo"
     fd = os.open(slots_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     own.append(slots_path)
     try:
-        os.ftruncate(fd, SLOTS * slot_bytes)
+        # Allocated now, not sparse: a /dev/shm too small fails here (every member then keeps TCP),
+        # not as a SIGBUS at the first write into the mapping.
+        os.posix_fallocate(fd, 0, SLOTS * slot_bytes)
     finally:
         os.close(fd)
     os.mkfifo(fifo_path, 0o600)
     own.append(fifo_path)
     # Read and write: the open does not wait for a writer, and the FIFO never reads end-of-file.
-    inbox = os.open(fifo_path, os.O_RDWR | os.O_NONBLOCK)
-    slots = torch.from_file(slots_path, shared=True, size=SLOTS * slot_bytes, dtype=torch.uint8)
-    return {"inbox": inbox, "slots": slots}
+    made["inbox"] = os.open(fifo_path, os.O_RDWR | os.O_NONBLOCK)
+    made["slots"] = torch.from_file(slots_path, shared=True, size=SLOTS * slot_bytes, dtype=torch.uint8)
 
 
-def _open_peers(base: str, index: int, n: int, slot_bytes: int) -> dict[str, Any]:
-    peer_slots: list[int] = [-1] * n
-    outboxes: list[int] = [-1] * n
+def _open_peers(base: str, index: int, n: int, made: dict[str, Any]) -> None:
+    made["peer_slots"] = peer_slots = [-1] * n
+    made["outboxes"] = outboxes = [-1] * n
     for j in range(n):
         if j != index:
             # Read with pread, not mapped: a peer's pages would count again in this member's resident set.
             peer_slots[j] = os.open(f"{base}-{j}", os.O_RDONLY)
             outboxes[j] = os.open(f"{base}-{j}.fifo", os.O_WRONLY | os.O_NONBLOCK)
-    return {"peer_slots": peer_slots, "outboxes": outboxes}
 
 
 def _close(made: dict[str, Any]) -> None:
@@ -186,17 +197,31 @@ class SharedMemoryExchange:
         self._read = [0] * n  # chunks of ours each peer said it read
         self._seq = 0  # chunks this member wrote
         self._pending = b""
+        self._jobs = 0  # jobs this member ran: every chunk's header says which
+        self._heading = torch.empty(5, dtype=torch.int64)  # a peer's chunk header, read
+        # poll, not select: select refuses descriptors from 1024 on, which gloo's sockets reach.
+        self._poller = select.poll()
+        self._poller.register(inbox, select.POLLIN)
+        self._closed = False
         self._cond = threading.Condition()
         self._queue: deque[_Job] = deque()
         self._failure: CollectiveError | None = None
         self._thread: threading.Thread | None = None
 
     def close(self) -> None:
-        """Release the FIFOs (the slots go with the last reference); the thread ends with the process."""
+        """Fail what is queued, end the thread and release the descriptors and slots (at once when
+        the thread is idle, else by the thread when its exchange ends)."""
         with self._cond:
             self._failure = self._failure or CollectiveError("the shared-memory exchange was closed")
+            self._closed = True
+            if self._thread is None:
+                self._release()
+            self._cond.notify_all()
+
+    def _release(self) -> None:
         _close({"inbox": self._inbox, "outboxes": self._outboxes, "peer_slots": self._peer_slots})
         self._inbox, self._outboxes, self._peer_slots = -1, [], []
+        self._slots = torch.empty(0, dtype=torch.uint8)  # the mapping goes with its last reference
 
     # -- what the backend calls --------------------------------------------------------------
     def all_gather(self, x: torch.Tensor, group: Group, op_name: str, shape: torch.Size) -> Work:
@@ -234,14 +259,20 @@ class SharedMemoryExchange:
         while True:
             with self._cond:
                 while not self._queue:
+                    if self._closed:
+                        self._release()
+                        return
                     self._cond.wait()
                 job = self._queue[0]
             try:
                 if self._failure is not None:
-                    raise self._failure
+                    raise CollectiveError(f"{job.op_name}: an earlier exchange on this group failed: {self._failure}")
                 self._run(job)
             except BaseException as exc:  # the caller's wait raises it
                 error = exc if isinstance(exc, CollectiveError) else self._error_for(job.op_name, job.group, exc)
+                # Without the traceback: its frames would hold this exchange's tensors for the set's life.
+                error = error.with_traceback(None)
+                exc.__traceback__ = None
                 job.error = error
                 with self._cond:
                     self._failure = self._failure or error
@@ -266,12 +297,16 @@ class SharedMemoryExchange:
         n, me = len(self._members), self._index
         place = [group.index(rank) for rank in self._members]  # set index -> group index
         gather = job.kind == "all_gather"
-        step = self._slot_bytes // (out.element_size() * (1 if gather else n))
+        step = (self._slot_bytes - _HEADER_BYTES) // (out.element_size() * (1 if gather else n))
         length = out.shape[1] if gather else out.shape[0]
         spans = [(a, min(a + step, length)) for a in range(0, length, step)]
-        # Peers in the order the TCP exchanges add them (me-1, me-2, ...), so the sums agree.
-        peers = [(me - k) % n for k in range(1, n)]
+        # Peers in the order the TCP exchanges add them (back through the group's order), so the
+        # sums agree bitwise whichever transport a run takes.
+        at = group.index(self._member_rank)
+        peers = [self._members.index(group.ranks[(at - k) % n]) for k in range(1, n)]
         first, deadline = self._seq, time.monotonic() + self._timeout
+        job_number, self._jobs = self._jobs, self._jobs + 1
+        heading = [job_number, _KINDS[job.kind], length, step * out.element_size()]
         scratch = None if gather else torch.empty(step, dtype=out.dtype)  # a peer's part, to add
         written = taken = 0  # this job's chunks written into our slots; chunks taken from every peer
         peer_at = 0  # the next peer to take chunk ``taken`` from
@@ -279,7 +314,10 @@ class SharedMemoryExchange:
             moved = False
             while written < len(spans) and self._free(first + written):
                 a, b = spans[written]
-                own = self._slot(self._slots, (first + written) % SLOTS, out.dtype)
+                slot = (first + written) % SLOTS
+                self._slots[slot * self._slot_bytes:][:_HEADER_BYTES].view(torch.int64)[:5].copy_(
+                    torch.tensor([*heading, written]))
+                own = self._slot(self._slots, slot, out.dtype)
                 if gather:
                     own[: b - a].copy_(out[place[me], a:b])
                 else:
@@ -294,6 +332,8 @@ class SharedMemoryExchange:
             while taken < len(spans) and self._written[peers[peer_at]] > first + taken:
                 j, (a, b) = peers[peer_at], spans[taken]
                 offset = (first + taken) % SLOTS * self._slot_bytes
+                self._check_heading(j, offset, [*heading, taken], job.kind)
+                offset += _HEADER_BYTES
                 if gather:
                     self._take(j, offset, out[place[j], a:b])
                 else:
@@ -323,12 +363,25 @@ class SharedMemoryExchange:
             raise CollectiveError(f"member {self._members[j]}'s slots were cut short ({got} of {nbytes} bytes)")
         return into
 
+    def _check_heading(self, j: int, offset: int, expected: list[int], kind: str) -> None:
+        got = self._take(j, offset, self._heading)
+        if got.tolist() != expected:
+            job, theirs, length, chunk, number = got.tolist()
+            what = {v: k for k, v in _KINDS.items()}.get(theirs, f"kind {theirs}")
+            raise CollectiveError(
+                f"member {self._members[j]} of the exchange sent chunk {number} of its exchange {job}, a {what} of "
+                f"{length} elements per member in chunks of {chunk} bytes, where this member takes chunk "
+                f"{expected[4]} of its exchange {expected[0]}, a {kind} of {expected[2]} in chunks of "
+                f"{expected[3]} bytes: the members issued different collectives (every member must issue the "
+                f"same ones, in the same order)")
+
     def _free(self, seq: int) -> bool:
         """Whether every peer has taken what our slot for chunk ``seq`` held before."""
         return all(done > seq - SLOTS for j, done in enumerate(self._read) if j != self._index)
 
     def _slot(self, slots: torch.Tensor, slot: int, dtype: torch.dtype) -> torch.Tensor:
-        return slots[slot * self._slot_bytes: (slot + 1) * self._slot_bytes].view(dtype)
+        """Slot ``slot``'s data (after its header) as ``dtype``."""
+        return slots[slot * self._slot_bytes + _HEADER_BYTES: (slot + 1) * self._slot_bytes].view(dtype)
 
     def _signal_all(self, kind: int) -> None:
         for j in range(len(self._members)):
@@ -346,7 +399,7 @@ class SharedMemoryExchange:
     def _hear(self, deadline: float) -> None:
         """Wait (until ``deadline``) for what the peers say, and count it."""
         remaining = deadline - time.monotonic()
-        if remaining <= 0 or not select.select([self._inbox], [], [], remaining)[0]:
+        if remaining <= 0 or not self._poller.poll(max(1, int(remaining * 1000))):
             raise TimeoutError(f"timed out after {self._timeout:g} s waiting for a peer's slot")
         data = self._pending + os.read(self._inbox, 4096)
         whole = len(data) - len(data) % 2
