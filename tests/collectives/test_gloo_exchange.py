@@ -207,13 +207,28 @@ def _open_with(patch: str) -> tuple[bool, str, list[str]]:
         made = module.open_same_host(pg, (0, 1), backend.rank, 30.0, lambda *a: RuntimeError(str(a)))
         outcome = (made is not None, "")
         if made is not None:
-            made.close()
+            _gather_then_close(made, backend.rank)
     except ValueError as exc:
         outcome = (False, str(exc))
     finally:
         module._host_key, module._create_own, module.SLOT_BYTES = saved  # type: ignore[assignment]
     dist.barrier(group=pg)
     return (*outcome, glob.glob("/dev/shm/shardwise-*"))
+
+
+def _gather_then_close(made: Any, rank: int) -> None:
+    """An all-gather through ``made``, then ``close()``: the thread ends, the descriptors go, and a
+    later exchange is refused."""
+    row = 20_000
+    got = made.all_gather(torch.full((row,), float(rank)), Group("dp", (0, 1)), "all_gather",
+                          torch.Size([2, row])).wait()
+    assert torch.equal(got, torch.stack([torch.zeros(row), torch.ones(row)])), got
+    thread = made._thread
+    made.close()
+    thread.join(5.0)
+    assert not thread.is_alive() and made._inbox == -1 and made._slots.numel() == 0
+    with pytest.raises(sw.collectives.CollectiveError, match="closed"):
+        made.all_gather(torch.ones(row), Group("dp", (0, 1)), "all_gather", torch.Size([2, row]))
 
 
 @pytest.mark.parametrize("patch", ["none", "host", "shm", "slots"])

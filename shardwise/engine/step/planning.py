@@ -383,12 +383,12 @@ def _copy_levels(
     On one host the exchanges go through shared memory instead: the slots a member writes into are
     held from the first exchange on, at every action (``transport_bytes``).
     On other devices every unit is counted: what NCCL holds during them was not measured."""
-    gathered = {u: lay.padded_numel * torch.empty((), dtype=_gather_dtype(step, u, lay.dtype)).element_size()
+    dtypes = {u: _gather_dtype(step, u, lay.dtype) for u, lay in sharding.units.items()}
+    gathered = {u: lay.padded_numel * torch.empty((), dtype=dtypes[u]).element_size()
                 for u, lay in sharding.units.items()}
     transport = 0
     if device.type == "cpu":
-        exchanged = {u: sized_for_exchange(n, _gather_dtype(step, u, sharding.units[u].dtype), sharding.units[u].shards)
-                     for u, n in gathered.items()}
+        exchanged = {u: sized_for_exchange(n, dtypes[u], sharding.units[u].shards) for u, n in gathered.items()}
         reduced = _reduce_sizes(step, sharding)
         if any(exchanged.values()) or any(
                 sized_for_exchange(n, _reduce_dtype(step, u, sharding.units[u].dtype), sharding.units[u].shards)
