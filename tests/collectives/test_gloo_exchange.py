@@ -223,7 +223,7 @@ def _gather_then_close(made: Any, rank: int) -> None:
     got = made.all_gather(torch.full((row,), float(rank)), Group("dp", (0, 1)), "all_gather",
                           torch.Size([2, row])).wait()
     assert torch.equal(got, torch.stack([torch.zeros(row), torch.ones(row)])), got
-    thread = made._thread
+    thread = made._jobs.thread
     made.close()
     thread.join(5.0)
     assert not thread.is_alive() and made._inbox == -1 and made._slots.numel() == 0

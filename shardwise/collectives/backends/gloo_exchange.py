@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import threading
 import time
 import weakref
 from collections import deque
@@ -45,6 +44,7 @@ import torch.distributed as dist
 
 from ..errors import CollectiveError
 from .base import Group, Work
+from .exchange_thread import ErrorFor, Job, JobThread
 from .shared_memory_exchange import SharedMemoryExchange, in_use
 
 # A reduce-scatter's two receive buffers are this big at most: what it holds of its own.
@@ -59,9 +59,6 @@ EXCHANGE_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch
 _REDUCE_SCATTER_TAG = 1
 _ALL_GATHER_TAG = 2
 _DIRECT_REDUCE_SCATTER_TAG = 3
-
-ErrorFor = Callable[[str, Group, BaseException], CollectiveError]
-
 
 _enabled = True
 
@@ -101,10 +98,8 @@ class ExchangeGroup:
         self._rank = rank
         self._timeout = timeout
         self._error_for = error_for
-        self._cond = threading.Condition()
-        self._queue: deque[_ReduceScatterJob] = deque()
-        self._failure: CollectiveError | None = None
-        self._thread: threading.Thread | None = None
+        self._jobs = JobThread(f"shardwise-exchange-{'-'.join(map(str, members))}-rank-{rank}", self._reduce_job,
+                               timeout, error_for)
         # On one host: the same exchanges through shared memory (shared_memory_exchange.py).
         self.shared: SharedMemoryExchange | None = None
 
@@ -129,43 +124,11 @@ class ExchangeGroup:
             return self.shared.reduce_scatter(rows, group, op_name, shape)
         if (group.size - 1) * rows.shape[1] * rows.element_size() <= _RECEIVE_DEPTH * CHUNK_BYTES:
             return self._reduce_scatter_direct(rows, group, op_name, shape)
-        job = _ReduceScatterJob(rows, group, op_name, shape)
-        with self._cond:
-            if self._failure is not None:
-                raise CollectiveError(f"{op_name}: an earlier exchange on this group failed: {self._failure}")
-            self._queue.append(job)
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._loop, name=f"shardwise-exchange-{'-'.join(map(str, self._members))}-rank-{self._rank}",
-                    daemon=True,
-                )
-                self._thread.start()
-            self._cond.notify_all()
-        return _JobWork(job, self._timeout, self._error_for)
+        return self._jobs.submit(Job("reduce_scatter", op_name, group, None, rows, shape))
 
-    def _loop(self) -> None:
-        while True:
-            with self._cond:
-                while not self._queue:
-                    self._cond.wait()
-                job = self._queue[0]
-            try:
-                if self._failure is not None:
-                    raise self._failure
-                assert job.rows is not None
-                job.result = self._reduce(job.rows, job.group).view(job.shape)
-            except BaseException as exc:  # the caller's wait raises it
-                error = exc if isinstance(exc, CollectiveError) else self._error_for(job.op_name, job.group, exc)
-                job.error = error
-                with self._cond:
-                    self._failure = self._failure or error
-            finally:
-                job.rows = None  # released here, whatever the caller holds
-                with self._cond:
-                    self._queue.popleft()
-                job.done.set()
-                # Not kept while this thread waits for the next one: the result is the caller's.
-                del job
+    def _reduce_job(self, job: Job) -> None:
+        assert job.rows is not None
+        job.result = self._reduce(job.rows, job.group).view(job.shape)
 
     def _reduce(self, rows: torch.Tensor, group: Group) -> torch.Tensor:
         ranks, n, i, pg = group.ranks, group.size, group.index(self._rank), self._pg()
@@ -236,36 +199,6 @@ class ExchangeGroup:
         works += [dist.irecv(out[(i - k) % n], ranks[(i - k) % n], group=pg, tag=_ALL_GATHER_TAG)
                   for k in range(1, n)]
         return works, out
-
-
-class _ReduceScatterJob:
-    __slots__ = ("done", "error", "group", "op_name", "result", "rows", "shape")
-
-    def __init__(self, rows: torch.Tensor, group: Group, op_name: str, shape: torch.Size) -> None:
-        self.rows: torch.Tensor | None = rows
-        self.group, self.op_name, self.shape = group, op_name, shape
-        self.result: torch.Tensor | None = None
-        self.error: BaseException | None = None
-        self.done = threading.Event()
-
-
-class _JobWork(Work):
-    """The caller's handle on a reduce-scatter its group's thread runs."""
-
-    def __init__(self, job: _ReduceScatterJob, timeout: float, error_for: ErrorFor) -> None:
-        self._job, self._timeout, self._error_for = job, timeout, error_for
-
-    def wait(self) -> torch.Tensor:
-        job = self._job
-        if not job.done.wait(self._timeout):
-            raise self._error_for(job.op_name, job.group, TimeoutError(f"wait timed out after {self._timeout:g} s"))
-        if job.error is not None:
-            raise job.error
-        assert job.result is not None
-        return job.result
-
-    def is_completed(self) -> bool:
-        return self._job.done.is_set()
 
 
 class _PostedWork(Work):

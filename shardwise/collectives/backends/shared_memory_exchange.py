@@ -35,10 +35,8 @@ import os
 import secrets
 import select
 import socket
-import threading
 import time
-from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -46,6 +44,7 @@ import torch.distributed as dist
 
 from ..errors import CollectiveError
 from .base import Group, Work
+from .exchange_thread import ErrorFor, Job, JobThread
 
 # A slot holds one chunk of a message: SLOTS of them per member, written in turn.
 SLOT_BYTES = 1 << 20
@@ -58,8 +57,6 @@ _WRITTEN, _READ = 1, 2
 # number): a member that issued another exchange than its peers fails the exchange, not the sums.
 _HEADER_BYTES = 64
 _KINDS = {"all_gather": 0, "reduce_scatter": 1}
-
-ErrorFor = Callable[[str, Group, BaseException], CollectiveError]
 
 # SHARDWISE_SHARED_MEMORY=0: never (every rank must say the same); loopback_exchanges(): not now.
 _ALLOWED = os.environ.get("SHARDWISE_SHARED_MEMORY", "1") != "0"
@@ -197,26 +194,18 @@ class SharedMemoryExchange:
         self._read = [0] * n  # chunks of ours each peer said it read
         self._seq = 0  # chunks this member wrote
         self._pending = b""
-        self._jobs = 0  # jobs this member ran: every chunk's header says which
+        self._exchanges_run = 0  # exchanges this member ran: every chunk's header says which
         self._heading = torch.empty(5, dtype=torch.int64)  # a peer's chunk header, read
         # poll, not select: select refuses descriptors from 1024 on, which gloo's sockets reach.
         self._poller = select.poll()
         self._poller.register(inbox, select.POLLIN)
-        self._closed = False
-        self._cond = threading.Condition()
-        self._queue: deque[_Job] = deque()
-        self._failure: CollectiveError | None = None
-        self._thread: threading.Thread | None = None
+        self._jobs = JobThread(f"shardwise-shm-{'-'.join(map(str, members))}-rank-{members[index]}", self._run,
+                               timeout, error_for, release=self._release)
 
     def close(self) -> None:
         """Fail what is queued, end the thread and release the descriptors and slots (at once when
         the thread is idle, else by the thread when its exchange ends)."""
-        with self._cond:
-            self._failure = self._failure or CollectiveError("the shared-memory exchange was closed")
-            self._closed = True
-            if self._thread is None:
-                self._release()
-            self._cond.notify_all()
+        self._jobs.close()
 
     def _release(self) -> None:
         _close({"inbox": self._inbox, "outboxes": self._outboxes, "peer_slots": self._peer_slots})
@@ -228,63 +217,20 @@ class SharedMemoryExchange:
         """All-gather ``x`` (flat): the rows (n, numel) in the group's order, viewed as ``shape``."""
         out = torch.empty(group.size, x.numel(), dtype=x.dtype)
         out[group.index(self._member_rank)].copy_(x)  # the caller may change x at once
-        return self._submit(_Job("all_gather", op_name, group, out, None, shape))
+        return self._jobs.submit(Job("all_gather", op_name, group, out, None, shape))
 
     def reduce_scatter(self, rows: torch.Tensor, group: Group, op_name: str, shape: torch.Size) -> Work:
         """Reduce ``rows`` ((n, m), in the group's order, this call's own) and return this member's
         row of the sum as ``shape``, in a tensor of its own (``rows`` is released at the end)."""
         # The result is made when the set's thread starts on it, not here: held no longer than needed.
-        return self._submit(_Job("reduce_scatter", op_name, group, None, rows, shape))
+        return self._jobs.submit(Job("reduce_scatter", op_name, group, None, rows, shape))
 
     @property
     def _member_rank(self) -> int:
         return self._members[self._index]
 
-    def _submit(self, job: _Job) -> Work:
-        with self._cond:
-            if self._failure is not None:
-                raise CollectiveError(f"{job.op_name}: an earlier exchange on this group failed: {self._failure}")
-            self._queue.append(job)
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._loop, daemon=True,
-                    name=f"shardwise-shm-{'-'.join(map(str, self._members))}-rank-{self._member_rank}",
-                )
-                self._thread.start()
-            self._cond.notify_all()
-        return _JobWork(job, self._timeout, self._error_for)
-
     # -- the set's thread -------------------------------------------------------------------
-    def _loop(self) -> None:
-        while True:
-            with self._cond:
-                while not self._queue:
-                    if self._closed:
-                        self._release()
-                        return
-                    self._cond.wait()
-                job = self._queue[0]
-            try:
-                if self._failure is not None:
-                    raise CollectiveError(f"{job.op_name}: an earlier exchange on this group failed: {self._failure}")
-                self._run(job)
-            except BaseException as exc:  # the caller's wait raises it
-                error = exc if isinstance(exc, CollectiveError) else self._error_for(job.op_name, job.group, exc)
-                # Without the traceback: its frames would hold this exchange's tensors for the set's life.
-                error = error.with_traceback(None)
-                exc.__traceback__ = None
-                job.error = error
-                with self._cond:
-                    self._failure = self._failure or error
-            finally:
-                job.rows = job.out = None  # released here (the result is a view), whatever the caller holds
-                with self._cond:
-                    self._queue.popleft()
-                job.done.set()
-                # Not kept while this thread waits for the next one: the result is the caller's.
-                del job
-
-    def _run(self, job: _Job) -> None:
+    def _run(self, job: Job) -> None:
         """Write this member's chunks into its slots as fast as the peers free them, and take each
         peer's chunks out of theirs as they come (chunk by chunk, peers in a fixed order)."""
         group, rows = job.group, job.rows
@@ -305,7 +251,7 @@ class SharedMemoryExchange:
         at = group.index(self._member_rank)
         peers = [self._members.index(group.ranks[(at - k) % n]) for k in range(1, n)]
         first, deadline = self._seq, time.monotonic() + self._timeout
-        job_number, self._jobs = self._jobs, self._jobs + 1
+        job_number, self._exchanges_run = self._exchanges_run, self._exchanges_run + 1
         heading = [job_number, _KINDS[job.kind], length, step * out.element_size()]
         scratch = None if gather else torch.empty(step, dtype=out.dtype)  # a peer's part, to add
         written = taken = 0  # this job's chunks written into our slots; chunks taken from every peer
@@ -410,33 +356,3 @@ class SharedMemoryExchange:
             else:
                 self._read[sender] += 1
         self._pending = data[whole:]
-
-
-class _Job:
-    __slots__ = ("done", "error", "group", "kind", "op_name", "out", "result", "rows", "shape")
-
-    def __init__(self, kind: str, op_name: str, group: Group, out: torch.Tensor | None, rows: torch.Tensor | None,
-                 shape: torch.Size) -> None:
-        self.kind, self.op_name, self.group, self.out, self.rows, self.shape = kind, op_name, group, out, rows, shape
-        self.result: torch.Tensor | None = None
-        self.error: BaseException | None = None
-        self.done = threading.Event()
-
-
-class _JobWork(Work):
-    """The caller's handle on an exchange its set's thread runs."""
-
-    def __init__(self, job: _Job, timeout: float, error_for: ErrorFor) -> None:
-        self._job, self._timeout, self._error_for = job, timeout, error_for
-
-    def wait(self) -> torch.Tensor:
-        job = self._job
-        if not job.done.wait(self._timeout):
-            raise self._error_for(job.op_name, job.group, TimeoutError(f"wait timed out after {self._timeout:g} s"))
-        if job.error is not None:
-            raise job.error
-        assert job.result is not None
-        return job.result
-
-    def is_completed(self) -> bool:
-        return self._job.done.is_set()
