@@ -268,18 +268,23 @@ def test_shared_memory_sums_in_the_tcp_exchanges_order(gloo4: Any) -> None:
         assert all(agree.values()), f"rank {rank}: {agree}"
 
 
-def _ranks_issue_different_all_gathers() -> int:
+def _ranks_issue_different_all_gathers(differing: str) -> int:
     mesh = sw.Mesh(dp=2)
-    x = torch.ones(gloo_exchange.MIN_EXCHANGE_BYTES // 4 * (2 if mesh.rank == 0 else 3))
-    sw.collectives.all_gather(x, "dp", mesh=mesh)
+    numel = gloo_exchange.MIN_EXCHANGE_BYTES // 4 * 2
+    if mesh.rank == 1 and differing == "length":
+        numel += 8
+    dtype = torch.int32 if mesh.rank == 1 and differing == "dtype" else torch.float32  # the same bytes
+    sw.collectives.all_gather(torch.ones(numel, dtype=dtype), "dp", mesh=mesh)
     return mesh.rank
 
 
-def test_members_that_issue_different_exchanges_fail_them(short_pool: ProcessPool) -> None:
-    """Every member's chunks go through one stream of slots: an all-gather of another length on one
-    member must fail the exchange on the others (naming what each issued), not hand them its bytes."""
+@pytest.mark.parametrize("differing", ["length", "dtype"])
+def test_members_that_issue_different_exchanges_fail_them(short_pool: ProcessPool, differing: str) -> None:
+    """Every member's chunks go through one stream of slots: an all-gather of another length or of
+    another dtype of the same bytes on one member must fail the exchange on the others (naming what
+    each issued), not hand them its bytes."""
     short_pool.run(_rank)
     with pytest.raises(RankFailed) as info:
-        short_pool.run(_ranks_issue_different_all_gathers)
+        short_pool.run(_ranks_issue_different_all_gathers, differing)
     message = str(info.value)
     assert "issued different collectives" in message and "all_gather" in message, message

@@ -36,6 +36,7 @@ import secrets
 import select
 import socket
 import time
+import zlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -53,8 +54,9 @@ _SHM_DIR = "/dev/shm"
 # A FIFO record is two bytes, what happened and who says it: a member's index fits one byte.
 _MAX_MEMBERS = 255
 _WRITTEN, _READ = 1, 2
-# Each slot starts with a header of what its chunk is (job number, kind, length, chunk length, chunk
-# number): a member that issued another exchange than its peers fails the exchange, not the sums.
+# Each slot starts with a header of what its chunk is (exchange number, kind, dtype, length, chunk
+# bytes, chunk number): a member that issued another exchange than its peers fails the exchange,
+# not the sums.
 _HEADER_BYTES = 64
 _KINDS = {"all_gather": 0, "reduce_scatter": 1}
 
@@ -179,6 +181,18 @@ def _close(made: dict[str, Any]) -> None:
                 os.close(fd)
 
 
+def _dtype_code(dtype: torch.dtype) -> int:
+    """The same number for a dtype in every process (``hash`` of a string is salted per process)."""
+    return zlib.crc32(str(dtype).encode())
+
+
+def _described(heading: list[int], ours: torch.dtype) -> str:
+    job, kind, dtype, length, chunk, number = heading
+    what = {v: k for k, v in _KINDS.items()}.get(kind, f"kind {kind}")
+    element = str(ours).removeprefix("torch.") if dtype == _dtype_code(ours) else f"other than {ours}"
+    return f"chunk {number} of its exchange {job} ({what}, {length} elements of {element} a member, {chunk} B chunks)"
+
+
 class SharedMemoryExchange:
     """One member set's reduce-scatters and all-gathers through its members' slots, run in issue
     order on a thread of its own."""
@@ -195,7 +209,7 @@ class SharedMemoryExchange:
         self._seq = 0  # chunks this member wrote
         self._pending = b""
         self._exchanges_run = 0  # exchanges this member ran: every chunk's header says which
-        self._heading = torch.empty(5, dtype=torch.int64)  # a peer's chunk header, read
+        self._heading = torch.empty(6, dtype=torch.int64)  # a peer's chunk header, read
         # poll, not select: select refuses descriptors from 1024 on, which gloo's sockets reach.
         self._poller = select.poll()
         self._poller.register(inbox, select.POLLIN)
@@ -252,7 +266,7 @@ class SharedMemoryExchange:
         peers = [self._members.index(group.ranks[(at - k) % n]) for k in range(1, n)]
         first, deadline = self._seq, time.monotonic() + self._timeout
         job_number, self._exchanges_run = self._exchanges_run, self._exchanges_run + 1
-        heading = [job_number, _KINDS[job.kind], length, step * out.element_size()]
+        heading = [job_number, _KINDS[job.kind], _dtype_code(out.dtype), length, step * out.element_size()]
         scratch = None if gather else torch.empty(step, dtype=out.dtype)  # a peer's part, to add
         written = taken = 0  # this job's chunks written into our slots; chunks taken from every peer
         peer_at = 0  # the next peer to take chunk ``taken`` from
@@ -261,7 +275,7 @@ class SharedMemoryExchange:
             while written < len(spans) and self._free(first + written):
                 a, b = spans[written]
                 slot = (first + written) % SLOTS
-                self._slots[slot * self._slot_bytes:][:_HEADER_BYTES].view(torch.int64)[:5].copy_(
+                self._slots[slot * self._slot_bytes:][:_HEADER_BYTES].view(torch.int64)[:6].copy_(
                     torch.tensor([*heading, written]))
                 own = self._slot(self._slots, slot, out.dtype)
                 if gather:
@@ -278,7 +292,7 @@ class SharedMemoryExchange:
             while taken < len(spans) and self._written[peers[peer_at]] > first + taken:
                 j, (a, b) = peers[peer_at], spans[taken]
                 offset = (first + taken) % SLOTS * self._slot_bytes
-                self._check_heading(j, offset, [*heading, taken], job.kind)
+                self._check_heading(j, offset, [*heading, taken], out.dtype)
                 offset += _HEADER_BYTES
                 if gather:
                     self._take(j, offset, out[place[j], a:b])
@@ -309,17 +323,13 @@ class SharedMemoryExchange:
             raise CollectiveError(f"member {self._members[j]}'s slots were cut short ({got} of {nbytes} bytes)")
         return into
 
-    def _check_heading(self, j: int, offset: int, expected: list[int], kind: str) -> None:
-        got = self._take(j, offset, self._heading)
-        if got.tolist() != expected:
-            job, theirs, length, chunk, number = got.tolist()
-            what = {v: k for k, v in _KINDS.items()}.get(theirs, f"kind {theirs}")
+    def _check_heading(self, j: int, offset: int, expected: list[int], dtype: torch.dtype) -> None:
+        got = self._take(j, offset, self._heading).tolist()
+        if got != expected:
             raise CollectiveError(
-                f"member {self._members[j]} of the exchange sent chunk {number} of its exchange {job}, a {what} of "
-                f"{length} elements per member in chunks of {chunk} bytes, where this member takes chunk "
-                f"{expected[4]} of its exchange {expected[0]}, a {kind} of {expected[2]} in chunks of "
-                f"{expected[3]} bytes: the members issued different collectives (every member must issue the "
-                f"same ones, in the same order)")
+                f"member {self._members[j]} of the exchange sent {_described(got, dtype)}, where this member "
+                f"takes {_described(expected, dtype)}: the members issued different collectives (every member "
+                f"must issue the same ones, in the same order)")
 
     def _free(self, seq: int) -> bool:
         """Whether every peer has taken what our slot for chunk ``seq`` held before."""
