@@ -349,6 +349,12 @@ class SharedMemoryExchange:
             written = os.write(self._outboxes[j], bytes((kind, self._index)))
         except BlockingIOError:
             written = 0
+        except BrokenPipeError:
+            if kind == _READ:
+                # The peer is done with its slots (its last exchange ended before we said we read its
+                # last chunk, and it closed or exited): nothing waits for this record.
+                return
+            raise
         if written != 2:
             raise CollectiveError(f"member {self._members[j]} of the exchange stopped reading what it was sent")
 
