@@ -82,10 +82,12 @@ def live_malloc_gloo4() -> Iterator[object]:
 
 # -- commands beside the tests ------------------------------------------------------------------
 # A test marked ``beside(command, timeout=..., env=...)`` only reads the result of a command (mypy, a
-# benchmark's smoke run in a process of its own). The tests run one at a time, torch on one thread,
-# so a second core is mostly idle: once the tests are collected, those commands run there, one after
-# another in collection order, and each test reads its own with the ``beside`` fixture (waiting for
-# it, or running it then if its turn has not come). The result is subprocess.run's, as if run there.
+# benchmark's smoke run in a process of its own). In a run on one process (``-n 0``) the tests run
+# one at a time, torch on one thread, so a second core is mostly idle: once the tests are collected,
+# those commands run there, one after another in collection order, and each test reads its own with
+# the ``beside`` fixture (waiting for it, or running it then if its turn has not come). The result is
+# subprocess.run's, as if run there. Under two workers the second core is in use: a worker runs the
+# command when the test comes.
 # Only for a command of one process that opens no port: one that starts gloo ranks, run beside the
 # first tests, made a torchrun fault test's 2 s rendezvous time out.
 ROOT = Path(__file__).resolve().parents[1]
@@ -165,9 +167,20 @@ class _Beside:
 _BESIDE = pytest.StashKey[_Beside]()
 
 
+# -- two workers (pytest-xdist, pyproject's addopts) -----------------------------------------------
+# The tests that start gloo ranks (a pool, torchrun, an example on processes) run on one worker, one
+# after another as before: two at once would put up to eight rank processes on this machine's two
+# cores, and a fault test's short rendezvous or deadline would then time out. The other tests (one
+# thread of torch each) share both workers.
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("gloo"):
+            item.add_marker(pytest.mark.xdist_group("gloo"))
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     jobs = {item.nodeid: mark for item in session.items if (mark := item.get_closest_marker("beside"))}
-    if jobs and not session.config.option.collectonly:
+    if jobs and not session.config.option.collectonly and not hasattr(session.config, "workerinput"):
         session.config.stash[_BESIDE] = _Beside(jobs)
 
 
