@@ -8,8 +8,9 @@ the rows. A bucket of one unit is the unit's own flat buffer.
 
 Both directions copy each value once: the reduce input is one concatenation of slices of the
 gradients (no per-unit flat buffer first), and the gathered parameters are views of the
-all-gather's output wherever a parameter lies within one row (a parameter split over two ranks'
-shards is the one copy).
+all-gather's output wherever a parameter's values lie together (within one row, or anywhere in a
+bucket of one unit, whose rows follow each other); a parameter split over two ranks' shards of a
+bucket of several units is the one copy.
 """
 
 from __future__ import annotations
@@ -83,27 +84,46 @@ class Bucket:
             return shards[self.units[0].unit]
         return torch.cat([shards[u.unit] for u in self.units])
 
-    def unflatten(self, gathered: torch.Tensor) -> dict[str, dict[str, torch.Tensor]]:
-        """Every unit's parameters from a gathered bucket (all ranks' rows): views of it where a
-        parameter lies within one row, else one copy of its pieces; padding dropped."""
-        rows = gathered.view(self.shards, self.shard_numel)
-        out: dict[str, dict[str, torch.Tensor]] = {}
+    @functools.cached_property
+    def _places(self) -> tuple[tuple[str, tuple[tuple[str, tuple[tuple[int, int], ...], torch.Size], ...]], ...]:
+        """Per unit, per parameter: where its values lie in a gathered bucket's flat buffer, as
+        (start, stop) ranges, one per row it spans (a row is one rank's shards of every unit),
+        ranges that touch merged (a bucket of one unit: always one range)."""
+        row = self.shard_numel
+        out = []
         for u, o in zip(self.units, self.offsets, strict=True):
             s = u.shard_numel
-            params: dict[str, torch.Tensor] = {}
+            params = []
             offset = 0
             for name, numel, shape in zip(u.names, u.numels, u.shapes, strict=True):
-                if numel == 0:
-                    parts = [rows[0, o:o]]
-                else:
-                    parts = [
-                        rows[r, o + max(offset - r * s, 0) : o + min(offset + numel - r * s, s)]
-                        for r in range(offset // s, (offset + numel - 1) // s + 1)
-                    ]
-                flat = parts[0] if len(parts) == 1 else torch.cat(parts)
-                params[name] = flat.view(shape)
+                ranges: list[tuple[int, int]] = [(o, o)] if numel == 0 else []
+                for r in range(offset // s, (offset + numel - 1) // s + 1) if numel else ():
+                    a = r * row + o + max(offset - r * s, 0)
+                    b = r * row + o + min(offset + numel - r * s, s)
+                    if ranges and ranges[-1][1] == a:
+                        ranges[-1] = (ranges[-1][0], b)
+                    else:
+                        ranges.append((a, b))
+                params.append((name, tuple(ranges), shape))
                 offset += numel
-            out[u.unit] = params
+            out.append((u.unit, tuple(params)))
+        return tuple(out)
+
+    def unflatten(self, gathered: torch.Tensor) -> dict[str, dict[str, torch.Tensor]]:
+        """Every unit's parameters from a gathered bucket (all ranks' rows): views of it where a
+        parameter's values lie together (within one row, or across the rows of a bucket of one
+        unit), else one copy of its pieces; padding dropped."""
+        flat = gathered.view(self.shards * self.shard_numel)
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        for unit, params in self._places:
+            got: dict[str, torch.Tensor] = {}
+            for name, ranges, shape in params:
+                if len(ranges) == 1:
+                    a, b = ranges[0]
+                    got[name] = flat[a:b].view(shape)
+                else:
+                    got[name] = torch.cat([flat[a:b] for a, b in ranges]).view(shape)
+            out[unit] = got
         return out
 
 

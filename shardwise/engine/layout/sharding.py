@@ -90,16 +90,17 @@ class UnitLayout:
         dtype = dtypes.pop() if dtypes else torch.float32
         return cls(unit, names, tuple(params[n].shape for n in names), dtype, shards)
 
-    @property
+    # Cached: the executor reads these for every unit at every step (the layout never changes).
+    @functools.cached_property
     def numels(self) -> tuple[int, ...]:
         return tuple(math.prod(s) for s in self.shapes)
 
-    @property
+    @functools.cached_property
     def numel(self) -> int:
         """Elements of the unit's parameters, without padding."""
         return sum(self.numels)
 
-    @property
+    @functools.cached_property
     def shard_numel(self) -> int:
         return -(-self.numel // self.shards)  # ceil
 
@@ -113,7 +114,7 @@ class UnitLayout:
 
     @property
     def element_size(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     @property
     def padded_nbytes(self) -> int:
