@@ -206,3 +206,63 @@ def test_joined_computes_draw_the_masks_of_separate_ones() -> None:
     joined = sw.launch(lambda: _run(piped, params, batches, mesh), 2)
     alone = sw.launch(lambda: _run(piped.with_trace(), params, batches, mesh), 2)
     assert all(_equal(a, b) for a, b in zip(joined, alone, strict=True))
+
+
+def _counting(monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:
+    """Count the calls of ``Executor.<name>`` (the counts go into the returned list)."""
+    from shardwise.engine.run.executor import Executor
+
+    calls: list[int] = []
+    original = getattr(Executor, name)
+
+    def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Executor, name, counted)
+    return calls
+
+
+def test_stages_that_draw_nothing_run_unseeded_and_step_as_seeded_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stage of layers whose forwards draw no random numbers (a Linear, a GELU, called directly) runs
+    without seeding the generators; the seed would change nothing it computes, since every compute
+    seeds its own. So the steps are bitwise those of a run that seeds every stage (as with no layer
+    known to draw nothing), and only the dropout stages seed their forwards."""
+    from shardwise.engine.model import module_call
+
+    step, params, batches = PROBLEM
+    seeds, quiet = _counting(monkeypatch, "_forward_seed"), _counting(monkeypatch, "_run_quiet")
+    unseeded = _run(step, params, batches, None)  # type: ignore[arg-type]
+    dropouts = sum(isinstance(step.chain[n].fn.module, torch.nn.Dropout) for n in step.chain.names)
+    stages = len(step.chain.names)
+    assert (len(seeds), len(quiet)) == (dropouts * len(batches), (stages - dropouts) * len(batches))
+    seeds.clear(), quiet.clear()
+    monkeypatch.setattr(module_call, "DRAWS_NOTHING", frozenset())
+    seeded_everywhere = _run(step, params, batches, None)  # type: ignore[arg-type]
+    assert (len(seeds), len(quiet)) == (stages * len(batches), 0)
+    assert _equal(unseeded, seeded_everywhere)
+    assert not _equal(unseeded, _run(step, params, batches, None, seed=1))  # type: ignore[arg-type]
+
+
+def test_a_hook_that_draws_makes_the_stage_seeded() -> None:
+    """A global forward hook makes every module call run through ``Module.__call__``, which runs the
+    hook: a hook that draws random numbers then draws from the stage's seeded stream, whatever the
+    global generator's state (unseeded, the two runs below would draw different numbers)."""
+    step, params, batches = PROBLEM
+    drawn: list[torch.Tensor] = []
+
+    def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+        if isinstance(module, torch.nn.Linear):
+            drawn.append(torch.rand(3))
+
+    handle = torch.nn.modules.module.register_module_forward_hook(hook)
+    try:
+        torch.manual_seed(1)
+        first = _run(step, params, batches[:1], None)  # type: ignore[arg-type]
+        first_draws, drawn[:] = list(drawn), []
+        torch.manual_seed(2)
+        second = _run(step, params, batches[:1], None)  # type: ignore[arg-type]
+    finally:
+        handle.remove()
+    assert len(first_draws) == 3 and _equal(first_draws, drawn)
+    assert _equal(first, second)

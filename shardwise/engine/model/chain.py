@@ -70,6 +70,15 @@ class Layer:
         tensors, fn = {**params, **self.buffers}, self.fn
         return lambda x: fn(tensors, x)
 
+    def bind_quiet(self, params: Mapping[str, Tensor]) -> Any:
+        """The layer on ``params`` as ``(module, tensors, fn)``, run as ``fn(module, tensors, x)`` on a
+        tensor ``x`` while ``module_call.calls_forward_alone(module)`` holds, when its ``fn`` says it is
+        one call of a forward that draws no random numbers (a functionalized ``nn.Linear``, say:
+        module_call.DRAWS_NOTHING); None for any other layer. Asked of the fn's class, so a wrapper
+        that forwards attribute reads to the fn it wraps never answers for it."""
+        quiet = getattr(type(self.fn), "quiet", None)
+        return None if quiet is None or self.buffers else quiet(self.fn, {**params})
+
     @property
     def owned_param_names(self) -> tuple[str, ...]:
         """``param_names`` minus the tied ones: what ``params[self.name]`` holds."""

@@ -83,7 +83,7 @@ from .capture import Piece, split_by_calls
 from .chain import Chain, Layer
 from .fx_split import FunctionalizeError, FxTraceError, split_graph
 from .materialize import InitFn, ModuleInit, has_meta_tensors, is_transformers_model, stand_in
-from .module_call import ThreadReplicas, call_arguments
+from .module_call import Quiet, ThreadReplicas, call_arguments
 from .pytrees import float_leaves, register_output_types, unregistered_reason
 from .shape_check import check_shapes_against_module
 
@@ -303,6 +303,12 @@ class _ModuleFn:
             return register_output_types(call.call(tensors, (x,), {}))
         args, kwargs = call_arguments(call.module, x)
         return register_output_types(call.call(tensors, args, kwargs))
+
+    def quiet(self, tensors: dict[str, Tensor]) -> Quiet | None:
+        """This thread's :meth:`ModuleCall.quiet` on ``tensors``: what ``self(tensors, x)`` runs on a
+        tensor ``x`` as one call that draws no random numbers, or None."""
+        call = self.replicas.get()
+        return None if call.takes_use_cache else call.quiet(tensors)
 
     def __repr__(self) -> str:
         return f"functional_call({type(self.module).__name__})"

@@ -60,8 +60,15 @@ DIRECT: dict[type[nn.Module], _Direct] = {
 # Each class's forward as torch defines it: a class whose forward was patched takes the swap.
 _FORWARDS = {cls: cls.forward for cls in DIRECT}
 
+# The DIRECT types whose forward draws no random numbers: a stage that runs only these, directly,
+# needs no seeding of the random streams (run/executor.py skips it for such a stage).
+DRAWS_NOTHING = frozenset(DIRECT) - {nn.Dropout}
 
-def _calls_forward_alone(module: nn.Module) -> bool:
+# (module, its tensors, its DIRECT call): ``module(x)`` as the one call ``fn(module, tensors, x)``
+Quiet = tuple[nn.Module, dict[str, Tensor], _Direct]
+
+
+def calls_forward_alone(module: nn.Module) -> bool:
     """Whether ``module(x)`` would only call its class's own ``forward(x)`` (Module._wrapped_call_impl
     and _call_impl's fast path): no hooks of its own or global ones, not compiled, not traced, no
     forward set on the instance (a transform's, as tensor_parallel installs; or what ``module(x)``
@@ -95,6 +102,15 @@ class ModuleCall:
     def __call__(self, tensors: dict[str, Tensor], x: Any) -> Any:
         return self.call(tensors, (x,), {})
 
+    def quiet(self, tensors: dict[str, Tensor]) -> Quiet | None:
+        """``module(x)`` on ``tensors`` as its forward's one call, if that call draws no random
+        numbers (:data:`DRAWS_NOTHING`): ``(module, tensors, fn)``, to run as ``fn(module, tensors, x)``
+        on a tensor ``x`` whenever :func:`calls_forward_alone` holds (the caller asks before each
+        call: a hook may come at any time). None for any other module, or other keys."""
+        if self._direct is None or type(self.module) not in DRAWS_NOTHING or tensors.keys() != self._keys:
+            return None
+        return self.module, tensors, self._direct
+
     def call(self, tensors: dict[str, Tensor], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """``module(*args, **kwargs)`` with ``tensors`` swapped in."""
         if self._slots is None or tensors.keys() != self._keys:
@@ -103,7 +119,7 @@ class ModuleCall:
             return functional_call(self.module, unprefixed, args, kwargs, strict=True)
         direct = self._direct
         if direct is not None and not kwargs and len(args) == 1 and isinstance(args[0], Tensor) \
-                and _calls_forward_alone(self.module):
+                and calls_forward_alone(self.module):
             return direct(self.module, tensors, args[0])
         slots = self._slots
         originals = [container[attr] for container, attr, _ in slots]

@@ -22,10 +22,13 @@ import torch
 
 class BoundStage(NamedTuple):
     """A stage's layers bound to a step's leaves: (name, call, buffers) per layer, and the leaves used
-    by (owner layer, local name)."""
+    by (owner layer, local name); ``quiet``: when every layer is one call of a forward that draws no
+    random numbers (``Layer.bind_quiet``), those calls, which run the stage on a tensor without
+    seeding its random streams; else None."""
 
     layers: tuple[tuple[str, Callable[[Any], Any], Mapping[str, torch.Tensor]], ...]
     leaves: dict[tuple[str, str], torch.Tensor]
+    quiet: tuple[Any, ...] | None = None
 
 
 @dataclass

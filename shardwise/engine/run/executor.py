@@ -38,7 +38,7 @@ import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import optree
 import torch
@@ -54,6 +54,7 @@ from ..layout.precision import all_finite
 from ..layout.sharding import FlatSharding
 from ..layout.state_layout import Placement
 from ..model.chain import Chain
+from ..model.module_call import calls_forward_alone
 from ..optim.optimizers import global_norm
 from ..plan.actions import (
     BACKWARD,
@@ -447,8 +448,10 @@ class Executor(ZeroActions, TransferActions):
         code = _RANDOM.get(action.kind)
         if code is None or self._seed_prefix is None or (
             action.kind == BACKWARD and (action.stage, action.mb) in self._covered
-        ):
-            handler(action)  # (a backward that its run's top stage's call covered runs nothing)
+        ) or (action.kind == FORWARD and not self._shared_rng):
+            # (a backward that its run's top stage's call covered runs nothing; a forward seeds in
+            # _forward, unless its stage draws no random numbers)
+            handler(action)
             return
         # mix(rng_seed, rng rank, stage, micro-batch, code), the first two mixed once per step
         seed = mixed(self._seed_prefix, action.stage or 0, action.microbatch or 0, code) & MASK
@@ -465,26 +468,29 @@ class Executor(ZeroActions, TransferActions):
     def _forward_run(self, run: Sequence[Action]) -> None:
         """Forwards of consecutive stages of one micro-batch (:func:`joined_forwards`) in one loop,
         each with the generators seeded as :meth:`_call` seeds a forward."""
-        prefix = self._seed_prefix
         with torch.enable_grad():
-            for action in run:
-                if prefix is None:
+            if not self._shared_rng or self._seed_prefix is None:
+                for action in run:
                     self._forward(action)
-                    continue
-                seed = mixed(prefix, action.stage or 0, action.microbatch or 0, _RANDOM[FORWARD]) & MASK
-                if self._shared_rng:
-                    with seeded(seed, self.device, True):
-                        self._forward(action)
-                    continue
-                for gen in self._generators:
-                    gen.manual_seed(seed)
-                self._forward(action)
+                return
+            for action in run:
+                with seeded(self._forward_seed(action), self.device, True):
+                    self._forward(action)
 
     def forward(self, action: Action) -> None:
         with torch.enable_grad():
             self._forward(action)
 
+    def _forward_seed(self, action: Action) -> int:
+        """The seed of ``action``'s forward: mix(rng_seed, rng rank, stage, micro-batch, forward's code)."""
+        assert self._seed_prefix is not None
+        return mixed(self._seed_prefix, action.stage or 0, action.microbatch or 0, _RANDOM[FORWARD]) & MASK
+
     def _forward(self, action: Action) -> None:
+        """Stage ``action.stage``'s forward on micro-batch ``action.mb``. Without shared generators
+        (one rank per process) it seeds them here, where it knows whether the stage draws any
+        random numbers: a stage of layers that draw none (a Linear, a GELU, called directly) runs
+        unseeded, as the seed would change nothing it computes (every compute seeds its own)."""
         s, m = action.require("stage"), action.mb
         joined = (s, m) in self._joined
         if s == 0:
@@ -508,32 +514,25 @@ class Executor(ZeroActions, TransferActions):
         if not joined:
             for t in inputs:
                 t.requires_grad_(True)
-        y = x
-        for name, call, buffers in bound.layers:
-            versions = [version_of(b) for b in buffers.values()] if buffers else None
-            try:
-                y = call(y)
-            except Exception as err:  # say where, with what: the message is torch's
-                keys = unknown_keys_message(name, self.chain[name].fn, y)
-                if keys is not None:
-                    raise ValueError(keys) from err
-                err.add_note(f"in layer {name!r} (stage {s}, micro-batch {m}), on input {_describe(y)}")
-                raise
-            if versions is None:
-                continue
-            changed = [b for b, v in zip(buffers, versions, strict=True) if version_of(buffers[b]) != v]
-            if changed:
-                raise ValueError(
-                    f"layer {name!r} wrote into its buffers {changed} during forward: a pure layer keeps no "
-                    "state, so the update would be lost between steps or leak across ranks; make it a "
-                    "parameter, compute it from the input, or leave the module in eval mode"
-                )
+        quiet = bound.quiet
+        ran_quiet = quiet is not None and type(x) is torch.Tensor and all(calls_forward_alone(q[0]) for q in quiet)
+        if quiet is not None and ran_quiet:
+            y = self._run_quiet(quiet, bound, x, s, m)
+        else:
+            if self._seed_prefix is not None and not self._shared_rng:  # shared ones: seeded by the caller
+                seed = self._forward_seed(action)
+                for gen in self._generators:
+                    gen.manual_seed(seed)
+            y = self._run_layers(bound, x, s, m)
         self._outputs[(s, m)] = y
         if joined:
             reached = [False] * len(inputs)
             # One tensor in, one out, and a small graph between them: whether a gradient will reach
-            # the input is read off the graph now, instead of a Python hook called in backward.
-            known = _reaches(y, inputs[0]) if len(inputs) == 1 and isinstance(y, torch.Tensor) else None
+            # the input is read off the graph now, instead of a Python hook called in backward. The
+            # quiet calls (a Linear, a GELU, a LayerNorm, ...) each compute their output from their
+            # input differentiably, so through them it always does.
+            known = True if ran_quiet and len(inputs) == 1 else (
+                _reaches(y, inputs[0]) if len(inputs) == 1 and isinstance(y, torch.Tensor) else None)
             if known is not None:
                 reached[0] = known
             else:
@@ -544,6 +543,45 @@ class Executor(ZeroActions, TransferActions):
             self._saved[(s, m)] = _Saved([], bound.leaves, outputs, reached=reached)
         else:
             self._saved[(s, m)] = _Saved(inputs, bound.leaves, self._carrying_grads(s, y))
+
+    def _run_layers(self, bound: BoundStage, x: Any, s: int, m: int) -> Any:
+        """The stage's layers on ``x``, one after the other; refused where a layer wrote into its buffers."""
+        y = x
+        for name, call, buffers in bound.layers:
+            versions = [version_of(b) for b in buffers.values()] if buffers else None
+            try:
+                y = call(y)
+            except Exception as err:
+                self._layer_failed(err, name, s, m, y)
+            if versions is None:
+                continue
+            changed = [b for b, v in zip(buffers, versions, strict=True) if version_of(buffers[b]) != v]
+            if changed:
+                raise ValueError(
+                    f"layer {name!r} wrote into its buffers {changed} during forward: a pure layer keeps no "
+                    "state, so the update would be lost between steps or leak across ranks; make it a "
+                    "parameter, compute it from the input, or leave the module in eval mode"
+                )
+        return y
+
+    def _run_quiet(self, quiet: tuple[Any, ...], bound: BoundStage, x: torch.Tensor, s: int, m: int) -> Any:
+        """The stage's layers on ``x`` as their forwards' one calls (``BoundStage.quiet``): what their
+        calls in :meth:`_run_layers` run, without the way through the module call."""
+        y = x
+        for (module, tensors, fn), (name, _, _) in zip(quiet, bound.layers, strict=True):
+            try:
+                y = fn(module, tensors, y)
+            except Exception as err:
+                self._layer_failed(err, name, s, m, y)
+        return y
+
+    def _layer_failed(self, err: Exception, name: str, s: int, m: int, y: Any) -> NoReturn:
+        """Say where ``err`` came from, and on what: the message is torch's."""
+        keys = unknown_keys_message(name, self.chain[name].fn, y)
+        if keys is not None:
+            raise ValueError(keys) from err
+        err.add_note(f"in layer {name!r} (stage {s}, micro-batch {m}), on input {_describe(y)}")
+        raise err
 
     def compute_loss(self, action: Action) -> None:
         m = action.mb
@@ -723,11 +761,14 @@ class Executor(ZeroActions, TransferActions):
         if bound is None:
             used: dict[tuple[str, str], torch.Tensor] = {}
             layers = []
+            quiet: list[Any] | None = []
             for name in self.placement.stages[s]:
                 layer = self.chain[name]
                 tensors = {local: self._leaf(layer.ties.get(local, (name, local)), used) for local in layer.param_names}
                 layers.append((name, layer.bind(tensors), layer.buffers))
-            bound = self._bound[s] = BoundStage(tuple(layers), used)
+                call = None if quiet is None else layer.bind_quiet(tensors)
+                quiet = None if quiet is None or call is None else [*quiet, call]
+            bound = self._bound[s] = BoundStage(tuple(layers), used, None if quiet is None else tuple(quiet))
         elif self.source.sharding is not None:
             for key in bound.leaves:  # under ZeRO-3 a unit must be gathered whenever its layers compute
                 self._check_gathered(key)
