@@ -152,7 +152,9 @@ def mul_tensor(xs: TensorList, factor: Tensor, *, inplace: bool = False) -> list
     (device, dtype) of ``xs``, so each product rounds once, in the tensor's own dtype."""
     if not xs:
         return []
-    groups = _kernel_groups(xs) or [list(range(len(xs)))]
+    groups = _kernel_groups(xs)
+    if groups is None:  # one device and dtype: one cast, one call
+        return _apply("_foreach_mul", [xs], factor.to(device=xs[0].device, dtype=xs[0].dtype), inplace=inplace)
     out: list[Tensor | None] = [None] * len(xs)
     for indices in groups:
         part = [xs[i] for i in indices]

@@ -467,7 +467,8 @@ class Executor(ZeroActions, TransferActions):
 
     def _forward_run(self, run: Sequence[Action]) -> None:
         """Forwards of consecutive stages of one micro-batch (:func:`joined_forwards`) in one loop,
-        each with the generators seeded as :meth:`_call` seeds a forward."""
+        each seeded as a forward alone is (by :meth:`_forward`, or around it where ranks share the
+        generators)."""
         with torch.enable_grad():
             if not self._shared_rng or self._seed_prefix is None:
                 for action in run:
@@ -676,14 +677,9 @@ class Executor(ZeroActions, TransferActions):
         bottom = self._saved[(lowest, m)]
         grads = self._output_grads(top, m, saved)
         pairs = [(o, g) for o, g in zip(saved.outputs, grads, strict=True) if g is not None and o.requires_grad]
-        stages = [self._saved[(s, m)] for s in range(lowest, top + 1)]
-        wrt = list(bottom.inputs)
-        seen: set[int] = set()
-        for part in stages:
-            for leaf in part.params.values():
-                if id(leaf) not in seen:
-                    seen.add(id(leaf))
-                    wrt.append(leaf)
+        # Every stage's leaves once (a tied weight is a leaf of each stage that uses it), in stage order.
+        leaves = {id(leaf): leaf for s in range(lowest, top + 1) for leaf in self._saved[(s, m)].params.values()}
+        wrt = [*bottom.inputs, *leaves.values()]
         if pairs and wrt:
             accumulate_backward([o for o, _ in pairs], [g for _, g in pairs], wrt)
         for s in range(top, lowest, -1):  # each joined input must have had a gradient, as in backward
