@@ -1,4 +1,4 @@
-"""Peak memory per rank: one process, torch FSDP2 with meta-device init, FairScale, DeepSpeed and shardwise ZeRO-3.
+"""Peak memory per rank: one process, torch FSDP2 and DDP, FairScale, DeepSpeed and shardwise ZeRO-1/2/3.
 
 Run it from the repository root:
 
@@ -46,11 +46,22 @@ Variants:
 * ``shardwise_eager``: the model built in full on every rank (as the README shows it), then
   functionalized and initialized as ``shardwise_meta``.
 
+The ZeRO-1/2 rows, where every rank holds the whole model (only the optimizer state, and under
+ZeRO-2 the gradients, are sharded), each with the model built whole on every rank, seeded:
+
+* ``ddp``: torch's ``DistributedDataParallel`` with its defaults (25 MB gradient buckets, which
+  it copies the gradients into), ``torch.optim.AdamW``; each rank steps on its slice of the batch.
+* ``fairscale_oss``: FairScale's OSS (the optimizer state sharded) with ShardedDDP;
+  ``deepspeed_zero2``: DeepSpeed ZeRO-2 with its default buckets (both optional, as above).
+* ``shardwise_zero1``, ``shardwise_zero2``: ``sw.shard_params(step, "dp", stage=1 or 2)`` with
+  its default buckets and the in-place AdamW.
+
 Output: one JSON line per (width, world, variant) with ``init_peak_bytes`` and
 ``peak_bytes`` (VmHWM above the baseline, the largest over ranks), ``model_bytes`` (the full
 model's parameters), ``ratio_to_fsdp2`` (peak over FSDP2's peak at that world),
-``plan_peak_bytes`` (the Plan's predicted peak for shardwise ZeRO-3 there, on every row), and for
-shardwise the Plan's figures for rank 0 (``plan``: params, grads, opt_state, gathered_peak,
+``plan_peak_bytes`` (the Plan's predicted peak for shardwise ZeRO-3 there, on every row but
+``shardwise_zero1/2``'s, which carry their own stage's), ``ratio_to_ddp`` (peak over DDP's, where
+DDP ran), and for shardwise the Plan's figures for rank 0 (``plan``: params, grads, opt_state, gathered_peak,
 reduce_buffers, comm_buffers, each at its own peak, ``held_in_step``, the most those three and the
 gradient shards made so far hold together at one action, kept_for_backward, and ``peak``, the Plan's
 prediction of the peak: params + opt_state + held_in_step + kept_for_backward).
@@ -78,7 +89,9 @@ from shardwise.collectives.backends.processes import ProcessPool
 from shardwise.testing.memory import LIVE_MALLOC, PeakRSS
 
 VARIANTS = ("fsdp2_meta", "fairscale_fsdp", "deepspeed_zero3_init", "deepspeed_zero3", "shardwise_meta",
-            "shardwise_meta_functional", "shardwise_eager")
+            "shardwise_meta_functional", "shardwise_eager", "ddp", "fairscale_oss", "deepspeed_zero2",
+            "shardwise_zero1", "shardwise_zero2")
+STAGE = {"shardwise_zero1": 1, "shardwise_zero2": 2}  # a shardwise variant's ZeRO stage (3 if not here)
 # --models: the two sizes of issue 25, as Linear widths (12 layers).
 MODEL_WIDTHS = {"200mb": 2048, "800mb": 4096}
 ADAMW = seed_systems.AdamW(1e-3, (0.9, 0.999), 1e-8, 0.01)  # torch.optim.AdamW's defaults, as the others
@@ -167,15 +180,45 @@ def train_seed_system(cfg: Config, peak: PeakRSS, trainer: seed_systems.Trainer)
     return {"init_peak_bytes": init_peak, "peak_bytes": peak.peak()}
 
 
-def fairscale_fsdp(cfg: Config) -> dict[str, Any]:
-    """FairScale's FSDP has no meta-device init: every rank builds the whole model, FSDP keeps its shard."""
+def seed_system_on_whole_model(cfg: Config, system: str) -> dict[str, Any]:
+    """``system`` on the model built whole on every rank (seeded), as each keeps what it keeps of it."""
     peak = PeakRSS()
     torch.manual_seed(0)
     model = build(cfg)
-    trainer = seed_systems.build("fairscale_fsdp", model, list(model), F.mse_loss, ADAMW, cfg.batch // cfg.world)
+    trainer = seed_systems.build(system, model, list(model), F.mse_loss, ADAMW, cfg.batch // cfg.world)
     del model
     gc.collect()
     return train_seed_system(cfg, peak, trainer)
+
+
+def fairscale_fsdp(cfg: Config) -> dict[str, Any]:
+    """FairScale's FSDP has no meta-device init: every rank builds the whole model, FSDP keeps its shard."""
+    return seed_system_on_whole_model(cfg, "fairscale_fsdp")
+
+
+def fairscale_oss(cfg: Config) -> dict[str, Any]:
+    return seed_system_on_whole_model(cfg, "fairscale_oss")
+
+
+def deepspeed_zero2(cfg: Config) -> dict[str, Any]:
+    return seed_system_on_whole_model(cfg, "deepspeed_zero2")
+
+
+def ddp(cfg: Config) -> dict[str, Any]:
+    """torch's DistributedDataParallel with its defaults, on the model built whole on every rank."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    peak = PeakRSS()
+    torch.manual_seed(0)
+    model = DistributedDataParallel(build(cfg))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    init_peak = peak.peak()
+    x, y = local_rows(cfg)
+    for _ in range(cfg.steps):
+        opt.zero_grad(set_to_none=True)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+    return {"init_peak_bytes": init_peak, "peak_bytes": peak.peak()}
 
 
 def deepspeed_zero3(cfg: Config, zero_init: bool) -> dict[str, Any]:
@@ -202,7 +245,7 @@ def deepspeed_zero3_eager(cfg: Config) -> dict[str, Any]:
     return deepspeed_zero3(cfg, zero_init=False)
 
 
-def shardwise_zero3(cfg: Config, meta: bool, inplace: bool = True) -> dict[str, Any]:
+def shardwise_zero(cfg: Config, meta: bool, inplace: bool = True, stage: int = 3) -> dict[str, Any]:
     peak = PeakRSS()
     if meta:
         with torch.device("meta"):
@@ -213,7 +256,7 @@ def shardwise_zero3(cfg: Config, meta: bool, inplace: bool = True) -> dict[str, 
     chain, params = sw.functionalize(model)
     del model
     optimizer = sw.optim.adamw(1e-3, inplace=inplace)
-    step = sw.shard_params(sw.train_step(chain, F.mse_loss, optimizer), "dp", stage=3)
+    step = sw.shard_params(sw.train_step(chain, F.mse_loss, optimizer), "dp", stage=stage)
     mesh = sw.Mesh(dp=cfg.world)
     state = step.init(params, mesh)
     del params
@@ -226,25 +269,33 @@ def shardwise_zero3(cfg: Config, meta: bool, inplace: bool = True) -> dict[str, 
 
 
 def shardwise_meta(cfg: Config) -> dict[str, Any]:
-    return shardwise_zero3(cfg, meta=True)
+    return shardwise_zero(cfg, meta=True)
 
 
 def shardwise_eager(cfg: Config) -> dict[str, Any]:
-    return shardwise_zero3(cfg, meta=False)
+    return shardwise_zero(cfg, meta=False)
 
 
 def shardwise_meta_functional(cfg: Config) -> dict[str, Any]:
-    return shardwise_zero3(cfg, meta=True, inplace=False)
+    return shardwise_zero(cfg, meta=True, inplace=False)
 
 
-def plan_figures(cfg: Config, inplace: bool = True) -> dict[str, int]:
+def shardwise_zero1(cfg: Config) -> dict[str, Any]:
+    return shardwise_zero(cfg, meta=False, stage=1)
+
+
+def shardwise_zero2(cfg: Config) -> dict[str, Any]:
+    return shardwise_zero(cfg, meta=False, stage=2)
+
+
+def plan_figures(cfg: Config, inplace: bool = True, stage: int = 3) -> dict[str, int]:
     """The Plan's memory figures for rank 0 (made here, on meta parameters: no data), with the
     optimizer the measured step uses (an out-of-place update allocates new parameters and moments)."""
     with torch.device("meta"):
         model = build(cfg)
     chain, params = sw.functionalize(model)
     optimizer = sw.optim.adamw(1e-3, inplace=inplace)
-    step = sw.shard_params(sw.train_step(chain, F.mse_loss, optimizer), "dp", stage=3)
+    step = sw.shard_params(sw.train_step(chain, F.mse_loss, optimizer), "dp", stage=stage)
     x, y = batch_of(cfg)
     plan = step.plan(sw.Mesh(dp=cfg.world), params, (x, y))
     return {key: int(per_rank[0]) for key, per_rank in plan.memory.items()}
@@ -258,6 +309,11 @@ PROGRAMS = {
     "shardwise_meta": shardwise_meta,
     "shardwise_meta_functional": shardwise_meta_functional,
     "shardwise_eager": shardwise_eager,
+    "ddp": ddp,
+    "fairscale_oss": fairscale_oss,
+    "deepspeed_zero2": deepspeed_zero2,
+    "shardwise_zero1": shardwise_zero1,
+    "shardwise_zero2": shardwise_zero2,
 }
 
 
@@ -284,7 +340,8 @@ def run(cfg: Config, variant: str, pool: ProcessPool | None = None) -> dict[str,
 
 
 SEED_SYSTEM_OF = {"fairscale_fsdp": "fairscale_fsdp", "deepspeed_zero3_init": "deepspeed_zero3",
-                  "deepspeed_zero3": "deepspeed_zero3"}
+                  "deepspeed_zero3": "deepspeed_zero3", "fairscale_oss": "fairscale_oss",
+                  "deepspeed_zero2": "deepspeed_zero2"}
 
 
 def parse_args() -> argparse.Namespace:
@@ -350,19 +407,23 @@ def main() -> None:
                 cfg = Config(width, args.layers, args.batch, args.steps, world)
                 # shardwise's prediction (in-place AdamW), beside every system's measurement; the
                 # functional variant's own beside it.
-                plans = {True: plan_figures(cfg), False: plan_figures(cfg, inplace=False)}
-                fsdp2 = None
+                plans = {(True, 3): plan_figures(cfg), (False, 3): plan_figures(cfg, inplace=False)}
+                plans.update({(True, s): plan_figures(cfg, stage=s) for v, s in STAGE.items() if v in args.variants})
+                fsdp2 = ddp_peak = None
                 shared = ProcessPool(world, timeout=1800) if args.pools == "world" else None
                 with shared or contextlib.nullcontext():
                     for variant in args.variants:
                         note(f"# width {width}, world {world}: {variant}")
-                        plan = plans[variant != "shardwise_meta_functional"]
+                        plan = plans[(variant != "shardwise_meta_functional", STAGE.get(variant, 3))]
                         result = measured(cfg, variant, shared)
                         row = {"bench": "memory", "variant": variant, "width": width, "world": world,
                                "model_bytes": model_bytes, **result, "plan_peak_bytes": plan["peak"]}
                         if "peak_bytes" in result:
                             fsdp2 = fsdp2 or (result["peak_bytes"] if variant == "fsdp2_meta" else None)
                             row["ratio_to_fsdp2"] = round(result["peak_bytes"] / fsdp2, 3) if fsdp2 else None
+                            ddp_peak = ddp_peak or (result["peak_bytes"] if variant == "ddp" else None)
+                            if ddp_peak:  # (ddp comes after the ZeRO-3 rows and before the ZeRO-1/2 ones)
+                                row["ratio_to_ddp"] = round(result["peak_bytes"] / ddp_peak, 3)
                         if variant.startswith("shardwise"):
                             row["plan"] = plan
                         emit({**row, **environment(), **stated})

@@ -155,8 +155,10 @@ def test_memory_benchmark_runs_and_reports_each_variant() -> None:
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = {row["variant"]: row for row in map(json.loads, result.stdout.splitlines())}
-    ours_and_torch = {"one_process", "fsdp2_meta", "shardwise_meta", "shardwise_meta_functional", "shardwise_eager"}
-    seed_systems = {"fairscale_fsdp", "deepspeed_zero3", "deepspeed_zero3_init"}  # measured where installed
+    ours_and_torch = {"one_process", "fsdp2_meta", "shardwise_meta", "shardwise_meta_functional", "shardwise_eager",
+                      "ddp", "shardwise_zero1", "shardwise_zero2"}
+    seed_systems = {"fairscale_fsdp", "deepspeed_zero3", "deepspeed_zero3_init", "fairscale_oss",
+                    "deepspeed_zero2"}  # measured where installed
     assert set(rows) == ours_and_torch | seed_systems, sorted(rows)
     assert not [row for row in rows.values() if "failed" in row], rows
     assert {row["pools"] for row in rows.values()} == {"world"}
@@ -166,6 +168,12 @@ def test_memory_benchmark_runs_and_reports_each_variant() -> None:
             continue
         assert row["peak_bytes"] >= row["init_peak_bytes"] >= 0, row
     assert rows["fsdp2_meta"]["ratio_to_fsdp2"] == 1.0
+    assert rows["ddp"]["ratio_to_ddp"] == 1.0 and "ratio_to_ddp" in rows["shardwise_zero2"]
+    for stage in (1, 2):  # each ZeRO-1/2 row carries its own stage's Plan, whose peak counts the same parts
+        row = rows[f"shardwise_zero{stage}"]
+        own = row["plan"]
+        assert row["plan_peak_bytes"] == own["peak"] != rows["shardwise_eager"]["plan"]["peak"]
+        assert own["peak"] == sum(own[k] for k in ("params", "opt_state", "kept_for_backward", "held_in_step")), own
     plan = rows["shardwise_meta"]["plan"]
     # The parameter shards, the moments, what the forward kept, and the most the gradient shards made
     # so far and the buffers hold together at one action (each buffer's own peak comes at its own action).

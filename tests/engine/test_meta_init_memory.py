@@ -43,14 +43,14 @@ def _already_held() -> int:
     return sum(transport_bytes(len(members)) for members, group in groups.items() if group.shared is not None)
 
 
-def _train(width: int, optimizer: Any = None, layers: int = LAYERS) -> tuple[int, int]:
+def _train(width: int, optimizer: Any = None, layers: int = LAYERS, stage: int = 3) -> tuple[int, int]:
     held = _already_held()
     meter = PeakRSS()
     with torch.device("meta"):
         model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
     chain, params = sw.functionalize(model)
     optimizer = optimizer or sw.optim.adamw(1e-3, inplace=True)
-    step = sw.shard_params(sw.train_step(chain, F.mse_loss, optimizer), "dp", stage=3)
+    step = sw.shard_params(sw.train_step(chain, F.mse_loss, optimizer), "dp", stage=stage)
     state = step.init(params, sw.Mesh(dp=WORLD))
     gen = torch.Generator().manual_seed(0)
     batch = (torch.randn(8 * WORLD, width, generator=gen), torch.randn(8 * WORLD, width, generator=gen))
@@ -63,22 +63,28 @@ def _train(width: int, optimizer: Any = None, layers: int = LAYERS) -> tuple[int
     return measured, predicted - held
 
 
-def _rank() -> tuple[tuple[int, int], tuple[int, int]]:
+Runs = list[tuple[tuple[int, int], tuple[int, int], tuple[int, int]]]
+
+
+def _rank() -> tuple[tuple[int, int], tuple[int, int], tuple[int, int]]:
     _train(8)  # warm-up: the same code path on a tiny model
     adamw = _train(WIDTH)
     _train(8, sw.optim.sgd(0.1), SGD_LAYERS)
-    return adamw, _train(SGD_WIDTH, sw.optim.sgd(0.1), SGD_LAYERS)
+    sgd = _train(SGD_WIDTH, sw.optim.sgd(0.1), SGD_LAYERS)
+    _train(8, stage=2)
+    return adamw, sgd, _train(WIDTH, stage=2)
 
 
 @pytest.fixture(scope="module")
-def runs(live_malloc_gloo4: Any) -> list[tuple[tuple[int, int], tuple[int, int]]]:
-    """Per rank, (measured peak, the Plan's peak) under AdamW and under SGD, from one run of the ranks."""
+def runs(live_malloc_gloo4: Any) -> Runs:
+    """Per rank, (measured peak, the Plan's peak) under AdamW and under SGD at ZeRO-3, and under AdamW at
+    ZeRO-2, from one run of the ranks."""
     return live_malloc_gloo4.run(_rank)
 
 
 @pytest.fixture(scope="module")
-def measured(runs: list[tuple[tuple[int, int], tuple[int, int]]]) -> list[tuple[int, int]]:
-    return [adamw for adamw, _ in runs]
+def measured(runs: Runs) -> list[tuple[int, int]]:
+    return [adamw for adamw, _, _ in runs]
 
 
 def test_a_model_larger_than_a_ranks_budget_trains_at_world_4_under_it(measured: list[tuple[int, int]]) -> None:
@@ -97,24 +103,29 @@ def test_the_plan_predicts_each_ranks_peak_within_10_percent(measured: list[tupl
         assert abs(peak - predicted) < 0.1 * peak, f"measured {peak >> 20} MiB, the Plan says {predicted >> 20} MiB"
 
 
-def test_a_model_whose_parameters_exceed_a_ranks_budget_trains_at_world_4_under_it(
-    runs: list[tuple[tuple[int, int], tuple[int, int]]],
-) -> None:
+def test_a_model_whose_parameters_exceed_a_ranks_budget_trains_at_world_4_under_it(runs: Runs) -> None:
     """The model's parameters alone (48 MiB) exceed the budget: with SGD a ZeRO-3 rank holds a quarter
     of the parameters and of the gradients, and a gathered layer or two with their gradients (each
     layer a 24th of the model)."""
     budget = int(0.9 * SGD_MODEL_BYTES)  # measured: 36-37 MiB of 43
-    peaks = [sgd for _, (sgd, _) in runs]
+    peaks = [sgd for _, (sgd, _), _ in runs]
     assert all(SGD_MODEL_BYTES // 2 < peak < budget for peak in peaks), (
         f"peak per rank {[p >> 20 for p in peaks]} MiB, budget {budget >> 20} MiB"
     )
 
 
-def test_the_plan_predicts_each_ranks_peak_within_10_percent_under_sgd(
-    runs: list[tuple[tuple[int, int], tuple[int, int]]],
-) -> None:
+def test_the_plan_predicts_each_ranks_peak_within_10_percent_under_sgd(runs: Runs) -> None:
     """SGD (not in place) peaks at its update: the new parameter shards beside the old ones and every
     gradient shard (measured 36.3-37.7 MiB per rank; the Plan said 31.6 MiB, the backward's peak,
     before it counted what the update allocates: 0.84-0.86 of the measured)."""
-    for _, (peak, predicted) in runs:
+    for _, (peak, predicted), _ in runs:
         assert abs(peak - predicted) < 0.1 * peak, f"measured {peak >> 20} MiB, the Plan says {predicted >> 20} MiB"
+
+
+def test_the_plan_predicts_each_ranks_peak_within_5_percent_at_zero_2(runs: Runs) -> None:
+    """ZeRO-2 holds the whole parameters, the moments' shards, and at its end the updated parameters
+    its all-gathers bring beside them, with the master shards the update wrote. Before the Plan counted
+    those shards (a quarter of the parameters at world 4, cut from them at every step), it said 0.91 of
+    the measured peak here, and 0.87 at world 2 in benchmarks/memory.py."""
+    for _, _, (peak, predicted) in runs:
+        assert abs(peak - predicted) < 0.05 * peak, f"measured {peak >> 20} MiB, the Plan says {predicted >> 20} MiB"

@@ -198,7 +198,9 @@ class Plan:
     ``shard_params`` also what comes and goes as the actions run, each at its
     own peak (``gathered_peak``, ``reduce_buffers``, ``comm_buffers``; at stages 1-2
     ``params_in_flight``, the updated parameters the step's all-gathers bring, beside the old
-    ones until the step returns, and with ``overlap_gather`` still in flight then), and
+    ones until the step returns, and with ``overlap_gather`` still in flight then; and
+    ``master_shards``, the rank's shard of every unit that the optimizer updates, held through
+    the step beside the whole parameters), and
     ``held_in_step``, the most those and the gradient shards made so far hold
     together at one action; ``peak`` is then ``params``, ``opt_state``,
     ``held_in_step`` and ``kept_for_backward`` (with a batch). ``layers``

@@ -229,7 +229,7 @@ def _memory(
 # The figures that come and go as the actions run, each its own peak: the Plan's peak counts instead
 # the most they hold together at one action (``held_in_step``).
 _COME_AND_GO = ("gathered_peak", "reduce_buffers", "comm_buffers", "replica_buffers", "update_buffers",
-               "params_in_flight")
+               "params_in_flight", "master_shards")
 
 
 def _class_memory(
@@ -262,6 +262,10 @@ def _class_memory(
     levels["update_buffers"] = _update_levels(step, shards, actions, device)
     if not sharding.holds_shards:
         levels["params_in_flight"] = _params_levels(sharding, actions)
+        # ZeRO-1/2: this rank's shard of every unit, what the optimizer updates and the all-gathers
+        # send, made from the full parameters when the step starts (or, after an overlapped step,
+        # carried in by the state) and held to its end, beside the parameters at rest.
+        levels["master_shards"] = [tree_nbytes(shards)] * len(actions)
     for key, per_action in levels.items():
         figures[key] = max(per_action, default=0)
     made = _shards_made_levels(actions, {u: tree_nbytes(t) for u, t in shards.items()})
