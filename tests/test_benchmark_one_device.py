@@ -20,10 +20,12 @@ def test_one_device_step_and_torch_loop_give_the_same_losses(capsys: pytest.Capt
         patch.syspath_prepend(str(BENCHMARKS))  # the script imports _common, as when run from there
         patch.setitem(sys.modules, "benchmark_one_device", module)
         spec.loader.exec_module(module)
-        module.main(["--models", "mlp", "--rounds", "2", "--steps", "1", "--warmup", "1"])
+        module.main(["--models", "mlp", "--rounds", "2", "--steps", "1", "--warmup", "1", "--paired", "3",
+                     "--mlp-hidden", "16"])
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [(r["model"], r["optim"]) for r in rows] == [("mlp", "sgd"), ("mlp", "adamw")]
     for row in rows:
         # Clipping by the global norm included: the same float32 losses bit for bit, every step.
         assert row["max_rel_loss_diff"] == 0.0, row
         assert row["cpu_ms_torch"] > 0 and row["cpu_ms_shardwise"] > 0 and len(row["cpu_ratios"]) == 2
+        assert row["mlp_hidden"] == 16 and row["paired_steps"] == 3 and row["paired_cpu_ratio"] > 0

@@ -263,7 +263,8 @@ def test_no_reduction_in_flight_waits_before_the_next_compute(stage: int) -> Non
     # flight, layer 0's gradient grows beside layer 2's flat gradient (24 + 42 + 24); and more at its
     # end: every shard and the updated parameters its all-gathers bring (45 + 90), beside the ones the
     # step began with; and through the whole step the master shards the update writes and the
-    # all-gathers send, cut from the parameters when it starts (45 more). Stage 3, either way: the forward's first two gathers, both units and both
+    # all-gathers send, cut from the parameters when it starts (45 more). Stage 3, either way: the
+    # forward's first two gathers, both units and both
     # receive copies (2 x 66), and, as much, layer 2's reduce-scatter with layer 0's gather beside it
     # (shards 4 and 2, layer 2's flat gradient, layer 0 and its copy: 24 + 24 + 2 x 42); with one in
     # flight, layer 0's gather is issued after the reduce-scatter of layer 2 is, when layer 4's is
