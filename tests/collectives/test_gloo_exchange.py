@@ -246,6 +246,40 @@ def test_shared_memory_only_when_every_member_can_and_nothing_is_left_behind(glo
             assert error == "", error
 
 
+def _setup_after_a_member_died() -> list[bool]:
+    """Files as a member killed during a setup leaves them (its pid gone, older than STALE_SECONDS), on
+    rank 0; then a setup of both ranks: whether each of those files is still there after it."""
+    import os
+    import subprocess
+    import sys
+
+    import torch.distributed as dist
+
+    backend = current_backend()
+    stale: list[str] = []
+    if backend.rank == 0:
+        child = subprocess.Popen([sys.executable, "-c", "pass"])
+        child.wait(timeout=60)
+        old = time.time() - 2 * shared_memory_exchange.STALE_SECONDS
+        for suffix in ("", ".fifo"):
+            path = f"/dev/shm/shardwise-00ff00ff00ff00ff-1-{child.pid}{suffix}"
+            with open(path, "wb"):
+                pass
+            os.utime(path, (old, old))
+            stale.append(path)
+    pg = dist.new_group([0, 1], use_local_synchronization=True)
+    dist.barrier(group=pg)
+    made = shared_memory_exchange.open_same_host(pg, (0, 1), backend.rank, 30.0, lambda *a: RuntimeError(str(a)))
+    assert made is not None
+    made.close()
+    dist.barrier(group=pg)
+    return [os.path.exists(path) for path in stale]
+
+
+def test_a_setup_sweeps_what_a_member_killed_during_one_left(gloo2: Any) -> None:
+    assert gloo2.run(_setup_after_a_member_died) == [[False, False], []]
+
+
 def _sums_of_random_floats(kinds: list[str]) -> dict[str, bool]:
     """Per group kind, whether a reduce-scatter of random floats (sums that depend on their order)
     is bitwise the same through shared memory and over TCP."""

@@ -19,8 +19,9 @@ not read yet, however many exchanges are in flight. A member writes ahead into e
 peers have freed and takes their chunks as they come.
 
 The files are unlinked as soon as every member opened them (``open_same_host``), so nothing is
-left in ``/dev/shm`` when a rank dies afterwards (one killed during that setup, two rounds of
-``all_gather_object``, leaves its ``shardwise-*`` files). A peer that dies or stops mid-exchange
+left in ``/dev/shm`` when a rank dies afterwards. One killed during that setup (two rounds of
+``all_gather_object``) leaves its ``shardwise-*`` files, whose names end with its pid: the next
+setup on the host removes them once that process is gone (``sweep_stale``). A peer that dies or stops mid-exchange
 shows as a wait that passes its deadline (or a FIFO that no one reads: ``BrokenPipeError``): the
 exchange and every later one on the set fail with that error, as the TCP exchanges do. Each chunk
 carries a header (which exchange, its kind and length, which chunk): members that issued different
@@ -32,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import re
 import secrets
 import select
 import socket
@@ -51,6 +53,11 @@ from .exchange_thread import ErrorFor, Job, JobThread
 SLOT_BYTES = 1 << 20
 SLOTS = 4
 _SHM_DIR = "/dev/shm"
+# A member's files: shardwise-<the set's token>-<member index>-<creator's pid>[.fifo]
+_FILE_NAME = re.compile(r"shardwise-[0-9a-f]+-\d+-(?P<pid>\d+)(?:\.fifo)?")
+# A file whose creator died is removed once it is this old: a setup takes milliseconds, and a pid
+# that names no process here may be a live one's of another PID namespace sharing /dev/shm.
+STALE_SECONDS = 60.0
 # A FIFO record is two bytes, what happened and who says it: a member's index fits one byte.
 _MAX_MEMBERS = 255
 _WRITTEN, _READ = 1, 2
@@ -100,26 +107,29 @@ def open_same_host(pg: Any, members: tuple[int, ...], index: int, timeout: float
         return None
     said: list[Any] = [None] * n
     slot_bytes = SLOT_BYTES  # what this set's slots are, whatever the module says later
-    dist.all_gather_object(said, (_ALLOWED and _host_key(), secrets.token_hex(8), slot_bytes), group=pg)
-    if not said[0][0] or any(host != said[0][0] for host, _, _ in said):
+    dist.all_gather_object(said, (_ALLOWED and _host_key(), secrets.token_hex(8), slot_bytes, os.getpid()),
+                           group=pg)
+    if not said[0][0] or any(host != said[0][0] for host, _, _, _ in said):
         return None
-    if any(size != slot_bytes for _, _, size in said):  # every member raises alike
+    if any(size != slot_bytes for _, _, size, _ in said):  # every member raises alike
         raise ValueError(f"the members {members} of an exchange have slots of different sizes "
-                         f"({[size for _, _, size in said]} bytes): set SLOT_BYTES alike on every rank")
+                         f"({[size for _, _, size, _ in said]} bytes): set SLOT_BYTES alike on every rank")
+    sweep_stale()
     base = os.path.join(_SHM_DIR, f"shardwise-{said[0][1]}")
+    paths = [f"{base}-{j}-{pid}" for j, (_, _, _, pid) in enumerate(said)]
     own: list[str] = []
     made: dict[str, Any] = {}
     oks: list[Any] = [None] * n
     try:
         try:
-            _create_own(base, index, own, slot_bytes, made)
+            _create_own(paths[index], own, slot_bytes, made)
             ok = "ok"
         except Exception as exc:  # said to every member, which all go on without shared memory
             ok = f"rank {dist.get_rank()}: {exc}"
         dist.all_gather_object(oks, ok, group=pg)
         if ok == "ok" and all(o == "ok" for o in oks):
             try:
-                _open_peers(base, index, n, made)
+                _open_peers(paths, index, made)
             except Exception as exc:
                 ok = f"rank {dist.get_rank()}: {exc}"
         dist.all_gather_object(oks, ok, group=pg)
@@ -145,9 +155,43 @@ def _host_key() -> str:
     return f"{socket.gethostname()}/{boot}/{os.stat(_SHM_DIR).st_dev}" if os.path.isdir(_SHM_DIR) else ""
 
 
-def _create_own(base: str, index: int, own: list[str], slot_bytes: int, made: dict[str, Any]) -> None:
+def sweep_stale(now: float | None = None) -> list[str]:
+    """Remove the ``shardwise-*`` files of members that died during a setup, before their peers had
+    opened them (nothing else unlinks them, and ``/dev/shm`` is memory): those whose creator's pid
+    names no process here and that are older than :data:`STALE_SECONDS`. Returns what it removed
+    (another member sweeping at once, or another user's file, is passed over)."""
+    try:
+        names = os.listdir(_SHM_DIR)
+    except OSError:
+        return []
+    now = time.time() if now is None else now
+    removed = []
+    for name in names:
+        match = _FILE_NAME.fullmatch(name)
+        if match is None or _alive(int(match.group("pid"))):
+            continue
+        path = os.path.join(_SHM_DIR, name)
+        with contextlib.suppress(OSError):
+            if now - os.lstat(path).st_mtime >= STALE_SECONDS:
+                os.unlink(path)
+                removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` names a process here (one of another user's too)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _create_own(slots_path: str, own: list[str], slot_bytes: int, made: dict[str, Any]) -> None:
     """This member's slots and FIFO, into ``made`` as they are opened (closed by the caller on failure)."""
-    slots_path, fifo_path = f"{base}-{index}", f"{base}-{index}.fifo"
+    fifo_path = f"{slots_path}.fifo"
     fd = os.open(slots_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     own.append(slots_path)
     try:
@@ -163,14 +207,14 @@ def _create_own(base: str, index: int, own: list[str], slot_bytes: int, made: di
     made["slots"] = torch.from_file(slots_path, shared=True, size=SLOTS * slot_bytes, dtype=torch.uint8)
 
 
-def _open_peers(base: str, index: int, n: int, made: dict[str, Any]) -> None:
-    made["peer_slots"] = peer_slots = [-1] * n
-    made["outboxes"] = outboxes = [-1] * n
-    for j in range(n):
+def _open_peers(paths: list[str], index: int, made: dict[str, Any]) -> None:
+    made["peer_slots"] = peer_slots = [-1] * len(paths)
+    made["outboxes"] = outboxes = [-1] * len(paths)
+    for j, path in enumerate(paths):
         if j != index:
             # Read with pread, not mapped: a peer's pages would count again in this member's resident set.
-            peer_slots[j] = os.open(f"{base}-{j}", os.O_RDONLY)
-            outboxes[j] = os.open(f"{base}-{j}.fifo", os.O_WRONLY | os.O_NONBLOCK)
+            peer_slots[j] = os.open(path, os.O_RDONLY)
+            outboxes[j] = os.open(f"{path}.fifo", os.O_WRONLY | os.O_NONBLOCK)
 
 
 def _close(made: dict[str, Any]) -> None:
