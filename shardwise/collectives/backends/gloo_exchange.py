@@ -46,6 +46,7 @@ from ..errors import CollectiveError
 from .base import Group, Work
 from .exchange_thread import ErrorFor, Job, JobThread
 from .shared_memory_exchange import SharedMemoryExchange, in_use
+from .switch import Switch
 
 # A reduce-scatter's two receive buffers are this big at most: what it holds of its own.
 CHUNK_BYTES = 1 << 20
@@ -60,12 +61,12 @@ _REDUCE_SCATTER_TAG = 1
 _ALL_GATHER_TAG = 2
 _DIRECT_REDUCE_SCATTER_TAG = 3
 
-_enabled = True
+_EXCHANGES = Switch()  # off within gloos_own_collectives()
 
 
 def exchanges(x: torch.Tensor, group: Group) -> bool:
     """Whether a collective of ``x`` over ``group`` runs as an exchange (else as gloo's own)."""
-    return _enabled and sized_for_exchange(x.numel() * x.element_size(), x.dtype, group.size)
+    return _EXCHANGES.on and sized_for_exchange(x.numel() * x.element_size(), x.dtype, group.size)
 
 
 def sized_for_exchange(nbytes: int, dtype: torch.dtype, members: int) -> bool:
@@ -79,12 +80,8 @@ def gloos_own_collectives() -> Iterator[None]:
     """Within: gloo's own collectives (the reduce-scatter as an all-reduce), for measuring the
     exchanges against them in one run (``benchmarks/shard_params.py``'s ``*_ring`` variants).
     Every member must be within it for the same collectives."""
-    global _enabled
-    before, _enabled = _enabled, False
-    try:
+    with _EXCHANGES.off():
         yield
-    finally:
-        _enabled = before
 
 
 class ExchangeGroup:

@@ -48,6 +48,7 @@ import torch.distributed as dist
 from ..errors import CollectiveError
 from .base import Group, Work
 from .exchange_thread import ErrorFor, Job, JobThread
+from .switch import Switch
 
 # A slot holds one chunk of a message: SLOTS of them per member, written in turn.
 SLOT_BYTES = 1 << 20
@@ -69,12 +70,12 @@ _KINDS = {"all_gather": 0, "reduce_scatter": 1}
 
 # SHARDWISE_SHARED_MEMORY=0: never (every rank must say the same); loopback_exchanges(): not now.
 _ALLOWED = os.environ.get("SHARDWISE_SHARED_MEMORY", "1") != "0"
-_enabled = True
+_SHARED_MEMORY = Switch()  # off within loopback_exchanges()
 
 
 def in_use(exchange: SharedMemoryExchange | None) -> bool:
     """Whether a member set's collectives go through its shared-memory exchange now."""
-    return exchange is not None and _enabled
+    return exchange is not None and _SHARED_MEMORY.on
 
 
 def transport_bytes(members: int) -> int:
@@ -89,12 +90,8 @@ def loopback_exchanges() -> Iterator[None]:
     """Within: the exchanges go over gloo's TCP even on one host, for measuring the two
     transports in one run (``benchmarks/shard_params.py``). Every member must be within it for
     the same collectives."""
-    global _enabled
-    before, _enabled = _enabled, False
-    try:
+    with _SHARED_MEMORY.off():
         yield
-    finally:
-        _enabled = before
 
 
 def open_same_host(pg: Any, members: tuple[int, ...], index: int, timeout: float,
