@@ -95,7 +95,7 @@ class Bounds:
                 for name in self.names:
                     policy = step.precision.for_layer(name)
                     dtypes = (policy.compute, policy.reduce)
-                    size = min(size, *(torch.empty((), dtype=d).element_size() for d in dtypes))
+                    size = min(size, *(d.itemsize for d in dtypes))
             opt = memory.get("opt_state", (0,))[0]
             self._state[key] = (memory["params"][0], memory["grads"][0], opt, float(size))
         return self._state[key]
@@ -135,8 +135,8 @@ class Bounds:
 
             def seconds(kind: str, s: int) -> float:
                 assert self.comm is not None
-                return sum(self.comm.time(i.op, int(torch.Size(i.shape).numel()) * torch.empty((), dtype=i.dtype)
-                                          .element_size(), mesh.axis_size(i.axis), ranks=mesh.group_ranks(i.axis, 0))
+                return sum(self.comm.time(i.op, int(torch.Size(i.shape).numel()) * i.dtype.itemsize,
+                                          mesh.axis_size(i.axis), ranks=mesh.group_ranks(i.axis, 0))
                            for i in found.get((kind, s), ()))
 
             self._issued[key] = ({n: seconds(FORWARD, s) for s, n in enumerate(self.names)},

@@ -135,7 +135,7 @@ def _header(path: Path) -> dict[str, Entry]:
             )
         shape = tuple(int(n) for n in item["shape"])
         begin, end = (int(x) for x in item["data_offsets"])
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * dtype.itemsize
         if end - begin != nbytes or begin < 0 or 8 + length + end > size:
             raise CheckpointError(
                 f"{path}: {key!r} {list(shape)} {item['dtype']} claims bytes {begin}..{end} of "

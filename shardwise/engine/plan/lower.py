@@ -414,7 +414,7 @@ def _sends_first(actions: Sequence[Action]) -> list[Action]:
 
 def wire_of(shape: Sequence[int] | int, dtype: torch.dtype) -> Wire:
     numel = shape if isinstance(shape, int) else int(torch.Size(shape).numel())
-    return Wire(str(dtype).removeprefix("torch."), numel * torch.empty((), dtype=dtype).element_size())
+    return Wire(str(dtype).removeprefix("torch."), numel * dtype.itemsize)
 
 
 def annotate(

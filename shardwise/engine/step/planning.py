@@ -247,7 +247,7 @@ def _class_memory(
     assert sharding is not None
     levels = {
         "gathered_peak": _gathered_levels(actions, {
-            u: lay.padded_numel * torch.empty((), dtype=compute_dtype(step.precision, u, lay.dtype)).element_size()
+            u: lay.padded_numel * compute_dtype(step.precision, u, lay.dtype).itemsize
             for u, lay in sharding.units.items()
         }),
         "reduce_buffers": _reduce_levels(step, sharding, actions,
@@ -298,7 +298,7 @@ def _params_levels(sharding: FlatSharding, actions: Sequence[Action]) -> list[in
     the step began with (``params``, which its caller still holds). With ``overlap_gather`` they
     are still in flight then, across the step boundary: the next step's ``wait_params`` come
     before its first forwards, and until then the in-flight buffers are its ``params``."""
-    sizes = {u: lay.padded_numel * torch.empty((), dtype=lay.dtype).element_size() for u, lay in sharding.units.items()}
+    sizes = {u: lay.padded_numel * lay.dtype.itemsize for u, lay in sharding.units.items()}
     live, levels = 0, []
     for action in actions:
         if action.kind == GATHER_PARAMS:
@@ -322,7 +322,7 @@ def _shards_made_levels(actions: Sequence[Action], shard_bytes: Mapping[str, int
 def _replica_levels(step: Step, sharding: FlatSharding, actions: Sequence[Action]) -> list[int]:
     """HSDP, at each action: bytes of the gradient shards in flight in their all-reduce over the replicas'
     axis (each in the reduce dtype, from its issue to the end of its wait: lower._replica_reductions)."""
-    sizes = {u: lay.shard_numel * torch.empty((), dtype=_reduce_dtype(step, u, lay.dtype)).element_size()
+    sizes = {u: lay.shard_numel * _reduce_dtype(step, u, lay.dtype).itemsize
              for u, lay in sharding.units.items()}
     live = 0
     levels = []
@@ -388,7 +388,7 @@ def _copy_levels(
     held from the first exchange on, at every action (``transport_bytes``).
     On other devices every unit is counted: what NCCL holds during them was not measured."""
     dtypes = {u: _gather_dtype(step, u, lay.dtype) for u, lay in sharding.units.items()}
-    gathered = {u: lay.padded_numel * torch.empty((), dtype=dtypes[u]).element_size()
+    gathered = {u: lay.padded_numel * dtypes[u].itemsize
                 for u, lay in sharding.units.items()}
     transport = 0
     if device.type == "cpu":
@@ -412,7 +412,7 @@ def _copy_levels(
 
 def _reduce_sizes(step: Step, sharding: FlatSharding) -> dict[str, int]:
     """Each unit's full (padded) gradient in the reduce dtype: what its reduce-scatter takes in."""
-    return {u: lay.padded_numel * torch.empty((), dtype=_reduce_dtype(step, u, lay.dtype)).element_size()
+    return {u: lay.padded_numel * _reduce_dtype(step, u, lay.dtype).itemsize
             for u, lay in sharding.units.items()}
 
 
