@@ -115,17 +115,22 @@ def batch_of(cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(cfg.batch, cfg.width, generator=gen), torch.randn(cfg.batch, cfg.width, generator=gen)
 
 
-def one_process(cfg: Config) -> dict[str, Any]:
-    peak = PeakRSS()
-    model = build(cfg)
+def train_torch(cfg: Config, peak: PeakRSS, model: nn.Module, rows: Any) -> dict[str, Any]:
+    """``cfg.steps`` steps of a plain torch loop with ``torch.optim.AdamW`` on ``rows()`` (made after
+    init's peak is read): init's and the run's peaks."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     init_peak = peak.peak()
-    x, y = batch_of(cfg)
+    x, y = rows()
     for _ in range(cfg.steps):
         opt.zero_grad(set_to_none=True)
         F.mse_loss(model(x), y).backward()
         opt.step()
     return {"init_peak_bytes": init_peak, "peak_bytes": peak.peak()}
+
+
+def one_process(cfg: Config) -> dict[str, Any]:
+    peak = PeakRSS()
+    return train_torch(cfg, peak, build(cfg), lambda: batch_of(cfg))
 
 
 def fsdp2_model(cfg: Config, before_shard: Any = None) -> nn.Sequential:
@@ -151,18 +156,7 @@ def fsdp2_model(cfg: Config, before_shard: Any = None) -> nn.Sequential:
 
 def fsdp2_meta(cfg: Config) -> dict[str, Any]:
     peak = PeakRSS()
-    model = fsdp2_model(cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    init_peak = peak.peak()
-    x, y = batch_of(cfg)
-    rows = cfg.batch // cfg.world
-    rank = dist.get_rank()
-    x, y = x[rank * rows : (rank + 1) * rows], y[rank * rows : (rank + 1) * rows]
-    for _ in range(cfg.steps):
-        opt.zero_grad(set_to_none=True)
-        F.mse_loss(model(x), y).backward()
-        opt.step()
-    return {"init_peak_bytes": init_peak, "peak_bytes": peak.peak()}
+    return train_torch(cfg, peak, fsdp2_model(cfg), lambda: local_rows(cfg))
 
 
 def local_rows(cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
@@ -210,15 +204,7 @@ def ddp(cfg: Config) -> dict[str, Any]:
 
     peak = PeakRSS()
     torch.manual_seed(0)
-    model = DistributedDataParallel(build(cfg))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    init_peak = peak.peak()
-    x, y = local_rows(cfg)
-    for _ in range(cfg.steps):
-        opt.zero_grad(set_to_none=True)
-        F.mse_loss(model(x), y).backward()
-        opt.step()
-    return {"init_peak_bytes": init_peak, "peak_bytes": peak.peak()}
+    return train_torch(cfg, peak, DistributedDataParallel(build(cfg)), lambda: local_rows(cfg))
 
 
 def deepspeed_zero3(cfg: Config, zero_init: bool) -> dict[str, Any]:

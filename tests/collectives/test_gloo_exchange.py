@@ -187,6 +187,7 @@ def _open_with(patch: str) -> tuple[bool, str, list[str]]:
     """open_same_host on a new process group of both ranks, with one thing made to differ or fail
     on rank 1; what it gave, what it raised, and what it left in /dev/shm."""
     import glob
+    import os
 
     import torch.distributed as dist
 
@@ -213,7 +214,10 @@ def _open_with(patch: str) -> tuple[bool, str, list[str]]:
     finally:
         module._host_key, module._create_own, module.SLOT_BYTES = saved  # type: ignore[assignment]
     dist.barrier(group=pg)
-    return (*outcome, glob.glob("/dev/shm/shardwise-*"))
+    # This rank's files (their names end with its pid): a member of another setup killed in it (a
+    # fault test's) leaves its own, which the next setup sweeps once a minute old (sweep_stale).
+    pid = os.getpid()
+    return (*outcome, glob.glob(f"/dev/shm/shardwise-*-{pid}") + glob.glob(f"/dev/shm/shardwise-*-{pid}.fifo"))
 
 
 def _gather_then_close(made: Any, rank: int) -> None:

@@ -174,6 +174,11 @@ class Step:
 
     def metric_exchange(self) -> MetricExchange:
         """What the ranks of this step sum after the backward (nothing, if no metric or rule needs it)."""
+        return self._metric_exchange
+
+    @functools.cached_property
+    def _metric_exchange(self) -> MetricExchange:
+        # Read at every call of the step; it depends only on the step's own fields.
         values = MetricExchange(
             loss="loss" in self.metrics, norm=self.needs_norm, finite=self.precision is not None,
             count=self.token_weighted,
