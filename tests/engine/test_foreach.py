@@ -120,6 +120,8 @@ def test_kernel_calls_are_grouped_by_device_and_dtype_only_when_the_list_mixes_t
     # (device, dtype) per call, so the groups are checked here, not through the values.
     mixed = [torch.randn(3), torch.randn(2, dtype=torch.float64), torch.randn(4), torch.zeros(2, device="meta")]
     assert fe._kernel_groups(mixed) == [[0, 2], [1], [3]]
+    # one dtype, the CPU beside meta (neither has a device index): two calls
+    assert fe._kernel_groups([torch.randn(3), torch.zeros(2, device="meta"), torch.randn(1)]) == [[0, 2], [1]]
     assert fe._kernel_groups([torch.randn(3), torch.randn(5)]) is None  # one call, no groups built
     assert fe._kernel_groups([torch.randn(3)]) is None
 

@@ -71,11 +71,10 @@ def _loop(name: str, lists: Sequence[TensorList], *args: object, **kwargs: objec
 def _kernel_groups(first: TensorList) -> list[list[int]] | None:
     """Indices of ``first`` per (device, dtype), or None when all share one (the usual case,
     checked without building the groups: an optimizer makes several calls per group of tensors)."""
-    # get_device() (an int: the index, -1 on the CPU) spares making a torch.device per tensor, a
-    # visible cost on a step of small tensors; a list mixing the CPU with another device type with
-    # no index (meta) reaches the kernel, which refuses it.
-    dtype, index = first[0].dtype, first[0].get_device()
-    if all(t.dtype is dtype and t.get_device() == index for t in first):
+    # get_device() (an int: the index, -1 on the CPU and on meta) and is_cpu spare making a
+    # torch.device per tensor, a visible cost on a step of small tensors.
+    dtype, index, cpu = first[0].dtype, first[0].get_device(), first[0].is_cpu
+    if all(t.dtype is dtype and t.get_device() == index and t.is_cpu == cpu for t in first):
         return None
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = defaultdict(list)
     for i, tensor in enumerate(first):
