@@ -52,8 +52,11 @@ def _equal(a: Any, b: Any) -> bool:
     return sa == sb and all(torch.equal(x, y) for x, y in zip(la, lb, strict=True))
 
 
-def _run(step: sw.Step, params: dict, batches: list, world: int, mesh: sw.Mesh | None = None) -> list:
-    """Each rank's (losses, in-flight buckets when the last step returned, final params, opt_state)."""
+def _run(step: sw.Step, params: dict, batches: list, world: int, mesh: sw.Mesh | None = None,
+         read_between: bool = False) -> list:
+    """Each rank's (losses, in-flight buckets when the last step returned, final params, opt_state).
+    ``read_between``: the parameters read after every step (as a user may), so that every next step
+    cuts its shards again out of them instead of starting from the shards the last one carried."""
 
     def program() -> tuple:
         state = step.init(params, mesh or sw.Mesh(dp=world))
@@ -61,6 +64,9 @@ def _run(step: sw.Step, params: dict, batches: list, world: int, mesh: sw.Mesh |
         for batch in batches:
             state, metrics = step(state, batch)
             losses.append(metrics["loss"])
+            if read_between:
+                _copy(state.params)
+                assert not isinstance(state.params, InFlightParams) or state.params.exposed
         in_flight = state.params.in_flight if isinstance(state.params, InFlightParams) else None
         return losses, in_flight, _copy(state.params), state.opt_state
 
@@ -75,15 +81,20 @@ def _run(step: sw.Step, params: dict, batches: list, world: int, mesh: sw.Mesh |
 ], ids=["each-unit", "pairs", "one-bucket", "update-in-buckets", "accumulation"])
 def test_overlapped_steps_equal_the_waiting_ones_bitwise(world: int, stage: int, options: dict) -> None:
     base, params, batches = _problem(world, "adamw" if options.get("update_in_buckets") else "sgd")
+    """Against the step that waits at its end and whose state is read after every step (each next
+    step cuts its shards again), and the waiting one that carries its shards as the overlap does."""
     got = _run(sw.shard_params(base, "dp", stage, overlap_gather=True, **options), params, batches, world)
-    want = _run(sw.shard_params(base, "dp", stage, overlap_gather=False, **options), params, batches, world)
+    waiting = sw.shard_params(base, "dp", stage, overlap_gather=False, **options)
+    want = _run(waiting, params, batches, world, read_between=True)
+    carried = _run(waiting, params, batches, world)
     reference = base.init(params)
     for batch in batches:
         reference, _ = base(reference, batch)
-    for (losses, in_flight, final, opt), (w_losses, w_in_flight, w_final, w_opt) in zip(got, want, strict=True):
-        assert in_flight and in_flight > 0 and w_in_flight is None  # the last step's gathers were in flight
-        assert all(torch.equal(a, b) for a, b in zip(losses, w_losses, strict=True))
-        assert _equal(final, w_final) and _equal(opt, w_opt)
+    for (losses, in_flight, final, opt), (w_losses, _, w_final, w_opt), c in zip(got, want, carried, strict=True):
+        assert in_flight and in_flight > 0 and c[1] == 0  # the last step's gathers in flight; waited for
+        for other_losses, other_final, other_opt in ((w_losses, w_final, w_opt), (c[0], c[2], c[3])):
+            assert all(torch.equal(a, b) for a, b in zip(losses, other_losses, strict=True))
+            assert _equal(final, other_final) and _equal(opt, other_opt)
         for layer, tensors in reference.params.items():
             for name, value in tensors.items():
                 torch.testing.assert_close(final[layer][name], value, rtol=F64_RTOL, atol=0)
@@ -178,7 +189,7 @@ def test_every_read_between_steps_sees_the_updated_params() -> None:
         state = waiting.init(params, mesh)
         for batch in batches[:2]:
             state, _ = waiting(state, batch)
-        return [(name, (got, state.params)) for name, got in out]
+        return [(name, (got, _copy(state.params))) for name, got in out]
 
     for per_rank in sw.launch(reads, 2):
         for name, (got, want) in per_rank:
@@ -216,8 +227,8 @@ def test_an_older_state_stays_valid_and_steps_again_alike() -> None:
         w1, _ = waiting(waiting.init(params, mesh), batches[0])
         w2, _ = waiting(w1, batches[1])
         w3, _ = waiting(w2, batches[2])
-        return (_equal(_copy(s1.params), w1.params), _equal(_copy(s2.params), _copy(again.params)),
-                torch.equal(m2["loss"], m_again["loss"]), _equal(_copy(s3.params), w3.params),
+        return (_equal(_copy(s1.params), _copy(w1.params)), _equal(_copy(s2.params), _copy(again.params)),
+                torch.equal(m2["loss"], m_again["loss"]), _equal(_copy(s3.params), _copy(w3.params)),
                 _equal(s3.opt_state, w3.opt_state))
 
     for checks in sw.launch(program, 2):
@@ -402,7 +413,7 @@ def test_a_step_that_raises_midway_leaves_the_state_usable(stage: int) -> None:
         want = want_step.init(params, mesh)
         for batch in batches:
             want, _ = want_step(want, batch)
-        return _equal(_copy(state.params), want.params) and _equal(state.opt_state, want.opt_state)
+        return _equal(_copy(state.params), _copy(want.params)) and _equal(state.opt_state, want.opt_state)
 
     assert all(sw.launch(program, 2))
 
@@ -430,7 +441,7 @@ def test_frozen_groups_a_skipped_step_and_a_read_from_another_thread() -> None:
             thread = threading.Thread(target=lambda s=g_state, out=read: out.update(_copy(s.params)))
             thread.start()
             thread.join(timeout=30)
-            assert _equal(read, w_state.params) and _equal(g_state.opt_state, w_state.opt_state)
+            assert _equal(read, _copy(w_state.params)) and _equal(g_state.opt_state, w_state.opt_state)
             assert torch.equal(read["0"]["weight"], params["0"]["weight"])  # frozen: never updated
 
 
@@ -441,3 +452,35 @@ def _states(step: sw.Step, params: dict, batches: list) -> tuple[Any, list[float
         state, metrics = step(state, batch)
         skipped.append(float(metrics.get("skipped", 0.0)))
     return state, skipped
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_shards_are_cut_from_the_full_parameters_only_after_a_read(
+        overlap: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step hands its shards on beside the full parameters (waited for or in flight): the next
+    update starts from them, so only the first step (from init's full parameters) and a step after a
+    read cut shards out of full parameters (a copy of 1/world of the model each time)."""
+    from shardwise.engine.layout.sharding import FlatSharding
+
+    cuts: list[int] = []
+    cut = FlatSharding.shards_of
+
+    def counted(self: FlatSharding, params: Any, index: int) -> dict[str, torch.Tensor]:
+        cuts.append(index)
+        return cut(self, params, index)
+
+    monkeypatch.setattr(FlatSharding, "shards_of", counted)
+    base, params, batches = _problem()
+    step = sw.shard_params(base, "dp", 2, bucket_mb=1.1 * KIB, overlap_gather=overlap)
+
+    def program() -> bool:
+        state = step.init(params, sw.Mesh(dp=2))
+        for batch in batches[:3]:
+            state, _ = step(state, batch)
+        carried = isinstance(state.params, InFlightParams) and not state.params.exposed
+        _copy(state.params)  # a read
+        state, _ = step(state, batches[3])
+        return carried
+
+    assert all(sw.launch(program, 2))
+    assert sorted(cuts) == [0, 0, 1, 1]  # each rank: the first step, and the step after the read

@@ -1,10 +1,12 @@
-"""ZeRO-1/2's full parameters while the all-gathers that make them are still in flight.
+"""ZeRO-1/2's full parameters beside the shards they are gathered from, the gathers maybe still in flight.
 
 A ZeRO-1/2 step updates this rank's shards and all-gathers them into the full parameters the
-next step computes with. With ``shard_params(..., overlap_gather=True)`` the step returns as
-soon as those all-gathers are issued: its TrainState's ``params`` is an :class:`InFlightParams`,
-and the next step waits for each bucket's all-gather just before the first forward that uses
-it (the Plan's ``wait_params``), so the gather overlaps that step's forward.
+next step computes with. Its TrainState's ``params`` is an :class:`InFlightParams`: the full
+parameters, and the updated shards, which the next update starts from instead of cutting them
+again out of the full parameters. With ``shard_params(..., overlap_gather=True)`` the step
+returns as soon as those all-gathers are issued, and the next step waits for each bucket's
+all-gather just before the first forward that uses it (the Plan's ``wait_params``), so the
+gather overlaps that step's forward; otherwise the step waited for them at its end.
 
 Stale values can never be read: every way in (``state.params[layer]``, iterating it, ``len``,
 ``in``, ``repr``, optree flattening, pickling, ``torch.save``, ``copy.deepcopy``, and so

@@ -17,6 +17,7 @@ import torch
 from ...collectives import Handle, all_gather_async, psum_async, psum_scatter_async
 from ...collectives.mesh import Mesh
 from ..layout.buckets import Bucket, bucket_of
+from ..layout.in_flight import InFlightParams
 from ..layout.sharding import FlatSharding
 from ..plan.actions import Action
 from ..torch_api import free_storage, owns_storage, refill_storage
@@ -171,7 +172,8 @@ class ZeroActions:
         if handle is not None:
             self.params_in_flight = [(b, h) for b, h in self.params_in_flight if h is not handle]
             if self.new_held is None:
-                self.new_held = {k: dict(v) for k, v in self.held.items()}
+                held = self.held.settle() if isinstance(self.held, InFlightParams) else self.held  # not a read
+                self.new_held = {k: dict(v) for k, v in held.items()}
             self.new_held.update(self._bucket(action).unflatten(handle.wait()))
             return
         incoming = self.source.incoming

@@ -263,8 +263,9 @@ def _class_memory(
     if not sharding.holds_shards:
         levels["params_in_flight"] = _params_levels(sharding, actions)
         # ZeRO-1/2: this rank's shard of every unit, what the optimizer updates and the all-gathers
-        # send, made from the full parameters when the step starts (or, after an overlapped step,
-        # carried in by the state) and held to its end, beside the parameters at rest.
+        # send, carried in by the state (the last step's update made them; a first step, or one
+        # after the parameters were read, cuts them from the full parameters) and held to its end,
+        # beside the parameters at rest.
         levels["master_shards"] = [tree_nbytes(shards)] * len(actions)
     for key, per_action in levels.items():
         figures[key] = max(per_action, default=0)

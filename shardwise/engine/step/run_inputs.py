@@ -308,15 +308,31 @@ def finish_run(step: Step, state: TrainState, prepared: PreparedRun) -> tuple[Tr
             raise RuntimeError(f"the update by buckets covered units {outcome['updated']}, not this rank's {keys}")
         outcome["opt_state"] = join_parts(outcome["opt_parts"], keys)
     new_state = state._replace(
-        params=_in_flight(executor) if executor.params_in_flight else executor.new_held,
+        params=_next_params(state.layout.sharding, executor),
         opt_state=outcome["opt_state"], step=state.step + 1,
         loss_scale=prepared.outcome["loss_scale"],
     )
     return new_state, metrics
 
 
+def _next_params(sharding: FlatSharding | None, executor: Executor) -> Any:
+    """The new state's parameters: under ZeRO-1/2 an ``InFlightParams`` (``_in_flight``)."""
+    zero_12 = sharding is not None and not sharding.holds_shards and executor.new_master is not None
+    if zero_12 and (executor.params_in_flight or executor.new_held is not None):
+        return _in_flight(executor)
+    return executor.new_held
+
+
 def _in_flight(executor: Executor) -> InFlightParams:
-    """ZeRO-1/2 with overlap_gather: the new full parameters as the step's all-gathers will bring them."""
+    """ZeRO-1/2: the new full parameters, gathered at the step's end or (``overlap_gather``) as the
+    step's all-gathers still in flight will bring them, beside the shards the update made, which
+    those gathers carry. The next update starts from the shards instead of cutting them again out
+    of the full parameters (a copy of 1/world of the model per step) unless the parameters were read
+    in between. The step held the shards through its end anyway (the Plan's ``master_shards``), so
+    the peak is the same; at rest they are 1/world of the parameters more."""
+    if not executor.params_in_flight:
+        full = executor.new_held
+        return InFlightParams(full, [], executor.new_master, tuple(full))
     held = executor.held
     old = held.settle() if isinstance(held, InFlightParams) else held  # every bucket was waited for
     gathered = {u for bucket, _ in executor.params_in_flight for u in bucket.names}
