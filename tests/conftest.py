@@ -172,10 +172,35 @@ _BESIDE = pytest.StashKey[_Beside]()
 # after another as before: two at once would put up to eight rank processes on this machine's two
 # cores, and a fault test's short rendezvous or deadline would then time out. The other tests (one
 # thread of torch each) share both workers.
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+# xdist's loadgroup reads a test's group from a suffix of its nodeid ("...@gloo"), which xdist
+# 3.8 writes into ``Node._nodeid``; pytest 9.2 keeps the nodeid in ``Node._id`` (a NodeId), so that
+# write was lost and the gloo tests ran on both workers at once (each starting its own pools). The
+# suffix is written here, for either pytest, and checked: a pytest that keeps it elsewhere again
+# fails the collection, loudly, instead of spreading the gloo tests again.
+GROUP = "gloo"
+
+
+@pytest.hookimpl(trylast=True)  # after xdist's own (which names the group where it still can)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    grouping = bool(getattr(config.option, "loadgroup", False))  # a worker of `--dist loadgroup`
     for item in items:
         if item.get_closest_marker("gloo"):
-            item.add_marker(pytest.mark.xdist_group("gloo"))
+            item.add_marker(pytest.mark.xdist_group(GROUP))
+            if grouping and not item.nodeid.endswith(f"@{GROUP}"):
+                _name_group(item)
+
+
+def _name_group(item: pytest.Item) -> None:
+    named = f"{item.nodeid}@{GROUP}"
+    if hasattr(item, "_id"):  # pytest >= 9.2
+        from _pytest.nodeid import NodeId
+
+        item._id = NodeId.parse(named)
+    else:
+        item._nodeid = named
+    if item.nodeid != named:
+        raise pytest.UsageError(f"could not put {item.nodeid} in xdist group {GROUP!r}: pytest keeps nodeids "
+                                "elsewhere now; see tests/conftest.py")
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
