@@ -180,7 +180,7 @@ _BESIDE = pytest.StashKey[_Beside]()
 GROUP = "gloo"
 
 
-@pytest.hookimpl(trylast=True)  # after xdist's own (which names the group where it still can)
+@pytest.hookimpl(trylast=True)  # after xdist's own, which finds no mark yet: the suffix is ours alone
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     grouping = bool(getattr(config.option, "loadgroup", False))  # a worker of `--dist loadgroup`
     for item in items:
@@ -192,7 +192,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def _name_group(item: pytest.Item) -> None:
     named = f"{item.nodeid}@{GROUP}"
-    if hasattr(item, "_id"):  # pytest >= 9.2
+    if hasattr(item, "_id"):  # a pytest that keeps a NodeId (9.2)
         from _pytest.nodeid import NodeId
 
         item._id = NodeId.parse(named)
