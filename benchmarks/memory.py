@@ -57,7 +57,8 @@ ZeRO-2 the gradients, are sharded), each with the model built whole on every ran
   its default buckets and the in-place AdamW.
 
 Output: one JSON line per (width, world, variant) with ``init_peak_bytes`` and
-``peak_bytes`` (VmHWM above the baseline, the largest over ranks), ``model_bytes`` (the full
+``peak_bytes`` (VmHWM above the baseline, the largest over ranks; shardwise's rows also
+``step_peak_bytes``, the steps' own peak from the same baseline), ``model_bytes`` (the full
 model's parameters), ``ratio_to_fsdp2`` (peak over FSDP2's peak at that world),
 ``plan_peak_bytes`` (the Plan's predicted peak for shardwise ZeRO-3 there, on every row but
 ``shardwise_zero1/2``'s, which carry their own stage's), ``ratio_to_ddp`` (peak over DDP's, where
@@ -248,10 +249,12 @@ def shardwise_zero(cfg: Config, meta: bool, inplace: bool = True, stage: int = 3
     del params
     gc.collect()
     init_peak = peak.peak()
+    stepping = PeakRSS()  # the high-water mark reset: the steps' own peak, from the same baseline
     batch = batch_of(cfg)
     for _ in range(cfg.steps):
         state, _ = step(state, batch)
-    return {"init_peak_bytes": init_peak, "peak_bytes": peak.peak()}
+    step_peak = stepping.peak() + stepping.base - peak.base
+    return {"init_peak_bytes": init_peak, "step_peak_bytes": step_peak, "peak_bytes": max(init_peak, step_peak)}
 
 
 def shardwise_meta(cfg: Config) -> dict[str, Any]:
@@ -318,11 +321,14 @@ def run(cfg: Config, variant: str, pool: ProcessPool | None = None) -> dict[str,
             per_rank = fresh.run(warmed, program, cfg)
     else:
         per_rank = pool.run(warmed, program, cfg)
-    return {
+    row = {
         "init_peak_bytes": max(r["init_peak_bytes"] for r in per_rank),
         "peak_bytes": max(r["peak_bytes"] for r in per_rank),
         "peak_bytes_per_rank": [r["peak_bytes"] for r in per_rank],
     }
+    if "step_peak_bytes" in per_rank[0]:
+        row["step_peak_bytes"] = max(r["step_peak_bytes"] for r in per_rank)
+    return row
 
 
 SEED_SYSTEM_OF = {"fairscale_fsdp": "fairscale_fsdp", "deepspeed_zero3_init": "deepspeed_zero3",

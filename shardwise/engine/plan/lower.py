@@ -245,6 +245,8 @@ def _update_and_gathers(
     gathered = [*buckets, *((u,) for u in units if u not in in_buckets)]
     gathers = [_bucket_action(GATHER_PARAMS, b, zero.axis) for b in gathered]
     waits = [_bucket_action(WAIT_PARAMS, b, zero.axis) for b in gathered]
+    if gathers_into_params(step, device):  # one bucket's buffer at a time, copied into the parameters
+        return [Action(UPDATE), *(a for pair in zip(gathers, waits, strict=True) for a in pair)], []
     if not (zero.updates_in_buckets(device) and updates_by_key(step.optimizer)) or not gathered:
         return [Action(UPDATE), *gathers], waits
     update: list[Action] = []
@@ -252,6 +254,22 @@ def _update_and_gathers(
         label = "+".join(b) if len(b) > 1 else None
         update += [Action(UPDATE, b[0], units=b if len(b) > 1 else (), label=label), gather]
     return update, waits
+
+
+def gathers_into_params(step: Step, device: torch.device | str) -> bool:
+    """Whether ZeRO-1/2 writes the updated parameters into the parameters the step was given, one
+    bucket at a time (each bucket's all-gather waited for and copied in before the next is issued),
+    instead of handing on the gathered buffers beside them: the step's end then holds the
+    parameters once, not twice, as FairScale's OSS does (it updates in place and broadcasts into the
+    same tensors). Only where the optimizer updates in place (``inplace=True``: the state given is
+    consumed, its tensors written, as torch's optimizers write a model's), the all-gathers are
+    waited for at the step's end (not ``overlap_gather``) and the update runs at once."""
+    zero = find(step.transforms, SHARDING)
+    if zero is None or zero.stage == 3 or zero.overlaps_gather(device):
+        return False
+    if zero.updates_in_buckets(device) and updates_by_key(step.optimizer):
+        return False
+    return bool(getattr(getattr(step.optimizer, "update", None), "inplace", False))
 
 
 def _first_use(actions: Sequence[Action], units: Sequence[str], needs: Mapping[int, tuple[str, ...]]) -> int:

@@ -313,6 +313,9 @@ class Executor(ZeroActions, TransferActions):
     # Stages 1-2: each bucket's all-gather of the updated shards not waited for in this step (with
     # overlap_gather, all of them: the next step's TrainState holds them)
     params_in_flight: list[tuple[Bucket, Handle]] = field(default_factory=list)
+    # Stages 1-2 (plan/lower.py: gathers_into_params): each bucket's gathered parameters copied into
+    # the ones the step was given, instead of handed on beside them.
+    into_params: bool = False
     # -- per-step working state -------------------------------------------------------------
     device: torch.device = field(init=False)
     _view: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  # gathered units' parameters

@@ -39,6 +39,7 @@ class ZeroActions:
     device: torch.device
     grad_scale: float
     reduce_dtypes: Any
+    into_params: bool
     peak_gathered_bytes: int
     _view: dict[str, dict[str, torch.Tensor]]
     _buffers: dict[str, torch.Tensor]
@@ -174,7 +175,17 @@ class ZeroActions:
             if self.new_held is None:
                 held = self.held.settle() if isinstance(self.held, InFlightParams) else self.held  # not a read
                 self.new_held = {k: dict(v) for k, v in held.items()}
-            self.new_held.update(self._bucket(action).unflatten(handle.wait()))
+            got = self._bucket(action).unflatten(handle.wait())
+            if not self.into_params:
+                self.new_held.update(got)
+                return
+            # Written into the parameters the step was given (gathers_into_params): the state is
+            # consumed (an in-place update), and its parameters are read by nothing after the
+            # backward; the gathered buffer goes as this returns, before the next bucket's gather.
+            with torch.no_grad():
+                for unit, tensors in got.items():
+                    for name, value in tensors.items():
+                        self.new_held[unit][name].copy_(value)
             return
         incoming = self.source.incoming
         if incoming is None:  # the state's parameters were complete when the step began

@@ -38,8 +38,11 @@ def _witnesses(state: TrainState) -> list[torch.Tensor]:
     trees: list[Any] = [state.opt_state]
     if isinstance(state.params, dict):  # a plain tree (a Mapping of gathers in flight settles when read)
         trees.append(state.params)
-    elif isinstance(state.params, InFlightParams):  # its shards, which the next update starts from
-        trees.append(state.params.shards)
+    elif isinstance(state.params, InFlightParams):
+        # Its shards, which the next update starts from, and the full parameters already here: a
+        # ZeRO-1/2 step that gathers into its parameters (gathers_into_params) writes those of the
+        # state it was given, which may hold no optimizer state to witness it (plain SGD).
+        trees += [state.params.shards, state.params.ready()]
     found = []
     for tree in trees:
         leaf = _first_array(tree)

@@ -30,7 +30,7 @@ from ..layout.state_layout import StateLayout, unit_names
 from ..optim.optimizers import join_parts, state_part
 from ..plan.actions import Action
 from ..plan.batches import split_over
-from ..plan.lower import metric_axes, microbatch_count, rank_actions, reduce_sizes
+from ..plan.lower import gathers_into_params, metric_axes, microbatch_count, rank_actions, reduce_sizes
 from ..run.bindings import StageBindings
 from ..run.executor import Executor, ParamSource, ReplicaCheck
 from ..run.heap import keep_freed
@@ -235,6 +235,7 @@ def prepare_run(step: Step, state: TrainState, layout: StateLayout, batch: Any) 
         seed=scale if step.token_weighted else scale / (max(replicas, 1) * k),
         finalize=lambda grads: unscale_like(grads, master, scale), update=update,
         master=master, held=state.params, grad_scale=scale, reduce_dtypes=run.reduce_dtypes,
+        into_params=gathers_into_params(step, device),
         metric_dtype=layout.metric_dtype, exchange=run.exchange, metric_axes=run.metric_axes,
         replica_layers=run.replica_layers,
         boundaries=None if pipe is None else step.boundaries(layout, micro[0][0], mesh),

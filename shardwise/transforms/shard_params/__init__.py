@@ -74,7 +74,11 @@ def shard_params(
     the next step's (indexing, iterating, ``sw.checkpoint.save``, ``step.full_params``,
     ``torch.save``, optree) waits for them all first: stale parameters cannot be read. An older
     state stays valid (its gathers were waited for by the step that read it).
-    ``overlap_gather=False`` waits for them at the step's end. Stage 3 reduces and gathers
+    ``overlap_gather=False`` waits for them at the step's end; there, with an in-place optimizer
+    (``inplace=True``, which consumes the state it is given), each bucket's all-gather is waited
+    for and copied into the parameters the step was given before the next is issued
+    (``gather_params(6+4) wait_params(6+4) gather_params(2+0) ...``), so the step's end holds the
+    parameters once instead of twice (``plan.lower.gathers_into_params``). Stage 3 reduces and gathers
     unit by unit (its units are gathered and freed one at a time). Each bucket is one action of
     the Plan (``reduce_scatter(2+0)``), listed when the plan is made with the parameters.
 

@@ -1,0 +1,89 @@
+"""ZeRO-1/2 with an in-place optimizer writes the updated parameters into the ones the step was
+given, one bucket at a time (plan/lower.py: ``gathers_into_params``): each bucket's all-gather is
+waited for and copied in before the next is issued, so the step's end holds the parameters once,
+not twice (as FairScale's OSS does). The arithmetic is the same as handing the gathered buffers on
+(a functional optimizer's step): the results are bitwise those, over several steps."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import optree
+import pytest
+import torch
+
+import shardwise as sw
+from shardwise.engine.plan.lower import gathers_into_params
+from shardwise.testing.models import mlp
+
+KIB = 1 / 1024
+
+
+def _problem(inplace: bool, world: int) -> tuple[sw.Step, dict, list]:
+    torch.manual_seed(0)
+    chain, params = sw.functionalize(mlp([6, 8, 8, 8, 5]).double())
+    step = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.adamw(1e-2, inplace=inplace), clip_norm=1.0)
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(4 * world, 6, generator=gen, dtype=torch.float64),
+                torch.randn(4 * world, 5, generator=gen, dtype=torch.float64)) for _ in range(4)]
+    return step, params, batches
+
+
+def _leaves(tree: Any) -> list[torch.Tensor]:
+    return [t.clone() for t in optree.tree_leaves(tree)]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("options", [{"bucket_mb": 0.3 * KIB}, {"bucket_mb": 1.1 * KIB}, {"accumulation": 2}],
+                         ids=["each-unit", "pairs", "accumulation"])
+def test_the_in_place_step_writes_its_parameters_and_equals_the_functional_one(
+        world: int, stage: int, options: dict) -> None:
+    in_place = sw.shard_params(_problem(True, world)[0], "dp", stage, **options)
+    base, params, batches = _problem(False, world)
+    functional = sw.shard_params(base, "dp", stage, **options)
+    assert gathers_into_params(in_place, "cpu") and not gathers_into_params(functional, "cpu")
+
+    def program(step: sw.Step) -> tuple[list, list, list, bool]:
+        state = step.init(params, sw.Mesh(dp=world))
+        first = {(k, n): t for k, v in state.params.items() for n, t in v.items()}
+        losses = []
+        for batch in batches:
+            state, metrics = step(state, batch)
+            losses.append(metrics["loss"])
+        now = state.params.settle()  # the step's view (a read would make the next step cut again)
+        same = all(now[k][n] is t for (k, n), t in first.items())  # written where they were
+        return losses, _leaves(dict(now)), _leaves(state.opt_state), same
+
+    got = sw.launch(lambda: program(in_place), world)
+    want = sw.launch(lambda: program(functional), world)
+    for (losses, final, opt, same), (w_losses, w_final, w_opt, w_same) in zip(got, want, strict=True):
+        assert same and not w_same
+        assert all(torch.equal(a, b) for a, b in zip(losses, w_losses, strict=True))
+        assert all(torch.equal(a, b) for a, b in zip(final, w_final, strict=True))
+        assert all(torch.equal(a, b) for a, b in zip(opt, w_opt, strict=True))
+
+
+def test_the_plan_gathers_one_bucket_at_a_time_and_counts_one_bucket() -> None:
+    step, params, batches = _problem(True, 2)
+    into = sw.shard_params(step, "dp", 2, bucket_mb=1.1 * KIB)
+    beside = sw.shard_params(_problem(False, 2)[0], "dp", 2, bucket_mb=1.1 * KIB)
+    mesh = sw.Mesh(dp=2)
+    plan, other = into.plan(mesh, params, batches[0]), beside.plan(mesh, params, batches[0])
+    assert " ".join(map(str, plan.for_rank(0))).endswith(
+        "gather_params(6+4) wait_params(6+4) gather_params(2+0) wait_params(2+0)")
+    assert " ".join(map(str, other.for_rank(0))).endswith(
+        "gather_params(6+4) gather_params(2+0) wait_params(6+4) wait_params(2+0)")
+    # float64 buckets padded at dp 2: 6+4 is 72 + 46 (45 -> 46) elements, 2+0 is 72 + 56.
+    assert plan.memory["params_in_flight"] == ((72 + 56) * 8,) * 2
+    assert other.memory["params_in_flight"] == ((72 + 46 + 72 + 56) * 8,) * 2
+    assert plan.memory["peak"][0] < other.memory["peak"][0]
+
+
+def test_an_overlapped_or_bucketed_update_keeps_handing_the_buffers_on() -> None:
+    step = _problem(True, 2)[0]
+    assert not gathers_into_params(sw.shard_params(step, "dp", 2, overlap_gather=True), "cpu")
+    assert not gathers_into_params(sw.shard_params(step, "dp", 2, update_in_buckets=True), "cpu")
+    assert not gathers_into_params(sw.shard_params(step, "dp", 3), "cpu")
+    assert not gathers_into_params(sw.shard_params(step, "dp", 2), "cuda")  # overlaps there by default
+    assert not gathers_into_params(step, "cpu")
