@@ -35,6 +35,10 @@ Variants, all with AdamW (lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight decay
   reduce-scatter run as an all-reduce ring, its all-gather) instead of the direct exchanges a CPU
   runs by default (``collectives/backends/gloo_exchange.py``); ``paired_ratio_to_ring`` (on the
   plain stage's row) is the default's step over this one's.
+* ``stage1_beside`` / ``stage2_beside``: as ``stage1`` / ``stage2`` with
+  ``gather_into_params=False``: the gathered buffers handed on beside the parameters the step was
+  given, instead of copied into them one bucket at a time (what the in-place AdamW here does by
+  default); ``paired_ratio_to_beside`` (on the plain stage's row) is the default's step over this one's.
 * ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` with no buffer sync per
   forward (``forward_sync_buffers=False``; the only buffer, GPT's causal mask,
   is constant) + ``torch.optim.AdamW``.
@@ -143,9 +147,13 @@ RING = "_ring"
 # ``*_tcp``: the direct exchanges over gloo's loopback TCP, against shared memory, which the exchanges
 # of ranks on one host take by default (collectives/backends/shared_memory_exchange.py).
 TCP = "_tcp"
+# ``*_beside``: the gathered buffers handed on beside the parameters (``gather_into_params=False``),
+# against the default with the in-place AdamW, which copies each bucket into them.
+BESIDE = "_beside"
 OURS = ("stage1", "stage2", "stage3", f"stage1{IN_BUCKETS}", f"stage2{IN_BUCKETS}",
         f"stage1{OVERLAP}", f"stage2{OVERLAP}", f"stage1{WAIT}", f"stage2{WAIT}",
-        f"stage1{RING}", f"stage2{RING}", f"stage3{RING}", f"stage1{TCP}", f"stage2{TCP}", f"stage3{TCP}")
+        f"stage1{RING}", f"stage2{RING}", f"stage3{RING}", f"stage1{TCP}", f"stage2{TCP}", f"stage3{TCP}",
+        f"stage1{BESIDE}", f"stage2{BESIDE}")
 VARIANTS = (*OURS, "ddp", "fsdp2", *seed_systems.SYSTEMS)
 
 
@@ -195,14 +203,14 @@ class Ours:
 
     def __init__(
         self, cfg: Config, stage: int, in_buckets: bool = False, overlap: bool | None = None, ring: bool = False,
-        tcp: bool = False,
+        tcp: bool = False, beside: bool = False,
     ) -> None:
         self.ring, self.tcp = ring, tcp
         units = GPT_UNITS if cfg.model == "gpt" else None
         chain, params = sw.functionalize(build_model(cfg), units=units)
         step = sw.train_step(chain, loss_fn_of(cfg.model), sw_adamw())
         self.step_fn = sw.shard_params(step, "dp", stage=stage, update_in_buckets=True if in_buckets else None,
-                                       overlap_gather=overlap)
+                                       overlap_gather=overlap, gather_into_params=False if beside else None)
         self.state = self.step_fn.init(params, sw.Mesh(dp=cfg.world))
 
     def step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -295,10 +303,10 @@ Runner = Ours | TorchVariant | SeedVariant
 def make_variant(name: str, cfg: Config) -> Runner:
     if name in OURS:
         stage = int(name.removesuffix(IN_BUCKETS).removesuffix(OVERLAP).removesuffix(WAIT).removesuffix(RING)
-                    .removesuffix(TCP)[-1])
+                    .removesuffix(TCP).removesuffix(BESIDE)[-1])
         overlap = True if name.endswith(OVERLAP) else False if name.endswith(WAIT) else None
         return Ours(cfg, stage=stage, in_buckets=name.endswith(IN_BUCKETS), overlap=overlap, ring=name.endswith(RING),
-                    tcp=name.endswith(TCP))
+                    tcp=name.endswith(TCP), beside=name.endswith(BESIDE))
     if name in seed_systems.SYSTEMS:
         return SeedVariant(cfg, name)
     return {"ddp": make_ddp, "fsdp2": make_fsdp2}[name](cfg)
@@ -420,6 +428,10 @@ def rows_for(cfg: Config, per_rank: list[dict[str, Any]], ref: Reference) -> lis
             **({"paired_ratio_to_ring": round(paired_ratio_median(
                 [r["times"][name] for r in per_rank], [r["times"][name + RING] for r in per_rank]), 3)}
                if name + RING in first["times"] else {}),
+            # the gathers copied into the parameters (the in-place optimizer's default) over handed on
+            **({"paired_ratio_to_beside": round(paired_ratio_median(
+                [r["times"][name] for r in per_rank], [r["times"][name + BESIDE] for r in per_rank]), 3)}
+               if name + BESIDE in first["times"] else {}),
             # the exchanges through shared memory (the default on one host) over loopback TCP
             **({"paired_ratio_to_tcp": round(paired_ratio_median(
                 [r["times"][name] for r in per_rank], [r["times"][name + TCP] for r in per_rank]), 3)}
@@ -445,9 +457,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add_run_flags(parser, steps=8, warmup=2)
     add_batch_flags(parser)
     parser.add_argument("--variants",
-                        default=",".join(v for v in VARIANTS if not v.endswith((IN_BUCKETS, OVERLAP, WAIT, RING))),
+                        default=",".join(v for v in VARIANTS
+                                         if not v.endswith((IN_BUCKETS, OVERLAP, WAIT, RING, BESIDE))),
                         help=f"comma-separated subset of {','.join(VARIANTS)} (default all but the *{IN_BUCKETS}, "
-                        f"*{OVERLAP}, *{WAIT} and *{RING}; fsdp2 is always run)")
+                        f"*{OVERLAP}, *{WAIT}, *{RING} and *{BESIDE}; fsdp2 is always run)")
     parser.add_argument("--block", type=int, default=1,
                         help="consecutive steps per variant and turn, timed together (default 1: the variants "
                         "alternate step by step); > 1 charges ZeRO-1/2's overlapped all-gather to its own "

@@ -167,6 +167,8 @@ def test_memory_benchmark_runs_and_reports_each_variant() -> None:
             assert name in seed_systems and "pip install" in row["skipped"], row
             continue
         assert row["peak_bytes"] >= row["init_peak_bytes"] >= 0, row
+        if name.startswith("shardwise"):  # the steps' own peak too, from the same baseline
+            assert row["peak_bytes"] == max(row["init_peak_bytes"], row["step_peak_bytes"]), row
     assert rows["fsdp2_meta"]["ratio_to_fsdp2"] == 1.0
     assert rows["ddp"]["ratio_to_ddp"] == 1.0 and "ratio_to_ddp" in rows["shardwise_zero2"]
     for stage in (1, 2):  # each ZeRO-1/2 row carries its own stage's Plan, whose peak counts the same parts

@@ -82,8 +82,41 @@ def test_the_plan_gathers_one_bucket_at_a_time_and_counts_one_bucket() -> None:
 
 def test_an_overlapped_or_bucketed_update_keeps_handing_the_buffers_on() -> None:
     step = _problem(True, 2)[0]
+    assert not gathers_into_params(sw.shard_params(step, "dp", 2, gather_into_params=False), "cpu")
     assert not gathers_into_params(sw.shard_params(step, "dp", 2, overlap_gather=True), "cpu")
     assert not gathers_into_params(sw.shard_params(step, "dp", 2, update_in_buckets=True), "cpu")
     assert not gathers_into_params(sw.shard_params(step, "dp", 3), "cpu")
     assert not gathers_into_params(sw.shard_params(step, "dp", 2), "cuda")  # overlaps there by default
     assert not gathers_into_params(step, "cpu")
+
+
+def test_asked_for_it_gathers_into_the_parameters_on_every_device_and_refuses_what_cannot() -> None:
+    step = _problem(True, 2)[0]
+    asked = sw.shard_params(step, "dp", 2, gather_into_params=True)
+    assert gathers_into_params(asked, "cuda") and gathers_into_params(asked, "cpu")  # waits and updates at once
+    assert "gather_into_params=True" in str(asked.transforms[-1])
+    with pytest.raises(ValueError, match=r"gather_into_params=True, overlap_gather=True\): .* drop one"):
+        sw.shard_params(step, "dp", 2, gather_into_params=True, overlap_gather=True)
+    with pytest.raises(ValueError, match=r"gather_into_params=True, update_in_buckets=True\)"):
+        sw.shard_params(step, "dp", 1, gather_into_params=True, update_in_buckets=True)
+    with pytest.raises(ValueError, match=r"does not update in place.*inplace=True"):
+        sw.shard_params(_problem(False, 2)[0], "dp", 2, gather_into_params=True)
+    with pytest.raises(ValueError, match="stage 3 holds shards"):
+        sw.shard_params(step, "dp", 3, gather_into_params=False)
+    with pytest.raises(TypeError, match=r"gather_into_params='no'"):
+        sw.shard_params(step, "dp", 2, gather_into_params="no")  # type: ignore[arg-type]
+
+
+def test_handed_on_instead_the_in_place_step_is_the_same_arithmetic() -> None:
+    """``gather_into_params=False`` with the in-place optimizer: bitwise the default's steps."""
+    step, params, batches = _problem(True, 2)
+    into, beside = (sw.shard_params(step, "dp", 2, gather_into_params=g) for g in (None, False))
+
+    def program(s: sw.Step) -> list[torch.Tensor]:
+        state = s.init(params, sw.Mesh(dp=2))
+        for batch in batches:
+            state, _ = s(state, batch)
+        return _leaves(dict(state.params.settle())) + _leaves(state.opt_state)
+
+    for got, want in zip(sw.launch(lambda: program(into), 2), sw.launch(lambda: program(beside), 2), strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))

@@ -265,7 +265,7 @@ def gathers_into_params(step: Step, device: torch.device | str) -> bool:
     consumed, its tensors written, as torch's optimizers write a model's), the all-gathers are
     waited for at the step's end (not ``overlap_gather``) and the update runs at once."""
     zero = find(step.transforms, SHARDING)
-    if zero is None or zero.stage == 3 or zero.overlaps_gather(device):
+    if zero is None or zero.stage == 3 or zero.gather_into_params is False or zero.overlaps_gather(device):
         return False
     if zero.updates_in_buckets(device) and updates_by_key(step.optimizer):
         return False

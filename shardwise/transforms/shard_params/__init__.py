@@ -23,6 +23,7 @@ def shard_params(
     replicate: str | None = None,
     update_in_buckets: bool | None = None,
     overlap_gather: bool | None = None,
+    gather_into_params: bool | None = None,
 ) -> Step:
     """Make ``step`` data parallel over mesh ``axis``, sharding what ZeRO ``stage`` shards.
 
@@ -78,7 +79,11 @@ def shard_params(
     (``inplace=True``, which consumes the state it is given), each bucket's all-gather is waited
     for and copied into the parameters the step was given before the next is issued
     (``gather_params(6+4) wait_params(6+4) gather_params(2+0) ...``), so the step's end holds the
-    parameters once instead of twice (``plan.lower.gathers_into_params``). Stage 3 reduces and gathers
+    parameters once instead of twice (``plan.lower.gathers_into_params``). It costs a copy of the
+    parameters per step (each one otherwise a view of its gather, where it lies within one rank's
+    row) and the gathers one after another: ``gather_into_params=False`` hands the gathered buffers
+    on instead; ``True`` asks for it (the gathers then waited for and the update at once on every
+    device; refused with an optimizer that does not update in place). Stage 3 reduces and gathers
     unit by unit (its units are gathered and freed one at a time). Each bucket is one action of
     the Plan (``reduce_scatter(2+0)``), listed when the plan is made with the parameters.
 
@@ -150,6 +155,21 @@ def shard_params(
             )
     _check_stage12_flag("update_in_buckets", update_in_buckets, stage, "the update by buckets")
     _check_stage12_flag("overlap_gather", overlap_gather, stage, "the overlap of that gather with the next forward")
+    _check_stage12_flag("gather_into_params", gather_into_params, stage, "gathering into the parameters")
+    if gather_into_params:
+        clash = [f"{n}=True" for n, v in (("overlap_gather", overlap_gather), ("update_in_buckets", update_in_buckets))
+                 if v]
+        if clash:
+            raise ValueError(
+                f"shard_params(gather_into_params=True, {', '.join(clash)}): gathering into the parameters waits "
+                "for each bucket's gather before the next, after the whole update; drop one of the options"
+            )
+        if not getattr(getattr(step.optimizer, "update", None), "inplace", False):
+            raise ValueError(
+                "shard_params(gather_into_params=True): the optimizer does not update in place, so the state "
+                "a step is given stays valid and its parameters may not be written; use the optimizer with "
+                "inplace=True, or drop the option"
+            )
     if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
         raise TypeError(
             f"shard_params(reshard_after_forward={reshard_after_forward!r}): True, False or None (the default)"
@@ -164,7 +184,7 @@ def shard_params(
             )
     spec = ShardSpec(axis, stage, reshard_after_forward, 1 if prefetch is None else prefetch, accumulation,
                      reduce_in_flight, None if bucket_mb is None else float(bucket_mb), replicate,
-                     update_in_buckets, overlap_gather)
+                     update_in_buckets, overlap_gather, gather_into_params)
     return add(step, spec)
 
 

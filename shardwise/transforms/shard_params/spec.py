@@ -40,6 +40,9 @@ class ShardSpec:
     replicate: str | None = None
     update_in_buckets: bool | None = None  # stages 1-2; None: chosen per device (updates_in_buckets)
     overlap_gather: bool | None = None  # stages 1-2; None: the default (overlaps_gather)
+    # stages 1-2; None: where it can (plan/lower.py: gathers_into_params); True: asked for (the
+    # gathers waited for and the update at once on every device); False: never
+    gather_into_params: bool | None = None
 
     name: ClassVar[str] = "shard_params"
     role: ClassVar[str] = SHARDING
@@ -50,6 +53,7 @@ class ShardSpec:
         in_flight += "" if self.bucket_mb is None else f", bucket_mb={self.bucket_mb}"
         in_flight += "" if self.update_in_buckets is None else f", update_in_buckets={self.update_in_buckets}"
         in_flight += "" if self.overlap_gather is None else f", overlap_gather={self.overlap_gather}"
+        in_flight += "" if self.gather_into_params is None else f", gather_into_params={self.gather_into_params}"
         replicate = "" if self.replicate is None else f", replicate={self.replicate!r}"
         return (
             f"shard_params(axis={self.axis!r}{replicate}, stage={self.stage}{reshard}, prefetch={self.prefetch}, "
@@ -86,7 +90,7 @@ class ShardSpec:
         a built-in one, whose state the engine can cut by unit) always updates at once."""
         if self.update_in_buckets is not None:
             return self.update_in_buckets
-        return torch.device(device).type not in ("cpu", "meta")
+        return not self.gather_into_params and torch.device(device).type not in ("cpu", "meta")
 
     def overlaps_gather(self, device: torch.device | str) -> bool:
         """Whether stages 1-2 leave the all-gathers of the updated shards in flight when the step
@@ -108,7 +112,7 @@ class ShardSpec:
             return False
         if self.overlap_gather is not None:
             return self.overlap_gather
-        return torch.device(device).type not in ("cpu", "meta")
+        return not self.gather_into_params and torch.device(device).type not in ("cpu", "meta")
 
     def prefetches_backward_after(self, device: torch.device | str) -> bool:
         """Whether a backward issues its prefetches after each compute and that unit's reduce-scatter
