@@ -340,6 +340,12 @@ class _AdamWUpdate:
         return new_p, new_m, new_v
 
 
+def updates_in_place(optimizer: Any) -> bool:
+    """Whether ``optimizer``'s update writes the state it is given (``inplace=True``; a user's
+    optimizer: as its update's ``inplace`` says, else not): a step then consumes its TrainState."""
+    return bool(getattr(getattr(optimizer, "update", None), "inplace", False))
+
+
 def updates_by_key(optimizer: Any) -> bool:
     """Whether ``optimizer`` is a built-in one, whose update of some top-level keys of a mapping of
     parameters is those keys' part of the whole update (it is elementwise, and its state holds

@@ -34,7 +34,7 @@ from ..layout.sharding import FlatSharding
 from ..layout.state_layout import Placement
 from ..model.chain import Chain
 from ..model.reuse import LayerMemo
-from ..optim.optimizers import updates_by_key
+from ..optim.optimizers import updates_by_key, updates_in_place
 from ..stack.compose import PLACEMENT, SHARDING, find, reshard_after_forward
 from ..stack.splits import splits_of
 from ..torch_api import fake_tensors
@@ -269,7 +269,7 @@ def gathers_into_params(step: Step, device: torch.device | str) -> bool:
         return False
     if zero.updates_in_buckets(device) and updates_by_key(step.optimizer):
         return False
-    return bool(getattr(getattr(step.optimizer, "update", None), "inplace", False))
+    return updates_in_place(step.optimizer)
 
 
 def _first_use(actions: Sequence[Action], units: Sequence[str], needs: Mapping[int, tuple[str, ...]]) -> int:

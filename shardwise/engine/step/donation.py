@@ -20,6 +20,7 @@ import torch
 
 from ..layout.in_flight import InFlightParams
 from ..layout.state import TrainState
+from ..optim.optimizers import updates_in_place
 
 if TYPE_CHECKING:
     from .step import Step
@@ -29,7 +30,7 @@ _UPDATES = "_shardwise_updates"  # the update count a tensor holds, set by an in
 
 def donates(step: Step) -> bool:
     """Whether the step's optimizer updates in place (a user's optimizer: as it says, else not)."""
-    return bool(getattr(getattr(step.optimizer, "update", None), "inplace", False))
+    return updates_in_place(step.optimizer)
 
 
 def _witnesses(state: TrainState) -> list[torch.Tensor]:

@@ -59,6 +59,7 @@ class RankRun:
     counts_losses: bool  # whether it counts its losses and tokens also then: the splits cut the batch
     replicas: Mapping[str, ReplicaCheck]  # per split axis, the gradients that must agree over it
     rng_rank: int | None  # the rank whose random streams this one draws (None: its own)
+    into_params: bool  # ZeRO-1/2 gathers into the parameters it was given (as ``actions`` lists it)
 
 
 def rank_run(step: Step, layout: StateLayout, mesh: Mesh | None, device: torch.device) -> RankRun:
@@ -93,6 +94,7 @@ def _make_rank_run(
             step, placement, layout.schedule, index, unit_names(sharding), device, reduce_sizes(step, sharding)
         ),
         exchange=exchange,
+        into_params=gathers_into_params(step, device),
         metric_axes=metric_axes(step),
         replica_layers=frozenset(o for o, _ in placement.replicas_of(index)),
         reduce_dtypes=None if prec is None or sharding is None else {
@@ -235,7 +237,7 @@ def prepare_run(step: Step, state: TrainState, layout: StateLayout, batch: Any) 
         seed=scale if step.token_weighted else scale / (max(replicas, 1) * k),
         finalize=lambda grads: unscale_like(grads, master, scale), update=update,
         master=master, held=state.params, grad_scale=scale, reduce_dtypes=run.reduce_dtypes,
-        into_params=gathers_into_params(step, device),
+        into_params=run.into_params,
         metric_dtype=layout.metric_dtype, exchange=run.exchange, metric_axes=run.metric_axes,
         replica_layers=run.replica_layers,
         boundaries=None if pipe is None else step.boundaries(layout, micro[0][0], mesh),

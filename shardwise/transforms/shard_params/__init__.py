@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ...engine.layout.sharding import UnitLayout
+from ...engine.optim.optimizers import updates_in_place
 from ...engine.stack.compose import add
 from ...engine.step.step import Step
 from .spec import DEFAULT_BUCKET_MB, ShardSpec
@@ -164,7 +165,7 @@ def shard_params(
                 f"shard_params(gather_into_params=True, {', '.join(clash)}): gathering into the parameters waits "
                 "for each bucket's gather before the next, after the whole update; drop one of the options"
             )
-        if not getattr(getattr(step.optimizer, "update", None), "inplace", False):
+        if not updates_in_place(step.optimizer):
             raise ValueError(
                 "shard_params(gather_into_params=True): the optimizer does not update in place, so the state "
                 "a step is given stays valid and its parameters may not be written; use the optimizer with "
