@@ -80,9 +80,9 @@ def _run(step: sw.Step, params: dict, batches: list, world: int, mesh: sw.Mesh |
     {"bucket_mb": 1.1 * KIB, "update_in_buckets": True}, {"accumulation": 2},
 ], ids=["each-unit", "pairs", "one-bucket", "update-in-buckets", "accumulation"])
 def test_overlapped_steps_equal_the_waiting_ones_bitwise(world: int, stage: int, options: dict) -> None:
-    base, params, batches = _problem(world, "adamw" if options.get("update_in_buckets") else "sgd")
     """Against the step that waits at its end and whose state is read after every step (each next
     step cuts its shards again), and the waiting one that carries its shards as the overlap does."""
+    base, params, batches = _problem(world, "adamw" if options.get("update_in_buckets") else "sgd")
     got = _run(sw.shard_params(base, "dp", stage, overlap_gather=True, **options), params, batches, world)
     waiting = sw.shard_params(base, "dp", stage, overlap_gather=False, **options)
     want = _run(waiting, params, batches, world, read_between=True)
