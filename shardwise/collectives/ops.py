@@ -41,11 +41,13 @@ from typing import Any
 
 import torch
 
+from .backends.base import Rows
 from .handle import Handle
 from .mesh import Mesh
 from .mesh_context import current_mesh
 from .start import (
     start_all_gather,
+    start_all_gather_into,
     start_all_to_all,
     start_broadcast,
     start_pmean,
@@ -54,7 +56,7 @@ from .start import (
     start_psum_scatter,
 )
 from .timing import timed
-from .validate import check_perm, check_root, normalize_dim, refuse_grad, require_tensor
+from .validate import check_perm, check_root, check_rows, normalize_dim, refuse_grad, require_tensor
 from .where import Pairs, Where, in_backward, resolve
 
 
@@ -321,6 +323,18 @@ def all_gather_async(
     x = _async_input("all_gather_async", x)
     where = resolve("all_gather_async", axis, mesh)
     return start_all_gather(x, where, _gather_dim("all_gather_async", x, dim, tiled), tiled, snapshot=snapshot)
+
+
+def all_gather_into_async(x: torch.Tensor, rows: Rows, axis: str, *, mesh: Mesh | None = None) -> Handle:
+    """Start the all-gather of ``x`` (flattened) over ``axis``, written where the caller says:
+    member ``j``'s values into ``rows[j]``, 1-D contiguous pieces of ``x``'s dtype and device laid end
+    to end (none overlapping ``x``). ``x`` must stay unchanged until ``.wait()``, which returns it.
+    Through shared memory no buffer of the whole result is made (each peer's part is copied from
+    its slots into the pieces); elsewhere the gathered buffer is copied into them at the wait."""
+    x = _async_input("all_gather_into_async", x)
+    where = resolve("all_gather_into_async", axis, mesh)
+    check_rows("all_gather_into_async", x, rows, where.size)
+    return start_all_gather_into(x, where, rows)
 
 
 def psum_scatter_async(

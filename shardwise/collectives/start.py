@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from .backends.base import Rows
 from .handle import Handle, issue
 from .validate import check_split
 from .where import Pairs, Where
@@ -39,6 +40,18 @@ def start_all_gather(x: torch.Tensor, where: Where, dim: int, tiled: bool, snaps
         lambda b, t, g, s: b.all_gather(t, g, "all_gather", snapshot=s),
         lambda stacked: _chunks_to(stacked, dim, tiled),  # stacked: (n, *x.shape)
         snapshot=snapshot,
+    )
+
+
+def start_all_gather_into(x: torch.Tensor, where: Where, rows: Rows) -> Handle:
+    """Each member's ``x`` (flat) written into its ``rows`` entry; ``x`` is read until the wait."""
+    return issue(
+        "all_gather",
+        where,
+        x,
+        lambda b, t, g, s: b.all_gather_into(t, rows, g, "all_gather"),
+        snapshot=False,
+        layout=lambda t: t.reshape(-1),
     )
 
 

@@ -70,3 +70,28 @@ def refuse_grad(op: str, x: torch.Tensor, fix: str | None = None) -> None:
         raise RuntimeError(
             f"{op} is not differentiable but its input requires grad: {fix} or call it under torch.no_grad()"
         )
+
+
+def check_rows(op: str, x: torch.Tensor, rows: Sequence[Sequence[torch.Tensor]], members: int) -> None:
+    """Refuse destinations an all-gather of ``x`` over ``members`` cannot be written into."""
+    if len(rows) != members:
+        raise ValueError(f"{op}: rows has {len(rows)} entries; pass one per member of the axis ({members})")
+    numel = x.numel()
+    own = x.untyped_storage().data_ptr() if numel else None
+    for j, pieces in enumerate(rows):
+        total = 0
+        for k, piece in enumerate(pieces):
+            if not isinstance(piece, torch.Tensor):
+                raise TypeError(f"{op}: rows[{j}][{k}] is a {type(piece).__name__}, not a tensor")
+            if piece.ndim != 1 or not piece.is_contiguous():
+                raise ValueError(f"{op}: rows[{j}][{k}] must be a 1-D contiguous tensor, got shape "
+                                 f"{list(piece.shape)} (contiguous: {piece.is_contiguous()}); pass .view(-1) slices")
+            if piece.dtype != x.dtype or piece.device != x.device:
+                raise ValueError(f"{op}: rows[{j}][{k}] is {piece.dtype} on {piece.device}, the input "
+                                 f"{x.dtype} on {x.device}; the rows take the input's values as they are")
+            if piece.numel() and piece.untyped_storage().data_ptr() == own:
+                raise ValueError(f"{op}: rows[{j}][{k}] shares memory with the input; gather into other tensors")
+            total += piece.numel()
+        if total != numel:
+            raise ValueError(f"{op}: rows[{j}] holds {total} elements, the input {numel}; each member's row "
+                             "takes the whole input")

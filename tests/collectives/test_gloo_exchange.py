@@ -143,6 +143,13 @@ def test_small_or_odd_messages_keep_gloos_own_collectives() -> None:
     assert not gloo_exchange.exchanges(torch.empty(2, gloo_exchange.MIN_EXCHANGE_BYTES // 8), group)
     assert not gloo_exchange.exchanges(torch.empty(2, 1 << 20, dtype=torch.float8_e4m3fn), group)
     assert not gloo_exchange.exchanges(torch.empty(1, 1 << 20), Group("dp", (0,)))
+    # An all-gather's input is one member's part: the same bytes per member as the Plan asks of the
+    # gathered whole (sized_for_exchange), not a member's part over the members again.
+    part = torch.empty(gloo_exchange.MIN_EXCHANGE_BYTES // 4)
+    four = Group("dp", (0, 1, 2, 3))
+    assert gloo_exchange.exchanges(part, four, one_member=True) and not gloo_exchange.exchanges(part, four)
+    assert gloo_exchange.sized_for_exchange(part.nbytes * 4, part.dtype, 4)
+    assert not gloo_exchange.exchanges(part[1:], four, one_member=True)
 
 
 # -- a peer that never arrives -------------------------------------------------------------
@@ -326,3 +333,105 @@ def test_members_that_issue_different_exchanges_fail_them(short_pool: ProcessPoo
         short_pool.run(_ranks_issue_different_all_gathers, differing)
     message = str(info.value)
     assert "issued different collectives" in message and "all_gather" in message, message
+
+
+# -- all-gather into the caller's pieces -----------------------------------------------------
+def _cut(row: int, seed: int) -> list[int]:
+    """Piece lengths laid end to end over ``row`` elements, at cuts no chunk or slot boundary shares."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths, left = [], row
+    while left:
+        take = min(left, int(torch.randint(1, max(row // 3, 2), (1,), generator=gen)))
+        lengths.append(take)
+        left -= take
+    return lengths
+
+
+GAP = 3  # elements left between two pieces in the destination: nothing may write them
+
+
+def _rows_in(dest: torch.Tensor, n: int, row: int) -> list[list[torch.Tensor]]:
+    """Each member's row as pieces of ``dest`` (cut differently per member), GAP apart."""
+    rows, at = [], 0
+    for j in range(n):
+        pieces = []
+        for length in _cut(row, j):
+            pieces.append(dest[at: at + length])
+            at += length + GAP
+        rows.append(pieces)
+    return rows
+
+
+def _gathered_into(kinds: list[str], dtype: torch.dtype, row: int, transport: str) -> dict[str, Any]:
+    """Per group kind: IN_FLIGHT all-gathers into pieces, issued before any is waited and waited in
+    reverse; what landed in the pieces, whether anything outside them was written, and whether the
+    inputs were left alone."""
+    backend = current_backend()
+    out: dict[str, Any] = {}
+    with shared_memory_exchange.loopback_exchanges() if transport == "tcp" else contextlib.nullcontext():
+        for kind in kinds:
+            group = _group(kind)
+            i = group.index(backend.rank)
+            moves = [_moved(group.size, dtype, 200 + s, row)[i].reshape(-1) for s in range(IN_FLIGHT)]
+            kept = [t.clone() for t in moves]
+            n = group.size
+            dests = [torch.full((n * (row + GAP * row),), float("nan"), dtype=dtype) for _ in moves]
+            rows = [_rows_in(d, n, moves[0].numel()) for d in dests]
+            works = [backend.all_gather_into(x, r, group) for x, r in zip(moves, rows, strict=True)]
+            returned = [w.wait() for w in reversed(works)][::-1]
+            covered = [torch.zeros(d.numel(), dtype=torch.bool) for d in dests]
+            for c, r in zip(covered, rows, strict=True):
+                for pieces in r:
+                    for p in pieces:
+                        start = p.storage_offset()
+                        c[start: start + p.numel()] = True
+            out[kind] = {
+                "got": [torch.stack([torch.cat(pieces) for pieces in r]) for r in rows],
+                "outside_untouched": all(bool(d[~c].isnan().all()) for d, c in zip(dests, covered, strict=True)),
+                "inputs_untouched": all(torch.equal(a, b) for a, b in zip(kept, moves, strict=True)),
+                "returns_input": all(a.data_ptr() == b.data_ptr() and torch.equal(a, b)
+                                     for a, b in zip(returned, moves, strict=True)),
+                "path": _path(moves[0], group),
+            }
+    return out
+
+
+def _path(x: torch.Tensor, group: Group) -> str:
+    """Which transport a collective of ``x`` over ``group`` takes now."""
+    if not gloo_exchange.exchanges(x, group, one_member=True):
+        return "gloo's own"
+    exchange = current_backend()._exchange_groups[tuple(sorted(group.ranks))]
+    return "shared" if shared_memory_exchange.in_use(exchange.shared) else "tcp"
+
+
+# Elements per member: several slots; enough for the TCP exchange at world 4 (its bytes over the
+# members at least MIN_EXCHANGE_BYTES); too few for the exchanges.
+GATHER_INTO = {
+    "shared": lambda dtype: SHARED_ROW,
+    "tcp": lambda dtype: gloo_exchange.MIN_EXCHANGE_BYTES * 4 // dtype.itemsize + 6,
+    "gloo's own": lambda dtype: gloo_exchange.MIN_EXCHANGE_BYTES // 16,
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", list(GATHER_INTO))
+def test_all_gather_into_pieces_writes_each_members_row_there_and_nothing_else(
+        gloo2: Any, gloo4: Any, dtype: torch.dtype, case: str) -> None:
+    """Through shared memory (several slots per row, pieces cut across the slots' boundaries), over
+    loopback TCP and through gloo's own all-gather (a message too small for the exchanges): every
+    member's row lands in its pieces, nothing between them is written, the inputs are left alone,
+    and wait() returns the input; on groups listed in and out of rank order and on mesh axes."""
+    row = GATHER_INTO[case](dtype)
+    row -= row % 2
+    transport = "shared" if case == "shared" else "tcp"
+    for pool, kinds in ((gloo2, ["world", "reversed"]), (gloo4, ["world", "reversed", "dp", "pp"])):
+        for rank, per_kind in enumerate(pool.run(_gathered_into, kinds, dtype, row, transport)):
+            for kind, r in per_kind.items():
+                where = f"rank {rank} of {4 if pool is gloo4 else 2}, {kind} ({case})"
+                assert r["path"] == case, f"{where}: took {r['path']}"
+                assert r["outside_untouched"], f"{where}: something outside the pieces was written"
+                assert r["inputs_untouched"] and r["returns_input"], where
+                size = 2 if pool is gloo2 else (2 if kind in ("dp", "pp") else 4)
+                for s, got in enumerate(r["got"]):  # row j: group member j's input
+                    want = torch.stack([m.reshape(-1) for m in _moved(size, dtype, 200 + s, row)])
+                    torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"{where}: gather {s}")

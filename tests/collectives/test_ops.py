@@ -8,6 +8,7 @@ order, and the references sum in the same order, so every comparison is exact
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +28,7 @@ from shardwise.collectives import (
     axis_size,
     broadcast,
     broadcast_async,
+    comm_ledger,
     current_mesh,
     launch,
     pmean,
@@ -38,6 +40,7 @@ from shardwise.collectives import (
     psum_scatter_async,
     pvary,
 )
+from shardwise.collectives.ops import all_gather_into_async
 
 FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 worlds = st.integers(1, 8)
@@ -223,6 +226,47 @@ def test_async_forms_equal_the_sync_forms():
 
     for got, want in spmd(world, body):
         assert_all_equal(got, want)
+
+
+def test_all_gather_into_writes_each_rows_pieces_and_the_ledger_counts_an_all_gather():
+    world = 3
+    xs = [make(11, r, (2, 5), torch.float32) for r in range(world)]
+
+    def body(r: int) -> tuple[bool, list[torch.Tensor], Any]:
+        dest = torch.zeros(world * 10 + 4)
+        # Row j: pieces of lengths 3 and 7 at an offset of its own, the last row split 10 = 4 + 6.
+        rows = [[dest[11 * j: 11 * j + 3], dest[11 * j + 4: 11 * j + 11]] for j in range(world - 1)]
+        rows.append([dest[22:26], dest[27:33]])
+        with comm_ledger() as ledger:
+            returned = all_gather_into_async(xs[r], rows, "dp").wait()
+        with comm_ledger() as plain:
+            all_gather_async(xs[r], "dp").wait()
+        got = [torch.cat(pieces) for pieces in rows]
+        return returned.data_ptr() == xs[r].data_ptr(), got, (ledger.summary(), plain.summary())
+
+    for returns_input, got, (summary, plain) in spmd(world, body):
+        assert returns_input
+        for j in range(world):
+            assert got[j].equal(xs[j].reshape(-1)), j
+        assert summary == plain and list(summary) == [("dp", "all_gather")], (summary, plain)
+
+
+@pytest.mark.parametrize("rows, message", [
+    (lambda x: [[torch.empty(4)], [torch.empty(4)], [torch.empty(4)]], "rows has 3 entries; pass one per member"),
+    (lambda x: [[torch.empty(4)], [torch.empty(3)]], "rows[1] holds 3 elements, the input 4"),
+    (lambda x: [[torch.empty(4)], [torch.empty(2, 2)]], "rows[1][0] must be a 1-D contiguous tensor"),
+    (lambda x: [[torch.empty(4)], [torch.empty(8)[::2]]], "rows[1][0] must be a 1-D contiguous tensor"),
+    (lambda x: [[torch.empty(4)], [torch.empty(4, dtype=torch.float64)]], "rows[1][0] is torch.float64"),
+    (lambda x: [[x.view(-1)], [torch.empty(4)]], "rows[0][0] shares memory with the input"),
+    (lambda x: [[torch.empty(4)], [[1.0] * 4]], "rows[1][0] is a list, not a tensor"),
+])
+def test_all_gather_into_refuses_rows_it_cannot_write(rows: Callable[[torch.Tensor], Any], message: str) -> None:
+    def body(r: int) -> None:
+        x = torch.ones(2, 2)
+        with pytest.raises((ValueError, TypeError), match=re.escape(message)):
+            all_gather_into_async(x, rows(x), "dp")
+
+    spmd(2, body)
 
 
 def test_async_forms_refuse_inputs_that_require_grad():

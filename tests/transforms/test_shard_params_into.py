@@ -1,8 +1,9 @@
 """ZeRO-1/2 with an in-place optimizer writes the updated parameters into the ones the step was
-given, one bucket at a time (plan/lower.py: ``gathers_into_params``): each bucket's all-gather is
-waited for and copied in before the next is issued, so the step's end holds the parameters once,
-not twice (as FairScale's OSS does). The arithmetic is the same as handing the gathered buffers on
-(a functional optimizer's step): the results are bitwise those, over several steps."""
+given, one bucket at a time (plan/lower.py: ``gathers_into_params``): each bucket's all-gather
+writes its rows into the parameters (through shared memory, straight from the peers' slots;
+elsewhere copied in at its wait) before the next is issued, so the step's end holds the parameters
+once, not twice (as FairScale's OSS does). The arithmetic is the same as handing the gathered
+buffers on (a functional optimizer's step): the results are bitwise those, over several steps."""
 
 from __future__ import annotations
 
@@ -120,3 +121,72 @@ def test_handed_on_instead_the_in_place_step_is_the_same_arithmetic() -> None:
 
     for got, want in zip(sw.launch(lambda: program(into), 2), sw.launch(lambda: program(beside), 2), strict=True):
         assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def _gloo_steps(gather_into_params: bool | None, bucket_mb: float) -> tuple[list, list, bool, int]:
+    """Four ZeRO-2 steps of in-place AdamW on two gloo ranks: the losses, the final parameters and
+    optimizer state, whether the parameters stayed the tensors init made, and how many all-gathers
+    wrote into them through shared memory."""
+    from shardwise.collectives.backends import shared_memory_exchange
+
+    torch.manual_seed(0)
+    # Two units of 65,792 float32 (131,584 B per member, past the exchanges' 64 KiB) and one of
+    # 2,056, too small: gloo's own all-gather.
+    chain, params = sw.functionalize(mlp([256, 256, 256, 8]))
+    base = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.adamw(1e-2, inplace=True))
+    step = sw.shard_params(base, "dp", 2, bucket_mb=bucket_mb, gather_into_params=gather_into_params)
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 256, generator=gen), torch.randn(8, 8, generator=gen)) for _ in range(4)]
+    calls = []
+    original = shared_memory_exchange.SharedMemoryExchange.all_gather_into
+
+    def counted(self: Any, *args: Any) -> Any:
+        calls.append(1)
+        return original(self, *args)
+
+    shared_memory_exchange.SharedMemoryExchange.all_gather_into = counted  # type: ignore[method-assign]
+    try:
+        state = step.init(params, sw.Mesh(dp=2))
+        first = [t for v in state.params.values() for t in v.values()]
+        losses = []
+        for batch in batches:
+            state, metrics = step(state, batch)
+            losses.append(metrics["loss"])
+        now = state.params.settle()
+        same = all(a is b for a, b in zip(first, [t for v in now.values() for t in v.values()], strict=True))
+        return losses, _leaves(dict(now)) + _leaves(state.opt_state), same, len(calls)
+    finally:
+        shared_memory_exchange.SharedMemoryExchange.all_gather_into = original  # type: ignore[method-assign]
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("bucket_mb", [0.1, 25.0], ids=["each-unit", "one-bucket"])
+def test_on_gloo_the_peers_rows_land_in_the_parameters_from_shared_memory(gloo2: Any, bucket_mb: float) -> None:
+    """On two gloo ranks of one host, each bucket's gather big enough for the exchanges goes
+    through shared memory straight into the parameters (once per step and such bucket), bitwise
+    the steps that hand the gathered buffers on."""
+    got = gloo2.run(_gloo_steps, None, bucket_mb)
+    want = gloo2.run(_gloo_steps, False, bucket_mb)
+    for (losses, final, same, into), (w_losses, w_final, w_same, w_into) in zip(got, want, strict=True):
+        assert same and not w_same
+        assert into == 4 * (2 if bucket_mb < 1 else 1) and w_into == 0, (into, w_into)
+        assert all(torch.equal(a, b) for a, b in zip(losses, w_losses, strict=True))
+        assert all(torch.equal(a, b) for a, b in zip(final, w_final, strict=True))
+
+
+def test_the_plan_holds_no_buffer_for_a_bucket_the_exchanges_write_into_the_parameters() -> None:
+    """On a CPU a bucket big enough for the exchanges is written from the peers' shared-memory slots
+    straight into the parameters: the Plan holds nothing in flight for it; a smaller one (gloo's own
+    all-gather) holds its buffer to its wait, as everywhere on other devices."""
+    torch.manual_seed(0)
+    chain, params = sw.functionalize(mlp([256, 256, 256, 8]))
+    base = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.adamw(1e-2, inplace=True))
+    mesh = sw.Mesh(dp=2)
+    small = (256 * 8 + 8) * 4  # the last unit, 8,224 B (even: no padding at dp 2)
+
+    def in_flight(**options: Any) -> int:
+        return sw.shard_params(base, "dp", 2, **options).plan(mesh, params).memory["params_in_flight"][0]
+
+    assert in_flight() == 0
+    assert in_flight(bucket_mb=0.1) == small
+    assert in_flight(gather_into_params=False) == 2 * (256 * 256 + 256) * 4 + small

@@ -13,6 +13,8 @@ Shape conventions (``n`` is the group size, ``i`` the caller's index in it):
 
 * ``all_reduce(x)``        -> sum over ranks of ``x``, same shape.
 * ``all_gather(x)``        -> ``stack([x_0, ..., x_{n-1}])``, shape ``(n, *x.shape)``.
+* ``all_gather_into(x, rows)`` -> the same values written where the caller says: ``x_j``
+  (flat) into ``rows[j]``, 1-D pieces that follow each other; ``wait()`` returns ``x``.
 * ``reduce_scatter(x)``    -> ``x`` has shape ``(n, *rest)``; result is
   ``sum_j x_j[i]``, shape ``rest``.
 * ``all_to_all(x)``        -> ``x`` has shape ``(n, *rest)``; result ``out[j] = x_j[i]``.
@@ -48,6 +50,11 @@ may then read ``x`` itself while the collective runs instead of copying it
 first, which saves a message-sized allocation and copy. The synchronous
 collectives (which wait at once) pass False; the async ones keep True. Either
 way the result is a new tensor that does not alias ``x``.
+
+``all_gather_into`` is the exception: it writes into the caller's ``rows`` (which must not overlap
+``x``) and reads ``x`` until ``wait()`` (``snapshot=False`` always). Every backend has it: by
+default an ``all_gather`` whose result is copied into the rows at the wait; a transport that copies
+what it receives anyway (shared memory) copies it into the rows instead.
 
 ``reduce_scatter`` also takes ``donate`` (default False): True hands ``x`` over (with
 ``snapshot=False``), so a backend that reduces in place may do it in ``x`` itself instead of a
@@ -145,6 +152,53 @@ class CheckedWork(Work):
         return self._work.is_completed()
 
 
+Rows = Sequence[Sequence[torch.Tensor]]
+"""Where an all-gather's rows go: ``rows[j]``, 1-D contiguous pieces of the input's dtype whose
+numels add up to the input's, takes group member ``j``'s input in order."""
+
+
+def write_rows(gathered: torch.Tensor, rows: Rows) -> None:
+    """Copy each row of ``gathered`` ((n, numel)) into its pieces."""
+    for got, pieces in zip(gathered.view(len(rows), -1), rows, strict=True):
+        at = 0
+        for piece in pieces:
+            piece.copy_(got[at: at + piece.numel()])
+            at += piece.numel()
+
+
+def pieces_within(pieces: Sequence[torch.Tensor], lo: int, hi: int) -> list[torch.Tensor]:
+    """The parts of ``pieces`` (laid end to end) that hold elements ``[lo, hi)``, in order."""
+    out, at = [], 0
+    for piece in pieces:
+        n = piece.numel()
+        a, b = max(lo - at, 0), min(hi - at, n)
+        if a < b:
+            out.append(piece[a:b])
+        at += n
+        if at >= hi:
+            break
+    return out
+
+
+class _IntoRows(Work):
+    """An all-gather whose result is copied into the caller's rows at the wait."""
+
+    def __init__(self, work: Work, rows: Rows, x: torch.Tensor) -> None:
+        self._work: Work | None = work
+        self._rows: Rows | None = rows
+        self._x = x
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            assert self._rows is not None
+            write_rows(self._work.wait(), self._rows)
+            self._work = self._rows = None  # the gathered buffer goes now
+        return self._x
+
+    def is_completed(self) -> bool:
+        return self._work is None or self._work.is_completed()
+
+
 class CompletedWork(Work):
     """A Work whose result is already known (world of one, or computed eagerly)."""
 
@@ -191,6 +245,11 @@ class Backend(abc.ABC):
     def all_gather(
         self, x: torch.Tensor, group: Group, op_name: str = "all_gather", *, snapshot: bool = True
     ) -> Work: ...
+
+    def all_gather_into(self, x: torch.Tensor, rows: Rows, group: Group, op_name: str = "all_gather") -> Work:
+        """``all_gather(x)`` written into ``rows`` (see the module's docstring); ``x`` is read until
+        the wait. Here: gathered into a buffer, then copied."""
+        return _IntoRows(self.all_gather(x, group, op_name, snapshot=False), rows, x)
 
     @abc.abstractmethod
     def reduce_scatter(

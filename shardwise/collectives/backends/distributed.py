@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from ..errors import CollectiveError, CollectiveTimeout
 from ..timeout import DEFAULT_TIMEOUT_S, check_timeout
-from .base import Backend, CompletedWork, Group, Work
+from .base import Backend, CompletedWork, Group, Rows, Work
 from .distributed_p2p import PointToPoint
 from .distributed_p2p import flat_copy as _flat_copy
 from .distributed_p2p import is_timeout as _is_timeout
@@ -122,7 +122,7 @@ class TorchDistributedBackend(PointToPoint, Backend):
         self, x: torch.Tensor, group: Group, op_name: str = "all_gather", *, snapshot: bool = True
     ) -> Work:
         pg, order = self._enter(x, group, op_name)
-        if self._exchanges(x, group):
+        if self._exchanges(x, group, one_member=True):
             exchange = self._exchange_group(group, op_name)
             if in_use(exchange.shared):
                 assert exchange.shared is not None
@@ -139,6 +139,17 @@ class TorchDistributedBackend(PointToPoint, Backend):
             return rows if order is None else rows[order]  # process-group order -> group order
 
         return _DistWork(self, op_name, group, x, [work], finish, keep_alive=(send,))
+
+    def all_gather_into(self, x: torch.Tensor, rows: Rows, group: Group, op_name: str = "all_gather") -> Work:
+        """Through shared memory, each peer's row is copied out of its slots straight into ``rows``
+        (the copy it makes anyway); elsewhere gathered, then copied (Backend's)."""
+        if self._exchanges(x, group, one_member=True):
+            self._enter(x, group, op_name)
+            exchange = self._exchange_group(group, op_name)
+            if in_use(exchange.shared):
+                assert exchange.shared is not None
+                return exchange.shared.all_gather_into(_flat_input(x, False), rows, group, op_name)
+        return super().all_gather_into(x, rows, group, op_name)
 
     def reduce_scatter(
         self, x: torch.Tensor, group: Group, op_name: str = "psum_scatter", *, snapshot: bool = True,
@@ -263,10 +274,11 @@ class TorchDistributedBackend(PointToPoint, Backend):
     def _on_gloo_cpu(self, x: torch.Tensor) -> bool:
         return x.device.type == "cpu" and "gloo" in self.name
 
-    def _exchanges(self, x: torch.Tensor, group: Group) -> bool:
+    def _exchanges(self, x: torch.Tensor, group: Group, *, one_member: bool = False) -> bool:
         """Whether this collective runs as a direct exchange (gloo_exchange.py): gloo on CPU, a
-        layer-sized message of a dtype gloo sums."""
-        return self._on_gloo_cpu(x) and exchanges(x, group)
+        layer-sized message of a dtype gloo sums; ``one_member``: ``x`` is one member's part (an
+        all-gather's input: the Plan asks of the gathered whole, ``sized_for_exchange``)."""
+        return self._on_gloo_cpu(x) and exchanges(x, group, one_member=one_member)
 
     def _exchange_group(self, group: Group, op_name: str) -> ExchangeGroup:
         """The member set's exchanges, on a process group of their own (created at first use,

@@ -16,20 +16,22 @@ from collections.abc import Callable
 import torch
 
 from ..errors import CollectiveError
-from .base import Group, Work
+from .base import Group, Rows, Work
 
 ErrorFor = Callable[[str, Group, BaseException], CollectiveError]
 
 
 class Job:
     """One exchange: what it takes (``rows``, the caller's own; ``out``, its result's buffer when
-    made at issue) and, once ``done``, its ``result`` or ``error``."""
+    made at issue; ``into``, an all-gather's destinations: the caller's pieces per member, its
+    input ``rows``) and, once ``done``, its ``result`` or ``error``."""
 
-    __slots__ = ("done", "error", "group", "kind", "op_name", "out", "result", "rows", "shape")
+    __slots__ = ("done", "error", "group", "into", "kind", "op_name", "out", "result", "rows", "shape")
 
     def __init__(self, kind: str, op_name: str, group: Group, out: torch.Tensor | None, rows: torch.Tensor | None,
-                 shape: torch.Size) -> None:
+                 shape: torch.Size, into: Rows | None = None) -> None:
         self.kind, self.op_name, self.group, self.out, self.rows, self.shape = kind, op_name, group, out, rows, shape
+        self.into = into
         self.result: torch.Tensor | None = None
         self.error: BaseException | None = None
         self.done = threading.Event()
@@ -109,7 +111,8 @@ class JobThread:
                 with self._cond:
                     self._failure = self._failure or error
             finally:
-                job.rows = job.out = None  # released here (a result is its own or a view), whatever the caller holds
+                # Released here (a result is its own or a view), whatever the caller holds.
+                job.rows = job.out = job.into = None
                 with self._cond:
                     self._queue.popleft()
                 job.done.set()

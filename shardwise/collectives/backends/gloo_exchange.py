@@ -64,9 +64,11 @@ _DIRECT_REDUCE_SCATTER_TAG = 3
 _EXCHANGES = Switch()  # off within gloos_own_collectives()
 
 
-def exchanges(x: torch.Tensor, group: Group) -> bool:
-    """Whether a collective of ``x`` over ``group`` runs as an exchange (else as gloo's own)."""
-    return _EXCHANGES.on and sized_for_exchange(x.numel() * x.element_size(), x.dtype, group.size)
+def exchanges(x: torch.Tensor, group: Group, *, one_member: bool = False) -> bool:
+    """Whether a collective of ``x`` over ``group`` runs as an exchange (else as gloo's own);
+    ``one_member``: ``x`` is one member's part of it (an all-gather's input), not the whole."""
+    nbytes = x.numel() * x.element_size() * (group.size if one_member else 1)
+    return _EXCHANGES.on and sized_for_exchange(nbytes, x.dtype, group.size)
 
 
 def sized_for_exchange(nbytes: int, dtype: torch.dtype, members: int) -> bool:

@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CollectiveError
-from .base import Group, Work
+from .base import Group, Rows, Work, pieces_within, write_rows
 from .exchange_thread import ErrorFor, Job, JobThread
 from .switch import Switch
 
@@ -274,6 +274,12 @@ class SharedMemoryExchange:
         out[group.index(self._member_rank)].copy_(x)  # the caller may change x at once
         return self._jobs.submit(Job("all_gather", op_name, group, out, None, shape))
 
+    def all_gather_into(self, x: torch.Tensor, into: Rows, group: Group, op_name: str) -> Work:
+        """All-gather ``x`` (flat, left unchanged until the wait) into ``into`` (each member's row
+        as the caller's pieces): a peer's chunk is copied out of its slot straight into them."""
+        write_rows(x.view(1, -1), [into[group.index(self._member_rank)]])
+        return self._jobs.submit(Job("all_gather", op_name, group, None, x, x.shape, into=into))
+
     def reduce_scatter(self, rows: torch.Tensor, group: Group, op_name: str, shape: torch.Size) -> Work:
         """Reduce ``rows`` ((n, m), in the group's order, this call's own) and return this member's
         row of the sum as ``shape``, in a tensor of its own (``rows`` is released at the end)."""
@@ -288,18 +294,20 @@ class SharedMemoryExchange:
     def _run(self, job: Job) -> None:
         """Write this member's chunks into its slots as fast as the peers free them, and take each
         peer's chunks out of theirs as they come (chunk by chunk, peers in a fixed order)."""
-        group, rows = job.group, job.rows
-        if job.out is None:
+        group, rows, into = job.group, job.rows, job.into
+        if job.out is None and into is None:
             assert rows is not None
             job.out = torch.empty(rows.shape[1], dtype=rows.dtype)
-        out = job.out
+        # An all-gather into the caller's pieces: ``rows`` is its input (flat), ``out`` unused.
+        out = job.out if into is None else rows
+        assert out is not None
         # Members in the set's order (sorted ranks) index the slots; the group may list them in
         # another order, which only says where each row goes.
         n, me = len(self._members), self._index
         place = [group.index(rank) for rank in self._members]  # set index -> group index
         gather = job.kind == "all_gather"
         step = (self._slot_bytes - _HEADER_BYTES) // (out.element_size() * (1 if gather else n))
-        length = out.shape[1] if gather else out.shape[0]
+        length = out.shape[-1] if gather else out.shape[0]
         spans = [(a, min(a + step, length)) for a in range(0, length, step)]
         # Peers in the order the TCP exchanges add them (back through the group's order), so the
         # sums agree bitwise whichever transport a run takes.
@@ -319,7 +327,9 @@ class SharedMemoryExchange:
                 self._slots[slot * self._slot_bytes:][:_HEADER_BYTES].view(torch.int64)[:6].copy_(
                     torch.tensor([*heading, written]))
                 own = self._slot(self._slots, slot, out.dtype)
-                if gather:
+                if into is not None:
+                    own[: b - a].copy_(out[a:b])
+                elif gather:
                     own[: b - a].copy_(out[place[me], a:b])
                 else:
                     assert rows is not None
@@ -335,7 +345,9 @@ class SharedMemoryExchange:
                 offset = (first + taken) % SLOTS * self._slot_bytes
                 self._check_heading(j, offset, [*heading, taken], out.dtype)
                 offset += _HEADER_BYTES
-                if gather:
+                if into is not None:
+                    self._take_pieces(j, offset, pieces_within(into[place[j]], a, b))
+                elif gather:
                     self._take(j, offset, out[place[j], a:b])
                 else:
                     assert rows is not None and scratch is not None
@@ -352,7 +364,7 @@ class SharedMemoryExchange:
             if not moved:
                 self._hear(deadline)
         self._seq = first + len(spans)
-        job.result = out.view(job.shape)
+        job.result = out if into is not None else out.view(job.shape)
 
     def _take(self, j: int, offset: int, into: torch.Tensor) -> torch.Tensor:
         """Copy ``into``'s bytes from member ``j``'s slots at ``offset``."""
@@ -363,6 +375,14 @@ class SharedMemoryExchange:
         if got != nbytes:
             raise CollectiveError(f"member {self._members[j]}'s slots were cut short ({got} of {nbytes} bytes)")
         return into
+
+    def _take_pieces(self, j: int, offset: int, pieces: list[torch.Tensor]) -> None:
+        """Copy member ``j``'s bytes at ``offset`` into ``pieces``, end to end (one read)."""
+        views = [(ctypes.c_char * (p.numel() * p.element_size())).from_address(p.data_ptr()) for p in pieces]
+        nbytes = sum(len(v) for v in views)
+        got = os.preadv(self._peer_slots[j], views, offset)
+        if got != nbytes:
+            raise CollectiveError(f"member {self._members[j]}'s slots were cut short ({got} of {nbytes} bytes)")
 
     def _check_heading(self, j: int, offset: int, expected: list[int], dtype: torch.dtype) -> None:
         got = self._take(j, offset, self._heading).tolist()

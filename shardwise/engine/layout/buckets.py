@@ -85,6 +85,45 @@ class Bucket:
         return torch.cat([shards[u.unit] for u in self.units])
 
     @functools.cached_property
+    def _row_segments(self) -> tuple[tuple[tuple[str, Segment], ...], ...]:
+        """Per row of a gathered bucket (one rank's shards): (unit, segment) of its values, in order."""
+        return tuple(
+            tuple((u.unit, s) for u in self.units for s in segments(u, r * u.shard_numel, (r + 1) * u.shard_numel))
+            for r in range(self.shards)
+        )
+
+    def rows_into(
+        self, params: Mapping[str, Mapping[str, torch.Tensor]], like: torch.Tensor
+    ) -> list[list[torch.Tensor]] | None:
+        """Where each row of the gathered bucket goes when written into ``params`` (the units' full
+        parameters) instead of a buffer: per row, flat slices of the parameters it holds values of,
+        and of one scratch tensor for the padding. None when a parameter is missing or is not a
+        contiguous tensor of ``like``'s dtype and device (the gather is then copied in)."""
+        for u in self.units:
+            held = params.get(u.unit)
+            if held is None:
+                return None
+            for name in u.names:
+                t = held.get(name)
+                if t is None or not t.is_contiguous() or t.dtype != like.dtype or t.device != like.device:
+                    return None
+        padding = sum(b - a for row in self._row_segments for _, (param, a, b) in row if param is None)
+        scratch = torch.empty(padding, dtype=like.dtype, device=like.device) if padding else None
+        rows: list[list[torch.Tensor]] = []
+        used = 0
+        for row in self._row_segments:
+            pieces = []
+            for unit, (param, a, b) in row:
+                if param is None:
+                    assert scratch is not None
+                    pieces.append(scratch[used: used + b - a])
+                    used += b - a
+                else:
+                    pieces.append(params[unit][param].view(-1)[a:b])
+            rows.append(pieces)
+        return rows
+
+    @functools.cached_property
     def _places(self) -> tuple[tuple[str, tuple[tuple[str, tuple[tuple[int, int], ...], torch.Size], ...]], ...]:
         """Per unit, per parameter: where its values lie in a gathered bucket's flat buffer, as
         (start, stop) ranges, one per row it spans (a row is one rank's shards of every unit),

@@ -16,6 +16,7 @@ import torch
 
 from ...collectives import Handle, all_gather_async, psum_async, psum_scatter_async
 from ...collectives.mesh import Mesh
+from ...collectives.ops import all_gather_into_async
 from ..layout.buckets import Bucket, bucket_of
 from ..layout.in_flight import InFlightParams
 from ..layout.sharding import FlatSharding
@@ -151,41 +152,62 @@ class ZeroActions:
             self._grad_shards[u] = shard if self.grad_scale == 1.0 else shard / self.grad_scale
 
     def gather_params(self, action: Action) -> None:
-        """Stages 1-2: all-gather a unit's (or a bucket's) updated shards into full parameters."""
+        """Stages 1-2: all-gather a unit's (or a bucket's) updated shards into full parameters; with
+        ``into_params``, straight into the parameters the step was given where they are laid out for
+        it (contiguous, the shards' dtype), else into a buffer copied into them at the wait."""
         unit = action.require("layer")
         bucket = self._bucket(action)
         flat = bucket.gather_input(self.new_master)
+        axis = action.require("axis")
+        rows = bucket.rows_into(self._next_held(), flat) if self.into_params else None
         # The shards are the update's result, which nothing writes to before the wait (this step's,
         # or with overlap_gather the next step's, before its update): no copy.
-        handle = all_gather_async(flat, action.require("axis"), tiled=True, mesh=self.mesh, snapshot=False)
-        self._pending[("params", unit)] = handle
+        if rows is not None:
+            # The state is consumed (an in-place update) and nothing reads its parameters after the
+            # backward: the rows are written as they arrive (through shared memory, with no buffer
+            # of the bucket's).
+            handle = all_gather_into_async(flat, rows, axis, mesh=self.mesh)
+            self._pending[("params into", unit)] = handle
+        else:
+            handle = all_gather_async(flat, axis, tiled=True, mesh=self.mesh, snapshot=False)
+            self._pending[("params", unit)] = handle
         self.params_in_flight.append((bucket, handle))
+
+    def _next_held(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The parameters the next state holds: the given ones, each unit's dict a copy of its own."""
+        if self.new_held is None:
+            held = self.held.settle() if isinstance(self.held, InFlightParams) else self.held  # not a read
+            self.new_held = {k: dict(v) for k, v in held.items()}
+        return self.new_held
 
     def wait_params(self, action: Action) -> None:
         """The gathered parameters are views of the all-gather's output (one copy of a parameter
-        that lies across two ranks' shards): no copy per parameter.
+        that lies across two ranks' shards): no copy per parameter; or, gathered into the given
+        parameters, already in place.
 
         The wait of this step's own gather (at its end), or with ``overlap_gather`` (listed before
         the bucket's first forward, ahead of this step's gathers) the wait of the gather the last
         step left in flight: its parameters become the layers' (their compute copies)."""
         unit = action.require("layer")
-        handle = self._pending.pop(("params", unit), None)
+        into = self._pending.pop(("params into", unit), None)
+        handle = into or self._pending.pop(("params", unit), None)
         if handle is not None:
             self.params_in_flight = [(b, h) for b, h in self.params_in_flight if h is not handle]
-            if self.new_held is None:
-                held = self.held.settle() if isinstance(self.held, InFlightParams) else self.held  # not a read
-                self.new_held = {k: dict(v) for k, v in held.items()}
+            if into is not None:
+                into.wait()
+                return
+            new_held = self._next_held()
             got = self._bucket(action).unflatten(handle.wait())
             if not self.into_params:
-                self.new_held.update(got)
+                new_held.update(got)
                 return
-            # Written into the parameters the step was given (gathers_into_params): the state is
-            # consumed (an in-place update), and its parameters are read by nothing after the
-            # backward; the gathered buffer goes as this returns, before the next bucket's gather.
+            # Written into the parameters the step was given (gathers_into_params), where they are
+            # not laid out for the gather to write them: the gathered buffer goes as this returns,
+            # before the next bucket's gather.
             with torch.no_grad():
                 for unit, tensors in got.items():
                     for name, value in tensors.items():
-                        self.new_held[unit][name].copy_(value)
+                        new_held[unit][name].copy_(value)
             return
         incoming = self.source.incoming
         if incoming is None:  # the state's parameters were complete when the step began

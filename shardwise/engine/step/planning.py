@@ -263,7 +263,8 @@ def _class_memory(
     assert shards is not None
     levels["update_buffers"] = _update_levels(step, shards, actions, device)
     if not sharding.holds_shards:
-        levels["params_in_flight"] = _params_levels(sharding, actions, gathers_into_params(step, device))
+        levels["params_in_flight"] = _params_levels(sharding, actions, gathers_into_params(step, device),
+                                                    device.type == "cpu")
         # ZeRO-1/2: this rank's shard of every unit, what the optimizer updates and the all-gathers
         # send, carried in by the state (the last step's update made them; a first step, or one
         # after the parameters were read, cuts them from the full parameters) and held to its end,
@@ -294,23 +295,37 @@ def _update_levels(step: Step, shards: Mapping[str, Any], actions: Sequence[Acti
     return levels
 
 
-def _params_levels(sharding: FlatSharding, actions: Sequence[Action], into_params: bool = False) -> list[int]:
+def _params_levels(
+    sharding: FlatSharding, actions: Sequence[Action], into_params: bool = False, on_cpu: bool = False
+) -> list[int]:
     """ZeRO-1/2, at each action: the updated full parameters the step's all-gathers bring (each
     bucket's whole padded buffer, in the master dtype: the parameters are views of it), from its
     ``gather_params`` to the step's end, where they are the new state's parameters beside the ones
     the step began with (``params``, which its caller still holds). With ``overlap_gather`` they
     are still in flight then, across the step boundary: the next step's ``wait_params`` come
     before its first forwards, and until then the in-flight buffers are its ``params``.
-    ``into_params`` (``gathers_into_params``): each bucket's buffer only to its ``wait_params``,
-    which copies it into the parameters the step was given."""
+    ``into_params`` (``gathers_into_params``): written into the parameters the step was given, each
+    bucket's buffer only to its ``wait_params``, which copies it in; none at all for a bucket the
+    exchanges take on a CPU (``on_cpu``), whose peers' rows are copied from their shared-memory
+    slots straight into the parameters (the Plan takes the ranks to share a host, as it does for
+    the slots, ``_copy_levels``; over loopback TCP, ranks on several hosts, such a bucket's buffer
+    is held to its wait too)."""
     sizes = {u: lay.padded_numel * lay.dtype.itemsize for u, lay in sharding.units.items()}
+
+    def held(units: Sequence[str]) -> int:
+        total = sum(sizes[u] for u in units)
+        layout = sharding.units[units[0]]
+        if into_params and on_cpu and sized_for_exchange(total, layout.dtype, layout.shards):
+            return 0
+        return total
+
     live, levels = 0, []
     for action in actions:
         if action.kind == GATHER_PARAMS:
-            live += sum(sizes[u] for u in action.units or (action.require("layer"),))
+            live += held(action.units or (action.require("layer"),))
         levels.append(live)
         if into_params and action.kind == WAIT_PARAMS:
-            live -= sum(sizes[u] for u in action.units or (action.require("layer"),))
+            live -= held(action.units or (action.require("layer"),))
     return levels
 
 

@@ -78,12 +78,13 @@ def shard_params(
     state stays valid (its gathers were waited for by the step that read it).
     ``overlap_gather=False`` waits for them at the step's end; there, with an in-place optimizer
     (``inplace=True``, which consumes the state it is given), each bucket's all-gather is waited
-    for and copied into the parameters the step was given before the next is issued
+    for and written into the parameters the step was given before the next is issued
     (``gather_params(6+4) wait_params(6+4) gather_params(2+0) ...``), so the step's end holds the
-    parameters once instead of twice (``plan.lower.gathers_into_params``). It costs a copy of the
-    parameters per step (each one otherwise a view of its gather, where it lies within one rank's
-    row) and the gathers one after another: ``gather_into_params=False`` hands the gathered buffers
-    on instead; ``True`` asks for it (the gathers then waited for and the update at once on every
+    parameters once instead of twice (``plan.lower.gathers_into_params``). On one host's gloo ranks
+    a bucket big enough for the exchanges is copied from the peers' shared-memory slots straight
+    into the parameters (no buffer, no copy more than handing it on); elsewhere the gathered buffer
+    is copied in at the wait, a copy of the parameters per step, and the gathers run one after
+    another: ``gather_into_params=False`` hands the gathered buffers on instead; ``True`` asks for it (the gathers then waited for and the update at once on every
     device; refused with an optimizer that does not update in place). Stage 3 reduces and gathers
     unit by unit (its units are gathered and freed one at a time). Each bucket is one action of
     the Plan (``reduce_scatter(2+0)``), listed when the plan is made with the parameters.
