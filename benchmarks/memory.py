@@ -55,6 +55,9 @@ ZeRO-2 the gradients, are sharded), each with the model built whole on every ran
   ``deepspeed_zero2``: DeepSpeed ZeRO-2 with its default buckets (both optional, as above).
 * ``shardwise_zero1``, ``shardwise_zero2``: ``sw.shard_params(step, "dp", stage=1 or 2)`` with
   its default buckets and the in-place AdamW.
+* ``shardwise_zero1_meta``, ``shardwise_zero2_meta``: the same with the model built under
+  ``torch.device("meta")`` (as ``shardwise_meta``): ``init`` makes each layer's full parameters on
+  every rank, one layer at a time, so no rank holds the user's model beside the state's.
 
 Output: one JSON line per (width, world, variant) with ``init_peak_bytes`` and
 ``peak_bytes`` (VmHWM above the baseline, the largest over ranks; shardwise's rows also
@@ -91,8 +94,9 @@ from shardwise.testing.memory import LIVE_MALLOC, PeakRSS
 
 VARIANTS = ("fsdp2_meta", "fairscale_fsdp", "deepspeed_zero3_init", "deepspeed_zero3", "shardwise_meta",
             "shardwise_meta_functional", "shardwise_eager", "ddp", "fairscale_oss", "deepspeed_zero2",
-            "shardwise_zero1", "shardwise_zero2")
-STAGE = {"shardwise_zero1": 1, "shardwise_zero2": 2}  # a shardwise variant's ZeRO stage (3 if not here)
+            "shardwise_zero1", "shardwise_zero2", "shardwise_zero1_meta", "shardwise_zero2_meta")
+# A shardwise variant's ZeRO stage (3 if not here).
+STAGE = {"shardwise_zero1": 1, "shardwise_zero2": 2, "shardwise_zero1_meta": 1, "shardwise_zero2_meta": 2}
 # --models: the two sizes of issue 25, as Linear widths (12 layers).
 MODEL_WIDTHS = {"200mb": 2048, "800mb": 4096}
 ADAMW = seed_systems.AdamW(1e-3, (0.9, 0.999), 1e-8, 0.01)  # torch.optim.AdamW's defaults, as the others
@@ -277,6 +281,14 @@ def shardwise_zero2(cfg: Config) -> dict[str, Any]:
     return shardwise_zero(cfg, meta=False, stage=2)
 
 
+def shardwise_zero1_meta(cfg: Config) -> dict[str, Any]:
+    return shardwise_zero(cfg, meta=True, stage=1)
+
+
+def shardwise_zero2_meta(cfg: Config) -> dict[str, Any]:
+    return shardwise_zero(cfg, meta=True, stage=2)
+
+
 def plan_figures(cfg: Config, inplace: bool = True, stage: int = 3) -> dict[str, int]:
     """The Plan's memory figures for rank 0 (made here, on meta parameters: no data), with the
     optimizer the measured step uses (an out-of-place update allocates new parameters and moments)."""
@@ -303,6 +315,8 @@ PROGRAMS = {
     "deepspeed_zero2": deepspeed_zero2,
     "shardwise_zero1": shardwise_zero1,
     "shardwise_zero2": shardwise_zero2,
+    "shardwise_zero1_meta": shardwise_zero1_meta,
+    "shardwise_zero2_meta": shardwise_zero2_meta,
 }
 
 

@@ -156,7 +156,7 @@ def test_memory_benchmark_runs_and_reports_each_variant() -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     rows = {row["variant"]: row for row in map(json.loads, result.stdout.splitlines())}
     ours_and_torch = {"one_process", "fsdp2_meta", "shardwise_meta", "shardwise_meta_functional", "shardwise_eager",
-                      "ddp", "shardwise_zero1", "shardwise_zero2"}
+                      "ddp", "shardwise_zero1", "shardwise_zero2", "shardwise_zero1_meta", "shardwise_zero2_meta"}
     seed_systems = {"fairscale_fsdp", "deepspeed_zero3", "deepspeed_zero3_init", "fairscale_oss",
                     "deepspeed_zero2"}  # measured where installed
     assert set(rows) == ours_and_torch | seed_systems, sorted(rows)
@@ -171,9 +171,12 @@ def test_memory_benchmark_runs_and_reports_each_variant() -> None:
             assert row["peak_bytes"] == max(row["init_peak_bytes"], row["step_peak_bytes"]), row
     assert rows["fsdp2_meta"]["ratio_to_fsdp2"] == 1.0
     assert rows["ddp"]["ratio_to_ddp"] == 1.0 and "ratio_to_ddp" in rows["shardwise_zero2"]
-    for stage in (1, 2):  # each ZeRO-1/2 row carries its own stage's Plan, whose peak counts the same parts
-        row = rows[f"shardwise_zero{stage}"]
+    for name in [f"shardwise_zero{s}{m}" for s in (1, 2) for m in ("", "_meta")]:
+        # Each ZeRO-1/2 row carries its own stage's Plan (however the model was built), whose peak
+        # counts the same parts.
+        row = rows[name]
         own = row["plan"]
+        assert own == rows[name.removesuffix("_meta")]["plan"]
         assert row["plan_peak_bytes"] == own["peak"] != rows["shardwise_eager"]["plan"]["peak"]
         assert own["peak"] == sum(own[k] for k in ("params", "opt_state", "kept_for_backward", "held_in_step")), own
     plan = rows["shardwise_meta"]["plan"]

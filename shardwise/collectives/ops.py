@@ -328,12 +328,13 @@ def all_gather_async(
 def all_gather_into_async(x: torch.Tensor, rows: Rows, axis: str, *, mesh: Mesh | None = None) -> Handle:
     """Start the all-gather of ``x`` (flattened) over ``axis``, written where the caller says:
     member ``j``'s values into ``rows[j]``, 1-D contiguous pieces of ``x``'s dtype and device laid end
-    to end (none overlapping ``x``). ``x`` must stay unchanged until ``.wait()``, which returns it.
+    to end (none overlapping ``x``, but for this member's own row, which may be ``x``'s values where
+    they lie: left as they are). ``x`` must stay unchanged until ``.wait()``, which returns it.
     Through shared memory no buffer of the whole result is made (each peer's part is copied from
     its slots into the pieces); elsewhere the gathered buffer is copied into them at the wait."""
     x = _async_input("all_gather_into_async", x)
     where = resolve("all_gather_into_async", axis, mesh)
-    check_rows("all_gather_into_async", x, rows, where.size)
+    check_rows("all_gather_into_async", x, rows, where.size, where.index)
     return start_all_gather_into(x, where, rows)
 
 

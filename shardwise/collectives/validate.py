@@ -72,12 +72,13 @@ def refuse_grad(op: str, x: torch.Tensor, fix: str | None = None) -> None:
         )
 
 
-def check_rows(op: str, x: torch.Tensor, rows: Sequence[Sequence[torch.Tensor]], members: int) -> None:
-    """Refuse destinations an all-gather of ``x`` over ``members`` cannot be written into."""
+def check_rows(op: str, x: torch.Tensor, rows: Sequence[Sequence[torch.Tensor]], members: int, own: int) -> None:
+    """Refuse destinations an all-gather of ``x`` over ``members`` cannot be written into (member
+    ``own``'s row may be ``x``'s own values where they lie: nothing is copied there)."""
     if len(rows) != members:
         raise ValueError(f"{op}: rows has {len(rows)} entries; pass one per member of the axis ({members})")
-    numel = x.numel()
-    own = x.untyped_storage().data_ptr() if numel else None
+    numel, size = x.numel(), x.element_size()
+    lo, hi = x.data_ptr(), x.data_ptr() + numel * size  # x is flat and contiguous
     for j, pieces in enumerate(rows):
         total = 0
         for k, piece in enumerate(pieces):
@@ -89,8 +90,11 @@ def check_rows(op: str, x: torch.Tensor, rows: Sequence[Sequence[torch.Tensor]],
             if piece.dtype != x.dtype or piece.device != x.device:
                 raise ValueError(f"{op}: rows[{j}][{k}] is {piece.dtype} on {piece.device}, the input "
                                  f"{x.dtype} on {x.device}; the rows take the input's values as they are")
-            if piece.numel() and piece.untyped_storage().data_ptr() == own:
-                raise ValueError(f"{op}: rows[{j}][{k}] shares memory with the input; gather into other tensors")
+            at = piece.data_ptr()
+            in_place = j == own and at == lo + total * size
+            if piece.numel() and at < hi and lo < at + piece.numel() * size and not in_place:
+                raise ValueError(f"{op}: rows[{j}][{k}] overlaps the input (other than this member's own values "
+                                 "where they lie); gather into other tensors")
             total += piece.numel()
         if total != numel:
             raise ValueError(f"{op}: rows[{j}] holds {total} elements, the input {numel}; each member's row "

@@ -11,8 +11,8 @@ runs under torch's ``_unsafe_preserve_version_counter``: a private API, used
 here and nowhere else, checked by tests/engine/test_storage.py. ``storage_key`` reads
 a storage's private ``_cdata`` address, ``accumulate_backward`` calls autograd's engine as
 ``torch.autograd.backward`` does (``_engine_run_backward``), ``version_of`` a tensor's version
-counter, and ``fake_tensors`` runs code on fake tensors
-(``torch._subclasses.FakeTensorMode``): shapes, dtypes and kernel choices of the real
+counter, ``view_base`` the tensor a view was made from (``Tensor._base``), and ``fake_tensors``
+runs code on fake tensors (``torch._subclasses.FakeTensorMode``): shapes, dtypes and kernel choices of the real
 device, no data and no arithmetic. ``flash_attention_cpu`` and its backward are torch's CPU flash
 attention kernel called directly (``aten._scaled_dot_product_flash_attention_for_cpu``), which, unlike
 the public ``scaled_dot_product_attention``, returns each row's log-sum-exp.
@@ -53,6 +53,12 @@ def refill_storage(buffer: torch.Tensor, values: torch.Tensor) -> None:
     with torch.no_grad(), _preserve_version(buffer):
         buffer.untyped_storage().resize_(nbytes(buffer))
         buffer.copy_(values)
+
+
+def view_base(t: torch.Tensor) -> torch.Tensor | None:
+    """The tensor ``t`` is a view of (``Tensor._base``: the root, for a view of a view), or None.
+    A view shares its base's version counter: a write through either shows in both."""
+    return t._base
 
 
 def owns_storage(t: torch.Tensor) -> bool:

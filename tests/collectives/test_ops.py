@@ -252,21 +252,37 @@ def test_all_gather_into_writes_each_rows_pieces_and_the_ledger_counts_an_all_ga
 
 
 @pytest.mark.parametrize("rows, message", [
-    (lambda x: [[torch.empty(4)], [torch.empty(4)], [torch.empty(4)]], "rows has 3 entries; pass one per member"),
-    (lambda x: [[torch.empty(4)], [torch.empty(3)]], "rows[1] holds 3 elements, the input 4"),
-    (lambda x: [[torch.empty(4)], [torch.empty(2, 2)]], "rows[1][0] must be a 1-D contiguous tensor"),
-    (lambda x: [[torch.empty(4)], [torch.empty(8)[::2]]], "rows[1][0] must be a 1-D contiguous tensor"),
-    (lambda x: [[torch.empty(4)], [torch.empty(4, dtype=torch.float64)]], "rows[1][0] is torch.float64"),
-    (lambda x: [[x.view(-1)], [torch.empty(4)]], "rows[0][0] shares memory with the input"),
-    (lambda x: [[torch.empty(4)], [[1.0] * 4]], "rows[1][0] is a list, not a tensor"),
+    (lambda x, r: [[torch.empty(4)], [torch.empty(4)], [torch.empty(4)]], "rows has 3 entries; pass one per member"),
+    (lambda x, r: [[torch.empty(4)], [torch.empty(3)]], "rows[1] holds 3 elements, the input 4"),
+    (lambda x, r: [[torch.empty(4)], [torch.empty(2, 2)]], "rows[1][0] must be a 1-D contiguous tensor"),
+    (lambda x, r: [[torch.empty(4)], [torch.empty(8)[::2]]], "rows[1][0] must be a 1-D contiguous tensor"),
+    (lambda x, r: [[torch.empty(4)], [torch.empty(4, dtype=torch.float64)]], "rows[1][0] is torch.float64"),
+    (lambda x, r: [[torch.empty(4)], [[1.0] * 4]], "rows[1][0] is a list, not a tensor"),
+    # The other member's row in the input; this member's own row shifted by one element in it.
+    (lambda x, r: [[x.view(-1)] if j != r else [torch.empty(4)] for j in range(2)], "overlaps the input"),
+    (lambda x, r: [[x.view(-1)[1:], torch.empty(1)] if j == r else [torch.empty(4)] for j in range(2)],
+     "overlaps the input"),
 ])
-def test_all_gather_into_refuses_rows_it_cannot_write(rows: Callable[[torch.Tensor], Any], message: str) -> None:
+def test_all_gather_into_refuses_rows_it_cannot_write(rows: Callable[[torch.Tensor, int], Any], message: str) -> None:
     def body(r: int) -> None:
         x = torch.ones(2, 2)
         with pytest.raises((ValueError, TypeError), match=re.escape(message)):
-            all_gather_into_async(x, rows(x), "dp")
+            all_gather_into_async(x, rows(x, r), "dp")
 
     spmd(2, body)
+
+
+def test_all_gather_into_leaves_this_members_row_where_it_is_the_input() -> None:
+    """A member's own row may be its input's values where they lie (a shard that is a view of the
+    parameters it is gathered into): the other rows arrive, its own is left as it is."""
+    def body(r: int) -> torch.Tensor:
+        flat = torch.full((2, 3), float(r))
+        rows = [[flat[j]] for j in range(2)]
+        all_gather_into_async(flat[r], rows, "dp").wait()
+        return flat
+
+    for flat in spmd(2, body):
+        assert flat.equal(torch.tensor([[0.0] * 3, [1.0] * 3]))
 
 
 def test_async_forms_refuse_inputs_that_require_grad():

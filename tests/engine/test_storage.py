@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardwise.engine.torch_api import free_storage, owns_storage, refill_storage
+from shardwise.engine.torch_api import free_storage, owns_storage, refill_storage, version_of, view_base
 
 
 def test_free_and_refill_is_invisible_to_autograd_and_gives_the_same_gradients() -> None:
@@ -25,14 +25,23 @@ def test_free_and_refill_is_invisible_to_autograd_and_gives_the_same_gradients()
 
 
 def test_version_of_counts_in_place_writes_only() -> None:
-    from shardwise.engine.torch_api import version_of
-
     t = torch.zeros(3, dtype=torch.int64)
     before = version_of(t)
     _ = t + 1
     assert version_of(t) == before
     t += 1
     assert version_of(t) == before + 1 and version_of(t[1:]) == before + 1  # views share the counter
+
+
+def test_view_base_is_the_root_a_view_was_made_from_and_shares_its_version() -> None:
+    flat = torch.zeros(10)
+    weight = flat[:6].view(2, 3)
+    bias = torch.split(flat[6:], [2, 2])[1]
+    assert view_base(weight) is flat and view_base(bias) is flat and view_base(flat) is None
+    before = version_of(weight)
+    flat[7:9].add_(1.0)  # written through another view of the same base
+    assert version_of(weight) > before and version_of(bias) > before
+    assert view_base(weight.clone()) is None
 
 
 def test_owns_storage() -> None:

@@ -263,18 +263,18 @@ def test_no_reduction_in_flight_waits_before_the_next_compute(stage: int) -> Non
     # flight, layer 0's gradient grows beside layer 2's flat gradient (24 + 42 + 24); at its end the
     # in-place optimizer's step gathers one unit at a time into the parameters it was given
     # (gathers_into_params): every shard and the largest unit (45 + 42), less than at the update;
-    # and through the whole step the master shards the update writes and the all-gathers send, cut
-    # from the parameters when it starts (45 more). Stage 3, either way: the
+    # the master shards the update writes and the all-gathers send are views of the parameters
+    # (init lays them out in each unit's flat buffer), no bytes of their own. Stage 3, either way: the
     # forward's first two gathers, both units and both
     # receive copies (2 x 66), and, as much, layer 2's reduce-scatter with layer 0's gather beside it
     # (shards 4 and 2, layer 2's flat gradient, layer 0 and its copy: 24 + 24 + 2 x 42); with one in
     # flight, layer 0's gather is issued after the reduce-scatter of layer 2 is, when layer 4's is
     # waited for.
     held_in_step = {k: plan.memory["held_in_step"][0] for k, plan in plans.items()}
-    assert held_in_step == ({0: 135 * 8, 1: 135 * 8} if stage == 2 else {0: 132 * 8, 1: 132 * 8})
+    assert held_in_step == ({0: 90 * 8, 1: 90 * 8} if stage == 2 else {0: 132 * 8, 1: 132 * 8})
     if stage == 2:
         assert plans[0].memory["params_in_flight"][0] == 42 * 8
-        assert plans[0].memory["master_shards"][0] == 45 * 8
+        assert plans[0].memory["master_shards"][0] == 0
     for plan in plans.values():
         at_rest = plan.memory["params"][0] + plan.memory["opt_state"][0]
         assert plan.memory["peak"][0] == at_rest + plan.memory["held_in_step"][0]

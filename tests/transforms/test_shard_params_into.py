@@ -15,6 +15,7 @@ import torch
 
 import shardwise as sw
 from shardwise.engine.plan.lower import gathers_into_params
+from shardwise.engine.torch_api import view_base
 from shardwise.testing.models import mlp
 
 KIB = 1 / 1024
@@ -190,3 +191,45 @@ def test_the_plan_holds_no_buffer_for_a_bucket_the_exchanges_write_into_the_para
     assert in_flight() == 0
     assert in_flight(bucket_mb=0.1) == small
     assert in_flight(gather_into_params=False) == 2 * (256 * 256 + 256) * 4 + small
+
+
+def _laid_out(params: Any, sharding: Any) -> bool:
+    return all(sharding.units[u].laid_out(params[u]) is not None for u in sharding.units)
+
+
+@pytest.mark.parametrize("into", [None, False], ids=["into", "beside"])
+def test_the_shards_updated_are_the_parameters_own_values_only_when_gathered_into_them(into: bool | None,
+                                                                                         tmp_path: Any) -> None:
+    """init lays each unit's full parameters out in one flat buffer (and a checkpoint's load does):
+    gathered into them, the shards the optimizer updates in place are views of their values, so no
+    copy of them is held beside the parameters (the Plan's ``master_shards``: 0). Handed on, the
+    next state's parameters are other tensors: the shards are cut (views would keep the old ones)."""
+    step, params, batches = _problem(True, 2)
+    step = sw.shard_params(step, "dp", 2, bucket_mb=0.3 * KIB, gather_into_params=into)
+    mesh = sw.Mesh(dp=2)
+    master_shards = step.plan(mesh, params, batches[0]).memory["master_shards"][0]
+    assert (master_shards == 0) == (into is None)
+
+    def program() -> list[bool]:
+        state = step.init(params, mesh)
+        sharding = state.layout.sharding
+        seen = [_laid_out(state.params, sharding)]
+        for batch in batches[:2]:
+            state, _ = step(state, batch)
+            now = state.params.settle()
+            bases = {u: sharding.units[u].laid_out(now[u]) for u in sharding.units}
+            shards_are_views = all(
+                view_base(state.params.shards[u]) is not None and view_base(state.params.shards[u]) is bases[u]
+                for u in sharding.units)
+            seen += [_laid_out(now, sharding), shards_are_views,
+                     all(view_base(t) is None for t in state.params.shards.values())]
+        path = tmp_path / "ckpt"
+        sw.checkpoint.save(path, state, step)
+        seen.append(_laid_out(sw.checkpoint.load(path, step, mesh).params, sharding))
+        return seen
+
+    for seen in sw.launch(program, 2):
+        if into is None:  # laid out throughout; the carried shards are views of the parameters
+            assert seen == [True, True, True, False, True, True, False, True], seen
+        else:  # the parameters are the gathered buffers' views; the shards cut, their own
+            assert seen[0] and seen[3] and seen[6] and seen[-1] and not seen[2] and not seen[5], seen

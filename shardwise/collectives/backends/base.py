@@ -52,9 +52,10 @@ collectives (which wait at once) pass False; the async ones keep True. Either
 way the result is a new tensor that does not alias ``x``.
 
 ``all_gather_into`` is the exception: it writes into the caller's ``rows`` (which must not overlap
-``x``) and reads ``x`` until ``wait()`` (``snapshot=False`` always). Every backend has it: by
-default an ``all_gather`` whose result is copied into the rows at the wait; a transport that copies
-what it receives anyway (shared memory) copies it into the rows instead.
+``x``, but for the caller's own row, which may be ``x``'s values where they lie) and reads ``x``
+until ``wait()`` (``snapshot=False`` always). Every backend has it: by default an ``all_gather``
+whose result is copied into the rows at the wait; a transport that copies what it receives anyway
+(shared memory) copies it into the rows instead.
 
 ``reduce_scatter`` also takes ``donate`` (default False): True hands ``x`` over (with
 ``snapshot=False``), so a backend that reduces in place may do it in ``x`` itself instead of a
@@ -158,11 +159,14 @@ numels add up to the input's, takes group member ``j``'s input in order."""
 
 
 def write_rows(gathered: torch.Tensor, rows: Rows) -> None:
-    """Copy each row of ``gathered`` ((n, numel)) into its pieces."""
+    """Copy each row of ``gathered`` ((n, numel)) into its pieces (a piece that is the row's own
+    values where they lie is left as it is)."""
     for got, pieces in zip(gathered.view(len(rows), -1), rows, strict=True):
         at = 0
         for piece in pieces:
-            piece.copy_(got[at: at + piece.numel()])
+            values = got[at: at + piece.numel()]
+            if piece.data_ptr() != values.data_ptr():
+                piece.copy_(values)
             at += piece.numel()
 
 

@@ -40,13 +40,18 @@ class _Filler:
         self.reader, self.layout, self.keys, self.device = reader, layout, keys, device
         self.coords = {} if mesh is None else mesh.coords  # asked once: a mesh works them out per call
 
-    def slices(self, prefix: str, like: Mapping[str, Mapping[str, torch.Tensor]]) -> Params:
-        """Each parameter's tensor-parallel slice (of ``like``'s shapes and dtypes), read whole."""
+    def slices(self, prefix: str, like: Mapping[str, Mapping[str, torch.Tensor]],
+               sharding: FlatSharding | None = None) -> Params:
+        """Each parameter's tensor-parallel slice (of ``like``'s shapes and dtypes), read whole; a
+        ZeRO-1/2 unit's laid out in its flat buffer, as ``init`` lays them (``UnitLayout.laid_out``)."""
         out: Params = {}
         for layer, tensors in like.items():
+            unit = None if sharding is None else sharding.units.get(layer)
+            laid = None if unit is None or any(t.dtype != unit.dtype for t in tensors.values()) else \
+                unit.laid_out_empty(self.device)
             out[layer] = {}
             for name, t in tensors.items():
-                into = torch.empty(t.shape, dtype=t.dtype, device=self.device)
+                into = torch.empty(t.shape, dtype=t.dtype, device=self.device) if laid is None else laid[name]
                 self._read(prefix, layer, name, into, shard=False)
                 out[layer][name] = into
         return out
@@ -82,7 +87,7 @@ def build_state(reader: Reader, meta: Mapping[str, Any], step: Any, mesh: Mesh |
     sharding = layout.sharding
     update_meta: Any = master  # what the optimizer updates (and its state mirrors), as meta
     if sharding is None or not sharding.holds_shards:  # ZeRO-1/2 keep whole parameters too
-        held: Any = filler.slices("model", master)
+        held: Any = filler.slices("model", master, sharding)
     if sharding is not None:
         unit_like = {u: next(iter(master[u].values())) for u in sharding.units}
         update_meta = {u: torch.empty(lay.shard_numel, dtype=unit_like[u].dtype, device="meta")

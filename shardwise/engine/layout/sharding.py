@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from ..torch_api import view_base
+
 # (parameter name or None for padding, start, stop) in that parameter's flattened values
 Segment = tuple[str | None, int, int]
 
@@ -153,6 +155,37 @@ class UnitLayout:
         flat[offset:].zero_()
         return flat
 
+    def laid_out(self, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
+        """The unit's padded flat buffer that ``tensors`` are the views of (as :meth:`unflatten`
+        makes them: each parameter after the one before, the padding last), or None where they are
+        not. A shard cut from it (:meth:`shard_in`) is then a view of the parameters' own values."""
+        base = None
+        offset = 0
+        for name, numel, shape in zip(self.names, self.numels, self.shapes, strict=True):
+            t = tensors.get(name)
+            if t is None:
+                return None
+            base = view_base(t) if base is None else base
+            if (base is None or view_base(t) is not base or t.shape != shape or not t.is_contiguous()
+                    or t.storage_offset() != base.storage_offset() + offset):
+                return None
+            offset += numel
+        if (base is None or base.dtype != self.dtype or base.dim() != 1 or base.numel() != self.padded_numel
+                or not base.is_contiguous()):
+            return None
+        return base
+
+    def shard_in(self, flat: torch.Tensor, index: int) -> torch.Tensor:
+        """Shard ``index`` of a full flat buffer, a view of it."""
+        return flat[index * self.shard_numel : (index + 1) * self.shard_numel]
+
+    def laid_out_empty(self, device: torch.device | str) -> dict[str, torch.Tensor]:
+        """Uninitialized parameters of the unit laid out in a new flat buffer (:meth:`laid_out`), its
+        padding zero."""
+        flat = torch.empty(self.padded_numel, dtype=self.dtype, device=device)
+        flat[self.numel:].zero_()
+        return self.unflatten(flat)
+
     def unflatten(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """Views of the parameters in a full (gathered) flat buffer; the padding is dropped."""
         if flat.numel() != self.padded_numel:
@@ -210,13 +243,26 @@ class FlatSharding:
         """This rank's shard of every unit, cut from full parameters."""
         return {u: shard_from(lay, params[u], index) for u, lay in self.units.items()}
 
+    def shards_in(self, params: Mapping[str, Mapping[str, torch.Tensor]], index: int) -> dict[str, torch.Tensor]:
+        """This rank's shard of every unit: a view of the parameters' values where they are laid out
+        in the unit's flat buffer (``UnitLayout.laid_out``: what ``init`` makes at stages 1-2), so an
+        in-place update of the shard is an update of them; elsewhere cut from them (a copy)."""
+        out = {}
+        for u, lay in self.units.items():
+            flat = lay.laid_out(params[u])
+            out[u] = shard_from(lay, params[u], index) if flat is None else lay.shard_in(flat, index)
+        return out
+
     def held(self, params: Mapping[str, Mapping[str, torch.Tensor]], index: int) -> Any:
         """What a TrainState holds at rest: the shards (stage 3) or the full parameters."""
         return self.shards_of(params, index) if self.holds_shards else {k: dict(v) for k, v in params.items()}
 
-    def my_shards(self, held: Any, index: int) -> dict[str, torch.Tensor]:
-        """This rank's shards from what the TrainState holds (cut from full parameters at stages 1, 2)."""
-        return dict(held) if self.holds_shards else self.shards_of(held, index)
+    def my_shards(self, held: Any, index: int, views: bool = False) -> dict[str, torch.Tensor]:
+        """This rank's shards from what the TrainState holds (at stages 1, 2 cut from the full
+        parameters; with ``views``, views of their values where they are laid out for it)."""
+        if self.holds_shards:
+            return dict(held)
+        return self.shards_in(held, index) if views else self.shards_of(held, index)
 
     def shard_nbytes(self) -> int:
         return sum(lay.shard_nbytes for lay in self.units.values())

@@ -4,7 +4,9 @@ For each layer the rank holds (its pipeline stages', and copies of tied weights 
 layer's full values are made or read (a meta parameter from the chain's initializer, seeded per
 parameter path; a real one as given), cut to the rank's tensor-parallel slices, copied into the
 master dtype and cut to the rank's ZeRO shard; then the full values are dropped before the next
-layer. So init's peak is the rank's shards plus one full layer, not the model.
+layer. So init's peak is the rank's shards plus one full layer, not the model. At ZeRO stages 1-2,
+where a rank holds the full parameters, they are laid out as views of one flat buffer per unit, and
+the shard the optimizer updates is a view of it.
 
 The agreement check reads O(1) values per tensor: ranks that built or loaded the model from
 different seeds or checkpoints differ almost everywhere, and a sample of each tensor at fixed
@@ -107,6 +109,14 @@ def held_params(
                 read(layer, name, into, False)
         if sharding is None:
             held[layer] = master
+            continue
+        if unit is not None and not sharding.holds_shards:
+            # Stages 1-2: the full parameters are views of the unit's flat buffer, so this rank's
+            # shard is a view of their own values (UnitLayout.laid_out), not a copy held beside them,
+            # and an in-place update of the shard updates them.
+            flat = unit.flatten(master)
+            del master
+            held[layer], update[layer] = unit.unflatten(flat), unit.shard_in(flat, dp_index)
             continue
         shard = None if unit is None else unit.shard_of(unit.flatten(master), dp_index)
         if shard is not None:

@@ -263,13 +263,14 @@ def _class_memory(
     assert shards is not None
     levels["update_buffers"] = _update_levels(step, shards, actions, device)
     if not sharding.holds_shards:
-        levels["params_in_flight"] = _params_levels(sharding, actions, gathers_into_params(step, device),
-                                                    device.type == "cpu")
+        into = gathers_into_params(step, device)
+        levels["params_in_flight"] = _params_levels(sharding, actions, into, device.type == "cpu")
         # ZeRO-1/2: this rank's shard of every unit, what the optimizer updates and the all-gathers
         # send, carried in by the state (the last step's update made them; a first step, or one
         # after the parameters were read, cuts them from the full parameters) and held to its end,
-        # beside the parameters at rest.
-        levels["master_shards"] = [tree_nbytes(shards)] * len(actions)
+        # beside the parameters at rest; gathered into the parameters, views of their values (laid
+        # out so by init and by a checkpoint's load: sharding.UnitLayout.laid_out), no bytes of their own.
+        levels["master_shards"] = [0 if into else tree_nbytes(shards)] * len(actions)
     for key, per_action in levels.items():
         figures[key] = max(per_action, default=0)
     made = _shards_made_levels(actions, {u: tree_nbytes(t) for u, t in shards.items()})

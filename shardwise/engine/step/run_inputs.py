@@ -156,7 +156,11 @@ def param_source(step: Step, state: TrainState, sharding: FlatSharding | None) -
         params = params.copy()  # read by someone (so complete): cut again, as any other state's
     if sharding is None:
         return params, ParamSource(compute=compute_params(prec, params))
-    master = sharding.my_shards(params, state.mesh.axis_index(sharding.axis))
+    # Gathered into the parameters it was given, ZeRO-1/2 updates its shards where they lie in them
+    # (laid out by init: views, updated in place); handed on, the next state's parameters are
+    # other tensors, and views would keep these alive beside them: cut.
+    views = not sharding.holds_shards and gathers_into_params(step, device_of(params))
+    master = sharding.my_shards(params, state.mesh.axis_index(sharding.axis), views)
     if sharding.holds_shards:
         # Compute copies are cast once per step, before they travel: half the bytes in bf16.
         gather_from = master if prec is None else {u: t.to(prec.for_layer(u).compute) for u, t in master.items()}

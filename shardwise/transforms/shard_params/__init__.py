@@ -84,8 +84,9 @@ def shard_params(
     a bucket big enough for the exchanges is copied from the peers' shared-memory slots straight
     into the parameters (no buffer, no copy more than handing it on); elsewhere the gathered buffer
     is copied in at the wait, a copy of the parameters per step, and the gathers run one after
-    another: ``gather_into_params=False`` hands the gathered buffers on instead; ``True`` asks for it (the gathers then waited for and the update at once on every
-    device; refused with an optimizer that does not update in place). Stage 3 reduces and gathers
+    another: ``gather_into_params=False`` hands the gathered buffers on instead; ``True`` asks for
+    it (the gathers then waited for and the update at once on every device; refused with an
+    optimizer that does not update in place). Stage 3 reduces and gathers
     unit by unit (its units are gathered and freed one at a time). Each bucket is one action of
     the Plan (``reduce_scatter(2+0)``), listed when the plan is made with the parameters.
 
