@@ -201,7 +201,7 @@ class Plan:
     ones until the step returns, and with ``overlap_gather`` still in flight then; and
     ``master_shards``, the rank's shard of every unit that the optimizer updates, held through
     the step beside the whole parameters, and between steps too: the state hands them on to the
-    next update), and
+    next update; 0 where the step gathers into the parameters, whose shards they are views of), and
     ``held_in_step``, the most those and the gradient shards made so far hold
     together at one action; ``peak`` is then ``params``, ``opt_state``,
     ``held_in_step`` and ``kept_for_backward`` (with a batch). ``layers``

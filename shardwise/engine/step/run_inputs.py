@@ -336,7 +336,8 @@ def _in_flight(executor: Executor) -> InFlightParams:
     those gathers carry. The next update starts from the shards instead of cutting them again out
     of the full parameters (a copy of 1/world of the model per step) unless the parameters were read
     in between. The step held the shards through its end anyway (the Plan's ``master_shards``), so
-    the peak is the same; at rest they are 1/world of the parameters more."""
+    the peak is the same; at rest they are 1/world of the parameters more, unless they are views
+    of them (gathered into the parameters: ``FlatSharding.shards_in``)."""
     if not executor.params_in_flight:
         full = executor.new_held
         return InFlightParams(full, [], executor.new_master, tuple(full))
