@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -77,7 +78,10 @@ def check_rows(op: str, x: torch.Tensor, rows: Sequence[Sequence[torch.Tensor]],
     ``own``'s row may be ``x``'s own values where they lie: nothing is copied there)."""
     if len(rows) != members:
         raise ValueError(f"{op}: rows has {len(rows)} entries; pass one per member of the axis ({members})")
+    if not x.is_contiguous():
+        raise ValueError(f"{op}: the input must be contiguous (its values are read in place); pass x.contiguous()")
     numel, size = x.numel(), x.element_size()
+    spans: list[tuple[int, int, int, int]] = []  # every piece's bytes, to refuse two that overlap
     lo, hi = x.data_ptr(), x.data_ptr() + numel * size  # x is flat and contiguous
     for j, pieces in enumerate(rows):
         total = 0
@@ -95,7 +99,14 @@ def check_rows(op: str, x: torch.Tensor, rows: Sequence[Sequence[torch.Tensor]],
             if piece.numel() and at < hi and lo < at + piece.numel() * size and not in_place:
                 raise ValueError(f"{op}: rows[{j}][{k}] overlaps the input (other than this member's own values "
                                  "where they lie); gather into other tensors")
+            if piece.numel():
+                spans.append((at, at + piece.numel() * size, j, k))
             total += piece.numel()
         if total != numel:
             raise ValueError(f"{op}: rows[{j}] holds {total} elements, the input {numel}; each member's row "
                              "takes the whole input")
+    spans.sort()
+    for (_, end, j, k), (start, _, j2, k2) in itertools.pairwise(spans):
+        if start < end:
+            raise ValueError(f"{op}: rows[{j}][{k}] and rows[{j2}][{k2}] overlap; each element of the result "
+                             "needs a place of its own")

@@ -337,14 +337,21 @@ def test_members_that_issue_different_exchanges_fail_them(short_pool: ProcessPoo
 
 # -- all-gather into the caller's pieces -----------------------------------------------------
 def _cut(row: int, seed: int) -> list[int]:
-    """Piece lengths laid end to end over ``row`` elements, at cuts no chunk or slot boundary shares."""
+    """Piece lengths laid end to end over ``row`` elements, at cuts no chunk or slot boundary shares:
+    a few long pieces, then a run of 3,000 of one or two elements (a slot's chunk then spans more
+    pieces than one read of the slots takes: shared_memory_exchange._IOV_MAX)."""
     gen = torch.Generator().manual_seed(seed)
     lengths, left = [], row
-    while left:
+    while left > row // 2:
         take = min(left, int(torch.randint(1, max(row // 3, 2), (1,), generator=gen)))
         lengths.append(take)
         left -= take
-    return lengths
+    for k in range(3000):
+        if left <= 2:
+            break
+        lengths.append(1 + (k + seed) % 2)
+        left -= lengths[-1]
+    return [*lengths, left] if left else lengths
 
 
 GAP = 3  # elements left between two pieces in the destination: nothing may write them
@@ -404,8 +411,8 @@ def _path(x: torch.Tensor, group: Group) -> str:
     return "shared" if shared_memory_exchange.in_use(exchange.shared) else "tcp"
 
 
-# Elements per member: several slots; enough for the TCP exchange at world 4 (its bytes over the
-# members at least MIN_EXCHANGE_BYTES); too few for the exchanges.
+# Elements per member: several slots; enough for the TCP exchange (at least MIN_EXCHANGE_BYTES per
+# member, in either dtype); too few for the exchanges.
 GATHER_INTO = {
     "shared": lambda dtype: SHARED_ROW,
     "tcp": lambda dtype: gloo_exchange.MIN_EXCHANGE_BYTES * 4 // dtype.itemsize + 6,

@@ -41,6 +41,7 @@ from shardwise.collectives import (
     pvary,
 )
 from shardwise.collectives.ops import all_gather_into_async
+from shardwise.engine.torch_api import version_of
 
 FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 worlds = st.integers(1, 8)
@@ -262,11 +263,14 @@ def test_all_gather_into_writes_each_rows_pieces_and_the_ledger_counts_an_all_ga
     (lambda x, r: [[x.view(-1)] if j != r else [torch.empty(4)] for j in range(2)], "overlaps the input"),
     (lambda x, r: [[x.view(-1)[1:], torch.empty(1)] if j == r else [torch.empty(4)] for j in range(2)],
      "overlaps the input"),
+    (lambda x, r: (lambda d: [[d[:4]], [d[2:6]]])(torch.empty(6)), "rows[0][0] and rows[1][0] overlap"),
+    (lambda x, r: [[torch.empty(4)], [torch.empty(4)]], None),  # with a non-contiguous input: below
 ])
-def test_all_gather_into_refuses_rows_it_cannot_write(rows: Callable[[torch.Tensor, int], Any], message: str) -> None:
+def test_all_gather_into_refuses_rows_it_cannot_write(rows: Callable[[torch.Tensor, int], Any],
+                                                      message: str | None) -> None:
     def body(r: int) -> None:
-        x = torch.ones(2, 2)
-        with pytest.raises((ValueError, TypeError), match=re.escape(message)):
+        x = torch.ones(2, 2) if message is not None else torch.ones(2, 4)[:, ::2]
+        with pytest.raises((ValueError, TypeError), match=re.escape(message or "the input must be contiguous")):
             all_gather_into_async(x, rows(x, r), "dp")
 
     spmd(2, body)
@@ -274,15 +278,17 @@ def test_all_gather_into_refuses_rows_it_cannot_write(rows: Callable[[torch.Tens
 
 def test_all_gather_into_leaves_this_members_row_where_it_is_the_input() -> None:
     """A member's own row may be its input's values where they lie (a shard that is a view of the
-    parameters it is gathered into): the other rows arrive, its own is left as it is."""
-    def body(r: int) -> torch.Tensor:
-        flat = torch.full((2, 3), float(r))
-        rows = [[flat[j]] for j in range(2)]
-        all_gather_into_async(flat[r], rows, "dp").wait()
-        return flat
+    parameters it is gathered into): the other rows arrive, its own is not written (its version
+    counter does not move)."""
+    def body(r: int) -> tuple[torch.Tensor, bool]:
+        mine, other = torch.full((3,), float(r)), torch.zeros(3)
+        rows = [[mine] if j == r else [other] for j in range(2)]
+        before = version_of(mine)
+        all_gather_into_async(mine, rows, "dp").wait()
+        return torch.stack([mine, other] if r == 0 else [other, mine]), version_of(mine) == before
 
-    for flat in spmd(2, body):
-        assert flat.equal(torch.tensor([[0.0] * 3, [1.0] * 3]))
+    for flat, untouched in spmd(2, body):
+        assert flat.equal(torch.tensor([[0.0] * 3, [1.0] * 3])) and untouched
 
 
 def test_async_forms_refuse_inputs_that_require_grad():

@@ -158,14 +158,17 @@ Rows = Sequence[Sequence[torch.Tensor]]
 numels add up to the input's, takes group member ``j``'s input in order."""
 
 
-def write_rows(gathered: torch.Tensor, rows: Rows) -> None:
-    """Copy each row of ``gathered`` ((n, numel)) into its pieces (a piece that is the row's own
-    values where they lie is left as it is)."""
+def write_rows(gathered: torch.Tensor, rows: Rows, own: torch.Tensor | None = None) -> None:
+    """Copy each row of ``gathered`` ((n, numel)) into its pieces; a piece that is already those
+    values where they lie (in ``gathered`` itself, or in ``own``, this member's flat input, whose
+    row it is) is left as it is."""
+    mine = None if own is None else own.data_ptr()
     for got, pieces in zip(gathered.view(len(rows), -1), rows, strict=True):
         at = 0
         for piece in pieces:
             values = got[at: at + piece.numel()]
-            if piece.data_ptr() != values.data_ptr():
+            where = piece.data_ptr()
+            if where != values.data_ptr() and (mine is None or where != mine + at * piece.element_size()):
                 piece.copy_(values)
             at += piece.numel()
 
@@ -195,7 +198,7 @@ class _IntoRows(Work):
     def wait(self) -> torch.Tensor:
         if self._work is not None:
             assert self._rows is not None
-            write_rows(self._work.wait(), self._rows)
+            write_rows(self._work.wait(), self._rows, self._x)
             self._work = self._rows = None  # the gathered buffer goes now
         return self._x
 

@@ -67,6 +67,8 @@ _WRITTEN, _READ = 1, 2
 # not the sums.
 _HEADER_BYTES = 64
 _KINDS = {"all_gather": 0, "reduce_scatter": 1}
+# The most buffers one preadv takes (Linux: 1024; EINVAL beyond).
+_IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024
 
 # SHARDWISE_SHARED_MEMORY=0: never (every rank must say the same); loopback_exchanges(): not now.
 _ALLOWED = os.environ.get("SHARDWISE_SHARED_MEMORY", "1") != "0"
@@ -377,12 +379,16 @@ class SharedMemoryExchange:
         return into
 
     def _take_pieces(self, j: int, offset: int, pieces: list[torch.Tensor]) -> None:
-        """Copy member ``j``'s bytes at ``offset`` into ``pieces``, end to end (one read)."""
+        """Copy member ``j``'s bytes at ``offset`` into ``pieces``, end to end: one read per
+        ``_IOV_MAX`` pieces (the most buffers one ``preadv`` takes)."""
         views = [(ctypes.c_char * (p.numel() * p.element_size())).from_address(p.data_ptr()) for p in pieces]
-        nbytes = sum(len(v) for v in views)
-        got = os.preadv(self._peer_slots[j], views, offset)
-        if got != nbytes:
-            raise CollectiveError(f"member {self._members[j]}'s slots were cut short ({got} of {nbytes} bytes)")
+        for start in range(0, len(views), _IOV_MAX):
+            batch = views[start: start + _IOV_MAX]
+            nbytes = sum(len(v) for v in batch)
+            got = os.preadv(self._peer_slots[j], batch, offset)
+            if got != nbytes:
+                raise CollectiveError(f"member {self._members[j]}'s slots were cut short ({got} of {nbytes} bytes)")
+            offset += nbytes
 
     def _check_heading(self, j: int, offset: int, expected: list[int], dtype: torch.dtype) -> None:
         got = self._take(j, offset, self._heading).tolist()

@@ -245,7 +245,7 @@ def _update_and_gathers(
     gathered = [*buckets, *((u,) for u in units if u not in in_buckets)]
     gathers = [_bucket_action(GATHER_PARAMS, b, zero.axis) for b in gathered]
     waits = [_bucket_action(WAIT_PARAMS, b, zero.axis) for b in gathered]
-    if gathers_into_params(step, device):  # one bucket's buffer at a time, copied into the parameters
+    if gathers_into_params(step, device):  # one bucket at a time, written into the parameters
         return [Action(UPDATE), *(a for pair in zip(gathers, waits, strict=True) for a in pair)], []
     if not (zero.updates_in_buckets(device) and updates_by_key(step.optimizer)) or not gathered:
         return [Action(UPDATE), *gathers], waits
@@ -258,7 +258,8 @@ def _update_and_gathers(
 
 def gathers_into_params(step: Step, device: torch.device | str) -> bool:
     """Whether ZeRO-1/2 writes the updated parameters into the parameters the step was given, one
-    bucket at a time (each bucket's all-gather waited for and copied in before the next is issued),
+    bucket at a time (each bucket's all-gather written into them and waited for before the next is
+    issued: through shared memory straight from the peers' slots, elsewhere copied in at the wait),
     instead of handing on the gathered buffers beside them: the step's end then holds the
     parameters once, not twice, as FairScale's OSS does (it updates in place and broadcasts into the
     same tensors). Only where the optimizer updates in place (``inplace=True``: the state given is

@@ -113,7 +113,9 @@ def held_params(
         if unit is not None and not sharding.holds_shards:
             # Stages 1-2: the full parameters are views of the unit's flat buffer, so this rank's
             # shard is a view of their own values (UnitLayout.laid_out), not a copy held beside them,
-            # and an in-place update of the shard updates them.
+            # and an in-place update of the shard updates them. The optimizer's init is given that
+            # view too (the built-in ones make their state with zeros_like; one that kept the tensor
+            # itself would see an in-place step write it, as it would the parameters on one device).
             flat = unit.flatten(master)
             del master
             held[layer], update[layer] = unit.unflatten(flat), unit.shard_in(flat, dp_index)

@@ -306,18 +306,20 @@ def _params_levels(
     are still in flight then, across the step boundary: the next step's ``wait_params`` come
     before its first forwards, and until then the in-flight buffers are its ``params``.
     ``into_params`` (``gathers_into_params``): written into the parameters the step was given, each
-    bucket's buffer only to its ``wait_params``, which copies it in; none at all for a bucket the
-    exchanges take on a CPU (``on_cpu``), whose peers' rows are copied from their shared-memory
-    slots straight into the parameters (the Plan takes the ranks to share a host, as it does for
-    the slots, ``_copy_levels``; over loopback TCP, ranks on several hosts, such a bucket's buffer
-    is held to its wait too)."""
+    bucket's buffer only to its ``wait_params``, which copies it in; for a bucket the exchanges
+    take on a CPU (``on_cpu``), whose peers' rows are copied from their shared-memory slots
+    straight into the parameters, only the row a bucket of several units sends (its shards
+    joined). The Plan takes the ranks to share a host, as it does for the slots (``_copy_levels``);
+    over loopback TCP, ranks on several hosts, such a bucket's buffer is held to its wait too."""
     sizes = {u: lay.padded_numel * lay.dtype.itemsize for u, lay in sharding.units.items()}
 
     def held(units: Sequence[str]) -> int:
         total = sum(sizes[u] for u in units)
         layout = sharding.units[units[0]]
         if into_params and on_cpu and sized_for_exchange(total, layout.dtype, layout.shards):
-            return 0
+            # Nothing of the bucket's whole; a bucket of several units sends this rank's shards of
+            # them joined (Bucket.gather_input: a copy of its row).
+            return total // layout.shards if len(units) > 1 else 0
         return total
 
     live, levels = 0, []
@@ -408,7 +410,8 @@ def _copy_levels(
     counted of its own: the executor donates its flat input (counted in ``reduce_buffers``) and the
     exchange's receive buffers are 2 MiB at most (gloo's ring scratch, when it runs, under 2 MiB).
     On one host the exchanges go through shared memory instead: the slots a member writes into are
-    held from the first exchange on, at every action (``transport_bytes``).
+    held from the first exchange on, at every action (``transport_bytes``), wherever one unit, or
+    one bucket of several, is big enough for them.
     On other devices every unit is counted: what NCCL holds during them was not measured."""
     dtypes = {u: _gather_dtype(step, u, lay.dtype) for u, lay in sharding.units.items()}
     gathered = {u: lay.padded_numel * dtypes[u].itemsize
@@ -417,9 +420,18 @@ def _copy_levels(
     if device.type == "cpu":
         exchanged = {u: sized_for_exchange(n, dtypes[u], sharding.units[u].shards) for u, n in gathered.items()}
         reduced = _reduce_sizes(step, sharding)
-        if any(exchanged.values()) or any(
-                sized_for_exchange(n, _reduce_dtype(step, u, sharding.units[u].dtype), sharding.units[u].shards)
-                for u, n in reduced.items()):
+        lays = sharding.units
+        # A bucket of several units travels as one message: big enough together for the exchanges.
+        messages = [(n, _reduce_dtype(step, u, lays[u].dtype), lays[u].shards) for u, n in reduced.items()]
+        for a in actions:
+            if a.units and a.kind == REDUCE_SCATTER:
+                first = lays[a.units[0]]
+                messages.append((sum(reduced[u] for u in a.units), _reduce_dtype(step, first.unit, first.dtype),
+                                 first.shards))
+            elif a.units and a.kind == GATHER_PARAMS:  # the updated shards, in the master dtype
+                lay = lays[a.units[0]]
+                messages.append((sum(lays[u].padded_nbytes for u in a.units), lay.dtype, lay.shards))
+        if any(exchanged.values()) or any(sized_for_exchange(*m) for m in messages):
             transport = transport_bytes(max(lay.shards for lay in sharding.units.values()))
         gathered = {u: 0 if exchanged[u] else n for u, n in gathered.items()}
     pending: dict[str, int] = {}
