@@ -370,17 +370,14 @@ class SharedMemoryExchange:
 
     def _take(self, j: int, offset: int, into: torch.Tensor) -> torch.Tensor:
         """Copy ``into``'s bytes from member ``j``'s slots at ``offset``."""
-        # Through ctypes, not numpy: torch marks a tensor's storage it lent numpy unresizable, and
-        # ZeRO-3 frees a gathered unit by resizing its storage to nothing.
-        nbytes = into.numel() * into.element_size()
-        got = os.preadv(self._peer_slots[j], [(ctypes.c_char * nbytes).from_address(into.data_ptr())], offset)
-        if got != nbytes:
-            raise CollectiveError(f"member {self._members[j]}'s slots were cut short ({got} of {nbytes} bytes)")
+        self._take_pieces(j, offset, [into])
         return into
 
     def _take_pieces(self, j: int, offset: int, pieces: list[torch.Tensor]) -> None:
         """Copy member ``j``'s bytes at ``offset`` into ``pieces``, end to end: one read per
         ``_IOV_MAX`` pieces (the most buffers one ``preadv`` takes)."""
+        # Through ctypes, not numpy: torch marks a tensor's storage it lent numpy unresizable, and
+        # ZeRO-3 frees a gathered unit by resizing its storage to nothing.
         views = [(ctypes.c_char * (p.numel() * p.element_size())).from_address(p.data_ptr()) for p in pieces]
         for start in range(0, len(views), _IOV_MAX):
             batch = views[start: start + _IOV_MAX]

@@ -190,7 +190,7 @@ class ZeroActions:
         step left in flight: its parameters become the layers' (their compute copies)."""
         unit = action.require("layer")
         into = self._pending.pop(("params into", unit), None)
-        handle = into or self._pending.pop(("params", unit), None)
+        handle = into if into is not None else self._pending.pop(("params", unit), None)
         if handle is not None:
             self.params_in_flight = [(b, h) for b, h in self.params_in_flight if h is not handle]
             if into is not None:
