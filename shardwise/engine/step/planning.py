@@ -311,15 +311,12 @@ def _params_levels(
     straight into the parameters, only the row a bucket of several units sends (its shards
     joined). The Plan takes the ranks to share a host, as it does for the slots (``_copy_levels``);
     over loopback TCP, ranks on several hosts, such a bucket's buffer is held to its wait too."""
-    sizes = {u: lay.padded_numel * lay.dtype.itemsize for u, lay in sharding.units.items()}
-
     def held(units: Sequence[str]) -> int:
-        total = sum(sizes[u] for u in units)
-        layout = sharding.units[units[0]]
-        if into_params and on_cpu and sized_for_exchange(total, layout.dtype, layout.shards):
+        total = sum(sharding.units[u].padded_nbytes for u in units)
+        if into_params and on_cpu and _params_exchanged(sharding, units):
             # Nothing of the bucket's whole; a bucket of several units sends this rank's shards of
             # them joined (Bucket.gather_input: a copy of its row).
-            return total // layout.shards if len(units) > 1 else 0
+            return total // sharding.units[units[0]].shards if len(units) > 1 else 0
         return total
 
     live, levels = 0, []
@@ -330,6 +327,13 @@ def _params_levels(
         if into_params and action.kind == WAIT_PARAMS:
             live -= held(action.units or (action.require("layer"),))
     return levels
+
+
+def _params_exchanged(sharding: FlatSharding, units: Sequence[str]) -> bool:
+    """Whether the all-gather of these units' updated shards (ZeRO-1/2, in the master dtype: one
+    bucket) is big enough for the exchanges on a CPU."""
+    first = sharding.units[units[0]]
+    return sized_for_exchange(sum(sharding.units[u].padded_nbytes for u in units), first.dtype, first.shards)
 
 
 def _shards_made_levels(actions: Sequence[Action], shard_bytes: Mapping[str, int]) -> list[int]:
@@ -428,10 +432,9 @@ def _copy_levels(
                 first = lays[a.units[0]]
                 messages.append((sum(reduced[u] for u in a.units), _reduce_dtype(step, first.unit, first.dtype),
                                  first.shards))
-            elif a.units and a.kind == GATHER_PARAMS:  # the updated shards, in the master dtype
-                lay = lays[a.units[0]]
-                messages.append((sum(lays[u].padded_nbytes for u in a.units), lay.dtype, lay.shards))
-        if any(exchanged.values()) or any(sized_for_exchange(*m) for m in messages):
+        gathers = [a.units for a in actions if a.units and a.kind == GATHER_PARAMS]
+        if any(exchanged.values()) or any(sized_for_exchange(*m) for m in messages) or any(
+                _params_exchanged(sharding, units) for units in gathers):
             transport = transport_bytes(max(lay.shards for lay in sharding.units.values()))
         gathered = {u: 0 if exchanged[u] else n for u, n in gathered.items()}
     pending: dict[str, int] = {}
