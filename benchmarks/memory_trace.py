@@ -58,7 +58,7 @@ class Marks:
         self._reset()
 
 
-def shardwise_meta(cfg: memory.Config) -> list[tuple[str, float, float]]:
+def shardwise_meta(cfg: memory.Config, stage: int = 3) -> list[tuple[str, float, float]]:
     from shardwise.engine.run import executor
 
     marks = Marks()
@@ -75,7 +75,7 @@ def shardwise_meta(cfg: memory.Config) -> list[tuple[str, float, float]]:
             model = memory.build(cfg)
         chain, params = sw.functionalize(model)
         del model
-        step = sw.shard_params(sw.train_step(chain, F.mse_loss, sw.optim.adamw(1e-3, inplace=True)), "dp", stage=3)
+        step = sw.shard_params(sw.train_step(chain, F.mse_loss, sw.optim.adamw(1e-3, inplace=True)), "dp", stage=stage)
         state = step.init(params, sw.Mesh(dp=cfg.world))
         del params
         batch = memory.batch_of(cfg)
@@ -114,7 +114,16 @@ def fsdp2_meta(cfg: memory.Config) -> list[tuple[str, float, float]]:
     return marks.rows
 
 
-PROGRAMS = {"fsdp2_meta": fsdp2_meta, "shardwise_meta": shardwise_meta}
+def shardwise_zero1_meta(cfg: memory.Config) -> list[tuple[str, float, float]]:
+    return shardwise_meta(cfg, stage=1)
+
+
+def shardwise_zero2_meta(cfg: memory.Config) -> list[tuple[str, float, float]]:
+    return shardwise_meta(cfg, stage=2)
+
+
+PROGRAMS = {"fsdp2_meta": fsdp2_meta, "shardwise_meta": shardwise_meta, "shardwise_zero1_meta": shardwise_zero1_meta,
+            "shardwise_zero2_meta": shardwise_zero2_meta}
 
 
 def main() -> None:

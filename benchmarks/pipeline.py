@@ -158,10 +158,16 @@ from shardwise.collectives.backends.processes import ProcessPool
 from shardwise.testing.models import TinyGPT
 from shardwise.transforms.pipeline import Costs, Timeline, get_schedule, simulate
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_v")
+DEFAULT_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 IMPLS = ("ours", "ours_quiet", "torch")
-VIRTUAL_STAGES = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2}
-TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B"}
+VIRTUAL_STAGES = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "zb_h1": 1, "zb_v": 2}
+# torch's schedule each of ours is measured against: the same one, except ZB-H1, which torch does
+# not have for one stage per rank: its 1F1B, which ZB-H1 reorders (the same activations held).
+TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B",
+                   "zb_h1": "Schedule1F1B", "zb_v": "ScheduleZBVZeroBubble"}
+# Which of our schedules torch's ops are, for its bubble figures (its 1F1B where ours is ZB-H1).
+TORCH_OPS_AS = {"zb_h1": "1f1b"}
 
 
 @dataclass(frozen=True)
@@ -267,6 +273,7 @@ class Ours:
         # Our default cut (balanced parameter counts), made explicit so torch can use the same one.
         balanced = sw.pipeline(step, "pp", schedule, cfg.microbatches, stages=stages).layout(mesh, params)
         self.stages: tuple[tuple[str, ...], ...] = balanced.placement.stages
+        self.stage_rank: tuple[int, ...] = balanced.placement.stage_rank
         self.step_fn = sw.pipeline(step, "pp", schedule, cfg.microbatches, stages=stages,
                                    partition=[len(s) for s in self.stages], trace=True)
         if quiet:
@@ -284,12 +291,13 @@ class Ours:
 class TorchPipe:
     """torch.distributed.pipelining on the same stages; rank 0 feeds inputs, the last rank the targets."""
 
-    def __init__(self, cfg: Config, schedule: str, stages: tuple[tuple[str, ...], ...]) -> None:
+    def __init__(self, cfg: Config, schedule: str, stages: tuple[tuple[str, ...], ...],
+                 stage_rank: tuple[int, ...]) -> None:
         from torch.distributed import pipelining
 
-        rank, world = dist.get_rank(), cfg.world
+        rank = dist.get_rank()
         pieces = torch_layers(cfg, build_model(cfg))
-        mine = [s for s in range(len(stages)) if s % world == rank]  # loop placement, as ours
+        mine = [s for s in range(len(stages)) if stage_rank[s] == rank]  # our placement (loop, or ZB-V's V)
         self.modules = [nn.Sequential(*(pieces[name] for name in stages[s])) for s in mine]
         pipe_stages = [
             pipelining.PipelineStage(module, s, len(stages), torch.device("cpu"))
@@ -297,7 +305,7 @@ class TorchPipe:
         ]
         cls = getattr(pipelining, TORCH_SCHEDULES[schedule])
         loss_fn = loss_fn_of(cfg.model)
-        if schedule == "interleaved_1f1b":
+        if VIRTUAL_STAGES[schedule] > 1:
             self.schedule = cls(pipe_stages, cfg.microbatches, loss_fn=loss_fn)
         else:
             (only,) = pipe_stages
@@ -324,14 +332,17 @@ class TorchPipe:
 
     def _time_computes(self, pipe_stage: Any, rank: int) -> None:
         """Record (rank, "<stage>F<mb>" or "<stage>B<mb>", start, end) for each of the stage's
-        forwards and backwards, by wrapping the two public methods the schedules call on it."""
-        for kind, name in (("F", "forward_one_chunk"), ("B", "backward_one_chunk")):
+        forwards and backwards ("I" and "W" where a zero-bubble schedule splits a backward), by
+        wrapping the public methods the schedules call on it."""
+        for kind, name in (("F", "forward_one_chunk"), ("B", "backward_one_chunk"), ("W", "backward_weight_one_chunk")):
             method = getattr(pipe_stage, name)
 
             def timed_compute(chunk: int, *args: Any, _method: Any = method, _kind: str = kind, **kwargs: Any) -> Any:
                 start = time.perf_counter()
                 out = _method(chunk, *args, **kwargs)
-                self.events[-1].append((rank, f"{pipe_stage.stage_index}{_kind}{chunk}", start, time.perf_counter()))
+                # backward_one_chunk(..., full_backward=False) computes the input's gradient alone: an I.
+                op = "I" if _kind == "B" and kwargs.get("full_backward", True) is False else _kind
+                self.events[-1].append((rank, f"{pipe_stage.stage_index}{op}{chunk}", start, time.perf_counter()))
                 return out
 
             setattr(pipe_stage, name, timed_compute)
@@ -362,7 +373,7 @@ def build_runners(cfg: Config) -> tuple[dict[str, Runner], dict[str, str], dict[
         if "torch" not in cfg.impls:
             continue
         try:
-            runners[torch_name] = TorchPipe(cfg, schedule, ours.stages)
+            runners[torch_name] = TorchPipe(cfg, schedule, ours.stages, ours.stage_rank)
         except Exception as exc:
             skipped[torch_name] = f"{type(exc).__name__}: {exc}"
         else:
@@ -537,8 +548,10 @@ def rows_for(cfg: Config, per_rank: list[dict[str, Any]], ref: list[float]) -> l
             if impl.startswith("ours") and found is not None and losses.get(torch_name) is not None:
                 row["first_loss_rel_diff_vs_torch"] = rel_diff(found[0], losses[torch_name][0])
             steps = zip(*(r["events"][name] for r in per_rank), strict=True)
+            # torch's ops are its own schedule's (1F1B's where ours is ZB-H1)
+            ops_of = TORCH_OPS_AS.get(schedule, schedule) if impl == "torch" else schedule
             row |= bubble_figures(
-                cfg, schedule, row["stages"], [[e for events in step for e in events] for step in steps]
+                cfg, ops_of, row["stages"], [[e for events in step for e in events] for step in steps]
             )
             rows.append(row)
     return rows
@@ -547,8 +560,8 @@ def rows_for(cfg: Config, per_rank: list[dict[str, Any]], ref: list[float]) -> l
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_run_flags(parser, steps=10, warmup=3)
-    parser.add_argument("--schedules", default=",".join(SCHEDULES),
-                        help=f"comma-separated, of {', '.join(SCHEDULES)} (default all)")
+    parser.add_argument("--schedules", default=",".join(DEFAULT_SCHEDULES),
+                        help=f"comma-separated, of {', '.join(SCHEDULES)} (default {', '.join(DEFAULT_SCHEDULES)})")
     parser.add_argument("--microbatches", type=int, default=4,
                         help="micro-batches per step, a multiple of every world for interleaved_1f1b (default 4)")
     add_batch_flags(parser)

@@ -252,15 +252,18 @@ def test_no_reduction_in_flight_waits_before_the_next_compute(stage: int) -> Non
     for unit, gather in after.items():
         assert f"reduce_scatter({unit}){gather} wait_reduce({unit})" in text
     assert " ".join(map(str, plans[1].for_rank(0))) != text
-    # One unit's full gradient less at the peak: the largest unit (layer 0: 5*7+7 = 42 float64)
-    # is made while, with one in flight, the next largest (3*6+6 = 7*3+3 = 24) may still travel.
+    # The peak either way: the largest unit's issue (layer 0: 5*7+7 = 42 float64), its flat buffer
+    # made beside its gradients (2 x 42). With one in flight, the next largest (3*6+6 = 7*3+3 = 24)
+    # may still travel while layer 0's gradient grows (42 + 24), which is less.
     held = {k: plan.memory["reduce_buffers"][0] for k, plan in plans.items()}
-    assert held == {0: 42 * 8, 1: (42 + 24) * 8}
+    assert held == {0: 2 * 42 * 8, 1: 2 * 42 * 8}
     # The most held together at one action (float64 elements: units of 42, 24 and 24, shards of 21,
     # 12 and 12; an all-gather's own receive copy on gloo; a reduce-scatter's flat input is donated,
-    # reduced in place). Stage 2: at the update, every shard and the update's own (45 + 45), either
-    # way: layer 0's reduce-scatter holds every shard and its flat gradient (45 + 42); with one in
-    # flight, layer 0's gradient grows beside layer 2's flat gradient (24 + 42 + 24); at its end the
+    # reduced in place; on a CPU a reduce-scatter's shard is made when its job starts, after its
+    # issue, and counted from its wait). Stage 2, either way: layer 0's reduce-scatter, its gradient
+    # and its flat buffer beside the shards of layers 4 and 2 (2 x 42 + 24), above the update's every
+    # shard and the update's own (45 + 45); with one in flight, layer 0's gradient grows beside layer
+    # 2's flat gradient, layer 4's shard and the one layer 2's job makes (42 + 24 + 12 + 12); at its end the
     # in-place optimizer's step gathers one unit at a time into the parameters it was given
     # (gathers_into_params): every shard and the largest unit (45 + 42), less than at the update;
     # the master shards the update writes and the all-gathers send are views of the parameters
@@ -271,7 +274,7 @@ def test_no_reduction_in_flight_waits_before_the_next_compute(stage: int) -> Non
     # flight, layer 0's gather is issued after the reduce-scatter of layer 2 is, when layer 4's is
     # waited for.
     held_in_step = {k: plan.memory["held_in_step"][0] for k, plan in plans.items()}
-    assert held_in_step == ({0: 90 * 8, 1: 90 * 8} if stage == 2 else {0: 132 * 8, 1: 132 * 8})
+    assert held_in_step == ({0: 108 * 8, 1: 108 * 8} if stage == 2 else {0: 132 * 8, 1: 132 * 8})
     if stage == 2:
         assert plans[0].memory["params_in_flight"][0] == 42 * 8
         assert plans[0].memory["master_shards"][0] == 0

@@ -273,7 +273,7 @@ def _class_memory(
         levels["master_shards"] = [0 if into else tree_nbytes(shards)] * len(actions)
     for key, per_action in levels.items():
         figures[key] = max(per_action, default=0)
-    made = _shards_made_levels(actions, {u: tree_nbytes(t) for u, t in shards.items()})
+    made = _shards_made_levels(actions, {u: tree_nbytes(t) for u, t in shards.items()}, device.type == "cpu")
     figures["held_in_step"] = max((sum(at) for at in zip(made, *levels.values(), strict=True)), default=0)
     return figures
 
@@ -336,16 +336,37 @@ def _params_exchanged(sharding: FlatSharding, units: Sequence[str]) -> bool:
     return sized_for_exchange(sum(sharding.units[u].padded_nbytes for u in units), first.dtype, first.shards)
 
 
-def _shards_made_levels(actions: Sequence[Action], shard_bytes: Mapping[str, int]) -> list[int]:
+def _shards_made_levels(
+    actions: Sequence[Action], shard_bytes: Mapping[str, int], on_cpu: bool = False
+) -> list[int]:
     """At each action, the gradient shards made so far in the step: a unit's from its first
     reduce-scatter on (the step starts without them: the update consumed the last step's); a unit
-    no listed reduce-scatter makes, from the start."""
+    no listed reduce-scatter makes, from the start.
+
+    On a CPU (gloo) a reduce-scatter's shard is made after its issue: the exchanges' thread makes it
+    when it starts on the job (in issue order, one job at a time, releasing the job's flat input when
+    it ends), gloo's all-reduce path at the wait. There a unit's shard counts from its wait on, and
+    while reduce-scatters are in flight, the largest of their shards (the job the thread runs; a job
+    starts after its issue, which made its flat input): their flat inputs are counted to their waits
+    (``_reduce_levels``), and one that ended holds its shard, at most half its flat input, instead.
+    Counted from the issue, ZeRO-1's Plan, which issues every reduce-scatter before it waits for any,
+    was 11% over the measured peak (benchmarks/memory.py, 200 MB model, world 2)."""
     first: dict[str, int] = {}
     for i, action in enumerate(actions):
-        if action.kind == REDUCE_SCATTER:
+        if action.kind == (WAIT_REDUCE if on_cpu else REDUCE_SCATTER):
             for u in action.units or (action.require("layer"),):
                 first.setdefault(u, i)
-    return [sum(n for u, n in shard_bytes.items() if first.get(u, -1) <= i) for i in range(len(actions))]
+    levels = [sum(n for u, n in shard_bytes.items() if first.get(u, -1) <= i) for i in range(len(actions))]
+    if on_cpu:
+        in_flight: dict[str, int] = {}  # by the reduction's key (its first unit), its shards' bytes
+        for i, action in enumerate(actions):
+            if action.kind == WAIT_REDUCE:  # its shard is made, counted above from here on
+                in_flight.pop(action.require("layer"), None)
+            levels[i] += max(in_flight.values(), default=0)
+            if action.kind == REDUCE_SCATTER:  # its job starts once the issue has made its flat input
+                units = action.units or (action.require("layer"),)
+                in_flight[units[0]] = sum(shard_bytes.get(u, 0) for u in units)
+    return levels
 
 
 def _replica_levels(step: Step, sharding: FlatSharding, actions: Sequence[Action]) -> list[int]:
@@ -370,8 +391,9 @@ def _reduce_levels(
     """At each action, bytes of full gradients on their way to a reduce-scatter: while a backward
     that adds to them runs (its stage ``needs`` one of their units: a layer without parameters makes
     none), the next bucket's gradients, and the flat inputs of the reduce-scatters in flight; when a
-    bucket is issued, its gradients (twice when it joins several units: they and the copy that
-    concatenates them; one unit's move into its flat buffer one by one), the flat inputs still in flight
+    bucket is issued, its gradients twice (they and the flat buffer they are copied into: a bucket's
+    concatenation, or one unit's buffer, made before its first gradient is copied in and released),
+    the flat inputs still in flight
     (until their waits end: how many, lower._waits_for_reductions), and after the last compute the
     gradients of every bucket still to be issued (the deferred ones of tied weights, complete and
     waiting)."""
@@ -392,7 +414,7 @@ def _reduce_levels(
         elif action.kind == REDUCE_SCATTER:
             units = action.units or (action.require("layer"),)
             size = sum(sizes[u] for u in units)
-            level = size * (2 if len(units) > 1 else 1) + sum(pending.values()) + waiting
+            level = 2 * size + sum(pending.values()) + waiting
             pending[units[0]] = size
             made += 1
         levels.append(level)
