@@ -23,6 +23,7 @@ import torch
 
 from ..layout.state_layout import Placement
 from ..model.chain import Chain, Layer
+from ..model.split_backward import input_part, weight_part
 from ..stack.in_layer import Issued
 from ..torch_api import data_dependent_errors, fake_tensors, run_on_stand_ins
 
@@ -88,14 +89,15 @@ def predict_inside(
             out[("backward", s)] = list(issued)
             issued.clear()
             if split:
-                # Zero-bubble's split backward, as the executor runs it: I is autograd.grad to the stage's
-                # inputs on the kept graph, W a backward to the weights; a node both need runs in both,
-                # so what it issues is issued twice.
-                if used and inputs_in:
-                    torch.autograd.grad(used, inputs_in, seeds, retain_graph=True, allow_unused=True)
+                # Zero-bubble's split backward, as the executor runs it (model/split_backward.py): I to the
+                # stage's inputs, recording where the weights' branches leave their path, W from there to
+                # the weights; a stage without such inputs takes W as a backward to the weights.
+                part = input_part(used, seeds, inputs_in, weights)[1] if used and inputs_in else None
                 out[("backward_input", s)] = list(issued)
                 issued.clear()
-                if used and weights:
+                if part is not None:
+                    weight_part(part)
+                elif used and weights:
                     torch.autograd.backward(used, seeds, inputs=weights)
                 out[("backward_weight", s)] = list(issued)
                 issued.clear()

@@ -55,6 +55,7 @@ from ..layout.sharding import FlatSharding
 from ..layout.state_layout import Placement
 from ..model.chain import Chain
 from ..model.module_call import calls_forward_alone
+from ..model.split_backward import WeightPart, input_part, weight_part
 from ..optim.optimizers import global_norm
 from ..plan.actions import (
     BACKWARD,
@@ -160,6 +161,7 @@ class _Saved:
     params: dict[tuple[str, str], torch.Tensor]  # (owner layer, local name) -> the step's leaf
     outputs: list[torch.Tensor]  # float leaves of the stage output (or [loss] on the last stage)
     output_grads: list[torch.Tensor | None] | None = None  # kept between I and W
+    weight_part: WeightPart | None = None  # what I left for W (split_backward)
     # A joined stage (its input left on the previous stage's graph): whether a gradient reached that
     # input in the backward (set by a hook on it); None for a stage whose input is cut.
     reached: list[bool] | None = None
@@ -643,6 +645,11 @@ class Executor(ZeroActions, TransferActions):
         saved = self._saved[(s, m)]
         want_inputs = action.kind in (BACKWARD, BACKWARD_INPUT)
         want_weights = action.kind in (BACKWARD, BACKWARD_WEIGHT)
+        if saved.weight_part is not None:  # W after its I: only the weights' branches
+            weight_part(saved.weight_part)
+            saved.weight_part = None
+            self._weights_done(s, m, saved)
+            return
         if saved.output_grads is None:
             saved.output_grads = self._output_grads(s, m, saved)
         pairs = [
@@ -651,7 +658,7 @@ class Executor(ZeroActions, TransferActions):
         outputs, seeds = [o for o, _ in pairs], [g for _, g in pairs]
         got: list[torch.Tensor | None] = [None] * len(saved.inputs)
         if want_inputs and not want_weights and pairs and saved.inputs:  # I: the graph stays for W
-            got = list(torch.autograd.grad(outputs, saved.inputs, seeds, retain_graph=True, allow_unused=True))
+            got, saved.weight_part = input_part(outputs, seeds, saved.inputs, list(saved.params.values()))
         elif want_weights and pairs:
             # B or W: weight gradients accumulate into the step's leaves (in place after the first);
             # B also leaves each input's gradient in its (per micro-batch) leaf.
@@ -668,9 +675,12 @@ class Executor(ZeroActions, TransferActions):
                 g if g is not None else torch.zeros_like(x) for g, x in zip(got, saved.inputs, strict=True)
             ]
         if want_weights:
-            del self._saved[(s, m)]
-            if self.poison:
-                self._poison(s, saved)
+            self._weights_done(s, m, saved)
+
+    def _weights_done(self, s: int, m: int, saved: _Saved) -> None:
+        del self._saved[(s, m)]
+        if self.poison:
+            self._poison(s, saved)
 
     def _joined_backward(self, top: int, lowest: int, m: int) -> None:
         """The whole backwards of stages ``top`` down to ``lowest`` (micro-batch ``m``) as one autograd

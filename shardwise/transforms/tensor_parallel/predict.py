@@ -14,7 +14,8 @@ layer order, and its backward passes issue each layer's backward collectives in
 reverse layer order (autograd runs the nodes of a later layer before those of an
 earlier one: they are the only ones ready). So each layer is run on its own, on
 its input as the stage gives it (which leaves need a gradient, and whether each
-comes from the stage's input, for ``I``, or from a parameter, for ``W``), and a
+comes from the stage's input, for ``I``, or from a parameter alone, for ``W``;
+``I`` and ``W`` run as the executor splits them: engine/model/split_backward.py), and a
 stage's lists are composed of its layers'; a layer identical to one run before
 (engine/model/reuse.py) on a like input is not run again: a 70B's 80 blocks run
 once. ``by_layer=False`` runs each stage whole (stages alike still reused): the
@@ -35,6 +36,7 @@ from ...engine.layout.state_layout import Placement
 from ...engine.model import reuse as layer_reuse  # the module: a test switches its keys off
 from ...engine.model.chain import Chain
 from ...engine.model.reuse import LayerMemo, tree_signature
+from ...engine.model.split_backward import input_part, weight_part
 from ...engine.plan.inside import Predicted, Recording
 from ...engine.stack.in_layer import Issued
 from ...engine.torch_api import fake_tensors
@@ -118,16 +120,9 @@ def predict(
             out[("backward", s)] = issued[start:]
             del issued[start:]
             used2 = [o for o in outputs2 if o.requires_grad]
-            if used2 and ins2:
-                torch.autograd.grad(
-                    used2, ins2, [torch.ones_like(o) for o in used2], retain_graph=True, allow_unused=True
-                )
-            out[("backward_input", s)] = issued[start:]
-            del issued[start:]
-            if used2 and ps2:
-                torch.autograd.grad(used2, ps2, [torch.ones_like(o) for o in used2], allow_unused=True)
-            out[("backward_weight", s)] = issued[start:]
-            del issued[start:]
+            out[("backward_input", s)], out[("backward_weight", s)] = _split_backward(
+                used2, ins2, ps2, issued, start
+            )
             del seeds
             kinds = ("forward", "loss", "backward", "backward_input", "backward_weight")
             stages.store(key, x, y, (tuple(layers), {k: out[(k, s)] for k in kinds if (k, s) in out}))
@@ -244,17 +239,14 @@ def _layer(
     del issued[start:]
     leaves2 = optree.tree_leaves(x_in2, none_is_leaf=True)
     to_input_of = [t for t, f in zip(leaves2, from_input, strict=True) if f and _needs_grad(t)]
-    to_weight_of = [t for t, f in zip(leaves2, from_param, strict=True) if f and _needs_grad(t)] + ps2
+    # W's leaves: the parameters, and an input that comes from a parameter alone (one that also comes
+    # from the stage's input lies on the input's path: its gradient is I's, the earlier layers' weights
+    # take theirs in W from where their branches leave that path).
+    to_weight_of = [
+        t for t, p, i in zip(leaves2, from_param, from_input, strict=True) if p and not i and _needs_grad(t)
+    ] + ps2
     used2 = [o for o in outputs2 if o.requires_grad]
-    if used2 and to_input_of:
-        torch.autograd.grad(used2, to_input_of, [torch.ones_like(o) for o in used2], retain_graph=True,
-                            allow_unused=True)
-    to_input = issued[start:]
-    del issued[start:]
-    if used2 and to_weight_of:
-        torch.autograd.grad(used2, to_weight_of, [torch.ones_like(o) for o in used2], allow_unused=True)
-    to_weight = issued[start:]
-    del issued[start:]
+    to_input, to_weight = _split_backward(used2, to_input_of, to_weight_of, issued, start)
     # Which of the output's leaves come from the stage's input, which from a parameter: a leaf the
     # layer passes on keeps its marks; a new one that needs a gradient comes from what the layer used.
     position = {id(t): i for i, t in enumerate(optree.tree_leaves(x_in, none_is_leaf=True))}
@@ -269,6 +261,26 @@ def _layer(
     run = _LayerIssued(forward, loss_issued, backward, to_input, to_weight, tuple(out_input), tuple(out_param))
     memo.store(key, x_in, y, (name, run))
     return run, y
+
+
+def _split_backward(
+    outputs: list[torch.Tensor], inputs: list[torch.Tensor], weights: list[torch.Tensor], issued: list[Issued],
+    start: int,
+) -> tuple[list[Issued], list[Issued]]:
+    """What zero-bubble's I and then its W issue, run as the executor runs them
+    (engine/model/split_backward.py): I to ``inputs``, W from where the weights' branches leave
+    their path; without inputs, W is a backward to ``weights``."""
+    seeds = [torch.ones_like(o) for o in outputs]
+    part = input_part(outputs, seeds, inputs, weights)[1] if outputs and inputs else None
+    to_input = issued[start:]
+    del issued[start:]
+    if part is not None:
+        weight_part(part)
+    elif outputs and weights:
+        torch.autograd.grad(outputs, weights, seeds, allow_unused=True)
+    to_weight = issued[start:]
+    del issued[start:]
+    return to_input, to_weight
 
 
 def _stage_key(
