@@ -5,10 +5,16 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+import shardwise as sw
 from shardwise.engine.model.split_backward import input_part, weight_part
+from shardwise.engine.run import executor
+from shardwise.transforms.pipeline import get_schedule, simulate
 
 
 class _Counted(torch.autograd.Function):
@@ -100,3 +106,41 @@ def test_a_stage_whose_weights_all_meet_the_input_path_leaves_nothing_to_the_out
     _, part = input_part([out], [torch.ones_like(out)], [x], [p[k] for k in ("w1", "b1", "w2", "tied", "ln")])
     assert part.rest == []
     assert sum(len(g.leaves) for g in part.groups) == 5
+
+
+def test_the_plan_counts_what_the_input_pass_records_for_the_weight_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Between a micro-batch's I and its W the gradients recorded at the weights' branches are held:
+    the Plan's kept_for_backward under ZB-H1 is GPipe's (as many micro-batches in flight) plus those
+    gradients for each of them, as the run records them (stage 1; stage 0 has no input pass)."""
+    model = nn.Sequential(nn.Linear(12, 24), nn.GELU(), nn.Linear(24, 12), nn.Linear(12, 24), nn.Tanh(),
+                          nn.Linear(24, 12))
+    chain, params = sw.functionalize(model)
+    mesh, microbatches = sw.Mesh(pp=2), 2
+    batch = (torch.randn(8, 12), torch.randn(8, 12))
+
+    def pipelined(schedule: str) -> sw.Step:
+        return sw.pipeline(sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1)), "pp", schedule, microbatches)
+
+    recorded: list[int] = []
+
+    def spy(*args: Any) -> Any:
+        got, part = input_part(*args)
+        recorded.append(sum({g.untyped_storage().data_ptr(): g.untyped_storage().nbytes()
+                             for group in part.groups for grads in group.grads for g in grads or ()
+                             if g is not None}.values()))
+        return got, part
+
+    monkeypatch.setattr(executor, "input_part", spy)
+    zb = pipelined("zb_h1")
+
+    def run() -> None:
+        zb(zb.init(params, mesh), batch)
+
+    sw.launch(run, mesh.size, timeout=60)
+    assert len(recorded) == microbatches and len(set(recorded)) == 1 and recorded[0] > 0  # stage 1's I
+    # GPipe holds as many micro-batches on each rank as ZB-H1 does here (every one, on both ranks).
+    in_flight = simulate(get_schedule("zb_h1", 2, 2, microbatches)).peak_activations
+    assert in_flight == simulate(get_schedule("gpipe", 2, 2, microbatches)).peak_activations == (2, 2)
+    kept = {s: pipelined(s).plan(mesh, params, batch).memory["kept_for_backward"] for s in ("zb_h1", "gpipe")}
+    assert kept["zb_h1"][0] == kept["gpipe"][0]
+    assert kept["zb_h1"][1] == kept["gpipe"][1] + in_flight[1] * recorded[0]

@@ -27,6 +27,7 @@ import contextlib
 import contextvars
 import dataclasses
 from collections.abc import Callable, Iterator, Mapping
+from types import MappingProxyType
 from typing import Any, NamedTuple
 
 import optree
@@ -34,6 +35,7 @@ import torch
 
 from ..model.chain import Chain
 from ..model.reuse import LayerMemo
+from ..model.split_backward import input_part
 from ..torch_api import data_dependent_errors, fake_tensors, is_fake, real_stand_ins, storage_key
 
 Observer = Callable[[torch.Tensor], None]
@@ -76,25 +78,32 @@ def _cut(tree: Any) -> Any:
 
 class KeptParts(NamedTuple):
     """Per layer, the bytes it keeps of its own (``own``) and the storages of the batch it keeps
-    (``batch``: storage -> bytes, keys shared by every layer of one call)."""
+    (``batch``: storage -> bytes, keys shared by every layer of one call); with ``split=True``, what a
+    zero-bubble input pass records of it for the weight pass (``recorded``: the gradients reaching
+    its weights' branches, held from I to W; ``model/split_backward.py``)."""
 
     own: dict[str, int]
     batch: dict[str, dict[int, int]]
     stand_ins: tuple[str, ...] = ()  # the layers that ran on real stand-ins (they read data to decide a shape)
+    recorded: Mapping[str, int] = MappingProxyType({})
 
     def totals(self) -> dict[str, int]:
         return {name: n + sum(self.batch[name].values()) for name, n in self.own.items()}
 
 
 def kept_parts(
-    chain: Chain, params: Mapping[str, Mapping[str, torch.Tensor]], inputs: Any, *, reuse: bool = False
+    chain: Chain, params: Mapping[str, Mapping[str, torch.Tensor]], inputs: Any, *, reuse: bool = False,
+    split: bool = False,
 ) -> KeptParts:
     """:func:`kept_for_backward`, with what each layer keeps of the batch's own storages apart.
 
     ``reuse`` (on fake tensors only): a layer identical to one run before, on tensors and an input
     like its, is not run again; its figures and output are that one's (``engine/model/reuse.py``:
-    a Llama's 80 blocks run once)."""
+    a Llama's 80 blocks run once). ``split``: also each layer's ``recorded`` bytes (a zero-bubble
+    schedule's), from an input pass run on its graph (a layer whose input needs no gradient has
+    none: its stage's weight pass is a whole backward)."""
     own: dict[str, int] = {}
+    recorded: dict[str, int] = {}
     of_batch: dict[str, dict[int, int]] = {}
     batch = {storage_key(t) for t in optree.tree_leaves(inputs) if isinstance(t, torch.Tensor)}
     x = optree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, inputs)
@@ -105,7 +114,7 @@ def kept_parts(
         key = None if memo is None else memo.key(layer.fn, {**local, **layer.buffers}, x, layer.name)
         found = None if memo is None else memo.lookup(key, x)
         if found is not None:  # a layer like one run before, on an input like its: it keeps alike
-            y, (own[layer.name], kept_inputs) = found
+            y, (own[layer.name], kept_inputs, recorded[layer.name]) = found
             leaves = optree.tree_leaves(x, none_is_leaf=True)
             of_batch[layer.name] = {storage_key(leaves[i]): n for i, n in kept_inputs.items()}
             x = _cut(y)
@@ -137,12 +146,27 @@ def kept_parts(
         own[layer.name] = sum(n for key, n in sizes.items() if key not in batch)
         of_batch[layer.name] = {key: n for key, n in sizes.items() if key in batch}
         del kept
+        recorded[layer.name] = _recorded_bytes(y, x, local) if split else 0
         if memo is not None and memo_ok:
             kept_inputs = _as_input_leaves(x, of_batch[layer.name])
             if kept_inputs is not None:
-                memo.store(key, x, y, (own[layer.name], kept_inputs))
+                memo.store(key, x, y, (own[layer.name], kept_inputs, recorded[layer.name]))
         x = _cut(y)
-    return KeptParts(own, of_batch, tuple(stand_ins))
+    return KeptParts(own, of_batch, tuple(stand_ins), recorded)
+
+
+def _recorded_bytes(y: Any, x: Any, local: Mapping[str, torch.Tensor]) -> int:
+    """Bytes of the gradients an input pass records for the weight pass on this layer's graph (each
+    storage once), seeded with gradients of the outputs' shapes."""
+    outputs = [t for t in optree.tree_leaves(y) if isinstance(t, torch.Tensor) and t.requires_grad]
+    inputs = [t for t in optree.tree_leaves(x) if isinstance(t, torch.Tensor) and t.requires_grad]
+    weights = [t for t in local.values() if t.requires_grad]
+    if not outputs or not inputs or not weights:
+        return 0
+    _, part = input_part(outputs, [torch.ones_like(o) for o in outputs], inputs, weights)
+    sizes = {storage_key(g): g.untyped_storage().nbytes()
+             for group in part.groups for got in group.grads for g in got or () if g is not None}
+    return sum(sizes.values())
 
 
 def _as_input_leaves(x: Any, kept: Mapping[int, int]) -> dict[int, int] | None:
@@ -174,10 +198,11 @@ def predict_kept_for_backward(
 
 
 def predict_kept_parts(
-    chain: Chain, params: Mapping[str, Mapping[str, torch.Tensor]], inputs: Any, *, reuse: bool = True
+    chain: Chain, params: Mapping[str, Mapping[str, torch.Tensor]], inputs: Any, *, reuse: bool = True,
+    split: bool = False,
 ) -> KeptParts:
     """:func:`kept_parts` on fake copies (see :func:`predict_kept_for_backward`), identical layers
-    run once unless ``reuse=False``."""
+    run once unless ``reuse=False``; ``split``: with each layer's ``recorded`` bytes."""
     # Meta parameters (a meta-built model) are predicted on the device the batch is on.
     device = next((t.device for t in optree.tree_leaves(inputs) if isinstance(t, torch.Tensor)), "cpu")
     with fake_tensors(device) as fake:
@@ -185,4 +210,4 @@ def predict_kept_parts(
             [dataclasses.replace(layer, buffers={k: fake(v) for k, v in layer.buffers.items()}) for layer in chain]
         )
         fake_params = {layer: {k: fake(t) for k, t in tensors.items()} for layer, tensors in params.items()}
-        return kept_parts(fake_chain, fake_params, optree.tree_map(fake, inputs), reuse=reuse)
+        return kept_parts(fake_chain, fake_params, optree.tree_map(fake, inputs), reuse=reuse, split=split)

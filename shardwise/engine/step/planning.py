@@ -486,13 +486,21 @@ def _kept_per_rank(
     step: Step, mesh: Mesh, params: Params, batch: Any, placement: Placement, layout: StateLayout
 ) -> tuple[tuple[int, ...], tuple[str, ...]]:
     inputs = one_microbatch(step, mesh, batch)[0]
+    pipe = step.pipeline_spec
+    # A zero-bubble schedule's input pass records, per micro-batch, the gradients its weight pass
+    # starts from (model/split_backward.py), held to that W: counted with what the micro-batch keeps,
+    # from its forward on (an upper bound: they are made at its I). The first stage has no input
+    # pass (its input, the batch, needs no gradient): its W is a whole backward.
+    split = pipe is not None and layout.schedule is not None and any(
+        op.kind == "W" for ops in layout.schedule.ranks for op in ops
+    )
     with step.predicting(mesh):
         view = step.compute_view(step.local_view(params, mesh, 0))
-        parts = predict_kept_parts(step.chain, view, inputs)
-    pipe = step.pipeline_spec
+        parts = predict_kept_parts(step.chain, view, inputs, split=split)
     if pipe is None:
         return (sum(parts.own.values()) + _batch_bytes(parts.batch, step.chain.names),) * mesh.size, parts.stand_ins
-    per_stage = [sum(parts.own[n] for n in layers) for layers in placement.stages]
+    per_stage = [sum(parts.own[n] + (parts.recorded.get(n, 0) if s > 0 else 0) for n in layers)
+                 for s, layers in enumerate(placement.stages)]
     # Micro-batches are views of one batch: what the stages keep of it is kept once.
     of_batch = [_batch_bytes(parts.batch, layers) for layers in placement.stages]
     per_index = pipe.kept_per_index(layout.schedule, per_stage, of_batch)
