@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import shardwise as sw
-from shardwise.engine.model.split_backward import input_part, weight_part
+from shardwise.engine.model.split_backward import input_part, recomputes, weight_part
 from shardwise.engine.run import executor
 from shardwise.transforms.pipeline import get_schedule, simulate
 
@@ -123,8 +123,8 @@ def test_the_plan_counts_what_the_input_pass_records_for_the_weight_pass(monkeyp
 
     recorded: list[int] = []
 
-    def spy(*args: Any) -> Any:
-        got, part = input_part(*args)
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        got, part = input_part(*args, **kwargs)
         recorded.append(sum({g.untyped_storage().data_ptr(): g.untyped_storage().nbytes()
                              for group in part.groups for grads in group.grads for g in grads or ()
                              if g is not None}.values()))
@@ -144,3 +144,46 @@ def test_the_plan_counts_what_the_input_pass_records_for_the_weight_pass(monkeyp
     kept = {s: pipelined(s).plan(mesh, params, batch).memory["kept_for_backward"] for s in ("zb_h1", "gpipe")}
     assert kept["zb_h1"][0] == kept["gpipe"][0]
     assert kept["zb_h1"][1] == kept["gpipe"][1] + in_flight[1] * recorded[0]
+
+
+def test_a_gradient_hook_on_an_activation_applies_once() -> None:
+    """The engine runs a tensor's gradient hook before its node's prehooks: I records the gradient the
+    hook shaped, and W, which feeds it back into that node, must not let the hook apply again."""
+
+    def stage(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        h = x @ w
+        h.register_hook(lambda g: g * 2)  # a user's layer scaling its gradient
+        return h.tanh()
+
+    w = torch.randn(8, 8, dtype=torch.float64).requires_grad_()
+    x = torch.randn(4, 8, dtype=torch.float64).requires_grad_()
+    seed = torch.randn(4, 8, dtype=torch.float64)
+    whole_dx, whole_dw = torch.autograd.grad([stage(x, w)], [x, w], [seed])
+    (dx,), part = input_part([stage(x, w)], [seed], [x], [w])
+    weight_part(part)
+    assert torch.equal(dx, whole_dx) and torch.equal(w.grad, whole_dw)
+
+
+def test_a_layer_that_recomputes_in_its_backward_takes_its_weight_pass_whole() -> None:
+    """A remat region's backward runs its forward again: a pass per weight branch would run it once
+    per branch, so such a stage's W is one backward from its outputs (nothing recorded)."""
+    chain, _ = sw.functionalize(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)))
+    step = sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1))
+    assert not recomputes(layer.fn for layer in step.chain)
+    assert recomputes(layer.fn for layer in sw.remat(step).chain)
+    forwards = 0
+
+    def region(h: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        nonlocal forwards
+        forwards += 1
+        return (h @ w1).tanh() @ w2
+
+    w1, w2 = (torch.randn(4, 4, dtype=torch.float64).requires_grad_() for _ in range(2))
+    x = torch.randn(3, 4, dtype=torch.float64).requires_grad_()
+    y = checkpoint(region, x, w1, w2, use_reentrant=False)
+    (dx,), part = input_part([y], [torch.ones_like(y)], [x], [w1, w2], whole=True)
+    assert part.groups == [] and len(part.rest) == 2
+    weight_part(part)
+    assert forwards == 3  # the forward, I's recompute, W's: one each
+    want = torch.autograd.grad([region(x, w1, w2)], [x, w1, w2], [torch.ones(3, 4, dtype=torch.float64)])
+    assert torch.equal(dx, want[0]) and torch.equal(w1.grad, want[1]) and torch.equal(w2.grad, want[2])

@@ -16,14 +16,18 @@ gradient is accumulated as the whole backward accumulates it.
 
 A weight whose branch does not meet the input's path, or also reaches an output that does not
 depend on an input, gets its gradient in W from the outputs as before (what of the input's path that
-goes through runs again).
+goes through runs again). So does every weight of a stage that recomputes in its backward (a remat
+region: ``recomputes``), taken ``whole``: each branch's pass would run the region's forward again.
+A weight used at two places of the input's path with input-path nodes between them gets its gradient
+right, but its pass runs those nodes again (their result is replaced by what I recorded).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
@@ -110,13 +114,30 @@ def _backward_order(roots: Sequence[Node], consumers: dict[Node, list[Node]]) ->
     return order
 
 
+def recomputes(fns: Iterable[Any]) -> bool:
+    """Whether one of the layer functions ``fns`` runs its forward again in its backward (says so with
+    ``recomputes_in_backward``, on itself or a function it wraps: ``__wrapped__``)."""
+    for fn in fns:
+        for _ in range(64):
+            if fn is None:
+                break
+            if getattr(fn, "recomputes_in_backward", False):
+                return True
+            fn = getattr(fn, "__wrapped__", None)
+    return False
+
+
 def input_part(
     outputs: Sequence[torch.Tensor], seeds: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
-    leaves: Sequence[torch.Tensor],
+    leaves: Sequence[torch.Tensor], *, whole: bool = False,
 ) -> tuple[list[torch.Tensor | None], WeightPart]:
     """The gradients of ``inputs`` (None for one the outputs do not reach) from ``outputs`` seeded with
     ``seeds``, keeping the graph; and what :func:`weight_part` needs to add the gradients of ``leaves``
-    (the stage's weights) into their ``.grad``."""
+    (the stage's weights) into their ``.grad``. ``whole``: W is a backward from the outputs to every
+    leaf, nothing recorded (a stage that ``recomputes``)."""
+    if whole:
+        got = torch.autograd.grad(list(outputs), list(inputs), list(seeds), retain_graph=True, allow_unused=True)
+        return list(got), WeightPart([], list(leaves), list(outputs), list(seeds))
     roots = [_node(o) for o in outputs]
     consumers = _downstream(roots)
     input_path, _ = _forward_reach([_node(x) for x in inputs], consumers, set())
@@ -183,11 +204,12 @@ def weight_part(part: WeightPart) -> None:
             continue  # no gradient reached its nodes in I: none reaches its weights either
         handles = []
         try:
-            if len(group.nodes) > 1:
-                # A node of the group below another gets, besides its own recorded gradient, what flows
-                # into it from the one above: replaced by what it got in I, so nothing counts twice.
-                for node, recorded in zip(group.nodes, group.grads, strict=True):
-                    handles.append(node.register_prehook(lambda _, got=recorded: got))
+            # Each node's incoming gradients replaced by what it got in I: a node of the group below
+            # another gets, besides its own, what flows into it from the one above, and a gradient hook
+            # on the tensor it computes (which runs before a node's prehooks) would apply again to the
+            # recorded gradient, which it already shaped. So nothing counts twice.
+            for node, recorded in zip(group.nodes, group.grads, strict=True):
+                handles.append(node.register_prehook(lambda _, got=recorded: got))
             # The graph kept to the part's end: a remat region's nodes may lie in several groups, and
             # each group's pass recomputes the region from inputs the region holds (not each node).
             torch.autograd.backward(edges, grads, inputs=group.leaves, retain_graph=True)

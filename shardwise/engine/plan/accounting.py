@@ -35,7 +35,7 @@ import torch
 
 from ..model.chain import Chain
 from ..model.reuse import LayerMemo
-from ..model.split_backward import input_part
+from ..model.split_backward import input_part, recomputes
 from ..torch_api import data_dependent_errors, fake_tensors, is_fake, real_stand_ins, storage_key
 
 Observer = Callable[[torch.Tensor], None]
@@ -136,9 +136,11 @@ def kept_parts(
                 layer = dataclasses.replace(layer, buffers=real(dict(layer.buffers)))
                 with torch.enable_grad(), observing(kept.append):
                     y = layer(local, x_real)
+                recorded[layer.name] = _recorded_bytes(y, x_real, local, layer.fn) if split else 0
                 y = _cut(y)  # real leaves: the next layer runs on fake tensors again
         else:
             memo_ok = True
+            recorded[layer.name] = _recorded_bytes(y, x, local, layer.fn) if split else 0
         outputs = [t for t in optree.tree_leaves(y) if isinstance(t, torch.Tensor)]
         resident = {storage_key(t) for t in [*local.values(), *layer.buffers.values(), *outputs]}
         sizes = {storage_key(t): t.untyped_storage().nbytes() for t in kept}
@@ -146,7 +148,6 @@ def kept_parts(
         own[layer.name] = sum(n for key, n in sizes.items() if key not in batch)
         of_batch[layer.name] = {key: n for key, n in sizes.items() if key in batch}
         del kept
-        recorded[layer.name] = _recorded_bytes(y, x, local) if split else 0
         if memo is not None and memo_ok:
             kept_inputs = _as_input_leaves(x, of_batch[layer.name])
             if kept_inputs is not None:
@@ -155,13 +156,14 @@ def kept_parts(
     return KeptParts(own, of_batch, tuple(stand_ins), recorded)
 
 
-def _recorded_bytes(y: Any, x: Any, local: Mapping[str, torch.Tensor]) -> int:
+def _recorded_bytes(y: Any, x: Any, local: Mapping[str, torch.Tensor], fn: Any) -> int:
     """Bytes of the gradients an input pass records for the weight pass on this layer's graph (each
-    storage once), seeded with gradients of the outputs' shapes."""
+    storage once), seeded with gradients of the outputs' shapes; none for a layer that recomputes in
+    its backward (its weight pass is taken whole)."""
     outputs = [t for t in optree.tree_leaves(y) if isinstance(t, torch.Tensor) and t.requires_grad]
     inputs = [t for t in optree.tree_leaves(x) if isinstance(t, torch.Tensor) and t.requires_grad]
     weights = [t for t in local.values() if t.requires_grad]
-    if not outputs or not inputs or not weights:
+    if not outputs or not inputs or not weights or recomputes([fn]):
         return 0
     _, part = input_part(outputs, [torch.ones_like(o) for o in outputs], inputs, weights)
     sizes = {storage_key(g): g.untyped_storage().nbytes()

@@ -23,7 +23,7 @@ import torch
 
 from ..layout.state_layout import Placement
 from ..model.chain import Chain, Layer
-from ..model.split_backward import input_part, weight_part
+from ..model.split_backward import input_part, recomputes, weight_part
 from ..stack.in_layer import Issued
 from ..torch_api import data_dependent_errors, fake_tensors, run_on_stand_ins
 
@@ -92,7 +92,8 @@ def predict_inside(
                 # Zero-bubble's split backward, as the executor runs it (model/split_backward.py): I to the
                 # stage's inputs, recording where the weights' branches leave their path, W from there to
                 # the weights; a stage without such inputs takes W as a backward to the weights.
-                part = input_part(used, seeds, inputs_in, weights)[1] if used and inputs_in else None
+                whole = recomputes(chain[n].fn for n in layers)
+                part = input_part(used, seeds, inputs_in, weights, whole=whole)[1] if used and inputs_in else None
                 out[("backward_input", s)] = list(issued)
                 issued.clear()
                 if part is not None:

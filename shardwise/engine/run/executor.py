@@ -55,7 +55,7 @@ from ..layout.sharding import FlatSharding
 from ..layout.state_layout import Placement
 from ..model.chain import Chain
 from ..model.module_call import calls_forward_alone
-from ..model.split_backward import WeightPart, input_part, weight_part
+from ..model.split_backward import WeightPart, input_part, recomputes, weight_part
 from ..optim.optimizers import global_norm
 from ..plan.actions import (
     BACKWARD,
@@ -658,7 +658,8 @@ class Executor(ZeroActions, TransferActions):
         outputs, seeds = [o for o, _ in pairs], [g for _, g in pairs]
         got: list[torch.Tensor | None] = [None] * len(saved.inputs)
         if want_inputs and not want_weights and pairs and saved.inputs:  # I: the graph stays for W
-            got, saved.weight_part = input_part(outputs, seeds, saved.inputs, list(saved.params.values()))
+            whole = recomputes(self.chain[n].fn for n in self.placement.stages[s])
+            got, saved.weight_part = input_part(outputs, seeds, saved.inputs, list(saved.params.values()), whole=whole)
         elif want_weights and pairs:
             # B or W: weight gradients accumulate into the step's leaves (in place after the first);
             # B also leaves each input's gradient in its (per micro-batch) leaf.

@@ -391,8 +391,9 @@ def _reduce_levels(
     """At each action, bytes of full gradients on their way to a reduce-scatter: while a backward
     that adds to them runs (its stage ``needs`` one of their units: a layer without parameters makes
     none), the next bucket's gradients, and the flat inputs of the reduce-scatters in flight; when a
-    bucket is issued, its gradients twice (they and the flat buffer they are copied into: a bucket's
-    concatenation, or one unit's buffer, made before its first gradient is copied in and released),
+    bucket is issued, its gradients twice, an upper bound (they and the flat buffer they are copied
+    into: a bucket's concatenation; one unit's buffer, which fills as its gradients are copied in and
+    released one by one, so it peaks at their size plus the largest: a linear's weight is most of it),
     the flat inputs still in flight
     (until their waits end: how many, lower._waits_for_reductions), and after the last compute the
     gradients of every bucket still to be issued (the deferred ones of tied weights, complete and

@@ -30,6 +30,9 @@ class Remat:
 
     fn: LayerFn
     policy: Any
+    # Its backward runs its forward again: a zero-bubble weight pass takes it whole, not branch by
+    # branch (engine/model/split_backward.py: each branch's pass would recompute it again).
+    recomputes_in_backward: ClassVar[bool] = True
 
     def __call__(self, tensors: dict[str, Any], x: Any) -> Any:
         return run_layer(self.fn, tensors, x, self.policy)

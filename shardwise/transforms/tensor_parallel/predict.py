@@ -36,7 +36,7 @@ from ...engine.layout.state_layout import Placement
 from ...engine.model import reuse as layer_reuse  # the module: a test switches its keys off
 from ...engine.model.chain import Chain
 from ...engine.model.reuse import LayerMemo, tree_signature
-from ...engine.model.split_backward import input_part, weight_part
+from ...engine.model.split_backward import input_part, recomputes, weight_part
 from ...engine.plan.inside import Predicted, Recording
 from ...engine.stack.in_layer import Issued
 from ...engine.torch_api import fake_tensors
@@ -121,7 +121,7 @@ def predict(
             del issued[start:]
             used2 = [o for o in outputs2 if o.requires_grad]
             out[("backward_input", s)], out[("backward_weight", s)] = _split_backward(
-                used2, ins2, ps2, issued, start
+                used2, ins2, ps2, issued, start, recomputes(chain[n].fn for n in layers)
             )
             del seeds
             kinds = ("forward", "loss", "backward", "backward_input", "backward_weight")
@@ -246,7 +246,7 @@ def _layer(
         t for t, p, i in zip(leaves2, from_param, from_input, strict=True) if p and not i and _needs_grad(t)
     ] + ps2
     used2 = [o for o in outputs2 if o.requires_grad]
-    to_input, to_weight = _split_backward(used2, to_input_of, to_weight_of, issued, start)
+    to_input, to_weight = _split_backward(used2, to_input_of, to_weight_of, issued, start, recomputes([layer.fn]))
     # Which of the output's leaves come from the stage's input, which from a parameter: a leaf the
     # layer passes on keeps its marks; a new one that needs a gradient comes from what the layer used.
     position = {id(t): i for i, t in enumerate(optree.tree_leaves(x_in, none_is_leaf=True))}
@@ -265,13 +265,13 @@ def _layer(
 
 def _split_backward(
     outputs: list[torch.Tensor], inputs: list[torch.Tensor], weights: list[torch.Tensor], issued: list[Issued],
-    start: int,
+    start: int, whole: bool,
 ) -> tuple[list[Issued], list[Issued]]:
     """What zero-bubble's I and then its W issue, run as the executor runs them
     (engine/model/split_backward.py): I to ``inputs``, W from where the weights' branches leave
     their path; without inputs, W is a backward to ``weights``."""
     seeds = [torch.ones_like(o) for o in outputs]
-    part = input_part(outputs, seeds, inputs, weights)[1] if outputs and inputs else None
+    part = input_part(outputs, seeds, inputs, weights, whole=whole)[1] if outputs and inputs else None
     to_input = issued[start:]
     del issued[start:]
     if part is not None:
