@@ -134,7 +134,10 @@ def input_part(
     """The gradients of ``inputs`` (None for one the outputs do not reach) from ``outputs`` seeded with
     ``seeds``, keeping the graph; and what :func:`weight_part` needs to add the gradients of ``leaves``
     (the stage's weights) into their ``.grad``. ``whole``: W is a backward from the outputs to every
-    leaf, nothing recorded (a stage that ``recomputes``)."""
+    leaf, nothing recorded (a stage that ``recomputes``); so is it without ``inputs`` (the first
+    stage's: I has nothing to compute)."""
+    if not inputs:
+        return [], WeightPart([], list(leaves), list(outputs), list(seeds))
     if whole:
         got = torch.autograd.grad(list(outputs), list(inputs), list(seeds), retain_graph=True, allow_unused=True)
         return list(got), WeightPart([], list(leaves), list(outputs), list(seeds))

@@ -93,13 +93,11 @@ def predict_inside(
                 # stage's inputs, recording where the weights' branches leave their path, W from there to
                 # the weights; a stage without such inputs takes W as a backward to the weights.
                 whole = recomputes(chain[n].fn for n in layers)
-                part = input_part(used, seeds, inputs_in, weights, whole=whole)[1] if used and inputs_in else None
+                part = input_part(used, seeds, inputs_in, weights, whole=whole)[1] if used else None
                 out[("backward_input", s)] = list(issued)
                 issued.clear()
                 if part is not None:
                     weight_part(part)
-                elif used and weights:
-                    torch.autograd.backward(used, seeds, inputs=weights)
                 out[("backward_weight", s)] = list(issued)
                 issued.clear()
             x = optree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, y)

@@ -271,13 +271,11 @@ def _split_backward(
     (engine/model/split_backward.py): I to ``inputs``, W from where the weights' branches leave
     their path; without inputs, W is a backward to ``weights``."""
     seeds = [torch.ones_like(o) for o in outputs]
-    part = input_part(outputs, seeds, inputs, weights, whole=whole)[1] if outputs and inputs else None
+    part = input_part(outputs, seeds, inputs, weights, whole=whole)[1] if outputs else None
     to_input = issued[start:]
     del issued[start:]
     if part is not None:
         weight_part(part)
-    elif outputs and weights:
-        torch.autograd.grad(outputs, weights, seeds, allow_unused=True)
     to_weight = issued[start:]
     del issued[start:]
     return to_input, to_weight
