@@ -382,7 +382,8 @@ def _gathered_into(kinds: list[str], dtype: torch.dtype, row: int, transport: st
             moves = [_moved(group.size, dtype, 200 + s, row)[i].reshape(-1) for s in range(IN_FLIGHT)]
             kept = [t.clone() for t in moves]
             n = group.size
-            dests = [torch.full((n * (row + GAP * row),), float("nan"), dtype=dtype) for _ in moves]
+            size = sum(row + GAP * len(_cut(row, j)) for j in range(n))  # every piece, each gap after it
+            dests = [torch.full((size,), float("nan"), dtype=dtype) for _ in moves]
             rows = [_rows_in(d, n, moves[0].numel()) for d in dests]
             works = [backend.all_gather_into(x, r, group) for x, r in zip(moves, rows, strict=True)]
             returned = [w.wait() for w in reversed(works)][::-1]
