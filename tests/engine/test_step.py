@@ -29,7 +29,7 @@ def _eager_steps(model, loss_fn, opt, batches, clip=None):  # type: ignore[no-un
     return losses
 
 
-@given(widths=st.lists(st.integers(1, 8), min_size=2, max_size=5), clip=st.sampled_from([None, 0.3]),
+@given(widths=st.lists(st.integers(1, 8), min_size=2, max_size=5), clip=st.sampled_from([None, 0.3, 100.0]),
        seed=st.integers(0, 1000))
 # Found on another machine: the clip norm summed per-tensor norms bias first (optree's sorted keys).
 @example(widths=[4, 4], clip=0.3, seed=1)
@@ -78,6 +78,38 @@ def test_grad_norm_metric_is_the_norm_before_clipping() -> None:
     torch.nn.functional.mse_loss(model(batch[0]), batch[1]).backward()
     expected = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
     assert torch.equal(metrics["grad_norm"], expected)
+
+
+@pytest.mark.parametrize("clip", [1e-3, 1e3], ids=["clips", "within"])
+def test_a_norm_within_the_clip_leaves_the_gradients_unscaled_and_matches_torch_bitwise(
+        clip: float, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Clipping multiplies the gradients only where the factor is below 1: a multiply by exactly 1.0
+    changes no bit, so its pass over every gradient is skipped (the factor is read on the host)."""
+    import shardwise.engine.step.step as step_module
+
+    calls = []
+    scale = step_module.fe.mul_tensor
+    monkeypatch.setattr(step_module.fe, "mul_tensor", lambda *a, **k: calls.append(a[1]) or scale(*a, **k))
+    torch.manual_seed(0)
+    model = mlp([3, 4, 2])
+    chain, params = sw.functionalize(model)
+    step = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1, momentum=0.9), clip_norm=clip)
+    batches = [(torch.randn(5, 3), torch.randn(5, 2)) for _ in range(3)]
+    state = step.init(params)
+    norms = []
+    for b in batches:
+        state, metrics = step(state, b)
+        norms.append(float(metrics["grad_norm"]))
+    eager = _eager_steps(model, torch.nn.functional.mse_loss, torch.optim.SGD(model.parameters(), 0.1, 0.9), batches,
+                         clip)
+    assert torch.equal(metrics["loss"], eager[-1])
+    for name, p in model.named_parameters():
+        layer, local = name.split(".", 1)
+        assert torch.equal(state.params[layer][local], p.detach()), name
+    if clip < min(norms):
+        assert len(calls) == 3 and all(float(f) < 1 for f in calls), calls
+    else:
+        assert clip > max(norms) and calls == [], (norms, calls)
 
 
 def test_plan_lists_forward_backward_update_and_prints() -> None:

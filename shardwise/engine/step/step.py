@@ -236,7 +236,9 @@ class Step:
             # In place, with one foreach call per dtype (as clip_grad_norm_): the step made these
             # gradients and reads them nowhere else, and fresh copies of them would cost a
             # page-faulting allocation of the model's size every step.
-            fe.mul_tensor(tensor_leaves(grads), clip_scale(norm, self.clip_norm), inplace=True)
+            factor = clip_scale(norm, self.clip_norm)
+            if not _reads_one(factor):
+                fe.mul_tensor(tensor_leaves(grads), factor, inplace=True)
         new_params, new_opt_state = self._update(state, grads, params, opt_state)
         return new_params, new_opt_state, None if scale is None else scale.adjust(True)
 
@@ -536,3 +538,13 @@ def _predicting(step: Step, mesh: Mesh | None) -> Iterator[Any]:
     of the whole batch is a psum over those axes: predicted, as the splits' collectives are)."""
     with step.split.predicting(mesh) as issued, in_layer.sharing_batch(batch_shares(step, mesh)):
         yield issued
+
+
+def _reads_one(factor: torch.Tensor) -> bool:
+    """Whether clipping by ``factor`` would leave every gradient as it is: the factor is exactly 1 (the
+    norm is within the bound), read where that costs no wait, a plain tensor in host memory (the
+    metrics read the norm there anyway). A multiply by 1.0 returns its operand bit for bit, so skipping
+    it changes nothing but a pass over every gradient, as DeepSpeed's and FairScale's clipping skip it.
+    On an accelerator the multiply runs anyway: reading the factor would wait for the device."""
+    return type(factor) is torch.Tensor and factor.device.type == "cpu" and bool(factor == 1.0)
+
