@@ -65,7 +65,9 @@ def predict(
     backward as ``B``, ``I`` and ``W``; ``by_layer=False``: each stage run whole (see the module
     docstring)."""
     if by_layer and not any(chain[n].ties for n in chain.names):  # a tie's owner may sit in another stage
-        return _predict_by_layer(chain, placement, shapes, loss_fn, inputs, targets, recording)
+        composed = _predict_by_layer(chain, placement, shapes, loss_fn, inputs, targets, recording)
+        if composed is not None:
+            return composed
     out: Predicted = {}
     stages = LayerMemo()  # a stage like one predicted before (the middle of a stack of blocks) issues alike
     with fake_tensors() as fake, recording() as issued:
@@ -152,7 +154,9 @@ def _predict_by_layer(
     inputs: Any,
     targets: Any,
     recording: Recording,
-) -> Predicted:
+) -> Predicted | None:
+    """The stages' lists composed of their layers'; None where a layer hands the next one of its stage
+    a value made from parameters alone that needs a gradient (see :func:`_hands_on_a_parameter`)."""
     out: Predicted = {}
     memo = LayerMemo()
     with fake_tensors() as fake, recording() as issued:
@@ -170,6 +174,8 @@ def _predict_by_layer(
                 run, x = _layer(chain, name, shapes, x, from_input, from_param, with_loss, loss_fn, y_targets,
                                 memo, issued)
                 runs.append(run)
+                if i < len(layers) - 1 and _hands_on_a_parameter(run, x):
+                    return None
                 from_input, from_param = run.from_input, run.from_param
                 x = optree.tree_map(lambda t: _cut(t, t.requires_grad) if isinstance(t, torch.Tensor) else t, x)
             out[("forward", s)] = [e for r in runs for e in r.forward]
@@ -184,6 +190,65 @@ def _predict_by_layer(
 
 def _needs_grad(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and t.requires_grad
+
+
+def _hands_on_a_parameter(run: _LayerIssued, y: Any) -> bool:
+    """Whether the layer's output ``y`` carries the input's path on and, beside it, a leaf that needs a
+    gradient and comes from parameters alone.
+
+    The next layer of the stage would then take that leaf as a weight leaf of its own ``W``, where the
+    stage's run reaches it from that layer's nodes: its weight pass goes on through the producing
+    layer, and re-runs the nodes of the input's path there when the same parameter is also used on it
+    (the module docstring of engine/model/split_backward.py). Layer by layer that pass is cut at the
+    layer's edge, so such a stage is predicted whole, as it runs. (Without the input's path, as on a
+    pipeline's first stage, ``W`` is a whole backward either way.)"""
+    if not any(run.from_input):
+        return False
+    leaves = optree.tree_leaves(y, none_is_leaf=True)
+    return any(
+        p and not i and _needs_grad(t) for t, i, p in zip(leaves, run.from_input, run.from_param, strict=True)
+    )
+
+
+def _origins(
+    y: Any, x_in: Any, from_input: tuple[bool, ...], from_param: tuple[bool, ...], params: list[torch.Tensor],
+) -> tuple[tuple[bool, ...], tuple[bool, ...]]:
+    """Per leaf of a layer's output ``y``: does it come from the stage's input, from a parameter. A leaf
+    the layer passes on keeps its marks; a new one is read off its graph: which of the layer's leaves
+    (its input's, marked, and its parameters) its gradient reaches."""
+    inputs = optree.tree_leaves(x_in, none_is_leaf=True)
+    position = {id(t): k for k, t in enumerate(inputs) if isinstance(t, torch.Tensor)}
+    param_ids = {id(p) for p in params}
+    out_input, out_param = [], []
+    for t in optree.tree_leaves(y, none_is_leaf=True):
+        if isinstance(t, torch.Tensor) and id(t) in position:
+            out_input.append(from_input[position[id(t)]])
+            out_param.append(from_param[position[id(t)]])
+            continue
+        reached = _leaves_reached(t) if _needs_grad(t) else set()
+        hit = [position[r] for r in reached if r in position]
+        out_input.append(any(from_input[k] for k in hit))
+        out_param.append(bool(reached & param_ids) or any(from_param[k] for k in hit))
+    return tuple(out_input), tuple(out_param)
+
+
+def _leaves_reached(t: torch.Tensor) -> set[int]:
+    """The ids of the leaf tensors ``t``'s gradient reaches (``t`` itself, if it is one)."""
+    if t.grad_fn is None:
+        return {id(t)}
+    reached: set[int] = set()
+    stack, seen = [t.grad_fn], {t.grad_fn}
+    while stack:
+        for node, _ in stack.pop().next_functions:
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            variable = getattr(node, "variable", None)  # an AccumulateGrad: the leaf it writes into
+            if isinstance(variable, torch.Tensor):
+                reached.add(id(variable))
+            else:
+                stack.append(node)
+    return reached
 
 
 def _layer(
@@ -231,6 +296,8 @@ def _layer(
                 outputs = _floats(y)
         graphs.append((outputs, x_in, ins, ps, y))
     (outputs, x_in, ins, ps, y), (outputs2, x_in2, _, ps2, _) = graphs
+    # Read before the backward below, which frees the graph's buffers.
+    out_input, out_param = _origins(y, x_in, from_input, from_param, ps)
     used = [o for o in outputs if o.requires_grad]
     start = len(issued)
     if used and (ins or ps):
@@ -247,18 +314,7 @@ def _layer(
     ] + ps2
     used2 = [o for o in outputs2 if o.requires_grad]
     to_input, to_weight = _split_backward(used2, to_input_of, to_weight_of, issued, start, recomputes([layer.fn]))
-    # Which of the output's leaves come from the stage's input, which from a parameter: a leaf the
-    # layer passes on keeps its marks; a new one that needs a gradient comes from what the layer used.
-    position = {id(t): i for i, t in enumerate(optree.tree_leaves(x_in, none_is_leaf=True))}
-    out_input, out_param = [], []
-    for t in optree.tree_leaves(y, none_is_leaf=True):
-        if isinstance(t, torch.Tensor) and id(t) in position:
-            out_input.append(from_input[position[id(t)]])
-            out_param.append(from_param[position[id(t)]])
-        else:
-            out_input.append(_needs_grad(t) and any(from_input))
-            out_param.append(_needs_grad(t) and (bool(ps) or any(from_param)))
-    run = _LayerIssued(forward, loss_issued, backward, to_input, to_weight, tuple(out_input), tuple(out_param))
+    run = _LayerIssued(forward, loss_issued, backward, to_input, to_weight, out_input, out_param)
     memo.store(key, x_in, y, (name, run))
     return run, y
 

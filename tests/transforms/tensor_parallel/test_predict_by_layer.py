@@ -10,6 +10,7 @@ forward a number of times that does not grow with the blocks.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -18,7 +19,10 @@ import pytest
 import torch
 
 import shardwise as sw
+from shardwise.engine.layout.state_layout import Placement
 from shardwise.engine.model import reuse
+from shardwise.engine.model.split_backward import input_part, weight_part
+from shardwise.engine.stack.in_layer import Issued
 from shardwise.transforms.tensor_parallel import LLAMA_BLOCKS
 from shardwise.transforms.tensor_parallel import predict as tp_predict
 from shardwise.transforms.tensor_parallel import spec as tp_spec
@@ -92,6 +96,81 @@ def test_a_stage_backward_lists_its_layers_in_reverse() -> None:
     assert labels  # the stage issues in-layer collectives at all
     order = [str(a) for a in labels]
     assert order != list(reversed(order))
+
+
+_ISSUED: list[Issued] = []
+
+
+class _OnThePath(torch.autograd.Function):
+    """Stands for a collective on the input's path (a psum's backward): its backward records itself."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, label: str) -> torch.Tensor:
+        ctx.label = label
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        _ISSUED.append(Issued("psum", "tp", tuple(grad.shape), grad.dtype, "backward", ctx.label))
+        return grad, None
+
+
+class _Scale(torch.nn.Module):  # the first stage: the second's input then needs a gradient
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.w
+
+
+class _HandsOn(torch.nn.Module):  # uses its weight on the input's path, and hands twice it on
+    def __init__(self) -> None:
+        super().__init__()
+        self.p = torch.nn.Parameter(torch.ones(8))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return _OnThePath.apply(x * self.p, "1.c"), self.p * 2.0
+
+
+class _Takes(torch.nn.Module):  # uses what it was handed on the input's path
+    def forward(self, pair: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        h, q = pair
+        return _OnThePath.apply(h, "2.c") * q
+
+
+@contextlib.contextmanager
+def _recording() -> Iterator[list[Issued]]:
+    _ISSUED.clear()
+    yield _ISSUED
+
+
+def test_a_layer_that_hands_the_next_one_a_parameter_is_predicted_as_its_stage_runs() -> None:
+    """A weight used on the input's path and handed on (as ``2 p``) to the next layer of the stage,
+    which uses it on the input's path too: the stage's W reaches it from that layer's nodes and runs
+    the input's path between again (engine/model/split_backward.py). Cut layer by layer, W would
+    stop at the layer's edge and list one collective fewer than the run issues; such a stage is
+    predicted whole. The reference: the split of the stage's real run."""
+    model = torch.nn.Sequential(_Scale(), _HandsOn(), _Takes())
+    chain, params = sw.functionalize(model)
+    shapes = {layer: {k: (t.shape, t.dtype) for k, t in tensors.items()} for layer, tensors in params.items()}
+    placement = Placement("pp", (("0",), ("1", "2")), (0, 1))
+    x, target = torch.randn(4, 8), torch.randn(4, 8)
+    loss_fn = lambda y, t: (y * t).sum()  # noqa: E731
+    by_layer = tp_predict.predict(chain, placement, shapes, loss_fn, x, target, _recording)
+    whole = tp_predict.predict(chain, placement, shapes, loss_fn, x, target, _recording, by_layer=False)
+    assert by_layer == whole
+    # The stage run for real, split as the executor splits it: W re-runs both collectives.
+    h = model[0](x).detach().requires_grad_()
+    loss = loss_fn(model[2](model[1](h)), target)
+    _ISSUED.clear()
+    _, part = input_part([loss], [torch.ones_like(loss)], [h], [model[1].p])
+    assert part is not None and [e.label for e in _ISSUED] == ["2.c", "1.c"]  # I
+    _ISSUED.clear()
+    weight_part(part)
+    assert [e.label for e in _ISSUED] == ["2.c", "1.c"]  # W
+    assert [e.label for e in whole[("backward_weight", 1)]] == ["2.c", "1.c"]
+    assert [e.label for e in whole[("backward_input", 1)]] == ["2.c", "1.c"]
 
 
 T = pytest.importorskip("transformers", reason="the [hf] extra (pip install -e '.[hf]') is not installed")
