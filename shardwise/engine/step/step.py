@@ -465,8 +465,9 @@ def train_step(
     """The single-device training step of ``chain`` under ``loss_fn`` and ``optimizer``.
 
     ``clip_norm`` clips the gradient to that global L2 norm before the update,
-    as ``torch.nn.utils.clip_grad_norm_`` does. The metrics report the norm
-    before clipping.
+    as ``torch.nn.utils.clip_grad_norm_`` does (bit for bit; where the norm is
+    within the bound on the CPU, the multiply by 1 is skipped: it changes no
+    bit). The metrics report the norm before clipping.
 
     ``tokens`` says how the loss weighs the batch. ``None``: ``loss_fn`` returns
     the mean over the batch's rows, which split into equal shards, so the mean
