@@ -378,6 +378,29 @@ class ReturnsNormalised(nn.Module):
         return Normalised(self.lin(x))
 
 
+@pytest.mark.parametrize("reentrant", [None, True, False], ids=["hf-default", "reentrant", "non-reentrant"])
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_a_model_with_gradient_checkpointing_on_is_refused_with_the_fix(family: str, reentrant: bool | None) -> None:
+    """Hugging Face's activation checkpointing recomputes a block's forward in the backward on the
+    module's own parameters, outside the pure layer's call: refused at functionalize, naming the
+    module and the fix, instead of a crash on meta tensors (or torch's refusal) in the first backward.
+    In eval mode (no checkpointing then) and once disabled, the model splits as before."""
+    model, block = FAMILIES[family]()
+    model.activation_checkpointing_enable(None if reentrant is None else {"use_reentrant": reentrant})
+    model.train()
+    ids = torch.randint(0, VOCAB, (1, SEQ))
+    with pytest.raises(FunctionalizeError, match=r"activation checkpointing on .*activation_checkpointing_disable"
+                                                 r"\(\).*sw\.remat\(step\)"):
+        functionalize(model, units=block, example_input=ids)
+    functionalize(model.eval(), units=block, example_input=ids)
+    model.train().activation_checkpointing_disable()
+    chain, params = functionalize(model, units=block, example_input=ids)
+    loss = lambda out, t: F.cross_entropy(out.logits.flatten(0, 1), t.flatten())  # noqa: E731
+    step = sw.train_step(chain, loss, sw.optim.sgd(0.1))
+    _, metrics = step(step.init(params), (ids, ids))
+    assert torch.isfinite(metrics["loss"])
+
+
 def test_an_output_without_a_floating_tensor_is_refused_naming_the_layer() -> None:
     with pytest.raises(FunctionalizeError, match=r"layer '1' returns a Tensor that carries no floating-point tensor"):
         functionalize(nn.Sequential(nn.Linear(3, 3), Argmax()), example_input=torch.randn(2, 3))

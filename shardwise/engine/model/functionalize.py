@@ -271,13 +271,27 @@ def _dummy_input(module: nn.Module) -> Tensor:
 
 def _refuse_stateful(module: nn.Module) -> None:
     for path, sub in module.named_modules():
+        where = repr(path) if path else "the module itself"
         if isinstance(sub, _NormBase) and sub.training and sub.track_running_stats:
-            where = repr(path) if path else "the module itself"
             raise FunctionalizeError(
                 f"functionalize: {where} ({type(sub).__name__}) updates running_mean / running_var "
                 "in forward because it is in training mode, and a pure layer cannot update state. "
                 "Call module.eval() first (it then normalises with the running stats), or use "
                 "GroupNorm / LayerNorm, or build it with track_running_stats=False."
+            )
+        # Hugging Face's flag (``model.activation_checkpointing_enable()``, formerly
+        # ``gradient_checkpointing_enable``): its torch.utils.checkpoint
+        # runs the forward again in the backward, after the layer's call has returned, on the module's
+        # own parameters, which a pure layer does not hold (a crash on meta tensors, or torch's
+        # refusal of a checkpoint with inputs= in its reentrant form).
+        if sub.training and getattr(sub, "gradient_checkpointing", False) is True:
+            raise FunctionalizeError(
+                f"functionalize: {where} ({type(sub).__name__}) has activation checkpointing on "
+                "(model.activation_checkpointing_enable(), formerly gradient_checkpointing_enable()): "
+                "torch.utils.checkpoint would run its forward again in the backward, outside the layer's "
+                "call, on parameters a pure layer does not hold. Call model.activation_checkpointing_disable() "
+                "and recompute with shardwise instead: sw.remat(step) (its Plan counts what the "
+                "recomputation saves)."
             )
 
 
