@@ -97,3 +97,60 @@ def test_a_layer_ignoring_its_input_behind_a_large_graph_is_refused_too() -> Non
     step = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1))
     with pytest.raises(ValueError, match="the output of layer 'first' does not reach the loss"):
         step(step.init(params), (torch.randn(4, 3), torch.randn(4, 2)))
+
+
+class _Checkpointed(torch.nn.Module):
+    """Wraps its computation in torch.utils.checkpoint, as nanoGPT-style code or a checkpoint_wrapper does."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.lin, self.reentrant = torch.nn.Linear(4, 4), reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(lambda t: torch.tanh(self.lin(t)), x, use_reentrant=self.reentrant)
+
+
+@pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad=True")
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_a_layer_that_checkpoints_itself_is_refused_naming_the_fix(reentrant: bool) -> None:
+    """A layer's own torch.utils.checkpoint recomputes in the backward, outside the pure layer's call:
+    the step fails, and what it says points at sw.remat (torch's own message, on a meta tensor, would
+    not say why)."""
+    step, params = _step(torch.nn.Sequential(_Checkpointed(reentrant), _Checkpointed(reentrant)))
+    batch = (torch.randn(3, 4), torch.randn(3, 4))
+    with pytest.raises((RuntimeError, ValueError)) as failed:
+        step(step.init(params), batch)
+    said = "\n".join([str(failed.value), *getattr(failed.value, "__notes__", [])])
+    assert "torch.utils.checkpoint" in said and "sw.remat(step)" in said, said
+
+
+def test_a_remat_step_gets_no_note_about_a_layers_own_checkpoint() -> None:
+    """sw.remat runs torch's checkpoint machinery itself: a failure in its recomputation is not blamed
+    on a layer's own checkpoint."""
+    from shardwise.engine.run import executor
+
+    class Boom(Exception):
+        pass
+
+    chain, params = sw.functionalize(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1)))
+    step = sw.remat(sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1)))
+    state = step.init(params)
+    batch = (torch.randn(3, 4), torch.randn(3, 1))
+    assert executor._raised_in_checkpoint(Boom()) is False
+    original = torch.tanh
+    calls = [0]
+
+    def tanh_failing_on_recompute(t: torch.Tensor) -> torch.Tensor:
+        calls[0] += 1
+        if calls[0] > 1:  # the recomputation, inside torch.utils.checkpoint
+            raise Boom("recomputed")
+        return original(t)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch, "tanh", tanh_failing_on_recompute)
+        with pytest.raises(Boom) as failed:
+            step(state, batch)
+    assert executor._raised_in_checkpoint(failed.value)
+    assert not any("torch.utils.checkpoint in its forward" in n for n in getattr(failed.value, "__notes__", []))

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -514,7 +515,9 @@ class Executor(ZeroActions, TransferActions):
             raise ValueError(
                 f"layer {previous!r} passes no floating-point tensor to layer {self.placement.stages[s][0]!r}, so no "
                 "gradient can reach the parameters before it and they would never train; return the activations "
-                "as tensors, or tuples / lists / dicts / named tuples of tensors"
+                "as tensors, or tuples / lists / dicts / named tuples of tensors (a tensor computed under "
+                "torch.no_grad(), or by torch.utils.checkpoint(use_reentrant=True) from an input that needs no "
+                "gradient, carries none either: recompute with sw.remat(step) instead)"
             )
         bound = self._bound_stage(s)
         if not joined:
@@ -635,6 +638,15 @@ class Executor(ZeroActions, TransferActions):
         return total
 
     def backward(self, action: Action) -> None:
+        try:
+            self._backward(action)
+        except Exception as err:
+            # (sw.remat's regions run torch's checkpoint too: a failure there is not a layer's own call)
+            if _raised_in_checkpoint(err) and not recomputes(layer.fn for layer in self.chain):
+                err.add_note(_CHECKPOINT_INSIDE)
+            raise
+
+    def _backward(self, action: Action) -> None:
         s, m = action.require("stage"), action.mb
         if (s, m) in self._covered:  # done by the call of the run's top stage
             return
@@ -989,6 +1001,28 @@ def _counted_pieces(grads: Any, counted: Any) -> list[torch.Tensor]:
     if isinstance(counted, frozenset):
         return [g for layer, tensors in grads.items() for name, g in tensors.items() if (layer, name) in counted]
     return [grads[u][a:b] for u, ranges in counted.items() if u in grads for a, b in ranges]
+
+
+_CHECKPOINT_INSIDE = (
+    "shardwise: a layer calls torch.utils.checkpoint in its forward (its own call, or a checkpoint_wrapper): "
+    "the checkpoint runs the forward again in this backward, outside the pure layer's call, on parameters "
+    "the layer does not hold, which cannot work. Take the checkpoint out of the layer and recompute with "
+    "sw.remat(step) (for a Hugging Face model: model.activation_checkpointing_disable())."
+)
+
+
+def _raised_in_checkpoint(err: BaseException) -> bool:
+    """Whether ``err`` was raised inside torch.utils.checkpoint (its traceback passes through it)."""
+    module = sys.modules.get("torch.utils.checkpoint")  # not imported: nothing ran a checkpoint
+    where = getattr(module, "__file__", None)
+    if where is None:
+        return False
+    tb = err.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == where:
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def _describe(tree: Any) -> str:

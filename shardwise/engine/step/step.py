@@ -467,7 +467,7 @@ def train_step(
     ``clip_norm`` clips the gradient to that global L2 norm before the update,
     as ``torch.nn.utils.clip_grad_norm_`` does (bit for bit; where the norm is
     within the bound on the CPU, the multiply by 1 is skipped: it changes no
-    bit). The metrics report the norm before clipping.
+    finite value). The metrics report the norm before clipping.
 
     ``tokens`` says how the loss weighs the batch. ``None``: ``loss_fn`` returns
     the mean over the batch's rows, which split into equal shards, so the mean
@@ -544,8 +544,9 @@ def _predicting(step: Step, mesh: Mesh | None) -> Iterator[Any]:
 def _reads_one(factor: torch.Tensor) -> bool:
     """Whether clipping by ``factor`` would leave every gradient as it is: the factor is exactly 1 (the
     norm is within the bound), read where that costs no wait, a plain tensor in host memory (the
-    metrics read the norm there anyway). A multiply by 1.0 returns its operand bit for bit, so skipping
-    it changes nothing but a pass over every gradient, as DeepSpeed's and FairScale's clipping skip it.
-    On an accelerator the multiply runs anyway: reading the factor would wait for the device."""
+    metrics read the norm there anyway). A multiply by 1.0 returns every finite value bit for bit (a NaN
+    or an infinity anywhere makes the factor NaN or 0, and the multiply runs), so skipping it changes
+    nothing but a pass over every gradient, as DeepSpeed's ``clip_grad_norm_`` and FairScale's clipping
+    skip it. On an accelerator the multiply runs anyway: reading the factor would wait for the device."""
     return type(factor) is torch.Tensor and factor.device.type == "cpu" and bool(factor == 1.0)
 
