@@ -144,6 +144,8 @@ class _LayerIssued:
     # per leaf of its output: does it come from the stage's input, from a parameter
     from_input: tuple[bool, ...]
     from_param: tuple[bool, ...]
+    # it hands on a value of parameters alone that the input's path also reaches back to (_origins)
+    hands_on_a_parameter: bool = False
 
 
 def _predict_by_layer(
@@ -156,7 +158,8 @@ def _predict_by_layer(
     recording: Recording,
 ) -> Predicted | None:
     """The stages' lists composed of their layers'; None where a layer hands the next one of its stage
-    a value made from parameters alone that needs a gradient (see :func:`_hands_on_a_parameter`)."""
+    a value made from parameters alone that needs a gradient, where the input's path reaches back to
+    those parameters too (see :func:`_origins`)."""
     out: Predicted = {}
     memo = LayerMemo()
     with fake_tensors() as fake, recording() as issued:
@@ -174,7 +177,7 @@ def _predict_by_layer(
                 run, x = _layer(chain, name, shapes, x, from_input, from_param, with_loss, loss_fn, y_targets,
                                 memo, issued)
                 runs.append(run)
-                if i < len(layers) - 1 and _hands_on_a_parameter(run, x):
+                if i < len(layers) - 1 and run.hands_on_a_parameter:
                     return None
                 from_input, from_param = run.from_input, run.from_param
                 x = optree.tree_map(lambda t: _cut(t, t.requires_grad) if isinstance(t, torch.Tensor) else t, x)
@@ -192,44 +195,48 @@ def _needs_grad(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and t.requires_grad
 
 
-def _hands_on_a_parameter(run: _LayerIssued, y: Any) -> bool:
-    """Whether the layer's output ``y`` carries the input's path on and, beside it, a leaf that needs a
-    gradient and comes from parameters alone.
-
-    The next layer of the stage would then take that leaf as a weight leaf of its own ``W``, where the
-    stage's run reaches it from that layer's nodes: its weight pass goes on through the producing
-    layer, and re-runs the nodes of the input's path there when the same parameter is also used on it
-    (the module docstring of engine/model/split_backward.py). Layer by layer that pass is cut at the
-    layer's edge, so such a stage is predicted whole, as it runs. (Without the input's path, as on a
-    pipeline's first stage, ``W`` is a whole backward either way.)"""
-    if not any(run.from_input):
-        return False
-    leaves = optree.tree_leaves(y, none_is_leaf=True)
-    return any(
-        p and not i and _needs_grad(t) for t, i, p in zip(leaves, run.from_input, run.from_param, strict=True)
-    )
-
-
 def _origins(
     y: Any, x_in: Any, from_input: tuple[bool, ...], from_param: tuple[bool, ...], params: list[torch.Tensor],
-) -> tuple[tuple[bool, ...], tuple[bool, ...]]:
-    """Per leaf of a layer's output ``y``: does it come from the stage's input, from a parameter. A leaf
-    the layer passes on keeps its marks; a new one is read off its graph: which of the layer's leaves
-    (its input's, marked, and its parameters) its gradient reaches."""
+) -> tuple[tuple[bool, ...], tuple[bool, ...], bool]:
+    """Per leaf of a layer's output ``y``: does it come from the stage's input, from a parameter; and
+    whether the layer hands on a value of parameters alone whose parameters the input's path reaches
+    back to as well.
+
+    A leaf the layer passes on keeps its marks; a new one is read off its graph: which of the layer's
+    leaves (its input's, marked, and its parameters) its gradient reaches.
+
+    The next layer of the stage takes such a value as a weight leaf of its own ``W``, where the stage's
+    run reaches it from that layer's nodes: its weight pass goes on back to the parameters, and where
+    the input's path leads there too (the parameter, or the value, used on it already), it re-runs the
+    nodes of the input's path between (the module docstring of engine/model/split_backward.py). Layer
+    by layer that pass is cut at the layer's edge, so such a stage is predicted whole, as it runs."""
     inputs = optree.tree_leaves(x_in, none_is_leaf=True)
     position = {id(t): k for k, t in enumerate(inputs) if isinstance(t, torch.Tensor)}
-    param_ids = {id(p) for p in params}
-    out_input, out_param = [], []
+    # What stands for a parameter here: the layer's own, and what an earlier layer made of parameters alone.
+    weights = {id(p) for p in params} | {id(t) for t, p, i in zip(inputs, from_param, from_input, strict=True)
+                                         if p and not i and isinstance(t, torch.Tensor)}
+    out_input, out_param, reaches = [], [], []
     for t in optree.tree_leaves(y, none_is_leaf=True):
         if isinstance(t, torch.Tensor) and id(t) in position:
-            out_input.append(from_input[position[id(t)]])
-            out_param.append(from_param[position[id(t)]])
+            k = position[id(t)]
+            out_input.append(from_input[k])
+            out_param.append(from_param[k])
+            reaches.append({id(t)} & weights)
             continue
         reached = _leaves_reached(t) if _needs_grad(t) else set()
         hit = [position[r] for r in reached if r in position]
         out_input.append(any(from_input[k] for k in hit))
-        out_param.append(bool(reached & param_ids) or any(from_param[k] for k in hit))
-    return tuple(out_input), tuple(out_param)
+        out_param.append(bool(reached & {id(p) for p in params}) or any(from_param[k] for k in hit))
+        reaches.append(reached & weights)
+    on_path: set[int] = set()
+    for i, r in zip(out_input, reaches, strict=True):
+        if i:
+            on_path |= r
+    hands_on = any(
+        p and not i and _needs_grad(t) and r & on_path
+        for t, i, p, r in zip(optree.tree_leaves(y, none_is_leaf=True), out_input, out_param, reaches, strict=True)
+    )
+    return tuple(out_input), tuple(out_param), hands_on
 
 
 def _leaves_reached(t: torch.Tensor) -> set[int]:
@@ -271,7 +278,7 @@ def _layer(
         y, (earlier, run) = found
         names = {earlier: name}
         renamed = {f.name: [_renamed(e, names) for e in getattr(run, f.name)]
-                   for f in dataclasses.fields(run) if f.name not in ("loss", "from_input", "from_param")}
+                   for f in dataclasses.fields(run) if isinstance(getattr(run, f.name), list) and f.name != "loss"}
         loss_issued = None if run.loss is None else [_renamed(e, names) for e in run.loss]
         return dataclasses.replace(run, loss=loss_issued, **renamed), y
     graphs = []
@@ -297,7 +304,7 @@ def _layer(
         graphs.append((outputs, x_in, ins, ps, y))
     (outputs, x_in, ins, ps, y), (outputs2, x_in2, _, ps2, _) = graphs
     # Read before the backward below, which frees the graph's buffers.
-    out_input, out_param = _origins(y, x_in, from_input, from_param, ps)
+    out_input, out_param, hands_on = _origins(y, x_in, from_input, from_param, ps)
     used = [o for o in outputs if o.requires_grad]
     start = len(issued)
     if used and (ins or ps):
@@ -314,7 +321,7 @@ def _layer(
     ] + ps2
     used2 = [o for o in outputs2 if o.requires_grad]
     to_input, to_weight = _split_backward(used2, to_input_of, to_weight_of, issued, start, recomputes([layer.fn]))
-    run = _LayerIssued(forward, loss_issued, backward, to_input, to_weight, out_input, out_param)
+    run = _LayerIssued(forward, loss_issued, backward, to_input, to_weight, out_input, out_param, hands_on)
     memo.store(key, x_in, y, (name, run))
     return run, y
 

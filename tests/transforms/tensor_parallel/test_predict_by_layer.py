@@ -173,6 +173,50 @@ def test_a_layer_that_hands_the_next_one_a_parameter_is_predicted_as_its_stage_r
     assert [e.label for e in whole[("backward_input", 1)]] == ["2.c", "1.c"]
 
 
+class _Makes(torch.nn.Module):  # makes a value of its weight alone, beside the input's path, and hands it on
+    def __init__(self) -> None:
+        super().__init__()
+        self.p = torch.nn.Parameter(torch.ones(8))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return _OnThePath.apply(x * 3.0, "1.c"), self.p * 2.0
+
+
+class _UsesAndPasses(torch.nn.Module):  # uses the handed value on the input's path, and passes it on
+    def forward(self, pair: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        h, q = pair
+        return _OnThePath.apply(h * q, "2.c"), q
+
+
+@pytest.mark.parametrize("blocks,whole", [(0, False), (1, True)], ids=["used-once", "used-twice"])
+def test_a_value_of_parameters_alone_handed_on_is_predicted_whole_only_where_the_path_reaches_back(
+        blocks: int, whole: bool) -> None:
+    """A layer makes a value of its weight alone (as T5's relative position bias) and hands it on.
+    Used once on the input's path, the weight pass from there goes back through that value alone:
+    layer by layer is exact, and kept. Handed on to a second layer that uses it again (the first
+    use's nodes lie on the input's path between), the stage's W re-runs them: predicted whole."""
+    model = torch.nn.Sequential(_Scale(), _Makes(), *[_UsesAndPasses() for _ in range(blocks)], _Takes())
+    chain, params = sw.functionalize(model)
+    shapes = {layer: {k: (t.shape, t.dtype) for k, t in tensors.items()} for layer, tensors in params.items()}
+    placement = Placement("pp", (("0",), tuple(chain.names[1:])), (0, 1))
+    x, target = torch.randn(4, 8), torch.randn(4, 8)
+    loss_fn = lambda y, t: (y * t).sum()  # noqa: E731
+    composed = tp_predict._predict_by_layer(chain, placement, shapes, loss_fn, x, target, _recording)
+    assert (composed is None) == whole
+    by_layer = tp_predict.predict(chain, placement, shapes, loss_fn, x, target, _recording)
+    assert by_layer == tp_predict.predict(chain, placement, shapes, loss_fn, x, target, _recording, by_layer=False)
+    # The real run's W, split as the executor splits it, issues what the prediction lists.
+    h = model[0](x).detach().requires_grad_()
+    y = h
+    for layer in model[1:]:
+        y = layer(y)
+    loss = loss_fn(y, target)
+    _, part = input_part([loss], [torch.ones_like(loss)], [h], [model[1].p])
+    _ISSUED.clear()
+    weight_part(part)
+    assert [e.label for e in _ISSUED] == [e.label for e in by_layer[("backward_weight", 1)]]
+
+
 T = pytest.importorskip("transformers", reason="the [hf] extra (pip install -e '.[hf]') is not installed")
 DecoderLayer = T.models.llama.modeling_llama.LlamaDecoderLayer
 
