@@ -549,4 +549,3 @@ def _reads_one(factor: torch.Tensor) -> bool:
     nothing but a pass over every gradient, as DeepSpeed's ``clip_grad_norm_`` and FairScale's clipping
     skip it. On an accelerator the multiply runs anyway: reading the factor would wait for the device."""
     return type(factor) is torch.Tensor and factor.device.type == "cpu" and bool(factor == 1.0)
-

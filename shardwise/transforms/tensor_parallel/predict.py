@@ -212,9 +212,10 @@ def _origins(
     by layer that pass is cut at the layer's edge, so such a stage is predicted whole, as it runs."""
     inputs = optree.tree_leaves(x_in, none_is_leaf=True)
     position = {id(t): k for k, t in enumerate(inputs) if isinstance(t, torch.Tensor)}
+    param_ids = {id(p) for p in params}
     # What stands for a parameter here: the layer's own, and what an earlier layer made of parameters alone.
-    weights = {id(p) for p in params} | {id(t) for t, p, i in zip(inputs, from_param, from_input, strict=True)
-                                         if p and not i and isinstance(t, torch.Tensor)}
+    weights = param_ids | {id(t) for t, p, i in zip(inputs, from_param, from_input, strict=True)
+                           if p and not i and isinstance(t, torch.Tensor)}
     out_input, out_param, reaches = [], [], []
     for t in optree.tree_leaves(y, none_is_leaf=True):
         if isinstance(t, torch.Tensor) and id(t) in position:
@@ -226,7 +227,7 @@ def _origins(
         reached = _leaves_reached(t) if _needs_grad(t) else set()
         hit = [position[r] for r in reached if r in position]
         out_input.append(any(from_input[k] for k in hit))
-        out_param.append(bool(reached & {id(p) for p in params}) or any(from_param[k] for k in hit))
+        out_param.append(bool(reached & param_ids) or any(from_param[k] for k in hit))
         reaches.append(reached & weights)
     on_path: set[int] = set()
     for i, r in zip(out_input, reaches, strict=True):
