@@ -12,6 +12,7 @@ from typing import Any
 import optree
 import torch
 
+from ..engine.model.reuse import sharing_runs
 from ..engine.simulate.costs import CommModel
 from ..engine.step.step import Step
 from ..testing.equivalence import NotEquivalentError
@@ -29,6 +30,8 @@ def _on_meta(params: Any) -> bool:
     return any(isinstance(t, torch.Tensor) and t.is_meta for t in optree.tree_leaves(params))
 
 
+# The layouts plan one model many times: a layer rewritten alike under two of them runs once.
+@sharing_runs()
 def search(
     step: Step, params: Any, batch: Any, *, world: int, memory_per_rank: int | str,
     comm: CommModel | None = None, compute: Callable[[Candidate], LayerCosts] | None = None,

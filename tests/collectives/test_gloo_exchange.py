@@ -49,8 +49,20 @@ def _summed(n: int, dtype: torch.dtype, seed: int, row: int) -> list[torch.Tenso
 
 
 def _moved(n: int, dtype: torch.dtype, seed: int, row: int) -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(row // 2, 2, generator=gen, dtype=torch.float64).to(dtype) for _ in range(n)]
+    return [_moved_by(j, dtype, seed, row) for j in range(n)]
+
+
+def _moved_by(member: int, dtype: torch.dtype, seed: int, row: int) -> torch.Tensor:
+    """Member ``member``'s input, drawn from a stream of its own: a rank draws its row alone, not
+    every member's (at 600,000 elements a row, the draws were most of a rank's time). A copy: the
+    collectives under test may not write into it, and a cached one must stay as drawn if they do."""
+    return _drawn(member, dtype, seed, row).clone()
+
+
+@functools.lru_cache(maxsize=64)
+def _drawn(member: int, dtype: torch.dtype, seed: int, row: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed * 1009 + member)
+    return torch.randn(row // 2, 2, generator=gen, dtype=torch.float64).to(dtype)
 
 
 def _group(kind: str) -> Group:
@@ -83,7 +95,7 @@ def _exchange_each(kinds: list[str], dtype: torch.dtype, row: int) -> dict[str, 
         group = _group(kind)
         i = group.index(backend.rank)
         sums = [_summed(group.size, dtype, seed, row)[i] for seed in range(IN_FLIGHT)]
-        moves = [_moved(group.size, dtype, 100 + seed, row)[i] for seed in range(IN_FLIGHT)]
+        moves = [_moved_by(i, dtype, 100 + seed, row) for seed in range(IN_FLIGHT)]
         kept = [t.clone() for t in sums + moves]
         works = []
         for s in range(IN_FLIGHT):
@@ -336,7 +348,8 @@ def test_members_that_issue_different_exchanges_fail_them(short_pool: ProcessPoo
 
 
 # -- all-gather into the caller's pieces -----------------------------------------------------
-def _cut(row: int, seed: int) -> list[int]:
+@functools.lru_cache(maxsize=16)
+def _cut(row: int, seed: int) -> tuple[int, ...]:
     """Piece lengths laid end to end over ``row`` elements, at cuts no chunk or slot boundary shares:
     a few long pieces, then a run of 3,000 of one or two elements (a slot's chunk then spans more
     pieces than one read of the slots takes: shared_memory_exchange._IOV_MAX)."""
@@ -351,7 +364,7 @@ def _cut(row: int, seed: int) -> list[int]:
             break
         lengths.append(1 + (k + seed) % 2)
         left -= lengths[-1]
-    return [*lengths, left] if left else lengths
+    return (*lengths, left) if left else tuple(lengths)
 
 
 GAP = 3  # elements left between two pieces in the destination: nothing may write them
@@ -379,7 +392,7 @@ def _gathered_into(kinds: list[str], dtype: torch.dtype, row: int, transport: st
         for kind in kinds:
             group = _group(kind)
             i = group.index(backend.rank)
-            moves = [_moved(group.size, dtype, 200 + s, row)[i].reshape(-1) for s in range(IN_FLIGHT)]
+            moves = [_moved_by(i, dtype, 200 + s, row).reshape(-1) for s in range(IN_FLIGHT)]
             kept = [t.clone() for t in moves]
             n = group.size
             size = sum(row + GAP * len(_cut(row, j)) for j in range(n))  # every piece, each gap after it
@@ -387,12 +400,7 @@ def _gathered_into(kinds: list[str], dtype: torch.dtype, row: int, transport: st
             rows = [_rows_in(d, n, moves[0].numel()) for d in dests]
             works = [backend.all_gather_into(x, r, group) for x, r in zip(moves, rows, strict=True)]
             returned = [w.wait() for w in reversed(works)][::-1]
-            covered = [torch.zeros(d.numel(), dtype=torch.bool) for d in dests]
-            for c, r in zip(covered, rows, strict=True):
-                for pieces in r:
-                    for p in pieces:
-                        start = p.storage_offset()
-                        c[start: start + p.numel()] = True
+            covered = [_covered(d.numel(), r) for d, r in zip(dests, rows, strict=True)]
             out[kind] = {
                 "got": [torch.stack([torch.cat(pieces) for pieces in r]) for r in rows],
                 "outside_untouched": all(bool(d[~c].isnan().all()) for d, c in zip(dests, covered, strict=True)),
@@ -402,6 +410,20 @@ def _gathered_into(kinds: list[str], dtype: torch.dtype, row: int, transport: st
                 "path": _path(moves[0], group),
             }
     return out
+
+
+def _covered(size: int, rows: list[list[torch.Tensor]]) -> torch.Tensor:
+    """Which of ``size`` elements the pieces of ``rows`` cover (views of one destination)."""
+    pieces = [p for pieces in rows for p in pieces]
+    starts = torch.tensor([p.storage_offset() for p in pieces])
+    lengths = torch.tensor([p.numel() for p in pieces])
+    # Element k of piece i lies at starts[i] + k: each piece's start repeated over its length, plus
+    # the element's place within its piece.
+    at = torch.repeat_interleave(starts, lengths)
+    at += torch.arange(at.numel()) - torch.repeat_interleave(lengths.cumsum(0) - lengths, lengths)
+    covered = torch.zeros(size, dtype=torch.bool)
+    covered[at] = True
+    return covered
 
 
 def _path(x: torch.Tensor, group: Group) -> str:

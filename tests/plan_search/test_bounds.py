@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import shardwise as sw
+from shardwise.engine.model.reuse import sharing_runs
 from shardwise.engine.simulate.simulation import simulate
 from shardwise.plan_search import Candidate, FlopCompute, Space, params_per_layer
 from shardwise.plan_search.bounds import Bounds
@@ -49,6 +50,7 @@ def llama_problem() -> tuple[Any, Any, Any, FlopCompute]:
     return step, params, (ids, ids), FlopCompute(params_per_layer(step, params), 1e8, 8, 16)
 
 
+@sharing_runs()  # as search plans them
 def planned(space: Space, world: int, step: Any, params: Any, batch: Any, tp_plan: Any = None) -> list[tuple[Any, ...]]:
     out = []
     for c in space.candidates(world, tensor_parallel=tp_plan is not None):

@@ -453,6 +453,11 @@ class EmbedFn:
         self.replicas = ThreadReplicas(stubbed)
         self.layout, self.placeholders = layout, placeholders
 
+    def reuse_key(self) -> Hashable | None:
+        """Itself: one of a chain (nothing else computes alike), the same under every layout of a plan
+        search (``engine/model/reuse.py``'s ``sharing_runs``); the key holds it, so it stays itself."""
+        return (EmbedFn, self)
+
     def __call__(self, tensors: dict[str, Tensor], x: Any) -> tuple[Tensor, ...]:
         call = self.replicas.get()
         stubs = _stubs(call.module)
@@ -514,6 +519,11 @@ class HeadFn:
     def __init__(self, stubbed: nn.Module, layout: _Layout, placeholders: _Placeholders) -> None:
         self.replicas = ThreadReplicas(stubbed)
         self.layout, self.placeholders = layout, placeholders
+
+    def reuse_key(self) -> Hashable | None:
+        """Itself: one of a chain (nothing else computes alike), the same under every layout of a plan
+        search (``engine/model/reuse.py``'s ``sharing_runs``); the key holds it, so it stays itself."""
+        return (HeadFn, self)
 
     def __call__(self, tensors: dict[str, Tensor], carry: tuple[Tensor, ...]) -> Any:
         call = self.replicas.get()

@@ -19,11 +19,20 @@ structure, its tensors' shapes and its arguments' layout), mixed precision's cas
 storage offset and size, dtype, device, requires_grad, which earlier leaf (if any) shares its
 storage and whether it is one of the caller's own (the batch's) storages; per other leaf its
 value. A tree with an unhashable leaf has no signature and is not reused.
+
+Across calls: inside :func:`sharing_runs` (a plan search, which plans one model under many
+layouts), :func:`memo_for` hands each purpose one memo for the whole block, so a layer rewritten
+alike under two layouts (tensor parallel's blocks at the same degree, with ZeRO-1 or ZeRO-3 around
+them) runs once for both. The caller's key must then say everything else its run depends on (the
+predicted axes' sizes, the loss); a shared memo keeps each stored function alive, so that an
+identity in its key (a config compared by ``id``) cannot be taken by another object while the
+entry lives.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,7 +43,8 @@ from torch import Tensor, nn
 
 from ..torch_api import storage_key
 
-__all__ = ["LayerMemo", "module_signature", "reuse_key", "reusing_forwards", "tree_signature"]
+__all__ = ["LayerMemo", "memo_for", "module_signature", "reuse_key", "reusing_forwards", "sharing_runs",
+           "tree_signature"]
 
 # What a module's plain attributes may hold and still count as the same computation: its place in
 # a stack (Hugging Face blocks keep ``layer_idx`` for the key/value cache, which a pure layer turns
@@ -145,6 +155,7 @@ class LayerMemo:
     def __init__(self, own: Iterable[int] = ()) -> None:
         self.own = frozenset(own)  # storage keys told apart in inputs (the batch's)
         self._seen: dict[Hashable, tuple[_Recipe, Any]] = {}
+        self._kept: list[Any] = []  # see store
         self.reused = 0  # how many runs were skipped (tests read it)
 
     def key(self, fn: Callable[..., Any], tensors: Mapping[str, Tensor], x: Any, layer: str = "") -> Hashable | None:
@@ -167,12 +178,42 @@ class LayerMemo:
         self.reused += 1
         return recipe.rebuild(x), measured
 
-    def store(self, key: Hashable | None, x: Any, y: Any, measured: Any = None) -> None:
+    def store(self, key: Hashable | None, x: Any, y: Any, measured: Any = None, keep: Any = None) -> None:
+        """``keep``: what the key's identities belong to (the layer's function), held while the entry
+        lives in a memo shared across calls (:func:`sharing_runs`)."""
         if key is None:
             return
         recipe = _recipe(x, y)
         if recipe is not None:
             self._seen[key] = (recipe, measured)
+            self._kept.append(keep)
+
+
+_SHARED: contextvars.ContextVar[dict[str, LayerMemo] | None] = contextvars.ContextVar(
+    "shardwise_shared_layer_memos", default=None
+)
+
+
+@contextlib.contextmanager
+def sharing_runs() -> Iterator[None]:
+    """Inside the block, :func:`memo_for` gives one memo per purpose, shared by every call (see the
+    module docstring); nested blocks share the outer one's. The memos end with the block."""
+    if _SHARED.get() is not None:
+        yield
+        return
+    token = _SHARED.set({})
+    try:
+        yield
+    finally:
+        _SHARED.reset(token)
+
+
+def memo_for(purpose: str) -> LayerMemo:
+    """The memo of ``purpose`` shared inside :func:`sharing_runs`; outside, a new one (this call's)."""
+    shared = _SHARED.get()
+    if shared is None:
+        return LayerMemo()
+    return shared.setdefault(purpose, LayerMemo())
 
 
 @contextlib.contextmanager

@@ -95,6 +95,12 @@ def predicting_now() -> bool:
     return _predicting.get() is not None
 
 
+def predicting_sizes() -> Mapping[str, int] | None:
+    """The sizes of the axes being predicted ({axis: ranks}), or None outside :func:`predicting`."""
+    prediction = _predicting.get()
+    return None if prediction is None else prediction.sizes
+
+
 def size(axis: str, mesh: Mesh | None = None) -> int:
     """The size of mesh axis ``axis``, also while predicting (where the mesh is not running)."""
     prediction = _predicting.get()

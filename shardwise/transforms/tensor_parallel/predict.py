@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 import optree
@@ -38,6 +38,7 @@ from ...engine.model.chain import Chain
 from ...engine.model.reuse import LayerMemo, tree_signature
 from ...engine.model.split_backward import input_part, recomputes, weight_part
 from ...engine.plan.inside import Predicted, Recording
+from ...engine.stack import in_layer
 from ...engine.stack.in_layer import Issued
 from ...engine.torch_api import fake_tensors
 
@@ -161,10 +162,16 @@ def _predict_by_layer(
     a value made from parameters alone that needs a gradient, where the input's path reaches back to
     those parameters too (see :func:`_origins`)."""
     out: Predicted = {}
-    memo = LayerMemo()
+    # Shared by the plans of one search (engine/model/reuse.py's sharing_runs): the layouts that
+    # rewrite a layer alike, on a like input, run it once.
+    memo = layer_reuse.memo_for("tensor_parallel.predict")
     with fake_tensors() as fake, recording() as issued:
         x = optree.tree_map(fake, inputs)
         y_targets = optree.tree_map(fake, targets)
+        # What a layer's run depends on besides its function, tensors and input: the predicted axes'
+        # sizes (two layouts' memo is one), and for the last layer the loss and its targets.
+        sizes = tuple(sorted((in_layer.predicting_sizes() or {}).items()))
+        with_the_loss = (sizes, loss_fn, tree_signature(y_targets))
         for s, layers in enumerate(placement.stages):
             # As the executor: a stage's input needs a gradient only when it came from a stage before.
             x = optree.tree_map(functools.partial(_cut, grad=s > 0), x)
@@ -175,7 +182,7 @@ def _predict_by_layer(
             for i, name in enumerate(layers):
                 with_loss = s == placement.last and i == len(layers) - 1
                 run, x = _layer(chain, name, shapes, x, from_input, from_param, with_loss, loss_fn, y_targets,
-                                memo, issued)
+                                memo, issued, with_the_loss if with_loss else sizes)
                 runs.append(run)
                 if i < len(layers) - 1 and run.hands_on_a_parameter:
                     return None
@@ -263,9 +270,11 @@ def _layer(
     chain: Chain, name: str, shapes: Mapping[str, Mapping[str, tuple[torch.Size, torch.dtype]]], x: Any,
     from_input: tuple[bool, ...], from_param: tuple[bool, ...], with_loss: bool,
     loss_fn: Callable[[Any, Any], Any], targets: Any, memo: LayerMemo, issued: list[Issued],
+    around: Hashable = None,
 ) -> tuple[_LayerIssued, Any]:
     """One layer's collectives on input ``x`` (its leaves' gradients as marked), and its output;
-    a run like one before is reused (renamed to this layer)."""
+    a run like one before is reused (renamed to this layer). ``around``: what else the run depends on,
+    for a memo shared across predictions."""
     layer = chain[name]
 
     def fresh_params() -> dict[str, torch.Tensor]:
@@ -273,7 +282,7 @@ def _layer(
                 for k, (shape, dtype) in shapes.get(name, {}).items()}
 
     base = memo.key(layer.fn, fresh_params(), x, layer=name)
-    key = None if base is None else (base, from_input, from_param, with_loss)
+    key = None if base is None else (base, from_input, from_param, with_loss, around)
     found = memo.lookup(key, x)
     if found is not None:
         y, (earlier, run) = found
@@ -323,7 +332,7 @@ def _layer(
     used2 = [o for o in outputs2 if o.requires_grad]
     to_input, to_weight = _split_backward(used2, to_input_of, to_weight_of, issued, start, recomputes([layer.fn]))
     run = _LayerIssued(forward, loss_issued, backward, to_input, to_weight, out_input, out_param, hands_on)
-    memo.store(key, x_in, y, (name, run))
+    memo.store(key, x_in, y, (name, run), keep=layer.fn)
     return run, y
 
 

@@ -335,3 +335,41 @@ def test_remat_blocks_say_what_they_compute_and_the_plan_is_the_one_without_reus
     assert plans[12].actions == unreused.actions
     assert dict(plans[12].memory) == dict(unreused.memory)
     assert plans[12].layers == unreused.layers
+
+
+SHARED = {  # layouts that rewrite the blocks alike (the first three) and ones that do not
+    "dp2xtp2-zero1-sp": (lambda s: sw.shard_params(_meta_tp(s), "dp", 1), sw.Mesh(dp=2, tp=2)),
+    "dp2xtp2-zero3-sp": (lambda s: sw.shard_params(_meta_tp(s), "dp", 3), sw.Mesh(dp=2, tp=2)),
+    "pp2xtp2-zb_h1-sp": META["pp2xtp2-zb_h1-sp"],
+    "dp2xtp2-zero3-sp-bf16": (lambda s: sw.mixed_precision(sw.shard_params(_meta_tp(s), "dp", 3), "compute=bf16"),
+                              sw.Mesh(dp=2, tp=2)),
+}
+
+
+def test_plans_that_share_their_runs_across_layouts_are_the_plans_made_alone(block_forwards: list[int]) -> None:
+    """Inside sharing_runs (what a plan search does), a block rewritten alike under two layouts, on a
+    like input, is predicted once for both; each Plan is the one made alone, also for a second batch
+    shape and for a layout planned again. Outside the block nothing is shared."""
+    step, params = meta_llama_step(2)
+    batches = [(ids, ids) for ids in (torch.zeros((8, 16), dtype=torch.long), torch.zeros((4, 16), dtype=torch.long))]
+    cases = [(name, 0) for name in SHARED] + [("dp2xtp2-zero3-sp", 1)]
+
+    def plan(name: str, b: int) -> tuple[sw.plan.Plan, int]:
+        transform, mesh = SHARED[name]
+        block_forwards[0] = 0
+        made = transform(step).plan(mesh, params, batches[b])
+        return made, block_forwards[0]
+
+    alone = {case: plan(*case) for case in cases}
+    with reuse.sharing_runs():
+        shared = {case: plan(*case) for case in cases}
+        again = plan(*cases[0])
+    for case in cases:
+        assert shared[case][0].actions == alone[case][0].actions, case
+        assert dict(shared[case][0].memory) == dict(alone[case][0].memory), case
+    assert again[0].actions == alone[cases[0]][0].actions
+    # ZeRO-3 after ZeRO-1 (the same blocks, the same input): its tensor-parallel prediction ran none.
+    zero1, zero3 = ("dp2xtp2-zero1-sp", 0), ("dp2xtp2-zero3-sp", 0)
+    assert alone[zero3][1] == alone[zero1][1] and shared[zero3][1] < alone[zero3][1], (shared, alone)
+    assert again[1] < alone[cases[0]][1]
+    assert plan(*cases[0])[1] == alone[cases[0]][1]  # outside the block: all of it again
