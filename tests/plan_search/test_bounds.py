@@ -62,6 +62,25 @@ def planned(space: Space, world: int, step: Any, params: Any, batch: Any, tp_pla
     return out
 
 
+def test_a_search_shares_its_fake_runs_and_plans_what_each_layout_plans_alone() -> None:
+    """``planned`` (as search) plans every layout inside one sharing_runs block: layers rewritten alike,
+    updates of like shards, run once. Each Plan must be the one made alone: ZeRO 1-3, pipelines,
+    bf16, SGD's in-place update and AdamW's out-of-place one."""
+    for optimizer in (sw.optim.adamw(1e-3), sw.optim.sgd(0.1, momentum=0.9)):
+        step, params, batch, _ = mlp_problem()
+        step = sw.train_step(step.chain, torch.nn.functional.mse_loss, optimizer)
+        shapes = meta(params)
+        space = Space(microbatches=(1, 2), schedules=("1f1b", "zb_h1"), precision=(None, BF16), remat=(None,))
+        seen = planned(space, 4, step, shapes, batch)
+        assert len(seen) > 20
+        with sharing_runs():  # the other way round: a run stored by a later layout, read by an earlier one
+            backwards = [applied.plan(c.mesh, shapes, batch) for c, applied, _ in reversed(seen)][::-1]
+        for (c, applied, plan), other in zip(seen, backwards, strict=True):
+            alone = c.apply(step).plan(c.mesh, shapes, batch)
+            assert plan.actions == alone.actions == other.actions, c
+            assert dict(plan.memory) == dict(alone.memory) == dict(other.memory), c
+
+
 @pytest.mark.parametrize("problem", ["mlp", "llama"])
 def test_the_bounds_are_below_the_plans_peak_and_the_simulated_time(problem: str) -> None:
     if problem == "mlp":

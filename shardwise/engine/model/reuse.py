@@ -43,8 +43,8 @@ from torch import Tensor, nn
 
 from ..torch_api import storage_key
 
-__all__ = ["LayerMemo", "memo_for", "module_signature", "reuse_key", "reusing_forwards", "sharing_runs",
-           "tree_signature"]
+__all__ = ["LayerMemo", "memo_for", "module_signature", "results_for", "reuse_key", "reusing_forwards",
+           "sharing_runs", "tree_signature"]
 
 # What a module's plain attributes may hold and still count as the same computation: its place in
 # a stack (Hugging Face blocks keep ``layer_idx`` for the key/value cache, which a pure layer turns
@@ -158,16 +158,18 @@ class LayerMemo:
         self._kept: list[Any] = []  # see store
         self.reused = 0  # how many runs were skipped (tests read it)
 
-    def key(self, fn: Callable[..., Any], tensors: Mapping[str, Tensor], x: Any, layer: str = "") -> Hashable | None:
+    def key(self, fn: Callable[..., Any], tensors: Mapping[str, Tensor], x: Any, layer: str = "",
+            own: frozenset[int] | None = None) -> Hashable | None:
         """What decides ``fn(tensors, x)``'s shapes, or None when it cannot be told. Names of
         ``tensors`` that start with the ``layer``'s name (a unit's path) count without it: the
-        blocks of a stack name their tensors by their own paths."""
+        blocks of a stack name their tensors by their own paths. ``own``: this call's batch storages,
+        for a memo shared across calls (else the memo's)."""
         fn_key = reuse_key(fn)
         if fn_key is None:
             return None
         prefix = layer + "." if layer else ""
         params = tree_signature([(k.removeprefix(prefix), t) for k, t in tensors.items()])
-        inputs = tree_signature(x, self.own)
+        inputs = tree_signature(x, self.own if own is None else own)
         return None if params is None or inputs is None else (fn_key, params, inputs)
 
     def lookup(self, key: Hashable | None, x: Any) -> tuple[Any, Any] | None:
@@ -189,7 +191,7 @@ class LayerMemo:
             self._kept.append(keep)
 
 
-_SHARED: contextvars.ContextVar[dict[str, LayerMemo] | None] = contextvars.ContextVar(
+_SHARED: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar(
     "shardwise_shared_layer_memos", default=None
 )
 
@@ -213,7 +215,21 @@ def memo_for(purpose: str) -> LayerMemo:
     shared = _SHARED.get()
     if shared is None:
         return LayerMemo()
-    return shared.setdefault(purpose, LayerMemo())
+    memo = shared.setdefault(purpose, LayerMemo())
+    assert isinstance(memo, LayerMemo), purpose
+    return memo
+
+
+def results_for(purpose: str) -> dict[Hashable, Any]:
+    """A dict of results of ``purpose`` (another fake run than a layer's: an optimizer's update) shared
+    inside :func:`sharing_runs`; outside, a new one. Its keys must say all a result depends on, and
+    hold what their identities belong to."""
+    shared = _SHARED.get()
+    if shared is None:
+        return {}
+    results = shared.setdefault(purpose, {})
+    assert isinstance(results, dict), purpose
+    return results
 
 
 @contextlib.contextmanager

@@ -33,9 +33,10 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
+from ..model import reuse as reuse_module
 from ..model.chain import Chain
-from ..model.reuse import LayerMemo
 from ..model.split_backward import input_part, recomputes
+from ..stack import in_layer
 from ..torch_api import data_dependent_errors, fake_tensors, is_fake, real_stand_ins, storage_key
 
 Observer = Callable[[torch.Tensor], None]
@@ -107,11 +108,16 @@ def kept_parts(
     of_batch: dict[str, dict[int, int]] = {}
     batch = {storage_key(t) for t in optree.tree_leaves(inputs) if isinstance(t, torch.Tensor)}
     x = optree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, inputs)
-    memo = LayerMemo(batch) if reuse else None
+    # Shared by the plans of one search (reuse.sharing_runs): keyed also by ``split`` and the predicted
+    # axes' sizes, the batch's storages told apart per call.
+    memo = reuse_module.memo_for("accounting.kept_parts") if reuse else None
+    own_batch = frozenset(batch)
+    around = (split, tuple(sorted((in_layer.predicting_sizes() or {}).items())))
     stand_ins: list[str] = []
     for layer in chain:
         local = {k: v.detach().requires_grad_(True) for k, v in chain.layer_params(params, layer.name).items()}
-        key = None if memo is None else memo.key(layer.fn, {**local, **layer.buffers}, x, layer.name)
+        base = None if memo is None else memo.key(layer.fn, {**local, **layer.buffers}, x, layer.name, own_batch)
+        key = None if base is None else (base, around)
         found = None if memo is None else memo.lookup(key, x)
         if found is not None:  # a layer like one run before, on an input like its: it keeps alike
             y, (own[layer.name], kept_inputs, recorded[layer.name]) = found
@@ -151,7 +157,7 @@ def kept_parts(
         if memo is not None and memo_ok:
             kept_inputs = _as_input_leaves(x, of_batch[layer.name])
             if kept_inputs is not None:
-                memo.store(key, x, y, (own[layer.name], kept_inputs, recorded[layer.name]))
+                memo.store(key, x, y, (own[layer.name], kept_inputs, recorded[layer.name]), keep=layer.fn)
         x = _cut(y)
     return KeptParts(own, of_batch, tuple(stand_ins), recorded)
 

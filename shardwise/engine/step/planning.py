@@ -9,7 +9,7 @@ each rank holds, from the same layouts ``Step.init`` builds.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -22,6 +22,7 @@ from ..layout.precision import compute_dtype
 from ..layout.sharding import FlatSharding
 from ..layout.state import Params, check_params, tree_nbytes
 from ..layout.state_layout import Placement, StateLayout, local_params, meta_shards, unit_names
+from ..model import reuse
 from ..plan.accounting import predict_kept_parts
 from ..plan.actions import (
     FREE,
@@ -284,16 +285,37 @@ def _update_levels(step: Step, shards: Mapping[str, Any], actions: Sequence[Acti
     before it keep (an out-of-place update's new shards and state; nothing in place)."""
     levels = []
     kept_before = 0
+    # An update of like shards (the same shapes and dtypes) by a like optimizer holds alike: predicted
+    # once per plan, and once per plan search (reuse.sharing_runs).
+    held = reuse.results_for("update_memory")
     for action in actions:
         if action.kind != UPDATE:
             levels.append(0)
             continue
         units = action.units or ((action.layer,) if action.layer is not None else tuple(shards))
         part = {u: shards[u] for u in units}
-        peak, kept = predict_update_held(step.optimizer.update, part, part, step.optimizer.init(part), device)
+        key = _update_key(step.optimizer.update, part, device)
+        found = held.get(key) if key is not None else None
+        if found is None:
+            found = predict_update_held(step.optimizer.update, part, part, step.optimizer.init(part), device)
+            if key is not None:
+                held[key] = found
+        peak, kept = found
         levels.append(kept_before + peak)
         kept_before += kept
     return levels
+
+
+def _update_key(update: Any, part: Mapping[str, Any], device: torch.device) -> Hashable | None:
+    """What an update's held memory depends on: the update (its settings, when it compares by value:
+    the library's optimizers), the shards' names, shapes and dtypes, the device; None if the update
+    cannot be hashed or the shards have no signature."""
+    try:
+        hash(update)
+    except TypeError:
+        return None
+    shapes = reuse.tree_signature(part)
+    return None if shapes is None else (update, shapes, device.type)
 
 
 def _params_levels(
