@@ -75,7 +75,7 @@ def test_a_search_shares_its_fake_runs_and_plans_what_each_layout_plans_alone() 
         assert len(seen) > 20
         with sharing_runs():  # the other way round: a run stored by a later layout, read by an earlier one
             backwards = [applied.plan(c.mesh, shapes, batch) for c, applied, _ in reversed(seen)][::-1]
-        for (c, applied, plan), other in zip(seen, backwards, strict=True):
+        for (c, _, plan), other in zip(seen, backwards, strict=True):
             alone = c.apply(step).plan(c.mesh, shapes, batch)
             assert plan.actions == alone.actions == other.actions, c
             assert dict(plan.memory) == dict(alone.memory) == dict(other.memory), c

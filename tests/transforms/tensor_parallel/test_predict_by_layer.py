@@ -337,13 +337,11 @@ def test_remat_blocks_say_what_they_compute_and_the_plan_is_the_one_without_reus
     assert plans[12].layers == unreused.layers
 
 
-SHARED = {  # layouts that rewrite the blocks alike (the first three) and ones that do not
+SHARED = {  # two pairs of layouts that rewrite the blocks alike: ZeRO-1 and ZeRO-3; 1F1B and ZB-H1
     "dp2xtp2-zero1-sp": (lambda s: sw.shard_params(_meta_tp(s), "dp", 1), sw.Mesh(dp=2, tp=2)),
     "dp2xtp2-zero3-sp": (lambda s: sw.shard_params(_meta_tp(s), "dp", 3), sw.Mesh(dp=2, tp=2)),
     "pp2xtp2-1f1b-sp": (lambda s: sw.pipeline(_meta_tp(s), "pp", "1f1b", 2), sw.Mesh(pp=2, tp=2)),
     "pp2xtp2-zb_h1-sp": META["pp2xtp2-zb_h1-sp"],  # after 1f1b: what its blocks keep differs (W's gradients)
-    "dp2xtp2-zero3-sp-bf16": (lambda s: sw.mixed_precision(sw.shard_params(_meta_tp(s), "dp", 3), "compute=bf16"),
-                              sw.Mesh(dp=2, tp=2)),
 }
 
 
