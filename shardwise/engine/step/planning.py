@@ -285,8 +285,8 @@ def _update_levels(step: Step, shards: Mapping[str, Any], actions: Sequence[Acti
     before it keep (an out-of-place update's new shards and state; nothing in place)."""
     levels = []
     kept_before = 0
-    # An update of like shards (the same shapes and dtypes) by a like optimizer holds alike: predicted
-    # once per plan, and once per plan search (reuse.sharing_runs).
+    # An update of like shards (the same names, shapes and dtypes) by a like optimizer holds alike:
+    # predicted once per plan search (reuse.sharing_runs); outside one, at every update action.
     held = reuse.results_for("update_memory")
     for action in actions:
         if action.kind != UPDATE:
@@ -294,7 +294,7 @@ def _update_levels(step: Step, shards: Mapping[str, Any], actions: Sequence[Acti
             continue
         units = action.units or ((action.layer,) if action.layer is not None else tuple(shards))
         part = {u: shards[u] for u in units}
-        key = _update_key(step.optimizer.update, part, device)
+        key = _update_key(step.optimizer, part, device)
         found = held.get(key) if key is not None else None
         if found is None:
             found = predict_update_held(step.optimizer.update, part, part, step.optimizer.init(part), device)
@@ -306,16 +306,16 @@ def _update_levels(step: Step, shards: Mapping[str, Any], actions: Sequence[Acti
     return levels
 
 
-def _update_key(update: Any, part: Mapping[str, Any], device: torch.device) -> Hashable | None:
-    """What an update's held memory depends on: the update (its settings, when it compares by value:
-    the library's optimizers), the shards' names, shapes and dtypes, the device; None if the update
-    cannot be hashed or the shards have no signature."""
+def _update_key(optimizer: Any, part: Mapping[str, Any], device: torch.device) -> Hashable | None:
+    """What an update's held memory depends on: the optimizer's init and update (their settings, where
+    they compare by value: the library's optimizers), the shards' names, shapes and dtypes, the
+    device; None if the optimizer cannot be hashed or the shards have no signature."""
     try:
-        hash(update)
+        hash((optimizer.init, optimizer.update))
     except TypeError:
         return None
     shapes = reuse.tree_signature(part)
-    return None if shapes is None else (update, shapes, device.type)
+    return None if shapes is None else (optimizer.init, optimizer.update, shapes, device.type)
 
 
 def _params_levels(
