@@ -35,13 +35,15 @@ import contextlib
 import contextvars
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import optree
 import torch
 from torch import Tensor, nn
 
 from ..torch_api import storage_key
+
+T = TypeVar("T")
 
 __all__ = ["LayerMemo", "memo_for", "module_signature", "results_for", "reuse_key", "reusing_forwards",
            "sharing_runs", "tree_signature"]
@@ -212,24 +214,24 @@ def sharing_runs() -> Iterator[None]:
 
 def memo_for(purpose: str) -> LayerMemo:
     """The memo of ``purpose`` shared inside :func:`sharing_runs`; outside, a new one (this call's)."""
-    shared = _SHARED.get()
-    if shared is None:
-        return LayerMemo()
-    memo = shared.setdefault(purpose, LayerMemo())
-    assert isinstance(memo, LayerMemo), purpose
-    return memo
+    return _for(purpose, LayerMemo)
 
 
 def results_for(purpose: str) -> dict[Hashable, Any]:
     """A dict of results of ``purpose`` (another fake run than a layer's: an optimizer's update) shared
     inside :func:`sharing_runs`; outside, a new one. Its keys must say all a result depends on, and
     hold what their identities belong to."""
+    return _for(purpose, dict)
+
+
+def _for(purpose: str, new: Callable[[], T]) -> T:
+    """The block's ``purpose`` entry (made by ``new`` the first time), or a new one outside a block."""
     shared = _SHARED.get()
     if shared is None:
-        return {}
-    results = shared.setdefault(purpose, {})
-    assert isinstance(results, dict), purpose
-    return results
+        return new()
+    if purpose not in shared:
+        shared[purpose] = new()
+    return shared[purpose]
 
 
 @contextlib.contextmanager
