@@ -13,6 +13,8 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
 
 import shardwise as sw
 from shardwise.engine.run.metrics import Summed, batch_fingerprint, batch_weight
@@ -198,3 +200,64 @@ def test_the_fingerprint_sees_each_leaf_at_its_place_and_non_finite_values() -> 
         a[2, 3], b[2, 3] = float("nan"), value
         assert batch_fingerprint((a, y)) != batch_fingerprint((b, y)), value
     assert batch_fingerprint(torch.tensor([1, 2])) != batch_fingerprint(torch.tensor([2, 1]))
+
+
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.complex64, torch.int64, torch.int32,
+          torch.uint8, torch.bool]
+
+
+def _leaf(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=gen).bool()
+    if not dtype.is_floating_point and not dtype.is_complex:
+        return torch.randint(0, 100, shape, generator=gen).to(dtype)
+    return torch.randn(shape, generator=gen, dtype=torch.complex64 if dtype.is_complex else torch.float32).to(dtype)
+
+
+def _another(value: torch.Tensor) -> torch.Tensor:
+    """The next representable value after ``value`` (a bool's other one): the smallest change."""
+    if value.dtype == torch.bool:
+        return ~value
+    if not value.dtype.is_floating_point and not value.dtype.is_complex:
+        return value + 1
+    if value.dtype.is_complex:
+        return torch.complex(value.real, torch.nextafter(value.imag, torch.tensor(float("inf"))))
+    return torch.nextafter(value, torch.tensor(float("inf"), dtype=value.dtype))
+
+
+@given(dtype=st.sampled_from(DTYPES), rows=st.integers(1, 40), cols=st.integers(1, 33), seed=st.integers(0, 2**16),
+       where=st.floats(0, 1, exclude_max=True))
+def test_any_one_element_changed_by_the_smallest_step_changes_the_fingerprint(
+        dtype: torch.dtype, rows: int, cols: int, seed: int, where: float) -> None:
+    # The hash is of each element's bits at its position: the smallest change to one element (the
+    # next float, the next integer, a flipped bool), anywhere in either leaf, gives another number.
+    x, y = _leaf(dtype, (rows, cols), seed), _leaf(dtype, (cols,), seed + 1)
+    for leaf in (0, 1):
+        changed = [x.clone(), y.clone()]
+        flat = changed[leaf].view(-1)
+        k = int(where * flat.numel())
+        flat[k] = _another(flat[k])
+        assert batch_fingerprint(tuple(changed)) != batch_fingerprint((x, y)), (leaf, k)
+    assert batch_fingerprint((x.clone(), y.clone())) == batch_fingerprint((x, y))
+
+
+INT_OF = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_every_nan_is_one_value_and_signed_zeros_are_equal_in_every_float_dtype(dtype: torch.dtype) -> None:
+    x = _leaf(dtype, (4, 5), 0)
+    a, b = x.clone(), x.clone()
+    bits = INT_OF[dtype.itemsize]
+    quiet = torch.tensor(float("nan"), dtype=dtype)
+    other = ((quiet.view(bits) | 1) ^ torch.iinfo(bits).min).view(dtype)  # another payload, the sign flipped
+    assert not torch.equal(quiet.view(bits), other.view(bits)) and bool(other.isnan())
+    a[0, 0], b[0, 0] = quiet, other
+    a[1, 1], b[1, 1] = -0.0, 0.0
+    a[2, 2] = b[2, 2] = float("inf")
+    a[3, 3] = b[3, 3] = -float("inf")
+    assert batch_fingerprint(a) == batch_fingerprint(b)
+    c = b.clone()
+    c[2, 2] = torch.finfo(dtype).max  # the largest finite value is not infinity
+    assert batch_fingerprint(c) != batch_fingerprint(b)

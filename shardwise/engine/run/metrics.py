@@ -178,13 +178,17 @@ def batch_weight(rank: int) -> float:
 def batch_fingerprint(batch: Any) -> torch.Tensor:
     """One number per batch, the same on every rank given the same batch and unlike it for another.
 
-    Every element is hashed from its bits, its position in its tensor and its tensor's position
-    in the tree (swapped inputs and targets differ, so do rows moved), and the hashes averaged
-    per tensor: a hash of the bits tells NaN and infinities from every finite value (all NaNs
-    alike, and -0.0 as 0.0). Plus small terms for each tensor's shape and the tree's structure.
-    In float64, on the batch's device, with one copy to the host at the end."""
+    Each tensor's elements are read as integer words, equal exactly when the values are (NaN as
+    NaN, -0.0 as 0.0, infinities as themselves), and hashed by a multilinear hash: the sum of each
+    word times an odd key drawn for its position and its tensor's position in the tree (swapped
+    inputs and targets differ, so do rows moved). An odd key is invertible modulo the words' width,
+    so a batch that differs in one element always gets another sum; that sum is then mixed into a
+    number in [-1, 1). Plus small terms for each tensor's shape and the tree's structure. The sum is
+    of integers, so it is the same whatever order a device adds in. Four passes over the batch
+    (the words, their products, the sum), on its device, with one copy to the host at the end: the
+    step pays it on every distributed step that exchanges metrics."""
     leaves, treespec = optree.tree_flatten(batch)
-    parts: list[torch.Tensor] = []
+    sums: list[torch.Tensor] = []
     # The structure (a dict's keys, a tuple's length): a batch of other containers differs too.
     shape_terms = 1e-3 * zlib.crc32(str(treespec).encode()) / 2**32
     for index, leaf in enumerate(leaves):
@@ -192,58 +196,72 @@ def batch_fingerprint(batch: Any) -> torch.Tensor:
             n = leaf.numel()
             shape_terms += 1e-3 * leaf.dim() + 1e-6 * n**0.5  # a reshaped batch differs too
             if n:
-                parts.append(_hashes(_bits(leaf), index).mean() * 2.0**-52)  # in [-1, 1)
-    if not parts:
-        return torch.tensor(shape_terms, dtype=torch.float64)
-    return (torch.stack([p.to(parts[0].device) for p in parts]).sum().cpu() + shape_terms).to(torch.float64)
+                sums.append(_keyed_sum(leaf, index))
+    # One copy of the sums to the host, where mixing a few numbers costs less than a tensor op.
+    host = torch.stack([t.to(sums[0].device) for t in sums]).tolist() if sums else []
+    return torch.tensor(sum(_unit(_mix64(total)) for total in host) + shape_terms, dtype=torch.float64, device="cpu")
 
 
-def _bits(leaf: torch.Tensor) -> torch.Tensor:
-    """The elements of ``leaf`` as int64 words, equal exactly when the values are (NaN as NaN)."""
+def _keyed_sum(leaf: torch.Tensor, index: int) -> torch.Tensor:
+    """Leaf ``index``'s words times their keys, summed (a 0-d int64)."""
+    words = _words(leaf)
+    products = words.mul_(_keys(words.numel(), index, words.device, words.dtype))
+    # int32 products (each wrapped to 32 bits) summed in int64 (exact); int64 ones wrap at 64 bits
+    return products.sum(dtype=torch.int64)
+
+
+def _words(leaf: torch.Tensor) -> torch.Tensor:
+    """The elements of ``leaf`` as integer words in a new tensor (int32 for floats up to 32 bits,
+    int64 otherwise), equal exactly when the values are: NaN as NaN, -0.0 as 0.0."""
     flat = leaf.detach().reshape(-1)
     if flat.is_complex():
         flat = torch.view_as_real(flat).reshape(-1)
     if not flat.is_floating_point():
-        return flat.to(torch.int64)  # integers and bools exactly, whatever their size
-    # + 0.0 turns -0.0 into 0.0 (equal values, equal words); NaN's sign and payload depend on
-    # the op that made it, so every NaN gets one word, which no finite value or infinity has.
-    wide = flat.to(torch.float64) + 0.0
-    return torch.where(torch.isnan(wide), _NAN_WORD, wide.view(torch.int64))
+        return flat.to(torch.int64, copy=True)  # integers and bools exactly, whatever their size
+    wide = torch.float64 if flat.dtype == torch.float64 else torch.float32  # exact for every smaller float
+    # NaN's sign and payload depend on the op that made it: nan_to_num writes one NaN for every
+    # NaN (and leaves the infinities); + 0.0 then turns -0.0 into 0.0.
+    canonical = torch.nan_to_num(flat.to(wide), nan=_NAN, posinf=_INF, neginf=-_INF)
+    canonical += 0.0
+    return canonical.view(torch.int64 if wide == torch.float64 else torch.int32)
 
 
-_NAN_WORD = 0x7FF8000000000000  # float64's canonical quiet NaN
-
-
-def _hashes(words: torch.Tensor, leaf: int) -> torch.Tensor:
-    """A pseudo-random float64 in [-2**52, 2**52) per word, from the word, its position and
-    ``leaf``."""
-    # Two multiplications with a xor-shift between (half of splitmix64's finalizer, as the step
-    # runs it on every element): the top bits then depend on every bit of word and key.
-    z = words ^ _keys(words.numel(), leaf, words.device)
-    z = z * -4658895280553007687  # 0xBF58476D1CE4E5B9
-    z = (z ^ ((z >> 32) & ((1 << 32) - 1))) * -7723592293110705685  # 0x94D049BB133111EB
-    return (z >> 11).to(torch.float64)  # the top 53 bits, exact in float64
-
-
+_NAN, _INF = float("nan"), float("inf")
 _CACHED_KEYS = 1 << 20  # positions: beyond, the keys are made for each call, not kept
 
 
-def _keys(n: int, leaf: int, device: torch.device) -> torch.Tensor:
-    """A pseudo-random int64 per position of tensor ``leaf`` of the tree."""
-    return _cached_keys(n, leaf, device) if n <= _CACHED_KEYS else _make_keys(n, leaf, device)
+def _keys(n: int, leaf: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """An odd pseudo-random word of ``dtype`` per position of tensor ``leaf`` of the tree."""
+    return _cached_keys(n, leaf, device, dtype) if n <= _CACHED_KEYS else _make_keys(n, leaf, device, dtype)
 
 
 @functools.lru_cache(maxsize=16)  # a step's batches keep their sizes: made once, not every step
-def _cached_keys(n: int, leaf: int, device: torch.device) -> torch.Tensor:
-    return _make_keys(n, leaf, device)
+def _cached_keys(n: int, leaf: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    return _make_keys(n, leaf, device, dtype)
 
 
-def _make_keys(n: int, leaf: int, device: torch.device) -> torch.Tensor:
+def _make_keys(n: int, leaf: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     # splitmix64: a Weyl sequence (step 0x9E3779B97F4A7C15) through the mixer; each leaf starts
-    # 2**40 positions further on.
+    # 2**40 positions further on. Odd, so each key is invertible modulo 2**32 and 2**64.
     z = torch.arange(1, n + 1, device=device, dtype=torch.int64) + (leaf << 40)
     z = z * -7046029254386353131
-    return _mix(z)
+    return (_mix(z) | 1).to(dtype)
+
+
+_WORD = (1 << 64) - 1
+
+
+def _mix64(z: int) -> int:
+    """splitmix64's finalizer on one word (as :func:`_mix` on tensors): every bit into every bit."""
+    z &= _WORD
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _WORD
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _WORD
+    return z ^ (z >> 31)
+
+
+def _unit(word: int) -> float:
+    """A 64-bit word's top 53 bits (signed) as a float in [-1, 1), exactly."""
+    return ((word - (1 << 64) if word >> 63 else word) >> 11) * 2.0**-52
 
 
 def _mix(z: torch.Tensor) -> torch.Tensor:
