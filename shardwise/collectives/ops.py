@@ -54,9 +54,18 @@ from .start import (
     start_ppermute,
     start_psum,
     start_psum_scatter,
+    start_psum_scatter_rows,
 )
 from .timing import timed
-from .validate import check_perm, check_root, check_rows, normalize_dim, refuse_grad, require_tensor
+from .validate import (
+    check_perm,
+    check_reduce_rows,
+    check_root,
+    check_rows,
+    normalize_dim,
+    refuse_grad,
+    require_tensor,
+)
 from .where import Pairs, Where, in_backward, resolve
 
 
@@ -336,6 +345,18 @@ def all_gather_into_async(x: torch.Tensor, rows: Rows, axis: str, *, mesh: Mesh 
     where = resolve("all_gather_into_async", axis, mesh)
     check_rows("all_gather_into_async", x, rows, where.size, where.index)
     return start_all_gather_into(x, where, rows)
+
+
+def psum_scatter_rows_async(rows: Rows, dtype: torch.dtype, axis: str, *, mesh: Mesh | None = None) -> Handle:
+    """Start the tiled reduce-scatter over ``axis`` of the buffer whose row ``j`` (the part member
+    ``j`` gets the sum of) is ``rows[j]``: 1-D pieces on one device laid end to end, converted to
+    ``dtype``. The pieces must stay unchanged until ``.wait()``, which returns this member's row of
+    the sum (a tensor of its own). Through shared memory no buffer of the whole input is made (each
+    piece is copied into the slots it is sent from); elsewhere they are concatenated first, and the
+    result is :func:`psum_scatter_async`'s of that buffer, bit for bit."""
+    where = resolve("psum_scatter_rows_async", axis, mesh)
+    check_reduce_rows("psum_scatter_rows_async", rows, dtype, where.size)
+    return start_psum_scatter_rows(rows, dtype, where)
 
 
 def psum_scatter_async(

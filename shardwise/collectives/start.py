@@ -83,6 +83,19 @@ def start_psum_scatter(
     )
 
 
+def start_psum_scatter_rows(rows: Rows, dtype: torch.dtype, where: Where) -> Handle:
+    """The tiled reduce-scatter of the (members, m) buffer whose row ``j`` is ``rows[j]``'s pieces end
+    to end, in ``dtype``; the pieces are read until the wait. The ledger records that buffer."""
+    buffer = torch.empty(where.size * sum(p.numel() for p in rows[0]), dtype=dtype, device="meta")
+    return issue(
+        "psum_scatter",
+        where,
+        buffer,
+        lambda b, t, g, s: b.reduce_scatter_rows(rows, dtype, g, "psum_scatter"),
+        snapshot=False,
+    )
+
+
 def start_all_to_all(
     x: torch.Tensor, where: Where, split_dim: int, concat_dim: int, tiled: bool, snapshot: bool = True
 ) -> Handle:

@@ -73,6 +73,37 @@ def refuse_grad(op: str, x: torch.Tensor, fix: str | None = None) -> None:
         )
 
 
+def check_reduce_rows(op: str, rows: Sequence[Sequence[torch.Tensor]], dtype: torch.dtype, members: int) -> None:
+    """Refuse rows a reduce-scatter cannot read as one (members, m) buffer of ``dtype``."""
+    if len(rows) != members:
+        raise ValueError(f"{op}: rows has {len(rows)} entries; pass one per member of the axis ({members})")
+    if not isinstance(dtype, torch.dtype) or not (dtype.is_floating_point or dtype.is_complex):
+        raise TypeError(f"{op}: dtype must be a floating-point torch.dtype (the rows are summed in it), got {dtype!r}")
+    device: torch.device | None = None
+    totals = []
+    for j, pieces in enumerate(rows):
+        total = 0
+        for k, piece in enumerate(pieces):
+            if not isinstance(piece, torch.Tensor):
+                raise TypeError(f"{op}: rows[{j}][{k}] is a {type(piece).__name__}, not a tensor")
+            if piece.ndim != 1 or not piece.is_contiguous():
+                raise ValueError(f"{op}: rows[{j}][{k}] must be a 1-D contiguous tensor, got shape "
+                                 f"{list(piece.shape)} (contiguous: {piece.is_contiguous()}); pass .reshape(-1) slices")
+            if piece.requires_grad:
+                raise RuntimeError(f"{op} is not differentiable but rows[{j}][{k}] requires grad: pass detached "
+                                   "tensors, or call it under torch.no_grad()")
+            device = piece.device if device is None else device
+            if piece.device != device:
+                raise ValueError(f"{op}: rows[{j}][{k}] is on {piece.device}, an earlier piece on {device}; "
+                                 "every piece must be on one device")
+            total += piece.numel()
+        totals.append(total)
+    if len(set(totals)) > 1:
+        raise ValueError(f"{op}: the rows hold {totals} elements; every member's row must hold as many")
+    if device is None:
+        raise ValueError(f"{op}: the rows hold no tensor; pass at least one piece per row")
+
+
 def check_rows(op: str, x: torch.Tensor, rows: Sequence[Sequence[torch.Tensor]], members: int, own: int) -> None:
     """Refuse destinations an all-gather of ``x`` over ``members`` cannot be written into (member
     ``own``'s row may be ``x``'s own values where they lie: nothing is copied there)."""

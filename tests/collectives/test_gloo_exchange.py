@@ -164,6 +164,70 @@ def test_small_or_odd_messages_keep_gloos_own_collectives() -> None:
     assert not gloo_exchange.exchanges(part[1:], four, one_member=True)
 
 
+# -- a reduce-scatter of pieces (ZeRO's bucket of gradient slices) --------------------------
+def _reduced_from_pieces(kinds: list[str], row: int, dtype: torch.dtype, transport: str) -> dict[str, Any]:
+    """Per group kind: IN_FLIGHT reduce-scatters of float32 rows given as pieces (cut at other
+    places per member row, each piece a tensor of its own), summed in ``dtype``, beside the same
+    buffer concatenated and reduce-scattered whole; the path taken, and the pieces left alone."""
+    backend = current_backend()
+    out: dict[str, Any] = {}
+    with shared_memory_exchange.loopback_exchanges() if transport == "tcp" else contextlib.nullcontext():
+        for kind in kinds:
+            group = _group(kind)
+            i = group.index(backend.rank)
+            axis = {"dp": "dp", "pp": "pp"}.get(kind)
+            mesh = Mesh(dp=2, pp=2) if axis else None
+            inputs = [_summed(group.size, torch.float32, 300 + s, row)[i] for s in range(IN_FLIGHT)]
+            rows = [[[piece.clone() for piece in torch.split(x[j], list(_cut(row, j + s)))]
+                     for j in range(group.size)] for s, x in enumerate(inputs)]
+            kept = [[[piece.clone() for piece in r] for r in rs] for rs in rows]
+            works = [_issue_rows(backend, r, dtype, group, axis, mesh) for r in rows]
+            got = [w.wait() for w in reversed(works)][::-1]
+            whole = [backend.reduce_scatter(x.to(dtype), group).wait() for x in inputs]
+            out[kind] = {
+                "got": got, "whole": whole, "index": i, "size": group.size,
+                "untouched": all(torch.equal(a, b) for rs, ks in zip(rows, kept, strict=True)
+                                 for r, k in zip(rs, ks, strict=True) for a, b in zip(r, k, strict=True)),
+                "path": _path(inputs[0][0], group),
+            }
+    return out
+
+
+def _issue_rows(backend: Any, rows: list[list[torch.Tensor]], dtype: torch.dtype, group: Group, axis: str | None,
+                mesh: Mesh | None) -> Any:
+    """Through the op on a mesh axis, else the backend's call on the group (listed in and out of order)."""
+    if axis is not None:
+        return sw.collectives.ops.psum_scatter_rows_async(rows, dtype, axis, mesh=mesh)
+    return backend.reduce_scatter_rows(rows, dtype, group)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("transport", ["shared", "tcp"])
+def test_a_reduce_scatter_of_pieces_is_the_reduce_scatter_of_their_buffer_bit_for_bit(
+        gloo2: Any, gloo4: Any, dtype: torch.dtype, transport: str) -> None:
+    """Rows given as pieces (ZeRO's bucket of gradient slices, not concatenated) reduce to what the
+    concatenated buffer reduces to, bitwise, summed in the dtype asked for (bfloat16: each piece
+    converted on its way into the slots), with several in flight, on groups in and out of rank
+    order and on mesh axes; the pieces are left as they were."""
+    row = SHARED_ROW // 4 if transport == "shared" else ROW
+    row -= row % 2
+    for pool, kinds in ((gloo2, ["world", "reversed"]), (gloo4, ["world", "reversed", "dp", "pp"])):
+        for rank, per_kind in enumerate(pool.run(_reduced_from_pieces, kinds, row, dtype, transport)):
+            for kind, r in per_kind.items():
+                where = f"rank {rank} of {4 if pool is gloo4 else 2}, {kind} ({transport}, {dtype})"
+                assert r["path"] == transport, f"{where}: took {r['path']}"
+                assert r["untouched"], f"{where}: a piece was written"
+                n, i = r["size"], r["index"]
+                for s, (got, whole) in enumerate(zip(r["got"], r["whole"], strict=True)):
+                    mine = [x[i].to(dtype) for x in _summed(n, torch.float32, 300 + s, row)]
+                    want = mine[0].clone()
+                    for part in mine[1:]:
+                        want += part
+                    assert got.dtype == dtype, where
+                    torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"{where}: reduce {s}")
+                    assert torch.equal(got, whole), f"{where}: reduce {s} differs from the whole buffer's"
+
+
 # -- a peer that never arrives -------------------------------------------------------------
 TIMEOUT = 1.5
 

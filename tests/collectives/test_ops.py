@@ -40,7 +40,7 @@ from shardwise.collectives import (
     psum_scatter_async,
     pvary,
 )
-from shardwise.collectives.ops import all_gather_into_async
+from shardwise.collectives.ops import all_gather_into_async, psum_scatter_rows_async
 from shardwise.engine.torch_api import version_of
 
 FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
@@ -289,6 +289,51 @@ def test_all_gather_into_leaves_this_members_row_where_it_is_the_input() -> None
 
     for flat, untouched in spmd(2, body):
         assert flat.equal(torch.tensor([[0.0] * 3, [1.0] * 3])) and untouched
+
+
+@given(world=st.integers(1, 5), seed=seeds, dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float64]))
+def test_a_reduce_scatter_of_pieces_equals_the_one_of_their_buffer_and_the_ledger_counts_it(
+        world: int, seed: int, dtype: torch.dtype) -> None:
+    """Rows given as float32 pieces (cut at other places per row) and summed in ``dtype`` reduce to
+    what their concatenated buffer, converted, reduces to, bitwise; the ledger records the same
+    reduce-scatter of that buffer, and the pieces are left as they were."""
+    m = 7
+    xs = [make(seed, r, (world, m), torch.float32) for r in range(world)]
+
+    def body(r: int) -> tuple[torch.Tensor, torch.Tensor, Any, bool]:
+        rows = [[t.clone() for t in torch.split(xs[r][j], [j % m + 1, m - j % m - 1])] for j in range(world)]
+        kept = [[t.clone() for t in row] for row in rows]
+        with comm_ledger() as ledger:
+            got = psum_scatter_rows_async(rows, dtype, "dp").wait()
+        with comm_ledger() as plain:
+            whole = psum_scatter_async(xs[r].reshape(-1).to(dtype), "dp", tiled=True).wait()
+        same = all(torch.equal(a, b) for row, k in zip(rows, kept, strict=True) for a, b in zip(row, k, strict=True))
+        return got, whole, (ledger.summary(), plain.summary()), same
+
+    for got, whole, (summary, plain), untouched in spmd(world, body):
+        assert got.dtype == dtype and torch.equal(got, whole)
+        assert summary == plain and list(summary) == [("dp", "psum_scatter")], (summary, plain)
+        assert untouched
+
+
+@pytest.mark.parametrize("rows, dtype, message", [
+    (lambda: [[torch.empty(4)]] * 3, torch.float32, "rows has 3 entries; pass one per member"),
+    (lambda: [[torch.empty(4)], [torch.empty(3)]], torch.float32, "the rows hold [4, 3] elements"),
+    (lambda: [[torch.empty(4)], [torch.empty(2, 2)]], torch.float32, "rows[1][0] must be a 1-D contiguous tensor"),
+    (lambda: [[torch.empty(4)], [torch.empty(8)[::2]]], torch.float32, "rows[1][0] must be a 1-D contiguous"),
+    (lambda: [[torch.empty(4)], [[1.0] * 4]], torch.float32, "rows[1][0] is a list, not a tensor"),
+    (lambda: [[torch.empty(4)], [torch.empty(4, requires_grad=True)]], torch.float32, "rows[1][0] requires grad"),
+    (lambda: [[torch.empty(4)], [torch.empty(4, device="meta")]], torch.float32, "rows[1][0] is on meta"),
+    (lambda: [[], []], torch.float32, "the rows hold no tensor"),
+    (lambda: [[torch.empty(4)], [torch.empty(4)]], torch.int64, "dtype must be a floating-point torch.dtype"),
+])
+def test_a_reduce_scatter_of_pieces_refuses_rows_it_cannot_read(rows: Callable[[], Any], dtype: torch.dtype,
+                                                                 message: str) -> None:
+    def body(r: int) -> None:
+        with pytest.raises((ValueError, TypeError, RuntimeError), match=re.escape(message)):
+            psum_scatter_rows_async(rows(), dtype, "dp")
+
+    spmd(2, body)
 
 
 def test_async_forms_refuse_inputs_that_require_grad():

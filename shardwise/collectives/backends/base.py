@@ -17,6 +17,9 @@ Shape conventions (``n`` is the group size, ``i`` the caller's index in it):
   (flat) into ``rows[j]``, 1-D pieces that follow each other; ``wait()`` returns ``x``.
 * ``reduce_scatter(x)``    -> ``x`` has shape ``(n, *rest)``; result is
   ``sum_j x_j[i]``, shape ``rest``.
+* ``reduce_scatter_rows(rows, dtype)`` -> ``reduce_scatter`` of the ``(n, m)`` buffer whose row
+  ``j`` is ``rows[j]``'s 1-D pieces end to end, converted to ``dtype``; the pieces are read until
+  the wait.
 * ``all_to_all(x)``        -> ``x`` has shape ``(n, *rest)``; result ``out[j] = x_j[i]``.
 * ``broadcast(x, root)``   -> the value of ``x`` on group index ``root``.
 * ``permute(x, pairs)``    -> ``pairs`` are ``(src, dst)`` group indices; the
@@ -56,6 +59,11 @@ way the result is a new tensor that does not alias ``x``.
 until ``wait()`` (``snapshot=False`` always). Every backend has it: by default an ``all_gather``
 whose result is copied into the rows at the wait; a transport that copies what it receives anyway
 (shared memory) copies it into the rows instead.
+
+``reduce_scatter_rows`` reads its pieces until ``wait()`` as well. Every backend has it: by default
+they are concatenated into the buffer (one copy), which ``reduce_scatter`` then takes donated; a
+transport that copies its input anyway (shared memory) copies each piece where it goes instead.
+The result is the same bit for bit.
 
 ``reduce_scatter`` also takes ``donate`` (default False): True hands ``x`` over (with
 ``snapshot=False``), so a backend that reduces in place may do it in ``x`` itself instead of a
@@ -263,6 +271,13 @@ class Backend(abc.ABC):
         self, x: torch.Tensor, group: Group, op_name: str = "psum_scatter", *, snapshot: bool = True,
         donate: bool = False,
     ) -> Work: ...
+
+    def reduce_scatter_rows(self, rows: Rows, dtype: torch.dtype, group: Group, op_name: str = "psum_scatter") -> Work:
+        """``reduce_scatter`` of the (n, m) buffer whose row ``j`` is ``rows[j]``'s 1-D pieces end to
+        end, in ``dtype``; the pieces are read until the wait. Here: concatenated into that buffer
+        (one copy), which the reduce-scatter then takes as its own."""
+        flat = torch.cat([piece for row in rows for piece in row]).to(dtype)
+        return self.reduce_scatter(flat.view(group.size, -1), group, op_name, snapshot=False, donate=True)
 
     @abc.abstractmethod
     def all_to_all(

@@ -45,7 +45,7 @@ from .base import Backend, CompletedWork, Group, Rows, Work
 from .distributed_p2p import PointToPoint
 from .distributed_p2p import flat_copy as _flat_copy
 from .distributed_p2p import is_timeout as _is_timeout
-from .gloo_exchange import ExchangeGroup, exchanges
+from .gloo_exchange import ExchangeGroup, exchanges, exchanges_of
 from .shared_memory_exchange import in_use, open_same_host
 
 # torch 2.13 renamed the flat collectives and warns (FutureWarning) on the old
@@ -171,6 +171,20 @@ class TorchDistributedBackend(PointToPoint, Backend):
         out = torch.empty(rest.numel(), dtype=x.dtype, device=x.device)
         work = self._issue(op_name, group, x, lambda: _reduce_scatter_flat(out, send, group=pg, async_op=True))
         return _DistWork(self, op_name, group, x, [work], lambda: out.view(rest), keep_alive=(send,))
+
+    def reduce_scatter_rows(self, rows: Rows, dtype: torch.dtype, group: Group, op_name: str = "psum_scatter") -> Work:
+        """Through shared memory, each member's pieces are copied into the slots they are sent from
+        (the copy made anyway), with no buffer of the whole input; elsewhere concatenated first
+        (Backend's)."""
+        first = next(piece for row in rows for piece in row)
+        numel = group.size * sum(piece.numel() for piece in rows[0])
+        if self._on_gloo_cpu(first) and exchanges_of(numel * dtype.itemsize, dtype, group):
+            self._enter(first, group, op_name)
+            exchange = self._exchange_group(group, op_name)
+            if in_use(exchange.shared):
+                assert exchange.shared is not None
+                return exchange.shared.reduce_scatter_rows(rows, dtype, group, op_name)
+        return super().reduce_scatter_rows(rows, dtype, group, op_name)
 
     def _reduce_scatter_by_all_reduce(
         self, x: torch.Tensor, group: Group, pg: Any, op_name: str, donate: bool = False

@@ -24,14 +24,17 @@ ErrorFor = Callable[[str, Group, BaseException], CollectiveError]
 class Job:
     """One exchange: what it takes (``rows``, the caller's own; ``out``, its result's buffer when
     made at issue; ``into``, an all-gather's destinations: the caller's pieces per member, its
-    input ``rows``) and, once ``done``, its ``result`` or ``error``."""
+    input ``rows``; ``pieces``, a reduce-scatter's input as the caller's pieces per member, to be
+    summed in ``dtype``) and, once ``done``, its ``result`` or ``error``."""
 
-    __slots__ = ("done", "error", "group", "into", "kind", "op_name", "out", "result", "rows", "shape")
+    __slots__ = ("done", "dtype", "error", "group", "into", "kind", "op_name", "out", "pieces", "result", "rows",
+                 "shape")
 
     def __init__(self, kind: str, op_name: str, group: Group, out: torch.Tensor | None, rows: torch.Tensor | None,
-                 shape: torch.Size, into: Rows | None = None) -> None:
+                 shape: torch.Size, into: Rows | None = None, pieces: Rows | None = None,
+                 dtype: torch.dtype | None = None) -> None:
         self.kind, self.op_name, self.group, self.out, self.rows, self.shape = kind, op_name, group, out, rows, shape
-        self.into = into
+        self.into, self.pieces, self.dtype = into, pieces, dtype
         self.result: torch.Tensor | None = None
         self.error: BaseException | None = None
         self.done = threading.Event()
@@ -112,7 +115,7 @@ class JobThread:
                     self._failure = self._failure or error
             finally:
                 # Released here (a result is its own or a view), whatever the caller holds.
-                job.rows = job.out = job.into = None
+                job.rows = job.out = job.into = job.pieces = None
                 with self._cond:
                     self._queue.popleft()
                 job.done.set()

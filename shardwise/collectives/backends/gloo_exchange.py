@@ -67,8 +67,12 @@ _EXCHANGES = Switch()  # off within gloos_own_collectives()
 def exchanges(x: torch.Tensor, group: Group, *, one_member: bool = False) -> bool:
     """Whether a collective of ``x`` over ``group`` runs as an exchange (else as gloo's own);
     ``one_member``: ``x`` is one member's part of it (an all-gather's input), not the whole."""
-    nbytes = x.numel() * x.element_size() * (group.size if one_member else 1)
-    return _EXCHANGES.on and sized_for_exchange(nbytes, x.dtype, group.size)
+    return exchanges_of(x.numel() * x.element_size() * (group.size if one_member else 1), x.dtype, group)
+
+
+def exchanges_of(nbytes: int, dtype: torch.dtype, group: Group) -> bool:
+    """Whether a collective of ``nbytes`` in all of ``dtype`` over ``group`` runs as an exchange."""
+    return _EXCHANGES.on and sized_for_exchange(nbytes, dtype, group.size)
 
 
 def sized_for_exchange(nbytes: int, dtype: torch.dtype, members: int) -> bool:

@@ -30,8 +30,10 @@ collectives fail the exchange with both sides named instead of adding each other
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import ctypes
+import itertools
 import os
 import re
 import secrets
@@ -39,7 +41,7 @@ import select
 import socket
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -224,6 +226,41 @@ def _close(made: dict[str, Any]) -> None:
                 os.close(fd)
 
 
+class _Row:
+    """One member's row of a reduce-scatter as the caller's pieces laid end to end, read by span."""
+
+    def __init__(self, pieces: Sequence[torch.Tensor]) -> None:
+        self.pieces = pieces
+        self.starts = list(itertools.accumulate((p.numel() for p in pieces), initial=0))
+
+    def within(self, lo: int, hi: int) -> Iterator[tuple[int, torch.Tensor]]:
+        """(offset from ``lo``, slice) of each piece's part in elements ``[lo, hi)``, in order: found
+        by bisection, so a chunk costs the pieces it holds, not the row's."""
+        k = bisect.bisect_right(self.starts, lo) - 1
+        while k < len(self.pieces) and self.starts[k] < hi:
+            start = self.starts[k]
+            a, b = max(lo, start), min(hi, self.starts[k + 1])
+            if a < b:
+                yield a - lo, self.pieces[k][a - start: b - start]
+            k += 1
+
+    def copy_into(self, lo: int, hi: int, into: torch.Tensor) -> None:
+        """Elements ``[lo, hi)`` into ``into`` (converted to its dtype)."""
+        for at, piece in self.within(lo, hi):
+            into[at: at + piece.numel()].copy_(piece)
+
+    def add_into(self, lo: int, hi: int, part: torch.Tensor, into: torch.Tensor) -> None:
+        """``into`` = elements ``[lo, hi)`` in ``into``'s dtype, plus ``part``: what ``torch.add(row,
+        part, out=into)`` gives on the row converted first, bit for bit."""
+        for at, piece in self.within(lo, hi):
+            end = at + piece.numel()
+            if piece.dtype == into.dtype:
+                torch.add(piece, part[at:end], out=into[at:end])
+            else:  # converted first, then added in into's dtype (not added in the piece's)
+                into[at:end].copy_(piece)
+                into[at:end] += part[at:end]
+
+
 def _dtype_code(dtype: torch.dtype) -> int:
     """The same number for a dtype in every process (``hash`` of a string is salted per process)."""
     return zlib.crc32(str(dtype).encode())
@@ -288,6 +325,14 @@ class SharedMemoryExchange:
         # The result is made when the set's thread starts on it, not here: held no longer than needed.
         return self._jobs.submit(Job("reduce_scatter", op_name, group, None, rows, shape))
 
+    def reduce_scatter_rows(self, rows: Rows, dtype: torch.dtype, group: Group, op_name: str) -> Work:
+        """Reduce the (n, m) buffer whose row ``j`` is ``rows[j]``'s pieces end to end, in ``dtype``,
+        and return this member's row of the sum: each piece is copied (and converted) straight into
+        the slots it is sent from, and this member's own row into the result. The pieces are read
+        until the wait."""
+        shape = torch.Size([sum(piece.numel() for piece in rows[0])])
+        return self._jobs.submit(Job("reduce_scatter", op_name, group, None, None, shape, pieces=rows, dtype=dtype))
+
     @property
     def _member_rank(self) -> int:
         return self._members[self._index]
@@ -296,10 +341,15 @@ class SharedMemoryExchange:
     def _run(self, job: Job) -> None:
         """Write this member's chunks into its slots as fast as the peers free them, and take each
         peer's chunks out of theirs as they come (chunk by chunk, peers in a fixed order)."""
-        group, rows, into = job.group, job.rows, job.into
+        group, rows, into, pieces = job.group, job.rows, job.into, job.pieces
+        by_row = None if pieces is None else [_Row(row) for row in pieces]
         if job.out is None and into is None:
-            assert rows is not None
-            job.out = torch.empty(rows.shape[1], dtype=rows.dtype)
+            if pieces is not None:
+                assert job.dtype is not None
+                job.out = torch.empty(job.shape.numel(), dtype=job.dtype)
+            else:
+                assert rows is not None
+                job.out = torch.empty(rows.shape[1], dtype=rows.dtype)
         # An all-gather into the caller's pieces: ``rows`` is its input (flat), ``out`` unused.
         out = job.out if into is None else rows
         assert out is not None
@@ -334,10 +384,14 @@ class SharedMemoryExchange:
                 elif gather:
                     own[: b - a].copy_(out[place[me], a:b])
                 else:
-                    assert rows is not None
                     cells = own[: n * step].view(n, step)
                     for j in range(n):
-                        if j != me:
+                        if j == me:
+                            continue
+                        if by_row is not None:
+                            by_row[place[j]].copy_into(a, b, cells[j, : b - a])
+                        else:
+                            assert rows is not None
                             cells[j, : b - a].copy_(rows[place[j], a:b])
                 self._signal_all(_WRITTEN)
                 written += 1
@@ -352,9 +406,12 @@ class SharedMemoryExchange:
                 elif gather:
                     self._take(j, offset, out[place[j], a:b])
                 else:
-                    assert rows is not None and scratch is not None
+                    assert scratch is not None
                     part = self._take(j, offset + me * step * out.element_size(), scratch[: b - a])
-                    if peer_at == 0:
+                    if peer_at == 0 and by_row is not None:  # this member's own values plus the first peer's
+                        by_row[place[me]].add_into(a, b, part, out[a:b])
+                    elif peer_at == 0:
+                        assert rows is not None
                         torch.add(rows[place[me], a:b], part, out=out[a:b])
                     else:
                         out[a:b] += part

@@ -6,8 +6,9 @@ own shard of every unit (what the unit's reduce-scatter alone would give it), an
 all-gather of a rank's shards, concatenated, brings back every unit's full buffer as columns of
 the rows. A bucket of one unit is the unit's own flat buffer.
 
-Both directions copy each value once: the reduce input is one concatenation of slices of the
-gradients (no per-unit flat buffer first), and the gathered parameters are views of the
+Both directions copy each value once: the reduce input is slices of the gradients, per row
+(concatenated once where the transport needs one buffer; through shared memory copied straight
+into the slots they are sent from), and the gathered parameters are views of the
 all-gather's output wherever a parameter's values lie together (within one row, or anywhere in a
 bucket of one unit, whose rows follow each other); a parameter split over two ranks' shards of a
 bucket of several units is the one copy.
@@ -58,21 +59,23 @@ class Bucket:
         return sum(u.shard_numel for u in self.units)
 
     @functools.cached_property
-    def _reduce_segments(self) -> tuple[tuple[int, Segment], ...]:
-        """(unit position, segment) of the whole rank-major buffer, in order."""
-        out: list[tuple[int, Segment]] = []
-        for r in range(self.shards):
-            for k, u in enumerate(self.units):
-                out += [(k, s) for s in segments(u, r * u.shard_numel, (r + 1) * u.shard_numel)]
-        return tuple(out)
+    def _reduce_segments(self) -> tuple[tuple[tuple[int, Segment], ...], ...]:
+        """Per row of the rank-major buffer: (unit position, segment) of its values, in order."""
+        return tuple(
+            tuple(
+                (k, s) for k, u in enumerate(self.units)
+                for s in segments(u, r * u.shard_numel, (r + 1) * u.shard_numel)
+            )
+            for r in range(self.shards)
+        )
 
-    def reduce_input(self, grads: Sequence[Mapping[str, torch.Tensor]]) -> torch.Tensor:
-        """The bucket's rank-major buffer of ``grads`` (one mapping per unit, in order; a missing
-        gradient counts as zeros), in the dtype concatenating them gives."""
-        pieces: list[torch.Tensor] = []
-        for k, segment in self._reduce_segments:
-            pieces += pieces_of([segment], grads[k], self.units[k].dtype)
-        return torch.cat(pieces)
+    def reduce_rows(self, grads: Sequence[Mapping[str, torch.Tensor]]) -> list[list[torch.Tensor]]:
+        """The rows of the bucket's rank-major buffer of ``grads`` (one mapping per unit, in order; a
+        missing gradient counts as zeros) as 1-D pieces: slices of the gradients, nothing copied."""
+        return [
+            [piece for k, segment in row for piece in pieces_of([segment], grads[k], self.units[k].dtype)]
+            for row in self._reduce_segments
+        ]
 
     def split_shards(self, reduced: torch.Tensor) -> dict[str, torch.Tensor]:
         """Each unit's shard in a reduced bucket (views of it)."""

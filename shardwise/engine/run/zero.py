@@ -10,13 +10,14 @@ whose fields it uses.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ...collectives import Handle, all_gather_async, psum_async, psum_scatter_async
 from ...collectives.mesh import Mesh
-from ...collectives.ops import all_gather_into_async
+from ...collectives.ops import all_gather_into_async, psum_scatter_rows_async
 from ..layout.buckets import Bucket, bucket_of
 from ..layout.in_flight import InFlightParams
 from ..layout.sharding import FlatSharding
@@ -109,14 +110,19 @@ class ZeroActions:
         return bucket_of(tuple(sharding.units[u] for u in action.units or (action.require("layer"),)))
 
     def reduce_scatter(self, action: Action) -> None:
-        """Issue the reduce-scatter of a unit's gradient, or of a bucket's (one rank-major buffer of
-        its units' gradients, made in one copy)."""
+        """Issue the reduce-scatter of a unit's gradient, or of a bucket's (its rank-major rows of
+        its units' gradients, as slices of them: through shared memory they are copied into the
+        slots they are sent from, elsewhere concatenated in one copy)."""
         unit, sharding = action.require("layer"), self._sharding()
         assert action.axis is not None
         if action.units:
-            flat = self._bucket(action).reduce_input([self._unit_grads(u) for u in action.units])
-        else:
-            flat = sharding.units[unit].flatten_grads(self._unit_grads(unit), self.device)
+            rows = self._bucket(action).reduce_rows([self._unit_grads(u) for u in action.units])
+            dtype = functools.reduce(torch.promote_types, (piece.dtype for row in rows for piece in row))
+            if self.reduce_dtypes is not None:
+                dtype = self.reduce_dtypes[unit]
+            self._pending[("reduce", unit)] = psum_scatter_rows_async(rows, dtype, action.axis, mesh=self.mesh)
+            return
+        flat = sharding.units[unit].flatten_grads(self._unit_grads(unit), self.device)
         if self.reduce_dtypes is not None:
             flat = flat.to(self.reduce_dtypes[unit])
         # The flat buffer is this action's own (a new tensor, the gradients copied in) and nothing
