@@ -69,11 +69,14 @@ class Bucket:
             for r in range(self.shards)
         )
 
-    def reduce_rows(self, grads: Sequence[Mapping[str, torch.Tensor]]) -> list[list[torch.Tensor]]:
+    def reduce_rows(
+        self, grads: Sequence[Mapping[str, torch.Tensor]], device: torch.device | None = None
+    ) -> list[list[torch.Tensor]]:
         """The rows of the bucket's rank-major buffer of ``grads`` (one mapping per unit, in order; a
-        missing gradient counts as zeros) as 1-D pieces: slices of the gradients, nothing copied."""
+        missing gradient counts as zeros, on ``device`` where a unit has none) as 1-D pieces: slices
+        of the gradients, nothing copied."""
         return [
-            [piece for k, segment in row for piece in pieces_of([segment], grads[k], self.units[k].dtype)]
+            [piece for k, segment in row for piece in pieces_of([segment], grads[k], self.units[k].dtype, device)]
             for row in self._reduce_segments
         ]
 

@@ -51,14 +51,16 @@ def shard_from(unit: UnitLayout, tensors: Mapping[str, torch.Tensor], index: int
     return torch.cat(pieces) if len(pieces) > 1 else pieces[0].clone()
 
 
-def pieces_of(found: Sequence[Segment], tensors: Mapping[str, torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
-    """The 1-D slices ``found`` names (zeros for padding, and for a parameter absent from ``tensors``)."""
+def pieces_of(found: Sequence[Segment], tensors: Mapping[str, torch.Tensor], dtype: torch.dtype,
+              device: torch.device | None = None) -> list[torch.Tensor]:
+    """The 1-D slices ``found`` names (zeros for padding, and for a parameter absent from ``tensors``:
+    on the tensors' device, else on ``device``, else on the default one)."""
     like = next(iter(tensors.values()), None)
     out: list[torch.Tensor] = []
     for name, start, stop in found:
         t = tensors.get(name) if name is not None else None
         if t is None:
-            device = like.device if like is not None else None
+            device = like.device if like is not None else device
             out.append(torch.zeros(stop - start, dtype=dtype if like is None else like.dtype, device=device))
         else:
             out.append(t.reshape(-1)[start:stop])
@@ -133,27 +135,6 @@ class UnitLayout:
             like = pieces[0] if pieces else torch.empty(0, dtype=self.dtype)
             pieces.append(like.new_zeros(self.padding))
         return torch.cat(pieces)
-
-    def flatten_grads(self, grads: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor:
-        """The padded flat buffer of the unit's gradients, taking them out of ``grads`` one by one
-        as they are copied in (so the unit's gradients are not held twice); a parameter the loss
-        did not reach counts as zeros."""
-        dtypes = [g.dtype for g in grads.values()] + ([self.dtype] if len(grads) < len(self.names) else [])
-        dtype = functools.reduce(torch.promote_types, dtypes)  # what concatenating them gives
-        first = next(iter(grads.values()), None)
-        flat = torch.empty(self.padded_numel, dtype=dtype, device=device if first is None else first.device)
-        offset = 0
-        for name, numel in zip(self.names, self.numels, strict=True):
-            piece = flat[offset : offset + numel]
-            grad = grads.pop(name, None)
-            if grad is None:
-                piece.zero_()
-            else:
-                piece.copy_(grad.reshape(-1))
-            del grad
-            offset += numel
-        flat[offset:].zero_()
-        return flat
 
     def laid_out(self, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
         """The unit's padded flat buffer that ``tensors`` are the views of (as :meth:`unflatten`

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ...collectives import Handle, all_gather_async, psum_async, psum_scatter_async
+from ...collectives import Handle, all_gather_async, psum_async
 from ...collectives.mesh import Mesh
 from ...collectives.ops import all_gather_into_async, psum_scatter_rows_async
 from ..layout.buckets import Bucket, bucket_of
@@ -110,25 +110,18 @@ class ZeroActions:
         return bucket_of(tuple(sharding.units[u] for u in action.units or (action.require("layer"),)))
 
     def reduce_scatter(self, action: Action) -> None:
-        """Issue the reduce-scatter of a unit's gradient, or of a bucket's (its rank-major rows of
-        its units' gradients, as slices of them: through shared memory they are copied into the
-        slots they are sent from, elsewhere concatenated in one copy)."""
-        unit, sharding = action.require("layer"), self._sharding()
+        """Issue the reduce-scatter of a unit's gradient, or of a bucket's: its rank-major rows of the
+        units' gradients (padded), as slices of them. Through shared memory each slice is copied into
+        the slot it is sent from; elsewhere they are concatenated into one buffer, reduced in place.
+        The gradients are held until the wait, where the buffer was before."""
+        unit = action.require("layer")
         assert action.axis is not None
-        if action.units:
-            rows = self._bucket(action).reduce_rows([self._unit_grads(u) for u in action.units])
-            dtype = functools.reduce(torch.promote_types, (piece.dtype for row in rows for piece in row))
-            if self.reduce_dtypes is not None:
-                dtype = self.reduce_dtypes[unit]
-            self._pending[("reduce", unit)] = psum_scatter_rows_async(rows, dtype, action.axis, mesh=self.mesh)
-            return
-        flat = sharding.units[unit].flatten_grads(self._unit_grads(unit), self.device)
+        units = action.units or (unit,)
+        rows = self._bucket(action).reduce_rows([self._unit_grads(u) for u in units], self.device)
+        dtype = functools.reduce(torch.promote_types, (piece.dtype for row in rows for piece in row))
         if self.reduce_dtypes is not None:
-            flat = flat.to(self.reduce_dtypes[unit])
-        # The flat buffer is this action's own (a new tensor, the gradients copied in) and nothing
-        # reads it after: donated, so gloo's exchange (or its all-reduce, for a small one) reduces in
-        # it instead of a copy of it.
-        self._pending[("reduce", unit)] = psum_scatter_async(flat, action.axis, tiled=True, mesh=self.mesh, donate=True)
+            dtype = self.reduce_dtypes[unit]
+        self._pending[("reduce", unit)] = psum_scatter_rows_async(rows, dtype, action.axis, mesh=self.mesh)
 
     def wait_reduce(self, action: Action) -> None:
         unit = action.require("layer")

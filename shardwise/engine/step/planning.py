@@ -254,7 +254,7 @@ def _class_memory(
             for u, lay in sharding.units.items()
         }),
         "reduce_buffers": _reduce_levels(step, sharding, actions,
-                                         stage_needs(step.chain, placement, tuple(sharding.units))),
+                                         stage_needs(step.chain, placement, tuple(sharding.units)), device),
         "comm_buffers": _copy_levels(step, sharding, actions, device),
     }
     if sharding.replicate is not None:
@@ -408,18 +408,18 @@ def _replica_levels(step: Step, sharding: FlatSharding, actions: Sequence[Action
 
 
 def _reduce_levels(
-    step: Step, sharding: FlatSharding, actions: Sequence[Action], needs: Mapping[int, tuple[str, ...]]
+    step: Step, sharding: FlatSharding, actions: Sequence[Action], needs: Mapping[int, tuple[str, ...]],
+    device: torch.device,
 ) -> list[int]:
     """At each action, bytes of full gradients on their way to a reduce-scatter: while a backward
     that adds to them runs (its stage ``needs`` one of their units: a layer without parameters makes
-    none), the next bucket's gradients, and the flat inputs of the reduce-scatters in flight; when a
-    bucket is issued, its gradients twice, an upper bound (they and the flat buffer they are copied
-    into: a bucket's concatenation; one unit's buffer, which fills as its gradients are copied in and
-    released one by one, so it peaks at their size plus the largest: a linear's weight is most of it),
-    the flat inputs still in flight
-    (until their waits end: how many, lower._waits_for_reductions), and after the last compute the
-    gradients of every bucket still to be issued (the deferred ones of tied weights, complete and
-    waiting)."""
+    none), the next bucket's gradients, and the inputs of the reduce-scatters in flight; when a
+    bucket is issued, its gradients twice (they and the flat buffer they are concatenated into),
+    or once where they go as they are (on a CPU, a message big enough for the exchanges: through
+    shared memory each slice is copied into the slot it is sent from, and the gradients are held
+    to the wait instead of a buffer); the inputs still in flight (until their waits end: how many,
+    lower._waits_for_reductions), and after the last compute the gradients of every bucket still
+    to be issued (the deferred ones of tied weights, complete and waiting)."""
     sizes = _reduce_sizes(step, sharding)
     last_compute = max((i for i, a in enumerate(actions) if a.kind in GRAD_COMPUTES), default=-1)
     issued = [(i, a.units or (a.require("layer"),)) for i, a in enumerate(actions) if a.kind == REDUCE_SCATTER]
@@ -437,7 +437,10 @@ def _reduce_levels(
         elif action.kind == REDUCE_SCATTER:
             units = action.units or (action.require("layer"),)
             size = sum(sizes[u] for u in units)
-            level = 2 * size + sum(pending.values()) + waiting
+            first = sharding.units[units[0]]
+            as_slices = device.type == "cpu" and sized_for_exchange(
+                size, _reduce_dtype(step, first.unit, first.dtype), first.shards)
+            level = (1 if as_slices else 2) * size + sum(pending.values()) + waiting
             pending[units[0]] = size
             made += 1
         levels.append(level)
