@@ -73,6 +73,15 @@ def refuse_grad(op: str, x: torch.Tensor, fix: str | None = None) -> None:
         )
 
 
+def _check_piece(op: str, j: int, k: int, piece: object) -> None:
+    """Refuse ``rows[j][k]`` unless it is a 1-D contiguous tensor."""
+    if not isinstance(piece, torch.Tensor):
+        raise TypeError(f"{op}: rows[{j}][{k}] is a {type(piece).__name__}, not a tensor")
+    if piece.ndim != 1 or not piece.is_contiguous():
+        raise ValueError(f"{op}: rows[{j}][{k}] must be a 1-D contiguous tensor, got shape "
+                         f"{list(piece.shape)} (contiguous: {piece.is_contiguous()}); pass .reshape(-1) slices")
+
+
 def check_reduce_rows(op: str, rows: Sequence[Sequence[torch.Tensor]], dtype: torch.dtype, members: int) -> None:
     """Refuse rows a reduce-scatter cannot read as one (members, m) buffer of ``dtype``."""
     if len(rows) != members:
@@ -84,11 +93,7 @@ def check_reduce_rows(op: str, rows: Sequence[Sequence[torch.Tensor]], dtype: to
     for j, pieces in enumerate(rows):
         total = 0
         for k, piece in enumerate(pieces):
-            if not isinstance(piece, torch.Tensor):
-                raise TypeError(f"{op}: rows[{j}][{k}] is a {type(piece).__name__}, not a tensor")
-            if piece.ndim != 1 or not piece.is_contiguous():
-                raise ValueError(f"{op}: rows[{j}][{k}] must be a 1-D contiguous tensor, got shape "
-                                 f"{list(piece.shape)} (contiguous: {piece.is_contiguous()}); pass .reshape(-1) slices")
+            _check_piece(op, j, k, piece)
             if piece.requires_grad:
                 raise RuntimeError(f"{op} is not differentiable but rows[{j}][{k}] requires grad: pass detached "
                                    "tensors, or call it under torch.no_grad()")
@@ -117,11 +122,7 @@ def check_rows(op: str, x: torch.Tensor, rows: Sequence[Sequence[torch.Tensor]],
     for j, pieces in enumerate(rows):
         total = 0
         for k, piece in enumerate(pieces):
-            if not isinstance(piece, torch.Tensor):
-                raise TypeError(f"{op}: rows[{j}][{k}] is a {type(piece).__name__}, not a tensor")
-            if piece.ndim != 1 or not piece.is_contiguous():
-                raise ValueError(f"{op}: rows[{j}][{k}] must be a 1-D contiguous tensor, got shape "
-                                 f"{list(piece.shape)} (contiguous: {piece.is_contiguous()}); pass .view(-1) slices")
+            _check_piece(op, j, k, piece)
             if piece.dtype != x.dtype or piece.device != x.device:
                 raise ValueError(f"{op}: rows[{j}][{k}] is {piece.dtype} on {piece.device}, the input "
                                  f"{x.dtype} on {x.device}; the rows take the input's values as they are")

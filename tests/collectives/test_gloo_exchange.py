@@ -74,6 +74,15 @@ def _group(kind: str) -> Group:
     return Group(kind, tuple(range(backend.world_size)))
 
 
+def _groups(kinds: list[str], transport: str) -> Iterator[tuple[str, Group, int]]:
+    """Each kind's group and this rank's index in it, with the exchanges over ``transport``."""
+    rank = current_backend().rank
+    with shared_memory_exchange.loopback_exchanges() if transport == "tcp" else contextlib.nullcontext():
+        for kind in kinds:
+            group = _group(kind)
+            yield kind, group, group.index(rank)
+
+
 def _exchange_all(kinds: list[str], dtype: torch.dtype, row: int, chunk_bytes: int, transport: str) -> dict[str, Any]:
     """Per group kind: IN_FLIGHT reduce-scatters (donated and not) and all-gathers issued before
     any is waited, waited in reverse order."""
@@ -171,25 +180,22 @@ def _reduced_from_pieces(kinds: list[str], row: int, dtype: torch.dtype, transpo
     buffer concatenated and reduce-scattered whole; the path taken, and the pieces left alone."""
     backend = current_backend()
     out: dict[str, Any] = {}
-    with shared_memory_exchange.loopback_exchanges() if transport == "tcp" else contextlib.nullcontext():
-        for kind in kinds:
-            group = _group(kind)
-            i = group.index(backend.rank)
-            axis = {"dp": "dp", "pp": "pp"}.get(kind)
-            mesh = Mesh(dp=2, pp=2) if axis else None
-            inputs = [_summed(group.size, torch.float32, 300 + s, row)[i] for s in range(IN_FLIGHT)]
-            rows = [[[piece.clone() for piece in torch.split(x[j], list(_cut(row, j + s)))]
-                     for j in range(group.size)] for s, x in enumerate(inputs)]
-            kept = [[[piece.clone() for piece in r] for r in rs] for rs in rows]
-            works = [_issue_rows(backend, r, dtype, group, axis, mesh) for r in rows]
-            got = [w.wait() for w in reversed(works)][::-1]
-            whole = [backend.reduce_scatter(x.to(dtype), group).wait() for x in inputs]
-            out[kind] = {
-                "got": got, "whole": whole, "index": i, "size": group.size,
-                "untouched": all(torch.equal(a, b) for rs, ks in zip(rows, kept, strict=True)
-                                 for r, k in zip(rs, ks, strict=True) for a, b in zip(r, k, strict=True)),
-                "path": _path(inputs[0][0], group),
-            }
+    for kind, group, i in _groups(kinds, transport):
+        axis = {"dp": "dp", "pp": "pp"}.get(kind)
+        mesh = Mesh(dp=2, pp=2) if axis else None
+        inputs = [_summed(group.size, torch.float32, 300 + s, row)[i] for s in range(IN_FLIGHT)]
+        rows = [[[piece.clone() for piece in torch.split(x[j], list(_cut(row, j + s)))]
+                 for j in range(group.size)] for s, x in enumerate(inputs)]
+        kept = [[[piece.clone() for piece in r] for r in rs] for rs in rows]
+        works = [_issue_rows(backend, r, dtype, group, axis, mesh) for r in rows]
+        got = [w.wait() for w in reversed(works)][::-1]
+        whole = [backend.reduce_scatter(x.to(dtype), group).wait() for x in inputs]
+        out[kind] = {
+            "got": got, "whole": whole, "index": i, "size": group.size,
+            "untouched": all(torch.equal(a, b) for rs, ks in zip(rows, kept, strict=True)
+                             for r, k in zip(rs, ks, strict=True) for a, b in zip(r, k, strict=True)),
+            "path": _path(inputs[0][0], group),
+        }
     return out
 
 
@@ -452,27 +458,24 @@ def _gathered_into(kinds: list[str], dtype: torch.dtype, row: int, transport: st
     inputs were left alone."""
     backend = current_backend()
     out: dict[str, Any] = {}
-    with shared_memory_exchange.loopback_exchanges() if transport == "tcp" else contextlib.nullcontext():
-        for kind in kinds:
-            group = _group(kind)
-            i = group.index(backend.rank)
-            moves = [_moved_by(i, dtype, 200 + s, row).reshape(-1) for s in range(IN_FLIGHT)]
-            kept = [t.clone() for t in moves]
-            n = group.size
-            size = sum(row + GAP * len(_cut(row, j)) for j in range(n))  # every piece, each gap after it
-            dests = [torch.full((size,), float("nan"), dtype=dtype) for _ in moves]
-            rows = [_rows_in(d, n, moves[0].numel()) for d in dests]
-            works = [backend.all_gather_into(x, r, group) for x, r in zip(moves, rows, strict=True)]
-            returned = [w.wait() for w in reversed(works)][::-1]
-            covered = [_covered(d.numel(), r) for d, r in zip(dests, rows, strict=True)]
-            out[kind] = {
-                "got": [torch.stack([torch.cat(pieces) for pieces in r]) for r in rows],
-                "outside_untouched": all(bool(d[~c].isnan().all()) for d, c in zip(dests, covered, strict=True)),
-                "inputs_untouched": all(torch.equal(a, b) for a, b in zip(kept, moves, strict=True)),
-                "returns_input": all(a.data_ptr() == b.data_ptr() and torch.equal(a, b)
-                                     for a, b in zip(returned, moves, strict=True)),
-                "path": _path(moves[0], group),
-            }
+    for kind, group, i in _groups(kinds, transport):
+        moves = [_moved_by(i, dtype, 200 + s, row).reshape(-1) for s in range(IN_FLIGHT)]
+        kept = [t.clone() for t in moves]
+        n = group.size
+        size = sum(row + GAP * len(_cut(row, j)) for j in range(n))  # every piece, each gap after it
+        dests = [torch.full((size,), float("nan"), dtype=dtype) for _ in moves]
+        rows = [_rows_in(d, n, moves[0].numel()) for d in dests]
+        works = [backend.all_gather_into(x, r, group) for x, r in zip(moves, rows, strict=True)]
+        returned = [w.wait() for w in reversed(works)][::-1]
+        covered = [_covered(d.numel(), r) for d, r in zip(dests, rows, strict=True)]
+        out[kind] = {
+            "got": [torch.stack([torch.cat(pieces) for pieces in r]) for r in rows],
+            "outside_untouched": all(bool(d[~c].isnan().all()) for d, c in zip(dests, covered, strict=True)),
+            "inputs_untouched": all(torch.equal(a, b) for a, b in zip(kept, moves, strict=True)),
+            "returns_input": all(a.data_ptr() == b.data_ptr() and torch.equal(a, b)
+                                 for a, b in zip(returned, moves, strict=True)),
+            "path": _path(moves[0], group),
+        }
     return out
 
 
