@@ -305,6 +305,51 @@ def test_the_plan_counts_no_receive_copy_for_gathers_the_exchanges_take() -> Non
     assert memory["comm_buffers"][0] == (192 * 256 + 256) * 4 + small
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("policy", [None, "params=f32,compute=bf16,output=f32,reduce=f32",
+                                    "params=f32,compute=f32,output=f32,reduce=bf16"])
+@pytest.mark.parametrize("widths,exchanged", [([256, 512, 4], True), ([16, 32, 4], False)])
+def test_the_plan_counts_a_reduce_scatters_gradients_in_their_dtype_and_its_buffer_in_the_reduce_dtype(
+        monkeypatch: pytest.MonkeyPatch, stage: int, policy: str | None, widths: list[int], exchanged: bool) -> None:
+    """What a reduce-scatter holds at its issue: the gradients the executor hands it (the backward's,
+    in the compute dtype) and, unless the message goes as their slices (on a CPU, big enough for the
+    exchanges: 64 KiB per member), the buffer they are concatenated into, in the reduce dtype. The
+    Plan's ``reduce_buffers`` is that, for policies whose two dtypes differ either way: under
+    ``compute=f32,reduce=bf16`` the gradients are twice the message's bytes, and it once counted them
+    as the message. Each unit is reduced alone and waited for before the next compute
+    (``reduce_in_flight=0``), so the most held is one issue's. Layer 0 of the wide model
+    (256 x 512 + 512) is 263 KB as a bfloat16 message; every unit of the narrow one is under 3 KB."""
+    from shardwise.engine.run import zero
+
+    handed: list[int] = []  # per reduce-scatter of rank 0: what it holds at its issue, in bytes
+    issue = zero.psum_scatter_rows_async
+
+    def spy(rows: list[list[torch.Tensor]], dtype: torch.dtype, axis: str, *, mesh: sw.Mesh | None = None) -> object:
+        pieces = [piece for row in rows for piece in row]
+        if mesh is not None and mesh.rank == 0:
+            message = sum(piece.numel() for piece in pieces) * dtype.itemsize
+            handed.append(sum(piece.numel() * piece.element_size() for piece in pieces)
+                          + (0 if exchanged else message))
+        return issue(rows, dtype, axis, mesh=mesh)
+
+    monkeypatch.setattr(zero, "psum_scatter_rows_async", spy)
+    torch.manual_seed(0)
+    chain, params = sw.functionalize(mlp(widths))
+    base = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.adamw(1e-2, inplace=True))
+    if policy is not None:
+        base = sw.mixed_precision(base, policy)
+    step = sw.shard_params(base, "dp", stage, reduce_in_flight=0, **({"bucket_mb": 1e-6} if stage == 2 else {}))
+    mesh, batch = sw.Mesh(dp=2), (torch.randn(8, widths[0]), torch.randn(8, widths[-1]))
+    plan = step.plan(mesh, params, batch)
+
+    def run() -> None:
+        step(step.init(params, mesh), batch)
+
+    sw.launch(run, 2)
+    assert len(handed) == 2  # both units' reduce-scatters, each seen once
+    assert plan.memory["reduce_buffers"][0] == max(handed)
+
+
 def test_the_plans_peak_follows_the_backwards_prefetch(monkeypatch: pytest.MonkeyPatch) -> None:
     """On a CPU the backward issues each prefetch after the previous unit's reduce-scatter, beside which
     it travels, not before that unit's compute (``ShardSpec.prefetches_backward_after``): the Plan's

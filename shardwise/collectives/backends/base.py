@@ -276,7 +276,9 @@ class Backend(abc.ABC):
         """``reduce_scatter`` of the (n, m) buffer whose row ``j`` is ``rows[j]``'s 1-D pieces end to
         end, in ``dtype``; the pieces are read until the wait. Here: concatenated into that buffer
         (one copy), which the reduce-scatter then takes as its own."""
-        flat = torch.cat([piece for row in rows for piece in row]).to(dtype)
+        pieces = [piece for row in rows for piece in row]
+        # Converted as it is concatenated: no buffer in the pieces' dtype beside the one in ``dtype``.
+        flat = torch.cat(pieces, out=torch.empty(sum(p.numel() for p in pieces), dtype=dtype, device=pieces[0].device))
         return self.reduce_scatter(flat.view(group.size, -1), group, op_name, snapshot=False, donate=True)
 
     @abc.abstractmethod

@@ -414,34 +414,38 @@ def _reduce_levels(
     """At each action, bytes of full gradients on their way to a reduce-scatter: while a backward
     that adds to them runs (its stage ``needs`` one of their units: a layer without parameters makes
     none), the next bucket's gradients, and the inputs of the reduce-scatters in flight; when a
-    bucket is issued, its gradients twice (they and the flat buffer they are concatenated into),
-    or once where they go as they are (on a CPU, a message big enough for the exchanges: through
-    shared memory each slice is copied into the slot it is sent from, and the gradients are held
-    to the wait instead of a buffer); the inputs still in flight (until their waits end: how many,
-    lower._waits_for_reductions), and after the last compute the gradients of every bucket still
-    to be issued (the deferred ones of tied weights, complete and waiting)."""
+    bucket is issued, its gradients and the flat buffer they are concatenated into (in the reduce
+    dtype), then that buffer to the wait; or, where they go as they are (on a CPU, a message big
+    enough for the exchanges: through shared memory each slice is copied into the slot it is sent
+    from), its gradients alone, held to the wait instead of a buffer; the inputs still in flight
+    (until their waits end: how many, lower._waits_for_reductions), and after the last compute the
+    gradients of every bucket still to be issued (the deferred ones of tied weights, complete and
+    waiting). The gradients are in the compute dtype (the backward's, of the compute copies), the
+    buffer in the reduce dtype: under ``compute=f32,reduce=bf16`` the gradients held are twice the
+    bytes of the message, under ``compute=bf16,reduce=f32`` half."""
     sizes = _reduce_sizes(step, sharding)
+    grad_sizes = {u: lay.padded_numel * _gather_dtype(step, u, lay.dtype).itemsize
+                  for u, lay in sharding.units.items()}
     last_compute = max((i for i, a in enumerate(actions) if a.kind in GRAD_COMPUTES), default=-1)
     issued = [(i, a.units or (a.require("layer"),)) for i, a in enumerate(actions) if a.kind == REDUCE_SCATTER]
-    bucket_bytes = [sum(sizes[u] for u in b) for _, b in issued]
     pending: dict[str, int] = {}
     levels = []
     made = 0  # how many buckets were issued so far
     for i, action in enumerate(actions):
-        waiting = sum(sum(sizes[u] for u in b) for j, b in issued if j > i) if i > last_compute else 0
+        waiting = sum(sum(grad_sizes[u] for u in b) for j, b in issued if j > i) if i > last_compute else 0
         level = sum(pending.values()) + waiting
         if action.kind in GRAD_COMPUTES and made < len(issued) and set(
             needs.get(action.stage or 0, ())
         ) & set(issued[made][1]):  # the next bucket's gradients grow
-            level = bucket_bytes[made] + sum(pending.values())
+            level = sum(grad_sizes[u] for u in issued[made][1]) + sum(pending.values())
         elif action.kind == REDUCE_SCATTER:
             units = action.units or (action.require("layer"),)
-            size = sum(sizes[u] for u in units)
+            size, grads = sum(sizes[u] for u in units), sum(grad_sizes[u] for u in units)
             first = sharding.units[units[0]]
             as_slices = device.type == "cpu" and sized_for_exchange(
                 size, _reduce_dtype(step, first.unit, first.dtype), first.shards)
-            level = (1 if as_slices else 2) * size + sum(pending.values()) + waiting
-            pending[units[0]] = size
+            level = grads + (0 if as_slices else size) + sum(pending.values()) + waiting
+            pending[units[0]] = grads if as_slices else size
             made += 1
         levels.append(level)
         if action.kind == WAIT_REDUCE:  # held until the wait ends
