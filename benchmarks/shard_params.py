@@ -39,12 +39,19 @@ Variants, all with AdamW (lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight decay
   ``gather_into_params=False``: the gathered buffers handed on beside the parameters the step was
   given, instead of copied into them one bucket at a time (what the in-place AdamW here does by
   default); ``paired_ratio_to_beside`` (on the plain stage's row) is the default's step over this one's.
+* ``stage3_prefetch2``: ZeRO-3 with ``prefetch=2`` (each compute's units gathered two computes
+  ahead instead of one); ``paired_ratio_to_prefetch1`` is its step over ``stage3``'s.
 * ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` with no buffer sync per
   forward (``forward_sync_buffers=False``; the only buffer, GPT's causal mask,
   is constant) + ``torch.optim.AdamW``.
 * ``fsdp2``: ``torch.distributed.fsdp.fully_shard`` on every block (GPT) or
   every Linear (MLP), then on the root, on a CPU device mesh + ``torch.optim.AdamW``.
   Torch ranks take their slice of the global batch.
+* ``compute_only``: each rank's slice through the plain module and ``torch.optim.AdamW``, nothing
+  exchanged. Not data parallel (the ranks' weights drift apart; its loss fields are ``null``): the
+  step's computation alone, the floor under every variant here, since each computes at least this.
+  ``paired_ratio_to_fsdp2`` of this row bounds from below what any data-parallel system can reach
+  on these ranks. Not in the default run.
 * ``fairscale_fsdp`` (FairScale's FSDP, wrapped as FSDP2 is), ``fairscale_oss`` (FairScale's
   OSS optimizer + ShardedDDP), ``deepspeed_zero2`` / ``deepspeed_zero3`` (DeepSpeed's engine),
   each with ``torch.optim.AdamW``, stepped on its slice as torch's are; built by
@@ -65,7 +72,9 @@ One JSON object per (model, world, variant) on stdout (and in ``--out``):
   untimed ones) of the slowest rank's wall time for that step.
   ``ratio_to_fsdp2`` is that median divided by FSDP2's (> 1: slower than FSDP2);
   ``paired_ratio_to_fsdp2`` the median over rounds of the step's time over FSDP2's step of the
-  same round (load that drifts during the run cancels; the figure to compare).
+  same round (load that drifts during the run cancels; the figure to compare);
+  ``paired_ratio_to_ddp`` and ``paired_ratio_to_compute_only`` the same over DDP's and over
+  ``compute_only``'s step, where those ran.
 * ``model_state_bytes_per_rank``: parameters + optimizer state held by one
   rank at rest (largest over ranks). Ours: ``tree_nbytes(state.params) +
   tree_nbytes(state.opt_state)``; FSDP2: the local shards of the parameters
@@ -150,11 +159,17 @@ TCP = "_tcp"
 # ``*_beside``: the gathered buffers handed on beside the parameters (``gather_into_params=False``),
 # against the default with the in-place AdamW, which copies each bucket into them.
 BESIDE = "_beside"
+# ``stage3_prefetch2``: ZeRO-3 gathering two units ahead of the compute (``prefetch=2``), against the default 1.
+PREFETCH2 = "_prefetch2"
 OURS = ("stage1", "stage2", "stage3", f"stage1{IN_BUCKETS}", f"stage2{IN_BUCKETS}",
         f"stage1{OVERLAP}", f"stage2{OVERLAP}", f"stage1{WAIT}", f"stage2{WAIT}",
         f"stage1{RING}", f"stage2{RING}", f"stage3{RING}", f"stage1{TCP}", f"stage2{TCP}", f"stage3{TCP}",
-        f"stage1{BESIDE}", f"stage2{BESIDE}")
-VARIANTS = (*OURS, "ddp", "fsdp2", *seed_systems.SYSTEMS)
+        f"stage1{BESIDE}", f"stage2{BESIDE}", f"stage3{PREFETCH2}")
+# ``compute_only``: each rank's slice through the plain module and torch's AdamW, nothing exchanged. Not a
+# data-parallel step (the ranks' weights drift apart, so its losses are not checked): the floor that a
+# data-parallel step on these ranks could reach if its communication cost nothing.
+COMPUTE_ONLY = "compute_only"
+VARIANTS = (*OURS, "ddp", "fsdp2", *seed_systems.SYSTEMS, COMPUTE_ONLY)
 
 
 @dataclass(frozen=True)
@@ -203,14 +218,15 @@ class Ours:
 
     def __init__(
         self, cfg: Config, stage: int, in_buckets: bool = False, overlap: bool | None = None, ring: bool = False,
-        tcp: bool = False, beside: bool = False,
+        tcp: bool = False, beside: bool = False, prefetch: int | None = None,
     ) -> None:
         self.ring, self.tcp = ring, tcp
         units = GPT_UNITS if cfg.model == "gpt" else None
         chain, params = sw.functionalize(build_model(cfg), units=units)
         step = sw.train_step(chain, loss_fn_of(cfg.model), sw_adamw())
         self.step_fn = sw.shard_params(step, "dp", stage=stage, update_in_buckets=True if in_buckets else None,
-                                       overlap_gather=overlap, gather_into_params=False if beside else None)
+                                       overlap_gather=overlap, gather_into_params=False if beside else None,
+                                       **({} if prefetch is None else {"prefetch": prefetch}))
         self.state = self.step_fn.init(params, sw.Mesh(dp=cfg.world))
 
     def step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -303,12 +319,15 @@ Runner = Ours | TorchVariant | SeedVariant
 def make_variant(name: str, cfg: Config) -> Runner:
     if name in OURS:
         stage = int(name.removesuffix(IN_BUCKETS).removesuffix(OVERLAP).removesuffix(WAIT).removesuffix(RING)
-                    .removesuffix(TCP).removesuffix(BESIDE)[-1])
+                    .removesuffix(TCP).removesuffix(BESIDE).removesuffix(PREFETCH2)[-1])
         overlap = True if name.endswith(OVERLAP) else False if name.endswith(WAIT) else None
         return Ours(cfg, stage=stage, in_buckets=name.endswith(IN_BUCKETS), overlap=overlap, ring=name.endswith(RING),
-                    tcp=name.endswith(TCP), beside=name.endswith(BESIDE))
+                    tcp=name.endswith(TCP), beside=name.endswith(BESIDE),
+                    prefetch=2 if name.endswith(PREFETCH2) else None)
     if name in seed_systems.SYSTEMS:
         return SeedVariant(cfg, name)
+    if name == COMPUTE_ONLY:
+        return TorchVariant(cfg, build_model(cfg))
     return {"ddp": make_ddp, "fsdp2": make_fsdp2}[name](cfg)
 
 
@@ -436,11 +455,21 @@ def rows_for(cfg: Config, per_rank: list[dict[str, Any]], ref: Reference) -> lis
             **({"paired_ratio_to_tcp": round(paired_ratio_median(
                 [r["times"][name] for r in per_rank], [r["times"][name + TCP] for r in per_rank]), 3)}
                if name + TCP in first["times"] else {}),
+            # the step over DDP's and over the computation alone, in the same rounds (when they ran)
+            **{f"paired_ratio_to_{other}": round(paired_ratio_median(
+                [r["times"][name] for r in per_rank], [r["times"][other] for r in per_rank]), 3)
+               for other in ("ddp", COMPUTE_ONLY) if other in first["times"] and other != name},
+            # ZeRO-3 prefetching two units over the default one
+            **({"paired_ratio_to_prefetch1": round(paired_ratio_median(
+                [r["times"][name] for r in per_rank], [r["times"][name.removesuffix(PREFETCH2)] for r in per_rank]),
+                3)} if name.endswith(PREFETCH2) and name.removesuffix(PREFETCH2) in first["times"] else {}),
             "model_state_bytes_per_rank": max(r["state_bytes"][name] for r in per_rank),
             "ledger_sent_bytes_per_step": max(r["ledger_bytes"][name] for r in per_rank) if name in OURS else None,
-            "max_rel_loss_diff": max_rel_diff(losses, ref.losses),
-            "update_check": float(f"{ref.update_check(losses):.3g}"),
-            "final_loss": round(losses[-1], 5),
+            **({"max_rel_loss_diff": None, "update_check": None, "final_loss": None} if name == COMPUTE_ONLY else {
+                "max_rel_loss_diff": max_rel_diff(losses, ref.losses),
+                "update_check": float(f"{ref.update_check(losses):.3g}"),
+                "final_loss": round(losses[-1], 5),
+            }),
         })
     return rows
 
@@ -458,9 +487,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add_batch_flags(parser)
     parser.add_argument("--variants",
                         default=",".join(v for v in VARIANTS
-                                         if not v.endswith((IN_BUCKETS, OVERLAP, WAIT, RING, BESIDE))),
+                                         if not v.endswith((IN_BUCKETS, OVERLAP, WAIT, RING, BESIDE, PREFETCH2))
+                                         and v != COMPUTE_ONLY),
                         help=f"comma-separated subset of {','.join(VARIANTS)} (default all but the *{IN_BUCKETS}, "
-                        f"*{OVERLAP}, *{WAIT}, *{RING} and *{BESIDE}; fsdp2 is always run)")
+                        f"*{OVERLAP}, *{WAIT}, *{RING}, *{BESIDE}, *{PREFETCH2} and {COMPUTE_ONLY}; fsdp2 is always "
+                        "run)")
     parser.add_argument("--block", type=int, default=1,
                         help="consecutive steps per variant and turn, timed together (default 1: the variants "
                         "alternate step by step); > 1 charges ZeRO-1/2's overlapped all-gather to its own "

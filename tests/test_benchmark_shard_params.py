@@ -1,0 +1,42 @@
+"""benchmarks/shard_params.py, issue 27's main benchmark: every ZeRO stage trains as torch does beside
+DDP and FSDP2, and the rows carry the ratios the issue's targets are read from, the computation-alone
+floor among them (its loss is not a data-parallel run's, so it is not compared)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+OURS = ["stage1", "stage2", "stage3", "stage3_prefetch2"]
+
+
+@pytest.mark.gloo  # two gloo processes of the benchmark's own
+def test_every_stage_trains_as_torch_does_and_reports_its_ratios() -> None:
+    variants = [*OURS, "ddp", "compute_only"]
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "shard_params.py"), "--worlds", "2", "--models", "mlp",
+           "--mlp-batch", "8", "--steps", "1", "--warmup", "1", "--variants", ",".join(variants)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = {row["variant"]: row for row in map(json.loads, result.stdout.splitlines())}
+    assert set(rows) == {"fsdp2", *variants}
+    for name in [*OURS, "ddp", "fsdp2"]:
+        row = rows[name]
+        # Step 1's loss is after one update: ~0 for a step that updates as torch's, 1 for a no-op.
+        assert row["update_check"] < 0.01 and row["max_rel_loss_diff"] < 1e-5, row
+        assert row["median_step_s"] > 0 and row["paired_ratio_to_fsdp2"] > 0, row
+        assert row["paired_ratio_to_compute_only"] > 0, row
+        if name != "ddp":
+            assert row["paired_ratio_to_ddp"] > 0, row
+        # What a step sends, from the library's ledger: ours only (torch's collectives are not in it).
+        sent = row["ledger_sent_bytes_per_step"]
+        assert sent > 0 if name in OURS else sent is None, row
+    floor = rows["compute_only"]
+    # Each rank trains its slice alone: its losses are no data-parallel run's, so none is reported.
+    assert floor["max_rel_loss_diff"] is None and floor["update_check"] is None and floor["final_loss"] is None
+    assert "paired_ratio_to_compute_only" not in floor and floor["paired_ratio_to_ddp"] > 0
+    assert rows["stage3_prefetch2"]["paired_ratio_to_prefetch1"] > 0
