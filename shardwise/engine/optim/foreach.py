@@ -41,7 +41,7 @@ __all__ = [
 ]
 
 TensorList = Sequence[Tensor]
-MIN_GROUP_BYTES = 256 * 1024  # bounded_groups: small tensors share a range up to this many bytes
+MIN_GROUP_BYTES = 4 << 20  # bounded_groups: smaller tensors share a range up to this many bytes
 
 # Name of the private op -> the per-tensor op it must agree with, called with the same
 # arguments per tensor (scalars are passed by the keyword both accept). The test suite
@@ -201,15 +201,18 @@ def bounded_groups(xs: TensorList) -> list[range]:
     """Consecutive index ranges of ``xs`` to run an op that makes temporaries on, one range at a time.
 
     On CPU each range holds at most as many bytes as the largest tensor or
-    ``MIN_GROUP_BYTES``, whichever is more (one tensor may be a range of its own). Two
-    reasons: a range's tensors stay in cache through every op of an update (torch's
-    single-tensor path gets that by going tensor by tensor), and the temporaries of one
-    range are freed before the next range makes its own, so the allocator reuses that
-    memory. Made all at once, the temporaries of a whole model are one large free at the
-    end, which glibc hands back to the OS, so every step pays page faults to get it again
-    (measured: about 1,300 faults, 1 to 2 ms, per AdamW update of a 4 MB stage). The floor
-    keeps small tensors together: one kernel call per op for a whole small model. Elsewhere
-    (accelerators keep freed memory cached) it is one range: the fewest kernel launches.
+    ``MIN_GROUP_BYTES``, whichever is more (one tensor may be a range of its own). The
+    temporaries of one range are freed before the next range makes its own, so the allocator
+    reuses that memory and an update's temporaries stay within one range's bytes. Made all at
+    once, the temporaries of a whole model are one large free at the end, which glibc may hand
+    back to the OS, so every step pays page faults to get it again (measured before
+    ``run/heap.py``: about 1,300 faults, 1 to 2 ms, per AdamW update of a 4 MB stage). The
+    floor keeps tensors together up to 4 MiB, since every range costs each op one call: at
+    256 KiB the 8 x Linear(512) MLP's AdamW ran 16 ranges, eight calls each, and the
+    single-device step cost 1.050-1.061x torch's loop; at 4 MiB (three ranges) 1.008-1.013x,
+    at 8 and 32 MiB 1.014-1.023x (``one_device.py --optims adamw --paired 300``, two runs of
+    each). Elsewhere (accelerators keep freed memory cached) it is one range: the fewest
+    kernel launches.
     """
     if not xs:
         return []
