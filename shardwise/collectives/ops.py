@@ -62,6 +62,7 @@ from .validate import (
     check_reduce_rows,
     check_root,
     check_rows,
+    gather_input,
     normalize_dim,
     refuse_grad,
     require_tensor,
@@ -334,17 +335,23 @@ def all_gather_async(
     return start_all_gather(x, where, _gather_dim("all_gather_async", x, dim, tiled), tiled, snapshot=snapshot)
 
 
-def all_gather_into_async(x: torch.Tensor, rows: Rows, axis: str, *, mesh: Mesh | None = None) -> Handle:
-    """Start the all-gather of ``x`` (flattened) over ``axis``, written where the caller says:
-    member ``j``'s values into ``rows[j]``, 1-D contiguous pieces of ``x``'s dtype and device laid end
-    to end (none overlapping ``x``, but for this member's own row, which may be ``x``'s values where
-    they lie: left as they are). ``x`` must stay unchanged until ``.wait()``, which returns it.
-    Through shared memory no buffer of the whole result is made (each peer's part is copied from
-    its slots into the pieces); elsewhere the gathered buffer is copied into them at the wait."""
-    x = _async_input("all_gather_into_async", x)
+def all_gather_into_async(
+    x: torch.Tensor | Sequence[torch.Tensor], rows: Rows, axis: str, *, mesh: Mesh | None = None
+) -> Handle:
+    """Start the all-gather over ``axis`` of each member's input, written where the caller says:
+    member ``j``'s values into ``rows[j]``, 1-D contiguous pieces of the input's dtype and device laid
+    end to end. The input is ``x`` flattened, or given as a sequence of 1-D contiguous tensors, their
+    values end to end (a bucket's shards, say, gathered without joining them first). No piece of the
+    rows may overlap the input, but in this member's own row, which may be the input's values where
+    they lie (left as they are). The input and this member's row must stay unchanged until
+    ``.wait()``, which returns ``x`` given a tensor, else an empty tensor. Through shared memory no
+    buffer of the input or the result is made (this member's row is sent from where it lies, each
+    peer's part copied from its slots into the pieces); elsewhere the input is joined (when it is
+    several pieces) and gathered, and the result copied into the pieces at the wait."""
+    xs = gather_input("all_gather_into_async", x)
     where = resolve("all_gather_into_async", axis, mesh)
-    check_rows("all_gather_into_async", x, rows, where.size, where.index)
-    return start_all_gather_into(x, where, rows)
+    check_rows("all_gather_into_async", xs, rows, where.size, where.index)
+    return start_all_gather_into(x if isinstance(x, torch.Tensor) else xs, where, rows)
 
 
 def psum_scatter_rows_async(rows: Rows, dtype: torch.dtype, axis: str, *, mesh: Mesh | None = None) -> Handle:

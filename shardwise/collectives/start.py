@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from .backends.base import Rows
@@ -43,15 +45,29 @@ def start_all_gather(x: torch.Tensor, where: Where, dim: int, tiled: bool, snaps
     )
 
 
-def start_all_gather_into(x: torch.Tensor, where: Where, rows: Rows) -> Handle:
-    """Each member's ``x`` (flat) written into its ``rows`` entry; ``x`` is read until the wait."""
+def start_all_gather_into(x: torch.Tensor | Sequence[torch.Tensor], where: Where, rows: Rows) -> Handle:
+    """Each member's input, ``x`` flattened or the 1-D pieces ``x`` end to end, written into its
+    ``rows`` entry; the input is read until the wait, which returns ``x`` given a tensor, else an
+    empty tensor. The ledger records ``x``, or given pieces one tensor of their elements."""
+    if isinstance(x, torch.Tensor):
+        given = x
+        return issue(
+            "all_gather",
+            where,
+            x,
+            lambda b, t, g, s: b.all_gather_into([t], rows, g, "all_gather"),
+            lambda _: given,
+            snapshot=False,
+            layout=lambda t: t.reshape(-1),
+        )
+    pieces = list(x)
+    joined = torch.empty(sum(p.numel() for p in pieces), dtype=pieces[0].dtype, device="meta")
     return issue(
         "all_gather",
         where,
-        x,
-        lambda b, t, g, s: b.all_gather_into(t, rows, g, "all_gather"),
+        joined,
+        lambda b, t, g, s: b.all_gather_into(pieces, rows, g, "all_gather"),
         snapshot=False,
-        layout=lambda t: t.reshape(-1),
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from collections.abc import Sequence
 
@@ -109,30 +110,70 @@ def check_reduce_rows(op: str, rows: Sequence[Sequence[torch.Tensor]], dtype: to
         raise ValueError(f"{op}: the rows hold no tensor; pass at least one piece per row")
 
 
-def check_rows(op: str, x: torch.Tensor, rows: Sequence[Sequence[torch.Tensor]], members: int, own: int) -> None:
-    """Refuse destinations an all-gather of ``x`` over ``members`` cannot be written into (member
-    ``own``'s row may be ``x``'s own values where they lie: nothing is copied there)."""
+def gather_input(op: str, x: object) -> list[torch.Tensor]:
+    """An all-gather's input as the 1-D pieces its values lie in, end to end: a tensor, flattened
+    (it must be contiguous: its values are read in place), or a sequence of 1-D contiguous tensors
+    of one dtype and device that do not overlap each other."""
+    if isinstance(x, torch.Tensor):
+        if not x.is_contiguous():
+            raise ValueError(f"{op}: the input must be contiguous (its values are read in place); pass x.contiguous()")
+        refuse_grad(op, x)
+        return [x.detach().reshape(-1)]
+    if not isinstance(x, Sequence) or not x:
+        raise TypeError(f"{op}: the input must be a tensor or a non-empty sequence of 1-D tensors (its values "
+                        f"end to end), got {type(x).__name__}{' (empty)' if isinstance(x, Sequence) else ''}")
+    pieces = list(x)
+    for k, piece in enumerate(pieces):
+        if not isinstance(piece, torch.Tensor):
+            raise TypeError(f"{op}: x[{k}] is a {type(piece).__name__}, not a tensor")
+        if piece.ndim != 1 or not piece.is_contiguous():
+            raise ValueError(f"{op}: x[{k}] must be a 1-D contiguous tensor, got shape {list(piece.shape)} "
+                             f"(contiguous: {piece.is_contiguous()}); pass .reshape(-1) slices")
+        if piece.dtype != pieces[0].dtype or piece.device != pieces[0].device:
+            raise ValueError(f"{op}: x[{k}] is {piece.dtype} on {piece.device}, x[0] {pieces[0].dtype} on "
+                             f"{pieces[0].device}; every piece of the input must be of one dtype and device")
+        refuse_grad(op, piece)
+    spans = sorted((p.data_ptr(), p.data_ptr() + p.numel() * p.element_size(), k)
+                   for k, p in enumerate(pieces) if p.numel())
+    for (_, end, k), (start, _, k2) in itertools.pairwise(spans):
+        if start < end:
+            raise ValueError(f"{op}: x[{k}] and x[{k2}] overlap; the input's pieces must hold distinct elements")
+    return [piece.detach() for piece in pieces]
+
+
+def check_rows(op: str, xs: Sequence[torch.Tensor], rows: Sequence[Sequence[torch.Tensor]], members: int,
+               own: int) -> None:
+    """Refuse destinations an all-gather of the pieces ``xs`` (end to end, from ``gather_input``)
+    over ``members`` cannot be written into (member ``own``'s row may be the input's values where
+    they lie: nothing is copied there)."""
     if len(rows) != members:
         raise ValueError(f"{op}: rows has {len(rows)} entries; pass one per member of the axis ({members})")
-    if not x.is_contiguous():
-        raise ValueError(f"{op}: the input must be contiguous (its values are read in place); pass x.contiguous()")
-    numel, size = x.numel(), x.element_size()
+    dtype, device, size = xs[0].dtype, xs[0].device, xs[0].element_size()
+    numel = sum(x.numel() for x in xs)
+    # The input's pieces by address (they do not overlap each other): (start, end, element offset).
+    inputs = sorted((x.data_ptr(), x.data_ptr() + x.numel() * size, at)
+                    for x, at in zip(xs, itertools.accumulate((x.numel() for x in xs[:-1]), initial=0), strict=True)
+                    if x.numel())
+    input_ends = [end for _, end, _ in inputs]
     spans: list[tuple[int, int, int, int]] = []  # every piece's bytes, to refuse two that overlap
-    lo, hi = x.data_ptr(), x.data_ptr() + numel * size  # x is flat and contiguous
     for j, pieces in enumerate(rows):
         total = 0
         for k, piece in enumerate(pieces):
             _check_piece(op, j, k, piece)
-            if piece.dtype != x.dtype or piece.device != x.device:
+            if piece.dtype != dtype or piece.device != device:
                 raise ValueError(f"{op}: rows[{j}][{k}] is {piece.dtype} on {piece.device}, the input "
-                                 f"{x.dtype} on {x.device}; the rows take the input's values as they are")
-            at = piece.data_ptr()
-            in_place = j == own and at == lo + total * size
-            if piece.numel() and at < hi and lo < at + piece.numel() * size and not in_place:
-                raise ValueError(f"{op}: rows[{j}][{k}] overlaps the input (other than this member's own values "
-                                 "where they lie); gather into other tensors")
+                                 f"{dtype} on {device}; the rows take the input's values as they are")
+            at, end = piece.data_ptr(), piece.data_ptr() + piece.numel() * size
+            # Each input piece it overlaps must hold the same elements at the same addresses, in
+            # this member's own row: its values where they lie.
+            for lo, _, first in itertools.islice(inputs, bisect.bisect_right(input_ends, at), None):
+                if lo >= end or not piece.numel():
+                    break
+                if j != own or lo - first * size != at - total * size:
+                    raise ValueError(f"{op}: rows[{j}][{k}] overlaps the input (other than this member's own "
+                                     "values where they lie); gather into other tensors")
             if piece.numel():
-                spans.append((at, at + piece.numel() * size, j, k))
+                spans.append((at, end, j, k))
             total += piece.numel()
         if total != numel:
             raise ValueError(f"{op}: rows[{j}] holds {total} elements, the input {numel}; each member's row "

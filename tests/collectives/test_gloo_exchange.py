@@ -454,8 +454,10 @@ def _rows_in(dest: torch.Tensor, n: int, row: int) -> list[list[torch.Tensor]]:
 
 def _gathered_into(kinds: list[str], dtype: torch.dtype, row: int, transport: str) -> dict[str, Any]:
     """Per group kind: IN_FLIGHT all-gathers into pieces, issued before any is waited and waited in
-    reverse; what landed in the pieces, whether anything outside them was written, and whether the
-    inputs were left alone."""
+    reverse, their inputs given as one piece, as pieces cut at other places than the rows, and as
+    pieces that are also this member's own row (its values where they lie: ZeRO's shards in the
+    parameters); what landed in the pieces, whether anything outside them was written, and whether
+    the inputs were left alone, unwritten."""
     backend = current_backend()
     out: dict[str, Any] = {}
     for kind, group, i in _groups(kinds, transport):
@@ -465,15 +467,19 @@ def _gathered_into(kinds: list[str], dtype: torch.dtype, row: int, transport: st
         size = sum(row + GAP * len(_cut(row, j)) for j in range(n))  # every piece, each gap after it
         dests = [torch.full((size,), float("nan"), dtype=dtype) for _ in moves]
         rows = [_rows_in(d, n, moves[0].numel()) for d in dests]
-        works = [backend.all_gather_into(x, r, group) for x, r in zip(moves, rows, strict=True)]
+        inputs = [[x] if s == 0 else list(torch.split(x, _cut(row, n + s))) for s, x in enumerate(moves)]
+        rows[-1][i] = inputs[-1]  # the last gather's own row is its input where it lies
+        versions = [[piece._version for piece in pieces] for pieces in inputs]
+        works = [backend.all_gather_into(xs, r, group) for xs, r in zip(inputs, rows, strict=True)]
         returned = [w.wait() for w in reversed(works)][::-1]
-        covered = [_covered(d.numel(), r) for d, r in zip(dests, rows, strict=True)]
+        covered = [_covered(d.numel(), [pieces for pieces in r if pieces is not inputs[-1]])
+                   for d, r in zip(dests, rows, strict=True)]
         out[kind] = {
             "got": [torch.stack([torch.cat(pieces) for pieces in r]) for r in rows],
             "outside_untouched": all(bool(d[~c].isnan().all()) for d, c in zip(dests, covered, strict=True)),
-            "inputs_untouched": all(torch.equal(a, b) for a, b in zip(kept, moves, strict=True)),
-            "returns_input": all(a.data_ptr() == b.data_ptr() and torch.equal(a, b)
-                                 for a, b in zip(returned, moves, strict=True)),
+            "inputs_untouched": all(torch.equal(a, b) for a, b in zip(kept, moves, strict=True)) and versions == [
+                [piece._version for piece in pieces] for pieces in inputs],
+            "returns_empty": all(w.numel() == 0 and w.dtype == dtype for w in returned),
             "path": _path(moves[0], group),
         }
     return out
@@ -516,8 +522,9 @@ def test_all_gather_into_pieces_writes_each_members_row_there_and_nothing_else(
         gloo2: Any, gloo4: Any, dtype: torch.dtype, case: str) -> None:
     """Through shared memory (several slots per row, pieces cut across the slots' boundaries), over
     loopback TCP and through gloo's own all-gather (a message too small for the exchanges): every
-    member's row lands in its pieces, nothing between them is written, the inputs are left alone,
-    and wait() returns the input; on groups listed in and out of rank order and on mesh axes."""
+    member's row lands in its pieces, nothing between them is written, the inputs (one piece, or
+    several, or several that are this member's own row) are left alone and unwritten, and wait()
+    returns an empty tensor; on groups listed in and out of rank order and on mesh axes."""
     row = GATHER_INTO[case](dtype)
     row -= row % 2
     transport = "shared" if case == "shared" else "tcp"
@@ -527,7 +534,7 @@ def test_all_gather_into_pieces_writes_each_members_row_there_and_nothing_else(
                 where = f"rank {rank} of {4 if pool is gloo4 else 2}, {kind} ({case})"
                 assert r["path"] == case, f"{where}: took {r['path']}"
                 assert r["outside_untouched"], f"{where}: something outside the pieces was written"
-                assert r["inputs_untouched"] and r["returns_input"], where
+                assert r["inputs_untouched"] and r["returns_empty"], where
                 size = 2 if pool is gloo2 else (2 if kind in ("dp", "pp") else 4)
                 for s, got in enumerate(r["got"]):  # row j: group member j's input
                     want = torch.stack([m.reshape(-1) for m in _moved(size, dtype, 200 + s, row)])

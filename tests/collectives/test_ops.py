@@ -8,6 +8,7 @@ order, and the references sum in the same order, so every comparison is exact
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Callable
 from typing import Any
@@ -289,6 +290,75 @@ def test_all_gather_into_leaves_this_members_row_where_it_is_the_input() -> None
 
     for flat, untouched in spmd(2, body):
         assert flat.equal(torch.tensor([[0.0] * 3, [1.0] * 3])) and untouched
+
+
+@given(world=st.integers(1, 5), seed=seeds, data=st.data())
+def test_all_gather_into_of_pieces_is_the_all_gather_of_their_values(world: int, seed: int, data: Any) -> None:
+    """The input as pieces cut anywhere (empty ones too), into rows cut elsewhere, this member's own
+    row partly its input where it lies (ZeRO's shards in the parameters) and partly elsewhere:
+    every row holds its member's values end to end, the in-place part is not written (its version
+    does not move), the input is left as it was, and the ledger records the all-gather of the
+    joined input."""
+    m = 12
+    xs = [make(seed, r, (m,), torch.float32) for r in range(world)]
+    cuts = st.lists(st.integers(0, m), max_size=4).map(lambda c: sorted(c))
+    input_cuts = data.draw(cuts, label="input cuts")
+    row_cuts = data.draw(cuts, label="row cuts")
+    in_place = data.draw(st.integers(0, m), label="elements of the own row in place")
+
+    def split(t: torch.Tensor, at: list[int]) -> list[torch.Tensor]:
+        edges = [0, *at, t.numel()]
+        return [t[a:b] for a, b in itertools.pairwise(edges)]
+
+    def body(r: int) -> tuple[list[torch.Tensor], bool, Any]:
+        mine = xs[r].clone()
+        pieces = split(mine, input_cuts)
+        dest = torch.full((world, m), float("nan"))
+        rows = [split(dest[j], row_cuts) for j in range(world)]
+        rows[r] = [mine[:in_place], *split(dest[r, in_place:], [])]  # the first elements where they lie
+        versions = [p._version for p in pieces]
+        with comm_ledger() as ledger:
+            returned = all_gather_into_async(pieces, rows, "dp").wait()
+        with comm_ledger() as plain:
+            all_gather_async(xs[r], "dp").wait()
+        untouched = [p._version for p in pieces] == versions and torch.equal(mine, xs[r])
+        assert returned.numel() == 0
+        return [torch.cat(row) for row in rows], untouched, (ledger.summary(), plain.summary())
+
+    for got, untouched, (summary, plain) in spmd(world, body):
+        assert untouched
+        for j in range(world):
+            assert torch.equal(got[j], xs[j]), j
+        assert summary == plain and list(summary) == [("dp", "all_gather")], (summary, plain)
+
+
+def _fresh_rows(x: torch.Tensor, r: int) -> list[list[torch.Tensor]]:
+    """Rows the input's checks come before: two of their own."""
+    return [[torch.empty(4)], [torch.empty(4)]]
+
+
+@pytest.mark.parametrize("given_input, rows, message", [
+    (lambda x: [], _fresh_rows, "a non-empty sequence of 1-D tensors"),
+    (lambda x: [x[:2], [1.0, 2.0]], _fresh_rows, "x[1] is a list, not a tensor"),
+    (lambda x: [x.view(2, 2)], _fresh_rows, "x[0] must be a 1-D contiguous tensor"),
+    (lambda x: [x[:2], x[2:].double()], _fresh_rows, "x[1] is torch.float64 on cpu"),
+    (lambda x: [x[:3], x[1:]], _fresh_rows, "x[0] and x[1] overlap"),
+    (lambda x: [x[:2], x[2:].clone().requires_grad_()], _fresh_rows, "is not differentiable"),
+    # This member's own row at the input's place for one piece, shifted for the other.
+    (lambda x: [x[:2], x[2:]], lambda x, r: [[x[:2], x[3:], torch.empty(1)] if j == r else [torch.empty(4)]
+                                             for j in range(2)], "rows[{r}][1] overlaps the input"),
+    # The other member's row in the input's second piece.
+    (lambda x: [x[:2], x[2:]], lambda x, r: [[torch.empty(4)] if j == r else [torch.empty(2), x[2:]]
+                                             for j in range(2)], "rows[{o}][1] overlaps the input"),
+])
+def test_all_gather_into_refuses_an_input_of_pieces_it_cannot_read(
+        given_input: Callable[[torch.Tensor], Any], rows: Callable[[torch.Tensor, int], Any], message: str) -> None:
+    def body(r: int) -> None:
+        x = torch.zeros(4)
+        with pytest.raises((ValueError, TypeError, RuntimeError), match=re.escape(message.format(r=r, o=1 - r))):
+            all_gather_into_async(given_input(x), rows(x, r), "dp")
+
+    spmd(2, body)
 
 
 @given(world=st.integers(1, 5), seed=seeds, dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float64]))

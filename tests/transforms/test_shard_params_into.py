@@ -176,9 +176,9 @@ def test_on_gloo_the_peers_rows_land_in_the_parameters_from_shared_memory(gloo2:
 
 
 def test_the_plan_holds_no_buffer_for_a_bucket_the_exchanges_write_into_the_parameters() -> None:
-    """On a CPU a bucket big enough for the exchanges is written from the peers' shared-memory slots
-    straight into the parameters: the Plan holds nothing in flight for a bucket of one unit, and for
-    one of several this rank's row (its shards joined, what it sends); a smaller one (gloo's own
+    """On a CPU a bucket big enough for the exchanges is sent from this rank's shards where they lie and
+    written from the peers' shared-memory slots straight into the parameters: the Plan holds nothing
+    in flight for it, of one unit or several (its shards are not joined); a smaller one (gloo's own
     all-gather) holds its buffer to its wait, as everywhere on other devices."""
     torch.manual_seed(0)
     chain, params = sw.functionalize(mlp([256, 256, 256, 8]))
@@ -189,7 +189,7 @@ def test_the_plan_holds_no_buffer_for_a_bucket_the_exchanges_write_into_the_para
     def in_flight(**options: Any) -> int:
         return sw.shard_params(base, "dp", 2, **options).plan(mesh, params).memory["params_in_flight"][0]
 
-    assert in_flight() == (2 * (256 * 256 + 256) * 4 + small) // 2  # one bucket of the three units
+    assert in_flight() == 0  # one bucket of the three units
     assert in_flight(bucket_mb=0.1) == small  # each unit alone
     assert in_flight(gather_into_params=False) == 2 * (256 * 256 + 256) * 4 + small
 
@@ -236,11 +236,11 @@ def test_the_shards_updated_are_the_parameters_own_values_only_when_gathered_int
             assert seen[0] and seen[3] and seen[6] and seen[-1] and not seen[2] and not seen[5], seen
 
 
-def test_the_plan_counts_the_slots_and_the_joined_row_of_a_bucket_of_small_units() -> None:
+def test_the_plan_counts_the_slots_and_no_row_of_a_bucket_of_small_units() -> None:
     """Eleven units of 64 x 64 + 64 float32 (16,640 B each), each too small for the exchanges, in one
     bucket that is not: the bucket's messages go through the shared-memory slots (counted at every
-    action), and gathered into the parameters it holds this rank's row of the bucket, the shards
-    joined, to its wait."""
+    action), and gathered into the parameters it holds nothing else: its row is sent from the
+    shards where they lie, not joined first."""
     from shardwise.collectives.backends.shared_memory_exchange import transport_bytes
 
     torch.manual_seed(0)
@@ -248,4 +248,6 @@ def test_the_plan_counts_the_slots_and_the_joined_row_of_a_bucket_of_small_units
     base = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.adamw(1e-2, inplace=True))
     memory = sw.shard_params(base, "dp", 2).plan(sw.Mesh(dp=2), params).memory
     assert memory["comm_buffers"][0] == transport_bytes(2)
-    assert memory["params_in_flight"][0] == 11 * (64 * 64 + 64) * 4 // 2
+    assert memory["params_in_flight"][0] == 0
+    beside = sw.shard_params(base, "dp", 2, gather_into_params=False).plan(sw.Mesh(dp=2), params).memory
+    assert beside["params_in_flight"][0] == 11 * (64 * 64 + 64) * 4  # the whole bucket, gathered beside

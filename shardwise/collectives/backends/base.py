@@ -13,8 +13,9 @@ Shape conventions (``n`` is the group size, ``i`` the caller's index in it):
 
 * ``all_reduce(x)``        -> sum over ranks of ``x``, same shape.
 * ``all_gather(x)``        -> ``stack([x_0, ..., x_{n-1}])``, shape ``(n, *x.shape)``.
-* ``all_gather_into(x, rows)`` -> the same values written where the caller says: ``x_j``
-  (flat) into ``rows[j]``, 1-D pieces that follow each other; ``wait()`` returns ``x``.
+* ``all_gather_into(xs, rows)`` -> the same values written where the caller says: member ``j``'s
+  input, the 1-D pieces ``xs`` end to end, into ``rows[j]``, 1-D pieces that follow each other;
+  ``wait()`` returns an empty tensor (the values are in the rows).
 * ``reduce_scatter(x)``    -> ``x`` has shape ``(n, *rest)``; result is
   ``sum_j x_j[i]``, shape ``rest``.
 * ``reduce_scatter_rows(rows, dtype)`` -> ``reduce_scatter`` of the ``(n, m)`` buffer whose row
@@ -55,10 +56,12 @@ collectives (which wait at once) pass False; the async ones keep True. Either
 way the result is a new tensor that does not alias ``x``.
 
 ``all_gather_into`` is the exception: it writes into the caller's ``rows`` (which must not overlap
-``x``, but for the caller's own row, which may be ``x``'s values where they lie) and reads ``x``
-until ``wait()`` (``snapshot=False`` always). Every backend has it: by default an ``all_gather``
-whose result is copied into the rows at the wait; a transport that copies what it receives anyway
-(shared memory) copies it into the rows instead.
+the input, but for the caller's own row, which may be the input's values where they lie: a part
+already there is not copied) and reads its input and its own row until ``wait()``
+(``snapshot=False`` always). Every backend has it: by default an ``all_gather`` of the input
+(joined first when it is several pieces) whose result is copied into the rows at the wait; a
+transport that copies what it sends and receives anyway (shared memory) sends from the caller's
+own row and copies what it receives into the rows instead.
 
 ``reduce_scatter_rows`` reads its pieces until ``wait()`` as well. Every backend has it: by default
 they are concatenated into the buffer (one copy), which ``reduce_scatter`` then takes donated; a
@@ -166,19 +169,29 @@ Rows = Sequence[Sequence[torch.Tensor]]
 numels add up to the input's, takes group member ``j``'s input in order."""
 
 
-def write_rows(gathered: torch.Tensor, rows: Rows, own: torch.Tensor | None = None) -> None:
-    """Copy each row of ``gathered`` ((n, numel)) into its pieces; a piece that is already those
-    values where they lie (in ``gathered`` itself, or in ``own``, this member's flat input, whose
-    row it is) is left as it is."""
-    mine = None if own is None else own.data_ptr()
-    for got, pieces in zip(gathered.view(len(rows), -1), rows, strict=True):
-        at = 0
-        for piece in pieces:
-            values = got[at: at + piece.numel()]
-            where = piece.data_ptr()
-            if where != values.data_ptr() and (mine is None or where != mine + at * piece.element_size()):
-                piece.copy_(values)
-            at += piece.numel()
+def copy_pieces(source: Sequence[torch.Tensor], into: Sequence[torch.Tensor]) -> None:
+    """Copy the elements of ``source`` (1-D pieces end to end) into ``into`` (as many elements, 1-D
+    pieces end to end), leaving any part that already lies where it goes as it is."""
+    i = j = a = b = 0  # the pieces walked, and the elements of each already covered
+    while i < len(source) and j < len(into):
+        s, d = source[i], into[j]
+        n = min(s.numel() - a, d.numel() - b)
+        if n and s.data_ptr() + a * s.element_size() != d.data_ptr() + b * d.element_size():
+            d[b: b + n].copy_(s[a: a + n])
+        a, b = a + n, b + n
+        if a == s.numel():
+            i, a = i + 1, 0
+        if b == d.numel():
+            j, b = j + 1, 0
+
+
+def write_rows(gathered: torch.Tensor, rows: Rows, own: int | None = None,
+               source: Sequence[torch.Tensor] = ()) -> None:
+    """Copy each row of ``gathered`` ((n, numel)) into its pieces, and row ``own``'s from ``source``
+    (this member's input, whose values it is); a piece that already holds those values where they
+    lie (in ``gathered`` itself, or in ``source``) is left as it is."""
+    for j, (got, pieces) in enumerate(zip(gathered.view(len(rows), -1), rows, strict=True)):
+        copy_pieces(source if j == own else [got], pieces)
 
 
 def pieces_within(pieces: Sequence[torch.Tensor], lo: int, hi: int) -> list[torch.Tensor]:
@@ -198,17 +211,19 @@ def pieces_within(pieces: Sequence[torch.Tensor], lo: int, hi: int) -> list[torc
 class _IntoRows(Work):
     """An all-gather whose result is copied into the caller's rows at the wait."""
 
-    def __init__(self, work: Work, rows: Rows, x: torch.Tensor) -> None:
+    def __init__(self, work: Work, rows: Rows, own: int, source: Sequence[torch.Tensor]) -> None:
         self._work: Work | None = work
         self._rows: Rows | None = rows
-        self._x = x
+        self._own, self._source = own, source
+        self._empty = source[0].new_empty(0)
 
     def wait(self) -> torch.Tensor:
         if self._work is not None:
             assert self._rows is not None
-            write_rows(self._work.wait(), self._rows, self._x)
+            write_rows(self._work.wait(), self._rows, self._own, self._source)
             self._work = self._rows = None  # the gathered buffer goes now
-        return self._x
+            self._source = ()
+        return self._empty
 
     def is_completed(self) -> bool:
         return self._work is None or self._work.is_completed()
@@ -261,10 +276,15 @@ class Backend(abc.ABC):
         self, x: torch.Tensor, group: Group, op_name: str = "all_gather", *, snapshot: bool = True
     ) -> Work: ...
 
-    def all_gather_into(self, x: torch.Tensor, rows: Rows, group: Group, op_name: str = "all_gather") -> Work:
-        """``all_gather(x)`` written into ``rows`` (see the module's docstring); ``x`` is read until
-        the wait. Here: gathered into a buffer, then copied."""
-        return _IntoRows(self.all_gather(x, group, op_name, snapshot=False), rows, x)
+    def all_gather_into(
+        self, xs: Sequence[torch.Tensor], rows: Rows, group: Group, op_name: str = "all_gather"
+    ) -> Work:
+        """The all-gather of ``xs`` (1-D pieces end to end) written into ``rows`` (see the module's
+        docstring); ``xs`` is read until the wait. Here: ``xs`` joined (a copy, where it is several
+        pieces), gathered into a buffer, then copied into the rows."""
+        x = xs[0] if len(xs) == 1 else torch.cat(list(xs))
+        work = self.all_gather(x, group, op_name, snapshot=False)
+        return _IntoRows(work, rows, group.index(self.rank), xs)
 
     @abc.abstractmethod
     def reduce_scatter(

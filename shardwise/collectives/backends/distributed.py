@@ -140,16 +140,20 @@ class TorchDistributedBackend(PointToPoint, Backend):
 
         return _DistWork(self, op_name, group, x, [work], finish, keep_alive=(send,))
 
-    def all_gather_into(self, x: torch.Tensor, rows: Rows, group: Group, op_name: str = "all_gather") -> Work:
-        """Through shared memory, each peer's row is copied out of its slots straight into ``rows``
-        (the copy it makes anyway); elsewhere gathered, then copied (Backend's)."""
-        if self._exchanges(x, group, one_member=True):
-            self._enter(x, group, op_name)
+    def all_gather_into(
+        self, xs: Sequence[torch.Tensor], rows: Rows, group: Group, op_name: str = "all_gather"
+    ) -> Work:
+        """Through shared memory, this member's row is sent from where the caller's pieces are and
+        each peer's is copied out of its slots straight into ``rows`` (the copies made anyway), with
+        no buffer; elsewhere joined, gathered, then copied (Backend's)."""
+        nbytes = group.size * sum(x.numel() for x in xs) * xs[0].element_size()
+        if self._on_gloo_cpu(xs[0]) and exchanges_of(nbytes, xs[0].dtype, group):
+            self._enter(xs[0], group, op_name)
             exchange = self._exchange_group(group, op_name)
             if in_use(exchange.shared):
                 assert exchange.shared is not None
-                return exchange.shared.all_gather_into(_flat_input(x, False), rows, group, op_name)
-        return super().all_gather_into(x, rows, group, op_name)
+                return exchange.shared.all_gather_into(xs, rows, group, op_name)
+        return super().all_gather_into(xs, rows, group, op_name)
 
     def reduce_scatter(
         self, x: torch.Tensor, group: Group, op_name: str = "psum_scatter", *, snapshot: bool = True,

@@ -24,8 +24,9 @@ ErrorFor = Callable[[str, Group, BaseException], CollectiveError]
 class Job:
     """One exchange: what it takes (``rows``, the caller's own; ``out``, its result's buffer when
     made at issue; ``into``, an all-gather's destinations: the caller's pieces per member, its
-    input ``rows``; ``pieces``, a reduce-scatter's input as the caller's pieces per member, to be
-    summed in ``dtype``) and, once ``done``, its ``result`` or ``error``."""
+    input already in this member's, of ``dtype``; ``pieces``, a reduce-scatter's input as the
+    caller's pieces per member, to be summed in ``dtype``) and, once ``done``, its ``result`` or
+    ``error``."""
 
     __slots__ = ("done", "dtype", "error", "group", "into", "kind", "op_name", "out", "pieces", "result", "rows",
                  "shape")

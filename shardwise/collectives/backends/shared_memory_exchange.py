@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CollectiveError
-from .base import Group, Rows, Work, pieces_within, write_rows
+from .base import Group, Rows, Work, copy_pieces, pieces_within
 from .exchange_thread import ErrorFor, Job, JobThread
 from .switch import Switch
 
@@ -227,7 +227,7 @@ def _close(made: dict[str, Any]) -> None:
 
 
 class _Row:
-    """One member's row of a reduce-scatter as the caller's pieces laid end to end, read by span."""
+    """One member's row of an exchange as the caller's pieces laid end to end, read by span."""
 
     def __init__(self, pieces: Sequence[torch.Tensor]) -> None:
         self.pieces = pieces
@@ -313,11 +313,15 @@ class SharedMemoryExchange:
         out[group.index(self._member_rank)].copy_(x)  # the caller may change x at once
         return self._jobs.submit(Job("all_gather", op_name, group, out, None, shape))
 
-    def all_gather_into(self, x: torch.Tensor, into: Rows, group: Group, op_name: str) -> Work:
-        """All-gather ``x`` (flat, left unchanged until the wait) into ``into`` (each member's row
-        as the caller's pieces): a peer's chunk is copied out of its slot straight into them."""
-        write_rows(x.view(1, -1), [into[group.index(self._member_rank)]])
-        return self._jobs.submit(Job("all_gather", op_name, group, None, x, x.shape, into=into))
+    def all_gather_into(self, xs: Sequence[torch.Tensor], into: Rows, group: Group, op_name: str) -> Work:
+        """All-gather ``xs`` (1-D pieces end to end) into ``into`` (each member's row as the caller's
+        pieces): ``xs`` into this member's own row where it does not lie there already, then each
+        chunk is sent from that row and a peer's copied out of its slot straight into its pieces.
+        This member's row is read until the wait."""
+        own = into[group.index(self._member_rank)]
+        copy_pieces(xs, own)
+        shape = torch.Size([sum(piece.numel() for piece in own)])
+        return self._jobs.submit(Job("all_gather", op_name, group, None, None, shape, into=into, dtype=xs[0].dtype))
 
     def reduce_scatter(self, rows: torch.Tensor, group: Group, op_name: str, shape: torch.Size) -> Work:
         """Reduce ``rows`` ((n, m), in the group's order, this call's own) and return this member's
@@ -343,6 +347,10 @@ class SharedMemoryExchange:
         peer's chunks out of theirs as they come (chunk by chunk, peers in a fixed order)."""
         group, rows, into, pieces = job.group, job.rows, job.into, job.pieces
         by_row = None if pieces is None else [_Row(row) for row in pieces]
+        # Members in the set's order (sorted ranks) index the slots; the group may list them in
+        # another order, which only says where each row goes.
+        n, me = len(self._members), self._index
+        place = [group.index(rank) for rank in self._members]  # set index -> group index
         if job.out is None and into is None:
             if pieces is not None:
                 assert job.dtype is not None
@@ -350,13 +358,11 @@ class SharedMemoryExchange:
             else:
                 assert rows is not None
                 job.out = torch.empty(rows.shape[1], dtype=rows.dtype)
-        # An all-gather into the caller's pieces: ``rows`` is its input (flat), ``out`` unused.
-        out = job.out if into is None else rows
+        # An all-gather into the caller's pieces sends from this member's row of them, the input
+        # its issue put there; it has no buffer of its own (``out`` only names its dtype and length).
+        sent = None if into is None else _Row(into[place[me]])
+        out = job.out if into is None else torch.empty(job.shape, dtype=job.dtype, device="meta")
         assert out is not None
-        # Members in the set's order (sorted ranks) index the slots; the group may list them in
-        # another order, which only says where each row goes.
-        n, me = len(self._members), self._index
-        place = [group.index(rank) for rank in self._members]  # set index -> group index
         gather = job.kind == "all_gather"
         step = (self._slot_bytes - _HEADER_BYTES) // (out.element_size() * (1 if gather else n))
         length = out.shape[-1] if gather else out.shape[0]
@@ -379,8 +385,8 @@ class SharedMemoryExchange:
                 self._slots[slot * self._slot_bytes:][:_HEADER_BYTES].view(torch.int64)[:6].copy_(
                     torch.tensor([*heading, written]))
                 own = self._slot(self._slots, slot, out.dtype)
-                if into is not None:
-                    own[: b - a].copy_(out[a:b])
+                if sent is not None:
+                    sent.copy_into(a, b, own[: b - a])
                 elif gather:
                     own[: b - a].copy_(out[place[me], a:b])
                 else:
@@ -423,7 +429,7 @@ class SharedMemoryExchange:
             if not moved:
                 self._hear(deadline)
         self._seq = first + len(spans)
-        job.result = out if into is not None else out.view(job.shape)
+        job.result = out.view(job.shape) if into is None else torch.empty(0, dtype=out.dtype)
 
     def _take(self, j: int, offset: int, into: torch.Tensor) -> torch.Tensor:
         """Copy ``into``'s bytes from member ``j``'s slots at ``offset``."""

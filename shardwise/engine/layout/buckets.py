@@ -84,11 +84,9 @@ class Bucket:
         """Each unit's shard in a reduced bucket (views of it)."""
         return {u.unit: reduced[o : o + u.shard_numel] for u, o in zip(self.units, self.offsets, strict=True)}
 
-    def gather_input(self, shards: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """This rank's shards of the bucket's units, concatenated (what the all-gather sends)."""
-        if len(self.units) == 1:
-            return shards[self.units[0].unit]
-        return torch.cat([shards[u.unit] for u in self.units])
+    def gather_pieces(self, shards: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
+        """This rank's shards of the bucket's units, in order: what the all-gather sends, end to end."""
+        return [shards[u.unit] for u in self.units]
 
     @functools.cached_property
     def _row_segments(self) -> tuple[tuple[tuple[str, Segment], ...], ...]:

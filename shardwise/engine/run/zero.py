@@ -156,18 +156,20 @@ class ZeroActions:
         it (contiguous, the shards' dtype), else into a buffer copied into them at the wait."""
         unit = action.require("layer")
         bucket = self._bucket(action)
-        flat = bucket.gather_input(self.new_master)
+        pieces = bucket.gather_pieces(self.new_master)
         axis = action.require("axis")
-        rows = bucket.rows_into(self._next_held(), flat) if self.into_params else None
+        rows = bucket.rows_into(self._next_held(), pieces[0]) if self.into_params else None
         # The shards are the update's result, which nothing writes to before the wait (this step's,
         # or with overlap_gather the next step's, before its update): no copy.
         if rows is not None:
             # The state is consumed (an in-place update) and nothing reads its parameters after the
-            # backward: the rows are written as they arrive (through shared memory, with no buffer
-            # of the bucket's).
-            handle = all_gather_into_async(flat, rows, axis, mesh=self.mesh)
+            # backward: the rows are written as they arrive, and this rank's own row is its shards
+            # where they lie (the parameters' values, where the update wrote them in place): through
+            # shared memory, no buffer of the bucket's, nor of its row.
+            handle = all_gather_into_async(pieces, rows, axis, mesh=self.mesh)
             self._pending[("params into", unit)] = handle
         else:
+            flat = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
             handle = all_gather_async(flat, axis, tiled=True, mesh=self.mesh, snapshot=False)
             self._pending[("params", unit)] = handle
         self.params_in_flight.append((bucket, handle))

@@ -329,17 +329,14 @@ def _params_levels(
     before its first forwards, and until then the in-flight buffers are its ``params``.
     ``into_params`` (``gathers_into_params``): written into the parameters the step was given, each
     bucket's buffer only to its ``wait_params``, which copies it in; for a bucket the exchanges
-    take on a CPU (``on_cpu``), whose peers' rows are copied from their shared-memory slots
-    straight into the parameters, only the row a bucket of several units sends (its shards
-    joined). The Plan takes the ranks to share a host, as it does for the slots (``_copy_levels``);
-    over loopback TCP, ranks on several hosts, such a bucket's buffer is held to its wait too."""
+    take on a CPU (``on_cpu``), nothing: its row is sent from this rank's shards in the parameters
+    and the peers' rows are copied from their shared-memory slots straight into them. The Plan
+    takes the ranks to share a host, as it does for the slots (``_copy_levels``); over loopback
+    TCP, ranks on several hosts, such a bucket's buffer is held to its wait too."""
     def held(units: Sequence[str]) -> int:
-        total = sum(sharding.units[u].padded_nbytes for u in units)
         if into_params and on_cpu and _params_exchanged(sharding, units):
-            # Nothing of the bucket's whole; a bucket of several units sends this rank's shards of
-            # them joined (Bucket.gather_input: a copy of its row).
-            return total // sharding.units[units[0]].shards if len(units) > 1 else 0
-        return total
+            return 0
+        return sum(sharding.units[u].padded_nbytes for u in units)
 
     live, levels = 0, []
     for action in actions:
