@@ -16,9 +16,9 @@ What is checked
 ``"kind": "equivalence"``: ``sw.testing.assert_equivalent`` with parameters and
 batches on the device, ranks as threads of this process sharing it:
 ``shard_params`` stage 1/2/3 (MLP and GPT, float64), every built-in pipeline
-schedule over ``pp=2`` (MLP, float64), a GPT pipeline, tensor parallel (tp 2 with and without
-sequence parallel, dp 2 x tp 2
-with ZeRO-3; TinyGPT, float64), the README's
+schedule over ``pp=2`` (MLP, float64), a GPT pipeline, tensor parallel off an accelerator (tp 2
+with and without sequence parallel, dp 2 x tp 2 with ZeRO-3; TinyGPT, float64: on one, thread
+ranks cannot run it, see ``processes``), the README's
 composition of all four transforms on ``dp=2 x pp=2`` (bf16 compute), fp16 with
 dynamic loss scaling under ``shard_params`` and full remat under it. ``ok`` is
 true when the distributed step matched its reference and every tensor of the
@@ -35,7 +35,10 @@ NCCL refuses two ranks on one GPU.
 ``"kind": "processes"``: two gloo processes sharing the device, the MLP's
 parameters and batches on it (float64): four pipeline schedules, whose
 messages are staged through the CPU (gloo's point to point moves CPU tensors),
-and ZeRO-3, against the single-device step on the device (``rtol`` 1e-12).
+and ZeRO-3; TinyGPT under tensor parallel (tp 2, with and without sequence
+parallel), whose collectives run inside the backward, which torch runs on the
+device's own autograd thread; each against the single-device step on the
+device (``rtol`` 1e-12).
 
 ``"kind": "speed"``: each ``--gpt`` in one process, the same weights and
 batches for every variant, stepped round-robin, AdamW everywhere:
@@ -151,6 +154,25 @@ def gpt_case(device: torch.device, dtype: torch.dtype, seed: int = 0) -> Case:
     return chain, params, batches
 
 
+def tp_gpt_problem(device: torch.device) -> tuple[sw.Step, Any, list[Any]]:
+    """TinyGPT split per block (units=Block: the attention's widths come from its projections), its
+    vocabulary-parallel loss, float64 on ``device``."""
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=64, d_model=32, n_heads=4, n_layers=2, seq_len=16).to(device, torch.float64)
+    chain, params = sw.functionalize(model, units=Block)
+    _, _, batches = gpt_case(device, torch.float64)
+    step = sw.train_step(chain, lambda o, y: sw.tp.vocab_parallel_cross_entropy(o, y),
+                         sw.optim.sgd(0.1, momentum=0.9), clip_norm=1.0)
+    return step, params, batches
+
+
+def tp_variant(step: sw.Step, sequence_parallel: bool, mesh: sw.Mesh) -> sw.Step:
+    """Tensor parallel over ``tp`` (with sequence parallel), under ZeRO-3 where the mesh has ``dp``."""
+    sp = "blocks.*" if sequence_parallel else None
+    tp = sw.tensor_parallel(step, "tp", sw.tp.tiny_gpt_plan(), sequence_parallel=sp)
+    return sw.shard_params(tp, "dp", stage=3) if "dp" in mesh.axis_names else tp
+
+
 def state_devices(step: Any, params: Any, mesh: sw.Mesh, batch: Any) -> list[str]:
     """The devices of the tensors in every rank's state and metrics after one step (sorted strings).
 
@@ -230,25 +252,20 @@ def equivalence_checks(device: torch.device, quick: bool) -> list[tuple[str, Che
         return equivalence(rematted, step, sw.Mesh(dp=2), batches, params)
 
     def tensor_parallel(sequence_parallel: bool, mesh: sw.Mesh) -> dict[str, Any]:
-        # TinyGPT split per block (units=Block: the attention's widths come from its projections).
-        torch.manual_seed(0)
-        model = TinyGPT(vocab=64, d_model=32, n_heads=4, n_layers=2, seq_len=16).to(device, f64)
-        chain, params = sw.functionalize(model, units=Block)
-        _, _, batches = gpt_case(device, f64)
-        step = sw.train_step(chain, lambda o, y: sw.tp.vocab_parallel_cross_entropy(o, y), sgd, clip_norm=1.0)
-        sp = "blocks.*" if sequence_parallel else None
-        tp = sw.tensor_parallel(step, "tp", sw.tp.tiny_gpt_plan(), sequence_parallel=sp)
-        if "dp" in mesh.axis_names:
-            tp = sw.shard_params(tp, "dp", stage=3)
-        return equivalence(tp, step, mesh, batches, params)
+        step, params, batches = tp_gpt_problem(device)
+        return equivalence(tp_variant(step, sequence_parallel, mesh), step, mesh, batches, params)
 
-    if not quick:  # the dry run keeps one case per code path: dp x tp with sequence parallel below
+    # On an accelerator thread ranks cannot run tensor parallel: its collectives run inside the
+    # backward, which torch runs for every thread rank on the device's one thread (the threads backend
+    # refuses them there). There these cases run as processes (process_checks).
+    if device.type == "cpu" and not quick:  # the dry run keeps one case per code path: dp x tp below
         checks += [
             ("tensor_parallel:gpt:tp2", lambda: tensor_parallel(False, sw.Mesh(tp=2))),
             ("tensor_parallel:gpt:tp2:sequence_parallel", lambda: tensor_parallel(True, sw.Mesh(tp=2))),
         ]
+    if device.type == "cpu":
+        checks.append(("tensor_parallel:gpt:dp2xtp2:stage3", lambda: tensor_parallel(True, sw.Mesh(dp=2, tp=2))))
     checks += [
-        ("tensor_parallel:gpt:dp2xtp2:stage3", lambda: tensor_parallel(True, sw.Mesh(dp=2, tp=2))),
         ("pipeline:gpt:1f1b", pipe_gpt),
         ("composed:dp2xpp2:bf16:remat", composed),
         ("shard_params:gpt:stage3:fp16_dynamic_scale", fp16_scaled),
@@ -304,13 +321,20 @@ def process_group_check(backend: str, device: torch.device) -> dict[str, Any]:
 
 # -- ranks as processes on gloo, tensors on the device ------------------------------------------
 PROCESS_VARIANTS = ("pipeline:gpipe", "pipeline:1f1b", "pipeline:interleaved_1f1b", "pipeline:zb_h1",
-                    "shard_params:stage3")
+                    "shard_params:stage3", "tensor_parallel:tp2", "tensor_parallel:tp2_sequence_parallel")
+
+
+def process_problem(name: str, device: torch.device) -> tuple[sw.Step, Any, list[Any]]:
+    """The single-device step a variant distributes: TinyGPT for tensor parallel, else the MLP."""
+    return tp_gpt_problem(device) if name.startswith("tensor_parallel") else mlp_problem(device)
 
 
 def process_variant(name: str, step: Any) -> tuple[Any, sw.Mesh]:
     kind, what = name.split(":")
     if kind == "pipeline":
         return sw.pipeline(step, "pp", what, microbatches=4), sw.Mesh(pp=2)
+    if kind == "tensor_parallel":  # its collectives run inside the backward, on the device's autograd thread
+        return tp_variant(step, what.endswith("sequence_parallel"), sw.Mesh(tp=2)), sw.Mesh(tp=2)
     return sw.shard_params(step, "dp", stage=int(what.removeprefix("stage"))), sw.Mesh(dp=2)
 
 
@@ -319,10 +343,10 @@ def process_rank(device_name: str, names: tuple[str, ...]) -> dict[str, Any]:
     device = torch.device(device_name)
     if device.type == "cuda":
         torch.cuda.set_device(0)  # every rank shares the one GPU: gloo, not NCCL, carries its tensors
-    step, params, batches = mlp_problem(device)
     out: dict[str, Any] = {}
     for name in names:
         try:
+            step, params, batches = process_problem(name, device)
             distributed, mesh = process_variant(name, step)
             history = record_history(distributed, distributed.init(params, mesh), batches)
             out[name] = optree.tree_map(lambda t: t.cpu() if isinstance(t, torch.Tensor) else t, history)
@@ -333,8 +357,10 @@ def process_rank(device_name: str, names: tuple[str, ...]) -> dict[str, Any]:
 
 def process_checks(device: torch.device) -> list[dict[str, Any]]:
     """``PROCESS_VARIANTS`` on two gloo processes sharing ``device``, against one device."""
-    step, params, batches = mlp_problem(device)
-    expected = optree.tree_map(lambda t: t.cpu(), record_history(step, step.init(params), batches))
+    expected = {}
+    for name in PROCESS_VARIANTS:
+        step, params, batches = process_problem(name, device)
+        expected[name] = optree.tree_map(lambda t: t.cpu(), record_history(step, step.init(params), batches))
     started = time.perf_counter()
     try:
         per_rank = sw.launch(process_rank, 2, backend="processes", timeout=300.0, args=(str(device), PROCESS_VARIANTS))
@@ -348,7 +374,7 @@ def process_checks(device: torch.device) -> list[dict[str, Any]]:
             rows.append({**row, **errors[0]})
             continue
         try:
-            report = compare_histories([r[name] for r in per_rank], expected, rtol=1e-12)
+            report = compare_histories([r[name] for r in per_rank], expected[name], rtol=1e-12)
             rows.append({**row, "ok": True, "report": str(report)})
         except Exception as exc:
             rows.append({**row, **error_row(exc)})

@@ -12,6 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import shardwise as sw
+from shardwise.collectives.backends.current import current_backend, use_backend
 from shardwise.collectives.backends.threads import ThreadsBackend
 
 
@@ -90,6 +91,38 @@ def test_a_rank_that_never_arrives_times_the_others_out_with_the_collective_name
     ):
         sw.launch(main, 4, timeout=0.5)
     assert time.monotonic() - started < 5
+
+
+def test_a_collective_from_a_thread_python_did_not_start_is_refused_at_once() -> None:
+    """Such as torch's autograd device thread, which runs every thread rank's CUDA backward: there the
+    ranks would wait for each other's collectives forever, so the first one is refused, by name."""
+    import _thread
+
+    def main() -> tuple[str, bool]:
+        mesh = sw.Mesh(dp=2)
+        backend = current_backend()
+        where: dict[str, object] = {}
+        done = threading.Event()
+
+        def on_a_foreign_thread() -> None:  # started by _thread: Python's threading did not start it
+            try:
+                with use_backend(backend):
+                    sw.collectives.psum(torch.ones(2), "dp", mesh=mesh)
+            except Exception as exc:
+                where["error"] = exc
+            finally:
+                done.set()
+
+        _thread.start_new_thread(on_a_foreign_thread, ())
+        assert done.wait(30)
+        ok = sw.collectives.psum(torch.ones(2), "dp", mesh=mesh)  # on the rank's own thread: as before
+        return str(where.get("error")), bool(ok.eq(2).all())
+
+    started = time.monotonic()
+    for error, own_thread_ok in sw.launch(main, 2, timeout=30):
+        assert "psum on axis 'dp': thread rank" in error and "issued it from a thread Python did not start" in error
+        assert "backend='processes'" in error and own_thread_ok
+    assert time.monotonic() - started < 10, "refused at once, not at the timeout"
 
 
 def test_mismatched_collectives_are_reported() -> None:

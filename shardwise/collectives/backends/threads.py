@@ -270,6 +270,14 @@ class ThreadsBackend(Backend):
     def _run(
         self, group: Group, op_name: str, x: torch.Tensor, arg: object, compute: Compute, snapshot: bool = True
     ) -> Work:
+        if group.size > 1 and isinstance(threading.current_thread(), threading._DummyThread):
+            raise CollectiveError(
+                f"{op_name} on axis {group.axis!r}: thread rank {self.rank} issued it from a thread Python did "
+                f"not start (a tensor on {x.device}). On an accelerator, torch's autograd runs the backward of "
+                "every thread rank's tensors on one thread per device, where the ranks would wait for each "
+                "other's collectives forever. Run ranks whose backward communicates as processes "
+                "(launch(..., backend='processes'): gloo, or NCCL with a device per rank), or on the CPU"
+            )
         # Snapshot by default: the caller may reuse or modify x before the others arrive.
         # Without one, the caller promises to leave x alone until wait (all results exist
         # before any wait returns), and compute must never hand x out as a result.

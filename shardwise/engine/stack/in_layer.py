@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -88,6 +89,26 @@ def predicting(sizes: Mapping[str, int]) -> Iterator[list[Issued]]:
         yield prediction.issued
     finally:
         _predicting.reset(token)
+
+
+def remember_context(ctx: Any) -> None:
+    """Keep on an autograd Function's ``ctx`` the context its forward ran in, for its backward.
+
+    A backward that issues collectives by axis name (or records them while predicting) reads the
+    current mesh, backend and prediction from context variables. On CUDA torch runs a device's
+    backward nodes on its own thread, whose context holds none of them: :func:`in_forward_context`
+    runs the backward in the forward's then."""
+    ctx.forward_context = contextvars.copy_context()
+    ctx.forward_thread = threading.get_ident()
+
+
+def in_forward_context(ctx: Any, backward: Callable[[], T]) -> T:
+    """``backward()`` in the context :func:`remember_context` kept: as it is on the forward's own
+    thread (where the context is the caller's: the backward's phase, the ledgers it records in),
+    inside the kept one elsewhere (an autograd device thread)."""
+    if threading.get_ident() == ctx.forward_thread:
+        return backward()
+    return ctx.forward_context.run(backward)
 
 
 def predicting_now() -> bool:
@@ -162,14 +183,19 @@ class _GradSum(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
         ctx.axis, ctx.label, ctx.reduce = inputs[1], inputs[2], inputs[3]
+        remember_context(ctx)
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return in_forward_context(ctx, lambda: (_GradSum._summed(ctx, g), None, None, None))
+
+    @staticmethod
+    def _summed(ctx: Any, g: torch.Tensor) -> torch.Tensor:
         sent = g.to(ctx.reduce if ctx.reduce is not None else g.dtype).contiguous()
         if predicting_now():
             record("psum", ctx.axis, tuple(sent.shape), sent.dtype, ctx.label, "backward")
-            return g.clone(), None, None, None
-        return psum(sent, ctx.axis).to(g.dtype), None, None, None
+            return g.clone()
+        return psum(sent, ctx.axis).to(g.dtype)
 
 
 # -- the batch's shares: a statistic over the whole batch, inside a compute -----------------------

@@ -87,9 +87,20 @@ class _PredictedAttention(torch.autograd.Function):
         q, k, v, ctx.axis, ctx.attention, ctx.label, _, balanced = inputs
         ctx.shapes = [(tuple(t.shape), t.dtype) for t in (q, k, v)]
         ctx.save_for_backward(*_kept_by_the_run(q, k, v, ctx.attention, in_layer.size(ctx.axis), balanced))
+        in_layer.remember_context(ctx)  # the prediction it records into, on whichever thread it runs
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        in_layer.in_forward_context(ctx, lambda: _PredictedAttention._record_backward(ctx, g))
+        (q, qd), (k, kd), (v, vd) = ctx.shapes
+        return (
+            torch.zeros(q, dtype=qd), torch.zeros(k, dtype=kd), torch.zeros(v, dtype=vd), None, None, None, None,
+            None,
+        )
+
+
+    @staticmethod
+    def _record_backward(ctx: Any, g: torch.Tensor) -> None:
         (q, qd), (k, kd), (v, vd) = ctx.shapes
         if ctx.attention == "ring":
             for _ in range(in_layer.size(ctx.axis) - 1):
@@ -99,10 +110,6 @@ class _PredictedAttention(torch.autograd.Function):
             # the latest-made ready node first): v, k, q.
             for shape, dtype in ((tuple(g.shape), g.dtype), (v, vd), (k, kd), (q, qd)):
                 in_layer.record("all_to_all", ctx.axis, shape, dtype, ctx.label, "backward")
-        return (
-            torch.zeros(q, dtype=qd), torch.zeros(k, dtype=kd), torch.zeros(v, dtype=vd), None, None, None, None,
-            None,
-        )
 
 
 def _kept_by_the_run(

@@ -49,8 +49,10 @@ class _PredictedAllToAll(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
         ctx.axis, ctx.label = inputs[1], inputs[2]
+        in_layer.remember_context(ctx)  # the prediction it records into, on whichever thread it runs
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        in_layer.record("all_to_all", ctx.axis, tuple(g.shape), g.dtype, ctx.label, "backward")
+        in_layer.in_forward_context(
+            ctx, lambda: in_layer.record("all_to_all", ctx.axis, tuple(g.shape), g.dtype, ctx.label, "backward"))
         return g.clone(), None, None

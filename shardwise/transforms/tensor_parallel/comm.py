@@ -136,12 +136,15 @@ class _TPComm(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
         _, ctx.axis, _, ctx.backward_op, ctx.dim, ctx.reduce, ctx.label = inputs
+        in_layer.remember_context(ctx)  # the axis's group, on whichever thread the backward runs
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        with in_backward():
-            grad = _apply(ctx.backward_op, g, ctx.axis, ctx.dim, ctx.reduce, ctx.label, "backward")
-        return grad, None, None, None, None, None, None
+        def transposed() -> torch.Tensor:
+            with in_backward():
+                return _apply(ctx.backward_op, g, ctx.axis, ctx.dim, ctx.reduce, ctx.label, "backward")
+
+        return in_layer.in_forward_context(ctx, transposed), None, None, None, None, None, None
 
 
 def all_max(x: torch.Tensor, axis: str, label: str) -> torch.Tensor:
