@@ -4,7 +4,8 @@ torch's autograd engine runs the backward nodes of a device's tensors on one thr
 the thread that called ``backward``. Python's context variables (the current mesh and backend, the
 Plan's prediction) are not there: a Python thread starts in an empty context, as that one does. The
 layers' collectives whose backward finds its group by axis name (tensor parallel's, a gradient summed
-over an axis) take it from their forward's context (``in_layer.remember_context``). Here every
+over an axis: context parallel's too) take it from their forward's context
+(``in_layer.remember_context``); without it both fail as the GPU did. Here every
 backward the engine is asked for runs on a new thread, which is what CUDA does to them, on the CPU:
 on gloo processes, as ranks on GPUs run (thread ranks share that one device thread: there a
 collective inside the backward is refused, tests/collectives/test_threads_backend.py).
@@ -120,3 +121,35 @@ def test_the_plan_of_a_tensor_parallel_step_is_the_same_when_its_backward_runs_o
     assert ran, "no backward ran on a thread of its own: nothing was tested"
     assert str(elsewhere) == str(here)
     assert sum(1 for line in str(here).splitlines() if "backward" in line) > 0
+
+
+def _cp_problem() -> tuple[sw.Step, Any, list[Any]]:
+    """TinyGPT d16 whose sequence is cut over ``cp`` (tests/transforms/context_parallel's case)."""
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(1)
+    model = TinyGPT(vocab=VOCAB, d_model=16, n_heads=4, n_layers=2, seq_len=SEQ).double()
+    chain, params = sw.functionalize(model, units=["tok_emb", "blocks", "head"])
+    step = sw.train_step(chain, lambda o, y: torch.nn.functional.cross_entropy(o.flatten(0, 1), y.flatten()),
+                         sw.optim.sgd(0.1, momentum=0.9))
+    ids = [torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=gen) for _ in range(2)]
+    return step, params, [(i[:, :-1], i[:, 1:]) for i in ids]
+
+
+def _cp_rank(attention: str) -> tuple[list[Any], int]:
+    step, params, batches = _cp_problem()
+    cp = sw.context_parallel(step, "cp", attention=attention)
+    with _backward_elsewhere() as ran:
+        history = sw.testing.record_history(cp, cp.init(params, sw.Mesh(cp=2)), batches)
+    return history, len(set(ran))
+
+
+@pytest.mark.parametrize("attention", ["ring", "ulysses"])
+def test_context_parallel_is_the_single_device_step_when_its_backward_runs_on_another_thread(
+        attention: str, gloo2: Any) -> None:
+    """Ring attention's passes and Ulysses' all-to-alls in backward, and the gradients of the weights
+    every rank holds summed over the sequence's shares."""
+    got = gloo2.run(_cp_rank, attention)
+    assert all(threads > 0 for _, threads in got), "no backward ran on a thread of its own: nothing was tested"
+    step, params, batches = _cp_problem()
+    expected = sw.testing.record_history(step, step.init(params), batches)
+    sw.testing.compare_histories([history for history, _ in got], expected, rtol=1e-12)
