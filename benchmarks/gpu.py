@@ -36,9 +36,9 @@ NCCL refuses two ranks on one GPU.
 parameters and batches on it (float64): four pipeline schedules, whose
 messages are staged through the CPU (gloo's point to point moves CPU tensors),
 and ZeRO-3; TinyGPT under tensor parallel (tp 2, with and without sequence
-parallel), whose collectives run inside the backward, which torch runs on the
-device's own autograd thread; each against the single-device step on the
-device (``rtol`` 1e-12).
+parallel) and context parallel (ring and Ulysses, cp 2), whose collectives run
+inside the backward, which torch runs on the device's own autograd thread; each
+against the single-device step on the device (``rtol`` 1e-12).
 
 ``"kind": "speed"``: each ``--gpt`` in one process, the same weights and
 batches for every variant, stepped round-robin, AdamW everywhere:
@@ -321,12 +321,18 @@ def process_group_check(backend: str, device: torch.device) -> dict[str, Any]:
 
 # -- ranks as processes on gloo, tensors on the device ------------------------------------------
 PROCESS_VARIANTS = ("pipeline:gpipe", "pipeline:1f1b", "pipeline:interleaved_1f1b", "pipeline:zb_h1",
-                    "shard_params:stage3", "tensor_parallel:tp2", "tensor_parallel:tp2_sequence_parallel")
+                    "shard_params:stage3", "tensor_parallel:tp2", "tensor_parallel:tp2_sequence_parallel",
+                    "context_parallel:ring", "context_parallel:ulysses")
 
 
 def process_problem(name: str, device: torch.device) -> tuple[sw.Step, Any, list[Any]]:
-    """The single-device step a variant distributes: TinyGPT for tensor parallel, else the MLP."""
-    return tp_gpt_problem(device) if name.startswith("tensor_parallel") else mlp_problem(device)
+    """The single-device step a variant distributes: TinyGPT for tensor and context parallel, else the MLP."""
+    if name.startswith("tensor_parallel"):
+        return tp_gpt_problem(device)
+    if name.startswith("context_parallel"):
+        chain, params, batches = gpt_case(device, torch.float64)
+        return sw.train_step(chain, lm_loss, sw.optim.sgd(0.1, momentum=0.9)), params, batches
+    return mlp_problem(device)
 
 
 def process_variant(name: str, step: Any) -> tuple[Any, sw.Mesh]:
@@ -335,6 +341,8 @@ def process_variant(name: str, step: Any) -> tuple[Any, sw.Mesh]:
         return sw.pipeline(step, "pp", what, microbatches=4), sw.Mesh(pp=2)
     if kind == "tensor_parallel":  # its collectives run inside the backward, on the device's autograd thread
         return tp_variant(step, what.endswith("sequence_parallel"), sw.Mesh(tp=2)), sw.Mesh(tp=2)
+    if kind == "context_parallel":  # so do its attention's passes and its gradients' sums
+        return sw.context_parallel(step, "cp", attention=what), sw.Mesh(cp=2)
     return sw.shard_params(step, "dp", stage=int(what.removeprefix("stage"))), sw.Mesh(dp=2)
 
 

@@ -111,6 +111,23 @@ def _run_every_primitive(kinds: list[str], dtype: torch.dtype) -> dict[str, Any]
     return out
 
 
+def _permute_staged(dtype: torch.dtype) -> dict[str, Any]:
+    """ppermute as it runs for a tensor gloo cannot carry (off the CPU): on a host copy, its result moved
+    back. Forced here for CPU tensors, the one device this machine has (the GPU run: benchmarks/gpu.py)."""
+    backend = current_backend()
+    group = _group("reversed")
+    i = group.index(backend.rank)
+    x = _inputs(group.size, dtype)["move"][i]
+    before = x.clone()
+    stages = type(backend)._stages_permute
+    type(backend)._stages_permute = lambda self, t: True  # type: ignore[method-assign]
+    try:
+        got = {f"permute_{name}": backend.permute(x, pairs, group).wait() for name, pairs in _perms(group.size).items()}
+    finally:
+        type(backend)._stages_permute = stages  # type: ignore[method-assign]
+    return {"ranks": group.ranks, "index": i, "got": got, "inputs_untouched": torch.equal(before, x)}
+
+
 def _overlap() -> dict[str, Any]:
     """Issue collectives without waiting, on two axes, while a peer arrives late."""
     mesh = Mesh(dp=2, pp=2)
@@ -189,6 +206,15 @@ def test_every_primitive_world_4_and_mesh_axes(gloo4: Any, dtype: torch.dtype) -
     assert [r["dp"]["ranks"] for r in results] == [(0, 2), (1, 3), (0, 2), (1, 3)]
     assert [r["pp"]["ranks"] for r in results] == [(0, 1), (0, 1), (2, 3), (2, 3)]
     _check(results, dtype)
+
+
+def test_a_permute_staged_through_the_host_is_the_permute(gloo2: Any) -> None:
+    for rank, r in enumerate(gloo2.run(_permute_staged, torch.float32)):
+        assert r["inputs_untouched"], rank
+        want = _reference(len(r["ranks"]), r["index"], torch.float32)
+        for op, got in r["got"].items():
+            torch.testing.assert_close(got, want[op], rtol=0, atol=0,
+                                       msg=lambda m, rank=rank, op=op: f"rank {rank} {op}: {m}")
 
 
 def test_async_collectives_overlap(gloo4: Any) -> None:

@@ -260,6 +260,16 @@ class TorchDistributedBackend(PointToPoint, Backend):
     ) -> Work:
         pairs = _check_pairs(pairs, group, op_name)
         pg, _ = self._enter(x, group, op_name)
+        if self._stages_permute(x):
+            # gloo's point to point writes and reads host memory only (a CUDA tensor's address fails
+            # its writev with "Bad address"): the message travels as a host copy, the result comes back.
+            host = self._permute(x.detach().to("cpu"), pairs, group, pg, op_name, snapshot=False)
+            return _MovedTo(host, x.device)
+        return self._permute(x, pairs, group, pg, op_name, snapshot)
+
+    def _permute(
+        self, x: torch.Tensor, pairs: Sequence[tuple[int, int]], group: Group, pg: Any, op_name: str, snapshot: bool
+    ) -> Work:
         me = group.index(self.rank)
         dsts = [group.ranks[d] for s, d in pairs if s == me != d]
         srcs = [group.ranks[s] for s, d in pairs if d == me != s]  # at most one (destinations are unique)
@@ -289,6 +299,10 @@ class TorchDistributedBackend(PointToPoint, Backend):
     # -- point to point -------------------------------------------------------
 
     # -- plumbing -------------------------------------------------------------
+    def _stages_permute(self, x: torch.Tensor) -> bool:
+        """Whether a ppermute of ``x`` travels as a host copy: off the CPU where no NCCL carries it."""
+        return x.device.type != "cpu" and "nccl" not in self.name
+
     def _on_gloo_cpu(self, x: torch.Tensor) -> bool:
         return x.device.type == "cpu" and "gloo" in self.name
 
@@ -398,6 +412,22 @@ class TorchDistributedBackend(PointToPoint, Backend):
                 "before the collective and back after it."
             )
         return CollectiveError(f"{where} failed: {type(exc).__name__}: {exc}")
+
+
+class _MovedTo(Work):
+    """A collective run on host copies, its result moved back to the caller's device at the wait."""
+
+    def __init__(self, work: Work, device: torch.device) -> None:
+        self._work, self._device = work, device
+        self._result: torch.Tensor | None = None
+
+    def wait(self) -> torch.Tensor:
+        if self._result is None:
+            self._result = self._work.wait().to(self._device)
+        return self._result
+
+    def is_completed(self) -> bool:
+        return self._result is not None or self._work.is_completed()
 
 
 class _DistWork(Work):
