@@ -36,9 +36,10 @@ NCCL refuses two ranks on one GPU.
 parameters and batches on it (float64): four pipeline schedules, whose
 messages are staged through the CPU (gloo's point to point moves CPU tensors),
 and ZeRO-3; TinyGPT under tensor parallel (tp 2, with and without sequence
-parallel) and context parallel (ring and Ulysses, cp 2), whose collectives run
-inside the backward, which torch runs on the device's own autograd thread; each
-against the single-device step on the device (``rtol`` 1e-12).
+parallel), context parallel (ring and Ulysses, cp 2) and an MoE under expert
+parallel (ep 2), whose collectives run inside the backward, which torch runs on
+the device's own autograd thread; each against the single-device step on the
+device (``rtol`` 1e-12).
 
 ``"kind": "speed"``: each ``--gpt`` in one process, the same weights and
 batches for every variant, stepped round-robin, AdamW everywhere:
@@ -86,7 +87,7 @@ from _common import emit, environment, lm_loss, note
 import shardwise as sw
 from shardwise.collectives.backends.processes import _free_port  # the launcher's own port probe
 from shardwise.testing.equivalence import compare_histories, record_history
-from shardwise.testing.models import Block, TinyGPT, mlp
+from shardwise.testing.models import Block, MoEBlock, TinyGPT, mlp
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zb_h1", "zb_v")
 Check = Callable[[], dict[str, Any]]
@@ -322,7 +323,7 @@ def process_group_check(backend: str, device: torch.device) -> dict[str, Any]:
 # -- ranks as processes on gloo, tensors on the device ------------------------------------------
 PROCESS_VARIANTS = ("pipeline:gpipe", "pipeline:1f1b", "pipeline:interleaved_1f1b", "pipeline:zb_h1",
                     "shard_params:stage3", "tensor_parallel:tp2", "tensor_parallel:tp2_sequence_parallel",
-                    "context_parallel:ring", "context_parallel:ulysses")
+                    "context_parallel:ring", "context_parallel:ulysses", "expert_parallel:ep2")
 
 
 def process_problem(name: str, device: torch.device) -> tuple[sw.Step, Any, list[Any]]:
@@ -332,7 +333,21 @@ def process_problem(name: str, device: torch.device) -> tuple[sw.Step, Any, list
     if name.startswith("context_parallel"):
         chain, params, batches = gpt_case(device, torch.float64)
         return sw.train_step(chain, lm_loss, sw.optim.sgd(0.1, momentum=0.9)), params, batches
+    if name.startswith("expert_parallel"):
+        return moe_problem(device)
     return mlp_problem(device)
+
+
+def moe_problem(device: torch.device) -> tuple[sw.Step, Any, list[Any]]:
+    """Two MoE blocks of four experts (top 2, then top 1) between Linears, float64 on ``device``."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), MoEBlock(8, 2, 4, 4, 2), MoEBlock(8, 2, 4, 4, 1),
+                                torch.nn.Linear(8, 3)).to(device, torch.float64)
+    chain, params = sw.functionalize(model)
+    gen = torch.Generator().manual_seed(1)
+    batches = [tuple(torch.randn(8, 4, n, generator=gen, dtype=torch.float64).to(device) for n in (6, 3))
+               for _ in range(3)]
+    return sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1, momentum=0.9)), params, batches
 
 
 def process_variant(name: str, step: Any) -> tuple[Any, sw.Mesh]:
@@ -343,6 +358,8 @@ def process_variant(name: str, step: Any) -> tuple[Any, sw.Mesh]:
         return tp_variant(step, what.endswith("sequence_parallel"), sw.Mesh(tp=2)), sw.Mesh(tp=2)
     if kind == "context_parallel":  # so do its attention's passes and its gradients' sums
         return sw.context_parallel(step, "cp", attention=what), sw.Mesh(cp=2)
+    if kind == "expert_parallel":  # and its all-to-alls' transposes
+        return sw.expert_parallel(step, "ep"), sw.Mesh(ep=2)
     return sw.shard_params(step, "dp", stage=int(what.removeprefix("stage"))), sw.Mesh(dp=2)
 
 

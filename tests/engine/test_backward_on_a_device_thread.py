@@ -153,3 +153,34 @@ def test_context_parallel_is_the_single_device_step_when_its_backward_runs_on_an
     step, params, batches = _cp_problem()
     expected = sw.testing.record_history(step, step.init(params), batches)
     sw.testing.compare_histories([history for history, _ in got], expected, rtol=1e-12)
+
+
+def _moe_problem() -> tuple[sw.Step, Any, list[Any]]:
+    """Two MoE blocks of four experts (top 2, then top 1) between Linears (tests/transforms/expert_parallel's)."""
+    from shardwise.testing.models import MoEBlock
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), MoEBlock(8, 2, 4, 4, 2), MoEBlock(8, 2, 4, 4, 1),
+                                torch.nn.Linear(8, 3)).double()
+    chain, params = sw.functionalize(model)
+    gen = torch.Generator().manual_seed(1)
+    batches = [tuple(torch.randn(8, 4, n, generator=gen, dtype=torch.float64) for n in (6, 3)) for _ in range(2)]
+    return sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1, momentum=0.9)), params, batches
+
+
+def _ep_rank() -> tuple[list[Any], int]:
+    step, params, batches = _moe_problem()
+    ep = sw.expert_parallel(step, "ep")
+    with _backward_elsewhere() as ran:
+        history = sw.testing.record_history(ep, ep.init(params, sw.Mesh(ep=2)), batches)
+    return history, len(set(ran))
+
+
+def test_expert_parallel_is_the_single_device_step_when_its_backward_runs_on_another_thread(gloo2: Any) -> None:
+    """The dispatch's and the combine's all-to-alls transposed in backward, the replicated weights'
+    gradients summed over the batch's shares."""
+    got = gloo2.run(_ep_rank)
+    assert all(threads > 0 for _, threads in got), "no backward ran on a thread of its own: nothing was tested"
+    step, params, batches = _moe_problem()
+    expected = sw.testing.record_history(step, step.init(params), batches)
+    sw.testing.compare_histories([history for history, _ in got], expected, rtol=1e-12)
