@@ -184,3 +184,22 @@ def test_expert_parallel_is_the_single_device_step_when_its_backward_runs_on_ano
     step, params, batches = _moe_problem()
     expected = sw.testing.record_history(step, step.init(params), batches)
     sw.testing.compare_histories([history for history, _ in got], expected, rtol=1e-12)
+
+
+def _remat_tp_rank() -> tuple[list[Any], int]:
+    step, params, batches = _problem()
+    tp = sw.tensor_parallel(sw.remat(step, policy=sw.policies.nothing_saveable), "tp", sw.tp.tiny_gpt_plan(),
+                            sequence_parallel="blocks.*")
+    with _backward_elsewhere() as ran:
+        history = sw.testing.record_history(tp, tp.init(params, sw.Mesh(tp=4)), batches)
+    return history, len(set(ran))
+
+
+def test_a_remat_region_recomputed_on_another_thread_finds_its_forwards_mesh(gloo4: Any) -> None:
+    """Tensor parallel under full remat: the blocks' forwards, collectives and all, run again inside the
+    backward (torch's checkpoint recomputes as autograd unpacks what it saved), on its thread."""
+    got = gloo4.run(_remat_tp_rank)
+    assert all(threads > 0 for _, threads in got), "no backward ran on a thread of its own: nothing was tested"
+    step, params, batches = _problem()
+    expected = sw.testing.record_history(step, step.init(params), batches)
+    sw.testing.compare_histories([history for history, _ in got], expected, rtol=1e-12)

@@ -91,23 +91,35 @@ def predicting(sizes: Mapping[str, int]) -> Iterator[list[Issued]]:
         _predicting.reset(token)
 
 
-def remember_context(ctx: Any) -> None:
-    """Keep on an autograd Function's ``ctx`` the context its forward ran in, for its backward.
+class ForwardContext:
+    """The context a forward ran in, for what autograd runs of it later: its backward, a remat
+    region's recomputation.
 
-    A backward that issues collectives by axis name (or records them while predicting) reads the
-    current mesh, backend and prediction from context variables. On CUDA torch runs a device's
-    backward nodes on its own thread, whose context holds none of them: :func:`in_forward_context`
-    runs the backward in the forward's then."""
-    ctx.forward_context = contextvars.copy_context()
-    ctx.forward_thread = threading.get_ident()
+    Those read the current mesh, backend and prediction from context variables (a collective by axis
+    name, one recorded while predicting). On CUDA torch runs a device's backward nodes on its own
+    thread, whose context holds none of them. :meth:`run` runs a call as it is on the forward's own
+    thread (where the context is the caller's: the backward's phase, the ledgers it records in), and
+    inside a copy of the forward's context elsewhere (an autograd device thread)."""
+
+    __slots__ = ("_context", "_thread")
+
+    def __init__(self) -> None:
+        self._context = contextvars.copy_context()  # cheap: the variables' mapping is shared, not copied
+        self._thread = threading.get_ident()
+
+    def run(self, call: Callable[[], T]) -> T:
+        if threading.get_ident() == self._thread:
+            return call()
+        return self._context.run(call)
+
+
+def remember_context(ctx: Any) -> None:
+    """Keep on an autograd Function's ``ctx`` the context its forward ran in (:class:`ForwardContext`)."""
+    ctx.forward_context = ForwardContext()
 
 
 def in_forward_context(ctx: Any, backward: Callable[[], T]) -> T:
-    """``backward()`` in the context :func:`remember_context` kept: as it is on the forward's own
-    thread (where the context is the caller's: the backward's phase, the ledgers it records in),
-    inside the kept one elsewhere (an autograd device thread)."""
-    if threading.get_ident() == ctx.forward_thread:
-        return backward()
+    """``backward()`` in the context :func:`remember_context` kept on ``ctx``."""
     return ctx.forward_context.run(backward)
 
 

@@ -57,6 +57,7 @@ from torch.utils.checkpoint import (
 )
 
 from ...engine.plan.accounting import current_observer
+from ...engine.stack.in_layer import ForwardContext
 from ...engine.torch_api import storage_key as engine_storage_key
 from .policies import EverythingSaveable, NothingSaveable, OffloadToCpu
 
@@ -229,9 +230,13 @@ def run_layer(fn: Callable[[Any, Any], Any], tensors: Mapping[str, torch.Tensor]
         region_args: Any = (dict(tensors), x)
         leaves, spec = optree.tree_flatten(region_args, none_is_leaf=True)
 
+        # Recomputed in the backward, which on CUDA runs on the device's autograd thread: there the
+        # region's layers find the forward's mesh and backend (tensor parallel's collectives).
+        forward_context = ForwardContext()
+
         def region(*flat: Any) -> Any:
             region_tensors, region_x = optree.tree_unflatten(spec, list(flat))
-            return fn(region_tensors, region_x)
+            return forward_context.run(lambda: fn(region_tensors, region_x))
 
         if isinstance(inner, NothingSaveable):
             return checkpoint(region, *leaves, use_reentrant=False)
