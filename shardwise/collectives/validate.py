@@ -110,6 +110,9 @@ def check_reduce_rows(op: str, rows: Sequence[Sequence[torch.Tensor]], dtype: to
         raise ValueError(f"{op}: the rows hold no tensor; pass at least one piece per row")
 
 
+_NO_SYNC_FORM = "pass detached tensors (x.detach())"  # an all-gather into rows has no differentiable form
+
+
 def gather_input(op: str, x: object) -> list[torch.Tensor]:
     """An all-gather's input as the 1-D pieces its values lie in, end to end: a tensor, flattened
     (it must be contiguous: its values are read in place), or a sequence of 1-D contiguous tensors
@@ -117,7 +120,7 @@ def gather_input(op: str, x: object) -> list[torch.Tensor]:
     if isinstance(x, torch.Tensor):
         if not x.is_contiguous():
             raise ValueError(f"{op}: the input must be contiguous (its values are read in place); pass x.contiguous()")
-        refuse_grad(op, x)
+        refuse_grad(op, x, _NO_SYNC_FORM)
         return [x.detach().reshape(-1)]
     if not isinstance(x, Sequence) or not x:
         raise TypeError(f"{op}: the input must be a tensor or a non-empty sequence of 1-D tensors (its values "
@@ -132,7 +135,7 @@ def gather_input(op: str, x: object) -> list[torch.Tensor]:
         if piece.dtype != pieces[0].dtype or piece.device != pieces[0].device:
             raise ValueError(f"{op}: x[{k}] is {piece.dtype} on {piece.device}, x[0] {pieces[0].dtype} on "
                              f"{pieces[0].device}; every piece of the input must be of one dtype and device")
-        refuse_grad(op, piece)
+        refuse_grad(op, piece, _NO_SYNC_FORM)
     spans = sorted((p.data_ptr(), p.data_ptr() + p.numel() * p.element_size(), k)
                    for k, p in enumerate(pieces) if p.numel())
     for (_, end, k), (start, _, k2) in itertools.pairwise(spans):

@@ -3,12 +3,12 @@
 torch's autograd engine runs the backward nodes of a device's tensors on one thread per device, not on
 the thread that called ``backward``. Python's context variables (the current mesh and backend, the
 Plan's prediction) are not there: a Python thread starts in an empty context, as that one does. The
-layers' collectives whose backward finds its group by axis name (tensor parallel's, a gradient summed
-over an axis: context parallel's too) take it from their forward's context
-(``in_layer.remember_context``); without it both fail as the GPU did. Here every
-backward the engine is asked for runs on a new thread, which is what CUDA does to them, on the CPU:
-on gloo processes, as ranks on GPUs run (thread ranks share that one device thread: there a
-collective inside the backward is refused, tests/collectives/test_threads_backend.py).
+layers' collectives whose backward (or remat recomputation) finds its group by axis name (tensor
+parallel's; a gradient summed over an axis: sequence, context and expert parallel's) take it from
+their forward's context (``in_layer.ForwardContext``); without it each case here fails as the GPU
+did. Here every backward the engine is asked for runs on a new thread, which is what CUDA does to
+them, on the CPU: on gloo processes, as ranks on GPUs run (thread ranks share that one device
+thread: there a collective inside the backward is refused, tests/collectives/test_mesh_and_threads.py).
 """
 
 from __future__ import annotations

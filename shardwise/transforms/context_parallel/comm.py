@@ -98,7 +98,6 @@ class _PredictedAttention(torch.autograd.Function):
             None,
         )
 
-
     @staticmethod
     def _record_backward(ctx: Any, g: torch.Tensor) -> None:
         (q, qd), (k, kd), (v, vd) = ctx.shapes
