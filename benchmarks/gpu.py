@@ -36,7 +36,7 @@ NCCL refuses two ranks on one GPU.
 parameters and batches on it (float64): four pipeline schedules, whose
 messages are staged through the CPU (gloo's point to point moves CPU tensors),
 and ZeRO-3; TinyGPT under tensor parallel (tp 2, with and without sequence
-parallel), context parallel (ring and Ulysses, cp 2) and an MoE under expert
+parallel, and under full remat), context parallel (ring and Ulysses, cp 2) and an MoE under expert
 parallel (ep 2), whose collectives run inside the backward, which torch runs on
 the device's own autograd thread; each against the single-device step on the
 device (``rtol`` 1e-12).
@@ -323,6 +323,7 @@ def process_group_check(backend: str, device: torch.device) -> dict[str, Any]:
 # -- ranks as processes on gloo, tensors on the device ------------------------------------------
 PROCESS_VARIANTS = ("pipeline:gpipe", "pipeline:1f1b", "pipeline:interleaved_1f1b", "pipeline:zb_h1",
                     "shard_params:stage3", "tensor_parallel:tp2", "tensor_parallel:tp2_sequence_parallel",
+                    "tensor_parallel:tp2_sequence_parallel_remat",
                     "context_parallel:ring", "context_parallel:ulysses", "expert_parallel:ep2")
 
 
@@ -355,7 +356,9 @@ def process_variant(name: str, step: Any) -> tuple[Any, sw.Mesh]:
     if kind == "pipeline":
         return sw.pipeline(step, "pp", what, microbatches=4), sw.Mesh(pp=2)
     if kind == "tensor_parallel":  # its collectives run inside the backward, on the device's autograd thread
-        return tp_variant(step, what.endswith("sequence_parallel"), sw.Mesh(tp=2)), sw.Mesh(tp=2)
+        if what.endswith("_remat"):  # and, recomputed there, the forward's too
+            step = sw.remat(step, policy=sw.policies.nothing_saveable)
+        return tp_variant(step, "sequence_parallel" in what, sw.Mesh(tp=2)), sw.Mesh(tp=2)
     if kind == "context_parallel":  # so do its attention's passes and its gradients' sums
         return sw.context_parallel(step, "cp", attention=what), sw.Mesh(cp=2)
     if kind == "expert_parallel":  # and its all-to-alls' transposes
