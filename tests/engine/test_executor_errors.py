@@ -81,6 +81,13 @@ def test_a_joined_input_is_found_on_the_graph_or_left_to_a_hook() -> None:
     for _ in range(40):
         long = long * 1.0 + 0.0
     assert _reaches(long, a0) is None
+    # Two residual additions, the second's branch past the budget: the input's node is two levels
+    # down (a pre-LN block), found before the walk goes down the branch.
+    x1 = a0 + a0 * 2.0
+    branch = x1
+    for _ in range(40):
+        branch = branch * 1.0 + 0.0
+    assert _reaches(x1 + branch, a0) is True
 
 
 def test_a_layer_ignoring_its_input_behind_a_large_graph_is_refused_too() -> None:

@@ -183,3 +183,42 @@ def test_small_tensors_share_one_group_up_to_the_floor() -> None:
 def test_bounded_groups_is_one_group_off_the_cpu() -> None:
     xs = [torch.zeros(4, device="meta"), torch.zeros(100, device="meta")]
     assert fe.bounded_groups(xs) == [range(2)]
+
+
+def test_bounded_groups_of_a_mixed_list_are_each_of_one_device_and_dtype() -> None:
+    """So an update may tell each op of a group that its list is uniform (``uniform=True``)."""
+    unit = fe.MIN_GROUP_BYTES // 4 // 50
+    xs = [
+        torch.zeros(60 * unit), torch.zeros(4, dtype=torch.float64), torch.zeros(59 * unit),
+        torch.zeros(3, device="meta"), torch.zeros(2, dtype=torch.float64), torch.zeros(unit),
+    ]
+    groups = fe.bounded_groups(xs)
+    assert sorted(i for group in groups for i in group) == list(range(len(xs)))  # each index once
+    for group in groups:
+        assert len({(xs[i].device, xs[i].dtype) for i in group}) == 1, group
+        assert list(group) == sorted(group)
+    # the float32 CPU tensors are bounded as a list of their own (60, 59 and 1 units; the largest
+    # is the budget), the float64 ones as another
+    assert [list(g) for g in groups] == [[0], [2, 5], [1, 4], [3]]
+
+
+def test_uniform_skips_the_grouping_and_computes_the_same() -> None:
+    """``uniform=True`` is the caller's word that the first list is of one device and dtype: no
+    groups are read (a list that is not uniform still computes right on the CPU: per tensor)."""
+    xs = [torch.randn(3), torch.randn(5)]
+    ys = [torch.randn_like(x) for x in xs]
+    calls = []
+    real = fe._kernel_groups
+    fe._kernel_groups = lambda first: calls.append(len(first)) or real(first)  # type: ignore[assignment]
+    try:
+        told = fe.lerp_scalar(xs, ys, 0.25, uniform=True)
+        assert calls == []
+        checked = fe.lerp_scalar(xs, ys, 0.25)
+        assert calls == [2]
+    finally:
+        fe._kernel_groups = real  # type: ignore[assignment]
+    for a, b in zip(told, checked, strict=True):
+        assert torch.equal(a, b)
+    mixed = [torch.randn(3), torch.randn(2, dtype=torch.float64)]
+    for got, x in zip(fe.mul_scalar(mixed, 3.0, uniform=True), mixed, strict=True):
+        assert got.dtype == x.dtype and torch.equal(got, x * 3.0)

@@ -41,7 +41,7 @@ def _first_tensor(tree: Any) -> torch.Tensor | None:
             first = min(tree)
         except TypeError:  # keys of types that do not compare: optree's order
             first = None
-        if type(first) is str and all(type(k) is str for k in tree):
+        if type(first) is str and not set(map(type, tree)) - {str}:
             found = _first_tensor(tree[first])
             if found is not None:
                 return found

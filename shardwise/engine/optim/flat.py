@@ -9,6 +9,7 @@ optree. ``tests/engine/test_optim_flat.py`` checks both against optree.
 
 from __future__ import annotations
 
+from itertools import repeat
 from typing import Any
 
 import optree
@@ -35,15 +36,19 @@ class Structure:
 def _nested_keys(tree: Any) -> list[tuple[str, str]] | None:
     """Each leaf's (outer, inner) key in optree's order, if ``tree`` is a dict of dicts of tensors
     with string keys; else None."""
-    if type(tree) is not dict or not all(type(k) is str for k in tree):
+    # The checks read with map (C-level loops), not generators: this runs on every tree an
+    # update flattens (parameters, gradients, each moment), and a generator's resumptions cost more.
+    if type(tree) is not dict or set(map(type, tree)) - {str}:
         return None
     keys: list[tuple[str, str]] = []
     for outer in sorted(tree):
         inner = tree[outer]
-        if type(inner) is not dict or not all(type(k) is str and isinstance(v, Tensor) for k, v in inner.items()):
+        if type(inner) is not dict or set(map(type, inner)) - {str} \
+                or not all(map(isinstance, inner.values(), repeat(Tensor))):
             return None
-        keys.extend((outer, name) for name in sorted(inner))
+        keys += zip(repeat(outer), sorted(inner))
     return keys
+
 
 
 def flatten(tree: Any) -> tuple[list[Any], Structure]:
@@ -63,7 +68,7 @@ def leaves_like(tree: Any, structure: Structure, name: str) -> list[Any]:
         and all(type(tree[k]) is dict and tree[k].keys() == v.keys() for k, v in template.items())
     ):
         leaves = [tree[a][b] for a, b in structure.keys]
-        if all(isinstance(t, Tensor) for t in leaves):
+        if all(map(isinstance, leaves, repeat(Tensor))):
             return leaves
     leaves, tree_spec = optree.tree_flatten(tree)
     if tree_spec != structure.spec:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from operator import attrgetter, methodcaller
 
 import torch
 from torch import Tensor
@@ -68,13 +69,19 @@ def _loop(name: str, lists: Sequence[TensorList], *args: object, **kwargs: objec
     return [op(*tensors, *args, **kwargs) for tensors in zip(*lists, strict=True)]
 
 
+_DTYPE, _IS_CPU, _NBYTES = attrgetter("dtype"), attrgetter("is_cpu"), attrgetter("nbytes")
+_DEVICE_INDEX = methodcaller("get_device")  # an int: the index, -1 on the CPU and on meta
+
+
 def _kernel_groups(first: TensorList) -> list[list[int]] | None:
     """Indices of ``first`` per (device, dtype), or None when all share one (the usual case,
     checked without building the groups: an optimizer makes several calls per group of tensors)."""
     # get_device() (an int: the index, -1 on the CPU and on meta) and is_cpu spare making a
     # torch.device per tensor, a visible cost on a step of small tensors.
-    dtype, index, cpu = first[0].dtype, first[0].get_device(), first[0].is_cpu
-    if all(t.dtype is dtype and t.get_device() == index and t.is_cpu == cpu for t in first):
+    # Read with map (C-level loops): a generator's resumptions cost more than the reads themselves,
+    # nine times a step per range of an AdamW update.
+    if len(set(map(_DTYPE, first))) == 1 and len(set(map(_DEVICE_INDEX, first))) == 1 \
+            and len(set(map(_IS_CPU, first))) == 1:
         return None
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = defaultdict(list)
     for i, tensor in enumerate(first):
@@ -82,7 +89,9 @@ def _kernel_groups(first: TensorList) -> list[list[int]] | None:
     return list(groups.values())
 
 
-def _apply_inplace(name: str, lists: Sequence[TensorList], *args: object, **kwargs: object) -> list[Tensor]:
+def _apply_inplace(
+    name: str, lists: Sequence[TensorList], *args: object, uniform: bool = False, **kwargs: object
+) -> list[Tensor]:
     """``torch.<name>_`` on the first list (written in place, then returned), or the per-tensor method."""
     op = foreach_op(name + "_")
     if op is None:
@@ -90,7 +99,7 @@ def _apply_inplace(name: str, lists: Sequence[TensorList], *args: object, **kwar
         for first, *rest in zip(*lists, strict=True):
             getattr(first, method)(*rest, *args, **kwargs)
         return list(lists[0])
-    groups = _kernel_groups(lists[0])
+    groups = None if uniform else _kernel_groups(lists[0])
     if groups is None:
         op(*lists, *args, **kwargs)
     else:
@@ -100,12 +109,15 @@ def _apply_inplace(name: str, lists: Sequence[TensorList], *args: object, **kwar
 
 
 def _apply(
-    name: str, lists: Sequence[TensorList], *args: object, inplace: bool = False, **kwargs: object
+    name: str, lists: Sequence[TensorList], *args: object, inplace: bool = False, uniform: bool = False,
+    **kwargs: object,
 ) -> list[Tensor]:
     """Runs ``torch.<name>(*lists, *args, **kwargs)``, grouped by (device, dtype), or the loop.
 
     ``inplace=True`` writes the result into the first list's tensors instead (the kernels are
-    the same, so the values are bitwise those of the out-of-place call).
+    the same, so the values are bitwise those of the out-of-place call). ``uniform=True``: the
+    caller knows the first list is of one device and dtype (see :func:`bounded_groups`), so it
+    is not read again.
     """
     lengths = {len(tensors) for tensors in lists}
     if len(lengths) != 1:
@@ -115,11 +127,11 @@ def _apply(
     if not lists[0]:
         return []
     if inplace:
-        return _apply_inplace(name, lists, *args, **kwargs)
+        return _apply_inplace(name, lists, *args, uniform=uniform, **kwargs)
     op = foreach_op(name)
     if op is None:
         return _loop(name, lists, *args, **kwargs)
-    groups = _kernel_groups(lists[0])
+    groups = None if uniform else _kernel_groups(lists[0])
     if groups is None:
         return list(op(*lists, *args, **kwargs))
     out: list[Tensor | None] = [None] * len(lists[0])
@@ -130,19 +142,21 @@ def _apply(
     return out  # type: ignore[return-value]  # every index is filled by exactly one group
 
 
-def add(xs: TensorList, ys: TensorList, alpha: float = 1.0, *, inplace: bool = False) -> list[Tensor]:
+def add(
+    xs: TensorList, ys: TensorList, alpha: float = 1.0, *, inplace: bool = False, uniform: bool = False
+) -> list[Tensor]:
     """``x + alpha * y`` per pair."""
-    return _apply("_foreach_add", [xs, ys], alpha=alpha, inplace=inplace)
+    return _apply("_foreach_add", [xs, ys], alpha=alpha, inplace=inplace, uniform=uniform)
 
 
-def add_scalar(xs: TensorList, scalar: float, *, inplace: bool = False) -> list[Tensor]:
+def add_scalar(xs: TensorList, scalar: float, *, inplace: bool = False, uniform: bool = False) -> list[Tensor]:
     """``x + scalar`` per tensor."""
-    return _apply("_foreach_add", [xs], scalar, inplace=inplace)
+    return _apply("_foreach_add", [xs], scalar, inplace=inplace, uniform=uniform)
 
 
-def mul_scalar(xs: TensorList, scalar: float, *, inplace: bool = False) -> list[Tensor]:
+def mul_scalar(xs: TensorList, scalar: float, *, inplace: bool = False, uniform: bool = False) -> list[Tensor]:
     """``x * scalar`` per tensor."""
-    return _apply("_foreach_mul", [xs], scalar, inplace=inplace)
+    return _apply("_foreach_mul", [xs], scalar, inplace=inplace, uniform=uniform)
 
 
 def mul_tensor(xs: TensorList, factor: Tensor, *, inplace: bool = False) -> list[Tensor]:
@@ -163,33 +177,35 @@ def mul_tensor(xs: TensorList, factor: Tensor, *, inplace: bool = False) -> list
     return out  # type: ignore[return-value]  # every index is filled by exactly one group
 
 
-def div_scalar(xs: TensorList, scalar: float, *, inplace: bool = False) -> list[Tensor]:
+def div_scalar(xs: TensorList, scalar: float, *, inplace: bool = False, uniform: bool = False) -> list[Tensor]:
     """``x / scalar`` per tensor (a true division, not a multiplication by the reciprocal)."""
-    return _apply("_foreach_div", [xs], scalar, inplace=inplace)
+    return _apply("_foreach_div", [xs], scalar, inplace=inplace, uniform=uniform)
 
 
-def lerp_scalar(xs: TensorList, ys: TensorList, weight: float, *, inplace: bool = False) -> list[Tensor]:
+def lerp_scalar(
+    xs: TensorList, ys: TensorList, weight: float, *, inplace: bool = False, uniform: bool = False
+) -> list[Tensor]:
     """``x + weight * (y - x)`` per pair, with torch.lerp's rounding."""
-    return _apply("_foreach_lerp", [xs, ys], weight=weight, inplace=inplace)
+    return _apply("_foreach_lerp", [xs, ys], weight=weight, inplace=inplace, uniform=uniform)
 
 
 def addcmul_scalar(
-    xs: TensorList, ys: TensorList, zs: TensorList, value: float, *, inplace: bool = False
+    xs: TensorList, ys: TensorList, zs: TensorList, value: float, *, inplace: bool = False, uniform: bool = False
 ) -> list[Tensor]:
     """``x + value * y * z`` per triple."""
-    return _apply("_foreach_addcmul", [xs, ys, zs], value=value, inplace=inplace)
+    return _apply("_foreach_addcmul", [xs, ys, zs], value=value, inplace=inplace, uniform=uniform)
 
 
 def addcdiv_scalar(
-    xs: TensorList, ys: TensorList, zs: TensorList, value: float, *, inplace: bool = False
+    xs: TensorList, ys: TensorList, zs: TensorList, value: float, *, inplace: bool = False, uniform: bool = False
 ) -> list[Tensor]:
     """``x + value * y / z`` per triple."""
-    return _apply("_foreach_addcdiv", [xs, ys, zs], value=value, inplace=inplace)
+    return _apply("_foreach_addcdiv", [xs, ys, zs], value=value, inplace=inplace, uniform=uniform)
 
 
-def sqrt(xs: TensorList) -> list[Tensor]:
+def sqrt(xs: TensorList, *, uniform: bool = False) -> list[Tensor]:
     """``sqrt(x)`` per tensor."""
-    return _apply("_foreach_sqrt", [xs])
+    return _apply("_foreach_sqrt", [xs], uniform=uniform)
 
 
 def norm(xs: TensorList, ord: float = 2.0) -> list[Tensor]:
@@ -197,8 +213,10 @@ def norm(xs: TensorList, ord: float = 2.0) -> list[Tensor]:
     return _apply("_foreach_norm", [xs], ord=ord)
 
 
-def bounded_groups(xs: TensorList) -> list[range]:
-    """Consecutive index ranges of ``xs`` to run an op that makes temporaries on, one range at a time.
+def bounded_groups(xs: TensorList) -> list[Sequence[int]]:
+    """Index groups of ``xs`` to run an op that makes temporaries on, one group at a time, each of
+    one device and dtype (so its ops may pass ``uniform=True``: read once here, not by each op).
+    For tensors of one device and dtype (the usual case) they are consecutive ranges.
 
     On CPU each range holds at most as many bytes as the largest tensor or
     ``MIN_GROUP_BYTES``, whichever is more (one tensor may be a range of its own). The
@@ -216,12 +234,16 @@ def bounded_groups(xs: TensorList) -> list[range]:
     """
     if not xs:
         return []
-    if any(x.device.type != "cpu" for x in xs):
+    kinds = _kernel_groups(xs)
+    if kinds is not None:  # mixed: each (device, dtype) bounded on its own, as indices into xs
+        return [[kind[i] for i in group] for kind in kinds for group in bounded_groups([xs[i] for i in kind])]
+    if not xs[0].is_cpu:
         return [range(len(xs))]
-    budget = max(MIN_GROUP_BYTES, *(x.numel() * x.element_size() for x in xs))
-    groups, start, used = [], 0, 0
-    for i, x in enumerate(xs):
-        size = x.numel() * x.element_size()
+    sizes = list(map(_NBYTES, xs))
+    budget = max(MIN_GROUP_BYTES, *sizes)
+    groups: list[Sequence[int]] = []
+    start, used = 0, 0
+    for i, size in enumerate(sizes):
         if used + size > budget and i > start:
             groups.append(range(start, i))
             start, used = i, 0

@@ -322,19 +322,23 @@ class _AdamWUpdate:
         new_p: list[Tensor] = []
         new_m: list[Tensor] = []
         new_v: list[Tensor] = []
+        # Each group is of one device and dtype (its state made like it): its ops skip reading that.
         for group in fe.bounded_groups(p):
             ps, gs, ms, vs = ([leaves[i] for i in group] for leaves in (p, g, m, v))
+            inplace = self.inplace
             if opts.weight_decay != 0:
-                ps = fe.mul_scalar(ps, 1 - lr * opts.weight_decay, inplace=self.inplace)
-            ms = fe.lerp_scalar(ms, gs, 1 - self.beta1, inplace=self.inplace)
+                ps = fe.mul_scalar(ps, 1 - lr * opts.weight_decay, inplace=inplace, uniform=True)
+            ms = fe.lerp_scalar(ms, gs, 1 - self.beta1, inplace=inplace, uniform=True)
             vs = fe.addcmul_scalar(
-                fe.mul_scalar(vs, self.beta2, inplace=self.inplace), gs, gs, 1 - self.beta2, inplace=self.inplace
+                fe.mul_scalar(vs, self.beta2, inplace=inplace, uniform=True), gs, gs, 1 - self.beta2,
+                inplace=inplace, uniform=True,
             )
             # sqrt makes the one new list; the rest reuses it, as torch's foreach path does.
             denom = fe.add_scalar(
-                fe.div_scalar(fe.sqrt(vs), bias_correction2**0.5, inplace=True), self.eps, inplace=True
+                fe.div_scalar(fe.sqrt(vs, uniform=True), bias_correction2**0.5, inplace=True, uniform=True),
+                self.eps, inplace=True, uniform=True,
             )
-            new_p += fe.addcdiv_scalar(ps, ms, denom, -step_size, inplace=self.inplace)
+            new_p += fe.addcdiv_scalar(ps, ms, denom, -step_size, inplace=inplace, uniform=True)
             new_m += ms
             new_v += vs
         return new_p, new_m, new_v
@@ -486,7 +490,7 @@ def _pieces(
     else resolved from the tree (whole leaves)."""
     default = Options(weight_decay)
     if runs is None and groups is None:  # whole leaves, one option set: the same cuts every step
-        return whole_pieces(tuple(t.numel() for t in leaves), default)
+        return whole_pieces(tuple(map(Tensor.numel, leaves)), default)
     if runs is None:
         return Pieces(tree_runs(groups, default, params), leaves)
     given, runs_spec = optree.tree_flatten(runs)

@@ -975,19 +975,22 @@ def _reaches(y: torch.Tensor, x: torch.Tensor, budget: int = 32) -> bool | None:
     target, index, start = x.grad_fn, x.output_nr, y.grad_fn
     if target is None or start is None:
         return None
-    stack, seen = [start], {start}
-    while stack:
+    # Breadth first: a residual block's output is its input plus a branch, so the input's node is
+    # two levels down, where a depth-first walk would spend the budget inside the branch first.
+    queue, seen, head = [start], {start}, 0
+    while head < len(queue):
         budget -= 1
         if budget < 0:
             return None
-        for node, nr in stack.pop().next_functions:
+        head += 1
+        for node, nr in queue[head - 1].next_functions:
             if node is None:
                 continue
             if node is target and nr == index:
                 return True
             if node not in seen:
                 seen.add(node)
-                stack.append(node)
+                queue.append(node)
     return False
 
 
