@@ -60,7 +60,7 @@ CASES: dict[
 
 def test_every_wrapped_op_is_covered_here() -> None:
     assert {op for op, _ in CASES.values()} == set(fe.FALLBACKS)
-    assert set(CASES) == set(fe.__all__) - {"foreach_op", "bounded_groups"}
+    assert set(CASES) == set(fe.__all__) - {"foreach_op", "bounded_groups", "kind_groups"}
 
 
 @pytest.mark.parametrize("name", sorted(fe.FALLBACKS))
@@ -222,3 +222,10 @@ def test_uniform_skips_the_grouping_and_computes_the_same() -> None:
     mixed = [torch.randn(3), torch.randn(2, dtype=torch.float64)]
     for got, x in zip(fe.mul_scalar(mixed, 3.0, uniform=True), mixed, strict=True):
         assert got.dtype == x.dtype and torch.equal(got, x * 3.0)
+
+
+def test_kind_groups_are_one_range_for_one_kind_else_each_kinds_indices() -> None:
+    assert fe.kind_groups([torch.randn(3), torch.randn(5)]) == [range(2)]
+    mixed = [torch.randn(3), torch.randn(2, dtype=torch.float64), torch.randn(4)]
+    assert [list(g) for g in fe.kind_groups(mixed)] == [[0, 2], [1]]
+    assert fe.kind_groups([]) == [range(0)]

@@ -380,3 +380,23 @@ def test_sum_of_squares_is_the_squared_global_norm() -> None:
     assert got.dtype == torch.float64 and got.shape == ()
     assert abs(float(got) - expected) <= 1e-12 * expected
     assert float(sum_of_squares([], torch.float32)) == 0.0
+
+
+@pytest.mark.parametrize("inplace", [False, True], ids=["new", "inplace"])
+@pytest.mark.parametrize(("kind", "config"), CASES, ids=[f"{k}-{c}" for k, c in CASES])
+def test_a_model_of_mixed_dtypes_matches_torch_optim_bitwise(kind: str, config: dict[str, Any], inplace: bool) -> None:
+    """float32 and float64 leaves interleaved: the update runs each (device, dtype) group on its
+    own (its ops told the group is uniform), every leaf as torch updates it."""
+    params32, grads32 = _problem(SHAPES, torch.float32)
+    params64, grads64 = _problem(SHAPES, torch.float64)
+
+    def mixed(t32: Tree, t64: Tree) -> Tree:  # block and scale in float64, the rest in float32
+        return {k: (t64 if k in ("block", "scale") else t32)[k] for k in t32}
+
+    params = mixed(params32, params64)
+    grads = [mixed(a, b) for a, b in zip(grads32, grads64, strict=True)]
+    assert {t.dtype for t in optree.tree_leaves(params)} == {torch.float32, torch.float64}
+    theirs = _run_torch(_theirs(kind, config), params, grads)
+    ours, _ = _run_ours(_ours(kind, {**config, "inplace": inplace}),
+                        optree.tree_map(torch.clone, params), grads)
+    _assert_bitwise(ours, theirs)

@@ -34,6 +34,7 @@ __all__ = [
     "bounded_groups",
     "div_scalar",
     "foreach_op",
+    "kind_groups",
     "lerp_scalar",
     "mul_scalar",
     "mul_tensor",
@@ -211,6 +212,13 @@ def sqrt(xs: TensorList, *, uniform: bool = False) -> list[Tensor]:
 def norm(xs: TensorList, ord: float = 2.0) -> list[Tensor]:
     """The ``ord``-norm of each tensor's elements, one 0-d tensor per tensor."""
     return _apply("_foreach_norm", [xs], ord=ord)
+
+
+def kind_groups(xs: TensorList) -> list[Sequence[int]]:
+    """Index groups of ``xs``, each of one device and dtype: one range of all of them in the usual
+    case. Read once, so the ops on a group may pass ``uniform=True``."""
+    kinds = _kernel_groups(xs) if xs else None
+    return [range(len(xs))] if kinds is None else list(kinds)
 
 
 def bounded_groups(xs: TensorList) -> list[Sequence[int]]:

@@ -228,16 +228,20 @@ class _SgdUpdate:
         pieces = _pieces(self.groups, self.weight_decay, params, spec, runs, p)
         out_p: dict[int, Tensor] = {}
         out_b: dict[int, Tensor] = {}
-        for opts, idx in pieces.classes():
-            ps, d_p = pieces.take(p, idx), pieces.take(g, idx)
-            if opts.weight_decay != 0:
-                d_p = fe.add(d_p, ps, alpha=opts.weight_decay)
-            if self.momentum != 0:
-                bs = self._momentum(pieces.take(b, idx), d_p, t)
-                d_p = fe.add(d_p, bs, alpha=self.momentum) if self.nesterov else bs
-                out_b.update(zip(idx, bs, strict=True))
-            lr = step_lr * opts.lr_scale
-            out_p.update(zip(idx, fe.add(ps, d_p, alpha=-lr, inplace=self.inplace), strict=True))
+        for opts, class_idx in pieces.classes():
+            class_ps = pieces.take(p, class_idx)
+            # One device and dtype at a time (the usual one list), read once: each op skips it.
+            for kind in fe.kind_groups(class_ps):
+                idx = [class_idx[k] for k in kind]
+                ps, d_p = [class_ps[k] for k in kind], pieces.take(g, idx)
+                if opts.weight_decay != 0:
+                    d_p = fe.add(d_p, ps, alpha=opts.weight_decay, uniform=True)
+                if self.momentum != 0:
+                    bs = self._momentum(pieces.take(b, idx), d_p, t)
+                    d_p = fe.add(d_p, bs, alpha=self.momentum, uniform=True) if self.nesterov else bs
+                    out_b.update(zip(idx, bs, strict=True))
+                lr = step_lr * opts.lr_scale
+                out_p.update(zip(idx, fe.add(ps, d_p, alpha=-lr, inplace=self.inplace, uniform=True), strict=True))
         buffers = None
         if self.momentum != 0:
             buffers = flat.unflatten(spec, pieces.assemble(b, out_b, self.inplace))
@@ -253,8 +257,9 @@ class _SgdUpdate:
                     buffer.copy_(x)
                 return b
             return [x.clone() for x in d_p]
-        decayed = fe.mul_scalar(b, self.momentum, inplace=self.inplace)
-        return fe.add(decayed, d_p, alpha=1 - self.dampening, inplace=self.inplace)
+        # b: the momentum of one (device, dtype) group of parameters, made like them
+        decayed = fe.mul_scalar(b, self.momentum, inplace=self.inplace, uniform=True)
+        return fe.add(decayed, d_p, alpha=1 - self.dampening, inplace=self.inplace, uniform=True)
 
 
 @dataclass(frozen=True)
@@ -322,6 +327,7 @@ class _AdamWUpdate:
         new_p: list[Tensor] = []
         new_m: list[Tensor] = []
         new_v: list[Tensor] = []
+        order: list[int] = []  # the leaves' indices, in the order of the results
         # Each group is of one device and dtype (its state made like it): its ops skip reading that.
         for group in fe.bounded_groups(p):
             ps, gs, ms, vs = ([leaves[i] for i in group] for leaves in (p, g, m, v))
@@ -341,6 +347,10 @@ class _AdamWUpdate:
             new_p += fe.addcdiv_scalar(ps, ms, denom, -step_size, inplace=inplace, uniform=True)
             new_m += ms
             new_v += vs
+            order += group
+        if order != list(range(len(p))):  # groups of mixed kinds: back to the leaves' order
+            at = {i: k for k, i in enumerate(order)}
+            new_p, new_m, new_v = ([xs[at[i]] for i in range(len(p))] for xs in (new_p, new_m, new_v))
         return new_p, new_m, new_v
 
 
