@@ -50,9 +50,11 @@ batches for every variant, stepped round-robin, AdamW everywhere:
 * ``torch:bf16_pure``: what ``mixed_precision("compute=bf16,output=f32")`` computes, written
   in torch: a bf16 copy of the module runs forward and backward, its gradients
   are cast to fp32 for the fp32 master weights' AdamW;
-* ``ours:f32``: ``sw.train_step``; ``ours:bf16``: ``sw.mixed_precision(step,
-  "compute=bf16,output=f32")``; ``ours:zero3_dp1_f32``: ``sw.shard_params(step, "dp",
-  stage=3)`` on one rank.
+* ``ours:f32``: ``sw.train_step(..., metrics=("loss",))`` (torch's loop computes no gradient
+  norm either); ``ours:bf16``: ``sw.mixed_precision(step, "compute=bf16,output=f32")``, which
+  also checks every gradient for a non-finite value and reads that flag on the host (a step
+  with one is skipped; torch's pure bf16 loop checks nothing); ``ours:zero3_dp1_f32``:
+  ``sw.shard_params(step, "dp", stage=3)`` on one rank.
 
 ``median_step_s`` is the median of ``--steps`` timed steps (synchronized before
 and after), ``ratio_to_torch`` divides it by ``torch:f32``'s for fp32 variants
@@ -450,7 +452,8 @@ def our_step(base: torch.nn.Module, device: torch.device, mode: str) -> Callable
     """One step of ours: ``mode`` is "f32", "bf16" (mixed_precision) or "zero3" (shard_params on one rank)."""
     model = copy.deepcopy(base)
     chain, params = sw.functionalize(model, units=["tok_emb", "blocks", "head"])
-    step: Any = sw.train_step(chain, lm_loss, sw.optim.adamw(LR, BETAS, EPS, WEIGHT_DECAY, inplace=True))
+    optimizer = sw.optim.adamw(LR, BETAS, EPS, WEIGHT_DECAY, inplace=True)
+    step: Any = sw.train_step(chain, lm_loss, optimizer, metrics=("loss",))
     if mode == "bf16":
         step = sw.mixed_precision(step, "compute=bf16,output=f32")
     if mode == "zero3":
