@@ -42,3 +42,18 @@ def test_a_rank_s_dispatch_mode_sees_none_of_another_rank_s_collective_arithmeti
 
     for ops in sw.launch(main, 2, timeout=60):
         assert not any("add_" in op or "stack" in op for op in ops), ops
+
+
+def test_the_mode_stacks_lengths_read_what_is_active() -> None:
+    """outside_dispatch_modes sets nothing aside when both stacks are empty: their lengths must
+    read a mode as it is entered (else the fast path would let a mode see a collective's ops)."""
+    from shardwise.collectives.backends import _dispatch
+
+    assert _dispatch._len_torch_dispatch_stack() == 0
+    assert _dispatch._len_torch_dispatch_stack_pre_dispatch() == 0
+    with _Seen():
+        assert _dispatch._len_torch_dispatch_stack() == 1
+        with outside_dispatch_modes():
+            assert _dispatch._len_torch_dispatch_stack() == 0
+        assert _dispatch._len_torch_dispatch_stack() == 1
+    assert _dispatch._len_torch_dispatch_stack() == 0

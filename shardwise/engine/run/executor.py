@@ -323,6 +323,7 @@ class Executor(ZeroActions, TransferActions):
     device: torch.device = field(init=False)
     _view: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  # gathered units' parameters
     _buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    _unflattened: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     _in_flight_bytes: int = 0
     _pending: dict[tuple[str, str], Handle] = field(default_factory=dict)
     _pending_order: list[str] = field(default_factory=list)

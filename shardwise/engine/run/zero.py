@@ -45,6 +45,7 @@ class ZeroActions:
     peak_gathered_bytes: int
     _view: dict[str, dict[str, torch.Tensor]]
     _buffers: dict[str, torch.Tensor]
+    _unflattened: dict[str, dict[str, torch.Tensor]]  # views of each unit's buffer, by parameter
     _in_flight_bytes: int
     _pending: dict[tuple[str, str], Handle]
     _grad_shards: dict[str, torch.Tensor]
@@ -76,10 +77,11 @@ class ZeroActions:
         if buffer is None:
             buffer = flat if owns_storage(flat) else flat.clone()
             self._buffers[unit] = buffer
-        else:
+            self._unflattened[unit] = sharding.units[unit].unflatten(buffer)
+        else:  # the views made at the first gather see the same storage, refilled: made once a step
             refill_storage(buffer, flat)
         del flat
-        self._view[unit] = sharding.units[unit].unflatten(buffer)
+        self._view[unit] = self._unflattened[unit]
         self._note_memory()
 
     def free(self, action: Action) -> None:
