@@ -325,6 +325,7 @@ class Executor(ZeroActions, TransferActions):
     _buffers: dict[str, torch.Tensor] = field(default_factory=dict)
     _unflattened: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     _in_flight_bytes: int = 0
+    _held_bytes: int = 0
     _pending: dict[tuple[str, str], Handle] = field(default_factory=dict)
     _pending_order: list[str] = field(default_factory=list)
     _grad_shards: dict[str, torch.Tensor] = field(default_factory=dict)

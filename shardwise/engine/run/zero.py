@@ -47,6 +47,7 @@ class ZeroActions:
     _buffers: dict[str, torch.Tensor]
     _unflattened: dict[str, dict[str, torch.Tensor]]  # views of each unit's buffer, by parameter
     _in_flight_bytes: int
+    _held_bytes: int  # the bytes of the gathered units' buffers that hold storage now
     _pending: dict[tuple[str, str], Handle]
     _grad_shards: dict[str, torch.Tensor]
     _replica_input: dict[str, torch.Tensor]  # HSDP: reduce-scattered shards, to all-reduce over the replicas
@@ -78,8 +79,11 @@ class ZeroActions:
             buffer = flat if owns_storage(flat) else flat.clone()
             self._buffers[unit] = buffer
             self._unflattened[unit] = sharding.units[unit].unflatten(buffer)
+            self._held_bytes += buffer.untyped_storage().nbytes()
         else:  # the views made at the first gather see the same storage, refilled: made once a step
+            before = buffer.untyped_storage().nbytes()
             refill_storage(buffer, flat)
+            self._held_bytes += buffer.untyped_storage().nbytes() - before
         del flat
         self._view[unit] = self._unflattened[unit]
         self._note_memory()
@@ -90,12 +94,14 @@ class ZeroActions:
         unit = action.require("layer")
         if self._view.pop(unit, None) is None:
             raise RuntimeError(f"free({unit}) of a unit that is not gathered")
-        free_storage(self._buffers[unit])
+        buffer = self._buffers[unit]
+        self._held_bytes -= buffer.untyped_storage().nbytes()
+        free_storage(buffer)
         self._note_memory()
 
     def _note_memory(self) -> None:
-        live = sum(b.untyped_storage().nbytes() for b in self._buffers.values()) + self._in_flight_bytes
-        self.peak_gathered_bytes = max(self.peak_gathered_bytes, live)
+        # Counted as the buffers are made, refilled and freed (not summed over them at each action).
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self._held_bytes + self._in_flight_bytes)
 
     def _unit_grads(self, unit: str) -> dict[str, torch.Tensor]:
         """The accumulated local gradient of every parameter of ``unit`` (released from the leaves)."""
