@@ -59,12 +59,11 @@ class Bucket:
         return sum(u.shard_numel for u in self.units)
 
     @functools.cached_property
-    def _reduce_segments(self) -> tuple[tuple[tuple[int, Segment], ...], ...]:
-        """Per row of the rank-major buffer: (unit position, segment) of its values, in order."""
+    def _reduce_segments(self) -> tuple[tuple[tuple[int, tuple[Segment, ...]], ...], ...]:
+        """Per row of the rank-major buffer: (unit position, its segments) of its values, in order."""
         return tuple(
             tuple(
-                (k, s) for k, u in enumerate(self.units)
-                for s in segments(u, r * u.shard_numel, (r + 1) * u.shard_numel)
+                (k, tuple(segments(u, r * u.shard_numel, (r + 1) * u.shard_numel))) for k, u in enumerate(self.units)
             )
             for r in range(self.shards)
         )
@@ -76,7 +75,7 @@ class Bucket:
         missing gradient counts as zeros, on ``device`` where a unit has none) as 1-D pieces: slices
         of the gradients, nothing copied."""
         return [
-            [piece for k, segment in row for piece in pieces_of([segment], grads[k], self.units[k].dtype, device)]
+            [piece for k, found in row for piece in pieces_of(found, grads[k], self.units[k].dtype, device)]
             for row in self._reduce_segments
         ]
 
