@@ -57,3 +57,23 @@ def test_the_mode_stacks_lengths_read_what_is_active() -> None:
             assert _dispatch._len_torch_dispatch_stack() == 0
         assert _dispatch._len_torch_dispatch_stack() == 1
     assert _dispatch._len_torch_dispatch_stack() == 0
+
+
+def test_a_pre_dispatch_mode_is_counted_too() -> None:
+    """Under make_fx(pre_dispatch=True) the mode sits on the pre-dispatch stack only: the fast path
+    must see it there (and set it aside)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from shardwise.collectives.backends import _dispatch
+
+    seen: list[tuple[int, int]] = []
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        seen.append((_dispatch._len_torch_dispatch_stack(), _dispatch._len_torch_dispatch_stack_pre_dispatch()))
+        with outside_dispatch_modes():
+            seen.append((_dispatch._len_torch_dispatch_stack(), _dispatch._len_torch_dispatch_stack_pre_dispatch()))
+        return x + 1
+
+    make_fx(f, pre_dispatch=True)(torch.ones(2))
+    assert seen[0][1] >= 1, seen  # the mode is on the pre-dispatch stack
+    assert seen[1] == (0, 0), seen  # and set aside inside

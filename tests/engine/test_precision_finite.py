@@ -60,3 +60,18 @@ def test_mixed_dtypes_and_empty_lists(device: str) -> None:
     assert all_finite([]).item() == 1.0
     assert all_finite([torch.empty(0, device=device)]).item() == 1.0  # an empty shard has nothing to check
     assert all_finite([], device=torch.device(device)).device.type == device
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_complex_gradients_read_by_their_parts_and_integers_as_finite(device: str) -> None:
+    """A complex value whose parts are finite but whose magnitude overflows is finite; one with an
+    infinite or NaN part is not. Integer and bool tensors hold no non-finite value."""
+    big = torch.tensor([3e38 + 3e38j, 1 + 1j], dtype=torch.complex64, device=device)
+    assert all_finite([big]).item() == 1.0
+    for bad in (complex(float("inf"), 0.0), complex(0.0, float("nan"))):
+        z = big.clone()
+        z[1] = bad
+        assert all_finite([z, torch.ones(2, device=device)]).item() == 0.0
+    ints = [torch.arange(3, device=device), torch.ones(2, dtype=torch.bool, device=device)]
+    assert all_finite(ints).item() == 1.0
+    assert all_finite([*ints, torch.tensor([float("nan")], device=device)]).item() == 0.0

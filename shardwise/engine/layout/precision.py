@@ -196,7 +196,12 @@ def all_finite(tensors: Any, device: torch.device | None = None) -> torch.Tensor
     every device it finds), and never an overflow of finite values, as a sum of them could be.
     One multi-tensor kernel per dtype on an accelerator, where a check of each tensor cost two
     launches per parameter, on a small model about as many as its whole optimizer step."""
-    tensors = [t for t in tensors if t.numel()]  # an empty one (a ZeRO shard past the end) has no max
+    # An empty tensor (a ZeRO shard past the end) has no max; an integer one is always finite; a
+    # complex one is read as its real and imaginary parts (its magnitude may overflow where they do not).
+    tensors = [
+        torch.view_as_real(t) if t.is_complex() else t
+        for t in tensors if t.numel() and (t.is_floating_point() or t.is_complex())
+    ]
     if not tensors:
         return torch.ones((), dtype=torch.float64, device=device)
     # stack promotes the dtypes' peaks to one (an infinity and a NaN stay what they are)
