@@ -50,7 +50,6 @@ def _nested_keys(tree: Any) -> list[tuple[str, str]] | None:
     return keys
 
 
-
 def flatten(tree: Any) -> tuple[list[Any], Structure]:
     """``optree.tree_flatten(tree)``: its leaves, and a :class:`Structure` to check and rebuild with."""
     keys = _nested_keys(tree)
