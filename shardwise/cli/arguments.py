@@ -81,7 +81,7 @@ def load_function(target: str) -> Callable[..., Any]:
 
     The file is imported as a module named after it, with its folder first on
     ``sys.path``, as ``python FILE`` would see it: so its own imports work and
-    spawned rank processes (``--backend processes``) can import it again.
+    rank processes (``--backend processes``) can import it again.
     """
     file, colon, name = target.rpartition(":")
     if not colon or not file or not name:

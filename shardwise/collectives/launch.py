@@ -1,7 +1,7 @@
 """SPMD launch: run the same program on every rank.
 
 ``launch(main, world=4)`` runs ``main`` on four ranks as threads of this
-process (the default, for verification); ``backend="processes"`` spawns local
+process (the default, for verification); ``backend="processes"`` starts local
 processes on torch.distributed with gloo. Under torchrun there is nothing to
 launch: call ``main()`` directly, and the Mesh uses the existing process group.
 

@@ -1,4 +1,4 @@
-"""The spawned side of the processes backend: one rank's process.
+"""The rank's side of the processes backend: one rank's process.
 
 It joins the gloo process group, then runs the tasks the parent sends over its
 pipe until told to stop, reporting each result or error back. It never
@@ -14,7 +14,6 @@ import pickle
 import signal
 import sys
 import threading
-import time
 import traceback
 from multiprocessing.connection import Connection
 from typing import Any, NoReturn
@@ -27,14 +26,13 @@ from .current import use_backend
 from .distributed import TorchDistributedBackend
 
 MIN_STARTUP_S = 60.0  # rendezvous bound: processes start seconds apart on a loaded machine
-_PARENT_POLL_S = 0.25  # how often a worker checks that its launcher is alive
 
 
-def worker_main(rank: int, world: int, port: int, timeout: float, parent_pid: int, conn: Connection) -> None:
-    """Entry point of a spawned rank: join the group, then run tasks until told to stop."""
+def worker_main(rank: int, world: int, port: int, timeout: float, launcher_alive: Connection, conn: Connection) -> None:
+    """Entry point of a rank process: join the group, then run tasks until told to stop."""
     # The parent owns Ctrl-C: it ends the workers itself, without a traceback per rank.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _watch_parent(parent_pid)
+    _watch_parent(launcher_alive)
     try:
         backend = _init_rank(rank, world, port, timeout)
     except BaseException as exc:
@@ -54,20 +52,25 @@ def worker_main(rank: int, world: int, port: int, timeout: float, parent_pid: in
     _exit(0)
 
 
-def _watch_parent(parent_pid: int) -> None:
+def _watch_parent(launcher_alive: Connection) -> None:
     """End this process as soon as its launcher is gone (SIGKILL, SIGTERM, a crash).
 
-    An idle worker sees its pipe close; a busy one (in a task, or stuck in
-    one) does not, so a daemon thread polls the parent pid: once the launcher
-    died, this process was handed to another parent. A thread rather than
-    Linux's PR_SET_PDEATHSIG, which fires when the parent *thread* that
-    spawned us exits (a pool created on a short-lived thread would lose its
-    ranks) and exists on Linux only.
+    An idle worker sees its task pipe close; a busy one (in a task, or stuck in
+    one) does not, so a daemon thread reads ``launcher_alive``, a pipe whose
+    only writer is the launcher and on which nothing is ever sent: the read
+    returns when the launcher's end closes, which the kernel does when the
+    launcher dies, before anyone reaps it. Not the parent pid: a rank forked
+    from the fork server (``start_method``) is the server's child, and a
+    launcher not yet reaped (a zombie) still answers to its pid. Not Linux's
+    PR_SET_PDEATHSIG, which fires when the parent *thread* that spawned us
+    exits (a pool created on a short-lived thread would lose its ranks) and
+    exists on Linux only.
     """
 
     def watch() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(_PARENT_POLL_S)
+        with contextlib.suppress(EOFError, OSError):
+            while True:
+                launcher_alive.recv_bytes()
         _exit(1)
 
     threading.Thread(target=watch, name="shardwise-parent-watchdog", daemon=True).start()

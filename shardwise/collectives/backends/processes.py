@@ -1,9 +1,11 @@
 """Ranks as local processes on torch.distributed with gloo.
 
-:func:`launch_processes` runs one SPMD function on ``world`` freshly spawned
-processes; :class:`ProcessPool` keeps the processes (and their process groups)
-alive between runs, because starting one costs about two seconds of torch
-import. Both share the same machinery and the same failure semantics:
+:func:`launch_processes` runs one SPMD function on ``world`` new processes;
+:class:`ProcessPool` keeps the processes (and their process groups) alive
+between runs. The ranks are forked from a server that imported torch once, or
+spawned where that would change what they see (``start_method``): a spawned
+rank costs about two seconds of torch import, a forked one tenths of a
+second. Both share the same machinery and the same failure semantics:
 
 * A rank that raises, or a process that exits without reporting, fails the run.
   The parent raises :class:`~shardwise.collectives.launch.RankFailed` for the
@@ -47,6 +49,7 @@ from ..errors import RankFailed, RankHung
 from ..timeout import DEFAULT_TIMEOUT_S, check_timeout
 from .pickle_path import unpicklable
 from .process_worker import MIN_STARTUP_S, worker_main
+from .start_method import rank_context
 
 _GRACE_S = 1.0  # after a failure, how long the other ranks may still report before being terminated
 _STOP_WAIT_S = 5.0  # how long idle workers get to exit after "stop"
@@ -186,25 +189,30 @@ class _Ranks:
         self.timeout = timeout
         self.procs: list[BaseProcess] = []
         self.conns: list[Connection] = []
+        self._alive: list[Connection] = []  # closed when this process ends (or shuts the ranks down)
         self._eof: set[int] = set()  # ranks whose pipe is closed: wait on their exit only
         self.ready = False  # every rank has joined the process group
         self._shut_down = False
         _running.add(self)
-        ctx = multiprocessing.get_context("spawn")
+        ctx = rank_context()
         port = _free_port()
         try:
             for rank in range(world):
                 parent_end, child_end = ctx.Pipe(duplex=True)
+                # Nothing is sent on it: the rank reads EOF once this process is gone (process_worker).
+                alive_read, alive_write = ctx.Pipe(duplex=False)
                 proc = ctx.Process(
                     target=worker_main,
-                    args=(rank, world, port, timeout, os.getpid(), child_end),
+                    args=(rank, world, port, timeout, alive_read, child_end),
                     name=f"shardwise-rank-{rank}",
                     daemon=False,  # daemonic processes may not start their own (DataLoader workers)
                 )
                 self.procs.append(proc)
                 self.conns.append(parent_end)
+                self._alive.append(alive_write)
                 proc.start()
                 child_end.close()  # so the parent reads EOF as soon as the child is gone
+                alive_read.close()  # the rank's copy is the only reader
         except BaseException:
             self.shutdown(wait=0.0)
             raise
@@ -298,8 +306,8 @@ class _Ranks:
         message = f"the process exited {_describe_exit(proc.exitcode)} without reporting a result"
         if not self.ready:
             message += (
-                " before joining the process group (its stderr above says why). With the spawn start "
-                "method every worker re-imports the main script: guard its entry point with "
+                " before joining the process group (its stderr above says why). Every rank re-imports "
+                "the main script (spawned, or forked from the fork server): guard its entry point with "
                 "`if __name__ == '__main__':`"
             )
         return _Failure(rank, message)
@@ -328,7 +336,7 @@ class _Ranks:
             _join_all(self.procs, _SIGNAL_WAIT_S)
         finally:
             if not any(_running_process(proc) for proc in self.procs):
-                for conn in self.conns:
+                for conn in self.conns + self._alive:
                     conn.close()
                 for proc in self.procs:
                     proc.close()
@@ -426,19 +434,19 @@ def _free_port() -> int:
 
 
 def _pickle_task(fn: Callable[..., Any], args: tuple[Any, ...]) -> bytes:
-    """Pickle ``(fn, args)`` or explain why they cannot travel to spawned processes."""
+    """Pickle ``(fn, args)`` or explain why they cannot travel to the rank processes."""
     if not callable(fn):
         raise TypeError(f"expected a function to run on every rank, got {type(fn).__name__} {fn!r}")
     # A partial's repr prints its arguments, tensors and all: name the function it calls.
     name = _name_of(fn)
     how = (
-        "Processes are spawned, so fn travels by reference: define it at the top level of an "
+        "Rank processes import fn anew, so it travels by reference: define it at the top level of an "
         "importable module (not a lambda, nested function or interactive session), or use the "
         "threads backend (shardwise.launch(fn, world, backend='threads'))."
     )
     main = sys.modules.get("__main__")
     if getattr(fn, "__module__", None) == "__main__" and not hasattr(main, "__file__"):
-        raise TypeError(f"{name} is defined in an interactive session, which spawned processes cannot import. {how}")
+        raise TypeError(f"{name} is defined in an interactive session, which rank processes cannot import. {how}")
     try:
         pickled_fn = pickle.dumps(fn)
     except Exception as exc:
@@ -469,7 +477,7 @@ def _not_picklable(fn: Callable[..., Any], name: str, exc: Exception, how: str) 
     fix = "define it at the top level of an importable module" if callable(obj) else "drop it"
     return (
         f"{name} cannot be pickled: {path} is a {_type_name(obj)} ({type(err).__name__}: {err}).\n"
-        f"Processes are spawned, so every object the ranks use travels pickled: {fix} (or make "
+        f"Ranks are processes of their own, so every object they use travels pickled: {fix} (or make "
         "it picklable), or use the threads backend (backend='threads')."
     )
 
