@@ -3,10 +3,13 @@ that imported torch once, unless that would hand the ranks another environment t
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing.forkserver
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -16,10 +19,12 @@ from shardwise.collectives.backends import start_method
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_python_still_keeps_the_fork_servers_pid_where_it_is_read() -> None:
-    """The one private name read (Python has no public way to ask whether its forkserver runs)."""
+def test_python_still_keeps_the_fork_servers_state_where_it_is_read() -> None:
+    """The private names read and reset (Python has no public way to ask whether its forkserver
+    runs, nor to make a forked child forget its parent's)."""
     server = multiprocessing.forkserver._forkserver  # type: ignore[attr-defined]
-    assert hasattr(server, "_forkserver_pid")
+    for name in ("_forkserver_pid", "_forkserver_alive_fd", "_forkserver_address"):
+        assert hasattr(server, name), name
     assert start_method.forkserver_pid() == server._forkserver_pid
 
 
@@ -43,16 +48,33 @@ def test_spawn_when_the_running_fork_server_is_not_ours(monkeypatch: pytest.Monk
     assert start_method.rank_context().get_start_method() == "spawn"
 
 
-def test_spawn_once_the_environment_differs_from_the_servers(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_spawn_once_what_a_rank_inherits_differs_from_the_servers(monkeypatch: pytest.MonkeyPatch,
+                                                                   tmp_path: Path) -> None:
     monkeypatch.delenv(start_method.ENV_VAR, raising=False)
     monkeypatch.setattr(start_method, "forkserver_pid", lambda: 4321)
-    monkeypatch.setattr(start_method, "_ours", (4321, dict(os.environ)))
+    monkeypatch.setattr(start_method, "_ours", (4321, start_method.inherited()))
     assert start_method.rank_context().get_start_method() == "forkserver"
     monkeypatch.setenv("SHARDWISE_TEST_SET_AFTER_THE_SERVER", "1")
     assert start_method.rank_context().get_start_method() == "spawn"
     monkeypatch.delenv("SHARDWISE_TEST_SET_AFTER_THE_SERVER")
     assert start_method.rank_context().get_start_method() == "forkserver"
-    # Our server died and Python started another (pid changed): its environment is not ours to know.
+    # stderr sent elsewhere (a log; pytest's capfd): a forked rank would still write where it went before
+    saved = os.dup(2)
+    try:
+        with open(tmp_path / "log", "w") as log:
+            os.dup2(log.fileno(), 2)
+            assert start_method.rank_context().get_start_method() == "spawn"
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+    assert start_method.rank_context().get_start_method() == "forkserver"
+    if os.path.exists("/proc/self/status"):  # the umask is read where Linux shows it
+        old = os.umask(0o077)
+        try:
+            assert start_method.rank_context().get_start_method() == "spawn"
+        finally:
+            os.umask(old)
+    # Our server died and Python started another (pid changed): its state is not ours to know.
     monkeypatch.setattr(start_method, "forkserver_pid", lambda: 9876)
     assert start_method.rank_context().get_start_method() == "spawn"
 
@@ -63,31 +85,124 @@ from shardwise.collectives.backends import start_method
 from shardwise.collectives.backends.processes import ProcessPool
 
 def seen():
+    os.write(2, b"rank stderr\n")
     return os.getppid(), os.environ.get("LATE")
 
+def pool_of(world):
+    with ProcessPool(world, timeout=60) as pool:
+        return pool.run(seen)
+
 if __name__ == "__main__":
-    t = time.perf_counter()
-    with ProcessPool(2, timeout=60) as pool:
-        forked = pool.run(seen)
+    forked = pool_of(2)
     server = start_method.forkserver_pid()
+    log = sys.argv[1]
+    saved = os.dup(2)
+    with open(log, "w") as f:
+        os.dup2(f.fileno(), 2)
+    redirected = pool_of(1)  # spawned from here on: one rank each is enough
+    os.dup2(saved, 2)
     os.environ["LATE"] = "set after the server started"
-    with ProcessPool(2, timeout=60) as pool:
-        spawned = pool.run(seen)
-    print(repr((os.getpid(), server, forked, spawned)))
+    late = pool_of(1)
+    del os.environ["LATE"]
+    r, w = os.pipe()
+    child = os.fork()
+    if child == 0:  # a process forked from the launcher: the server is not its own
+        before = start_method.forkserver_pid()
+        os.write(w, repr((before, pool_of(1))).encode())
+        os._exit(0)
+    os.close(w)
+    in_child = os.read(r, 100000).decode()
+    os.waitpid(child, 0)
+    print(repr((os.getpid(), server, forked, redirected, open(log).read().count("rank stderr"), late,
+                eval(in_child))))
 """
 
 
 @pytest.mark.gloo
-def test_ranks_fork_from_the_server_and_see_a_variable_set_after_it_started(tmp_path: Path) -> None:
+def test_ranks_are_forked_only_where_they_inherit_what_a_spawned_rank_would(tmp_path: Path) -> None:
     """End to end, in a fresh interpreter: the first pool's ranks are the server's children (not the
-    launcher's), and a pool started after a variable was set sees it (spawned)."""
+    launcher's); a pool started after stderr went to a log, or after a variable was set, is spawned
+    and writes there or sees it; a process forked from the launcher launches (spawned: the server is
+    its parent's)."""
     script = tmp_path / "launch.py"
     script.write_text(SCRIPT)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop(start_method.ENV_VAR, None)
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240, env=env)
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "log")], capture_output=True, text=True,
+                          timeout=240, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
-    launcher, server, forked, spawned = eval(done.stdout.strip().splitlines()[-1])
+    launcher, server, forked, redirected, logged, late, (server_in_child, in_child) = eval(
+        done.stdout.strip().splitlines()[-1])
     assert server is not None and server != launcher
     assert forked == [(server, None), (server, None)]
-    assert spawned == [(launcher, "set after the server started")] * 2
+    assert redirected == [(launcher, None)] and logged == 1
+    assert late == [(launcher, "set after the server started")]
+    assert server_in_child is None and len(in_child) == 1 and all(ppid != server for ppid, _ in in_child)
+
+
+KILLED = r"""
+import multiprocessing, os, sys, time
+from pathlib import Path
+from shardwise.collectives.backends import start_method
+from shardwise.collectives.backends.processes import ProcessPool
+
+def busy(where):
+    Path(where, f"rank{os.getpid()}").touch()
+    time.sleep(600)
+
+if __name__ == "__main__":
+    where = sys.argv[1]
+    with ProcessPool(2, timeout=600) as pool:
+        pool.run(os.getpid)  # the server is up
+        Path(where, f"server{start_method.forkserver_pid()}").touch()
+        # A process this one forks (multiprocessing's fork context, a DataLoader's workers) lives on.
+        helper = multiprocessing.get_context("fork").Process(target=time.sleep, args=(600,), daemon=True)
+        helper.start()
+        Path(where, f"helper{helper.pid}").touch()
+        pool.run(busy, where)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.gloo
+def test_a_killed_launcher_takes_its_ranks_and_the_server_with_it_whatever_it_forked(tmp_path: Path) -> None:
+    """SIGKILL of a launcher whose ranks are busy while a process it forked lives on: the ranks and
+    the fork server end (the forked process held copies of the pipes they watch, which it closes)."""
+    script = tmp_path / "killed.py"
+    script.write_text(KILLED)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop(start_method.ENV_VAR, None)
+    stderr = tmp_path / "stderr"
+    with open(stderr, "w") as err:  # a file, not a pipe: the forked helper holds its copy for long
+        proc = subprocess.Popen([sys.executable, str(script), str(tmp_path)], env=env, stdout=subprocess.DEVNULL,
+                                stderr=err)
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(tmp_path.glob("rank*"))) < 2:
+            assert proc.poll() is None, stderr.read_text()[-3000:]
+            assert time.monotonic() < deadline, "the ranks never got busy"
+            time.sleep(0.05)
+        pid_of = {p.name.rstrip("0123456789"): int(p.name.lstrip("abcdefghijklmnopqrstuvwxyz")) for p in
+                  tmp_path.iterdir() if p.name.startswith(("server", "helper"))}
+        ranks = [int(p.name.removeprefix("rank")) for p in tmp_path.glob("rank*")]
+        proc.kill()
+        proc.wait(timeout=30)
+        ended_by = time.monotonic() + 10
+        while any(map(_alive, [*ranks, pid_of["server"]])) and time.monotonic() < ended_by:
+            time.sleep(0.05)
+        assert not [pid for pid in ranks if _alive(pid)], "ranks outlived their launcher"
+        assert not _alive(pid_of["server"]), "the fork server outlived the launcher"
+        assert _alive(pid_of["helper"])  # the forked process still runs: it is what held the pipes
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+        for p in tmp_path.glob("helper*"):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(p.name.removeprefix("helper")), signal.SIGKILL)

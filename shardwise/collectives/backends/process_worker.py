@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import multiprocessing.connection
 import os
 import pickle
 import signal
@@ -28,11 +29,12 @@ from .distributed import TorchDistributedBackend
 MIN_STARTUP_S = 60.0  # rendezvous bound: processes start seconds apart on a loaded machine
 
 
-def worker_main(rank: int, world: int, port: int, timeout: float, launcher_alive: Connection, conn: Connection) -> None:
+def worker_main(rank: int, world: int, port: int, timeout: float, launcher_pid: int, launcher_alive: Connection,
+                conn: Connection) -> None:
     """Entry point of a rank process: join the group, then run tasks until told to stop."""
     # The parent owns Ctrl-C: it ends the workers itself, without a traceback per rank.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _watch_parent(launcher_alive)
+    _watch_parent(launcher_pid, launcher_alive)
     try:
         backend = _init_rank(rank, world, port, timeout)
     except BaseException as exc:
@@ -52,25 +54,35 @@ def worker_main(rank: int, world: int, port: int, timeout: float, launcher_alive
     _exit(0)
 
 
-def _watch_parent(launcher_alive: Connection) -> None:
+def _watch_parent(launcher_pid: int, launcher_alive: Connection) -> None:
     """End this process as soon as its launcher is gone (SIGKILL, SIGTERM, a crash).
 
     An idle worker sees its task pipe close; a busy one (in a task, or stuck in
-    one) does not, so a daemon thread reads ``launcher_alive``, a pipe whose
-    only writer is the launcher and on which nothing is ever sent: the read
-    returns when the launcher's end closes, which the kernel does when the
-    launcher dies, before anyone reaps it. Not the parent pid: a rank forked
-    from the fork server (``start_method``) is the server's child, and a
-    launcher not yet reaped (a zombie) still answers to its pid. Not Linux's
+    one) does not, so a daemon thread waits for either of two signs:
+
+    * ``launcher_alive``, a pipe on which nothing is ever sent and whose write
+      end the launcher alone holds (a process it forks closes its copy:
+      ``processes._close_alive_in_child``): it reads EOF once the launcher died;
+    * where Linux has it, a pidfd of the launcher, readable once it exited,
+      whoever else holds what.
+
+    Both work for a launcher dead but not yet reaped (a zombie still answers to
+    its pid) and for a rank forked from the fork server (``start_method``),
+    whose parent is the server, not the launcher. Not Linux's
     PR_SET_PDEATHSIG, which fires when the parent *thread* that spawned us
-    exits (a pool created on a short-lived thread would lose its ranks) and
-    exists on Linux only.
+    exits (a pool created on a short-lived thread would lose its ranks).
     """
+    signs: list[Any] = [launcher_alive]
+    try:
+        signs.append(os.pidfd_open(launcher_pid))
+    except ProcessLookupError:
+        _exit(1)  # gone already
+    except (AttributeError, OSError):
+        pass  # no pidfd here (an older kernel, another OS): the pipe alone
 
     def watch() -> None:
-        with contextlib.suppress(EOFError, OSError):
-            while True:
-                launcher_alive.recv_bytes()
+        with contextlib.suppress(OSError):
+            multiprocessing.connection.wait(signs)
         _exit(1)
 
     threading.Thread(target=watch, name="shardwise-parent-watchdog", daemon=True).start()

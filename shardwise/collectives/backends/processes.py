@@ -59,11 +59,12 @@ _POLL_S = 0.2  # longest the parent sleeps between checks for KeyboardInterrupt
 
 
 def default_max_processes() -> int:
-    """The largest world spawned without being asked: 4 ranks per CPU, at least 8.
+    """The largest world started without being asked: 4 ranks per CPU, at least 8.
 
-    Every rank is an interpreter that imports torch (about 2 s of CPU and a few
-    hundred MB each): past a few per core, starting them alone takes minutes
-    and can exhaust memory, which is rarely what ``world=1000`` meant.
+    Every rank is an interpreter holding torch (a few hundred MB each once it
+    runs, and about 2 s of CPU to start where it is spawned): past a few per
+    core, they can exhaust memory and the cores, which is rarely what
+    ``world=1000`` meant.
     """
     return max(8, 4 * (os.cpu_count() or 1))
 
@@ -109,7 +110,7 @@ class ProcessPool:
                 f"world={world} would start {world} processes on a machine with {os.cpu_count()} CPUs, "
                 f"above the bound of {bound} "
                 + ("(4 per CPU, at least 8). " if max_processes is None else "given as max_processes. ")
-                + "Each rank imports torch (about 2 s and a few hundred MB). Use fewer ranks, "
+                + "Each rank holds torch (a few hundred MB; about 2 s to start where spawned). Use fewer ranks, "
                 f"backend='threads' (no processes), or pass max_processes={world} if you mean it."
             )
         self.world = world
@@ -203,7 +204,7 @@ class _Ranks:
                 alive_read, alive_write = ctx.Pipe(duplex=False)
                 proc = ctx.Process(
                     target=worker_main,
-                    args=(rank, world, port, timeout, alive_read, child_end),
+                    args=(rank, world, port, timeout, os.getpid(), alive_read, child_end),
                     name=f"shardwise-rank-{rank}",
                     daemon=False,  # daemonic processes may not start their own (DataLoader workers)
                 )
@@ -219,7 +220,7 @@ class _Ranks:
 
     @classmethod
     def start(cls, world: int, timeout: float) -> _Ranks:
-        """Spawn the ranks and wait until each has joined the process group."""
+        """Start the ranks and wait until each has joined the process group."""
         for attempt in range(2):
             ranks = cls(world, timeout)
             try:
@@ -484,6 +485,20 @@ def _not_picklable(fn: Callable[..., Any], name: str, exc: Exception, how: str) 
 
 def _type_name(obj: Any) -> str:
     return f"{type(obj).__module__}.{type(obj).__qualname__}".removeprefix("builtins.")
+
+
+def _close_alive_in_child() -> None:
+    """A process forked from this one (``os.fork``, multiprocessing's fork context, a DataLoader's
+    workers) must not hold the ranks' launcher-alive pipes: a rank reads EOF only once every copy is
+    closed, so it would outlive this process for as long as that child lives."""
+    for ranks in _running:
+        for conn in ranks._alive:
+            with contextlib.suppress(OSError):
+                conn.close()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_close_alive_in_child)
 
 
 # Registered after multiprocessing.util's own hook, so it runs first (atexit is

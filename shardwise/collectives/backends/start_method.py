@@ -8,30 +8,36 @@ on first use, by this process, and ends when this process does (it reads the end
 this process holds). It never runs torch code, so no thread or CUDA state is forked: the server has
 imported torch and nothing more.
 
-A forked rank sees the environment the server had when it started, not this process's environment
-now (a variable set since, such as glibc's ``MALLOC_*`` thresholds that a benchmark sets for its
-ranks, would be silently missing). So a launch whose environment differs from the server's is
-spawned, as before, and so is every launch where the server is not ours (another library started
-Python's one forkserver first, with an environment we do not know) or where the platform has no
+A forked rank inherits what the server had when it started, not what this process has now: its
+environment, where its standard streams go, its umask, CPU affinity, resource limits, priority
+and ignored signals. A variable set since (glibc's ``MALLOC_*`` thresholds that a benchmark sets
+for its ranks), or stderr redirected to a log since (pytest's ``capfd``), would be silently
+missing in a forked rank. So every launch compares those (:func:`inherited`) with the server's,
+and a launch where any differs is spawned, as before; so is every launch where the server is not
+ours (another library started Python's one forkserver first, in a state we do not know), in a
+process forked from this one (the server is its parent's), or where the platform has no
 forkserver. ``SHARDWISE_START_METHOD=spawn`` spawns every rank (``forkserver``, the default, is
-what is described here).
+what is described here). The working directory, ``sys.path`` and the main module reach a forked
+rank as they reach a spawned one (multiprocessing prepares each rank with them).
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import multiprocessing.context
 import multiprocessing.forkserver
 import os
+import signal
 import threading
-from typing import cast
+from typing import Any, cast
 
 ENV_VAR = "SHARDWISE_START_METHOD"
 METHODS = ("forkserver", "spawn")
 PRELOAD = ["torch", "shardwise.collectives.backends.process_worker"]
 
 _lock = threading.Lock()
-_ours: tuple[int, dict[str, str]] | None = None  # the server this module started: its pid and environment
+_ours: tuple[int, tuple[Any, ...]] | None = None  # the server this process started: its pid and inherited()
 
 
 def rank_context() -> multiprocessing.context.SpawnContext | multiprocessing.context.ForkServerContext:
@@ -45,18 +51,18 @@ def rank_context() -> multiprocessing.context.SpawnContext | multiprocessing.con
         return _spawn()
     global _ours
     with _lock:
-        running = forkserver_pid()
+        running, now = forkserver_pid(), inherited()
         if _ours is None:
-            if running is not None:  # another library's server: its environment is unknown here
+            if running is not None:  # another library's server (or our parent's): its state is unknown here
                 return _spawn()
             multiprocessing.forkserver.set_forkserver_preload(PRELOAD)
-            multiprocessing.forkserver.ensure_running()
+            multiprocessing.forkserver.ensure_running()  # the server inherits `now` as it starts
             pid = forkserver_pid()
             if pid is None:
                 return _spawn()
-            _ours = (pid, dict(os.environ))
-        pid, environment = _ours
-        if running not in (None, pid) or os.environ != environment:
+            _ours = (pid, now)
+        pid, state = _ours
+        if running not in (None, pid) or now != state:
             return _spawn()
     return cast(multiprocessing.context.ForkServerContext, multiprocessing.get_context("forkserver"))
 
@@ -65,11 +71,84 @@ def _spawn() -> multiprocessing.context.SpawnContext:
     return cast(multiprocessing.context.SpawnContext, multiprocessing.get_context("spawn"))
 
 
+def inherited() -> tuple[Any, ...]:
+    """What a process passes to a process it starts, and a forked rank would take from the server
+    instead: the environment, the identity of file descriptors 0-2, the umask, CPU affinity,
+    resource limits, scheduling priority and the signals ignored (handlers do not survive exec)."""
+    return (dict(os.environ), tuple(map(_file, (0, 1, 2))), _umask(), _optional(os.sched_getaffinity, 0),
+            _limits(), _optional(os.getpriority, os.PRIO_PROCESS, 0) if hasattr(os, "PRIO_PROCESS") else None,
+            frozenset(s for s in signal.valid_signals() if _ignored(s)))
+
+
+def _file(fd: int) -> tuple[int, int] | None:
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _umask() -> str | None:
+    """Read where Linux shows it: setting and restoring it would race with other threads."""
+    try:
+        with open("/proc/self/status") as f:
+            return next((line.split()[1] for line in f if line.startswith("Umask:")), None)
+    except OSError:
+        return None
+
+
+def _limits() -> tuple[Any, ...] | None:
+    try:
+        import resource
+    except ImportError:  # not on this platform
+        return None
+    return tuple(resource.getrlimit(getattr(resource, name)) for name in sorted(dir(resource))
+                 if name.startswith("RLIMIT_"))
+
+
+def _ignored(sig: int) -> bool:
+    try:
+        return signal.getsignal(sig) is signal.SIG_IGN
+    except (OSError, ValueError):
+        return False
+
+
+def _optional(fn: Any, *args: Any) -> Any:
+    try:
+        return fn(*args)
+    except (AttributeError, OSError):
+        return None
+
+
+def _forget_in_child() -> None:
+    """In a process forked from this one (an ``os.fork``, multiprocessing's fork context, a
+    DataLoader's workers), the server is its parent's: Python's forkserver state is reset there, so
+    that a launch in it starts a server of its own, and the child closes its copy of the pipe that
+    keeps the server alive: the server ends with this process, not with the last child it forked."""
+    global _ours
+    if _ours is None:
+        return
+    _ours = None
+    server = multiprocessing.forkserver._forkserver
+    alive = getattr(server, "_forkserver_alive_fd", None)
+    for name in ("_forkserver_alive_fd", "_forkserver_pid", "_forkserver_address"):
+        if hasattr(server, name):
+            setattr(server, name, None)
+    if isinstance(alive, int):
+        with contextlib.suppress(OSError):
+            os.close(alive)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
+
+
 def forkserver_pid() -> int | None:
     """The pid of Python's forkserver process, None before it started.
 
-    Python has no public way to ask; ``ForkServer._forkserver_pid`` is read here and nowhere else
-    (tests/collectives/test_start_method.py fails loudly if a Python release renames it)."""
+    Python has no public way to ask; ``ForkServer._forkserver_pid`` is read here, and it and its
+    two siblings are reset in a forked child (``_forget_in_child``), nowhere else
+    (tests/collectives/test_start_method.py fails loudly if a Python release renames them)."""
     server = getattr(multiprocessing.forkserver, "_forkserver", None)
     if server is None or not hasattr(server, "_forkserver_pid"):
         raise RuntimeError("multiprocessing.forkserver._forkserver._forkserver_pid is gone in this Python: "
