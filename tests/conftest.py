@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -53,6 +53,21 @@ def gloo2() -> Iterator[object]:
 def gloo4() -> Iterator[object]:
     """Four gloo ranks as processes, reused by every test that asks."""
     yield from _pool(4)
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.fixture
+def process_alive() -> Callable[[int], bool]:
+    """Whether a process of this pid exists: ``os.kill(pid, 0)`` (a zombie counts, so a test that
+    sees its ranks gone has also seen them reaped)."""
+    return _process_alive
 
 
 class _StartedWith:

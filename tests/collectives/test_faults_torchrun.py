@@ -9,13 +9,13 @@ timeout: tests/collectives/test_faults.py runs them on the processes backend).
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -33,14 +33,6 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 # fault -> what the output must say. A rank that skips the last collective or hangs after it ends
 # by the same timeout as hang_before here; test_faults.py runs those two on the processes backend.
 EXPECTED = {
@@ -52,7 +44,8 @@ EXPECTED = {
 
 
 @pytest.mark.parametrize("fault", list(EXPECTED))
-def test_a_fault_under_torchrun_ends_in_time_named_and_leaves_no_process(fault: str) -> None:
+def test_a_fault_under_torchrun_ends_in_time_named_and_leaves_no_process(
+        fault: str, process_alive: Callable[[int], bool]) -> None:
     start = time.monotonic()
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "0",
@@ -67,13 +60,13 @@ def test_a_fault_under_torchrun_ends_in_time_named_and_leaves_no_process(fault: 
     pids = [int(p) for p in re.findall(r"^pid (\d+)$", done.stdout, re.M)]
     assert len(pids) == 2, output
     deadline = time.monotonic() + 5
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+    while any(process_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not [p for p in pids if _alive(p)], f"rank processes left running\n{output}"
+    assert not [p for p in pids if process_alive(p)], f"rank processes left running\n{output}"
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "Ctrl-C"])
-def test_a_signal_to_torchrun_ends_every_rank(sig: int) -> None:
+def test_a_signal_to_torchrun_ends_every_rank(sig: int, process_alive: Callable[[int], bool]) -> None:
     proc = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "0",
          "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), str(SCRIPT), "sleep"],
@@ -95,9 +88,9 @@ def test_a_signal_to_torchrun_ends_every_rank(sig: int) -> None:
         proc.send_signal(sig)
         proc.wait(timeout=SLACK_S)
         deadline = time.monotonic() + 5
-        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        while any(process_alive(p) for p in pids) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not [p for p in pids if _alive(p)], "rank processes left running"
+        assert not [p for p in pids if process_alive(p)], "rank processes left running"
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -163,16 +164,9 @@ if __name__ == "__main__":
 """
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 @pytest.mark.gloo
-def test_a_killed_launcher_takes_its_ranks_and_the_server_with_it_whatever_it_forked(tmp_path: Path) -> None:
+def test_a_killed_launcher_takes_its_ranks_and_the_server_with_it_whatever_it_forked(
+        tmp_path: Path, process_alive: Callable[[int], bool]) -> None:
     """SIGKILL of a launcher whose ranks are busy while a process it forked lives on: the ranks and
     the fork server end (the forked process held copies of the pipes they watch, which it closes)."""
     script = tmp_path / "killed.py"
@@ -195,11 +189,11 @@ def test_a_killed_launcher_takes_its_ranks_and_the_server_with_it_whatever_it_fo
         proc.kill()
         proc.wait(timeout=30)
         ended_by = time.monotonic() + 10
-        while any(map(_alive, [*ranks, pid_of["server"]])) and time.monotonic() < ended_by:
+        while any(map(process_alive, [*ranks, pid_of["server"]])) and time.monotonic() < ended_by:
             time.sleep(0.05)
-        assert not [pid for pid in ranks if _alive(pid)], "ranks outlived their launcher"
-        assert not _alive(pid_of["server"]), "the fork server outlived the launcher"
-        assert _alive(pid_of["helper"])  # the forked process still runs: it is what held the pipes
+        assert not [pid for pid in ranks if process_alive(pid)], "ranks outlived their launcher"
+        assert not process_alive(pid_of["server"]), "the fork server outlived the launcher"
+        assert process_alive(pid_of["helper"])  # the forked process still runs: it is what held the pipes
     finally:
         proc.kill()
         proc.wait(timeout=30)
