@@ -4,9 +4,10 @@ A spawned rank imports torch (and shardwise) again: about two seconds of CPU eac
 on two cores took four seconds to start, and every pool restarted after a failure paid it again.
 Python's ``forkserver`` start method forks each rank from a server process that imported them
 once (``set_forkserver_preload``): a rank then starts in tenths of a second. The server is started
-on first use, by this process, and ends when this process does (it reads the end of a pipe only
-this process holds). It never runs torch code, so no thread or CUDA state is forked: the server has
-imported torch and nothing more.
+on first use, by this process, and ends once this process and the ranks forked from it have (it
+waits on a pipe whose write ends only they hold; a process this one forks closes its copy). It is
+a fresh interpreter that never runs torch code, so no thread or CUDA state is forked: the server
+has imported torch and nothing more.
 
 A forked rank inherits what the server had when it started, not what this process has now: its
 environment, where its standard streams go, its umask, CPU affinity, resource limits, priority
@@ -102,7 +103,7 @@ def _limits() -> tuple[Any, ...] | None:
         import resource
     except ImportError:  # not on this platform
         return None
-    return tuple(resource.getrlimit(getattr(resource, name)) for name in sorted(dir(resource))
+    return tuple(_optional(resource.getrlimit, getattr(resource, name)) for name in sorted(dir(resource))
                  if name.startswith("RLIMIT_"))
 
 
@@ -114,9 +115,10 @@ def _ignored(sig: int) -> bool:
 
 
 def _optional(fn: Any, *args: Any) -> Any:
+    """``fn(*args)``, or None where this platform lacks it or refuses the argument."""
     try:
         return fn(*args)
-    except (AttributeError, OSError):
+    except (AttributeError, OSError, ValueError):
         return None
 
 
