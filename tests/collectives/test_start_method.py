@@ -29,6 +29,13 @@ def test_python_still_keeps_the_fork_servers_state_where_it_is_read() -> None:
     assert start_method.forkserver_pid() == server._forkserver_pid
 
 
+def test_a_python_that_keeps_the_servers_pid_elsewhere_spawns(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(start_method.ENV_VAR, raising=False)
+    monkeypatch.setattr(start_method, "_ours", None)
+    monkeypatch.setattr(multiprocessing.forkserver, "_forkserver", object())
+    assert start_method.rank_context().get_start_method() == "spawn"
+
+
 def test_an_unknown_start_method_is_refused_naming_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(start_method.ENV_VAR, "fork")
     with pytest.raises(ValueError, match=r"SHARDWISE_START_METHOD='fork'.*\('forkserver', 'spawn'\)"):

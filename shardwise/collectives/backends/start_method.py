@@ -52,7 +52,11 @@ def rank_context() -> multiprocessing.context.SpawnContext | multiprocessing.con
         return _spawn()
     global _ours
     with _lock:
-        running, now = forkserver_pid(), inherited()
+        try:
+            running = forkserver_pid()
+        except _Unreadable:  # a Python release that renamed it (the test of forkserver_pid fails in CI)
+            return _spawn()
+        now = inherited()
         if _ours is None:
             if running is not None:  # another library's server (or our parent's): its state is unknown here
                 return _spawn()
@@ -133,7 +137,7 @@ def _forget_in_child() -> None:
     _ours = None
     server = multiprocessing.forkserver._forkserver
     alive = getattr(server, "_forkserver_alive_fd", None)
-    for name in ("_forkserver_alive_fd", "_forkserver_pid", "_forkserver_address"):
+    for name in ("_forkserver_alive_fd", "_forkserver_pid", "_forkserver_address", "_forkserver_authkey"):
         if hasattr(server, name):
             setattr(server, name, None)
     if isinstance(alive, int):
@@ -149,11 +153,15 @@ def forkserver_pid() -> int | None:
     """The pid of Python's forkserver process, None before it started.
 
     Python has no public way to ask; ``ForkServer._forkserver_pid`` is read here, and it and its
-    two siblings are reset in a forked child (``_forget_in_child``), nowhere else
-    (tests/collectives/test_start_method.py fails loudly if a Python release renames them)."""
+    siblings are reset in a forked child (``_forget_in_child``), nowhere else
+    (tests/collectives/test_start_method.py fails loudly if a Python release renames them; a
+    launch on such a Python spawns its ranks)."""
     server = getattr(multiprocessing.forkserver, "_forkserver", None)
     if server is None or not hasattr(server, "_forkserver_pid"):
-        raise RuntimeError("multiprocessing.forkserver._forkserver._forkserver_pid is gone in this Python: "
-                           f"set {ENV_VAR}=spawn and report it")
+        raise _Unreadable("multiprocessing.forkserver._forkserver._forkserver_pid is gone in this Python")
     pid = server._forkserver_pid
     return pid if isinstance(pid, int) else None
+
+
+class _Unreadable(RuntimeError):
+    """This Python keeps its forkserver's state elsewhere: ranks are spawned (slower, never wrong)."""
