@@ -96,9 +96,14 @@ def seen():
     os.write(2, b"rank stderr\n")
     return os.getppid(), os.environ.get("LATE")
 
+methods = []
+
 def pool_of(world):
     with ProcessPool(world, timeout=60) as pool:
-        return pool.run(seen)
+        assert pool.start_method is None
+        result = pool.run(seen)
+        methods.append((pool.start_method, repr(pool)))
+        return result
 
 if __name__ == "__main__":
     forked = pool_of(2)
@@ -122,7 +127,7 @@ if __name__ == "__main__":
     in_child = os.read(r, 100000).decode()
     os.waitpid(child, 0)
     print(repr((os.getpid(), server, forked, redirected, open(log).read().count("rank stderr"), late,
-                eval(in_child))))
+                eval(in_child), methods)))
 """
 
 
@@ -139,8 +144,11 @@ def test_ranks_are_forked_only_where_they_inherit_what_a_spawned_rank_would(tmp_
     done = subprocess.run([sys.executable, str(script), str(tmp_path / "log")], capture_output=True, text=True,
                           timeout=240, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
-    launcher, server, forked, redirected, logged, late, (server_in_child, in_child) = eval(
+    launcher, server, forked, redirected, logged, late, (server_in_child, in_child), methods = eval(
         done.stdout.strip().splitlines()[-1])
+    # The pool says which: its start_method, and its repr.
+    assert methods == [("forkserver", "ProcessPool(world=2, timeout=60, running, forked)")] + [
+        ("spawn", "ProcessPool(world=1, timeout=60, running, spawned)")] * 2
     assert server is not None and server != launcher
     assert forked == [(server, None), (server, None)]
     assert redirected == [(launcher, None)] and logged == 1
@@ -207,3 +215,67 @@ def test_a_killed_launcher_takes_its_ranks_and_the_server_with_it_whatever_it_fo
         for p in tmp_path.glob("helper*"):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(int(p.name.removeprefix("helper")), signal.SIGKILL)
+
+
+SERVER_KILLED = r"""
+import os, signal, sys, time
+from shardwise.collectives.backends import start_method
+from shardwise.collectives.backends.processes import ProcessPool
+from shardwise.collectives import RankFailed
+
+def exit_if(pid):
+    if os.getpid() == pid:
+        os._exit(3)
+    return os.getpid()
+
+if __name__ == "__main__":
+    with ProcessPool(2, timeout=60) as pool:
+        ranks = pool.run(os.getpid)
+        server = start_method.forkserver_pid()
+        forked = pool.run(os.getppid)
+        os.kill(server, signal.SIGKILL)
+        while start_method.server_exit(server) is None:
+            time.sleep(0.01)
+        after = [pool.run(os.getpid) for _ in range(3)]  # the same ranks, orphaned
+        try:
+            pool.run(exit_if, ranks[0])
+            error = None
+        except RankFailed as exc:
+            error = str(exc)
+        restarted = pool.run(os.getppid)  # the pool starts new ranks after a failed run
+        new_server = start_method.forkserver_pid()
+    with ProcessPool(1, timeout=60) as pool:
+        next_launch = pool.run(os.getppid)
+    print(repr((server, ranks, forked, after, error, new_server, restarted, next_launch)))
+"""
+
+
+@pytest.mark.gloo
+def test_ranks_outlive_a_killed_fork_server_and_the_next_launch_forks_from_a_new_one(
+        tmp_path: Path, process_alive: Callable[[int], bool]) -> None:
+    """SIGKILL of the fork server (the OOM killer picks the largest process; a server that preloaded
+    torch can be it): its ranks run on, the pool's runs with them; the exit status of a rank that
+    then exits went with the server, so the run fails naming the server and its signal (not "exited
+    with code 255", which multiprocessing reads); the pool's next ranks and the next launch are
+    forked from a new server, ours."""
+    script = tmp_path / "server_killed.py"
+    script.write_text(SERVER_KILLED)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop(start_method.ENV_VAR, None)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    server, ranks, forked, after, error, new_server, restarted, next_launch = eval(
+        done.stdout.strip().splitlines()[-1])
+    assert forked == [server, server]
+    assert after == [ranks] * 3
+    assert error is not None and error.startswith("rank 0 failed: the process exited (its exit status is unknown: "
+                                                  f"the fork server it was forked from, pid {server}, exited on "
+                                                  "signal SIGKILL (the OOM killer's signal, or a kill)"), error
+    assert "255" not in error, error
+    assert new_server not in (None, server)
+    assert restarted == [new_server, new_server] and next_launch == [new_server]
+    ended_by = time.monotonic() + 10
+    while any(map(process_alive, ranks)) and time.monotonic() < ended_by:
+        time.sleep(0.05)
+    assert not [pid for pid in ranks if process_alive(pid)], "the ranks outlived their pool"
+

@@ -47,6 +47,7 @@ from typing import Any
 
 from ..errors import RankFailed, RankHung
 from ..timeout import DEFAULT_TIMEOUT_S, check_timeout
+from . import start_method
 from .pickle_path import unpicklable
 from .process_worker import MIN_STARTUP_S, worker_main
 from .start_method import rank_context
@@ -56,6 +57,10 @@ _STOP_WAIT_S = 5.0  # how long idle workers get to exit after "stop"
 _SIGNAL_WAIT_S = 2.0  # how long to wait after SIGTERM (then SIGKILL) before giving up
 _TRACEBACK_MARK = "\n\n--- traceback of rank "  # where a failure's summary ends in its message
 _POLL_S = 0.2  # longest the parent sleeps between checks for KeyboardInterrupt
+# What multiprocessing reads as a forked rank's exit code once its fork server is gone (popen_forkserver).
+_SERVER_GONE = 255
+_STARTED = {"forkserver": "forked", "spawn": "spawned"}
+_KILLED_BY = " (the OOM killer's signal, or a kill)"
 
 
 def default_max_processes() -> int:
@@ -140,6 +145,13 @@ class ProcessPool:
         ranks = self._slot.ranks
         return [] if ranks is None else [p.pid for p in ranks.procs if p.pid is not None]
 
+    @property
+    def start_method(self) -> str | None:
+        """How the running ranks were started: ``"forkserver"`` (forked from the fork server) or
+        ``"spawn"`` (see ``start_method.py`` for when each is used); None when none run."""
+        ranks = self._slot.ranks
+        return None if ranks is None else ranks.start_method
+
     def close(self) -> None:
         """End every process of the pool (idempotent)."""
         with self._lock:
@@ -153,7 +165,8 @@ class ProcessPool:
         self.close()
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else ("running" if self._slot.ranks else "idle")
+        ranks = self._slot.ranks
+        state = "closed" if self._closed else (f"running, {_STARTED[ranks.start_method]}" if ranks else "idle")
         return f"ProcessPool(world={self.world}, timeout={self.timeout:g}, {state})"
 
 
@@ -196,6 +209,11 @@ class _Ranks:
         self._shut_down = False
         _running.add(self)
         ctx = rank_context()
+        self.start_method = ctx.get_start_method()
+        self._server: int | None = None  # the fork server the ranks were forked from, if they were
+        # Once that server is gone, so are the ranks' exit status and the sentinels that tell it
+        # (always ready): its ranks live on, watched through their pipes alone.
+        self._server_exit: int | None = None
         port = _free_port()
         try:
             for rank in range(world):
@@ -212,6 +230,8 @@ class _Ranks:
                 self.conns.append(parent_end)
                 self._alive.append(alive_write)
                 proc.start()
+                if self.start_method == "forkserver" and self._server is None:
+                    self._server = start_method.forkserver_pid()
                 child_end.close()  # so the parent reads EOF as soon as the child is gone
                 alive_read.close()  # the rank's copy is the only reader
         except BaseException:
@@ -273,7 +293,8 @@ class _Ranks:
             if limit is not None and now >= limit:
                 break
             handles: list[Any] = [self.conns[r] for r in pending if r not in self._eof]
-            handles += [self.procs[r].sentinel for r in pending]
+            if self._server_exit is None:
+                handles += [self.procs[r].sentinel for r in pending]
             # Bounded waits: a Ctrl-C delivered to another thread is only handled
             # when the main thread gets back to Python code.
             wait_s = _POLL_S if limit is None else min(_POLL_S, limit - now)
@@ -302,10 +323,26 @@ class _Ranks:
                     return _decode(rank, pickle.loads(conn.recv_bytes()))
             except (EOFError, OSError):
                 self._eof.add(rank)  # closed, or died mid-message: its exit code tells the rest
-        if proc.exitcode is None:
-            return None
-        message = f"the process exited {_describe_exit(proc.exitcode)} without reporting a result"
-        if not self.ready:
+        if self._server_exit is None:
+            if proc.exitcode is None:
+                return None
+            if self._server is None or proc.exitcode != _SERVER_GONE:
+                return self._exited(rank, f"exited {_describe_exit(proc.exitcode)}")
+            self._server_exit = start_method.server_exit(self._server)
+            if self._server_exit is None:  # the rank itself exited with 255
+                return self._exited(rank, f"exited {_describe_exit(proc.exitcode)}")
+        if rank not in self._eof:
+            return None  # alive, as far as its pipe tells: its server's death changes nothing it computes
+        server = self._server_exit
+        return self._exited(rank, (
+            f"exited (its exit status is unknown: the fork server it was forked from, pid {self._server}, exited "
+            f"{_describe_exit(server)}{_KILLED_BY if server == -signal.SIGKILL else ''} before it, and took "
+            "the status with it)"
+        ), main_hint=False)
+
+    def _exited(self, rank: int, how: str, main_hint: bool = True) -> _Failure:
+        message = f"the process {how} without reporting a result"
+        if not self.ready and main_hint:
             message += (
                 " before joining the process group (its stderr above says why). Every rank re-imports "
                 "the main script (spawned, or forked from the fork server): guard its entry point with "

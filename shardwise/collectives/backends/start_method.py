@@ -20,6 +20,10 @@ process forked from this one (the server is its parent's), or where the platform
 forkserver. ``SHARDWISE_START_METHOD=spawn`` spawns every rank (``forkserver``, the default, is
 what is described here). The working directory, ``sys.path`` and the main module reach a forked
 rank as they reach a spawned one (multiprocessing prepares each rank with them).
+
+A server of ours that dies (the OOM killer) takes its ranks' exit status with it, not the ranks:
+they run on, watched through their pipes; one that exits since is reported with how the server
+ended (processes.py). The next launch starts another server.
 """
 
 from __future__ import annotations
@@ -57,6 +61,10 @@ def rank_context() -> multiprocessing.context.SpawnContext | multiprocessing.con
         except _Unreadable:  # a Python release that renamed it (the test of forkserver_pid fails in CI)
             return _spawn()
         now = inherited()
+        if _ours is not None and running == _ours[0] and server_exit(running) is not None:
+            # Ours died (the OOM killer, a stray kill): Python's ensure_running below reaps it and
+            # starts another, now, from this process: ours again.
+            _ours = running = None
         if _ours is None:
             if running is not None:  # another library's server (or our parent's): its state is unknown here
                 return _spawn()
@@ -70,6 +78,22 @@ def rank_context() -> multiprocessing.context.SpawnContext | multiprocessing.con
         if running not in (None, pid) or now != state:
             return _spawn()
     return cast(multiprocessing.context.ForkServerContext, multiprocessing.get_context("forkserver"))
+
+
+def server_exit(pid: int) -> int | None:
+    """How the fork server of this pid, a child of this process, ended, as ``Popen.returncode``
+    reads (``-9``: SIGKILL); None while it runs, or where this platform cannot tell without reaping
+    it. It is not reaped here (``WNOWAIT``): Python's ``ensure_running`` reaps it before it starts
+    another."""
+    if not hasattr(os, "waitid"):
+        return None
+    try:
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:  # reaped by someone else: Python's ensure_running would fail the same way
+        return None
+    if info is None:
+        return None
+    return int(info.si_status) if info.si_code == os.CLD_EXITED else -int(info.si_status)
 
 
 def _spawn() -> multiprocessing.context.SpawnContext:
