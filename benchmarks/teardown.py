@@ -5,9 +5,10 @@ world``: a process group with the one timeout, a ZeRO-3 step, a barrier, destroy
 where torch 2.13 on gloo used to abort at exit now and then.
 
 Each launch is its own interpreter running ``shardwise.launch(main, world)`` (a psum and a
-send/recv round trip per rank) on one backend, so an abort while the interpreter or gloo tears
-down (torch 2.13's SIGABRT, "terminate called without an active exception") is a crash, as is
-a wrong result or a rank process left running. One JSON line per backend:
+send/recv round trip per rank; with ``--step`` also a traced MLP's ZeRO-3 step, as a training
+launch starts; with ``--repeat N``, N launches in the interpreter) on one backend, so an abort
+while the interpreter or gloo tears down (torch 2.13's SIGABRT, "terminate called without an
+active exception") is a crash, as is a wrong result or a rank process left running. One JSON line per backend:
 
     python benchmarks/teardown.py --launches 100 --backends threads,processes
     {"backend": "threads", "world": 2, "launches": 100, "crashes": 0, "seconds_per_launch": ...}
@@ -30,22 +31,32 @@ ROOT = Path(__file__).resolve().parents[1]
 
 PROGRAM = """
 import os, sys, torch, shardwise as sw
+from shardwise.testing.models import mlp
 
-def main():
+def main(build_step):
     mesh = sw.Mesh(dp=int(sys.argv[2]))
     total = sw.collectives.psum(torch.tensor([1.0 + mesh.rank]), "dp", mesh=mesh)
     peer = (mesh.rank + 1) % mesh.size
     sent = sw.collectives.send(total, "dp", peer, mesh=mesh)
     got = sw.collectives.recv("dp", (mesh.rank - 1) % mesh.size, mesh=mesh).wait()
     sent.wait()
+    if build_step:  # what a training launch does first: trace a model, plan and run a ZeRO-3 step
+        with torch.device("meta"):  # init makes the parameters, the same on every rank (thread ranks too)
+            model = mlp([6, 16, 3])
+        chain, params = sw.functionalize(model, device="cpu")
+        step = sw.shard_params(sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1)), "dp", stage=3)
+        state = step.init(params, mesh)
+        gen = torch.Generator().manual_seed(0)
+        step(state, (torch.randn(8, 6, generator=gen), torch.randn(8, 3, generator=gen)))
     return os.getpid(), total.item(), got.item()
 
 if __name__ == "__main__":
-    world = int(sys.argv[2])
-    results = sw.launch(main, world, backend=sys.argv[1], timeout=60)
-    expected = world * (world + 1) / 2
-    assert all(t == g == expected for _, t, g in results), results
-    print(" ".join(str(pid) for pid, _, _ in results))
+    world, build_step, repeat = int(sys.argv[2]), sys.argv[3] == "1", int(sys.argv[4])
+    for _ in range(repeat):  # launches in this interpreter: the ones after the first find torch imported
+        results = sw.launch(main, world, backend=sys.argv[1], timeout=60, args=(build_step,))
+        expected = world * (world + 1) / 2
+        assert all(t == g == expected for _, t, g in results), results
+        print(" ".join(str(pid) for pid, _, _ in results))
 """
 
 
@@ -79,11 +90,11 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _command(backend: str, world: int, script: Path) -> list[str]:
+def _command(backend: str, world: int, script: Path, step: bool, repeat: int) -> list[str]:
     if backend == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--max-restarts", "0",
                 "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), str(script)]
-    return [sys.executable, str(script), backend, str(world)]
+    return [sys.executable, str(script), backend, str(world), str(int(step)), str(repeat)]
 
 
 def _alive(pid: int) -> bool:
@@ -94,7 +105,7 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def run(backend: str, world: int, launches: int) -> dict[str, object]:
+def run(backend: str, world: int, launches: int, step: bool = False, repeat: int = 1) -> dict[str, object]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     crashes: list[str] = []
     # A file, not ``python -c``: spawned rank processes import the main script.
@@ -103,7 +114,8 @@ def run(backend: str, world: int, launches: int) -> dict[str, object]:
     started = time.monotonic()
     for i in range(launches):
         proc = subprocess.run(
-            _command(backend, world, script), capture_output=True, text=True, timeout=300, env=env, cwd=ROOT,
+            _command(backend, world, script, step, repeat), capture_output=True, text=True, timeout=300, env=env,
+            cwd=ROOT,
         )  # fmt: skip
         # The ranks print their PIDs: on one line (launch), or each on its own (torchrun's workers).
         pids = (
@@ -122,6 +134,8 @@ def run(backend: str, world: int, launches: int) -> dict[str, object]:
         "backend": backend,
         "world": world,
         "launches": launches,
+        # torchrun's program always builds a step, one launch per interpreter
+        **({} if backend == "torchrun" else {"step": step, "launches_per_interpreter": repeat}),
         "crashes": len(crashes),
         "seconds_per_launch": round(seconds / max(launches, 1), 3),
         "first_crashes": crashes[:3],
@@ -133,9 +147,14 @@ def main() -> None:
     parser.add_argument("--launches", type=int, default=100)
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--backends", default="threads,processes", help="threads, processes, torchrun")
+    parser.add_argument("--step", action="store_true",
+                        help="each rank also traces a small MLP and runs one ZeRO-3 step (threads, processes)")
+    parser.add_argument("--repeat", type=int, default=1, metavar="N",
+                        help="launches per interpreter (threads, processes; default 1): seconds_per_launch is "
+                             "then per interpreter, the N launches together")
     args = parser.parse_args()
     for backend in args.backends.split(","):
-        print(json.dumps(run(backend, args.world, args.launches)), flush=True)
+        print(json.dumps(run(backend, args.world, args.launches, args.step, args.repeat)), flush=True)
 
 
 if __name__ == "__main__":

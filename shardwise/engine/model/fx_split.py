@@ -17,6 +17,8 @@ from typing import Any
 import torch.fx as fx
 from torch import nn
 
+from .fx_stack_traces import stack_trace
+
 
 class FunctionalizeError(ValueError):
     """A module that ``functionalize`` cannot turn into a Chain as asked; the message says why and what to do."""
@@ -32,7 +34,8 @@ class _UnitTracer(fx.Tracer):
     def __init__(self, units: list[str]) -> None:
         super().__init__()
         self.units = set(units)
-        self.record_stack_traces = True  # lets errors point at the line of forward
+        # torch.fx's own would import torch._dynamo and more; create_node records the same (fx_stack_traces)
+        self.record_stack_traces = False
         # Buffers read in traced code become graph reads, so `self.mask[:t, :t]` with a traced
         # t works and the buffer travels with the segment that reads it.
         self.proxy_buffer_attributes = True
@@ -41,6 +44,12 @@ class _UnitTracer(fx.Tracer):
         return module_qualified_name in self.units or super().is_leaf_module(
             m, module_qualified_name
         )
+
+    def create_node(self, *args: Any, **kwargs: Any) -> fx.Node:
+        node = super().create_node(*args, **kwargs)
+        if not node.stack_trace:  # lets errors point at the line of forward
+            node.stack_trace = stack_trace()
+        return node
 
 
 # torch.fx patches nn.Module.__call__ and __getattr__ process-wide while it traces, so two

@@ -1,0 +1,46 @@
+"""The line of ``forward`` each traced node came from, recorded without importing torch's compiler.
+
+``functionalize`` traces with stack traces so that an error can point at the line of forward a
+value comes from. torch.fx's own (``record_stack_traces``) captures the stack with
+``CapturedTraceback``, whose symbolization imports torch._inductor and torch._dynamo, and then
+drops torch's files by importing the modules that hold them
+(``torch.fx.experimental.symbolic_shapes.uninteresting_files``: torch.export, sympy, networkx):
+about 1,200 modules and 1.2 s of CPU in every process that traces, every rank of a launch
+included. :func:`stack_trace` records the same text with Python's traceback module and finds
+torch's files by their paths, importing nothing. tests/engine/test_fx_stack_traces.py checks
+that it is torch's text, node for node, and that tracing imports neither.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+import torch
+
+_TORCH = os.path.dirname(torch.__file__)
+# What uninteresting_files() lists (torch 2.13), as paths under torch's directory, and fx's proxy.py
+# (torch keeps its frames: they only say that fx made the node). A file that is never on the stack
+# while fx traces is harmless here; a directory covers every file in it.
+_FILES = frozenset(os.path.join(_TORCH, *path.split("/")) for path in (
+    "__init__.py", "_compile.py", "_dynamo/eval_frame.py", "_dynamo/external_utils.py", "_inductor/sizevars.py",
+    "_library/custom_ops.py", "_library/fake_impl.py", "_logging/_internal.py", "_logging/structured.py",
+    "_subclasses/fake_tensor.py", "_subclasses/meta_utils.py", "export/_trace.py", "fx/_symbolic_trace.py",
+    "fx/experimental/recording.py", "fx/experimental/sym_node.py", "fx/experimental/symbolic_shapes.py",
+    "fx/interpreter.py", "fx/proxy.py",
+)) | {"<string>"}
+_DIRECTORIES = tuple(os.path.join(_TORCH, name) + os.sep for name in ("_dynamo/polyfills", "_higher_order_ops"))
+
+
+def stack_trace(skip: int = 0) -> str | None:
+    """What torch.fx records as the stack trace of a node that the caller of this function's caller
+    creates now (``record_stack_traces``), less fx's proxy.py: the frames from the first
+    ``forward`` on, less torch's files, formatted; None without a ``forward``. ``skip``: more of the
+    innermost frames to leave out."""
+    stack = traceback.StackSummary.extract(traceback.walk_stack(sys._getframe(2 + skip)), lookup_lines=False)
+    stack.reverse()  # outermost first, as extract_stack
+    first = next((i for i, frame in enumerate(stack) if frame.name == "forward"), len(stack))
+    frames = [frame for frame in stack[first:]
+              if frame.filename not in _FILES and not frame.filename.startswith(_DIRECTORIES)]
+    return "".join(traceback.StackSummary.from_list(frames).format()).strip() if frames else None

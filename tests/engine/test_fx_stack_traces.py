@@ -1,0 +1,107 @@
+"""The stack traces functionalize's tracer records (engine/model/fx_stack_traces.py): torch.fx's
+frames, node for node, without importing torch's compiler stack."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch.fx as fx
+from torch import nn
+
+from shardwise.engine.model.fx_split import _UnitTracer
+from shardwise.testing.models import TinyGPT
+
+REPO = Path(__file__).resolve().parents[2]
+FRAME = re.compile(r'File "(.*?)", line (\d+), in (\S+)')
+
+
+class _TorchsOwn(_UnitTracer):
+    """The same tracer with torch.fx's own stack traces (``record_stack_traces``)."""
+
+    def __init__(self, units: list[str]) -> None:
+        super().__init__(units)
+        self.record_stack_traces = True
+
+    def create_node(self, *args: Any, **kwargs: Any) -> fx.Node:
+        return fx.Tracer.create_node(self, *args, **kwargs)
+
+
+def _frames(trace: str | None) -> list[tuple[str, str, str]]:
+    """(file, line, function) of each frame; torch's ends with fx's proxy.py frames and the tracer's
+    create_node (this file): the capture itself, left out of ours."""
+    return [f for f in FRAME.findall(trace or "") if not f[0].endswith((os.path.join("fx", "proxy.py"), __file__))]
+
+
+class _Nested(nn.Module):
+    """A root whose forward calls a submodule traced through (not a unit), with a forward of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Sequential(nn.Linear(4, 4), nn.GELU())
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: Any) -> Any:
+        y = self.inner(x) * 2
+        return self.head(y + x)
+
+
+@pytest.mark.parametrize(("model", "units"), [
+    (TinyGPT(vocab=64, d_model=32, n_heads=2, n_layers=2, seq_len=16), ["tok_emb", "blocks.0", "blocks.1", "head"]),
+    (TinyGPT(vocab=64, d_model=32, n_heads=2, n_layers=2, seq_len=16), ["tok_emb", "head"]),  # blocks traced through
+    (_Nested(), ["head"]),
+    (nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)), ["0", "2"]),  # forward in torch's container.py
+], ids=["gpt-units", "gpt-blocks-traced", "nested", "sequential"])
+def test_each_nodes_frames_are_the_ones_torch_fx_records(model: nn.Module, units: list[str]) -> None:
+    ours = _UnitTracer(units).trace(model)
+    torchs = _TorchsOwn(units).trace(model)
+    ours_frames = [(n.name, _frames(n.stack_trace)) for n in ours.nodes]
+    assert ours_frames == [(n.name, _frames(n.stack_trace)) for n in torchs.nodes]
+    assert any(frames for _, frames in ours_frames)  # a check that compares nothing would pass too
+    capture = (os.path.join("model", "fx_stack_traces.py"), os.path.join("model", "fx_split.py"), "proxy.py")
+    for node in ours.nodes:  # and nothing of the capture itself
+        assert not [name for name in capture if name in (node.stack_trace or "")], node.stack_trace
+
+
+FIRST_STEP = r"""
+import sys
+import torch
+import shardwise as sw
+from shardwise.testing.models import TinyGPT
+
+def first_step():
+    torch.manual_seed(0)
+    chain, params = sw.functionalize(TinyGPT(vocab=64, d_model=32, n_heads=2, n_layers=2, seq_len=16),
+                                     units=["tok_emb", "blocks", "head"])
+    loss_fn = lambda logits, y: torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+    step = sw.shard_params(sw.train_step(chain, loss_fn, sw.optim.adamw(1e-3)), "dp", 3)
+    mesh = sw.Mesh(dp=2)
+    state = step.init(params, mesh)
+    x = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1))
+    state, metrics = step(state, (x, x))
+    return float(metrics["loss"])
+
+if __name__ == "__main__":
+    with torch.random.fork_rng():
+        losses = sw.launch(first_step, 2)
+    print(repr(sorted(m for m in sys.modules if m.split(".")[0] == "networkx" or
+                      m.startswith(("torch._dynamo", "torch._inductor", "torch._functorch.aot_autograd")))))
+"""
+
+
+def test_a_first_zero3_step_imports_no_compiler(tmp_path: Path) -> None:
+    """torch.fx's own stack traces import torch._dynamo, inductor, AOTAutograd and networkx (with
+    torch.export and sympy: 1,200 modules, about 1.2 s of CPU in every process that traces, each rank
+    of a launch): a traced model's first ZeRO-3 step, planned and run, imports none of them. (Its
+    plan's meta tensors import sympy, through torch's shape functions: 0.35 s.)"""
+    script = tmp_path / "first_step.py"
+    script.write_text(FIRST_STEP)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert eval(done.stdout.strip().splitlines()[-1]) == []
