@@ -5,7 +5,7 @@ world``: a process group with the one timeout, a ZeRO-3 step, a barrier, destroy
 where torch 2.13 on gloo used to abort at exit now and then.
 
 Each launch is its own interpreter running ``shardwise.launch(main, world)`` (a psum and a
-send/recv round trip per rank; with ``--step`` also a traced MLP's ZeRO-3 step, as a training
+send/recv round trip per rank; with ``--step`` also a small GPT's ZeRO-3 step, traced by torch.fx, as a training
 launch starts; with ``--repeat N``, N launches in the interpreter) on one backend, so an abort
 while the interpreter or gloo tears down (torch 2.13's SIGABRT, "terminate called without an
 active exception") is a crash, as is a wrong result or a rank process left running. One JSON line per backend:
@@ -30,8 +30,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 PROGRAM = """
-import os, sys, torch, shardwise as sw
-from shardwise.testing.models import mlp
+import os, sys, threading, torch, shardwise as sw
+from shardwise.testing.models import TinyGPT
+
+SEEDING = threading.Lock()
 
 def main(build_step):
     mesh = sw.Mesh(dp=int(sys.argv[2]))
@@ -41,13 +43,15 @@ def main(build_step):
     got = sw.collectives.recv("dp", (mesh.rank - 1) % mesh.size, mesh=mesh).wait()
     sent.wait()
     if build_step:  # what a training launch does first: trace a model, plan and run a ZeRO-3 step
-        with torch.device("meta"):  # init makes the parameters, the same on every rank (thread ranks too)
-            model = mlp([6, 16, 3])
-        chain, params = sw.functionalize(model, device="cpu")
-        step = sw.shard_params(sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1)), "dp", stage=3)
+        with SEEDING:  # thread ranks share torch's generator: one seeds and builds at a time
+            torch.manual_seed(0)
+            model = TinyGPT(vocab=64, d_model=32, n_heads=2, n_layers=2, seq_len=16)
+        chain, params = sw.functionalize(model, units=["tok_emb", "blocks", "head"])  # torch.fx traces it
+        loss_fn = lambda logits, y: torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+        step = sw.shard_params(sw.train_step(chain, loss_fn, sw.optim.adamw(1e-3)), "dp", stage=3)
         state = step.init(params, mesh)
-        gen = torch.Generator().manual_seed(0)
-        step(state, (torch.randn(8, 6, generator=gen), torch.randn(8, 3, generator=gen)))
+        tokens = torch.randint(0, 64, (2 * mesh.size, 16), generator=torch.Generator().manual_seed(0))
+        step(state, (tokens, tokens))
     return os.getpid(), total.item(), got.item()
 
 if __name__ == "__main__":
@@ -148,7 +152,7 @@ def main() -> None:
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--backends", default="threads,processes", help="threads, processes, torchrun")
     parser.add_argument("--step", action="store_true",
-                        help="each rank also traces a small MLP and runs one ZeRO-3 step (threads, processes)")
+                        help="each rank also traces a small GPT and runs one ZeRO-3 step (threads, processes)")
     parser.add_argument("--repeat", type=int, default=1, metavar="N",
                         help="launches per interpreter (threads, processes; default 1): seconds_per_launch is "
                              "then per interpreter, the N launches together")
