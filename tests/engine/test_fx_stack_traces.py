@@ -18,7 +18,7 @@ from shardwise.engine.model.fx_split import _UnitTracer
 from shardwise.testing.models import TinyGPT
 
 REPO = Path(__file__).resolve().parents[2]
-FRAME = re.compile(r'File "(.*?)", line (\d+), in (\S+)')
+FRAME = re.compile(r'File "(.*?)", line (\d+), in (\S+)\n +(.*)')
 
 
 class _TorchsOwn(_UnitTracer):
@@ -32,10 +32,11 @@ class _TorchsOwn(_UnitTracer):
         return fx.Tracer.create_node(self, *args, **kwargs)
 
 
-def _frames(trace: str | None) -> list[tuple[str, str, str]]:
-    """(file, line, function) of each frame; torch's ends with fx's proxy.py frames and the tracer's
-    create_node (this file): the capture itself, left out of ours."""
-    return [f for f in FRAME.findall(trace or "") if not f[0].endswith((os.path.join("fx", "proxy.py"), __file__))]
+def _frames(trace: str | None) -> list[tuple[str, str, str, str]]:
+    """(file, line, function, code) of each frame; torch's ends with fx's proxy.py frames and
+    _TorchsOwn.create_node: the capture itself, left out of ours."""
+    return [f for f in FRAME.findall(trace or "") if not f[0].endswith(os.path.join("fx", "proxy.py"))
+            and not (f[0] == __file__ and f[2] == "create_node")]
 
 
 class _Nested(nn.Module):

@@ -212,8 +212,10 @@ class _Ranks:
         self.start_method = ctx.get_start_method()
         self._server: int | None = None  # the fork server the ranks were forked from, if they were
         # Once that server is gone, so are the ranks' exit status and the sentinels that tell it
-        # (always ready): its ranks live on, watched through their pipes alone.
-        self._server_exit: int | None = None
+        # (always ready, every exit code 255): its ranks live on, watched and signalled through a
+        # pidfd each (Linux; elsewhere through their pipes, and they end when this process does).
+        self._server_gone = False
+        self._pidfds: list[int | None] = []
         port = _free_port()
         try:
             for rank in range(world):
@@ -230,6 +232,7 @@ class _Ranks:
                 self.conns.append(parent_end)
                 self._alive.append(alive_write)
                 proc.start()
+                self._pidfds.append(_pidfd(proc.pid) if self.start_method == "forkserver" else None)
                 if self.start_method == "forkserver" and self._server is None:
                     self._server = start_method.forkserver_pid()
                 child_end.close()  # so the parent reads EOF as soon as the child is gone
@@ -293,8 +296,10 @@ class _Ranks:
             if limit is not None and now >= limit:
                 break
             handles: list[Any] = [self.conns[r] for r in pending if r not in self._eof]
-            if self._server_exit is None:
+            if not self._server_gone:
                 handles += [self.procs[r].sentinel for r in pending]
+            else:
+                handles += [fd for r in pending if (fd := self._pidfds[r]) is not None]
             # Bounded waits: a Ctrl-C delivered to another thread is only handled
             # when the main thread gets back to Python code.
             wait_s = _POLL_S if limit is None else min(_POLL_S, limit - now)
@@ -323,22 +328,31 @@ class _Ranks:
                     return _decode(rank, pickle.loads(conn.recv_bytes()))
             except (EOFError, OSError):
                 self._eof.add(rank)  # closed, or died mid-message: its exit code tells the rest
-        if self._server_exit is None:
+        if not self._server_gone:
             if proc.exitcode is None:
                 return None
-            if self._server is None or proc.exitcode != _SERVER_GONE:
+            if proc.exitcode != _SERVER_GONE or self._server is None or not self._still_running(rank):
                 return self._exited(rank, f"exited {_describe_exit(proc.exitcode)}")
-            self._server_exit = start_method.server_exit(self._server)
-            if self._server_exit is None:  # the rank itself exited with 255
-                return self._exited(rank, f"exited {_describe_exit(proc.exitcode)}")
-        if rank not in self._eof:
-            return None  # alive, as far as its pipe tells: its server's death changes nothing it computes
-        server = self._server_exit
-        return self._exited(rank, (
-            f"exited (its exit status is unknown: the fork server it was forked from, pid {self._server}, exited "
-            f"{_describe_exit(server)}{_KILLED_BY if server == -signal.SIGKILL else ''} before it, and took "
-            "the status with it)"
-        ), main_hint=False)
+            self._server_gone = True  # read 255, yet running: the server holding its status is gone
+        if self._still_running(rank):
+            return None  # its server's death changes nothing it computes
+        return self._exited(rank, f"exited (its exit status is unknown: {self._server_ended()})", main_hint=False)
+
+    def _still_running(self, rank: int) -> bool:
+        """Whether the rank runs, as its pidfd tells (its pipe, where there is none: a process the
+        rank started may hold it open longer)."""
+        fd = self._pidfds[rank] if rank < len(self._pidfds) else None
+        if fd is None:
+            return rank not in self._eof
+        return not multiprocessing.connection.wait([fd], timeout=0)
+
+    def _server_ended(self) -> str:
+        status = start_method.server_exit(self._server) if self._server is not None else None
+        if status is None:  # reaped already (a launch since started another), or no waitid here
+            return f"the fork server it was forked from, pid {self._server}, is gone, and the status with it"
+        killed = _KILLED_BY if status == -signal.SIGKILL else ""
+        return (f"the fork server it was forked from, pid {self._server}, exited {_describe_exit(status)}{killed} "
+                "before it, and took the status with it")
 
     def _exited(self, rank: int, how: str, main_hint: bool = True) -> _Failure:
         message = f"the process {how} without reporting a result"
@@ -363,23 +377,57 @@ class _Ranks:
             for conn in self.conns:
                 with contextlib.suppress(OSError):
                     conn.send_bytes(stop)
-            _join_all(self.procs, wait)
-            for proc in self.procs:
-                if _running_process(proc):
-                    proc.terminate()
-            _join_all(self.procs, _SIGNAL_WAIT_S)
-            for proc in self.procs:
-                if _running_process(proc):
-                    proc.kill()
-            _join_all(self.procs, _SIGNAL_WAIT_S)
+            self._join(wait)
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                for rank in self._running_ranks():
+                    self._signal(rank, sig)
+                self._join(_SIGNAL_WAIT_S)
         finally:
-            if not any(_running_process(proc) for proc in self.procs):
+            if not self._running_ranks():
                 for conn in self.conns + self._alive:
                     conn.close()
                 for proc in self.procs:
                     proc.close()
+                for fd in self._pidfds:
+                    if fd is not None:
+                        os.close(fd)
                 _running.discard(self)
                 self._shut_down = True
+
+    def _running_ranks(self) -> list[int]:
+        """The ranks started and not yet ended (reaped, where this process can reap them); after
+        their server's death, the ones their pidfd says run (without one, none: they end when this
+        process does, or when it closes their pipes)."""
+        running = []
+        for r, proc in enumerate(self.procs):
+            fd = self._pidfds[r] if r < len(self._pidfds) else None
+            if not self._server_gone:
+                if _running_process(proc):
+                    running.append(r)
+                    continue
+                if proc.pid is None or proc.exitcode != _SERVER_GONE or fd is None or not self._still_running(r):
+                    continue
+                self._server_gone = True  # read 255, yet running
+            if fd is not None and self._still_running(r):
+                running.append(r)
+        return running
+
+    def _join(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while (running := self._running_ranks()) and (left := deadline - time.monotonic()) > 0:
+            handles = [self.procs[r].sentinel if not self._server_gone else self._pidfds[r] for r in running]
+            multiprocessing.connection.wait([h for h in handles if h is not None], timeout=min(left, _POLL_S))
+
+    def _signal(self, rank: int, sig: int) -> None:
+        proc, fd = self.procs[rank], self._pidfds[rank] if rank < len(self._pidfds) else None
+        if not self._server_gone:
+            if sig == signal.SIGTERM:
+                proc.terminate()
+            else:
+                proc.kill()
+        elif fd is not None:  # not our child, and its pid may be taken again once it is reaped: the pidfd's
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(fd, sig)
 
 
 def _decode(rank: int, message: tuple[str, Any]) -> _Failure | tuple[Any]:
@@ -449,11 +497,15 @@ def _running_process(proc: BaseProcess) -> bool:
     return proc.pid is not None and proc.exitcode is None
 
 
-def _join_all(procs: list[BaseProcess], seconds: float) -> None:
-    deadline = time.monotonic() + seconds
-    for proc in procs:
-        if _running_process(proc):
-            proc.join(max(0.0, deadline - time.monotonic()))
+def _pidfd(pid: int | None) -> int | None:
+    """A file descriptor of process ``pid`` (Linux 5.3+): readable once it ended, whoever reaps it;
+    signals sent through it never reach another process that took the pid. None where there is none."""
+    if pid is None or not hasattr(os, "pidfd_open"):
+        return None
+    try:
+        return os.pidfd_open(pid)
+    except OSError:  # an older kernel, or it has ended already (its exit code tells then)
+        return None
 
 
 def _describe_exit(code: int) -> str:

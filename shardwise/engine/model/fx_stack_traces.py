@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import sys
 import traceback
+import types
 
 import torch
 
@@ -38,9 +39,13 @@ def stack_trace(skip: int = 0) -> str | None:
     creates now (``record_stack_traces``), less fx's proxy.py: the frames from the first
     ``forward`` on, less torch's files, formatted; None without a ``forward``. ``skip``: more of the
     innermost frames to leave out."""
-    stack = traceback.StackSummary.extract(traceback.walk_stack(sys._getframe(2 + skip)), lookup_lines=False)
-    stack.reverse()  # outermost first, as extract_stack
-    first = next((i for i, frame in enumerate(stack) if frame.name == "forward"), len(stack))
-    frames = [frame for frame in stack[first:]
-              if frame.filename not in _FILES and not frame.filename.startswith(_DIRECTORIES)]
-    return "".join(traceback.StackSummary.from_list(frames).format()).strip() if frames else None
+    frames: list[types.FrameType] = []
+    frame: types.FrameType | None = sys._getframe(2 + skip)
+    while frame is not None:  # frame objects alone: a deep caller's frames cost a pointer each
+        frames.append(frame)
+        frame = frame.f_back
+    frames.reverse()  # outermost first, as extract_stack
+    first = next((i for i, f in enumerate(frames) if f.f_code.co_name == "forward"), len(frames))
+    kept = [traceback.FrameSummary(f.f_code.co_filename, f.f_lineno, f.f_code.co_name) for f in frames[first:]
+            if f.f_code.co_filename not in _FILES and not f.f_code.co_filename.startswith(_DIRECTORIES)]
+    return "".join(traceback.StackSummary.from_list(kept).format()).strip() if kept else None
