@@ -22,8 +22,8 @@ what is described here). The working directory, ``sys.path`` and the main module
 rank as they reach a spawned one (multiprocessing prepares each rank with them).
 
 A server of ours that dies (the OOM killer) takes its ranks' exit status with it, not the ranks:
-they run on, watched through their pipes; one that exits since is reported with how the server
-ended (processes.py). The next launch starts another server.
+they run on, watched and signalled through a pidfd each (processes.py); one that exits since is
+reported with how the server ended. The next launch starts another server.
 """
 
 from __future__ import annotations

@@ -34,13 +34,12 @@ _FILES = frozenset(os.path.join(_TORCH, *path.split("/")) for path in (
 _DIRECTORIES = tuple(os.path.join(_TORCH, name) + os.sep for name in ("_dynamo/polyfills", "_higher_order_ops"))
 
 
-def stack_trace(skip: int = 0) -> str | None:
+def stack_trace() -> str | None:
     """What torch.fx records as the stack trace of a node that the caller of this function's caller
     creates now (``record_stack_traces``), less fx's proxy.py: the frames from the first
-    ``forward`` on, less torch's files, formatted; None without a ``forward``. ``skip``: more of the
-    innermost frames to leave out."""
+    ``forward`` on, less torch's files, formatted; None without a ``forward``."""
     frames: list[types.FrameType] = []
-    frame: types.FrameType | None = sys._getframe(2 + skip)
+    frame: types.FrameType | None = sys._getframe(2)
     while frame is not None:  # frame objects alone: a deep caller's frames cost a pointer each
         frames.append(frame)
         frame = frame.f_back

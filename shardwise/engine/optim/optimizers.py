@@ -186,10 +186,6 @@ def adamw(
     return Optimizer(_AdamWInit(), update, param_groups)
 
 
-# The optimizers' functions are module-level frozen dataclasses, not closures, so that an
-# Optimizer pickles (the processes backend sends the step to every rank) and compares by value.
-
-
 def _zeros_like(t: torch.Tensor) -> torch.Tensor:
     """``torch.zeros_like``, with the same shape, dtype and device on the meta device too, where the
     Plan sizes the state: there torch's ``zeros_like`` is a Python reference that imports sympy
@@ -197,6 +193,10 @@ def _zeros_like(t: torch.Tensor) -> torch.Tensor:
     if t.device.type == "meta" and type(t) is torch.Tensor:
         return torch.zeros(t.shape, dtype=t.dtype, device=t.device)
     return torch.zeros_like(t)
+
+
+# The optimizers' functions are module-level frozen dataclasses, not closures, so that an
+# Optimizer pickles (the processes backend sends the step to every rank) and compares by value.
 
 
 @dataclass(frozen=True)
