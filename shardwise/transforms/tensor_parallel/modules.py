@@ -28,8 +28,9 @@ from ...engine.run.rng import default_generators, mix
 from ...engine.stack import in_layer
 from . import partial, positions
 from .comm import enter, gather_invariant, leave, scatter, vary
-from .following import set_current
+from .following import quiet, set_current
 from .match import CONV1D, EMBEDDING, LINEAR, Install, LayerPlan
+from .region_paths import bypass_message, bypasses_split
 from .styles import Colwise, Region, Rowwise, gathers
 
 
@@ -54,6 +55,9 @@ class TPForward:
         # The input shapes this block was followed for (positions.py): once each, the first step's
         # or the Plan's, before any update.
         self.followed: set[tuple[Any, ...]] = set()
+        # A Region's paths from its input to its output were read (region_paths.py): once, on the
+        # first forward that recorded a graph.
+        self.paths_checked = False
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         m, install = self.module, self.install
@@ -109,18 +113,33 @@ class TPForward:
             n = in_layer.size(axis)
             for attr, value in self.locals.items():
                 setattr(m, attr, value // n)
-            args, kwargs = _map_hidden(
-                m, self.hidden, args, kwargs, lambda h: enter(h, axis, install.seq_dim, label, self.reduce)
-            )
+            before: list[Tensor] = []
+            entered: list[Tensor] = []
+
+            def enter_region(h: Tensor) -> Tensor:
+                before.append(h)
+                entered.append(enter(h, axis, install.seq_dim, label, self.reduce))
+                return entered[-1]
+
+            args, kwargs = _map_hidden(m, self.hidden, args, kwargs, enter_region)
             _flow.regions = getattr(_flow, "regions", 0) + 1
+            outer_splits = getattr(_flow, "splits", None)
+            # (a Region inside one reading its paths records for it too: its Colwise outputs end that one's paths)
+            _flow.splits = None if self.paths_checked and outer_splits is None else []
             try:
-                return type(m).forward(m, *args, **kwargs)
+                out = type(m).forward(m, *args, **kwargs)
             except (RuntimeError, ValueError) as err:
                 if _is_ours(err):
                     raise
                 raise ValueError(_region_failed(m, label, style, err, in_layer.size(axis))) from err
             finally:
                 _flow.regions -= 1
+                splits, _flow.splits = _flow.splits, outer_splits
+            if splits is not None and outer_splits is not None:
+                outer_splits.extend(splits)
+            if splits is not None and not self.paths_checked:
+                self._check_paths(out, entered, before, splits)
+            return out
         (x,) = args
         if isinstance(style, Colwise):
             if install.enters and install.kind != EMBEDDING:
@@ -140,7 +159,11 @@ class TPForward:
             _flow.split_output, _flow.split_by = not gathered, label
             if install.enters and not gathered:  # per-rank values follow, up to their Rowwise (or the layer's end)
                 _start_rank_stream(axis, y.device)
-            return gather_invariant(y, axis, y.dim() - 1, label) if gathered else y
+            out = gather_invariant(y, axis, y.dim() - 1, label) if gathered else y
+            splits = getattr(_flow, "splits", None)
+            if splits is not None:  # inside a Region reading its paths: where a split path ends
+                splits.append((label, out))
+            return out
         assert isinstance(style, Rowwise)
         _flow.split_output = False
         if install.kind == EMBEDDING:
@@ -161,9 +184,25 @@ class TPForward:
         _back_to_shared()  # the summed output is every rank's: so are the random ops on it
         return y if bias is None else y + bias
 
+    def _check_paths(
+        self, out: Any, entered: list[Tensor], before: list[Tensor], splits: list[tuple[str, Tensor]]
+    ) -> None:
+        """Refuse a Region whose input reaches its output by a path no Colwise splits (region_paths.py)."""
+        with quiet(), positions.unfollowed():  # reading grad_fn is a tensor op to the followers
+            found = bypasses_split(out, entered, [t for _, t in splits] + before)
+        if found is None:  # no graph recorded (no_grad, a frozen input): read on a later forward
+            return
+        self.paths_checked = True
+        if found:
+            assert self.install is not None
+            raise ValueError(bypass_message(
+                self.install.path, type(self.module).__name__, in_layer.size(self.axis), [n for n, _ in splits]
+            ))
+
 
 # What this rank's layers have run, per thread (rank): .regions, how many Regions it is inside;
-# .split_output, whether the last split module it ran left its output split (a sharded Colwise).
+# .split_output, whether the last split module it ran left its output split (a sharded Colwise);
+# .splits, while a Region reads its paths, the Colwise outputs it ran (label, tensor).
 _flow = threading.local()
 
 

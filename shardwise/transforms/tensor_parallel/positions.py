@@ -347,6 +347,21 @@ def following(block: str, module: nn.Module, hidden: Tensor, parts: int) -> Iter
         _current.slices = outer
 
 
+@contextmanager
+def unfollowed() -> Iterator[None]:
+    """shardwise's own work on the block's tensors (a collective, a read of the autograd graph): not
+    one of the block's ops, so not followed."""
+    slices: _Slices | None = getattr(_current, "slices", None)
+    if slices is None:
+        yield
+        return
+    slices.quiet += 1
+    try:
+        yield
+    finally:
+        slices.quiet -= 1
+
+
 def collective(run: Callable[[], Tensor], x: Tensor, op: str | None, dim: int) -> Tensor:
     """``run()`` (a tensor-parallel collective's Function on ``x``), and what its output holds:
     a gather of the sequence makes it whole, a scatter of it a slice, anything else keeps what
@@ -354,11 +369,8 @@ def collective(run: Callable[[], Tensor], x: Tensor, op: str | None, dim: int) -
     slices: _Slices | None = getattr(_current, "slices", None)
     if slices is None:
         return run()
-    slices.quiet += 1
-    try:
+    with unfollowed():
         out = run()
-    finally:
-        slices.quiet -= 1
     moves_sequence = dim == 1 and op in ("all_gather", "psum_scatter", "slice")
     held = slices.find(x)
     if moves_sequence and op != "all_gather":

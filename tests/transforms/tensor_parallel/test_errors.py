@@ -281,18 +281,46 @@ def test_split_logits_with_plain_cross_entropy_is_refused_by_the_step(build: dic
 # -- regions ------------------------------------------------------------------------------------
 
 
-def test_a_region_around_a_residual_block_is_refused_by_the_replica_check(build: dict[str, Callable]) -> None:
-    """A Region on the whole Block also sums the residual path's gradient over the ranks: the
-    norms' gradients then differ between the ranks, which the step's replica check refuses."""
+def test_a_region_around_a_residual_block_is_refused(build: dict[str, Callable]) -> None:
+    """A Region on the whole Block would also sum the residual path's gradient over the ranks: refused
+    at the first forward, before a gradient is computed, naming the Region and its Colwise layers."""
     problem = build["tiny_gpt"](steps=1)
     plan: dict[str, Any] = {
             "blocks.?": sw.tp.Region(heads=("attn.n_heads",)), "blocks.*.attn.qkv": sw.tp.Colwise(fused=3),
             "blocks.*.attn.proj": sw.tp.Rowwise(), "blocks.*.mlp.0": sw.tp.Colwise(), "blocks.*.mlp.2": sw.tp.Rowwise()}
     step = sw.tensor_parallel(problem.step, "tp", plan)
     with pytest.raises(sw.collectives.RankFailed,
-                       match=r"the gradients of the replicated parameters differ between the ranks of "
-                             r"axis 'tp'.*mark the attention or MLP module holding it as a Region"):
+                       match=r"Region 'blocks\.0' \(Block\) passes its input to its output by a path that no "
+                             r"Colwise layer splits.*'blocks\.0\.attn\.qkv'.*2 times over"):
         _one_step(step, problem.params, sw.Mesh(tp=2), problem.batches[0])
+
+
+def test_a_region_around_a_post_norm_residual_is_refused() -> None:
+    """Hugging Face BERT's attention computes LayerNorm(dense(attention(x)) + x): with a Region on it, the
+    residual's gradient was summed over the ranks, every rank alike (the norm after the add sees whole
+    values, so no replica check could tell), and every gradient before it came out 2x (tp 2). Refused;
+    without the Region (each Colwise entering by itself) the same plan is the single-device step."""
+    T = pytest.importorskip("transformers", reason="the [hf] extra (pip install -e '.[hf]') is not installed")
+    torch.manual_seed(0)
+    config = T.BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                          intermediate_size=32, max_position_embeddings=16, hidden_dropout_prob=0.0,
+                          attention_probs_dropout_prob=0.0, attn_implementation="eager")
+    model = T.BertForMaskedLM(config).double()
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.randint(0, 64, (4, 8), generator=gen), torch.randint(0, 64, (4, 8), generator=gen))
+               for _ in range(2)]
+    chain, params = sw.functionalize(model, units=T.models.bert.modeling_bert.BertLayer)
+    step = sw.train_step(chain, lambda out, y: F.cross_entropy(out.logits.flatten(0, 1), y.flatten()),
+                         sw.optim.sgd(0.1, momentum=0.9))
+    layer = "bert.encoder.layer.*.attention"
+    plan: dict[str, Any] = {f"{layer}.self.{p}": sw.tp.Colwise() for p in ("query", "key", "value")}
+    plan[f"{layer}.output.dense"] = sw.tp.Rowwise()
+    with pytest.raises(sw.collectives.RankFailed, match=r"Region 'bert\.encoder\.layer\.0\.attention' "
+                       r"\(BertAttention\) passes its input to its output by a path that no Colwise layer splits"):
+        regioned = {**plan, layer: sw.tp.Region(heads=("self.num_attention_heads",))}
+        _one_step(sw.tensor_parallel(step, "tp", regioned), params, sw.Mesh(tp=2), batches[0])
+    report = sw.testing.assert_equivalent(sw.tensor_parallel(step, "tp", plan), step, sw.Mesh(tp=2), batches, params)
+    assert report.steps == 2, report
 
 
 REGION_WITHOUT_SPLIT = [

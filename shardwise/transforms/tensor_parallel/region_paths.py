@@ -1,0 +1,64 @@
+"""Whether a Region's input reaches its output only through split layers, read off the autograd graph.
+
+A :class:`~.styles.Region` enters its input into the parallel region once (Megatron's f): identity
+forward, the gradient summed over the axis backward. That sum is right only for a gradient each
+rank holds a part of, which is what a path through a Colwise layer gives (each rank multiplies by
+its slice of the weight). A path that no Colwise splits, a residual connection inside the module
+(BERT's ``BertAttention`` computes ``LayerNorm(dense(attention(x)) + x)``), hands every rank the
+whole of its gradient, and the sum would count it once per rank: every rank alike, so no check
+between the ranks would see it, and the model would train on gradients several times too large.
+
+:func:`bypasses_split` walks the graph back from the Region's outputs, stopping at the outputs of
+the Colwise layers it ran and at the input as it was before entering; reaching the entered input
+means such a path. The walk runs once per Region module and rank, on its first forward that
+records a graph (the Plan's prediction, or the first step), over the Region's own nodes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import optree
+from torch import Tensor
+
+
+def bypasses_split(outputs: Any, entered: Iterable[Tensor], stops: Iterable[Tensor]) -> bool | None:
+    """Whether a path leads from a tensor of ``outputs`` back to one of ``entered`` (the Region's
+    input after entering) through none of ``stops`` (the Colwise outputs, and the inputs before
+    entering); None when there is no graph to read (no gradient recorded, or none needed)."""
+    targets = {t.grad_fn for t in entered if t.grad_fn is not None}
+    if not targets:
+        return None
+    blocked = {t.grad_fn for t in stops if isinstance(t, Tensor) and t.grad_fn is not None}
+    frontier: list[Any] = [
+        t.grad_fn for t in optree.tree_leaves(outputs) if isinstance(t, Tensor) and t.grad_fn is not None
+    ]
+    if not frontier:
+        return None
+    seen: set[object] = set()
+    while frontier:
+        node = frontier.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if node in targets:
+            return True
+        if node in blocked:
+            continue
+        frontier.extend(next_node for next_node, _ in node.next_functions)
+    return False
+
+
+def bypass_message(path: str, module_type: str, parts: int, colwise: Iterable[str]) -> str:
+    """The refusal of a Region whose input reaches its output by a path no Colwise splits."""
+    split = sorted(set(colwise))
+    inside = f" (its Colwise layers: {', '.join(repr(s) for s in split)})" if split else ""
+    return (
+        f"tensor_parallel: Region {path!r} ({module_type}) passes its input to its output by a path that no Colwise "
+        f"layer splits, such as a residual connection inside the module{inside}. The Region sums its input's "
+        f"gradient over the axis, which would count that path's gradient {parts} times over, on every rank alike. "
+        "Put the Region on the modules inside it that each hold a Colwise / Rowwise pair without the residual add "
+        "(a Llama decoder layer's 'self_attn' and 'mlp', as sw.tp.llama_plan() does), or leave the Region out: each "
+        "Colwise then enters the region itself (Hugging Face BERT, whose 'attention' holds its residual add)"
+    )
