@@ -280,6 +280,35 @@ def test_a_pipeline_of_a_model_with_sdpa_attention_matches_the_single_device_ste
     sw.testing.assert_equivalent(pipelined, step, sw.Mesh(pp=2), token_batches(), params)
 
 
+def test_a_pipeline_refuses_a_micro_batch_whose_mask_is_left_out_naming_it() -> None:
+    """sdpa Llama leaves out the mask of a micro-batch with no padded row: the first micro-batch
+    (row 0 padded) passes a mask on, the second none. Its receiver, expecting a mask, failed on a
+    message layout (``(0, 0, 0) torch.int8``, the marker of a None); the sender now refuses, naming
+    the micro-batch, both structures and the fix. With a padded row in each, the same step is the
+    single-device one."""
+    model, block = build("llama")
+    model.config._attn_implementation = "sdpa"
+    ids, targets = token_batches(1)[0]
+
+    def batch_padding(rows: list[int]) -> tuple[dict[str, Tensor], Tensor]:
+        mask = torch.ones_like(ids)
+        mask[rows, :3] = 0  # left padding
+        return {"input_ids": ids, "attention_mask": mask}, targets.masked_fill(mask == 0, -100)
+
+    def loss_fn(out: Any, y: Tensor) -> tuple[Tensor, Tensor]:
+        return F.cross_entropy(out.logits.flatten(0, 1), y.flatten(), reduction="sum"), (y != -100).sum()
+
+    chain, params = functionalize(model, units=block, example_input=batch_padding([0])[0])
+    step = sw.train_step(chain, loss_fn, sw.optim.sgd(0.1, momentum=0.9), tokens="sum")
+    pipelined = sw.pipeline(step, "pp", "1f1b", microbatches=2)
+    with pytest.raises(sw.collectives.RankFailed, match=r"rank 0 failed: ValueError: stage 0 passes on, for "
+                       r"micro-batch 1, 8 tensors \[\(2, 8, 16\) torch.float64, None, .*but the Plan predicted 8 "
+                       r"tensors \[\(2, 8, 16\) torch.float64, \(2, 1, 8, 8\) torch.bool, .*give every micro-batch "
+                       r"a padded row"):
+        sw.testing.assert_equivalent(pipelined, step, sw.Mesh(pp=2), [batch_padding([0])], params)
+    sw.testing.assert_equivalent(pipelined, step, sw.Mesh(pp=2), [batch_padding([0, 2])] * 2, params)
+
+
 # --- refusals -------------------------------------------------------------------------------------
 
 

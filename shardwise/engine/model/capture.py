@@ -61,7 +61,12 @@ def absent_marker() -> Tensor:
 
 
 def _is_absent(t: Tensor) -> bool:
-    return t.dtype == torch.int8 and t.shape == (0, 0, 0)
+    return is_absent_layout(t.shape, t.dtype)
+
+
+def is_absent_layout(shape: Any, dtype: Any) -> bool:
+    """Whether a tensor of this shape and dtype is :func:`absent_marker`'s: a None argument."""
+    return dtype == torch.int8 and tuple(shape) == (0, 0, 0)
 
 
 # --- recording the example run ----------------------------------------------------------------

@@ -19,6 +19,7 @@ import torch
 from ...collectives import Handle, recv, send
 from ...collectives.mesh import Mesh
 from ..layout.state_layout import Placement
+from ..model.capture import is_absent_layout
 from ..plan.actions import RECV_ACTIVATION, RECV_GRAD, Action, Boundary
 
 if TYPE_CHECKING:
@@ -34,6 +35,34 @@ def tag_of(kind: str, stage: int, microbatch: int, microbatches: int, leaf: int 
 
 
 TIED_TAG_BASE = 1 << 29  # above every activation/gradient tag (tag_of stays far below it)
+
+
+def _check_predicted(leaves: list[Any], spec: Any, boundary: Boundary, s: int, m: int) -> None:
+    """Refuse a stage output that is not what the Plan predicted: its receiver posted one receive per
+    predicted tensor and rebuilds the predicted structure, so another structure (a value that is None
+    in this micro-batch only) would reach it as other tensors in other places, or as ones of the
+    same shapes silently swapped."""
+    got = tuple((t.shape, t.dtype) if isinstance(t, torch.Tensor) else (type(t).__name__, None) for t in leaves)
+    if spec == boundary.spec and got == boundary.leaves:
+        return
+    got_in, predicted_in = ("", "") if spec == boundary.spec else (f" in {spec}", f" in {boundary.spec}")
+    raise ValueError(
+        f"stage {s} passes on, for micro-batch {m}, {_describe(got)}{got_in}, but the Plan predicted "
+        f"{_describe(boundary.leaves)}{predicted_in} (from the first micro-batch's shapes), which the next "
+        "stage receives and rebuilds. Every micro-batch must pass on the same structure. A value that is None in "
+        "some micro-batches and a tensor in others does this: Hugging Face models leave out the attention mask of "
+        "a micro-batch with no padded row (sdpa attention, and BERT's eager one), so give every micro-batch a "
+        "padded row, or use attn_implementation='eager' where it always builds the mask (Llama, GPT-2)"
+    )
+
+
+def _describe(leaves: Sequence[tuple[Any, Any]]) -> str:
+    shown = ", ".join(
+        "None" if is_absent_layout(shape, dtype) else f"{tuple(shape)} {dtype}" if dtype is not None else str(shape)
+        for shape, dtype in leaves[:6]
+    )
+    more = f", ... ({len(leaves)} in all)" if len(leaves) > 6 else ""
+    return f"{len(leaves)} tensor{'s' if len(leaves) != 1 else ''} [{shown}{more}]"
 
 
 def _flat(value: Any) -> bool:
@@ -70,7 +99,9 @@ class TransferActions:
         self._send(tuple(self._input_grads.pop((s, m))), "grad", s, m, action)
 
     def _send(self, value: Any, kind: str, s: int, m: int, action: Action) -> None:
-        leaves = optree.tree_leaves(value)
+        leaves, spec = optree.tree_flatten(value)
+        if self.boundaries is not None and kind == "activation":
+            _check_predicted(leaves, spec, self.boundaries[s], s, m)
         if not leaves:
             raise ValueError(f"stage {s} passes no tensor to the next stage; a pipeline boundary carries at least one")
         axis, dst, mb = action.require("axis"), action.require("peer"), len(self.microbatches)
