@@ -254,3 +254,43 @@ def test_mixtral_router_jitter_noise_is_refused() -> None:
     with_aux = sw.router_aux_loss(sw.train_step(chain, _lm_loss, sw.optim.sgd(0.1)), 0.02)
     with pytest.raises(ValueError, match=r"router_jitter_noise=0.1.*set config.router_jitter_noise = 0"):
         with_aux(with_aux.init(params), data[0])
+
+
+def _mixtral_adding_its_aux(coef: float) -> tuple[Any, Any]:
+    """Mixtral built with output_router_logits=True: its ``loss`` adds ``coef`` x the aux loss of the
+    batch it is called on. The whole model is one layer (split into units it cannot run, below)."""
+    model, _, _, data = _mixtral()
+    model.config.output_router_logits, model.config.router_aux_loss_coef = True, coef
+    ids = data[0][0]
+    chain, params = sw.functionalize(model, example_input={"input_ids": ids, "labels": ids})
+    return sw.train_step(chain, lambda out, _: out.loss, sw.optim.sgd(0.1, momentum=0.9)), params
+
+
+def test_a_model_adding_its_own_aux_loss_is_refused_where_the_batch_is_cut() -> None:
+    """Under data or expert parallel each rank's model added the aux loss of its share of the batch: the
+    step trained on the mean of the shares' aux losses, 1e-4 of the loss away from the single-device
+    step's, without an error. Refused, as is router_aux_loss on top (the aux counted twice); with a
+    zero coefficient nothing is added, and the step is accepted."""
+    step, _ = _mixtral_adding_its_aux(0.5)
+    fix = r"Set config.output_router_logits = False before functionalize and apply sw.router_aux_loss"
+    for transform, why in [
+        (lambda s: sw.shard_params(s, "dp", 3), r"under shard_params each rank \(or micro-batch\) calls it on a part"),
+        (lambda s: sw.expert_parallel(s, "ep"), r"under expert_parallel each rank"),
+        (lambda s: sw.router_aux_loss(s, 0.5), r"router_aux_loss adds the same loss again, so it would be counted"),
+    ]:
+        with pytest.raises(ValueError, match=r"'model' \(MixtralForCausalLM, router_aux_loss_coef=0.5\) adds its "
+                           rf"routers' load-balancing loss to the loss it returns.*{why}.*{fix}"):
+            transform(step)
+    unscaled, _ = _mixtral_adding_its_aux(0.0)
+    assert [t.name for t in sw.expert_parallel(sw.shard_params(unscaled, "dp", 3), "ep").transforms] == [
+        "shard_params", "expert_parallel"]
+
+
+def test_a_model_adding_its_own_aux_loss_split_into_units_is_refused_by_functionalize() -> None:
+    """Split into decoder layers, HF's forward found no recorded router logits: an IndexError from inside
+    transformers. functionalize now says why, and what to do."""
+    model, _, _, data = _mixtral()
+    model.config.output_router_logits = True
+    with pytest.raises(sw.FunctionalizeError, match=r"the module itself \(MixtralForCausalLM\) has "
+                       r"output_router_logits=True.*split into units.*sw.router_aux_loss\(step, 0.001\)"):
+        sw.functionalize(model, units=type(model.model.layers[0]), example_input=data[0][0])

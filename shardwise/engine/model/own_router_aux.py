@@ -1,0 +1,63 @@
+"""A Hugging Face mixture-of-experts model that adds its routers' load-balancing loss to its own loss.
+
+Mixtral, Qwen2-MoE and their kin, configured with ``output_router_logits=True`` and a nonzero
+``router_aux_loss_coef``, add ``coef * aux`` to the ``loss`` they return, with ``aux`` computed over
+the batch the model is called on. A step that calls it on a part of the batch (each data-parallel
+or expert-parallel rank's share, each micro-batch of a pipeline or of accumulation, each part of a
+context-parallel sequence) trains on the mean of the parts' aux losses. The aux loss is not linear
+in the batch, so that is another loss than the single-device step's, and nothing would say so: the
+difference is small (1e-4 of the loss on a tiny Mixtral) and every rank computes it alike.
+:func:`own_router_aux` finds such a model in a chain, so that the step can refuse it and point to
+``sw.router_aux_loss``, which counts the aux loss over the whole batch. Such a model split into
+units cannot compute its aux loss at all (:func:`refuse_split_router_logits`).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from .chain import Chain
+from .fx_split import FunctionalizeError
+from .module_call import module_fn
+
+
+def own_router_aux(chain: Chain) -> str | None:
+    """The first module of ``chain``'s layers whose config adds the routers' aux loss to its loss, as
+    ``"'layer' (Class, router_aux_loss_coef=c)"``; None when there is none."""
+    for layer in chain:
+        replicas = getattr(module_fn(layer.fn), "replicas", None)
+        module = getattr(replicas, "module", None)
+        if not isinstance(module, nn.Module):
+            continue
+        found = router_logits_module(module)
+        if found is not None and found[2]:
+            where = ".".join(p for p in (layer.name, found[0]) if p)
+            return f"{where!r} ({type(found[1]).__name__}, router_aux_loss_coef={found[2]})"
+    return None
+
+
+def router_logits_module(module: nn.Module) -> tuple[str, nn.Module, float] | None:
+    """The first module (path, module, ``router_aux_loss_coef``) of ``module`` whose config has
+    ``output_router_logits=True``; None when there is none."""
+    for path, sub in module.named_modules():
+        config = getattr(sub, "config", None)
+        if getattr(config, "output_router_logits", False) is True:
+            coef = getattr(config, "router_aux_loss_coef", 0)
+            return path, sub, float(coef) if isinstance(coef, (int, float)) else 0.0
+    return None
+
+
+def refuse_split_router_logits(module: nn.Module) -> None:
+    """Refuse to split into units a model that records its routers' logits inside its own forward."""
+    found = router_logits_module(module)
+    if found is None:
+        return
+    path, sub, coef = found
+    where = repr(path) if path else "the module itself"
+    raise FunctionalizeError(
+        f"functionalize: {where} ({type(sub).__name__}) has output_router_logits=True: its forward computes the "
+        "routers' load-balancing loss from the logits each decoder layer records while the model's own forward "
+        "calls it, but split into units the layers are called one by one and record nothing (transformers then "
+        "fails with an IndexError). Set config.output_router_logits = False before functionalize and add the aux "
+        f"loss with sw.router_aux_loss(step, {coef or 'coef'}), which counts it over the whole batch on every mesh"
+    )
