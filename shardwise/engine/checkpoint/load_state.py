@@ -23,6 +23,7 @@ from ..layout.precision import DynamicLossScale, NoLossScale, StaticLossScale
 from ..layout.sharding import FlatSharding
 from ..layout.state import TrainState
 from ..layout.state_layout import StateLayout
+from ..optim.meta_like import meta_like
 from .cut import local_keys, rebuild_opt_state, split_opt_state
 from .file_format import CheckpointError, Reader
 from .regions import placed_boxes
@@ -94,7 +95,8 @@ def build_state(reader: Reader, meta: Mapping[str, Any], step: Any, mesh: Mesh |
                        for u, lay in sharding.units.items()}
         if sharding.holds_shards:
             held = filler.shards("model", sharding, unit_like)
-    template = step.optimizer.init(update_meta)
+    with meta_like():  # a user's optimizer's zeros_like, without torch's Python reference (meta_like.py)
+        template = step.optimizer.init(update_meta)
     wanted_mirrors, wanted_scalars = (sorted(x) for x in split_opt_state(template, update_meta))
     saved = meta["optimizer"]
     if wanted_mirrors != saved["mirrors"] or wanted_scalars != saved["scalars"]:

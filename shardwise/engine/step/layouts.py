@@ -16,6 +16,7 @@ from ..layout.precision import compute_dtype
 from ..layout.sharding import FlatSharding
 from ..layout.state import Params, check_params
 from ..layout.state_layout import StateLayout, leaf_specs, local_params, meta_shards
+from ..optim.meta_like import meta_like
 from ..plan.lower import placement_of, predict_boundaries
 
 if TYPE_CHECKING:
@@ -92,7 +93,8 @@ def _opt_specs(step: Step, leaves: dict[tuple[str, str], Any], master: Params, s
         dict[str, dict[tuple[str, str], Any]], dict[str, tuple[tuple[int, ...], torch.dtype]]]:
     """The optimizer state's specs (see StateLayout.opt_leaves), from its state on meta tensors."""
     update = master if sharding is None else meta_shards(sharding)
-    mirrors, scalars = split_opt_state(step.optimizer.init(update), update)
+    with meta_like():  # a user's optimizer's zeros_like, without torch's Python reference (meta_like.py)
+        mirrors, scalars = split_opt_state(step.optimizer.init(update), update)
     opt_leaves: dict[str, dict[tuple[str, str], Any]] = {}
     for path, mirror in mirrors.items():
         opt_leaves[path] = {}

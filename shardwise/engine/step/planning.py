@@ -23,6 +23,7 @@ from ..layout.sharding import FlatSharding
 from ..layout.state import Params, check_params, tree_nbytes
 from ..layout.state_layout import Placement, StateLayout, local_params, meta_shards, unit_names
 from ..model import reuse
+from ..optim.meta_like import meta_like
 from ..plan.accounting import predict_kept_parts
 from ..plan.actions import (
     FREE,
@@ -244,7 +245,8 @@ def _class_memory(
     shards = None if sharding is None else meta_shards(sharding)
     figures["params"] = tree_nbytes(shards if sharding is not None and sharding.holds_shards else master)
     figures["grads"] = tree_nbytes(shards if shards is not None else master)
-    figures["opt_state"] = tree_nbytes(step.optimizer.init(shards if shards is not None else master))
+    with meta_like():  # a user's optimizer's zeros_like, without torch's Python reference (meta_like.py)
+        figures["opt_state"] = tree_nbytes(step.optimizer.init(shards if shards is not None else master))
     if step.sharding_spec is None:
         return figures
     assert sharding is not None
@@ -297,7 +299,8 @@ def _update_levels(step: Step, shards: Mapping[str, Any], actions: Sequence[Acti
         key = _update_key(step.optimizer, part, device)
         found = held.get(key) if key is not None else None
         if found is None:
-            found = predict_update_held(step.optimizer.update, part, part, step.optimizer.init(part), device)
+            with meta_like():
+                found = predict_update_held(step.optimizer.update, part, part, step.optimizer.init(part), device)
             if key is not None:
                 held[key] = found
         peak, kept = found
