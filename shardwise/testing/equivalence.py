@@ -172,6 +172,11 @@ def assert_equivalent(
     """
     if not batches:
         raise ValueError("assert_equivalent needs at least one batch")
+    if not isinstance(mesh, Mesh):
+        raise TypeError(
+            f"assert_equivalent(mesh=...) needs the Mesh the step runs on, got {type(mesh).__name__}; a transform "
+            "of one device (remat, mixed_precision alone) runs on sw.Mesh(dp=1)"
+        )
     rtol = DEFAULT_RTOL.get(_param_dtype(params), 1e-5) if rtol is None else rtol
     expected = record_history(reference, reference.init(params), batches)
     program = functools.partial(_rank_program, step, params, mesh, list(batches))

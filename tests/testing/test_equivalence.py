@@ -24,6 +24,14 @@ def test_identical_steps_are_equivalent_with_zero_error() -> None:
     assert report.steps == 3 and max(report.max_rel_err) == 0.0
 
 
+def test_a_mesh_that_is_not_a_mesh_is_refused_naming_one_for_one_device() -> None:
+    step, params, batches = _problem()
+    with pytest.raises(TypeError, match=r"needs the Mesh the step runs on, got NoneType.*sw.Mesh\(dp=1\)"):
+        sw.testing.assert_equivalent(sw.remat(step), step, None, batches, params)  # type: ignore[arg-type]
+    report = sw.testing.assert_equivalent(sw.remat(step), step, sw.Mesh(dp=1), batches, params)
+    assert report.steps == 3 and max(report.max_rel_err) == 0.0
+
+
 def test_first_divergence_is_reported_with_step_path_and_errors() -> None:
     step, params, batches = _problem()
     other, _, _ = _problem(lr=0.1 + 1e-9)
