@@ -168,6 +168,68 @@ def test_overwrite_false_refuses_a_recoverable_checkpoint_and_changes_nothing(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]
 
 
+def _listing(root: Path) -> dict[str, list[str]]:
+    return {p.name: sorted(q.name for q in p.iterdir()) if p.is_dir() and not p.is_symlink() else [] for p in
+            sorted(root.iterdir())}
+
+
+def test_a_save_through_a_symbolic_link_is_refused_and_the_checkpoint_it_points_to_kept(
+    problem: tuple[Any, list[Any]], tmp_path: Path
+) -> None:
+    """A ``latest`` link to the newest checkpoint: a save to it moved the link aside and removed the
+    commit marker of the checkpoint it points to (which then refused to load, as an interrupted save),
+    and every later save to the link failed."""
+    step, (s0, s1, _) = problem
+    ck.save(tmp_path / "step1", s0, step)
+    (tmp_path / "latest").symlink_to(tmp_path / "step1")
+    before = _listing(tmp_path)
+    for overwrite in (True, False):
+        with pytest.raises(CheckpointError, match=r"latest is a symbolic link \(to .*step1\): a save moves the "
+                           r"checkpoint at its path aside .*save to a path of its own and point the link at it"):
+            ck.save(tmp_path / "latest", s1, step, overwrite=overwrite)
+    assert _listing(tmp_path) == before
+    assert _which(tmp_path / "latest", step, [s0]) == 0 and _which(tmp_path / "step1", step, [s0]) == 0
+
+
+def test_overwrite_replaces_only_a_checkpoint(problem: tuple[Any, list[Any]], tmp_path: Path) -> None:
+    """overwrite=True on a directory of the user's own files deleted them all; on a file, moved it
+    aside as a hidden .previous and reported a failed commit."""
+    step, (s0, _, _) = problem
+    run = tmp_path / "run1"
+    run.mkdir()
+    for name in ("config.yaml", "train.log", "best_model.pt"):
+        (run / name).write_text("precious")
+    weights = tmp_path / "weights.pt"
+    torch.save({"w": torch.ones(3)}, weights)
+    before = _listing(tmp_path)
+    with pytest.raises(CheckpointError, match=r"run1 is not a shardwise checkpoint: it holds none of its files .*"
+                       r"\['best_model.pt', 'config.yaml', 'train.log'\], which a save \(overwrite=True\) would delete"):
+        ck.save(run, s0, step, overwrite=True)
+    with pytest.raises(CheckpointError, match=r"weights.pt is a file, not a shardwise checkpoint"):
+        ck.save(weights, s0, step, overwrite=True)
+    assert _listing(tmp_path) == before and (run / "train.log").read_text() == "precious"
+    empty = tmp_path / "empty"
+    empty.mkdir()  # a directory made for the checkpoint: saved into
+    ck.save(empty, s0, step, overwrite=True)
+    assert _which(empty, step, [s0]) == 0
+
+
+def test_a_state_an_in_place_update_consumed_is_not_saved(tmp_path: Path) -> None:
+    """The step refuses a state its in-place update wrote past; save took it: the checkpoint said step
+    1 and held update 2's parameters and momentum."""
+    torch.manual_seed(0)
+    chain, params = sw.functionalize(mlp([4, 6, 3]).double())
+    step = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1, momentum=0.9, inplace=True))
+    batch = (torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64))
+    s1, _ = step(step.init(params), batch)
+    s2, _ = step(s1, batch)
+    with pytest.raises(CheckpointError, match=r"this TrainState \(step 1\) was consumed by an in-place update"):
+        ck.save(tmp_path / "c", s1, step)
+    assert list(tmp_path.iterdir()) == []
+    ck.save(tmp_path / "c", s2, step)
+    assert ck.load(tmp_path / "c", step).step == 2
+
+
 def test_async_save_commits_through_the_same_protocol(
     problem: tuple[Any, list[Any]], crash_at: Any, tmp_path: Path
 ) -> None:

@@ -232,6 +232,30 @@ def _written_by_a_save(directory: Path) -> bool:
     )
 
 
+def not_replaceable(target: Path) -> str | None:
+    """Why a save must not replace what is at ``target``, or None. Through a symbolic link a save would
+    move aside, and then delete, the checkpoint the link points to; what is not a checkpoint (a
+    user's files, a torch.distributed.checkpoint directory) ``overwrite=True`` would delete."""
+    if target.is_symlink():
+        return (
+            f"{target} is a symbolic link (to {os.readlink(target)}): a save moves the checkpoint at its path aside "
+            "and deletes it once the new one is in place, which through a link is the checkpoint it points to; save "
+            "to a path of its own and point the link at it once the save returns"
+        )
+    if not target.exists():
+        return None
+    if not target.is_dir():
+        return f"{target} is a file, not a shardwise checkpoint: a save replaces only a checkpoint; save to a new path"
+    names = sorted(p.name for p in target.iterdir())
+    if not names or (target / COMMITTED).is_file() or (target / META).exists() or _written_by_a_save(target):
+        return None
+    return (
+        f"{target} is not a shardwise checkpoint: it holds none of its files ({META}, {COMMITTED}, rank*.json), but "
+        f"{names[:5]}{' ...' if len(names) > 5 else ''}, which a save (overwrite=True) would delete; save to a new "
+        "path, or move them away first"
+    )
+
+
 def check_committed(directory: Path) -> dict[str, Any]:
     """The checkpoint's metadata, once its commit marker and every file it lists are as written."""
     if not directory.is_dir():

@@ -78,6 +78,7 @@ from .file_format import (
     dtype_of,
     fsync_dir,
     index_file,
+    not_replaceable,
     read_json,
     read_records,
     verified,
@@ -194,13 +195,15 @@ def save(path: str | os.PathLike[str], state: TrainState, step: Any, *, blocking
     device = device_of(state.params)
     target = Path(path)
     partial = _partial(target)
-    problem = None
+    # Refused on every rank alike: a consumed state (its checkpoint would hold a later state under its
+    # step count), a link, a file, a directory of other files.
+    problem = _consumed(step, state) or not_replaceable(target)
     existing = _loadable(target)
-    if existing is not None and not overwrite:
+    if problem is None and existing is not None and not overwrite:
         left = "" if existing == target else (
             f" (as {existing.name}, left by an interrupted save; load finds it there)")
         problem = f"{target} exists{left}; pass overwrite=True to replace it, or save to a new path"
-    elif rank == 0:
+    elif problem is None and rank == 0:
         try:
             _recover(target)
             partial.mkdir(parents=True)
@@ -241,6 +244,18 @@ def save(path: str | os.PathLike[str], state: TrainState, step: Any, *, blocking
     handle._writer.start()
     _pending.handle = handle
     return handle
+
+
+def _consumed(step: Any, state: TrainState) -> str | None:
+    """Why ``state`` cannot be saved, if an in-place update of ``step`` already wrote past it."""
+    check = getattr(step, "check_not_consumed", None)  # a Step's (engine/step sits above this folder)
+    if check is None:
+        return None
+    try:
+        check(state)
+    except ValueError as err:
+        return str(err)
+    return None
 
 
 def _snapshot(state: TrainState, step: Any, layout: StateLayout, mesh: Mesh | None, names: Any, rank: int) -> tuple[

@@ -275,6 +275,11 @@ class Step:
         return stage_boundaries(self, layout, inputs, mesh)
 
     # -- state ----------------------------------------------------------------
+    def check_not_consumed(self, state: TrainState) -> None:
+        """Refuse ``state`` when an in-place update of this step already wrote past it (a step, or
+        ``sw.checkpoint.save``, would read the tensors of a later state under its step count)."""
+        check_not_consumed(self, state)
+
     def check_ranks_agree(
         self, mesh: Mesh | None, layout: StateLayout, parts: dict[str, object], device: torch.device
     ) -> None:
