@@ -144,3 +144,31 @@ def test_a_version_1_marker_with_a_version_2_metadata_is_refused(tmp_path: Path)
     (path / "COMMITTED").write_text(json.dumps({"files": files}, indent=1))
     with pytest.raises(CheckpointError, match="modified or corrupted"):
         ck.load(path, step, sw.Mesh(dp=1))
+
+
+def test_a_read_that_fails_on_one_rank_fails_on_every_rank(tmp_path: Path) -> None:
+    """One flipped byte in the records only rank 1 reads: rank 1's load raised while rank 0's returned
+    its state, so a loop that starts afresh on an error trained a ZeRO-3 model half loaded, half fresh
+    (at step counts 4 and 2), without an error. Every rank now raises: rank 1 its own error, rank 0
+    that another rank failed."""
+    torch.manual_seed(0)
+    chain, params = sw.functionalize(mlp([5, 7, 3, 6]).double())
+    step = sw.shard_params(sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1, momentum=0.9)),
+                           "dp", 3)
+    path = tmp_path / "c"
+    sw.launch(lambda: ck.save(path, step.init(params, sw.Mesh(dp=2)), step), 2)
+    record = json.loads((path / "rank1.json").read_text())["records"][0]
+    data = bytearray((path / "__1_0.distcp").read_bytes())
+    data[record["offset"] + record["data_offset"] + 3] ^= 0xFF
+    (path / "__1_0.distcp").write_bytes(bytes(data))
+
+    def resume() -> str:
+        try:
+            ck.load(path, step, sw.Mesh(dp=2))
+        except CheckpointError as err:
+            return str(err)
+        return "loaded"
+
+    rank0, rank1 = sw.launch(resume, 2)
+    assert "another rank failed (its error says why), so this one stops too" in rank0, rank0
+    assert "__1_0.distcp" in rank1, rank1

@@ -53,7 +53,7 @@ import shutil
 import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -94,6 +94,7 @@ __all__ = ["CheckpointError", "SaveHandle", "describe", "load", "save"]
 
 # A test's crash points: called with the name of each point a save passes (see tests).
 _fault: Callable[[str], None] | None = None
+_T = TypeVar("_T")
 _pending = threading.local()  # this rank's unfinished async save (ranks are threads on the threads backend)
 
 
@@ -394,22 +395,52 @@ def load(path: str | os.PathLike[str], step: Any, mesh: Mesh | None = None, *,
     dtype must be those the step expects: its chain's modules' (as ``functionalize`` kept them),
     cast by the step's precision policy, and, when given, those of ``like`` (params, real or
     ``device="meta"``). A hand-written layer has no module, so only ``like`` checks its
-    parameters. Tensors are read onto ``device``.
+    parameters. Tensors are read onto ``device``. A read that fails on one rank (a corrupt record only
+    it reads) fails on every rank: none returns a state the others do not have.
     """
-    directory = resolve(path)
-    meta = check_committed(directory)
-    params_meta, keys = _check_model(directory, meta, step, like)
+    on = torch.device(device)
+
+    def check() -> tuple[Path, dict[str, Any], dict[str, dict[str, torch.Tensor]], dict[tuple[str, str], str]]:
+        directory = resolve(path)
+        meta = check_committed(directory)
+        return (directory, meta, *_check_model(directory, meta, step, like))
+
+    directory, meta, params_meta, keys = _together(mesh, on, f"load of {path}", check)
     step.check_ranks_agree(mesh, step.layout(mesh, params_meta), {
         "parameter names, shapes and dtypes": repr(
             [(k, n, tuple(t.shape), t.dtype) for k, v in params_meta.items() for n, t in v.items()]
         ),
         "checkpoint's step": str(meta["step"]),
-    }, torch.device(device))
-    reader = Reader(directory, meta)
+    }, on)
+
+    def read() -> TrainState:
+        reader = Reader(directory, meta)
+        try:
+            return build_state(reader, meta, step, mesh, params_meta, keys, on)
+        finally:
+            reader.close()
+
+    return _together(mesh, on, f"load of {directory}", read)
+
+
+def _together(mesh: Mesh | None, device: torch.device, what: str, fn: Callable[[], _T]) -> _T:
+    """``fn()`` on every rank, failing on every rank if it fails on one: each rank reads its own
+    part of a checkpoint, and a rank whose read failed (a corrupt record only it reads, a file missing
+    on its machine) while the others go on would leave a model half loaded and half not (a caller
+    that starts afresh on an error), or the others waiting in its next collective."""
     try:
-        return build_state(reader, meta, step, mesh, params_meta, keys, torch.device(device))
-    finally:
-        reader.close()
+        result, error = fn(), None
+    except Exception as err:  # any failure: the other ranks must hear of it
+        result, error = None, err
+    if not _agree(mesh, error is None, device):
+        if error is not None:
+            raise error
+        raise CheckpointError(
+            f"{what}: another rank failed (its error says why), so this one stops too: no rank goes on with a "
+            "state the others do not have"
+        )
+    assert result is not None
+    return result
 
 
 def _check_model(
