@@ -203,7 +203,8 @@ def test_overwrite_replaces_only_a_checkpoint(problem: tuple[Any, list[Any]], tm
     torch.save({"w": torch.ones(3)}, weights)
     before = _listing(tmp_path)
     with pytest.raises(CheckpointError, match=r"run1 is not a shardwise checkpoint: it holds none of its files .*"
-                       r"\['best_model.pt', 'config.yaml', 'train.log'\], which a save \(overwrite=True\) would delete"):
+                       r"\['best_model.pt', 'config.yaml', 'train.log'\], which a save \(overwrite=True\) "
+                       r"would delete"):
         ck.save(run, s0, step, overwrite=True)
     with pytest.raises(CheckpointError, match=r"weights.pt is a file, not a shardwise checkpoint"):
         ck.save(weights, s0, step, overwrite=True)

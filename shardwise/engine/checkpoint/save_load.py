@@ -62,6 +62,7 @@ from ...collectives.ops import psum
 from ..layout.devices import device_of
 from ..layout.state import TrainState
 from ..layout.state_layout import StateLayout
+from ..run.agreement import gather_texts
 from .cut import boxes, flat_start, my_regions, split_opt_state, update_tree
 from .file_format import (
     COMMITTED,
@@ -424,21 +425,27 @@ def load(path: str | os.PathLike[str], step: Any, mesh: Mesh | None = None, *,
 
 
 def _together(mesh: Mesh | None, device: torch.device, what: str, fn: Callable[[], _T]) -> _T:
-    """``fn()`` on every rank, failing on every rank if it fails on one: each rank reads its own
-    part of a checkpoint, and a rank whose read failed (a corrupt record only it reads, a file missing
-    on its machine) while the others go on would leave a model half loaded and half not (a caller
-    that starts afresh on an error), or the others waiting in its next collective."""
+    """``fn()`` on every rank, failing on every rank if it fails on one, each naming the cause: each
+    rank reads its own part of a checkpoint, and a rank whose read failed (a corrupt record only it
+    reads, a file missing on its machine) while the others go on would leave a model half loaded
+    and half not (a caller that starts afresh on an error), or the others waiting in its next
+    collective."""
     try:
         result, error = fn(), None
     except Exception as err:  # any failure: the other ranks must hear of it
         result, error = None, err
-    if not _agree(mesh, error is None, device):
-        if error is not None:
-            raise error
-        raise CheckpointError(
-            f"{what}: another rank failed (its error says why), so this one stops too: no rank goes on with a "
-            "state the others do not have"
-        )
+    if mesh is not None:
+        texts = [ts[0] for ts in gather_texts(mesh, ["" if error is None else f"{type(error).__name__}: {error}"],
+                                              device)]
+        failed = [(rank, text) for rank, text in enumerate(texts) if text]
+        if failed and error is None:
+            first, text = failed[0]
+            raise CheckpointError(
+                f"{what}: rank {first} failed ({text}), so this one stops too: no rank goes on with a state the "
+                "others do not have"
+            )
+    if error is not None:
+        raise error
     assert result is not None
     return result
 

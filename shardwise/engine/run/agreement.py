@@ -53,7 +53,7 @@ def check_ranks_agree(mesh: Mesh, parts: Mapping[str, object], device: torch.dev
         return
     # Every rank found the same differences: the second exchange is the same on every rank.
     shown = [name for name in names if any(name in what for what in differing.values())]
-    got = _gather_texts(mesh, [texts[name] for name in shown], device)
+    got = gather_texts(mesh, [texts[name] for name in shown], device)
     detail = "; ".join(
         f"rank {rank} differs from rank 0 in its {', '.join(what)} ("
         + "; ".join(_contrast(n, got[0][shown.index(n)], got[rank][shown.index(n)]) for n in what)
@@ -78,7 +78,7 @@ def _gather(mesh: Mesh, mine: torch.Tensor) -> torch.Tensor:
 _SHOWN_BYTES = 20_000  # of each differing part's text: enough to find where two ranks' texts part
 
 
-def _gather_texts(mesh: Mesh, texts: list[str], device: torch.device) -> list[list[str]]:
+def gather_texts(mesh: Mesh, texts: list[str], device: torch.device) -> list[list[str]]:
     """Every rank's ``texts`` (the first _SHOWN_BYTES of each), by rank."""
     encoded = [text.encode()[:_SHOWN_BYTES] for text in texts]
     sizes = torch.tensor([len(b) for b in encoded], dtype=torch.int64, device=device)
