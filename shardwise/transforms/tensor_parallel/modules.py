@@ -45,10 +45,11 @@ class TPForward:
         # The last: its output stays a slice, which the head gathers (partial.py).
         self.slices_after = slices_after
         self.path = path  # in the model: what errors and the Plan call it
-        self.locals = {}
         self.hidden = _first_parameter(module)  # read once: inspect.signature costs ~10 us a call
+        # The counts each rank divides by the axis size while the Region runs (owner, attribute, whole).
+        self.locals: list[tuple[Any, str, int]] = []
         if install is not None and isinstance(install.style, Region):
-            self.locals = {attr: getattr(module, attr) for attr in install.style.local}
+            self.locals = _divided(module, install.style)
         # Random ops on per-rank values (a sequence-parallel block's slices, a Region's heads) draw a
         # stream of their own on each rank; elsewhere (the replicated residual stream) every rank the same.
         self.own_stream = block is not None or (install is not None and isinstance(install.style, Region))
@@ -111,8 +112,8 @@ class TPForward:
         weight, bias = _tensor(m, "weight"), _tensor(m, "bias")
         if isinstance(style, Region):
             n = in_layer.size(axis)
-            for attr, value in self.locals.items():
-                setattr(m, attr, value // n)
+            for owner, attr, value in self.locals:
+                setattr(owner, attr, value // n)
             before: list[Tensor] = []
             entered: list[Tensor] = []
 
@@ -204,6 +205,26 @@ class TPForward:
 # .split_output, whether the last split module it ran left its output split (a sharded Colwise);
 # .splits, while a Region reads its paths, the Colwise outputs it ran (label, tensor).
 _flow = threading.local()
+
+
+def _divided(module: nn.Module, style: Region) -> list[tuple[Any, str, int]]:
+    """The counts a rank divides while the Region runs: its ``local`` ones, and the ``heads`` held by the
+    module or a submodule. A forward that reshapes by its head count (``q.view(b, t, self.n_heads, -1)``)
+    then makes this rank's heads of the whole width; left whole, it made twice as many heads of half
+    the width at tp 2, a model of another attention, without an error. A head count in a config
+    (Hugging Face's ``config.num_attention_heads``) is checked only: every layer shares that object,
+    and the attention reads its per-layer copies."""
+    found: list[tuple[Any, str, int]] = []
+    for dotted in (*style.local, *(h for h in style.heads if h not in style.local)):
+        *path, attr = dotted.split(".")
+        owner: Any = module
+        for part in path:
+            owner = getattr(owner, part)
+            if dotted not in style.local and not isinstance(owner, nn.Module):
+                break
+        else:
+            found.append((owner, attr, getattr(owner, attr)))
+    return found
 
 
 def _is_ours(err: BaseException) -> bool:

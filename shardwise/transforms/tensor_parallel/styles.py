@@ -19,8 +19,11 @@ patterns (fnmatch, on the paths ``model.named_modules()`` gives) to styles:
   (Megatron's f: identity forward, all-reduce backward; an all-gather of the
   sequence under sequence parallel): an attention or MLP block holding the
   Colwise / Rowwise pair. ``heads`` names the attributes that count attention
-  heads (and key/value heads), which must divide by the axis size; ``local``
-  names int attributes each rank divides by it (GPT-2's ``split_size``).
+  heads (and key/value heads), which must divide by the axis size; those the
+  module or a submodule holds are divided by it while the module runs (a
+  forward that reshapes by its head count makes this rank's heads), a config's
+  are only checked; ``local`` names int attributes each rank divides by it
+  (GPT-2's ``split_size``).
 
 A Colwise module outside any Region enters the region itself.
 """

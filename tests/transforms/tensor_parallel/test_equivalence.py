@@ -513,3 +513,50 @@ def test_a_vocabulary_split_scaled_word_embedding_keeps_its_scale() -> None:
     batch = (torch.randint(64, (4, 3)), torch.randn(4, 3, 4, dtype=torch.float64))
     with pytest.raises(ValueError, match=r"Rowwise.*Shifted, whose forward overrides nn.Embedding's.*Colwise"):
         split.plan(sw.Mesh(tp=2), params, batch)
+
+
+class _HeadsByCount(torch.nn.Module):
+    """Attention as one writes it: q, k and v reshaped by the module's own head count."""
+
+    def __init__(self, d: int, n_heads: int) -> None:
+        super().__init__()
+        self.n_heads = n_heads
+        self.q, self.k, self.v, self.o = (torch.nn.Linear(d, d) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = (m(x).view(b, t, self.n_heads, -1).transpose(1, 2) for m in (self.q, self.k, self.v))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class _Holder(torch.nn.Module):
+    """A module holding the attention: a Region on it finds the count one module down."""
+
+    def __init__(self, attn: torch.nn.Module) -> None:
+        super().__init__()
+        self.attn = attn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.attn(x)
+
+
+@pytest.mark.parametrize("heads", ["n_heads", "attn.n_heads"])
+def test_a_region_divides_the_head_count_its_module_holds(heads: str) -> None:
+    """Region(heads=('n_heads',)) checked that tp divides n_heads but left it whole: a forward reshaping
+    by it made 4 heads of half the width on each rank at tp 2 (another attention), without an error.
+    A count held by the module or a submodule is now divided while the Region runs."""
+    torch.manual_seed(0)
+    attn = _HeadsByCount(16, 4)
+    middle = _Holder(attn) if heads == "attn.n_heads" else attn
+    net = torch.nn.Sequential(torch.nn.Linear(4, 16), middle, torch.nn.Linear(16, 4)).double()
+    chain, params = sw.functionalize(net)
+    step = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1, momentum=0.9))
+    inner = "1.attn" if heads == "attn.n_heads" else "1"
+    plan: dict[str, Any] = {"1": sw.tp.Region(heads=(heads,)), f"{inner}.o": sw.tp.Rowwise(),
+                            **{f"{inner}.{p}": sw.tp.Colwise() for p in "qkv"}}
+    gen = torch.Generator().manual_seed(1)
+    batches = [tuple(torch.randn(4, 8, 4, generator=gen, dtype=torch.float64) for _ in range(2)) for _ in range(2)]
+    report = sw.testing.assert_equivalent(sw.tensor_parallel(step, "tp", plan), step, sw.Mesh(tp=2), batches, params)
+    assert report.steps == 2
+    assert attn.n_heads == 4  # the model itself is untouched
