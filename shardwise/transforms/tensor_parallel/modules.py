@@ -31,6 +31,7 @@ from .comm import enter, gather_invariant, leave, scatter, vary
 from .following import quiet, set_current
 from .match import CONV1D, EMBEDDING, LINEAR, Install, LayerPlan
 from .region_paths import bypass_message, bypasses_split
+from .split_watch import SplitWatch
 from .styles import Colwise, Region, Rowwise, gathers
 
 
@@ -127,8 +128,12 @@ class TPForward:
             outer_splits = getattr(_flow, "splits", None)
             # (a Region inside one reading its paths records for it too: its Colwise outputs end that one's paths)
             _flow.splits = None if self.paths_checked and outer_splits is None else []
+            # The first forward also watches how the module cuts its plain Colwise outputs (split_watch.py).
+            outer_watch = getattr(_flow, "watch", None)
+            _flow.watch = outer_watch if self.paths_checked else (outer_watch or SplitWatch())
             try:
-                out = type(m).forward(m, *args, **kwargs)
+                with _flow.watch if _flow.watch is not outer_watch else contextlib.nullcontext():
+                    out = type(m).forward(m, *args, **kwargs)
             except (RuntimeError, ValueError) as err:
                 if _is_ours(err):
                     raise
@@ -136,6 +141,7 @@ class TPForward:
             finally:
                 _flow.regions -= 1
                 splits, _flow.splits = _flow.splits, outer_splits
+                _flow.watch = outer_watch
             if splits is not None and outer_splits is not None:
                 outer_splits.extend(splits)
             if splits is not None and not self.paths_checked:
@@ -164,6 +170,9 @@ class TPForward:
             splits = getattr(_flow, "splits", None)
             if splits is not None:  # inside a Region reading its paths: where a split path ends
                 splits.append((label, out))
+            watch = getattr(_flow, "watch", None)
+            if watch is not None and not gathered and style.fused == 1:
+                watch.watch(out, label)
             return out
         assert isinstance(style, Rowwise)
         _flow.split_output = False

@@ -467,3 +467,40 @@ def test_bad_tensor_parallel_arguments(build: dict[str, Callable]) -> None:
         sw.tensor_parallel(step, "tp", plan, sequence_parallel=True)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"tensor_parallel was applied twice .* apply tensor_parallel once"):
         sw.tensor_parallel(sw.tensor_parallel(step, "tp", plan), "tq", plan)
+
+
+class _FusedGateUp(nn.Module):
+    """A gated MLP computing gate and up in one projection, cut apart in forward (Phi-3's gate_up_proj)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.gate_up, self.down = nn.Linear(d, 4 * d), nn.Linear(2 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+def test_a_plain_colwise_on_a_fused_projection_is_refused(build: dict[str, Callable]) -> None:
+    """Colwise() where Colwise(fused=3) was meant: each rank held a contiguous slice of q, k and v side by side
+    (all of q and part of k at tp 2), the module's chunk(3) made them q, k and v, and the model trained another
+    attention without an error. The first forward sees the module cut a plain Colwise output along its
+    features, and refuses it; so for a fused gate and up."""
+    problem = build["tiny_gpt"](steps=1)
+    plan = {**problem.plan, "blocks.*.attn.qkv": sw.tp.Colwise()}
+    with pytest.raises(sw.collectives.RankFailed, match=r"Colwise\(\) on 'blocks\.0\.attn\.qkv' gives each rank a "
+                       r"contiguous 1/tp of its output features, and the module cuts that output into parts along "
+                       r"them \(chunk\).*give it Colwise\(fused=<the number of blocks>\)"):
+        _one_step(sw.tensor_parallel(problem.step, "tp", plan), problem.params, sw.Mesh(tp=2), problem.batches[0])
+    torch.manual_seed(0)
+    chain, params = sw.functionalize(nn.Sequential(nn.Linear(4, 8), _FusedGateUp(8), nn.Linear(8, 4)).double())
+    step = sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1))
+    batch = (torch.randn(4, 4, dtype=torch.float64), torch.randn(4, 4, dtype=torch.float64))
+    for fused, refused in ((1, True), (2, False)):
+        mlp_plan = {"1": sw.tp.Region(), "1.gate_up": sw.tp.Colwise(fused=fused), "1.down": sw.tp.Rowwise()}
+        tp = sw.tensor_parallel(step, "tp", mlp_plan)
+        if refused:
+            with pytest.raises(sw.collectives.RankFailed, match=r"Colwise\(\) on '1\.gate_up' .*\(chunk\)"):
+                _one_step(tp, params, sw.Mesh(tp=2), batch)
+        else:
+            sw.testing.assert_equivalent(tp, step, sw.Mesh(tp=2), [batch, batch], params)
