@@ -240,3 +240,28 @@ def test_async_save_commits_through_the_same_protocol(
     handle = ck.save(path, s1, step, blocking=False, overwrite=True)
     assert handle.wait() == path
     assert _which(path, step, [s1]) == 0
+
+
+def test_any_failure_preparing_the_directory_fails_every_rank_at_once(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Rank 0 prepares the directory; an error there other than an OSError escaped it, and rank 1 waited in
+    the agreement until the launch's timeout. Now every rank raises, naming the error."""
+    torch.manual_seed(0)
+    chain, params = sw.functionalize(mlp([4, 6, 3]).double())
+    step = sw.shard_params(sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1)), "dp", 3)
+
+    def broken(target: Path) -> None:
+        raise RuntimeError("a filesystem plugin's bug")
+
+    monkeypatch.setattr(ck, "_recover", broken)
+
+    def save() -> str:
+        try:
+            ck.save(tmp_path / "c", step.init(params, sw.Mesh(dp=2)), step)
+        except CheckpointError as err:
+            return str(err)
+        return "saved"
+
+    for message in sw.launch(save, 2, timeout=30):
+        assert "RuntimeError: a filesystem plugin's bug" in message or "rank 0 could not prepare" in message, message

@@ -175,3 +175,59 @@ def test_a_transformers_model_saves_the_exported_state_dict(tmp_path: Path) -> N
 
 def _lm_loss_of_output(output: Any, targets: torch.Tensor) -> torch.Tensor:
     return _lm_loss(output.logits, targets)
+
+
+class _RopeBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.lin(x * freqs[: x.shape[1]]))
+
+
+class _RopeNet(torch.nn.Module):
+    """torchtitan's layout: a non-persistent buffer of the model (its freqs_cis) passed to every block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("freqs_cis", torch.linspace(0.5, 1.5, 16).unsqueeze(-1), persistent=False)
+        self.layers = torch.nn.ModuleList(_RopeBlock() for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x, self.freqs_cis)
+        return x
+
+
+def test_a_non_persistent_buffer_every_block_reads_is_left_out_as_torch_leaves_it(tmp_path: Path) -> None:
+    """Split into blocks, each segment (a GraphModule) held the model's freqs_cis as a persistent buffer of
+    its own: full_state_dict and save refused the chain ("state_dict key 'freqs_cis' names two different
+    tensors"), so such a model trained but could never be saved. Its keys are now the module's state_dict's,
+    after a pickle too (a GraphModule's copy registers its buffers as persistent again)."""
+    import pickle
+
+    torch.manual_seed(0)
+    model = _RopeNet()
+    chain, params = sw.functionalize(model, units=_RopeBlock)
+    for chain_ in (chain, pickle.loads(pickle.dumps(chain))):
+        step = sw.train_step(chain_, torch.nn.functional.mse_loss, sw.optim.sgd(0.1))
+        state, _ = step(step.init(params), (torch.randn(2, 16, 8), torch.randn(2, 16, 8)))
+        assert sorted(sw.checkpoint.full_state_dict(step, state)) == sorted(model.state_dict())
+    ck.save(tmp_path / "c", state, step)
+    loaded = ck.load(tmp_path / "c", step)
+    assert all(torch.equal(loaded.params[k][n], state.params[k][n]) for k in state.params for n in state.params[k])
+
+
+def test_a_persistent_buffer_every_block_reads_is_one_entry(tmp_path: Path) -> None:
+    """The same model with freqs_cis persistent: one state_dict entry (the model's), saved and loaded once."""
+    torch.manual_seed(0)
+    model = _RopeNet()
+    model.register_buffer("freqs_cis", model.freqs_cis, persistent=True)
+    chain, params = sw.functionalize(model, units=_RopeBlock)
+    step = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1))
+    state = step.init(params)
+    exported = sw.checkpoint.full_state_dict(step, state)
+    assert sorted(exported) == sorted(model.state_dict()) and torch.equal(exported["freqs_cis"], model.freqs_cis)
+    ck.save(tmp_path / "c", state, step)
+    assert ck.load(tmp_path / "c", step).step == 0

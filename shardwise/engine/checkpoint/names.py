@@ -60,7 +60,7 @@ def state_dict_names(chain: Chain) -> StateDictNames:
     for layer in chain.layers:
         for key, source in _layer_keys(chain, layer).items():
             known = keys.get(key)
-            if known is not None and known != source:
+            if known is not None and known != source and not _same_buffer(chain, known, source):
                 raise ValueError(
                     f"state_dict key {key!r} names two different tensors: {known[1]}.{known[2]} and "
                     f"{source[1]}.{source[2]}; name the layers' tensors apart"
@@ -79,6 +79,12 @@ def state_dict_names(chain: Chain) -> StateDictNames:
     if missing:
         raise ValueError(f"state_dict_names: parameters {missing} have no name in their layer's module")
     return StateDictNames(keys, param_key)
+
+
+def _same_buffer(chain: Chain, a: Source, b: Source) -> bool:
+    """Whether two layers' buffers are one tensor of the model (a buffer of the model every block reads,
+    which each block's segment holds): one state_dict entry, saved once."""
+    return a[0] == b[0] == "buffer" and chain[a[1]].buffers[a[2]] is chain[b[1]].buffers[b[2]]
 
 
 def module_params(chain: Chain) -> dict[tuple[str, str], torch.Tensor]:
@@ -109,7 +115,10 @@ def _layer_keys(chain: Chain, layer: Layer) -> dict[str, Source]:
     for name, t in [*module.named_parameters(), *module.named_buffers()]:
         canonical.setdefault(id(t), name)
     keys: dict[str, Source] = {}
+    transient: frozenset[str] = getattr(layer.fn, "transient", frozenset())  # not persisted (functionalize's)
     for name, t in module.state_dict(keep_vars=True).items():
+        if name in transient:
+            continue
         local = local_prefix + canonical.get(id(t), name)
         source = _source_of(layer, local)
         if source is not None:

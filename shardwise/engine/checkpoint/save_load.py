@@ -209,8 +209,8 @@ def save(path: str | os.PathLike[str], state: TrainState, step: Any, *, blocking
         try:
             _recover(target)
             partial.mkdir(parents=True)
-        except OSError as err:
-            problem = f"cannot create {partial}: {err}"
+        except Exception as err:  # any failure: the other ranks wait in the agreement below to hear of it
+            problem = f"cannot create {partial}: {type(err).__name__}: {err}"
     if not _agree(mesh, problem is None, device):
         raise CheckpointError(
             f"save to {target}: {problem or 'rank 0 could not prepare the directory (see its error)'}"

@@ -308,6 +308,11 @@ class _ModuleFn:
     def __init__(self, module: nn.Module) -> None:
         self.replicas = ThreadReplicas(module)
         self.root_prefix = ""  # the module's path in the model functionalize was given
+        # The buffers the module does not persist (register_buffer(..., persistent=False)), which its
+        # state_dict leaves out, read here: a copy of a GraphModule (the skeleton, each thread's replica,
+        # a pickle) registers every buffer it holds as a persistent one again.
+        persisted = set(module.state_dict(keep_vars=True))
+        self.transient = frozenset(n for n, _ in module.named_buffers(remove_duplicate=False) if n not in persisted)
 
     @property
     def module(self) -> nn.Module:

@@ -262,7 +262,24 @@ def _segment_module(
     g.lint()
     gm = fx.GraphModule(root, g, class_name=f"{type(root).__name__}Segment")
     gm.training = root.training  # the recorded ops already fixed their mode; keep the flag truthful
+    _keep_non_persistent(root, gm)
     return gm
+
+
+def _keep_non_persistent(root: nn.Module, gm: fx.GraphModule) -> None:
+    """Register again as non-persistent each buffer of ``gm`` that ``root`` does not persist: GraphModule
+    copies a buffer it reads as a persistent one, so a model-level one that every segment reads (torchtitan's
+    ``freqs_cis``, passed to each block) was in each segment's state_dict under one key, a checkpoint refused
+    the chain ("names two different tensors"), and one in a single segment was saved where torch saves none."""
+    read = list(gm.named_buffers())
+    if not read:
+        return
+    persisted = set(root.state_dict(keep_vars=True))
+    held = {name for name, _ in root.named_buffers(remove_duplicate=False)}
+    for name, buffer in read:
+        if name in held and name not in persisted:  # the same path in both: GraphModule copies it there
+            path, _, attr = name.rpartition(".")
+            gm.get_submodule(path).register_buffer(attr, buffer, persistent=False)
 
 
 # --- checking against the module ----------------------------------------------------------
