@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CollectiveError
+from ..rank_end import run_rank
 from .current import use_backend
 from .distributed import TorchDistributedBackend
 
@@ -106,7 +107,7 @@ def _run_task(task: bytes, backend: Any) -> tuple[str, Any]:
     try:
         fn, args = pickle.loads(task)
         with use_backend(backend):
-            result = fn(*args)
+            result = run_rank(fn, *args)
     except BaseException as exc:  # SystemExit too: the rank did not return
         return ("error", _describe_error(exc))
     try:

@@ -42,6 +42,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..errors import CollectiveError, RankFailed, RankHung
+from ..rank_end import run_rank
 from .blocking import on_blocking_wait, on_poll
 from .current import use_backend
 from .threads import ThreadsBackend, ThreadsWorld
@@ -117,7 +118,7 @@ class _RankThreads:
         _baton.release = lambda: self._start(rank + 1)
         try:
             with use_backend(ThreadsBackend(self.world, rank)):
-                self.results[rank] = self._fn(*self._args)
+                self.results[rank] = run_rank(self._fn, *self._args)
             self.finished_at[rank] = time.monotonic()
         except BaseException as exc:
             self.world.abort(rank, exc)

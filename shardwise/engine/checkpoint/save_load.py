@@ -47,9 +47,11 @@ from a thread while training goes on; ``handle.wait()`` (every rank calls it; th
 
 from __future__ import annotations
 
+import atexit
 import math
 import os
 import shutil
+import sys
 import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -59,6 +61,7 @@ import torch
 
 from ...collectives.mesh import Mesh
 from ...collectives.ops import psum
+from ...collectives.rank_end import at_rank_end, in_launched_rank
 from ..layout.devices import device_of
 from ..layout.state import TrainState
 from ..layout.state_layout import StateLayout
@@ -165,6 +168,8 @@ class SaveHandle:
         if self._done:
             return self.path
         self._done = True
+        if self in _not_launched:
+            _not_launched.remove(self)
         if getattr(_pending, "handle", None) is self:
             _pending.handle = None
         if self._writer is not None:
@@ -185,7 +190,9 @@ def save(path: str | os.PathLike[str], state: TrainState, step: Any, *, blocking
     """Save ``state`` (made by ``step``) to the directory ``path``; every rank calls this together.
 
     ``blocking=False`` returns once this rank's shards are copied to host memory; the files
-    are written by a thread, and ``handle.wait()`` (on every rank) commits them. A checkpoint
+    are written by a thread, and ``handle.wait()`` (on every rank) commits them; a rank of
+    ``sw.launch`` whose function returns first commits it then, a single process at exit (under
+    torchrun, wait yourself: at exit its commit is said to be lost). A checkpoint
     already at ``path`` is replaced (atomically) only with ``overwrite=True``.
     """
     previous = getattr(_pending, "handle", None)
@@ -245,7 +252,35 @@ def save(path: str | os.PathLike[str], state: TrainState, step: Any, *, blocking
     handle._writer = threading.Thread(target=write, args=(handle,), name=f"shardwise-save-rank{rank}", daemon=True)
     handle._writer.start()
     _pending.handle = handle
+    if in_launched_rank():
+        at_rank_end(handle.wait)  # a rank that returns without waiting commits it then, with its collectives
+    else:
+        _not_launched.append(handle)
+        if len(_not_launched) == 1:
+            atexit.register(_at_exit)
     return handle
+
+
+_not_launched: list[SaveHandle] = []  # this process's async saves outside sw.launch (one rank; torchrun)
+
+
+def _at_exit() -> None:
+    """At exit, an async save never waited for: a single rank's is committed (it needs no other rank);
+    under torchrun the collectives a commit needs may be gone, so its writer is let finish (a writer
+    killed inside torch aborted the interpreter) and the loss is said."""
+    for handle in _not_launched:
+        if handle._done:
+            continue
+        if handle._mesh is None:
+            handle.wait()
+            continue
+        if handle._writer is not None:
+            handle._writer.join()
+        sys.stderr.write(
+            f"shardwise: checkpoint.save({str(handle.path)!r}, ..., blocking=False) was never waited for: its files "
+            "are written but not committed, so it does not load; call handle.wait() on every rank before the "
+            "program ends (sw.launch does it when a rank returns)\n"
+        )
 
 
 def _consumed(step: Any, state: TrainState) -> str | None:
