@@ -231,3 +231,47 @@ def test_a_persistent_buffer_every_block_reads_is_one_entry(tmp_path: Path) -> N
     assert sorted(exported) == sorted(model.state_dict()) and torch.equal(exported["freqs_cis"], model.freqs_cis)
     ck.save(tmp_path / "c", state, step)
     assert ck.load(tmp_path / "c", step).step == 0
+
+
+def test_a_checkpoint_loads_into_the_same_model_functionalized_with_other_units(tmp_path: Path) -> None:
+    """TinyGPT split as ["tok_emb", "blocks", "head"] (the README's ZeRO example) and per Block (its tensor-parallel
+    one): the same module, so the same state_dict keys, but other layers. A checkpoint of the one was "of another
+    model" for the other, naming the chains' internal names; it now loads by the state_dict keys it holds the
+    tensors under, resharded from ZeRO-3 on two ranks to one device, and trains on as the saving step does."""
+    from shardwise.testing.models import Block, TinyGPT
+
+    def lm(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=64, d_model=32, n_heads=2, n_layers=2, seq_len=8).double()
+    chain_a, params_a = sw.functionalize(model, units=["tok_emb", "blocks", "head"])
+    chain_b, _ = sw.functionalize(model, units=Block)
+    step_a = sw.train_step(chain_a, lm, sw.optim.sgd(0.1, momentum=0.9))
+    step_b = sw.train_step(chain_b, lm, sw.optim.sgd(0.1, momentum=0.9))
+    zero3 = sw.shard_params(step_a, "dp", 3)
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.randint(64, (4, 8), generator=gen), torch.randint(64, (4, 8), generator=gen)) for _ in range(3)]
+
+    def save() -> None:
+        state = zero3.init(params_a, sw.Mesh(dp=2))
+        for batch in batches[:2]:
+            state, _ = zero3(state, batch)
+        ck.save(tmp_path / "c", state, zero3)
+
+    sw.launch(save, 2)
+    state_a = step_a.init(params_a)
+    for batch in batches[:2]:
+        state_a, _ = step_a(state_a, batch)
+    state_b = ck.load(tmp_path / "c", step_b)
+    assert state_b.step == 2
+    whole_a, whole_b = sw.checkpoint.full_state_dict(step_a, state_a), sw.checkpoint.full_state_dict(step_b, state_b)
+    assert sorted(whole_a) == sorted(whole_b) == sorted(model.state_dict())
+    # the same saved values whichever units read them: bitwise
+    whole_saved = sw.checkpoint.full_state_dict(step_a, ck.load(tmp_path / "c", step_a))
+    assert all(torch.equal(whole_saved[k], whole_b[k]) for k in whole_b)
+    # and the single-device run's, to ZeRO-3's rounding (1e-17 here) against each tensor's scale
+    assert all(float((whole_a[k] - whole_b[k]).abs().max()) <= 1e-12 * float(whole_a[k].abs().max()) for k in whole_a)
+    _, metrics_a = step_a(state_a, batches[2])
+    _, metrics_b = step_b(state_b, batches[2])
+    assert float(metrics_b["loss"]) == pytest.approx(float(metrics_a["loss"]), rel=1e-12)

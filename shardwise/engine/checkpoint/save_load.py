@@ -493,12 +493,19 @@ def _check_model(
     chain = step.chain
     wanted = {(layer.name, n) for layer in chain.layers for n in layer.owned_param_names}
     if set(saved) != wanted:
-        missing = sorted(f"{a}.{b}" for a, b in wanted - set(saved))
-        extra = sorted(f"{a}.{b}" for a, b in set(saved) - wanted)
-        raise CheckpointError(
-            f"checkpoint {directory} is of another model: this step's chain has parameters {missing[:8]} that it "
-            f"lacks, and it has {extra[:8]} that the chain does not"
-        )
+        # The same module functionalized with other units (its layers cut elsewhere): its parameters
+        # are found by their state_dict keys, which the checkpoint holds them under.
+        by_key = {p["key"]: p for p in meta["params"]}
+        key_of = state_dict_names(step.base_chain).param_key
+        keys_wanted = {key_of[k] for k in wanted if k in key_of}
+        if len(keys_wanted) != len(wanted) or keys_wanted != set(by_key):
+            missing = sorted(keys_wanted - set(by_key)) or sorted(f"{a}.{b}" for a, b in wanted - set(saved))
+            extra = sorted(set(by_key) - keys_wanted)
+            raise CheckpointError(
+                f"checkpoint {directory} is of another model: this step's model has parameters {missing[:8]} that "
+                f"it lacks, and it has {extra[:8]} that the model does not (state_dict keys)"
+            )
+        saved = {k: by_key[key_of[k]] for k in wanted}
     params: dict[str, dict[str, torch.Tensor]] = {layer.name: {} for layer in chain.layers}
     for (layer, name), p in saved.items():
         params[layer][name] = torch.empty(tuple(p["shape"]), dtype=dtype_of(p["dtype"], p["key"]), device="meta")
