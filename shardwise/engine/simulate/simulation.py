@@ -232,7 +232,14 @@ class _Simulation:
                 f"(0.0 to make it free), e.g. fitted from runs that waited for it, or use CommModel() for free "
                 "communication throughout"
             )
-        sizes = [w.nbytes for w in a.wire] or [0]  # an unknown payload still costs its latency
+        if not a.wire and comm.beta.get(op):
+            # Priced at its latency alone, the less the plan was told the faster its step would look.
+            raise ValueError(
+                f"simulate: the plan's {a} carries a payload the plan does not know (made without the parameters "
+                f"or a batch), and the CommModel prices op {op!r} by the byte; make the plan with "
+                "step.plan(mesh, params, batch), or simulate with a CommModel without a per-byte cost for it"
+            )
+        sizes = [w.nbytes for w in a.wire] or [0]  # a payload-free model: its latency alone
         if op == "send":  # its tensors go to one peer back to back, one stream: the latency once
             return comm.time(op, sum(sizes), len(group))
         return sum(comm.time(op, nbytes, len(group)) for nbytes in sizes)
@@ -383,4 +390,34 @@ def simulate(plan: Plan, costs: PlanCosts | None = None) -> PlanTimeline:
         costs = PlanCosts()
     elif not isinstance(costs, PlanCosts):
         raise TypeError(f"simulate(plan, costs): costs must be a PlanCosts, got {type(costs).__name__}")
+    _check_costs_match(plan, costs)
     return _Simulation(plan, costs).run()
+
+
+def _check_costs_match(plan: Plan, costs: PlanCosts) -> None:
+    """Refuse a cost keyed by what the plan does not have (a layer name with a typo, a rank or stage
+    beyond the mesh's, an action or slot that is not there): it would price nothing, and the step would
+    be simulated at the default costs, silently. A table may price kinds the plan does not run (a
+    pipeline's costs for I and W under 1F1B), as ``kind`` does: only the layer, stage or rank is asked."""
+    if not (costs.slot or costs.action or costs.stage or costs.layer or costs.rank):
+        return
+    have: dict[str, set[Any]] = {"slot": set(), "action": set(), "stage": set(), "layer": set(), "rank": set()}
+    for r, actions in enumerate(plan.actions):
+        have["rank"].add(r)
+        for pos, a in enumerate(actions):
+            have["slot"].add((r, pos))
+            have["action"].add(str(a))
+            if a.stage is not None:
+                have["stage"].add(a.stage)
+            if a.layer is not None:
+                have["layer"].add(a.layer)
+    for name, found in have.items():
+        keyed = getattr(costs, name)
+        missing = [key for key in keyed if (key if name in ("slot", "action") else key[1]) not in found]
+        if missing:
+            shown = sorted(map(str, found))
+            raise ValueError(
+                f"simulate: PlanCosts.{name} key {missing[0]!r} names no {name} of the plan, so it would price "
+                f"nothing and the step would take the default costs, silently; the plan's {name}s are "
+                f"{shown[:10]}{' ...' if len(shown) > 10 else ''}"
+            )
