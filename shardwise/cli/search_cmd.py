@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 from typing import Any
 
 from ..engine.simulate.costs import CommModel
 from ..plan_search import FlopCompute, Space, params_per_layer, parse_bytes, plot_frontier, search
+from ..plan_search.units import format_bytes
 from .arguments import UsageError, load_function
+from .report import CommandFailed
 
 HELP = "search the parallel layouts of a step: ranked by simulated time, bounded by memory"
 OPTIONS = ("tp_plan", "space", "certify_with")
@@ -97,9 +100,11 @@ def _comm(path: str | None) -> CommModel | None:
 def run(args: argparse.Namespace, out: Any) -> int:
     step, params, batch, options = _loaded(args.target)
     compute = None
+    if args.flops is None and args.tokens_per_sample != 1:
+        raise UsageError("--tokens-per-sample counts the FLOPs of --flops: give --flops too")
     if args.flops is not None:
-        if not args.flops > 0:
-            raise UsageError(f"--flops {args.flops}: a rate above 0, e.g. 1e12")
+        if not (args.flops > 0 and math.isfinite(args.flops)):
+            raise UsageError(f"--flops {args.flops}: a finite rate above 0, e.g. 1e12")
         samples = next(t.shape[0] for t in (batch if isinstance(batch, tuple | list) else [batch]))
         compute = FlopCompute(params_per_layer(step, params), args.flops, samples, args.tokens_per_sample)
     found = search(step, params, batch, world=args.world, memory_per_rank=args.memory, comm=_comm(args.comm),
@@ -110,5 +115,12 @@ def run(args: argparse.Namespace, out: Any) -> int:
         done = plot_frontier(found, args.plot)
         text.append(done)
         data["plot"] = done
+    if not found.ranked:  # the answer is "no": exit 1, with what was refused and why
+        if not out.as_json:
+            print("\n".join(text))
+        raise CommandFailed(
+            f"no layout of {args.world} ranks fits {format_bytes(found.budget)} per rank "
+            f"({len(found.refused)} refused; the table says why)", data
+        )
     out.emit(data, text="\n".join(text))
     return 0

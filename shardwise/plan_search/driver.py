@@ -14,6 +14,7 @@ import torch
 
 from ..engine.model.reuse import sharing_runs
 from ..engine.simulate.costs import CommModel
+from ..engine.stack.roles import REWRITE
 from ..engine.step.step import Step
 from ..testing.equivalence import NotEquivalentError
 from .bounds import Bound, Bounds
@@ -77,6 +78,9 @@ def search(
         raise TypeError(f"search(step=...) needs a shardwise Step (see train_step), got {type(step).__name__}")
     if isinstance(top, bool) or not isinstance(top, int) or top < 1:
         raise ValueError(f"search(top={top!r}): how many layouts to return, an int >= 1")
+    _check_single_device(step, "step")
+    if certify_with is not None:
+        _check_small_version(step, certify_with)
     budget = parse_bytes(memory_per_rank)
     space = space or Space()
     skipped = [] if tp_plan is not None else ["tensor parallel shapes (tp > 1): no tp_plan= given"]
@@ -131,6 +135,48 @@ def search(
     source = getattr(compute, "source", None) or type(compute).__name__
     return SearchResult(tuple(chosen), tuple(refused), len(ranked), tuple(others), tuple(skipped), world, budget,
                         source, comm is not None, bounded=len(pricing.queue), bounded_above=pricing.threshold())
+
+
+def _check_single_device(step: Step, what: str) -> None:
+    """Refuse a step some parallel transform already rewrote: the search applies its own."""
+    parallel = [str(spec) for spec in step.transforms if spec.role != REWRITE]
+    if parallel:
+        raise ValueError(
+            f"search({what}=...) takes the single-device step (train_step's, with mixed_precision or remat if you "
+            f"like) and applies each layout itself; this one is already {' and '.join(parallel)}: pass the step "
+            "before those transforms"
+        )
+
+
+def _check_small_version(step: Step, certify_with: Any) -> None:
+    """Refuse a small step that is not a small version of ``step`` (the guide's rule: the same layers,
+    loss and optimizer): its certificate would speak of another model."""
+    if not (isinstance(certify_with, tuple) and len(certify_with) == 3 and isinstance(certify_with[0], Step)):
+        raise TypeError("search(certify_with=...): give (small_step, small_params, small_batches)")
+    small = certify_with[0]
+    _check_single_device(small, "certify_with")
+    differs = [
+        f"{what} {mine} there, {theirs} here" for what, mine, theirs in (
+            ("layers", list(small.chain.names), list(step.chain.names)),
+            ("optimizer", _kind(small.optimizer), _kind(step.optimizer)),
+            ("loss", _kind(small.loss_fn), _kind(step.loss_fn)),
+        ) if mine != theirs
+    ]
+    if differs:
+        raise ValueError(
+            "search(certify_with=...): the small step is not a small version of the step searched "
+            f"({'; '.join(differs)}), so its certificate would be of another model: build it as the step is built "
+            "(the same layer names, "
+            "loss and optimizer; smaller widths and batches), e.g. from the same model code with a smaller config"
+        )
+
+
+def _kind(obj: Any) -> str:
+    """What an optimizer or loss is, for comparing a small step's with the searched one's."""
+    update = getattr(obj, "update", None)
+    if update is not None:
+        return type(update).__qualname__
+    return getattr(obj, "__qualname__", type(obj).__qualname__)
 
 
 def _over(candidate: Candidate, bound: Bound, budget: int) -> Refused:

@@ -280,3 +280,24 @@ def test_schedules_that_run_alike_are_one_candidate() -> None:
         key = (c.dp, c.pp, c.microbatches)
         assert table not in tables.setdefault(key, []), c
         tables[key].append(table)
+
+
+def test_a_parallel_step_and_a_small_step_of_another_model_are_refused() -> None:
+    """A step already sharded failed deep inside with "needs the mesh: call step.init"; a certify_with step
+    of another model (one layer, SGD and L1 where seven layers, AdamW and MSE were searched) stamped every
+    layout "equivalent"."""
+    torch.manual_seed(0)
+    chain, params = sw.functionalize(mlp([16, 64, 64, 16]))
+    step = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.adamw(1e-3))
+    batch = (torch.randn(8, 16), torch.randn(8, 16))
+    compute = FlopCompute(params_per_layer(step, params), 1e10, 8)
+    with pytest.raises(ValueError, match=r"takes the single-device step .*this one is already shard_params\("):
+        sw.search(sw.shard_params(step, "dp", 3), params, batch, world=2, memory_per_rank="1GiB", compute=compute)
+    small_chain, small_params = sw.functionalize(torch.nn.Sequential(torch.nn.Linear(3, 2)).double())
+    small = sw.train_step(small_chain, torch.nn.functional.l1_loss, sw.optim.sgd(0.1))
+    small_batches = [(torch.randn(8, 3, dtype=torch.float64), torch.randn(8, 2, dtype=torch.float64))] * 2
+    with pytest.raises(ValueError, match=r"the small step is not a small version of the step searched \(layers "
+                       r"\['0'\] there, \['0', '1', '2', '3', '4'\] here; optimizer _SgdUpdate there, _AdamWUpdate "
+                       r"here; loss l1_loss there, mse_loss here\)"):
+        sw.search(step, params, batch, world=2, memory_per_rank="1GiB", compute=compute,
+                  certify_with=(small, small_params, small_batches))

@@ -63,3 +63,20 @@ def test_usage_errors(target: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert "options ['tp_pln'] are not search options" in capsys.readouterr().err
     assert main(["search", f"{target}:make", "--world", "2", "--memory", "1GB", "--comm", "nowhere.jsonl"]) == 2
     assert "no such file" in capsys.readouterr().err
+
+
+def test_no_layout_that_fits_is_answer_no_and_flags_that_mean_nothing_are_refused(
+    target: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Nothing fitting 1 B per rank exited 0 with "ok": true (a script chaining `search && launch` went on);
+    --flops inf ranked by memory alone (every time 0); --tokens-per-sample without --flops was ignored."""
+    assert main(["search", f"{target}:make", "--world", "2", "--memory", "1B", "--flops", "1e9"]) == 1
+    captured = capsys.readouterr()
+    assert "refused by memory" in captured.out and "no layout of 2 ranks fits 1 B per rank" in captured.err
+    assert main(["search", f"{target}:make", "--world", "2", "--memory", "1B", "--flops", "1e9", "--json"]) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert data["ok"] is False and data["fitting"] == 0 and data["refused"]
+    assert main(["search", f"{target}:make", "--world", "2", "--memory", "1MiB", "--flops", "inf"]) == 2
+    assert "--flops inf: a finite rate above 0" in capsys.readouterr().err
+    assert main(["search", f"{target}:make", "--world", "2", "--memory", "1MiB", "--tokens-per-sample", "9"]) == 2
+    assert "--tokens-per-sample counts the FLOPs of --flops: give --flops too" in capsys.readouterr().err

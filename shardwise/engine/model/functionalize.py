@@ -79,12 +79,12 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _NormBase
 
 from ..torch_api import data_dependent_errors
+from .batch_loss_terms import refuse_split_batch_loss
 from .capture import Piece, split_by_calls
 from .chain import Chain, Layer
 from .fx_split import FunctionalizeError, FxTraceError, split_graph
 from .materialize import InitFn, ModuleInit, has_meta_tensors, is_transformers_model, stand_in
 from .module_call import Quiet, ThreadReplicas, call_arguments
-from .own_router_aux import refuse_split_router_logits
 from .pytrees import float_leaves, register_output_types, unregistered_reason
 from .shape_check import check_shapes_against_module
 
@@ -144,7 +144,7 @@ def functionalize(
     """
     _refuse_stateful(module)
     if units is not None:
-        refuse_split_router_logits(module)
+        refuse_split_batch_loss(module)
     init, target, origin = _meta_init(module, init_fn, device)
     try:
         chain, params, sources, example_input = _split_and_check(target, units, example_input, init is not None)

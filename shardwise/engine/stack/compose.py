@@ -80,10 +80,11 @@ naming it). The rules:
   sums after the loss through the splits' prediction, so with ``shard_params`` it needs a split
   (``expert_parallel``) in the stack; alone, or under a pipeline, the batch is not cut over ranks and
   nothing is summed. Several splits rebuild innermost, tensor_parallel first (:data:`SPLIT_ORDER`).
-* A model that adds its routers' aux loss to its own loss (Hugging Face ``output_router_logits=True``,
-  ``engine/model/own_router_aux.py``) is refused under a transform that calls it on a part of the batch
-  (:data:`CUTS_THE_BATCH`) and under ``router_aux_loss`` (which adds it again): ``router_aux_loss``
-  on the model without its own is the aux loss of the whole batch.
+* A model whose loss adds a term of the whole batch it is called on (Hugging Face's
+  ``output_router_logits=True``, ``engine/model/batch_loss_terms.py``) is refused under a transform
+  that calls it on a part of the batch (PLACEMENT, SHARDING, a SPLIT with ``cuts_batch``) and under
+  one that ``adds_batch_loss`` (router_aux_loss, which adds it again): router_aux_loss on the model
+  without its own is the aux loss of the whole batch.
 """
 
 from __future__ import annotations
@@ -92,8 +93,8 @@ import dataclasses
 import weakref
 from typing import Any, Protocol, TypeVar
 
+from ..model.batch_loss_terms import whole_batch_loss_term
 from ..model.chain import Chain
-from ..model.own_router_aux import own_router_aux
 from .roles import PLACEMENT, REWRITE, ROLES, SHARDING, SPLIT, check_role, own_prediction
 
 __all__ = [
@@ -292,7 +293,7 @@ def add(step: S, spec: Any, **fields: Any) -> S:
     (and with ``fields`` replaced); a rewriting spec rebuilds the layers from the source chain."""
     stack = (*step.transforms, spec)
     check_stack(stack)
-    _check_own_router_aux(step.base_chain, stack)
+    _check_whole_batch_loss(step.base_chain, stack)
     new = dataclasses.replace(step, transforms=stack, **fields)  # type: ignore[type-var]
     if spec.role not in _REBUILDS:
         return new
@@ -300,19 +301,16 @@ def add(step: S, spec: Any, **fields: Any) -> S:
     return dataclasses.replace(new, chain=chain, source_chain=step.base_chain)  # type: ignore[type-var]
 
 
-# The transforms that call the model on a part of the batch: a rank's share of it, a micro-batch, a part
-# of every sequence (tensor_parallel calls it on the whole batch on every rank).
-CUTS_THE_BATCH = ("shard_params", "pipeline", "expert_parallel", "context_parallel")
-
-
-def _check_own_router_aux(chain: Chain, stack: tuple[Any, ...]) -> None:
-    """Refuse a model that adds its routers' aux loss to its own loss (engine/model/own_router_aux.py)
-    under a transform that calls it on a part of the batch, or under router_aux_loss (counted twice)."""
-    names = [spec.name for spec in stack]
-    cutting = [name for name in names if name in CUTS_THE_BATCH]
-    if not cutting and "router_aux_loss" not in names:
+def _check_whole_batch_loss(chain: Chain, stack: tuple[Any, ...]) -> None:
+    """Refuse a model whose loss adds a term of the whole batch it is called on (engine/model/
+    batch_loss_terms.py) under a transform that calls it on a part of the batch (a placement's
+    micro-batches, a sharding's shares, a split that ``cuts_batch``) or one that ``adds_batch_loss``
+    the same term again (router_aux_loss)."""
+    cutting = [s.name for s in stack if s.role in (PLACEMENT, SHARDING) or getattr(s, "cuts_batch", False)]
+    adding = [s.name for s in stack if getattr(s, "adds_batch_loss", False)]
+    if not cutting and not adding:
         return
-    found = own_router_aux(chain)
+    found = whole_batch_loss_term(chain)
     if found is None:
         return
     if cutting:
@@ -322,7 +320,7 @@ def _check_own_router_aux(chain: Chain, stack: tuple[Any, ...]) -> None:
             "linear in the batch)"
         )
     else:
-        why = "router_aux_loss adds the same loss again, so it would be counted twice"
+        why = f"{adding[0]} adds the same loss again, so it would be counted twice"
     raise ValueError(
         f"{found} adds its routers' load-balancing loss to the loss it returns (output_router_logits=True): {why}. "
         "Set config.output_router_logits = False before functionalize and apply sw.router_aux_loss(step, coef) "

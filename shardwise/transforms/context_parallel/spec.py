@@ -55,6 +55,7 @@ class CPSpec:
     dim: int = 1
 
     name: ClassVar[str] = "context_parallel"
+    cuts_batch: ClassVar[bool] = True  # each rank computes a part of every sequence (compose.py)
     role: ClassVar[str] = SPLIT
     replica_fix: ClassVar[str] = (
         "context_parallel sums every parameter's gradient over its axis inside the layers; a difference means "

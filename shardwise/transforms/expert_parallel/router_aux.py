@@ -53,6 +53,7 @@ class RouterAuxSpec:
     per_microbatch: bool = False  # the caller took each micro-batch's aux (HF's accumulation) over the batch's
 
     name: ClassVar[str] = "router_aux_loss"
+    adds_batch_loss: ClassVar[bool] = True  # the aux loss of the whole batch (compose.py)
     role: ClassVar[str] = REWRITE
 
     def __str__(self) -> str:

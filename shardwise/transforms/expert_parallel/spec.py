@@ -68,6 +68,7 @@ class EPSpec:
     drop_per_rank: bool = False  # a rank may drop the assignments over the capacity (else: refused)
 
     name: ClassVar[str] = "expert_parallel"
+    cuts_batch: ClassVar[bool] = True  # each rank routes its share of the batch (compose.py)
     role: ClassVar[str] = SPLIT
     replica_fix: ClassVar[str] = (
         "expert_parallel sums every replicated parameter's gradient over its axis inside the layers; a difference "

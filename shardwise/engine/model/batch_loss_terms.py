@@ -1,4 +1,5 @@
-"""A Hugging Face mixture-of-experts model that adds its routers' load-balancing loss to its own loss.
+"""A model whose loss adds a term of the whole batch it is called on: a Hugging Face mixture of experts
+that adds its routers' load-balancing loss.
 
 Mixtral, Qwen2-MoE and their kin, configured with ``output_router_logits=True`` and a nonzero
 ``router_aux_loss_coef``, add ``coef * aux`` to the ``loss`` they return, with ``aux`` computed over
@@ -7,9 +8,9 @@ or expert-parallel rank's share, each micro-batch of a pipeline or of accumulati
 context-parallel sequence) trains on the mean of the parts' aux losses. The aux loss is not linear
 in the batch, so that is another loss than the single-device step's, and nothing would say so: the
 difference is small (1e-4 of the loss on a tiny Mixtral) and every rank computes it alike.
-:func:`own_router_aux` finds such a model in a chain, so that the step can refuse it and point to
+:func:`whole_batch_loss_term` finds such a model in a chain, so that the step can refuse it and point to
 ``sw.router_aux_loss``, which counts the aux loss over the whole batch. Such a model split into
-units cannot compute its aux loss at all (:func:`refuse_split_router_logits`).
+units cannot compute its aux loss at all (:func:`refuse_split_batch_loss`).
 """
 
 from __future__ import annotations
@@ -20,8 +21,11 @@ from .chain import Chain
 from .fx_split import FunctionalizeError
 from .module_call import module_fn
 
+# Hugging Face's config fields (Mixtral, Qwen2-MoE): the loss adds coef x the aux loss of the batch.
+_ADDS, _COEF = "output_router_logits", "router_aux_loss_coef"
 
-def own_router_aux(chain: Chain) -> str | None:
+
+def whole_batch_loss_term(chain: Chain) -> str | None:
     """The first module of ``chain``'s layers whose config adds the routers' aux loss to its loss, as
     ``"'layer' (Class, router_aux_loss_coef=c)"``; None when there is none."""
     for layer in chain:
@@ -29,27 +33,27 @@ def own_router_aux(chain: Chain) -> str | None:
         module = getattr(replicas, "module", None)
         if not isinstance(module, nn.Module):
             continue
-        found = router_logits_module(module)
+        found = _adding_batch_loss(module)
         if found is not None and found[2]:
             where = ".".join(p for p in (layer.name, found[0]) if p)
             return f"{where!r} ({type(found[1]).__name__}, router_aux_loss_coef={found[2]})"
     return None
 
 
-def router_logits_module(module: nn.Module) -> tuple[str, nn.Module, float] | None:
+def _adding_batch_loss(module: nn.Module) -> tuple[str, nn.Module, float] | None:
     """The first module (path, module, ``router_aux_loss_coef``) of ``module`` whose config has
     ``output_router_logits=True``; None when there is none."""
     for path, sub in module.named_modules():
         config = getattr(sub, "config", None)
-        if getattr(config, "output_router_logits", False) is True:
-            coef = getattr(config, "router_aux_loss_coef", 0)
+        if getattr(config, _ADDS, False) is True:
+            coef = getattr(config, _COEF, 0)
             return path, sub, float(coef) if isinstance(coef, (int, float)) else 0.0
     return None
 
 
-def refuse_split_router_logits(module: nn.Module) -> None:
+def refuse_split_batch_loss(module: nn.Module) -> None:
     """Refuse to split into units a model that records its routers' logits inside its own forward."""
-    found = router_logits_module(module)
+    found = _adding_batch_loss(module)
     if found is None:
         return
     path, sub, coef = found
