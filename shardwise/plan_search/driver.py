@@ -5,6 +5,7 @@ time, and (when a small version of the model is given) the best certified."""
 from __future__ import annotations
 
 import heapq
+import types
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -157,7 +158,7 @@ def _check_small_version(step: Step, certify_with: Any) -> None:
     _check_single_device(small, "certify_with")
     differs = [
         f"{what} {mine} there, {theirs} here" for what, mine, theirs in (
-            ("layers", list(small.chain.names), list(step.chain.names)),
+            ("layers", _kinds_of_layers(small), _kinds_of_layers(step)),
             ("optimizer", _kind(small.optimizer), _kind(step.optimizer)),
             ("loss", _kind(small.loss_fn), _kind(step.loss_fn)),
         ) if mine != theirs
@@ -166,17 +167,29 @@ def _check_small_version(step: Step, certify_with: Any) -> None:
         raise ValueError(
             "search(certify_with=...): the small step is not a small version of the step searched "
             f"({'; '.join(differs)}), so its certificate would be of another model: build it as the step is built "
-            "(the same layer names, "
-            "loss and optimizer; smaller widths and batches), e.g. from the same model code with a smaller config"
+            "(the same kinds of layers, fewer of them, the same loss and optimizer; smaller widths and batches), e.g. "
+            "from the same model code with a smaller config"
         )
 
 
+def _kinds_of_layers(step: Step) -> list[str]:
+    """The step's layer names with their indices as ``*``, once each, in order: a small version has
+    fewer blocks (``blocks.0``, ``blocks.1`` for ``blocks.0`` to ``blocks.3``), the same kinds of layers."""
+    kinds: list[str] = []
+    for name in step.chain.names:
+        kind = ".".join("*" if part.isdigit() else part for part in name.split("."))
+        if kind not in kinds:
+            kinds.append(kind)
+    return kinds
+
+
 def _kind(obj: Any) -> str:
-    """What an optimizer or loss is, for comparing a small step's with the searched one's."""
-    update = getattr(obj, "update", None)
-    if update is not None:
-        return type(update).__qualname__
-    return getattr(obj, "__qualname__", type(obj).__qualname__)
+    """What an optimizer or loss is, for comparing a small step's with the searched one's: a function by
+    its name (a loss, a user optimizer's update method), anything else by its class (a built-in update)."""
+    made = getattr(obj, "update", obj)
+    if isinstance(made, (types.FunctionType, types.BuiltinFunctionType, types.MethodType)):
+        return str(made.__qualname__)
+    return type(made).__qualname__
 
 
 def _over(candidate: Candidate, bound: Bound, budget: int) -> Refused:

@@ -428,18 +428,6 @@ def test_batch_that_does_not_divide_is_refused(n: int, extra: int) -> None:
         sw.launch(run, n)
 
 
-def test_inputs_and_targets_of_different_batch_sizes_are_refused() -> None:
-    """8 inputs and 4 targets: the single-device step fails on the sizes; each leaf was cut on its own
-    over 4 ranks (2 inputs, 1 target each), and the broadcasting loss trained on that."""
-    base, params = _uneven_mlp()
-    batch = (torch.randn(8, 5, dtype=torch.float64), torch.randn(4, 6, dtype=torch.float64))
-    for step, mesh in [(sw.shard_params(base, "dp", 3), sw.Mesh(dp=4)),
-                       (sw.shard_params(base, "dp", 1, accumulation=2), sw.Mesh(dp=1))]:
-        with pytest.raises(sw.collectives.RankFailed, match=r"the batch's tensors have different sizes along dim 0 "
-                           r"\(shapes \[\(8, 5\), \(4, 6\)\]\), but each is cut along dim 0"):
-            sw.launch(lambda step=step, mesh=mesh: step(step.init(params, mesh), batch), mesh.size)
-
-
 def test_bad_options_are_refused() -> None:
     base, params = _uneven_mlp()
     with pytest.raises(ValueError, match="stages are 1, 2 or 3"):

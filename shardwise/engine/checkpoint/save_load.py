@@ -219,9 +219,8 @@ def save(path: str | os.PathLike[str], state: TrainState, step: Any, *, blocking
         except Exception as err:  # any failure: the other ranks wait in the agreement below to hear of it
             problem = f"cannot create {partial}: {type(err).__name__}: {err}"
     if not _agree(mesh, problem is None, device):
-        raise CheckpointError(
-            f"save to {target}: {problem or 'rank 0 could not prepare the directory (see its error)'}"
-        )
+        elsewhere = "another rank refused it or could not prepare the directory (its error says why)"
+        raise CheckpointError(f"save to {target}: {problem or elsewhere}")
     _reached("prepared")
     names = state_dict_names(step.base_chain)
     boxes_, tensors, meta = _snapshot(state, step, layout, mesh, names, rank)
@@ -256,12 +255,13 @@ def save(path: str | os.PathLike[str], state: TrainState, step: Any, *, blocking
         at_rank_end(handle.wait)  # a rank that returns without waiting commits it then, with its collectives
     else:
         _not_launched.append(handle)
-        if len(_not_launched) == 1:
-            atexit.register(_at_exit)
+        if not _at_exit_registered:
+            _at_exit_registered.append(atexit.register(_at_exit))
     return handle
 
 
 _not_launched: list[SaveHandle] = []  # this process's async saves outside sw.launch (one rank; torchrun)
+_at_exit_registered: list[Any] = []  # the hook, once registered
 
 
 def _at_exit() -> None:

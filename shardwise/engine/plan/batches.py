@@ -37,7 +37,6 @@ def split_over(
     ``whole``: (n, why) when the global batch is cut n ways in all (data-parallel ranks x
     micro-batches), so the fix names the multiple it needs, not this cut's ``parts``."""
     multiple, why = whole if whole is not None else (parts, "")
-    _check_one_batch(tree, parts, what)
 
     def cut(t: Any) -> Any:
         if not isinstance(t, torch.Tensor) or t.dim() == 0:
@@ -52,16 +51,3 @@ def split_over(
         return t[index * size : (index + 1) * size]
 
     return optree.tree_map(cut, tree)
-
-
-def _check_one_batch(tree: Any, parts: int, what: str) -> None:
-    """Refuse leaves of different sizes along dim 0: each is cut there on its own, so inputs of 8
-    rows and targets of 4 would pair 2 inputs with 1 target on each of 4 ranks, and a loss that
-    broadcasts trains on that, where the single-device step fails on the sizes."""
-    shapes = [tuple(t.shape) for t in optree.tree_leaves(tree) if isinstance(t, torch.Tensor) and t.dim() > 0]
-    if len({shape[0] for shape in shapes}) > 1:
-        raise ValueError(
-            f"{what}: the batch's tensors have different sizes along dim 0 (shapes {shapes}), but each is cut along "
-            f"dim 0 into {parts} parts, the rows of one example together: give every input and target the batch "
-            "dim first, with the same number of rows (a value shared by every row goes in the model, not the batch)"
-        )

@@ -324,7 +324,8 @@ def _check_whole_batch_loss(chain: Chain, stack: tuple[Any, ...]) -> None:
     raise ValueError(
         f"{found} adds its routers' load-balancing loss to the loss it returns (output_router_logits=True): {why}. "
         "Set config.output_router_logits = False before functionalize and apply sw.router_aux_loss(step, coef) "
-        "first, which counts the aux loss over the whole batch on every mesh"
+        "first, which counts the aux loss over the whole batch on every mesh (or just False, where your loss_fn "
+        "reads only the logits and the model's own loss is never used)"
     )
 
 

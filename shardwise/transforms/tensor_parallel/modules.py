@@ -60,6 +60,7 @@ class TPForward:
         # A Region's paths from its input to its output were read (region_paths.py): once, on the
         # first forward that recorded a graph.
         self.paths_checked = False
+        self.cuts_watched = False  # and how it cuts its Colwise outputs: on its first forward (split_watch.py)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         m, install = self.module, self.install
@@ -130,7 +131,8 @@ class TPForward:
             _flow.splits = None if self.paths_checked and outer_splits is None else []
             # The first forward also watches how the module cuts its plain Colwise outputs (split_watch.py).
             outer_watch = getattr(_flow, "watch", None)
-            _flow.watch = outer_watch if self.paths_checked else (outer_watch or SplitWatch())
+            _flow.watch = outer_watch if self.cuts_watched else (outer_watch or SplitWatch())
+            self.cuts_watched = True
             try:
                 with _flow.watch if _flow.watch is not outer_watch else contextlib.nullcontext():
                     out = type(m).forward(m, *args, **kwargs)
@@ -167,9 +169,7 @@ class TPForward:
             if install.enters and not gathered:  # per-rank values follow, up to their Rowwise (or the layer's end)
                 _start_rank_stream(axis, y.device)
             out = gather_invariant(y, axis, y.dim() - 1, label) if gathered else y
-            splits = getattr(_flow, "splits", None)
-            if splits is not None:  # inside a Region reading its paths: where a split path ends
-                splits.append((label, out))
+            _path_ends(label, out)
             watch = getattr(_flow, "watch", None)
             if watch is not None and not gathered and style.fused == 1:
                 watch.watch(out, label)
@@ -180,7 +180,9 @@ class TPForward:
             looked_up = _vocab_lookup(m, x, axis, label)
             if install.to_sequence and partial.hold_values(looked_up):
                 return looked_up  # summed where the first block reduce-scatters it (partial.py)
-            return leave(looked_up, axis, None, label, self.reduce)
+            summed = leave(looked_up, axis, None, label, self.reduce)
+            _path_ends(label, summed)
+            return summed
         assert weight is not None
         width = weight.shape[1] if install.kind == LINEAR else weight.shape[0]
         if x.shape[-1] != width:
@@ -191,15 +193,16 @@ class TPForward:
             )
         y = F.linear(x, weight) if install.kind == LINEAR else _conv1d(x, weight, None)
         y = leave(y, axis, install.seq_dim, label, self.reduce)
+        _path_ends(label, y)
         _back_to_shared()  # the summed output is every rank's: so are the random ops on it
         return y if bias is None else y + bias
 
     def _check_paths(
-        self, out: Any, entered: list[Tensor], before: list[Tensor], splits: list[tuple[str, Tensor]]
+        self, out: Any, entered: list[Tensor], before: list[Tensor], splits: list[tuple[str, Any]]
     ) -> None:
-        """Refuse a Region whose input reaches its output by a path no Colwise splits (region_paths.py)."""
+        """Refuse a Region whose input reaches its output by a path no split layer ends (region_paths.py)."""
         with quiet(), positions.unfollowed():  # reading grad_fn is a tensor op to the followers
-            found = bypasses_split(out, entered, [t for _, t in splits] + before)
+            found = bypasses_split(out, entered, [node for _, node in splits], before)
         if found is None:  # no graph recorded (no_grad, a frozen input): read on a later forward
             return
         self.paths_checked = True
@@ -210,9 +213,21 @@ class TPForward:
             ))
 
 
+def _path_ends(label: str, t: Tensor) -> None:
+    """Inside a Region reading its paths, a split layer's output (a Colwise's, a Rowwise's sum) ends a
+    path: its node is taken now, before an in-place op on the output moves its grad_fn downstream."""
+    splits = getattr(_flow, "splits", None)
+    if splits is None:
+        return
+    with quiet(), positions.unfollowed():  # reading grad_fn is a tensor op to the followers
+        node = t.grad_fn
+    if node is not None:
+        splits.append((label, node))
+
+
 # What this rank's layers have run, per thread (rank): .regions, how many Regions it is inside;
 # .split_output, whether the last split module it ran left its output split (a sharded Colwise);
-# .splits, while a Region reads its paths, the Colwise outputs it ran (label, tensor).
+# .splits, while a Region reads its paths, the split layers' outputs it ran (label, grad_fn node).
 _flow = threading.local()
 
 
@@ -232,6 +247,8 @@ def _divided(module: nn.Module, style: Region) -> list[tuple[Any, str, int]]:
             if dotted not in style.local and not isinstance(owner, nn.Module):
                 break
         else:
+            if dotted not in style.local and isinstance(getattr(type(owner), attr, None), property):
+                continue  # computed by the module (from what it holds): checked only, as a config's
             found.append((owner, attr, getattr(owner, attr)))
     return found
 

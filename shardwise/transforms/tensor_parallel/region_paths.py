@@ -2,16 +2,18 @@
 
 A :class:`~.styles.Region` enters its input into the parallel region once (Megatron's f): identity
 forward, the gradient summed over the axis backward. That sum is right only for a gradient each
-rank holds a part of, which is what a path through a Colwise layer gives (each rank multiplies by
-its slice of the weight). A path that no Colwise splits, a residual connection inside the module
-(BERT's ``BertAttention`` computes ``LayerNorm(dense(attention(x)) + x)``), hands every rank the
-whole of its gradient, and the sum would count it once per rank: every rank alike, so no check
-between the ranks would see it, and the model would train on gradients several times too large.
+rank holds a part of, which is what a path through a split layer gives: a Colwise (each rank
+multiplies by its slice of the weight), or a Rowwise's sum (replicated keys and values beside split
+queries, as multi-query attention keeps them, reach it). A path through neither, a residual
+connection inside the module (BERT's ``BertAttention`` computes ``LayerNorm(dense(attention(x)) +
+x)``), hands every rank the whole of its gradient, and the sum would count it once per rank: every
+rank alike, so no check between the ranks would see it, and the model would train on gradients
+several times too large.
 
-:func:`bypasses_split` walks the graph back from the Region's outputs, stopping at the outputs of
-the Colwise layers it ran and at the input as it was before entering; reaching the entered input
-means such a path. The walk runs once per Region module and rank, on its first forward that
-records a graph (the Plan's prediction, or the first step), over the Region's own nodes.
+:func:`bypasses_split` walks the graph back from the Region's outputs, stopping at the split
+layers' outputs and at the input as it was before entering; reaching the entered input means such
+a path. The walk runs once per Region module and rank, on its first forward that records a graph
+(the Plan's prediction, or the first step), over the Region's own nodes.
 """
 
 from __future__ import annotations
@@ -23,19 +25,23 @@ import optree
 from torch import Tensor
 
 
-def bypasses_split(outputs: Any, entered: Iterable[Tensor], stops: Iterable[Tensor]) -> bool | None:
-    """Whether a path leads from a tensor of ``outputs`` back to one of ``entered`` (the Region's
-    input after entering) through none of ``stops`` (the Colwise outputs, and the inputs before
-    entering); None when there is no graph to read (no gradient recorded, or none needed)."""
+def bypasses_split(
+    outputs: Any, entered: Iterable[Tensor], ends: Iterable[Any], before: Iterable[Tensor]
+) -> bool | None:
+    """Whether a path leads from the first tensor of ``outputs`` back to one of ``entered`` (the Region's
+    input after entering) through none of ``ends`` (the grad_fn nodes of the split layers' outputs:
+    a Colwise's, a Rowwise's sum; a gradient through either comes back partial) nor ``before`` (the
+    inputs before entering); None when there is no graph to read (no gradient recorded, or none needed)."""
     targets = {t.grad_fn for t in entered if t.grad_fn is not None}
     if not targets:
         return None
-    blocked = {t.grad_fn for t in stops if isinstance(t, Tensor) and t.grad_fn is not None}
-    frontier: list[Any] = [
-        t.grad_fn for t in optree.tree_leaves(outputs) if isinstance(t, Tensor) and t.grad_fn is not None
-    ]
-    if not frontier:
+    blocked = set(ends) | {t.grad_fn for t in before if isinstance(t, Tensor) and t.grad_fn is not None}
+    # The hidden states alone: what the caller goes on with (an attention's weights, returned beside
+    # them and dropped, may reach the input through replicated keys and carry no gradient).
+    first = next((t for t in optree.tree_leaves(outputs) if isinstance(t, Tensor)), None)
+    if first is None or first.grad_fn is None:
         return None
+    frontier: list[Any] = [first.grad_fn]
     seen: set[object] = set()
     while frontier:
         node = frontier.pop()
@@ -50,15 +56,15 @@ def bypasses_split(outputs: Any, entered: Iterable[Tensor], stops: Iterable[Tens
     return False
 
 
-def bypass_message(path: str, module_type: str, parts: int, colwise: Iterable[str]) -> str:
+def bypass_message(path: str, module_type: str, parts: int, layers: Iterable[str]) -> str:
     """The refusal of a Region whose input reaches its output by a path no Colwise splits."""
-    split = sorted(set(colwise))
-    inside = f" (its Colwise layers: {', '.join(repr(s) for s in split)})" if split else ""
+    split = sorted(set(layers))
+    inside = f" (its split layers: {', '.join(repr(s) for s in split)})" if split else ""
     return (
         f"tensor_parallel: Region {path!r} ({module_type}) passes its input to its output by a path that no Colwise "
-        f"layer splits, such as a residual connection inside the module{inside}. The Region sums its input's "
-        f"gradient over the axis, which would count that path's gradient {parts} times over, on every rank alike. "
-        "Put the Region on the modules inside it that each hold a Colwise / Rowwise pair without the residual add "
-        "(a Llama decoder layer's 'self_attn' and 'mlp', as sw.tp.llama_plan() does), or leave the Region out: each "
-        "Colwise then enters the region itself (Hugging Face BERT, whose 'attention' holds its residual add)"
+        f"or Rowwise layer splits, such as a residual connection inside the module{inside}. The Region sums its "
+        f"input's gradient over the axis, which would count that path's gradient {parts} times over, on every rank "
+        "alike. Put the Region on the modules inside it that each hold a Colwise / Rowwise pair without the residual "
+        "add (a Llama decoder layer's 'self_attn' and 'mlp', as sw.tp.llama_plan() does), or leave the Region out: "
+        "each Colwise then enters the region itself (Hugging Face BERT, whose 'attention' holds its residual add)"
     )

@@ -6,9 +6,11 @@ that computes several blocks side by side (q, k and v in one Linear, nanoGPT's a
 ``.chunk(3, -1)``); on a rank's contiguous slice the parts are pieces of other blocks (all of q and
 part of k at tp 2), and the model computes another attention without an error. ``Colwise(fused=3)``
 cuts each block instead. :class:`SplitWatch` runs around a Region's first forward: a plain
-Colwise's output cut along its last dim is refused, naming the module and the fix. It sees
-``chunk``, ``split`` and ``tensor_split`` (and ``unbind``) calls; a ``view`` that splits the blocks
-(``view(b, t, 3, heads, -1)``) looks like one into heads, and goes unseen.
+Colwise's output cut along its last dim into a number of parts the module fixes (``chunk(3)``,
+``tensor_split(2)``) is refused, naming the module and the fix. A cut by a size (``split(n_embd)``,
+which on a rank's slice makes pieces of the wrong width and fails there, or ``split(head_dim)``, a
+rank's whole heads) and a ``view`` that splits the blocks (``view(b, t, 3, heads, -1)``, which looks
+like one into heads) go unseen.
 """
 
 from __future__ import annotations
@@ -21,10 +23,12 @@ import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
+# Cuts into a number of parts fixed by the module (chunk(3), tensor_split(2)): the blocks of a fused
+# projection. A cut into parts of a size (split(head_dim)) makes as many parts as the slice holds, so
+# per-head pieces of a rank's whole heads are its heads: not watched.
 _CUTS = {
-    torch.chunk: "chunk", Tensor.chunk: "chunk", torch.split: "split", Tensor.split: "split",
-    torch.tensor_split: "tensor_split", Tensor.tensor_split: "tensor_split", torch.unbind: "unbind",
-    Tensor.unbind: "unbind",
+    torch.chunk: "chunk", Tensor.chunk: "chunk", torch.tensor_split: "tensor_split",
+    Tensor.tensor_split: "tensor_split",
 }
 
 
@@ -51,9 +55,10 @@ class SplitWatch(TorchFunctionMode):
 
 
 def _check(t: Tensor, name: str, args: Sequence[Any], kwargs: dict[str, Any], label: str) -> None:
-    dim = kwargs.get("dim", args[1] if name == "unbind" and len(args) > 1 else args[2] if len(args) > 2 else 0)
-    if not isinstance(dim, int) or t.dim() == 0 or dim % t.dim() != t.dim() - 1:
-        return
+    dim = kwargs.get("dim", args[2] if len(args) > 2 else 0)
+    parts = args[1] if len(args) > 1 else kwargs.get("chunks", kwargs.get("sections"))
+    if not isinstance(dim, int) or not isinstance(parts, int) or t.dim() == 0 or dim % t.dim() != t.dim() - 1:
+        return  # another dim, or sections given by their indices
     raise ValueError(
         f"tensor_parallel: Colwise() on {label!r} gives each rank a contiguous 1/tp of its output features, and the "
         f"module cuts that output into parts along them ({name}): on a rank the parts are pieces of other blocks "

@@ -560,3 +560,48 @@ def test_a_region_divides_the_head_count_its_module_holds(heads: str) -> None:
     report = sw.testing.assert_equivalent(sw.tensor_parallel(step, "tp", plan), step, sw.Mesh(tp=2), batches, params)
     assert report.steps == 2
     assert attn.n_heads == 4  # the model itself is untouched
+
+
+class _PerHead(torch.nn.Module):
+    """Separate q, k and v, cut into heads by their size (split(head_dim, -1)): a rank's slice is whole heads."""
+
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.head_dim = d // heads
+        self.q, self.k, self.v, self.o = (torch.nn.Linear(d, d) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = (torch.stack(m(x).split(self.head_dim, -1), 1) for m in (self.q, self.k, self.v))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(torch.cat(y.unbind(1), -1))
+
+
+def test_regions_the_path_and_cut_checks_must_accept() -> None:
+    """What the Region checks must not refuse (found by review): multi-query attention with its one key/value
+    head replicated beside split queries (its paths meet the Rowwise sum, not a Colwise), and heads cut by
+    their size from separate projections (a rank's slice is its whole heads)."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.llama import modeling_llama
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=16,
+                                      attn_implementation="eager")
+    chain, params = sw.functionalize(modeling_llama.LlamaForCausalLM(config).double(),
+                                     units=modeling_llama.LlamaDecoderLayer)
+    step = sw.train_step(chain, lambda out, y: torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), y.flatten()),
+                         sw.optim.sgd(0.1, momentum=0.9))
+    attn = "model.layers.*.self_attn"
+    plan: dict[str, Any] = {attn: sw.tp.Region(heads=("config.num_attention_heads",), local=("num_key_value_groups",)),
+                            f"{attn}.q_proj": sw.tp.Colwise(), f"{attn}.o_proj": sw.tp.Rowwise()}
+    gen = torch.Generator().manual_seed(1)
+    ids = [(torch.randint(64, (4, 8), generator=gen), torch.randint(64, (4, 8), generator=gen)) for _ in range(2)]
+    sw.testing.assert_equivalent(sw.tensor_parallel(step, "tp", plan), step, sw.Mesh(tp=2), ids, params)
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 16), _PerHead(16, 4), torch.nn.Linear(16, 4)).double()
+    chain, params = sw.functionalize(net)
+    step = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1, momentum=0.9))
+    plan = {"1": sw.tp.Region(), "1.o": sw.tp.Rowwise(), **{f"1.{p}": sw.tp.Colwise() for p in "qkv"}}
+    batches = [tuple(torch.randn(4, 8, 4, generator=gen, dtype=torch.float64) for _ in range(2)) for _ in range(2)]
+    sw.testing.assert_equivalent(sw.tensor_parallel(step, "tp", plan), step, sw.Mesh(tp=2), batches, params)

@@ -291,7 +291,7 @@ def test_a_region_around_a_residual_block_is_refused(build: dict[str, Callable])
     step = sw.tensor_parallel(problem.step, "tp", plan)
     with pytest.raises(sw.collectives.RankFailed,
                        match=r"Region 'blocks\.0' \(Block\) passes its input to its output by a path that no "
-                             r"Colwise layer splits.*'blocks\.0\.attn\.qkv'.*2 times over"):
+                             r"Colwise or Rowwise layer splits.*'blocks\.0\.attn\.qkv'.*2 times over"):
         _one_step(step, problem.params, sw.Mesh(tp=2), problem.batches[0])
 
 
@@ -316,7 +316,8 @@ def test_a_region_around_a_post_norm_residual_is_refused() -> None:
     plan: dict[str, Any] = {f"{layer}.self.{p}": sw.tp.Colwise() for p in ("query", "key", "value")}
     plan[f"{layer}.output.dense"] = sw.tp.Rowwise()
     with pytest.raises(sw.collectives.RankFailed, match=r"Region 'bert\.encoder\.layer\.0\.attention' "
-                       r"\(BertAttention\) passes its input to its output by a path that no Colwise layer splits"):
+                       r"\(BertAttention\) passes its input to its output by a path that no Colwise or Rowwise layer "
+                       r"splits"):
         regioned = {**plan, layer: sw.tp.Region(heads=("self.num_attention_heads",))}
         _one_step(sw.tensor_parallel(step, "tp", regioned), params, sw.Mesh(tp=2), batches[0])
     report = sw.testing.assert_equivalent(sw.tensor_parallel(step, "tp", plan), step, sw.Mesh(tp=2), batches, params)
