@@ -116,39 +116,12 @@ class TPForward:
             n = in_layer.size(axis)
             for owner, attr, value in self.locals:
                 setattr(owner, attr, value // n)
-            before: list[Tensor] = []
-            entered: list[Tensor] = []
-
-            def enter_region(h: Tensor) -> Tensor:
-                before.append(h)
-                entered.append(enter(h, axis, install.seq_dim, label, self.reduce))
-                return entered[-1]
-
-            args, kwargs = _map_hidden(m, self.hidden, args, kwargs, enter_region)
-            _flow.regions = getattr(_flow, "regions", 0) + 1
-            outer_splits = getattr(_flow, "splits", None)
-            # (a Region inside one reading its paths records for it too: its Colwise outputs end that one's paths)
-            _flow.splits = None if self.paths_checked and outer_splits is None else []
-            # The first forward also watches how the module cuts its plain Colwise outputs (split_watch.py).
-            outer_watch = getattr(_flow, "watch", None)
-            _flow.watch = outer_watch if self.cuts_watched else (outer_watch or SplitWatch())
-            self.cuts_watched = True
-            try:
-                with _flow.watch if _flow.watch is not outer_watch else contextlib.nullcontext():
-                    out = type(m).forward(m, *args, **kwargs)
-            except (RuntimeError, ValueError) as err:
-                if _is_ours(err):
-                    raise
-                raise ValueError(_region_failed(m, label, style, err, in_layer.size(axis))) from err
-            finally:
-                _flow.regions -= 1
-                splits, _flow.splits = _flow.splits, outer_splits
-                _flow.watch = outer_watch
-            if splits is not None and outer_splits is not None:
-                outer_splits.extend(splits)
-            if splits is not None and not self.paths_checked:
-                self._check_paths(out, entered, before, splits)
-            return out
+            if self.paths_checked and self.cuts_watched and getattr(_flow, "splits", None) is None:
+                args, kwargs = _map_hidden(
+                    m, self.hidden, args, kwargs, lambda h: enter(h, axis, install.seq_dim, label, self.reduce)
+                )
+                return self._run_region(style, label, args, kwargs)
+            return self._read_region(install, args, kwargs)
         (x,) = args
         if isinstance(style, Colwise):
             if install.enters and install.kind != EMBEDDING:
@@ -196,6 +169,51 @@ class TPForward:
         _path_ends(label, y)
         _back_to_shared()  # the summed output is every rank's: so are the random ops on it
         return y if bias is None else y + bias
+
+    def _run_region(self, style: Region, label: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The Region's module on its entered input, a failure of torch's explained (head counts)."""
+        m = self.module
+        _flow.regions = getattr(_flow, "regions", 0) + 1
+        try:
+            return type(m).forward(m, *args, **kwargs)
+        except (RuntimeError, ValueError) as err:
+            if _is_ours(err):
+                raise
+            raise ValueError(_region_failed(m, label, style, err, in_layer.size(self.axis))) from err
+        finally:
+            _flow.regions -= 1
+
+    def _read_region(self, install: Install, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A Region's call that reads it as well: its paths (region_paths.py), until a call records a
+        graph, and how it cuts its Colwise outputs (split_watch.py), on its first call; or one inside
+        such a Region, whose split layers end that one's paths too."""
+        style, label = install.style, install.path
+        assert isinstance(style, Region)
+        before: list[Tensor] = []
+        entered: list[Tensor] = []
+
+        def enter_region(h: Tensor) -> Tensor:
+            before.append(h)
+            entered.append(enter(h, self.axis, install.seq_dim, label, self.reduce))
+            return entered[-1]
+
+        args, kwargs = _map_hidden(self.module, self.hidden, args, kwargs, enter_region)
+        outer_splits = getattr(_flow, "splits", None)
+        _flow.splits = None if self.paths_checked and outer_splits is None else []
+        outer_watch = getattr(_flow, "watch", None)
+        _flow.watch = outer_watch if self.cuts_watched else (outer_watch or SplitWatch())
+        self.cuts_watched = True
+        try:
+            with _flow.watch if _flow.watch is not outer_watch else contextlib.nullcontext():
+                out = self._run_region(style, label, args, kwargs)
+        finally:
+            splits, _flow.splits = _flow.splits, outer_splits
+            _flow.watch = outer_watch
+        if splits is not None and outer_splits is not None:
+            outer_splits.extend(splits)
+        if splits is not None and not self.paths_checked:
+            self._check_paths(out, entered, before, splits)
+        return out
 
     def _check_paths(
         self, out: Any, entered: list[Tensor], before: list[Tensor], splits: list[tuple[str, Any]]
