@@ -272,6 +272,13 @@ def test_a_checkpoint_loads_into_the_same_model_functionalized_with_other_units(
     assert all(torch.equal(whole_saved[k], whole_b[k]) for k in whole_b)
     # and the single-device run's, to ZeRO-3's rounding (1e-17 here) against each tensor's scale
     assert all(float((whole_a[k] - whole_b[k]).abs().max()) <= 1e-12 * float(whole_a[k].abs().max()) for k in whole_a)
-    _, metrics_a = step_a(state_a, batches[2])
-    _, metrics_b = step_b(state_b, batches[2])
+    next_a, metrics_a = step_a(state_a, batches[2])
+    next_b, metrics_b = step_b(state_b, batches[2])
     assert float(metrics_b["loss"]) == pytest.approx(float(metrics_a["loss"]), rel=1e-12)
+    # the update after the load used the loaded momentum: the parameters agree after it too
+    after_a, after_b = sw.checkpoint.full_state_dict(step_a, next_a), sw.checkpoint.full_state_dict(step_b, next_b)
+    assert all(float((after_a[k] - after_b[k]).abs().max()) <= 1e-12 * float(after_a[k].abs().max()) for k in after_a)
+    # (and it matters: the same parameters with no momentum move elsewhere)
+    no_momentum, _ = step_b(step_b.init(state_b.params), batches[2])
+    moved = sw.checkpoint.full_state_dict(step_b, no_momentum)
+    assert any(not torch.allclose(moved[k], after_b[k]) for k in after_b)
