@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -61,6 +62,22 @@ def _process_alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+@pytest.fixture
+def fresh_interpreter(tmp_path: Path) -> Callable[..., str]:
+    """``run(text, *args)``: ``text`` as a script in a fresh interpreter (this checkout's shardwise first on
+    its path), which must exit 0; its stdout. For what a process does from its first import on."""
+
+    def run(text: str, *args: str, timeout: float = 240) -> str:
+        script = tmp_path / "fresh_script.py"
+        script.write_text(text)
+        done = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=timeout,
+                              env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stdout
+
+    return run
 
 
 @pytest.fixture

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -17,7 +15,6 @@ from torch import nn
 from shardwise.engine.model.fx_split import _UnitTracer
 from shardwise.testing.models import TinyGPT
 
-REPO = Path(__file__).resolve().parents[2]
 FRAME = re.compile(r'File "(.*?)", line (\d+), in (\S+)\n +(.*)')
 
 
@@ -95,14 +92,9 @@ if __name__ == "__main__":
 """
 
 
-def test_a_first_zero3_step_imports_no_compiler(tmp_path: Path) -> None:
+def test_a_first_zero3_step_imports_no_compiler(fresh_interpreter: Callable[..., str]) -> None:
     """torch.fx's own stack traces import torch._dynamo, inductor, AOTAutograd and networkx (with
     torch.export and sympy: 1,200 modules, about 1.2 s of CPU in every process that traces, each rank
     of a launch), and AdamW's state sized on meta tensors by torch.zeros_like imported sympy (0.35 s):
     a traced model's first ZeRO-3 step with AdamW, planned and run, imports none of them."""
-    script = tmp_path / "first_step.py"
-    script.write_text(FIRST_STEP)
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert eval(done.stdout.strip().splitlines()[-1]) == []
+    assert eval(fresh_interpreter(FIRST_STEP).strip().splitlines()[-1]) == []

@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 
 from shardwise.engine.optim.meta_like import meta_like
-
-REPO = Path(__file__).resolve().parents[2]
 
 META = torch.empty(3, 4, device="meta")
 CALLS = [
@@ -79,12 +74,7 @@ if __name__ == "__main__":
 """
 
 
-def test_a_user_optimizer_under_zero3_imports_no_sympy(tmp_path: Path) -> None:
+def test_a_user_optimizer_under_zero3_imports_no_sympy(fresh_interpreter: Callable[..., str]) -> None:
     """The Plan and the state's layout run a user's optimizer on meta tensors at init, on every rank:
     its torch.zeros_like there imported sympy (0.36 s of CPU, 36 MiB)."""
-    script = tmp_path / "user_optimizer.py"
-    script.write_text(USER_OPTIMIZER)
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert eval(done.stdout.strip().splitlines()[-1]) == []
+    assert eval(fresh_interpreter(USER_OPTIMIZER).strip().splitlines()[-1]) == []
