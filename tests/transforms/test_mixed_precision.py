@@ -236,3 +236,48 @@ def test_a_non_finite_gradient_on_one_rank_skips_the_step_everywhere(kind: str) 
 
     for skipped, used, next_scale, unchanged, finite in sw.launch(run, 2):
         assert skipped and used == 256.0 and next_scale == 128.0 and unchanged and finite
+
+
+def _split_axis_overflow_case(kind: str):  # type: ignore[no-untyped-def]
+    """fp16 with a scale too large for the first step (the usual start of a dynamic scale) under a
+    transform whose ranks hold replicated parameters and compare their gradients' checksums."""
+    from shardwise.testing.models import MoEBlock, TinyGPT
+
+    scale = DynamicLossScale(scale=2.0**30)
+    if kind == "ep":
+        torch.manual_seed(0)
+        chain, params = sw.functionalize(torch.nn.Sequential(
+            torch.nn.Linear(6, 8), MoEBlock(8, 2, 4, 4, 2), torch.nn.Linear(8, 3)))
+        base = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1))
+        g = torch.Generator().manual_seed(1)
+        batch = (torch.randn(8, 4, 6, generator=g), torch.randn(8, 4, 3, generator=g))
+        step = sw.expert_parallel(sw.mixed_precision(base, "compute=f16,output=f32", loss_scale=scale), "ep")
+        return step, sw.Mesh(ep=2), params, batch
+    torch.manual_seed(0)
+    chain, params = sw.functionalize(TinyGPT(vocab=32, d_model=16, n_heads=2, n_layers=1, seq_len=8),
+                                     units=["tok_emb", "blocks", "head"])
+    base = sw.train_step(chain, lambda logits, y: torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1).float(), y.flatten()), sw.optim.adamw(1e-2))
+    ids = torch.randint(0, 32, (4, 9), generator=torch.Generator().manual_seed(2))
+    mp = sw.mixed_precision(base, "compute=f16,output=f32", loss_scale=scale)
+    if kind == "tp":
+        return sw.tensor_parallel(mp, "tp", sw.tp.tiny_gpt_plan(vocab_parallel=False)), sw.Mesh(tp=2), params, \
+            (ids[:, :-1], ids[:, 1:])
+    return sw.context_parallel(mp, "cp", attention="ring"), sw.Mesh(cp=2), params, (ids[:, :-1], ids[:, 1:])
+
+
+@pytest.mark.parametrize("kind", ["tp", "cp", "ep"])
+def test_an_overflow_under_a_split_axis_skips_the_step(kind: str) -> None:
+    """The replicated parameters' checksums are NaN alike on every rank when the gradients overflow: the
+    replica check must not read NaN != NaN as ranks that differ; the step is skipped and the scale halved."""
+    step, mesh, params, batch = _split_axis_overflow_case(kind)
+
+    def run() -> tuple[bool, float, bool]:
+        state = step.init(params, mesh)
+        after, metrics = step(state, batch)
+        unchanged = all(torch.equal(a, b) for a, b in zip(optree.tree_leaves(state.params),
+                                                          optree.tree_leaves(after.params), strict=True))
+        return bool(metrics["skipped"]), after.loss_scale.scale, unchanged
+
+    for skipped, next_scale, unchanged in sw.launch(run, 2):
+        assert skipped and next_scale == 2.0**29 and unchanged

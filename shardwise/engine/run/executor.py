@@ -923,7 +923,7 @@ class Executor(ZeroActions, TransferActions):
             raise ValueError(different_batches(f"the ranks of axis {axis!r}"))
         # Equal bitwise when right: every index sums the same values in the same order (a sum over
         # the axis gives every index the same bits), so any difference, however small, is a missed sum.
-        if not torch.equal(every[:, :2], every[:1, :2].expand(every.shape[0], 2)):
+        if not _equal_rows(every[:, :2]):
             replicas = self.replicas.get(axis)
             by, fix = ("the split", "") if replicas is None else (replicas.by, replicas.fix)
             raise ValueError(
@@ -999,6 +999,14 @@ def _reaches(y: torch.Tensor, x: torch.Tensor, budget: int = 32) -> bool | None:
 def _mark(reached: list[bool], k: int, grad: torch.Tensor) -> None:
     """A joined stage input's gradient hook: note that a gradient reached it (and leave it as it is)."""
     reached[k] = True
+
+
+def _equal_rows(rows: torch.Tensor) -> bool:
+    """Every row bitwise the first, NaN equal to NaN in the same place: gradients that overflowed alike
+    (a loss scale too large, to be skipped) give every rank the same NaN checksum."""
+    nan = rows.isnan()
+    first = rows[:1].expand_as(rows)
+    return torch.equal(nan, nan[:1].expand_as(nan)) and torch.equal(rows.nan_to_num(0.0), first.nan_to_num(0.0))
 
 
 def _counted_pieces(grads: Any, counted: Any) -> list[torch.Tensor]:

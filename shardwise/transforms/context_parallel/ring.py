@@ -113,12 +113,17 @@ def ring_attention(
             unused.append(kv)
         if step < n - 1:
             kv = ppermute(kv, axis, ring, mesh=mesh)
+    if any(s.out is None for s in softmaxes):
+        # A query chunk that saw no key (all padding) has a zero output that no block connects to q:
+        # without its zero gradient the rank's q projection would issue no gradient collective.
+        unused.append(q)
     out = torch.cat([s.result() for s in softmaxes], dim=2).to(q.dtype)
     return _KeepInGraph.apply(out, *unused) if unused and torch.is_grad_enabled() else out
 
 
 class _KeepInGraph(torch.autograd.Function):
-    """Identity on the output in forward; a zero gradient for each unused key/value slice in backward.
+    """Identity on the output in forward; a zero gradient for each unused key/value slice (or query, when a
+    query chunk saw no key) in backward.
 
     Unbalanced causal rank ``i`` never attends to the slices of ranks after it, so without this no
     gradient would reach the ``ppermute`` that brought them, its transpose would not run on that rank,

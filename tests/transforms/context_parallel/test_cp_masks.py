@@ -143,3 +143,13 @@ def test_a_mask_of_the_wrong_size_and_a_custom_ulysses_attention_with_a_mask_are
     launch(main, world=2, timeout=60)
     with pytest.raises(ValueError, match=r"4-D mask of its own cannot be cut"):
         token_mask(attention_mask=torch.ones(2, 1, SEQ, SEQ))
+
+
+@pytest.mark.parametrize(("balanced", "count"), [(True, 12), (False, 8)])
+def test_ring_on_a_rank_whose_queries_are_all_padding(balanced: bool, count: int) -> None:
+    """Short prompts left-padded in a long batch: every query a rank holds is padding, so no key block
+    is added on that rank and its output is zeros. Its queries still get their (zero) gradient: without
+    it the rank's q projection would issue no gradient collective and the ranks would mismatch."""
+    attention_mask = torch.ones(2, SEQ, dtype=torch.long)
+    attention_mask[:, :count] = 0  # balanced, 2 ranks: rank 1 holds positions 4..11; unbalanced: rank 0 0..7
+    check(ring_attention, 2, balanced, token_mask(attention_mask=attention_mask), causal=True)
