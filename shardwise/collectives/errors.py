@@ -10,6 +10,13 @@ collective, after the others gave up waiting for it.
 
 from __future__ import annotations
 
+# Why ranks most often issue different collectives, said wherever a mismatch is seen.
+DIFFERENT_COLLECTIVES = (
+    "Every rank of a group must issue the same collectives in the same order: call the same step on "
+    "every rank (a step that reports metrics on rank 0 and a quiet one, with_metrics(()), on the "
+    "others issue different ones; so does a step or a save called on some ranks only)."
+)
+
 
 class CollectiveError(RuntimeError):
     """A collective could not complete (timeout, a peer failed, backend error)."""

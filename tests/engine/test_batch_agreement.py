@@ -79,6 +79,39 @@ def test_rows_swapped_between_ranks_are_refused_too() -> None:
         sw.launch(swapped, mesh.size, timeout=60)
 
 
+@pytest.mark.parametrize("name", ["zero-3", "pipeline", "tensor parallel"])
+def test_a_rank_that_switches_to_another_step_after_init_is_refused(name: str) -> None:
+    """init compares the ranks' steps; a step swapped in later (a new learning rate on one rank, or
+    clipping on one rank only) is compared at every call, its digest summed with the metrics."""
+    _, params = _problem()
+    chain = sw.functionalize(mlp([4, 8, 8, 3]).double())[0]
+    transform, axes = STACKS[name]
+    mesh = sw.Mesh(**axes)
+    first = transform(sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1, momentum=0.9)))
+    others = {
+        "learning rate": lambda: transform(sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.01, momentum=0.9))),
+        "clipping": lambda: transform(
+            sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1, momentum=0.9), clip_norm=0.01)),
+    }
+    for other in others.values():
+
+        def switch(other: Any = other) -> None:
+            state, _ = first(first.init(params, mesh), _batch(0))
+            # Every rank builds its next step; rank 0's is the same as before, the others' not.
+            later = first if mesh.rank == 0 else other()
+            later(state, _batch(1))
+
+        with pytest.raises(sw.collectives.RankFailed, match="the ranks called steps built differently"):
+            sw.launch(switch, mesh.size, timeout=60)
+
+    def the_same_step_built_again() -> int:  # a new step object, built alike: not refused
+        state, _ = first(first.init(params, mesh), _batch(0))
+        again = transform(sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1, momentum=0.9)))
+        return again(state, _batch(1))[0].step
+
+    assert sw.launch(the_same_step_built_again, mesh.size, timeout=60) == [2] * mesh.size
+
+
 def test_a_quiet_step_exchanges_nothing_and_so_checks_nothing() -> None:
     # metrics=() and no rule that needs the sums: no exchange, so no check either (documented).
     step, params = _problem()

@@ -4,8 +4,9 @@ metric or a rule (clipping, mixed precision's skip) needs.
 
 The ledger counts the all-reduces (``psum``) each step issues: the metrics' exchange is the
 only one a step of these kinds makes, so a step asked for nothing must issue none. When a
-distributed step exchanges anything, two more values ride along: the fingerprint of the batch and
-a weighted copy, which tell whether every rank passed the same batch.
+distributed step exchanges anything, four more values ride along: the fingerprint of the batch and
+the digest of the step, each with a weighted copy, which tell whether every rank passed the same
+batch to the same step.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ KINDS: dict[str, tuple[Callable[[Any], Any], dict[str, int], int]] = {
     "pipeline x zero-3": (lambda s: sw.shard_params(sw.pipeline(s, "pp", "1f1b", 2), "dp", 3), {"dp": 2, "pp": 2}, 2),
 }
 SELECTIONS = [(), ("loss",), ("grad_norm",), ("loss", "grad_norm")]
-BATCH_CHECK = 2  # the batch fingerprint and a weighted copy
+BATCH_CHECK = 4  # the batch fingerprint and the step digest, each with a weighted copy
 
 
 def _problem(clip_norm: float | None = None) -> tuple[Any, Any, list[Any]]:

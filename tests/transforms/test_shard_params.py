@@ -161,13 +161,15 @@ def _zero_volume(step: sw.Step, params: dict, n: int) -> tuple[int, int, list]:
 def test_ledger_matches_zero_volumes(n: int, stage: int, reshard: bool, factor: int) -> None:
     """Stage 1/2: 2Ψ(N-1)/N; stage 3: 3Ψ(N-1)/N resharding after forward, less the last forward's
     unit, which the backward starts with and is kept across the loss (as FSDP2 keeps its root's),
-    2Ψ(N-1)/N without. The only other traffic is one all-reduce of (loss, squared norm): 2 values."""
+    2Ψ(N-1)/N without. The only other traffic is one all-reduce of (loss, squared norm) and the
+agreement checks: 6 values."""
     base, params = _uneven_mlp()
     step = sw.shard_params(base, "dp", stage, reshard_after_forward=reshard)
     psi, zero, other = _zero_volume(step, params, n)
     kept = step.layout(sw.Mesh(dp=n), params).sharding.units["4"].padded_nbytes if stage == 3 and reshard else 0
     assert zero * n == (factor * psi - kept) * (n - 1)
-    assert other == [("psum", (4,))]  # loss and squared norm, and the batch fingerprint and a weighted copy
+    # loss and squared norm; the batch fingerprint and the step digest, each with a weighted copy
+    assert other == [("psum", (6,))]
 
 
 # -- behaviour ------------------------------------------------------------------------------

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import CollectiveError, CollectiveTimeout
+from ..errors import DIFFERENT_COLLECTIVES, CollectiveError, CollectiveTimeout
 from ..timeout import DEFAULT_TIMEOUT_S, check_timeout
 from .base import Backend, CompletedWork, Group, Rows, Work
 from .distributed_p2p import PointToPoint
@@ -402,7 +402,7 @@ class TorchDistributedBackend(PointToPoint, Backend):
         if _is_timeout(exc):
             return CollectiveTimeout(
                 f"{where} timed out: a rank of the group never arrived (it failed, returned early, "
-                f"or issued different collectives): {exc}"
+                f"or issued different collectives): {exc}. {DIFFERENT_COLLECTIVES}"
             )
         if dtype is not None and any(word in str(exc).lower() for word in _DTYPE_REFUSALS):
             # gloo refuses e.g. float8 with a bare "Invalid scalar type", at issue or at wait.

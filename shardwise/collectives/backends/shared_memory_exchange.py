@@ -47,7 +47,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import CollectiveError
+from ..errors import DIFFERENT_COLLECTIVES, CollectiveError
 from .base import Group, Rows, Work, copy_pieces, pieces_within
 from .exchange_thread import ErrorFor, Job, JobThread
 from .switch import Switch
@@ -455,8 +455,8 @@ class SharedMemoryExchange:
         if got != expected:
             raise CollectiveError(
                 f"member {self._members[j]} of the exchange sent {_described(got, dtype)}, where this member "
-                f"takes {_described(expected, dtype)}: the members issued different collectives (every member "
-                f"must issue the same ones, in the same order)")
+                f"takes {_described(expected, dtype)}: the members issued different collectives. "
+                f"{DIFFERENT_COLLECTIVES}")
 
     def _free(self, seq: int) -> bool:
         """Whether every peer has taken what our slot for chunk ``seq`` held before."""

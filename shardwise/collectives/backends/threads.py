@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..errors import CollectiveError, CollectiveTimeout, RankAborted
+from ..errors import DIFFERENT_COLLECTIVES, CollectiveError, CollectiveTimeout, RankAborted
 from ._dispatch import outside_dispatch_modes
 from .base import (
     Backend,
@@ -108,7 +108,7 @@ class ThreadsWorld:
                 error = CollectiveError(
                     f"collective mismatch on axis {group.axis!r} (call #{seq} of group {group.ranks}): "
                     f"rank {rank} called {op_name} but rank {rdv.arrived_ranks[0]} called {rdv.op_name}. "
-                    "Every rank of a group must issue the same collectives in the same order."
+                    f"{DIFFERENT_COLLECTIVES}"
                 )
                 rdv.error = error
                 self._cond.notify_all()

@@ -293,6 +293,7 @@ class Executor(ZeroActions, TransferActions):
     counted: Any = None
     counts_losses: bool = False  # with ``counted``: this rank's losses and tokens are its own (a split cut the batch)
     batch_fingerprint: torch.Tensor | None = None  # of the global batch, when the exchange checks it
+    step_digest: float | None = None  # of the step, summed beside the batch's fingerprint
     rng_rank: int | None = None  # the rank whose random streams this one draws (None: its own)
     # One device, no ZeRO, an in-place optimizer: the leaves and bound layers of the last step of this
     # rank, reused when the parameters are the same tensors (run/bindings.py); None: bound afresh.
@@ -892,7 +893,8 @@ class Executor(ZeroActions, TransferActions):
                 losses, counts = [], []
             pieces = _counted_pieces(counted, self.counted)
         self._local_metrics = self.exchange.local(
-            losses, pieces, self.metric_dtype, self.device, counts, self.batch_fingerprint, self._rank
+            losses, pieces, self.metric_dtype, self.device, counts, self.batch_fingerprint, self._rank,
+            self.step_digest,
         )
 
     def _check_no_gather_pending(self) -> None:

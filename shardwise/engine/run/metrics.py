@@ -59,22 +59,15 @@ class Summed:
     exact_norm: torch.Tensor | None = None  # on one rank: the norm as torch's clip_grad_norm_ computes it
     count: torch.Tensor | None = None  # token-weighted steps: the global number of tokens
     batch: tuple[torch.Tensor, torch.Tensor] | None = None  # the batch fingerprints' sum, and weighted sum
+    steps: tuple[torch.Tensor, torch.Tensor] | None = None  # the same of the steps' digests
 
     def batches_differ(self, ranks: Sequence[int]) -> bool:
-        """Whether the ``ranks`` that summed their batch fingerprints passed different batches.
+        """Whether the ``ranks`` that summed their batch fingerprints passed different batches."""
+        return _summed_differ(self.batch, ranks)
 
-        Each rank adds its fingerprint f and ``batch_weight(rank) * f``; with one f everywhere the
-        weighted sum is (the sum of the weights) x (the mean f), and a rank whose f differs leaves a
-        residual of the order of its difference (linear in it: no squares to cancel)."""
-        if self.batch is None or len(ranks) <= 1:
-            return False
-        total, weighted = (float(v) for v in self.batch)
-        weights = sum(batch_weight(r) for r in ranks)
-        mean = total / len(ranks)
-        residual = abs(weighted - weights * mean)
-        # A sum of n values rounds by at most (n - 1) eps of their magnitudes: twice that is slack.
-        eps = torch.finfo(self.batch[0].dtype).eps
-        return residual > 4 * len(ranks) * eps * (abs(weighted) + weights * abs(mean)) + 1e-300
+    def steps_differ(self, ranks: Sequence[int]) -> bool:
+        """Whether the ``ranks`` that summed their steps' digests called steps built differently."""
+        return _summed_differ(self.steps, ranks)
 
     @property
     def norm(self) -> torch.Tensor | None:
@@ -88,6 +81,22 @@ class Summed:
         if self.loss_sum is None:
             return None
         return self.loss_sum if losses == 1 else self.loss_sum / losses  # (x / 1 is x, bit for bit)
+
+
+def _summed_differ(pair: tuple[torch.Tensor, torch.Tensor] | None, ranks: Sequence[int]) -> bool:
+    """Whether the ``ranks`` that summed a value f and ``batch_weight(rank) * f`` (``pair``) had
+    different values: with one f everywhere the weighted sum is (the sum of the weights) x (the mean
+    f), and a rank whose f differs leaves a residual of the order of its difference (linear in it:
+    no squares to cancel)."""
+    if pair is None or len(ranks) <= 1:
+        return False
+    total, weighted = (float(v) for v in pair)
+    weights = sum(batch_weight(r) for r in ranks)
+    mean = total / len(ranks)
+    residual = abs(weighted - weights * mean)
+    # A sum of n values rounds by at most (n - 1) eps of their magnitudes: twice that is slack.
+    eps = torch.finfo(pair[0].dtype).eps
+    return residual > 4 * len(ranks) * eps * (abs(weighted) + weights * abs(mean)) + 1e-300
 
 
 @dataclass(frozen=True)
@@ -104,8 +113,10 @@ class MetricExchange:
     norm: bool
     finite: bool
     count: bool = False
-    # A distributed step's check that every rank passed the same global batch: a fingerprint of it
-    # and a weighted copy ride along (they add no collective: nothing is exchanged for them alone).
+    # A distributed step's check that every rank passed the same global batch to the same step: a
+    # fingerprint of the batch and a digest of the step (its optimizer, loss, precision, clipping,
+    # ...), each with a weighted copy, ride along (they add no collective: nothing is exchanged for
+    # them alone).
     batch: bool = False
 
     @property
@@ -115,7 +126,7 @@ class MetricExchange:
     @property
     def length(self) -> int:
         """How many values one exchange sums."""
-        return int(self.loss) + int(self.norm) + int(self.finite) + int(self.count) + 2 * int(self.batch)
+        return int(self.loss) + int(self.norm) + int(self.finite) + int(self.count) + 4 * int(self.batch)
 
     def local(
         self,
@@ -126,6 +137,7 @@ class MetricExchange:
         counts: Sequence[torch.Tensor] = (),
         fingerprint: torch.Tensor | None = None,
         rank: int = 0,
+        step_digest: float | None = None,
     ) -> torch.Tensor | None:
         """This rank's share, one vector for one all-reduce (``None`` when nothing is exchanged).
 
@@ -142,9 +154,10 @@ class MetricExchange:
         if self.count:
             values.append(_sum(counts, dtype, device))
         if self.batch:
-            assert fingerprint is not None, "a step that checks its batch computes its fingerprint"
-            f = fingerprint.to(device=device, dtype=torch.float64)
-            values += [f.to(dtype), (f * batch_weight(rank)).to(dtype)]
+            assert fingerprint is not None and step_digest is not None, "a checking step computes both"
+            for f in (fingerprint.to(device=device, dtype=torch.float64),
+                      torch.tensor(step_digest, dtype=torch.float64, device=device)):
+                values += [f.to(dtype), (f * batch_weight(rank)).to(dtype)]
         return torch.stack(values) if values else None
 
     def unpack(self, total: torch.Tensor | None) -> Summed:
@@ -157,7 +170,8 @@ class MetricExchange:
         finite = not self.finite or bool(next(values) == 0)
         count = next(values) if self.count else None
         batch = (next(values), next(values)) if self.batch else None
-        return Summed(loss_sum, sq_norm, finite, count=count, batch=batch)
+        steps = (next(values), next(values)) if self.batch else None
+        return Summed(loss_sum, sq_norm, finite, count=count, batch=batch, steps=steps)
 
 
 def different_batches(who: str = "the ranks") -> str:
@@ -167,6 +181,16 @@ def different_batches(who: str = "the ranks") -> str:
         "the same global batch, and the step gives each its part (under shard_params its rows, under "
         "pipeline its micro-batches, under tensor_parallel all of it). Draw the batches with the same "
         "seed on every rank, or load them on one rank and broadcast them"
+    )
+
+
+def different_steps() -> str:
+    """The refusal of a step whose ranks called steps built differently."""
+    return (
+        "the ranks called steps built differently (another optimizer or learning rate, loss function, "
+        "precision policy, gradient clipping, token weighting, metrics or transform stack on some rank): "
+        "each would update its part of the model by its own rule. Build the step alike on every rank, "
+        "and switch to another step (a new learning rate, say) on every rank at the same step"
     )
 
 

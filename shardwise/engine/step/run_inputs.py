@@ -34,7 +34,7 @@ from ..plan.lower import gathers_into_params, metric_axes, microbatch_count, ran
 from ..run.bindings import StageBindings
 from ..run.executor import Executor, ParamSource, ReplicaCheck
 from ..run.heap import keep_freed
-from ..run.metrics import MetricExchange, Summed, batch_fingerprint, different_batches
+from ..run.metrics import MetricExchange, Summed, batch_fingerprint, different_batches, different_steps
 from ..run.rng import mix
 from ..stack import in_layer
 from ..stack.in_layer import BatchShares
@@ -251,6 +251,7 @@ def prepare_run(step: Step, state: TrainState, layout: StateLayout, batch: Any) 
         counts_losses=run.counts_losses,
         # Summed with the metrics (and, under a split, compared in its replica check).
         batch_fingerprint=batch_fingerprint(batch) if run.exchange.batch or run.replicas else None,
+        step_digest=step.agreement_digest if run.exchange.batch else None,
         rng_rank=run.rng_rank, replicas=run.replicas,
         bindings=_bindings(step, layout, mesh, source),
     )
@@ -384,8 +385,14 @@ def _check_world(mesh: Mesh | None) -> None:
 
 
 def _check_same_batches(mesh: Mesh | None, axes: tuple[str, ...], summed: Summed) -> None:
-    """Refuse a step whose ranks passed different batches (their summed fingerprints say so)."""
-    if mesh is not None and summed.batch is not None and summed.batches_differ(_exchange_group(mesh, axes)):
+    """Refuse a step whose ranks called steps built differently, or passed different batches (their
+    summed digests and fingerprints say so)."""
+    if mesh is None or summed.batch is None:
+        return
+    group = _exchange_group(mesh, axes)
+    if summed.steps_differ(group):  # first: another step may also have cut another batch
+        raise ValueError(different_steps())
+    if summed.batches_differ(group):
         raise ValueError(different_batches())
 
 

@@ -33,7 +33,7 @@ from ..optim.optimizers import Optimizer, tensor_leaves
 from ..plan.accounting import predict_kept_for_backward
 from ..plan.actions import Plan
 from ..plan.lower import metric_axes
-from ..run.agreement import check_ranks_agree
+from ..run.agreement import check_ranks_agree, fingerprint, stable_text
 from ..run.executor import LossFn
 from ..run.metrics import REPORTABLE, MetricExchange, check_metrics
 from ..stack import in_layer
@@ -293,15 +293,29 @@ class Step:
             "schedule": str(layout.schedule),
             "mesh": repr(mesh),
             **parts,
-            # What else decides the update: one rank with another learning rate, momentum or
-            # clipping would train on silently (under ZeRO each updates its own shard).
+            **self._update_rules(),
+        }, device)
+
+    def _update_rules(self) -> dict[str, object]:
+        """What else decides the update: one rank with another learning rate, momentum or clipping
+        would train on silently (under ZeRO each updates its own shard)."""
+        return {
             "optimizer": self.optimizer,
             "loss function": self.loss_fn,
             "precision policy": self.precision,
             "gradient clipping": self.clip_norm,
             "token weighting": self.tokens,
             "metrics": self.metrics,
-        }, device)
+        }
+
+    @functools.cached_property
+    def agreement_digest(self) -> float:
+        """A number in [-1, 1) of this step's stack and update rules, the same on every rank (and
+        process) that built the same step: summed with the metrics at every call, so that a rank
+        that switched to another step (another learning rate, say) after ``init`` is refused."""
+        texts = {name: stable_text(v) for name, v in self._update_rules().items()}
+        (digest,) = fingerprint({"step": self.describe() + repr(sorted(texts.items()))})
+        return digest / 2.0**51 - 1.0
 
     def init(self, params: Params, mesh: Mesh | None = None, *, seed: int = 0,
              source: Any = None) -> TrainState:
