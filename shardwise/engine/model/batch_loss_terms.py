@@ -8,46 +8,37 @@ or expert-parallel rank's share, each micro-batch of a pipeline or of accumulati
 context-parallel sequence) trains on the mean of the parts' aux losses. The aux loss is not linear
 in the batch, so that is another loss than the single-device step's, and nothing would say so: the
 difference is small (1e-4 of the loss on a tiny Mixtral) and every rank computes it alike.
-:func:`whole_batch_loss_term` finds such a model in a chain, so that the step can refuse it and point to
-``sw.router_aux_loss``, which counts the aux loss over the whole batch. Such a model split into
-units cannot compute its aux loss at all (:func:`refuse_split_batch_loss`).
+:func:`batch_loss_coef` tells such a module (``whole_batch.py`` finds it in a chain), so that the step
+can refuse it and point to ``sw.router_aux_loss``, which counts the aux loss over the whole batch.
+Such a model split into units cannot compute its aux loss at all (:func:`refuse_split_batch_loss`).
 """
 
 from __future__ import annotations
 
 from torch import nn
 
-from .chain import Chain
 from .fx_split import FunctionalizeError
-from .module_call import module_fn
 
 # Hugging Face's config fields (Mixtral, Qwen2-MoE): the loss adds coef x the aux loss of the batch.
 _ADDS, _COEF = "output_router_logits", "router_aux_loss_coef"
 
 
-def whole_batch_loss_term(chain: Chain) -> str | None:
-    """The first module of ``chain``'s layers whose config adds the routers' aux loss to its loss, as
-    ``"'layer' (Class, router_aux_loss_coef=c)"``; None when there is none."""
-    for layer in chain:
-        replicas = getattr(module_fn(layer.fn), "replicas", None)
-        module = getattr(replicas, "module", None)
-        if not isinstance(module, nn.Module):
-            continue
-        found = _adding_batch_loss(module)
-        if found is not None and found[2]:
-            where = ".".join(p for p in (layer.name, found[0]) if p)
-            return f"{where!r} ({type(found[1]).__name__}, router_aux_loss_coef={found[2]})"
-    return None
+def batch_loss_coef(module: nn.Module) -> float:
+    """The coefficient of the routers' aux loss that ``module``'s config adds to its loss
+    (``output_router_logits=True``); 0 when it adds none."""
+    config = getattr(module, "config", None)
+    if getattr(config, _ADDS, False) is not True:
+        return 0.0
+    coef = getattr(config, _COEF, 0)
+    return float(coef) if isinstance(coef, (int, float)) else 0.0
 
 
 def _adding_batch_loss(module: nn.Module) -> tuple[str, nn.Module, float] | None:
     """The first module (path, module, ``router_aux_loss_coef``) of ``module`` whose config has
     ``output_router_logits=True``; None when there is none."""
     for path, sub in module.named_modules():
-        config = getattr(sub, "config", None)
-        if getattr(config, _ADDS, False) is True:
-            coef = getattr(config, _COEF, 0)
-            return path, sub, float(coef) if isinstance(coef, (int, float)) else 0.0
+        if getattr(getattr(sub, "config", None), _ADDS, False) is True:
+            return path, sub, batch_loss_coef(sub)
     return None
 
 

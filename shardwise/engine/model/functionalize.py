@@ -60,7 +60,9 @@ Decisions:
 * Buffers are carried in ``Layer.buffers`` (the module's own, detached); a buffer shared by
   several layers is one tensor in each.
 * A module that updates state in forward (BatchNorm in training mode with running
-  stats) is refused: a pure layer cannot update it.
+  stats) is refused: a pure layer cannot update it. One that normalises with its batch's
+  statistics (``track_running_stats=False``) is pure, and accepted; a step that cuts the batch
+  refuses it (``whole_batch.py``).
 * ``functional_call`` swaps tensors into the module for the duration of a call, which is
   not safe when threads (the threads backend runs ranks as threads) call one module at
   once. Each thread therefore runs its own replica of the module, a deep copy that
@@ -280,7 +282,10 @@ def _refuse_stateful(module: nn.Module) -> None:
                 f"functionalize: {where} ({type(sub).__name__}) updates running_mean / running_var "
                 "in forward because it is in training mode, and a pure layer cannot update state. "
                 "Call module.eval() first (it then normalises with the running stats), or use "
-                "GroupNorm / LayerNorm, or build it with track_running_stats=False."
+                "GroupNorm / LayerNorm, or build it with track_running_stats=False: it then normalises with "
+                "the statistics of the batch it is called on, which is the single-device step, but a step that "
+                "cuts the batch (shard_params, accumulation, a pipeline's micro-batches, expert or context "
+                "parallel) would normalise each part with its own, so such a step refuses it."
             )
         # Hugging Face's flag (``model.activation_checkpointing_enable()``, formerly
         # ``gradient_checkpointing_enable``): its torch.utils.checkpoint

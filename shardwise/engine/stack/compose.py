@@ -80,11 +80,16 @@ naming it). The rules:
   sums after the loss through the splits' prediction, so with ``shard_params`` it needs a split
   (``expert_parallel``) in the stack; alone, or under a pipeline, the batch is not cut over ranks and
   nothing is summed. Several splits rebuild innermost, tensor_parallel first (:data:`SPLIT_ORDER`).
-* A model whose loss adds a term of the whole batch it is called on (Hugging Face's
-  ``output_router_logits=True``, ``engine/model/batch_loss_terms.py``) is refused under a transform
-  that calls it on a part of the batch (PLACEMENT, SHARDING, a SPLIT with ``cuts_batch``) and under
-  one that ``adds_batch_loss`` (router_aux_loss, which adds it again): router_aux_loss on the model
-  without its own is the aux loss of the whole batch.
+* A model that computes something over the whole batch it is called on (``engine/model/whole_batch.py``)
+  is refused under a transform that calls it on a part of the batch: a PLACEMENT of more than one
+  micro-batch, a SHARDING (each rank's share, accumulation's micro-batches), a SPLIT with ``cuts_batch``.
+  Two causes: a layer that normalises with its batch's own statistics (BatchNorm in training mode or
+  without running statistics: each part would be normalised with its own; GroupNorm or LayerNorm
+  instead), and a loss that adds a term of its batch (Hugging Face's ``output_router_logits=True``: each
+  part's aux loss; router_aux_loss instead). The second is also refused under a transform that
+  ``adds_batch_loss`` (router_aux_loss, which adds it again): router_aux_loss on the model without its
+  own is the aux loss of the whole batch. A transform that gives every rank the whole batch (a
+  tensor_parallel alone, a pipeline of one micro-batch) accepts both.
 """
 
 from __future__ import annotations
@@ -93,8 +98,8 @@ import dataclasses
 import weakref
 from typing import Any, Protocol, TypeVar
 
-from ..model.batch_loss_terms import whole_batch_loss_term
 from ..model.chain import Chain
+from ..model.whole_batch import BATCH_STATISTICS, LOSS_TERM, WholeBatch, over_whole_batch
 from .roles import PLACEMENT, REWRITE, ROLES, SHARDING, SPLIT, check_role, own_prediction
 
 __all__ = [
@@ -293,7 +298,7 @@ def add(step: S, spec: Any, **fields: Any) -> S:
     (and with ``fields`` replaced); a rewriting spec rebuilds the layers from the source chain."""
     stack = (*step.transforms, spec)
     check_stack(stack)
-    _check_whole_batch_loss(step.base_chain, stack)
+    _check_whole_batch(step.base_chain, stack)
     new = dataclasses.replace(step, transforms=stack, **fields)  # type: ignore[type-var]
     if spec.role not in _REBUILDS:
         return new
@@ -301,21 +306,46 @@ def add(step: S, spec: Any, **fields: Any) -> S:
     return dataclasses.replace(new, chain=chain, source_chain=step.base_chain)  # type: ignore[type-var]
 
 
-def _check_whole_batch_loss(chain: Chain, stack: tuple[Any, ...]) -> None:
-    """Refuse a model whose loss adds a term of the whole batch it is called on (engine/model/
-    batch_loss_terms.py) under a transform that calls it on a part of the batch (a placement's
-    micro-batches, a sharding's shares, a split that ``cuts_batch``) or one that ``adds_batch_loss``
-    the same term again (router_aux_loss)."""
-    cutting = [s.name for s in stack if s.role in (PLACEMENT, SHARDING) or getattr(s, "cuts_batch", False)]
+def _check_whole_batch(chain: Chain, stack: tuple[Any, ...]) -> None:
+    """Refuse a model that computes something over the whole batch it is called on (engine/model/
+    whole_batch.py: a layer normalising with its batch's statistics, a loss adding a term of its batch)
+    under a transform that calls it on a part of the batch (:func:`_cutting_the_batch`), and a model
+    adding its routers' aux loss under one that ``adds_batch_loss`` the same term again (router_aux_loss)."""
+    cutting = _cutting_the_batch(stack)
     adding = [s.name for s in stack if getattr(s, "adds_batch_loss", False)]
     if not cutting and not adding:
         return
-    found = whole_batch_loss_term(chain)
-    if found is None:
-        return
-    if cutting:
+    found = over_whole_batch(chain)
+    statistics = [w for w in found if w.cause == BATCH_STATISTICS]
+    loss_terms = [w for w in found if w.cause == LOSS_TERM]
+    if loss_terms and (cutting or adding):
+        _refuse_loss_term(loss_terms[0], cutting[0][0] if cutting else None, adding)
+    if statistics and cutting:
+        _refuse_batch_statistics(statistics, cutting[0][1])
+
+
+def _cutting_the_batch(stack: tuple[Any, ...]) -> list[tuple[str, str]]:
+    """(name, words) of each transform of ``stack`` that calls the model on a part of the batch: a pipeline
+    of more than one micro-batch (one micro-batch is the whole batch), a sharding (data parallel: each rank
+    its share, and accumulation's micro-batches), a split that ``cuts_batch`` (a share, or a part of every
+    sequence, per rank)."""
+    cutting = []
+    for s in stack:
+        if s.role == PLACEMENT and s.microbatches > 1:
+            cutting.append((s.name, f"{s.name} with {s.microbatches} micro-batches"))
+        elif s.role == SHARDING:
+            over = f"over axis {s.axis!r}" + (f" and {s.replicate!r}" if s.replicate is not None else "")
+            extra = f", accumulation={s.accumulation}" if s.accumulation > 1 else ""
+            cutting.append((s.name, f"{s.name} (data parallel {over}{extra})"))
+        elif getattr(s, "cuts_batch", False):
+            cutting.append((s.name, f"{s.name} over axis {s.axis!r}"))
+    return cutting
+
+
+def _refuse_loss_term(found: WholeBatch, cutting: str | None, adding: list[str]) -> None:
+    if cutting is not None:
         why = (
-            f"under {cutting[0]} each rank (or micro-batch) calls it on a part of the batch, so the step would train "
+            f"under {cutting} each rank (or micro-batch) calls it on a part of the batch, so the step would train "
             "on the mean of the parts' aux losses, another loss than the single-device step's (the aux loss is not "
             "linear in the batch)"
         )
@@ -326,6 +356,20 @@ def _check_whole_batch_loss(chain: Chain, stack: tuple[Any, ...]) -> None:
         "Set config.output_router_logits = False before functionalize and apply sw.router_aux_loss(step, coef) "
         "first, which counts the aux loss over the whole batch on every mesh (or just False, where your loss_fn "
         "reads only the logits and the model's own loss is never used)"
+    )
+
+
+def _refuse_batch_statistics(found: list[WholeBatch], cutting: str) -> None:
+    others = ", ".join([repr(w.path) for w in found[1:4]] + (["..."] if len(found) > 4 else []))
+    more = f" (and {len(found) - 1} more: {others})" if len(found) > 1 else ""
+    raise ValueError(
+        f"{found[0]}{more} normalises over the batch dimension with the mean and "
+        f"variance of the batch it is called on, and under {cutting} each rank (or micro-batch) calls it on a "
+        "part of the batch: each part would be normalised with its own statistics, so the step would compute "
+        "another loss and update than the single-device step, without an error. Use a per-sample normalisation "
+        "(nn.GroupNorm, nn.LayerNorm) instead, or run without cutting the batch (one device, tensor_parallel "
+        "alone, a pipeline with microbatches=1); a BatchNorm in eval mode with running statistics normalises "
+        "with those and is accepted"
     )
 
 
