@@ -38,6 +38,7 @@ from ...engine.model.chain import Chain, Layer
 from ...engine.model.module_call import ThreadReplicas
 from ...engine.stack import in_layer
 from ...engine.stack.compose import REWRITE, add
+from ...engine.step.batch_cut import PER_SHARD_MEAN
 from ...engine.step.step import Step
 from .blocks import Block, find_blocks
 from .router_stats import Carried, RouterStats, collecting, report, zeros_like_stats
@@ -210,8 +211,9 @@ def router_aux_loss(step: Step, coef: float, *, per_microbatch: bool = False) ->
     each micro-batch's aux would be over its own tokens and the step's their mean, which is HF's under
     gradient accumulation but another loss than the single-device step's (the aux is not linear in the
     batch). Such a stack is refused unless ``per_microbatch=True`` says that is the loss you want.
-    A token-weighted step (``train_step(tokens=...)``) is
-    refused: give a mean loss.
+    A token-weighted step (``train_step(tokens=)`` a count function or ``"sum"``) is refused: give a mean
+    loss, or ``tokens="per_shard_mean"`` (the shares' mean losses averaged, as a mean loss is) for padded
+    labels on a batch the step cuts.
 
     >>> import torch, shardwise as sw
     >>> from shardwise.testing.models import TopKMoE
@@ -232,10 +234,13 @@ def router_aux_loss(step: Step, coef: float, *, per_microbatch: bool = False) ->
         raise TypeError(f"router_aux_loss(step=...) needs a shardwise Step (see train_step), got {type(step).__name__}")
     if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not coef >= 0:
         raise ValueError(f"router_aux_loss(coef={coef!r}): give a number >= 0 (HF Mixtral's default is 0.02)")
-    if step.tokens is not None:
+    if step.token_weighted:
         raise ValueError(
-            f"router_aux_loss with train_step(tokens={step.tokens!r}): the step's loss is a token sum divided by the "
-            "global count in the update, to which a per-batch aux loss does not add; use a mean loss_fn"
+            f"router_aux_loss with train_step(tokens={step.tokens!r}): that step weighs each share's loss by its "
+            "tokens and divides by the global count in the update, and an aux loss over the batch's routing is "
+            "not built for that weighting. Use a mean loss_fn (tokens=None), or, with padded labels on a batch "
+            f"the step cuts (which a mean loss is refused on), tokens={PER_SHARD_MEAN!r}: the mean of the shares' "
+            "mean losses, knowingly, with the aux counted once over the whole batch"
         )
     experts = {b.num_experts for blocks in resolve(step.base_chain).values() for b in blocks}
     if len(experts) != 1:

@@ -131,8 +131,18 @@ def test_clear_errors() -> None:
     chain = step.chain
     summed = sw.train_step(chain, lambda out, y: (F.mse_loss(out, y, reduction="sum"), y.numel()),
                            sw.optim.sgd(0.1), tokens="sum")
-    with pytest.raises(ValueError, match="router_aux_loss with train_step"):
+    with pytest.raises(ValueError, match="router_aux_loss with train_step.*tokens='per_shard_mean'"):
         sw.router_aux_loss(summed, 0.1)
+
+
+def test_with_a_per_shard_mean_loss_the_aux_loss_is_counted_once() -> None:
+    """Padded labels on a batch the step cuts refuse a mean loss, and the aux loss refuses a
+    token-weighted one: tokens="per_shard_mean" (the shares' means averaged, knowingly) takes both. On
+    shares of equal weight it is the mean loss, so the step equals the single-device one with the aux."""
+    step, params = moe_model()
+    per_share = sw.train_step(step.chain, step.loss_fn, step.optimizer, tokens="per_shard_mean")
+    composed = sw.expert_parallel(sw.router_aux_loss(per_share, 0.1), "ep")
+    sw.testing.assert_equivalent(composed, sw.router_aux_loss(step, 0.1), sw.Mesh(ep=2), batches(), params)
 
 
 def test_under_remat_and_mixed_precision_it_equals_the_same_policy_on_one_device() -> None:
