@@ -47,6 +47,8 @@ import shardwise as sw
 class Momentum:
     # a user's optimizer over any pytree of parameters (under ZeRO: each unit's flat shard), its state
     # and temporaries made with the *_like factories, as one writes them
+    elementwise = True  # its update treats each element alone, so ZeRO may hand it flat shards
+
     def init(self, params):
         return {"step": torch.zeros((), dtype=torch.int64), "buf": optree.tree_map(torch.zeros_like, params)}
 

@@ -133,8 +133,11 @@ def test_a_buckets_backwards_run_as_one_autograd_call(
 
 
 def _as_users(optimizer: sw.optim.Optimizer) -> sw.optim.Optimizer:
-    """The same optimizer as a user's own (not a built-in one): its update cannot be cut by bucket."""
-    return sw.optim.Optimizer(optimizer.init, lambda grads, state, params: optimizer.update(grads, state, params))
+    """The same optimizer as a user's own (not a built-in one): its update cannot be cut by bucket. It is
+    elementwise (ZeRO hands it flat shards), which a user's optimizer declares."""
+    return sw.optim.Optimizer(
+        optimizer.init, lambda grads, state, params: optimizer.update(grads, state, params), elementwise=True
+    )
 
 
 @pytest.mark.parametrize("size", list(BUCKETS))

@@ -18,7 +18,10 @@ Contracts the rest of the engine relies on:
   The math runs under ``torch.no_grad()``, like ``optimizer.step()``.
 - Elementwise: each output element depends only on the same element of the inputs and on
   scalars (lr, betas, the step count), never on a tensor's shape. So ``update`` run on 1-D
-  shards of flattened parameters returns exactly the shards of the full update (ZeRO).
+  shards of flattened parameters returns exactly the shards of the full update (ZeRO), and on
+  a tensor-parallel slice the slice of it. The built-ins say so (``elementwise=True``); a
+  transform that hands the update such pieces refuses an optimizer that does not
+  (:func:`is_elementwise`).
 - State is a NamedTuple of tensors (optree flattens it with no registration). ``step`` is a
   0-d ``torch.int64`` tensor on the CPU counting updates applied so far: an integer so it
   counts exactly forever (torch's float32 step stops at 2**24) and compares and
@@ -55,6 +58,7 @@ __all__ = [
     "SgdState",
     "adamw",
     "global_norm",
+    "is_elementwise",
     "sgd",
     "sum_of_squares",
 ]
@@ -74,11 +78,26 @@ class Optimizer(NamedTuple):
     ``params`` of ``Runs``, each leaf's options range by
     range, which a Step gives for ZeRO's flat shards; without it the options are resolved
     from the tree's own paths and shapes.
+
+    ``elementwise=True`` declares that ``update`` treats each element alone: every element of
+    its results depends only on the same element of ``grads``, ``params`` and the state, and on
+    scalars (the learning rate, the step count), never on a tensor's shape, a norm or another
+    element. Then its update of pieces of the parameters is the pieces of its update, which
+    is what ``shard_params`` (flat 1-D shards) and ``tensor_parallel`` (slices) hand it; they
+    refuse an optimizer that does not declare it. ``sgd`` and ``adamw`` are elementwise.
+
+    >>> import torch, shardwise as sw
+    >>> def update(grads, state, params):
+    ...     return {k: p - 0.1 * grads[k] for k, p in params.items()}, state
+    >>> plain_sgd = sw.optim.Optimizer(lambda params: (), update, elementwise=True)
+    >>> plain_sgd.update({"w": torch.ones(2)}, (), {"w": torch.ones(2)})[0]["w"]
+    tensor([0.9000, 0.9000])
     """
 
     init: Callable[[Params], OptState]
     update: Callable[..., tuple[Params, OptState]]
     groups: ParamGroups | None = None
+    elementwise: bool = False
 
 
 class SgdState(NamedTuple):
@@ -145,7 +164,7 @@ def sgd(
     update = _SgdUpdate(
         schedule, momentum, dampening, weight_decay, nesterov, inplace, param_groups
     )
-    return Optimizer(_SgdInit(momentum), update, param_groups)
+    return Optimizer(_SgdInit(momentum), update, param_groups, elementwise=True)
 
 
 def adamw(
@@ -183,7 +202,7 @@ def adamw(
 
     param_groups = ParamGroups.of(groups, weight_decay)
     update = _AdamWUpdate(schedule, beta1, beta2, eps, weight_decay, inplace, param_groups)
-    return Optimizer(_AdamWInit(), update, param_groups)
+    return Optimizer(_AdamWInit(), update, param_groups, elementwise=True)
 
 
 def _zeros_like(t: torch.Tensor) -> torch.Tensor:
@@ -367,6 +386,20 @@ def updates_in_place(optimizer: Any) -> bool:
     """Whether ``optimizer``'s update writes the state it is given (``inplace=True``; a user's
     optimizer: as its update's ``inplace`` says, else not): a step then consumes its TrainState."""
     return bool(getattr(getattr(optimizer, "update", None), "inplace", False))
+
+
+def is_elementwise(optimizer: Any) -> bool:
+    """Whether ``optimizer`` says its update treats each element alone (see :class:`Optimizer`): its
+    ``elementwise`` is True, or its update is a built-in one (``Optimizer(opt.init, opt.update)``
+    of a built-in ``opt`` is as elementwise as ``opt``). A user's optimizer that says nothing is
+    not: its update may read a whole tensor (a norm, a shape), which a piece of it would change."""
+    declared = getattr(optimizer, "elementwise", False)
+    if not isinstance(declared, bool):
+        raise TypeError(
+            f"optimizer.elementwise: a bool saying whether the update treats each element alone, got "
+            f"{type(declared).__name__} {declared!r}; set elementwise = True (a class attribute) or leave it out"
+        )
+    return declared or updates_by_key(optimizer)
 
 
 def updates_by_key(optimizer: Any) -> bool:

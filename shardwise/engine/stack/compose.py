@@ -90,6 +90,13 @@ naming it). The rules:
   ``adds_batch_loss`` (router_aux_loss, which adds it again): router_aux_loss on the model without its
   own is the aux loss of the whole batch. A transform that gives every rank the whole batch (a
   tensor_parallel alone, a pipeline of one micro-batch) accepts both.
+* An optimizer whose update is handed pieces of parameters says it is elementwise
+  (``stack/elementwise.py``): ZeRO hands it one flat 1-D shard per layer, at every stage; a split
+  that cuts parameters (tensor_parallel, expert_parallel) its slices of them. A user's optimizer
+  that does not declare ``elementwise = True`` is refused there, when the transform is applied:
+  a per-tensor rule (a norm, a shape) would read the piece and train another step silently.
+  sw.optim's optimizers are elementwise; a pipeline, context parallel and one device hand it
+  whole parameters, and take any optimizer.
 """
 
 from __future__ import annotations
@@ -100,6 +107,7 @@ from typing import Any, Protocol, TypeVar
 
 from ..model.chain import Chain
 from ..model.whole_batch import BATCH_STATISTICS, LOSS_TERM, WholeBatch, over_whole_batch
+from .elementwise import check_optimizer
 from .roles import PLACEMENT, REWRITE, ROLES, SHARDING, SPLIT, check_role, own_prediction
 
 __all__ = [
@@ -116,6 +124,9 @@ class Stacked(Protocol):
 
     @property
     def base_chain(self) -> Chain: ...
+
+    @property
+    def optimizer(self) -> Any: ...
 
 
 S = TypeVar("S", bound=Stacked)
@@ -299,6 +310,7 @@ def add(step: S, spec: Any, **fields: Any) -> S:
     stack = (*step.transforms, spec)
     check_stack(stack)
     _check_whole_batch(step.base_chain, stack)
+    check_optimizer(stack, step.optimizer)
     new = dataclasses.replace(step, transforms=stack, **fields)  # type: ignore[type-var]
     if spec.role not in _REBUILDS:
         return new

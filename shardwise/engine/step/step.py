@@ -38,6 +38,7 @@ from ..run.executor import LossFn
 from ..run.metrics import REPORTABLE, MetricExchange, check_metrics
 from ..stack import in_layer
 from ..stack.compose import PLACEMENT, SHARDING, describe, find
+from ..stack.elementwise import check_optimizer
 from ..stack.splits import Splits, splits_of
 from .batch_cut import PER_SHARD_MEAN, batch_shares
 from .donation import check_not_consumed, mark_consumed, mark_updated
@@ -340,6 +341,7 @@ class Step:
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"init(seed={seed!r}): the seed of the step's random streams is an int")
         mesh = self.check_mesh(mesh)
+        check_optimizer(self.transforms, self.optimizer)  # again: one replaced after the transforms were applied
         check_params(self.chain, params)
         self._check_module_shapes(params)
         maker = None if source is not None else self._parameter_maker(params)
@@ -482,6 +484,13 @@ def train_step(
     tokens: Any = None,
 ) -> Step:
     """The single-device training step of ``chain`` under ``loss_fn`` and ``optimizer``.
+
+    ``optimizer`` is ``sw.optim``'s (``sgd``, ``adamw``) or any object with ``init(params) ->
+    state`` and ``update(grads, state, params) -> (params, state)`` over pytrees of tensors. On one
+    device and in a pipeline its update gets whole parameters; ``shard_params`` hands it one flat
+    1-D shard per layer, ``tensor_parallel`` and ``expert_parallel`` slices, so they take a user's
+    optimizer only if it declares ``elementwise = True`` (its update treats each element alone: no
+    norm or shape of a tensor, which a piece would change), and refuse it otherwise.
 
     ``clip_norm`` clips the gradient to that global L2 norm before the update,
     as ``torch.nn.utils.clip_grad_norm_`` does (bit for bit; where the norm is

@@ -57,6 +57,7 @@ class CPSpec:
     name: ClassVar[str] = "context_parallel"
     cuts_batch: ClassVar[bool] = True  # each rank computes a part of every sequence (compose.py)
     role: ClassVar[str] = SPLIT
+    optimizer_gets: ClassVar[str | None] = None  # every parameter whole: any optimizer (compose.py)
     replica_fix: ClassVar[str] = (
         "context_parallel sums every parameter's gradient over its axis inside the layers; a difference means "
         "a layer computed differently on the ranks (random ops drawing alike?), or it is a bug: report it"

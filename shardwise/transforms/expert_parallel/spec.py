@@ -70,6 +70,10 @@ class EPSpec:
     name: ClassVar[str] = "expert_parallel"
     cuts_batch: ClassVar[bool] = True  # each rank routes its share of the batch (compose.py)
     role: ClassVar[str] = SPLIT
+    # what the optimizer's update gets (the engine refuses an optimizer that is not elementwise there)
+    optimizer_gets: ClassVar[str | None] = (
+        "this rank's slices of the stacked expert weights (its own experts: a part of dim 0)"
+    )
     replica_fix: ClassVar[str] = (
         "expert_parallel sums every replicated parameter's gradient over its axis inside the layers; a difference "
         "means a layer computed differently on the ranks (random ops drawing alike?), or it is a bug: report it"

@@ -33,6 +33,10 @@ class TPSpec:
 
     name: ClassVar[str] = "tensor_parallel"
     role: ClassVar[str] = SPLIT
+    # what the optimizer's update gets (the engine refuses an optimizer that is not elementwise there)
+    optimizer_gets: ClassVar[str | None] = (
+        "this rank's slices of the parameters the plan splits (a Colwise weight's rows, a Rowwise weight's columns)"
+    )
     replica_fix: ClassVar[str] = (
         "A replicated parameter is used on per-rank values without its gradient being summed: mark the attention or "
         "MLP module holding it as a Region() in the plan, or name the blocks in sequence_parallel= if it acts on "
