@@ -131,7 +131,7 @@ def test_clear_errors() -> None:
     chain = step.chain
     summed = sw.train_step(chain, lambda out, y: (F.mse_loss(out, y, reduction="sum"), y.numel()),
                            sw.optim.sgd(0.1), tokens="sum")
-    with pytest.raises(ValueError, match="router_aux_loss with train_step.*tokens='per_shard_mean'"):
+    with pytest.raises(ValueError, match=r"router_aux_loss with train_step.*tokens='per_shard_mean'"):
         sw.router_aux_loss(summed, 0.1)
 
 
