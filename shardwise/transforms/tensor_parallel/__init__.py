@@ -78,10 +78,10 @@ def tensor_parallel(
     reduce_metrics(axis=tp) wait_check update wait_metrics'
 
     Layer 2's partial outputs (4 x 8 float32: 128 bytes) are summed, and so are the metrics (the loss,
-    the squared norm, the batch's fingerprint and a weighted copy: 16 bytes):
+    the squared norm, the batch's fingerprint and the step's digest, each with a weighted copy: 24 bytes):
 
     >>> plan.comm_bytes()[("tp", "psum")]
-    (144, 144)
+    (152, 152)
     """
     if not isinstance(step, Step):
         raise TypeError(f"tensor_parallel(step=...) needs a shardwise Step (see train_step), got {type(step).__name__}")
