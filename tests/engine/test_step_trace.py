@@ -88,15 +88,16 @@ def _split_steps() -> dict[str, tuple[sw.Step, sw.Mesh, dict, tuple]]:
     gpt = TinyGPT(vocab=16, d_model=16, n_heads=4, n_layers=2, seq_len=16).double()
     chain, gpt_params = sw.functionalize(gpt, units=["tok_emb", "blocks", "head"])
     gpt_step = sw.train_step(chain, lambda o, t: F.cross_entropy(o.flatten(0, 1), t.flatten()), sw.optim.sgd(0.1))
-    ids = torch.randint(0, 16, (2, 16))
+    ids = torch.randint(0, 16, (2, 17))
+    shifted = (ids[:, :-1], ids[:, 1:])  # context_parallel refuses targets that are the inputs themselves
     moe = nn.Sequential(nn.Linear(6, 8), MoEBlock(8, 2, 4, 4, 2), nn.Linear(8, 3)).double()
     moe_chain, moe_params = sw.functionalize(moe)
     moe_step = sw.train_step(moe_chain, F.mse_loss, sw.optim.sgd(0.1))
     moe_batch = (torch.randn(4, 4, 6, dtype=torch.float64), torch.randn(4, 4, 3, dtype=torch.float64))
     return {
-        "cp4-ring": (sw.context_parallel(gpt_step, "cp"), sw.Mesh(cp=4), gpt_params, (ids, ids)),
+        "cp4-ring": (sw.context_parallel(gpt_step, "cp"), sw.Mesh(cp=4), gpt_params, shifted),
         "cp2-ulysses": (
-            sw.context_parallel(gpt_step, "cp", attention="ulysses"), sw.Mesh(cp=2), gpt_params, (ids, ids)
+            sw.context_parallel(gpt_step, "cp", attention="ulysses"), sw.Mesh(cp=2), gpt_params, shifted
         ),
         "ep2": (sw.expert_parallel(moe_step, "ep"), sw.Mesh(ep=2), moe_params, moe_batch),
     }

@@ -22,6 +22,7 @@ from ...engine.step.step import Step
 from .layout import chunk_count, local_chunks, shard_order, shard_sequence, unshard_sequence
 from .masks import TokenMask, token_mask
 from .ring import ring_attention
+from .shifted import refuse_shifting_loss
 from .spec import CPSpec
 from .ulysses import ulysses_attention
 from .volumes import ring_attention_bytes, ulysses_attention_bytes
@@ -38,9 +39,12 @@ def context_parallel(
 
     Each rank of ``axis`` takes its part of every sequence of the batch (inputs and targets alike, along
     ``dim``; shift targets on the whole sequence first): with ``balanced``, chunks ``i`` and ``2n - 1 - i``
-    of ``2n``, which gives every rank the same causal attention work. Its attention modules (causal
-    self-attentions with qkv, proj, head_dim and a causal mask: TinyGPT's; Hugging Face attentions on
-    ``attn_implementation="sdpa"``: Llama's, and GPT-2's with ``positions=("wpe.weight",)``) attend over
+    of ``2n``, which gives every rank the same causal attention work. A loss that shifts the labels
+    itself (transformers' ``ForCausalLMLoss``) and targets that are the input ids themselves are refused:
+    they would shift inside each rank's part. Its attention modules (TinyGPT's ``CausalSelfAttention``,
+    with qkv, proj, head_dim and a causal mask; Hugging Face attentions on
+    ``attn_implementation="sdpa"``: Llama's, and GPT-2's with ``positions=("wpe.weight",)``; another
+    class with the same parts is refused) attend over
     the whole sequence by ``attention="ring"`` (key/value slices passed round the ring, ``n - 1`` ppermutes each way) or
     ``"ulysses"`` (all-to-alls to a head split and back; the axis size must divide the heads). Position
     tables (parameters, or fixed buffers, named ``positions``, read at rows ``0 .. t - 1``) are read, and Hugging Face
@@ -90,6 +94,7 @@ def context_parallel(
     if not isinstance(dim, int) or dim < 1:
         raise ValueError(f"context_parallel(dim={dim!r}): the sequence dim of the batch's leaves, 1 or more (0 is "
                          "the batch)")
+    refuse_shifting_loss(step.loss_fn)  # it would shift the targets inside each rank's part
     spec = CPSpec(axis, attention, balanced, tuple(positions), dim)
     spec.resolve(step.base_chain)  # a chain without a known attention is refused now, not at the first step
     return add(step, spec)

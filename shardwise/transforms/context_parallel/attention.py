@@ -1,12 +1,14 @@
 """What context_parallel rewrites in a layer: the attention modules it knows and the position tables.
 
 Three attentions are known, and their forwards replaced by the same projections around ring or Ulysses
-attention: a causal self-attention with a fused ``qkv`` projection, an output ``proj``, ``head_dim``
-and a lower-triangular ``mask`` buffer (TinyGPT's ``CausalSelfAttention``, :class:`CPForward`), a
+attention: TinyGPT's ``CausalSelfAttention``, a causal self-attention with a fused ``qkv`` projection,
+an output ``proj``, ``head_dim`` and a lower-triangular ``mask`` buffer (:class:`CPForward`), a
 Hugging Face causal attention on ``sdpa`` with ``q_proj`` / ``k_proj`` / ``v_proj`` / ``o_proj`` and
 rotary ``position_embeddings`` (Llama's, :class:`HFForward`), and GPT-2's on ``sdpa`` with its fused
 ``c_attn`` and ``c_proj`` (:class:`GPT2Forward`; its learned position table ``wpe`` is listed in
-``positions=``). Each takes the padding / packed-sequence mask the layer reading the batch made
+``positions=``). Each is recognised by its parts, and replaced only where its class is one whose
+forward was checked equal to the one installed; another class with the same parts is refused.
+Each takes the padding / packed-sequence mask the layer reading the batch made
 (a :class:`TokenMask` in the mask's place). Any other module whose class name ends in
 ``Attention`` is refused, naming it: left as it is it would attend within the rank's part of the
 sequence only. A Hugging Face rotary embedding (a module whose class name ends in ``RotaryEmbedding``,
@@ -139,6 +141,19 @@ def _known(module: nn.Module, where: str) -> bool:
             "installs (qkv, causal attention, proj: TinyGPT's CausalSelfAttention) would not apply; rewrite the "
             "module to call ring_attention / ulysses_attention, or leave context_parallel out"
         )
+    # ... nor what another forward computes on the same parts (a muP 1/head_dim scale, soft-capped scores,
+    # rotary positions applied inline): only the class whose forward CPForward is gets it replaced.
+    if known and _verified(module, _VERIFIED_TINYGPT) is None:
+        raise ValueError(
+            f"context_parallel: {where} is a {type(module).__name__} (from {type(module).__module__}) shaped like "
+            "TinyGPT's attention (qkv, proj, head_dim, a causal mask buffer), whose forward is not the one "
+            "context_parallel installs in its place (shardwise.testing.models.CausalSelfAttention's: softmax "
+            "attention at 1/sqrt(head_dim) under the causal mask); what its own forward does beyond that (another "
+            "scale, a soft cap of the scores, rotary positions) would be dropped without an error. context_parallel "
+            "splits shardwise's CausalSelfAttention, the Hugging Face attentions "
+            f"{', '.join(_VERIFIED_HF)} and GPT2Attention, on attn_implementation='sdpa', as their classes define "
+            "them, and no attention of your own: use one of those, or leave context_parallel out"
+        )
     return known
 
 
@@ -177,7 +192,7 @@ def _known_hf(module: nn.Module, where: str) -> bool:
         )
     # ... nor anything else another family's forward does in plain code (a soft cap of the scores, another
     # scaling): only the attentions whose forward was checked equal to the installed one are split.
-    if _verified_hf(m) is None:
+    if _verified(m, _VERIFIED_HF) is None:
         raise ValueError(
             f"context_parallel: {where} is a {type(m).__name__} (from {type(m).__module__}), whose forward is not one "
             f"context_parallel has checked against the Llama-shaped forward it installs ({', '.join(_VERIFIED_HF)}); "
@@ -204,7 +219,11 @@ _VERIFIED_HF = {
 _VERIFIED_GPT2 = {"GPT2Attention": "transformers.models.gpt2.modeling_gpt2"}
 
 
-def _verified_hf(module: nn.Module, verified: dict[str, str] = _VERIFIED_HF) -> str | None:
+# TinyGPT's attention, whose forward CPForward is, by class and module (transforms do not import testing).
+_VERIFIED_TINYGPT = {"CausalSelfAttention": "shardwise.testing.models"}
+
+
+def _verified(module: nn.Module, verified: dict[str, str]) -> str | None:
     """The verified attention ``module`` is (its class or a base), if the forward it runs is that class's own."""
     for cls in type(module).__mro__:
         if verified.get(cls.__name__) == cls.__module__:
@@ -228,7 +247,7 @@ def _known_gpt2(module: nn.Module, where: str) -> bool:
             f"context_parallel: {where} ({type(m).__name__}) is a cross-attention, whose keys are another sequence "
             "it does not cut; leave context_parallel out of encoder-decoder models"
         )
-    if _verified_hf(m, _VERIFIED_GPT2) is None:
+    if _verified(m, _VERIFIED_GPT2) is None:
         raise ValueError(
             f"context_parallel: {where} is a {type(m).__name__} (from {type(m).__module__}) shaped like GPT-2's "
             "attention (c_attn, c_proj), whose forward is not one context_parallel has checked against the GPT-2 "

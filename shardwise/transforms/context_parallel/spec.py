@@ -35,6 +35,7 @@ from .attention import (
 from .comm import whole_sequence
 from .layout import check_sequence_length, local_chunks, shard_order
 from .masks import TokenMask, token_mask
+from .shifted import refuse_targets_equal_to_inputs
 from .unsplit import Unsplit
 
 # Per chain, per positions= (what a layer's tables are depends on it: another call on the same chain that
@@ -186,6 +187,7 @@ class CPSpec:
         inputs = pair[0] if isinstance(pair, tuple) else pair
         if isinstance(inputs, Mapping):
             _check_batch_dict(inputs)
+        refuse_targets_equal_to_inputs(pair, self.dim)
 
         def cut(t: Any) -> Any:
             if not isinstance(t, torch.Tensor) or t.dim() <= self.dim:

@@ -9,13 +9,15 @@ the attention context_parallel installed.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import shardwise as sw
-from shardwise.testing.models import Block, TinyGPT
+from shardwise.testing.models import Block, CausalSelfAttention, TinyGPT
 
 
 class MHA(nn.Module):
@@ -152,3 +154,73 @@ def test_a_fixed_position_table_is_read_at_global_positions_or_refused() -> None
         sw.context_parallel(reference, "cp")
     step = sw.context_parallel(reference, "cp", positions=("pos_emb", "pos_table"))
     sw.testing.assert_equivalent(step, reference, sw.Mesh(cp=2), batches, params, rtol=1e-12)
+
+
+class _OwnCausalAttention(nn.Module):
+    """A user's causal attention with TinyGPT's parts (qkv, proj, head_dim, a tril mask buffer) and a forward
+    of its own: muP's 1/head_dim scale, Gemma-2's soft-capped scores, or rotary positions applied inline."""
+
+    def __init__(self, d: int, heads: int, t: int, kind: str) -> None:
+        super().__init__()
+        self.head_dim, self.kind = d // heads, kind
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.register_buffer("mask", torch.ones(t, t, dtype=torch.bool).tril(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = (z.view(b, t, -1, self.head_dim).transpose(1, 2) for z in self.qkv(x).chunk(3, -1))
+        mask = self.mask[:t, :t]
+        if self.kind == "rope":
+            inverse = 1.0 / 10000 ** (torch.arange(0, self.head_dim, 2, dtype=x.dtype) / self.head_dim)
+            angles = torch.outer(torch.arange(t, dtype=x.dtype), inverse)
+            cos, sin = angles.cos().repeat(1, 2), angles.sin().repeat(1, 2)
+            half = self.head_dim // 2
+            q, k = (z * cos + torch.cat([-z[..., half:], z[..., :half]], -1) * sin for z in (q, k))
+        if self.kind == "softcap":
+            scores = 5.0 * torch.tanh((q @ k.transpose(-1, -2)) / math.sqrt(self.head_dim) / 5.0)
+            y = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v
+        else:
+            scale = 1.0 / self.head_dim if self.kind == "mup" else None
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class _MuPAttention(CausalSelfAttention):
+    """TinyGPT's own attention, subclassed with a forward at muP's scale (no module of its own added)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = (z.view(b, t, -1, self.head_dim).transpose(1, 2) for z in self.qkv(x).chunk(3, -1))
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask[:t, :t], scale=1.0 / self.head_dim)
+        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class _Renamed(CausalSelfAttention):
+    """TinyGPT's attention under another name, its forward the class's own: still split."""
+
+
+@pytest.mark.parametrize("kind", ["mup", "softcap", "rope", "subclass"])
+def test_an_attention_shaped_like_tinygpts_whose_forward_is_its_own_is_refused(kind: str) -> None:
+    """An attention with TinyGPT's parts was recognised by them alone and its forward replaced by plain softmax
+    attention at 1/sqrt(head_dim): a muP scale, a soft cap or an inline RoPE was dropped without an error (loss
+    off by 3e-5, 9e-7, 5e-4 relative at cp 2). Only shardwise's CausalSelfAttention's own forward is replaced;
+    a subclass that keeps it is split, and equal to one device."""
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=32, d_model=16, n_heads=4, n_layers=2, seq_len=16).double()
+    for block in model.blocks:
+        block.attn = (_MuPAttention(16, 4, 16) if kind == "subclass" else _OwnCausalAttention(16, 4, 16, kind)).double()
+    chain, _ = sw.functionalize(model, units=Block)
+    step = sw.train_step(chain, _loss, sw.optim.sgd(0.1, momentum=0.9))
+    name = "_MuPAttention" if kind == "subclass" else "_OwnCausalAttention"
+    with pytest.raises(ValueError, match=rf"blocks\.0: blocks\.0\.attn is a {name} \(from {__name__}\) shaped like "
+                                         r"TinyGPT's attention .* would be dropped without an error.*leave "
+                                         r"context_parallel out"):
+        sw.context_parallel(step, "cp")
+    for block in model.blocks:
+        block.attn = _Renamed(16, 4, 16).double()
+    ids = torch.randint(0, 32, (2, 17))
+    batches = [(ids[:, :-1], ids[:, 1:])] * 2
+    chain, params = sw.functionalize(model, units=Block)
+    reference = sw.train_step(chain, _loss, sw.optim.sgd(0.1, momentum=0.9))
+    sw.testing.assert_equivalent(sw.context_parallel(reference, "cp"), reference, sw.Mesh(cp=2), batches, params,
+                                 rtol=1e-12)
