@@ -11,8 +11,8 @@ ZeRO stage, the pipeline partition and the precision policy may all differ from 
 ones that saved it, and training continues as if it had never stopped.
 
 A save is atomic. Ranks write into ``.<name>.partial`` next to ``path``; when every rank
-has written (they agree through a psum of a flag, so a rank that failed stops them
-all), rank 0 writes the metadata and the ``COMMITTED`` marker, and renames the
+has written (they agree by gathering each rank's error, if any, so a rank that failed
+stops them all, each naming it and its error), rank 0 writes the metadata and the ``COMMITTED`` marker, and renames the
 directory to ``path`` (a checkpoint already there is moved to ``.<name>.previous``
 first and removed after). A crash at any point, also in a save after a crashed one,
 leaves a complete checkpoint that ``load`` finds: ``path``, else ``.previous`` (the
@@ -60,7 +60,6 @@ from typing import Any, TypeVar
 import torch
 
 from ...collectives.mesh import Mesh
-from ...collectives.ops import psum
 from ...collectives.rank_end import at_rank_end, in_launched_rank
 from ..layout.devices import device_of
 from ..layout.state import TrainState
@@ -127,14 +126,14 @@ def _previous(target: Path) -> Path:
     return target.parent / f".{target.name}.previous"
 
 
-def _agree(mesh: Mesh | None, ok: bool, device: torch.device) -> bool:
-    """Whether every rank is ok (a barrier: a psum of a flag over every mesh axis)."""
+def _agree(mesh: Mesh | None, problem: str | None, device: torch.device) -> str | None:
+    """The first rank's problem as ``"rank r: problem"``, or None when every rank is ok (a barrier:
+    every rank hears every rank's problem, so each can name the one that failed and why; the launcher
+    may report any rank's error as the failure)."""
     if mesh is None:
-        return ok
-    flag = torch.tensor([0.0 if ok else 1.0], dtype=torch.float64, device=device)
-    for axis in mesh.axis_names:
-        flag = psum(flag, axis, mesh=mesh)
-    return float(flag.item()) == 0.0
+        return None if problem is None else f"rank 0: {problem}"
+    texts = [ts[0] for ts in gather_texts(mesh, [problem or ""], device)]
+    return next((f"rank {rank}: {text}" for rank, text in enumerate(texts) if text), None)
 
 
 def _layout_of(state: TrainState, step: Any) -> StateLayout:
@@ -174,13 +173,16 @@ class SaveHandle:
             _pending.handle = None
         if self._writer is not None:
             self._writer.join()
-        ok = _agree(self._mesh, self.error is None, self._device)
-        if not ok:
+        mine = None if self.error is None else f"{type(self.error).__name__}: {self.error}"
+        failed = _agree(self._mesh, mine, self._device)
+        if failed is not None:
             if self.error is not None:
                 raise CheckpointError(
-                    f"save to {self.path}: this rank could not write its files: {self.error}"
+                    f"save to {self.path}: this rank could not write its files: {mine}; nothing was committed"
                 ) from self.error
-            raise CheckpointError(f"save to {self.path}: another rank could not write its files; nothing was committed")
+            raise CheckpointError(
+                f"save to {self.path}: {failed.replace(':', ' could not write its files:', 1)}; nothing was committed"
+            )
         self._commit(True)
         return self.path
 
@@ -218,9 +220,9 @@ def save(path: str | os.PathLike[str], state: TrainState, step: Any, *, blocking
             partial.mkdir(parents=True)
         except Exception as err:  # any failure: the other ranks wait in the agreement below to hear of it
             problem = f"cannot create {partial}: {type(err).__name__}: {err}"
-    if not _agree(mesh, problem is None, device):
-        elsewhere = "another rank refused it or could not prepare the directory (its error says why)"
-        raise CheckpointError(f"save to {target}: {problem or elsewhere}")
+    failed = _agree(mesh, problem, device)
+    if failed is not None:
+        raise CheckpointError(f"save to {target}: {problem or failed}")
     _reached("prepared")
     names = state_dict_names(step.base_chain)
     boxes_, tensors, meta = _snapshot(state, step, layout, mesh, names, rank)
@@ -240,8 +242,9 @@ def save(path: str | os.PathLike[str], state: TrainState, step: Any, *, blocking
                 _commit(partial, target, meta, world, names.aliases)
             except Exception as err:
                 problem = f"{type(err).__name__}: {err}"
-        if not _agree(mesh, problem is None, device):
-            raise CheckpointError(f"save to {target}: the commit failed: {problem or 'on rank 0 (see its error)'}")
+        failed = _agree(mesh, problem, device)
+        if failed is not None:
+            raise CheckpointError(f"save to {target}: the commit failed: {problem or failed}")
 
     handle = SaveHandle(target, commit, None, mesh, device)
     if blocking:
