@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 import shardwise as sw
 from shardwise.engine.checkpoint import save_load as ck
 from shardwise.engine.checkpoint.cut import boxes, flat_start
+from shardwise.engine.checkpoint.file_format import CheckpointError
 from shardwise.testing import strategies as sst
 from shardwise.testing.models import mlp
 
@@ -113,6 +114,17 @@ def test_a_load_without_the_optimizer_state_is_caught(tmp_path: Path) -> None:
 
     with pytest.raises(sw.testing.NotEquivalentError):
         sw.testing.compare_histories(sw.launch(fresh_momentum, 2), expected[2:], rtol=RTOL)
+
+
+def test_a_loss_scale_saved_out_of_range_is_refused_at_load(tmp_path: Path) -> None:
+    """A loss scale checks its fields when made, also when a load rebuilds it: one saved before
+    the checks (here: built around them) is refused with the checkpoint named, not resumed."""
+    step, params, _ = _problem()
+    mixed = sw.mixed_precision(step, "params=f64,compute=f64", loss_scale="dynamic")
+    unchecked = tuple.__new__(sw.precision.DynamicLossScale, (8.0, 2.0, 4.0, 0, 1.0, 0))  # backoff 4, interval 0
+    ck.save(tmp_path / "c", mixed.init(params)._replace(loss_scale=unchecked), mixed)
+    with pytest.raises(CheckpointError, match=r"carries a loss scale no step can run with.*backoff_factor=4.0"):
+        ck.load(tmp_path / "c", mixed)
 
 
 def test_dynamic_loss_scale_survives_a_reshard(tmp_path: Path) -> None:

@@ -72,7 +72,7 @@ def test_dynamic_loss_scale_follows_grad_scaler() -> None:
 
 
 @given(scale=st.floats(1, 2**20), good=st.integers(0, 100), interval=st.integers(1, 3000),
-       min_scale=st.floats(0.5, 4))
+       min_scale=st.floats(2**-14, 1))
 def test_loss_scales_round_trip_through_pytrees_and_files(scale: float, good: int, interval: int,
                                                           min_scale: float) -> None:
     """jmp's DynamicLossScale lost min_loss_scale when flattened; ours must keep every field."""
@@ -85,6 +85,96 @@ def test_loss_scales_round_trip_through_pytrees_and_files(scale: float, good: in
     buffer.seek(0)
     loaded = torch.load(buffer, weights_only=False)
     assert loaded.loss_scale == value and type(loaded.loss_scale) is DynamicLossScale
+
+
+def test_dynamic_loss_scale_backs_off_below_one_and_raises_at_its_floor() -> None:
+    """GradScaler backs off without a floor (a run whose gradients overflow float16 unscaled trains
+    at a scale below 1); the scale used to stop at 1.0 and then skip every step for ever. Now it
+    goes down to 2**-14, and a step still not finite there raises instead of skipping again."""
+    s = DynamicLossScale(scale=4.0)
+    for _ in range(6):
+        s = s.adjust(False)
+    assert s.scale == 2.0**-4  # below 1, as GradScaler
+    s = DynamicLossScale(scale=2.0**-13)
+    s = s.adjust(False)
+    assert s.scale == DynamicLossScale().min_scale == 2.0**-14
+    with pytest.raises(FloatingPointError, match=r"not finite even at the loss scale's floor.*min_scale="):
+        s.adjust(False)
+    clamped = DynamicLossScale(scale=3.0, min_scale=2.0).adjust(False)
+    assert clamped.scale == 2.0  # clamped to the floor; one more non-finite step there raises
+    with pytest.raises(FloatingPointError):
+        clamped.adjust(False)
+
+
+def test_fp16_gradients_that_overflow_unscaled_train_after_backing_off_below_one() -> None:
+    """The found case: targets so large that the f16 gradient overflows at scale 1. GradScaler
+    trains once the scale is 2**-5; so does the step now, where it skipped every step at 1.0."""
+    torch.manual_seed(0)
+    chain, params = sw.functionalize(mlp([6, 16, 3]))
+    x, y = torch.randn(8, 6), torch.full((8, 3), 3.0e6)
+    step = sw.mixed_precision(sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(1e-9)),
+                              "compute=f16,output=f32", loss_scale=DynamicLossScale(scale=1.0))
+    state, skipped = step.init(params), []
+    for _ in range(8):
+        state, metrics = step(state, (x, y))
+        skipped.append(bool(metrics["skipped"]))
+    assert skipped[0] and not skipped[-1], skipped
+    assert state.loss_scale.scale < 1.0
+
+
+def test_a_step_not_finite_at_any_scale_raises_at_the_floor() -> None:
+    """A NaN in the data makes every gradient NaN whatever the scale: the step backs off to the
+    floor, skipping, then refuses rather than skip for ever."""
+    torch.manual_seed(0)
+    chain, params = sw.functionalize(mlp([6, 16, 3]))
+    x, y = torch.randn(8, 6), torch.randn(8, 3)
+    y[0, 0] = float("nan")
+    step = sw.mixed_precision(sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1)),
+                              "compute=f16,output=f32", loss_scale=DynamicLossScale(scale=4.0, min_scale=1.0))
+    state = step.init(params)
+    for _ in range(2):  # 4 -> 2 -> 1, skipped
+        state, metrics = step(state, (x, y))
+        assert bool(metrics["skipped"])
+    assert state.loss_scale.scale == 1.0
+    with pytest.raises(FloatingPointError, match=r"min_scale=1\.0"):
+        step(state, (x, y))
+
+
+@pytest.mark.parametrize(("make", "message"), [
+    (lambda: StaticLossScale(0.0), r"StaticLossScale\(scale=0.0\): scale must be a finite number > 0"),
+    (lambda: StaticLossScale(float("nan")), r"StaticLossScale\(scale=nan\): scale must be a finite number > 0"),
+    (lambda: StaticLossScale(float("inf")), r"scale=inf\): scale must be a finite number > 0"),
+    (lambda: DynamicLossScale(scale=0.0), r"DynamicLossScale\(scale=0.0\): scale must be a finite"),
+    (lambda: DynamicLossScale(growth_factor=1.0), r"growth_factor=1.0\): growth_factor must be a finite number > 1"),
+    (lambda: DynamicLossScale(backoff_factor=4.0), r"backoff_factor=4.0\): backoff_factor must be a number between 0"),
+    (lambda: DynamicLossScale(backoff_factor=0.0), r"backoff_factor=0.0\)"),
+    (lambda: DynamicLossScale(growth_interval=0), r"growth_interval=0\): growth_interval must be an integer >= 1"),
+    (lambda: DynamicLossScale(growth_interval=2.5), r"growth_interval=2.5\): growth_interval must be an integer"),
+    (lambda: DynamicLossScale(min_scale=0.0), r"min_scale=0.0\): min_scale must be a finite number > 0"),
+    (lambda: DynamicLossScale(scale=0.5, min_scale=1.0), r"scale=0.5, min_scale=1.0\): the scale starts below"),
+    (lambda: DynamicLossScale(good_steps=-1), r"good_steps=-1\): good_steps must be an integer >= 0"),
+    (lambda: DynamicLossScale()._replace(scale=float("nan")), r"scale=nan\)"),
+])
+def test_loss_scales_refuse_values_that_would_skip_or_mis_scale_every_step(make, message) -> None:  # type: ignore[no-untyped-def]
+    """A zero, infinite or NaN scale skipped every step (params never moved, no error); a backoff
+    factor above 1 grew the scale on overflow; growth_interval=0 grew it every step."""
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+def test_mixed_precision_refuses_an_infinite_number_as_loss_scale() -> None:
+    chain, _ = sw.functionalize(mlp([6, 16, 3]))
+    base = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1))
+    for bad in (float("inf"), float("nan"), 0.0, -2.0):
+        with pytest.raises(ValueError, match=r"loss_scale=.*a finite positive number"):
+            sw.mixed_precision(base, "compute=bf16", loss_scale=bad)
+
+
+def test_a_pytree_map_over_a_state_may_put_anything_in_the_loss_scale() -> None:
+    """Only numbers are checked: a map that rebuilds the state with other leaves is not refused."""
+    state = sw.TrainState({"a": {"w": torch.ones(2)}}, (), 0, DynamicLossScale())
+    assert optree.tree_map(lambda _: None, state, none_is_leaf=True).loss_scale.scale is None
+    assert optree.tree_map(lambda leaf: isinstance(leaf, torch.Tensor), state).loss_scale.scale is False
 
 
 # -- exactness against eager torch ---------------------------------------------------------------

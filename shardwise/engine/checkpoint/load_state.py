@@ -137,4 +137,11 @@ def _loss_scale(meta: Mapping[str, Any], step: Any, directory: Path) -> Any:
             f"{type(initial).__name__ if initial is not None else 'none'}: load it with a mixed_precision "
             f"step whose loss_scale is a {saved['type']}"
         )
-    return _LOSS_SCALES[saved["type"]](**saved["fields"])
+    try:  # a loss scale checks its fields when made, also those a checkpoint carries
+        return _LOSS_SCALES[saved["type"]](**saved["fields"])
+    except (TypeError, ValueError) as error:
+        raise CheckpointError(
+            f"checkpoint {directory} carries a loss scale no step can run with ({saved['type']} with "
+            f"{saved['fields']}): {error}. It was saved by a shardwise that did not check loss scales yet, "
+            "and the run it comes from skipped or mis-scaled its steps with it"
+        ) from error

@@ -10,16 +10,19 @@ overrides by layer-name pattern and the loss scale.
 
 Loss scales are interchangeable NamedTuples (so a TrainState holding one
 flattens, saves and loads with nothing registered) whose ``adjust(finite)``
-returns the next value, with ``torch.amp.GradScaler``'s semantics.
+returns the next value, with ``torch.amp.GradScaler``'s semantics (a dynamic scale stops at a
+floor, far below 1, where GradScaler sinks without end: see :class:`DynamicLossScale`). Each checks
+its fields when made, so a scale that would skip every step (zero, infinite, NaN) is refused.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import math
+import numbers
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Self
 
 import torch
 
@@ -105,10 +108,41 @@ class NoLossScale(NamedTuple):
         return self
 
 
-class StaticLossScale(NamedTuple):
-    """A fixed factor; a step with a non-finite gradient is still skipped."""
+def _is_number(value: Any) -> bool:
+    # Only numbers are checked: a pytree map over a TrainState rebuilds its loss scale from whatever
+    # it put in the leaves (tensors, None, flags), and must not be refused for that.
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
+
+def _check_positive(where: str, name: str, value: Any) -> None:
+    if _is_number(value) and not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{where}({name}={value!r}): {name} must be a finite number > 0")
+
+
+def _check_count(where: str, name: str, value: Any, least: int) -> None:
+    if _is_number(value) and not (isinstance(value, numbers.Integral) and int(value) >= least):
+        raise ValueError(f"{where}({name}={value!r}): {name} must be an integer >= {least}")
+
+
+class _StaticFields(NamedTuple):
     scale: float
+
+
+class StaticLossScale(_StaticFields):
+    """A fixed factor; a step with a non-finite gradient is still skipped.
+
+    ``scale`` must be a finite number > 0 (a zero, infinite or NaN scale would skip every step).
+    """
+
+    __slots__ = ()
+
+    def __new__(cls, scale: float) -> StaticLossScale:
+        _check_positive("StaticLossScale", "scale", scale)
+        return super().__new__(cls, scale)
+
+    @classmethod
+    def _make(cls, iterable: Iterable[Any]) -> Self:  # type: ignore[override]  # mypy types it per tuple
+        return cls(*iterable)  # so that ``_replace`` checks too
 
     def scale_value(self) -> float:
         return float(self.scale)
@@ -117,22 +151,91 @@ class StaticLossScale(NamedTuple):
         return self
 
 
-class DynamicLossScale(NamedTuple):
-    """torch.amp.GradScaler's rule: x``growth_factor`` after ``growth_interval`` finite steps in a
-    row, x``backoff_factor`` (never below ``min_scale``) on a step with a non-finite gradient."""
+#: DynamicLossScale's default floor: the smallest normal float16. At this scale a float16 gradient
+#: under about 1e-3 already underflows to zero, and one that still overflows is above 1e9: gradients
+#: that are not finite even here are diverged (or inf/NaN from the forward), not badly scaled.
+MIN_LOSS_SCALE = 2.0**-14
 
-    scale: float = 2.0**16
-    growth_factor: float = 2.0
-    backoff_factor: float = 0.5
-    growth_interval: int = 2000
-    min_scale: float = 1.0
-    good_steps: int = 0
+
+class _DynamicFields(NamedTuple):
+    scale: float
+    growth_factor: float
+    backoff_factor: float
+    growth_interval: int
+    min_scale: float
+    good_steps: int
+
+
+class DynamicLossScale(_DynamicFields):
+    """torch.amp.GradScaler's rule: x``growth_factor`` after ``growth_interval`` finite steps in a
+    row, x``backoff_factor`` on a step with a non-finite gradient (that step is skipped).
+
+    GradScaler backs off without end, so a run whose gradients are not finite at any scale skips
+    every step while the scale sinks towards zero. Here the scale stops at ``min_scale`` (by default
+    :data:`MIN_LOSS_SCALE`, 2**-14, far below 1: gradients that overflow float16 unscaled still
+    train, as with GradScaler), and a step whose gradient is not finite at that floor raises
+    ``FloatingPointError`` instead of skipping again. Every field is checked when the value is
+    made, naming the field and its valid range.
+
+    >>> s = DynamicLossScale(scale=4.0, growth_interval=2, min_scale=1.0)
+    >>> s.adjust(True).adjust(True).scale, s.adjust(False).scale
+    (8.0, 2.0)
+    >>> DynamicLossScale(backoff_factor=2.0)
+    Traceback (most recent call last):
+    ...
+    ValueError: DynamicLossScale(backoff_factor=2.0): backoff_factor must be a number between 0 and 1 (exclusive)
+    """
+
+    __slots__ = ()
+
+    def __new__(
+        cls,
+        scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        min_scale: float = MIN_LOSS_SCALE,
+        good_steps: int = 0,
+    ) -> DynamicLossScale:
+        where = "DynamicLossScale"
+        _check_positive(where, "scale", scale)
+        _check_positive(where, "min_scale", min_scale)
+        if _is_number(growth_factor) and not (math.isfinite(growth_factor) and growth_factor > 1):
+            raise ValueError(f"{where}(growth_factor={growth_factor!r}): growth_factor must be a finite number > 1")
+        if _is_number(backoff_factor) and not 0 < backoff_factor < 1:
+            raise ValueError(
+                f"{where}(backoff_factor={backoff_factor!r}): backoff_factor must be a number between 0 and 1 "
+                "(exclusive)"
+            )
+        _check_count(where, "growth_interval", growth_interval, 1)
+        _check_count(where, "good_steps", good_steps, 0)
+        if _is_number(scale) and _is_number(min_scale) and min_scale > scale:
+            raise ValueError(
+                f"{where}(scale={scale!r}, min_scale={min_scale!r}): the scale starts below its floor; "
+                f"give min_scale <= scale (by default min_scale is {MIN_LOSS_SCALE!r})"
+            )
+        return super().__new__(cls, scale, growth_factor, backoff_factor, growth_interval, min_scale, good_steps)
+
+    @classmethod
+    def _make(cls, iterable: Iterable[Any]) -> Self:  # type: ignore[override]  # mypy types it per tuple
+        return cls(*iterable)  # so that ``_replace`` checks too
 
     def scale_value(self) -> float:
         return float(self.scale)
 
     def adjust(self, finite: bool) -> DynamicLossScale:
         if not finite:
+            if self.scale <= self.min_scale:
+                raise FloatingPointError(
+                    f"the gradients are not finite even at the loss scale's floor (DynamicLossScale "
+                    f"min_scale={self.min_scale!r}): scaling them down further would not make them finite, "
+                    "and every step from here would be skipped. The loss or the gradients are inf/NaN "
+                    "at any scale: the run diverged (lower the learning rate), the data "
+                    "holds an inf/NaN, or a layer overflows its compute dtype in the forward (compute it "
+                    "in float32: mixed_precision(overrides={layer: 'compute=f32'})). If gradients this "
+                    "large are expected, give a lower min_scale (a resumed state: "
+                    "state._replace(loss_scale=state.loss_scale._replace(min_scale=...)))"
+                )
             return self._replace(scale=max(self.scale * self.backoff_factor, self.min_scale), good_steps=0)
         if self.good_steps + 1 >= self.growth_interval:
             return self._replace(scale=self.scale * self.growth_factor, good_steps=0)
@@ -150,10 +253,10 @@ def as_loss_scale(spec: Any) -> LossScale:
         return DynamicLossScale()
     if isinstance(spec, (NoLossScale, StaticLossScale, DynamicLossScale)):
         return spec
-    if isinstance(spec, (int, float)) and not isinstance(spec, bool) and spec > 0:
+    if isinstance(spec, (int, float)) and not isinstance(spec, bool) and math.isfinite(spec) and spec > 0:
         return StaticLossScale(float(spec))
     raise ValueError(
-        f"loss_scale={spec!r}: use None, 'dynamic', a positive number (static), or a "
+        f"loss_scale={spec!r}: use None, 'dynamic', a finite positive number (static), or a "
         "DynamicLossScale(...)/StaticLossScale(...)"
     )
 

@@ -117,9 +117,11 @@ def mixed_precision(
     with loss scaling wants ``output=f32``. Compute copies are cast once per
     step; with shard_params they are gathered in the compute dtype.
     ``loss_scale``: None, "dynamic" (2^16, x2 every 2000 finite steps, x0.5 on
-    overflow, like torch.amp.GradScaler), a number (static) or a LossScale
-    value. Under a policy, a step with a non-finite gradient on any rank is
-    skipped on every rank: parameters and optimizer state stay as they were.
+    overflow, like torch.amp.GradScaler, down to a floor of 2^-14 where a step
+    still not finite raises instead of skipping for ever), a finite positive
+    number (static) or a LossScale value. Under a policy, a step with a
+    non-finite gradient on any rank is skipped on every rank: parameters and
+    optimizer state stay as they were.
 
     >>> import torch, shardwise as sw
     >>> chain, params = sw.functionalize(
