@@ -41,7 +41,6 @@ each saved output to the engine's accounting, whichever form torch uses.
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 from typing import Any, SupportsIndex
@@ -59,6 +58,7 @@ from torch.utils.checkpoint import (
 from ...engine.plan.accounting import current_observer
 from ...engine.stack.in_layer import ForwardContext
 from ...engine.torch_api import storage_key as engine_storage_key
+from .own_generators import RefuseOwnGenerators, refuse_own_generator
 from .policies import EverythingSaveable, NothingSaveable, OffloadToCpu
 
 Observer = Callable[[torch.Tensor], None]
@@ -165,8 +165,14 @@ def selective_contexts(policy_fn: Callable[..., CheckpointPolicy], observe: Obse
     return caching, _Rewound(cached, queued)
 
 
-def sac_policy_fn(predicate: Predicate) -> Callable[..., CheckpointPolicy]:
-    """Adapt ``predicate(op, *args, **kwargs) -> bool`` to torch's selective-checkpoint policy_fn."""
+def sac_policy_fn(predicate: Predicate, layer: str = "", policy: Any = None) -> Callable[..., CheckpointPolicy]:
+    """Adapt ``predicate(op, *args, **kwargs) -> bool`` to torch's selective-checkpoint policy_fn.
+
+    It sees every op of the forward with its arguments, so it also refuses an op it would have
+    recomputed that draws from a generator of the layer's own (``own_generators``): ``layer`` and
+    ``policy`` (the one remat was given, ``predicate`` by default) name them in that error.
+    """
+    shown = predicate if policy is None else policy
 
     def policy_fn(ctx: SelectiveCheckpointContext, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         save = predicate(op, *args, **kwargs)
@@ -176,6 +182,8 @@ def sac_policy_fn(predicate: Predicate) -> Callable[..., CheckpointPolicy]:
                 f"remat policy {predicate!r} returned {save!r} for {op}; "
                 "a policy answers True (save) or False (recompute)"
             )
+        if not save:
+            refuse_own_generator(layer, shown, op, args, kwargs, selective=True)
         return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
 
     return policy_fn
@@ -206,7 +214,9 @@ class _KeepForBackward(saved_tensors_hooks):
         super().__init__(pack, unpack)
 
 
-def run_layer(fn: Callable[[Any, Any], Any], tensors: Mapping[str, torch.Tensor], x: Any, policy: Predicate) -> Any:
+def run_layer(
+    fn: Callable[[Any, Any], Any], tensors: Mapping[str, torch.Tensor], x: Any, policy: Predicate, layer: str = "",
+) -> Any:
     """``fn(tensors, x)`` with backward recomputing what ``policy`` does not save.
 
     ``everything_saveable`` runs ``fn`` as it is (torch's selective checkpoint
@@ -214,7 +224,10 @@ def run_layer(fn: Callable[[Any, Any], Any], tensors: Mapping[str, torch.Tensor]
     ``nothing_saveable`` is plain non-reentrant checkpoint; any other
     predicate goes through selective checkpoint. The region's tensors are
     passed to checkpoint as flat positional arguments so that they are the
-    saved inputs that outer hooks see.
+    saved inputs that outer hooks see. ``layer`` names the layer in errors:
+    an op drawing from a generator of the layer's own is refused where it would
+    be recomputed, and torch's error for a saved output changed in place says
+    which layer, policy and op it was about.
     """
     observe = current_observer()  # set while the engine's accounting measures what layers keep
     offload = isinstance(policy, OffloadToCpu)
@@ -233,12 +246,64 @@ def run_layer(fn: Callable[[Any, Any], Any], tensors: Mapping[str, torch.Tensor]
         # Recomputed in the backward, which on CUDA runs on the device's autograd thread: there the
         # region's layers find the forward's mesh and backend (tensor parallel's collectives).
         forward_context = ForwardContext()
+        plain = isinstance(inner, NothingSaveable)
+        # Plain checkpoint asks no policy about the ops: a dispatch mode watches the forward for
+        # own generators (under no_grad nothing is recomputed, so nothing is watched).
+        watching = plain and torch.is_grad_enabled()
+        caches: list[Mapping[Any, Any]] = []  # selective checkpoint's cache, for the mutation error
 
         def region(*flat: Any) -> Any:
+            nonlocal watching
             region_tensors, region_x = optree.tree_unflatten(spec, list(flat))
-            return forward_context.run(lambda: fn(region_tensors, region_x))
+            guard: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+            if watching:  # the forward; its recomputations run the same ops
+                watching = False
+                guard = RefuseOwnGenerators(layer, policy)
+            try:
+                with guard:
+                    return forward_context.run(lambda: fn(region_tensors, region_x))
+            except RuntimeError as error:
+                if _MUTATED not in str(error):
+                    raise
+                raise RuntimeError(_mutated_message(layer, policy, caches)) from error
 
-        if isinstance(inner, NothingSaveable):
+        if plain:
             return checkpoint(region, *leaves, use_reentrant=False)
-        context_fn = functools.partial(selective_contexts, sac_policy_fn(inner), observe)
+
+        def context_fn() -> tuple[Any, Any]:
+            caching, cached = selective_contexts(sac_policy_fn(inner, layer, policy), observe)
+            caches.append(caching.storage)
+            return caching, cached
+
         return checkpoint(region, *leaves, use_reentrant=False, context_fn=context_fn)
+
+
+# torch's error when an output selective checkpoint saved was changed before backward read it
+_MUTATED = "cached during selective activation checkpoint has been mutated"
+
+
+def _mutated_message(layer: str, policy: Any, caches: list[Mapping[Any, Any]]) -> str:
+    """The error for a saved output changed in place: the layer, the policy, the op, the fixes."""
+    ops = sorted({str(op) for cache in caches for op, entries in cache.items() if _changed(entries)})
+    which = f"the output of {', '.join(ops)}" if ops else "an output"
+    name = f"layer {layer!r}" if layer else "a layer"
+    return (
+        f"remat({policy!r}): {name} changes {which} in place after the policy saved it for backward "
+        "(torch's selective checkpoint keeps the saved tensor itself, so the backward would read the "
+        "changed values). Write that op out of place (x = x + y for x += y, h = h.relu() for "
+        "h.relu_()), or use a policy that saves nothing of that layer's (nothing_saveable), or leave "
+        "the layer out of remat (remat(..., layers=[...]) without it)"
+    )
+
+
+def _changed(entries: Any) -> bool:
+    """Whether a cache entry holds a tensor changed since it was saved (torch's wrappers record
+    the tensor's version counter when they save it)."""
+    values = entries.values() if isinstance(entries, Mapping) else entries
+    leaves: list[Any] = optree.tree_leaves(list(values))  # type: ignore[arg-type]
+    for leaf in leaves:
+        version = getattr(leaf, "version", None)
+        val = getattr(leaf, "val", None)
+        if version is not None and isinstance(val, torch.Tensor) and val._version != version:
+            return True
+    return False

@@ -133,6 +133,7 @@ class OffloadToCpu:
     pin_memory: bool = True
 
     def __post_init__(self) -> None:
+        refuse_class(self.policy, "offload_to_cpu(policy=...)")
         if not callable(self.policy):
             raise TypeError(f"offload_to_cpu(policy={self.policy!r}): the policy must be a predicate")
         if isinstance(self.policy, OffloadToCpu):
@@ -143,6 +144,24 @@ class OffloadToCpu:
 
     def __repr__(self) -> str:
         return f"offload_to_cpu({self.policy!r})"
+
+
+def refuse_class(policy: Any, where: str) -> None:
+    """Refuse a policy's class where a policy is wanted: a class is callable, so it would pass
+    for a predicate and fail at the first step (``NothingSaveable(op, *args)``)."""
+    if not isinstance(policy, type):
+        return
+    instances = {NothingSaveable: "nothing_saveable", EverythingSaveable: "everything_saveable",
+                 DotsSaveable: "dots_saveable"}
+    builders = {SaveOnlyTheseNames: "save_only_these_names('name', ...)", OffloadToCpu: "offload_to_cpu(...)"}
+    name = policy.__name__
+    if policy in instances:
+        fix = f"pass an instance: {name}() (or sw.policies.{instances[policy]}, or the name {instances[policy]!r})"
+    elif policy in builders:
+        fix = f"build one: {builders[policy]}"
+    else:
+        fix = f"pass an instance, {name}(...), whose __call__(op, *args, **kwargs) answers True (save) or False"
+    raise TypeError(f"{where.replace('...', name)}: this is a policy class, not a policy; {fix}")
 
 
 nothing_saveable = NothingSaveable()

@@ -30,12 +30,13 @@ class Remat:
 
     fn: LayerFn
     policy: Any
+    layer: str = ""  # its name, for errors
     # Its backward runs its forward again: a zero-bubble weight pass takes it whole, not branch by
     # branch (engine/model/split_backward.py: each branch's pass would recompute it again).
     recomputes_in_backward: ClassVar[bool] = True
 
     def __call__(self, tensors: dict[str, Any], x: Any) -> Any:
-        return run_layer(self.fn, tensors, x, self.policy)
+        return run_layer(self.fn, tensors, x, self.policy, self.layer)
 
     @property
     def __wrapped__(self) -> LayerFn:
@@ -75,6 +76,7 @@ def resolve_policy(policy: Any) -> Any:
                 "or pass a predicate such as save_only_these_names('attn_out')"
             )
         return POLICIES[policy]
+    P.refuse_class(policy, "remat(policy=...)")
     if policy is P.save_only_these_names or policy is P.offload_to_cpu:
         raise TypeError(
             f"remat(policy={policy.__name__}): this builds a policy, call it: "
@@ -119,7 +121,7 @@ class RematSpec:
     def rewrite(self, chain: Chain) -> Chain:
         chosen = set(self.layers)
         return Chain([
-            dataclasses.replace(layer, fn=Remat(layer.fn, self.policy)) if layer.name in chosen else layer
+            dataclasses.replace(layer, fn=Remat(layer.fn, self.policy, layer.name)) if layer.name in chosen else layer
             for layer in chain
         ])
 
@@ -146,6 +148,13 @@ def remat(step: Step, policy: Any = P.nothing_saveable, *, layers: str | Sequenc
     bitwise the same losses and parameters, in any order with the other
     transforms, and holds less for backward (see :func:`saved_bytes`). Apply it
     once (also with mixed_precision between: the stack refuses a second remat).
+    ``policy`` is a policy value or name, not its class (``NothingSaveable()``).
+
+    Dropout is replayed: checkpoint restores the default generators, which the
+    step seeds. An op drawing from a generator of the layer's own is refused
+    where it would be recomputed (``own_generators``), and an in-place change
+    of an output a selective policy saved is refused in the backward, naming
+    the layer, the policy and the op.
     """
     if not isinstance(step, Step):
         raise TypeError(f"remat(step=...) needs a shardwise Step (see train_step), got {type(step).__name__}")

@@ -1,0 +1,196 @@
+"""What remat refuses, and the uses next to them it still runs exactly.
+
+Found by hunting: a layer drawing from a generator of its own got another mask when recomputed
+(a wrong gradient, no error); an in-place op on an output ``dots_saveable`` saved failed with
+torch's bare error; a policy's class passed for a policy failed at the first step.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import optree
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import shardwise as sw
+from shardwise.transforms.remat import (
+    DotsSaveable,
+    EverythingSaveable,
+    NothingSaveable,
+    OffloadToCpu,
+    SaveOnlyTheseNames,
+    dots_saveable,
+    everything_saveable,
+    nothing_saveable,
+    offload_to_cpu,
+    remat,
+    save_only_these_names,
+)
+
+aten = torch.ops.aten
+
+
+def _params_after(step: sw.Step, params: Any, batches: list[Any]) -> list[torch.Tensor]:
+    state = step.init(params)
+    for batch in batches:
+        state, _ = step(state, batch)
+    return optree.tree_leaves(state.params)
+
+
+def _assert_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def _batches() -> list[Any]:
+    gen = torch.Generator().manual_seed(5)
+    return [
+        (torch.randn(8, 6, dtype=torch.float64, generator=gen), torch.randn(8, 3, dtype=torch.float64, generator=gen))
+        for _ in range(2)
+    ]
+
+
+# -- random ops with a generator of the layer's own ------------------------------------------------
+
+
+class _Noisy(nn.Module):
+    """A linear layer whose mask comes from ``generator`` (its own, or a default one)."""
+
+    def __init__(self, d: int, generator: Any) -> None:
+        super().__init__()
+        self.lin, self.generator = nn.Linear(d, d), generator
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        keep = torch.rand(h.shape, generator=self.generator(), dtype=h.dtype) > 0.5
+        return h * keep * 2.0
+
+
+def _noisy_step(generator: Any) -> tuple[sw.Step, Any]:
+    torch.manual_seed(0)
+    chain, params = sw.functionalize(nn.Sequential(_Noisy(6, generator), nn.Tanh(), nn.Linear(6, 3)).double())
+    return sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1)), params
+
+
+def _own() -> Any:
+    gen = torch.Generator().manual_seed(123)
+    return lambda: gen
+
+
+RECOMPUTING = [nothing_saveable, dots_saveable, save_only_these_names("h"), offload_to_cpu(dots_saveable)]
+
+
+@pytest.mark.parametrize("policy", RECOMPUTING, ids=repr)
+def test_a_random_op_with_an_own_generator_is_refused_where_it_would_be_recomputed(policy: Any) -> None:
+    """Without the refusal the recomputation drew a new mask: the gradient of another forward."""
+    step, params = _noisy_step(_own())
+    with pytest.raises(ValueError, match=(
+        rf"remat\({re.escape(repr(policy))}\): layer '0' calls aten.rand.generator with a torch.Generator of its own.*"
+        r"replays only the default generators.*Draw from the default generator.*torch.manual_seed.*"
+        r"leave the layer out of remat")):
+        remat(step, policy)(remat(step, policy).init(params), _batches()[0])
+
+
+@pytest.mark.parametrize("policy", [everything_saveable, offload_to_cpu()], ids=repr)
+def test_an_own_generator_under_a_policy_that_recomputes_nothing_runs_exactly(policy: Any) -> None:
+    step, params = _noisy_step(_own())
+    plain = _params_after(step, params, _batches())
+    step, params = _noisy_step(_own())
+    _assert_equal(_params_after(remat(step, policy), params, _batches()), plain)
+
+
+def test_an_own_generator_whose_op_the_policy_saves_runs_exactly() -> None:
+    """A selective policy that saves the random op's output replays it from the cache."""
+    def save_random(op: Any, *args: Any, **kwargs: Any) -> bool:
+        return bool(op == aten.rand.generator)
+
+    step, params = _noisy_step(_own())
+    plain = _params_after(step, params, _batches())
+    step, params = _noisy_step(_own())
+    _assert_equal(_params_after(remat(step, save_random), params, _batches()), plain)
+
+
+@pytest.mark.parametrize("policy", RECOMPUTING, ids=repr)
+def test_the_default_generator_passed_by_name_and_dropout_still_run_exactly(policy: Any) -> None:
+    """checkpoint replays the default generator (which the step seeds per compute): passing it as
+    generator=torch.default_generator, or dropout (which draws from it), is exact under remat."""
+    step, params = _noisy_step(lambda: torch.default_generator)
+    _assert_equal(_params_after(remat(step, policy), params, _batches()), _params_after(step, params, _batches()))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Dropout(0.3), nn.Tanh(), nn.Linear(16, 3), nn.Dropout(0.3)).double()
+    chain, params = sw.functionalize(model)
+    step = sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1))
+    _assert_equal(_params_after(remat(step, policy), params, _batches()), _params_after(step, params, _batches()))
+
+
+def test_an_own_generator_outside_remat_and_under_no_grad_is_not_refused() -> None:
+    step, params = _noisy_step(_own())
+    plain = _params_after(step, params, _batches())
+    step, params = _noisy_step(_own())
+    _assert_equal(_params_after(remat(step, layers=["1", "2"]), params, _batches()), plain)  # '0' left out
+    noisy = remat(step).chain["0"].fn
+    with torch.no_grad():  # nothing is recomputed: an evaluation under remat may draw as it likes
+        noisy(params["0"], _batches()[0][0])
+
+
+# -- an in-place op on a saved output ----------------------------------------------------------------
+
+
+def _matmul_chain(inplace: bool) -> tuple[sw.Step, Any, tuple[torch.Tensor, torch.Tensor]]:
+    def lin(t: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        h = x @ t["w"]
+        if inplace:
+            h.relu_()  # in place on the matmul's output
+        else:
+            h = h.relu()
+        return h
+
+    torch.manual_seed(0)
+    chain = sw.Chain([sw.Layer("a", lin, ("w",)), sw.Layer("b", lin, ("w",))])
+    params = {n: {"w": torch.randn(6, 6, dtype=torch.float64)} for n in "ab"}
+    batch = (torch.randn(4, 6, dtype=torch.float64), torch.randn(4, 6, dtype=torch.float64))
+    return sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1)), params, batch
+
+
+def test_an_in_place_op_on_an_output_dots_saveable_saved_names_the_layer_policy_op_and_fix() -> None:
+    step, params, batch = _matmul_chain(inplace=True)
+    rematted = remat(step, dots_saveable)
+    with pytest.raises(RuntimeError, match=(
+        r"remat\(dots_saveable\): layer '[ab]' changes the output of aten.mm.default in place after the policy "
+        r"saved it.*out of place \(x = x \+ y for x \+= y.*nothing_saveable.*leave the layer out")) as info:
+        rematted(rematted.init(params), batch)
+    assert "has been mutated" in str(info.value.__cause__)  # chained from torch's error
+
+
+def test_the_same_layers_out_of_place_or_under_nothing_saveable_run_exactly() -> None:
+    step, params, batch = _matmul_chain(inplace=True)
+    plain = _params_after(step, params, [batch])
+    _assert_equal(_params_after(remat(step, nothing_saveable), params, [batch]), plain)
+    step, params, batch = _matmul_chain(inplace=False)
+    _assert_equal(_params_after(remat(step, dots_saveable), params, [batch]), plain)
+
+
+# -- a policy's class given for a policy ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("cls", "fix"), [
+    (NothingSaveable, r"pass an instance: NothingSaveable\(\) \(or sw.policies.nothing_saveable, or the name "
+                      r"'nothing_saveable'\)"),
+    (EverythingSaveable, r"pass an instance: EverythingSaveable\(\)"),
+    (DotsSaveable, r"pass an instance: DotsSaveable\(\).*'dots_saveable'"),
+    (SaveOnlyTheseNames, r"build one: save_only_these_names\('name', ...\)"),
+    (OffloadToCpu, r"build one: offload_to_cpu\(...\)"),
+])
+def test_a_policy_class_is_refused_when_remat_is_applied(cls: type, fix: str) -> None:
+    """It was accepted (a class is callable) and failed at the first step with
+    ``NothingSaveable.__init__() takes 1 positional argument but 3 were given``."""
+    step, _ = _noisy_step(_own())
+    expected = rf"remat\(policy={cls.__name__}\): this is a policy class, not a policy; {fix}"
+    with pytest.raises(TypeError, match=expected):
+        remat(step, cls)
+    if cls is not OffloadToCpu:
+        with pytest.raises(TypeError, match=rf"offload_to_cpu\(policy={cls.__name__}\): this is a policy class"):
+            offload_to_cpu(cls)
