@@ -216,6 +216,7 @@ class _KeepForBackward(saved_tensors_hooks):
 
 def run_layer(
     fn: Callable[[Any, Any], Any], tensors: Mapping[str, torch.Tensor], x: Any, policy: Predicate, layer: str = "",
+    watch_generators: bool = True,
 ) -> Any:
     """``fn(tensors, x)`` with backward recomputing what ``policy`` does not save.
 
@@ -248,8 +249,9 @@ def run_layer(
         forward_context = ForwardContext()
         plain = isinstance(inner, NothingSaveable)
         # Plain checkpoint asks no policy about the ops: a dispatch mode watches the forward for
-        # own generators (under no_grad nothing is recomputed, so nothing is watched).
-        watching = plain and torch.is_grad_enabled()
+        # own generators (under no_grad nothing is recomputed, so nothing is watched; ``Remat``
+        # asks only its first forward to be watched).
+        watching = plain and watch_generators and torch.is_grad_enabled()
         caches: list[Mapping[Any, Any]] = []  # selective checkpoint's cache, for the mutation error
 
         def region(*flat: Any) -> Any:

@@ -5,8 +5,10 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 from collections.abc import Hashable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
+
+import torch
 
 from ...engine.model.chain import Chain, LayerFn
 from ...engine.model.reuse import reuse_key
@@ -31,12 +33,19 @@ class Remat:
     fn: LayerFn
     policy: Any
     layer: str = ""  # its name, for errors
+    # Whether its first forward with gradients is still to come: only that one is watched for random
+    # ops drawing from a generator of the layer's own (a property of its code; watching every forward
+    # through a dispatch mode cost a small model's step about 10%).
+    _unwatched: list[bool] = field(default_factory=lambda: [True], repr=False)
     # Its backward runs its forward again: a zero-bubble weight pass takes it whole, not branch by
     # branch (engine/model/split_backward.py: each branch's pass would recompute it again).
     recomputes_in_backward: ClassVar[bool] = True
 
     def __call__(self, tensors: dict[str, Any], x: Any) -> Any:
-        return run_layer(self.fn, tensors, x, self.policy, self.layer)
+        watch = bool(self._unwatched) and torch.is_grad_enabled()
+        if watch:
+            self._unwatched.clear()
+        return run_layer(self.fn, tensors, x, self.policy, self.layer, watch_generators=watch)
 
     @property
     def __wrapped__(self) -> LayerFn:
