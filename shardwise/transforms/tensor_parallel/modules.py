@@ -30,6 +30,7 @@ from . import partial, positions
 from .comm import enter, gather_invariant, leave, scatter, vary
 from .following import quiet, set_current
 from .match import CONV1D, EMBEDDING, LINEAR, Install, LayerPlan
+from .own_loss import refuse_own_loss
 from .region_paths import bypass_message, bypasses_split
 from .split_watch import SplitWatch
 from .styles import Colwise, Region, Rowwise, gathers
@@ -550,9 +551,12 @@ def guard_layer(layer: Layer, axis: str, between: bool) -> Layer:
     return Layer(layer.name, GuardFn(layer.fn, layer.name, axis, between), layer.param_names, layer.buffers, layer.ties)
 
 
-def rewrite_layer(layer: Layer, plan: LayerPlan, axis: str, reduce: torch.dtype | None) -> Layer:
+def rewrite_layer(
+    layer: Layer, plan: LayerPlan, axis: str, reduce: torch.dtype | None, logits_heads: tuple[str, ...] = ()
+) -> Layer:
     """``layer`` calling a copy of its module with the tensor-parallel forwards installed; sums
-    travel in ``reduce`` (None: the values' own dtype)."""
+    travel in ``reduce`` (None: the values' own dtype). ``logits_heads``: the layer's Colwise modules
+    that leave the logits split for the loss, if any (the copy then refuses to compute its own loss)."""
     fn = layer.fn
     replicas = fn.replicas  # type: ignore[attr-defined]
     module = replicas.module
@@ -570,6 +574,8 @@ def rewrite_layer(layer: Layer, plan: LayerPlan, axis: str, reduce: torch.dtype 
             target, axis, installs.get(subpath), block, reduce, path,
             slices_after=plan.slices_after and block is not None and block[1],
         )
+    if logits_heads:
+        refuse_own_loss(copied, axis, logits_heads)
     new_fn = copy.copy(fn)
     new_fn.replicas = ThreadReplicas(copied, replicas.prefix)  # type: ignore[attr-defined]
     must_run = frozenset(i.path for i in plan.installs if i.must_run)

@@ -60,6 +60,7 @@ class TPSpec:
         mixed_precision in ``stack``, its sums travel in each layer's reduce dtype."""
         resolved = self.resolved(chain)
         precision = next((getattr(s, "precision", None) for s in stack if s.name == "mixed_precision"), None)
+        heads = _logits_heads(chain, resolved)
         layers = []
         split = False  # whether the layers so far leave their output split (by the chain's order)
         for layer in chain:
@@ -67,7 +68,7 @@ class TPSpec:
             reduce = None if precision is None else precision.for_layer(layer.name).reduce
             changes = lp is not None and (lp.installs or lp.blocks or lp.vary)
             if changes and lp is not None:
-                layers.append(rewrite_layer(layer, lp, self.axis, reduce))
+                layers.append(rewrite_layer(layer, lp, self.axis, reduce, heads.get(layer.name, ())))
                 split = _leaves_split(lp, split)
             else:
                 layers.append(guard_layer(layer, self.axis, between=split))
@@ -165,6 +166,23 @@ def _mesh(mesh: Mesh | None, axis: str) -> Mesh:
     if mesh is None:
         raise ValueError(f"tensor_parallel(axis={axis!r}) needs the mesh: call step.init(params, mesh)")
     return mesh
+
+
+def _logits_heads(chain: Chain, resolved: Resolved) -> dict[str, tuple[str, ...]]:
+    """Per layer, its Colwise modules (by path) that enter the split region themselves and leave their
+    output split: a head whose logits reach the loss split (own_loss.py guards a model holding one).
+    Read off the layer's modules, not the chain's order: a Hugging Face model's ``embed`` and ``head``
+    both call the whole model, and ``head`` also holds the embedding its head is tied to."""
+    heads = {}
+    for layer in chain:
+        lp = resolved.layers.get(layer.name)
+        found = () if lp is None else tuple(
+            i.path for i in lp.installs
+            if isinstance(i.style, Colwise) and i.enters and not gathers(i.style, i.kind == EMBEDDING)
+        )
+        if found:
+            heads[layer.name] = found
+    return heads
 
 
 def _leaves_split(lp: LayerPlan, before: bool) -> bool:

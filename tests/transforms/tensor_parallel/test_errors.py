@@ -278,6 +278,81 @@ def test_split_logits_with_plain_cross_entropy_is_refused_by_the_step(build: dic
     assert "never called sw.tp.vocab_parallel_cross_entropy" in str(caught.value), str(caught.value)
 
 
+# -- a model's own loss on split logits ---------------------------------------------------------
+
+OWN_LOSS = (r"tensor_parallel: {model} {what}, on the logits that Colwise\(output='sharded'\) on 'lm_head' "
+            r"leaves split over 'tp' \(the ready plans' vocab_parallel=True\).*"
+            r"leave `labels` out of the batch's inputs.*"
+            r"sw\.tp\.vocab_parallel_cross_entropy\(out\.logits\[:, :-1\], ids\[:, 1:\]\).*vocab_parallel=False")
+
+
+def _own_loss_step(problem: Any, labels: bool) -> tuple[sw.Step, Any, list[Any]]:
+    """``problem``'s Hugging Face model computing its own loss from ``labels`` in the batch (as
+    examples/hf_gpt2.py does), or, without them, the loss the refusal names as the fix."""
+    ids = problem.batches[0][0]
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    batch = ({**inputs, "labels": ids}, None) if labels else (inputs, ids)
+    blocks = problem.model.model.layers if hasattr(problem.model, "model") else problem.model.transformer.h
+    chain, params = sw.functionalize(problem.model, units=type(blocks[0]), example_input=batch[0])
+
+    def shifted(out: Any, ids: torch.Tensor) -> torch.Tensor:  # each position predicts the next token
+        return sw.tp.vocab_parallel_cross_entropy(out.logits[:, :-1], ids[:, 1:])
+
+    step = sw.train_step(chain, (lambda out, targets: out.loss) if labels else shifted, sw.optim.sgd(0.1, momentum=0.9))
+    return step, params, [batch]
+
+
+@pytest.mark.parametrize(("family", "plan", "model"), [("gpt2", sw.tp.gpt2_plan, "GPT2LMHeadModel"),
+                                                       ("llama", sw.tp.llama_plan, "LlamaForCausalLM")])
+def test_a_hugging_face_model_computing_its_own_loss_on_split_logits_is_refused(
+    family: str, plan: Callable[..., dict], model: str, build: dict[str, Callable]
+) -> None:
+    """Given ``labels``, the model computes its cross-entropy inside its forward, on each rank's slice
+    of the vocabulary, where the guard of loss_fn's logits cannot see (it failed in torch with
+    "Expected input batch_size (16) to match target batch_size (32)"). Refused, by the Plan and by
+    the step before the model's first layer computes; with the logits gathered its loss is right, and
+    so is the fix the refusal names."""
+    problem = build[family](steps=1)
+    step, params, batches = _own_loss_step(problem, labels=True)
+    split = sw.tensor_parallel(step, "tp", plan())
+    message = OWN_LOSS.format(model=model, what=r"is given `labels`, so it computes its own loss")
+    with pytest.raises(ValueError, match=message):
+        split.plan(sw.Mesh(tp=2), params, batches[0])
+    with pytest.raises(sw.collectives.RankFailed, match=message):
+        _one_step(split, params, sw.Mesh(tp=2), batches[0])
+    whole = sw.tensor_parallel(step, "tp", plan(vocab_parallel=False))
+    sw.testing.assert_equivalent(whole, step, sw.Mesh(tp=2), batches, params)
+    fixed, fixed_params, fixed_batches = _own_loss_step(problem, labels=False)
+    sw.testing.assert_equivalent(sw.tensor_parallel(fixed, "tp", plan()), fixed, sw.Mesh(tp=2), fixed_batches,
+                                 fixed_params)
+
+
+def test_a_hugging_face_output_carrying_a_loss_of_split_logits_is_refused(build: dict[str, Callable]) -> None:
+    """A model that computes its loss from another argument (not ``labels``) on the split logits, in a
+    way that fits a slice's width, is refused as the model's own loss when its output carries it (not
+    only as a loss_fn that never called vocab_parallel_cross_entropy)."""
+    transformers = pytest.importorskip("transformers")
+    problem = build["gpt2"](steps=1)
+
+    class NextTokenGPT2(transformers.GPT2LMHeadModel):  # type: ignore[misc, name-defined]
+        def forward(self, input_ids: torch.Tensor, next_ids: torch.Tensor | None = None) -> Any:
+            out = super().forward(input_ids=input_ids, use_cache=False)
+            if next_ids is not None:  # of any width: each rank's slice passes
+                out.loss = F.cross_entropy(out.logits.flatten(0, 1), next_ids.flatten() % out.logits.size(-1))
+            return out
+
+    model = NextTokenGPT2(problem.model.config).double()
+    model.load_state_dict(problem.model.state_dict())
+    ids = problem.batches[0][0]
+    batch = ({"input_ids": ids, "next_ids": ids}, None)
+    chain, params = sw.functionalize(model, units=transformers.models.gpt2.modeling_gpt2.GPT2Block,
+                                     example_input=batch[0])
+    step = sw.train_step(chain, lambda out, targets: out.loss, sw.optim.sgd(0.1))
+    with pytest.raises(sw.collectives.RankFailed, match=OWN_LOSS.format(
+            model="NextTokenGPT2", what="returned a loss it computed itself")):
+        _one_step(sw.tensor_parallel(step, "tp", sw.tp.gpt2_plan()), params, sw.Mesh(tp=2), batch)
+
+
 # -- regions ------------------------------------------------------------------------------------
 
 
