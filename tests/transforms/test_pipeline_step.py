@@ -259,6 +259,64 @@ def test_a_stage_whose_output_shape_depends_on_data_falls_back_to_announced_tran
     sw.testing.assert_equivalent(piped, step, sw.Mesh(pp=2), batches, params, rtol=F64_RTOL)
 
 
+def _frozen_front_gpt(frozen_blocks: int):  # type: ignore[no-untyped-def]
+    """TinyGPT with its embeddings (and its first ``frozen_blocks`` blocks) frozen, the usual fine-tuning
+    setup: the layers in front train nothing, and the batch they take needs no gradient."""
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=32, d_model=16, n_heads=2, n_layers=3, seq_len=8, tie_weights=False).double()
+    model.tok_emb.requires_grad_(False)
+    model.pos_emb.requires_grad_(False)
+    for block in model.blocks[:frozen_blocks]:
+        block.requires_grad_(False)
+    chain, params = sw.functionalize(model, units=["tok_emb", "blocks", "head"])
+
+    def loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+    tokens = torch.randint(32, (8, 9), generator=torch.Generator().manual_seed(1))
+    step = sw.train_step(chain, loss, sw.optim.sgd(0.1, momentum=0.9))
+    return step, params, [(tokens[:, :-1], tokens[:, 1:])] * 2
+
+
+@pytest.mark.parametrize(
+    ("schedule", "pp", "partition", "frozen_blocks", "trained_from"),
+    [
+        ("gpipe", 4, (1, 1, 2, 1), 0, 1),  # the frozen embedding alone on rank 0 (it failed in the backward)
+        ("1f1b", 2, (2, 3), 1, 1),
+        ("zb_h1", 3, (1, 2, 2), 2, 2),  # a frozen stage in front of a frozen stage
+        ("zb_v", 2, (1, 1, 2, 1), 0, 1),  # rank 0 holds the frozen stage 0 and the last, trained, stage
+        ("interleaved_1f1b", 2, (1, 1, 2, 1), 0, 1),
+    ],
+)
+def test_stages_in_front_that_train_nothing_get_no_gradient_and_run_no_backward(
+    schedule: str, pp: int, partition: tuple[int, ...], frozen_blocks: int, trained_from: int
+) -> None:
+    """Nothing flows back to a stage whose layers and those before it hold no trainable parameter: the
+    Plan gives it no backward and no gradient transfer, the stage after it sends none down, the ledger
+    is the Plan's, and the step equals the single-device step."""
+    step, params, batches = _frozen_front_gpt(frozen_blocks)
+    piped = sw.pipeline(step, "pp", schedule, 4, stages=len(partition), partition=partition)
+    mesh = sw.Mesh(pp=pp)
+    plan = piped.plan(mesh, params, batches[0])
+    computes = [a for r in range(pp) for a in plan.for_rank(r)]
+    assert {a.stage for a in computes if a.kind in ("backward", "backward_input", "backward_weight")} == set(
+        range(trained_from, len(partition)))
+    assert all(a.stage > trained_from for a in computes if a.kind == "send_grad")
+    assert all(a.stage >= trained_from for a in computes if a.kind == "recv_grad")
+
+    def ledger() -> list[tuple[str, str | None, str, int]]:
+        state = piped.init(params, mesh)
+        with sw.collectives.comm_ledger() as records:
+            piped(state, batches[0])
+        return [(r.op, r.axis, r.dtype, r.nbytes) for r in records.records if r.rank == mesh.rank]
+
+    for rank, got in enumerate(sw.launch(ledger, pp)):
+        assert got == [(c.op, c.axis, c.dtype, c.nbytes) for c in plan.collectives(rank)]
+    sw.testing.assert_equivalent(piped, step, mesh, batches, params, rtol=F64_RTOL)
+    sw.testing.assert_equivalent(sw.shard_params(piped, "dp", 3), step, sw.Mesh(dp=2, pp=pp), batches, params,
+                                 rtol=F64_RTOL)
+
+
 @pytest.mark.parametrize("clip_norm", [None, 0.05], ids=["update-first", "clip-waits-for-the-norm"])
 def test_step_ends_with_grads_then_metrics_then_update_and_reports_the_global_metrics(clip_norm: float | None) -> None:
     torch.manual_seed(3)

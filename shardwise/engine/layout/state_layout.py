@@ -40,12 +40,18 @@ class Placement:
     (owner layer, local name, the indices that use it). Each of those indices holds a
     copy; their gradients are exchanged and summed in index order, so every copy
     takes the same update (Megatron keeps its tied embeddings this way).
+
+    ``backward_from`` is the first stage that runs a backward: the stages before it use no
+    trainable parameter (a frozen embedding in front) and their input, the batch, needs no
+    gradient, so nothing flows back to them. They run no backward, and the stage at
+    ``backward_from`` sends no gradient down (its input carries none).
     """
 
     axis: str | None
     stages: tuple[tuple[str, ...], ...]
     stage_rank: tuple[int, ...]
     tied: Tied = ()
+    backward_from: int = 0
 
     def __post_init__(self) -> None:
         if len(self.stages) != len(self.stage_rank):
@@ -62,7 +68,7 @@ class Placement:
     ) -> Placement:
         stages_t = tuple(tuple(s) for s in stages)
         ranks = tuple(stage_rank)
-        return cls(axis, stages_t, ranks, tied_across(chain, stages_t, ranks))
+        return cls(axis, stages_t, ranks, tied_across(chain, stages_t, ranks), first_trained(chain, stages_t))
 
     @property
     def last(self) -> int:
@@ -88,6 +94,14 @@ class Placement:
             if layer in layers:
                 return s
         raise KeyError(f"no stage holds layer {layer!r}")
+
+
+def first_trained(chain: Chain, stages: tuple[tuple[str, ...], ...]) -> int:
+    """The first stage whose layers use a trainable parameter (owned or tied), or the last stage: a
+    gradient flows back to a stage only from there on (the batch needs none)."""
+    return next(
+        (s for s, layers in enumerate(stages) if any(chain[n].param_names for n in layers)), len(stages) - 1
+    )
 
 
 def tied_across(chain: Chain, stages: tuple[tuple[str, ...], ...], stage_rank: tuple[int, ...]) -> Tied:

@@ -537,6 +537,8 @@ class Executor(ZeroActions, TransferActions):
                     gen.manual_seed(seed)
             y = self._run_layers(bound, x, s, m)
         self._outputs[(s, m)] = y
+        if s < self.placement.backward_from:
+            return  # no gradient comes back to it (Placement.backward_from): nothing is kept for a backward
         if joined:
             reached = [False] * len(inputs)
             # One tensor in, one out, and a small graph between them: whether a gradient will reach
@@ -754,7 +756,8 @@ class Executor(ZeroActions, TransferActions):
         """Stage ``s``'s input for micro-batch ``m``, and its leaves a gradient goes back for:
         those that depend on a parameter (not RoPE's cos and sin, made from buffers and ids)."""
         if self.placement.stage_rank[s - 1] == self.placement.stage_rank[s]:
-            y: Any = self._outputs[(s - 1, m)]
+            below = (s - 1, m)  # a stage that runs no backward has no later use of its output
+            y: Any = self._outputs.pop(below) if s - 1 < self.placement.backward_from else self._outputs[below]
             if isinstance(y, torch.Tensor):  # the usual layer output: what the tree walk below gives
                 alone = y.detach()
                 return alone, [alone] if _needs_grad(y) else []

@@ -92,7 +92,9 @@ class TransferActions:
 
     def send_activation(self, action: Action) -> None:
         s, m = action.require("stage"), action.mb
-        self._send(self._outputs[(s, m)], "activation", s, m, action)
+        # A stage that runs no backward (Placement.backward_from) has no later use of its output.
+        output = self._outputs.pop((s, m)) if s < self.placement.backward_from else self._outputs[(s, m)]
+        self._send(output, "activation", s, m, action)
 
     def send_grad(self, action: Action) -> None:
         s, m = action.require("stage"), action.mb

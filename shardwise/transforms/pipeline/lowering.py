@@ -5,7 +5,10 @@ neighbouring stages sit on different ranks, the activation of F(s, m) travels
 from stage s to s+1 and the gradient of B/I(s+1, m) back to stage s: each
 compute gets a receive before it and a send after it, naming the peer's index
 along the pipeline axis. Stages on the same rank hand values over in memory.
-The last stage's forward is followed by the micro-batch's loss.
+The last stage's forward is followed by the micro-batch's loss. Stages before
+``placement.backward_from`` (no trainable parameter up to them: a frozen
+embedding in front) get no gradient, so their backward ops are dropped and no
+gradient is sent down to them.
 """
 
 from __future__ import annotations
@@ -41,8 +44,11 @@ def rank_computes(schedule: Schedule, placement: Placement, axis: str, rank: int
     def transfer(kind: str, s: int, m: int, peer: int) -> Action:
         return Action(kind, placement.stages[s][0], m, s, axis=axis, peer=peer, label=f"stage{s}")
 
+    first = placement.backward_from
     for op in schedule.ranks[rank]:
         s, m = op.stage, op.microbatch
+        if op.kind != "F" and s < first:
+            continue  # nothing flows back to it: it trains nothing and its input needs no gradient
         if op.kind == "F":
             if s > 0 and place[s - 1] != rank:
                 out.append(transfer(RECV_ACTIVATION, s, m, place[s - 1]))
@@ -55,7 +61,7 @@ def rank_computes(schedule: Schedule, placement: Placement, axis: str, rank: int
             if s < last and place[s + 1] != rank:
                 out.append(transfer(RECV_GRAD, s, m, place[s + 1]))
             out.append(compute_action(op, placement))
-            if s > 0 and place[s - 1] != rank:
+            if s > first and place[s - 1] != rank:
                 out.append(transfer(SEND_GRAD, s, m, place[s - 1]))
         else:
             out.append(compute_action(op, placement))
