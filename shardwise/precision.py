@@ -1,7 +1,8 @@
 """Precision policies and loss scales for ``sw.mixed_precision``.
 
 A ``Policy`` says the dtype of the parameters, of the compute and of the outputs
-(jmp's grammar: ``"params=f32,compute=bf16,output=f32"``); a loss scale is a frozen
+(jmp's grammar: ``"params=f32,compute=bf16,output=f32"``) and whether floating buffers
+keep their dtype (``buffers=keep``, the default) or are cast too (``buffers=compute``); a loss scale is a frozen
 value whose ``adjust`` returns the next one. ``mixed_precision`` takes either the
 objects or their strings (``loss_scale="dynamic"``).
 

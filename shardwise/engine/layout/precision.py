@@ -2,9 +2,12 @@
 
 A :class:`Policy` names four dtypes: the parameters as stored (the fp32
 master weights), the compute copies layers run with, the model output, and
-the dtype gradients are reduced in across ranks. ``Policy.parse`` reads the
+the dtype gradients are reduced in across ranks; and whether the layers'
+floating buffers keep their stored dtype (``buffers=keep``, the default, as
+torch.autocast and FSDP do: a rotary ``inv_freq`` stays f32) or are cast to
+the compute dtype too (``buffers=compute``). ``Policy.parse`` reads the
 small grammar ``"params=f32,compute=bf16,output=f32,reduce=f32"`` (short
-keys ``p``, ``c``, ``o``, ``r``); a key not given follows jmp: compute follows
+keys ``p``, ``c``, ``o``, ``r``, ``b``); a key not given follows jmp: compute follows
 params, output follows compute, reduce follows params. A :class:`Precision` adds per-layer
 overrides by layer-name pattern and the loss scale.
 
@@ -35,7 +38,8 @@ _DTYPES = {
     "f16": torch.float16, "float16": torch.float16, "half": torch.float16,
 }
 _KEYS = {"params": "params", "p": "params", "compute": "compute", "c": "compute",
-         "output": "output", "o": "output", "reduce": "reduce", "r": "reduce"}
+         "output": "output", "o": "output", "reduce": "reduce", "r": "reduce", "buffers": "buffers", "b": "buffers"}
+_BUFFERS = ("keep", "compute")  # a buffer keeps its stored dtype, or is cast to the compute dtype
 
 
 def _dtype(text: str, where: str) -> torch.dtype:
@@ -47,22 +51,31 @@ def _dtype(text: str, where: str) -> torch.dtype:
 
 @dataclass(frozen=True)
 class Policy:
-    """Dtypes of the stored parameters, the compute copies, the model output and gradient reduction.
+    """Dtypes of the stored parameters, the compute copies, the model output and gradient reduction,
+    and whether floating buffers keep their stored dtype (``"keep"``) or compute in ``compute``.
 
     >>> Policy.parse("params=f32,compute=bf16,output=f32")
-    Policy(params=torch.float32, compute=torch.bfloat16, output=torch.float32, reduce=torch.float32)
+    Policy(params=torch.float32, compute=torch.bfloat16, output=torch.float32, reduce=torch.float32, buffers='keep')
+    >>> str(Policy.parse("compute=bf16,buffers=compute"))
+    'params=f32,compute=bf16,output=bf16,reduce=f32,buffers=compute'
     """
 
     params: torch.dtype = torch.float32
     compute: torch.dtype = torch.float32
     output: torch.dtype = torch.float32
     reduce: torch.dtype = torch.float32
+    buffers: str = "keep"
 
     def __post_init__(self) -> None:
         for name in ("params", "compute", "output", "reduce"):
             value = getattr(self, name)
             if not (isinstance(value, torch.dtype) and value.is_floating_point):
                 raise ValueError(f"Policy({name}={value!r}): a floating-point torch dtype is needed")
+        if self.buffers not in _BUFFERS:
+            raise ValueError(
+                f"Policy(buffers={self.buffers!r}): use 'keep' (buffers keep their stored dtype) or 'compute' "
+                "(floating buffers are cast to the compute dtype)"
+            )
 
     @classmethod
     def parse(cls, text: str, base: Policy | None = None) -> Policy:
@@ -74,28 +87,40 @@ class Policy:
         is all-f64 and ``"compute=bf16"`` computes and returns bf16 over f32 masters. With
         ``base`` (a layer override), keys not given keep ``base``'s values.
         """
-        given: dict[str, torch.dtype] = {}
+        given: dict[str, Any] = {}
         for item in filter(None, (part.strip() for part in text.split(","))):
             key, sep, dtype = item.partition("=")
             if not sep or key.strip() not in _KEYS:
                 raise ValueError(
                     f"policy {text!r}: cannot read {item!r}; write key=dtype with keys "
-                    "params/p, compute/c, output/o, reduce/r, e.g. 'params=f32,compute=bf16,output=f32'"
+                    "params/p, compute/c, output/o, reduce/r (dtypes) and buffers/b (keep or compute), "
+                    "e.g. 'params=f32,compute=bf16,output=f32'"
                 )
             name = _KEYS[key.strip()]
             if name in given:
                 raise ValueError(f"policy {text!r}: {name} is given twice; give each key once")
-            given[name] = _dtype(dtype, f"policy {text!r}")
+            given[name] = _buffers(dtype, text) if name == "buffers" else _dtype(dtype, f"policy {text!r}")
         if base is not None:
             return cls(**{**base.__dict__, **given})
         params = given.get("params", torch.float32)
         compute = given.get("compute", params)
         output = given.get("output", compute)
-        return cls(params, compute, output, given.get("reduce", params))
+        return cls(params, compute, output, given.get("reduce", params), given.get("buffers", "keep"))
 
     def __str__(self) -> str:
         short = {v: k for k, v in _DTYPES.items() if len(k) <= 4 and k[0] in "fb"}
-        return ",".join(f"{k}={short[getattr(self, k)]}" for k in ("params", "compute", "output", "reduce"))
+        dtypes = ",".join(f"{k}={short[getattr(self, k)]}" for k in ("params", "compute", "output", "reduce"))
+        return dtypes if self.buffers == "keep" else f"{dtypes},buffers={self.buffers}"
+
+
+def _buffers(text: str, policy: str) -> str:
+    value = text.strip().lower()
+    if value not in _BUFFERS:
+        raise ValueError(
+            f"policy {policy!r}: buffers={text.strip()!r}; use buffers=keep (floating buffers keep their stored "
+            "dtype, the default) or buffers=compute (they are cast to the compute dtype)"
+        )
+    return value
 
 
 class NoLossScale(NamedTuple):

@@ -7,9 +7,6 @@ import fnmatch
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-import optree
-import torch
-
 from ...engine.layout.precision import (
     DynamicLossScale,
     NoLossScale,
@@ -19,9 +16,9 @@ from ...engine.layout.precision import (
     as_loss_scale,
 )
 from ...engine.model.chain import Chain
-from ...engine.model.reuse import reuse_key
 from ...engine.stack.compose import REWRITE, add
 from ...engine.step.step import Step
+from .cast import Cast, kept_buffers
 
 __all__ = [
     "DynamicLossScale", "NoLossScale", "Policy", "Precision", "PrecisionSpec", "StaticLossScale", "mixed_precision",
@@ -50,41 +47,15 @@ class PrecisionSpec:
         return {layer: str(self.precision.for_layer(layer)) for layer in chain.names}
 
 
-class _Cast:
-    """A layer fn whose floating inputs and tensors run in ``compute`` (and output leaves in ``output``)."""
-
-    def __init__(self, fn: Any, compute: torch.dtype, output: torch.dtype | None) -> None:
-        self.fn, self.compute, self.output = fn, compute, output
-
-    @property
-    def __wrapped__(self) -> Any:
-        """The layer function it casts around (remat_of and the accounting look through it)."""
-        return self.fn
-
-    def reuse_key(self) -> Any:
-        """Equal for casts alike around layer functions that compute alike (engine/model/reuse.py)."""
-        inner = reuse_key(self.fn)
-        return None if inner is None else (_Cast, self.compute, self.output, inner)
-
-    def __call__(self, tensors: Mapping[str, torch.Tensor], x: Any) -> Any:
-        # Parameters arrive already cast once per step by the step; `.to` is then free.
-        tensors = {k: _to(v, self.compute) for k, v in tensors.items()}
-        y = self.fn(tensors, optree.tree_map(lambda t: _to(t, self.compute), x))
-        output = self.output
-        return y if output is None else optree.tree_map(lambda t: _to(t, output), y)
-
-
-def _to(t: Any, dtype: torch.dtype) -> Any:
-    return t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
-
-
 def cast_chain(chain: Chain, precision: Precision) -> Chain:
-    """Every layer computes in its policy's compute dtype; the chain's output is in the output dtype."""
+    """Every layer computes in its policy's compute dtype, its floating buffers in their own unless the
+    policy says ``buffers=compute``; the chain's output is in the output dtype."""
     last = len(chain) - 1
     layers = []
     for i, layer in enumerate(chain.layers):
         policy = precision.for_layer(layer.name)
-        fn = _Cast(layer.fn, policy.compute, policy.output if i == last else None)
+        fn = Cast(layer.fn, policy.compute, policy.output if i == last else None, layer=layer.name,
+                  kept=kept_buffers(layer, policy.buffers == "compute"))
         layers.append(dataclasses.replace(layer, fn=fn))
     return Chain(layers)
 
@@ -115,7 +86,10 @@ def mixed_precision(
     The loss is computed on the output, in its dtype: with fp16 outputs a loss
     scale above fp16's largest value (65504) overflows at once, so fp16 compute
     with loss scaling wants ``output=f32``. Compute copies are cast once per
-    step; with shard_params they are gathered in the compute dtype.
+    step; with shard_params they are gathered in the compute dtype. Floating
+    buffers keep their own dtype, as under torch.autocast (``buffers=compute``
+    in a policy casts them too); inputs that need no gradient (masks) are cast
+    saturating, so ``finfo(float32).min`` stays finite in bf16 (see ``cast.py``).
     ``loss_scale``: None, "dynamic" (2^16, x2 every 2000 finite steps, x0.5 on
     overflow, like torch.amp.GradScaler, down to a floor of 2^-14 where a step
     still not finite raises instead of skipping for ever), a finite positive
