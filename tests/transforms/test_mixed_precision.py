@@ -100,10 +100,19 @@ def test_dynamic_loss_scale_backs_off_below_one_and_raises_at_its_floor() -> Non
     assert s.scale == DynamicLossScale().min_scale == 2.0**-14
     with pytest.raises(FloatingPointError, match=r"not finite even at the loss scale's floor.*min_scale="):
         s.adjust(False)
-    clamped = DynamicLossScale(scale=3.0, min_scale=2.0).adjust(False)
-    assert clamped.scale == 2.0  # clamped to the floor; one more non-finite step there raises
+    clamped = DynamicLossScale(scale=3.0 * 2.0**-16, min_scale=2.0**-15).adjust(False)
+    assert clamped.scale == 2.0**-15  # clamped to a floor below the default; one more there raises
     with pytest.raises(FloatingPointError):
         clamped.adjust(False)
+
+
+def test_at_a_floor_above_the_default_an_overflow_is_skipped_as_before() -> None:
+    """min_scale=1.0 was the default until the floor came down (a resumed checkpoint carries it), and a
+    user may choose a higher floor: there an occasional overflow passes, so the step is skipped (and
+    says so in its metrics), where raising would end a run that trained before."""
+    at_floor = DynamicLossScale(scale=1.0, min_scale=1.0)
+    assert at_floor.adjust(False) == at_floor._replace(good_steps=0)
+    assert at_floor.adjust(False).adjust(True).good_steps == 1
 
 
 def test_fp16_gradients_that_overflow_unscaled_train_after_backing_off_below_one() -> None:
@@ -130,36 +139,53 @@ def test_a_step_not_finite_at_any_scale_raises_at_the_floor() -> None:
     x, y = torch.randn(8, 6), torch.randn(8, 3)
     y[0, 0] = float("nan")
     step = sw.mixed_precision(sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1)),
-                              "compute=f16,output=f32", loss_scale=DynamicLossScale(scale=4.0, min_scale=1.0))
+                              "compute=f16,output=f32", loss_scale=DynamicLossScale(scale=2.0**-12))
     state = step.init(params)
-    for _ in range(2):  # 4 -> 2 -> 1, skipped
+    for _ in range(2):  # 2**-12 -> 2**-13 -> 2**-14, skipped
         state, metrics = step(state, (x, y))
         assert bool(metrics["skipped"])
-    assert state.loss_scale.scale == 1.0
-    with pytest.raises(FloatingPointError, match=r"min_scale=1\.0"):
+    assert state.loss_scale.scale == 2.0**-14
+    with pytest.raises(FloatingPointError, match=r"min_scale=6\.103515625e-05"):
         step(state, (x, y))
 
 
-@pytest.mark.parametrize(("make", "message"), [
-    (lambda: StaticLossScale(0.0), r"StaticLossScale\(scale=0.0\): scale must be a finite number > 0"),
-    (lambda: StaticLossScale(float("nan")), r"StaticLossScale\(scale=nan\): scale must be a finite number > 0"),
-    (lambda: StaticLossScale(float("inf")), r"scale=inf\): scale must be a finite number > 0"),
-    (lambda: DynamicLossScale(scale=0.0), r"DynamicLossScale\(scale=0.0\): scale must be a finite"),
-    (lambda: DynamicLossScale(growth_factor=1.0), r"growth_factor=1.0\): growth_factor must be a finite number > 1"),
-    (lambda: DynamicLossScale(backoff_factor=4.0), r"backoff_factor=4.0\): backoff_factor must be a number between 0"),
-    (lambda: DynamicLossScale(backoff_factor=0.0), r"backoff_factor=0.0\)"),
-    (lambda: DynamicLossScale(growth_interval=0), r"growth_interval=0\): growth_interval must be an integer >= 1"),
-    (lambda: DynamicLossScale(growth_interval=2.5), r"growth_interval=2.5\): growth_interval must be an integer"),
-    (lambda: DynamicLossScale(min_scale=0.0), r"min_scale=0.0\): min_scale must be a finite number > 0"),
-    (lambda: DynamicLossScale(scale=0.5, min_scale=1.0), r"scale=0.5, min_scale=1.0\): the scale starts below"),
-    (lambda: DynamicLossScale(good_steps=-1), r"good_steps=-1\): good_steps must be an integer >= 0"),
-    (lambda: DynamicLossScale()._replace(scale=float("nan")), r"scale=nan\)"),
+@pytest.mark.parametrize(("value", "message"), [
+    (StaticLossScale(0.0), r"StaticLossScale\(scale=0.0\): scale must be a finite number > 0"),
+    (StaticLossScale(float("nan")), r"StaticLossScale\(scale=nan\): scale must be a finite number > 0"),
+    (StaticLossScale(float("inf")), r"scale=inf\): scale must be a finite number > 0"),
+    (DynamicLossScale(scale=0.0), r"DynamicLossScale\(scale=0.0\): scale must be a finite"),
+    (DynamicLossScale(growth_factor=1.0), r"growth_factor=1.0\): growth_factor must be a finite number > 1"),
+    (DynamicLossScale(backoff_factor=4.0), r"backoff_factor=4.0\): backoff_factor must be a number between 0"),
+    (DynamicLossScale(backoff_factor=0.0), r"backoff_factor=0.0\)"),
+    (DynamicLossScale(growth_interval=0), r"growth_interval=0\): growth_interval must be an integer >= 1"),
+    (DynamicLossScale(growth_interval=2.5), r"growth_interval=2.5\): growth_interval must be an integer"),  # type: ignore[arg-type]
+    (DynamicLossScale(min_scale=0.0), r"min_scale=0.0\): min_scale must be a finite number > 0"),
+    (DynamicLossScale(scale=0.5, min_scale=1.0), r"scale=0.5, min_scale=1.0\): the scale starts below"),
+    (DynamicLossScale(good_steps=-1), r"good_steps=-1\): good_steps must be an integer >= 0"),
+    (DynamicLossScale()._replace(scale=float("nan")), r"scale=nan\)"),
 ])
-def test_loss_scales_refuse_values_that_would_skip_or_mis_scale_every_step(make, message) -> None:  # type: ignore[no-untyped-def]
+def test_loss_scales_refuse_values_that_would_skip_or_mis_scale_every_step(value: object, message: str) -> None:
     """A zero, infinite or NaN scale skipped every step (params never moved, no error); a backoff
-    factor above 1 grew the scale on overflow; growth_interval=0 grew it every step."""
+    factor above 1 grew the scale on overflow; growth_interval=0 grew it every step. Checked where
+    a value is used: mixed_precision(loss_scale=), a checkpoint's load, and every step."""
     with pytest.raises(ValueError, match=message):
-        make()
+        value.checked()  # type: ignore[attr-defined]
+    chain, _ = sw.functionalize(mlp([6, 16, 3]))
+    with pytest.raises(ValueError, match=message):
+        sw.mixed_precision(sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1)), "compute=f16",
+                           loss_scale=value)
+
+
+def test_a_loss_scale_replaced_in_a_state_is_checked_at_the_next_step() -> None:
+    chain, params = sw.functionalize(mlp([6, 16, 3]))
+    base = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1))
+    with pytest.raises(ValueError, match=r"backoff_factor=4.0\)"):
+        sw.mixed_precision(base, "compute=f16", loss_scale=DynamicLossScale(backoff_factor=4.0))
+    step = sw.mixed_precision(base, "compute=f16", loss_scale=DynamicLossScale())
+    state = step.init(params)
+    bad = state._replace(loss_scale=state.loss_scale._replace(scale=float("nan")))
+    with pytest.raises(ValueError, match=r"scale=nan\): scale must be a finite number > 0"):
+        step(bad, (torch.randn(8, 6), torch.randn(8, 3)))
 
 
 def test_mixed_precision_refuses_an_infinite_number_as_loss_scale() -> None:
@@ -175,6 +201,9 @@ def test_a_pytree_map_over_a_state_may_put_anything_in_the_loss_scale() -> None:
     state = sw.TrainState({"a": {"w": torch.ones(2)}}, (), 0, DynamicLossScale())
     assert optree.tree_map(lambda _: None, state, none_is_leaf=True).loss_scale.scale is None
     assert optree.tree_map(lambda leaf: isinstance(leaf, torch.Tensor), state).loss_scale.scale is False
+    # Sizing a state by mapping every leaf to a number (0 for the scale's fields).
+    sizes = optree.tree_map(lambda x: x.numel() * x.element_size() if isinstance(x, torch.Tensor) else 0, state)
+    assert sum(optree.tree_leaves(sizes)) == 8
 
 
 # -- exactness against eager torch ---------------------------------------------------------------

@@ -138,7 +138,7 @@ def _loss_scale(meta: Mapping[str, Any], step: Any, directory: Path) -> Any:
             f"step whose loss_scale is a {saved['type']}"
         )
     try:  # a loss scale checks its fields when made, also those a checkpoint carries
-        return _LOSS_SCALES[saved["type"]](**saved["fields"])
+        return _LOSS_SCALES[saved["type"]](**saved["fields"]).checked()
     except (TypeError, ValueError) as error:
         raise CheckpointError(
             f"checkpoint {directory} carries a loss scale no step can run with ({saved['type']} with "

@@ -126,6 +126,9 @@ def _buffers(text: str, policy: str) -> str:
 class NoLossScale(NamedTuple):
     """No loss scaling (bf16 and fp32 need none)."""
 
+    def checked(self) -> NoLossScale:
+        return self
+
     def scale_value(self) -> float:
         return 1.0
 
@@ -161,13 +164,10 @@ class StaticLossScale(_StaticFields):
 
     __slots__ = ()
 
-    def __new__(cls, scale: float) -> StaticLossScale:
-        _check_positive("StaticLossScale", "scale", scale)
-        return super().__new__(cls, scale)
-
-    @classmethod
-    def _make(cls, iterable: Iterable[Any]) -> Self:  # type: ignore[override]  # mypy types it per tuple
-        return cls(*iterable)  # so that ``_replace`` checks too
+    def checked(self) -> Self:
+        """This value, once its fields are valid (else a ValueError naming the field)."""
+        _check_positive("StaticLossScale", "scale", self.scale)
+        return self
 
     def scale_value(self) -> float:
         return float(self.scale)
@@ -183,12 +183,12 @@ MIN_LOSS_SCALE = 2.0**-14
 
 
 class _DynamicFields(NamedTuple):
-    scale: float
-    growth_factor: float
-    backoff_factor: float
-    growth_interval: int
-    min_scale: float
-    good_steps: int
+    scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    min_scale: float = MIN_LOSS_SCALE
+    good_steps: int = 0
 
 
 class DynamicLossScale(_DynamicFields):
@@ -199,13 +199,14 @@ class DynamicLossScale(_DynamicFields):
     every step while the scale sinks towards zero. Here the scale stops at ``min_scale`` (by default
     :data:`MIN_LOSS_SCALE`, 2**-14, far below 1: gradients that overflow float16 unscaled still
     train, as with GradScaler), and a step whose gradient is not finite at that floor raises
-    ``FloatingPointError`` instead of skipping again. Every field is checked when the value is
-    made, naming the field and its valid range.
+    ``FloatingPointError`` instead of skipping again. A higher floor (one a user chose; 1.0, an
+    older default a checkpoint may carry) skips such a step, as before: an overflow there may pass.
+    The fields are checked where a value is used (:meth:`checked`), naming the field and its range.
 
     >>> s = DynamicLossScale(scale=4.0, growth_interval=2, min_scale=1.0)
     >>> s.adjust(True).adjust(True).scale, s.adjust(False).scale
     (8.0, 2.0)
-    >>> DynamicLossScale(backoff_factor=2.0)
+    >>> DynamicLossScale(backoff_factor=2.0).checked()
     Traceback (most recent call last):
     ...
     ValueError: DynamicLossScale(backoff_factor=2.0): backoff_factor must be a number between 0 and 1 (exclusive)
@@ -213,15 +214,11 @@ class DynamicLossScale(_DynamicFields):
 
     __slots__ = ()
 
-    def __new__(
-        cls,
-        scale: float = 2.0**16,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        growth_interval: int = 2000,
-        min_scale: float = MIN_LOSS_SCALE,
-        good_steps: int = 0,
-    ) -> DynamicLossScale:
+    def checked(self) -> Self:
+        """This value, once its fields are valid (else a ValueError naming the field and its range).
+        Checked where a value is used (``mixed_precision(loss_scale=)``, a checkpoint's load, every
+        step), not when made: a pytree map over a TrainState rebuilds it from whatever it mapped."""
+        scale, growth_factor, backoff_factor, growth_interval, min_scale, good_steps = self
         where = "DynamicLossScale"
         _check_positive(where, "scale", scale)
         _check_positive(where, "min_scale", min_scale)
@@ -239,18 +236,16 @@ class DynamicLossScale(_DynamicFields):
                 f"{where}(scale={scale!r}, min_scale={min_scale!r}): the scale starts below its floor; "
                 f"give min_scale <= scale (by default min_scale is {MIN_LOSS_SCALE!r})"
             )
-        return super().__new__(cls, scale, growth_factor, backoff_factor, growth_interval, min_scale, good_steps)
-
-    @classmethod
-    def _make(cls, iterable: Iterable[Any]) -> Self:  # type: ignore[override]  # mypy types it per tuple
-        return cls(*iterable)  # so that ``_replace`` checks too
+        return self
 
     def scale_value(self) -> float:
         return float(self.scale)
 
     def adjust(self, finite: bool) -> DynamicLossScale:
         if not finite:
-            if self.scale <= self.min_scale:
+            # At the default floor (or lower) a gradient still not finite is diverged, not badly scaled;
+            # at a higher floor a user chose (or an older checkpoint's 1.0) an overflow may pass: skipped.
+            if self.scale <= self.min_scale <= MIN_LOSS_SCALE:
                 raise FloatingPointError(
                     f"the gradients are not finite even at the loss scale's floor (DynamicLossScale "
                     f"min_scale={self.min_scale!r}): scaling them down further would not make them finite, "
@@ -277,7 +272,7 @@ def as_loss_scale(spec: Any) -> LossScale:
     if spec == "dynamic":
         return DynamicLossScale()
     if isinstance(spec, (NoLossScale, StaticLossScale, DynamicLossScale)):
-        return spec
+        return spec.checked()
     if isinstance(spec, (int, float)) and not isinstance(spec, bool) and math.isfinite(spec) and spec > 0:
         return StaticLossScale(float(spec))
     raise ValueError(

@@ -212,7 +212,8 @@ class Step:
         return None if self.precision is None else self.precision.loss_scale
 
     def loss_scale_value(self, state: TrainState) -> float:
-        return 1.0 if state.loss_scale is None else state.loss_scale.scale_value()
+        # Checked at every step: a state's scale may have been replaced (_replace) since it was made.
+        return 1.0 if state.loss_scale is None else state.loss_scale.checked().scale_value()
 
     def finish(
         self, state: TrainState, grads: Any, params: Any, norm: torch.Tensor | None, finite: bool,
