@@ -400,3 +400,23 @@ def test_an_overflow_under_a_split_axis_skips_the_step(kind: str) -> None:
 
     for skipped, next_scale, unchanged in sw.launch(run, 2):
         assert skipped and next_scale == 2.0**29 and unchanged
+
+
+def test_the_state_a_step_raised_on_at_the_floor_is_still_usable_with_an_in_place_optimizer() -> None:
+    """The floor's error advises resuming with a lower min_scale; the raising step skipped its update, so
+    an in-place optimizer's state was not written and must not be refused as consumed."""
+    torch.manual_seed(0)
+    chain, params = sw.functionalize(mlp([6, 8, 3]))
+    nan, good = (torch.full((4, 6), float("nan")), torch.randn(4, 3)), (torch.randn(4, 6), torch.randn(4, 3))
+    step = sw.mixed_precision(
+        sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1, momentum=0.9, inplace=True)),
+        "compute=f16,output=f32", loss_scale=DynamicLossScale(scale=2.0**-14))
+    state, _ = step(step.init(params), good)
+    before = [t.clone() for t in optree.tree_leaves((state.params, state.opt_state))]
+    with pytest.raises(FloatingPointError):
+        step(state, nan)
+    assert all(torch.equal(a, b) for a, b in zip(before, optree.tree_leaves((state.params, state.opt_state)),
+                                                 strict=True))
+    lower = state._replace(loss_scale=state.loss_scale._replace(min_scale=2.0**-20))
+    after, metrics = step(lower, good)
+    assert not bool(metrics["skipped"]) and after.step == 2

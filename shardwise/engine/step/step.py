@@ -446,6 +446,8 @@ class Step:
         try:
             prepared.run()
             new_state, metrics = finish_run(self, state, prepared)
+        except FloatingPointError:  # the loss scale's floor, on a step it skips: nothing was written
+            raise
         except BaseException:
             if prepared.updated:  # refused after an in-place update wrote into ``state``
                 mark_consumed(self, state, prepared.written())
