@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -164,6 +165,30 @@ def test_stable_text_has_no_addresses_and_sees_closures() -> None:
     assert " at 0x" not in texts
     smoothed = torch.nn.CrossEntropyLoss(label_smoothing=0.1)
     assert stable_text(smoothed) != stable_text(torch.nn.CrossEntropyLoss())
+
+
+def test_a_function_with_a_set_literal_reads_alike_in_processes_of_other_hash_seeds() -> None:
+    """A set literal compiles to a frozenset constant, whose repr's order follows string hashing: ranks
+    started with other PYTHONHASHSEEDs (torchrun's, spawned processes) were refused as building other
+    losses, at init and at every step."""
+    import subprocess
+    import sys
+
+    script = (
+        "import torch\n"
+        "from shardwise.engine.run.agreement import stable_text\n"
+        "def loss(out, y, reduction='mean'):\n"
+        "    assert reduction in {'mean', 'avg', 'default', 'sum', 'none', 'batchmean'}\n"
+        "    return torch.nn.functional.mse_loss(out, y)\n"
+        "print(stable_text(loss))\n"
+    )
+    root = str(Path(__file__).resolve().parents[2])
+    texts = {
+        subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True,
+                       env={**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": root}).stdout
+        for seed in ("1", "2", "3")
+    }
+    assert len(texts) == 1, texts
 
 
 def test_a_rank_that_resumes_with_another_learning_rate_or_clipping_is_named(tmp_path: Path) -> None:

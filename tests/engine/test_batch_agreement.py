@@ -294,3 +294,23 @@ def test_every_nan_is_one_value_and_signed_zeros_are_equal_in_every_float_dtype(
     c = b.clone()
     c[2, 2] = torch.finfo(dtype).max  # the largest finite value is not infinity
     assert batch_fingerprint(c) != batch_fingerprint(b)
+
+
+def test_a_step_remade_by_with_metrics_each_call_reads_its_rules_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The README's loop makes ``with_metrics(...)`` steps call after call; a loss closing over a large
+    tensor made each of them read it again for its digest (a 32M-element table: 0.7 s a step)."""
+    from shardwise.engine.run.agreement import stable_text
+    from shardwise.engine.step import step as step_module
+
+    read: list[object] = []
+
+    def counting(value: object) -> str:
+        read.append(value)
+        return stable_text(value)
+
+    monkeypatch.setattr(step_module, "stable_text", counting)
+    step, _ = _problem()
+    sharded = sw.shard_params(step, "dp", 3)
+    digests = {sharded.with_metrics(("loss",) if i % 2 else ()).agreement_digest for i in range(6)}
+    assert len(digests) == 2  # the metrics are in the digest
+    assert len(read) == 5  # optimizer, loss, precision, clipping, tokens: once

@@ -151,7 +151,9 @@ def _function_text(fn: types.FunctionType, deeper: Any) -> str:
     """A function's qualified name, a digest of its code, its defaults and its closure's values."""
     code = fn.__code__
     consts = [c for c in code.co_consts if not isinstance(c, types.CodeType)]
-    digest = hashlib.sha1(code.co_code + repr(consts).encode()).hexdigest()[:12]
+    # Constants in words, not repr: a set literal compiles to a frozenset, whose repr's order
+    # follows string hashing, which differs between processes (PYTHONHASHSEED).
+    digest = hashlib.sha1(code.co_code + deeper(tuple(consts)).encode()).hexdigest()[:12]
     cells = [c.cell_contents if _filled(c) else "<empty>" for c in fn.__closure__ or ()]
     closure = ", ".join(f"{n}={deeper(v)}" for n, v in zip(code.co_freevars, cells, strict=True))
     defaults = deeper(fn.__defaults__) if fn.__defaults__ else ""

@@ -121,7 +121,10 @@ class Step:
     def with_metrics(self, metrics: Iterable[str]) -> Step:
         """This step reporting ``metrics`` instead (any of ``"loss"``, ``"grad_norm"``; ``()`` for
         none). It takes and returns the same states and updates them in the same way."""
-        return dataclasses.replace(self, metrics=check_metrics(metrics))
+        other = dataclasses.replace(self, metrics=check_metrics(metrics))
+        # A loop may make one per call: the rules' words are read once, on this step, and handed on.
+        other.__dict__["_rule_texts"] = self._rule_texts
+        return other
 
     def with_trace(self, on: bool = True) -> Step:
         """This step also reporting when each action of its rank's Plan ran: ``metrics["action_times"]``,
@@ -315,9 +318,15 @@ class Step:
         """A number in [-1, 1) of this step's stack and update rules, the same on every rank (and
         process) that built the same step: summed with the metrics at every call, so that a rank
         that switched to another step (another learning rate, say) after ``init`` is refused."""
-        texts = {name: stable_text(v) for name, v in self._update_rules().items()}
+        texts = {**self._rule_texts, "metrics": repr(self.metrics)}
         (digest,) = fingerprint({"step": self.describe() + repr(sorted(texts.items()))})
         return digest / 2.0**51 - 1.0
+
+    @functools.cached_property
+    def _rule_texts(self) -> dict[str, str]:
+        """The update rules but the metrics in words (reading a loss's captured tensors costs a pass
+        over them): kept by :meth:`with_metrics`, which changes only the metrics."""
+        return {name: stable_text(v) for name, v in self._update_rules().items() if name != "metrics"}
 
     def init(self, params: Params, mesh: Mesh | None = None, *, seed: int = 0,
              source: Any = None) -> TrainState:
