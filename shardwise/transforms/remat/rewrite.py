@@ -43,9 +43,10 @@ class Remat:
 
     def __call__(self, tensors: dict[str, Any], x: Any) -> Any:
         watch = bool(self._unwatched) and torch.is_grad_enabled()
-        if watch:
+        out = run_layer(self.fn, tensors, x, self.policy, self.layer, watch_generators=watch)
+        if watch:  # once a watched forward has passed: a refused one is refused again
             self._unwatched.clear()
-        return run_layer(self.fn, tensors, x, self.policy, self.layer, watch_generators=watch)
+        return out
 
     @property
     def __wrapped__(self) -> LayerFn:
