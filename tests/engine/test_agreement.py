@@ -6,12 +6,15 @@ import dataclasses
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 import shardwise as sw
+from shardwise.engine.run import metrics
 from shardwise.engine.run.agreement import stable_text
+from shardwise.engine.run.metrics import tensor_digest
 from shardwise.testing.models import mlp
 
 
@@ -211,3 +214,249 @@ def test_a_rank_that_resumes_with_another_learning_rate_or_clipping_is_named(tmp
     with pytest.raises(sw.collectives.RankFailed, match=r"rank 1 differs from rank 0 in its gradient clipping"):
         sw.launch(lambda: resume(lambda r: dataclasses.replace(base, clip_norm=None if r == 0 else 0.5)), 2,
                   timeout=30)
+
+
+# -- the model itself: what shapes and a sample of values did not show ---------------------------------
+# Each of these trained on silently (a mix of two models, every rank reporting the same loss).
+
+
+class _Scale(torch.nn.Module):
+    def __init__(self, scale: float) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.tensor(scale))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale
+
+
+def _activation_class(name: str) -> type[torch.nn.Module]:
+    """A module class that calls ``F.relu`` or ``F.gelu``: the same qualified name, no attribute,
+    no extra_repr; only the code of its forward differs."""
+    if name == "relu":
+        class Activation(torch.nn.Module):
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return torch.nn.functional.relu(x)
+    else:
+        class Activation(torch.nn.Module):  # type: ignore[no-redef]
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return torch.nn.functional.gelu(x)
+    return Activation
+
+
+def _rank_builds(model_of: Callable[[bool], torch.nn.Module], loss_of: Callable[[bool], Any] | None = None,
+                 world: int = 2) -> list[float]:
+    """Each rank builds the model (``model_of(True)`` on rank 1 alone) and the loss itself, from the
+    same seed, then initializes and runs a ZeRO-3 step; the losses they report."""
+    def build() -> float:
+        mesh = sw.Mesh(dp=world)
+        other = mesh.rank == 1
+        torch.manual_seed(0)
+        chain, params = sw.functionalize(model_of(other))
+        loss = torch.nn.CrossEntropyLoss() if loss_of is None else loss_of(other)
+        step = sw.shard_params(sw.train_step(chain, loss, sw.optim.sgd(0.1)), "dp", 3)
+        state = step.init(params, mesh)
+        g = torch.Generator().manual_seed(1)
+        state, metrics = step(state, (torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)))
+        return float(metrics["loss"])
+
+    return sw.launch(build, world, timeout=30)
+
+
+def test_a_rank_with_another_activation_module_is_named() -> None:
+    with pytest.raises(sw.collectives.RankFailed, match=r"rank 1 differs from rank 0 in its model's structure and "
+                       r"code \(model's structure and code, layer '1': .*ReLU.* where rank 0 has .*GELU"):
+        _rank_builds(lambda other: mlp([6, 16, 3], activation="relu" if other else "gelu"))
+
+
+def test_a_rank_whose_forward_calls_another_function_is_named() -> None:
+    def model(other: bool) -> torch.nn.Module:
+        first, _, last = mlp([6, 16, 3])
+        return torch.nn.Sequential(first, _activation_class("relu" if other else "gelu")(), last)
+
+    with pytest.raises(sw.collectives.RankFailed, match=r"in its model's structure and code \(model's structure and "
+                       r"code, layer '1': .*Activation\[forward [0-9a-f]{12}\]"):
+        _rank_builds(model)
+
+
+def test_a_rank_with_another_dropout_is_named() -> None:
+    def model(other: bool) -> torch.nn.Module:
+        first, act, last = mlp([6, 16, 3])
+        return torch.nn.Sequential(first, act, torch.nn.Dropout(0.5 if other else 0.0), last)
+
+    with pytest.raises(sw.collectives.RankFailed, match=r"layer '2': .*Dropout.*\(p=0\.5.* where rank 0 has "
+                       r".*Dropout.*\(p=0\.0"):
+        _rank_builds(model)
+
+
+def test_a_rank_with_another_buffer_is_named() -> None:
+    def model(other: bool) -> torch.nn.Module:
+        first, act, last = mlp([6, 16, 3])
+        return torch.nn.Sequential(first, _Scale(2.0 if other else 1.0), act, last)
+
+    with pytest.raises(sw.collectives.RankFailed, match=r"rank 1 differs from rank 0 in its buffer values \(buffer "
+                       r"values, buffers\['1'\]\['scale'\]: 'tensor\(\[2\.0\].*' where rank 0 has 'tensor\(\[1\.0\]"):
+        _rank_builds(model)
+
+
+def test_a_rank_whose_loss_module_has_other_class_weights_is_named() -> None:
+    def loss(other: bool) -> torch.nn.Module:
+        return torch.nn.CrossEntropyLoss(weight=torch.tensor([1.0, 1.0, 5.0 if other else 1.0]))
+
+    expected = (r"rank 1 differs from rank 0 in its loss function \(loss function: .*weight=tensor\(\[1\.0, 1\.0, "
+                r"5\.0\].* where rank 0 has .*weight=tensor\(\[1\.0, 1\.0, 1\.0\]")
+    with pytest.raises(sw.collectives.RankFailed, match=expected):
+        _rank_builds(lambda other: mlp([6, 16, 3]), loss)
+
+
+def test_a_rank_whose_weights_differ_in_one_element_is_named() -> None:
+    """Anywhere: element 92 of 96 is one that the 64 sampled positions (linspace(0, 95, 64)) skipped."""
+    def model(other: bool) -> torch.nn.Module:
+        made = mlp([6, 16, 3])
+        if other:
+            with torch.no_grad():
+                made[0].weight.view(-1)[92] += 1.0
+        return made
+
+    with pytest.raises(sw.collectives.RankFailed, match=r"rank 1 differs from rank 0 in its parameter values "
+                       r"\(parameter values, params\['0'\]\['weight'\]: 'tensor\(shape=\(16, 6\).*digest="):
+        _rank_builds(model)
+
+
+def test_ranks_that_built_the_same_model_with_buffers_and_class_weights_agree() -> None:
+    """What each refusal above compares, alike on every rank: no refusal, the same loss everywhere."""
+    def model(other: bool) -> torch.nn.Module:
+        first, _, last = mlp([6, 16, 3])
+        return torch.nn.Sequential(first, _Scale(2.0), _activation_class("gelu")(), torch.nn.Dropout(0.0), last)
+
+    losses = _rank_builds(model, lambda other: torch.nn.CrossEntropyLoss(weight=torch.tensor([1.0, 2.0, 3.0])))
+    assert len(set(losses)) == 1
+
+
+def _gpt2(seed: int = 0) -> torch.nn.Module:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(seed)
+    config = transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=32, n_positions=8,
+                                     bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _gpt2_loss(out: Any, targets: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), targets.flatten())
+
+
+def test_ranks_that_build_a_hugging_face_model_themselves_agree_before_and_after_training(tmp_path: Path) -> None:
+    """A pipeline of GPT-2 blocks, each rank building the model (rotary-free, with dropout) from the
+    same config and seed: init agrees; after a step (each rank ran only its own stage's layers), a
+    checkpoint load checks again and still agrees."""
+    path = str(tmp_path / "ckpt")
+
+    def build() -> float:
+        mesh = sw.Mesh(pp=2)
+        model = _gpt2()
+        ids = torch.randint(0, 32, (4, 8), generator=torch.Generator().manual_seed(1))
+        chain, params = sw.functionalize(model, units=type(model.transformer.h[0]), example_input=ids)
+        step = sw.pipeline(sw.train_step(chain, _gpt2_loss, sw.optim.sgd(0.1)), "pp", "1f1b", 2)
+        state, metrics = step(step.init(params, mesh), (ids, ids))
+        sw.checkpoint.save(path, state, step)
+        sw.checkpoint.load(path, step, mesh)
+        return float(metrics["loss"])
+
+    losses = sw.launch(build, 2, timeout=120)
+    assert len(set(losses)) == 1
+
+
+def _builds_its_own(kind: str) -> int:
+    """On a process rank: a model whose forward's code has a set literal (a frozenset constant, whose
+    order follows the process's string hashes) and a nested function, built here, rank 1 calling
+    ``F.relu`` where the others call ``F.gelu`` when ``kind`` is 'relu on rank 1'."""
+    mesh = sw.Mesh(dp=2)
+    torch.manual_seed(0)
+    activation = "relu" if kind == "relu on rank 1" and mesh.rank == 1 else "gelu"
+    first, _, last = mlp([6, 16, 3])
+    model = torch.nn.Sequential(first, _SetLiteral(), _activation_class(activation)(), last)
+    chain, params = sw.functionalize(model)
+    step = sw.shard_params(sw.train_step(chain, torch.nn.CrossEntropyLoss(), sw.optim.sgd(0.1)), "dp", 3)
+    return step.init(params, mesh).step
+
+
+class _SetLiteral(torch.nn.Module):
+    kind = "gelu"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        def twice(y: torch.Tensor) -> torch.Tensor:
+            return y * 2
+
+        return twice(x) if self.kind in {"gelu", "silu", "tanh", "relu", "identity"} else x
+
+
+@pytest.mark.gloo
+def test_process_ranks_that_build_the_model_themselves_agree(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Spawned ranks (each hashes strings with its own seed) describe the same model alike; a forward
+    that calls another function is still told apart across processes."""
+    monkeypatch.setenv("SHARDWISE_START_METHOD", "spawn")
+    assert sw.launch(_builds_its_own, 2, backend="processes", timeout=60, args=("same",)) == [0, 0]
+    monkeypatch.setenv("SHARDWISE_START_METHOD", "forkserver")
+    with pytest.raises(sw.collectives.RankFailed, match=r"in its model's structure and code .*layer '2'"):
+        sw.launch(_builds_its_own, 2, backend="processes", timeout=60, args=("relu on rank 1",))
+
+
+def test_stable_text_of_a_module_sees_its_structure_code_and_buffers() -> None:
+    def text(module: torch.nn.Module) -> str:
+        return stable_text(module)
+
+    assert text(torch.nn.Dropout(0.5)) != text(torch.nn.Dropout(0.0))
+    assert text(torch.nn.ReLU()) != text(torch.nn.GELU())
+    assert text(_activation_class("relu")()) != text(_activation_class("gelu")())
+    assert text(_Scale(1.0)) != text(_Scale(2.0))
+    assert text(_Scale(1.0)) == text(_Scale(1.0)) and " at 0x" not in text(_Scale(1.0))
+    assert text(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.GELU())) != text(
+        torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.int8, torch.bool,
+                                   torch.complex64])
+def test_tensor_digest_tells_every_one_element_change_apart(dtype: torch.dtype) -> None:
+    """Over rows of keys (a tensor longer than one row), whatever the element's place; equal values
+    read through a view at any offset digest alike; NaN as itself."""
+    n = (1 << 20) + 3
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, generator=g).to(dtype) if dtype.is_floating_point or dtype.is_complex else (
+        torch.randint(-100, 100, (n,), generator=g).to(dtype))
+    digest = tensor_digest(x)
+    for i in (0, 5, (1 << 20) - 1, 1 << 20, n - 1):
+        changed = x.clone()
+        changed[i] = ~changed[i] if dtype == torch.bool else changed[i] + 1
+        assert tensor_digest(changed) != digest, i
+    for offset in range(3):
+        assert tensor_digest(x[offset:]) == tensor_digest(x[offset:].clone())
+    if dtype.is_floating_point:
+        nan = torch.tensor([float("nan"), 1.0], dtype=dtype)
+        assert tensor_digest(nan) == tensor_digest(nan.clone()) != tensor_digest(torch.tensor([0.0, 1.0], dtype=dtype))
+
+
+def test_tensor_digest_sums_rows_alike_on_every_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU's integer matrix-vector product and the products summed (what another device runs)."""
+    x = torch.randn(3 * (1 << 20) + 5, generator=torch.Generator().manual_seed(0))
+    on_cpu = tensor_digest(x)
+    monkeypatch.setattr(metrics, "_row_sums", lambda rows, keys: (rows * keys).sum(dim=1, dtype=rows.dtype))
+    assert tensor_digest(x) == on_cpu
+
+
+def test_a_parameter_of_more_than_2_to_the_24_elements_is_compared() -> None:
+    """The 64 sampled positions, made in float32, rounded the last index of such a tensor past its end
+    (init of GPT-2, whose embedding has 38.6M elements, failed with an IndexError at any world > 1)."""
+    torch.manual_seed(0)
+    chain, params = sw.functionalize(torch.nn.Sequential(torch.nn.Embedding((1 << 24) + 4, 1)))
+    step = sw.shard_params(sw.train_step(chain, lambda out, y: out.sum(), sw.optim.sgd(0.1)), "dp", 3)
+
+    def build(change: bool) -> int:
+        mesh = sw.Mesh(dp=2)
+        mine = params
+        if change and mesh.rank == 1:
+            mine = {"0": {"weight": params["0"]["weight"].clone()}}
+            mine["0"]["weight"][-1] += 1.0
+        return step.init(mine, mesh).step
+
+    assert sw.launch(build, 2, timeout=60, args=(False,)) == [0, 0]
+    with pytest.raises(sw.collectives.RankFailed, match=r"parameter values, params\['0'\]\['weight'\]"):
+        sw.launch(build, 2, timeout=60, args=(True,))

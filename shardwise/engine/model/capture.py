@@ -375,10 +375,13 @@ class _UnitStub(nn.Module):
         }
         # None: the unit returns the hidden state itself; else the tuple type it returns it in.
         self.output_type: type | None = None if isinstance(output, Tensor) else type(output)
-        self.output_rest = () if isinstance(output, Tensor) else tuple(output[1:])
-        self.mode = "pass"  # pass | stop | emit
-        self.recorded: list[_UnitCall] | None = None
-        self.emit: Tensor | None = None
+        # What it passes on beyond the hidden state, and how it runs now: private, since they are
+        # the split's bookkeeping (an example's outputs, the phase that ran last), not what the unit
+        # computes, and the agreement check compares a module's public attributes.
+        self._output_rest = () if isinstance(output, Tensor) else tuple(output[1:])
+        self._mode = "pass"  # pass | stop | emit
+        self._recorded: list[_UnitCall] | None = None
+        self._emit: Tensor | None = None
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -391,15 +394,15 @@ class _UnitStub(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         call = _UnitCall(args, kwargs)
-        if self.recorded is not None:
-            self.recorded.append(call)
-        if self.mode == "stop":
+        if self._recorded is not None:
+            self._recorded.append(call)
+        if self._mode == "stop":
             raise _Stopped
         kind, where = self.slot
-        hidden = self.emit if self.mode == "emit" else (args[where] if kind == "arg" else kwargs[where])  # type: ignore[index]
+        hidden = self._emit if self._mode == "emit" else (args[where] if kind == "arg" else kwargs[where])  # type: ignore[index]
         if self.output_type is None:
             return hidden
-        return self.output_type((hidden, *self.output_rest))
+        return self.output_type((hidden, *self._output_rest))
 
 
 def _stubbed_root(root: nn.Module, paths: list[str], recording: _Recording, slot: Slot) -> nn.Module:
@@ -468,8 +471,8 @@ class EmbedFn:
         stubs = _stubs(call.module)
         recorded: list[_UnitCall] = []
         for stub in stubs:
-            stub.mode, stub.recorded = "pass", recorded
-        stubs[-1].mode = "stop"
+            stub._mode, stub._recorded = "pass", recorded
+        stubs[-1]._mode = "stop"
         args, kwargs = call_arguments(call.module, x)
         try:
             call.call({**tensors, **self.placeholders.make(tensors)}, args, kwargs)
@@ -479,7 +482,7 @@ class EmbedFn:
             raise FunctionalizeError("functionalize: forward did not reach its last unit on this input")
         finally:
             for stub in stubs:
-                stub.recorded = None
+                stub._recorded = None
         if len(recorded) != len(stubs):
             raise FunctionalizeError(
                 f"functionalize: forward called {len(recorded)} units on this input, but {len(stubs)} on the example"
@@ -534,14 +537,14 @@ class HeadFn:
         call = self.replicas.get()
         stubs = _stubs(call.module)
         for stub in stubs:
-            stub.mode, stub.recorded = "pass", None
-        stubs[-1].mode, stubs[-1].emit = "emit", carry[0]
+            stub._mode, stub._recorded = "pass", None
+        stubs[-1]._mode, stubs[-1]._emit = "emit", carry[0]
         x = self.layout.inputs.rebuild(carry)
         args, kwargs = call_arguments(call.module, x)
         try:
             out = call.call({**tensors, **self.placeholders.make(tensors)}, args, kwargs)
         finally:
-            stubs[-1].emit = None
+            stubs[-1]._emit = None
         return register_output_types(out)
 
     def __repr__(self) -> str:

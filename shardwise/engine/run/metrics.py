@@ -288,6 +288,65 @@ def _unit(word: int) -> float:
     return ((word - (1 << 64) if word >> 63 else word) >> 11) * 2.0**-52
 
 
+_DIGESTED_ROWS = 16  # rows of _CACHED_KEYS words a tensor digest reads at once: what it copies stays small
+
+
+def tensor_digest(tensor: torch.Tensor) -> int:
+    """A 64-bit word of ``tensor``'s bits (not its shape or dtype): the same for tensors whose
+    elements are bitwise equal (a NaN as itself), and always another when any one element differs,
+    wherever it is.
+
+    The elements, read as integer words, are cut into rows of ``_CACHED_KEYS``, each row hashed by
+    :func:`batch_fingerprint`'s multilinear hash (the same cached odd keys for every row, so nothing
+    is made per call; sums wrap in the words' width, and an odd key is invertible there), each row's
+    sum mixed with its row number by splitmix64's finalizer (a bijection) and the mixes added
+    modulo 2**64: a change within one row changes its sum, so its mix, so the total. On the CPU a
+    row's sum is one integer matrix-vector product, read straight from the tensor's memory (about
+    as long as a copy of a tenth of it); on another device the products are made, a few rows at a
+    time, and summed there. One copy of the rows' sums to the host."""
+    flat = tensor.detach().reshape(-1)
+    if flat.is_complex():
+        flat = torch.view_as_real(flat).reshape(-1)
+    sums = []
+    for words in _bit_words(flat):
+        width = max(1, min(words.numel(), _CACHED_KEYS))
+        for start in range(0, words.numel(), width * _DIGESTED_ROWS):
+            piece = words[start : start + width * _DIGESTED_ROWS]
+            keys = _keys(width, 0, piece.device, piece.dtype)
+            whole = piece.numel() // width * width
+            sums.append(_row_sums(piece[:whole].view(-1, width), keys))
+            if whole < piece.numel():  # the last row, shorter
+                sums.append(_row_sums(piece[whole:][None], keys[: piece.numel() - whole]))
+    total = 0
+    for row, word in enumerate(torch.cat(sums).tolist() if sums else []):
+        total = (total + _mix64(word + row * 0x9E3779B97F4A7C15)) & _WORD
+    return total
+
+
+_BIT_WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+def _bit_words(flat: torch.Tensor) -> list[torch.Tensor]:
+    """A 1-d tensor's bits as integer words of 4 or 8 bytes: views of its memory (several 1- or 2-byte
+    elements to a word, those left over widened; of a copy where the view would not be aligned)."""
+    size = flat.element_size()
+    if size >= 4:
+        return [flat.view(_BIT_WORDS[size])]
+    whole = flat.numel() // (4 // size) * (4 // size)
+    try:
+        packed = flat[:whole].view(torch.int32)
+    except RuntimeError:  # not on a 4-byte boundary: a copy is (and packs alike)
+        return _bit_words(flat.clone())
+    return [packed, flat[whole:].view(_BIT_WORDS[size]).to(torch.int32)]
+
+
+def _row_sums(rows: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Each row of words times ``keys``, summed (wrapping in the words' width)."""
+    if rows.device.type == "cpu":
+        return rows @ keys  # no products tensor: the sum is accumulated as the row is read
+    return (rows * keys).sum(dim=1, dtype=rows.dtype)  # integer matmul runs on the CPU only
+
+
 def _mix(z: torch.Tensor) -> torch.Tensor:
     """splitmix64's finalizer on int64 words: every output bit depends on every input bit."""
     # torch's >> on int64 is arithmetic: the masks make each shift the logical one splitmix64 takes.

@@ -7,11 +7,6 @@ master dtype and cut to the rank's ZeRO shard; then the full values are dropped 
 layer. So init's peak is the rank's shards plus one full layer, not the model. At ZeRO stages 1-2,
 where a rank holds the full parameters, they are laid out as views of one flat buffer per unit, and
 the shard the optimizer updates is a view of it.
-
-The agreement check reads O(1) values per tensor: ranks that built or loaded the model from
-different seeds or checkpoints differ almost everywhere, and a sample of each tensor at fixed
-positions shows it without a pass over the whole model. Meta parameters agree by construction:
-the ranks compare how they are made instead (the initializer and the seed).
 """
 
 from __future__ import annotations
@@ -27,30 +22,10 @@ from ..layout.state_layout import StateLayout, local_params
 from ..run.rng import preserved, ranks_share_generators, seeded
 
 Params = Mapping[str, Mapping[str, torch.Tensor]]
-# The few positions of each tensor the agreement check reads.
-SAMPLED = 64
 
 
 def meta_names(params: Params) -> list[tuple[str, str]]:
     return [(layer, n) for layer, d in params.items() for n, t in d.items() if t.is_meta]
-
-
-def sampled_values(params: Params) -> str:
-    """A text fingerprint of ``params``: each real tensor's values at ``SAMPLED`` fixed positions
-    (a NaN shows as nan), each meta tensor as 'meta'. O(SAMPLED) reads per tensor."""
-    parts = []
-    for d in params.values():
-        for t in d.values():
-            if t.is_meta:
-                parts.append("meta")
-                continue
-            flat = t.detach().reshape(-1)
-            if flat.numel() == 0:
-                parts.append("empty")
-                continue
-            where = torch.linspace(0, flat.numel() - 1, min(SAMPLED, flat.numel()), device=flat.device).long()
-            parts.append(repr(flat[where].double().cpu().tolist()))
-    return ";".join(parts)
 
 
 @contextlib.contextmanager

@@ -36,13 +36,14 @@ from ..plan.lower import metric_axes
 from ..run.agreement import check_ranks_agree, fingerprint, stable_text
 from ..run.executor import LossFn
 from ..run.metrics import REPORTABLE, MetricExchange, check_metrics
+from ..run.model_agreement import buffer_items, structure_items, value_items
 from ..stack import in_layer
 from ..stack.compose import PLACEMENT, SHARDING, describe, find
 from ..stack.elementwise import check_optimizer
 from ..stack.splits import Splits, splits_of
 from .batch_cut import PER_SHARD_MEAN, batch_shares
 from .donation import check_not_consumed, mark_consumed, mark_updated
-from .init_state import held_params, init_seeding, meta_names, sampled_values
+from .init_state import held_params, init_seeding, meta_names
 from .layouts import build_layout, check_mesh, layouts_by_index, stage_boundaries
 from .master import clip_scale, compute_params, master_meta, master_params
 from .param_groups import check_clipping, master_runs, param_options
@@ -289,14 +290,17 @@ class Step:
         self, mesh: Mesh | None, layout: StateLayout, parts: dict[str, object], device: torch.device
     ) -> None:
         """Refuse, on every rank alike, a rank that built another step than rank 0's: its stack, schedule
-        and mesh, ``parts`` (where its state comes from), and what else decides the update (optimizer,
-        loss, precision, clipping). ``init`` and ``sw.checkpoint.load`` call it (every rank: it gathers)."""
+        and mesh, its model (each layer's structure and code, its buffers' values), ``parts`` (where
+        its state comes from), and what else decides the update (optimizer, loss, precision, clipping).
+        ``init`` and ``sw.checkpoint.load`` call it (every rank: it gathers)."""
         if mesh is None or not (self.transforms and any(getattr(s, "axis", None) for s in self.transforms)):
             return
         check_ranks_agree(mesh, {
             "transform stack": self.describe(),
             "schedule": str(layout.schedule),
             "mesh": repr(mesh),
+            "model's structure and code": structure_items(self.base_chain),
+            "buffer values": buffer_items(self.base_chain),
             **parts,
             **self._update_rules(),
         }, device)
@@ -364,9 +368,10 @@ class Step:
             "parameter names, shapes and dtypes": repr(
                 [(k, n, tuple(t.shape), t.dtype) for k, v in params.items() for n, t in v.items()]
             ),
-            # A sample of each tensor: ranks that built the model themselves from different seeds
-            # (or loaded other checkpoints) start from different weights.
-            "parameter values": sampled_values(params),
+            # Every value, exactly: ranks that built the model themselves from different seeds (or
+            # loaded other checkpoints) start from different weights, and a rank whose weights differ
+            # in one element trains another model as surely.
+            "parameter values": value_items(params),
             "how meta parameters are made": source.describe() if source is not None else
             "none" if maker is None else maker.describe(),
             "parameter init_fn": None if maker is None else maker.init_fn,
