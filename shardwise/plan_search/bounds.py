@@ -7,7 +7,9 @@ it over whole spaces), so a candidate bounded out could not have been returned:
 
 * memory: a pipeline index holds its stages' share (by parameter count, the pipeline's own
   balanced partition) of the single-device step's parameters, gradients and optimizer state,
-  divided by tp and ep and, as the ZeRO stage shards them, by dp; and the activations its schedule
+  divided by tp and ep and, as the ZeRO stage shards them, by dp; the same share of what an
+  out-of-place update keeps beside them (its new parameters and state: the new TrainState, held
+  with the old to the step's end, ``held_levels.update_levels``); and the activations its schedule
   keeps (``kept_per_index``, as the Plan counts them) of its layers at one micro-batch,
   predicted as the Plan predicts them, once per (tp, micro-batch shape, remat, precision). The
   Plan's peak is the sum of those figures and more (buffers, gathered units) on the same rank.
@@ -39,12 +41,15 @@ import torch
 
 from ..engine.layout.precision import compute_dtype
 from ..engine.layout.state_layout import Placement
+from ..engine.optim.meta_like import meta_like
 from ..engine.plan.accounting import predict_kept_parts
 from ..engine.plan.actions import BACKWARD, FORWARD, LOSS, UPDATE
 from ..engine.plan.inside import predict_inside
+from ..engine.plan.update_memory import predict_update_held
 from ..engine.simulate.costs import CommModel
-from ..engine.step.planning import one_microbatch
+from ..engine.step.planning import one_microbatch, planned_device
 from ..engine.step.step import Step
+from ..engine.torch_api import data_dependent_errors
 from .candidate import Candidate
 from .compute import LayerCosts, batch_size
 
@@ -69,7 +74,7 @@ class Bounds:
     batch: Any
     compute: Callable[[Candidate], LayerCosts]
     comm: CommModel | None = None
-    _state: dict[Any, tuple[int, int, int, float]] = field(default_factory=dict, repr=False)
+    _state: dict[Any, tuple[int, int, int, int, float]] = field(default_factory=dict, repr=False)
     _kept: dict[Any, dict[str, int]] = field(default_factory=dict, repr=False)
     _issued: dict[Any, tuple[dict[str, float], dict[str, float], float]] = field(default_factory=dict, repr=False)
 
@@ -82,9 +87,9 @@ class Bounds:
     def _rewritten(self, c: Candidate) -> Step:
         return Candidate(remat=c.remat, precision=c.precision).apply(self.step)
 
-    def _single(self, c: Candidate) -> tuple[int, int, int, float]:
-        """(params, grads, optimizer state) bytes on one device, and the bytes per parameter on the
-        wire at the least (the narrowest of the stored, compute and reduce dtypes)."""
+    def _single(self, c: Candidate) -> tuple[int, int, int, int, float]:
+        """(params, grads, optimizer state, what the update keeps) bytes on one device, and the bytes
+        per parameter on the wire at the least (the narrowest of the stored, compute and reduce dtypes)."""
         key = c.rewrites
         if key not in self._state:
             step = self._rewritten(c)
@@ -97,7 +102,14 @@ class Bounds:
                     dtypes = (policy.compute, policy.reduce)
                     size = min(size, *(d.itemsize for d in dtypes))
             opt = memory.get("opt_state", (0,))[0]
-            self._state[key] = (memory["params"][0], memory["grads"][0], opt, float(size))
+            master = step.master_meta(self.params)
+            with meta_like():
+                try:
+                    _, kept = predict_update_held(step.optimizer.update, master, master, step.optimizer.init(master),
+                                                  planned_device(self.params, self.batch))
+                except data_dependent_errors():  # an update fake tensors cannot run: none, at the least
+                    kept = 0
+            self._state[key] = (memory["params"][0], memory["grads"][0], opt, kept, float(size))
         return self._state[key]
 
     def _kept_per_layer(self, c: Candidate, applied: Step) -> dict[str, int]:
@@ -161,7 +173,7 @@ class Bounds:
             indices = schedule.num_ranks
         else:
             stages, index_of, indices, schedule = [self.names], [0], 1, None
-        params_b, grads_b, opt_b, wire = self._single(c)
+        params_b, grads_b, opt_b, kept_b, wire = self._single(c)
         zp = c.dp if c.zero_stage == 3 else 1
         zs = c.dp if c.zero_stage else 1
         del inputs
@@ -174,7 +186,7 @@ class Bounds:
         share = [0.0] * indices
         for s, layers in enumerate(stages):
             share[index_of[s]] += sum(self.weights[n] for n in layers) / self.total
-        state = [sh * (params_b / zp + (grads_b + opt_b) / zs) / (c.tp * c.ep) for sh in share]
+        state = [sh * (params_b / zp + (grads_b + opt_b + kept_b) / zs) / (c.tp * c.ep) for sh in share]
         memory = max(int(state[i]) + held[i] for i in range(indices))
         return Bound(memory, self._time(c, applied, stages, index_of, indices, share, wire, zs, full))
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import optree
 import pytest
 import torch
 import torch.nn.functional as F
@@ -98,3 +99,30 @@ def test_a_layer_on_stand_ins_keeps_its_backward_collectives_in_the_plan() -> No
     plan = context_parallel(step, "cp").plan(sw.Mesh(cp=2), params, batches(1)[0])
     ring = [c for c in plan.collectives(0) if c.op == "ppermute"]
     assert len(ring) == 2 * 2 * 1  # 2 layers x (forward, backward) x (cp - 1)
+
+
+class _ReadsItsGradients:
+    """A user's optimizer whose update reads a value (``float`` of a tensor) to decide its step: fake
+    tensors cannot run it."""
+
+    def init(self, params: Any) -> dict[str, torch.Tensor]:
+        return {"count": torch.zeros(())}
+
+    def update(self, grads: Any, state: Any, params: Any) -> tuple[Any, Any]:
+        lr = 0.1 if float(sum(g.abs().sum() for g in optree.tree_leaves(grads))) < 1e3 else 0.01
+        return optree.tree_map(lambda p, g: p - lr * g, params, grads), state
+
+
+def test_an_update_that_reads_its_values_plans_and_says_its_figure_is_a_guess() -> None:
+    """The Plan predicts the update's memory on fake tensors; one that reads a value there is counted
+    as an out-of-place update's new parameters and state, and the Plan says so (it still plans, and
+    the step runs)."""
+    torch.manual_seed(0)
+    chain, params = sw.functionalize(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
+                                                         torch.nn.Linear(16, 4)))
+    step = sw.pipeline(sw.train_step(chain, F.mse_loss, _ReadsItsGradients()), "pp", "1f1b", microbatches=2)
+    batch = (torch.randn(4, 8), torch.randn(4, 4))
+    plan = step.plan(sw.Mesh(pp=2), params, batch)
+    held = [sum(t.nbytes for t in params[layer].values()) + 4 for layer in ("0", "2")]  # and the state's count
+    assert list(plan.memory["update_buffers"]) == held
+    assert all("update_buffers counts its new parameters" in plan.layers[n][-1] for n in ("0", "2")), plan.layers

@@ -8,6 +8,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from torch import nn
 
 import shardwise as sw
 from shardwise.engine.simulate.simulation import simulate
@@ -318,3 +319,23 @@ def test_a_parallel_step_and_a_small_step_of_another_model_are_refused() -> None
 
 def _lm(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+def test_search_refuses_a_pipeline_whose_update_is_over_the_budget() -> None:
+    """A budget (96 MiB) between what the Plan once said of the 4-stage pipeline (its state and
+    gradients, 4 x a stage's 16 MiB of parameters, and what the forward keeps: 64 MiB) and its
+    measured peak (144 MiB, tests/engine/test_plan_peak_memory.py: the functional AdamW's new
+    parameters and moments and its temporaries beside them): the pipeline is refused for its memory
+    (it was returned)."""
+    with torch.device("meta"):
+        net = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(2048, 2048), nn.ReLU())][:-1])
+    chain, params = sw.functionalize(net)
+    step = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.adamw(1e-3))
+    gen = torch.Generator().manual_seed(0)
+    batch = (torch.randn(32, 2048, generator=gen), torch.randn(32, 2048, generator=gen))
+    stage = (2048 * 2048 + 2048) * 4  # one Linear per stage
+    space = Space(zero_stages=(3,), schedules=("1f1b",), microbatches=(4,), remat=(None,))
+    found = sw.search(step, params, batch, world=4, memory_per_rank=6 * stage, top=10, space=space,
+                      compute=FlopCompute(params_per_layer(step, params), flops_per_second=1e10, samples=32))
+    assert "pp4 1f1b mb4" not in {str(p.candidate) for p in found.ranked}, found.table()
+    assert {str(r.candidate): r.stage for r in found.refused}["pp4 1f1b mb4"] == MEMORY, found.table()

@@ -194,16 +194,20 @@ class Plan:
 
     ``memory`` holds per-rank byte counts when the plan was made with the
     parameters (``step.plan(mesh, params)``): keys such as ``params``,
-    ``grads``, ``opt_state``, each a tuple with one entry per rank; under
-    ``shard_params`` also what comes and goes as the actions run, each at its
-    own peak (``gathered_peak``, ``reduce_buffers``, ``comm_buffers``; at stages 1-2
+    ``grads``, ``opt_state``, each a tuple with one entry per rank; what comes and goes as
+    the actions run, each at its own peak: in every stack ``update_buffers`` (what the
+    optimizer's update allocates, and an out-of-place update's new parameters and state from
+    then to the step's end), under a precision policy ``compute_copies`` (the parameters, or
+    ZeRO-3's shards, cast to the compute dtype, held through the step), without shard_params
+    over micro-batches ``grad_accumulation`` (a later micro-batch's gradient before it is added
+    in); under ``shard_params`` also (``gathered_peak``, ``reduce_buffers``, ``comm_buffers``; at stages 1-2
     ``params_in_flight``, the updated parameters the step's all-gathers bring, beside the old
     ones until the step returns, and with ``overlap_gather`` still in flight then; and
     ``master_shards``, the rank's shard of every unit that the optimizer updates, held through
     the step beside the whole parameters, and between steps too: the state hands them on to the
     next update; 0 where the step gathers into the parameters, whose shards they are views of), and
-    ``held_in_step``, the most those and the gradient shards made so far hold
-    together at one action; ``peak`` is then ``params``, ``opt_state``,
+    ``held_in_step``, the most those and the gradients (under shard_params, the gradient shards)
+    made so far hold together at one action; ``peak`` is then ``params``, ``opt_state``,
     ``held_in_step`` and ``kept_for_backward`` (with a batch). ``layers``
     says how the rewriting transforms run each layer (its compute dtype, its
     remat policy), in the stack's words.

@@ -9,7 +9,7 @@ each rank holds, from the same layouts ``Step.init`` builds.
 from __future__ import annotations
 
 import functools
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -22,7 +22,6 @@ from ..layout.precision import compute_dtype
 from ..layout.sharding import FlatSharding
 from ..layout.state import Params, check_params, tree_nbytes
 from ..layout.state_layout import Placement, StateLayout, local_params, meta_shards, unit_names
-from ..model import reuse
 from ..optim.meta_like import meta_like
 from ..plan.accounting import predict_kept_parts
 from ..plan.actions import (
@@ -32,7 +31,6 @@ from ..plan.actions import (
     GRAD_COMPUTES,
     REDUCE_REPLICAS,
     REDUCE_SCATTER,
-    UPDATE,
     WAIT_GATHER,
     WAIT_PARAMS,
     WAIT_REDUCE,
@@ -54,9 +52,9 @@ from ..plan.lower import (
     stage_needs,
     wire_of,
 )
-from ..plan.update_memory import predict_update_held
 from ..stack.compose import SPLIT, rewrites_in_order
 from .batch_cut import batch_multiple, rank_share
+from .held_levels import compute_copy_bytes, unsharded_levels, update_levels
 
 if TYPE_CHECKING:
     from .step import Step
@@ -124,7 +122,13 @@ def plan_of(step: Step, mesh: Mesh, params: Params | None, batch: Any, *, share_
     memory: dict[str, tuple[int, ...]] = {}
     notes: dict[str, tuple[str, ...]] = {}
     if params is not None:
-        memory, stand_ins = _memory(step, mesh, params, batch, placement, layouts, class_of, masters, by_class)
+        guessed: set[str] = set()
+        memory, stand_ins = _memory(step, mesh, params, batch, placement, layouts, class_of, masters, by_class,
+                                    guessed)
+        if guessed:  # not silently a guess either
+            for layer in step.chain.names:
+                if step.chain.owned_param_names(layer):
+                    notes[layer] = (*notes.get(layer, ()), _GUESSED_UPDATE)
         for layer in stand_ins:  # not silently a guess: say which figure is the stand-ins'
             notes[layer] = ("it reads data to decide a shape (a routing?), which fake tensors cannot: its "
                             "kept_for_backward is predicted on zero-filled stand-ins (a real batch routes otherwise)",)
@@ -207,21 +211,26 @@ def one_microbatch(step: Step, mesh: Mesh, batch: Any) -> tuple[Any, Any]:
 def _memory(
     step: Step, mesh: Mesh, params: Params, batch: Any, placement: Placement,
     layouts: Mapping[Any, StateLayout], class_of: Sequence[Any], masters: Mapping[Any, Params],
-    actions: Mapping[Any, tuple[Action, ...]],
+    actions: Mapping[Any, tuple[Action, ...]], guessed: set[str],
 ) -> tuple[dict[str, tuple[int, ...]], tuple[str, ...]]:
     """Each figure per rank, counted once per rank class (see :func:`rank_class`); and the layers whose
-    kept_for_backward ran on stand-ins."""
+    kept_for_backward ran on stand-ins (``guessed`` gets "update" where the update's figure is a guess:
+    ``held_levels.update_levels``)."""
     device = planned_device(params, batch)
-    by_class = {c: _class_memory(step, layouts[c], masters[c], actions[c], device, placement) for c in masters}
-    memory = {k: tuple(by_class[c][k] for c in class_of) for k in by_class[class_of[0]]}
+    by_class = {c: _class_memory(step, layouts[c], masters[c], actions[c], device, placement, guessed)
+                for c in masters}
+    # A figure some classes have not (a policy's compute copies where a rank holds no parameter) is 0 there.
+    keys = dict.fromkeys(k for c in by_class for k in by_class[c])
+    memory = {k: tuple(by_class[c].get(k, 0) for c in class_of) for k in keys}
     stand_ins: tuple[str, ...] = ()
     if batch is not None:
         memory["kept_for_backward"], stand_ins = _kept_per_rank(step, mesh, params, batch, placement,
                                                                 layouts[class_of[0]])
     # The state at rest but the gradients, what the forward kept (live at the backward's worst
-    # moment), and under shard_params ``held_in_step``: the most that the gradient shards made so
-    # far, the units gathered, the gradients on their way to a reduction and the collectives' copies
-    # hold together at one action. Each buffer has its own figure, its own peak; they come at
+    # moment), and ``held_in_step``: the most that the gradients (under shard_params, the shards made
+    # so far), the update's allocations, the compute copies, and under shard_params the units
+    # gathered, the gradients on their way to a reduction and the collectives' copies hold together
+    # at one action. Each buffer has its own figure, its own peak; they come at
     # different actions (summing them and every gradient shard counted, at ZeRO-3, a prefetched
     # unit beside a reduce-scatter that it never meets, and shards not yet made: 4-6% over the
     # measured peak of benchmarks/memory.py).
@@ -230,15 +239,19 @@ def _memory(
     return memory, stand_ins
 
 
+_GUESSED_UPDATE = ("the optimizer's update reads its values (a data-dependent op), which fake tensors cannot run: "
+                   "update_buffers counts its new parameters and state, as an out-of-place update's, without "
+                   "its temporaries")
+
 # The figures that come and go as the actions run, each its own peak: the Plan's peak counts instead
 # the most they hold together at one action (``held_in_step``).
 _COME_AND_GO = ("gathered_peak", "reduce_buffers", "comm_buffers", "replica_buffers", "update_buffers",
-               "params_in_flight", "master_shards")
+               "params_in_flight", "master_shards", "compute_copies", "grad_accumulation")
 
 
 def _class_memory(
     step: Step, layout: StateLayout, master: Params, actions: tuple[Action, ...], device: torch.device,
-    placement: Placement,
+    placement: Placement, guessed: set[str],
 ) -> dict[str, int]:
     figures: dict[str, int] = {}
     sharding = layout.sharding
@@ -248,7 +261,8 @@ def _class_memory(
     with meta_like():  # a user's optimizer's zeros_like, without torch's Python reference (meta_like.py)
         figures["opt_state"] = tree_nbytes(step.optimizer.init(shards if shards is not None else master))
     if step.sharding_spec is None:
-        return figures
+        made, levels = unsharded_levels(step, master, actions, device, guessed)
+        return figures | _held(made, levels)
     assert sharding is not None
     levels = {
         "gathered_peak": _gathered_levels(actions, {
@@ -262,9 +276,12 @@ def _class_memory(
     if sharding.replicate is not None:
         levels["replica_buffers"] = _replica_levels(step, sharding, actions)
     # The update's own allocations (an out-of-place update's new parameters and state beside the
-    # old ones, its temporaries), at the update, beside every gradient shard.
+    # old ones, its temporaries), at the update, beside every gradient shard; what it keeps, to the end.
     assert shards is not None
-    levels["update_buffers"] = _update_levels(step, shards, actions, device)
+    levels["update_buffers"] = update_levels(step, shards, actions, device, guessed)
+    copies = compute_copy_bytes(step, master, sharding)  # ZeRO-3: of its shards; ZeRO-1/2: of the parameters
+    if copies:
+        levels["compute_copies"] = [copies] * len(actions)
     if not sharding.holds_shards:
         into = gathers_into_params(step, device)
         levels["params_in_flight"] = _params_levels(sharding, actions, into, device.type == "cpu")
@@ -274,51 +291,16 @@ def _class_memory(
         # beside the parameters at rest; gathered into the parameters, views of their values (laid
         # out so by init and by a checkpoint's load: sharding.UnitLayout.laid_out), no bytes of their own.
         levels["master_shards"] = [0 if into else tree_nbytes(shards)] * len(actions)
-    for key, per_action in levels.items():
-        figures[key] = max(per_action, default=0)
     made = _shards_made_levels(actions, {u: tree_nbytes(t) for u, t in shards.items()}, device.type == "cpu")
+    return figures | _held(made, levels)
+
+
+def _held(made: Sequence[int], levels: Mapping[str, Sequence[int]]) -> dict[str, int]:
+    """Each level's own peak, and ``held_in_step``: the most they and the gradients ``made`` so far hold
+    together at one action."""
+    figures = {key: max(per_action, default=0) for key, per_action in levels.items()}
     figures["held_in_step"] = max((sum(at) for at in zip(made, *levels.values(), strict=True)), default=0)
     return figures
-
-
-def _update_levels(step: Step, shards: Mapping[str, Any], actions: Sequence[Action], device: torch.device) -> list[int]:
-    """At each update action, what the optimizer's update allocates: the whole update's own peak, or,
-    updated bucket by bucket (``update_in_buckets``), that bucket's beside what the buckets updated
-    before it keep (an out-of-place update's new shards and state; nothing in place)."""
-    levels = []
-    kept_before = 0
-    # An update of like shards (the same names, shapes and dtypes) by a like optimizer holds alike:
-    # predicted once per plan search (reuse.sharing_runs); outside one, at every update action.
-    held = reuse.results_for("update_memory")
-    for action in actions:
-        if action.kind != UPDATE:
-            levels.append(0)
-            continue
-        units = action.units or ((action.layer,) if action.layer is not None else tuple(shards))
-        part = {u: shards[u] for u in units}
-        key = _update_key(step.optimizer, part, device)
-        found = held.get(key) if key is not None else None
-        if found is None:
-            with meta_like():
-                found = predict_update_held(step.optimizer.update, part, part, step.optimizer.init(part), device)
-            if key is not None:
-                held[key] = found
-        peak, kept = found
-        levels.append(kept_before + peak)
-        kept_before += kept
-    return levels
-
-
-def _update_key(optimizer: Any, part: Mapping[str, Any], device: torch.device) -> Hashable | None:
-    """What an update's held memory depends on: the optimizer's init and update (their settings, where
-    they compare by value: the library's optimizers), the shards' names, shapes and dtypes, the
-    device; None if the optimizer cannot be hashed or the shards have no signature."""
-    try:
-        hash((optimizer.init, optimizer.update))
-    except TypeError:
-        return None
-    shapes = reuse.tree_signature(part)
-    return None if shapes is None else (optimizer.init, optimizer.update, shapes, device.type)
 
 
 def _params_levels(

@@ -1,0 +1,167 @@
+"""What a rank holds at each action of its step beyond its state at rest, the levels every stack shares.
+
+The Plan's ``held_in_step`` is the most a rank's levels hold together at one action
+(``planning._class_memory``). Under ``shard_params`` the gradients, gathered units and collectives'
+buffers have levels of their own (``planning.py``); these are the ones every stack has:
+
+* the optimizer's update (:func:`update_levels`): an out-of-place update's new parameters and
+  state beside the old ones, and its temporaries;
+* the compute copies a precision policy casts once per step (:func:`compute_copy_bytes`);
+* without ``shard_params``, the gradients (:func:`unsharded_levels`): the backward's, in the compute
+  dtype, and the optimizer's, in the master dtype, where the loss scale or a cast makes new ones.
+
+Each was measured as a per-action VmHWM trace (one device, pipeline, tensor parallel, ZeRO-1 and
+ZeRO-3, with and without ``mixed_precision``; 16 MiB MLP, world 2, glibc's thresholds low).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import optree
+import torch
+
+from ..layout.precision import DynamicLossScale, NoLossScale, compute_dtype
+from ..layout.sharding import FlatSharding
+from ..model import reuse
+from ..optim.meta_like import meta_like
+from ..plan.actions import FINISH_GRADS, GRAD_COMPUTES, UPDATE, Action
+from ..plan.update_memory import predict_update_held
+from ..torch_api import data_dependent_errors
+
+if TYPE_CHECKING:
+    from .step import Step
+
+__all__ = ["compute_copy_bytes", "unsharded_levels", "update_levels"]
+
+
+def update_levels(
+    step: Step, tree: Mapping[str, Any], actions: Sequence[Action], device: torch.device,
+    guessed: set[str] | None = None,
+) -> list[int]:
+    """At each action, what the optimizer's update allocates: at an update action, the whole update's
+    own peak, or, updated bucket by bucket (``update_in_buckets``), that bucket's, beside what the
+    buckets updated before it keep; after it, what the updates keep, to the step's end.
+
+    ``tree``: what the update runs on (ZeRO's flat shards per unit, else the rank's master parameters
+    by layer). An out-of-place update keeps its new parameters and state (nothing, in place): they
+    are the new TrainState, beside the old one, which the caller holds until the step returns. What
+    comes after the update meets them: ZeRO-1/2's all-gathers of the updated parameters (counted
+    only at the update, ZeRO-1's Plan was 14% under the measured peak with the functional AdamW).
+
+    An update that reads its values to decide what it does (``.item()``, a Python ``if`` on a
+    tensor), which fake tensors cannot run, is counted as an out-of-place update's new parameters and
+    state, without its temporaries, and ``"update"`` is added to ``guessed`` (the Plan says so)."""
+    levels = []
+    kept_before = 0
+    # An update of like trees (the same names, shapes and dtypes) by a like optimizer holds alike:
+    # predicted once per plan search (reuse.sharing_runs); outside one, at every update action.
+    held = reuse.results_for("update_memory")
+    for action in actions:
+        if action.kind != UPDATE:
+            levels.append(kept_before)
+            continue
+        units = action.units or ((action.layer,) if action.layer is not None else tuple(tree))
+        part = {u: tree[u] for u in units}
+        key = _update_key(step.optimizer, part, device)
+        found = held.get(key) if key is not None else None
+        if found is None:
+            with meta_like():
+                state = step.optimizer.init(part)
+                try:
+                    found = predict_update_held(step.optimizer.update, part, part, state, device)
+                except data_dependent_errors():
+                    new = _tree_bytes(part) + _tree_bytes(state)
+                    found, key = (new, new), None  # a guess: not kept for another plan, which must say so too
+                    if guessed is not None:
+                        guessed.add("update")
+            if key is not None:
+                held[key] = found
+        peak, kept = found
+        levels.append(kept_before + peak)
+        kept_before += kept
+    return levels
+
+
+def _tree_bytes(tree: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in optree.tree_leaves(tree) if isinstance(t, torch.Tensor))
+
+
+def _update_key(optimizer: Any, part: Mapping[str, Any], device: torch.device) -> Hashable | None:
+    """What an update's held memory depends on: the optimizer's init and update (their settings, where
+    they compare by value: the library's optimizers), the tree's names, shapes and dtypes, the
+    device; None if the optimizer cannot be hashed or the tree has no signature."""
+    try:
+        hash((optimizer.init, optimizer.update))
+    except TypeError:
+        return None
+    shapes = reuse.tree_signature(part)
+    return None if shapes is None else (optimizer.init, optimizer.update, shapes, device.type)
+
+
+def compute_copy_bytes(step: Step, master: Mapping[str, Mapping[str, torch.Tensor]],
+                       sharding: FlatSharding | None = None) -> int:
+    """Bytes of the compute copies a precision policy casts at the start of every step and holds to
+    its end (``run_inputs.param_source``): under ZeRO-3 of the rank's shards (cast once, before they
+    travel), else of the parameters it holds (by layer, ``master``). A leaf whose compute dtype is its
+    stored one is not copied (``Tensor.to`` returns it): nothing without a policy."""
+    if step.precision is None:
+        return 0
+    if sharding is not None and sharding.holds_shards:
+        return sum(_copy_bytes(lay.shard_numel, lay.dtype, compute_dtype(step.precision, u, lay.dtype))
+                   for u, lay in sharding.units.items())
+    return sum(_copy_bytes(t.numel(), t.dtype, compute_dtype(step.precision, layer, t.dtype))
+               for layer, tensors in master.items() for t in tensors.values())
+
+
+def _copy_bytes(numel: int, stored: torch.dtype, compute: torch.dtype) -> int:
+    return 0 if compute == stored else numel * compute.itemsize
+
+
+def unsharded_levels(
+    step: Step, master: Mapping[str, Mapping[str, torch.Tensor]], actions: Sequence[Action], device: torch.device,
+    guessed: set[str] | None = None,
+) -> tuple[list[int], dict[str, list[int]]]:
+    """Without ``shard_params``: (the gradients held at each action, the other levels by figure).
+
+    * Gradients: none at the step's start (the last step's update consumed them); from the first
+      backward on, every one of them in the compute dtype (each layer's are made by its backward:
+      counted from the first, an upper bound until the last); from ``finish_grads`` on, beside them,
+      the optimizer's in the master dtype where unscaling makes new ones (a loss scale, or a compute
+      dtype that is not the stored one: ``master.unscale_like``). The backward's stay to the step's
+      end: the step's leaves hold them.
+    * ``grad_accumulation``: a backward of a later micro-batch makes each weight's gradient before
+      adding it into the one held (autograd's accumulation): the largest such gradient, beside them.
+    * ``compute_copies``: see :func:`compute_copy_bytes`.
+    * ``update_buffers``: see :func:`update_levels` (``guessed`` as there).
+    """
+    prec = step.precision
+    leaves = [(layer, t) for layer, tensors in master.items() for t in tensors.values()]
+    backward = [t.numel() * compute_dtype(prec, layer, t.dtype).itemsize for layer, t in leaves]
+    unscaled = sum(t.numel() * t.element_size() for layer, t in leaves
+                   if _scaled(step) or compute_dtype(prec, layer, t.dtype) != t.dtype)
+    made, accumulating = [], []
+    held = 0
+    for action in actions:
+        grads = action.kind in GRAD_COMPUTES
+        if grads:
+            held = max(held, sum(backward))
+        if action.kind == FINISH_GRADS:
+            held = sum(backward) + unscaled
+        made.append(held)
+        accumulating.append(max(backward, default=0) if grads and (action.microbatch or 0) > 0 else 0)
+    levels = {"update_buffers": update_levels(step, master, actions, device, guessed)}
+    copies = compute_copy_bytes(step, master)
+    if copies:  # figures only where a policy casts, or micro-batches accumulate
+        levels["compute_copies"] = [copies] * len(actions)
+    if any(accumulating):
+        levels["grad_accumulation"] = accumulating
+    return made, levels
+
+
+def _scaled(step: Step) -> bool:
+    """Whether the step's loss scale may divide its gradients (a factor other than 1)."""
+    scale = step.initial_loss_scale()
+    return scale is not None and not isinstance(scale, NoLossScale) and (
+        isinstance(scale, DynamicLossScale) or scale.scale_value() != 1.0)
