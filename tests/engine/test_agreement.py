@@ -460,3 +460,30 @@ def test_a_parameter_of_more_than_2_to_the_24_elements_is_compared() -> None:
     assert sw.launch(build, 2, timeout=60, args=(False,)) == [0, 0]
     with pytest.raises(sw.collectives.RankFailed, match=r"parameter values, params\['0'\]\['weight'\]"):
         sw.launch(build, 2, timeout=60, args=(True,))
+
+
+def test_ranks_that_built_one_model_with_a_device_attribute_or_scratch_tensors_agree() -> None:
+    """What differs rank to rank by design is not compared: a module's own device (cuda:<local rank>),
+    a non-persistent buffer or a tensor attribute made by torch.empty (a preallocated cache), a dict
+    filled from a set (its order follows the process's string hashes) (review)."""
+
+    class Block(torch.nn.Module):
+        def __init__(self, rank: int) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(6, 6)
+            self.device = torch.device(f"cuda:{rank}")
+            self.register_buffer("cache", torch.empty(4096).fill_(float(rank)), persistent=False)
+            self.scratch = torch.full((16,), float(rank))
+            self.skip = {"eps": True, "gamma": True} if rank == 0 else {"gamma": True, "eps": True}
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.gelu(self.lin(x))
+
+    def main() -> int:
+        mesh = sw.Mesh(dp=2)
+        torch.manual_seed(0)
+        chain, params = sw.functionalize(torch.nn.Sequential(Block(mesh.rank), torch.nn.Linear(6, 3)))
+        step = sw.shard_params(sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1)), "dp", 2)
+        return step.init(params, mesh).step
+
+    assert sw.launch(main, 2, timeout=60) == [0, 0]

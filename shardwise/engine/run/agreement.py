@@ -194,8 +194,8 @@ def stable_text(value: object, depth: int = 0) -> str:
         if isinstance(value, set | frozenset):
             items.sort()  # a set's order depends on the process's string hashes
         return f"{type(value).__name__}[{', '.join(items)}]"
-    if isinstance(value, Mapping):
-        return "{" + ", ".join(f"{deeper(k)}: {deeper(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, Mapping):  # sorted: a dict filled from a set is in the process's hash order
+        return "{" + ", ".join(sorted(f"{deeper(k)}: {deeper(v)}" for k, v in value.items())) + "}"
     if isinstance(value, functools.partial):
         return f"partial({deeper(value.func)}, {deeper(value.args)}, {deeper(value.keywords)})"
     if isinstance(value, types.FunctionType):

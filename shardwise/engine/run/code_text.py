@@ -40,7 +40,10 @@ def module_text(module: nn.Module, describe: Callable[[object], str]) -> str:
         extra = _ADDRESS.sub("0x...", sub.extra_repr())
         attributes = [f"{k}={_attribute_text(v, describe)}" for k, v in vars(sub).items()
                       if not k.startswith("_") and plain(v)]
-        tensors = [f"{n}={describe(t)}" for n, t in [*sub._parameters.items(), *sub._buffers.items()] if t is not None]
+        # A buffer the module does not persist may be scratch (torch.empty): its values are not compared.
+        scratch = sub._non_persistent_buffers_set
+        tensors = [f"{n}={_shape_text(t) if n in scratch else describe(t)}"
+                   for n, t in [*sub._parameters.items(), *sub._buffers.items()] if t is not None]
         lines.append(
             f"{path or '(root)'}: {qualified_name(cls)}[forward {code_digest(cls.forward)}]({extra}) "
             f"{{{', '.join(attributes)}}} [{', '.join(tensors)}]"
@@ -48,7 +51,13 @@ def module_text(module: nn.Module, describe: Callable[[object], str]) -> str:
     return "\n".join(lines)
 
 
+def _shape_text(t: torch.Tensor) -> str:
+    return f"tensor(shape={tuple(t.shape)}, dtype={t.dtype})"
+
+
 def _attribute_text(value: object, describe: Callable[[object], str]) -> str:
+    if isinstance(value, torch.Tensor):  # a plain attribute, perhaps a preallocated cache: not its values
+        return _shape_text(value)
     if isinstance(value, types.MethodType):  # by its class and code, not by all of the object it is bound to
         return f"{qualified_name(type(value.__self__))}.{value.__name__}[code {code_digest(value)}]"
     return describe(value)
@@ -59,7 +68,9 @@ def plain(value: object) -> bool:
     tensor (read as a constant), a function or class, or a container of these."""
     if value is None or isinstance(value, bool | int | float | complex | str | bytes | enum.Enum):
         return True
-    if isinstance(value, torch.dtype | torch.device | torch.Size | torch.Tensor):
+    if isinstance(value, torch.device):  # a rank's own device (cuda:<local rank>) differs by design
+        return False
+    if isinstance(value, torch.dtype | torch.Size | torch.Tensor):
         return True
     if isinstance(value, types.FunctionType | types.BuiltinFunctionType | types.MethodType | type):
         return True

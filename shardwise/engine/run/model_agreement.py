@@ -66,8 +66,16 @@ def _function_text(fn: object) -> str:
 
 
 def buffer_items(chain: Chain) -> dict[str, str]:
-    """Per buffer of each layer (a frozen parameter is one), its shape, dtype and exact digest."""
-    return _tensor_items("buffers", ((layer.name, n, t) for layer in chain for n, t in layer.buffers.items()))
+    """Per buffer of each layer (a frozen parameter is one), its shape, dtype and exact digest; of a
+    buffer the module does not persist (``register_buffer(..., persistent=False)``: perhaps scratch
+    made by ``torch.empty``, whose values differ rank to rank), its shape and dtype only."""
+    items = _tensor_items("buffers", ((layer.name, n, t) for layer in chain for n, t in layer.buffers.items()
+                                      if n not in getattr(layer.fn, "transient", ())))
+    for layer in chain:
+        for n in sorted(set(layer.buffers) & set(getattr(layer.fn, "transient", ()))):
+            t = layer.buffers[n]
+            items[f"buffers[{layer.name!r}][{n!r}]"] = f"tensor(shape={tuple(t.shape)}, dtype={t.dtype})"
+    return items
 
 
 def value_items(params: Mapping[str, Mapping[str, torch.Tensor]]) -> dict[str, str]:

@@ -74,24 +74,27 @@ def _to(t: Any, dtype: torch.dtype) -> Any:
 
 
 def _to_input(t: Any, dtype: torch.dtype) -> Any:
-    """A layer input in ``dtype``: saturating where it needs no gradient (masks, position tables)."""
+    """A layer input in ``dtype``: saturating where it needs no gradient (masks)."""
     if isinstance(t, torch.Tensor) and t.is_floating_point() and not t.requires_grad:
         return saturating_cast(t, dtype)
     return _to(t, dtype)
 
 
 def saturating_cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``t.to(dtype)`` with finite values beyond ``dtype``'s range at its largest finite values
-    (``±inf`` and NaN stay what they are): ``finfo(float32).min`` in bf16 is bf16's min, not -inf.
+    """``t.to(dtype)``, with ``t``'s own dtype's extremes (``finfo(float32).min``, what an additive
+    mask is built with) at ``dtype``'s: in bf16 that mask value is bf16's min, not -inf. Any other
+    value beyond ``dtype``'s range overflows to ±inf as in a plain cast: a frozen layer's activation
+    or a batch feature that overflows float16 must still reach the loss scale as inf.
 
-    >>> t = torch.tensor([torch.finfo(torch.float32).min, -1.0, float("-inf")])
-    >>> saturating_cast(t, torch.bfloat16).tolist() == [torch.finfo(torch.bfloat16).min, -1.0, float("-inf")]
+    >>> t = torch.tensor([torch.finfo(torch.float32).min, -1.0, float("-inf"), 7e4])
+    >>> inf = float("inf")
+    >>> saturating_cast(t, torch.float16).tolist() == [torch.finfo(torch.float16).min, -1.0, -inf, inf]
     True
     """
     if t.dtype == dtype or not t.is_floating_point() or torch.finfo(dtype).max >= torch.finfo(t.dtype).max:
         return t.to(dtype)
-    limit = torch.finfo(dtype)
-    return torch.where(t.isinf(), t, t.clamp(limit.min, limit.max)).to(dtype)
+    source, limit = torch.finfo(t.dtype), torch.finfo(dtype)
+    return t.to(dtype).masked_fill(t == source.min, limit.min).masked_fill(t == source.max, limit.max)
 
 
 def _other_float(t: Any, dtype: torch.dtype) -> bool:
