@@ -89,7 +89,7 @@ def mixed_precision(
     step; with shard_params they are gathered in the compute dtype. Floating
     buffers keep their own dtype, as under torch.autocast (``buffers=compute``
     in a policy casts them too); inputs that need no gradient (masks) are cast
-    saturating, so ``finfo(float32).min`` stays finite in bf16 (see ``cast.py``).
+    saturating, so ``finfo(float32).min`` stays finite in bf16 (docs/guide.md, "Mixed precision").
     ``loss_scale``: None, "dynamic" (2^16, x2 every 2000 finite steps, x0.5 on
     overflow, like torch.amp.GradScaler, down to a floor of 2^-14 where a step
     still not finite raises instead of skipping for ever), a finite positive
