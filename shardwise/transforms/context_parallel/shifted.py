@@ -15,6 +15,7 @@ with ``-100`` is seen by neither.
 from __future__ import annotations
 
 import functools
+import importlib
 import sys
 import types
 from collections.abc import Callable, Iterator
@@ -38,9 +39,14 @@ def refuse_shifting_loss(loss_fn: Callable[..., Any]) -> None:
     """Refuse a loss_fn that is transformers' ForCausalLMLoss (itself, a partial of it, under another
     transform's loss wrapper) or whose own code calls it (imported, a module's attribute, or a model's
     ``loss_function``) without ``shift_labels=``."""
-    loss_utils = sys.modules.get("transformers.loss.loss_utils")
+    if "transformers" not in sys.modules:  # transformers is not loaded: the loss cannot be one of its
+        return
+    try:  # loaded on its first use: a loss_fn that calls it has not run yet
+        loss_utils = importlib.import_module("transformers.loss.loss_utils")
+    except ImportError:
+        return
     shifting = getattr(loss_utils, "ForCausalLMLoss", None)
-    if shifting is None:  # transformers' losses are not loaded: the loss cannot be one
+    if shifting is None:
         return
     for fn in _unwrapped(loss_fn):
         if fn is shifting:
@@ -96,8 +102,8 @@ def _calls(fn: Any, shifting: Any) -> bool:
         if id(obj) in seen:
             continue
         seen.add(id(obj))
-        if isinstance(obj, types.ModuleType):
-            found += [vars(obj)[n] for n in names if n in vars(obj)]
+        if isinstance(obj, types.ModuleType):  # by getattr: a lazy module (transformers) resolves on first read
+            found += [a for n in sorted(names) if not n.startswith("__") and (a := _attribute(obj, n)) is not None]
         elif isinstance(obj, nn.Module) and "loss_function" in names:
             found.append(_attribute(obj, "loss_function"))
     return any(inner is shifting for obj in found for inner in _unwrapped(obj))
