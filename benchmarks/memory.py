@@ -59,6 +59,16 @@ ZeRO-2 the gradients, are sharded), each with the model built whole on every ran
   ``torch.device("meta")`` (as ``shardwise_meta``): ``init`` makes each layer's full parameters on
   every rank, one layer at a time, so no rank holds the user's model beside the state's.
 
+The bf16 rows, compute in bfloat16 with float32 master weights and float32 gradient reductions,
+each against the other (``ratio_to_fsdp2`` is to FSDP2's bf16 row):
+
+* ``fsdp2_meta_bf16``: ``fsdp2_meta`` with ``MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+  reduce_dtype=torch.float32)`` on every ``fully_shard``.
+* ``shardwise_meta_bf16``: ``shardwise_meta`` under ``sw.mixed_precision(step,
+  "params=f32,compute=bf16,output=bf16,reduce=f32")``.
+
+Every row's loss is the MSE in float32 (the bf16 rows' outputs cast up first).
+
 Output: one JSON line per (width, world, variant) with ``init_peak_bytes`` and
 ``peak_bytes`` (VmHWM above the baseline, the largest over ranks; shardwise's rows also
 ``step_peak_bytes``, the steps' own peak from the same baseline), ``model_bytes`` (the full
@@ -94,9 +104,14 @@ from shardwise.testing.memory import LIVE_MALLOC, PeakRSS
 
 VARIANTS = ("fsdp2_meta", "fairscale_fsdp", "deepspeed_zero3_init", "deepspeed_zero3", "shardwise_meta",
             "shardwise_meta_functional", "shardwise_eager", "ddp", "fairscale_oss", "deepspeed_zero2",
-            "shardwise_zero1", "shardwise_zero2", "shardwise_zero1_meta", "shardwise_zero2_meta")
+            "shardwise_zero1", "shardwise_zero2", "shardwise_zero1_meta", "shardwise_zero2_meta",
+            "fsdp2_meta_bf16", "shardwise_meta_bf16")
 # A shardwise variant's ZeRO stage (3 if not here).
 STAGE = {"shardwise_zero1": 1, "shardwise_zero2": 2, "shardwise_zero1_meta": 1, "shardwise_zero2_meta": 2}
+# The bf16 rows: compute in bfloat16, float32 master weights, gradients reduced in float32 (FSDP2's
+# MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=f32)); their ratio is to FSDP2's bf16 row.
+BF16 = ("fsdp2_meta_bf16", "shardwise_meta_bf16")
+BF16_POLICY = "params=f32,compute=bf16,output=bf16,reduce=f32"
 # --models: the two sizes of issue 25, as Linear widths (12 layers).
 MODEL_WIDTHS = {"200mb": 2048, "800mb": 4096}
 ADAMW = seed_systems.AdamW(1e-3, (0.9, 0.999), 1e-8, 0.01)  # torch.optim.AdamW's defaults, as the others
@@ -128,9 +143,14 @@ def train_torch(cfg: Config, peak: PeakRSS, model: nn.Module, rows: Any) -> dict
     x, y = rows()
     for _ in range(cfg.steps):
         opt.zero_grad(set_to_none=True)
-        F.mse_loss(model(x), y).backward()
+        mse_f32(model(x), y).backward()
         opt.step()
     return {"init_peak_bytes": init_peak, "peak_bytes": peak.peak()}
+
+
+def mse_f32(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The MSE loss in float32, whatever the model's output dtype (bf16 under the bf16 rows)."""
+    return F.mse_loss(out.float(), target)
 
 
 def one_process(cfg: Config) -> dict[str, Any]:
@@ -138,20 +158,23 @@ def one_process(cfg: Config) -> dict[str, Any]:
     return train_torch(cfg, peak, build(cfg), lambda: batch_of(cfg))
 
 
-def fsdp2_model(cfg: Config, before_shard: Any = None) -> nn.Sequential:
+def fsdp2_model(cfg: Config, before_shard: Any = None, bf16: bool = False) -> nn.Sequential:
     """The model built on meta, ``fully_shard`` per Linear and whole, materialized and initialized
-    (FSDP2's meta-device recipe); ``before_shard(i, layer)`` runs on each layer before its shard."""
+    (FSDP2's meta-device recipe); ``before_shard(i, layer)`` runs on each layer before its shard;
+    ``bf16``: with ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=f32)``."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh("cpu", (cfg.world,))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
+        else MixedPrecisionPolicy()
     with torch.device("meta"):
         model = build(cfg)
     for i, layer in enumerate(model):
         if before_shard is not None:
             before_shard(i, layer)
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
     model.to_empty(device="cpu")
     for layer in model:
         assert isinstance(layer, nn.Linear)
@@ -162,6 +185,11 @@ def fsdp2_model(cfg: Config, before_shard: Any = None) -> nn.Sequential:
 def fsdp2_meta(cfg: Config) -> dict[str, Any]:
     peak = PeakRSS()
     return train_torch(cfg, peak, fsdp2_model(cfg), lambda: local_rows(cfg))
+
+
+def fsdp2_meta_bf16(cfg: Config) -> dict[str, Any]:
+    peak = PeakRSS()
+    return train_torch(cfg, peak, fsdp2_model(cfg, bf16=True), lambda: local_rows(cfg))
 
 
 def local_rows(cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
@@ -236,8 +264,9 @@ def deepspeed_zero3_eager(cfg: Config) -> dict[str, Any]:
     return deepspeed_zero3(cfg, zero_init=False)
 
 
-def shardwise_zero(cfg: Config, meta: bool, inplace: bool = True, stage: int = 3) -> dict[str, Any]:
-    peak = PeakRSS()
+def shardwise_step(cfg: Config, meta: bool, inplace: bool = True, stage: int = 3,
+                   policy: str | None = None) -> tuple[sw.Step, Any]:
+    """(the step, its parameters): ``shard_params`` at ``stage``, under ``policy`` when given."""
     if meta:
         with torch.device("meta"):
             model = build(cfg)
@@ -245,9 +274,15 @@ def shardwise_zero(cfg: Config, meta: bool, inplace: bool = True, stage: int = 3
         torch.manual_seed(0)  # every rank builds the same weights (init checks that they agree)
         model = build(cfg)
     chain, params = sw.functionalize(model)
-    del model
     optimizer = sw.optim.adamw(1e-3, inplace=inplace)
-    step = sw.shard_params(sw.train_step(chain, F.mse_loss, optimizer), "dp", stage=stage)
+    step = sw.shard_params(sw.train_step(chain, mse_f32, optimizer), "dp", stage=stage)
+    return (step if policy is None else sw.mixed_precision(step, policy)), params
+
+
+def shardwise_zero(cfg: Config, meta: bool, inplace: bool = True, stage: int = 3,
+                   policy: str | None = None) -> dict[str, Any]:
+    peak = PeakRSS()
+    step, params = shardwise_step(cfg, meta, inplace, stage, policy)
     mesh = sw.Mesh(dp=cfg.world)
     state = step.init(params, mesh)
     del params
@@ -267,6 +302,10 @@ def shardwise_meta(cfg: Config) -> dict[str, Any]:
 
 def shardwise_eager(cfg: Config) -> dict[str, Any]:
     return shardwise_zero(cfg, meta=False)
+
+
+def shardwise_meta_bf16(cfg: Config) -> dict[str, Any]:
+    return shardwise_zero(cfg, meta=True, policy=BF16_POLICY)
 
 
 def shardwise_meta_functional(cfg: Config) -> dict[str, Any]:
@@ -289,14 +328,10 @@ def shardwise_zero2_meta(cfg: Config) -> dict[str, Any]:
     return shardwise_zero(cfg, meta=True, stage=2)
 
 
-def plan_figures(cfg: Config, inplace: bool = True, stage: int = 3) -> dict[str, int]:
+def plan_figures(cfg: Config, inplace: bool = True, stage: int = 3, policy: str | None = None) -> dict[str, int]:
     """The Plan's memory figures for rank 0 (made here, on meta parameters: no data), with the
     optimizer the measured step uses (an out-of-place update allocates new parameters and moments)."""
-    with torch.device("meta"):
-        model = build(cfg)
-    chain, params = sw.functionalize(model)
-    optimizer = sw.optim.adamw(1e-3, inplace=inplace)
-    step = sw.shard_params(sw.train_step(chain, F.mse_loss, optimizer), "dp", stage=stage)
+    step, params = shardwise_step(cfg, True, inplace, stage, policy)
     x, y = batch_of(cfg)
     plan = step.plan(sw.Mesh(dp=cfg.world), params, (x, y))
     return {key: int(per_rank[0]) for key, per_rank in plan.memory.items()}
@@ -317,6 +352,8 @@ PROGRAMS = {
     "shardwise_zero2": shardwise_zero2,
     "shardwise_zero1_meta": shardwise_zero1_meta,
     "shardwise_zero2_meta": shardwise_zero2_meta,
+    "fsdp2_meta_bf16": fsdp2_meta_bf16,
+    "shardwise_meta_bf16": shardwise_meta_bf16,
 }
 
 
@@ -373,7 +410,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=2, help="training steps per variant (default 2)")
     parser.add_argument("--variants", default=",".join(("one_process", *VARIANTS)),
                         help="comma-separated subset of one_process," + ",".join(VARIANTS)
-                             + " (default all; fsdp2_meta, the ratios' reference, always runs)")
+                             + " (default all; fsdp2_meta, the ratios' reference, always runs, and "
+                               "fsdp2_meta_bf16 with a bf16 row)")
     parser.add_argument("--pools", choices=("variant", "world"), default="variant",
                         help="variant: a fresh pool of processes per variant, so that none inherits another's "
                              "memory; world: one pool per world for all its variants (a smoke run: start-up "
@@ -392,7 +430,8 @@ def parse_args() -> argparse.Namespace:
     if unknown:
         parser.error(f"--variants: unknown {', '.join(unknown)}; choose from one_process, {', '.join(VARIANTS)}")
     args.one_process = "one_process" in chosen
-    args.variants = [v for v in VARIANTS if v in chosen or v == "fsdp2_meta"]
+    bf16 = any(v in chosen for v in BF16)  # then FSDP2's bf16 row too: their ratios' reference
+    args.variants = [v for v in VARIANTS if v in chosen or v == "fsdp2_meta" or (bf16 and v == "fsdp2_meta_bf16")]
     return args
 
 
@@ -426,18 +465,23 @@ def main() -> None:
                 # functional variant's own beside it.
                 plans = {(True, 3): plan_figures(cfg), (False, 3): plan_figures(cfg, inplace=False)}
                 plans.update({(True, s): plan_figures(cfg, stage=s) for v, s in STAGE.items() if v in args.variants})
-                fsdp2 = ddp_peak = None
+                if any(v in args.variants for v in BF16):
+                    plans["bf16"] = plan_figures(cfg, policy=BF16_POLICY)
+                fsdp2 = fsdp2_bf16 = ddp_peak = None
                 shared = ProcessPool(world, timeout=1800) if args.pools == "world" else None
                 with shared or contextlib.nullcontext():
                     for variant in args.variants:
                         note(f"# width {width}, world {world}: {variant}")
-                        plan = plans[(variant != "shardwise_meta_functional", STAGE.get(variant, 3))]
+                        plan = plans["bf16"] if variant in BF16 else \
+                            plans[(variant != "shardwise_meta_functional", STAGE.get(variant, 3))]
                         result = measured(cfg, variant, shared)
                         row = {"bench": "memory", "variant": variant, "width": width, "world": world,
                                "model_bytes": model_bytes, **result, "plan_peak_bytes": plan["peak"]}
                         if "peak_bytes" in result:
                             fsdp2 = fsdp2 or (result["peak_bytes"] if variant == "fsdp2_meta" else None)
-                            row["ratio_to_fsdp2"] = round(result["peak_bytes"] / fsdp2, 3) if fsdp2 else None
+                            fsdp2_bf16 = fsdp2_bf16 or (result["peak_bytes"] if variant == "fsdp2_meta_bf16" else None)
+                            reference = fsdp2_bf16 if variant in BF16 else fsdp2
+                            row["ratio_to_fsdp2"] = round(result["peak_bytes"] / reference, 3) if reference else None
                             ddp_peak = ddp_peak or (result["peak_bytes"] if variant == "ddp" else None)
                             if ddp_peak:  # (ddp comes after the ZeRO-3 rows and before the ZeRO-1/2 ones)
                                 row["ratio_to_ddp"] = round(result["peak_bytes"] / ddp_peak, 3)

@@ -156,7 +156,8 @@ def test_memory_benchmark_runs_and_reports_each_variant() -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     rows = {row["variant"]: row for row in map(json.loads, result.stdout.splitlines())}
     ours_and_torch = {"one_process", "fsdp2_meta", "shardwise_meta", "shardwise_meta_functional", "shardwise_eager",
-                      "ddp", "shardwise_zero1", "shardwise_zero2", "shardwise_zero1_meta", "shardwise_zero2_meta"}
+                      "ddp", "shardwise_zero1", "shardwise_zero2", "shardwise_zero1_meta", "shardwise_zero2_meta",
+                      "fsdp2_meta_bf16", "shardwise_meta_bf16"}
     seed_systems = {"fairscale_fsdp", "deepspeed_zero3", "deepspeed_zero3_init", "fairscale_oss",
                     "deepspeed_zero2"}  # measured where installed
     assert set(rows) == ours_and_torch | seed_systems, sorted(rows)
@@ -170,6 +171,12 @@ def test_memory_benchmark_runs_and_reports_each_variant() -> None:
         if name.startswith("shardwise"):  # the steps' own peak too, from the same baseline
             assert row["peak_bytes"] == max(row["init_peak_bytes"], row["step_peak_bytes"]), row
     assert rows["fsdp2_meta"]["ratio_to_fsdp2"] == 1.0
+    # The bf16 rows against each other: FSDP2's bf16 row is their reference, and the Plan's bf16
+    # figures count each unit's compute copy only while its gather is in flight (two in flight at most).
+    assert rows["fsdp2_meta_bf16"]["ratio_to_fsdp2"] == 1.0
+    bf16 = rows["shardwise_meta_bf16"]
+    assert bf16["ratio_to_fsdp2"] == round(bf16["peak_bytes"] / rows["fsdp2_meta_bf16"]["peak_bytes"], 3)
+    assert 0 < bf16["plan"]["compute_copies"] <= 2 * bf16["plan"]["params"] / 4 / 2, bf16["plan"]
     assert rows["ddp"]["ratio_to_ddp"] == 1.0 and "ratio_to_ddp" in rows["shardwise_zero2"]
     for name in [f"shardwise_zero{s}{m}" for s in (1, 2) for m in ("", "_meta")]:
         # Each ZeRO-1/2 row carries its own stage's Plan (however the model was built), whose peak

@@ -9,6 +9,9 @@ a precision policy's compute copies and the gradients cast to the master dtype. 
 measured peak for the functional AdamW, and sw.search returned a pipeline over its budget. Under
 ZeRO-1 it counted the functional AdamW's new shards and moments at the update only, not beside the
 updated parameters the all-gathers bring after it, and under ZeRO-3 no compute copy of the shards.
+ZeRO-3 now casts each unit's shard as its all-gather is issued and frees the copy at the wait (it
+cast every shard at the step's start and held them to its end, 8 MiB a rank here): the Plan counts
+the copies in flight, so a step holding them all again measures above the Plan by 8 MiB (13%).
 
 Peak memory is the kernel's high-water mark (VmHWM) of each rank process above its RSS when the
 measured part starts, after a warm-up step of the same stack on the same model: imports, one-time

@@ -132,17 +132,33 @@ def _no_tokens(mean: torch.Tensor, output: Any) -> torch.Tensor:
 @dataclass
 class ParamSource:
     """Where a rank's layers read their parameters: ``compute`` (full compute copies), or under
-    ZeRO-3 the flat units of ``sharding`` gathered from ``gather_from`` (this rank's shards,
-    cast to the compute dtype before they travel)."""
+    ZeRO-3 the flat units of ``sharding`` gathered from ``gather_from`` (this rank's shards), each
+    cast to its ``gather_dtypes`` entry (the compute dtype, where a precision policy gives one)
+    as its all-gather is issued, before it travels."""
 
     compute: Mapping[str, Mapping[str, torch.Tensor]] | None = None
     sharding: FlatSharding | None = None
     gather_from: Mapping[str, torch.Tensor] | None = None
+    gather_dtypes: Mapping[str, torch.dtype] | None = None
     # ZeRO-1/2 with overlap_gather: the full parameters the last step's all-gathers are still
     # bringing (``compute`` lacks their layers until each bucket's wait_params), and the cast of
     # what a wait brings into compute copies (the precision policy's).
     incoming: InFlightParams | None = None
     cast: Callable[[dict[str, dict[str, torch.Tensor]]], Mapping[str, Mapping[str, torch.Tensor]]] | None = None
+
+    def gather_dtype(self, unit: str) -> torch.dtype:
+        """The dtype a ZeRO-3 unit travels and computes in."""
+        assert self.gather_from is not None
+        if self.gather_dtypes is not None and unit in self.gather_dtypes:
+            return self.gather_dtypes[unit]
+        return self.gather_from[unit].dtype
+
+    def gather_input(self, unit: str) -> torch.Tensor:
+        """This rank's shard of ``unit`` as its all-gather sends it: a new compute-dtype copy, made
+        here rather than for every unit at the step's start, so that each lives only while its
+        gather is in flight (as FSDP2's copy-in); the shard itself without a cast."""
+        assert self.gather_from is not None
+        return self.gather_from[unit].to(self.gather_dtype(unit))
 
 
 @dataclass(frozen=True)
@@ -328,6 +344,7 @@ class Executor(ZeroActions, TransferActions):
     _in_flight_bytes: int = 0
     _held_bytes: int = 0
     _pending: dict[tuple[str, str], Handle] = field(default_factory=dict)
+    _gather_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
     _pending_order: list[str] = field(default_factory=list)
     _grad_shards: dict[str, torch.Tensor] = field(default_factory=dict)
     _replica_input: dict[str, torch.Tensor] = field(default_factory=dict)

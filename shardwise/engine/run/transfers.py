@@ -209,8 +209,7 @@ class TransferActions:
         assert sharding is not None, "a rank holds its parameters either as compute copies or as ZeRO units"
         lay = sharding.units[owner]
         shape = lay.shapes[lay.names.index(name)]
-        assert self.source.gather_from is not None
-        return torch.zeros(shape, dtype=self.source.gather_from[owner].dtype, device=self.device)
+        return torch.zeros(shape, dtype=self.source.gather_dtype(owner), device=self.device)
 
     def send_tied(self, action: Action) -> None:
         i = action.require("tied")

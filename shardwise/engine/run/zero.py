@@ -49,6 +49,7 @@ class ZeroActions:
     _in_flight_bytes: int
     _held_bytes: int  # the bytes of the gathered units' buffers that hold storage now
     _pending: dict[tuple[str, str], Handle]
+    _gather_inputs: dict[str, torch.Tensor]  # what each all-gather in flight sends, kept alive to its wait
     _grad_shards: dict[str, torch.Tensor]
     _replica_input: dict[str, torch.Tensor]  # HSDP: reduce-scattered shards, to all-reduce over the replicas
     _leaves: dict[tuple[str, str], torch.Tensor]
@@ -61,11 +62,13 @@ class ZeroActions:
 
     def gather(self, action: Action) -> None:
         unit, sharding = action.require("layer"), self._sharding()
-        assert self.source.gather_from is not None and action.axis is not None
-        self._pending[("gather", unit)] = all_gather_async(
-            self.source.gather_from[unit], action.axis, tiled=True, mesh=self.mesh, snapshot=False
-        )
-        self._in_flight_bytes += sharding.units[unit].padded_numel * self.source.gather_from[unit].element_size()
+        assert action.axis is not None
+        # Alive until the wait (snapshot=False: the backend may read it until then); a cast copy
+        # under a precision policy, freed at the wait.
+        sent = self._gather_inputs[unit] = self.source.gather_input(unit)
+        self._pending[("gather", unit)] = all_gather_async(sent, action.axis, tiled=True, mesh=self.mesh,
+                                                           snapshot=False)
+        self._in_flight_bytes += sharding.units[unit].padded_numel * sent.element_size()
         self._note_memory()
 
     def wait_gather(self, action: Action) -> None:
@@ -73,6 +76,7 @@ class ZeroActions:
         its earlier forward's autograd graph holds views of that same storage (as FSDP does)."""
         unit, sharding = action.require("layer"), self._sharding()
         flat = self._pending.pop(("gather", unit)).wait()
+        del self._gather_inputs[unit]
         self._in_flight_bytes -= flat.numel() * flat.element_size()
         buffer = self._buffers.get(unit)
         if buffer is None:

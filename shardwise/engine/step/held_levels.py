@@ -6,7 +6,8 @@ buffers have levels of their own (``planning.py``); these are the ones every sta
 
 * the optimizer's update (:func:`update_levels`): an out-of-place update's new parameters and
   state beside the old ones, and its temporaries;
-* the compute copies a precision policy casts once per step (:func:`compute_copy_bytes`);
+* the compute copies a precision policy casts once per step (:func:`compute_copy_bytes`), or
+  under ZeRO-3 per gather (:func:`shard_copy_levels`);
 * without ``shard_params``, the gradients (:func:`unsharded_levels`): the backward's, in the compute
   dtype, and the optimizer's, in the master dtype, where the loss scale or a cast makes new ones.
 
@@ -26,14 +27,14 @@ from ..layout.precision import DynamicLossScale, NoLossScale, compute_dtype
 from ..layout.sharding import FlatSharding
 from ..model import reuse
 from ..optim.meta_like import meta_like
-from ..plan.actions import FINISH_GRADS, GRAD_COMPUTES, UPDATE, Action
+from ..plan.actions import FINISH_GRADS, GATHER, GRAD_COMPUTES, UPDATE, WAIT_GATHER, Action
 from ..plan.update_memory import predict_update_held
 from ..torch_api import data_dependent_errors
 
 if TYPE_CHECKING:
     from .step import Step
 
-__all__ = ["compute_copy_bytes", "unsharded_levels", "update_levels"]
+__all__ = ["compute_copy_bytes", "shard_copy_levels", "unsharded_levels", "update_levels"]
 
 
 def update_levels(
@@ -100,19 +101,33 @@ def _update_key(optimizer: Any, part: Mapping[str, Any], device: torch.device) -
     return None if shapes is None else (optimizer.init, optimizer.update, shapes, device.type)
 
 
-def compute_copy_bytes(step: Step, master: Mapping[str, Mapping[str, torch.Tensor]],
-                       sharding: FlatSharding | None = None) -> int:
+def compute_copy_bytes(step: Step, master: Mapping[str, Mapping[str, torch.Tensor]]) -> int:
     """Bytes of the compute copies a precision policy casts at the start of every step and holds to
-    its end (``run_inputs.param_source``): under ZeRO-3 of the rank's shards (cast once, before they
-    travel), else of the parameters it holds (by layer, ``master``). A leaf whose compute dtype is its
-    stored one is not copied (``Tensor.to`` returns it): nothing without a policy."""
+    its end (``run_inputs.param_source``) of the parameters a rank holds whole (by layer,
+    ``master``). A leaf whose compute dtype is its stored one is not copied (``Tensor.to`` returns
+    it): nothing without a policy. ZeRO-3's are cast per gather: :func:`shard_copy_levels`."""
     if step.precision is None:
         return 0
-    if sharding is not None and sharding.holds_shards:
-        return sum(_copy_bytes(lay.shard_numel, lay.dtype, compute_dtype(step.precision, u, lay.dtype))
-                   for u, lay in sharding.units.items())
     return sum(_copy_bytes(t.numel(), t.dtype, compute_dtype(step.precision, layer, t.dtype))
                for layer, tensors in master.items() for t in tensors.values())
+
+
+def shard_copy_levels(step: Step, sharding: FlatSharding, actions: Sequence[Action]) -> list[int]:
+    """ZeRO-3 under a precision policy: at each action (after it), the bytes of the compute-dtype
+    copies of this rank's shards that the all-gathers in flight send (``ParamSource.gather_input``:
+    each made at its unit's gather, freed at its wait)."""
+    copy = {u: _copy_bytes(lay.shard_numel, lay.dtype, compute_dtype(step.precision, u, lay.dtype))
+            for u, lay in sharding.units.items()} if step.precision is not None else {}
+    in_flight: set[str] = set()
+    levels = []
+    for action in actions:
+        if action.layer is not None and action.layer in copy:
+            if action.kind == GATHER:
+                in_flight.add(action.layer)
+            elif action.kind == WAIT_GATHER:
+                in_flight.discard(action.layer)
+        levels.append(sum(copy[u] for u in in_flight))
+    return levels
 
 
 def _copy_bytes(numel: int, stored: torch.dtype, compute: torch.dtype) -> int:

@@ -54,7 +54,7 @@ from ..plan.lower import (
 )
 from ..stack.compose import SPLIT, rewrites_in_order
 from .batch_cut import batch_multiple, rank_share
-from .held_levels import compute_copy_bytes, unsharded_levels, update_levels
+from .held_levels import compute_copy_bytes, shard_copy_levels, unsharded_levels, update_levels
 
 if TYPE_CHECKING:
     from .step import Step
@@ -279,9 +279,10 @@ def _class_memory(
     # old ones, its temporaries), at the update, beside every gradient shard; what it keeps, to the end.
     assert shards is not None
     levels["update_buffers"] = update_levels(step, shards, actions, device, guessed)
-    copies = compute_copy_bytes(step, master, sharding)  # ZeRO-3: of its shards; ZeRO-1/2: of the parameters
-    if copies:
-        levels["compute_copies"] = [copies] * len(actions)
+    copies = shard_copy_levels(step, sharding, actions) if sharding.holds_shards else \
+        [compute_copy_bytes(step, master)] * len(actions)  # ZeRO-3: per gather; ZeRO-1/2: of the parameters
+    if any(copies):
+        levels["compute_copies"] = copies
     if not sharding.holds_shards:
         into = gathers_into_params(step, device)
         levels["params_in_flight"] = _params_levels(sharding, actions, into, device.type == "cpu")

@@ -162,9 +162,10 @@ def param_source(step: Step, state: TrainState, sharding: FlatSharding | None) -
     views = not sharding.holds_shards and gathers_into_params(step, device_of(params))
     master = sharding.my_shards(params, state.mesh.axis_index(sharding.axis), views)
     if sharding.holds_shards:
-        # Compute copies are cast once per step, before they travel: half the bytes in bf16.
-        gather_from = master if prec is None else {u: t.to(prec.for_layer(u).compute) for u, t in master.items()}
-        return master, ParamSource(sharding=sharding, gather_from=gather_from)
+        # Each unit's compute copy is cast as its gather is issued (ParamSource.gather_input), before
+        # it travels (half the bytes in bf16), and lives only while the gather is in flight.
+        dtypes = None if prec is None else {u: prec.for_layer(u).compute for u in master}
+        return master, ParamSource(sharding=sharding, gather_from=master, gather_dtypes=dtypes)
     return master, ParamSource(compute=compute_params(prec, params), sharding=sharding)
 
 
