@@ -11,7 +11,7 @@ ZeRO-1 it counted the functional AdamW's new shards and moments at the update on
 updated parameters the all-gathers bring after it, and under ZeRO-3 no compute copy of the shards.
 ZeRO-3 now casts each unit's shard as its all-gather is issued and frees the copy at the wait (it
 cast every shard at the step's start and held them to its end, 8 MiB a rank here): the Plan counts
-the copies in flight, so a step holding them all again measures above the Plan by 8 MiB (13%).
+the copies in flight, so a step holding them all again measures 8 MiB above the Plan (checked).
 
 Peak memory is the kernel's high-water mark (VmHWM) of each rank process above its RSS when the
 measured part starts, after a warm-up step of the same stack on the same model: imports, one-time
