@@ -12,6 +12,8 @@ updated parameters the all-gathers bring after it, and under ZeRO-3 no compute c
 ZeRO-3 now casts each unit's shard as its all-gather is issued and frees the copy at the wait (it
 cast every shard at the step's start and held them to its end, 8 MiB a rank here): the Plan counts
 the copies in flight, so a step holding them all again measures 8 MiB above the Plan (checked).
+ZeRO-1/2 under bf16 compute held the compute copy of every layer to the step's end, through the
+reduce-scatters; each goes now at its bucket's reduce-scatter, and the Plan counts it so.
 
 Peak memory is the kernel's high-water mark (VmHWM) of each rank process above its RSS when the
 measured part starts, after a warm-up step of the same stack on the same model: imports, one-time
@@ -46,7 +48,7 @@ PIPELINE_WIDTH, PIPELINE_LAYERS = 2048, 4
 # Column- then row-wise pairs: each rank holds a quarter of every weight (4 MiB of each of 4).
 TP_WIDTH, TP_LAYERS = 2048, 4
 STACKS = ("pipeline", "pipeline_inplace", "tensor_parallel", "tensor_parallel_inplace",
-          "tensor_parallel_bf16", "zero1", "zero3_bf16")
+          "tensor_parallel_bf16", "zero1", "zero2_bf16", "zero3_bf16")
 
 
 def _model(width: int, layers: int) -> nn.Sequential:

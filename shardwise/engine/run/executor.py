@@ -145,6 +145,10 @@ class ParamSource:
     # what a wait brings into compute copies (the precision policy's).
     incoming: InFlightParams | None = None
     cast: Callable[[dict[str, dict[str, torch.Tensor]]], Mapping[str, Mapping[str, torch.Tensor]]] | None = None
+    # ZeRO-1/2 under a precision policy: ``compute`` holds this step's own copies, each of which
+    # goes once its unit's gradients are taken (``ZeroActions.reduce_scatter``), as the backward
+    # frees the activations.
+    copies: bool = False
 
     def gather_dtype(self, unit: str) -> torch.dtype:
         """The dtype a ZeRO-3 unit travels and computes in."""
@@ -892,7 +896,12 @@ class Executor(ZeroActions, TransferActions):
         if self.bindings is not None:  # kept for the next step, without this one's gradients
             self.bindings.clear_grads()
         else:
+            # Only the forwards and backwards read the compute copies: released, with the leaves
+            # and bound layers that hold them, before the update's allocations (under a precision
+            # policy, a copy of the parameters a rank holds whole).
             self._leaves.clear()
+            self._bound.clear()
+            self.source.compute = None
         if self.exchange.empty:
             return
         counted: Any = (

@@ -25,6 +25,7 @@ from ..plan.actions import Action
 from ..torch_api import free_storage, owns_storage, refill_storage
 
 if TYPE_CHECKING:
+    from .bindings import BoundStage
     from .executor import ParamSource
 
 
@@ -39,6 +40,7 @@ class ZeroActions:
     new_master: Any
     new_held: Any
     device: torch.device
+    _bound: dict[int, BoundStage]
     grad_scale: float
     reduce_dtypes: Any
     into_params: bool
@@ -117,6 +119,24 @@ class ZeroActions:
                 leaf.grad = None
         return out
 
+    def _release_compute(self, units: tuple[str, ...]) -> None:
+        """ZeRO-1/2 under a precision policy: no later action of the step reads these units'
+        parameters (their gradients are final), so their compute copies go, each freed after its
+        unit's last backward instead of at the step's end (8 MiB a Linear(2048) in bf16). With them go
+        what holds them: the leaves and the bound stages that use them (a stage computing after this
+        would bind again, and find no copy: an error, not a gradient lost)."""
+        compute, sharding = self.source.compute, self._sharding()
+        if not self.source.copies or compute is None or sharding.holds_shards:
+            return
+        assert isinstance(compute, dict)
+        released = {(unit, name) for unit in units for name in sharding.units[unit].names}
+        for key in released:
+            self._leaves.pop(key, None)
+        for unit in units:
+            compute.pop(unit, None)
+        for s in [s for s, bound in self._bound.items() if not released.isdisjoint(bound.leaves)]:
+            del self._bound[s]
+
     def _bucket(self, action: Action) -> Bucket:
         sharding = self._sharding()
         return bucket_of(tuple(sharding.units[u] for u in action.units or (action.require("layer"),)))
@@ -130,6 +150,7 @@ class ZeroActions:
         assert action.axis is not None
         units = action.units or (unit,)
         rows = self._bucket(action).reduce_rows([self._unit_grads(u) for u in units], self.device)
+        self._release_compute(units)
         dtype = functools.reduce(torch.promote_types, (piece.dtype for row in rows for piece in row))
         if self.reduce_dtypes is not None:
             dtype = self.reduce_dtypes[unit]
@@ -228,5 +249,7 @@ class ZeroActions:
         units = action.units or (unit,)
         got = incoming.wait_bucket(units)
         compute = self.source.compute
+        if compute is None:  # released at finish_grads: no forward of this step reads them any more
+            return
         assert isinstance(compute, dict) and self.source.cast is not None
         compute.update(self.source.cast(got))

@@ -6,8 +6,9 @@ buffers have levels of their own (``planning.py``); these are the ones every sta
 
 * the optimizer's update (:func:`update_levels`): an out-of-place update's new parameters and
   state beside the old ones, and its temporaries;
-* the compute copies a precision policy casts once per step (:func:`compute_copy_bytes`), or
-  under ZeRO-3 per gather (:func:`shard_copy_levels`);
+* the compute copies a precision policy casts once per step and holds to ``finish_grads``
+  (:func:`compute_copy_bytes`), under ZeRO-1/2 each to its reduce-scatter
+  (:func:`copies_to_reductions`), under ZeRO-3 per gather (:func:`shard_copy_levels`);
 * without ``shard_params``, the gradients (:func:`unsharded_levels`): the backward's, in the compute
   dtype, and the optimizer's, in the master dtype, where the loss scale or a cast makes new ones.
 
@@ -27,14 +28,15 @@ from ..layout.precision import DynamicLossScale, NoLossScale, compute_dtype
 from ..layout.sharding import FlatSharding
 from ..model import reuse
 from ..optim.meta_like import meta_like
-from ..plan.actions import FINISH_GRADS, GATHER, GRAD_COMPUTES, UPDATE, WAIT_GATHER, Action
+from ..plan.actions import FINISH_GRADS, GATHER, GRAD_COMPUTES, REDUCE_SCATTER, UPDATE, WAIT_GATHER, Action
 from ..plan.update_memory import predict_update_held
 from ..torch_api import data_dependent_errors
 
 if TYPE_CHECKING:
     from .step import Step
 
-__all__ = ["compute_copy_bytes", "shard_copy_levels", "unsharded_levels", "update_levels"]
+__all__ = ["compute_copy_bytes", "copies_to_finish_grads", "copies_to_reductions", "shard_copy_levels",
+           "unsharded_levels", "update_levels"]
 
 
 def update_levels(
@@ -103,13 +105,44 @@ def _update_key(optimizer: Any, part: Mapping[str, Any], device: torch.device) -
 
 def compute_copy_bytes(step: Step, master: Mapping[str, Mapping[str, torch.Tensor]]) -> int:
     """Bytes of the compute copies a precision policy casts at the start of every step and holds to
-    its end (``run_inputs.param_source``) of the parameters a rank holds whole (by layer,
-    ``master``). A leaf whose compute dtype is its stored one is not copied (``Tensor.to`` returns
-    it): nothing without a policy. ZeRO-3's are cast per gather: :func:`shard_copy_levels`."""
+    its ``finish_grads`` (``run_inputs.param_source``, ``Executor.finish_grads``) of the parameters a
+    rank holds whole (by layer, ``master``). A leaf whose compute dtype is its stored one is not copied
+    (``Tensor.to`` returns it): nothing without a policy. ZeRO-3's are cast per gather:
+    :func:`shard_copy_levels`."""
     if step.precision is None:
         return 0
     return sum(_copy_bytes(t.numel(), t.dtype, compute_dtype(step.precision, layer, t.dtype))
                for layer, tensors in master.items() for t in tensors.values())
+
+
+def copies_to_finish_grads(copies: int, actions: Sequence[Action]) -> list[int]:
+    """``copies`` bytes at each action up to the first ``finish_grads`` (inclusive: it casts the
+    gradients beside them), none after it, where the executor releases them."""
+    levels, held = [], copies
+    for action in actions:
+        levels.append(held)
+        if action.kind == FINISH_GRADS:
+            held = 0
+    return levels
+
+
+def copies_to_reductions(step: Step, master: Mapping[str, Mapping[str, torch.Tensor]],
+                         actions: Sequence[Action]) -> list[int]:
+    """ZeRO-1/2 under a precision policy: at each action (after it), the bytes of the compute copies
+    of the layers whose gradients are not yet taken: each goes at the reduce-scatter of its bucket
+    (``ZeroActions._release_compute``), any left at ``finish_grads``."""
+    copy = {layer: sum(_copy_bytes(t.numel(), t.dtype, compute_dtype(step.precision, layer, t.dtype))
+                       for t in tensors.values()) for layer, tensors in master.items()}
+    held = dict(copy) if step.precision is not None else {}
+    levels = []
+    for action in actions:
+        if action.kind == REDUCE_SCATTER:
+            for unit in action.units or (action.require("layer"),):
+                held.pop(unit, None)
+        levels.append(sum(held.values()))
+        if action.kind == FINISH_GRADS:
+            held.clear()
+    return levels
 
 
 def shard_copy_levels(step: Step, sharding: FlatSharding, actions: Sequence[Action]) -> list[int]:
@@ -144,18 +177,21 @@ def unsharded_levels(
       backward on, every one of them in the compute dtype (each layer's are made by its backward:
       counted from the first, an upper bound until the last); from ``finish_grads`` on, beside them,
       the optimizer's in the master dtype where unscaling makes new ones (a loss scale, or a compute
-      dtype that is not the stored one: ``master.unscale_like``). The backward's stay to the step's
-      end: the step's leaves hold them.
+      dtype that is not the stored one: ``master.unscale_like``); after it, those and the backward's
+      that needed no cast (``Executor.finish_grads`` drops the leaves that held the others).
     * ``grad_accumulation``: a backward of a later micro-batch makes each weight's gradient before
       adding it into the one held (autograd's accumulation): the largest such gradient, beside them.
-    * ``compute_copies``: see :func:`compute_copy_bytes`.
+    * ``compute_copies``: see :func:`compute_copy_bytes`, to ``finish_grads``.
     * ``update_buffers``: see :func:`update_levels` (``guessed`` as there).
     """
     prec = step.precision
     leaves = [(layer, t) for layer, tensors in master.items() for t in tensors.values()]
     backward = [t.numel() * compute_dtype(prec, layer, t.dtype).itemsize for layer, t in leaves]
-    unscaled = sum(t.numel() * t.element_size() for layer, t in leaves
-                   if _scaled(step) or compute_dtype(prec, layer, t.dtype) != t.dtype)
+    cast = [_scaled(step) or compute_dtype(prec, layer, t.dtype) != t.dtype for layer, t in leaves]
+    unscaled = sum(t.numel() * t.element_size() for (_, t), new in zip(leaves, cast, strict=True) if new)
+    # After finish_grads the optimizer's gradients only: the unscaled ones, and the backward's that
+    # needed no cast (the executor drops its leaves there, and with them the backward's gradients).
+    final = unscaled + sum(b for b, new in zip(backward, cast, strict=True) if not new)
     made, accumulating = [], []
     held = 0
     for action in actions:
@@ -163,13 +199,16 @@ def unsharded_levels(
         if grads:
             held = max(held, sum(backward))
         if action.kind == FINISH_GRADS:
-            held = sum(backward) + unscaled
+            made.append(sum(backward) + unscaled)  # both, while it casts
+            accumulating.append(0)
+            held = final
+            continue
         made.append(held)
         accumulating.append(max(backward, default=0) if grads and (action.microbatch or 0) > 0 else 0)
     levels = {"update_buffers": update_levels(step, master, actions, device, guessed)}
-    copies = compute_copy_bytes(step, master)
-    if copies:  # figures only where a policy casts, or micro-batches accumulate
-        levels["compute_copies"] = [copies] * len(actions)
+    copies = copies_to_finish_grads(compute_copy_bytes(step, master), actions)
+    if any(copies):  # figures only where a policy casts, or micro-batches accumulate
+        levels["compute_copies"] = copies
     if any(accumulating):
         levels["grad_accumulation"] = accumulating
     return made, levels

@@ -54,7 +54,7 @@ from ..plan.lower import (
 )
 from ..stack.compose import SPLIT, rewrites_in_order
 from .batch_cut import batch_multiple, rank_share
-from .held_levels import compute_copy_bytes, shard_copy_levels, unsharded_levels, update_levels
+from .held_levels import copies_to_reductions, shard_copy_levels, unsharded_levels, update_levels
 
 if TYPE_CHECKING:
     from .step import Step
@@ -280,7 +280,7 @@ def _class_memory(
     assert shards is not None
     levels["update_buffers"] = update_levels(step, shards, actions, device, guessed)
     copies = shard_copy_levels(step, sharding, actions) if sharding.holds_shards else \
-        [compute_copy_bytes(step, master)] * len(actions)  # ZeRO-3: per gather; ZeRO-1/2: of the parameters
+        copies_to_reductions(step, master, actions)
     if any(copies):
         levels["compute_copies"] = copies
     if not sharding.holds_shards:

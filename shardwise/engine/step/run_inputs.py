@@ -151,7 +151,7 @@ def param_source(step: Step, state: TrainState, sharding: FlatSharding | None) -
             incoming = params if params.in_flight else None
             return dict(params.shards), ParamSource(
                 compute=dict(compute_params(prec, params.ready())), sharding=sharding, incoming=incoming,
-                cast=functools.partial(compute_params, prec),
+                cast=functools.partial(compute_params, prec), copies=prec is not None,
             )
         params = params.copy()  # read by someone (so complete): cut again, as any other state's
     if sharding is None:
@@ -166,7 +166,7 @@ def param_source(step: Step, state: TrainState, sharding: FlatSharding | None) -
         # it travels (half the bytes in bf16), and lives only while the gather is in flight.
         dtypes = None if prec is None else {u: prec.for_layer(u).compute for u in master}
         return master, ParamSource(sharding=sharding, gather_from=master, gather_dtypes=dtypes)
-    return master, ParamSource(compute=compute_params(prec, params), sharding=sharding)
+    return master, ParamSource(compute=compute_params(prec, params), sharding=sharding, copies=prec is not None)
 
 
 @dataclass
