@@ -65,6 +65,11 @@ def resolve(op: str, axis: str, mesh: Mesh | None) -> Where:
         raise RuntimeError(f"{op}(axis={axis!r}) needs a mesh: call it inside `with mesh:` or pass mesh=")
     if not isinstance(mesh, Mesh):
         raise TypeError(f"{op}(mesh=...) expects a shardwise Mesh, got {type(mesh).__name__}")
+    if not isinstance(axis, str):  # jax.lax takes a tuple of axes; these collectives run over one
+        raise TypeError(
+            f"{op}(axis={axis!r}): one mesh axis, by name (a str; {mesh!r} has axes {mesh.axis_names}); "
+            "over several axes, call it once per axis"
+        )
     if axis not in mesh.axis_names:
         raise ValueError(f"{op}: unknown mesh axis {axis!r}; {mesh!r} has axes {mesh.axis_names}")
     backend = mesh.backend

@@ -476,6 +476,7 @@ def test_shapes_that_do_not_divide_are_refused_naming_shape_dim_and_axis_size(ca
         (lambda x: all_gather(x, "dp", dim=3), ValueError, ["dim=3", "(3, 5)"]),
         (lambda x: all_gather(x, "dp", dim=2, tiled=True), ValueError, ["dim=2", "(3, 5)"]),
         (lambda x: psum(x, "tp"), ValueError, ["unknown mesh axis 'tp'"]),
+        (lambda x: psum(x, ("dp",)), TypeError, ["psum(axis=('dp',))", "one mesh axis", "once per axis"]),
         (lambda x: ppermute(x, "dp", [(0, 1), (2, 1)]), ValueError, ["destination", "[1]"]),
         (lambda x: ppermute(x, "dp", [(0, 1), (0, 2)]), ValueError, ["source", "[0]"]),
         (lambda x: ppermute(x, "dp", [(0, 4)]), ValueError, ["(0, 4)", "size 4"]),

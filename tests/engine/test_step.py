@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from hypothesis import example, given
@@ -138,3 +140,21 @@ def test_bad_inputs_are_refused_with_the_fix() -> None:
         bad(bad.init(params), (torch.randn(4, 3), torch.randn(4, 2)))
     with pytest.raises(ValueError, match="clip_norm"):
         sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1), clip_norm=0.0)
+
+
+@pytest.mark.parametrize(("made", "words"), [
+    (torch.optim.AdamW, ["got torch.optim.AdamW", "use shardwise.optim.adamw(lr, betas, eps, weight_decay)",
+                         "shardwise.optim.group("]),
+    (lambda: torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1),
+     ["got torch.optim.SGD (an instance)", "use shardwise.optim.sgd(lr, momentum)"]),
+    (torch.optim.Adagrad, ["got torch.optim.Adagrad", "shardwise.optim has adamw and sgd", "'Your own optimizer'"]),
+])
+def test_a_torch_optimizer_is_refused_naming_its_functional_twin(made: Any, words: list[str]) -> None:
+    """nanoGPT's configure_optimizers hands torch.optim.AdamW with param groups: the error says which
+    shardwise optimizer computes the same update, and how its groups are written."""
+    chain, _ = sw.functionalize(torch.nn.Linear(2, 2))
+    optimizer = made if isinstance(made, type) else made()
+    with pytest.raises(TypeError) as caught:
+        sw.train_step(chain, torch.nn.functional.mse_loss, optimizer)
+    for word in words:
+        assert word in str(caught.value), (word, str(caught.value))

@@ -491,6 +491,33 @@ class Step:
         return params if self.precision is None else compute_params(self.precision, self.master_params(params))
 
 
+def _torch_optimizer(optimizer: Any) -> type | None:
+    """The torch optimizer class ``optimizer`` is, or is an instance of (None for anything else)."""
+    kind = optimizer if isinstance(optimizer, type) else type(optimizer)
+    return kind if issubclass(kind, torch.optim.Optimizer) else None
+
+
+def _optimizer_name(optimizer: Any) -> str:
+    kind = _torch_optimizer(optimizer)
+    if kind is None:
+        return repr(optimizer)
+    return f"torch.optim.{kind.__name__}" + ("" if kind is optimizer else " (an instance)")
+
+
+def _torch_twin(optimizer: Any) -> str:
+    """For a torch optimizer, which shardwise.optim one computes the same update; else nothing."""
+    kind = _torch_optimizer(optimizer)
+    if kind is None:
+        return ""
+    twins = {"AdamW": "shardwise.optim.adamw(lr, betas, eps, weight_decay)", "SGD": "shardwise.optim.sgd(lr, momentum)"}
+    groups = "param groups as shardwise.optim.group(pattern or where=..., weight_decay=, lr_scale=, frozen=)"
+    if kind.__name__ in twins:
+        return (f": a torch optimizer holds its parameters and state itself; use {twins[kind.__name__]}, whose "
+                f"update equals torch's, with {groups}")
+    return (": a torch optimizer holds its parameters and state itself; shardwise.optim has adamw and sgd (with "
+            f"{groups}); for another, write it as a functional optimizer (docs/guide.md, 'Your own optimizer')")
+
+
 def train_step(
     chain: Chain,
     loss_fn: Callable[[Any, Any], torch.Tensor],
@@ -563,10 +590,8 @@ def train_step(
     if not callable(loss_fn):
         raise TypeError(f"train_step(loss_fn=...) must be callable loss_fn(output, targets), got {loss_fn!r}")
     if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
-        raise TypeError(
-            "train_step(optimizer=...) needs a functional optimizer such as shardwise.optim.sgd(...), "
-            f"got {optimizer!r}"
-        )
+        raise TypeError(f"train_step(optimizer=...) needs a functional optimizer such as shardwise.optim.sgd(...), "
+                        f"got {_optimizer_name(optimizer)}{_torch_twin(optimizer)}")
     if clip_norm is not None and not clip_norm > 0:
         raise ValueError(f"train_step(clip_norm={clip_norm!r}): the norm to clip to must be positive")
     if not (tokens is None or (isinstance(tokens, str) and tokens in ("sum", PER_SHARD_MEAN)) or callable(tokens)):
