@@ -49,6 +49,17 @@ def use_mesh(mesh: Mesh) -> Iterator[Mesh]:
         _pop(mesh)
 
 
+@contextlib.contextmanager
+def no_mesh() -> Iterator[None]:
+    """No current mesh inside the block: a collective that names no mesh raises there instead of
+    running (a second evaluation of a step's code must not issue what the Plan does not list)."""
+    token = _stack.set(())
+    try:
+        yield
+    finally:
+        _stack.reset(token)
+
+
 def _push(mesh: Mesh) -> None:
     if not isinstance(mesh, Mesh):
         raise TypeError(f"expected a shardwise Mesh, got {type(mesh).__name__}")

@@ -244,7 +244,7 @@ def _activation_class(name: str) -> type[torch.nn.Module]:
 
 
 def _rank_builds(model_of: Callable[[bool], torch.nn.Module], loss_of: Callable[[bool], Any] | None = None,
-                 world: int = 2) -> list[float]:
+                 world: int = 2, tokens: Any = None) -> list[float]:
     """Each rank builds the model (``model_of(True)`` on rank 1 alone) and the loss itself, from the
     same seed, then initializes and runs a ZeRO-3 step; the losses they report."""
     def build() -> float:
@@ -253,7 +253,7 @@ def _rank_builds(model_of: Callable[[bool], torch.nn.Module], loss_of: Callable[
         torch.manual_seed(0)
         chain, params = sw.functionalize(model_of(other))
         loss = torch.nn.CrossEntropyLoss() if loss_of is None else loss_of(other)
-        step = sw.shard_params(sw.train_step(chain, loss, sw.optim.sgd(0.1)), "dp", 3)
+        step = sw.shard_params(sw.train_step(chain, loss, sw.optim.sgd(0.1), tokens=tokens), "dp", 3)
         state = step.init(params, mesh)
         g = torch.Generator().manual_seed(1)
         state, metrics = step(state, (torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)))
@@ -328,7 +328,10 @@ def test_ranks_that_built_the_same_model_with_buffers_and_class_weights_agree() 
         first, _, last = mlp([6, 16, 3])
         return torch.nn.Sequential(first, _Scale(2.0), _activation_class("gelu")(), torch.nn.Dropout(0.0), last)
 
-    losses = _rank_builds(model, lambda other: torch.nn.CrossEntropyLoss(weight=torch.tensor([1.0, 2.0, 3.0])))
+    # A class-weighted mean is each share's own (its rows' total weight): taken knowingly, as DDP does
+    # (with tokens=None the step refuses it: engine/run/loss_rows.py).
+    losses = _rank_builds(model, lambda other: torch.nn.CrossEntropyLoss(weight=torch.tensor([1.0, 2.0, 3.0])),
+                          tokens="per_shard_mean")
     assert len(set(losses)) == 1
 
 

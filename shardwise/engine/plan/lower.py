@@ -522,6 +522,43 @@ def predict_boundaries(
     knows what it will receive and transfers go without counts or headers. Every rank predicts
     the same; if the chain cannot run on fake tensors, all fall back to announced transfers.
     """
+    found = []
+
+    def boundary(x: Any) -> None:
+        leaves, spec = optree.tree_flatten(x)
+        grads = tuple(t.is_floating_point() and t.requires_grad for t in leaves)
+        found.append(Boundary(tuple((t.shape, t.dtype) for t in leaves), spec, grads))
+
+    ran = _run_fake(chain, placement.stages[:-1], shapes, compute_dtype, inputs, boundary)
+    return None if ran is None else tuple(found)
+
+
+def predict_output(
+    chain: Chain,
+    shapes: Mapping[str, Mapping[str, tuple[torch.Size, torch.dtype]]],
+    compute_dtype: Callable[[str, torch.dtype], torch.dtype],
+    inputs: Any,
+) -> list[torch.Size | None] | None:
+    """The shape of each leaf of the chain's output on ``inputs`` (None for a leaf that is no tensor), in
+    optree's order, run on fake tensors as :func:`predict_boundaries` runs it; None if the chain cannot
+    run on them."""
+    out = _run_fake(chain, [chain.names], shapes, compute_dtype, inputs, lambda _: None)
+    if out is None:
+        return None
+    return [t.shape if isinstance(t, torch.Tensor) else None for t in optree.tree_leaves(out)]
+
+
+def _run_fake(
+    chain: Chain,
+    stages: Sequence[Sequence[str]],
+    shapes: Mapping[str, Mapping[str, tuple[torch.Size, torch.dtype]]],
+    compute_dtype: Callable[[str, torch.dtype], torch.dtype],
+    inputs: Any,
+    after_stage: Callable[[Any], None],
+) -> Any | None:
+    """The layers of ``stages`` on fake copies of ``inputs`` and of parameters of ``shapes`` (cast by
+    ``compute_dtype``), calling ``after_stage`` with each stage's fake output; the last one, or None if
+    the chain cannot run on fake tensors."""
     try:
         # Parameters require grad as in the run, so each leaf's requires_grad says whether it
         # depends on one (the batch does not require grad).
@@ -535,9 +572,8 @@ def predict_boundaries(
                 for layer, t in shapes.items()
             }
             x = optree.tree_map(fake, inputs)
-            found = []
             memo = LayerMemo()  # identical layers (a stack of blocks) run once
-            for layers in placement.stages[:-1]:
+            for layers in stages:
                 for name in layers:
                     layer = chain[name]
                     tensors = {**chain.layer_params(params, name), **layer.buffers}
@@ -549,9 +585,7 @@ def predict_boundaries(
                     y = layer.fn(tensors, x)
                     memo.store(key, x, y)
                     x = y
-                leaves, spec = optree.tree_flatten(x)
-                grads = tuple(t.is_floating_point() and t.requires_grad for t in leaves)
-                found.append(Boundary(tuple((t.shape, t.dtype) for t in leaves), spec, grads))
-            return tuple(found)
+                after_stage(x)
+            return x
     except Exception:  # data-dependent code cannot run on fake tensors: announce instead
         return None

@@ -95,6 +95,7 @@ from ..plan.actions import (
 from ..torch_api import accumulate_backward, version_of
 from .batch_keys import unknown_keys_message
 from .bindings import BoundStage, StageBindings
+from .loss_rows import LossProbe
 from .metrics import MetricExchange, Summed, different_batches
 from .rng import MASK, START, default_generators, mixed, preserved, ranks_share_generators, seeded
 from .transfers import TransferActions
@@ -321,6 +322,9 @@ class Executor(ZeroActions, TransferActions):
     # Per split axis: the gradients of the parameters that split replicates, which must come out equal
     # on every index of its axis (check_replicas).
     replicas: Mapping[str, ReplicaCheck] = field(default_factory=dict)
+    # On a step's first call where it cuts the batch's rows: the probe that loss_fn is a mean over them,
+    # run before the first micro-batch's loss (run/loss_rows.py).
+    loss_probe: LossProbe | None = None
     # -- results ----------------------------------------------------------------------------
     final_grads: Any = None
     summed: Summed = field(default_factory=Summed)
@@ -624,6 +628,11 @@ class Executor(ZeroActions, TransferActions):
         saved = self._saved[(s, m)]
         inputs, targets = self.microbatches[m]
         output = self._outputs.pop((s, m))
+        if self.loss_probe is not None and m == 0:
+            # Set back what the probe drew only where no other rank draws meanwhile: this compute holds
+            # the shared generators (it was seeded), or they are this rank's own.
+            restore = self._seed_prefix is not None or not self._shared_rng
+            self.loss_probe.check(self.loss_fn, output, inputs, targets, self._generators, restore)
         with torch.enable_grad():
             got = self.loss_fn(output, targets)
         loss = self._token_sum(got, inputs, targets, output) if self.tokens is not None else got

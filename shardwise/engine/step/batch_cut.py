@@ -114,6 +114,25 @@ def refuse_padded_mean(step: Step, mesh: Mesh | None, batch: Any) -> None:
     )
 
 
+def loss_probe_cut(step: Step, mesh: Mesh | None) -> str | None:
+    """What cuts the batch's rows, in words, where the step's first call probes that ``loss_fn`` is a mean
+    over them (``engine/run/loss_rows.py``); None where it does not: the step cuts no rows; ``tokens=``
+    weighs the loss (the step divides by the global count, or per_shard_mean takes the parts' means
+    knowingly); a split's loss may communicate (vocabulary-parallel cross-entropy), and a loss term of the
+    whole batch sums over its parts (router_aux_loss), so evaluating it again would issue collectives the
+    Plan does not list. Context parallel alone cuts sequences, not rows: not probed. Nor is a loss_fn
+    that torch.compile made: it would compile again for each of the probe's shapes."""
+    batch_loss = any(getattr(s, "adds_batch_loss", False) for s in step.transforms)
+    compiled = hasattr(step.loss_fn, "_torchdynamo_orig_callable")
+    if step.tokens is not None or step.split.parts or batch_loss or compiled:
+        return None
+    cuts = [what for _, n, what in batch_cuts(step, mesh) if n > 1]
+    k = microbatch_count(step)
+    if k > 1:
+        cuts.append(f"{k} micro-batches")
+    return " x ".join(cuts) if cuts else None
+
+
 def _negative_integers(batch: Any) -> str | None:
     """The keypath (``[0]``, ``['labels']``) of the first integer tensor of ``batch`` holding a negative
     value: one reduction per such tensor, read back once per device (a GPU batch costs one sync)."""

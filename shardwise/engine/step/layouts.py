@@ -17,7 +17,7 @@ from ..layout.sharding import FlatSharding
 from ..layout.state import Params, check_params
 from ..layout.state_layout import StateLayout, leaf_specs, local_params, meta_shards
 from ..optim.meta_like import meta_like
-from ..plan.lower import placement_of, predict_boundaries
+from ..plan.lower import placement_of, predict_boundaries, predict_output
 
 if TYPE_CHECKING:
     from .step import Step
@@ -103,6 +103,17 @@ def _opt_specs(step: Step, leaves: dict[tuple[str, str], Any], master: Params, s
             if isinstance(held, torch.Tensor):
                 opt_leaves[path][key] = dataclasses.replace(spec, dtype=held.dtype)
     return opt_leaves, {path: (tuple(t.shape), t.dtype) for path, t in scalars.items()}
+
+
+def output_shapes(step: Step, layout: StateLayout, inputs: Any) -> list[torch.Size | None] | None:
+    """The shape of each leaf of the chain's output on micro-batch ``inputs`` (plan/lower.py:
+    predict_output), with this layout's parameters and compute dtypes; None where the chain cannot
+    run on fake tensors."""
+    shapes: dict[str, dict[str, tuple[torch.Size, torch.dtype]]] = {}
+    for spec in layout.leaves.values():
+        shapes.setdefault(spec.layer, {})[spec.name] = (torch.Size(spec.local_shape), spec.dtype)
+    prec = step.precision
+    return predict_output(step.chain, shapes, lambda layer, dtype: compute_dtype(prec, layer, dtype), inputs)
 
 
 def stage_boundaries(step: Step, layout: StateLayout, inputs: Any, mesh: Mesh | None) -> Any:

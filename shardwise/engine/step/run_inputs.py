@@ -34,12 +34,14 @@ from ..plan.lower import gathers_into_params, metric_axes, microbatch_count, ran
 from ..run.bindings import StageBindings
 from ..run.executor import Executor, ParamSource, ReplicaCheck
 from ..run.heap import keep_freed
+from ..run.loss_rows import LossProbe
 from ..run.metrics import MetricExchange, Summed, batch_fingerprint, different_batches, different_steps
 from ..run.rng import mix
 from ..stack import in_layer
 from ..stack.in_layer import BatchShares
-from .batch_cut import batch_multiple, batch_shares, rank_share, refuse_padded_mean
+from .batch_cut import batch_multiple, batch_shares, loss_probe_cut, rank_share, refuse_padded_mean
 from .donation import donates
+from .layouts import output_shapes
 from .master import compute_params, unscale_like
 
 if TYPE_CHECKING:
@@ -255,8 +257,23 @@ def prepare_run(step: Step, state: TrainState, layout: StateLayout, batch: Any) 
         step_digest=step.agreement_digest if run.exchange.batch else None,
         rng_rank=run.rng_rank, replicas=run.replicas,
         bindings=_bindings(step, layout, mesh, source),
+        loss_probe=_loss_probe(step, layout, mesh),
     )
     return PreparedRun(executor, run, replicas, outcome, batch_shares(step, mesh))
+
+
+def _loss_probe(step: Step, layout: StateLayout, mesh: Mesh | None) -> LossProbe | None:
+    """The probe that loss_fn is a mean over the rows (run/loss_rows.py), kept per layout, rank and loss
+    until it has run once (a rank that computes no loss, a pipeline's first stage, keeps it unused: one
+    lookup a call); None where it does not apply (batch_cut.loss_probe_cut) or has run."""
+    key = ("loss probe", layout.index_of(mesh), id(step.loss_fn), id(step.tokens))  # (a loss may not hash)
+    made = layout.cache.get(key)
+    if made is None:
+        cut = loss_probe_cut(step, mesh)
+        made = layout.cache[key] = False if cut is None else LossProbe(
+            cut, functools.partial(layout.cache.__setitem__, key, False), functools.partial(output_shapes, step, layout)
+        )
+    return made if isinstance(made, LossProbe) else None
 
 
 def _bindings(step: Step, layout: StateLayout, mesh: Mesh | None, source: ParamSource) -> StageBindings | None:

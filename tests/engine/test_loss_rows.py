@@ -1,0 +1,320 @@
+"""A loss_fn that is not a mean over the batch's rows, under a step that cuts the batch: refused.
+
+The step takes the mean of its parts' losses (data-parallel shares, accumulation or pipeline micro-batches),
+the single-device step's loss only for a mean of per-row terms. A sum (``reduction="sum"``: the loss and the
+gradients shrink by the number of parts), an in-batch contrastive loss (each part contrasts its own rows) or
+a class-weighted mean train another model without an error; the step's first call probes ``loss_fn`` on the
+first rows of its first micro-batch's output and on their halves (engine/run/loss_rows.py) and refuses.
+
+Mean losses (MSE, L1, Huber, cross-entropy over ``[B, T, V]`` logits, label smoothing, KL with
+``batchmean``, a Hugging Face GPT-2's logits), a model's own loss and the stacks that cut no rows run as
+before: equal to the single-device step to float64 rounding (assert_equivalent's default).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import shardwise as sw
+from shardwise.collectives.launch import RankFailed
+from shardwise.engine.run.loss_rows import RTOL, RTOL_FLOAT64, Measured, measure
+from shardwise.testing.models import TinyGPT, mlp
+
+ROWS = 8
+CUTS: dict[str, tuple[Any, sw.Mesh, str]] = {
+    "zero-2 dp=2": (lambda s: sw.shard_params(s, "dp", 2), sw.Mesh(dp=2), r"shard_params over axis 'dp' of size 2"),
+    "accumulation=2": (lambda s: sw.shard_params(s, "dp", 1, accumulation=2), sw.Mesh(dp=1), r"2 micro-batches"),
+    "gpipe x 2 micro-batches": (lambda s: sw.pipeline(s, "pp", "gpipe", 2), sw.Mesh(pp=2), r"2 micro-batches"),
+}
+
+
+def _mlp() -> tuple[sw.Chain, Any]:
+    torch.manual_seed(0)
+    return sw.functionalize(mlp([6, 16, 4]).double())
+
+
+def _batches(n: int = 2, classes: bool = False) -> list[tuple[Tensor, Tensor]]:
+    gen = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(n):
+        x = torch.randn(ROWS, 6, dtype=torch.float64, generator=gen)
+        y = torch.randint(4, (ROWS,), generator=gen) if classes else torch.randn(ROWS, 4, dtype=torch.float64,
+                                                                                   generator=gen)
+        out.append((x, y))
+    return out
+
+
+def _run(step: sw.Step, mesh: sw.Mesh, params: Any, batch: Any) -> list[Any]:
+    def main() -> Any:
+        return step(step.init(params, mesh), batch)[1]["loss"]
+
+    return sw.launch(main, mesh.size, timeout=120)
+
+
+def _sum_mse(out: Tensor, y: Tensor) -> Tensor:
+    return F.mse_loss(out, y, reduction="sum")
+
+
+def _in_batch_contrastive(out: Tensor, y: Tensor) -> Tensor:
+    """InfoNCE with in-batch negatives (SimCLR / CLIP): each row's positive is its own target row."""
+    logits = F.normalize(out, dim=-1) @ F.normalize(y, dim=-1).T / 0.1
+    return F.cross_entropy(logits, torch.arange(out.shape[0]))
+
+
+@pytest.mark.parametrize("cut", sorted(CUTS))
+def test_a_summed_loss_is_refused_naming_the_mean(cut: str) -> None:
+    chain, params = _mlp()
+    transform, mesh, words = CUTS[cut]
+    step = transform(sw.train_step(chain, _sum_mse, sw.optim.sgd(0.01, momentum=0.9)))
+    with pytest.raises(RankFailed, match=rf"loss_fn is not a mean over the batch's rows, which a step that cuts the "
+                       rf"batch \({words}\) needs(.|\n)*their sum: a loss summed over the rows(.|\n)*reduction='mean'"):
+        _run(step, mesh, params, _batches(1)[0])
+
+
+def _summed_zero3_step() -> Any:
+    """A rank process's step: ZeRO-3 over dp=2 with a summed loss."""
+    chain, params = _mlp()
+    step = sw.shard_params(sw.train_step(chain, _sum_mse, sw.optim.sgd(0.01)), "dp", 3)
+    return step(step.init(params, sw.Mesh(dp=2)), _batches(1)[0])[1]["loss"]
+
+
+@pytest.mark.gloo
+def test_a_summed_loss_is_refused_on_gloo_processes_without_a_hang() -> None:
+    with pytest.raises(RankFailed, match="loss_fn is not a mean over the batch's rows"):
+        sw.launch(_summed_zero3_step, 2, backend="processes", timeout=120)
+
+
+def test_an_in_batch_contrastive_loss_is_refused_naming_per_shard_mean() -> None:
+    chain, params = _mlp()
+    step = sw.shard_params(sw.train_step(chain, _in_batch_contrastive, sw.optim.sgd(0.01)), "dp", 1)
+    with pytest.raises(RankFailed, match=r"in-batch negatives(.|\n)*tokens='per_shard_mean'"):
+        _run(step, sw.Mesh(dp=2), params, _batches(1)[0])
+    # The opt-out: the mean of the shares' contrastive losses, as DDP computes it.
+    opted = sw.train_step(chain, _in_batch_contrastive, sw.optim.sgd(0.01), tokens="per_shard_mean")
+    x, y = batch = _batches(1)[0]
+    by_hand = sum(_in_batch_contrastive(chain(params, a), b) for a, b in zip(x.chunk(2), y.chunk(2), strict=True)) / 2
+    for loss in _run(sw.shard_params(opted, "dp", 1), sw.Mesh(dp=2), params, batch):
+        torch.testing.assert_close(loss, by_hand.detach(), rtol=1e-12, atol=0)
+
+
+class _Towers(nn.Module):
+    """Two towers and their rows x rows similarity matrix, as CLIPModel's ``logits_per_text``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 5), nn.Linear(6, 5)
+
+    def forward(self, x: Tensor) -> dict[str, Tensor]:
+        za, zb = F.normalize(self.a(x), dim=-1), F.normalize(self.b(x), dim=-1)
+        return {"embeds": za, "logits": za @ zb.T / 0.1}
+
+
+def test_a_contrastive_loss_on_a_rows_by_rows_output_is_refused() -> None:
+    """Both dims of the similarity matrix hold the rows: the chain's output on half the rows (fake tensors)
+    says so, and the probe takes the halves' diagonal blocks, which the shares would compute."""
+    torch.manual_seed(0)
+    chain, params = sw.functionalize(_Towers().double())
+
+    def clip_loss(out: dict[str, Tensor], _: Tensor) -> Tensor:
+        labels = torch.arange(out["logits"].shape[0])
+        return (F.cross_entropy(out["logits"], labels) + F.cross_entropy(out["logits"].T, labels)) / 2
+
+    step = sw.shard_params(sw.train_step(chain, clip_loss, sw.optim.sgd(0.01)), "dp", 3)
+    with pytest.raises(RankFailed, match="loss_fn is not a mean over the batch's rows"):
+        _run(step, sw.Mesh(dp=2), params, _batches(1)[0])
+
+
+def test_a_class_weighted_mean_is_refused_and_tokens_sum_computes_it() -> None:
+    """cross_entropy(weight=w) divides by the rows' total weight: each share by its own (DDP's mean of the
+    shares' means), not the batch's. tokens='sum' with (the weighted sum, the total weight) is exact."""
+    chain, params = _mlp()
+    w = torch.tensor([1.0, 4.0, 0.5, 2.0], dtype=torch.float64)
+    x, _ = _batches(1)[0]
+    batch = (x, torch.tensor([0, 1, 2, 3, 1, 1, 0, 2]))
+
+    def weighted(out: Tensor, y: Tensor) -> Tensor:
+        return F.cross_entropy(out, y, weight=w)
+
+    step = sw.shard_params(sw.train_step(chain, weighted, sw.optim.sgd(0.1)), "dp", 2)
+    with pytest.raises(RankFailed, match=r"a weighted mean \(cross_entropy\(weight=...\)"):
+        _run(step, sw.Mesh(dp=2), params, batch)
+    summed = sw.train_step(chain, lambda o, y: (F.cross_entropy(o, y, weight=w, reduction="sum"), w[y].sum()),
+                           sw.optim.sgd(0.1), tokens="sum")
+    reference = sw.train_step(chain, weighted, sw.optim.sgd(0.1))
+    sw.testing.assert_equivalent(sw.shard_params(summed, "dp", 2), reference, sw.Mesh(dp=2), [batch, batch], params)
+
+
+MEAN_LOSSES = {
+    "mse": F.mse_loss,
+    "l1": F.l1_loss,
+    "huber": F.huber_loss,
+    "kl batchmean": lambda o, y: F.kl_div(F.log_softmax(o, -1), F.softmax(y, -1), reduction="batchmean"),
+}
+
+
+@pytest.mark.parametrize("cut", sorted(CUTS))
+@pytest.mark.parametrize("loss", sorted(MEAN_LOSSES))
+def test_mean_losses_run_and_equal_the_single_device_step(cut: str, loss: str) -> None:
+    chain, params = _mlp()
+    transform, mesh, _ = CUTS[cut]
+    step = sw.train_step(chain, MEAN_LOSSES[loss], sw.optim.sgd(0.01, momentum=0.9))
+    sw.testing.assert_equivalent(transform(step), step, mesh, _batches(), params)
+
+
+@pytest.mark.parametrize("seq", [6, 4])  # 4: a sequence as long as a share's rows (the output's shape is ambiguous)
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_cross_entropy_over_sequences_runs_under_zero_and_a_pipeline(seq: int, smoothing: float) -> None:
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=16, d_model=8, n_heads=2, n_layers=2, seq_len=8).double()
+    chain, params = sw.functionalize(model, units=["tok_emb", "blocks", "head"])
+
+    def lm(logits: Tensor, targets: Tensor) -> Tensor:
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), label_smoothing=smoothing)
+
+    gen = torch.Generator().manual_seed(3)
+    batches = [(torch.randint(16, (ROWS, seq), generator=gen), torch.randint(16, (ROWS, seq), generator=gen))
+               for _ in range(2)]
+    step = sw.train_step(chain, lm, sw.optim.sgd(0.1, momentum=0.9))
+    sw.testing.assert_equivalent(sw.shard_params(step, "dp", 3), step, sw.Mesh(dp=2), batches, params)
+    sw.testing.assert_equivalent(sw.pipeline(step, "pp", "1f1b", 2), step, sw.Mesh(pp=2), batches, params)
+
+
+def test_hugging_face_gpt2_logits_and_own_loss_run() -> None:
+    T = pytest.importorskip("transformers", reason="the [hf] extra is not installed")
+    torch.manual_seed(0)
+    cfg = T.GPT2Config(vocab_size=32, n_positions=8, n_embd=8, n_layer=2, n_head=2, resid_pdrop=0.0,
+                       embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager", bos_token_id=0, eos_token_id=0)
+    model = T.GPT2LMHeadModel(cfg).double()
+    ids = torch.zeros(ROWS, 6, dtype=torch.long)
+    chain, params = sw.functionalize(model, units=T.models.gpt2.modeling_gpt2.GPT2Block, example_input=ids)
+    gen = torch.Generator().manual_seed(1)
+    pairs = [(torch.randint(32, (ROWS, 6), generator=gen), torch.randint(32, (ROWS, 6), generator=gen))
+             for _ in range(2)]
+
+    def lm(out: Any, targets: Tensor) -> Tensor:
+        return F.cross_entropy(out.logits.flatten(0, 1), targets.flatten())
+
+    step = sw.train_step(chain, lm, sw.optim.sgd(0.1, momentum=0.9))
+    sw.testing.assert_equivalent(sw.shard_params(step, "dp", 2), step, sw.Mesh(dp=2), pairs, params)
+    dicts = [{"input_ids": i, "labels": i} for i, _ in pairs]  # the model's own loss: not probed (a scalar)
+    chain, params = sw.functionalize(model, units=T.models.gpt2.modeling_gpt2.GPT2Block, example_input=dicts[0])
+    own = sw.train_step(chain, lambda out, _: out.loss, sw.optim.sgd(0.1, momentum=0.9))
+    # (transformers computes its own loss on logits.float(): float32 rounding in the loss)
+    sw.testing.assert_equivalent(sw.pipeline(own, "pp", "gpipe", 2), own, sw.Mesh(pp=2), dicts, params, rtol=1e-6)
+
+
+def test_a_bf16_mean_loss_runs_under_mixed_precision() -> None:
+    torch.manual_seed(0)
+    chain, params = sw.functionalize(mlp([6, 16, 4]))
+    step = sw.mixed_precision(sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.01)), "params=f32,compute=bf16")
+    batch = tuple(t.float() for t in _batches(1)[0])
+    losses = _run(sw.shard_params(step, "dp", 2), sw.Mesh(dp=2), params, batch)
+    assert all(torch.isfinite(loss) for loss in losses)
+
+
+@pytest.mark.parametrize("stack", ["one device", "dp=1", "pipeline of one micro-batch"])
+def test_a_summed_loss_runs_where_the_batch_is_not_cut(stack: str) -> None:
+    chain, params = _mlp()
+    step = sw.train_step(chain, _sum_mse, sw.optim.sgd(0.01, momentum=0.9))
+    if stack == "one device":
+        state = step.init(params)
+        for batch in _batches():
+            state, _ = step(state, batch)
+        return
+    transform, mesh = {
+        "dp=1": (lambda s: sw.shard_params(s, "dp", 2), sw.Mesh(dp=1)),
+        "pipeline of one micro-batch": (lambda s: sw.pipeline(s, "pp", "gpipe", 1), sw.Mesh(pp=2)),
+    }[stack]
+    sw.testing.assert_equivalent(transform(step), step, mesh, _batches(), params)
+
+
+def test_the_probe_runs_on_the_first_call_only() -> None:
+    chain, params = _mlp()
+    calls: list[int] = []
+
+    def counted(out: Tensor, y: Tensor) -> Tensor:
+        calls.append(out.shape[0])
+        return F.mse_loss(out, y)
+
+    step = sw.shard_params(sw.train_step(chain, counted, sw.optim.sgd(0.01)), "dp", 1, accumulation=2)
+
+    def main() -> list[list[int]]:
+        state, seen = step.init(params, sw.Mesh(dp=1)), []
+        for batch in _batches(3):
+            del calls[:]
+            state, _ = step(state, batch)
+            seen.append(list(calls))
+        return seen
+
+    first, *later = sw.launch(main, 1)[0]
+    assert first == [4, 2, 2, 4, 4]  # the probe's 4 rows and their halves, then the two micro-batches
+    assert later == [[4, 4], [4, 4]]
+
+
+# -- the probe itself, on outputs made by hand ----------------------------------------------------------
+def _measure(loss_fn: Any, output: Any, targets: Any, rows: int = ROWS) -> Any:
+    return measure(loss_fn, output, torch.zeros(rows, 1), targets, [torch.default_generator], True, lambda _: None)
+
+
+def _logits(dtype: torch.dtype = torch.float64) -> tuple[Tensor, Tensor]:
+    gen = torch.Generator().manual_seed(5)
+    return torch.randn(ROWS, 5, 7, generator=gen).to(dtype), torch.randint(7, (ROWS, 5), generator=gen)
+
+
+AGREE = {
+    "mse": lambda o, y: F.mse_loss(o, torch.zeros_like(o)),
+    "hf-style flattened ce": lambda o, y: F.cross_entropy(o.flatten(0, 1), y.flatten()),
+    "shifted ce": lambda o, y: F.cross_entropy(o[:, :-1].flatten(0, 1), y[:, 1:].flatten()),
+    "label smoothing": lambda o, y: F.cross_entropy(o.flatten(0, 1), y.flatten(), label_smoothing=0.1),
+    "z-loss": lambda o, y: torch.logsumexp(o, -1).pow(2).mean(),
+    "kl batchmean": lambda o, y: F.kl_div(F.log_softmax(o, -1), F.softmax(o.flip(-1), -1), reduction="batchmean"),
+    "mean of a signed term": lambda o, y: o.mean(),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("loss", sorted(AGREE))
+def test_mean_losses_agree_with_their_halves(loss: str, dtype: torch.dtype) -> None:
+    logits, targets = _logits(dtype)
+    found = _measure(AGREE[loss], logits, targets)
+    assert isinstance(found, Measured) and found.agrees, found
+    assert found.rtol == (RTOL_FLOAT64 if dtype == torch.float64 else RTOL)
+
+
+def test_dict_and_tuple_outputs_are_halved_leaf_by_leaf() -> None:
+    logits, targets = _logits()
+    found = _measure(lambda o, y: F.cross_entropy(o["a"][0].flatten(0, 1), y.flatten()) + o["b"].mean(),
+                     {"a": (logits, None), "b": logits[:, 0]}, targets)
+    assert isinstance(found, Measured) and found.agrees, found
+
+
+def test_what_cannot_be_halved_is_not_probed() -> None:
+    logits, targets = _logits()
+    own_loss = {"loss": torch.tensor(2.0, dtype=torch.float64), "logits": logits}
+    assert _measure(lambda o, _: o["loss"], own_loss, None) == "unknown"  # a model's own (scalar) loss
+    square = torch.randn(ROWS, ROWS, dtype=torch.float64)  # no prediction of the chain's output here
+    assert _measure(lambda o, _: o.sum(), square, None) == "unknown"
+    assert _measure(lambda o, _: o.sum(), logits[:1], targets[:1], rows=1) == "unknown"  # one row: no halves
+
+    def fails_on_fewer_rows(o: Tensor, y: Tensor) -> Tensor:
+        return o.view(ROWS, -1).sum()
+
+    assert _measure(fails_on_fewer_rows, logits, targets) == "unknown"
+    before = torch.default_generator.get_state()
+    assert _measure(lambda o, y: o.sum() * torch.rand(()), logits, targets) == "unknown"  # it draws
+    assert torch.equal(torch.default_generator.get_state(), before)  # and the draws were set back
+    assert _measure(lambda o, y: o.sum() * float("nan"), logits, targets) == "retry"
+
+
+def test_sums_and_in_batch_losses_differ_from_their_halves() -> None:
+    logits, targets = _logits(torch.bfloat16)
+    found = _measure(lambda o, y: F.cross_entropy(o.flatten(0, 1), y.flatten(), reduction="sum"), logits, targets)
+    assert isinstance(found, Measured) and not found.agrees and found.is_sum
+    z = logits[:, 0].float()
+    found = _measure(lambda o, y: F.cross_entropy(o @ o.T, torch.arange(o.shape[0])), z, targets)
+    assert isinstance(found, Measured) and not found.agrees and not found.is_sum
