@@ -15,12 +15,15 @@ counter, ``view_base`` the tensor a view was made from (``Tensor._base``), and `
 runs code on fake tensors (``torch._subclasses.FakeTensorMode``): shapes, dtypes and kernel choices of the real
 device, no data and no arithmetic. ``flash_attention_cpu`` and its backward are torch's CPU flash
 attention kernel called directly (``aten._scaled_dot_product_flash_attention_for_cpu``), which, unlike
-the public ``scaled_dot_product_attention``, returns each row's log-sum-exp.
+the public ``scaled_dot_product_attention``, returns each row's log-sum-exp. ``compiled_original``,
+``compiled_in_place`` and ``drop_compiled_call`` read and undo ``torch.compile`` on a module
+(``OptimizedModule._orig_mod``, ``Module._compiled_call_impl``), checked by tests/engine/test_uncompiled.py.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -288,3 +291,29 @@ def flash_attention_cpu_backward(
     assert _FLASH is not None, "check has_flash_attention_cpu first"
     dq, dk, dv = _FLASH[1](grad_out, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale)
     return dq, dk, dv
+
+
+# --- torch.compile'd modules: what functionalize runs uncompiled ---------------------------------
+
+
+def compiled_original(module: torch.nn.Module) -> torch.nn.Module | None:
+    """The module ``torch.compile(module)`` wrapped (``OptimizedModule._orig_mod``), or None if
+    ``module`` is not such a wrapper. torch._dynamo is only looked up, never imported: a wrapper
+    cannot exist before it is."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    if eval_frame is None or not isinstance(module, eval_frame.OptimizedModule):
+        return None
+    original = module._orig_mod
+    assert isinstance(original, torch.nn.Module)
+    return original
+
+
+def compiled_in_place(module: torch.nn.Module) -> bool:
+    """Whether ``module.compile()`` was called: ``module(x)`` then runs the compiled
+    ``_compiled_call_impl`` (a compile of the module's own bound ``_call_impl``)."""
+    return module._compiled_call_impl is not None
+
+
+def drop_compiled_call(module: torch.nn.Module) -> None:
+    """Make ``module(x)`` run eagerly again (undo ``module.compile()`` on this object)."""
+    module._compiled_call_impl = None

@@ -559,3 +559,59 @@ def test_a_module_holding_an_object_deepcopy_refuses_is_functionalized_and_runs_
     assert all(t.is_meta for t in chain["0"].fn.module.parameters())
     for out in sw.launch(lambda: chain(params, x), world=2):  # rank 1 runs on its own replica
         assert torch.equal(out, model(x))
+
+
+class _Residual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + torch.tanh(self.fc(x))
+
+
+class _OwnLossGPT(nn.Module):
+    """nanoGPT's shape: ``forward(idx, targets=None)`` returns (logits, loss), the loss when given targets."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(16, 8)
+        self.h = nn.ModuleList([_Residual() for _ in range(2)])
+        self.head = nn.Linear(8, 16)
+
+    def forward(self, idx: Tensor, targets: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        x = self.wte(idx)
+        for block in self.h:
+            x = block(x)
+        logits = self.head(x)
+        loss = None if targets is None else nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        return logits, loss
+
+
+def test_a_dict_example_of_keyword_arguments_is_split_by_recording_and_trains_bitwise() -> None:
+    """fx traces forward's first argument alone (targets fixed at None): with a dict batch of keyword
+    arguments the split is recorded on the example instead, as for Hugging Face models."""
+    import shardwise as sw
+
+    torch.manual_seed(0)
+    model = _OwnLossGPT().double()
+    g = torch.Generator().manual_seed(1)
+    batches = [({"idx": t[:, :-1], "targets": t[:, 1:]}, None) for t in
+               (torch.randint(0, 16, (4, 7), generator=g) for _ in range(3))]
+    chain, params = functionalize(model, units=_Residual, example_input=batches[0][0])
+    assert chain.names == ("embed", "h.0", "h.1", "head")
+    step = sw.train_step(chain, lambda out, _: out[1], sw.optim.sgd(0.1, momentum=0.9))
+    state = step.init(params)
+    reference = deepcopy(model)
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    for batch, targets in batches:
+        state, metrics = step(state, (batch, targets))
+        opt.zero_grad()
+        loss = reference(**batch)[1]
+        loss.backward()
+        opt.step()
+        assert torch.equal(metrics["loss"], loss.detach())
+    full = {n: t for layer in state.params.values() for n, t in layer.items()}
+    assert all(torch.equal(full[n], p) for n, p in reference.named_parameters())
+    piped = sw.pipeline(step, "pp", "1f1b", 2)
+    sw.testing.assert_equivalent(piped, step, sw.Mesh(pp=2), batches, params)

@@ -218,6 +218,29 @@ def test_dict_batches_train_through_the_models_own_loss(family: str, split: str)
     assert_params_equal(state.params, reference)
 
 
+@pytest.mark.parametrize("split", ["whole", "blocks"])
+def test_a_dict_batch_with_a_key_forward_takes_through_its_kwargs_is_spread(split: str) -> None:
+    """transformers 5 takes ``shift_labels`` (and ``return_dict``, ...) only through ``**kwargs``:
+    the batch is still the keyword arguments, not one argument (it was passed whole as input_ids)."""
+    model, block = build("llama")
+    assert "shift_labels" not in inspect.signature(model.forward).parameters
+    batches = []
+    for ids, targets in token_batches(2, seed=5):
+        shift = targets.clone()
+        shift[0, 2:] = -100  # a loss over fewer tokens than labels would give: shift_labels is read
+        batches.append(({"input_ids": ids, "labels": targets, "shift_labels": shift}, None))
+    chain, params = functionalize(model, units=None if split == "whole" else block, example_input=batches[0][0])
+    step = sw.train_step(chain, own_loss, sw.optim.sgd(0.1, momentum=0.9))
+    state = step.init(params)
+    losses = []
+    for batch in batches:
+        state, metrics = step(state, batch)
+        losses.append(metrics["loss"])
+    reference, expected = torch_loop(model, batches, OPTIMIZERS["sgd-momentum"][1], own_loss)
+    assert all(torch.equal(a, b) for a, b in zip(losses, expected, strict=True))
+    assert_params_equal(state.params, reference)
+
+
 def test_a_split_recorded_on_one_input_structure_refuses_another() -> None:
     model, block = build("gpt2")
     chain, params = functionalize(model, units=block)  # recorded on a bare ids tensor

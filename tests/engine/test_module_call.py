@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from shardwise.engine.model.module_call import DIRECT, ModuleCall
+from shardwise.engine.model.module_call import DIRECT, ModuleCall, call_arguments
 from shardwise.testing.models import TinyGPT
 
 
@@ -203,3 +203,41 @@ def test_a_module_with_hooks_or_a_subclass_is_called_as_a_module() -> None:
 
     assert ModuleCall(Doubled(4, 4))._direct is None
     assert set(DIRECT) >= {nn.Linear, nn.GELU}
+
+
+# --- how a layer calls its module on a dict --------------------------------------------------
+
+
+class _Kwargs(nn.Module):
+    def forward(self, x: Any, **kwargs: Any) -> Any:
+        return x, kwargs
+
+
+class _Named(nn.Module):
+    def forward(self, input_ids: Any, labels: Any = None) -> Any:
+        return input_ids, labels
+
+
+class _One(nn.Module):
+    def forward(self, batch: Any) -> Any:
+        return batch
+
+
+@pytest.mark.parametrize(
+    ("module", "x", "spread"),
+    [
+        (_Named(), {"input_ids": 1, "labels": 2}, True),  # every key an argument
+        (_Kwargs(), {"x": 1, "return_dict": True}, True),  # one key an argument, the rest **kwargs
+        (_Kwargs(), {"a": 1, "b": 2}, False),  # forward(x, **kwargs) given a dict: the dict is x
+        (_One(), {"a": 1, "b": 2}, False),
+        (_One(), {"batch": 1, "b": 2}, False),  # a one-argument forward: the dict is its argument
+    ],
+)
+def test_a_dict_is_spread_into_keywords_when_forward_takes_them(module: nn.Module, x: Any, spread: bool) -> None:
+    args, kwargs = call_arguments(module, x)
+    assert (args, kwargs) == (((), x) if spread else ((x,), {}))
+
+
+def test_a_dict_naming_some_arguments_and_others_forward_cannot_take_is_refused_naming_them() -> None:
+    with pytest.raises(TypeError, match=r"\['return_dict'\](.|\n)*takes no \*\*kwargs(.|\n)*remove \['return_dict'\]"):
+        call_arguments(_Named(), {"input_ids": 1, "labels": 2, "return_dict": True})

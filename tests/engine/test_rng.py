@@ -266,3 +266,56 @@ def test_a_hook_that_draws_makes_the_stage_seeded() -> None:
         handle.remove()
     assert len(first_draws) == 3 and _equal(first_draws, drawn)
     assert _equal(first, second)
+
+
+# --- a layer's generator attribute is that generator ----------------------------------------
+
+
+class _Noisy(torch.nn.Module):
+    """Drops inputs with a mask drawn from ``gen`` (None: torch's default, without generator=)."""
+
+    def __init__(self, gen: torch.Generator | None) -> None:
+        super().__init__()
+        self.fc, self.gen = torch.nn.Linear(4, 4), gen
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        keep = torch.rand(x.shape, generator=self.gen, dtype=x.dtype) > 0.5
+        return self.fc(x * keep)
+
+
+def _noisy(gen: torch.Generator | None) -> tuple[sw.Step, dict]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), _Noisy(gen), torch.nn.Linear(4, 2)).double()
+    chain, params = sw.functionalize(model)
+    return sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1)), params
+
+
+_NOISY_BATCHES = [
+    (torch.randn(8, 4, generator=g, dtype=torch.float64), torch.randn(8, 2, generator=g, dtype=torch.float64))
+    for g in [torch.Generator().manual_seed(2)] for _ in range(2)
+]
+
+
+def test_a_layer_drawing_from_the_default_generator_by_name_is_seeded_by_the_step_and_replayed_by_remat() -> None:
+    """``generator=torch.default_generator`` is the stream the step seeds: the chain must not hold
+    a private copy of it (the step's seed would not reach it and remat would refuse it as the
+    layer's own)."""
+    implicit, params = _noisy(None)
+    explicit, _ = _noisy(torch.default_generator)
+    expected = _run(implicit, params, _NOISY_BATCHES, None)  # type: ignore[arg-type]
+    assert _equal(_run(explicit, params, _NOISY_BATCHES, None), expected)  # type: ignore[arg-type]
+    rematted = sw.remat(explicit, sw.policies.nothing_saveable)
+    assert _equal(_run(rematted, params, _NOISY_BATCHES, None), expected)  # type: ignore[arg-type]
+
+
+def test_a_layer_drawing_from_its_own_generator_draws_from_the_users_generator() -> None:
+    """Re-seeding the generator the layer holds reaches the chain's layer: it is the same object."""
+    gen = torch.Generator()
+    step, params = _noisy(gen)
+    layer = step.chain["1"]
+    x = torch.ones(2, 4, dtype=torch.float64)
+    gen.manual_seed(7)
+    first = layer(step.chain.layer_params(params, layer), x)
+    gen.manual_seed(7)
+    assert torch.equal(layer(step.chain.layer_params(params, layer), x), first)
+    assert not torch.equal(layer(step.chain.layer_params(params, layer), x), first)  # the stream moved on

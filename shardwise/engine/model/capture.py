@@ -48,7 +48,7 @@ from torch import Tensor, nn
 
 from ..torch_api import fake_tensors, is_fake
 from .fx_split import FunctionalizeError
-from .module_call import ThreadReplicas, call_arguments
+from .module_call import ThreadReplicas, call_arguments, kept_in_copies
 from .pytrees import register_output_types
 from .reuse import module_signature, reusing_forwards
 
@@ -408,7 +408,7 @@ class _UnitStub(nn.Module):
 def _stubbed_root(root: nn.Module, paths: list[str], recording: _Recording, slot: Slot) -> nn.Module:
     """A copy of ``root`` (sharing its tensors) whose units are stubs."""
     named = [*root.named_parameters(remove_duplicate=False), *root.named_buffers(remove_duplicate=False)]
-    memo: dict[int, Any] = {id(t): t for _, t in named}
+    memo: dict[int, Any] = {**kept_in_copies(root), **{id(t): t for _, t in named}}
     for path in paths:  # the units themselves are not copied
         memo[id(root.get_submodule(path))] = None
     stubbed = copy.deepcopy(root, memo)
@@ -629,7 +629,7 @@ def _eval_before_only(stubbed: nn.Module, recording: _Recording) -> nn.Module:
     """A copy of ``stubbed`` (sharing tensors) whose modules that only run before the units are in
     eval mode: in ``head`` their output is discarded, so their dropout must not draw."""
     named = [*stubbed.named_parameters(remove_duplicate=False), *stubbed.named_buffers(remove_duplicate=False)]
-    head = copy.deepcopy(stubbed, {id(t): t for _, t in named})
+    head = copy.deepcopy(stubbed, {**kept_in_copies(stubbed), **{id(t): t for _, t in named}})
     units = [m for m in head.modules() if isinstance(m, _UnitStub)]
     for path, sub in head.named_modules():
         holds_units = any(u in units for u in sub.modules())

@@ -16,9 +16,11 @@ How the module is cut into layers:
   but used late does not have to cross a boundary. (Sinking glue past a unit reorders
   it relative to that unit; this changes no value, except that random glue ops, such
   as dropout in glue in training mode, would draw from the RNG in a different order.)
-* units given, for a Hugging Face ``PreTrainedModel`` or a module torch.fx cannot trace
-  (given ``example_input``): the module is run once on an example input (``example_input``,
-  or the model's own ``dummy_inputs`` ids) while hooks record every unit call, and cut into
+* units given, for a Hugging Face ``PreTrainedModel``, a module torch.fx cannot trace (given
+  ``example_input``), or an ``example_input`` dict that forward takes as keyword arguments
+  (nanoGPT's ``{"idx": ..., "targets": ...}``: fx would trace ``forward(idx)`` alone): the
+  module is run once on an example input (``example_input``, or the model's own
+  ``dummy_inputs`` ids) while hooks record every unit call, and cut into
   ``"embed"`` (forward up to the first unit: embeddings, mask, position ids, rotary
   embeddings), one layer per unit (named by its path, names relative to the root), and
   ``"head"`` (forward after the last unit: final norm, head, the model's own loss). The
@@ -29,8 +31,9 @@ How the module is cut into layers:
 Layer inputs and outputs:
 
 * A dict input whose keys are all arguments of ``forward`` (``input_ids``,
-  ``attention_mask``, ``labels``) is passed as keywords (``module(**x)``); a ``forward``
-  that takes ``use_cache`` gets ``use_cache=False``.
+  ``attention_mask``, ``labels``), or some of them and the rest taken by its ``**kwargs``
+  (transformers 5's ``shift_labels``, ``return_dict``), is passed as keywords
+  (``module(**x)``); a ``forward`` that takes ``use_cache`` gets ``use_cache=False``.
 * Outputs may be any pytree of tensors: tuples, lists, dicts, named tuples, and (registered
   with optree on first sight, see :mod:`shardwise.engine.model.pytrees`) ``ModelOutput`` and
   dataclasses, so a loss on ``out.logits`` gets a real ``ModelOutput`` and gradients flow.
@@ -72,7 +75,7 @@ Decisions:
 from __future__ import annotations
 
 import difflib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import optree
@@ -89,6 +92,7 @@ from .materialize import InitFn, ModuleInit, has_meta_tensors, is_transformers_m
 from .module_call import Quiet, ThreadReplicas, call_arguments
 from .pytrees import float_leaves, register_output_types, unregistered_reason
 from .shape_check import check_shapes_against_module
+from .uncompiled import uncompiled
 
 __all__ = ["FunctionalizeError", "functionalize"]
 
@@ -110,7 +114,9 @@ def functionalize(
     """Split ``module`` into a :class:`Chain` of pure layers and return it with its params.
 
     Args:
-        module: the model. Never modified; the chain keeps no reference to its tensors.
+        module: the model. Never modified; the chain keeps no reference to its tensors. A
+            ``torch.compile``'d model or block is split as its uncompiled code and its layers
+            run eagerly (``engine/model/uncompiled.py``).
         units: how to cut it (see the module docstring): ``None``; a list of submodule paths
             in execution order (a path naming a ModuleList / Sequential / ModuleDict
             stands for each of its children); or a module class, whose outermost
@@ -144,6 +150,7 @@ def functionalize(
     ``functionalize(GPT2LMHeadModel(config), units=GPT2Block)``, gives the layers
     ``("embed", "transformer.h.0", ..., "head")``.
     """
+    module = uncompiled(module)  # layers run eagerly: see engine/model/uncompiled.py
     _refuse_stateful(module)
     if units is not None:
         refuse_split_batch_loss(module)
@@ -242,7 +249,7 @@ def _pieces(module: nn.Module, units: Units, example: Any, meta_built: bool) -> 
     if paths is None:  # the root itself is the unit class
         return [(WHOLE_MODULE, module)], None
     ordered = not isinstance(units, type)
-    if not is_transformers_model(module):
+    if not is_transformers_model(module) and not _spreads(module, example):
         try:
             return list(split_graph(module, paths, ordered=ordered)), None
         except FxTraceError as e:
@@ -253,9 +260,16 @@ def _pieces(module: nn.Module, units: Units, example: Any, meta_built: bool) -> 
                     "or write the model as an nn.Sequential (functionalize(model) needs no tracing), or "
                     "build the Chain from explicit Layer objects."
                 ) from e
-    # Hugging Face models, and modules fx cannot trace: record the calls on an example input.
+    # Hugging Face models, modules fx cannot trace, and examples that are keyword arguments (fx traces
+    # forward's first argument alone, the others fixed at their defaults): record the calls on the example.
     example = example if example is not None else _dummy_input(module)
     return list(split_by_calls(module, paths, example, ordered=ordered, fake_units=meta_built)), example
+
+
+def _spreads(module: nn.Module, example: Any) -> bool:
+    """Whether ``example`` is a dict the module is called with as keyword arguments (``module(**x)``:
+    nanoGPT's ``{"idx": ..., "targets": ...}``), which an fx trace of ``forward(x)`` cannot take."""
+    return isinstance(example, Mapping) and call_arguments(module, example)[0] == ()
 
 
 def _dummy_input(module: nn.Module) -> Tensor:

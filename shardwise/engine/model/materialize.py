@@ -40,6 +40,7 @@ import torch
 from torch import Tensor, nn
 
 from .fx_split import FunctionalizeError
+from .module_call import kept_in_copies
 
 InitFn = Callable[[nn.Module], Any]
 Seeding = Callable[[int], contextlib.AbstractContextManager[Any]]
@@ -181,4 +182,4 @@ def stand_in(
         if id(b) not in memo:
             memo[id(b)] = buffers[id(b)] if b.is_meta else b
             origin[id(memo[id(b)])] = b
-    return copy.deepcopy(module, memo), origin
+    return copy.deepcopy(module, {**kept_in_copies(module), **memo}), origin

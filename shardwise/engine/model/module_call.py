@@ -168,15 +168,43 @@ def skeleton(module: nn.Module) -> nn.Module:
     return copy_structure(module, memo)
 
 
+def kept_in_copies(module: nn.Module) -> dict[int, Any]:
+    """A deepcopy memo entry for every ``torch.Generator`` that a submodule of ``module`` holds
+    (as an attribute, or inside a list, tuple or dict attribute), mapping it to itself.
+
+    A layer's generator attribute IS that generator: ``torch.default_generator`` is the stream
+    the step seeds for every compute (and remat replays), and re-seeding one's own generator
+    must reach the layer. ``copy.deepcopy`` would give each copy a private generator instead
+    (torch generators support deepcopy), so every copy of a module shares its generators."""
+    kept: dict[int, Any] = {}
+
+    def visit(value: Any, depth: int) -> None:
+        if isinstance(value, torch.Generator):
+            kept[id(value)] = value
+        elif depth < 3 and isinstance(value, list | tuple):
+            for v in value:
+                visit(v, depth + 1)
+        elif depth < 3 and isinstance(value, dict):
+            for v in value.values():
+                visit(v, depth + 1)
+
+    for sub in module.modules():
+        for name, value in vars(sub).items():
+            if name not in ("_parameters", "_buffers", "_modules"):
+                visit(value, 0)
+    return kept
+
+
 def copy_structure(module: nn.Module, tensors: dict[int, Any]) -> nn.Module:
-    """A deep copy of ``module`` with its registered tensors replaced as ``tensors`` says (by id).
+    """A deep copy of ``module`` with its registered tensors replaced as ``tensors`` says (by id),
+    its generators shared (:func:`kept_in_copies`).
 
     A module holding an object that cannot be deep-copied (a lock, a file, a process group) is
     copied module by module instead: each submodule a shallow copy with its own parameter,
     buffer and submodule dicts (what a call swaps tensors in and out of), its other attributes
     shared with the original."""
     try:
-        return copy.deepcopy(module, dict(tensors))
+        return copy.deepcopy(module, {**kept_in_copies(module), **tensors})
     except (TypeError, copy.Error, RuntimeError, NotImplementedError):
         return _shallow_tree(module, tensors, {})
 
@@ -246,7 +274,8 @@ class ThreadReplicas:
 def call_arguments(module: nn.Module, x: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """How a layer calls ``module`` on its input ``x``: ``module(**x)`` for a dict whose keys are
     all arguments of ``forward`` (an HF-style batch: ``input_ids``, ``attention_mask``,
-    ``labels``), else ``module(x)``. A forward that takes ``use_cache`` (Hugging Face models)
+    ``labels``), or some of them and the rest taken by its ``**kwargs`` (see :func:`_takes`),
+    else ``module(x)``. A forward that takes ``use_cache`` (Hugging Face models)
     gets ``use_cache=False`` unless ``x`` sets it: a pure layer keeps no key/value cache."""
     signature = _forward_parameters(module)
     if isinstance(x, Mapping) and x and all(isinstance(k, str) for k in x) and _takes(signature, x):
@@ -278,9 +307,31 @@ def _forward_parameters(module: nn.Module) -> Mapping[str, inspect.Parameter]:
 
 
 def _takes(parameters: Mapping[str, inspect.Parameter], x: Mapping[str, Any]) -> bool:
-    # Named parameters only: a forward(x, **kwargs) given a dict means the dict itself.
+    """Whether ``forward`` takes the dict ``x`` as keyword arguments rather than as one argument.
+
+    Every key a named parameter: keywords. A forward with ``**kwargs`` (Hugging Face's
+    ``**kwargs: Unpack[TransformersKwargs]`` takes ``return_dict``, ``shift_labels``, ...) when
+    at least one key names a parameter: a ``forward(x, **kwargs)`` given a dict none of whose keys
+    is ``x`` means the dict itself. A forward of several named parameters without ``**kwargs``
+    given a dict naming some of them and other keys too is refused: ``module(**x)`` would fail
+    and ``module(x)`` would put the batch in its first argument."""
     keywords = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    return all(k in parameters and parameters[k].kind in keywords for k in x)
+    named = [k for k in x if k in parameters and parameters[k].kind in keywords]
+    if len(named) == len(x):
+        return True
+    if not named:
+        return False
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return True
+    if sum(p.kind in keywords or p.kind is inspect.Parameter.POSITIONAL_ONLY for p in parameters.values()) < 2:
+        return False  # forward(x) given {"x": ..., "y": ...}: the dict is its one argument
+    unknown = sorted(k for k in x if k not in named)
+    raise TypeError(
+        f"the batch is a dict with keys {sorted(x)}, some naming arguments of forward {named} and "
+        f"some not {unknown}, and forward takes no **kwargs, so it can be neither spread into keyword "
+        f"arguments nor passed whole: remove {unknown} from the batch (or rename them to forward's "
+        f"arguments {[k for k, p in parameters.items() if p.kind in keywords]})"
+    )
 
 
 def module_fn(fn: Any) -> Any:

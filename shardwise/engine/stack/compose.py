@@ -77,9 +77,9 @@ naming it). The rules:
 * ``router_aux_loss`` rewrites outermost (after the casts): each layer carries its MoE blocks' routing
   statistics beside its output to the loss, which sums the counts over every axis that cuts the batch
   (``in_layer.batch_sum``) so the aux loss is the whole batch's, counted once. The Plan lists those
-  sums after the loss through the splits' prediction, so with ``shard_params`` it needs a split
-  (``expert_parallel``) in the stack; alone, or under a pipeline, the batch is not cut over ranks and
-  nothing is summed. Several splits rebuild innermost, tensor_parallel first (:data:`SPLIT_ORDER`).
+  sums after the loss, predicted on fake tensors as a split's collectives are, also under
+  ``shard_params`` alone (:func:`sums_over_batch`); alone, or under a pipeline, the batch is not cut over
+  ranks and nothing is summed. Several splits rebuild innermost, tensor_parallel first (:data:`SPLIT_ORDER`).
 * A model that computes something over the whole batch it is called on (``engine/model/whole_batch.py``)
   is refused under a transform that calls it on a part of the batch: a PLACEMENT of more than one
   micro-batch, a SHARDING (each rank's share, accumulation's micro-batches), a SPLIT with ``cuts_batch``.
@@ -171,6 +171,13 @@ def _check_whole_batch_losses(stack: tuple[Any, ...]) -> None:
         )
 
 
+def sums_over_batch(stack: tuple[Any, ...]) -> bool:
+    """Whether a transform of the stack adds a loss term of the whole batch (``adds_batch_loss``: the
+    router aux loss), whose loss sums statistics over the batch's axes (``in_layer.batch_sum``): collectives
+    the Plan predicts on fake tensors as it does a split's, also where the stack has no split (ZeRO alone)."""
+    return any(getattr(spec, "adds_batch_loss", False) for spec in stack)
+
+
 def describe(stack: tuple[Any, ...]) -> str:
     return " -> ".join(str(s) for s in stack) or "(no transform)"
 
@@ -197,13 +204,6 @@ def check_stack(stack: tuple[Any, ...]) -> None:
     _check_splits(stack, split)
     placement = [s for s in stack if s.role == PLACEMENT]
     sharding = [s for s in stack if s.role == SHARDING]
-    if sharding and not split and any(s.name == "router_aux_loss" for s in stack):
-        raise ValueError(
-            f"router_aux_loss with shard_params and no split ({describe(stack)}): the aux loss sums the routing "
-            f"counts over axis {sharding[0].axis!r}, which the Plan predicts with a split's layers; apply "
-            "expert_parallel over another axis first (sw.Mesh(dp=2, ep=2); an ep axis of size 1 keeps every expert on "
-            "each rank: sw.Mesh(dp=2, ep=1))"
-        )
     _check_whole_batch_losses(stack)
     replicate = sharding[0].replicate if sharding else None
     for other in (*placement, *split):

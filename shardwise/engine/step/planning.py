@@ -52,7 +52,7 @@ from ..plan.lower import (
     stage_needs,
     wire_of,
 )
-from ..stack.compose import SPLIT, rewrites_in_order
+from ..stack.compose import SPLIT, rewrites_in_order, sums_over_batch
 from .batch_cut import batch_multiple, rank_share
 from .held_levels import copies_to_reductions, shard_copy_levels, unsharded_levels, update_levels
 
@@ -175,10 +175,10 @@ def _inside_computes(
     step: Step, mesh: Mesh, params: Params | None, batch: Any, placement: Placement, layout: StateLayout | None
 ) -> Inside | None:
     """The collectives each compute issues inside its layers (a split transform's), predicted on fake
-    tensors from a micro-batch, by the split's own prediction or else the engine's: None without a split,
-    parameters or a batch."""
+    tensors from a micro-batch, by the split's own prediction or else the engine's: None without a split
+    (or a loss term summed over the batch's axes, :func:`sums_over_batch`), parameters or a batch."""
     split = step.split
-    if not split.axes or params is None or batch is None or layout is None:
+    if not (split.axes or sums_over_batch(step.transforms)) or params is None or batch is None or layout is None:
         return None
     shapes: dict[str, dict[str, tuple[torch.Size, torch.dtype]]] = {}
     for spec in layout.leaves.values():

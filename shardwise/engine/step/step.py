@@ -38,7 +38,7 @@ from ..run.executor import LossFn
 from ..run.metrics import REPORTABLE, MetricExchange, check_metrics
 from ..run.model_agreement import buffer_items, structure_items, value_items
 from ..stack import in_layer
-from ..stack.compose import PLACEMENT, SHARDING, describe, find
+from ..stack.compose import PLACEMENT, SHARDING, describe, find, sums_over_batch
 from ..stack.elementwise import check_optimizer
 from ..stack.splits import Splits, splits_of
 from .batch_cut import PER_SHARD_MEAN, batch_shares
@@ -612,7 +612,14 @@ def train_step(
 def _predicting(step: Step, mesh: Mesh | None) -> Iterator[Any]:
     """The splits' predicting block, in which the computes see how the batch is shared out (a statistic
     of the whole batch is a psum over those axes: predicted, as the splits' collectives are)."""
-    with step.split.predicting(mesh) as issued, in_layer.sharing_batch(batch_shares(step, mesh)):
+    if mesh is not None and not step.split.axes and sums_over_batch(step.transforms):
+        # No split, but the loss sums a statistic over the batch's axes (router_aux_loss under ZeRO alone).
+        block: contextlib.AbstractContextManager[Any] = in_layer.predicting(
+            {axis: mesh.axis_size(axis) for axis in mesh.axis_names}
+        )
+    else:
+        block = step.split.predicting(mesh)
+    with block as issued, in_layer.sharing_batch(batch_shares(step, mesh)):
         yield issued
 
 

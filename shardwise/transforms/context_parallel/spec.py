@@ -17,7 +17,7 @@ from torch import Tensor
 from ...collectives.mesh import Mesh
 from ...engine.layout.state_layout import TensorSplit
 from ...engine.model.chain import Chain, Layer
-from ...engine.model.module_call import ThreadReplicas
+from ...engine.model.module_call import ThreadReplicas, kept_in_copies
 from ...engine.stack import in_layer
 from ...engine.stack.compose import SPLIT
 from ...engine.stack.roles import BatchCut
@@ -128,7 +128,7 @@ class CPSpec:
         replicas = fn.replicas
         module = replicas.module
         named = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
-        copied = copy.deepcopy(module, memo={id(t): t for _, t in named})
+        copied = copy.deepcopy(module, memo={**kept_in_copies(module), **{id(t): t for _, t in named}})
         for path in parts.attentions:
             target = copied.get_submodule(path)
             kind = HFForward if hasattr(target, "q_proj") else GPT2Forward if hasattr(target, "c_attn") else CPForward

@@ -69,8 +69,9 @@ def holds_experts(module: nn.Module) -> bool:
     return all(isinstance(w, torch.Tensor) and w.ndim == 3 for w in weights)
 
 
-def find_blocks(module: nn.Module, where: str, prefix: str = "") -> list[Block]:
-    """Every MoE block in ``module`` (the top-most of nested ones), refusing one it does not know."""
+def find_blocks(module: nn.Module, where: str, prefix: str = "", who: str = "expert_parallel") -> list[Block]:
+    """Every MoE block in ``module`` (the top-most of nested ones), refusing one it does not know; ``who``
+    (the transform that asks) begins the refusal."""
     found: list[Block] = []
     for path, sub in module.named_modules():
         if not holds_experts(sub) or any(path.startswith(f"{b.path}.") or not b.path for b in found):
@@ -84,16 +85,16 @@ def find_blocks(module: nn.Module, where: str, prefix: str = "") -> list[Block]:
         )
         if kind is None and any(c.__name__ in KNOWN for c in type(sub).__mro__):
             raise ValueError(
-                f"expert_parallel: {where}{'.' + path if path else ''} is a {name} whose forward is not "
+                f"{who}: {where}{'.' + path if path else ''} is a {name} whose forward is not "
                 f"{', '.join(KNOWN)}'s own (a subclass overriding it, or a copy of the class defined in "
-                f"{type(sub).__module__}): expert_parallel replaces the block's forward with its reproduction of "
-                "the known one, so what yours adds (dropout, noise, scaling) would be lost without an error. Use "
+                f"{type(sub).__module__}): {who} reproduces the known block's routing (expert_parallel its whole "
+                "forward), so what yours adds (dropout, noise, scaling) would be lost without an error. Use "
                 "the library's class unchanged, or write your block's forward with moe_dispatch_combine"
             )
         if not router_known:
             raise ValueError(
-                f"expert_parallel: {where}{'.' + path if path else ''} ({name}, router {router}) holds fused experts, "
-                f"but its router is not one expert_parallel knows ({', '.join(KNOWN)} with their routers): it cannot "
+                f"{who}: {where}{'.' + path if path else ''} ({name}, router {router}) holds fused experts, "
+                f"but its router is not one {who} knows ({', '.join(KNOWN)} with their routers): it cannot "
                 "tell which experts each token goes to. Use a known block, or write its forward with the "
                 "expert-parallel core, moe_dispatch_combine, and one of its routers"
             )

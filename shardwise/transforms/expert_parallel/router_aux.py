@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...engine.model.chain import Chain, Layer
-from ...engine.model.module_call import ThreadReplicas
+from ...engine.model.module_call import ThreadReplicas, kept_in_copies
 from ...engine.stack import in_layer
 from ...engine.stack.compose import REWRITE, add
 from ...engine.step.batch_cut import PER_SHARD_MEAN
@@ -184,11 +184,11 @@ def _reporting(fn: Any, layer: str) -> Any:
     if not isinstance(module, nn.Module):
         return fn
     prefix = str(getattr(replicas, "prefix", ""))
-    blocks = find_blocks(module, prefix.rstrip(".") or layer, prefix)
+    blocks = find_blocks(module, prefix.rstrip(".") or layer, prefix, who="router_aux_loss")
     if not blocks:
         return fn
     named = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
-    copied = copy.deepcopy(module, memo={id(t): t for _, t in named})
+    copied = copy.deepcopy(module, memo={**kept_in_copies(module), **{id(t): t for _, t in named}})
     for b in blocks:
         target = copied.get_submodule(b.path) if b.path else copied
         target.forward = ReportRouter(target, b, vars(target).get("forward"))
@@ -204,7 +204,7 @@ def router_aux_loss(step: Step, coef: float, *, per_microbatch: bool = False) ->
     ``aux = E * sum_e f_e * P_e`` pools every MoE block of the chain (TopKMoE, HF MixtralSparseMoeBlock,
     Qwen2MoeSparseMoeBlock; all with ``E`` experts): ``f_e`` is the share of the top-k assignments that
     went to expert ``e`` and ``P_e`` its mean router probability, over every token of every block. On
-    one device it is HF's loss; under ``expert_parallel`` and ``shard_params`` it is counted once over
+    one device it is HF's loss; under ``expert_parallel`` and ``shard_params`` (each, or both) it is counted once over
     the whole batch (the routing counts are summed over the batch's axes; the Plan lists those sums after
     the loss), so the step equals the single-device one. Under micro-batches (``pipeline``,
     ``shard_params(accumulation=)``) no micro-batch can know the whole batch's routing before it runs:
@@ -229,6 +229,8 @@ def router_aux_loss(step: Step, coef: float, *, per_microbatch: bool = False) ->
     True
     >>> ep = sw.expert_parallel(with_aux, "ep")
     >>> _ = sw.testing.assert_equivalent(ep, with_aux, sw.Mesh(ep=2), [batch, batch], params)
+    >>> zero = sw.shard_params(with_aux, "dp", 3)  # FSDP of the MoE, every expert on each rank
+    >>> _ = sw.testing.assert_equivalent(zero, with_aux, sw.Mesh(dp=2), [batch, batch], params)
     """
     if not isinstance(step, Step):
         raise TypeError(f"router_aux_loss(step=...) needs a shardwise Step (see train_step), got {type(step).__name__}")
@@ -242,7 +244,7 @@ def router_aux_loss(step: Step, coef: float, *, per_microbatch: bool = False) ->
             f"the step cuts (which a mean loss is refused on), tokens={PER_SHARD_MEAN!r}: the mean of the shares' "
             "mean losses, knowingly, with the aux counted once over the whole batch"
         )
-    experts = {b.num_experts for blocks in resolve(step.base_chain).values() for b in blocks}
+    experts = {b.num_experts for blocks in resolve(step.base_chain, "router_aux_loss").values() for b in blocks}
     if len(experts) != 1:
         raise ValueError(
             f"router_aux_loss: the chain's MoE blocks have {sorted(experts)} experts; HF's loss pools every "

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from ...collectives.mesh import Mesh
 from ...engine.layout.state_layout import TensorSplit
 from ...engine.model.chain import Chain, Layer
-from ...engine.model.module_call import ThreadReplicas, module_fn
+from ...engine.model.module_call import ThreadReplicas, kept_in_copies, module_fn
 from ...engine.stack.compose import SPLIT
 from ...engine.stack.in_layer import grad_summed
 from ...engine.stack.roles import BatchCut
@@ -24,8 +24,9 @@ Blocks = dict[str, tuple[Block, ...]]  # layer name -> its MoE blocks
 _RESOLVED: weakref.WeakKeyDictionary[Chain, Blocks] = weakref.WeakKeyDictionary()
 
 
-def resolve(chain: Chain) -> Blocks:
-    """The MoE blocks of every layer of ``chain``, refusing a chain without one (or with one it does not know)."""
+def resolve(chain: Chain, who: str = "expert_parallel") -> Blocks:
+    """The MoE blocks of every layer of ``chain``, refusing a chain without one (or with one it does not
+    know); ``who`` (the transform that asks: expert_parallel, router_aux_loss) begins the refusal."""
     if chain in _RESOLVED:
         return _RESOLVED[chain]
     found: Blocks = {}
@@ -38,22 +39,22 @@ def resolve(chain: Chain) -> Blocks:
         if not isinstance(module, nn.Module):
             continue
         prefix = str(getattr(replicas, "prefix", ""))
-        blocks = tuple(find_blocks(module, prefix.rstrip(".") or layer.name, prefix))
+        blocks = tuple(find_blocks(module, prefix.rstrip(".") or layer.name, prefix, who))
         for b in blocks:
             missing = [n for n in b.local_names() if n not in layer.owned_param_names]
             if missing:
                 raise ValueError(
-                    f"expert_parallel: layer {layer.name!r} holds the experts {b.path or '(the layer)'} but does not "
+                    f"{who}: layer {layer.name!r} holds the experts {b.path or '(the layer)'} but does not "
                     "own "
-                    f"{missing} as trainable parameters (frozen or tied); expert parallel splits trainable experts"
+                    f"{missing} as trainable parameters (frozen or tied); {who} needs trainable experts"
                 )
         if blocks:
             found[layer.name] = blocks
     if not found:
         raise ValueError(
-            "expert_parallel: the step's chain has no mixture-of-experts block (a module with fused experts "
+            f"{who}: the step's chain has no mixture-of-experts block (a module with fused experts "
             "experts.gate_up_proj / experts.down_proj: TopKMoE, HF MixtralSparseMoeBlock, "
-            "Qwen2MoeSparseMoeBlock); nothing to split"
+            "Qwen2MoeSparseMoeBlock); nothing to do"
         )
     _RESOLVED[chain] = found
     return found
@@ -124,7 +125,7 @@ class EPSpec:
         replicas = fn.replicas
         module = replicas.module
         named = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
-        copied = copy.deepcopy(module, memo={id(t): t for _, t in named})
+        copied = copy.deepcopy(module, memo={**kept_in_copies(module), **{id(t): t for _, t in named}})
         for b in blocks:
             target = copied.get_submodule(b.path) if b.path else copied
             where = f"{layer}.{b.path}" if b.path else layer

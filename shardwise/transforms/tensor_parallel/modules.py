@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ...engine.model.chain import Layer
-from ...engine.model.module_call import ThreadReplicas
+from ...engine.model.module_call import ThreadReplicas, kept_in_copies
 from ...engine.model.reuse import reuse_key
 from ...engine.run.rng import default_generators, mix
 from ...engine.stack import in_layer
@@ -561,7 +561,7 @@ def rewrite_layer(
     replicas = fn.replicas  # type: ignore[attr-defined]
     module = replicas.module
     named = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
-    copied = copy.deepcopy(module, memo={id(t): t for _, t in named})
+    copied = copy.deepcopy(module, memo={**kept_in_copies(module), **{id(t): t for _, t in named}})
     blocks = {sub: (first, last) for sub, _path, first, last in plan.blocks}
     installs = {i.subpath: i for i in plan.installs}
     for subpath in sorted(set(blocks) | set(installs)):

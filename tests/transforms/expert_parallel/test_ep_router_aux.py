@@ -15,9 +15,10 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch import nn
 
 import shardwise as sw
-from shardwise.testing.models import MoEBlock
+from shardwise.testing.models import MoEBlock, TopKMoE
 
 from .test_ep_step import F64, _ledger, _lm_loss, batches, moe_model
 
@@ -109,8 +110,8 @@ def test_the_plan_lists_the_counts_sums_after_the_loss_and_the_ledger_is_the_pla
 
 
 def test_data_parallel_alone_is_expert_parallel_over_an_axis_of_size_1() -> None:
-    """What the refusal of shard_params without a split suggests: every expert on each rank, the counts
-    summed over dp (and the ep axis of one rank), listed in the Plan."""
+    """Every expert on each rank, the counts summed over dp (and the ep axis of one rank), listed in the
+    Plan: the same step as shard_params alone."""
     step, params = moe_model()
     reference = sw.router_aux_loss(step, 0.1)
     composed = sw.shard_params(sw.expert_parallel(reference, "ep"), "dp", 1)
@@ -120,12 +121,39 @@ def test_data_parallel_alone_is_expert_parallel_over_an_axis_of_size_1() -> None
                                                                                           ("psum", "ep")]
 
 
+@pytest.mark.parametrize("stage", [1, 3])
+def test_zero_alone_with_the_aux_loss_equals_the_single_device_step_and_the_ledger_is_the_plan(stage: int) -> None:
+    """FSDP of an MoE with its aux loss, no expert_parallel: the counts are summed over dp after the loss,
+    and the Plan predicts that sum without a split's layers (it was refused, pointing at an ep axis of 1)."""
+    step, params = moe_model()
+    reference = sw.router_aux_loss(step, 0.1)
+    composed = sw.shard_params(reference, "dp", stage)
+    mesh, batch = sw.Mesh(dp=2), batches(1)[0]
+    sw.testing.assert_equivalent(composed, reference, mesh, batches(), params)
+    plan = composed.plan(mesh, params, batch)
+    assert [(a.op, a.axis) for a in plan.actions[0] if a.label == "router aux counts"] == [("psum", "dp")]
+    for rank, got in enumerate(_ledger(composed, mesh, params, batch)):
+        want = [(c.op, c.axis, c.dtype, c.nbytes) for c in plan.collectives(rank)]
+        assert got == want, f"rank {rank}\nledger: {got}\nplan:   {want}"
+
+
+class _OddRouter(nn.Module):
+    """Fused experts behind a router no known block has."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(4, 2)
+        self.experts = TopKMoE(4, 4, 2, 1).experts
+
+
 def test_clear_errors() -> None:
     step, _ = moe_model()
     with pytest.raises(ValueError, match=r"router_aux_loss\(coef=-1\)"):
         sw.router_aux_loss(step, -1)
-    with pytest.raises(ValueError, match="router_aux_loss with shard_params and no split"):
-        sw.shard_params(sw.router_aux_loss(step, 0.1), "dp", 1)
+    odd, _ = sw.functionalize(nn.Sequential(_OddRouter()))
+    unknown = r"^router_aux_loss: 0 \(_OddRouter, router Linear\)(.|\n)*not one router_aux_loss knows"
+    with pytest.raises(ValueError, match=unknown):
+        sw.router_aux_loss(sw.train_step(odd, F.mse_loss, sw.optim.sgd(0.1)), 0.1)  # no expert_parallel in sight
     with pytest.raises(ValueError, match="router_aux_loss was applied twice"):
         sw.router_aux_loss(sw.router_aux_loss(step, 0.1), 0.1)
     chain = step.chain
