@@ -1,8 +1,9 @@
 """A dict batch whose keys the model's forward does not take (a misspelled ``input_ids``).
 
 Such a dict is not spread into ``forward(**batch)``: it is passed whole as the first argument,
-and the model fails far inside (``'dict' object has no attribute 'size'``). When a layer fails
-on a dict input, this names the keys it has and the ones the forward takes.
+and the model fails far inside (``'dict' object has no attribute 'size'``), or, where it also names
+some of forward's arguments, ``call_arguments`` refuses it. When a layer fails on a dict input, this
+names the keys it has and the ones the forward takes.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ def unknown_keys_message(layer: str, fn: Any, x: Any) -> str | None:
     hint = "; ".join(f"{k!r} -> {m[0]!r}?" for k, m in close.items() if m)
     return (
         f"layer {layer!r}: its input (the batch) is a dict with keys {sorted(x)}, but "
-        f"{type(module).__name__}.forward takes {takes}, not {unknown}, so the dict went in "
-        "whole as its first argument; name the keys as the forward's arguments"
+        f"{type(module).__name__}.forward takes {takes}, not {unknown}, so the dict is not taken as its "
+        "keyword arguments; name the keys as the forward's arguments"
         + (f" ({hint})" if hint else "")
     )
 
