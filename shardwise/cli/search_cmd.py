@@ -5,12 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
 from ..engine.simulate.costs import CommModel
 from ..plan_search import FlopCompute, Space, params_per_layer, parse_bytes, plot_frontier, search
-from ..plan_search.units import format_bytes
+from ..plan_search.compute import batch_size
 from .arguments import UsageError, load_function
 from .report import CommandFailed
 
@@ -97,6 +98,33 @@ def _comm(path: str | None) -> CommModel | None:
         raise UsageError(f"--comm {path!r}: {err}") from None
 
 
+def _check_plot(path: str | None) -> None:
+    """Refuse a --plot the search could not write, before the search (minutes on a large model) runs."""
+    if path is None:
+        return
+    folder = Path(path).parent
+    if not folder.is_dir():
+        raise UsageError(f"--plot {path!r}: there is no folder {str(folder)!r} to write it in; create it "
+                         "or name a file in a folder that exists")
+    if not os.access(folder, os.W_OK):
+        raise UsageError(f"--plot {path!r}: the folder {str(folder)!r} is not writable; name another")
+    suffix = Path(path).suffix.lstrip(".").lower()
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:  # plot_frontier says so in the output; the search is still worth its table
+        return
+    if suffix and suffix not in (kinds := FigureCanvasBase.get_supported_filetypes()):
+        raise UsageError(f"--plot {path!r}: matplotlib cannot write a .{suffix} file; use one of "
+                         f"{', '.join('.' + k for k in sorted(kinds))}")
+
+
+def _samples(target: str, batch: Any) -> int:
+    try:
+        return batch_size(batch)
+    except ValueError as err:
+        raise UsageError(f"{target}: --flops counts FLOPs per sample, but {err}") from None
+
+
 def run(args: argparse.Namespace, out: Any) -> int:
     step, params, batch, options = _loaded(args.target)
     compute = None
@@ -105,22 +133,26 @@ def run(args: argparse.Namespace, out: Any) -> int:
     if args.flops is not None:
         if not (args.flops > 0 and math.isfinite(args.flops)):
             raise UsageError(f"--flops {args.flops}: a finite rate above 0, e.g. 1e12")
-        samples = next(t.shape[0] for t in (batch if isinstance(batch, tuple | list) else [batch]))
+        samples = _samples(args.target, batch)  # any batch tree: a Hugging Face dict of inputs too
         compute = FlopCompute(params_per_layer(step, params), args.flops, samples, args.tokens_per_sample)
+    _check_plot(args.plot)
     found = search(step, params, batch, world=args.world, memory_per_rank=args.memory, comm=_comm(args.comm),
                    compute=compute, top=args.top, cores=args.cores, **options)
     text = [found.table()]
     data = found.as_dict()
     if args.plot:
-        done = plot_frontier(found, args.plot)
+        try:
+            done = plot_frontier(found, args.plot)
+        except (OSError, ValueError) as err:  # the table is the answer: print it, then say the plot failed
+            if not out.as_json:
+                print("\n".join(text))
+            raise CommandFailed(f"--plot {args.plot!r}: not drawn ({type(err).__name__}: {err}); the search's "
+                                "answer is the table", data) from None
         text.append(done)
         data["plot"] = done
     if not found.ranked:  # the answer is "no": exit 1, with what was refused and why
         if not out.as_json:
             print("\n".join(text))
-        raise CommandFailed(
-            f"no layout of {args.world} ranks fits {format_bytes(found.budget)} per rank "
-            f"({len(found.refused)} refused; the table says why)", data
-        )
+        raise CommandFailed(f"{found.why_none()}; the table says why", data)
     out.emit(data, text="\n".join(text))
     return 0

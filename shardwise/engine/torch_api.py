@@ -23,6 +23,7 @@ the public ``scaled_dot_product_attention``, returns each row's log-sum-exp. ``c
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -126,6 +127,18 @@ def data_dependent_errors() -> tuple[type[Exception], ...]:
     return (DataDependentOutputException, DynamicOutputShapeException)
 
 
+def fake_run_errors() -> tuple[type[Exception], ...]:
+    """What running a layer on fake tensors raises where the real kernels may still run it: the
+    :func:`data_dependent_errors`, and a ``RuntimeError`` (``NotImplementedError`` among them) from an
+    op's fake kernel, which can be stricter than the real one (torch 2.13's ``_grouped_mm``, which
+    transformers' Mixtral and Qwen2-MoE call by default, takes only bfloat16 on fake tensors and float32
+    too on CPU) or missing. A genuine error of the layer (shapes that do not fit) raises one of these
+    too: whoever catches them runs the layer again on real stand-ins (:func:`real_stand_ins`,
+    :func:`run_on_stand_ins`) and lets what that raises through, so such an error still reaches the
+    user, raised by the real kernel."""
+    return (*data_dependent_errors(), RuntimeError)
+
+
 @contextlib.contextmanager
 def fake_tensors(meta_device: torch.device | str = "cpu") -> Iterator[Callable[[Any], Any]]:
     """Inside the block, ``fake(t)`` turns a real tensor into a fake one on the same device, and
@@ -136,7 +149,11 @@ def fake_tensors(meta_device: torch.device | str = "cpu") -> Iterator[Callable[[
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+    with contextlib.ExitStack() as undo:
+        quiet, torch_log = _QuietMetaFailures(), logging.getLogger("torch._subclasses.fake_tensor")
+        torch_log.addFilter(quiet)
+        undo.callback(torch_log.removeFilter, quiet)
+        mode = undo.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
 
         def fake(t: Any) -> Any:
             if not isinstance(t, torch.Tensor):
@@ -146,6 +163,16 @@ def fake_tensors(meta_device: torch.device | str = "cpu") -> Iterator[Callable[[
             return mode.from_tensor(t)
 
         yield fake
+
+
+class _QuietMetaFailures(logging.Filter):
+    """Drops torch's error log of a fake kernel that raised ("failed while attempting to run meta"):
+    its error reaches the caller, who runs the layer on real stand-ins (:func:`fake_run_errors`), and
+    a genuine error is raised there; the log would be pages of a traceback for nothing. A filter of
+    its own per block, so blocks in threads at once add and remove only theirs."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("failed while attempting to run meta")
 
 
 def _zeros_like(t: torch.Tensor) -> torch.Tensor:

@@ -100,13 +100,22 @@ def measure_once(step: Step, params: Any, batch: Any, steps: int = 10, warmup: i
     return times
 
 
+class MeasurementFailed(RuntimeError):
+    """The single-device step could not be measured (it raised on the batch): no candidate of these
+    rewrites can be priced from measurements. The search refuses them at the stage ``measure``."""
+
+
 @dataclass
 class MeasuredCompute:
     """Layer costs measured on one device, once per (remat, precision) a candidate asks for.
 
     ``smallest`` is the smallest share of the batch a candidate's action runs on (the search
     passes ``1 / (world x largest micro-batch count)``); it is measured at that many samples
-    (at least one). ``threads``: torch threads while measuring (a rank's, usually 1).
+    (at least one). A step that cannot run that few (BatchNorm in training at one sample) is
+    measured at twice as many, and so on, up to the whole batch (then the costs are taken as
+    proportional to the batch); ``source`` says so. A step that cannot run the whole batch
+    raises :class:`MeasurementFailed`. ``threads``: torch threads while measuring (a rank's,
+    usually 1).
     """
 
     step: Step
@@ -115,26 +124,69 @@ class MeasuredCompute:
     smallest: float = 0.25
     steps: int = 10
     threads: int = 1
-    _cache: dict[tuple[str | None, str | None], LayerCosts] = field(default_factory=dict, repr=False)
-    source: ClassVar[str] = "measured on one device"
+    _cache: dict[tuple[str | None, str | None], LayerCosts | MeasurementFailed] = field(default_factory=dict,
+                                                                                        repr=False)
+    _moved: list[str] = field(default_factory=list, repr=False)
+
+    @property
+    def source(self) -> str:
+        """How the costs were had, in words: with where a small measurement had to move."""
+        return "; ".join(["measured on one device", *self._moved])
 
     def __call__(self, candidate: Candidate) -> LayerCosts:
         key = candidate.rewrites
         if key not in self._cache:
-            rewritten = Candidate(remat=candidate.remat, precision=candidate.precision).apply(self.step)
-            whole = batch_size(self.batch)
-            n = max(1, int(whole * self.smallest))
             before = torch.get_num_threads()
             torch.set_num_threads(self.threads)
             try:
-                full = measure_once(rewritten, self.params, self.batch, self.steps)
-                small = measure_once(rewritten, self.params, _shrink(self.batch, n), self.steps) if n < whole else {}
+                self._cache[key] = self._measured(candidate)
+            except MeasurementFailed as err:  # once per rewrites: every candidate of them would fail alike
+                self._cache[key] = err
             finally:
                 torch.set_num_threads(before)
-            per_action = full.pop((PER_ACTION, None))
-            small.pop((PER_ACTION, None), None)
-            self._cache[key] = LayerCosts(full, small, n / whole if n < whole else 0.0, per_action=per_action)
-        return self._cache[key]
+        found = self._cache[key]
+        if isinstance(found, MeasurementFailed):
+            raise found
+        return found
+
+    def _measured(self, candidate: Candidate) -> LayerCosts:
+        rewritten = Candidate(remat=candidate.remat, precision=candidate.precision).apply(self.step)
+        whole = batch_size(self.batch)
+        try:
+            full = measure_once(rewritten, self.params, self.batch, self.steps)
+        except (ValueError, RuntimeError) as err:
+            raise MeasurementFailed(
+                f"the single-device step{_of(candidate)} raised on the whole batch while being measured "
+                f"({_said(err)}); fix the step, or pass compute=FlopCompute(...)"
+            ) from err
+        n, small = max(1, int(whole * self.smallest)), {}
+        failed: tuple[int, str] | None = None
+        while n < whole:
+            try:
+                small = measure_once(rewritten, self.params, _shrink(self.batch, n), self.steps)
+                break
+            except (ValueError, RuntimeError) as err:  # too few samples for the model (BatchNorm at one)
+                failed = failed or (n, _said(err))
+                n *= 2
+        if failed is not None:
+            where = f"at {n} samples" if n < whole else "at the whole batch only, costs taken as proportional to it"
+            self._moved.append(f"the small point{_of(candidate)} measured {where}: at {failed[0]} samples the step "
+                               f"raised {failed[1]}")
+        per_action = full.pop((PER_ACTION, None))
+        small.pop((PER_ACTION, None), None)
+        return LayerCosts(full, small, n / whole if n < whole else 0.0, per_action=per_action)
+
+
+def _of(candidate: Candidate) -> str:
+    rewrites = ", ".join(f"{k}={v}" for k, v in (("remat", candidate.remat), ("precision", candidate.precision))
+                         if v is not None)
+    return f" (under {rewrites})" if rewrites else ""
+
+
+def _said(err: BaseException) -> str:
+    """``err`` as its type and first line (a torch error can run to pages)."""
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}"
 
 
 @dataclass(frozen=True)

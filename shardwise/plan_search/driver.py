@@ -21,8 +21,8 @@ from ..testing.equivalence import NotEquivalentError
 from .bounds import Bound, Bounds
 from .candidate import Candidate
 from .certify import certify
-from .compute import LayerCosts, MeasuredCompute
-from .rank import CERTIFY, COMPOSE, MEMORY, PLAN, Priced, Refused, first_line, meta, price
+from .compute import LayerCosts, MeasuredCompute, MeasurementFailed
+from .rank import CERTIFY, COMPOSE, MEASURE, MEMORY, PLAN, Priced, Refused, first_line, meta, price
 from .result import SearchResult
 from .space import Space
 from .units import format_bytes, parse_bytes
@@ -105,6 +105,9 @@ def search(
             continue
         try:
             bound = bounds(candidate, applied, full=False)
+        except MeasurementFailed as err:  # the step's costs, not this layout, are wanting
+            refused.append(Refused(candidate, MEASURE, str(err)))
+            continue
         except ValueError as err:  # what the lowering says of this batch cut or partition
             refused.append(Refused(candidate, PLAN, first_line(err)))
             continue

@@ -31,11 +31,11 @@ from ..engine.simulate.simulation import simulate
 from ..engine.simulate.timeline import ISSUE, SENDS, roles
 from ..engine.step.step import Step
 from .candidate import Candidate
-from .compute import LayerCosts
+from .compute import LayerCosts, MeasurementFailed
 from .replicas import one_replica, replica_comm
 from .units import format_bytes
 
-COMPOSE, PLAN, MEMORY, SIMULATE, CERTIFY = "compose", "plan", "memory", "simulate", "certify"
+COMPOSE, PLAN, MEMORY, MEASURE, SIMULATE, CERTIFY = "compose", "plan", "memory", "measure", "simulate", "certify"
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ class Priced:
 
 @dataclass(frozen=True)
 class Refused:
-    """A candidate left out at ``stage`` (compose, plan, memory, simulate, certify), and why:
+    """A candidate left out at ``stage`` (compose, plan, memory, measure, simulate, certify), and why:
     ``reason`` is shared by the candidates left out alike, ``detail`` is this one's own."""
 
     candidate: Candidate
@@ -217,7 +217,11 @@ def price(
         return Refused(candidate, MEMORY, f"a rank's predicted peak is over the budget of {format_bytes(budget)}",
                        f"peak {max(peak)} bytes on rank {peak.index(max(peak))}")
     try:
-        seconds = simulated_time(plan, step, candidate, compute(candidate), params, comm=comm, cores=cores,
+        costs = compute(candidate)
+    except MeasurementFailed as err:
+        return Refused(candidate, MEASURE, str(err))
+    try:
+        seconds = simulated_time(plan, step, candidate, costs, params, comm=comm, cores=cores,
                                  base_opt_bytes=base_opt_bytes)
     except (ValueError, RuntimeError) as err:
         return Refused(candidate, SIMULATE, first_line(err))

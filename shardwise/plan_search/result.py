@@ -52,7 +52,21 @@ class SearchResult:
 
     def _nothing_fits(self) -> str:
         reasons = "; ".join(f"{n} x {stage}: {why}" for (stage, why), n in self.refusals_by_reason().most_common(3))
-        return f"no layout of {self.world} ranks fits {format_bytes(self.budget)} per rank ({reasons})"
+        return f"{self.why_none()}: {reasons}"
+
+    def why_none(self) -> str:
+        """Why no layout was returned, in one line: over the memory only if one was refused for it.
+
+        >>> SearchResult((), (), 0, (), (), 2, 2**20, "measured", comm_priced=False).why_none()
+        'no layout of 2 ranks was tried (none refused)'
+        """
+        by_stage = Counter(r.stage for r in self.refused)
+        stages = ", ".join(f"{n} by {stage}" for stage, n in by_stage.most_common()) or "none refused"
+        if by_stage.get("memory"):
+            return f"no layout of {self.world} ranks fits {format_bytes(self.budget)} per rank ({stages})"
+        if not self.refused:
+            return f"no layout of {self.world} ranks was tried ({stages})"
+        return f"no layout of {self.world} ranks could be priced, none for want of memory ({stages})"
 
     def refusals_by_reason(self) -> Counter[tuple[str, str]]:
         """How many candidates each (stage, reason) left out."""

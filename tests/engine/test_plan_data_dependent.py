@@ -79,9 +79,14 @@ def test_a_plain_moe_loop_plans_its_ledger_is_the_plan_and_it_equals_one_device(
     assert stood_in == {"blocks.0", "blocks.1"}, plan.layers  # the Plan says which figures are the stand-ins'
     if stack == "pp2":  # stage boundaries are not predicted on stand-ins (a shape there may depend on the
         # data): the transfers announce their shapes at run time, and the Plan says their bytes are unknown
-        unknown = r"send_activation\(stage0, mb=0, to=1\) on rank 0: its payload is unknown"
+        # ... and says why (it told the user to pass the parameters and a batch, which they had)
+        unknown = (r"send_activation\(stage0, mb=0, to=1\) on rank 0: its payload is unknown: the pipeline's stage "
+                   r"boundary was not predicted, since a layer before it could not run on fake tensors \(blocks.0, ")
         with pytest.raises(ValueError, match=unknown):
             list(plan.collectives(0))
+        link = sw.plan.PlanCosts(comm=sw.plan.CommModel.link(bandwidth=1e9, latency=1e-6))
+        with pytest.raises(ValueError, match=r"carries a payload the plan does not know \(the pipeline's stage bound"):
+            sw.simulate(plan, link)
         sw.testing.assert_equivalent(composed, step, mesh, data, params)
         return
     for rank, got in enumerate(_ledger(composed, mesh, params, data[0])):

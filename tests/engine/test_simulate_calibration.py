@@ -221,3 +221,40 @@ def test_a_comm_model_without_a_figure_for_an_op_the_plan_moves_is_refused() -> 
         simulate(plan, PlanCosts(comm=CommModel(alpha={"send": 1.0})))
     assert simulate(plan, PlanCosts(comm=CommModel(alpha={"all_gather": 0.0}))).makespan == 1.0  # free, said so
     assert simulate(plan, PlanCosts()).makespan == 1.0  # no model at all: everything free
+
+
+def test_times_of_another_step_are_refused_not_read_as_this_plans_actions() -> None:
+    """Times carry positions only: a pipeline's 13 timed actions were fitted as the first 13 of a
+    ZeRO-3 plan's 48 (its forwards as gathers' costs). Every action of the plan must be timed, once."""
+    plan = _two_gathers()  # 5 actions a rank
+    fewer = [[(0, 0.0, 1.0), (1, 1.0, 2.0), (2, 2.0, 3.0)]] * 2
+    twice = [[(0, 0.0, 0.0), (1, 0.0, 0.0), (2, 0.0, 1.0), (2, 1.0, 2.5), (4, 2.5, 3.5)]] * 2
+    for times, why in ((fewer, r"rank 0's times are of 3 actions, its plan's of 5 \(none for position 3"),
+                       (twice, r"none for position 3 \(")):
+        calls = {"PlanCosts.fit": lambda t: PlanCosts.fit(plan, [t]),
+                 "PlanTimeline.from_measured": lambda t: PlanTimeline.from_measured(plan, t),
+                 "measured_transfers": lambda t: measured_transfers(plan, [t], PlanCosts())}
+        for what, call in calls.items():
+            with pytest.raises(ValueError, match=f"{what}: .*{why}.*measured on this plan's step"):
+                call(times)
+
+
+def test_a_step_whose_update_was_skipped_on_an_overflow_still_fits_its_plan() -> None:
+    """An update skipped for a non-finite gradient still runs its action (keeping the parameters): its
+    times are of every action of the plan, and fit it."""
+    torch.manual_seed(0)
+    chain, params = sw.functionalize(mlp([4, 8, 2]))
+    base = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1))
+    step = sw.mixed_precision(sw.shard_params(base.with_trace(), "dp", 3), "params=f32,compute=f16,output=f32",
+                              loss_scale=1e30)  # float16 gradients scaled by 1e30 overflow
+    mesh, batch = sw.Mesh(dp=2), (torch.randn(4, 4), torch.randn(4, 2))
+    plan = step.plan(mesh, params, batch)
+
+    def run() -> tuple[bool, list[tuple[int, float, float]]]:
+        _, metrics = step(step.init(params, mesh), batch)
+        return bool(metrics["skipped"]), metrics["action_times"]
+
+    ranks = sw.launch(run, 2)
+    assert all(skipped for skipped, _ in ranks)
+    costs = PlanCosts.fit(plan, [[times for _, times in ranks]])
+    assert costs.kind and PlanTimeline.from_measured(plan, [times for _, times in ranks]).makespan > 0

@@ -114,7 +114,8 @@ def test_refusals_by_the_transforms_are_reported_with_their_reasons() -> None:
     assert sum(n for _, n in composed) == len(found.refused) - sum(n for (s, _), n in reasons.items() if s != COMPOSE)
     assert "refused by compose" in found.table()
     assert found.skipped == ("tensor parallel shapes (tp > 1): no tp_plan= given",)
-    with pytest.raises(ValueError, match="no layout of 2 ranks fits"):
+    # none was refused for memory: the answer does not say none fits it
+    with pytest.raises(ValueError, match=r"no layout of 2 ranks could be priced, none for want of memory \(\d+ by co"):
         _ = found.best
 
 

@@ -28,6 +28,25 @@ def make():
 
 def bad_options():
     return (*make()[:3], {"tp_pln": {}})
+
+
+class DictIn(torch.nn.Module):
+    """Takes a dict of inputs, as a Hugging Face model does."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = mlp([8, 32, 8])
+
+    def forward(self, inputs):
+        return self.net(inputs["x"] * inputs["mask"])
+
+
+def dict_batch():
+    torch.manual_seed(0)
+    batch = ({"x": torch.randn(8, 8), "mask": torch.ones(8, 1)}, torch.randn(8, 8))
+    chain, params = sw.functionalize(DictIn(), example_input=batch[0])
+    step = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1))
+    return step, params, batch, {"space": Space(zero_stages=(1,), microbatches=(1,), remat=(None,))}
 '''
 
 
@@ -80,3 +99,39 @@ def test_no_layout_that_fits_is_answer_no_and_flags_that_mean_nothing_are_refuse
     assert "--flops inf: a finite rate above 0" in capsys.readouterr().err
     assert main(["search", f"{target}:make", "--world", "2", "--memory", "1MiB", "--tokens-per-sample", "9"]) == 2
     assert "--tokens-per-sample counts the FLOPs of --flops: give --flops too" in capsys.readouterr().err
+
+
+def test_flops_counts_the_samples_of_a_dict_batch(target: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--flops read the batch's size off its first element, a tensor: a Hugging Face batch
+    ``({"input_ids": ..., "attention_mask": ...}, labels)`` crashed with AttributeError."""
+    assert main(["search", f"{target}:dict_batch", "--world", "2", "--memory", "1MiB", "--flops", "1e9",
+                 "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [row["stack"] for row in data["ranked"]] == ["dp2 zero1"], data
+
+
+def test_a_plot_that_cannot_be_written_is_refused_before_the_search(
+    target: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A --plot into a missing folder ran the whole search (minutes on a large model), then failed
+    with FileNotFoundError and no table."""
+    import shardwise.cli.search_cmd as search_cmd
+
+    searched: list[bool] = []
+    real_search = search_cmd.search
+    monkeypatch.setattr(search_cmd, "search", lambda *a, **k: searched.append(True) or real_search(*a, **k))
+    nowhere = tmp_path / "no_such_folder" / "frontier.png"
+    args = ["search", f"{target}:make", "--world", "2", "--memory", "1MiB", "--flops", "1e9"]
+    assert main([*args, "--plot", str(nowhere)]) == 2
+    assert "--plot" in (err := capsys.readouterr().err) and "there is no folder" in err and not searched
+    pytest.importorskip("matplotlib")
+    assert main([*args, "--plot", str(tmp_path / "frontier.pngx")]) == 2
+    assert "matplotlib cannot write a .pngx file" in capsys.readouterr().err and not searched
+
+    def fails(*_: object) -> str:  # a failure only the drawing finds (a full disk): the table still comes
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(search_cmd, "plot_frontier", fails)
+    assert main([*args, "--plot", str(tmp_path / "frontier.png")]) == 1
+    captured = capsys.readouterr()
+    assert captured.out.splitlines()[0].split()[:2] == ["#", "stack"] and "No space left" in captured.err

@@ -83,7 +83,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _NormBase
 
-from ..torch_api import data_dependent_errors
+from ..torch_api import fake_run_errors
 from .batch_loss_terms import refuse_split_batch_loss
 from .capture import Piece, split_by_calls
 from .chain import Chain, Layer
@@ -157,11 +157,12 @@ def functionalize(
     init, target, origin = _meta_init(module, init_fn, device)
     try:
         chain, params, sources, example_input = _split_and_check(target, units, example_input, init is not None)
-    except data_dependent_errors():
+    except fake_run_errors():
         if init is None:
             raise
-        # The model reads data to decide a shape (a mixture-of-experts' routing), which fake tensors
-        # cannot: record and check it on its stand-in tensors instead (real, zero-cost parameters).
+        # The model reads data to decide a shape (a mixture-of-experts' routing), or an op's fake kernel
+        # refuses what its real one runs, which fake tensors cannot: record and check it on its stand-in
+        # tensors instead (real, zero-cost parameters), where a genuine error is raised again.
         chain, params, sources, example_input = _split_and_check(target, units, example_input, False)
     if init is None:
         return chain, params

@@ -17,8 +17,9 @@ views of one batch, so that memory is kept once however many are in flight.
 buffers and inputs (torch's FakeTensorMode, through engine/torch_api.py): shapes,
 dtypes and kernel choices flow, no arithmetic is done, and the figures equal
 the measured ones (a test checks it). A layer that reads data to decide a shape (a plain
-mixture-of-experts loop's ``torch.where``) cannot run on fake tensors: it runs on zero-filled real
-stand-ins instead (engine/torch_api.py, ``real_stand_ins``), its figures those of the stand-ins' routing.
+mixture-of-experts loop's ``torch.where``) cannot run on fake tensors, nor one with an op whose fake
+kernel refuses what its real one runs (``fake_run_errors``): it runs on zero-filled real stand-ins
+instead (engine/torch_api.py, ``real_stand_ins``), its figures those of the stand-ins' routing.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from ..model import reuse as reuse_module
 from ..model.chain import Chain
 from ..model.split_backward import input_part, recomputes
 from ..stack import in_layer
-from ..torch_api import data_dependent_errors, fake_tensors, is_fake, real_stand_ins, storage_key
+from ..torch_api import fake_run_errors, fake_tensors, is_fake, real_stand_ins, storage_key
 
 Observer = Callable[[torch.Tensor], None]
 
@@ -129,12 +130,14 @@ def kept_parts(
         try:
             with torch.enable_grad(), observing(kept.append):
                 y = layer(local, x)
-        except data_dependent_errors():
+        except fake_run_errors():
             if not any(is_fake(t) for t in [*local.values(), *optree.tree_leaves(x)]):
                 raise
             kept, memo_ok = [], False
             stand_ins.append(layer.name)
-            with real_stand_ins() as real:  # it reads data to decide a shape: run it on real stand-ins
+            # It reads data to decide a shape, or an op's fake kernel refuses it: run it on real stand-ins,
+            # where a genuine error of the layer is raised again, by the real kernel.
+            with real_stand_ins() as real:
                 local = {k: real(v).detach().requires_grad_(True) for k, v in local.items()}
                 x_real = real(x)
                 batch |= {storage_key(r) for t, r in zip(optree.tree_leaves(x), optree.tree_leaves(x_real), strict=True)

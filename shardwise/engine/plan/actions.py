@@ -243,13 +243,24 @@ class Plan:
             if op is None:
                 continue
             if not action.wire:
-                raise ValueError(
-                    f"{action} on rank {rank}: its payload is unknown; make the plan with the "
-                    "parameters and a batch (step.plan(mesh, params, batch))"
-                )
+                raise ValueError(f"{action} on rank {rank}: its payload is unknown: {self.why_unknown(action)}")
             assert action.axis is not None
             for w in action.wire:
                 yield Collective(op, action.axis, w.dtype, w.nbytes)
+
+    def why_unknown(self, action: Action) -> str:
+        """Why ``action``'s payload is unknown, and what to do, for an error that names it. A pipeline's
+        transfer in a plan made with a batch is unknown because its stage boundary was not predicted:
+        a layer before it could not run on fake tensors (its shapes may depend on the data), so the
+        transfer announces its shapes at run time."""
+        if "kept_for_backward" in self.memory and action.kind in (SEND_ACTIVATION, RECV_ACTIVATION, SEND_GRAD,
+                                                                   RECV_GRAD):
+            stood_in = [n for n, notes in self.layers.items() if any("zero-filled stand-ins" in x for x in notes)]
+            which = f" ({', '.join(stood_in)} ran on stand-ins)" if stood_in else ""
+            return ("the pipeline's stage boundary was not predicted, since a layer before it could not run on fake "
+                    f"tensors{which}: its transfers announce their shapes at run time, and the plan cannot "
+                    "count their bytes")
+        return "the plan was made without the parameters or a batch; make it with step.plan(mesh, params, batch)"
 
     def comm_bytes(self) -> dict[tuple[str, str], tuple[int, ...]]:
         """Bytes each rank hands to each (axis, collective) in one step: the inputs of its

@@ -25,7 +25,7 @@ from ..layout.state_layout import Placement
 from ..model.chain import Chain, Layer
 from ..model.split_backward import input_part, recomputes, weight_part
 from ..stack.in_layer import Issued
-from ..torch_api import data_dependent_errors, fake_tensors, run_on_stand_ins
+from ..torch_api import fake_run_errors, fake_tensors, run_on_stand_ins
 
 # (compute kind, stage) -> what that compute issues inside its layers, in order
 Predicted = dict[tuple[str, int], list[Issued]]
@@ -106,12 +106,13 @@ def predict_inside(
 
 def _run(layer: Layer, tensors: dict[str, torch.Tensor], x: Any, issued: list[Issued]) -> Any:
     """``layer`` on fake tensors; one that reads data to decide a shape (a plain mixture-of-experts
-    loop's ``torch.where``) runs again on real stand-ins, forward and backward (``run_on_stand_ins``),
-    what it recorded before it failed dropped."""
+    loop's ``torch.where``), or one with an op whose fake kernel refuses it (``fake_run_errors``), runs
+    again on real stand-ins, forward and backward (``run_on_stand_ins``), what it recorded before it
+    failed dropped; a genuine error of the layer is raised there again."""
     mark = len(issued)
     try:
         return layer(tensors, x)
-    except data_dependent_errors():
+    except fake_run_errors():
         del issued[mark:]
         return run_on_stand_ins(lambda buffers, t, x: dataclasses.replace(layer, buffers=buffers)(t, x),
                                 dict(layer.buffers), tensors, x)

@@ -235,9 +235,9 @@ class _Simulation:
         if not a.wire and comm.beta.get(op):
             # Priced at its latency alone, the less the plan was told the faster its step would look.
             raise ValueError(
-                f"simulate: the plan's {a} carries a payload the plan does not know (made without the parameters "
-                f"or a batch), and the CommModel prices op {op!r} by the byte; make the plan with "
-                "step.plan(mesh, params, batch), or simulate with a CommModel without a per-byte cost for it"
+                f"simulate: the plan's {a} carries a payload the plan does not know ({self.plan.why_unknown(a)}), "
+                f"and the CommModel prices op {op!r} by the byte; simulate with a CommModel without a per-byte "
+                "cost for it"
             )
         sizes = [w.nbytes for w in a.wire] or [0]  # a payload-free model: its latency alone
         if op == "send":  # its tensors go to one peer back to back, one stream: the latency once

@@ -114,21 +114,33 @@ def channel(rank: int, peer: int, a: Action) -> tuple[Any, ...]:
     return (src, dst, a.axis, *payload)
 
 
+_SAME_STEP = ("were the times measured on this plan's step, mesh and batch? (the plan of a split step, tensor "
+              "parallel's say, made without a batch lists none of its in-layer collectives: step.plan(mesh, params, "
+              "batch))")
+
+
 def check_action_times(plan: Plan, per_rank: Sequence[ActionTimes], what: str) -> None:
+    """Refuse times that are not of ``plan``'s step: a traced step times every action of its rank's
+    Plan once (an update skipped on an overflow too: its action runs and keeps the parameters), so
+    each rank's positions are exactly its actions'. Times carry positions only; another step's
+    would otherwise be read as this plan's actions' (a pipeline's forwards as ZeRO-3's gathers)."""
     if len(per_rank) != plan.mesh.size:
         raise ValueError(f"{what}: got action times of {len(per_rank)} ranks for a plan of {plan.mesh.size}")
     for r, times in enumerate(per_rank):
+        n = len(plan.actions[r])
         for pos, start, end in times:
-            if not 0 <= pos < len(plan.actions[r]):
-                raise ValueError(
-                    f"{what}: rank {r} has {len(plan.actions[r])} actions, not one at position {pos}; were the "
-                    "times measured on this plan's step, mesh and batch? (the plan of a split step, tensor parallel's "
-                    "say, made without a batch lists none of its in-layer collectives: step.plan(mesh, params, batch))"
-                )
+            if not 0 <= pos < n:
+                raise ValueError(f"{what}: rank {r} has {n} actions, not one at position {pos}; {_SAME_STEP}")
             if end < start:
                 raise ValueError(
                     f"{what}: rank {r}'s action {plan.actions[r][pos]} ends ({end}) before it starts ({start})"
                 )
+        positions = [pos for pos, _, _ in times]
+        if len(positions) != n or len(set(positions)) != n:
+            missing = sorted(set(range(n)) - set(positions))
+            which = f"none for position {missing[0]} ({plan.actions[r][missing[0]]})" if missing else "some twice"
+            raise ValueError(f"{what}: rank {r}'s times are of {len(positions)} actions, its plan's of {n} "
+                             f"({which}); {_SAME_STEP}")
 
 
 # -- the timeline -------------------------------------------------------------------------------

@@ -130,8 +130,9 @@ def plan_of(step: Step, mesh: Mesh, params: Params | None, batch: Any, *, share_
                 if step.chain.owned_param_names(layer):
                     notes[layer] = (*notes.get(layer, ()), _GUESSED_UPDATE)
         for layer in stand_ins:  # not silently a guess: say which figure is the stand-ins'
-            notes[layer] = ("it reads data to decide a shape (a routing?), which fake tensors cannot: its "
-                            "kept_for_backward is predicted on zero-filled stand-ins (a real batch routes otherwise)",)
+            notes[layer] = ("fake tensors cannot run it (it reads data to decide a shape, a routing?, or an op's "
+                            "fake kernel refuses what its real one runs): its kept_for_backward is predicted on "
+                            "zero-filled stand-ins (a real batch routes otherwise)",)
     # In the order the rewrites apply (engine/stack/compose.py), whatever order they were applied in.
     for spec in rewrites_in_order(step.transforms):
         for layer, note in spec.layer_notes(step.base_chain).items():
