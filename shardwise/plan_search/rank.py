@@ -61,9 +61,17 @@ class Priced:
         """The largest predicted peak of any rank."""
         return max(self.peak)
 
+    @property
+    def unknown_bytes_on(self) -> tuple[str, ...]:
+        """The axes with a transfer whose payload the plan does not know, counted 0 in ``bytes_per_axis``
+        (a pipeline's boundary after a layer that ran on stand-ins: :meth:`Plan.why_unknown`)."""
+        return tuple(sorted({a.axis for actions in self.plan.actions for a in actions
+                             if a.op is not None and a.axis is not None and not a.wire}))
+
     def as_dict(self) -> dict[str, Any]:
         return {"stack": str(self.candidate), **self.candidate.as_dict(), "time_s": self.time,
-                "peak_bytes": self.memory, "bytes_per_axis": dict(self.bytes_per_axis), "certified": self.certified}
+                "peak_bytes": self.memory, "bytes_per_axis": dict(self.bytes_per_axis),
+                "bytes_unknown_on": list(self.unknown_bytes_on), "certified": self.certified}
 
 
 @dataclass(frozen=True)

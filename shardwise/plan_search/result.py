@@ -82,8 +82,12 @@ class SearchResult:
         on_frontier = {id(p) for p in self.frontier()}
         header = f"{'#':>3}  {'stack':<44} {'time/step':>11} {'peak/rank':>11}  bytes per axis"
         lines = [header, "-" * len(header)]
+        unknown = False
         for i, p in enumerate(rows, 1):
-            axes = ", ".join(f"{axis} {format_bytes(n)}" for axis, n in p.bytes_per_axis.items()) or "-"
+            partly = p.unknown_bytes_on
+            unknown |= bool(partly)
+            axes = ", ".join(f"{axis} {format_bytes(n)}{'+?' if axis in partly else ''}"
+                             for axis, n in p.bytes_per_axis.items()) or "-"
             mark = "*" if id(p) in on_frontier else " "
             lines.append(f"{i:>3}{mark} {p.candidate!s:<44} {format_seconds(p.time):>11} {format_bytes(p.memory):>11}  "
                          + axes + ("" if p.certified is None else f"  [{p.certified}]"))
@@ -91,6 +95,9 @@ class SearchResult:
                      f"{len(self.refused)} were refused; compute costs {self.compute_source})")
         if not self.comm_priced:
             lines.append("communication is not priced: pass comm=CommModel (e.g. CommModel.from_benchmark)")
+        if unknown:
+            lines.append("+?: and transfers whose payload the plan does not know (a pipeline's stage boundary after "
+                         "a layer that ran on stand-ins), counted 0 and priced at their latency alone")
         if self.bounded:
             lines.append(f"not planned ({self.bounded}): a lower bound on their step time is above "
                          f"{format_seconds(self.bounded_above or 0.0)}, the slowest that could be returned")

@@ -131,3 +131,19 @@ def test_an_update_that_reads_its_values_plans_and_says_its_figure_is_a_guess() 
     held = [sum(t.nbytes for t in params[layer].values()) + 4 for layer in ("0", "2")]  # and the state's count
     assert list(plan.memory["update_buffers"]) == held
     assert all("update_buffers counts its new parameters" in plan.layers[n][-1] for n in ("0", "2")), plan.layers
+
+
+def test_the_search_marks_pipeline_bytes_the_plan_does_not_know() -> None:
+    """A pipeline's sends after a layer on stand-ins count 0 bytes: the table showed the pp column as
+    if they were all it sends. Such an axis is now marked ``+?`` and the table says what that means."""
+    from shardwise.plan_search import FlopCompute, Space, params_per_layer
+
+    step, params = moe_gpt()
+    batch = batches(1)[0]
+    found = sw.search(step, params, batch, world=2, memory_per_rank="1GB", top=10, prune=False,
+                      compute=FlopCompute(params_per_layer(step, params), 1e9, 4, SEQ),
+                      space=Space(zero_stages=(1,), schedules=("1f1b",), microbatches=(2,), remat=(None,)))
+    marks = {str(p.candidate): p.unknown_bytes_on for p in found.ranked}
+    assert marks == {"dp2 zero1": (), "pp2 1f1b mb2": ("pp",)}, found.table()
+    assert "+?: and transfers whose payload the plan does not know" in found.table()
+    assert next(p for p in found.ranked if p.unknown_bytes_on).as_dict()["bytes_unknown_on"] == ["pp"]
