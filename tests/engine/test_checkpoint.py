@@ -99,6 +99,37 @@ def test_reshard_continues_as_uninterrupted(name: str, optimizer: str, tmp_path:
     sw.testing.compare_histories(per_rank, expected[2:], rtol=RTOL)
 
 
+class _WithMarker(torch.nn.Module):
+    """A linear layer with a 0-element parameter (the device/dtype marker pattern)."""
+
+    def __init__(self, n_in: int, n_out: int) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(n_in, n_out)
+        self.marker = torch.nn.Parameter(torch.empty(0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x.to(self.marker.dtype))
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_parameter_without_elements_under_zero_is_saved_and_reshards(stage: int, tmp_path: Path) -> None:
+    """No rank's shard holds an element of it, yet the checkpoint records it (once): it loads on the
+    layout that saved it and on others."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_WithMarker(5, 4), torch.nn.Tanh(), _WithMarker(4, 3)).double()
+    chain, params = sw.functionalize(model)
+    step = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1, momentum=0.9))
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(12, 5, generator=gen, dtype=torch.float64),
+                torch.randn(12, 3, generator=gen, dtype=torch.float64)) for _ in range(3)]
+    expected = sw.testing.record_history(step, step.init(params), batches)
+    sw.launch(functools.partial(_save_after, _zero(step, stage), params, sw.Mesh(dp=2), batches[:1], tmp_path / "c"),
+              2)
+    for load_step, mesh in ((_zero(step, stage), sw.Mesh(dp=2)), (step, None), (_zero(step, 3), sw.Mesh(dp=3))):
+        per_rank = sw.launch(functools.partial(_resume, load_step, mesh, batches[1:], tmp_path / "c"), _world(mesh))
+        sw.testing.compare_histories(per_rank, expected[1:], rtol=RTOL)
+
+
 def test_a_load_without_the_optimizer_state_is_caught(tmp_path: Path) -> None:
     """Control: resuming with fresh momentum (what full_params + init gives) diverges, and the
     comparison the tests above use says so."""
@@ -216,6 +247,24 @@ def test_async_save_commits_on_wait_and_the_next_save_waits(tmp_path: Path) -> N
     for name, done in (("a", 1), ("b", 2)):
         per_rank = sw.launch(functools.partial(_resume, sharded, sw.Mesh(dp=2), batches[done:], tmp_path / name), 2)
         sw.testing.compare_histories(per_rank, expected[done:], rtol=RTOL)
+
+
+def test_a_load_waits_for_this_ranks_save_to_its_path_still_under_way(tmp_path: Path) -> None:
+    """load(path) right after save(path, ..., blocking=False) loads that save: the first one (not
+    "interrupted"), and one replacing an older checkpoint (not the older one)."""
+    step, params, batches = _problem()
+    sharded = _zero(step, 3)
+
+    def main() -> list[int]:
+        state = sharded.init(params, sw.Mesh(dp=2))
+        steps = []
+        for batch in batches[:2]:
+            state, _ = sharded(state, batch)
+            ck.save(tmp_path / "c", state, sharded, blocking=False, overwrite=True)
+            steps.append(ck.load(tmp_path / "c", sharded, sw.Mesh(dp=2)).step)
+        return steps
+
+    assert sw.launch(main, 2) == [[1, 2], [1, 2]]
 
 
 @given(shape=st.lists(st.integers(1, 4), min_size=0, max_size=4), data=st.data())

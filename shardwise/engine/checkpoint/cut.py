@@ -118,6 +118,8 @@ def my_regions(layout: StateLayout, mesh: Mesh | None) -> list[Region]:
                 a, b = max(low, offset), min(high, offset + numel)
                 if a < b:
                     regions.append(Region(unit, name, a - offset, b - offset, unit, a - low))
+                elif numel == 0 and dp == 0:  # no shard holds it; still saved (its shape and dtype) once
+                    regions.append(Region(unit, name, 0, 0, unit, 0))
             offset += numel
     return regions
 

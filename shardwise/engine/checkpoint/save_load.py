@@ -65,6 +65,8 @@ from ..layout.devices import device_of
 from ..layout.state import TrainState
 from ..layout.state_layout import StateLayout
 from ..run.agreement import gather_texts
+from .arguments import check_mesh, check_path, check_state, check_step
+from .buffers import changed_buffers, restore
 from .cut import boxes, flat_start, my_regions, split_opt_state, update_tree
 from .file_format import (
     COMMITTED,
@@ -197,6 +199,10 @@ def save(path: str | os.PathLike[str], state: TrainState, step: Any, *, blocking
     torchrun, wait yourself: at exit its commit is said to be lost). A checkpoint
     already at ``path`` is replaced (atomically) only with ``overwrite=True``.
     """
+    call = "save(path, state, step)"
+    check_path(call, path)
+    check_state(call, state)
+    check_step(call, step)
     previous = getattr(_pending, "handle", None)
     if previous is not None:
         previous.wait()  # one save at a time: the next waits for (and commits) the last
@@ -434,17 +440,31 @@ def load(path: str | os.PathLike[str], step: Any, mesh: Mesh | None = None, *,
     dtype must be those the step expects: its chain's modules' (as ``functionalize`` kept them),
     cast by the step's precision policy, and, when given, those of ``like`` (params, real or
     ``device="meta"``). A hand-written layer has no module, so only ``like`` checks its
-    parameters. Tensors are read onto ``device``. A read that fails on one rank (a corrupt record only
-    it reads) fails on every rank: none returns a state the others do not have.
+    parameters. Tensors are read onto ``device``. A save to ``path`` still under way
+    (``blocking=False``) is waited for first, as the next save waits for it. A read that fails on
+    one rank (a corrupt record only it reads) fails on every rank: none returns a state the others
+    do not have. The saved buffers and frozen (``requires_grad=False``) parameters, which the
+    chain carries, are copied into the chain's tensors (``buffers.py``), as
+    ``nn.Module.load_state_dict`` restores a module's.
     """
+    call = "load(path, step, mesh)"
+    check_path(call, path)
+    check_step(call, step)
+    check_mesh(call, mesh)
     on = torch.device(device)
+    pending = getattr(_pending, "handle", None)
+    if pending is not None and pending.path.absolute() == Path(path).absolute():
+        pending.wait()  # this rank's save to it is in flight (blocking=False): what it loads is that save
 
-    def check() -> tuple[Path, dict[str, Any], dict[str, dict[str, torch.Tensor]], dict[tuple[str, str], str]]:
+    def check() -> tuple[Path, dict[str, Any], dict[str, dict[str, torch.Tensor]], dict[tuple[str, str], str],
+                         list[tuple[torch.Tensor, torch.Tensor]]]:
         directory = resolve(path)
         meta = check_committed(directory)
-        return (directory, meta, *_check_model(directory, meta, step, like))
+        params_meta, keys = _check_model(directory, meta, step, like)
+        return directory, meta, params_meta, keys, _changed_buffers(directory, meta, step)
 
-    directory, meta, params_meta, keys = _together(mesh, on, f"load of {path}", check)
+    directory, meta, params_meta, keys, changed = _together(mesh, on, f"load of {path}", check)
+    restore(changed)  # the saved buffers and frozen weights: the chain's own (buffers.py); ranks agree on them below
     step.check_ranks_agree(mesh, step.layout(mesh, params_meta), {
         "parameter names, shapes and dtypes": repr(
             [(k, n, tuple(t.shape), t.dtype) for k, v in params_meta.items() for n, t in v.items()]
@@ -486,6 +506,17 @@ def _together(mesh: Mesh | None, device: torch.device, what: str, fn: Callable[[
         raise error
     assert result is not None
     return result
+
+
+def _changed_buffers(directory: Path, meta: Mapping[str, Any], step: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The chain's persistent buffers (frozen parameters among them) whose saved values differ from its own."""
+    stored = {fqn: (tuple(spec["shape"]), dtype_of(spec["dtype"], fqn)) for fqn, spec in meta["tensors"].items()}
+    reader = Reader(directory, meta)
+    try:
+        return changed_buffers(f"checkpoint {directory}", step.base_chain, state_dict_names(step.base_chain),
+                               stored, reader.read_into, prefix="model.")
+    finally:
+        reader.close()
 
 
 def _check_model(

@@ -23,8 +23,11 @@ import torch
 
 from ...collectives.mesh import Mesh
 from ..layout.state import TrainState
+from .arguments import check_state, check_step
+from .buffers import restore_from
 from .file_format import DCP_META, CheckpointError
 from .names import module_params, state_dict_names
+from .regions import Placed
 
 
 def full_state_dict(step: Any, state: TrainState) -> dict[str, torch.Tensor]:
@@ -39,6 +42,8 @@ def full_state_dict(step: Any, state: TrainState) -> dict[str, torch.Tensor]:
     >>> sorted(sd), model.load_state_dict(sd, strict=True)
     (['0.bias', '0.weight', '2.bias', '2.weight'], <All keys matched successfully>)
     """
+    check_step("full_state_dict(step, state)", step)
+    check_state("full_state_dict(step, state)", state)
     full = step.full_params(state)
     chain = step.base_chain
     names = state_dict_names(chain)
@@ -49,9 +54,10 @@ def full_state_dict(step: Any, state: TrainState) -> dict[str, torch.Tensor]:
 
 
 def init_from_state_dict(step: Any, state_dict: dict[str, torch.Tensor], mesh: Mesh | None = None) -> TrainState:
-    """``step.init`` from a module's ``state_dict`` (every key of it; buffers and a tied weight's
-    other names must equal what the chain holds). As ``nn.Module.load_state_dict``, every parameter
-    must have the module's shape, and its values are cast to the module's dtype."""
+    """``step.init`` from a module's ``state_dict`` (every key of it; a tied weight's other names must
+    equal its first). As ``nn.Module.load_state_dict``, every parameter must have the module's shape,
+    and its values are cast to the module's dtype; buffers and frozen parameters, which the chain
+    carries, are copied into the chain's tensors (``buffers.py``)."""
     names = state_dict_names(step.base_chain)
     missing = sorted(set(names.keys) - set(state_dict))
     unexpected = sorted(set(state_dict) - set(names.keys))
@@ -83,13 +89,13 @@ def init_from_state_dict(step: Any, state_dict: dict[str, torch.Tensor], mesh: M
             raise CheckpointError(
                 f"init_from_state_dict: {alias!r} is tied to {key!r} in the module, but their values differ"
             )
-    for key, (layer, name) in names.buffers.items():
-        held = step.base_chain[layer].buffers[name]
-        if not torch.equal(state_dict[key].to(held.dtype), held):
-            raise CheckpointError(
-                f"init_from_state_dict: buffer {key!r} differs from the chain's; buffers are part of the chain: "
-                "load the state_dict into the module and functionalize it again"
-            )
+    stored = {key: (tuple(t.shape), t.dtype) for key, t in state_dict.items()}
+
+    def read_into(key: str, placed: list[Placed]) -> None:
+        for (_, _), view in placed:  # whole boxes (buffers.py reads a buffer whole)
+            view.copy_(state_dict[key])
+
+    restore_from("init_from_state_dict: the state_dict", step.base_chain, names, stored, read_into)
     for layer in params:
         params[layer] = {n: params[layer][n] for n in step.base_chain[layer].owned_param_names}
     return step.init(params, mesh)

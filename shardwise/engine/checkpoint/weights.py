@@ -12,11 +12,14 @@ of the elements kept, once its zip directory has said where its data starts (``d
 So a rank reads about its share of the bytes, whatever mesh saved them.
 
 Keys are the module's ``state_dict`` keys; a tied weight may be stored under any of its
-names (``save_pretrained`` keeps one). Every parameter must be there with the model's
-shape, every persistent buffer with the value the chain holds, and nothing else: a missing,
-mis-shaped or unexpected tensor is refused, naming its key, and so is an integer tensor for a
-floating-point parameter. Values are cast to the step's master dtype, as ``step.init`` casts
-real parameters.
+names (``save_pretrained`` keeps one). Every parameter and persistent buffer must be there
+with the model's shape, and nothing else: a missing, mis-shaped or unexpected tensor is refused,
+naming its key, and so is an integer tensor for a floating-point parameter. Values are cast to
+the step's master dtype, as ``step.init`` casts real parameters. Buffers and frozen
+(``requires_grad=False``) parameters live in the chain, not in the state: their stored values
+are copied into the chain's tensors, in their dtype (``buffers.py``), as ``load_state_dict``
+fills a module's, so the frozen embedding of a model built on the meta device comes from the
+file too.
 """
 
 from __future__ import annotations
@@ -30,10 +33,11 @@ import torch
 from ...collectives.mesh import Mesh
 from ..layout.state import TrainState
 from ..layout.state_layout import StateLayout
+from .buffers import restore_from
 from .dcp_files import DcpFiles
 from .errors import CheckpointError
 from .names import StateDictNames, module_params, state_dict_names
-from .regions import Placed, placed_boxes, whole
+from .regions import Placed, placed_boxes
 from .safetensors_files import SafetensorsFiles
 
 
@@ -119,7 +123,7 @@ def _init(step: Any, store: Store, mesh: Mesh | None, seed: int) -> TrainState:
             params[layer.name][n] = torch.empty(
                 shape, dtype=dtype if want is None else want.dtype, device="meta"
             )
-    _check_buffers(step, store, names)
+    restore_from(store.where, step.base_chain, names, shapes, store.read_into)  # buffers.py
     return step.init(params, mesh, seed=seed, source=Source(store, keys))
 
 
@@ -147,16 +151,3 @@ def _stored_keys(
             "load the weights of the model this step was built from"
         )
     return keys
-
-
-def _check_buffers(step: Any, store: Store, names: StateDictNames) -> None:
-    """Buffers are part of the chain (made when it was functionalized): a stored one must agree."""
-    for key, (layer, name) in names.buffers.items():
-        held = step.base_chain[layer].buffers[name]
-        stored = torch.empty(tuple(held.shape), dtype=store.shapes()[key][1])
-        store.read_into(key, [(whole(tuple(held.shape))[0], stored)])
-        if not torch.equal(stored.to(held.dtype), held.cpu()):
-            raise CheckpointError(
-                f"{store.where}: buffer {key!r} differs from the chain's; buffers are part of the "
-                "chain: load the weights into the module and functionalize it again"
-            )
