@@ -176,7 +176,9 @@ def test_a_save_handle_prints_as_a_public_class(tmp_path: Path) -> None:
 def test_a_traceback_names_the_public_exception() -> None:
     """The last line of the traceback an uncaught error prints (sys.excepthook formats it as
     ``traceback.format_exception_only`` does), here: no interpreter to start for it."""
+    chain, _ = sw.functionalize(torch.nn.Linear(2, 2))
+    step = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1))
     with pytest.raises(Exception) as info:
-        sw.checkpoint.load("no/such/checkpoint", None)
+        sw.checkpoint.load("no/such/checkpoint", step)
     last = traceback.format_exception_only(info.value)[-1]
     assert last.startswith("shardwise.checkpoint.CheckpointError: "), last

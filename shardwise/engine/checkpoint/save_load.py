@@ -444,8 +444,8 @@ def load(path: str | os.PathLike[str], step: Any, mesh: Mesh | None = None, *,
     (``blocking=False``) is waited for first, as the next save waits for it. A read that fails on
     one rank (a corrupt record only it reads) fails on every rank: none returns a state the others
     do not have. The saved buffers and frozen (``requires_grad=False``) parameters, which the
-    chain carries, are copied into the chain's tensors (``buffers.py``), as
-    ``nn.Module.load_state_dict`` restores a module's.
+    chain carries, are copied into the chain's tensors, as ``nn.Module.load_state_dict``
+    restores a module's; one saved with another shape is refused.
     """
     call = "load(path, step, mesh)"
     check_path(call, path)

@@ -57,7 +57,7 @@ def init_from_state_dict(step: Any, state_dict: dict[str, torch.Tensor], mesh: M
     """``step.init`` from a module's ``state_dict`` (every key of it; a tied weight's other names must
     equal its first). As ``nn.Module.load_state_dict``, every parameter must have the module's shape,
     and its values are cast to the module's dtype; buffers and frozen parameters, which the chain
-    carries, are copied into the chain's tensors (``buffers.py``)."""
+    carries, are copied into the chain's tensors."""
     names = state_dict_names(step.base_chain)
     missing = sorted(set(names.keys) - set(state_dict))
     unexpected = sorted(set(state_dict) - set(names.keys))
