@@ -75,9 +75,12 @@ class _Filler:
 
 
 def build_state(reader: Reader, meta: Mapping[str, Any], step: Any, mesh: Mesh | None,
-                params_meta: Params, keys: Mapping[tuple[str, str], str], device: torch.device) -> TrainState:
+                params_meta: Params, keys: Mapping[tuple[str, str], str], device: torch.device
+                ) -> tuple[TrainState, list[str]]:
     """This rank's TrainState for ``step`` on ``mesh``, read from the checkpoint of ``meta``
-    (whose parameters, as meta tensors, are ``params_meta``, saved under ``keys``)."""
+    (whose parameters, as meta tensors, are ``params_meta``, saved under ``keys``), and the paths of
+    the optimizer's other tensors it holds (a pipeline stage holds its parameters' only: the ranks
+    together must want every one saved, which ``load`` checks)."""
     layout = step.layout(mesh, params_meta)
     local = local_keys(layout, layout.index_of(mesh), {layer: list(ts) for layer, ts in params_meta.items()})
     # What this rank computes with, as meta tensors: its tensor-parallel slices in the master dtype.
@@ -99,7 +102,7 @@ def build_state(reader: Reader, meta: Mapping[str, Any], step: Any, mesh: Mesh |
         template = step.optimizer.init(update_meta)
     wanted_mirrors, wanted_scalars = (sorted(x) for x in split_opt_state(template, update_meta))
     saved = meta["optimizer"]
-    if wanted_mirrors != saved["mirrors"] or wanted_scalars != saved["scalars"]:
+    if wanted_mirrors != saved["mirrors"] or not set(wanted_scalars) <= set(saved["scalars"]):
         raise CheckpointError(
             f"checkpoint {reader.directory}: its optimizer state has per-parameter {saved['mirrors']} and "
             f"{saved['scalars']}, this step's optimizer has {wanted_mirrors} and {wanted_scalars}; load it "
@@ -123,7 +126,7 @@ def build_state(reader: Reader, meta: Mapping[str, Any], step: Any, mesh: Mesh |
     opt_state = rebuild_opt_state(template, update_meta, mirror, scalar)
     extra = {"rng": meta["rng"]} if "rng" in TrainState._fields and meta.get("rng") is not None else {}
     return TrainState(held, opt_state, int(meta["step"]), _loss_scale(meta, step, reader.directory), mesh=mesh,
-                      layout=layout, **extra)
+                      layout=layout, **extra), wanted_scalars
 
 
 def _loss_scale(meta: Mapping[str, Any], step: Any, directory: Path) -> Any:

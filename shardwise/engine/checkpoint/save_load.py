@@ -92,6 +92,7 @@ from .file_format import (
     write_json,
     write_rank,
 )
+from .held_names import every_ranks_names
 from .load_state import build_state
 from .names import module_params, state_dict_names
 
@@ -231,7 +232,7 @@ def save(path: str | os.PathLike[str], state: TrainState, step: Any, *, blocking
         raise CheckpointError(f"save to {target}: {problem or failed}")
     _reached("prepared")
     names = state_dict_names(step.base_chain)
-    boxes_, tensors, meta = _snapshot(state, step, layout, mesh, names, rank)
+    boxes_, tensors, meta = _snapshot(state, step, layout, mesh, names, rank, device)
 
     def write(handle: SaveHandle) -> None:
         try:
@@ -304,7 +305,8 @@ def _consumed(step: Any, state: TrainState) -> str | None:
     return None
 
 
-def _snapshot(state: TrainState, step: Any, layout: StateLayout, mesh: Mesh | None, names: Any, rank: int) -> tuple[
+def _snapshot(state: TrainState, step: Any, layout: StateLayout, mesh: Mesh | None, names: Any, rank: int,
+              device: torch.device) -> tuple[
         list[tuple[str, tuple[int, ...], torch.Tensor]], dict[str, Any], dict[str, Any]]:
     """Host copies of this rank's boxes, the global shape and dtype of their tensors, and the metadata."""
     tree = update_tree(layout, mesh, state.params)
@@ -334,9 +336,12 @@ def _snapshot(state: TrainState, step: Any, layout: StateLayout, mesh: Mesh | No
         add(f"model.{key}", spec.shape, region.cut(tree), region.start, region.stop, spec)
         for path, mirror in mirrors.items():
             add(f"optim.{path}.{key}", spec.shape, region.cut(mirror), region.start, region.stop, spec)
-    if rank == 0:
-        for path, t in scalars.items():
+    # The optimizer's other tensors: a pipeline stage's per-parameter ones are held by its ranks only.
+    holders = every_ranks_names(mesh, list(scalars), device)
+    for path, t in scalars.items():
+        if min(r for r, held in enumerate(holders) if path in held) == rank:
             add(f"optim.{path}", tuple(t.shape), t.reshape(-1), 0, t.numel())
+    if rank == 0:
         for key, (layer, name) in names.buffers.items():
             t = step.base_chain[layer].buffers[name]
             add(f"model.{key}", tuple(t.shape), t.reshape(-1), 0, t.numel())
@@ -353,7 +358,7 @@ def _snapshot(state: TrainState, step: Any, layout: StateLayout, mesh: Mesh | No
         "leaves": {names.param_key[k]: s.describe() for k, s in layout.leaves.items()},
         "buffers": {f"model.{k}": list(v) for k, v in names.buffers.items()},
         "aliases": {f"model.{a}": f"model.{k}" for a, k in names.aliases.items()},
-        "optimizer": {"mirrors": sorted(mirrors), "scalars": sorted(scalars)},
+        "optimizer": {"mirrors": sorted(mirrors), "scalars": sorted(set().union(*holders))},
     }
     return out, tensors, meta
 
@@ -472,14 +477,22 @@ def load(path: str | os.PathLike[str], step: Any, mesh: Mesh | None = None, *,
         "checkpoint's step": str(meta["step"]),
     }, on)
 
-    def read() -> TrainState:
+    def read() -> tuple[TrainState, list[str]]:
         reader = Reader(directory, meta)
         try:
             return build_state(reader, meta, step, mesh, params_meta, keys, on)
         finally:
             reader.close()
 
-    return _together(mesh, on, f"load of {directory}", read)
+    state, scalars = _together(mesh, on, f"load of {directory}", read)
+    wanted = set().union(*every_ranks_names(mesh, scalars, on))
+    if wanted != set(meta["optimizer"]["scalars"]):
+        raise CheckpointError(
+            f"checkpoint {directory}: its optimizer state has {sorted(meta['optimizer']['scalars'])[:8]} besides "
+            f"the per-parameter {meta['optimizer']['mirrors']}, this step's optimizer has {sorted(wanted)[:8]}; "
+            "load it with the optimizer that saved it"
+        )
+    return state
 
 
 def _together(mesh: Mesh | None, device: torch.device, what: str, fn: Callable[[], _T]) -> _T:
