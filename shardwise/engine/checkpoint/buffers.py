@@ -5,8 +5,8 @@ in the chain's layers, not in a step's state: they are never trained, so a ``Tra
 copy of them. A resume or a start from stored weights therefore restores each stored value into
 the tensor the chain holds, in place and in that tensor's own dtype, as
 ``nn.Module.load_state_dict`` restores a module's buffers: a model rebuilt under another seed,
-or built on the meta device (whose frozen weights the chain made from their initializers),
-then computes with the stored values, not with its own. A buffer the module does not persist
+or built on the meta device (whose frozen weights the chain holds as a stand-in: one zero,
+expanded), then computes with the stored values, not with its own. A buffer the module does not persist
 (``persistent=False``) is not stored, and keeps its value.
 
 The chain's tensors are the module's own (``functionalize`` copies nothing), so the module sees

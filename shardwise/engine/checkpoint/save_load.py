@@ -469,7 +469,7 @@ def load(path: str | os.PathLike[str], step: Any, mesh: Mesh | None = None, *,
         return directory, meta, params_meta, keys, _changed_buffers(directory, meta, step)
 
     directory, meta, params_meta, keys, changed = _together(mesh, on, f"load of {path}", check)
-    restore(changed)  # the saved buffers and frozen weights: the chain's own (buffers.py); ranks agree on them below
+    restore(changed)  # the saved buffers and frozen weights into the chain (buffers.py): the ranks compare them next
     step.check_ranks_agree(mesh, step.layout(mesh, params_meta), {
         "parameter names, shapes and dtypes": repr(
             [(k, n, tuple(t.shape), t.dtype) for k, v in params_meta.items() for n, t in v.items()]
