@@ -150,6 +150,25 @@ def test_buffers_of_a_meta_built_model_are_made_as_the_eager_model_has_them() ->
         assert torch.equal(made[name], buffer), name
 
 
+def test_a_frozen_parameter_of_a_meta_built_model_is_made_as_a_trained_one_would_be() -> None:
+    """A frozen (requires_grad=False) parameter, which the chain carries as a buffer, is made from its
+    module's initializer as the same parameter is when trained (init's seed 0). It was left the
+    stand-in the split ran on, one zero expanded, and the model trained with a zero embedding."""
+    def build(frozen: bool) -> nn.Module:
+        with torch.device("meta"):
+            model = nn.Sequential(nn.Embedding(50, 8), nn.Linear(8, 3))
+        model[0].weight.requires_grad_(not frozen)
+        return model
+
+    chain, params = sw.functionalize(build(frozen=True))
+    held = chain[0].buffers["weight"]
+    assert "weight" not in params["0"] and held.stride() == (8, 1)
+    trained_chain, trained_params = sw.functionalize(build(frozen=False))
+    state = sw.train_step(trained_chain, F.mse_loss, sw.optim.sgd(0.1)).init(trained_params)
+    assert torch.equal(held, state.params["0"]["weight"])
+    assert 0.5 < float(held.std()) < 1.5  # nn.Embedding's N(0, 1), not zeros
+
+
 def test_a_module_without_an_initializer_is_named_and_init_fn_is_asked_for() -> None:
     with torch.device("meta"):
         model, block, _ = tiny_gpt()

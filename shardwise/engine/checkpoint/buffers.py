@@ -5,8 +5,8 @@ in the chain's layers, not in a step's state: they are never trained, so a ``Tra
 copy of them. A resume or a start from stored weights therefore restores each stored value into
 the tensor the chain holds, in place and in that tensor's own dtype, as
 ``nn.Module.load_state_dict`` restores a module's buffers: a model rebuilt under another seed,
-or built on the meta device (whose frozen weights the chain holds as a stand-in: one zero,
-expanded), then computes with the stored values, not with its own. A buffer the module does not persist
+or built on the meta device (whose frozen weights and buffers the chain holds as their
+initializers made them), then computes with the stored values, not with its own. A buffer the module does not persist
 (``persistent=False``) is not stored, and keeps its value.
 
 The chain's tensors are the module's own (``functionalize`` copies nothing), so the module sees
@@ -74,8 +74,8 @@ def restore_from(where: str, chain: Chain, names: StateDictNames,
 
 def restore(changed: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """Give each of the chain's tensors its stored value (see ``changed_buffers``): copied in, or,
-    where the chain holds a stand-in that cannot be written element by element (a meta-built
-    model's frozen weight is one zero, expanded), the tensor is pointed at the stored value."""
+    where the chain holds a tensor that cannot be written element by element (an expanded one, as
+    a buffer of a user's may be), the tensor is pointed at the stored value."""
     with _copying, torch.no_grad():
         for held, value in changed:
             if torch.equal(value, held):

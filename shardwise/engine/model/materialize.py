@@ -168,14 +168,16 @@ def stand_in(
     module: nn.Module, buffers: Mapping[int, Tensor], device: torch.device
 ) -> tuple[nn.Module, dict[int, Tensor]]:
     """A copy of a meta-built ``module`` that runs: each meta parameter a zero of its shape on
-    ``device`` that holds one element (expanded), each meta buffer its made value from
-    ``buffers`` (by id), the real tensors shared. What the split records its calls on. Also: id
-    of each stand-in tensor -> the module's own tensor it stands for."""
+    ``device`` that holds one element (expanded), but one in ``buffers`` (a frozen parameter, which
+    the chain carries as a buffer) its made value; each meta buffer its made value from ``buffers``
+    (by id); the real tensors shared. What the split records its calls on. Also: id of each
+    stand-in tensor -> the module's own tensor it stands for."""
     memo: dict[int, Any] = {}
     origin: dict[int, Tensor] = {}
     for _, t in module.named_parameters(remove_duplicate=False):
         if id(t) not in memo:
-            zero = torch.zeros((), dtype=t.dtype, device=device).expand(t.shape)
+            made = buffers.get(id(t)) if t.is_meta else None
+            zero = torch.zeros((), dtype=t.dtype, device=device).expand(t.shape) if made is None else made
             memo[id(t)] = nn.Parameter(zero, t.requires_grad) if t.is_meta else t
             origin[id(memo[id(t)])] = t
     for _, b in module.named_buffers(remove_duplicate=False):
