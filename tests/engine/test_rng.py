@@ -9,6 +9,7 @@ forward's masks, and another seed gives other masks (the streams are really rand
 from __future__ import annotations
 
 import io
+import threading
 import time
 from typing import Any
 
@@ -319,3 +320,38 @@ def test_a_layer_drawing_from_its_own_generator_draws_from_the_users_generator()
     gen.manual_seed(7)
     assert torch.equal(layer(step.chain.layer_params(params, layer), x), first)
     assert not torch.equal(layer(step.chain.layer_params(params, layer), x), first)  # the stream moved on
+
+
+_DRAWN: dict[int, list[torch.Tensor]] = {}  # per thread (module-level: the chain copies the module)
+
+
+class _Recording(torch.nn.Module):
+    """Records, per thread, what it draws from its own generator."""
+
+    def __init__(self, gen: torch.Generator) -> None:
+        super().__init__()
+        self.fc, self.gen = torch.nn.Linear(4, 4), gen
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _DRAWN.setdefault(threading.get_ident(), []).append(torch.rand(3, generator=self.gen))
+        return self.fc(x)
+
+
+def test_rank_threads_draw_from_their_own_copies_of_a_layers_generator_as_rank_processes_do() -> None:
+    """Every rank process holds its own copy of a layer's generator, so each rank draws the same
+    first numbers. The rank threads of the threads backend shared one generator for a while (when
+    the chain began to keep the user's generator as itself): two ranks drew from one stream, in
+    whichever order the threads ran, and the result changed from run to run. Each rank thread's
+    replica now copies the generator (the default generators stay shared: the step seeds them)."""
+    gen = torch.Generator()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), _Recording(gen), torch.nn.Linear(4, 2)).double()
+    chain, params = sw.functionalize(model)
+    step = sw.shard_params(sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1)), "dp", stage=2)
+    gen.manual_seed(7)
+    _DRAWN.clear()
+    sw.launch(lambda: step(step.init(params, sw.Mesh(dp=2)), _NOISY_BATCHES[0]), 2, backend="threads")
+    first = torch.rand(3, generator=torch.Generator().manual_seed(7))
+    assert len(_DRAWN) == 2
+    for draws in _DRAWN.values():
+        assert torch.equal(draws[0], first), draws

@@ -168,19 +168,24 @@ def skeleton(module: nn.Module) -> nn.Module:
     return copy_structure(module, memo)
 
 
-def kept_in_copies(module: nn.Module) -> dict[int, Any]:
+def kept_in_copies(module: nn.Module, defaults_only: bool = False) -> dict[int, Any]:
     """A deepcopy memo entry for every ``torch.Generator`` that a submodule of ``module`` holds
-    (as an attribute, or inside a list, tuple or dict attribute), mapping it to itself.
+    (as an attribute, or inside a list, tuple or dict attribute), mapping it to itself; with
+    ``defaults_only``, for torch's default generators only.
 
     A layer's generator attribute IS that generator: ``torch.default_generator`` is the stream
     the step seeds for every compute (and remat replays), and re-seeding one's own generator
     must reach the layer. ``copy.deepcopy`` would give each copy a private generator instead
-    (torch generators support deepcopy), so every copy of a module shares its generators."""
+    (torch generators support deepcopy), so every copy of a module shares its generators. But
+    the replica of each rank thread (``ThreadReplicas``) copies a generator of the user's own, as
+    each rank process has its own: two rank threads drawing from one stream, unlocked, would draw
+    in whichever order the threads ran (the default generators are seeded and locked per compute)."""
     kept: dict[int, Any] = {}
 
     def visit(value: Any, depth: int) -> None:
         if isinstance(value, torch.Generator):
-            kept[id(value)] = value
+            if not defaults_only or _is_default_generator(value):
+                kept[id(value)] = value
         elif depth < 3 and isinstance(value, list | tuple):
             for v in value:
                 visit(v, depth + 1)
@@ -195,16 +200,24 @@ def kept_in_copies(module: nn.Module) -> dict[int, Any]:
     return kept
 
 
-def copy_structure(module: nn.Module, tensors: dict[int, Any]) -> nn.Module:
+def _is_default_generator(gen: torch.Generator) -> bool:
+    if gen is torch.default_generator:
+        return True
+    device_module = getattr(torch, gen.device.type, None)  # torch.cuda, torch.xpu, ...
+    return any(gen is d for d in getattr(device_module, "default_generators", ()))
+
+
+def copy_structure(module: nn.Module, tensors: dict[int, Any], own_generators: bool = True) -> nn.Module:
     """A deep copy of ``module`` with its registered tensors replaced as ``tensors`` says (by id),
-    its generators shared (:func:`kept_in_copies`).
+    its generators shared (:func:`kept_in_copies`; with ``own_generators=False``, the default ones
+    only: a rank thread's replica).
 
     A module holding an object that cannot be deep-copied (a lock, a file, a process group) is
     copied module by module instead: each submodule a shallow copy with its own parameter,
     buffer and submodule dicts (what a call swaps tensors in and out of), its other attributes
     shared with the original."""
     try:
-        return copy.deepcopy(module, {**kept_in_copies(module), **tensors})
+        return copy.deepcopy(module, {**kept_in_copies(module, defaults_only=not own_generators), **tensors})
     except (TypeError, copy.Error, RuntimeError, NotImplementedError):
         return _shallow_tree(module, tensors, {})
 
@@ -259,7 +272,7 @@ class ThreadReplicas:
                 *self.module.named_parameters(remove_duplicate=False),
                 *self.module.named_buffers(remove_duplicate=False),
             ]
-            replica = copy_structure(self.module, {id(t): t for _, t in named})
+            replica = copy_structure(self.module, {id(t): t for _, t in named}, own_generators=False)
             call = self._local.call = ModuleCall(replica, self.prefix)
         return call
 
