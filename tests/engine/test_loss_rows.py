@@ -166,6 +166,35 @@ def test_mean_losses_run_and_equal_the_single_device_step(cut: str, loss: str) -
     sw.testing.assert_equivalent(transform(step), step, mesh, _batches(), params)
 
 
+class _Prototypes(nn.Module):
+    """Features of the rows, and a table of 4 class prototypes returned beside them (not per row)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc, self.proto = nn.Linear(6, 5), nn.Parameter(torch.randn(4, 5))
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        return self.enc(x), self.proto * 1.0
+
+
+def _prototype_loss(out: tuple[Tensor, Tensor], y: Tensor) -> Tensor:
+    features, prototypes = out
+    return F.cross_entropy(features @ prototypes.T, y)  # a mean over the rows of a per-row term
+
+
+@pytest.mark.parametrize("cut", ["zero-2 dp=2", "accumulation=2"])  # 4 rows a part: the prototypes' count
+def test_an_output_whose_dim_0_merely_equals_the_rows_is_not_cut(cut: str) -> None:
+    """The prototypes' dim 0 equals a part's rows here, but does not follow them: each half's loss gets
+    the whole table. Cutting every tensor whose dim 0 equalled the rows refused this mean (review)."""
+    torch.manual_seed(0)
+    chain, params = sw.functionalize(nn.Sequential(_Prototypes()).double())
+    transform, mesh, _ = CUTS[cut]
+    step = sw.train_step(chain, _prototype_loss, sw.optim.sgd(0.1))
+    # Classes 0 and 1 only: a cut table of 2 prototypes still takes them (a loss that fails is not probed).
+    batches = [(x, torch.tensor([0, 1, 1, 0, 1, 0, 0, 1])) for x, _ in _batches()]
+    sw.testing.assert_equivalent(transform(step), step, mesh, batches, params)
+
+
 @pytest.mark.parametrize("seq", [6, 4])  # 4: a sequence as long as a share's rows (the output's shape is ambiguous)
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
 def test_cross_entropy_over_sequences_runs_under_zero_and_a_pipeline(seq: int, smoothing: float) -> None:

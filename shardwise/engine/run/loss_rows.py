@@ -18,12 +18,14 @@ of per-row terms gives the mean of the halves' losses to rounding; a sum gives t
 contrastive loss another value. Beyond a tolerance of the dtype (1e-6 relative in float64, else 2e-2:
 matmuls inside a loss may round differently on fewer rows), the step is refused, naming the fix.
 
-Which dims of the output hold the rows: dim 0 where it is the only dim of the rows' size in every tensor;
-else (a rows x rows similarity matrix, as CLIPModel's ``logits_per_text``; a sequence as long as the
-batch) those whose size follows the rows in the chain's output on half the rows, run on fake tensors
-(no arithmetic). Not probed (and not refused): an output where that cannot be told (a tensor with no dim
-of the rows' size, such as the scalar ``loss`` of a Hugging Face model's own loss; a chain that cannot run
-on fake tensors); a ``loss_fn`` that raises on fewer rows, returns no scalar, draws random numbers (what
+Which dims of the output hold the rows: those whose size follows the rows in the chain's output on half
+the rows, run on fake tensors (no arithmetic): a rows x rows similarity matrix (CLIPModel's
+``logits_per_text``) is cut on both, a sequence as long as the batch is not, nor is a tensor whose dim 0
+merely equals the rows (prototypes returned beside the features). Where the chain cannot run on fake
+tensors, dim 0 where it is the only dim of the rows' size in every tensor. Not probed (and not refused):
+an output where that cannot be told (a tensor with no dim of the rows' size, such as the scalar ``loss``
+of a Hugging Face model's own loss; no dim-0 rows in a chain that cannot run on fake tensors); a
+``loss_fn`` that raises on fewer rows, returns no scalar, draws random numbers (what
 it drew is set back) or issues a collective (it runs without a current mesh here: the Plan lists no such
 collective). A probe whose values are not finite, or all zero, says nothing: it runs again on the next
 call.
@@ -148,21 +150,21 @@ def measure(
 def _row_dims(
     leaves: list[Any], rows: int, inputs: Any, predict: Callable[[Any], Sequence[torch.Size | None] | None],
 ) -> list[tuple[int, ...]] | None:
-    """The dims of each output leaf that hold the micro-batch's rows (() for a leaf that is no tensor), or
-    None where that cannot be told. Dim 0 where it is the only dim of the rows' size in every tensor (the
-    usual output, ``[rows, ...]``); else (a ``[rows, rows]`` similarity matrix, a sequence as long as the
-    batch) the dims whose size follows the rows: the chain's output on half the rows, on fake tensors. A
+    """The dims of each output leaf that hold the micro-batch's rows (() for a leaf that is no tensor,
+    or one that does not follow the rows: each half's loss gets it whole), or None where that cannot
+    be told. Those whose size follows the rows in the chain's output on half the rows, on fake
+    tensors: a tensor whose dim 0 merely equals the rows (a class table or prototypes the model
+    returns beside its features) is not cut. Where the chain cannot run on fake tensors, dim 0 where
+    it is the only dim of the rows' size in every tensor (the usual output, ``[rows, ...]``). A
     tensor without such a dim (a scalar loss the model computed over the batch) cannot be halved."""
     tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
-    if not tensors:
-        return None
-    if all(t.dim() > 0 and t.shape[0] == rows and rows not in t.shape[1:] for t in tensors):
-        return [(0,) if isinstance(t, torch.Tensor) else () for t in leaves]
-    if any(rows not in t.shape for t in tensors):
+    if not tensors or not any(rows in t.shape for t in tensors):
         return None
     half = rows // 2
     shapes = predict(optree.tree_map(lambda t: t[:half], inputs))
     if shapes is None or len(shapes) != len(leaves):
+        if all(t.dim() > 0 and t.shape[0] == rows and rows not in t.shape[1:] for t in tensors):
+            return [(0,) if isinstance(t, torch.Tensor) else () for t in leaves]
         return None
     dims: list[tuple[int, ...]] = []
     for t, shape in zip(leaves, shapes, strict=True):
@@ -172,10 +174,10 @@ def _row_dims(
         if shape is None or len(shape) != t.dim():
             return None
         follows = tuple(d for d, (a, b) in enumerate(zip(t.shape, shape, strict=True)) if a != b)
-        if not follows or any(t.shape[d] != rows or shape[d] != half for d in follows):
+        if any(t.shape[d] != rows or shape[d] != half for d in follows):
             return None
         dims.append(follows)
-    return dims
+    return dims if any(dims) else None
 
 
 def _cut(t: Any, dims: tuple[int, ...], lo: int, hi: int) -> Any:
