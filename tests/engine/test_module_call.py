@@ -223,6 +223,21 @@ class _One(nn.Module):
         return batch
 
 
+class _BatchAndMask(nn.Module):
+    def forward(self, batch: Any, mask: Any = None) -> Any:
+        return batch, mask
+
+
+class _BatchAndKwargs(nn.Module):
+    def forward(self, batch: Any, mask: Any = None, **kwargs: Any) -> Any:
+        return batch, mask, kwargs
+
+
+class _OptionalFirst(nn.Module):  # Hugging Face's: input_ids or inputs_embeds, and **kwargs
+    def forward(self, input_ids: Any = None, inputs_embeds: Any = None, **kwargs: Any) -> Any:
+        return input_ids, inputs_embeds, kwargs
+
+
 @pytest.mark.parametrize(
     ("module", "x", "spread"),
     [
@@ -231,6 +246,11 @@ class _One(nn.Module):
         (_Kwargs(), {"a": 1, "b": 2}, False),  # forward(x, **kwargs) given a dict: the dict is x
         (_One(), {"a": 1, "b": 2}, False),
         (_One(), {"batch": 1, "b": 2}, False),  # a one-argument forward: the dict is its argument
+        # A required first argument the dict does not name: the dict is it, as module(batch) (review:
+        # these were spread, or refused, where eager torch passes the dict whole).
+        (_BatchAndMask(), {"x": 1, "mask": 2}, False),
+        (_BatchAndKwargs(), {"x": 1, "mask": 2}, False),
+        (_OptionalFirst(), {"inputs_embeds": 1, "shift_labels": 2}, True),  # an optional first: keywords
     ],
 )
 def test_a_dict_is_spread_into_keywords_when_forward_takes_them(module: nn.Module, x: Any, spread: bool) -> None:

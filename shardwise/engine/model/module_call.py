@@ -322,17 +322,22 @@ def _forward_parameters(module: nn.Module) -> Mapping[str, inspect.Parameter]:
 def _takes(parameters: Mapping[str, inspect.Parameter], x: Mapping[str, Any]) -> bool:
     """Whether ``forward`` takes the dict ``x`` as keyword arguments rather than as one argument.
 
-    Every key a named parameter: keywords. A forward with ``**kwargs`` (Hugging Face's
-    ``**kwargs: Unpack[TransformersKwargs]`` takes ``return_dict``, ``shift_labels``, ...) when
-    at least one key names a parameter: a ``forward(x, **kwargs)`` given a dict none of whose keys
-    is ``x`` means the dict itself. A forward of several named parameters without ``**kwargs``
-    given a dict naming some of them and other keys too is refused: ``module(**x)`` would fail
-    and ``module(x)`` would put the batch in its first argument."""
+    Every key a named parameter: keywords. None: the dict itself. Some: where forward's first
+    argument is required and the dict does not name it (``forward(batch, mask=None)`` given
+    ``{"x", "mask"}``), the dict is that argument, as ``module(batch)`` passes it; else a forward
+    with ``**kwargs`` (Hugging Face's ``**kwargs: Unpack[TransformersKwargs]`` takes
+    ``return_dict``, ``shift_labels``, ...) takes keywords. A forward of several named parameters
+    without ``**kwargs`` given a dict naming its first and other keys too is refused:
+    ``module(**x)`` would fail and ``module(x)`` would put the batch in its first argument."""
     keywords = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     named = [k for k in x if k in parameters and parameters[k].kind in keywords]
     if len(named) == len(x):
         return True
     if not named:
+        return False
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    first = next((p for p in parameters.values() if p.kind in positional), None)
+    if first is not None and first.default is inspect.Parameter.empty and first.name not in x:
         return False
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
         return True
