@@ -116,7 +116,7 @@ def functionalize(
     Args:
         module: the model. Never modified; the chain keeps no reference to its tensors. A
             ``torch.compile``'d model or block is split as its uncompiled code and its layers
-            run eagerly (``engine/model/uncompiled.py``).
+            run eagerly (docs/guide.md, section 1).
         units: how to cut it (see the module docstring): ``None``; a list of submodule paths
             in execution order (a path naming a ModuleList / Sequential / ModuleDict
             stands for each of its children); or a module class, whose outermost
