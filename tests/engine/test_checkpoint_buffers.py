@@ -123,6 +123,23 @@ def test_a_buffer_saved_with_another_shape_is_refused_naming_it(tmp_path: Path) 
         ck.load(tmp_path / "c", step2)
 
 
+def test_a_load_refused_after_its_first_checks_leaves_the_buffers_as_they_were(tmp_path: Path) -> None:
+    """Buffers are restored last, once every rank has its state: a load refused on the way (here the
+    optimizer that saved it is another) leaves the running model's frozen weights alone. They were
+    restored first, so a refused load changed what the running state computes (review)."""
+    step, params = _step(_model(0))
+    ck.save(tmp_path / "c", step.init(params), step)
+    chain, params2 = sw.functionalize(_model(1))  # another embedding, and another optimizer
+    adamw = sw.train_step(chain, nn.functional.mse_loss, sw.optim.adamw(0.1))
+    state = adamw.init(params2)
+    before = {name: t.clone() for layer in chain for name, t in layer.buffers.items()}
+    loss = adamw(state, _batches(1)[0])[1]["loss"]
+    with pytest.raises(CheckpointError, match="load it with the optimizer that saved it"):
+        ck.load(tmp_path / "c", adamw)
+    assert all(torch.equal(t, before[name]) for layer in chain for name, t in layer.buffers.items())
+    assert torch.equal(adamw(state, _batches(1)[0])[1]["loss"], loss)
+
+
 @pytest.mark.parametrize("source", ["init_from_pretrained", "init_from_state_dict"])
 @pytest.mark.parametrize("mesh", [None, sw.Mesh(dp=2)])
 def test_a_meta_built_model_starts_from_the_stored_frozen_weight(source: str, mesh: sw.Mesh | None,

@@ -150,23 +150,37 @@ def test_buffers_of_a_meta_built_model_are_made_as_the_eager_model_has_them() ->
         assert torch.equal(made[name], buffer), name
 
 
-def test_a_frozen_parameter_of_a_meta_built_model_is_made_as_a_trained_one_would_be() -> None:
-    """A frozen (requires_grad=False) parameter, which the chain carries as a buffer, is made from its
-    module's initializer as the same parameter is when trained (init's seed 0). It was left the
-    stand-in the split ran on, one zero expanded, and the model trained with a zero embedding."""
-    def build(frozen: bool) -> nn.Module:
-        with torch.device("meta"):
-            model = nn.Sequential(nn.Embedding(50, 8), nn.Linear(8, 3))
-        model[0].weight.requires_grad_(not frozen)
-        return model
+def test_a_frozen_parameter_of_a_meta_built_model_must_be_loaded_before_init() -> None:
+    """A frozen (requires_grad=False) parameter, which the chain carries as a buffer, is not made by
+    init (it makes what trains) but loaded. It was left the stand-in the split ran on, one zero
+    expanded, and the model trained with a zero embedding; init now refuses it, and starting from
+    stored weights fills it (a frozen base of its own, with no initializer, included)."""
+    class Adapter(nn.Module):  # a frozen base without reset_parameters, and a trainable head
+        def __init__(self) -> None:
+            super().__init__()
+            self.base = nn.Parameter(torch.empty(50, 8), requires_grad=False)
+            self.head = nn.Linear(8, 3)
 
-    chain, params = sw.functionalize(build(frozen=True))
-    held = chain[0].buffers["weight"]
-    assert "weight" not in params["0"] and held.stride() == (8, 1)
-    trained_chain, trained_params = sw.functionalize(build(frozen=False))
-    state = sw.train_step(trained_chain, F.mse_loss, sw.optim.sgd(0.1)).init(trained_params)
-    assert torch.equal(held, state.params["0"]["weight"])
-    assert 0.5 < float(held.std()) < 1.5  # nn.Embedding's N(0, 1), not zeros
+        def forward(self, ids: Tensor) -> Tensor:
+            return self.head(self.base[ids])
+
+    with torch.device("meta"):
+        model = Adapter()
+    chain, params = sw.functionalize(model)
+    step = sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1))
+    with pytest.raises(ValueError, match=r"frozen \(requires_grad=False\) parameters \['model.base'\](.|\n)*"
+                                         r"init_from_pretrained(.|\n)*frozen=True"):
+        step.init(params)
+    torch.manual_seed(0)
+    stored = Adapter().state_dict()
+    stored["base"] = torch.randn(50, 8)
+    state = sw.checkpoint.init_from_state_dict(step, stored)
+    assert torch.equal(chain["model"].buffers["base"], stored["base"])
+    ids = torch.tensor([1, 7, 7, 3])
+    _, metrics = step(state, (ids, torch.zeros(4, 3)))
+    reference = Adapter()
+    reference.load_state_dict(stored)
+    torch.testing.assert_close(metrics["loss"], F.mse_loss(reference(ids), torch.zeros(4, 3)))
 
 
 def test_a_module_without_an_initializer_is_named_and_init_fn_is_asked_for() -> None:

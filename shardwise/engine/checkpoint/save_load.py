@@ -66,7 +66,7 @@ from ..layout.state import TrainState
 from ..layout.state_layout import StateLayout
 from ..run.agreement import gather_texts
 from .arguments import check_mesh, check_path, check_state, check_step
-from .buffers import changed_buffers, restore
+from .buffers import changed_buffers, restore_keys
 from .cut import boxes, flat_start, my_regions, split_opt_state, update_tree
 from .file_format import (
     COMMITTED,
@@ -450,7 +450,10 @@ def load(path: str | os.PathLike[str], step: Any, mesh: Mesh | None = None, *,
     one rank (a corrupt record only it reads) fails on every rank: none returns a state the others
     do not have. The saved buffers and frozen (``requires_grad=False``) parameters, which the
     chain carries, are copied into the chain's tensors, as ``nn.Module.load_state_dict``
-    restores a module's; one saved with another shape is refused.
+    restores a module's; one saved with another shape is refused. They are copied last, once every
+    rank has its state, one at a time: a load refused on the way leaves them as they were. The
+    chain is the step's, shared by all its states (and by the module): after a second load, a state
+    from the first computes with the second checkpoint's frozen weights.
     """
     call = "load(path, step, mesh)"
     check_path(call, path)
@@ -462,20 +465,21 @@ def load(path: str | os.PathLike[str], step: Any, mesh: Mesh | None = None, *,
         pending.wait()  # this rank's save to it is in flight (blocking=False): what it loads is that save
 
     def check() -> tuple[Path, dict[str, Any], dict[str, dict[str, torch.Tensor]], dict[tuple[str, str], str],
-                         list[tuple[torch.Tensor, torch.Tensor]]]:
+                         list[str]]:
         directory = resolve(path)
         meta = check_committed(directory)
         params_meta, keys = _check_model(directory, meta, step, like)
-        return directory, meta, params_meta, keys, _changed_buffers(directory, meta, step)
+        return directory, meta, params_meta, keys, _buffers(directory, meta, step)
 
     directory, meta, params_meta, keys, changed = _together(mesh, on, f"load of {path}", check)
-    restore(changed)  # the saved buffers and frozen weights into the chain (buffers.py): the ranks compare them next
+    # Not the buffers' values: every rank restores the same saved ones below (buffers.py), whatever
+    # each built (a model rebuilt under another seed, or on the meta device).
     step.check_ranks_agree(mesh, step.layout(mesh, params_meta), {
         "parameter names, shapes and dtypes": repr(
             [(k, n, tuple(t.shape), t.dtype) for k, v in params_meta.items() for n, t in v.items()]
         ),
         "checkpoint's step": str(meta["step"]),
-    }, on)
+    }, on, buffer_values=False)
 
     def read() -> tuple[TrainState, list[str]]:
         reader = Reader(directory, meta)
@@ -492,6 +496,7 @@ def load(path: str | os.PathLike[str], step: Any, mesh: Mesh | None = None, *,
             f"the per-parameter {meta['optimizer']['mirrors']}, this step's optimizer has {sorted(wanted)[:8]}; "
             "load it with the optimizer that saved it"
         )
+    _buffers(directory, meta, step, restore=changed)  # last: a refusal above leaves the chain as it was
     return state
 
 
@@ -521,13 +526,17 @@ def _together(mesh: Mesh | None, device: torch.device, what: str, fn: Callable[[
     return result
 
 
-def _changed_buffers(directory: Path, meta: Mapping[str, Any], step: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The chain's persistent buffers (frozen parameters among them) whose saved values differ from its own."""
+def _buffers(directory: Path, meta: Mapping[str, Any], step: Any, restore: list[str] | None = None) -> list[str]:
+    """The chain's persistent buffers (frozen parameters among them) whose saved values differ from
+    its own; with ``restore``, those given their saved values (buffers.py)."""
     stored = {fqn: (tuple(spec["shape"]), dtype_of(spec["dtype"], fqn)) for fqn, spec in meta["tensors"].items()}
-    reader = Reader(directory, meta)
+    names, reader = state_dict_names(step.base_chain), Reader(directory, meta)
     try:
-        return changed_buffers(f"checkpoint {directory}", step.base_chain, state_dict_names(step.base_chain),
-                               stored, reader.read_into, prefix="model.")
+        if restore is not None:
+            restore_keys(step.base_chain, names, stored, reader.read_into, restore, prefix="model.")
+            return restore
+        return changed_buffers(f"checkpoint {directory}", step.base_chain, names, stored, reader.read_into,
+                               prefix="model.")
     finally:
         reader.close()
 

@@ -215,12 +215,10 @@ def _meta_init(
         return None, module, {}
     init = ModuleInit(module, {}, init_fn, torch.device(device if device is not None else "cpu"))
     # Buffers are the chain's own (layers carry them): made now, each from its module's initializer.
-    # So are frozen parameters (requires_grad=False), which the chain carries as buffers too: left
-    # a stand-in zero, a frozen embedding trained from zeros without a word (a checkpoint's or stored
-    # weights' load then fills it with their values).
+    # Frozen parameters (requires_grad=False), which the chain carries as buffers too, stay the
+    # split's stand-ins (a frozen base is loaded, not made: init_from_pretrained fills them, a
+    # checkpoint's load too); Step.init refuses one still unfilled (materialize.unfilled_frozen).
     buffers = {id(b): init.tensor(path, seed=0) for path, b in module.named_buffers() if b.is_meta}
-    buffers.update({id(p): init.tensor(path, seed=0) for path, p in module.named_parameters()
-                    if p.is_meta and not p.requires_grad})
     target, origin = stand_in(module, buffers, init.device)
     return init, target, origin
 

@@ -45,7 +45,8 @@ from .module_call import kept_in_copies
 InitFn = Callable[[nn.Module], Any]
 Seeding = Callable[[int], contextlib.AbstractContextManager[Any]]
 
-__all__ = ["InitFn", "ModuleInit", "has_meta_tensors", "is_transformers_model", "path_seed", "stand_in"]
+__all__ = ["InitFn", "ModuleInit", "has_meta_tensors", "is_transformers_model", "path_seed", "stand_in",
+           "unfilled_frozen"]
 
 
 def has_meta_tensors(module: nn.Module) -> bool:
@@ -158,6 +159,19 @@ def _modules_down_to(root: nn.Module, path: str) -> list[nn.Module]:
     return chain
 
 
+def unfilled_frozen(chain: Any) -> list[str]:
+    """The frozen parameters of a meta-built chain that still hold the split's stand-in (one zero,
+    expanded: no stored value was loaded into them), as ``layer.name``."""
+    if getattr(chain, "init", None) is None:
+        return []
+    return [f"{layer.name}.{name}" for layer in chain.layers for name, t in layer.buffers.items()
+            if t.numel() > 1 and _expanded(t)]  # (its buffers are made: ModuleInit.tensor's are whole)
+
+
+def _expanded(t: Tensor) -> bool:
+    return all(stride == 0 for stride, size in zip(t.stride(), t.shape, strict=True) if size > 1)
+
+
 def is_transformers_model(module: nn.Module) -> bool:
     modeling = sys.modules.get("transformers.modeling_utils")  # never import transformers ourselves
     base = getattr(modeling, "PreTrainedModel", None)
@@ -168,16 +182,14 @@ def stand_in(
     module: nn.Module, buffers: Mapping[int, Tensor], device: torch.device
 ) -> tuple[nn.Module, dict[int, Tensor]]:
     """A copy of a meta-built ``module`` that runs: each meta parameter a zero of its shape on
-    ``device`` that holds one element (expanded), but one in ``buffers`` (a frozen parameter, which
-    the chain carries as a buffer) its made value; each meta buffer its made value from ``buffers``
-    (by id); the real tensors shared. What the split records its calls on. Also: id of each
-    stand-in tensor -> the module's own tensor it stands for."""
+    ``device`` that holds one element (expanded), each meta buffer its made value from
+    ``buffers`` (by id), the real tensors shared. What the split records its calls on. Also: id
+    of each stand-in tensor -> the module's own tensor it stands for."""
     memo: dict[int, Any] = {}
     origin: dict[int, Tensor] = {}
     for _, t in module.named_parameters(remove_duplicate=False):
         if id(t) not in memo:
-            made = buffers.get(id(t)) if t.is_meta else None
-            zero = torch.zeros((), dtype=t.dtype, device=device).expand(t.shape) if made is None else made
+            zero = torch.zeros((), dtype=t.dtype, device=device).expand(t.shape)
             memo[id(t)] = nn.Parameter(zero, t.requires_grad) if t.is_meta else t
             origin[id(memo[id(t)])] = t
     for _, b in module.named_buffers(remove_duplicate=False):

@@ -18,8 +18,9 @@ of per-row terms gives the mean of the halves' losses to rounding; a sum gives t
 contrastive loss another value. Beyond a tolerance of the dtype (1e-6 relative in float64, else 2e-2:
 matmuls inside a loss may round differently on fewer rows), the step is refused, naming the fix.
 
-Which dims of the output hold the rows: those whose size follows the rows in the chain's output on half
-the rows, run on fake tensors (no arithmetic): a rows x rows similarity matrix (CLIPModel's
+Which dims of the output hold the rows: of one tensor whose dim 0 alone has the rows' size, dim 0; else
+those whose size follows the rows in the chain's output on half the rows, run on fake tensors (no
+arithmetic): a rows x rows similarity matrix (CLIPModel's
 ``logits_per_text``) is cut on both, a sequence as long as the batch is not, nor is a tensor whose dim 0
 merely equals the rows (prototypes returned beside the features). Where the chain cannot run on fake
 tensors, dim 0 where it is the only dim of the rows' size in every tensor. Not probed (and not refused):
@@ -152,20 +153,22 @@ def _row_dims(
 ) -> list[tuple[int, ...]] | None:
     """The dims of each output leaf that hold the micro-batch's rows (() for a leaf that is no tensor,
     or one that does not follow the rows: each half's loss gets it whole), or None where that cannot
-    be told. Those whose size follows the rows in the chain's output on half the rows, on fake
+    be told. One tensor whose dim 0 alone has the rows' size (the usual output, ``[rows, ...]``): dim
+    0. Else those whose size follows the rows in the chain's output on half the rows, on fake
     tensors: a tensor whose dim 0 merely equals the rows (a class table or prototypes the model
     returns beside its features) is not cut. Where the chain cannot run on fake tensors, dim 0 where
-    it is the only dim of the rows' size in every tensor (the usual output, ``[rows, ...]``). A
-    tensor without such a dim (a scalar loss the model computed over the batch) cannot be halved."""
+    it is the only dim of the rows' size in every tensor. A tensor without such a dim (a scalar loss
+    the model computed over the batch) cannot be halved."""
     tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
     if not tensors or not any(rows in t.shape for t in tensors):
         return None
+    dim_0 = all(t.dim() > 0 and t.shape[0] == rows and rows not in t.shape[1:] for t in tensors)
+    if dim_0 and len(tensors) == 1:  # the usual output, [rows, ...]: no fake run (its first imports sympy)
+        return [(0,) if isinstance(t, torch.Tensor) else () for t in leaves]
     half = rows // 2
     shapes = predict(optree.tree_map(lambda t: t[:half], inputs))
     if shapes is None or len(shapes) != len(leaves):
-        if all(t.dim() > 0 and t.shape[0] == rows and rows not in t.shape[1:] for t in tensors):
-            return [(0,) if isinstance(t, torch.Tensor) else () for t in leaves]
-        return None
+        return [(0,) if isinstance(t, torch.Tensor) else () for t in leaves] if dim_0 else None
     dims: list[tuple[int, ...]] = []
     for t, shape in zip(leaves, shapes, strict=True):
         if not isinstance(t, torch.Tensor):

@@ -28,6 +28,7 @@ from ..layout.precision import Precision
 from ..layout.state import Params, TrainState, check_params
 from ..layout.state_layout import StateLayout, full_params
 from ..model.chain import Chain
+from ..model.materialize import unfilled_frozen
 from ..optim import foreach as fe
 from ..optim.optimizers import Optimizer, tensor_leaves
 from ..plan.accounting import predict_kept_for_backward
@@ -287,12 +288,14 @@ class Step:
         check_not_consumed(self, state)
 
     def check_ranks_agree(
-        self, mesh: Mesh | None, layout: StateLayout, parts: dict[str, object], device: torch.device
+        self, mesh: Mesh | None, layout: StateLayout, parts: dict[str, object], device: torch.device,
+        buffer_values: bool = True,
     ) -> None:
         """Refuse, on every rank alike, a rank that built another step than rank 0's: its stack, schedule
-        and mesh, its model (each layer's structure and code, its buffers' values), ``parts`` (where
-        its state comes from), and what else decides the update (optimizer, loss, precision, clipping).
-        ``init`` and ``sw.checkpoint.load`` call it (every rank: it gathers)."""
+        and mesh, its model (each layer's structure and code, its buffers' values unless
+        ``buffer_values=False``: a checkpoint's load, which gives every rank the saved ones), ``parts``
+        (where its state comes from), and what else decides the update (optimizer, loss, precision,
+        clipping). ``init`` and ``sw.checkpoint.load`` call it (every rank: it gathers)."""
         if mesh is None or not (self.transforms and any(getattr(s, "axis", None) for s in self.transforms)):
             return
         check_ranks_agree(mesh, {
@@ -300,7 +303,7 @@ class Step:
             "schedule": str(layout.schedule),
             "mesh": repr(mesh),
             "model's structure and code": structure_items(self.base_chain),
-            "buffer values": buffer_items(self.base_chain),
+            **({"buffer values": buffer_items(self.base_chain)} if buffer_values else {}),
             **parts,
             **self._update_rules(),
         }, device)
@@ -357,6 +360,7 @@ class Step:
         mesh = self.check_mesh(mesh)
         check_optimizer(self.transforms, self.optimizer)  # again: one replaced after the transforms were applied
         check_params(self.chain, params)
+        _refuse_unfilled_frozen(self.base_chain)
         self._check_module_shapes(params)
         maker = None if source is not None else self._parameter_maker(params)
         layout = self.layout(mesh, params)
@@ -489,6 +493,21 @@ class Step:
         """The parameters as the layers receive them: the compute copies under a precision policy
         (cast once per step and held anyway, so not counted as kept activations)."""
         return params if self.precision is None else compute_params(self.precision, self.master_params(params))
+
+
+def _refuse_unfilled_frozen(chain: Any) -> None:
+    """A meta-built model's frozen parameters are not made by ``init`` (it makes what trains): they
+    come from stored weights. One never loaded is the split's stand-in, a zero: refused, not
+    trained around."""
+    unfilled = unfilled_frozen(chain)
+    if unfilled:
+        raise ValueError(
+            f"init: the frozen (requires_grad=False) parameters {unfilled[:8]} of this model built on the meta "
+            "device hold no values: load them first (sw.checkpoint.init_from_pretrained, init_from_state_dict "
+            "or init_from_dcp start the step from stored weights, frozen ones included), or build them trainable "
+            "and freeze them in the optimizer (sw.optim.group(..., frozen=True)), which init makes from their "
+            "initializers"
+        )
 
 
 def _torch_optimizer(optimizer: Any) -> type | None:
