@@ -255,13 +255,16 @@ def test_a_load_waits_for_this_ranks_save_to_its_path_still_under_way(tmp_path: 
     step, params, batches = _problem()
     sharded = _zero(step, 3)
 
+    (tmp_path / "x").mkdir()
+
     def main() -> list[int]:
         state = sharded.init(params, sw.Mesh(dp=2))
         steps = []
         for batch in batches[:2]:
             state, _ = sharded(state, batch)
             ck.save(tmp_path / "c", state, sharded, blocking=False, overwrite=True)
-            steps.append(ck.load(tmp_path / "c", sharded, sw.Mesh(dp=2)).step)
+            spelled = tmp_path / "c" if not steps else tmp_path / "x" / ".." / "c"  # the same path spelled otherwise
+            steps.append(ck.load(spelled, sharded, sw.Mesh(dp=2)).step)
         return steps
 
     assert sw.launch(main, 2) == [[1, 2], [1, 2]]

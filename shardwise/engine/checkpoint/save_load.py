@@ -461,7 +461,7 @@ def load(path: str | os.PathLike[str], step: Any, mesh: Mesh | None = None, *,
     check_mesh(call, mesh)
     on = torch.device(device)
     pending = getattr(_pending, "handle", None)
-    if pending is not None and pending.path.absolute() == Path(path).absolute():
+    if pending is not None and pending.path.resolve() == Path(path).resolve():
         pending.wait()  # this rank's save to it is in flight (blocking=False): what it loads is that save
 
     def check() -> tuple[Path, dict[str, Any], dict[str, dict[str, torch.Tensor]], dict[tuple[str, str], str],
