@@ -129,6 +129,14 @@ def test_unpadded_labels_and_float_targets_run_with_a_mean_loss(stack: str) -> N
     sw.testing.assert_equivalent(transform(step), step, mesh, floats, params)
 
 
+def test_a_mesh_axis_of_size_one_cuts_nothing_and_a_mean_on_padded_labels_runs() -> None:
+    """ZeRO over dp=1 (a run sized down to one rank) holds the whole batch: its mean over the counted
+    tokens is the single-device step's. The axis was counted as a cut, and the step refused."""
+    chain, params = gpt2()
+    step = sw.train_step(chain, lm_loss, sw.optim.sgd(0.1, momentum=0.9))
+    sw.testing.assert_equivalent(sw.shard_params(step, "dp", 3), step, sw.Mesh(dp=1), batches(padded=True), params)
+
+
 def test_labels_inside_a_dict_batch_are_found_for_the_models_own_loss() -> None:
     chain, params = gpt2()
     ids, labels = batches(padded=True)[0]

@@ -92,7 +92,7 @@ def refuse_padded_mean(step: Step, mesh: Mesh | None, batch: Any) -> None:
     """
     if step.tokens is not None:
         return
-    cuts = [what for _, _, what in batch_cuts(step, mesh)]
+    cuts = [what for _, n, what in batch_cuts(step, mesh) if n > 1]  # an axis of size 1 cuts nothing
     if mesh is not None:
         cuts += [f"{p.name} over axis {p.axis!r}" for p in step.split.parts if p.batch_cut(mesh).sequence_parts > 1]
     k = microbatch_count(step)
