@@ -71,3 +71,18 @@ def test_per_parameter_optimizer_tensors_of_every_stage_are_saved(reshard: str, 
     sw.launch(functools.partial(_save_after, save_step, params, save_mesh, batches[:2], tmp_path / "c"), save_world)
     per_rank = sw.launch(functools.partial(_resume, load_step, load_mesh, batches[2:], tmp_path / "c"), load_world)
     sw.testing.compare_histories(per_rank, expected[2:], rtol=RTOL)
+
+
+def test_per_unit_counts_saved_under_zero3_are_refused_elsewhere_naming_the_layout(tmp_path: Path) -> None:
+    """Under shard_params the optimizer updates one flat shard per ZeRO unit, so its per-tensor count is
+    per unit (``count.0``), elsewhere per parameter (``count.0.weight``): such state does not reshard
+    between the two, and the refusal says so (it said to load with the optimizer that saved it, which
+    was this one)."""
+    torch.manual_seed(0)
+    chain, params = sw.functionalize(mlp([5, 8, 3]).double())
+    step = sw.train_step(chain, torch.nn.functional.mse_loss, _CountedMomentum())
+    batch = (torch.randn(8, 5, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64))
+    zero3 = sw.shard_params(step, "dp", stage=3)
+    sw.launch(functools.partial(_save_after, zero3, params, sw.Mesh(dp=2), [batch], tmp_path / "c"), 2)
+    with pytest.raises(sw.checkpoint.CheckpointError, match=r"one per ZeRO unit(.|\n)*under the ZeRO stage"):
+        ck.load(tmp_path / "c", step)

@@ -105,8 +105,8 @@ def build_state(reader: Reader, meta: Mapping[str, Any], step: Any, mesh: Mesh |
     if wanted_mirrors != saved["mirrors"] or not set(wanted_scalars) <= set(saved["scalars"]):
         raise CheckpointError(
             f"checkpoint {reader.directory}: its optimizer state has per-parameter {saved['mirrors']} and "
-            f"{saved['scalars']}, this step's optimizer has {wanted_mirrors} and {wanted_scalars}; load it "
-            "with the optimizer that saved it"
+            f"{saved['scalars']}, this step's optimizer has {wanted_mirrors} and {wanted_scalars}; "
+            + other_optimizer_or_layout(set(saved["scalars"]), set(wanted_scalars), wanted_mirrors == saved["mirrors"])
         )
 
     def mirror(path: str, like: Any) -> Any:
@@ -148,3 +148,20 @@ def _loss_scale(meta: Mapping[str, Any], step: Any, directory: Path) -> Any:
             f"{saved['fields']}): {error}. It was saved by a shardwise that did not check loss scales yet, "
             "and the run it comes from skipped or mis-scaled its steps with it"
         ) from error
+
+
+def other_optimizer_or_layout(saved: set[str], wanted: set[str], same_mirrors: bool = True) -> str:
+    """How to load a checkpoint whose optimizer tensors of its own (not shaped like the parameters) are
+    not the ones this step's optimizer wants: with the optimizer that saved it; or, where one side's
+    keys are the other's by layer (``step.0`` against ``step.0.weight``: the same optimizer's per-tensor
+    value, saved per ZeRO unit and wanted per parameter, or the other way), under the layout that
+    saved it."""
+    def parents(keys: set[str]) -> set[str]:
+        return {k.rsplit(".", 1)[0] for k in keys}
+
+    if same_mirrors and wanted and not wanted <= saved and (parents(wanted) <= saved or wanted <= parents(saved)):
+        return ("the optimizer keeps a value of its own per tensor it updates (a torch-style step count): one per "
+                "ZeRO unit (its flat shard) under shard_params, one per parameter elsewhere, so that state "
+                "reshards only between layouts that update the same tensors; load it under the ZeRO stage (or "
+                "the absence of one) that saved it")
+    return "load it with the optimizer that saved it"

@@ -93,7 +93,7 @@ from .file_format import (
     write_rank,
 )
 from .held_names import every_ranks_names
-from .load_state import build_state
+from .load_state import build_state, other_optimizer_or_layout
 from .names import module_params, state_dict_names
 
 __all__ = ["CheckpointError", "SaveHandle", "describe", "load", "save"]
@@ -490,11 +490,12 @@ def load(path: str | os.PathLike[str], step: Any, mesh: Mesh | None = None, *,
 
     state, scalars = _together(mesh, on, f"load of {directory}", read)
     wanted = set().union(*every_ranks_names(mesh, scalars, on))
-    if wanted != set(meta["optimizer"]["scalars"]):
+    saved = set(meta["optimizer"]["scalars"])
+    if wanted != saved:
         raise CheckpointError(
-            f"checkpoint {directory}: its optimizer state has {sorted(meta['optimizer']['scalars'])[:8]} besides "
+            f"checkpoint {directory}: its optimizer state has {sorted(saved)[:8]} besides "
             f"the per-parameter {meta['optimizer']['mirrors']}, this step's optimizer has {sorted(wanted)[:8]}; "
-            "load it with the optimizer that saved it"
+            + other_optimizer_or_layout(saved, wanted)
         )
     _buffers(directory, meta, step, restore=changed)  # last: a refusal above leaves the chain as it was
     return state
