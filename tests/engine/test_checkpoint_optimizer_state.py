@@ -20,6 +20,8 @@ import shardwise as sw
 from shardwise.engine.checkpoint import save_load as ck
 from shardwise.testing.models import mlp
 
+from .test_checkpoint_buffers import _resume, _save_after
+
 RTOL = 1e-12
 
 
@@ -42,17 +44,6 @@ class _CountedMomentum:
 
 def _pp(step: Any) -> Any:
     return sw.pipeline(step, "pp", "1f1b", 2)
-
-
-def _save_after(step: Any, params: Any, mesh: sw.Mesh | None, batches: list, path: Path) -> None:
-    state = step.init(params, mesh)
-    for batch in batches:
-        state, _ = step(state, batch)
-    ck.save(path, state, step)
-
-
-def _resume(step: Any, mesh: sw.Mesh | None, batches: list, path: Path) -> Any:
-    return sw.testing.record_history(step, ck.load(path, step, mesh), batches)
 
 
 @pytest.mark.parametrize("reshard", ["pp2 -> pp2", "pp2 -> single", "single -> pp2"])

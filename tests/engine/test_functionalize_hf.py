@@ -199,14 +199,8 @@ def own_loss(out: Any, targets: None) -> Tensor:
     return out.loss
 
 
-@pytest.mark.parametrize("split", ["whole", "blocks"])
-@pytest.mark.parametrize("family", ["gpt2", "bert"])
-def test_dict_batches_train_through_the_models_own_loss(family: str, split: str) -> None:
-    model, block = build(family)
-    batches = padded_batches(family)
-    # BERT's mask is None for the unpadded example and a tensor for the padded batches.
-    unpadded = {**batches[0][0], "attention_mask": torch.ones(BATCH, SEQ, dtype=torch.long)}
-    chain, params = functionalize(model, units=None if split == "whole" else block, example_input=unpadded)
+def _trains_as_torch_with_its_own_loss(model: Any, chain: Any, params: Any, batches: list[Any]) -> None:
+    """The step on the model's own loss, bit for bit a torch loop's losses and parameters (SGD + momentum)."""
     step = sw.train_step(chain, own_loss, sw.optim.sgd(0.1, momentum=0.9))
     state = step.init(params)
     losses = []
@@ -216,6 +210,17 @@ def test_dict_batches_train_through_the_models_own_loss(family: str, split: str)
     reference, expected = torch_loop(model, batches, OPTIMIZERS["sgd-momentum"][1], own_loss)
     assert all(torch.equal(a, b) for a, b in zip(losses, expected, strict=True))
     assert_params_equal(state.params, reference)
+
+
+@pytest.mark.parametrize("split", ["whole", "blocks"])
+@pytest.mark.parametrize("family", ["gpt2", "bert"])
+def test_dict_batches_train_through_the_models_own_loss(family: str, split: str) -> None:
+    model, block = build(family)
+    batches = padded_batches(family)
+    # BERT's mask is None for the unpadded example and a tensor for the padded batches.
+    unpadded = {**batches[0][0], "attention_mask": torch.ones(BATCH, SEQ, dtype=torch.long)}
+    chain, params = functionalize(model, units=None if split == "whole" else block, example_input=unpadded)
+    _trains_as_torch_with_its_own_loss(model, chain, params, batches)
 
 
 @pytest.mark.parametrize("split", ["whole", "blocks"])
@@ -230,15 +235,7 @@ def test_a_dict_batch_with_a_key_forward_takes_through_its_kwargs_is_spread(spli
         shift[0, 2:] = -100  # a loss over fewer tokens than labels would give: shift_labels is read
         batches.append(({"input_ids": ids, "labels": targets, "shift_labels": shift}, None))
     chain, params = functionalize(model, units=None if split == "whole" else block, example_input=batches[0][0])
-    step = sw.train_step(chain, own_loss, sw.optim.sgd(0.1, momentum=0.9))
-    state = step.init(params)
-    losses = []
-    for batch in batches:
-        state, metrics = step(state, batch)
-        losses.append(metrics["loss"])
-    reference, expected = torch_loop(model, batches, OPTIMIZERS["sgd-momentum"][1], own_loss)
-    assert all(torch.equal(a, b) for a, b in zip(losses, expected, strict=True))
-    assert_params_equal(state.params, reference)
+    _trains_as_torch_with_its_own_loss(model, chain, params, batches)
 
 
 def test_a_split_recorded_on_one_input_structure_refuses_another() -> None:
