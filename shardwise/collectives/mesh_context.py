@@ -31,6 +31,8 @@ from .mesh import Mesh
 _stack: contextvars.ContextVar[tuple[Mesh, ...]] = contextvars.ContextVar(
     "shardwise_mesh_stack", default=()
 )
+# Set inside no_mesh(): a collective that names its mesh (mesh=...) is refused there too.
+_silent: contextvars.ContextVar[bool] = contextvars.ContextVar("shardwise_no_collectives", default=False)
 
 
 def current_mesh() -> Mesh | None:
@@ -51,13 +53,21 @@ def use_mesh(mesh: Mesh) -> Iterator[Mesh]:
 
 @contextlib.contextmanager
 def no_mesh() -> Iterator[None]:
-    """No current mesh inside the block: a collective that names no mesh raises there instead of
-    running (a second evaluation of a step's code must not issue what the Plan does not list)."""
-    token = _stack.set(())
+    """No current mesh inside the block, and no collective: one raises there instead of running,
+    whether it names its mesh or not (a second evaluation of a step's code, on one rank, must not
+    issue what the Plan does not list, nor wait on ranks that do not evaluate it). Reading the
+    layout of a mesh given by name (``axis_size(axis, mesh=m)``, ``axis_index``) still works."""
+    token, silent = _stack.set(()), _silent.set(True)
     try:
         yield
     finally:
+        _silent.reset(silent)
         _stack.reset(token)
+
+
+def collectives_forbidden() -> bool:
+    """Whether the caller is inside :func:`no_mesh` (every collective raises there)."""
+    return _silent.get()
 
 
 def _push(mesh: Mesh) -> None:

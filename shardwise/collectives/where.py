@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from . import ledger as _ledger
 from .backends.base import Backend, Group
 from .mesh import Mesh
-from .mesh_context import current_mesh
+from .mesh_context import collectives_forbidden, current_mesh
 
 Pairs = tuple[tuple[int, int], ...]
 
@@ -59,6 +59,11 @@ class Where:
 
 
 def resolve(op: str, axis: str, mesh: Mesh | None) -> Where:
+    if op != "axis_index" and collectives_forbidden():
+        raise RuntimeError(
+            f"{op}(axis={axis!r}) inside no_mesh(): no collective runs in this block (a second evaluation of "
+            "a step's code on one rank, which the other ranks do not join)"
+        )
     if mesh is None:
         mesh = current_mesh()
     if mesh is None:

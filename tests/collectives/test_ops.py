@@ -499,6 +499,32 @@ def test_a_collective_without_a_mesh_says_how_to_give_one():
         psum(torch.ones(1), "dp")
 
 
+def test_no_collective_runs_inside_no_mesh_even_one_that_names_its_mesh():
+    """The loss probe evaluates loss_fn again on one rank, inside no_mesh(): a collective there, even
+    with mesh=, raises at once instead of waiting for ranks that never join it (a hang before)."""
+    from shardwise.collectives.mesh_context import no_mesh
+
+    def main() -> tuple[int, int, str]:
+        mesh = current_mesh()
+        assert mesh is not None
+        refused = ""
+        if axis_index("dp") == 0:  # rank 1 never issues it
+            with no_mesh():
+                try:
+                    psum(torch.ones(1), "dp", mesh=mesh)
+                except RuntimeError as err:
+                    refused = str(err)
+                index = axis_index("dp", mesh=mesh)  # the layout is still read
+        else:
+            index = 1
+        return index, axis_size("dp", mesh=mesh), refused
+
+    with Mesh(dp=2):
+        got = launch(main, 2, timeout=30)
+    assert [g[:2] for g in got] == [(0, 2), (1, 2)]
+    assert re.match(r"psum\(axis='dp'\) inside no_mesh\(\): no collective runs in this block", got[0][2])
+
+
 def test_with_mesh_sets_the_current_mesh_and_nests():
     outer, inner = Mesh(dp=1), Mesh(tp=1)
     assert current_mesh() is None

@@ -210,6 +210,30 @@ class _GradSum(torch.autograd.Function):
         return psum(sent, ctx.axis).to(g.dtype)
 
 
+# -- the loss probe: loss_fn evaluated again, on a few rows, before the step's own call --------------
+
+_probing_loss: contextvars.ContextVar[bool] = contextvars.ContextVar("shardwise_in_layer_probing_loss", default=False)
+
+
+@contextlib.contextmanager
+def probing_loss() -> Iterator[None]:
+    """A block in which the engine evaluates ``loss_fn`` again on a few rows of the output the run already
+    computed (``engine/run/loss_rows.py``), with no collective allowed (``no_mesh``). A split's loss
+    wrapper leaves what it knows of the forward as it found it (the step's own call comes next), and
+    its loss functions compute without the other ranks' values, on this rank's part standing in for
+    them, or raise (the probe then says nothing)."""
+    token = _probing_loss.set(True)
+    try:
+        yield
+    finally:
+        _probing_loss.reset(token)
+
+
+def probing_loss_now() -> bool:
+    """Whether the calling code runs inside :func:`probing_loss`."""
+    return _probing_loss.get()
+
+
 # -- the batch's shares: a statistic over the whole batch, inside a compute -----------------------
 
 

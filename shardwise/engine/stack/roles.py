@@ -64,13 +64,15 @@ class BatchCut:
     ``axes``: the mesh axes it cuts the batch (dim 0 of every leaf) over, in order: each index takes
     its own share. ``sequence_parts``: how many parts it cuts each sequence of that share into, and
     ``cut_sequence(pair, rank)``: the part of every sequence of the (inputs, targets) ``pair`` that
-    ``rank`` takes (None: the calling rank). Each share and each part is a replica of the mean: the
-    loss is seeded by 1 / (all of them), and each index counts its own loss and tokens.
+    ``rank`` takes (None: the calling rank), along ``sequence_dim`` of every leaf (the loss probe
+    halves the targets there). Each share and each part is a replica of the mean: the loss is seeded
+    by 1 / (all of them), and each index counts its own loss and tokens.
     """
 
     axes: tuple[str, ...] = ()
     sequence_parts: int = 1
     cut_sequence: Callable[[Any, int | None], Any] | None = None
+    sequence_dim: int = 1
 
     def __post_init__(self) -> None:
         if self.sequence_parts < 1 or (self.sequence_parts > 1 and self.cut_sequence is None):

@@ -102,7 +102,7 @@ class Splits:
         axes = tuple(a for c in cuts for a in c.axes)
         if not sequences:
             return BatchCut(axes=axes) if axes else NO_CUT
-        return BatchCut(axes, sequences[0].sequence_parts, sequences[0].cut_sequence)
+        return BatchCut(axes, sequences[0].sequence_parts, sequences[0].cut_sequence, sequences[0].sequence_dim)
 
     def counted(self, chain: Chain, mesh: Mesh | None) -> Keys | None:
         """The gradients this rank counts in the metrics (None: all): not those that a part which does

@@ -18,6 +18,7 @@ import torch
 from ...collectives.mesh import Mesh
 from ..plan.batches import split_batch, split_over
 from ..plan.lower import microbatch_count
+from ..run.loss_rows import ProbeCut
 from ..stack.in_layer import BatchShares
 
 if TYPE_CHECKING:
@@ -114,23 +115,32 @@ def refuse_padded_mean(step: Step, mesh: Mesh | None, batch: Any) -> None:
     )
 
 
-def loss_probe_cut(step: Step, mesh: Mesh | None) -> str | None:
-    """What cuts the batch's rows, in words, where the step's first call probes that ``loss_fn`` is a mean
-    over them (``engine/run/loss_rows.py``); None where it does not: the step cuts no rows; ``tokens=``
-    weighs the loss (the step divides by the global count, or per_shard_mean takes the parts' means
-    knowingly); a split's loss may communicate (vocabulary-parallel cross-entropy), and a loss term of the
-    whole batch sums over its parts (router_aux_loss), so evaluating it again would issue collectives the
-    Plan does not list. Context parallel alone cuts sequences, not rows: not probed. Nor is a loss_fn
-    that torch.compile made: it would compile again for each of the probe's shapes."""
+def loss_probe_cut(step: Step, mesh: Mesh | None) -> ProbeCut | None:
+    """What cuts the batch, in words, where the step's first call probes that ``loss_fn`` is a mean over
+    what it cuts (``engine/run/loss_rows.py``): its rows (shard_params' shares, a split's batch axes,
+    micro-batches), and each sequence (a split's sequence parts: context parallel), along the dim the
+    split cuts. None where it does not probe: the step cuts nothing; ``tokens=`` weighs the loss (the
+    step divides by the global count, or per_shard_mean takes the parts' means knowingly); a loss term
+    of the whole batch sums its statistics over the parts (router_aux_loss: the probe would issue
+    collectives); a loss_fn that torch.compile made (it would compile again for each of the probe's
+    shapes). Under a split the probe runs too: it evaluates the loss where no collective may run (a
+    split's loss functions compute on the rank's own part there, or raise: then it says nothing)."""
     batch_loss = any(getattr(s, "adds_batch_loss", False) for s in step.transforms)
     compiled = hasattr(step.loss_fn, "_torchdynamo_orig_callable")
-    if step.tokens is not None or step.split.parts or batch_loss or compiled:
+    if step.tokens is not None or batch_loss or compiled:
         return None
-    cuts = [what for _, n, what in batch_cuts(step, mesh) if n > 1]
+    rows = [what for _, n, what in batch_cuts(step, mesh) if n > 1]
     k = microbatch_count(step)
     if k > 1:
-        cuts.append(f"{k} micro-batches")
-    return " x ".join(cuts) if cuts else None
+        rows.append(f"{k} micro-batches")
+    sequences = [] if mesh is None else [
+        f"{p.name} over axis {p.axis!r} of size {mesh.axis_size(p.axis)}" for p in step.split.parts
+        if p.batch_cut(mesh).sequence_parts > 1
+    ]
+    if not rows and not sequences:
+        return None
+    dim = step.split.batch_cut(mesh).sequence_dim if sequences else 1
+    return ProbeCut(" x ".join(rows) or None, " x ".join(sequences) or None, dim)
 
 
 def _negative_integers(batch: Any) -> str | None:

@@ -270,10 +270,19 @@ def _loss_probe(step: Step, layout: StateLayout, mesh: Mesh | None) -> LossProbe
     made = layout.cache.get(key)
     if made is None:
         cut = loss_probe_cut(step, mesh)
+        # A split's layers run on fake tensors only inside its predicting block, and note what they ran
+        # (tensor parallel: whether the head left the logits split, which the loss reads next): under a
+        # split the probe tells the rows without a fake run.
+        predict = _no_prediction if step.split.parts else functools.partial(output_shapes, step, layout)
         made = layout.cache[key] = False if cut is None else LossProbe(
-            cut, functools.partial(layout.cache.__setitem__, key, False), functools.partial(output_shapes, step, layout)
+            cut, functools.partial(layout.cache.__setitem__, key, False), predict
         )
     return made if isinstance(made, LossProbe) else None
+
+
+def _no_prediction(inputs: Any) -> None:
+    """No shapes predicted (the probe's rule without them applies: run/loss_rows.py)."""
+    return None
 
 
 def _bindings(step: Step, layout: StateLayout, mesh: Mesh | None, source: ParamSource) -> StageBindings | None:

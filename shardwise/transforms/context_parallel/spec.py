@@ -176,7 +176,8 @@ class CPSpec:
         """The axis cuts each sequence, not the batch: each rank takes its part of every sequence
         (:meth:`cut_sequence`)."""
         parts = _mesh(mesh, self.axis).axis_size(self.axis)
-        return BatchCut(sequence_parts=parts, cut_sequence=functools.partial(self.cut_sequence, mesh=mesh))
+        return BatchCut(sequence_parts=parts, cut_sequence=functools.partial(self.cut_sequence, mesh=mesh),
+                        sequence_dim=self.dim)
 
     def cut_sequence(self, pair: Any, rank: int | None, mesh: Mesh | None) -> Any:
         """This rank's part of every batch leaf along ``dim`` (inputs and targets alike), in the layout

@@ -17,6 +17,12 @@ does not call it, and any other computation on the split logits (they reach the
 loss as :class:`SplitLogits`, which lets through only what keeps the vocabulary
 dimension whole: reshapes, slices of the leading dimensions, casts): a loss of
 each rank's vocabulary slice would train silently wrong.
+
+Inside the engine's loss probe (``in_layer.probing_loss``: ``loss_fn`` evaluated
+again on a few rows, where no collective may run) both compute on the rank's
+slice alone, reduced as the whole's loss is (a sum, or the mean over the rows not
+ignored): the probe asks only how ``loss_fn`` reduces the rows. The probe's calls
+leave the record that the head left the logits split for the step's own call.
 """
 
 from __future__ import annotations
@@ -76,6 +82,8 @@ def vocab_parallel_cross_entropy(
         return F.cross_entropy(flat, flat_targets, ignore_index=ignore_index, reduction=reduction,
                                label_smoothing=label_smoothing)
     split.calls += 1
+    if in_layer.probing_loss_now():  # the engine's loss probe: no collective runs there
+        return _probe_stand_in(flat, flat_targets, ignore_index, reduction)
     axis, label = split.axis, "vocab_parallel_cross_entropy"
     rows = flat.shape[-1]
     vocab = rows * in_layer.size(axis)
@@ -110,6 +118,21 @@ def vocab_parallel_cross_entropy(
     return loss.to(given)
 
 
+def _probe_stand_in(
+    flat: torch.Tensor, flat_targets: torch.Tensor, ignore_index: int, reduction: str
+) -> torch.Tensor:
+    """What the cross-entropy gives on split logits inside the engine's loss probe (``in_layer.probing_loss``,
+    where no collective runs): a per-row term of this rank's slice alone (its log-sum-exp), reduced as
+    the cross-entropy reduces its terms (summed, or the mean over the rows not ignored). The probe asks
+    only how ``loss_fn`` reduces the rows, which this answers as the whole vocabulary's loss would."""
+    given = flat.dtype
+    values = flat.float() if given in (torch.float16, torch.bfloat16) else flat
+    valid = flat_targets != ignore_index
+    total = values.logsumexp(-1).masked_fill(~valid, 0.0).sum()
+    loss = total if reduction == "sum" else total / valid.sum().to(total.dtype)
+    return loss.to(given)
+
+
 def vocab_parallel_logsumexp(logits: torch.Tensor) -> torch.Tensor:
     """``logits.logsumexp(-1)``; inside a tensor-parallel step whose head splits the vocabulary,
     computed from each rank's slice (the maxima and the sums of exponentials summed over the
@@ -129,6 +152,8 @@ def vocab_parallel_logsumexp(logits: torch.Tensor) -> torch.Tensor:
     axis, label = split.axis, "vocab_parallel_logsumexp"
     given = logits.dtype
     values = logits.float() if given in (torch.float16, torch.bfloat16) else logits
+    if in_layer.probing_loss_now():  # the engine's loss probe: this rank's slice stands in for the whole
+        return values.logsumexp(-1).to(given)
     top = all_max(values.max(-1).values, axis, label)
     log_sum = leave((values - top.unsqueeze(-1)).exp().sum(-1), axis, None, label).log()
     return (log_sum + top).to(given)
@@ -224,7 +249,8 @@ class SplitLogitsLoss:
 
     def __call__(self, output: Any, targets: Any) -> Any:
         split_logits = output_is_split()
-        forget_split_output()  # the forward is over: the next one starts whole
+        if not in_layer.probing_loss_now():  # the probe's calls come before the step's own: they leave it
+            forget_split_output()  # the forward is over: the next one starts whole
         if not split_logits:
             return self.loss_fn(output, targets)
         split = _Split(self.axis)
