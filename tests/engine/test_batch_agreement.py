@@ -314,3 +314,42 @@ def test_a_step_remade_by_with_metrics_each_call_reads_its_rules_once(monkeypatc
     digests = {sharded.with_metrics(("loss",) if i % 2 else ()).agreement_digest for i in range(6)}
     assert len(digests) == 2  # the metrics are in the digest
     assert len(read) == 5  # optimizer, loss, precision, clipping, tokens: once
+
+
+BIG = (1 << 20) * 2 + 3  # past the keys kept for one row (metrics._CACHED_KEYS): three rows, the last short
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.complex64, torch.int64])
+def test_a_leaf_of_several_rows_sees_one_element_changed_in_any_row_and_rows_swapped(dtype: torch.dtype) -> None:
+    x = _leaf(dtype, (BIG,), 0)
+    fingerprint = batch_fingerprint((x,))
+    for k in (0, (1 << 20) - 1, 1 << 20, BIG - 1):  # first row, its end, the second row, the short last one
+        changed = x.clone()
+        changed[k] = _another(changed[k])
+        assert batch_fingerprint((changed,)) != fingerprint, k
+    rows = x[: 2 << 20].view(2, -1)
+    swapped = torch.cat([rows.flip(0).reshape(-1), x[2 << 20 :]])  # the same words in each row, rows moved
+    assert batch_fingerprint((swapped,)) != fingerprint
+    assert batch_fingerprint((x.clone(),)) == fingerprint
+
+
+def _fingerprint_peak(nbytes: int) -> tuple[int, int]:
+    """(peak memory of one fingerprint of a float32 batch of ``nbytes``, above the RSS before it; the
+    batch's bytes), on a rank whose glibc returns freed memory at once, after a warm-up (its keys)."""
+    from shardwise.testing.memory import PeakRSS
+
+    batch = (torch.randn(nbytes // 4 // 64, 64), torch.randn(8, 4))
+    batch_fingerprint(batch)
+    meter = PeakRSS()
+    batch_fingerprint(batch)
+    return meter.peak(), batch[0].nbytes
+
+
+@pytest.mark.gloo  # on the suite's LIVE_MALLOC gloo ranks
+def test_the_fingerprint_of_a_large_batch_takes_a_rows_memory_not_a_multiple_of_the_batch(
+        live_malloc_gloo4: Any) -> None:
+    # Made for the whole leaf at once, the keys' arithmetic (int64 positions mixed through splitmix64)
+    # and the words took 9x the batch: 144 MB beside a 16 MB batch, before every step that checks it.
+    # A row at a time: its words (4 MiB of int32) and their sum's int64 copy (8 MiB), whatever the batch.
+    peak, nbytes = live_malloc_gloo4.run(_fingerprint_peak, 16 << 20)[0]
+    assert peak < 13 << 20, f"{peak / 2**20:.1f} MiB for a {nbytes / 2**20:.0f} MiB batch"
