@@ -13,6 +13,7 @@ from typing import Any
 import optree
 import torch
 
+from ..engine.model.pytrees import plain_batch
 from ..engine.model.reuse import sharing_runs
 from ..engine.simulate.costs import CommModel
 from ..engine.stack.roles import REWRITE
@@ -83,6 +84,7 @@ def search(
     if certify_with is not None:
         _check_small_version(step, certify_with)
     budget = parse_bytes(memory_per_rank)
+    batch = plain_batch(batch)  # a tokenizer's BatchEncoding: the dict every plan and measurement cuts
     space = space or Space()
     skipped = [] if tp_plan is not None else ["tensor parallel shapes (tp > 1): no tp_plan= given"]
     allows = {"cp": _allows(step, "cp", space.cp, cp_options, skipped),

@@ -115,6 +115,38 @@ def test_missing_param_names_the_layer_and_key() -> None:
         chain(params, torch.zeros(1, 3))
 
 
+def test_params_that_are_not_per_layer_dicts_name_step_full_params() -> None:
+    """ZeRO-3's state.params hold one flat shard per layer, a pipeline rank's only its stage's layers:
+    running the chain on them says to pass step.full_params(state) (it was a bare Tensor.__contains__
+    error for the flat shard)."""
+    chain, params = tied_pair()
+    flat = {name: torch.cat([t.flatten() for t in layer.values()]) if layer else torch.zeros(0)
+            for name, layer in params.items()}
+    with pytest.raises(TypeError, match=r"params\['embed'\] is a Tensor of shape \(15,\), not a dict.*"
+                       r"step\.full_params\(state\)"):
+        chain(flat, torch.zeros(1, 3, dtype=torch.float64))
+    with pytest.raises(KeyError, match=r"params\['embed'\] holds \[\]; .*step\.full_params\(state\)"):
+        chain({"embed": {}, "act": {}, "head": params["head"]}, torch.zeros(1, 3, dtype=torch.float64))
+
+
+def test_a_zero3_states_params_refuse_the_chain_and_full_params_run_it() -> None:
+    import shardwise as sw
+
+    torch.manual_seed(0)
+    chain, params = sw.functionalize(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)).double())
+    step = sw.shard_params(sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1)), "dp", 3)
+    x = torch.randn(2, 4, dtype=torch.float64)
+
+    def main() -> Tensor:
+        state = step.init(params, sw.Mesh(dp=2))
+        with pytest.raises(TypeError, match=r"params\['0'\] is a Tensor.*step\.full_params\(state\)"):
+            chain(state.params, x)
+        return chain(step.full_params(state), x)
+
+    for out in sw.launch(main, world=2):
+        assert torch.equal(out, chain(params, x))
+
+
 def test_layer_is_frozen_and_copies_its_containers() -> None:
     buffers = {"s": torch.ones(1)}
     names = ["w"]

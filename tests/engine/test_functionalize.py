@@ -615,3 +615,48 @@ def test_a_dict_example_of_keyword_arguments_is_split_by_recording_and_trains_bi
     assert all(torch.equal(full[n], p) for n, p in reference.named_parameters())
     piped = sw.pipeline(step, "pp", "1f1b", 2)
     sw.testing.assert_equivalent(piped, step, sw.Mesh(pp=2), batches, params)
+
+
+def test_a_dict_example_with_the_embedding_as_first_unit_trains_as_one_device() -> None:
+    """Units that start at the embedding (``units=["wte", "h"]``) on a dict example: the glue
+    before the first unit only passes the batch's token ids on. No gradient needs to reach the batch,
+    so that glue passing no floating-point tensor is not refused (it was, as a layer gradients could
+    not flow through); the split trains bitwise as the torch module, and over dp=2 and a pipeline as
+    the single-device step."""
+    import shardwise as sw
+
+    torch.manual_seed(0)
+    model = _OwnLossGPT().double()
+    g = torch.Generator().manual_seed(1)
+    batches = [({"idx": t[:, :-1], "targets": t[:, 1:]}, None) for t in
+               (torch.randint(0, 16, (4, 7), generator=g) for _ in range(2))]
+    chain, params = functionalize(model, units=["wte", "h"], example_input=batches[0][0])
+    assert chain.names == ("embed", "wte", "h.0", "h.1", "head")
+    step = sw.train_step(chain, lambda out, _: out[1], sw.optim.sgd(0.1, momentum=0.9))
+    state = step.init(params)
+    reference = deepcopy(model)
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    for batch, targets in batches:
+        state, metrics = step(state, (batch, targets))
+        opt.zero_grad()
+        loss = reference(**batch)[1]
+        loss.backward()
+        opt.step()
+        assert torch.equal(metrics["loss"], loss.detach())
+    sw.testing.assert_equivalent(sw.shard_params(step, "dp", 3), step, sw.Mesh(dp=2), batches, params)
+    sw.testing.assert_equivalent(sw.pipeline(step, "pp", "1f1b", 2), step, sw.Mesh(pp=2), batches, params)
+
+
+def test_a_first_layer_with_parameters_and_no_floating_output_is_still_refused() -> None:
+    """Only a parameter-free first layer may pass no floating-point tensor: one with parameters would
+    get no gradient."""
+    class IntOut(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(3, 3)
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.fc(x).argmax(-1)
+
+    with pytest.raises(FunctionalizeError, match=r"layer '0' returns a Tensor that carries no floating-point"):
+        functionalize(nn.Sequential(IntOut(), nn.Embedding(3, 2)), example_input=torch.randn(2, 3))

@@ -238,6 +238,35 @@ def test_a_dict_batch_with_a_key_forward_takes_through_its_kwargs_is_spread(spli
     _trains_as_torch_with_its_own_loss(model, chain, params, batches)
 
 
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_a_tokenizers_batch_encoding_trains_as_the_same_batch_as_a_dict(family: str) -> None:
+    """What a tokenizer, ``tokenizer.pad`` and the data collators return is a ``BatchEncoding``, a
+    ``UserDict``: a Mapping, but one leaf to optree. As the example and as the batch it is the dict it
+    holds: one device bitwise the dict batches' step (and the chain run on it), and ZeRO-3 over dp=2 the
+    single-device step."""
+    model, block = build(family)
+    dicts = [{"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids} for ids, _ in token_batches(2)]
+    encodings = [T.BatchEncoding(d) for d in dicts]
+    assert optree.tree_leaves(encodings[0]) == [encodings[0]]  # what made it opaque to the step
+    chain, params = functionalize(model, units=block, example_input=encodings[0])
+    step = sw.train_step(chain, own_loss, sw.optim.sgd(0.1, momentum=0.9))
+    runs = []
+    for batches in (dicts, encodings):
+        state, losses = step.init(params), []
+        for batch in batches:
+            state, metrics = step(state, batch)
+            losses.append(metrics["loss"])
+        runs.append((losses, state.params))
+    (dict_losses, dict_params), (encoding_losses, encoding_params) = runs
+    assert all(torch.equal(a, b) for a, b in zip(dict_losses, encoding_losses, strict=True))
+    assert all(torch.equal(dict_params[k][n], t) for k, tensors in encoding_params.items() for n, t in tensors.items())
+    assert torch.equal(chain(params, encodings[1]).logits, chain(params, dicts[1]).logits)  # evaluating on one
+    # transformers computes its own loss in float32 (ForCausalLMLoss upcasts the logits): each shard's
+    # mean is rounded to float32 (2^-24 relative) before the mean over shards, so 1e-6, not 1e-12.
+    zero3 = sw.shard_params(step, "dp", 3)
+    sw.testing.assert_equivalent(zero3, step, sw.Mesh(dp=2), encodings, params, rtol=1e-6)
+
+
 def test_a_split_recorded_on_one_input_structure_refuses_another() -> None:
     model, block = build("gpt2")
     chain, params = functionalize(model, units=block)  # recorded on a bare ids tensor

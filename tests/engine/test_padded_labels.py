@@ -171,3 +171,38 @@ def test_context_parallel_cuts_sequences_and_refuses_a_mean_loss_on_padded_label
     reference = sw.train_step(chain, loss, sw.optim.sgd(0.1))
     weighted = sw.train_step(chain, loss, sw.optim.sgd(0.1), tokens=counted)
     sw.testing.assert_equivalent(sw.context_parallel(weighted, "cp"), reference, sw.Mesh(cp=2), [(ids, labels)], params)
+
+
+class _OffsetNet(torch.nn.Module):
+    """A regression on a float feature and a signed integer one (a relative offset in [-5, 5])."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.off = torch.nn.Embedding(11, 4)
+        self.fc = torch.nn.Linear(6 + 4, 1)
+
+    def forward(self, inputs: tuple[Tensor, Tensor]) -> Tensor:
+        x, offset = inputs
+        return self.fc(torch.cat([x, self.off(offset + 5)], -1))
+
+
+def test_negative_integer_inputs_are_features_and_only_the_targets_are_read_for_padding() -> None:
+    """In an (inputs, targets) batch the labels are the targets: a negative integer input is a feature,
+    and a mean loss on float targets over dp=2 is the single-device step (it was refused as padding).
+    Where the inputs hold the labels (targets None), they are still read."""
+    torch.manual_seed(0)
+    chain, params = sw.functionalize(_OffsetNet().double())
+    step = sw.train_step(chain, F.mse_loss, sw.optim.adamw(1e-2))
+    gen = torch.Generator().manual_seed(0)
+    offset_batches = [
+        ((torch.randn(8, 6, dtype=torch.float64, generator=gen), torch.randint(-5, 6, (8,), generator=gen)),
+         torch.randn(8, 1, dtype=torch.float64, generator=gen))
+        for _ in range(2)
+    ]
+    sw.testing.assert_equivalent(sw.shard_params(step, "dp", 3), step, sw.Mesh(dp=2), offset_batches, params)
+
+    chain, params = gpt2()
+    ids, labels = batches(padded=True)[0]
+    own = sw.train_step(chain, lambda out, _: out.loss, sw.optim.sgd(0.1))
+    with pytest.raises(RankFailed, match=r"batch\[0\]\['labels'\] holds negative integers"):
+        _run(sw.shard_params(own, "dp", 3), sw.Mesh(dp=2), params, ({"input_ids": ids, "labels": labels}, None))

@@ -29,6 +29,8 @@ from typing import Any, overload
 
 from torch import Tensor
 
+from .pytrees import plain_batch
+
 LayerFn = Callable[[dict[str, Tensor], Any], Any]
 Params = Mapping[str, Mapping[str, Tensor]]
 
@@ -204,17 +206,19 @@ class Chain:
         for name in lay.param_names:
             owner, owner_local = lay.ties.get(name, (lay.name, name))
             source = owned if owner == lay.name else params.get(owner, {})
-            if owner_local not in source:
-                tied = "" if owner == lay.name else f" (tied to {owner!r}'s {owner_local!r})"
-                raise KeyError(
-                    f"params[{owner!r}] has no {owner_local!r}, which layer {lay.name!r} needs as "
-                    f"{name!r}{tied}; params[{owner!r}] holds {sorted(source)}"
-                )
+            try:  # the executor calls this every step: what is wrong is told on the failure path only
+                missing = owner_local not in source
+            except RuntimeError:  # a Tensor (a flat shard of ZeRO-3's state.params) takes no str
+                missing = True
+            if missing:
+                raise _missing_param(source, lay.name, name, owner, owner_local)
             local[name] = source[owner_local]
         return local
 
     def __call__(self, params: Params, x: Any) -> Any:
-        """Run every layer in order on ``x``."""
+        """Run every layer in order on ``x`` (a tokenizer's ``BatchEncoding`` as the dict it holds, as a
+        step takes it: ``plain_batch``)."""
+        x = plain_batch(x)
         for layer in self._layers:
             x = layer(self.layer_params(params, layer), x)
         return x
@@ -237,6 +241,30 @@ class Chain:
     def __repr__(self) -> str:
         body = "".join(f"\n  {layer.name}: {_describe_layer(layer)}" for layer in self._layers)
         return f"Chain({body}\n)" if body else "Chain()"
+
+
+# What a step's state holds where a layer's parameters are not a dict of whole tensors by name.
+_NOT_WHOLE = (
+    "the state.params of a step that shards or pipelines its parameters hold only this rank's part (shard_params "
+    "stage 3: one flat shard per layer; a pipeline: the layers of this rank's stage); to run the chain on them, "
+    "e.g. to evaluate, pass step.full_params(state), the complete parameters (every rank calls it together)"
+)
+
+
+def _missing_param(source: Any, layer: str, name: str, owner: str, owner_local: str) -> Exception:
+    """The error for ``params[owner][owner_local]`` missing, which layer ``layer`` reads as ``name``."""
+    if not isinstance(source, Mapping):
+        return TypeError(
+            f"params[{owner!r}] is a {type(source).__name__}"
+            + (f" of shape {tuple(source.shape)}" if isinstance(source, Tensor) else "")
+            + f", not a dict of parameters by name (layer {layer!r} reads {owner_local!r} there): {_NOT_WHOLE}"
+        )
+    tied = "" if owner == layer else f" (tied to {owner!r}'s {owner_local!r})"
+    hint = f"; {_NOT_WHOLE}" if not source else ""
+    return KeyError(
+        f"params[{owner!r}] has no {owner_local!r}, which layer {layer!r} needs as "
+        f"{name!r}{tied}; params[{owner!r}] holds {sorted(source)}{hint}"
+    )
 
 
 def _index_names(layers: tuple[Layer, ...]) -> dict[str, int]:

@@ -75,7 +75,7 @@ Decisions:
 from __future__ import annotations
 
 import difflib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import optree
@@ -90,7 +90,7 @@ from .chain import Chain, Layer
 from .fx_split import FunctionalizeError, FxTraceError, split_graph
 from .materialize import InitFn, ModuleInit, has_meta_tensors, is_transformers_model, stand_in
 from .module_call import Quiet, ThreadReplicas, call_arguments
-from .pytrees import float_leaves, register_output_types, unregistered_reason
+from .pytrees import float_leaves, plain_batch, register_output_types, unregistered_reason
 from .shape_check import check_shapes_against_module
 from .uncompiled import uncompiled
 
@@ -155,6 +155,7 @@ def functionalize(
     if units is not None:
         refuse_split_batch_loss(module)
     init, target, origin = _meta_init(module, init_fn, device)
+    example_input = plain_batch(example_input)  # a tokenizer's BatchEncoding: recorded as the dict the step sees
     try:
         chain, params, sources, example_input = _split_and_check(target, units, example_input, init is not None)
     except fake_run_errors():
@@ -186,7 +187,9 @@ def _split_and_check(
     if recorded is not None:
         example_input = recorded
     if example_input is not None and on_fake:
-        check_shapes_against_module(target, chain, params, example_input, _check_passable, _unit_modules(target, units))
+        check_shapes_against_module(
+            target, chain, params, example_input, _output_check(chain), _unit_modules(target, units)
+        )
     elif example_input is not None:
         _check_against_module(target, chain, params, example_input)
     return chain, params, sources, example_input
@@ -487,9 +490,10 @@ def _check_against_module(module: nn.Module, chain: Chain, params: ParamTree, x:
         expected = register_output_types(module(*args, **kwargs))
         _set_rng_states(devices, rng)
         got = x
+        check_output = _output_check(chain)
         for i, layer in enumerate(chain):
             got = layer(chain.layer_params(params, layer), got)
-            _check_passable(layer.name, got, last=i == len(chain) - 1)
+            check_output(layer.name, got, i == len(chain) - 1)
     for (name, buffer_name), before in snapshot.items():
         if not _same(before, chain[name].buffers[buffer_name]):
             raise FunctionalizeError(
@@ -509,11 +513,27 @@ def _set_rng_states(devices: list[int], states: tuple[Tensor, list[Tensor]]) -> 
         torch.cuda.set_rng_state(state, d)
 
 
-def _check_passable(layer: str, y: Any, last: bool) -> None:
+def _output_check(chain: Chain) -> Callable[[str, Any, bool], None]:
+    """``_check_passable`` for the layers of ``chain``, called as ``check(layer name, output, last)``.
+
+    The first layer, when it has no parameters and is not the last, may pass on no floating-point
+    tensor: it is fed only by the batch, and no gradient needs to reach the batch. This is the empty
+    glue before the first unit where the units start at the embedding (``units=["wte", "h", "lm_head"]``
+    on a dict example: the glue passes the batch's token ids on to the embedding)."""
+    fed_by_batch = chain[0].name if len(chain) > 1 and not chain[0].param_names else None
+
+    def check(layer: str, y: Any, last: bool) -> None:
+        _check_passable(layer, y, last, needs_float=layer != fed_by_batch)
+
+    return check
+
+
+def _check_passable(layer: str, y: Any, last: bool, needs_float: bool = True) -> None:
     """Refuse an output with no floating-point tensor (the loss could reach no parameter through
-    it), and, between layers, an output with anything but tensors in it (a pipeline sends tensors)."""
+    it) where ``needs_float``, and, between layers, an output with anything but tensors in it (a
+    pipeline sends tensors)."""
     leaves = optree.tree_leaves(y)
-    if not float_leaves(y):
+    if needs_float and not float_leaves(y):
         opaque = [type(v).__name__ for v in leaves if not isinstance(v, Tensor)]
         reasons = [r for r in (unregistered_reason(v) for v in leaves) if r]
         why = f" ({'; '.join(reasons)})" if reasons else ""

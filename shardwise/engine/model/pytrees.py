@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import optree
@@ -81,6 +81,20 @@ def register_output_types(tree: Any) -> Any:
             return tree
         for leaf in new:
             _register(leaf)
+
+
+def plain_batch(batch: Any) -> Any:
+    """``batch`` with every Mapping that optree does not flatten made a plain ``dict``: where a batch or
+    an example input enters (a step's call, its plan, search, functionalize's ``example_input``).
+
+    Why: a ``transformers.BatchEncoding`` (what a tokenizer, ``tokenizer.pad`` and the data collators
+    return) is a ``collections.UserDict``: a Mapping, so a dict batch of inputs, but one optree leaf,
+    so the capture's input structure, the cut into shares, the batch's fingerprint and the padded-label
+    scan would each see one opaque object instead of its tensors. A batch holding no such Mapping is
+    returned as it is (one flatten)."""
+    if not any(isinstance(leaf, Mapping) for leaf in optree.tree_leaves(batch)):
+        return batch
+    return optree.tree_map(lambda leaf: plain_batch(dict(leaf)) if isinstance(leaf, Mapping) else leaf, batch)
 
 
 def unregistered_reason(value: Any) -> str | None:

@@ -88,8 +88,10 @@ def refuse_padded_mean(step: Step, mesh: Mesh | None, batch: Any) -> None:
     (-100, cross_entropy's ignore_index), so the shares' means count different numbers of tokens and
     their mean is not the mean over the global batch, which the single-device step computes.
 
-    Every rank holds the global batch and finds the same: no collective, one small reduction per
-    integer tensor. An ignore value that is not negative (a pad token id) is not seen.
+    Only where labels can be (:func:`_label_tensors`): an (inputs, targets) batch's targets, so a negative
+    integer input (a relative offset, a categorical feature) is no padding. Every rank holds the global
+    batch and finds the same: no collective, one small reduction per integer tensor. An ignore value
+    that is not negative (a pad token id) is not seen.
     """
     if step.tokens is not None:
         return
@@ -101,9 +103,11 @@ def refuse_padded_mean(step: Step, mesh: Mesh | None, batch: Any) -> None:
         cuts.append(f"{k} micro-batches")
     if not cuts:
         return
-    where = _negative_integers(batch)
+    scanned, prefix = _label_tensors(batch)
+    where = _negative_integers(scanned)
     if where is None:
         return
+    where = prefix + where
     raise ValueError(
         f"train_step(tokens=None) on a batch the step cuts ({' x '.join(cuts)}): batch{where} holds negative "
         "integers (padded labels: -100, cross_entropy's ignore_index), so each share's mean loss counts its own "
@@ -141,6 +145,16 @@ def loss_probe_cut(step: Step, mesh: Mesh | None) -> ProbeCut | None:
         return None
     dim = step.split.batch_cut(mesh).sequence_dim if sequences else 1
     return ProbeCut(" x ".join(rows) or None, " x ".join(sequences) or None, dim)
+
+
+def _label_tensors(batch: Any) -> tuple[Any, str]:
+    """Where ``batch``'s labels are, and the keypath prefix that names it in ``batch``: the targets of
+    an (inputs, targets) pair (loss_fn takes the labels from there; the inputs' integers are features),
+    else the whole batch (a dict batch, or targets None: the model's own loss reads ``labels``, or
+    nanoGPT's ``targets``, from the inputs)."""
+    if isinstance(batch, (tuple, list)) and len(batch) == 2 and batch[1] is not None:
+        return batch[1], "[1]"
+    return batch, ""
 
 
 def _negative_integers(batch: Any) -> str | None:

@@ -29,6 +29,7 @@ from ..layout.state import Params, TrainState, check_params
 from ..layout.state_layout import StateLayout, full_params
 from ..model.chain import Chain
 from ..model.materialize import unfilled_frozen
+from ..model.pytrees import plain_batch
 from ..optim import foreach as fe
 from ..optim.optimizers import Optimizer, tensor_leaves
 from ..plan.accounting import predict_kept_for_backward
@@ -460,6 +461,7 @@ class Step:
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, Metrics]:
         """One training step on the global ``batch``: ``(new state, metrics)`` (every rank passes the same batch)."""
         check_not_consumed(self, state)
+        batch = plain_batch(batch)  # a tokenizer's BatchEncoding: a dict the batch's pytree code sees into
         prepared = prepare_run(self, state, self._state_layout(state), batch)  # the rank's lowering is cached
         try:
             prepared.run()
@@ -483,11 +485,11 @@ class Step:
         and the activation bytes kept for backward are predicted (on fake tensors: the
         figures ``sw.policies.saved_bytes`` measures). docs/guide.md, "Reading a Plan", reads one.
         """
-        return plan_of(self, self.check_mesh(mesh) or Mesh(world=1), params, batch)
+        return plan_of(self, self.check_mesh(mesh) or Mesh(world=1), params, plain_batch(batch))
 
     def kept_for_backward(self, params: Params, inputs: Any) -> int:
         """Predicted bytes the layers keep for backward on ``inputs`` (one forward, on fake tensors)."""
-        return sum(predict_kept_for_backward(self.chain, self.compute_view(params), inputs).values())
+        return sum(predict_kept_for_backward(self.chain, self.compute_view(params), plain_batch(inputs)).values())
 
     def compute_view(self, params: Params) -> Params:
         """The parameters as the layers receive them: the compute copies under a precision policy

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ...engine.layout.state import check_params
+from ...engine.model.pytrees import plain_batch
 from ...engine.plan.accounting import kept_for_backward
 from ...engine.plan.batches import split_batch
 from ...engine.step.step import Step
@@ -35,5 +36,5 @@ def saved_bytes(step: Step, params: Any, batch: Any) -> dict[str, int]:
     for the saving.
     """
     check_params(step.chain, params)
-    inputs, _ = split_batch(batch)
+    inputs, _ = split_batch(plain_batch(batch))  # a tokenizer's BatchEncoding: the dict the step sees
     return kept_for_backward(step.chain, step.compute_view(params), inputs)
