@@ -13,7 +13,8 @@ a storage's private ``_cdata`` address, ``accumulate_backward`` calls autograd's
 ``torch.autograd.backward`` does (``_engine_run_backward``), ``version_of`` a tensor's version
 counter, ``view_base`` the tensor a view was made from (``Tensor._base``), and ``fake_tensors``
 runs code on fake tensors (``torch._subclasses.FakeTensorMode``): shapes, dtypes and kernel choices of the real
-device, no data and no arithmetic. ``flash_attention_cpu`` and its backward are torch's CPU flash
+device, no data and no arithmetic; ``dense_where_refused`` runs again, on dense copies, an op whose kernel refuses
+an expanded input (a ``TorchDispatchMode``). ``flash_attention_cpu`` and its backward are torch's CPU flash
 attention kernel called directly (``aten._scaled_dot_product_flash_attention_for_cpu``), which, unlike
 the public ``scaled_dot_product_attention``, returns each row's log-sum-exp. ``compiled_original``,
 ``compiled_in_place`` and ``drop_compiled_call`` read and undo ``torch.compile`` on a module
@@ -31,6 +32,7 @@ from typing import Any
 import optree
 import torch
 from torch.overrides import has_torch_function
+from torch.utils._python_dispatch import TorchDispatchMode
 
 try:
     _preserve_version = torch.autograd._unsafe_preserve_version_counter
@@ -258,6 +260,62 @@ def run_on_stand_ins(fn: Callable[..., Any], *args: Any) -> Any:
     faked = iter(_OnStandIns.apply(run, box, *(leaves[i] for i in where)))
     out_leaves, out_spec = box
     return optree.tree_unflatten(out_spec, [next(faked) if isinstance(t, torch.Tensor) else t for t in out_leaves])
+
+
+def _one_value_expanded(t: Any) -> bool:
+    """Whether ``t`` is a tensor of more than one element that holds one value, expanded: every dim
+    of more than one element has stride 0 (a meta-built module's stand-in parameter, a view of one)."""
+    return (isinstance(t, torch.Tensor) and t.layout == torch.strided and t.numel() > 1
+            and all(stride == 0 for stride, size in zip(t.stride(), t.shape, strict=True) if size > 1))
+
+
+@contextlib.contextmanager
+def dense_where_refused() -> Iterator[None]:
+    """Inside the block, an op whose kernel raises a ``RuntimeError`` on an input that is one value
+    expanded runs again on a dense copy of each such input, made for that op and dropped after it.
+    On fake tensors (inside :func:`fake_tensors`, whose mode this one runs above) the copy is fake
+    too: no memory. If the dense run fails as well, its error is raised.
+
+    For a meta-built module, split on stand-in parameters that are one zero each, expanded (no
+    memory): some kernels refuse a stride of 0, ``torch._grouped_mm`` (Hugging Face Mixtral's and
+    Qwen2-MoE's experts, by default) in its real and its fake kernel alike. Dense stand-ins for the
+    whole module would cost its size (the model that does not fit); made for a refusing op they
+    cost that op's inputs (one layer's weights at most), and every kernel that takes a stride of 0
+    (most: a matmul, an embedding, a skeleton's copy to the meta device) runs as before, with no
+    copy at all. Under autograd nothing more is kept: autograd, above this mode, saves the expanded
+    input. A copy holds the same values, so an input that is not a stand-in computes what it would;
+    an op that writes or returns a view of an input is not run again (a write into a copy would be
+    lost). Private torch API: ``TorchDispatchMode``."""
+    with _DenseWhereRefused():
+        yield
+
+
+class _DenseWhereRefused(TorchDispatchMode):
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        try:
+            return func(*args, **kwargs)
+        except RuntimeError:
+            inputs: list[Any] = optree.tree_leaves([args, kwargs])  # type: ignore[arg-type]
+            if not (_computes(func) and any(_one_value_expanded(t) for t in inputs)):
+                raise
+        return func(*optree.tree_map(_dense, args), **optree.tree_map(_dense, kwargs))
+
+
+def _computes(func: Any) -> bool:
+    """Whether an op makes new tensors from its inputs: not a view, not a write, not a query of
+    metadata (``prim::device``); only such an op may run again on copies of its inputs."""
+    schema = func._schema
+    return (not schema.is_mutable and any("Tensor" in str(r.type) for r in schema.returns)
+            and all(r.alias_info is None for r in schema.returns))
+
+
+def _dense(t: Any) -> Any:
+    if not _one_value_expanded(t):
+        return t
+    # Detached: this runs below autograd, and a clone through it can wait on the lock of the tensor's
+    # autograd state that autograd holds around the op (seen on a fake parameter: a deadlock).
+    return torch.ops.aten.clone.default(t.detach(), memory_format=torch.contiguous_format)
 
 
 # The schemas the two flash-attention wrappers below are written against (torch 2.13); a test holds

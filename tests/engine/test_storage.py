@@ -104,6 +104,32 @@ def test_stand_ins_run_a_data_dependent_shape_inside_fake_tensors_and_pass_gradi
             assert not is_fake(z) and z.requires_grad and torch.equal(z, torch.zeros(4, 3))
 
 
+def test_a_kernel_that_refuses_a_stride_of_0_runs_on_a_dense_copy_inside_dense_where_refused() -> None:
+    """functionalize runs a meta-built module on stand-ins that are one zero each, expanded, which
+    torch._grouped_mm (HF Mixtral's experts) refuses in its real and fake kernels: inside the block it
+    runs again on a dense copy, real or fake, with the same result; an op that takes the stride is not
+    copied, and a genuine error is still raised."""
+    import pytest
+
+    from shardwise.engine.torch_api import dense_where_refused, fake_tensors, is_fake
+
+    x = torch.randn(6, 8, dtype=torch.bfloat16)
+    w = torch.ones((), dtype=torch.bfloat16).expand(2, 8, 8)  # one value, expanded: stride 0
+    offs = torch.tensor([2, 6], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="strides"):
+        torch._grouped_mm(x, w, offs=offs)
+    with dense_where_refused():
+        assert torch.equal(torch._grouped_mm(x, w, offs=offs), torch._grouped_mm(x, w.contiguous(), offs=offs))
+        assert torch.equal(x @ w[0], x @ w[0].contiguous())  # taken as it is
+        with fake_tensors() as fake:
+            y = torch._grouped_mm(fake(x), fake(w), offs=fake(offs))
+            assert is_fake(y) and y.shape == (6, 8)
+        with pytest.raises(RuntimeError, match="mat_b"):  # shapes that do not fit: the dense run's error
+            torch._grouped_mm(x, w[:, :4], offs=offs)
+        with pytest.raises(RuntimeError, match="single memory location"):  # a write is not run on a copy
+            w.add_(1)
+
+
 def test_the_cpu_flash_attention_kernel_has_the_schema_the_wrappers_are_written_against() -> None:
     """Ring attention's block kernel (transforms/context_parallel/online_softmax.py) calls it through these
     wrappers; a torch that renamed it or changed its arguments would quietly fall back to the math kernel

@@ -74,6 +74,7 @@ Decisions:
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -83,7 +84,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _NormBase
 
-from ..torch_api import fake_run_errors
+from ..torch_api import dense_where_refused, fake_run_errors
 from .batch_loss_terms import refuse_split_batch_loss
 from .capture import Piece, split_by_calls
 from .chain import Chain, Layer
@@ -128,7 +129,8 @@ def functionalize(
             built on the meta device both run on fake tensors from the first unit on:
             structure, shapes and dtypes agree, and identical blocks run once; a model that
             reads data to decide a shape (a mixture-of-experts' routing) runs on zero-cost
-            stand-in parameters instead.
+            stand-in parameters instead (one zero each, expanded; a kernel that refuses their
+            stride of 0, such as ``torch._grouped_mm``, gets a dense copy for that op alone).
         init_fn: for a module built on the meta device: ``fn(module)`` that initializes a
             module's own parameters and buffers (as ``model.apply(fn)`` would apply it); by
             default a Hugging Face model's ``_init_weights``, else each module's
@@ -156,15 +158,19 @@ def functionalize(
         refuse_split_batch_loss(module)
     init, target, origin = _meta_init(module, init_fn, device)
     example_input = plain_batch(example_input)  # a tokenizer's BatchEncoding: recorded as the dict the step sees
-    try:
-        chain, params, sources, example_input = _split_and_check(target, units, example_input, init is not None)
-    except fake_run_errors():
-        if init is None:
-            raise
-        # The model reads data to decide a shape (a mixture-of-experts' routing), or an op's fake kernel
-        # refuses what its real one runs, which fake tensors cannot: record and check it on its stand-in
-        # tensors instead (real, zero-cost parameters), where a genuine error is raised again.
-        chain, params, sources, example_input = _split_and_check(target, units, example_input, False)
+    # A meta-built module runs on stand-in parameters that are one zero each, expanded (no memory: the model
+    # may not fit). A kernel that refuses their stride of 0 (torch._grouped_mm, HF MoE experts) runs again on
+    # a dense copy made for that op alone: one layer's weights at most, never the whole model at once.
+    with dense_where_refused() if init is not None else contextlib.nullcontext():
+        try:
+            chain, params, sources, example_input = _split_and_check(target, units, example_input, init is not None)
+        except fake_run_errors():
+            if init is None:
+                raise
+            # The model reads data to decide a shape (a mixture-of-experts' routing), or an op's fake kernel
+            # refuses what its real one runs, which fake tensors cannot: record and check it on its stand-in
+            # tensors instead (real, zero-cost parameters), where a genuine error is raised again.
+            chain, params, sources, example_input = _split_and_check(target, units, example_input, False)
     if init is None:
         return chain, params
     # A meta-built module: the chain says how to make its parameters; they are returned meta.
