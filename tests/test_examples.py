@@ -146,6 +146,23 @@ def test_tensor_parallel_example_is_equivalent_and_learns(capsys: pytest.Capture
     assert len(losses) == 12 and sum(losses[-4:]) < 0.8 * sum(losses[:4])  # measured: 4.18 -> 2.43
 
 
+@pytest.mark.gloo  # a fresh pool of two gloo processes per variant
+def test_the_llama_memory_benchmark_reports_fsdp2_and_zero3_side_by_side() -> None:
+    """benchmarks/memory_llama.py on a tiny Llama: FSDP2 and ZeRO-3 rows with peaks, the ratio and the Plan's."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "memory_llama.py"), "--hidden", "64", "--intermediate", "128",
+           "--layers", "2", "--heads", "4", "--kv-heads", "2", "--vocab", "256", "--seq", "16", "--worlds", "2",
+           "--steps", "1", "--batch", "4", "--variants", "fsdp2,shardwise"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = {row["variant"]: row for row in map(json.loads, result.stdout.splitlines())}
+    assert set(rows) == {"fsdp2", "shardwise"} and not [r for r in rows.values() if "failed" in r], rows
+    assert rows["fsdp2"]["ratio_to_fsdp2"] == 1.0
+    ours = rows["shardwise"]
+    assert ours["peak_bytes"] >= ours["init_peak_bytes"] > 0
+    assert ours["ratio_to_fsdp2"] == round(ours["peak_bytes"] / rows["fsdp2"]["peak_bytes"], 3)
+    assert ours["plan_peak_bytes"] == ours["plan"]["peak"] > ours["plan"]["params"] > 0
+
+
 @pytest.mark.gloo  # a pool of one process (one_process: a fresh pool) and one of two gloo processes
 def test_memory_benchmark_runs_and_reports_each_variant() -> None:
     """benchmarks/memory.py on a small model: one line per variant with peaks and the Plan's figures.
