@@ -647,6 +647,17 @@ def test_a_dict_example_with_the_embedding_as_first_unit_trains_as_one_device() 
     sw.testing.assert_equivalent(sw.pipeline(step, "pp", "1f1b", 2), step, sw.Mesh(pp=2), batches, params)
 
 
+def test_a_unit_named_like_the_layer_around_the_units_is_refused_naming_the_clash() -> None:
+    """A unit called ``head`` (or ``embed``) on the call-recording split made two layers of one name,
+    refused by the chain with a bare ValueError; it is refused naming the clash and the way out."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 16, (2, 4), generator=g)
+    with pytest.raises(FunctionalizeError, match=r"the unit 'head' has the name of the layer .* leave 'head' out"):
+        functionalize(_OwnLossGPT(), units=["wte", "h", "head"], example_input={"idx": ids, "targets": ids})
+    chain, _ = functionalize(_OwnLossGPT(), units=["wte", "h"], example_input={"idx": ids, "targets": ids})
+    assert chain.names[-1] == "head" and "head.weight" in str(chain.owned_param_names("head"))
+
+
 def test_a_first_layer_with_parameters_and_no_floating_output_is_still_refused() -> None:
     """Only a parameter-free first layer may pass no floating-point tensor: one with parameters would
     get no gradient."""

@@ -558,6 +558,13 @@ def split_by_calls(
 
     ``ordered``: the paths were listed by the user, and must be in execution order.
     ``fake_units``: record the units and the code after them on fake tensors (see ``_record``)."""
+    clash = [path for path in paths if path in (EMBED, HEAD)]
+    if clash:
+        raise FunctionalizeError(
+            f"functionalize(units=...): the unit {clash[0]!r} has the name of the layer functionalize makes of "
+            f"the code {'before the first' if clash[0] == EMBED else 'after the last'} unit ({EMBED!r} and "
+            f"{HEAD!r} hold what runs around the units): leave {clash[0]!r} out of units, and that layer holds it"
+        )
     recording = _record(root, paths, example, fake_units)
     if recording.executed != paths:
         if ordered:
