@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 import shardwise as sw
 from shardwise.collectives.launch import RankFailed
-from shardwise.engine.run.loss_rows import RTOL, RTOL_FLOAT64, Measured, measure
+from shardwise.engine.run.loss_rows import RTOL, RTOL_FLOAT64, LossProbe, Measured, ProbeCut, measure
 from shardwise.testing.models import TinyGPT, mlp
 
 ROWS = 8
@@ -328,7 +328,9 @@ def test_what_cannot_be_halved_is_not_probed() -> None:
     assert _measure(lambda o, _: o["loss"], own_loss, None) == "unknown"  # a model's own (scalar) loss
     square = torch.randn(ROWS, ROWS, dtype=torch.float64)  # no prediction of the chain's output here
     assert _measure(lambda o, _: o.sum(), square, None) == "unknown"
-    assert _measure(lambda o, _: o.sum(), logits[:1], targets[:1], rows=1) == "unknown"  # one row: no halves
+    # One row whose row dim cannot be told (a dim of size 1 beside it, no prediction): on a later call
+    # with other shapes (more rows), not never.
+    assert _measure(lambda o, _: o.sum(), logits[:1, :1], targets[:1], rows=1) == "later"
 
     def fails_on_fewer_rows(o: Tensor, y: Tensor) -> Tensor:
         return o.view(ROWS, -1).sum()
@@ -347,3 +349,123 @@ def test_sums_and_in_batch_losses_differ_from_their_halves() -> None:
     z = logits[:, 0].float()
     found = _measure(lambda o, y: F.cross_entropy(o @ o.T, torch.arange(o.shape[0])), z, targets)
     assert isinstance(found, Measured) and not found.agrees and not found.is_sum
+
+
+# -- micro-batches of one row ---------------------------------------------------------------------------
+# Micro-batch size 1 (common in LLM fine-tuning) has no halves: the probe compares the row with the row
+# repeated twice. Before, it skipped one row and marked itself done, so a summed loss trained with 1/parts
+# of the single-device step's gradients, even where later batches had more rows.
+ONE_ROW_CUTS: dict[str, tuple[Any, sw.Mesh, int, str]] = {
+    "zero-2 dp=2 x accumulation=4": (lambda s: sw.shard_params(s, "dp", 2, accumulation=4), sw.Mesh(dp=2), 8,
+                                     r"shard_params over axis 'dp' of size 2 x 4 micro-batches"),
+    "1f1b x 4 micro-batches": (lambda s: sw.pipeline(s, "pp", "1f1b", 4), sw.Mesh(pp=2), 4, r"4 micro-batches"),
+    "zero-3 dp=2": (lambda s: sw.shard_params(s, "dp", 3), sw.Mesh(dp=2), 2, r"shard_params over axis 'dp' of size 2"),
+}
+
+
+def _gpt_batches(rows: list[int], pad: bool = False, seq: int = 6) -> list[tuple[Tensor, Tensor]]:
+    gen = torch.Generator().manual_seed(3)
+    out = []
+    for n in rows:
+        ids = torch.randint(16, (n, seq + 1), generator=gen)
+        x, y = ids[:, :-1], ids[:, 1:].clone()
+        if pad:  # each row's own number of real tokens, at least one
+            for i in range(n):
+                y[i, int(torch.randint(1, seq, (1,), generator=gen)):] = -100
+        out.append((x, y))
+    return out
+
+
+def _tiny_gpt(loss: Any, **kwargs: Any) -> tuple[sw.Step, Any]:
+    torch.manual_seed(0)
+    chain, params = sw.functionalize(TinyGPT(vocab=16, d_model=8, n_heads=2, n_layers=2, seq_len=8).double(),
+                                     units=["tok_emb", "blocks", "head"])
+    return sw.train_step(chain, loss, sw.optim.sgd(0.1, momentum=0.9), **kwargs), params
+
+
+def _lm_sum(logits: Tensor, y: Tensor) -> Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum")
+
+
+@pytest.mark.parametrize("cut", sorted(ONE_ROW_CUTS))
+def test_a_summed_loss_on_micro_batches_of_one_row_is_refused(cut: str) -> None:
+    transform, mesh, rows, words = ONE_ROW_CUTS[cut]
+    step, params = _tiny_gpt(_lm_sum)
+    with pytest.raises(RankFailed, match=rf"loss_fn is not a mean over the batch's rows, which a step that cuts the "
+                       rf"batch \({words}\) needs(.|\n)*On the one row(.|\n)*repeated twice \(twice it: a loss "
+                       r"summed over the rows"):
+        _run(transform(step), mesh, params, _gpt_batches([rows])[0])
+
+
+def test_a_first_batch_of_one_row_a_rank_does_not_end_the_probe() -> None:
+    """The probe measured nothing on one row and marked itself done: batches of 8 rows that followed
+    trained silently wrong. Now the one row is measured; where it cannot be, a later call is."""
+    step, params = _tiny_gpt(_lm_sum)
+    with pytest.raises(RankFailed, match="loss_fn is not a mean over the batch's rows"):
+        _run(sw.shard_params(step, "dp", 3), sw.Mesh(dp=2), params, _gpt_batches([2])[0])
+    probe = LossProbe(ProbeCut("dp"), lambda: None, lambda _: None)
+    out = torch.randn(1, 1, dtype=torch.float64)  # [rows, 1]: the rows' dim cannot be told on one row
+    probe.check(lambda o, y: F.mse_loss(o, y, reduction="sum"), out, torch.zeros(1, 3), torch.zeros(1, 1), [], False)
+    assert probe.later  # not done: the next micro-batch of other shapes probes
+    out = torch.randn(4, 1, dtype=torch.float64)
+    with pytest.raises(ValueError, match="loss_fn is not a mean over the batch's rows"):
+        probe.check(lambda o, y: F.mse_loss(o, y, reduction="sum"), out, torch.zeros(4, 3), torch.zeros(4, 1), [],
+                    False)
+
+
+ONE_ROW_MEANS = {
+    "cross-entropy": lambda o, y: F.cross_entropy(o.flatten(0, 1), y.flatten()),
+    "label smoothing": lambda o, y: F.cross_entropy(o.flatten(0, 1), y.flatten(), label_smoothing=0.1),
+    "mse": lambda o, y: F.mse_loss(o, F.one_hot(y, 16).double()),
+}
+
+
+@pytest.mark.parametrize("loss", sorted(ONE_ROW_MEANS))
+@pytest.mark.parametrize("cut", sorted(ONE_ROW_CUTS))
+def test_mean_losses_on_micro_batches_of_one_row_equal_the_single_device_step(cut: str, loss: str) -> None:
+    transform, mesh, rows, _ = ONE_ROW_CUTS[cut]
+    step, params = _tiny_gpt(ONE_ROW_MEANS[loss])
+    sw.testing.assert_equivalent(transform(step), step, mesh, _gpt_batches([rows, rows]), params)
+
+
+def test_an_in_batch_contrastive_loss_on_one_row_a_rank_is_refused() -> None:
+    chain, params = _mlp()
+    step = sw.shard_params(sw.train_step(chain, _in_batch_contrastive, sw.optim.sgd(0.01)), "dp", 1)
+    x, y = _batches(1)[0]
+    with pytest.raises(RankFailed, match=r"On the one row(.|\n)*in-batch negatives"):
+        _run(step, sw.Mesh(dp=2), params, (x[:2], y[:2]))
+
+
+def test_one_row_and_its_repetition_in_the_probe_itself() -> None:
+    logits, targets = _logits()
+    for loss in AGREE.values():
+        found = _measure(loss, logits[:1], targets[:1], rows=1)
+        assert isinstance(found, Measured) and found.along == "repeat" and found.agrees, found
+    found = _measure(lambda o, y: F.cross_entropy(o.flatten(0, 1), y.flatten(), reduction="sum"), logits[:1],
+                     targets[:1], rows=1)
+    assert isinstance(found, Measured) and found.along == "repeat" and found.is_sum and not found.agrees
+    assert found.whole == pytest.approx(2 * found.halves[0], rel=1e-12)
+    # The output's rows told by the chain's output on the row repeated (fake tensors): dims 0 and 1 of a
+    # rows x rows matrix beside a [1, 1] column.
+    square, column = torch.randn(1, 1, dtype=torch.float64), torch.randn(1, 1, dtype=torch.float64)
+    found = measure(lambda o, y: o[0].sum() + o[1].sum(), (square, column), torch.zeros(1, 3), targets[:1],
+                    [], True, lambda x: [torch.Size([2, 2]), torch.Size([2, 1])] if x.shape[0] == 2 else None)
+    assert isinstance(found, Measured) and found.whole == pytest.approx(4 * square.item() + 2 * column.item())
+
+
+def test_one_row_beside_a_table_is_told_by_the_chains_output_on_the_row_repeated() -> None:
+    """Features [1, 5] beside 4 prototypes: no dim-0 fast path, so the chain's output on the row repeated
+    twice (fake tensors) says the features follow the rows and the table does not."""
+    torch.manual_seed(0)
+    chain, params = sw.functionalize(nn.Sequential(_Prototypes()).double())
+    x, _ = _batches(1)[0]
+    batches = [(x[:2], torch.tensor([0, 3])), (x[2:4], torch.tensor([2, 1]))]
+    step = sw.train_step(chain, _prototype_loss, sw.optim.sgd(0.1))
+    sw.testing.assert_equivalent(sw.shard_params(step, "dp", 3), step, sw.Mesh(dp=2), batches, params)
+
+    def summed(out: tuple[Tensor, Tensor], y: Tensor) -> Tensor:
+        return F.cross_entropy(out[0] @ out[1].T, y, reduction="sum")
+
+    step = sw.shard_params(sw.train_step(chain, summed, sw.optim.sgd(0.1)), "dp", 3)
+    with pytest.raises(RankFailed, match=r"On the one row(.|\n)*twice it: a loss summed over the rows"):
+        _run(step, sw.Mesh(dp=2), params, batches[0])

@@ -88,6 +88,18 @@ def test_a_summed_loss_under_dp_x_tp_is_refused(loss: Any, vocab_parallel: bool)
         _run(_dp_tp(step, vocab_parallel), sw.Mesh(dp=2, tp=2), params, _ids(1)[0])
 
 
+@pytest.mark.parametrize(("loss", "vocab_parallel"), [(_ce_sum, False), (_vocab_sum, True)],
+                         ids=["gathered logits", "vocab-parallel"])
+def test_a_summed_loss_on_one_row_a_rank_under_dp_x_tp_is_refused(loss: Any, vocab_parallel: bool) -> None:
+    """Under a split the rows are told without a fake run (dim 0): the row and the row repeated twice."""
+    step, params = _gpt(loss)
+    with pytest.raises(RankFailed, match=ROWS_REFUSED.format("shard_params over axis 'dp' of size 2")
+                       + r"(.|\n)*On the one row(.|\n)*twice it"):
+        _run(_dp_tp(step, vocab_parallel), sw.Mesh(dp=2, tp=2), params, _ids(1, rows=2)[0])
+    step, params = _gpt(_ce if not vocab_parallel else _vocab_mean_z)
+    sw.testing.assert_equivalent(_dp_tp(step, vocab_parallel), step, sw.Mesh(dp=2, tp=2), _ids(rows=2), params)
+
+
 @pytest.mark.parametrize(("loss", "vocab_parallel"), [(_ce, False), (_vocab_mean_z, True)],
                          ids=["gathered logits", "vocab-parallel with smoothing and a z-loss"])
 def test_mean_losses_under_dp_x_tp_equal_the_single_device_step(loss: Any, vocab_parallel: bool) -> None:
@@ -126,6 +138,17 @@ def test_a_loss_summed_over_tokens_under_cp_is_refused(loss: Any) -> None:
         _run(sw.context_parallel(step, "cp"), sw.Mesh(cp=2), params, _ids(1)[0])
 
 
+def test_a_summed_loss_on_one_row_a_rank_under_dp_x_cp_is_refused_and_the_mean_runs() -> None:
+    """One row a rank under dp x cp: the row repeated twice (its rows) and its tokens' halves are probed."""
+    step, params = _gpt(_ce_sum)
+    with pytest.raises(RankFailed, match=r"loss_fn is not a mean over the (batch's rows|tokens)(.|\n)*reduction='sum'"):
+        _run(sw.shard_params(sw.context_parallel(step, "cp"), "dp", 1), sw.Mesh(dp=2, cp=2), params,
+             _ids(1, rows=2)[0])
+    step, params = _gpt(_ce)
+    sw.testing.assert_equivalent(sw.shard_params(sw.context_parallel(step, "cp"), "dp", 1), step,
+                                 sw.Mesh(dp=2, cp=2), _ids(rows=2), params)
+
+
 def test_a_class_weighted_mean_under_dp_x_cp_is_refused() -> None:
     """Each part divides by its own tokens' weight: the halves of the tokens (or of the rows) differ."""
     w = torch.linspace(0.5, 2.0, VOCAB, dtype=torch.float64)
@@ -144,8 +167,9 @@ def test_mean_losses_under_cp_equal_the_single_device_step(mesh: sw.Mesh) -> Non
     sw.testing.assert_equivalent(composed, step, mesh, _ids(rows=8), params)
 
 
-def test_token_weighted_losses_under_cp_are_not_probed() -> None:
-    """tokens='sum': the step divides by the global count itself (a summed loss is what it asks for)."""
+def test_token_weighted_losses_under_cp_keep_their_contract_and_run() -> None:
+    """tokens='sum': the step divides by the global count itself (a summed loss is what it asks for); the
+    probe finds the sums and counts of the tokens' halves adding up (test_loss_rows_tokens.py)."""
     step, params = _gpt(lambda o, y: (_ce_sum(o, y), torch.tensor(y.numel(), dtype=torch.float64)))
     reference = sw.train_step(step.chain, _ce, sw.optim.sgd(0.1, momentum=0.9))
     summed = sw.train_step(step.chain, step.loss_fn, sw.optim.sgd(0.1, momentum=0.9), tokens="sum")

@@ -1,4 +1,5 @@
-"""Whether ``loss_fn`` is a mean over what the step cuts (the batch's rows, each sequence's tokens): probed once.
+"""Whether ``loss_fn`` is a mean over what the step cuts (the batch's rows, each sequence's tokens), or keeps
+its ``tokens=`` mode's contract: probed once.
 
 A step that cuts the batch (shard_params' shares, a split's batch axes such as expert parallel's,
 accumulation, a pipeline's micro-batches) calls ``loss_fn`` on each part and takes the mean of the parts'
@@ -10,7 +11,12 @@ negatives are the batch's other rows) train another model, without an error. A s
 sequence into parts (context parallel) takes the mean of the parts' losses likewise: it needs the mean
 of per-token terms (a loss summed over the tokens, or per sequence, shrinks by the number of parts).
 ``batch_cut.refuse_padded_mean`` sees one such case in the batch (labels of -100); this probe sees the
-loss itself.
+loss itself. Under ``train_step(tokens="sum")`` the step sums loss_fn's (summed loss, count) over the
+parts and divides the global sum by the global count: both must add up over the parts (a mean returned
+with its count does not). Under ``tokens=count_fn`` it multiplies loss_fn's value by the part's count,
+sums, and divides by the global count: loss_fn must be the mean over the counted tokens (loss x count
+adds up over the parts; a sum, or a mean over other tokens than counted, does not). Under
+``tokens="per_shard_mean"`` the step takes the parts' means knowingly: not probed.
 
 On the step's first call (once per layout and rank: ``step/batch_cut.py`` says when it applies), each
 rank that computes a loss evaluates ``loss_fn`` once more, under ``no_grad``, on the first rows of its
@@ -20,13 +26,19 @@ and the probe's few rows take less memory than the loss of the whole micro-batch
 step cuts each sequence, the probe also evaluates it on the halves of those rows' tokens (of their first
 even number of tokens), along the dim the split cuts the targets on; where the rows are not cut, on the
 tokens' halves alone. A mean of per-row (per-token) terms gives the mean of the halves' losses to
-rounding; a sum gives twice it; an in-batch contrastive loss another value. Beyond a tolerance of the
-dtype (1e-6 relative in float64, else 2e-2: matmuls inside a loss may round differently on fewer rows),
-the step is refused, naming the fix.
+rounding; a sum gives twice it; an in-batch contrastive loss another value. A micro-batch of one row
+(micro-batch size 1, common in fine-tuning) has no halves: the probe evaluates ``loss_fn`` on the row
+and on the row repeated twice along its row dims (output and targets; the inputs too, for a count
+function), whose mean is the row's value for a mean of per-row terms and twice it for a sum (a weighted
+mean, the same on a repeated row, is not seen there). Under ``tokens="sum"`` the whole's summed loss and
+count must be the halves' sums; under a count function the whole's loss x count the sum of the halves'
+(a part that counts no token adds 0, as in the step). Beyond a tolerance of the dtype (1e-6 relative in
+float64, else 2e-2: matmuls inside a loss may round differently on fewer rows), the step is refused,
+naming the mode, what loss_fn returned and the fix.
 
 Which dims of the output hold the rows: of one tensor whose dim 0 alone has the rows' size, dim 0; else
-those whose size follows the rows in the chain's output on half the rows, run on fake tensors (no
-arithmetic): a rows x rows similarity matrix (CLIPModel's
+those whose size follows the rows in the chain's output on half the rows (of one row, on the row
+repeated twice), run on fake tensors (no arithmetic): a rows x rows similarity matrix (CLIPModel's
 ``logits_per_text``) is cut on both, a sequence as long as the batch is not, nor is a tensor whose dim 0
 merely equals the rows (prototypes returned beside the features). Where the chain cannot run on fake
 tensors, or under a split (whose layers run on fake tensors only inside its predicting block, and note
@@ -36,14 +48,17 @@ tokens' count (dim 0 aside, where it holds the rows). So a feature dim is never 
 tensor-parallel rank's slice of it, of the rows' or the tokens' count makes the dims ambiguous: not
 probed). Not probed (and not refused): an output where that cannot be told (a tensor with no dim of the
 rows' size, such as the scalar ``loss`` of a Hugging Face model's own loss; no dim-0 rows in a chain
-that cannot run on fake tensors); a ``loss_fn`` that raises on fewer rows, returns no scalar, draws
-random numbers (what it drew is set back) or issues a collective. The probe runs inside ``no_mesh`` (no
-collective runs there, not even one naming its mesh: it raises at once, so no rank waits on another)
+that cannot run on fake tensors); a ``loss_fn`` that raises on fewer rows, returns no scalar (under
+``tokens="sum"``, no pair of a scalar and a count), draws random numbers (what it drew is set back) or
+issues a collective. Where a micro-batch of one row has a dim of size 1 beside its rows that cannot be
+told from them, the probe waits for a micro-batch of other shapes (more rows) rather than ending. The
+probe runs inside ``no_mesh`` (no collective runs there, not even one naming its mesh: it raises at
+once, so no rank waits on another)
 and ``in_layer.probing_loss``, where a split's loss functions compute without the other ranks: the
 vocabulary-parallel cross-entropy on logits split over the vocabulary reduces a per-row term of the
 rank's own slice as it reduces its terms (how ``loss_fn`` reduces the rows shows all the same), and
 tensor parallel's loss leaves its record of the split head for the step's own call. A probe whose values
-are not finite, or all zero, says nothing: it runs again on the next call.
+are not finite, or all zero (or whose counts all are), says nothing: it runs again on the next call.
 
 The rank that finds a difference raises; every rank computing a loss finds it alike for a sum, and the
 others stop as on any error of ``loss_fn`` (a launch aborts them, torchrun ends the job).
@@ -53,7 +68,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import optree
@@ -72,17 +87,23 @@ class ProbeCut:
     """What cuts a rank's micro-batch where the step probes ``loss_fn``, in words: ``rows``, what cuts
     its rows (shard_params' shares, a split's batch axes, micro-batches; None: nothing), and
     ``sequence``, what cuts each of its sequences into parts (context parallel; None: nothing), along
-    ``sequence_dim`` of the inputs and targets."""
+    ``sequence_dim`` of the inputs and targets; ``tokens``, the step's ``train_step(tokens=...)``:
+    None (``loss_fn`` is a mean), ``"sum"`` or a count function (the loss is weighed by counted tokens)."""
 
     rows: str | None
     sequence: str | None = None
     sequence_dim: int = 1
+    tokens: str | Callable[[Any, Any], Any] | None = None
 
 
 @dataclass(frozen=True)
 class Measured:
     """``loss_fn`` on the first ``rows`` rows (``whole``) and on two halves of them (``halves``), in float64:
-    halves of the rows (``along="rows"``), or of their first ``tokens`` tokens (``along="tokens"``)."""
+    halves of the rows (``along="rows"``), or of their first ``tokens`` tokens (``along="tokens"``); of a
+    micro-batch of one row, the row repeated twice (``whole``) and the row itself, twice (``halves``:
+    ``along="repeat"``). Under ``tokens="sum"`` the values are the summed losses, and ``counts`` (whole,
+    halves) the counts loss_fn returned; under a count function (``mode="count"``) the mean losses, and
+    ``counts`` what it counted."""
 
     rows: int
     whole: float
@@ -90,21 +111,49 @@ class Measured:
     rtol: float
     along: str = "rows"
     tokens: int = 0
+    mode: str = "mean"  # "mean" (tokens=None), "sum" (tokens="sum") or "count" (tokens=count_fn)
+    counts: tuple[float, float, float] | None = None
 
     @property
     def mean(self) -> float:
         return (self.halves[0] + self.halves[1]) / 2
 
-    def _close(self, a: float, b: float) -> bool:
-        return abs(a - b) <= self.rtol * max(abs(self.whole), *(abs(h) for h in self.halves))
+    @property
+    def total(self) -> float:
+        return self.halves[0] + self.halves[1]
+
+    @property
+    def weighed(self) -> tuple[float, float, float]:
+        """Under a count function: each loss times its count (0 where nothing was counted: the step's own)."""
+        assert self.counts is not None
+        (cw, c0, c1), (h0, h1) = self.counts, self.halves
+        return (self.whole * cw if cw else 0.0, h0 * c0 if c0 else 0.0, h1 * c1 if c1 else 0.0)
+
+    def _close(self, a: float, b: float, *scale: float) -> bool:
+        return abs(a - b) <= self.rtol * max(abs(s) for s in scale)
 
     @property
     def agrees(self) -> bool:
-        return self._close(self.whole, self.mean)
+        """Whether loss_fn keeps the step's contract: a mean (the whole's is the halves' mean); under
+        tokens='sum', a sum (the whole's is the halves' sum, and so is its count); under a count
+        function, a mean over the counted tokens (loss x count adds up over the halves)."""
+        if self.mode == "count":
+            return _weighed_adds_up(self)
+        values = (self.whole, *self.halves)
+        if self.mode == "sum":
+            counted = self.counts is None or self._close(self.counts[0], self.counts[1] + self.counts[2], *self.counts)
+            return counted and self._close(self.whole, self.total, *values)
+        return self._close(self.whole, self.mean, *values)
 
     @property
     def is_sum(self) -> bool:
-        return self._close(self.whole, self.halves[0] + self.halves[1])
+        """Whether the whole's value is the sum of the halves' (a sum over what was halved)."""
+        return self._close(self.whole, self.total, self.whole, *self.halves)
+
+    @property
+    def is_mean(self) -> bool:
+        """Whether the whole's value is the mean of the halves' (a mean over what was halved)."""
+        return self._close(self.whole, self.mean, self.whole, *self.halves)
 
 
 @dataclass(frozen=True)
@@ -116,18 +165,24 @@ class LossProbe:
     cut: ProbeCut
     done: Callable[[], None]
     predict: Callable[[Any], Sequence[torch.Size | None] | None]
+    later: set[tuple[Any, ...]] = field(default_factory=set)  # the inputs' shapes that said LATER
 
     def check(
         self, loss_fn: Callable[[Any, Any], Any], output: Any, inputs: Any, targets: Any,
         generators: Sequence[torch.Generator], restore: bool,
     ) -> None:
         """Probe ``loss_fn`` on ``output`` and ``targets`` (a micro-batch of ``inputs``' rows) and refuse a
-        loss that is not their mean. ``generators``: the ones a draw would advance; ``restore``: whether
-        this rank may set them back (it holds them, or they are its own)."""
+        loss that does not keep the step's contract. ``generators``: the ones a draw would advance;
+        ``restore``: whether this rank may set them back (it holds them, or they are its own)."""
+        shapes = tuple(tuple(t.shape) if isinstance(t, torch.Tensor) else None for t in optree.tree_leaves(inputs))
+        if shapes in self.later:
+            return
         sequence_dim = self.cut.sequence_dim if self.cut.sequence is not None else None
         found = measure(loss_fn, output, inputs, targets, generators, restore, self.predict,
-                        rows_cut=self.cut.rows is not None, sequence_dim=sequence_dim)
-        if found is RETRY:
+                        rows_cut=self.cut.rows is not None, sequence_dim=sequence_dim, tokens=self.cut.tokens)
+        if found is LATER:
+            self.later.add(shapes)
+        if found in (RETRY, LATER):
             return
         self.done()
         if isinstance(found, Measured) and not found.agrees:
@@ -135,93 +190,154 @@ class LossProbe:
 
 
 RETRY = "retry"  # the values say nothing (not finite, or all zero): probe again on the next call
+LATER = "later"  # a micro-batch of one row whose row dims cannot be told: again on one of other shapes
 UNKNOWN = "unknown"  # cannot be probed on this step's outputs: not again
 
-# A part of the micro-batch the probe evaluates loss_fn on: for each output leaf, then for the targets,
-# the (dim, start, stop) slices taken.
-_Slices = tuple[tuple[int, int, int], ...]
-_Part = tuple[tuple[_Slices, ...], _Slices]
+
+@dataclass(frozen=True)
+class _Part:
+    """A part of the micro-batch the probe evaluates loss_fn on: rows ``rows`` (start, stop; None: every
+    row) along the row dims, repeated ``twice`` along them (a micro-batch of one row), and tokens
+    ``tokens`` (start, stop; None: every token) along the token dims."""
+
+    rows: tuple[int, int] | None = None
+    twice: bool = False
+    tokens: tuple[int, int] | None = None
 
 
 def measure(
     loss_fn: Callable[[Any, Any], Any], output: Any, inputs: Any, targets: Any,
     generators: Sequence[torch.Generator], restore: bool,
     predict: Callable[[Any], Sequence[torch.Size | None] | None],
-    *, rows_cut: bool = True, sequence_dim: int | None = None,
+    *, rows_cut: bool = True, sequence_dim: int | None = None, tokens: str | Callable[[Any, Any], Any] | None = None,
 ) -> Measured | str:
-    """``loss_fn`` on the first rows of ``output`` and ``targets`` and on their halves (``rows_cut``), and
-    on the halves of their tokens along ``sequence_dim`` (not None); or why not. Of what was measured,
-    the first that disagrees, else the first."""
+    """``loss_fn`` on the first rows of ``output`` and ``targets`` and on their halves (``rows_cut``; of one
+    row, on the row repeated twice and on the row), and on the halves of their tokens along
+    ``sequence_dim`` (not None); or why not. ``tokens``: the step's ``train_step(tokens=...)``, whose
+    contract is probed (None: a mean). Of what was measured, the first that disagrees, else the first."""
     rows = _rows(inputs)
     if rows is None or not _rows_first(targets, rows):
         return UNKNOWN
     leaves, tree = optree.tree_flatten(output)
     n = PROBE_ROWS if rows >= PROBE_ROWS else min(rows, 2)
-    row_dims = _row_dims(leaves, rows, inputs, predict) if n >= 2 else None
-    first_rows = _row_slices(leaves, row_dims, 0, n)  # where the row dims are not known: every row
+    row_dims = _row_dims(leaves, rows, inputs, predict) if rows_cut or n >= 2 else None
+    first = None if row_dims is None or n == rows else (0, n)  # where the row dims are not known: every row
     halvings: list[tuple[str, int, list[_Part]]] = []
-    if rows_cut and row_dims is not None:
-        halvings.append(("rows", 0, [_row_slices(leaves, row_dims, lo, hi) for lo, hi in ((0, n), (0, n // 2),
-                                                                                          (n // 2, n))]))
-    tokens = None if sequence_dim is None else _tokens(targets, sequence_dim)
-    token_dims = None if tokens is None else _token_dims(leaves, rows, sequence_dim or 0, tokens)
-    if tokens is not None and token_dims is not None and sequence_dim is not None:
-        h = tokens // 2
-        parts = [_with_tokens(first_rows, token_dims, sequence_dim, lo, hi, tokens) for lo, hi in
-                 ((0, 2 * h), (0, h), (h, 2 * h))]
-        halvings.append(("tokens", 2 * h, parts))
+    if rows_cut and row_dims is not None and n >= 2:
+        halvings.append(("rows", 0, [_Part(first), _Part((0, n // 2)), _Part((n // 2, n))]))
+    elif rows_cut and row_dims is not None:  # one row: a mean of per-row terms is the same on the row repeated
+        halvings.append(("repeat", 0, [_Part(None, twice=True), _Part(), _Part()]))
+    token_count = None if sequence_dim is None else _tokens(targets, sequence_dim)
+    token_dims = None if token_count is None else _token_dims(leaves, rows, sequence_dim or 0, token_count)
+    if token_count is not None and token_dims is not None:
+        h = token_count // 2
+        whole = None if 2 * h == token_count else (0, 2 * h)
+        halvings.append(("tokens", 2 * h, [_Part(first, tokens=whole), _Part(first, tokens=(0, h)),
+                                           _Part(first, tokens=(h, 2 * h))]))
     if not halvings:
-        return UNKNOWN
+        # A micro-batch of one row whose row dims cannot be told (a dim of size 1 elsewhere): a later
+        # call's micro-batch may have more rows.
+        return LATER if rows_cut and rows == 1 and any(_has_dims(t) for t in leaves) else UNKNOWN
+    dims = _Dims(row_dims or [() for _ in leaves], token_dims or [() for _ in leaves], sequence_dim or 0, token_count)
     states = [g.get_state() for g in generators]
-    values: dict[_Part, torch.Tensor] = {}
+    values: dict[_Part, tuple[torch.Tensor, Any]] = {}
     try:
         with torch.no_grad(), no_mesh(), in_layer.probing_loss():
             for _, _, parts in halvings:
                 for part in parts:
                     if part in values:
                         continue
-                    out_slices, target_slices = part
-                    cut = optree.tree_unflatten(tree, [_cut(t, c) for t, c in zip(leaves, out_slices, strict=True)])
-                    got = loss_fn(cut, optree.tree_map(functools.partial(_cut, slices=target_slices), targets))
+                    cut = optree.tree_unflatten(tree, [_take(t, r, k, part) for t, r, k in zip(
+                        leaves, dims.rows, dims.tokens, strict=True)])
+                    part_targets = optree.tree_map(lambda t, p=part: dims.take_batch(t, p), targets)
+                    got = loss_fn(cut, part_targets)
                     if any(not torch.equal(g.get_state(), s) for g, s in zip(generators, states, strict=True)):
                         return UNKNOWN  # it draws random numbers: its parts would differ by their draws
-                    if not (isinstance(got, torch.Tensor) and got.dim() == 0 and got.is_floating_point()):
+                    value = _value(got, tokens, inputs, part_targets, dims, part)
+                    if value is None:
                         return UNKNOWN  # the step's own call says what it must return
-                    values[part] = got
+                    values[part] = value
     except Exception:  # a loss that cannot run on fewer rows is not probed; its own call runs next
         return UNKNOWN
     finally:
         if restore:
             for g, s in zip(generators, states, strict=True):
                 g.set_state(s)
-    read = dict(zip(values, torch.stack([v.detach().double() for v in values.values()]).tolist(), strict=True))
+    read = dict(zip(values, torch.stack([v.detach().double() for v, _ in values.values()]).tolist(), strict=True))
+    counted = dict(zip(values, torch.stack([torch.as_tensor(c).detach().double().cpu() for _, c in values.values()])
+                       .tolist(), strict=True)) if tokens is not None else None
+    if tokens is not None and not isinstance(tokens, str):  # a mean over no counted tokens is 0/0: the step's 0
+        assert counted is not None
+        read = {p: v if counted[p] != 0 else 0.0 for p, v in read.items()}
     if not all(map(_finite_number, read.values())) or not any(read.values()):
         return RETRY
+    if counted is not None and (not all(map(_finite_number, counted.values())) or not any(counted.values())):
+        return RETRY
     floats = [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()]
-    dtypes = {v.dtype for v in values.values()} | {t.dtype for t in floats}
+    dtypes = {v.dtype for v, _ in values.values()} | {t.dtype for t in floats}
     rtol = RTOL_FLOAT64 if dtypes <= {torch.float64} else RTOL
+    mode = "mean" if tokens is None else "sum" if isinstance(tokens, str) else "count"
     found = [
-        Measured(n if along == "rows" or row_dims is not None else rows, read[whole], (read[first], read[second]),
-                 rtol, along, count)
-        for along, count, (whole, first, second) in halvings
+        Measured(n if along != "tokens" or row_dims is not None else rows, read[whole], (read[a], read[b]), rtol,
+                 along, count, mode, None if counted is None else (counted[whole], counted[a], counted[b]))
+        for along, count, (whole, a, b) in halvings
     ]
     return next((m for m in found if not m.agrees), found[0])
 
 
-def _row_slices(leaves: list[Any], row_dims: list[tuple[int, ...]] | None, lo: int, hi: int) -> _Part:
-    """Rows ``lo:hi`` of each output leaf along its row dims (none where they are not known) and of the targets."""
-    if row_dims is None:
-        return tuple(() for _ in leaves), ()
-    return tuple(tuple((d, lo, hi) for d in dims) for dims in row_dims), ((0, lo, hi),)
+def _value(
+    got: Any, tokens: str | Callable[[Any, Any], Any] | None, inputs: Any, targets: Any, dims: _Dims, part: _Part,
+) -> tuple[torch.Tensor, Any] | None:
+    """What loss_fn returned on ``part``, as (its loss, the part's count: 0 where no tokens are counted);
+    None where it is not what the step's mode asks (a scalar loss; under tokens='sum', a pair)."""
+    count: Any = 0
+    if tokens == "sum":
+        if not (isinstance(got, (tuple, list)) and len(got) == 2):
+            return None
+        got, count = got
+    elif tokens is not None and not isinstance(tokens, str):
+        count = tokens(optree.tree_map(lambda t: dims.take_batch(t, part), inputs), targets)
+    if not (isinstance(got, torch.Tensor) and got.dim() == 0 and got.is_floating_point()):
+        return None
+    count = torch.as_tensor(count)
+    if count.dim() != 0 or count.dtype.is_complex:
+        return None
+    return got, count
 
 
-def _with_tokens(rows: _Part, token_dims: list[tuple[int, ...]], dim: int, lo: int, hi: int, tokens: int) -> _Part:
-    """``rows`` cut further to tokens ``lo:hi`` (nothing more where that is all ``tokens`` of them)."""
-    if (lo, hi) == (0, tokens):
-        return rows
-    out, target = rows
-    cut = tuple((*slices, *((d, lo, hi) for d in dims)) for slices, dims in zip(out, token_dims, strict=True))
-    return cut, (*target, (dim, lo, hi))
+@dataclass(frozen=True)
+class _Dims:
+    """Where the probe cuts: the row dims (``rows``) and token dims (``tokens``) of each output leaf, and
+    the sequence dim ``sequence`` of the inputs' and targets' leaves holding ``token_count`` tokens there
+    (their rows are on dim 0)."""
+
+    rows: list[tuple[int, ...]]
+    tokens: list[tuple[int, ...]]
+    sequence: int
+    token_count: int | None
+
+    def take_batch(self, t: Any, part: _Part) -> Any:
+        """Input or target leaf ``t``'s ``part``: rows along dim 0, tokens along the sequence dim."""
+        if not isinstance(t, torch.Tensor) or t.dim() == 0:
+            return t
+        along = t.dim() > self.sequence and t.shape[self.sequence] == self.token_count
+        return _take(t, (0,), (self.sequence,) if along else (), part)
+
+
+def _take(t: Any, row_dims: tuple[int, ...], token_dims: tuple[int, ...], part: _Part) -> Any:
+    """``part`` of ``t``: its rows along ``row_dims`` (repeated twice along them where it says so), its
+    tokens along ``token_dims``."""
+    if not isinstance(t, torch.Tensor):
+        return t
+    index: list[slice] = [slice(None)] * t.dim()
+    for dims, span in ((row_dims, part.rows), (token_dims, part.tokens)):
+        if span is not None:
+            for d in dims:
+                index[d] = slice(span[0], span[1])
+    t = t[tuple(index)]
+    for d in row_dims if part.twice else ():
+        t = torch.cat([t, t], dim=d)
+    return t
 
 
 def _tokens(targets: Any, dim: int) -> int | None:
@@ -273,8 +389,8 @@ def _row_dims(
     dim_0 = all(t.dim() > 0 and t.shape[0] == rows and rows not in t.shape[1:] for t in tensors)
     if dim_0 and len(tensors) == 1:  # the usual output, [rows, ...]: no fake run (its first imports sympy)
         return [(0,) if isinstance(t, torch.Tensor) else () for t in leaves]
-    half = rows // 2
-    shapes = predict(optree.tree_map(lambda t: t[:half], inputs))
+    other = rows // 2 if rows >= 2 else 2  # half the rows; of one row, the row twice
+    shapes = predict(optree.tree_map(functools.partial(_other_rows, rows=other), inputs))
     if shapes is None or len(shapes) != len(leaves):
         return [(0,) if isinstance(t, torch.Tensor) else () for t in leaves] if dim_0 else None
     dims: list[tuple[int, ...]] = []
@@ -285,35 +401,94 @@ def _row_dims(
         if shape is None or len(shape) != t.dim():
             return None
         follows = tuple(d for d, (a, b) in enumerate(zip(t.shape, shape, strict=True)) if a != b)
-        if any(t.shape[d] != rows or shape[d] != half for d in follows):
+        if any(t.shape[d] != rows or shape[d] != other for d in follows):
             return None
         dims.append(follows)
     return dims if any(dims) else None
 
 
-def _cut(t: Any, slices: tuple[tuple[int, int, int], ...]) -> Any:
-    """``t`` cut to ``start:stop`` along ``dim`` for each of ``slices``."""
-    if not slices:
-        return t
-    index: list[slice] = [slice(None)] * (max(d for d, _, _ in slices) + 1)
-    for d, lo, hi in slices:
-        index[d] = slice(lo, hi)
-    return t[tuple(index)]
-
-
 def refusal(cut: ProbeCut, found: Measured) -> str:
-    """The refusal of a ``loss_fn`` that is not a mean over rows (or over tokens): what was measured and the fixes."""
+    """The refusal of a ``loss_fn`` that is not a mean over rows (or over tokens), or that does not keep its
+    ``tokens=`` mode's contract: what was measured and the fixes."""
+    if found.mode != "mean":
+        return _weighed_refusal(cut, found)
     return _token_refusal(cut, found) if found.along == "tokens" else _row_refusal(cut, found)
 
 
+def _measured_on(found: Measured) -> tuple[str, str]:
+    """Where the whole's and the halves' values were measured, in words."""
+    if found.along == "repeat":
+        return ("the one row of this rank's first micro-batch (a micro-batch of one row) repeated twice",
+                "on the row itself (each of the two halves of the repeated rows)")
+    if found.along == "tokens":
+        return (f"the first {found.tokens} tokens of the first {found.rows} rows of this rank's part",
+                "on the two halves of those tokens")
+    return f"the first {found.rows} rows of this rank's first micro-batch", "on their two halves"
+
+
+def _weighed_adds_up(found: Measured) -> bool:
+    """Whether loss x count adds up over the halves: a mean over the counted tokens."""
+    whole, first, second = found.weighed
+    return abs(whole - first - second) <= found.rtol * max(abs(whole), abs(first), abs(second))
+
+
+def _weighed_refusal(cut: ProbeCut, found: Measured) -> str:
+    """The refusal of a ``loss_fn`` that does not return what its ``tokens=`` mode asks."""
+    what = " x ".join(w for w in (cut.rows, cut.sequence) if w)
+    whole_on, halves_on = _measured_on(found)
+    assert found.counts is not None
+    cw, c0, c1 = found.counts
+    if found.mode == "sum":
+        problems = []
+        if not found.is_sum:
+            mean = found.is_mean or _weighed_adds_up(found)
+            problems.append(f"the summed loss is not the sum of the halves' ({found.total:.6g})"
+                            + (" (loss_fn returns a mean, not the sum?)" if mean else ""))
+        if abs(cw - (c0 + c1)) > found.rtol * max(abs(cw), abs(c0), abs(c1)):
+            problems.append(f"the count is not the sum of the halves' ({c0 + c1:g})")
+        return (
+            "train_step(tokens='sum') needs loss_fn to return (the sum of the token losses, their count or total "
+            f"weight): the step sums both over the parts it computes ({what}) and divides the global sum by the "
+            "global count, the single-device step's loss only when both add up over the parts. On "
+            f"{whole_on}, loss_fn returned ({found.whole:.6g}, {cw:g}), and ({found.halves[0]:.6g}, {c0:g}) and "
+            f"({found.halves[1]:.6g}, {c1:g}) {halves_on}: {'; '.join(problems)}. This step would train another "
+            "model than the single-device step. Return (the summed token losses, e.g. cross_entropy(..., "
+            "reduction='sum'), their count, e.g. (targets != -100).sum()); for a loss_fn that returns the mean "
+            "over counted tokens, pass tokens=count_fn instead, with count_fn(inputs, targets) counting them"
+        )
+    name = getattr(cut.tokens, "__name__", "")
+    name = name if name.isidentifier() else "count_fn"
+    whole, first, second = found.weighed
+    hint = (" (loss_fn's values add up over the halves: a loss summed over the tokens, reduction='sum'?)"
+            if found.is_sum else " (loss_fn is a mean over other tokens than those counted?)")
+    return (
+        f"train_step(tokens={name}) needs loss_fn to return the mean loss over the tokens {name}(inputs, targets) "
+        f"counts: the step multiplies it by the count, sums over the parts it computes ({what}) and divides by the "
+        f"global count. On {whole_on}, loss_fn returned {found.whole:.6g} over {cw:g} counted tokens, and "
+        f"{found.halves[0]:.6g} over {c0:g} and {found.halves[1]:.6g} over {c1:g} {halves_on}: the loss x count "
+        f"is {whole:.6g} for the whole and {first + second:.6g} summed over the halves{hint}. This step would train "
+        "another model than the single-device step. Return the mean over the counted tokens (cross_entropy with "
+        "reduction='mean', its default, and ignore_index the label the count leaves out, e.g. -100 with "
+        "(targets != -100).sum()); for a summed loss, pass tokens='sum' with loss_fn returning (the sum, the count)"
+    )
+
+
 def _row_refusal(cut: ProbeCut, found: Measured) -> str:
-    sums = " (their sum: a loss summed over the rows, reduction='sum'?)" if found.is_sum else ""
+    if found.along == "repeat":
+        sums = " (twice it: a loss summed over the rows, reduction='sum'?)" if found.is_sum else ""
+        measured = (f"On the one row of this rank's first micro-batch (a micro-batch of one row) it gave "
+                    f"{found.halves[0]:.6g}, and {found.whole:.6g} on that row repeated twice{sums}, where a mean "
+                    "of per-row terms gives the same value")
+    else:
+        sums = " (their sum: a loss summed over the rows, reduction='sum'?)" if found.is_sum else ""
+        measured = (f"On the first {found.rows} rows of this rank's first micro-batch it gave {found.whole:.6g}, "
+                    f"and {found.halves[0]:.6g} and {found.halves[1]:.6g} on their two halves, whose mean is "
+                    f"{found.mean:.6g}{sums}")
     return (
         f"loss_fn is not a mean over the batch's rows, which a step that cuts the batch ({cut.rows}) needs: the step "
         "takes the mean of the losses of the parts it computes, the single-device step's loss only when loss_fn "
-        f"returns the mean of per-row terms. On the first {found.rows} rows of this rank's first micro-batch it "
-        f"gave {found.whole:.6g}, and {found.halves[0]:.6g} and {found.halves[1]:.6g} on their two halves, whose "
-        f"mean is {found.mean:.6g}{sums}: this step would train another model than the single-device step. "
+        f"returns the mean of per-row terms. {measured}: this step would train another model than the "
+        "single-device step. "
         "Return the mean over the rows (torch's losses with reduction='mean', their default); for a mean over "
         "counted tokens or a weighted mean (cross_entropy(weight=...), a pad id as ignore_index), pass "
         "train_step(tokens='sum') with loss_fn returning (the summed losses, their count or total weight), or "
@@ -341,6 +516,17 @@ def _token_refusal(cut: ProbeCut, found: Measured) -> str:
         "(logits[:, :-1] against targets[:, 1:]) needs targets shifted on the whole sequence before the step; "
         "or pass tokens='per_shard_mean' to train on the mean of the parts' losses knowingly"
     )
+
+
+def _other_rows(t: Any, rows: int) -> Any:
+    """Input leaf ``t`` with ``rows`` rows: its first (fewer), or its one row repeated."""
+    if not isinstance(t, torch.Tensor) or t.dim() == 0:
+        return t
+    return t[:rows] if rows <= t.shape[0] else t.repeat(rows, *(1,) * (t.dim() - 1))
+
+
+def _has_dims(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.dim() > 0
 
 
 def _rows(inputs: Any) -> int | None:

@@ -120,18 +120,20 @@ def refuse_padded_mean(step: Step, mesh: Mesh | None, batch: Any) -> None:
 
 
 def loss_probe_cut(step: Step, mesh: Mesh | None) -> ProbeCut | None:
-    """What cuts the batch, in words, where the step's first call probes that ``loss_fn`` is a mean over
-    what it cuts (``engine/run/loss_rows.py``): its rows (shard_params' shares, a split's batch axes,
-    micro-batches), and each sequence (a split's sequence parts: context parallel), along the dim the
-    split cuts. None where it does not probe: the step cuts nothing; ``tokens=`` weighs the loss (the
-    step divides by the global count, or per_shard_mean takes the parts' means knowingly); a loss term
-    of the whole batch sums its statistics over the parts (router_aux_loss: the probe would issue
-    collectives); a loss_fn that torch.compile made (it would compile again for each of the probe's
-    shapes). Under a split the probe runs too: it evaluates the loss where no collective may run (a
-    split's loss functions compute on the rank's own part there, or raise: then it says nothing)."""
+    """What cuts the batch, in words, where the step's first call probes that ``loss_fn`` keeps its
+    contract over what the step cuts (``engine/run/loss_rows.py``): its rows (shard_params' shares, a
+    split's batch axes, micro-batches), and each sequence (a split's sequence parts: context parallel),
+    along the dim the split cuts. With ``tokens=None`` a mean; with ``tokens="sum"`` a (sum, count) pair
+    that adds up over the parts; with a count function the mean over the tokens it counts. None where it
+    does not probe: the step cuts nothing; ``tokens="per_shard_mean"`` (the step takes the parts' means
+    knowingly); a loss term of the whole batch sums its statistics over the parts (router_aux_loss: the
+    probe would issue collectives); a loss_fn that torch.compile made (it would compile again for each of
+    the probe's shapes). Under a split the probe runs too: it evaluates the loss where no collective may
+    run (a split's loss functions compute on the rank's own part there, or raise: then it says nothing)."""
     batch_loss = any(getattr(s, "adds_batch_loss", False) for s in step.transforms)
     compiled = hasattr(step.loss_fn, "_torchdynamo_orig_callable")
-    if step.tokens is not None or batch_loss or compiled:
+    per_shard_mean = isinstance(step.tokens, str) and step.tokens == PER_SHARD_MEAN
+    if per_shard_mean or batch_loss or compiled:
         return None
     rows = [what for _, n, what in batch_cuts(step, mesh) if n > 1]
     k = microbatch_count(step)
@@ -144,7 +146,7 @@ def loss_probe_cut(step: Step, mesh: Mesh | None) -> ProbeCut | None:
     if not rows and not sequences:
         return None
     dim = step.split.batch_cut(mesh).sequence_dim if sequences else 1
-    return ProbeCut(" x ".join(rows) or None, " x ".join(sequences) or None, dim)
+    return ProbeCut(" x ".join(rows) or None, " x ".join(sequences) or None, dim, step.tokens)
 
 
 def _label_tensors(batch: Any) -> tuple[Any, str]:

@@ -578,10 +578,13 @@ def train_step(
     ``ignore_index``), naming these options; ``tokens="per_shard_mean"`` takes
     the mean of the shards' means knowingly (not the single-device step's loss).
     On its first call such a step also probes that ``loss_fn`` is a mean over the
-    rows (on the first rows of a micro-batch's output and their halves) and
-    refuses a loss summed over them (``reduction="sum"``), weighted otherwise
+    rows (on the first rows of a micro-batch's output and their halves; of a
+    micro-batch of one row, the row and the row repeated twice) and refuses a
+    loss summed over them (``reduction="sum"``), weighted otherwise
     (``cross_entropy(weight=...)``) or over the whole batch (a contrastive loss's
-    in-batch negatives), naming these options.
+    in-batch negatives), naming these options; with ``tokens="sum"`` or a count
+    function, that ``loss_fn`` returns what the mode asks (the sums and counts,
+    or loss x count, add up over the halves).
 
     ``metrics`` names what each call reports: ``"loss"`` (the mean over the whole
     batch) and ``"grad_norm"``, the same values on every rank once the step is
