@@ -16,7 +16,8 @@ Each operation is one line of forward and one of backward (picotron's
 * ``scatter``: this rank's slice of the sequence forward, all-gather backward
   (where sequence parallel begins).
 * ``vary``: ``enter`` on a replicated parameter used on per-rank values, so its
-  gradient is summed over the axis.
+  gradient is summed over the axis (unless ``summed`` says otherwise by the time the
+  backward runs: see modules.VaryFn).
 
 Predicting. Inside the engine's ``in_layer.predicting`` block the operations move nothing: they
 record what they would issue (the collective, its axis, its input's shape and dtype, forward or
@@ -27,6 +28,7 @@ test checks it against the ledger.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -73,13 +75,20 @@ def scatter(x: torch.Tensor, axis: str, seq_dim: int, label: str) -> torch.Tenso
     return _comm(x, axis, "slice", "all_gather", seq_dim, None, label)
 
 
-def vary(x: torch.Tensor, axis: str, label: str, reduce: torch.dtype | None = None) -> torch.Tensor:
-    """A replicated parameter used on per-rank values: identity forward, its gradient summed over the axis."""
-    return enter(x, axis, None, label, reduce)
+def vary(
+    x: torch.Tensor, axis: str, label: str, reduce: torch.dtype | None = None,
+    summed: Callable[[], bool] | None = None,
+) -> torch.Tensor:
+    """A replicated parameter used on per-rank values: identity forward, its gradient summed over the axis.
+    ``summed``, if given, is asked in backward: a forward can learn only as it runs (a Region reading its
+    graph, modules.py) that the parameter acted on whole values, whose gradient is whole already."""
+    if summed is None:
+        return enter(x, axis, None, label, reduce)
+    return _comm(x, axis, None, lambda: "psum" if summed() else None, 0, reduce, label)
 
 
 def _comm(
-    x: torch.Tensor, axis: str, forward_op: str | None, backward_op: str | None, dim: int,
+    x: torch.Tensor, axis: str, forward_op: str | None, backward_op: str | Callable[[], str | None] | None, dim: int,
     reduce: torch.dtype | None, label: str,
 ) -> torch.Tensor:
     if not (x.is_floating_point() or x.is_complex()):
@@ -124,12 +133,13 @@ def _apply(
 
 
 class _TPComm(torch.autograd.Function):
-    """``forward_op`` in forward, ``backward_op`` (its transpose) on the gradient in backward."""
+    """``forward_op`` in forward, ``backward_op`` (its transpose; a callable: asked then) on the gradient
+    in backward."""
 
     @staticmethod
     def forward(
-        x: torch.Tensor, axis: str, forward_op: str | None, backward_op: str | None, dim: int,
-        reduce: torch.dtype | None, label: str,
+        x: torch.Tensor, axis: str, forward_op: str | None, backward_op: str | Callable[[], str | None] | None,
+        dim: int, reduce: torch.dtype | None, label: str,
     ) -> torch.Tensor:
         return _apply(forward_op, x, axis, dim, reduce, label, "forward")
 
@@ -140,9 +150,11 @@ class _TPComm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        op = ctx.backward_op() if callable(ctx.backward_op) else ctx.backward_op
+
         def transposed() -> torch.Tensor:
             with in_backward():
-                return _apply(ctx.backward_op, g, ctx.axis, ctx.dim, ctx.reduce, ctx.label, "backward")
+                return _apply(op, g, ctx.axis, ctx.dim, ctx.reduce, ctx.label, "backward")
 
         return in_layer.in_forward_context(ctx, transposed), None, None, None, None, None, None
 

@@ -19,7 +19,7 @@ from typing import Any
 from torch import nn
 
 from ...engine.model.chain import Chain, Layer
-from .styles import Colwise, Region, Rowwise, Style
+from .styles import Colwise, Region, Rowwise, Style, gathers
 
 LINEAR, CONV1D, EMBEDDING = "linear", "conv1d", "embedding"
 
@@ -57,7 +57,7 @@ class LayerPlan:
     layer: str
     installs: list[Install] = field(default_factory=list)
     blocks: list[tuple[str, str, bool, bool]] = field(default_factory=list)  # (subpath, path, first, last)
-    vary: set[str] = field(default_factory=set)  # local names: replicated, used on per-rank values
+    vary: set[str] = field(default_factory=set)  # local names: replicated, maybe used on per-rank values
     # The start of the sequence-parallel region (partial.py): this layer's input (leaf 0) arrives from the
     # layer before as the embedding's partial sums; this layer's output leaves as one.
     partial_in: bool = False
@@ -67,6 +67,9 @@ class LayerPlan:
     slices_after: bool = False
     slices_out: bool = False
     slices_in: bool = False
+    # Unstyled modules that own a parameter a styled module inside them splits (Hugging Face ties a head's
+    # ``bias`` to its decoder's): (subpath, attribute, refusal) each; the forward must not read it itself.
+    owned_only: list[tuple[str, str, str]] = field(default_factory=list)
 
     @property
     def follows(self) -> bool:
@@ -80,6 +83,23 @@ class ParamSplit:
     dim: int
     blocks: int
     by: str  # the module path and style that split it, for errors
+    hint: str = ""  # what to do if the axis size does not divide it (a vocabulary: pad it)
+
+
+def _vocabulary_hint(path: str, style: Style | None, kind: str | None, dim: int, in_region: bool) -> str:
+    """How to split a vocabulary the axis size does not divide (GPT-2's 50257 is odd): a Rowwise embedding
+    splits its rows, a Colwise head entering the region by itself its outputs."""
+    vocabulary = (isinstance(style, Rowwise) and kind == EMBEDDING and dim == 0) or (
+        isinstance(style, Colwise) and kind in (LINEAR, CONV1D) and not in_region
+    )
+    if not vocabulary:
+        return ""
+    return (
+        f"if it is a vocabulary ({path!r} splits it), pad the vocabulary to a multiple of the tensor-parallel size "
+        "before sw.functionalize, as Megatron-LM does: with Hugging Face, model.resize_token_embeddings("
+        "pad_to_multiple_of=64) (it resizes a tied head too; the added tokens are never targets, but they enter the "
+        "softmax), or leave the embedding and the head out of the plan"
+    )
 
 
 @dataclass
@@ -167,12 +187,15 @@ def resolve(chain: Chain, plan: Mapping[str, Style], sequence_parallel: str | No
     layers: dict[str, LayerPlan] = {}
     splits: dict[tuple[str, str], ParamSplit] = {}
     heads: list[tuple[str, str, int]] = []
-    uses: list[tuple[str, str, tuple[str, str], bool]] = []  # (layer, module path, param key, styled)
+    # (layer, module path, param key, styled, subpath, attribute, whether the module has a forward of ours)
+    uses: list[tuple[str, str, tuple[str, str], bool, str, str, bool]] = []
+    split_at: dict[tuple[str, str], str] = {}  # param key -> the path of the module that splits it
     first_names: dict[int, dict[int, str]] = {}
     for layer, _root, root_prefix, prefix, subpath, module in found:
         path = _join(root_prefix, prefix, subpath)
         lp = layers.setdefault(layer.name, LayerPlan(layer.name))
-        # A Region's own parameters, and its modules', act on per-rank values (after its input enters).
+        # A Region's own parameters, and its modules', may act on per-rank values (after its input enters):
+        # candidates; its first forward leaves out those used only after its split layers (modules.VaryFn).
         inside = [r for r in region_paths if path == r or path.startswith(r + ".")]
         enclosing = [r for r in inside if r != path]
         in_block = any(path == b or path.startswith(b + ".") for b in blocks_in_order)
@@ -188,6 +211,14 @@ def resolve(chain: Chain, plan: Mapping[str, Style], sequence_parallel: str | No
         declared = {local: name for local, name in own.items() if local in layer.param_names}
         if chosen is not None:
             _check_fits(path, chosen, kind, module)
+            if in_block and isinstance(chosen, Colwise) and kind != EMBEDDING and gathers(chosen, False):
+                raise ValueError(
+                    f"tensor_parallel: plan[{style_of[path][0]!r}] = {chosen} on {path!r}, inside a sequence-parallel "
+                    "block: its input is gathered over the sequence as it enters the region, so its gathered output "
+                    "holds the whole sequence where the block around it holds this rank's slice, and no Rowwise "
+                    "reduce-scatters it back; leave its output split (Colwise()) with Rowwise() on the module that "
+                    "takes it, both in one Region, or leave the block out of sequence_parallel"
+                )
             frozen = sorted(local for local in own if local in layer.buffers)
             if frozen and not isinstance(chosen, Region):
                 raise ValueError(
@@ -241,7 +272,9 @@ def resolve(chain: Chain, plan: Mapping[str, Style], sequence_parallel: str | No
         for local, name in declared.items():
             key = layer.ties.get(local, (layer.name, local))
             cut = _param_split(chosen, kind, name, module)
-            split = None if cut is None else ParamSplit(cut[0], cut[1], f"{path} ({chosen})")
+            split = None if cut is None else ParamSplit(
+                cut[0], cut[1], f"{path} ({chosen})", _vocabulary_hint(path, chosen, kind, cut[0], bool(enclosing))
+            )
             if split is not None:
                 earlier = splits.get(key)
                 if earlier is not None and (earlier.dim, earlier.blocks) != (split.dim, split.blocks):
@@ -251,18 +284,27 @@ def resolve(chain: Chain, plan: Mapping[str, Style], sequence_parallel: str | No
                         "one way: give both modules styles that cut it alike"
                     )
                 splits[key] = split
-            uses.append((layer.name, path, key, split is not None))
+                split_at[key] = path
+            ours = chosen is not None or path in blocks_in_order
+            uses.append((layer.name, path, key, split is not None, subpath, name, ours))
             replicated_bias = isinstance(chosen, Rowwise) and name == "bias"
             if split is None and (in_block or (inside and not replicated_bias)):
                 lp.vary.add(local)
-    for _layer, path, key, styled in uses:
-        if not styled and key in splits:
-            raise ValueError(
-                f"tensor_parallel: parameter {key[1]!r} of layer {key[0]!r} is split by {splits[key].by}, but module "
-                f"{path!r} uses it too and has no style that splits it alike (a tied weight: an output head tied to "
-                "the embedding); give it one, e.g. Rowwise() on the Embedding with Colwise() on the head: both cut "
-                "the vocabulary"
-            )
+    for layer_name, path, key, styled, subpath, attr, ours in uses:
+        if styled or key not in splits:
+            continue
+        message = (
+            f"tensor_parallel: parameter {key[1]!r} of layer {key[0]!r} is split by {splits[key].by}, but module "
+            f"{path!r} uses it too and has no style that splits it alike (a tied weight: an output head tied to "
+            "the embedding); give it one, e.g. Rowwise() on the Embedding with Colwise() on the head: both cut "
+            "the vocabulary"
+        )
+        # Owning is not using: a module inside this one splits it, and this one's forward may only hand it
+        # on (BertLMPredictionHead's bias, its decoder's). Its forward is watched for reading it instead.
+        if not ours and split_at[key].startswith(path + "."):
+            layers[layer_name].owned_only.append((subpath, attr, message.replace(" uses it too ", " reads it too ")))
+            continue
+        raise ValueError(message)
     return Resolved(layers, splits, heads, matched)
 
 
@@ -279,7 +321,8 @@ def _check_regions_close(style_of: Mapping[str, tuple[str, Style]]) -> None:
                 f"tensor_parallel: plan[{pattern!r}] = Region on {region!r} holds Colwise() on "
                 f"{split}, whose outputs stay split over the axis, but no Rowwise() to sum them; "
                 "add Rowwise() on the module that takes them (the output projection, e.g. "
-                "'o_proj' in sw.tp.llama_plan()), or give the Colwise output='replicated'"
+                "'o_proj' in sw.tp.llama_plan()), or give the Colwise output='replicated' (not in a "
+                "sequence-parallel block, whose Region must end in a Rowwise)"
             )
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import inspect
 import threading
 from collections.abc import Callable, Iterator
@@ -31,7 +32,8 @@ from .comm import enter, gather_invariant, leave, scatter, vary
 from .following import quiet, set_current
 from .match import CONV1D, EMBEDDING, LINEAR, Install, LayerPlan
 from .own_loss import refuse_own_loss
-from .region_paths import bypass_message, bypasses_split
+from .owned_only import OwnedOnly
+from .region_paths import Sides, bypass_message, bypasses_split, parameter_sides
 from .split_watch import SplitWatch
 from .styles import Colwise, Region, Rowwise, gathers
 
@@ -117,7 +119,8 @@ class TPForward:
             n = in_layer.size(axis)
             for owner, attr, value in self.locals:
                 setattr(owner, attr, value // n)
-            if self.paths_checked and self.cuts_watched and getattr(_flow, "splits", None) is None:
+            read = self.paths_checked and self.cuts_watched and getattr(_flow, "sides", None) is None
+            if read and getattr(_flow, "splits", None) is None:
                 args, kwargs = _map_hidden(
                     m, self.hidden, args, kwargs, lambda h: enter(h, axis, install.seq_dim, label, self.reduce)
                 )
@@ -186,8 +189,9 @@ class TPForward:
 
     def _read_region(self, install: Install, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """A Region's call that reads it as well: its paths (region_paths.py), until a call records a
-        graph, and how it cuts its Colwise outputs (split_watch.py), on its first call; or one inside
-        such a Region, whose split layers end that one's paths too."""
+        graph, how it cuts its Colwise outputs (split_watch.py), on its first call, and on which side
+        of its split layers it uses its replicated parameters, while its layer asks (VaryFn); or one
+        inside such a Region, whose split layers end that one's paths too."""
         style, label = install.style, install.path
         assert isinstance(style, Region)
         before: list[Tensor] = []
@@ -200,7 +204,8 @@ class TPForward:
 
         args, kwargs = _map_hidden(self.module, self.hidden, args, kwargs, enter_region)
         outer_splits = getattr(_flow, "splits", None)
-        _flow.splits = None if self.paths_checked and outer_splits is None else []
+        sides: Sides | None = getattr(_flow, "sides", None)
+        _flow.splits = None if self.paths_checked and outer_splits is None and sides is None else []
         outer_watch = getattr(_flow, "watch", None)
         _flow.watch = outer_watch if self.cuts_watched else (outer_watch or SplitWatch())
         self.cuts_watched = True
@@ -214,6 +219,12 @@ class TPForward:
             outer_splits.extend(splits)
         if splits is not None and not self.paths_checked:
             self._check_paths(out, entered, before, splits)
+        # The outermost Region only (an inner one's split layers end the outer one's paths too). Under
+        # sequence parallel every value in the block is a slice of the sequence: all stay summed.
+        if sides is not None and splits is not None and outer_splits is None and install.seq_dim is None:
+            with quiet(), positions.unfollowed():  # reading grad_fn is a tensor op to the followers
+                whole, partial_ = parameter_sides(out, [node for _, node in splits], [*before, *entered], sides.names)
+            sides.add(label, whole, partial_)
         return out
 
     def _check_paths(
@@ -246,7 +257,8 @@ def _path_ends(label: str, t: Tensor) -> None:
 
 # What this rank's layers have run, per thread (rank): .regions, how many Regions it is inside;
 # .split_output, whether the last split module it ran left its output split (a sharded Colwise);
-# .splits, while a Region reads its paths, the split layers' outputs it ran (label, grad_fn node).
+# .splits, while a Region reads its paths, the split layers' outputs it ran (label, grad_fn node);
+# .sides, while a layer asks where its Regions use their replicated parameters (VaryFn), the answers.
 _flow = threading.local()
 
 
@@ -437,7 +449,14 @@ def _map_first(out: Any, fn: Callable[[Tensor], Tensor]) -> Any:
 
 class VaryFn:
     """A layer fn whose replicated parameters used on per-rank values have their gradients summed
-    over the axis (``vary``), around the layer fn calling the tensor-parallel module."""
+    over the axis (``vary``), around the layer fn calling the tensor-parallel module.
+
+    ``names`` are the candidates: the unsplit parameters inside a Region (or a sequence-parallel
+    block). Inside a Region, one used only after its split layers (a norm after the Rowwise's sum, a
+    projection on a gathered Colwise output) acts on whole values, and its gradient is whole already:
+    the first forward that records a graph asks the Regions (Sides) and those are left unsummed, that
+    forward's backward included (vary asks in backward), and every later call.
+    """
 
     def __init__(
         self, fn: Callable[[dict[str, Tensor], Any], Any], axis: str, names: frozenset[str], reduce: torch.dtype | None,
@@ -452,6 +471,9 @@ class VaryFn:
         self.slices_out = plan is not None and plan.slices_out
         self.label = "" if plan is None else plan.layer
         self._reuse_key: Any = None
+        # The candidates used on whole values only, once a forward has read them (None before): every
+        # rank reads the same graph, so every rank's thread writes the same set.
+        self.whole: frozenset[str] | None = None
 
     def set_reuse_key(self, key: Any) -> None:
         self._reuse_key = key
@@ -460,9 +482,33 @@ class VaryFn:
         """Equal for layers rewritten alike from layers that compute alike (engine/model/reuse.py)."""
         return self._reuse_key
 
+    def summed(self, name: str) -> bool:
+        """Whether ``name``'s gradient is summed over the axis (asked in backward)."""
+        return self.whole is None or name not in self.whole
+
+    def _varied(self, tensors: dict[str, Tensor]) -> tuple[dict[str, Tensor], Sides | None]:
+        """``tensors`` with the candidates' gradients summed over the axis, and, until a forward has read
+        where they are used, the Sides to read it into."""
+        if not self.names:
+            return tensors, None
+        if self.whole is not None:
+            summed = self.names - self.whole
+            return {k: vary(t, self.axis, k, self.reduce) if k in summed else t for k, t in tensors.items()}, None
+        sides = Sides()
+        out = dict(tensors)
+        for k, t in tensors.items():
+            if k in self.names:
+                out[k] = vary(t, self.axis, k, self.reduce, summed=functools.partial(self.summed, k))
+                with quiet(), positions.unfollowed():  # reading grad_fn is a tensor op to the followers
+                    node = out[k].grad_fn
+                if node is not None:
+                    sides.names[node] = k
+        return out, sides
+
     def __call__(self, tensors: dict[str, Tensor], x: Any) -> Any:
-        if self.names:
-            tensors = {k: vary(t, self.axis, k, self.reduce) if k in self.names else t for k, t in tensors.items()}
+        tensors, sides = self._varied(tensors)
+        outer_sides = getattr(_flow, "sides", None)
+        _flow.sides = sides if sides is not None and sides.names else None
         outer = getattr(_flow, "called", None)
         called: set[str] = set()
         _flow.called = called
@@ -486,8 +532,12 @@ class VaryFn:
             raise ValueError(f"tensor_parallel: {_unsummed(err, self.axis)}") from err
         finally:
             _flow.called = outer
+            _flow.sides = outer_sides
             set_current(outer_follower)
             _back_to_shared(force=True)  # a per-rank stream a Colwise began ends with its layer
+        if sides is not None and sides.names:  # decided before this forward's backward asks
+            sides.mixed()
+            self.whole = frozenset(sides.whole)
         missed = sorted(self.must_run - called)
         if missed:
             raise ValueError(
@@ -506,7 +556,8 @@ def _unsummed(err: BaseException, axis: str) -> str:
     return (
         f"Colwise() on {split_by()!r} left its output split over {axis!r} (output='sharded') and "
         f"no Rowwise() took it, so the module after it failed ({type(err).__name__}: {err}); give "
-        "that module Rowwise() in the plan (both in one Region), or the Colwise output='replicated'"
+        "that module Rowwise() in the plan (both in one Region), or the Colwise output='replicated' (outside "
+        "the sequence-parallel blocks)"
     )
 
 
@@ -574,6 +625,12 @@ def rewrite_layer(
             target, axis, installs.get(subpath), block, reduce, path,
             slices_after=plan.slices_after and block is not None and block[1],
         )
+    owners: dict[str, dict[str, str]] = {}
+    for subpath, attr, refusal in plan.owned_only:
+        owners.setdefault(subpath, {})[attr] = refusal
+    for subpath, refusals in owners.items():
+        owner = copied.get_submodule(subpath)
+        owner.forward = OwnedOnly(owner, refusals)
     if logits_heads:
         refuse_own_loss(copied, axis, logits_heads)
     new_fn = copy.copy(fn)
@@ -599,8 +656,9 @@ def _rewrite_key(name: str, fn: Any, plan: LayerPlan, axis: str, reduce: torch.d
     ))
     blocks = tuple(sorted((sub, first, last) for sub, _path, first, last in plan.blocks))
     ends = (plan.partial_in, plan.partial_out, plan.slices_after, plan.slices_out, plan.slices_in)
+    owned_only = tuple(sorted((sub, attr) for sub, attr, _ in plan.owned_only))
     key = (VaryFn, axis, reduce, installs, blocks, tuple(sorted(v.removeprefix(prefix) for v in plan.vary)), ends,
-           inner)
+           owned_only, inner)
     try:
         hash(key)
     except TypeError:

@@ -14,11 +14,19 @@ several times too large.
 layers' outputs and at the input as it was before entering; reaching the entered input means such
 a path. The walk runs once per Region module and rank, on its first forward that records a graph
 (the Plan's prediction, or the first step), over the Region's own nodes.
+
+:func:`parameter_sides` reads the same graph for the Region's replicated parameters. One used behind
+a split layer's output (a norm on each rank's heads, a gain before the Rowwise, a norm on the input
+before the Colwise) acts on per-rank values, or on values whose gradient each rank holds a part of:
+its gradient is that rank's part, to be summed over the axis. One used only after every split
+layer (a LayerNorm or a gain after the Rowwise's sum, a projection on a gathered Colwise output)
+acts on whole values whose gradient every rank already holds whole: summed, it would be counted
+once per rank, on every rank alike.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import optree
@@ -54,6 +62,73 @@ def bypasses_split(
             continue
         frontier.extend(next_node for next_node, _ in node.next_functions)
     return False
+
+
+def parameter_sides(
+    outputs: Any, ends: Iterable[Any], stops: Iterable[Tensor], names: Mapping[Any, str]
+) -> tuple[set[str], set[str]]:
+    """The parameters (``names``: their grad_fn nodes, as ``vary`` made them, by name) that the first
+    tensor of ``outputs`` reaches before any of ``ends`` (the split layers' outputs: whole values,
+    whole gradients) and those it reaches behind one (per-rank values, or partial gradients); the walk
+    stops at ``stops`` (the Region's input, before and after entering)."""
+    first = next((t for t in optree.tree_leaves(outputs) if isinstance(t, Tensor)), None)
+    before: set[str] = set()
+    behind: set[str] = set()
+    if first is None or first.grad_fn is None:
+        return before, behind
+    ended = set(ends)
+    stopped = {t.grad_fn for t in stops if isinstance(t, Tensor) and t.grad_fn is not None}
+    frontier: list[tuple[Any, bool]] = [(first.grad_fn, False)]
+    seen: set[tuple[object, bool]] = set()
+    while frontier:
+        node, past = frontier.pop()
+        if node is None or (node, past) in seen:
+            continue
+        seen.add((node, past))
+        name = names.get(node)
+        if name is not None:
+            (behind if past else before).add(name)
+        if node in stopped:
+            continue
+        past = past or node in ended
+        frontier.extend((next_node, past) for next_node, _ in node.next_functions)
+    return before, behind
+
+
+class Sides:
+    """Where the Regions of one layer's forward use the replicated parameters the layer varies
+    (modules.VaryFn): ``names`` maps each varied tensor's grad_fn node to its name; ``whole`` and
+    ``partial`` collect those used after every split layer and those used behind one
+    (:func:`parameter_sides`), ``where`` the Region that said so, for errors."""
+
+    def __init__(self) -> None:
+        self.names: dict[Any, str] = {}
+        self.whole: set[str] = set()
+        self.partial: set[str] = set()
+        self.where: dict[str, str] = {}
+
+    def add(self, region: str, whole: set[str], partial_: set[str]) -> None:
+        self.whole |= whole
+        self.partial |= partial_
+        for name in whole | partial_:
+            self.where.setdefault(name, region)
+
+    def mixed(self) -> None:
+        """Refuse a parameter used on both sides: no sum over the axis makes its gradient right."""
+        both = self.whole & self.partial
+        if both:
+            raise ValueError(mixed_sides_message(both, self.where[min(both)]))
+
+
+def mixed_sides_message(names: Iterable[str], region: str) -> str:
+    """The refusal of a replicated parameter used both on per-rank values and on whole ones."""
+    return (
+        f"tensor_parallel: the replicated parameters {sorted(names)} act inside Region {region!r} both on per-rank "
+        "values (between its Colwise and the Rowwise that sums them, or on the input those split) and on whole "
+        "values (after the sum, or on a gathered output): the gradient of the one use is each rank's part, of the "
+        "other whole on every rank, and no sum over the axis makes both right. Give the two uses parameters of "
+        "their own, or leave the Region out"
+    )
 
 
 def bypass_message(path: str, module_type: str, parts: int, layers: Iterable[str]) -> str:

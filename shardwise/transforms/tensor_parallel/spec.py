@@ -66,7 +66,7 @@ class TPSpec:
         for layer in chain:
             lp = resolved.layers.get(layer.name)
             reduce = None if precision is None else precision.for_layer(layer.name).reduce
-            changes = lp is not None and (lp.installs or lp.blocks or lp.vary)
+            changes = lp is not None and (lp.installs or lp.blocks or lp.vary or lp.owned_only)
             if changes and lp is not None:
                 layers.append(rewrite_layer(layer, lp, self.axis, reduce, heads.get(layer.name, ())))
                 split = _leaves_split(lp, split)
@@ -92,8 +92,15 @@ class TPSpec:
                     f"tensor_parallel: {path}.{attr} is {value}, which the {parts} ranks of axis {self.axis!r} do "
                     f"not divide (each rank computes whole heads); use a tensor-parallel size that divides {value}"
                 )
+        resolved = self.resolved(chain)
         for (layer, name), split in self.splits(chain, parts).items():
-            split.check(tuple(params[layer][name].shape), f"tensor_parallel: parameter {name!r} of layer {layer!r}")
+            try:
+                split.check(tuple(params[layer][name].shape), f"tensor_parallel: parameter {name!r} of layer {layer!r}")
+            except ValueError as err:
+                hint = resolved.splits[(layer, name)].hint
+                if not hint:
+                    raise
+                raise ValueError(f"{err}; {hint}") from None
 
     def local_view(
         self, chain: Chain, params: Mapping[str, Mapping[str, torch.Tensor]], mesh: Mesh | None, rank: int | None
@@ -155,7 +162,7 @@ class TPSpec:
             if lp.blocks:
                 parts.append("sequence parallel: " + ", ".join(p for _, p, _, _ in lp.blocks))
             if lp.vary:
-                parts.append(f"gradients summed over {self.axis!r}: {sorted(lp.vary)}")
+                parts.append(f"gradients summed over {self.axis!r} where used on per-rank values: {sorted(lp.vary)}")
             if parts:
                 notes[name] = "tensor parallel: " + "; ".join(parts)
         return notes
