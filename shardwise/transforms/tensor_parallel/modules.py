@@ -14,6 +14,7 @@ import copy
 import functools
 import inspect
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -31,7 +32,7 @@ from . import partial, positions
 from .comm import enter, gather_invariant, leave, scatter, vary
 from .following import quiet, set_current
 from .match import CONV1D, EMBEDDING, LINEAR, Install, LayerPlan
-from .own_loss import refuse_own_loss
+from .own_loss import OwnLossCheck, OwnLossWatch, refuse_own_loss
 from .owned_only import OwnedOnly
 from .region_paths import Sides, bypass_message, bypasses_split, parameter_sides
 from .split_watch import SplitWatch
@@ -52,8 +53,12 @@ class TPForward:
         self.hidden = _first_parameter(module)  # read once: inspect.signature costs ~10 us a call
         # The counts each rank divides by the axis size while the Region runs (owner, attribute, whole).
         self.locals: list[tuple[Any, str, int]] = []
+        # The whole widths its local= names (_divided lists them first): a plain Colwise output cut at one
+        # of them (divided) is cut into as many parts on a rank as on the whole (split_watch.py).
+        self.local_widths: list[int] = []
         if install is not None and isinstance(install.style, Region):
             self.locals = _divided(module, install.style)
+            self.local_widths = [whole for _, _, whole in self.locals[: len(install.style.local)]]
         # Random ops on per-rank values (a sequence-parallel block's slices, a Region's heads) draw a
         # stream of their own on each rank; elsewhere (the replicated residual stream) every rank the same.
         self.own_stream = block is not None or (install is not None and isinstance(install.style, Region))
@@ -148,8 +153,11 @@ class TPForward:
             out = gather_invariant(y, axis, y.dim() - 1, label) if gathered else y
             _path_ends(label, out)
             watch = getattr(_flow, "watch", None)
-            if watch is not None and not gathered and style.fused == 1:
-                watch.watch(out, label)
+            if watch is not None and not gathered:
+                watch.watch(out, label, style.fused)
+            own_loss = getattr(_flow, "own_loss", None)
+            if own_loss is not None and label in own_loss.heads:
+                own_loss.watch(out)
             return out
         assert isinstance(style, Rowwise)
         _flow.split_output = False
@@ -208,10 +216,15 @@ class TPForward:
         _flow.splits = None if self.paths_checked and outer_splits is None and sides is None else []
         outer_watch = getattr(_flow, "watch", None)
         _flow.watch = outer_watch if self.cuts_watched else (outer_watch or SplitWatch())
+        if not self.cuts_watched:
+            n = in_layer.size(self.axis)
+            _flow.watch.widths.update(whole // n for whole in self.local_widths)
         self.cuts_watched = True
         try:
             with _flow.watch if _flow.watch is not outer_watch else contextlib.nullcontext():
                 out = self._run_region(style, label, args, kwargs)
+            if _flow.watch is not outer_watch:
+                _flow.watch.finish()
         finally:
             splits, _flow.splits = _flow.splits, outer_splits
             _flow.watch = outer_watch
@@ -298,7 +311,8 @@ def _region_failed(m: nn.Module, path: str, style: Region, err: BaseException, p
         f"{parts} ranks holds 1/{parts} of its heads, but the module computes with a count it was "
         f"not told to divide{found}; name its head counts in Region(heads=(...)) and the "
         "widths it cuts at in Region(local=(...)), e.g. Region(heads=('num_heads',), "
-        "local=('split_size',))"
+        "local=('split_size',)); a projection computing blocks side by side that the module cuts apart (q, k "
+        "and v in one) takes Colwise(fused=<the number of blocks>) too"
     )
 
 
@@ -460,9 +474,10 @@ class VaryFn:
 
     def __init__(
         self, fn: Callable[[dict[str, Tensor], Any], Any], axis: str, names: frozenset[str], reduce: torch.dtype | None,
-        must_run: frozenset[str] = frozenset(), plan: LayerPlan | None = None,
+        must_run: frozenset[str] = frozenset(), plan: LayerPlan | None = None, own_loss: OwnLossCheck | None = None,
     ) -> None:
         self.fn, self.axis, self.names, self.reduce, self.must_run = fn, axis, names, reduce, must_run
+        self.own_loss = own_loss  # where it holds heads that leave the logits split (own_loss.py)
         # The ends of the sequence-parallel region this layer holds (partial.py), from the LayerPlan.
         self.follows = plan is not None and plan.follows
         self.partial_out = plan is not None and plan.partial_out
@@ -514,18 +529,10 @@ class VaryFn:
         _flow.called = called
         follower = partial.Follower(self.axis, self.reduce, self.label) if self.follows else None
         outer_follower = set_current(follower)
+        own_loss = _flow.own_loss = self._own_loss_watch()
         try:
-            if follower is None:
-                out = self.fn(tensors, x)
-            else:
-                first = next((t for t in optree.tree_leaves(x, none_is_leaf=True) if isinstance(t, Tensor)), None)
-                if first is not None and self.partial_in:  # the embedding's partial sums, from the layer before
-                    partial.hold_values(first)
-                if first is not None and self.slices_in:  # the last block's output, a slice of the sequence
-                    partial.hold_slice(first)
-                with follower:
-                    out = self.fn(tensors, x)
-                out = follower.finish(out, self.partial_out, self.slices_out)
+            with own_loss if own_loss is not None else contextlib.nullcontext():
+                out = self._run(tensors, x, follower)
         except RuntimeError as err:  # torch's, on shapes that do not fit: explained if split
             if not output_is_split() or _is_ours(err):
                 raise
@@ -533,6 +540,7 @@ class VaryFn:
         finally:
             _flow.called = outer
             _flow.sides = outer_sides
+            _flow.own_loss = None
             set_current(outer_follower)
             _back_to_shared(force=True)  # a per-rank stream a Colwise began ends with its layer
         if sides is not None and sides.names:  # decided before this forward's backward asks
@@ -546,6 +554,31 @@ class VaryFn:
                 "make each a leaf of the split (a unit of functionalize, or a torch.nn module), or leave it whole"
             )
         return out
+
+    def _run(self, tensors: dict[str, Tensor], x: Any, follower: partial.Follower | None) -> Any:
+        if follower is None:
+            return self.fn(tensors, x)
+        first = next((t for t in optree.tree_leaves(x, none_is_leaf=True) if isinstance(t, Tensor)), None)
+        if first is not None and self.partial_in:  # the embedding's partial sums, from the layer before
+            partial.hold_values(first)
+        if first is not None and self.slices_in:  # the last block's output, a slice of the sequence
+            partial.hold_slice(first)
+        with follower:
+            out = self.fn(tensors, x)
+        return follower.finish(out, self.partial_out, self.slices_out)
+
+    def _own_loss_watch(self) -> OwnLossWatch | None:
+        """A watch for a loss the model computes on its split logits (own_loss.py), on this layer's first
+        call on this rank (the Plan's prediction, or the first step, before any update)."""
+        if self.own_loss is None:
+            return None
+        checked = getattr(_flow, "own_loss_checked", None)
+        if checked is None:
+            checked = _flow.own_loss_checked = weakref.WeakSet()
+        if self in checked:
+            return None
+        checked.add(self)
+        return self.own_loss.watch()
 
     def __repr__(self) -> str:
         return f"tensor_parallel({self.fn!r})"
@@ -631,12 +664,14 @@ def rewrite_layer(
     for subpath, refusals in owners.items():
         owner = copied.get_submodule(subpath)
         owner.forward = OwnedOnly(owner, refusals)
+    own_loss = None
     if logits_heads:
         refuse_own_loss(copied, axis, logits_heads)
+        own_loss = OwnLossCheck.of(copied, axis, logits_heads)
     new_fn = copy.copy(fn)
     new_fn.replicas = ThreadReplicas(copied, replicas.prefix)  # type: ignore[attr-defined]
     must_run = frozenset(i.path for i in plan.installs if i.must_run)
-    vary_fn = VaryFn(new_fn, axis, frozenset(plan.vary), reduce, must_run, plan)
+    vary_fn = VaryFn(new_fn, axis, frozenset(plan.vary), reduce, must_run, plan, own_loss)
     vary_fn.set_reuse_key(_rewrite_key(layer.name, fn, plan, axis, reduce))
     return Layer(layer.name, vary_fn, layer.param_names, layer.buffers, layer.ties)
 

@@ -1,68 +1,278 @@
-"""Whether a Region's module cuts a plain Colwise output into parts along its features.
+"""How a Region's module cuts its Colwise outputs along their features, checked against the style.
 
 ``Colwise()`` gives each rank a contiguous 1/tp of a projection's output features. A projection
 that computes several blocks side by side (q, k and v in one Linear, nanoGPT's and GPT-2's
 ``c_attn``; gate and up in one) is cut by its module into those blocks (``.split(n_embd, -1)``,
 ``.chunk(3, -1)``); on a rank's contiguous slice the parts are pieces of other blocks (all of q and
-part of k at tp 2), and the model computes another attention without an error. ``Colwise(fused=3)``
-cuts each block instead. :class:`SplitWatch` runs around a Region's first forward: a plain
-Colwise's output cut along its last dim into a number of parts the module fixes (``chunk(3)``,
-``tensor_split(2)``) is refused, naming the module and the fix. A cut by a size (``split(n_embd)``,
-which on a rank's slice makes pieces of the wrong width and fails there, or ``split(head_dim)``, a
-rank's whole heads) and a ``view`` that splits the blocks (``view(b, t, 3, heads, -1)``, which looks
-like one into heads) go unseen.
+part of k at tp 2), and the model computes another attention without an error. ``Colwise(fused=N)``
+cuts each of N equal blocks instead, which is right only where the module does cut N equal blocks:
+not for grouped-query attention's [q | k | v] of unequal widths, nor for a projection laid out per
+head (GPT-NeoX's ``query_key_value``: q, k and v of head 0, then of head 1, ...; a plain Colwise
+gives a rank whole heads there).
+
+:class:`SplitWatch` runs around a Region's first forward and follows each Colwise output (through
+the ops that keep its features whole: casts, adds, leading-dim reshapes) to where the module cuts
+its features:
+
+* a plain ``Colwise()`` output cut into a number of parts the module fixes is refused: ``chunk(3)``,
+  ``tensor_split(2)``, sections of unequal widths (``split([dim, kv, kv])``, a ``split(size)`` that
+  leaves a remainder), or a cut at a width the Region divides (``local=``: ``split(split_size)``,
+  which makes the same 3 parts of the rank's slice as of the whole). A cut by a size the module
+  does not divide (per-head ``split(head_dim)``: a rank's whole heads) passes;
+* a ``Colwise(fused=N)`` output must be cut into its N blocks: ``chunk(N)``, ``split(width / N)``,
+  slices at block edges (Phi-3's ``qkv[..., :query_pos]``), a view with the blocks outermost
+  (``view(b, t, N, heads, -1)``), or pieces of them. Any other cut is refused, naming the sizes
+  seen, and so is an output the Region's forward never cut so.
+
+A view that factors a plain Colwise's features with the blocks outermost (``view(b, t, 3, heads,
+-1)``) looks like one into heads and goes unseen, as does a plain Colwise sliced by ``[...]``, a
+split size computed from a divided head count (``split(self.n_heads * self.head_dim)``), and a
+projection whose local head count happens to equal N (viewed per head as N blocks).
 """
 
 from __future__ import annotations
 
+import math
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
-# Cuts into a number of parts fixed by the module (chunk(3), tensor_split(2)): the blocks of a fused
-# projection. A cut into parts of a size (split(head_dim)) makes as many parts as the slice holds, so
-# per-head pieces of a rank's whole heads are its heads: not watched.
+# Cuts along a dim (the features, when it is the last): the parts' widths are read off the output.
 _CUTS = {
     torch.chunk: "chunk", Tensor.chunk: "chunk", torch.tensor_split: "tensor_split",
-    Tensor.tensor_split: "tensor_split",
+    Tensor.tensor_split: "tensor_split", torch.split: "split", Tensor.split: "split",
+    torch.split_with_sizes: "split_with_sizes", Tensor.split_with_sizes: "split_with_sizes",
+}
+# Ops that give the same values another shape: the features factored (or kept) in the output's last dims.
+_RESHAPES = {torch.reshape, Tensor.reshape, Tensor.view, Tensor.unflatten, torch.unflatten}
+# What carries a Colwise output on with its features whole and last: any op keeping its shape but these,
+# which mix the features (a Rowwise's linear of as many features is a use, not the output again) ...
+_MIXING = {
+    "linear", "matmul", "__matmul__", "mm", "bmm", "addmm", "baddbmm", "einsum", "layer_norm", "rms_norm",
+    "group_norm", "softmax", "log_softmax", "cumsum", "cumprod", "flip", "roll", "sort", "conv1d",
+}
+# ... and these, which move only the leading dims.
+_LAYOUT = {
+    "view", "reshape", "flatten", "unflatten", "transpose", "permute", "movedim", "unsqueeze", "squeeze",
+    "contiguous", "__getitem__", "expand", "select", "narrow",
 }
 
 
+@dataclass
+class _Output:
+    """One Colwise output and what the module did with it (shared by the tensors that carry it on)."""
+
+    label: str
+    fused: int
+    width: int  # its features on this rank
+    cut: bool = False  # fused: cut into its blocks
+    uses: list[str] = field(default_factory=list)  # fused: the ops that took it otherwise
+
+
 class SplitWatch(TorchFunctionMode):
-    """Refuses a cut along the features of a watched tensor (see the module docstring)."""
+    """Refuses a cut of a watched Colwise output that does not fit its style (see the module docstring)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.watched: dict[int, tuple[weakref.ref[Tensor], str]] = {}
+        self.widths: set[int] = set()  # the widths the Regions divide (local=), as a rank sees them
+        self.watched: dict[int, tuple[weakref.ref[Tensor], _Output]] = {}
+        self.outputs: list[_Output] = []
 
-    def watch(self, t: Tensor, label: str) -> None:
-        self.watched[id(t)] = (weakref.ref(t), label)
+    def watch(self, t: Tensor, label: str, fused: int) -> None:
+        entry = _Output(label, fused, t.shape[-1] if t.dim() else 0)
+        self.outputs.append(entry)
+        self._follow(t, entry)
+
+    def _follow(self, t: Tensor, entry: _Output) -> None:
+        self.watched[id(t)] = (weakref.ref(t), entry)
+
+    def _entry(self, t: Any) -> _Output | None:
+        found = self.watched.get(id(t)) if isinstance(t, Tensor) else None
+        return found[1] if found is not None and found[0]() is t else None
 
     def __torch_function__(
         self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         kwargs = kwargs or {}
-        name = _CUTS.get(func)
-        if name is not None and args and isinstance(args[0], Tensor):
-            entry = self.watched.get(id(args[0]))
-            if entry is not None and entry[0]() is args[0]:
-                _check(args[0], name, args, kwargs, entry[1])
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        for t, entry in _tensor_args(args, kwargs, self._entry):
+            self._see(func, t, entry, args, kwargs, out)
+        return out
 
+    def finish(self) -> None:
+        """The end of the Region's first forward: a fused output must have been cut into its blocks."""
+        for entry in self.outputs:
+            if entry.fused > 1 and not entry.cut:
+                took = f"it went to {', '.join(dict.fromkeys(entry.uses))}" if entry.uses else "it was not cut"
+                raise ValueError(
+                    f"{_fused_head(entry)}, but the module never cut this rank's {entry.width} features into "
+                    f"{entry.fused} parts along them ({took}). {_fused_fix(entry)}"
+                )
 
-def _check(t: Tensor, name: str, args: Sequence[Any], kwargs: dict[str, Any], label: str) -> None:
-    dim = kwargs.get("dim", args[2] if len(args) > 2 else 0)
-    parts = args[1] if len(args) > 1 else kwargs.get("chunks", kwargs.get("sections"))
-    if not isinstance(dim, int) or not isinstance(parts, int) or t.dim() == 0 or dim % t.dim() != t.dim() - 1:
-        return  # another dim, or sections given by their indices
-    raise ValueError(
-        f"tensor_parallel: Colwise() on {label!r} gives each rank a contiguous 1/tp of its output features, and the "
-        f"module cuts that output into parts along them ({name}): on a rank the parts are pieces of other blocks "
-        "(all of q and part of k, for q, k and v computed in one projection). If it computes several blocks side "
-        "by side (q, k and v; gate and up), give it Colwise(fused=<the number of blocks>), and name the width the "
-        "module cuts at in the Region's local=(...) (GPT-2's split_size, nanoGPT's n_embd)"
+    def _see(self, func: Any, t: Tensor, entry: _Output, args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> None:
+        cut = _CUTS.get(func)
+        if cut is not None:
+            if args and args[0] is t and _along_features(t, args, kwargs):
+                self._cut(entry, cut, [p.shape[-1] for p in out])
+            elif isinstance(out, (tuple, list)):  # another dim: each part carries the features on
+                for part in out:
+                    if isinstance(part, Tensor) and part.dim() and part.shape[-1] == entry.width:
+                        self._follow(part, entry)
+            return
+        if not isinstance(out, Tensor):
+            if any(isinstance(o, Tensor) for o in (out if isinstance(out, (tuple, list)) else ())):
+                entry.uses.append(_name(func))
+            return  # a shape, a dtype: read, not used
+        name = _name(func)
+        if out.dim() and out.shape[-1] == entry.width and (
+            (out.shape == t.shape and name not in _MIXING) or name in _LAYOUT
+        ):
+            self._follow(out, entry)  # the features whole: a cast, an add, a leading-dim reshape
+        elif func is Tensor.__getitem__ and entry.fused > 1:
+            self._slice(entry, t, args[1] if len(args) > 1 else None)
+        elif func in _RESHAPES and entry.fused > 1:
+            self._factor(entry, t, out)
+        elif entry.fused > 1:
+            entry.uses.append(name)
+
+    def _cut(self, entry: _Output, name: str, sizes: list[int]) -> None:
+        if len(sizes) < 2:
+            return
+        if entry.fused == 1:
+            fixed = name in ("chunk", "tensor_split") and len(set(sizes)) == 1
+            if fixed or len(set(sizes)) > 1 or self.widths.intersection(sizes):
+                raise ValueError(_plain_refusal(entry, name, sizes, self.widths.intersection(sizes)))
+            return
+        block = entry.width // entry.fused
+        edges = set(_offsets(sizes))
+        if all(e % block == 0 for e in edges) or all(k * block in edges for k in range(entry.fused + 1)):
+            entry.cut = True  # whole blocks, or pieces of them
+            return
+        what = f"cuts this rank's {entry.width} features at sizes {sizes} ({name})"
+        raise ValueError(_fused_refusal(entry, what))
+
+    def _slice(self, entry: _Output, t: Tensor, index: Any) -> None:
+        """``t[..., a:b]``: a slice of the features at block edges takes a block (or several)."""
+        bounds = _feature_slice(t, index)
+        if bounds is None:
+            entry.uses.append("[...]")
+            return
+        start, stop = bounds
+        block = entry.width // entry.fused
+        if start % block == 0 and stop % block == 0:
+            entry.cut = True
+            return
+        raise ValueError(_fused_refusal(
+            entry, f"slices this rank's {entry.width} features at [{start}:{stop}], across its blocks of {block}"
+        ))
+
+    def _factor(self, entry: _Output, t: Tensor, out: Tensor) -> None:
+        """A reshape of the features into several dims: the blocks must be the outermost one."""
+        factors = _feature_factors(list(t.shape), list(out.shape))
+        if factors is None:
+            entry.uses.append(f"a reshape to {list(out.shape)}")
+            return
+        if factors[0] == entry.fused:
+            entry.cut = True
+            return
+        raise ValueError(
+            f"{_fused_head(entry)}, but the module reshapes this rank's {entry.width} features into {factors}, "
+            f"not {entry.fused} blocks outermost: its features are laid out otherwise (per head: q, k and v of "
+            "each head side by side, as GPT-NeoX's query_key_value and BLOOM's are). A plain Colwise() gives each "
+            "rank whole heads of such a layout: use it, with the head count in the Region's heads=(...)"
+        )
+
+def _fused_refusal(entry: _Output, what: str) -> str:
+    return (
+        f"{_fused_head(entry)}, but the module {what}: not its {entry.fused} blocks of "
+        f"{entry.width // entry.fused}. {_fused_fix(entry)}"
     )
+
+
+def _fused_head(entry: _Output) -> str:
+    return (
+        f"tensor_parallel: Colwise(fused={entry.fused}) on {entry.label!r} gives each rank its 1/tp of each of "
+        f"{entry.fused} equal blocks of the output features (q, k and v side by side, each split)"
+    )
+
+
+def _fused_fix(entry: _Output) -> str:
+    return (
+        f"fused={entry.fused} fits a projection whose module cuts {entry.fused} equal blocks apart "
+        f"(chunk({entry.fused}, -1); split(width, -1) with the width named in the Region's local=(...)). Blocks of "
+        "unequal widths (grouped-query attention's q, k and v in one projection) cannot be split so: compute them "
+        "with separate Linear modules, each Colwise(); a projection laid out per head takes a plain Colwise()"
+    )
+
+
+def _plain_refusal(entry: _Output, name: str, sizes: list[int], divided: set[int]) -> str:
+    why = f", at {min(divided)}, a width the Region divides: as many parts on a rank as on the whole" if divided else ""
+    return (
+        f"tensor_parallel: Colwise() on {entry.label!r} gives each rank a contiguous 1/tp of its output features, "
+        f"and the module cuts that output into parts along them ({name}): this rank's {entry.width} features into "
+        f"{sizes}{why}; on a rank the parts are pieces of other blocks (all of q and part of k, for q, k and v "
+        "computed in one projection). If it computes several equal blocks side by side (q, k and v; gate and up), "
+        "give it Colwise(fused=<the number of blocks>), and name the width the module cuts at in the Region's "
+        "local=(...) (GPT-2's split_size, nanoGPT's n_embd); blocks of unequal widths (grouped-query attention's "
+        "q, k and v) need separate Linear modules, each Colwise()"
+    )
+
+
+def _tensor_args(
+    args: Sequence[Any], kwargs: dict[str, Any], entry_of: Any
+) -> Iterable[tuple[Tensor, _Output]]:
+    """The watched tensors among the arguments (and in the lists among them: torch.cat's)."""
+    for a in (*args, *kwargs.values()):
+        for t in (a if isinstance(a, (list, tuple)) else (a,)):
+            entry = entry_of(t)
+            if entry is not None:
+                yield t, entry
+
+
+def _along_features(t: Tensor, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+    dim = kwargs.get("dim", args[2] if len(args) > 2 else 0)
+    return isinstance(dim, int) and t.dim() > 0 and dim % t.dim() == t.dim() - 1
+
+
+def _offsets(sizes: list[int]) -> list[int]:
+    edges = [0]
+    for s in sizes:
+        edges.append(edges[-1] + s)
+    return edges
+
+
+def _feature_slice(t: Tensor, index: Any) -> tuple[int, int] | None:
+    """``(start, stop)`` of an index that slices the last dim only (step 1), else None."""
+    items = list(index) if isinstance(index, tuple) else [index]
+    if items.count(Ellipsis) == 1 and items[-1] is not Ellipsis:
+        items = items[items.index(Ellipsis) + 1:]
+        items = [slice(None)] * (t.dim() - len(items)) + items
+    if len(items) != t.dim() or not all(isinstance(i, slice) and i == slice(None) for i in items[:-1]):
+        return None
+    last = items[-1]
+    if not isinstance(last, slice):
+        return None
+    start, stop, step = last.indices(t.shape[-1])
+    return (start, stop) if step == 1 and stop > start else None
+
+
+def _feature_factors(before: list[int], after: list[int]) -> list[int] | None:
+    """The dims a reshape made of the last dim of ``before``: the trailing dims of ``after`` whose
+    product is that dim, the others holding the leading dims; None where it mixed them."""
+    width, product = before[-1], 1
+    for k in range(len(after) - 1, -1, -1):
+        product *= after[k]
+        if product == width:
+            return after[k:] if math.prod(after[:k]) == math.prod(before[:-1]) else None
+        if product > width:
+            return None
+    return None
+
+
+def _name(func: Any) -> str:
+    return str(getattr(func, "__name__", func))

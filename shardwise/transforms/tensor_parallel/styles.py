@@ -7,8 +7,10 @@ patterns (fnmatch, on the paths ``model.named_modules()`` gives) to styles:
   features, bias too: each rank computes its slice of the output, which stays
   split (``output="sharded"``, the default: the input of a Rowwise or a
   vocab-parallel loss) or is gathered (``output="replicated"``). ``fused=3`` for a fused q, k, v
-  projection (GPT-2's ``c_attn``): the output is three blocks, each split, so a
-  rank holds its heads of q, of k and of v. On an Embedding: split on the hidden
+  projection whose module cuts three equal blocks apart (GPT-2's ``c_attn``):
+  each block is split, so a rank holds its heads of q, of k and of v (blocks of
+  unequal widths, or q, k and v laid out per head as GPT-NeoX's are, are refused
+  on the first forward: split_watch.py). On an Embedding: split on the hidden
   dim, the output gathered (by default; ``output="sharded"`` keeps it split).
 * :class:`Rowwise`: a Linear (or ``Conv1D``) split on its input features; the
   partial outputs are summed over the axis (reduce-scattered over the sequence

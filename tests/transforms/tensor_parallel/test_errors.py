@@ -329,8 +329,9 @@ def test_a_hugging_face_model_computing_its_own_loss_on_split_logits_is_refused(
 
 def test_a_hugging_face_output_carrying_a_loss_of_split_logits_is_refused(build: dict[str, Callable]) -> None:
     """A model that computes its loss from another argument (not ``labels``) on the split logits, in a
-    way that fits a slice's width, is refused as the model's own loss when its output carries it (not
-    only as a loss_fn that never called vocab_parallel_cross_entropy)."""
+    way that fits a slice's width, is refused as the model's own loss (not only as a loss_fn that never
+    called vocab_parallel_cross_entropy): by name, at the cross-entropy in its forward (own_loss.py's
+    watch; its output carrying the loss is refused too, where the watch cannot follow the logits)."""
     transformers = pytest.importorskip("transformers")
     problem = build["gpt2"](steps=1)
 
@@ -349,7 +350,7 @@ def test_a_hugging_face_output_carrying_a_loss_of_split_logits_is_refused(build:
                                      example_input=batch[0])
     step = sw.train_step(chain, lambda out, targets: out.loss, sw.optim.sgd(0.1))
     with pytest.raises(sw.collectives.RankFailed, match=OWN_LOSS.format(
-            model="NextTokenGPT2", what="returned a loss it computed itself")):
+            model="NextTokenGPT2", what="computes cross_entropy in its forward")):
         _one_step(sw.tensor_parallel(step, "tp", sw.tp.gpt2_plan()), params, sw.Mesh(tp=2), batch)
 
 
