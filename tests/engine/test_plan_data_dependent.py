@@ -147,3 +147,31 @@ def test_the_search_marks_pipeline_bytes_the_plan_does_not_know() -> None:
     assert marks == {"dp2 zero1": (), "pp2 1f1b mb2": ("pp",)}, found.table()
     assert "+?: and transfers whose payload the plan does not know" in found.table()
     assert next(p for p in found.ranked if p.unknown_bytes_on).as_dict()["bytes_unknown_on"] == ["pp"]
+
+
+class _Temperature(torch.nn.Module):
+    """A learned scalar (0-d parameter), as CLIP's logit scale."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.tensor(2.0, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd_momentum"])
+def test_a_scalar_parameter_plans_and_the_plan_counts_its_update(optimizer: str) -> None:
+    # The update's prediction took every 0-d tensor of the optimizer state for the update count and
+    # made it an int: a 0-d parameter's moments too, and the foreach ops raised a TypeError.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), _Temperature(), torch.nn.Linear(4, 2)).double()
+    chain, params = sw.functionalize(model)
+    opt = sw.optim.adamw(1e-3) if optimizer == "adamw" else sw.optim.sgd(0.1, momentum=0.9)
+    step = sw.train_step(chain, F.mse_loss, opt)
+    batch = (torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 2, dtype=torch.float64))
+    for planned in (step, sw.shard_params(step, "dp", stage=1)):
+        mesh = None if planned is step else sw.Mesh(dp=2)
+        plan = planned.plan(mesh, params, batch)
+        assert plan.memory["update_buffers"][0] > 0, plan.memory  # predicted, not guessed:
+        assert not any("update_buffers counts" in note for notes in plan.layers.values() for note in notes)

@@ -49,9 +49,14 @@ class _NewStorages(TorchDispatchMode):
 
 
 def _scalar_as_int(t: Any) -> Any:
-    """The update count (a 0-d tensor, read as a number) as the int 1: a step after the first, the
-    steady state (SGD's first update starts its momentum from a copy instead)."""
-    return 1 if isinstance(t, torch.Tensor) and t.dim() == 0 else t
+    """The update count (a 0-d integer tensor, read as a number) as the int 1: a step after the
+    first, the steady state (SGD's first update starts its momentum from a copy instead). A 0-d
+    floating tensor is a scalar parameter's state (a learned temperature's moments), kept a tensor:
+    made an int, the optimizer's foreach ops were handed a number among its tensors and the Plan
+    raised a TypeError."""
+    if isinstance(t, torch.Tensor) and t.dim() == 0 and not (t.is_floating_point() or t.is_complex()):
+        return 1
+    return t
 
 
 def predict_update_held(
