@@ -206,3 +206,7 @@ def test_negative_integer_inputs_are_features_and_only_the_targets_are_read_for_
     own = sw.train_step(chain, lambda out, _: out.loss, sw.optim.sgd(0.1))
     with pytest.raises(RankFailed, match=r"batch\[0\]\['labels'\] holds negative integers"):
         _run(sw.shard_params(own, "dp", 3), sw.Mesh(dp=2), params, ({"input_ids": ids, "labels": labels}, None))
+    # Labels named so in the inputs are read whatever the targets are (a model's own loss ignores them).
+    with pytest.raises(RankFailed, match=r"batch\[0\]\['labels'\] holds negative integers"):
+        _run(sw.shard_params(own, "dp", 3), sw.Mesh(dp=2), params,
+             ({"input_ids": ids, "labels": labels}, torch.zeros(ids.shape[0])))

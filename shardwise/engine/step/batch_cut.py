@@ -10,6 +10,7 @@ share, ``planning.py`` rank 0's (every rank's share has the same shapes): both t
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import optree
@@ -103,11 +104,10 @@ def refuse_padded_mean(step: Step, mesh: Mesh | None, batch: Any) -> None:
         cuts.append(f"{k} micro-batches")
     if not cuts:
         return
-    scanned, prefix = _label_tensors(batch)
-    where = _negative_integers(scanned)
+    where = next((prefix + found for prefix, scanned in _label_tensors(batch).items()
+                  if (found := _negative_integers(scanned)) is not None), None)
     if where is None:
         return
-    where = prefix + where
     raise ValueError(
         f"train_step(tokens=None) on a batch the step cuts ({' x '.join(cuts)}): batch{where} holds negative "
         "integers (padded labels: -100, cross_entropy's ignore_index), so each share's mean loss counts its own "
@@ -149,14 +149,20 @@ def loss_probe_cut(step: Step, mesh: Mesh | None) -> ProbeCut | None:
     return ProbeCut(" x ".join(rows) or None, " x ".join(sequences) or None, dim, step.tokens)
 
 
-def _label_tensors(batch: Any) -> tuple[Any, str]:
-    """Where ``batch``'s labels are, and the keypath prefix that names it in ``batch``: the targets of
-    an (inputs, targets) pair (loss_fn takes the labels from there; the inputs' integers are features),
-    else the whole batch (a dict batch, or targets None: the model's own loss reads ``labels``, or
-    nanoGPT's ``targets``, from the inputs)."""
+def _label_tensors(batch: Any) -> dict[str, Any]:
+    """Where ``batch``'s labels can be, by the keypath prefix that names each place in ``batch``: an
+    (inputs, targets) pair's targets (loss_fn takes the labels from there; the inputs' integers are
+    features), and its inputs' entries named as labels (``labels``, ``targets``, ``start_label``: a
+    model computing its own loss reads them, whatever the targets are); else the whole batch (a dict
+    batch, or targets None: the model's own loss reads ``labels``, or nanoGPT's ``targets``)."""
     if isinstance(batch, (tuple, list)) and len(batch) == 2 and batch[1] is not None:
-        return batch[1], "[1]"
-    return batch, ""
+        inputs = batch[0]
+        named = {} if not isinstance(inputs, Mapping) else {
+            f"[0][{key!r}]": value for key, value in inputs.items()
+            if isinstance(key, str) and ("label" in key.lower() or "target" in key.lower())
+        }
+        return {"[1]": batch[1], **named}
+    return {"": batch}
 
 
 def _negative_integers(batch: Any) -> str | None:
