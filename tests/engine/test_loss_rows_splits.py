@@ -193,3 +193,38 @@ def test_the_tokens_are_halved_on_the_sequence_dim_only() -> None:
     # tokens cannot be told, so nothing is cut (cutting the features would refuse this mean).
     square = torch.randn(2, 6, 6, generator=gen, dtype=torch.float64)
     assert _measure(lambda o, y: o.pow(2).sum(-1).mean(), square, targets) == "unknown"
+
+
+class _HeadWithAux(nn.Module):
+    """A head that returns (logits, a scalar aux term of its micro-batch) (found by this session's review)."""
+
+    def __init__(self, head: nn.Module) -> None:
+        super().__init__()
+        self.head = head
+
+    def forward(self, h: Tensor) -> tuple[Tensor, Tensor]:
+        return self.head(h), h.pow(2).mean()
+
+
+def _gpt_with_aux(loss: Any) -> tuple[sw.Step, Any]:
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=VOCAB, d_model=16, n_heads=4, n_layers=2, seq_len=SEQ).double()
+    model.head = _HeadWithAux(model.head)
+    chain, params = sw.functionalize(model, units=["tok_emb", "blocks", "head"])
+    return sw.train_step(chain, loss, sw.optim.sgd(0.1, momentum=0.9)), params
+
+
+@pytest.mark.parametrize("mesh", [sw.Mesh(cp=2), sw.Mesh(dp=2, cp=2)], ids=["cp", "dp x cp"])
+def test_a_scalar_beside_the_logits_is_passed_whole_and_a_summed_loss_still_refused(mesh: sw.Mesh) -> None:
+    """A 0-d aux term beside the logits made the rows' and the tokens' dims unknown under a split (no
+    fake run there), so a summed cross-entropy plus the aux trained silently; the scalar goes whole to
+    each half now, as the fake run decides under dp alone."""
+    def wrap(step: sw.Step) -> sw.Step:
+        cp = sw.context_parallel(step, "cp")
+        return sw.shard_params(cp, "dp", 2) if "dp" in mesh.axis_names else cp
+
+    step, params = _gpt_with_aux(lambda o, y: _ce_sum(o[0], y) + 0.01 * o[1])
+    with pytest.raises(RankFailed, match=r"loss_fn is not a mean over the (batch's rows|tokens)"):
+        _run(wrap(step), mesh, params, _ids(1, rows=8)[0])
+    step, params = _gpt_with_aux(lambda o, y: _ce(o[0], y) + 0.01 * o[1])
+    sw.testing.assert_equivalent(wrap(step), step, mesh, _ids(rows=8), params)

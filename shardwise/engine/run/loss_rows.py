@@ -360,7 +360,7 @@ def _token_dims(leaves: list[Any], rows: int, dim: int, tokens: int) -> list[tup
     it) is never cut: where it has the tokens' count, the leaf's dims cannot be told."""
     dims: list[tuple[int, ...]] = []
     for t in leaves:
-        if not isinstance(t, torch.Tensor):
+        if not isinstance(t, torch.Tensor) or t.dim() == 0:  # a scalar beside (an aux term): passed whole
             dims.append(())
             continue
         if t.dim() <= dim or t.shape[dim] != tokens:
@@ -383,16 +383,19 @@ def _row_dims(
     returns beside its features) is not cut. Where the chain cannot run on fake tensors, dim 0 where
     it is the only dim of the rows' size in every tensor. A tensor without such a dim (a scalar loss
     the model computed over the batch) cannot be halved."""
-    tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+    # A scalar beside the rows' tensors (an aux loss term the model computed on its micro-batch) has no
+    # rows to cut: each half's loss gets it whole.
+    tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.dim() > 0]
     if not tensors or not any(rows in t.shape for t in tensors):
         return None
-    dim_0 = all(t.dim() > 0 and t.shape[0] == rows and rows not in t.shape[1:] for t in tensors)
+    dim_0 = all(t.shape[0] == rows and rows not in t.shape[1:] for t in tensors)
+    on_dim_0: list[tuple[int, ...]] = [(0,) if isinstance(t, torch.Tensor) and t.dim() > 0 else () for t in leaves]
     if dim_0 and len(tensors) == 1:  # the usual output, [rows, ...]: no fake run (its first imports sympy)
-        return [(0,) if isinstance(t, torch.Tensor) else () for t in leaves]
+        return on_dim_0
     other = rows // 2 if rows >= 2 else 2  # half the rows; of one row, the row twice
     shapes = predict(optree.tree_map(functools.partial(_other_rows, rows=other), inputs))
     if shapes is None or len(shapes) != len(leaves):
-        return [(0,) if isinstance(t, torch.Tensor) else () for t in leaves] if dim_0 else None
+        return on_dim_0 if dim_0 else None
     dims: list[tuple[int, ...]] = []
     for t, shape in zip(leaves, shapes, strict=True):
         if not isinstance(t, torch.Tensor):
