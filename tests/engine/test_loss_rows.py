@@ -342,6 +342,24 @@ def test_what_cannot_be_halved_is_not_probed() -> None:
     assert _measure(lambda o, y: o.sum() * float("nan"), logits, targets) == "retry"
 
 
+def test_a_scalar_the_loss_reads_alone_says_nothing_in_every_mode() -> None:
+    """A model's own loss (a scalar beside its logits) goes whole to each half: loss_fn reading only it
+    gives the same values however the rows are cut, which says nothing, in every token mode and at one
+    row too (a (sum, count) pair read whole on the row and on the row twice would else be refused: it
+    was not probed at all before a scalar beside the logits was passed whole)."""
+    logits, targets = _logits()
+    own = {"loss": torch.tensor(2.0, dtype=torch.float64), "count": torch.tensor(5.0, dtype=torch.float64),
+           "logits": logits}
+    one_row = {**own, "logits": logits[:1]}
+    for mode, loss in ((None, lambda o, _: o["loss"]), ("sum", lambda o, _: (o["loss"], o["count"]))):
+        for output, rows in ((own, ROWS), (one_row, 1)):
+            found = measure(loss, output, torch.zeros(rows, 1), targets[:rows], [torch.default_generator], True,
+                            lambda _: None, tokens=mode)
+            # (a mean at one row compares the row with itself twice: equal, as any mean's, so it agrees)
+            agrees = isinstance(found, Measured) and found.agrees and mode is None and rows == 1
+            assert found == "unknown" or agrees, (mode, rows, found)
+
+
 def test_sums_and_in_batch_losses_differ_from_their_halves() -> None:
     logits, targets = _logits(torch.bfloat16)
     found = _measure(lambda o, y: F.cross_entropy(o.flatten(0, 1), y.flatten(), reduction="sum"), logits, targets)

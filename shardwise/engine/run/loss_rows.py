@@ -273,6 +273,12 @@ def measure(
         return RETRY
     if counted is not None and (not all(map(_finite_number, counted.values())) or not any(counted.values())):
         return RETRY
+    if all(read[whole] == read[a] == read[b] and (counted is None or counted[whole] == counted[a] == counted[b])
+           and (along != "repeat" or tokens == "sum") for along, _, (whole, a, b) in halvings):
+        # Cutting changed nothing: loss_fn reads only what each half gets whole (a model's own scalar
+        # loss, passed whole beside its logits), which says nothing of how it combines rows or tokens.
+        # (A mean of one row repeated is the row's mean: equal by design, and probed.)
+        return UNKNOWN
     floats = [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()]
     dtypes = {v.dtype for v, _ in values.values()} | {t.dtype for t in floats}
     rtol = RTOL_FLOAT64 if dtypes <= {torch.float64} else RTOL
