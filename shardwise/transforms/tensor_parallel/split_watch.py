@@ -124,11 +124,16 @@ class SplitWatch(TorchFunctionMode):
                     if isinstance(part, Tensor) and part.dim() and part.shape[-1] == entry.width:
                         self._follow(part, entry)
             return
+        if _name(func) == "glu" and args and args[0] is t and _glu_along_features(t, args, kwargs):
+            self._cut(entry, "glu", [entry.width // 2] * 2)  # glu halves the features: a cut into two
+            return
         if not isinstance(out, Tensor):
             if any(isinstance(o, Tensor) for o in (out if isinstance(out, (tuple, list)) else ())):
                 entry.uses.append(_name(func))
             return  # a shape, a dtype: read, not used
         name = _name(func)
+        if entry.fused == 1 and _one_head_view(t, out):
+            return  # a per-head view of a rank's one head: what it cuts next is the head's own dims
         if out.dim() and out.shape[-1] == entry.width and (
             (out.shape == t.shape and name not in _MIXING) or name in _LAYOUT
         ):
@@ -144,7 +149,7 @@ class SplitWatch(TorchFunctionMode):
         if len(sizes) < 2:
             return
         if entry.fused == 1:
-            fixed = name in ("chunk", "tensor_split") and len(set(sizes)) == 1
+            fixed = name in ("chunk", "tensor_split", "glu") and len(set(sizes)) == 1
             if fixed or len(set(sizes)) > 1 or self.widths.intersection(sizes):
                 raise ValueError(_plain_refusal(entry, name, sizes, self.widths.intersection(sizes)))
             return
@@ -272,6 +277,20 @@ def _feature_factors(before: list[int], after: list[int]) -> list[int] | None:
         if product > width:
             return None
     return None
+
+
+def _glu_along_features(t: Tensor, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+    dim = kwargs.get("dim", args[1] if len(args) > 1 else -1)
+    return isinstance(dim, int) and t.dim() > 0 and dim % t.dim() == t.dim() - 1
+
+
+def _one_head_view(t: Tensor, out: Any) -> bool:
+    """``out`` puts a dim of size 1 right before ``t``'s features (``view(b, s, -1, head_dim)`` of a rank
+    holding one head): a per-head view, whose features are the head's, as with any head count; followed
+    as the output, its per-head cuts (a partial rotary's ``split([rot, rest])``) read as cuts of the
+    projection."""
+    return (isinstance(out, Tensor) and out.dim() == t.dim() + 1 and out.dim() >= 2
+            and out.shape[-1] == t.shape[-1] and out.shape[-2] == 1 and out.shape[:-2] == t.shape[:-1])
 
 
 def _name(func: Any) -> str:

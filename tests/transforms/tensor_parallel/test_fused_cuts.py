@@ -199,3 +199,88 @@ def test_a_model_computing_its_own_cross_entropy_on_split_logits_is_refused() ->
         sw.launch(lambda: split(split.init(params, sw.Mesh(tp=2)), batch), 2)
     gathered = sw.tensor_parallel(step, "tp", {"lm_head": sw.tp.Colwise(output="replicated")})
     sw.testing.assert_equivalent(gathered, step, sw.Mesh(tp=2), [batch, batch], params)
+
+
+class _PartialRotaryAttention(nn.Module):
+    """Grouped-query attention whose heads rotate their first dims only, split per head (DeepSeek-V3.2's,
+    HunYuan's partial rotary): ``split([rot, rest])`` of a head's features, not of the projection's."""
+
+    def __init__(self, d: int = 32, n_heads: int = 4, n_kv: int = 2, hd: int = 8, rot: int = 2) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv, self.hd, self.rot = n_heads, n_kv, hd, rot
+        self.q_proj = nn.Linear(d, n_heads * hd, bias=False)
+        self.k_proj = nn.Linear(d, n_kv * hd, bias=False)
+        self.v_proj = nn.Linear(d, n_kv * hd, bias=False)
+        self.o_proj = nn.Linear(n_heads * hd, d, bias=False)
+
+    def rope(self, x: torch.Tensor) -> torch.Tensor:
+        x_rot, x_pass = torch.split(x, [self.rot, self.hd - self.rot], dim=-1)
+        t = torch.arange(x.shape[1], dtype=x.dtype)[:, None, None]
+        return torch.cat([x_rot * torch.cos(t) + torch.flip(x_rot, [-1]) * torch.sin(t), x_pass], dim=-1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.rope(self.q_proj(x).view(b, t, -1, self.hd))
+        k = self.rope(self.k_proj(x).view(b, t, -1, self.hd))
+        v = self.v_proj(x).view(b, t, -1, self.hd)
+        rep = q.shape[2] // k.shape[2]
+        k, v = k.repeat_interleave(rep, 2), v.repeat_interleave(rep, 2)
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class _GluMLP(nn.Module):
+    """A fused gate|up projection that ``F.glu`` halves itself."""
+
+    def __init__(self, d: int = 32, h: int = 16) -> None:
+        super().__init__()
+        self.wi = nn.Linear(d, 2 * h)
+        self.wo = nn.Linear(h, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.wo(F.glu(self.wi(x), dim=-1))
+
+
+class _Residual(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(32)
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.inner(self.norm(x))
+
+
+def _residual_problem(make: Callable[[], nn.Module]) -> tuple[sw.Step, Any, list[Any]]:
+    torch.manual_seed(0)
+    chain, params = sw.functionalize(nn.Sequential(_Residual(make()), _Residual(make())).double())
+    step = sw.train_step(chain, F.mse_loss, sw.optim.adamw(1e-2))
+    gen = torch.Generator().manual_seed(1)
+    batches = [tuple(torch.randn(2, 6, 32, dtype=torch.float64, generator=gen) for _ in range(2)) for _ in range(3)]
+    return step, params, batches
+
+
+def test_a_rank_holding_one_head_cuts_that_heads_features_freely() -> None:
+    """With as many key/value heads as ranks, a rank's k_proj output is one head: its per-head view kept
+    the projection's width, and the watch took the head's rotary split for a cut of the projection
+    (refused; found by this session's review). A per-head view ends what the watch follows."""
+    step, params, batches = _residual_problem(_PartialRotaryAttention)
+    plan = {"*.inner": sw.tp.Region(heads=("n_heads", "n_kv")), "*.inner.[qkv]_proj": sw.tp.Colwise(),
+            "*.inner.o_proj": sw.tp.Rowwise()}
+    sw.testing.assert_equivalent(sw.tensor_parallel(step, "tp", plan), step, sw.Mesh(tp=2), batches, params,
+                                 rtol=1e-9)
+
+
+def test_glu_cuts_its_input_in_two_a_fused_colwise_fits_and_a_plain_one_is_refused() -> None:
+    """F.glu halves the features inside the op: Colwise(fused=2) was refused as never cut (found by this
+    session's review), and a plain Colwise there trained another MLP, silently, before the watch too."""
+    step, params, batches = _residual_problem(_GluMLP)
+
+    def plan(style: Any) -> dict[str, Any]:
+        return {"*.inner": sw.tp.Region(), "*.inner.wi": style, "*.inner.wo": sw.tp.Rowwise()}
+
+    sw.testing.assert_equivalent(sw.tensor_parallel(step, "tp", plan(sw.tp.Colwise(fused=2))), step, sw.Mesh(tp=2),
+                                 batches, params, rtol=1e-9)
+    with pytest.raises(Exception, match=r"cuts that output into parts along them \(glu\)"):
+        sw.testing.assert_equivalent(sw.tensor_parallel(step, "tp", plan(sw.tp.Colwise())), step, sw.Mesh(tp=2),
+                                     batches, params, rtol=1e-9)
