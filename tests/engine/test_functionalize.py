@@ -570,6 +570,25 @@ class _Residual(nn.Module):
         return x + torch.tanh(self.fc(x))
 
 
+def _trains_as_the_module(chain: Any, params: Any, model: nn.Module, batches: list[Any]) -> tuple[Any, Any, nn.Module]:
+    """The own-loss model's split trained by SGD with momentum beside the module itself, the losses
+    bitwise equal at every step: (the step, its last state, the trained module)."""
+    import shardwise as sw
+
+    step = sw.train_step(chain, lambda out, _: out[1], sw.optim.sgd(0.1, momentum=0.9))
+    state = step.init(params)
+    reference = deepcopy(model)
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    for batch, targets in batches:
+        state, metrics = step(state, (batch, targets))
+        opt.zero_grad()
+        loss = reference(**batch)[1]
+        loss.backward()
+        opt.step()
+        assert torch.equal(metrics["loss"], loss.detach())
+    return step, state, reference
+
+
 class _OwnLossGPT(nn.Module):
     """nanoGPT's shape: ``forward(idx, targets=None)`` returns (logits, loss), the loss when given targets."""
 
@@ -600,17 +619,7 @@ def test_a_dict_example_of_keyword_arguments_is_split_by_recording_and_trains_bi
                (torch.randint(0, 16, (4, 7), generator=g) for _ in range(3))]
     chain, params = functionalize(model, units=_Residual, example_input=batches[0][0])
     assert chain.names == ("embed", "h.0", "h.1", "head")
-    step = sw.train_step(chain, lambda out, _: out[1], sw.optim.sgd(0.1, momentum=0.9))
-    state = step.init(params)
-    reference = deepcopy(model)
-    opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
-    for batch, targets in batches:
-        state, metrics = step(state, (batch, targets))
-        opt.zero_grad()
-        loss = reference(**batch)[1]
-        loss.backward()
-        opt.step()
-        assert torch.equal(metrics["loss"], loss.detach())
+    step, state, reference = _trains_as_the_module(chain, params, model, batches)
     full = {n: t for layer in state.params.values() for n, t in layer.items()}
     assert all(torch.equal(full[n], p) for n, p in reference.named_parameters())
     piped = sw.pipeline(step, "pp", "1f1b", 2)
@@ -632,17 +641,7 @@ def test_a_dict_example_with_the_embedding_as_first_unit_trains_as_one_device() 
                (torch.randint(0, 16, (4, 7), generator=g) for _ in range(2))]
     chain, params = functionalize(model, units=["wte", "h"], example_input=batches[0][0])
     assert chain.names == ("embed", "wte", "h.0", "h.1", "head")
-    step = sw.train_step(chain, lambda out, _: out[1], sw.optim.sgd(0.1, momentum=0.9))
-    state = step.init(params)
-    reference = deepcopy(model)
-    opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
-    for batch, targets in batches:
-        state, metrics = step(state, (batch, targets))
-        opt.zero_grad()
-        loss = reference(**batch)[1]
-        loss.backward()
-        opt.step()
-        assert torch.equal(metrics["loss"], loss.detach())
+    step, _, _ = _trains_as_the_module(chain, params, model, batches)
     sw.testing.assert_equivalent(sw.shard_params(step, "dp", 3), step, sw.Mesh(dp=2), batches, params)
     sw.testing.assert_equivalent(sw.pipeline(step, "pp", "1f1b", 2), step, sw.Mesh(pp=2), batches, params)
 
