@@ -159,8 +159,10 @@ def vocab_parallel_logsumexp(logits: torch.Tensor) -> torch.Tensor:
     return (log_sum + top).to(given)
 
 
-class SplitLogitsMisuse(TypeError):
-    """A computation on logits split over the vocabulary other than the vocab-parallel ones."""
+class SplitLogitsMisuse(ValueError):
+    """A computation on logits split over the vocabulary other than the vocab-parallel ones. Not a
+    TypeError: torch turns a TypeError raised in an operator (``logits ** 2``) into NotImplemented, and
+    Python then says only that the operand types are unsupported."""
 
     def __init__(self, op: str) -> None:
         super().__init__(_misuse(op))

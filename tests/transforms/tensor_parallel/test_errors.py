@@ -241,6 +241,7 @@ MISUSE = r"the loss computes {op} on logits split over the vocabulary.*sw\.tp\.v
         (lambda logits: 0.05 * logits.logsumexp(-1).pow(2).mean(), "logsumexp"),
         (lambda logits: logits.softmax(-1).max(-1).values.mean(), "softmax"),
         (lambda logits: 1e-3 * logits.pow(2).mean(), "pow"),
+        (lambda logits: 1e-3 * (logits**2).mean(), "pow"),  # an operator: as a TypeError, its message was lost
         (lambda logits: logits[..., :3].mean(), "__getitem__ changing the vocabulary dimension"),
     ],
 )
