@@ -11,7 +11,8 @@ runs under torch's ``_unsafe_preserve_version_counter``: a private API, used
 here and nowhere else, checked by tests/engine/test_storage.py. ``storage_key`` reads
 a storage's private ``_cdata`` address, ``accumulate_backward`` calls autograd's engine as
 ``torch.autograd.backward`` does (``_engine_run_backward``), ``version_of`` a tensor's version
-counter, ``view_base`` the tensor a view was made from (``Tensor._base``), and ``fake_tensors``
+counter, ``holders`` who holds a tensor's memory (its storage's and its own reference counts),
+``view_base`` the tensor a view was made from (``Tensor._base``), and ``fake_tensors``
 runs code on fake tensors (``torch._subclasses.FakeTensorMode``): shapes, dtypes and kernel choices of the real
 device, no data and no arithmetic; ``dense_where_refused`` runs again, on dense copies, an op whose kernel refuses
 an expanded input (a ``TorchDispatchMode``). ``flash_attention_cpu`` and its backward are torch's CPU flash
@@ -70,6 +71,15 @@ def view_base(t: torch.Tensor) -> torch.Tensor | None:
 def owns_storage(t: torch.Tensor) -> bool:
     """True when ``t`` is exactly its whole storage (so resizing the storage resizes only ``t``)."""
     return t.storage_offset() == 0 and t.is_contiguous() and t.untyped_storage().nbytes() == nbytes(t)
+
+
+def holders(t: torch.Tensor) -> tuple[int, int, int]:
+    """Who holds ``t``'s memory: the tensors on its storage (views, detached copies, what autograd keeps
+    of an op's output), the owners of ``t`` itself (an op's saved input, a gradient accumulator) and the
+    Python references to it. Compared before and after some code ran, equal figures say that code
+    kept nothing of ``t`` (the private ``_storage_Use_Count`` and ``Tensor._use_count``)."""
+    on_storage = torch._C._storage_Use_Count(t.untyped_storage()._cdata) - 1  # less the storage object made here
+    return on_storage, t._use_count(), sys.getrefcount(t)  # type: ignore[attr-defined]
 
 
 def version_of(t: torch.Tensor) -> int:

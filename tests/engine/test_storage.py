@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardwise.engine.torch_api import free_storage, owns_storage, refill_storage, version_of, view_base
+from shardwise.engine.torch_api import free_storage, holders, owns_storage, refill_storage, version_of, view_base
 
 
 def test_free_and_refill_is_invisible_to_autograd_and_gives_the_same_gradients() -> None:
@@ -194,3 +194,26 @@ def test_accumulate_backward_takes_torch_engine_path_and_matches_backward_bitwis
     leaf = torch.randn(3, requires_grad=True)
     with pytest.raises(RuntimeError, match="Mismatch in shape"):
         torch_api.accumulate_backward([leaf * 2], [torch.ones(2)], [leaf])
+
+
+def test_holders_counts_the_tensors_on_a_storage_the_owners_of_a_tensor_and_its_python_references() -> None:
+    """engine/run/handover.py frees a layer's output where these counts did not move during the next
+    layer's forward: each way of keeping the memory must move one of them."""
+    y = torch.randn(4, 3, dtype=torch.float64, requires_grad=True) * 2
+    x = y.detach().requires_grad_(True)
+    on_storage, owners, refs = holders(x)
+    assert on_storage == 2 and holders(y)[:2] == (2, 1)  # y and its detached copy; nothing owns y but y
+    w = torch.ones(3, dtype=torch.float64, requires_grad=True)
+    kept = x * w  # mul saves x itself, and its gradient accumulator owns x
+    assert holders(x)[1] == owners + 2
+    del kept
+    assert holders(x)[1] == owners
+    view = x[:, :2]
+    assert holders(x)[0] == on_storage + 1
+    del view
+    alias = x
+    assert holders(x)[2] == refs + 1
+    del alias
+    out = torch.sigmoid(y)  # saves its result: a tensor on that result's storage
+    assert holders(out)[0] == 2
+    assert holders(x) == (on_storage, owners, refs)

@@ -95,6 +95,7 @@ from ..plan.actions import (
 from ..torch_api import accumulate_backward, version_of
 from .batch_keys import unknown_keys_message
 from .bindings import BoundStage, StageBindings
+from .handover import release_unkept, watch
 from .loss_rows import LossProbe
 from .metrics import MetricExchange, Summed, different_batches
 from .rng import MASK, START, default_generators, mixed, preserved, ranks_share_generators, seeded
@@ -528,16 +529,19 @@ class Executor(ZeroActions, TransferActions):
         unseeded, as the seed would change nothing it computes (every compute seeds its own)."""
         s, m = action.require("stage"), action.mb
         joined = (s, m) in self._joined
+        handed: list[tuple[torch.Tensor, torch.Tensor]] = []
         if s == 0:
             x, inputs = self.microbatches[m][0], []
         elif joined:  # the backward runs through here in one call with the stage below
-            x = self._outputs[(s - 1, m)]
+            # Taken, not read: the graph holds what the layers keep of it, and nothing else reads it (a
+            # Linear's output that the ReLU after it does not keep goes now, as in a plain torch loop).
+            x = self._outputs.pop((s - 1, m))
             if isinstance(x, torch.Tensor):  # the usual layer output: what the tree walk gives
                 inputs = [x] if x.is_floating_point() and x.requires_grad else []
             else:
                 inputs = [t for t in optree.tree_leaves(x) if _needs_grad(t)]
         else:
-            x, inputs = self._take_input(s, m)
+            x, inputs, handed = self._take_input(s, m)
         if s > 0 and not inputs and self._earlier_layers_own_params(s):
             previous = self.placement.stages[s - 1][-1]
             raise ValueError(
@@ -551,6 +555,8 @@ class Executor(ZeroActions, TransferActions):
         if not joined:
             for t in inputs:
                 t.requires_grad_(True)
+        # Counted now, before the forward can keep anything of it: freed after it where it kept nothing.
+        watched = watch(handed) if handed else None
         quiet = bound.quiet
         ran_quiet = quiet is not None and type(x) is torch.Tensor and all(calls_forward_alone(q[0]) for q in quiet)
         if quiet is not None and ran_quiet:
@@ -581,7 +587,11 @@ class Executor(ZeroActions, TransferActions):
             outputs = [] if (s, m) in self._covered else self._carrying_grads(s, y)
             self._saved[(s, m)] = _Saved([], bound.leaves, outputs, reached=reached)
         else:
-            self._saved[(s, m)] = _Saved(inputs, bound.leaves, self._carrying_grads(s, y))
+            # (The lowest stage of a joined run is covered too: the run's one call starts from its top.)
+            outputs = [] if (s, m) in self._covered else self._carrying_grads(s, y)
+            self._saved[(s, m)] = _Saved(inputs, bound.leaves, outputs)
+            if watched:
+                release_unkept(watched)
 
     def _run_layers(self, bound: BoundStage, x: Any, s: int, m: int) -> Any:
         """The stage's layers on ``x``, one after the other; refused where a layer wrote into its buffers."""
@@ -782,23 +792,29 @@ class Executor(ZeroActions, TransferActions):
             )
         return list(grads)
 
-    def _take_input(self, s: int, m: int) -> tuple[Any, list[torch.Tensor]]:
-        """Stage ``s``'s input for micro-batch ``m``, and its leaves a gradient goes back for:
-        those that depend on a parameter (not RoPE's cos and sin, made from buffers and ids)."""
+    def _take_input(self, s: int, m: int) -> tuple[Any, list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Stage ``s``'s input for micro-batch ``m``, its leaves a gradient goes back for (those that
+        depend on a parameter, not RoPE's cos and sin, made from buffers and ids), and, handed over in
+        memory, each such leaf's (output of stage ``s - 1``, detached copy): the output stays the root
+        of that stage's backward (:mod:`.handover`)."""
         if self.placement.stage_rank[s - 1] == self.placement.stage_rank[s]:
             below = (s - 1, m)  # a stage that runs no backward has no later use of its output
-            y: Any = self._outputs.pop(below) if s - 1 < self.placement.backward_from else self._outputs[below]
+            no_backward = s - 1 < self.placement.backward_from
+            y: Any = self._outputs.pop(below) if no_backward else self._outputs[below]
             if isinstance(y, torch.Tensor):  # the usual layer output: what the tree walk below gives
                 alone = y.detach()
-                return alone, [alone] if _needs_grad(y) else []
+                if not _needs_grad(y):
+                    return alone, [], []
+                return alone, [alone], [] if no_backward else [(y, alone)]
             x = optree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, y)
-            pairs = zip(optree.tree_leaves(y), optree.tree_leaves(x), strict=True)
-            return x, [c for o, c in pairs if _needs_grad(o)]
+            leaves = zip(optree.tree_leaves(y), optree.tree_leaves(x), strict=True)
+            pairs = [(o, c) for o, c in leaves if _needs_grad(o)]
+            return x, [c for _, c in pairs], [] if no_backward else pairs
         x = self._inbox.pop(("activation", s, m))
         if self.boundaries is None:  # announced: the sender expects one per floating leaf
-            return x, float_leaves(x)
+            return x, float_leaves(x), []
         grads = self.boundaries[s - 1].grads
-        return x, [t for t, g in zip(optree.tree_leaves(x), grads, strict=True) if g]
+        return x, [t for t, g in zip(optree.tree_leaves(x), grads, strict=True) if g], []
 
     def _carrying_grads(self, s: int, y: Any) -> list[torch.Tensor]:
         """The leaves of stage ``s``'s output a gradient comes back for: those that depend on a
