@@ -45,7 +45,7 @@ def test_wrap_keeps_every_token_whole_even_one_longer_than_a_line() -> None:
 
 def test_ranks_with_the_same_actions_print_once_with_the_coordinates_they_share() -> None:
     text = str(_pipelined_plan(dp=2))
-    assert "Plan on Mesh(dp=2, pp=2): 4 ranks\nranks 0, 2 (pp=0): 19 actions\n" in text
+    assert "Plan on Mesh(dp=2, pp=2): 4 ranks\nranks 0, 2 (pp=0): 21 actions\n" in text
     assert "\nranks 1, 3 (pp=1): " in text
     assert "rank 2" not in text and "rank 3" not in text
     step, params = _step()
@@ -60,7 +60,7 @@ def test_a_rank_that_differs_in_a_few_actions_prints_as_another_but_those() -> N
     other = dataclasses.replace(plan, actions=(plan.actions[0], plan.actions[1], tuple(changed), plan.actions[3]))
     text = str(other)
     assert f"rank 2 (dp=1, pp=0): same as rank 0 but action 0 is {changed[0]} (not {plan.for_rank(0)[0]})" in text
-    assert "ranks 0, 2" not in text and "rank 0 (dp=0, pp=0): 19 actions" in text
+    assert "ranks 0, 2" not in text and "rank 0 (dp=0, pp=0): 21 actions" in text
 
 
 def test_rank_lists_fold_runs_and_strides() -> None:

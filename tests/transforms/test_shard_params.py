@@ -290,7 +290,9 @@ def test_the_plan_counts_no_receive_copy_for_gathers_the_exchanges_take() -> Non
     into the gathered unit (collectives/backends/gloo_exchange.py): the Plan counts no copy of its
     own for it, and still counts gloo's receive copy of a smaller unit; the exchanges' shared-memory
     slots (shared_memory_exchange.py) are held throughout. Float32 layers of 256 x 256 + 256
-    (263,168 B: 131,584 B per member at dp 2) and 4 x 256 + 4 (4,112 B)."""
+    (263,168 B: 131,584 B per member at dp 2) and 4 x 256 + 4 (4,112 B). Gathered again in the
+    backward, the large unit is refilled in its own buffer from the gathered copy: both at its wait
+    (``ZeroActions.wait_gather``), where the small one's receive copy covers its refill."""
     torch.manual_seed(0)
     chain, params = sw.functionalize(mlp([256, 256, 4]))
     base = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.adamw(1e-2, inplace=True))
@@ -298,7 +300,11 @@ def test_the_plan_counts_no_receive_copy_for_gathers_the_exchanges_take() -> Non
     memory = step.plan(sw.Mesh(dp=2), params).memory
     small = (4 * 256 + 4) * 4
     slots = shared_memory_exchange.SLOTS * shared_memory_exchange.SLOT_BYTES + shared_memory_exchange.SLOT_BYTES // 2
-    assert memory["comm_buffers"][0] == small + slots
+    assert memory["comm_buffers"][0] == (256 * 256 + 256) * 4 + slots
+    text = " ".join(map(str, step.plan(sw.Mesh(dp=2), params).for_rank(0)))
+    assert "free(0) F(1, mb=0)" in text and "gather(0) wait_reduce(2) B(1, mb=0) wait_gather(0) B(0, mb=0)" in text
+    kept = sw.shard_params(base, "dp", 3, reduce_in_flight=0, reshard_after_forward=False)
+    assert kept.plan(sw.Mesh(dp=2), params).memory["comm_buffers"][0] == small + slots  # gathered once
     # At dp 4 a unit of 192 x 256 + 256 float32 (197,632 B) is 49,408 B per member: gloo's own path,
     # counted whole, beside the small unit the forward prefetches while it travels; no exchange, no slots.
     chain, params = sw.functionalize(mlp([192, 256, 4]))

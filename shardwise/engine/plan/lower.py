@@ -299,10 +299,12 @@ def _waits_before_first_use(
     return out
 
 
-def _bucket_action(kind: str, units: tuple[str, ...], axis: str) -> Action:
+def _bucket_action(kind: str, units: tuple[str, ...], axis: str, microbatch: int | None = None) -> Action:
+    """A collective of one unit or of a bucket of them; ``microbatch`` names a micro-batch's share of
+    a reduction (shard_params' ``reduce_each_microbatch``: the last one, unnamed, completes the shard)."""
     if len(units) == 1:
-        return Action(kind, units[0], axis=axis)
-    return Action(kind, units[0], axis=axis, units=units, label="+".join(units))
+        return Action(kind, units[0], microbatch, axis=axis)
+    return Action(kind, units[0], microbatch, axis=axis, units=units, label="+".join(units))
 
 
 def _bucket_reductions(
@@ -310,7 +312,8 @@ def _bucket_reductions(
 ) -> tuple[list[Action], list[tuple[str, ...]]]:
     """The backward's reduce-scatters grouped into the spec's buckets, each issued where its last
     unit's gradient is complete (that unit's own reduce-scatter was there); and the buckets."""
-    order = [a.require("layer") for a in actions if a.kind == REDUCE_SCATTER]
+    # (Reduced each micro-batch, a unit's reduce-scatters come once per micro-batch, in the same order.)
+    order = list(dict.fromkeys(a.require("layer") for a in actions if a.kind == REDUCE_SCATTER))
     buckets = zero.buckets(order, sizes)
     last = {b[-1]: b for b in buckets}
     out = []
@@ -318,7 +321,7 @@ def _bucket_reductions(
         if a.kind != REDUCE_SCATTER:
             out.append(a)
         elif a.layer in last:
-            out.append(_bucket_action(REDUCE_SCATTER, last[a.layer], zero.axis))
+            out.append(_bucket_action(REDUCE_SCATTER, last[a.layer], zero.axis, a.microbatch))
     return out, buckets
 
 
@@ -352,27 +355,32 @@ whose extra buffer is at most a bucket (see ShardSpec.reductions_in_flight). The
     deferred ones (stage 1, tied units) come after the backward, where the full gradients are
     held anyway: all in flight."""
     out: list[Action] = []
-    pending: list[tuple[str, ...]] = []
-    unwaited: tuple[str, ...] | None = None  # none in flight: the reduction to wait for before the next action
+    pending: list[Action] = []
+    unwaited: Action | None = None  # none in flight: the reduction to wait for before the next action
     reductions = [i for i, a in enumerate(actions) if a.kind == REDUCE_SCATTER]
     bounded = set(reductions[: len(reductions) - deferred])
     for i, action in enumerate(actions):
         if unwaited is not None and action.kind != GATHER:  # a gather issued right after it overlaps it
-            out.append(_bucket_action(WAIT_REDUCE, unwaited, axis))
+            out.append(_wait_for(unwaited, axis))
             unwaited = None
-        if i in bounded and in_flight > 0 and len(pending) >= in_flight:
-            out.append(_bucket_action(WAIT_REDUCE, pending.pop(0), axis))
+        # (A unit's reduction of an earlier micro-batch is waited for before its next one is issued.)
+        if i in bounded and in_flight > 0:
+            while pending and (len(pending) >= in_flight or any(p.layer == action.layer for p in pending)):
+                out.append(_wait_for(pending.pop(0), axis))
         out.append(action)
         if action.kind == REDUCE_SCATTER and action.layer is not None:
-            units = action.units or (action.layer,)
             if i in bounded and in_flight == 0:
-                unwaited = units
+                unwaited = action
             else:
-                pending.append(units)
+                pending.append(action)
     if unwaited is not None:
-        out.append(_bucket_action(WAIT_REDUCE, unwaited, axis))
-    out += [_bucket_action(WAIT_REDUCE, units, axis) for units in pending]
+        out.append(_wait_for(unwaited, axis))
+    out += [_wait_for(a, axis) for a in pending]
     return out
+
+
+def _wait_for(reduction: Action, axis: str) -> Action:
+    return _bucket_action(WAIT_REDUCE, reduction.units or (reduction.require("layer"),), axis, reduction.microbatch)
 
 
 def _replica_reductions(actions: list[Action], axis: str) -> list[Action]:
@@ -384,7 +392,8 @@ def _replica_reductions(actions: list[Action], axis: str) -> list[Action]:
     issued: list[tuple[str, ...]] = []
     for action in actions:
         out.append(action)
-        if action.kind == WAIT_REDUCE:
+        # (A micro-batch's share is summed into the next one's shard: the shard goes over the replicas once.)
+        if action.kind == WAIT_REDUCE and action.microbatch is None:
             units = action.units or (action.require("layer"),)
             out.append(_bucket_action(REDUCE_REPLICAS, units, axis))
             issued.append(units)

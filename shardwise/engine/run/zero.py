@@ -150,17 +150,23 @@ class ZeroActions:
         assert action.axis is not None
         units = action.units or (unit,)
         rows = self._bucket(action).reduce_rows([self._unit_grads(u) for u in units], self.device)
-        self._release_compute(units)
+        if action.microbatch is None:  # (a micro-batch's share: the next micro-batch computes with them again)
+            self._release_compute(units)
         dtype = functools.reduce(torch.promote_types, (piece.dtype for row in rows for piece in row))
         if self.reduce_dtypes is not None:
             dtype = self.reduce_dtypes[unit]
+        if ("reduce", unit) in self._pending:  # (the lowering waits for a unit's share before its next)
+            raise RuntimeError(f"reduce_scatter({unit}) issued while its previous one is in flight")
         self._pending[("reduce", unit)] = psum_scatter_rows_async(rows, dtype, action.axis, mesh=self.mesh)
 
     def wait_reduce(self, action: Action) -> None:
+        """A reduced shard (a bucket's shards); a micro-batch's share (``shard_params``'
+        ``reduce_each_microbatch``) is summed with the other micro-batches'."""
         unit = action.require("layer")
         reduced = self._pending.pop(("reduce", unit)).wait()
-        if self._sharding().replicate is not None:  # HSDP: all-reduced over the replicas first
-            self._replica_input[unit] = reduced
+        if self._sharding().replicate is not None:  # HSDP: all-reduced over the replicas first, once
+            earlier = self._replica_input.pop(unit, None)
+            self._replica_input[unit] = reduced if earlier is None else earlier.add_(reduced)
             return
         self._take_grad_shards(action, reduced)
 
@@ -181,7 +187,9 @@ class ZeroActions:
         shards = self._bucket(action).split_shards(reduced) if action.units else {unit: reduced}
         for u, shard in shards.items():
             shard = shard.to(self.master[u].dtype)
-            self._grad_shards[u] = shard if self.grad_scale == 1.0 else shard / self.grad_scale
+            shard = shard if self.grad_scale == 1.0 else shard / self.grad_scale
+            earlier = self._grad_shards.get(u)  # the micro-batches' shares so far, in the master dtype
+            self._grad_shards[u] = shard if earlier is None else earlier.add_(shard)
 
     def gather_params(self, action: Action) -> None:
         """Stages 1-2: all-gather a unit's (or a bucket's) updated shards into full parameters; with

@@ -25,6 +25,7 @@ def shard_params(
     update_in_buckets: bool | None = None,
     overlap_gather: bool | None = None,
     gather_into_params: bool | None = None,
+    reduce_each_microbatch: bool | None = None,
 ) -> Step:
     """Make ``step`` data parallel over mesh ``axis``, sharding what ZeRO ``stage`` shards.
 
@@ -43,8 +44,14 @@ def shard_params(
     the step to their last (torchtitan's rule). Each
     layer's parameters travel as one flat buffer, padded to a multiple of the
     axis size; padding never reaches results. ``accumulation=k`` splits each
-    rank's batch into ``k`` micro-batches and reduces gradients only after the
-    last one.
+    rank's batch into ``k`` micro-batches. Stage 3 reduce-scatters each
+    micro-batch's gradients as soon as its backward made them, summed into the
+    shards (``reduce_each_microbatch``, default True at stage 3: a rank never
+    holds more than a unit's full gradient, at one reduction of the model's
+    gradients per micro-batch, as FSDP2); stages 1 and 2 reduce only after the
+    last micro-batch (every full gradient held to then; stage 2 takes
+    ``reduce_each_microbatch=True`` too). Under a pipeline the same holds per
+    micro-batch of the schedule.
 
     ``reduce_in_flight`` bounds how many of the backward's gradient reduce-scatters (stages 2
     and 3) are in flight at once: each holds its unit's full gradient until it is waited for.
@@ -173,6 +180,15 @@ def shard_params(
                 "a step is given stays valid and its parameters may not be written; use the optimizer with "
                 "inplace=True, or drop the option"
             )
+    if reduce_each_microbatch is not None:
+        if not isinstance(reduce_each_microbatch, bool):
+            raise TypeError(f"shard_params(reduce_each_microbatch={reduce_each_microbatch!r}): True, False or None "
+                            "(the default: True at stage 3, False at stage 2)")
+        if stage == 1 and reduce_each_microbatch:
+            raise ValueError(
+                "shard_params(stage=1, reduce_each_microbatch=True): stage 1 holds every full gradient and reduces "
+                "them after the backward; reducing each micro-batch's is stage 2 or 3: use stage=2 or drop the option"
+            )
     if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
         raise TypeError(
             f"shard_params(reshard_after_forward={reshard_after_forward!r}): True, False or None (the default)"
@@ -187,7 +203,7 @@ def shard_params(
             )
     spec = ShardSpec(axis, stage, reshard_after_forward, 1 if prefetch is None else prefetch, accumulation,
                      reduce_in_flight, None if bucket_mb is None else float(bucket_mb), replicate,
-                     update_in_buckets, overlap_gather, gather_into_params)
+                     update_in_buckets, overlap_gather, gather_into_params, reduce_each_microbatch)
     return add(step, spec)
 
 

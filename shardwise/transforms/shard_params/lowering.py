@@ -187,21 +187,31 @@ def insert_gathers(
 
 
 def insert_reduces(
-    actions: Sequence[Action], stage_needs: Mapping[int, tuple[str, ...]], deferred: set[str], axis: str
+    actions: Sequence[Action], stage_needs: Mapping[int, tuple[str, ...]], deferred: set[str], axis: str,
+    *, each_microbatch: bool = False,
 ) -> list[Action]:
-    """Each unit's reduce-scatter right after the last compute that adds to its gradient."""
+    """Each unit's reduce-scatter right after the last compute that adds to its gradient; with
+    ``each_microbatch``, also after each earlier one: a micro-batch's share, which names its
+    micro-batch (``reduce_scatter(2, mb=0)``), is summed into the shard the last one completes."""
     last: dict[str, int] = {}
+    earlier: dict[int, list[str]] = {}
     for i, action in enumerate(actions):
         if action.kind in GRAD_COMPUTES:
             for unit in stage_needs[action.stage or 0]:
+                if each_microbatch and unit in last and unit not in deferred:
+                    earlier.setdefault(last[unit], []).append(unit)
                 last[unit] = i
-    after: dict[int, list[str]] = {}
+    after: dict[int, list[Action]] = {}
     for unit, i in last.items():
         if unit not in deferred:
-            after.setdefault(i, []).append(unit)
+            after.setdefault(i, []).append(Action(REDUCE_SCATTER, unit, axis=axis))
+    for i, units in earlier.items():
+        mb = actions[i].mb
+        after.setdefault(i, []).extend(Action(REDUCE_SCATTER, u, microbatch=mb, axis=axis) for u in units)
     # Each goes after the frees that follow its compute: the unit's gathered parameters are
     # released before its gradient is flattened for the reduce-scatter (one full unit less at
     # the backward's peak).
+    order = {unit: k for k, unit in enumerate(last)}
     out: list[Action] = []
     waiting: list[Action] = []
     for i, action in enumerate(actions):
@@ -209,6 +219,5 @@ def insert_reduces(
             out += waiting
             waiting = []
         out.append(action)
-        waiting += [Action(REDUCE_SCATTER, u, axis=axis) for u in sorted(after.get(i, []), key=list(last).index)]
+        waiting += sorted(after.get(i, []), key=lambda a: order[a.require("layer")])
     return out + waiting
-
