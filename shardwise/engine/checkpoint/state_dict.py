@@ -28,6 +28,7 @@ from .buffers import restore_from
 from .file_format import DCP_META, CheckpointError
 from .names import module_params, state_dict_names
 from .regions import Placed
+from .tied_copies import differing_copies_message
 
 
 def full_state_dict(step: Any, state: TrainState) -> dict[str, torch.Tensor]:
@@ -86,9 +87,8 @@ def init_from_state_dict(step: Any, state_dict: dict[str, torch.Tensor], mesh: M
         params[layer][name] = given
     for alias, key in names.aliases.items():
         if not torch.equal(state_dict[alias], state_dict[key]):
-            raise CheckpointError(
-                f"init_from_state_dict: {alias!r} is tied to {key!r} in the module, but their values differ"
-            )
+            raise CheckpointError(differing_copies_message(
+                "init_from_state_dict", key, key, alias, "their values differ"))
     stored = {key: (tuple(t.shape), t.dtype) for key, t in state_dict.items()}
 
     def read_into(key: str, placed: list[Placed]) -> None:

@@ -12,14 +12,15 @@ of the elements kept, once its zip directory has said where its data starts (``d
 So a rank reads about its share of the bytes, whatever mesh saved them.
 
 Keys are the module's ``state_dict`` keys; a tied weight may be stored under any of its
-names (``save_pretrained`` keeps one). Every parameter and persistent buffer must be there
-with the model's shape, and nothing else: a missing, mis-shaped or unexpected tensor is refused,
-naming its key, and so is an integer tensor for a floating-point parameter. Values are cast to
-the step's master dtype, as ``step.init`` casts real parameters. Buffers and frozen
-(``requires_grad=False``) parameters live in the chain, not in the state: their stored values
-are copied into the chain's tensors, in their dtype (``buffers.py``), as ``load_state_dict``
-fills a module's, so the frozen embedding of a model built on the meta device comes from the
-file too.
+names (``save_pretrained`` keeps one), or under several holding equal values (a torch
+``state_dict`` holds every name): copies that differ are refused (``tied_copies``). Every
+parameter and persistent buffer must be there with the model's shape, and nothing else: a
+missing, mis-shaped or unexpected tensor is refused, naming its key, and so is an integer tensor
+for a floating-point parameter. Values are cast to the step's master dtype, as ``step.init``
+casts real parameters. Buffers and frozen (``requires_grad=False``) parameters live in the
+chain, not in the state: their stored values are copied into the chain's tensors, in their
+dtype (``buffers.py``), as ``load_state_dict`` fills a module's, so the frozen embedding of a
+model built on the meta device comes from the file too.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from .errors import CheckpointError
 from .names import StateDictNames, module_params, state_dict_names
 from .regions import Placed, placed_boxes
 from .safetensors_files import SafetensorsFiles
+from .tied_copies import refuse_differing_copies
 
 
 class Store(Protocol):
@@ -99,7 +101,8 @@ def init_from_dcp(
 def _init(step: Any, store: Store, mesh: Mesh | None, seed: int) -> TrainState:
     names = state_dict_names(step.base_chain)
     shapes = store.shapes()
-    keys = _stored_keys(store.where, names, shapes)
+    copies = _stored_copies(store.where, names, shapes)
+    keys = {param: stored[0] for param, stored in copies.items()}
     expected = module_params(step.base_chain)
     params: dict[str, dict[str, torch.Tensor]] = {}
     for layer in step.base_chain.layers:
@@ -123,15 +126,17 @@ def _init(step: Any, store: Store, mesh: Mesh | None, seed: int) -> TrainState:
             params[layer.name][n] = torch.empty(
                 shape, dtype=dtype if want is None else want.dtype, device="meta"
             )
+    refuse_differing_copies(store.where, {names.param_key[p]: c for p, c in copies.items() if len(c) > 1},
+                            shapes, store.read_into, mesh, Source.device)
     restore_from(store.where, step.base_chain, names, shapes, store.read_into)  # buffers.py
     return step.init(params, mesh, seed=seed, source=Source(store, keys))
 
 
-def _stored_keys(
+def _stored_copies(
     where: str, names: StateDictNames, shapes: Mapping[str, Any]
-) -> dict[tuple[str, str], str]:
-    """The stored key of each parameter (its own name, or an alias of a tied weight), once every
-    parameter and buffer is there and nothing else is."""
+) -> dict[tuple[str, str], list[str]]:
+    """The stored keys of each parameter (its own name first, then the aliases of a tied weight;
+    only those stored), once every parameter and buffer is there and nothing else is."""
     aliases: dict[str, list[str]] = {}
     for alias, key in names.aliases.items():
         aliases.setdefault(key, []).append(alias)
@@ -139,7 +144,7 @@ def _stored_keys(
     for param, key in names.param_key.items():
         found = [k for k in (key, *aliases.get(key, [])) if k in shapes]
         if found:
-            keys[param] = found[0]
+            keys[param] = found
         else:
             missing.append(key)
     missing += [k for k in names.buffers if k not in shapes]
