@@ -192,6 +192,91 @@ def test_a_module_without_an_initializer_is_named_and_init_fn_is_asked_for() -> 
         sw.functionalize(model, units=block)
 
 
+class _MaskedAttention(nn.Module):
+    """nanoGPT's attention: a causal mask made in __init__ (a persistent buffer), no reset_parameters."""
+
+    def __init__(self, mask_device: str | None = None) -> None:
+        super().__init__()
+        self.qkv, self.proj = nn.Linear(HIDDEN, 3 * HIDDEN), nn.Linear(HIDDEN, HIDDEN)
+        self.register_buffer("bias", torch.tril(torch.ones(SEQ, SEQ, device=mask_device)).view(1, 1, SEQ, SEQ))
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, _ = x.shape
+        q, k, v = (z.view(b, t, 2, HIDDEN // 2).transpose(1, 2) for z in self.qkv(x).split(HIDDEN, 2))
+        a = (q @ k.transpose(-2, -1) / (HIDDEN // 2) ** 0.5).masked_fill(self.bias[:, :, :t, :t] == 0, float("-inf"))
+        return self.proj((a.softmax(-1) @ v).transpose(1, 2).reshape(b, t, HIDDEN))
+
+
+class _ResettableMaskedAttention(_MaskedAttention):
+    def reset_parameters(self) -> None:
+        self.bias.copy_(torch.ones_like(self.bias).tril())
+
+
+class _MaskedGPT(nn.Module):
+    def __init__(self, attention: Callable[[], nn.Module] = _MaskedAttention) -> None:
+        super().__init__()
+        self.wte, self.attn, self.head = nn.Embedding(VOCAB, HIDDEN), attention(), nn.Linear(HIDDEN, VOCAB)
+        self.gain = nn.Parameter(torch.ones(HIDDEN))  # of the root, which has no reset_parameters
+
+    def forward(self, idx: Tensor) -> Tensor:
+        x = self.wte(idx)
+        return self.head(self.gain * (x + self.attn(x)))
+
+
+def _init_mask(module: nn.Module) -> None:
+    if isinstance(module, _MaskedAttention):
+        module.bias.copy_(torch.ones_like(module.bias).tril())
+
+
+def test_a_meta_buffer_without_an_initializer_is_refused_naming_ways_that_work(tmp_path: Any) -> None:
+    """The refusal of nanoGPT's causal mask (made in __init__, so meta under torch.device("meta")) also
+    offered "load the values (sw.checkpoint.init_from_state_dict)": impossible, functionalize had
+    refused, so there was no step to load into. Each way it names now is run here: functionalize
+    takes the model, and the step started from the stored weights computes the loss the real
+    model does."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    real = _MaskedGPT().double()
+    save_file({k: v.contiguous() for k, v in real.state_dict().items()}, tmp_path / "model.safetensors")
+    ids, targets = tokens(1)[0]
+    expected = logits_loss(real(ids), targets)
+    with torch.device("meta"):
+        model = _MaskedGPT().double()
+    with pytest.raises(FunctionalizeError) as refused:
+        sw.functionalize(model, example_input=ids)
+    message = str(refused.value)
+    assert message.startswith("functionalize: buffer 'attn.bias' is on the meta device")
+    assert "init_fn=fn" in message and "give _MaskedAttention a reset_parameters()" in message
+    assert "device='cpu'" in message and "init_from_state_dict" not in message
+    ways: dict[str, tuple[Callable[[], nn.Module], Any]] = {
+        "init_fn": (_MaskedGPT, _init_mask),
+        "reset_parameters": (lambda: _MaskedGPT(_ResettableMaskedAttention), None),
+        "a device for the buffer": (lambda: _MaskedGPT(lambda: _MaskedAttention(mask_device="cpu")), None),
+    }
+    for way, (build, init_fn) in ways.items():
+        with torch.device("meta"):
+            model = build().double()
+        chain, _ = sw.functionalize(model, example_input=ids, init_fn=init_fn)
+        step = sw.train_step(chain, logits_loss, sw.optim.sgd(0.1))
+        _, metrics = step(sw.checkpoint.init_from_pretrained(step, tmp_path), (ids, targets))
+        torch.testing.assert_close(metrics["loss"], expected, rtol=1e-12, atol=0, msg=way)
+
+
+def test_a_meta_parameter_without_an_initializer_is_refused_at_init_and_loading_it_works() -> None:
+    torch.manual_seed(0)
+    real = _MaskedGPT().double()
+    with torch.device("meta"):
+        model = _MaskedGPT(lambda: _MaskedAttention(mask_device="cpu")).double()
+    ids, targets = tokens(1)[0]
+    chain, params = sw.functionalize(model, example_input=ids)
+    step = sw.train_step(chain, logits_loss, sw.optim.sgd(0.1))
+    with pytest.raises(FunctionalizeError, match=r"^init: parameter 'gain' .*init_from_state_dict in place of step"):
+        step.init(params)
+    _, metrics = step(sw.checkpoint.init_from_state_dict(step, real.state_dict()), (ids, targets))
+    torch.testing.assert_close(metrics["loss"], logits_loss(real(ids), targets), rtol=1e-12, atol=0)
+
+
 def test_an_init_fn_that_leaves_a_tensor_unset_is_refused() -> None:
     with torch.device("meta"):
         model, block, _ = tiny_gpt()

@@ -142,13 +142,38 @@ class ModuleInit:
         elif callable(reset := getattr(owner, "reset_parameters", None)):
             reset()
         else:
-            raise FunctionalizeError(
-                f"functionalize: {path!r} is on the meta device and its module "
-                f"({type(owner).__name__} at {'.'.join(path.split('.')[:-1]) or 'the root'!r}) has no "
-                "reset_parameters() to initialize it; pass functionalize(..., init_fn=fn), an "
-                "fn(module) that initializes a module's own parameters and buffers (applied as "
-                "model.apply(fn) would), or load the values (sw.checkpoint.init_from_state_dict)."
-            )
+            raise _no_initializer(owner, path)
+
+
+def _no_initializer(owner: nn.Module, path: str) -> FunctionalizeError:
+    """The refusal of a meta tensor whose module has no initializer, naming only ways out that work
+    where it is made: a buffer by ``functionalize`` (before any weights can be loaded), a parameter
+    by ``Step.init`` (which a start from stored weights replaces)."""
+    name = path.rpartition(".")[2]
+    owner_name = type(owner).__name__
+    ways = [
+        "pass functionalize(..., init_fn=fn), an fn(module) that initializes a module's own parameters and "
+        "buffers (applied as model.apply(fn) would: to the module and each module above it)",
+        f"give {owner_name} a reset_parameters() that sets its own parameters and buffers",
+    ]
+    if name in owner._parameters:
+        kind, where, note = "parameter", "init", ""
+        ways.append("start from stored weights instead of making them (sw.checkpoint.init_from_pretrained, "
+                    "init_from_dcp or init_from_state_dict in place of step.init)")
+    else:
+        kind, where = "buffer", "functionalize"
+        ways.append(
+            f"make the buffer real where {owner_name} makes it, by giving its factory a device "
+            "(torch.ones(..., device='cpu') is made on the CPU under `with torch.device('meta')`): "
+            "functionalize then keeps its value"
+        )
+        note = (f" (Weights loaded later, as sw.checkpoint.init_from_pretrained loads them, replace a "
+                f"persistent buffer's value, but functionalize must make {name!r} first.)")
+    return FunctionalizeError(
+        f"{where}: {kind} {path!r} is on the meta device and its module ({owner_name} at "
+        f"{'.'.join(path.split('.')[:-1]) or 'the root'!r}) has no reset_parameters() to initialize it. "
+        f"Either {'; or '.join(ways)}.{note}"
+    )
 
 
 def _modules_down_to(root: nn.Module, path: str) -> list[nn.Module]:
