@@ -13,14 +13,17 @@ So a rank reads about its share of the bytes, whatever mesh saved them.
 
 Keys are the module's ``state_dict`` keys; a tied weight may be stored under any of its
 names (``save_pretrained`` keeps one), or under several holding equal values (a torch
-``state_dict`` holds every name): copies that differ are refused (``tied_copies``). Every
-parameter and persistent buffer must be there with the model's shape, and nothing else: a
-missing, mis-shaped or unexpected tensor is refused, naming its key, and so is an integer tensor
-for a floating-point parameter. Values are cast to the step's master dtype, as ``step.init``
-casts real parameters. Buffers and frozen (``requires_grad=False``) parameters live in the
-chain, not in the state: their stored values are copied into the chain's tensors, in their
-dtype (``buffers.py``), as ``load_state_dict`` fills a module's, so the frozen embedding of a
-model built on the meta device comes from the file too.
+``state_dict`` holds every name): copies that differ are refused (``tied_copies``). For a
+transformers model, safetensors files are read as ``from_pretrained`` reads them (``hf_layout``:
+the base_model_prefix, ignored legacy keys, the checkpoint conversion mapping's fused experts,
+still only the elements a rank keeps). Every parameter and persistent buffer must be there with
+the model's shape, and nothing else: a missing, mis-shaped or unexpected tensor is refused,
+naming its key, and so is an integer tensor for a floating-point parameter. Values are cast to
+the step's master dtype, as ``step.init`` casts real parameters. Buffers and frozen
+(``requires_grad=False``) parameters live in the chain, not in the state: their stored values
+are copied into the chain's tensors, in their dtype (``buffers.py``), as ``load_state_dict``
+fills a module's, so the frozen embedding of a model built on the meta device comes from the
+file too.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from ..layout.state_layout import StateLayout
 from .buffers import restore_from
 from .dcp_files import DcpFiles
 from .errors import CheckpointError
+from .hf_layout import layout_of
 from .names import StateDictNames, module_params, state_dict_names
 from .regions import Placed, placed_boxes
 from .safetensors_files import SafetensorsFiles
@@ -81,8 +85,9 @@ def init_from_pretrained(
     step: Any, directory: str | os.PathLike[str], mesh: Mesh | None = None, *, seed: int = 0
 ) -> TrainState:
     """``step.init`` from the safetensors files ``model.save_pretrained(directory)`` wrote (one file
-    or shards with ``model.safetensors.index.json``); each rank reads only what it keeps."""
-    return _init(step, _Safetensors(directory), mesh, seed)
+    or shards with ``model.safetensors.index.json``), keyed as ``from_pretrained`` reads them
+    (``hf_layout``); each rank reads only what it keeps."""
+    return _init(step, _Safetensors(directory), mesh, seed, from_pretrained=True)
 
 
 def init_from_dcp(
@@ -98,8 +103,10 @@ def init_from_dcp(
     return _init(step, DcpFiles(path, prefix), mesh, seed)
 
 
-def _init(step: Any, store: Store, mesh: Mesh | None, seed: int) -> TrainState:
+def _init(step: Any, store: Store, mesh: Mesh | None, seed: int, *, from_pretrained: bool = False) -> TrainState:
     names = state_dict_names(step.base_chain)
+    if from_pretrained:  # the keys save_pretrained wrote, read as from_pretrained reads them
+        store = layout_of(store, step.base_chain, names)
     shapes = store.shapes()
     copies = _stored_copies(store.where, names, shapes)
     keys = {param: stored[0] for param, stored in copies.items()}
@@ -152,7 +159,21 @@ def _stored_copies(
     if missing or unexpected:
         raise CheckpointError(
             f"{where} does not match the step's module: missing {sorted(missing)[:8]}, "
-            f"unexpected {unexpected[:8]}; "
-            "load the weights of the model this step was built from"
+            f"unexpected {unexpected[:8]}; {_likely_cause(missing, unexpected)}"
         )
     return keys
+
+
+def _likely_cause(missing: list[str], unexpected: list[str]) -> str:
+    """What to do about a mismatch: where every unexpected key is a missing one with a prefix added
+    or dropped (a save of a wrapped or of an inner module), that prefix; else load the right weights."""
+    if missing and len(missing) == len(unexpected):
+        for longer, shorter, how in ((unexpected, missing, "with"), (missing, unexpected, "without")):
+            head = min(longer)[: max(len(min(longer)) - len(min(shorter)), 0)]
+            if head and sorted(k[len(head):] for k in longer if k.startswith(head)) == sorted(shorter):
+                return (
+                    f"the unexpected keys are the missing ones {how} the prefix {head!r} (a save of "
+                    f"{'a module wrapping' if how == 'with' else 'a part of'} the one this step was built from?): "
+                    "save the state_dict of the module the step was built from, or rename the keys"
+                )
+    return "load the weights of the model this step was built from"
