@@ -111,7 +111,13 @@ def test_two_custom_schedules_are_two_stacks() -> None:
 
     def refuse() -> Any:
         mesh = sw.Mesh(pp=2)
-        with pytest.raises(ValueError, match="this TrainState was made by"):
+        # Naming the way that keeps the optimizer state, not only step.init (which starts afresh).
+        carry = (
+            r"this TrainState was made by .* To carry its parameters and optimizer state .* save it with "
+            r"sw.checkpoint.save\(path, state, the step that made it\) and load it with "
+            r"sw.checkpoint.load\(path, this step, mesh\); step.init\(params, mesh\) starts afresh"
+        )
+        with pytest.raises(ValueError, match=carry):
             b(a.init(params, mesh), (torch.randn(4, 4), torch.randn(4, 3)))
 
     sw.launch(refuse, 2)

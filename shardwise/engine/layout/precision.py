@@ -331,7 +331,12 @@ def all_finite(tensors: Any, device: torch.device | None = None) -> torch.Tensor
     return torch.stack(fe.norm(tensors, math.inf)).isfinite().all().to(torch.float64)
 
 
-def metric_dtype(dtypes: Iterable[torch.dtype]) -> torch.dtype:
+def metric_dtype(dtypes: Iterable[torch.dtype], frozen: Iterable[torch.dtype] = ()) -> torch.dtype:
     """The dtype the ranks exchange their shares in: float64 if any parameter of the model is (every
-    rank must pick the same, so this reads the whole model's dtypes, not one rank's)."""
-    return torch.float64 if torch.float64 in set(dtypes) else torch.float32
+    rank must pick the same, so this reads the whole model's dtypes, not one rank's). With no
+    parameter that trains, the loss is computed from the frozen tensors (``frozen``: the model's
+    buffers, frozen parameters among them), so their dtypes decide: a frozen float64 model reports
+    its loss in float64, as on one device. Not the loss's own dtype: a pipeline rank without the
+    last stage has no loss, and must exchange in the same dtype as the one that has."""
+    found = set(dtypes) or set(frozen)
+    return torch.float64 if torch.float64 in found else torch.float32

@@ -343,6 +343,9 @@ class StateLayout:
     # (shape, dtype), whole on every rank.
     opt_leaves: dict[str, dict[tuple[str, str], LeafSpec]] = field(default_factory=dict)
     opt_scalars: dict[str, tuple[tuple[int, ...], torch.dtype]] = field(default_factory=dict)
+    # The dtypes of the model's floating tensors that do not train (buffers, frozen parameters):
+    # what the metrics' dtype falls back to when no parameter trains (precision.metric_dtype).
+    frozen_dtypes: frozenset[torch.dtype] = frozenset()
     # Derived data, memoised per input layout / pipeline index: never part of equality.
     cache: dict[Any, Any] = field(default_factory=lambda: BoundedCache(64), compare=False, repr=False)
 
@@ -352,7 +355,7 @@ class StateLayout:
     @functools.cached_property
     def metric_dtype(self) -> torch.dtype:
         """The dtype the metrics' exchange uses: the whole model's (every rank the same), read once."""
-        return metric_dtype(spec.dtype for spec in self.leaves.values())
+        return metric_dtype((spec.dtype for spec in self.leaves.values()), self.frozen_dtypes)
 
     def describe(self) -> str:
         """One line per parameter, and per optimizer-state leaf."""

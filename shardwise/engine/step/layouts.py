@@ -83,10 +83,19 @@ def layouts_by_index(step: Step, mesh: Mesh | None, params: Params, rank: int | 
     return {
         i: StateLayout(
             placement, shardings[i], leaves, tuple(params), step.stack_key, schedule, opt_leaves=opt_leaves,
-            opt_scalars=opt_scalars,
+            opt_scalars=opt_scalars, frozen_dtypes=frozen_dtypes(step),
         )
         for i in shardings
     }
+
+
+def frozen_dtypes(step: Step) -> frozenset[torch.dtype]:
+    """The floating dtypes of the whole model's buffers (where functionalize puts frozen parameters):
+    every rank reads the same, whichever layers it holds."""
+    return frozenset(
+        t.dtype for layer in step.base_chain.layers for t in layer.buffers.values()
+        if isinstance(t, torch.Tensor) and t.is_floating_point()
+    )
 
 
 def _opt_specs(step: Step, leaves: dict[tuple[str, str], Any], master: Params, sharding: FlatSharding | None) -> tuple[

@@ -448,7 +448,9 @@ class Step:
             made = layout.stack if isinstance(layout, StateLayout) else "something else"
             raise ValueError(
                 f"this TrainState was made by {describe(made) if isinstance(made, tuple) else made}, not by this step "
-                f"({self.describe()}); build it with step.init(params, mesh)"
+                f"({self.describe()}). To carry its parameters and optimizer state (moments, step count) "
+                "over to this step, save it with sw.checkpoint.save(path, state, the step that made it) and "
+                "load it with sw.checkpoint.load(path, this step, mesh); step.init(params, mesh) starts afresh"
             )
         return layout
 

@@ -7,8 +7,10 @@ from typing import Any
 
 from ...engine.stack.compose import add
 from ...engine.step.step import Step
-from .builtins import check_schedule_name
+from .builtins import check_every_rank_holds_a_stage, check_schedule_type, fixed_schedule
+from .schedule import Schedule
 from .spec import PipelineSpec
+from .validate import validate
 
 
 def pipeline(
@@ -66,8 +68,12 @@ def pipeline(
         raise ValueError(f"pipeline(microbatches={microbatches!r}): the number of micro-batches is an int >= 1")
     if stages is not None and (isinstance(stages, bool) or not isinstance(stages, int) or stages < 1):
         raise ValueError(f"pipeline(stages={stages!r}): the number of stages is an int >= 1")
-    if isinstance(schedule, str):
-        check_schedule_name(schedule)  # here, not at the first step: a misspelled name is known now
+    # Here, not at the first step: a misspelled name, a wrong type, or a Schedule (or its text) whose
+    # shape differs from the arguments is known now.
+    check_schedule_type(schedule)
+    fixed = fixed_schedule(schedule)
+    if fixed is not None:
+        check_fixed_shape(fixed, microbatches, stages, axis)
     spec = PipelineSpec(
         axis=axis,
         schedule=schedule,
@@ -78,3 +84,21 @@ def pipeline(
         trace=trace,
     )
     return add(step, spec)
+
+
+def check_fixed_shape(schedule: Schedule, microbatches: int, stages: int | None, axis: str) -> None:
+    """Refuse a Schedule (or its text) that cannot run with these arguments on any mesh, naming the
+    argument to change; its rank count is checked against the mesh at the first step."""
+    validate(schedule)
+    if schedule.microbatches != microbatches:
+        raise ValueError(
+            f"pipeline(microbatches={microbatches}): schedule {schedule.name!r} runs {schedule.microbatches} "
+            f"micro-batch{'es' if schedule.microbatches > 1 else ''}; "
+            f"pass pipeline(..., microbatches={schedule.microbatches})"
+        )
+    if stages is not None and stages != schedule.num_stages:
+        raise ValueError(
+            f"pipeline(stages={stages}): schedule {schedule.name!r} has {schedule.num_stages} stages; "
+            f"pass pipeline(..., stages={schedule.num_stages}) or leave stages out"
+        )
+    check_every_rank_holds_a_stage(schedule, axis)

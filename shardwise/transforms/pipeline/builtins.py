@@ -11,6 +11,7 @@ these orders are computed by ``simulate``, not asserted here.
 from __future__ import annotations
 
 import difflib
+import functools
 from collections.abc import Callable, Mapping
 from typing import TypeAlias
 
@@ -260,6 +261,35 @@ def _is_action(token: str) -> bool:
     return True
 
 
+@functools.lru_cache(maxsize=64)
+def parse_text(text: str) -> Schedule:
+    """Schedule text read once: a spec asks for its stage count and shape at every plan and step."""
+    return Schedule.parse(text)
+
+
+def fixed_schedule(spec: object) -> Schedule | None:
+    """The schedule ``spec`` is when its shape does not depend on the mesh: a ``Schedule``, or
+    schedule text parsed; None for a built-in's name or a builder (built per mesh)."""
+    if isinstance(spec, Schedule):
+        return spec
+    if isinstance(spec, str) and _key(spec) not in SCHEDULES:
+        check_schedule_name(spec)
+        return parse_text(spec)
+    return None
+
+
+def check_schedule_type(spec: object) -> None:
+    """Refuse what is not a schedule at all (before a step runs, where the user passed it)."""
+    if isinstance(spec, str):
+        check_schedule_name(spec)
+    elif not isinstance(spec, Schedule) and not callable(spec):
+        raise TypeError(
+            f"pipeline(schedule={spec!r}): a schedule is a built-in's name (one of {sorted(SCHEDULES)}), "
+            f"a function (ranks, stages, microbatches) -> Schedule, a Schedule or its text form, "
+            f"got {type(spec).__name__}"
+        )
+
+
 def get_schedule(
     spec: str | Builder | Schedule, ranks: int, stages: int, microbatches: int
 ) -> Schedule:
@@ -268,22 +298,58 @@ def get_schedule(
     Whatever the source, the result must have ``ranks`` ranks, ``stages``
     stages and ``microbatches`` microbatches, and pass ``validate``.
     """
-    if isinstance(spec, Schedule):
-        schedule = spec
+    fixed = fixed_schedule(spec)
+    if fixed is not None:
+        schedule = fixed
     elif isinstance(spec, str):
-        check_schedule_name(spec)
-        key = _key(spec)
-        builtin = SCHEDULES.get(key)
-        schedule = Schedule.parse(spec) if builtin is None else builtin(ranks, stages, microbatches)
+        schedule = SCHEDULES[_key(spec)](ranks, stages, microbatches)
     elif callable(spec):
         schedule = spec(ranks, stages, microbatches)
+        if not isinstance(schedule, Schedule):
+            builder = getattr(spec, "__qualname__", repr(spec))
+            text = " (Schedule.parse(text) reads text)" if isinstance(schedule, str) else ""
+            raise TypeError(
+                f"schedule builder {builder}({ranks}, {stages}, {microbatches}) returned "
+                f"{type(schedule).__name__}, not a Schedule: return one{text}"
+            )
     else:
         raise TypeError(f"a pipeline schedule is a name, a function, a Schedule or text, got {type(spec).__name__}")
-    found = (schedule.num_ranks, schedule.num_stages, schedule.microbatches)
-    if found != (ranks, stages, microbatches):
-        raise ValueError(
-            f"schedule {schedule.name!r} has ranks={found[0]}, stages={found[1]}, microbatches={found[2]} "
-            f"but the pipeline needs ranks={ranks}, stages={stages}, microbatches={microbatches}"
-        )
+    check_shape(schedule, ranks, stages, microbatches)
     validate(schedule)
     return schedule
+
+
+def check_shape(schedule: Schedule, ranks: int, stages: int, microbatches: int) -> None:
+    """Refuse ``schedule`` unless it has this many ranks, stages and micro-batches, naming what to change."""
+    found = (schedule.num_ranks, schedule.num_stages, schedule.microbatches)
+    if found == (ranks, stages, microbatches):
+        return
+    fixes = []
+    if found[0] != ranks:
+        fixes.append(
+            f"it has a line for each of {found[0]} ranks but the pipeline axis has {ranks}: run it on a mesh "
+            f"whose pipeline axis has size {found[0]}, or write one line per rank"
+        )
+    if found[1] != stages:
+        fixes.append(f"it has {found[1]} stages: pass pipeline(..., stages={found[1]})")
+    if found[2] != microbatches:
+        fixes.append(f"it runs {found[2]} micro-batches: pass pipeline(..., microbatches={found[2]})")
+    raise ValueError(
+        f"schedule {schedule.name!r} has ranks={found[0]}, stages={found[1]}, microbatches={found[2]} "
+        f"but the pipeline needs ranks={ranks}, stages={stages}, microbatches={microbatches}; " + "; ".join(fixes)
+    )
+
+
+def check_every_rank_holds_a_stage(schedule: Schedule, axis: str) -> None:
+    """Refuse a schedule with an idle rank for a pipeline: each rank of the axis runs the stages it
+    holds, and one holding none would have no part of the model (``validate`` accepts it, as a
+    schedule to simulate or draw)."""
+    idle = [rank for rank in range(schedule.num_ranks) if not schedule.stages_of(rank)]
+    if idle:
+        held = schedule.num_ranks - len(idle)
+        raise ValueError(
+            f"schedule {schedule.name!r}: rank(s) {idle} of pipeline axis {axis!r} hold no stage "
+            f"(placement {list(schedule.placement)}); a pipeline needs every rank of its axis to hold one. "
+            f"Give each of those ranks a stage, or drop their lines (renumbering the ranks) and run on a "
+            f"mesh with {axis}={held}"
+        )

@@ -15,10 +15,12 @@ zero-bubble schedules).
 
 from __future__ import annotations
 
+import operator
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Any
 
 F, B, I, W = "F", "B", "I", "W"  # noqa: E741  (the kind names of the zero-bubble paper)
 KINDS = (F, B, I, W)
@@ -73,9 +75,20 @@ class Schedule:
     name: str = field(default="custom", compare=False)
 
     def __post_init__(self) -> None:
-        # Accept lists from hand-written code; store tuples so schedules hash and compare.
-        object.__setattr__(self, "ranks", tuple(tuple(ops) for ops in self.ranks))
-        object.__setattr__(self, "placement", tuple(self.placement))
+        # Accept lists and action strings ("0F3") from hand-written code; store tuples of PipeOps
+        # so schedules hash and compare, and validate reads actions, not the characters of a string.
+        if isinstance(self.ranks, str):
+            raise TypeError(
+                "Schedule(ranks=...) got a string: give one list of actions per rank, or read the text "
+                "form with Schedule.parse(text)"
+            )
+        object.__setattr__(self, "ranks", tuple(_rank_ops(rank, ops) for rank, ops in enumerate(self.ranks)))
+        object.__setattr__(self, "placement", tuple(
+            _whole(rank, f"placement[{stage}]", f"the rank holding stage {stage}")
+            for stage, rank in enumerate(self.placement)
+        ))
+        count = _whole(self.microbatches, "microbatches", "the number of micro-batches")
+        object.__setattr__(self, "microbatches", count)
 
     @property
     def num_ranks(self) -> int:
@@ -171,6 +184,44 @@ class Schedule:
         if placement is None:
             placement = _infer_placement(plain)
         return cls(tuple(plain), tuple(placement), microbatches, name)
+
+
+def _whole(value: Any, where: str, what: str) -> int:
+    """``value`` as an int (a numpy integer too), or a TypeError naming ``where``."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"Schedule({where.split('[')[0]}=...): {where} is {value!r}; it is {what}, an int") from None
+
+
+def _rank_ops(rank: int, ops: Any) -> tuple[PipeOp, ...]:
+    """Rank ``rank``'s actions as PipeOps: each a PipeOp or its text (``"0F3"``)."""
+    if isinstance(ops, str):
+        raise TypeError(
+            f"Schedule(ranks=...): ranks[{rank}] is the string {ops!r}; give its actions as a list "
+            f"({ops.split()!r}), or read the whole text form with Schedule.parse(text)"
+        )
+    if isinstance(ops, PipeOp) or not isinstance(ops, Iterable):
+        raise TypeError(
+            f"Schedule(ranks=...): ranks[{rank}] is {ops!r}; give one list of actions per rank, "
+            "such as [PipeOp(0, 0, 'F'), PipeOp(0, 0, 'B')] or ['0F0', '0B0']"
+        )
+    found: list[PipeOp] = []
+    for index, op in enumerate(ops):
+        if isinstance(op, str):
+            try:
+                op = PipeOp.parse(op)
+            except ValueError as err:
+                raise ScheduleError(f"Schedule(ranks=...): ranks[{rank}][{index}]: {err}") from None
+        elif not isinstance(op, PipeOp):
+            raise TypeError(
+                f"Schedule(ranks=...): ranks[{rank}][{index}] is {op!r} ({type(op).__name__}); an action is "
+                "a PipeOp or its text, such as '0F3'"
+            )
+        found.append(op)
+    return tuple(found)
 
 
 def _infer_placement(ranks: Sequence[Sequence[PipeOp]]) -> tuple[int, ...]:

@@ -12,7 +12,7 @@ from ...engine.layout.state_layout import Placement
 from ...engine.model.chain import Chain
 from ...engine.plan.actions import Action
 from ...engine.stack.compose import PLACEMENT
-from .builtins import get_schedule
+from .builtins import check_every_rank_holds_a_stage, fixed_schedule, get_schedule
 from .lowering import rank_computes
 from .partition import balanced_partition, check_partition, param_counts, stage_layers
 from .schedule import Schedule
@@ -56,8 +56,9 @@ class PipelineSpec:
     def num_stages(self, ranks: int) -> int:
         if self.stages is not None:
             return self.stages
-        if isinstance(self.schedule, Schedule):
-            return self.schedule.num_stages
+        fixed = fixed_schedule(self.schedule)  # a Schedule or its text has its own stage count
+        if fixed is not None:
+            return fixed.num_stages
         return 2 * ranks if self.schedule == "zb_v" else ranks
 
     def place(self, chain: Chain, mesh: Mesh, params: Mapping[str, Any] | None) -> tuple[Placement, Schedule]:
@@ -80,6 +81,7 @@ class PipelineSpec:
             )
         schedule = get_schedule(self.schedule, ranks, count, self.microbatches)
         validate(schedule)
+        check_every_rank_holds_a_stage(schedule, self.axis)
         return Placement.pipelined(chain, self.axis, stage_layers(names, counts), schedule.placement), schedule
 
     def rank_computes(self, placement: Placement, schedule: Schedule, index: int) -> list[Action]:

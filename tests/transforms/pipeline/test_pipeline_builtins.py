@@ -128,6 +128,37 @@ def test_get_schedule_refusals() -> None:
         get_schedule(3, 2, 2, 2)  # type: ignore[arg-type]
 
 
+def test_a_shape_mismatch_names_the_argument_to_change() -> None:
+    with pytest.raises(ValueError, match=r"it runs 2 micro-batches: pass pipeline\(\.\.\., microbatches=2\)"):
+        get_schedule(one_f_one_b(2, 2, 2), 2, 2, 4)
+    with pytest.raises(ValueError, match=r"it has 4 stages: pass pipeline\(\.\.\., stages=4\)"):
+        get_schedule(interleaved_1f1b(2, 4, 2), 2, 2, 2)
+    with pytest.raises(ValueError, match="it has a line for each of 2 ranks but the pipeline axis has 3"):
+        get_schedule(one_f_one_b(2, 2, 2), 3, 2, 2)
+
+
+def test_schedule_text_with_several_stages_per_rank_is_its_schedule() -> None:
+    """Text is read like the Schedule it parses to, whatever its number of stages per rank."""
+    text = str(interleaved_1f1b(2, 4, 2))
+    assert get_schedule(text, 2, 4, 2) == interleaved_1f1b(2, 4, 2)
+
+
+@pytest.mark.parametrize("returned", ["0F0 0B0\n1F0 1B0", None])
+def test_a_builder_returning_no_schedule_is_refused_naming_it(returned: object) -> None:
+    """It failed with "'str' object has no attribute 'num_ranks'"."""
+
+    def builder(ranks: int, stages: int, microbatches: int) -> Schedule:
+        return returned  # type: ignore[return-value]
+
+    hint = r" \(Schedule.parse\(text\) reads text\)" if isinstance(returned, str) else ""
+    with pytest.raises(
+        TypeError,
+        match=rf"schedule builder .*builder\(2, 2, 1\) returned {type(returned).__name__}, not a Schedule: "
+        rf"return one{hint}",
+    ):
+        get_schedule(builder, 2, 2, 1)
+
+
 @pytest.mark.parametrize("name", ["zbh1", "1f1b_v2", "interleaved1f1b"])
 def test_a_misspelled_name_with_digits_is_refused_not_read_as_schedule_text(name: str) -> None:
     """A name with a digit was read as schedule text, and failed as a pipeline action."""

@@ -147,3 +147,29 @@ def test_placements() -> None:
         loop_placement(0, 2)
     with pytest.raises(ValueError, match="ranks >= 1"):
         v_placement(0)
+
+
+def test_a_hand_built_schedule_reads_actions_written_as_text() -> None:
+    """Actions given as their text ("0F0") are read as PipeOps, as Schedule.parse reads them: they
+    were stored as strings, and validate failed with "'str' object has no attribute 'stage'"."""
+    by_text = Schedule([["0F0", "0B0"], ["1F0", "1B0"]], [0, 1], 1)
+    assert by_text == Schedule.parse("0F0 0B0\n1F0 1B0")
+    assert all(isinstance(op, PipeOp) for op in by_text.ops())
+    validate(by_text)
+    mixed = Schedule([[PipeOp(0, 0, F), "0B0"], ["1F0", PipeOp(1, 0, B)]], (0, 1), 1)
+    assert mixed == by_text
+
+
+def test_a_hand_built_schedule_refuses_what_is_not_an_action_naming_where() -> None:
+    with pytest.raises(ScheduleError, match=r"ranks\[1\]\[1\]: cannot read '1X0' as a pipeline action"):
+        Schedule([["0F0", "0B0"], ["1F0", "1X0"]], [0, 1], 1)
+    with pytest.raises(TypeError, match=r"ranks\[0\]\[1\] is 3 \(int\); an action is a PipeOp or its text"):
+        Schedule([["0F0", 3]], [0], 1)
+    with pytest.raises(TypeError, match=r"ranks\[0\] is the string '0F0 0B0'.*\['0F0', '0B0'\].*Schedule.parse"):
+        Schedule(["0F0 0B0"], [0], 1)
+    with pytest.raises(TypeError, match=r"got a string: .*Schedule.parse\(text\)"):
+        Schedule("0F0 0B0", [0], 1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"placement\[1\] is '1'; it is the rank holding stage 1, an int"):
+        Schedule([["0F0", "0B0"], ["1F0", "1B0"]], [0, "1"], 1)  # type: ignore[list-item]
+    with pytest.raises(TypeError, match=r"microbatches is 1.0; it is the number of micro-batches, an int"):
+        Schedule([["0F0", "0B0"]], [0], 1.0)  # type: ignore[arg-type]
