@@ -192,3 +192,23 @@ def test_a_model_with_every_parameter_frozen_reports_its_loss_in_its_own_dtype(k
         assert got.dtype == torch.float64
         # the mean of two halves' means (dp) is the whole batch's up to one rounding
         torch.testing.assert_close(got, expected, rtol=1e-15, atol=0)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_model_with_every_parameter_frozen_keeps_its_state_through_steps(stage: int) -> None:
+    """ZeRO-1/2 with no unit to update gathered nothing, and the next state's parameters were None:
+    the next step ran, but ``full_params`` (and a checkpoint's save) failed on them."""
+    torch.manual_seed(0)
+    model = mlp([3, 6, 2], "tanh").double().requires_grad_(False)
+    chain, params = sw.functionalize(model)
+    step = sw.shard_params(sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.adamw(0.05)), "dp", stage)
+    batch = (torch.randn(8, 3, dtype=torch.float64), torch.randn(8, 2, dtype=torch.float64))
+
+    def run() -> Any:
+        state = step.init(params, sw.Mesh(dp=2))
+        for _ in range(2):
+            state, _ = step(state, batch)
+        return step.full_params(state)
+
+    for full in sw.launch(run, 2):
+        assert full == {layer: {} for layer in params}  # frozen weights live in the chain, not the state

@@ -355,6 +355,9 @@ def _next_params(sharding: FlatSharding | None, executor: Executor) -> Any:
     zero_12 = sharding is not None and not sharding.holds_shards and executor.new_master is not None
     if zero_12 and (executor.params_in_flight or executor.new_held is not None):
         return _in_flight(executor)
+    if zero_12:  # nothing gathered: no unit holds a parameter that trains (all frozen), they stay as given
+        held = executor.held
+        return held.settle() if isinstance(held, InFlightParams) else held
     return executor.new_held
 
 
