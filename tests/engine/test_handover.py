@@ -75,6 +75,40 @@ class _KeepsInputOnCtx(torch.autograd.Function):
         return grad * w, (grad * ctx.x).sum(0)
 
 
+class _KeepsOutputOnCtx(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        out = x * 2
+        ctx.out = out  # the layer's own output, kept by its own backward as a Python reference
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad * 2 + 0 * ctx.out
+
+
+def _hooked(y: torch.Tensor) -> torch.Tensor:
+    y.register_hook(lambda g: g + 0 * y)  # the closure reads the output in the backward
+    return y
+
+
+class TakesFromDict(nn.Module):
+    """Takes its input out of the dict it is given and keeps it on a custom Function's ctx: the
+    dict's reference goes, ctx's comes (Python's count of the input is unchanged)."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.linspace(0.5, 1.5, n))
+
+    def forward(self, d: dict[str, torch.Tensor]) -> torch.Tensor:
+        return _KeepsInputOnCtx.apply(d.pop("h"), self.w)
+
+
+class AsDict(nn.Module):
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"h": x}
+
+
 class KeepsInputOnCtx(nn.Module):
     def __init__(self, n: int) -> None:
         super().__init__()
@@ -139,6 +173,14 @@ def test_an_output_anything_may_still_read_is_kept(after: str, stage: int | None
 
 
 @pytest.mark.parametrize("stage", [None, 3])
-def test_an_output_its_own_op_saved_is_kept(stage: int | None) -> None:
-    """sigmoid saves its result: the layer's own backward reads it."""
-    assert not any(_check(_model(nn.ReLU(), then=torch.sigmoid), stage))
+@pytest.mark.parametrize("then", ["sigmoid", "ctx attribute", "hook"])
+def test_an_output_its_own_layer_keeps_is_kept(then: str, stage: int | None) -> None:
+    """sigmoid saves its result; a custom Function keeps its output on ctx, a hook's closure reads it:
+    the layer's own backward reads it (freed, the backward crashed: a segfault)."""
+    own = {"sigmoid": torch.sigmoid, "ctx attribute": _KeepsOutputOnCtx.apply, "hook": _hooked}[then]
+    assert not any(_check(_model(nn.ReLU(), then=own), stage))
+
+
+def test_an_input_taken_out_of_its_dict_and_kept_is_kept() -> None:
+    model = nn.Sequential(nn.Linear(8, N), Watched(N), AsDict(), TakesFromDict(N), Probe(), nn.Linear(N, 4))
+    assert not any(_check(model.double(), 3))

@@ -100,3 +100,31 @@ def test_bad_options_are_refused(options: dict[str, Any], message: str) -> None:
     step, _, _ = _base()
     with pytest.raises((TypeError, ValueError), match=message):
         sw.shard_params(step, "dp", accumulation=2, **options)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_fp16_shares_are_summed_as_the_gradients_were_made_so_a_step_skips_where_one_device_does(stage: int) -> None:
+    """Summed in float32, two micro-batches' fp16 gradients that overflow fp16 together (as one device
+    makes them, and one reduction after the last sums them) came out finite: the step was taken
+    where one device skipped it, parameters 11% off after four steps. Summed in fp16, as made."""
+    gen = torch.Generator().manual_seed(2)
+    batches = [(torch.randn(8, 6, generator=gen), torch.full((8, 3), 3.0e6)) for _ in range(4)]
+    torch.manual_seed(0)
+    chain, params = sw.functionalize(mlp([6, 16, 16, 3]))
+    step = sw.mixed_precision(sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(1e-9)),
+                              "params=f32,compute=f16,output=f32", loss_scale=sw.precision.DynamicLossScale(scale=1.0))
+    state, skipped = step.init(params), []
+    for batch in batches:
+        state, metrics = step(state, batch)
+        skipped.append(bool(metrics["skipped"]))
+    assert skipped == [True] * 4  # the fourth step's gradients (scale 1/8) overflow fp16 on one device too
+    sharded = sw.shard_params(step, "dp", stage, accumulation=2, reduce_each_microbatch=True)
+
+    def run() -> list[bool]:
+        state, out = sharded.init(params, sw.Mesh(dp=2)), []
+        for batch in batches:
+            state, metrics = sharded(state, batch)
+            out.append(bool(metrics["skipped"]))
+        return out
+
+    assert sw.launch(run, 2) == [skipped, skipped]

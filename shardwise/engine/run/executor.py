@@ -356,6 +356,8 @@ class Executor(ZeroActions, TransferActions):
     _gather_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
     _pending_order: list[str] = field(default_factory=list)
     _grad_shards: dict[str, torch.Tensor] = field(default_factory=dict)
+    _reduced_shares: dict[str, torch.Tensor] = field(default_factory=dict)  # ZeroActions.wait_reduce
+    _share_dtypes: dict[str, torch.dtype] = field(default_factory=dict)
     _replica_input: dict[str, torch.Tensor] = field(default_factory=dict)
     _leaves: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)
     _bound: dict[int, BoundStage] = field(default_factory=dict)
@@ -553,8 +555,7 @@ class Executor(ZeroActions, TransferActions):
             )
         bound = self._bound_stage(s)
         if not joined:
-            for t in inputs:
-                t.requires_grad_(True)
+            _require_grad(inputs)  # (no loop name left on an input: handover.release_unkept counts references)
         # Counted now, before the forward can keep anything of it: freed after it where it kept nothing.
         watched = watch(handed) if handed else None
         quiet = bound.quiet
@@ -591,6 +592,7 @@ class Executor(ZeroActions, TransferActions):
             outputs = [] if (s, m) in self._covered else self._carrying_grads(s, y)
             self._saved[(s, m)] = _Saved(inputs, bound.leaves, outputs)
             if watched:
+                del x  # the tree the layers were given (a layer may have taken a leaf out of it)
                 release_unkept(watched)
 
     def _run_layers(self, bound: BoundStage, x: Any, s: int, m: int) -> Any:
@@ -800,7 +802,9 @@ class Executor(ZeroActions, TransferActions):
         if self.placement.stage_rank[s - 1] == self.placement.stage_rank[s]:
             below = (s - 1, m)  # a stage that runs no backward has no later use of its output
             no_backward = s - 1 < self.placement.backward_from
-            y: Any = self._outputs.pop(below) if no_backward else self._outputs[below]
+            # Taken: what holds it now is its stage's saved outputs (the root of that backward) and what
+            # this returns (handover.release_unkept counts on that).
+            y: Any = self._outputs.pop(below)
             if isinstance(y, torch.Tensor):  # the usual layer output: what the tree walk below gives
                 alone = y.detach()
                 if not _needs_grad(y):
@@ -1022,6 +1026,11 @@ class Executor(ZeroActions, TransferActions):
         sharding = self.source.sharding
         if sharding is None or sharding.holds_shards:
             self.new_held = self.new_master
+
+
+def _require_grad(inputs: Sequence[torch.Tensor]) -> None:
+    for t in inputs:
+        t.requires_grad_(True)
 
 
 def _reaches(y: torch.Tensor, x: torch.Tensor, budget: int = 32) -> bool | None:

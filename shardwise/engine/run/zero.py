@@ -53,6 +53,8 @@ class ZeroActions:
     _pending: dict[tuple[str, str], Handle]
     _gather_inputs: dict[str, torch.Tensor]  # what each all-gather in flight sends, kept alive to its wait
     _grad_shards: dict[str, torch.Tensor]
+    _reduced_shares: dict[str, torch.Tensor]
+    _share_dtypes: dict[str, torch.dtype]
     _replica_input: dict[str, torch.Tensor]  # HSDP: reduce-scattered shards, to all-reduce over the replicas
     _leaves: dict[tuple[str, str], torch.Tensor]
     params_in_flight: list[tuple[Bucket, Handle]]  # stages 1-2: the updated shards' all-gathers not waited for
@@ -153,6 +155,7 @@ class ZeroActions:
         if action.microbatch is None:  # (a micro-batch's share: the next micro-batch computes with them again)
             self._release_compute(units)
         dtype = functools.reduce(torch.promote_types, (piece.dtype for row in rows for piece in row))
+        self._share_dtypes[unit] = dtype  # the gradients', which micro-batches' shares are summed in
         if self.reduce_dtypes is not None:
             dtype = self.reduce_dtypes[unit]
         if ("reduce", unit) in self._pending:  # (the lowering waits for a unit's share before its next)
@@ -160,13 +163,22 @@ class ZeroActions:
         self._pending[("reduce", unit)] = psum_scatter_rows_async(rows, dtype, action.axis, mesh=self.mesh)
 
     def wait_reduce(self, action: Action) -> None:
-        """A reduced shard (a bucket's shards); a micro-batch's share (``shard_params``'
-        ``reduce_each_microbatch``) is summed with the other micro-batches'."""
+        """A reduced shard (a bucket's shards). A micro-batch's share (``shard_params``'
+        ``reduce_each_microbatch``) is summed with the next micro-batch's in the dtype the gradients
+        were made in, as one device (and one reduction after the last micro-batch) sums them: summed
+        in float32, an fp16 gradient that overflows there (a step skipped) came out finite."""
         unit = action.require("layer")
         reduced = self._pending.pop(("reduce", unit)).wait()
+        earlier = self._reduced_shares.pop(unit, None)
+        if earlier is not None or action.microbatch is not None:
+            wire, made_in = reduced.dtype, self._share_dtypes[unit]
+            reduced = reduced.to(made_in) if earlier is None else earlier.add_(reduced.to(made_in))
+            if action.microbatch is not None:
+                self._reduced_shares[unit] = reduced
+                return
+            reduced = reduced.to(wire)  # (HSDP: the replicas' all-reduce goes in the dtype reduced in)
         if self._sharding().replicate is not None:  # HSDP: all-reduced over the replicas first, once
-            earlier = self._replica_input.pop(unit, None)
-            self._replica_input[unit] = reduced if earlier is None else earlier.add_(reduced)
+            self._replica_input[unit] = reduced
             return
         self._take_grad_shards(action, reduced)
 
@@ -187,9 +199,7 @@ class ZeroActions:
         shards = self._bucket(action).split_shards(reduced) if action.units else {unit: reduced}
         for u, shard in shards.items():
             shard = shard.to(self.master[u].dtype)
-            shard = shard if self.grad_scale == 1.0 else shard / self.grad_scale
-            earlier = self._grad_shards.get(u)  # the micro-batches' shares so far, in the master dtype
-            self._grad_shards[u] = shard if earlier is None else earlier.add_(shard)
+            self._grad_shards[u] = shard if self.grad_scale == 1.0 else shard / self.grad_scale
 
     def gather_params(self, action: Action) -> None:
         """Stages 1-2: all-gather a unit's (or a bucket's) updated shards into full parameters; with
