@@ -274,3 +274,15 @@ def test_a_tensor_stored_both_fused_and_per_expert_is_refused_naming_it(tmp_path
     save_file(stored, tmp_path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match=r"holds the model's 'model\.layers\.0\.mlp\.experts\.down_proj' twice"):
         sw.checkpoint.init_from_pretrained(_meta_step("mixtral"), tmp_path)
+
+
+def test_a_gap_in_the_expert_indices_is_refused_not_loaded_a_slot_early(tmp_path: Path) -> None:
+    """Expert 1's tensors stored as expert 13 (of 12): stacked in order, experts 2-11 loaded a slot early."""
+    torch.manual_seed(0)
+    _mixtral().save_pretrained(tmp_path)
+    stored = load_file(tmp_path / "model.safetensors")
+    for k in [k for k in stored if ".experts.1." in k]:
+        stored[k.replace(".experts.1.", ".experts.13.")] = stored.pop(k)
+    save_file(stored, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"holds indices \[0, 2, 3.*: \[1\] missing"):
+        sw.checkpoint.init_from_pretrained(_meta_step("mixtral"), tmp_path)

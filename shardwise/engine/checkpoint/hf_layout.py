@@ -151,6 +151,24 @@ class HfLayout:
             nodes[key] = self._joined(loading, key, converter, parts)
         return nodes
 
+    def _check_indices(self, key: str, pattern: str, stored: list[str]) -> None:
+        """A stack takes its tensors in index order: they must be indices 0, 1, ... with none skipped
+        (``from_pretrained`` stacks whatever it finds, and a gap moves the experts after it a slot down)."""
+        if pattern.count("*") != 1:
+            return
+        index = re.compile(re.escape(pattern).replace(r"\*", r"(\d+)"))
+        found = [index.search(k) for k in stored]
+        if any(m is None for m in found):
+            return
+        indices = [int(m.group(1)) for m in found if m is not None]
+        if indices != list(range(len(indices))):
+            missing = sorted(set(range(len(indices))) - set(indices))
+            raise CheckpointError(
+                f"{self.where} stores the model's {key!r} as one tensor per index of {pattern!r}, but holds "
+                f"indices {indices[:12]}: {missing[:12]} missing, so the ones after them would land a slot "
+                "early; load a save of this model's experts, every index from 0"
+            )
+
     def _twice(self, key: str, stored: list[str]) -> None:
         raise CheckpointError(
             f"{self.where} holds the model's {key!r} twice: as {stored} (with and without the model's "
@@ -178,6 +196,9 @@ class HfLayout:
         if kinds in ([loading.MergeModulelist], [loading.MergeModulelist, loading.Concatenate]) and (
             len(converter.source_patterns) == 1 or len(kinds) == 2
         ) and converter.quantization_operation is None:
+            for pattern in converter.source_patterns:
+                if pattern in parts:
+                    self._check_indices(key, pattern, parts[pattern])
             stacked = [
                 _Joined(ops[0].dim, tuple(_Stored(k) for k in parts[p]), stack=True)
                 for p in converter.source_patterns if p in parts
