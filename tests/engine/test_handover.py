@@ -87,6 +87,14 @@ class _KeepsOutputOnCtx(torch.autograd.Function):
         return grad * 2 + 0 * ctx.out
 
 
+_stash: list[torch.Tensor] = []  # what a forward hook logging activations keeps
+
+
+def _stashed(y: torch.Tensor) -> torch.Tensor:
+    _stash.append(y)
+    return y
+
+
 def _hooked(y: torch.Tensor) -> torch.Tensor:
     y.register_hook(lambda g: g + 0 * y)  # the closure reads the output in the backward
     return y
@@ -173,12 +181,16 @@ def test_an_output_anything_may_still_read_is_kept(after: str, stage: int | None
 
 
 @pytest.mark.parametrize("stage", [None, 3])
-@pytest.mark.parametrize("then", ["sigmoid", "ctx attribute", "hook"])
+@pytest.mark.parametrize("then", ["sigmoid", "ctx attribute", "hook", "stash"])
 def test_an_output_its_own_layer_keeps_is_kept(then: str, stage: int | None) -> None:
     """sigmoid saves its result; a custom Function keeps its output on ctx, a hook's closure reads it:
-    the layer's own backward reads it (freed, the backward crashed: a segfault)."""
-    own = {"sigmoid": torch.sigmoid, "ctx attribute": _KeepsOutputOnCtx.apply, "hook": _hooked}[then]
+    the layer's own backward reads it; a stash of activations is read after the step (freed, each
+    crashed: a segfault)."""
+    own = {"sigmoid": torch.sigmoid, "ctx attribute": _KeepsOutputOnCtx.apply, "hook": _hooked,
+           "stash": _stashed}[then]
+    _stash.clear()
     assert not any(_check(_model(nn.ReLU(), then=own), stage))
+    assert all(torch.isfinite(t.norm()) for t in _stash)
 
 
 def test_an_input_taken_out_of_its_dict_and_kept_is_kept() -> None:
