@@ -10,11 +10,9 @@ The values are compared bitwise with loading whole tensors (no arithmetic is inv
 
 from __future__ import annotations
 
-import builtins
 import collections
 import json
-import threading
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,42 +32,12 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:Us
 WIDTH, LAYERS = 1024, 4  # 4 MiB per layer in float32: large against a 64 KiB chunk
 
 
-class _Counted:
-    def __init__(self, f: Any, counts: collections.Counter[str]) -> None:
-        self._f, self._counts = f, counts
-
-    def read(self, *args: Any) -> Any:
-        data = self._f.read(*args)
-        self._counts[threading.current_thread().name] += len(data)
-        return data
-
-    def readinto(self, buffer: Any) -> Any:
-        n = self._f.readinto(buffer)
-        self._counts[threading.current_thread().name] += n or 0
-        return n
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._f, name)
-
-    def __enter__(self) -> _Counted:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._f.close()
 
 
 @pytest.fixture
-def bytes_read(monkeypatch: pytest.MonkeyPatch) -> Iterator[collections.Counter[str]]:
-    """Bytes each thread reads through the loaders' ``open`` (a rank is a thread)."""
-    counts: collections.Counter[str] = collections.Counter()
-
-    def counting_open(file: Any, mode: str = "r", *args: Any, **kw: Any) -> Any:
-        f = builtins.open(file, mode, *args, **kw)  # noqa: SIM115 (the caller closes it)
-        return _Counted(f, counts) if "r" in mode else f
-
-    for module in (file_format, safetensors_files, weights, dcp_files):
-        monkeypatch.setattr(module, "open", counting_open, raising=False)
-    yield counts
+def bytes_read(count_reads: Callable[..., collections.Counter[str]]) -> collections.Counter[str]:
+    """Bytes each thread (a rank) reads through the loaders' ``open`` (tests/engine/conftest.py)."""
+    return count_reads(file_format, safetensors_files, weights, dcp_files)
 
 
 def _rank_reads(counts: collections.Counter[str], world: int) -> list[int]:

@@ -13,12 +13,10 @@ under 1.5 KiB each). The values equal, bitwise, ``step.init`` of the whole tenso
 
 from __future__ import annotations
 
-import builtins
 import collections
 import os
-import threading
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -67,42 +65,12 @@ STACKS: dict[str, tuple[Callable[[sw.Step], sw.Step], sw.Mesh]] = {
 }
 
 
-class _Counted:
-    def __init__(self, f: Any, counts: collections.Counter[str]) -> None:
-        self._f, self._counts = f, counts
-
-    def read(self, *args: Any) -> Any:
-        data = self._f.read(*args)
-        self._counts[threading.current_thread().name] += len(data)
-        return data
-
-    def readinto(self, buffer: Any) -> Any:
-        n = self._f.readinto(buffer)
-        self._counts[threading.current_thread().name] += n or 0
-        return n
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._f, name)
-
-    def __enter__(self) -> _Counted:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._f.close()
 
 
 @pytest.fixture
-def bytes_read(monkeypatch: pytest.MonkeyPatch) -> Iterator[collections.Counter[str]]:
-    """Bytes each thread (a rank) reads through the loaders' ``open``."""
-    counts: collections.Counter[str] = collections.Counter()
-
-    def counting_open(file: Any, mode: str = "r", *args: Any, **kw: Any) -> Any:
-        f = builtins.open(file, mode, *args, **kw)  # noqa: SIM115 (the caller closes it)
-        return _Counted(f, counts) if "r" in mode else f
-
-    for module in (file_format, safetensors_files, weights, dcp_files):
-        monkeypatch.setattr(module, "open", counting_open, raising=False)
-    yield counts
+def bytes_read(count_reads: Callable[..., collections.Counter[str]]) -> collections.Counter[str]:
+    """Bytes each thread (a rank) reads through the loaders' ``open``. (tests/engine/conftest.py)"""
+    return count_reads(file_format, safetensors_files, weights, dcp_files)
 
 
 def _kept_bytes(state: Any, mesh: sw.Mesh) -> int:

@@ -11,10 +11,8 @@ file (no arithmetic is involved).
 
 from __future__ import annotations
 
-import builtins
 import collections
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -119,39 +117,9 @@ def test_a_tied_weight_stored_once_or_as_equal_copies_loads_as_stored(
 
 
 @pytest.fixture
-def bytes_read(monkeypatch: pytest.MonkeyPatch) -> Iterator[collections.Counter[str]]:
-    """Bytes each thread (a rank) reads through the safetensors reader's ``open``."""
-    counts: collections.Counter[str] = collections.Counter()
-
-    class Counted:
-        def __init__(self, f: Any) -> None:
-            self._f = f
-
-        def readinto(self, buffer: Any) -> Any:
-            n = self._f.readinto(buffer)
-            counts[threading.current_thread().name] += n or 0
-            return n
-
-        def read(self, *args: Any) -> Any:
-            data = self._f.read(*args)
-            counts[threading.current_thread().name] += len(data)
-            return data
-
-        def __getattr__(self, name: str) -> Any:
-            return getattr(self._f, name)
-
-        def __enter__(self) -> Any:
-            return self
-
-        def __exit__(self, *exc: Any) -> None:
-            self._f.close()
-
-    def counting_open(file: Any, mode: str = "r", *args: Any, **kw: Any) -> Any:
-        return Counted(builtins.open(file, mode, *args, **kw))  # the caller closes it
-
-    for module in (safetensors_files, dcp_files):
-        monkeypatch.setattr(module, "open", counting_open, raising=False)
-    yield counts
+def bytes_read(count_reads: Callable[..., collections.Counter[str]]) -> collections.Counter[str]:
+    """Bytes each thread (a rank) reads through the safetensors reader's ``open``. (tests/engine/conftest.py)"""
+    return count_reads(safetensors_files, dcp_files)
 
 
 def test_comparing_the_copies_reads_each_ranks_share_of_them(
