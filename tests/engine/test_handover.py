@@ -25,6 +25,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.checkpoint import checkpoint
 
 import shardwise as sw
+from shardwise.engine.run import handover
 from shardwise.engine.torch_api import is_fake
 
 _watched = threading.local()  # each rank thread's last watched output and its memory (weak references)
@@ -198,3 +199,32 @@ def test_an_output_its_own_layer_keeps_is_kept(then: str, stage: int | None) -> 
 def test_an_input_taken_out_of_its_dict_and_kept_is_kept() -> None:
     model = nn.Sequential(nn.Linear(8, N), Watched(N), AsDict(), TakesFromDict(N), Probe(), nn.Linear(N, 4))
     assert not any(_check(model.double(), 3))
+
+
+@pytest.mark.parametrize("keeps", [False, True])
+def test_a_zero_bubble_pipeline_hands_over_on_one_rank_as_zero_3_does(
+    keeps: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """zb_v puts stages 1 and 2 on one rank, their backwards apart: the handover ZeRO-3 makes. A layer
+    keeping its output on ctx ran there too (freed, it segfaulted). (The next stage runs the ReLU after
+    the watched output: what it frees is counted where it is freed.)"""
+    torch.manual_seed(0)
+    then = _KeepsOutputOnCtx.apply if keeps else None
+    model = nn.Sequential(nn.Linear(8, N), nn.ReLU(), nn.Linear(N, N), Watched(N, then), nn.ReLU(),
+                          nn.Linear(N, N), nn.Linear(N, N), nn.Linear(N, 4)).double()
+    chain, params = sw.functionalize(model)
+    reference = sw.train_step(chain, F.mse_loss, sw.optim.adamw(1e-2))
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 8, generator=gen, dtype=torch.float64),
+                torch.randn(8, 4, generator=gen, dtype=torch.float64)) for _ in range(2)]
+    freed: list[tuple[int, ...]] = []
+    free = handover.free_storage
+
+    def recorded(t: torch.Tensor) -> None:
+        freed.append(tuple(t.shape))
+        free(t)
+
+    monkeypatch.setattr(handover, "free_storage", recorded)
+    piped = sw.pipeline(reference, "pp", "zb_v", microbatches=4, partition=[2, 2, 2, 2])
+    sw.testing.assert_equivalent(piped, reference, sw.Mesh(pp=2), batches, params)
+    assert freed == ([] if keeps else [(2, N)] * 8)  # stage 1's output, 2 rows a micro-batch, 4 of them, 2 steps

@@ -255,3 +255,15 @@ def test_a_gap_in_the_expert_indices_is_refused_not_loaded_a_slot_early(tmp_path
     save_file(stored, tmp_path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match=r"holds indices \[0, 2, 3.*: \[1\] missing"):
         sw.checkpoint.init_from_pretrained(_meta_step("mixtral"), tmp_path)
+
+
+def test_a_missing_last_expert_is_refused_naming_the_stacked_tensors(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    _mixtral().save_pretrained(tmp_path)
+    stored = load_file(tmp_path / "model.safetensors")
+    for k in [k for k in stored if ".experts.11." in k]:
+        del stored[k]
+    save_file(stored, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"has shape \[11, .*stacked from the files' tensors per expert: 11 x "
+                                              r"'model\.layers\.\d\.block_sparse_moe\.experts\.0\.w"):
+        sw.checkpoint.init_from_pretrained(_meta_step("mixtral"), tmp_path)

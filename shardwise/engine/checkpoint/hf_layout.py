@@ -85,6 +85,15 @@ class HfLayout:
     def shapes(self) -> Shapes:
         return self._shapes
 
+    def made_of(self, key: str) -> str:
+        """For an error about ``key``: the stored tensors it is joined from, or '' for a stored one."""
+        node = self._nodes[key]
+        if isinstance(node, _Stored):
+            return ""
+        stacks = [part for part in node.parts if isinstance(part, _Joined)] if not node.stack else [node]
+        counts = ", ".join(f"{len(stack.parts)} x {_first_key(stack)!r}" for stack in stacks)
+        return f" (stacked from the files' tensors per expert: {counts}; an index missing there makes it short)"
+
     def read_into(self, key: str, placed: list[Placed]) -> None:
         self._read(self._nodes[key], placed)
 
@@ -257,6 +266,10 @@ def _with_prefix(key: str, prefix: str, wanted: Mapping[str, bool]) -> str:
 def _origin(node: _Node) -> str:
     assert isinstance(node, _Stored)  # joined nodes are made last
     return node.key
+
+
+def _first_key(node: _Node) -> str:
+    return node.key if isinstance(node, _Stored) else _first_key(node.parts[0])
 
 
 def _drop(values: Sequence[int], dim: int) -> tuple[int, ...]:

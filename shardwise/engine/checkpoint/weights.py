@@ -119,8 +119,9 @@ def _init(step: Any, store: Store, mesh: Mesh | None, seed: int, *, from_pretrai
             shape, dtype = shapes[key]
             want = expected.get((layer.name, n))
             if want is not None and tuple(want.shape) != shape:
+                made_of = getattr(store, "made_of", None)  # (hf_layout: a tensor joined from the files' own)
                 raise CheckpointError(
-                    f"{store.where}: {key!r} has shape {list(shape)}, "
+                    f"{store.where}: {key!r} has shape {list(shape)}{'' if made_of is None else made_of(key)}, "
                     f"the model's params[{layer.name!r}][{n!r}] "
                     f"{list(want.shape)}; load weights saved from a model of this configuration"
                 )
