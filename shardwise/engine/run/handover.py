@@ -1,10 +1,11 @@
 """A stage's output handed to the next stage on the same rank, freed once nothing but the backward's root holds it.
 
 Where a stage's backward runs on its own (under ZeRO-3 each unit is a stage, its backward between
-the unit's gather and its reduce-scatter), the executor keeps the stage's output as the root of that
-backward, and gives the next stage a detached copy as its input. Autograd needs the root's graph, not
-its values: where the next stage's forward kept nothing of it (a Linear's output, which the ReLU after
-it does not save: a plain torch loop frees it there), holding its memory to the backward would cost
+the unit's gather and its reduce-scatter; a zero-bubble pipeline's two stages on one rank), the
+executor keeps the stage's output as the root of that backward, and gives the next stage a detached
+copy as its input. Autograd needs the root's graph, not its values: where the next stage's forward
+kept nothing of it (a Linear's output, which the ReLU after it does not save: a plain torch loop
+frees it there), holding its memory to the backward would cost
 one activation per layer that torch does not hold. :func:`release_unkept` frees that memory (the
 storage resized to zero bytes, the tensors staying valid as objects, as ZeRO-3 frees a unit's gathered
 parameters); anything that might still read it keeps it: a saved input or view, an output kept by
