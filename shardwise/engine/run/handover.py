@@ -5,15 +5,15 @@ the unit's gather and its reduce-scatter; a zero-bubble pipeline's two stages on
 executor keeps the stage's output as the root of that backward, and gives the next stage a detached
 copy as its input. Autograd needs the root's graph, not its values: where the next stage's forward
 kept nothing of it (a Linear's output, which the ReLU after it does not save: a plain torch loop
-frees it there), holding its memory to the backward would cost
-one activation per layer that torch does not hold. :func:`release_unkept` frees that memory (the
-storage resized to zero bytes, the tensors staying valid as objects, as ZeRO-3 frees a unit's gathered
-parameters); anything that might still read it keeps it: a saved input or view, an output kept by
-its own op (tensors on its storage, owners of the copy: counted before and after the forward), a
-Python reference such as a checkpointed layer's arguments, a custom Function's ``ctx`` attribute or a
-hook's closure (on the output or its copy, held by no one but the executor's own containers, whose
-references are counted on stand-ins held the same way: an exact match, so that the executor
-holding them in one place more or less frees nothing rather than too much).
+frees it there), holding its memory to the backward would cost one activation per layer that torch
+does not hold. :func:`release_unkept` frees that memory (the storage resized to zero bytes, the
+tensors staying valid as objects, as ZeRO-3 frees a unit's gathered parameters); anything that might
+still read it keeps it: a saved input or view, an output kept by its own op (tensors on its storage,
+owners of the copy: counted before and after the forward), a Python reference such as a checkpointed
+layer's arguments, a custom Function's ``ctx`` attribute or a hook's closure (on the output or its
+copy, held by no one but the executor's own containers, whose references are counted on stand-ins
+held the same way: an exact match, so that the executor holding them in one place more or less frees
+nothing rather than too much).
 """
 
 from __future__ import annotations
