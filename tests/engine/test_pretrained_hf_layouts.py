@@ -245,25 +245,26 @@ def test_a_tensor_stored_both_fused_and_per_expert_is_refused_naming_it(tmp_path
         sw.checkpoint.init_from_pretrained(_meta_step("mixtral"), tmp_path)
 
 
-def test_a_gap_in_the_expert_indices_is_refused_not_loaded_a_slot_early(tmp_path: Path) -> None:
-    """Expert 1's tensors stored as expert 13 (of 12): stacked in order, experts 2-11 loaded a slot early."""
+def _refused_after(tmp_path: Path, expert: str, into: str | None, match: str) -> None:
+    """A Mixtral's save_pretrained file with expert ``expert``'s tensors stored as expert ``into`` (or
+    dropped): init_from_pretrained refuses it, matching ``match``."""
     torch.manual_seed(0)
     _mixtral().save_pretrained(tmp_path)
     stored = load_file(tmp_path / "model.safetensors")
-    for k in [k for k in stored if ".experts.1." in k]:
-        stored[k.replace(".experts.1.", ".experts.13.")] = stored.pop(k)
+    for k in [k for k in stored if f".experts.{expert}." in k]:
+        value = stored.pop(k)
+        if into is not None:
+            stored[k.replace(f".experts.{expert}.", f".experts.{into}.")] = value
     save_file(stored, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(CheckpointError, match=r"holds indices \[0, 2, 3.*: \[1\] missing"):
+    with pytest.raises(CheckpointError, match=match):
         sw.checkpoint.init_from_pretrained(_meta_step("mixtral"), tmp_path)
+
+
+def test_a_gap_in_the_expert_indices_is_refused_not_loaded_a_slot_early(tmp_path: Path) -> None:
+    """Expert 1's tensors stored as expert 13 (of 12): stacked in order, experts 2-11 loaded a slot early."""
+    _refused_after(tmp_path, "1", "13", r"holds indices \[0, 2, 3.*: \[1\] missing")
 
 
 def test_a_missing_last_expert_is_refused_naming_the_stacked_tensors(tmp_path: Path) -> None:
-    torch.manual_seed(0)
-    _mixtral().save_pretrained(tmp_path)
-    stored = load_file(tmp_path / "model.safetensors")
-    for k in [k for k in stored if ".experts.11." in k]:
-        del stored[k]
-    save_file(stored, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(CheckpointError, match=r"has shape \[11, .*stacked from the files' tensors per expert: 11 x "
-                                              r"'model\.layers\.\d\.block_sparse_moe\.experts\.0\.w"):
-        sw.checkpoint.init_from_pretrained(_meta_step("mixtral"), tmp_path)
+    _refused_after(tmp_path, "11", None, r"has shape \[11, .*stacked from the files' tensors per expert: 11 x "
+                                        r"'model\.layers\.\d\.block_sparse_moe\.experts\.0\.w")
