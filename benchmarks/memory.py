@@ -66,6 +66,14 @@ each against the other (``ratio_to_fsdp2`` is to FSDP2's bf16 row):
   reduce_dtype=torch.float32)`` on every ``fully_shard``.
 * ``shardwise_meta_bf16``: ``shardwise_meta`` under ``sw.mixed_precision(step,
   "params=f32,compute=bf16,output=bf16,reduce=f32")``.
+* ``deepspeed_zero2_bf16``: ``deepspeed_zero2`` with ``"bf16": {"enabled": true}`` (the module's
+  parameters in bfloat16 on every rank, float32 master weights partitioned with the optimizer state;
+  inputs cast to bfloat16); ``ratio_to_deepspeed_zero2_bf16`` on the bf16 rows after it.
+* ``shardwise_zero1_meta_bf16``, ``shardwise_zero2_meta_bf16``: ``shardwise_zero1_meta`` /
+  ``shardwise_zero2_meta`` under that policy.
+* ``shardwise_meta_kept``, ``shardwise_meta_bf16_kept``: ``shardwise_meta`` / ``shardwise_meta_bf16``
+  with ``reshard_after_forward=False`` (each layer gathered once a step and kept from its forward to
+  its backward: in bf16, the layout DeepSpeed's bf16 ZeRO-2 has in memory).
 
 Every row's loss is the MSE in float32 (the bf16 rows' outputs cast up first).
 
@@ -105,12 +113,17 @@ from shardwise.testing.memory import LIVE_MALLOC, PeakRSS
 VARIANTS = ("fsdp2_meta", "fairscale_fsdp", "deepspeed_zero3_init", "deepspeed_zero3", "shardwise_meta",
             "shardwise_meta_functional", "shardwise_eager", "ddp", "fairscale_oss", "deepspeed_zero2",
             "shardwise_zero1", "shardwise_zero2", "shardwise_zero1_meta", "shardwise_zero2_meta",
-            "fsdp2_meta_bf16", "shardwise_meta_bf16")
+            "fsdp2_meta_bf16", "shardwise_meta_bf16", "deepspeed_zero2_bf16", "shardwise_zero1_meta_bf16",
+            "shardwise_zero2_meta_bf16", "shardwise_meta_kept", "shardwise_meta_bf16_kept")
+# ZeRO-3 rows with reshard_after_forward=False (each layer gathered once a step, kept to its backward).
+KEPT = ("shardwise_meta_kept", "shardwise_meta_bf16_kept")
 # A shardwise variant's ZeRO stage (3 if not here).
-STAGE = {"shardwise_zero1": 1, "shardwise_zero2": 2, "shardwise_zero1_meta": 1, "shardwise_zero2_meta": 2}
+STAGE = {"shardwise_zero1": 1, "shardwise_zero2": 2, "shardwise_zero1_meta": 1, "shardwise_zero2_meta": 2,
+         "shardwise_zero1_meta_bf16": 1, "shardwise_zero2_meta_bf16": 2}
 # The bf16 rows: compute in bfloat16, float32 master weights, gradients reduced in float32 (FSDP2's
 # MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=f32)); their ratio is to FSDP2's bf16 row.
-BF16 = ("fsdp2_meta_bf16", "shardwise_meta_bf16")
+BF16 = ("fsdp2_meta_bf16", "shardwise_meta_bf16", "deepspeed_zero2_bf16", "shardwise_zero1_meta_bf16",
+        "shardwise_zero2_meta_bf16", "shardwise_meta_bf16_kept")
 BF16_POLICY = "params=f32,compute=bf16,output=bf16,reduce=f32"
 # --models: the two sizes of issue 25, as Linear widths (12 layers).
 MODEL_WIDTHS = {"200mb": 2048, "800mb": 4096}
@@ -207,12 +220,12 @@ def train_seed_system(cfg: Config, peak: PeakRSS, trainer: seed_systems.Trainer)
     return {"init_peak_bytes": init_peak, "peak_bytes": peak.peak()}
 
 
-def seed_system_on_whole_model(cfg: Config, system: str) -> dict[str, Any]:
+def seed_system_on_whole_model(cfg: Config, system: str, bf16: bool = False) -> dict[str, Any]:
     """``system`` on the model built whole on every rank (seeded), as each keeps what it keeps of it."""
     peak = PeakRSS()
     torch.manual_seed(0)
     model = build(cfg)
-    trainer = seed_systems.build(system, model, list(model), F.mse_loss, ADAMW, cfg.batch // cfg.world)
+    trainer = seed_systems.build(system, model, list(model), mse_f32, ADAMW, cfg.batch // cfg.world, bf16=bf16)
     del model
     gc.collect()
     return train_seed_system(cfg, peak, trainer)
@@ -229,6 +242,10 @@ def fairscale_oss(cfg: Config) -> dict[str, Any]:
 
 def deepspeed_zero2(cfg: Config) -> dict[str, Any]:
     return seed_system_on_whole_model(cfg, "deepspeed_zero2")
+
+
+def deepspeed_zero2_bf16(cfg: Config) -> dict[str, Any]:
+    return seed_system_on_whole_model(cfg, "deepspeed_zero2", bf16=True)
 
 
 def ddp(cfg: Config) -> dict[str, Any]:
@@ -265,8 +282,9 @@ def deepspeed_zero3_eager(cfg: Config) -> dict[str, Any]:
 
 
 def shardwise_step(cfg: Config, meta: bool, inplace: bool = True, stage: int = 3,
-                   policy: str | None = None) -> tuple[sw.Step, Any]:
-    """(the step, its parameters): ``shard_params`` at ``stage``, under ``policy`` when given."""
+                   policy: str | None = None, kept: bool = False) -> tuple[sw.Step, Any]:
+    """(the step, its parameters): ``shard_params`` at ``stage``, under ``policy`` when given;
+    ``kept``: ``reshard_after_forward=False``."""
     if meta:
         with torch.device("meta"):
             model = build(cfg)
@@ -275,14 +293,15 @@ def shardwise_step(cfg: Config, meta: bool, inplace: bool = True, stage: int = 3
         model = build(cfg)
     chain, params = sw.functionalize(model)
     optimizer = sw.optim.adamw(1e-3, inplace=inplace)
-    step = sw.shard_params(sw.train_step(chain, mse_f32, optimizer), "dp", stage=stage)
+    options = {"reshard_after_forward": False} if kept else {}
+    step = sw.shard_params(sw.train_step(chain, mse_f32, optimizer), "dp", stage=stage, **options)
     return (step if policy is None else sw.mixed_precision(step, policy)), params
 
 
 def shardwise_zero(cfg: Config, meta: bool, inplace: bool = True, stage: int = 3,
-                   policy: str | None = None) -> dict[str, Any]:
+                   policy: str | None = None, kept: bool = False) -> dict[str, Any]:
     peak = PeakRSS()
-    step, params = shardwise_step(cfg, meta, inplace, stage, policy)
+    step, params = shardwise_step(cfg, meta, inplace, stage, policy, kept)
     mesh = sw.Mesh(dp=cfg.world)
     state = step.init(params, mesh)
     del params
@@ -328,10 +347,27 @@ def shardwise_zero2_meta(cfg: Config) -> dict[str, Any]:
     return shardwise_zero(cfg, meta=True, stage=2)
 
 
-def plan_figures(cfg: Config, inplace: bool = True, stage: int = 3, policy: str | None = None) -> dict[str, int]:
+def shardwise_meta_kept(cfg: Config) -> dict[str, Any]:
+    return shardwise_zero(cfg, meta=True, kept=True)
+
+
+def shardwise_meta_bf16_kept(cfg: Config) -> dict[str, Any]:
+    return shardwise_zero(cfg, meta=True, policy=BF16_POLICY, kept=True)
+
+
+def shardwise_zero1_meta_bf16(cfg: Config) -> dict[str, Any]:
+    return shardwise_zero(cfg, meta=True, stage=1, policy=BF16_POLICY)
+
+
+def shardwise_zero2_meta_bf16(cfg: Config) -> dict[str, Any]:
+    return shardwise_zero(cfg, meta=True, stage=2, policy=BF16_POLICY)
+
+
+def plan_figures(cfg: Config, inplace: bool = True, stage: int = 3, policy: str | None = None,
+                 kept: bool = False) -> dict[str, int]:
     """The Plan's memory figures for rank 0 (made here, on meta parameters: no data), with the
     optimizer the measured step uses (an out-of-place update allocates new parameters and moments)."""
-    step, params = shardwise_step(cfg, True, inplace, stage, policy)
+    step, params = shardwise_step(cfg, True, inplace, stage, policy, kept)
     x, y = batch_of(cfg)
     plan = step.plan(sw.Mesh(dp=cfg.world), params, (x, y))
     return {key: int(per_rank[0]) for key, per_rank in plan.memory.items()}
@@ -354,6 +390,11 @@ PROGRAMS = {
     "shardwise_zero2_meta": shardwise_zero2_meta,
     "fsdp2_meta_bf16": fsdp2_meta_bf16,
     "shardwise_meta_bf16": shardwise_meta_bf16,
+    "deepspeed_zero2_bf16": deepspeed_zero2_bf16,
+    "shardwise_zero1_meta_bf16": shardwise_zero1_meta_bf16,
+    "shardwise_zero2_meta_bf16": shardwise_zero2_meta_bf16,
+    "shardwise_meta_kept": shardwise_meta_kept,
+    "shardwise_meta_bf16_kept": shardwise_meta_bf16_kept,
 }
 
 
@@ -395,7 +436,7 @@ def run(cfg: Config, variant: str, pool: ProcessPool | None = None) -> dict[str,
 
 SEED_SYSTEM_OF = {"fairscale_fsdp": "fairscale_fsdp", "deepspeed_zero3_init": "deepspeed_zero3",
                   "deepspeed_zero3": "deepspeed_zero3", "fairscale_oss": "fairscale_oss",
-                  "deepspeed_zero2": "deepspeed_zero2"}
+                  "deepspeed_zero2": "deepspeed_zero2", "deepspeed_zero2_bf16": "deepspeed_zero2"}
 
 
 def parse_args() -> argparse.Namespace:
@@ -464,16 +505,20 @@ def main() -> None:
                 # shardwise's prediction (in-place AdamW), beside every system's measurement; the
                 # functional variant's own beside it.
                 plans = {(True, 3): plan_figures(cfg), (False, 3): plan_figures(cfg, inplace=False)}
-                plans.update({(True, s): plan_figures(cfg, stage=s) for v, s in STAGE.items() if v in args.variants})
-                if any(v in args.variants for v in BF16):
-                    plans["bf16"] = plan_figures(cfg, policy=BF16_POLICY)
-                fsdp2 = fsdp2_bf16 = ddp_peak = None
+                plans.update({(True, s): plan_figures(cfg, stage=s) for v, s in STAGE.items()
+                              if v in args.variants and v not in BF16})
+                plans.update({("bf16", s): plan_figures(cfg, stage=s, policy=BF16_POLICY) for s in (1, 2, 3)
+                              if any(v in args.variants and STAGE.get(v, 3) == s for v in BF16)})
+                plans.update({("kept", bf16): plan_figures(cfg, policy=BF16_POLICY if bf16 else None, kept=True)
+                              for bf16 in (False, True) if KEPT[bf16] in args.variants})
+                fsdp2 = fsdp2_bf16 = ddp_peak = deepspeed_bf16 = None
                 shared = ProcessPool(world, timeout=1800) if args.pools == "world" else None
                 with shared or contextlib.nullcontext():
                     for variant in args.variants:
                         note(f"# width {width}, world {world}: {variant}")
-                        plan = plans["bf16"] if variant in BF16 else \
-                            plans[(variant != "shardwise_meta_functional", STAGE.get(variant, 3))]
+                        plan = plans[("kept", variant in BF16)] if variant in KEPT else \
+                            plans[("bf16" if variant in BF16 else variant != "shardwise_meta_functional",
+                                   STAGE.get(variant, 3))]
                         result = measured(cfg, variant, shared)
                         row = {"bench": "memory", "variant": variant, "width": width, "world": world,
                                "model_bytes": model_bytes, **result, "plan_peak_bytes": plan["peak"]}
@@ -485,6 +530,10 @@ def main() -> None:
                             ddp_peak = ddp_peak or (result["peak_bytes"] if variant == "ddp" else None)
                             if ddp_peak:  # (ddp comes after the ZeRO-3 rows and before the ZeRO-1/2 ones)
                                 row["ratio_to_ddp"] = round(result["peak_bytes"] / ddp_peak, 3)
+                            deepspeed_bf16 = deepspeed_bf16 or \
+                                (result["peak_bytes"] if variant == "deepspeed_zero2_bf16" else None)
+                            if deepspeed_bf16 and variant in BF16:  # (before the shardwise ZeRO-1/2 bf16 rows)
+                                row["ratio_to_deepspeed_zero2_bf16"] = round(result["peak_bytes"] / deepspeed_bf16, 3)
                         if variant.startswith("shardwise"):
                             row["plan"] = plan
                         emit({**row, **environment(), **stated})

@@ -112,9 +112,14 @@ class Trainer:
 class DeepSpeedTrainer(Trainer):
     """A DeepSpeed engine: the engine runs backward and the step (it owns the gradients' reduction)."""
 
+    def __init__(self, module: nn.Module, optimizer: Any, loss_fn: LossFn,
+                 input_dtype: torch.dtype | None = None) -> None:
+        super().__init__(module, optimizer, loss_fn)
+        self.input_dtype = input_dtype  # bf16: the engine's module takes its inputs in its own dtype
+
     def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         engine: Any = self.module  # a DeepSpeedEngine (untyped)
-        loss = self.loss_fn(engine(x), y)
+        loss = self.loss_fn(engine(x if self.input_dtype is None else x.to(self.input_dtype)), y)
         engine.backward(loss)
         engine.step()
         return loss.detach()
@@ -143,12 +148,13 @@ def optimizer_state_bytes(optimizer: Any) -> int:
 
 
 def build(system: str, module: nn.Module, units: Sequence[nn.Module], loss_fn: LossFn, adamw: AdamW,
-          micro_batch: int) -> Trainer:
+          micro_batch: int, bf16: bool = False) -> Trainer:
     """``system`` (one of :data:`SYSTEMS`) around ``module`` on the default gloo group.
 
     ``units``: the submodules FSDP wraps on their own (then the root); ``micro_batch``: the rows
     of this rank's slice (DeepSpeed's config asks for it). Raises :class:`SystemMissing` when the
-    system's package is not installed.
+    system's package is not installed. ``bf16`` (DeepSpeed only): its ``"bf16": {"enabled": true}``
+    (the module's parameters in bfloat16, float32 master partitions; inputs cast to bfloat16).
     """
     reason = missing(system)
     if reason is not None:
@@ -163,7 +169,7 @@ def build(system: str, module: nn.Module, units: Sequence[nn.Module], loss_fn: L
         return fairscale_fsdp(module, units, loss_fn, adamw)
     if system == "fairscale_oss":
         return fairscale_oss(module, loss_fn, adamw)
-    return deepspeed_zero(module, int(system[-1]), loss_fn, adamw, micro_batch)
+    return deepspeed_zero(module, int(system[-1]), loss_fn, adamw, micro_batch, bf16)
 
 
 # -- FairScale ------------------------------------------------------------------------------------
@@ -248,8 +254,9 @@ def fairscale_oss(module: nn.Module, loss_fn: LossFn, adamw: AdamW) -> Trainer:
 
 
 # -- DeepSpeed --------------------------------------------------------------------------------------
-def deepspeed_config(stage: int, adamw: AdamW, micro_batch: int) -> dict[str, Any]:
-    """DeepSpeed's config for ZeRO ``stage`` in float32 with AdamW, no clipping, no logging."""
+def deepspeed_config(stage: int, adamw: AdamW, micro_batch: int, bf16: bool = False) -> dict[str, Any]:
+    """DeepSpeed's config for ZeRO ``stage`` in float32 (``bf16``: bfloat16 parameters over float32
+    master partitions) with AdamW, no clipping, no logging."""
     return {
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": 1,
@@ -259,6 +266,7 @@ def deepspeed_config(stage: int, adamw: AdamW, micro_batch: int) -> dict[str, An
         "zero_optimization": {"stage": stage},
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
+        **({"bf16": {"enabled": True}} if bf16 else {}),
     }
 
 
@@ -295,10 +303,11 @@ def deepspeed_zero3_init(adamw: AdamW, micro_batch: int) -> Iterator[None]:
         yield
 
 
-def deepspeed_zero(module: nn.Module, stage: int, loss_fn: LossFn, adamw: AdamW, micro_batch: int) -> Trainer:
+def deepspeed_zero(module: nn.Module, stage: int, loss_fn: LossFn, adamw: AdamW, micro_batch: int,
+                   bf16: bool = False) -> Trainer:
     deepspeed = _import_deepspeed()
     with to_stderr():
         engine, optimizer, _, _ = deepspeed.initialize(model=module, model_parameters=module.parameters(),
-                                                       config=deepspeed_config(stage, adamw, micro_batch),
+                                                       config=deepspeed_config(stage, adamw, micro_batch, bf16),
                                                        dist_init_required=False)
-    return DeepSpeedTrainer(engine, optimizer, loss_fn)
+    return DeepSpeedTrainer(engine, optimizer, loss_fn, input_dtype=torch.bfloat16 if bf16 else None)

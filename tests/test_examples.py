@@ -174,9 +174,10 @@ def test_memory_benchmark_runs_and_reports_each_variant() -> None:
     rows = {row["variant"]: row for row in map(json.loads, result.stdout.splitlines())}
     ours_and_torch = {"one_process", "fsdp2_meta", "shardwise_meta", "shardwise_meta_functional", "shardwise_eager",
                       "ddp", "shardwise_zero1", "shardwise_zero2", "shardwise_zero1_meta", "shardwise_zero2_meta",
-                      "fsdp2_meta_bf16", "shardwise_meta_bf16"}
+                      "fsdp2_meta_bf16", "shardwise_meta_bf16", "shardwise_zero1_meta_bf16",
+                      "shardwise_zero2_meta_bf16", "shardwise_meta_kept", "shardwise_meta_bf16_kept"}
     seed_systems = {"fairscale_fsdp", "deepspeed_zero3", "deepspeed_zero3_init", "fairscale_oss",
-                    "deepspeed_zero2"}  # measured where installed
+                    "deepspeed_zero2", "deepspeed_zero2_bf16"}  # measured where installed
     assert set(rows) == ours_and_torch | seed_systems, sorted(rows)
     assert not [row for row in rows.values() if "failed" in row], rows
     assert {row["pools"] for row in rows.values()} == {"world"}
@@ -195,6 +196,20 @@ def test_memory_benchmark_runs_and_reports_each_variant() -> None:
     assert bf16["ratio_to_fsdp2"] == round(bf16["peak_bytes"] / rows["fsdp2_meta_bf16"]["peak_bytes"], 3)
     assert 0 < bf16["plan"]["compute_copies"] <= 2 * bf16["plan"]["params"] / 4 / 2, bf16["plan"]
     assert rows["ddp"]["ratio_to_ddp"] == 1.0 and "ratio_to_ddp" in rows["shardwise_zero2"]
+    if "peak_bytes" in rows["deepspeed_zero2_bf16"]:  # the bf16 ZeRO-1/2 rows beside DeepSpeed's
+        deepspeed = rows["deepspeed_zero2_bf16"]["peak_bytes"]
+        assert rows["deepspeed_zero2_bf16"]["ratio_to_deepspeed_zero2_bf16"] == 1.0
+        for name in ("shardwise_zero1_meta_bf16", "shardwise_zero2_meta_bf16", "shardwise_meta_bf16_kept"):
+            assert rows[name]["ratio_to_deepspeed_zero2_bf16"] == round(rows[name]["peak_bytes"] / deepspeed, 3)
+    for stage in (1, 2):  # ZeRO-1/2 in bf16: whole float32 parameters and a bf16 copy of each in the step
+        own = rows[f"shardwise_zero{stage}_meta_bf16"]["plan"]
+        assert own["params"] == rows[f"shardwise_zero{stage}_meta"]["plan"]["params"] == 2 * own["compute_copies"]
+    # Kept from forward to backward: every unit gathered at once (in bf16, half the bytes), the
+    # Plan its own.
+    kept, kept_bf16 = rows["shardwise_meta_kept"]["plan"], rows["shardwise_meta_bf16_kept"]["plan"]
+    assert kept["gathered_peak"] > rows["shardwise_meta"]["plan"]["gathered_peak"]
+    assert kept["gathered_peak"] == 2 * kept_bf16["gathered_peak"]
+    assert rows["shardwise_meta_kept"]["plan_peak_bytes"] == kept["peak"]
     for name in [f"shardwise_zero{s}{m}" for s in (1, 2) for m in ("", "_meta")]:
         # Each ZeRO-1/2 row carries its own stage's Plan (however the model was built), whose peak
         # counts the same parts.
