@@ -334,16 +334,29 @@ class HFForward:
     def _refuse_a_shorter_window(self, local: int) -> None:
         """Sliding-window attention shorter than the whole sequence, with a mask or without one: a rank's
         part may fit in the window, where the model makes no mask (and ring attention would see every key)."""
-        m: Any = self.module
-        # The module's own window where it has one (Qwen2's: None on its full-attention layers), else the config's.
-        window = m.sliding_window if hasattr(m, "sliding_window") else getattr(getattr(m, "config", None),
-                                                                                 "sliding_window", None)
+        window = self._window()
         if isinstance(window, int) and window < local * in_layer.size(self.axis):
             raise ValueError(
                 f"context_parallel: {self.where} uses sliding-window attention (config.sliding_window={window}, "
                 f"shorter than the sequence's {local * in_layer.size(self.axis)} tokens), which it does not split: use "
                 "sequences no longer than the window, or leave context_parallel out"
             )
+
+
+    def _window(self) -> Any:
+        """The layer's attention window: the module's own where it has one (Qwen2's: None on its
+        full-attention layers), none where the config's ``layer_types`` says the layer attends to every
+        earlier token (Qwen2-MoE's full-attention layers have no attribute, and its config's
+        ``sliding_window`` is 0 unless ``use_sliding_window``), else the config's (Mistral's)."""
+        m: Any = self.module
+        if hasattr(m, "sliding_window"):
+            return m.sliding_window
+        config = getattr(m, "config", None)
+        kinds, index = getattr(config, "layer_types", None), getattr(m, "layer_idx", None)
+        if isinstance(kinds, (list, tuple)) and isinstance(index, int) and 0 <= index < len(kinds) \
+                and kinds[index] == "full_attention":
+            return None
+        return getattr(config, "sliding_window", None)
 
 
 def _describe(mask: Any) -> str:

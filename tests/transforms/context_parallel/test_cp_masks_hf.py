@@ -150,3 +150,24 @@ def test_a_sliding_window_between_a_part_and_the_sequence_is_refused_without_a_m
                                      units=getattr(layer, f"{family}DecoderLayer"), example_input=ids[:, :-1])
     step = sw.train_step(chain, lm_loss, sw.optim.sgd(0.1))
     refused(step, params, (ids[:, :-1], ids[:, 1:]), r"sliding-window attention \(config.sliding_window=12")
+
+
+def test_qwen2_moe_full_attention_layers_are_not_read_as_a_window() -> None:
+    """Qwen2-MoE without sliding windows (its default, and real checkpoints') stores config.sliding_window = 0
+    and gives its full-attention layers no window attribute: every unmodified Qwen2-MoE was refused as
+    sliding-window attention; its layer_types say every layer attends to every earlier token."""
+    torch.manual_seed(0)
+    cfg = T.Qwen2MoeConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=24, moe_intermediate_size=12,
+        shared_expert_intermediate_size=20, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        num_experts=4, num_experts_per_tok=2, max_position_embeddings=2 * SEQ, attn_implementation="sdpa",
+        experts_implementation="eager",  # float64: grouped_mm takes float32 and below
+        bos_token_id=0, eos_token_id=0,
+    )
+    assert cfg.sliding_window == 0 and set(cfg.layer_types) == {"full_attention"}
+    ids = torch.randint(0, VOCAB, (2, 2, SEQ + 1))
+    batches = [(x[:, :-1], x[:, 1:]) for x in ids]
+    layer = T.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeDecoderLayer
+    chain, params = sw.functionalize(T.Qwen2MoeForCausalLM(cfg).double(), units=layer, example_input=batches[0][0])
+    step = sw.train_step(chain, lm_loss, sw.optim.sgd(0.1, momentum=0.9))
+    sw.testing.assert_equivalent(sw.context_parallel(step, "cp"), step, sw.Mesh(cp=2), batches, params)
