@@ -111,3 +111,20 @@ def test_a_rank_failing_mid_step_ends_every_rank_with_its_error(schedule: str) -
     assert time.monotonic() - start < 40.0
     assert info.value.rank == 1
     assert "the loss broke on purpose at call 6" in str(info.value)
+
+
+def _run_structured_rank() -> list:
+    from .test_pipeline_step import _data_dependent_structured_problem
+
+    step, params, batches = _data_dependent_structured_problem()
+    piped = sw.pipeline(step, "pp", "gpipe", 1, partition=[2, 1])
+    return sw.testing.record_history(piped, piped.init(params, sw.Mesh(pp=2)), batches)
+
+
+def test_an_unpredicted_structured_output_crosses_processes(gloo2) -> None:  # type: ignore[no-untyped-def]
+    """The header of an unpredicted transfer (its count and pickled structure) between real processes."""
+    from .test_pipeline_step import _data_dependent_structured_problem
+
+    step, params, batches = _data_dependent_structured_problem()
+    reference = sw.testing.record_history(step, step.init(params), batches)
+    sw.testing.compare_histories(gloo2.run(_run_structured_rank), reference, rtol=1e-12)

@@ -8,6 +8,7 @@ SGD with momentum throughout: Adam's scale invariance would hide a wrong 1/m.
 from __future__ import annotations
 
 import time
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -255,6 +256,38 @@ def test_a_stage_whose_output_shape_depends_on_data_falls_back_to_announced_tran
     step = sw.train_step(chain, lambda out, t: ((out - t) ** 2).mean(), sw.optim.sgd(0.1, momentum=0.9))
     piped = sw.pipeline(step, "pp", "gpipe", 1, partition=[2, 1])
     batches = [(torch.randn(4, 3, dtype=torch.float64), torch.randn(1, dtype=torch.float64)) for _ in range(2)]
+    assert piped.boundaries(piped.layout(sw.Mesh(pp=2), params), batches[0][0]) is None
+    sw.testing.assert_equivalent(piped, step, sw.Mesh(pp=2), batches, params, rtol=F64_RTOL)
+
+
+class _Kept(NamedTuple):
+    values: torch.Tensor
+    count: torch.Tensor
+
+
+def _data_dependent_structured_problem() -> tuple[sw.Step, Any, list[Any]]:
+    """A stage whose output has data-dependent shapes and a structure (a named tuple in a dict)."""
+    torch.manual_seed(0)
+    chain = sw.Chain([
+        sw.Layer("lin", lambda p, x: x @ p["w"], ("w",)),
+        sw.Layer("keep_positive", lambda p, x: {"kept": _Kept(x[x > 0], (x > 0).sum().to(x.dtype)), "x": x}),
+        sw.Layer("sum", lambda p, d: ((d["kept"].values * p["s"]).sum() + d["kept"].count + d["x"].sum()).reshape(1),
+                 ("s",)),
+    ])
+    params = {"lin": {"w": torch.randn(3, 3, dtype=torch.float64)}, "keep_positive": {},
+              "sum": {"s": torch.tensor(2.0, dtype=torch.float64)}}
+    step = sw.train_step(chain, lambda out, t: ((out - t) ** 2).mean(), sw.optim.sgd(0.1, momentum=0.9))
+    gen = torch.Generator().manual_seed(1)
+    f64 = {"dtype": torch.float64, "generator": gen}
+    batches = [(torch.randn(4, 3, **f64), torch.randn(1, **f64)) for _ in range(2)]
+    return step, params, batches
+
+
+def test_an_unpredicted_stage_output_with_a_structure_travels_with_it() -> None:
+    """Where the Plan predicts no boundary, a structured output (a dict holding a named tuple) goes with
+    its pytree structure ahead of its tensors; it was refused (only a tensor or a flat tuple was rebuilt)."""
+    step, params, batches = _data_dependent_structured_problem()
+    piped = sw.pipeline(step, "pp", "gpipe", 1, partition=[2, 1])
     assert piped.boundaries(piped.layout(sw.Mesh(pp=2), params), batches[0][0]) is None
     sw.testing.assert_equivalent(piped, step, sw.Mesh(pp=2), batches, params, rtol=F64_RTOL)
 

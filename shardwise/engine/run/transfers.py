@@ -4,7 +4,8 @@ and the gradients of weights tied across pipeline ranks.
 Every receive of the step is posted at the rank's first one, so transfers land
 while it computes. With the stage boundaries predicted (``engine/plan/lower.py``),
 each tensor travels bare and the receiver rebuilds the stage output's pytree;
-otherwise a count goes first and the output must be flat. A mixin of
+otherwise a header goes first: the count, and the structure of an output that is not a tensor or a
+flat tuple of them (``wire_structure``). A mixin of
 :class:`~shardwise.engine.run.executor.Executor`, whose fields it uses.
 """
 
@@ -21,6 +22,7 @@ from ...collectives.mesh import Mesh
 from ..layout.state_layout import Placement
 from ..model.capture import is_absent_layout
 from ..plan.actions import RECV_ACTIVATION, RECV_GRAD, Action, Boundary
+from . import wire_structure
 
 if TYPE_CHECKING:
     from .executor import ParamSource
@@ -110,15 +112,10 @@ class TransferActions:
         known = self.boundaries is not None
         if len(leaves) >= 1 << 10:
             raise ValueError(f"stage {s} passes {len(leaves)} tensors on; a transfer carries at most 1023")
-        if not known and kind == "activation" and not _flat(value):
-            raise ValueError(
-                f"stage {s} passes a {type(value).__name__} to the next rank, but its shapes could not be "
-                "predicted on fake tensors (data-dependent code), so the receiver cannot rebuild its "
-                "structure; return a tensor or a tuple of tensors at this boundary"
-            )
-        if not known:  # the receiver learns how many tensors follow
-            count = torch.tensor(len(leaves), dtype=torch.int64, device="cpu")  # host-side control data
-            self._sends.append(send(count, axis, dst, tag=tag_of(kind, s, m, mb), mesh=self.mesh))
+        if not known:  # the receiver learns how many tensors follow, and what they are rebuilt into
+            structure = None if kind == "grad" or _flat(value) else spec
+            header = wire_structure.encode(len(leaves), structure)  # host-side control data
+            self._sends.append(send(header, axis, dst, tag=tag_of(kind, s, m, mb), mesh=self.mesh))
         for i, leaf in enumerate(leaves, start=1):
             # No snapshot: nothing modifies a stage output or an input gradient in place once made,
             # and wait_sends waits for every send (by then the peers have posted their receives).
@@ -168,10 +165,11 @@ class TransferActions:
         assert self._posted is not None
         kind, producer, m = self._source_of(action)
         posted = self._posted.pop((kind, producer, m))
+        structure = None
         if self.boundaries is not None:
             leaves = [handle.wait() for handle in posted]
         else:
-            count, mb = int(posted[0].wait()), len(self.microbatches)
+            (count, structure), mb = wire_structure.decode(posted[0].wait()), len(self.microbatches)
             leaves = [posted[1].wait()] + [
                 recv(
                     action.require("axis"),
@@ -186,6 +184,8 @@ class TransferActions:
             value: Any = leaves
         elif self.boundaries is not None:  # the stage output as it was made: a dict, a ModelOutput, ...
             value = optree.tree_unflatten(self.boundaries[producer].spec, leaves)
+        elif structure is not None:  # unpredicted, and not flat: its structure came with it
+            value = optree.tree_unflatten(structure, leaves)
         else:
             value = leaves[0] if len(leaves) == 1 else tuple(leaves)
         self._inbox[(kind, action.require("stage") if kind == "activation" else producer, m)] = value

@@ -75,6 +75,23 @@ def test_dp_by_ep_with_zero_3_and_the_aux_loss_equals_the_single_device_step() -
     sw.testing.assert_equivalent(composed, reference, sw.Mesh(dp=2, ep=2), batches(), params)
 
 
+@pytest.mark.parametrize("model", ["TopKMoE", "Mixtral"])
+def test_a_pipeline_without_ep_carries_the_routing_across_stages(model: str) -> None:
+    """Without expert_parallel the MoE block routes on values (data-dependent: the Plan predicts no boundary),
+    so the stage output that carries the routing statistics travels with its structure: it failed at the
+    first step, refused as an output the receiver could not rebuild."""
+    if model == "Mixtral":
+        _, step, params, data = _mixtral()
+    else:
+        step, params = moe_model()
+        data = batches()
+    reference = sw.router_aux_loss(step, 0.1)
+    piped = sw.pipeline(reference, "pp", "1f1b", 1)
+    assert piped.boundaries(piped.layout(sw.Mesh(pp=2), params), data[0][0]) is None
+    sw.testing.assert_equivalent(piped, reference, sw.Mesh(pp=2), data, params)
+    sw.testing.assert_equivalent(sw.shard_params(piped, "dp", 3), reference, sw.Mesh(dp=2, pp=2), data, params)
+
+
 def test_the_aux_loss_is_counted_once_not_per_rank(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each rank's aux loss of its own share's routing, averaged, is another loss: the check sees it."""
     from shardwise.engine.stack import in_layer
