@@ -244,7 +244,8 @@ def router_aux_loss(step: Step, coef: float, *, per_microbatch: bool = False) ->
             f"the step cuts (which a mean loss is refused on), tokens={PER_SHARD_MEAN!r}: the mean of the shares' "
             "mean losses, knowingly, with the aux counted once over the whole batch"
         )
-    experts = {b.num_experts for blocks in resolve(step.base_chain, "router_aux_loss").values() for b in blocks}
+    blocks_of = resolve(step.base_chain, "router_aux_loss", trainable=False)  # it reads only the routers
+    experts = {b.num_experts for blocks in blocks_of.values() for b in blocks}
     if len(experts) != 1:
         raise ValueError(
             f"router_aux_loss: the chain's MoE blocks have {sorted(experts)} experts; HF's loss pools every "

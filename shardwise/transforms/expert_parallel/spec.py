@@ -24,11 +24,31 @@ Blocks = dict[str, tuple[Block, ...]]  # layer name -> its MoE blocks
 _RESOLVED: weakref.WeakKeyDictionary[Chain, Blocks] = weakref.WeakKeyDictionary()
 
 
-def resolve(chain: Chain, who: str = "expert_parallel") -> Blocks:
+def resolve(chain: Chain, who: str = "expert_parallel", *, trainable: bool = True) -> Blocks:
     """The MoE blocks of every layer of ``chain``, refusing a chain without one (or with one it does not
-    know); ``who`` (the transform that asks: expert_parallel, router_aux_loss) begins the refusal."""
-    if chain in _RESOLVED:
-        return _RESOLVED[chain]
+    know); ``who`` (the transform that asks: expert_parallel, router_aux_loss) begins the refusal.
+    ``trainable``: refuse experts the layer does not own as trainable parameters (expert_parallel splits
+    them; router_aux_loss reads only the routers, so a fine-tune with frozen experts keeps its aux loss)."""
+    found = _RESOLVED.get(chain)
+    if found is None:
+        found = _find(chain, who)
+        _RESOLVED[chain] = found
+    if trainable:
+        for name, blocks in found.items():
+            layer = chain[name]
+            for b in blocks:
+                missing = [n for n in b.local_names() if n not in layer.owned_param_names]
+                if missing:
+                    raise ValueError(
+                        f"{who}: layer {name!r} holds the experts {b.path or '(the layer)'} but does not own "
+                        f"{missing} as trainable parameters (frozen with requires_grad=False, or tied); {who} "
+                        "splits trainable experts. To train the rest with the experts fixed, keep them trainable "
+                        "in the module and freeze them in the optimizer: sw.optim.group('*experts*', frozen=True)"
+                    )
+    return found
+
+
+def _find(chain: Chain, who: str) -> Blocks:
     found: Blocks = {}
     for layer in chain:
         # A layer functionalize built calls a module (fn.replicas.module) whose tensors' local names
@@ -40,14 +60,6 @@ def resolve(chain: Chain, who: str = "expert_parallel") -> Blocks:
             continue
         prefix = str(getattr(replicas, "prefix", ""))
         blocks = tuple(find_blocks(module, prefix.rstrip(".") or layer.name, prefix, who))
-        for b in blocks:
-            missing = [n for n in b.local_names() if n not in layer.owned_param_names]
-            if missing:
-                raise ValueError(
-                    f"{who}: layer {layer.name!r} holds the experts {b.path or '(the layer)'} but does not "
-                    "own "
-                    f"{missing} as trainable parameters (frozen or tied); {who} needs trainable experts"
-                )
         if blocks:
             found[layer.name] = blocks
     if not found:
@@ -56,7 +68,6 @@ def resolve(chain: Chain, who: str = "expert_parallel") -> Blocks:
             "experts.gate_up_proj / experts.down_proj: TopKMoE, HF MixtralSparseMoeBlock, "
             "Qwen2MoeSparseMoeBlock); nothing to do"
         )
-    _RESOLVED[chain] = found
     return found
 
 

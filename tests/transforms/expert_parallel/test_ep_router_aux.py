@@ -92,6 +92,29 @@ def test_a_pipeline_without_ep_carries_the_routing_across_stages(model: str) -> 
     sw.testing.assert_equivalent(sw.shard_params(piped, "dp", 3), reference, sw.Mesh(dp=2, pp=2), data, params)
 
 
+def test_experts_frozen_in_the_module_keep_the_aux_loss_which_reads_only_the_routers() -> None:
+    """Fine-tuning attention and routers with the experts frozen (requires_grad=False): router_aux_loss was
+    refused as if it split the experts; expert_parallel, which does, refuses and names the optimizer's
+    frozen group that keeps them fixed."""
+    model, _, _, data = _mixtral()
+    for name, p in model.named_parameters():
+        if ".experts." in name:
+            p.requires_grad_(False)
+    from transformers.models.mixtral.modeling_mixtral import MixtralDecoderLayer
+
+    chain, params = sw.functionalize(model, units=MixtralDecoderLayer, example_input=data[0][0])
+    step = sw.train_step(chain, _lm_loss, sw.optim.sgd(0.1, momentum=0.9))
+    reference = sw.router_aux_loss(step, 0.5)
+    added = _first_loss(reference, params, data[0]) - _first_loss(step, params, data[0])
+    with torch.no_grad():
+        hf = model(data[0][0], output_router_logits=True).aux_loss
+    assert added == pytest.approx(0.5 * float(hf), rel=1e-6)
+    sw.testing.assert_equivalent(sw.shard_params(reference, "dp", 3), reference, sw.Mesh(dp=2), data, params)
+    fix = r"frozen with requires_grad=False.*sw\.optim\.group\('\*experts\*', frozen=True\)"
+    with pytest.raises(ValueError, match=fix):
+        sw.expert_parallel(step, "ep")
+
+
 def test_the_aux_loss_is_counted_once_not_per_rank(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each rank's aux loss of its own share's routing, averaged, is another loss: the check sees it."""
     from shardwise.engine.stack import in_layer
