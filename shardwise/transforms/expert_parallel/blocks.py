@@ -8,6 +8,8 @@ A block is a module with an ``experts`` child holding fused 3-D ``gate_up_proj``
   activation ``experts.act_fn``; router jitter noise in training is refused (it draws per token).
 * ``Qwen2MoeSparseMoeBlock`` (HF): router ``gate`` a ``Qwen2MoeTopKRouter`` (renormalized when
   ``norm_topk_prob``), plus its shared expert, a dense MLP gated by a sigmoid: replicated, added after.
+* ``OlmoeSparseMoeBlock``, ``Qwen3MoeSparseMoeBlock`` (HF): Qwen2-MoE's without the shared expert, their
+  routers (``OlmoeTopKRouter``, ``Qwen3MoeTopKRouter``) line for line Qwen2-MoE's.
 
 Any other module holding fused experts is refused, naming it: its router is not known to compute
 what ``router.py``'s routers do.
@@ -27,14 +29,17 @@ from .capacity import expert_capacity
 from .dispatch import moe_dispatch_combine
 
 EXPERT_WEIGHTS = ("experts.gate_up_proj", "experts.down_proj")
-KNOWN = ("TopKMoE", "MixtralSparseMoeBlock", "Qwen2MoeSparseMoeBlock")
-_ROUTER_OF = {"MixtralSparseMoeBlock": "MixtralTopKRouter", "Qwen2MoeSparseMoeBlock": "Qwen2MoeTopKRouter"}
+KNOWN = ("TopKMoE", "MixtralSparseMoeBlock", "Qwen2MoeSparseMoeBlock", "OlmoeSparseMoeBlock", "Qwen3MoeSparseMoeBlock")
+_ROUTER_OF = {"MixtralSparseMoeBlock": "MixtralTopKRouter", "Qwen2MoeSparseMoeBlock": "Qwen2MoeTopKRouter",
+              "OlmoeSparseMoeBlock": "OlmoeTopKRouter", "Qwen3MoeSparseMoeBlock": "Qwen3MoeTopKRouter"}
 # Where each known block is defined: a class of the same name elsewhere (a copy of HF's code, edited)
 # is not the block whose forward expert_parallel reproduces.
 _HOME = {
     "TopKMoE": "shardwise.testing.models",
     "MixtralSparseMoeBlock": "transformers.models.mixtral.modeling_mixtral",
     "Qwen2MoeSparseMoeBlock": "transformers.models.qwen2_moe.modeling_qwen2_moe",
+    "OlmoeSparseMoeBlock": "transformers.models.olmoe.modeling_olmoe",
+    "Qwen3MoeSparseMoeBlock": "transformers.models.qwen3_moe.modeling_qwen3_moe",
 }
 
 

@@ -202,8 +202,9 @@ def router_aux_loss(step: Step, coef: float, *, per_microbatch: bool = False) ->
     Qwen2-MoE's ``output_router_logits=True`` with ``router_aux_loss_coef=coef``, over the whole batch.
 
     ``aux = E * sum_e f_e * P_e`` pools every MoE block of the chain (TopKMoE, HF MixtralSparseMoeBlock,
-    Qwen2MoeSparseMoeBlock; all with ``E`` experts): ``f_e`` is the share of the top-k assignments that
-    went to expert ``e`` and ``P_e`` its mean router probability, over every token of every block. On
+    Qwen2MoeSparseMoeBlock, OlmoeSparseMoeBlock, Qwen3MoeSparseMoeBlock; all with ``E`` experts): ``f_e``
+    is the share of the top-k assignments that went to expert ``e`` and ``P_e`` its mean router
+    probability, over every token of every block. On
     one device it is HF's loss; under ``expert_parallel`` and ``shard_params`` (each, or both) it is counted once over
     the whole batch (the routing counts are summed over the batch's axes; the Plan lists those sums after
     the loss), so the step equals the single-device one. Under micro-batches (``pipeline``,

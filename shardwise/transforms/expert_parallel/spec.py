@@ -66,7 +66,7 @@ def _find(chain: Chain, who: str) -> Blocks:
         raise ValueError(
             f"{who}: the step's chain has no mixture-of-experts block (a module with fused experts "
             "experts.gate_up_proj / experts.down_proj: TopKMoE, HF MixtralSparseMoeBlock, "
-            "Qwen2MoeSparseMoeBlock); nothing to do"
+            "Qwen2MoeSparseMoeBlock, OlmoeSparseMoeBlock, Qwen3MoeSparseMoeBlock); nothing to do"
         )
     return found
 

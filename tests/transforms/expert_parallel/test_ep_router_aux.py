@@ -246,6 +246,36 @@ def test_hf_qwen2_moe_aux_loss_on_one_device_and_under_ep() -> None:
     sw.testing.assert_equivalent(sw.expert_parallel(reference, "ep"), reference, sw.Mesh(ep=2), data, params)
 
 
+@pytest.mark.parametrize("family", ["Olmoe", "Qwen3Moe"])
+@pytest.mark.parametrize("renormalized", [False, True])
+def test_hf_olmoe_and_qwen3_moe_on_one_device_and_under_ep(family: str, renormalized: bool) -> None:
+    """OLMoE's and Qwen3-MoE's blocks are Qwen2-MoE's without the shared expert, their routers line for line
+    Qwen2-MoE's: known to expert_parallel and router_aux_loss (both refused them, naming the router)."""
+    transformers = pytest.importorskip("transformers")
+    module = getattr(transformers.models, family.lower().replace("qwen3moe", "qwen3_moe"))
+    layer = getattr(getattr(module, f"modeling_{module.__name__.rsplit('.', 1)[1]}"), f"{family}DecoderLayer")
+    torch.manual_seed(0)
+    sizes = {"num_experts": 4} if family == "Olmoe" else {"num_experts": 4, "moe_intermediate_size": 12}
+    cfg = getattr(transformers, f"{family}Config")(
+        vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_experts_per_tok=2, norm_topk_prob=renormalized, max_position_embeddings=16,
+        attn_implementation="eager", experts_implementation="eager", bos_token_id=0, eos_token_id=0, **sizes,
+    )
+    model = getattr(transformers, f"{family}ForCausalLM")(cfg).double()
+    gen = torch.Generator().manual_seed(1)
+    data = [(torch.randint(32, (4, 6), generator=gen), torch.randint(32, (4, 6), generator=gen)) for _ in range(2)]
+    chain, params = sw.functionalize(model, units=layer, example_input=data[0][0])
+    step = sw.train_step(chain, _lm_loss, sw.optim.sgd(0.1, momentum=0.9))
+    sw.testing.assert_equivalent(sw.expert_parallel(step, "ep"), step, sw.Mesh(ep=2), data, params)
+    reference = sw.router_aux_loss(step, 0.5)
+    added = _first_loss(reference, params, data[0]) - _first_loss(step, params, data[0])
+    with torch.no_grad():
+        hf = model(data[0][0], output_router_logits=True).aux_loss
+    assert added == pytest.approx(0.5 * float(hf), rel=1e-6)  # HF sums in float32
+    sw.testing.assert_equivalent(sw.shard_params(sw.expert_parallel(reference, "ep"), "dp", 3), reference,
+                                 sw.Mesh(dp=2, ep=2), data, params)
+
+
 def test_a_padded_batch_leaves_the_padding_out_as_hf_does_on_one_device_and_under_ep() -> None:
     """HF weighs each row of the aux loss by the attention mask: padding routes, but does not count."""
     from transformers.models.mixtral.modeling_mixtral import MixtralDecoderLayer
