@@ -90,13 +90,13 @@ def _already_held() -> int:
     return sum(transport_bytes(len(members)) for members, group in groups.items() if group.shared is not None)
 
 
-def _train(name: str, width: int) -> tuple[int, int]:
-    """(this rank's measured peak, the Plan's) over three steps of stack ``name``."""
+def _train(name: str, width: int, steps: int = 3) -> tuple[int, int]:
+    """(this rank's measured peak, the Plan's) over ``steps`` steps of stack ``name``."""
     step, params, batch, mesh = _stack(name, width)
     held = _already_held()
     meter = PeakRSS()
     state = step.init(params, mesh)
-    for _ in range(3):
+    for _ in range(steps):
         state, metrics = step(state, batch)
     assert torch.isfinite(metrics["loss"])
     measured = meter.peak()
@@ -107,7 +107,7 @@ def _rank() -> dict[str, tuple[int, int]]:
     out = {}
     for name in STACKS:
         width = PIPELINE_WIDTH if name.startswith("pipeline") else TP_WIDTH
-        _train(name, width)  # warm-up: the same stack on the same model (see the module docstring)
+        _train(name, width, steps=1)  # warm-up: a step of the same stack on the same model (see the docstring)
         out[name] = _train(name, width)
     return out
 
