@@ -29,6 +29,20 @@ Variants:
   gradient reductions (``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=f32)``;
   ``sw.mixed_precision(step, "params=f32,compute=bf16,output=bf16,reduce=f32")``).
 
+Exporting the trained weights for ``from_pretrained`` (``--variants`` with ``export_*``): each
+rank's peak *during the export* (VmHWM above the resident size just before it, the model's
+state already made; the state is ``step.init``'s / the initialized FSDP2 model, no step taken):
+
+* ``export_save_pretrained``: ``sw.checkpoint.save_pretrained(step, state, directory)`` of the
+  ZeRO-3 state: one decoder layer (or the embedding, or the head) gathered at a time, rank 0 writing.
+* ``export_full_state_dict``: ``sw.checkpoint.full_state_dict(step, state)`` (every rank gathers the
+  whole model) and ``safetensors.torch.save_file`` of it on rank 0.
+* ``export_fsdp2``: torch's ``get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+  cpu_offload=True))`` (rank 0 holds the whole model) and ``save_file`` on rank 0.
+
+Their rows carry ``export_peak_bytes`` (the largest over ranks), ``export_peak_bytes_per_rank`` and
+``export_ratio_to_model`` (the largest over the parameters' float32 bytes) and ``export_ratio_to_fsdp2``.
+
 Output: one JSON line per (world, variant) with ``peak_bytes`` (VmHWM above the baseline, the
 largest over ranks), ``init_peak_bytes``, ``model_bytes`` (the parameters in float32),
 ``ratio_to_fsdp2`` (to FSDP2's row of the same precision and world) and, for shardwise, the
@@ -39,8 +53,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import gc
 import os
+import tempfile
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +70,7 @@ from shardwise.collectives.backends.processes import ProcessPool
 from shardwise.testing.memory import LIVE_MALLOC, PeakRSS
 
 VARIANTS = ("fsdp2", "shardwise", "fsdp2_bf16", "shardwise_bf16")
+EXPORT_VARIANTS = ("export_fsdp2", "export_save_pretrained", "export_full_state_dict")  # FSDP2's first: the ratios
 BF16_POLICY = "params=f32,compute=bf16,output=bf16,reduce=f32"  # as memory.py's bf16 rows
 
 
@@ -192,10 +209,57 @@ PROGRAMS = {
 }
 
 
-def warmed(variant: str, cfg: Config) -> dict[str, Any]:
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def export_shardwise(cfg: Config, directory: str, whole: bool) -> dict[str, Any]:
+    """The ZeRO-3 state's weights to ``directory``: streamed (``save_pretrained``) or gathered whole
+    (``full_state_dict``, then ``save_file`` on rank 0)."""
+    from safetensors.torch import save_file
+
+    step, params = shardwise_step(cfg, bf16=False)
+    state = step.init(params, sw.Mesh(dp=cfg.world))
+    del params
+    gc.collect()
+    peak = PeakRSS()
+    if whole:
+        weights = sw.checkpoint.full_state_dict(step, state)
+        if _rank() == 0:
+            save_file({k: v.contiguous() for k, v in weights.items()}, os.path.join(directory, "model.safetensors"),
+                      metadata={"format": "pt"})
+        del weights
+    else:
+        sw.checkpoint.save_pretrained(step, state, directory)
+    return {"export_peak_bytes": peak.peak()}
+
+
+def export_fsdp2(cfg: Config, directory: str) -> dict[str, Any]:
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    model = fsdp2_model(cfg, bf16=False)
+    gc.collect()
+    peak = PeakRSS()
+    weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if _rank() == 0:
+        save_file(weights, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+    del weights
+    dist.barrier()
+    return {"export_peak_bytes": peak.peak()}
+
+
+EXPORTS = {
+    "export_save_pretrained": functools.partial(export_shardwise, whole=False),
+    "export_full_state_dict": functools.partial(export_shardwise, whole=True),
+    "export_fsdp2": export_fsdp2,
+}
+
+
+def warmed(variant: str, cfg: Config, directory: str | None = None) -> dict[str, Any]:
     """The variant after a run of it on a tiny Llama (imports and one-time setup are not the model's);
     what lives before the measured run is frozen out of the collector's reach (as memory.py)."""
-    program = PROGRAMS[variant]
+    program = PROGRAMS[variant] if variant in PROGRAMS else functools.partial(EXPORTS[variant], directory=directory)
     gc.collect()
     gc.freeze()
     try:
@@ -210,10 +274,14 @@ def warmed(variant: str, cfg: Config) -> dict[str, Any]:
 def measured(cfg: Config, variant: str) -> dict[str, Any]:
     """The variant on a fresh pool of ``cfg.world`` processes: the largest peaks over ranks."""
     try:
-        with ProcessPool(cfg.world, timeout=3600) as pool:
-            per_rank = pool.run(warmed, variant, cfg)
+        with ProcessPool(cfg.world, timeout=3600) as pool, tempfile.TemporaryDirectory() as directory:
+            per_rank = pool.run(warmed, variant, cfg, directory)
     except sw.collectives.RankFailed as exc:  # one variant failing must not lose the others' rows
         return {"failed": str(exc).splitlines()[0]}
+    if variant in EXPORTS:
+        peaks = [r["export_peak_bytes"] for r in per_rank]
+        return {"export_peak_bytes": max(peaks), "export_peak_bytes_per_rank": peaks,
+                "export_ratio_to_model": round(max(peaks) / cfg.model_bytes, 3)}
     return {
         "init_peak_bytes": max(r["init_peak_bytes"] for r in per_rank),
         "peak_bytes": max(r["peak_bytes"] for r in per_rank),
@@ -241,13 +309,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=2, help="training steps per variant (default 2)")
     parser.add_argument("--worlds", default="2,4", help="comma-separated world sizes (default 2,4)")
     parser.add_argument("--variants", default=",".join(("one_process", *VARIANTS)),
-                        help="comma-separated subset of one_process," + ",".join(VARIANTS) + " (default all)")
+                        help="comma-separated subset of one_process," + ",".join((*VARIANTS, *EXPORT_VARIANTS))
+                        + " (default: one_process and the training variants)")
     add_out_flag(parser)
     args = parser.parse_args()
     args.variants = args.variants.split(",")
-    unknown = sorted(set(args.variants) - set(PROGRAMS))
+    unknown = sorted(set(args.variants) - set(PROGRAMS) - set(EXPORTS))
     if unknown:
-        parser.error(f"--variants: unknown {', '.join(unknown)}; choose from {', '.join(PROGRAMS)}")
+        parser.error(f"--variants: unknown {', '.join(unknown)}; choose from {', '.join([*PROGRAMS, *EXPORTS])}")
     return args
 
 
@@ -264,8 +333,8 @@ def main() -> None:
                   **measured(shape, "one_process"), **environment(), **stated})
         for world in (int(w) for w in args.worlds.split(",")):
             cfg = dataclasses.replace(shape, world=world)
-            reference: dict[bool, int] = {}
-            for variant in (v for v in VARIANTS if v in args.variants):
+            reference: dict[Any, int] = {}
+            for variant in (v for v in (*VARIANTS, *EXPORT_VARIANTS) if v in args.variants):
                 note(f"# world {world}: {variant}")
                 bf16 = variant.endswith("_bf16")
                 row: dict[str, Any] = {"bench": "memory_llama", "variant": variant, "world": world,
@@ -274,6 +343,10 @@ def main() -> None:
                     reference[bf16] = row["peak_bytes"]
                 if "peak_bytes" in row and bf16 in reference:
                     row["ratio_to_fsdp2"] = round(row["peak_bytes"] / reference[bf16], 3)
+                if variant == "export_fsdp2" and "export_peak_bytes" in row:
+                    reference["export"] = row["export_peak_bytes"]
+                elif "export_peak_bytes" in row and "export" in reference:
+                    row["export_ratio_to_fsdp2"] = round(row["export_peak_bytes"] / reference["export"], 3)
                 if variant.startswith("shardwise"):
                     row["plan"] = plan_figures(cfg, bf16)
                     row["plan_peak_bytes"] = row["plan"]["peak"]

@@ -3,7 +3,8 @@
 ``save(path, state, step)`` writes each rank's shards in torch.distributed.checkpoint's layout;
 ``load(path, step, mesh)`` reads them back laid out for *that* step and mesh (another
 data-parallel size, ZeRO stage, pipeline partition or tensor-parallel size, or one device).
-``full_state_dict`` hands the weights back under the module's names; ``init_from_pretrained``,
+``full_state_dict`` hands the weights back under the module's names, ``save_pretrained`` writes
+them as transformers' ``save_pretrained`` does, one layer gathered at a time; ``init_from_pretrained``,
 ``init_from_dcp`` and ``init_from_state_dict`` start a step from weights saved by others, each
 rank reading only what it keeps.
 
@@ -16,6 +17,7 @@ rank reading only what it keeps.
 0
 """
 
+from .engine.checkpoint.export import save_pretrained
 from .engine.checkpoint.file_format import CheckpointError
 from .engine.checkpoint.save_load import SaveHandle, describe, load, save
 from .engine.checkpoint.state_dict import full_state_dict, init_from_state_dict, read_dcp_state_dict
@@ -36,4 +38,5 @@ __all__ = [
     "load",
     "read_dcp_state_dict",
     "save",
+    "save_pretrained",
 ]

@@ -139,13 +139,13 @@ def _agree(mesh: Mesh | None, problem: str | None, device: torch.device) -> str 
     return next((f"rank {rank}: {text}" for rank, text in enumerate(texts) if text), None)
 
 
-def _layout_of(state: TrainState, step: Any) -> StateLayout:
+def _layout_of(state: TrainState, step: Any, call: str = "save") -> StateLayout:
     layout = state.layout
     stack = tuple(str(s) for s in step.transforms)
     if not isinstance(layout, StateLayout) or layout.stack != stack:
         made = layout.stack if isinstance(layout, StateLayout) else type(layout).__name__
         raise ValueError(
-            f"save: this TrainState was made by {made}, not by this step ({stack}); pass the step that made it"
+            f"{call}: this TrainState was made by {made}, not by this step ({stack}); pass the step that made it"
         )
     return layout
 
