@@ -344,3 +344,94 @@ def test_two_processes_export_and_both_hear_of_the_writers_failure(gloo2: Any, t
         assert sorted(f.keys()) == sorted(set(exported) - {"head.weight"})
         assert all(torch.equal(f.get_tensor(k), exported[k]) for k in f.keys())  # noqa: SIM118
     assert [r[1] for r in results] == [results[0][1]] * 2 and "is a file; pass a directory" in results[0][1]
+
+
+def _what_a_loader_reads(directory: Path) -> dict[str, torch.Tensor] | None:
+    """The weights transformers' loader (and init_from_pretrained) reads: model.safetensors before an
+    index; None where there are none, or the index names a file that is not there (a refusal)."""
+    from safetensors.torch import load_file
+
+    if (directory / "model.safetensors").is_file():
+        return load_file(directory / "model.safetensors")
+    if not (directory / "model.safetensors.index.json").is_file():
+        return None
+    weight_map = json.loads((directory / "model.safetensors.index.json").read_text())["weight_map"]
+    if not all((directory / name).is_file() for name in weight_map.values()):
+        return None
+    return {key: load_file(directory / name)[key] for key, name in weight_map.items()}
+
+
+# (the earlier export's max_shard_size, this one's): shards over shards of the same names, a single file
+# over shards, shards over a single file, fewer shards over more.
+TRANSITIONS = {"same shard names": (100, 100), "single over shards": (100, None),
+               "shards over single": (None, 100), "fewer shards": (100, 200)}
+
+
+@pytest.mark.parametrize("transition", TRANSITIONS)
+def test_a_crash_anywhere_in_the_final_moves_leaves_one_export_whole_or_none(
+    transition: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each rename and removal of the commit fails in turn (a crash there): what a loader then reads is the
+    earlier export or this one, whole, or nothing; never the earlier index over this export's shards."""
+    import os
+
+    torch.manual_seed(0)
+    chain, params = sw.functionalize(torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(3)]))
+    step = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1))
+    batch = (torch.randn(2, 4), torch.randn(2, 4))
+    before = step.init(params)
+    after, _ = step(step.init(params), batch)
+    earlier, this = TRANSITIONS[transition]
+    sizes = {True: earlier, False: this}
+    real_replace, real_unlink = os.replace, Path.unlink
+    for crash_at in range(20):
+        out = tmp_path / f"crash{crash_at}"
+        sw.checkpoint.save_pretrained(step, before, out, max_shard_size=sizes[True] or "5GB")
+        old = _what_a_loader_reads(out)
+        def counted(real: Callable[..., Any], *args: Any, steps: list[int] = [0], at: int = crash_at,  # noqa: B006
+                    **kw: Any) -> Any:
+            if steps[0] == at:
+                raise OSError("crashed here")
+            steps[0] += 1
+            return real(*args, **kw)
+
+        monkeypatch.setattr(export.os, "replace", functools.partial(counted, real_replace))
+        monkeypatch.setattr(Path, "unlink", lambda path, *a, **kw: counted(real_unlink, path, *a, **kw))
+        try:
+            sw.checkpoint.save_pretrained(step, after, out, max_shard_size=sizes[False] or "5GB")
+            finished = True
+        except CheckpointError as err:
+            assert "never a mix of both" in str(err) or "crashed here" in str(err)
+            finished = False
+        finally:
+            monkeypatch.undo()
+        new = sw.checkpoint.full_state_dict(step, after)
+        read = _what_a_loader_reads(out)
+        assert old is not None and set(old) == set(new)
+        if finished:
+            assert read is not None and all(torch.equal(read[k], new[k]) for k in new)
+            assert not (out / export.STAGING).exists()
+            break
+        assert read is None or all(torch.equal(read[k], old[k]) for k in old) or all(
+            torch.equal(read[k], new[k]) for k in new), f"{transition}: a mix after a crash at step {crash_at}"
+    else:
+        pytest.fail("the export never finished")
+    assert crash_at >= 2  # it crashed at several points before
+
+
+def test_a_single_file_beside_an_index_is_read_first_as_from_pretrained_reads(tmp_path: Path) -> None:
+    """Both in one directory (an export's final moves between the two): init_from_pretrained reads what
+    transformers' from_pretrained reads, model.safetensors; it read the index's shards."""
+    torch.manual_seed(0)
+    chain, params = sw.functionalize(torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(3)]))
+    step = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1))
+    first = step.init(params)
+    second, _ = step(step.init(params), (torch.randn(2, 4), torch.randn(2, 4)))
+    sw.checkpoint.save_pretrained(step, first, tmp_path / "sharded", max_shard_size=100)
+    sw.checkpoint.save_pretrained(step, second, tmp_path / "single")
+    both = tmp_path / "sharded"
+    (tmp_path / "single" / "model.safetensors").rename(both / "model.safetensors")
+    assert (both / "model.safetensors.index.json").is_file()
+    loaded = sw.checkpoint.full_state_dict(step, sw.checkpoint.init_from_pretrained(step, both))
+    single = sw.checkpoint.full_state_dict(step, second)
+    assert all(torch.equal(loaded[k], single[k]) for k in single)

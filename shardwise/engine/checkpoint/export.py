@@ -19,6 +19,7 @@ directory removed and ``directory`` as it was.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from collections.abc import Mapping
@@ -130,7 +131,7 @@ def save_pretrained(step: Any, state: TrainState, directory: str | os.PathLike[s
             _commit(target, staging, stream, config)
         except Exception as err:
             problem = f"{_text(err)} (while moving the finished files into place)"
-    agreed(problem, "partly replaced: export again")
+    agreed(problem, "the earlier export, this one, or no weights (never a mix of both): export again")
     return target
 
 
@@ -211,22 +212,40 @@ def _whole(layout: StateLayout, spec: LeafSpec, mine: torch.Tensor | None, held:
 
 
 def _commit(target: Path, staging: Path, stream: StreamWriter, config: Any) -> None:
-    """Move the finished files into ``target``: the weights, the config, the index (or, for one file,
-    the old index away), then the weight files of an earlier save the new index does not name."""
+    """Move the finished files into ``target`` so that a crash at any point leaves what a loader reads
+    whole, the earlier export or this one, or no weights at all, never a mix of both: the weights and
+    the config, then the index (replaced at once), then the earlier export's files this one does not
+    name. ``model.safetensors`` wins over an index for transformers' loader and ours, so a single file
+    moved in beside an earlier index is read at once, and an earlier single file is read until it is
+    removed after the new index is in. Only where this export's shards take the names of the earlier
+    index's does that index go first: a crash before the new one is in leaves no index (loaders refuse
+    the directory), not the old index over new shards."""
     index = stream.finish()
     if config is not None:
         config.save_pretrained(staging)
     written = {name for name, _ in stream.files}
+    old_index = target / INDEX
+    if index is not None and old_index.is_file() and written & _named_by(old_index):
+        old_index.unlink()
+        fsync_dir(target)
     for name in sorted(written) + sorted(p.name for p in staging.iterdir() if p.name not in written):
         os.replace(staging / name, target / name)
     if index is not None:
         write_index(staging / INDEX, index)
         os.replace(staging / INDEX, target / INDEX)
-    else:
-        (target / INDEX).unlink(missing_ok=True)
+    fsync_dir(target)
+    if index is None:
+        old_index.unlink(missing_ok=True)
     for old in target.iterdir():
         if old.name not in written and (SHARD_NAME.fullmatch(old.name) or old.name == SINGLE) and old.is_file():
             old.unlink()
     fsync_dir(target)
     shutil.rmtree(staging)
 
+
+def _named_by(index: Path) -> set[str]:
+    """The files an earlier export's index names (all of them, as far as it can be read, if it is broken)."""
+    try:
+        return set(json.loads(index.read_text())["weight_map"].values())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {p.name for p in index.parent.iterdir() if SHARD_NAME.fullmatch(p.name)}

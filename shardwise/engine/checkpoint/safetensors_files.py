@@ -82,6 +82,8 @@ class SafetensorsFiles:
 
     def _files(self) -> tuple[list[str], dict[str, str] | None]:
         index = self.directory / INDEX
+        if (self.directory / SINGLE).is_file():  # before an index, as transformers' from_pretrained reads
+            return [SINGLE], None
         if index.is_file():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
@@ -90,8 +92,6 @@ class SafetensorsFiles:
                     f"{self.where}: {INDEX} is not a safetensors index ({err})"
                 ) from None
             return sorted(set(weight_map.values())), dict(weight_map)
-        if (self.directory / SINGLE).is_file():
-            return [SINGLE], None
         raise CheckpointError(
             f"{self.where}: neither {SINGLE} nor {INDEX} is there; pass the directory "
             "model.save_pretrained(directory) wrote"
