@@ -23,7 +23,7 @@ import torch
 from safetensors import safe_open
 
 import shardwise as sw
-from shardwise.engine.checkpoint import export, safetensors_writer
+from shardwise.engine.checkpoint import export, layer_gather, safetensors_writer
 from shardwise.engine.checkpoint.file_format import CheckpointError
 from shardwise.testing.models import Block, TinyGPT
 
@@ -220,7 +220,7 @@ def test_no_rank_holds_more_than_one_layer_gathered(tmp_path: Path, monkeypatch:
     alive: dict[str, list[weakref.ref[torch.Tensor]]] = {}
     most: dict[str, int] = {}
     gathers: dict[str, int] = {}
-    real = export.all_gather
+    real = layer_gather.all_gather
 
     def counted(x: torch.Tensor, *args: Any, **kw: Any) -> torch.Tensor:
         rank = threading.current_thread().name
@@ -232,7 +232,7 @@ def test_no_rank_holds_more_than_one_layer_gathered(tmp_path: Path, monkeypatch:
         gathers[rank] = gathers.get(rank, 0) + 1
         return out
 
-    monkeypatch.setattr(export, "all_gather", counted)
+    monkeypatch.setattr(layer_gather, "all_gather", counted)
     model = _tiny_gpt(layers=6)
     chain, params = sw.functionalize(model, units=Block)
     assert len(chain) == 6

@@ -22,21 +22,20 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ...collectives.mesh import Mesh
-from ...collectives.ops import all_gather, broadcast
 from ..layout.devices import device_of
 from ..layout.state import TrainState
-from ..layout.state_layout import LeafSpec, StateLayout
+from ..layout.state_layout import StateLayout
 from .arguments import check_path, check_state, check_step
 from .errors import CheckpointError
 from .export_keys import Convert, LayerExport, export_keys
 from .file_format import fsync_dir
+from .layer_gather import gathered_layer
 from .names import state_dict_names
 from .safetensors_files import INDEX, SINGLE
 from .safetensors_writer import SHARD_NAME, StreamWriter, cut_into_files, parse_max_shard_size, write_index
@@ -153,7 +152,7 @@ def _export_layer(step: Any, layout: StateLayout, held: Any, mesh: Mesh | None, 
                   convert: Convert, stream: StreamWriter | None) -> None:
     """Gather ``layer``'s parameters (every rank), and write what they become (the writer). What is
     gathered dies when this returns: the next layer's gather finds it freed."""
-    params = _gathered_layer(layout, held, mesh, layer.layer)
+    params = gathered_layer(layout, held, mesh, layer.layer)
     if stream is None:
         return
     tensors: dict[str, torch.Tensor] = {}
@@ -175,40 +174,6 @@ def _export_layer(step: Any, layout: StateLayout, held: Any, mesh: Mesh | None, 
         )
     for planned in layer.outputs:
         stream.put(planned.key, converted[planned.key])
-
-
-def _gathered_layer(layout: StateLayout, held: Any, mesh: Mesh | None, layer: str) -> dict[str, torch.Tensor]:
-    """``layer``'s whole parameters on the ranks that receive them (collectives: every rank calls this
-    for every layer, in order). ``full_params``, for one layer, keeping views, not copies."""
-    sharding = layout.sharding
-    local: Mapping[str, torch.Tensor]
-    if sharding is not None and sharding.holds_shards:
-        lay = sharding.units.get(layer)
-        local = {} if lay is None else lay.unflatten(all_gather(held[layer], sharding.axis, tiled=True, mesh=mesh))
-    else:
-        local = held.get(layer, {})
-    leaves = [spec for (owner, _), spec in layout.leaves.items() if owner == layer]
-    out: dict[str, torch.Tensor] = {}
-    for spec in leaves:
-        out[spec.name] = _whole(layout, spec, local.get(spec.name), held, mesh)
-    return out
-
-
-def _whole(layout: StateLayout, spec: LeafSpec, mine: torch.Tensor | None, held: Any, mesh: Mesh | None
-           ) -> torch.Tensor:
-    placement = layout.placement
-    if placement.axis is not None:
-        assert mesh is not None
-        # a rank that does not hold the leaf sends nothing (root is the owner) but passes a tensor of its shape
-        x = mine if mine is not None else torch.zeros(spec.local_shape, dtype=spec.dtype, device=device_of(held))
-        mine = broadcast(x, placement.axis, root=spec.copies[0].index, mesh=mesh)
-    assert mine is not None
-    split = spec.split
-    if split is not None:  # tensor parallel: every index's slice, joined
-        assert mesh is not None
-        pieces = all_gather(mine.contiguous(), split.axis, mesh=mesh)
-        mine = split.join(list(pieces.unbind(0)))
-    return mine
 
 
 def _commit(target: Path, staging: Path, stream: StreamWriter, config: Any) -> None:

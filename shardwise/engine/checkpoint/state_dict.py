@@ -26,13 +26,22 @@ from ..layout.state import TrainState
 from .arguments import check_state, check_step
 from .buffers import restore_from
 from .file_format import DCP_META, CheckpointError
+from .layer_gather import gathered_layer
 from .names import module_params, state_dict_names
 from .regions import Placed
+from .save_load import _layout_of
 from .tied_copies import differing_copies_message
 
 
-def full_state_dict(step: Any, state: TrainState) -> dict[str, torch.Tensor]:
+def full_state_dict(step: Any, state: TrainState, *, rank: int | None = None) -> dict[str, torch.Tensor]:
     """The module's ``state_dict()`` from a state of ``step`` (every rank calls it: it gathers).
+
+    Every rank gets the whole model, unless ``rank`` names one (a global rank of the state's mesh):
+    then only it does, and every other rank returns ``{}``; all go a layer at a time, so no rank
+    holds more than its state and one layer gathered besides what it returns (torch's
+    ``get_model_state_dict(..., full_state_dict=True, cpu_offload=True)``, for ``torch.save`` of a
+    model larger than one rank; ``sw.checkpoint.save_pretrained`` writes safetensors without any
+    rank holding the whole).
 
     >>> import torch, shardwise as sw
     >>> model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Tanh(), torch.nn.Linear(2, 1))
@@ -45,13 +54,40 @@ def full_state_dict(step: Any, state: TrainState) -> dict[str, torch.Tensor]:
     """
     check_step("full_state_dict(step, state)", step)
     check_state("full_state_dict(step, state)", state)
-    full = step.full_params(state)
     chain = step.base_chain
     names = state_dict_names(chain)
+    if rank is not None:
+        return _to_one_rank(step, state, rank, names)
+    full = step.full_params(state)
     out: dict[str, torch.Tensor] = {}
     for key, (kind, layer, name) in names.keys.items():
         out[key] = full[layer][name] if kind == "param" else chain[layer].buffers[name]
     return out
+
+
+def _to_one_rank(step: Any, state: TrainState, rank: int, names: Any) -> dict[str, torch.Tensor]:
+    """``full_state_dict`` on global rank ``rank`` alone, gathered a layer at a time; ``{}`` elsewhere."""
+    mesh = state.mesh
+    world = 1 if mesh is None else mesh.size
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world:
+        raise ValueError(f"full_state_dict(step, state, rank={rank!r}): rank is the global rank that receives the "
+                         f"state_dict, an int in [0, {world}) on {mesh!r}; or None for every rank")
+    layout = _layout_of(state, step, "full_state_dict")
+    receives = mesh is None or mesh.rank == rank
+    keys_of: dict[str, list[tuple[str, str, str]]] = {}
+    for key, (kind, layer, name) in names.keys.items():
+        keys_of.setdefault(layer, []).append((key, kind, name))
+    chain, out = step.base_chain, {}
+    for layer in layout.layers:
+        gathered = gathered_layer(layout, state.params, mesh, layer)
+        if receives:
+            for key, kind, name in keys_of.get(layer, []):
+                out[key] = gathered[name] if kind == "param" else chain[layer].buffers[name]
+        del gathered  # before the next layer's gather: a rank that receives nothing holds one at a time
+    for layer, keys in keys_of.items():  # layers the layout lists no parameter of: buffers only
+        if receives and layer not in layout.layers:
+            out.update((key, chain[layer].buffers[name]) for key, _, name in keys)
+    return {key: out[key] for key in names.keys} if receives else {}
 
 
 def init_from_state_dict(step: Any, state_dict: dict[str, torch.Tensor], mesh: Mesh | None = None) -> TrainState:
