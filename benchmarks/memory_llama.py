@@ -37,6 +37,8 @@ state already made; the state is ``step.init``'s / the initialized FSDP2 model, 
   ZeRO-3 state: one decoder layer (or the embedding, or the head) gathered at a time, rank 0 writing.
 * ``export_full_state_dict``: ``sw.checkpoint.full_state_dict(step, state)`` (every rank gathers the
   whole model) and ``safetensors.torch.save_file`` of it on rank 0.
+* ``export_full_state_dict_rank0``: ``sw.checkpoint.full_state_dict(step, state, rank=0)`` (a layer
+  gathered at a time, rank 0 keeping each) and ``save_file`` of it on rank 0.
 * ``export_fsdp2``: torch's ``get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
   cpu_offload=True))`` (rank 0 holds the whole model) and ``save_file`` on rank 0.
 
@@ -70,7 +72,8 @@ from shardwise.collectives.backends.processes import ProcessPool
 from shardwise.testing.memory import LIVE_MALLOC, PeakRSS
 
 VARIANTS = ("fsdp2", "shardwise", "fsdp2_bf16", "shardwise_bf16")
-EXPORT_VARIANTS = ("export_fsdp2", "export_save_pretrained", "export_full_state_dict")  # FSDP2's first: the ratios
+EXPORT_VARIANTS = ("export_fsdp2", "export_save_pretrained", "export_full_state_dict",
+                   "export_full_state_dict_rank0")  # FSDP2's first: the ratios
 BF16_POLICY = "params=f32,compute=bf16,output=bf16,reduce=f32"  # as memory.py's bf16 rows
 
 
@@ -213,9 +216,9 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def export_shardwise(cfg: Config, directory: str, whole: bool) -> dict[str, Any]:
+def export_shardwise(cfg: Config, directory: str, whole: bool, to_rank0: bool = False) -> dict[str, Any]:
     """The ZeRO-3 state's weights to ``directory``: streamed (``save_pretrained``) or gathered whole
-    (``full_state_dict``, then ``save_file`` on rank 0)."""
+    (``full_state_dict``, on every rank or with ``to_rank0`` on rank 0 alone, then ``save_file`` on rank 0)."""
     from safetensors.torch import save_file
 
     step, params = shardwise_step(cfg, bf16=False)
@@ -224,7 +227,7 @@ def export_shardwise(cfg: Config, directory: str, whole: bool) -> dict[str, Any]
     gc.collect()
     peak = PeakRSS()
     if whole:
-        weights = sw.checkpoint.full_state_dict(step, state)
+        weights = sw.checkpoint.full_state_dict(step, state, rank=0 if to_rank0 else None)
         if _rank() == 0:
             save_file({k: v.contiguous() for k, v in weights.items()}, os.path.join(directory, "model.safetensors"),
                       metadata={"format": "pt"})
@@ -252,6 +255,7 @@ def export_fsdp2(cfg: Config, directory: str) -> dict[str, Any]:
 EXPORTS = {
     "export_save_pretrained": functools.partial(export_shardwise, whole=False),
     "export_full_state_dict": functools.partial(export_shardwise, whole=True),
+    "export_full_state_dict_rank0": functools.partial(export_shardwise, whole=True, to_rank0=True),
     "export_fsdp2": export_fsdp2,
 }
 

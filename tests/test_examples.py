@@ -151,11 +151,17 @@ def test_the_llama_memory_benchmark_reports_fsdp2_and_zero3_side_by_side() -> No
     """benchmarks/memory_llama.py on a tiny Llama: FSDP2 and ZeRO-3 rows with peaks, the ratio and the Plan's."""
     cmd = [sys.executable, str(ROOT / "benchmarks" / "memory_llama.py"), "--hidden", "64", "--intermediate", "128",
            "--layers", "2", "--heads", "4", "--kv-heads", "2", "--vocab", "256", "--seq", "16", "--worlds", "2",
-           "--steps", "1", "--batch", "4", "--variants", "fsdp2,shardwise"]
+           "--steps", "1", "--batch", "4", "--variants",
+           "fsdp2,shardwise,export_fsdp2,export_save_pretrained,export_full_state_dict_rank0"]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = {row["variant"]: row for row in map(json.loads, result.stdout.splitlines())}
-    assert set(rows) == {"fsdp2", "shardwise"} and not [r for r in rows.values() if "failed" in r], rows
+    exports = {"export_fsdp2", "export_save_pretrained", "export_full_state_dict_rank0"}
+    assert set(rows) == {"fsdp2", "shardwise"} | exports and not [r for r in rows.values() if "failed" in r], rows
+    for name in exports:  # each export's peak per rank, beside FSDP2's
+        row = rows[name]
+        assert len(row["export_peak_bytes_per_rank"]) == 2 and row["export_peak_bytes"] > 0, row
+        assert name == "export_fsdp2" or row["export_ratio_to_fsdp2"] > 0, row
     assert rows["fsdp2"]["ratio_to_fsdp2"] == 1.0
     ours = rows["shardwise"]
     assert ours["peak_bytes"] >= ours["init_peak_bytes"] > 0
