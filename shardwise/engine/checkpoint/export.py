@@ -46,15 +46,16 @@ CALL = "save_pretrained(step, state, directory)"
 
 
 def save_pretrained(step: Any, state: TrainState, directory: str | os.PathLike[str], *,
-                    max_shard_size: int | str = "5GB", config: Any = None) -> Path:
+                    max_shard_size: int | str = "50GB", config: Any = None) -> Path:
     """Write the weights of ``state`` (made by ``step``) to ``directory`` as ``model.save_pretrained`` would
     (every rank calls it; global rank 0 writes), holding one layer gathered at a time. Returns the path.
 
     ``model.safetensors``, or ``model-0000i-of-0000N.safetensors`` and ``model.safetensors.index.json``
-    past ``max_shard_size`` (bytes, or ``"5GB"``, ``"500MB"``); a transformers model's keys are the
-    ones its ``save_pretrained`` writes (a tied weight once, fused experts per expert), any other
-    module's its ``state_dict`` keys (a tied weight once). ``config`` (``model.config``: anything with
-    ``save_pretrained(directory)``) is saved beside them. The parameters are the state's (master dtype).
+    past ``max_shard_size`` (bytes, or ``"5GB"``, ``"500MB"``; transformers 5's default, ``"50GB"``); a
+    transformers model's keys are the ones its ``save_pretrained`` writes (a tied weight once, fused
+    experts per expert), any other module's its ``state_dict`` keys (a tied weight once). ``config``
+    (``model.config``: anything with ``save_pretrained(directory)``) is saved beside them. The
+    parameters are the state's (master dtype).
 
     >>> import tempfile, torch, shardwise as sw
     >>> from safetensors.torch import load_file
