@@ -346,14 +346,17 @@ class HFForward:
     def _window(self) -> Any:
         """The layer's attention window: the module's own where it has one (Qwen2's: None on its
         full-attention layers), none where the config's ``layer_types`` says the layer attends to every
-        earlier token (Qwen2-MoE's full-attention layers have no attribute, and its config's
-        ``sliding_window`` is 0 unless ``use_sliding_window``), else the config's (Mistral's)."""
+        earlier token and the config declares that field, so the model reads it (Qwen2-MoE's
+        full-attention layers have no attribute, and its config's ``sliding_window`` is 0 unless
+        ``use_sliding_window``), else the config's: Mistral's and Mixtral's modeling windows every layer
+        by ``config.sliding_window`` and ignores a ``layer_types`` given to their config."""
         m: Any = self.module
         if hasattr(m, "sliding_window"):
             return m.sliding_window
         config = getattr(m, "config", None)
         kinds, index = getattr(config, "layer_types", None), getattr(m, "layer_idx", None)
-        if isinstance(kinds, (list, tuple)) and isinstance(index, int) and 0 <= index < len(kinds) \
+        declared = any("layer_types" in getattr(c, "__annotations__", {}) for c in type(config).__mro__)
+        if declared and isinstance(kinds, (list, tuple)) and isinstance(index, int) and 0 <= index < len(kinds) \
                 and kinds[index] == "full_attention":
             return None
         return getattr(config, "sliding_window", None)

@@ -132,13 +132,15 @@ def test_sliding_window_attention_shorter_than_the_sequence_is_refused() -> None
     refused(step, params, batches[0], r"sliding-window attention \(config.sliding_window=4")
 
 
-@pytest.mark.parametrize("family", ["Mistral", "Qwen2"])
+@pytest.mark.parametrize("family", ["Mistral", "Qwen2", "Mistral given layer_types"])
 def test_a_sliding_window_between_a_part_and_the_sequence_is_refused_without_a_mask(family: str) -> None:
     """A window of 12 over 16 tokens cut in two parts of 8: each rank's part fits in the window, so the model
     makes no mask, and the ring attended over every earlier key: another model without an error (the loss
     differed from the single device's by 1e-4 relative). Refused, with or without a mask in the batch."""
     torch.manual_seed(0)
-    extra = {"use_sliding_window": True, "max_window_layers": 0} if family == "Qwen2" else {}
+    extra: dict[str, Any] = {"use_sliding_window": True, "max_window_layers": 0} if family == "Qwen2" else {}
+    if family == "Mistral given layer_types":  # Mistral's modeling ignores them (it warns) and windows every layer
+        family, extra = "Mistral", {"layer_types": ["full_attention"]}
     cfg = getattr(T, f"{family}Config")(
         vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=2 * SEQ, attn_implementation="sdpa", bos_token_id=0,
