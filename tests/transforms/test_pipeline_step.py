@@ -292,6 +292,24 @@ def test_an_unpredicted_stage_output_with_a_structure_travels_with_it() -> None:
     sw.testing.assert_equivalent(piped, step, sw.Mesh(pp=2), batches, params, rtol=F64_RTOL)
 
 
+def test_an_unpredicted_stage_output_holding_a_class_optree_does_not_flatten_is_refused_naming_it() -> None:
+    """A dataclass optree leaves whole: refused by name (it reached the send as a leaf without detach)."""
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Kept:
+        values: torch.Tensor
+
+    step, params, batches = _data_dependent_structured_problem()
+    chain = sw.Chain([step.chain[0], sw.Layer("keep_positive", lambda p, x: {"kept": Kept(x[x > 0]), "x": x}),
+                      sw.Layer("sum", lambda p, d: ((d["kept"].values * p["s"]).sum() + d["x"].sum()).reshape(1),
+                               ("s",))])
+    step = sw.train_step(chain, step.loss_fn, step.optimizer)
+    piped = sw.pipeline(step, "pp", "gpipe", 1, partition=[2, 1])
+    with pytest.raises(sw.collectives.RankFailed, match=r"stage 0 passes a Kept to the next rank.*register the class"):
+        sw.launch(lambda: piped(piped.init(params, sw.Mesh(pp=2)), batches[0]), 2)
+
+
 def _frozen_front_gpt(frozen_blocks: int):  # type: ignore[no-untyped-def]
     """TinyGPT with its embeddings (and its first ``frozen_blocks`` blocks) frozen, the usual fine-tuning
     setup: the layers in front train nothing, and the batch they take needs no gradient."""

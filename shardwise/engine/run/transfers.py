@@ -108,6 +108,13 @@ class TransferActions:
             _check_predicted(leaves, spec, self.boundaries[s], s, m)
         if not leaves:
             raise ValueError(f"stage {s} passes no tensor to the next stage; a pipeline boundary carries at least one")
+        strange = next((leaf for leaf in leaves if not isinstance(leaf, torch.Tensor)), None)
+        if strange is not None:
+            raise ValueError(
+                f"stage {s} passes a {type(strange).__name__} to the next rank inside {spec}: a pipeline boundary "
+                "carries tensors, in the containers optree flattens (tuples, lists, dicts, named tuples, registered "
+                "pytree nodes); return its tensors in one of those, or register the class with optree"
+            )
         axis, dst, mb = action.require("axis"), action.require("peer"), len(self.microbatches)
         known = self.boundaries is not None
         if len(leaves) >= 1 << 10:
