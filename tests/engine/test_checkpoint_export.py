@@ -154,7 +154,7 @@ def _tiny_gpt(layers: int = 4) -> TinyGPT:
 @pytest.mark.parametrize("layout", ["pp2 x zero3 dp2", "tp2"])
 def test_a_plain_module_exports_its_state_dict_keys_a_tied_weight_once(layout: str, tmp_path: Path) -> None:
     """TinyGPT (nanoGPT-like, its head tied to the token embedding across pipeline stages): its
-    state_dict keys, the tie under its first name, as safetensors' own save_model keeps it."""
+    state_dict keys, the tie under its first name (safetensors' save_model keeps another; both load)."""
     model = _tiny_gpt()
     if layout == "tp2":
         chain, params = sw.functionalize(model, units=Block)
@@ -301,13 +301,30 @@ def test_a_directory_the_writer_cannot_use_stops_every_rank(tmp_path: Path) -> N
 
 @pytest.mark.parametrize(("size", "match"), [
     ("5 parsecs", r"max_shard_size='5 parsecs' is not a size"), (0, "max_shard_size=0 is not positive"),
-    ("-1MB", "is not positive"), (2.5, "max_shard_size is a float"),
+    ("-1MB", "is not positive"), (2.5, "max_shard_size is a float"), ("infGB", "max_shard_size='infGB' is not a size"),
 ])
 def test_a_bad_max_shard_size_is_refused_naming_it(size: Any, match: str, tmp_path: Path) -> None:
     chain, params = sw.functionalize(torch.nn.Linear(2, 2))
     step = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1))
     with pytest.raises((TypeError, ValueError), match=match):
         sw.checkpoint.save_pretrained(step, step.init(params), tmp_path, max_shard_size=size)
+
+
+def test_an_empty_directory_name_is_refused(tmp_path: Path) -> None:
+    chain, params = sw.functionalize(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+    step = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1))
+    with pytest.raises(ValueError, match=r"directory is empty"):
+        sw.checkpoint.save_pretrained(step, step.init(params), "")
+
+
+def test_a_directory_inside_a_staging_directory_is_refused(tmp_path: Path) -> None:
+    """The next export into the parent would remove it, and the export in it with it."""
+    torch.manual_seed(0)
+    chain, params = sw.functionalize(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+    step = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1))
+    with pytest.raises(ValueError, match=r"inside an export's staging directory '\.shardwise-export\.partial'"):
+        sw.checkpoint.save_pretrained(step, step.init(params), tmp_path / ".shardwise-export.partial" / "x")
+    assert not (tmp_path / ".shardwise-export.partial").exists()
 
 
 def test_sizes_parse_as_transformers_parses_them() -> None:

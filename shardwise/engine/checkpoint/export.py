@@ -75,6 +75,12 @@ def save_pretrained(step: Any, state: TrainState, directory: str | os.PathLike[s
     check_step(CALL, step)
     check_state(CALL, state)
     check_path(CALL, directory)
+    if not str(directory):
+        raise ValueError(f"{CALL}: directory is empty; pass the directory to write the weights into "
+                         '("." for this one)')
+    if STAGING in Path(directory).absolute().parts:
+        raise ValueError(f"{CALL}: directory {str(directory)!r} is inside an export's staging directory {STAGING!r}, "
+                         "which the next export into its parent removes; pass another directory")
     limit = parse_max_shard_size(CALL, max_shard_size)
     if config is not None and not callable(getattr(config, "save_pretrained", None)):
         raise TypeError(f"save_pretrained: config is a {type(config).__name__}, which has no "
@@ -120,7 +126,10 @@ def save_pretrained(step: Any, state: TrainState, directory: str | os.PathLike[s
     agreed(problem)
     for layer in keys.layers:
         problem = None
-        try:  # any rank's failure, not only the writer's: the others must not wait for it in a gather
+        # A failure between the gathers, on any rank (the writer's writes, a conversion), is agreed after
+        # the layer. One inside a gather (a rank out of memory in the all-gather) is the collective's: the
+        # others are in it, and it ends as a failed step's collective does (the launcher's timeout).
+        try:
             _export_layer(step, layout, state.params, mesh, layer, keys.convert, stream)
         except Exception as err:
             problem = _text(err)

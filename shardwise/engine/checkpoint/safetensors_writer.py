@@ -46,7 +46,7 @@ def parse_max_shard_size(call: str, value: Any) -> int:
         text = value.strip()
         try:
             size = int(float(text[:-2].strip()) * _UNITS[text[-2:].upper()])
-        except (KeyError, ValueError):
+        except (KeyError, ValueError, OverflowError):  # OverflowError: "infGB"
             raise ValueError(f"{call}: max_shard_size={value!r} is not a size: write digits and one of the units "
                              f'{sorted(_UNITS)} ("5GB", "500MB"), or an int of bytes') from None
     if size <= 0:
