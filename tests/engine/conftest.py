@@ -5,6 +5,7 @@ from __future__ import annotations
 import builtins
 import collections
 import threading
+import weakref
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -52,5 +53,41 @@ def count_reads(monkeypatch: pytest.MonkeyPatch) -> Callable[..., collections.Co
         for module in modules:
             monkeypatch.setattr(module, "open", counting_open, raising=False)
         return counts
+
+    return patch
+
+
+class GathersAlive:
+    """Per rank (thread), how many results of earlier all-gathers were alive at most when the next began
+    (``most``), and how many it issued (``count``)."""
+
+    def __init__(self) -> None:
+        self.most: dict[str, int] = {}
+        self.count: collections.Counter[str] = collections.Counter()
+        self._alive: dict[str, list[weakref.ref[Any]]] = {}
+
+    def wrap(self, real: Callable[..., Any]) -> Callable[..., Any]:
+        def counted(x: Any, *args: Any, **kw: Any) -> Any:
+            rank = threading.current_thread().name
+            held = [r for r in self._alive.setdefault(rank, []) if r() is not None]
+            self.most[rank] = max(self.most.get(rank, 0), len(held))
+            # A copy only the code under test holds: the threads backend keeps a collective's results
+            # until every rank took its own, which a rank's next gather may start before.
+            out = real(x, *args, **kw).clone()
+            self._alive[rank] = [*held, weakref.ref(out)]
+            self.count[rank] += 1
+            return out
+
+        return counted
+
+
+@pytest.fixture
+def gathers_alive(monkeypatch: pytest.MonkeyPatch) -> Callable[[ModuleType], GathersAlive]:
+    """``gathers_alive(module)``: per rank, the results of ``module.all_gather`` alive at each next one."""
+
+    def patch(module: ModuleType) -> GathersAlive:
+        seen = GathersAlive()
+        monkeypatch.setattr(module, "all_gather", seen.wrap(module.all_gather))
+        return seen
 
     return patch

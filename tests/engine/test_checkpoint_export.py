@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import functools
 import json
-import threading
-import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -214,33 +212,17 @@ def test_a_small_max_shard_size_writes_shards_and_an_index_that_transformers_loa
     assert all(torch.equal(loaded.state_dict()[k], v) for k, v in exported.items())
 
 
-def test_no_rank_holds_more_than_one_layer_gathered(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_no_rank_holds_more_than_one_layer_gathered(tmp_path: Path, gathers_alive: Any) -> None:
     """ZeRO-3 over 2 ranks, 6 layers: when a rank gathers a layer, nothing it gathered before is alive
     (a whole-model gather, as full_params, keeps every unit: this fails for it)."""
-    alive: dict[str, list[weakref.ref[torch.Tensor]]] = {}
-    most: dict[str, int] = {}
-    gathers: dict[str, int] = {}
-    real = layer_gather.all_gather
-
-    def counted(x: torch.Tensor, *args: Any, **kw: Any) -> torch.Tensor:
-        rank = threading.current_thread().name
-        held = [r for r in alive.setdefault(rank, []) if r() is not None]
-        most[rank] = max(most.get(rank, 0), len(held))
-        # A copy only the code under test holds: the threads backend keeps the collective's results
-        # until every rank took its own, which a rank's next gather may start before.
-        out = real(x, *args, **kw).clone()
-        alive[rank] = [*held, weakref.ref(out)]
-        gathers[rank] = gathers.get(rank, 0) + 1
-        return out
-
-    monkeypatch.setattr(layer_gather, "all_gather", counted)
+    seen = gathers_alive(layer_gather)
     model = _tiny_gpt(layers=6)
     chain, params = sw.functionalize(model, units=Block)
     assert len(chain) == 6
     step = sw.shard_params(sw.train_step(chain, _logits_loss, sw.optim.sgd(0.1)), "dp", stage=3)
     exported = sw.launch(functools.partial(_train_and_export, step, params, sw.Mesh(dp=2), tmp_path), 2)[0]
-    assert len(gathers) == 2 and all(n == len(chain) for n in gathers.values()), gathers
-    assert most == dict.fromkeys(gathers, 0)
+    assert len(seen.count) == 2 and all(n == len(chain) for n in seen.count.values()), seen.count
+    assert seen.most == dict.fromkeys(seen.count, 0)
     with safe_open(tmp_path / "model.safetensors", "pt") as f:
         assert all(torch.equal(f.get_tensor(k), exported[k]) for k in f.keys())  # noqa: SIM118
 

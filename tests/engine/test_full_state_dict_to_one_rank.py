@@ -4,8 +4,6 @@ with ``cpu_offload``, rank 0's). Compared with the every-rank ``full_state_dict`
 
 from __future__ import annotations
 
-import threading
-import weakref
 from typing import Any
 
 import pytest
@@ -71,24 +69,10 @@ def test_one_rank_receives_what_every_rank_would(layout: str, receiver: int) -> 
         assert one["head.weight"] is one["tok_emb.weight"]  # a tied weight's names hold one tensor
 
 
-def test_the_ranks_that_do_not_receive_hold_one_layer_gathered_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_ranks_that_do_not_receive_hold_one_layer_gathered_at_a_time(gathers_alive: Any) -> None:
     """ZeRO-3 over 2 ranks, 6 blocks: when a rank gathers a layer, what it gathered before is alive only
     on the receiving rank (in the state_dict it returns)."""
-    alive: dict[str, list[weakref.ref[torch.Tensor]]] = {}
-    most: dict[str, int] = {}
-    real = layer_gather.all_gather
-
-    def counted(x: torch.Tensor, *args: Any, **kw: Any) -> torch.Tensor:
-        rank = threading.current_thread().name
-        held = [r for r in alive.setdefault(rank, []) if r() is not None]
-        most[rank] = max(most.get(rank, 0), len(held))
-        # A copy only the code under test holds: the threads backend keeps the collective's results
-        # until every rank took its own, which a rank's next gather may start before.
-        out = real(x, *args, **kw).clone()
-        alive[rank] = [*held, weakref.ref(out)]
-        return out
-
-    monkeypatch.setattr(layer_gather, "all_gather", counted)
+    seen = gathers_alive(layer_gather)
     model = _gpt(layers=6)
     chain, params = sw.functionalize(model, units=Block)
     step = sw.shard_params(sw.train_step(chain, _loss, sw.optim.sgd(0.1)), "dp", stage=3)
@@ -100,8 +84,8 @@ def test_the_ranks_that_do_not_receive_hold_one_layer_gathered_at_a_time(monkeyp
 
     ranks = sw.launch(run, 2)
     assert [n > 0 for _, n in ranks] == [False, True]
-    held = sorted(most.values())
-    assert held[0] == 0 and held[1] == len(chain) - 1, most  # the receiver keeps each; the other, none
+    held = sorted(seen.most.values())
+    assert held[0] == 0 and held[1] == len(chain) - 1, seen.most  # the receiver keeps each; the other, none
 
 
 @pytest.mark.parametrize("rank", [-1, 2, True, "0", 0.0])

@@ -46,6 +46,17 @@ def _mixtral() -> tuple[Any, sw.Step, Any, list[Any]]:
     return model, sw.train_step(chain, _lm_loss, sw.optim.sgd(0.1, momentum=0.9)), params, data
 
 
+def _with_hfs_aux_loss(model: Any, step: sw.Step, params: Any, batch: Any, coef: float = 0.5) -> sw.Step:
+    """``router_aux_loss(step, coef)``, once its first loss is ``step``'s plus coef x the HF model's own aux
+    loss on ``batch`` (HF sums it in float32: agreement to float32's rounding)."""
+    reference = sw.router_aux_loss(step, coef)
+    added = _first_loss(reference, params, batch) - _first_loss(step, params, batch)
+    with torch.no_grad():
+        hf = model(batch[0], output_router_logits=True).aux_loss
+    assert added == pytest.approx(coef * float(hf), rel=1e-6)
+    return reference
+
+
 def test_on_one_device_it_is_hf_mixtrals_aux_loss() -> None:
     model, step, params, data = _mixtral()
     coef = 0.5
@@ -104,11 +115,7 @@ def test_experts_frozen_in_the_module_keep_the_aux_loss_which_reads_only_the_rou
 
     chain, params = sw.functionalize(model, units=MixtralDecoderLayer, example_input=data[0][0])
     step = sw.train_step(chain, _lm_loss, sw.optim.sgd(0.1, momentum=0.9))
-    reference = sw.router_aux_loss(step, 0.5)
-    added = _first_loss(reference, params, data[0]) - _first_loss(step, params, data[0])
-    with torch.no_grad():
-        hf = model(data[0][0], output_router_logits=True).aux_loss
-    assert added == pytest.approx(0.5 * float(hf), rel=1e-6)
+    reference = _with_hfs_aux_loss(model, step, params, data[0])
     sw.testing.assert_equivalent(sw.shard_params(reference, "dp", 3), reference, sw.Mesh(dp=2), data, params)
     fix = r"frozen with requires_grad=False.*sw\.optim\.group\('\*experts\*', frozen=True\)"
     with pytest.raises(ValueError, match=fix):
@@ -238,11 +245,7 @@ def test_hf_qwen2_moe_aux_loss_on_one_device_and_under_ep() -> None:
     data = [(torch.randint(32, (4, 6), generator=gen), torch.randint(32, (4, 6), generator=gen)) for _ in range(2)]
     chain, params = sw.functionalize(model, units=Qwen2MoeDecoderLayer, example_input=data[0][0])
     step = sw.train_step(chain, _lm_loss, sw.optim.sgd(0.1, momentum=0.9))
-    reference = sw.router_aux_loss(step, 0.5)
-    added = _first_loss(reference, params, data[0]) - _first_loss(step, params, data[0])
-    with torch.no_grad():
-        hf = model(data[0][0], output_router_logits=True).aux_loss
-    assert added == pytest.approx(0.5 * float(hf), rel=1e-6)  # HF sums in float32
+    reference = _with_hfs_aux_loss(model, step, params, data[0])
     sw.testing.assert_equivalent(sw.expert_parallel(reference, "ep"), reference, sw.Mesh(ep=2), data, params)
 
 
@@ -267,11 +270,7 @@ def test_hf_olmoe_and_qwen3_moe_on_one_device_and_under_ep(family: str, renormal
     chain, params = sw.functionalize(model, units=layer, example_input=data[0][0])
     step = sw.train_step(chain, _lm_loss, sw.optim.sgd(0.1, momentum=0.9))
     sw.testing.assert_equivalent(sw.expert_parallel(step, "ep"), step, sw.Mesh(ep=2), data, params)
-    reference = sw.router_aux_loss(step, 0.5)
-    added = _first_loss(reference, params, data[0]) - _first_loss(step, params, data[0])
-    with torch.no_grad():
-        hf = model(data[0][0], output_router_logits=True).aux_loss
-    assert added == pytest.approx(0.5 * float(hf), rel=1e-6)  # HF sums in float32
+    reference = _with_hfs_aux_loss(model, step, params, data[0])
     sw.testing.assert_equivalent(sw.shard_params(sw.expert_parallel(reference, "ep"), "dp", 3), reference,
                                  sw.Mesh(dp=2, ep=2), data, params)
 
