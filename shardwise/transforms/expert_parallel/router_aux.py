@@ -211,7 +211,9 @@ def router_aux_loss(step: Step, coef: float, *, per_microbatch: bool = False) ->
     ``shard_params(accumulation=)``) no micro-batch can know the whole batch's routing before it runs:
     each micro-batch's aux would be over its own tokens and the step's their mean, which is HF's under
     gradient accumulation but another loss than the single-device step's (the aux is not linear in the
-    batch). Such a stack is refused unless ``per_microbatch=True`` says that is the loss you want.
+    batch). Such a stack is refused unless ``per_microbatch=True`` says that is the loss you want; where
+    the batch is also cut over ranks, a micro-batch is the same part of every rank's share, so which rows
+    share a micro-batch, and that loss, depend on the mesh.
     A token-weighted step (``train_step(tokens=)`` a count function or ``"sum"``) is refused: give a mean
     loss, or ``tokens="per_shard_mean"`` (the shares' mean losses averaged, as a mean loss is) for padded
     labels on a batch the step cuts.
