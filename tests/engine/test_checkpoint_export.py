@@ -10,8 +10,10 @@ The memory test counts, per rank, the layers gathered and still alive when the n
 
 from __future__ import annotations
 
+import collections
 import functools
 import json
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -271,6 +273,31 @@ def test_a_writer_failing_mid_export_stops_every_rank_and_leaves_the_last_export
     assert {p.name: p.read_bytes() for p in out.iterdir()} == files_before  # no staging left, nothing replaced
     loaded = T.GPT2LMHeadModel.from_pretrained(out)
     assert all(torch.equal(loaded.state_dict()[k], v) for k, v in before.items())
+
+
+def test_a_rank_failing_inside_a_gather_stops_every_rank_with_its_cause(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rank out of memory for a gathered layer, the others in the gather: the failure propagates with
+    its cause, as in a step (it went to the agreement instead, where the others were in the gather: a
+    collective mismatch that named neither), and the writer's staging files are removed."""
+    step, params, config = _sgd_zero3_gpt2()
+    out = tmp_path / "out"
+    sw.launch(functools.partial(_train_and_export, step, params, sw.Mesh(dp=2), out, config=config), 2)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    real, calls = layer_gather.all_gather, collections.Counter()
+
+    def out_of_memory_on_rank_1(x: torch.Tensor, *args: Any, **kw: Any) -> torch.Tensor:
+        rank = threading.current_thread().name
+        calls[rank] += 1
+        if rank.endswith("1") and calls[rank] == 3:
+            raise torch.OutOfMemoryError("no memory for the gathered layer")
+        return real(x, *args, **kw)
+
+    monkeypatch.setattr(layer_gather, "all_gather", out_of_memory_on_rank_1)
+    with pytest.raises(sw.collectives.RankFailed, match=r"rank 1 failed: OutOfMemoryError: no memory for the gathered"):
+        sw.launch(lambda: sw.checkpoint.save_pretrained(step, step.init(params, sw.Mesh(dp=2)), out), 2, timeout=60)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # no staging left, nothing replaced
 
 
 def test_a_directory_the_writer_cannot_use_stops_every_rank(tmp_path: Path) -> None:

@@ -30,7 +30,6 @@ import torch
 from ...collectives.mesh import Mesh
 from ..layout.devices import device_of
 from ..layout.state import TrainState
-from ..layout.state_layout import StateLayout
 from .arguments import check_path, check_state, check_step
 from .errors import CheckpointError
 from .export_keys import Convert, LayerExport, export_keys
@@ -124,16 +123,25 @@ def save_pretrained(step: Any, state: TrainState, directory: str | os.PathLike[s
         except Exception as err:  # the other ranks hear of it in the agreement below
             problem = _text(err)
     agreed(problem)
-    for layer in keys.layers:
-        problem = None
-        # A failure between the gathers, on any rank (the writer's writes, a conversion), is agreed after
-        # the layer. One inside a gather (a rank out of memory in the all-gather) is the collective's: the
-        # others are in it, and it ends as a failed step's collective does (the launcher's timeout).
-        try:
-            _export_layer(step, layout, state.params, mesh, layer, keys.convert, stream)
-        except Exception as err:
-            problem = _text(err)
-        agreed(problem)
+    try:
+        for layer in keys.layers:
+            # A failure inside a gather (a rank out of memory for the gathered layer) is the collective's:
+            # the other ranks are in it, so it propagates with its cause, as in a step, and ends them as a
+            # failed step's collective does. What comes after the gather (the conversion, the writes) is
+            # agreed, so every rank stops with the writer's error.
+            params = gathered_layer(layout, state.params, mesh, layer.layer)
+            problem = None
+            try:
+                _write_layer(step, layer, params, keys.convert, stream)
+            except Exception as err:
+                problem = _text(err)
+            del params  # before the next layer's gather
+            agreed(problem)
+    except BaseException:
+        if stream is not None:  # (agreed() has cleaned up already where it raised)
+            stream.abort()
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
     problem = None
     if stream is not None:
         try:
@@ -158,11 +166,9 @@ def _prepare(target: Path, staging: Path, files: list[Any]) -> StreamWriter:
     return StreamWriter(staging, files)
 
 
-def _export_layer(step: Any, layout: StateLayout, held: Any, mesh: Mesh | None, layer: LayerExport,
-                  convert: Convert, stream: StreamWriter | None) -> None:
-    """Gather ``layer``'s parameters (every rank), and write what they become (the writer). What is
-    gathered dies when this returns: the next layer's gather finds it freed."""
-    params = gathered_layer(layout, held, mesh, layer.layer)
+def _write_layer(step: Any, layer: LayerExport, params: dict[str, torch.Tensor], convert: Convert,
+                 stream: StreamWriter | None) -> None:
+    """Write what ``layer``'s gathered parameters (and its buffers) become in the files (the writer)."""
     if stream is None:
         return
     tensors: dict[str, torch.Tensor] = {}
