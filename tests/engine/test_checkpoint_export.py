@@ -23,8 +23,9 @@ import torch
 from safetensors import safe_open
 
 import shardwise as sw
-from shardwise.engine.checkpoint import export, layer_gather, safetensors_writer
+from shardwise.engine.checkpoint import export, safetensors_writer
 from shardwise.engine.checkpoint.file_format import CheckpointError
+from shardwise.engine.layout import state_layout
 from shardwise.testing.models import Block, TinyGPT
 
 T = pytest.importorskip("transformers", reason="the [hf] extra (pip install -e '.[hf]') is not installed")
@@ -217,14 +218,25 @@ def test_a_small_max_shard_size_writes_shards_and_an_index_that_transformers_loa
 def test_no_rank_holds_more_than_one_layer_gathered(tmp_path: Path, gathers_alive: Any) -> None:
     """ZeRO-3 over 2 ranks, 6 layers: when a rank gathers a layer, nothing it gathered before is alive
     (a whole-model gather, as full_params, keeps every unit: this fails for it)."""
-    seen = gathers_alive(layer_gather)
+    seen = gathers_alive(state_layout)
     model = _tiny_gpt(layers=6)
     chain, params = sw.functionalize(model, units=Block)
     assert len(chain) == 6
     step = sw.shard_params(sw.train_step(chain, _logits_loss, sw.optim.sgd(0.1)), "dp", stage=3)
-    exported = sw.launch(functools.partial(_train_and_export, step, params, sw.Mesh(dp=2), tmp_path), 2)[0]
-    assert len(seen.count) == 2 and all(n == len(chain) for n in seen.count.values()), seen.count
-    assert seen.most == dict.fromkeys(seen.count, 0)
+
+    def export_then_read() -> tuple[int, int, dict[str, torch.Tensor]]:
+        state = step.init(params, sw.Mesh(dp=2))
+        for batch in _batches():
+            state, _ = step(state, batch)
+        sw.checkpoint.save_pretrained(step, state, tmp_path)
+        rank = threading.current_thread().name  # the export's gathers, before full_state_dict's (which keeps all)
+        most, count = seen.most.get(rank, 0), seen.count[rank]
+        return most, count, sw.checkpoint.full_state_dict(step, state)
+
+    results = sw.launch(export_then_read, 2)
+    assert [count for _, count, _ in results] == [len(chain)] * 2, results
+    assert [most for most, _, _ in results] == [0, 0]
+    exported = results[0][2]
     with safe_open(tmp_path / "model.safetensors", "pt") as f:
         assert all(torch.equal(f.get_tensor(k), exported[k]) for k in f.keys())  # noqa: SIM118
 
@@ -285,7 +297,7 @@ def test_a_rank_failing_inside_a_gather_stops_every_rank_with_its_cause(
     out = tmp_path / "out"
     sw.launch(functools.partial(_train_and_export, step, params, sw.Mesh(dp=2), out, config=config), 2)
     before = {p.name: p.read_bytes() for p in out.iterdir()}
-    real, calls = layer_gather.all_gather, collections.Counter()
+    real, calls = state_layout.all_gather, collections.Counter()
 
     def out_of_memory_on_rank_1(x: torch.Tensor, *args: Any, **kw: Any) -> torch.Tensor:
         rank = threading.current_thread().name
@@ -294,7 +306,7 @@ def test_a_rank_failing_inside_a_gather_stops_every_rank_with_its_cause(
             raise torch.OutOfMemoryError("no memory for the gathered layer")
         return real(x, *args, **kw)
 
-    monkeypatch.setattr(layer_gather, "all_gather", out_of_memory_on_rank_1)
+    monkeypatch.setattr(state_layout, "all_gather", out_of_memory_on_rank_1)
     with pytest.raises(sw.collectives.RankFailed, match=r"rank 1 failed: OutOfMemoryError: no memory for the gathered"):
         sw.launch(lambda: sw.checkpoint.save_pretrained(step, step.init(params, sw.Mesh(dp=2)), out), 2, timeout=60)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # no staging left, nothing replaced

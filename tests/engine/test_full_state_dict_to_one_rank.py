@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import shardwise as sw
-from shardwise.engine.checkpoint import layer_gather
+from shardwise.engine.layout import state_layout
 from shardwise.testing.models import Block, TinyGPT
 
 SEQ = 8
@@ -72,7 +72,7 @@ def test_one_rank_receives_what_every_rank_would(layout: str, receiver: int) -> 
 def test_the_ranks_that_do_not_receive_hold_one_layer_gathered_at_a_time(gathers_alive: Any) -> None:
     """ZeRO-3 over 2 ranks, 6 blocks: when a rank gathers a layer, what it gathered before is alive only
     on the receiving rank (in the state_dict it returns)."""
-    seen = gathers_alive(layer_gather)
+    seen = gathers_alive(state_layout)
     model = _gpt(layers=6)
     chain, params = sw.functionalize(model, units=Block)
     step = sw.shard_params(sw.train_step(chain, _loss, sw.optim.sgd(0.1)), "dp", stage=3)

@@ -30,11 +30,11 @@ import torch
 from ...collectives.mesh import Mesh
 from ..layout.devices import device_of
 from ..layout.state import TrainState
+from ..layout.state_layout import gathered_layer
 from .arguments import check_path, check_state, check_step
 from .errors import CheckpointError
 from .export_keys import Convert, LayerExport, export_keys
 from .file_format import fsync_dir
-from .layer_gather import gathered_layer
 from .names import state_dict_names
 from .safetensors_files import INDEX, SINGLE
 from .safetensors_writer import SHARD_NAME, StreamWriter, cut_into_files, parse_max_shard_size, write_index

@@ -23,10 +23,10 @@ import torch
 
 from ...collectives.mesh import Mesh
 from ..layout.state import TrainState
+from ..layout.state_layout import gathered_layer
 from .arguments import check_state, check_step
 from .buffers import restore_from
 from .file_format import DCP_META, CheckpointError
-from .layer_gather import gathered_layer
 from .names import module_params, state_dict_names
 from .regions import Placed
 from .save_load import _layout_of

@@ -389,35 +389,48 @@ def meta_shards(sharding: FlatSharding) -> dict[str, torch.Tensor]:
 
 
 def full_params(layout: StateLayout, held: Any, mesh: Mesh | None) -> dict[str, dict[str, torch.Tensor]]:
-    """Every rank gets the complete parameters: an all-gather per unit under ZeRO-3, then a
-    broadcast of each layer from the pipeline index that owns it. Collectives: every rank
-    calls this together."""
-    local: dict[str, dict[str, torch.Tensor]]
+    """Every rank gets the complete parameters: :func:`gathered_layer` for every layer, each unit's
+    parameters copied out of its gathered buffer under ZeRO-3. Collectives: every rank calls this
+    together."""
     sharding = layout.sharding
-    if sharding is not None and sharding.holds_shards:
-        assert mesh is not None
-        local = {}
-        for unit, lay in sharding.units.items():
-            flat = all_gather(held[unit], sharding.axis, tiled=True, mesh=mesh)
-            local[unit] = {k: v.clone() for k, v in lay.unflatten(flat).items()}
-    else:
-        local = {k: dict(v) for k, v in held.items()}
-    placement = layout.placement
-    if placement.axis is None:
-        full = {layer: local.get(layer, {}) for layer in layout.layers}
-    else:
-        assert mesh is not None
-        device = device_of(local)  # a rank holding no parameter at all receives on the CPU
-        full = {layer: {} for layer in layout.layers}
-        for (layer, name), spec in layout.leaves.items():
-            owner = spec.copies[0].index
-            mine = local.get(layer, {}).get(name)
-            x = mine if mine is not None else torch.zeros(spec.local_shape, dtype=spec.dtype, device=device)
-            full[layer][name] = broadcast(x, placement.axis, root=owner, mesh=mesh)
-    for (layer, name), spec in layout.leaves.items():
-        split = spec.split
-        if split is not None:  # tensor parallel: every index's slice, joined
-            assert mesh is not None
-            pieces = all_gather(full[layer][name].contiguous(), split.axis, mesh=mesh)
-            full[layer][name] = split.join(list(pieces.unbind(0)))
+    full: dict[str, dict[str, torch.Tensor]] = {}
+    for layer in layout.layers:
+        gathered = gathered_layer(layout, held, mesh, layer)
+        sharded = sharding is not None and sharding.holds_shards and layer in sharding.units
+        full[layer] = {n: t.clone() for n, t in gathered.items()} if sharded else gathered
     return full
+
+
+def gathered_layer(layout: StateLayout, held: Any, mesh: Mesh | None, layer: str) -> dict[str, torch.Tensor]:
+    """``layer``'s whole parameters, gathered from wherever the state keeps them, a layer at a time (an
+    export or a one-rank state_dict never holds more than one layer gathered beside the state): under
+    ZeRO-3 its unit all-gathered over the data-parallel axis (views of the gathered buffer), under a
+    pipeline each parameter broadcast from the index that owns it, tensor-parallel slices joined.
+    Collectives: every rank calls it for every layer, in the same order."""
+    sharding = layout.sharding
+    local: Mapping[str, torch.Tensor]
+    if sharding is not None and sharding.holds_shards:
+        lay = sharding.units.get(layer)
+        local = {} if lay is None else lay.unflatten(all_gather(held[layer], sharding.axis, tiled=True, mesh=mesh))
+    else:
+        local = held.get(layer, {})
+    return {spec.name: _whole_leaf(layout, spec, local.get(spec.name), held, mesh)
+            for (owner, _), spec in layout.leaves.items() if owner == layer}
+
+
+def _whole_leaf(layout: StateLayout, spec: LeafSpec, mine: torch.Tensor | None, held: Any, mesh: Mesh | None
+                ) -> torch.Tensor:
+    """One parameter whole: broadcast from the pipeline index that owns it (a rank holding no parameter
+    at all receives on the CPU), its tensor-parallel slices joined."""
+    if layout.placement.axis is not None:
+        assert mesh is not None
+        # a rank that does not hold the leaf sends nothing (root is the owner) but passes a tensor of its shape
+        x = mine if mine is not None else torch.zeros(spec.local_shape, dtype=spec.dtype, device=device_of(held))
+        mine = broadcast(x, layout.placement.axis, root=spec.copies[0].index, mesh=mesh)
+    assert mine is not None
+    split = spec.split
+    if split is not None:  # tensor parallel: every index's slice, joined
+        assert mesh is not None
+        pieces = all_gather(mine.contiguous(), split.axis, mesh=mesh)
+        mine = split.join(list(pieces.unbind(0)))
+    return mine
