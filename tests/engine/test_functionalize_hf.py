@@ -514,7 +514,7 @@ def test_a_dataclass_output_flows_and_round_trips() -> None:
 def test_optree_still_has_the_global_namespace_we_register_in() -> None:
     """pytrees.py registers through optree's private global-namespace sentinel: fail loudly if
     optree renames it, and check a registered class flattens with no namespace given."""
-    assert type(pytrees._GLOBAL_NAMESPACE).__name__ == "GlobalNamespace"
+    assert type(pytrees.GLOBAL_NAMESPACE).__name__ == "GlobalNamespace"
 
     @dataclasses.dataclass
     class Fresh:

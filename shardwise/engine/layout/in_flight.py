@@ -25,9 +25,8 @@ import optree
 import torch
 
 from ...collectives import Handle
+from ..model.pytrees import GLOBAL_NAMESPACE
 from .buckets import Bucket
-
-_GLOBAL_NAMESPACE: Any = getattr(optree.registry, "__GLOBAL_NAMESPACE")
 
 Layers = dict[str, dict[str, torch.Tensor]]
 
@@ -154,5 +153,5 @@ optree.register_pytree_node(
     _flatten,  # type: ignore[arg-type]
     _unflatten,  # type: ignore[arg-type]
     path_entry_type=optree.MappingEntry,
-    namespace=_GLOBAL_NAMESPACE,
+    namespace=GLOBAL_NAMESPACE,
 )

@@ -38,12 +38,12 @@ from typing import Any
 import optree
 from torch import Tensor
 
-__all__ = ["float_leaves", "register_output_types", "unregistered_reason"]
+__all__ = ["GLOBAL_NAMESPACE", "float_leaves", "register_output_types", "unregistered_reason"]
 
 # optree registers its built-in containers in a global namespace that is spelled only by this
 # module-level sentinel ("" is refused as a namespace name). tests/engine/test_functionalize_hf.py
 # fails if optree moves it.
-_GLOBAL_NAMESPACE: Any = getattr(optree.registry, "__GLOBAL_NAMESPACE")
+GLOBAL_NAMESPACE: Any = getattr(optree.registry, "__GLOBAL_NAMESPACE")
 
 _LOCK = threading.Lock()
 _REFUSED: dict[type, str] = {}  # dataclasses left as leaves, and why
@@ -133,7 +133,7 @@ def _register(instance: Any) -> None:
             flatten,
             unflatten,  # type: ignore[arg-type]
             path_entry_type=entry,
-            namespace=_GLOBAL_NAMESPACE,
+            namespace=GLOBAL_NAMESPACE,
         )
 
 

@@ -22,7 +22,8 @@ from typing import Any
 import optree
 import torch
 
-_GLOBAL_NAMESPACE: Any = getattr(optree.registry, "__GLOBAL_NAMESPACE")
+from ..model.pytrees import GLOBAL_NAMESPACE
+
 _COUNT = struct.Struct("<Q")
 
 
@@ -61,5 +62,5 @@ def _container(module: str, name: str) -> type | None:
     if not isinstance(found, type):
         return None
     named_tuple = issubclass(found, tuple) and hasattr(found, "_fields")
-    registered = optree.register_pytree_node.get(found, namespace=_GLOBAL_NAMESPACE) is not None
+    registered = optree.register_pytree_node.get(found, namespace=GLOBAL_NAMESPACE) is not None
     return found if named_tuple or registered or found is type(None) else None
