@@ -133,7 +133,14 @@ def test_an_export_is_what_save_pretrained_writes_and_loads_back_equal(family: s
                                          config=model.config), mesh)[0]
     make().save_pretrained(tmp_path / "reference")
     assert _files(tmp_path / "out") == _files(tmp_path / "reference")  # keys, shapes, dtypes
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["config.json", "model.safetensors"]
+    # the files save_pretrained writes, config.json with the architecture and dtype it fills in, and
+    # generation_config.json where the model generates
+    out, reference = tmp_path / "out", tmp_path / "reference"
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in reference.iterdir())
+    for name in ("config.json", "generation_config.json"):
+        if (reference / name).exists():
+            assert json.loads((out / name).read_text()) == json.loads((reference / name).read_text()), name
+    assert model.config.architectures is None  # the caller's config is left as it was
     loaded, info = type(model).from_pretrained(tmp_path / "out", output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
     got = loaded.state_dict()

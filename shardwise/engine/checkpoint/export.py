@@ -19,6 +19,7 @@ directory removed and ``directory`` as it was.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from ...collectives.mesh import Mesh
 from ..layout.devices import device_of
@@ -33,8 +35,9 @@ from ..layout.state import TrainState
 from ..layout.state_layout import gathered_layer
 from .arguments import check_path, check_state, check_step
 from .errors import CheckpointError
-from .export_keys import Convert, LayerExport, export_keys
+from .export_keys import Convert, ExportKeys, LayerExport, export_keys
 from .file_format import fsync_dir
+from .hf_layout import pretrained_model
 from .names import state_dict_names
 from .safetensors_files import INDEX, SINGLE
 from .safetensors_writer import SHARD_NAME, StreamWriter, cut_into_files, parse_max_shard_size, write_index
@@ -53,8 +56,9 @@ def save_pretrained(step: Any, state: TrainState, directory: str | os.PathLike[s
     past ``max_shard_size`` (bytes, or ``"5GB"``, ``"500MB"``; transformers 5's default, ``"50GB"``); a
     transformers model's keys are the ones its ``save_pretrained`` writes (a tied weight once, fused
     experts per expert), any other module's its ``state_dict`` keys (a tied weight once). ``config``
-    (``model.config``: anything with ``save_pretrained(directory)``) is saved beside them. The
-    parameters are the state's (master dtype).
+    (``model.config``: anything with ``save_pretrained(directory)``) is saved beside them, a copy with
+    the model's class and dtype filled in as ``save_pretrained`` does, and the model's
+    ``generation_config`` where it generates. The parameters are the state's (master dtype).
 
     >>> import tempfile, torch, shardwise as sw
     >>> from safetensors.torch import load_file
@@ -145,7 +149,8 @@ def save_pretrained(step: Any, state: TrainState, directory: str | os.PathLike[s
     problem = None
     if stream is not None:
         try:
-            _commit(target, staging, stream, config)
+            _commit(target, staging, stream, config, pretrained_model(step.base_chain),
+                    _weights_dtype(keys))
         except Exception as err:
             problem = f"{_text(err)} (while moving the finished files into place)"
     agreed(problem, "the earlier export, this one, or no weights (never a mix of both): export again")
@@ -192,7 +197,29 @@ def _write_layer(step: Any, layer: LayerExport, params: dict[str, torch.Tensor],
         stream.put(planned.key, converted[planned.key])
 
 
-def _commit(target: Path, staging: Path, stream: StreamWriter, config: Any) -> None:
+def _weights_dtype(keys: ExportKeys) -> torch.dtype | None:
+    """The model's dtype as transformers reads it (its first floating-point tensor's), for the config."""
+    return next((t.dtype for t in keys.planned if t.dtype.is_floating_point), None)
+
+
+def _save_config(staging: Path, config: Any, model: nn.Module | None, dtype: torch.dtype | None) -> None:
+    """``config.json`` as ``model.save_pretrained`` writes it, on a copy (the caller's config is left as it
+    was): the model's class as its architecture and the weights' dtype filled in, for loaders and the
+    Hub's pipelines that read them; and ``generation_config.json`` beside it where the model generates."""
+    config = copy.deepcopy(config)
+    if model is not None and hasattr(config, "architectures"):
+        config.architectures = [type(model).__name__]
+    if dtype is not None and hasattr(config, "dtype"):
+        config.dtype = str(dtype).removeprefix("torch.")
+    config.save_pretrained(staging)
+    can_generate = getattr(model, "can_generate", None)
+    generation = getattr(model, "generation_config", None)
+    if callable(can_generate) and can_generate() and generation is not None:
+        generation.save_pretrained(staging)
+
+
+def _commit(target: Path, staging: Path, stream: StreamWriter, config: Any, model: nn.Module | None,
+            dtype: torch.dtype | None) -> None:
     """Move the finished files into ``target`` so that a crash at any point leaves what a loader reads
     whole, the earlier export or this one, or no weights at all, never a mix of both: the weights and
     the config, then the index (replaced at once), then the earlier export's files this one does not
@@ -203,7 +230,7 @@ def _commit(target: Path, staging: Path, stream: StreamWriter, config: Any) -> N
     the directory), not the old index over new shards."""
     index = stream.finish()
     if config is not None:
-        config.save_pretrained(staging)
+        _save_config(staging, config, model, dtype)
     written = {name for name, _ in stream.files}
     old_index = target / INDEX
     if index is not None and old_index.is_file() and written & _named_by(old_index):
