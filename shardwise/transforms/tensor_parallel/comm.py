@@ -51,6 +51,7 @@ def enter(
     """Megatron's f: identity forward, all-reduce backward; sequence parallel: all-gather the sequence."""
     if seq_dim is None:
         return _comm(x, axis, None, "psum", 0, reduce, label)
+    _check_has_sequence(x, seq_dim, label)
     return _comm(x, axis, "all_gather", "psum_scatter", seq_dim, reduce, label)
 
 
@@ -60,6 +61,7 @@ def leave(
     """Megatron's g: all-reduce forward, identity backward; sequence parallel: reduce-scatter the sequence."""
     if seq_dim is None:
         return _comm(x, axis, "psum", None, 0, reduce, label)
+    _check_has_sequence(x, seq_dim, label)
     _check_divides(x, seq_dim, axis, label)
     return _comm(x, axis, "psum_scatter", "all_gather", seq_dim, reduce, label)
 
@@ -166,6 +168,20 @@ def all_max(x: torch.Tensor, axis: str, label: str) -> torch.Tensor:
         in_layer.record("all_gather", axis, tuple(x.shape), x.dtype, label)
         return x.clone()
     return all_gather(x, axis).amax(0)
+
+
+def _check_has_sequence(x: torch.Tensor, dim: int, label: str) -> None:
+    """A sequence-parallel value is (batch, sequence, ...): split along ``dim``, the sequence. A value with
+    no dim after it (a MoE block's tokens flattened to (tokens, hidden)) would be gathered along its
+    features, or another dim that is not the sequence."""
+    if x.dim() <= dim + 1:
+        raise ValueError(
+            f"tensor_parallel(sequence_parallel=...): {label!r} receives a value of shape {list(x.shape)} inside a "
+            f"sequence-parallel block, where values are (batch, sequence, ...) split along dim {dim}, the sequence; "
+            "this one has no such dim (a MoE block flattens its tokens to (tokens, hidden) before its experts and "
+            f"shared expert), so gathering dim {dim} would join its features. Leave this module out of the plan, or "
+            "leave its block out of sequence_parallel"
+        )
 
 
 def _check_divides(x: torch.Tensor, dim: int, axis: str, label: str) -> None:

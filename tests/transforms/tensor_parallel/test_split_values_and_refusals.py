@@ -256,3 +256,42 @@ def test_ids_outside_the_vocabulary_are_refused(bad: str) -> None:
         step(step.init(params), batch)  # the reference refuses it
     with pytest.raises(sw.collectives.RankFailed):
         _one_step(sw.tensor_parallel(step, "tp", sw.tp.tiny_gpt_plan()), params, sw.Mesh(tp=2), lambda rank: batch)
+
+
+# -- a module under sequence parallel whose input has no sequence dim --------------------------------
+
+
+def test_a_moe_shared_expert_split_under_sequence_parallel_is_refused_naming_the_flattened_tokens() -> None:
+    """Qwen2-MoE's block flattens its tokens to (tokens, hidden) before its shared expert: inside a
+    sequence-parallel block, gathering dim 1 there would join the features. The refusal names the module,
+    the shape and the way out (it was a shape mismatch in the first Linear, read as a head count)."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeDecoderLayer
+
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2MoeConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=24, moe_intermediate_size=12,
+        shared_expert_intermediate_size=20, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+        num_experts=4, num_experts_per_tok=2, max_position_embeddings=32, bos_token_id=0, eos_token_id=0,
+        experts_implementation="eager")
+    model = transformers.Qwen2MoeForCausalLM(cfg).double()
+    ids = torch.randint(32, (2, 9), generator=torch.Generator().manual_seed(1))
+    batch = (ids[:, :-1], ids[:, 1:])
+    chain, params = sw.functionalize(model, units=Qwen2MoeDecoderLayer, example_input=batch[0])
+
+    def loss(out: Any, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(out.logits.reshape(-1, out.logits.shape[-1]), targets.reshape(-1))
+
+    plan = {k: v for k, v in sw.tp.llama_plan(vocab_parallel=False).items() if ".mlp" not in k}
+    shared = "model.layers.*.mlp.shared_expert"
+    plan.update({shared: sw.tp.Region(), f"{shared}.gate_proj": sw.tp.Colwise(), f"{shared}.up_proj": sw.tp.Colwise(),
+                 f"{shared}.down_proj": sw.tp.Rowwise()})
+    step = sw.train_step(chain, loss, sw.optim.sgd(0.1))
+    mesh = sw.Mesh(tp=2)
+    # without sequence parallel the same plan trains as one device does
+    sw.testing.assert_equivalent(sw.tensor_parallel(step, "tp", plan), step, mesh, [batch], params, timeout=90)
+    split = sw.tensor_parallel(step, "tp", plan, sequence_parallel=sw.tp.LLAMA_BLOCKS)
+    with pytest.raises(sw.collectives.RankFailed,
+                       match=r"'model\.layers\.0\.mlp\.shared_expert' receives a value of shape \[8, 16\] inside a "
+                             r"sequence-parallel block.*flattens its tokens.*leave its block out of sequence_parallel"):
+        _one_step(split, params, mesh, lambda rank: batch)
