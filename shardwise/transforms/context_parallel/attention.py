@@ -158,19 +158,14 @@ def _known(module: nn.Module, where: str) -> bool:
 
 
 def _known_hf(module: nn.Module, where: str) -> bool:
-    """A Hugging Face causal attention (q_proj .. o_proj, head_dim, a config); refused unless on sdpa."""
+    """A Hugging Face causal attention (q_proj .. o_proj, head_dim, a config) of a class it splits; refused
+    unless on sdpa."""
     m: Any = module
     if not all(isinstance(getattr(m, n, None), nn.Module) for n in ("q_proj", "k_proj", "v_proj", "o_proj")):
         return False
     config = getattr(m, "config", None)
     if config is None or not isinstance(getattr(m, "head_dim", None), int) or not getattr(m, "is_causal", False):
         return False
-    implementation = getattr(config, "_attn_implementation", None)
-    if implementation != "sdpa":
-        raise ValueError(
-            f"context_parallel: {where} ({type(m).__name__}) runs attn_implementation={implementation!r}; it splits "
-            "sdpa attention (plain causal softmax attention): build the model with attn_implementation='sdpa'"
-        )
     # HFForward is Llama's forward: a module it does not call (Qwen3's and OLMo-2's q_norm, k_norm)
     # would be left out, and the step would train another model without an error.
     extra = [n for n, _ in m.named_children() if n not in _HF_PROJECTIONS]
@@ -198,6 +193,14 @@ def _known_hf(module: nn.Module, where: str) -> bool:
             f"context_parallel has checked against the Llama-shaped forward it installs ({', '.join(_VERIFIED_HF)}); "
             "what it does beyond Llama's in its own code would be left out without an error. Use one of those "
             "attentions, rewrite this one to call ring_attention / ulysses_attention, or leave context_parallel out"
+        )
+    # The implementation last: a class it does not split is refused for that, which no implementation changes
+    # (Gemma-2 on eager was told to use sdpa, which transformers refuses for it).
+    implementation = getattr(config, "_attn_implementation", None)
+    if implementation != "sdpa":
+        raise ValueError(
+            f"context_parallel: {where} ({type(m).__name__}) runs attn_implementation={implementation!r}; it splits "
+            "sdpa attention (plain causal softmax attention): build the model with attn_implementation='sdpa'"
         )
     return True
 

@@ -77,6 +77,23 @@ def test_eager_attention_is_refused_with_the_fix() -> None:
         sw.context_parallel(step, "cp")
 
 
+def test_an_attention_it_does_not_split_is_refused_for_its_class_whatever_its_implementation() -> None:
+    """Gemma-2 on eager (transformers refuses sdpa for it) was told to build the model on sdpa, advice that led
+    nowhere: its class is not one context_parallel splits, which is said first now."""
+    torch.manual_seed(0)
+    config = T.Gemma2Config(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=4, max_position_embeddings=2 * SEQ,
+                            attn_implementation="eager", bos_token_id=0, eos_token_id=0)
+    model = T.Gemma2ForCausalLM(config).double()
+    ids = torch.randint(VOCAB, (2, SEQ))
+    chain, _ = sw.functionalize(model, units=T.models.gemma2.modeling_gemma2.Gemma2DecoderLayer, example_input=ids)
+    step = sw.train_step(chain, lm_loss, sw.optim.sgd(0.1))
+    with pytest.raises(ValueError, match=r"self_attn is a Gemma2Attention .*whose forward is not one context_parallel "
+                                         r"has checked") as info:
+        sw.context_parallel(step, "cp")
+    assert "attn_implementation" not in str(info.value)
+
+
 @pytest.mark.parametrize("family", ["Qwen3", "Olmo2"])
 def test_an_hf_attention_with_a_module_its_forward_leaves_out_is_refused(family: str) -> None:
     """Qwen3's and OLMo-2's attentions have Llama's q_proj .. o_proj plus q_norm and k_norm, which the
