@@ -334,7 +334,15 @@ def _check_batch_dict(batch: Mapping[str, Any]) -> None:
     mask = batch.get("attention_mask")
     if isinstance(mask, torch.Tensor) and mask.dim() != 2:
         token_mask(attention_mask=mask)  # refuses with the fix
-    if batch.get("labels") is not None:
+    labels, ids = batch.get("labels"), batch.get("input_ids")
+    if isinstance(labels, torch.Tensor) and isinstance(ids, torch.Tensor) and labels.shape != ids.shape:
+        raise ValueError(
+            f"context_parallel: the batch dict has labels of shape {list(labels.shape)}, not one per token "
+            f"(input_ids are {list(ids.shape)}): a loss per sequence (a sequence classifier's, pooled from one "
+            "token of the sequence), which context parallel does not split, since it cuts every sequence over its "
+            "ranks; leave context_parallel out for this model"
+        )
+    if labels is not None:
         raise ValueError(
             "context_parallel: the batch dict has labels, which the model would shift by one inside each rank's "
             "part of the sequence (a wrong target at every chunk's end); pass the batch as (inputs, targets) with "

@@ -112,6 +112,19 @@ def test_labels_in_the_batch_dict_are_refused() -> None:
     refused(step, params, ({**inputs, "labels": targets}, targets), r"labels, which the model would shift")
 
 
+def test_labels_one_per_sequence_are_refused_as_a_loss_it_does_not_split() -> None:
+    """A sequence classifier's labels (one per sequence) were refused with the advice to shift them on the
+    whole sequence, which does not apply: its loss is pooled from one token, which context parallel does not
+    split; the refusal says so."""
+    step, params, batches = llama("left")
+    inputs, targets = batches[0]
+    labels = torch.zeros(inputs["input_ids"].shape[0], dtype=torch.long)
+    with pytest.raises(ValueError, match=r"labels of shape \[2\], not one per token.*a loss per sequence.*leave "
+                                         r"context_parallel out") as info:
+        sw.context_parallel(step, "cp").plan(sw.Mesh(cp=2), params, ({**inputs, "labels": labels}, targets))
+    assert "shift" not in str(info.value)
+
+
 def test_position_ids_without_an_attention_mask_entry_are_refused_with_the_fix() -> None:
     step, params, _ = llama("left")
     ids = torch.randint(0, VOCAB, (2, SEQ))
