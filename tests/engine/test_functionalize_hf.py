@@ -584,3 +584,43 @@ def test_padded_dict_batches_over_dp_equal_the_global_batch_when_the_loss_counts
     with pytest.raises(AssertionError, match="first divergence"):
         sw.testing.assert_equivalent(sw.shard_params(mean_step, "dp", 3), step, sw.Mesh(dp=2), batches, params,
                                      rtol=rtol)
+
+
+# -- random numbers drawn outside torch ----------------------------------------------------------------
+
+
+def _wav2vec2(mask_time_prob: float) -> Any:
+    torch.manual_seed(0)
+    return T.Wav2Vec2ForCTC(T.Wav2Vec2Config(
+        vocab_size=12, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+        conv_dim=(8, 8), conv_stride=(4, 2), conv_kernel=(8, 4), num_conv_pos_embeddings=4,
+        num_conv_pos_embedding_groups=2, mask_time_prob=mask_time_prob, mask_time_length=2, pad_token_id=0,
+    )).double()
+
+
+def test_a_forward_drawing_from_numpy_is_refused_naming_it_and_the_fix() -> None:
+    """Wav2Vec2's SpecAugment (on by default: mask_time_prob=0.05) draws its masks with np.random, which
+    shardwise can neither seed per compute nor replay in remat's recomputation (a gradient of another
+    forward). It was refused as "the split changed the computation", with nothing split."""
+    audio = torch.randn(2, 400, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    with pytest.raises(FunctionalizeError, match=r"Wav2Vec2ForCTC's forward draws random numbers from numpy's "
+                                                 r"global np.random.*config.mask_time_prob = 0"):
+        functionalize(_wav2vec2(0.5), example_input=audio)
+    chain, _ = functionalize(_wav2vec2(0.0), example_input=audio)  # without the augmentation: accepted
+    assert chain.names
+
+
+class _DrawsFromPython(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        import random
+
+        return self.linear(x) * (1.0 if random.random() < 2 else 0.0)  # a draw, whatever it gives
+
+
+def test_a_forward_drawing_from_pythons_random_is_refused() -> None:
+    with pytest.raises(FunctionalizeError, match=r"draws random numbers from Python's random"):
+        functionalize(_DrawsFromPython(), example_input=torch.randn(2, 4))

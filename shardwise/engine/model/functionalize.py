@@ -85,6 +85,7 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _NormBase
 
 from ..torch_api import dense_where_refused, fake_run_errors
+from . import host_random
 from .batch_loss_terms import refuse_split_batch_loss
 from .capture import Piece, split_by_calls
 from .chain import Chain, Layer
@@ -493,7 +494,9 @@ def _check_against_module(module: nn.Module, chain: Chain, params: ParamTree, x:
     with torch.no_grad(), torch.random.fork_rng(devices=devices):
         rng = _rng_states(devices)
         args, kwargs = call_arguments(module, x)
+        outside = host_random.states()
         expected = register_output_types(module(*args, **kwargs))
+        _refuse_host_random(module, host_random.draws(outside))
         _set_rng_states(devices, rng)
         got = x
         check_output = _output_check(chain)
@@ -507,6 +510,20 @@ def _check_against_module(module: nn.Module, chain: Chain, params: ParamTree, x:
                 "layer cannot carry state. Put the module in eval mode or drop the in-place update."
             )
     _compare_outputs(expected, got)
+
+
+def _refuse_host_random(module: nn.Module, drawn: list[str]) -> None:
+    """A forward that draws from numpy's or Python's generator (``host_random``): its draws are not
+    seeded per compute, so remat's recomputation, a resumed run and the ranks would each draw others."""
+    if drawn:
+        raise FunctionalizeError(
+            f"functionalize: {type(module).__name__}'s forward draws random numbers from {' and '.join(drawn)}, "
+            "which shardwise cannot seed or replay as it does torch's generators: remat's recomputation would draw "
+            "others than the forward did (a gradient of another forward, without an error), and a resumed run "
+            "others than the run it continues. Draw them with torch (torch.rand, torch.bernoulli), turn the "
+            "random augmentation off (Wav2Vec2 / HuBERT's SpecAugment: config.mask_time_prob = 0 and "
+            "config.mask_feature_prob = 0)"
+        )
 
 
 def _rng_states(devices: list[int]) -> tuple[Tensor, list[Tensor]]:
