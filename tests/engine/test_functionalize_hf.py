@@ -618,9 +618,32 @@ class _DrawsFromPython(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         import random
 
-        return self.linear(x) * (1.0 if random.random() < 2 else 0.0)  # a draw, whatever it gives
+        return self.linear(x) * random.random()  # its output depends on the draw
 
 
 def test_a_forward_drawing_from_pythons_random_is_refused() -> None:
     with pytest.raises(FunctionalizeError, match=r"draws random numbers from Python's random"):
         functionalize(_DrawsFromPython(), example_input=torch.randn(2, 4))
+
+
+class _DrawsWithoutEffect(nn.Module):
+    """A LayerDrop of probability 0, as MusicGen's decoder and Wav2Vec2's adapter run it: a draw every
+    forward, which never drops a layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+        self.layerdrop = 0.0
+
+    def forward(self, x: Tensor) -> Tensor:
+        import random
+
+        for layer in self.layers:
+            if random.uniform(0, 1) >= self.layerdrop:
+                x = layer(x)
+        return x
+
+
+def test_a_draw_that_changes_nothing_is_accepted() -> None:
+    _chain, params = functionalize(_DrawsWithoutEffect(), example_input=torch.randn(2, 4))
+    assert sum(len(v) for v in params.values()) == 4

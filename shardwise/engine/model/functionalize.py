@@ -496,7 +496,10 @@ def _check_against_module(module: nn.Module, chain: Chain, params: ParamTree, x:
         args, kwargs = call_arguments(module, x)
         outside = host_random.states()
         expected = register_output_types(module(*args, **kwargs))
-        _refuse_host_random(module, host_random.draws(outside))
+        drawn = host_random.draws(outside)
+        if drawn:  # again, torch's generators as before and the others moved on: do the draws matter?
+            _set_rng_states(devices, rng)
+            _refuse_host_random(module, drawn, _same_outputs(expected, module(*args, **kwargs)))
         _set_rng_states(devices, rng)
         got = x
         check_output = _output_check(chain)
@@ -512,10 +515,12 @@ def _check_against_module(module: nn.Module, chain: Chain, params: ParamTree, x:
     _compare_outputs(expected, got)
 
 
-def _refuse_host_random(module: nn.Module, drawn: list[str]) -> None:
-    """A forward that draws from numpy's or Python's generator (``host_random``): its draws are not
-    seeded per compute, so remat's recomputation, a resumed run and the ranks would each draw others."""
-    if drawn:
+def _refuse_host_random(module: nn.Module, drawn: list[str], same: bool) -> None:
+    """A forward whose output depends on what it draws from numpy's or Python's generator
+    (``host_random``): those draws are not seeded per compute, so remat's recomputation, a resumed run
+    and the ranks would each draw others. ``same``: two runs drawing other numbers gave the same output
+    (a LayerDrop of probability 0 draws and never drops: MusicGen's, Wav2Vec2's adapter's), accepted."""
+    if not same:
         raise FunctionalizeError(
             f"functionalize: {type(module).__name__}'s forward draws random numbers from {' and '.join(drawn)}, "
             "which shardwise cannot seed or replay as it does torch's generators: remat's recomputation would draw "
@@ -578,6 +583,16 @@ def _check_passable(layer: str, y: Any, last: bool, needs_float: bool = True) ->
 
 def _kind(y: Any) -> str:
     return f"a {type(y).__name__}"
+
+
+def _same_outputs(a: Any, b: Any) -> bool:
+    """Whether two outputs of the module are the same, leaf by leaf (tensors bit for bit)."""
+    leaves, spec = optree.tree_flatten(a, none_is_leaf=True)
+    other, other_spec = optree.tree_flatten(register_output_types(b), none_is_leaf=True)
+    return spec == other_spec and all(
+        _same(x, y) if isinstance(x, Tensor) and isinstance(y, Tensor) else _same_leaf(x, y)
+        for x, y in zip(leaves, other, strict=True)
+    )
 
 
 def _same(a: Tensor, b: Tensor) -> bool:
