@@ -45,6 +45,7 @@ from ..engine.optim.meta_like import meta_like
 from ..engine.plan.accounting import predict_kept_parts
 from ..engine.plan.actions import BACKWARD, FORWARD, LOSS, UPDATE
 from ..engine.plan.inside import predict_inside
+from ..engine.plan.lower import zero_holds_shards
 from ..engine.plan.update_memory import predict_update_held
 from ..engine.simulate.costs import CommModel
 from ..engine.step.planning import one_microbatch, planned_device
@@ -174,7 +175,7 @@ class Bounds:
         else:
             stages, index_of, indices, schedule = [self.names], [0], 1, None
         params_b, grads_b, opt_b, kept_b, wire = self._single(c)
-        zp = c.dp if c.zero_stage == 3 else 1
+        zp = c.dp if c.zero_stage and zero_holds_shards(applied) else 1  # params at rest: whole, or shards
         zs = c.dp if c.zero_stage else 1
         del inputs
         kept = self._kept_per_layer(c, applied) if full else {}

@@ -9,6 +9,11 @@ Now a unit's copy goes at its bucket's reduce-scatter, when its gradients are fi
 ``finish_grads``. ZeRO-3 cast every shard at the step's start and held the copies to its end; it now
 casts each unit's shard as its all-gather is issued and frees the copy at the wait. Weak references
 to the copies say when they are really freed (not only dropped from a dict).
+
+Under a policy that narrows (bf16 from f32) ZeRO-1/2 now hold shards at rest, as ZeRO-3 does, and
+gather each unit in the compute dtype before its first forward: that gathered unit is the compute
+copy, freed after its last backward. The cast copies of whole parameters are left to policies that
+do not narrow (here one that widens: bf16 stored, f32 computed).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from shardwise.engine.run import executor
 from shardwise.testing.models import mlp
 
 POLICY = "params=f32,compute=bf16,output=bf16"
+WIDENING = "params=bf16,compute=f32,output=f32"  # ZeRO-1/2 keep whole parameters, and cast copies of them
 LAYERS = {"0", "2", "4", "6"}  # the Linear layers of mlp([8, 16, 16, 16, 4])
 _thread = threading.local()  # ``see(executor, action)`` of the thread's step being watched
 
@@ -50,13 +56,13 @@ def _watched_actions() -> Iterator[None]:
         executor.Executor._call = original  # type: ignore[method-assign]
 
 
-def _step(stage: int | None) -> tuple[sw.Step, dict[str, Any], tuple[torch.Tensor, torch.Tensor]]:
+def _step(stage: int | None, policy: str = POLICY) -> tuple[sw.Step, dict[str, Any], tuple[torch.Tensor, torch.Tensor]]:
     torch.manual_seed(0)
     chain, params = sw.functionalize(mlp([8, 16, 16, 16, 4]))
     step = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.adamw(1e-3, inplace=True))
     if stage is not None:  # (ZeRO-1/2: a bucket per layer; ZeRO-3 reduces a unit at a time)
         step = sw.shard_params(step, "dp", stage=stage, bucket_mb=1e-6 if stage < 3 else None)
-    return sw.mixed_precision(step, POLICY), params, (torch.randn(8, 8), torch.randn(8, 4))
+    return sw.mixed_precision(step, policy), params, (torch.randn(8, 8), torch.randn(8, 4))
 
 
 def _second_step(step: sw.Step, params: dict[str, Any], batch: Any, mesh: sw.Mesh | None,
@@ -71,17 +77,17 @@ def _second_step(step: sw.Step, params: dict[str, Any], batch: Any, mesh: sw.Mes
         _thread.see = None
 
 
-def _copies_alive(step: sw.Step, params: dict[str, Any], batch: Any, mesh: sw.Mesh | None) -> list[
-        tuple[Any, set[str]]]:
-    """After each action of this rank's second step: (the action, the layers whose bf16 compute copy
-    is alive)."""
+def _copies_alive(step: sw.Step, params: dict[str, Any], batch: Any, mesh: sw.Mesh | None,
+                  compute: torch.dtype = torch.bfloat16) -> list[tuple[Any, set[str]]]:
+    """After each action of this rank's second step: (the action, the layers whose compute copy (of
+    dtype ``compute``) is alive)."""
     refs: dict[str, list[weakref.ref[torch.Tensor]]] = {}
     seen: list[tuple[Any, set[str]]] = []
 
     def see(ex: Any, action: Any) -> None:
         if not refs:  # the copies the step made, taken after its first action
             for layer, tensors in ex.source.compute.items():
-                refs[layer] = [weakref.ref(t) for t in tensors.values() if t.dtype == torch.bfloat16]
+                refs[layer] = [weakref.ref(t) for t in tensors.values() if t.dtype == compute]
         seen.append((action, {layer for layer, rs in refs.items() if any(r() is not None for r in rs)}))
 
     _second_step(step, params, batch, mesh, see)
@@ -89,10 +95,10 @@ def _copies_alive(step: sw.Step, params: dict[str, Any], batch: Any, mesh: sw.Me
 
 
 def test_zero2_frees_each_layers_compute_copy_at_its_reduce_scatter() -> None:
-    step, params, batch = _step(stage=2)
+    step, params, batch = _step(stage=2, policy=WIDENING)
 
     def rank() -> None:
-        seen = _copies_alive(step, params, batch, sw.Mesh(dp=2))
+        seen = _copies_alive(step, params, batch, sw.Mesh(dp=2), torch.float32)
         assert seen[0][1] == LAYERS, seen[0]  # the copies were made, and are alive at the first action
         reduced: set[str] = set()
         for action, alive in seen:
@@ -130,5 +136,36 @@ def test_zero3_casts_each_shard_at_its_gather_and_frees_it_at_the_wait() -> None
         assert max(n for _, n in in_flight) <= 2  # this unit's, and the one prefetched: never all four
         assert in_flight[-1][1] == 0 and [n for kind, n in in_flight if kind == FINISH_GRADS] == [0]
         assert any(kind == WAIT_GATHER for kind, _ in in_flight)
+
+    sw.launch(rank, 2)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero12_under_bf16_gathers_each_unit_and_frees_it_after_its_last_backward(stage: int) -> None:
+    """A policy that narrows: no cast copy of whole parameters (the state holds f32 shards); each unit
+    is gathered in bf16 (its shard cast as the gather is issued, the cast freed at the wait), read by
+    its forward and backward, and freed after its last backward, before the gradients are reduced."""
+    step, params, batch = _step(stage=stage)
+
+    def rank() -> None:
+        gathered: list[tuple[Any, set[str], int]] = []
+
+        def see(ex: Any, action: Any) -> None:
+            assert ex.source.compute is None  # nothing cast from whole parameters
+            assert all(t.dtype == torch.bfloat16 for t in ex._gather_inputs.values())
+            assert all(t.dtype == torch.bfloat16 for unit in ex._view.values() for t in unit.values())
+            held = sum(b.untyped_storage().nbytes() for b in ex._buffers.values())
+            gathered.append((action, set(ex._view), held))
+
+        _second_step(step, params, batch, sw.Mesh(dp=2), see)
+        kinds = [action.kind for action, _, _ in gathered]
+        assert {action.layer for action, _, _ in gathered if action.kind == WAIT_GATHER} == LAYERS
+        assert kinds.count(WAIT_GATHER) == len(LAYERS)  # once a step each
+        for action, units, _ in gathered:
+            if action.kind == REDUCE_SCATTER:  # freed before its gradient is reduced
+                assert not units & set(action.units or (action.layer,)), (action, units)
+        finish = kinds.index(FINISH_GRADS)
+        assert not gathered[finish][1] and gathered[finish][2] == 0  # every unit freed for real
+        assert max(len(units) for _, units, _ in gathered) == len(LAYERS)  # kept from forward to backward
 
     sw.launch(rank, 2)

@@ -13,7 +13,9 @@ ZeRO-3 now casts each unit's shard as its all-gather is issued and frees the cop
 cast every shard at the step's start and held them to its end, 8 MiB a rank here): the Plan counts
 the copies in flight, so a step holding them all again measures 8 MiB above the Plan (checked).
 ZeRO-1/2 under bf16 compute held the compute copy of every layer to the step's end, through the
-reduce-scatters; each goes now at its bucket's reduce-scatter, and the Plan counts it so.
+reduce-scatters; each went then at its bucket's reduce-scatter, and the Plan counted it so. Now they
+hold float32 shards at rest and gather each layer in bf16 before its first forward, freed after its
+last backward (with two micro-batches, kept across both): the Plan counts them as ZeRO-3's gathers.
 
 Peak memory is the kernel's high-water mark (VmHWM) of each rank process above its RSS when the
 measured part starts, after a warm-up step of the same stack on the same model: imports, one-time
@@ -51,7 +53,8 @@ TP_WIDTH, TP_LAYERS = 2048, 4
 # last, every unit's full gradient held from the first micro-batch's backward (the Plan said 0.87x a
 # Llama's bytes a rank there, against 1.81x measured, when it counted only the next unit's).
 STACKS = ("pipeline", "pipeline_inplace", "tensor_parallel", "tensor_parallel_inplace",
-          "tensor_parallel_bf16", "zero1", "zero2_bf16", "zero3_bf16", "zero3_acc2", "zero3_acc2_once")
+          "tensor_parallel_bf16", "zero1", "zero1_bf16", "zero2_bf16", "zero2_acc2_bf16", "zero3_bf16", "zero3_acc2",
+          "zero3_acc2_once")
 
 
 def _model(width: int, layers: int) -> nn.Sequential:

@@ -74,7 +74,9 @@ ALTERNATIVES: dict[str, Callable[[Any, dict[str, Any]], list[Any]]] = {
     "layers": lambda v, o: ["3"],
     "precision": lambda v, o: ["params=f32,compute=bf16,output=bf16,reduce=bf16"],
     # Stages 1-2: where the updated shards' all-gathers are waited for (the next forward, or the step's end).
-    "overlap": lambda v, o: [] if o["stage"] == 3 else [True],  # None and False wait at the end on a CPU
+    # None and False wait at the end on a CPU. A precision that narrows (bf16, f16 from f32) holds shards at
+    # rest at stages 1-2 too, and gathers no updated parameters (overlap_gather=True is refused there).
+    "overlap": lambda v, o: [] if o["stage"] == 3 or "compute=f32" not in o["precision"] else [True],
 }
 
 

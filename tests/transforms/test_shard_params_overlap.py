@@ -287,9 +287,10 @@ def test_a_checkpoint_saved_between_steps_is_the_waiting_steps(tmp_path: Path) -
 
 def test_composed_with_precision_hsdp_and_a_pipeline() -> None:
     """The overlap under a precision policy (each bucket cast to compute copies at its wait), HSDP
-    (gathered over the shard axis), and a pipeline (each rank's own units): the waiting step's results."""
+    (gathered over the shard axis), and a pipeline (each rank's own units): the waiting step's results.
+    (A policy that widens: one that narrows holds shards at rest, and gathers no updated parameters.)"""
     base, params, batches = _problem(4)
-    policy = sw.mixed_precision(base, "params=f64,compute=f32,output=f64")
+    policy = sw.mixed_precision(base, "params=f32,compute=f64,output=f64")
     cases = [
         (lambda b, **o: sw.shard_params(policy, "dp", 2, bucket_mb=1.1 * KIB, **o), sw.Mesh(dp=2), 2),
         (lambda b, **o: sw.shard_params(b, "dp", 1, replicate="node", **o), sw.Mesh(node=2, dp=2), 4),
@@ -428,7 +429,8 @@ def test_frozen_groups_a_skipped_step_and_a_read_from_another_thread() -> None:
     torch.manual_seed(0)
     chain, _ = sw.functionalize(mlp([6, 8, 8, 8, 5]).double())
     base = sw.train_step(chain, torch.nn.functional.mse_loss, frozen)
-    scaled = sw.mixed_precision(base, "params=f64,compute=f16,output=f64", loss_scale="dynamic")
+    # (f16 stored too: a policy that narrows holds shards at rest, and gathers no updated parameters)
+    scaled = sw.mixed_precision(base, "params=f16,compute=f16,output=f64", loss_scale="dynamic")
     overflow = [batches[0], (batches[1][0] * 1e6, batches[1][1]), *batches[2:]]
     for make in (lambda **o: sw.shard_params(base, "dp", 2, bucket_mb=1.1 * KIB, **o),
                  lambda **o: sw.shard_params(scaled, "dp", 1, bucket_mb=1.1 * KIB, **o)):
@@ -442,7 +444,8 @@ def test_frozen_groups_a_skipped_step_and_a_read_from_another_thread() -> None:
             thread.start()
             thread.join(timeout=30)
             assert _equal(read, _copy(w_state.params)) and _equal(g_state.opt_state, w_state.opt_state)
-            assert torch.equal(read["0"]["weight"], params["0"]["weight"])  # frozen: never updated
+            frozen_weight = read["0"]["weight"]  # never updated: the given one, in the stored dtype
+            assert torch.equal(frozen_weight, params["0"]["weight"].to(frozen_weight.dtype))
 
 
 def _states(step: sw.Step, params: dict, batches: list) -> tuple[Any, list[float]]:

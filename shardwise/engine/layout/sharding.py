@@ -196,29 +196,42 @@ class UnitLayout:
 class FlatSharding:
     """One rank's units sharded over mesh ``axis`` at ZeRO ``stage`` (1: optimizer state,
     2: + gradients, 3: + parameters at rest); under HSDP the same shards held by every index of
-    mesh axis ``replicate``."""
+    mesh axis ``replicate``.
+
+    ``shards_at_rest`` (stages 1-2 only): the state holds this rank's master shards, as at stage 3,
+    not whole parameters. Chosen under a precision policy that computes in a narrower dtype than it
+    stores (``plan.lower.zero_holds_shards``): the step then gathers every unit in the compute dtype
+    before its first forward and keeps it to its last backward, and float32 lives only in the
+    shards (as DeepSpeed's bf16 ZeRO-1/2 and Megatron's distributed optimizer hold it)."""
 
     axis: str
     stage: int
     units: dict[str, UnitLayout]
     replicate: str | None = None
+    shards_at_rest: bool = False
 
     def __post_init__(self) -> None:
         if self.stage not in (1, 2, 3):
             raise ValueError(f"FlatSharding(stage={self.stage!r}): ZeRO stages are 1, 2 or 3")
+        if self.stage == 3 and self.shards_at_rest:
+            raise ValueError("FlatSharding(stage=3, shards_at_rest=True): stage 3 always holds shards at rest; "
+                             "shards_at_rest chooses that layout for stages 1 and 2")
 
     @classmethod
     def of(
         cls, axis: str, stage: int, params: Mapping[str, Mapping[str, torch.Tensor]], shards: int,
-        replicate: str | None = None,
+        replicate: str | None = None, shards_at_rest: bool = False,
     ) -> FlatSharding:
         """One flat layout per layer that holds parameters, in the params' order."""
-        return cls(axis, stage, {u: UnitLayout.of(u, t, shards) for u, t in params.items() if t}, replicate)
+        units = {u: UnitLayout.of(u, t, shards) for u, t in params.items() if t}
+        return cls(axis, stage, units, replicate, shards_at_rest)
 
     @property
     def holds_shards(self) -> bool:
-        """Whether the parameters at rest are this rank's shards (stage 3) or full (stages 1, 2)."""
-        return self.stage == 3
+        """Whether the parameters at rest are this rank's shards (stage 3, and stages 1-2 with
+        ``shards_at_rest``) or whole (stages 1-2): then the step's layers read the units it gathers
+        (``gather``/``wait_gather``), and no all-gather of the updated shards ends the step."""
+        return self.stage == 3 or self.shards_at_rest
 
     def shards_of(self, params: Mapping[str, Mapping[str, torch.Tensor]], index: int) -> dict[str, torch.Tensor]:
         """This rank's shard of every unit, cut from full parameters."""

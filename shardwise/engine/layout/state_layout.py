@@ -213,6 +213,8 @@ class LeafSpec:
     shards: int = 1
     split: TensorSplit | None = None  # tensor parallel: how the tensor-parallel axis cuts it
     replicate_axis: str | None = None  # HSDP: the axis whose every index holds the same flat shards
+    # ZeRO: whether the state holds the shard at rest (FlatSharding.holds_shards), not the whole parameter
+    held_as_shard: bool = False
 
     @property
     def local_shape(self) -> tuple[int, ...]:
@@ -234,7 +236,7 @@ class LeafSpec:
         )
         zero = ""
         if self.dp_axis:
-            sharded = "kept as" if self.zero_stage == 3 else "whole at rest, updated in"  # ZeRO-1/2 shard the state
+            sharded = "kept as" if self.held_as_shard else "whole at rest, updated in"  # ZeRO-1/2 shard the state
             zero = f", ZeRO-{self.zero_stage}: {sharded} a flat shard over {self.dp_axis!r} of {self.shards}"
             if self.replicate_axis:
                 zero += f", replicated over {self.replicate_axis!r}"
@@ -270,7 +272,7 @@ def leaf_specs(
         indices = sorted(found, key=lambda i: (i != owner, i))  # the owner's copy first
         copies = []
         shard_info: tuple[str | None, int | None, int] = (None, None, 1)
-        replicate = None
+        replicate, held_as_shard = None, False
         for index in indices:
             sharding = shardings.get(index)
             if sharding is None or layer not in sharding.units:
@@ -284,12 +286,12 @@ def leaf_specs(
                 offset += numel
             copies.append(LeafCopy(index, layer, offset, unit.padded_numel))
             shard_info = (sharding.axis, sharding.stage, unit.shards)
-            replicate = sharding.replicate
+            replicate, held_as_shard = sharding.replicate, sharding.holds_shards
         split = splits.get((layer, name))
         shape = tuple(t.shape) if split is None else split.global_shape(t.shape)
         specs[(layer, name)] = LeafSpec(
             layer, name, shape, t.dtype, tuple(copies), placement.axis, *shard_info, split=split,
-            replicate_axis=replicate,
+            replicate_axis=replicate, held_as_shard=held_as_shard,
         )
     return specs
 

@@ -177,6 +177,7 @@ def rank_actions(
             stage_needs(step.chain, placement, units),
             reshard=reshard_after_forward(zero, pipelined=pipe is not None),
             pipelined=pipe is not None,
+            holds_shards=zero_holds_shards(step),
             deferred=set(deferred),
             device=device,
         )
@@ -205,7 +206,7 @@ def rank_actions(
     split_axes = splits_of(step.transforms).axes
     # Each split's replicated gradients are compared over its axis.
     actions += [Action(CHECK_REPLICAS, axis=axis) for axis in split_axes]
-    overlap = zero is not None and zero.overlaps_gather(device)
+    overlap = zero is not None and not zero_holds_shards(step) and zero.overlaps_gather(device)
     needs = stage_needs(step.chain, placement, units) if overlap else {}
     if overlap:  # gathered in the order the next forward needs them: the first bucket waits for one
         buckets = sorted(buckets, key=lambda b: _first_use(actions, b, needs))
@@ -238,8 +239,9 @@ def _update_and_gathers(
     time, and each bucket's all-gather is issued as soon as its shards are updated: it travels
     while the next bucket updates and the metrics complete (where the spec says so for
     ``device``: ``ShardSpec.updates_in_buckets``). Otherwise every shard is updated at once,
-    then the all-gathers are issued together."""
-    if zero is None or zero.stage == 3:
+    then the all-gathers are issued together. A state that holds shards (``zero_holds_shards``)
+    gathers none: the next step gathers what it computes with."""
+    if zero is None or zero_holds_shards(step):
         return [Action(UPDATE)], []
     in_buckets = {u for b in buckets for u in b}
     gathered = [*buckets, *((u,) for u in units if u not in in_buckets)]
@@ -256,6 +258,30 @@ def _update_and_gathers(
     return update, waits
 
 
+def zero_holds_shards(step: Step) -> bool:
+    """Whether shard_params' state holds this rank's master shards at rest rather than whole
+    parameters (``FlatSharding.holds_shards``): at stage 3, and at stages 1-2 under a precision policy
+    that narrows, computing a layer that owns parameters in a dtype narrower than it stores them
+    (bf16 or fp16 from float32). Those stages then hold float32 only in the shards, as DeepSpeed's
+    bf16 ZeRO-1/2 and Megatron's distributed optimizer do, and each step gathers every unit in the
+    compute dtype (half the bytes of a float32 all-gather), before its first forward, to its last
+    backward. Whole float32 parameters beside whole compute copies held more than float32 ZeRO-2
+    itself (407.9 against 371.4 MiB a rank on benchmarks/memory.py's 200 MB model at world 4).
+    Decided over the whole model, so that every pipeline index holds alike."""
+    zero = find(step.transforms, SHARDING)
+    if zero is None:
+        return False
+    if zero.stage == 3:
+        return True
+    prec = step.precision
+    if prec is None:
+        return False
+    return any(
+        prec.for_layer(layer.name).compute.itemsize < prec.for_layer(layer.name).params.itemsize
+        for layer in step.chain.layers if layer.owned_param_names
+    )
+
+
 def gathers_into_params(step: Step, device: torch.device | str) -> bool:
     """Whether ZeRO-1/2 writes the updated parameters into the parameters the step was given, one
     bucket at a time (each bucket's all-gather written into them and waited for before the next is
@@ -266,7 +292,7 @@ def gathers_into_params(step: Step, device: torch.device | str) -> bool:
     consumed, its tensors written, as torch's optimizers write a model's), the all-gathers are
     waited for at the step's end (not ``overlap_gather``) and the update runs at once."""
     zero = find(step.transforms, SHARDING)
-    if zero is None or zero.stage == 3 or zero.gather_into_params is False or zero.overlaps_gather(device):
+    if zero is None or zero_holds_shards(step) or zero.gather_into_params is False or zero.overlaps_gather(device):
         return False
     if zero.updates_in_buckets(device) and updates_by_key(step.optimizer):
         return False

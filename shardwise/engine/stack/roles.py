@@ -137,10 +137,11 @@ class ShardingRole(Spec, Protocol):
 
     def insert(
         self, actions: Sequence[Any], stage_needs: Mapping[int, tuple[str, ...]], *, reshard: bool, pipelined: bool,
-        deferred: set[str], device: Any = "cpu",
+        deferred: set[str], device: Any = "cpu", holds_shards: bool = False,
     ) -> list[Any]:
         """The lowering: the rank's computes with the gathers, frees and reduce-scatters inserted
-        (``device``: where the rank computes, which some of its defaults depend on)."""
+        (``device``: where the rank computes, which some of its defaults depend on; ``holds_shards``:
+        the state holds shards at rest, stage 3's layout, which the computes gather)."""
         ...
 
 

@@ -17,7 +17,7 @@ from ..layout.sharding import FlatSharding
 from ..layout.state import Params, check_params
 from ..layout.state_layout import StateLayout, leaf_specs, local_params, meta_shards
 from ..optim.meta_like import meta_like
-from ..plan.lower import placement_of, predict_boundaries, predict_output
+from ..plan.lower import placement_of, predict_boundaries, predict_output, zero_holds_shards
 
 if TYPE_CHECKING:
     from .step import Step
@@ -65,12 +65,15 @@ def layouts_by_index(step: Step, mesh: Mesh | None, params: Params, rank: int | 
     meta = step.master_meta(step.local_view(params, mesh, rank))
     splits = step.split.tensor_splits(step.base_chain, mesh)
     zero = step.sharding_spec
+    at_rest = zero is not None and zero.stage != 3 and zero_holds_shards(step)
+    if at_rest:
+        refuse_end_gather_options(zero)
     shardings: dict[int, FlatSharding | None] = {}
     for i in sorted(set(placement.stage_rank)):
         local = local_params(meta, placement, i)
         shardings[i] = (
             None if zero is None or mesh is None
-            else FlatSharding.of(zero.axis, zero.stage, local, mesh.axis_size(zero.axis), zero.replicate)
+            else FlatSharding.of(zero.axis, zero.stage, local, mesh.axis_size(zero.axis), zero.replicate, at_rest)
         )
     leaves = leaf_specs(meta, placement, shardings, splits)
     opt_leaves: dict[str, dict[tuple[str, str], Any]] = {}
@@ -87,6 +90,23 @@ def layouts_by_index(step: Step, mesh: Mesh | None, params: Params, rank: int | 
         )
         for i in shardings
     }
+
+
+def refuse_end_gather_options(zero: Any) -> None:
+    """ZeRO-1/2 under a narrowing precision policy holds shards at rest (``plan.lower.zero_holds_shards``)
+    and gathers each unit before its forward, not the updated shards at the step's end: the options
+    that shape that end-of-step gather would do nothing, so asking for one is refused (False, which
+    states what happens, is accepted)."""
+    asked = [name for name in ("overlap_gather", "gather_into_params", "update_in_buckets")
+             if getattr(zero, name, None) is True]
+    if asked:
+        listing = ", ".join(f"{name}=True" for name in asked)
+        raise ValueError(
+            f"shard_params(stage={zero.stage}, {listing}) under a precision policy that computes in a narrower "
+            "dtype: this stage then holds the float32 shards at rest and gathers every unit in the compute dtype "
+            "before its first forward, so no all-gather of the updated parameters ends the step for the option "
+            f"to shape; drop {listing}"
+        )
 
 
 def frozen_dtypes(step: Step) -> frozenset[torch.dtype]:

@@ -97,6 +97,14 @@ def shard_params(
     unit by unit (its units are gathered and freed one at a time). Each bucket is one action of
     the Plan (``reduce_scatter(2+0)``), listed when the plan is made with the parameters.
 
+    Under a precision policy that computes in a narrower dtype than it stores (``mixed_precision``
+    with bf16 or fp16 compute of float32 parameters, in either order), stages 1 and 2 hold only
+    this rank's float32 shards at rest, as stage 3 does (``state.params`` holds them), and each
+    step gathers every layer in the compute dtype before its first forward, keeping it to its last
+    backward (``engine/plan/lower.zero_holds_shards``): float32 lives only in the shards, as in
+    DeepSpeed's bf16 ZeRO-1/2. No all-gather of the updated shards ends such a step, so
+    ``overlap_gather``, ``update_in_buckets`` and ``gather_into_params`` set to True are refused.
+
     Composed with a pipeline (in either order), each pipeline rank's layers are
     sharded over ``axis`` of a 2-D mesh such as ``Mesh(dp=2, pp=2)``.
 

@@ -150,14 +150,24 @@ def insert_gathers(
     pipelined: bool,
     axis: str,
     prefetch_backward_after: bool = False,
+    holds_shards: bool = False,
 ) -> list[Action]:
-    """ZeRO-3's gathers and frees around the computes (stages 1 and 2 hold full parameters); with
-    ``prefetch_backward_after`` a backward pass's prefetches are issued after each compute and its
-    frees, not before it (see ``ShardSpec.prefetches_backward_after``)."""
-    if stage != 3:
+    """The gathers and frees around the computes of a state that holds shards (``holds_shards``:
+    ZeRO-3, and ZeRO-1/2 under a narrowing precision policy; otherwise stages 1 and 2 hold whole
+    parameters and gather none); with ``prefetch_backward_after`` a backward pass's prefetches are
+    issued after each compute and its frees, not before it (see
+    ``ShardSpec.prefetches_backward_after``).
+
+    At stages 1-2 every unit is gathered (in the compute dtype) before its first forward of the step
+    and kept to its last backward: the compute copies ZeRO-1/2 holds through the step anyway, built
+    from the shards instead of cast from whole float32 parameters, so each unit travels once a step
+    (stage 3's traffic with ``reshard_after_forward=False``, a micro-batch's too)."""
+    if not holds_shards and stage != 3:
         return list(actions)
     live: set[str] = set()
-    if pipelined:
+    if stage != 3:
+        out = gathered_pass(actions, stage_needs, live, prefetch, "last_use", axis)
+    elif pipelined:
         out = gathered_pass(actions, stage_needs, live, prefetch, "after_forward" if reshard else "last_use", axis)
     else:
         out = []

@@ -174,11 +174,15 @@ class ShardSpec:
         pipelined: bool,
         deferred: set[str],
         device: torch.device | str = "cpu",
+        holds_shards: bool = False,
     ) -> list[Action]:
-        """The rank's computes with ZeRO's gathers, frees and (not deferred) reduce-scatters."""
+        """The rank's computes with ZeRO's gathers, frees and (not deferred) reduce-scatters;
+        ``holds_shards``: the state holds shards at rest (stage 3, and stages 1-2 under a narrowing
+        precision policy: ``engine/plan/lower.zero_holds_shards``), which the step gathers."""
         out = insert_gathers(
             actions, stage_needs, stage=self.stage, reshard=reshard, prefetch=self.prefetch,
             pipelined=pipelined, axis=self.axis, prefetch_backward_after=self.prefetches_backward_after(device),
+            holds_shards=holds_shards,
         )
         each = self.stage >= 2 and self.reduces_each_microbatch()
         return insert_reduces(out, stage_needs, deferred, self.axis, each_microbatch=each)
