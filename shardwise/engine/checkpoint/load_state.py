@@ -1,13 +1,13 @@
 """A rank's TrainState from a checkpoint, each tensor read straight into what the rank keeps.
 
-The rank's tensors are made first, empty, as ``step.init`` would lay them out on the mesh
-(the target's :class:`StateLayout`): at ZeRO-3 one flat shard per unit, else each parameter's
-tensor-parallel slice; the optimizer's per-parameter state as flat shards under ZeRO, else
-slices; the padding of a shard zero. Then every saved record that meets them is read into
-them (``regions.placed_boxes`` and ``Reader.read_into``): no tensor of a parameter's global
+The rank's tensors are made first, empty, as ``step.init`` would lay them out on the mesh (the target's
+:class:`StateLayout`): where ZeRO holds shards at rest (stage 3; stages 1-2 under a narrowing precision
+policy) one flat shard per unit, else each parameter's tensor-parallel slice; the optimizer's per-parameter
+state as flat shards under ZeRO, else slices; the padding of a shard zero. Then every saved record that meets
+them is read into them (``regions.placed_boxes`` and ``Reader.read_into``): no tensor of a parameter's global
 shape is ever built, so a load's memory is the rank's state plus one read (``record_io``).
 Only ZeRO-1/2's optimizer shards are cut, one unit at a time, from the whole parameters those
-stages keep anyway.
+stages keep anyway (where they keep whole parameters: no narrowing precision policy).
 """
 
 from __future__ import annotations

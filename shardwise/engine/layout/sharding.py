@@ -248,12 +248,12 @@ class FlatSharding:
         return out
 
     def held(self, params: Mapping[str, Mapping[str, torch.Tensor]], index: int) -> Any:
-        """What a TrainState holds at rest: the shards (stage 3) or the full parameters."""
+        """What a TrainState holds at rest: the shards (``holds_shards``) or the full parameters."""
         return self.shards_of(params, index) if self.holds_shards else {k: dict(v) for k, v in params.items()}
 
     def my_shards(self, held: Any, index: int, views: bool = False) -> dict[str, torch.Tensor]:
-        """This rank's shards from what the TrainState holds (at stages 1, 2 cut from the full
-        parameters; with ``views``, views of their values where they are laid out for it)."""
+        """This rank's shards from what the TrainState holds (where it holds whole parameters, cut from
+        them; with ``views``, views of their values where they are laid out for it)."""
         if self.holds_shards:
             return dict(held)
         return self.shards_in(held, index) if views else self.shards_of(held, index)

@@ -392,8 +392,8 @@ def meta_shards(sharding: FlatSharding) -> dict[str, torch.Tensor]:
 
 def full_params(layout: StateLayout, held: Any, mesh: Mesh | None) -> dict[str, dict[str, torch.Tensor]]:
     """Every rank gets the complete parameters: :func:`gathered_layer` for every layer, each unit's
-    parameters copied out of its gathered buffer under ZeRO-3. Collectives: every rank calls this
-    together."""
+    parameters copied out of its gathered buffer where ZeRO holds shards at rest. Collectives: every
+    rank calls this together."""
     sharding = layout.sharding
     full: dict[str, dict[str, torch.Tensor]] = {}
     for layer in layout.layers:
@@ -404,11 +404,11 @@ def full_params(layout: StateLayout, held: Any, mesh: Mesh | None) -> dict[str, 
 
 
 def gathered_layer(layout: StateLayout, held: Any, mesh: Mesh | None, layer: str) -> dict[str, torch.Tensor]:
-    """``layer``'s whole parameters, gathered from wherever the state keeps them, a layer at a time (an
-    export or a one-rank state_dict never holds more than one layer gathered beside the state): under
-    ZeRO-3 its unit all-gathered over the data-parallel axis (views of the gathered buffer), under a
-    pipeline each parameter broadcast from the index that owns it, tensor-parallel slices joined.
-    Collectives: every rank calls it for every layer, in the same order."""
+    """``layer``'s whole parameters, gathered from wherever the state keeps them, a layer at a time (an export
+    or a one-rank state_dict never holds more than one layer gathered beside the state): where ZeRO holds
+    shards at rest (FlatSharding.holds_shards) its unit all-gathered over the data-parallel axis (views of the
+    gathered buffer), under a pipeline each parameter broadcast from the index that owns it, tensor-parallel
+    slices joined. Collectives: every rank calls it for every layer, in the same order."""
     sharding = layout.sharding
     local: Mapping[str, torch.Tensor]
     if sharding is not None and sharding.holds_shards:

@@ -58,7 +58,7 @@ def held_params(
     this rank's tensor-parallel slices in the master dtype, as copies the state owns.
 
     With ``read`` (a weights file), nothing of a parameter's global shape is made: the rank's
-    tensors are made empty on ``device`` as it keeps them (at ZeRO-3 its unit's flat shard,
+    tensors are made empty on ``device`` as it keeps them (where ZeRO holds shards at rest its unit's flat shard,
     padding zero; else each tensor-parallel slice in the master dtype) and
     ``read(layer, name, into, shard)`` fills each parameter's part of them.
     """
