@@ -133,8 +133,9 @@ def _no_tokens(mean: torch.Tensor, output: Any) -> torch.Tensor:
 
 @dataclass
 class ParamSource:
-    """Where a rank's layers read their parameters: ``compute`` (full compute copies), or under
-    ZeRO-3 the flat units of ``sharding`` gathered from ``gather_from`` (this rank's shards), each
+    """Where a rank's layers read their parameters: ``compute`` (full compute copies), or where ZeRO
+    holds shards at rest (``FlatSharding.holds_shards``) the flat units of ``sharding`` gathered from
+    ``gather_from`` (this rank's shards), each
     cast to its ``gather_dtypes`` entry (the compute dtype, where a precision policy gives one)
     as its all-gather is issued, before it travels."""
 
@@ -147,7 +148,8 @@ class ParamSource:
     # what a wait brings into compute copies (the precision policy's).
     incoming: InFlightParams | None = None
     cast: Callable[[dict[str, dict[str, torch.Tensor]]], Mapping[str, Mapping[str, torch.Tensor]]] | None = None
-    # ZeRO-1/2 under a precision policy: ``compute`` holds this step's own copies, each of which
+    # ZeRO-1/2 under a precision policy that does not narrow (one that narrows holds shards, gathered
+    # as ZeRO-3's are): ``compute`` holds this step's own copies, each of which
     # goes once its unit's gradients are taken (``ZeroActions.reduce_scatter``), as the backward
     # frees the activations.
     copies: bool = False

@@ -122,7 +122,8 @@ class ZeroActions:
         return out
 
     def _release_compute(self, units: tuple[str, ...]) -> None:
-        """ZeRO-1/2 under a precision policy: no later action of the step reads these units'
+        """ZeRO-1/2 under a precision policy that does not narrow (one that does holds shards, and
+        frees each gathered unit at its ``free``): no later action of the step reads these units'
         parameters (their gradients are final), so their compute copies go, each freed after its
         unit's last backward instead of at the step's end (8 MiB a Linear(2048) in bf16). With them go
         what holds them: the leaves and the bound stages that use them (a stage computing after this

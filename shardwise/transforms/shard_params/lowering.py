@@ -160,8 +160,8 @@ def insert_gathers(
 
     At stages 1-2 every unit is gathered (in the compute dtype) before its first forward of the step
     and kept to its last backward: the compute copies ZeRO-1/2 holds through the step anyway, built
-    from the shards instead of cast from whole float32 parameters, so each unit travels once a step
-    (stage 3's traffic with ``reshard_after_forward=False``, a micro-batch's too)."""
+    from the shards instead of cast from whole float32 parameters, so each unit travels once a step,
+    however many micro-batches it has."""
     if not holds_shards and stage != 3:
         return list(actions)
     live: set[str] = set()
