@@ -207,12 +207,13 @@ def test_memory_benchmark_runs_and_reports_each_variant() -> None:
         assert rows["deepspeed_zero2_bf16"]["ratio_to_deepspeed_zero2_bf16"] == 1.0
         for name in ("shardwise_zero1_meta_bf16", "shardwise_zero2_meta_bf16", "shardwise_meta_bf16_kept"):
             assert rows[name]["ratio_to_deepspeed_zero2_bf16"] == round(rows[name]["peak_bytes"] / deepspeed, 3)
-    for stage in (1, 2):  # ZeRO-1/2 in bf16: whole float32 parameters and a bf16 copy of each in the step
-        own = rows[f"shardwise_zero{stage}_meta_bf16"]["plan"]
-        assert own["params"] == rows[f"shardwise_zero{stage}_meta"]["plan"]["params"] == 2 * own["compute_copies"]
     # Kept from forward to backward: every unit gathered at once (in bf16, half the bytes), the
     # Plan its own.
     kept, kept_bf16 = rows["shardwise_meta_kept"]["plan"], rows["shardwise_meta_bf16_kept"]["plan"]
+    for stage in (1, 2):  # ZeRO-1/2 in bf16: float32 shards at rest, every unit gathered in bf16 through the step
+        own = rows[f"shardwise_zero{stage}_meta_bf16"]["plan"]
+        assert own["params"] == kept_bf16["params"] < rows[f"shardwise_zero{stage}_meta"]["plan"]["params"]
+        assert own["gathered_peak"] == kept_bf16["gathered_peak"]
     assert kept["gathered_peak"] > rows["shardwise_meta"]["plan"]["gathered_peak"]
     assert kept["gathered_peak"] == 2 * kept_bf16["gathered_peak"]
     assert rows["shardwise_meta_kept"]["plan_peak_bytes"] == kept["peak"]
