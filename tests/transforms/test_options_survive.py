@@ -135,11 +135,11 @@ def test_zero_under_a_pipeline_keeps_units_by_default_and_reshards_when_asked() 
 
 
 def test_a_transform_applied_twice_is_refused_even_with_another_between() -> None:
-    step, _, _ = _problem()
+    step, params, batch = _problem()
     with pytest.raises(ValueError, match="remat was applied twice"):
         sw.remat(sw.mixed_precision(sw.remat(step), "compute=bf16"))
     with pytest.raises(ValueError, match="mixed_precision was applied twice"):
         sw.mixed_precision(sw.remat(sw.mixed_precision(step, "compute=bf16")), "compute=bf16")
     for option in ({"reshard_after_forward": False}, {"prefetch": 2}, {"prefetch": 0}):
-        with pytest.raises(ValueError, match="only stage 3 shards parameters"):
-            sw.shard_params(step, "dp", 2, **option)
+        with pytest.raises(ValueError, match=r"holds whole parameters here.*nothing to keep or prefetch"):
+            sw.shard_params(step, "dp", 2, **option).plan(sw.Mesh(dp=2), params, batch)

@@ -445,8 +445,8 @@ def test_bad_options_are_refused() -> None:
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match=r"reduce_in_flight=.*int >= 0"):
             sw.shard_params(base, "dp", 3, reduce_in_flight=bad)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="only stage 3 shards parameters"):
-        sw.shard_params(base, "dp", 2, reshard_after_forward=False)
+    with pytest.raises(ValueError, match=r"holds whole parameters here.*nothing to keep or prefetch"):
+        sw.shard_params(base, "dp", 2, reshard_after_forward=False).plan(sw.Mesh(dp=2), params)
     with pytest.raises(ValueError, match="has no axis 'dp'"):
         sw.shard_params(base, "dp").plan(sw.Mesh(tp=2))
     with pytest.raises(ValueError, match="needs the mesh"):

@@ -166,3 +166,29 @@ def test_options_of_the_end_of_step_gather_are_refused_under_a_narrowing_policy(
             step.plan(sw.Mesh(dp=2), params)
     # Stating what happens is accepted: nothing overlaps, no update by buckets.
     sw.shard_params(bf16, "dp", 2, overlap_gather=False, update_in_buckets=False).plan(sw.Mesh(dp=2), params)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_keeping_and_prefetching_mean_what_the_layout_does(stage: int) -> None:
+    """The shards-at-rest layout gathers every unit before its first forward and keeps it to its last
+    backward: reshard_after_forward=False and prefetch= state or shape that and are accepted (they were
+    refused as "nothing to gather"), True, which would not happen, is refused naming stage 3 (it was
+    accepted and did nothing). Under a policy that does not narrow, nothing is gathered, as before."""
+    chain, params, batches = _problem(torch.float32)
+    policy = "params=f32,compute=bf16,output=f32"
+    bf16 = sw.mixed_precision(_base(chain), policy)
+    mesh = sw.Mesh(dp=2)
+    with pytest.raises(ValueError, match=r"reshard_after_forward=True\) under a precision policy .*use stage=3"):
+        sw.shard_params(bf16, "dp", stage, reshard_after_forward=True).plan(mesh, params)
+    kept = sw.shard_params(bf16, "dp", stage, reshard_after_forward=False, prefetch=2)
+    default = sw.shard_params(bf16, "dp", stage)
+    assert str(kept.plan(mesh, params).for_rank(0)) != str(default.plan(mesh, params).for_rank(0))  # prefetch 2
+    reference = sw.mixed_precision(_base(chain), policy)
+    sw.testing.assert_equivalent(kept, reference, mesh, batches, params, rtol=2**-6)
+    # Applied after shard_params, the policy decides the same.
+    later = sw.mixed_precision(sw.shard_params(_base(chain), "dp", stage, reshard_after_forward=True), policy)
+    with pytest.raises(ValueError, match=r"reshard_after_forward=True\) under a precision policy"):
+        later.plan(mesh, params)
+    f32 = sw.shard_params(_base(chain), "dp", stage, prefetch=2)
+    with pytest.raises(ValueError, match=r"prefetch=2\): stage \d holds whole parameters here"):
+        f32.plan(mesh, params)

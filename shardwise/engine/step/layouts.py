@@ -66,8 +66,8 @@ def layouts_by_index(step: Step, mesh: Mesh | None, params: Params, rank: int | 
     splits = step.split.tensor_splits(step.base_chain, mesh)
     zero = step.sharding_spec
     at_rest = zero is not None and zero.stage != 3 and zero_holds_shards(step)
-    if at_rest:
-        refuse_end_gather_options(zero)
+    if zero is not None and zero.stage != 3:
+        check_stage12_options(zero, at_rest)
     shardings: dict[int, FlatSharding | None] = {}
     for i in sorted(set(placement.stage_rank)):
         local = local_params(meta, placement, i)
@@ -92,20 +92,42 @@ def layouts_by_index(step: Step, mesh: Mesh | None, params: Params, rank: int | 
     }
 
 
-def refuse_end_gather_options(zero: Any) -> None:
-    """ZeRO-1/2 under a narrowing precision policy holds shards at rest (``plan.lower.zero_holds_shards``)
-    and gathers each unit before its forward, not the updated shards at the step's end: the options
-    that shape that end-of-step gather would do nothing, so asking for one is refused (False, which
-    states what happens, is accepted)."""
+def check_stage12_options(zero: Any, at_rest: bool) -> None:
+    """The options of ZeRO-1/2 that only one of its layouts gives a meaning, checked against the layout the
+    whole step has (``at_rest``: ``plan.lower.zero_holds_shards``, decided by the precision policy, which
+    may be applied after ``shard_params``); one that would do nothing is refused, naming the fix.
+
+    Whole parameters (no narrowing policy): the step gathers no unit, so there is nothing to keep
+    (``reshard_after_forward=False``) or prefetch; True states what happens. Shards at rest (a policy that
+    narrows): every unit is gathered before its first forward and kept to its last backward (so
+    ``reshard_after_forward=True`` would not happen: that is stage 3), ``prefetch`` says how far ahead,
+    and no all-gather of the updated parameters ends the step for ``overlap_gather``, ``gather_into_params``
+    or ``update_in_buckets`` to shape (False, which states what happens, is accepted)."""
+    stage = zero.stage
+    if not at_rest:
+        for name, value in (("reshard_after_forward", zero.reshard_after_forward), ("prefetch", zero.prefetch)):
+            if value is not None and value is not True:
+                raise ValueError(
+                    f"shard_params(stage={stage}, {name}={value!r}): stage {stage} holds whole parameters here "
+                    "(no precision policy computes in a narrower dtype than it stores), so the step gathers none "
+                    "and there is nothing to keep or prefetch; drop the option or use stage=3"
+                )
+        return
+    narrowed = ("under a precision policy that computes in a narrower dtype than it stores: this stage then "
+                "holds the master shards at rest and gathers every unit in the compute dtype before its first "
+                "forward")
+    if zero.reshard_after_forward is True:
+        raise ValueError(
+            f"shard_params(stage={stage}, reshard_after_forward=True) {narrowed}, keeping it to its last backward; "
+            "to free each unit after its forward and gather it again for its backward, use stage=3"
+        )
     asked = [name for name in ("overlap_gather", "gather_into_params", "update_in_buckets")
              if getattr(zero, name, None) is True]
     if asked:
         listing = ", ".join(f"{name}=True" for name in asked)
         raise ValueError(
-            f"shard_params(stage={zero.stage}, {listing}) under a precision policy that computes in a narrower "
-            "dtype: this stage then holds the float32 shards at rest and gathers every unit in the compute dtype "
-            "before its first forward, so no all-gather of the updated parameters ends the step for the option "
-            f"to shape; drop {listing}"
+            f"shard_params(stage={stage}, {listing}) {narrowed}, so no all-gather of the updated parameters ends "
+            f"the step for the option to shape; drop {listing}"
         )
 
 

@@ -102,8 +102,11 @@ def shard_params(
     this rank's float32 shards at rest, as stage 3 does (``state.params`` holds them), and each
     step gathers every layer in the compute dtype before its first forward, keeping it to its last
     backward (``engine/plan/lower.zero_holds_shards``): float32 lives only in the shards, as in
-    DeepSpeed's bf16 ZeRO-1/2. No all-gather of the updated shards ends such a step, so
-    ``overlap_gather``, ``update_in_buckets`` and ``gather_into_params`` set to True are refused.
+    DeepSpeed's bf16 ZeRO-1/2. ``prefetch`` says how far ahead those gathers go, and
+    ``reshard_after_forward=False`` states what they do (True is stage 3's layout, refused here). No
+    all-gather of the updated shards ends such a step, so ``overlap_gather``, ``update_in_buckets``
+    and ``gather_into_params`` set to True are refused. Without such a policy stages 1 and 2 gather
+    no parameters, and ``prefetch`` or ``reshard_after_forward=False`` are refused.
 
     Composed with a pipeline (in either order), each pipeline rank's layers are
     sharded over ``axis`` of a 2-D mesh such as ``Mesh(dp=2, pp=2)``.
@@ -201,15 +204,9 @@ def shard_params(
         raise TypeError(
             f"shard_params(reshard_after_forward={reshard_after_forward!r}): True, False or None (the default)"
         )
-    # Stages 1 and 2 hold full parameters and gather none: asking to keep gathered ones, or to
-    # prefetch, would be an option that does nothing. (True states what they do: nothing kept.)
-    for name, value in (("reshard_after_forward", reshard_after_forward), ("prefetch", prefetch)):
-        if stage != 3 and value is not None and value is not True:
-            raise ValueError(
-                f"shard_params(stage={stage}, {name}={value!r}): only stage 3 shards parameters, so there is "
-                "nothing to gather, keep or prefetch; drop the option or use stage=3"
-            )
-    spec = ShardSpec(axis, stage, reshard_after_forward, 1 if prefetch is None else prefetch, accumulation,
+    # At stages 1 and 2 what reshard_after_forward and prefetch mean depends on the precision policy, which
+    # may be applied after this transform: checked with the whole step (engine/step/layouts.py).
+    spec = ShardSpec(axis, stage, reshard_after_forward, prefetch, accumulation,
                      reduce_in_flight, None if bucket_mb is None else float(bucket_mb), replicate,
                      update_in_buckets, overlap_gather, gather_into_params, reduce_each_microbatch)
     return add(step, spec)

@@ -31,7 +31,7 @@ class ShardSpec:
     axis: str
     stage: int
     reshard_after_forward: bool | None = None
-    prefetch: int = 1
+    prefetch: int | None = None  # None: 1 (``prefetch_depth``); kept apart so that an option given is seen
     accumulation: int = 1
     reduce_in_flight: int | None = None  # None: chosen per device (reductions_in_flight)
     bucket_mb: float | None = None  # stages 1-2: None is DEFAULT_BUCKET_MB (bucket_limit)
@@ -60,9 +60,14 @@ class ShardSpec:
             f", reduce_each_microbatch={self.reduce_each_microbatch}")
         replicate = "" if self.replicate is None else f", replicate={self.replicate!r}"
         return (
-            f"shard_params(axis={self.axis!r}{replicate}, stage={self.stage}{reshard}, prefetch={self.prefetch}, "
+            f"shard_params(axis={self.axis!r}{replicate}, stage={self.stage}{reshard}, prefetch={self.prefetch_depth}, "
             f"accumulation={self.accumulation}{in_flight})"
         )
+
+    @property
+    def prefetch_depth(self) -> int:
+        """How many units ahead the gathers are issued (1 where the option is not given)."""
+        return 1 if self.prefetch is None else self.prefetch
 
     def reductions_in_flight(self, device: torch.device | str) -> int:
         """How many of the backward's reduce-scatters may be in flight at once, on ``device``.
@@ -180,7 +185,7 @@ class ShardSpec:
         ``holds_shards``: the state holds shards at rest (stage 3, and stages 1-2 under a narrowing
         precision policy: ``engine/plan/lower.zero_holds_shards``), which the step gathers."""
         out = insert_gathers(
-            actions, stage_needs, stage=self.stage, reshard=reshard, prefetch=self.prefetch,
+            actions, stage_needs, stage=self.stage, reshard=reshard, prefetch=self.prefetch_depth,
             pipelined=pipelined, axis=self.axis, prefetch_backward_after=self.prefetches_backward_after(device),
             holds_shards=holds_shards,
         )
