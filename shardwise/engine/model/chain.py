@@ -246,8 +246,9 @@ class Chain:
 # What a step's state holds where a layer's parameters are not a dict of whole tensors by name.
 _NOT_WHOLE = (
     "the state.params of a step that shards or pipelines its parameters hold only this rank's part (shard_params "
-    "stage 3: one flat shard per layer; a pipeline: the layers of this rank's stage); to run the chain on them, "
-    "e.g. to evaluate, pass step.full_params(state), the complete parameters (every rank calls it together)"
+    "stage 3, and stages 1-2 under bf16 / fp16 compute: one flat shard per layer; a pipeline: the layers of this "
+    "rank's stage); to run the chain on them, e.g. to evaluate, pass step.full_params(state), the complete "
+    "parameters (every rank calls it together)"
 )
 
 
