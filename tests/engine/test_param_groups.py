@@ -327,3 +327,19 @@ def test_frozen_parameters_stay_bitwise_under_zero(stage: int) -> None:
         assert not torch.equal(
             full["blocks.0"]["blocks.0.ln1.weight"], params["blocks.0"]["blocks.0.ln1.weight"]
         )
+
+
+@pytest.mark.parametrize("rule", sorted(RULES))
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_the_plan_of_a_zero_step_with_groups_resolves_them_by_parameter_name(rule: str, stage: int) -> None:
+    """The Plan ran the grouped update on the flat shards named by their unit ('blocks.0'), so every
+    pattern of a parameter name was refused there as matching nothing, where the step runs (the
+    step passes the groups' runs); it now passes the same runs, and plans as the ungrouped step."""
+    step, params = _problem("adamw", rule)
+    plain = sw.train_step(step.chain, _lm_loss, sw.optim.adamw(1e-2, eps=1e-6, weight_decay=0.5))
+    batch, mesh = _batches(1)[0], sw.Mesh(dp=2)
+    grouped = sw.shard_params(step, "dp", stage).plan(mesh, params, batch)
+    ungrouped = sw.shard_params(plain, "dp", stage).plan(mesh, params, batch)
+    assert list(grouped.collectives(0)) == list(ungrouped.collectives(0))
+    assert grouped.memory["update_buffers"][0] > 0
+    assert grouped.memory["opt_state"] == ungrouped.memory["opt_state"]

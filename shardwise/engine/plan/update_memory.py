@@ -60,14 +60,15 @@ def _scalar_as_int(t: Any) -> Any:
 
 
 def predict_update_held(
-    update: Any, params: Any, grads: Any, state: Any, device: torch.device | str = "cpu"
+    update: Any, params: Any, grads: Any, state: Any, device: torch.device | str = "cpu", runs: Any = None,
 ) -> tuple[int, int]:
     """(the most memory ``update(grads, state, params)`` holds at once beyond its inputs, the bytes of
     new storages its result keeps: an out-of-place update's new parameters and state, none in place).
 
     The inputs are given as meta or real tensors, left untouched; the update runs on fake tensors on
     ``device`` (it groups its temporaries by device: bounded ranges on a CPU, one on an
-    accelerator): see the module docstring."""
+    accelerator): see the module docstring. ``runs``: the groups' options per leaf, as the step passes
+    them to a grouped optimizer's update (None: not passed)."""
     state = optree.tree_map(_scalar_as_int, state)
     with fake_tensors(device) as fake:
         fp, fg, fs = (optree.tree_map(fake, tree) for tree in (params, grads, state))
@@ -75,7 +76,7 @@ def predict_update_held(
         known = {storage_key(t) for t in leaves if isinstance(t, torch.Tensor)}
         tracker = _NewStorages(known)
         with tracker:
-            result = update(fg, fs, fp)
+            result = update(fg, fs, fp) if runs is None else update(fg, fs, fp, runs=runs)
         kept = tracker.live
         del result
     return tracker.peak, kept

@@ -41,7 +41,7 @@ __all__ = ["compute_copy_bytes", "copies_to_finish_grads", "copies_to_reductions
 
 def update_levels(
     step: Step, tree: Mapping[str, Any], actions: Sequence[Action], device: torch.device,
-    guessed: set[str] | None = None,
+    guessed: set[str] | None = None, runs: Mapping[str, Any] | None = None,
 ) -> list[int]:
     """At each action, what the optimizer's update allocates: at an update action, the whole update's
     own peak, or, updated bucket by bucket (``update_in_buckets``), that bucket's, beside what the
@@ -55,7 +55,11 @@ def update_levels(
 
     An update that reads its values to decide what it does (``.item()``, a Python ``if`` on a
     tensor), which fake tensors cannot run, is counted as an out-of-place update's new parameters and
-    state, without its temporaries, and ``"update"`` is added to ``guessed`` (the Plan says so)."""
+    state, without its temporaries, and ``"update"`` is added to ``guessed`` (the Plan says so).
+
+    ``runs``: by unit, what each leaf of ``tree``'s elements get from the optimizer's groups, as the
+    step gives them (``param_groups.master_runs``: a flat shard mixes parameters of several groups,
+    whose names its path in the tree does not carry); None: the update resolves the groups itself."""
     levels = []
     kept_before = 0
     # An update of like trees (the same names, shapes and dtypes) by a like optimizer holds alike:
@@ -67,13 +71,16 @@ def update_levels(
             continue
         units = action.units or ((action.layer,) if action.layer is not None else tuple(tree))
         part = {u: tree[u] for u in units}
+        part_runs = None if runs is None else {u: runs[u] for u in units}
         key = _update_key(step.optimizer, part, device)
+        if key is not None and part_runs is not None:
+            key = (key, tuple(part_runs.items()))
         found = held.get(key) if key is not None else None
         if found is None:
             with meta_like():
                 state = step.optimizer.init(part)
                 try:
-                    found = predict_update_held(step.optimizer.update, part, part, state, device)
+                    found = predict_update_held(step.optimizer.update, part, part, state, device, part_runs)
                 except data_dependent_errors():
                     new = _tree_bytes(part) + _tree_bytes(state)
                     found, key = (new, new), None  # a guess: not kept for another plan, which must say so too

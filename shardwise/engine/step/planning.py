@@ -55,6 +55,7 @@ from ..plan.lower import (
 from ..stack.compose import SPLIT, rewrites_in_order, sums_over_batch
 from .batch_cut import batch_multiple, rank_share
 from .held_levels import copies_to_reductions, shard_copy_levels, unsharded_levels, update_levels
+from .param_groups import master_runs
 
 if TYPE_CHECKING:
     from .step import Step
@@ -279,7 +280,13 @@ def _class_memory(
     # The update's own allocations (an out-of-place update's new parameters and state beside the
     # old ones, its temporaries), at the update, beside every gradient shard; what it keeps, to the end.
     assert shards is not None
-    levels["update_buffers"] = update_levels(step, shards, actions, device, guessed)
+    groups = getattr(step.optimizer, "groups", None)  # a user's optimizer may have no groups
+    # The groups' runs over data-parallel index 0's shards: every index's shards have the same shapes,
+    # and the class stands for every index (rank_class); another index's runs cut its shards elsewhere,
+    # which moves the update's temporaries by what a frozen range there spares. Without the runs, the
+    # update resolved its groups on the shards' unit names and refused every pattern of a parameter name.
+    runs = None if groups is None else master_runs(groups, step.base_chain, layout, shards, 0)
+    levels["update_buffers"] = update_levels(step, shards, actions, device, guessed, runs)
     copies = shard_copy_levels(step, sharding, actions) if sharding.holds_shards else \
         copies_to_reductions(step, master, actions)
     if any(copies):
