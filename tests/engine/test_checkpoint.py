@@ -158,6 +158,38 @@ def test_a_loss_scale_saved_out_of_range_is_refused_at_load(tmp_path: Path) -> N
         ck.load(tmp_path / "c", mixed)
 
 
+@pytest.mark.parametrize(("saved", "resumed"), [
+    ("bf16", "plain"), ("bf16", "f32"), ("fp16_dynamic", "bf16"), ("fp16_dynamic", "plain"), ("plain", "fp16_dynamic"),
+])
+def test_a_run_moves_to_another_precision_policy_with_its_parameters_and_moments(
+        tmp_path: Path, saved: str, resumed: str) -> None:
+    """A checkpoint of a bf16 run (no loss scale: NoLossScale) was refused by a float32 step, and one of an
+    fp16 run with a dynamic scale by any step that scales otherwise, naming a loss scale the user never
+    chose (V100 -> A100 lost its moments). The parameters and moments are saved unscaled: the resumed step
+    goes on with them and its own scale, as the same step started from those values does."""
+    step, params, batches = _problem()
+    policies = {
+        "plain": lambda s: s,
+        "f32": lambda s: sw.mixed_precision(s, "params=f64,compute=f64"),
+        "bf16": lambda s: sw.mixed_precision(s, "params=f64,compute=bf16,output=f64"),
+        "fp16_dynamic": lambda s: sw.mixed_precision(s, "params=f64,compute=f16,output=f64", loss_scale="dynamic"),
+    }
+    before, after = policies[saved](step), policies[resumed](step)
+    state = before.init(params)
+    for batch in batches[:2]:
+        state, _ = before(state, batch)
+    ck.save(tmp_path / "c", state, before)
+    loaded = ck.load(tmp_path / "c", after)
+    assert loaded.loss_scale == after.initial_loss_scale()
+    assert loaded.step == 2
+    fresh = after.init(params)._replace(params=state.params, opt_state=state.opt_state, step=state.step)
+    for batch in batches[2:]:
+        loaded, got = after(loaded, batch)
+        fresh, want = after(fresh, batch)
+        assert float(got["loss"]) == float(want["loss"])
+    assert all(torch.equal(loaded.params[k][n], fresh.params[k][n]) for k in fresh.params for n in fresh.params[k])
+
+
 def test_dynamic_loss_scale_survives_a_reshard(tmp_path: Path) -> None:
     """The scale grows every 2 finite steps: a load that dropped the count of good steps would
     grow it a step late. All-f64 policy, so the parameters are exact too."""

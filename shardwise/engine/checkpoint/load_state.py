@@ -130,16 +130,16 @@ def build_state(reader: Reader, meta: Mapping[str, Any], step: Any, mesh: Mesh |
 
 
 def _loss_scale(meta: Mapping[str, Any], step: Any, directory: Path) -> Any:
+    """The loss scale the loaded state goes on with: the saved one where this step scales its loss the
+    same way (a dynamic scale carries on from where it was), else this step's own starting value. The
+    parameters and the optimizer's state are saved unscaled, so a run that moves to another policy
+    (fp16 with a dynamic scale to bf16, which needs none; bf16 to float32) loses nothing but the other
+    policy's scale: a checkpoint of a bf16 run was refused by a float32 step, naming a NoLossScale the
+    user never chose and cannot name."""
     initial = step.initial_loss_scale()
     saved = meta["loss_scale"]
-    if saved is None:
-        return initial  # nothing to restore: the step's own starting value
-    if initial is None or type(initial).__name__ != saved["type"]:
-        raise CheckpointError(
-            f"checkpoint {directory} carries a {saved['type']}, but this step's loss scale is "
-            f"{type(initial).__name__ if initial is not None else 'none'}: load it with a mixed_precision "
-            f"step whose loss_scale is a {saved['type']}"
-        )
+    if saved is None or initial is None or type(initial).__name__ != saved["type"]:
+        return initial  # nothing to restore, or this step scales otherwise (or not at all): its own start
     try:  # a loss scale checks its fields when made, also those a checkpoint carries
         return _LOSS_SCALES[saved["type"]](**saved["fields"]).checked()
     except (TypeError, ValueError) as error:

@@ -8,7 +8,8 @@ per-leaf shard specs. ``load(path, step, mesh)`` lays out a rank's tensors as
 ``step.init`` would on ``mesh`` and reads into them the parts of those boxes that meet
 them (see ``load_state``), never a whole tensor the rank does not keep: the mesh, the
 ZeRO stage, the pipeline partition and the precision policy may all differ from the
-ones that saved it, and training continues as if it had never stopped.
+ones that saved it, and training continues as if it had never stopped (a step that scales its loss
+otherwise, or not at all, goes on with its own loss scale: the state is saved unscaled).
 
 A save is atomic. Ranks write into ``.<name>.partial`` next to ``path``; when every rank
 has written (they agree by gathering each rank's error, if any, so a rank that failed
