@@ -282,3 +282,63 @@ def test_a_checkpoint_loads_into_the_same_model_functionalized_with_other_units(
     no_momentum, _ = step_b(step_b.init(state_b.params), batches[2])
     moved = sw.checkpoint.full_state_dict(step_b, no_momentum)
     assert any(not torch.allclose(moved[k], after_b[k]) for k in after_b)
+
+
+def _dcp_readers(step: Any) -> dict[str, Any]:
+    return {"read_dcp_state_dict": lambda path: sw.checkpoint.read_dcp_state_dict(path, "model."),
+            "init_from_dcp": lambda path: sw.checkpoint.init_from_dcp(step, path, prefix="model.")}
+
+
+def test_the_dcp_readers_check_a_shardwise_checkpoint_as_load_does(tmp_path: Path) -> None:
+    """The DCP readers read a shardwise checkpoint (its files are DCP's) without its checks: a flipped
+    byte in its metadata failed with the unpickler's own error, or came back as a key of another name
+    (`0.bias` read as `0.bi`s`), a damaged record with an IndexError, and an interrupted save's files were
+    read without a word. They now check what load checks, and find what it finds."""
+    torch.manual_seed(0)
+    chain, params = sw.functionalize(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2)))
+    step = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.adamw(0.1))
+    good = tmp_path / "good"
+    ck.save(good, step.init(params), step)
+    expected = sw.checkpoint.read_dcp_state_dict(good, "model.")
+    raw = (good / ".metadata").read_bytes()
+    for offset in range(0, len(raw), max(1, len(raw) // 40)):  # a byte of every part of the metadata
+        bad = tmp_path / f"flip{offset}"
+        bad.mkdir()
+        for file in good.iterdir():
+            (bad / file.name).write_bytes(file.read_bytes())
+        flipped = bytearray(raw)
+        flipped[offset] ^= 1
+        (bad / ".metadata").write_bytes(bytes(flipped))
+        for read in _dcp_readers(step).values():
+            with pytest.raises(CheckpointError, match=r"\.metadata \(listed in COMMITTED\) was modified"):
+                read(bad)
+    uncommitted = tmp_path / "uncommitted"
+    uncommitted.mkdir()
+    for file in good.iterdir():
+        if file.name != "COMMITTED":
+            (uncommitted / file.name).write_bytes(file.read_bytes())
+    for read in _dcp_readers(step).values():
+        with pytest.raises(CheckpointError, match="is not committed"):
+            read(uncommitted)
+    # a save stopped between its renames left the checkpoint as .previous: read there, as load reads it
+    good.rename(tmp_path / ".moved.previous")
+    got = sw.checkpoint.read_dcp_state_dict(tmp_path / "moved", "model.")
+    assert sorted(got) == sorted(expected) and all(torch.equal(got[k], expected[k]) for k in expected)
+    sw.checkpoint.init_from_dcp(step, tmp_path / "moved", prefix="model.")
+
+
+def test_the_dcp_readers_refuse_a_damaged_record_of_a_plain_dcp_checkpoint_by_name(tmp_path: Path) -> None:
+    """A torch DCP checkpoint carries no checksums: a damaged record is refused naming its chunk and file
+    (it was a bare IndexError from torch.load)."""
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    chain, _ = sw.functionalize(module)
+    step = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.adamw(0.1))
+    dcp.save({"model": module.state_dict()}, checkpoint_id=str(tmp_path / "plain"))
+    record = next((tmp_path / "plain").glob("*.distcp"))
+    data = bytearray(record.read_bytes())
+    data[0] ^= 1
+    record.write_bytes(bytes(data))
+    for read in _dcp_readers(step).values():
+        with pytest.raises(CheckpointError, match=r"chunk of model\.\S+ in \S+\.distcp is not a torch\.save record"):
+            read(tmp_path / "plain")

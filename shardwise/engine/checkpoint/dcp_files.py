@@ -34,6 +34,7 @@ from .cut import Box
 from .errors import CheckpointError
 from .record_io import ReadBuffer, read_box_into
 from .regions import Placed, ReadInto, fill
+from .save_load import resolve
 from .state_dict import read_dcp_metadata
 
 _LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")  # a zip member's local file header
@@ -45,8 +46,9 @@ class DcpFiles:
     def __init__(self, path: str | os.PathLike[str], prefix: str = "") -> None:
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-        self.path, self.where = Path(path), f"DCP checkpoint {path}"
-        self.metadata = read_dcp_metadata(path)
+        # a shardwise checkpoint an interrupted save left beside its path, as load finds it
+        self.path, self.where = resolve(path), f"DCP checkpoint {path}"
+        self.metadata = read_dcp_metadata(self.path)
         self.specs = {
             fqn[len(prefix) :]: (fqn, spec)
             for fqn, spec in self.metadata.state_dict_metadata.items()
@@ -90,7 +92,11 @@ def _record_reader(path: Path, fqn: str, info: Any, sizes: tuple[int, ...], dtyp
                 "which this reader does not undo"
             )
         where = f"{path}: the chunk of {fqn} in {info.relative_path}"
-        with open(path / info.relative_path, "rb") as f:
+        try:
+            f = open(path / info.relative_path, "rb")  # noqa: SIM115 (closed by the with below)
+        except OSError as err:
+            raise CheckpointError(f"{where} cannot be read: {err}") from None
+        with f:
             record = _Window(f, info.offset, info.length)
             try:
                 found = _locate(record, where)

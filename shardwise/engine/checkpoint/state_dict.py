@@ -26,10 +26,10 @@ from ..layout.state import TrainState
 from ..layout.state_layout import gathered_layer
 from .arguments import check_state, check_step
 from .buffers import restore_from
-from .file_format import DCP_META, CheckpointError
+from .file_format import COMMITTED, DCP_META, META, CheckpointError, check_committed
 from .names import module_params, state_dict_names
 from .regions import Placed
-from .save_load import _layout_of
+from .save_load import _layout_of, resolve
 from .tied_copies import differing_copies_message
 
 
@@ -163,15 +163,33 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def read_dcp_metadata(path: str | os.PathLike[str]) -> Any:
-    """DCP's ``Metadata`` of the checkpoint directory ``path``, unpickling only its own classes."""
-    file = Path(path) / DCP_META
+    """DCP's ``Metadata`` of the checkpoint directory ``path``, unpickling only its own classes.
+
+    A shardwise checkpoint (its files in DCP's layout, read by the readers here too) is first checked as
+    ``load`` checks it: committed, and every file it lists as its save wrote it. Without that a damaged
+    or interrupted save was read as far as it went (a key with a flipped byte came back under another
+    name) or failed with the unpickler's or torch's own error."""
+    directory = Path(path)
+    if directory.is_dir() and _of_a_shardwise_save(directory):
+        check_committed(directory)
+    file = directory / DCP_META
     if not file.is_file():
         raise CheckpointError(f"{path} is not a torch.distributed.checkpoint directory: {DCP_META} is missing")
     with open(file, "rb") as f:
         try:
-            return _MetadataUnpickler(f).load()
-        except (pickle.UnpicklingError, EOFError, AttributeError) as err:
-            raise CheckpointError(f"{file}: not DCP metadata ({err})") from None
+            metadata = _MetadataUnpickler(f).load()
+        except Exception as err:  # a damaged pickle fails in any of the unpickler's ways (MemoryError too)
+            raise CheckpointError(f"{file}: not DCP metadata ({type(err).__name__}: {err})") from None
+    if not all(hasattr(metadata, field) for field in ("state_dict_metadata", "storage_data")):
+        raise CheckpointError(f"{file}: not DCP metadata (a {type(metadata).__name__}, not its Metadata)")
+    return metadata
+
+
+def _of_a_shardwise_save(directory: Path) -> bool:
+    """Whether a shardwise save wrote ``directory`` (its metadata, marker or a rank's index; a torch DCP
+    save writes ``.metadata`` and ``*.distcp`` only)."""
+    return (directory / META).exists() or (directory / COMMITTED).exists() or any(
+        p.name.startswith("rank") and p.name.endswith(".json") for p in directory.iterdir())
 
 
 def read_dcp_state_dict(path: str | os.PathLike[str], prefix: str = "") -> dict[str, torch.Tensor]:
@@ -181,6 +199,7 @@ def read_dcp_state_dict(path: str | os.PathLike[str], prefix: str = "") -> dict[
     ``init_from_state_dict(step, read_dcp_state_dict(path), mesh)`` starts a step from it."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    path = resolve(path)  # a shardwise checkpoint an interrupted save left beside its path, as load finds it
     metadata = read_dcp_metadata(path)
     out: dict[str, torch.Tensor] = {}
     for fqn, spec in metadata.state_dict_metadata.items():
@@ -190,15 +209,27 @@ def read_dcp_state_dict(path: str | os.PathLike[str], prefix: str = "") -> dict[
         covered = 0
         for chunk in spec.chunks:
             info = metadata.storage_data[_index(fqn, chunk.offsets)]
-            with open(Path(path) / info.relative_path, "rb") as f:
-                f.seek(info.offset)
-                data = f.read(info.length)
             if getattr(info, "transform_descriptors", None):
                 raise CheckpointError(
                     f"{path}: {fqn} is stored with transforms {info.transform_descriptors}, "
                     "which this reader does not undo"
                 )
-            box = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            try:
+                with open(Path(path) / info.relative_path, "rb") as f:
+                    f.seek(info.offset)
+                    data = f.read(info.length)
+                box = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            except Exception as err:  # a missing file, or a damaged record: torch.load fails in many ways
+                raise CheckpointError(
+                    f"{path}: the chunk of {fqn} in {info.relative_path} is not a torch.save record of one "
+                    f"tensor ({type(err).__name__}: {err})"
+                ) from None
+            if not isinstance(box, torch.Tensor) or tuple(box.shape) != tuple(chunk.sizes):
+                raise CheckpointError(
+                    f"{path}: the chunk of {fqn} in {info.relative_path} holds "
+                    f"{list(box.shape) if isinstance(box, torch.Tensor) else type(box).__name__}, the metadata says "
+                    f"{list(chunk.sizes)}; the metadata is of another save"
+                )
             t[tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes, strict=True))].copy_(box)
             covered += box.numel()
         if covered != t.numel():
