@@ -269,6 +269,10 @@ def resolve(chain: Chain, plan: Mapping[str, Style], sequence_parallel: str | No
                 _check_heads_named(style_of[path][0], path, chosen, module)
                 for attr in (*chosen.heads, *chosen.local):
                     heads.append((path, attr, _read_attribute(module, path, attr)))
+                _check_per_head_lists(
+                    style_of[path][0], path, module, {a: _read_attribute(module, path, a) for a in chosen.heads},
+                    {p for p, (_, s) in style_of.items() if isinstance(s, (Colwise, Rowwise))},
+                )
         for local, name in declared.items():
             key = layer.ties.get(local, (layer.name, local))
             cut = _param_split(chosen, kind, name, module)
@@ -332,6 +336,12 @@ HEAD_COUNTS = (
 )
 
 
+def is_head_count(attr: str) -> bool:
+    """Whether an attribute's name says it counts heads (``n_heads``, ``heads``, ``num_key_value_heads``),
+    not their width (``head_dim``, ``attention_head_size``)."""
+    return attr in HEAD_COUNTS or attr.endswith("heads") or attr in ("n_head", "num_head", "n_kv_head")
+
+
 def _check_heads_named(pattern: str, path: str, style: Region, module: nn.Module) -> None:
     """Refuse a Region without heads= on a module that counts heads: nothing would check that the
     axis size divides them, and a reshape by the whole count splits each rank's features wrongly."""
@@ -343,6 +353,31 @@ def _check_heads_named(pattern: str, path: str, style: Region, module: nn.Module
         f"{counts}, names no heads: each rank must compute whole heads, 1/N of them; give "
         f"Region(heads={tuple(counts)!r})"
     )
+
+
+def _check_per_head_lists(
+    pattern: str, path: str, module: nn.Module, counts: Mapping[str, int], split: set[str]
+) -> None:
+    """Refuse a Region holding one module or parameter per head in a list (StableLM's per-head
+    LayerNorms, ``zip(self.norms, heads.split(1, dim=1))``): each rank holds 1/N of the heads but the
+    whole list, and pairs its heads with the list's first entries (rank 1's heads with the norms of
+    rank 0's), training another model without an error. A list whose entries the plan splits (q, k and v
+    as a list of projections) is not one per head."""
+    for sub, inner in module.named_modules():
+        if not isinstance(inner, (nn.ModuleList, nn.ParameterList)) or not any(True for _ in inner.parameters()):
+            continue
+        if any(p.startswith(_join(path, sub) + ".") for p in split):  # its entries split by the plan: not per head
+            continue
+        for attr, count in counts.items():
+            if count > 1 and len(inner) == count:
+                raise ValueError(
+                    f"tensor_parallel: plan[{pattern!r}] = Region on {path!r} holds {_join(path, sub)!r}, a "
+                    f"{type(inner).__name__} of {count} entries, one per head ({attr} = {count}): each rank computes "
+                    f"1/N of the heads but holds the whole list, so a forward that pairs its heads with the entries "
+                    "(zip over the heads) gives rank r's heads the entries of rank 0's; the entries the other ranks' "
+                    "heads need never train. Tensor parallel cannot split such a list: leave this module out of the "
+                    "plan (replicated), or turn the per-head parameters off (StableLM: qk_layernorm=False)"
+                )
 
 
 def _param_split(style: Style | None, kind: str | None, name: str, module: nn.Module) -> tuple[int, int] | None:

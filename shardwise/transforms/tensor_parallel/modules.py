@@ -30,8 +30,9 @@ from ...engine.run.rng import default_generators, mix
 from ...engine.stack import in_layer
 from . import partial, positions
 from .comm import enter, gather_invariant, leave, scatter, vary
+from .failures import region_failed, rowwise_width_message
 from .following import quiet, set_current
-from .match import CONV1D, EMBEDDING, LINEAR, Install, LayerPlan
+from .match import CONV1D, EMBEDDING, LINEAR, Install, LayerPlan, is_head_count
 from .own_loss import OwnLossCheck, OwnLossWatch, refuse_own_loss
 from .owned_only import OwnedOnly
 from .region_paths import Sides, bypass_message, bypasses_split, parameter_sides
@@ -45,11 +46,14 @@ class TPForward:
     def __init__(
         self, module: nn.Module, axis: str, install: Install | None, block: tuple[bool, bool] | None,
         reduce: torch.dtype | None, path: str, slices_after: bool = False,
+        head_counts: dict[str, tuple[str, int]] | None = None,
     ) -> None:
         self.module, self.axis, self.install, self.block, self.reduce = module, axis, install, block, reduce
         # The last: its output stays a slice, which the head gathers (partial.py).
         self.slices_after = slices_after
         self.path = path  # in the model: what errors and the Plan call it
+        # A Colwise outside any Region: the head counts its enclosing modules hold, whole (split_watch.py).
+        self.head_counts = head_counts or {}
         self.hidden = _first_parameter(module)  # read once: inspect.signature costs ~10 us a call
         # The counts each rank divides by the axis size while the Region runs (owner, attribute, whole).
         self.locals: list[tuple[Any, str, int]] = []
@@ -154,7 +158,7 @@ class TPForward:
             _path_ends(label, out)
             watch = getattr(_flow, "watch", None)
             if watch is not None and not gathered:
-                watch.watch(out, label, style.fused)
+                watch.watch(out, label, style.fused, self.head_counts, in_layer.size(axis))
             own_loss = getattr(_flow, "own_loss", None)
             if own_loss is not None and label in own_loss.heads:
                 own_loss.watch(out)
@@ -171,11 +175,9 @@ class TPForward:
         assert weight is not None
         width = weight.shape[1] if install.kind == LINEAR else weight.shape[0]
         if x.shape[-1] != width:
-            raise ValueError(
-                f"tensor_parallel: Rowwise() on {label!r} takes its input split on the features ({width} of "
-                f"{width * in_layer.size(axis)} on each rank), but got {x.shape[-1]}: give the module before it "
-                "Colwise() (its output stays split), inside the same Region"
-            )
+            raise ValueError(rowwise_width_message(
+                label, width, width * in_layer.size(axis), x.shape[-1], bool(getattr(_flow, "regions", 0))
+            ))
         y = F.linear(x, weight) if install.kind == LINEAR else _conv1d(x, weight, None)
         y = leave(y, axis, install.seq_dim, label, self.reduce)
         _path_ends(label, y)
@@ -191,7 +193,7 @@ class TPForward:
         except (RuntimeError, ValueError) as err:
             if _is_ours(err):
                 raise
-            raise ValueError(_region_failed(m, label, style, err, in_layer.size(self.axis))) from err
+            raise ValueError(region_failed(m, label, style, err, in_layer.size(self.axis))) from err
         finally:
             _flow.regions -= 1
 
@@ -300,31 +302,6 @@ def _divided(module: nn.Module, style: Region) -> list[tuple[Any, str, int]]:
 def _is_ours(err: BaseException) -> bool:
     """Whether shardwise raised ``err`` (it names its own cause): only torch's get explained."""
     return type(err).__module__.startswith("shardwise") or str(err).startswith("tensor_parallel:")
-
-
-def _region_failed(m: nn.Module, path: str, style: Region, err: BaseException, parts: int) -> str:
-    """Why a Region's module likely failed: it computes with a whole count each rank divides."""
-    counts = _head_counts(m, set(style.heads) | set(style.local))
-    found = f"; {type(m).__name__} has {counts}" if counts else ""
-    return (
-        f"tensor_parallel: Region {path!r} failed ({type(err).__name__}: {err}): each of the "
-        f"{parts} ranks holds 1/{parts} of its heads, but the module computes with a count it was "
-        f"not told to divide{found}; name its head counts in Region(heads=(...)) and the "
-        "widths it cuts at in Region(local=(...)), e.g. Region(heads=('num_heads',), "
-        "local=('split_size',)); a projection computing blocks side by side that the module cuts apart (q, k "
-        "and v in one) takes Colwise(fused=<the number of blocks>) too"
-    )
-
-
-def _head_counts(m: nn.Module, named: set[str]) -> dict[str, int]:
-    """The module's int attributes that look like head counts or widths, not already named."""
-    config = getattr(m, "config", None)
-    values = {**getattr(config, "__dict__", {}), **vars(m)}
-    return {
-        k: v for k, v in sorted(values.items())
-        if type(v) is int and ("heads" in k or k in ("n_head", "split_size")) and k not in named
-        and f"config.{k}" not in named
-    }
 
 
 def split_by() -> str:
@@ -485,6 +462,11 @@ class VaryFn:
         self.slices_in = plan is not None and plan.slices_in
         self.slices_out = plan is not None and plan.slices_out
         self.label = "" if plan is None else plan.layer
+        # Colwise modules entering the region themselves (no Region watches how their outputs are cut):
+        # the layer's first call on each rank watches them (split_watch.py).
+        self.watch_cuts = plan is not None and any(
+            i.enters and isinstance(i.style, Colwise) and i.kind != EMBEDDING for i in plan.installs
+        )
         self._reuse_key: Any = None
         # The candidates used on whole values only, once a forward has read them (None before): every
         # rank reads the same graph, so every rank's thread writes the same set.
@@ -530,9 +512,18 @@ class VaryFn:
         follower = partial.Follower(self.axis, self.reduce, self.label) if self.follows else None
         outer_follower = set_current(follower)
         own_loss = _flow.own_loss = self._own_loss_watch()
+        watch = self._cut_watch()
+        outer_watch = getattr(_flow, "watch", None)
+        if watch is not None:
+            _flow.watch = watch
         try:
-            with own_loss if own_loss is not None else contextlib.nullcontext():
+            with (
+                own_loss if own_loss is not None else contextlib.nullcontext(),
+                watch if watch is not None else contextlib.nullcontext(),
+            ):
                 out = self._run(tensors, x, follower)
+            if watch is not None:
+                watch.finish()
         except RuntimeError as err:  # torch's, on shapes that do not fit: explained if split
             if not output_is_split() or _is_ours(err):
                 raise
@@ -541,6 +532,7 @@ class VaryFn:
             _flow.called = outer
             _flow.sides = outer_sides
             _flow.own_loss = None
+            _flow.watch = outer_watch
             set_current(outer_follower)
             _back_to_shared(force=True)  # a per-rank stream a Colwise began ends with its layer
         if sides is not None and sides.names:  # decided before this forward's backward asks
@@ -566,6 +558,19 @@ class VaryFn:
         with follower:
             out = self.fn(tensors, x)
         return follower.finish(out, self.partial_out, self.slices_out)
+
+    def _cut_watch(self) -> SplitWatch | None:
+        """A watch of how the module cuts the outputs of Colwise modules outside any Region, on this layer's
+        first call on this rank (the Plan's prediction, or the first step, before any update)."""
+        if not self.watch_cuts:
+            return None
+        checked = getattr(_flow, "cuts_checked", None)
+        if checked is None:
+            checked = _flow.cuts_checked = weakref.WeakSet()
+        if self in checked:
+            return None
+        checked.add(self)
+        return SplitWatch()
 
     def _own_loss_watch(self) -> OwnLossWatch | None:
         """A watch for a loss the model computes on its split logits (own_loss.py), on this layer's first
@@ -654,9 +659,11 @@ def rewrite_layer(
             installs[subpath].path if subpath in installs else next(p for sub, p, _, _ in plan.blocks if sub == subpath)
         )
         block = blocks.get(subpath)
+        install = installs.get(subpath)
         target.forward = TPForward(
-            target, axis, installs.get(subpath), block, reduce, path,
+            target, axis, install, block, reduce, path,
             slices_after=plan.slices_after and block is not None and block[1],
+            head_counts=_enclosing_head_counts(copied, install) if install is not None else None,
         )
     owners: dict[str, dict[str, str]] = {}
     for subpath, attr, refusal in plan.owned_only:
@@ -674,6 +681,22 @@ def rewrite_layer(
     vary_fn = VaryFn(new_fn, axis, frozenset(plan.vary), reduce, must_run, plan, own_loss)
     vary_fn.set_reuse_key(_rewrite_key(layer.name, fn, plan, axis, reduce))
     return Layer(layer.name, vary_fn, layer.param_names, layer.buffers, layer.ties)
+
+
+def _enclosing_head_counts(root: nn.Module, install: Install) -> dict[str, tuple[str, int]]:
+    """The head counts (attribute -> (module path, value)) the modules enclosing a Colwise outside any
+    Region hold, innermost first: nothing divides them, so a per-head view by one is refused."""
+    if not (install.enters and isinstance(install.style, Colwise) and install.kind != EMBEDDING):
+        return {}
+    found: dict[str, tuple[str, int]] = {}
+    sub, path = install.subpath.split("."), install.path.split(".")
+    for up in range(1, len(sub) + 1):
+        owner = root.get_submodule(".".join(sub[:-up]))
+        where = ".".join(path[:-up]) or "<the layer's module>"
+        for attr, value in vars(owner).items():
+            if type(value) is int and is_head_count(attr) and attr not in found:
+                found[attr] = (where, value)
+    return found
 
 
 def _rewrite_key(name: str, fn: Any, plan: LayerPlan, axis: str, reduce: torch.dtype | None) -> Any:

@@ -22,7 +22,11 @@ its features:
 * a ``Colwise(fused=N)`` output must be cut into its N blocks: ``chunk(N)``, ``split(width / N)``,
   slices at block edges (Phi-3's ``qkv[..., :query_pos]``), a view with the blocks outermost
   (``view(b, t, N, heads, -1)``), or pieces of them. Any other cut is refused, naming the sizes
-  seen, and so is an output the Region's forward never cut so.
+  seen, and so is an output the Region's forward never cut so;
+* a plain ``Colwise()`` output viewed per head is followed along its heads (head_views.py): a cut
+  across them, and (outside any Region) a view by a whole head count, are refused.
+
+A Colwise outside any Region is watched through its layer's first call on each rank (modules.VaryFn).
 
 A view that factors a plain Colwise's features with the blocks outermost (``view(b, t, 3, heads,
 -1)``) looks like one into heads and goes unseen, as does a plain Colwise sliced by ``[...]``, a
@@ -34,13 +38,17 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
+
+from .head_views import check_head_count, see_heads
+
+_Found = TypeVar("_Found")
 
 # Cuts along a dim (the features, when it is the last): the parts' widths are read off the output.
 _CUTS = {
@@ -72,6 +80,10 @@ class _Output:
     width: int  # its features on this rank
     cut: bool = False  # fused: cut into its blocks
     uses: list[str] = field(default_factory=list)  # fused: the ops that took it otherwise
+    # A Colwise outside any Region: the head counts its enclosing modules hold (whole: nothing divides
+    # them), and the axis size; a per-head view by one of them makes heads of a slice of the head width.
+    counts: dict[str, tuple[str, int]] = field(default_factory=dict)  # attribute -> (module, count)
+    parts: int = 1
 
 
 class SplitWatch(TorchFunctionMode):
@@ -81,10 +93,14 @@ class SplitWatch(TorchFunctionMode):
         super().__init__()
         self.widths: set[int] = set()  # the widths the Regions divide (local=), as a rank sees them
         self.watched: dict[int, tuple[weakref.ref[Tensor], _Output]] = {}
+        # The per-head views of plain Colwise outputs: the dim that holds the rank's heads.
+        self.per_head: dict[int, tuple[weakref.ref[Tensor], _Output, int]] = {}
         self.outputs: list[_Output] = []
 
-    def watch(self, t: Tensor, label: str, fused: int) -> None:
-        entry = _Output(label, fused, t.shape[-1] if t.dim() else 0)
+    def watch(
+        self, t: Tensor, label: str, fused: int, counts: dict[str, tuple[str, int]] | None = None, parts: int = 1
+    ) -> None:
+        entry = _Output(label, fused, t.shape[-1] if t.dim() else 0, counts=dict(counts or {}), parts=parts)
         self.outputs.append(entry)
         self._follow(t, entry)
 
@@ -102,7 +118,17 @@ class SplitWatch(TorchFunctionMode):
         out = func(*args, **kwargs)
         for t, entry in _tensor_args(args, kwargs, self._entry):
             self._see(func, t, entry, args, kwargs, out)
+        for t, (entry, dim) in _tensor_args(args, kwargs, self._heads_of):
+            see_heads(self, func, t, entry, dim, args, kwargs, out)
         return out
+
+    def _heads_of(self, t: Any) -> tuple[_Output, int] | None:
+        found = self.per_head.get(id(t)) if isinstance(t, Tensor) else None
+        return (found[1], found[2]) if found is not None and found[0]() is t else None
+
+    def follow_heads(self, t: Tensor, entry: _Output, dim: int) -> None:
+        """``t`` holds this rank's heads of ``entry`` along ``dim``."""
+        self.per_head[id(t)] = (weakref.ref(t), entry, dim)
 
     def finish(self) -> None:
         """The end of the Region's first forward: a fused output must have been cut into its blocks."""
@@ -132,7 +158,13 @@ class SplitWatch(TorchFunctionMode):
                 entry.uses.append(_name(func))
             return  # a shape, a dtype: read, not used
         name = _name(func)
+        if entry.fused == 1 and func in _RESHAPES:
+            factors = _feature_factors(list(t.shape), list(out.shape))
+            if factors is not None and len(factors) >= 2:  # the features viewed per head: (..., heads, head_dim)
+                check_head_count(entry, factors)
+                self.follow_heads(out, entry, out.dim() - len(factors))
         if entry.fused == 1 and _one_head_view(t, out):
+            self.follow_heads(out, entry, out.dim() - 2)
             return  # a per-head view of a rank's one head: what it cuts next is the head's own dims
         if out.dim() and out.shape[-1] == entry.width and (
             (out.shape == t.shape and name not in _MIXING) or name in _LAYOUT
@@ -229,8 +261,8 @@ def _plain_refusal(entry: _Output, name: str, sizes: list[int], divided: set[int
 
 
 def _tensor_args(
-    args: Sequence[Any], kwargs: dict[str, Any], entry_of: Any
-) -> Iterable[tuple[Tensor, _Output]]:
+    args: Sequence[Any], kwargs: dict[str, Any], entry_of: Callable[[Any], _Found | None]
+) -> Iterable[tuple[Tensor, _Found]]:
     """The watched tensors among the arguments (and in the lists among them: torch.cat's)."""
     for a in (*args, *kwargs.values()):
         for t in (a if isinstance(a, (list, tuple)) else (a,)):

@@ -1,0 +1,101 @@
+"""Why a tensor-parallel module failed, said by its likely cause (modules.py raises these).
+
+torch's own error on a rank's slices names sizes, not the cause. A Region's module that fails on its
+rank's heads most often computes with a whole count or width no Region divides, or holds a
+parameter as wide as all heads together (a norm over every head's features), which no split fits.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+from torch import Tensor, nn
+
+from .match import CONV1D, Install
+from .styles import Colwise, Region
+
+
+def rowwise_width_message(label: str, width: int, whole: int, got: int, in_region: bool) -> str:
+    """A Rowwise's input is not its slice of the features: ``got`` wide where it takes ``width`` of ``whole``."""
+    if got == whole and in_region:
+        return (
+            f"tensor_parallel: Rowwise() on {label!r} takes its input split on the features ({width} of "
+            f"{whole} on each rank), but got all {whole}, though its Region split them: the module built "
+            "a whole-width value from this rank's heads, most likely by a count or width it read whole "
+            "(Phi-3's query_pos = config.num_attention_heads * head_dim reads the config, which every layer "
+            "shares, so no Region divides it). Name a count the module holds in the Region's heads=(...) "
+            "or local=(...); a module reading its config's counts cannot run on a rank's heads unchanged: "
+            "leave its projections out of the plan"
+        )
+    return (
+        f"tensor_parallel: Rowwise() on {label!r} takes its input split on the features ({width} of "
+        f"{whole} on each rank), but got {got}: give the module before it "
+        "Colwise() (its output stays split), inside the same Region"
+    )
+
+
+def region_failed(m: nn.Module, path: str, style: Region, err: BaseException, parts: int) -> str:
+    """Why a Region's module likely failed: a replicated parameter spanning a Colwise's whole output, or
+    a whole count each rank divides."""
+    spanning = _spanning_parameter(m, parts, {int(n) for n in re.findall(r"\d+", str(err))})
+    if spanning is not None:
+        name, shape, colwise, whole = spanning
+        return (
+            f"tensor_parallel: Region {path!r} failed ({type(err).__name__}: {err}): its parameter {name!r} of "
+            f"shape {shape} spans the whole output of {colwise!r} ({whole} features, every head's), of which each "
+            f"of the {parts} ranks holds 1/{parts}: a norm whose weight covers every head (OLMo2's q_norm over all "
+            "heads' features together, Cohere's weight per head) meets only this rank's heads; its head counts are "
+            "not the cause. Leave this module's projections out of the plan (replicated), or use a model whose "
+            "norms act on each head alike (Qwen3's q_norm over head_dim)"
+        )
+    counts = _head_counts(m, set(style.heads) | set(style.local))
+    found = f"; {type(m).__name__} has {counts}" if counts else ""
+    return (
+        f"tensor_parallel: Region {path!r} failed ({type(err).__name__}: {err}): each of the "
+        f"{parts} ranks holds 1/{parts} of its heads, but the module computes with a count it was "
+        f"not told to divide{found}; name its head counts in Region(heads=(...)) and the "
+        "widths it cuts at in Region(local=(...)), e.g. Region(heads=('num_heads',), "
+        "local=('split_size',)); a projection computing blocks side by side that the module cuts apart (q, k "
+        "and v in one) takes Colwise(fused=<the number of blocks>) too"
+    )
+
+
+def _spanning_parameter(
+    m: nn.Module, parts: int, sizes: set[int]
+) -> tuple[str, tuple[int, ...], str, int] | None:
+    """A parameter of the Region's module that no style splits, as wide as a Colwise's whole output
+    (OLMo2's q_norm (heads * head_dim,), Cohere's (heads, head_dim)), with a dim whole and divided among
+    the numbers torch's error names ("size of tensor a (32) must match ... (16)"): (name, shape, the
+    Colwise, that width). Read while the rank's slices are bound (the Region's forward)."""
+    wholes: dict[int, str] = {}
+    styled: set[str] = set()
+    for sub, inner in m.named_modules():
+        install = getattr(inner.__dict__.get("forward"), "install", None)  # a TPForward's
+        if not isinstance(install, Install) or isinstance(install.style, Region):
+            continue
+        styled.add(sub)
+        weight = getattr(inner, "weight", None)
+        if isinstance(install.style, Colwise) and isinstance(weight, Tensor) and weight.dim() == 2:
+            local = weight.shape[1] if install.kind == CONV1D else weight.shape[0]
+            wholes.setdefault(local * parts, install.path)
+    for name, t in m.named_parameters():
+        owner = name.rpartition(".")[0]
+        if owner in styled:
+            continue
+        shape = tuple(t.shape)
+        spans = [w for w in (math.prod(shape[k:]) for k in range(len(shape))) if w in wholes]
+        if spans and any(d in sizes and d // parts in sizes and d % parts == 0 for d in shape):
+            return name, shape, wholes[spans[0]], spans[0]
+    return None
+
+
+def _head_counts(m: nn.Module, named: set[str]) -> dict[str, int]:
+    """The module's int attributes that look like head counts or widths, not already named."""
+    config = getattr(m, "config", None)
+    values = {**getattr(config, "__dict__", {}), **vars(m)}
+    return {
+        k: v for k, v in sorted(values.items())
+        if type(v) is int and ("heads" in k or k in ("n_head", "split_size")) and k not in named
+        and f"config.{k}" not in named
+    }

@@ -1,0 +1,164 @@
+"""A plain Colwise output viewed per head, followed along its heads dim (split_watch.py watches it).
+
+``Colwise()`` gives each rank whole heads, 1/tp of them, and each is computed as on one device as
+long as the module treats every head on its own. Two ways it does not, and trains another model
+without an error, are refused here:
+
+* a view by the whole head count (``q.view(b, t, self.n_heads, -1)``, einops' ``rearrange(q, "b n (h
+  d) -> b h n d", h=self.heads)``) of a Colwise outside any Region: nothing divided the count, so a
+  rank makes that many heads of 1/tp of the head width (a Region divides the counts it names in
+  ``heads=``; ``view(..., -1, head_dim)``, as Hugging Face writes it, derives the count from the
+  width and is right);
+* a cut of the per-head view along its heads (``torch.chunk(v, 2, dim=1)``, ``split``,
+  ``tensor_split``, ``narrow``, an index or a slice of the heads): DiffLlama pairs head h with head
+  h + H/2 so, and on a rank's heads the halves pair other heads. A cut into single heads
+  (``split(1, dim)``, ``unbind``) keeps each head whole and passes, as do transposes, the
+  grouped-query repeat (``[:, :, None].expand(...)``) and cuts within a head (a partial rotary's
+  ``q[..., :rot]``).
+
+The heads dim is followed through transposes, permutes, index keeping the heads whole, unsqueeze,
+expand and same-shaped ops (rotary products, casts); a reshape that merges it ends the following.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from .split_watch import SplitWatch, _Output
+
+# Cuts of a tensor along a dim, and where each takes its dim (positionally; default 0).
+_CUT_DIM_AT = {
+    "chunk": 2, "split": 2, "split_with_sizes": 2, "tensor_split": 2, "narrow": 1, "index_select": 1,
+    "select": 1, "unbind": 1,
+}
+_SAME_DIMS = {"expand", "expand_as", "broadcast_to"}
+
+
+def check_head_count(entry: _Output, factors: list[int]) -> None:
+    """Refuse a per-head view (``factors``: heads first) by a whole count of a Colwise outside any Region."""
+    if entry.parts <= 1 or not entry.counts:
+        return
+    heads, parts = factors[0], entry.parts
+    local = {count // parts for _, count in entry.counts.values() if count % parts == 0}
+    for attr, (module, count) in entry.counts.items():
+        if heads != count or heads in local:
+            continue
+        owes = (
+            f"each rank must compute {count // parts} whole heads" if count % parts == 0
+            else f"and {parts} ranks cannot each compute whole heads of {count}"
+        )
+        raise ValueError(
+            f"tensor_parallel: Colwise() on {entry.label!r}, outside any Region, gives each rank 1/{parts} of its "
+            f"output features ({entry.width} here), and the module views them per head by its whole head count "
+            f"({module}.{attr} = {count}): {factors} on this rank, {count} heads of 1/{parts} of the head width, "
+            f"where {owes}: another attention, trained without an error. Give {module!r} a Region naming the "
+            f"count, sw.tp.Region(heads=({attr!r},)) in the plan, which divides it by the tp size while the module "
+            "runs; or view by the head width (view(..., -1, head_dim), as Hugging Face's attentions do)"
+        )
+
+
+def see_heads(
+    watch: SplitWatch, func: Any, t: Tensor, entry: _Output, dim: int, args: Sequence[Any], kwargs: dict[str, Any],
+    out: Any,
+) -> None:
+    """``func`` took ``t``, which holds a rank's heads of ``entry`` along ``dim``: refuse a cut across the
+    heads, and follow the heads into ``out`` where it keeps them."""
+    name = str(getattr(func, "__name__", func))
+    first = args[0] if args else None
+    if name in _CUT_DIM_AT:
+        if first is not t:
+            return
+        at = _CUT_DIM_AT[name]
+        cut_dim = kwargs.get("dim", args[at] if len(args) > at else 0)
+        if not isinstance(cut_dim, int) or cut_dim % t.dim() == dim:
+            if not _into_single_heads(name, args, kwargs):
+                raise ValueError(_cut_refusal(entry, name, t, dim, out))
+            return
+        for part in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(part, Tensor) and part.dim() == t.dim():
+                watch.follow_heads(part, entry, dim)
+        return
+    if not isinstance(out, Tensor):
+        return
+    try:
+        new = _heads_after(name, t, dim, args, out)
+    except _Cut as cut:
+        raise ValueError(head_cut_message(entry, str(cut))) from None
+    if new is not None:
+        watch.follow_heads(out, entry, new)
+
+
+def _heads_after(name: str, t: Tensor, dim: int, args: Sequence[Any], out: Tensor) -> int | None:
+    """Where ``out`` holds the heads ``t`` holds along ``dim``; None where it is no longer followed."""
+    n = t.dim()
+    if args and args[0] is t:
+        if name in ("transpose", "swapaxes", "swapdims") and len(args) >= 3:
+            a, b = args[1] % n, args[2] % n
+            return b if dim == a else a if dim == b else dim
+        if name == "permute":
+            order = args[1] if len(args) == 2 and isinstance(args[1], (list, tuple)) else args[1:]
+            return [d % n for d in order].index(dim) if len(order) == n else None
+        if name == "unsqueeze" and len(args) >= 2:
+            at = args[1] % (n + 1)
+            return dim + 1 if at <= dim else dim
+        if name == "__getitem__" and len(args) >= 2:
+            return _index_heads(t, args[1], dim)
+        if name in _SAME_DIMS and out.dim() == n and out.shape[dim] == t.shape[dim]:
+            return dim
+    return dim if out.shape == t.shape else None
+
+
+def _into_single_heads(name: str, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+    """A cut into parts of one head each (each head then computed on its own): split(1), unbind."""
+    size = kwargs.get("split_size_or_sections", kwargs.get("split_size", args[1] if len(args) > 1 else None))
+    return name == "unbind" or (name == "split" and type(size) is int and size == 1)
+
+
+def _index_heads(t: Tensor, index: Any, dim: int) -> int | None:
+    """Where ``t[index]`` holds ``t``'s heads (dim ``dim``); raises _Cut where it takes some of them."""
+    items = list(index) if isinstance(index, tuple) else [index]
+    consumed = sum(1 for i in items if i is not None and i is not Ellipsis)
+    if Ellipsis in items:
+        at = items.index(Ellipsis)
+        items[at:at + 1] = [slice(None)] * (t.dim() - consumed)
+    items += [slice(None)] * (t.dim() - sum(1 for i in items if i is not None))
+    advanced = any(isinstance(i, (Tensor, list)) for i in items)
+    in_dim = out_dim = 0
+    for item in items:
+        if item is None:
+            out_dim += 1
+            continue
+        if in_dim == dim:
+            whole = isinstance(item, slice) and item.indices(t.shape[dim]) == (0, t.shape[dim], 1)
+            if not whole:
+                raise _Cut(f"an index {item!r} of the heads dim")
+            return None if advanced else out_dim
+        in_dim += 1
+        out_dim += 0 if isinstance(item, int) else 1
+    return None
+
+
+class _Cut(ValueError):
+    """An index that takes some of a rank's heads (turned into the refusal by see_heads' caller)."""
+
+
+def _cut_refusal(entry: _Output, name: str, t: Tensor, dim: int, out: Any) -> str:
+    parts = [p.shape[dim] for p in out if isinstance(p, Tensor)] if isinstance(out, (tuple, list)) else None
+    into = f" into parts of {parts} heads" if parts else ""
+    return head_cut_message(entry, f"{name} of its {t.shape[dim]} heads (dim {dim}){into}")
+
+
+def head_cut_message(entry: _Output, what: str) -> str:
+    module = entry.label.rsplit(".", 1)[0] if "." in entry.label else entry.label
+    return (
+        f"tensor_parallel: Colwise() on {entry.label!r} gives each rank whole heads, 1/tp of them, and the module "
+        f"that takes its output ({module!r}) cuts its per-head view across the heads: {what}. A module that pairs or "
+        "groups heads by their place among all of them (DiffLlama's torch.chunk(value_states, 2, dim=1): head h with "
+        "head h + H/2) pairs other heads on a rank's slice, another model trained without an error. Tensor "
+        "parallel needs each head computed on its own: leave this module's projections out of the plan (replicated), "
+        "or pair the heads within each rank's group"
+    )
