@@ -414,16 +414,23 @@ class TwoOutputs(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         x = x[: len(x)]
+        extra = torch.zeros(())
         for b in self.blocks:
-            x = b(x)[0]
-        return x
+            x, side = b(x)
+            extra = extra + side.sum()  # reads what each block returns beyond its hidden state
+        return x + extra
 
 
 @pytest.mark.parametrize(
     ("module", "units", "message"),
     [
         (Rescaled(), "blocks", r"unit 'blocks.1' does not receive the output of 'blocks.0'"),
-        (TwoOutputs(), "blocks", r"unit 'blocks.0' returns a tuple of \(Tensor, Tensor\).*output_attentions=False"),
+        (
+            TwoOutputs(),
+            "blocks",
+            r"unit 'blocks.0' returns a tensor at output\[1\] besides its hidden state, and sum\(\) in "
+            r"TwoOutputs's forward reads it.*output_attentions=False.*units=None",
+        ),
     ],
 )
 def test_recorded_split_refusals_name_the_unit_and_the_fix(module: nn.Module, units: str, message: str) -> None:

@@ -24,8 +24,20 @@ The code before the first unit thus runs twice (in ``embed`` and, discarded, in
 parameters only that code reads are zero placeholders (one element each,
 expanded), so the last pipeline stage does not hold the embedding table, and its
 dropout modules run in eval mode so the replay draws no random numbers.
-The example check (``functionalize`` always runs it here) proves bitwise that
-nothing after the loop reads those placeholders.
+Which phase holds a parameter is decided by what the recording saw READ (a
+TorchFunctionMode, ``tensor_reads.py``), not by which modules ran: DeBERTa reads
+``rel_embeddings.weight`` by attribute before its layers and never calls the
+module; a value computed before the loop from a parameter and used after it puts
+that parameter in ``head`` too. The example check (``functionalize`` always runs
+it here) proves bitwise that the chain equals the module, and, during it, a read of
+a placeholder that can reach a phase's output is refused by name (a zero-initialised
+weight would compare equal).
+
+A unit may return more than its hidden state (Bloom's and GPT-Neo's blocks return
+their attention weights even with ``output_attentions=False``): only ``output[0]``
+passes on, so the recording must show that nothing reads the rest; where the code
+around the units (or the next unit: T5's position bias) reads it, it is refused,
+naming the output and its reader.
 
 What crosses a boundary is a tuple of tensors, a structure fixed by the example
 input (a pipeline sends tensors). A tensor-or-None argument travels as a tensor
@@ -37,6 +49,7 @@ at the example's values and checked on every call.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import copy
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
@@ -51,6 +64,7 @@ from .fx_split import FunctionalizeError
 from .module_call import ThreadReplicas, call_arguments, kept_in_copies
 from .pytrees import register_output_types
 from .reuse import module_signature, reusing_forwards
+from .tensor_reads import ReadLog, StandInGuard, tensors_in
 
 EMBED, HEAD = "embed", "head"
 
@@ -85,6 +99,8 @@ class _Recording:
     phase: dict[str, set[str]]  # module path -> {"before", "between", "after"}
     output: Any
     executed: list[str]  # unit paths in the order forward ran them
+    param_reads: dict[str, set[str]]  # "before" | "between" | "after" -> names of the params read there
+    extra_reads: list[tuple[str, int, str]]  # (unit, output index, what reads it) for outputs beyond [0]
 
 
 def _record(root: nn.Module, paths: list[str], x: Any, fake_units: bool = False) -> _Recording:
@@ -96,13 +112,28 @@ def _record(root: nn.Module, paths: list[str], x: Any, fake_units: bool = False)
     faking = contextlib.ExitStack()
     calls: dict[int, _UnitCall] = {}
     phase: dict[str, set[str]] = {}
-    state = {"started": 0, "ended": 0}
+    state = {"started": 0, "ended": 0, "inside": 0}
     handles = []
 
     def when() -> str:
         if state["started"] == 0:
             return "before"
         return "after" if state["ended"] == len(paths) else "between"
+
+    # Parameter reads outside the units, wherever the tensor came from (a module call or an attribute,
+    # as DeBERTa's rel_embeddings.weight), and every use of what a unit returns beyond its hidden state.
+    log = ReadLog(lambda: None if state["inside"] else when())
+    for name, p in root.named_parameters():
+        log.watch(p, name, follow=True)
+    extras: dict[int, tuple[Tensor, str, int]] = {}
+    extra_labels: dict[str, tuple[str, int]] = {}
+    extra_reads: list[tuple[str, int, str]] = []
+
+    def extra_users(tree: Any, user: str) -> None:
+        for t in tensors_in(tree):
+            found = extras.get(id(t))
+            if found is not None and found[0] is t:
+                extra_reads.append((found[1], found[2], user))
 
     for path, sub in root.named_modules():
         if path in unit_index:
@@ -117,12 +148,23 @@ def _record(root: nn.Module, paths: list[str], x: Any, fake_units: bool = False)
                 if fake_units and state["started"] == 0:
                     faking.enter_context(fake_tensors())
                     faking.enter_context(reusing_forwards([root.get_submodule(p) for p in paths]))
+                extra_users((args, kwargs), f"unit {path!r} receives it")
                 calls[i] = _UnitCall(tuple(args), dict(kwargs))
                 state["started"] += 1
+                state["inside"] += 1
 
-            def post(mod: nn.Module, args: Any, kwargs: Any, out: Any, i: int = i) -> None:
+            def post(mod: nn.Module, args: Any, kwargs: Any, out: Any, i: int = i, path: str = path) -> None:
                 calls[i].output = out
                 state["ended"] += 1
+                state["inside"] -= 1
+                if isinstance(out, (tuple, list)):
+                    # What it was given and hands back (a mask) travels in the carry already.
+                    given = {id(t) for t in tensors_in((args, kwargs, out[:1]))}
+                    for k, v in enumerate(out[1:], start=1):
+                        if isinstance(v, Tensor) and id(v) not in given:
+                            extras[id(v)] = (v, path, k)
+                            extra_labels[f"output[{k}] of {path!r}"] = (path, k)
+                            log.watch(v, f"output[{k}] of {path!r}", layout=True)
 
             handles.append(sub.register_forward_pre_hook(pre, with_kwargs=True))
             handles.append(sub.register_forward_hook(post, with_kwargs=True))
@@ -134,8 +176,9 @@ def _record(root: nn.Module, paths: list[str], x: Any, fake_units: bool = False)
             handles.append(sub.register_forward_pre_hook(seen))
     try:
         args, kwargs = call_arguments(root, x)
-        with torch.no_grad():
+        with torch.no_grad(), log:
             output = root(*args, **kwargs)
+        extra_users(output, f"{type(root).__name__} returns it")
     finally:
         faking.close()
         for h in handles:
@@ -146,7 +189,28 @@ def _record(root: nn.Module, paths: list[str], x: Any, fake_units: bool = False)
             f"functionalize: units {missing} are never called when {type(root).__name__} runs on the "
             "example input; choose units that forward calls."
         )
-    return _Recording([calls[i] for i in range(len(paths))], phase, output, [paths[i] for i in calls])
+    for label, op in [r for place in ("before", "between", "after") for r in log.reads.get(place, [])]:
+        if label in extra_labels:
+            unit, k = extra_labels[label]
+            extra_reads.append((unit, k, f"{op}() in {type(root).__name__}'s forward reads it"))
+    param_reads = {place: log.labels(place) for place in ("before", "between", "after")}
+    return _Recording(
+        [calls[i] for i in range(len(paths))], phase, output, [paths[i] for i in calls], param_reads, extra_reads
+    )
+
+
+def _refuse_read_extras(recording: _Recording) -> None:
+    """A unit's outputs beyond the hidden state travel nowhere (only output[0] passes on), so the
+    code around the units must not use them (T5's blocks hand their position bias to the next)."""
+    if not recording.extra_reads:
+        return
+    unit, k, user = recording.extra_reads[0]
+    raise FunctionalizeError(
+        f"functionalize: unit {unit!r} returns a tensor at output[{k}] besides its hidden state, and {user}; "
+        "only the hidden state (output[0]) passes from one unit to the next. If it is an optional "
+        "output, turn it off (output_attentions=False, use_cache=False); if the next block needs it (T5's "
+        "position bias), split with units=None (one layer) or choose units that return only the hidden state."
+    )
 
 
 # --- where the hidden state travels -----------------------------------------------------------
@@ -158,13 +222,16 @@ Slot = tuple[str, int | str]  # ("arg", position) or ("kwarg", name)
 def _hidden_of_output(path: str, out: Any) -> Tensor:
     if isinstance(out, Tensor):
         return out
-    if isinstance(out, (tuple, list)) and out and isinstance(out[0], Tensor):
-        extra = [type(v).__name__ for v in out[1:] if isinstance(v, Tensor)]
-        if not extra:
-            return out[0]
+    # Tensors beyond [0] (Bloom's attention weights) are dropped: the recording proved that nothing
+    # reads them (_refuse_read_extras).
+    if (
+        isinstance(out, (tuple, list)) and out and isinstance(out[0], Tensor)
+        and all(v is None or isinstance(v, Tensor) for v in out[1:])
+    ):
+        return out[0]
     raise FunctionalizeError(
         f"functionalize: unit {path!r} returns {_describe(out)}, but a unit passes one hidden state "
-        "on: a tensor, or a tuple of it and Nones. Turn off extra outputs (output_attentions=False, "
+        "on: a tensor, or a tuple of it and tensors or Nones. Turn off extra outputs (output_attentions=False, "
         "use_cache=False), or choose the blocks that return the hidden state as units."
     )
 
@@ -378,10 +445,14 @@ class _UnitStub(nn.Module):
         # What it passes on beyond the hidden state, and how it runs now: private, since they are
         # the split's bookkeeping (an example's outputs, the phase that ran last), not what the unit
         # computes, and the agreement check compares a module's public attributes.
-        self._output_rest = () if isinstance(output, Tensor) else tuple(output[1:])
+        # Tensors there are Nones: nothing reads them (_refuse_read_extras), and the example's would be held.
+        self._output_rest = () if isinstance(output, Tensor) else tuple(
+            None if isinstance(v, Tensor) else v for v in output[1:]
+        )
         self._mode = "pass"  # pass | stop | emit
         self._recorded: list[_UnitCall] | None = None
         self._emit: Tensor | None = None
+        self._emitted = False  # in head: whether forward has reached this (the last) unit yet
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -399,6 +470,7 @@ class _UnitStub(nn.Module):
         if self._mode == "stop":
             raise _Stopped
         kind, where = self.slot
+        self._emitted = self._mode == "emit"
         hidden = self._emit if self._mode == "emit" else (args[where] if kind == "arg" else kwargs[where])  # type: ignore[index]
         if self.output_type is None:
             return hidden
@@ -442,16 +514,63 @@ class Piece:
 
 
 class _Placeholders:
-    """Zero tensors, one element each expanded to full shape, for params a phase never reads."""
+    """Zero tensors, one element each expanded to full shape, for params a phase never reads.
 
-    def __init__(self, specs: dict[str, tuple[torch.Size, torch.dtype]]) -> None:
+    They take the dtype the phase's real parameters arrive in: mixed precision casts those
+    (float32 -> bfloat16), and a stand-in left in float32 would meet them in one op (Bloom's
+    head replays the layer norm of its tied, real, embedding on a stand-in norm weight)."""
+
+    def __init__(
+        self, specs: dict[str, tuple[torch.Size, torch.dtype]], real: dict[str, torch.dtype] | None = None
+    ) -> None:
         self.specs = specs
+        self.real = real or {}  # the phase's real parameters' recorded dtypes, by name
 
     def make(self, like: dict[str, Tensor]) -> dict[str, Tensor]:
         device = next((t.device for t in like.values()), torch.device("cpu"))
+        cast = {self.real[k]: t.dtype for k, t in like.items() if k in self.real and t.dtype != self.real[k]}
         return {
-            k: torch.zeros((), dtype=dtype, device=device).expand(shape) for k, (shape, dtype) in self.specs.items()
+            k: torch.zeros((), dtype=cast.get(dtype, dtype), device=device).expand(shape)
+            for k, (shape, dtype) in self.specs.items()
         }
+
+
+_GUARDING = contextvars.ContextVar("guarding_stand_ins", default=False)
+
+
+@contextlib.contextmanager
+def guarding_stand_ins() -> Iterator[None]:
+    """Inside the block (functionalize's check on the example), ``embed`` and ``head`` refuse a use of
+    a parameter's zero stand-in that could reach their output, naming the parameter: a stand-in that
+    happens to equal the weight (a zero-initialised one) would pass the comparison with the module."""
+    token = _GUARDING.set(True)
+    try:
+        yield
+    finally:
+        _GUARDING.reset(token)
+
+
+def _guard(
+    layer: str, stand_ins: dict[str, Tensor], counts: Callable[[], bool]
+) -> contextlib.AbstractContextManager[Any]:
+    """Under :func:`guarding_stand_ins`, a :class:`StandInGuard` over ``layer``'s stand-ins; else nothing."""
+    if not _GUARDING.get():
+        return contextlib.nullcontext()
+
+    def refuse(name: str, op: str) -> FunctionalizeError:
+        if layer == EMBED:
+            where, seen = "the code before the first unit", "did not see the code before the units read it"
+        else:
+            where = "the code after the last unit (through a value computed before the units)"
+            seen = "saw it read before the units only"
+        return FunctionalizeError(
+            f"functionalize: {where} reads parameter {name!r} (in {op}()), but layer {layer!r} does not hold it: "
+            f"the recording on the example {seen}, so this layer has a zero stand-in for it. Make the code "
+            "that reads it run the same way on every call, or split with units=None (one layer holds every "
+            "parameter)."
+        )
+
+    return StandInGuard(stand_ins, counts, refuse)
 
 
 class EmbedFn:
@@ -474,8 +593,10 @@ class EmbedFn:
             stub._mode, stub._recorded = "pass", recorded
         stubs[-1]._mode = "stop"
         args, kwargs = call_arguments(call.module, x)
+        stand_ins = self.placeholders.make(tensors)
         try:
-            call.call({**tensors, **self.placeholders.make(tensors)}, args, kwargs)
+            with _guard(EMBED, stand_ins, lambda: True):
+                call.call({**tensors, **stand_ins}, args, kwargs)
         except _Stopped:
             pass
         else:
@@ -538,11 +659,14 @@ class HeadFn:
         stubs = _stubs(call.module)
         for stub in stubs:
             stub._mode, stub._recorded = "pass", None
-        stubs[-1]._mode, stubs[-1]._emit = "emit", carry[0]
+        last = stubs[-1]
+        last._mode, last._emit, last._emitted = "emit", carry[0], False
         x = self.layout.inputs.rebuild(carry)
         args, kwargs = call_arguments(call.module, x)
+        stand_ins = self.placeholders.make(tensors)
         try:
-            out = call.call({**tensors, **self.placeholders.make(tensors)}, args, kwargs)
+            with _guard(HEAD, stand_ins, lambda: last._emitted):
+                out = call.call({**tensors, **stand_ins}, args, kwargs)
         finally:
             stubs[-1]._emit = None
         return register_output_types(out)
@@ -574,6 +698,7 @@ def split_by_calls(
             )
         paths = recording.executed
         recording = _record(root, paths, example, fake_units)
+    _refuse_read_extras(recording)
     slot = _hidden_slot(paths, recording.calls)
     layout = _Layout(paths, recording.calls, slot, example)
     stubbed = _stubbed_root(root, paths, recording, slot)
@@ -584,7 +709,7 @@ def split_by_calls(
     def phase(ids: set[int]) -> tuple[list[tuple[str, Tensor]], _Placeholders]:
         real: list[tuple[str, Tensor]] = [(n, p) for n, p in params if id(p) in ids or not p.requires_grad]
         fake = {n: (p.shape, p.dtype) for n, p in params if not (id(p) in ids or not p.requires_grad)}
-        return real, _Placeholders(fake)
+        return real, _Placeholders(fake, {n: p.dtype for n, p in real if p.is_floating_point()})
 
     embed_params, embed_fake = phase(embed_ids)
     head_params, head_fake = phase(head_ids)
@@ -609,11 +734,16 @@ def split_by_calls(
 
 
 def _phase_params(root: nn.Module, paths: list[str], recording: _Recording) -> tuple[set[int], set[int]]:
-    """ids of the params ``embed`` and ``head`` really use: those of modules run before the first
-    unit, resp. after the last; a module that holds units (the root, ``transformer``) may read its
-    own params anywhere, so both get them; a module never run goes to ``head`` (it holds the rest)."""
-    embed: set[int] = set()
-    head: set[int] = set()
+    """ids of the params ``embed`` and ``head`` really use: those the code before the first unit (or
+    between units), resp. after the last, reads, and those of modules run there; a module that holds
+    units (the root, ``transformer``) may read its own params anywhere, so both get them; a param
+    nothing reads goes to ``head`` (it holds the rest). Reads, not module calls, decide: DeBERTa's
+    encoder reads ``rel_embeddings.weight`` by attribute before its layers and never calls the module."""
+    by_name = dict(root.named_parameters())
+    reads = recording.param_reads
+    embed = {id(by_name[n]) for n in reads["before"] | reads["between"]}
+    head = {id(by_name[n]) for n in reads["after"]}
+    rest: list[int] = []
     for path, sub in root.named_modules():
         if path in paths or any(path.startswith(p + ".") for p in paths):
             continue
@@ -627,8 +757,10 @@ def _phase_params(root: nn.Module, paths: list[str], recording: _Recording) -> t
             )
         if holds_units or "before" in seen:
             embed.update(own)
-        if holds_units or "after" in seen or not seen:
+        if holds_units or "after" in seen:
             head.update(own)
+        rest.extend(own)
+    head.update(i for i in rest if i not in embed)
     return embed, head
 
 

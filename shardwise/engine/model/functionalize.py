@@ -25,8 +25,10 @@ How the module is cut into layers:
   embeddings), one layer per unit (named by its path, names relative to the root), and
   ``"head"`` (forward after the last unit: final norm, head, the model's own loss). The
   value between layers is a tuple of tensors; its layout is fixed by the example, so pass
-  an example like your batches (a dict batch if you train on dict batches). See
-  ``capture`` for how, and what is refused.
+  an example like your batches (a dict batch if you train on dict batches). A unit may
+  return a tuple whose elements after the hidden state nothing reads (Bloom's attention
+  weights); one the next unit reads (T5's position bias) is refused. See ``capture`` for
+  how, and what is refused.
 
 Layer inputs and outputs:
 
@@ -87,7 +89,7 @@ from torch.nn.modules.batchnorm import _NormBase
 from ..torch_api import dense_where_refused, fake_run_errors
 from . import host_random
 from .batch_loss_terms import refuse_split_batch_loss
-from .capture import Piece, split_by_calls
+from .capture import Piece, guarding_stand_ins, split_by_calls
 from .chain import Chain, Layer
 from .fx_split import FunctionalizeError, FxTraceError, split_graph
 from .materialize import InitFn, ModuleInit, has_meta_tensors, is_transformers_model, stand_in
@@ -193,12 +195,13 @@ def _split_and_check(
             layer.fn.root_prefix = layer.name  # type: ignore[attr-defined]
     if recorded is not None:
         example_input = recorded
-    if example_input is not None and on_fake:
-        check_shapes_against_module(
-            target, chain, params, example_input, _output_check(chain), _unit_modules(target, units)
-        )
-    elif example_input is not None:
-        _check_against_module(target, chain, params, example_input)
+    with guarding_stand_ins():
+        if example_input is not None and on_fake:
+            check_shapes_against_module(
+                target, chain, params, example_input, _output_check(chain), _unit_modules(target, units)
+            )
+        elif example_input is not None:
+            _check_against_module(target, chain, params, example_input)
     return chain, params, sources, example_input
 
 

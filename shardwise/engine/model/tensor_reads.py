@@ -1,0 +1,127 @@
+"""Which watched tensors the code outside the units reads, and where forward is when it does.
+
+The call-recording split (``capture.py``) runs a module's forward with its units stubbed, twice:
+``embed`` up to the last unit and ``head`` after it. Which parameters each needs, and whether
+what a unit returns besides its hidden state is used, are questions about reads, not about
+which submodules run: DeBERTa's encoder reads ``self.rel_embeddings.weight`` by attribute
+(the embedding module never runs), and Bloom's model receives its blocks' attention weights
+and drops them. A TorchFunctionMode sees every op with its tensor arguments, whether the tensor
+came from a module call or an attribute.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import optree
+from torch import Tensor
+from torch.overrides import TorchFunctionMode
+
+# Ops that read a tensor's layout, never its values: a stand-in of the same shape and dtype answers alike.
+_LAYOUT_ONLY = frozenset({
+    "size", "dim", "ndimension", "numel", "nelement", "stride", "storage_offset", "element_size",
+    "is_floating_point", "is_complex", "is_contiguous", "get_device", "data_ptr", "__len__",
+})
+
+
+def _name(func: Any) -> str:
+    return getattr(func, "__name__", str(func))
+
+
+def reads_values(func: Any, out: Any) -> bool:
+    """Whether ``func`` (which returned ``out``) used its tensor arguments' values: not a layout
+    query (``.size()``, ``.shape``, ``.dtype``), but a getter that returns a tensor (``.T``) is."""
+    name = _name(func)
+    if name in _LAYOUT_ONLY:
+        return False
+    return name != "__get__" or any(isinstance(t, Tensor) for t in optree.tree_leaves(out))
+
+
+def tensors_in(tree: Any) -> Iterator[Tensor]:
+    return (t for t in optree.tree_leaves(tree, none_is_leaf=False) if isinstance(t, Tensor))
+
+
+class ReadLog(TorchFunctionMode):
+    """Records, per place in forward (``where()``; None: not watched now, as inside a unit), the
+    labels of the watched tensors each op reads and the op's name.
+
+    ``watch(t, label, layout=True)`` counts a layout query of ``t`` as a read too (for a value that
+    should not be touched at all). ``watch(t, label, follow=True)`` also follows what ops compute
+    from ``t`` before ``"after"``: an op after the units reading such a value reads ``t`` there (a
+    table read before the units into a value the code after them uses: the head needs the table)."""
+
+    def __init__(self, where: Callable[[], str | None]) -> None:
+        super().__init__()
+        self.where = where
+        self.watched: dict[int, tuple[Tensor, str, bool, bool]] = {}
+        self.derived: dict[int, tuple[Tensor, frozenset[str]]] = {}
+        self.reads: dict[str, list[tuple[str, str]]] = {}  # where -> [(label, op name)]
+
+    def watch(self, t: Tensor, label: str, layout: bool = False, follow: bool = False) -> None:
+        self.watched[id(t)] = (t, label, layout, follow)
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        where = self.where()
+        if where is None:
+            return out
+        values = reads_values(func, out)
+        sources: set[str] = set()
+        for t in tensors_in((args, kwargs)):
+            found = self.watched.get(id(t))
+            if found is not None and found[0] is t and (values or found[2]):
+                self.reads.setdefault(where, []).append((found[1], _name(func)))
+                if found[3] and values:
+                    sources.add(found[1])
+            derived = self.derived.get(id(t))
+            if derived is not None and derived[0] is t and values:
+                sources |= derived[1]
+        if sources and where == "after":
+            self.reads.setdefault(where, []).extend((label, _name(func)) for label in sorted(sources))
+        elif sources:
+            for t in tensors_in(out):
+                self.derived[id(t)] = (t, frozenset(sources))
+        return out
+
+    def labels(self, *places: str) -> set[str]:
+        return {label for p in places for label, _ in self.reads.get(p, [])}
+
+
+class StandInGuard(TorchFunctionMode):
+    """Refuses a use of a parameter's zero stand-in that could change the result.
+
+    ``stand_ins`` maps each stand-in tensor to its parameter's name. What an op computes from a
+    stand-in (or from such a value) is followed; once ``counts()`` is true, an op reading one
+    raises ``refuse(parameter name, op name)``. ``embed`` counts every op (it must not read a
+    stand-in at all); ``head`` counts from its last unit on (its replay of the code before the
+    units is discarded, but nothing after the units may depend on it)."""
+
+    def __init__(
+        self, stand_ins: dict[str, Tensor], counts: Callable[[], bool], refuse: Callable[[str, str], Exception]
+    ) -> None:
+        super().__init__()
+        self.counts, self.refuse = counts, refuse
+        self.origin: dict[int, tuple[Tensor, str]] = {id(t): (t, name) for name, t in stand_ins.items()}
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if not reads_values(func, out):
+            return out
+        sources = []
+        for t in tensors_in((args, kwargs)):
+            found = self.origin.get(id(t))
+            if found is not None and found[0] is t:
+                sources.append(found[1])
+        if sources:
+            if self.counts():
+                raise self.refuse(sources[0], _name(func))
+            for t in tensors_in(out):
+                self.origin[id(t)] = (t, sources[0])
+        return out
