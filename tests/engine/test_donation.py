@@ -173,3 +173,34 @@ def test_the_witness_is_the_first_array_leaf_in_optree_order(name: str) -> None:
              odd_keys, {"k": {}}, (torch.tensor(2.0),), {"o": torch.nn.ParameterDict({"p": a})}]
     for tree in trees:
         assert _first_array(tree) is _first_by_optree(tree), tree
+
+
+@pytest.mark.parametrize("stack", list(STACKS))
+def test_a_consumed_state_is_refused_by_every_reader_and_by_an_out_of_place_step(stack: str) -> None:
+    """A "best" state kept while training goes on in place: stepping and saving it were refused, but
+    full_params and full_state_dict returned the later weights as its own, and a step updating out of
+    place (the same stack, inplace=False) stepped and saved it. Every reader refuses it now; the live
+    state still exports, and a functional run's old states still read."""
+    step, params, batches = _problem(OPTIMIZERS["adamw"](True))
+    functional = sw.train_step(step.chain, torch.nn.functional.mse_loss, OPTIMIZERS["adamw"](False))
+
+    def run(wrap: Any, mesh: Any) -> list[str]:
+        s, other = wrap(step), wrap(functional)
+        best, _ = s(s.init(params, mesh), batches[0])
+        live, _ = s(best, batches[1])
+        refused = []
+        for name, read in (("full_params", lambda: s.full_params(best)),
+                           ("full_state_dict", lambda: sw.checkpoint.full_state_dict(s, best)),
+                           ("out-of-place step", lambda: other(best, batches[2])),
+                           ("out-of-place full_params", lambda: other.full_params(best))):
+            with pytest.raises(ValueError, match=r"\(step 1\) was consumed by an in-place update"):
+                read()
+            refused.append(name)
+        s.full_params(live)
+        sw.checkpoint.full_state_dict(s, live)
+        old, _ = other(other.init(params, mesh), batches[0])
+        other(old, batches[1])
+        other.full_params(old)  # a functional step leaves its input as it was
+        return refused
+
+    assert all(len(r) == 4 for r in _run(stack, run))

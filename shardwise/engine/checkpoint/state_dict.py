@@ -29,7 +29,7 @@ from .buffers import restore_from
 from .file_format import COMMITTED, DCP_META, META, CheckpointError, check_committed
 from .names import module_params, state_dict_names
 from .regions import Placed
-from .save_load import _layout_of, resolve
+from .save_load import _consumed, _layout_of, resolve
 from .tied_copies import differing_copies_message
 
 
@@ -54,6 +54,9 @@ def full_state_dict(step: Any, state: TrainState, *, rank: int | None = None) ->
     """
     check_step("full_state_dict(step, state)", step)
     check_state("full_state_dict(step, state)", state)
+    problem = _consumed(step, state)  # its tensors would be a later state's, under this one's step count
+    if problem is not None:
+        raise ValueError(f"full_state_dict: {problem}")
     chain = step.base_chain
     names = state_dict_names(chain)
     if rank is not None:

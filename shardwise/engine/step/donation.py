@@ -73,8 +73,10 @@ def _first_array(tree: Any) -> torch.Tensor | None:
 
 
 def check_not_consumed(step: Step, state: TrainState) -> None:
-    """Refuse ``state`` when an in-place update already wrote past it."""
-    if not donates(step) or not isinstance(state, TrainState):
+    """Refuse ``state`` when an in-place update already wrote past it, whichever step reads it: the tags
+    are the in-place step's, and a step that updates out of place (passed the state by mistake, or built
+    to branch from it) would read the later values as well."""
+    if not isinstance(state, TrainState):
         return
     for tensor in _witnesses(state):
         held = getattr(tensor, _UPDATES, None)

@@ -457,6 +457,7 @@ class Step:
     def full_params(self, state: TrainState) -> Params:
         """The complete parameters on every rank (collectives, once parameters are sharded or
         pipelined: every rank calls this together)."""
+        check_not_consumed(self, state)  # an in-place update wrote a later state into its tensors
         return full_params(self._state_layout(state), state.params, state.mesh)
 
     # -- running --------------------------------------------------------------
