@@ -670,3 +670,39 @@ def test_a_first_layer_with_parameters_and_no_floating_output_is_still_refused()
 
     with pytest.raises(FunctionalizeError, match=r"layer '0' returns a Tensor that carries no floating-point"):
         functionalize(nn.Sequential(IntOut(), nn.Embedding(3, 2)), example_input=torch.randn(2, 3))
+
+
+class _Shared:
+    """An object of the model's own that it hands every unit (as Gemma-3n's shared key/value states)."""
+
+    def __init__(self) -> None:
+        self.seen: list[torch.Tensor] = []
+
+
+class _HandsAnObject(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([_TakesShared(), _TakesShared()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shared = _Shared()
+        for block in self.blocks:
+            x = block(x, shared)
+        return x
+
+
+class _TakesShared(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, shared: _Shared) -> torch.Tensor:
+        shared.seen.append(x)
+        return self.linear(x)
+
+
+def test_a_unit_handed_an_object_of_the_models_is_refused_with_the_way_out() -> None:
+    with pytest.raises(FunctionalizeError, match=r"receives a _Shared at arguments.*units=None"):
+        functionalize(_HandsAnObject(), units=_TakesShared, example_input=torch.randn(2, 4))
+    chain, _ = functionalize(_HandsAnObject(), example_input=torch.randn(2, 4))  # units=None: one layer
+    assert len(chain.names) == 1

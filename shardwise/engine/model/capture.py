@@ -413,7 +413,9 @@ def _check_constant(unit: str, path: tuple[Any, ...], value: Any) -> None:
     hint = (
         " It is a key/value cache: turn the cache off (use_cache=False)."
         if "cache" in type(value).__name__.lower()
-        else ""
+        else " An object the model hands its units (Gemma-3n's shared key/value states) cannot be passed "
+        "between layers: functionalize with units=None (one layer: no pipeline, ZeRO-3 gathers it whole), "
+        "or with units that do not receive it."
     )
     raise FunctionalizeError(
         f"functionalize: unit {unit!r} receives a {type(value).__name__} at arguments{where}; only "
