@@ -65,19 +65,21 @@ def gpt_neo() -> tuple[nn.Module, type[nn.Module]]:
     return T.GPTNeoForCausalLM(cfg), T.models.gpt_neo.modeling_gpt_neo.GPTNeoBlock
 
 
-def deberta_v2() -> tuple[nn.Module, type[nn.Module]]:
+def deberta_v2(norm_rel_ebd: str = "layer_norm") -> tuple[nn.Module, type[nn.Module]]:
     # DeBERTa-v3's defaults: relative attention (c2p, p2c) over a layer-normed rel_embeddings table
-    # that the encoder reads by attribute before its layers.
+    # that the encoder reads by attribute before its layers; with norm_rel_ebd="none" (the config's
+    # default, and DeBERTa v1's way) it hands the table itself to every layer, no op reading it on the way.
     cfg = T.DebertaV2Config(
         vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
         max_position_embeddings=16, relative_attention=True, position_buckets=4, pos_att_type=["p2c", "c2p"],
-        norm_rel_ebd="layer_norm", share_att_key=True, num_labels=LABELS, hidden_dropout_prob=0.0,
+        norm_rel_ebd=norm_rel_ebd, share_att_key=True, num_labels=LABELS, hidden_dropout_prob=0.0,
         attention_probs_dropout_prob=0.0, pad_token_id=0,
     )
     return T.DebertaV2ForSequenceClassification(cfg), T.models.deberta_v2.modeling_deberta_v2.DebertaV2Layer
 
 
-MODELS = {"bloom": (bloom, "tokens"), "gpt_neo": (gpt_neo, "tokens"), "deberta_v2": (deberta_v2, "classes")}
+MODELS = {"bloom": (bloom, "tokens"), "gpt_neo": (gpt_neo, "tokens"), "deberta_v2": (deberta_v2, "classes"),
+          "deberta_v2_table_handed_on": (lambda: deberta_v2("none"), "classes")}
 
 
 @pytest.mark.parametrize("family", list(MODELS))
@@ -107,9 +109,10 @@ def test_blooms_head_replays_its_embedding_norm_in_the_compute_dtype_under_mixed
     sw.testing.assert_equivalent(sw.shard_params(step, "dp", 3), step, sw.Mesh(dp=2), batches, params, rtol=2**-6)
 
 
-def test_debertas_relative_embeddings_belong_to_embed() -> None:
+@pytest.mark.parametrize("norm_rel_ebd", ["layer_norm", "none"])
+def test_debertas_relative_embeddings_belong_to_embed(norm_rel_ebd: str) -> None:
     torch.manual_seed(0)
-    model, block = deberta_v2()
+    model, block = deberta_v2(norm_rel_ebd)
     ids = token_batches("classes")[0][0]
     chain, params = functionalize(model.double(), units=block, example_input=ids)
     assert "deberta.encoder.rel_embeddings.weight" in params["embed"]
@@ -134,6 +137,34 @@ class ReadsATableByAttribute(nn.Module):
         for block in self.blocks:
             h = block(h)
         return self.out(h)
+
+
+class HandsATableToItsUnits(nn.Module):
+    """Hands a learned table itself (no op reading it on the way) to every block, which adds it; the
+    table starts at zero. It went to the head alone, so the blocks read the embed's zero stand-in and
+    the table never trained, without an error."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 4)
+        self.table = nn.Parameter(torch.zeros(SEQ, 4))
+        self.blocks = nn.ModuleList(_AddsTable() for _ in range(2))
+        self.out = nn.Linear(4, VOCAB)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        h = self.embed(ids)
+        for block in self.blocks:
+            h = block(h, self.table)
+        return self.out(h)
+
+
+class _AddsTable(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, h: Tensor, table: Tensor) -> Tensor:
+        return torch.tanh(self.linear(h) + table[: h.shape[1]])
 
 
 def torch_loop(model: nn.Module, batches: list[tuple[Tensor, Tensor]]) -> tuple[nn.Module, list[Tensor]]:
@@ -270,3 +301,17 @@ def test_a_stand_in_read_the_recording_did_not_see_is_refused_naming_the_paramet
         FunctionalizeError, match=r"the code before the first unit reads parameter 'table.weight'.*units=None"
     ):
         functionalize(model, units="blocks", example_input=ids)
+
+
+def test_a_zero_table_handed_to_the_units_trains_as_in_torch() -> None:
+    torch.manual_seed(0)
+    model = HandsATableToItsUnits().double()
+    batches = token_batches("tokens", n=3)
+    chain, params = functionalize(model, units="blocks", example_input=batches[0][0])
+    step = sw.train_step(chain, lambda y, t: F.cross_entropy(y.flatten(0, 1), t.flatten()), sw.optim.sgd(0.1))
+    state = step.init(params)
+    for batch in batches:
+        state, _ = step(state, batch)
+    reference, _ = torch_loop(model, batches)
+    assert reference.table.abs().sum() > 0  # the table did train in torch
+    assert torch.equal(state.params["embed"]["table"], reference.table)

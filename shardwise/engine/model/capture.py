@@ -149,6 +149,7 @@ def _record(root: nn.Module, paths: list[str], x: Any, fake_units: bool = False)
                     faking.enter_context(fake_tensors())
                     faking.enter_context(reusing_forwards([root.get_submodule(p) for p in paths]))
                 extra_users((args, kwargs), f"unit {path!r} receives it")
+                log.passed((args, kwargs), f"unit {path!r} receives it")  # a parameter handed over as it is
                 calls[i] = _UnitCall(tuple(args), dict(kwargs))
                 state["started"] += 1
                 state["inside"] += 1

@@ -87,6 +87,18 @@ class ReadLog(TorchFunctionMode):
                 self.derived[id(t)] = (t, frozenset(sources))
         return out
 
+    def passed(self, tree: Any, user: str) -> None:
+        """A unit is handed ``tree``: a watched parameter among it is read where forward is (no torch op
+        reads it on its way: DeBERTa's encoder hands ``rel_embeddings.weight`` itself to every layer where
+        ``norm_rel_ebd="none"``, its default)."""
+        where = self.where()
+        if where is None:
+            return
+        for t in tensors_in(tree):
+            found = self.watched.get(id(t))
+            if found is not None and found[0] is t and found[3]:
+                self.reads.setdefault(where, []).append((found[1], user))
+
     def labels(self, *places: str) -> set[str]:
         return {label for p in places for label, _ in self.reads.get(p, [])}
 

@@ -44,8 +44,11 @@ def watch(handed: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> list[Watched]:
     # Two tensors on the storage (the output and its copy), and nothing owning the output but its
     # Python object (no op of its own stage saved it as an input; an output its own op saved, as a
     # ReLU's, is a third tensor on the storage): looked at first, as it costs less than the rest.
+    # An output no op of the stage made (a leaf: a parameter the layer hands on as it is, as DeBERTa's
+    # embeddings hand their rel_embeddings table to every layer) is the state's own tensor: never freed.
     watched = [_watched(output, given) for output, given in handed
-               if given.requires_grad and holders(output)[:2] == (2, 1) and storage_key(output) == storage_key(given)]
+               if given.requires_grad and output.grad_fn is not None and holders(output)[:2] == (2, 1)
+               and storage_key(output) == storage_key(given)]
     for w in watched:
         w.before = _counts(w)
     return watched
