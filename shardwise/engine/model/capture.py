@@ -59,7 +59,7 @@ import optree
 import torch
 from torch import Tensor, nn
 
-from ..torch_api import fake_tensors, is_fake
+from ..torch_api import fake_tensors, is_fake, storage_key
 from .fx_split import FunctionalizeError
 from .module_call import ThreadReplicas, call_arguments, kept_in_copies
 from .pytrees import register_output_types
@@ -614,10 +614,22 @@ class EmbedFn:
         kind, where = self.layout.slot
         first = recorded[0]
         hidden = first.args[where] if kind == "arg" else first.kwargs[where]  # type: ignore[index]
-        return self.layout.carry(hidden, recorded, x)
+        return _own_copies(self.layout.carry(hidden, recorded, x), tensors)
 
     def __repr__(self) -> str:
         return f"embed({type(self.replicas.module).__name__} up to its first unit)"
+
+
+def _own_copies(carry: tuple[Tensor, ...], params: dict[str, Tensor]) -> tuple[Tensor, ...]:
+    """``carry`` with each tensor that lives in the memory of the layer's parameters copied (autograd
+    follows the copy back to them). A parameter the code before the units hands on as it is, or a view
+    of it (DeBERTa's rel_embeddings table, given to every layer), would otherwise travel as the
+    parameter's own memory: ZeRO-3 frees a unit's gathered parameters after its forward, and the next
+    layer read a freed buffer."""
+    own = {storage_key(t) for t in params.values() if isinstance(t, Tensor)}
+    if not own:
+        return carry
+    return tuple(t.clone() if isinstance(t, Tensor) and storage_key(t) in own else t for t in carry)
 
 
 class UnitFn:
