@@ -36,6 +36,7 @@ from .match import CONV1D, EMBEDDING, LINEAR, Install, LayerPlan, is_head_count
 from .own_loss import OwnLossCheck, OwnLossWatch, refuse_own_loss
 from .owned_only import OwnedOnly
 from .region_paths import Sides, bypass_message, bypasses_split, parameter_sides
+from .sequence_gather import SequenceGather
 from .split_watch import SplitWatch
 from .styles import Colwise, Region, Rowwise, gathers
 
@@ -46,9 +47,10 @@ class TPForward:
     def __init__(
         self, module: nn.Module, axis: str, install: Install | None, block: tuple[bool, bool] | None,
         reduce: torch.dtype | None, path: str, slices_after: bool = False,
-        head_counts: dict[str, tuple[str, int]] | None = None,
+        head_counts: dict[str, tuple[str, int]] | None = None, in_block: str | None = None,
     ) -> None:
         self.module, self.axis, self.install, self.block, self.reduce = module, axis, install, block, reduce
+        self.in_block = in_block  # the sequence-parallel block around it, if its layer holds one: for errors
         # The last: its output stays a slice, which the head gathers (partial.py).
         self.slices_after = slices_after
         self.path = path  # in the model: what errors and the Plan call it
@@ -137,9 +139,11 @@ class TPForward:
             return self._read_region(install, args, kwargs)
         (x,) = args
         if isinstance(style, Colwise):
+            gather: SequenceGather | None = None
             if install.enters and install.kind != EMBEDDING:
                 # The last block's output, still a slice: gathered here, its gradient reduce-scattered.
                 seq_dim = 1 if partial.holds_slice(x) else install.seq_dim
+                gather = self._sequence_gather(x, seq_dim)
                 x = enter(x, axis, seq_dim, label, self.reduce)
             elif not install.enters and not getattr(_flow, "regions", 0):
                 raise ValueError(
@@ -158,7 +162,7 @@ class TPForward:
             _path_ends(label, out)
             watch = getattr(_flow, "watch", None)
             if watch is not None and not gathered:
-                watch.watch(out, label, style.fused, self.head_counts, in_layer.size(axis))
+                watch.watch(out, label, style.fused, self.head_counts, in_layer.size(axis), gather)
             own_loss = getattr(_flow, "own_loss", None)
             if own_loss is not None and label in own_loss.heads:
                 own_loss.watch(out)
@@ -183,6 +187,18 @@ class TPForward:
         _path_ends(label, y)
         _back_to_shared()  # the summed output is every rank's: so are the random ops on it
         return y if bias is None else y + bias
+
+    def _sequence_gather(self, x: Tensor, seq_dim: int | None) -> SequenceGather | None:
+        """A Colwise outside any Region inside a sequence-parallel block gathers the block's slice itself
+        (sequence_gather.py): what its layer's first call checks, and a failure of torch's is said by."""
+        install = self.install
+        assert install is not None
+        n = in_layer.size(self.axis)
+        if install.seq_dim is None or seq_dim is None or x.dim() <= seq_dim or n == 1:
+            return None  # outside the blocks (a head gathering the last block's slice: partial.py), or whole
+        gather = SequenceGather(install.path, self.in_block, seq_dim, x.shape[seq_dim], x.shape[seq_dim] * n, n)
+        _flow.gathered = gather
+        return gather
 
     def _run_region(self, style: Region, label: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The Region's module on its entered input, a failure of torch's explained (head counts)."""
@@ -516,6 +532,7 @@ class VaryFn:
         outer_watch = getattr(_flow, "watch", None)
         if watch is not None:
             _flow.watch = watch
+        outer_gathered, _flow.gathered = getattr(_flow, "gathered", None), None
         try:
             with (
                 own_loss if own_loss is not None else contextlib.nullcontext(),
@@ -525,10 +542,14 @@ class VaryFn:
             if watch is not None:
                 watch.finish()
         except RuntimeError as err:  # torch's, on shapes that do not fit: explained if split
+            gathered: SequenceGather | None = getattr(_flow, "gathered", None)
+            if gathered is not None and not _is_ours(err) and gathered.explains(err):
+                raise ValueError(gathered.message(f"failed ({type(err).__name__}: {err})")) from err
             if not output_is_split() or _is_ours(err):
                 raise
             raise ValueError(f"tensor_parallel: {_unsummed(err, self.axis)}") from err
         finally:
+            _flow.gathered = outer_gathered
             _flow.called = outer
             _flow.sides = outer_sides
             _flow.own_loss = None
@@ -664,6 +685,7 @@ def rewrite_layer(
             target, axis, install, block, reduce, path,
             slices_after=plan.slices_after and block is not None and block[1],
             head_counts=_enclosing_head_counts(copied, install) if install is not None else None,
+            in_block=next((p for _, p, _, _ in plan.blocks if path.startswith(p + ".")), None),
         )
     owners: dict[str, dict[str, str]] = {}
     for subpath, attr, refusal in plan.owned_only:

@@ -26,7 +26,8 @@ its features:
 * a plain ``Colwise()`` output viewed per head is followed along its heads (head_views.py): a cut
   across them, and (outside any Region) a view by a whole head count, are refused.
 
-A Colwise outside any Region is watched through its layer's first call on each rank (modules.VaryFn).
+A Colwise outside any Region is watched through its layer's first call on each rank (modules.VaryFn); inside a
+sequence-parallel block a reshape of its output by the slice's length is refused there (sequence_gather.py).
 
 A view that factors a plain Colwise's features with the blocks outermost (``view(b, t, 3, heads,
 -1)``) looks like one into heads and goes unseen, as does a plain Colwise sliced by ``[...]``, a
@@ -47,6 +48,7 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 from .head_views import check_head_count, see_heads
+from .sequence_gather import SequenceGather
 
 _Found = TypeVar("_Found")
 
@@ -84,6 +86,8 @@ class _Output:
     # them), and the axis size; a per-head view by one of them makes heads of a slice of the head width.
     counts: dict[str, tuple[str, int]] = field(default_factory=dict)  # attribute -> (module, count)
     parts: int = 1
+    # A Colwise outside any Region inside a sequence-parallel block: the sequence it gathered itself.
+    sequence: SequenceGather | None = None
 
 
 class SplitWatch(TorchFunctionMode):
@@ -98,9 +102,12 @@ class SplitWatch(TorchFunctionMode):
         self.outputs: list[_Output] = []
 
     def watch(
-        self, t: Tensor, label: str, fused: int, counts: dict[str, tuple[str, int]] | None = None, parts: int = 1
+        self, t: Tensor, label: str, fused: int, counts: dict[str, tuple[str, int]] | None = None, parts: int = 1,
+        sequence: SequenceGather | None = None,
     ) -> None:
-        entry = _Output(label, fused, t.shape[-1] if t.dim() else 0, counts=dict(counts or {}), parts=parts)
+        entry = _Output(
+            label, fused, t.shape[-1] if t.dim() else 0, counts=dict(counts or {}), parts=parts, sequence=sequence
+        )
         self.outputs.append(entry)
         self._follow(t, entry)
 
@@ -141,6 +148,10 @@ class SplitWatch(TorchFunctionMode):
                 )
 
     def _see(self, func: Any, t: Tensor, entry: _Output, args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> None:
+        if entry.sequence is not None and func in _RESHAPES and isinstance(out, Tensor):
+            refusal = entry.sequence.reshaped(t, out)  # by the slice's length, read off the module's input
+            if refusal is not None:
+                raise ValueError(refusal)
         cut = _CUTS.get(func)
         if cut is not None:
             if args and args[0] is t and _along_features(t, args, kwargs):

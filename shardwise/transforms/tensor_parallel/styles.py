@@ -27,7 +27,9 @@ patterns (fnmatch, on the paths ``model.named_modules()`` gives) to styles:
   are only checked; ``local`` names int attributes each rank divides by it
   (GPT-2's ``split_size``).
 
-A Colwise module outside any Region enters the region itself.
+A Colwise module outside any Region enters the region itself (in a sequence-parallel block it
+gathers the sequence at its own input; a module that reshapes its output by the slice's length,
+as BERT's attention does, is refused: sequence_gather.py).
 """
 
 from __future__ import annotations

@@ -72,11 +72,12 @@ def test_the_same_plan_without_sequence_parallel_trains_equal(build: dict[str, C
 
 def test_llama_without_its_attention_region_is_refused(build: dict[str, Callable]) -> None:
     """Only the Region dropped: q, k and v gather the sequence themselves, the attention reads
-    the slice's length; refused (by the split output's own check), never trained."""
+    the slice's length; refused at the reshape by it (sequence_gather.py), never trained."""
     problem = build["llama"](steps=1)
     plan = {k: v for k, v in problem.plan.items() if k != "model.layers.*.self_attn"}
     step = sw.tensor_parallel(problem.step, "tp", plan, sequence_parallel=problem.blocks)
-    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\."):
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.q_proj' sits outside any Region inside "
+                                         r"the sequence-parallel block 'model\.layers\.0'"):
         step.plan(sw.Mesh(tp=2), problem.params, problem.batches[0])
 
 
