@@ -119,8 +119,12 @@ def accumulate_backward(
 def storage_key(t: torch.Tensor) -> int:
     """Identifies the memory a tensor lives in: views and detached copies share it. The storage
     implementation's address (``_cdata``, private) is used because meta tensors all have data
-    pointer 0 while each still has a storage of its own."""
-    return t.untyped_storage()._cdata
+    pointer 0 while each still has a storage of its own. Asked with torch's function modes and
+    subclasses off (``torch._C.DisableTorchFunction``, private): a question about memory, not an op
+    on the values, which a mode would otherwise see as one (tensor parallel's reduced-form follower
+    sums a partial value before an op it does not know)."""
+    with torch._C.DisableTorchFunction():
+        return t.untyped_storage()._cdata
 
 
 def is_fake(t: Any) -> bool:

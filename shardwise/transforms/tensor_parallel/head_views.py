@@ -75,7 +75,7 @@ def see_heads(
         at = _CUT_DIM_AT[name]
         cut_dim = kwargs.get("dim", args[at] if len(args) > at else 0)
         if not isinstance(cut_dim, int) or cut_dim % t.dim() == dim:
-            if not _into_single_heads(name, args, kwargs):
+            if not _into_single_heads(name, t, dim, out):
                 raise ValueError(_cut_refusal(entry, name, t, dim, out))
             return
         for part in out if isinstance(out, (tuple, list)) else (out,):
@@ -112,10 +112,19 @@ def _heads_after(name: str, t: Tensor, dim: int, args: Sequence[Any], out: Tenso
     return dim if out.shape == t.shape else None
 
 
-def _into_single_heads(name: str, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
-    """A cut into parts of one head each (each head then computed on its own): split(1), unbind."""
-    size = kwargs.get("split_size_or_sections", kwargs.get("split_size", args[1] if len(args) > 1 else None))
-    return name == "unbind" or (name == "split" and type(size) is int and size == 1)
+def _into_single_heads(name: str, t: Tensor, dim: int, out: Any) -> bool:
+    """A cut into parts of one head each, each head then computed on its own, as a per-head loop does
+    (``unbind``, ``select``, ``split(1)`` or ``split([1, 1, ...])``, ``narrow`` of one head): what it
+    computes is the same on a rank's heads as on all of them. ``chunk(n)`` and ``tensor_split(n)`` are not,
+    even where their parts are single heads on a rank: a count of parts fixed by the module (DiffLlama's
+    ``chunk(..., 2)``) gives single heads on a rank of two heads and pairs of heads on all of them. A part
+    of several heads groups them by their place."""
+    if name in ("unbind", "select"):
+        return True
+    if name in ("chunk", "tensor_split"):
+        return False
+    parts = out if isinstance(out, (tuple, list)) else (out,)
+    return all(isinstance(p, Tensor) and p.dim() == t.dim() and p.shape[dim] == 1 for p in parts)
 
 
 def _index_heads(t: Tensor, index: Any, dim: int) -> int | None:
@@ -133,6 +142,8 @@ def _index_heads(t: Tensor, index: Any, dim: int) -> int | None:
             out_dim += 1
             continue
         if in_dim == dim:
+            if isinstance(item, int) or (isinstance(item, slice) and len(range(*item.indices(t.shape[dim]))) == 1):
+                return None  # one head (a per-head loop's q[:, h]): computed on its own, no longer followed
             whole = isinstance(item, slice) and item.indices(t.shape[dim]) == (0, t.shape[dim], 1)
             if not whole:
                 raise _Cut(f"an index {item!r} of the heads dim")
@@ -160,5 +171,6 @@ def head_cut_message(entry: _Output, what: str) -> str:
         "groups heads by their place among all of them (DiffLlama's torch.chunk(value_states, 2, dim=1): head h with "
         "head h + H/2) pairs other heads on a rank's slice, another model trained without an error. Tensor "
         "parallel needs each head computed on its own: leave this module's projections out of the plan (replicated), "
-        "or pair the heads within each rank's group"
+        "or pair the heads within each rank's group (a per-head loop: cut with unbind(), split(1) or q[:, h], "
+        "which take one head whatever the count; chunk(n) takes n parts, which are heads of another size on a rank)"
     )

@@ -362,9 +362,13 @@ def _check_per_head_lists(
     LayerNorms, ``zip(self.norms, heads.split(1, dim=1))``): each rank holds 1/N of the heads but the
     whole list, and pairs its heads with the list's first entries (rank 1's heads with the norms of
     rank 0's), training another model without an error. A list whose entries the plan splits (q, k and v
-    as a list of projections) is not one per head."""
+    as a list of projections) is not one per head, nor one whose entries hold a matrix (a list of
+    adapters, Linear(D, D), as long as the head count by chance): per-head entries are norms, scales and
+    biases over a head's width, vectors."""
     for sub, inner in module.named_modules():
         if not isinstance(inner, (nn.ModuleList, nn.ParameterList)) or not any(True for _ in inner.parameters()):
+            continue
+        if any(p.dim() > 1 for p in inner.parameters()):
             continue
         if any(p.startswith(_join(path, sub) + ".") for p in split):  # its entries split by the plan: not per head
             continue

@@ -27,9 +27,9 @@ class _Attention(nn.Module):
     """Multi-head attention viewing its projections per head as ``view`` says; ``pair``: DiffLlama's pairing
     of head h with head h + H/2 (a chunk of the heads), ``per_head``: each head cut apart and put back."""
 
-    def __init__(self, view: str = "by-width", pair: bool = False, per_head: bool = False) -> None:
+    def __init__(self, view: str = "by-width", pair: bool = False, per_head: bool = False, loop: str = "") -> None:
         super().__init__()
-        self.view, self.pair, self.per_head = view, pair, per_head
+        self.view, self.pair, self.per_head, self.loop = view, pair, per_head, loop
         self.n_heads, self.head_dim = HEADS, D // HEADS
         self.q, self.k, self.v, self.o = (nn.Linear(D, D) for _ in range(4))
 
@@ -46,7 +46,13 @@ class _Attention(nn.Module):
             q = torch.cat([h * 2.0 for h in torch.split(q, 1, dim=1)], dim=1)
             k = torch.cat([k[..., :2] * 0.5, k[..., 2:]], dim=-1)
             v = v[:, :, None].expand(b, v.shape[1], 1, t, self.head_dim).reshape(b, -1, t, self.head_dim)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.loop:  # a per-head loop over the heads this rank holds, each head taken alone
+            take = {"index": lambda z, h: z[:, h], "select": lambda z, h: z.select(1, h),
+                    "split_ones": lambda z, h: z.split([1] * z.shape[1], 1)[h][:, 0]}[self.loop]
+            y = torch.stack([F.scaled_dot_product_attention(take(q, h), take(k, h), take(v, h), is_causal=True)
+                             for h in range(q.shape[1])], dim=1)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         if self.pair:
             first, second = torch.chunk(y, 2, dim=1)
             y = torch.cat([first - 0.5 * second, second], dim=1)
@@ -112,6 +118,14 @@ def test_heads_cut_one_by_one_within_a_head_and_repeated_are_the_single_device_s
     _equivalent(_PAIR, per_head=True)
 
 
+@pytest.mark.parametrize("loop", ["index", "select", "split_ones"])
+def test_a_per_head_loop_taking_one_head_at_a_time_is_the_single_device_step(loop: str) -> None:
+    """q[:, h], q.select(1, h), q.split([1] * n, 1): each head alone, whatever the count (they were refused
+    as cuts across the heads); chunk(n) stays refused, its n parts being heads of another size on a rank."""
+    _equivalent(_REGION, loop=loop)
+    _equivalent(_PAIR, loop=loop)
+
+
 def _tiny_hf(make: Callable[[], nn.Module], layer: type) -> tuple[sw.Step, Any, list[Any]]:
     torch.manual_seed(0)
     model = make().double()
@@ -141,6 +155,35 @@ def test_hugging_face_diffllama_under_the_llama_plan_is_refused() -> None:
     step, params, batches = _tiny_hf(make, DiffLlamaDecoderLayer)
     with pytest.raises(ValueError, match=r"self_attn\.v_proj' .*chunk of its 2 heads \(dim 1\)"):
         sw.tensor_parallel(step, "tp", sw.tp.llama_plan()).plan(sw.Mesh(tp=2), params, batches[0])
+
+
+class _AdaptedAttention(_Attention):
+    """A list of input adapters, Linear(D, D), as long as the head count by chance: not one per head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.adapters = nn.ModuleList(nn.Linear(D, D) for _ in range(HEADS))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for adapter in self.adapters:
+            x = x + 0.1 * adapter(x)
+        return super().forward(x)
+
+
+class _AdaptedBlock(_Block):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = _AdaptedAttention()
+
+
+def test_a_list_of_matrices_as_long_as_the_head_count_is_not_taken_for_one_per_head() -> None:
+    torch.manual_seed(0)
+    chain, params = sw.functionalize(nn.Sequential(_AdaptedBlock(), _AdaptedBlock()).double())
+    step = sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1, momentum=0.9))
+    gen = torch.Generator().manual_seed(1)
+    batches = [tuple(torch.randn(2, 6, D, dtype=torch.float64, generator=gen) for _ in range(2)) for _ in range(2)]
+    sw.testing.assert_equivalent(sw.tensor_parallel(step, "tp", _REGION), step, sw.Mesh(tp=2), batches, params,
+                                 rtol=1e-9)
 
 
 @pytest.mark.parametrize("qk_layernorm", [True, False])
