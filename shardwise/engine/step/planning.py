@@ -300,7 +300,8 @@ def _class_memory(
         # beside the parameters at rest; gathered into the parameters, views of their values (laid
         # out so by init and by a checkpoint's load: sharding.UnitLayout.laid_out), no bytes of their own.
         levels["master_shards"] = [0 if into else tree_nbytes(shards)] * len(actions)
-    made = _shards_made_levels(actions, {u: tree_nbytes(t) for u, t in shards.items()}, device.type == "cpu")
+    made = _shards_made_levels(actions, {u: tree_nbytes(t) for u, t in shards.items()}, device.type == "cpu",
+                               _new_share_bytes(step, sharding))
     return figures | _held(made, levels)
 
 
@@ -350,7 +351,8 @@ def _params_exchanged(sharding: FlatSharding, units: Sequence[str]) -> bool:
 
 
 def _shards_made_levels(
-    actions: Sequence[Action], shard_bytes: Mapping[str, int], on_cpu: bool = False
+    actions: Sequence[Action], shard_bytes: Mapping[str, int], on_cpu: bool = False,
+    new_share_bytes: Mapping[str, int] | None = None,
 ) -> list[int]:
     """At each action, the gradient shards made so far in the step: a unit's from its first
     reduce-scatter on (the step starts without them: the update consumed the last step's); a unit
@@ -363,13 +365,24 @@ def _shards_made_levels(
     starts after its issue, which made its flat input): their flat inputs are counted to their waits
     (``_reduce_levels``), and one that ended holds its shard, at most half its flat input, instead.
     Counted from the issue, ZeRO-1's Plan, which issues every reduce-scatter before it waits for any,
-    was 11% over the measured peak (benchmarks/memory.py, 200 MB model, world 2)."""
+    was 11% over the measured peak (benchmarks/memory.py, 200 MB model, world 2).
+
+    A unit reduced again in the step (``reduce_each_microbatch``: a micro-batch's share, then the
+    next's) holds its accumulated share while the new shard is made and added into it
+    (``run/zero.py``'s ``wait_reduce``): both at once, the new one's ``new_share_bytes`` (the shard
+    in the reduce dtype, and its copy in the gradients' dtype where that differs) more than its
+    share, at its wait on a CPU (before, the in-flight job's shard counts it), from its issue to its
+    wait elsewhere. Without them a pipeline under ZeRO-3 with 3 or more micro-batches, whose later
+    micro-batches' waits come while its units are gathered, was one unit's shard (6%) under the
+    measured peak (a per-action VmHWM trace: every such wait 8 MiB above the Plan's level)."""
     first: dict[str, int] = {}
     for i, action in enumerate(actions):
         if action.kind == (WAIT_REDUCE if on_cpu else REDUCE_SCATTER):
             for u in action.units or (action.require("layer"),):
                 first.setdefault(u, i)
     levels = [sum(n for u, n in shard_bytes.items() if first.get(u, -1) <= i) for i in range(len(actions))]
+    if new_share_bytes is not None:
+        _count_new_shares(actions, first, new_share_bytes, on_cpu, levels)
     if on_cpu:
         in_flight: dict[str, int] = {}  # by the reduction's key (its first unit), its shards' bytes
         for i, action in enumerate(actions):
@@ -380,6 +393,28 @@ def _shards_made_levels(
                 units = action.units or (action.require("layer"),)
                 in_flight[units[0]] = sum(shard_bytes.get(u, 0) for u in units)
     return levels
+
+
+def _count_new_shares(
+    actions: Sequence[Action], first: Mapping[str, int], new_share_bytes: Mapping[str, int], on_cpu: bool,
+    levels: list[int],
+) -> None:
+    """Add to ``levels`` the new shard of each reduction of a unit whose share is made already (its
+    ``first`` reduction came before): on a CPU at its wait, elsewhere from its issue to its wait."""
+    again: dict[str, int] = {}  # by the reduction's key (its first unit): the new shards' bytes
+    live = 0  # elsewhere than on a CPU: those issued and not yet waited for
+    for i, action in enumerate(actions):
+        if action.kind == REDUCE_SCATTER:
+            units = action.units or (action.require("layer"),)
+            again[units[0]] = sum(new_share_bytes.get(u, 0) for u in units if first.get(u, len(actions)) < i)
+            live += 0 if on_cpu else again[units[0]]
+        levels[i] += live
+        if action.kind == WAIT_REDUCE:
+            held = again.pop(action.require("layer"), 0)
+            if on_cpu:
+                levels[i] += held
+            else:
+                live -= held
 
 
 def _replica_levels(step: Step, sharding: FlatSharding, actions: Sequence[Action]) -> list[int]:
@@ -414,7 +449,11 @@ def _reduce_levels(
     dtype (the backward's, of the compute copies), the buffer in the reduce dtype: under
     ``compute=f32,reduce=bf16`` the gradients held are twice the bytes of the message, under
     ``compute=bf16,reduce=f32`` half. A backward adding to a gradient it holds makes the micro-batch's
-    before adding it in: both at that compute. (Counting only the next bucket's gradients during a backward,
+    before adding it in: both at that compute, for one unit at a time (autograd adds each new gradient
+    in as soon as it is made, and frees it, before the next layer's backward: a pipeline stage of
+    several units holds one unit's more, the largest, not all of theirs; counting all of them, a
+    pipeline's stage of two Linear(2048) under ZeRO-3 with one reduction after the last micro-batch
+    was 13% over the measured peak). (Counting only the next bucket's gradients during a backward,
     the Plan said 0.87x the model a rank for a ZeRO-3 Llama with accumulation 2, which held 1.81x.)"""
     sizes = _reduce_sizes(step, sharding)
     grad_sizes = {u: lay.padded_numel * _gather_dtype(step, u, lay.dtype).itemsize
@@ -428,7 +467,7 @@ def _reduce_levels(
         again = 0
         if action.kind in GRAD_COMPUTES:
             made = [u for u in needs.get(action.stage or 0, ()) if u in reduced]
-            again = sum(grad_sizes[u] for u in made if u in live)
+            again = max((grad_sizes[u] for u in made if u in live), default=0)
             live.update((u, grad_sizes[u]) for u in made)
         level = sum(live.values()) + sum(pending.values()) + again
         if action.kind == REDUCE_SCATTER:
@@ -504,6 +543,17 @@ def _copy_levels(
         if action.kind == WAIT_GATHER:
             pending.pop(action.require("layer"), None)
     return levels
+
+
+def _new_share_bytes(step: Step, sharding: FlatSharding) -> dict[str, int]:
+    """Each unit's reduced shard as a reduction that adds to an earlier share makes it: in the reduce
+    dtype, and cast to the gradients' (the share's) where that differs (``run/zero.py``'s
+    ``wait_reduce``)."""
+    out = {}
+    for u, lay in sharding.units.items():
+        wire, made_in = _reduce_dtype(step, u, lay.dtype), _gather_dtype(step, u, lay.dtype)
+        out[u] = lay.shard_numel * (wire.itemsize + (made_in.itemsize if made_in != wire else 0))
+    return out
 
 
 def _reduce_sizes(step: Step, sharding: FlatSharding) -> dict[str, int]:
