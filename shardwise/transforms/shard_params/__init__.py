@@ -101,8 +101,8 @@ def shard_params(
     with bf16 or fp16 compute of float32 parameters, in either order), stages 1 and 2 hold only
     this rank's float32 shards at rest, as stage 3 does (``state.params`` holds them), and each
     step gathers every layer in the compute dtype before its first forward, keeping it to its last
-    backward (``engine/plan/lower.zero_holds_shards``): float32 lives only in the shards, as in
-    DeepSpeed's bf16 ZeRO-1/2. ``prefetch`` says how far ahead those gathers go, and
+    backward: float32 lives only in the shards, as in DeepSpeed's bf16 ZeRO-1/2. ``prefetch`` says
+    how far ahead those gathers go, and
     ``reshard_after_forward=False`` states what they do (True is stage 3's layout, refused here). No
     all-gather of the updated shards ends such a step, so ``overlap_gather``, ``update_in_buckets``
     and ``gather_into_params`` set to True are refused. Without such a policy stages 1 and 2 gather
