@@ -180,10 +180,8 @@ def torch_loop(model: nn.Module, batches: list[tuple[Tensor, Tensor]]) -> tuple[
     return model, losses
 
 
-def test_a_zero_table_read_by_attribute_before_the_units_trains_as_in_torch() -> None:
-    torch.manual_seed(0)
-    model = ReadsATableByAttribute().double()
-    batches = token_batches("tokens", n=3)
+def trained_by_blocks(model: nn.Module, batches: list[tuple[Tensor, Tensor]]) -> tuple[Any, Any, list[Tensor]]:
+    """The chain of ``model`` split at its blocks, its state after SGD on ``batches``, and the losses."""
     chain, params = functionalize(model, units="blocks", example_input=batches[0][0])
     step = sw.train_step(chain, lambda y, t: F.cross_entropy(y.flatten(0, 1), t.flatten()), sw.optim.sgd(0.1))
     state = step.init(params)
@@ -191,6 +189,14 @@ def test_a_zero_table_read_by_attribute_before_the_units_trains_as_in_torch() ->
     for batch in batches:
         state, metrics = step(state, batch)
         losses.append(metrics["loss"])
+    return chain, state, losses
+
+
+def test_a_zero_table_read_by_attribute_before_the_units_trains_as_in_torch() -> None:
+    torch.manual_seed(0)
+    model = ReadsATableByAttribute().double()
+    batches = token_batches("tokens", n=3)
+    _, state, losses = trained_by_blocks(model, batches)
     reference, expected = torch_loop(model, batches)
     assert reference.table.weight.abs().sum() > 0  # the table did train in torch
     trained = {name: t for layer in state.params.values() for name, t in layer.items()}
@@ -307,11 +313,7 @@ def test_a_zero_table_handed_to_the_units_trains_as_in_torch() -> None:
     torch.manual_seed(0)
     model = HandsATableToItsUnits().double()
     batches = token_batches("tokens", n=3)
-    chain, params = functionalize(model, units="blocks", example_input=batches[0][0])
-    step = sw.train_step(chain, lambda y, t: F.cross_entropy(y.flatten(0, 1), t.flatten()), sw.optim.sgd(0.1))
-    state = step.init(params)
-    for batch in batches:
-        state, _ = step(state, batch)
+    chain, state, _ = trained_by_blocks(model, batches)
     reference, _ = torch_loop(model, batches)
     assert reference.table.abs().sum() > 0  # the table did train in torch
     holder = next(layer for layer, tensors in state.params.items() if "table" in tensors)

@@ -583,28 +583,23 @@ class VaryFn:
     def _cut_watch(self) -> SplitWatch | None:
         """A watch of how the module cuts the outputs of Colwise modules outside any Region, on this layer's
         first call on this rank (the Plan's prediction, or the first step, before any update)."""
-        if not self.watch_cuts:
-            return None
-        checked = getattr(_flow, "cuts_checked", None)
-        if checked is None:
-            checked = _flow.cuts_checked = weakref.WeakSet()
-        if self in checked:
-            return None
-        checked.add(self)
-        return SplitWatch()
+        return SplitWatch() if self.watch_cuts and self._first_call("cuts_checked") else None
 
     def _own_loss_watch(self) -> OwnLossWatch | None:
         """A watch for a loss the model computes on its split logits (own_loss.py), on this layer's first
         call on this rank (the Plan's prediction, or the first step, before any update)."""
-        if self.own_loss is None:
-            return None
-        checked = getattr(_flow, "own_loss_checked", None)
+        return self.own_loss.watch() if self.own_loss is not None and self._first_call("own_loss_checked") else None
+
+    def _first_call(self, check: str) -> bool:
+        """Whether this is the layer's first call on this rank for ``check`` (marked as done from now on)."""
+        checked = getattr(_flow, check, None)
         if checked is None:
-            checked = _flow.own_loss_checked = weakref.WeakSet()
+            checked = weakref.WeakSet()
+            setattr(_flow, check, checked)
         if self in checked:
-            return None
+            return False
         checked.add(self)
-        return self.own_loss.watch()
+        return True
 
     def __repr__(self) -> str:
         return f"tensor_parallel({self.fn!r})"
