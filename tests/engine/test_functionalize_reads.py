@@ -319,3 +319,35 @@ def test_a_zero_table_handed_to_the_units_trains_as_in_torch() -> None:
     holder = next(layer for layer, tensors in state.params.items() if "table" in tensors)
     assert holder == chain.names[0]  # the layer that hands it on holds it, as it holds the embedding
     assert torch.equal(state.params[holder]["table"], reference.table)
+
+
+class ReadsAUnitsNormAroundTheUnits(nn.Module):
+    """The code before the units (``before``) or after them normalises with a unit's own LayerNorm's
+    weight, read by attribute: the recording's stand-in for the unit holds no submodules."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__()
+        self.where = where
+        self.embed = nn.Embedding(VOCAB, 4)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(4), nn.Linear(4, 4)) for _ in range(2))
+
+    def forward(self, ids: Tensor) -> Tensor:
+        ids = ids[: len(ids)]  # not traceable by fx (see above)
+        h = self.embed(ids)
+        norm = self.blocks[0][0]
+        if self.where == "before":
+            h = F.layer_norm(h, (4,), norm.weight, norm.bias)
+        for block in self.blocks:
+            h = block(h)
+        return F.layer_norm(h, (4,), norm.weight) if self.where == "after" else h
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_a_units_own_parameter_read_outside_it_is_refused_naming_it(where: str) -> None:
+    model = ReadsAUnitsNormAroundTheUnits(where).double()
+    ids = token_batches("tokens")[0][0]
+    with pytest.raises(
+        FunctionalizeError, match=r"forward reads blocks\.0\.0 outside the call of unit 'blocks\.0'.*units=None"
+    ):
+        functionalize(model, units="blocks", example_input=ids)
+    functionalize(model, units=None, example_input=ids)  # one layer: the way out the message gives

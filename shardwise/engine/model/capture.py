@@ -435,11 +435,13 @@ class _UnitStub(nn.Module):
     """Stands where a unit was: records its call, passes the hidden state on, stops or emits.
 
     Plain attributes of the unit (``attention_type``, ``layer_idx``) stay readable, since
-    forward may consult them; its submodules and tensors are not here."""
+    forward may consult them; its submodules and tensors are not here: code outside the unit that
+    reads one (``F.layer_norm(x, ..., self.h[0].ln_1.weight)``) is refused, naming it."""
 
-    def __init__(self, unit: nn.Module, index: int, slot: Slot, output: Any) -> None:
+    def __init__(self, unit: nn.Module, index: int, slot: Slot, output: Any, path: str = "") -> None:
         super().__init__()
-        self.index, self.slot = index, slot
+        self.index, self.slot, self.path = index, slot, path
+        self.inner = {*unit._modules, *unit._parameters, *unit._buffers}  # what only the unit's own call reads
         self.attributes = {
             k: v for k, v in vars(unit).items() if not k.startswith("_") and not isinstance(v, (nn.Module, Tensor))
         }
@@ -464,7 +466,12 @@ class _UnitStub(nn.Module):
             attributes = self.__dict__.get("attributes", {})
             if name in attributes:
                 return attributes[name]
+            if name in self.__dict__.get("inner", ()):
+                raise FunctionalizeError(_read_inside_unit(self.__dict__["path"], name)) from None
             raise
+
+    def __getitem__(self, index: Any) -> Any:  # a Sequential or ModuleList unit indexed outside its call
+        raise FunctionalizeError(_read_inside_unit(self.path, str(index)))
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         call = _UnitCall(args, kwargs)
@@ -480,6 +487,15 @@ class _UnitStub(nn.Module):
         return self.output_type((hidden, *self._output_rest))
 
 
+def _read_inside_unit(path: str, name: str) -> str:
+    return (
+        f"functionalize: the model's forward reads {path}.{name} outside the call of unit {path!r} (before, "
+        "between or after the units). A unit's parameters and submodules live in its own layer, and the code "
+        f"around the units runs without them. Read {name!r} only inside the unit's own forward, or pass units= "
+        "that keep this code and what it reads together (a larger unit, or units=None for one layer)"
+    )
+
+
 def _stubbed_root(root: nn.Module, paths: list[str], recording: _Recording, slot: Slot) -> nn.Module:
     """A copy of ``root`` (sharing its tensors) whose units are stubs."""
     named = [*root.named_parameters(remove_duplicate=False), *root.named_buffers(remove_duplicate=False)]
@@ -490,7 +506,7 @@ def _stubbed_root(root: nn.Module, paths: list[str], recording: _Recording, slot
     for i, path in enumerate(paths):
         parent_path, _, attr = path.rpartition(".")
         parent = stubbed.get_submodule(parent_path)
-        parent._modules[attr] = _UnitStub(root.get_submodule(path), i, slot, recording.calls[i].output)
+        parent._modules[attr] = _UnitStub(root.get_submodule(path), i, slot, recording.calls[i].output, path)
     return stubbed
 
 
