@@ -119,7 +119,8 @@ class DeepSpeedTrainer(Trainer):
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         engine: Any = self.module  # a DeepSpeedEngine (untyped)
-        loss = self.loss_fn(engine(x if self.input_dtype is None else x.to(self.input_dtype)), y)
+        cast = self.input_dtype is not None and x.is_floating_point()  # token ids stay integers
+        loss = self.loss_fn(engine(x.to(self.input_dtype) if cast else x), y)
         engine.backward(loss)
         engine.step()
         return loss.detach()

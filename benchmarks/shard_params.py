@@ -41,6 +41,16 @@ Variants, all with AdamW (lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight decay
   default); ``paired_ratio_to_beside`` (on the plain stage's row) is the default's step over this one's.
 * ``stage3_prefetch2``: ZeRO-3 with ``prefetch=2`` (each compute's units gathered two computes
   ahead instead of one); ``paired_ratio_to_prefetch1`` is its step over ``stage3``'s.
+* ``stage1_bf16`` / ``stage2_bf16`` / ``stage3_bf16``, ``fsdp2_bf16``, ``deepspeed_zero2_bf16`` /
+  ``deepspeed_zero3_bf16``: compute in bfloat16 over float32 master weights, gradients reduced in
+  bfloat16, each system's default under bf16: ours under ``sw.mixed_precision(step,
+  "params=f32,compute=bf16,output=bf16,reduce=bf16")`` (ZeRO-1/2 hold only the rank's float32 shards
+  there and gather each unit in bf16 before its forward), FSDP2 with
+  ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)``, DeepSpeed with ``"bf16": {"enabled": true}``.
+  Every row's loss is taken in float32. ``paired_ratio_to_fsdp2_bf16`` and
+  ``paired_ratio_to_deepspeed_zero2_bf16`` compare them with the bf16 references (FSDP2's bf16 row
+  runs whenever a ``*_bf16`` row does). Their ``max_rel_loss_diff`` and ``update_check`` are against
+  the float32 reference, so bf16's rounding shows there. Not in the default run.
 * ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` with no buffer sync per
   forward (``forward_sync_buffers=False``; the only buffer, GPT's causal mask,
   is constant) + ``torch.optim.AdamW``.
@@ -102,6 +112,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -165,11 +176,19 @@ OURS = ("stage1", "stage2", "stage3", f"stage1{IN_BUCKETS}", f"stage2{IN_BUCKETS
         f"stage1{OVERLAP}", f"stage2{OVERLAP}", f"stage1{WAIT}", f"stage2{WAIT}",
         f"stage1{RING}", f"stage2{RING}", f"stage3{RING}", f"stage1{TCP}", f"stage2{TCP}", f"stage3{TCP}",
         f"stage1{BESIDE}", f"stage2{BESIDE}", f"stage3{PREFETCH2}")
+# ``*_bf16``: compute in bfloat16 over float32 master weights, gradients reduced in bfloat16 (each system's
+# default under bf16: ours ``mixed_precision(step, BF16_POLICY)``; FSDP2 ``MixedPrecisionPolicy(param_dtype=bf16)``;
+# DeepSpeed ``"bf16": {"enabled": true}``); each row's loss in float32.
+BF16 = "_bf16"
+BF16_POLICY = "params=f32,compute=bf16,output=bf16,reduce=bf16"
+OURS_BF16 = ("stage1_bf16", "stage2_bf16", "stage3_bf16")
+SEED_BF16 = ("deepspeed_zero2_bf16", "deepspeed_zero3_bf16")
+BF16_REFERENCES = ("fsdp2_bf16", "deepspeed_zero2_bf16")  # a bf16 row's paired ratios, beside FSDP2's f32 one
 # ``compute_only``: each rank's slice through the plain module and torch's AdamW, nothing exchanged. Not a
 # data-parallel step (the ranks' weights drift apart, so its losses are not checked): the floor that a
 # data-parallel step on these ranks could reach if its communication cost nothing.
 COMPUTE_ONLY = "compute_only"
-VARIANTS = (*OURS, "ddp", "fsdp2", *seed_systems.SYSTEMS, COMPUTE_ONLY)
+VARIANTS = (*OURS, *OURS_BF16, "ddp", "fsdp2", "fsdp2_bf16", *seed_systems.SYSTEMS, *SEED_BF16, COMPUTE_ONLY)
 
 
 @dataclass(frozen=True)
@@ -218,12 +237,14 @@ class Ours:
 
     def __init__(
         self, cfg: Config, stage: int, in_buckets: bool = False, overlap: bool | None = None, ring: bool = False,
-        tcp: bool = False, beside: bool = False, prefetch: int | None = None,
+        tcp: bool = False, beside: bool = False, prefetch: int | None = None, bf16: bool = False,
     ) -> None:
         self.ring, self.tcp = ring, tcp
         units = GPT_UNITS if cfg.model == "gpt" else None
         chain, params = sw.functionalize(build_model(cfg), units=units)
-        step = sw.train_step(chain, loss_fn_of(cfg.model), sw_adamw())
+        step = sw.train_step(chain, loss_of(cfg.model, bf16), sw_adamw())
+        if bf16:
+            step = sw.mixed_precision(step, BF16_POLICY)
         self.step_fn = sw.shard_params(step, "dp", stage=stage, update_in_buckets=True if in_buckets else None,
                                        overlap_gather=overlap, gather_into_params=False if beside else None,
                                        **({} if prefetch is None else {"prefetch": prefetch}))
@@ -249,8 +270,8 @@ class TorchVariant:
 
     global_loss = False  # the loss is this rank's slice mean; averaged over ranks afterwards
 
-    def __init__(self, cfg: Config, module: nn.Module) -> None:
-        self.module, self.loss_fn = module, loss_fn_of(cfg.model)
+    def __init__(self, cfg: Config, module: nn.Module, bf16: bool = False) -> None:
+        self.module, self.loss_fn = module, loss_of(cfg.model, bf16)
         self.opt = torch_adamw(module.parameters())
         self.rank, self.world = dist.get_rank(), cfg.world
 
@@ -277,11 +298,12 @@ def make_ddp(cfg: Config) -> TorchVariant:
     return TorchVariant(cfg, DistributedDataParallel(build_model(cfg), **no_sync))
 
 
-def make_fsdp2(cfg: Config) -> TorchVariant:
+def make_fsdp2(cfg: Config, bf16: bool = False) -> TorchVariant:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh("cpu", (cfg.world,))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if bf16 else MixedPrecisionPolicy()
     model = build_model(cfg)
     if cfg.model == "gpt":
         assert isinstance(model, TinyGPT)
@@ -289,9 +311,9 @@ def make_fsdp2(cfg: Config) -> TorchVariant:
     else:
         parts = [m for m in model if isinstance(m, nn.Linear)]
     for part in parts:
-        fully_shard(part, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return TorchVariant(cfg, model)
+        fully_shard(part, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return TorchVariant(cfg, model, bf16)
 
 
 class SeedVariant:
@@ -299,11 +321,12 @@ class SeedVariant:
 
     global_loss = False
 
-    def __init__(self, cfg: Config, system: str) -> None:
+    def __init__(self, cfg: Config, system: str, bf16: bool = False) -> None:
         model = build_model(cfg)
         units = list(model.blocks) if isinstance(model, TinyGPT) else [m for m in model if isinstance(m, nn.Linear)]
-        self.trainer = seed_systems.build(system, model, units, loss_fn_of(cfg.model),
-                                          seed_systems.AdamW(LR, BETAS, EPS, WEIGHT_DECAY), cfg.batch // cfg.world)
+        self.trainer = seed_systems.build(system, model, units, loss_of(cfg.model, bf16),
+                                          seed_systems.AdamW(LR, BETAS, EPS, WEIGHT_DECAY), cfg.batch // cfg.world,
+                                          bf16=bf16)
         self.rank, self.world = dist.get_rank(), cfg.world
 
     def step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -316,7 +339,19 @@ class SeedVariant:
 Runner = Ours | TorchVariant | SeedVariant
 
 
+def loss_of(model: str, bf16: bool) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The model's loss; a bf16 row's in float32 (its bfloat16 output cast up first)."""
+    loss = loss_fn_of(model)
+    return (lambda out, target: loss(out.float(), target)) if bf16 else loss
+
+
 def make_variant(name: str, cfg: Config) -> Runner:
+    if name in OURS_BF16:
+        return Ours(cfg, stage=int(name.removesuffix(BF16)[-1]), bf16=True)
+    if name in SEED_BF16:
+        return SeedVariant(cfg, name.removesuffix(BF16), bf16=True)
+    if name == "fsdp2_bf16":
+        return make_fsdp2(cfg, bf16=True)
     if name in OURS:
         stage = int(name.removesuffix(IN_BUCKETS).removesuffix(OVERLAP).removesuffix(WAIT).removesuffix(RING)
                     .removesuffix(TCP).removesuffix(BESIDE).removesuffix(PREFETCH2)[-1])
@@ -418,6 +453,7 @@ def rows_for(cfg: Config, per_rank: list[dict[str, Any]], ref: Reference) -> lis
         **environment(threads_per_rank=1),
     }
     first = per_rank[0]
+    runs_ours = (*OURS, *OURS_BF16)
     medians = {name: median_of_max(r["times"][name] for r in per_rank) for name in first["times"]}
     rows = []
     for name in cfg.variants:
@@ -458,13 +494,14 @@ def rows_for(cfg: Config, per_rank: list[dict[str, Any]], ref: Reference) -> lis
             # the step over DDP's and over the computation alone, in the same rounds (when they ran)
             **{f"paired_ratio_to_{other}": round(paired_ratio_median(
                 [r["times"][name] for r in per_rank], [r["times"][other] for r in per_rank]), 3)
-               for other in ("ddp", COMPUTE_ONLY) if other in first["times"] and other != name},
+               for other in ("ddp", COMPUTE_ONLY, *(BF16_REFERENCES if name.endswith(BF16) else ()))
+               if other in first["times"] and other != name},
             # ZeRO-3 prefetching two units over the default one
             **({"paired_ratio_to_prefetch1": round(paired_ratio_median(
                 [r["times"][name] for r in per_rank], [r["times"][name.removesuffix(PREFETCH2)] for r in per_rank]),
                 3)} if name.endswith(PREFETCH2) and name.removesuffix(PREFETCH2) in first["times"] else {}),
             "model_state_bytes_per_rank": max(r["state_bytes"][name] for r in per_rank),
-            "ledger_sent_bytes_per_step": max(r["ledger_bytes"][name] for r in per_rank) if name in OURS else None,
+            "ledger_sent_bytes_per_step": max(r["ledger_bytes"][name] for r in per_rank) if name in runs_ours else None,
             **({"max_rel_loss_diff": None, "update_check": None, "final_loss": None} if name == COMPUTE_ONLY else {
                 "max_rel_loss_diff": max_rel_diff(losses, ref.losses),
                 "update_check": float(f"{ref.update_check(losses):.3g}"),
@@ -487,11 +524,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add_batch_flags(parser)
     parser.add_argument("--variants",
                         default=",".join(v for v in VARIANTS
-                                         if not v.endswith((IN_BUCKETS, OVERLAP, WAIT, RING, BESIDE, PREFETCH2))
+                                         if not v.endswith((IN_BUCKETS, OVERLAP, WAIT, RING, BESIDE, PREFETCH2, BF16))
                                          and v != COMPUTE_ONLY),
                         help=f"comma-separated subset of {','.join(VARIANTS)} (default all but the *{IN_BUCKETS}, "
-                        f"*{OVERLAP}, *{WAIT}, *{RING}, *{BESIDE}, *{PREFETCH2} and {COMPUTE_ONLY}; fsdp2 is always "
-                        "run)")
+                        f"*{OVERLAP}, *{WAIT}, *{RING}, *{BESIDE}, *{PREFETCH2}, *{BF16} and {COMPUTE_ONLY}; fsdp2 is "
+                        "always run, and fsdp2_bf16 with any *_bf16 row)")
     parser.add_argument("--block", type=int, default=1,
                         help="consecutive steps per variant and turn, timed together (default 1: the variants "
                         "alternate step by step); > 1 charges ZeRO-1/2's overlapped all-gather to its own "
@@ -507,7 +544,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if unknown:
         parser.error(f"--variants: unknown {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
     # FSDP2 is the reference of every ratio; the order stays VARIANTS' (the round-robin's order).
-    args.variants = tuple(v for v in VARIANTS if v in chosen or v == "fsdp2")
+    bf16 = any(v.endswith(BF16) for v in chosen)  # then FSDP2's bf16 row too: their second reference
+    args.variants = tuple(v for v in VARIANTS if v in chosen or v == "fsdp2" or (bf16 and v == "fsdp2_bf16"))
     if args.block < 1:
         parser.error("--block must be >= 1")
     if args.warmup < 1 or args.steps < 1:

@@ -17,13 +17,13 @@ OURS = ["stage1", "stage2", "stage3", "stage3_prefetch2"]
 
 @pytest.mark.gloo  # two gloo processes of the benchmark's own
 def test_every_stage_trains_as_torch_does_and_reports_its_ratios() -> None:
-    variants = [*OURS, "ddp", "compute_only"]
+    variants = [*OURS, "stage2_bf16", "ddp", "compute_only"]
     cmd = [sys.executable, str(ROOT / "benchmarks" / "shard_params.py"), "--worlds", "2", "--models", "mlp",
            "--mlp-batch", "8", "--steps", "1", "--warmup", "1", "--variants", ",".join(variants)]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = {row["variant"]: row for row in map(json.loads, result.stdout.splitlines())}
-    assert set(rows) == {"fsdp2", *variants}
+    assert set(rows) == {"fsdp2", "fsdp2_bf16", *variants}  # a bf16 row brings FSDP2's bf16 beside it
     for name in [*OURS, "ddp", "fsdp2"]:
         row = rows[name]
         # Step 1's loss is after one update: ~0 for a step that updates as torch's, 1 for a no-op.
@@ -40,3 +40,11 @@ def test_every_stage_trains_as_torch_does_and_reports_its_ratios() -> None:
     assert floor["max_rel_loss_diff"] is None and floor["update_check"] is None and floor["final_loss"] is None
     assert "paired_ratio_to_compute_only" not in floor and floor["paired_ratio_to_ddp"] > 0
     assert rows["stage3_prefetch2"]["paired_ratio_to_prefetch1"] > 0
+    # bf16 compute over float32 masters: it trains (the loss is the MLP's MSE against float32 targets, which
+    # bf16's rounding hardly moves), is paired with FSDP2's bf16 row, and sends its reductions and
+    # gathers in bf16: half the float32 stage's bytes.
+    bf16 = rows["stage2_bf16"]
+    assert bf16["update_check"] < 0.05 and bf16["paired_ratio_to_fsdp2_bf16"] > 0, bf16
+    assert rows["fsdp2_bf16"]["update_check"] < 0.05, rows["fsdp2_bf16"]
+    float32_sent = rows["stage2"]["ledger_sent_bytes_per_step"]
+    assert bf16["ledger_sent_bytes_per_step"] == pytest.approx(float32_sent / 2, rel=0.01)
