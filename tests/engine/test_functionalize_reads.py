@@ -351,3 +351,34 @@ def test_a_units_own_parameter_read_outside_it_is_refused_naming_it(where: str) 
     ):
         functionalize(model, units="blocks", example_input=ids)
     functionalize(model, units=None, example_input=ids)  # one layer: the way out the message gives
+
+
+def bart() -> nn.Module:
+    cfg = T.BartConfig(
+        vocab_size=VOCAB, d_model=16, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, dropout=0.0, attention_dropout=0.0,
+        max_position_embeddings=32,
+    )
+    return T.BartForConditionalGeneration(cfg).double()
+
+
+def test_an_encoders_output_returned_beside_decoder_units_is_refused_naming_where_it_comes_from() -> None:
+    """BART's decoder layers as units: the encoder runs before them, and the model returns its output
+    (``encoder_last_hidden_state``) as it is, which the code after the units saw only as a zero stand-in."""
+    ids = token_batches("tokens")[0][0]
+    with pytest.raises(
+        FunctionalizeError,
+        match=r"returns a value the code before the first unit computed from parameter 'model\.encoder\.[\w.]+'.*"
+        r"encoder-decoder's encoder layers.*units=None",
+    ):
+        functionalize(bart(), units=T.models.bart.modeling_bart.BartDecoderLayer, example_input=ids)
+    # Its encoder layers as units (the decoder after them) are split as the module computes.
+    chain, _ = functionalize(bart(), units=T.models.bart.modeling_bart.BartEncoderLayer, example_input=ids)
+    assert chain.names == ("embed", "model.encoder.layers.0", "model.encoder.layers.1", "head")
+
+
+def test_a_list_of_unit_classes_is_refused_naming_the_class() -> None:
+    layer = T.models.bart.modeling_bart.BartEncoderLayer
+    ids = token_batches("tokens")[0][0]
+    with pytest.raises(FunctionalizeError, match=r"units=\[\.\.\.\] lists submodule paths.*units=BartEncoderLayer"):
+        functionalize(bart(), units=[layer, T.models.bart.modeling_bart.BartDecoderLayer], example_input=ids)

@@ -30,8 +30,9 @@ TorchFunctionMode, ``tensor_reads.py``), not by which modules ran: DeBERTa reads
 module; a value computed before the loop from a parameter and used after it puts
 that parameter in ``head`` too. The example check (``functionalize`` always runs
 it here) proves bitwise that the chain equals the module, and, during it, a read of
-a placeholder that can reach a phase's output is refused by name (a zero-initialised
-weight would compare equal).
+a placeholder that can reach a phase's output, or a value computed from one that forward
+returns as it is (an encoder's output beside decoder layers as units), is refused by name
+(a zero-initialised weight would compare equal).
 
 A unit may return more than its hidden state (Bloom's and GPT-Neo's blocks return
 their attention weights even with ``output_attentions=False``): only ``output[0]``
@@ -577,6 +578,15 @@ def _guard(
         return contextlib.nullcontext()
 
     def refuse(name: str, op: str) -> FunctionalizeError:
+        if op == "return":
+            return FunctionalizeError(
+                f"functionalize: the model returns a value the code before the first unit computed from "
+                f"parameter {name!r}, which layer {layer!r} does not hold: only the hidden state and the units' "
+                "own arguments pass through the units, so the code after them sees a zero stand-in (an "
+                "encoder's output returned beside a decoder whose layers are the units). Pass as units layers "
+                "that run before the code computing it (an encoder-decoder's encoder layers, the decoder "
+                "after them), or units=None (one layer holds every parameter)."
+            )
         if layer == EMBED:
             where, seen = "the code before the first unit", "did not see the code before the units read it"
         else:
@@ -695,11 +705,14 @@ class HeadFn:
         x = self.layout.inputs.rebuild(carry)
         args, kwargs = call_arguments(call.module, x)
         stand_ins = self.placeholders.make(tensors)
+        guard = _guard(HEAD, stand_ins, lambda: last._emitted)
         try:
-            with _guard(HEAD, stand_ins, lambda: last._emitted):
+            with guard:
                 out = call.call({**tensors, **stand_ins}, args, kwargs)
         finally:
             stubs[-1]._emit = None
+        if isinstance(guard, StandInGuard):
+            guard.check_returned(out)
         return register_output_types(out)
 
     def __repr__(self) -> str:

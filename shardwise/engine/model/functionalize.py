@@ -445,6 +445,11 @@ def _units_of_class(module: nn.Module, cls: type[nn.Module]) -> list[str] | None
 
 
 def _expand_unit(module: nn.Module, path: str) -> list[str]:
+    if isinstance(path, type):
+        raise FunctionalizeError(
+            f"functionalize: units=[...] lists submodule paths, and it holds the class {path.__name__}; pass one "
+            f"class alone (units={path.__name__}), or the paths of the submodules to make units"
+        )
     if not isinstance(path, str) or not path:
         raise FunctionalizeError(
             f"functionalize: unit {path!r} is not a submodule path; for the whole module as one layer pass units=None"

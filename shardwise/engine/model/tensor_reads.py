@@ -137,3 +137,12 @@ class StandInGuard(TorchFunctionMode):
             for t in tensors_in(out):
                 self.origin[id(t)] = (t, sources[0])
         return out
+
+    def check_returned(self, out: Any) -> None:
+        """Refuse an output that is a stand-in or was computed from one, though no op after the
+        counting began read it (the code before the units computed it, forward returned it as it is:
+        an encoder's output beside decoder layers as units); ``refuse``'s op is ``"return"``."""
+        for t in tensors_in(out):
+            found = self.origin.get(id(t))
+            if found is not None and found[0] is t:
+                raise self.refuse(found[1], "return")
