@@ -267,3 +267,45 @@ def test_an_activation_that_overflows_still_shows_as_inf() -> None:
     _, metrics = step(step.init(params), (torch.ones(2, 3), torch.zeros(2, 1)))
     assert seen[0].dtype == F16 and bool(seen[0].isinf().all())
     assert bool(metrics["skipped"])
+
+
+# -- frozen parameters (requires_grad=False) are weights, not buffers ------------------------------
+
+
+def _frozen_first_layer() -> nn.Sequential:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+    model[0].requires_grad_(False)  # a frozen base layer, as in a LoRA or head-only fine-tune
+    return model
+
+
+@pytest.mark.parametrize("compute", ["bf16", "f16"])
+def test_a_frozen_linear_computes_in_the_compute_dtype_as_a_frozen_group_does(compute: str) -> None:
+    """A frozen Linear's weight travels with the layer's buffers, but it is a weight: it computes in the
+    compute dtype, as a parameter in a frozen optimizer group does (and as FSDP2's param_dtype casts
+    frozen parameters). Kept in float32, it refused every bf16 step of a model with a frozen layer."""
+    policy = f"params=f32,compute={compute},output=f32"
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(4, 8, generator=g), torch.randn(4, 8, generator=g)) for _ in range(3)]
+
+    chain, params = sw.functionalize(_frozen_first_layer())
+    assert chain["0"].frozen == {"weight", "bias"} and set(chain["0"].buffers) == {"weight", "bias"}
+    step = sw.mixed_precision(sw.train_step(chain, F.mse_loss, sw.optim.adamw(1e-2)), policy)
+    state = step.init(params)
+
+    trainable = _frozen_first_layer().requires_grad_(True)
+    chain_g, params_g = sw.functionalize(trainable)
+    grouped = sw.optim.adamw(1e-2, groups=[sw.optim.group("0.*", frozen=True)])
+    step_g = sw.mixed_precision(sw.train_step(chain_g, F.mse_loss, grouped), policy)
+    state_g = step_g.init(params_g)
+    for batch in batches:
+        state, metrics = step(state, batch)
+        state_g, metrics_g = step_g(state_g, batch)
+        assert torch.equal(metrics["loss"], metrics_g["loss"])
+    assert torch.equal(state.params["2"]["weight"], state_g.params["2"]["weight"])
+    assert torch.equal(state_g.params["0"]["weight"], chain["0"].buffers["weight"])  # neither trained it
+
+
+def test_a_frozen_name_must_be_a_buffer() -> None:
+    with pytest.raises(ValueError, match=r"Layer 'lin': frozen names \['weight'\] that are not in buffers"):
+        Layer("lin", lambda t, x: x, param_names=("weight",), frozen=frozenset({"weight"}))

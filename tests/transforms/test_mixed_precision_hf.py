@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import shardwise as sw
 
@@ -78,3 +79,39 @@ def test_an_f32_embedding_with_left_padding_trains(compute: str) -> None:
     _, metrics = step(step.init(params), batch)
     assert not bool(metrics["skipped"]) and bool(torch.isfinite(metrics["loss"]))
     sw.testing.assert_equivalent(step, f32, sw.Mesh(dp=1), [batch] * 3, params, rtol=1e-2)
+
+
+@pytest.mark.parametrize("units", ["one layer", "encoder layers"])
+def test_whispers_frozen_position_table_computes_in_bf16_and_trains(units: str) -> None:
+    """Whisper's encoder position table is a frozen parameter (``requires_grad=False``), added to the
+    bf16 convolution's output: kept in float32 as a buffer, it promoted the activations and the next
+    bf16 Linear refused the step. Computed in bf16 as a weight (as FSDP2 casts frozen parameters), the
+    step trains within bf16's tolerance of the float32 step, under ZeRO-3 too. (With the encoder layers as
+    units, the table and the convolutions are a layer of their own, whose float32 output the next layer
+    casts: that split trained before.)"""
+    torch.manual_seed(0)
+    model = T.WhisperForConditionalGeneration(T.WhisperConfig(
+        vocab_size=64, num_mel_bins=8, encoder_layers=2, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, d_model=16, max_source_positions=8,
+        max_target_positions=16, pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1,
+        dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, mask_time_prob=0.0, use_cache=False,
+        suppress_tokens=None, begin_suppress_tokens=None))
+    assert not model.model.encoder.embed_positions.weight.requires_grad
+    g = torch.Generator().manual_seed(6)
+    batches = []
+    for _ in range(3):
+        labels = torch.randint(3, 64, (4, 6), generator=g)  # the model makes its decoder inputs from them
+        batches.append(({"input_features": torch.randn(4, 8, 16, generator=g), "labels": labels}, labels))
+    from transformers.models.whisper.modeling_whisper import WhisperEncoderLayer
+
+    chain, params = sw.functionalize(model, units=None if units == "one layer" else WhisperEncoderLayer,
+                                     example_input=batches[0][0])
+    # The loss from the float32 logits (output=f32): the model's own is computed, and rounded, in bf16.
+    f32 = sw.train_step(chain, lambda out, y: F.cross_entropy(out.logits.flatten(0, 1), y.flatten()),
+                        sw.optim.sgd(0.1))
+    bf16 = sw.mixed_precision(f32, "params=f32,compute=bf16,output=f32")
+    sw.testing.assert_equivalent(bf16, f32, sw.Mesh(dp=1), batches, params, rtol=1e-2)
+    # dp=2 rounds each half batch's gradient to bf16 where one device rounds the whole batch's once: up to
+    # 2^-8 relative apart (test_mixed_precision.py's test_sharded_bf16_matches_single_device_bf16).
+    sw.testing.assert_equivalent(sw.shard_params(bf16, "dp", stage=3), bf16, sw.Mesh(dp=2), batches, params,
+                                 rtol=2**-8)

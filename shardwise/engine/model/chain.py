@@ -47,6 +47,9 @@ class Layer:
         buffers: non-trainable tensors carried with the layer and never updated.
         ties: local param name -> ``(owner layer name, owner's local name)`` for params owned by
             an earlier layer of the chain.
+        frozen: the names in ``buffers`` that are the module's frozen parameters
+            (``requires_grad=False``): weights it does not train, not state, so a precision
+            policy computes them as it does parameters.
     """
 
     name: str
@@ -54,12 +57,14 @@ class Layer:
     param_names: tuple[str, ...] = ()
     buffers: Mapping[str, Tensor] = field(default_factory=dict)
     ties: Mapping[str, tuple[str, str]] = field(default_factory=dict)
+    frozen: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         # Defensive copies, so mutating the caller's containers cannot change a frozen Layer.
         object.__setattr__(self, "param_names", tuple(self.param_names))
         object.__setattr__(self, "buffers", dict(self.buffers))
         object.__setattr__(self, "ties", {k: (str(v[0]), str(v[1])) for k, v in self.ties.items()})
+        object.__setattr__(self, "frozen", frozenset(self.frozen))
         _check_layer(self)
 
     def __call__(self, params: Mapping[str, Tensor], x: Any) -> Any:
@@ -106,6 +111,9 @@ def _check_layer(layer: Layer) -> None:
         raise ValueError(
             f"{where}: {clash} are both params and buffers; a tensor is one or the other"
         )
+    loose = sorted(layer.frozen - set(layer.buffers))
+    if loose:
+        raise ValueError(f"{where}: frozen names {loose} that are not in buffers; a frozen parameter travels as one")
     stray = sorted(set(layer.ties) - set(layer.param_names))
     if stray:
         raise ValueError(

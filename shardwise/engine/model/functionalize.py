@@ -61,7 +61,8 @@ Decisions:
   under the name ``named_parameters()`` gives, and ``functional_call(tie_weights=True)``
   feeds it under every alias, so its gradient is the sum over all uses.
 * Parameters with ``requires_grad=False`` are frozen: they travel as buffers (in
-  ``Layer.buffers``, never updated, never in the params pytree).
+  ``Layer.buffers``, never updated, never in the params pytree), named in ``Layer.frozen``
+  (a precision policy computes them as weights, not as buffers).
 * Buffers are carried in ``Layer.buffers`` (the module's own, detached); a buffer shared by
   several layers is one tensor in each.
 * A module that updates state in forward (BatchNorm in training mode with running
@@ -391,9 +392,11 @@ def _build_chain(pieces: list[Piece_]) -> tuple[Chain, ParamTree, dict[tuple[str
         owned: dict[str, Tensor] = {}
         ties: dict[str, tuple[str, str]] = {}
         buffers = {local: copy_of(b) for local, b in mod.named_buffers()}
+        frozen: set[str] = set()
         for local, p in mod.named_parameters():  # remove_duplicate: one entry per tensor
             if not p.requires_grad:
                 buffers[local] = copy_of(p)  # frozen: carried, never trained
+                frozen.add(local)
                 continue
             param_names.append(local)
             if id(p) in owners:
@@ -403,7 +406,7 @@ def _build_chain(pieces: list[Piece_]) -> tuple[Chain, ParamTree, dict[tuple[str
                 owned[local] = copy_of(p)
                 sources[(name, local)] = p
         fn = mod.fn if isinstance(mod, Piece) else _ModuleFn(mod)
-        layers.append(Layer(name, fn, tuple(param_names), buffers, ties))
+        layers.append(Layer(name, fn, tuple(param_names), buffers, ties, frozenset(frozen)))
         params[name] = owned
     return Chain(layers), params, sources
 

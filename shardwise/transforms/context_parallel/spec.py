@@ -106,7 +106,7 @@ class CPSpec:
             wrapped = CPLayerFn(fn, self, frozenset(layer.param_names), tables, reduce, reads_batch=position == 0,
                                 label=layer.name)
             layers.append(Layer(
-                layer.name, wrapped, layer.param_names, layer.buffers, layer.ties,
+                layer.name, wrapped, layer.param_names, layer.buffers, layer.ties, layer.frozen,
             ))
         rewritten = Chain(layers)
         _RESOLVED.setdefault(rewritten, {})[self.positions] = found

@@ -67,7 +67,7 @@ class RouterAuxSpec:
         for i, layer in enumerate(chain):
             fn = _reporting(layer.fn, layer.name)
             layers.append(Layer(layer.name, CarryRouterStats(fn, i == 0, self.num_experts), layer.param_names,
-                                layer.buffers, layer.ties))
+                                layer.buffers, layer.ties, layer.frozen))
         return Chain(layers)
 
     def layer_notes(self, chain: Chain) -> dict[str, str]:

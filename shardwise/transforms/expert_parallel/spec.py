@@ -121,7 +121,7 @@ class EPSpec:
             summed = frozenset(n for n in layer.param_names if layer.ties.get(n, (layer.name, n)) not in experts)
             reduce = None if precision is None else precision.for_layer(layer.name).reduce
             layers.append(Layer(layer.name, SummedFn(fn, self.axis, summed, reduce), layer.param_names, layer.buffers,
-                                layer.ties))
+                                layer.ties, layer.frozen))
         rewritten = Chain(layers)
         _RESOLVED[rewritten] = blocks
         return rewritten

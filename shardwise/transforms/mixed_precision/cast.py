@@ -6,8 +6,10 @@ torch.autocast and FSDP/FSDP2 (``buffer_dtype=None``): a rotary ``inv_freq`` or 
 table rounded to bf16 puts positions past 256 on a coarse grid (RoPE's cos at position 1000 was
 0.18 off). The exception is a normalisation module's running statistics, which torch's batch
 norm kernels need in the dtype of the weight they are used with (FSDP1 keeps such modules whole
-for this reason); they follow the compute copies. ``buffers=compute`` in the policy casts every
-floating buffer, as mixed_precision did before.
+for this reason); they follow the compute copies, and so do frozen parameters (``Layer.frozen``:
+weights the chain carries with the buffers, which FSDP2's ``param_dtype`` casts too; kept in float32,
+a frozen Linear's weight met bf16 activations and refused the step). ``buffers=compute`` in the
+policy casts every floating buffer, as mixed_precision did before.
 
 An input that needs no gradient (an additive attention mask, a position table built by an
 earlier layer kept in f32) is cast saturating: ``finfo(float32).min`` becomes the compute dtype's
@@ -115,12 +117,14 @@ def _kept_buffers_hint(layer: str, kept: list[str], tensors: Mapping[str, torch.
 
 
 def kept_buffers(layer: Layer, cast_buffers: bool) -> frozenset[str]:
-    """The floating buffers of ``layer`` that keep their stored dtype: all but a normalisation module's
-    running statistics (which torch's batch norm needs in its weight's dtype); none under ``buffers=compute``."""
+    """The floating buffers of ``layer`` that keep their stored dtype: all but its frozen parameters
+    (weights it does not train, computed as parameters are, as FSDP2's param_dtype casts them) and a
+    normalisation module's running statistics (which torch's batch norm needs in its weight's dtype);
+    none under ``buffers=compute``."""
     if cast_buffers:
         return frozenset()
     floating = {k for k, t in layer.buffers.items() if t.is_floating_point()}
-    return frozenset(floating - _norm_statistics(layer))
+    return frozenset(floating - layer.frozen - _norm_statistics(layer))
 
 
 def _norm_statistics(layer: Layer) -> set[str]:

@@ -653,7 +653,8 @@ class GuardFn:
 
 def guard_layer(layer: Layer, axis: str, between: bool) -> Layer:
     """``layer`` as it is, naming the likely cause when it fails on a split value (see GuardFn)."""
-    return Layer(layer.name, GuardFn(layer.fn, layer.name, axis, between), layer.param_names, layer.buffers, layer.ties)
+    return Layer(layer.name, GuardFn(layer.fn, layer.name, axis, between), layer.param_names, layer.buffers, layer.ties,
+                 layer.frozen)
 
 
 def rewrite_layer(
@@ -697,7 +698,7 @@ def rewrite_layer(
     must_run = frozenset(i.path for i in plan.installs if i.must_run)
     vary_fn = VaryFn(new_fn, axis, frozenset(plan.vary), reduce, must_run, plan, own_loss)
     vary_fn.set_reuse_key(_rewrite_key(layer.name, fn, plan, axis, reduce))
-    return Layer(layer.name, vary_fn, layer.param_names, layer.buffers, layer.ties)
+    return Layer(layer.name, vary_fn, layer.param_names, layer.buffers, layer.ties, layer.frozen)
 
 
 def _enclosing_head_counts(root: nn.Module, install: Install) -> dict[str, tuple[str, int]]:
