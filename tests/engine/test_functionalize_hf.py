@@ -654,3 +654,25 @@ class _DrawsWithoutEffect(nn.Module):
 def test_a_draw_that_changes_nothing_is_accepted() -> None:
     _chain, params = functionalize(_DrawsWithoutEffect(), example_input=torch.randn(2, 4))
     assert sum(len(v) for v in params.values()) == 4
+
+
+def test_a_causal_lm_that_passes_its_kwargs_on_gets_its_cache_turned_off() -> None:
+    """GraniteMoE's causal LM takes ``**kwargs`` where others name ``use_cache``, and its inner model turns
+    the cache on from the config: every unit received a DynamicCache and the split was refused, asking for
+    ``use_cache=False``. It gets ``use_cache=False`` through its kwargs and trains as one device."""
+    torch.manual_seed(0)
+    cfg = T.GraniteMoeConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=16, bos_token_id=0, eos_token_id=0, num_local_experts=4,
+        num_experts_per_tok=2, experts_implementation="eager",  # grouped_mm takes no float64
+    )
+    assert cfg.use_cache
+    model = T.GraniteMoeForCausalLM(cfg).double()
+    assert "use_cache" not in inspect.signature(model.forward).parameters
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randint(0, VOCAB, (BATCH, SEQ), generator=g),) * 2 for _ in range(2)]
+    layer = T.models.granitemoe.modeling_granitemoe.GraniteMoeDecoderLayer
+    chain, params = functionalize(model, units=layer, example_input=batches[0][0])
+    step = sw.train_step(chain, lambda out, y: F.cross_entropy(out.logits.flatten(0, 1), y.flatten()),
+                         sw.optim.sgd(0.1, momentum=0.9))
+    sw.testing.assert_equivalent(sw.shard_params(step, "dp", 3), step, sw.Mesh(dp=2), batches, params)

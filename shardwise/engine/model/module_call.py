@@ -288,17 +288,26 @@ def call_arguments(module: nn.Module, x: Any) -> tuple[tuple[Any, ...], dict[str
     """How a layer calls ``module`` on its input ``x``: ``module(**x)`` for a dict whose keys are
     all arguments of ``forward`` (an HF-style batch: ``input_ids``, ``attention_mask``,
     ``labels``), or some of them and the rest taken by its ``**kwargs`` (see :func:`_takes`),
-    else ``module(x)``. A forward that takes ``use_cache`` (Hugging Face models)
-    gets ``use_cache=False`` unless ``x`` sets it: a pure layer keeps no key/value cache."""
+    else ``module(x)``. A forward that takes ``use_cache`` (Hugging Face models), or a Hugging Face
+    model's that passes its ``**kwargs`` on, gets ``use_cache=False`` unless ``x`` sets it: a pure layer
+    keeps no key/value cache."""
     signature = _forward_parameters(module)
     if isinstance(x, Mapping) and x and all(isinstance(k, str) for k in x) and _takes(signature, x):
         args: tuple[Any, ...] = ()
         kwargs = dict(x)
     else:
         args, kwargs = (x,), {}
-    if "use_cache" in signature and "use_cache" not in kwargs:
+    if "use_cache" not in kwargs and ("use_cache" in signature or _cache_through_kwargs(module, signature)):
         kwargs["use_cache"] = False
     return args, kwargs
+
+
+def _cache_through_kwargs(module: nn.Module, signature: Mapping[str, inspect.Parameter]) -> bool:
+    """A Hugging Face model whose forward hands ``**kwargs`` to its inner model instead of naming
+    ``use_cache`` (GraniteMoE's causal LM): the inner model turns the cache on from the config."""
+    takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.values())
+    pretrained = any(c.__name__ == "PreTrainedModel" for c in type(module).__mro__)
+    return takes_kwargs and pretrained and getattr(getattr(module, "config", None), "use_cache", False) is True
 
 
 # Every layer call asks this; inspect.signature takes tens of microseconds, about 5% of a small
