@@ -50,6 +50,18 @@ def region_failed(m: nn.Module, path: str, style: Region, err: BaseException, pa
             "norms act on each head alike (Qwen3's q_norm over head_dim)"
         )
     counts = _head_counts(m, set(style.heads) | set(style.local))
+    if not counts and (style.heads or style.local):
+        named = ", ".join(map(repr, (*style.heads, *style.local)))
+        return (
+            f"tensor_parallel: Region {path!r} failed ({type(err).__name__}: {err}): each of the {parts} ranks "
+            f"holds 1/{parts} of its heads, and the Region divides the counts it names ({named}). If the module "
+            "cuts at a width it holds and the Region does not name (a split size, the embedding width it splits "
+            "q, k and v at), name that in local=(...) too. If it takes a width from a tensor's shape (B, T, C = "
+            "x.size(): its input is whole on every rank, so C is the whole hidden size) and views by it, no "
+            "Region can divide it (nanoGPT's CausalSelfAttention does): compute that width from the counts or "
+            "with -1 (view(B, T, self.n_head, -1), y.view(B, T, -1)), or leave this module's projections out of "
+            "the plan (replicated)"
+        )
     found = f"; {type(m).__name__} has {counts}" if counts else ""
     return (
         f"tensor_parallel: Region {path!r} failed ({type(err).__name__}: {err}): each of the "

@@ -488,6 +488,36 @@ def test_a_region_that_fails_on_a_count_it_was_not_told_to_divide() -> None:
         sw.tensor_parallel(step, "tp", plan).plan(sw.Mesh(tp=2), params, batch)
 
 
+class _WidthFromShape(nn.Module):
+    """nanoGPT's CausalSelfAttention: the width from its input's shape (whole on every rank)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n_head, self.n_embd = 2, 8
+        self.c_attn, self.c_proj = nn.Linear(8, 24), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.size()  # nanoGPT's names
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+def test_a_region_naming_every_count_of_a_module_that_reads_its_width_off_a_shape() -> None:
+    """nanoGPT's attention with every count it holds named: the advice was to name its counts again."""
+    torch.manual_seed(0)
+    chain, params = sw.functionalize(nn.Sequential(_WidthFromShape()).double())
+    step = sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1))
+    plan = {"0": sw.tp.Region(heads=("n_head",), local=("n_embd",)), "0.c_attn": sw.tp.Colwise(fused=3),
+            "0.c_proj": sw.tp.Rowwise()}
+    batch = (torch.randn(2, 4, 8, dtype=torch.float64), torch.randn(2, 4, 8, dtype=torch.float64))
+    message = (r"Region '0' failed \(RuntimeError: .*\): .*divides the counts it names \('n_head', 'n_embd'\).*"
+               r"takes a width from a tensor's shape \(B, T, C = x\.size\(\).*view\(B, T, self\.n_head, -1\)")
+    with pytest.raises(ValueError, match=message):
+        sw.tensor_parallel(step, "tp", plan).plan(sw.Mesh(tp=2), params, batch)
+
+
 # -- hand-written layers, arguments -------------------------------------------------------------
 
 
