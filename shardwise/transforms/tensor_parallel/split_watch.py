@@ -24,7 +24,11 @@ its features:
   (``view(b, t, N, heads, -1)``), or pieces of them. Any other cut is refused, naming the sizes
   seen, and so is an output the Region's forward never cut so;
 * a plain ``Colwise()`` output viewed per head is followed along its heads (head_views.py): a cut
-  across them, and (outside any Region) a view by a whole head count, are refused.
+  across them, and (outside any Region) a view by a whole head count, are refused;
+* an op across a Colwise output's features before any per-head view (a reduction, a normalisation
+  with no weight, a cumulative sum or a sort along them, a contraction of two outputs' features:
+  feature_mixing.py) computes on the rank's slice alone: refused at the end of the forward, so that
+  a failure of torch's on the way (a norm's weight of the whole width) is explained as before.
 
 A Colwise outside any Region is watched through its layer's first call on each rank (modules.VaryFn); inside a
 sequence-parallel block a reshape of its output by the slice's length is refused there (sequence_gather.py).
@@ -47,6 +51,7 @@ import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
+from .feature_mixing import mixed, moved_features
 from .head_views import check_head_count, see_heads
 from .sequence_gather import SequenceGather
 
@@ -99,7 +104,10 @@ class SplitWatch(TorchFunctionMode):
         self.watched: dict[int, tuple[weakref.ref[Tensor], _Output]] = {}
         # The per-head views of plain Colwise outputs: the dim that holds the rank's heads.
         self.per_head: dict[int, tuple[weakref.ref[Tensor], _Output, int]] = {}
+        # Transposes of followed outputs, their features moved off the last dim (k.transpose(-1, -2)).
+        self.moved: dict[int, tuple[weakref.ref[Tensor], _Output, int]] = {}
         self.outputs: list[_Output] = []
+        self.mixed: tuple[_Output, str] | None = None  # the first op across an output's features
 
     def watch(
         self, t: Tensor, label: str, fused: int, counts: dict[str, tuple[str, int]] | None = None, parts: int = 1,
@@ -123,6 +131,11 @@ class SplitWatch(TorchFunctionMode):
     ) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if self.mixed is None and (self.watched or self.moved):
+            self.mixed = mixed(_name(func), args, kwargs, self.features_of)
+        for t, (entry, dim) in _tensor_args(args, kwargs, self._moved_of):
+            if isinstance(out, Tensor) and out.shape == t.shape and _name(func) not in _MIXING:
+                self.moved[id(out)] = (weakref.ref(out), entry, dim)  # k.transpose(-1, -2) * scale
         for t, entry in _tensor_args(args, kwargs, self._entry):
             self._see(func, t, entry, args, kwargs, out)
         for t, (entry, dim) in _tensor_args(args, kwargs, self._heads_of):
@@ -133,12 +146,24 @@ class SplitWatch(TorchFunctionMode):
         found = self.per_head.get(id(t)) if isinstance(t, Tensor) else None
         return (found[1], found[2]) if found is not None and found[0]() is t else None
 
+    def _moved_of(self, t: Any) -> tuple[_Output, int] | None:
+        found = self.moved.get(id(t)) if isinstance(t, Tensor) else None
+        return (found[1], found[2]) if found is not None and found[0]() is t else None
+
+    def features_of(self, t: Any) -> tuple[_Output, int] | None:
+        """The followed output ``t`` holds whole, and the dim holding its features; None if none."""
+        entry = self._entry(t)
+        return (entry, t.dim() - 1) if entry is not None else self._moved_of(t)
+
     def follow_heads(self, t: Tensor, entry: _Output, dim: int) -> None:
         """``t`` holds this rank's heads of ``entry`` along ``dim``."""
         self.per_head[id(t)] = (weakref.ref(t), entry, dim)
 
     def finish(self) -> None:
-        """The end of the Region's first forward: a fused output must have been cut into its blocks."""
+        """The end of the first forward: no op across an output's features, and a fused output must have
+        been cut into its blocks."""
+        if self.mixed is not None:
+            raise ValueError(_mixing_refusal(*self.mixed))
         for entry in self.outputs:
             if entry.fused > 1 and not entry.cut:
                 took = f"it went to {', '.join(dict.fromkeys(entry.uses))}" if entry.uses else "it was not cut"
@@ -177,6 +202,12 @@ class SplitWatch(TorchFunctionMode):
         if entry.fused == 1 and _one_head_view(t, out):
             self.follow_heads(out, entry, out.dim() - 2)
             return  # a per-head view of a rank's one head: what it cuts next is the head's own dims
+        moved = moved_features(func, name, t, args, out)
+        if moved is not None and moved != out.dim() - 1:
+            self.moved[id(out)] = (weakref.ref(out), entry, moved)  # read by a contraction (feature_mixing.py)
+            if entry.fused > 1:
+                entry.uses.append(name)
+            return
         if out.dim() and out.shape[-1] == entry.width and (
             (out.shape == t.shape and name not in _MIXING) or name in _LAYOUT
         ):
@@ -234,6 +265,26 @@ class SplitWatch(TorchFunctionMode):
             "each head side by side, as GPT-NeoX's query_key_value and BLOOM's are). A plain Colwise() gives each "
             "rank whole heads of such a layout: use it, with the head count in the Region's heads=(...)"
         )
+
+
+def _mixing_refusal(entry: _Output, what: str) -> str:
+    whole = f"{entry.width} of {entry.width * entry.parts}" if entry.parts > 1 else str(entry.width)
+    share = (
+        f"Colwise(fused={entry.fused}) on {entry.label!r} gives each rank 1/tp of each of its {entry.fused} blocks "
+        "of output features" if entry.fused > 1
+        else f"Colwise() on {entry.label!r} gives each rank a contiguous 1/tp of its output features"
+    )
+    return (
+        f"tensor_parallel: {share} ({whole} here), and the module computes {what}, before any per-head view: "
+        "over this rank's slice of the features alone, not all of them, so the model trains another model without "
+        "an error. If it is meant per head, compute it after viewing the output per head (view(..., -1, "
+        "head_dim), as Qwen3's q_norm is): each rank holds whole heads. If it needs all the features, leave this "
+        "module's projections out of the plan (replicated), or gather the output with Colwise(output='replicated') "
+        f"on {entry.label!r} (what takes it then takes whole values: no Rowwise after it). Logits a head leaves "
+        "split over the vocabulary are for loss_fn's sw.tp.vocab_parallel_cross_entropy (or vocab_parallel=False "
+        "in the ready plans)"
+    )
+
 
 def _fused_refusal(entry: _Output, what: str) -> str:
     return (

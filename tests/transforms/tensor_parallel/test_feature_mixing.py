@@ -1,0 +1,156 @@
+"""Ops across a Colwise output's features before any per-head view (feature_mixing.py, split_watch.py).
+
+Each refused case trained silently before: a norm, softmax, mean or cumulative sum with no parameter
+over q's features, taken on a rank's 16 of 32 features (losses apart by ~1e-3 from step 1, no
+parameter's gradient to show it), and single-head attention contracting q's and k's features (each
+rank a partial sum of the scores). Each is refused by the Plan's prediction, inside a Region and
+without one. The look-alikes, the same ops per head after the view and reductions over other dims,
+are compared with the single-device step.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import shardwise as sw
+
+D, HEADS, VOCAB = 32, 4, 16
+
+# What the module does to q (and k) before viewing them per head: each over this rank's features only.
+_BEFORE_THE_VIEW = {
+    "normalize": lambda z: F.normalize(z, dim=-1),
+    "divide_by_norm": lambda z: z / z.norm(dim=-1, keepdim=True),
+    "rms_norm": lambda z: F.rms_norm(z, (z.shape[-1],)),
+    "layer_norm": lambda z: F.layer_norm(z, z.shape[-1:]),
+    "softmax": lambda z: z.softmax(-1),
+    "centred": lambda z: z - z.mean(-1, keepdim=True),
+    "cumsum": lambda z: z.cumsum(-1) / D,
+    "scaled_by_max": lambda z: z / z.abs().amax(),
+}
+# The same kinds of ops on the per-head view (b, heads, t, head_dim), or over another dim: right on a rank.
+_LOOK_ALIKES = {
+    "normalize_per_head": lambda z: F.normalize(z, dim=-1),
+    "rms_norm_per_head": lambda z: F.rms_norm(z, (z.shape[-1],)),
+    "centred_per_head": lambda z: z - z.mean(-1, keepdim=True),
+    "over_the_sequence": lambda z: z - z.mean(2, keepdim=True),
+}
+
+
+class _Attention(nn.Module):
+    """Multi-head attention applying ``before`` to q and k before the view, ``per_head`` after it; ``single``:
+    one head of all the features, its scores computed as named (never viewed per head)."""
+
+    def __init__(self, before: str = "", per_head: str = "", single: str = "") -> None:
+        super().__init__()
+        self.before, self.per_head, self.single = before, per_head, single
+        self.n_heads, self.head_dim = HEADS, D // HEADS
+        self.q, self.k, self.v, self.o = (nn.Linear(D, D) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        if self.single:
+            return self.o(_single_head(self.single, q, k, v))
+        if self.before:
+            q, k = _BEFORE_THE_VIEW[self.before](q), _BEFORE_THE_VIEW[self.before](k)
+        q, k, v = (z.view(b, t, -1, self.head_dim).transpose(1, 2) for z in (q, k, v))
+        if self.per_head:
+            q, k = _LOOK_ALIKES[self.per_head](q), _LOOK_ALIKES[self.per_head](k)
+        scores = (q @ k.transpose(-1, -2) / math.sqrt(self.head_dim)).softmax(-1)  # per head: right
+        y = torch.maximum(scores @ v, 0.5 * v)  # elementwise, each feature on its own
+        return self.o(y.transpose(1, 2).reshape(b, t, -1))
+
+
+def _single_head(how: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    if how == "sdpa":
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    if how == "einsum":
+        scores = torch.einsum("btd,bsd->bts", q, k)
+    else:
+        scores = torch.bmm(q, k.transpose(1, 2)) if how == "bmm" else q @ k.transpose(-1, -2)
+    return (scores / math.sqrt(D)).softmax(-1) @ v
+
+
+class _Block(nn.Module):
+    def __init__(self, **attention: Any) -> None:
+        super().__init__()
+        self.norm, self.attn = nn.LayerNorm(D), _Attention(**attention)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.attn(self.norm(x))
+
+
+def _problem(**attention: Any) -> tuple[sw.Step, Any, list[Any]]:
+    torch.manual_seed(0)
+    chain, params = sw.functionalize(nn.Sequential(_Block(**attention), _Block(**attention)).double())
+    step = sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1, momentum=0.9))
+    gen = torch.Generator().manual_seed(1)
+    batches = [tuple(torch.randn(2, 6, D, dtype=torch.float64, generator=gen) for _ in range(2)) for _ in range(2)]
+    return step, params, batches
+
+
+_PAIR = {"*.attn.[qkv]": sw.tp.Colwise(), "*.attn.o": sw.tp.Rowwise()}
+_REGION = {"*.attn": sw.tp.Region(heads=("n_heads",)), **_PAIR}
+_PLANS = pytest.mark.parametrize("plan", [_REGION, _PAIR], ids=["region", "no-region"])
+
+
+def _refused(plan: dict[str, Any], message: str, **attention: Any) -> None:
+    step, params, batches = _problem(**attention)
+    with pytest.raises(ValueError, match=message):
+        sw.tensor_parallel(step, "tp", plan).plan(sw.Mesh(tp=2), params, batches[0])
+
+
+@_PLANS
+@pytest.mark.parametrize("before", sorted(_BEFORE_THE_VIEW))
+def test_a_reduction_or_norm_over_the_features_before_the_view_is_refused(before: str, plan: dict[str, Any]) -> None:
+    _refused(plan, r"Colwise\(\) on '0\.attn\.q' gives each rank a contiguous 1/tp of its output features \(16 of 32 "
+             r"here\), and the module computes .*before any per-head view: over this rank's slice of the features "
+             r"alone.*after viewing the output per head.*Colwise\(output='replicated'\) on '0\.attn\.q'", before=before)
+
+
+@_PLANS
+@pytest.mark.parametrize("single", ["matmul", "bmm", "einsum", "sdpa"])
+def test_single_head_attention_contracting_two_colwise_outputs_is_refused(single: str, plan: dict[str, Any]) -> None:
+    """q @ k.transpose(-1, -2) on a rank's 16 features of each: a partial sum of the scores, never summed."""
+    what = {"einsum": r"einsum\('btd,bsd->bts'\) summing out its features",
+            "sdpa": "scaled_dot_product_attention of q and k never viewed per head"}.get(
+        single, r"\w+ contracting its features with those of '0\.attn\.k'")
+    _refused(plan, rf"Colwise\(\) on '0\.attn\.q' .* computes {what}", single=single)
+
+
+@_PLANS
+@pytest.mark.parametrize("per_head", sorted(_LOOK_ALIKES))
+def test_the_same_ops_per_head_or_over_the_sequence_are_the_single_device_step(
+    per_head: str, plan: dict[str, Any]
+) -> None:
+    """Qwen3's q_norm normalises each head's features after the view: whole heads on a rank."""
+    step, params, batches = _problem(per_head=per_head)
+    sw.testing.assert_equivalent(sw.tensor_parallel(step, "tp", plan), step, sw.Mesh(tp=2), batches, params,
+                                 rtol=1e-9)
+
+
+class _LogProbsHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(D, VOCAB)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.log_softmax(self.proj(x), dim=-1)
+
+
+def test_a_head_normalising_its_split_logits_in_the_model_is_refused() -> None:
+    """log_softmax over a rank's 8 of 16 logits: each rank's slice summed to one, the loss taken from them wrong."""
+    torch.manual_seed(0)
+    chain, params = sw.functionalize(nn.Sequential(nn.Linear(D, D), _LogProbsHead()).double())
+    step = sw.train_step(chain, sw.tp.vocab_parallel_cross_entropy, sw.optim.sgd(0.1))
+    gen = torch.Generator().manual_seed(1)
+    batch = (torch.randn(4, D, dtype=torch.float64, generator=gen), torch.randint(VOCAB, (4,), generator=gen))
+    with pytest.raises(ValueError, match=r"Colwise\(\) on '1\.proj' .*\(8 of 16 here\), and the module computes "
+                                         r"log_softmax over dim -1.*vocab_parallel_cross_entropy"):
+        sw.tensor_parallel(step, "tp", {"1.proj": sw.tp.Colwise()}).plan(sw.Mesh(tp=2), params, batch)
