@@ -596,25 +596,95 @@ def test_padded_dict_batches_over_dp_equal_the_global_batch_when_the_loss_counts
 # -- random numbers drawn outside torch ----------------------------------------------------------------
 
 
-def _wav2vec2(mask_time_prob: float) -> Any:
+def _wav2vec2(mask_time_prob: float, torch_dropout: bool = True) -> Any:
+    """Tiny Wav2Vec2ForCTC in training mode; ``torch_dropout=False``: its dropouts and LayerDrop (torch's
+    generator) off, which per-rank streams would make differ from one device's."""
     torch.manual_seed(0)
+    off = {} if torch_dropout else dict(hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+                                         feat_proj_dropout=0.0, final_dropout=0.0, layerdrop=0.0)
     return T.Wav2Vec2ForCTC(T.Wav2Vec2Config(
         vocab_size=12, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
         conv_dim=(8, 8), conv_stride=(4, 2), conv_kernel=(8, 4), num_conv_pos_embeddings=4,
-        num_conv_pos_embedding_groups=2, mask_time_prob=mask_time_prob, mask_time_length=2, pad_token_id=0,
+        num_conv_pos_embedding_groups=2, mask_time_prob=mask_time_prob, mask_time_length=2, pad_token_id=0, **off,
     )).double()
 
 
-def test_a_forward_drawing_from_numpy_is_refused_naming_it_and_the_fix() -> None:
+def _audio_batches(n: int = 2) -> list[tuple[Tensor, Tensor]]:
+    gen = torch.Generator().manual_seed(4)
+    # 400 samples: 48 frames after the convolutions (strides 4 and 2); 12 logits a frame
+    return [(torch.randn(4, 400, dtype=torch.float64, generator=gen),
+             torch.randn(4, 48, 12, dtype=torch.float64, generator=gen)) for _ in range(n)]
+
+
+def _logits_loss(out: Any, targets: Tensor) -> Tensor:
+    return F.mse_loss(out.logits, targets)
+
+
+class _SpecAugmentMasks:
+    """Records each rank's SpecAugment masks (Wav2Vec2's ``_compute_mask_indices``, drawn with np.random) in
+    call order, or replays given ones; the calls on fake tensors (the Plan's predictions) pass."""
+
+    def __init__(self, original: Callable[..., Any]) -> None:
+        import threading
+
+        self.original, self.drawn, self.replay, self.lock = original, {}, None, threading.Lock()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+        from shardwise.collectives.backends.current import current_backend
+
+        if self.replay is not None:
+            return self.replay.pop(0)
+        mask = self.original(*args, **kwargs)
+        if not _get_current_dispatch_mode_stack():
+            with self.lock:
+                self.drawn.setdefault(current_backend().rank, []).append(mask.copy())
+        return mask
+
+
+def test_wav2vec2_with_specaugment_on_trains_as_one_device_under_zero3_and_remat(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Wav2Vec2's SpecAugment (on by default: mask_time_prob=0.05) draws its masks with np.random, which
-    shardwise can neither seed per compute nor replay in remat's recomputation (a gradient of another
-    forward). It was refused as "the split changed the computation", with nothing split."""
-    audio = torch.randn(2, 400, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
-    with pytest.raises(FunctionalizeError, match=r"Wav2Vec2ForCTC's forward draws random numbers from numpy's "
-                                                 r"global np.random.*config.mask_time_prob = 0"):
-        functionalize(_wav2vec2(0.5), example_input=audio)
-    chain, _ = functionalize(_wav2vec2(0.0), example_input=audio)  # without the augmentation: accepted
-    assert chain.names
+    the step now seeds for every compute and remat replays (it was refused at functionalize). ZeRO-3 at
+    world 2: each rank draws its own masks for its half of the batch, so the single-device step replays
+    the ranks' masks joined in batch order (as test_ep_dropout.py does for dropout) and must equal it.
+    remat: bitwise the step without it, torch's dropouts and LayerDrop on as well."""
+    import numpy as np
+
+    from shardwise.testing.equivalence import compare_histories, record_history
+
+    masks = _SpecAugmentMasks(T.models.wav2vec2.modeling_wav2vec2._compute_mask_indices)
+    monkeypatch.setattr(T.models.wav2vec2.modeling_wav2vec2, "_compute_mask_indices", masks)
+    batches = _audio_batches()
+    model = _wav2vec2(0.05, torch_dropout=False)
+    assert model.training
+    chain, params = functionalize(model, example_input=batches[0][0])
+    step = sw.train_step(chain, _logits_loss, sw.optim.sgd(0.1, momentum=0.9))
+    zero3, mesh = sw.shard_params(step, "dp", 3), sw.Mesh(dp=2)
+    masks.drawn.clear()
+    per_rank = sw.launch(lambda: record_history(zero3, zero3.init(params, mesh), batches), 2)
+    assert not np.array_equal(masks.drawn[0][0], masks.drawn[1][0])  # each rank its own stream
+    masks.replay = [np.concatenate([masks.drawn[0][k], masks.drawn[1][k]]) for k in range(len(batches))]
+    try:
+        expected = record_history(step, step.init(params), batches)
+    finally:
+        masks.replay = None
+    compare_histories(per_rank, expected, rtol=sw.testing.DEFAULT_RTOL[torch.float64])
+
+    model = _wav2vec2(0.05)
+    chain, params = functionalize(model, example_input=batches[0][0])
+    step = sw.train_step(chain, _logits_loss, sw.optim.sgd(0.1, momentum=0.9))
+
+    def final(s: sw.Step) -> list[Tensor]:
+        state = s.init(params)
+        for b in batches:
+            state, _ = s(state, b)
+        return optree.tree_leaves(s.full_params(state))
+
+    plain, rematted = final(step), final(sw.remat(step))
+    assert all(torch.equal(a, b) for a, b in zip(plain, rematted, strict=True))
 
 
 class _DrawsFromPython(nn.Module):
@@ -628,9 +698,21 @@ class _DrawsFromPython(nn.Module):
         return self.linear(x) * random.random()  # its output depends on the draw
 
 
-def test_a_forward_drawing_from_pythons_random_is_refused() -> None:
-    with pytest.raises(FunctionalizeError, match=r"draws random numbers from Python's random"):
-        functionalize(_DrawsFromPython(), example_input=torch.randn(2, 4))
+def test_a_forward_drawing_from_pythons_random_is_accepted_and_the_chain_draws_as_the_module() -> None:
+    """It was refused; functionalize now runs module and chain from the same state of Python's random
+    (and numpy's), so the chain computes what the module does from the same state."""
+    import random
+
+    x = torch.randn(2, 4)
+    module = _DrawsFromPython()
+    chain, params = functionalize(module, example_input=x)
+    random.seed(3)
+    expected = module(x)
+    random.seed(3)
+    got = x
+    for layer in chain:
+        got = layer(chain.layer_params(params, layer), got)
+    assert torch.equal(got, expected)
 
 
 class _DrawsWithoutEffect(nn.Module):

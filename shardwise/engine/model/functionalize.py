@@ -497,21 +497,19 @@ def _refuse_overlaps(paths: list[str]) -> None:
 
 
 def _check_against_module(module: nn.Module, chain: Chain, params: ParamTree, x: Any) -> None:
-    """Run module and chain on ``x`` from the same RNG state; refuse any bitwise difference."""
+    """Run module and chain on ``x`` from the same random state (torch's generators, Python's
+    ``random`` and numpy's: ``host_random``), which they are left in after; refuse any bitwise
+    difference."""
     snapshot = {(layer.name, n): b.clone() for layer in chain for n, b in layer.buffers.items()}
     devices = sorted(
         {t.device.index or 0 for t in optree.tree_leaves(x) if isinstance(t, Tensor) and t.is_cuda}
     )
-    with torch.no_grad(), torch.random.fork_rng(devices=devices):
-        rng = _rng_states(devices)
+    with torch.no_grad(), torch.random.fork_rng(devices=devices), host_random.kept():
+        rng, host = _rng_states(devices), host_random.capture()
         args, kwargs = call_arguments(module, x)
-        outside = host_random.states()
         expected = register_output_types(module(*args, **kwargs))
-        drawn = host_random.draws(outside)
-        if drawn:  # again, torch's generators as before and the others moved on: do the draws matter?
-            _set_rng_states(devices, rng)
-            _refuse_host_random(module, drawn, _same_outputs(expected, module(*args, **kwargs)))
         _set_rng_states(devices, rng)
+        host_random.restore(host)
         got = x
         check_output = _output_check(chain)
         for i, layer in enumerate(chain):
@@ -524,22 +522,6 @@ def _check_against_module(module: nn.Module, chain: Chain, params: ParamTree, x:
                 "layer cannot carry state. Put the module in eval mode or drop the in-place update."
             )
     _compare_outputs(expected, got)
-
-
-def _refuse_host_random(module: nn.Module, drawn: list[str], same: bool) -> None:
-    """A forward whose output depends on what it draws from numpy's or Python's generator
-    (``host_random``): those draws are not seeded per compute, so remat's recomputation, a resumed run
-    and the ranks would each draw others. ``same``: two runs drawing other numbers gave the same output
-    (a LayerDrop of probability 0 draws and never drops: MusicGen's, Wav2Vec2's adapter's), accepted."""
-    if not same:
-        raise FunctionalizeError(
-            f"functionalize: {type(module).__name__}'s forward draws random numbers from {' and '.join(drawn)}, "
-            "which shardwise cannot seed or replay as it does torch's generators: remat's recomputation would draw "
-            "others than the forward did (a gradient of another forward, without an error), and a resumed run "
-            "others than the run it continues. Draw them with torch (torch.rand, torch.bernoulli), turn the "
-            "random augmentation off (Wav2Vec2 / HuBERT's SpecAugment: config.mask_time_prob = 0 and "
-            "config.mask_feature_prob = 0)"
-        )
 
 
 def _rng_states(devices: list[int]) -> tuple[Tensor, list[Tensor]]:
@@ -594,16 +576,6 @@ def _check_passable(layer: str, y: Any, last: bool, needs_float: bool = True) ->
 
 def _kind(y: Any) -> str:
     return f"a {type(y).__name__}"
-
-
-def _same_outputs(a: Any, b: Any) -> bool:
-    """Whether two outputs of the module are the same, leaf by leaf (tensors bit for bit)."""
-    leaves, spec = optree.tree_flatten(a, none_is_leaf=True)
-    other, other_spec = optree.tree_flatten(register_output_types(b), none_is_leaf=True)
-    return spec == other_spec and all(
-        _same(x, y) if isinstance(x, Tensor) and isinstance(y, Tensor) else _same_leaf(x, y)
-        for x, y in zip(leaves, other, strict=True)
-    )
 
 
 def _same(a: Tensor, b: Tensor) -> bool:

@@ -1,34 +1,57 @@
 """Random numbers a module draws outside torch: from numpy's global generator or Python's ``random``.
 
-shardwise seeds torch's generators for every compute of a step, so that dropout's masks are the same
-on every backend, after a resume, and in remat's recomputation. It cannot seed or replay a draw from
-numpy's or Python's generators (transformers' Wav2Vec2 draws its SpecAugment masks with
-``np.random``): the recomputation would mask other positions than the forward did, and the gradient
-would belong to another forward, without an error. :func:`functionalize` runs the module once on the
-example input; a module that drew from either generator there is refused, naming it (``draws``).
-numpy is compared only where it is imported already: a module that draws from it has imported it.
+Both are process-global, as torch's default generators are, and shardwise treats them alike (transformers'
+Wav2Vec2 / HuBERT draw their SpecAugment masks with ``np.random``, LayerDrops draw ``random.random()``):
+
+* every compute of a step runs with them seeded from the compute's seed (``engine/run/rng.py``: the
+  same draws on every backend, run to run and after a resume), and the step leaves the user's own
+  state of them as it found it;
+* remat's recomputation replays them: the state a checkpointed layer's forward found is set again
+  for its recomputation, and the compute's own state is put back after it;
+* :func:`functionalize` runs the module and its chain from the same state of them.
+
+numpy is seeded, saved and restored only where it is imported already (a module that draws from it has
+imported it; torch imports it where it is installed). A generator *object* of a module's own
+(``random.Random()``, ``np.random.RandomState()``, ``np.random.default_rng()``) is not global: the
+step cannot seed it per compute (each rank draws from the chain's copy of it, taken when the module
+was split). functionalize does not refuse it: without remat the step draws from it as a plain torch
+loop would (two runs of the module could not tell a draw of rare effect from none anyway). remat
+could not replay it, so a layer whose first forward under remat draws from one that its module holds
+(:func:`own_generators`) is refused there, as a ``torch.Generator`` of its own is
+(``transforms/remat/own_generators.py``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import random
 import sys
+from collections.abc import Iterator
 from typing import Any
 
+#: (Python's random state, numpy's global state or None where numpy is not imported)
+HostState = tuple[Any, Any]
 
-def states() -> dict[str, Any]:
-    """The state of each generator outside torch a module may draw from, by the name a message gives it."""
-    out: dict[str, Any] = {"Python's random": random.getstate()}
+
+def capture() -> HostState:
+    """The state of both generators, to :func:`restore` later."""
     numpy = sys.modules.get("numpy")
-    if numpy is not None:
-        out["numpy's global np.random"] = numpy.random.get_state(legacy=False)
-    return out
+    return random.getstate(), None if numpy is None else numpy.random.get_state()
 
 
-def draws(before: dict[str, Any]) -> list[str]:
-    """The generators of ``before`` (from :func:`states`) whose state moved since: drawn from."""
-    after = states()
-    return [name for name, state in before.items() if not _same(state, after.get(name))]
+def restore(state: HostState) -> None:
+    """Set both generators to ``state`` (from :func:`capture`)."""
+    python, numpy_state = state
+    random.setstate(python)
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and numpy_state is not None:
+        numpy.random.set_state(numpy_state)
+
+
+def moved(state: HostState) -> bool:
+    """Whether either generator was drawn from since ``state`` (from :func:`capture`)."""
+    python, numpy_state = capture()
+    return python != state[0] or not _same(numpy_state, state[1])
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -39,3 +62,81 @@ def _same(a: Any, b: Any) -> bool:
     if hasattr(a, "shape") and hasattr(b, "shape"):  # numpy arrays (the Mersenne Twister's key)
         return a.shape == b.shape and bool((a == b).all())
     return bool(a == b)
+
+
+def own_generators(module: Any) -> list[tuple[str, Any]]:
+    """(path, generator) of every generator object of its own that ``module`` (an ``nn.Module``) or a
+    submodule holds as an attribute: ``random.Random``, numpy's ``RandomState`` and ``Generator``."""
+    kinds: tuple[type, ...] = (random.Random,)
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        kinds += (numpy.random.RandomState, numpy.random.Generator)
+    found = []
+    for path, sub in module.named_modules():
+        for name, value in vars(sub).items():
+            if isinstance(value, kinds) and not isinstance(value, random.SystemRandom):  # (that one has no state)
+                found.append((f"{path}.{name}" if path else name, value))
+    return found
+
+
+def state_of(generator: Any) -> Any:
+    """The state of a generator from :func:`own_generators`."""
+    if isinstance(generator, random.Random):
+        return generator.getstate()
+    if hasattr(generator, "bit_generator"):  # numpy's Generator
+        return generator.bit_generator.state
+    return generator.get_state(legacy=False)
+
+
+def same_state(a: Any, b: Any) -> bool:
+    """Whether two states from :func:`state_of` are equal."""
+    return _same(a, b)
+
+
+def seed(python_seed: int, numpy_seed: int) -> None:
+    """Seed Python's ``random`` and, where imported, numpy's global generator (its seed: 32 bits)."""
+    random.seed(python_seed)
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed(numpy_seed & 0xFFFFFFFF)
+
+
+@contextlib.contextmanager
+def kept() -> Iterator[None]:
+    """The block leaves both generators as it found them."""
+    state = capture()
+    try:
+        yield
+    finally:
+        restore(state)
+
+
+class Replay:
+    """A region run more than once (remat's checkpointed layer): its first run notes the state of both
+    generators; every later run (a recomputation) starts from that state, and puts back after it the
+    state it found, so that the compute around it draws on as if the recomputation had not run. A
+    region whose first run drew nothing draws nothing when run again on the same inputs: its later
+    runs are left alone (saving and setting numpy's state costs tens of microseconds each)."""
+
+    __slots__ = ("_drew", "_first")
+
+    def __init__(self) -> None:
+        self._first: HostState | None = None
+        self._drew = True
+
+    @contextlib.contextmanager
+    def run(self) -> Iterator[None]:
+        if self._first is None:
+            self._first = capture()
+            yield
+            self._drew = moved(self._first)
+            return
+        if not self._drew:
+            yield
+            return
+        around = capture()
+        restore(self._first)
+        try:
+            yield
+        finally:
+            restore(around)

@@ -98,7 +98,7 @@ from .bindings import BoundStage, StageBindings
 from .handover import release_unkept, watch
 from .loss_rows import LossProbe
 from .metrics import MetricExchange, Summed, different_batches
-from .rng import MASK, START, default_generators, mixed, preserved, ranks_share_generators, seeded
+from .rng import MASK, START, default_generators, mixed, preserved, ranks_share_generators, seed_all, seeded
 from .transfers import TransferActions
 from .zero import ZeroActions
 
@@ -500,8 +500,7 @@ class Executor(ZeroActions, TransferActions):
             return
         # Generators of its own (one rank per process): ``seeded`` without its lock and context
         # managers, which cost more than the seeding itself on every compute of a small layer.
-        for gen in self._generators:
-            gen.manual_seed(seed)
+        seed_all(self._generators, seed)
         handler(action)
 
     def _forward_run(self, run: Sequence[Action]) -> None:
@@ -566,9 +565,7 @@ class Executor(ZeroActions, TransferActions):
             y = self._run_quiet(quiet, bound, x, s, m)
         else:
             if self._seed_prefix is not None and not self._shared_rng:  # shared ones: seeded by the caller
-                seed = self._forward_seed(action)
-                for gen in self._generators:
-                    gen.manual_seed(seed)
+                seed_all(self._generators, self._forward_seed(action))
             y = self._run_layers(bound, x, s, m)
         self._outputs[(s, m)] = y
         if s < self.placement.backward_from:

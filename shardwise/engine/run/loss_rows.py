@@ -75,6 +75,7 @@ import optree
 import torch
 
 from ...collectives.mesh_context import no_mesh
+from ..model import host_random
 from ..stack import in_layer
 
 PROBE_ROWS = 4  # the rows probed where the micro-batch has them (halves of 2), else 2 (halves of 1)
@@ -178,8 +179,15 @@ class LossProbe:
         if shapes in self.later:
             return
         sequence_dim = self.cut.sequence_dim if self.cut.sequence is not None else None
-        found = measure(loss_fn, output, inputs, targets, generators, restore, self.predict,
-                        rows_cut=self.cut.rows is not None, sequence_dim=sequence_dim, tokens=self.cut.tokens)
+        # The prediction runs the chain's layers (on fake tensors): what they draw from Python's random or
+        # numpy's is set back too, or the compute's own draws would depend on whether this step probed.
+        host = host_random.capture()
+        try:
+            found = measure(loss_fn, output, inputs, targets, generators, restore, self.predict,
+                            rows_cut=self.cut.rows is not None, sequence_dim=sequence_dim, tokens=self.cut.tokens)
+        finally:
+            if restore:
+                host_random.restore(host)
         if found is LATER:
             self.later.add(shapes)
         if found in (RETRY, LATER):
@@ -240,6 +248,7 @@ def measure(
         return LATER if rows_cut and rows == 1 and any(_has_dims(t) for t in leaves) else UNKNOWN
     dims = _Dims(row_dims or [() for _ in leaves], token_dims or [() for _ in leaves], sequence_dim or 0, token_count)
     states = [g.get_state() for g in generators]
+    host = host_random.capture()  # Python's random and numpy's, which a loss may draw from too
     values: dict[_Part, tuple[torch.Tensor, Any]] = {}
     try:
         with torch.no_grad(), no_mesh(), in_layer.probing_loss():
@@ -251,7 +260,9 @@ def measure(
                         leaves, dims.rows, dims.tokens, strict=True)])
                     part_targets = optree.tree_map(lambda t, p=part: dims.take_batch(t, p), targets)
                     got = loss_fn(cut, part_targets)
-                    if any(not torch.equal(g.get_state(), s) for g, s in zip(generators, states, strict=True)):
+                    if any(not torch.equal(g.get_state(), s) for g, s in zip(generators, states, strict=True)) or (
+                        host_random.moved(host)
+                    ):
                         return UNKNOWN  # it draws random numbers: its parts would differ by their draws
                     value = _value(got, tokens, inputs, part_targets, dims, part)
                     if value is None:
@@ -263,6 +274,7 @@ def measure(
         if restore:
             for g, s in zip(generators, states, strict=True):
                 g.set_state(s)
+            host_random.restore(host)
     read = dict(zip(values, torch.stack([v.detach().double() for v, _ in values.values()]).tolist(), strict=True))
     counted = dict(zip(values, torch.stack([torch.as_tensor(c).detach().double().cpu() for _, c in values.values()])
                        .tolist(), strict=True)) if tokens is not None else None

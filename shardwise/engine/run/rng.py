@@ -9,6 +9,13 @@ same after a save and resume (the seed and the step count live in the
 TrainState), and remat's recomputation replays them (torch's checkpoint
 restores the state it saw in forward).
 
+Python's ``random`` and numpy's global generator (where numpy is imported) are
+process-global too, and a module may draw from them (Wav2Vec2's SpecAugment
+masks, a LayerDrop's ``random.random()``): each compute seeds them as well, from
+seeds of their own derived from the compute's (``mix``: not torch's stream), and
+everything below (the lock, the lending, ``preserved``) covers them with torch's
+(``engine/model/host_random.py``; remat replays them itself).
+
 Thread ranks share one generator, so their computes take turns while it is
 seeded and used (a lock around each compute on the threads backend). A layer
 that runs a collective inside its compute lends the generators while it waits
@@ -34,6 +41,7 @@ import torch
 from ...collectives.backends.blocking import on_blocking_wait
 from ...collectives.backends.current import current_backend
 from ...collectives.errors import CollectiveTimeout
+from ..model import host_random
 
 _SHARED = threading.Lock()  # thread ranks share torch's default generators
 _HOLDER = threading.local()  # the device this thread's compute holds the generators for, if any
@@ -42,6 +50,8 @@ MASK = (1 << 63) - 1
 
 
 START = 0x9E3779B97F4A7C15  # mix's state before its first value
+# Mixed into a compute's seed for the seeds of Python's random and numpy's global generator.
+_PYTHON, _NUMPY = 1, 2
 
 
 def mix(*values: int) -> int:
@@ -75,15 +85,23 @@ def default_generators(device: torch.device) -> list[torch.Generator]:
     return gens
 
 
+def seed_all(generators: list[torch.Generator], seed: int) -> None:
+    """Seed ``generators`` (a compute's :func:`default_generators`) with ``seed``, and Python's
+    ``random`` and numpy's global generator with seeds derived from it."""
+    for gen in generators:
+        gen.manual_seed(seed)
+    host_random.seed(mixed(seed, _PYTHON), mixed(seed, _NUMPY))
+
+
 @contextlib.contextmanager
 def seeded(seed: int | None, device: torch.device, shared: bool) -> Iterator[None]:
-    """Run the block with ``device``'s default generator (and the CPU's) seeded with ``seed``."""
+    """Run the block with ``device``'s default generator (and the CPU's) seeded with ``seed``, and
+    the host's generators (Python's ``random``, numpy's) with seeds derived from it."""
     if seed is None:
         yield
         return
     with _holding("to seed them for a compute") if shared else contextlib.nullcontext():
-        for gen in default_generators(device):
-            gen.manual_seed(seed)
+        seed_all(default_generators(device), seed)
         _HOLDER.device = device if shared else None
         try:
             yield
@@ -132,6 +150,7 @@ def _lend_while_blocked() -> Iterator[None]:
         yield
         return
     states = [gen.get_state() for gen in default_generators(device)]
+    host = host_random.capture()
     _HOLDER.device = None
     _release()
     try:
@@ -140,6 +159,7 @@ def _lend_while_blocked() -> Iterator[None]:
         _acquire("to take them back after a collective inside its compute")
         for gen, state in zip(default_generators(device), states, strict=True):
             gen.set_state(state)
+        host_random.restore(host)
         _HOLDER.device = device
 
 
@@ -148,7 +168,8 @@ on_blocking_wait(_lend_while_blocked)
 
 @contextlib.contextmanager
 def preserved(device: torch.device, shared: bool, active: bool) -> Iterator[None]:
-    """The block leaves the default generators as it found them (a step's streams are its own).
+    """The block leaves the default generators, and the host's (Python's ``random``, numpy's), as it
+    found them (a step's streams are its own).
 
     Across thread ranks, which share the generators and run at once, "as found" is the state
     when this rank's step began: their own draws outside the steps are not reproducible anyway.
@@ -158,9 +179,11 @@ def preserved(device: torch.device, shared: bool, active: bool) -> Iterator[None
         return
     with _holding("to save their state") if shared else contextlib.nullcontext():
         states = [gen.get_state() for gen in default_generators(device)]
+        host = host_random.capture()
     try:
         yield
     finally:
         with _holding("to restore their state") if shared else contextlib.nullcontext():
             for gen, state in zip(default_generators(device), states, strict=True):
                 gen.set_state(state)
+            host_random.restore(host)

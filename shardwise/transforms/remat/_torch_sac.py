@@ -55,6 +55,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from ...engine.model import host_random
 from ...engine.plan.accounting import current_observer
 from ...engine.stack.in_layer import ForwardContext
 from ...engine.torch_api import storage_key as engine_storage_key
@@ -216,7 +217,7 @@ class _KeepForBackward(saved_tensors_hooks):
 
 def run_layer(
     fn: Callable[[Any, Any], Any], tensors: Mapping[str, torch.Tensor], x: Any, policy: Predicate, layer: str = "",
-    watch_generators: bool = True,
+    watch_generators: bool = True, host_draws: bool = True,
 ) -> Any:
     """``fn(tensors, x)`` with backward recomputing what ``policy`` does not save.
 
@@ -228,7 +229,10 @@ def run_layer(
     saved inputs that outer hooks see. ``layer`` names the layer in errors:
     an op drawing from a generator of the layer's own is refused where it would
     be recomputed, and torch's error for a saved output changed in place says
-    which layer, policy and op it was about.
+    which layer, policy and op it was about. ``host_draws``: whether the layer
+    may draw from Python's ``random`` or numpy's global generator, whose state
+    its recomputations then start from as its forward did (saving and setting
+    numpy's costs about 35 us each: a layer of torch's own skips it).
     """
     observe = current_observer()  # set while the engine's accounting measures what layers keep
     offload = isinstance(policy, OffloadToCpu)
@@ -253,6 +257,10 @@ def run_layer(
         # asks only its first forward to be watched).
         watching = plain and watch_generators and torch.is_grad_enabled()
         caches: list[Mapping[Any, Any]] = []  # selective checkpoint's cache, for the mutation error
+        # torch's checkpoint replays its own generators, not Python's random or numpy's: the
+        # recomputations start from the state of those the forward found, and leave them as found.
+        # (Under no_grad nothing is recomputed; ``host_draws`` False: the layer cannot draw from them.)
+        host = host_random.Replay() if host_draws and torch.is_grad_enabled() else None
 
         def region(*flat: Any) -> Any:
             nonlocal watching
@@ -262,7 +270,7 @@ def run_layer(
                 watching = False
                 guard = RefuseOwnGenerators(layer, policy)
             try:
-                with guard:
+                with guard, host.run() if host is not None else contextlib.nullcontext():
                     return forward_context.run(lambda: fn(region_tensors, region_x))
             except RuntimeError as error:
                 if _MUTATED not in str(error):

@@ -10,16 +10,26 @@ plain checkpoint (``nothing_saveable``) by a dispatch mode around the layer's
 forward, under a selective policy by the policy adapter, for the ops the policy
 does not save. Layers remat runs as they are (``everything_saveable``) recompute
 nothing and are not watched.
+
+The same holds for a generator object of the layer's own outside torch (``random.Random()``,
+``np.random.RandomState()``, ``np.random.default_rng()``; Python's ``random`` and numpy's global
+generator are replayed, ``engine/model/host_random.py``): one that the layer's module holds as an
+attribute and that its first forward under remat draws from is refused
+(:func:`refusing_own_host_generators`).
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["RefuseOwnGenerators", "own_generator", "refuse_own_generator"]
+from ...engine.model import host_random
+
+__all__ = ["RefuseOwnGenerators", "own_generator", "refuse_own_generator", "refusing_own_host_generators"]
 
 
 def _is_default(gen: torch.Generator) -> bool:
@@ -75,3 +85,39 @@ class RefuseOwnGenerators(TorchDispatchMode):
         kwargs = kwargs or {}
         refuse_own_generator(self.layer, self.policy, func, args, kwargs)
         return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def refusing_own_host_generators(fn: Any, layer: str, policy: Any) -> Iterator[None]:
+    """Around a layer's watched forward: refuse it if it drew from a ``random.Random`` or numpy generator
+    object that its module holds (the calling thread's copy of it: :func:`_module_of`)."""
+    module = _module_of(fn)
+    owned = host_random.own_generators(module) if module is not None else []
+    before = [host_random.state_of(g) for _, g in owned]
+    yield
+    drawn = [path for (path, g), state in zip(owned, before, strict=True)
+             if not host_random.same_state(state, host_random.state_of(g))]
+    if drawn:
+        name = f"layer {layer!r}" if layer else "a layer"
+        raise ValueError(
+            f"remat({policy!r}): {name} draws from a random generator object of its own "
+            f"({', '.join(f'{type(module).__name__}.{p}' for p in drawn)}). remat replays torch's generators, "
+            "Python's random and numpy's global np.random in the recomputation, not a generator object a "
+            "module holds: the recomputation would draw other numbers than the forward did, and the "
+            "gradient would not be the forward's. Draw from the global ones (random.random(), "
+            "np.random.rand(): the step seeds them for every compute) or from torch, or leave the layer "
+            "out of remat (remat(..., layers=[...]) without it)"
+        )
+
+
+def _module_of(fn: Any) -> torch.nn.Module | None:
+    """The module a layer function calls, following ``__wrapped__``: the calling thread's replica of it
+    where it keeps one per thread (functionalize's layers: a rank thread draws from its own copy)."""
+    seen = 0
+    while fn is not None and seen < 64:
+        replicas: Any = getattr(fn, "replicas", None)
+        module = replicas.get().module if hasattr(replicas, "get") else getattr(fn, "module", None)
+        if isinstance(module, torch.nn.Module):
+            return module
+        fn, seen = getattr(fn, "__wrapped__", None), seen + 1
+    return None

@@ -11,11 +11,13 @@ from typing import Any, ClassVar
 import torch
 
 from ...engine.model.chain import Chain, LayerFn
+from ...engine.model.module_call import DIRECT, calls_forward_alone
 from ...engine.model.reuse import reuse_key
 from ...engine.stack.compose import REWRITE, add
 from ...engine.step.step import Step
 from . import policies as P
 from ._torch_sac import run_layer
+from .own_generators import refusing_own_host_generators
 
 #: Policies by name, for ``remat(step, policy="dots_saveable")``.
 POLICIES: dict[str, Any] = {
@@ -43,9 +45,13 @@ class Remat:
 
     def __call__(self, tensors: dict[str, Any], x: Any) -> Any:
         watch = bool(self._unwatched) and torch.is_grad_enabled()
-        out = run_layer(self.fn, tensors, x, self.policy, self.layer, watch_generators=watch)
-        if watch:  # once a watched forward has passed: a refused one is refused again
-            self._unwatched.clear()
+        inner = self.policy.policy if isinstance(self.policy, P.OffloadToCpu) else self.policy
+        host = not _torch_module_alone(self.fn)
+        if not watch or isinstance(inner, P.EverythingSaveable):  # (that one recomputes nothing)
+            return run_layer(self.fn, tensors, x, self.policy, self.layer, watch_generators=False, host_draws=host)
+        with refusing_own_host_generators(self.fn, self.layer, self.policy):
+            out = run_layer(self.fn, tensors, x, self.policy, self.layer, watch_generators=True, host_draws=host)
+        self._unwatched.clear()  # once a watched forward has passed: a refused one is refused again
         return out
 
     @property
@@ -65,6 +71,14 @@ class Remat:
         except TypeError:
             return None
         return key
+
+
+def _torch_module_alone(fn: Any) -> bool:
+    """Whether ``fn`` calls one module of torch's own that :data:`module_call.DIRECT` knows (a Linear, a
+    Dropout, ...) and nothing else runs with it (no hook, no patched forward): it draws from no
+    generator but torch's, so its recomputation needs no host state replayed."""
+    module = getattr(fn, "module", None)
+    return isinstance(module, torch.nn.Module) and type(module) in DIRECT and calls_forward_alone(module)
 
 
 def remat_of(fn: Any) -> Remat | None:
@@ -161,7 +175,10 @@ def remat(step: Step, policy: Any = P.nothing_saveable, *, layers: str | Sequenc
     ``policy`` is a policy value or name, not its class (``NothingSaveable()``).
 
     Dropout is replayed: checkpoint restores the default generators, which the
-    step seeds. An op drawing from a generator of the layer's own is refused
+    step seeds; so are draws from Python's ``random`` and numpy's global
+    generator (the recomputation starts from the state its forward found). An
+    op drawing from a generator of the layer's own (torch's, or a
+    ``random.Random`` / numpy generator object its module holds) is refused
     where it would be recomputed (``own_generators``), and an in-place change
     of an output a selective policy saved is refused in the backward, naming
     the layer, the policy and the op.
