@@ -317,7 +317,7 @@ def _plain_refusal(entry: _Output, name: str, sizes: list[int], divided: set[int
         f"{sizes}{why}; on a rank the parts are pieces of other blocks (all of q and part of k, for q, k and v "
         "computed in one projection). If it computes several equal blocks side by side (q, k and v; gate and up), "
         "give it Colwise(fused=<the number of blocks>), and name the width the module cuts at in the Region's "
-        "local=(...) (GPT-2's split_size, nanoGPT's n_embd); blocks of unequal widths (grouped-query attention's "
+        "local=(...) (GPT-2's split_size); blocks of unequal widths (grouped-query attention's "
         "q, k and v) need separate Linear modules, each Colwise()"
     )
 
