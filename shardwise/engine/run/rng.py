@@ -168,8 +168,9 @@ on_blocking_wait(_lend_while_blocked)
 
 @contextlib.contextmanager
 def preserved(device: torch.device, shared: bool, active: bool) -> Iterator[None]:
-    """The block leaves the default generators, and the host's (Python's ``random``, numpy's), as it
-    found them (a step's streams are its own).
+    """The block leaves the default generators as it found them, and the host's (Python's ``random``,
+    numpy's) going on from seeds drawn from them as it began (``host_random.fork``): a step's streams
+    are its own.
 
     Across thread ranks, which share the generators and run at once, "as found" is the state
     when this rank's step began: their own draws outside the steps are not reproducible anyway.
@@ -179,11 +180,11 @@ def preserved(device: torch.device, shared: bool, active: bool) -> Iterator[None
         return
     with _holding("to save their state") if shared else contextlib.nullcontext():
         states = [gen.get_state() for gen in default_generators(device)]
-        host = host_random.capture()
+        host = host_random.fork()
     try:
         yield
     finally:
         with _holding("to restore their state") if shared else contextlib.nullcontext():
             for gen, state in zip(default_generators(device), states, strict=True):
                 gen.set_state(state)
-            host_random.restore(host)
+            host_random.rejoin(host)
