@@ -93,7 +93,8 @@ from .batch_loss_terms import refuse_split_batch_loss
 from .capture import Piece, guarding_stand_ins, split_by_calls
 from .chain import Chain, Layer
 from .fx_split import FunctionalizeError, FxTraceError, split_graph
-from .materialize import InitFn, ModuleInit, has_meta_tensors, is_transformers_model, stand_in
+from .init_fn import InitFn, as_path_init
+from .materialize import ModuleInit, has_meta_tensors, is_transformers_model, stand_in
 from .module_call import Quiet, ThreadReplicas, call_arguments
 from .pytrees import float_leaves, plain_batch, register_output_types, unregistered_reason
 from .shape_check import check_shapes_against_module
@@ -135,10 +136,14 @@ def functionalize(
             reads data to decide a shape (a mixture-of-experts' routing) runs on zero-cost
             stand-in parameters instead (one zero each, expanded; a kernel that refuses their
             stride of 0, such as ``torch._grouped_mm``, gets a dense copy for that op alone).
-        init_fn: for a module built on the meta device: ``fn(module)`` that initializes a
+        init_fn: for a module built on the meta device: ``fn(module)``, or ``fn(module, path)``
+            with the module's path in the model (``""`` for the model; given to an fn whose
+            second argument has no default), that initializes a
             module's own parameters and buffers (as ``model.apply(fn)`` would apply it); by
             default a Hugging Face model's ``_init_weights``, else each module's
-            ``reset_parameters()`` (docs/guide.md, "Models larger than one rank").
+            ``reset_parameters()``. Constructor code outside these (nanoGPT's scaled ``c_proj``
+            after ``self.apply(self._init_weights)``) is not replayed: ``init_fn`` must do it
+            (docs/guide.md, "Models larger than one rank").
         device: for a module built on the meta device: where its buffers are made now and its
             parameters later, by ``Step.init`` (default: the CPU).
 
@@ -227,6 +232,8 @@ def _meta_init(
                 "model with module.to(device) first)."
             )
         return None, module, {}
+    if init_fn is not None:
+        as_path_init(init_fn)  # refuses, now, an init_fn that can be called neither way
     init = ModuleInit(module, {}, init_fn, torch.device(device if device is not None else "cpu"))
     # Buffers are the chain's own (layers carry them): made now, each from its module's initializer.
     # Frozen parameters (requires_grad=False), which the chain carries as buffers too, stay the

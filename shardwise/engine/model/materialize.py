@@ -8,18 +8,42 @@ rank makes only the tensors it holds, one unit at a time, and the user's module 
 
 Which initializer runs on a module:
 
-* ``init_fn(module)`` when given: applied to the owner and every module above it, as
-  ``model.apply(init_fn)`` would (nanoGPT's ``_init_weights``, torchtitan's ``init_weights``);
+* ``init_fn(module)`` or ``init_fn(module, path)`` when given (``path``: the module's path in the
+  model, ``""`` for the model): applied to the owner and every module above it, as
+  ``model.apply(init_fn)`` would (torchtitan's ``init_weights`` on the model; nanoGPT's
+  ``_init_weights`` with a rule for its LayerNorm and its scaled ``c_proj``, below);
 * a Hugging Face model's own ``_init_weights(module)``, likewise on the owner and above (it
   re-initializes some weights from their parent: GPT-2's scaled ``c_proj``; and it computes
   buffers such as rotary frequencies and position ids);
 * else the owner's ``reset_parameters()`` (torch's layers); a module without one is refused,
-  naming it and asking for ``init_fn``.
+  naming it and asking for ``init_fn``. So is a model that defines its own ``init_weights`` or
+  ``_init_weights`` (``init_fn.own_init_methods``), when its parameters are to be made: torch's
+  defaults would silently replace the init its constructor runs.
+
+What is replayed is only this: a constructor's code outside any module's initializer (nanoGPT's
+``for pn, p in self.named_parameters(): if pn.endswith('c_proj.weight'): ...`` after
+``self.apply(self._init_weights)``, or a ``torch.ones`` in its LayerNorm's ``__init__``) never runs
+on a meta build, and nothing can see that it is missing. ``init_fn`` must say it:
+
+    def init_fn(module, path):                         # nanoGPT's GPT.__init__, per module
+        model._init_weights(module)                    # self.apply(self._init_weights)
+        if isinstance(module, LayerNorm):              # its constructor's ones and zeros
+            nn.init.ones_(module.weight)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        if path.endswith("c_proj"):                    # the loop after apply()
+            nn.init.normal_(module.weight, std=0.02 / math.sqrt(2 * config.n_layer))
+
+(``tests/engine/test_meta_init_recipes.py`` checks it against nanoGPT's eager init.) Where the
+initializer leaves a tensor unset and its owner has a ``reset_parameters()`` (torch's
+``nn.LayerNorm`` under nanoGPT's ``_init_weights``), the tensor is made as the eager model has it:
+``reset_parameters()`` first, as the owner's constructor ran it, then the initializer.
 
 Every tensor's random draws are seeded from ``(seed, its path in the module)``, so its values
 do not depend on which other tensors a rank makes, on the mesh or on the stack: a ZeRO-3 shard
 on 512 ranks holds the values the same seed gives on one device. The values differ from the
-module's eager init under ``torch.manual_seed`` (that draws every tensor from one stream).
+module's eager init under ``torch.manual_seed`` (that draws every tensor from one stream); they
+follow the same distributions.
 
 An initializer that leaves part of a tensor unset would leave uninitialized memory in it: each
 tensor is made twice, from two different fills, and any element that differs is refused.
@@ -40,9 +64,9 @@ import torch
 from torch import Tensor, nn
 
 from .fx_split import FunctionalizeError
+from .init_fn import InitFn, as_path_init, own_init_methods
 from .module_call import kept_in_copies
 
-InitFn = Callable[[nn.Module], Any]
 Seeding = Callable[[int], contextlib.AbstractContextManager[Any]]
 
 __all__ = ["InitFn", "ModuleInit", "has_meta_tensors", "is_transformers_model", "path_seed", "stand_in",
@@ -103,46 +127,109 @@ class ModuleInit:
         seeding = seeding or _forked_seed
         owner_path, _, name = path.rpartition(".")
         chain = _modules_down_to(self.module, owner_path)
-        owner = chain[-1]
+        owner = chain[-1][1]
         slots: dict[str, Any] = owner._parameters if name in owner._parameters else owner._buffers
-        made = []
         with self._lock:  # thread ranks make tensors of one module: one swap at a time
             meta = slots[name]
             if meta is None or not meta.is_meta:
                 raise AssertionError(f"{path} is not a meta tensor")  # ModuleInit is made for meta ones
-            try:
-                for fill in (0, 1):
-                    empty = torch.full(meta.shape, fill, dtype=meta.dtype, device=self.device)
-                    slots[name] = nn.Parameter(empty, meta.requires_grad) if isinstance(meta, nn.Parameter) else empty
-                    with seeding(path_seed(seed, path)), torch.no_grad():
-                        self._initialize(chain, path)
-                    made.append(slots[name].detach())
-            finally:
-                slots[name] = meta
-        first, second = made
-        if first.shape != meta.shape or first.dtype != meta.dtype or not torch.equal(first, second):
-            raise FunctionalizeError(
-                f"initializing {path!r} "
-                f"({type(owner).__name__}, {self._default_name() if self.init_fn is None else 'init_fn'})"
-                " left some of its elements unset (or changed its shape or dtype), so they would hold "
-                "whatever memory held before. Pass functionalize(..., init_fn=fn) with an fn(module) "
-                "that sets every parameter and buffer of the modules it is given."
-            )
+            first, second = self._make_twice(chain, path, slots, meta, seed, seeding, constructor_first=False)
+            if not _same(first, second, meta) and self._resets_first(owner):
+                # Left unset by the initializer: in the eager model it holds what the owner's
+                # constructor made (torch's layers: reset_parameters()), then the initializer ran.
+                first, second = self._make_twice(chain, path, slots, meta, seed, seeding, constructor_first=True)
+        if not _same(first, second, meta):
+            raise self._unset(owner, path)
         return second
 
-    def _initialize(self, chain: list[nn.Module], path: str) -> None:
-        owner = chain[-1]
+    def _make_twice(
+        self, chain: list[tuple[str, nn.Module]], path: str, slots: dict[str, Any], meta: Tensor, seed: int,
+        seeding: Seeding, constructor_first: bool,
+    ) -> tuple[Tensor, Tensor]:
+        """The tensor at ``path`` made from a fill of zeros and from a fill of ones (one module swap)."""
+        name = path.rpartition(".")[2]
+        made = []
+        try:
+            for fill in (0, 1):
+                empty = torch.full(meta.shape, fill, dtype=meta.dtype, device=self.device)
+                slots[name] = nn.Parameter(empty, meta.requires_grad) if isinstance(meta, nn.Parameter) else empty
+                with seeding(path_seed(seed, path)), torch.no_grad():
+                    if constructor_first:
+                        getattr(chain[-1][1], "reset_parameters")()  # noqa: B009 - checked callable by the caller
+                    self._initialize(chain, path)
+                made.append(slots[name].detach())
+        finally:
+            slots[name] = meta
+        return made[0], made[1]
+
+    def _resets_first(self, owner: nn.Module) -> bool:
+        """Whether a tensor the initializer leaves unset is made by the owner's reset_parameters()
+        first: where the initializer is not that method itself."""
+        own = self.init_fn is not None or is_transformers_model(self.module)
+        return own and callable(getattr(owner, "reset_parameters", None))
+
+    def _unset(self, owner: nn.Module, path: str) -> FunctionalizeError:
+        how = self._default_name() if self.init_fn is None else "init_fn"
+        owner_name = type(owner).__name__
+        if callable(getattr(owner, "reset_parameters", None)):
+            cause = (f" {owner_name}'s reset_parameters() was run first, as its constructor runs it, and "
+                     "leaves them unset too." if self._resets_first(owner) else "")
+            fix = (f"Pass functionalize(..., init_fn=fn) with an fn(module) or fn(module, path) that sets "
+                   f"every element of {path!r} when given the {owner_name}")
+        else:
+            cause = (f" {owner_name} has no reset_parameters(), and what its constructor sets (such as a "
+                     "torch.ones in its __init__) is not run on a model built on the meta device.")
+            fix = (f"Set it in init_fn, for the {owner_name} or a module above it (e.g. "
+                   f"`if isinstance(module, {owner_name}): ...`), or give {owner_name} a reset_parameters() "
+                   "that sets its own parameters and buffers")
+        return FunctionalizeError(
+            f"initializing {path!r} ({owner_name}, {how}) left some of its elements unset (or changed its "
+            f"shape or dtype), so they would hold whatever memory held before.{cause} {fix} "
+            "(docs/guide.md, \"Models larger than one rank\")."
+        )
+
+    def check_can_make_parameters(self) -> None:
+        """Refuse to make parameters by torch's reset_parameters() for a model that defines its own
+        init method: the eager model runs that method (nanoGPT's ``self.apply(self._init_weights)``),
+        a meta build would not, and would train from another init without a word."""
+        if self.init_fn is not None or is_transformers_model(self.module):
+            return
+        methods = own_init_methods(self.module)
+        if methods:
+            root = type(self.module).__name__
+            raise FunctionalizeError(
+                f"init: {root} was built on the meta device and defines its own initialization "
+                f"({', '.join(methods)}), which init does not run by itself: each parameter would be made by "
+                "its layer's reset_parameters() (torch's defaults), another init than the eager model's. "
+                "Pass functionalize(..., init_fn=fn), an fn(module) or fn(module, path) (the module's path "
+                "in the model) that does per module what the constructor does: e.g. "
+                "init_fn=model._init_weights, plus a rule for whatever the constructor sets after "
+                "self.apply(...) (nanoGPT's scaled c_proj) or in a module's __init__ "
+                "(docs/guide.md, \"Models larger than one rank\"). To make them by reset_parameters() "
+                "knowingly, pass init_fn=lambda module: None (a tensor an init_fn leaves unset is made "
+                "by its layer's reset_parameters()). Or start from stored weights "
+                "(sw.checkpoint.init_from_pretrained, init_from_state_dict or init_from_dcp)."
+            )
+
+    def _initialize(self, chain: list[tuple[str, nn.Module]], path: str) -> None:
+        owner = chain[-1][1]
         if self.init_fn is not None:
-            for module in reversed(chain):
-                self.init_fn(module)
+            init = as_path_init(self.init_fn)
+            for module_path, module in reversed(chain):
+                init(module, module_path)
         elif is_transformers_model(self.module):
-            init_weights: InitFn = getattr(self.module, "_init_weights")  # noqa: B009 - HF's, per module
-            for module in reversed(chain):
+            init_weights: Callable[[nn.Module], Any] = getattr(self.module, "_init_weights")  # noqa: B009 - HF's
+            for _, module in reversed(chain):
                 init_weights(module)
         elif callable(reset := getattr(owner, "reset_parameters", None)):
             reset()
         else:
             raise _no_initializer(owner, path)
+
+
+def _same(first: Tensor, second: Tensor, meta: Tensor) -> bool:
+    """Whether the two makes of ``meta`` agree, in shape and dtype too: every element was set."""
+    return first.shape == meta.shape and first.dtype == meta.dtype and torch.equal(first, second)
 
 
 def _no_initializer(owner: nn.Module, path: str) -> FunctionalizeError:
@@ -152,8 +239,8 @@ def _no_initializer(owner: nn.Module, path: str) -> FunctionalizeError:
     name = path.rpartition(".")[2]
     owner_name = type(owner).__name__
     ways = [
-        "pass functionalize(..., init_fn=fn), an fn(module) that initializes a module's own parameters and "
-        "buffers (applied as model.apply(fn) would: to the module and each module above it)",
+        "pass functionalize(..., init_fn=fn), an fn(module) or fn(module, path) that initializes a module's "
+        "own parameters and buffers (applied as model.apply(fn) would: to the module and each module above it)",
         f"give {owner_name} a reset_parameters() that sets its own parameters and buffers",
     ]
     if name in owner._parameters:
@@ -176,11 +263,12 @@ def _no_initializer(owner: nn.Module, path: str) -> FunctionalizeError:
     )
 
 
-def _modules_down_to(root: nn.Module, path: str) -> list[nn.Module]:
-    """[root, ..., the module at ``path``]."""
-    chain = [root]
+def _modules_down_to(root: nn.Module, path: str) -> list[tuple[str, nn.Module]]:
+    """[("", root), ..., (path, the module at ``path``)]: each module with its path in ``root``."""
+    chain = [("", root)]
     for part in path.split(".") if path else []:
-        chain.append(chain[-1].get_submodule(part))
+        above, module = chain[-1]
+        chain.append((f"{above}.{part}" if above else part, module.get_submodule(part)))
     return chain
 
 

@@ -439,6 +439,8 @@ class Step:
                 "module (its chain makes each rank's parameters from the module's initializers), or "
                 "load them (sw.checkpoint.load, sw.checkpoint.init_from_state_dict)."
             )
+        if missing:
+            maker.check_can_make_parameters()
         return maker if missing else None
 
     def _state_layout(self, state: TrainState) -> StateLayout:
