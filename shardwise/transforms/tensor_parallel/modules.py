@@ -144,7 +144,7 @@ class TPForward:
                 # The last block's output, still a slice: gathered here, its gradient reduce-scattered.
                 seq_dim = 1 if partial.holds_slice(x) else install.seq_dim
                 gather = self._sequence_gather(x, seq_dim)
-                x = enter(x, axis, seq_dim, label, self.reduce)
+                x = _entered(x, axis, seq_dim, label, self.reduce)
             elif not install.enters and not getattr(_flow, "regions", 0):
                 raise ValueError(
                     f"tensor_parallel: Colwise() on {label!r} sits inside Region {install.region!r}, which this layer "
@@ -291,6 +291,23 @@ def _path_ends(label: str, t: Tensor) -> None:
 # .splits, while a Region reads its paths, the split layers' outputs it ran (label, grad_fn node);
 # .sides, while a layer asks where its Regions use their replicated parameters (VaryFn), the answers.
 _flow = threading.local()
+
+
+def _entered(x: Tensor, axis: str, seq_dim: int | None, label: str, reduce: torch.dtype | None) -> Tensor:
+    """``enter(x, ...)`` once per input that a layer's Colwise modules share outside a Region (q, k and v
+    of one hidden state, as torch's plans write them): one all-gather of the sequence in forward
+    (sequence parallel) and one sum of the three gradients in backward, as a Region makes, where each
+    module entering on its own moved them three times. Kept for the layer's call (VaryFn), and only
+    while ``x`` is unchanged in place."""
+    memo: dict[tuple[Any, ...], tuple[Tensor, int, Tensor]] | None = getattr(_flow, "entered", None)
+    key = (id(x), seq_dim, reduce)
+    found = None if memo is None else memo.get(key)
+    if found is not None and found[0] is x and found[1] == x._version:
+        return found[2]
+    out = enter(x, axis, seq_dim, label, reduce)
+    if memo is not None:
+        memo[key] = (x, x._version, out)
+    return out
 
 
 def _divided(module: nn.Module, style: Region) -> list[tuple[Any, str, int]]:
@@ -533,6 +550,7 @@ class VaryFn:
         if watch is not None:
             _flow.watch = watch
         outer_gathered, _flow.gathered = getattr(_flow, "gathered", None), None
+        outer_entered, _flow.entered = getattr(_flow, "entered", None), {}
         try:
             with (
                 own_loss if own_loss is not None else contextlib.nullcontext(),
@@ -550,6 +568,7 @@ class VaryFn:
             raise ValueError(f"tensor_parallel: {_unsummed(err, self.axis)}") from err
         finally:
             _flow.gathered = outer_gathered
+            _flow.entered = outer_entered
             _flow.called = outer
             _flow.sides = outer_sides
             _flow.own_loss = None

@@ -64,12 +64,19 @@ def _stack(name: str) -> Callable[[Any], tuple[sw.Step, sw.Mesh]]:
             sw.mixed_precision(tp(p, True), "params=f64,compute=bf16,output=f64,reduce=f32"), sw.Mesh(tp=2)
         ),
         "tp2-sp-remat": lambda p: (sw.remat(tp(p, True)), sw.Mesh(tp=2)),
+        "tp2-no-regions": lambda p: (sw.tensor_parallel(p.step, "tp", _without_regions(p.plan)), sw.Mesh(tp=2)),
     }
     return stacks[name]
 
 
+def _without_regions(plan: dict[str, Any]) -> dict[str, Any]:
+    """A plan as torch's are written: each projection Colwise or Rowwise, no module holding them."""
+    return {pattern: style for pattern, style in plan.items() if not isinstance(style, sw.tp.Region)}
+
+
 CONTRACT = [
     ("mlp", "tp2"),
+    ("llama", "tp2-no-regions"),
     ("tiny_gpt", "tp2"),
     ("tiny_gpt", "tp4-sp"),
     ("llama", "tp2-sp"),
@@ -99,6 +106,21 @@ def test_every_rank_issues_exactly_the_collectives_its_plan_lists(
         assert got == want, f"rank {rank}: the ledger differs from the Plan\nledger: {got}\nplan:   {want}"
         assert held == plan.memory["params"][rank]
         assert opt == plan.memory["opt_state"][rank]
+
+
+def test_projections_sharing_an_input_outside_a_region_enter_once_as_in_one(build: dict[str, Callable]) -> None:
+    """q, k and v (and gate and up) of one hidden state, each Colwise with no Region holding them: each
+    entered the split on its own, so backward summed their input gradients over tp three times (twice
+    for the MLP) where a Region sums them once. They now enter once per layer call: the same
+    collectives, bytes included, as the plan with its Regions."""
+    problem = build["llama"](steps=1)
+    batch = problem.batches[0]
+    with_regions = sw.tensor_parallel(problem.step, "tp", problem.plan)
+    without = sw.tensor_parallel(problem.step, "tp", _without_regions(problem.plan))
+    assert without.plan(sw.Mesh(tp=2), problem.params, batch).collectives(0)  # the plan holds tp's collectives
+    ledgers = [_ledgers(step, sw.Mesh(tp=2), problem.params, batch) for step in (with_regions, without)]
+    for (regions, _, _), (plain, _, _) in zip(*ledgers, strict=True):
+        assert [(r.op, r.phase, r.nbytes) for r in plain] == [(r.op, r.phase, r.nbytes) for r in regions]
 
 
 TRACED = [("tiny_gpt", "tp2"), ("llama", "tp2-sp"), ("tiny_gpt", "dp2xpp2xtp2-sp"), ("tiny_gpt", "tp2-sp-remat")]
