@@ -40,8 +40,9 @@ from typing import Any, TypeVar
 
 import torch
 
-from ...collectives import axis_index, axis_size, psum
+from ...collectives import axis_index, axis_size, current_mesh, psum
 from ...collectives.mesh import Mesh
+from ...collectives.mesh_context import collectives_forbidden
 
 T = TypeVar("T")
 
@@ -132,6 +133,16 @@ def predicting_sizes() -> Mapping[str, int] | None:
     """The sizes of the axes being predicted ({axis: ranks}), or None outside :func:`predicting`."""
     prediction = _predicting.get()
     return None if prediction is None else prediction.sizes
+
+
+def one_device(mesh: Mesh | None = None) -> bool:
+    """Whether nothing binds a mesh axis where the caller computes: no mesh given or current, not predicting,
+    and not inside ``no_mesh`` (there a collective must raise, not run as if alone). A function a user's
+    module calls over a split's axis (an attention over the sequence's parts, an MoE dispatch) computes
+    there as on an axis of size 1, the single-device result: functionalize's example run, the step on one
+    device and ``assert_equivalent``'s reference run the model with no mesh at all. Only the absence of
+    any mesh counts: inside one that lacks the axis, a misspelled name is still refused."""
+    return mesh is None and current_mesh() is None and _predicting.get() is None and not collectives_forbidden()
 
 
 def size(axis: str, mesh: Mesh | None = None) -> int:

@@ -11,7 +11,10 @@ forward was checked equal to the one installed; another class with the same part
 Each takes the padding / packed-sequence mask the layer reading the batch made
 (a :class:`TokenMask` in the mask's place). Any other module whose class name ends in
 ``Attention`` is refused, naming it: left as it is it would attend within the rank's part of the
-sequence only. A Hugging Face rotary embedding (a module whose class name ends in ``RotaryEmbedding``,
+sequence only. A module of any class whose own forward calls :func:`ring_attention` or
+:func:`ulysses_attention` (``engine/model/calls.py`` reads its code) already attends over the whole
+sequence: it is kept as written (:attr:`LayerParts.own`), and what it holds is its own. A Hugging Face
+rotary embedding (a module whose class name ends in ``RotaryEmbedding``,
 called as ``(x, position_ids)``) is fed the rank's global positions (:class:`GlobalPositions`).
 
 A position table is a parameter (or a floating-point buffer: a fixed table) whose local name ends in one
@@ -32,12 +35,18 @@ from typing import Any
 import torch
 from torch import nn
 
+from ...engine.model.calls import forward_calls
 from ...engine.model.chain import Layer
 from ...engine.model.module_call import module_fn
 from ...engine.stack import in_layer
 from .comm import attend
 from .layout import shard_order
 from .masks import TokenMask, is_carried
+from .ring import ring_attention
+from .ulysses import ulysses_attention
+
+# What a module of one's own calls to attend over the whole sequence: split as written (find_parts).
+SPLIT_ATTENTIONS = (ring_attention, ulysses_attention)
 
 
 @dataclass(frozen=True)
@@ -47,6 +56,7 @@ class LayerParts:
     attentions: tuple[str, ...]
     tables: tuple[str, ...]
     rotaries: tuple[str, ...] = ()
+    own: tuple[str, ...] = ()  # modules whose own forward calls ring_attention / ulysses_attention: kept as written
 
 
 def find_parts(layer: Layer, positions: tuple[str, ...]) -> LayerParts | None:
@@ -58,25 +68,31 @@ def find_parts(layer: Layer, positions: tuple[str, ...]) -> LayerParts | None:
     module = getattr(replicas, "module", None)
     attentions: list[str] = []
     rotaries: list[str] = []
+    own: list[str] = []
     if isinstance(module, nn.Module):
         for path, sub in module.named_modules():
-            if type(sub).__name__.endswith("RotaryEmbedding"):
+            # Inside a module that attends over the whole sequence itself, the parts are its own to call.
+            inside = any(path.startswith(p + ".") for p in (*attentions, *own))
+            if not inside and forward_calls(sub, SPLIT_ATTENTIONS):
+                own.append(path)
+            elif type(sub).__name__.endswith("RotaryEmbedding"):  # inside one too: it rotates by positions
                 _refuse_length_dependent_rope(sub, f"{layer.name}: {path}")
                 rotaries.append(path)
-            elif any(known(sub, f"{layer.name}: {path}") for known in (_known, _known_hf, _known_gpt2)):
+            elif not inside and any(known(sub, f"{layer.name}: {path}") for known in (_known, _known_hf, _known_gpt2)):
                 attentions.append(path)
-            elif type(sub).__name__.endswith("Attention") and not any(path.startswith(a + ".") for a in attentions):
+            elif type(sub).__name__.endswith("Attention") and not inside:
                 raise ValueError(
                     f"context_parallel: layer {layer.name!r} holds the attention {path} ({type(sub).__name__}), "
                     "which it cannot split over the sequence (it knows causal self-attentions with qkv, proj, "
                     "head_dim and a lower-triangular mask buffer: TinyGPT's CausalSelfAttention; Hugging Face "
                     "causal attentions with q_proj, k_proj, v_proj, o_proj on attn_implementation='sdpa': "
-                    "Llama's; and GPT-2's fused c_attn / c_proj self-attention on sdpa); rewrite it to call "
-                    "ring_attention / ulysses_attention, or leave context_parallel out"
+                    "Llama's; and GPT-2's fused c_attn / c_proj self-attention on sdpa); rewrite its forward to "
+                    "call ring_attention / ulysses_attention (over the transform's axis) in place of its "
+                    "attention, or leave context_parallel out"
                 )
-    if not attentions and not tables and not rotaries:
+    if not attentions and not tables and not rotaries and not own:
         return None
-    return LayerParts(tuple(attentions), tables, tuple(rotaries))
+    return LayerParts(tuple(attentions), tables, tuple(rotaries), tuple(own))
 
 
 def _refuse_length_dependent_rope(module: nn.Module, where: str) -> None:

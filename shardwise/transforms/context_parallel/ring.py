@@ -32,11 +32,14 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ...collectives import Mesh, axis_index, axis_size, ppermute
+from ...collectives import Mesh, ppermute
+from ...engine.stack import in_layer
+from .cut import check_cut, place
 from .inputs import check_qkv, default_scale
 from .layout import check_sequence_length, local_chunks, shard_order
 from .masks import TokenMask, check_mask
 from .online_softmax import BlockMask, OnlineSoftmax
+from .predicted import predicted_attention
 from .unsplit import installed_attention
 
 
@@ -64,6 +67,12 @@ def ring_attention(
     block is masked from its chunks' tokens, a block nothing in sees is skipped, and a query that sees no
     key gets zeros (torch's sdpa with the equivalent boolean mask, sharded).
 
+    Outside any mesh (no ``with mesh:``, no ``mesh=``: functionalize's example run, the step on one
+    device) the axis has one index and this is plain attention over the whole sequence, so a module that
+    calls it is a single-device model too; inside a mesh that lacks ``axis`` it is refused. A module of
+    one's own that calls it is split by ``context_parallel`` as written (its ``axis`` and ``balanced``
+    must be the transform's).
+
     >>> import torch, shardwise as sw
     >>> from shardwise.transforms.context_parallel import ring_attention, shard_sequence, unshard_sequence
     >>> q, k, v = torch.randn(3, 1, 2, 8, 4, dtype=torch.float64).unbind(0)
@@ -76,7 +85,11 @@ def ring_attention(
     True
     """
     shapes = check_qkv("ring_attention", q, k, v)
-    n, i = axis_size(axis, mesh=mesh), axis_index(axis, mesh=mesh)
+    if in_layer.predicting_now():  # a module's own call, in the Plan's run on fake tensors
+        check_cut("ring_attention", axis, balanced)
+        return predicted_attention(q, k, v, axis, "ring", "ring_attention", scale, balanced)
+    # With no mesh at all (one device) the axis has one index: plain attention over the whole sequence.
+    n, i, _ = place("ring_attention", axis, balanced, mesh)
     scale = default_scale(scale, shapes.head_dim)
     # Non-causal attention does not depend on where a key sits: the whole slice is one chunk.
     chunked = causal and n > 1

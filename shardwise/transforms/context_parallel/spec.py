@@ -33,6 +33,7 @@ from .attention import (
     reading_batch,
 )
 from .comm import whole_sequence
+from .cut import cutting
 from .layout import check_sequence_length, local_chunks, shard_order
 from .masks import TokenMask, token_mask
 from .shifted import refuse_targets_equal_to_inputs
@@ -80,11 +81,12 @@ class CPSpec:
             parts = find_parts(layer, self.positions)
             if parts is not None:
                 found[layer.name] = parts
-        if not any(p.attentions for p in found.values()):
+        if not any(p.attentions or p.own for p in found.values()):
             raise ValueError(
-                "context_parallel: the step's chain has no attention module it can split (a causal "
-                "self-attention with qkv and proj projections and a lower-triangular mask: TinyGPT's "
-                "CausalSelfAttention); nothing to run over the sequence's parts"
+                "context_parallel: the step's chain has no attention module it can split (TinyGPT's "
+                "CausalSelfAttention, Hugging Face's Llama-shaped attentions and GPT-2's on sdpa) and no module "
+                "whose forward calls ring_attention / ulysses_attention; nothing to run over the sequence's parts. "
+                "Write the model's attention with one of those two functions, or leave context_parallel out"
             )
         _RESOLVED.setdefault(chain, {})[self.positions] = found
         return found
@@ -224,6 +226,9 @@ class CPSpec:
             said = []
             if parts.attentions:
                 said.append(f"attention {', '.join(parts.attentions)} over the whole sequence: {how}")
+            if parts.own:
+                said.append(f"{', '.join(p or '(the layer)' for p in parts.own)} calls ring_attention / "
+                            "ulysses_attention itself (kept as written)")
             if parts.tables:
                 said.append(f"position tables {', '.join(parts.tables)} read at the rank's global positions")
             notes[name] = "context parallel: " + "; ".join(said)
@@ -264,6 +269,10 @@ class CPLayerFn:
         return out
 
     def _call(self, tensors: dict[str, Tensor], x: Any) -> Any:
+        with cutting(self.spec.axis, self.spec.balanced):  # what a module's own ring_attention call must match
+            return self._cut_call(tensors, x)
+
+    def _cut_call(self, tensors: dict[str, Tensor], x: Any) -> Any:
         spec = self.spec
         summed = {
             k: in_layer.grad_summed(t, spec.axis, k, self.reduce) if k in self.names else t for k, t in tensors.items()

@@ -15,10 +15,13 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from ...collectives import Mesh, all_to_all, axis_size
+from ...collectives import Mesh, all_to_all
+from ...engine.stack import in_layer
+from .cut import check_cut, place
 from .inputs import check_qkv, default_scale
 from .layout import check_sequence_length, shard_order
 from .masks import TokenMask, check_mask
+from .predicted import predicted_attention
 from .unsplit import installed_attention
 
 Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -50,6 +53,12 @@ def ulysses_attention(
     :func:`token_mask`), applied by the default attention as sdpa's boolean mask (a query that sees no
     key gets zeros). Returns this rank's slice of the output, shaped like ``q``.
 
+    Outside any mesh (no ``with mesh:``, no ``mesh=``: functionalize's example run, the step on one
+    device) the axis has one index and this is the attention over the whole sequence, so a module that
+    calls it is a single-device model too; inside a mesh that lacks ``axis`` it is refused. A module of
+    one's own that calls it is split by ``context_parallel`` as written (its ``axis`` and ``balanced``
+    must be the transform's).
+
     >>> import torch, shardwise as sw
     >>> from shardwise.transforms.context_parallel import ulysses_attention, shard_sequence, unshard_sequence
     >>> q, k, v = torch.randn(3, 1, 2, 8, 4, dtype=torch.float64).unbind(0)
@@ -62,7 +71,11 @@ def ulysses_attention(
     True
     """
     shapes = check_qkv("ulysses_attention", q, k, v)
-    n = axis_size(axis, mesh=mesh)
+    if in_layer.predicting_now():  # a module's own call, in the Plan's run on fake tensors
+        check_cut("ulysses_attention", axis, balanced)
+        return predicted_attention(q, k, v, axis, "ulysses", "ulysses_attention", scale, balanced)
+    # With no mesh at all (one device) the axis has one index: the attention over the whole sequence.
+    n, _, one_device = place("ulysses_attention", axis, balanced, mesh)
     for name, heads in (("q", shapes.heads), ("k and v", shapes.kv_heads)):
         if heads % n:
             raise ValueError(
@@ -87,6 +100,9 @@ def ulysses_attention(
     if balanced and n > 1:
         check_sequence_length("ulysses_attention", seq, n, balanced, axis)
         order = shard_order(seq, n, balanced).to(q.device)
+
+    if one_device:
+        return attn(q, k, v)
 
     def heads_split(t: torch.Tensor) -> torch.Tensor:
         whole = all_to_all(t, axis, split_dim=1, concat_dim=2, tiled=True, mesh=mesh)  # in shard order

@@ -20,6 +20,7 @@ from __future__ import annotations
 from ...engine.stack.compose import add
 from ...engine.step.step import Step
 from .aux_loss import load_balancing_loss
+from .blocks import OWN
 from .capacity import Slots, assign_slots, expert_capacity
 from .dispatch import MoEOutput, moe_dispatch_combine
 from .experts import run_experts, shard_experts
@@ -110,5 +111,12 @@ def expert_parallel(
             "whose overflow each rank may drop, or leave drop_per_rank False"
         )
     spec = EPSpec(axis, None if capacity_factor is None else float(capacity_factor), drop_per_rank)
-    resolve(step.base_chain)  # a chain without a known MoE block is refused now, not at the first step
+    blocks = resolve(step.base_chain)  # a chain without a known MoE block is refused now, not at the first step
+    own = [f"{layer}.{b.path}" if b.path else layer for layer, found in blocks.items() for b in found if b.kind == OWN]
+    if capacity_factor is not None and len(own) == sum(len(found) for found in blocks.values()):
+        raise ValueError(
+            f"expert_parallel(capacity_factor={capacity_factor!r}) sets the capacity of the blocks it rewrites, and "
+            f"{', '.join(own)} {'is a block' if len(own) == 1 else 'are blocks'} of your own, which pass their own "
+            "capacity_factor to moe_dispatch_combine: pass it there, and leave expert_parallel's None"
+        )
     return add(step, spec)

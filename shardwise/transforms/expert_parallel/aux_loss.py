@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from ...collectives import Mesh, psum
+from ...engine.stack import in_layer
 
 
 def load_balancing_loss(
@@ -21,6 +22,10 @@ def load_balancing_loss(
 ) -> torch.Tensor:
     """``E * sum(f * P)`` from this rank's router ``probs`` [tokens, E] and the global assignment counts [E]."""
     num_experts = probs.shape[-1]
-    prob_sums = psum(probs.sum(dim=0), axis, mesh=mesh)
+    prob_sums = probs.sum(dim=0)
+    if not in_layer.one_device(mesh):  # one device: the sum is this rank's; predicting, the psum is recorded
+        local = prob_sums
+        prob_sums = in_layer.collective("psum", axis, local, "moe aux loss", run=lambda: psum(local, axis, mesh=mesh),
+                                        predicted=local.clone)
     share = global_counts.to(probs.dtype) / global_tokens
     return num_experts * torch.sum(share * prob_sums / global_tokens)

@@ -11,8 +11,10 @@ A block is a module with an ``experts`` child holding fused 3-D ``gate_up_proj``
 * ``OlmoeSparseMoeBlock``, ``Qwen3MoeSparseMoeBlock`` (HF): Qwen2-MoE's without the shared expert, their
   routers (``OlmoeTopKRouter``, ``Qwen3MoeTopKRouter``) line for line Qwen2-MoE's.
 
-Any other module holding fused experts is refused, naming it: its router is not known to compute
-what ``router.py``'s routers do.
+A block of any class whose own forward calls :func:`moe_dispatch_combine` (``engine/model/calls.py``
+reads its code) routes with one of ``router.py``'s routers already: kind :data:`OWN`, split as written
+(``own_block.py``). Any other module holding fused experts is refused, naming it: its router is not
+known to compute what ``router.py``'s routers do.
 """
 
 from __future__ import annotations
@@ -25,8 +27,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...engine.model.calls import forward_calls
 from .capacity import expert_capacity
 from .dispatch import moe_dispatch_combine
+
+OWN = "own"  # a block of one's own whose forward calls moe_dispatch_combine: kept as written
 
 EXPERT_WEIGHTS = ("experts.gate_up_proj", "experts.down_proj")
 KNOWN = ("TopKMoE", "MixtralSparseMoeBlock", "Qwen2MoeSparseMoeBlock", "OlmoeSparseMoeBlock", "Qwen3MoeSparseMoeBlock")
@@ -58,7 +63,7 @@ class Block:
     """One MoE block of a layer: its path in the layer's module, its experts and its router."""
 
     path: str  # in the module the layer calls ("" for the module itself)
-    kind: str  # one of KNOWN
+    kind: str  # one of KNOWN, or OWN
     num_experts: int
     prefix: str = ""  # what the layer's local names of that module's tensors start with
 
@@ -82,9 +87,22 @@ def find_blocks(module: nn.Module, where: str, prefix: str = "", who: str = "exp
         if not holds_experts(sub) or any(path.startswith(f"{b.path}.") or not b.path for b in found):
             continue
         name = type(sub).__name__
+        if forward_calls(sub, (moe_dispatch_combine,)):
+            if who != "expert_parallel":
+                raise ValueError(
+                    f"{who}: {where}{'.' + path if path else ''} ({name}) is a block of your own whose forward calls "
+                    f"moe_dispatch_combine; {who} reads the routers of the blocks it knows ({', '.join(KNOWN)}) and "
+                    "cannot see what yours routes. Leave it out, or use a known block"
+                )
+            found.append(Block(path, OWN, int(sub.experts.gate_up_proj.shape[0]), prefix))
+            continue
         router_cls = type(getattr(sub, "gate", None))
         router = router_cls.__name__
         kind = known_kind(sub)
+        # A block of one's own is split as written by expert_parallel only (router_aux_loss cannot read it).
+        own = ("write its forward to call moe_dispatch_combine (the expert-parallel core, with one of its "
+               "routers) on its experts' weights over the transform's axis" if who == "expert_parallel"
+               else f"leave {who} out")
         router_known = kind == "TopKMoE" or (
             kind in _ROUTER_OF and router == _ROUTER_OF[kind] and router_cls.__module__ == _HOME[kind]
         )
@@ -94,14 +112,13 @@ def find_blocks(module: nn.Module, where: str, prefix: str = "", who: str = "exp
                 f"{', '.join(KNOWN)}'s own (a subclass overriding it, or a copy of the class defined in "
                 f"{type(sub).__module__}): {who} reproduces the known block's routing (expert_parallel its whole "
                 "forward), so what yours adds (dropout, noise, scaling) would be lost without an error. Use "
-                "the library's class unchanged, or write your block's forward with moe_dispatch_combine"
+                f"the library's class unchanged, or {own}"
             )
         if not router_known:
             raise ValueError(
                 f"{who}: {where}{'.' + path if path else ''} ({name}, router {router}) holds fused experts, "
                 f"but its router is not one {who} knows ({', '.join(KNOWN)} with their routers): it cannot "
-                "tell which experts each token goes to. Use a known block, or write its forward with the "
-                "expert-parallel core, moe_dispatch_combine, and one of its routers"
+                f"tell which experts each token goes to. Use a known block, or {own}"
             )
         assert kind is not None  # router_known implies a known kind
         found.append(Block(path, kind, int(sub.experts.gate_up_proj.shape[0]), prefix))

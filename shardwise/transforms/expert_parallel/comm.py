@@ -24,7 +24,9 @@ from ...engine.stack import in_layer
 
 
 def gather_counts(x: torch.Tensor, axis: str, label: str, mesh: Mesh | None = None) -> torch.Tensor:
-    """All-gather of this rank's integer counts: [size, *x.shape]."""
+    """All-gather of this rank's integer counts: [size, *x.shape] (with no mesh at all, one device: [1, ...])."""
+    if in_layer.one_device(mesh):
+        return x.unsqueeze(0)
     return in_layer.collective(
         "all_gather", axis, x, label, run=lambda: all_gather(x, axis, mesh=mesh),
         predicted=lambda: torch.stack([x] * in_layer.size(axis)),
@@ -32,7 +34,10 @@ def gather_counts(x: torch.Tensor, axis: str, label: str, mesh: Mesh | None = No
 
 
 def exchange(x: torch.Tensor, axis: str, label: str, mesh: Mesh | None = None) -> torch.Tensor:
-    """The tiled all-to-all over dim 0 (rows for rank ``r`` go to rank ``r``); the same in backward."""
+    """The tiled all-to-all over dim 0 (rows for rank ``r`` go to rank ``r``); the same in backward. With no
+    mesh at all (one device) every row is this rank's: ``x`` itself."""
+    if in_layer.one_device(mesh):
+        return x
     if in_layer.predicting_now():
         return _PredictedAllToAll.apply(x, axis, label)
     return all_to_all(x, axis, split_dim=0, concat_dim=0, tiled=True, mesh=mesh)

@@ -23,9 +23,9 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from ...collectives import Mesh
+from ...collectives import Mesh, current_mesh
 from ...engine.stack import in_layer
-from . import comm
+from . import comm, own_block
 from .aux_loss import load_balancing_loss
 from .capacity import assign_slots, expert_capacity
 from .experts import Activation, run_experts
@@ -65,6 +65,12 @@ def moe_dispatch_combine(
     drops nothing and equals the single-device layer exactly; otherwise ``capacity.py`` states which
     assignments are dropped. Ranks may hold different numbers of tokens.
 
+    Outside any mesh (no ``with mesh:``, no ``mesh=``: functionalize's example run, the step on one device)
+    the axis has one index: every expert is here and this is the single-device layer, so a block that calls
+    it is a single-device model too; inside a mesh that lacks ``axis`` it is refused. A block of one's own
+    (fused ``experts.gate_up_proj`` / ``experts.down_proj``) whose forward calls it is split by
+    ``expert_parallel`` as written: its experts arrive cut, and ``slots=None`` gets the step's bound.
+
     ``slots``: the rows per (rank, expert) of each all-to-all, fixed (the expert_parallel step passes its
     bound, so that its Plan states the bytes exactly and the layer runs on fake tensors); None sizes them
     by the routing (the most kept assignments any rank sends one expert). A routing that needs more than
@@ -84,13 +90,17 @@ def moe_dispatch_combine(
     >>> results[0].output.shape, results[0].tokens_per_expert.sum().item(), results[0].dropped
     (torch.Size([4, 4]), 16, 0)
     """
-    num_experts = _check(tokens, router_logits, gate_up_proj, down_proj, axis, top_k, mesh)
+    ep = _axis_size(axis, mesh)
+    num_experts = _check(tokens, router_logits, gate_up_proj, down_proj, axis, top_k, ep)
     check_router(router)
-    ep = in_layer.size(axis, mesh)
     local_experts = num_experts // ep
     n, hidden = tokens.shape
     routing = route(router_logits, top_k, router)
-    slot_of = assign_slots(routing.experts, num_experts, expert_capacity(n, top_k, num_experts, capacity_factor))
+    capacity = expert_capacity(n, top_k, num_experts, capacity_factor)
+    split = own_block.current()
+    if split is not None and slots is None:  # a block of one's own under expert_parallel: the bound, as known ones
+        slots = max(1, n if capacity is None else min(capacity, n))
+    slot_of = assign_slots(routing.experts, num_experts, capacity)
 
     stats = torch.cat([slot_of.counts, slot_of.kept_counts, torch.tensor([n], device=slot_of.counts.device)])
     every = comm.gather_counts(stats, axis, "moe counts", mesh)  # [ep, 2E + 1], integers: no gradient
@@ -115,7 +125,40 @@ def moe_dispatch_combine(
     output = (back[row] * weights.unsqueeze(-1)).sum(dim=1)
     aux = load_balancing_loss(routing.probs, counts, every[:, -1].sum(), axis, mesh=mesh) if aux_loss else None
     dropped = 0 if predicting else int((every[:, :num_experts] - kept_counts).sum())
+    if dropped and split is not None and not split.drop_per_rank:
+        raise ValueError(
+            f"expert_parallel: {split.where} calls moe_dispatch_combine(capacity_factor={capacity_factor!r}), which "
+            f"would drop {dropped} token assignments over its experts' capacity, counted per rank over the rank's "
+            "own tokens. Which ones drop depends on how the mesh cuts the batch, and the single-device step counts "
+            "the capacity over the whole batch: this step would train another model, without an error. Pass "
+            "expert_parallel(..., drop_per_rank=True) to drop them knowingly, or a larger capacity_factor (None "
+            "drops nothing)"
+        )
     return MoEOutput(output, aux, counts, dropped, width)
+
+
+def _axis_size(axis: str, mesh: Mesh | None) -> int:
+    """The size of the experts' axis: 1 with no mesh at all (one device: every expert here, the
+    single-device layer), else the mesh's, which must hold the axis (and a block of one's own under
+    expert_parallel must name the transform's)."""
+    split = own_block.current()
+    if split is not None and split.axis != axis:
+        raise ValueError(
+            f"moe_dispatch_combine(axis={axis!r}): {split.where} runs under expert_parallel over axis "
+            f"{split.axis!r}, which split its experts; call it over {split.axis!r} (or pass the axis "
+            "expert_parallel uses to both)"
+        )
+    if in_layer.one_device(mesh):
+        return 1
+    bound = mesh if mesh is not None else current_mesh()
+    if bound is not None and axis not in bound.axis_names:
+        sizes = ", ".join(f"{a}={bound.axis_size(a)}" for a in bound.axis_names)
+        raise ValueError(
+            f"moe_dispatch_combine(axis={axis!r}): the mesh {bound!r} has no axis {axis!r} (a misspelled name?). "
+            "Under expert_parallel pass its axis; to run the model on this mesh without splitting the experts, "
+            f"give the mesh that axis with size 1: sw.Mesh({sizes}, {axis}=1)"
+        )
+    return in_layer.size(axis, mesh)
 
 
 def _width(kept_counts: torch.Tensor, slots: int | None, predicting: bool) -> int:
@@ -141,7 +184,7 @@ def _check(
     down: object,
     axis: str,
     top_k: object,
-    mesh: Mesh | None,
+    ep: int,
 ) -> int:
     """The number of experts, after checking every argument against the others."""
     for name, t, ndim in (("tokens", tokens, 2), ("router_logits", logits, 2), ("gate_up_proj", gate_up, 3),
@@ -155,7 +198,6 @@ def _check(
     num_experts = logits.shape[1]
     if logits.shape[0] != n:
         raise ValueError(f"moe_dispatch_combine: router_logits has {logits.shape[0]} rows but tokens has {n}")
-    ep = in_layer.size(axis, mesh)
     if num_experts % ep:
         raise ValueError(
             f"moe_dispatch_combine: {num_experts} experts do not divide over axis {axis!r} of size {ep}; "

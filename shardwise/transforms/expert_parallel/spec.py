@@ -18,7 +18,8 @@ from ...engine.model.module_call import ThreadReplicas, kept_in_copies, module_f
 from ...engine.stack.compose import SPLIT
 from ...engine.stack.in_layer import grad_summed
 from ...engine.stack.roles import BatchCut
-from .blocks import Block, EPForward, find_blocks
+from .blocks import OWN, Block, EPForward, find_blocks
+from .own_block import OwnForward
 
 Blocks = dict[str, tuple[Block, ...]]  # layer name -> its MoE blocks
 _RESOLVED: weakref.WeakKeyDictionary[Chain, Blocks] = weakref.WeakKeyDictionary()
@@ -146,7 +147,10 @@ class EPSpec:
                     "(a tensor_parallel plan that styles the MoE block or its experts): expert_parallel splits its "
                     "experts over its own axis; leave the MoE block out of the tensor-parallel plan"
                 )
-            target.forward = EPForward(target, b, self.axis, self.capacity_factor, where, self.drop_per_rank)
+            if b.kind == OWN:  # its forward calls moe_dispatch_combine itself: kept, told the split
+                target.forward = OwnForward(target, self.axis, self.drop_per_rank, where)
+            else:
+                target.forward = EPForward(target, b, self.axis, self.capacity_factor, where, self.drop_per_rank)
         new_fn = copy.copy(fn)
         new_fn.replicas = ThreadReplicas(copied, replicas.prefix)
         return new_fn
@@ -205,7 +209,8 @@ class EPSpec:
         notes = {}
         for layer, blocks in resolve(chain).items():
             parts = [
-                f"{b.path or '(the layer)'}: {b.num_experts} experts split over {self.axis!r}; an all-gather of the "
+                f"{b.path or '(the layer)'}: {b.num_experts} experts split over {self.axis!r}"
+                f"{' (its own forward, calling moe_dispatch_combine)' if b.kind == OWN else ''}; an all-gather of the "
                 f"routing counts and two all-to-alls (dispatch, combine) of [experts x slots, hidden] forward, the "
                 f"two again backward; slots fixed at its bound, {bound}, so the bytes do not depend on the routing"
                 for b in blocks
