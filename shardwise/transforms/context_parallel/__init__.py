@@ -46,7 +46,9 @@ def context_parallel(
     ``attn_implementation="sdpa"``: Llama's, and GPT-2's with ``positions=("wpe.weight",)``; another
     class with the same parts is refused) attend over
     the whole sequence by ``attention="ring"`` (key/value slices passed round the ring, ``n - 1`` ppermutes each way) or
-    ``"ulysses"`` (all-to-alls to a head split and back; the axis size must divide the heads). Position
+    ``"ulysses"`` (all-to-alls to a head split and back; the axis size must divide the heads). A module of
+    any class whose forward calls :func:`ring_attention` / :func:`ulysses_attention` over ``axis`` itself
+    is kept as written (outside any mesh both are plain attention: its single-device step). Position
     tables (parameters, or fixed buffers, named ``positions``, read at rows ``0 .. t - 1``) are read, and Hugging Face
     rotary embeddings computed, at the rank's global positions. Every parameter is replicated over
     ``axis`` and its gradient summed over it in backward; the loss is seeded by 1 / (dp x cp): a mean

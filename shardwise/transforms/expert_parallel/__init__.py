@@ -61,9 +61,11 @@ def expert_parallel(
 
     Each rank of ``axis`` holds (materializes, initializes, checkpoints) ``E / size`` experts of every
     MoE block (``TopKMoE``; HF ``MixtralSparseMoeBlock``, ``OlmoeSparseMoeBlock``, ``Qwen3MoeSparseMoeBlock``
-    and ``Qwen2MoeSparseMoeBlock``, whose shared expert stays replicated) and routes its own share of the
-    batch: the axis also cuts the batch, like a data-parallel one. Tokens go to their experts' owners and back by
-    two all-to-alls; every other parameter is replicated, and its gradient is summed over ``axis`` in
+    and ``Qwen2MoeSparseMoeBlock``, whose shared expert stays replicated; a block of any class with fused
+    experts whose forward calls :func:`moe_dispatch_combine` over ``axis`` itself, kept as written) and
+    routes its own share of the batch: the axis also cuts the batch, like a data-parallel one. Tokens go to
+    their experts' owners and back by two all-to-alls; every other parameter is replicated, and its
+    gradient is summed over ``axis`` in
     backward (the mean of the ranks' shares, as data parallel); the experts' gradients are complete on
     their owner. ``capacity_factor=None`` drops no token and equals the single-device step; otherwise
     each rank sends each expert at most ``ceil(f * tokens * top_k / E)`` assignments (each token's first
