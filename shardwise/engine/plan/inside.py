@@ -24,6 +24,7 @@ import torch
 from ..layout.state_layout import Placement
 from ..model.chain import Chain, Layer
 from ..model.split_backward import input_part, recomputes, weight_part
+from ..stack.batch_term import loss_tensor
 from ..stack.in_layer import Issued
 from ..torch_api import fake_run_errors, fake_tensors, run_on_stand_ins
 
@@ -74,7 +75,7 @@ def predict_inside(
                 issued.clear()
                 if s == placement.last:
                     loss = loss_fn(y, y_targets)
-                    outputs = [loss[0] if isinstance(loss, (tuple, list)) else loss]
+                    outputs = [loss_tensor(loss)]
                     out[("loss", s)] = list(issued)
                     issued.clear()
                 else:

@@ -92,6 +92,7 @@ from ..plan.actions import (
     Action,
     Boundary,
 )
+from ..stack.batch_term import WithBatchTerm, counting_tokens
 from ..torch_api import accumulate_backward, version_of
 from .batch_keys import unknown_keys_message
 from .bindings import BoundStage, StageBindings
@@ -644,9 +645,16 @@ class Executor(ZeroActions, TransferActions):
             # the shared generators (it was seeded), or they are this rank's own.
             restore = self._seed_prefix is not None or not self._shared_rng
             self.loss_probe.check(self.loss_fn, output, inputs, targets, self._generators, restore)
-        with torch.enable_grad():
+        # A count function's count is known before the loss: a loss term of the whole batch reads it there.
+        counted = None if self.tokens is None or self.tokens == "sum" else self._count(self.tokens(inputs, targets))
+        with torch.enable_grad(), counting_tokens(counted):
             got = self.loss_fn(output, targets)
-        loss = self._token_sum(got, inputs, targets, output) if self.tokens is not None else got
+        if isinstance(got, WithBatchTerm) and self.tokens is None:
+            raise ValueError(
+                "loss_fn returned a WithBatchTerm (a term of the whole batch beside a token-weighted loss), but the "
+                "step's loss is a mean (train_step(tokens=None)): return the mean loss"
+            )
+        loss = self._token_sum(got, counted, output) if self.tokens is not None else got
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             raise ValueError(
                 f"loss_fn must return a scalar tensor (the mean loss over the batch), got {type(loss).__name__}"
@@ -661,8 +669,13 @@ class Executor(ZeroActions, TransferActions):
         self.losses.append(loss.detach())
         saved.outputs = [loss]
 
-    def _token_sum(self, got: Any, inputs: Any, targets: Any, output: Any) -> torch.Tensor:
-        """The micro-batch's summed token loss; its token count goes to ``counts``."""
+    def _token_sum(self, got: Any, counted: torch.Tensor | None, output: Any) -> torch.Tensor:
+        """The micro-batch's summed token loss (``counted``: its count under a count function, given
+        before the loss ran); its token count goes to ``counts``. A :class:`WithBatchTerm`'s term is
+        added as it is, not weighed by the count (``stack/batch_term.py``)."""
+        term = None
+        if isinstance(got, WithBatchTerm):
+            got, term = got.loss, got.term
         if self.tokens == "sum":
             if not (isinstance(got, (tuple, list)) and len(got) == 2):
                 raise ValueError(
@@ -670,18 +683,23 @@ class Executor(ZeroActions, TransferActions):
                     f"tokens), got {type(got).__name__}; "
                     "e.g. cross_entropy(..., reduction='sum'), (labels != -100).sum()"
                 )
-            total, count = got
+            total, count = got[0], self._count(got[1])
         else:
-            total, count = None, self.tokens(inputs, targets)
+            assert counted is not None, "a count function's count is taken before the loss"
+            if not isinstance(got, torch.Tensor):
+                raise ValueError(f"loss_fn must return the mean loss over the tokens, got {type(got).__name__}")
+            total, count = (got * counted.to(got.dtype) if bool(counted != 0) else _no_tokens(got, output)), counted
+        if term is not None:
+            total = total + term.to(total.dtype)
+        self.counts.append(count.to(torch.float64 if total.dtype == torch.float64 else torch.float32))
+        return total
+
+    @staticmethod
+    def _count(count: Any) -> torch.Tensor:
         count = torch.as_tensor(count).detach()
         if count.dim() != 0 or count.dtype.is_complex:
             raise ValueError(f"the token count must be a scalar, got a tensor of shape {tuple(count.shape)}")
-        if total is None:  # loss_fn gave the mean over ``count`` tokens
-            if not isinstance(got, torch.Tensor):
-                raise ValueError(f"loss_fn must return the mean loss over the tokens, got {type(got).__name__}")
-            total = got * count.to(got.dtype) if bool(count != 0) else _no_tokens(got, output)
-        self.counts.append(count.to(torch.float64 if total.dtype == torch.float64 else torch.float32))
-        return total
+        return count
 
     def backward(self, action: Action) -> None:
         try:

@@ -17,9 +17,16 @@ inside them):
   ``shares * E * sum_e C_e p_e / R^2``, with ``p`` its own probability sums: the micro-batch's loss, the
   mean over the shares, then holds ``aux`` once, and its gradient is aux's (``aux`` is linear in each
   share's ``p`` once ``C`` is known, and ``C`` carries no gradient, as in HF where top-k has none).
+* Under a token-weighted step (``train_step(tokens=)`` a count function or ``"sum"``), which multiplies
+  each share's loss by its own token count and divides the sum by the global count, the rank's count
+  joins the routing counts' sum, and the loss returns ``WithBatchTerm(loss, coef * E * sum_e C_e p_e /
+  R^2 * N)`` (``N`` the micro-batch's count over the batch's axes; ``engine/stack/batch_term.py``): the
+  engine adds it beside the weighted loss, not multiplied by the share's count, so after the division
+  ``aux`` counts once and its gradient is aux's whatever each share's count (a share of none included).
 * Under micro-batches (a pipeline, or shard_params' accumulation) each micro-batch's ``aux`` is over
   its own tokens (on every rank), and the step's is their mean: what HF computes under gradient
-  accumulation, not the aux of the whole batch (which no micro-batch can know before it runs).
+  accumulation, not the aux of the whole batch (which no micro-batch can know before it runs). Under a
+  token-weighted step each weighs by its share of the counted tokens (``N`` above is its own).
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from torch import nn
 from ...engine.model.chain import Chain, Layer
 from ...engine.model.module_call import ThreadReplicas, kept_in_copies
 from ...engine.stack import in_layer
+from ...engine.stack.batch_term import WithBatchTerm, counted_tokens
 from ...engine.stack.compose import REWRITE, add
 from ...engine.step.batch_cut import PER_SHARD_MEAN
 from ...engine.step.step import Step
@@ -120,12 +128,15 @@ def _mask_of(batch: Any) -> torch.Tensor | None:
 
 
 class RouterAuxLoss:
-    """``loss_fn(output, targets) + coef * aux``, aux counted once over the batch's shares (module docstring)."""
+    """``loss_fn(output, targets) + coef * aux``, aux counted once over the batch's shares (module docstring).
+    ``tokens``: the step's ``train_step(tokens=...)`` (None: a mean loss; ``"per_shard_mean"`` is one too)."""
 
-    def __init__(self, loss_fn: Callable[[Any, Any], Any], coef: float, num_experts: int) -> None:
+    def __init__(self, loss_fn: Callable[[Any, Any], Any], coef: float, num_experts: int, tokens: Any = None) -> None:
         self.loss_fn, self.coef, self.num_experts = loss_fn, coef, num_experts
+        self.token_weighted = tokens is not None and not (isinstance(tokens, str) and tokens == PER_SHARD_MEAN)
+        self.summed = isinstance(tokens, str) and tokens == "sum"
 
-    def __call__(self, output: Any, targets: Any) -> torch.Tensor:
+    def __call__(self, output: Any, targets: Any) -> Any:
         if not isinstance(output, Carried):
             raise TypeError(
                 f"router_aux_loss: the loss got {type(output).__name__}, not the Carried output of the rewritten "
@@ -133,10 +144,45 @@ class RouterAuxLoss:
             )
         loss = self.loss_fn(output.value, targets)
         stats = RouterStats(*output.router)
+        if self.token_weighted:
+            return self._with_tokens(loss, stats)
         whole = in_layer.batch_sum(torch.cat([stats.counts, stats.rows.reshape(1)]), "router aux counts")
         counts, rows = whole[:-1], whole[-1]
         share = in_layer.batch_shares().shares * self.num_experts * torch.sum(counts * stats.probs) / (rows * rows)
         return loss + (self.coef * share).to(loss.dtype)
+
+    def _with_tokens(self, loss: Any, stats: RouterStats) -> WithBatchTerm:
+        """Under a token-weighted step, which multiplies each share's loss by its own token count and
+        divides the sum by the global count: this share's part of ``coef * aux`` times the micro-batch's
+        global count, added beside the weighted loss (not multiplied by the share's count), so that it
+        counts once and its gradient is aux's, whatever each share's count (none included)."""
+        mine = self._own_count(loss, stats)
+        mine = mine.to(device=stats.counts.device, dtype=stats.counts.dtype)
+        summed = torch.cat([stats.counts, stats.rows.reshape(1), mine.reshape(1)])
+        whole = in_layer.batch_sum(summed, "router aux counts")
+        counts, rows, tokens = whole[:-2], whole[-2], whole[-1]
+        part = self.num_experts * torch.sum(counts * stats.probs) / (rows * rows)
+        return WithBatchTerm(loss, self.coef * part * tokens)
+
+    def _own_count(self, loss: Any, stats: RouterStats) -> torch.Tensor:
+        """This share's token count: loss_fn's own under tokens='sum', the step's count function's otherwise."""
+        if self.summed:
+            if not (isinstance(loss, (tuple, list)) and len(loss) == 2):
+                raise ValueError(
+                    "train_step(tokens='sum'): loss_fn must return a pair (sum of the token losses, number of "
+                    f"tokens), got {type(loss).__name__}; e.g. cross_entropy(..., reduction='sum'), "
+                    "(labels != -100).sum()"
+                )
+            return torch.as_tensor(loss[1]).detach()
+        counted = counted_tokens()
+        if counted is None:
+            if in_layer.predicting_now():  # the Plan's prediction on fake tensors: any count does
+                return torch.zeros((), device=stats.rows.device)
+            raise RuntimeError(
+                "router_aux_loss: the step weighs its loss by train_step(tokens=<count function>), whose count "
+                "the engine gives its loss while a step runs; call the step, not its loss_fn"
+            )
+        return counted
 
     def __repr__(self) -> str:
         return f"RouterAuxLoss({self.loss_fn!r}, coef={self.coef!r})"
@@ -214,9 +260,10 @@ def router_aux_loss(step: Step, coef: float, *, per_microbatch: bool = False) ->
     batch). Such a stack is refused unless ``per_microbatch=True`` says that is the loss you want; where
     the batch is also cut over ranks, a micro-batch is the same part of every rank's share, so which rows
     share a micro-batch, and that loss, depend on the mesh.
-    A token-weighted step (``train_step(tokens=)`` a count function or ``"sum"``) is refused: give a mean
-    loss, or ``tokens="per_shard_mean"`` (the shares' mean losses averaged, as a mean loss is) for padded
-    labels on a batch the step cuts.
+    A token-weighted step (``train_step(tokens=)`` a count function or ``"sum"``: padded labels on a batch
+    the step cuts) adds the aux once beside its weighted loss, not multiplied by any rank's token count,
+    so it too equals the single-device step (under micro-batches, each one's aux weighs by its share of
+    the counted tokens); ``tokens="per_shard_mean"`` adds it once beside the shares' mean losses.
 
     >>> import torch, shardwise as sw
     >>> from shardwise.testing.models import TopKMoE
@@ -239,14 +286,6 @@ def router_aux_loss(step: Step, coef: float, *, per_microbatch: bool = False) ->
         raise TypeError(f"router_aux_loss(step=...) needs a shardwise Step (see train_step), got {type(step).__name__}")
     if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not coef >= 0:
         raise ValueError(f"router_aux_loss(coef={coef!r}): give a number >= 0 (HF Mixtral's default is 0.02)")
-    if step.token_weighted:
-        raise ValueError(
-            f"router_aux_loss with train_step(tokens={step.tokens!r}): that step weighs each share's loss by its "
-            "tokens and divides by the global count in the update, and an aux loss over the batch's routing is "
-            "not built for that weighting. Use a mean loss_fn (tokens=None), or, with padded labels on a batch "
-            f"the step cuts (which a mean loss is refused on), tokens={PER_SHARD_MEAN!r}: the mean of the shares' "
-            "mean losses, knowingly, with the aux counted once over the whole batch"
-        )
     blocks_of = resolve(step.base_chain, "router_aux_loss", trainable=False)  # it reads only the routers
     experts = {b.num_experts for blocks in blocks_of.values() for b in blocks}
     if len(experts) != 1:
@@ -258,4 +297,4 @@ def router_aux_loss(step: Step, coef: float, *, per_microbatch: bool = False) ->
     if not isinstance(per_microbatch, bool):
         raise TypeError(f"router_aux_loss(per_microbatch={per_microbatch!r}): True or False")
     spec = RouterAuxSpec(float(coef), num_experts, per_microbatch)
-    return add(step, spec, loss_fn=RouterAuxLoss(step.loss_fn, float(coef), num_experts))
+    return add(step, spec, loss_fn=RouterAuxLoss(step.loss_fn, float(coef), num_experts, step.tokens))

@@ -39,6 +39,7 @@ from ...engine.model.reuse import LayerMemo, tree_signature
 from ...engine.model.split_backward import input_part, recomputes, weight_part
 from ...engine.plan.inside import Predicted, Recording
 from ...engine.stack import in_layer
+from ...engine.stack.batch_term import loss_tensor
 from ...engine.stack.in_layer import Issued
 from ...engine.torch_api import fake_tensors
 
@@ -104,7 +105,7 @@ def predict(
                     del issued[start:]
                     if s == placement.last:
                         loss = loss_fn(y, y_targets)
-                        loss = loss[0] if isinstance(loss, (tuple, list)) else loss
+                        loss = loss_tensor(loss)
                         out[("loss", s)] = issued[start:]
                         del issued[start:]
                         outputs = [loss]
@@ -305,7 +306,7 @@ def _layer(
             loss_issued = None
             if with_loss:
                 loss = loss_fn(y, targets)
-                loss = loss[0] if isinstance(loss, (tuple, list)) else loss
+                loss = loss_tensor(loss)
                 loss_issued = issued[start:]
                 del issued[start:]
                 outputs = [loss]

@@ -203,17 +203,12 @@ def test_clear_errors() -> None:
         sw.router_aux_loss(sw.train_step(odd, F.mse_loss, sw.optim.sgd(0.1)), 0.1)  # no expert_parallel in sight
     with pytest.raises(ValueError, match="router_aux_loss was applied twice"):
         sw.router_aux_loss(sw.router_aux_loss(step, 0.1), 0.1)
-    chain = step.chain
-    summed = sw.train_step(chain, lambda out, y: (F.mse_loss(out, y, reduction="sum"), y.numel()),
-                           sw.optim.sgd(0.1), tokens="sum")
-    with pytest.raises(ValueError, match=r"router_aux_loss with train_step.*tokens='per_shard_mean'"):
-        sw.router_aux_loss(summed, 0.1)
 
 
 def test_with_a_per_shard_mean_loss_the_aux_loss_is_counted_once() -> None:
-    """Padded labels on a batch the step cuts refuse a mean loss, and the aux loss refuses a
-    token-weighted one: tokens="per_shard_mean" (the shares' means averaged, knowingly) takes both. On
-    shares of equal weight it is the mean loss, so the step equals the single-device one with the aux."""
+    """tokens="per_shard_mean" (the shares' means averaged, knowingly) takes the aux loss too, counted
+    once. On shares of equal weight it is the mean loss, so the step equals the single-device one with the
+    aux. (A token-weighted loss with the aux loss: test_ep_router_aux_tokens.py.)"""
     step, params = moe_model()
     per_share = sw.train_step(step.chain, step.loss_fn, step.optimizer, tokens="per_shard_mean")
     composed = sw.expert_parallel(sw.router_aux_loss(per_share, 0.1), "ep")
