@@ -59,6 +59,7 @@ from ...engine.model import host_random
 from ...engine.plan.accounting import current_observer
 from ...engine.stack.in_layer import ForwardContext
 from ...engine.torch_api import storage_key as engine_storage_key
+from .names import CHECKPOINT_NAME_OP
 from .own_generators import RefuseOwnGenerators, refuse_own_generator
 from .policies import EverythingSaveable, NothingSaveable, OffloadToCpu
 
@@ -166,16 +167,21 @@ def selective_contexts(policy_fn: Callable[..., CheckpointPolicy], observe: Obse
     return caching, _Rewound(cached, queued)
 
 
-def sac_policy_fn(predicate: Predicate, layer: str = "", policy: Any = None) -> Callable[..., CheckpointPolicy]:
+def sac_policy_fn(
+    predicate: Predicate, layer: str = "", policy: Any = None, tagged: Callable[[str], None] | None = None,
+) -> Callable[..., CheckpointPolicy]:
     """Adapt ``predicate(op, *args, **kwargs) -> bool`` to torch's selective-checkpoint policy_fn.
 
     It sees every op of the forward with its arguments, so it also refuses an op it would have
     recomputed that draws from a generator of the layer's own (``own_generators``): ``layer`` and
-    ``policy`` (the one remat was given, ``predicate`` by default) name them in that error.
+    ``policy`` (the one remat was given, ``predicate`` by default) name them in that error. ``tagged``
+    hears the name of every ``checkpoint_name`` call it sees (which names the layer tags).
     """
     shown = predicate if policy is None else policy
 
     def policy_fn(ctx: SelectiveCheckpointContext, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if tagged is not None and op == CHECKPOINT_NAME_OP and len(args) > 1:
+            tagged(args[1])
         save = predicate(op, *args, **kwargs)
         if not isinstance(save, bool):
             # Not a TypeError: torch turns a TypeError raised inside an operator like `@` into NotImplemented.
@@ -217,7 +223,7 @@ class _KeepForBackward(saved_tensors_hooks):
 
 def run_layer(
     fn: Callable[[Any, Any], Any], tensors: Mapping[str, torch.Tensor], x: Any, policy: Predicate, layer: str = "",
-    watch_generators: bool = True, host_draws: bool = True,
+    watch_generators: bool = True, host_draws: bool = True, tagged: Callable[[str], None] | None = None,
 ) -> Any:
     """``fn(tensors, x)`` with backward recomputing what ``policy`` does not save.
 
@@ -232,7 +238,8 @@ def run_layer(
     which layer, policy and op it was about. ``host_draws``: whether the layer
     may draw from Python's ``random`` or numpy's global generator, whose state
     its recomputations then start from as its forward did (saving and setting
-    numpy's costs about 35 us each: a layer of torch's own skips it).
+    numpy's costs about 35 us each: a layer of torch's own skips it). ``tagged``
+    hears the names of the ``checkpoint_name`` calls a selective policy is asked about.
     """
     observe = current_observer()  # set while the engine's accounting measures what layers keep
     offload = isinstance(policy, OffloadToCpu)
@@ -281,7 +288,7 @@ def run_layer(
             return checkpoint(region, *leaves, use_reentrant=False)
 
         def context_fn() -> tuple[Any, Any]:
-            caching, cached = selective_contexts(sac_policy_fn(inner, layer, policy), observe)
+            caching, cached = selective_contexts(sac_policy_fn(inner, layer, policy, tagged), observe)
             caches.append(caching.storage)
             return caching, cached
 

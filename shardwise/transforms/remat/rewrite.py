@@ -18,6 +18,7 @@ from ...engine.step.step import Step
 from . import policies as P
 from ._torch_sac import run_layer
 from .own_generators import refusing_own_host_generators
+from .tagged_names import TaggedNames
 
 #: Policies by name, for ``remat(step, policy="dots_saveable")``.
 POLICIES: dict[str, Any] = {
@@ -35,6 +36,8 @@ class Remat:
     fn: LayerFn
     policy: Any
     layer: str = ""  # its name, for errors
+    # Under save_only_these_names: the names the remat's layers tag, shared by them (tagged_names.py).
+    names: TaggedNames | None = field(default=None, repr=False)
     # Whether its first forward with gradients is still to come: only that one is watched for random
     # ops drawing from a generator of the layer's own (a property of its code; watching every forward
     # through a dispatch mode cost a small model's step about 10%).
@@ -44,14 +47,22 @@ class Remat:
     recomputes_in_backward: ClassVar[bool] = True
 
     def __call__(self, tensors: dict[str, Any], x: Any) -> Any:
-        watch = bool(self._unwatched) and torch.is_grad_enabled()
+        grad = torch.is_grad_enabled()
+        watch = bool(self._unwatched) and grad
+        names = self.names if grad else None
+        tagged = None if names is None or names.checked else names.tag
         inner = self.policy.policy if isinstance(self.policy, P.OffloadToCpu) else self.policy
         host = not _torch_module_alone(self.fn)
         if not watch or isinstance(inner, P.EverythingSaveable):  # (that one recomputes nothing)
-            return run_layer(self.fn, tensors, x, self.policy, self.layer, watch_generators=False, host_draws=host)
-        with refusing_own_host_generators(self.fn, self.layer, self.policy):
-            out = run_layer(self.fn, tensors, x, self.policy, self.layer, watch_generators=True, host_draws=host)
-        self._unwatched.clear()  # once a watched forward has passed: a refused one is refused again
+            out = run_layer(self.fn, tensors, x, self.policy, self.layer, watch_generators=False, host_draws=host,
+                            tagged=tagged)
+        else:
+            with refusing_own_host_generators(self.fn, self.layer, self.policy):
+                out = run_layer(self.fn, tensors, x, self.policy, self.layer, watch_generators=True, host_draws=host,
+                                tagged=tagged)
+            self._unwatched.clear()  # once a watched forward has passed: a refused one is refused again
+        if names is not None:
+            names.ran_layer(self.layer)
         return out
 
     @property
@@ -144,8 +155,12 @@ class RematSpec:
 
     def rewrite(self, chain: Chain) -> Chain:
         chosen = set(self.layers)
+        inner = self.policy.policy if isinstance(self.policy, P.OffloadToCpu) else self.policy
+        names = (TaggedNames(inner.names, frozenset(chosen), self.policy)
+                 if isinstance(inner, P.SaveOnlyTheseNames) else None)
         return Chain([
-            dataclasses.replace(layer, fn=Remat(layer.fn, self.policy, layer.name)) if layer.name in chosen else layer
+            dataclasses.replace(layer, fn=Remat(layer.fn, self.policy, layer.name, names))
+            if layer.name in chosen else layer
             for layer in chain
         ])
 

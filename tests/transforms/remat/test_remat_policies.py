@@ -137,7 +137,9 @@ def test_save_only_these_names_saves_exactly_the_tagged_tensor() -> None:
     tagged = 5 * 10 * 4
     assert saved_bytes(remat(step, nothing_saveable), params, batch) == {"mlp": inputs}
     assert saved_bytes(remat(step, save_only_these_names("h")), params, batch) == {"mlp": inputs + tagged}
-    assert saved_bytes(remat(step, save_only_these_names("other")), params, batch) == {"mlp": inputs}
+    # A name no layer tags saves nothing: plain checkpointing, which it was without a word; now refused.
+    with pytest.raises(ValueError, match=r"no remat'd layer tags 'other'.*the names they tag are 'h'"):
+        saved_bytes(remat(step, save_only_these_names("other")), params, batch)
 
 
 def test_offload_on_cpu_keeps_the_same_tensors() -> None:

@@ -28,8 +28,9 @@ from shardwise.transforms.remat import (
     nothing_saveable,
     offload_to_cpu,
     remat,
-    save_only_these_names,
 )
+
+from .test_remat_step import SaveNothingSelectively
 
 aten = torch.ops.aten
 
@@ -80,7 +81,7 @@ def _own() -> Any:
     return lambda: gen
 
 
-RECOMPUTING = [nothing_saveable, dots_saveable, save_only_these_names("h"), offload_to_cpu(dots_saveable)]
+RECOMPUTING = [nothing_saveable, dots_saveable, SaveNothingSelectively(), offload_to_cpu(dots_saveable)]
 
 
 @pytest.mark.parametrize("policy", RECOMPUTING, ids=repr)
