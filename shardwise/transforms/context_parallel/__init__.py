@@ -46,7 +46,8 @@ def context_parallel(
     ``attn_implementation="sdpa"``: Llama's, and GPT-2's with ``positions=("wpe.weight",)``; another
     class with the same parts is refused) attend over
     the whole sequence by ``attention="ring"`` (key/value slices passed round the ring, ``n - 1`` ppermutes each way) or
-    ``"ulysses"`` (all-to-alls to a head split and back; the axis size must divide the heads). A module of
+    ``"ulysses"`` (all-to-alls to a head split and back; the axis size must divide the query heads, and
+    key/value heads it does not divide go as copies within their groups). A module of
     any class whose forward calls :func:`ring_attention` / :func:`ulysses_attention` over ``axis`` itself
     is kept as written (outside any mesh both are plain attention: its single-device step). Position
     tables (parameters, or fixed buffers, named ``positions``, read at rows ``0 .. t - 1``) are read, and Hugging Face

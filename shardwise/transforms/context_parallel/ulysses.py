@@ -23,6 +23,7 @@ from .layout import check_sequence_length, shard_order
 from .masks import TokenMask, check_mask
 from .predicted import predicted_attention
 from .unsplit import installed_attention
+from .volumes import ulysses_kv_heads
 
 Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -73,15 +74,17 @@ def ulysses_attention(
     shapes = check_qkv("ulysses_attention", q, k, v)
     if in_layer.predicting_now():  # a module's own call, in the Plan's run on fake tensors
         check_cut("ulysses_attention", axis, balanced)
+        k, v = _repeated(k, v, shapes.kv_heads, ulysses_kv_heads(shapes.heads, shapes.kv_heads, in_layer.size(axis)))
         return predicted_attention(q, k, v, axis, "ulysses", "ulysses_attention", scale, balanced)
     # With no mesh at all (one device) the axis has one index: the attention over the whole sequence.
     n, _, one_device = place("ulysses_attention", axis, balanced, mesh)
-    for name, heads in (("q", shapes.heads), ("k and v", shapes.kv_heads)):
-        if heads % n:
-            raise ValueError(
-                f"ulysses_attention: {name} have {heads} heads, which the size {n} of axis {axis!r} does not "
-                f"divide (each rank takes whole heads); use ring_attention, or an axis size that divides {heads}"
-            )
+    if shapes.heads % n:
+        raise ValueError(
+            f"ulysses_attention: q has {shapes.heads} head{'s' if shapes.heads != 1 else ''}, which the size {n} "
+            f"of axis {axis!r} does not divide (each rank takes whole heads); use ring_attention, or an axis size "
+            f"that divides {shapes.heads}"
+        )
+    k, v = _repeated(k, v, shapes.kv_heads, ulysses_kv_heads(shapes.heads, shapes.kv_heads, n))
     if attn is not None and (causal is not None or scale is not None or mask is not None):
         raise ValueError(
             "ulysses_attention: attn= replaces the default attention, which is what causal=, scale= and mask= "
@@ -112,6 +115,14 @@ def ulysses_attention(
     if order is not None:
         out = out.index_select(2, order)
     return all_to_all(out, axis, split_dim=2, concat_dim=1, tiled=True, mesh=mesh)
+
+
+def _repeated(k: torch.Tensor, v: torch.Tensor, kv_heads: int, to: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``k`` and ``v`` with each head repeated up to ``to`` heads (in place of its group: query head h
+    still meets key/value head h // (heads / to)); their gradients summed back by autograd."""
+    if to == kv_heads:
+        return k, v
+    return k.repeat_interleave(to // kv_heads, dim=1), v.repeat_interleave(to // kv_heads, dim=1)
 
 
 def _sdpa(causal: bool, scale: float, visible: torch.Tensor | None = None) -> Attention:

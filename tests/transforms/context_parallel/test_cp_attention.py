@@ -113,6 +113,17 @@ def test_property_both_attentions_equal_sdpa(n, chunk, group, kv_per_rank, causa
         assert_matches(distributed(attention, n, q, k, v, g, balanced, causal=causal), ref_out, ref_grads, n, balanced)
 
 
+@pytest.mark.parametrize(("n", "heads", "kv_heads"), [(4, 4, 2), (2, 4, 1), (4, 8, 2)])
+def test_ulysses_repeats_key_value_heads_the_axis_does_not_divide(n, heads, kv_heads):
+    """Grouped-query attention whose key/value heads the axis does not divide, where it divides the query
+    heads (Llama's 4 and 2 at cp=4): each key/value head goes as copies within its group, as
+    DeepSpeed-Ulysses sends them; refused before. Outputs and the k and v gradients (summed over the
+    copies) are sdpa's."""
+    q, k, v, g = inputs(2, heads, kv_heads, 16, 4)
+    ref_out, ref_grads = reference(q, k, v, g, True)
+    assert_matches(distributed(ulysses, n, q, k, v, g, True, causal=True), ref_out, ref_grads, n, True)
+
+
 def test_scale_is_used():
     q, k, v, g = inputs(1, 2, 2, 8, 4)
     ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3)

@@ -98,11 +98,13 @@ def test_ring_sends_its_key_value_slice_n_minus_1_times_each_way(n, dtype):
             assert sum(r.sent_bytes for r in mine) == expected, (phase, rank)
 
 
-@pytest.mark.parametrize("n", [2, 4])
-def test_ulysses_sends_the_all_to_all_volumes_each_way(n):
-    ledger = run_with_grad(ulysses_attention, n, 2, 8, 4, 4, 4, torch.float64)
-    expected = ulysses_attention_bytes(batch=2, heads=8, kv_heads=4, seq_local=4, head_dim=4, itemsize=8, size=n)
-    assert expected == (8 + 4 + 4 + 8) * (2 * 4 * 4 * 8) * (n - 1) // n
+@pytest.mark.parametrize(("n", "kv_heads", "sent_kv"), [(2, 4, 4), (4, 4, 4), (8, 4, 8), (4, 2, 4)])
+def test_ulysses_sends_the_all_to_all_volumes_each_way(n, kv_heads, sent_kv):
+    """``sent_kv``: the key/value heads the all-to-alls carry, repeated up to a count the axis divides."""
+    ledger = run_with_grad(ulysses_attention, n, 2, 8, kv_heads, 4, 4, torch.float64)
+    expected = ulysses_attention_bytes(batch=2, heads=8, kv_heads=kv_heads, seq_local=4, head_dim=4, itemsize=8,
+                                       size=n)
+    assert expected == (8 + sent_kv + sent_kv + 8) * (2 * 4 * 4 * 8) * (n - 1) // n
     for phase in ("forward", "backward"):
         records = [r for r in ledger.records if r.phase == phase]
         assert {r.op for r in records} == {"all_to_all"}
@@ -144,12 +146,12 @@ def test_ring_refuses_an_odd_local_sequence_when_balanced():
 
 
 def test_ulysses_refuses_heads_the_axis_does_not_divide():
-    q, kv = torch.zeros(1, 6, 4, 2), torch.zeros(1, 3, 4, 2)
-    assert "q have 6 heads, which the size 4 of axis 'cp' does not divide" in attention_error(
+    q, one = torch.zeros(1, 6, 4, 2), torch.zeros(1, 1, 4, 2)
+    assert "q has 6 heads, which the size 4 of axis 'cp' does not divide" in attention_error(
         ulysses_attention, q, q, q, n=4
     )
-    assert "k and v have 3 heads, which the size 2 of axis 'cp' does not divide" in attention_error(
-        ulysses_attention, q, kv, kv
+    assert "q has 1 head, which the size 2 of axis 'cp' does not divide" in attention_error(
+        ulysses_attention, one, one, one
     )
 
 
