@@ -41,9 +41,12 @@ _LEGACY = "legacy"  # softmax's dim=None: torch picks dim 0 of a 0-, 1- or 3-dim
 _ALONG: dict[str, tuple[int, int | str]] = {
     **dict.fromkeys((
         "sum", "mean", "prod", "amax", "amin", "max", "min", "argmax", "argmin", "logsumexp", "var", "std",
-        "median", "cumsum", "cumprod", "flip",
+        "median", "cumsum", "cumprod", "flip", "var_mean", "std_mean", "nanmean", "nansum", "nanmedian",
+        "aminmax", "logcumsumexp", "cummax", "cummin",
     ), (1, _EVERY)),
-    **dict.fromkeys(("softmax", "log_softmax"), (1, _LEGACY)),
+    **dict.fromkeys(("softmax", "log_softmax", "softmin", "special_softmax", "special_log_softmax"), (1, _LEGACY)),
+    # Along one dim, the last given none (diff's, the 1-D transforms').
+    **dict.fromkeys(("diff", "fft_fft", "fft_ifft", "fft_rfft", "fft_irfft", "fft_hfft", "fft_ihfft"), (2, -1)),
     **dict.fromkeys(("sort", "argsort"), (1, -1)),
     "topk": (2, -1),
     **dict.fromkeys(("norm", "linalg_vector_norm", "linalg_norm", "roll"), (2, _EVERY)),
@@ -77,7 +80,59 @@ def mixed(name: str, args: Sequence[Any], kwargs: dict[str, Any], features: Feat
         return found[0], "scaled_dot_product_attention of q and k never viewed per head, over their features"
     if name == "einsum":
         return _einsum(args, features)
+    if name in _ACROSS_OTHERS:
+        return _across_others(name, args, kwargs, features)
+    if name in _PAIRWISE:
+        return _pairwise(name, args, kwargs, features)
     return None
+
+
+# Ops that mix every dim but the one they are given: renorm(x, p, dim, maxnorm) scales each slice
+# along ``dim`` by its norm over the others; local_response_norm mixes dim 1 (channels) alone.
+_ACROSS_OTHERS = {"renorm": 2, "local_response_norm": None}
+# Two operands' last dims against each other (cdist's distances, inner's and dot's products), and
+# tensordot's contracted dims: with two followed outputs' features there, a partial sum on each rank.
+_PAIRWISE = ("cdist", "inner", "dot", "vdot", "tensordot")
+
+
+def _across_others(
+    name: str, args: Sequence[Any], kwargs: dict[str, Any], features: Features
+) -> tuple[_Output, str] | None:
+    t = args[0] if args else kwargs.get("input")
+    found = features(t)
+    if found is None or not isinstance(t, Tensor):
+        return None
+    entry, at = found
+    dim_at = _ACROSS_OTHERS[name]
+    if dim_at is None:  # local_response_norm: across dim 1
+        return (entry, f"{name} across dim 1, which holds its features") if at == 1 else None
+    dim = kwargs.get("dim", args[dim_at] if len(args) > dim_at else None)
+    if not isinstance(dim, int) or dim % t.dim() == at:
+        return None
+    return entry, f"{name} along dim {dim}, whose norm is taken over the other dims, its features among them"
+
+
+def _pairwise(
+    name: str, args: Sequence[Any], kwargs: dict[str, Any], features: Features
+) -> tuple[_Output, str] | None:
+    if len(args) < 2:
+        return None
+    left, right = args[0], args[1]
+    a, b = features(left), features(right)
+    if a is None or b is None or not isinstance(left, Tensor) or not isinstance(right, Tensor):
+        return None
+    if name == "tensordot":
+        dims = kwargs.get("dims", args[2] if len(args) > 2 else 2)
+        if isinstance(dims, int):
+            mine, theirs = set(range(left.dim() - dims, left.dim())), set(range(dims))
+        else:
+            first, second = (d if isinstance(d, (list, tuple)) else (d,) for d in dims)
+            mine, theirs = {d % left.dim() for d in first}, {d % right.dim() for d in second}
+        if a[1] not in mine or b[1] not in theirs:
+            return None
+    elif a[1] != left.dim() - 1 or b[1] != right.dim() - 1:
+        return None
+    return a[0], f"{name} of its features with those of {b[0].label!r}: a partial sum on each rank, which nothing sums"
 
 
 def moved_features(func: Any, name: str, t: Tensor, args: Sequence[Any], out: Any) -> int | None:

@@ -32,6 +32,17 @@ _BEFORE_THE_VIEW = {
     "centred": lambda z: z - z.mean(-1, keepdim=True),
     "cumsum": lambda z: z.cumsum(-1) / D,
     "scaled_by_max": lambda z: z / z.abs().amax(),
+    # (a review's list, each silent at first: the op tables grew by them)
+    "var_mean": lambda z: z - torch.var_mean(z, -1, keepdim=True)[1],
+    "softmin": lambda z: F.softmin(z, -1),
+    "nansum": lambda z: z - z.nansum(-1, keepdim=True) / D,
+    "logcumsumexp": lambda z: torch.logcumsumexp(z, -1),
+    "cummax": lambda z: torch.cummax(z, -1)[0],
+    "aminmax": lambda z: z / torch.aminmax(z.abs(), dim=-1, keepdim=True)[1],
+    "diff": lambda z: torch.cat([z[..., :1], torch.diff(z, dim=-1)], -1),
+    "renorm_over_rows": lambda z: torch.renorm(z, 2, 0, 1.0),
+    "local_response_norm": lambda z: F.local_response_norm(z.transpose(1, 2), 3).transpose(1, 2),
+    "fft": lambda z: torch.fft.fft(z, dim=-1).real,
 }
 # The same kinds of ops on the per-head view (b, heads, t, head_dim), or over another dim: right on a rank.
 _LOOK_ALIKES = {
@@ -70,7 +81,11 @@ class _Attention(nn.Module):
 def _single_head(how: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     if how == "sdpa":
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    if how == "einsum":
+    if how == "cdist":
+        return (-torch.cdist(q, k)).softmax(-1) @ v
+    if how == "tensordot":
+        scores = torch.stack([torch.tensordot(q[i], k[i], dims=([1], [1])) for i in range(q.shape[0])])
+    elif how == "einsum":
         scores = torch.einsum("btd,bsd->bts", q, k)
     else:
         scores = torch.bmm(q, k.transpose(1, 2)) if how == "bmm" else q @ k.transpose(-1, -2)
@@ -115,11 +130,13 @@ def test_a_reduction_or_norm_over_the_features_before_the_view_is_refused(before
 
 
 @_PLANS
-@pytest.mark.parametrize("single", ["matmul", "bmm", "einsum", "sdpa"])
+@pytest.mark.parametrize("single", ["matmul", "bmm", "einsum", "sdpa", "cdist", "tensordot"])
 def test_single_head_attention_contracting_two_colwise_outputs_is_refused(single: str, plan: dict[str, Any]) -> None:
     """q @ k.transpose(-1, -2) on a rank's 16 features of each: a partial sum of the scores, never summed."""
     what = {"einsum": r"einsum\('btd,bsd->bts'\) summing out its features",
-            "sdpa": "scaled_dot_product_attention of q and k never viewed per head"}.get(
+            "sdpa": "scaled_dot_product_attention of q and k never viewed per head",
+            "cdist": r"cdist of its features with those of '0\.attn\.k'",
+            "tensordot": r"tensordot of its features with those of '0\.attn\.k'"}.get(
         single, r"\w+ contracting its features with those of '0\.attn\.k'")
     _refused(plan, rf"Colwise\(\) on '0\.attn\.q' .* computes {what}", single=single)
 
