@@ -758,3 +758,20 @@ def test_a_causal_lm_that_passes_its_kwargs_on_gets_its_cache_turned_off() -> No
     step = sw.train_step(chain, lambda out, y: F.cross_entropy(out.logits.flatten(0, 1), y.flatten()),
                          sw.optim.sgd(0.1, momentum=0.9))
     sw.testing.assert_equivalent(sw.shard_params(step, "dp", 3), step, sw.Mesh(dp=2), batches, params)
+
+
+def test_a_composite_config_caching_in_its_text_config_gets_the_cache_turned_off_too() -> None:
+    """LLaVA's forward takes ``**kwargs`` and its config holds ``use_cache`` in ``text_config`` only."""
+    from shardwise.engine.model.module_call import call_arguments
+
+    cfg = T.LlavaConfig(
+        vision_config=T.CLIPVisionConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                         intermediate_size=32, image_size=16, patch_size=8),
+        text_config=T.LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                  num_attention_heads=2, num_key_value_heads=2),
+        image_token_index=VOCAB - 1,
+    )
+    model = T.LlavaForConditionalGeneration(cfg)
+    assert "use_cache" not in inspect.signature(model.forward).parameters and cfg.get_text_config().use_cache
+    _, kwargs = call_arguments(model, {"input_ids": torch.zeros(1, 4, dtype=torch.long)})
+    assert kwargs["use_cache"] is False

@@ -307,7 +307,11 @@ def _cache_through_kwargs(module: nn.Module, signature: Mapping[str, inspect.Par
     ``use_cache`` (GraniteMoE's causal LM): the inner model turns the cache on from the config."""
     takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.values())
     pretrained = any(c.__name__ == "PreTrainedModel" for c in type(module).__mro__)
-    return takes_kwargs and pretrained and getattr(getattr(module, "config", None), "use_cache", False) is True
+    if not (takes_kwargs and pretrained):
+        return False
+    config: Any = getattr(module, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config  # LLaVA's: text_config
+    return any(getattr(c, "use_cache", False) is True for c in (config, text))
 
 
 # Every layer call asks this; inspect.signature takes tens of microseconds, about 5% of a small
