@@ -17,7 +17,11 @@ without an error, are refused here:
   ``q[..., :rot]``).
 
 The heads dim is followed through transposes, permutes, index keeping the heads whole, unsqueeze,
-expand and same-shaped ops (rotary products, casts); a reshape that merges it ends the following.
+expand and same-shaped ops (rotary products, casts). An op across it (``z - z.mean(1)``, a norm over
+heads and head_dim together) computes over a rank's heads only, and is refused (split_watch.py, with
+feature_mixing.py's tables). A reshape that merges the heads back into the rank's width (``y.transpose(1,
+2).reshape(b, t, -1)``) is followed as the features again, up to the Rowwise: a norm with no weight or a
+softmax over them there is refused as before the view.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ _CUT_DIM_AT = {
     "select": 1, "unbind": 1,
 }
 _SAME_DIMS = {"expand", "expand_as", "broadcast_to"}
+# Reshapes that merge the heads back into the rank's width (before the Rowwise): followed as features again.
+_MERGES = {"reshape", "view", "flatten"}
 
 
 def check_head_count(entry: _Output, factors: list[int]) -> None:
@@ -90,6 +96,8 @@ def see_heads(
         raise ValueError(head_cut_message(entry, str(cut))) from None
     if new is not None:
         watch.follow_heads(out, entry, new)
+    elif name in _MERGES and t.dim() > out.dim() and out.dim() and out.shape[-1] == entry.width:
+        watch.follow_merged(out, entry)  # the heads merged back, (b, t, heads x head_dim): features again
 
 
 def _heads_after(name: str, t: Tensor, dim: int, args: Sequence[Any], out: Tensor) -> int | None:

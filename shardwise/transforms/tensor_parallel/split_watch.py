@@ -93,6 +93,7 @@ class _Output:
     parts: int = 1
     # A Colwise outside any Region inside a sequence-parallel block: the sequence it gathered itself.
     sequence: SequenceGather | None = None
+    merged: bool = False  # its per-head view was merged back into the rank's width (head_views.py)
 
 
 class SplitWatch(TorchFunctionMode):
@@ -107,7 +108,8 @@ class SplitWatch(TorchFunctionMode):
         # Transposes of followed outputs, their features moved off the last dim (k.transpose(-1, -2)).
         self.moved: dict[int, tuple[weakref.ref[Tensor], _Output, int]] = {}
         self.outputs: list[_Output] = []
-        self.mixed: tuple[_Output, str] | None = None  # the first op across an output's features
+        # The first op across an output's features (or, True last, across a per-head view's heads).
+        self.mixed: tuple[_Output, str] | tuple[_Output, str, bool] | None = None
 
     def watch(
         self, t: Tensor, label: str, fused: int, counts: dict[str, tuple[str, int]] | None = None, parts: int = 1,
@@ -133,6 +135,10 @@ class SplitWatch(TorchFunctionMode):
         out = func(*args, **kwargs)
         if self.mixed is None and (self.watched or self.moved):
             self.mixed = mixed(_name(func), args, kwargs, self.features_of)
+        if self.mixed is None and self.per_head:  # the same ops across a per-head view's heads dim
+            across = mixed(_name(func), args, kwargs, self._heads_of)
+            if across is not None:
+                self.mixed = (across[0], across[1].replace("features", "heads"), True)
         for t, (entry, dim) in _tensor_args(args, kwargs, self._moved_of):
             if isinstance(out, Tensor) and out.shape == t.shape and _name(func) not in _MIXING:
                 self.moved[id(out)] = (weakref.ref(out), entry, dim)  # k.transpose(-1, -2) * scale
@@ -155,6 +161,11 @@ class SplitWatch(TorchFunctionMode):
         entry = self._entry(t)
         return (entry, t.dim() - 1) if entry is not None else self._moved_of(t)
 
+    def follow_merged(self, t: Tensor, entry: _Output) -> None:
+        """``t`` holds this rank's heads of ``entry`` merged back into its width (head_views.py)."""
+        entry.merged = True
+        self._follow(t, entry)
+
     def follow_heads(self, t: Tensor, entry: _Output, dim: int) -> None:
         """``t`` holds this rank's heads of ``entry`` along ``dim``."""
         self.per_head[id(t)] = (weakref.ref(t), entry, dim)
@@ -163,7 +174,7 @@ class SplitWatch(TorchFunctionMode):
         """The end of the first forward: no op across an output's features, and a fused output must have
         been cut into its blocks."""
         if self.mixed is not None:
-            raise ValueError(_mixing_refusal(*self.mixed))
+            raise ValueError(_mixing_refusal(self.mixed[0], self.mixed[1], len(self.mixed) > 2))
         for entry in self.outputs:
             if entry.fused > 1 and not entry.cut:
                 took = f"it went to {', '.join(dict.fromkeys(entry.uses))}" if entry.uses else "it was not cut"
@@ -267,15 +278,23 @@ class SplitWatch(TorchFunctionMode):
         )
 
 
-def _mixing_refusal(entry: _Output, what: str) -> str:
+def _mixing_refusal(entry: _Output, what: str, across_heads: bool = False) -> str:
     whole = f"{entry.width} of {entry.width * entry.parts}" if entry.parts > 1 else str(entry.width)
+    if across_heads:
+        return (
+            f"tensor_parallel: Colwise() on {entry.label!r} gives each rank whole heads, 1/tp of them ({whole} "
+            f"features here), and the module computes {what} of its per-head view: over this rank's heads alone, "
+            "not all of them, so the model trains another model without an error. Compute it within each head "
+            "(over head_dim), or leave this module's projections out of the plan (replicated)"
+        )
     share = (
         f"Colwise(fused={entry.fused}) on {entry.label!r} gives each rank 1/tp of each of its {entry.fused} blocks "
         "of output features" if entry.fused > 1
         else f"Colwise() on {entry.label!r} gives each rank a contiguous 1/tp of its output features"
     )
     return (
-        f"tensor_parallel: {share} ({whole} here), and the module computes {what}, before any per-head view: "
+        f"tensor_parallel: {share} ({whole} here), and the module computes {what}, "
+        f"{'after merging its heads back' if entry.merged else 'before any per-head view'}: "
         "over this rank's slice of the features alone, not all of them, so the model trains another model without "
         "an error. If it is meant per head, compute it after viewing the output per head (view(..., -1, "
         "head_dim), as Qwen3's q_norm is): each rank holds whole heads. If it needs all the features, leave this "

@@ -44,6 +44,18 @@ _BEFORE_THE_VIEW = {
     "local_response_norm": lambda z: F.local_response_norm(z.transpose(1, 2), 3).transpose(1, 2),
     "fft": lambda z: torch.fft.fft(z, dim=-1).real,
 }
+# Across the heads of the per-head view (b, heads, t, head_dim): over a rank's heads only.
+_ACROSS_HEADS = {
+    "centred_over_heads": lambda z: z - z.mean(1, keepdim=True),
+    "norm_over_heads_and_dim": lambda z: F.layer_norm(z.transpose(1, 2), z.transpose(1, 2).shape[-2:]).transpose(1, 2),
+    "softmax_over_heads": lambda z: z.softmax(1),
+}
+# On the heads merged back into the rank's width (b, t, heads x head_dim), before the Rowwise.
+_AFTER_THE_MERGE = {
+    "rms_norm": lambda y: F.rms_norm(y, y.shape[-1:]),
+    "layer_norm": lambda y: F.layer_norm(y, y.shape[-1:]),
+    "softmax": lambda y: y.softmax(-1),
+}
 # The same kinds of ops on the per-head view (b, heads, t, head_dim), or over another dim: right on a rank.
 _LOOK_ALIKES = {
     "normalize_per_head": lambda z: F.normalize(z, dim=-1),
@@ -54,12 +66,15 @@ _LOOK_ALIKES = {
 
 
 class _Attention(nn.Module):
-    """Multi-head attention applying ``before`` to q and k before the view, ``per_head`` after it; ``single``:
-    one head of all the features, its scores computed as named (never viewed per head)."""
+    """Multi-head attention applying ``before`` to q and k before the view, ``per_head`` or ``across`` after
+    it, ``merged`` to the heads merged back; ``single``: one head of all the features, its scores computed as
+    named (never viewed per head)."""
 
-    def __init__(self, before: str = "", per_head: str = "", single: str = "") -> None:
+    def __init__(
+        self, before: str = "", per_head: str = "", single: str = "", across: str = "", merged: str = ""
+    ) -> None:
         super().__init__()
-        self.before, self.per_head, self.single = before, per_head, single
+        self.before, self.per_head, self.single, self.across, self.merged = before, per_head, single, across, merged
         self.n_heads, self.head_dim = HEADS, D // HEADS
         self.q, self.k, self.v, self.o = (nn.Linear(D, D) for _ in range(4))
 
@@ -73,9 +88,11 @@ class _Attention(nn.Module):
         q, k, v = (z.view(b, t, -1, self.head_dim).transpose(1, 2) for z in (q, k, v))
         if self.per_head:
             q, k = _LOOK_ALIKES[self.per_head](q), _LOOK_ALIKES[self.per_head](k)
+        if self.across:
+            q, k = _ACROSS_HEADS[self.across](q), _ACROSS_HEADS[self.across](k)
         scores = (q @ k.transpose(-1, -2) / math.sqrt(self.head_dim)).softmax(-1)  # per head: right
-        y = torch.maximum(scores @ v, 0.5 * v)  # elementwise, each feature on its own
-        return self.o(y.transpose(1, 2).reshape(b, t, -1))
+        y = torch.maximum(scores @ v, 0.5 * v).transpose(1, 2).reshape(b, t, -1)  # elementwise; heads merged
+        return self.o(_AFTER_THE_MERGE[self.merged](y) if self.merged else y)
 
 
 def _single_head(how: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -127,6 +144,23 @@ def test_a_reduction_or_norm_over_the_features_before_the_view_is_refused(before
     _refused(plan, r"Colwise\(\) on '0\.attn\.q' gives each rank a contiguous 1/tp of its output features \(16 of 32 "
              r"here\), and the module computes .*before any per-head view: over this rank's slice of the features "
              r"alone.*after viewing the output per head.*Colwise\(output='replicated'\) on '0\.attn\.q'", before=before)
+
+
+@_PLANS
+@pytest.mark.parametrize("across", sorted(_ACROSS_HEADS))
+def test_an_op_across_the_heads_of_the_per_head_view_is_refused(across: str, plan: dict[str, Any]) -> None:
+    _refused(plan, r"Colwise\(\) on '0\.attn\.q' gives each rank whole heads, 1/tp of them .* of its per-head view: "
+             r"over this rank's heads alone", across=across)
+
+
+@_PLANS
+@pytest.mark.parametrize("merged", sorted(_AFTER_THE_MERGE))
+def test_a_norm_or_softmax_of_the_heads_merged_back_before_the_rowwise_is_refused(
+    merged: str, plan: dict[str, Any]
+) -> None:
+    """A weightless sub-norm of the merged attention output before o_proj: a rank's heads' features only."""
+    _refused(plan, r"Colwise\(\) on '0\.attn\.v' .* after merging its heads back: over this rank's slice of the "
+             r"features alone", merged=merged)
 
 
 @_PLANS
