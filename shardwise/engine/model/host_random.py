@@ -20,7 +20,8 @@ step cannot seed it per compute (each rank draws from the chain's copy of it, ta
 was split). functionalize does not refuse it: without remat the step draws from it as a plain torch
 loop would (two runs of the module could not tell a draw of rare effect from none anyway). remat
 could not replay it, so a layer whose first forward under remat draws from one that its module holds
-(:func:`own_generators`) is refused there, as a ``torch.Generator`` of its own is
+(:func:`own_generators`: as an attribute, in a container or on a helper object it holds, or by a global
+name its forward reads) is refused there, as a ``torch.Generator`` of its own is
 (``transforms/remat/own_generators.py``).
 """
 
@@ -29,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import random
 import sys
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -83,18 +85,48 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def own_generators(module: Any) -> list[tuple[str, Any]]:
-    """(path, generator) of every generator object of its own that ``module`` (an ``nn.Module``) or a
-    submodule holds as an attribute: ``random.Random``, numpy's ``RandomState`` and ``Generator``."""
+    """(path, generator) of every generator object of its own (``random.Random``, numpy's ``RandomState``
+    and ``Generator``) that ``module`` (an ``nn.Module``) or a submodule holds: as an attribute, in a
+    list, tuple or dict it holds, or on a plain object it holds (two levels down); and those the
+    forwards reach by a global name (a module-level generator, or one in a module-level dict)."""
     kinds: tuple[type, ...] = (random.Random,)
     numpy = sys.modules.get("numpy")
     if numpy is not None:
         kinds += (numpy.random.RandomState, numpy.random.Generator)
-    found = []
+    found: dict[int, tuple[str, Any]] = {}
     for path, sub in module.named_modules():
         for name, value in vars(sub).items():
-            if isinstance(value, kinds) and not isinstance(value, random.SystemRandom):  # (that one has no state)
-                found.append((f"{path}.{name}" if path else name, value))
-    return found
+            _collect(value, f"{path}.{name}" if path else name, kinds, found, depth=2)
+        forward = getattr(type(sub), "forward", None)
+        code, names = getattr(forward, "__code__", None), getattr(forward, "__globals__", {})
+        for name in getattr(code, "co_names", ()):
+            if name in names:
+                _collect(names[name], f"global {getattr(forward, '__module__', '?')}.{name}", kinds, found, depth=1)
+    return list(found.values())
+
+
+def _collect(value: Any, path: str, kinds: tuple[type, ...], found: dict[int, tuple[str, Any]], depth: int) -> None:
+    """Generators of ``kinds`` in ``value``, looking ``depth`` levels into containers and plain objects."""
+    if isinstance(value, kinds):
+        if not isinstance(value, random.SystemRandom):  # (that one has no state)
+            found.setdefault(id(value), (path, value))
+        return
+    if depth <= 0 or isinstance(value, (str, bytes, type)) or callable(value) or hasattr(value, "shape"):
+        return  # classes, functions, tensors and arrays hold no generator of the layer's
+    if isinstance(value, dict):
+        items: Any = ((f"{path}[{k!r}]", v) for k, v in list(value.items())[:64])
+    elif isinstance(value, (list, tuple)):
+        items = ((f"{path}[{i}]", v) for i, v in enumerate(value[:64]))
+    elif hasattr(value, "__dict__") and not isinstance(value, types.ModuleType) and not _is_module(value):
+        items = ((f"{path}.{k}", v) for k, v in list(vars(value).items())[:64])
+    else:
+        return
+    for where, inner in items:
+        _collect(inner, where, kinds, found, depth - 1)
+
+
+def _is_module(value: Any) -> bool:
+    return any(c.__name__ == "Module" and c.__module__.startswith("torch.nn") for c in type(value).__mro__)
 
 
 def state_of(generator: Any) -> Any:

@@ -101,7 +101,8 @@ def refusing_own_host_generators(fn: Any, layer: str, policy: Any) -> Iterator[N
         name = f"layer {layer!r}" if layer else "a layer"
         raise ValueError(
             f"remat({policy!r}): {name} draws from a random generator object of its own "
-            f"({', '.join(f'{type(module).__name__}.{p}' for p in drawn)}). remat replays torch's generators, "
+            f"({', '.join(p if p.startswith('global ') else f'{type(module).__name__}.{p}' for p in drawn)}). "
+            "remat replays torch's generators, "
             "Python's random and numpy's global np.random in the recomputation, not a generator object a "
             "module holds: the recomputation would draw other numbers than the forward did, and the "
             "gradient would not be the forward's. Draw from the global ones (random.random(), "

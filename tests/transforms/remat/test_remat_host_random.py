@@ -145,3 +145,37 @@ def test_a_layer_drawing_from_a_generator_object_of_its_own_is_refused_under_rem
         zero3, mesh = remat(sw.shard_params(step, "dp", 3)), sw.Mesh(dp=2)  # rank threads: each its own copy
         with pytest.raises(sw.collectives.RankFailed, match=r"draws from a random generator object of its own"):
             sw.launch(lambda z=zero3, p=params, m=mesh: z(z.init(p, m), batch), 2)
+
+
+_GLOBAL_GENERATORS: dict[str, Any] = {}
+
+
+class _HeldElsewhere(nn.Module):
+    """Draws from a numpy Generator held in a list, on a plain helper object, or by a global name."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__()
+        self.fc, self.where = nn.Linear(4, 4), where
+        self.rngs = [np.random.default_rng(0)]
+        self.helper = type("Helper", (), {})()
+        self.helper.rng = np.random.default_rng(0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rng = {"list": self.rngs[0], "helper": self.helper.rng, "global": _GLOBAL_GENERATORS.get("rng")}[self.where]
+        keep = torch.from_numpy(rng.random(x.shape) > 0.5).to(x.dtype)
+        return x + torch.tanh(self.fc(x)) * keep
+
+
+@pytest.mark.parametrize(("where", "named"), [("list", r"_HeldElsewhere\.rngs\[0\]"),
+                                              ("helper", r"_HeldElsewhere\.helper\.rng"),
+                                              ("global", r"global [\w.]+\._GLOBAL_GENERATORS\['rng'\]")])
+def test_a_generator_object_held_in_a_container_a_helper_or_a_global_is_refused_too(where: str, named: str) -> None:
+    """A review's cases: remat recomputed with the object's next numbers, a gradient of another forward
+    (losses apart from step 2), where only a generator held as an attribute was seen."""
+    _GLOBAL_GENERATORS["rng"] = np.random.default_rng(0)
+    torch.manual_seed(0)
+    batch = (torch.randn(4, 4, dtype=torch.float64), torch.randn(4, 4, dtype=torch.float64))
+    chain, params = sw.functionalize(nn.Sequential(nn.Linear(4, 4), _HeldElsewhere(where)).double())
+    step = sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1))
+    with pytest.raises(ValueError, match=rf"draws from a random generator object of its own \({named}\)"):
+        remat(step)(remat(step).init(params), batch)
