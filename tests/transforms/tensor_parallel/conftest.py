@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 import shardwise as sw
 from shardwise.testing.models import Block, TinyGPT, mlp
@@ -150,3 +150,26 @@ BUILDERS: dict[str, Callable[..., Problem]] = {"tiny_gpt": build_tiny_gpt, "llam
 def build() -> dict[str, Callable[..., Problem]]:
     """The problem builders by family: ``build["llama"](vocab_parallel=False)``; ``build["mlp"](...)``."""
     return {**BUILDERS, "mlp": build_mlp}
+
+
+class PreNormBlock(nn.Module):
+    """``x + attention(LayerNorm(x))``: the block the attention tests put a module of theirs in."""
+
+    def __init__(self, attention: nn.Module, width: int) -> None:
+        super().__init__()
+        self.norm, self.attn = nn.LayerNorm(width), attention
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.attn(self.norm(x))
+
+
+def two_blocks_problem(make_attention: Callable[[], nn.Module], width: int) -> tuple[sw.Step, Any, list[Any]]:
+    """Two :class:`PreNormBlock` around the attention ``make_attention`` builds, in float64, SGD with momentum,
+    and two batches of (2, 6, ``width``) inputs and targets."""
+    torch.manual_seed(0)
+    blocks = nn.Sequential(PreNormBlock(make_attention(), width), PreNormBlock(make_attention(), width))
+    chain, params = sw.functionalize(blocks.double())
+    step = sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1, momentum=0.9))
+    gen = torch.Generator().manual_seed(1)
+    batches = [tuple(torch.randn(2, 6, width, dtype=torch.float64, generator=gen) for _ in range(2)) for _ in range(2)]
+    return step, params, batches

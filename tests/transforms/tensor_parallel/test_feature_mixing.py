@@ -20,6 +20,8 @@ from torch import nn
 
 import shardwise as sw
 
+from .conftest import two_blocks_problem
+
 D, HEADS, VOCAB = 32, 4, 16
 
 # What the module does to q (and k) before viewing them per head: each over this rank's features only.
@@ -109,22 +111,8 @@ def _single_head(how: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) ->
     return (scores / math.sqrt(D)).softmax(-1) @ v
 
 
-class _Block(nn.Module):
-    def __init__(self, **attention: Any) -> None:
-        super().__init__()
-        self.norm, self.attn = nn.LayerNorm(D), _Attention(**attention)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.attn(self.norm(x))
-
-
 def _problem(**attention: Any) -> tuple[sw.Step, Any, list[Any]]:
-    torch.manual_seed(0)
-    chain, params = sw.functionalize(nn.Sequential(_Block(**attention), _Block(**attention)).double())
-    step = sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1, momentum=0.9))
-    gen = torch.Generator().manual_seed(1)
-    batches = [tuple(torch.randn(2, 6, D, dtype=torch.float64, generator=gen) for _ in range(2)) for _ in range(2)]
-    return step, params, batches
+    return two_blocks_problem(lambda: _Attention(**attention), D)
 
 
 _PAIR = {"*.attn.[qkv]": sw.tp.Colwise(), "*.attn.o": sw.tp.Rowwise()}

@@ -20,6 +20,8 @@ from torch import nn
 
 import shardwise as sw
 
+from .conftest import two_blocks_problem
+
 D, HEADS = 32, 4
 
 
@@ -59,22 +61,8 @@ class _Attention(nn.Module):
         return self.o(y.transpose(1, 2).reshape(b, t, -1))
 
 
-class _Block(nn.Module):
-    def __init__(self, **attention: Any) -> None:
-        super().__init__()
-        self.norm, self.attn = nn.LayerNorm(D), _Attention(**attention)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.attn(self.norm(x))
-
-
 def _problem(**attention: Any) -> tuple[sw.Step, Any, list[Any]]:
-    torch.manual_seed(0)
-    chain, params = sw.functionalize(nn.Sequential(_Block(**attention), _Block(**attention)).double())
-    step = sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1, momentum=0.9))
-    gen = torch.Generator().manual_seed(1)
-    batches = [tuple(torch.randn(2, 6, D, dtype=torch.float64, generator=gen) for _ in range(2)) for _ in range(2)]
-    return step, params, batches
+    return two_blocks_problem(lambda: _Attention(**attention), D)
 
 
 _PAIR = {"*.attn.[qkv]": sw.tp.Colwise(), "*.attn.o": sw.tp.Rowwise()}
@@ -170,18 +158,8 @@ class _AdaptedAttention(_Attention):
         return super().forward(x)
 
 
-class _AdaptedBlock(_Block):
-    def __init__(self) -> None:
-        super().__init__()
-        self.attn = _AdaptedAttention()
-
-
 def test_a_list_of_matrices_as_long_as_the_head_count_is_not_taken_for_one_per_head() -> None:
-    torch.manual_seed(0)
-    chain, params = sw.functionalize(nn.Sequential(_AdaptedBlock(), _AdaptedBlock()).double())
-    step = sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1, momentum=0.9))
-    gen = torch.Generator().manual_seed(1)
-    batches = [tuple(torch.randn(2, 6, D, dtype=torch.float64, generator=gen) for _ in range(2)) for _ in range(2)]
+    step, params, batches = two_blocks_problem(_AdaptedAttention, D)
     sw.testing.assert_equivalent(sw.tensor_parallel(step, "tp", _REGION), step, sw.Mesh(tp=2), batches, params,
                                  rtol=1e-9)
 
