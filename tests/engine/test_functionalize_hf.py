@@ -775,3 +775,15 @@ def test_a_composite_config_caching_in_its_text_config_gets_the_cache_turned_off
     assert "use_cache" not in inspect.signature(model.forward).parameters and cfg.get_text_config().use_cache
     _, kwargs = call_arguments(model, {"input_ids": torch.zeros(1, 4, dtype=torch.long)})
     assert kwargs["use_cache"] is False
+
+
+@pytest.mark.parametrize("flag", ["output_hidden_states", "output_attentions"])
+def test_every_layers_outputs_asked_of_a_split_by_units_are_refused_saying_which_flag(flag: str) -> None:
+    """The structures alone were the message (a PyTreeSpec of an empty tuple against one of three)."""
+    model, layer = llama()
+    setattr(model.config, flag, True)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    field = flag.removeprefix("output_")
+    with pytest.raises(FunctionalizeError, match=rf"Its {field} hold every layer's output.*{flag}=False.*units=None"):
+        functionalize(model.double(), units=layer, example_input=ids)
+    functionalize(model.double(), units=None, example_input=ids)  # one layer returns them as the module does

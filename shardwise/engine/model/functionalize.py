@@ -97,7 +97,7 @@ from .init_fn import InitFn, as_path_init
 from .materialize import ModuleInit, has_meta_tensors, is_transformers_model, stand_in
 from .module_call import Quiet, ThreadReplicas, call_arguments
 from .pytrees import float_leaves, plain_batch, register_output_types, unregistered_reason
-from .shape_check import check_shapes_against_module
+from .shape_check import check_shapes_against_module, structure_differs
 from .uncompiled import uncompiled
 
 __all__ = ["FunctionalizeError", "functionalize"]
@@ -598,9 +598,7 @@ def _compare_outputs(expected: Any, got: Any) -> None:
     paths, leaves, spec = optree.tree_flatten_with_path(expected, none_is_leaf=True)
     got_leaves, got_spec = optree.tree_flatten(got, none_is_leaf=True)
     if spec != got_spec:
-        raise FunctionalizeError(
-            f"functionalize: the chain returns a {got_spec}, but the module returns a {spec}"
-        )
+        raise FunctionalizeError(structure_differs(expected, got, spec, got_spec))
     for path, want, have in zip(paths, leaves, got_leaves, strict=True):
         where = "output" + "".join(f"[{k!r}]" for k in path)
         if isinstance(want, Tensor) and isinstance(have, Tensor):

@@ -67,11 +67,35 @@ def check_shapes_against_module(
         _compare_shapes(expected, got)
 
 
+def structure_differs(expected: Any, got: Any, spec: Any, got_spec: Any) -> str:
+    """What to say when the chain's output is not structured as the module's: the structures, and where a
+    field holding every layer's output is shorter in the chain (``output_hidden_states=True``: the units'
+    hidden states are collected by hooks on the units, which the code after them does not call), why."""
+    message = f"functionalize: the chain returns a {got_spec}, but the module returns a {spec}"
+    short = [
+        key for key in ("hidden_states", "attentions", "router_logits", "encoder_hidden_states", "encoder_attentions")
+        if isinstance(_field(expected, key), (tuple, list))
+        and len(_field(got, key) or ()) < len(_field(expected, key))
+    ]
+    if short:
+        flags = ", ".join(f"output_{k.removeprefix('encoder_')}=False" for k in dict.fromkeys(short))
+        message += (
+            f". Its {', '.join(short)} hold every layer's output, which a split by units does not return (the code "
+            f"after the units collects them from the units' calls, which it does not make). Turn them off ({flags}, "
+            "in the config or the batch), or split with units=None (one layer)"
+        )
+    return message
+
+
+def _field(output: Any, key: str) -> Any:
+    return output.get(key) if isinstance(output, dict) else getattr(output, key, None)
+
+
 def _compare_shapes(expected: Any, got: Any) -> None:
     paths, leaves, spec = optree.tree_flatten_with_path(expected, none_is_leaf=True)
     got_leaves, got_spec = optree.tree_flatten(got, none_is_leaf=True)
     if spec != got_spec:
-        raise FunctionalizeError(f"functionalize: the chain returns a {got_spec}, but the module returns a {spec}")
+        raise FunctionalizeError(structure_differs(expected, got, spec, got_spec))
     for path, want, have in zip(paths, leaves, got_leaves, strict=True):
         where = "output" + "".join(f"[{k!r}]" for k in path)
         if isinstance(want, Tensor) != isinstance(have, Tensor):
