@@ -559,6 +559,11 @@ class VaryFn:
                 out = self._run(tensors, x, follower)
             if watch is not None:
                 watch.finish()
+        except ValueError as err:  # Python's own on a cut it did not expect ("not enough values to unpack")
+            short = None if watch is None or _is_ours(err) else watch.short_cut_message(err)
+            if short is None:
+                raise
+            raise ValueError(short) from err
         except RuntimeError as err:  # torch's, on shapes that do not fit: explained if split
             gathered: SequenceGather | None = getattr(_flow, "gathered", None)
             if gathered is not None and not _is_ours(err) and gathered.explains(err):

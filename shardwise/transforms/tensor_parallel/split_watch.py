@@ -94,6 +94,7 @@ class _Output:
     # A Colwise outside any Region inside a sequence-parallel block: the sequence it gathered itself.
     sequence: SequenceGather | None = None
     merged: bool = False  # its per-head view was merged back into the rank's width (head_views.py)
+    short: tuple[str, list[int]] | None = None  # fused: a cut into fewer parts than its blocks (the op, sizes)
 
 
 class SplitWatch(TorchFunctionMode):
@@ -170,6 +171,23 @@ class SplitWatch(TorchFunctionMode):
         """``t`` holds this rank's heads of ``entry`` along ``dim``."""
         self.per_head[id(t)] = (weakref.ref(t), entry, dim)
 
+    def short_cut_message(self, err: BaseException) -> str | None:
+        """Why the module failed (``err``, Python's own), where it cut a fused output into fewer parts than
+        its blocks: at a width nothing divided, whole on every rank (GPT-2's split_size with no Region)."""
+        entry = next((e for e in self.outputs if e.short is not None), None)
+        if entry is None or entry.short is None:
+            return None
+        name, sizes = entry.short
+        return (
+            f"{_fused_head(entry)}, and the module cut this rank's {entry.width} features into {len(sizes)} "
+            f"parts ({name}, {sizes}), then failed ({type(err).__name__}: {err}): it cuts at a width it holds "
+            f"whole ({sizes[0]} features: a whole block is {entry.width * entry.parts // entry.fused}, of which "
+            f"each rank holds {entry.width // entry.fused}), which nothing divided. A Region on the module that "
+            "cuts it divides that width for its call: name "
+            "it in local=(...) with the head counts in heads=(...) (GPT-2's attention: sw.tp.Region(heads="
+            "('num_heads',), local=('split_size',)), as sw.tp.gpt2_plan() gives)"
+        )
+
     def finish(self) -> None:
         """The end of the first forward: no op across an output's features, and a fused output must have
         been cut into its blocks."""
@@ -242,6 +260,8 @@ class SplitWatch(TorchFunctionMode):
         edges = set(_offsets(sizes))
         if all(e % block == 0 for e in edges) or all(k * block in edges for k in range(entry.fused + 1)):
             entry.cut = True  # whole blocks, or pieces of them
+            if len(sizes) < entry.fused:
+                entry.short = (name, sizes)  # fewer parts than blocks: explained if the module then fails
             return
         what = f"cuts this rank's {entry.width} features at sizes {sizes} ({name})"
         raise ValueError(_fused_refusal(entry, what))

@@ -518,6 +518,18 @@ def test_a_region_naming_every_count_of_a_module_that_reads_its_width_off_a_shap
         sw.tensor_parallel(step, "tp", plan).plan(sw.Mesh(tp=2), params, batch)
 
 
+def test_gpt2s_plan_without_its_regions_says_the_split_width_is_whole(build: dict[str, Callable]) -> None:
+    """GPT-2's attention cuts c_attn's output at split_size, which only the Region divides: without it a
+    rank's 3 blocks went as 2 parts and Python's unpacking failed with no word of tensor parallel."""
+    problem = build["gpt2"](steps=1)
+    plan = {pattern: style for pattern, style in problem.plan.items() if not isinstance(style, sw.tp.Region)}
+    message = (r"Colwise\(fused=3\) on 'transformer\.h\.0\.attn\.c_attn' .* cut this rank's \d+ features into 2 "
+               r"parts \(split, .*not enough values to unpack.*"
+               r"Region\(heads=\('num_heads',\), local=\('split_size',\)\)")
+    with pytest.raises(ValueError, match=message):
+        sw.tensor_parallel(problem.step, "tp", plan).plan(sw.Mesh(tp=2), problem.params, problem.batches[0])
+
+
 # -- hand-written layers, arguments -------------------------------------------------------------
 
 
