@@ -369,6 +369,7 @@ def test_an_encoders_output_returned_beside_decoder_units_is_refused_naming_wher
     with pytest.raises(
         FunctionalizeError,
         match=r"returns a value the code before the first unit computed from parameter 'model\.encoder\.[\w.]+'.*"
+        r"Wrap the model in a module whose forward returns only what the loss reads.*"
         r"encoder-decoder's encoder layers.*units=None",
     ):
         functionalize(bart(), units=T.models.bart.modeling_bart.BartDecoderLayer, example_input=ids)
@@ -382,3 +383,42 @@ def test_a_list_of_unit_classes_is_refused_naming_the_class() -> None:
     ids = token_batches("tokens")[0][0]
     with pytest.raises(FunctionalizeError, match=r"units=\[\.\.\.\] lists submodule paths.*units=BartEncoderLayer"):
         functionalize(bart(), units=[layer, T.models.bart.modeling_bart.BartDecoderLayer], example_input=ids)
+
+
+class LogitsOnly(nn.Module):
+    """The way out the refusal gives: a module returning only what the loss reads."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: Tensor, pixel_values: Tensor) -> Tensor:
+        return self.model(input_ids=input_ids, pixel_values=pixel_values).logits
+
+
+def test_llava_split_per_decoder_layer_trains_once_wrapped_to_return_its_logits() -> None:
+    """LLaVA returns image_hidden_states as the vision tower computed them, before the decoder layers: refused
+    split per layer as it comes, and equal to one device under ZeRO-3 wrapped to return its logits."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    torch.manual_seed(0)
+    cfg = T.LlavaConfig(
+        vision_config=T.CLIPVisionConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                         intermediate_size=32, image_size=16, patch_size=8),
+        text_config=T.LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                  num_attention_heads=2, num_key_value_heads=2, use_cache=False),
+        image_token_index=VOCAB - 1,
+    )
+    model = T.LlavaForConditionalGeneration(cfg).double()
+    g = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(2):
+        ids = torch.randint(2, VOCAB - 1, (2, 8), generator=g)
+        ids[:, 1:5] = VOCAB - 1  # four image tokens: the 16 x 16 image in patches of 8
+        batches.append(({"input_ids": ids, "pixel_values": torch.randn(2, 3, 16, 16, generator=g, dtype=torch.float64)},
+                        ids))
+    with pytest.raises(FunctionalizeError, match=r"returns a value the code before the first unit computed.*Wrap"):
+        functionalize(model, units=LlamaDecoderLayer, example_input=batches[0][0])
+    chain, params = functionalize(LogitsOnly(model), units=LlamaDecoderLayer, example_input=batches[0][0])
+    step = sw.train_step(chain, lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()), sw.optim.sgd(0.1))
+    sw.testing.assert_equivalent(sw.shard_params(step, "dp", 3), step, sw.Mesh(dp=2), batches, params)

@@ -583,9 +583,11 @@ def _guard(
                 f"functionalize: the model returns a value the code before the first unit computed from "
                 f"parameter {name!r}, which layer {layer!r} does not hold: only the hidden state and the units' "
                 "own arguments pass through the units, so the code after them sees a zero stand-in (an "
-                "encoder's output returned beside a decoder whose layers are the units). Pass as units layers "
-                "that run before the code computing it (an encoder-decoder's encoder layers, the decoder "
-                "after them), or units=None (one layer holds every parameter)."
+                "encoder's output returned beside a decoder whose layers are the units; LLaVA's image_hidden_states). "
+                "Wrap the model in a module whose forward returns only what the loss reads (the logits, or the "
+                "model's own loss), or pass as units layers that run before the code computing it (an "
+                "encoder-decoder's encoder layers, the decoder after them), or units=None (one layer holds every "
+                "parameter)."
             )
         if layer == EMBED:
             where, seen = "the code before the first unit", "did not see the code before the units read it"
