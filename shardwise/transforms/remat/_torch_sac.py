@@ -224,6 +224,7 @@ class _KeepForBackward(saved_tensors_hooks):
 def run_layer(
     fn: Callable[[Any, Any], Any], tensors: Mapping[str, torch.Tensor], x: Any, policy: Predicate, layer: str = "",
     watch_generators: bool = True, host_draws: bool = True, tagged: Callable[[str], None] | None = None,
+    heard_draws: Callable[[bool], None] | None = None,
 ) -> Any:
     """``fn(tensors, x)`` with backward recomputing what ``policy`` does not save.
 
@@ -238,7 +239,8 @@ def run_layer(
     which layer, policy and op it was about. ``host_draws``: whether the layer
     may draw from Python's ``random`` or numpy's global generator, whose state
     its recomputations then start from as its forward did (saving and setting
-    numpy's costs about 35 us each: a layer of torch's own skips it). ``tagged``
+    numpy's costs about 35 us each: a layer of torch's own skips it). ``heard_draws``
+    hears whether the forward drew from them. ``tagged``
     hears the names of the ``checkpoint_name`` calls a selective policy is asked about.
     """
     observe = current_observer()  # set while the engine's accounting measures what layers keep
@@ -278,7 +280,10 @@ def run_layer(
                 guard = RefuseOwnGenerators(layer, policy)
             try:
                 with guard, host.run() if host is not None else contextlib.nullcontext():
-                    return forward_context.run(lambda: fn(region_tensors, region_x))
+                    out = forward_context.run(lambda: fn(region_tensors, region_x))
+                if host is not None and heard_draws is not None:
+                    heard_draws(host.drew)  # as its first run, the forward, found (a recomputation: the same)
+                return out
             except RuntimeError as error:
                 if _MUTATED not in str(error):
                     raise

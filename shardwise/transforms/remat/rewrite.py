@@ -42,6 +42,10 @@ class Remat:
     # ops drawing from a generator of the layer's own (a property of its code; watching every forward
     # through a dispatch mode cost a small model's step about 10%).
     _unwatched: list[bool] = field(default_factory=lambda: [True], repr=False)
+    # Whether its layer may draw from Python's random or numpy's global generator, whose state its
+    # recomputation must then start from as its forward did: until its watched forward shows it drew
+    # nothing (saving and comparing their state cost a 6-block GPT's remat step 2.6%, every step).
+    _host_may_draw: list[bool] = field(default_factory=lambda: [True], repr=False)
     # Its backward runs its forward again: a zero-bubble weight pass takes it whole, not branch by
     # branch (engine/model/split_backward.py: each branch's pass would recompute it again).
     recomputes_in_backward: ClassVar[bool] = True
@@ -52,18 +56,21 @@ class Remat:
         names = self.names if grad else None
         tagged = None if names is None or names.checked else names.tag
         inner = self.policy.policy if isinstance(self.policy, P.OffloadToCpu) else self.policy
-        host = not _torch_module_alone(self.fn)
+        host = self._host_may_draw[0] and not _torch_module_alone(self.fn)
         if not watch or isinstance(inner, P.EverythingSaveable):  # (that one recomputes nothing)
             out = run_layer(self.fn, tensors, x, self.policy, self.layer, watch_generators=False, host_draws=host,
                             tagged=tagged)
         else:
             with refusing_own_host_generators(self.fn, self.layer, self.policy):
                 out = run_layer(self.fn, tensors, x, self.policy, self.layer, watch_generators=True, host_draws=host,
-                                tagged=tagged)
+                                tagged=tagged, heard_draws=self._heard_draws)
             self._unwatched.clear()  # once a watched forward has passed: a refused one is refused again
         if names is not None:
             names.ran_layer(self.layer)
         return out
+
+    def _heard_draws(self, drew: bool) -> None:
+        self._host_may_draw[0] = drew
 
     @property
     def __wrapped__(self) -> LayerFn:
