@@ -304,7 +304,18 @@ def call_arguments(module: nn.Module, x: Any) -> tuple[tuple[Any, ...], dict[str
 
 def _cache_through_kwargs(module: nn.Module, signature: Mapping[str, inspect.Parameter]) -> bool:
     """A Hugging Face model whose forward hands ``**kwargs`` to its inner model instead of naming
-    ``use_cache`` (GraniteMoE's causal LM): the inner model turns the cache on from the config."""
+    ``use_cache`` (GraniteMoE's causal LM): the inner model turns the cache on from the config. Read
+    once per module (the embed and head layers ask every step; the config's text part costs ~10 us)."""
+    found = _CACHE_THROUGH_KWARGS.get(module)
+    if found is None:
+        found = _CACHE_THROUGH_KWARGS[module] = _reads_cache_through_kwargs(module, signature)
+    return found
+
+
+_CACHE_THROUGH_KWARGS: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
+
+
+def _reads_cache_through_kwargs(module: nn.Module, signature: Mapping[str, inspect.Parameter]) -> bool:
     takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.values())
     pretrained = any(c.__name__ == "PreTrainedModel" for c in type(module).__mro__)
     if not (takes_kwargs and pretrained):
