@@ -10,6 +10,12 @@ A block is a module with an ``experts`` child holding fused 3-D ``gate_up_proj``
   ``norm_topk_prob``), plus its shared expert, a dense MLP gated by a sigmoid: replicated, added after.
 * ``OlmoeSparseMoeBlock``, ``Qwen3MoeSparseMoeBlock`` (HF): Qwen2-MoE's without the shared expert, their
   routers (``OlmoeTopKRouter``, ``Qwen3MoeTopKRouter``) line for line Qwen2-MoE's.
+* ``DeepseekV3MoE``, ``Glm4MoeMoE`` (HF): routers of their own (``DeepseekV3TopkRouter``,
+  ``Glm4MoeTopkRouter``: sigmoid scores plus a correction bias, the top k within the best groups of
+  experts, renormalized and scaled), which are called as they are: their experts and weights go to
+  ``moe_dispatch_combine(routing=...)``; plus their shared experts, a dense MLP, replicated, added after.
+  They have no load-balancing loss (the bias balances them, updated outside the gradient):
+  ``router_aux_loss`` refuses them.
 
 A block of any class whose own forward calls :func:`moe_dispatch_combine` (``engine/model/calls.py``
 reads its code) routes with one of ``router.py``'s routers already: kind :data:`OWN`, split as written
@@ -30,13 +36,19 @@ from torch import nn
 from ...engine.model.calls import forward_calls
 from .capacity import expert_capacity
 from .dispatch import moe_dispatch_combine
+from .router import Routing
 
 OWN = "own"  # a block of one's own whose forward calls moe_dispatch_combine: kept as written
 
 EXPERT_WEIGHTS = ("experts.gate_up_proj", "experts.down_proj")
-KNOWN = ("TopKMoE", "MixtralSparseMoeBlock", "Qwen2MoeSparseMoeBlock", "OlmoeSparseMoeBlock", "Qwen3MoeSparseMoeBlock")
+KNOWN = ("TopKMoE", "MixtralSparseMoeBlock", "Qwen2MoeSparseMoeBlock", "OlmoeSparseMoeBlock", "Qwen3MoeSparseMoeBlock",
+         "DeepseekV3MoE", "Glm4MoeMoE")
 _ROUTER_OF = {"MixtralSparseMoeBlock": "MixtralTopKRouter", "Qwen2MoeSparseMoeBlock": "Qwen2MoeTopKRouter",
-              "OlmoeSparseMoeBlock": "OlmoeTopKRouter", "Qwen3MoeSparseMoeBlock": "Qwen3MoeTopKRouter"}
+              "OlmoeSparseMoeBlock": "OlmoeTopKRouter", "Qwen3MoeSparseMoeBlock": "Qwen3MoeTopKRouter",
+              "DeepseekV3MoE": "DeepseekV3TopkRouter", "Glm4MoeMoE": "Glm4MoeTopkRouter"}
+# Blocks whose router is called as it is (it returns the logits, the top k's weights and indices) and whose
+# forward adds a dense shared expert: what expert_parallel reproduces around their experts.
+OWN_ROUTER = ("DeepseekV3MoE", "Glm4MoeMoE")
 # Where each known block is defined: a class of the same name elsewhere (a copy of HF's code, edited)
 # is not the block whose forward expert_parallel reproduces.
 _HOME = {
@@ -45,6 +57,8 @@ _HOME = {
     "Qwen2MoeSparseMoeBlock": "transformers.models.qwen2_moe.modeling_qwen2_moe",
     "OlmoeSparseMoeBlock": "transformers.models.olmoe.modeling_olmoe",
     "Qwen3MoeSparseMoeBlock": "transformers.models.qwen3_moe.modeling_qwen3_moe",
+    "DeepseekV3MoE": "transformers.models.deepseek_v3.modeling_deepseek_v3",
+    "Glm4MoeMoE": "transformers.models.glm4_moe.modeling_glm4_moe",
 }
 
 
@@ -121,6 +135,13 @@ def find_blocks(module: nn.Module, where: str, prefix: str = "", who: str = "exp
                 f"tell which experts each token goes to. Use a known block, or {own}"
             )
         assert kind is not None  # router_known implies a known kind
+        if kind in OWN_ROUTER and who == "router_aux_loss":
+            raise ValueError(
+                f"router_aux_loss: {where}{'.' + path if path else ''} ({name}) routes by sigmoid scores plus a "
+                "correction bias, which balances its experts without a loss (its Hugging Face model computes none); "
+                "router_aux_loss adds the load-balancing loss of a softmax router, which this block does not have. "
+                "Leave router_aux_loss out (expert_parallel splits the block without it)"
+            )
         found.append(Block(path, kind, int(sub.experts.gate_up_proj.shape[0]), prefix))
     return found
 
@@ -155,14 +176,20 @@ class EPForward:
                 f"expert_parallel: {self.where} has router_jitter_noise={m.jitter_noise}, which scales each token by "
                 "random noise in training; set config.router_jitter_noise = 0"
             )
-        logits_of, router, act = _router(m, self.block.kind)
         flat = hidden_states.reshape(-1, hidden_states.shape[-1])
         n, top_k = flat.shape[0], int(m.top_k if hasattr(m, "top_k") else m.gate.top_k)
         capacity = expert_capacity(n, top_k, self.block.num_experts, self.capacity_factor)
+        if self.block.kind in OWN_ROUTER:  # the model's own router, as its forward calls it
+            logits, weights, experts = m.gate(hidden_states)
+            routed: dict[str, Any] = {"routing": Routing(experts, weights)}
+            act = m.experts.act_fn
+        else:
+            logits_of, router, act = _router(m, self.block.kind)
+            logits, routed = logits_of(flat), {"router": router}
         out = moe_dispatch_combine(
-            flat, logits_of(flat), m.experts.gate_up_proj, m.experts.down_proj, self.axis, top_k=top_k,
-            router=router, capacity_factor=self.capacity_factor, act=act,
-            slots=max(1, n if capacity is None else min(capacity, n)), aux_loss=False,
+            flat, logits, m.experts.gate_up_proj, m.experts.down_proj, self.axis, top_k=top_k,
+            capacity_factor=self.capacity_factor, act=act, slots=max(1, n if capacity is None else min(capacity, n)),
+            aux_loss=False, **routed,
         )
         if out.dropped and not self.drop_per_rank:
             raise ValueError(
@@ -176,4 +203,6 @@ class EPForward:
         output = out.output
         if self.block.kind == "Qwen2MoeSparseMoeBlock":  # the shared expert: dense, on this rank's tokens
             output = output + torch.sigmoid(m.shared_expert_gate(flat)) * m.shared_expert(flat)
+        elif self.block.kind in OWN_ROUTER:  # DeepSeek-V3's shared experts: dense, ungated
+            output = output + m.shared_experts(flat)
         return output.view(hidden_states.shape)

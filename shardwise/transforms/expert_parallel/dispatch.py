@@ -29,7 +29,7 @@ from . import comm, own_block
 from .aux_loss import load_balancing_loss
 from .capacity import assign_slots, expert_capacity
 from .experts import Activation, run_experts
-from .router import check_router, route
+from .router import Routing, check_router, route
 
 
 class MoEOutput(NamedTuple):
@@ -56,6 +56,7 @@ def moe_dispatch_combine(
     mesh: Mesh | None = None,
     slots: int | None = None,
     aux_loss: bool = True,
+    routing: Routing | None = None,
 ) -> MoEOutput:
     """A mixture-of-experts layer on this rank's ``tokens`` [n, hidden] with the experts split over ``axis``.
 
@@ -76,6 +77,11 @@ def moe_dispatch_combine(
     by the routing (the most kept assignments any rank sends one expert). A routing that needs more than
     ``slots`` is refused. ``aux_loss=False`` skips the load-balancing loss (and its psum).
 
+    ``routing``: the experts [n, top_k] and weights [n, top_k] a model's own router chose (DeepSeek-V3's
+    sigmoid scores plus a correction bias, over groups of experts), used as they are instead of ``router``'s
+    softmax over ``router_logits`` (which then give only the expert count); it has no softmax for the
+    load-balancing loss, so ``aux_loss`` must be False.
+
     >>> import torch, shardwise as sw
     >>> from shardwise.transforms.expert_parallel import moe_dispatch_combine, shard_experts
     >>> gen = torch.Generator().manual_seed(0)
@@ -95,7 +101,7 @@ def moe_dispatch_combine(
     check_router(router)
     local_experts = num_experts // ep
     n, hidden = tokens.shape
-    routing = route(router_logits, top_k, router)
+    routing = route(router_logits, top_k, router) if routing is None else _given(routing, n, top_k, aux_loss)
     capacity = expert_capacity(n, top_k, num_experts, capacity_factor)
     split = own_block.current()
     if split is not None and slots is None:  # a block of one's own under expert_parallel: the bound, as known ones
@@ -123,7 +129,10 @@ def moe_dispatch_combine(
 
     weights = routing.weights.to(tokens.dtype) * slot_of.kept
     output = (back[row] * weights.unsqueeze(-1)).sum(dim=1)
-    aux = load_balancing_loss(routing.probs, counts, every[:, -1].sum(), axis, mesh=mesh) if aux_loss else None
+    aux = None
+    if aux_loss:
+        assert routing.probs is not None  # a given routing without them is refused with aux_loss (_given)
+        aux = load_balancing_loss(routing.probs, counts, every[:, -1].sum(), axis, mesh=mesh)
     dropped = 0 if predicting else int((every[:, :num_experts] - kept_counts).sum())
     if dropped and split is not None and not split.drop_per_rank:
         raise ValueError(
@@ -159,6 +168,25 @@ def _axis_size(axis: str, mesh: Mesh | None) -> int:
             f"give the mesh that axis with size 1: sw.Mesh({sizes}, {axis}=1)"
         )
     return in_layer.size(axis, mesh)
+
+
+def _given(routing: Routing, n: int, top_k: int, aux_loss: bool) -> Routing:
+    """A model's own routing, checked against the tokens and ``top_k``."""
+    experts, weights = routing.experts, routing.weights
+    for name, t in (("experts", experts), ("weights", weights)):
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != (n, top_k):
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(
+                f"moe_dispatch_combine: routing.{name} must be [tokens, top_k] = ({n}, {top_k}), got {got}"
+            )
+    if experts.dtype != torch.int64:
+        raise ValueError(f"moe_dispatch_combine: routing.experts must be int64 expert indices, got {experts.dtype}")
+    if aux_loss:
+        raise ValueError(
+            "moe_dispatch_combine: a given routing has no softmax over the experts for the load-balancing loss; "
+            "pass aux_loss=False (and add the model's own balancing term, if it has one, to the loss)"
+        )
+    return routing
 
 
 def _width(kept_counts: torch.Tensor, slots: int | None, predicting: bool) -> int:

@@ -20,11 +20,12 @@ ROUTERS = ("softmax_topk", "softmax_topk_renormalized")
 
 
 class Routing(NamedTuple):
-    """Each token's ``top_k`` experts (best first) and their weights, and the softmax over all experts."""
+    """Each token's ``top_k`` experts (best first) and their weights, and the softmax over all experts (None
+    for a model's own routing that has none: DeepSeek-V3's sigmoid scores)."""
 
     experts: torch.Tensor  # [tokens, top_k] int64
     weights: torch.Tensor  # [tokens, top_k]
-    probs: torch.Tensor  # [tokens, num_experts]
+    probs: torch.Tensor | None = None  # [tokens, num_experts]
 
 
 def check_router(router: object) -> str:
