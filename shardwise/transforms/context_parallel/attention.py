@@ -4,7 +4,8 @@ Three attentions are known, and their forwards replaced by the same projections 
 attention: TinyGPT's ``CausalSelfAttention``, a causal self-attention with a fused ``qkv`` projection,
 an output ``proj``, ``head_dim`` and a lower-triangular ``mask`` buffer (:class:`CPForward`), a
 Hugging Face causal attention on ``sdpa`` with ``q_proj`` / ``k_proj`` / ``v_proj`` / ``o_proj`` and
-rotary ``position_embeddings`` (Llama's, :class:`HFForward`), and GPT-2's on ``sdpa`` with its fused
+rotary ``position_embeddings`` (Llama's, and Qwen3's with its per-head ``q_norm`` and ``k_norm``:
+:class:`HFForward`), and GPT-2's on ``sdpa`` with its fused
 ``c_attn`` and ``c_proj`` (:class:`GPT2Forward`; its learned position table ``wpe`` is listed in
 ``positions=``). Each is recognised by its parts, and replaced only where its class is one whose
 forward was checked equal to the one installed; another class with the same parts is refused.
@@ -167,7 +168,8 @@ def _known(module: nn.Module, where: str) -> bool:
             "attention at 1/sqrt(head_dim) under the causal mask); what its own forward does beyond that (another "
             "scale, a soft cap of the scores, rotary positions) would be dropped without an error. context_parallel "
             "splits shardwise's CausalSelfAttention, the Hugging Face attentions "
-            f"{', '.join(_VERIFIED_HF)} and GPT2Attention, on attn_implementation='sdpa', as their classes define "
+            f"{', '.join([*_VERIFIED_HF, *_VERIFIED_HF_HEAD_NORMS])} and GPT2Attention, on attn_implementation='sdpa', "
+            "as their classes define "
             "them, and no attention of your own: use one of those, or leave context_parallel out"
         )
     return known
@@ -182,15 +184,18 @@ def _known_hf(module: nn.Module, where: str) -> bool:
     config = getattr(m, "config", None)
     if config is None or not isinstance(getattr(m, "head_dim", None), int) or not getattr(m, "is_causal", False):
         return False
-    # HFForward is Llama's forward: a module it does not call (Qwen3's and OLMo-2's q_norm, k_norm)
-    # would be left out, and the step would train another model without an error.
-    extra = [n for n, _ in m.named_children() if n not in _HF_PROJECTIONS]
+    # HFForward is Llama's forward (and, for the classes of _VERIFIED_HF_HEAD_NORMS, Qwen3's per-head q_norm
+    # and k_norm): a module it does not call (OLMo-2's q_norm, k_norm over all heads) would be left out, and
+    # the step would train another model without an error.
+    own = _HF_PROJECTIONS + (_HEAD_NORMS if _verified(m, _VERIFIED_HF_HEAD_NORMS) else ())
+    extra = [n for n, _ in m.named_children() if n not in own]
     if extra:
         raise ValueError(
             f"context_parallel: {where} ({type(m).__name__}) holds {', '.join(extra)}, which the Llama-shaped forward "
             f"it installs ({', '.join(_HF_PROJECTIONS)}, rotary embedding, sdpa) would not apply; it splits "
-            "attentions that are exactly Llama's: rewrite this one to call ring_attention / ulysses_attention, "
-            "or leave context_parallel out"
+            f"attentions that are exactly Llama's, and {', '.join(_VERIFIED_HF_HEAD_NORMS)} with their per-head "
+            "q_norm and k_norm: rewrite this one to call ring_attention / ulysses_attention, or leave "
+            "context_parallel out"
         )
     # ... nor what such a forward does beyond Llama's on its own settings (OLMo's clip_qkv clamps q, k, v;
     # Starcoder2's residual_dropout drops the output).
@@ -203,10 +208,11 @@ def _known_hf(module: nn.Module, where: str) -> bool:
         )
     # ... nor anything else another family's forward does in plain code (a soft cap of the scores, another
     # scaling): only the attentions whose forward was checked equal to the installed one are split.
-    if _verified(m, _VERIFIED_HF) is None:
+    if _verified(m, _VERIFIED_HF) is None and _verified(m, _VERIFIED_HF_HEAD_NORMS) is None:
         raise ValueError(
             f"context_parallel: {where} is a {type(m).__name__} (from {type(m).__module__}), whose forward is not one "
-            f"context_parallel has checked against the Llama-shaped forward it installs ({', '.join(_VERIFIED_HF)}); "
+            "context_parallel has checked against the Llama-shaped forward it installs "
+            f"({', '.join([*_VERIFIED_HF, *_VERIFIED_HF_HEAD_NORMS])}); "
             "what it does beyond Llama's in its own code would be left out without an error. Use one of those "
             "attentions, rewrite this one to call ring_attention / ulysses_attention, or leave context_parallel out"
         )
@@ -230,6 +236,13 @@ _VERIFIED_HF = {
     "Qwen2Attention": "transformers.models.qwen2.modeling_qwen2",
     "MixtralAttention": "transformers.models.mixtral.modeling_mixtral",
     "Qwen2MoeAttention": "transformers.models.qwen2_moe.modeling_qwen2_moe",
+}
+# ... and those whose forward is Llama's with an RMSNorm over each head of q and of k, applied to the
+# projections viewed per head, before the rotary embedding (Qwen3's).
+_HEAD_NORMS = ("q_norm", "k_norm")
+_VERIFIED_HF_HEAD_NORMS = {
+    "Qwen3Attention": "transformers.models.qwen3.modeling_qwen3",
+    "Qwen3MoeAttention": "transformers.models.qwen3_moe.modeling_qwen3_moe",
 }
 
 
@@ -310,11 +323,13 @@ class CPForward:
 
 
 class HFForward:
-    """A Hugging Face causal attention's forward with the sequence cut over ``axis``: its projections and
-    rotary embedding (already at global positions) on the rank's tokens, attention over the whole sequence."""
+    """A Hugging Face causal attention's forward with the sequence cut over ``axis``: its projections (and
+    Qwen3's per-head q_norm, k_norm) and rotary embedding (already at global positions) on the rank's tokens,
+    attention over the whole sequence."""
 
     def __init__(self, module: nn.Module, axis: str, attention: str, balanced: bool, where: str) -> None:
         self.module, self.axis, self.attention, self.balanced, self.where = module, axis, attention, balanced, where
+        self.head_norms = _verified(module, _VERIFIED_HF_HEAD_NORMS) is not None
 
     def __call__(
         self, hidden_states: torch.Tensor, position_embeddings: Any = None, attention_mask: Any = None,
@@ -330,7 +345,10 @@ class HFForward:
             )
         rotate = sys.modules[type(m).__module__].apply_rotary_pos_emb
         shape = (*hidden_states.shape[:-1], -1, m.head_dim)
-        q, k, v = (proj(hidden_states).view(shape).transpose(1, 2) for proj in (m.q_proj, m.k_proj, m.v_proj))
+        q, k, v = (proj(hidden_states).view(shape) for proj in (m.q_proj, m.k_proj, m.v_proj))
+        if self.head_norms:  # Qwen3's: per head, before the rotary embedding
+            q, k = m.q_norm(q), m.k_norm(k)
+        q, k, v = (z.transpose(1, 2) for z in (q, k, v))
         cos, sin = position_embeddings
         q, k = rotate(q, k, cos, sin)
         y = attend(q, k, v, self.axis, self.attention, self.balanced, self.where, scale=float(m.scaling), mask=mask)
