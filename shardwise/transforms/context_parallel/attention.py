@@ -236,6 +236,9 @@ _VERIFIED_HF = {
     "Qwen2Attention": "transformers.models.qwen2.modeling_qwen2",
     "MixtralAttention": "transformers.models.mixtral.modeling_mixtral",
     "Qwen2MoeAttention": "transformers.models.qwen2_moe.modeling_qwen2_moe",
+    # Llama's forward line for line: Granite's scaling is its attention_multiplier, read as m.scaling.
+    "GraniteAttention": "transformers.models.granite.modeling_granite",
+    "GemmaAttention": "transformers.models.gemma.modeling_gemma",
 }
 # ... and those whose forward is Llama's with an RMSNorm over each head of q and of k, applied to the
 # projections viewed per head, before the rotary embedding (Qwen3's).

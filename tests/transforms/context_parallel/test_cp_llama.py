@@ -116,6 +116,17 @@ def _per_layer(family: str, **extra: Any) -> tuple[sw.Step, Any, list[tuple[torc
     return sw.train_step(chain, lm_loss, sw.optim.sgd(0.1, momentum=0.9)), params, batches
 
 
+@pytest.mark.parametrize("family", ["Granite", "Gemma"])
+def test_an_attention_whose_forward_is_llamas_line_for_line_equals_the_single_device_step(family: str) -> None:
+    """Granite's (its scaling the config's attention_multiplier) and Gemma's attention forwards are Llama's
+    line for line; the rest of their layers (Granite's residual multiplier, Gemma's scaled embeddings) is per
+    token. A scale other than 1/sqrt(head_dim) shows that the installed forward reads the module's own."""
+    extra = {"attention_multiplier": 0.3, "residual_multiplier": 0.7, "embedding_multiplier": 2.0,
+             "logits_scaling": 1.5} if family == "Granite" else {}
+    step, params, batches = _per_layer(family, **extra)
+    sw.testing.assert_equivalent(sw.context_parallel(step, "cp"), step, sw.Mesh(cp=2), batches, params)
+
+
 def test_an_hf_attention_with_a_module_its_forward_leaves_out_is_refused() -> None:
     """OLMo-2's attention has Llama's q_proj .. o_proj plus q_norm and k_norm over all heads at once, which
     the forward context_parallel installs does not apply: it trained another model without an error (the
