@@ -39,6 +39,7 @@ from torch import nn
 from ...engine.model.calls import forward_calls
 from ...engine.model.chain import Layer
 from ...engine.model.module_call import module_fn
+from ...engine.model.reproduced import check_reproduced
 from ...engine.stack import in_layer
 from .comm import attend
 from .layout import shard_order
@@ -208,7 +209,7 @@ def _known_hf(module: nn.Module, where: str) -> bool:
         )
     # ... nor anything else another family's forward does in plain code (a soft cap of the scores, another
     # scaling): only the attentions whose forward was checked equal to the installed one are split.
-    if _verified(m, _VERIFIED_HF) is None and _verified(m, _VERIFIED_HF_HEAD_NORMS) is None:
+    if _verified(m, _VERIFIED_HF, where) is None and _verified(m, _VERIFIED_HF_HEAD_NORMS, where) is None:
         raise ValueError(
             f"context_parallel: {where} is a {type(m).__name__} (from {type(m).__module__}), whose forward is not one "
             "context_parallel has checked against the Llama-shaped forward it installs "
@@ -258,11 +259,16 @@ _VERIFIED_GPT2 = {"GPT2Attention": "transformers.models.gpt2.modeling_gpt2"}
 _VERIFIED_TINYGPT = {"CausalSelfAttention": "shardwise.testing.models"}
 
 
-def _verified(module: nn.Module, verified: dict[str, str]) -> str | None:
-    """The verified attention ``module`` is (its class or a base), if the forward it runs is that class's own."""
+def _verified(module: nn.Module, verified: dict[str, str], where: str | None = None) -> str | None:
+    """The verified attention ``module`` is (its class or a base), if the forward it runs is that class's own;
+    with ``where``, also refused if that forward's code is not the one checked (``engine/model/reproduced.py``)."""
     for cls in type(module).__mro__:
         if verified.get(cls.__name__) == cls.__module__:
-            return cls.__name__ if type(module).forward is getattr(cls, "forward", None) else None
+            if type(module).forward is not getattr(cls, "forward", None):
+                return None
+            if where is not None:
+                check_reproduced(cls, "context_parallel", where)
+            return cls.__name__
     return None
 
 
@@ -282,7 +288,7 @@ def _known_gpt2(module: nn.Module, where: str) -> bool:
             f"context_parallel: {where} ({type(m).__name__}) is a cross-attention, whose keys are another sequence "
             "it does not cut; leave context_parallel out of encoder-decoder models"
         )
-    if _verified(m, _VERIFIED_GPT2) is None:
+    if _verified(m, _VERIFIED_GPT2, where) is None:
         raise ValueError(
             f"context_parallel: {where} is a {type(m).__name__} (from {type(m).__module__}) shaped like GPT-2's "
             "attention (c_attn, c_proj), whose forward is not one context_parallel has checked against the GPT-2 "

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...engine.model.calls import forward_calls
+from ...engine.model.reproduced import check_reproduced
 from .capacity import expert_capacity
 from .dispatch import moe_dispatch_combine
 from .router import Routing
@@ -49,6 +50,10 @@ _ROUTER_OF = {"MixtralSparseMoeBlock": "MixtralTopKRouter", "Qwen2MoeSparseMoeBl
 # Blocks whose router is called as it is (it returns the logits, the top k's weights and indices) and whose
 # forward adds a dense shared expert: what expert_parallel reproduces around their experts.
 OWN_ROUTER = ("DeepseekV3MoE", "Glm4MoeMoE")
+# The experts' class of each known HF block, defined beside it: expert_parallel runs its computation itself.
+_EXPERTS_OF = {"MixtralSparseMoeBlock": "MixtralExperts", "Qwen2MoeSparseMoeBlock": "Qwen2MoeExperts",
+               "OlmoeSparseMoeBlock": "OlmoeExperts", "Qwen3MoeSparseMoeBlock": "Qwen3MoeExperts",
+               "DeepseekV3MoE": "DeepseekV3Experts", "Glm4MoeMoE": "Glm4MoeExperts"}
 # Where each known block is defined: a class of the same name elsewhere (a copy of HF's code, edited)
 # is not the block whose forward expert_parallel reproduces.
 _HOME = {
@@ -135,6 +140,8 @@ def find_blocks(module: nn.Module, where: str, prefix: str = "", who: str = "exp
                 f"tell which experts each token goes to. Use a known block, or {own}"
             )
         assert kind is not None  # router_known implies a known kind
+        if kind != "TopKMoE":
+            _check_reproduced_parts(sub, kind, who, f"{where}{'.' + path if path else ''}")
         if kind in OWN_ROUTER and who == "router_aux_loss":
             raise ValueError(
                 f"router_aux_loss: {where}{'.' + path if path else ''} ({name}) routes by sigmoid scores plus a "
@@ -144,6 +151,24 @@ def find_blocks(module: nn.Module, where: str, prefix: str = "", who: str = "exp
             )
         found.append(Block(path, kind, int(sub.experts.gate_up_proj.shape[0]), prefix))
     return found
+
+
+def _check_reproduced_parts(block: nn.Module, kind: str, who: str, where: str) -> None:
+    """The known HF block's forward, its router's (where reproduced, not called) and its experts' must be the
+    code the reproduction was checked against (``engine/model/reproduced.py``); experts of another class
+    than the block's own (swapped in) are refused, as their forward is replaced too."""
+    cls = next(c for c in type(block).__mro__ if c.__name__ == kind)
+    check_reproduced(cls, who, where)
+    if kind not in OWN_ROUTER:
+        check_reproduced(type(block.gate), who, f"{where}.gate")
+    experts = type(block.experts)
+    if experts.__name__ != _EXPERTS_OF[kind] or experts.__module__ != _HOME[kind]:
+        raise ValueError(
+            f"{who}: {where}.experts is a {experts.__name__} (from {experts.__module__}), not the {kind}'s own "
+            f"{_EXPERTS_OF[kind]}, whose forward {who} reproduces on the split experts: what yours computes "
+            f"otherwise would be left out without an error. Use the model's {_EXPERTS_OF[kind]}, or leave {who} out"
+        )
+    check_reproduced(experts, who, f"{where}.experts")
 
 
 def _router(module: Any, kind: str) -> tuple[Callable[[torch.Tensor], torch.Tensor], str, Any]:

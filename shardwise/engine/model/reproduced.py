@@ -1,0 +1,128 @@
+"""Library forwards a transform reproduces, pinned to the code it was checked against.
+
+context_parallel installs its own forward in place of a Hugging Face attention's, and expert_parallel
+in place of a mixture-of-experts block's, its router's and its experts': each was checked equal to the
+class's forward, in float64, by the tests, on the transformers version of ``CHECKED_ON``. A class is
+recognised by its name and the module that defines it; a later transformers may change what the same
+class computes (a norm added, another scale), and the reproduction would then train another model
+without an error. So each reproduced method's code is compared with the code checked: its syntax tree
+(names, operations, constants; not its comments, docstring, decorators or layout) hashed, against
+:data:`CHECKED`. Another tree is refused, naming the class and both versions.
+
+``tests/engine/test_reproduced.py`` fails loudly on a transformers whose code differs, so that the
+tests of the changed class are run again and the digest renewed (``python -m
+shardwise.engine.model.reproduced`` prints the installed ones).
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import hashlib
+import inspect
+import textwrap
+from typing import Any
+
+CHECKED_ON = "5.25.0"  # the transformers the reproductions were checked against (5.24.0: the same digests)
+
+# "module.Class.method" -> the digest of its code (see :func:`digest`) on CHECKED_ON.
+CHECKED: dict[str, str] = {
+    "transformers.models.gemma.modeling_gemma.GemmaAttention.forward": "2a42eefe63de3673",
+    "transformers.models.gpt2.modeling_gpt2.GPT2Attention.forward": "cc28184154d95688",
+    "transformers.models.granite.modeling_granite.GraniteAttention.forward": "2a42eefe63de3673",
+    "transformers.models.llama.modeling_llama.LlamaAttention.forward": "2a42eefe63de3673",
+    "transformers.models.mistral.modeling_mistral.MistralAttention.forward": "a0d81d6c3802d08d",
+    "transformers.models.mixtral.modeling_mixtral.MixtralAttention.forward": "a0d81d6c3802d08d",
+    "transformers.models.qwen2.modeling_qwen2.Qwen2Attention.forward": "b92611f0ee02d123",
+    "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeAttention.forward": "2a42eefe63de3673",
+    "transformers.models.qwen3.modeling_qwen3.Qwen3Attention.forward": "db061f327f1306ae",
+    "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeAttention.forward": "db061f327f1306ae",
+    "transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock.forward": "bdbfb726de7333ca",
+    "transformers.models.mixtral.modeling_mixtral.MixtralTopKRouter.forward": "cdb26a08ebbce3df",
+    "transformers.models.mixtral.modeling_mixtral.MixtralExperts.forward": "9918bf68fc06e950",
+    "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock.forward": "f34876bf49057052",
+    "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeTopKRouter.forward": "87bd1d8294101a34",
+    "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeExperts.forward": "9918bf68fc06e950",
+    "transformers.models.olmoe.modeling_olmoe.OlmoeSparseMoeBlock.forward": "3cf15f02bf830bc7",
+    "transformers.models.olmoe.modeling_olmoe.OlmoeTopKRouter.forward": "87bd1d8294101a34",
+    "transformers.models.olmoe.modeling_olmoe.OlmoeExperts.forward": "9918bf68fc06e950",
+    "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock.forward": "a940b30a7eac4702",
+    "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeTopKRouter.forward": "87bd1d8294101a34",
+    "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeExperts.forward": "9918bf68fc06e950",
+    "transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3MoE.forward": "46305b8693ce763d",
+    "transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3Experts.forward": "9918bf68fc06e950",
+    "transformers.models.glm4_moe.modeling_glm4_moe.Glm4MoeMoE.forward": "46305b8693ce763d",
+    "transformers.models.glm4_moe.modeling_glm4_moe.Glm4MoeExperts.forward": "9918bf68fc06e950",
+}
+
+
+def key(cls: type, method: str = "forward") -> str:
+    return f"{cls.__module__}.{cls.__qualname__}.{method}"
+
+
+def digest(cls: type, method: str = "forward") -> str:
+    """sha256 of the syntax tree of ``cls.method`` as defined (decorators unwrapped), without its
+    docstring and decorators: what the code computes, not how it is laid out or commented."""
+    try:
+        return _digest(inspect.unwrap(getattr(cls, method)))
+    except (OSError, TypeError):  # no source to read (a method made at run time): not the checked code
+        return "unreadable"
+
+
+@functools.cache  # per function object: a method replaced on its class is read again
+def _digest(fn: Any) -> str:
+    tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    node = tree.body[0]
+    assert isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+    node.decorator_list = []
+    body = node.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+            and isinstance(body[0].value.value, str):
+        node.body = body[1:] or [ast.Pass()]
+    return hashlib.sha256(ast.dump(node, annotate_fields=False).encode()).hexdigest()[:16]
+
+
+def check_reproduced(cls: type, who: str, where: str, method: str = "forward") -> None:
+    """Refuse ``cls`` where its ``method`` is not the code ``who`` checked its reproduction against."""
+    want = CHECKED.get(key(cls, method))
+    if want is None:
+        raise AssertionError(f"{key(cls, method)} is reproduced but has no checked digest")  # a table out of date
+    if digest(cls, method) == want:
+        return
+    installed = _installed()
+    how = ("replaced or edited in this process" if installed == CHECKED_ON
+           else f"on transformers {installed}; it was checked against transformers {CHECKED_ON}")
+    raise ValueError(
+        f"{who}: {where} is a {cls.__name__} whose {method} is not the code {who} reproduces ({how}): what "
+        f"this code computes otherwise would be left out without an error. Use transformers=={CHECKED_ON} "
+        f"(or a shardwise release checked against yours) and the class as it is, or leave {who} out"
+    )
+
+
+def _installed() -> str:
+    try:
+        import transformers
+    except ImportError:  # pragma: no cover - a reproduced class comes from transformers
+        return "?"
+    return str(transformers.__version__)
+
+
+def installed_digests() -> dict[str, Any]:
+    """The digest of every reproduced method on the installed transformers (None: absent there)."""
+    import importlib
+
+    out: dict[str, Any] = {}
+    for name in CHECKED:
+        module, cls_name, method = name.rsplit(".", 2)
+        try:
+            cls = getattr(importlib.import_module(module), cls_name)
+        except (ImportError, AttributeError):
+            out[name] = None
+            continue
+        out[name] = digest(cls, method)
+    return out
+
+
+if __name__ == "__main__":
+    for name, value in installed_digests().items():
+        print(f'    "{name}": "{value}",')
