@@ -316,6 +316,37 @@ def test_zero_and_a_pipeline_match_the_single_device_step(family: str) -> None:
     sw.testing.assert_equivalent(pipelined, step, sw.Mesh(pp=2), batches, params)
 
 
+def test_an_encoder_returning_a_model_output_is_a_unit_and_albert_splits_at_it() -> None:
+    """ALBERT runs one shared layer as every layer, so its layers cannot be units (called more than
+    once); its encoder, the one module that runs them all, returns a BaseModelOutput, which was refused
+    ("a unit passes one hidden state on: a tensor, or a tuple"), leaving only the whole model. A
+    ModelOutput unit passes its first field on, as a tuple's: embed, encoder and head train bitwise as a
+    torch loop, and under ZeRO-3 and a pipeline as the single-device step."""
+    torch.manual_seed(0)
+    cfg = T.AlbertConfig(
+        vocab_size=VOCAB, embedding_size=8, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=32, max_position_embeddings=16, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, attn_implementation="eager",
+    )
+    model = T.AlbertForMaskedLM(cfg).double()
+    albert = T.models.albert.modeling_albert
+    batches = token_batches()
+    with pytest.raises(FunctionalizeError, match="is called more than once in forward"):
+        functionalize(model, units=albert.AlbertLayer, example_input=batches[0][0])
+    chain, params = functionalize(model, units=albert.AlbertTransformer, example_input=batches[0][0])
+    assert chain.names == ("embed", "albert.encoder", "head")
+    step = sw.train_step(chain, lm_loss, sw.optim.sgd(0.1, momentum=0.9))
+    state, losses = step.init(params), []
+    for batch in batches:
+        state, metrics = step(state, batch)
+        losses.append(metrics["loss"])
+    reference, expected = torch_loop(model, batches, OPTIMIZERS["sgd-momentum"][1], lm_loss)
+    assert all(torch.equal(a, b) for a, b in zip(losses, expected, strict=True))
+    assert_params_equal(state.params, reference)
+    sw.testing.assert_equivalent(sw.shard_params(step, "dp", 3), step, sw.Mesh(dp=2), batches, params)
+    sw.testing.assert_equivalent(sw.pipeline(step, "pp", "1f1b", 2), step, sw.Mesh(pp=2), batches, params)
+
+
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_a_pipeline_of_a_model_with_sdpa_attention_matches_the_single_device_step(family: str) -> None:
     # sdpa attention skips the causal mask on real inputs without padding, but cannot on the fake

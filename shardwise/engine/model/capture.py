@@ -63,7 +63,7 @@ from torch import Tensor, nn
 from ..torch_api import fake_tensors, is_fake, storage_key
 from .fx_split import FunctionalizeError
 from .module_call import ThreadReplicas, call_arguments, kept_in_copies
-from .pytrees import register_output_types
+from .pytrees import is_model_output, register_output_types
 from .reuse import module_signature, reusing_forwards
 from .tensor_reads import ReadLog, StandInGuard, tensors_in
 
@@ -159,10 +159,11 @@ def _record(root: nn.Module, paths: list[str], x: Any, fake_units: bool = False)
                 calls[i].output = out
                 state["ended"] += 1
                 state["inside"] -= 1
-                if isinstance(out, (tuple, list)):
+                parts = _output_parts(out)
+                if parts is not None:
                     # What it was given and hands back (a mask) travels in the carry already.
-                    given = {id(t) for t in tensors_in((args, kwargs, out[:1]))}
-                    for k, v in enumerate(out[1:], start=1):
+                    given = {id(t) for t in tensors_in((args, kwargs, parts[:1]))}
+                    for k, v in enumerate(parts[1:], start=1):
                         if isinstance(v, Tensor) and id(v) not in given:
                             extras[id(v)] = (v, path, k)
                             extra_labels[f"output[{k}] of {path!r}"] = (path, k)
@@ -221,20 +222,33 @@ def _refuse_read_extras(recording: _Recording) -> None:
 Slot = tuple[str, int | str]  # ("arg", position) or ("kwarg", name)
 
 
+def _output_parts(out: Any) -> tuple[Any, ...] | None:
+    """A unit's output as ``(hidden, *rest)``: a tuple or list as it is; a ``ModelOutput`` (what an
+    encoder returns: ALBERT's, whose one shared layer runs as every layer, can be split no finer) as
+    its set fields in order, which is how it indexes (``out[0]`` is ``last_hidden_state``); None for
+    anything else."""
+    if isinstance(out, (tuple, list)):
+        return tuple(out)
+    if is_model_output(out):
+        return tuple(out.values())
+    return None
+
+
 def _hidden_of_output(path: str, out: Any) -> Tensor:
     if isinstance(out, Tensor):
         return out
     # Tensors beyond [0] (Bloom's attention weights) are dropped: the recording proved that nothing
     # reads them (_refuse_read_extras).
+    parts = _output_parts(out)
     if (
-        isinstance(out, (tuple, list)) and out and isinstance(out[0], Tensor)
-        and all(v is None or isinstance(v, Tensor) for v in out[1:])
+        parts and isinstance(parts[0], Tensor)
+        and all(v is None or isinstance(v, Tensor) for v in parts[1:])
     ):
-        return out[0]
+        return parts[0]
     raise FunctionalizeError(
         f"functionalize: unit {path!r} returns {_describe(out)}, but a unit passes one hidden state "
-        "on: a tensor, or a tuple of it and tensors or Nones. Turn off extra outputs (output_attentions=False, "
-        "use_cache=False), or choose the blocks that return the hidden state as units."
+        "on: a tensor, or a tuple (or ModelOutput) of it and tensors or Nones. Turn off extra outputs "
+        "(output_attentions=False, use_cache=False), or choose the blocks that return the hidden state as units."
     )
 
 
@@ -446,15 +460,16 @@ class _UnitStub(nn.Module):
         self.attributes = {
             k: v for k, v in vars(unit).items() if not k.startswith("_") and not isinstance(v, (nn.Module, Tensor))
         }
-        # None: the unit returns the hidden state itself; else the tuple type it returns it in.
+        # None: the unit returns the hidden state itself; else the tuple or ModelOutput type it returns
+        # it in, and for a ModelOutput the fields it set (rebuilt by name: its constructor takes no tuple).
         self.output_type: type | None = None if isinstance(output, Tensor) else type(output)
+        self._output_fields = tuple(output.keys()) if is_model_output(output) else None
         # What it passes on beyond the hidden state, and how it runs now: private, since they are
         # the split's bookkeeping (an example's outputs, the phase that ran last), not what the unit
         # computes, and the agreement check compares a module's public attributes.
         # Tensors there are Nones: nothing reads them (_refuse_read_extras), and the example's would be held.
-        self._output_rest = () if isinstance(output, Tensor) else tuple(
-            None if isinstance(v, Tensor) else v for v in output[1:]
-        )
+        parts = _output_parts(output) or ()
+        self._output_rest = tuple(None if isinstance(v, Tensor) else v for v in parts[1:])
         self._mode = "pass"  # pass | stop | emit
         self._recorded: list[_UnitCall] | None = None
         self._emit: Tensor | None = None
@@ -485,6 +500,8 @@ class _UnitStub(nn.Module):
         hidden = self._emit if self._mode == "emit" else (args[where] if kind == "arg" else kwargs[where])  # type: ignore[index]
         if self.output_type is None:
             return hidden
+        if self._output_fields is not None:
+            return self.output_type(**dict(zip(self._output_fields, (hidden, *self._output_rest), strict=True)))
         return self.output_type((hidden, *self._output_rest))
 
 

@@ -97,6 +97,12 @@ def plain_batch(batch: Any) -> Any:
     return optree.tree_map(lambda leaf: plain_batch(dict(leaf)) if isinstance(leaf, Mapping) else leaf, batch)
 
 
+def is_model_output(value: Any) -> bool:
+    """Whether ``value`` is a Hugging Face ``ModelOutput`` (without importing transformers)."""
+    model_output = _model_output_class()
+    return model_output is not None and isinstance(value, model_output)
+
+
 def unregistered_reason(value: Any) -> str | None:
     """Why ``value``'s class stays an opaque leaf, if it was refused registration."""
     return _REFUSED.get(type(value))
