@@ -117,6 +117,8 @@ def find_blocks(module: nn.Module, where: str, prefix: str = "", who: str = "exp
             continue
         router_cls = type(getattr(sub, "gate", None))
         router = router_cls.__name__
+        # Named in a refusal as the block calls it: Jamba's is `router`, not the known blocks' `gate`.
+        described = next((type(getattr(sub, a)).__name__ for a in ("gate", "router") if hasattr(sub, a)), "none found")
         kind = known_kind(sub)
         # A block of one's own is split as written by expert_parallel only (router_aux_loss cannot read it).
         own = ("write its forward to call moe_dispatch_combine (the expert-parallel core, with one of its "
@@ -135,7 +137,7 @@ def find_blocks(module: nn.Module, where: str, prefix: str = "", who: str = "exp
             )
         if not router_known:
             raise ValueError(
-                f"{who}: {where}{'.' + path if path else ''} ({name}, router {router}) holds fused experts, "
+                f"{who}: {where}{'.' + path if path else ''} ({name}, router {described}) holds fused experts, "
                 f"but its router is not one {who} knows ({', '.join(KNOWN)} with their routers): it cannot "
                 f"tell which experts each token goes to. Use a known block, or {own}"
             )

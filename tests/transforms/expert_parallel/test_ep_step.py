@@ -131,6 +131,16 @@ def test_clear_errors() -> None:
     odd, _ = sw.functionalize(nn.Sequential(OddRouter()))
     with pytest.raises(ValueError, match=r"0 \(OddRouter, router Linear\) holds fused experts"):
         sw.expert_parallel(sw.train_step(odd, F.mse_loss, sw.optim.sgd(0.1)), "ep")
+
+    class RouterByName(nn.Module):  # Jamba's block calls its router `router` (it was named "router NoneType")
+        def __init__(self) -> None:
+            super().__init__()
+            self.router = nn.Linear(4, 2)
+            self.experts = TopKMoE(4, 4, 2, 1).experts
+
+    named, _ = sw.functionalize(nn.Sequential(RouterByName()))
+    with pytest.raises(ValueError, match=r"0 \(RouterByName, router Linear\) holds fused experts"):
+        sw.expert_parallel(sw.train_step(named, F.mse_loss, sw.optim.sgd(0.1)), "ep")
     with pytest.raises(ValueError, match="capacity_factor=-1"):
         sw.expert_parallel(step, "ep", capacity_factor=-1)
     with pytest.raises(ValueError, match="both use axis 'ep'"):
