@@ -267,6 +267,25 @@ def test_a_tokenizers_batch_encoding_trains_as_the_same_batch_as_a_dict(family: 
     sw.testing.assert_equivalent(zero3, step, sw.Mesh(dp=2), encodings, params, rtol=1e-6)
 
 
+def test_a_flag_in_a_dict_batch_is_refused_by_a_cut_naming_its_key_and_the_fix() -> None:
+    """One device takes ``{"input_ids": ..., "return_dict": True}`` (the flag is fixed at the example's
+    value); a cut of the batch cannot split a bool, and said only "got True". Passing it whole to every
+    part is not done (a list of per-row strings flattens to such leaves): the refusal names the key."""
+    model, block = build("llama")
+    batches = [({"input_ids": ids, "return_dict": True}, targets) for ids, targets in token_batches(1)]
+    chain, params = functionalize(model, units=block, example_input=batches[0][0])
+    step = sw.train_step(chain, lm_loss, sw.optim.sgd(0.1))
+    step(step.init(params), batches[0])
+    zero3 = sw.shard_params(step, "dp", 3)
+
+    def run() -> None:
+        zero3(zero3.init(params, sw.Mesh(dp=2)), batches[0])
+
+    with pytest.raises(sw.collectives.RankFailed, match=r"\(inputs, targets\)\[0\]\['return_dict'\] is True \(bool\)"
+                                                        r".*set it where the model reads it"):
+        sw.launch(run, 2)
+
+
 def test_a_split_recorded_on_one_input_structure_refuses_another() -> None:
     model, block = build("gpt2")
     chain, params = functionalize(model, units=block)  # recorded on a bare ids tensor

@@ -38,9 +38,16 @@ def split_over(
     micro-batches), so the fix names the multiple it needs, not this cut's ``parts``."""
     multiple, why = whole if whole is not None else (parts, "")
 
-    def cut(t: Any) -> Any:
+    def cut(path: tuple[Any, ...], t: Any) -> Any:
         if not isinstance(t, torch.Tensor) or t.dim() == 0:
-            raise ValueError(f"{what}: every batch leaf must be a tensor with a batch dim, got {t!r:.60}")
+            where = "".join(f"[{k!r}]" for k in path)
+            # Not passed whole to every part: a list of per-row values (strings) flattens to such leaves.
+            raise ValueError(
+                f"{what}: every batch leaf must be a tensor with a batch dim to cut, but (inputs, targets){where} is "
+                f"{t!r:.60} ({type(t).__name__}). A value that is the same for every row (a flag such as "
+                "return_dict=True) does not belong in the batch: set it where the model reads it (its config, "
+                "or a wrapper module's forward); per-row values must be tensors with the batch dim first"
+            )
         if t.shape[0] % parts:
             raise ValueError(
                 f"{what}: batch size {t.shape[0]} (tensor of shape {tuple(t.shape)}) does not divide into "
@@ -50,4 +57,4 @@ def split_over(
         size = t.shape[0] // parts
         return t[index * size : (index + 1) * size]
 
-    return optree.tree_map(cut, tree)
+    return optree.tree_map_with_path(cut, tree)
