@@ -52,6 +52,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import copy
+import dataclasses
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -225,12 +226,12 @@ Slot = tuple[str, int | str]  # ("arg", position) or ("kwarg", name)
 def _output_parts(out: Any) -> tuple[Any, ...] | None:
     """A unit's output as ``(hidden, *rest)``: a tuple or list as it is; a ``ModelOutput`` (what an
     encoder returns: ALBERT's, whose one shared layer runs as every layer, can be split no finer) as
-    its set fields in order, which is how it indexes (``out[0]`` is ``last_hidden_state``); None for
-    anything else."""
+    every one of its dataclass fields in order, the unset ones None, so that a field's place does not
+    depend on which others a call set (``last_hidden_state`` first); None for anything else."""
     if isinstance(out, (tuple, list)):
         return tuple(out)
-    if is_model_output(out):
-        return tuple(out.values())
+    if is_model_output(out) and dataclasses.is_dataclass(out):
+        return tuple(getattr(out, f.name) for f in dataclasses.fields(out))
     return None
 
 
@@ -461,9 +462,9 @@ class _UnitStub(nn.Module):
             k: v for k, v in vars(unit).items() if not k.startswith("_") and not isinstance(v, (nn.Module, Tensor))
         }
         # None: the unit returns the hidden state itself; else the tuple or ModelOutput type it returns
-        # it in, and for a ModelOutput the fields it set (rebuilt by name: its constructor takes no tuple).
+        # it in (a ModelOutput is built from its fields in order, a tuple from one iterable).
         self.output_type: type | None = None if isinstance(output, Tensor) else type(output)
-        self._output_fields = tuple(output.keys()) if is_model_output(output) else None
+        self._model_output = is_model_output(output)
         # What it passes on beyond the hidden state, and how it runs now: private, since they are
         # the split's bookkeeping (an example's outputs, the phase that ran last), not what the unit
         # computes, and the agreement check compares a module's public attributes.
@@ -500,8 +501,8 @@ class _UnitStub(nn.Module):
         hidden = self._emit if self._mode == "emit" else (args[where] if kind == "arg" else kwargs[where])  # type: ignore[index]
         if self.output_type is None:
             return hidden
-        if self._output_fields is not None:
-            return self.output_type(**dict(zip(self._output_fields, (hidden, *self._output_rest), strict=True)))
+        if self._model_output:
+            return self.output_type(hidden, *self._output_rest)
         return self.output_type((hidden, *self._output_rest))
 
 
