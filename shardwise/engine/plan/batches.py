@@ -46,7 +46,9 @@ def split_over(
                 f"{what}: every batch leaf must be a tensor with a batch dim to cut, but (inputs, targets){where} is "
                 f"{t!r:.60} ({type(t).__name__}). A value that is the same for every row (a flag such as "
                 "return_dict=True) does not belong in the batch: set it where the model reads it (its config, "
-                "or a wrapper module's forward); per-row values must be tensors with the batch dim first"
+                "or a wrapper module's forward); per-row values must be tensors with the batch dim first; a count "
+                "over the whole batch (Hugging Face's num_items_in_batch) is what train_step(tokens=...) computes "
+                "per part and sums"
             )
         if t.shape[0] % parts:
             raise ValueError(
