@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import re
+from typing import Any
 
 from torch import Tensor, nn
 
@@ -48,6 +49,17 @@ def region_failed(m: nn.Module, path: str, style: Region, err: BaseException, pa
             "heads' features together, Cohere's weight per head) meets only this rank's heads; its head counts are "
             "not the cause. Leave this module's projections out of the plan (replicated), or use a model whose "
             "norms act on each head alike (Qwen3's q_norm over head_dim)"
+        )
+    per_head = _per_head_parameter(m, style, parts, {int(n) for n in re.findall(r"\d+", str(err))})
+    if per_head is not None:
+        name, shape, count = per_head
+        return (
+            f"tensor_parallel: Region {path!r} failed ({type(err).__name__}: {err}): its parameter {name!r} of "
+            f"shape {shape} holds one value per head ({count} heads), and no style splits it, so each of the "
+            f"{parts} ranks meets every head's values with its {count // parts} heads (GPT-OSS's attention sinks); "
+            "its head counts are not the cause. A plan splits only the weights of the modules it names (Linear, "
+            "Conv1D, Embedding): leave this "
+            "module's projections out of the plan (replicated)"
         )
     counts = _head_counts(m, set(style.heads) | set(style.local))
     if not counts and (style.heads or style.local):
@@ -99,6 +111,34 @@ def _spanning_parameter(
         spans = [w for w in (math.prod(shape[k:]) for k in range(len(shape))) if w in wholes]
         if spans and any(d in sizes and d // parts in sizes and d % parts == 0 for d in shape):
             return name, shape, wholes[spans[0]], spans[0]
+    return None
+
+
+def _per_head_parameter(
+    m: nn.Module, style: Region, parts: int, sizes: set[int]
+) -> tuple[str, tuple[int, ...], int] | None:
+    """A parameter of the Region's module outside its split modules with a dim of one value per head
+    (GPT-OSS's sinks, (num_heads,)), that many and 1/parts of it among the numbers torch's error names:
+    (name, shape, the whole head count). A named count reads whole (a config's) or divided (the module's
+    own, while the rank's heads run), so both are tried."""
+    counts: set[int] = set()
+    for dotted in style.heads:
+        owner: Any = m
+        for part in dotted.split("."):
+            owner = getattr(owner, part, None)
+        if type(owner) is int:
+            counts |= {owner, owner * parts}
+    styled = set()
+    for sub, inner in m.named_modules():
+        install = getattr(inner.__dict__.get("forward"), "install", None)  # a TPForward's; a Region splits none
+        if isinstance(install, Install) and not isinstance(install.style, Region):
+            styled.add(sub)
+    for name, t in m.named_parameters():
+        if name.rpartition(".")[0] in styled:
+            continue
+        for d in t.shape:
+            if d in counts and d % parts == 0 and d in sizes and d // parts in sizes:
+                return name, tuple(t.shape), d
     return None
 
 

@@ -202,6 +202,28 @@ def test_a_norm_spanning_every_head_is_named_not_the_head_counts() -> None:
         sw.tensor_parallel(step, "tp", sw.tp.llama_plan()).plan(sw.Mesh(tp=2), params, batches[0])
 
 
+def test_a_parameter_per_head_is_named_not_the_head_counts() -> None:
+    """GPT-OSS's attention sinks, (num_heads,), are concatenated to each head's scores; no style splits them,
+    so a rank's 2 heads met all 4 sinks, and the refusal blamed the head counts the Region named."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssDecoderLayer
+
+    def make() -> nn.Module:
+        config = transformers.GptOssConfig(**{**_HF, "intermediate_size": 16}, num_key_value_heads=2, head_dim=8,
+                                           num_local_experts=4, num_experts_per_tok=2, attn_implementation="eager",
+                                           experts_implementation="eager", pad_token_id=0, eos_token_id=1,
+                                           bos_token_id=1)
+        return transformers.GptOssForCausalLM(config)
+
+    step, params, batches = _tiny_hf(make, GptOssDecoderLayer)
+    heads = ("config.num_attention_heads", "config.num_key_value_heads")
+    plan = {"model.layers.*.self_attn": sw.tp.Region(heads=heads),
+            "model.layers.*.self_attn.[qkv]_proj": sw.tp.Colwise(),
+            "model.layers.*.self_attn.o_proj": sw.tp.Rowwise(), "lm_head": sw.tp.Colwise(output="sharded")}
+    with pytest.raises(ValueError, match=r"its parameter 'sinks' of shape \(4,\) holds one value per head \(4 heads\)"):
+        sw.tensor_parallel(step, "tp", plan).plan(sw.Mesh(tp=2), params, batches[0])
+
+
 def test_phi3_reading_its_configs_head_count_is_told_so() -> None:
     """Phi-3 slices q at config.num_attention_heads * head_dim: o_proj got the whole width, and the refusal
     told to give the module before it Colwise(), which it had."""
