@@ -82,6 +82,16 @@ def _digest(fn: Any) -> str:
     return hashlib.sha256(ast.dump(node, annotate_fields=False).encode()).hexdigest()[:16]
 
 
+def same_code(cls: type, checked: dict[str, str], method: str = "forward") -> bool:
+    """Whether ``cls``, a transformers class defining ``method`` itself, has the code of one of ``checked``
+    (class name -> defining module; each in :data:`CHECKED`): another model's copy of a checked class
+    (Hugging Face's "Copied from"), which a reproduction of that code computes as it does."""
+    if not cls.__module__.startswith("transformers.") or method not in vars(cls):
+        return False
+    digests = {CHECKED.get(f"{module}.{name}.{method}") for name, module in checked.items()} - {None}
+    return bool(digests) and digest(cls, method) in digests
+
+
 def check_reproduced(cls: type, who: str, where: str, method: str = "forward") -> None:
     """Refuse ``cls`` where its ``method`` is not the code ``who`` checked its reproduction against."""
     want = CHECKED.get(key(cls, method))

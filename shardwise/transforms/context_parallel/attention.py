@@ -8,7 +8,9 @@ rotary ``position_embeddings`` (Llama's, and Qwen3's with its per-head ``q_norm`
 :class:`HFForward`), and GPT-2's on ``sdpa`` with its fused
 ``c_attn`` and ``c_proj`` (:class:`GPT2Forward`; its learned position table ``wpe`` is listed in
 ``positions=``). Each is recognised by its parts, and replaced only where its class is one whose
-forward was checked equal to the one installed; another class with the same parts is refused.
+forward was checked equal to the one installed, or a transformers class whose forward is such a class's
+line for line (another model's copy: GLM-4's, ERNIE 4.5's; ``engine/model/reproduced.py``); another
+class with the same parts is refused.
 Each takes the padding / packed-sequence mask the layer reading the batch made
 (a :class:`TokenMask` in the mask's place). Any other module whose class name ends in
 ``Attention`` is refused, naming it: left as it is it would attend within the rank's part of the
@@ -39,7 +41,7 @@ from torch import nn
 from ...engine.model.calls import forward_calls
 from ...engine.model.chain import Layer
 from ...engine.model.module_call import module_fn
-from ...engine.model.reproduced import check_reproduced
+from ...engine.model.reproduced import check_reproduced, same_code
 from ...engine.stack import in_layer
 from .comm import attend
 from .layout import shard_order
@@ -260,15 +262,19 @@ _VERIFIED_TINYGPT = {"CausalSelfAttention": "shardwise.testing.models"}
 
 
 def _verified(module: nn.Module, verified: dict[str, str], where: str | None = None) -> str | None:
-    """The verified attention ``module`` is (its class or a base), if the forward it runs is that class's own;
-    with ``where``, also refused if that forward's code is not the one checked (``engine/model/reproduced.py``)."""
+    """The verified attention ``module`` is (its class or a base, or a transformers class whose forward is
+    one of theirs line for line: ``reproduced.same_code``), if the forward it runs is that class's own; with
+    ``where``, a class verified by name is also refused if its forward is not the code checked
+    (``engine/model/reproduced.py``)."""
     for cls in type(module).__mro__:
-        if verified.get(cls.__name__) == cls.__module__:
-            if type(module).forward is not getattr(cls, "forward", None):
-                return None
-            if where is not None:
-                check_reproduced(cls, "context_parallel", where)
-            return cls.__name__
+        by_name = verified.get(cls.__name__) == cls.__module__
+        if not by_name and not same_code(cls, verified):
+            continue
+        if type(module).forward is not getattr(cls, "forward", None):
+            return None
+        if by_name and where is not None:
+            check_reproduced(cls, "context_parallel", where)
+        return cls.__name__
     return None
 
 

@@ -127,6 +127,16 @@ def test_an_attention_whose_forward_is_llamas_line_for_line_equals_the_single_de
     sw.testing.assert_equivalent(sw.context_parallel(step, "cp"), step, sw.Mesh(cp=2), batches, params)
 
 
+@pytest.mark.parametrize("family", ["Glm4", "Ernie4_5"])
+def test_another_models_copy_of_a_verified_attention_is_split_by_its_code(family: str) -> None:
+    """GLM-4's and ERNIE 4.5's attentions are classes of their own whose forward is Llama's line for line
+    (Hugging Face's "Copied from"): recognised by their code (engine/model/reproduced.py's same_code), not by
+    a list of names. GLM-4 rotates half of each head, interleaved, by its module's own apply_rotary_pos_emb,
+    which the installed forward calls."""
+    step, params, batches = _per_layer(family, pad_token_id=1)
+    sw.testing.assert_equivalent(sw.context_parallel(step, "cp"), step, sw.Mesh(cp=2), batches, params)
+
+
 def test_an_hf_attention_with_a_module_its_forward_leaves_out_is_refused() -> None:
     """OLMo-2's attention has Llama's q_proj .. o_proj plus q_norm and k_norm over all heads at once, which
     the forward context_parallel installs does not apply: it trained another model without an error (the
