@@ -17,6 +17,11 @@ A block is a module with an ``experts`` child holding fused 3-D ``gate_up_proj``
   They have no load-balancing loss (the bias balances them, updated outside the gradient):
   ``router_aux_loss`` refuses them.
 
+A block of another transformers model whose forward is a known block's line for line (Hugging Face's
+"Copied from": Dots1's of DeepSeek-V3's, FlexOlmo's of OLMoE's), with a router and experts of the known
+ones' code too, is that kind (``engine/model/reproduced.py``'s ``same_code``); a known one by name must be
+the code checked.
+
 A block of any class whose own forward calls :func:`moe_dispatch_combine` (``engine/model/calls.py``
 reads its code) routes with one of ``router.py``'s routers already: kind :data:`OWN`, split as written
 (``own_block.py``). Any other module holding fused experts is refused, naming it: its router is not
@@ -34,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...engine.model.calls import forward_calls
-from ...engine.model.reproduced import check_reproduced
+from ...engine.model.reproduced import check_reproduced, same_code
 from .capacity import expert_capacity
 from .dispatch import moe_dispatch_combine
 from .router import Routing
@@ -72,9 +77,27 @@ def known_kind(module: nn.Module) -> str | None:
     forward it runs is that block's own: expert_parallel replaces the forward with its reproduction,
     so a subclass's or a same-named copy's forward (added dropout, noise, scaling) would be lost."""
     for cls in type(module).__mro__:
-        if _HOME.get(cls.__name__) == cls.__module__:
-            return cls.__name__ if type(module).forward is getattr(cls, "forward", None) else None
+        kind = cls.__name__ if _HOME.get(cls.__name__) == cls.__module__ else _kind_by_code(cls)
+        if kind is not None:
+            return kind if type(module).forward is getattr(cls, "forward", None) else None
     return None
+
+
+def _kind_by_code(cls: type) -> str | None:
+    """The known HF block whose forward ``cls`` (a transformers class) has line for line: another model's
+    copy (Dots1's of DeepSeek-V3's, FlexOlmo's of OLMoE's), computed as the known one is."""
+    return next((kind for kind, home in _HOME.items() if kind != "TopKMoE" and same_code(cls, {kind: home})), None)
+
+
+def _router_known(kind: str | None, router: type) -> bool:
+    """Whether the router of a ``kind`` block is one expert_parallel computes as the block does: any under a
+    block that calls its router (OWN_ROUTER), else the known block's router class, or a copy of its code."""
+    if kind == "TopKMoE" or kind in OWN_ROUTER:
+        return True
+    if kind not in _ROUTER_OF:
+        return False
+    want = {_ROUTER_OF[kind]: _HOME[kind]}
+    return (router.__name__ == _ROUTER_OF[kind] and router.__module__ == _HOME[kind]) or same_code(router, want)
 
 
 @dataclass(frozen=True)
@@ -116,7 +139,6 @@ def find_blocks(module: nn.Module, where: str, prefix: str = "", who: str = "exp
             found.append(Block(path, OWN, int(sub.experts.gate_up_proj.shape[0]), prefix))
             continue
         router_cls = type(getattr(sub, "gate", None))
-        router = router_cls.__name__
         # Named in a refusal as the block calls it: Jamba's is `router`, not the known blocks' `gate`.
         described = next((type(getattr(sub, a)).__name__ for a in ("gate", "router") if hasattr(sub, a)), "none found")
         kind = known_kind(sub)
@@ -124,9 +146,7 @@ def find_blocks(module: nn.Module, where: str, prefix: str = "", who: str = "exp
         own = ("write its forward to call moe_dispatch_combine (the expert-parallel core, with one of its "
                "routers) on its experts' weights over the transform's axis" if who == "expert_parallel"
                else f"leave {who} out")
-        router_known = kind == "TopKMoE" or (
-            kind in _ROUTER_OF and router == _ROUTER_OF[kind] and router_cls.__module__ == _HOME[kind]
-        )
+        router_known = _router_known(kind, router_cls)
         if kind is None and any(c.__name__ in KNOWN for c in type(sub).__mro__):
             raise ValueError(
                 f"{who}: {where}{'.' + path if path else ''} is a {name} whose forward is not "
@@ -157,20 +177,25 @@ def find_blocks(module: nn.Module, where: str, prefix: str = "", who: str = "exp
 
 def _check_reproduced_parts(block: nn.Module, kind: str, who: str, where: str) -> None:
     """The known HF block's forward, its router's (where reproduced, not called) and its experts' must be the
-    code the reproduction was checked against (``engine/model/reproduced.py``); experts of another class
-    than the block's own (swapped in) are refused, as their forward is replaced too."""
-    cls = next(c for c in type(block).__mro__ if c.__name__ == kind)
-    check_reproduced(cls, who, where)
-    if kind not in OWN_ROUTER:
-        check_reproduced(type(block.gate), who, f"{where}.gate")
-    experts = type(block.experts)
-    if experts.__name__ != _EXPERTS_OF[kind] or experts.__module__ != _HOME[kind]:
+    code the reproduction was checked against (``engine/model/reproduced.py``): by name, the checked code;
+    another model's copy was recognised by its code already. Experts of another class than the block's own
+    (swapped in) are refused, as their forward is replaced too."""
+    named = [c for c in type(block).__mro__ if c.__name__ == kind and c.__module__ == _HOME[kind]]
+    if named:
+        check_reproduced(named[0], who, where)
+    gate = type(block.gate)
+    if kind not in OWN_ROUTER and gate.__name__ == _ROUTER_OF[kind] and gate.__module__ == _HOME[kind]:
+        check_reproduced(gate, who, f"{where}.gate")
+    experts, want = type(block.experts), {_EXPERTS_OF[kind]: _HOME[kind]}
+    if experts.__name__ == _EXPERTS_OF[kind] and experts.__module__ == _HOME[kind]:
+        check_reproduced(experts, who, f"{where}.experts")
+    elif not same_code(experts, want):
         raise ValueError(
             f"{who}: {where}.experts is a {experts.__name__} (from {experts.__module__}), not the {kind}'s own "
-            f"{_EXPERTS_OF[kind]}, whose forward {who} reproduces on the split experts: what yours computes "
-            f"otherwise would be left out without an error. Use the model's {_EXPERTS_OF[kind]}, or leave {who} out"
+            f"{_EXPERTS_OF[kind]} nor a copy of its code, whose forward {who} reproduces on the split experts: "
+            f"what yours computes otherwise would be left out without an error. Use the model's experts, or "
+            f"leave {who} out"
         )
-    check_reproduced(experts, who, f"{where}.experts")
 
 
 def _router(module: Any, kind: str) -> tuple[Callable[[torch.Tensor], torch.Tensor], str, Any]:

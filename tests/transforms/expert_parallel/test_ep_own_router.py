@@ -47,12 +47,18 @@ def _glm4_moe() -> tuple[Any, type]:
     return transformers.Glm4MoeForCausalLM(cfg), Glm4MoeDecoderLayer
 
 
+def _dots1() -> tuple[Any, type]:
+    from transformers.models.dots1.modeling_dots1 import Dots1DecoderLayer
+
+    return transformers.Dots1ForCausalLM(transformers.Dots1Config(**ROUTING, **COMMON)), Dots1DecoderLayer
+
+
 MODELS = {"DeepSeek-V3": _deepseek_v3, "GLM-4-MoE": _glm4_moe}
 
 
 def _model(family: str) -> tuple[sw.Step, Any, list[tuple[torch.Tensor, torch.Tensor]]]:
     torch.manual_seed(0)
-    model, layer = MODELS[family]()
+    model, layer = {**MODELS, **COPIES}[family]()
     model = model.double()
     gen = torch.Generator().manual_seed(3)
     for module in model.modules():  # HF zero-initializes the routers: every score would tie
@@ -175,3 +181,27 @@ def test_every_rank_issues_exactly_the_collectives_its_plan_lists() -> None:
         assert got == [(c.op, c.axis, c.dtype, c.nbytes) for c in plan.collectives(rank)], f"rank {rank}"
     # Two MoE layers, each a dispatch and a combine forward and their transposes in backward.
     assert sum(c.op == "all_to_all" for c in plan.collectives(0)) == 2 * 2 * 2
+
+
+def _flex_olmo() -> tuple[Any, type]:
+    from transformers.models.flex_olmo.modeling_flex_olmo import FlexOlmoDecoderLayer
+
+    config = transformers.FlexOlmoConfig(intermediate_size=12, num_experts=4, num_experts_per_tok=2, **COMMON)
+    return transformers.FlexOlmoForCausalLM(config), FlexOlmoDecoderLayer
+
+
+# Blocks of other models whose code is a known block's line for line (Hugging Face's "Copied from"), their
+# routers and experts too: Dots1's is DeepSeek-V3's, FlexOlmo's OLMoE's (its softmax router reproduced).
+COPIES = {"Dots1": _dots1, "FlexOlmo": _flex_olmo}
+
+
+@pytest.mark.parametrize("family", list(COPIES))
+def test_another_models_copy_of_a_known_block_is_split_by_its_code(
+        family: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    if family == "Dots1":  # its router in float64, as above (HF's computes in float32)
+        monkeypatch.setattr("transformers.models.dots1.modeling_dots1.Dots1TopkRouter.forward",
+                            _router_in_the_models_dtype)
+    step, params, data = _model(family)
+    ep, mesh = _ep(step, "dp x ep zero3")
+    assert sorted(name for (_layer, name) in ep.split.tensor_splits(ep.chain, mesh))
+    sw.testing.assert_equivalent(ep, step, mesh, data, params)
