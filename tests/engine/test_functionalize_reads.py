@@ -378,13 +378,6 @@ def test_an_encoders_output_returned_beside_decoder_units_is_refused_naming_wher
     assert chain.names == ("embed", "model.encoder.layers.0", "model.encoder.layers.1", "head")
 
 
-def test_a_list_of_unit_classes_is_refused_naming_the_class() -> None:
-    layer = T.models.bart.modeling_bart.BartEncoderLayer
-    ids = token_batches("tokens")[0][0]
-    with pytest.raises(FunctionalizeError, match=r"units=\[\.\.\.\] lists submodule paths.*units=BartEncoderLayer"):
-        functionalize(bart(), units=[layer, T.models.bart.modeling_bart.BartDecoderLayer], example_input=ids)
-
-
 class LogitsOnly(nn.Module):
     """The way out the refusal gives: a module returning only what the loss reads."""
 

@@ -8,9 +8,9 @@ module is run once on an example input while hooks record, in order, every
 unit call with its arguments and output, and when every other submodule runs.
 The chain is then
 
-* ``"embed"``: ``root(x)`` up to the last unit, with the units replaced by stubs
-  that pass the hidden state through and record what forward gives each unit
-  (it stops at the last one). Its output, the *carry*, is a tuple of tensors:
+* ``"embed"``: ``root(x)`` up to the last unit (of the first segment, below), with the
+  units replaced by stubs that pass the hidden state through and record what forward
+  gives each unit (it stops at the last one). Its output, the *carry*, is a tuple of tensors:
   the hidden state, every tensor the units receive besides it (mask, position
   ids, ``(cos, sin)``), and the tensors of ``x`` itself (ids, mask, labels).
 * one layer per unit: ``unit(hidden, **what forward gave it)`` through
@@ -19,8 +19,20 @@ The chain is then
   the carried hidden state: the code after the loop (norm, head, loss) runs as
   written, and the output is the module's own (a ``ModelOutput``).
 
+* a ``"bridge"`` where the units form two *segments* (an encoder's layers, then a
+  decoder's): units of one container pass the hidden state straight on, and code
+  between two containers that makes a new one (the encoder's final norm, the
+  decoder's embedding and masks) is a layer of its own. It is ``head`` and
+  ``embed`` in one: ``root(x)`` again, the units before it passing their input on,
+  the segment's last returning the carried hidden state, up to the last unit of
+  the next segment, recording what forward gives its units. Its output is the next
+  segment's carry (the decoder's hidden state, the encoder's output as
+  ``encoder_hidden_states``, the masks, the batch's tensors), so the encoder's
+  layers get their gradient through the decoder's layers and the bridge, as in the
+  module. (Several segments give ``"bridge.1"``, ``"bridge.2"``, ...)
+
 The code before the first unit thus runs twice (in ``embed`` and, discarded, in
-``head``): cheap (an embedding lookup and a mask), and exact. In ``head`` the
+``head``): cheap (an embedding lookup and a mask), and exact. In ``head`` (and a bridge) the
 parameters only that code reads are zero placeholders (one element each,
 expanded), so the last pipeline stage does not hold the embedding table, and its
 dropout modules run in eval mode so the replay draws no random numbers.
@@ -28,17 +40,22 @@ Which phase holds a parameter is decided by what the recording saw READ (a
 TorchFunctionMode, ``tensor_reads.py``), not by which modules ran: DeBERTa reads
 ``rel_embeddings.weight`` by attribute before its layers and never calls the
 module; a value computed before the loop from a parameter and used after it puts
-that parameter in ``head`` too. The example check (``functionalize`` always runs
+that parameter in ``head`` too, and one read before the encoder and in the bridge
+(BART's shared embedding table) is in both: ``embed`` owns it, the bridge ties to
+it (``Layer.ties``). The example check (``functionalize`` always runs
 it here) proves bitwise that the chain equals the module, and, during it, a read of
 a placeholder that can reach a phase's output, or a value computed from one that forward
-returns as it is (an encoder's output beside decoder layers as units), is refused by name
-(a zero-initialised weight would compare equal).
+returns as it is (an encoder's output beside decoder layers as units, or beside both stacks:
+wrap the model to return its logits) or that a bridge hands the next units, is refused by
+name (a zero-initialised weight would compare equal).
 
 A unit may return more than its hidden state (Bloom's and GPT-Neo's blocks return
 their attention weights even with ``output_attentions=False``): only ``output[0]``
 passes on, so the recording must show that nothing reads the rest; where the code
 around the units (or the next unit: T5's position bias) reads it, it is refused,
-naming the output and its reader.
+naming the output and its reader. An encoder's output reaches the decoder's units
+only as the last encoder unit's hidden state, through the bridge: what the decoder's
+units receive is recorded there, never taken from a unit's other outputs.
 
 What crosses a boundary is a tuple of tensors, a structure fixed by the example
 input (a pipeline sends tensors). A tensor-or-None argument travels as a tensor
@@ -62,7 +79,7 @@ from torch import Tensor, nn
 
 from ..torch_api import fake_tensors, is_fake, storage_key
 from .fx_split import FunctionalizeError
-from .module_call import ThreadReplicas, call_arguments, kept_in_copies
+from .module_call import ModuleCall, ThreadReplicas, call_arguments, kept_in_copies
 from .pytrees import register_output_types
 from .reuse import module_signature, reusing_forwards
 from .tensor_reads import ReadLog, StandInGuard, tensors_in
@@ -94,13 +111,18 @@ class _UnitCall:
     output: Any = None
 
 
+# Where forward is, outside the units: gap g is the code that runs after g units have returned (gap 0
+# before the first, gap len(units) after the last).
+Gap = int
+
+
 @dataclass
 class _Recording:
     calls: list[_UnitCall]
-    phase: dict[str, set[str]]  # module path -> {"before", "between", "after"}
+    phase: dict[str, set[Gap]]  # module path -> the gaps it runs in
     output: Any
     executed: list[str]  # unit paths in the order forward ran them
-    param_reads: dict[str, set[str]]  # "before" | "between" | "after" -> names of the params read there
+    param_reads: dict[Gap, set[str]]  # names of the params read in each gap
     extra_reads: list[tuple[str, int, str]]  # (unit, output index, what reads it) for outputs beyond [0]
 
 
@@ -112,14 +134,12 @@ def _record(root: nn.Module, paths: list[str], x: Any, fake_units: bool = False)
     unit_index = {p: i for i, p in enumerate(paths)}
     faking = contextlib.ExitStack()
     calls: dict[int, _UnitCall] = {}
-    phase: dict[str, set[str]] = {}
+    phase: dict[str, set[Gap]] = {}
     state = {"started": 0, "ended": 0, "inside": 0}
     handles = []
 
-    def when() -> str:
-        if state["started"] == 0:
-            return "before"
-        return "after" if state["ended"] == len(paths) else "between"
+    def when() -> Gap:
+        return state["ended"]
 
     # Parameter reads outside the units, wherever the tensor came from (a module call or an attribute,
     # as DeBERTa's rel_embeddings.weight), and every use of what a unit returns beyond its hidden state.
@@ -191,11 +211,12 @@ def _record(root: nn.Module, paths: list[str], x: Any, fake_units: bool = False)
             f"functionalize: units {missing} are never called when {type(root).__name__} runs on the "
             "example input; choose units that forward calls."
         )
-    for label, op in [r for place in ("before", "between", "after") for r in log.reads.get(place, [])]:
+    gaps = range(len(paths) + 1)
+    for label, op in [r for gap in gaps for r in log.reads.get(gap, [])]:
         if label in extra_labels:
             unit, k = extra_labels[label]
             extra_reads.append((unit, k, f"{op}() in {type(root).__name__}'s forward reads it"))
-    param_reads = {place: log.labels(place) for place in ("before", "between", "after")}
+    param_reads = {gap: log.labels(gap) for gap in gaps}
     return _Recording(
         [calls[i] for i in range(len(paths))], phase, output, [paths[i] for i in calls], param_reads, extra_reads
     )
@@ -244,35 +265,87 @@ def _describe(value: Any) -> str:
     return f"a {type(value).__name__}"
 
 
-def _hidden_slot(paths: list[str], calls: list[_UnitCall]) -> Slot:
-    """Which argument of every unit is the hidden state: the one the previous unit's output fills."""
-    slots: list[Slot] = []
-    for i in range(1, len(calls)):
-        previous = _hidden_of_output(paths[i - 1], calls[i - 1].output)
-        found: list[Slot] = [("arg", j) for j, a in enumerate(calls[i].args) if a is previous]
-        found += [("kwarg", k) for k, v in calls[i].kwargs.items() if v is previous]
-        if not found:
-            raise FunctionalizeError(
-                f"functionalize: unit {paths[i]!r} does not receive the output of {paths[i - 1]!r}: forward "
-                f"changes the hidden state between them. Make that code part of a unit (list units by "
-                f"path), or split at modules that pass their output straight on."
-            )
-        slots.append(found[0])
-    _hidden_of_output(paths[-1], calls[-1].output)
+@dataclass(frozen=True)
+class _Segment:
+    """Units that hand one hidden state straight from each to the next (an encoder's layers), each
+    receiving it in argument ``slot``. Two segments (an encoder's layers, then a decoder's) have code
+    between them that makes the next one's hidden state (the encoder's final norm, the decoder's
+    embedding and masks): a bridge layer runs it."""
+
+    start: int  # index of its first unit
+    stop: int  # one past its last
+    slot: Slot
+
+
+def _segments(paths: list[str], calls: list[_UnitCall]) -> list[_Segment]:
+    """The units cut where the hidden state stops passing straight on, with the argument each segment's
+    units receive it in. Units of one container (``encoder.layers``) are one loop, so forward must hand
+    each the previous one's output: code changing it between two of them has no layer to run in and is
+    refused. Between containers (``encoder.layers.1`` and ``decoder.layers.0``) it is a bridge."""
+    n = len(calls)
+    outputs = [_hidden_of_output(paths[i], calls[i].output) for i in range(n)]
+    receives: list[list[Slot]] = [[]] + [_slots_holding(calls[i], outputs[i - 1]) for i in range(1, n)]
+    loops = _loops(paths)
+    slots: dict[int, Slot] = {}  # per loop: where its units receive the hidden state
+    for first, stop in loops:
+        inner: list[Slot] = []
+        for i in range(first + 1, stop):
+            if not receives[i]:
+                raise FunctionalizeError(
+                    f"functionalize: unit {paths[i]!r} does not receive the output of {paths[i - 1]!r}: forward "
+                    f"changes the hidden state between them. Make that code part of a unit (list units by "
+                    f"path), or split at modules that pass their output straight on."
+                )
+            inner.append(receives[i][0])
+        _refuse_mixed_slots(inner)
+        slots[first] = inner[0] if inner else _lone_unit_slot(paths[first], calls[first], receives[first])
+    segments: list[_Segment] = []
+    for first, stop in loops:
+        joined = segments and first > 0 and slots[first] in receives[first]
+        if joined and segments[-1].slot != slots[first]:
+            _refuse_mixed_slots([segments[-1].slot, slots[first]])
+        if joined:
+            segments[-1] = _Segment(segments[-1].start, stop, slots[first])
+        else:
+            segments.append(_Segment(first, stop, slots[first]))
+    return segments
+
+
+def _loops(paths: list[str]) -> list[tuple[int, int]]:
+    """(first, stop) index ranges of consecutive units in one container: the loops of forward."""
+    loops: list[tuple[int, int]] = []
+    for i, path in enumerate(paths):
+        if loops and path.rpartition(".")[0] == paths[i - 1].rpartition(".")[0]:
+            loops[-1] = (loops[-1][0], i + 1)
+        else:
+            loops.append((i, i + 1))
+    return loops
+
+
+def _slots_holding(call: _UnitCall, value: Tensor) -> list[Slot]:
+    found: list[Slot] = [("arg", j) for j, a in enumerate(call.args) if a is value]
+    return found + [("kwarg", k) for k, v in call.kwargs.items() if v is value]
+
+
+def _refuse_mixed_slots(slots: list[Slot]) -> None:
     if slots and any(s != slots[0] for s in slots):
         raise FunctionalizeError(
             f"functionalize: the units receive their hidden state in different arguments ({slots}); "
             "choose units of one kind."
         )
-    if slots:
-        return slots[0]
-    first = calls[0]
-    if first.args:
+
+
+def _lone_unit_slot(path: str, call: _UnitCall, receives: list[Slot]) -> Slot:
+    """Where a unit alone in its container receives its hidden state: its first argument, or
+    ``hidden_states=``, or where it receives the previous unit's output."""
+    if call.args:
         return ("arg", 0)
-    if "hidden_states" in first.kwargs:
+    if "hidden_states" in call.kwargs:
         return ("kwarg", "hidden_states")
+    if receives:
+        return receives[0]
     raise FunctionalizeError(
-        f"functionalize: cannot tell which argument of {paths[0]!r} is its input; list two units or more"
+        f"functionalize: cannot tell which argument of {path!r} is its input; list two units or more"
     )
 
 
@@ -334,7 +407,8 @@ _TRAVELS = object()
 
 
 class _Layout:
-    """Carry = (hidden, one entry per group of unit arguments, the tensors of the input)."""
+    """Carry = (hidden, one entry per group of unit arguments, the tensors of the input): the value
+    passed between the layers of one segment of units (``paths``, ``calls``: its units)."""
 
     def __init__(self, paths: list[str], calls: list[_UnitCall], slot: Slot, x: Any) -> None:
         self.paths = paths
@@ -497,17 +571,19 @@ def _read_inside_unit(path: str, name: str) -> str:
     )
 
 
-def _stubbed_root(root: nn.Module, paths: list[str], recording: _Recording, slot: Slot) -> nn.Module:
+def _stubbed_root(root: nn.Module, paths: list[str], recording: _Recording, segments: list[_Segment]) -> nn.Module:
     """A copy of ``root`` (sharing its tensors) whose units are stubs."""
     named = [*root.named_parameters(remove_duplicate=False), *root.named_buffers(remove_duplicate=False)]
     memo: dict[int, Any] = {**kept_in_copies(root), **{id(t): t for _, t in named}}
     for path in paths:  # the units themselves are not copied
         memo[id(root.get_submodule(path))] = None
     stubbed = copy.deepcopy(root, memo)
-    for i, path in enumerate(paths):
-        parent_path, _, attr = path.rpartition(".")
-        parent = stubbed.get_submodule(parent_path)
-        parent._modules[attr] = _UnitStub(root.get_submodule(path), i, slot, recording.calls[i].output, path)
+    for seg in segments:
+        for i in range(seg.start, seg.stop):
+            path = paths[i]
+            parent_path, _, attr = path.rpartition(".")
+            parent = stubbed.get_submodule(parent_path)
+            parent._modules[attr] = _UnitStub(root.get_submodule(path), i, seg.slot, recording.calls[i].output, path)
     return stubbed
 
 
@@ -571,13 +647,22 @@ def guarding_stand_ins() -> Iterator[None]:
 
 
 def _guard(
-    layer: str, stand_ins: dict[str, Tensor], counts: Callable[[], bool]
+    layer: str, stand_ins: dict[str, Tensor], counts: Callable[[], bool], between: str = ""
 ) -> contextlib.AbstractContextManager[Any]:
-    """Under :func:`guarding_stand_ins`, a :class:`StandInGuard` over ``layer``'s stand-ins; else nothing."""
+    """Under :func:`guarding_stand_ins`, a :class:`StandInGuard` over ``layer``'s stand-ins; else nothing.
+    ``between``: for a bridge, the two units it runs between (``'a' and 'b'``)."""
     if not _GUARDING.get():
         return contextlib.nullcontext()
 
     def refuse(name: str, op: str) -> FunctionalizeError:
+        if op == "return" and between:
+            return FunctionalizeError(
+                f"functionalize: the code between units {between} (layer {layer!r}) hands the units after it a "
+                f"value computed, before that code, from parameter {name!r}, which layer {layer!r} does not hold: "
+                "only the hidden state of the units before passes into it, so it sees a zero stand-in. Make the "
+                "code that computes the value run the same way on every call, or split with units=None (one layer "
+                "holds every parameter)."
+            )
         if op == "return":
             return FunctionalizeError(
                 f"functionalize: the model returns a value the code before the first unit computed from "
@@ -585,12 +670,16 @@ def _guard(
                 "own arguments pass through the units, so the code after them sees a zero stand-in (an "
                 "encoder's output returned beside a decoder whose layers are the units; LLaVA's image_hidden_states). "
                 "Wrap the model in a module whose forward returns only what the loss reads (the logits, or the "
-                "model's own loss), or pass as units layers that run before the code computing it (an "
-                "encoder-decoder's encoder layers, the decoder after them), or units=None (one layer holds every "
-                "parameter)."
+                "model's own loss; so wrapped, an encoder-decoder splits per layer in both stacks: "
+                "units=(EncoderLayer, DecoderLayer)), or pass as units layers that run before the code computing "
+                "it (an encoder-decoder's encoder layers, the decoder after them), or units=None (one layer holds "
+                "every parameter)."
             )
         if layer == EMBED:
             where, seen = "the code before the first unit", "did not see the code before the units read it"
+        elif between:
+            where = f"the code between units {between} (through a value computed before the first of them)"
+            seen = "saw it read before those units only"
         else:
             where = "the code after the last unit (through a value computed before the units)"
             seen = "saw it read before the units only"
@@ -604,12 +693,69 @@ def _guard(
     return StandInGuard(stand_ins, counts, refuse)
 
 
-class EmbedFn:
-    """``root(x)`` up to the last unit: returns the carry."""
+def _set_stubs(
+    stubs: list[_UnitStub], recorded: list[_UnitCall] | None = None, record: range = range(0),
+    stop: int | None = None, emit: int | None = None, hidden: Tensor | None = None,
+) -> _UnitStub | None:
+    """Set the stubs for one replay of forward: every one passes its hidden state on, those in ``record``
+    record their calls in ``recorded``, the one at ``stop`` ends forward (``_Stopped``), the one at
+    ``emit`` returns ``hidden`` (the carried state: the units before it ran in their own layers). Returns
+    the emitting stub."""
+    for stub in stubs:
+        stub._mode, stub._recorded = "pass", None
+    for i in record:
+        stubs[i]._recorded = recorded
+    if stop is not None:
+        stubs[stop]._mode = "stop"
+    if emit is None:
+        return None
+    emitting = stubs[emit]
+    emitting._mode, emitting._emit, emitting._emitted = "emit", hidden, False
+    return emitting
 
-    def __init__(self, stubbed: nn.Module, layout: _Layout, placeholders: _Placeholders) -> None:
+
+def _clear_stubs(stubs: list[_UnitStub]) -> None:
+    """Drop what a replay left on the stubs (the recorded calls, the carried state): not held on."""
+    for stub in stubs:
+        stub._recorded, stub._emit = None, None
+
+
+def _run_to_stop(
+    call: ModuleCall, tensors: dict[str, Tensor], args: Any, kwargs: Any,
+    guard: contextlib.AbstractContextManager[Any], stubs: list[_UnitStub], stop: int,
+) -> None:
+    """Forward up to the stub at ``stop``, which ends it."""
+    try:
+        with guard:
+            call.call(tensors, args, kwargs)
+    except _Stopped:
+        return
+    raise FunctionalizeError(
+        f"functionalize: forward did not reach unit {stubs[stop].path!r} on this input, as it did on the example"
+    )
+
+
+def _carry_of_segment(
+    layout: _Layout, seg: _Segment, recorded: list[_UnitCall], x: Any, tensors: dict[str, Tensor]
+) -> tuple[Tensor, ...]:
+    """The carry of the units of ``seg`` from the calls a replay recorded of them."""
+    if len(recorded) != seg.stop - seg.start:
+        raise FunctionalizeError(
+            f"functionalize: forward called {len(recorded)} of the units {layout.paths[0]!r} .. "
+            f"{layout.paths[-1]!r} on this input, but {seg.stop - seg.start} on the example"
+        )
+    kind, where = seg.slot
+    first = recorded[0]
+    hidden = first.args[where] if kind == "arg" else first.kwargs[where]  # type: ignore[index]
+    return _own_copies(layout.carry(hidden, recorded, x), tensors)
+
+
+class EmbedFn:
+    """``root(x)`` up to the last unit of the first segment: returns its carry."""
+
+    def __init__(self, stubbed: nn.Module, layout: _Layout, seg: _Segment, placeholders: _Placeholders) -> None:
         self.replicas = ThreadReplicas(stubbed)
-        self.layout, self.placeholders = layout, placeholders
+        self.layout, self.seg, self.placeholders = layout, seg, placeholders
 
     def reuse_key(self) -> Hashable | None:
         """Itself: one of a chain (nothing else computes alike), the same under every layout of a plan
@@ -620,32 +766,65 @@ class EmbedFn:
         call = self.replicas.get()
         stubs = _stubs(call.module)
         recorded: list[_UnitCall] = []
-        for stub in stubs:
-            stub._mode, stub._recorded = "pass", recorded
-        stubs[-1]._mode = "stop"
+        stop = self.seg.stop - 1
+        _set_stubs(stubs, recorded, range(self.seg.start, self.seg.stop), stop=stop)
         args, kwargs = call_arguments(call.module, x)
         stand_ins = self.placeholders.make(tensors)
         try:
-            with _guard(EMBED, stand_ins, lambda: True):
-                call.call({**tensors, **stand_ins}, args, kwargs)
-        except _Stopped:
-            pass
-        else:
-            raise FunctionalizeError("functionalize: forward did not reach its last unit on this input")
+            _run_to_stop(call, {**tensors, **stand_ins}, args, kwargs,
+                         _guard(EMBED, stand_ins, lambda: True), stubs, stop)
         finally:
-            for stub in stubs:
-                stub._recorded = None
-        if len(recorded) != len(stubs):
-            raise FunctionalizeError(
-                f"functionalize: forward called {len(recorded)} units on this input, but {len(stubs)} on the example"
-            )
-        kind, where = self.layout.slot
-        first = recorded[0]
-        hidden = first.args[where] if kind == "arg" else first.kwargs[where]  # type: ignore[index]
-        return _own_copies(self.layout.carry(hidden, recorded, x), tensors)
+            _clear_stubs(stubs)
+        return _carry_of_segment(self.layout, self.seg, recorded, x, tensors)
 
     def __repr__(self) -> str:
         return f"embed({type(self.replicas.module).__name__} up to its first unit)"
+
+
+class BridgeFn:
+    """``root(x)`` again between two segments of units (an encoder's layers and a decoder's): the units
+    before pass their hidden state on, the last of them returns the carried one, and the code between the
+    segments (the encoder's final norm, the decoder's embedding and masks) runs as written up to the last
+    unit of the next segment, recording what forward gives its units: their carry. It is ``head`` and
+    ``embed`` in one, and computes as they do: the code before the carried state runs again on zero
+    stand-ins for the parameters it does not hold, discarded."""
+
+    def __init__(
+        self, stubbed: nn.Module, name: str, before: tuple[_Layout, _Segment], after: tuple[_Layout, _Segment],
+        placeholders: _Placeholders,
+    ) -> None:
+        self.replicas = ThreadReplicas(stubbed)
+        self.name, self.placeholders = name, placeholders
+        (self.before, self.previous), (self.layout, self.seg) = before, after
+        self.between = f"{self.before.paths[-1]!r} and {self.layout.paths[0]!r}"
+
+    def reuse_key(self) -> Hashable | None:
+        """Itself, as ``embed``'s and ``head``'s."""
+        return (BridgeFn, self)
+
+    def __call__(self, tensors: dict[str, Tensor], carry: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+        call = self.replicas.get()
+        stubs = _stubs(call.module)
+        recorded: list[_UnitCall] = []
+        stop = self.seg.stop - 1
+        emitting = _set_stubs(stubs, recorded, range(self.seg.start, self.seg.stop), stop=stop,
+                              emit=self.previous.stop - 1, hidden=carry[0])
+        assert emitting is not None
+        x = self.before.inputs.rebuild(carry)
+        args, kwargs = call_arguments(call.module, x)
+        stand_ins = self.placeholders.make(tensors)
+        guard = _guard(self.name, stand_ins, lambda: emitting._emitted, self.between)
+        try:
+            _run_to_stop(call, {**tensors, **stand_ins}, args, kwargs, guard, stubs, stop)
+        finally:
+            _clear_stubs(stubs)
+        out = _carry_of_segment(self.layout, self.seg, recorded, x, tensors)
+        if isinstance(guard, StandInGuard):
+            guard.check_returned(out)
+        return out
+
+    def __repr__(self) -> str:
+        return f"bridge({type(self.replicas.module).__name__} between units {self.between})"
 
 
 def _own_copies(carry: tuple[Tensor, ...], params: dict[str, Tensor]) -> tuple[Tensor, ...]:
@@ -663,13 +842,13 @@ def _own_copies(carry: tuple[Tensor, ...], params: dict[str, Tensor]) -> tuple[T
 class UnitFn:
     """One unit on the carry: ``unit(hidden, **its arguments)``; the carry with the new hidden state."""
 
-    def __init__(self, unit: nn.Module, path: str, index: int, layout: _Layout) -> None:
+    def __init__(self, unit: nn.Module, path: str, index: int, layout: _Layout, slot: Slot) -> None:
         self.replicas = ThreadReplicas(unit, prefix=path + ".")
-        self.path, self.index, self.layout = path, index, layout
+        self.path, self.index, self.layout, self.slot = path, index, layout, slot
         # Read off the model's own unit (its skeleton is a copy: the config it shares with the other
         # units would compare unequal): units of one kind, called alike, compute alike.
         signature = module_signature(unit)
-        self._reuse_key = None if signature is None else (UnitFn, signature, layout.slot, layout.units[index])
+        self._reuse_key = None if signature is None else (UnitFn, signature, slot, layout.units[index])
 
     def reuse_key(self) -> Hashable | None:
         """Equal for units that compute alike (see ``engine/model/reuse.py``)."""
@@ -677,7 +856,7 @@ class UnitFn:
 
     def __call__(self, tensors: dict[str, Tensor], carry: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
         rest_args, rest_kwargs = self.layout.units[self.index].rebuild(carry)
-        args, kwargs = _with_hidden(carry[0], self.layout.slot, rest_args, rest_kwargs)
+        args, kwargs = _with_hidden(carry[0], self.slot, rest_args, rest_kwargs)
         out = self.replicas.get().call(tensors, args, kwargs)
         return (_hidden_of_output(self.path, out), *carry[1:])
 
@@ -700,10 +879,8 @@ class HeadFn:
     def __call__(self, tensors: dict[str, Tensor], carry: tuple[Tensor, ...]) -> Any:
         call = self.replicas.get()
         stubs = _stubs(call.module)
-        for stub in stubs:
-            stub._mode, stub._recorded = "pass", None
-        last = stubs[-1]
-        last._mode, last._emit, last._emitted = "emit", carry[0], False
+        last = _set_stubs(stubs, emit=len(stubs) - 1, hidden=carry[0])
+        assert last is not None
         x = self.layout.inputs.rebuild(carry)
         args, kwargs = call_arguments(call.module, x)
         stand_ins = self.placeholders.make(tensors)
@@ -712,7 +889,7 @@ class HeadFn:
             with guard:
                 out = call.call({**tensors, **stand_ins}, args, kwargs)
         finally:
-            stubs[-1]._emit = None
+            _clear_stubs(stubs)
         if isinstance(guard, StandInGuard):
             guard.check_returned(out)
         return register_output_types(out)
@@ -721,20 +898,18 @@ class HeadFn:
         return f"head({type(self.replicas.module).__name__} after its last unit)"
 
 
+BRIDGE = "bridge"
+
+
 def split_by_calls(
     root: nn.Module, paths: list[str], example: Any, ordered: bool, fake_units: bool = False
 ) -> list[tuple[str, Piece]]:
-    """``embed``, one piece per unit, ``head``: the layers of the call-recording split.
+    """``embed``, one piece per unit, ``head``, and a ``bridge`` between two segments of units (an
+    encoder's layers and a decoder's): the layers of the call-recording split.
 
     ``ordered``: the paths were listed by the user, and must be in execution order.
     ``fake_units``: record the units and the code after them on fake tensors (see ``_record``)."""
-    clash = [path for path in paths if path in (EMBED, HEAD)]
-    if clash:
-        raise FunctionalizeError(
-            f"functionalize(units=...): the unit {clash[0]!r} has the name of the layer functionalize makes of "
-            f"the code {'before the first' if clash[0] == EMBED else 'after the last'} unit ({EMBED!r} and "
-            f"{HEAD!r} hold what runs around the units): leave {clash[0]!r} out of units, and that layer holds it"
-        )
+    _refuse_clash(paths, (EMBED, HEAD))
     recording = _record(root, paths, example, fake_units)
     if recording.executed != paths:
         if ordered:
@@ -745,10 +920,14 @@ def split_by_calls(
         paths = recording.executed
         recording = _record(root, paths, example, fake_units)
     _refuse_read_extras(recording)
-    slot = _hidden_slot(paths, recording.calls)
-    layout = _Layout(paths, recording.calls, slot, example)
-    stubbed = _stubbed_root(root, paths, recording, slot)
-    embed_ids, head_ids = _phase_params(root, paths, recording)
+    segments = _segments(paths, recording.calls)
+    bridges = _bridge_names(len(segments))
+    _refuse_clash(paths, bridges)
+    layouts = [
+        _Layout(paths[seg.start:seg.stop], recording.calls[seg.start:seg.stop], seg.slot, example) for seg in segments
+    ]
+    stubbed = _stubbed_root(root, paths, recording, segments)
+    owned = _phase_params(root, paths, recording, segments)
     params = list(stubbed.named_parameters())
     buffers = list(stubbed.named_buffers())
 
@@ -757,38 +936,72 @@ def split_by_calls(
         fake = {n: (p.shape, p.dtype) for n, p in params if not (id(p) in ids or not p.requires_grad)}
         return real, _Placeholders(fake, {n: p.dtype for n, p in real if p.is_floating_point()})
 
-    embed_params, embed_fake = phase(embed_ids)
-    head_params, head_fake = phase(head_ids)
-    head_root = _eval_before_only(stubbed, recording)
-    pieces: list[tuple[str, Piece]] = [
-        (EMBED, Piece(EmbedFn(stubbed, layout, embed_fake), embed_params, buffers))
-    ]
-    for i, path in enumerate(paths):
-        unit = root.get_submodule(path)
-        pieces.append(
-            (
-                path,
-                Piece(
-                    UnitFn(unit, path, i, layout),
-                    list(unit.named_parameters(prefix=path)),
-                    list(unit.named_buffers(prefix=path)),
-                ),
-            )
-        )
-    pieces.append((HEAD, Piece(HeadFn(head_root, layout, head_fake), head_params, buffers)))
+    pieces: list[tuple[str, Piece]] = []
+    for k, (seg, layout) in enumerate(zip(segments, layouts, strict=True)):
+        real, fake = phase(owned[k])
+        if k == 0:
+            pieces.append((EMBED, Piece(EmbedFn(stubbed, layout, seg, fake), real, buffers)))
+        else:
+            replay = _eval_ran_before(stubbed, recording, seg.start)
+            previous = (layouts[k - 1], segments[k - 1])
+            fn = BridgeFn(replay, bridges[k - 1], previous, (layout, seg), fake)
+            pieces.append((bridges[k - 1], Piece(fn, real, buffers)))
+        for i in range(seg.start, seg.stop):
+            unit, path = root.get_submodule(paths[i]), paths[i]
+            pieces.append((path, Piece(
+                UnitFn(unit, path, i - seg.start, layout, seg.slot),
+                list(unit.named_parameters(prefix=path)),
+                list(unit.named_buffers(prefix=path)),
+            )))
+    head_params, head_fake = phase(owned[-1])
+    head_root = _eval_ran_before(stubbed, recording, len(paths))
+    pieces.append((HEAD, Piece(HeadFn(head_root, layouts[-1], head_fake), head_params, buffers)))
     return pieces
 
 
-def _phase_params(root: nn.Module, paths: list[str], recording: _Recording) -> tuple[set[int], set[int]]:
-    """ids of the params ``embed`` and ``head`` really use: those the code before the first unit (or
-    between units), resp. after the last, reads, and those of modules run there; a module that holds
-    units (the root, ``transformer``) may read its own params anywhere, so both get them; a param
+def _bridge_names(segments: int) -> list[str]:
+    """The name of each bridge: ``"bridge"`` for the one between two segments, else ``"bridge.1"``, ..."""
+    if segments <= 2:
+        return [BRIDGE] * (segments - 1)
+    return [f"{BRIDGE}.{k}" for k in range(1, segments)]
+
+
+def _refuse_clash(paths: list[str], names: Sequence[str]) -> None:
+    clash = [path for path in paths if path in names]
+    if not clash:
+        return
+    what = {EMBED: "before the first unit", HEAD: "after the last unit"}.get(clash[0], "between two segments of units")
+    raise FunctionalizeError(
+        f"functionalize(units=...): the unit {clash[0]!r} has the name of the layer functionalize makes of "
+        f"the code {what} ({EMBED!r}, {HEAD!r} and {BRIDGE!r} hold what runs around the units): leave "
+        f"{clash[0]!r} out of units, and that layer holds it"
+    )
+
+
+def _region(gap: Gap, segments: list[_Segment], units: int) -> int:
+    """Which layer runs the code of ``gap`` for real: 0 ``embed``, k the bridge into segment k (the code
+    between two of its units included: it records their calls), ``len(segments)`` ``head``."""
+    if gap == units:
+        return len(segments)
+    return next(k for k, seg in enumerate(segments) if seg.start <= gap < seg.stop)
+
+
+def _phase_params(
+    root: nn.Module, paths: list[str], recording: _Recording, segments: list[_Segment]
+) -> list[set[int]]:
+    """ids of the params each layer around the units really uses: ``embed``, each bridge, ``head`` (by
+    :func:`_region`): those the code it runs reads, and those of modules run there; a module that holds
+    units (the root, ``transformer``) may read its own params anywhere, so every one gets them; a param
     nothing reads goes to ``head`` (it holds the rest). Reads, not module calls, decide: DeBERTa's
-    encoder reads ``rel_embeddings.weight`` by attribute before its layers and never calls the module."""
+    encoder reads ``rel_embeddings.weight`` by attribute before its layers and never calls the module.
+    A param two of them read (BART's shared embedding table, read before the encoder and in the bridge
+    to the decoder) is in both: the first owns it, the later ones tie to it."""
     by_name = dict(root.named_parameters())
-    reads = recording.param_reads
-    embed = {id(by_name[n]) for n in reads["before"] | reads["between"]}
-    head = {id(by_name[n]) for n in reads["after"]}
+    units = len(paths)
+    owned: list[set[int]] = [set() for _ in range(len(segments) + 1)]
+    for gap, names in recording.param_reads.items():
+        owned[_region(gap, segments, units)].update(id(by_name[n]) for n in names)
+    starts = {seg.start for seg in segments}
     rest: list[int] = []
     for path, sub in root.named_modules():
         if path in paths or any(path.startswith(p + ".") for p in paths):
@@ -796,29 +1009,29 @@ def _phase_params(root: nn.Module, paths: list[str], recording: _Recording) -> t
         own = [id(p) for p in sub.parameters(recurse=False)]
         holds_units = any(p.startswith(path + ".") or not path for p in paths)
         seen = recording.phase.get(path, set())
-        if "between" in seen and own and not holds_units:
+        if own and not holds_units and any(g not in starts and g != units for g in seen):
             raise FunctionalizeError(
                 f"functionalize: module {path!r} has parameters and runs between units; make it part of a "
                 "unit (list units by path) so that it belongs to one layer."
             )
-        if holds_units or "before" in seen:
-            embed.update(own)
-        if holds_units or "after" in seen:
-            head.update(own)
+        for k, ids in enumerate(owned):
+            if holds_units or any(_region(g, segments, units) == k for g in seen):
+                ids.update(own)
         rest.extend(own)
-    head.update(i for i in rest if i not in embed)
-    return embed, head
+    claimed = set().union(*owned)
+    owned[-1].update(i for i in rest if i not in claimed)
+    return owned
 
 
-def _eval_before_only(stubbed: nn.Module, recording: _Recording) -> nn.Module:
-    """A copy of ``stubbed`` (sharing tensors) whose modules that only run before the units are in
-    eval mode: in ``head`` their output is discarded, so their dropout must not draw."""
+def _eval_ran_before(stubbed: nn.Module, recording: _Recording, gap: Gap) -> nn.Module:
+    """A copy of ``stubbed`` (sharing tensors) whose modules that only run before ``gap`` are in eval
+    mode: a replay from there on (``head``, a bridge) discards their output, so their dropout must not draw."""
     named = [*stubbed.named_parameters(remove_duplicate=False), *stubbed.named_buffers(remove_duplicate=False)]
-    head = copy.deepcopy(stubbed, {**kept_in_copies(stubbed), **{id(t): t for _, t in named}})
-    units = [m for m in head.modules() if isinstance(m, _UnitStub)]
-    for path, sub in head.named_modules():
+    copied = copy.deepcopy(stubbed, {**kept_in_copies(stubbed), **{id(t): t for _, t in named}})
+    units = [m for m in copied.modules() if isinstance(m, _UnitStub)]
+    for path, sub in copied.named_modules():
         holds_units = any(u in units for u in sub.modules())
-        if recording.phase.get(path) == {"before"} and not holds_units:
+        seen = recording.phase.get(path)
+        if seen and max(seen) < gap and not holds_units:
             sub.train(False)
-    return head
-
+    return copied

@@ -1,0 +1,251 @@
+"""An encoder-decoder split per layer in both stacks: its encoder's layers, a bridge, its decoder's.
+
+Code with parameters runs between the encoder's last layer and the decoder's first (the encoder's final
+norm, the decoder's embedding and masks), and the decoder's layers receive a second stream, the encoder's
+output (``encoder_hidden_states``). ``units=(EncoderLayer, DecoderLayer)`` cuts a ``bridge`` layer there,
+computed as ``head`` and ``embed`` are: its output is the decoder's carry, the encoder's output in it, so
+the encoder's layers get their gradient through every decoder layer's cross-attention and the bridge.
+
+The one-device step of the split chain trains as the model split as one layer (``units=None``) does, to the
+bit, and ZeRO-3 and a pipeline of it as that one-device step (``assert_equivalent``), in float64.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import shardwise as sw
+from shardwise.engine.model.functionalize import FunctionalizeError, functionalize
+
+T = pytest.importorskip("transformers", reason="the [hf] extra (pip install -e '.[hf]') is not installed")
+
+VOCAB, SEQ, BATCH = 48, 8, 4
+
+
+def bart() -> nn.Module:
+    cfg = T.BartConfig(
+        vocab_size=VOCAB, d_model=16, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, dropout=0.0, attention_dropout=0.0,
+        max_position_embeddings=32, use_cache=False,
+    )
+    return T.BartForConditionalGeneration(cfg).double()
+
+
+def whisper() -> nn.Module:
+    return T.WhisperForConditionalGeneration(T.WhisperConfig(
+        vocab_size=64, num_mel_bins=8, encoder_layers=2, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, d_model=16, max_source_positions=8,
+        max_target_positions=16, pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1,
+        dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, mask_time_prob=0.0, use_cache=False,
+        suppress_tokens=None, begin_suppress_tokens=None)).double()
+
+
+class LogitsOnly(nn.Module):
+    """The model, returning only its logits: what it returns beside them (the encoder's output as the
+    encoder computed it) the code after the decoder's layers could not give."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        return self.model(input_ids=input_ids).logits
+
+
+class SpeechLogitsOnly(LogitsOnly):
+    def forward(self, input_features: Tensor, labels: Tensor) -> Tensor:  # type: ignore[override]
+        return self.model(input_features=input_features, labels=labels).logits
+
+
+def bart_batches(n: int = 2) -> list[tuple[dict[str, Tensor], Tensor]]:
+    g = torch.Generator().manual_seed(3)
+    batches = []
+    for _ in range(n):
+        ids = torch.randint(2, VOCAB, (BATCH, SEQ), generator=g)
+        batches.append(({"input_ids": ids}, torch.randint(2, VOCAB, (BATCH, SEQ), generator=g)))
+    return batches
+
+
+def whisper_batches(n: int = 2) -> list[tuple[dict[str, Tensor], Tensor]]:
+    g = torch.Generator().manual_seed(6)
+    batches = []
+    for _ in range(n):
+        labels = torch.randint(3, 64, (BATCH, 6), generator=g)  # the model makes its decoder inputs from them
+        features = torch.randn(BATCH, 8, 16, generator=g, dtype=torch.float64)
+        batches.append(({"input_features": features, "labels": labels}, labels))
+    return batches
+
+
+def bart_layers() -> tuple[type[nn.Module], type[nn.Module]]:
+    bart_module = T.models.bart.modeling_bart
+    return bart_module.BartEncoderLayer, bart_module.BartDecoderLayer
+
+
+def whisper_layers() -> tuple[type[nn.Module], type[nn.Module]]:
+    whisper_module = T.models.whisper.modeling_whisper
+    return whisper_module.WhisperEncoderLayer, whisper_module.WhisperDecoderLayer
+
+
+FAMILIES = {
+    "bart": (lambda: LogitsOnly(bart()), bart_batches, bart_layers, 2, 2),
+    "whisper": (lambda: SpeechLogitsOnly(whisper()), whisper_batches, whisper_layers, 2, 1),
+}
+
+
+def lm_loss(logits: Tensor, targets: Tensor) -> Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def split(family: str, units: Any = "both") -> tuple[Any, Any, list[Any]]:
+    make, batches, layers, _, _ = FAMILIES[family]
+    torch.manual_seed(0)
+    given = layers() if units == "both" else units
+    data = batches()
+    chain, params = functionalize(make(), units=given, example_input=data[0][0])
+    return chain, params, data
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_both_stacks_split_per_layer_with_a_bridge_between(family: str) -> None:
+    _, _, _, encoder_layers, decoder_layers = FAMILIES[family]
+    chain, params, _ = split(family)  # checked bitwise against the module on the example
+    encoder = tuple(f"model.model.encoder.layers.{i}" for i in range(encoder_layers))
+    decoder = tuple(f"model.model.decoder.layers.{i}" for i in range(decoder_layers))
+    assert chain.names == ("embed", *encoder, "bridge", *decoder, "head")
+    # The decoder's embedding runs in the bridge; a table the encoder's embedding reads too (BART's shared
+    # one) is the embed's, tied there.
+    bridge = chain["bridge"]
+    assert any(".decoder." in name for name in bridge.param_names)
+    assert not any(".encoder.layers." in name or ".decoder.layers." in name for name in bridge.param_names)
+    if family == "bart":
+        assert bridge.ties["model.model.shared.weight"] == ("embed", "model.model.shared.weight")
+        assert "model.model.decoder.layernorm_embedding.weight" in params["bridge"]
+    else:  # Whisper's encoder ends in a layer norm: the bridge runs it
+        assert "model.model.encoder.layer_norm.weight" in params["bridge"]
+        assert "model.model.decoder.embed_tokens.weight" in params["bridge"]
+
+
+def trained(chain: Any, params: Any, batches: list[Any]) -> dict[str, Tensor]:
+    """Every parameter after SGD on ``batches``, by its name in the model."""
+    step = sw.train_step(chain, lm_loss, sw.optim.sgd(0.1))
+    state = step.init(params)
+    for batch in batches:
+        state, _ = step(state, batch)
+    return {name: t for layer in state.params.values() for name, t in layer.items()}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_the_encoder_layers_train_through_the_decoders_cross_attention_as_in_one_layer(family: str) -> None:
+    """The encoder's layers reach the loss only through the decoder's layers (its output is their
+    ``encoder_hidden_states``) and the bridge: their update equals that of the model as one layer."""
+    chain, params, batches = split(family)
+    whole, whole_params, _ = split(family, units=None)
+    before = {name: t for layer in params.values() for name, t in layer.items()}
+    got, expected = trained(chain, params, batches[:1]), trained(whole, whole_params, batches[:1])
+    assert got.keys() == expected.keys()
+    encoder = [name for name in got if ".encoder.layers." in name]
+    assert encoder and all(not torch.equal(got[name], before[name]) for name in encoder if name.endswith("weight"))
+    assert all(torch.equal(got[name], want) for name, want in expected.items())  # the same ops, in the same order
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_zero3_and_a_pipeline_of_both_stacks_match_the_single_device_step(family: str) -> None:
+    chain, params, batches = split(family)
+    step = sw.train_step(chain, lm_loss, sw.optim.sgd(0.1, momentum=0.9))
+    sw.testing.assert_equivalent(sw.shard_params(step, "dp", stage=3), step, sw.Mesh(dp=2), batches, params)
+    pipelined = sw.pipeline(step, "pp", "1f1b", microbatches=2)
+    sw.testing.assert_equivalent(pipelined, step, sw.Mesh(pp=2), batches, params)
+
+
+def test_paths_across_both_stacks_split_as_the_classes_do() -> None:
+    chain, _, _ = split("bart")
+    paths = [name for name in chain.names if ".layers." in name]
+    by_paths, _, _ = split("bart", units=["model.model.encoder.layers", "model.model.decoder.layers"])
+    assert by_paths.names == chain.names
+    listed, _, _ = split("bart", units=paths)
+    assert listed.names == chain.names
+
+
+def test_the_encoders_output_returned_beside_the_decoder_stays_refused_naming_it() -> None:
+    """Unwrapped, BART returns ``encoder_last_hidden_state`` as the encoder computed it: the code after the
+    decoder's layers has only a zero stand-in of the encoder's embedding, and is refused by name."""
+    data = bart_batches()
+    with pytest.raises(
+        FunctionalizeError,
+        match=r"returns a value the code before the first unit computed from parameter 'model\.[\w.]+'.*"
+        r"Wrap the model in a module whose forward returns only what the loss reads",
+    ):
+        functionalize(bart(), units=bart_layers(), example_input=data[0][0])
+
+
+def test_a_class_list_naming_a_class_the_model_lacks_is_refused_naming_it() -> None:
+    encoder_layer, _ = bart_layers()
+    with pytest.raises(
+        FunctionalizeError, match=r"units=\(BartEncoderLayer, WhisperDecoderLayer\).*no WhisperDecoderLayer"
+    ):
+        functionalize(LogitsOnly(bart()), units=(encoder_layer, whisper_layers()[1]),
+                      example_input=bart_batches()[0][0])
+
+
+def test_classes_and_paths_mixed_are_refused_naming_the_class() -> None:
+    encoder_layer, _ = bart_layers()
+    with pytest.raises(FunctionalizeError, match=r"mixes submodule paths and the class BartEncoderLayer"):
+        functionalize(LogitsOnly(bart()), units=[encoder_layer, "model.model.decoder.layers"],
+                      example_input=bart_batches()[0][0])
+
+
+class _Cross(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Linear(4, 4)
+
+    def forward(self, d: Tensor, memory: Tensor, bias: Tensor) -> Tensor:
+        return torch.tanh(self.q(d) + memory.mean(1, keepdim=True) + bias)
+
+
+class HandsATableToBothStacks(nn.Module):
+    """An encoder and a decoder in two containers, the decoder's layers given the encoder's output
+    (normed) and a bias the code before the encoder made from ``table.weight``: the bridge, which records
+    what the decoder's layers receive, computes it, so it holds the table too (tied to ``embed``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 4)
+        self.table = nn.Embedding(SEQ, 4)  # read by attribute: its module never runs
+        self.encoder = nn.ModuleList(nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(2))
+        self.encoder_norm = nn.LayerNorm(4)
+        self.decoder_embed = nn.Embedding(VOCAB, 4)
+        self.decoder = nn.ModuleList(_Cross() for _ in range(2))
+        self.out = nn.Linear(4, VOCAB)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        ids = ids[: len(ids)]  # not traceable by fx: split by recording its calls
+        bias = self.table.weight[: ids.shape[1]] * 2
+        h = self.embed(ids) + bias
+        for layer in self.encoder:
+            h = layer(h)
+        memory = self.encoder_norm(h)
+        d = self.decoder_embed(ids.flip(-1))
+        for layer in self.decoder:
+            d = layer(d, memory, bias)
+        return self.out(d)
+
+
+def test_a_value_made_before_the_encoder_and_handed_to_the_decoder_is_computed_by_the_bridge() -> None:
+    torch.manual_seed(0)
+    model = HandsATableToBothStacks().double()
+    batches = [(x["input_ids"], y) for x, y in bart_batches()]
+    chain, params = functionalize(model, units=["encoder", "decoder"], example_input=batches[0][0])
+    assert chain.names == ("embed", "encoder.0", "encoder.1", "bridge", "decoder.0", "decoder.1", "head")
+    assert chain["bridge"].ties == {"table.weight": ("embed", "table.weight")}
+    assert sorted(params["bridge"]) == ["decoder_embed.weight", "encoder_norm.bias", "encoder_norm.weight"]
+    whole, whole_params = functionalize(model, example_input=batches[0][0])
+    got, expected = trained(chain, params, batches), trained(whole, whole_params, batches)
+    assert got.keys() == expected.keys()
+    assert not torch.equal(got["table.weight"], model.table.weight)  # it trained, through both stacks
+    assert all(torch.equal(got[name], want) for name, want in expected.items())
