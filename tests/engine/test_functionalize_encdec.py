@@ -62,6 +62,21 @@ class SpeechLogitsOnly(LogitsOnly):
         return self.model(input_features=input_features, labels=labels).logits
 
 
+class LabelledLogitsOnly(LogitsOnly):
+    """T5 makes its decoder's input ids from the labels."""
+
+    def forward(self, input_ids: Tensor, labels: Tensor) -> Tensor:  # type: ignore[override]
+        return self.model(input_ids=input_ids, labels=labels).logits
+
+
+def t5() -> nn.Module:
+    cfg = T.T5Config(
+        vocab_size=VOCAB, d_model=16, d_kv=8, d_ff=32, num_layers=3, num_decoder_layers=2, num_heads=2,
+        dropout_rate=0.0, use_cache=False, decoder_start_token_id=0, pad_token_id=0,
+    )
+    return T.T5ForConditionalGeneration(cfg).double()
+
+
 def bart_batches(n: int = 2) -> list[tuple[dict[str, Tensor], Tensor]]:
     g = torch.Generator().manual_seed(3)
     batches = []
@@ -69,6 +84,10 @@ def bart_batches(n: int = 2) -> list[tuple[dict[str, Tensor], Tensor]]:
         ids = torch.randint(2, VOCAB, (BATCH, SEQ), generator=g)
         batches.append(({"input_ids": ids}, torch.randint(2, VOCAB, (BATCH, SEQ), generator=g)))
     return batches
+
+
+def t5_batches(n: int = 2) -> list[tuple[dict[str, Tensor], Tensor]]:
+    return [({"input_ids": x["input_ids"], "labels": y}, y) for x, y in bart_batches(n)]
 
 
 def whisper_batches(n: int = 2) -> list[tuple[dict[str, Tensor], Tensor]]:
@@ -91,9 +110,19 @@ def whisper_layers() -> tuple[type[nn.Module], type[nn.Module]]:
     return whisper_module.WhisperEncoderLayer, whisper_module.WhisperDecoderLayer
 
 
+def t5_layers() -> tuple[type[nn.Module]]:
+    return (T.models.t5.modeling_t5.T5Block,)  # one class for both stacks' blocks
+
+
+# family -> (the wrapped model, its batches, its unit classes, its encoder's layers, its decoder's)
 FAMILIES = {
-    "bart": (lambda: LogitsOnly(bart()), bart_batches, bart_layers, 2, 2),
-    "whisper": (lambda: SpeechLogitsOnly(whisper()), whisper_batches, whisper_layers, 2, 1),
+    "bart": (lambda: LogitsOnly(bart()), bart_batches, bart_layers,
+             [f"model.model.encoder.layers.{i}" for i in range(2)],
+             [f"model.model.decoder.layers.{i}" for i in range(2)]),
+    "whisper": (lambda: SpeechLogitsOnly(whisper()), whisper_batches, whisper_layers,
+                [f"model.model.encoder.layers.{i}" for i in range(2)], ["model.model.decoder.layers.0"]),
+    "t5": (lambda: LabelledLogitsOnly(t5()), t5_batches, t5_layers,
+           [f"model.encoder.block.{i}" for i in range(3)], [f"model.decoder.block.{i}" for i in range(2)]),
 }
 
 
@@ -112,22 +141,22 @@ def split(family: str, units: Any = "both") -> tuple[Any, Any, list[Any]]:
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_both_stacks_split_per_layer_with_a_bridge_between(family: str) -> None:
-    _, _, _, encoder_layers, decoder_layers = FAMILIES[family]
+    _, _, _, encoder, decoder = FAMILIES[family]
     chain, params, _ = split(family)  # checked bitwise against the module on the example
-    encoder = tuple(f"model.model.encoder.layers.{i}" for i in range(encoder_layers))
-    decoder = tuple(f"model.model.decoder.layers.{i}" for i in range(decoder_layers))
     assert chain.names == ("embed", *encoder, "bridge", *decoder, "head")
-    # The decoder's embedding runs in the bridge; a table the encoder's embedding reads too (BART's shared
-    # one) is the embed's, tied there.
+    # The encoder's final norm and the decoder's embedding run in the bridge; a table the encoder's
+    # embedding reads too (BART's and T5's shared one) is the embed's, tied there.
     bridge = chain["bridge"]
-    assert any(".decoder." in name for name in bridge.param_names)
-    assert not any(".encoder.layers." in name or ".decoder.layers." in name for name in bridge.param_names)
+    assert not any(name.startswith((*encoder, *decoder)) for name in bridge.param_names)
     if family == "bart":
         assert bridge.ties["model.model.shared.weight"] == ("embed", "model.model.shared.weight")
         assert "model.model.decoder.layernorm_embedding.weight" in params["bridge"]
-    else:  # Whisper's encoder ends in a layer norm: the bridge runs it
+    elif family == "whisper":  # its encoder ends in a layer norm: the bridge runs it
         assert "model.model.encoder.layer_norm.weight" in params["bridge"]
         assert "model.model.decoder.embed_tokens.weight" in params["bridge"]
+    else:
+        assert bridge.ties["model.shared.weight"] == ("embed", "model.shared.weight")
+        assert "model.encoder.final_layer_norm.weight" in params["bridge"]
 
 
 def trained(chain: Any, params: Any, batches: list[Any]) -> dict[str, Tensor]:
@@ -148,7 +177,7 @@ def test_the_encoder_layers_train_through_the_decoders_cross_attention_as_in_one
     before = {name: t for layer in params.values() for name, t in layer.items()}
     got, expected = trained(chain, params, batches[:1]), trained(whole, whole_params, batches[:1])
     assert got.keys() == expected.keys()
-    encoder = [name for name in got if ".encoder.layers." in name]
+    encoder = [name for name in got if name.startswith(tuple(FAMILIES[family][3]))]
     assert encoder and all(not torch.equal(got[name], before[name]) for name in encoder if name.endswith("weight"))
     assert all(torch.equal(got[name], want) for name, want in expected.items())  # the same ops, in the same order
 
@@ -249,3 +278,53 @@ def test_a_value_made_before_the_encoder_and_handed_to_the_decoder_is_computed_b
     assert got.keys() == expected.keys()
     assert not torch.equal(got["table.weight"], model.table.weight)  # it trained, through both stacks
     assert all(torch.equal(got[name], want) for name, want in expected.items())
+
+
+class _Emits(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, h: Tensor) -> tuple[Tensor, Tensor]:
+        y = torch.tanh(self.linear(h))
+        return y, y * 2
+
+
+class _Takes(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, d: Tensor, side: Tensor) -> Tensor:
+        return torch.tanh(self.linear(d) + side)
+
+
+class HandsAnOutputAcrossTheBridge(nn.Module):
+    """The decoder's layers receive what the encoder's last layer returns beside its hidden state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.ModuleList(_Emits() for _ in range(2))
+        self.project = nn.Linear(4, 4)
+        self.decoder = nn.ModuleList(_Takes() for _ in range(2))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = x[: len(x)]  # not traceable by fx: split by recording its calls
+        for layer in self.encoder:
+            h, side = layer(h)
+        d = self.project(h)
+        for layer in self.decoder:
+            d = layer(d, side)
+        return d
+
+
+def test_an_output_handed_to_the_units_after_the_bridge_is_refused_naming_both() -> None:
+    """Only the hidden state of the units before a bridge passes into it: a unit's other output can pass
+    on only to the later units of its own loop (as T5's position bias does)."""
+    with pytest.raises(
+        FunctionalizeError,
+        match=r"unit 'encoder\.1' returns a tensor at output\[1\] besides its hidden state, and unit 'decoder\.0', "
+        r"after the code between them, receives it.*units=None",
+    ):
+        functionalize(HandsAnOutputAcrossTheBridge().double(), units=["encoder", "decoder"],
+                      example_input=torch.randn(2, 4, dtype=torch.float64))

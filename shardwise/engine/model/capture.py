@@ -50,12 +50,15 @@ wrap the model to return its logits) or that a bridge hands the next units, is r
 name (a zero-initialised weight would compare equal).
 
 A unit may return more than its hidden state (Bloom's and GPT-Neo's blocks return
-their attention weights even with ``output_attentions=False``): only ``output[0]``
-passes on, so the recording must show that nothing reads the rest; where the code
-around the units (or the next unit: T5's position bias) reads it, it is refused,
-naming the output and its reader. An encoder's output reaches the decoder's units
-only as the last encoder unit's hidden state, through the bridge: what the decoder's
-units receive is recorded there, never taken from a unit's other outputs.
+their attention weights even with ``output_attentions=False``). What the later units
+of its segment receive (T5's first block computes the position bias from its
+``relative_attention_bias``, and the next blocks are given it) is a slot of the carry
+that the unit's layer writes (the code before it left an absent marker there), so its
+gradient comes back to that block. The rest passes nowhere, so the recording must
+show that nothing reads it; where the code around the units reads it, or a unit after
+a bridge receives it, it is refused, naming the output and its reader. An encoder's
+output reaches the decoder's units only as the last encoder unit's hidden state,
+through the bridge: what the decoder's units receive is recorded there.
 
 What crosses a boundary is a tuple of tensors, a structure fixed by the example
 input (a pipeline sends tensors). A tensor-or-None argument travels as a tensor
@@ -124,6 +127,7 @@ class _Recording:
     executed: list[str]  # unit paths in the order forward ran them
     param_reads: dict[Gap, set[str]]  # names of the params read in each gap
     extra_reads: list[tuple[str, int, str]]  # (unit, output index, what reads it) for outputs beyond [0]
+    handed: list[tuple[int, int, int]]  # (unit, output index, a later unit receiving it) for outputs beyond [0]
 
 
 def _record(root: nn.Module, paths: list[str], x: Any, fake_units: bool = False) -> _Recording:
@@ -149,12 +153,19 @@ def _record(root: nn.Module, paths: list[str], x: Any, fake_units: bool = False)
     extras: dict[int, tuple[Tensor, str, int]] = {}
     extra_labels: dict[str, tuple[str, int]] = {}
     extra_reads: list[tuple[str, int, str]] = []
+    handed: list[tuple[int, int, int]] = []
 
     def extra_users(tree: Any, user: str) -> None:
         for t in tensors_in(tree):
             found = extras.get(id(t))
             if found is not None and found[0] is t:
                 extra_reads.append((found[1], found[2], user))
+
+    def handed_to(receiver: int, tree: Any) -> None:
+        for t in tensors_in(tree):
+            found = extras.get(id(t))
+            if found is not None and found[0] is t:
+                handed.append((unit_index[found[1]], found[2], receiver))
 
     for path, sub in root.named_modules():
         if path in unit_index:
@@ -169,7 +180,7 @@ def _record(root: nn.Module, paths: list[str], x: Any, fake_units: bool = False)
                 if fake_units and state["started"] == 0:
                     faking.enter_context(fake_tensors())
                     faking.enter_context(reusing_forwards([root.get_submodule(p) for p in paths]))
-                extra_users((args, kwargs), f"unit {path!r} receives it")
+                handed_to(i, (args, kwargs))  # T5's position bias: its layer writes it into the carry
                 log.passed((args, kwargs), f"unit {path!r} receives it")  # a parameter handed over as it is
                 calls[i] = _UnitCall(tuple(args), dict(kwargs))
                 state["started"] += 1
@@ -218,22 +229,49 @@ def _record(root: nn.Module, paths: list[str], x: Any, fake_units: bool = False)
             extra_reads.append((unit, k, f"{op}() in {type(root).__name__}'s forward reads it"))
     param_reads = {gap: log.labels(gap) for gap in gaps}
     return _Recording(
-        [calls[i] for i in range(len(paths))], phase, output, [paths[i] for i in calls], param_reads, extra_reads
+        [calls[i] for i in range(len(paths))], phase, output, [paths[i] for i in calls], param_reads, extra_reads,
+        handed,
     )
 
 
 def _refuse_read_extras(recording: _Recording) -> None:
-    """A unit's outputs beyond the hidden state travel nowhere (only output[0] passes on), so the
-    code around the units must not use them (T5's blocks hand their position bias to the next)."""
+    """A unit's outputs beyond the hidden state pass on only to the later units of its segment (T5's
+    blocks hand their position bias to the next: :func:`_carry_writes`), so the code around the units
+    must not use them."""
     if not recording.extra_reads:
         return
     unit, k, user = recording.extra_reads[0]
-    raise FunctionalizeError(
+    raise _extra_refused(unit, k, user)
+
+
+def _extra_refused(unit: str, k: int, user: str) -> FunctionalizeError:
+    return FunctionalizeError(
         f"functionalize: unit {unit!r} returns a tensor at output[{k}] besides its hidden state, and {user}; "
-        "only the hidden state (output[0]) passes from one unit to the next. If it is an optional "
-        "output, turn it off (output_attentions=False, use_cache=False); if the next block needs it (T5's "
-        "position bias), split with units=None (one layer) or choose units that return only the hidden state."
+        "only the hidden state (output[0]), and what a unit hands the later units of its own loop (T5's "
+        "position bias), pass from one unit to the next. If it is an optional output, turn it off "
+        "(output_attentions=False, use_cache=False); else split with units=None (one layer) or choose units "
+        "that return only the hidden state."
     )
+
+
+def _carry_writes(
+    paths: list[str], recording: _Recording, segments: list[_Segment], layouts: list[_Layout]
+) -> dict[int, tuple[tuple[int, int], ...]]:
+    """Per unit, ``(output index, carry index)`` for each tensor it returns beside its hidden state that
+    later units of its segment receive (T5's first block computes the position bias from its
+    ``relative_attention_bias`` and hands it to the next, which hand it on): its layer writes it into
+    the carry, where the code before it (``embed``, a bridge) put an absent marker, so the later units read
+    it and its gradient comes back to the unit's parameters. Handed to a unit of another segment, it is
+    refused: the bridge between them has only the hidden state of the units before it."""
+    writes: dict[int, set[tuple[int, int]]] = {}
+    for unit, k, receiver in recording.handed:
+        seg = next(j for j, sg in enumerate(segments) if sg.start <= unit < sg.stop)
+        if not segments[seg].start <= receiver < segments[seg].stop:
+            raise _extra_refused(paths[unit], k, f"unit {paths[receiver]!r}, after the code between them, receives it")
+        value = recording.calls[unit].output[k]
+        group = layouts[seg].group_of[("tensor", id(value))]
+        writes.setdefault(unit, set()).add((k, 1 + group))
+    return {unit: tuple(sorted(found)) for unit, found in writes.items()}
 
 
 # --- where the hidden state travels -----------------------------------------------------------
@@ -413,7 +451,8 @@ class _Layout:
     def __init__(self, paths: list[str], calls: list[_UnitCall], slot: Slot, x: Any) -> None:
         self.paths = paths
         self.slot = slot
-        groups: dict[Any, int] = {}
+        groups: dict[Any, int] = {}  # ("tensor", id) or ("none", leaf path) -> group
+        self.group_of = groups
         self.group_slots: list[list[tuple[int, int]]] = []  # per group: (unit, leaf) slots
         self.absent: list[bool] = []  # per group: None in the example (an attention mask the model skipped)
         self.units: list[_Leaves] = []
@@ -842,13 +881,17 @@ def _own_copies(carry: tuple[Tensor, ...], params: dict[str, Tensor]) -> tuple[T
 class UnitFn:
     """One unit on the carry: ``unit(hidden, **its arguments)``; the carry with the new hidden state."""
 
-    def __init__(self, unit: nn.Module, path: str, index: int, layout: _Layout, slot: Slot) -> None:
+    def __init__(
+        self, unit: nn.Module, path: str, index: int, layout: _Layout, slot: Slot,
+        writes: tuple[tuple[int, int], ...] = (),
+    ) -> None:
         self.replicas = ThreadReplicas(unit, prefix=path + ".")
         self.path, self.index, self.layout, self.slot = path, index, layout, slot
+        self.writes = writes  # (output index, carry index): what it hands the later units (_carry_writes)
         # Read off the model's own unit (its skeleton is a copy: the config it shares with the other
         # units would compare unequal): units of one kind, called alike, compute alike.
         signature = module_signature(unit)
-        self._reuse_key = None if signature is None else (UnitFn, signature, slot, layout.units[index])
+        self._reuse_key = None if signature is None else (UnitFn, signature, slot, layout.units[index], writes)
 
     def reuse_key(self) -> Hashable | None:
         """Equal for units that compute alike (see ``engine/model/reuse.py``)."""
@@ -858,7 +901,10 @@ class UnitFn:
         rest_args, rest_kwargs = self.layout.units[self.index].rebuild(carry)
         args, kwargs = _with_hidden(carry[0], self.slot, rest_args, rest_kwargs)
         out = self.replicas.get().call(tensors, args, kwargs)
-        return (_hidden_of_output(self.path, out), *carry[1:])
+        new = [_hidden_of_output(self.path, out), *carry[1:]]
+        for k, where in self.writes:
+            new[where] = absent_marker() if out[k] is None else out[k]
+        return tuple(new)
 
     def __repr__(self) -> str:
         return f"functional_call({type(self.replicas.module).__name__})"
@@ -926,6 +972,7 @@ def split_by_calls(
     layouts = [
         _Layout(paths[seg.start:seg.stop], recording.calls[seg.start:seg.stop], seg.slot, example) for seg in segments
     ]
+    writes = _carry_writes(paths, recording, segments, layouts)
     stubbed = _stubbed_root(root, paths, recording, segments)
     owned = _phase_params(root, paths, recording, segments)
     params = list(stubbed.named_parameters())
@@ -949,7 +996,7 @@ def split_by_calls(
         for i in range(seg.start, seg.stop):
             unit, path = root.get_submodule(paths[i]), paths[i]
             pieces.append((path, Piece(
-                UnitFn(unit, path, i - seg.start, layout, seg.slot),
+                UnitFn(unit, path, i - seg.start, layout, seg.slot, writes.get(i, ())),
                 list(unit.named_parameters(prefix=path)),
                 list(unit.named_buffers(prefix=path)),
             )))

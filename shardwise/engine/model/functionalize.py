@@ -31,8 +31,9 @@ How the module is cut into layers:
   value between layers is a tuple of tensors; its layout is fixed by the example, so pass
   an example like your batches (a dict batch if you train on dict batches). A unit may
   return a tuple whose elements after the hidden state nothing reads (Bloom's attention
-  weights); one the next unit reads (T5's position bias) is refused. See ``capture`` for
-  how, and what is refused.
+  weights), or that the next units of its loop receive (T5's position bias: its layer
+  writes it into the value between layers); one the code around the units reads is
+  refused. See ``capture`` for how, and what is refused.
 
 Layer inputs and outputs:
 
