@@ -35,7 +35,10 @@ The code before the first unit thus runs twice (in ``embed`` and, discarded, in
 ``head``): cheap (an embedding lookup and a mask), and exact. In ``head`` (and a bridge) the
 parameters only that code reads are zero placeholders (one element each,
 expanded), so the last pipeline stage does not hold the embedding table, and its
-dropout modules run in eval mode so the replay draws no random numbers.
+dropout modules run in eval mode so the replay draws no random numbers; what the
+replay still draws before the carried state (a dropout in a module that holds the
+units, as BART's encoder applies to its embedding) is undone where it reaches it, so
+the code after draws what it draws in the module.
 Which phase holds a parameter is decided by what the recording saw READ (a
 TorchFunctionMode, ``tensor_reads.py``), not by which modules ran: DeBERTa reads
 ``rel_embeddings.weight`` by attribute before its layers and never calls the
@@ -81,6 +84,7 @@ import torch
 from torch import Tensor, nn
 
 from ..torch_api import fake_tensors, is_fake, storage_key
+from . import host_random
 from .fx_split import FunctionalizeError
 from .module_call import ModuleCall, ThreadReplicas, call_arguments, kept_in_copies
 from .pytrees import register_output_types
@@ -572,6 +576,7 @@ class _UnitStub(nn.Module):
         self._recorded: list[_UnitCall] | None = None
         self._emit: Tensor | None = None
         self._emitted = False  # in head: whether forward has reached this (the last) unit yet
+        self._rewind: Callable[[], None] | None = None  # on emitting: the replay's random draws so far undone
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -595,6 +600,8 @@ class _UnitStub(nn.Module):
             raise _Stopped
         kind, where = self.slot
         self._emitted = self._mode == "emit"
+        if self._emitted and self._rewind is not None:
+            self._rewind()
         hidden = self._emit if self._mode == "emit" else (args[where] if kind == "arg" else kwargs[where])  # type: ignore[index]
         if self.output_type is None:
             return hidden
@@ -756,7 +763,30 @@ def _set_stubs(
 def _clear_stubs(stubs: list[_UnitStub]) -> None:
     """Drop what a replay left on the stubs (the recorded calls, the carried state): not held on."""
     for stub in stubs:
-        stub._recorded, stub._emit = None, None
+        stub._recorded, stub._emit, stub._rewind = None, None, None
+
+
+def _rewinder(carried: Tensor) -> Callable[[], None]:
+    """Puts the generators forward may draw from (torch's on the CPU and on ``device``, Python's and
+    numpy's) back as they are now. A replay (``head``, a bridge) calls it where it reaches its carried
+    state: the code before, run again and discarded, may draw (a dropout in a module that holds units,
+    as BART's encoder applies to its embedding, is not put in eval mode), and the code after must draw
+    what it draws in the module, as the units' layers took the draws between. On fake tensors (a
+    pipeline predicting what its stages pass on) nothing draws."""
+    if is_fake(carried) or carried.is_meta:
+        return lambda: None
+    device = carried.device
+    cpu = torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    host = host_random.capture()
+
+    def rewind() -> None:
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda, device)
+        host_random.restore(host)
+
+    return rewind
 
 
 def _run_to_stop(
@@ -849,6 +879,7 @@ class BridgeFn:
         emitting = _set_stubs(stubs, recorded, range(self.seg.start, self.seg.stop), stop=stop,
                               emit=self.previous.stop - 1, hidden=carry[0])
         assert emitting is not None
+        emitting._rewind = _rewinder(carry[0])
         x = self.before.inputs.rebuild(carry)
         args, kwargs = call_arguments(call.module, x)
         stand_ins = self.placeholders.make(tensors)
@@ -927,6 +958,7 @@ class HeadFn:
         stubs = _stubs(call.module)
         last = _set_stubs(stubs, emit=len(stubs) - 1, hidden=carry[0])
         assert last is not None
+        last._rewind = _rewinder(carry[0])
         x = self.layout.inputs.rebuild(carry)
         args, kwargs = call_arguments(call.module, x)
         stand_ins = self.placeholders.make(tensors)
