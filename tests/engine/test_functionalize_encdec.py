@@ -349,3 +349,37 @@ def test_an_output_handed_to_the_units_after_the_bridge_is_refused_naming_both()
     ):
         functionalize(HandsAnOutputAcrossTheBridge().double(), units=["encoder", "decoder"],
                       example_input=torch.randn(2, 4, dtype=torch.float64))
+
+
+class DecoderInputsLogitsOnly(LogitsOnly):
+    """Pegasus and Marian make no decoder input from the encoder's: the batch gives it."""
+
+    def forward(self, input_ids: Tensor, decoder_input_ids: Tensor) -> Tensor:  # type: ignore[override]
+        return self.model(input_ids=input_ids, decoder_input_ids=decoder_input_ids).logits
+
+
+@pytest.mark.parametrize("family", ["MBart", "Pegasus", "Marian"])
+def test_bart_like_encoder_decoders_split_in_both_stacks_and_train_as_one_layer(family: str) -> None:
+    """mBART and Pegasus end their encoder in a layer norm (the bridge runs it), Marian does not; with
+    dropout in training mode the split is checked bitwise against the module, and without, one step
+    trains every parameter as the model split as one layer."""
+    modeling = getattr(getattr(T.models, family.lower()), f"modeling_{family.lower()}")
+    units = (getattr(modeling, f"{family}EncoderLayer"), getattr(modeling, f"{family}DecoderLayer"))
+    config_class = getattr(T, f"{family}Config")
+    model_class = T.MarianMTModel if family == "Marian" else getattr(T, f"{family}ForConditionalGeneration")
+    batches = [({"input_ids": x["input_ids"], "decoder_input_ids": y}, y) for x, y in bart_batches()]
+    for dropout in (0.1, 0.0):
+        torch.manual_seed(0)
+        config = config_class(
+            vocab_size=VOCAB, d_model=16, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
+            decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, dropout=dropout,
+            attention_dropout=dropout, max_position_embeddings=32, use_cache=False, pad_token_id=0,
+            decoder_start_token_id=1, eos_token_id=2, bos_token_id=1,
+        )
+        model = DecoderInputsLogitsOnly(model_class(config).double())
+        chain, params = functionalize(model, units=units, example_input=batches[0][0])  # checked bitwise
+        assert "bridge" in chain
+    whole, whole_params = functionalize(model, example_input=batches[0][0])
+    got, expected = trained(chain, params, batches[:1]), trained(whole, whole_params, batches[:1])
+    assert got.keys() == expected.keys()
+    assert all(torch.equal(got[name], want) for name, want in expected.items())
