@@ -222,13 +222,13 @@ def test_paths_across_both_stacks_split_as_the_classes_do() -> None:
 
 
 def test_the_encoders_output_returned_beside_the_decoder_stays_refused_naming_it() -> None:
-    """Unwrapped, BART returns ``encoder_last_hidden_state`` as the encoder computed it: the code after the
-    decoder's layers has only a zero stand-in of the encoder's embedding, and is refused by name."""
+    """Unwrapped, BART returns ``encoder_last_hidden_state``, the last encoder layer's output as it is:
+    ``head`` has only the last decoder layer's, and is refused by name."""
     data = bart_batches()
     with pytest.raises(
         FunctionalizeError,
-        match=r"returns a value the code before the first unit computed from parameter 'model\.[\w.]+'.*"
-        r"Wrap the model in a module whose forward returns only what the loss reads",
+        match=r"the code after the last unit \(layer 'head'\) uses the output of unit 'model\.encoder\.layers\.1' "
+        r"and returns it as it is.*Wrap the model in a module whose forward returns only what the loss reads",
     ):
         functionalize(bart(), units=bart_layers(), example_input=data[0][0])
 
@@ -383,3 +383,30 @@ def test_bart_like_encoder_decoders_split_in_both_stacks_and_train_as_one_layer(
     got, expected = trained(chain, params, batches[:1]), trained(whole, whole_params, batches[:1])
     assert got.keys() == expected.keys()
     assert all(torch.equal(got[name], want) for name, want in expected.items())
+
+
+class AttendsToEveryEncoderLayer(HandsAnOutputAcrossTheBridge):
+    """The decoder's layers receive the first encoder layer's output as well as the last's."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = x[: len(x)]  # not traceable by fx: split by recording its calls
+        outputs = []
+        for layer in self.encoder:
+            h, _ = layer(h)
+            outputs.append(h)
+        d = self.project(h)
+        for layer in self.decoder:
+            d = layer(d, outputs[0])
+        return d
+
+
+def test_the_bridge_handing_on_an_earlier_units_output_is_refused_naming_the_unit() -> None:
+    """Only the last encoder layer's output passes into the bridge: one the decoder's layers receive from an
+    earlier encoder layer would be its input, passed through."""
+    with pytest.raises(
+        FunctionalizeError,
+        match=r"the code between units 'encoder\.1' and 'decoder\.0' \(layer 'bridge'\) uses the output of unit "
+        r"'encoder\.0' and hands it to the units after it",
+    ):
+        functionalize(AttendsToEveryEncoderLayer().double(), units=["encoder", "decoder"],
+                      example_input=torch.randn(2, 4, dtype=torch.float64))

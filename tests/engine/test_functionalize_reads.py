@@ -415,3 +415,43 @@ def test_llava_split_per_decoder_layer_trains_once_wrapped_to_return_its_logits(
     chain, params = functionalize(LogitsOnly(model), units=LlamaDecoderLayer, example_input=batches[0][0])
     step = sw.train_step(chain, lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()), sw.optim.sgd(0.1))
     sw.testing.assert_equivalent(sw.shard_params(step, "dp", 3), step, sw.Mesh(dp=2), batches, params)
+
+
+class _Residual(nn.Module):
+    """``h + linear(h)`` with the linear zero-initialised: the identity on every input, at first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, h: Tensor) -> Tensor:
+        return h + self.linear(h)
+
+
+class SkipsToTheHead(nn.Module):
+    """The code after the blocks reads the first block's output too (a skip connection)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_Residual() for _ in range(2))
+        self.out = nn.Linear(4, LABELS)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x[: len(x)]  # not traceable by fx (see above)
+        first = self.blocks[0](x)
+        return self.out(self.blocks[1](first) + first)
+
+
+def test_the_head_reading_an_earlier_units_output_is_refused_naming_the_unit() -> None:
+    """``head`` has only the last unit's output; where forward reads an earlier one's, its replay passes
+    the unit's input through instead. Each block here is the identity at first, so the two are equal and the
+    check on the example passed, but the first block's gradient through the skip was lost: refused, naming
+    the block."""
+    with pytest.raises(
+        FunctionalizeError,
+        match=r"the code after the last unit \(layer 'head'\) uses the output of unit 'blocks\.0' and reads it "
+        r"\(in add\(\)\).*units=None",
+    ):
+        functionalize(SkipsToTheHead().double(), units="blocks", example_input=torch.randn(2, 4, dtype=torch.float64))

@@ -50,7 +50,10 @@ it here) proves bitwise that the chain equals the module, and, during it, a read
 a placeholder that can reach a phase's output, or a value computed from one that forward
 returns as it is (an encoder's output beside decoder layers as units, or beside both stacks:
 wrap the model to return its logits) or that a bridge hands the next units, is refused by
-name (a zero-initialised weight would compare equal).
+name (a zero-initialised weight would compare equal); so is a use, after the carried state,
+of an earlier unit's output (a skip connection into the head, or a decoder given every encoder
+layer's output), which the replay has only as that unit's input, passed through (a unit that
+is the identity on the example, as a zero-initialised residual branch is, would compare equal).
 
 A unit may return more than its hidden state (Bloom's and GPT-Neo's blocks return
 their attention weights even with ``output_attentions=False``). What the later units
@@ -568,7 +571,9 @@ class _UnitStub(nn.Module):
         # What it passes on beyond the hidden state, and how it runs now: private, since they are
         # the split's bookkeeping (an example's outputs, the phase that ran last), not what the unit
         # computes, and the agreement check compares a module's public attributes.
-        # Tensors there are Nones: nothing reads them (_refuse_read_extras), and the example's would be held.
+        # Tensors there are Nones: the code around the units does not read them (_refuse_read_extras), a later
+        # unit of the segment that receives one gets it from the carry (_carry_writes), and the example's
+        # would be held.
         self._output_rest = () if isinstance(output, Tensor) else tuple(
             None if isinstance(v, Tensor) else v for v in output[1:]
         )
@@ -577,6 +582,7 @@ class _UnitStub(nn.Module):
         self._emit: Tensor | None = None
         self._emitted = False  # in head: whether forward has reached this (the last) unit yet
         self._rewind: Callable[[], None] | None = None  # on emitting: the replay's random draws so far undone
+        self._stale: StandInGuard | None = None  # before the emitting stub in a checked replay: marks its output
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -603,9 +609,19 @@ class _UnitStub(nn.Module):
         if self._emitted and self._rewind is not None:
             self._rewind()
         hidden = self._emit if self._mode == "emit" else (args[where] if kind == "arg" else kwargs[where])  # type: ignore[index]
+        if self._stale is not None and isinstance(hidden, Tensor):
+            # What it passes on is its input, not the unit's output, which only its own layer computed:
+            # a value of its own (its input stays what it is), followed, so that the code after the
+            # carried state reading it is refused, naming the unit.
+            hidden = hidden.view_as(hidden)
+            self._stale.mark(hidden, _UnitOutput(self.path))
         if self.output_type is None:
             return hidden
         return self.output_type((hidden, *self._output_rest))
+
+
+class _UnitOutput(str):
+    """The name :class:`StandInGuard` follows a unit's output by in a replay that passes it through."""
 
 
 def _read_inside_unit(path: str, name: str) -> str:
@@ -701,6 +717,8 @@ def _guard(
         return contextlib.nullcontext()
 
     def refuse(name: str, op: str) -> FunctionalizeError:
+        if isinstance(name, _UnitOutput):
+            return _stale_output_read(layer, name, op, between)
         if op == "return" and between:
             return FunctionalizeError(
                 f"functionalize: the code between units {between} (layer {layer!r}) hands the units after it a "
@@ -739,6 +757,24 @@ def _guard(
     return StandInGuard(stand_ins, counts, refuse)
 
 
+def _stale_output_read(layer: str, unit: str, op: str, between: str) -> FunctionalizeError:
+    """The refusal of the code after a replay's carried state using an earlier unit's output."""
+    how, fix = f"reads it (in {op}())", "Make that code use only the last unit's output"
+    if op == "return" and between:
+        how = "hands it to the units after it"
+    elif op == "return":
+        how = "returns it as it is (an encoder's output returned beside a decoder's logits)"
+        fix = ("Wrap the model in a module whose forward returns only what the loss reads (the logits, or the "
+               "model's own loss)")
+    where = f"the code between units {between}" if between else "the code after the last unit"
+    return FunctionalizeError(
+        f"functionalize: {where} (layer {layer!r}) uses the output of unit {unit!r} and {how}, but only the "
+        "hidden state of the last unit before that code passes into the layer: there it sees the input unit "
+        f"{unit!r} was given instead. {fix}, or pass units that keep the code and what it reads together "
+        "(a larger unit, or units=None for one layer)."
+    )
+
+
 def _set_stubs(
     stubs: list[_UnitStub], recorded: list[_UnitCall] | None = None, record: range = range(0),
     stop: int | None = None, emit: int | None = None, hidden: Tensor | None = None,
@@ -763,7 +799,17 @@ def _set_stubs(
 def _clear_stubs(stubs: list[_UnitStub]) -> None:
     """Drop what a replay left on the stubs (the recorded calls, the carried state): not held on."""
     for stub in stubs:
-        stub._recorded, stub._emit, stub._rewind = None, None, None
+        stub._recorded, stub._emit, stub._rewind, stub._stale = None, None, None, None
+
+
+def _follow_passed_outputs(stubs: list[_UnitStub], emitting: _UnitStub, guard: Any) -> None:
+    """Under the check on the example, mark what the stubs before ``emitting`` pass on (their input):
+    the code after the carried state must not read it (a skip connection from an earlier unit's output
+    into the head), since this layer has only the last unit's output. A unit that computes the identity
+    on the example (a zero-initialised residual branch) would compare equal, and train wrong."""
+    if isinstance(guard, StandInGuard):
+        for stub in stubs[: stubs.index(emitting)]:
+            stub._stale = guard
 
 
 def _rewinder(carried: Tensor) -> Callable[[], None]:
@@ -884,6 +930,7 @@ class BridgeFn:
         args, kwargs = call_arguments(call.module, x)
         stand_ins = self.placeholders.make(tensors)
         guard = _guard(self.name, stand_ins, lambda: emitting._emitted, self.between)
+        _follow_passed_outputs(stubs, emitting, guard)
         try:
             _run_to_stop(call, {**tensors, **stand_ins}, args, kwargs, guard, stubs, stop)
         finally:
@@ -963,6 +1010,7 @@ class HeadFn:
         args, kwargs = call_arguments(call.module, x)
         stand_ins = self.placeholders.make(tensors)
         guard = _guard(HEAD, stand_ins, lambda: last._emitted)
+        _follow_passed_outputs(stubs, last, guard)
         try:
             with guard:
                 out = call.call({**tensors, **stand_ins}, args, kwargs)

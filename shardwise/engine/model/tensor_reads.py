@@ -145,6 +145,11 @@ class StandInGuard(TorchFunctionMode):
                 self.origin[id(t)] = (t, sources[0])
         return out
 
+    def mark(self, t: Tensor, name: str) -> None:
+        """Follow ``t`` as a stand-in named ``name`` from now on: a value that is not what the module
+        computes there (a unit's output that a replay passes through)."""
+        self.origin[id(t)] = (t, name)
+
     def check_returned(self, out: Any) -> None:
         """Refuse an output that is a stand-in or was computed from one, though no op after the
         counting began read it (the code before the units computed it, forward returned it as it is:
