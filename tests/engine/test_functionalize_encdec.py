@@ -410,3 +410,38 @@ def test_the_bridge_handing_on_an_earlier_units_output_is_refused_naming_the_uni
     ):
         functionalize(AttendsToEveryEncoderLayer().double(), units=["encoder", "decoder"],
                       example_input=torch.randn(2, 4, dtype=torch.float64))
+
+
+class ThreeStacks(nn.Module):
+    """Three loops of blocks, a norm between each: two bridges."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = (nn.ModuleList(nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(2))
+                                  for _ in range(3))
+        self.after_a, self.after_b = nn.LayerNorm(4), nn.LayerNorm(4)
+        self.out = nn.Linear(4, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = x[: len(x)]  # not traceable by fx: split by recording its calls
+        for block in self.a:
+            h = block(h)
+        h = self.after_a(h)
+        for block in self.b:
+            h = block(h)
+        h = self.after_b(h) + h
+        for block in self.c:
+            h = block(h)
+        return self.out(h)
+
+
+def test_three_stacks_get_two_bridges_numbered() -> None:
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(4, 4, generator=g, dtype=torch.float64), torch.randint(0, 3, (4,), generator=g))
+               for _ in range(2)]
+    chain, params = functionalize(ThreeStacks().double(), units=["a", "b", "c"], example_input=batches[0][0])
+    assert chain.names == ("embed", "a.0", "a.1", "bridge.1", "b.0", "b.1", "bridge.2", "c.0", "c.1", "head")
+    assert sorted(params["bridge.1"]) == ["after_a.bias", "after_a.weight"]
+    step = sw.train_step(chain, F.cross_entropy, sw.optim.sgd(0.1))
+    sw.testing.assert_equivalent(sw.shard_params(step, "dp", stage=3), step, sw.Mesh(dp=2), batches, params)
