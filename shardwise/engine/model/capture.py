@@ -70,7 +70,8 @@ What crosses a boundary is a tuple of tensors, a structure fixed by the example
 input (a pipeline sends tensors). A tensor-or-None argument travels as a tensor
 or as the ``ABSENT`` marker (BERT's mask is None for an unpadded batch and a
 tensor for a padded one). Non-tensor arguments (``use_cache=False``) are fixed
-at the example's values and checked on every call.
+at the example's values and checked on every call. ``carry.py`` cuts the units into
+segments and lays out the carry; this module records forward and builds the layers.
 """
 
 from __future__ import annotations
@@ -82,12 +83,21 @@ from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import optree
 import torch
 from torch import Tensor, nn
 
 from ..torch_api import fake_tensors, is_fake, storage_key
 from . import host_random
+from .carry import (
+    Layout,
+    Segment,
+    Slot,
+    UnitCall,
+    absent_marker,
+    hidden_of_output,
+    segments_of,
+    with_hidden,
+)
 from .fx_split import FunctionalizeError
 from .module_call import ModuleCall, ThreadReplicas, call_arguments, kept_in_copies
 from .pytrees import register_output_types
@@ -97,28 +107,7 @@ from .tensor_reads import ReadLog, StandInGuard, tensors_in
 EMBED, HEAD = "embed", "head"
 
 
-def absent_marker() -> Tensor:
-    """What travels in the carry for an argument that is None in this call."""
-    return torch.empty((0, 0, 0), dtype=torch.int8)
-
-
-def _is_absent(t: Tensor) -> bool:
-    return is_absent_layout(t.shape, t.dtype)
-
-
-def is_absent_layout(shape: Any, dtype: Any) -> bool:
-    """Whether a tensor of this shape and dtype is :func:`absent_marker`'s: a None argument."""
-    return dtype == torch.int8 and tuple(shape) == (0, 0, 0)
-
-
 # --- recording the example run ----------------------------------------------------------------
-
-
-@dataclass
-class _UnitCall:
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-    output: Any = None
 
 
 # Where forward is, outside the units: gap g is the code that runs after g units have returned (gap 0
@@ -128,7 +117,7 @@ Gap = int
 
 @dataclass
 class _Recording:
-    calls: list[_UnitCall]
+    calls: list[UnitCall]
     phase: dict[str, set[Gap]]  # module path -> the gaps it runs in
     output: Any
     executed: list[str]  # unit paths in the order forward ran them
@@ -144,7 +133,7 @@ def _record(root: nn.Module, paths: list[str], x: Any, fake_units: bool = False)
     skip a mask it does not need) runs on the real example, as at run time."""
     unit_index = {p: i for i, p in enumerate(paths)}
     faking = contextlib.ExitStack()
-    calls: dict[int, _UnitCall] = {}
+    calls: dict[int, UnitCall] = {}
     phase: dict[str, set[Gap]] = {}
     state = {"started": 0, "ended": 0, "inside": 0}
     handles = []
@@ -189,7 +178,7 @@ def _record(root: nn.Module, paths: list[str], x: Any, fake_units: bool = False)
                     faking.enter_context(reusing_forwards([root.get_submodule(p) for p in paths]))
                 handed_to(i, (args, kwargs))  # T5's position bias: its layer writes it into the carry
                 log.passed((args, kwargs), f"unit {path!r} receives it")  # a parameter handed over as it is
-                calls[i] = _UnitCall(tuple(args), dict(kwargs))
+                calls[i] = UnitCall(tuple(args), dict(kwargs))
                 state["started"] += 1
                 state["inside"] += 1
 
@@ -262,7 +251,7 @@ def _extra_refused(unit: str, k: int, user: str) -> FunctionalizeError:
 
 
 def _carry_writes(
-    paths: list[str], recording: _Recording, segments: list[_Segment], layouts: list[_Layout]
+    paths: list[str], recording: _Recording, segments: list[Segment], layouts: list[Layout]
 ) -> dict[int, tuple[tuple[int, int], ...]]:
     """Per unit, ``(output index, carry index)`` for each tensor it returns beside its hidden state that
     later units of its segment receive (T5's first block computes the position bias from its
@@ -279,270 +268,6 @@ def _carry_writes(
         group = layouts[seg].group_of[("tensor", id(value))]
         writes.setdefault(unit, set()).add((k, 1 + group))
     return {unit: tuple(sorted(found)) for unit, found in writes.items()}
-
-
-# --- where the hidden state travels -----------------------------------------------------------
-
-
-Slot = tuple[str, int | str]  # ("arg", position) or ("kwarg", name)
-
-
-def _hidden_of_output(path: str, out: Any) -> Tensor:
-    if isinstance(out, Tensor):
-        return out
-    # Tensors beyond [0] (Bloom's attention weights) are dropped: the recording proved that nothing
-    # reads them (_refuse_read_extras).
-    if (
-        isinstance(out, (tuple, list)) and out and isinstance(out[0], Tensor)
-        and all(v is None or isinstance(v, Tensor) for v in out[1:])
-    ):
-        return out[0]
-    raise FunctionalizeError(
-        f"functionalize: unit {path!r} returns {_describe(out)}, but a unit passes one hidden state "
-        "on: a tensor, or a tuple of it and tensors or Nones. Turn off extra outputs (output_attentions=False, "
-        "use_cache=False), or choose the blocks that return the hidden state as units."
-    )
-
-
-def _describe(value: Any) -> str:
-    if isinstance(value, (tuple, list)):
-        return f"a {type(value).__name__} of ({', '.join(type(v).__name__ for v in value)})"
-    return f"a {type(value).__name__}"
-
-
-@dataclass(frozen=True)
-class _Segment:
-    """Units that hand one hidden state straight from each to the next (an encoder's layers), each
-    receiving it in argument ``slot``. Two segments (an encoder's layers, then a decoder's) have code
-    between them that makes the next one's hidden state (the encoder's final norm, the decoder's
-    embedding and masks): a bridge layer runs it."""
-
-    start: int  # index of its first unit
-    stop: int  # one past its last
-    slot: Slot
-
-
-def _segments(paths: list[str], calls: list[_UnitCall]) -> list[_Segment]:
-    """The units cut where the hidden state stops passing straight on, with the argument each segment's
-    units receive it in. Units of one container (``encoder.layers``) are one loop, so forward must hand
-    each the previous one's output: code changing it between two of them has no layer to run in and is
-    refused. Between containers (``encoder.layers.1`` and ``decoder.layers.0``) it is a bridge."""
-    n = len(calls)
-    outputs = [_hidden_of_output(paths[i], calls[i].output) for i in range(n)]
-    receives: list[list[Slot]] = [[]] + [_slots_holding(calls[i], outputs[i - 1]) for i in range(1, n)]
-    loops = _loops(paths)
-    slots: dict[int, Slot] = {}  # per loop: where its units receive the hidden state
-    for first, stop in loops:
-        inner: list[Slot] = []
-        for i in range(first + 1, stop):
-            if not receives[i]:
-                raise FunctionalizeError(
-                    f"functionalize: unit {paths[i]!r} does not receive the output of {paths[i - 1]!r}: forward "
-                    f"changes the hidden state between them. Make that code part of a unit (list units by "
-                    f"path), or split at modules that pass their output straight on."
-                )
-            inner.append(receives[i][0])
-        _refuse_mixed_slots(inner)
-        slots[first] = inner[0] if inner else _lone_unit_slot(paths[first], calls[first], receives[first])
-    segments: list[_Segment] = []
-    for first, stop in loops:
-        joined = segments and first > 0 and slots[first] in receives[first]
-        if joined and segments[-1].slot != slots[first]:
-            _refuse_mixed_slots([segments[-1].slot, slots[first]])
-        if joined:
-            segments[-1] = _Segment(segments[-1].start, stop, slots[first])
-        else:
-            segments.append(_Segment(first, stop, slots[first]))
-    return segments
-
-
-def _loops(paths: list[str]) -> list[tuple[int, int]]:
-    """(first, stop) index ranges of consecutive units in one container: the loops of forward."""
-    loops: list[tuple[int, int]] = []
-    for i, path in enumerate(paths):
-        if loops and path.rpartition(".")[0] == paths[i - 1].rpartition(".")[0]:
-            loops[-1] = (loops[-1][0], i + 1)
-        else:
-            loops.append((i, i + 1))
-    return loops
-
-
-def _slots_holding(call: _UnitCall, value: Tensor) -> list[Slot]:
-    found: list[Slot] = [("arg", j) for j, a in enumerate(call.args) if a is value]
-    return found + [("kwarg", k) for k, v in call.kwargs.items() if v is value]
-
-
-def _refuse_mixed_slots(slots: list[Slot]) -> None:
-    if slots and any(s != slots[0] for s in slots):
-        raise FunctionalizeError(
-            f"functionalize: the units receive their hidden state in different arguments ({slots}); "
-            "choose units of one kind."
-        )
-
-
-def _lone_unit_slot(path: str, call: _UnitCall, receives: list[Slot]) -> Slot:
-    """Where a unit alone in its container receives its hidden state: its first argument, or
-    ``hidden_states=``, or where it receives the previous unit's output."""
-    if call.args:
-        return ("arg", 0)
-    if "hidden_states" in call.kwargs:
-        return ("kwarg", "hidden_states")
-    if receives:
-        return receives[0]
-    raise FunctionalizeError(
-        f"functionalize: cannot tell which argument of {path!r} is its input; list two units or more"
-    )
-
-
-def _without_hidden(call: _UnitCall, slot: Slot) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    kind, where = slot
-    if kind == "arg":
-        return tuple(a for j, a in enumerate(call.args) if j != where), dict(call.kwargs)
-    return call.args, {k: v for k, v in call.kwargs.items() if k != where}
-
-
-def _with_hidden(
-    hidden: Tensor, slot: Slot, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    kind, where = slot
-    if kind == "arg":
-        assert isinstance(where, int)
-        return (*args[:where], hidden, *args[where:]), kwargs
-    return args, {**kwargs, str(where): hidden}
-
-
-# --- the static layout of the carry ------------------------------------------------------------
-
-_CONSTANT_TYPES = (bool, int, float, str, type(None))
-
-
-@dataclass(frozen=True)
-class _Leaves:
-    """A pytree whose tensor-or-None leaves travel in the carry and whose other leaves are fixed."""
-
-    spec: optree.PyTreeSpec
-    constants: tuple[Any, ...]  # per leaf: the fixed value, or _TRAVELS
-    where: tuple[int, ...]  # per leaf: index into the carry, or -1 for a constant
-
-    def rebuild(self, carry: Sequence[Tensor]) -> Any:
-        leaves = [
-            c if i < 0 else (None if _is_absent(carry[i]) else carry[i])
-            for c, i in zip(self.constants, self.where, strict=True)
-        ]
-        return optree.tree_unflatten(self.spec, leaves)
-
-    def check(self, what: str, tree: Any) -> list[Any]:
-        """The leaves of ``tree``, refusing a structure or constant other than the example's."""
-        leaves, spec = optree.tree_flatten(tree, none_is_leaf=True)
-        if spec != self.spec:
-            raise FunctionalizeError(
-                f"functionalize: {what} has structure {spec}, but the split was recorded on an example "
-                f"with {self.spec}. Pass functionalize(..., example_input=) an input like your batches."
-            )
-        for c, i, leaf in zip(self.constants, self.where, leaves, strict=True):
-            if i < 0 and not (type(leaf) is type(c) and leaf == c):
-                raise FunctionalizeError(
-                    f"functionalize: {what} has {leaf!r} where the example had {c!r}; the split fixes "
-                    "non-tensor arguments at the example's values. Pass example_input= an input like your batches."
-                )
-        return leaves
-
-
-_TRAVELS = object()
-
-
-class _Layout:
-    """Carry = (hidden, one entry per group of unit arguments, the tensors of the input): the value
-    passed between the layers of one segment of units (``paths``, ``calls``: its units)."""
-
-    def __init__(self, paths: list[str], calls: list[_UnitCall], slot: Slot, x: Any) -> None:
-        self.paths = paths
-        self.slot = slot
-        groups: dict[Any, int] = {}  # ("tensor", id) or ("none", leaf path) -> group
-        self.group_of = groups
-        self.group_slots: list[list[tuple[int, int]]] = []  # per group: (unit, leaf) slots
-        self.absent: list[bool] = []  # per group: None in the example (an attention mask the model skipped)
-        self.units: list[_Leaves] = []
-        for u, call in enumerate(calls):
-            rest: Any = _without_hidden(call, slot)
-            leaves, spec = optree.tree_flatten(rest, none_is_leaf=True)
-            paths_of = optree.tree_paths(rest, none_is_leaf=True)
-            constants, where = [], []
-            for j, leaf in enumerate(leaves):
-                if isinstance(leaf, Tensor) or leaf is None:
-                    key = ("tensor", id(leaf)) if isinstance(leaf, Tensor) else ("none", paths_of[j])
-                    if key not in groups:
-                        groups[key] = len(self.group_slots)
-                        self.group_slots.append([])
-                        self.absent.append(leaf is None)
-                    self.group_slots[groups[key]].append((u, j))
-                    constants.append(_TRAVELS)
-                    where.append(1 + groups[key])
-                else:
-                    _check_constant(paths[u], paths_of[j], leaf)
-                    constants.append(leaf)
-                    where.append(-1)
-            self.units.append(_Leaves(spec, tuple(constants), tuple(where)))
-        start = 1 + len(self.group_slots)
-        leaves, spec = optree.tree_flatten(x, none_is_leaf=True)
-        constants, where = [], []
-        for leaf in leaves:
-            if isinstance(leaf, Tensor) or leaf is None:
-                constants.append(_TRAVELS)
-                where.append(start + len([w for w in where if w >= 0]))
-            else:
-                constants.append(leaf)
-                where.append(-1)
-        self.inputs = _Leaves(spec, tuple(constants), tuple(where))
-
-    def carry(self, hidden: Tensor, calls: list[_UnitCall], x: Any) -> tuple[Tensor, ...]:
-        unit_leaves = [
-            self.units[u].check(f"the arguments of unit {self.paths[u]!r}", _without_hidden(call, self.slot))
-            for u, call in enumerate(calls)
-        ]
-        entries = [hidden]
-        # On fake tensors (a pipeline predicting what its stages pass on) a model cannot read data, so
-        # it builds what it may skip on real inputs (Hugging Face's sdpa attention skips an all-causal
-        # mask). Such a value follows the example: absent where the example had none, as on real inputs
-        # like it.
-        predicting = is_fake(hidden)
-        for g, slots in enumerate(self.group_slots):
-            values = [unit_leaves[u][j] for u, j in slots]
-            first = values[0]
-            if any(v is not first for v in values[1:]):
-                (u0, _), (u1, _) = slots[0], slots[next(k for k, v in enumerate(values) if v is not first)]
-                raise FunctionalizeError(
-                    f"functionalize: units {self.paths[u0]!r} and {self.paths[u1]!r} shared an argument in the "
-                    "example input but get different values now; pass example_input= an input like your batches."
-                )
-            entries.append(absent_marker() if first is None or (predicting and self.absent[g]) else _as_tensor(first))
-        input_leaves = self.inputs.check("the layer input", x)
-        for leaf, i in zip(input_leaves, self.inputs.where, strict=True):
-            if i >= 0:
-                entries.append(absent_marker() if leaf is None else leaf)
-        return tuple(entries)
-
-
-def _as_tensor(value: Any) -> Tensor:
-    assert isinstance(value, Tensor)
-    return value
-
-
-def _check_constant(unit: str, path: tuple[Any, ...], value: Any) -> None:
-    if isinstance(value, _CONSTANT_TYPES):
-        return
-    where = "".join(f"[{k!r}]" for k in path)
-    hint = (
-        " It is a key/value cache: turn the cache off (use_cache=False)."
-        if "cache" in type(value).__name__.lower()
-        else " An object the model hands its units (Gemma-3n's shared key/value states) cannot be passed "
-        "between layers: functionalize with units=None (one layer: no pipeline, ZeRO-3 gathers it whole), "
-        "or with units that do not receive it."
-    )
-    raise FunctionalizeError(
-        f"functionalize: unit {unit!r} receives a {type(value).__name__} at arguments{where}; only "
-        f"tensors and plain constants can cross a layer boundary.{hint}"
-    )
 
 
 # --- stubs standing in for the units inside the embed / head replicas --------------------------
@@ -578,7 +303,7 @@ class _UnitStub(nn.Module):
             None if isinstance(v, Tensor) else v for v in output[1:]
         )
         self._mode = "pass"  # pass | stop | emit
-        self._recorded: list[_UnitCall] | None = None
+        self._recorded: list[UnitCall] | None = None
         self._emit: Tensor | None = None
         self._emitted = False  # in head: whether forward has reached this (the last) unit yet
         self._rewind: Callable[[], None] | None = None  # on emitting: the replay's random draws so far undone
@@ -599,7 +324,7 @@ class _UnitStub(nn.Module):
         raise FunctionalizeError(_read_inside_unit(self.path, str(index)))
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        call = _UnitCall(args, kwargs)
+        call = UnitCall(args, kwargs)
         if self._recorded is not None:
             self._recorded.append(call)
         if self._mode == "stop":
@@ -633,7 +358,7 @@ def _read_inside_unit(path: str, name: str) -> str:
     )
 
 
-def _stubbed_root(root: nn.Module, paths: list[str], recording: _Recording, segments: list[_Segment]) -> nn.Module:
+def _stubbed_root(root: nn.Module, paths: list[str], recording: _Recording, segments: list[Segment]) -> nn.Module:
     """A copy of ``root`` (sharing its tensors) whose units are stubs."""
     named = [*root.named_parameters(remove_duplicate=False), *root.named_buffers(remove_duplicate=False)]
     memo: dict[int, Any] = {**kept_in_copies(root), **{id(t): t for _, t in named}}
@@ -776,7 +501,7 @@ def _stale_output_read(layer: str, unit: str, op: str, between: str) -> Function
 
 
 def _set_stubs(
-    stubs: list[_UnitStub], recorded: list[_UnitCall] | None = None, record: range = range(0),
+    stubs: list[_UnitStub], recorded: list[UnitCall] | None = None, record: range = range(0),
     stop: int | None = None, emit: int | None = None, hidden: Tensor | None = None,
 ) -> _UnitStub | None:
     """Set the stubs for one replay of forward: every one passes its hidden state on, those in ``record``
@@ -851,7 +576,7 @@ def _run_to_stop(
 
 
 def _carry_of_segment(
-    layout: _Layout, seg: _Segment, recorded: list[_UnitCall], x: Any, tensors: dict[str, Tensor]
+    layout: Layout, seg: Segment, recorded: list[UnitCall], x: Any, tensors: dict[str, Tensor]
 ) -> tuple[Tensor, ...]:
     """The carry of the units of ``seg`` from the calls a replay recorded of them."""
     if len(recorded) != seg.stop - seg.start:
@@ -868,7 +593,7 @@ def _carry_of_segment(
 class EmbedFn:
     """``root(x)`` up to the last unit of the first segment: returns its carry."""
 
-    def __init__(self, stubbed: nn.Module, layout: _Layout, seg: _Segment, placeholders: _Placeholders) -> None:
+    def __init__(self, stubbed: nn.Module, layout: Layout, seg: Segment, placeholders: _Placeholders) -> None:
         self.replicas = ThreadReplicas(stubbed)
         self.layout, self.seg, self.placeholders = layout, seg, placeholders
 
@@ -880,7 +605,7 @@ class EmbedFn:
     def __call__(self, tensors: dict[str, Tensor], x: Any) -> tuple[Tensor, ...]:
         call = self.replicas.get()
         stubs = _stubs(call.module)
-        recorded: list[_UnitCall] = []
+        recorded: list[UnitCall] = []
         stop = self.seg.stop - 1
         _set_stubs(stubs, recorded, range(self.seg.start, self.seg.stop), stop=stop)
         args, kwargs = call_arguments(call.module, x)
@@ -905,7 +630,7 @@ class BridgeFn:
     stand-ins for the parameters it does not hold, discarded."""
 
     def __init__(
-        self, stubbed: nn.Module, name: str, before: tuple[_Layout, _Segment], after: tuple[_Layout, _Segment],
+        self, stubbed: nn.Module, name: str, before: tuple[Layout, Segment], after: tuple[Layout, Segment],
         placeholders: _Placeholders,
     ) -> None:
         self.replicas = ThreadReplicas(stubbed)
@@ -920,7 +645,7 @@ class BridgeFn:
     def __call__(self, tensors: dict[str, Tensor], carry: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
         call = self.replicas.get()
         stubs = _stubs(call.module)
-        recorded: list[_UnitCall] = []
+        recorded: list[UnitCall] = []
         stop = self.seg.stop - 1
         emitting = _set_stubs(stubs, recorded, range(self.seg.start, self.seg.stop), stop=stop,
                               emit=self.previous.stop - 1, hidden=carry[0])
@@ -960,7 +685,7 @@ class UnitFn:
     """One unit on the carry: ``unit(hidden, **its arguments)``; the carry with the new hidden state."""
 
     def __init__(
-        self, unit: nn.Module, path: str, index: int, layout: _Layout, slot: Slot,
+        self, unit: nn.Module, path: str, index: int, layout: Layout, slot: Slot,
         writes: tuple[tuple[int, int], ...] = (),
     ) -> None:
         self.replicas = ThreadReplicas(unit, prefix=path + ".")
@@ -977,9 +702,9 @@ class UnitFn:
 
     def __call__(self, tensors: dict[str, Tensor], carry: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
         rest_args, rest_kwargs = self.layout.units[self.index].rebuild(carry)
-        args, kwargs = _with_hidden(carry[0], self.slot, rest_args, rest_kwargs)
+        args, kwargs = with_hidden(carry[0], self.slot, rest_args, rest_kwargs)
         out = self.replicas.get().call(tensors, args, kwargs)
-        new = [_hidden_of_output(self.path, out), *carry[1:]]
+        new = [hidden_of_output(self.path, out), *carry[1:]]
         for k, where in self.writes:
             new[where] = absent_marker() if out[k] is None else out[k]
         return tuple(new)
@@ -991,7 +716,7 @@ class UnitFn:
 class HeadFn:
     """``root(x)`` with the units stubbed and the last one giving the carried hidden state."""
 
-    def __init__(self, stubbed: nn.Module, layout: _Layout, placeholders: _Placeholders) -> None:
+    def __init__(self, stubbed: nn.Module, layout: Layout, placeholders: _Placeholders) -> None:
         self.replicas = ThreadReplicas(stubbed)
         self.layout, self.placeholders = layout, placeholders
 
@@ -1046,11 +771,11 @@ def split_by_calls(
         paths = recording.executed
         recording = _record(root, paths, example, fake_units)
     _refuse_read_extras(recording)
-    segments = _segments(paths, recording.calls)
+    segments = segments_of(paths, recording.calls)
     bridges = _bridge_names(len(segments))
     _refuse_clash(paths, bridges)
     layouts = [
-        _Layout(paths[seg.start:seg.stop], recording.calls[seg.start:seg.stop], seg.slot, example) for seg in segments
+        Layout(paths[seg.start:seg.stop], recording.calls[seg.start:seg.stop], seg.slot, example) for seg in segments
     ]
     writes = _carry_writes(paths, recording, segments, layouts)
     stubbed = _stubbed_root(root, paths, recording, segments)
@@ -1105,7 +830,7 @@ def _refuse_clash(paths: list[str], names: Sequence[str]) -> None:
     )
 
 
-def _region(gap: Gap, segments: list[_Segment], units: int) -> int:
+def _region(gap: Gap, segments: list[Segment], units: int) -> int:
     """Which layer runs the code of ``gap`` for real: 0 ``embed``, k the bridge into segment k (the code
     between two of its units included: it records their calls), ``len(segments)`` ``head``."""
     if gap == units:
@@ -1114,7 +839,7 @@ def _region(gap: Gap, segments: list[_Segment], units: int) -> int:
 
 
 def _phase_params(
-    root: nn.Module, paths: list[str], recording: _Recording, segments: list[_Segment]
+    root: nn.Module, paths: list[str], recording: _Recording, segments: list[Segment]
 ) -> list[set[int]]:
     """ids of the params each layer around the units really uses: ``embed``, each bridge, ``head`` (by
     :func:`_region`): those the code it runs reads, and those of modules run there; a module that holds
