@@ -455,3 +455,36 @@ def test_the_head_reading_an_earlier_units_output_is_refused_naming_the_unit() -
         r"\(in add\(\)\).*units=None",
     ):
         functionalize(SkipsToTheHead().double(), units="blocks", example_input=torch.randn(2, 4, dtype=torch.float64))
+
+
+class _ScaledResidual(_Residual):
+    def forward(self, h: Tensor, scale: Tensor) -> Tensor:  # type: ignore[override]
+        return h + self.linear(h) * scale
+
+
+class GluesAnArgumentFromTheHiddenState(nn.Module):
+    """The loop computes each block's second argument from the hidden state the block before returned."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_ScaledResidual() for _ in range(2))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = x[: len(x)]  # not traceable by fx (see above)
+        for block in self.blocks:
+            h = block(h, torch.tanh(h.mean()))
+        return h
+
+
+def test_a_units_argument_glued_from_an_earlier_units_output_is_refused_naming_it() -> None:
+    """``embed`` records what the units receive with the units passed through: an argument computed from
+    the hidden state between two units would come from the first one's input. The blocks are the identity
+    at first, so the check on the example passed, and the first block lost its gradient through the
+    second's argument: refused, naming the block."""
+    with pytest.raises(
+        FunctionalizeError,
+        match=r"a unit after 'blocks\.0' receives a value forward computes from the output of unit 'blocks\.0'.*"
+        r"layer 'embed' records.*units=None",
+    ):
+        functionalize(GluesAnArgumentFromTheHiddenState().double(), units="blocks",
+                      example_input=torch.randn(2, 4, dtype=torch.float64))

@@ -52,8 +52,10 @@ returns as it is (an encoder's output beside decoder layers as units, or beside 
 wrap the model to return its logits) or that a bridge hands the next units, is refused by
 name (a zero-initialised weight would compare equal); so is a use, after the carried state,
 of an earlier unit's output (a skip connection into the head, or a decoder given every encoder
-layer's output), which the replay has only as that unit's input, passed through (a unit that
-is the identity on the example, as a zero-initialised residual branch is, would compare equal).
+layer's output), which the replay has only as that unit's input, passed through, and so is a
+unit's argument that the code between two units computes from the hidden state (``embed`` and a
+bridge record it with the units passed through); a unit that is the identity on the example,
+as a zero-initialised residual branch is, would compare equal.
 
 A unit may return more than its hidden state (Bloom's and GPT-Neo's blocks return
 their attention weights even with ``output_attentions=False``). What the later units
@@ -307,7 +309,9 @@ class _UnitStub(nn.Module):
         self._emit: Tensor | None = None
         self._emitted = False  # in head: whether forward has reached this (the last) unit yet
         self._rewind: Callable[[], None] | None = None  # on emitting: the replay's random draws so far undone
-        self._stale: StandInGuard | None = None  # before the emitting stub in a checked replay: marks its output
+        # Under the check on the example: the guard that follows what it passes on, and whether a layer is
+        # recording the next units' calls through it (embed, a bridge) or replaying up to its carried state.
+        self._stale: tuple[StandInGuard, bool] | None = None
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -334,19 +338,29 @@ class _UnitStub(nn.Module):
         if self._emitted and self._rewind is not None:
             self._rewind()
         hidden = self._emit if self._mode == "emit" else (args[where] if kind == "arg" else kwargs[where])  # type: ignore[index]
-        if self._stale is not None and isinstance(hidden, Tensor):
+        if self._stale is not None and self._mode == "pass" and isinstance(hidden, Tensor):
             # What it passes on is its input, not the unit's output, which only its own layer computed:
             # a value of its own (its input stays what it is), followed, so that the code after the
             # carried state reading it is refused, naming the unit.
             hidden = hidden.view_as(hidden)
-            self._stale.mark(hidden, _UnitOutput(self.path))
+            guard, recording = self._stale
+            guard.mark(hidden, _UnitOutput(self.path, recording))
         if self.output_type is None:
             return hidden
         return self.output_type((hidden, *self._output_rest))
 
 
 class _UnitOutput(str):
-    """The name :class:`StandInGuard` follows a unit's output by in a replay that passes it through."""
+    """The name :class:`StandInGuard` follows a unit's output by in a replay that passes it through;
+    ``recording``: while a layer records the next units' calls (``embed``, a bridge), where code may read
+    it (a loop's glue) but what the units receive must not come from it."""
+
+    recording: bool
+
+    def __new__(cls, path: str, recording: bool) -> _UnitOutput:
+        name = super().__new__(cls, path)
+        name.recording = recording
+        return name
 
 
 def _read_inside_unit(path: str, name: str) -> str:
@@ -441,9 +455,9 @@ def _guard(
     if not _GUARDING.get():
         return contextlib.nullcontext()
 
-    def refuse(name: str, op: str) -> FunctionalizeError:
+    def refuse(name: str, op: str) -> FunctionalizeError | None:
         if isinstance(name, _UnitOutput):
-            return _stale_output_read(layer, name, op, between)
+            return None if name.recording and op != "return" else _stale_output_read(layer, name, op, between)
         if op == "return" and between:
             return FunctionalizeError(
                 f"functionalize: the code between units {between} (layer {layer!r}) hands the units after it a "
@@ -482,8 +496,16 @@ def _guard(
     return StandInGuard(stand_ins, counts, refuse)
 
 
-def _stale_output_read(layer: str, unit: str, op: str, between: str) -> FunctionalizeError:
-    """The refusal of the code after a replay's carried state using an earlier unit's output."""
+def _stale_output_read(layer: str, unit: _UnitOutput, op: str, between: str) -> FunctionalizeError:
+    """The refusal of the code after a replay's carried state using an earlier unit's output, or of a
+    unit's argument computed from it."""
+    if unit.recording:
+        return FunctionalizeError(
+            f"functionalize: a unit after {unit!r} receives a value forward computes from the output of unit "
+            f"{unit!r} (besides it as the hidden state): layer {layer!r} records what the units receive with "
+            f"them passed through, so there it would be computed from the input unit {unit!r} was given. "
+            "Make that code part of a unit (list units by path), or split with units=None (one layer)."
+        )
     how, fix = f"reads it (in {op}())", "Make that code use only the last unit's output"
     if op == "return" and between:
         how = "hands it to the units after it"
@@ -527,14 +549,18 @@ def _clear_stubs(stubs: list[_UnitStub]) -> None:
         stub._recorded, stub._emit, stub._rewind, stub._stale = None, None, None, None
 
 
-def _follow_passed_outputs(stubs: list[_UnitStub], emitting: _UnitStub, guard: Any) -> None:
-    """Under the check on the example, mark what the stubs before ``emitting`` pass on (their input):
-    the code after the carried state must not read it (a skip connection from an earlier unit's output
-    into the head), since this layer has only the last unit's output. A unit that computes the identity
-    on the example (a zero-initialised residual branch) would compare equal, and train wrong."""
+def _follow_passed_outputs(guard: Any, before: list[_UnitStub], recording: list[_UnitStub]) -> None:
+    """Under the check on the example, mark what the stubs pass on (their input, not the unit's output):
+    the code after the carried state must not use the output of a unit ``before`` it (a skip connection
+    from an earlier unit's output into the head), since this layer has only the last one's; and no
+    argument of the units ``recording`` records may be computed from one of theirs (a loop's glue making
+    the next unit's argument from the hidden state). A unit that computes the identity on the example
+    (a zero-initialised residual branch) would compare equal, and train wrong."""
     if isinstance(guard, StandInGuard):
-        for stub in stubs[: stubs.index(emitting)]:
-            stub._stale = guard
+        for stub in before:
+            stub._stale = (guard, False)
+        for stub in recording:
+            stub._stale = (guard, True)
 
 
 def _rewinder(carried: Tensor) -> Callable[[], None]:
@@ -610,12 +636,16 @@ class EmbedFn:
         _set_stubs(stubs, recorded, range(self.seg.start, self.seg.stop), stop=stop)
         args, kwargs = call_arguments(call.module, x)
         stand_ins = self.placeholders.make(tensors)
+        guard = _guard(EMBED, stand_ins, lambda: True)
+        _follow_passed_outputs(guard, [], stubs[self.seg.start:stop])
         try:
-            _run_to_stop(call, {**tensors, **stand_ins}, args, kwargs,
-                         _guard(EMBED, stand_ins, lambda: True), stubs, stop)
+            _run_to_stop(call, {**tensors, **stand_ins}, args, kwargs, guard, stubs, stop)
         finally:
             _clear_stubs(stubs)
-        return _carry_of_segment(self.layout, self.seg, recorded, x, tensors)
+        out = _carry_of_segment(self.layout, self.seg, recorded, x, tensors)
+        if isinstance(guard, StandInGuard):
+            guard.check_returned(out)
+        return out
 
     def __repr__(self) -> str:
         return f"embed({type(self.replicas.module).__name__} up to its first unit)"
@@ -655,7 +685,7 @@ class BridgeFn:
         args, kwargs = call_arguments(call.module, x)
         stand_ins = self.placeholders.make(tensors)
         guard = _guard(self.name, stand_ins, lambda: emitting._emitted, self.between)
-        _follow_passed_outputs(stubs, emitting, guard)
+        _follow_passed_outputs(guard, stubs[: self.previous.stop - 1], stubs[self.seg.start:stop])
         try:
             _run_to_stop(call, {**tensors, **stand_ins}, args, kwargs, guard, stubs, stop)
         finally:
@@ -735,7 +765,7 @@ class HeadFn:
         args, kwargs = call_arguments(call.module, x)
         stand_ins = self.placeholders.make(tensors)
         guard = _guard(HEAD, stand_ins, lambda: last._emitted)
-        _follow_passed_outputs(stubs, last, guard)
+        _follow_passed_outputs(guard, stubs[:-1], [])
         try:
             with guard:
                 out = call.call({**tensors, **stand_ins}, args, kwargs)

@@ -115,12 +115,14 @@ class StandInGuard(TorchFunctionMode):
 
     ``stand_ins`` maps each stand-in tensor to its parameter's name. What an op computes from a
     stand-in (or from such a value) is followed; once ``counts()`` is true, an op reading one
-    raises ``refuse(parameter name, op name)``. ``embed`` counts every op (it must not read a
-    stand-in at all); ``head`` counts from its last unit on (its replay of the code before the
-    units is discarded, but nothing after the units may depend on it)."""
+    raises ``refuse(parameter name, op name)`` (where that gives None, the value is followed on).
+    ``embed`` counts every op (it must not read a stand-in at all); ``head`` counts from its last
+    unit on (its replay of the code before the units is discarded, but nothing after the units may
+    depend on it)."""
 
     def __init__(
-        self, stand_ins: dict[str, Tensor], counts: Callable[[], bool], refuse: Callable[[str, str], Exception]
+        self, stand_ins: dict[str, Tensor], counts: Callable[[], bool],
+        refuse: Callable[[str, str], Exception | None],
     ) -> None:
         super().__init__()
         self.counts, self.refuse = counts, refuse
@@ -139,8 +141,9 @@ class StandInGuard(TorchFunctionMode):
             if found is not None and found[0] is t:
                 sources.append(found[1])
         if sources:
-            if self.counts():
-                raise self.refuse(sources[0], _name(func))
+            error = self.refuse(sources[0], _name(func)) if self.counts() else None
+            if error is not None:
+                raise error
             for t in tensors_in(out):
                 self.origin[id(t)] = (t, sources[0])
         return out
@@ -156,5 +159,6 @@ class StandInGuard(TorchFunctionMode):
         an encoder's output beside decoder layers as units); ``refuse``'s op is ``"return"``."""
         for t in tensors_in(out):
             found = self.origin.get(id(t))
-            if found is not None and found[0] is t:
-                raise self.refuse(found[1], "return")
+            error = self.refuse(found[1], "return") if found is not None and found[0] is t else None
+            if error is not None:
+                raise error
