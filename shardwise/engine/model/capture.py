@@ -339,9 +339,9 @@ class _UnitStub(nn.Module):
             self._rewind()
         hidden = self._emit if self._mode == "emit" else (args[where] if kind == "arg" else kwargs[where])  # type: ignore[index]
         if self._stale is not None and self._mode == "pass" and isinstance(hidden, Tensor):
-            # What it passes on is its input, not the unit's output, which only its own layer computed:
+            # What it passes on is its input, not the unit's output, which only its own layer computes:
             # a value of its own (its input stays what it is), followed, so that the code after the
-            # carried state reading it is refused, naming the unit.
+            # carried state reading it, or a later unit receiving a value made from it, is refused.
             hidden = hidden.view_as(hidden)
             guard, recording = self._stale
             guard.mark(hidden, _UnitOutput(self.path, recording))
