@@ -8,9 +8,9 @@ module is run once on an example input while hooks record, in order, every
 unit call with its arguments and output, and when every other submodule runs.
 The chain is then
 
-* ``"embed"``: ``root(x)`` up to the last unit, with the units replaced by stubs
-  that pass the hidden state through and record what forward gives each unit
-  (it stops at the last one). Its output, the *carry*, is a tuple of tensors:
+* ``"embed"``: ``root(x)`` up to the last unit (of the first segment, below), with the
+  units replaced by stubs that pass the hidden state through and record what forward
+  gives each unit (it stops at the last one). Its output, the *carry*, is a tuple of tensors:
   the hidden state, every tensor the units receive besides it (mask, position
   ids, ``(cos, sin)``), and the tensors of ``x`` itself (ids, mask, labels).
 * one layer per unit: ``unit(hidden, **what forward gave it)`` through
@@ -19,32 +19,61 @@ The chain is then
   the carried hidden state: the code after the loop (norm, head, loss) runs as
   written, and the output is the module's own (a ``ModelOutput``).
 
+* a ``"bridge"`` where the units form two *segments* (an encoder's layers, then a
+  decoder's): units of one container pass the hidden state straight on, and code
+  between two containers that makes a new one (the encoder's final norm, the
+  decoder's embedding and masks) is a layer of its own. It is ``head`` and
+  ``embed`` in one: ``root(x)`` again, the units before it passing their input on,
+  the segment's last returning the carried hidden state, up to the last unit of
+  the next segment, recording what forward gives its units. Its output is the next
+  segment's carry (the decoder's hidden state, the encoder's output as
+  ``encoder_hidden_states``, the masks, the batch's tensors), so the encoder's
+  layers get their gradient through the decoder's layers and the bridge, as in the
+  module. (Several segments give ``"bridge.1"``, ``"bridge.2"``, ...)
+
 The code before the first unit thus runs twice (in ``embed`` and, discarded, in
-``head``): cheap (an embedding lookup and a mask), and exact. In ``head`` the
+``head``): cheap (an embedding lookup and a mask), and exact. In ``head`` (and a bridge) the
 parameters only that code reads are zero placeholders (one element each,
 expanded), so the last pipeline stage does not hold the embedding table, and its
-dropout modules run in eval mode so the replay draws no random numbers.
+dropout modules run in eval mode so the replay draws no random numbers; what the
+replay still draws before the carried state (a dropout in a module that holds the
+units, as BART's encoder applies to its embedding) is undone where it reaches it, so
+the code after draws what it draws in the module.
 Which phase holds a parameter is decided by what the recording saw READ (a
 TorchFunctionMode, ``tensor_reads.py``), not by which modules ran: DeBERTa reads
 ``rel_embeddings.weight`` by attribute before its layers and never calls the
 module; a value computed before the loop from a parameter and used after it puts
-that parameter in ``head`` too. The example check (``functionalize`` always runs
+that parameter in ``head`` too, and one read before the encoder and in the bridge
+(BART's shared embedding table) is in both: ``embed`` owns it, the bridge ties to
+it (``Layer.ties``). The example check (``functionalize`` always runs
 it here) proves bitwise that the chain equals the module, and, during it, a read of
 a placeholder that can reach a phase's output, or a value computed from one that forward
-returns as it is (an encoder's output beside decoder layers as units), is refused by name
-(a zero-initialised weight would compare equal).
+returns as it is (an encoder's output beside decoder layers as units, or beside both stacks:
+wrap the model to return its logits) or that a bridge hands the next units, is refused by
+name (a zero-initialised weight would compare equal); so is a use, after the carried state,
+of an earlier unit's output (a skip connection into the head, or a decoder given every encoder
+layer's output), which the replay has only as that unit's input, passed through, and so is a
+unit's argument that the code between two units computes from the hidden state (``embed`` and a
+bridge record it with the units passed through); a unit that is the identity on the example,
+as a zero-initialised residual branch is, would compare equal.
 
 A unit may return more than its hidden state (Bloom's and GPT-Neo's blocks return
-their attention weights even with ``output_attentions=False``): only ``output[0]``
-passes on, so the recording must show that nothing reads the rest; where the code
-around the units (or the next unit: T5's position bias) reads it, it is refused,
-naming the output and its reader.
+their attention weights even with ``output_attentions=False``). What the later units
+of its segment receive (T5's first block computes the position bias from its
+``relative_attention_bias``, and the next blocks are given it) is a slot of the carry
+that the unit's layer writes (the code before it left an absent marker there), so its
+gradient comes back to that block. The rest passes nowhere, so the recording must
+show that nothing reads it; where the code around the units reads it, or a unit after
+a bridge receives it, it is refused, naming the output and its reader. An encoder's
+output reaches the decoder's units only as the last encoder unit's hidden state,
+through the bridge: what the decoder's units receive is recorded there.
 
 What crosses a boundary is a tuple of tensors, a structure fixed by the example
 input (a pipeline sends tensors). A tensor-or-None argument travels as a tensor
 or as the ``ABSENT`` marker (BERT's mask is None for an unpadded batch and a
 tensor for a padded one). Non-tensor arguments (``use_cache=False``) are fixed
-at the example's values and checked on every call.
+at the example's values and checked on every call. ``carry.py`` cuts the units into
+segments and lays out the carry; this module records forward and builds the layers.
 """
 
 from __future__ import annotations
@@ -52,18 +81,28 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import copy
-import dataclasses
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import optree
 import torch
 from torch import Tensor, nn
 
 from ..torch_api import fake_tensors, is_fake, storage_key
+from . import host_random
+from .carry import (
+    Layout,
+    Segment,
+    Slot,
+    UnitCall,
+    absent_marker,
+    hidden_of_output,
+    output_parts,
+    segments_of,
+    with_hidden,
+)
 from .fx_split import FunctionalizeError
-from .module_call import ThreadReplicas, call_arguments, kept_in_copies
+from .module_call import ModuleCall, ThreadReplicas, call_arguments, kept_in_copies
 from .pytrees import is_model_output, register_output_types
 from .reuse import module_signature, reusing_forwards
 from .tensor_reads import ReadLog, StandInGuard, tensors_in
@@ -71,38 +110,23 @@ from .tensor_reads import ReadLog, StandInGuard, tensors_in
 EMBED, HEAD = "embed", "head"
 
 
-def absent_marker() -> Tensor:
-    """What travels in the carry for an argument that is None in this call."""
-    return torch.empty((0, 0, 0), dtype=torch.int8)
-
-
-def _is_absent(t: Tensor) -> bool:
-    return is_absent_layout(t.shape, t.dtype)
-
-
-def is_absent_layout(shape: Any, dtype: Any) -> bool:
-    """Whether a tensor of this shape and dtype is :func:`absent_marker`'s: a None argument."""
-    return dtype == torch.int8 and tuple(shape) == (0, 0, 0)
-
-
 # --- recording the example run ----------------------------------------------------------------
 
 
-@dataclass
-class _UnitCall:
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-    output: Any = None
+# Where forward is, outside the units: gap g is the code that runs after g units have returned (gap 0
+# before the first, gap len(units) after the last).
+Gap = int
 
 
 @dataclass
 class _Recording:
-    calls: list[_UnitCall]
-    phase: dict[str, set[str]]  # module path -> {"before", "between", "after"}
+    calls: list[UnitCall]
+    phase: dict[str, set[Gap]]  # module path -> the gaps it runs in
     output: Any
     executed: list[str]  # unit paths in the order forward ran them
-    param_reads: dict[str, set[str]]  # "before" | "between" | "after" -> names of the params read there
+    param_reads: dict[Gap, set[str]]  # names of the params read in each gap
     extra_reads: list[tuple[str, int, str]]  # (unit, output index, what reads it) for outputs beyond [0]
+    handed: list[tuple[int, int, int]]  # (unit, output index, a later unit receiving it) for outputs beyond [0]
 
 
 def _record(root: nn.Module, paths: list[str], x: Any, fake_units: bool = False) -> _Recording:
@@ -112,15 +136,13 @@ def _record(root: nn.Module, paths: list[str], x: Any, fake_units: bool = False)
     skip a mask it does not need) runs on the real example, as at run time."""
     unit_index = {p: i for i, p in enumerate(paths)}
     faking = contextlib.ExitStack()
-    calls: dict[int, _UnitCall] = {}
-    phase: dict[str, set[str]] = {}
+    calls: dict[int, UnitCall] = {}
+    phase: dict[str, set[Gap]] = {}
     state = {"started": 0, "ended": 0, "inside": 0}
     handles = []
 
-    def when() -> str:
-        if state["started"] == 0:
-            return "before"
-        return "after" if state["ended"] == len(paths) else "between"
+    def when() -> Gap:
+        return state["ended"]
 
     # Parameter reads outside the units, wherever the tensor came from (a module call or an attribute,
     # as DeBERTa's rel_embeddings.weight), and every use of what a unit returns beyond its hidden state.
@@ -130,12 +152,19 @@ def _record(root: nn.Module, paths: list[str], x: Any, fake_units: bool = False)
     extras: dict[int, tuple[Tensor, str, int]] = {}
     extra_labels: dict[str, tuple[str, int]] = {}
     extra_reads: list[tuple[str, int, str]] = []
+    handed: list[tuple[int, int, int]] = []
 
     def extra_users(tree: Any, user: str) -> None:
         for t in tensors_in(tree):
             found = extras.get(id(t))
             if found is not None and found[0] is t:
                 extra_reads.append((found[1], found[2], user))
+
+    def handed_to(receiver: int, tree: Any) -> None:
+        for t in tensors_in(tree):
+            found = extras.get(id(t))
+            if found is not None and found[0] is t:
+                handed.append((unit_index[found[1]], found[2], receiver))
 
     for path, sub in root.named_modules():
         if path in unit_index:
@@ -150,9 +179,9 @@ def _record(root: nn.Module, paths: list[str], x: Any, fake_units: bool = False)
                 if fake_units and state["started"] == 0:
                     faking.enter_context(fake_tensors())
                     faking.enter_context(reusing_forwards([root.get_submodule(p) for p in paths]))
-                extra_users((args, kwargs), f"unit {path!r} receives it")
+                handed_to(i, (args, kwargs))  # T5's position bias: its layer writes it into the carry
                 log.passed((args, kwargs), f"unit {path!r} receives it")  # a parameter handed over as it is
-                calls[i] = _UnitCall(tuple(args), dict(kwargs))
+                calls[i] = UnitCall(tuple(args), dict(kwargs))
                 state["started"] += 1
                 state["inside"] += 1
 
@@ -160,7 +189,7 @@ def _record(root: nn.Module, paths: list[str], x: Any, fake_units: bool = False)
                 calls[i].output = out
                 state["ended"] += 1
                 state["inside"] -= 1
-                parts = _output_parts(out)
+                parts = output_parts(out)
                 if parts is not None:
                     # What it was given and hands back (a mask) travels in the carry already.
                     given = {id(t) for t in tensors_in((args, kwargs, parts[:1]))}
@@ -193,251 +222,56 @@ def _record(root: nn.Module, paths: list[str], x: Any, fake_units: bool = False)
             f"functionalize: units {missing} are never called when {type(root).__name__} runs on the "
             "example input; choose units that forward calls."
         )
-    for label, op in [r for place in ("before", "between", "after") for r in log.reads.get(place, [])]:
+    gaps = range(len(paths) + 1)
+    for label, op in [r for gap in gaps for r in log.reads.get(gap, [])]:
         if label in extra_labels:
             unit, k = extra_labels[label]
             extra_reads.append((unit, k, f"{op}() in {type(root).__name__}'s forward reads it"))
-    param_reads = {place: log.labels(place) for place in ("before", "between", "after")}
+    param_reads = {gap: log.labels(gap) for gap in gaps}
     return _Recording(
-        [calls[i] for i in range(len(paths))], phase, output, [paths[i] for i in calls], param_reads, extra_reads
+        [calls[i] for i in range(len(paths))], phase, output, [paths[i] for i in calls], param_reads, extra_reads,
+        handed,
     )
 
 
 def _refuse_read_extras(recording: _Recording) -> None:
-    """A unit's outputs beyond the hidden state travel nowhere (only output[0] passes on), so the
-    code around the units must not use them (T5's blocks hand their position bias to the next)."""
+    """A unit's outputs beyond the hidden state pass on only to the later units of its segment (T5's
+    blocks hand their position bias to the next: :func:`_carry_writes`), so the code around the units
+    must not use them."""
     if not recording.extra_reads:
         return
     unit, k, user = recording.extra_reads[0]
-    raise FunctionalizeError(
+    raise _extra_refused(unit, k, user)
+
+
+def _extra_refused(unit: str, k: int, user: str) -> FunctionalizeError:
+    return FunctionalizeError(
         f"functionalize: unit {unit!r} returns a tensor at output[{k}] besides its hidden state, and {user}; "
-        "only the hidden state (output[0]) passes from one unit to the next. If it is an optional "
-        "output, turn it off (output_attentions=False, use_cache=False); if the next block needs it (T5's "
-        "position bias), split with units=None (one layer) or choose units that return only the hidden state."
+        "only the hidden state (output[0]), and what a unit hands the later units of its own loop (T5's "
+        "position bias), pass from one unit to the next. If it is an optional output, turn it off "
+        "(output_attentions=False, use_cache=False); else split with units=None (one layer) or choose units "
+        "that return only the hidden state."
     )
 
 
-# --- where the hidden state travels -----------------------------------------------------------
-
-
-Slot = tuple[str, int | str]  # ("arg", position) or ("kwarg", name)
-
-
-def _output_parts(out: Any) -> tuple[Any, ...] | None:
-    """A unit's output as ``(hidden, *rest)``: a tuple or list as it is; a ``ModelOutput`` (what an
-    encoder returns: ALBERT's, whose one shared layer runs as every layer, can be split no finer) as
-    every one of its dataclass fields in order, the unset ones None, so that a field's place does not
-    depend on which others a call set (``last_hidden_state`` first); None for anything else."""
-    if isinstance(out, (tuple, list)):
-        return tuple(out)
-    if is_model_output(out) and dataclasses.is_dataclass(out):
-        return tuple(getattr(out, f.name) for f in dataclasses.fields(out))
-    return None
-
-
-def _hidden_of_output(path: str, out: Any) -> Tensor:
-    if isinstance(out, Tensor):
-        return out
-    # Tensors beyond [0] (Bloom's attention weights) are dropped: the recording proved that nothing
-    # reads them (_refuse_read_extras).
-    parts = _output_parts(out)
-    if (
-        parts and isinstance(parts[0], Tensor)
-        and all(v is None or isinstance(v, Tensor) for v in parts[1:])
-    ):
-        return parts[0]
-    raise FunctionalizeError(
-        f"functionalize: unit {path!r} returns {_describe(out)}, but a unit passes one hidden state "
-        "on: a tensor, or a tuple (or ModelOutput) of it and tensors or Nones. Turn off extra outputs "
-        "(output_attentions=False, use_cache=False), or choose the blocks that return the hidden state as units."
-    )
-
-
-def _describe(value: Any) -> str:
-    if isinstance(value, (tuple, list)):
-        return f"a {type(value).__name__} of ({', '.join(type(v).__name__ for v in value)})"
-    return f"a {type(value).__name__}"
-
-
-def _hidden_slot(paths: list[str], calls: list[_UnitCall]) -> Slot:
-    """Which argument of every unit is the hidden state: the one the previous unit's output fills."""
-    slots: list[Slot] = []
-    for i in range(1, len(calls)):
-        previous = _hidden_of_output(paths[i - 1], calls[i - 1].output)
-        found: list[Slot] = [("arg", j) for j, a in enumerate(calls[i].args) if a is previous]
-        found += [("kwarg", k) for k, v in calls[i].kwargs.items() if v is previous]
-        if not found:
-            raise FunctionalizeError(
-                f"functionalize: unit {paths[i]!r} does not receive the output of {paths[i - 1]!r}: forward "
-                f"changes the hidden state between them. Make that code part of a unit (list units by "
-                f"path), or split at modules that pass their output straight on."
-            )
-        slots.append(found[0])
-    _hidden_of_output(paths[-1], calls[-1].output)
-    if slots and any(s != slots[0] for s in slots):
-        raise FunctionalizeError(
-            f"functionalize: the units receive their hidden state in different arguments ({slots}); "
-            "choose units of one kind."
-        )
-    if slots:
-        return slots[0]
-    first = calls[0]
-    if first.args:
-        return ("arg", 0)
-    if "hidden_states" in first.kwargs:
-        return ("kwarg", "hidden_states")
-    raise FunctionalizeError(
-        f"functionalize: cannot tell which argument of {paths[0]!r} is its input; list two units or more"
-    )
-
-
-def _without_hidden(call: _UnitCall, slot: Slot) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    kind, where = slot
-    if kind == "arg":
-        return tuple(a for j, a in enumerate(call.args) if j != where), dict(call.kwargs)
-    return call.args, {k: v for k, v in call.kwargs.items() if k != where}
-
-
-def _with_hidden(
-    hidden: Tensor, slot: Slot, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    kind, where = slot
-    if kind == "arg":
-        assert isinstance(where, int)
-        return (*args[:where], hidden, *args[where:]), kwargs
-    return args, {**kwargs, str(where): hidden}
-
-
-# --- the static layout of the carry ------------------------------------------------------------
-
-_CONSTANT_TYPES = (bool, int, float, str, type(None))
-
-
-@dataclass(frozen=True)
-class _Leaves:
-    """A pytree whose tensor-or-None leaves travel in the carry and whose other leaves are fixed."""
-
-    spec: optree.PyTreeSpec
-    constants: tuple[Any, ...]  # per leaf: the fixed value, or _TRAVELS
-    where: tuple[int, ...]  # per leaf: index into the carry, or -1 for a constant
-
-    def rebuild(self, carry: Sequence[Tensor]) -> Any:
-        leaves = [
-            c if i < 0 else (None if _is_absent(carry[i]) else carry[i])
-            for c, i in zip(self.constants, self.where, strict=True)
-        ]
-        return optree.tree_unflatten(self.spec, leaves)
-
-    def check(self, what: str, tree: Any) -> list[Any]:
-        """The leaves of ``tree``, refusing a structure or constant other than the example's."""
-        leaves, spec = optree.tree_flatten(tree, none_is_leaf=True)
-        if spec != self.spec:
-            raise FunctionalizeError(
-                f"functionalize: {what} has structure {spec}, but the split was recorded on an example "
-                f"with {self.spec}. Pass functionalize(..., example_input=) an input like your batches."
-            )
-        for c, i, leaf in zip(self.constants, self.where, leaves, strict=True):
-            if i < 0 and not (type(leaf) is type(c) and leaf == c):
-                raise FunctionalizeError(
-                    f"functionalize: {what} has {leaf!r} where the example had {c!r}; the split fixes "
-                    "non-tensor arguments at the example's values. Pass example_input= an input like your batches."
-                )
-        return leaves
-
-
-_TRAVELS = object()
-
-
-class _Layout:
-    """Carry = (hidden, one entry per group of unit arguments, the tensors of the input)."""
-
-    def __init__(self, paths: list[str], calls: list[_UnitCall], slot: Slot, x: Any) -> None:
-        self.paths = paths
-        self.slot = slot
-        groups: dict[Any, int] = {}
-        self.group_slots: list[list[tuple[int, int]]] = []  # per group: (unit, leaf) slots
-        self.absent: list[bool] = []  # per group: None in the example (an attention mask the model skipped)
-        self.units: list[_Leaves] = []
-        for u, call in enumerate(calls):
-            rest: Any = _without_hidden(call, slot)
-            leaves, spec = optree.tree_flatten(rest, none_is_leaf=True)
-            paths_of = optree.tree_paths(rest, none_is_leaf=True)
-            constants, where = [], []
-            for j, leaf in enumerate(leaves):
-                if isinstance(leaf, Tensor) or leaf is None:
-                    key = ("tensor", id(leaf)) if isinstance(leaf, Tensor) else ("none", paths_of[j])
-                    if key not in groups:
-                        groups[key] = len(self.group_slots)
-                        self.group_slots.append([])
-                        self.absent.append(leaf is None)
-                    self.group_slots[groups[key]].append((u, j))
-                    constants.append(_TRAVELS)
-                    where.append(1 + groups[key])
-                else:
-                    _check_constant(paths[u], paths_of[j], leaf)
-                    constants.append(leaf)
-                    where.append(-1)
-            self.units.append(_Leaves(spec, tuple(constants), tuple(where)))
-        start = 1 + len(self.group_slots)
-        leaves, spec = optree.tree_flatten(x, none_is_leaf=True)
-        constants, where = [], []
-        for leaf in leaves:
-            if isinstance(leaf, Tensor) or leaf is None:
-                constants.append(_TRAVELS)
-                where.append(start + len([w for w in where if w >= 0]))
-            else:
-                constants.append(leaf)
-                where.append(-1)
-        self.inputs = _Leaves(spec, tuple(constants), tuple(where))
-
-    def carry(self, hidden: Tensor, calls: list[_UnitCall], x: Any) -> tuple[Tensor, ...]:
-        unit_leaves = [
-            self.units[u].check(f"the arguments of unit {self.paths[u]!r}", _without_hidden(call, self.slot))
-            for u, call in enumerate(calls)
-        ]
-        entries = [hidden]
-        # On fake tensors (a pipeline predicting what its stages pass on) a model cannot read data, so
-        # it builds what it may skip on real inputs (Hugging Face's sdpa attention skips an all-causal
-        # mask). Such a value follows the example: absent where the example had none, as on real inputs
-        # like it.
-        predicting = is_fake(hidden)
-        for g, slots in enumerate(self.group_slots):
-            values = [unit_leaves[u][j] for u, j in slots]
-            first = values[0]
-            if any(v is not first for v in values[1:]):
-                (u0, _), (u1, _) = slots[0], slots[next(k for k, v in enumerate(values) if v is not first)]
-                raise FunctionalizeError(
-                    f"functionalize: units {self.paths[u0]!r} and {self.paths[u1]!r} shared an argument in the "
-                    "example input but get different values now; pass example_input= an input like your batches."
-                )
-            entries.append(absent_marker() if first is None or (predicting and self.absent[g]) else _as_tensor(first))
-        input_leaves = self.inputs.check("the layer input", x)
-        for leaf, i in zip(input_leaves, self.inputs.where, strict=True):
-            if i >= 0:
-                entries.append(absent_marker() if leaf is None else leaf)
-        return tuple(entries)
-
-
-def _as_tensor(value: Any) -> Tensor:
-    assert isinstance(value, Tensor)
-    return value
-
-
-def _check_constant(unit: str, path: tuple[Any, ...], value: Any) -> None:
-    if isinstance(value, _CONSTANT_TYPES):
-        return
-    where = "".join(f"[{k!r}]" for k in path)
-    hint = (
-        " It is a key/value cache: turn the cache off (use_cache=False)."
-        if "cache" in type(value).__name__.lower()
-        else " An object the model hands its units (Gemma-3n's shared key/value states) cannot be passed "
-        "between layers: functionalize with units=None (one layer: no pipeline, ZeRO-3 gathers it whole), "
-        "or with units that do not receive it."
-    )
-    raise FunctionalizeError(
-        f"functionalize: unit {unit!r} receives a {type(value).__name__} at arguments{where}; only "
-        f"tensors and plain constants can cross a layer boundary.{hint}"
-    )
+def _carry_writes(
+    paths: list[str], recording: _Recording, segments: list[Segment], layouts: list[Layout]
+) -> dict[int, tuple[tuple[int, int], ...]]:
+    """Per unit, ``(output index, carry index)`` for each tensor it returns beside its hidden state that
+    later units of its segment receive (T5's first block computes the position bias from its
+    ``relative_attention_bias`` and hands it to the next, which hand it on): its layer writes it into
+    the carry, where the code before it (``embed``, a bridge) put an absent marker, so the later units read
+    it and its gradient comes back to the unit's parameters. Handed to a unit of another segment, it is
+    refused: the bridge between them has only the hidden state of the units before it."""
+    writes: dict[int, set[tuple[int, int]]] = {}
+    for unit, k, receiver in recording.handed:
+        seg = next(j for j, sg in enumerate(segments) if sg.start <= unit < sg.stop)
+        if not segments[seg].start <= receiver < segments[seg].stop:
+            raise _extra_refused(paths[unit], k, f"unit {paths[receiver]!r}, after the code between them, receives it")
+        value = (output_parts(recording.calls[unit].output) or ())[k]  # a tuple: it had parts (_record)
+        group = layouts[seg].group_of[("tensor", id(value))]
+        writes.setdefault(unit, set()).add((k, 1 + group))
+    return {unit: tuple(sorted(found)) for unit, found in writes.items()}
 
 
 # --- stubs standing in for the units inside the embed / head replicas --------------------------
@@ -468,13 +302,19 @@ class _UnitStub(nn.Module):
         # What it passes on beyond the hidden state, and how it runs now: private, since they are
         # the split's bookkeeping (an example's outputs, the phase that ran last), not what the unit
         # computes, and the agreement check compares a module's public attributes.
-        # Tensors there are Nones: nothing reads them (_refuse_read_extras), and the example's would be held.
-        parts = _output_parts(output) or ()
+        # Tensors there are Nones: the code around the units does not read them (_refuse_read_extras), a later
+        # unit of the segment that receives one gets it from the carry (_carry_writes), and the example's
+        # would be held.
+        parts = output_parts(output) or ()
         self._output_rest = tuple(None if isinstance(v, Tensor) else v for v in parts[1:])
         self._mode = "pass"  # pass | stop | emit
-        self._recorded: list[_UnitCall] | None = None
+        self._recorded: list[UnitCall] | None = None
         self._emit: Tensor | None = None
         self._emitted = False  # in head: whether forward has reached this (the last) unit yet
+        self._rewind: Callable[[], None] | None = None  # on emitting: the replay's random draws so far undone
+        # Under the check on the example: the guard that follows what it passes on, and whether a layer is
+        # recording the next units' calls through it (embed, a bridge) or replaying up to its carried state.
+        self._stale: tuple[StandInGuard, bool] | None = None
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -491,19 +331,41 @@ class _UnitStub(nn.Module):
         raise FunctionalizeError(_read_inside_unit(self.path, str(index)))
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        call = _UnitCall(args, kwargs)
+        call = UnitCall(args, kwargs)
         if self._recorded is not None:
             self._recorded.append(call)
         if self._mode == "stop":
             raise _Stopped
         kind, where = self.slot
         self._emitted = self._mode == "emit"
+        if self._emitted and self._rewind is not None:
+            self._rewind()
         hidden = self._emit if self._mode == "emit" else (args[where] if kind == "arg" else kwargs[where])  # type: ignore[index]
+        if self._stale is not None and self._mode == "pass" and isinstance(hidden, Tensor):
+            # What it passes on is its input, not the unit's output, which only its own layer computes:
+            # a value of its own (its input stays what it is), followed, so that the code after the
+            # carried state reading it, or a later unit receiving a value made from it, is refused.
+            hidden = hidden.view_as(hidden)
+            guard, recording = self._stale
+            guard.mark(hidden, _UnitOutput(self.path, recording))
         if self.output_type is None:
             return hidden
         if self._model_output:
             return self.output_type(hidden, *self._output_rest)
         return self.output_type((hidden, *self._output_rest))
+
+
+class _UnitOutput(str):
+    """The name :class:`StandInGuard` follows a unit's output by in a replay that passes it through;
+    ``recording``: while a layer records the next units' calls (``embed``, a bridge), where code may read
+    it (a loop's glue) but what the units receive must not come from it."""
+
+    recording: bool
+
+    def __new__(cls, path: str, recording: bool) -> _UnitOutput:
+        name = super().__new__(cls, path)
+        name.recording = recording
+        return name
 
 
 def _read_inside_unit(path: str, name: str) -> str:
@@ -515,17 +377,19 @@ def _read_inside_unit(path: str, name: str) -> str:
     )
 
 
-def _stubbed_root(root: nn.Module, paths: list[str], recording: _Recording, slot: Slot) -> nn.Module:
+def _stubbed_root(root: nn.Module, paths: list[str], recording: _Recording, segments: list[Segment]) -> nn.Module:
     """A copy of ``root`` (sharing its tensors) whose units are stubs."""
     named = [*root.named_parameters(remove_duplicate=False), *root.named_buffers(remove_duplicate=False)]
     memo: dict[int, Any] = {**kept_in_copies(root), **{id(t): t for _, t in named}}
     for path in paths:  # the units themselves are not copied
         memo[id(root.get_submodule(path))] = None
     stubbed = copy.deepcopy(root, memo)
-    for i, path in enumerate(paths):
-        parent_path, _, attr = path.rpartition(".")
-        parent = stubbed.get_submodule(parent_path)
-        parent._modules[attr] = _UnitStub(root.get_submodule(path), i, slot, recording.calls[i].output, path)
+    for seg in segments:
+        for i in range(seg.start, seg.stop):
+            path = paths[i]
+            parent_path, _, attr = path.rpartition(".")
+            parent = stubbed.get_submodule(parent_path)
+            parent._modules[attr] = _UnitStub(root.get_submodule(path), i, seg.slot, recording.calls[i].output, path)
     return stubbed
 
 
@@ -589,13 +453,24 @@ def guarding_stand_ins() -> Iterator[None]:
 
 
 def _guard(
-    layer: str, stand_ins: dict[str, Tensor], counts: Callable[[], bool]
+    layer: str, stand_ins: dict[str, Tensor], counts: Callable[[], bool], between: str = ""
 ) -> contextlib.AbstractContextManager[Any]:
-    """Under :func:`guarding_stand_ins`, a :class:`StandInGuard` over ``layer``'s stand-ins; else nothing."""
+    """Under :func:`guarding_stand_ins`, a :class:`StandInGuard` over ``layer``'s stand-ins; else nothing.
+    ``between``: for a bridge, the two units it runs between (``'a' and 'b'``)."""
     if not _GUARDING.get():
         return contextlib.nullcontext()
 
-    def refuse(name: str, op: str) -> FunctionalizeError:
+    def refuse(name: str, op: str) -> FunctionalizeError | None:
+        if isinstance(name, _UnitOutput):
+            return None if name.recording and op != "return" else _stale_output_read(layer, name, op, between)
+        if op == "return" and between:
+            return FunctionalizeError(
+                f"functionalize: the code between units {between} (layer {layer!r}) hands the units after it a "
+                f"value computed, before that code, from parameter {name!r}, which layer {layer!r} does not hold: "
+                "only the hidden state of the units before passes into it, so it sees a zero stand-in. Make the "
+                "code that computes the value run the same way on every call, or split with units=None (one layer "
+                "holds every parameter)."
+            )
         if op == "return":
             return FunctionalizeError(
                 f"functionalize: the model returns a value the code before the first unit computed from "
@@ -603,12 +478,16 @@ def _guard(
                 "own arguments pass through the units, so the code after them sees a zero stand-in (an "
                 "encoder's output returned beside a decoder whose layers are the units; LLaVA's image_hidden_states). "
                 "Wrap the model in a module whose forward returns only what the loss reads (the logits, or the "
-                "model's own loss), or pass as units layers that run before the code computing it (an "
-                "encoder-decoder's encoder layers, the decoder after them), or units=None (one layer holds every "
-                "parameter)."
+                "model's own loss; so wrapped, an encoder-decoder splits per layer in both stacks: "
+                "units=(EncoderLayer, DecoderLayer)), or pass as units layers that run before the code computing "
+                "it (an encoder-decoder's encoder layers, the decoder after them), or units=None (one layer holds "
+                "every parameter)."
             )
         if layer == EMBED:
             where, seen = "the code before the first unit", "did not see the code before the units read it"
+        elif between:
+            where = f"the code between units {between} (through a value computed before the first of them)"
+            seen = "saw it read before those units only"
         else:
             where = "the code after the last unit (through a value computed before the units)"
             seen = "saw it read before the units only"
@@ -622,12 +501,132 @@ def _guard(
     return StandInGuard(stand_ins, counts, refuse)
 
 
-class EmbedFn:
-    """``root(x)`` up to the last unit: returns the carry."""
+def _stale_output_read(layer: str, unit: _UnitOutput, op: str, between: str) -> FunctionalizeError:
+    """The refusal of the code after a replay's carried state using an earlier unit's output, or of a
+    unit's argument computed from it."""
+    if unit.recording:
+        return FunctionalizeError(
+            f"functionalize: a unit after {unit!r} receives a value forward computes from the output of unit "
+            f"{unit!r} (besides it as the hidden state): layer {layer!r} records what the units receive with "
+            f"them passed through, so there it would be computed from the input unit {unit!r} was given. "
+            "Make that code part of a unit (list units by path), or split with units=None (one layer)."
+        )
+    how, fix = f"reads it (in {op}())", "Make that code use only the last unit's output"
+    if op == "return" and between:
+        how = "hands it to the units after it"
+    elif op == "return":
+        how = "returns it as it is (an encoder's output returned beside a decoder's logits)"
+        fix = ("Wrap the model in a module whose forward returns only what the loss reads (the logits, or the "
+               "model's own loss)")
+    where = f"the code between units {between}" if between else "the code after the last unit"
+    return FunctionalizeError(
+        f"functionalize: {where} (layer {layer!r}) uses the output of unit {unit!r} and {how}, but only the "
+        "hidden state of the last unit before that code passes into the layer: there it sees the input unit "
+        f"{unit!r} was given instead. {fix}, or pass units that keep the code and what it reads together "
+        "(a larger unit, or units=None for one layer)."
+    )
 
-    def __init__(self, stubbed: nn.Module, layout: _Layout, placeholders: _Placeholders) -> None:
+
+def _set_stubs(
+    stubs: list[_UnitStub], recorded: list[UnitCall] | None = None, record: range = range(0),
+    stop: int | None = None, emit: int | None = None, hidden: Tensor | None = None,
+) -> _UnitStub | None:
+    """Set the stubs for one replay of forward: every one passes its hidden state on, those in ``record``
+    record their calls in ``recorded``, the one at ``stop`` ends forward (``_Stopped``), the one at
+    ``emit`` returns ``hidden`` (the carried state: the units before it ran in their own layers). Returns
+    the emitting stub."""
+    for stub in stubs:
+        stub._mode, stub._recorded = "pass", None
+    for i in record:
+        stubs[i]._recorded = recorded
+    if stop is not None:
+        stubs[stop]._mode = "stop"
+    if emit is None:
+        return None
+    emitting = stubs[emit]
+    emitting._mode, emitting._emit, emitting._emitted = "emit", hidden, False
+    return emitting
+
+
+def _clear_stubs(stubs: list[_UnitStub]) -> None:
+    """Drop what a replay left on the stubs (the recorded calls, the carried state): not held on."""
+    for stub in stubs:
+        stub._recorded, stub._emit, stub._rewind, stub._stale = None, None, None, None
+
+
+def _follow_passed_outputs(guard: Any, before: list[_UnitStub], recording: list[_UnitStub]) -> None:
+    """Under the check on the example, mark what the stubs pass on (their input, not the unit's output):
+    the code after the carried state must not use the output of a unit ``before`` it (a skip connection
+    from an earlier unit's output into the head), since this layer has only the last one's; and no
+    argument of the units ``recording`` records may be computed from one of theirs (a loop's glue making
+    the next unit's argument from the hidden state). A unit that computes the identity on the example
+    (a zero-initialised residual branch) would compare equal, and train wrong."""
+    if isinstance(guard, StandInGuard):
+        for stub in before:
+            stub._stale = (guard, False)
+        for stub in recording:
+            stub._stale = (guard, True)
+
+
+def _rewinder(carried: Tensor) -> Callable[[], None]:
+    """Puts the generators forward may draw from (torch's on the CPU and on ``device``, Python's and
+    numpy's) back as they are now. A replay (``head``, a bridge) calls it where it reaches its carried
+    state: the code before, run again and discarded, may draw (a dropout in a module that holds units,
+    as BART's encoder applies to its embedding, is not put in eval mode), and the code after must draw
+    what it draws in the module, as the units' layers took the draws between. On fake tensors (a
+    pipeline predicting what its stages pass on) nothing draws."""
+    if is_fake(carried) or carried.is_meta:
+        return lambda: None
+    device = carried.device
+    cpu = torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    host = host_random.capture()
+
+    def rewind() -> None:
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda, device)
+        host_random.restore(host)
+
+    return rewind
+
+
+def _run_to_stop(
+    call: ModuleCall, tensors: dict[str, Tensor], args: Any, kwargs: Any,
+    guard: contextlib.AbstractContextManager[Any], stubs: list[_UnitStub], stop: int,
+) -> None:
+    """Forward up to the stub at ``stop``, which ends it."""
+    try:
+        with guard:
+            call.call(tensors, args, kwargs)
+    except _Stopped:
+        return
+    raise FunctionalizeError(
+        f"functionalize: forward did not reach unit {stubs[stop].path!r} on this input, as it did on the example"
+    )
+
+
+def _carry_of_segment(
+    layout: Layout, seg: Segment, recorded: list[UnitCall], x: Any, tensors: dict[str, Tensor]
+) -> tuple[Tensor, ...]:
+    """The carry of the units of ``seg`` from the calls a replay recorded of them."""
+    if len(recorded) != seg.stop - seg.start:
+        raise FunctionalizeError(
+            f"functionalize: forward called {len(recorded)} of the units {layout.paths[0]!r} .. "
+            f"{layout.paths[-1]!r} on this input, but {seg.stop - seg.start} on the example"
+        )
+    kind, where = seg.slot
+    first = recorded[0]
+    hidden = first.args[where] if kind == "arg" else first.kwargs[where]  # type: ignore[index]
+    return _own_copies(layout.carry(hidden, recorded, x), tensors)
+
+
+class EmbedFn:
+    """``root(x)`` up to the last unit of the first segment: returns its carry."""
+
+    def __init__(self, stubbed: nn.Module, layout: Layout, seg: Segment, placeholders: _Placeholders) -> None:
         self.replicas = ThreadReplicas(stubbed)
-        self.layout, self.placeholders = layout, placeholders
+        self.layout, self.seg, self.placeholders = layout, seg, placeholders
 
     def reuse_key(self) -> Hashable | None:
         """Itself: one of a chain (nothing else computes alike), the same under every layout of a plan
@@ -637,33 +636,72 @@ class EmbedFn:
     def __call__(self, tensors: dict[str, Tensor], x: Any) -> tuple[Tensor, ...]:
         call = self.replicas.get()
         stubs = _stubs(call.module)
-        recorded: list[_UnitCall] = []
-        for stub in stubs:
-            stub._mode, stub._recorded = "pass", recorded
-        stubs[-1]._mode = "stop"
+        recorded: list[UnitCall] = []
+        stop = self.seg.stop - 1
+        _set_stubs(stubs, recorded, range(self.seg.start, self.seg.stop), stop=stop)
         args, kwargs = call_arguments(call.module, x)
         stand_ins = self.placeholders.make(tensors)
+        guard = _guard(EMBED, stand_ins, lambda: True)
+        _follow_passed_outputs(guard, [], stubs[self.seg.start:stop])
         try:
-            with _guard(EMBED, stand_ins, lambda: True):
-                call.call({**tensors, **stand_ins}, args, kwargs)
-        except _Stopped:
-            pass
-        else:
-            raise FunctionalizeError("functionalize: forward did not reach its last unit on this input")
+            _run_to_stop(call, {**tensors, **stand_ins}, args, kwargs, guard, stubs, stop)
         finally:
-            for stub in stubs:
-                stub._recorded = None
-        if len(recorded) != len(stubs):
-            raise FunctionalizeError(
-                f"functionalize: forward called {len(recorded)} units on this input, but {len(stubs)} on the example"
-            )
-        kind, where = self.layout.slot
-        first = recorded[0]
-        hidden = first.args[where] if kind == "arg" else first.kwargs[where]  # type: ignore[index]
-        return _own_copies(self.layout.carry(hidden, recorded, x), tensors)
+            _clear_stubs(stubs)
+        out = _carry_of_segment(self.layout, self.seg, recorded, x, tensors)
+        if isinstance(guard, StandInGuard):
+            guard.check_returned(out)
+        return out
 
     def __repr__(self) -> str:
         return f"embed({type(self.replicas.module).__name__} up to its first unit)"
+
+
+class BridgeFn:
+    """``root(x)`` again between two segments of units (an encoder's layers and a decoder's): the units
+    before pass their hidden state on, the last of them returns the carried one, and the code between the
+    segments (the encoder's final norm, the decoder's embedding and masks) runs as written up to the last
+    unit of the next segment, recording what forward gives its units: their carry. It is ``head`` and
+    ``embed`` in one, and computes as they do: the code before the carried state runs again on zero
+    stand-ins for the parameters it does not hold, discarded."""
+
+    def __init__(
+        self, stubbed: nn.Module, name: str, before: tuple[Layout, Segment], after: tuple[Layout, Segment],
+        placeholders: _Placeholders,
+    ) -> None:
+        self.replicas = ThreadReplicas(stubbed)
+        self.name, self.placeholders = name, placeholders
+        (self.before, self.previous), (self.layout, self.seg) = before, after
+        self.between = f"{self.before.paths[-1]!r} and {self.layout.paths[0]!r}"
+
+    def reuse_key(self) -> Hashable | None:
+        """Itself, as ``embed``'s and ``head``'s."""
+        return (BridgeFn, self)
+
+    def __call__(self, tensors: dict[str, Tensor], carry: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+        call = self.replicas.get()
+        stubs = _stubs(call.module)
+        recorded: list[UnitCall] = []
+        stop = self.seg.stop - 1
+        emitting = _set_stubs(stubs, recorded, range(self.seg.start, self.seg.stop), stop=stop,
+                              emit=self.previous.stop - 1, hidden=carry[0])
+        assert emitting is not None
+        emitting._rewind = _rewinder(carry[0])
+        x = self.before.inputs.rebuild(carry)
+        args, kwargs = call_arguments(call.module, x)
+        stand_ins = self.placeholders.make(tensors)
+        guard = _guard(self.name, stand_ins, lambda: emitting._emitted, self.between)
+        _follow_passed_outputs(guard, stubs[: self.previous.stop - 1], stubs[self.seg.start:stop])
+        try:
+            _run_to_stop(call, {**tensors, **stand_ins}, args, kwargs, guard, stubs, stop)
+        finally:
+            _clear_stubs(stubs)
+        out = _carry_of_segment(self.layout, self.seg, recorded, x, tensors)
+        if isinstance(guard, StandInGuard):
+            guard.check_returned(out)
+        return out
+
+    def __repr__(self) -> str:
+        return f"bridge({type(self.replicas.module).__name__} between units {self.between})"
 
 
 def _own_copies(carry: tuple[Tensor, ...], params: dict[str, Tensor]) -> tuple[Tensor, ...]:
@@ -681,13 +719,17 @@ def _own_copies(carry: tuple[Tensor, ...], params: dict[str, Tensor]) -> tuple[T
 class UnitFn:
     """One unit on the carry: ``unit(hidden, **its arguments)``; the carry with the new hidden state."""
 
-    def __init__(self, unit: nn.Module, path: str, index: int, layout: _Layout) -> None:
+    def __init__(
+        self, unit: nn.Module, path: str, index: int, layout: Layout, slot: Slot,
+        writes: tuple[tuple[int, int], ...] = (),
+    ) -> None:
         self.replicas = ThreadReplicas(unit, prefix=path + ".")
-        self.path, self.index, self.layout = path, index, layout
+        self.path, self.index, self.layout, self.slot = path, index, layout, slot
+        self.writes = writes  # (output index, carry index): what it hands the later units (_carry_writes)
         # Read off the model's own unit (its skeleton is a copy: the config it shares with the other
         # units would compare unequal): units of one kind, called alike, compute alike.
         signature = module_signature(unit)
-        self._reuse_key = None if signature is None else (UnitFn, signature, layout.slot, layout.units[index])
+        self._reuse_key = None if signature is None else (UnitFn, signature, slot, layout.units[index], writes)
 
     def reuse_key(self) -> Hashable | None:
         """Equal for units that compute alike (see ``engine/model/reuse.py``)."""
@@ -695,9 +737,13 @@ class UnitFn:
 
     def __call__(self, tensors: dict[str, Tensor], carry: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
         rest_args, rest_kwargs = self.layout.units[self.index].rebuild(carry)
-        args, kwargs = _with_hidden(carry[0], self.layout.slot, rest_args, rest_kwargs)
+        args, kwargs = with_hidden(carry[0], self.slot, rest_args, rest_kwargs)
         out = self.replicas.get().call(tensors, args, kwargs)
-        return (_hidden_of_output(self.path, out), *carry[1:])
+        new = [hidden_of_output(self.path, out), *carry[1:]]
+        for k, where in self.writes:
+            part = (output_parts(out) or ())[k]  # a tuple or ModelOutput, as recorded
+            new[where] = absent_marker() if part is None else part
+        return tuple(new)
 
     def __repr__(self) -> str:
         return f"functional_call({type(self.replicas.module).__name__})"
@@ -706,7 +752,7 @@ class UnitFn:
 class HeadFn:
     """``root(x)`` with the units stubbed and the last one giving the carried hidden state."""
 
-    def __init__(self, stubbed: nn.Module, layout: _Layout, placeholders: _Placeholders) -> None:
+    def __init__(self, stubbed: nn.Module, layout: Layout, placeholders: _Placeholders) -> None:
         self.replicas = ThreadReplicas(stubbed)
         self.layout, self.placeholders = layout, placeholders
 
@@ -718,19 +764,19 @@ class HeadFn:
     def __call__(self, tensors: dict[str, Tensor], carry: tuple[Tensor, ...]) -> Any:
         call = self.replicas.get()
         stubs = _stubs(call.module)
-        for stub in stubs:
-            stub._mode, stub._recorded = "pass", None
-        last = stubs[-1]
-        last._mode, last._emit, last._emitted = "emit", carry[0], False
+        last = _set_stubs(stubs, emit=len(stubs) - 1, hidden=carry[0])
+        assert last is not None
+        last._rewind = _rewinder(carry[0])
         x = self.layout.inputs.rebuild(carry)
         args, kwargs = call_arguments(call.module, x)
         stand_ins = self.placeholders.make(tensors)
         guard = _guard(HEAD, stand_ins, lambda: last._emitted)
+        _follow_passed_outputs(guard, stubs[:-1], [])
         try:
             with guard:
                 out = call.call({**tensors, **stand_ins}, args, kwargs)
         finally:
-            stubs[-1]._emit = None
+            _clear_stubs(stubs)
         if isinstance(guard, StandInGuard):
             guard.check_returned(out)
         return register_output_types(out)
@@ -739,20 +785,18 @@ class HeadFn:
         return f"head({type(self.replicas.module).__name__} after its last unit)"
 
 
+BRIDGE = "bridge"
+
+
 def split_by_calls(
     root: nn.Module, paths: list[str], example: Any, ordered: bool, fake_units: bool = False
 ) -> list[tuple[str, Piece]]:
-    """``embed``, one piece per unit, ``head``: the layers of the call-recording split.
+    """``embed``, one piece per unit, ``head``, and a ``bridge`` between two segments of units (an
+    encoder's layers and a decoder's): the layers of the call-recording split.
 
     ``ordered``: the paths were listed by the user, and must be in execution order.
     ``fake_units``: record the units and the code after them on fake tensors (see ``_record``)."""
-    clash = [path for path in paths if path in (EMBED, HEAD)]
-    if clash:
-        raise FunctionalizeError(
-            f"functionalize(units=...): the unit {clash[0]!r} has the name of the layer functionalize makes of "
-            f"the code {'before the first' if clash[0] == EMBED else 'after the last'} unit ({EMBED!r} and "
-            f"{HEAD!r} hold what runs around the units): leave {clash[0]!r} out of units, and that layer holds it"
-        )
+    _refuse_clash(paths, (EMBED, HEAD))
     recording = _record(root, paths, example, fake_units)
     if recording.executed != paths:
         if ordered:
@@ -763,10 +807,15 @@ def split_by_calls(
         paths = recording.executed
         recording = _record(root, paths, example, fake_units)
     _refuse_read_extras(recording)
-    slot = _hidden_slot(paths, recording.calls)
-    layout = _Layout(paths, recording.calls, slot, example)
-    stubbed = _stubbed_root(root, paths, recording, slot)
-    embed_ids, head_ids = _phase_params(root, paths, recording)
+    segments = segments_of(paths, recording.calls)
+    bridges = _bridge_names(len(segments))
+    _refuse_clash(paths, bridges)
+    layouts = [
+        Layout(paths[seg.start:seg.stop], recording.calls[seg.start:seg.stop], seg.slot, example) for seg in segments
+    ]
+    writes = _carry_writes(paths, recording, segments, layouts)
+    stubbed = _stubbed_root(root, paths, recording, segments)
+    owned = _phase_params(root, paths, recording, segments)
     params = list(stubbed.named_parameters())
     buffers = list(stubbed.named_buffers())
 
@@ -775,38 +824,72 @@ def split_by_calls(
         fake = {n: (p.shape, p.dtype) for n, p in params if not (id(p) in ids or not p.requires_grad)}
         return real, _Placeholders(fake, {n: p.dtype for n, p in real if p.is_floating_point()})
 
-    embed_params, embed_fake = phase(embed_ids)
-    head_params, head_fake = phase(head_ids)
-    head_root = _eval_before_only(stubbed, recording)
-    pieces: list[tuple[str, Piece]] = [
-        (EMBED, Piece(EmbedFn(stubbed, layout, embed_fake), embed_params, buffers))
-    ]
-    for i, path in enumerate(paths):
-        unit = root.get_submodule(path)
-        pieces.append(
-            (
-                path,
-                Piece(
-                    UnitFn(unit, path, i, layout),
-                    list(unit.named_parameters(prefix=path)),
-                    list(unit.named_buffers(prefix=path)),
-                ),
-            )
-        )
-    pieces.append((HEAD, Piece(HeadFn(head_root, layout, head_fake), head_params, buffers)))
+    pieces: list[tuple[str, Piece]] = []
+    for k, (seg, layout) in enumerate(zip(segments, layouts, strict=True)):
+        real, fake = phase(owned[k])
+        if k == 0:
+            pieces.append((EMBED, Piece(EmbedFn(stubbed, layout, seg, fake), real, buffers)))
+        else:
+            replay = _eval_ran_before(stubbed, recording, seg.start)
+            previous = (layouts[k - 1], segments[k - 1])
+            fn = BridgeFn(replay, bridges[k - 1], previous, (layout, seg), fake)
+            pieces.append((bridges[k - 1], Piece(fn, real, buffers)))
+        for i in range(seg.start, seg.stop):
+            unit, path = root.get_submodule(paths[i]), paths[i]
+            pieces.append((path, Piece(
+                UnitFn(unit, path, i - seg.start, layout, seg.slot, writes.get(i, ())),
+                list(unit.named_parameters(prefix=path)),
+                list(unit.named_buffers(prefix=path)),
+            )))
+    head_params, head_fake = phase(owned[-1])
+    head_root = _eval_ran_before(stubbed, recording, len(paths))
+    pieces.append((HEAD, Piece(HeadFn(head_root, layouts[-1], head_fake), head_params, buffers)))
     return pieces
 
 
-def _phase_params(root: nn.Module, paths: list[str], recording: _Recording) -> tuple[set[int], set[int]]:
-    """ids of the params ``embed`` and ``head`` really use: those the code before the first unit (or
-    between units), resp. after the last, reads, and those of modules run there; a module that holds
-    units (the root, ``transformer``) may read its own params anywhere, so both get them; a param
+def _bridge_names(segments: int) -> list[str]:
+    """The name of each bridge: ``"bridge"`` for the one between two segments, else ``"bridge.1"``, ..."""
+    if segments <= 2:
+        return [BRIDGE] * (segments - 1)
+    return [f"{BRIDGE}.{k}" for k in range(1, segments)]
+
+
+def _refuse_clash(paths: list[str], names: Sequence[str]) -> None:
+    clash = [path for path in paths if path in names]
+    if not clash:
+        return
+    what = {EMBED: "before the first unit", HEAD: "after the last unit"}.get(clash[0], "between two segments of units")
+    raise FunctionalizeError(
+        f"functionalize(units=...): the unit {clash[0]!r} has the name of the layer functionalize makes of "
+        f"the code {what} ({EMBED!r}, {HEAD!r} and {BRIDGE!r} hold what runs around the units): leave "
+        f"{clash[0]!r} out of units, and that layer holds it"
+    )
+
+
+def _region(gap: Gap, segments: list[Segment], units: int) -> int:
+    """Which layer runs the code of ``gap`` for real: 0 ``embed``, k the bridge into segment k (the code
+    between two of its units included: it records their calls), ``len(segments)`` ``head``."""
+    if gap == units:
+        return len(segments)
+    return next(k for k, seg in enumerate(segments) if seg.start <= gap < seg.stop)
+
+
+def _phase_params(
+    root: nn.Module, paths: list[str], recording: _Recording, segments: list[Segment]
+) -> list[set[int]]:
+    """ids of the params each layer around the units really uses: ``embed``, each bridge, ``head`` (by
+    :func:`_region`): those the code it runs reads, and those of modules run there; a module that holds
+    units (the root, ``transformer``) may read its own params anywhere, so every one gets them; a param
     nothing reads goes to ``head`` (it holds the rest). Reads, not module calls, decide: DeBERTa's
-    encoder reads ``rel_embeddings.weight`` by attribute before its layers and never calls the module."""
+    encoder reads ``rel_embeddings.weight`` by attribute before its layers and never calls the module.
+    A param two of them read (BART's shared embedding table, read before the encoder and in the bridge
+    to the decoder) is in both: the first owns it, the later ones tie to it."""
     by_name = dict(root.named_parameters())
-    reads = recording.param_reads
-    embed = {id(by_name[n]) for n in reads["before"] | reads["between"]}
-    head = {id(by_name[n]) for n in reads["after"]}
+    units = len(paths)
+    owned: list[set[int]] = [set() for _ in range(len(segments) + 1)]
+    for gap, names in recording.param_reads.items():
+        owned[_region(gap, segments, units)].update(id(by_name[n]) for n in names)
+    starts = {seg.start for seg in segments}
     rest: list[int] = []
     for path, sub in root.named_modules():
         if path in paths or any(path.startswith(p + ".") for p in paths):
@@ -814,29 +897,29 @@ def _phase_params(root: nn.Module, paths: list[str], recording: _Recording) -> t
         own = [id(p) for p in sub.parameters(recurse=False)]
         holds_units = any(p.startswith(path + ".") or not path for p in paths)
         seen = recording.phase.get(path, set())
-        if "between" in seen and own and not holds_units:
+        if own and not holds_units and any(g not in starts and g != units for g in seen):
             raise FunctionalizeError(
                 f"functionalize: module {path!r} has parameters and runs between units; make it part of a "
                 "unit (list units by path) so that it belongs to one layer."
             )
-        if holds_units or "before" in seen:
-            embed.update(own)
-        if holds_units or "after" in seen:
-            head.update(own)
+        for k, ids in enumerate(owned):
+            if holds_units or any(_region(g, segments, units) == k for g in seen):
+                ids.update(own)
         rest.extend(own)
-    head.update(i for i in rest if i not in embed)
-    return embed, head
+    claimed = set().union(*owned)
+    owned[-1].update(i for i in rest if i not in claimed)
+    return owned
 
 
-def _eval_before_only(stubbed: nn.Module, recording: _Recording) -> nn.Module:
-    """A copy of ``stubbed`` (sharing tensors) whose modules that only run before the units are in
-    eval mode: in ``head`` their output is discarded, so their dropout must not draw."""
+def _eval_ran_before(stubbed: nn.Module, recording: _Recording, gap: Gap) -> nn.Module:
+    """A copy of ``stubbed`` (sharing tensors) whose modules that only run before ``gap`` are in eval
+    mode: a replay from there on (``head``, a bridge) discards their output, so their dropout must not draw."""
     named = [*stubbed.named_parameters(remove_duplicate=False), *stubbed.named_buffers(remove_duplicate=False)]
-    head = copy.deepcopy(stubbed, {**kept_in_copies(stubbed), **{id(t): t for _, t in named}})
-    units = [m for m in head.modules() if isinstance(m, _UnitStub)]
-    for path, sub in head.named_modules():
+    copied = copy.deepcopy(stubbed, {**kept_in_copies(stubbed), **{id(t): t for _, t in named}})
+    units = [m for m in copied.modules() if isinstance(m, _UnitStub)]
+    for path, sub in copied.named_modules():
         holds_units = any(u in units for u in sub.modules())
-        if recording.phase.get(path) == {"before"} and not holds_units:
+        seen = recording.phase.get(path)
+        if seen and max(seen) < gap and not holds_units:
             sub.train(False)
-    return head
-
+    return copied

@@ -23,12 +23,17 @@ How the module is cut into layers:
   ``dummy_inputs`` ids) while hooks record every unit call, and cut into
   ``"embed"`` (forward up to the first unit: embeddings, mask, position ids, rotary
   embeddings), one layer per unit (named by its path, names relative to the root), and
-  ``"head"`` (forward after the last unit: final norm, head, the model's own loss). The
+  ``"head"`` (forward after the last unit: final norm, head, the model's own loss). Units in
+  two stacks (``units=(BartEncoderLayer, BartDecoderLayer)``, or paths in both) get a
+  ``"bridge"`` between them: the code from the encoder's last layer to the decoder's first
+  (the encoder's final norm, the decoder's embedding and masks), whose output carries the
+  decoder's hidden state and the encoder's output its layers receive. The
   value between layers is a tuple of tensors; its layout is fixed by the example, so pass
   an example like your batches (a dict batch if you train on dict batches). A unit may
   return a tuple whose elements after the hidden state nothing reads (Bloom's attention
-  weights); one the next unit reads (T5's position bias) is refused. See ``capture`` for
-  how, and what is refused.
+  weights), or that the next units of its loop receive (T5's position bias: its layer
+  writes it into the value between layers); one the code around the units reads is
+  refused. See ``capture`` for how, and what is refused.
 
 Layer inputs and outputs:
 
@@ -102,7 +107,7 @@ from .uncompiled import uncompiled
 
 __all__ = ["FunctionalizeError", "functionalize"]
 
-Units = str | Sequence[str] | type[nn.Module] | None
+Units = str | Sequence[str] | type[nn.Module] | Sequence[type[nn.Module]] | None
 ParamTree = dict[str, dict[str, Tensor]]
 
 WHOLE_MODULE = "model"
@@ -126,7 +131,8 @@ def functionalize(
         units: how to cut it (see the module docstring): ``None``; a list of submodule paths
             in execution order (a path naming a ModuleList / Sequential / ModuleDict
             stands for each of its children); or a module class, whose outermost
-            instances become the units.
+            instances become the units; or a tuple of classes (an encoder's layer and
+            a decoder's: both stacks split per layer, a ``"bridge"`` layer between).
         example_input: if given, ``module(example_input)`` and the chain are run on it and
             must agree bitwise, no layer may modify its buffers, and every layer output must
             carry a floating-point tensor. A split that records calls (Hugging Face models,
@@ -159,7 +165,9 @@ def functionalize(
 
     A Hugging Face model split per block (``pip install -e ".[hf]"``), e.g.
     ``functionalize(GPT2LMHeadModel(config), units=GPT2Block)``, gives the layers
-    ``("embed", "transformer.h.0", ..., "head")``.
+    ``("embed", "transformer.h.0", ..., "head")``; an encoder-decoder wrapped to return its
+    logits, with ``units=(BartEncoderLayer, BartDecoderLayer)``, ``("embed",
+    "model.model.encoder.layers.0", ..., "bridge", "model.model.decoder.layers.0", ..., "head")``.
     """
     module = uncompiled(module)  # layers run eagerly: see engine/model/uncompiled.py
     _refuse_stateful(module)
@@ -273,7 +281,7 @@ def _pieces(module: nn.Module, units: Units, example: Any, meta_built: bool) -> 
     paths = _resolve_units(module, units)
     if paths is None:  # the root itself is the unit class
         return [(WHOLE_MODULE, module)], None
-    ordered = not isinstance(units, type)
+    ordered = not isinstance(units, type) and not all(isinstance(u, type) for u in units)
     if not is_transformers_model(module) and not _spreads(module, example):
         try:
             return list(split_graph(module, paths, ordered=ordered)), None
@@ -422,14 +430,16 @@ def _build_chain(pieces: list[Piece_]) -> tuple[Chain, ParamTree, dict[tuple[str
 
 
 def _resolve_units(
-    module: nn.Module, units: str | Sequence[str] | type[nn.Module]
+    module: nn.Module, units: str | Sequence[str] | type[nn.Module] | Sequence[type[nn.Module]]
 ) -> list[str] | None:
     """Unit paths, containers expanded; None if the root module is itself the unit class."""
     if isinstance(units, type):
-        return _units_of_class(module, units)
-    given = [units] if isinstance(units, str) else list(units)
+        return _units_of_class(module, (units,))
+    given: list[Any] = [units] if isinstance(units, str) else list(units)
     if not given:
         raise FunctionalizeError("functionalize: units is empty; pass None for the default split")
+    if all(isinstance(u, type) for u in given):  # an encoder's layer class and its decoder's
+        return _units_of_class(module, tuple(given))
     paths: list[str] = []
     for path in given:
         paths.extend(_expand_unit(module, path))
@@ -437,19 +447,30 @@ def _resolve_units(
     return paths
 
 
-def _units_of_class(module: nn.Module, cls: type[nn.Module]) -> list[str] | None:
-    if isinstance(module, cls):
+def _units_of_class(module: nn.Module, classes: tuple[type[nn.Module], ...]) -> list[str] | None:
+    """The paths of the outermost instances of ``classes`` (several: an encoder's layers and a decoder's)."""
+    if len(classes) == 1 and isinstance(module, classes[0]):
         return None
+    given = classes[0].__name__ if len(classes) == 1 else f"({', '.join(c.__name__ for c in classes)})"
+    if isinstance(module, classes):
+        raise FunctionalizeError(
+            f"functionalize: units={given} but {type(module).__name__} is itself a {type(module).__name__}, "
+            "so every unit would be inside another; pass its class alone for one layer, or units=None"
+        )
     found: list[str] = []
+    kinds: dict[type[nn.Module], int] = dict.fromkeys(classes, 0)
     for path, sub in module.named_modules():
         inside = any(path.startswith(f + ".") for f in found)
-        if isinstance(sub, cls) and not inside:
+        if isinstance(sub, classes) and not inside:
             found.append(path)
-    if not found:
-        kinds = sorted({type(m).__name__ for m in module.modules()})
+            for cls in classes:
+                kinds[cls] += isinstance(sub, cls)
+    missing = [cls.__name__ for cls, count in kinds.items() if not count]
+    if missing:
+        present = sorted({type(m).__name__ for m in module.modules()})
         raise FunctionalizeError(
-            f"functionalize: units={cls.__name__} but {type(module).__name__} contains no {cls.__name__}; "
-            f"module classes present: {kinds}"
+            f"functionalize: units={given} but {type(module).__name__} contains no {missing[0]} outside the "
+            f"other units; module classes present: {present}"
         )
     return found
 
@@ -457,8 +478,9 @@ def _units_of_class(module: nn.Module, cls: type[nn.Module]) -> list[str] | None
 def _expand_unit(module: nn.Module, path: str) -> list[str]:
     if isinstance(path, type):
         raise FunctionalizeError(
-            f"functionalize: units=[...] lists submodule paths, and it holds the class {path.__name__}; pass one "
-            f"class alone (units={path.__name__}), or the paths of the submodules to make units"
+            f"functionalize: units=[...] mixes submodule paths and the class {path.__name__}; pass classes "
+            f"alone (units={path.__name__}, or units=({path.__name__}, OtherLayer) for an encoder's layers and a "
+            "decoder's), or the paths of the submodules to make units"
         )
     if not isinstance(path, str) or not path:
         raise FunctionalizeError(

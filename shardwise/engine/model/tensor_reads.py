@@ -1,7 +1,8 @@
 """Which watched tensors the code outside the units reads, and where forward is when it does.
 
-The call-recording split (``capture.py``) runs a module's forward with its units stubbed, twice:
-``embed`` up to the last unit and ``head`` after it. Which parameters each needs, and whether
+The call-recording split (``capture.py``) runs a module's forward with its units stubbed, in
+``embed`` up to the last unit, ``head`` after it (and a ``bridge`` between an encoder's units and
+a decoder's). Which parameters each needs, and whether
 what a unit returns besides its hidden state is used, are questions about reads, not about
 which submodules run: DeBERTa's encoder reads ``self.rel_embeddings.weight`` by attribute
 (the embedding module never runs), and Bloom's model receives its blocks' attention weights
@@ -11,7 +12,7 @@ came from a module call or an attribute.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any
 
 import optree
@@ -48,15 +49,16 @@ class ReadLog(TorchFunctionMode):
 
     ``watch(t, label, layout=True)`` counts a layout query of ``t`` as a read too (for a value that
     should not be touched at all). ``watch(t, label, follow=True)`` also follows what ops compute
-    from ``t`` before ``"after"``: an op after the units reading such a value reads ``t`` there (a
-    table read before the units into a value the code after them uses: the head needs the table)."""
+    from ``t``: an op reading such a value reads ``t`` where it runs (a table read before the units
+    into a value the code after them uses: the head needs the table; the same for the code between
+    two stacks of units, an encoder's and a decoder's)."""
 
-    def __init__(self, where: Callable[[], str | None]) -> None:
+    def __init__(self, where: Callable[[], Hashable | None]) -> None:
         super().__init__()
         self.where = where
         self.watched: dict[int, tuple[Tensor, str, bool, bool]] = {}
         self.derived: dict[int, tuple[Tensor, frozenset[str]]] = {}
-        self.reads: dict[str, list[tuple[str, str]]] = {}  # where -> [(label, op name)]
+        self.reads: dict[Hashable, list[tuple[str, str]]] = {}  # where -> [(label, op name)]
 
     def watch(self, t: Tensor, label: str, layout: bool = False, follow: bool = False) -> None:
         self.watched[id(t)] = (t, label, layout, follow)
@@ -80,9 +82,9 @@ class ReadLog(TorchFunctionMode):
             derived = self.derived.get(id(t))
             if derived is not None and derived[0] is t and values:
                 sources |= derived[1]
-        if sources and where == "after":
+        if sources:
+            # Read here, and followed on: a later place reading what this computes reads them too.
             self.reads.setdefault(where, []).extend((label, _name(func)) for label in sorted(sources))
-        elif sources:
             for t in tensors_in(out):
                 self.derived[id(t)] = (t, frozenset(sources))
         return out
@@ -90,7 +92,9 @@ class ReadLog(TorchFunctionMode):
     def passed(self, tree: Any, user: str) -> None:
         """A unit is handed ``tree``: a watched parameter among it is read where forward is (no torch op
         reads it on its way: DeBERTa's encoder hands ``rel_embeddings.weight`` itself to every layer where
-        ``norm_rel_ebd="none"``, its default)."""
+        ``norm_rel_ebd="none"``, its default), and so is every one a value among it was computed from (the
+        layer that records what a decoder's units receive must compute it: a bias made from a table
+        before the encoder, handed to the decoder's layers)."""
         where = self.where()
         if where is None:
             return
@@ -98,8 +102,11 @@ class ReadLog(TorchFunctionMode):
             found = self.watched.get(id(t))
             if found is not None and found[0] is t and found[3]:
                 self.reads.setdefault(where, []).append((found[1], user))
+            derived = self.derived.get(id(t))
+            if derived is not None and derived[0] is t:
+                self.reads.setdefault(where, []).extend((label, user) for label in sorted(derived[1]))
 
-    def labels(self, *places: str) -> set[str]:
+    def labels(self, *places: Hashable) -> set[str]:
         return {label for p in places for label, _ in self.reads.get(p, [])}
 
 
@@ -108,12 +115,14 @@ class StandInGuard(TorchFunctionMode):
 
     ``stand_ins`` maps each stand-in tensor to its parameter's name. What an op computes from a
     stand-in (or from such a value) is followed; once ``counts()`` is true, an op reading one
-    raises ``refuse(parameter name, op name)``. ``embed`` counts every op (it must not read a
-    stand-in at all); ``head`` counts from its last unit on (its replay of the code before the
-    units is discarded, but nothing after the units may depend on it)."""
+    raises ``refuse(parameter name, op name)`` (where that gives None, the value is followed on).
+    ``embed`` counts every op (it must not read a stand-in at all); ``head`` counts from its last
+    unit on (its replay of the code before the units is discarded, but nothing after the units may
+    depend on it)."""
 
     def __init__(
-        self, stand_ins: dict[str, Tensor], counts: Callable[[], bool], refuse: Callable[[str, str], Exception]
+        self, stand_ins: dict[str, Tensor], counts: Callable[[], bool],
+        refuse: Callable[[str, str], Exception | None],
     ) -> None:
         super().__init__()
         self.counts, self.refuse = counts, refuse
@@ -132,11 +141,17 @@ class StandInGuard(TorchFunctionMode):
             if found is not None and found[0] is t:
                 sources.append(found[1])
         if sources:
-            if self.counts():
-                raise self.refuse(sources[0], _name(func))
+            error = self.refuse(sources[0], _name(func)) if self.counts() else None
+            if error is not None:
+                raise error
             for t in tensors_in(out):
                 self.origin[id(t)] = (t, sources[0])
         return out
+
+    def mark(self, t: Tensor, name: str) -> None:
+        """Follow ``t`` as a stand-in named ``name`` from now on: a value that is not what the module
+        computes there (a unit's output that a replay passes through)."""
+        self.origin[id(t)] = (t, name)
 
     def check_returned(self, out: Any) -> None:
         """Refuse an output that is a stand-in or was computed from one, though no op after the
@@ -144,5 +159,6 @@ class StandInGuard(TorchFunctionMode):
         an encoder's output beside decoder layers as units); ``refuse``'s op is ``"return"``."""
         for t in tensors_in(out):
             found = self.origin.get(id(t))
-            if found is not None and found[0] is t:
-                raise self.refuse(found[1], "return")
+            error = self.refuse(found[1], "return") if found is not None and found[0] is t else None
+            if error is not None:
+                raise error

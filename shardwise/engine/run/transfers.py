@@ -20,7 +20,7 @@ import torch
 from ...collectives import Handle, recv, send
 from ...collectives.mesh import Mesh
 from ..layout.state_layout import Placement
-from ..model.capture import is_absent_layout
+from ..model.carry import is_absent_layout
 from ..plan.actions import RECV_ACTIVATION, RECV_GRAD, Action, Boundary
 from . import wire_structure
 
