@@ -15,10 +15,11 @@ the ops that keep its features whole: casts, adds, leading-dim reshapes) to wher
 its features:
 
 * a plain ``Colwise()`` output cut into a number of parts the module fixes is refused: ``chunk(3)``,
-  ``tensor_split(2)``, sections of unequal widths (``split([dim, kv, kv])``, a ``split(size)`` that
-  leaves a remainder), or a cut at a width the Region divides (``local=``: ``split(split_size)``,
-  which makes the same 3 parts of the rank's slice as of the whole). A cut by a size the module
-  does not divide (per-head ``split(head_dim)``: a rank's whole heads) passes;
+  ``tensor_split(2)``, ``dsplit(2)`` (``hsplit``, ``vsplit``: tensor_split along a fixed dim),
+  sections of unequal widths (``split([dim, kv, kv])``, a ``split(size)`` that leaves a remainder),
+  or a cut at a width the Region divides (``local=``: ``split(split_size)``, which makes the same 3
+  parts of the rank's slice as of the whole). A cut by a size the module does not divide (per-head
+  ``split(head_dim)``: a rank's whole heads) passes;
 * a ``Colwise(fused=N)`` output must be cut into its N blocks: ``chunk(N)``, ``split(width / N)``,
   slices at block edges (Phi-3's ``qkv[..., :query_pos]``), a view with the blocks outermost
   (``view(b, t, N, heads, -1)``), or pieces of them. Any other cut is refused, naming the sizes
@@ -26,17 +27,21 @@ its features:
 * a plain ``Colwise()`` output viewed per head is followed along its heads (head_views.py): a cut
   across them, and (outside any Region) a view by a whole head count, are refused;
 * an op across a Colwise output's features before any per-head view (a reduction, a normalisation
-  with no weight, a cumulative sum or a sort along them, a contraction of two outputs' features:
-  feature_mixing.py) computes on the rank's slice alone: refused at the end of the forward, so that
-  a failure of torch's on the way (a norm's weight of the whole width) is explained as before.
+  with no weight, a cumulative sum or a sort along them, an index, slice, pad or convolution of them,
+  a contraction of two outputs' features: feature_mixing.py) computes on the rank's slice alone:
+  refused at the end of the forward, so that a failure of torch's on the way (a norm's weight of the
+  whole width) is explained as before. The output is followed through the ops along other dims that
+  keep its features (``q.mean(1)``, ``q.softmax(1)``, ``q.max(1).values``) to such an op.
 
 A Colwise outside any Region is watched through its layer's first call on each rank (modules.VaryFn); inside a
 sequence-parallel block a reshape of its output by the slice's length is refused there (sequence_gather.py).
 
 A view that factors a plain Colwise's features with the blocks outermost (``view(b, t, 3, heads,
--1)``) looks like one into heads and goes unseen, as does a plain Colwise sliced by ``[...]``, a
-split size computed from a divided head count (``split(self.n_heads * self.head_dim)``), and a
-projection whose local head count happens to equal N (viewed per head as N blocks).
+-1)``) looks like one into heads and goes unseen, as do a split size computed from a divided head
+count (``split(self.n_heads * self.head_dim)``), a cut of transposed features (``chunk(2, dim=1)``
+of ``q.transpose(1, 2)``), and a projection whose local head count happens to equal N (viewed per
+head as N blocks). A plain Colwise sliced by ``[...]`` along its features is refused as an op by
+position (feature_mixing.py), but for a strided slice (``[..., ::2]``).
 """
 
 from __future__ import annotations
@@ -51,7 +56,7 @@ import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
-from .feature_mixing import mixed, moved_features
+from .feature_mixing import keeps_features, mixed, moved_features
 from .head_views import check_head_count, see_heads
 from .sequence_gather import SequenceGather
 
@@ -62,7 +67,11 @@ _CUTS = {
     torch.chunk: "chunk", Tensor.chunk: "chunk", torch.tensor_split: "tensor_split",
     Tensor.tensor_split: "tensor_split", torch.split: "split", Tensor.split: "split",
     torch.split_with_sizes: "split_with_sizes", Tensor.split_with_sizes: "split_with_sizes",
+    torch.dsplit: "dsplit", Tensor.dsplit: "dsplit", torch.hsplit: "hsplit", Tensor.hsplit: "hsplit",
+    torch.vsplit: "vsplit", Tensor.vsplit: "vsplit",
 }
+# The cuts along a fixed dim (dsplit: the third): tensor_split's along it.
+_FIXED_CUT_DIM = {"dsplit": lambda n: 2, "hsplit": lambda n: 1 if n > 1 else 0, "vsplit": lambda n: 0}
 # Ops that give the same values another shape: the features factored (or kept) in the output's last dims.
 _RESHAPES = {torch.reshape, Tensor.reshape, Tensor.view, Tensor.unflatten, torch.unflatten}
 # What carries a Colwise output on with its features whole and last: any op keeping its shape but these,
@@ -137,12 +146,16 @@ class SplitWatch(TorchFunctionMode):
         if self.mixed is None and (self.watched or self.moved):
             self.mixed = mixed(_name(func), args, kwargs, self.features_of)
         if self.mixed is None and self.per_head:  # the same ops across a per-head view's heads dim
-            across = mixed(_name(func), args, kwargs, self._heads_of)
+            across = mixed(_name(func), args, kwargs, self._heads_of, heads=True)
             if across is not None:
                 self.mixed = (across[0], across[1].replace("features", "heads"), True)
         for t, (entry, dim) in _tensor_args(args, kwargs, self._moved_of):
             if isinstance(out, Tensor) and out.shape == t.shape and _name(func) not in _MIXING:
                 self.moved[id(out)] = (weakref.ref(out), entry, dim)  # k.transpose(-1, -2) * scale
+            elif isinstance(out, Tensor) and args[0] is t:
+                moved = _moved_on(func, t, dim, args, out)  # moved again: transposed back, unsqueezed
+                if moved is not None:
+                    self.moved[id(out)] = (weakref.ref(out), entry, moved)
         for t, entry in _tensor_args(args, kwargs, self._entry):
             self._see(func, t, entry, args, kwargs, out)
         for t, (entry, dim) in _tensor_args(args, kwargs, self._heads_of):
@@ -208,8 +221,8 @@ class SplitWatch(TorchFunctionMode):
                 raise ValueError(refusal)
         cut = _CUTS.get(func)
         if cut is not None:
-            if args and args[0] is t and _along_features(t, args, kwargs):
-                self._cut(entry, cut, [p.shape[-1] for p in out])
+            if args and args[0] is t and _along_features(t, args, kwargs, cut):
+                self._cut(entry, "tensor_split" if cut in _FIXED_CUT_DIM else cut, [p.shape[-1] for p in out])
             elif isinstance(out, (tuple, list)):  # another dim: each part carries the features on
                 for part in out:
                     if isinstance(part, Tensor) and part.dim() and part.shape[-1] == entry.width:
@@ -221,6 +234,11 @@ class SplitWatch(TorchFunctionMode):
         if not isinstance(out, Tensor):
             if any(isinstance(o, Tensor) for o in (out if isinstance(out, (tuple, list)) else ())):
                 entry.uses.append(_name(func))
+                values = out[0] if isinstance(out, (tuple, list)) and isinstance(out[0], Tensor) else None
+                if values is not None and values.dim() and values.shape[-1] == entry.width and (
+                    values.is_floating_point() and self._along_another_dim(_name(func), args, kwargs)
+                ):
+                    self._follow(values, entry)  # q.max(1).values, q.sort(1).values: the features whole
             return  # a shape, a dtype: read, not used
         name = _name(func)
         if entry.fused == 1 and func in _RESHAPES:
@@ -239,14 +257,19 @@ class SplitWatch(TorchFunctionMode):
             return
         if out.dim() and out.shape[-1] == entry.width and (
             (out.shape == t.shape and name not in _MIXING) or name in _LAYOUT
+            or self._along_another_dim(name, args, kwargs)
         ):
-            self._follow(out, entry)  # the features whole: a cast, an add, a leading-dim reshape
+            self._follow(out, entry)  # the features whole: a cast, an add, a leading-dim reshape, q.mean(1)
         elif func is Tensor.__getitem__ and entry.fused > 1:
             self._slice(entry, t, args[1] if len(args) > 1 else None)
         elif func in _RESHAPES and entry.fused > 1:
             self._factor(entry, t, out)
         elif entry.fused > 1:
             entry.uses.append(name)
+
+    def _along_another_dim(self, name: str, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+        """A reduction, ordering or gather (feature_mixing.py's) along another dim than the features."""
+        return keeps_features(name) and mixed(name, args, kwargs, self.features_of) is None
 
     def _cut(self, entry: _Output, name: str, sizes: list[int]) -> None:
         if len(sizes) < 2:
@@ -372,8 +395,8 @@ def _tensor_args(
                 yield t, entry
 
 
-def _along_features(t: Tensor, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
-    dim = kwargs.get("dim", args[2] if len(args) > 2 else 0)
+def _along_features(t: Tensor, args: Sequence[Any], kwargs: dict[str, Any], cut: str = "") -> bool:
+    dim = _FIXED_CUT_DIM[cut](t.dim()) if cut in _FIXED_CUT_DIM else kwargs.get("dim", args[2] if len(args) > 2 else 0)
     return isinstance(dim, int) and t.dim() > 0 and dim % t.dim() == t.dim() - 1
 
 
@@ -424,6 +447,14 @@ def _one_head_view(t: Tensor, out: Any) -> bool:
     projection."""
     return (isinstance(out, Tensor) and out.dim() == t.dim() + 1 and out.dim() >= 2
             and out.shape[-1] == t.shape[-1] and out.shape[-2] == 1 and out.shape[:-2] == t.shape[:-1])
+
+
+def _moved_on(func: Any, t: Tensor, dim: int, args: Sequence[Any], out: Tensor) -> int | None:
+    """Where ``out`` holds the features ``t`` holds in ``dim`` (not its last): an unsqueeze before them."""
+    if _name(func) == "unsqueeze" and len(args) >= 2 and isinstance(args[1], int) and out.dim() == t.dim() + 1:
+        at = args[1] % out.dim()
+        return dim + 1 if at <= dim else dim
+    return None
 
 
 def _name(func: Any) -> str:
