@@ -13,7 +13,8 @@ scatter, ``index_select``, ``select`` or ``narrow`` of them, a slice (``q[..., :
 halves; a strided ``q[..., ::2]`` takes the same features of a slice as of the whole, and passes), a
 ``repeat``/``tile`` or ``torch.cat`` along them, a ``pad`` of them, a convolution, pool or
 interpolation with the features as a spatial dim (windows that tile them, as wide as their stride,
-pass), ``unfold`` into overlapping windows. And so does a contraction of the features of two Colwise
+pass, as does a nearest interpolation by a whole factor: each feature repeated), ``unfold`` into
+overlapping windows. And so does a contraction of the features of two Colwise
 outputs (single-head attention's ``q @ k.transpose(-1, -2)``, ``einsum("btd,bsd->bts", q, k)``,
 ``F.scaled_dot_product_attention`` on outputs never viewed per head, ``vecdot``, ``cdist``): each
 rank computes a partial sum, which nothing sums; or a product of their features by each other
@@ -21,7 +22,7 @@ rank computes a partial sum, which nothing sums; or a product of their features 
 rank holds the block of its slices alone.
 
 :func:`mixed` finds such an op where :class:`~.split_watch.SplitWatch` follows the output with its
-features whole (last, or moved by a transpose, ``movedim`` or ``unsqueeze``: :func:`moved_features`;
+features whole (last, or moved by a transpose, ``movedim`` or ``unsqueeze(-1)``: :func:`moved_features`;
 or kept by a reduction, ordering or gather along another dim: ``q.mean(1)``, ``q.softmax(1)``). What
 passes: the same ops on a per-head view (Qwen3's ``q_norm`` on ``(b, t, heads, head_dim)``, a
 softmax over the attention scores: head_views.py follows those, each head whole on a rank),
@@ -81,7 +82,8 @@ _ALONG: dict[str, tuple[int, Any]] = {
     **dict.fromkeys(("trapezoid", "trapz", "cumulative_trapezoid", "pairwise_distance", "pdist",
                      "linalg_vecdot"), (_KEYWORD, -1)),
     **dict.fromkeys(("gradient", "dist", "histc", "take", "masked_select"), (_KEYWORD, _EVERY)),
-    "take_along_dim": (2, _EVERY), "unique": (4, _EVERY), "unique_consecutive": (3, _EVERY),
+    "take_along_dim": (2, _EVERY), "linalg_vander": (_KEYWORD, -1), "unique": (4, _EVERY),
+    "unique_consecutive": (3, _EVERY),
     "gumbel_softmax": (4, -1), "msort": (_KEYWORD, 0), "flipud": (_KEYWORD, 0), "fliplr": (_KEYWORD, 1),
     "rot90": (2, (0, 1)), "unbind": (1, 0), "diagonal": (_KEYWORD, (0, 1)), "linalg_diagonal": (_KEYWORD, _MATRIX),
     # Matrix functions and norms: over the last two dims (a matrix norm's given by keyword or after ord).
@@ -155,7 +157,7 @@ def mixed(
         return _pairwise(name, args, kwargs, features)
     if name in _LOSSES or name in _LOSSES_ALONG:
         return _loss(name, args, kwargs, features)
-    if name in ("outer", "ger", "kron", "linalg_multi_dot", "chain_matmul"):
+    if name in ("outer", "ger", "addr", "kron", "linalg_multi_dot", "chain_matmul"):
         return _products(name, args, features)
     return _by_position(name, args, kwargs, features)
 
@@ -263,7 +265,7 @@ def _spatial(
     if name in _CHANNELS:
         return (entry, f"{name} across dim 1, which holds its features") if at == 1 and n > 1 else None
     if name in _AFTER_CHANNELS:
-        return (entry, what) if at >= 2 else None
+        return (entry, what) if at >= 2 and not _repeats(name, args, kwargs) else None
     if name == "batch_norm":
         training = kwargs.get("training", args[5] if len(args) > 5 else False)
         running = kwargs.get("running_mean", args[1] if len(args) > 1 else None)
@@ -278,6 +280,20 @@ def _spatial(
     if _tiles(name, args, kwargs, k, at - (n - k)):
         return None
     return entry, what
+
+
+def _repeats(name: str, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+    """An interpolation to the nearest by a whole scale factor (or its inverse): each feature repeated (or
+    every k-th taken), as ``repeat_interleave`` (a strided slice) does, the same on a slice as on the whole."""
+    if name not in ("interpolate", "upsample", "upsample_nearest"):
+        return False
+    mode = "nearest" if name == "upsample_nearest" else kwargs.get("mode", args[3] if len(args) > 3 else "nearest")
+    size = kwargs.get("size", args[1] if len(args) > 1 else None)
+    scale = kwargs.get("scale_factor", args[2] if len(args) > 2 else None)
+    scales = scale if isinstance(scale, (list, tuple)) else [scale]
+    return mode in ("nearest", "nearest-exact") and size is None and all(
+        isinstance(f, (int, float)) and f > 0 and (float(f).is_integer() or (1 / f).is_integer()) for f in scales
+    )
 
 
 def _tiles(name: str, args: Sequence[Any], kwargs: dict[str, Any], k: int, j: int) -> bool:
@@ -377,6 +393,8 @@ def _across_others(
     if dim_at is None:  # local_response_norm: across dim 1
         return (entry, f"{name} across dim 1, which holds its features") if at == 1 else None
     dim = kwargs.get("dim", args[dim_at] if len(args) > dim_at else 0 if name == "norm_except_dim" else None)
+    if name == "norm_except_dim" and dim == -1:  # weight_norm(dim=None): the norm of every dim
+        return entry, "norm_except_dim with dim=-1, over every dim, its features among them"
     if not isinstance(dim, int) or dim % t.dim() == at:
         return None
     return entry, f"{name} along dim {dim}, whose norm is taken over the other dims, its features among them"
@@ -518,7 +536,8 @@ def _contraction(name: str, args: Sequence[Any], features: Features) -> tuple[_O
 
 
 def _block(name: str, other: _Output) -> str:
-    like = "an outer product" if name in ("outer", "ger", "kron") else "a linear attention's k.transpose(-1, -2) @ v"
+    outer = name in ("outer", "ger", "addr", "kron")
+    like = "an outer product" if outer else "a linear attention's k.transpose(-1, -2) @ v"
     return (
         f"{name} of its features by those of {other.label!r} ({like}): a rank holds the products of its slices "
         "alone, not those across the ranks"
@@ -534,9 +553,10 @@ def _products(name: str, args: Sequence[Any], features: Features) -> tuple[_Outp
             if found is not None and other is not None and other[1] == 0:
                 return found[0], f"{name} contracting its features with those of {other[0].label!r}: a partial sum"
         return None
-    if len(args) < 2 or not isinstance(args[0], Tensor) or not isinstance(args[1], Tensor):
+    first = 1 if name == "addr" else 0  # addr(input, vec1, vec2)
+    if len(args) < first + 2 or not isinstance(args[first], Tensor) or not isinstance(args[first + 1], Tensor):
         return None
-    found, other = _last(args[0], features), _last(args[1], features)
+    found, other = _last(args[first], features), _last(args[first + 1], features)
     return (found[0], _block(name, other[0])) if found is not None and other is not None else None
 
 

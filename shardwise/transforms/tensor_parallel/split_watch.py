@@ -68,7 +68,8 @@ _CUTS = {
     Tensor.tensor_split: "tensor_split", torch.split: "split", Tensor.split: "split",
     torch.split_with_sizes: "split_with_sizes", Tensor.split_with_sizes: "split_with_sizes",
     torch.dsplit: "dsplit", Tensor.dsplit: "dsplit", torch.hsplit: "hsplit", Tensor.hsplit: "hsplit",
-    torch.vsplit: "vsplit", Tensor.vsplit: "vsplit",
+    torch.vsplit: "vsplit", Tensor.vsplit: "vsplit", torch.unsafe_chunk: "chunk", Tensor.unsafe_chunk: "chunk",
+    torch.unsafe_split: "split", Tensor.unsafe_split: "split",
 }
 # The cuts along a fixed dim (dsplit: the third): tensor_split's along it.
 _FIXED_CUT_DIM = {"dsplit": lambda n: 2, "hsplit": lambda n: 1 if n > 1 else 0, "vsplit": lambda n: 0}
@@ -249,6 +250,9 @@ class SplitWatch(TorchFunctionMode):
         if entry.fused == 1 and _one_head_view(t, out):
             self.follow_heads(out, entry, out.dim() - 2)
             return  # a per-head view of a rank's one head: what it cuts next is the head's own dims
+        if name == "unsqueeze" and out.dim() == t.dim() + 1 and len(args) > 1 and args[1] in (-1, t.dim()):
+            self.moved[id(out)] = (weakref.ref(out), entry, t.dim() - 1)  # q.unsqueeze(-1): features at -2
+            return
         moved = moved_features(func, name, t, args, out)
         if moved is not None and moved != out.dim() - 1:
             self.moved[id(out)] = (weakref.ref(out), entry, moved)  # read by a contraction (feature_mixing.py)

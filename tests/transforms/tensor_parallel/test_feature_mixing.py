@@ -76,9 +76,12 @@ _BEFORE_THE_VIEW = {
     "features_moved_then_flipped": lambda z: z.movedim(-1, 0).flip(0).movedim(0, -1),
     "channel_shuffle_of_the_transpose": lambda z: F.channel_shuffle(
         z.transpose(1, 2).unsqueeze(-1), 2).squeeze(-1).transpose(1, 2),
+    "unsqueezed_then_averaged": lambda z: z - z.unsqueeze(-1).mean(-2),
+    "weight_norm_of_every_dim": lambda z: z / torch.norm_except_dim(z, 2, -1),
 }
 _BEFORE_THE_VIEW_CUTS = {
     "dsplit": lambda z: torch.cat(torch.dsplit(z, 2)[::-1], -1),
+    "unsafe_chunk": lambda z: torch.cat(z.unsafe_chunk(2, -1)[::-1], -1),
 }
 # Across the heads of the per-head view (b, heads, t, head_dim): over a rank's heads only.
 _ACROSS_HEADS = {
@@ -120,6 +123,7 @@ _OTHER_DIMS = {
     "batch_norm_per_feature": lambda z: F.batch_norm(z.transpose(1, 2), None, None, training=True).transpose(1, 2),
     "elementwise_loss_term": lambda z: z + 0.1 * F.mse_loss(z, 0.5 * z.detach(), reduction="none"),
     "halves_of_the_sequence_swapped": lambda z: torch.cat(torch.hsplit(z, 2)[::-1], 1),
+    "nearest_upsampled_features": lambda z: F.interpolate(z, scale_factor=2.0)[..., ::2],
 }
 
 
@@ -261,8 +265,9 @@ def test_ops_along_another_dim_before_the_view_are_the_single_device_step(other:
 @_PLANS
 @pytest.mark.parametrize("split", sorted(_BEFORE_THE_VIEW_CUTS))
 def test_a_split_of_the_features_along_a_fixed_dim_is_refused(split: str, plan: dict[str, Any]) -> None:
-    """torch.dsplit(q, 2) cuts q's features in two, as chunk(2, -1) does: on a rank, halves of its slice."""
-    _refused(plan, r"Colwise\(\) on '0\.attn\.q' .* cuts that output into parts along them \(tensor_split\): "
+    """torch.dsplit(q, 2) (or unsafe_chunk) cuts q's features in two, as chunk(2, -1) does: on a rank, halves of
+    its slice."""
+    _refused(plan, r"Colwise\(\) on '0\.attn\.q' .* cuts that output into parts along them \((tensor_split|chunk)\): "
              r"this rank's 16 features into \[8, 8\]", before=split)
 
 
