@@ -250,7 +250,9 @@ class SplitWatch(TorchFunctionMode):
         if entry.fused == 1 and _one_head_view(t, out):
             self.follow_heads(out, entry, out.dim() - 2)
             return  # a per-head view of a rank's one head: what it cuts next is the head's own dims
-        if name == "unsqueeze" and out.dim() == t.dim() + 1 and len(args) > 1 and args[1] in (-1, t.dim()):
+        if name == "unsqueeze" and out.dim() == t.dim() + 1 and kwargs.get("dim", args[1] if len(args) > 1 else 0) in (
+            -1, t.dim()
+        ):
             self.moved[id(out)] = (weakref.ref(out), entry, t.dim() - 1)  # q.unsqueeze(-1): features at -2
             return
         moved = moved_features(func, name, t, args, out)

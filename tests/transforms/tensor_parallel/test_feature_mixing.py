@@ -77,6 +77,7 @@ _BEFORE_THE_VIEW = {
     "channel_shuffle_of_the_transpose": lambda z: F.channel_shuffle(
         z.transpose(1, 2).unsqueeze(-1), 2).squeeze(-1).transpose(1, 2),
     "unsqueezed_then_averaged": lambda z: z - z.unsqueeze(-1).mean(-2),
+    "unsqueezed_by_keyword_then_averaged": lambda z: z - z.unsqueeze(dim=-1).mean(-2),
     "weight_norm_of_every_dim": lambda z: z / torch.norm_except_dim(z, 2, -1),
 }
 _BEFORE_THE_VIEW_CUTS = {
