@@ -366,6 +366,32 @@ def test_an_encoder_returning_a_model_output_is_a_unit_and_albert_splits_at_it()
     sw.testing.assert_equivalent(sw.pipeline(step, "pp", "1f1b", 2), step, sw.Mesh(pp=2), batches, params)
 
 
+def test_a_pipeline_refusing_padded_batches_after_an_unpadded_example_names_the_example() -> None:
+    """BERT's eager mask is None for a batch without padding. The Plan cannot read data on its fake tensors,
+    so it predicts that value as functionalize's example had it: after an unpadded example, padded batches
+    (a padded row in every micro-batch, as the refusal advised) were refused with that same advice. The
+    refusal now names the example; with a padded example the same batches train as the single-device step."""
+    model, block = build("bert")
+    batches = padded_batches("bert", n=2)
+    for inputs, _ in batches:
+        inputs["attention_mask"][BATCH // 2, SEQ - 2 :] = 0  # the second micro-batch padded too
+    unpadded = {**batches[0][0], "attention_mask": torch.ones(BATCH, SEQ, dtype=torch.long)}
+
+    def counted(inputs: dict[str, Tensor], targets: None) -> Tensor:
+        return (inputs["labels"] != -100).sum()
+
+    for example in (unpadded, batches[0][0]):
+        chain, params = functionalize(model, units=block, example_input=example)
+        step = sw.train_step(chain, own_loss, sw.optim.sgd(0.1, momentum=0.9), tokens=counted)
+        pipelined = sw.pipeline(step, "pp", "1f1b", microbatches=2)
+        if example is unpadded:
+            with pytest.raises(sw.collectives.RankFailed, match=r"micro-batch 0,.*has one where the example had none"
+                                                                r".*example_input like your batches"):
+                sw.testing.assert_equivalent(pipelined, step, sw.Mesh(pp=2), batches, params, rtol=1e-6)
+        else:  # BERT's own loss is computed in float32
+            sw.testing.assert_equivalent(pipelined, step, sw.Mesh(pp=2), batches, params, rtol=1e-6)
+
+
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_a_pipeline_of_a_model_with_sdpa_attention_matches_the_single_device_step(family: str) -> None:
     # sdpa attention skips the causal mask on real inputs without padding, but cannot on the fake

@@ -48,6 +48,19 @@ def _check_predicted(leaves: list[Any], spec: Any, boundary: Boundary, s: int, m
     if spec == boundary.spec and got == boundary.leaves:
         return
     got_in, predicted_in = ("", "") if spec == boundary.spec else (f" in {spec}", f" in {boundary.spec}")
+    present = _present_where_predicted_absent(got, boundary.leaves) if spec == boundary.spec else None
+    if m == 0 and present is not None:
+        # The first micro-batch is the one the Plan predicted on: only the example can have misled it.
+        this, example = ("has one", "had none") if present else ("has none", "had one")
+        raise ValueError(
+            f"stage {s} passes on, for micro-batch 0, {_describe(got)}, but the Plan predicted "
+            f"{_describe(boundary.leaves)}. A value a model leaves out on some inputs (a Hugging Face attention "
+            "mask: None for a batch without a padded row, with sdpa attention and BERT's eager one) cannot be "
+            "read off the fake tensors the Plan runs on, so it is predicted as functionalize's example_input had "
+            f"it, and this micro-batch {this} where the example {example}. Give functionalize an example_input "
+            "like your batches (with a padded row if they are padded), and every micro-batch the same structure "
+            "(a padded row in each, or in none)"
+        )
     raise ValueError(
         f"stage {s} passes on, for micro-batch {m}, {_describe(got)}{got_in}, but the Plan predicted "
         f"{_describe(boundary.leaves)}{predicted_in} (from the first micro-batch's shapes), which the next "
@@ -56,6 +69,21 @@ def _check_predicted(leaves: list[Any], spec: Any, boundary: Boundary, s: int, m
         "a micro-batch with no padded row (sdpa attention, and BERT's eager one), so give every micro-batch a "
         "padded row, or use attn_implementation='eager' where it always builds the mask (Llama, GPT-2)"
     )
+
+
+def _present_where_predicted_absent(
+    got: Sequence[tuple[Any, Any]], predicted: Sequence[tuple[Any, Any]]
+) -> bool | None:
+    """Whether the leaves differ from the prediction only by values absent in one and present in the
+    other (an attention mask left out), all the same way: True where present only in ``got``, False where
+    absent only there, None for any other difference."""
+    if len(got) != len(predicted):
+        return None
+    pairs = [(is_absent_layout(*g), is_absent_layout(*p)) for g, p in zip(got, predicted, strict=True) if g != p]
+    if not pairs or any(got_absent == predicted_absent for got_absent, predicted_absent in pairs):
+        return None
+    ways = {predicted_absent for _, predicted_absent in pairs}
+    return ways.pop() if len(ways) == 1 else None
 
 
 def _describe(leaves: Sequence[tuple[Any, Any]]) -> str:
