@@ -248,6 +248,7 @@ class _Slices(TorchFunctionMode):
         self.block, self.parts, self.quiet = block, parts, 0
         self.held: dict[int, tuple[weakref.ref[Tensor], Held]] = {}
         self.names = {id(sub): _join(block, name) for name, sub in module.named_modules()}
+        self.modules = {_join(block, name): sub for name, sub in module.named_modules()}
 
     def hold(self, tree: Any, held: Held) -> None:
         for t in optree.tree_leaves(tree):
@@ -293,6 +294,18 @@ class _Slices(TorchFunctionMode):
                 break
             frame = frame.f_back
         what = f"{where!r} ({type(module).__name__})" if module is not None else repr(where)
+        blocks = re.sub(r"\.\d+$", ".*", self.block)
+        mixture = self._mixture_around(where)
+        if mixture is not None:  # not a mixing of positions: the guard cannot follow a token dispatch
+            return (
+                f"tensor_parallel(sequence_parallel=...): {what} runs on this rank's 1/{self.parts} of the "
+                f"sequence (sequence-parallel block {self.block!r}, outside any Region), and {why}: it is part of "
+                f"the mixture of experts {mixture!r}, whose dispatch of the tokens to their experts (one_hot, sums "
+                "over the tokens, index_add) this guard cannot follow position by position. A mixture that drops no "
+                "token computes each one on its own, but accepting one is not implemented, and a Region cannot "
+                f"hold its fused experts: leave {blocks!r} out of sequence_parallel (the plan's other modules "
+                "still split over the axis)"
+            )
         head = (
             f"tensor_parallel(sequence_parallel=...): {what} runs on this rank's 1/{self.parts} of "
             f"the sequence (sequence-parallel block {self.block!r}, outside any Region), and "
@@ -306,13 +319,30 @@ class _Slices(TorchFunctionMode):
                 f"Region, or leave {where!r} out of sequence_parallel"
             )
         pattern = re.sub(r"\.\d+(?=\.|$)", ".*", where)
-        blocks = re.sub(r"\.\d+$", ".*", self.block)
         return head + (
             f"give it a Region so that it sees the whole sequence, plan[{pattern!r}] = "
             f"sw.tp.Region({_heads_hint(module)}), with its projections Colwise() and Rowwise() (as "
             "in sw.tp.tiny_gpt_plan() or sw.tp.llama_plan()), or leave "
             f"{blocks!r} out of sequence_parallel"
         )
+
+
+    def _mixture_around(self, where: str) -> str | None:
+        """The path of the mixture-of-experts block (its fused experts: (experts, ., .) weights, as Hugging
+        Face's MoE blocks hold them) that the module at ``where`` is or is inside, within the block."""
+        parts = where.split(".")
+        for end in range(1, len(parts) + 1):  # the outermost: the block that holds the experts
+            path = ".".join(parts[:end])
+            held = self.modules.get(path)
+            if held is not None and _holds_fused_experts(held):
+                return path
+        return None
+
+
+def _holds_fused_experts(module: nn.Module) -> bool:
+    experts = getattr(module, "experts", module)
+    weights = [getattr(experts, w, None) for w in ("gate_up_proj", "down_proj")]
+    return all(isinstance(w, Tensor) and w.dim() == 3 for w in weights)
 
 
 def _heads_hint(module: nn.Module | None) -> str:
