@@ -445,3 +445,46 @@ def test_three_stacks_get_two_bridges_numbered() -> None:
     assert sorted(params["bridge.1"]) == ["after_a.bias", "after_a.weight"]
     step = sw.train_step(chain, F.cross_entropy, sw.optim.sgd(0.1))
     sw.testing.assert_equivalent(sw.shard_params(step, "dp", stage=3), step, sw.Mesh(dp=2), batches, params)
+
+
+class _HandsATableView(nn.Module):
+    """Block 0 hands the later blocks a view of its own parameter (a bias table), as T5's first block hands
+    its position bias, and they hand it on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(3, 4)
+        self.blocks = nn.ModuleList(_TableBlock(i == 0) for i in range(3))
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x[: len(x)]  # not traceable by fx: the recorded split
+        h, bias = self.embed(x), None
+        for block in self.blocks:
+            h, bias = block(h, bias)
+        return self.out(h)
+
+
+class _TableBlock(nn.Module):
+    def __init__(self, first: bool) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.table = nn.Parameter(torch.randn(8, 4)) if first else None
+
+    def forward(self, h: Tensor, bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        if bias is None:
+            assert self.table is not None
+            bias = self.table[: h.shape[1]]  # a view of the parameter, handed on as it is
+        return torch.tanh(self.lin(h) + bias), bias
+
+
+def test_a_view_of_a_units_parameter_handed_to_the_later_units_outlives_zero3s_free() -> None:
+    """ZeRO-3 frees a unit's gathered parameters after its forward: the view it hands on travels as a copy
+    (it read freed memory, and the process crashed)."""
+    gen = torch.Generator().manual_seed(0)
+    data = [(torch.randn(4, 6, 3, generator=gen, dtype=torch.float64),
+             torch.randn(4, 6, 2, generator=gen, dtype=torch.float64)) for _ in range(2)]
+    torch.manual_seed(0)
+    chain, params = functionalize(_HandsATableView().double(), units=["blocks"], example_input=data[0][0])
+    step = sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1))
+    sw.testing.assert_equivalent(sw.shard_params(step, "dp", 3), step, sw.Mesh(dp=2), data, params)

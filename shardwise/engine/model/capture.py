@@ -740,10 +740,13 @@ class UnitFn:
         args, kwargs = with_hidden(carry[0], self.slot, rest_args, rest_kwargs)
         out = self.replicas.get().call(tensors, args, kwargs)
         new = [hidden_of_output(self.path, out), *carry[1:]]
+        if not self.writes:
+            return tuple(new)
         for k, where in self.writes:
             part = (output_parts(out) or ())[k]  # a tuple or ModelOutput, as recorded
             new[where] = absent_marker() if part is None else part
-        return tuple(new)
+        # What it hands on may be (a view of) its own parameter, which ZeRO-3 frees after this forward.
+        return _own_copies(tuple(new), tensors)
 
     def __repr__(self) -> str:
         return f"functional_call({type(self.replicas.module).__name__})"
