@@ -488,3 +488,50 @@ def test_a_view_of_a_units_parameter_handed_to_the_later_units_outlives_zero3s_f
     chain, params = functionalize(_HandsATableView().double(), units=["blocks"], example_input=data[0][0])
     step = sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1))
     sw.testing.assert_equivalent(sw.shard_params(step, "dp", 3), step, sw.Mesh(dp=2), data, params)
+
+
+def test_a_model_that_drops_layers_at_random_is_refused_naming_the_setting() -> None:
+    """LayerDrop (M2M100's and NLLB's default 0.05): embed, the bridge and head each replay forward and drew
+    which units run apart, refused at random with messages that did not name it, or (head skipping the last
+    unit) computing without the carried state."""
+    cfg = T.BartConfig(vocab_size=VOCAB, d_model=16, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
+                       decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, dropout=0.0,
+                       attention_dropout=0.0, max_position_embeddings=32, use_cache=False, decoder_layerdrop=0.05)
+    model = LogitsOnly(T.BartForConditionalGeneration(cfg).double())
+    ids = torch.randint(2, VOCAB, (BATCH, SEQ))
+    with pytest.raises(FunctionalizeError, match=r"decoder_layerdrop=0\.05: it skips layers at random.*"
+                                                 r"config\.decoder_layerdrop = 0\.0.*units=None"):
+        functionalize(model, units=bart_layers(), example_input=ids)
+
+
+class _SkipsItsLastBlock(nn.Module):
+    """Skips its last block when told to: a draw that decides which units run, after the recording."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(3, 4)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(2))
+        self.out = nn.Linear(4, 2)
+        self.skip_last = False
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x[: len(x)]  # not traceable by fx: the recorded split
+        h = self.embed(x)
+        for i, block in enumerate(self.blocks):
+            if not (self.skip_last and i == len(self.blocks) - 1):
+                h = block(h)
+        return self.out(h)
+
+
+def test_a_head_whose_replay_skips_the_last_unit_is_refused_not_computed_without_the_carry() -> None:
+    model = _SkipsItsLastBlock().double()
+    x = torch.randn(4, 3, dtype=torch.float64)
+    chain, params = functionalize(model, units=["blocks"], example_input=x)
+    carry = chain.layers[0](chain.layer_params(params, chain.layers[0]), x)
+    for layer in chain.layers[1:-1]:
+        carry = layer(chain.layer_params(params, layer), carry)
+    for copy in [chain.layers[-1].fn.replicas.module, model]:  # the replica head replays, whichever it is
+        copy.skip_last = True
+    with pytest.raises(FunctionalizeError, match=r"layer 'head' replayed forward, which did not reach unit "
+                                                 r"'blocks\.1' this time.*LayerDrop"):
+        chain.layers[-1](chain.layer_params(params, chain.layers[-1]), carry)

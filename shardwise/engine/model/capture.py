@@ -603,7 +603,49 @@ def _run_to_stop(
         return
     raise FunctionalizeError(
         f"functionalize: forward did not reach unit {stubs[stop].path!r} on this input, as it did on the example"
+        f"{_WHICH_UNITS_RUN}"
     )
+
+
+# Why a replay may run other units than the example did: each layer replays forward apart, and a draw that
+# decides which units run draws again there, differently.
+_WHICH_UNITS_RUN = (
+    "; if the model skips layers at random in training (LayerDrop: config.layerdrop, encoder_layerdrop or "
+    "decoder_layerdrop > 0; M2M100's and NLLB's default 0.05), each layer of the split would draw which units "
+    "run apart: set them to 0, or split with units=None (one layer)"
+)
+
+
+_LAYERDROPS = ("layerdrop", "encoder_layerdrop", "decoder_layerdrop")
+
+
+def _refuse_layerdrop(root: nn.Module) -> None:
+    """A model that skips layers at random in training (LayerDrop), whose draws every layer of the split
+    would make apart (``_WHICH_UNITS_RUN``): refused before the recording, naming the setting. Read where
+    forward reads it: a module's own ``layerdrop`` (BART's stacks copy their config's when built) or its
+    config's (Wav2Vec2's encoder reads it there)."""
+    for path, module in root.named_modules():
+        config = getattr(module, "config", None)
+        for owner, where in ((module, path or "the model"), (config, f"{path or 'the model'}'s config")):
+            for name in _LAYERDROPS:
+                value = vars(owner).get(name) if owner is module else getattr(owner, name, None)
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+                    raise FunctionalizeError(
+                        f"functionalize: {where} has {name}={value}: it skips layers at random in training "
+                        "(LayerDrop), and each layer of a split would replay the draws that decide which units run "
+                        f"apart, so they would disagree. Build the model with config.{name} = 0.0, or split with "
+                        "units=None (one layer)"
+                    )
+
+
+def _refuse_unreached(stub: _UnitStub, layer: str) -> None:
+    """A replay that never reached the unit giving the carried state computed without it (the code after a
+    skipped last unit reads what the replay passed through instead): refused, not returned."""
+    if not stub._emitted:
+        raise FunctionalizeError(
+            f"functionalize: layer {layer!r} replayed forward, which did not reach unit {stub.path!r} this time "
+            f"(it did on the example), so it would compute without the state carried to it{_WHICH_UNITS_RUN}"
+        )
 
 
 def _carry_of_segment(
@@ -613,7 +655,7 @@ def _carry_of_segment(
     if len(recorded) != seg.stop - seg.start:
         raise FunctionalizeError(
             f"functionalize: forward called {len(recorded)} of the units {layout.paths[0]!r} .. "
-            f"{layout.paths[-1]!r} on this input, but {seg.stop - seg.start} on the example"
+            f"{layout.paths[-1]!r} on this input, but {seg.stop - seg.start} on the example{_WHICH_UNITS_RUN}"
         )
     kind, where = seg.slot
     first = recorded[0]
@@ -695,6 +737,7 @@ class BridgeFn:
             _run_to_stop(call, {**tensors, **stand_ins}, args, kwargs, guard, stubs, stop)
         finally:
             _clear_stubs(stubs)
+        _refuse_unreached(emitting, self.name)
         out = _carry_of_segment(self.layout, self.seg, recorded, x, tensors)
         if isinstance(guard, StandInGuard):
             guard.check_returned(out)
@@ -780,6 +823,7 @@ class HeadFn:
                 out = call.call({**tensors, **stand_ins}, args, kwargs)
         finally:
             _clear_stubs(stubs)
+        _refuse_unreached(last, HEAD)
         if isinstance(guard, StandInGuard):
             guard.check_returned(out)
         return register_output_types(out)
@@ -800,6 +844,7 @@ def split_by_calls(
     ``ordered``: the paths were listed by the user, and must be in execution order.
     ``fake_units``: record the units and the code after them on fake tensors (see ``_record``)."""
     _refuse_clash(paths, (EMBED, HEAD))
+    _refuse_layerdrop(root)
     recording = _record(root, paths, example, fake_units)
     if recording.executed != paths:
         if ordered:
