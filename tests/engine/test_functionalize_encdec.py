@@ -535,3 +535,47 @@ def test_a_head_whose_replay_skips_the_last_unit_is_refused_not_computed_without
     with pytest.raises(FunctionalizeError, match=r"layer 'head' replayed forward, which did not reach unit "
                                                  r"'blocks\.1' this time.*LayerDrop"):
         chain.layers[-1](chain.layer_params(params, chain.layers[-1]), carry)
+
+
+class _DrawsFromNumpyAround(nn.Module):
+    """Draws from numpy before its blocks (as Wav2Vec2's SpecAugment, in the module holding its layers)
+    or not, and after them."""
+
+    def __init__(self, draws_before: bool) -> None:
+        super().__init__()
+        self.embed = nn.Linear(3, 4)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(2))
+        self.out = nn.Linear(4, 2)
+        self.draws_before = draws_before
+
+    def forward(self, x: Tensor) -> Tensor:
+        import numpy as np
+
+        x = x[: len(x)]  # not traceable by fx: the recorded split
+        h = self.embed(x)
+        if self.draws_before:
+            h = h * float(1 + np.random.rand())
+        for block in self.blocks:
+            h = block(h)
+        return self.out(h) * float(1 + np.random.rand())
+
+
+@pytest.mark.parametrize("draws_before", [True, False])
+def test_head_puts_numpy_back_where_its_replay_drew_and_stops_saving_it_where_it_did_not(draws_before: bool) -> None:
+    """head replays the code before the units; where that draws from numpy, head puts the generator back at
+    the carried state, so the code after draws what the module draws there, call after call. Where its first
+    replay drew nothing, it stops saving and restoring numpy's state (tens of microseconds a step)."""
+    np = pytest.importorskip("numpy")
+    model = _DrawsFromNumpyAround(draws_before).double()
+    x = torch.randn(4, 3, dtype=torch.float64)
+    chain, params = functionalize(model, units=["blocks"], example_input=x)
+    head = chain.layers[-1]
+    for call in range(3):
+        np.random.seed(call)
+        expected = model(x)
+        np.random.seed(call)
+        got = x
+        for layer in chain.layers:
+            got = layer(chain.layer_params(params, layer), got)
+        assert torch.equal(got, expected), call
+    assert head.fn._host[0] is draws_before

@@ -568,25 +568,33 @@ def _follow_passed_outputs(guard: Any, before: list[_UnitStub], recording: list[
             stub._stale = (guard, True)
 
 
-def _rewinder(carried: Tensor) -> Callable[[], None]:
+def _rewinder(carried: Tensor, host: list[bool] | None = None) -> Callable[[], None]:
     """Puts the generators forward may draw from (torch's on the CPU and on ``device``, Python's and
     numpy's) back as they are now. A replay (``head``, a bridge) calls it where it reaches its carried
     state: the code before, run again and discarded, may draw (a dropout in a module that holds units,
     as BART's encoder applies to its embedding, is not put in eval mode), and the code after must draw
     what it draws in the module, as the units' layers took the draws between. On fake tensors (a
-    pipeline predicting what its stages pass on) nothing draws."""
+    pipeline predicting what its stages pass on) nothing draws.
+
+    ``host``: the replay's flag, whether its first run drew from Python's or numpy's generators before the
+    carried state (Wav2Vec2's SpecAugment does, in the module that holds the units); a replay that did not
+    leaves them alone from then on, as remat's does (saving and setting them costs about 70 us a call)."""
     if is_fake(carried) or carried.is_meta:
         return lambda: None
     device = carried.device
     cpu = torch.get_rng_state()
     cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    host = host_random.capture()
+    first = host is not None and host == [True, True]  # not yet known: this run finds out
+    saved = host_random.capture() if host is None or host[0] else None
 
     def rewind() -> None:
         torch.set_rng_state(cpu)
         if cuda is not None:
             torch.cuda.set_rng_state(cuda, device)
-        host_random.restore(host)
+        if saved is not None:
+            if first and host is not None:
+                host[:] = [host_random.moved(saved), False]
+            host_random.restore(saved)
 
     return rewind
 
@@ -714,6 +722,7 @@ class BridgeFn:
         self.name, self.placeholders = name, placeholders
         (self.before, self.previous), (self.layout, self.seg) = before, after
         self.between = f"{self.before.paths[-1]!r} and {self.layout.paths[0]!r}"
+        self._host = [True, True]  # as HeadFn's
 
     def reuse_key(self) -> Hashable | None:
         """Itself, as ``embed``'s and ``head``'s."""
@@ -727,7 +736,7 @@ class BridgeFn:
         emitting = _set_stubs(stubs, recorded, range(self.seg.start, self.seg.stop), stop=stop,
                               emit=self.previous.stop - 1, hidden=carry[0])
         assert emitting is not None
-        emitting._rewind = _rewinder(carry[0])
+        emitting._rewind = _rewinder(carry[0], self._host)
         x = self.before.inputs.rebuild(carry)
         args, kwargs = call_arguments(call.module, x)
         stand_ins = self.placeholders.make(tensors)
@@ -801,6 +810,7 @@ class HeadFn:
     def __init__(self, stubbed: nn.Module, layout: Layout, placeholders: _Placeholders) -> None:
         self.replicas = ThreadReplicas(stubbed)
         self.layout, self.placeholders = layout, placeholders
+        self._host = [True, True]  # whether its replay draws from Python's / numpy's generators; unknown yet
 
     def reuse_key(self) -> Hashable | None:
         """Itself: one of a chain (nothing else computes alike), the same under every layout of a plan
@@ -812,7 +822,7 @@ class HeadFn:
         stubs = _stubs(call.module)
         last = _set_stubs(stubs, emit=len(stubs) - 1, hidden=carry[0])
         assert last is not None
-        last._rewind = _rewinder(carry[0])
+        last._rewind = _rewinder(carry[0], self._host)
         x = self.layout.inputs.rebuild(carry)
         args, kwargs = call_arguments(call.module, x)
         stand_ins = self.placeholders.make(tensors)
