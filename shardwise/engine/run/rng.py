@@ -167,6 +167,24 @@ on_blocking_wait(_lend_while_blocked)
 
 
 @contextlib.contextmanager
+def untouched() -> Iterator[None]:
+    """The block (a prediction on fake tensors: a stage's boundary, the output's shapes, what the forward
+    keeps) leaves torch's CPU generator, Python's ``random`` and numpy's as it found them. Model code
+    runs its host draws for real there (a LayerDrop's ``random.random()``, a mask from ``np.random``);
+    thread ranks share those generators, so it also holds them (unless this rank does already), as a
+    compute does: between another rank's seeding and its draws, a prediction's draws shifted them, and
+    a step's first run differed from the next."""
+    shared = ranks_share_generators() and not getattr(_HOLDER, "held", False)
+    with _holding("to predict on fake tensors") if shared else contextlib.nullcontext():
+        cpu, host = torch.get_rng_state(), host_random.capture()
+        try:
+            yield
+        finally:
+            torch.set_rng_state(cpu)
+            host_random.restore(host)
+
+
+@contextlib.contextmanager
 def preserved(device: torch.device, shared: bool, active: bool) -> Iterator[None]:
     """The block leaves the default generators as it found them, and the host's (Python's ``random``,
     numpy's) going on from seeds drawn from them as it began (``host_random.fork``): a step's streams

@@ -18,6 +18,7 @@ from ..layout.state import Params, check_params
 from ..layout.state_layout import StateLayout, leaf_specs, local_params, meta_shards
 from ..optim.meta_like import meta_like
 from ..plan.lower import placement_of, predict_boundaries, predict_output, zero_holds_shards
+from ..run.rng import untouched
 
 if TYPE_CHECKING:
     from .step import Step
@@ -164,7 +165,8 @@ def output_shapes(step: Step, layout: StateLayout, inputs: Any) -> list[torch.Si
     for spec in layout.leaves.values():
         shapes.setdefault(spec.layer, {})[spec.name] = (torch.Size(spec.local_shape), spec.dtype)
     prec = step.precision
-    return predict_output(step.chain, shapes, lambda layer, dtype: compute_dtype(prec, layer, dtype), inputs)
+    with untouched():  # a run on fake tensors (see step.py's _predicting)
+        return predict_output(step.chain, shapes, lambda layer, dtype: compute_dtype(prec, layer, dtype), inputs)
 
 
 def stage_boundaries(step: Step, layout: StateLayout, inputs: Any, mesh: Mesh | None) -> Any:

@@ -39,6 +39,7 @@ from ..run.agreement import check_ranks_agree, fingerprint, stable_text
 from ..run.executor import LossFn
 from ..run.metrics import REPORTABLE, MetricExchange, check_metrics
 from ..run.model_agreement import buffer_items, structure_items, value_items
+from ..run.rng import untouched
 from ..stack import in_layer
 from ..stack.compose import PLACEMENT, SHARDING, describe, find, sums_over_batch
 from ..stack.elementwise import check_optimizer
@@ -494,7 +495,8 @@ class Step:
 
     def kept_for_backward(self, params: Params, inputs: Any) -> int:
         """Predicted bytes the layers keep for backward on ``inputs`` (one forward, on fake tensors)."""
-        return sum(predict_kept_for_backward(self.chain, self.compute_view(params), plain_batch(inputs)).values())
+        with untouched():  # a run on fake tensors (see _predicting)
+            return sum(predict_kept_for_backward(self.chain, self.compute_view(params), plain_batch(inputs)).values())
 
     def compute_view(self, params: Params) -> Params:
         """The parameters as the layers receive them: the compute copies under a precision policy
@@ -648,7 +650,7 @@ def _predicting(step: Step, mesh: Mesh | None) -> Iterator[Any]:
         )
     else:
         block = step.split.predicting(mesh)
-    with block as issued, in_layer.sharing_batch(batch_shares(step, mesh)):
+    with untouched(), block as issued, in_layer.sharing_batch(batch_shares(step, mesh)):
         yield issued
 
 
