@@ -102,6 +102,7 @@ from .carry import (
     with_hidden,
 )
 from .fx_split import FunctionalizeError
+from .hf_collecting import collecting_now
 from .module_call import ModuleCall, ThreadReplicas, call_arguments, kept_in_copies
 from .pytrees import is_model_output, register_output_types
 from .reuse import module_signature, reusing_forwards
@@ -153,6 +154,7 @@ def _record(root: nn.Module, paths: list[str], x: Any, fake_units: bool = False)
     extra_labels: dict[str, tuple[str, int]] = {}
     extra_reads: list[tuple[str, int, str]] = []
     handed: list[tuple[int, int, int]] = []
+    collecting: list[tuple[str, str]] = []  # (unit, output) its model collected while the unit ran
 
     def extra_users(tree: Any, user: str) -> None:
         for t in tensors_in(tree):
@@ -179,6 +181,7 @@ def _record(root: nn.Module, paths: list[str], x: Any, fake_units: bool = False)
                 if fake_units and state["started"] == 0:
                     faking.enter_context(fake_tensors())
                     faking.enter_context(reusing_forwards([root.get_submodule(p) for p in paths]))
+                collecting.extend((path, key) for key in collecting_now())  # only the model's own call fills it
                 handed_to(i, (args, kwargs))  # T5's position bias: its layer writes it into the carry
                 log.passed((args, kwargs), f"unit {path!r} receives it")  # a parameter handed over as it is
                 calls[i] = UnitCall(tuple(args), dict(kwargs))
@@ -222,6 +225,7 @@ def _record(root: nn.Module, paths: list[str], x: Any, fake_units: bool = False)
             f"functionalize: units {missing} are never called when {type(root).__name__} runs on the "
             "example input; choose units that forward calls."
         )
+    _refuse_collecting(root, collecting)
     gaps = range(len(paths) + 1)
     for label, op in [r for gap in gaps for r in log.reads.get(gap, [])]:
         if label in extra_labels:
@@ -231,6 +235,24 @@ def _record(root: nn.Module, paths: list[str], x: Any, fake_units: bool = False)
     return _Recording(
         [calls[i] for i in range(len(paths))], phase, output, [paths[i] for i in calls], param_reads, extra_reads,
         handed,
+    )
+
+
+def _refuse_collecting(root: nn.Module, collecting: list[tuple[str, str]]) -> None:
+    """A model collecting its layers' outputs while they run (``hf_collecting``): split, the layers run one
+    by one outside its forward and the code after them would collect nothing."""
+    if not collecting:
+        return
+    unit = collecting[0][0]
+    keys = list(dict.fromkeys(key for _, key in collecting))
+    flags = ", ".join(f"output_{key.removeprefix('cross_')}=False" for key in keys)
+    aux = ("; for the MoE blocks sw.router_aux_loss knows, it adds their load-balancing loss over the whole batch"
+           if "router_logits" in keys else "")
+    raise FunctionalizeError(
+        f"functionalize: {type(root).__name__}'s forward collects its layers' {', '.join(keys)} while they run "
+        f"(unit {unit!r} among them), through hooks its own call sets up; split into units, the layers run one "
+        f"by one and the code after them would collect nothing. Turn it off ({flags}, in the config, the call "
+        f"or the batch), or split with units=None (one layer){aux}"
     )
 
 
