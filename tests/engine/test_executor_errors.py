@@ -68,7 +68,7 @@ def test_a_layer_passing_no_float_tensor_on_is_refused() -> None:
 def test_a_joined_input_is_found_on_the_graph_or_left_to_a_hook() -> None:
     """The joined backward reads off a small graph whether a layer's input gets a gradient (its
     output's node at the input's own output index); a graph past the budget is left to a hook."""
-    from shardwise.engine.run.executor import _reaches
+    from shardwise.engine.run.stage_backward import reaches as _reaches
 
     big = torch.randn(4, 6, requires_grad=True) * 1.0
     a0, a1 = big.chunk(2, dim=1)  # one node, two outputs
@@ -136,7 +136,7 @@ def test_a_layer_that_checkpoints_itself_is_refused_naming_the_fix(reentrant: bo
 def test_a_remat_step_gets_no_note_about_a_layers_own_checkpoint() -> None:
     """sw.remat runs torch's checkpoint machinery itself: a failure in its recomputation is not blamed
     on a layer's own checkpoint."""
-    from shardwise.engine.run import executor
+    from shardwise.engine.run import stage_backward
 
     class Boom(Exception):
         pass
@@ -145,7 +145,7 @@ def test_a_remat_step_gets_no_note_about_a_layers_own_checkpoint() -> None:
     step = sw.remat(sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1)))
     state = step.init(params)
     batch = (torch.randn(3, 4), torch.randn(3, 1))
-    assert executor._raised_in_checkpoint(Boom()) is False
+    assert stage_backward._raised_in_checkpoint(Boom()) is False
     original = torch.tanh
     calls = [0]
 
@@ -159,5 +159,5 @@ def test_a_remat_step_gets_no_note_about_a_layers_own_checkpoint() -> None:
         patch.setattr(torch, "tanh", tanh_failing_on_recompute)
         with pytest.raises(Boom) as failed:
             step(state, batch)
-    assert executor._raised_in_checkpoint(failed.value)
+    assert stage_backward._raised_in_checkpoint(failed.value)
     assert not any("torch.utils.checkpoint in its forward" in n for n in getattr(failed.value, "__notes__", []))

@@ -1,4 +1,4 @@
-"""Joined forwards and backwards (executor.joined_forwards / joined_backwards) on layers that pass
+"""Joined forwards and backwards (run_shape.joined_forwards / joined_backwards) on layers that pass
 tuples, ignore part of their input, or take an input no gradient flows to (a first layer without
 parameters): torch's own training of the same module, one device, traced (each compute alone),
 ZeRO-1/3 on thread ranks and a 1F1B pipeline. Float64, 1e-12 of torch's values (the reductions

@@ -191,9 +191,9 @@ def test_a_compute_seed_mixed_in_two_parts_is_the_seed_mixed_at_once(values: tup
 
 def test_joined_computes_draw_the_masks_of_separate_ones() -> None:
     """Untraced, the forwards of consecutive layers run as one loop and their backwards as one call
-    (executor.joined_forwards / joined_backwards); traced, every compute runs alone, seeded on its
+    (run_shape.joined_forwards / joined_backwards); traced, every compute runs alone, seeded on its
     own. Each layer must draw the same masks either way, on one device and in a pipeline's ranks."""
-    from shardwise.engine.run.executor import joined_backwards, joined_forwards
+    from shardwise.engine.run.run_shape import joined_backwards, joined_forwards
 
     step, params, batches = PROBLEM
     actions = step.plan(None, params).for_rank(0)

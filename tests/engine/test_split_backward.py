@@ -13,7 +13,7 @@ from torch.utils.checkpoint import checkpoint
 
 import shardwise as sw
 from shardwise.engine.model.split_backward import input_part, recomputes, weight_part
-from shardwise.engine.run import executor
+from shardwise.engine.run import stage_backward
 from shardwise.transforms.pipeline import get_schedule, simulate
 
 
@@ -130,7 +130,7 @@ def test_the_plan_counts_what_the_input_pass_records_for_the_weight_pass(monkeyp
                              if g is not None}.values()))
         return got, part
 
-    monkeypatch.setattr(executor, "input_part", spy)
+    monkeypatch.setattr(stage_backward, "input_part", spy)
     zb = pipelined("zb_h1")
 
     def run() -> None:

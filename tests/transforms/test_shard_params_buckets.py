@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import shardwise as sw
-from shardwise.engine.run import executor
+from shardwise.engine.run import stage_backward
 from shardwise.testing.models import mlp
 
 F64_RTOL = 1e-12
@@ -114,13 +114,13 @@ def test_a_buckets_backwards_run_as_one_autograd_call(
     step, params, batches = _problem()
     sharded = sw.shard_params(step, "dp", stage, bucket_mb=BUCKETS[size])
     counted: list[int] = []
-    backward = executor.accumulate_backward  # every autograd call of a step's backwards
+    backward = stage_backward.accumulate_backward  # every autograd call of a step's backwards
 
     def counting(*args: object, **kwargs: object) -> None:
         counted.append(1)
         backward(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(executor, "accumulate_backward", counting)
+    monkeypatch.setattr(stage_backward, "accumulate_backward", counting)
     state = sharded.init(params, sw.Mesh(dp=1))
     state, _ = sharded(state, batches[0])
     assert len(counted) == calls

@@ -25,7 +25,7 @@ from ..plan.actions import RECV_ACTIVATION, RECV_GRAD, Action, Boundary
 from . import wire_structure
 
 if TYPE_CHECKING:
-    from .executor import ParamSource
+    from .param_source import ParamSource
 
 Layout = tuple[torch.Size, torch.dtype]
 

@@ -26,7 +26,7 @@ from ..torch_api import free_storage, owns_storage, refill_storage
 
 if TYPE_CHECKING:
     from .bindings import BoundStage
-    from .executor import ParamSource
+    from .param_source import ParamSource
 
 
 class ZeroActions:

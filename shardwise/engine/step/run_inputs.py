@@ -32,11 +32,13 @@ from ..plan.actions import Action
 from ..plan.batches import split_over
 from ..plan.lower import gathers_into_params, metric_axes, microbatch_count, rank_actions, reduce_sizes
 from ..run.bindings import StageBindings
-from ..run.executor import Executor, ParamSource, ReplicaCheck
+from ..run.executor import Executor
 from ..run.heap import keep_freed
 from ..run.loss_rows import LossProbe
 from ..run.metrics import MetricExchange, Summed, batch_fingerprint, different_batches, different_steps
+from ..run.param_source import ParamSource
 from ..run.rng import mix
+from ..run.step_end import ReplicaCheck
 from ..stack import in_layer
 from ..stack.in_layer import BatchShares
 from .batch_cut import batch_multiple, batch_shares, loss_probe_cut, rank_share, refuse_padded_mean

@@ -1,0 +1,229 @@
+"""The executor's backward actions: a stage's whole backward (``B``), or its input part (``I``, handed
+upstream at once, the graph kept) and later its weight part (``W``); runs of whole backwards on
+consecutive stages as one autograd call (``run_shape.py``). Weight gradients accumulate in the
+step's leaves as ``loss.backward()`` accumulates ``.grad``. A mixin of
+:class:`~shardwise.engine.run.executor.Executor`, whose fields it uses.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..layout.state_layout import Placement
+from ..model.chain import Chain
+from ..model.split_backward import WeightPart, input_part, recomputes, weight_part
+from ..plan.actions import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, Action
+from ..torch_api import accumulate_backward
+
+
+@dataclass
+class Saved:
+    inputs: list[torch.Tensor]  # leaves that require grad (empty for stage 0, and for a joined stage)
+    params: dict[tuple[str, str], torch.Tensor]  # (owner layer, local name) -> the step's leaf
+    outputs: list[torch.Tensor]  # float leaves of the stage output (or [loss] on the last stage)
+    output_grads: list[torch.Tensor | None] | None = None  # kept between I and W
+    weight_part: WeightPart | None = None  # what I left for W (split_backward)
+    # A joined stage (its input left on the previous stage's graph): whether a gradient reached that
+    # input in the backward (set by a hook on it); None for a stage whose input is cut.
+    reached: list[bool] | None = None
+
+
+def reaches(y: torch.Tensor, x: torch.Tensor, budget: int = 32) -> bool | None:
+    """Whether ``y``'s autograd graph leads to ``x`` (its producing node, at ``x``'s output index): True
+    or False once the walk is done, None when the graph has more than ``budget`` nodes (then ask a
+    hook). A layer's backward reaches its input exactly when its graph leads there."""
+    if y is x:
+        return True
+    target, index, start = x.grad_fn, x.output_nr, y.grad_fn
+    if target is None or start is None:
+        return None
+    # Breadth first: a residual block's output is its input plus a branch, so the input's node is
+    # two levels down, where a depth-first walk would spend the budget inside the branch first.
+    queue, seen, head = [start], {start}, 0
+    while head < len(queue):
+        budget -= 1
+        if budget < 0:
+            return None
+        head += 1
+        for node, nr in queue[head - 1].next_functions:
+            if node is None:
+                continue
+            if node is target and nr == index:
+                return True
+            if node not in seen:
+                seen.add(node)
+                queue.append(node)
+    return False
+
+
+def mark_reached(reached: list[bool], k: int, grad: torch.Tensor) -> None:
+    """A joined stage input's gradient hook: note that a gradient reached it (and leave it as it is)."""
+    reached[k] = True
+
+
+_CHECKPOINT_INSIDE = (
+    "shardwise: a layer calls torch.utils.checkpoint in its forward (its own call, or a checkpoint_wrapper): "
+    "the checkpoint runs the forward again in this backward, outside the pure layer's call, on parameters "
+    "the layer does not hold, which cannot work. Take the checkpoint out of the layer and recompute with "
+    "sw.remat(step) (for a Hugging Face model: model.activation_checkpointing_disable())."
+)
+
+
+def _raised_in_checkpoint(err: BaseException) -> bool:
+    """Whether ``err`` was raised inside torch.utils.checkpoint (its traceback passes through it)."""
+    module = sys.modules.get("torch.utils.checkpoint")  # not imported: nothing ran a checkpoint
+    where = getattr(module, "__file__", None)
+    if where is None:
+        return False
+    tb = err.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == where:
+            return True
+        tb = tb.tb_next
+    return False
+
+
+class StageBackward:
+    """backward (B, I and W)."""
+
+    chain: Chain
+    placement: Placement
+    seed: float
+    poison: bool
+    _saved: dict[tuple[int, int], Saved]
+    _outputs: dict[tuple[int, int], Any]
+    _input_grads: dict[tuple[int, int], list[torch.Tensor]]
+    _inbox: dict[tuple[str, int, int], Any]
+    _tops: Mapping[tuple[int, int], int]
+    _covered: frozenset[tuple[int, int]]
+
+    if TYPE_CHECKING:
+        def _earlier_layers_own_params(self, s: int) -> bool: ...
+
+    def backward(self, action: Action) -> None:
+        try:
+            self._backward(action)
+        except Exception as err:
+            # (sw.remat's regions run torch's checkpoint too: a failure there is not a layer's own call)
+            if _raised_in_checkpoint(err) and not recomputes(layer.fn for layer in self.chain):
+                err.add_note(_CHECKPOINT_INSIDE)
+            raise
+
+    def _backward(self, action: Action) -> None:
+        s, m = action.require("stage"), action.mb
+        if (s, m) in self._covered:  # done by the call of the run's top stage
+            return
+        lowest = self._tops.get((s, m))
+        if lowest is not None:
+            self._joined_backward(s, lowest, m)
+            return
+        saved = self._saved[(s, m)]
+        want_inputs = action.kind in (BACKWARD, BACKWARD_INPUT)
+        want_weights = action.kind in (BACKWARD, BACKWARD_WEIGHT)
+        if saved.weight_part is not None:  # W after its I: only the weights' branches
+            weight_part(saved.weight_part)
+            saved.weight_part = None
+            self._weights_done(s, m, saved)
+            return
+        if saved.output_grads is None:
+            saved.output_grads = self._output_grads(s, m, saved)
+        pairs = [
+            (o, g) for o, g in zip(saved.outputs, saved.output_grads, strict=True) if g is not None and o.requires_grad
+        ]
+        outputs, seeds = [o for o, _ in pairs], [g for _, g in pairs]
+        got: list[torch.Tensor | None] = [None] * len(saved.inputs)
+        if want_inputs and not want_weights and pairs and saved.inputs:  # I: the graph stays for W
+            whole = recomputes(self.chain[n].fn for n in self.placement.stages[s])
+            got, saved.weight_part = input_part(outputs, seeds, saved.inputs, list(saved.params.values()), whole=whole)
+        elif want_weights and pairs:
+            # B or W: weight gradients accumulate into the step's leaves (in place after the first);
+            # B also leaves each input's gradient in its (per micro-batch) leaf.
+            wrt = (saved.inputs if want_inputs else []) + list(saved.params.values())
+            if wrt:
+                accumulate_backward(outputs, seeds, wrt)
+            if want_inputs:
+                got = [x.grad for x in saved.inputs]
+        if want_inputs:
+            if saved.inputs and all(g is None for g in got) and self._earlier_layers_own_params(s):
+                self._not_reaching(s)
+            # An input the stage did not use still gets a (zero) gradient: upstream expects one per output.
+            self._input_grads[(s, m)] = [
+                g if g is not None else torch.zeros_like(x) for g, x in zip(got, saved.inputs, strict=True)
+            ]
+        if want_weights:
+            self._weights_done(s, m, saved)
+
+    def _weights_done(self, s: int, m: int, saved: Saved) -> None:
+        del self._saved[(s, m)]
+        if self.poison:
+            self._poison(s, saved)
+
+    def _joined_backward(self, top: int, lowest: int, m: int) -> None:
+        """The whole backwards of stages ``top`` down to ``lowest`` (micro-batch ``m``) as one autograd
+        call: weight gradients into the step's leaves, ``lowest``'s input gradients kept for the stage
+        below, as the backwards one by one would leave them."""
+        saved = self._saved[(top, m)]
+        bottom = self._saved[(lowest, m)]
+        grads = self._output_grads(top, m, saved)
+        pairs = [(o, g) for o, g in zip(saved.outputs, grads, strict=True) if g is not None and o.requires_grad]
+        # Every stage's leaves once (a tied weight is a leaf of each stage that uses it), in stage order.
+        leaves = {id(leaf): leaf for s in range(lowest, top + 1) for leaf in self._saved[(s, m)].params.values()}
+        wrt = [*bottom.inputs, *leaves.values()]
+        if pairs and wrt:
+            accumulate_backward([o for o, _ in pairs], [g for _, g in pairs], wrt)
+        for s in range(top, lowest, -1):  # each joined input must have had a gradient, as in backward
+            part = self._saved[(s, m)]
+            if part.reached and not any(part.reached) and self._earlier_layers_own_params(s):
+                self._not_reaching(s)
+            self._outputs.pop((s - 1, m), None)
+        got = [x.grad for x in bottom.inputs]
+        if bottom.inputs and all(g is None for g in got) and self._earlier_layers_own_params(lowest):
+            self._not_reaching(lowest)
+        self._input_grads[(lowest, m)] = [
+            g if g is not None else torch.zeros_like(x) for g, x in zip(got, bottom.inputs, strict=True)
+        ]
+        saved.output_grads = grads
+        for s in range(lowest, top + 1):
+            part = self._saved.pop((s, m))
+            if self.poison and s in (lowest, top):
+                self._poison(s, part)
+
+    def _not_reaching(self, s: int) -> None:
+        previous = self.placement.stages[s - 1][-1]
+        raise ValueError(
+            f"the output of layer {previous!r} does not reach the loss: no gradient flows back through "
+            f"layer {self.placement.stages[s][0]!r}, so the layers before it would never train; make the "
+            "next layers use their input (a layer that ignores it cuts the chain)"
+        )
+
+    def _output_grads(self, s: int, m: int, saved: Saved) -> list[torch.Tensor | None]:
+        if s == self.placement.last:
+            return [torch.full_like(saved.outputs[0], self.seed)]
+        if self.placement.stage_rank[s + 1] == self.placement.stage_rank[s]:
+            grads: Sequence[torch.Tensor] = self._input_grads.pop((s + 1, m))
+        else:
+            grads = self._inbox.pop(("grad", s + 1, m))
+        self._outputs.pop((s, m), None)
+        if len(grads) != len(saved.outputs):
+            raise RuntimeError(
+                f"stage {s}, micro-batch {m}: {len(grads)} gradients came back for {len(saved.outputs)} outputs"
+            )
+        return list(grads)
+
+    def _poison(self, s: int, saved: Saved) -> None:
+        """Fill what this (stage, micro-batch) received with NaN once it is used up: reusing a stale
+        buffer would then show in the result. That is the activations received from another rank
+        and the output gradients, also those handed over in memory (nothing uses them after this
+        backward); activations handed over in memory are left alone (their producer's graph holds them)."""
+        received = list(saved.output_grads or []) if s != self.placement.last else []
+        if s > 0 and self.placement.stage_rank[s - 1] != self.placement.stage_rank[s]:
+            received += saved.inputs
+        with torch.no_grad():
+            for t in received:
+                if t is not None:
+                    t.fill_(float("nan"))
