@@ -70,7 +70,7 @@ def predict_inside(
                 for name in layers:
                     layer = chain[name]
                     tensors = {local: params[layer.ties.get(local, (name, local))] for local in layer.param_names}
-                    y = _run(layer, tensors, y, issued)
+                    y = run_layer(layer, tensors, y, issued)
                 out[("forward", s)] = list(issued)
                 issued.clear()
                 if s == placement.last:
@@ -105,7 +105,7 @@ def predict_inside(
     return out
 
 
-def _run(layer: Layer, tensors: dict[str, torch.Tensor], x: Any, issued: list[Issued]) -> Any:
+def run_layer(layer: Layer, tensors: dict[str, torch.Tensor], x: Any, issued: list[Issued]) -> Any:
     """``layer`` on fake tensors; one that reads data to decide a shape (a plain mixture-of-experts
     loop's ``torch.where``), or one with an op whose fake kernel refuses it (``fake_run_errors``), runs
     again on real stand-ins, forward and backward (``run_on_stand_ins``), what it recorded before it

@@ -39,6 +39,7 @@ from .region_paths import Sides, bypass_message, bypasses_split, parameter_sides
 from .sequence_gather import SequenceGather
 from .split_watch import SplitWatch
 from .styles import Colwise, Region, Rowwise, gathers
+from .token_wise_experts import TokenWiseExperts, experts_in_blocks
 
 
 class TPForward:
@@ -682,11 +683,13 @@ def guard_layer(layer: Layer, axis: str, between: bool) -> Layer:
 
 
 def rewrite_layer(
-    layer: Layer, plan: LayerPlan, axis: str, reduce: torch.dtype | None, logits_heads: tuple[str, ...] = ()
+    layer: Layer, plan: LayerPlan, axis: str, reduce: torch.dtype | None, logits_heads: tuple[str, ...] = (),
+    aux_loss: str | None = None,
 ) -> Layer:
     """``layer`` calling a copy of its module with the tensor-parallel forwards installed; sums
     travel in ``reduce`` (None: the values' own dtype). ``logits_heads``: the layer's Colwise modules
-    that leave the logits split for the loss, if any (the copy then refuses to compute its own loss)."""
+    that leave the logits split for the loss, if any (the copy then refuses to compute its own loss).
+    ``aux_loss``: the step's router_aux_loss, if any (refused with experts in a sequence-parallel block)."""
     fn = layer.fn
     replicas = fn.replicas  # type: ignore[attr-defined]
     module = replicas.module
@@ -707,6 +710,17 @@ def rewrite_layer(
             head_counts=_enclosing_head_counts(copied, install) if install is not None else None,
             in_block=next((p for _, p, _, _ in plan.blocks if path.startswith(p + ".")), None),
         )
+    for subpath, path, in_block in experts_in_blocks(copied, [(sub, p) for sub, p, _, _ in plan.blocks]):
+        if aux_loss is not None:
+            raise ValueError(
+                f"tensor_parallel(sequence_parallel=...) under {aux_loss}: inside sequence-parallel block {in_block!r} "
+                f"the mixture of experts around {path!r} routes only this rank's slice of the sequence, so its "
+                "routing statistics would be the slice's and the aux loss another than the whole sequence's; leave "
+                f"{in_block!r} out of sequence_parallel, or the aux loss out"
+            )
+        if subpath not in installs:  # (a style on the experts is refused where the plan is matched)
+            target = copied.get_submodule(subpath)
+            target.forward = TokenWiseExperts(target, path, in_block)
     owners: dict[str, dict[str, str]] = {}
     for subpath, attr, refusal in plan.owned_only:
         owners.setdefault(subpath, {})[attr] = refusal

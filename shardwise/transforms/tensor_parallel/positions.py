@@ -42,6 +42,7 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from ...engine.model.token_wise import experts_implementation
 from .match import HEAD_COUNTS
 
 
@@ -301,10 +302,12 @@ class _Slices(TorchFunctionMode):
                 f"tensor_parallel(sequence_parallel=...): {what} runs on this rank's 1/{self.parts} of the "
                 f"sequence (sequence-parallel block {self.block!r}, outside any Region), and {why}: it is part of "
                 f"the mixture of experts {mixture!r}, whose dispatch of the tokens to their experts (one_hot, sums "
-                "over the tokens, index_add) this guard cannot follow position by position. A mixture that drops no "
-                "token computes each one on its own, but accepting one is not implemented, and a Region cannot "
-                f"hold its fused experts: leave {blocks!r} out of sequence_parallel (the plan's other modules "
-                "still split over the axis)"
+                "over the tokens, index_add) this guard cannot follow position by position. Experts whose code is "
+                "known to compute each token alone and drop none run on the slice as one op (transformers' fused "
+                "experts, MixtralExperts' code, with a transformers experts_implementation: engine/model/"
+                f"token_wise.py); {_experts_named(self.modules.get(mixture))}, and a Region cannot hold fused "
+                f"experts: leave {blocks!r} out of sequence_parallel (the plan's other modules still split over "
+                "the axis)"
             )
         head = (
             f"tensor_parallel(sequence_parallel=...): {what} runs on this rank's 1/{self.parts} of "
@@ -337,6 +340,14 @@ class _Slices(TorchFunctionMode):
             if held is not None and _holds_fused_experts(held):
                 return path
         return None
+
+
+def _experts_named(block: nn.Module | None) -> str:
+    """What the refusal says of a mixture's experts: their class and implementation, not known."""
+    experts = getattr(block, "experts", block)
+    implementation = experts_implementation(experts)
+    how = f" (experts_implementation={implementation!r})" if implementation not in (None, "eager") else ""
+    return f"its experts ({type(experts).__name__}{how}) are not, or this op is outside them"
 
 
 def _holds_fused_experts(module: nn.Module) -> bool:
@@ -406,5 +417,23 @@ def collective(run: Callable[[], Tensor], x: Tensor, op: str | None, dim: int) -
     if moves_sequence and op != "all_gather":
         slices.hold(out, Held((out.shape[0], out.shape[1])))
     elif not moves_sequence and held is not None:
+        slices.hold(out, held)
+    return out
+
+
+def per_token(run: Callable[[], Any], x: Any, where: str) -> Any:
+    """``run()``, a module known to compute each token from its own row alone (HF fused experts:
+    ``engine/model/token_wise.py``) whose ops this guard cannot follow one by one (a dispatch of
+    the tokens to their experts), unfollowed; its output holds what its input ``x`` holds."""
+    slices: _Slices | None = getattr(_current, "slices", None)
+    if slices is None:
+        return run()
+    with unfollowed():
+        out = run()
+    held = slices.find(x) if isinstance(x, Tensor) else None
+    if held is not None:
+        if not isinstance(out, Tensor) or tuple(out.shape[: len(held.lead)]) != held.lead:
+            shape = list(out.shape) if isinstance(out, Tensor) else type(out).__name__
+            raise ValueError(slices.refusal(f"{where} returns {shape} for tokens {list(held.lead)}"))
         slices.hold(out, held)
     return out

@@ -37,7 +37,7 @@ from ...engine.model import reuse as layer_reuse  # the module: a test switches 
 from ...engine.model.chain import Chain
 from ...engine.model.reuse import LayerMemo, tree_signature
 from ...engine.model.split_backward import input_part, recomputes, weight_part
-from ...engine.plan.inside import Predicted, Recording
+from ...engine.plan.inside import Predicted, Recording, run_layer
 from ...engine.stack import in_layer
 from ...engine.stack.batch_term import loss_tensor
 from ...engine.stack.in_layer import Issued
@@ -100,7 +100,7 @@ def predict(
                     for name in layers:
                         layer = chain[name]
                         tensors = {local: params[layer.ties.get(local, (name, local))] for local in layer.param_names}
-                        y = layer(tensors, y)
+                        y = run_layer(layer, tensors, y, issued)
                     forward = issued[start:]
                     del issued[start:]
                     if s == placement.last:
@@ -300,7 +300,7 @@ def _layer(
         ins = [t for t in optree.tree_leaves(x_in, none_is_leaf=True) if _needs_grad(t)]
         start = len(issued)
         with torch.enable_grad():
-            y = layer({local: params[local] for local in layer.param_names}, x_in)
+            y = run_layer(layer, {local: params[local] for local in layer.param_names}, x_in, issued)
             forward = issued[start:]
             del issued[start:]
             loss_issued = None

@@ -61,6 +61,7 @@ class TPSpec:
         resolved = self.resolved(chain)
         precision = next((getattr(s, "precision", None) for s in stack if s.name == "mixed_precision"), None)
         heads = _logits_heads(chain, resolved)
+        aux_loss = next((str(s) for s in stack if s.name == "router_aux_loss"), None)
         layers = []
         split = False  # whether the layers so far leave their output split (by the chain's order)
         for layer in chain:
@@ -68,7 +69,7 @@ class TPSpec:
             reduce = None if precision is None else precision.for_layer(layer.name).reduce
             changes = lp is not None and (lp.installs or lp.blocks or lp.vary or lp.owned_only)
             if changes and lp is not None:
-                layers.append(rewrite_layer(layer, lp, self.axis, reduce, heads.get(layer.name, ())))
+                layers.append(rewrite_layer(layer, lp, self.axis, reduce, heads.get(layer.name, ()), aux_loss))
                 split = _leaves_split(lp, split)
             else:
                 layers.append(guard_layer(layer, self.axis, between=split))

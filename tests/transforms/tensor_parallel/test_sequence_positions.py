@@ -94,36 +94,6 @@ def test_a_replicated_mlp_on_the_slices_trains_equal(
                                  rtol=F64_RTOL)
 
 
-def test_a_mixture_of_experts_on_the_slices_is_refused_for_what_it_is() -> None:
-    """Qwen3-MoE with its attention split and its MoE blocks left whole: the experts' dispatch (one_hot, sums
-    over the tokens) is refused, rightly, as the guard cannot follow it; but the refusal said the block would
-    mix positions and train silently wrong, and advised a Region with head counts and Colwise / Rowwise
-    projections, which fused experts cannot take. It now names the mixture and the way out that works; without
-    sequence parallel the same plan trains as one device."""
-    transformers = pytest.importorskip("transformers")
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeDecoderLayer
-
-    torch.manual_seed(0)
-    config = transformers.Qwen3MoeConfig(
-        vocab_size=64, hidden_size=16, intermediate_size=32, moe_intermediate_size=12, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=4, num_experts=4, num_experts_per_tok=2,
-        max_position_embeddings=16, attn_implementation="eager", experts_implementation="eager",
-        bos_token_id=0, eos_token_id=0)
-    model = transformers.Qwen3MoeForCausalLM(config).double()
-    gen = torch.Generator().manual_seed(1)
-    batches = [(torch.randint(64, (4, 8), generator=gen), torch.randint(64, (4, 8), generator=gen)) for _ in range(2)]
-    chain, params = sw.functionalize(model, units=Qwen3MoeDecoderLayer, example_input=batches[0][0])
-    step = sw.train_step(chain, lambda out, y: sw.tp.vocab_parallel_cross_entropy(out.logits, y),
-                         sw.optim.sgd(0.1, momentum=0.9))
-    plan = {k: v for k, v in sw.tp.llama_plan().items() if ".mlp" not in k}
-    split = sw.tensor_parallel(step, "tp", plan, sequence_parallel="model.layers.*")
-    with pytest.raises(ValueError, match=r"part of the mixture of experts 'model\.layers\.0\.mlp'.*leave "
-                                         r"'model\.layers\.\*' out of sequence_parallel"):
-        split.plan(sw.Mesh(tp=2), params, batches[0])
-    sw.testing.assert_equivalent(sw.tensor_parallel(step, "tp", plan), step, sw.Mesh(tp=2), batches, params,
-                                 rtol=1e-9)
-
-
 # -- the rule for each op, on a block followed by hand ----------------------------------------
 
 

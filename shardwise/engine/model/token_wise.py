@@ -1,0 +1,57 @@
+"""Hugging Face experts modules known to compute each token from that token alone.
+
+Sequence parallel (``tensor_parallel(..., sequence_parallel=...)``) runs a transformer block on each
+rank's slice of the sequence and follows its ops one by one, refusing any it cannot show to compute
+position by position. A mixture-of-experts block's experts dispatch their tokens (``one_hot``,
+``torch.where``, ``index_add_``), which no op-by-op rule follows; but the code of Hugging Face's fused
+experts (``MixtralExperts.forward``, and every transformers class with that code line for line: OLMoE's,
+Qwen2/3-MoE's, DeepSeek-V3's, ...) computes each token's output from its own row, its own top-k
+indices and weights, and drops none. Given rows of tokens, its output is those tokens' rows.
+
+That claim holds for the code read, which :mod:`.reproduced` pins by digest (every experts forward pinned
+there is one expert_parallel reproduces, which runs each token's experts wherever its owners are: code
+that computes a token from others could not be), and for transformers' own
+experts implementations (``config._experts_implementation``: "eager", the code read; the kernels
+transformers ships compute the same sums). An experts function registered from elsewhere may compute
+anything (drop tokens over a capacity): it is not known.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from torch import nn
+
+from .reproduced import CHECKED, same_code
+
+# The experts classes whose forward was read (class name -> defining module), from the pinned digests.
+_TOKEN_WISE = {
+    name.rsplit(".", 2)[1]: name.rsplit(".", 2)[0]
+    for name in CHECKED
+    if name.endswith("Experts.forward")
+}
+
+
+def computes_each_token_alone(module: nn.Module) -> bool:
+    """Whether ``module`` is a transformers experts module running code known to compute each token
+    from its own row, indices and weights (see the module docstring)."""
+    if not same_code(type(module), _TOKEN_WISE):
+        return False
+    implementation = experts_implementation(module)
+    return implementation in (None, "eager") or _transformers_own(implementation)
+
+
+def experts_implementation(module: nn.Module | None) -> Any:
+    """The experts implementation ``module``'s config names (transformers' private
+    ``config._experts_implementation``, read here only; "eager" where it names none)."""
+    return getattr(getattr(module, "config", None), "_experts_implementation", "eager")
+
+
+def _transformers_own(implementation: str) -> bool:
+    """Whether transformers' experts interface maps ``implementation`` to one of its own functions (its
+    private ``ExpertsInterface._global_mapping``, read here only)."""
+    integration = sys.modules.get("transformers.integrations.moe")
+    functions = getattr(getattr(integration, "ExpertsInterface", None), "_global_mapping", {})
+    fn = functions.get(implementation)
+    return fn is not None and str(getattr(fn, "__module__", "")).startswith("transformers.")

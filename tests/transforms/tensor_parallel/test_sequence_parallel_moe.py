@@ -1,0 +1,167 @@
+"""Mixtures of experts inside sequence-parallel blocks: the attention split over tp, the MoE block left
+whole and run on each rank's slice of the sequence (Megatron's TP + SP with replicated experts).
+
+The guard (positions.py) follows the router op by op (a Linear, a softmax and a top k per token) and
+runs the fused experts, whose code is known to compute each token alone and drop none
+(engine/model/token_wise.py), as one op; their gradients are summed over tp. Each model equals the
+single-device step; the Plan lists what every rank issues; what would train another model is refused:
+experts of other code, the model's own aux loss over a slice, router_aux_loss.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+import shardwise as sw
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB, BLOCKS = 64, "model.layers.*"
+
+
+def _batches(n: int = 2) -> list[tuple[Tensor, Tensor]]:
+    gen = torch.Generator().manual_seed(1)
+    return [(torch.randint(VOCAB, (4, 8), generator=gen), torch.randint(VOCAB, (4, 8), generator=gen))
+            for _ in range(n)]
+
+
+def _model(family: str, **extra: Any) -> tuple[nn.Module, type[nn.Module]]:
+    torch.manual_seed(0)
+    common = dict(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=16, attn_implementation="eager", experts_implementation="eager",
+                  bos_token_id=0, eos_token_id=0)
+    if family == "qwen3_moe":
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeDecoderLayer as Block
+        config = transformers.Qwen3MoeConfig(intermediate_size=32, moe_intermediate_size=12, head_dim=4,
+                                             num_experts=4, num_experts_per_tok=2, **common, **extra)
+        return transformers.Qwen3MoeForCausalLM(config).double(), Block
+    if family == "mixtral":
+        from transformers.models.mixtral.modeling_mixtral import MixtralDecoderLayer as Block
+        config = transformers.MixtralConfig(intermediate_size=12, num_local_experts=4, num_experts_per_tok=2,
+                                            **common, **extra)
+        return transformers.MixtralForCausalLM(config).double(), Block
+    assert family == "qwen2_moe"  # a shared expert, gated by a sigmoid per token, beside the routed ones
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeDecoderLayer as Block
+    config = transformers.Qwen2MoeConfig(intermediate_size=24, moe_intermediate_size=12,
+                                         shared_expert_intermediate_size=20, num_experts=4, num_experts_per_tok=2,
+                                         **common, **extra)
+    return transformers.Qwen2MoeForCausalLM(config).double(), Block
+
+
+def _problem(family: str, **extra: Any) -> tuple[sw.Step, Any, list[Any]]:
+    model, block = _model(family, **extra)
+    batches = _batches()
+    chain, params = sw.functionalize(model, units=block, example_input=batches[0][0])
+    step = sw.train_step(chain, lambda out, y: sw.tp.vocab_parallel_cross_entropy(out.logits, y),
+                         sw.optim.sgd(0.1, momentum=0.9))
+    return step, params, batches
+
+
+ATTENTION_ONLY = {k: v for k, v in sw.tp.llama_plan().items() if ".mlp" not in k}
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2_moe"])
+def test_a_moe_block_on_the_sequence_slices_trains_as_one_device(family: str) -> None:
+    step, params, batches = _problem(family)
+    split = sw.tensor_parallel(step, "tp", ATTENTION_ONLY, sequence_parallel=BLOCKS)
+    sw.testing.assert_equivalent(split, step, sw.Mesh(tp=2), batches, params, rtol=1e-9)
+
+
+def test_under_zero3_on_another_axis_too() -> None:
+    step, params, batches = _problem("qwen3_moe")
+    split = sw.shard_params(sw.tensor_parallel(step, "tp", ATTENTION_ONLY, sequence_parallel=BLOCKS), "dp", 3)
+    sw.testing.assert_equivalent(split, step, sw.Mesh(dp=2, tp=2), batches, params, rtol=1e-9)
+
+
+@pytest.mark.parametrize("sequence_parallel", [BLOCKS, None])
+def test_the_plan_lists_what_every_rank_issues(sequence_parallel: str | None) -> None:
+    """The experts read their routing to decide shapes, which fake tensors cannot run: the Plan's
+    prediction runs such a layer on real stand-ins (without sequence parallel too, where plan() raised
+    torch's DynamicOutputShapeException), and lists exactly what the ranks issue."""
+    step, params, batches = _problem("qwen3_moe")
+    split = sw.tensor_parallel(step, "tp", ATTENTION_ONLY, sequence_parallel=sequence_parallel)
+    mesh = sw.Mesh(tp=2)
+    plan = split.plan(mesh, params, batches[0])
+
+    def run() -> list[tuple[Any, ...]]:
+        state = split.init(params, mesh)
+        with sw.collectives.comm_ledger() as ledger:
+            split(state, batches[0])
+        return [(r.op, r.axis, r.dtype, r.nbytes) for r in ledger.records if r.rank == mesh.rank]
+
+    for rank, got in enumerate(sw.launch(run, mesh.size)):
+        want = [(c.op, c.axis, c.dtype, c.nbytes) for c in plan.collectives(rank)]
+        assert got == want, f"rank {rank}: the ledger differs from the Plan\nledger: {got}\nplan:   {want}"
+    ops = {c.op for c in plan.collectives(0)}
+    assert ops >= ({"all_gather", "psum_scatter"} if sequence_parallel else {"psum"}), ops
+
+
+def test_experts_of_other_code_stay_refused_naming_the_mixture() -> None:
+    """A subclass of the experts with a forward of its own (the same sums here, but nothing says so)
+    is not known to compute each token alone: the guard refuses its dispatch, naming the mixture and
+    its experts' class."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    class MyExperts(Qwen3MoeExperts):
+        def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+            return super().forward(hidden_states, top_k_index, top_k_weights)
+
+    model, block = _model("qwen3_moe")
+    for layer in model.model.layers:
+        mine = MyExperts(model.config).double()
+        mine.load_state_dict(layer.mlp.experts.state_dict())
+        layer.mlp.experts = mine
+    batches = _batches()
+    chain, params = sw.functionalize(model, units=block, example_input=batches[0][0])
+    step = sw.train_step(chain, lambda out, y: sw.tp.vocab_parallel_cross_entropy(out.logits, y), sw.optim.sgd(0.1))
+    split = sw.tensor_parallel(step, "tp", ATTENTION_ONLY, sequence_parallel=BLOCKS)
+    with pytest.raises(ValueError, match=r"mixture of experts 'model\.layers\.0\.mlp'.*its experts \(MyExperts\) "
+                                         r"are not.*leave 'model\.layers\.\*' out of sequence_parallel"):
+        split.plan(sw.Mesh(tp=2), params, batches[0])
+
+
+def test_the_models_own_aux_loss_over_a_slice_is_refused_naming_the_setting() -> None:
+    """output_router_logits=True: the model's loss adds the aux loss of the router logits it collects,
+    which under sequence parallel are this rank's slice's."""
+    model, _ = _model("mixtral", output_router_logits=True)
+    batches = _batches()
+    chain, params = sw.functionalize(model, example_input=batches[0][0])
+    step = sw.train_step(chain, lambda out, y: sw.tp.vocab_parallel_cross_entropy(out.logits, y), sw.optim.sgd(0.1))
+    split = sw.tensor_parallel(step, "tp", ATTENTION_ONLY, sequence_parallel=BLOCKS)
+    with pytest.raises(ValueError, match=r"output_router_logits=True.*'model\.layers\.0\.mlp\.experts' sees only "
+                                         r"this rank's slice.*config\.output_router_logits = False"):
+        split.plan(sw.Mesh(tp=2), params, batches[0])
+
+
+def test_router_aux_loss_with_sequence_parallel_is_refused_where_applied() -> None:
+    step, _, _ = _problem("qwen3_moe")
+    split = sw.tensor_parallel(step, "tp", ATTENTION_ONLY, sequence_parallel=BLOCKS)
+    with pytest.raises(ValueError, match=r"under router_aux_loss.*'model\.layers\.0\.mlp\.experts' routes only this "
+                                         r"rank's slice"):
+        sw.router_aux_loss(split, 0.01)
+    with pytest.raises(ValueError, match=r"under router_aux_loss"):
+        sw.tensor_parallel(sw.router_aux_loss(step, 0.01), "tp", ATTENTION_ONLY, sequence_parallel=BLOCKS)
+
+
+def test_which_experts_are_known_to_compute_each_token_alone() -> None:
+    """Read from transformers' private experts dispatch (config._experts_implementation, the interface's
+    mapping): this fails loudly when transformers changes either. Its own kernels are known; a function
+    registered from elsewhere (which may drop tokens over a capacity) is not; nor is another class."""
+    from transformers.integrations.moe import ExpertsInterface
+
+    from shardwise.engine.model.token_wise import computes_each_token_alone
+
+    model, _ = _model("qwen3_moe")
+    experts = model.model.layers[0].mlp.experts
+    assert computes_each_token_alone(experts)
+    assert not computes_each_token_alone(model.model.layers[0].mlp)  # the block: its router is followed
+    for name, known in (("grouped_mm", True), ("batched_mm", True), ("shardwise_test_capacity", False)):
+        if name not in ExpertsInterface._global_mapping:
+            ExpertsInterface.register(name, lambda self, *args: args[0])
+        model.config._experts_implementation = name
+        assert experts.config._experts_implementation == name
+        assert computes_each_token_alone(experts) is known, name
