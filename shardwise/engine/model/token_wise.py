@@ -38,11 +38,11 @@ def computes_each_token_alone(module: nn.Module) -> bool:
     from its own row, indices and weights (see the module docstring)."""
     if not same_code(type(module), _TOKEN_WISE):
         return False
-    implementation = experts_implementation(module)
+    implementation = implementation_named(module)
     return implementation in (None, "eager") or _transformers_own(implementation)
 
 
-def experts_implementation(module: nn.Module | None) -> Any:
+def implementation_named(module: nn.Module | None) -> Any:
     """The experts implementation ``module``'s config names (transformers' private
     ``config._experts_implementation``, read here only; "eager" where it names none)."""
     return getattr(getattr(module, "config", None), "_experts_implementation", "eager")

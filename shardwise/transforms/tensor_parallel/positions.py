@@ -42,7 +42,7 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from ...engine.model.token_wise import experts_implementation
+from ...engine.model.token_wise import computes_each_token_alone, implementation_named
 from .match import HEAD_COUNTS
 
 
@@ -61,7 +61,8 @@ ELEMENTWISE = _words("""
     subtract tan tanh true_divide trunc where xlogy
     celu elu gelu hardsigmoid hardswish hardtanh leaky_relu logsigmoid mish relu relu6 selu silu
     softplus softsign tanhshrink threshold
-    bfloat16 clone contiguous cpu cuda detach double float half requires_grad to type type_as
+    bfloat16 bool byte char clone contiguous cpu cuda detach double float half int long requires_grad short to type
+    type_as
     dropout alpha_dropout bernoulli normal uniform fill zero copy
     empty_like full_like ones_like rand_like randn_like zeros_like
     __abs__ __add__ __and__ __div__ __eq__ __floordiv__ __ge__ __gt__ __iadd__ __iand__
@@ -93,6 +94,10 @@ ALONG = {
     "transpose": (1, None), "swapaxes": (1, None), "swapdims": (1, None),
     "movedim": (1, None), "moveaxis": (1, None), "permute": (1, None),
 }
+# Each takes or puts values along its dim (argument 1) by an index: with every tensor operand of the
+# same leading dims, each (batch, position) of the output reads only its own row of each.
+INDEXED_ALONG = _words("gather scatter scatter_add scatter_reduce")
+
 # The second dim argument of transpose and movedim.
 SECOND_DIM = {"transpose": 2, "swapaxes": 2, "swapdims": 2, "movedim": 2, "moveaxis": 2}
 
@@ -217,6 +222,13 @@ def judge(
             why = f"{name} acts on every dim, the sequence's too"
         elif any(d % ndim < k for d in dims):
             why = f"{name} acts along dim {min(d % ndim for d in dims)}"
+    elif base in INDEXED_ALONG:
+        dim = args[1] if len(args) > 1 else kwargs.get("dim")
+        indexed = [t for t in (*args, *kwargs.values()) if isinstance(t, Tensor)]
+        if not isinstance(dim, int) or isinstance(dim, bool) or dim % x.dim() < k:
+            why = f"{name} acts along dim {dim}"
+        elif any(t.dim() != x.dim() or tuple(t.shape[:k]) != held.lead for t in indexed):
+            why = f"{name} takes an index or values of other batch or sequence dims"
     elif base in ("layer_norm", "rms_norm", "pad"):
         arg = args[1] if len(args) > 1 else kwargs.get("normalized_shape", kwargs.get("pad"))
         spans = len(arg) // (2 if base == "pad" else 1) if isinstance(arg, Sequence) else 99
@@ -345,9 +357,12 @@ class _Slices(TorchFunctionMode):
 def _experts_named(block: nn.Module | None) -> str:
     """What the refusal says of a mixture's experts: their class and implementation, not known."""
     experts = getattr(block, "experts", block)
-    implementation = experts_implementation(experts)
+    if isinstance(experts, nn.Module) and computes_each_token_alone(experts):
+        return (f"its experts ({type(experts).__name__}) are, but this op runs outside them (its routing), where "
+                "each op is followed and this one is not known to keep the tokens apart")
+    implementation = implementation_named(experts)
     how = f" (experts_implementation={implementation!r})" if implementation not in (None, "eager") else ""
-    return f"its experts ({type(experts).__name__}{how}) are not, or this op is outside them"
+    return f"its experts ({type(experts).__name__}{how}) are not"
 
 
 def _holds_fused_experts(module: nn.Module) -> bool:

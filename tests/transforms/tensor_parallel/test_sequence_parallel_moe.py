@@ -52,8 +52,35 @@ def _model(family: str, **extra: Any) -> tuple[nn.Module, type[nn.Module]]:
     return transformers.Qwen2MoeForCausalLM(config).double(), Block
 
 
+# DeepSeek-V3's and GLM-4-MoE's routing: eight experts in four groups, the best two groups kept, two experts
+# a token, scaled; a shared expert; the first layer dense.
+GROUPED = dict(n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, norm_topk_prob=True,
+               routed_scaling_factor=2.5, n_shared_experts=1, first_k_dense_replace=1, moe_intermediate_size=12,
+               intermediate_size=24, num_hidden_layers=3, num_key_value_heads=4, pad_token_id=1)
+
+
+def _grouped(family: str) -> tuple[nn.Module, type[nn.Module]]:
+    torch.manual_seed(0)
+    common = dict(vocab_size=VOCAB, hidden_size=16, num_attention_heads=4, max_position_embeddings=16,
+                  attn_implementation="eager", experts_implementation="eager", bos_token_id=0, eos_token_id=0)
+    if family == "deepseek_v3":
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer as Block
+        config = transformers.DeepseekV3Config(kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4,
+                                               v_head_dim=4, **GROUPED, **common)
+        model = transformers.DeepseekV3ForCausalLM(config).double()
+    else:
+        from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeDecoderLayer as Block
+        model = transformers.Glm4MoeForCausalLM(transformers.Glm4MoeConfig(head_dim=4, **GROUPED, **common)).double()
+    gen = torch.Generator().manual_seed(3)
+    for module in model.modules():  # HF zero-initializes the routers: every score would tie
+        if type(module).__name__.endswith("TopkRouter"):
+            module.weight.data.normal_(0.0, 1.0, generator=gen)
+            module.e_score_correction_bias.uniform_(-0.5, 0.5, generator=gen)
+    return model, Block
+
+
 def _problem(family: str, **extra: Any) -> tuple[sw.Step, Any, list[Any]]:
-    model, block = _model(family, **extra)
+    model, block = _grouped(family) if family in ("deepseek_v3", "glm4_moe") else _model(family, **extra)
     batches = _batches()
     chain, params = sw.functionalize(model, units=block, example_input=batches[0][0])
     step = sw.train_step(chain, lambda out, y: sw.tp.vocab_parallel_cross_entropy(out.logits, y),
@@ -69,6 +96,70 @@ def test_a_moe_block_on_the_sequence_slices_trains_as_one_device(family: str) ->
     step, params, batches = _problem(family)
     split = sw.tensor_parallel(step, "tp", ATTENTION_ONLY, sequence_parallel=BLOCKS)
     sw.testing.assert_equivalent(split, step, sw.Mesh(tp=2), batches, params, rtol=1e-9)
+
+
+# DeepSeek-V3's attention (low-rank queries and keys/values) split by heads
+MLA = {"model.layers.*.self_attn": sw.tp.Region(heads=("num_heads",)),
+       "model.layers.*.self_attn.q_b_proj": sw.tp.Colwise(), "model.layers.*.self_attn.kv_b_proj": sw.tp.Colwise(),
+       "model.layers.*.self_attn.o_proj": sw.tp.Rowwise()}
+
+
+def _grouped_plan(family: str) -> dict[str, Any]:
+    return {**{k: v for k, v in ATTENTION_ONLY.items() if "attn" not in k}, **MLA} if family == "deepseek_v3" \
+        else ATTENTION_ONLY
+
+
+def test_grouped_routing_on_the_slices_trains_as_one_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GLM-4-MoE's router (DeepSeek-V3's code) picks two of four groups per token (a mask scattered along
+    the groups, scores gathered along the experts: followed row by row) and computes in float32 in a float64
+    model, as HF's does; with it in the model's dtype (the same code otherwise) the step equals one device
+    to float64's rounding."""
+    router = "transformers.models.glm4_moe.modeling_glm4_moe.Glm4MoeTopkRouter"
+    monkeypatch.setattr(f"{router}.forward", _router_in_the_models_dtype)
+    step, params, batches = _problem("glm4_moe")
+    split = sw.tensor_parallel(step, "tp", _grouped_plan("glm4_moe"), sequence_parallel=BLOCKS)
+    sw.testing.assert_equivalent(split, step, sw.Mesh(tp=2), batches, params, rtol=1e-9)
+
+
+@pytest.mark.parametrize("as_hf_writes_it", [False, True])
+def test_deepseek_v3_on_the_slices_trains_as_one_device(as_hf_writes_it: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DeepSeek-V3's router, and the RMSNorms of its low-rank attention, compute in float32 in a float64
+    model. Tensor parallel sums the attention's input gradient over tp in another order than one device's
+    matmul, and the float32 norm's backward rounds that difference to float32's: 3e-9 relative at the
+    first step with the router in float64, with or without sequence parallel alike. With both in the
+    model's dtype, equal to float64's rounding; as HF writes it, within float32's precision (the bound of
+    expert_parallel's test of this router)."""
+    if not as_hf_writes_it:
+        where = "transformers.models.deepseek_v3.modeling_deepseek_v3"
+        monkeypatch.setattr(f"{where}.DeepseekV3TopkRouter.forward", _router_in_the_models_dtype)
+        monkeypatch.setattr(f"{where}.DeepseekV3RMSNorm.forward", _rms_norm_in_the_models_dtype)
+    step, params, batches = _problem("deepseek_v3")
+    split = sw.tensor_parallel(step, "tp", _grouped_plan("deepseek_v3"), sequence_parallel=BLOCKS)
+    sw.testing.assert_equivalent(split, step, sw.Mesh(tp=2), batches, params, rtol=1e-6 if as_hf_writes_it else 1e-9)
+
+
+def _rms_norm_in_the_models_dtype(self: Any, hidden_states: Tensor) -> Tensor:
+    """HF's DeepseekV3RMSNorm.forward in the model's dtype where HF computes in float32."""
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
+
+
+def _router_in_the_models_dtype(self: Any, hidden_states: Tensor) -> Any:
+    """HF's DeepseekV3TopkRouter.forward (Glm4MoeTopkRouter's is the same), in the model's dtype."""
+    hidden_states = hidden_states.view(-1, self.hidden_dim)
+    router_logits = torch.nn.functional.linear(hidden_states, self.weight.to(hidden_states.dtype))
+    scores = router_logits.sigmoid()
+    scores_for_choice = scores + self.e_score_correction_bias
+    group_scores = scores_for_choice.view(-1, self.num_group, self.num_experts // self.num_group).topk(2, dim=-1)[0]
+    group_idx = torch.topk(group_scores.sum(dim=-1), k=self.topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores[..., 0]).scatter_(1, group_idx, 1)
+    score_mask = group_mask.unsqueeze(-1).expand(-1, self.num_group, self.num_experts // self.num_group)
+    scores_for_choice = scores_for_choice.masked_fill(~score_mask.reshape(-1, self.num_experts).bool(), float("-inf"))
+    topk_indices = torch.topk(scores_for_choice, k=self.top_k, dim=-1, sorted=False)[1]
+    topk_weights = scores.gather(1, topk_indices)
+    if self.norm_topk_prob:
+        topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return router_logits, topk_weights * self.routed_scaling_factor, topk_indices
 
 
 def test_under_zero3_on_another_axis_too() -> None:

@@ -133,6 +133,9 @@ POSITIONWISE: dict[str, Callable[[Tensor], Any]] = {
     "conv1d_rows": _conv1d_rows,
     "permute_inner": lambda x: x.unsqueeze(-1).permute(0, 1, 3, 2),
     "metadata": lambda x: x.new_zeros(x.shape[-1]) + x.size(1) + x.dim(),
+    # DeepSeek-V3's grouped routing: a mask scattered and scores gathered along the experts, row by row
+    "scatter_gather_last": lambda x: torch.zeros_like(x).scatter_(-1, x.topk(2, dim=-1)[1], 1.0).bool().long()
+    + x.gather(2, x.argsort(-1)).int(),
 }
 MIXING: dict[str, tuple[Callable[[Tensor], Any], str]] = {
     "transpose": (lambda x: x.transpose(1, 2), "transpose acts along dim 1"),
@@ -147,6 +150,10 @@ MIXING: dict[str, tuple[Callable[[Tensor], Any], str]] = {
     "conv_over_time": (lambda x: F.conv1d(x, torch.randn(4, 4, 3)), "conv1d is not a position"),
     "item": (lambda x: x[:, :, 0].max().item(), "max acts on every dim"),
     "scores": (lambda x: x @ x.transpose(-1, -2), "transpose acts along dim 1"),
+    "gather_by_fewer_rows": (lambda x: x.gather(2, torch.zeros(4, 2, 8, dtype=torch.long)),
+                             "gather takes an index or values of other batch or sequence dims"),
+    "scatter_along_positions": (lambda x: torch.zeros_like(x).scatter(1, torch.zeros(4, 4, 8, dtype=torch.long), x),
+                                "scatter acts along dim 1"),
 }
 
 
