@@ -53,6 +53,8 @@ CHECKED: dict[str, str] = {
     "transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3Experts.forward": "9918bf68fc06e950",
     "transformers.models.glm4_moe.modeling_glm4_moe.Glm4MoeMoE.forward": "46305b8693ce763d",
     "transformers.models.glm4_moe.modeling_glm4_moe.Glm4MoeExperts.forward": "9918bf68fc06e950",
+    "transformers.models.jamba.modeling_jamba.JambaSparseMoeBlock.forward": "0cf39531786a2753",
+    "transformers.models.jamba.modeling_jamba.JambaExperts.forward": "9918bf68fc06e950",
 }
 
 

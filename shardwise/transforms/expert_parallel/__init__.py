@@ -62,7 +62,9 @@ def expert_parallel(
     Each rank of ``axis`` holds (materializes, initializes, checkpoints) ``E / size`` experts of every
     MoE block (``TopKMoE``; HF ``MixtralSparseMoeBlock``, ``OlmoeSparseMoeBlock``, ``Qwen3MoeSparseMoeBlock``
     and ``Qwen2MoeSparseMoeBlock``, whose shared expert stays replicated; ``DeepseekV3MoE`` and
-    ``Glm4MoeMoE``, whose own router is called as it is and whose shared experts stay replicated; a block
+    ``Glm4MoeMoE``, whose own router is called as it is and whose shared experts stay replicated;
+    ``JambaSparseMoeBlock``, on the layers of Jamba's Mamba/attention hybrid that have one, its router called
+    as it is; a block
     of any class with fused
     experts whose forward calls :func:`moe_dispatch_combine` over ``axis`` itself, kept as written) and
     routes its own share of the batch: the axis also cuts the batch, like a data-parallel one. Tokens go to
