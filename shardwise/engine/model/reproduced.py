@@ -55,6 +55,8 @@ CHECKED: dict[str, str] = {
     "transformers.models.glm4_moe.modeling_glm4_moe.Glm4MoeExperts.forward": "9918bf68fc06e950",
     "transformers.models.jamba.modeling_jamba.JambaSparseMoeBlock.forward": "0cf39531786a2753",
     "transformers.models.jamba.modeling_jamba.JambaExperts.forward": "9918bf68fc06e950",
+    "transformers.models.gpt_oss.modeling_gpt_oss.GptOssMLP.forward": "3aff48099a378b74",
+    "transformers.models.gpt_oss.modeling_gpt_oss.GptOssExperts.forward": "d97209ad97d09476",
 }
 
 

@@ -2,8 +2,9 @@
 
 Its router, reproduced (``router.py``'s softmax top k over the gate's logits) or, for the blocks of
 :data:`~.blocks.OWN_ROUTER`, called as the block's own forward calls it; then :func:`moe_dispatch_combine`
-dispatches each token to its experts' owners, runs them there as the block's experts class computes them,
-and combines; a shared expert (Qwen2-MoE's gated one, DeepSeek-V3's) runs on this rank's tokens, replicated.
+dispatches each token to its experts' owners, runs them there as the block's experts class computes them
+(GPT-OSS's: ``experts.py``'s :func:`~.experts.run_gpt_oss_experts`), and combines; a shared expert
+(Qwen2-MoE's gated one, DeepSeek-V3's) runs on this rank's tokens, replicated.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch import nn
 from .blocks import OWN_ROUTER, SHARED_EXPERTS, Block, router_of
 from .capacity import expert_capacity
 from .dispatch import moe_dispatch_combine
+from .experts import run_gpt_oss_experts
 from .router import Routing
 
 # Own routers called with the block's input as it came ([batch, sequence, hidden]); the others get it flat.
@@ -61,7 +63,11 @@ class EPForward:
             logits, weights, experts = router_of(m, kind)(hidden_states if kind in _ROUTER_GETS_3D else flat)
             top_k = int(experts.shape[-1])  # what it returns (PhiMoE's sparsemixer: two, whatever the config)
             routed: dict[str, Any] = {"routing": Routing(experts, weights)}
-            act = m.experts.act_fn
+            if kind == "GptOssMLP":  # its own layout, biases and activation
+                routed["experts"] = lambda rows: run_gpt_oss_experts(rows, m.experts)
+                act = F.silu  # unused: the experts' function computes theirs
+            else:
+                act = m.experts.act_fn
         else:
             top_k = int(m.top_k if hasattr(m, "top_k") else m.gate.top_k)
             logits_of, router, act = _router(m, kind)
@@ -86,4 +92,6 @@ class EPForward:
             output = output + torch.sigmoid(m.shared_expert_gate(flat)) * m.shared_expert(flat)
         elif kind in SHARED_EXPERTS:  # DeepSeek-V3's shared experts: dense, ungated
             output = output + m.shared_experts(flat)
+        if kind == "GptOssMLP":  # its forward returns the router's scores too (its decoder layer drops them)
+            return output.view(hidden_states.shape), weights
         return output.view(hidden_states.shape)

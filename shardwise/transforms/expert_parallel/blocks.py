@@ -20,6 +20,11 @@ A block is a module with an ``experts`` child holding fused 3-D ``gate_up_proj``
 * ``JambaSparseMoeBlock`` (HF): its router ``router`` (a ``JambaTopKRouter``: softmax in float32, the top
   k, not renormalized) called as it is, as DeepSeek-V3's; its experts Mixtral's code. Jamba's hybrid
   layers (Mamba or attention, a MoE block or a dense ``JambaMLP``) hold one only where the config puts one.
+* ``GptOssMLP`` (HF): its router ``router`` (a ``GptOssTopKRouter`` with a bias: the top k of the logits, a
+  softmax over those k) called as it is; its experts ``GptOssExperts`` laid out otherwise
+  (``gate_up_proj`` [E, H, 2I], gate and up interleaved, ``down_proj`` [E, I, H]) with biases, cut on
+  dim 0 too, and computed as that class does (``experts.py``: its own clamped SwiGLU ``_apply_gate``); its
+  forward returns the router's scores beside the output, as the block's does.
 
 A block of another transformers model whose forward is a known block's line for line (Hugging Face's
 "Copied from": Dots1's of DeepSeek-V3's, FlexOlmo's of OLMoE's), with a router and experts of the known
@@ -48,27 +53,27 @@ OWN = "own"  # a block of one's own whose forward calls moe_dispatch_combine: ke
 
 EXPERT_WEIGHTS = ("experts.gate_up_proj", "experts.down_proj")
 KNOWN = ("TopKMoE", "MixtralSparseMoeBlock", "Qwen2MoeSparseMoeBlock", "OlmoeSparseMoeBlock", "Qwen3MoeSparseMoeBlock",
-         "DeepseekV3MoE", "Glm4MoeMoE", "JambaSparseMoeBlock")
+         "DeepseekV3MoE", "Glm4MoeMoE", "JambaSparseMoeBlock", "GptOssMLP")
 _ROUTER_OF = {"MixtralSparseMoeBlock": "MixtralTopKRouter", "Qwen2MoeSparseMoeBlock": "Qwen2MoeTopKRouter",
               "OlmoeSparseMoeBlock": "OlmoeTopKRouter", "Qwen3MoeSparseMoeBlock": "Qwen3MoeTopKRouter",
               "DeepseekV3MoE": "DeepseekV3TopkRouter", "Glm4MoeMoE": "Glm4MoeTopkRouter",
-              "JambaSparseMoeBlock": "JambaTopKRouter"}
+              "JambaSparseMoeBlock": "JambaTopKRouter", "GptOssMLP": "GptOssTopKRouter"}
 # Blocks whose router is called as it is (it returns the logits, the top k's weights and indices): what
 # expert_parallel reproduces is around their experts.
-OWN_ROUTER = ("DeepseekV3MoE", "Glm4MoeMoE", "JambaSparseMoeBlock")
+OWN_ROUTER = ("DeepseekV3MoE", "Glm4MoeMoE", "JambaSparseMoeBlock", "GptOssMLP")
 # Those adding a dense shared expert (``shared_experts``, ungated) after the routed ones.
 SHARED_EXPERTS = ("DeepseekV3MoE", "Glm4MoeMoE")
 # Those without a softmax router, whose Hugging Face model has no load-balancing loss.
 NO_AUX_LOSS = ("DeepseekV3MoE", "Glm4MoeMoE")
 # The router's attribute where it is not ``gate``.
-ROUTER_ATTR = {"JambaSparseMoeBlock": "router"}
-# The experts' tensors, each cut over the axis on dim 0, where not EXPERT_WEIGHTS.
-EXPERT_TENSORS: dict[str, tuple[str, ...]] = {}
+ROUTER_ATTR = {"JambaSparseMoeBlock": "router", "GptOssMLP": "router"}
+# The experts' tensors, each cut over the axis on dim 0, where not EXPERT_WEIGHTS: GPT-OSS's have biases.
+EXPERT_TENSORS = {"GptOssMLP": (*EXPERT_WEIGHTS, "experts.gate_up_proj_bias", "experts.down_proj_bias")}
 # The experts' class of each known HF block, defined beside it: expert_parallel runs its computation itself.
 _EXPERTS_OF = {"MixtralSparseMoeBlock": "MixtralExperts", "Qwen2MoeSparseMoeBlock": "Qwen2MoeExperts",
                "OlmoeSparseMoeBlock": "OlmoeExperts", "Qwen3MoeSparseMoeBlock": "Qwen3MoeExperts",
                "DeepseekV3MoE": "DeepseekV3Experts", "Glm4MoeMoE": "Glm4MoeExperts",
-               "JambaSparseMoeBlock": "JambaExperts"}
+               "JambaSparseMoeBlock": "JambaExperts", "GptOssMLP": "GptOssExperts"}
 # Where each known block is defined: a class of the same name elsewhere (a copy of HF's code, edited)
 # is not the block whose forward expert_parallel reproduces.
 _HOME = {
@@ -80,11 +85,12 @@ _HOME = {
     "DeepseekV3MoE": "transformers.models.deepseek_v3.modeling_deepseek_v3",
     "Glm4MoeMoE": "transformers.models.glm4_moe.modeling_glm4_moe",
     "JambaSparseMoeBlock": "transformers.models.jamba.modeling_jamba",
+    "GptOssMLP": "transformers.models.gpt_oss.modeling_gpt_oss",
 }
 
 
 def router_of(module: Any, kind: str) -> Any:
-    """The router module of a known ``kind`` block (``gate``, or Jamba's ``router``)."""
+    """The router module of a known ``kind`` block (``gate``, or Jamba's and GPT-OSS's ``router``)."""
     return getattr(module, ROUTER_ATTR.get(kind, "gate"))
 
 

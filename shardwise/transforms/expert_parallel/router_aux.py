@@ -253,8 +253,8 @@ def router_aux_loss(step: Step, coef: float, *, per_microbatch: bool = False) ->
     Qwen2-MoE's ``output_router_logits=True`` with ``router_aux_loss_coef=coef``, over the whole batch.
 
     ``aux = E * sum_e f_e * P_e`` pools every MoE block of the chain (TopKMoE, HF MixtralSparseMoeBlock,
-    Qwen2MoeSparseMoeBlock, OlmoeSparseMoeBlock, Qwen3MoeSparseMoeBlock, JambaSparseMoeBlock; all with ``E``
-    experts): ``f_e``
+    Qwen2MoeSparseMoeBlock, OlmoeSparseMoeBlock, Qwen3MoeSparseMoeBlock, JambaSparseMoeBlock, GptOssMLP
+    (its router's logits with their bias); all with ``E`` experts): ``f_e``
     is the share of the top-k assignments that went to expert ``e`` and ``P_e`` its mean router
     probability, over every token of every block. On
     one device it is HF's loss; under ``expert_parallel`` and ``shard_params`` (each, or both) it is counted once over
