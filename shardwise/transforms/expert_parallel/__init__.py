@@ -65,8 +65,9 @@ def expert_parallel(
     and ``Qwen2MoeSparseMoeBlock``, whose shared expert stays replicated; ``DeepseekV3MoE`` and
     ``Glm4MoeMoE``, whose own router is called as it is and whose shared experts stay replicated;
     ``JambaSparseMoeBlock``, on the layers of Jamba's Mamba/attention hybrid that have one, and
-    ``GptOssMLP``, whose experts carry biases and their own clamped SwiGLU, their routers called as they are;
-    a block
+    ``GptOssMLP``, whose experts carry biases and their own clamped SwiGLU, and ``PhimoeSparseMoeBlock``
+    (whose router's sampling in training is refused unless no draw can change its choice, naming the
+    setting), their routers called as they are; a block
     of any class with fused
     experts whose forward calls :func:`moe_dispatch_combine` over ``axis`` itself, kept as written) and
     routes its own share of the batch: the axis also cuts the batch, like a data-parallel one. Tokens go to

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import phimoe
 from .blocks import OWN_ROUTER, SHARED_EXPERTS, Block, router_of
 from .capacity import expert_capacity
 from .dispatch import moe_dispatch_combine
@@ -59,8 +60,12 @@ class EPForward:
             )
         flat = hidden_states.reshape(-1, hidden_states.shape[-1])
         n = flat.shape[0]
+        if kind == phimoe.BLOCK:  # its router samples in training (refused where a draw could change the choice):
+            phimoe.refuse_draws(m, "expert_parallel", self.where)  # the mode may have changed since the transform
         if kind in OWN_ROUTER:  # the model's own router, as its forward calls it
             logits, weights, experts = router_of(m, kind)(hidden_states if kind in _ROUTER_GETS_3D else flat)
+            if kind == phimoe.BLOCK:
+                phimoe.refuse_ties(logits, m, "expert_parallel", self.where)
             top_k = int(experts.shape[-1])  # what it returns (PhiMoE's sparsemixer: two, whatever the config)
             routed: dict[str, Any] = {"routing": Routing(experts, weights)}
             if kind == "GptOssMLP":  # its own layout, biases and activation

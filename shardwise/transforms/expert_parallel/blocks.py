@@ -25,6 +25,9 @@ A block is a module with an ``experts`` child holding fused 3-D ``gate_up_proj``
   (``gate_up_proj`` [E, H, 2I], gate and up interleaved, ``down_proj`` [E, I, H]) with biases, cut on
   dim 0 too, and computed as that class does (``experts.py``: its own clamped SwiGLU ``_apply_gate``); its
   forward returns the router's scores beside the output, as the block's does.
+* ``PhimoeSparseMoeBlock`` (HF): its router ``router`` (a ``PhimoeTopKRouter``: ``sparsemixer``'s two
+  experts a token) called as it is; its experts Mixtral's code. In training that router samples, which the
+  ranks cannot draw as one device does: refused unless no draw changes its choice (``phimoe.py``).
 
 A block of another transformers model whose forward is a known block's line for line (Hugging Face's
 "Copied from": Dots1's of DeepSeek-V3's, FlexOlmo's of OLMoE's), with a router and experts of the known
@@ -47,33 +50,36 @@ from torch import nn
 
 from ...engine.model.calls import forward_calls
 from ...engine.model.reproduced import check_reproduced, same_code
+from . import phimoe
 from .dispatch import moe_dispatch_combine
 
 OWN = "own"  # a block of one's own whose forward calls moe_dispatch_combine: kept as written
 
 EXPERT_WEIGHTS = ("experts.gate_up_proj", "experts.down_proj")
 KNOWN = ("TopKMoE", "MixtralSparseMoeBlock", "Qwen2MoeSparseMoeBlock", "OlmoeSparseMoeBlock", "Qwen3MoeSparseMoeBlock",
-         "DeepseekV3MoE", "Glm4MoeMoE", "JambaSparseMoeBlock", "GptOssMLP")
+         "DeepseekV3MoE", "Glm4MoeMoE", "JambaSparseMoeBlock", "GptOssMLP", "PhimoeSparseMoeBlock")
 _ROUTER_OF = {"MixtralSparseMoeBlock": "MixtralTopKRouter", "Qwen2MoeSparseMoeBlock": "Qwen2MoeTopKRouter",
               "OlmoeSparseMoeBlock": "OlmoeTopKRouter", "Qwen3MoeSparseMoeBlock": "Qwen3MoeTopKRouter",
               "DeepseekV3MoE": "DeepseekV3TopkRouter", "Glm4MoeMoE": "Glm4MoeTopkRouter",
-              "JambaSparseMoeBlock": "JambaTopKRouter", "GptOssMLP": "GptOssTopKRouter"}
+              "JambaSparseMoeBlock": "JambaTopKRouter", "GptOssMLP": "GptOssTopKRouter",
+              "PhimoeSparseMoeBlock": "PhimoeTopKRouter"}
 # Blocks whose router is called as it is (it returns the logits, the top k's weights and indices): what
 # expert_parallel reproduces is around their experts.
-OWN_ROUTER = ("DeepseekV3MoE", "Glm4MoeMoE", "JambaSparseMoeBlock", "GptOssMLP")
+OWN_ROUTER = ("DeepseekV3MoE", "Glm4MoeMoE", "JambaSparseMoeBlock", "GptOssMLP", "PhimoeSparseMoeBlock")
 # Those adding a dense shared expert (``shared_experts``, ungated) after the routed ones.
 SHARED_EXPERTS = ("DeepseekV3MoE", "Glm4MoeMoE")
 # Those without a softmax router, whose Hugging Face model has no load-balancing loss.
 NO_AUX_LOSS = ("DeepseekV3MoE", "Glm4MoeMoE")
 # The router's attribute where it is not ``gate``.
-ROUTER_ATTR = {"JambaSparseMoeBlock": "router", "GptOssMLP": "router"}
+ROUTER_ATTR = {"JambaSparseMoeBlock": "router", "GptOssMLP": "router", "PhimoeSparseMoeBlock": "router"}
 # The experts' tensors, each cut over the axis on dim 0, where not EXPERT_WEIGHTS: GPT-OSS's have biases.
 EXPERT_TENSORS = {"GptOssMLP": (*EXPERT_WEIGHTS, "experts.gate_up_proj_bias", "experts.down_proj_bias")}
 # The experts' class of each known HF block, defined beside it: expert_parallel runs its computation itself.
 _EXPERTS_OF = {"MixtralSparseMoeBlock": "MixtralExperts", "Qwen2MoeSparseMoeBlock": "Qwen2MoeExperts",
                "OlmoeSparseMoeBlock": "OlmoeExperts", "Qwen3MoeSparseMoeBlock": "Qwen3MoeExperts",
                "DeepseekV3MoE": "DeepseekV3Experts", "Glm4MoeMoE": "Glm4MoeExperts",
-               "JambaSparseMoeBlock": "JambaExperts", "GptOssMLP": "GptOssExperts"}
+               "JambaSparseMoeBlock": "JambaExperts", "GptOssMLP": "GptOssExperts",
+               "PhimoeSparseMoeBlock": "PhimoeExperts"}
 # Where each known block is defined: a class of the same name elsewhere (a copy of HF's code, edited)
 # is not the block whose forward expert_parallel reproduces.
 _HOME = {
@@ -86,11 +92,12 @@ _HOME = {
     "Glm4MoeMoE": "transformers.models.glm4_moe.modeling_glm4_moe",
     "JambaSparseMoeBlock": "transformers.models.jamba.modeling_jamba",
     "GptOssMLP": "transformers.models.gpt_oss.modeling_gpt_oss",
+    "PhimoeSparseMoeBlock": "transformers.models.phimoe.modeling_phimoe",
 }
 
 
 def router_of(module: Any, kind: str) -> Any:
-    """The router module of a known ``kind`` block (``gate``, or Jamba's and GPT-OSS's ``router``)."""
+    """The router module of a known ``kind`` block (``gate``, or Jamba's, GPT-OSS's and PhiMoE's ``router``)."""
     return getattr(module, ROUTER_ATTR.get(kind, "gate"))
 
 
@@ -186,6 +193,10 @@ def find_blocks(module: nn.Module, where: str, prefix: str = "", who: str = "exp
         assert kind is not None  # router_known implies a known kind
         if kind != "TopKMoE":
             _check_reproduced_parts(sub, kind, who, f"{where}{'.' + path if path else ''}")
+        if kind == phimoe.BLOCK:
+            phimoe.check_code(sub, who, f"{where}{'.' + path if path else ''}")
+            if who == "expert_parallel":  # its settings are known now: refused now, not at the first step
+                phimoe.refuse_draws(sub, who, f"{where}{'.' + path if path else ''}")
         if kind in NO_AUX_LOSS and who == "router_aux_loss":
             raise ValueError(
                 f"router_aux_loss: {where}{'.' + path if path else ''} ({name}) routes by sigmoid scores plus a "

@@ -203,6 +203,14 @@ class ReportRouter:
                 "each token by random noise before its router in training: the aux loss, computed from the block's "
                 "input, would not be HF's (of the jittered logits); set config.router_jitter_noise = 0"
             )
+        if self.block.kind == "PhimoeSparseMoeBlock" and m.training:
+            for noise in (m.input_jitter_noise, m.router.input_jitter_noise):
+                if noise > 0:  # the draws of sparsemixer do not change the logits HF's loss reads; this does
+                    raise ValueError(
+                        f"router_aux_loss: a PhimoeSparseMoeBlock has input_jitter_noise={noise}, which scales each "
+                        "token by random noise before its router in training: the aux loss, computed from the "
+                        "block's input, would not be HF's (of the jittered logits); set config.input_jitter_noise = 0"
+                    )
         flat = hidden_states.reshape(-1, hidden_states.shape[-1])
         if self.block.kind == "TopKMoE":
             logits, top_k = m.gate(flat), m.top_k
@@ -254,7 +262,7 @@ def router_aux_loss(step: Step, coef: float, *, per_microbatch: bool = False) ->
 
     ``aux = E * sum_e f_e * P_e`` pools every MoE block of the chain (TopKMoE, HF MixtralSparseMoeBlock,
     Qwen2MoeSparseMoeBlock, OlmoeSparseMoeBlock, Qwen3MoeSparseMoeBlock, JambaSparseMoeBlock, GptOssMLP
-    (its router's logits with their bias); all with ``E`` experts): ``f_e``
+    (its router's logits with their bias), PhimoeSparseMoeBlock; all with ``E`` experts): ``f_e``
     is the share of the top-k assignments that went to expert ``e`` and ``P_e`` its mean router
     probability, over every token of every block. On
     one device it is HF's loss; under ``expert_parallel`` and ``shard_params`` (each, or both) it is counted once over

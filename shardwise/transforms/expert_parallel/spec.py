@@ -69,7 +69,7 @@ def _find(chain: Chain, who: str) -> Blocks:
             f"{who}: the step's chain has no mixture-of-experts block (a module with fused experts "
             "experts.gate_up_proj / experts.down_proj: TopKMoE, HF MixtralSparseMoeBlock, "
             "Qwen2MoeSparseMoeBlock, OlmoeSparseMoeBlock, Qwen3MoeSparseMoeBlock, DeepseekV3MoE, Glm4MoeMoE, "
-            "JambaSparseMoeBlock, GptOssMLP); nothing to do"
+            "JambaSparseMoeBlock, GptOssMLP, PhimoeSparseMoeBlock); nothing to do"
         )
     return found
 
