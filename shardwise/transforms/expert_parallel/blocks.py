@@ -217,8 +217,20 @@ def _check_reproduced_parts(block: nn.Module, kind: str, who: str, where: str) -
     if named:
         check_reproduced(named[0], who, where)
     gate = type(router_of(block, kind))
-    if kind not in OWN_ROUTER and gate.__name__ == _ROUTER_OF[kind] and gate.__module__ == _HOME[kind]:
+    named_router = gate.__name__ == _ROUTER_OF[kind] and gate.__module__ == _HOME[kind]
+    if kind not in OWN_ROUTER and named_router:
         check_reproduced(gate, who, f"{where}.gate")
+    elif kind in OWN_ROUTER and kind not in NO_AUX_LOSS and who == "router_aux_loss":  # this reads its logits
+        attr = ROUTER_ATTR.get(kind, "gate")
+        if named_router:
+            check_reproduced(gate, who, f"{where}.{attr}")
+        elif not same_code(gate, {_ROUTER_OF[kind]: _HOME[kind]}):
+            raise ValueError(
+                f"{who}: {where}.{attr} is a {gate.__name__} (from {gate.__module__}), not the {kind}'s own "
+                f"{_ROUTER_OF[kind]} nor a copy of its code: {who} computes the router logits HF's loss reads as "
+                f"that class does (the linear map of its weight and bias), so what yours computes otherwise would "
+                f"be left out without an error. Use the model's router, or leave {who} out"
+            )
     experts, want = type(block.experts), {_EXPERTS_OF[kind]: _HOME[kind]}
     if experts.__name__ == _EXPERTS_OF[kind] and experts.__module__ == _HOME[kind]:
         check_reproduced(experts, who, f"{where}.experts")

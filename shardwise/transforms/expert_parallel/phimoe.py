@@ -36,10 +36,17 @@ def check_code(block: Any, who: str, where: str) -> None:
     from transformers.models.phimoe import modeling_phimoe
 
     router = type(block.router)
-    if router.__name__ == "PhimoeTopKRouter" and router.__module__ == modeling_phimoe.__name__:
-        check_reproduced(router, who, f"{where}.router")
-    if who == "expert_parallel":  # router_aux_loss reads the router's logits only
-        check_reproduced(modeling_phimoe, who, f"{where}.router's sparsemixer", method="sparsemixer")
+    if who != "expert_parallel":  # router_aux_loss reads the router's logits only (blocks.py checks its class)
+        return
+    if not (router.__name__ == "PhimoeTopKRouter" and router.__module__ == modeling_phimoe.__name__):
+        raise ValueError(
+            f"{who}: {where}.router is a {router.__name__} (from {router.__module__}), not PhiMoE's "
+            f"PhimoeTopKRouter, whose draws in training {who} knows (it refuses those it cannot make as one "
+            f"device does): what yours draws would differ per rank without an error. Use the model's router, "
+            f"or leave {who} out"
+        )
+    check_reproduced(router, who, f"{where}.router")
+    check_reproduced(modeling_phimoe, who, f"{where}.router's sparsemixer", method="sparsemixer")
 
 
 def refuse_draws(block: Any, who: str, where: str) -> None:

@@ -173,3 +173,13 @@ def test_experts_of_another_layout_are_checked_for_their_count() -> None:
     with pytest.raises(ValueError, match=r"this rank's expert weights must hold 2 experts on dim 0"):
         moe_dispatch_combine(x, logits, gate_up[:1], down, "ep", top_k=1, routing=routing, aux_loss=False,
                              experts=lambda rows: rows)
+
+
+def test_router_aux_loss_refuses_a_router_whose_code_changed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """router_aux_loss computes the logits HF's loss reads as GptOssTopKRouter does (with its bias)."""
+    cls = modeling_gpt_oss.GptOssTopKRouter
+    monkeypatch.setattr(cls, "forward", _changed(cls.forward))
+    _, step, _, _ = _model()
+    with pytest.raises(ValueError, match=r"router_aux_loss: .*router is a GptOssTopKRouter whose forward is not the "
+                                         "code router_aux_loss reproduces"):
+        sw.router_aux_loss(step, 0.1)

@@ -142,3 +142,36 @@ def test_a_block_or_experts_whose_code_changed_is_refused(part: str, monkeypatch
     with pytest.raises(ValueError, match=rf"expert_parallel: .*is a {part} whose forward is not the code "
                                          "expert_parallel reproduces"):
         sw.expert_parallel(step, "ep")
+
+
+class _ScaledRouter(modeling_jamba.JambaTopKRouter):
+    """A user's router: Jamba's, its logits doubled."""
+
+    def forward(self, hidden_states: torch.Tensor) -> Any:
+        logits, weights, index = super().forward(2 * hidden_states)
+        return logits, weights, index
+
+
+def test_router_aux_loss_reads_only_jambas_own_router(monkeypatch: pytest.MonkeyPatch) -> None:
+    """router_aux_loss computes the logits HF's loss reads as JambaTopKRouter does: another router class, or
+    that class's code changed, would be another loss without an error. expert_parallel calls the router as it
+    is, so it splits a block with another router (here equal to one device)."""
+    model, _, _, data = _model()
+    for layer in MOE_LAYERS:
+        block = model.model.layers[layer].feed_forward
+        swapped = _ScaledRouter(model.config).double()
+        swapped.load_state_dict(block.router.state_dict())
+        block.router = swapped
+    units = (modeling_jamba.JambaAttentionDecoderLayer, modeling_jamba.JambaMambaDecoderLayer)
+    chain, params = sw.functionalize(model, units=units, example_input=data[0][0])
+    step = sw.train_step(chain, _loss, sw.optim.sgd(0.1, momentum=0.9))
+    with pytest.raises(ValueError, match=r"router_aux_loss: model.layers.1.feed_forward.router is a _ScaledRouter .*"
+                                         r"not the JambaSparseMoeBlock's own JambaTopKRouter"):
+        sw.router_aux_loss(step, 0.1)
+    sw.testing.assert_equivalent(sw.expert_parallel(step, "ep"), step, sw.Mesh(ep=2), data, params)
+    _, step, _, _ = _model()
+    monkeypatch.setattr(modeling_jamba.JambaTopKRouter, "forward",
+                        _changed(modeling_jamba.JambaTopKRouter.forward))
+    with pytest.raises(ValueError, match=r"router_aux_loss: .*router is a JambaTopKRouter whose forward is not the "
+                                         "code router_aux_loss reproduces"):
+        sw.router_aux_loss(step, 0.1)

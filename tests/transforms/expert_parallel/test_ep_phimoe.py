@@ -156,8 +156,10 @@ def test_router_aux_loss_refuses_input_jitter() -> None:
         with_aux(with_aux.init(params), data[0])
 
 
-def test_every_rank_issues_exactly_the_collectives_its_plan_lists() -> None:
-    _, step, params, data = _model(*MODES["eval"])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_every_rank_issues_exactly_the_collectives_its_plan_lists(mode: str) -> None:
+    """In training the Plan's prediction on fake tensors runs sparsemixer's draws and its autograd Function."""
+    _, step, params, data = _model(*MODES[mode])
     ep, mesh = _ep(step, "dp x ep zero3")
     plan = ep.plan(mesh, params, data[0])
 
@@ -195,4 +197,23 @@ def test_a_block_experts_router_or_sparsemixer_whose_code_changed_is_refused(
         what = f"a {part} whose forward is"
     _, step, _, _ = _model(*MODES["eval"])
     with pytest.raises(ValueError, match=rf"expert_parallel: .* is {what} not the code expert_parallel reproduces"):
+        sw.expert_parallel(step, "ep")
+
+
+def test_a_router_of_another_class_is_refused() -> None:
+    """expert_parallel knows the draws of PhiMoE's own router only (it refuses those it cannot make as one
+    device does): another router class could draw otherwise."""
+
+    class QuietRouter(modeling_phimoe.PhimoeTopKRouter):
+        pass
+
+    model, _, _, data = _model(*MODES["eval"])
+    block = model.model.layers[0].mlp
+    swapped = QuietRouter(model.config).double()
+    swapped.load_state_dict(block.router.state_dict())
+    block.router = swapped
+    chain, _ = sw.functionalize(model, units=modeling_phimoe.PhimoeDecoderLayer, example_input=data[0][0])
+    step = sw.train_step(chain, _loss, sw.optim.sgd(0.1))
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.router is a QuietRouter .*not PhiMoE's "
+                                         r"PhimoeTopKRouter, whose draws in training expert_parallel knows"):
         sw.expert_parallel(step, "ep")
