@@ -7,7 +7,9 @@ recognised by its name and the module that defines it; a later transformers may 
 class computes (a norm added, another scale), and the reproduction would then train another model
 without an error. So each reproduced method's code is compared with the code checked: its syntax tree
 (names, operations, constants; not its comments, docstring, decorators or layout) hashed, against
-:data:`CHECKED`. Another tree is refused, naming the class and both versions.
+:data:`CHECKED`. Another tree is refused, naming the class and both versions. A function a transform
+relies on without reproducing it (PhiMoE's ``sparsemixer``, whose draws expert_parallel reasons about) is
+pinned the same way, by its module and name.
 
 ``tests/engine/test_reproduced.py`` fails loudly on a transformers whose code differs, so that the
 tests of the changed class are run again and the digest renewed (``python -m
@@ -21,6 +23,7 @@ import functools
 import hashlib
 import inspect
 import textwrap
+import types
 from typing import Any
 
 CHECKED_ON = "5.25.0"  # the transformers the reproductions were checked against (5.24.0: the same digests)
@@ -53,14 +56,27 @@ CHECKED: dict[str, str] = {
     "transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3Experts.forward": "9918bf68fc06e950",
     "transformers.models.glm4_moe.modeling_glm4_moe.Glm4MoeMoE.forward": "46305b8693ce763d",
     "transformers.models.glm4_moe.modeling_glm4_moe.Glm4MoeExperts.forward": "9918bf68fc06e950",
+    "transformers.models.jamba.modeling_jamba.JambaSparseMoeBlock.forward": "0cf39531786a2753",
+    "transformers.models.jamba.modeling_jamba.JambaExperts.forward": "9918bf68fc06e950",
+    "transformers.models.jamba.modeling_jamba.JambaTopKRouter.forward": "41abbdadf94171b4",
+    "transformers.models.gpt_oss.modeling_gpt_oss.GptOssMLP.forward": "3aff48099a378b74",
+    "transformers.models.gpt_oss.modeling_gpt_oss.GptOssExperts.forward": "d97209ad97d09476",
+    "transformers.models.gpt_oss.modeling_gpt_oss.GptOssTopKRouter.forward": "cb3a9fd4e08051a8",
+    "transformers.models.phimoe.modeling_phimoe.PhimoeSparseMoeBlock.forward": "80929cb6145c9d1c",
+    "transformers.models.phimoe.modeling_phimoe.PhimoeTopKRouter.forward": "6814f0bc50c99739",
+    "transformers.models.phimoe.modeling_phimoe.PhimoeExperts.forward": "9918bf68fc06e950",
+    "transformers.models.phimoe.modeling_phimoe.sparsemixer": "728a8e64e92741cb",
 }
 
 
-def key(cls: type, method: str = "forward") -> str:
+def key(cls: type | types.ModuleType, method: str = "forward") -> str:
+    """``module.Class.method``, or ``module.function`` for a function a module defines (``cls`` the module)."""
+    if isinstance(cls, types.ModuleType):
+        return f"{cls.__name__}.{method}"
     return f"{cls.__module__}.{cls.__qualname__}.{method}"
 
 
-def digest(cls: type, method: str = "forward") -> str:
+def digest(cls: type | types.ModuleType, method: str = "forward") -> str:
     """sha256 of the syntax tree of ``cls.method`` as defined (decorators unwrapped), without its
     docstring and decorators: what the code computes, not how it is laid out or commented."""
     try:
@@ -92,7 +108,7 @@ def same_code(cls: type, checked: dict[str, str], method: str = "forward") -> bo
     return bool(digests) and digest(cls, method) in digests
 
 
-def check_reproduced(cls: type, who: str, where: str, method: str = "forward") -> None:
+def check_reproduced(cls: type | types.ModuleType, who: str, where: str, method: str = "forward") -> None:
     """Refuse ``cls`` where its ``method`` is not the code ``who`` checked its reproduction against."""
     want = CHECKED.get(key(cls, method))
     if want is None:
@@ -100,10 +116,12 @@ def check_reproduced(cls: type, who: str, where: str, method: str = "forward") -
     if digest(cls, method) == want:
         return
     installed = _installed()
+    what = (f"{cls.__name__}.{method}, which is" if isinstance(cls, types.ModuleType)
+            else f"a {cls.__name__} whose {method} is")
     how = ("replaced or edited in this process" if installed == CHECKED_ON
            else f"on transformers {installed}; it was checked against transformers {CHECKED_ON}")
     raise ValueError(
-        f"{who}: {where} is a {cls.__name__} whose {method} is not the code {who} reproduces ({how}): what "
+        f"{who}: {where} is {what} not the code {who} reproduces ({how}): what "
         f"this code computes otherwise would be left out without an error. Use transformers=={CHECKED_ON} "
         f"(or a shardwise release checked against yours) and the class as it is, or leave {who} out"
     )

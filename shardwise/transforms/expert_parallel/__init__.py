@@ -3,8 +3,8 @@
 :func:`moe_dispatch_combine` is the layer's distributed core, a pure differentiable function over a
 mesh axis (torchtitan EP; DeepSpeed-MoE; FairScale ``MOELayer``): route (``router.py``), count and
 exchange counts, dispatch with an ``all_to_all``, run the local experts (``experts.py``: HF Mixtral's
-fused 3-D weights), ``all_to_all`` back, combine; the capacity and drop rule in ``capacity.py``; the
-router's load-balancing loss over the global batch in ``aux_loss.py``; bytes in ``volumes.py``.
+fused 3-D weights, or GPT-OSS's), ``all_to_all`` back, combine; the capacity and drop rule in ``capacity.py``;
+the router's load-balancing loss over the global batch in ``aux_loss.py``; bytes in ``volumes.py``.
 :func:`router_aux_loss` (``router_aux.py``, ``router_stats.py``) adds the routers' load-balancing loss
 to a step's loss, HF Mixtral's, on one device and under this transform alike.
 
@@ -23,7 +23,7 @@ from .aux_loss import load_balancing_loss
 from .blocks import OWN
 from .capacity import Slots, assign_slots, expert_capacity
 from .dispatch import MoEOutput, moe_dispatch_combine
-from .experts import run_experts, shard_experts
+from .experts import run_experts, run_gpt_oss_experts, shard_experts
 from .router import ROUTERS, Routing, route
 from .router_aux import RouterAuxLoss, RouterAuxSpec, router_aux_loss
 from .router_stats import Carried, RouterStats
@@ -50,6 +50,7 @@ __all__ = [
     "route",
     "router_aux_loss",
     "run_experts",
+    "run_gpt_oss_experts",
     "shard_experts",
 ]
 
@@ -62,7 +63,11 @@ def expert_parallel(
     Each rank of ``axis`` holds (materializes, initializes, checkpoints) ``E / size`` experts of every
     MoE block (``TopKMoE``; HF ``MixtralSparseMoeBlock``, ``OlmoeSparseMoeBlock``, ``Qwen3MoeSparseMoeBlock``
     and ``Qwen2MoeSparseMoeBlock``, whose shared expert stays replicated; ``DeepseekV3MoE`` and
-    ``Glm4MoeMoE``, whose own router is called as it is and whose shared experts stay replicated; a block
+    ``Glm4MoeMoE``, whose own router is called as it is and whose shared experts stay replicated;
+    ``JambaSparseMoeBlock``, on the layers of Jamba's Mamba/attention hybrid that have one, and
+    ``GptOssMLP``, whose experts carry biases and their own clamped SwiGLU, and ``PhimoeSparseMoeBlock``
+    (whose router's sampling in training is refused unless no draw can change its choice, naming the
+    setting), their routers called as they are; a block
     of any class with fused
     experts whose forward calls :func:`moe_dispatch_combine` over ``axis`` itself, kept as written) and
     routes its own share of the batch: the axis also cuts the batch, like a data-parallel one. Tokens go to

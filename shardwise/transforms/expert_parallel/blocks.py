@@ -1,4 +1,5 @@
-"""The mixture-of-experts blocks expert_parallel recognizes, and their forward with the experts split.
+"""The mixture-of-experts blocks expert_parallel recognizes (their forward with the experts split:
+``block_forward.py``).
 
 A block is a module with an ``experts`` child holding fused 3-D ``gate_up_proj`` [E, 2I, H] and
 ``down_proj`` [E, H, I] (HF ``MixtralExperts``' layout). Known kinds, by class name:
@@ -16,6 +17,17 @@ A block is a module with an ``experts`` child holding fused 3-D ``gate_up_proj``
   ``moe_dispatch_combine(routing=...)``; plus their shared experts, a dense MLP, replicated, added after.
   They have no load-balancing loss (the bias balances them, updated outside the gradient):
   ``router_aux_loss`` refuses them.
+* ``JambaSparseMoeBlock`` (HF): its router ``router`` (a ``JambaTopKRouter``: softmax in float32, the top
+  k, not renormalized) called as it is, as DeepSeek-V3's; its experts Mixtral's code. Jamba's hybrid
+  layers (Mamba or attention, a MoE block or a dense ``JambaMLP``) hold one only where the config puts one.
+* ``GptOssMLP`` (HF): its router ``router`` (a ``GptOssTopKRouter`` with a bias: the top k of the logits, a
+  softmax over those k) called as it is; its experts ``GptOssExperts`` laid out otherwise
+  (``gate_up_proj`` [E, H, 2I], gate and up interleaved, ``down_proj`` [E, I, H]) with biases, cut on
+  dim 0 too, and computed as that class does (``experts.py``: its own clamped SwiGLU ``_apply_gate``); its
+  forward returns the router's scores beside the output, as the block's does.
+* ``PhimoeSparseMoeBlock`` (HF): its router ``router`` (a ``PhimoeTopKRouter``: ``sparsemixer``'s two
+  experts a token) called as it is; its experts Mixtral's code. In training that router samples, which the
+  ranks cannot draw as one device does: refused unless no draw changes its choice (``phimoe.py``).
 
 A block of another transformers model whose forward is a known block's line for line (Hugging Face's
 "Copied from": Dots1's of DeepSeek-V3's, FlexOlmo's of OLMoE's), with a router and experts of the known
@@ -30,35 +42,44 @@ known to compute what ``router.py``'s routers do.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ...engine.model.calls import forward_calls
 from ...engine.model.reproduced import check_reproduced, same_code
-from .capacity import expert_capacity
+from . import phimoe
 from .dispatch import moe_dispatch_combine
-from .router import Routing
 
 OWN = "own"  # a block of one's own whose forward calls moe_dispatch_combine: kept as written
 
 EXPERT_WEIGHTS = ("experts.gate_up_proj", "experts.down_proj")
 KNOWN = ("TopKMoE", "MixtralSparseMoeBlock", "Qwen2MoeSparseMoeBlock", "OlmoeSparseMoeBlock", "Qwen3MoeSparseMoeBlock",
-         "DeepseekV3MoE", "Glm4MoeMoE")
+         "DeepseekV3MoE", "Glm4MoeMoE", "JambaSparseMoeBlock", "GptOssMLP", "PhimoeSparseMoeBlock")
 _ROUTER_OF = {"MixtralSparseMoeBlock": "MixtralTopKRouter", "Qwen2MoeSparseMoeBlock": "Qwen2MoeTopKRouter",
               "OlmoeSparseMoeBlock": "OlmoeTopKRouter", "Qwen3MoeSparseMoeBlock": "Qwen3MoeTopKRouter",
-              "DeepseekV3MoE": "DeepseekV3TopkRouter", "Glm4MoeMoE": "Glm4MoeTopkRouter"}
-# Blocks whose router is called as it is (it returns the logits, the top k's weights and indices) and whose
-# forward adds a dense shared expert: what expert_parallel reproduces around their experts.
-OWN_ROUTER = ("DeepseekV3MoE", "Glm4MoeMoE")
+              "DeepseekV3MoE": "DeepseekV3TopkRouter", "Glm4MoeMoE": "Glm4MoeTopkRouter",
+              "JambaSparseMoeBlock": "JambaTopKRouter", "GptOssMLP": "GptOssTopKRouter",
+              "PhimoeSparseMoeBlock": "PhimoeTopKRouter"}
+# Blocks whose router is called as it is (it returns the logits, the top k's weights and indices): what
+# expert_parallel reproduces is around their experts.
+OWN_ROUTER = ("DeepseekV3MoE", "Glm4MoeMoE", "JambaSparseMoeBlock", "GptOssMLP", "PhimoeSparseMoeBlock")
+# Those adding a dense shared expert (``shared_experts``, ungated) after the routed ones.
+SHARED_EXPERTS = ("DeepseekV3MoE", "Glm4MoeMoE")
+# Those without a softmax router, whose Hugging Face model has no load-balancing loss.
+NO_AUX_LOSS = ("DeepseekV3MoE", "Glm4MoeMoE")
+# The router's attribute where it is not ``gate``.
+ROUTER_ATTR = {"JambaSparseMoeBlock": "router", "GptOssMLP": "router", "PhimoeSparseMoeBlock": "router"}
+# The experts' tensors, each cut over the axis on dim 0, where not EXPERT_WEIGHTS: GPT-OSS's have biases.
+EXPERT_TENSORS = {"GptOssMLP": (*EXPERT_WEIGHTS, "experts.gate_up_proj_bias", "experts.down_proj_bias")}
 # The experts' class of each known HF block, defined beside it: expert_parallel runs its computation itself.
 _EXPERTS_OF = {"MixtralSparseMoeBlock": "MixtralExperts", "Qwen2MoeSparseMoeBlock": "Qwen2MoeExperts",
                "OlmoeSparseMoeBlock": "OlmoeExperts", "Qwen3MoeSparseMoeBlock": "Qwen3MoeExperts",
-               "DeepseekV3MoE": "DeepseekV3Experts", "Glm4MoeMoE": "Glm4MoeExperts"}
+               "DeepseekV3MoE": "DeepseekV3Experts", "Glm4MoeMoE": "Glm4MoeExperts",
+               "JambaSparseMoeBlock": "JambaExperts", "GptOssMLP": "GptOssExperts",
+               "PhimoeSparseMoeBlock": "PhimoeExperts"}
 # Where each known block is defined: a class of the same name elsewhere (a copy of HF's code, edited)
 # is not the block whose forward expert_parallel reproduces.
 _HOME = {
@@ -69,7 +90,15 @@ _HOME = {
     "Qwen3MoeSparseMoeBlock": "transformers.models.qwen3_moe.modeling_qwen3_moe",
     "DeepseekV3MoE": "transformers.models.deepseek_v3.modeling_deepseek_v3",
     "Glm4MoeMoE": "transformers.models.glm4_moe.modeling_glm4_moe",
+    "JambaSparseMoeBlock": "transformers.models.jamba.modeling_jamba",
+    "GptOssMLP": "transformers.models.gpt_oss.modeling_gpt_oss",
+    "PhimoeSparseMoeBlock": "transformers.models.phimoe.modeling_phimoe",
 }
+
+
+def router_of(module: Any, kind: str) -> Any:
+    """The router module of a known ``kind`` block (``gate``, or Jamba's, GPT-OSS's and PhiMoE's ``router``)."""
+    return getattr(module, ROUTER_ATTR.get(kind, "gate"))
 
 
 def known_kind(module: nn.Module) -> str | None:
@@ -112,7 +141,7 @@ class Block:
     def local_names(self) -> tuple[str, ...]:
         """The layer's local names of this block's expert weights."""
         prefix = self.prefix + (f"{self.path}." if self.path else "")
-        return tuple(prefix + w for w in EXPERT_WEIGHTS)
+        return tuple(prefix + w for w in EXPERT_TENSORS.get(self.kind, EXPERT_WEIGHTS))
 
 
 def holds_experts(module: nn.Module) -> bool:
@@ -138,10 +167,10 @@ def find_blocks(module: nn.Module, where: str, prefix: str = "", who: str = "exp
                 )
             found.append(Block(path, OWN, int(sub.experts.gate_up_proj.shape[0]), prefix))
             continue
-        router_cls = type(getattr(sub, "gate", None))
+        kind = known_kind(sub)
+        router_cls = type(getattr(sub, ROUTER_ATTR.get(kind or "", "gate"), None))
         # Named in a refusal as the block calls it: Jamba's is `router`, not the known blocks' `gate`.
         described = next((type(getattr(sub, a)).__name__ for a in ("gate", "router") if hasattr(sub, a)), "none found")
-        kind = known_kind(sub)
         # A block of one's own is split as written by expert_parallel only (router_aux_loss cannot read it).
         own = ("write its forward to call moe_dispatch_combine (the expert-parallel core, with one of its "
                "routers) on its experts' weights over the transform's axis" if who == "expert_parallel"
@@ -164,7 +193,11 @@ def find_blocks(module: nn.Module, where: str, prefix: str = "", who: str = "exp
         assert kind is not None  # router_known implies a known kind
         if kind != "TopKMoE":
             _check_reproduced_parts(sub, kind, who, f"{where}{'.' + path if path else ''}")
-        if kind in OWN_ROUTER and who == "router_aux_loss":
+        if kind == phimoe.BLOCK:
+            phimoe.check_code(sub, who, f"{where}{'.' + path if path else ''}")
+            if who == "expert_parallel":  # its settings are known now: refused now, not at the first step
+                phimoe.refuse_draws(sub, who, f"{where}{'.' + path if path else ''}")
+        if kind in NO_AUX_LOSS and who == "router_aux_loss":
             raise ValueError(
                 f"router_aux_loss: {where}{'.' + path if path else ''} ({name}) routes by sigmoid scores plus a "
                 "correction bias, which balances its experts without a loss (its Hugging Face model computes none); "
@@ -183,9 +216,21 @@ def _check_reproduced_parts(block: nn.Module, kind: str, who: str, where: str) -
     named = [c for c in type(block).__mro__ if c.__name__ == kind and c.__module__ == _HOME[kind]]
     if named:
         check_reproduced(named[0], who, where)
-    gate = type(block.gate)
-    if kind not in OWN_ROUTER and gate.__name__ == _ROUTER_OF[kind] and gate.__module__ == _HOME[kind]:
+    gate = type(router_of(block, kind))
+    named_router = gate.__name__ == _ROUTER_OF[kind] and gate.__module__ == _HOME[kind]
+    if kind not in OWN_ROUTER and named_router:
         check_reproduced(gate, who, f"{where}.gate")
+    elif kind in OWN_ROUTER and kind not in NO_AUX_LOSS and who == "router_aux_loss":  # this reads its logits
+        attr = ROUTER_ATTR.get(kind, "gate")
+        if named_router:
+            check_reproduced(gate, who, f"{where}.{attr}")
+        elif not same_code(gate, {_ROUTER_OF[kind]: _HOME[kind]}):
+            raise ValueError(
+                f"{who}: {where}.{attr} is a {gate.__name__} (from {gate.__module__}), not the {kind}'s own "
+                f"{_ROUTER_OF[kind]} nor a copy of its code: {who} computes the router logits HF's loss reads as "
+                f"that class does (the linear map of its weight and bias), so what yours computes otherwise would "
+                f"be left out without an error. Use the model's router, or leave {who} out"
+            )
     experts, want = type(block.experts), {_EXPERTS_OF[kind]: _HOME[kind]}
     if experts.__name__ == _EXPERTS_OF[kind] and experts.__module__ == _HOME[kind]:
         check_reproduced(experts, who, f"{where}.experts")
@@ -196,65 +241,3 @@ def _check_reproduced_parts(block: nn.Module, kind: str, who: str, where: str) -
             f"what yours computes otherwise would be left out without an error. Use the model's experts, or "
             f"leave {who} out"
         )
-
-
-def _router(module: Any, kind: str) -> tuple[Callable[[torch.Tensor], torch.Tensor], str, Any]:
-    """(the router's logits of flat tokens, the router's name, the experts' activation) of a block."""
-    if kind == "TopKMoE":
-        router = "softmax_topk_renormalized" if module.normalize else "softmax_topk"
-        return module.gate, router, F.silu
-    # HF's routers take their softmax, top k and renormalization in float32 whatever the dtype: so does this.
-    renormalized = kind == "MixtralSparseMoeBlock" or bool(module.gate.norm_topk_prob)
-    router = "softmax_topk_renormalized" if renormalized else "softmax_topk"
-    return lambda x: F.linear(x, module.gate.weight).float(), router, module.experts.act_fn
-
-
-class EPForward:
-    """A block's forward with its experts split over ``axis``: router, then moe_dispatch_combine.
-
-    The all-to-alls carry ``slots`` rows per (rank, expert), fixed at their bound: the capacity when
-    there is one, else the rank's token count (a token picks an expert once), so the bytes do not
-    depend on the routing and the Plan states them exactly."""
-
-    def __init__(self, module: nn.Module, block: Block, axis: str, capacity_factor: float | None, where: str,
-                 drop_per_rank: bool = False) -> None:
-        self.module, self.block, self.axis, self.where = module, block, axis, where
-        self.capacity_factor, self.drop_per_rank = capacity_factor, drop_per_rank
-
-    def __call__(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        m: Any = self.module  # a known block (find_blocks): its router and experts are there
-        if self.block.kind == "MixtralSparseMoeBlock" and m.training and m.jitter_noise > 0:
-            raise ValueError(
-                f"expert_parallel: {self.where} has router_jitter_noise={m.jitter_noise}, which scales each token by "
-                "random noise in training; set config.router_jitter_noise = 0"
-            )
-        flat = hidden_states.reshape(-1, hidden_states.shape[-1])
-        n, top_k = flat.shape[0], int(m.top_k if hasattr(m, "top_k") else m.gate.top_k)
-        capacity = expert_capacity(n, top_k, self.block.num_experts, self.capacity_factor)
-        if self.block.kind in OWN_ROUTER:  # the model's own router, as its forward calls it
-            logits, weights, experts = m.gate(hidden_states)
-            routed: dict[str, Any] = {"routing": Routing(experts, weights)}
-            act = m.experts.act_fn
-        else:
-            logits_of, router, act = _router(m, self.block.kind)
-            logits, routed = logits_of(flat), {"router": router}
-        out = moe_dispatch_combine(
-            flat, logits, m.experts.gate_up_proj, m.experts.down_proj, self.axis, top_k=top_k,
-            capacity_factor=self.capacity_factor, act=act, slots=max(1, n if capacity is None else min(capacity, n)),
-            aux_loss=False, **routed,
-        )
-        if out.dropped and not self.drop_per_rank:
-            raise ValueError(
-                f"expert_parallel(capacity_factor={self.capacity_factor!r}): {self.where} would drop {out.dropped} "
-                f"token assignments over its experts' capacity (ceil({self.capacity_factor!r} x tokens x top_k / "
-                f"{self.block.num_experts}), counted per rank over the rank's own tokens). Which ones drop depends on "
-                "how the mesh cuts the batch, and the single-device step drops none: this step would train another "
-                "model, without an error. Pass expert_parallel(..., drop_per_rank=True) to drop them knowingly, or "
-                "a larger capacity_factor (None drops nothing)"
-            )
-        output = out.output
-        if self.block.kind == "Qwen2MoeSparseMoeBlock":  # the shared expert: dense, on this rank's tokens
-            output = output + torch.sigmoid(m.shared_expert_gate(flat)) * m.shared_expert(flat)
-        elif self.block.kind in OWN_ROUTER:  # DeepSeek-V3's shared experts: dense, ungated
-            output = output + m.shared_experts(flat)
-        return output.view(hidden_states.shape)

@@ -28,7 +28,7 @@ from ...engine.stack import in_layer
 from . import comm, own_block
 from .aux_loss import load_balancing_loss
 from .capacity import assign_slots, expert_capacity
-from .experts import Activation, run_experts
+from .experts import Activation, ExpertsFn, run_experts
 from .router import Routing, check_router, route
 
 
@@ -57,6 +57,7 @@ def moe_dispatch_combine(
     slots: int | None = None,
     aux_loss: bool = True,
     routing: Routing | None = None,
+    experts: ExpertsFn | None = None,
 ) -> MoEOutput:
     """A mixture-of-experts layer on this rank's ``tokens`` [n, hidden] with the experts split over ``axis``.
 
@@ -82,6 +83,11 @@ def moe_dispatch_combine(
     softmax over ``router_logits`` (which then give only the expert count); it has no softmax for the
     load-balancing loss, so ``aux_loss`` must be False.
 
+    ``experts``: this rank's experts applied to the rows each received ([local experts, rows, hidden] to the
+    same), in place of :func:`run_experts` of ``gate_up_proj`` and ``down_proj`` with ``act``: experts of
+    another layout (GPT-OSS's, transposed, interleaved, with biases: :func:`run_gpt_oss_experts`). The two
+    weights then give only this rank's expert count (their dim 0), which must be ``E / ep``.
+
     >>> import torch, shardwise as sw
     >>> from shardwise.transforms.expert_parallel import moe_dispatch_combine, shard_experts
     >>> gen = torch.Generator().manual_seed(0)
@@ -97,7 +103,7 @@ def moe_dispatch_combine(
     (torch.Size([4, 4]), 16, 0)
     """
     ep = _axis_size(axis, mesh)
-    num_experts = _check(tokens, router_logits, gate_up_proj, down_proj, axis, top_k, ep)
+    num_experts = _check(tokens, router_logits, gate_up_proj, down_proj, axis, top_k, ep, experts is None)
     check_router(router)
     local_experts = num_experts // ep
     n, hidden = tokens.shape
@@ -123,7 +129,7 @@ def moe_dispatch_combine(
     received = comm.exchange(laid[:-1], axis, "moe dispatch", mesh)
 
     by_expert = received.view(ep, local_experts, width, hidden).transpose(0, 1).reshape(local_experts, -1, hidden)
-    computed = run_experts(by_expert, gate_up_proj, down_proj, act)
+    computed = run_experts(by_expert, gate_up_proj, down_proj, act) if experts is None else experts(by_expert)
     by_source = computed.view(local_experts, ep, width, hidden).transpose(0, 1).reshape(-1, hidden)
     back = comm.exchange(by_source, axis, "moe combine", mesh)
 
@@ -213,6 +219,7 @@ def _check(
     axis: str,
     top_k: object,
     ep: int,
+    mixtral_layout: bool = True,
 ) -> int:
     """The number of experts, after checking every argument against the others."""
     for name, t, ndim in (("tokens", tokens, 2), ("router_logits", logits, 2), ("gate_up_proj", gate_up, 3),
@@ -232,8 +239,15 @@ def _check(
             f"use an expert count that is a multiple of {ep}, or a smaller axis"
         )
     local = num_experts // ep
+    if not mixtral_layout and not gate_up.shape[0] == down.shape[0] == local:
+        raise ValueError(
+            f"moe_dispatch_combine: with {num_experts} experts over {ep} ranks, this rank's expert weights must "
+            f"hold {local} experts on dim 0; got gate_up_proj {tuple(gate_up.shape)} and down_proj "
+            f"{tuple(down.shape)} (cut them with shard_experts)"
+        )
     intermediate = down.shape[2]
-    if gate_up.shape != (local, 2 * intermediate, hidden) or down.shape != (local, hidden, intermediate):
+    mixtral_shapes = gate_up.shape == (local, 2 * intermediate, hidden) and down.shape == (local, hidden, intermediate)
+    if mixtral_layout and not mixtral_shapes:
         raise ValueError(
             f"moe_dispatch_combine: with {num_experts} experts over {ep} ranks and hidden {hidden}, this rank's "
             f"gate_up_proj must be ({local}, 2 * intermediate, {hidden}) and down_proj ({local}, {hidden}, "

@@ -4,17 +4,22 @@
 intermediate]; expert ``e`` maps a row ``x`` to ``down[e] @ (act(gate) * up)`` with
 ``gate, up = (gate_up[e] @ x).chunk(2)``. Under expert parallelism rank ``r`` of ``n`` owns the
 contiguous experts ``r * E/n .. (r+1) * E/n - 1``.
+
+GPT-OSS's experts (``GptOssExperts``) are laid out otherwise and carry biases: :func:`run_gpt_oss_experts`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from ...collectives import Mesh, axis_index, axis_size
 
 Activation = Callable[[torch.Tensor], torch.Tensor]
+# This rank's experts applied to their rows: [local experts, rows, hidden] -> the same shape.
+ExpertsFn = Callable[[torch.Tensor], torch.Tensor]
 
 
 def shard_experts(weight: torch.Tensor, axis: str, *, mesh: Mesh | None = None) -> torch.Tensor:
@@ -40,3 +45,12 @@ def run_experts(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Te
     """Expert ``e`` applied to the rows ``x[e]``: x is [experts, rows, hidden], the result too (batched matmuls)."""
     gate, up = torch.bmm(x, gate_up_proj.transpose(1, 2)).chunk(2, dim=-1)
     return torch.bmm(act(gate) * up, down_proj.transpose(1, 2))
+
+
+def run_gpt_oss_experts(x: torch.Tensor, experts: Any) -> torch.Tensor:
+    """HF ``GptOssExperts.forward`` on the rows ``x[e]`` of each of this rank's experts (x [experts, rows, hidden]):
+    ``gate_up_proj`` [E, hidden, 2I] (gate and up interleaved) and ``down_proj`` [E, I, hidden] multiply from the
+    right, each plus its bias [E, 2I] / [E, hidden], and the experts' own ``_apply_gate`` (its clamped SwiGLU,
+    ``alpha`` and ``limit``) runs between them, called as it is. The rows are weighted after, by the combine."""
+    gate_up = torch.bmm(x, experts.gate_up_proj) + experts.gate_up_proj_bias.unsqueeze(1)
+    return torch.bmm(experts._apply_gate(gate_up), experts.down_proj) + experts.down_proj_bias.unsqueeze(1)

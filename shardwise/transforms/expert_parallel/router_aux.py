@@ -48,7 +48,7 @@ from ...engine.stack.batch_term import WithBatchTerm, counted_tokens
 from ...engine.stack.compose import REWRITE, add
 from ...engine.step.batch_cut import PER_SHARD_MEAN
 from ...engine.step.step import Step
-from .blocks import Block, find_blocks
+from .blocks import Block, find_blocks, router_of
 from .router_stats import Carried, RouterStats, collecting, report, zeros_like_stats
 from .spec import resolve
 
@@ -203,9 +203,22 @@ class ReportRouter:
                 "each token by random noise before its router in training: the aux loss, computed from the block's "
                 "input, would not be HF's (of the jittered logits); set config.router_jitter_noise = 0"
             )
+        if self.block.kind == "PhimoeSparseMoeBlock" and m.training:
+            for noise in (m.input_jitter_noise, m.router.input_jitter_noise):
+                if noise > 0:  # the draws of sparsemixer do not change the logits HF's loss reads; this does
+                    raise ValueError(
+                        f"router_aux_loss: a PhimoeSparseMoeBlock has input_jitter_noise={noise}, which scales each "
+                        "token by random noise before its router in training: the aux loss, computed from the "
+                        "block's input, would not be HF's (of the jittered logits); set config.input_jitter_noise = 0"
+                    )
         flat = hidden_states.reshape(-1, hidden_states.shape[-1])
-        logits = m.gate(flat) if self.block.kind == "TopKMoE" else F.linear(flat, m.gate.weight)
-        report(logits, int(m.top_k if hasattr(m, "top_k") else m.gate.top_k), self.block.kind)
+        if self.block.kind == "TopKMoE":
+            logits, top_k = m.gate(flat), m.top_k
+        else:  # the logits HF records for its loss: the router's linear map (GPT-OSS's with its bias)
+            router = router_of(m, self.block.kind)
+            logits = F.linear(flat, router.weight, getattr(router, "bias", None))
+            top_k = m.top_k if hasattr(m, "top_k") else router.top_k
+        report(logits, int(top_k), self.block.kind)
         if self.inner is not None:
             return self.inner(hidden_states, *args, **kwargs)
         return type(m).forward(m, hidden_states, *args, **kwargs)
@@ -248,7 +261,8 @@ def router_aux_loss(step: Step, coef: float, *, per_microbatch: bool = False) ->
     Qwen2-MoE's ``output_router_logits=True`` with ``router_aux_loss_coef=coef``, over the whole batch.
 
     ``aux = E * sum_e f_e * P_e`` pools every MoE block of the chain (TopKMoE, HF MixtralSparseMoeBlock,
-    Qwen2MoeSparseMoeBlock, OlmoeSparseMoeBlock, Qwen3MoeSparseMoeBlock; all with ``E`` experts): ``f_e``
+    Qwen2MoeSparseMoeBlock, OlmoeSparseMoeBlock, Qwen3MoeSparseMoeBlock, JambaSparseMoeBlock, GptOssMLP
+    (its router's logits with their bias), PhimoeSparseMoeBlock; all with ``E`` experts): ``f_e``
     is the share of the top-k assignments that went to expert ``e`` and ``P_e`` its mean router
     probability, over every token of every block. On
     one device it is HF's loss; under ``expert_parallel`` and ``shard_params`` (each, or both) it is counted once over

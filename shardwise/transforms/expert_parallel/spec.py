@@ -18,7 +18,8 @@ from ...engine.model.module_call import ThreadReplicas, kept_in_copies, module_f
 from ...engine.stack.compose import SPLIT
 from ...engine.stack.in_layer import grad_summed
 from ...engine.stack.roles import BatchCut
-from .blocks import OWN, Block, EPForward, find_blocks
+from .block_forward import EPForward
+from .blocks import OWN, Block, find_blocks
 from .own_block import OwnForward
 
 Blocks = dict[str, tuple[Block, ...]]  # layer name -> its MoE blocks
@@ -67,7 +68,8 @@ def _find(chain: Chain, who: str) -> Blocks:
         raise ValueError(
             f"{who}: the step's chain has no mixture-of-experts block (a module with fused experts "
             "experts.gate_up_proj / experts.down_proj: TopKMoE, HF MixtralSparseMoeBlock, "
-            "Qwen2MoeSparseMoeBlock, OlmoeSparseMoeBlock, Qwen3MoeSparseMoeBlock); nothing to do"
+            "Qwen2MoeSparseMoeBlock, OlmoeSparseMoeBlock, Qwen3MoeSparseMoeBlock, DeepseekV3MoE, Glm4MoeMoE, "
+            "JambaSparseMoeBlock, GptOssMLP, PhimoeSparseMoeBlock); nothing to do"
         )
     return found
 
