@@ -49,7 +49,7 @@ def tensor_parallel(
     vocabulary-split embedding's lookups are reduce-scattered into the first block and the head's
     input gradient is reduce-scattered out of the last, as torch's DTensor plan does. A Hugging Face
     mixture-of-experts block the plan leaves whole runs on the slice too, its experts replicated
-    (their code known to compute each token alone: ``engine/model/token_wise.py``).
+    (transformers' fused experts, whose code is known to compute each token alone and drop none).
 
     When the head leaves the logits split (``Colwise(output="sharded")``), ``loss_fn`` must compute
     its cross-entropy with :func:`vocab_parallel_cross_entropy`; a step whose loss does not is refused.
