@@ -15,15 +15,21 @@ mask the layer reading the batch made (a ``TokenMask`` in the mask's place).
 
 The function refuses, naming the module, the setting and the fix, what it cannot compute exactly: an
 argument it does not know (each is listed: none is ignored unread), a sliding window shorter than the
-sequence, a soft cap of the scores (Gemma-2), attention sinks (GPT-OSS's ``s_aux``), a head mask, a
-position bias, attention dropout in training, a cross-attention, a mask it did not make, a model not
-built on ``sdpa`` (whose masks are not the ones it reads). A module whose config names :data:`NAME`
+sequence, a layer of another kind (Llama-4's chunked attention), a soft cap of the scores (Gemma-2),
+attention sinks (GPT-OSS's ``s_aux``), a head mask, a position bias, attention dropout in training, a
+cross-attention, a mask it did not make, a model not built on ``sdpa`` (whose masks are not the ones it
+reads); and, when the transform is applied, a forward that reads the layer's position ids itself
+(Ministral-3 scales its queries by them), which count the rank's own tokens. A module whose config names :data:`NAME`
 without being taken over by context_parallel is computed as transformers' ``sdpa``.
 """
 
 from __future__ import annotations
 
+import ast
 import copy
+import functools
+import inspect
+import textwrap
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,6 +93,47 @@ def calls_attention_interface(module: nn.Module) -> bool:
     from transformers import AttentionInterface
 
     return forward_uses(module, lambda obj: isinstance(obj, AttentionInterface))
+
+
+# Per-token positions a layer receives: under context_parallel they count the rank's own tokens (unless the
+# batch gave them), which only the rotary embeddings are fed as global positions (GlobalPositions).
+_POSITIONS = ("position_ids", "cache_position")
+
+
+def refuse_reading_positions(module: nn.Module, where: str) -> None:
+    """Refuse an attention whose forward reads the layer's position ids itself (Ministral-3 scales its
+    queries by them, Llama-4 style): they count the rank's own tokens, not their place in the sequence, and
+    the module would compute another model without an error. Passing them on to the attention function it
+    fetched (``position_ids=position_ids``, for flash attention) is not reading them."""
+    read = _positions_read(inspect.unwrap(type(module).forward))
+    if read is not None:
+        raise ValueError(
+            f"context_parallel: {where} ({type(module).__name__}) reads {read} in its forward (beyond passing "
+            "them to its attention function); under context_parallel they count the rank's own tokens, not "
+            "their place in the sequence, so it would compute another model. Leave context_parallel out for "
+            "this model"
+        )
+
+
+@functools.cache
+def _positions_read(forward: Any) -> str | None:
+    """The first of :data:`_POSITIONS` ``forward``'s code reads other than as a keyword passed to a function
+    it holds in a local variable (the attention function it fetched); its source unread counts as reading."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
+    except (OSError, TypeError, SyntaxError):
+        return _POSITIONS[0]
+    local = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    passed = {id(k.value) for call in ast.walk(tree) if isinstance(call, ast.Call)
+              and isinstance(call.func, ast.Name) and call.func.id in local for k in call.keywords
+              if k.arg in _POSITIONS and isinstance(k.value, ast.Name) and k.value.id == k.arg}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and node.id in _POSITIONS and isinstance(node.ctx, ast.Load) \
+                and id(node) not in passed:
+            return node.id
+        if isinstance(node, ast.Constant) and node.value in _POSITIONS:  # kwargs["position_ids"], .get(...)
+            return str(node.value)
+    return None
 
 
 def point_at_split_attention(module: nn.Module, settings: SplitAttention) -> None:
@@ -154,6 +201,13 @@ def _refuse_settings(who: str, module: nn.Module, kwargs: dict[str, Any], sequen
             f"{who} drops attention probabilities in training (dropout={dropout}, config.attention_dropout); ring and "
             "Ulysses attention have no dropout: set config.attention_dropout = 0, or train it with model.eval()"
         )
+    kind = _layer_type(module)
+    if kind is not None and kind not in ("full_attention", "sliding_attention"):
+        raise ValueError(
+            f"{who} is a {kind!r} layer (config.layer_types), whose mask the model makes for the rank's part of "
+            "the sequence alone; context_parallel splits full and sliding-window attention only: leave "
+            "context_parallel out for this model"
+        )
     window = _window(module, kwargs)
     if window is not None and window < sequence:
         raise ValueError(
@@ -168,14 +222,20 @@ def _window(module: nn.Module, kwargs: dict[str, Any]) -> int | None:
     or the config's where its ``layer_types`` mark the layer sliding (a window the model may apply only by
     the mask it makes, which a rank's shorter part does not need)."""
     m: Any = module
-    config = getattr(m, "config", None)
     hints = [kwargs.get("sliding_window"), getattr(m, "sliding_window", None)]
-    kinds, index = getattr(config, "layer_types", None), getattr(m, "layer_idx", None)
-    if isinstance(kinds, (list, tuple)) and isinstance(index, int) and 0 <= index < len(kinds) \
-            and kinds[index] == "sliding_attention":
-        hints.append(getattr(config, "sliding_window", None))
+    if _layer_type(module) == "sliding_attention":
+        hints.append(getattr(m.config, "sliding_window", None))
     windows = [int(w) for w in hints if isinstance(w, int) and not isinstance(w, bool) and w > 0]
     return min(windows) if windows else None
+
+
+def _layer_type(module: nn.Module) -> str | None:
+    """The layer's kind in its config's ``layer_types`` (full, sliding, chunked attention, ...), if given."""
+    m: Any = module
+    kinds, index = getattr(getattr(m, "config", None), "layer_types", None), getattr(m, "layer_idx", None)
+    if isinstance(kinds, (list, tuple)) and isinstance(index, int) and 0 <= index < len(kinds):
+        return str(kinds[index])
+    return None
 
 
 def _mask(who: str, attention_mask: Any) -> TokenMask | None:

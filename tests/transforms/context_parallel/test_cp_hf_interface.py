@@ -75,6 +75,7 @@ def family_step(family: str, **extra: Any) -> tuple[sw.Step, Any, list[Any]]:
     ("Olmo", "ring", {"clip_qkv": 0.05}),  # its forward clamps q, k, v
     ("Cohere", "ring", {"use_qk_norm": True}),  # a LayerNorm per head, interleaved rotary, parallel block
     ("Starcoder2", "ulysses", {}),  # biases, LayerNorms
+    ("StableLm", "ring", {"partial_rotary_factor": 0.5}),  # passes position_ids on to the function, unread
 ])
 def test_an_attention_calling_the_attention_interface_equals_the_single_device_step(
     family: str, attention: str, extra: dict[str, Any],
@@ -98,6 +99,22 @@ def test_over_dp_by_cp_with_zero3_equals_the_single_device_step() -> None:
     step, params, batches = family_step("Cohere")
     composed = sw.shard_params(sw.context_parallel(step, "cp"), "dp", 3)
     sw.testing.assert_equivalent(composed, step, sw.Mesh(dp=2, cp=2), batches, params)
+
+
+@pytest.mark.parametrize("attention", ["ring", "ulysses"])
+def test_cohere_over_cp_by_tp_equals_the_single_device_step(attention: str) -> None:
+    """tensor_parallel's Region calls the attention's own forward on the rank's heads, which calls the split
+    function over cp."""
+    step, params, batches = family_step("Cohere")
+    composed = sw.tensor_parallel(sw.context_parallel(step, "cp", attention=attention), "tp",
+                                  sw.tp.llama_plan(vocab_parallel=False))
+    sw.testing.assert_equivalent(composed, step, sw.Mesh(cp=2, tp=2), batches, params)
+
+
+def test_phi3_over_pp_by_cp_equals_the_single_device_step() -> None:
+    step, params, batches = family_step("Phi3")
+    piped = sw.pipeline(sw.context_parallel(step, "cp"), "pp", schedule="1f1b", microbatches=2)
+    sw.testing.assert_equivalent(piped, step, sw.Mesh(pp=2, cp=2), batches, params)
 
 
 @pytest.mark.parametrize("attention", ["ring", "ulysses"])
@@ -166,6 +183,18 @@ def test_gemma2_soft_capped_scores_are_refused() -> None:
                                          r" of the scores") as info:
         sw.context_parallel(step, "cp").plan(sw.Mesh(cp=2), params, batches[0])
     assert "attn_implementation" not in str(info.value)
+
+
+def test_an_attention_reading_the_position_ids_itself_is_refused() -> None:
+    """Ministral-3 scales its queries by a function of position_ids (Llama-4's attention scaling), which
+    count the rank's own tokens under context_parallel: it trained another model without an error (the loss
+    differed from the single device's by 5e-7 relative, with original_max_position_embeddings 4)."""
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "llama_4_scaling_beta": 0.5,
+            "original_max_position_embeddings": 4}
+    step, _, _ = family_step("Ministral3", head_dim=4, rope_parameters=rope)
+    with pytest.raises(ValueError, match=r"self_attn \(Ministral3Attention\) reads position_ids in its forward \("
+                                         r"beyond passing them to its attention function\)"):
+        sw.context_parallel(step, "cp")
 
 
 def test_attention_dropout_in_training_is_refused() -> None:
@@ -264,6 +293,20 @@ def test_what_it_cannot_compute_exactly_is_refused(kwargs: dict[str, Any], mask:
                                implementation="sdpa")
     with pytest.raises(ValueError, match=r"context_parallel: layer 0: attn \(Module\) " + match):
         hf_interface.split_attention_forward(module, q, k, v, mask, **kwargs)
+
+
+def test_a_layer_of_another_kind_than_full_or_sliding_attention_is_refused() -> None:
+    """Llama-4's chunked attention is a mask the model makes (for the rank's part alone, which may fit in a
+    chunk: then no mask at all); the attention function is not told."""
+    q, k, v = torch.randn(3, 2, 4, 16, 4, dtype=torch.float64).unbind(0)
+    module = _attention_module(axis="cp", attention="ring", balanced=True, where="a", implementation="sdpa")
+    module.config = T.PretrainedConfig()  # type: ignore[assignment]
+    module.config.layer_types = ["full_attention", "chunked_attention"]
+    module.layer_idx = 1  # type: ignore[assignment]
+    with pytest.raises(ValueError, match=r"is a 'chunked_attention' layer \(config.layer_types\)"):
+        hf_interface.split_attention_forward(module, q, k, v, None)
+    module.layer_idx = 0  # type: ignore[assignment]
+    hf_interface.split_attention_forward(module, q, k, v, None)  # a full-attention layer
 
 
 def test_a_cross_attention_is_refused() -> None:
