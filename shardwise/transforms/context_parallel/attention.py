@@ -47,7 +47,7 @@ from ...engine.model.module_call import module_fn
 from ...engine.model.reproduced import check_reproduced, same_code
 from ...engine.stack import in_layer
 from .comm import attend
-from .hf_interface import calls_attention_interface, refuse_reading_positions
+from .hf_interface import calls_attention_interface, refuse_unsplittable_forward
 from .layout import shard_order
 from .masks import TokenMask, is_carried
 from .ring import ring_attention
@@ -91,7 +91,7 @@ def find_parts(layer: Layer, positions: tuple[str, ...]) -> LayerParts | None:
                 _refuse_length_dependent_rope(sub, f"{layer.name}: {path}")
                 rotaries.append(path)
             elif not inside and not _reproduced(sub) and calls_attention_interface(sub):
-                refuse_reading_positions(sub, f"{layer.name}: {path}")
+                refuse_unsplittable_forward(sub, f"{layer.name}: {path}")
                 interfaced.append(path)
             elif not inside and any(known(sub, f"{layer.name}: {path}") for known in (_known, _known_hf, _known_gpt2)):
                 attentions.append(path)

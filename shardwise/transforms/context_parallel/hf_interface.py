@@ -19,7 +19,8 @@ sequence, a layer of another kind (Llama-4's chunked attention), a soft cap of t
 attention sinks (GPT-OSS's ``s_aux``), a head mask, a position bias, attention dropout in training, a
 cross-attention, a mask it did not make, a model not built on ``sdpa`` (whose masks are not the ones it
 reads); and, when the transform is applied, a forward that reads the layer's position ids itself
-(Ministral-3 scales its queries by them), which count the rank's own tokens. A module whose config names :data:`NAME`
+(Ministral-3 scales its queries by them), which count the rank's own tokens, or that branches on the
+``sdpa`` implementation (a branch the single-device step takes and the split one would not). A module whose config names :data:`NAME`
 without being taken over by context_parallel is computed as transformers' ``sdpa``.
 """
 
@@ -100,12 +101,21 @@ def calls_attention_interface(module: nn.Module) -> bool:
 _POSITIONS = ("position_ids", "cache_position")
 
 
-def refuse_reading_positions(module: nn.Module, where: str) -> None:
-    """Refuse an attention whose forward reads the layer's position ids itself (Ministral-3 scales its
-    queries by them, Llama-4 style): they count the rank's own tokens, not their place in the sequence, and
-    the module would compute another model without an error. Passing them on to the attention function it
-    fetched (``position_ids=position_ids``, for flash attention) is not reading them."""
-    read = _positions_read(inspect.unwrap(type(module).forward))
+def refuse_unsplittable_forward(module: nn.Module, where: str) -> None:
+    """Refuse, from its code, an attention whose forward branches on the sdpa implementation (the
+    single-device step takes that branch; the split one, under another name, would not), or reads the
+    layer's position ids itself (Ministral-3 scales its queries by them, Llama-4 style): they count the
+    rank's own tokens, not their place in the sequence, and the module would compute another model without
+    an error. Passing them on to the attention function it fetched (``position_ids=position_ids``, for
+    flash attention) is not reading them."""
+    forward = inspect.unwrap(type(module).forward)
+    if _names_sdpa(forward):
+        raise ValueError(
+            f"context_parallel: {where} ({type(module).__name__}) branches on attn_implementation 'sdpa' in its "
+            "forward, a branch the single-device step takes and the split one (another implementation's name) "
+            "would not. Leave context_parallel out for this model"
+        )
+    read = _positions_read(forward)
     if read is not None:
         raise ValueError(
             f"context_parallel: {where} ({type(module).__name__}) reads {read} in its forward (beyond passing "
@@ -113,6 +123,16 @@ def refuse_reading_positions(module: nn.Module, where: str) -> None:
             "their place in the sequence, so it would compute another model. Leave context_parallel out for "
             "this model"
         )
+
+
+@functools.cache
+def _names_sdpa(forward: Any) -> bool:
+    """Whether ``forward``'s code holds a string naming sdpa (``config._attn_implementation == "sdpa"``)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
+    except (OSError, TypeError, SyntaxError):
+        return True
+    return any(isinstance(n, ast.Constant) and isinstance(n.value, str) and "sdpa" in n.value for n in ast.walk(tree))
 
 
 @functools.cache

@@ -197,6 +197,29 @@ def test_an_attention_reading_the_position_ids_itself_is_refused() -> None:
         sw.context_parallel(step, "cp")
 
 
+ALL_ATTENTION_FUNCTIONS = T.modeling_utils.ALL_ATTENTION_FUNCTIONS
+
+
+def _sdpa_branching_forward(self: Any, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    assert ALL_ATTENTION_FUNCTIONS is not None  # named, as transformers' attention forwards name it
+    if self.config._attn_implementation == "sdpa":  # a branch the split attention (another name) would not take
+        hidden_states = 2 * hidden_states
+    return T.models.phi3.modeling_phi3.Phi3Attention.forward(self, hidden_states, *args, **kwargs)
+
+
+def test_an_attention_branching_on_the_sdpa_implementation_is_refused() -> None:
+    """Some transformers attentions (SAM's, EdgeTAM's, Dots3's) take a branch of their own on sdpa, which the
+    single-device step takes and a module pointed at the split function would not."""
+    built = model("Phi3")
+    cls = type("BranchingAttention", (T.models.phi3.modeling_phi3.Phi3Attention,),
+               {"forward": _sdpa_branching_forward, "__module__": "transformers.models.branching.modeling_branching"})
+    for layer in built.model.layers:
+        layer.self_attn.__class__ = cls
+    step, _ = split(built, token_batches()[0][0])
+    with pytest.raises(ValueError, match=r"self_attn \(BranchingAttention\) branches on attn_implementation 'sdpa'"):
+        sw.context_parallel(step, "cp")
+
+
 def test_attention_dropout_in_training_is_refused() -> None:
     step, params, batches = family_step("Phi3", attention_dropout=0.1)
     refused_at_the_plan(step, params, batches[0], r"self_attn \(Phi3Attention\) drops attention probabilities in "
