@@ -31,11 +31,17 @@ from torch import nn
 
 def forward_calls(module: nn.Module, functions: Collection[Callable[..., Any]]) -> bool:
     """Whether the forward of ``module``'s class names one of ``functions`` (see the module docstring)."""
+    wanted = {id(f) for f in functions}
+    return forward_uses(module, lambda obj: id(obj) in wanted)
+
+
+def forward_uses(module: nn.Module, test: Callable[[Any], bool]) -> bool:
+    """Whether the forward of ``module``'s class names an object for which ``test`` holds (an instance of a
+    dispatch table's class, as transformers' ``ALL_ATTENTION_FUNCTIONS``)."""
     forward = inspect.unwrap(getattr(type(module), "forward", None) or (lambda: None))
     if not isinstance(forward, types.FunctionType):
         return False
-    wanted = {id(f) for f in functions}
-    return any(id(obj) in wanted for obj in _named_objects(forward))
+    return any(test(obj) for obj in _named_objects(forward))
 
 
 def _named_objects(fn: types.FunctionType) -> Iterator[Any]:

@@ -13,7 +13,9 @@ the way both expect; ``volumes.py`` gives the bytes each sends. Both take a :cla
 (:func:`token_mask`): padding and packed sequences.
 
 :func:`context_parallel` is the transform (``spec.py``): a SPLIT over its axis that cuts every
-sequence of the batch, no parameter; its attention layers run one of the two functions here, its
+sequence of the batch, no parameter; its attention layers run one of the two functions here (a
+transformers attention it does not reproduce, through transformers' ``AttentionInterface``:
+``hf_interface.py``), its
 position tables are read at the rank's global positions, and every gradient is summed over the axis.
 """
 
@@ -47,7 +49,14 @@ def context_parallel(
     class with the same parts is refused) attend over
     the whole sequence by ``attention="ring"`` (key/value slices passed round the ring, ``n - 1`` ppermutes each way) or
     ``"ulysses"`` (all-to-alls to a head split and back; the axis size must divide the query heads, and
-    key/value heads it does not divide go as copies within their groups). A module of
+    key/value heads it does not divide go as copies within their groups). Any other attention of a
+    transformers model (a class of ``transformers.models.*``: Phi-3's, OLMo-2's, Cohere's, StarCoder2's, ...)
+    whose forward calls transformers' ``AttentionInterface`` runs its own forward, pointed at an attention
+    function registered there that attends over the whole sequence the same way (a copy of the module's
+    config in the split layer names it, nothing shared changes); what that function
+    cannot compute exactly (a sliding window shorter than the sequence, soft-capped scores, attention sinks,
+    attention dropout in training, a model not built on sdpa, an argument it does not know) is refused at
+    the Plan or the first step, naming the module and the fix. A module of
     any class whose forward calls :func:`ring_attention` / :func:`ulysses_attention` over ``axis`` itself
     is kept as written (outside any mesh both are plain attention: its single-device step). Position
     tables (parameters, or fixed buffers, named ``positions``, read at rows ``0 .. t - 1``) are read, and Hugging Face

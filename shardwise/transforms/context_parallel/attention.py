@@ -12,7 +12,10 @@ forward was checked equal to the one installed, or a transformers class whose fo
 line for line (another model's copy: GLM-4's, ERNIE 4.5's; ``engine/model/reproduced.py``); another
 class with the same parts is refused.
 Each takes the padding / packed-sequence mask the layer reading the batch made
-(a :class:`TokenMask` in the mask's place). Any other module whose class name ends in
+(a :class:`TokenMask` in the mask's place). Any other transformers attention (a class whose forward is
+defined in ``transformers.models.*``) whose forward calls an ``AttentionInterface`` (Phi-3's, OLMo-2's,
+Cohere's, ...) is kept as written and pointed at the split attention function registered there
+(:attr:`LayerParts.interfaced`, ``hf_interface.py``). Any other module whose class name ends in
 ``Attention`` is refused, naming it: left as it is it would attend within the rank's part of the
 sequence only. A module of any class whose own forward calls :func:`ring_attention` or
 :func:`ulysses_attention` (``engine/model/calls.py`` reads its code) already attends over the whole
@@ -44,6 +47,7 @@ from ...engine.model.module_call import module_fn
 from ...engine.model.reproduced import check_reproduced, same_code
 from ...engine.stack import in_layer
 from .comm import attend
+from .hf_interface import calls_attention_interface, refuse_unsplittable_forward
 from .layout import shard_order
 from .masks import TokenMask, is_carried
 from .ring import ring_attention
@@ -61,6 +65,9 @@ class LayerParts:
     tables: tuple[str, ...]
     rotaries: tuple[str, ...] = ()
     own: tuple[str, ...] = ()  # modules whose own forward calls ring_attention / ulysses_attention: kept as written
+    # transformers attentions it does not reproduce, whose own forward calls an AttentionInterface: kept as
+    # written, pointed at the split attention function (hf_interface.py)
+    interfaced: tuple[str, ...] = ()
 
 
 def find_parts(layer: Layer, positions: tuple[str, ...]) -> LayerParts | None:
@@ -73,15 +80,19 @@ def find_parts(layer: Layer, positions: tuple[str, ...]) -> LayerParts | None:
     attentions: list[str] = []
     rotaries: list[str] = []
     own: list[str] = []
+    interfaced: list[str] = []
     if isinstance(module, nn.Module):
         for path, sub in module.named_modules():
             # Inside a module that attends over the whole sequence itself, the parts are its own to call.
-            inside = any(path.startswith(p + ".") for p in (*attentions, *own))
+            inside = any(path.startswith(p + ".") for p in (*attentions, *own, *interfaced))
             if not inside and forward_calls(sub, SPLIT_ATTENTIONS):
                 own.append(path)
             elif type(sub).__name__.endswith("RotaryEmbedding"):  # inside one too: it rotates by positions
                 _refuse_length_dependent_rope(sub, f"{layer.name}: {path}")
                 rotaries.append(path)
+            elif not inside and not _reproduced(sub) and calls_attention_interface(sub):
+                refuse_unsplittable_forward(sub, f"{layer.name}: {path}")
+                interfaced.append(path)
             elif not inside and any(known(sub, f"{layer.name}: {path}") for known in (_known, _known_hf, _known_gpt2)):
                 attentions.append(path)
             elif type(sub).__name__.endswith("Attention") and not inside:
@@ -90,13 +101,20 @@ def find_parts(layer: Layer, positions: tuple[str, ...]) -> LayerParts | None:
                     "which it cannot split over the sequence (it knows causal self-attentions with qkv, proj, "
                     "head_dim and a lower-triangular mask buffer: TinyGPT's CausalSelfAttention; Hugging Face "
                     "causal attentions with q_proj, k_proj, v_proj, o_proj on attn_implementation='sdpa': "
-                    "Llama's; and GPT-2's fused c_attn / c_proj self-attention on sdpa); rewrite its forward to "
+                    "Llama's; GPT-2's fused c_attn / c_proj self-attention on sdpa; and transformers attentions "
+                    "whose own forward calls the AttentionInterface); rewrite its forward to "
                     "call ring_attention / ulysses_attention (over the transform's axis) in place of its "
                     "attention, or leave context_parallel out"
                 )
-    if not attentions and not tables and not rotaries and not own:
+    if not attentions and not tables and not rotaries and not own and not interfaced:
         return None
-    return LayerParts(tuple(attentions), tables, tuple(rotaries), tuple(own))
+    return LayerParts(tuple(attentions), tables, tuple(rotaries), tuple(own), tuple(interfaced))
+
+
+def _reproduced(module: nn.Module) -> bool:
+    """Whether ``module`` is an attention whose forward context_parallel reproduces (by its class, or a
+    copy of one's code): those keep their reproduction, checked against the class's code."""
+    return any(_verified(module, v) is not None for v in (_VERIFIED_HF, _VERIFIED_HF_HEAD_NORMS, _VERIFIED_GPT2))
 
 
 def _refuse_length_dependent_rope(module: nn.Module, where: str) -> None:
@@ -314,8 +332,10 @@ def _known_gpt2(module: nn.Module, where: str) -> bool:
 def heads_of(module: nn.Module) -> int:
     """A known attention's query heads: its qkv width over 3 x head_dim (q_proj's over head_dim)."""
     m: Any = module
-    if hasattr(m, "q_proj"):
+    if hasattr(m, "q_proj") and isinstance(getattr(m, "head_dim", None), int):
         return int(m.q_proj.out_features) // int(m.head_dim)
+    if hasattr(m, "config") and not hasattr(m, "c_attn"):  # one that calls transformers' AttentionInterface
+        return int(getattr(m, "num_heads", None) or m.config.num_attention_heads)
     if hasattr(m, "c_attn"):
         return int(m.num_heads)
     return int(m.qkv.out_features) // (3 * int(m.head_dim))

@@ -48,14 +48,14 @@ def whole_sequence(x: torch.Tensor, axis: str, balanced: bool, label: str) -> to
 
 def attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: str, attention: str, balanced: bool, label: str,
-    scale: float | None = None, mask: TokenMask | None = None,
+    scale: float | None = None, mask: TokenMask | None = None, causal: bool = True,
 ) -> torch.Tensor:
-    """Causal attention of this rank's queries over the whole sequence: ``ring_attention`` or
+    """Attention of this rank's queries over the whole sequence (``causal`` or not): ``ring_attention`` or
     ``ulysses_attention`` (q [batch, heads, seq_local, head_dim]; k, v with kv_heads), under ``mask``
     (padding, packed sequences) if given."""
     with installed_attention():
         if in_layer.predicting_now():
             return predicted_attention(q, k, v, axis, attention, label, scale, balanced)
         if attention == "ring":
-            return ring_attention(q, k, v, axis, causal=True, balanced=balanced, scale=scale, mask=mask)
-        return ulysses_attention(q, k, v, axis, causal=True, balanced=balanced, scale=scale, mask=mask)
+            return ring_attention(q, k, v, axis, causal=causal, balanced=balanced, scale=scale, mask=mask)
+        return ulysses_attention(q, k, v, axis, causal=causal, balanced=balanced, scale=scale, mask=mask)

@@ -34,6 +34,7 @@ from .attention import (
 )
 from .comm import whole_sequence
 from .cut import cutting
+from .hf_interface import SplitAttention, point_at_split_attention
 from .layout import check_sequence_length, local_chunks, shard_order
 from .masks import TokenMask, token_mask
 from .shifted import refuse_targets_equal_to_inputs
@@ -81,12 +82,12 @@ class CPSpec:
             parts = find_parts(layer, self.positions)
             if parts is not None:
                 found[layer.name] = parts
-        if not any(p.attentions or p.own for p in found.values()):
+        if not any(p.attentions or p.own or p.interfaced for p in found.values()):
             raise ValueError(
                 "context_parallel: the step's chain has no attention module it can split (TinyGPT's "
-                "CausalSelfAttention, Hugging Face's Llama-shaped attentions and GPT-2's on sdpa) and no module "
-                "whose forward calls ring_attention / ulysses_attention; nothing to run over the sequence's parts. "
-                "Write the model's attention with one of those two functions, or leave context_parallel out"
+                "CausalSelfAttention, Hugging Face attentions that call transformers' AttentionInterface) and no "
+                "module whose forward calls ring_attention / ulysses_attention; nothing to run over the sequence's "
+                "parts. Write the model's attention with one of those two functions, or leave context_parallel out"
             )
         _RESOLVED.setdefault(chain, {})[self.positions] = found
         return found
@@ -101,7 +102,7 @@ class CPSpec:
         for position, layer in enumerate(chain):
             fn = layer.fn
             parts = found.get(layer.name)
-            if parts is not None and (parts.attentions or parts.rotaries):
+            if parts is not None and (parts.attentions or parts.rotaries or parts.interfaced):
                 fn = self._install(fn, parts, layer.name)
             tables = frozenset(parts.tables) if parts is not None else frozenset()
             reduce = None if precision is None else precision.for_layer(layer.name).reduce
@@ -140,6 +141,11 @@ class CPSpec:
                 target.__class__ = _beneath(type(target))
             else:
                 target.forward = forward
+        for path in parts.interfaced:  # its own forward, pointed at the split attention function
+            target = copied.get_submodule(path)
+            implementation = getattr(getattr(target, "config", None), "_attn_implementation", None)
+            point_at_split_attention(target, SplitAttention(self.axis, self.attention, self.balanced,
+                                                            f"{layer}: {path}", implementation))
         for path in parts.rotaries:
             target = copied.get_submodule(path)
             target.forward = GlobalPositions(target, self.axis, self.balanced)
@@ -153,7 +159,7 @@ class CPSpec:
         if self.attention == "ulysses":
             parts = _mesh(mesh, self.axis).axis_size(self.axis)
             for layer, found in self.resolve(chain).items():
-                for path in found.attentions:
+                for path in (*found.attentions, *found.interfaced):
                     fn: Any = chain[layer].fn  # a module fn (find_parts found the attention there)
                     heads = heads_of(module_fn(fn).replicas.module.get_submodule(path))
                     if heads % parts:
@@ -226,6 +232,9 @@ class CPSpec:
             said = []
             if parts.attentions:
                 said.append(f"attention {', '.join(parts.attentions)} over the whole sequence: {how}")
+            if parts.interfaced:
+                said.append(f"attention {', '.join(parts.interfaced)} (its own forward, through transformers' "
+                            f"AttentionInterface) over the whole sequence: {how}")
             if parts.own:
                 said.append(f"{', '.join(p or '(the layer)' for p in parts.own)} calls ring_attention / "
                             "ulysses_attention itself (kept as written)")

@@ -1,7 +1,9 @@
 """An attention context_parallel does not know, found by what it computes, and refused.
 
-context_parallel replaces the attentions it knows (``attention.py``: by their structure, and any other
-module whose class name ends in ``Attention`` is refused by name). An attention module named otherwise
+context_parallel replaces the attentions it knows (``attention.py``: by their structure; a transformers
+attention calling the ``AttentionInterface`` is pointed at its split function, ``hf_interface.py``, which
+runs inside :func:`installed_attention` too; any other module whose class name ends in ``Attention`` is
+refused by name). An attention module named otherwise
 (a user's ``MHA``, ``SelfAttn``) was left as it is: it attended over the rank's part of the sequence
 only and trained another model without an error. So the first time a layer runs for an input shape (the
 Plan's prediction, or the first step), a TorchFunctionMode watches its ops outside the attention the
@@ -76,7 +78,8 @@ class Unsplit(TorchFunctionMode):
             f"context_parallel(axis={self.axis!r}): {where} {what} outside the attentions it splits, on this "
             "rank's part of the sequence only: it would mix the part's positions alone and train another model "
             "without an error. context_parallel splits TinyGPT's CausalSelfAttention, Hugging Face's "
-            "Llama-shaped attentions on sdpa and GPT-2's; rewrite an attention to call ring_attention / "
+            "Llama-shaped attentions on sdpa, GPT-2's, and transformers attentions that call the "
+            "AttentionInterface (inside its attention function only); rewrite an attention to call ring_attention / "
             "ulysses_attention, or leave context_parallel out"
         )
 
