@@ -20,8 +20,9 @@ attention sinks (GPT-OSS's ``s_aux``), a head mask, a position bias, attention d
 cross-attention, a mask it did not make, a model not built on ``sdpa`` (whose masks are not the ones it
 reads); and, when the transform is applied, a forward that reads the layer's position ids itself
 (Ministral-3 scales its queries by them), which count the rank's own tokens, or that branches on the
-``sdpa`` implementation (a branch the single-device step takes and the split one would not). A module whose config names :data:`NAME`
-without being taken over by context_parallel is computed as transformers' ``sdpa``.
+``sdpa`` implementation (a branch the single-device step takes and the split one would not). A module
+whose config names :data:`NAME` without being taken over by context_parallel is computed as
+transformers' ``sdpa``.
 """
 
 from __future__ import annotations
