@@ -28,6 +28,7 @@ from ...engine.model.module_call import ThreadReplicas, kept_in_copies
 from ...engine.model.reuse import reuse_key
 from ...engine.run.rng import default_generators, mix
 from ...engine.stack import in_layer
+from ...engine.torch_api import data_dependent_errors
 from . import partial, positions
 from .comm import enter, gather_invariant, leave, scatter, vary
 from .failures import region_failed, rowwise_width_message
@@ -207,7 +208,9 @@ class TPForward:
         try:
             return type(m).forward(m, *args, **kwargs)
         except (RuntimeError, ValueError) as err:
-            if _is_ours(err):
+            # A fake tensor's data-dependent op (a mixture of experts' routing) is no failure of the module:
+            # the prediction runs it again on real stand-ins (predict.py).
+            if _is_ours(err) or isinstance(err, data_dependent_errors()):
                 raise
             raise ValueError(region_failed(m, label, style, err, in_layer.size(self.axis))) from err
         finally:
@@ -237,12 +240,18 @@ class TPForward:
         if not self.cuts_watched:
             n = in_layer.size(self.axis)
             _flow.watch.widths.update(whole // n for whole in self.local_widths)
+        first = not self.cuts_watched
         self.cuts_watched = True
         try:
             with _flow.watch if _flow.watch is not outer_watch else contextlib.nullcontext():
                 out = self._run_region(style, label, args, kwargs)
             if _flow.watch is not outer_watch:
                 _flow.watch.finish()
+        except BaseException:
+            # Not watched to its end: a run on fake tensors that a data-dependent op stopped (a mixture of
+            # experts' loop) runs again on real stand-ins (predict.py), and that run is watched instead.
+            self.cuts_watched = self.cuts_watched and not first
+            raise
         finally:
             splits, _flow.splits = _flow.splits, outer_splits
             _flow.watch = outer_watch
@@ -551,6 +560,7 @@ class VaryFn:
             _flow.watch = watch
         outer_gathered, _flow.gathered = getattr(_flow, "gathered", None), None
         outer_entered, _flow.entered = getattr(_flow, "entered", None), {}
+        finished = False
         try:
             with (
                 own_loss if own_loss is not None else contextlib.nullcontext(),
@@ -559,6 +569,7 @@ class VaryFn:
                 out = self._run(tensors, x, follower)
             if watch is not None:
                 watch.finish()
+            finished = True
         except ValueError as err:  # Python's own on a cut it did not expect ("not enough values to unpack")
             short = None if watch is None or _is_ours(err) else watch.short_cut_message(err)
             if short is None:
@@ -568,10 +579,12 @@ class VaryFn:
             gathered: SequenceGather | None = getattr(_flow, "gathered", None)
             if gathered is not None and not _is_ours(err) and gathered.explains(err):
                 raise ValueError(gathered.message(f"failed ({type(err).__name__}: {err})")) from err
-            if not output_is_split() or _is_ours(err):
-                raise
+            if not output_is_split() or _is_ours(err) or isinstance(err, data_dependent_errors()):
+                raise  # a fake run's data-dependent op: run again on real stand-ins (predict.py)
             raise ValueError(f"tensor_parallel: {_unsummed(err, self.axis)}") from err
         finally:
+            if not finished:  # watched on the next call (a fake run stopped by a data-dependent op: predict.py)
+                self._unmark(watch is not None, own_loss is not None)
             _flow.gathered = outer_gathered
             _flow.entered = outer_entered
             _flow.called = outer
@@ -613,6 +626,13 @@ class VaryFn:
         """A watch for a loss the model computes on its split logits (own_loss.py), on this layer's first
         call on this rank (the Plan's prediction, or the first step, before any update)."""
         return self.own_loss.watch() if self.own_loss is not None and self._first_call("own_loss_checked") else None
+
+    def _unmark(self, cuts: bool, own_loss: bool) -> None:
+        """This call's first-call checks were not done to their end: the next call does them."""
+        for check, marked in (("cuts_checked", cuts), ("own_loss_checked", own_loss)):
+            checked = getattr(_flow, check, None)
+            if marked and checked is not None:
+                checked.discard(self)
 
     def _first_call(self, check: str) -> bool:
         """Whether this is the layer's first call on this rank for ``check`` (marked as done from now on)."""
@@ -668,6 +688,8 @@ class GuardFn:
         try:
             return self.fn(tensors, x)
         except RuntimeError as err:  # what torch raises on shapes that do not fit (not its control flow)
+            if isinstance(err, data_dependent_errors()):
+                raise  # a fake run's data-dependent op: run again on real stand-ins (predict.py)
             message = f"tensor_parallel: layer {self.layer!r}: {_unsummed(err, self.axis)}"
             raise ValueError(message) from err
 

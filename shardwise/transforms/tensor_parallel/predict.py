@@ -34,14 +34,14 @@ import torch
 
 from ...engine.layout.state_layout import Placement
 from ...engine.model import reuse as layer_reuse  # the module: a test switches its keys off
-from ...engine.model.chain import Chain
+from ...engine.model.chain import Chain, Layer
 from ...engine.model.reuse import LayerMemo, tree_signature
 from ...engine.model.split_backward import input_part, recomputes, weight_part
 from ...engine.plan.inside import Predicted, Recording
 from ...engine.stack import in_layer
 from ...engine.stack.batch_term import loss_tensor
 from ...engine.stack.in_layer import Issued
-from ...engine.torch_api import fake_tensors
+from ...engine.torch_api import fake_run_errors, fake_tensors, run_on_stand_ins
 
 
 def _cut(t: Any, grad: bool) -> Any:
@@ -100,7 +100,7 @@ def predict(
                     for name in layers:
                         layer = chain[name]
                         tensors = {local: params[layer.ties.get(local, (name, local))] for local in layer.param_names}
-                        y = layer(tensors, y)
+                        y = _run(layer, tensors, y, issued)
                     forward = issued[start:]
                     del issued[start:]
                     if s == placement.last:
@@ -132,6 +132,21 @@ def predict(
             stages.store(key, x, y, (tuple(layers), {k: out[(k, s)] for k in kinds if (k, s) in out}))
             x = optree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, y)
     return out
+
+
+def _run(layer: Layer, tensors: dict[str, torch.Tensor], x: Any, issued: list[Issued]) -> Any:
+    """``layer`` on fake tensors; one that reads data to decide a shape (a mixture of experts' loop over
+    the experts hit: GPT-OSS's ``nonzero``, Mixtral's ``torch.where``), or has an op whose fake kernel
+    refuses it, runs again on real stand-ins, forward and backward, what it recorded before it failed
+    dropped (as the engine's own prediction does: engine/plan/inside.py); a genuine error of the layer
+    is raised there again."""
+    mark = len(issued)
+    try:
+        return layer(tensors, x)
+    except fake_run_errors():
+        del issued[mark:]
+        return run_on_stand_ins(lambda buffers, t, x: dataclasses.replace(layer, buffers=buffers)(t, x),
+                                dict(layer.buffers), tensors, x)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -300,7 +315,7 @@ def _layer(
         ins = [t for t in optree.tree_leaves(x_in, none_is_leaf=True) if _needs_grad(t)]
         start = len(issued)
         with torch.enable_grad():
-            y = layer({local: params[local] for local in layer.param_names}, x_in)
+            y = _run(layer, {local: params[local] for local in layer.param_names}, x_in, issued)
             forward = issued[start:]
             del issued[start:]
             loss_issued = None
