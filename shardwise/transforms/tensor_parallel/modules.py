@@ -49,8 +49,11 @@ class TPForward:
         self, module: nn.Module, axis: str, install: Install | None, block: tuple[bool, bool] | None,
         reduce: torch.dtype | None, path: str, slices_after: bool = False,
         head_counts: dict[str, tuple[str, int]] | None = None, in_block: str | None = None,
+        per_head: tuple[tuple[str, str], ...] = (),
     ) -> None:
         self.module, self.axis, self.install, self.block, self.reduce = module, axis, install, block, reduce
+        # A Region's parameters split by their heads (PerHead): (name in the module, path in the model).
+        self.per_head = per_head
         self.in_block = in_block  # the sequence-parallel block around it, if its layer holds one: for errors
         # The last: its output stays a slice, which the head gathers (partial.py).
         self.slices_after = slices_after
@@ -212,7 +215,8 @@ class TPForward:
             # the prediction runs it again on real stand-ins (predict.py).
             if _is_ours(err) or isinstance(err, data_dependent_errors()):
                 raise
-            raise ValueError(region_failed(m, label, style, err, in_layer.size(self.axis))) from err
+            split = frozenset(name for name, _ in self.per_head)
+            raise ValueError(region_failed(m, label, style, err, in_layer.size(self.axis), split)) from err
         finally:
             _flow.regions -= 1
 
@@ -240,6 +244,8 @@ class TPForward:
         if not self.cuts_watched:
             n = in_layer.size(self.axis)
             _flow.watch.widths.update(whole // n for whole in self.local_widths)
+            for name, path in self.per_head:  # each rank's heads' values, its heads along dim 0
+                _flow.watch.watch_per_head(functools.reduce(getattr, name.split("."), self.module), path, n)
         first = not self.cuts_watched
         self.cuts_watched = True
         try:
@@ -728,6 +734,7 @@ def rewrite_layer(
             slices_after=plan.slices_after and block is not None and block[1],
             head_counts=_enclosing_head_counts(copied, install) if install is not None else None,
             in_block=next((p for _, p, _, _ in plan.blocks if path.startswith(p + ".")), None),
+            per_head=tuple((name, where) for sub, name, where in plan.per_head if sub == subpath),
         )
     owners: dict[str, dict[str, str]] = {}
     for subpath, attr, refusal in plan.owned_only:
@@ -779,8 +786,9 @@ def _rewrite_key(name: str, fn: Any, plan: LayerPlan, axis: str, reduce: torch.d
     blocks = tuple(sorted((sub, first, last) for sub, _path, first, last in plan.blocks))
     ends = (plan.partial_in, plan.partial_out, plan.slices_after, plan.slices_out, plan.slices_in)
     owned_only = tuple(sorted((sub, attr) for sub, attr, _ in plan.owned_only))
+    per_head = tuple(sorted((sub, name) for sub, name, _ in plan.per_head))
     key = (VaryFn, axis, reduce, installs, blocks, tuple(sorted(v.removeprefix(prefix) for v in plan.vary)), ends,
-           owned_only, inner)
+           owned_only, per_head, inner)
     try:
         hash(key)
     except TypeError:
