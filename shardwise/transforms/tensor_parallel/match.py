@@ -69,8 +69,9 @@ class LayerPlan:
     slices_out: bool = False
     slices_in: bool = False
     # Parameters split by their heads (PerHead): (the Region's subpath, the parameter's name in it, its path in
-    # the model); the Region's first forward follows each along its heads (split_watch.py).
-    per_head: list[tuple[str, str, str]] = field(default_factory=list)
+    # the model, its local name in the layer); the layer's first call follows each along its heads, wherever
+    # the layer uses it (split_watch.py).
+    per_head: list[tuple[str, str, str, str]] = field(default_factory=list)
     # Unstyled modules that own a parameter a styled module inside them splits (Hugging Face ties a head's
     # ``bias`` to its decoder's): (subpath, attribute, refusal) each; the forward must not read it itself.
     owned_only: list[tuple[str, str, str]] = field(default_factory=list)
@@ -308,7 +309,7 @@ def resolve(chain: Chain, plan: Mapping[str, Style], sequence_parallel: str | No
                 region, attr, count = per_head_count(pattern, ph, param_path, path, module.get_parameter(name),
                                                      style_of, modules)
                 split = ParamSplit(0, 1, f"{param_path} ({ph})", heads=(param_path, attr, count))
-                lp.per_head.append((subpaths[region], param_path.removeprefix(region + "."), param_path))
+                lp.per_head.append((subpaths[region], param_path.removeprefix(region + "."), param_path, local))
             if split is not None:
                 earlier = splits.get(key)
                 if earlier is not None and (earlier.dim, earlier.blocks) != (split.dim, split.blocks):

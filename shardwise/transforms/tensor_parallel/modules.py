@@ -515,6 +515,10 @@ class VaryFn:
         self.watch_cuts = plan is not None and any(
             i.enters and isinstance(i.style, Colwise) and i.kind != EMBEDDING for i in plan.installs
         )
+        # Its PerHead parameters (local name, path): followed along their heads through the layer's first
+        # call, wherever the layer uses them (the Region around them follows them too, as it binds them).
+        self.per_head = () if plan is None else tuple((local, path) for _, _, path, local in plan.per_head)
+        self.watch_cuts = self.watch_cuts or bool(self.per_head)
         self._reuse_key: Any = None
         # The candidates used on whole values only, once a forward has read them (None before): every
         # rank reads the same graph, so every rank's thread writes the same set.
@@ -564,6 +568,8 @@ class VaryFn:
         outer_watch = getattr(_flow, "watch", None)
         if watch is not None:
             _flow.watch = watch
+            for local, path in self.per_head:
+                watch.watch_per_head(tensors[local], path, in_layer.size(self.axis))
         outer_gathered, _flow.gathered = getattr(_flow, "gathered", None), None
         outer_entered, _flow.entered = getattr(_flow, "entered", None), {}
         finished = False
@@ -624,8 +630,9 @@ class VaryFn:
         return follower.finish(out, self.partial_out, self.slices_out)
 
     def _cut_watch(self) -> SplitWatch | None:
-        """A watch of how the module cuts the outputs of Colwise modules outside any Region, on this layer's
-        first call on this rank (the Plan's prediction, or the first step, before any update)."""
+        """A watch of how the module cuts the outputs of Colwise modules outside any Region, and of how it uses
+        its PerHead parameters, on this layer's first call on this rank (the Plan's prediction, or the first
+        step, before any update)."""
         return SplitWatch() if self.watch_cuts and self._first_call("cuts_checked") else None
 
     def _own_loss_watch(self) -> OwnLossWatch | None:
@@ -734,7 +741,7 @@ def rewrite_layer(
             slices_after=plan.slices_after and block is not None and block[1],
             head_counts=_enclosing_head_counts(copied, install) if install is not None else None,
             in_block=next((p for _, p, _, _ in plan.blocks if path.startswith(p + ".")), None),
-            per_head=tuple((name, where) for sub, name, where in plan.per_head if sub == subpath),
+            per_head=tuple((name, where) for sub, name, where, _ in plan.per_head if sub == subpath),
         )
     owners: dict[str, dict[str, str]] = {}
     for subpath, attr, refusal in plan.owned_only:
@@ -786,7 +793,7 @@ def _rewrite_key(name: str, fn: Any, plan: LayerPlan, axis: str, reduce: torch.d
     blocks = tuple(sorted((sub, first, last) for sub, _path, first, last in plan.blocks))
     ends = (plan.partial_in, plan.partial_out, plan.slices_after, plan.slices_out, plan.slices_in)
     owned_only = tuple(sorted((sub, attr) for sub, attr, _ in plan.owned_only))
-    per_head = tuple(sorted((sub, name) for sub, name, _ in plan.per_head))
+    per_head = tuple(sorted((sub, name) for sub, name, _, _ in plan.per_head))
     key = (VaryFn, axis, reduce, installs, blocks, tuple(sorted(v.removeprefix(prefix) for v in plan.vary)), ends,
            owned_only, per_head, inner)
     try:

@@ -133,3 +133,29 @@ def test_a_style_that_is_none_is_named() -> None:
     step, _, _ = _problem()
     with pytest.raises(TypeError, match=r"or sw\.tp\.PerHead\(\) on a parameter holding one value per head"):
         sw.tensor_parallel(step, "tp", {**PLAN, "*.attn.sinks": "local_rowwise"})  # type: ignore[dict-item]
+
+
+
+class _ReadingBlock(nn.Module):
+    """A pre-norm block that reads its attention's sinks itself, outside the attention (its Region), before
+    calling it: a term of their mean over every head, added to the residual stream."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.attn = nn.LayerNorm(D), _SinkAttention("sink")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shift = 0.01 * self.attn.sinks.mean()  # read before the attention runs
+        return x + self.attn(self.norm(x)) + shift
+
+
+def test_the_heads_values_read_outside_the_attention_are_followed_too() -> None:
+    """The block's mean of the sinks would be the mean of the rank's heads' values, a residual stream that
+    differs by rank: the sinks are followed from the layer's first call, not only inside the Region."""
+    torch.manual_seed(0)
+    chain, params = sw.functionalize(nn.Sequential(_ReadingBlock(), _ReadingBlock()).double())
+    step = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1, momentum=0.9))
+    gen = torch.Generator().manual_seed(1)
+    batch = tuple(torch.randn(2, 6, D, dtype=torch.float64, generator=gen) for _ in range(2))
+    with pytest.raises(ValueError, match=r"PerHead\(\) on '0\.attn\.sinks' .* computes mean over every dim"):
+        sw.tensor_parallel(step, "tp", PLAN).plan(sw.Mesh(tp=2), params, batch)
