@@ -127,7 +127,8 @@ def test_every_rank_issues_the_collectives_and_holds_the_bytes_its_plan_lists(la
 def test_a_sharded_gpt_oss_saves_the_state_dict_one_device_trains(tmp_path: Path) -> None:
     """dp2 x tp2 with ZeRO-3: full_state_dict and save_pretrained reassemble the sinks (and every split
     weight) whole; equal to one device's after the same 2 steps (float64 rounding of the split sums only),
-    and GptOssForCausalLM.from_pretrained loads the file with every key matched."""
+    and GptOssForCausalLM.from_pretrained loads the file with every key matched. A shardwise checkpoint of
+    the same state loads onto one device, and onto tp 4, as those whole tensors."""
     model, step, params, batches = _gpt_oss()
     tp, mesh = _stack(step, "dp2xtp2-zero3")
 
@@ -136,6 +137,7 @@ def test_a_sharded_gpt_oss_saves_the_state_dict_one_device_trains(tmp_path: Path
         for batch in batches:
             state, _ = tp(state, batch)
         sw.checkpoint.save_pretrained(tp, state, tmp_path / "tp", config=model.config)
+        sw.checkpoint.save(tmp_path / "checkpoint", state, tp)
         return sw.checkpoint.full_state_dict(tp, state)
 
     sharded = sw.launch(train_and_save, mesh.size)[0]
@@ -150,6 +152,12 @@ def test_a_sharded_gpt_oss_saves_the_state_dict_one_device_trains(tmp_path: Path
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     for key, value in loaded.state_dict().items():
         assert torch.equal(value, sharded[key]), key
+    on_one = sw.checkpoint.full_state_dict(step, sw.checkpoint.load(tmp_path / "checkpoint", step))
+    tp4, mesh4 = _stack(step, "tp4")
+    on_tp4 = sw.launch(lambda: sw.checkpoint.full_state_dict(
+        tp4, sw.checkpoint.load(tmp_path / "checkpoint", tp4, mesh4)), mesh4.size)[0]
+    for key, value in sharded.items():
+        assert torch.equal(on_one[key], value) and torch.equal(on_tp4[key], value), key
 
 
 # -- what stays refused -------------------------------------------------------------------------------
