@@ -194,6 +194,7 @@ def test_the_moe_on_sequence_slices_is_refused_naming_the_experts() -> None:
     experts is not followed position by position, and the blocks are refused, naming it."""
     _, step, params, batches = _gpt_oss(steps=1)
     tp = sw.tensor_parallel(step, "tp", sw.tp.gpt_oss_plan(), sequence_parallel="model.layers.*")
-    with pytest.raises(Exception, match=r"'model\.layers\.0\.mlp\.experts' \(GptOssExperts\) runs on this rank's 1/2 "
-                                        r"of the sequence.*leave 'model\.layers\.\*' out of sequence_parallel"):
+    refusal = (r"'model\.layers\.0\.mlp\.experts' \(GptOssExperts\) runs on this rank's 1/2 of the sequence.*"
+               r"leave 'model\.layers\.\*' out of sequence_parallel")
+    with pytest.raises(sw.collectives.RankFailed, match=refusal):
         sw.testing.assert_equivalent(tp, step, sw.Mesh(tp=2), batches, params, rtol=F64_RTOL)
