@@ -2,8 +2,8 @@
 
 ``sw.tensor_parallel(step, axis, plan)`` takes a plan: a dict from module paths
 (fnmatch patterns on ``model.named_modules()``) to ``Colwise()``, ``Rowwise()``
-or ``Region()``. ``llama_plan``, ``gpt2_plan`` and ``tiny_gpt_plan`` are ready
-ones; ``docs/tensor_parallel.md`` says what each style does.
+or ``Region()``, and parameter paths to ``PerHead()``. ``llama_plan``, ``gpt2_plan``,
+``gpt_oss_plan`` and ``tiny_gpt_plan`` are ready ones; ``docs/tensor_parallel.md`` says what each style does.
 
 >>> import shardwise as sw
 >>> sorted(sw.tp.tiny_gpt_plan().items())[:2]
@@ -15,9 +15,11 @@ from .transforms.tensor_parallel import (
     LLAMA_BLOCKS,
     TINY_GPT_BLOCKS,
     Colwise,
+    PerHead,
     Region,
     Rowwise,
     gpt2_plan,
+    gpt_oss_plan,
     llama_plan,
     tiny_gpt_plan,
     vocab_parallel_cross_entropy,
@@ -29,9 +31,11 @@ __all__ = [
     "LLAMA_BLOCKS",
     "TINY_GPT_BLOCKS",
     "Colwise",
+    "PerHead",
     "Region",
     "Rowwise",
     "gpt2_plan",
+    "gpt_oss_plan",
     "llama_plan",
     "tiny_gpt_plan",
     "vocab_parallel_cross_entropy",

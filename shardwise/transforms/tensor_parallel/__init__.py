@@ -8,19 +8,29 @@ from collections.abc import Mapping
 from ...engine.stack.compose import add
 from ...engine.step.step import Step
 from .loss import SplitLogitsLoss, vocab_parallel_cross_entropy, vocab_parallel_logsumexp
-from .plans import GPT2_BLOCKS, LLAMA_BLOCKS, TINY_GPT_BLOCKS, gpt2_plan, llama_plan, tiny_gpt_plan
+from .plans import (
+    GPT2_BLOCKS,
+    LLAMA_BLOCKS,
+    TINY_GPT_BLOCKS,
+    gpt2_plan,
+    gpt_oss_plan,
+    llama_plan,
+    tiny_gpt_plan,
+)
 from .spec import TPSpec
-from .styles import Colwise, Region, Rowwise, Style
+from .styles import Colwise, PerHead, Region, Rowwise, Style
 
 __all__ = [
     "GPT2_BLOCKS",
     "LLAMA_BLOCKS",
     "TINY_GPT_BLOCKS",
     "Colwise",
+    "PerHead",
     "Region",
     "Rowwise",
     "TPSpec",
     "gpt2_plan",
+    "gpt_oss_plan",
     "llama_plan",
     "tensor_parallel",
     "tiny_gpt_plan",
@@ -35,7 +45,8 @@ def tensor_parallel(
     """Split the parameters of ``step``'s layers over mesh ``axis`` as ``plan`` says (Megatron-LM).
 
     ``plan`` maps module path patterns (fnmatch over ``model.named_modules()`` paths) to
-    :class:`Colwise`, :class:`Rowwise` and :class:`Region` (``sw.tp``); modules it does not
+    :class:`Colwise`, :class:`Rowwise` and :class:`Region` (``sw.tp``), and parameter path patterns to
+    :class:`PerHead` (a parameter of one value per head, GPT-OSS's attention sinks); modules it does not
     name keep their parameters whole on every rank. Each rank of ``axis`` holds its slice of every
     split parameter and computes with it; the layers run unchanged, and the communication goes
     through shardwise's differentiable collectives (an all-reduce where a Rowwise output is summed
@@ -98,10 +109,10 @@ def tensor_parallel(
     for pattern, style in plan.items():
         if not isinstance(pattern, str) or not pattern:
             raise TypeError(f"tensor_parallel: plan key {pattern!r} is not a module path pattern")
-        if not isinstance(style, (Colwise, Rowwise, Region)):
+        if not isinstance(style, (Colwise, Rowwise, Region, PerHead)):
             raise TypeError(
                 f"tensor_parallel: plan[{pattern!r}] = {style!r}; a style is sw.tp.Colwise(), sw.tp.Rowwise() "
-                "or sw.tp.Region()"
+                "or sw.tp.Region() on a module, or sw.tp.PerHead() on a parameter holding one value per head"
             )
     if sequence_parallel is not None and (not isinstance(sequence_parallel, str) or not sequence_parallel):
         raise TypeError(

@@ -36,10 +36,12 @@ def rowwise_width_message(label: str, width: int, whole: int, got: int, in_regio
     )
 
 
-def region_failed(m: nn.Module, path: str, style: Region, err: BaseException, parts: int) -> str:
+def region_failed(
+    m: nn.Module, path: str, style: Region, err: BaseException, parts: int, per_head: frozenset[str] = frozenset()
+) -> str:
     """Why a Region's module likely failed: a replicated parameter spanning a Colwise's whole output, or
-    a whole count each rank divides."""
-    spanning = _spanning_parameter(m, parts, {int(n) for n in re.findall(r"\d+", str(err))})
+    a whole count each rank divides. ``per_head``: its parameters PerHead splits (never the cause named)."""
+    spanning = _spanning_parameter(m, parts, {int(n) for n in re.findall(r"\d+", str(err))}, per_head)
     if spanning is not None:
         name, shape, colwise, whole = spanning
         return (
@@ -50,16 +52,17 @@ def region_failed(m: nn.Module, path: str, style: Region, err: BaseException, pa
             "not the cause. Leave this module's projections out of the plan (replicated), or use a model whose "
             "norms act on each head alike (Qwen3's q_norm over head_dim)"
         )
-    per_head = _per_head_parameter(m, style, parts, {int(n) for n in re.findall(r"\d+", str(err))})
-    if per_head is not None:
-        name, shape, count = per_head
+    found = _per_head_parameter(m, style, parts, {int(n) for n in re.findall(r"\d+", str(err))}, per_head)
+    if found is not None:
+        name, shape, count = found
         return (
             f"tensor_parallel: Region {path!r} failed ({type(err).__name__}: {err}): its parameter {name!r} of "
             f"shape {shape} holds one value per head ({count} heads), and no style splits it, so each of the "
             f"{parts} ranks meets every head's values with its {count // parts} heads (GPT-OSS's attention sinks); "
-            "its head counts are not the cause. A plan splits only the weights of the modules it names (Linear, "
-            "Conv1D, Embedding): leave this "
-            "module's projections out of the plan (replicated)"
+            "its head counts are not the cause. If each head reads its own value, split it as the heads are: "
+            f"give {path + '.' + name!r} sw.tp.PerHead() in the plan (by a pattern such as "
+            "'model.layers.*.self_attn.sinks', as sw.tp.gpt_oss_plan() does); otherwise leave this module's "
+            "projections out of the plan (replicated)"
         )
     counts = _head_counts(m, set(style.heads) | set(style.local))
     if not counts and (style.heads or style.local):
@@ -74,11 +77,11 @@ def region_failed(m: nn.Module, path: str, style: Region, err: BaseException, pa
             "with -1 (view(B, T, self.n_head, -1), y.view(B, T, -1)), or leave this module's projections out of "
             "the plan (replicated)"
         )
-    found = f"; {type(m).__name__} has {counts}" if counts else ""
+    has = f"; {type(m).__name__} has {counts}" if counts else ""
     return (
         f"tensor_parallel: Region {path!r} failed ({type(err).__name__}: {err}): each of the "
         f"{parts} ranks holds 1/{parts} of its heads, but the module computes with a count it was "
-        f"not told to divide{found}; name its head counts in Region(heads=(...)) and the "
+        f"not told to divide{has}; name its head counts in Region(heads=(...)) and the "
         "widths it cuts at in Region(local=(...)), e.g. Region(heads=('num_heads',), "
         "local=('split_size',)); a projection computing blocks side by side that the module cuts apart (q, k "
         "and v in one) takes Colwise(fused=<the number of blocks>) too"
@@ -86,7 +89,7 @@ def region_failed(m: nn.Module, path: str, style: Region, err: BaseException, pa
 
 
 def _spanning_parameter(
-    m: nn.Module, parts: int, sizes: set[int]
+    m: nn.Module, parts: int, sizes: set[int], per_head: frozenset[str]
 ) -> tuple[str, tuple[int, ...], str, int] | None:
     """A parameter of the Region's module that no style splits, as wide as a Colwise's whole output
     (OLMo2's q_norm (heads * head_dim,), Cohere's (heads, head_dim)), with a dim whole and divided among
@@ -105,7 +108,7 @@ def _spanning_parameter(
             wholes.setdefault(local * parts, install.path)
     for name, t in m.named_parameters():
         owner = name.rpartition(".")[0]
-        if owner in styled:
+        if owner in styled or name in per_head:
             continue
         shape = tuple(t.shape)
         spans = [w for w in (math.prod(shape[k:]) for k in range(len(shape))) if w in wholes]
@@ -115,7 +118,7 @@ def _spanning_parameter(
 
 
 def _per_head_parameter(
-    m: nn.Module, style: Region, parts: int, sizes: set[int]
+    m: nn.Module, style: Region, parts: int, sizes: set[int], per_head: frozenset[str]
 ) -> tuple[str, tuple[int, ...], int] | None:
     """A parameter of the Region's module outside its split modules with a dim of one value per head
     (GPT-OSS's sinks, (num_heads,)), that many and 1/parts of it among the numbers torch's error names:
@@ -134,7 +137,7 @@ def _per_head_parameter(
         if isinstance(install, Install) and not isinstance(install.style, Region):
             styled.add(sub)
     for name, t in m.named_parameters():
-        if name.rpartition(".")[0] in styled:
+        if name.rpartition(".")[0] in styled or name in per_head:
             continue
         for d in t.shape:
             if d in counts and d % parts == 0 and d in sizes and d // parts in sizes:

@@ -117,7 +117,22 @@ def _heads_after(name: str, t: Tensor, dim: int, args: Sequence[Any], out: Tenso
             return _index_heads(t, args[1], dim)
         if name in _SAME_DIMS and out.dim() == n and out.shape[dim] == t.shape[dim]:
             return dim
+        if name in _MERGES:
+            return _singletons_moved(t, dim, out)
     return dim if out.shape == t.shape else None
+
+
+def _singletons_moved(t: Tensor, dim: int, out: Tensor) -> int | None:
+    """Where a reshape that only adds or drops dims of size 1 puts ``t``'s heads dim (GPT-OSS's
+    ``sinks.reshape(1, -1, 1, 1)``); None for any other reshape, or heads of size 1 (a rank's one head:
+    nothing to take across)."""
+    if t.shape[dim] == 1:
+        return None
+    kept = [k for k, size in enumerate(t.shape) if size != 1]
+    placed = [k for k, size in enumerate(out.shape) if size != 1]
+    if [t.shape[k] for k in kept] != [out.shape[k] for k in placed]:
+        return None
+    return placed[kept.index(dim)]
 
 
 def _into_single_heads(name: str, t: Tensor, dim: int, out: Any) -> bool:
@@ -173,6 +188,14 @@ def _cut_refusal(entry: _Output, name: str, t: Tensor, dim: int, out: Any) -> st
 
 def head_cut_message(entry: _Output, what: str) -> str:
     module = entry.label.rsplit(".", 1)[0] if "." in entry.label else entry.label
+    if entry.parameter:
+        return (
+            f"tensor_parallel: PerHead() on {entry.label!r} gives each rank its heads' values, 1/tp of them, and the "
+            f"module {module!r} cuts them across the heads: {what}. It takes them by their place among all the "
+            "heads, and on a rank's slice it takes other heads' values, another model trained without an error. "
+            "PerHead() fits a parameter each head reads its own value of (GPT-OSS's sinks); leave this one out of "
+            "the plan, and the attention's projections too (replicated)"
+        )
     return (
         f"tensor_parallel: Colwise() on {entry.label!r} gives each rank whole heads, 1/tp of them, and the module "
         f"that takes its output ({module!r}) cuts its per-head view across the heads: {what}. A module that pairs or "

@@ -19,7 +19,8 @@ from typing import Any
 from torch import nn
 
 from ...engine.model.chain import Chain, Layer
-from .styles import Colwise, Region, Rowwise, Style, gathers
+from .per_head import match_per_head, per_head_count
+from .styles import Colwise, PerHead, Region, Rowwise, Style, gathers
 
 LINEAR, CONV1D, EMBEDDING = "linear", "conv1d", "embedding"
 
@@ -67,6 +68,10 @@ class LayerPlan:
     slices_after: bool = False
     slices_out: bool = False
     slices_in: bool = False
+    # Parameters split by their heads (PerHead): (the Region's subpath, the parameter's name in it, its path in
+    # the model, its local name in the layer); the layer's first call follows each along its heads, wherever
+    # the layer uses it (split_watch.py).
+    per_head: list[tuple[str, str, str, str]] = field(default_factory=list)
     # Unstyled modules that own a parameter a styled module inside them splits (Hugging Face ties a head's
     # ``bias`` to its decoder's): (subpath, attribute, refusal) each; the forward must not read it itself.
     owned_only: list[tuple[str, str, str]] = field(default_factory=list)
@@ -84,6 +89,7 @@ class ParamSplit:
     blocks: int
     by: str  # the module path and style that split it, for errors
     hint: str = ""  # what to do if the axis size does not divide it (a vocabulary: pad it)
+    heads: tuple[str, str, int] | None = None  # a PerHead's: (its path, the count's attribute, its value)
 
 
 def _vocabulary_hint(path: str, style: Style | None, kind: str | None, dim: int, in_region: bool) -> str:
@@ -109,7 +115,7 @@ class Resolved:
     layers: dict[str, LayerPlan]
     splits: dict[tuple[str, str], ParamSplit]
     heads: list[tuple[str, str, int]]  # (module path, attribute, value): must divide by the axis size
-    matched: dict[str, list[str]]  # pattern -> module paths
+    matched: dict[str, list[str]]  # pattern -> module paths (a PerHead's: parameter paths)
 
 
 def _modules_of(layer: Layer) -> tuple[nn.Module, str, str] | None:
@@ -146,7 +152,15 @@ def resolve(chain: Chain, plan: Mapping[str, Style], sequence_parallel: str | No
             "plan of module name patterns reaches nothing; build the chain with sw.functionalize(model, units=...)"
         )
     paths = {_join(rp, p, sub): None for _, _, rp, p, sub, _ in found}
+    modules = {_join(rp, p, sub): m for _, _, rp, p, sub, m in found}
+    subpaths = {_join(rp, p, sub): sub for _, _, rp, p, sub, _ in found}
+    # A PerHead names a parameter, not a module (per_head.py): matched on the parameters' paths.
+    owners = {_join(path, n): path for path, m in modules.items() for n, _ in m.named_parameters(recurse=False)}
+    per_head = match_per_head({p: s for p, s in plan.items() if isinstance(s, PerHead)}, owners, modules)
+    plan = {p: s for p, s in plan.items() if not isinstance(s, PerHead)}
     matched: dict[str, list[str]] = {}
+    for path, (pattern, _) in per_head.items():
+        matched.setdefault(pattern, []).append(path)
     for pattern in [*plan, *([sequence_parallel] if sequence_parallel else [])]:
         hits = [path for path in paths if fnmatch.fnmatchcase(path, pattern)]
         if not hits:
@@ -178,6 +192,8 @@ def resolve(chain: Chain, plan: Mapping[str, Style], sequence_parallel: str | No
                 "each computed a part of it, so a Region without them would count every gradient upstream N "
                 "times; put the Region on the attention or MLP module that holds the split pair, or drop it"
             )
+    for path, (_, style) in style_of.items():  # before the Regions' checks: the cause, not a missing Rowwise
+        _check_not_stacked_experts(path, style, modules[path])
     _check_regions_close(style_of)
     order = {layer.name: i for i, layer in enumerate(chain)}
     layer_of = {_join(rp, p, sub): layer.name for layer, _, rp, p, sub, _ in found}
@@ -273,12 +289,27 @@ def resolve(chain: Chain, plan: Mapping[str, Style], sequence_parallel: str | No
                     style_of[path][0], path, module, {a: _read_attribute(module, path, a) for a in chosen.heads},
                     {p for p, (_, s) in style_of.items() if isinstance(s, (Colwise, Rowwise))},
                 )
+        for local, name in own.items():
+            if _join(path, name) in per_head and local in layer.buffers:
+                pattern, per_head_style = per_head[_join(path, name)]
+                raise ValueError(
+                    f"tensor_parallel: plan[{pattern!r}] = {per_head_style} on {_join(path, name)!r}, which is frozen "
+                    "(requires_grad=False): a frozen tensor travels whole with its layer and is never split, and the "
+                    "rank's heads would meet every head's values; leave it out of the plan, or train it"
+                )
         for local, name in declared.items():
             key = layer.ties.get(local, (layer.name, local))
             cut = _param_split(chosen, kind, name, module)
             split = None if cut is None else ParamSplit(
                 cut[0], cut[1], f"{path} ({chosen})", _vocabulary_hint(path, chosen, kind, cut[0], bool(enclosing))
             )
+            param_path = _join(path, name)
+            if param_path in per_head:  # one value per head: cut as the Colwise projections cut the heads
+                pattern, ph = per_head[param_path]
+                region, attr, count = per_head_count(pattern, ph, param_path, path, module.get_parameter(name),
+                                                     style_of, modules)
+                split = ParamSplit(0, 1, f"{param_path} ({ph})", heads=(param_path, attr, count))
+                lp.per_head.append((subpaths[region], param_path.removeprefix(region + "."), param_path, local))
             if split is not None:
                 earlier = splits.get(key)
                 if earlier is not None and (earlier.dim, earlier.blocks) != (split.dim, split.blocks):
@@ -403,6 +434,22 @@ def _param_split(style: Style | None, kind: str | None, name: str, module: nn.Mo
         if kind == EMBEDDING:
             return 0, 1
     return None
+
+
+def _check_not_stacked_experts(path: str, style: Style, module: nn.Module) -> None:
+    """Refuse Colwise or Rowwise on a mixture of experts' experts held stacked (GPT-OSS's ``(experts, in,
+    out)`` parameters): no style of a Linear fits them, and the generic refusal would send the user to
+    projections the module does not have."""
+    stacked = {n: tuple(t.shape) for n, t in module.named_parameters() if t.dim() >= 3}
+    if not isinstance(style, (Colwise, Rowwise)) or module_kind(module) is not None or not stacked:
+        return
+    raise ValueError(
+        f"tensor_parallel: {style} on {path!r}, a {type(module).__name__} holding its experts' weights stacked "
+        f"({stacked}): tensor parallel splits the features of Linear, Conv1D and Embedding modules, and does "
+        "not split experts held as (experts, in, out) parameters (their fused gate and up, their biases, "
+        "their router). Leave the mixture of experts out of the plan (replicated on every rank; "
+        "sw.tp.gpt_oss_plan() does so for GPT-OSS), or split its experts over ranks with sw.expert_parallel"
+    )
 
 
 def _check_fits(path: str, style: Style, kind: str | None, module: nn.Module) -> None:

@@ -28,6 +28,7 @@ from ...engine.model.module_call import ThreadReplicas, kept_in_copies
 from ...engine.model.reuse import reuse_key
 from ...engine.run.rng import default_generators, mix
 from ...engine.stack import in_layer
+from ...engine.torch_api import data_dependent_errors
 from . import partial, positions
 from .comm import enter, gather_invariant, leave, scatter, vary
 from .failures import region_failed, rowwise_width_message
@@ -49,8 +50,11 @@ class TPForward:
         self, module: nn.Module, axis: str, install: Install | None, block: tuple[bool, bool] | None,
         reduce: torch.dtype | None, path: str, slices_after: bool = False,
         head_counts: dict[str, tuple[str, int]] | None = None, in_block: str | None = None,
+        per_head: tuple[tuple[str, str], ...] = (),
     ) -> None:
         self.module, self.axis, self.install, self.block, self.reduce = module, axis, install, block, reduce
+        # A Region's parameters split by their heads (PerHead): (name in the module, path in the model).
+        self.per_head = per_head
         self.in_block = in_block  # the sequence-parallel block around it, if its layer holds one: for errors
         # The last: its output stays a slice, which the head gathers (partial.py).
         self.slices_after = slices_after
@@ -208,9 +212,12 @@ class TPForward:
         try:
             return type(m).forward(m, *args, **kwargs)
         except (RuntimeError, ValueError) as err:
-            if _is_ours(err):
+            # A fake tensor's data-dependent op (a mixture of experts' routing) is no failure of the module:
+            # the prediction runs it again on real stand-ins (predict.py).
+            if _is_ours(err) or isinstance(err, data_dependent_errors()):
                 raise
-            raise ValueError(region_failed(m, label, style, err, in_layer.size(self.axis))) from err
+            split = frozenset(name for name, _ in self.per_head)
+            raise ValueError(region_failed(m, label, style, err, in_layer.size(self.axis), split)) from err
         finally:
             _flow.regions -= 1
 
@@ -238,12 +245,20 @@ class TPForward:
         if not self.cuts_watched:
             n = in_layer.size(self.axis)
             _flow.watch.widths.update(whole // n for whole in self.local_widths)
+            for name, path in self.per_head:  # each rank's heads' values, its heads along dim 0
+                _flow.watch.watch_per_head(functools.reduce(getattr, name.split("."), self.module), path, n)
+        first = not self.cuts_watched
         self.cuts_watched = True
         try:
             with _flow.watch if _flow.watch is not outer_watch else contextlib.nullcontext():
                 out = self._run_region(style, label, args, kwargs)
             if _flow.watch is not outer_watch:
                 _flow.watch.finish()
+        except BaseException:
+            # Not watched to its end: a run on fake tensors that a data-dependent op stopped (a mixture of
+            # experts' loop) runs again on real stand-ins (predict.py), and that run is watched instead.
+            self.cuts_watched = self.cuts_watched and not first
+            raise
         finally:
             splits, _flow.splits = _flow.splits, outer_splits
             _flow.watch = outer_watch
@@ -501,6 +516,10 @@ class VaryFn:
         self.watch_cuts = plan is not None and any(
             i.enters and isinstance(i.style, Colwise) and i.kind != EMBEDDING for i in plan.installs
         )
+        # Its PerHead parameters (local name, path): followed along their heads through the layer's first
+        # call, wherever the layer uses them (the Region around them follows them too, as it binds them).
+        self.per_head = () if plan is None else tuple((local, path) for _, _, path, local in plan.per_head)
+        self.watch_cuts = self.watch_cuts or bool(self.per_head)
         self._reuse_key: Any = None
         # The candidates used on whole values only, once a forward has read them (None before): every
         # rank reads the same graph, so every rank's thread writes the same set.
@@ -550,8 +569,11 @@ class VaryFn:
         outer_watch = getattr(_flow, "watch", None)
         if watch is not None:
             _flow.watch = watch
+            for local, path in self.per_head:
+                watch.watch_per_head(tensors[local], path, in_layer.size(self.axis))
         outer_gathered, _flow.gathered = getattr(_flow, "gathered", None), None
         outer_entered, _flow.entered = getattr(_flow, "entered", None), {}
+        finished = False
         try:
             with (
                 own_loss if own_loss is not None else contextlib.nullcontext(),
@@ -560,6 +582,7 @@ class VaryFn:
                 out = self._run(tensors, x, follower)
             if watch is not None:
                 watch.finish()
+            finished = True
         except ValueError as err:  # Python's own on a cut it did not expect ("not enough values to unpack")
             short = None if watch is None or _is_ours(err) else watch.short_cut_message(err)
             if short is None:
@@ -569,10 +592,12 @@ class VaryFn:
             gathered: SequenceGather | None = getattr(_flow, "gathered", None)
             if gathered is not None and not _is_ours(err) and gathered.explains(err):
                 raise ValueError(gathered.message(f"failed ({type(err).__name__}: {err})")) from err
-            if not output_is_split() or _is_ours(err):
-                raise
+            if not output_is_split() or _is_ours(err) or isinstance(err, data_dependent_errors()):
+                raise  # a fake run's data-dependent op: run again on real stand-ins (predict.py)
             raise ValueError(f"tensor_parallel: {_unsummed(err, self.axis)}") from err
         finally:
+            if not finished:  # watched on the next call (a fake run stopped by a data-dependent op: predict.py)
+                self._unmark(watch is not None, own_loss is not None)
             _flow.gathered = outer_gathered
             _flow.entered = outer_entered
             _flow.called = outer
@@ -606,14 +631,22 @@ class VaryFn:
         return follower.finish(out, self.partial_out, self.slices_out)
 
     def _cut_watch(self) -> SplitWatch | None:
-        """A watch of how the module cuts the outputs of Colwise modules outside any Region, on this layer's
-        first call on this rank (the Plan's prediction, or the first step, before any update)."""
+        """A watch of how the module cuts the outputs of Colwise modules outside any Region, and of how it uses
+        its PerHead parameters, on this layer's first call on this rank (the Plan's prediction, or the first
+        step, before any update)."""
         return SplitWatch() if self.watch_cuts and self._first_call("cuts_checked") else None
 
     def _own_loss_watch(self) -> OwnLossWatch | None:
         """A watch for a loss the model computes on its split logits (own_loss.py), on this layer's first
         call on this rank (the Plan's prediction, or the first step, before any update)."""
         return self.own_loss.watch() if self.own_loss is not None and self._first_call("own_loss_checked") else None
+
+    def _unmark(self, cuts: bool, own_loss: bool) -> None:
+        """This call's first-call checks were not done to their end: the next call does them."""
+        for check, marked in (("cuts_checked", cuts), ("own_loss_checked", own_loss)):
+            checked = getattr(_flow, check, None)
+            if marked and checked is not None:
+                checked.discard(self)
 
     def _first_call(self, check: str) -> bool:
         """Whether this is the layer's first call on this rank for ``check`` (marked as done from now on)."""
@@ -669,6 +702,8 @@ class GuardFn:
         try:
             return self.fn(tensors, x)
         except RuntimeError as err:  # what torch raises on shapes that do not fit (not its control flow)
+            if isinstance(err, data_dependent_errors()):
+                raise  # a fake run's data-dependent op: run again on real stand-ins (predict.py)
             message = f"tensor_parallel: layer {self.layer!r}: {_unsummed(err, self.axis)}"
             raise ValueError(message) from err
 
@@ -709,6 +744,7 @@ def rewrite_layer(
             slices_after=plan.slices_after and block is not None and block[1],
             head_counts=_enclosing_head_counts(copied, install) if install is not None else None,
             in_block=next((p for _, p, _, _ in plan.blocks if path.startswith(p + ".")), None),
+            per_head=tuple((name, where) for sub, name, where, _ in plan.per_head if sub == subpath),
         )
     for subpath, path, in_block in experts_in_blocks(copied, [(sub, p) for sub, p, _, _ in plan.blocks]):
         if aux_loss is not None:
@@ -771,8 +807,9 @@ def _rewrite_key(name: str, fn: Any, plan: LayerPlan, axis: str, reduce: torch.d
     blocks = tuple(sorted((sub, first, last) for sub, _path, first, last in plan.blocks))
     ends = (plan.partial_in, plan.partial_out, plan.slices_after, plan.slices_out, plan.slices_in)
     owned_only = tuple(sorted((sub, attr) for sub, attr, _ in plan.owned_only))
+    per_head = tuple(sorted((sub, name) for sub, name, _, _ in plan.per_head))
     key = (VaryFn, axis, reduce, installs, blocks, tuple(sorted(v.removeprefix(prefix) for v in plan.vary)), ends,
-           owned_only, inner)
+           owned_only, per_head, inner)
     try:
         hash(key)
     except TypeError:

@@ -5,7 +5,7 @@ Each returns a plain dict of pattern -> style that can be edited like any other 
 
 from __future__ import annotations
 
-from .styles import Colwise, Region, Rowwise, Style
+from .styles import Colwise, PerHead, Region, Rowwise, Style
 
 
 def llama_plan(*, vocab_parallel: bool = True) -> dict[str, Style]:
@@ -28,6 +28,28 @@ def llama_plan(*, vocab_parallel: bool = True) -> dict[str, Style]:
 
 
 LLAMA_BLOCKS = "model.layers.*"  # sequence_parallel= for llama_plan
+
+
+def gpt_oss_plan(*, vocab_parallel: bool = True) -> dict[str, Style]:
+    """GPT-OSS (transformers' ``GptOssForCausalLM``): the attention as :func:`llama_plan` splits it, and its
+    sinks, one learned logit per query head (``(num_attention_heads,)``), cut as the heads are
+    (:class:`PerHead`): each rank holds and trains its own heads' sinks. The MoE MLP (its router and
+    stacked experts) stays whole on every rank: tensor parallel splits Linear, Conv1D and Embedding
+    modules, not experts held as ``(experts, in, out)`` parameters (``sw.expert_parallel`` splits
+    experts over ranks). Sequence parallel over its blocks is refused: the MoE's dispatch of tokens to
+    experts would run on slices of the sequence, which is not followed.
+
+    transformers 5's own ``base_model_tp_plan`` for GPT-OSS names only ``embed_tokens``
+    (``"embedding_rowwise"``: Rowwise here); transformers 4's split the attention as here and named the
+    sinks ``"local_rowwise"``, a cut of their one dim into tp equal contiguous blocks: PerHead's cut."""
+    return {
+        "model.embed_tokens": Rowwise(),
+        "model.layers.*.self_attn": Region(heads=("config.num_attention_heads", "config.num_key_value_heads")),
+        "model.layers.*.self_attn.[qkv]_proj": Colwise(),
+        "model.layers.*.self_attn.o_proj": Rowwise(),
+        "model.layers.*.self_attn.sinks": PerHead(),
+        "lm_head": Colwise(output="sharded" if vocab_parallel else "replicated"),
+    }
 
 
 def gpt2_plan(*, vocab_parallel: bool = True) -> dict[str, Style]:

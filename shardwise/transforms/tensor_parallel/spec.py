@@ -17,6 +17,7 @@ from ...engine.stack.compose import SPLIT
 from ...engine.stack.roles import NO_CUT, BatchCut
 from .match import EMBEDDING, LayerPlan, Resolved, resolve
 from .modules import guard_layer, rewrite_layer
+from .per_head import per_head_message
 from .predict import predict
 from .styles import Colwise, Rowwise, Style, gathers
 
@@ -86,7 +87,12 @@ class TPSpec:
         return self.splits(chain, _mesh(mesh, self.axis).axis_size(self.axis))
 
     def check_sizes(self, chain: Chain, params: Mapping[str, Mapping[str, torch.Tensor]], parts: int) -> None:
-        """Refuse heads or parameter dims that the axis size does not divide, naming them."""
+        """Refuse heads or parameter dims that the axis size does not divide, naming them (a per-head
+        parameter by its own path first: the one value per head the user named)."""
+        for per_head in self.resolved(chain).splits.values():
+            if per_head.heads is not None and per_head.heads[2] % parts:
+                path, attr, count = per_head.heads
+                raise ValueError(per_head_message(path, count, attr, parts, self.axis))
         for path, attr, value in self.resolved(chain).heads:
             if value % parts:
                 raise ValueError(
@@ -158,8 +164,11 @@ class TPSpec:
     def layer_notes(self, chain: Chain) -> dict[str, str]:
         """Per layer, what tensor parallel does to it, for the Plan."""
         notes = {}
-        for name, lp in self.resolved(chain).layers.items():
+        resolved = self.resolved(chain)
+        for name, lp in resolved.layers.items():
             parts = [f"{i.path}: {i.style}" for i in lp.installs]
+            parts += [f"{s.heads[0]}: PerHead()" for (layer, _), s in resolved.splits.items()
+                      if layer == name and s.heads is not None]
             if lp.blocks:
                 parts.append("sequence parallel: " + ", ".join(p for _, p, _, _ in lp.blocks))
             if lp.vary:

@@ -104,6 +104,7 @@ class _Output:
     # A Colwise outside any Region inside a sequence-parallel block: the sequence it gathered itself.
     sequence: SequenceGather | None = None
     merged: bool = False  # its per-head view was merged back into the rank's width (head_views.py)
+    parameter: bool = False  # not a Colwise output: a PerHead parameter, this rank's heads' values on dim 0
     short: tuple[str, list[int]] | None = None  # fused: a cut into fewer parts than its blocks (the op, sizes)
 
 
@@ -131,6 +132,12 @@ class SplitWatch(TorchFunctionMode):
         )
         self.outputs.append(entry)
         self._follow(t, entry)
+
+    def watch_per_head(self, t: Tensor, label: str, parts: int) -> None:
+        """A PerHead parameter's slice ``t``: this rank's heads' values along dim 0, followed as a per-head
+        view is (an op across its heads computes over the rank's heads alone; a cut takes some of them)."""
+        if isinstance(t, Tensor) and t.dim():
+            self.follow_heads(t, _Output(label, 1, t.shape[0], parts=parts, parameter=True), 0)
 
     def _follow(self, t: Tensor, entry: _Output) -> None:
         self.watched[id(t)] = (weakref.ref(t), entry)
@@ -329,6 +336,14 @@ class SplitWatch(TorchFunctionMode):
 
 def _mixing_refusal(entry: _Output, what: str, across_heads: bool = False) -> str:
     whole = f"{entry.width} of {entry.width * entry.parts}" if entry.parts > 1 else str(entry.width)
+    if across_heads and entry.parameter:
+        return (
+            f"tensor_parallel: PerHead() on {entry.label!r} gives each rank its heads' values, 1/tp of them ("
+            f"{entry.width} of {entry.width * entry.parts} here), and the module computes {what}: over this rank's "
+            "heads alone, not all of them, so the model trains another model without an error. PerHead() "
+            "fits a parameter each head reads its own value of (GPT-OSS's sinks, one logit per head); leave this "
+            "one out of the plan, and the attention's projections too (replicated)"
+        )
     if across_heads:
         return (
             f"tensor_parallel: Colwise() on {entry.label!r} gives each rank whole heads, 1/tp of them ({whole} "

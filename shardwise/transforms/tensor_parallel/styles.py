@@ -27,6 +27,12 @@ patterns (fnmatch, on the paths ``model.named_modules()`` gives) to styles:
   are only checked; ``local`` names int attributes each rank divides by it
   (GPT-2's ``split_size``).
 
+* :class:`PerHead`: a parameter (not a module: the plan names its path, ``"model.layers.*.self_attn.sinks"``)
+  holding one value per attention head along dim 0, inside a Region whose ``heads`` count them (GPT-OSS's
+  attention sinks, ``(num_attention_heads,)``). Dim 0 is cut into tp equal contiguous blocks, as the
+  Colwise projections cut their heads: rank r holds, and trains, the values of its own heads. No
+  communication: each rank's heads use only its slice.
+
 A Colwise module outside any Region enters the region itself (in a sequence-parallel block it
 gathers the sequence at its own input; a module that reshapes its output by the slice's length,
 as BERT's attention does, is refused: sequence_gather.py).
@@ -82,7 +88,30 @@ class Region:
             object.__setattr__(self, field_name, tuple(value))
 
 
-Style = Colwise | Rowwise | Region
+@dataclass(frozen=True)
+class PerHead:
+    """A parameter of one value per head on dim 0, split as the heads are (see the module docstring).
+
+    ``heads`` names which of the enclosing Region's ``heads=`` counts dim 0 (``"config.num_key_value_heads"``
+    for one value per key/value head); by default the Region's first, its query heads.
+
+    Hugging Face's plans say this with a Linear's style on a 1-D parameter: GPT-OSS's
+    ``"layers.*.self_attn.sinks": "local_rowwise"`` (transformers 4) and GraniteSWA's ``"colwise"`` both cut
+    its one dim into tp equal contiguous blocks, which is what this does; transformers 5's GPT-OSS plan
+    splits no attention at all (``sw.tp.gpt_oss_plan()`` does).
+    """
+
+    heads: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.heads is not None and (not isinstance(self.heads, str) or not self.heads):
+            raise TypeError(
+                f"PerHead(heads={self.heads!r}): the name of a count in the Region's heads=, e.g. "
+                "'config.num_key_value_heads', or leave it out (the Region's first: its query heads)"
+            )
+
+
+Style = Colwise | Rowwise | Region | PerHead
 
 
 def gathers(style: Colwise, embedding: bool) -> bool:

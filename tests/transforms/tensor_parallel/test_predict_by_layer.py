@@ -372,3 +372,92 @@ def test_plans_that_share_their_runs_across_layouts_are_the_plans_made_alone(blo
     assert alone[zero3][1] == alone[zero1][1] and shared[zero3][1] < alone[zero3][1], (shared, alone)
     assert again[1] < alone[cases[0]][1]
     assert plan(*cases[0])[1] == alone[cases[0]][1]  # outside the block: all of it again
+
+
+def _moe_problem() -> tuple[sw.Step, Any, Any]:
+    """A tiny Hugging Face GPT-OSS in float64 (its MoE loops over the experts a batch hits: ``nonzero``), its
+    embedding and head split over the vocabulary (the attention whole: the per-head plan is test_gpt_oss.py's)."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssDecoderLayer
+
+    torch.manual_seed(0)
+    config = transformers.GptOssConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=16,
+        attn_implementation="eager", experts_implementation="eager", pad_token_id=0, eos_token_id=1, bos_token_id=1,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
+    model = transformers.GptOssForCausalLM(config).double()
+    ids = torch.randint(64, (4, 9), generator=torch.Generator().manual_seed(2))
+    batch = (ids[:, :-1], ids[:, 1:])
+    chain, params = sw.functionalize(model, units=GptOssDecoderLayer, example_input=batch[0])
+    step = sw.train_step(chain, lambda out, y: sw.tp.vocab_parallel_cross_entropy(out.logits, y),
+                         sw.optim.sgd(0.1, momentum=0.9))
+    plan = {"model.embed_tokens": sw.tp.Rowwise(), "lm_head": sw.tp.Colwise()}
+    return sw.tensor_parallel(step, "tp", plan), params, batch
+
+
+@pytest.mark.parametrize("by_layer", [True, False], ids=["by-layer", "by-stage"])
+def test_a_layer_reading_data_to_decide_a_shape_is_predicted_on_real_stand_ins(
+    by_layer: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An MoE block whose loop reads which experts the batch hits (``nonzero``) cannot run on fake tensors:
+    the prediction failed with torch's DynamicOutputShapeException, so no tensor-parallel step of such a model
+    had a Plan. It runs that layer again on zero-filled real stand-ins, forward and backward, as the engine's
+    own prediction does; the ledger of the step is the Plan's."""
+    step, params, batch = _moe_problem()
+    mesh = sw.Mesh(tp=2)
+    monkeypatch.setattr(tp_spec, "predict", functools.partial(tp_predict.predict, by_layer=by_layer))
+    plan = step.plan(mesh, params, batch)
+
+    def run() -> list[tuple[str, str, Any, int]]:
+        state = step.init(params, mesh)
+        with sw.collectives.comm_ledger() as ledger:
+            step(state, batch)
+        return [(r.op, r.axis, r.dtype, r.nbytes) for r in ledger.records if r.rank == mesh.rank]
+
+    for rank, got in enumerate(sw.launch(run, mesh.size)):
+        assert got == [(c.op, c.axis, c.dtype, c.nbytes) for c in plan.collectives(rank)], f"rank {rank}"
+
+
+class _RoutedMLP(torch.nn.Module):
+    """Up and down projections around a data-dependent choice of tokens (``nonzero``, as an MoE's routing
+    reads its batch); ``centred``: q's split features centred over the rank's slice of them (wrong)."""
+
+    def __init__(self, centred: bool) -> None:
+        super().__init__()
+        self.centred = centred
+        self.up, self.down = torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.up(x))
+        chosen = (x[..., 0] > 0).nonzero()  # the tokens routed on: read off the data
+        h = h * (1.0 + chosen.shape[0] / x[..., 0].numel())
+        if self.centred:
+            h = h - h.mean(-1, keepdim=True)
+        return self.down(h)
+
+
+@pytest.mark.parametrize("region", [True, False], ids=["region", "no-region"])
+@pytest.mark.parametrize("centred", [False, True], ids=["per-feature", "centred-over-the-slice"])
+def test_a_split_layer_reading_data_to_decide_a_shape_is_predicted_and_still_watched(centred: bool, region: bool
+                                                                                      ) -> None:
+    """The fake run's data-dependent error was taken for the module's failure (a Region's, named by its head
+    counts; or the split output's, no Rowwise taking it). It now runs again on real stand-ins, and the watch of
+    its Colwise output, which the fake run left unfinished (the Region's, or the layer's first call's, without
+    a Region), is done on that run: an op across the rank's features is still refused."""
+    torch.manual_seed(0)
+    chain, params = sw.functionalize(torch.nn.Sequential(_RoutedMLP(centred), _RoutedMLP(centred)).double())
+    step = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1, momentum=0.9))
+    plan = {"[01]": sw.tp.Region(), "*.up": sw.tp.Colwise(), "*.down": sw.tp.Rowwise()}
+    if not region:
+        del plan["[01]"]
+    tp = sw.tensor_parallel(step, "tp", plan)
+    gen = torch.Generator().manual_seed(1)
+    batches = [tuple(torch.randn(4, 8, dtype=torch.float64, generator=gen) for _ in range(2)) for _ in range(2)]
+    if centred:
+        with pytest.raises(ValueError, match=r"Colwise\(\) on '0\.up' .* before any per-head view"):
+            tp.plan(sw.Mesh(tp=2), params, batches[0])
+        return
+    tp.plan(sw.Mesh(tp=2), params, batches[0])
+    sw.testing.assert_equivalent(tp, step, sw.Mesh(tp=2), batches, params, rtol=1e-12)

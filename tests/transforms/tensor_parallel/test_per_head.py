@@ -1,0 +1,161 @@
+"""``sw.tp.PerHead()``: a parameter of one value per head split as the heads are (per_head.py), on an
+attention of our own, and what it must not let through.
+
+The attention (4 heads of width 8, its own ``n_heads``, which its Region divides while it runs) holds
+``sinks`` of shape (4,) and uses them as ``use`` says. Where each head reads its own value (GPT-OSS's
+sink logit, a per-head scale of the scores) the split step is the single-device one. Where the module
+computes across the values of all heads (a mean, a softmax over them, a roll, a cut by their place),
+a rank would compute over its own heads' values alone and train another model without an error: the
+Region's first forward follows the rank's slice along its heads (split_watch.py) and refuses that. A
+parameter whose dim 0 is not one value per head (a ``(hidden,)`` gain) is refused by the plan, and one the
+plan leaves unstyled is still refused where the attention reads it on the rank's split values.
+float64, SGD with momentum, 2 steps, relative agreement 1e-12 (split sums reordered only).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import shardwise as sw
+
+from .conftest import two_blocks_problem
+
+D, HEADS = 32, 4
+PLAN = {"*.attn": sw.tp.Region(heads=("n_heads",)), "*.attn.[qkv]": sw.tp.Colwise(), "*.attn.o": sw.tp.Rowwise(),
+        "*.attn.sinks": sw.tp.PerHead()}
+
+
+class _SinkAttention(nn.Module):
+    """Multi-head attention with one learned value per head, ``sinks``, used as ``use`` says; ``gain``: a
+    ``(hidden,)`` vector over q's features too (not per head)."""
+
+    def __init__(self, use: str = "sink", gain: bool = False, frozen: bool = False) -> None:
+        super().__init__()
+        self.use, self.n_heads, self.head_dim = use, HEADS, D // HEADS
+        self.q, self.k, self.v, self.o = (nn.Linear(D, D) for _ in range(4))
+        self.sinks = nn.Parameter(torch.randn(HEADS), requires_grad=not frozen)
+        self.gain = nn.Parameter(1 + 0.1 * torch.randn(D)) if gain else None
+
+    def _values(self) -> torch.Tensor:
+        s = self.sinks
+        if self.use == "mean":  # centred over every head: across the heads
+            s = s.view(1, -1, 1, 1)
+            return s - s.mean()
+        if self.use == "softmax":
+            return s.softmax(0).view(1, -1, 1, 1)
+        if self.use == "roll":  # head h reads head h - 1's value
+            return s.roll(1, 0).view(1, -1, 1, 1)
+        if self.use == "halves":  # the two halves of the heads swapped: a cut by their place
+            first, second = s.chunk(2)
+            return torch.cat([second, first]).view(1, -1, 1, 1)
+        return s.view(1, -1, 1, 1)  # "scale": each head's own
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q(x) if self.gain is None else self.q(x) * self.gain
+        q, k, v = (z.view(b, t, -1, self.head_dim).transpose(1, 2) for z in (q, self.k(x), self.v(x)))
+        scores = q @ k.transpose(-1, -2) / math.sqrt(self.head_dim)
+        if self.use == "sink":  # GPT-OSS's eager_attention_forward: one more logit per head, dropped after
+            sinks = self.sinks.reshape(1, -1, 1, 1).expand(b, -1, t, -1)
+            logits = torch.cat([scores, sinks], dim=-1)
+            probs = (logits - logits.max(-1, keepdim=True).values).softmax(-1)[..., :-1]
+        else:
+            probs = (scores * self._values()).softmax(-1)
+        return self.o((probs @ v).transpose(1, 2).reshape(b, t, -1))
+
+
+def _problem(**kwargs: Any) -> tuple[sw.Step, Any, list[Any]]:
+    return two_blocks_problem(lambda: _SinkAttention(**kwargs), D)
+
+
+@pytest.mark.parametrize("use", ["sink", "scale"])
+def test_each_head_reading_its_own_value_is_the_single_device_step(use: str) -> None:
+    step, params, batches = _problem(use=use)
+    sw.testing.assert_equivalent(sw.tensor_parallel(step, "tp", PLAN), step, sw.Mesh(tp=2), batches, params,
+                                 rtol=1e-12)
+
+
+@pytest.mark.parametrize(("use", "what"), [
+    ("mean", r"computes mean over every dim, which holds its heads: over this rank's heads alone"),
+    ("softmax", r"computes softmax over dim -1, which holds its heads: over this rank's heads alone"),
+    ("roll", r"computes roll over dim -1, which holds its heads: over this rank's heads alone"),
+    ("halves", r"cuts them across the heads: chunk of its 2 heads \(dim 0\)"),
+])
+def test_an_op_across_the_heads_values_is_refused(use: str, what: str) -> None:
+    step, params, batches = _problem(use=use)
+    with pytest.raises(ValueError, match=r"PerHead\(\) on '0\.attn\.sinks' gives each rank its heads' values, 1/tp "
+                                         rf"of them.*{what}"):
+        sw.tensor_parallel(step, "tp", PLAN).plan(sw.Mesh(tp=2), params, batches[0])
+
+
+def test_a_hidden_wide_vector_given_per_head_is_refused_by_its_shape() -> None:
+    step, _, _ = _problem(gain=True)
+    with pytest.raises(ValueError, match=r"PerHead\(heads=None\) on '0\.attn\.gain' of shape \(32,\): its dim 0 "
+                                         r"\(32\) is not one value per head, where 0\.attn\.n_heads counts 4 heads"):
+        sw.tensor_parallel(step, "tp", {**PLAN, "*.attn.gain": sw.tp.PerHead()})
+
+
+def test_a_hidden_wide_vector_beside_the_split_sinks_is_still_refused_where_read_on_split_values() -> None:
+    """The gain over q's features, unstyled, meets the rank's half of them: refused naming it, not the sinks."""
+    step, params, batches = _problem(gain=True)
+    with pytest.raises(ValueError, match=r"its parameter 'gain' of shape \(32,\) spans the whole output of "
+                                         r"'0\.attn\.q'"):
+        sw.tensor_parallel(step, "tp", PLAN).plan(sw.Mesh(tp=2), params, batches[0])
+
+
+@pytest.mark.parametrize(("plan", "message"), [
+    ({"*.attn.sinks": sw.tp.PerHead(heads="n_kv_heads")},
+     r"the Region '0\.attn' names the heads \('n_heads',\), not 'n_kv_heads'"),
+    ({"*.attn": sw.tp.PerHead()}, r"matches the module '0\.attn', not a parameter.*'0\.attn' has \['sinks'\]"),
+    ({"*.attn.sink": sw.tp.PerHead()}, r"matches no parameter of the model; close parameter paths: \['1\.attn\.sinks'"),
+    ({"*.attn.q.bias": sw.tp.PerHead()}, r"a parameter of '0\.attn\.q', which plan\['\*\.attn\.\[qkv\]'\] = "
+                                         r"Colwise\(output=None, fused=1\) splits already"),
+    ({"*.norm.weight": sw.tp.PerHead()}, r"on '0\.norm\.weight', but no Region with heads=\(\.\.\.\) holds it"),
+])
+def test_a_per_head_style_that_cannot_follow_the_heads_is_refused(plan: dict[str, Any], message: str) -> None:
+    step, _, _ = _problem()
+    with pytest.raises(ValueError, match=message):
+        sw.tensor_parallel(step, "tp", {**PLAN, **plan})
+
+
+def test_frozen_sinks_are_refused() -> None:
+    step, _, _ = _problem(frozen=True)
+    with pytest.raises(ValueError, match=r"on '0\.attn\.sinks', which is frozen \(requires_grad=False\)"):
+        sw.tensor_parallel(step, "tp", PLAN)
+
+
+def test_a_style_that_is_none_is_named() -> None:
+    step, _, _ = _problem()
+    with pytest.raises(TypeError, match=r"or sw\.tp\.PerHead\(\) on a parameter holding one value per head"):
+        sw.tensor_parallel(step, "tp", {**PLAN, "*.attn.sinks": "local_rowwise"})  # type: ignore[dict-item]
+
+
+
+class _ReadingBlock(nn.Module):
+    """A pre-norm block that reads its attention's sinks itself, outside the attention (its Region), before
+    calling it: a term of their mean over every head, added to the residual stream."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.attn = nn.LayerNorm(D), _SinkAttention("sink")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shift = 0.01 * self.attn.sinks.mean()  # read before the attention runs
+        return x + self.attn(self.norm(x)) + shift
+
+
+def test_the_heads_values_read_outside_the_attention_are_followed_too() -> None:
+    """The block's mean of the sinks would be the mean of the rank's heads' values, a residual stream that
+    differs by rank: the sinks are followed from the layer's first call, not only inside the Region."""
+    torch.manual_seed(0)
+    chain, params = sw.functionalize(nn.Sequential(_ReadingBlock(), _ReadingBlock()).double())
+    step = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1, momentum=0.9))
+    gen = torch.Generator().manual_seed(1)
+    batch = tuple(torch.randn(2, 6, D, dtype=torch.float64, generator=gen) for _ in range(2))
+    with pytest.raises(ValueError, match=r"PerHead\(\) on '0\.attn\.sinks' .* computes mean over every dim"):
+        sw.tensor_parallel(step, "tp", PLAN).plan(sw.Mesh(tp=2), params, batch)
