@@ -95,7 +95,7 @@ from torch.nn.modules.batchnorm import _NormBase
 from ..torch_api import dense_where_refused, fake_run_errors
 from . import host_random
 from .batch_loss_terms import refuse_split_batch_loss
-from .capture import Piece, guarding_stand_ins, split_by_calls
+from .capture import Piece, split_by_calls
 from .chain import Chain, Layer
 from .fx_split import FunctionalizeError, FxTraceError, split_graph
 from .init_fn import InitFn, as_path_init
@@ -103,6 +103,7 @@ from .materialize import ModuleInit, has_meta_tensors, is_transformers_model, st
 from .module_call import Quiet, ThreadReplicas, call_arguments
 from .pytrees import float_leaves, plain_batch, register_output_types, unregistered_reason
 from .shape_check import check_shapes_against_module, structure_differs
+from .stand_ins import guarding_stand_ins
 from .uncompiled import uncompiled
 
 __all__ = ["FunctionalizeError", "functionalize"]
@@ -272,7 +273,7 @@ Piece_ = tuple[str, nn.Module | Piece]
 def _pieces(module: nn.Module, units: Units, example: Any, meta_built: bool) -> tuple[list[Piece_], Any]:
     """(layer name, module or Piece to call) for each layer, and the input the split was
     recorded on (None when it was not recorded: the whole module, a Sequential, fx). A
-    meta-built module's units are recorded on fake tensors (``capture._record``)."""
+    meta-built module's units are recorded on fake tensors (``recording.record_calls``)."""
     if units is None:
         if isinstance(module, nn.Sequential):
             # _modules, not named_children(): a child repeated at two indices is two layers (tied).
