@@ -579,3 +579,33 @@ def test_head_puts_numpy_back_where_its_replay_drew_and_stops_saving_it_where_it
             got = layer(chain.layer_params(params, layer), got)
         assert torch.equal(got, expected), call
     assert head.fn._host[0] is draws_before
+
+
+def whisper_spec_augment() -> nn.Module:
+    """Whisper masking its input_features in place in training (SpecAugment, drawn with numpy), in time
+    and in features."""
+    model = whisper()
+    model.config.update({"apply_spec_augment": True, "mask_time_prob": 0.3, "mask_time_length": 2,
+                         "mask_feature_prob": 0.3, "mask_feature_length": 2})
+    return SpeechLogitsOnly(model)
+
+
+def test_whisper_with_spec_augment_split_in_both_stacks_trains_as_one_layer() -> None:
+    """Whisper masks ``input_features`` in place before its encoder. ``embed`` masks a copy, which its carry
+    holds; the bridge and ``head`` replay that code on copies of the carried input and put the carried
+    values back at their carried state. It failed with autograd's raw in-place error (each replay masked
+    again the tensor ``embed`` had saved for its backward)."""
+    def run(units: Any) -> tuple[dict[str, Tensor], list[Any]]:
+        torch.manual_seed(0)
+        data = whisper_batches()
+        chain, params = functionalize(whisper_spec_augment(), units=units, example_input=whisper_batches()[0][0])
+        return trained(chain, params, data), data
+
+    (got, batches), (expected, _) = run(whisper_layers()), run(None)
+    assert all(torch.equal(got[name], want) for name, want in expected.items())
+    # The split masks copies: the batch is as it was given (the module itself masks the caller's tensor).
+    assert all(torch.equal(x["input_features"], y["input_features"]) for (x, _), (y, _) in zip(
+        batches, whisper_batches(), strict=True))
+    features = batches[0][0]["input_features"].clone()
+    whisper_spec_augment().model.model._mask_input_features(features)  # it masks, in training: zeros appear
+    assert (features == 0).any() and not (batches[0][0]["input_features"] == 0).any()

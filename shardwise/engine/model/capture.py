@@ -163,11 +163,11 @@ def split_by_calls(
     for k, (seg, layout) in enumerate(zip(segments, layouts, strict=True)):
         real, fake = phase(owned[k])
         if k == 0:
-            pieces.append((EMBED, Piece(EmbedFn(stubbed, layout, seg, fake), real, buffers)))
+            pieces.append((EMBED, Piece(EmbedFn(stubbed, layout, seg, fake, recording.changed), real, buffers)))
         else:
             replay = eval_ran_before(stubbed, recording, seg.start)
             previous = (layouts[k - 1], segments[k - 1])
-            fn = BridgeFn(replay, bridges[k - 1], previous, (layout, seg), fake)
+            fn = BridgeFn(replay, bridges[k - 1], previous, (layout, seg), fake, recording.changed)
             pieces.append((bridges[k - 1], Piece(fn, real, buffers)))
         for i in range(seg.start, seg.stop):
             unit, path = root.get_submodule(paths[i]), paths[i]
@@ -178,7 +178,7 @@ def split_by_calls(
             )))
     head_params, head_fake = phase(owned[-1])
     head_root = eval_ran_before(stubbed, recording, len(paths))
-    pieces.append((HEAD, Piece(HeadFn(head_root, layouts[-1], head_fake), head_params, buffers)))
+    pieces.append((HEAD, Piece(HeadFn(head_root, layouts[-1], head_fake, recording.changed), head_params, buffers)))
     return pieces
 
 

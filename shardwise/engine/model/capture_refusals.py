@@ -6,6 +6,7 @@ replay that did not run the units the example did."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from torch import nn
 
@@ -14,6 +15,7 @@ from .carry import (
     EMBED,
     HEAD,
 )
+from .changed_inputs import LeafIndices, leaf_names
 from .fx_split import FunctionalizeError
 
 
@@ -95,3 +97,15 @@ def refuse_layerdrop(root: nn.Module) -> None:
                         f"apart, so they would disagree. Build the model with config.{name} = 0.0, or split with "
                         "units=None (one layer)"
                     )
+
+
+def refuse_changed_in_unit(path: str, x: Any, changed: LeafIndices) -> None:
+    """A unit changing the batch's tensors in place: its layer would change the carry it was given, which
+    the layers before it still hold for their backward (and a pipeline has sent on already)."""
+    if changed:
+        raise FunctionalizeError(
+            f"functionalize: unit {path!r} changes the input's {leaf_names(x)[changed[0]]!r} in place, but a "
+            "unit's layer must leave the value passed to it as it is (the layers before it hold it for their "
+            "backward). Change a copy in the unit (x = x.clone() before the in-place op), or split with "
+            "units=None (one layer)"
+        )

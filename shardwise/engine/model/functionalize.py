@@ -97,6 +97,7 @@ from . import host_random
 from .batch_loss_terms import refuse_split_batch_loss
 from .capture import Piece, split_by_calls
 from .chain import Chain, Layer
+from .changed_inputs import copies
 from .fx_split import FunctionalizeError, FxTraceError, split_graph
 from .init_fn import InitFn, as_path_init
 from .materialize import ModuleInit, has_meta_tensors, is_transformers_model, stand_in
@@ -536,7 +537,9 @@ def _check_against_module(module: nn.Module, chain: Chain, params: ParamTree, x:
     )
     with torch.no_grad(), torch.random.fork_rng(devices=devices), host_random.kept():
         rng, host = _rng_states(devices), host_random.capture()
-        args, kwargs = call_arguments(module, x)
+        # On a copy of the example's tensors: forward may change one in place (Whisper's SpecAugment masks
+        # input_features), and the chain must start from the same input.
+        args, kwargs = call_arguments(module, copies(x))
         expected = register_output_types(module(*args, **kwargs))
         _set_rng_states(devices, rng)
         host_random.restore(host)

@@ -12,13 +12,14 @@ import torch
 from torch import Tensor, nn
 
 from ..torch_api import fake_tensors
-from .capture_refusals import extra_refused, refuse_collecting
+from .capture_refusals import extra_refused, refuse_changed_in_unit, refuse_collecting
 from .carry import (
     Layout,
     Segment,
     UnitCall,
     output_parts,
 )
+from .changed_inputs import LeafIndices, changed_since, copies, versions
 from .fx_split import FunctionalizeError
 from .hf_collecting import collecting_now
 from .module_call import call_arguments
@@ -39,13 +40,16 @@ class Recording:
     param_reads: dict[Gap, set[str]]  # names of the params read in each gap
     extra_reads: list[tuple[str, int, str]]  # (unit, output index, what reads it) for outputs beyond [0]
     handed: list[tuple[int, int, int]]  # (unit, output index, a later unit receiving it) for outputs beyond [0]
+    changed: LeafIndices = ()  # the input's tensors forward changes in place (Whisper's SpecAugment)
 
 
 def record_calls(root: nn.Module, paths: list[str], x: Any, fake_units: bool = False) -> Recording:
     """Run ``root(x)`` once with hooks. ``fake_units``: from the first unit's call on, run on fake
     tensors (shapes and dtypes, no arithmetic): the units and the code after them are most of a
     large model's cost, while the code before them (the attention mask, which may read ids and
-    skip a mask it does not need) runs on the real example, as at run time."""
+    skip a mask it does not need) runs on the real example, as at run time. It runs on a copy of the
+    example's tensors, noting those forward changes in place (``changed_inputs.py``)."""
+    x = copies(x)
     unit_index = {p: i for i, p in enumerate(paths)}
     faking = contextlib.ExitStack()
     calls: dict[int, UnitCall] = {}
@@ -66,6 +70,7 @@ def record_calls(root: nn.Module, paths: list[str], x: Any, fake_units: bool = F
     extra_reads: list[tuple[str, int, str]] = []
     handed: list[tuple[int, int, int]] = []
     collecting: list[tuple[str, str]] = []  # (unit, output) its model collected while the unit ran
+    before_unit: list[int | None] = []  # the input's tensors' versions as the unit running now began
 
     def extra_users(tree: Any, user: str) -> None:
         for t in tensors_in(tree):
@@ -96,11 +101,13 @@ def record_calls(root: nn.Module, paths: list[str], x: Any, fake_units: bool = F
                 handed_to(i, (args, kwargs))  # T5's position bias: its layer writes it into the carry
                 log.passed((args, kwargs), f"unit {path!r} receives it")  # a parameter handed over as it is
                 calls[i] = UnitCall(tuple(args), dict(kwargs))
+                before_unit[:] = versions(x)
                 state["started"] += 1
                 state["inside"] += 1
 
             def post(mod: nn.Module, args: Any, kwargs: Any, out: Any, i: int = i, path: str = path) -> None:
                 calls[i].output = out
+                refuse_changed_in_unit(path, x, changed_since(x, before_unit))
                 state["ended"] += 1
                 state["inside"] -= 1
                 parts = output_parts(out)
@@ -121,6 +128,7 @@ def record_calls(root: nn.Module, paths: list[str], x: Any, fake_units: bool = F
                 phase.setdefault(path, set()).add(when())
 
             handles.append(sub.register_forward_pre_hook(seen))
+    first = versions(x)
     try:
         args, kwargs = call_arguments(root, x)
         with torch.no_grad(), log:
@@ -145,7 +153,7 @@ def record_calls(root: nn.Module, paths: list[str], x: Any, fake_units: bool = F
     param_reads = {gap: log.labels(gap) for gap in gaps}
     return Recording(
         [calls[i] for i in range(len(paths))], phase, output, [paths[i] for i in calls], param_reads, extra_reads,
-        handed,
+        handed, changed_since(x, first),
     )
 
 

@@ -22,6 +22,7 @@ from .carry import (
     Segment,
     UnitCall,
 )
+from .changed_inputs import LeafIndices, replaying_changed, with_copies
 from .fx_split import FunctionalizeError
 from .module_call import ModuleCall, ThreadReplicas, call_arguments
 from .pytrees import register_output_types
@@ -60,6 +61,16 @@ def rewinder(carried: Tensor, host: list[bool] | None = None) -> Callable[[], No
             host_random.restore(saved)
 
     return rewind
+
+
+def in_turn(*steps: Callable[[], None]) -> Callable[[], None]:
+    """One call that makes each of ``steps`` in turn."""
+
+    def run() -> None:
+        for step in steps:
+            step()
+
+    return run
 
 
 def run_to_stop(
@@ -106,9 +117,12 @@ def carry_of_segment(
 class EmbedFn:
     """``root(x)`` up to the last unit of the first segment: returns its carry."""
 
-    def __init__(self, stubbed: nn.Module, layout: Layout, seg: Segment, placeholders: Placeholders) -> None:
+    def __init__(
+        self, stubbed: nn.Module, layout: Layout, seg: Segment, placeholders: Placeholders, changed: LeafIndices = (),
+    ) -> None:
         self.replicas = ThreadReplicas(stubbed)
         self.layout, self.seg, self.placeholders = layout, seg, placeholders
+        self.changed = changed  # the input's tensors forward changes in place: it changes copies
 
     def reuse_key(self) -> Hashable | None:
         """Itself: one of a chain (nothing else computes alike), the same under every layout of a plan
@@ -121,6 +135,7 @@ class EmbedFn:
         recorded: list[UnitCall] = []
         stop = self.seg.stop - 1
         set_stubs(stubs, recorded, range(self.seg.start, self.seg.stop), stop=stop)
+        x, _ = with_copies(x, self.changed)
         args, kwargs = call_arguments(call.module, x)
         stand_ins = self.placeholders.make(tensors)
         guard = stand_in_guard(EMBED, stand_ins, lambda: True)
@@ -148,10 +163,11 @@ class BridgeFn:
 
     def __init__(
         self, stubbed: nn.Module, name: str, before: tuple[Layout, Segment], after: tuple[Layout, Segment],
-        placeholders: Placeholders,
+        placeholders: Placeholders, changed: LeafIndices = (),
     ) -> None:
         self.replicas = ThreadReplicas(stubbed)
         self.name, self.placeholders = name, placeholders
+        self.changed = changed  # as HeadFn's
         (self.before, self.previous), (self.layout, self.seg) = before, after
         self.between = f"{self.before.paths[-1]!r} and {self.layout.paths[0]!r}"
         self._host = [True, True]  # as HeadFn's
@@ -168,11 +184,12 @@ class BridgeFn:
         emitting = set_stubs(stubs, recorded, range(self.seg.start, self.seg.stop), stop=stop,
                               emit=self.previous.stop - 1, hidden=carry[0])
         assert emitting is not None
-        emitting._rewind = rewinder(carry[0], self._host)
-        x = self.before.inputs.rebuild(carry)
-        args, kwargs = call_arguments(call.module, x)
+        rewind = rewinder(carry[0], self._host)
         stand_ins = self.placeholders.make(tensors)
         guard = stand_in_guard(self.name, stand_ins, lambda: emitting._emitted, self.between)
+        x, put_back = replaying_changed(self.before.inputs.rebuild(carry), self.changed, guard)
+        emitting._rewind = in_turn(rewind, put_back)
+        args, kwargs = call_arguments(call.module, x)
         follow_passed_outputs(guard, stubs[: self.previous.stop - 1], stubs[self.seg.start:stop])
         try:
             run_to_stop(call, {**tensors, **stand_ins}, args, kwargs, guard, stubs, stop)
@@ -191,9 +208,14 @@ class BridgeFn:
 class HeadFn:
     """``root(x)`` with the units stubbed and the last one giving the carried hidden state."""
 
-    def __init__(self, stubbed: nn.Module, layout: Layout, placeholders: Placeholders) -> None:
+    def __init__(
+        self, stubbed: nn.Module, layout: Layout, placeholders: Placeholders, changed: LeafIndices = (),
+    ) -> None:
         self.replicas = ThreadReplicas(stubbed)
         self.layout, self.placeholders = layout, placeholders
+        # The input's tensors forward changes in place: its replay changes copies of the carried ones, and
+        # puts the carried values back into them at the carried state (changed_inputs.py).
+        self.changed = changed
         self._host = [True, True]  # whether its replay draws from Python's / numpy's generators; unknown yet
 
     def reuse_key(self) -> Hashable | None:
@@ -206,11 +228,12 @@ class HeadFn:
         stubs = stubs_of(call.module)
         last = set_stubs(stubs, emit=len(stubs) - 1, hidden=carry[0])
         assert last is not None
-        last._rewind = rewinder(carry[0], self._host)
-        x = self.layout.inputs.rebuild(carry)
-        args, kwargs = call_arguments(call.module, x)
+        rewind = rewinder(carry[0], self._host)
         stand_ins = self.placeholders.make(tensors)
         guard = stand_in_guard(HEAD, stand_ins, lambda: last._emitted)
+        x, put_back = replaying_changed(self.layout.inputs.rebuild(carry), self.changed, guard)
+        last._rewind = in_turn(rewind, put_back)
+        args, kwargs = call_arguments(call.module, x)
         follow_passed_outputs(guard, stubs[:-1], [])
         try:
             with guard:

@@ -15,6 +15,7 @@ from torch import Tensor
 from .carry import (
     EMBED,
 )
+from .changed_inputs import ChangedInput
 from .fx_split import FunctionalizeError
 from .tensor_reads import StandInGuard
 from .unit_stubs import UnitOutput
@@ -68,6 +69,8 @@ def stand_in_guard(
     def refuse(name: str, op: str) -> FunctionalizeError | None:
         if isinstance(name, UnitOutput):
             return None if name.recording and op != "return" else stale_output_read(layer, name, op, between)
+        if isinstance(name, ChangedInput):
+            return changed_input_read(layer, name, op, between)
         if op == "return" and between:
             return FunctionalizeError(
                 f"functionalize: the code between units {between} (layer {layer!r}) hands the units after it a "
@@ -129,4 +132,20 @@ def stale_output_read(layer: str, unit: UnitOutput, op: str, between: str) -> Fu
         "hidden state of the last unit before that code passes into the layer: there it sees the input unit "
         f"{unit!r} was given instead. {fix}, or pass units that keep the code and what it reads together "
         "(a larger unit, or units=None for one layer)."
+    )
+
+
+def changed_input_read(layer: str, name: str, op: str, between: str) -> FunctionalizeError:
+    """The refusal of the code after a replay's carried state using a value the code before it computed
+    from an input forward changes in place (``changed_inputs.py``)."""
+    where = f"the code between units {between}" if between else "the code after the last unit"
+    how = "hands the units after it" if op == "return" and between else (
+        "returns" if op == "return" else f"reads (in {op}())")
+    return FunctionalizeError(
+        f"functionalize: {where} (layer {layer!r}) {how} a value that forward computes, before the units, from "
+        f"the input {name!r}, which forward changes in place (as Whisper's SpecAugment masks input_features). "
+        f"Layer {layer!r} runs that code again on the input as an earlier layer left it, changed already, and "
+        "changes it again with its own random draws, so the value is not the module's. Compute it from a copy "
+        "(x = x.clone() before the in-place change), or turn the in-place change off (config.apply_spec_augment"
+        "=False), or split with units=None (one layer)."
     )
