@@ -609,3 +609,22 @@ def test_whisper_with_spec_augment_split_in_both_stacks_trains_as_one_layer() ->
     features = batches[0][0]["input_features"].clone()
     whisper_spec_augment().model.model._mask_input_features(features)  # it masks, in training: zeros appear
     assert (features == 0).any() and not (batches[0][0]["input_features"] == 0).any()
+
+
+def test_t5_split_at_its_later_blocks_trains_as_one_layer_its_first_blocks_outside_the_units() -> None:
+    """T5's first block of each stack computes the position bias and hands it on; split at the later blocks
+    only, it runs in ``embed`` (the encoder's) and the bridge (the decoder's), and each later block hands
+    back the bias it was given, which its stub in a replay hands on too. It was refused, misleadingly:
+    "units ... shared an argument in the example input but get different values now" (the stubs handed on
+    None)."""
+    units = ["model.encoder.block.1", "model.encoder.block.2", "model.decoder.block.1"]
+    chain, params, batches = split("t5", units=units)
+    assert chain.names == ("embed", *units[:2], "bridge", units[2], "head")
+    assert "model.encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight" in params["embed"]
+    assert "model.decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight" in params["bridge"]
+    whole, whole_params, _ = split("t5", units=None)
+    got, expected = trained(chain, params, batches), trained(whole, whole_params, batches)
+    assert got.keys() == expected.keys()
+    assert all(torch.equal(got[name], want) for name, want in expected.items())
+    step = sw.train_step(chain, lm_loss, sw.optim.sgd(0.1, momentum=0.9))
+    sw.testing.assert_equivalent(sw.shard_params(step, "dp", stage=3), step, sw.Mesh(dp=2), batches, params)

@@ -8,6 +8,7 @@ import copy
 from collections.abc import Callable
 from typing import Any
 
+import optree
 from torch import Tensor, nn
 
 from .capture_refusals import read_inside_unit
@@ -16,6 +17,7 @@ from .carry import (
     Slot,
     UnitCall,
     output_parts,
+    without_hidden,
 )
 from .fx_split import FunctionalizeError
 from .module_call import kept_in_copies
@@ -35,9 +37,10 @@ class UnitStub(nn.Module):
     forward may consult them; its submodules and tensors are not here: code outside the unit that
     reads one (``F.layer_norm(x, ..., self.h[0].ln_1.weight)``) is refused, naming it."""
 
-    def __init__(self, unit: nn.Module, index: int, slot: Slot, output: Any, path: str = "") -> None:
+    def __init__(self, unit: nn.Module, index: int, slot: Slot, call: UnitCall, path: str = "") -> None:
         super().__init__()
         self.index, self.slot, self.path = index, slot, path
+        output = call.output
         self.inner = {*unit._modules, *unit._parameters, *unit._buffers}  # what only the unit's own call reads
         self.attributes = {
             k: v for k, v in vars(unit).items() if not k.startswith("_") and not isinstance(v, (nn.Module, Tensor))
@@ -51,9 +54,13 @@ class UnitStub(nn.Module):
         # computes, and the agreement check compares a module's public attributes.
         # Tensors there are Nones: the code around the units does not read them (refuse_read_extras), a later
         # unit of the segment that receives one gets it from the carry (carry_writes), and the example's
-        # would be held.
+        # would be held; but one the unit hands back as it was given (T5's blocks after the first return
+        # the position bias they receive) is that argument of this call, as in the module: a unit after
+        # it receives it (T5 split at its later blocks only, the first computing the bias before them).
         parts = output_parts(output) or ()
         self._output_rest = tuple(None if isinstance(v, Tensor) else v for v in parts[1:])
+        given = {id(t): j for j, t in enumerate(_argument_leaves(call, slot)) if isinstance(t, Tensor)}
+        self._handed_back = tuple(given.get(id(v)) if isinstance(v, Tensor) else None for v in parts[1:])
         self._mode = "pass"  # pass | stop | emit
         self._recorded: list[UnitCall] | None = None
         self._emit: Tensor | None = None
@@ -97,9 +104,18 @@ class UnitStub(nn.Module):
             guard.mark(hidden, UnitOutput(self.path, recording))
         if self.output_type is None:
             return hidden
+        rest = self._output_rest
+        if any(j is not None for j in self._handed_back):
+            given = _argument_leaves(call, self.slot)
+            rest = tuple(v if j is None else given[j] for v, j in zip(rest, self._handed_back, strict=True))
         if self._model_output:
-            return self.output_type(hidden, *self._output_rest)
-        return self.output_type((hidden, *self._output_rest))
+            return self.output_type(hidden, *rest)
+        return self.output_type((hidden, *rest))
+
+
+def _argument_leaves(call: UnitCall, slot: Slot) -> list[Any]:
+    """A unit's arguments but its hidden state, as leaves (Nones among them, so that places agree)."""
+    return optree.tree_leaves(without_hidden(call, slot), none_is_leaf=True)  # type: ignore[arg-type]
 
 
 class UnitOutput(str):
@@ -128,7 +144,7 @@ def stubbed_root(root: nn.Module, paths: list[str], recording: Recording, segmen
             path = paths[i]
             parent_path, _, attr = path.rpartition(".")
             parent = stubbed.get_submodule(parent_path)
-            parent._modules[attr] = UnitStub(root.get_submodule(path), i, seg.slot, recording.calls[i].output, path)
+            parent._modules[attr] = UnitStub(root.get_submodule(path), i, seg.slot, recording.calls[i], path)
     return stubbed
 
 
