@@ -579,3 +579,52 @@ def test_head_puts_numpy_back_where_its_replay_drew_and_stops_saving_it_where_it
             got = layer(chain.layer_params(params, layer), got)
         assert torch.equal(got, expected), call
     assert head.fn._host[0] is draws_before
+
+
+def whisper_spec_augment() -> nn.Module:
+    """Whisper masking its input_features in place in training (SpecAugment, drawn with numpy), in time
+    and in features."""
+    model = whisper()
+    model.config.update({"apply_spec_augment": True, "mask_time_prob": 0.3, "mask_time_length": 2,
+                         "mask_feature_prob": 0.3, "mask_feature_length": 2})
+    return SpeechLogitsOnly(model)
+
+
+def test_whisper_with_spec_augment_split_in_both_stacks_trains_as_one_layer() -> None:
+    """Whisper masks ``input_features`` in place before its encoder. ``embed`` masks a copy, which its carry
+    holds; the bridge and ``head`` replay that code on copies of the carried input and put the carried
+    values back at their carried state. It failed with autograd's raw in-place error (each replay masked
+    again the tensor ``embed`` had saved for its backward)."""
+    def run(units: Any) -> tuple[dict[str, Tensor], list[Any]]:
+        torch.manual_seed(0)
+        data = whisper_batches()
+        chain, params = functionalize(whisper_spec_augment(), units=units, example_input=whisper_batches()[0][0])
+        return trained(chain, params, data), data
+
+    (got, batches), (expected, _) = run(whisper_layers()), run(None)
+    assert all(torch.equal(got[name], want) for name, want in expected.items())
+    # The split masks copies: the batch is as it was given (the module itself masks the caller's tensor).
+    assert all(torch.equal(x["input_features"], y["input_features"]) for (x, _), (y, _) in zip(
+        batches, whisper_batches(), strict=True))
+    features = batches[0][0]["input_features"].clone()
+    whisper_spec_augment().model.model._mask_input_features(features)  # it masks, in training: zeros appear
+    assert (features == 0).any() and not (batches[0][0]["input_features"] == 0).any()
+
+
+def test_t5_split_at_its_later_blocks_trains_as_one_layer_its_first_blocks_outside_the_units() -> None:
+    """T5's first block of each stack computes the position bias and hands it on; split at the later blocks
+    only, it runs in ``embed`` (the encoder's) and the bridge (the decoder's), and each later block hands
+    back the bias it was given, which its stub in a replay hands on too. It was refused, misleadingly:
+    "units ... shared an argument in the example input but get different values now" (the stubs handed on
+    None)."""
+    units = ["model.encoder.block.1", "model.encoder.block.2", "model.decoder.block.1"]
+    chain, params, batches = split("t5", units=units)
+    assert chain.names == ("embed", *units[:2], "bridge", units[2], "head")
+    assert "model.encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight" in params["embed"]
+    assert "model.decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight" in params["bridge"]
+    whole, whole_params, _ = split("t5", units=None)
+    got, expected = trained(chain, params, batches), trained(whole, whole_params, batches)
+    assert got.keys() == expected.keys()
+    assert all(torch.equal(got[name], want) for name, want in expected.items())
+    step = sw.train_step(chain, lm_loss, sw.optim.sgd(0.1, momentum=0.9))
+    sw.testing.assert_equivalent(sw.shard_params(step, "dp", stage=3), step, sw.Mesh(dp=2), batches, params)

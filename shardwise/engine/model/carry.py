@@ -27,6 +27,9 @@ from ..torch_api import is_fake
 from .fx_split import FunctionalizeError
 from .pytrees import is_model_output
 
+# The layers the split makes of the code around the units (a unit may not take one of these names).
+EMBED, HEAD, BRIDGE = "embed", "head", "bridge"
+
 
 def absent_marker() -> Tensor:
     """What travels in the carry for an argument that is None in this call."""
@@ -74,7 +77,7 @@ def hidden_of_output(path: str, out: Any) -> Tensor:
     if isinstance(out, Tensor):
         return out
     # Tensors beyond [0] (Bloom's attention weights) pass on only where the later units of the segment
-    # receive them (capture._carry_writes): the recording proved that nothing else reads them.
+    # receive them (recording.carry_writes): the recording proved that nothing else reads them.
     parts = output_parts(out)
     if (
         parts and isinstance(parts[0], Tensor)

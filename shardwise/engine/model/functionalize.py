@@ -95,14 +95,16 @@ from torch.nn.modules.batchnorm import _NormBase
 from ..torch_api import dense_where_refused, fake_run_errors
 from . import host_random
 from .batch_loss_terms import refuse_split_batch_loss
-from .capture import Piece, guarding_stand_ins, split_by_calls
+from .capture import Piece, split_by_calls
 from .chain import Chain, Layer
+from .changed_inputs import LeafIndices, changed_since, copies, versions, with_copies
 from .fx_split import FunctionalizeError, FxTraceError, split_graph
 from .init_fn import InitFn, as_path_init
 from .materialize import ModuleInit, has_meta_tensors, is_transformers_model, stand_in
 from .module_call import Quiet, ThreadReplicas, call_arguments
 from .pytrees import float_leaves, plain_batch, register_output_types, unregistered_reason
 from .shape_check import check_shapes_against_module, structure_differs
+from .stand_ins import guarding_stand_ins
 from .uncompiled import uncompiled
 
 __all__ = ["FunctionalizeError", "functionalize"]
@@ -272,7 +274,7 @@ Piece_ = tuple[str, nn.Module | Piece]
 def _pieces(module: nn.Module, units: Units, example: Any, meta_built: bool) -> tuple[list[Piece_], Any]:
     """(layer name, module or Piece to call) for each layer, and the input the split was
     recorded on (None when it was not recorded: the whole module, a Sequential, fx). A
-    meta-built module's units are recorded on fake tensors (``capture._record``)."""
+    meta-built module's units are recorded on fake tensors (``recording.record_calls``)."""
     if units is None:
         if isinstance(module, nn.Sequential):
             # _modules, not named_children(): a child repeated at two indices is two layers (tied).
@@ -359,6 +361,7 @@ class _ModuleFn:
 
     def __init__(self, module: nn.Module) -> None:
         self.replicas = ThreadReplicas(module)
+        self.changed: LeafIndices = ()  # the input's tensors the module changes in place (_change_copies)
         self.root_prefix = ""  # the module's path in the model functionalize was given
         # The buffers the module does not persist (register_buffer(..., persistent=False)), which its
         # state_dict leaves out, read here: a copy of a GraphModule (the skeleton, each thread's replica,
@@ -373,6 +376,7 @@ class _ModuleFn:
     def __call__(self, tensors: dict[str, Tensor], x: Any) -> Any:
         # strict: every param and buffer must be given, so the module's own tensors never leak in.
         call = self.replicas.get()
+        x, _ = with_copies(x, self.changed)
         if isinstance(x, Tensor) and not call.takes_use_cache:  # the usual layer input: module(x)
             return register_output_types(call.call(tensors, (x,), {}))
         args, kwargs = call_arguments(call.module, x)
@@ -535,8 +539,13 @@ def _check_against_module(module: nn.Module, chain: Chain, params: ParamTree, x:
     )
     with torch.no_grad(), torch.random.fork_rng(devices=devices), host_random.kept():
         rng, host = _rng_states(devices), host_random.capture()
-        args, kwargs = call_arguments(module, x)
+        # On a copy of the example's tensors: forward may change one in place (Whisper's SpecAugment masks
+        # input_features), and the chain must start from the same input.
+        given = copies(x)
+        unchanged = versions(given)
+        args, kwargs = call_arguments(module, given)
         expected = register_output_types(module(*args, **kwargs))
+        _change_copies(chain, changed_since(given, unchanged))
         _set_rng_states(devices, rng)
         host_random.restore(host)
         got = x
@@ -551,6 +560,16 @@ def _check_against_module(module: nn.Module, chain: Chain, params: ParamTree, x:
                 "layer cannot carry state. Put the module in eval mode or drop the in-place update."
             )
     _compare_outputs(expected, got)
+
+
+def _change_copies(chain: Chain, changed: LeafIndices) -> None:
+    """A first layer that calls a module on the layer input (``units=None``), which changes the input's
+    ``changed`` tensors in place, changes copies of them: remat's recomputation replays it on the input
+    as it was (on the changed one, torch's checkpoint failed with autograd's raw in-place error), and the
+    caller's batch is left as it was. (The call-recording split notes them as it records.)"""
+    first = chain[0].fn
+    if changed and isinstance(first, _ModuleFn):
+        first.changed = changed
 
 
 def _rng_states(devices: list[int]) -> tuple[Tensor, list[Tensor]]:

@@ -12,7 +12,7 @@ requires_grad), and whatever else the caller measured (bytes kept) is reused.
 "The same function" is said by the function itself: ``fn.reuse_key()`` returns a hashable key
 equal for functions that compute alike, or None. A function without one is always run; so is a
 wrapper (a transform's rewrite) that does not define one, so reuse can only be lost, never be
-wrong, where a transform is not written for it. Keys: ``capture.UnitFn`` (the unit's module
+wrong, where a transform is not written for it. Keys: ``unit_layer.UnitFn`` (the unit's module
 structure, its tensors' shapes and its arguments' layout), mixed precision's cast.
 
 "Like" is :func:`tree_signature`: the tree's structure, and per tensor leaf its shape, strides,

@@ -153,6 +153,11 @@ class StandInGuard(TorchFunctionMode):
         computes there (a unit's output that a replay passes through)."""
         self.origin[id(t)] = (t, name)
 
+    def unmark(self, t: Tensor) -> None:
+        """Stop following ``t`` itself (what was computed from it stays followed): its value is the
+        module's again (a replay's copy of a changed input, the carried values put back into it)."""
+        self.origin.pop(id(t), None)
+
     def check_returned(self, out: Any) -> None:
         """Refuse an output that is a stand-in or was computed from one, though no op after the
         counting began read it (the code before the units computed it, forward returned it as it is:

@@ -72,7 +72,7 @@ def _called_modules(chain: Chain) -> Iterator[tuple[str, nn.Module]]:
         # prefix (a recorded unit); a traced segment and the whole model keep the model's own paths.
         prefix = [str(getattr(fn, "root_prefix", "")), str(getattr(fn.replicas, "prefix", ""))]
         for sub, inner in module.named_modules():
-            if type(inner).__name__ == "_UnitStub":  # a unit's stand-in inside a recorded embed / head
+            if type(inner).__name__ == "UnitStub":  # a unit's stand-in inside a recorded embed / head
                 continue
             path = ".".join(p.strip(".") for p in (*prefix, sub) if p.strip("."))
             yield path or layer.name, inner

@@ -131,7 +131,7 @@ def _join(*parts: str) -> str:
 
 
 def _is_stub(module: nn.Module) -> bool:
-    return type(module).__name__ == "_UnitStub"
+    return type(module).__name__ == "UnitStub"
 
 
 def resolve(chain: Chain, plan: Mapping[str, Style], sequence_parallel: str | None) -> Resolved:
