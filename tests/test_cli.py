@@ -362,3 +362,34 @@ def test_python_dash_m_shardwise_is_the_command() -> None:
                              "--microbatches", "2", "--json"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["ok"] is True
+
+
+def test_assert_plan_is_run_names_the_rank_and_where_its_lists_part(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The public check the CLI's --measure uses: a run whose rank 0 issued one collective fewer than its
+    Plan lists is caught, naming the rank and the first collective listed where nothing was issued."""
+    import torch
+
+    import shardwise as sw
+    from shardwise.collectives.ledger import Ledger
+    from shardwise.testing import plan_check
+    from shardwise.testing.models import mlp
+
+    chain, params = sw.functionalize(mlp([4, 8, 2]))
+    step = sw.shard_params(sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1)), "dp", 1)
+    batch = (torch.randn(4, 4), torch.randn(4, 2))
+    plan = sw.testing.assert_plan_is_run(step, sw.Mesh(dp=2), params, batch)
+    measured = plan_check.measure
+
+    def one_short(*args: object, **kwargs: object) -> Ledger:
+        ledger, short = measured(*args, **kwargs), Ledger()  # type: ignore[arg-type]
+        last = max(i for i, r in enumerate(ledger.records) if r.rank == 0)
+        for i, record in enumerate(ledger.records):
+            if i != last:
+                short.add(record)
+        return short
+
+    monkeypatch.setattr(plan_check, "measure", one_short)
+    count = len(list(plan.collectives(0)))
+    with pytest.raises(sw.testing.PlanNotRunError, match=rf"rank 0 issued {count - 1} collectives and its Plan lists "
+                                                         rf"{count}; they part at #{count - 1}: issued nothing"):
+        sw.testing.assert_plan_is_run(step, sw.Mesh(dp=2), params, batch)

@@ -6,11 +6,10 @@ import argparse
 from collections import Counter
 from typing import Any
 
-from ..collectives.launch import launch
-from ..collectives.ledger import CommRecord, Ledger, comm_ledger
 from ..collectives.mesh import Mesh
 from ..engine.plan.actions import INSIDE, Action, Plan
 from ..engine.simulate.simulation import simulate as simulate_plan
+from ..testing.plan_check import measure, ranks_off_plan
 from ..transforms.pipeline import ascii_timeline
 from .arguments import UsageError, call_for, load_function, parse_mesh, positive_seconds
 
@@ -115,31 +114,3 @@ def simulation(plan: Plan) -> tuple[dict[str, Any], str]:
     data = {"makespan": timeline.makespan, "bubble_fraction": timeline.bubble_fraction,
             "summary": timeline.summary()}
     return data, f"simulated step (default costs; sw.plan.PlanCosts fits your own):\n{ascii_timeline(timeline)}"
-
-
-def measure(step: Any, params: Any, batch: Any, mesh: Mesh, timeout: float) -> Ledger:
-    """Run one step on ``mesh`` (ranks as threads) under the communication ledger: the step's
-    collectives only, not those of ``init`` (its agreement checks are not the step's)."""
-
-    def program() -> tuple[CommRecord, ...]:
-        state = step.init(params, mesh)
-        with comm_ledger() as mine:
-            step(state, batch)
-        return mine.records
-
-    ledger = Ledger()
-    for records in launch(program, mesh.size, timeout=timeout):
-        for record in records:
-            ledger.add(record)
-    return ledger
-
-
-def ranks_off_plan(plan: Plan, ledger: Ledger) -> list[int]:
-    """The ranks whose recorded collectives are not, in order, the ones their Plan lists."""
-    off = []
-    for rank in range(plan.mesh.size):
-        got = [(r.op, r.axis, r.dtype, r.nbytes) for r in ledger.records if r.rank == rank]
-        want = [(c.op, c.axis, c.dtype, c.nbytes) for c in plan.collectives(rank)]
-        if got != want:
-            off.append(rank)
-    return off

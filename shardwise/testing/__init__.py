@@ -1,4 +1,4 @@
-"""Verification tools, public: the equivalence checker and hypothesis strategies.
+"""Verification tools, public: the equivalence checker, the Plan held to a run, and hypothesis strategies.
 
 >>> from shardwise.testing import assert_equivalent
 """
@@ -11,12 +11,15 @@ from .equivalence import (
     compare_histories,
     record_history,
 )
+from .plan_check import PlanNotRunError, assert_plan_is_run
 
 __all__ = [
     "DEFAULT_RTOL",
     "EquivalenceReport",
     "NotEquivalentError",
+    "PlanNotRunError",
     "assert_equivalent",
+    "assert_plan_is_run",
     "compare_histories",
     "record_history",
 ]
