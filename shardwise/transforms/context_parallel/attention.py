@@ -74,9 +74,11 @@ def find_parts(layer: Layer, positions: tuple[str, ...]) -> LayerParts | None:
     """The layer's known attentions and position tables (None: neither); an unknown attention is refused."""
     named = [*layer.param_names, *(n for n, b in layer.buffers.items() if b.is_floating_point())]
     tables = tuple(n for n in named if any(n == p or n.endswith("." + p) for p in positions))
-    _refuse_unlisted_position_tables(layer, tables)
     replicas = getattr(module_fn(layer.fn), "replicas", None)
     module = getattr(replicas, "module", None)
+    if isinstance(module, nn.Module):
+        _refuse_tables_read_their_own_way(layer, module, tables)
+    _refuse_unlisted_position_tables(layer, tables)
     attentions: list[str] = []
     rotaries: list[str] = []
     own: list[str] = []
@@ -142,6 +144,24 @@ POSITION_TABLE_NAMES = frozenset({
 # ... and any name with one of these words between its underscores (CLIP's positional_embedding, the
 # position_embedding_table of Karpathy's GPT, abs_pos_emb), which the list above missed.
 POSITION_WORDS = frozenset({"pos", "position", "positions", "positional"})
+
+
+def _refuse_tables_read_their_own_way(layer: Layer, module: nn.Module, tables: tuple[str, ...]) -> None:
+    """A position table held by an embedding with a forward of its own (OPT's reads its rows at the attention
+    mask's running count plus an offset): not read at rows 0 .. t-1, so the rank's global positions cannot
+    stand in for what it computes. Refused, naming it, listed in ``positions=`` or not."""
+    for path, sub in module.named_modules():
+        if not isinstance(sub, nn.Embedding) or type(sub).forward is nn.Embedding.forward:
+            continue
+        words = {w for part in path.split(".") for w in part.split("_")}
+        listed = any(t == f"{path}.weight" or t.endswith(f".{path}.weight") for t in tables)
+        if listed or POSITION_TABLE_NAMES.intersection(path.split(".")) or POSITION_WORDS & words:
+            raise ValueError(
+                f"context_parallel: layer {layer.name!r} holds the position table {path!r} "
+                f"({type(sub).__name__}), which its own forward reads at positions it computes (not rows 0 .. t-1: "
+                "OPT's at the attention mask's running count plus an offset), so a rank's global positions cannot "
+                "stand in for them; leave context_parallel out for this model"
+            )
 
 
 def _refuse_unlisted_position_tables(layer: Layer, tables: tuple[str, ...]) -> None:
@@ -485,7 +505,8 @@ class GlobalPositions:
         self.module, self.axis, self.balanced = module, axis, balanced
         self.forward = type(module).forward
 
-    def __call__(self, x: torch.Tensor, position_ids: torch.Tensor) -> Any:
+    def __call__(self, x: torch.Tensor, position_ids: torch.Tensor, *rest: Any, **kwargs: Any) -> Any:
+        # (``rest``/``kwargs``: what else the embedding takes, as it is: Gemma-3's and OLMo-3's layer_type.)
         how = _batch_positions.get()
         n, t = in_layer.size(self.axis), position_ids.shape[-1]
         local = torch.arange(t, device=position_ids.device)
@@ -495,7 +516,7 @@ class GlobalPositions:
             # own, which HFForward replaces: in transformers 5 those attentions get no position_embeddings.)
             how = "given"
         if how == "given":
-            return self.forward(self.module, x, position_ids)
+            return self.forward(self.module, x, position_ids, *rest, **kwargs)
         # Fake tensors (while predicting) hold no values to compare.
         if not in_layer.predicting_now() and not bool((position_ids == local).all()):
             raise ValueError(
@@ -505,4 +526,4 @@ class GlobalPositions:
             )
         i = in_layer.index(self.axis)
         mine = shard_order(t * n, n, self.balanced)[i * t : (i + 1) * t]
-        return self.forward(self.module, x, mine.to(position_ids.device).expand_as(position_ids))
+        return self.forward(self.module, x, mine.to(position_ids.device).expand_as(position_ids), *rest, **kwargs)

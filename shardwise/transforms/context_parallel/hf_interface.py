@@ -48,7 +48,10 @@ _SETTINGS = "_context_parallel_split"  # the attribute of a taken-over module th
 
 # What sdpa does not read either, here as there: the positions (the rotary embedding has used them;
 # packed sequences come as the TokenMask) and the cache (a pure layer keeps none).
-_UNREAD = frozenset({"position_ids", "use_cache", "cache_position"})
+_UNREAD = frozenset({"position_ids", "use_cache", "cache_position",
+                     # a flag a MoE model's layers hand on to every module (OLMoE's, GPT-OSS's): of outputs
+                     # collected elsewhere (refused where they would be a part's: compose.py), not attention's
+                     "output_router_logits"})
 # Each read below; anything else a forward passes is refused.
 _READ = frozenset({"dropout", "scaling", "is_causal", "sliding_window", "softcap", "s_aux", "sinks", "head_mask",
                    "position_bias", "output_attentions"})
@@ -110,11 +113,25 @@ def refuse_unsplittable_forward(module: nn.Module, where: str) -> None:
     an error. Passing them on to the attention function it fetched (``position_ids=position_ids``, for
     flash attention) is not reading them."""
     forward = inspect.unwrap(type(module).forward)
+    config: Any = getattr(module, "config", None)
+    if getattr(config, "alibi", False) is True:
+        raise ValueError(
+            f"context_parallel: {where} ({type(module).__name__}) adds ALiBi position biases (config.alibi), which "
+            "the model builds from the batch's 2-D mask for the rank's part of the sequence and ring and Ulysses "
+            "attention do not add; leave context_parallel out for this model"
+        )
     if _names_sdpa(forward):
         raise ValueError(
             f"context_parallel: {where} ({type(module).__name__}) branches on attn_implementation 'sdpa' in its "
             "forward, a branch the single-device step takes and the split one (another implementation's name) "
             "would not. Leave context_parallel out for this model"
+        )
+    if _counts_positions(forward):
+        raise ValueError(
+            f"context_parallel: {where} ({type(module).__name__}) makes positions with arange in its forward "
+            "(Llama-4's query temperature by position), from the length of the rank's part of the sequence: they "
+            "would count the rank's own tokens, not their place in the sequence, so it would compute another "
+            "model. Leave context_parallel out for this model"
         )
     read = _positions_read(forward)
     if read is not None:
@@ -134,6 +151,18 @@ def _names_sdpa(forward: Any) -> bool:
     except (OSError, TypeError, SyntaxError):
         return True
     return any(isinstance(n, ast.Constant) and isinstance(n.value, str) and "sdpa" in n.value for n in ast.walk(tree))
+
+
+@functools.cache
+def _counts_positions(forward: Any) -> bool:
+    """Whether ``forward``'s code calls ``arange`` (``torch.arange(hidden_states.shape[1])``: positions made
+    from the length of what it is given); its source unread counts as calling it."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
+    except (OSError, TypeError, SyntaxError):
+        return True
+    return any(isinstance(n, ast.Call) and (getattr(n.func, "attr", None) == "arange"
+                                            or getattr(n.func, "id", None) == "arange") for n in ast.walk(tree))
 
 
 @functools.cache
@@ -185,6 +214,12 @@ def split_attention_forward(
         raise ValueError(
             f"{who} is a cross-attention (its keys are another sequence, {key.shape[2]} tokens to its queries' "
             f"{query.shape[2]}), which context_parallel does not cut; leave context_parallel out of this model"
+        )
+    if value.shape[-1] != query.shape[-1]:
+        raise ValueError(
+            f"{who} attends with values of head dim {value.shape[-1]} to queries and keys of {query.shape[-1]} "
+            "(DeepSeek-V3's multi-head latent attention), which context_parallel's ring and Ulysses attention do "
+            "not take; leave context_parallel out for this model"
         )
     if split.implementation != "sdpa":
         raise ValueError(
@@ -269,6 +304,8 @@ def _mask(who: str, attention_mask: Any) -> TokenMask | None:
         raise ValueError(
             f"{who} got an attention mask it did not make ({shown}): it splits causal attention with padding (a 2-D "
             "attention_mask in the batch) and packed sequences (restarting position_ids in the batch), read where "
-            "the model reads its batch; pass those in the batch dict, not a mask of your own"
+            "the model reads its batch; pass those in the batch dict, not a mask of your own. A model that makes a "
+            "mask of its own where the batch gives none (Falcon's causal mask) takes the batch's attention_mask "
+            "(ones where nothing is padded)"
         )
     return TokenMask.from_carried(attention_mask)

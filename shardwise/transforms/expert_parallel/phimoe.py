@@ -79,9 +79,13 @@ def refuse_ties(logits: torch.Tensor, block: Any, who: str, where: str) -> None:
     best = torch.topk(logits.detach(), min(3, logits.shape[-1]), dim=-1).values
     tied = (best[:, :-1] == best[:, 1:]).any(dim=-1)
     if bool(tied.any()):
+        narrow = logits.dtype in (torch.bfloat16, torch.float16)
+        rounded = (f", or logits rounded to {str(logits.dtype).removeprefix('torch.')}, whose few bits tie often: "
+                   "bfloat16 ties about 1.5% of a large model's tokens") if narrow else ""
         raise ValueError(
             f"{who}: {where}'s router has {int(tied.sum())} token(s) whose best experts' logits are exactly equal "
-            "(a zero router, or a token that repeats): in training sparsemixer samples among them, by draws each "
-            "rank makes for its own tokens, not one device's. Train the model in eval mode (model.eval(): the "
-            "first of the tied experts), or give the router weights that separate the experts"
+            f"(a zero router, a token that repeats{rounded}): in "
+            "training sparsemixer samples among them, by draws each rank makes for its own tokens, not one "
+            "device's. Train the model in eval mode (model.eval(): the first of the tied experts), compute the "
+            "layer in float32 (mixed_precision's overrides=), or give the router weights that separate the experts"
         )

@@ -10,6 +10,7 @@ compute exactly is refused, naming the module, the setting and the fix.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import pytest
@@ -37,12 +38,12 @@ def counted(inputs: Any, targets: torch.Tensor) -> torch.Tensor:
 
 def model(family: str, layers: int = 2, **extra: Any) -> Any:
     torch.manual_seed(0)
-    settings: dict[str, Any] = {"attn_implementation": "sdpa", **extra}
-    config = getattr(T, f"{family}Config")(
+    settings: dict[str, Any] = dict(
         vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=layers, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=2 * SEQ, bos_token_id=0, eos_token_id=0, pad_token_id=1,
-        **settings,
+        attn_implementation="sdpa",
     )
+    config = getattr(T, f"{family}Config")(**{**settings, **extra})
     built = getattr(T, f"{family}ForCausalLM")(config).double()
     gen = torch.Generator().manual_seed(2)
     for name, p in built.named_parameters():  # norms initialized to ones would hide a norm left out less well
@@ -53,7 +54,7 @@ def model(family: str, layers: int = 2, **extra: Any) -> Any:
 
 def split(built: Any, example: Any, **step: Any) -> tuple[sw.Step, Any]:
     family = type(built).__name__.removesuffix("ForCausalLM")
-    layer = getattr(getattr(T.models, family.lower()), f"modeling_{family.lower()}")
+    layer = sys.modules[type(built).__module__]  # the model's own modeling module (deepseek_v3's too)
     chain, params = sw.functionalize(built, units=getattr(layer, f"{family}DecoderLayer"), example_input=example)
     return sw.train_step(chain, lm_loss, sw.optim.sgd(0.1, momentum=0.9), **step), params
 
@@ -337,3 +338,65 @@ def test_a_cross_attention_is_refused() -> None:
     module = _attention_module(axis="cp", attention="ring", balanced=True, where="a", implementation="sdpa")
     with pytest.raises(ValueError, match=r"is a cross-attention"):
         hf_interface.split_attention_forward(module, q, k, v, None)
+
+
+# -- found in review: what the general path met on more families -------------------------------------------
+
+
+@pytest.mark.parametrize(("family", "extra"), [
+    # its decoder layers hand output_router_logits (False) on to the attention, which does not read it
+    ("Olmoe", {"num_experts": 4, "num_experts_per_tok": 2, "experts_implementation": "eager"}),
+    ("Olmo3", {"sliding_window": 64}),  # its rotary embedding takes the layer's type beside the positions
+])
+def test_models_handing_more_to_their_attention_or_rotary_equal_the_single_device_step(
+    family: str, extra: dict[str, Any]
+) -> None:
+    step, params, batches = family_step(family, **extra)
+    sw.testing.assert_equivalent(sw.context_parallel(step, "cp"), step, sw.Mesh(cp=2), batches, params)
+
+
+@pytest.mark.parametrize(("family", "extra", "refusal"), [
+    ("DeepseekV3", {"num_key_value_heads": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                    "first_k_dense_replace": 2, "q_lora_rank": None, "kv_lora_rank": 8, "qk_rope_head_dim": 4,
+                    "qk_nope_head_dim": 4, "v_head_dim": 4, "moe_intermediate_size": 8, "n_group": 1, "topk_group": 1},
+     r"values of head dim 4 to queries and keys of 8 \(DeepSeek-V3's multi-head latent attention\)"),
+    ("Falcon", {"alibi": True}, r"adds ALiBi position biases \(config\.alibi\)"),
+    ("Falcon", {"alibi": False, "new_decoder_architecture": True, "num_kv_heads": 2},
+     r"makes a mask of its own where the batch gives none \(Falcon's causal mask\) takes the batch's attention_mask"),
+    ("OPT", {"ffn_dim": 32, "word_embed_proj_dim": 16},
+     r"position table 'model\.decoder\.embed_positions' \(OPTLearnedPositionalEmbedding\), which its own forward"),
+])
+def test_what_the_split_attention_cannot_take_is_refused_by_name_not_a_raw_error(
+    family: str, extra: dict[str, Any], refusal: str
+) -> None:
+    """Each ended in a raw error or a misleading refusal: MLA's values of another head dim (ring attention's
+    shape error), Falcon's ALiBi built from the batch's 2-D mask (an unpacking error), Falcon's own causal
+    mask on a batch without one (refused as the user's mask), OPT's position table read at the mask's
+    running count (refused with the advice to list it in positions=, which then failed)."""
+    step, params, batches = family_step(family, **extra)
+    with pytest.raises((ValueError, sw.collectives.RankFailed), match=refusal):
+        sw.context_parallel(step, "cp").plan(sw.Mesh(cp=2), params, batches[0])
+    if family == "OPT":  # following the old advice ends in the same refusal
+        with pytest.raises(ValueError, match=refusal):
+            sw.context_parallel(step, "cp", positions=("embed_positions.weight",))
+
+
+@pytest.mark.parametrize("floor_scale", [2, 8192])
+def test_an_attention_making_positions_from_its_part_of_the_sequence_is_refused(floor_scale: int) -> None:
+    """Llama-4's layers without rotary scale their queries by a temperature of each token's position, made
+    with arange over the length of the hidden states it is given: under context_parallel the rank's own
+    count. It trained another model without an error (2.4e-8 relative on the loss at floor_scale=2; from
+    8192 tokens on at the default); refused when the transform is applied, whatever the scale."""
+    torch.manual_seed(0)
+    config = T.Llama4TextConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, intermediate_size_mlp=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=4, max_position_embeddings=2 * SEQ,
+        attention_chunk_size=None, floor_scale=floor_scale, num_local_experts=2, moe_layers=[], no_rope_layers=[1, 0],
+        bos_token_id=0, eos_token_id=0, pad_token_id=1, attn_implementation="sdpa")
+    built = T.Llama4ForCausalLM(config).double()
+    batches = token_batches()
+    chain, _ = sw.functionalize(built, units=T.models.llama4.modeling_llama4.Llama4TextDecoderLayer,
+                                example_input=batches[0][0])
+    step = sw.train_step(chain, lm_loss, sw.optim.sgd(0.1, momentum=0.9))
+    with pytest.raises(ValueError, match=r"Llama4TextAttention\) makes positions with arange in its forward"):
+        sw.context_parallel(step, "cp")
