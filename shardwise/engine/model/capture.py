@@ -141,7 +141,7 @@ def split_by_calls(
             )
         paths = recording.executed
         recording = record_calls(root, paths, example, fake_units)
-    refuse_read_extras(recording)
+    refuse_read_extras(recording, root, paths)
     segments = segments_of(paths, recording.calls)
     bridges = _bridge_names(len(segments))
     refuse_clash(paths, bridges)

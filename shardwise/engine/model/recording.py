@@ -159,14 +159,34 @@ def record_calls(root: nn.Module, paths: list[str], x: Any, fake_units: bool = F
 
 
 
-def refuse_read_extras(recording: Recording) -> None:
+def refuse_read_extras(recording: Recording, root: nn.Module, paths: list[str]) -> None:
     """A unit's outputs beyond the hidden state pass on only to the later units of its segment (T5's
     blocks hand their position bias to the next: :func:`carry_writes`), so the code around the units
-    must not use them."""
+    must not use them. Where the unit is a block of a loop whose next block is not a unit, that block,
+    run in the code around the units, is the likely reader: the refusal says so."""
     if not recording.extra_reads:
         return
     unit, k, user = recording.extra_reads[0]
-    raise extra_refused(unit, k, user)
+    head, _, index = unit.rpartition(".")
+    following = None
+    if index.isdigit() and head:  # the first later block of the unit's loop that is not a unit
+        j = int(index) + 1
+        while f"{head}.{j}" in paths:
+            j += 1
+        following = f"{head}.{j}" if _has_submodule(root, f"{head}.{j}") else None
+    hint = ""
+    if following is not None:
+        hint = (f"; the loop's block {following!r} is not a unit, and a block handing its successor a value "
+                "(T5's position bias) needs its loop's later blocks among the units too: name them")
+    raise extra_refused(unit, k, user + hint)
+
+
+def _has_submodule(root: nn.Module, path: str) -> bool:
+    try:
+        root.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
 
 
 def carry_writes(
