@@ -162,6 +162,19 @@ def _router_in_the_models_dtype(self: Any, hidden_states: Tensor) -> Any:
     return router_logits, topk_weights * self.routed_scaling_factor, topk_indices
 
 
+@pytest.mark.parametrize("stack", ["pp2 x tp2 zb_h1", "remat"])
+def test_under_a_zero_bubble_pipeline_and_remat(stack: str) -> None:
+    """The experts run as one op in a stage's input and weight passes (zb_h1 splits them) and again in
+    remat's recomputed forward."""
+    step, params, batches = _problem("qwen3_moe")
+    split = sw.tensor_parallel(step, "tp", ATTENTION_ONLY, sequence_parallel=BLOCKS)
+    if stack == "remat":
+        sw.testing.assert_equivalent(sw.remat(split), step, sw.Mesh(tp=2), batches, params, rtol=1e-9)
+    else:
+        sw.testing.assert_equivalent(sw.pipeline(split, "pp", "zb_h1", 2), step, sw.Mesh(pp=2, tp=2), batches, params,
+                                     rtol=1e-9)
+
+
 def test_under_zero3_on_another_axis_too() -> None:
     step, params, batches = _problem("qwen3_moe")
     split = sw.shard_params(sw.tensor_parallel(step, "tp", ATTENTION_ONLY, sequence_parallel=BLOCKS), "dp", 3)
