@@ -306,3 +306,22 @@ def test_before_after_benchmark_compares_two_trees() -> None:
     assert [line["tree"] for line in lines[:2]] == [str(ROOT), str(ROOT)]
     assert all(line["cpu"] > 0 and line["wall"] >= line["cpu"] * 0.99 for line in lines[:2])
     assert lines[2]["cfg"] == "mlp1" and lines[2]["cpu_ratio_new_over_old_median"] > 0
+
+
+@pytest.mark.gloo
+def test_the_encoder_decoder_memory_benchmark_reports_fsdp2_and_both_zero3_splits() -> None:
+    """benchmarks/memory_encdec.py on a tiny BART: one line per variant, each with its step peak per rank; the
+    split per layer in both stacks has 7 layers (embed, 2 encoder layers, the bridge, 2 decoder layers, head),
+    and the ratios are to FSDP2's peak in the same run."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "memory_encdec.py"), "--worlds", "2", "--d-model", "64",
+           "--layers", "2", "--steps", "1"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = {row["variant"]: row for row in map(json.loads, result.stdout.splitlines())}
+    assert set(rows) == {"fsdp2", "shardwise_whole", "shardwise_split"}, sorted(rows)
+    assert rows["shardwise_whole"]["layers"] == 1 and rows["shardwise_split"]["layers"] == 7
+    for name in ("shardwise_whole", "shardwise_split"):
+        row = rows[name]
+        per_rank = row["step_peak_bytes_per_rank"]
+        assert len(per_rank) == 2 and row["step_peak_bytes"] == max(per_rank), row
+        assert row["ratio_to_fsdp2"] == round(row["step_peak_bytes"] / rows["fsdp2"]["step_peak_bytes"], 3), row
