@@ -438,8 +438,9 @@ def collective(run: Callable[[], Tensor], x: Tensor, op: str | None, dim: int) -
 
 def per_token(run: Callable[[], Any], x: Any, where: str) -> Any:
     """``run()``, a module known to compute each token from its own row alone (HF fused experts:
-    ``engine/model/token_wise.py``) whose ops this guard cannot follow one by one (a dispatch of
-    the tokens to their experts), unfollowed; its output holds what its input ``x`` holds."""
+    ``engine/model/token_wise.py``; expert_parallel's block forward, through its ``run_token_wise``)
+    whose ops this guard cannot follow one by one (a dispatch of the tokens to their experts),
+    unfollowed; its output holds what its input ``x`` holds."""
     slices: _Slices | None = getattr(_current, "slices", None)
     if slices is None:
         return run()
