@@ -120,3 +120,30 @@ def test_router_aux_loss_with_sequence_parallel_is_refused(ep_first: bool) -> No
     with pytest.raises(ValueError, match=r"under router_aux_loss.*'model\.layers\.0\.mlp\.experts' routes only "
                                          r"this rank's slice"):
         _tp_sp_ep(sw.router_aux_loss(step, 0.01), ep_first)
+
+
+def test_gpt_oss_tp_2_sp_by_ep_2_equals_the_single_device_step() -> None:
+    """GPT-OSS's MLP returns its router's scores beside its output, a row per token ([tokens, experts]):
+    the guard holds them as rows of the slice (its decoder layer drops them). Attention with sinks split by
+    heads (sw.tp.gpt_oss_plan), a sliding-window layer, float64 at rtol=1e-9; the ledger is the Plan."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssDecoderLayer
+
+    torch.manual_seed(0)
+    config = transformers.GptOssConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=8, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=16,
+        sliding_window=4, attn_implementation="eager", experts_implementation="eager", pad_token_id=0,
+        eos_token_id=1, bos_token_id=1, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
+    model = transformers.GptOssForCausalLM(config).double()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_(0.0, 1.0)
+    batches = _batches()
+    chain, params = sw.functionalize(model, units=GptOssDecoderLayer, example_input=batches[0][0])
+    step = sw.train_step(chain, lambda out, y: sw.tp.vocab_parallel_cross_entropy(out.logits, y),
+                         sw.optim.sgd(0.1, momentum=0.9))
+    composed = sw.expert_parallel(sw.tensor_parallel(step, "tp", sw.tp.gpt_oss_plan(), sequence_parallel=BLOCKS), "ep")
+    mesh = sw.Mesh(ep=2, tp=2)
+    sw.testing.assert_equivalent(composed, step, mesh, batches, params, rtol=1e-9)
+    sw.testing.assert_plan_is_run(composed, mesh, params, batches[0])
