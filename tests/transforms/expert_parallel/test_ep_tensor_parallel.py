@@ -82,6 +82,16 @@ def test_sequence_parallel_by_ep_equals_the_single_device_step(ep_first: bool) -
     sw.testing.assert_plan_is_run(composed, mesh, params, batches(1)[0])
 
 
+def test_pp_by_tp_sp_by_ep_equals_the_single_device_step_and_the_ledger_is_the_plan() -> None:
+    step, params = moe_model()
+    composed = sw.pipeline(
+        sw.tensor_parallel(sw.expert_parallel(step, "ep"), "tp", PLAN, sequence_parallel="[12]"), "pp", "1f1b", 1
+    )
+    mesh = sw.Mesh(pp=2, ep=2, tp=2)
+    sw.testing.assert_equivalent(composed, step, mesh, batches(), params)
+    sw.testing.assert_plan_is_run(composed, mesh, params, batches(1)[0])
+
+
 def test_sequence_parallel_with_the_aux_loss_is_refused_with_the_fix() -> None:
     step, _ = moe_model()
     reference = sw.router_aux_loss(step, 0.1)
