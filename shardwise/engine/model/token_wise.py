@@ -19,6 +19,9 @@ anything (drop tokens over a capacity): it is not known.
 from __future__ import annotations
 
 import sys
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from torch import nn
@@ -55,3 +58,31 @@ def _transformers_own(implementation: str) -> bool:
     functions = getattr(getattr(integration, "ExpertsInterface", None), "_global_mapping", {})
     fn = functions.get(implementation)
     return fn is not None and str(getattr(fn, "__module__", "")).startswith("transformers.")
+
+
+# A split's forward of a whole mixture-of-experts block that, given rows of tokens, returns those tokens' rows
+# (each token from its own row alone, dropping none) whatever communication it does inside (expert_parallel's
+# dispatch over its own axis), runs through :func:`run_token_wise`. A follower of ops that cannot follow its
+# inside (tensor_parallel's sequence-parallel guard, ``positions.py``) sets a runner with :func:`token_wise_runner`
+# that takes it as one per-token op. This module is the protocol between them: transforms do not import each
+# other.
+TokenWiseRunner = Callable[[Callable[[], Any], Any, str], Any]
+_runner = threading.local()  # .run: the runner of the block being followed on this thread, if any
+
+
+def run_token_wise(run: Callable[[], Any], x: Any, where: str) -> Any:
+    """``run()``, a forward that computes each token of ``x`` (its rows) from its own row alone and drops none
+    (``where``: its path, for errors); handed to the runner set on this thread, if any."""
+    runner: TokenWiseRunner | None = getattr(_runner, "run", None)
+    return run() if runner is None else runner(run, x, where)
+
+
+@contextmanager
+def token_wise_runner(runner: TokenWiseRunner) -> Iterator[None]:
+    """Within: :func:`run_token_wise` hands its forwards to ``runner(run, x, where)``."""
+    outer = getattr(_runner, "run", None)
+    _runner.run = runner
+    try:
+        yield
+    finally:
+        _runner.run = outer

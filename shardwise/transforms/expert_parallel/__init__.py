@@ -90,8 +90,10 @@ def expert_parallel(
     replicated parameters over ``dp``), ``pipeline`` over another (each stage routes its micro-batches'
     tokens; under a zero-bubble schedule the all-to-alls' backward runs in both the input and the
     weight pass), ``tensor_parallel`` over another (attention split over ``tp``, the experts over
-    ``ep``; a tensor-parallel plan must leave the MoE block itself alone, and sequence parallel is
-    refused: each tp rank would route only its slice of the sequence), ``mixed_precision`` and
+    ``ep``; a tensor-parallel plan must leave the MoE block itself alone; under its sequence parallel
+    each (tp, ep) rank routes its slice of the sequence of its share of the batch, dispatches over ``ep``
+    among the ranks of its tp index, and its experts' gradients are summed over ``tp`` too, while
+    ``router_aux_loss`` over a slice is refused), ``mixed_precision`` and
     ``remat``, and ``context_parallel`` over another (each rank routes its sequence part's tokens).
 
     >>> import torch, shardwise as sw

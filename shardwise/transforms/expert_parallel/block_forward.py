@@ -5,6 +5,12 @@ Its router, reproduced (``router.py``'s softmax top k over the gate's logits) or
 dispatches each token to its experts' owners, runs them there as the block's experts class computes them
 (GPT-OSS's: ``experts.py``'s :func:`~.experts.run_gpt_oss_experts`), and combines; a shared expert
 (Qwen2-MoE's gated one, DeepSeek-V3's) runs on this rank's tokens, replicated.
+
+Given rows of tokens it returns those tokens' rows, each from its own row alone (a drop over a capacity,
+which would make a token's row depend on the others, is refused unless ``drop_per_rank``): it runs through
+``engine/model/token_wise.py``'s :func:`run_token_wise`, so that tensor_parallel's sequence-parallel guard,
+which cannot follow the dispatch over the expert axis op by op, takes it as one per-token op on the rank's
+slice of the sequence.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...engine.model.token_wise import run_token_wise
 from . import phimoe
 from .blocks import OWN_ROUTER, SHARED_EXPERTS, Block, router_of
 from .capacity import expert_capacity
@@ -51,6 +58,9 @@ class EPForward:
         self.capacity_factor, self.drop_per_rank = capacity_factor, drop_per_rank
 
     def __call__(self, hidden_states: torch.Tensor) -> Any:
+        return run_token_wise(lambda: self._forward(hidden_states), hidden_states, self.where)
+
+    def _forward(self, hidden_states: torch.Tensor) -> Any:
         m: Any = self.module  # a known block (find_blocks): its router and experts are there
         kind = self.block.kind
         if kind == "MixtralSparseMoeBlock" and m.training and m.jitter_noise > 0:

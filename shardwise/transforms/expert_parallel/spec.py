@@ -107,12 +107,16 @@ class EPSpec:
         parameter's gradient summed over the axis (in mixed_precision's reduce dtype, if any)."""
         blocks = resolve(chain)
         sequence_split = next((s for s in stack if getattr(s, "sequence_parallel", None)), None)
-        if sequence_split is not None:
+        aux = next((s for s in stack if s.name == "router_aux_loss"), None)
+        if sequence_split is not None and aux is not None:
+            # Under sequence parallel each rank of its axis routes only its slice of the sequence: the routing
+            # statistics would be the slice's (tensor_parallel refuses this for the experts it knows; these
+            # blocks may hold others).
             raise ValueError(
-                f"expert_parallel with {sequence_split}: under sequence parallel each rank of {sequence_split.axis!r} "
-                "routes only its slice of the sequence, which expert_parallel does not handle yet (the experts' "
-                "gradients and the routing counts would need summing over that axis too); drop sequence_parallel= "
-                "(tensor_parallel without it composes with expert_parallel)"
+                f"expert_parallel with {sequence_split} under {aux}: each rank of {sequence_split.axis!r} routes "
+                "only its slice of the sequence inside the sequence-parallel blocks, so the routing statistics "
+                "would be the slice's and the aux loss another than the whole sequence's; drop sequence_parallel= "
+                "or the aux loss"
             )
         experts = self.expert_keys(chain)
         precision = next((getattr(s, "precision", None) for s in stack if s.name == "mixed_precision"), None)

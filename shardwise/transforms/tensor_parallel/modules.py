@@ -40,7 +40,7 @@ from .region_paths import Sides, bypass_message, bypasses_split, parameter_sides
 from .sequence_gather import SequenceGather
 from .split_watch import SplitWatch
 from .styles import Colwise, Region, Rowwise, gathers
-from .token_wise_experts import TokenWiseExperts, experts_in_blocks
+from .token_wise_experts import TokenWiseExperts, experts_in_blocks, one_ops_in
 
 
 class TPForward:
@@ -94,6 +94,7 @@ class TPForward:
             else contextlib.nullcontext(),
             contextlib.nullcontext() if follow is None
             else positions.following(self.path, m, follow[1], in_layer.size(self.axis)),
+            contextlib.nullcontext() if self.block is None else one_ops_in(self.path),
         ):
             out = type(m).forward(m, *args, **kwargs) if install is None else self._styled(install, args, kwargs)
         if follow is not None:

@@ -438,17 +438,34 @@ def collective(run: Callable[[], Tensor], x: Tensor, op: str | None, dim: int) -
 
 def per_token(run: Callable[[], Any], x: Any, where: str) -> Any:
     """``run()``, a module known to compute each token from its own row alone (HF fused experts:
-    ``engine/model/token_wise.py``) whose ops this guard cannot follow one by one (a dispatch of
-    the tokens to their experts), unfollowed; its output holds what its input ``x`` holds."""
+    ``engine/model/token_wise.py``; expert_parallel's block forward, through its ``run_token_wise``)
+    whose ops this guard cannot follow one by one (a dispatch of the tokens to their experts),
+    unfollowed; its output holds what its input ``x`` holds."""
     slices: _Slices | None = getattr(_current, "slices", None)
     if slices is None:
         return run()
     with unfollowed():
         out = run()
     held = slices.find(x) if isinstance(x, Tensor) else None
-    if held is not None:
-        if not isinstance(out, Tensor) or tuple(out.shape[: len(held.lead)]) != held.lead:
-            shape = list(out.shape) if isinstance(out, Tensor) else type(out).__name__
-            raise ValueError(slices.refusal(f"{where} returns {shape} for tokens {list(held.lead)}"))
-        slices.hold(out, held)
+    if held is None:
+        return out
+    # Its output, or a tuple of tensors (GPT-OSS's MLP returns its router's scores beside it): each one row
+    # per token, as the input holds them or with batch and sequence folded into one dim ([tokens, experts]).
+    parts = out if type(out) is tuple and out else (out,)
+    if not isinstance(parts[0], Tensor) or tuple(parts[0].shape[: len(held.lead)]) != held.lead:
+        first = parts[0]
+        shape = list(first.shape) if isinstance(first, Tensor) else type(first).__name__
+        raise ValueError(slices.refusal(f"{where} returns {shape} for tokens {list(held.lead)}"))
+    slices.hold(parts[0], held)
+    rows = held.seq[0] * held.seq[1]
+    for i, part in enumerate(parts[1:], 1):
+        if not isinstance(part, Tensor):
+            raise ValueError(slices.refusal(f"{where} returns a {type(part).__name__} beside its output"))
+        if tuple(part.shape[:2]) == held.seq:
+            slices.hold(part, Held(held.seq))
+        elif part.dim() >= 1 and part.shape[0] == rows:
+            slices.hold(part, Held(held.seq, folded=True))
+        else:
+            raise ValueError(slices.refusal(
+                f"{where} returns {list(part.shape)} (output {i}) for tokens {list(held.lead)}, not a row per token"))
     return out

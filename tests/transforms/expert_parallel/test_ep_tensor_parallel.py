@@ -66,13 +66,41 @@ def test_hf_mixtral_tp_2_by_ep_2_equals_the_single_device_step() -> None:
     sw.testing.assert_equivalent(composed, step, sw.Mesh(ep=2, tp=2), data, params)
 
 
-def test_sequence_parallel_is_refused_with_the_fix() -> None:
+@pytest.mark.parametrize("ep_first", [True, False])
+def test_sequence_parallel_by_ep_equals_the_single_device_step(ep_first: bool) -> None:
+    """Each (tp, ep) rank routes its slice of the sequence of its share of the batch; TopKMoE's experts
+    (not transformers' code, so tensor_parallel alone refuses them in a sequence-parallel block) run inside
+    expert_parallel's forward, which the guard takes as one per-token op (test_ep_sequence_parallel.py has
+    transformers' models)."""
+    step, params = moe_model()
+    if ep_first:
+        composed = sw.tensor_parallel(sw.expert_parallel(step, "ep"), "tp", PLAN, sequence_parallel="[12]")
+    else:
+        composed = sw.expert_parallel(sw.tensor_parallel(step, "tp", PLAN, sequence_parallel="[12]"), "ep")
+    mesh = sw.Mesh(ep=2, tp=2)
+    sw.testing.assert_equivalent(composed, step, mesh, batches(), params)
+    sw.testing.assert_plan_is_run(composed, mesh, params, batches(1)[0])
+
+
+def test_pp_by_tp_sp_by_ep_equals_the_single_device_step_and_the_ledger_is_the_plan() -> None:
+    step, params = moe_model()
+    composed = sw.pipeline(
+        sw.tensor_parallel(sw.expert_parallel(step, "ep"), "tp", PLAN, sequence_parallel="[12]"), "pp", "1f1b", 1
+    )
+    mesh = sw.Mesh(pp=2, ep=2, tp=2)
+    sw.testing.assert_equivalent(composed, step, mesh, batches(), params)
+    sw.testing.assert_plan_is_run(composed, mesh, params, batches(1)[0])
+
+
+def test_sequence_parallel_with_the_aux_loss_is_refused_with_the_fix() -> None:
     step, _ = moe_model()
-    sequence = sw.tensor_parallel(step, "tp", PLAN, sequence_parallel="[12]")
-    with pytest.raises(ValueError, match=r"expert_parallel with tensor_parallel\(.*only its slice.*drop sequence_"):
+    reference = sw.router_aux_loss(step, 0.1)
+    sequence = sw.tensor_parallel(reference, "tp", PLAN, sequence_parallel="[12]")
+    with pytest.raises(ValueError, match=r"expert_parallel with tensor_parallel\(.* under router_aux_loss\(.*routes "
+                                         r"only its slice.*drop sequence_parallel= or the aux loss"):
         sw.expert_parallel(sequence, "ep")
-    with pytest.raises(ValueError, match=r"expert_parallel with tensor_parallel\(.*routes only its slice"):
-        sw.tensor_parallel(sw.expert_parallel(step, "ep"), "tp", PLAN, sequence_parallel="[12]")
+    with pytest.raises(ValueError, match=r"expert_parallel with tensor_parallel\(.* under router_aux_loss"):
+        sw.tensor_parallel(sw.expert_parallel(reference, "ep"), "tp", PLAN, sequence_parallel="[12]")
 
 
 def test_a_tensor_parallel_plan_styling_the_moe_block_is_refused() -> None:

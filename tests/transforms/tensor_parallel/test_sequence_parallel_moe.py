@@ -259,3 +259,21 @@ def test_which_experts_are_known_to_compute_each_token_alone() -> None:
         model.config._experts_implementation = name
         assert experts.config._experts_implementation == name
         assert computes_each_token_alone(experts) is known, name
+
+
+def test_a_per_token_op_returning_more_than_rows_per_token_is_refused() -> None:
+    """A module run as one op (positions.per_token) may return a tuple (GPT-OSS's MLP: its output and its
+    router's scores, [tokens, experts]); each part must hold one row per token of the slice, as the input or
+    with batch and sequence folded. Anything else is refused; the rows are followed on."""
+    from shardwise.transforms.tensor_parallel import positions
+
+    block = nn.Linear(4, 4)
+    hidden = torch.randn(2, 3, 4)
+    with positions.following("blocks.0", block, hidden, 2):
+        out, scores = positions.per_token(lambda: (hidden * 2, torch.zeros(6, 5)), hidden, "blocks.0.mlp")
+        with pytest.raises(ValueError, match=r"cumsum acts along dim 0"):
+            scores.cumsum(0)  # the folded rows are followed: a sum over the tokens is refused
+        with pytest.raises(ValueError, match=r"blocks\.0\.mlp returns \[5, 2\] \(output 1\) for tokens \[2, 3\], not "
+                                             r"a row per token"):
+            positions.per_token(lambda: (hidden * 2, torch.zeros(5, 2)), hidden, "blocks.0.mlp")
+    assert out.shape == hidden.shape
