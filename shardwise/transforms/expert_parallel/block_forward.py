@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...engine.model.hf_collecting import collecting_now
 from ...engine.model.token_wise import run_token_wise
 from . import phimoe
 from .blocks import OWN_ROUTER, SHARED_EXPERTS, Block, router_of
@@ -63,6 +64,14 @@ class EPForward:
     def _forward(self, hidden_states: torch.Tensor) -> Any:
         m: Any = self.module  # a known block (find_blocks): its router and experts are there
         kind = self.block.kind
+        if "router_logits" in collecting_now():
+            # The model collects them by hooks on its router modules, which this forward does not call the way
+            # the block does: the model's forward would find none (transformers' raw IndexError) or too few.
+            raise ValueError(
+                f"expert_parallel: the model collects its routers' logits (output_router_logits=True), which "
+                f"{self.where}'s routing under expert_parallel does not hand it; set config.output_router_logits = "
+                "False before functionalize (sw.router_aux_loss adds the load-balancing loss over the whole batch)"
+            )
         if kind == "MixtralSparseMoeBlock" and m.training and m.jitter_noise > 0:
             raise ValueError(
                 f"expert_parallel: {self.where} has router_jitter_noise={m.jitter_noise}, which scales each token by "

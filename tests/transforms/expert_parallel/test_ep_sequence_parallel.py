@@ -112,6 +112,20 @@ def test_router_logits_collected_over_a_slice_are_refused_naming_the_setting() -
         _tp_sp_ep(step).plan(sw.Mesh(ep=2, tp=2), params, batches[0])
 
 
+def test_router_logits_collected_under_expert_parallel_alone_are_refused_naming_the_setting() -> None:
+    """Without sequence parallel too: the model collects its routers' logits by hooks on the router modules,
+    which expert_parallel's routing does not call as the block does; transformers then failed with a raw
+    IndexError (no logits collected). Refused, naming the setting."""
+    model, _ = _model("mixtral", output_router_logits=True, router_aux_loss_coef=0.0)
+    batches = _batches()
+    chain, params = sw.functionalize(model, example_input=batches[0][0])
+    step = sw.train_step(chain, lambda out, y: torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), y.flatten()),
+                         sw.optim.sgd(0.1))
+    with pytest.raises(sw.collectives.RankFailed, match=r"expert_parallel: the model collects its routers' logits "
+                                                        r"\(output_router_logits=True\).*output_router_logits = False"):
+        sw.testing.assert_equivalent(sw.expert_parallel(step, "ep"), step, sw.Mesh(ep=2), batches, params)
+
+
 @pytest.mark.parametrize("ep_first", [False, True])
 def test_router_aux_loss_with_sequence_parallel_is_refused(ep_first: bool) -> None:
     """tensor_parallel refuses it for the experts it knows (transformers'), expert_parallel for any
