@@ -62,8 +62,8 @@ def tensor_parallel(
     mixture-of-experts block the plan leaves whole runs on the slice too, its experts replicated
     (transformers' fused experts, whose code is known to compute each token alone and drop none), or
     split over another axis by ``expert_parallel`` (Megatron's TP + SP + EP: its block forward, which
-    dispatches the slice's tokens over that axis, runs as one per-token op through
-    ``engine/model/token_wise.py``'s ``run_token_wise``; the experts' gradients are summed over ``axis``).
+    dispatches the slice's tokens over that axis, runs as one per-token op; the experts' gradients are
+    summed over ``axis``).
 
     When the head leaves the logits split (``Colwise(output="sharded")``), ``loss_fn`` must compute
     its cross-entropy with :func:`vocab_parallel_cross_entropy`; a step whose loss does not is refused.
