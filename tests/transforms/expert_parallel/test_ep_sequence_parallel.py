@@ -15,43 +15,13 @@ from typing import Any
 
 import pytest
 import torch
-from torch import Tensor, nn
 
 import shardwise as sw
 
 transformers = pytest.importorskip("transformers")
 
-VOCAB, BLOCKS = 64, "model.layers.*"
-ATTENTION_ONLY = {k: v for k, v in sw.tp.llama_plan().items() if ".mlp" not in k}
-
-
-def _batches(n: int = 2) -> list[tuple[Tensor, Tensor]]:
-    gen = torch.Generator().manual_seed(1)
-    return [(torch.randint(VOCAB, (4, 8), generator=gen), torch.randint(VOCAB, (4, 8), generator=gen))
-            for _ in range(n)]
-
-
-def _model(family: str, **extra: Any) -> tuple[nn.Module, type[nn.Module]]:
-    torch.manual_seed(0)
-    common = dict(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  max_position_embeddings=16, attn_implementation="eager", experts_implementation="eager",
-                  bos_token_id=0, eos_token_id=0)
-    if family == "qwen3_moe":
-        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeDecoderLayer as Block
-        config = transformers.Qwen3MoeConfig(intermediate_size=32, moe_intermediate_size=12, head_dim=4,
-                                             num_experts=4, num_experts_per_tok=2, **common, **extra)
-        return transformers.Qwen3MoeForCausalLM(config).double(), Block
-    if family == "mixtral":
-        from transformers.models.mixtral.modeling_mixtral import MixtralDecoderLayer as Block
-        config = transformers.MixtralConfig(intermediate_size=12, num_local_experts=4, num_experts_per_tok=2,
-                                            **common, **extra)
-        return transformers.MixtralForCausalLM(config).double(), Block
-    assert family == "qwen2_moe"  # a shared expert, gated by a sigmoid per token, beside the routed ones
-    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeDecoderLayer as Block
-    config = transformers.Qwen2MoeConfig(intermediate_size=24, moe_intermediate_size=12,
-                                         shared_expert_intermediate_size=20, num_experts=4, num_experts_per_tok=2,
-                                         **common, **extra)
-    return transformers.Qwen2MoeForCausalLM(config).double(), Block
+# The models, batches and attention plan of tensor parallel's own MoE-on-slices tests.
+from ..tensor_parallel.test_sequence_parallel_moe import ATTENTION_ONLY, BLOCKS, VOCAB, _batches, _model  # noqa: E402
 
 
 def _problem(family: str, clip_norm: float | None = None) -> tuple[sw.Step, Any, list[Any]]:

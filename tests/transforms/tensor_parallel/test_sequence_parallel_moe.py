@@ -20,6 +20,9 @@ import shardwise as sw
 
 transformers = pytest.importorskip("transformers")
 
+# HF's DeepseekV3TopkRouter.forward (GLM-4-MoE's is the same) in the model's dtype, as expert_parallel's tests use it.
+from ..expert_parallel.test_ep_own_router import _router_in_the_models_dtype  # noqa: E402
+
 VOCAB, BLOCKS = 64, "model.layers.*"
 
 
@@ -142,24 +145,6 @@ def _rms_norm_in_the_models_dtype(self: Any, hidden_states: Tensor) -> Tensor:
     """HF's DeepseekV3RMSNorm.forward in the model's dtype where HF computes in float32."""
     variance = hidden_states.pow(2).mean(-1, keepdim=True)
     return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
-
-
-def _router_in_the_models_dtype(self: Any, hidden_states: Tensor) -> Any:
-    """HF's DeepseekV3TopkRouter.forward (Glm4MoeTopkRouter's is the same), in the model's dtype."""
-    hidden_states = hidden_states.view(-1, self.hidden_dim)
-    router_logits = torch.nn.functional.linear(hidden_states, self.weight.to(hidden_states.dtype))
-    scores = router_logits.sigmoid()
-    scores_for_choice = scores + self.e_score_correction_bias
-    group_scores = scores_for_choice.view(-1, self.num_group, self.num_experts // self.num_group).topk(2, dim=-1)[0]
-    group_idx = torch.topk(group_scores.sum(dim=-1), k=self.topk_group, dim=-1, sorted=False)[1]
-    group_mask = torch.zeros_like(group_scores[..., 0]).scatter_(1, group_idx, 1)
-    score_mask = group_mask.unsqueeze(-1).expand(-1, self.num_group, self.num_experts // self.num_group)
-    scores_for_choice = scores_for_choice.masked_fill(~score_mask.reshape(-1, self.num_experts).bool(), float("-inf"))
-    topk_indices = torch.topk(scores_for_choice, k=self.top_k, dim=-1, sorted=False)[1]
-    topk_weights = scores.gather(1, topk_indices)
-    if self.norm_topk_prob:
-        topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return router_logits, topk_weights * self.routed_scaling_factor, topk_indices
 
 
 @pytest.mark.parametrize("stack", ["pp2 x tp2 zb_h1", "remat"])
