@@ -24,7 +24,22 @@ def _hang() -> None:
         time.sleep(0.02)
 
 
+def _all_started() -> None:
+    """Wait (a minute at most) until every rank got here: the group's short timeout also bounds its
+    rendezvous, and on a loaded machine one rank's imports can end seconds after the other's."""
+    world = int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                          timeout=datetime.timedelta(seconds=60))
+    store.add("shardwise_test_started", 1)
+    deadline = time.monotonic() + 60
+    while store.add("shardwise_test_started", 0) < world:
+        if time.monotonic() > deadline:
+            raise TimeoutError("the other rank did not start within a minute")
+        time.sleep(0.01)
+
+
 def main(fault: str) -> None:
+    _all_started()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=TIMEOUT_S))
     os.write(1, f"pid {os.getpid()}\n".encode())  # one write: the ranks share the pipe, print() writes twice
     try:
