@@ -475,7 +475,11 @@ def _gathered_into(kinds: list[str], dtype: torch.dtype, row: int, transport: st
         covered = [_covered(d.numel(), [pieces for pieces in r if pieces is not inputs[-1]])
                    for d, r in zip(dests, rows, strict=True)]
         out[kind] = {
-            "got": [torch.stack([torch.cat(pieces) for pieces in r]) for r in rows],
+            # Compared here, not in the test: the gathered rows are hundreds of MB to send back.
+            "mismatches": [_mismatch(torch.stack([torch.cat(pieces) for pieces in r]),
+                                     torch.stack([m.reshape(-1) for m in _moved(n, dtype, 200 + s, row)]))
+                           for s, r in enumerate(rows)],
+            "size": n,
             "outside_untouched": all(bool(d[~c].isnan().all()) for d, c in zip(dests, covered, strict=True)),
             "inputs_untouched": all(torch.equal(a, b) for a, b in zip(kept, moves, strict=True)) and versions == [
                 [piece._version for piece in pieces] for pieces in inputs],
@@ -483,6 +487,17 @@ def _gathered_into(kinds: list[str], dtype: torch.dtype, row: int, transport: st
             "path": _path(moves[0], group),
         }
     return out
+
+
+def _mismatch(got: torch.Tensor, want: torch.Tensor) -> str | None:
+    """None where ``got`` is ``want`` bit for bit (NaN where NaN), else where and how they differ."""
+    if got.shape != want.shape or got.dtype != want.dtype:
+        return f"got {got.dtype} {tuple(got.shape)}, want {want.dtype} {tuple(want.shape)}"
+    same = (got == want) | (got.isnan() & want.isnan())
+    if bool(same.all()):
+        return None
+    at = tuple(int(k) for k in (~same).nonzero()[0])
+    return f"{int((~same).sum())} elements differ, the first at {at}: got {got[at].item()}, want {want[at].item()}"
 
 
 def _covered(size: int, rows: list[list[torch.Tensor]]) -> torch.Tensor:
@@ -535,7 +550,7 @@ def test_all_gather_into_pieces_writes_each_members_row_there_and_nothing_else(
                 assert r["path"] == case, f"{where}: took {r['path']}"
                 assert r["outside_untouched"], f"{where}: something outside the pieces was written"
                 assert r["inputs_untouched"] and r["returns_empty"], where
-                size = 2 if pool is gloo2 else (2 if kind in ("dp", "pp") else 4)
-                for s, got in enumerate(r["got"]):  # row j: group member j's input
-                    want = torch.stack([m.reshape(-1) for m in _moved(size, dtype, 200 + s, row)])
-                    torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"{where}: gather {s}")
+                assert r["size"] == (2 if pool is gloo2 else (2 if kind in ("dp", "pp") else 4)), where
+                assert len(r["mismatches"]) == IN_FLIGHT, where
+                for s, mismatch in enumerate(r["mismatches"]):  # row j: group member j's input
+                    assert mismatch is None, f"{where}: gather {s}: {mismatch}"
