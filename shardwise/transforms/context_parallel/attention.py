@@ -83,6 +83,7 @@ def find_parts(layer: Layer, positions: tuple[str, ...]) -> LayerParts | None:
     rotaries: list[str] = []
     own: list[str] = []
     interfaced: list[str] = []
+    named_only: list[tuple[str, nn.Module]] = []  # named like an attention, neither known nor interfaced
     if isinstance(module, nn.Module):
         for path, sub in module.named_modules():
             # Inside a module that attends over the whole sequence itself, the parts are its own to call.
@@ -98,16 +99,23 @@ def find_parts(layer: Layer, positions: tuple[str, ...]) -> LayerParts | None:
             elif not inside and any(known(sub, f"{layer.name}: {path}") for known in (_known, _known_hf, _known_gpt2)):
                 attentions.append(path)
             elif type(sub).__name__.endswith("Attention") and not inside:
-                raise ValueError(
-                    f"context_parallel: layer {layer.name!r} holds the attention {path} ({type(sub).__name__}), "
-                    "which it cannot split over the sequence (it knows causal self-attentions with qkv, proj, "
-                    "head_dim and a lower-triangular mask buffer: TinyGPT's CausalSelfAttention; Hugging Face "
-                    "causal attentions with q_proj, k_proj, v_proj, o_proj on attn_implementation='sdpa': "
-                    "Llama's; GPT-2's fused c_attn / c_proj self-attention on sdpa; and transformers attentions "
-                    "whose own forward calls the AttentionInterface); rewrite its forward to "
-                    "call ring_attention / ulysses_attention (over the transform's axis) in place of its "
-                    "attention, or leave context_parallel out"
-                )
+                named_only.append((path, sub))
+    handled = (*attentions, *own, *interfaced)
+    for path, sub in named_only:
+        # A wrapper named so around an attention split here (BERT's BertAttention: its BertSelfAttention
+        # calls the interface, then a per-token output projection and norm) computes nothing over the
+        # sequence itself that an unnamed module would not; the watch (unsplit.py) sees both alike.
+        if not any(h.startswith(path + ".") for h in handled):
+            raise ValueError(
+                f"context_parallel: layer {layer.name!r} holds the attention {path} ({type(sub).__name__}), "
+                "which it cannot split over the sequence (it knows causal self-attentions with qkv, proj, "
+                "head_dim and a lower-triangular mask buffer: TinyGPT's CausalSelfAttention; Hugging Face "
+                "causal attentions with q_proj, k_proj, v_proj, o_proj on attn_implementation='sdpa': "
+                "Llama's; GPT-2's fused c_attn / c_proj self-attention on sdpa; and transformers attentions "
+                "whose own forward calls the AttentionInterface); rewrite its forward to "
+                "call ring_attention / ulysses_attention (over the transform's axis) in place of its "
+                "attention, or leave context_parallel out"
+            )
     if not attentions and not tables and not rotaries and not own and not interfaced:
         return None
     return LayerParts(tuple(attentions), tables, tuple(rotaries), tuple(own), tuple(interfaced))

@@ -51,7 +51,12 @@ _SETTINGS = "_context_parallel_split"  # the attribute of a taken-over module th
 _UNREAD = frozenset({"position_ids", "use_cache", "cache_position",
                      # a flag a MoE model's layers hand on to every module (OLMoE's, GPT-OSS's): of outputs
                      # collected elsewhere (refused where they would be a part's: compose.py), not attention's
-                     "output_router_logits"})
+                     "output_router_logits",
+                     # flash-attention's choice of a deterministic backward (ModernBERT's): not what is computed
+                     "deterministic"})
+# Handed on as None by a self-attention (BERT's layer passes its encoder states down to every attention,
+# none to an encoder's): unread when None, as sdpa leaves them; any value is refused as unknown.
+_UNREAD_WHEN_NONE = frozenset({"encoder_hidden_states", "encoder_attention_mask"})
 # Each read below; anything else a forward passes is refused.
 _READ = frozenset({"dropout", "scaling", "is_causal", "sliding_window", "softcap", "s_aux", "sinks", "head_mask",
                    "position_bias", "output_attentions"})
@@ -237,7 +242,7 @@ def split_attention_forward(
 
 def _refuse_settings(who: str, module: nn.Module, kwargs: dict[str, Any], sequence: int) -> None:
     """Refuse an argument the function does not know, and every setting it cannot compute exactly."""
-    unknown = sorted(set(kwargs) - _READ - _UNREAD)
+    unknown = sorted(k for k in set(kwargs) - _READ - _UNREAD if not (k in _UNREAD_WHEN_NONE and kwargs[k] is None))
     if unknown:
         raise ValueError(
             f"{who} passes {', '.join(unknown)} to its attention function, which context_parallel's does not know "

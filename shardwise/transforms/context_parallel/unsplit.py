@@ -12,8 +12,9 @@ transform installed (:func:`installed_attention`): a ``scaled_dot_product_attent
 of kernel > 1 over a length-``t`` dim (a convolution over time, as Mamba-style mixers have), is refused,
 naming the innermost module that runs it.
 
-What it cannot see: other ops that mix positions (a cumulative sum over time, a token shift by padding
-or rolling), and code that bypasses ``__torch_function__``.
+A running sum or product along a dim of the part's length (``cumsum`` and its kin: RoBERTa's position ids
+counted from the padding) is refused too. What it cannot see: other ops that mix positions (a token shift
+by padding or rolling), and code that bypasses ``__torch_function__``.
 """
 
 from __future__ import annotations
@@ -69,19 +70,54 @@ class Unsplit(TorchFunctionMode):
             elif name == "conv1d" and isinstance(w, torch.Tensor) and x.shape[-1] == local and w.shape[-1] > 1:
                 self._refuse(f"convolves a {list(x.shape)} tensor over its last dim, the sequence, with a kernel "
                              f"of {w.shape[-1]}")
+            elif name in _SCANS and _scanned_dim_is_the_sequence(x, args, kwargs, local) and not _making_a_mask():
+                self._refuse(f"takes {name} of a {list(x.shape)} tensor along the sequence (RoBERTa's position ids "
+                             "counted from the padding)", _SCAN_FIX)
         return func(*args, **kwargs)
 
-    def _refuse(self, what: str) -> None:
+    def _refuse(self, what: str, fix: str | None = None) -> None:
         module = _innermost_module(sys._getframe(2))
         where = f"{type(module).__name__} in layer {self.layer!r}" if module is not None else f"layer {self.layer!r}"
         raise ValueError(
             f"context_parallel(axis={self.axis!r}): {where} {what} outside the attentions it splits, on this "
             "rank's part of the sequence only: it would mix the part's positions alone and train another model "
-            "without an error. context_parallel splits TinyGPT's CausalSelfAttention, Hugging Face's "
-            "Llama-shaped attentions on sdpa, GPT-2's, and transformers attentions that call the "
-            "AttentionInterface (inside its attention function only); rewrite an attention to call ring_attention / "
-            "ulysses_attention, or leave context_parallel out"
+            "without an error. " + (fix or _ATTENTION_FIX)
         )
+
+
+_ATTENTION_FIX = (
+    "context_parallel splits TinyGPT's CausalSelfAttention, Hugging Face's Llama-shaped attentions on sdpa, GPT-2's, "
+    "and transformers attentions that call the AttentionInterface (inside its attention function only); rewrite an "
+    "attention to call ring_attention / ulysses_attention, or leave context_parallel out"
+)
+# A running sum or product over the sequence counts only the rank's part (each part would restart it).
+_SCANS = frozenset({"cumsum", "cumsum_", "cumprod", "cumprod_", "cummax", "cummin", "logcumsumexp"})
+_SCAN_FIX = (
+    "Give the batch the position ids the model would compute (a dict batch with 'position_ids', made on the whole "
+    "sequence before the step), if the model then skips its own count, or leave context_parallel out"
+)
+
+
+def _making_a_mask() -> bool:
+    """Whether the op's caller (past torch's own frames) is transformers' mask making (``masking_utils``: packed
+    sequences found by a cumsum over the position ids): context_parallel puts the mask of the whole sequence in
+    the place of the mask the layer makes from its part, so what that computes there is never read."""
+    frame: FrameType | None = sys._getframe(2)
+    while frame is not None:
+        name = str(frame.f_globals.get("__name__", ""))
+        if name != __name__ and name != "torch" and not name.startswith("torch."):
+            return name == "transformers.masking_utils"
+        frame = frame.f_back
+    return False
+
+
+def _scanned_dim_is_the_sequence(x: torch.Tensor, args: Sequence[Any], kwargs: dict[str, Any], local: int) -> bool:
+    """Whether a scan's dim is one of the part's length: not a leading (batch) dim of a tensor of several dims."""
+    dim = args[1] if len(args) > 1 else kwargs.get("dim")
+    if not isinstance(dim, int) or x.dim() == 0:
+        return False
+    dim %= x.dim()
+    return x.shape[dim] == local and (dim > 0 or x.dim() == 1)
 
 
 def _innermost_module(frame: FrameType | None) -> nn.Module | None:
