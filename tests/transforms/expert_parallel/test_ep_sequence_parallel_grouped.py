@@ -4,12 +4,13 @@ Their MoE blocks route with a router of their own (sigmoid scores plus a correct
 the best groups of experts, renormalized and scaled), which expert_parallel calls as it is on each (tp, ep)
 rank's slice of the sequence of its batch share; their shared experts run on the slice, replicated;
 DeepSeek-V3's attention is MLA (low-rank queries and keys/values) split by heads. Both orders of the two
-transforms, at tp2 x ep2 and dp2 x tp2 x ep2 ZeRO-3, each family in each order and on each mesh once.
+transforms, at tp2 x ep2 and dp2 x tp2 x ep2 ZeRO-3, each family in each order and on each mesh once; and
+DeepSeek-V3 as HF writes it.
 
 float64 on thread ranks at rtol=1e-9: HF's routers (and DeepSeek-V3's RMSNorms) compute in float32 whatever
 the model's dtype, so those run in the model's dtype, the same code otherwise (test_sequence_parallel_moe.py
-says why: tensor parallel's sums in another order, rounded to float32 by the norm's backward, are 3e-9 with
-or without expert_parallel). Every rank's first step issues exactly the collectives its Plan lists.
+says why: tensor parallel's sums in another order, rounded to float32 by the norm's backward); as HF writes
+them, within float32's precision. Every rank's first step issues exactly the collectives its Plan lists.
 (expert_parallel alone on these blocks, ep2 and dp2 x ep2 ZeRO-3: test_ep_own_router.py.)
 """
 
@@ -66,14 +67,19 @@ def assert_equivalent_and_plan_is_run(step: sw.Step, reference: sw.Step, mesh: s
     return plan
 
 
-@pytest.mark.parametrize(("family", "ep_first", "zero3"), [
-    ("deepseek_v3", False, False), ("glm4_moe", True, False), ("deepseek_v3", True, True), ("glm4_moe", False, True),
+@pytest.mark.parametrize(("family", "ep_first", "zero3", "as_hf_writes_it"), [
+    ("deepseek_v3", False, False, False), ("glm4_moe", True, False, False), ("deepseek_v3", True, True, False),
+    ("glm4_moe", False, True, False), ("deepseek_v3", False, False, True),
 ])
 def test_grouped_routing_under_tp_sp_ep_equals_the_single_device_step(
-        family: str, ep_first: bool, zero3: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(f"{_HOME[family]}TopkRouter.forward", _router_in_the_models_dtype)
-    if family == "deepseek_v3":
-        monkeypatch.setattr(f"{_HOME[family]}RMSNorm.forward", _rms_norm_in_the_models_dtype)
+        family: str, ep_first: bool, zero3: bool, as_hf_writes_it: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As HF writes it (its router and norms in float32: HF's own code runs on the slices), within float32's
+    precision, the bound of test_sequence_parallel_moe.py's test of it: 2.9e-8 relative measured, 1.7e-8 at the
+    first step."""
+    if not as_hf_writes_it:
+        monkeypatch.setattr(f"{_HOME[family]}TopkRouter.forward", _router_in_the_models_dtype)
+        if family == "deepseek_v3":
+            monkeypatch.setattr(f"{_HOME[family]}RMSNorm.forward", _rms_norm_in_the_models_dtype)
     step, params, batches = _problem(family)
     plan = _grouped_plan(family)
     if ep_first:
@@ -87,7 +93,8 @@ def test_grouped_routing_under_tp_sp_ep_equals_the_single_device_step(
            if ".mlp." in name and c.axis != "dp"}
     # The first layer is dense; the MoE layers' routed experts over ep, their shared experts and routers whole.
     assert cut == {f"model.layers.{i}.mlp.experts.{w}": "ep" for i in (1, 2) for w in ("gate_up_proj", "down_proj")}
-    planned = assert_equivalent_and_plan_is_run(composed, step, mesh, batches, params, rtol=1e-9)
+    planned = assert_equivalent_and_plan_is_run(composed, step, mesh, batches, params,
+                                               rtol=1e-6 if as_hf_writes_it else 1e-9)
     ops = {(c.axis, c.op) for c in planned.collectives(0)}
     assert {("ep", "all_to_all"), ("tp", "all_gather"), ("tp", "psum_scatter")} <= ops, ops
     assert ("dp", "all_gather") in ops if zero3 else not any(axis == "dp" for axis, _ in ops)
