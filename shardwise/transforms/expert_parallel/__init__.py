@@ -92,8 +92,9 @@ def expert_parallel(
     weight pass), ``tensor_parallel`` over another (attention split over ``tp``, the experts over
     ``ep``; a tensor-parallel plan must leave the MoE block itself alone; under its sequence parallel
     each (tp, ep) rank routes its slice of the sequence of its share of the batch, dispatches over ``ep``
-    among the ranks of its tp index, and its experts' gradients are summed over ``tp`` too, while
-    ``router_aux_loss`` over a slice is refused), ``mixed_precision`` and
+    among the ranks of its tp index (a capacity is counted over the slice's tokens, as Megatron's
+    is, and ``drop_per_rank`` drops each slice's overflow), and its experts' gradients are summed over
+    ``tp`` too, while ``router_aux_loss`` over a slice is refused), ``mixed_precision`` and
     ``remat``, and ``context_parallel`` over another (each rank routes its sequence part's tokens).
 
     >>> import torch, shardwise as sw

@@ -106,8 +106,9 @@ class EPForward:
             raise ValueError(
                 f"expert_parallel(capacity_factor={self.capacity_factor!r}): {self.where} would drop {out.dropped} "
                 f"token assignments over its experts' capacity (ceil({self.capacity_factor!r} x tokens x top_k / "
-                f"{self.block.num_experts}), counted per rank over the rank's own tokens). Which ones drop depends on "
-                "how the mesh cuts the batch, and the single-device step drops none: this step would train another "
+                f"{self.block.num_experts}), counted per rank over the rank's own tokens: its share of the batch, and "
+                "under sequence parallel its slice of the sequence). Which ones drop depends on how the mesh cuts "
+                "the batch (and the sequence), and the single-device step drops none: this step would train another "
                 "model, without an error. Pass expert_parallel(..., drop_per_rank=True) to drop them knowingly, or "
                 "a larger capacity_factor (None drops nothing)"
             )
