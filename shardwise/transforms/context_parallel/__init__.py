@@ -50,13 +50,15 @@ def context_parallel(
     the whole sequence by ``attention="ring"`` (key/value slices passed round the ring, ``n - 1`` ppermutes each way) or
     ``"ulysses"`` (all-to-alls to a head split and back; the axis size must divide the query heads, and
     key/value heads it does not divide go as copies within their groups). Any other attention of a
-    transformers model (a class of ``transformers.models.*``: Phi-3's, OLMo-2's, Cohere's, StarCoder2's, ...)
-    whose forward calls transformers' ``AttentionInterface`` runs its own forward, pointed at an attention
+    transformers model (a class of ``transformers.models.*``: Phi-3's, OLMo-2's, Cohere's, StarCoder2's, BERT's
+    and ModernBERT's non-causal ones, ...) whose forward calls transformers' ``AttentionInterface`` runs its own
+    forward (a wrapper around it, BERT's ``BertAttention``, as written), pointed at an attention
     function registered there that attends over the whole sequence the same way (a copy of the module's
     config in the split layer names it, nothing shared changes); what that function
     cannot compute exactly (a sliding window shorter than the sequence, soft-capped scores, attention sinks,
     attention dropout in training, a model not built on sdpa, an argument it does not know) is refused at
-    the Plan or the first step, naming the module and the fix. A module of
+    the Plan or the first step, naming the module and the fix; so is a running sum along the sequence
+    outside the attention (RoBERTa's position ids counted from the padding: give them in the batch). A module of
     any class whose forward calls :func:`ring_attention` / :func:`ulysses_attention` over ``axis`` itself
     is kept as written (outside any mesh both are plain attention: its single-device step). Position
     tables (parameters, or fixed buffers, named ``positions``, read at rows ``0 .. t - 1``) are read, and Hugging Face

@@ -240,6 +240,15 @@ def split_attention_forward(
     return y.transpose(1, 2).contiguous(), None
 
 
+def _dropout_setting(module: nn.Module, dropout: float) -> str:
+    """The config's name for the attention dropout the module applies (BERT's ``attention_probs_dropout_prob``);
+    ``attention_dropout``, most families' name, where none of the config's matches."""
+    to_dict = getattr(getattr(module, "config", None), "to_dict", None)
+    settings: dict[str, Any] = to_dict() if callable(to_dict) else {}
+    named = sorted(k for k, v in settings.items() if "dropout" in k and "att" in k and v == dropout)
+    return named[0] if named else "attention_dropout"
+
+
 def _refuse_settings(who: str, module: nn.Module, kwargs: dict[str, Any], sequence: int) -> None:
     """Refuse an argument the function does not know, and every setting it cannot compute exactly."""
     unknown = sorted(k for k in set(kwargs) - _READ - _UNREAD if not (k in _UNREAD_WHEN_NONE and kwargs[k] is None))
@@ -258,9 +267,10 @@ def _refuse_settings(who: str, module: nn.Module, kwargs: dict[str, Any], sequen
                          "never forms: do not ask for them")
     dropout = kwargs.get("dropout") or 0.0
     if float(dropout) > 0:
+        setting = _dropout_setting(module, float(dropout))
         raise ValueError(
-            f"{who} drops attention probabilities in training (dropout={dropout}, config.attention_dropout); ring and "
-            "Ulysses attention have no dropout: set config.attention_dropout = 0, or train it with model.eval()"
+            f"{who} drops attention probabilities in training (dropout={dropout}, config.{setting}); ring and "
+            f"Ulysses attention have no dropout: set config.{setting} = 0, or train it with model.eval()"
         )
     kind = _layer_type(module)
     if kind is not None and kind not in ("full_attention", "sliding_attention"):

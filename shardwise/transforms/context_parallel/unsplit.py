@@ -99,13 +99,14 @@ _SCAN_FIX = (
 
 
 def _making_a_mask() -> bool:
-    """Whether the op's caller (past torch's own frames) is transformers' mask making (``masking_utils``: packed
-    sequences found by a cumsum over the position ids): context_parallel puts the mask of the whole sequence in
-    the place of the mask the layer makes from its part, so what that computes there is never read."""
+    """Whether the op's caller (past torch's and shardwise's frames) is transformers' mask making
+    (``masking_utils``: packed sequences found by a cumsum over the position ids): context_parallel puts the
+    mask of the whole sequence in the place of the mask the layer makes from its part, so what that computes
+    there is never read."""
     frame: FrameType | None = sys._getframe(2)
     while frame is not None:
         name = str(frame.f_globals.get("__name__", ""))
-        if name != __name__ and name != "torch" and not name.startswith("torch."):
+        if name.split(".")[0] not in ("torch", "shardwise"):  # (another transform's watch may run between)
             return name == "transformers.masking_utils"
         frame = frame.f_back
     return False

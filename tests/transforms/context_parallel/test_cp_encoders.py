@@ -1,4 +1,4 @@
-"""sw.context_parallel on Hugging Face encoders: BERT, ModernBERT and RoBERTa masked language models.
+"""sw.context_parallel on Hugging Face encoders: BERT, ModernBERT, DistilBERT and RoBERTa masked language models.
 
 BERT's attention is a wrapper (``BertAttention``: its ``BertSelfAttention`` calls the AttentionInterface, then
 a per-token output projection and norm) and was refused by its name; ModernBERT's passes flash-attention's
@@ -28,16 +28,20 @@ SIZES = dict(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_
              attn_implementation="sdpa")
 
 
-def _masked_lm(family: str) -> tuple[nn.Module, type[nn.Module]]:
+def _masked_lm(family: str, attention_dropout: float = 0.0) -> tuple[nn.Module, type[nn.Module]]:
     torch.manual_seed(0)
     if family == "Bert":
         config = T.BertConfig(**SIZES, max_position_embeddings=2 * SEQ, hidden_dropout_prob=0.0,
-                              attention_probs_dropout_prob=0.0)
+                              attention_probs_dropout_prob=attention_dropout)
         return T.BertForMaskedLM(config).double(), T.models.bert.modeling_bert.BertLayer
     if family == "Roberta":
         config = T.RobertaConfig(**SIZES, max_position_embeddings=2 * SEQ + 2, hidden_dropout_prob=0.0,
                                  attention_probs_dropout_prob=0.0, pad_token_id=1)
         return T.RobertaForMaskedLM(config).double(), T.models.roberta.modeling_roberta.RobertaLayer
+    if family == "DistilBert":
+        config = T.DistilBertConfig(vocab_size=VOCAB, dim=16, hidden_dim=32, n_layers=2, n_heads=4, dropout=0.0,
+                                    attention_dropout=0.0, max_position_embeddings=2 * SEQ, attn_implementation="sdpa")
+        return T.DistilBertForMaskedLM(config).double(), T.models.distilbert.modeling_distilbert.TransformerBlock
     config = T.ModernBertConfig(**SIZES, max_position_embeddings=2 * SEQ, pad_token_id=1, bos_token_id=0,
                                 eos_token_id=0, cls_token_id=0, sep_token_id=0, global_attn_every_n_layers=1)
     return T.ModernBertForMaskedLM(config).double(), T.models.modernbert.modeling_modernbert.ModernBertEncoderLayer
@@ -70,8 +74,8 @@ def _batches(padded: bool = False, position_ids: bool = False) -> list[tuple[Any
     return out
 
 
-def _step(family: str, batches: list[Any]) -> tuple[sw.Step, Any]:
-    built, layer = _masked_lm(family)
+def _step(family: str, batches: list[Any], attention_dropout: float = 0.0) -> tuple[sw.Step, Any]:
+    built, layer = _masked_lm(family, attention_dropout)
     chain, params = sw.functionalize(built, units=layer, example_input=batches[0][0])
     return sw.train_step(chain, _mean_over_labelled, sw.optim.sgd(0.1, momentum=0.9), tokens=_labelled), params
 
@@ -82,6 +86,7 @@ def _positions(family: str) -> dict[str, Any]:
 
 @pytest.mark.parametrize(("family", "attention", "padded"), [
     ("Bert", "ring", False), ("Bert", "ulysses", True), ("ModernBert", "ring", True), ("ModernBert", "ulysses", False),
+    ("DistilBert", "ring", True),
 ])
 def test_an_encoder_equals_the_single_device_step(family: str, attention: str, padded: bool) -> None:
     batches = _batches(padded=padded)
@@ -99,6 +104,14 @@ def test_bert_over_dp_by_cp_with_zero3_equals_the_single_device_step_and_runs_it
     plan = sw.testing.assert_plan_is_run(composed, mesh, params, batches[0])
     assert "through transformers' AttentionInterface" in str(plan)
     assert [c.op for c in plan.collectives(0) if c.axis == "cp"].count("ppermute") == 2 * 2  # 2 layers, each way
+
+
+def test_bert_dropping_attention_probabilities_in_training_is_refused_naming_its_setting() -> None:
+    batches = _batches()
+    step, params = _step("Bert", batches, attention_dropout=0.1)
+    with pytest.raises(ValueError, match=r"attention.self \(BertSelfAttention\) drops attention probabilities in "
+                                         r"training \(dropout=0.1, config.attention_probs_dropout_prob\)"):
+        sw.context_parallel(step, "cp", **_positions("Bert")).plan(sw.Mesh(cp=2), params, batches[0])
 
 
 def test_roberta_counting_positions_over_the_sequence_is_refused_and_given_them_equals_the_single_device_step() -> None:
@@ -167,6 +180,6 @@ def test_a_wrapper_named_attention_with_no_split_attention_inside_is_still_refus
     model.blocks[1].mlp = HeadlessAttention().double()
     chain, _ = sw.functionalize(model, units=Block)
     step = sw.train_step(chain, _next_token_loss, sw.optim.sgd(0.1))
-    with pytest.raises(ValueError, match=r"layer 'blocks.1' holds the attention blocks.1.mlp \(HeadlessAttention\), which it "
-                                         r"cannot split"):
+    with pytest.raises(ValueError, match=r"layer 'blocks.1' holds the attention blocks.1.mlp \(HeadlessAttention\), "
+                                         r"which it cannot split"):
         sw.context_parallel(step, "cp")
