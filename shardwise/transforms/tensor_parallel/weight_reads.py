@@ -138,6 +138,10 @@ class WeightReads(TorchFunctionMode):
         self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         kwargs = kwargs or {}
+        split = self.split
+        if not any(id(a) in split or (type(a) in (list, tuple) and any(id(t) in split for t in a))
+                   for a in (*args, *kwargs.values())):
+            return func(*args, **kwargs)  # (most ops: the layer's activations)
         name = _name(func)
         if name in _FREE:
             return func(*args, **kwargs)
