@@ -167,6 +167,8 @@ class TPForward:
                     "region itself"
                 )
             y = _conv1d(x, _require(weight), bias) if install.kind == CONV1D else type(m).forward(m, x)
+            if install.kind == LINEAR and _overridden(m, LINEAR):
+                check_product(y, label, m, rowwise=False)
             gathered = gathers(style, install.kind == EMBEDDING)
             _flow.split_output, _flow.split_by = not gathered, label
             if install.enters and not gathered:  # per-rank values follow, up to their Rowwise (or the layer's end)
@@ -197,7 +199,7 @@ class TPForward:
             ))
         if install.kind == LINEAR and _overridden(m, LINEAR):
             y = _without_bias(m, x)  # the class's own forward (FalconLinear's), its bias added after the sum
-            check_product(y, label, m)
+            check_product(y, label, m, rowwise=True)
         else:
             y = F.linear(x, weight) if install.kind == LINEAR else _conv1d(x, weight, None)
         y = leave(y, axis, install.seq_dim, label, self.reduce)

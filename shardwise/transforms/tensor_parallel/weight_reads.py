@@ -25,7 +25,9 @@ transposed or scaled by a number on the way to one product with the input (``lin
 ``mm``, ``addmm``, ``embedding``), and any other use (``F.linear(x, self.weight / self.weight.norm())``,
 a normalized weight) is refused, naming the class. A Rowwise one's forward runs without its bias
 (added once, after the sum), and must return that product itself: anything it computes after it
-would be applied to each rank's partial sum, not to the whole.
+would be applied to each rank's partial sum, not to the whole. A Colwise one's may add its bias and
+apply functions of each feature alone (``tanh``, a scale by a number): its output is the rank's slice
+of the features, and ``F.normalize`` over them would normalize the slice (:func:`check_product`).
 """
 
 from __future__ import annotations
@@ -60,6 +62,11 @@ _SHAPES = _words("size shape numel nelement stride __len__")
 _CARRY = _words("t T mT transpose to float double half bfloat16 type type_as contiguous clone")
 _BY_A_NUMBER = _words("mul __mul__ __rmul__ div __truediv__ true_divide neg __neg__")
 _ADDS = _words("add __add__ __radd__")
+# A function of each feature alone, on an overridden Colwise forward's product (with numbers): right on a slice.
+_ELEMENTWISE = _words("""
+    tanh sigmoid relu gelu silu softplus exp neg __neg__ abs mul __mul__ __rmul__ div __truediv__ true_divide
+    add __add__ __radd__ sub __sub__ __rsub__ to float double half bfloat16 type contiguous clone
+""")
 _PRODUCTS = _words("linear matmul __matmul__ __rmatmul__ mm addmm bmm embedding")
 
 # .ids: {id of a split parameter: depth} while its own module's forward runs; .custom: the ids of those
@@ -92,21 +99,32 @@ def own_use(module: nn.Module, custom: bool = False) -> Iterator[None]:
                 del ids[i]
 
 
-def check_product(out: Any, label: str, module: nn.Module) -> None:
-    """A Rowwise module's overridden forward (run without its bias) must return its product with the input:
-    what it computed after it would be applied to this rank's partial sum. Checked while a watch runs."""
+def check_product(out: Any, label: str, module: nn.Module, rowwise: bool) -> None:
+    """A split module's overridden forward must return its product with the input (a Colwise one's: plus its
+    bias, or an elementwise function of that): a Colwise one's output is the rank's slice of the features, so
+    only what acts on each feature alone is right on it (``F.normalize`` over them is not), and a Rowwise
+    one's (run without its bias) is a partial sum, so anything after the product would act on the part, not
+    the whole. Checked while a watch runs."""
     reads: WeightReads | None = getattr(_own, "reads", None)
-    if reads is None:
+    if reads is None or reads.holds(reads.products, out) or (not rowwise and reads.holds(reads.after, out)):
         return
-    ref = reads.products.get(id(out)) if isinstance(out, Tensor) else None
-    if ref is None or ref() is not out:
+    if not rowwise:
         raise ValueError(
-            f"tensor_parallel: Rowwise() on {label!r}, a {type(module).__name__} whose forward overrides "
-            f"nn.Linear's: run on this rank's slice of its input features (without its bias, added once after the "
-            "sum), it returned something else than its weight's product with the input, so what it computes after "
-            "that product would act on each rank's partial sum, not on the whole. Give it a plain nn.Linear, or "
-            "leave it out of the plan (replicated, with its Colwise partner)"
+            f"tensor_parallel: Colwise() on {label!r}, a {type(module).__name__} whose forward overrides "
+            "nn.Linear's: run on this rank's slice of its output features, it returned something else than its "
+            "weight's product with the input (plus its bias, or a function of each feature alone: tanh, gelu, a "
+            "scale by a number), so what it computed after that product may have mixed the features of this "
+            "rank's slice (a norm over them) where it meant all of them. Give it a plain nn.Linear (and compute "
+            "the rest after it, where tensor parallel follows the split output), or leave it out of the plan "
+            "(replicated, with its Rowwise partner)"
         )
+    raise ValueError(
+        f"tensor_parallel: Rowwise() on {label!r}, a {type(module).__name__} whose forward overrides "
+        f"nn.Linear's: run on this rank's slice of its input features (without its bias, added once after the "
+        "sum), it returned something else than its weight's product with the input, so what it computes after "
+        "that product would act on each rank's partial sum, not on the whole. Give it a plain nn.Linear, or "
+        "leave it out of the plan (replicated, with its Colwise partner)"
+    )
 
 
 class WeightReads(TorchFunctionMode):
@@ -123,6 +141,7 @@ class WeightReads(TorchFunctionMode):
             id(t): (weakref.ref(t), (id(t), path, by)) for t, path, by in split
         }
         self.products: dict[int, weakref.ref[Tensor]] = {}  # an overridden forward's products (check_product)
+        self.after: dict[int, weakref.ref[Tensor]] = {}  # elementwise functions of them
 
     def __enter__(self) -> WeightReads:
         self.outer = getattr(_own, "reads", None)
@@ -138,9 +157,11 @@ class WeightReads(TorchFunctionMode):
         self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         kwargs = kwargs or {}
-        split = self.split
+        split, products, after = self.split, self.products, self.after
         if not any(id(a) in split or (type(a) in (list, tuple) and any(id(t) in split for t in a))
                    for a in (*args, *kwargs.values())):
+            if (products or after) and any(id(a) in products or id(a) in after for a in args):
+                return self._after_product(func, args, kwargs)
             return func(*args, **kwargs)  # (most ops: the layer's activations)
         name = _name(func)
         if name in _FREE:
@@ -176,8 +197,24 @@ class WeightReads(TorchFunctionMode):
         return out
 
     def _is_product(self, t: Tensor) -> bool:
-        ref = self.products.get(id(t))
+        return self.holds(self.products, t)
+
+    @staticmethod
+    def holds(found: dict[int, weakref.ref[Tensor]], t: Any) -> bool:
+        ref = found.get(id(t)) if isinstance(t, Tensor) else None
         return ref is not None and ref() is t
+
+    def _after_product(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+        """An op on an overridden forward's product: an elementwise function of it (with numbers) is noted."""
+        out = func(*args, **kwargs)
+        first = args[0] if args else None
+        others = [a for a in (*args[1:], *kwargs.values()) if isinstance(a, Tensor)]
+        if (isinstance(out, Tensor) and isinstance(first, Tensor)
+                and (self.holds(self.products, first) or self.holds(self.after, first))
+                and _name(func) in _ELEMENTWISE and all(o.dim() == 0 for o in others)
+                and out.shape == first.shape):
+            self.after[id(out)] = weakref.ref(out)
+        return out
 
     def _entries(self, args: Sequence[Any], kwargs: dict[str, Any]) -> Iterator[tuple[int, str, str]]:
         for a in (*args, *kwargs.values()):

@@ -126,6 +126,13 @@ class _Normalized(nn.Linear):
         return F.linear(x, self.weight / self.weight.norm(), self.bias)
 
 
+class _UnitRows(nn.Linear):
+    """A forward that normalizes its output over the features: over a Colwise rank's slice of them."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.normalize(F.linear(x, self.weight, self.bias), dim=-1)
+
+
 def _subclass_mlp(up: type[nn.Linear], down: type[nn.Linear]) -> nn.Module:
     torch.manual_seed(0)
     mlp = _Mlp()
@@ -148,6 +155,8 @@ def test_reads_through_the_modules_own_forwards_equal_one_device() -> None:
     (nn.Linear, _Normalized, r"the forward of '1\.down' \(Rowwise\(\), a _Normalized\), whose class overrides "
                              r"torch's, computes norm on its split parameter '1\.down\.weight'"),
     (nn.Linear, _Squashed, r"Rowwise\(\) on '1\.down', a _Squashed whose forward overrides nn\.Linear's: .* "
+                           r"returned something else than its weight's product with the input"),
+    (_UnitRows, nn.Linear, r"Colwise\(\) on '1\.up', a _UnitRows whose forward overrides nn\.Linear's: .* "
                            r"returned something else than its weight's product with the input"),
     (nn.Linear, _AlwaysBiased, r"Rowwise\(\) on a _AlwaysBiased, whose forward overrides nn\.Linear's, failed when "
                                r"run without its bias \(TypeError: .*\): .*must work with bias None"),
