@@ -5,8 +5,9 @@ communication that makes the result whole; any other read got the slice where it
 Found here: a Region whose forward divides by its Colwise child's ``weight.norm()`` and a model that
 returns a regularizer over ``self.parameters()`` for the loss computed another model (another loss) on
 every rank alike, without an error; a Rowwise ``nn.Linear`` subclass's forward was skipped (``F.linear``
-ran in its place); a subclass whose forward normalized its weight normalized the slice; a
-``weight_norm``-parametrized Linear failed inside torch on a shape. Each is now refused when it is read
+ran in its place); a subclass whose forward normalized its weight (or, Colwise, its output over the
+features) normalized the slice; a ``weight_norm``-parametrized Linear failed inside torch on a shape.
+Each is now refused when it is read
 (the Plan's prediction, or the first step) or when the transform is applied, naming the parameter, the
 module that splits it and the fix; the reads that are right (a Linear called twice, a tied head, a
 subclass that only computes its product, Falcon's ``FalconLinear``) equal one device at float64.
