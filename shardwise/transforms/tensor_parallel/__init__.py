@@ -68,7 +68,7 @@ def tensor_parallel(
     A split parameter is for its own module's forward alone (a Linear subclass's own forward runs, its weight
     followed to its product with the input): model code that reads one elsewhere (a parent's
     ``self.up.weight.norm()``, a regularizer over ``self.parameters()``) would get the rank's slice, and is
-    refused at the layer's first forward, naming the parameter and the line (weight_reads.py); a Linear
+    refused at the layer's first forward, naming the parameter and the line; a Linear
     computed by ``torch.nn.utils.parametrize`` (``weight_norm``) takes no style.
 
     When the head leaves the logits split (``Colwise(output="sharded")``), ``loss_fn`` must compute
