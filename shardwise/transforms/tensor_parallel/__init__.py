@@ -65,6 +65,12 @@ def tensor_parallel(
     dispatches the slice's tokens over that axis, runs as one per-token op; the experts' gradients are
     summed over ``axis``).
 
+    A split parameter is for its own module's forward alone (a Linear subclass's own forward runs, its weight
+    followed to its product with the input): model code that reads one elsewhere (a parent's
+    ``self.up.weight.norm()``, a regularizer over ``self.parameters()``) would get the rank's slice, and is
+    refused at the layer's first forward, naming the parameter and the line; a Linear
+    computed by ``torch.nn.utils.parametrize`` (``weight_norm``) takes no style.
+
     When the head leaves the logits split (``Colwise(output="sharded")``), ``loss_fn`` must compute
     its cross-entropy with :func:`vocab_parallel_cross_entropy`; a step whose loss does not is refused.
 

@@ -299,7 +299,7 @@ def resolve(chain: Chain, plan: Mapping[str, Style], sequence_parallel: str | No
                 )
         for local, name in declared.items():
             key = layer.ties.get(local, (layer.name, local))
-            cut = _param_split(chosen, kind, name, module)
+            cut = param_split(chosen, kind, name, module)
             split = None if cut is None else ParamSplit(
                 cut[0], cut[1], f"{path} ({chosen})", _vocabulary_hint(path, chosen, kind, cut[0], bool(enclosing))
             )
@@ -415,7 +415,7 @@ def _check_per_head_lists(
                 )
 
 
-def _param_split(style: Style | None, kind: str | None, name: str, module: nn.Module) -> tuple[int, int] | None:
+def param_split(style: Style | None, kind: str | None, name: str, module: nn.Module) -> tuple[int, int] | None:
     """(dim, fused blocks) a style splits a module's parameter on, or None: replicated."""
     if isinstance(style, Colwise):
         if kind == LINEAR:
@@ -470,6 +470,17 @@ def _check_fits(path: str, style: Style, kind: str | None, module: nn.Module) ->
                     f"tensor_parallel: the Embedding {path!r} sets {option}={getattr(module, option)!r}, which a "
                     "split embedding does not reproduce; leave it replicated or drop the option"
                 )
+    parametrized = getattr(module, "parametrizations", None)
+    if isinstance(parametrized, nn.ModuleDict) and len(parametrized):
+        made = {n: [type(p).__name__ for p in plist.children()] for n, plist in parametrized.items()}
+        raise ValueError(
+            f"tensor_parallel: {style} on {path!r}, whose {sorted(made)} are computed by torch.nn.utils.parametrize "
+            f"({made}: weight_norm, spectral_norm, orthogonal): a parametrization computes the weight from tensors "
+            "of the whole shape (a norm over all of it), which tensor parallel does not split, so each rank would "
+            "not hold its slice of the weight; leave the module out of the plan (replicated, with its Colwise / "
+            "Rowwise partner), or remove the parametrization before sw.functionalize "
+            "(torch.nn.utils.parametrize.remove_parametrizations(module, 'weight'))"
+        )
     extra = sorted(n for n, _ in module.named_parameters(recurse=False) if n not in ("weight", "bias"))
     if extra:
         raise ValueError(f"tensor_parallel: {style} on {path!r}: it has parameters {extra} besides weight and bias")

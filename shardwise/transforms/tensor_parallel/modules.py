@@ -33,7 +33,7 @@ from . import partial, positions
 from .comm import enter, gather_invariant, leave, scatter, vary
 from .failures import region_failed, rowwise_width_message
 from .following import quiet, set_current
-from .match import CONV1D, EMBEDDING, LINEAR, Install, LayerPlan, is_head_count
+from .match import CONV1D, EMBEDDING, LINEAR, Install, LayerPlan, is_head_count, param_split
 from .own_loss import OwnLossCheck, OwnLossWatch, refuse_own_loss
 from .owned_only import OwnedOnly
 from .region_paths import Sides, bypass_message, bypasses_split, parameter_sides
@@ -41,6 +41,7 @@ from .sequence_gather import SequenceGather
 from .split_watch import SplitWatch
 from .styles import Colwise, Region, Rowwise, gathers
 from .token_wise_experts import TokenWiseExperts, experts_in_blocks, one_ops_in
+from .weight_reads import WeightReads, check_product, own_use
 
 
 class TPForward:
@@ -96,7 +97,13 @@ class TPForward:
             else positions.following(self.path, m, follow[1], in_layer.size(self.axis)),
             contextlib.nullcontext() if self.block is None else one_ops_in(self.path),
         ):
-            out = type(m).forward(m, *args, **kwargs) if install is None else self._styled(install, args, kwargs)
+            if install is None:
+                out = type(m).forward(m, *args, **kwargs)
+            else:
+                with contextlib.nullcontext() if isinstance(install.style, Region) else own_use(
+                    m, _overridden(m, install.kind)
+                ):
+                    out = self._styled(install, args, kwargs)
         if follow is not None:
             self.followed.add(follow[0])
         if self.block is not None and self.block[1]:  # the last one: the whole sequence again
@@ -160,6 +167,8 @@ class TPForward:
                     "region itself"
                 )
             y = _conv1d(x, _require(weight), bias) if install.kind == CONV1D else type(m).forward(m, x)
+            if install.kind == LINEAR and _overridden(m, LINEAR):
+                check_product(y, label, m, rowwise=False)
             gathered = gathers(style, install.kind == EMBEDDING)
             _flow.split_output, _flow.split_by = not gathered, label
             if install.enters and not gathered:  # per-rank values follow, up to their Rowwise (or the layer's end)
@@ -188,7 +197,11 @@ class TPForward:
             raise ValueError(rowwise_width_message(
                 label, width, width * in_layer.size(axis), x.shape[-1], bool(getattr(_flow, "regions", 0))
             ))
-        y = F.linear(x, weight) if install.kind == LINEAR else _conv1d(x, weight, None)
+        if install.kind == LINEAR and _overridden(m, LINEAR):
+            y = _without_bias(m, x)  # the class's own forward (FalconLinear's), its bias added after the sum
+            check_product(y, label, m, rowwise=True)
+        else:
+            y = F.linear(x, weight) if install.kind == LINEAR else _conv1d(x, weight, None)
         y = leave(y, axis, install.seq_dim, label, self.reduce)
         _path_ends(label, y)
         _back_to_shared()  # the summed output is every rank's: so are the random ops on it
@@ -416,6 +429,34 @@ def _back_to_shared(force: bool = False) -> None:
     _streams.saved = None
 
 
+def _overridden(m: nn.Module, kind: str | None) -> bool:
+    """Whether a split module's class overrides torch's forward (a Linear or Embedding subclass's own), which
+    weight_reads.py follows; Hugging Face's Conv1D is computed by _conv1d, its forward not run."""
+    base: Any = {LINEAR: nn.Linear.forward, EMBEDDING: nn.Embedding.forward}.get(kind or "")
+    return base is not None and type(m).forward is not base
+
+
+def _without_bias(m: nn.Module, x: Tensor) -> Tensor:
+    """A Rowwise Linear subclass's own forward on this rank's slice, its (replicated) bias left out: it is
+    added once, after the partial outputs are summed."""
+    bias = m._parameters.get("bias")
+    if bias is None:
+        return type(m).forward(m, x)
+    m._parameters["bias"] = None
+    try:
+        return type(m).forward(m, x)
+    except (TypeError, AttributeError) as err:  # Python's, on a bias the forward adds unconditionally
+        raise ValueError(
+            f"tensor_parallel: Rowwise() on a {type(m).__name__}, whose forward overrides nn.Linear's, failed when run "
+            f"without its bias ({type(err).__name__}: {err}): each rank computes its partial output without the "
+            "bias (replicated), and the bias is added once after the sum, so the forward must work with bias None "
+            "(nn.Linear's and Hugging Face's FalconLinear's do); give it a plain nn.Linear, or leave it out of the "
+            "plan (replicated, with its Colwise partner)"
+        ) from err
+    finally:
+        m._parameters["bias"] = bias
+
+
 def _tensor(m: nn.Module, name: str) -> Tensor | None:
     t = getattr(m, name, None)
     return t if isinstance(t, Tensor) else None
@@ -502,8 +543,12 @@ class VaryFn:
     def __init__(
         self, fn: Callable[[dict[str, Tensor], Any], Any], axis: str, names: frozenset[str], reduce: torch.dtype | None,
         must_run: frozenset[str] = frozenset(), plan: LayerPlan | None = None, own_loss: OwnLossCheck | None = None,
+        split: tuple[tuple[str, str, str], ...] = (),
     ) -> None:
         self.fn, self.axis, self.names, self.reduce, self.must_run = fn, axis, names, reduce, must_run
+        # Its split parameters (local name, path in the model, the module and style splitting it): read only
+        # by their own module's forward, which the layer's first call on each rank checks (weight_reads.py).
+        self.split = split
         self.own_loss = own_loss  # where it holds heads that leave the logits split (own_loss.py)
         # The ends of the sequence-parallel region this layer holds (partial.py), from the LayerPlan.
         self.follows = plan is not None and plan.follows
@@ -566,6 +611,7 @@ class VaryFn:
         follower = partial.Follower(self.axis, self.reduce, self.label) if self.follows else None
         outer_follower = set_current(follower)
         own_loss = _flow.own_loss = self._own_loss_watch()
+        reads = self._reads_watch(tensors)
         watch = self._cut_watch()
         outer_watch = getattr(_flow, "watch", None)
         if watch is not None:
@@ -577,6 +623,7 @@ class VaryFn:
         finished = False
         try:
             with (
+                reads if reads is not None else contextlib.nullcontext(),
                 own_loss if own_loss is not None else contextlib.nullcontext(),
                 watch if watch is not None else contextlib.nullcontext(),
             ):
@@ -598,7 +645,7 @@ class VaryFn:
             raise ValueError(f"tensor_parallel: {_unsummed(err, self.axis)}") from err
         finally:
             if not finished:  # watched on the next call (a fake run stopped by a data-dependent op: predict.py)
-                self._unmark(watch is not None, own_loss is not None)
+                self._unmark(watch is not None, own_loss is not None, reads is not None)
             _flow.gathered = outer_gathered
             _flow.entered = outer_entered
             _flow.called = outer
@@ -642,9 +689,16 @@ class VaryFn:
         call on this rank (the Plan's prediction, or the first step, before any update)."""
         return self.own_loss.watch() if self.own_loss is not None and self._first_call("own_loss_checked") else None
 
-    def _unmark(self, cuts: bool, own_loss: bool) -> None:
+    def _reads_watch(self, tensors: dict[str, Tensor]) -> WeightReads | None:
+        """A watch for model code reading a split parameter outside its module's forward (weight_reads.py), on
+        this layer's first call on this rank (the Plan's prediction, or the first step, before any update)."""
+        if not self.split or not self._first_call("reads_checked"):
+            return None
+        return WeightReads(self.label, [(tensors[k], path, by) for k, path, by in self.split if k in tensors])
+
+    def _unmark(self, cuts: bool, own_loss: bool, reads: bool = False) -> None:
         """This call's first-call checks were not done to their end: the next call does them."""
-        for check, marked in (("cuts_checked", cuts), ("own_loss_checked", own_loss)):
+        for check, marked in (("cuts_checked", cuts), ("own_loss_checked", own_loss), ("reads_checked", reads)):
             checked = getattr(_flow, check, None)
             if marked and checked is not None:
                 checked.discard(self)
@@ -771,9 +825,29 @@ def rewrite_layer(
     new_fn = copy.copy(fn)
     new_fn.replicas = ThreadReplicas(copied, replicas.prefix)  # type: ignore[attr-defined]
     must_run = frozenset(i.path for i in plan.installs if i.must_run)
-    vary_fn = VaryFn(new_fn, axis, frozenset(plan.vary), reduce, must_run, plan, own_loss)
+    vary_fn = VaryFn(new_fn, axis, frozenset(plan.vary), reduce, must_run, plan, own_loss,
+                     _split_parameters(module, replicas.prefix, plan, layer.param_names))
     vary_fn.set_reuse_key(_rewrite_key(layer.name, fn, plan, axis, reduce))
     return Layer(layer.name, vary_fn, layer.param_names, layer.buffers, layer.ties, layer.frozen)
+
+
+def _split_parameters(
+    root: nn.Module, prefix: str, plan: LayerPlan, names: Any
+) -> tuple[tuple[str, str, str], ...]:
+    """The layer's parameters its Colwise / Rowwise modules split: (local name, path in the model, the module
+    and style), each under the name the layer feeds it by (a tied one's first, as match.py names it)."""
+    first = {id(t): n for n, t in root.named_parameters()}
+    found: dict[str, tuple[str, str, str]] = {}
+    for install in plan.installs:
+        if not isinstance(install.style, (Colwise, Rowwise)):
+            continue
+        module = root.get_submodule(install.subpath)
+        for name, t in module.named_parameters(recurse=False):
+            local = prefix + first.get(id(t), f"{install.subpath}.{name}".lstrip("."))
+            if local in names and param_split(install.style, install.kind, name, module) is not None:
+                path = f"{install.path}.{name}".lstrip(".")
+                found.setdefault(local, (local, path, f"{install.path!r} ({install.style}, a {type(module).__name__})"))
+    return tuple(found.values())
 
 
 def _enclosing_head_counts(root: nn.Module, install: Install) -> dict[str, tuple[str, int]]:

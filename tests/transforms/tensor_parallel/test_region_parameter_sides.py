@@ -234,8 +234,10 @@ def test_a_head_that_reads_the_bias_its_decoder_splits_is_refused() -> None:
     step = sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1))
     batch = (torch.randn(4, 8, dtype=torch.float64), torch.randn(4, 6, dtype=torch.float64))
     tp = sw.tensor_parallel(step, "tp", {"1.decoder": sw.tp.Colwise(output="replicated")})
-    with pytest.raises(sw.collectives.RankFailed, match=r"parameter '1\.bias' .* is split by 1\.decoder .*but module "
-                       r"'1' reads it too"):
+    # Refused by the watch of split-weight reads (weight_reads.py) at the read itself, before the head's own
+    # check (OwnedOnly, after its forward) would.
+    with pytest.raises(sw.collectives.RankFailed, match=r"layer '1' reads parameter '1\.decoder\.bias' outside the "
+                       r"forward of the module that splits it, '1\.decoder' .*\(sum, at test_region_parameter_sides"):
         sw.testing.assert_equivalent(tp, step, sw.Mesh(tp=2), [batch], params)
 
 

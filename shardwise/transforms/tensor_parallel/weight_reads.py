@@ -1,0 +1,284 @@
+"""Refusing model code that reads a split parameter outside the forward of the module that splits it.
+
+Under tensor parallel a Colwise or Rowwise module's weight (and a Colwise bias) is this rank's slice:
+the module's own forward computes with it, and the communication around that forward makes the
+result the one device's. Any other code of the layer that reads the parameter gets the slice where
+it meant the whole: a parent whose forward divides by ``self.mlp.up_proj.weight.norm()`` (a
+normalized-weight MLP), a regularizer the model adds to its output (``sum(p.pow(2).sum() for p in
+self.parameters())``), ``F.linear(x, self.up.weight)`` elsewhere, ``self.up.weight.shape[0]`` as a
+width. Some of these make the replicated parameters' gradients differ between ranks (refused then,
+by the step's replica check, naming no cause); others compute another model, or another loss, on
+every rank alike, and nothing else notices.
+
+:class:`WeightReads` runs around a layer's first call on each rank (the Plan's prediction, or the
+first step, before any update), as the cut watch does: every torch op on one of the layer's split
+parameters is refused unless it runs inside that parameter's own module's tensor-parallel forward
+(:func:`own_use`), naming the parameter, the module that splits it, the op and the line of model
+code. Reading its dtype, device or number of dims is no use of the values and passes, and so does an op
+shardwise's own code calls (a refusal that reads the weights' shapes to explain a failure). A PerHead
+parameter is the Region's own to read, each head its value: split_watch.py follows those.
+
+A split module's own forward is tensor parallel's to run when it is torch's (``nn.Linear``,
+``nn.Embedding``) or Hugging Face's ``Conv1D``. A subclass that overrides it (Falcon's
+``FalconLinear``: ``input @ self.weight.T + self.bias``) is followed too: its weight may be cast,
+transposed or scaled by a number on the way to one product with the input (``linear``, ``matmul``,
+``mm``, ``addmm``, ``embedding``), and any other use (``F.linear(x, self.weight / self.weight.norm())``,
+a normalized weight) is refused, naming the class. A Rowwise one's forward runs without its bias
+(added once, after the sum), and must return that product itself: anything it computes after it
+would be applied to each rank's partial sum, not to the whole. A Colwise one's may add its bias and
+apply functions of each feature alone (``tanh``, a scale by a number): its output is the rank's slice
+of the features, and ``F.normalize`` over them would normalize the slice (:func:`check_product`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import threading
+import weakref
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+
+def _words(text: str) -> frozenset[str]:
+    return frozenset(text.split())
+
+
+# What an op may read of a split parameter without using its values or its (per-rank) shape.
+_FREE = _words("""
+    dtype device requires_grad is_leaf grad_fn layout is_floating_point is_complex is_cuda is_meta is_sparse
+    is_quantized get_device element_size is_contiguous names dim ndim ndimension __hash__ data_ptr
+""")
+
+# Shapes: a split module's own (overridden) forward sees its slice's, as its input is (Rowwise) or its
+# output will be (Colwise).
+_SHAPES = _words("size shape numel nelement stride __len__")
+# What an overridden forward may do to its split weight on the way to the product: keep it a weight.
+_CARRY = _words("t T mT transpose to float double half bfloat16 type type_as contiguous clone")
+_BY_A_NUMBER = _words("mul __mul__ __rmul__ div __truediv__ true_divide neg __neg__")
+_ADDS = _words("add __add__ __radd__")
+# A function of each feature alone, on an overridden Colwise forward's product (with numbers): right on a slice.
+_ELEMENTWISE = _words("""
+    tanh sigmoid relu gelu silu softplus exp neg __neg__ abs mul __mul__ __rmul__ div __truediv__ true_divide
+    add __add__ __radd__ sub __sub__ __rsub__ to float double half bfloat16 type contiguous clone
+""")
+_PRODUCTS = _words("linear matmul __matmul__ __rmatmul__ mm addmm bmm embedding")
+
+# .ids: {id of a split parameter: depth} while its own module's forward runs; .custom: the ids of those
+# whose module's class overrides torch's forward (followed to their product); .reads: this thread's watch.
+_own = threading.local()
+
+
+@contextlib.contextmanager
+def own_use(module: nn.Module, custom: bool = False) -> Iterator[None]:
+    """While ``module``'s tensor-parallel forward runs, its own parameters are its to read; ``custom``: its
+    class overrides torch's forward, whose use of them is followed (see the module docstring)."""
+    if getattr(_own, "reads", None) is None:  # no watch runs (a layer's later calls): nothing to tell it
+        yield
+        return
+    ids: dict[int, int] | None = getattr(_own, "ids", None)
+    if ids is None:
+        ids = _own.ids = {}
+    mine = [id(t) for t in module._parameters.values() if isinstance(t, Tensor)]
+    for i in mine:
+        ids[i] = ids.get(i, 0) + 1
+    outer: frozenset[int] = getattr(_own, "custom", frozenset())
+    _own.custom = outer | frozenset(mine) if custom else outer - frozenset(mine)
+    try:
+        yield
+    finally:
+        _own.custom = outer
+        for i in mine:
+            ids[i] -= 1
+            if not ids[i]:
+                del ids[i]
+
+
+def check_product(out: Any, label: str, module: nn.Module, rowwise: bool) -> None:
+    """A split module's overridden forward must return its product with the input (a Colwise one's: plus its
+    bias, or an elementwise function of that): a Colwise one's output is the rank's slice of the features, so
+    only what acts on each feature alone is right on it (``F.normalize`` over them is not), and a Rowwise
+    one's (run without its bias) is a partial sum, so anything after the product would act on the part, not
+    the whole. Checked while a watch runs."""
+    reads: WeightReads | None = getattr(_own, "reads", None)
+    if reads is None or reads.holds(reads.products, out) or (not rowwise and reads.holds(reads.after, out)):
+        return
+    if not rowwise:
+        raise ValueError(
+            f"tensor_parallel: Colwise() on {label!r}, a {type(module).__name__} whose forward overrides "
+            "nn.Linear's: run on this rank's slice of its output features, it returned something else than its "
+            "weight's product with the input (plus its bias, or a function of each feature alone: tanh, gelu, a "
+            "scale by a number), so what it computed after that product may have mixed the features of this "
+            "rank's slice (a norm over them) where it meant all of them. Give it a plain nn.Linear (and compute "
+            "the rest after it, where tensor parallel follows the split output), or leave it out of the plan "
+            "(replicated, with its Rowwise partner)"
+        )
+    raise ValueError(
+        f"tensor_parallel: Rowwise() on {label!r}, a {type(module).__name__} whose forward overrides "
+        f"nn.Linear's: run on this rank's slice of its input features (without its bias, added once after the "
+        "sum), it returned something else than its weight's product with the input, so what it computes after "
+        "that product would act on each rank's partial sum, not on the whole. Give it a plain nn.Linear, or "
+        "leave it out of the plan (replicated, with its Colwise partner)"
+    )
+
+
+class WeightReads(TorchFunctionMode):
+    """Refuses an op on a split parameter outside its own module's forward (see the module docstring).
+
+    ``split``: for each split parameter of the layer, its tensor and (its path in the model, the module
+    and style that split it)."""
+
+    def __init__(self, layer: str, split: Sequence[tuple[Tensor, str, str]]) -> None:
+        super().__init__()
+        self.layer = layer
+        # id -> (the tensor, the split parameter it is or was made from: its id, path and splitter)
+        self.split: dict[int, tuple[Any, tuple[int, str, str]]] = {
+            id(t): (weakref.ref(t), (id(t), path, by)) for t, path, by in split
+        }
+        self.products: dict[int, weakref.ref[Tensor]] = {}  # an overridden forward's products (check_product)
+        self.after: dict[int, weakref.ref[Tensor]] = {}  # elementwise functions of them
+
+    def __enter__(self) -> WeightReads:
+        self.outer = getattr(_own, "reads", None)
+        _own.reads = self
+        super().__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        _own.reads = self.outer
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        split, products, after = self.split, self.products, self.after
+        if not any(id(a) in split or (type(a) in (list, tuple) and any(id(t) in split for t in a))
+                   for a in (*args, *kwargs.values())):
+            if (products or after) and any(id(a) in products or id(a) in after for a in args):
+                return self._after_product(func, args, kwargs)
+            return func(*args, **kwargs)  # (most ops: the layer's activations)
+        name = _name(func)
+        if name in _FREE:
+            return func(*args, **kwargs)
+        owned: dict[int, int] = getattr(_own, "ids", None) or {}
+        custom: frozenset[int] = getattr(_own, "custom", frozenset())
+        made = product = False
+        for a in (*args, *kwargs.values()):
+            for t in a if isinstance(a, (list, tuple)) else (a,):
+                entry = self.split.get(id(t)) if isinstance(t, Tensor) else None
+                if entry is None or entry[0]() is not t:
+                    continue
+                root, path, by = entry[1]
+                if root not in owned and not _by_shardwise():
+                    raise ValueError(self._refusal(path, by, name))
+                if root not in custom or name in _SHAPES:
+                    continue
+                if name in _CARRY or (name in _BY_A_NUMBER and not any(
+                    isinstance(b, Tensor) and b is not t for b in (*args, *kwargs.values())
+                )):
+                    made = True
+                elif name in _PRODUCTS or (name in _ADDS and any(
+                    isinstance(b, Tensor) and self._is_product(b) for b in (*args, *kwargs.values())
+                )):
+                    product = True  # (its own bias added to the product: a Colwise bias is sliced as its outputs)
+                elif not _by_shardwise():
+                    raise ValueError(self._custom_refusal(path, by, name))
+        out = func(*args, **kwargs)
+        if isinstance(out, Tensor) and made:
+            self.split[id(out)] = (weakref.ref(out), next(e for e in self._entries(args, kwargs)))
+        if isinstance(out, Tensor) and product:
+            self.products[id(out)] = weakref.ref(out)
+        return out
+
+    def _is_product(self, t: Tensor) -> bool:
+        return self.holds(self.products, t)
+
+    @staticmethod
+    def holds(found: dict[int, weakref.ref[Tensor]], t: Any) -> bool:
+        ref = found.get(id(t)) if isinstance(t, Tensor) else None
+        return ref is not None and ref() is t
+
+    def _after_product(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+        """An op on an overridden forward's product: an elementwise function of it (with numbers) is noted."""
+        out = func(*args, **kwargs)
+        first = args[0] if args else None
+        others = [a for a in (*args[1:], *kwargs.values()) if isinstance(a, Tensor)]
+        if (isinstance(out, Tensor) and isinstance(first, Tensor)
+                and (self.holds(self.products, first) or self.holds(self.after, first))
+                and _name(func) in _ELEMENTWISE and all(o.dim() == 0 for o in others)
+                and out.shape == first.shape):
+            self.after[id(out)] = weakref.ref(out)
+        return out
+
+    def _entries(self, args: Sequence[Any], kwargs: dict[str, Any]) -> Iterator[tuple[int, str, str]]:
+        for a in (*args, *kwargs.values()):
+            entry = self.split.get(id(a)) if isinstance(a, Tensor) else None
+            if entry is not None and entry[0]() is a:
+                yield entry[1]
+
+    def _custom_refusal(self, path: str, by: str, op: str) -> str:
+        where = _model_line()
+        return (
+            f"tensor_parallel: the forward of {by}, whose class overrides torch's, computes {op} on its split "
+            f"parameter {path!r}{f' (at {where})' if where else ''}: each rank holds a slice of it, so a use other "
+            "than its product with the input (linear, matmul; after casts, transposes or a scale by a number) "
+            "would see part of the weight where it means the whole (a normalized weight's norm), and train another "
+            "model without an error. Give it a plain nn.Linear, or leave it out of the plan (replicated, with its "
+            "Colwise / Rowwise partner)"
+        )
+
+    def _refusal(self, path: str, by: str, op: str) -> str:
+        where = _model_line()
+        return (
+            f"tensor_parallel: layer {self.layer!r} reads parameter {path!r} outside the forward of the module that "
+            f"splits it, {by} ({op}{f', at {where}' if where else ''}): each rank holds a slice of it, so that code "
+            "would compute with the slice where it means the whole (a norm of part of the weight, a regularizer "
+            "over part of it, another width), and train another model (or report another loss) without an error. "
+            "Only the split module's own forward may use its split parameters: call the module instead of reading "
+            "its weight, leave the module out of the plan (replicated, with its Colwise / Rowwise partner), or, "
+            "for a penalty on the weights, use the optimizer's weight decay (sw.optim.adamw(weight_decay=...))"
+        )
+
+
+def _name(func: Any) -> str:
+    name = getattr(func, "__name__", None)
+    if name == "__get__":  # a property getter: Tensor.shape.__get__ and the like
+        name = getattr(getattr(func, "__self__", None), "__name__", name)
+    return str(name or func)
+
+
+_TORCH = os.path.dirname(torch.__file__ or "") + os.sep
+_SHARDWISE = os.path.dirname(sys.modules[__name__.split(".")[0]].__file__ or "") + os.sep
+_MODELS = _SHARDWISE + "testing" + os.sep  # shardwise's own example models are model code
+
+
+def _by_shardwise() -> bool:
+    """Whether the op was called by shardwise's own code (a refusal explaining shapes, a collective), not the
+    model's: the first frame of the stack outside torch and the torch function modes passing the op on (the
+    other watches of the layer's call)."""
+    frame = sys._getframe(2)
+    while frame is not None and _passing_on(frame):
+        frame = frame.f_back  # type: ignore[assignment]
+    name = "" if frame is None else frame.f_code.co_filename
+    return name.startswith(_SHARDWISE) and not name.startswith(_MODELS)
+
+
+def _passing_on(frame: Any) -> bool:
+    return frame.f_code.co_filename.startswith(_TORCH) or frame.f_code.co_name == "__torch_function__"
+
+
+def _model_line() -> str:
+    """The first frame of the caller's stack outside torch and shardwise: the model code doing the read."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not name.startswith((_TORCH, _SHARDWISE)) or name.startswith(_MODELS):
+            return f"{os.path.basename(name)}:{frame.f_lineno} in {frame.f_code.co_name}"
+        frame = frame.f_back  # type: ignore[assignment]
+    return ""

@@ -1,0 +1,221 @@
+"""Model code reading a split weight outside the split module's own forward: the one device's step, or refused.
+
+A Colwise / Rowwise weight is each rank's slice. Its module's own forward computes with it under the
+communication that makes the result whole; any other read got the slice where it meant the whole.
+Found here: a Region whose forward divides by its Colwise child's ``weight.norm()`` and a model that
+returns a regularizer over ``self.parameters()`` for the loss computed another model (another loss) on
+every rank alike, without an error; a Rowwise ``nn.Linear`` subclass's forward was skipped (``F.linear``
+ran in its place); a subclass whose forward normalized its weight (or, Colwise, its output over the
+features) normalized the slice; a ``weight_norm``-parametrized Linear failed inside torch on a shape.
+Each is now refused when it is read
+(the Plan's prediction, or the first step) or when the transform is applied, naming the parameter, the
+module that splits it and the fix; the reads that are right (a Linear called twice, a tied head, a
+subclass that only computes its product, Falcon's ``FalconLinear``) equal one device at float64.
+
+Compared at rtol 1e-9 (float64, tp 2, 2 steps of SGD with momentum): tensor parallelism only reorders
+sums (measured: at most 4e-16 relative, Falcon); every error found here is of the order of an update (1e-3 and more).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import shardwise as sw
+
+RTOL = 1e-9
+PAIR = {"1.up": sw.tp.Colwise(), "1.down": sw.tp.Rowwise()}
+REGION = {"1": sw.tp.Region(), **PAIR}
+
+
+class _Mlp(nn.Module):
+    """up (Colwise), down (Rowwise), and one of the reads in ``READS`` of their weights in its own forward."""
+
+    def __init__(self, read: str = "") -> None:
+        super().__init__()
+        self.read = read
+        self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> Any:
+        h = torch.relu(self.up(x))
+        if self.read == "normalized":  # a normalized-weight MLP: silently another model before
+            h = h / self.up.weight.norm()
+        y = self.down(h)
+        if self.read == "twice":  # the same Linears on a second input: their own forwards, right
+            y = y + self.down(torch.relu(self.up(2 * x)))
+        if self.read == "linear elsewhere":
+            y = y + F.linear(x, self.up.weight).sum(-1, keepdim=True)
+        if self.read == "bias":
+            y = y + self.up.bias.sum()
+        if self.read == "rowwise weight":
+            y = y * self.down.weight.abs().mean()
+        if self.read == "width":
+            y = y / self.up.weight.shape[0]
+        if self.read == "regularizer":  # for the loss: silently another loss before
+            return y, sum(p.pow(2).sum() for p in self.parameters())
+        if self.read == "state_dict":
+            return y, sum(p.pow(2).sum() for p in self.state_dict().values())
+        return y
+
+
+def _problem(middle: nn.Module, with_penalty: bool = False) -> tuple[sw.Step, Any, list[Any]]:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), middle).double()
+    chain, params = sw.functionalize(net)
+
+    def loss(out: Any, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(out[0], y) + 1e-3 * out[1] if with_penalty else F.mse_loss(out, y)
+
+    step = sw.train_step(chain, loss, sw.optim.sgd(0.1, momentum=0.9))
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(4, 4, generator=gen, dtype=torch.float64),
+                torch.randn(4, 8, generator=gen, dtype=torch.float64)) for _ in range(2)]
+    return step, params, batches
+
+
+@pytest.mark.parametrize(("read", "parameter", "op"), [
+    ("normalized", "1.up.weight", "norm"),
+    ("regularizer", "1.up.weight", "pow"),
+    ("state_dict", "1.up.weight", "detach"),
+    ("linear elsewhere", "1.up.weight", "linear"),
+    ("bias", "1.up.bias", "sum"),
+    ("rowwise weight", "1.down.weight", "abs"),
+    ("width", "1.up.weight", "shape"),
+])
+@pytest.mark.parametrize("plan", [REGION, PAIR], ids=["region", "pair"])
+def test_a_split_weight_read_outside_its_module_is_refused(read: str, parameter: str, op: str,
+                                                           plan: dict[str, Any]) -> None:
+    step, params, batches = _problem(_Mlp(read), with_penalty=read in ("regularizer", "state_dict"))
+    splitter = parameter.rsplit(".", 1)[0]
+    with pytest.raises(ValueError, match=(
+        rf"layer '1' reads parameter '{parameter}' outside the forward of the module that splits it, '{splitter}' "
+        rf"\((Colwise|Rowwise)\(.*\), a Linear\) \({op}, at test_tp_weight_reads\.py:\d+ in (forward|<genexpr>)\)"
+        r".*call the module instead of reading its weight, leave the module out of the plan"
+    )):
+        sw.tensor_parallel(step, "tp", plan).plan(sw.Mesh(tp=2), params, batches[0])
+
+
+class _Scaled(nn.Linear):
+    """A subclass whose forward scales its weight by a number: Rowwise skipped it (F.linear ran instead)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight * 0.5, self.bias)
+
+
+class _Squashed(nn.Linear):
+    """tanh after the product: elementwise on a Colwise output's slice, right there; not on a partial sum."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(F.linear(x, self.weight, self.bias))
+
+
+class _AlwaysBiased(nn.Linear):
+    """Falcon's forward without its ``if self.bias is None``: a Rowwise one runs without its bias."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight.T + self.bias
+
+
+class _Normalized(nn.Linear):
+    """A forward that normalizes its whole weight: each rank's slice normalized alone."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight / self.weight.norm(), self.bias)
+
+
+class _UnitRows(nn.Linear):
+    """A forward that normalizes its output over the features: over a Colwise rank's slice of them."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.normalize(F.linear(x, self.weight, self.bias), dim=-1)
+
+
+def _subclass_mlp(up: type[nn.Linear], down: type[nn.Linear]) -> nn.Module:
+    torch.manual_seed(0)
+    mlp = _Mlp()
+    mlp.up, mlp.down = up(8, 16), down(16, 8)
+    return mlp
+
+
+def test_reads_through_the_modules_own_forwards_equal_one_device() -> None:
+    """A Linear called on two inputs; Linear subclasses whose forwards compute their product (scaled by a
+    number, tanh after it on a Colwise); the Rowwise one runs its own forward now, its bias added after the sum."""
+    for middle in (_Mlp("twice"), _subclass_mlp(_Squashed, _Scaled), _subclass_mlp(_AlwaysBiased, nn.Linear)):
+        step, params, batches = _problem(middle)
+        split = sw.tensor_parallel(step, "tp", REGION)
+        sw.testing.assert_equivalent(split, step, sw.Mesh(tp=2), batches, params, rtol=RTOL)
+
+
+@pytest.mark.parametrize(("up", "down", "refused"), [
+    (_Normalized, nn.Linear, r"the forward of '1\.up' \(Colwise\(.*\), a _Normalized\), whose class overrides "
+                             r"torch's, computes norm on its split parameter '1\.up\.weight'"),
+    (nn.Linear, _Normalized, r"the forward of '1\.down' \(Rowwise\(\), a _Normalized\), whose class overrides "
+                             r"torch's, computes norm on its split parameter '1\.down\.weight'"),
+    (nn.Linear, _Squashed, r"Rowwise\(\) on '1\.down', a _Squashed whose forward overrides nn\.Linear's: .* "
+                           r"returned something else than its weight's product with the input"),
+    (_UnitRows, nn.Linear, r"Colwise\(\) on '1\.up', a _UnitRows whose forward overrides nn\.Linear's: .* "
+                           r"returned something else than its weight's product with the input"),
+    (nn.Linear, _AlwaysBiased, r"Rowwise\(\) on a _AlwaysBiased, whose forward overrides nn\.Linear's, failed when "
+                               r"run without its bias \(TypeError: .*\): .*must work with bias None"),
+])
+def test_a_linear_subclass_using_its_weight_otherwise_is_refused(up: type, down: type, refused: str) -> None:
+    step, params, batches = _problem(_subclass_mlp(up, down))
+    with pytest.raises(ValueError, match=refused + r".*(plain nn\.Linear|leave it out of the plan)"):
+        sw.tensor_parallel(step, "tp", REGION).plan(sw.Mesh(tp=2), params, batches[0])
+
+
+@pytest.mark.parametrize("parametrize", ["weight_norm", "spectral_norm"])
+@pytest.mark.parametrize("where", ["1.up", "1.down"])
+def test_a_parametrized_linear_is_refused_when_split(parametrize: str, where: str) -> None:
+    mlp = _Mlp()
+    getattr(nn.utils.parametrizations, parametrize)(mlp.get_submodule(where.removeprefix("1.")))
+    step, _, _ = _problem(mlp)
+    with pytest.raises(ValueError, match=rf"on '{where}', whose \['weight'\] are computed by torch\.nn\.utils\."
+                                         r"parametrize .*leave the module out of the plan .*remove_parametrizations"):
+        sw.tensor_parallel(step, "tp", PAIR)
+
+
+def test_a_loss_reading_the_models_tensors_equals_one_device() -> None:
+    """loss_fn sees the model's output and the targets, never the step's parameters: a closure over the user's
+    module reads that module's own (whole, untrained) tensors, on one device as on every rank."""
+    mlp = _Mlp()
+    step, params, batches = _problem(mlp)
+    penalized = sw.train_step(step.chain, lambda out, y: F.mse_loss(out, y) + 1e-3 * mlp.up.weight.pow(2).sum(),
+                              sw.optim.sgd(0.1, momentum=0.9))
+    split = sw.tensor_parallel(penalized, "tp", REGION)
+    sw.testing.assert_equivalent(split, penalized, sw.Mesh(tp=2), batches, params, rtol=RTOL)
+
+
+def test_hugging_face_linear_subclasses_and_tied_heads_equal_one_device() -> None:
+    """Falcon's FalconLinear (``input @ self.weight.T + self.bias``) split in its MLP, biases on; Llama with
+    tie_word_embeddings=True and its ready plan (the head and the embedding cut the vocabulary alike)."""
+    transformers = pytest.importorskip("transformers")
+    gen = torch.Generator().manual_seed(1)
+    ids = [(torch.randint(64, (2, 8), generator=gen), torch.randint(64, (2, 8), generator=gen)) for _ in range(2)]
+    torch.manual_seed(0)
+    falcon = transformers.FalconForCausalLM(transformers.FalconConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, bias=True, alibi=False,
+        new_decoder_architecture=False, multi_query=False, attn_implementation="eager", hidden_dropout=0.0,
+        attention_dropout=0.0,
+    ))
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=16, attn_implementation="eager", tie_word_embeddings=True,
+        bos_token_id=0, eos_token_id=0,
+    ))
+    assert llama.lm_head.weight is llama.model.embed_tokens.weight
+    mlp = "transformer.h.*.mlp"
+    for model, unit, plan in (
+        (falcon, transformers.models.falcon.modeling_falcon.FalconDecoderLayer,
+         {f"{mlp}.dense_h_to_4h": sw.tp.Colwise(), f"{mlp}.dense_4h_to_h": sw.tp.Rowwise()}),
+        (llama, transformers.models.llama.modeling_llama.LlamaDecoderLayer, sw.tp.llama_plan()),
+    ):
+        chain, params = sw.functionalize(model.double(), units=unit, example_input=ids[0][0])
+        step = sw.train_step(chain, lambda out, y: sw.tp.vocab_parallel_cross_entropy(out.logits, y),
+                             sw.optim.sgd(0.1, momentum=0.9))
+        sw.testing.assert_equivalent(sw.tensor_parallel(step, "tp", plan), step, sw.Mesh(tp=2), ids, params,
+                                     rtol=RTOL)
