@@ -51,8 +51,7 @@ def enter(
     """Megatron's f: identity forward, all-reduce backward; sequence parallel: all-gather the sequence."""
     if seq_dim is None:
         return _comm(x, axis, None, "psum", 0, reduce, label)
-    _check_has_sequence(x, seq_dim, label)
-    return _comm(x, axis, "all_gather", "psum_scatter", seq_dim, reduce, label)
+    return _comm(x, axis, "all_gather", "psum_scatter", _sequence_dim(x, seq_dim, label), reduce, label)
 
 
 def leave(
@@ -61,9 +60,9 @@ def leave(
     """Megatron's g: all-reduce forward, identity backward; sequence parallel: reduce-scatter the sequence."""
     if seq_dim is None:
         return _comm(x, axis, "psum", None, 0, reduce, label)
-    _check_has_sequence(x, seq_dim, label)
-    _check_divides(x, seq_dim, axis, label)
-    return _comm(x, axis, "psum_scatter", "all_gather", seq_dim, reduce, label)
+    dim = _sequence_dim(x, seq_dim, label)
+    _check_divides(x, dim, axis, label)
+    return _comm(x, axis, "psum_scatter", "all_gather", dim, reduce, label)
 
 
 def gather_invariant(x: torch.Tensor, axis: str, dim: int, label: str) -> torch.Tensor:
@@ -170,18 +169,23 @@ def all_max(x: torch.Tensor, axis: str, label: str) -> torch.Tensor:
     return all_gather(x, axis).amax(0)
 
 
-def _check_has_sequence(x: torch.Tensor, dim: int, label: str) -> None:
-    """A sequence-parallel value is (batch, sequence, ...): split along ``dim``, the sequence. A value with
-    no dim after it (a MoE block's tokens flattened to (tokens, hidden)) would be gathered along its
-    features, or another dim that is not the sequence."""
-    if x.dim() <= dim + 1:
-        raise ValueError(
-            f"tensor_parallel(sequence_parallel=...): {label!r} receives a value of shape {list(x.shape)} inside a "
-            f"sequence-parallel block, where values are (batch, sequence, ...) split along dim {dim}, the sequence; "
-            "this one has no such dim (a MoE block flattens its tokens to (tokens, hidden) before its experts and "
-            f"shared expert), so gathering dim {dim} would join its features. Leave this module out of the plan, or "
-            "leave its block out of sequence_parallel"
-        )
+def _sequence_dim(x: torch.Tensor, dim: int, label: str) -> int:
+    """The dim a sequence-parallel value is gathered or scattered along: ``dim``, the sequence, of a (batch,
+    sequence, ...) value; or 0 of tokens folded into rows, (batch x sequence, features) (OPT's layer and a MoE
+    block flatten them before their MLP): a rank's rows are its tokens, so the rows of all ranks, one rank's
+    after another's, are every token once, for a computation of each row alone, and a reduce-scatter of them
+    hands each rank its own rows back (the guard, positions.py, checks that the rows are the tokens). A value
+    with fewer dims holds no sequence to cut."""
+    if x.dim() > dim + 1:
+        return dim
+    if dim == 1 and x.dim() == 2:
+        return 0
+    raise ValueError(
+        f"tensor_parallel(sequence_parallel=...): {label!r} receives a value of shape {list(x.shape)} inside a "
+        f"sequence-parallel block, where values are (batch, sequence, ...) split along dim {dim}, the sequence, or "
+        "(tokens, features) with batch and sequence folded into rows; this one is neither. Leave this module out "
+        "of the plan, or leave its block out of sequence_parallel"
+    )
 
 
 def _check_divides(x: torch.Tensor, dim: int, axis: str, label: str) -> None:

@@ -165,6 +165,9 @@ class Held:
 
     seq: tuple[int, int]
     folded: bool = False
+    # rows every rank's gathered, one rank's after another's (seq: ranks x batch, positions): the (batch,
+    # positions) each rank held, to which a reduce-scatter of them returns
+    gathered_from: tuple[int, int] | None = None
 
     @property
     def lead(self) -> tuple[int, ...]:
@@ -210,7 +213,8 @@ def judge(
         elif shape[:2] == held.seq:
             held = Held(held.seq)
         elif shape[:1] == (held.seq[0] * held.seq[1],):
-            held = Held(held.seq, folded=True)  # dims 0 and 1 folded, in row-major order
+            # dims 0 and 1 folded, in row-major order (rows gathered from every rank stay so)
+            held = Held(held.seq, folded=True, gathered_from=held.gathered_from)
         else:
             why = f"{name} to {list(shape)} moves the batch or sequence dim"
     elif name.startswith("new_"):
@@ -425,14 +429,37 @@ def collective(run: Callable[[], Tensor], x: Tensor, op: str | None, dim: int) -
     slices: _Slices | None = getattr(_current, "slices", None)
     if slices is None:
         return run()
+    held = slices.find(x)
+    if dim == 0 and op in ("all_gather", "psum_scatter"):
+        return _collective_of_rows(slices, run, x, held, op)
     with unfollowed():
         out = run()
     moves_sequence = dim == 1 and op in ("all_gather", "psum_scatter", "slice")
-    held = slices.find(x)
     if moves_sequence and op != "all_gather":
         slices.hold(out, Held((out.shape[0], out.shape[1])))
     elif not moves_sequence and held is not None:
         slices.hold(out, held)
+    return out
+
+
+def _collective_of_rows(slices: _Slices, run: Callable[[], Tensor], x: Tensor, held: Held | None, op: str) -> Tensor:
+    """A gather or scatter of tokens folded into rows (comm.py's ``_sequence_dim``). The gather's input must be
+    this rank's tokens as rows; its output holds every rank's rows, one rank's after another's: not the one
+    device's order of the tokens (batch-major), so it is followed on as rows, each computed alone, until the
+    scatter hands each rank its own rows back."""
+    if held is None or not held.folded or (op == "psum_scatter") != (held.gathered_from is not None):
+        what = ("holds no slice of the sequence" if held is None else
+                "holds its slice as (batch, sequence, ...)" if not held.folded else
+                "holds every rank's rows already" if op == "all_gather" else "holds only this rank's rows")
+        raise ValueError(slices.refusal(f"a value of shape {list(x.shape)} that {what} is "
+                                        f"{'gathered' if op == 'all_gather' else 'reduce-scattered'} along its rows"))
+    with unfollowed():
+        out = run()
+    if op == "all_gather":
+        slices.hold(out, Held((slices.parts * held.seq[0], held.seq[1]), folded=True, gathered_from=held.seq))
+    else:
+        assert held.gathered_from is not None
+        slices.hold(out, Held(held.gathered_from, folded=True))
     return out
 
 
