@@ -21,7 +21,7 @@ forkserver. ``SHARDWISE_START_METHOD=spawn`` spawns every rank (``forkserver``, 
 what is described here). The working directory, ``sys.path`` and the main module reach a forked
 rank as they reach a spawned one (multiprocessing prepares each rank with them). What the server
 imported before does not: it starts with ``python -c``, so the working directory comes first on its
-``sys.path``, and Python 3.11 does not apply the ``sys_path`` it is handed before the preload. A
+``sys.path``, and Python 3.11 ignores the ``sys_path`` it is handed when it preloads. A
 checkout of shardwise in the working directory, run with another one on ``PYTHONPATH`` (a benchmark
 of the code before a change, run from the checkout of the change), would run in every forked rank
 while this process runs the other: where the working directory holds a preloaded package other
