@@ -323,10 +323,13 @@ def test_spawn_where_the_working_directory_holds_another_shardwise(monkeypatch: 
 def test_nothing_is_shadowed_from_the_repository_root_or_an_empty_folder(tmp_path: Path,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """Nothing is shadowed where the working directory holds this process's own shardwise (a run from
-    the repository root) or none."""
+    the repository root), none, or a folder of the name without ``__init__.py`` (a namespace portion,
+    which a package later on the path wins over)."""
     monkeypatch.chdir(REPO)
     assert start_method.shadowed() == []
     monkeypatch.chdir(tmp_path)
+    assert start_method.shadowed() == []
+    (tmp_path / "torch").mkdir()
     assert start_method.shadowed() == []
 
 

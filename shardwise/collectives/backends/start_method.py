@@ -115,8 +115,10 @@ def shadowed() -> list[str]:
     found = []
     for name in sorted({module.split(".")[0] for module in PRELOAD}):
         spec = importlib.machinery.PathFinder.find_spec(name, [cwd])
+        if spec is None or spec.origin is None:  # none, or a folder without __init__: a package later on the path wins
+            continue
         loaded = getattr(sys.modules.get(name), "__spec__", None)
-        if spec is not None and (loaded is None or _real(spec.origin) != _real(loaded.origin)):
+        if loaded is None or _real(spec.origin) != _real(loaded.origin):
             found.append(name)
     return found
 
