@@ -303,3 +303,66 @@ def test_ranks_outlive_a_killed_fork_server_and_the_next_launch_forks_from_a_new
     while any(map(process_alive, ranks + second)) and time.monotonic() < ended_by:
         time.sleep(0.05)
     assert not [pid for pid in ranks + second if process_alive(pid)], "the ranks outlived their pool"
+
+
+def test_spawn_where_the_working_directory_holds_another_shardwise(monkeypatch: pytest.MonkeyPatch,
+                                                                    tmp_path: Path) -> None:
+    """The fork server starts with the working directory first on its path: started here, it would
+    import that shardwise, not this process's. No server is started; the ranks are spawned."""
+    (tmp_path / "shardwise").mkdir()
+    (tmp_path / "shardwise" / "__init__.py").write_text("")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv(start_method.ENV_VAR, raising=False)
+    monkeypatch.setattr(start_method, "_ours", None)
+    monkeypatch.setattr(start_method, "forkserver_pid", lambda: None)
+    assert start_method.shadowed() == ["shardwise"]
+    assert start_method.rank_context().get_start_method() == "spawn"
+    assert start_method._ours is None  # and no server was started
+
+
+def test_nothing_is_shadowed_from_the_repository_root_or_an_empty_folder(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing is shadowed where the working directory holds this process's own shardwise (a run from
+    the repository root), none, or a folder of the name without ``__init__.py`` (a namespace portion,
+    which a package later on the path wins over)."""
+    monkeypatch.chdir(REPO)
+    assert start_method.shadowed() == []
+    monkeypatch.chdir(tmp_path)
+    assert start_method.shadowed() == []
+    (tmp_path / "torch").mkdir()
+    assert start_method.shadowed() == []
+
+
+SHADOWED = r"""
+import shardwise
+from shardwise.collectives.backends.processes import ProcessPool
+
+def where():
+    import shardwise
+    return shardwise.__file__
+
+if __name__ == "__main__":
+    with ProcessPool(1, timeout=120) as pool:
+        print(repr((shardwise.__file__, pool.run(where), pool.start_method)))
+"""
+
+
+@pytest.mark.gloo
+def test_ranks_run_the_launchers_shardwise_beside_another_checkout(tmp_path: Path) -> None:
+    """End to end: launched from a folder holding another copy of shardwise, with this one on
+    PYTHONPATH (a benchmark of the code before a change), the ranks run the launcher's (before, the
+    fork server imported the folder's, and every forked rank ran it)."""
+    import shutil
+
+    checkout = tmp_path / "checkout"
+    shutil.copytree(REPO / "shardwise", checkout / "shardwise", ignore=shutil.ignore_patterns("__pycache__"))
+    script = tmp_path / "launch.py"
+    script.write_text(SHADOWED)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop(start_method.ENV_VAR, None)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240, env=env,
+                          cwd=checkout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    launcher, ranks, method = eval(done.stdout.strip().splitlines()[-1])
+    assert launcher == str(REPO / "shardwise" / "__init__.py")
+    assert ranks == [launcher] and method == "spawn"

@@ -19,7 +19,14 @@ ours (another library started Python's one forkserver first, in a state we do no
 process forked from this one (the server is its parent's), or where the platform has no
 forkserver. ``SHARDWISE_START_METHOD=spawn`` spawns every rank (``forkserver``, the default, is
 what is described here). The working directory, ``sys.path`` and the main module reach a forked
-rank as they reach a spawned one (multiprocessing prepares each rank with them).
+rank as they reach a spawned one (multiprocessing prepares each rank with them). What the server
+imported before does not: it starts with ``python -c``, so the working directory comes first on its
+``sys.path``, and Python 3.11 ignores the ``sys_path`` it is handed when it preloads. A
+checkout of shardwise in the working directory, run with another one on ``PYTHONPATH`` (a benchmark
+of the code before a change, run from the checkout of the change), would run in every forked rank
+while this process runs the other: where the working directory holds a preloaded package other
+than the one this process imported (:func:`shadowed`), the server is not started and ranks are
+spawned.
 
 A server of ours that dies (the OOM killer) takes its ranks' exit status with it, not the ranks:
 they run on, watched and signalled through a pidfd each (processes.py); one that exits since is
@@ -29,11 +36,13 @@ reported with how the server ended. The next launch starts another server.
 from __future__ import annotations
 
 import contextlib
+import importlib.machinery
 import multiprocessing
 import multiprocessing.context
 import multiprocessing.forkserver
 import os
 import signal
+import sys
 import threading
 from typing import Any, cast
 
@@ -68,6 +77,8 @@ def rank_context() -> multiprocessing.context.SpawnContext | multiprocessing.con
         if _ours is None:
             if running is not None:  # another library's server (or our parent's): its state is unknown here
                 return _spawn()
+            if shadowed():  # the server would import another shardwise (or torch) than this process runs
+                return _spawn()
             multiprocessing.forkserver.set_forkserver_preload(PRELOAD)
             multiprocessing.forkserver.ensure_running()  # the server inherits `now` as it starts
             pid = forkserver_pid()
@@ -94,6 +105,26 @@ def server_exit(pid: int) -> int | None:
     if info is None:
         return None
     return int(info.si_status) if info.si_code == os.CLD_EXITED else -int(info.si_status)
+
+
+def shadowed() -> list[str]:
+    """The preloaded packages (``PRELOAD``'s top-level names) that the working directory holds in
+    another place than this process imported them from: a fork server started now would import
+    those (see the module docstring)."""
+    cwd = os.getcwd()
+    found = []
+    for name in sorted({module.split(".")[0] for module in PRELOAD}):
+        spec = importlib.machinery.PathFinder.find_spec(name, [cwd])
+        if spec is None or spec.origin is None:  # none, or a folder without __init__: a package later on the path wins
+            continue
+        loaded = getattr(sys.modules.get(name), "__spec__", None)
+        if loaded is None or _real(spec.origin) != _real(loaded.origin):
+            found.append(name)
+    return found
+
+
+def _real(path: str | None) -> str | None:
+    return None if path is None else os.path.realpath(path)
 
 
 def _spawn() -> multiprocessing.context.SpawnContext:

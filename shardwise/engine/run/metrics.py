@@ -323,7 +323,12 @@ def _unit(word: int) -> float:
     return ((word - (1 << 64) if word >> 63 else word) >> 11) * 2.0**-52
 
 
-_DIGESTED_ROWS = 16  # rows of _CACHED_KEYS words a tensor digest reads at once: what it copies stays small
+# Words per row of a tensor digest. Every tensor's rows take their keys from one cached row of this
+# width (a prefix of it for a shorter tensor): 256 KiB of int32 keys and 512 KiB of int64, kept. Rows
+# as long as the tensor up to 2**20 words kept a key row per size instead, up to 16 of 4 or 8 MiB
+# each, for as long as the process lived: 7 MiB a rank at rest for a 6 + 6 layer BART (d_model 512).
+_DIGEST_ROW = 1 << 16
+_DIGESTED_ROWS = 16  # rows of _DIGEST_ROW words a tensor digest reads at once: what it copies stays small
 
 
 def tensor_digest(tensor: torch.Tensor) -> int:
@@ -331,11 +336,12 @@ def tensor_digest(tensor: torch.Tensor) -> int:
     elements are bitwise equal (a NaN as itself), and always another when any one element differs,
     wherever it is.
 
-    The elements, read as integer words, are cut into rows of ``_CACHED_KEYS``, each row hashed by
-    :func:`batch_fingerprint`'s multilinear hash (the same cached odd keys for every row, so nothing
-    is made per call; sums wrap in the words' width, and an odd key is invertible there), each row's
-    sum mixed with its row number by splitmix64's finalizer (a bijection) and the mixes added
-    modulo 2**64: a change within one row changes its sum, so its mix, so the total. On the CPU a
+    The elements, read as integer words, are cut into rows of ``_DIGEST_ROW``, each row hashed by
+    :func:`batch_fingerprint`'s multilinear hash (the same cached odd keys for every row of every
+    tensor, a prefix of them for a shorter one, so nothing is made per call and nothing per size is
+    kept; sums wrap in the words' width, and an odd key is invertible there), each row's sum mixed
+    with its row number by splitmix64's finalizer (a bijection) and the mixes added modulo 2**64: a
+    change within one row changes its sum, so its mix, so the total. On the CPU a
     row's sum is one integer matrix-vector product, read straight from the tensor's memory (about
     as long as a copy of a tenth of it); on another device the products are made, a few rows at a
     time, and summed there. One copy of the rows' sums to the host."""
@@ -344,10 +350,10 @@ def tensor_digest(tensor: torch.Tensor) -> int:
         flat = torch.view_as_real(flat).reshape(-1)
     sums = []
     for words in _bit_words(flat):
-        width = max(1, min(words.numel(), _CACHED_KEYS))
+        width = max(1, min(words.numel(), _DIGEST_ROW))
+        keys = _cached_keys(_DIGEST_ROW, 0, words.device, words.dtype)[:width]
         for start in range(0, words.numel(), width * _DIGESTED_ROWS):
             piece = words[start : start + width * _DIGESTED_ROWS]
-            keys = _keys(width, 0, piece.device, piece.dtype)
             whole = piece.numel() // width * width
             sums.append(_row_sums(piece[:whole].view(-1, width), keys))
             if whole < piece.numel():  # the last row, shorter
