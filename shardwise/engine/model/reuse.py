@@ -73,7 +73,9 @@ def module_signature(module: nn.Module) -> Hashable | None:
             if k == "training" or isinstance(v, (bool, int, float, str, type(None), torch.dtype)):
                 attributes.append((k, v))
             elif _hashable(v):
-                attributes.append((k, type(v), v))
+                # the type by name: some (a builtin function's, GELUActivation's ``act = F.gelu``) do not pickle,
+                # and the key travels with the step to process ranks
+                attributes.append((k, f"{type(v).__module__}.{type(v).__qualname__}", v))
             else:  # a config object, say: compared by identity (blocks of one model share it)
                 attributes.append((k, "id", id(v)))
         tensors = [(n, tuple(t.shape), t.dtype, t.requires_grad)
