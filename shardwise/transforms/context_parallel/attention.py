@@ -102,10 +102,11 @@ def find_parts(layer: Layer, positions: tuple[str, ...]) -> LayerParts | None:
                 named_only.append((path, sub))
     handled = (*attentions, *own, *interfaced)
     for path, sub in named_only:
-        # A wrapper named so around an attention split here (BERT's BertAttention: its BertSelfAttention
-        # calls the interface, then a per-token output projection and norm) computes nothing over the
-        # sequence itself that an unnamed module would not; the watch (unsplit.py) sees both alike.
-        if not any(h.startswith(path + ".") for h in handled):
+        # transformers' own wrapper named so around an attention split here (BERT's BertAttention: its
+        # BertSelfAttention calls the interface, then a per-token output projection and norm) is kept as
+        # written. One of another forward (a subclass of one's own, which might mix the sequence's positions
+        # beside the attention: a mean over the tokens added) is refused by its name, as before.
+        if not (_transformers_forward(sub) and any(h.startswith(path + ".") for h in handled)):
             raise ValueError(
                 f"context_parallel: layer {layer.name!r} holds the attention {path} ({type(sub).__name__}), "
                 "which it cannot split over the sequence (it knows causal self-attentions with qkv, proj, "
@@ -119,6 +120,11 @@ def find_parts(layer: Layer, positions: tuple[str, ...]) -> LayerParts | None:
     if not attentions and not tables and not rotaries and not own and not interfaced:
         return None
     return LayerParts(tuple(attentions), tables, tuple(rotaries), tuple(own), tuple(interfaced))
+
+
+def _transformers_forward(module: nn.Module) -> bool:
+    """Whether ``module``'s forward is one transformers defines (not a subclass's own)."""
+    return str(getattr(type(module).forward, "__module__", "")).startswith("transformers.models.")
 
 
 def _reproduced(module: nn.Module) -> bool:

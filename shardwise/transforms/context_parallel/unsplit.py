@@ -13,8 +13,10 @@ of kernel > 1 over a length-``t`` dim (a convolution over time, as Mamba-style m
 naming the innermost module that runs it.
 
 A running sum or product along a dim of the part's length (``cumsum`` and its kin: RoBERTa's position ids
-counted from the padding) is refused too. What it cannot see: other ops that mix positions (a token shift
-by padding or rolling), and code that bypasses ``__torch_function__``.
+counted from the padding) is refused too, and so is an op on the batch's ``attention_mask`` (which carries the
+whole sequence's mask to the attentions) outside transformers' mask making, the attentions and shardwise.
+What it cannot see: other ops that mix positions (a reduction over the tokens, a token shift by padding or
+rolling), and code that bypasses ``__torch_function__``.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
+
+from .masks import is_carried
 
 _ATTENTION = frozenset({"scaled_dot_product_attention"})
 _SOFTMAX = frozenset({"softmax", "log_softmax", "_softmax"})
@@ -73,6 +77,13 @@ class Unsplit(TorchFunctionMode):
             elif name in _SCANS and _scanned_dim_is_the_sequence(x, args, kwargs, local) and not _making_a_mask():
                 self._refuse(f"takes {name} of a {list(x.shape)} tensor along the sequence (RoBERTa's position ids "
                              "counted from the padding)", _SCAN_FIX)
+            out = func(*args, **kwargs)
+            if isinstance(out, torch.Tensor) and any(is_carried(a) for a in (*args, *kwargs.values())) and not (
+                    _making_a_mask() or _caller().startswith("shardwise.")):  # (shardwise reading its own mask)
+                self._refuse(f"computes {name} of the batch's attention_mask, which under context_parallel carries the "
+                             "whole sequence's mask to the attentions (a [batch, 1, 2, seq] tensor, not the batch's "
+                             "[batch, seq]), while the layer holds this rank's part of the tokens", _MASK_FIX)
+            return out
         return func(*args, **kwargs)
 
     def _refuse(self, what: str, fix: str | None = None) -> None:
@@ -90,6 +101,10 @@ _ATTENTION_FIX = (
     "and transformers attentions that call the AttentionInterface (inside its attention function only); rewrite an "
     "attention to call ring_attention / ulysses_attention, or leave context_parallel out"
 )
+_MASK_FIX = (
+    "Only transformers' mask making and the attentions may read it: leave context_parallel out for this model "
+    "(ESM's embeddings multiply by the mask)"
+)
 # A running sum or product over the sequence counts only the rank's part (each part would restart it).
 _SCANS = frozenset({"cumsum", "cumsum_", "cumprod", "cumprod_", "cummax", "cummin", "logcumsumexp"})
 _SCAN_FIX = (
@@ -98,18 +113,23 @@ _SCAN_FIX = (
 )
 
 
-def _making_a_mask() -> bool:
-    """Whether the op's caller (past torch's and shardwise's frames) is transformers' mask making
-    (``masking_utils``: packed sequences found by a cumsum over the position ids): context_parallel puts the
-    mask of the whole sequence in the place of the mask the layer makes from its part, so what that computes
-    there is never read."""
+def _caller() -> str:
+    """The module of the code that issued the op: past torch's own frames and the modes' dispatch (another
+    transform's watch may run between)."""
     frame: FrameType | None = sys._getframe(2)
     while frame is not None:
         name = str(frame.f_globals.get("__name__", ""))
-        if name.split(".")[0] not in ("torch", "shardwise"):  # (another transform's watch may run between)
-            return name == "transformers.masking_utils"
+        if name.split(".")[0] != "torch" and name != __name__ and frame.f_code.co_name != "__torch_function__":
+            return name
         frame = frame.f_back
-    return False
+    return ""
+
+
+def _making_a_mask() -> bool:
+    """Whether the op is transformers' mask making (``masking_utils``: packed sequences found by a cumsum over
+    the position ids): context_parallel puts the mask of the whole sequence in the place of the mask the layer
+    makes from its part, so what that computes there is never read."""
+    return _caller().startswith("transformers.masking_utils")
 
 
 def _scanned_dim_is_the_sequence(x: torch.Tensor, args: Sequence[Any], kwargs: dict[str, Any], local: int) -> bool:
