@@ -426,7 +426,7 @@ def test_tensor_digest_tells_every_one_element_change_apart(dtype: torch.dtype) 
     x = torch.randn(n, generator=g).to(dtype) if dtype.is_floating_point or dtype.is_complex else (
         torch.randint(-100, 100, (n,), generator=g).to(dtype))
     digest = tensor_digest(x)
-    for i in (0, 5, metrics._DIGEST_ROW - 1, metrics._DIGEST_ROW, (1 << 20) - 1, 1 << 20, n - 1):
+    for i in (0, 5, metrics._ROW - 1, metrics._ROW, (1 << 20) - 1, 1 << 20, n - 1):
         changed = x.clone()
         changed[i] = ~changed[i] if dtype == torch.bool else changed[i] + 1
         assert tensor_digest(changed) != digest, i

@@ -17,6 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import shardwise as sw
+from shardwise.engine.run import metrics
 from shardwise.engine.run.metrics import Summed, batch_fingerprint, batch_weight
 from shardwise.testing.models import mlp
 
@@ -316,21 +317,38 @@ def test_a_step_remade_by_with_metrics_each_call_reads_its_rules_once(monkeypatc
     assert len(read) == 5  # optimizer, loss, precision, clipping, tokens: once
 
 
-BIG = (1 << 20) * 2 + 3  # past the keys kept for one row (metrics._CACHED_KEYS): three rows, the last short
+ROW = metrics._ROW  # the words hashed with one row of keys
+# Past what one pass reads (metrics._DIGESTED_ROWS rows): two passes, the second's last row short.
+BIG = ROW * metrics._DIGESTED_ROWS + 2 * ROW + 3
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.complex64, torch.int64])
 def test_a_leaf_of_several_rows_sees_one_element_changed_in_any_row_and_rows_swapped(dtype: torch.dtype) -> None:
     x = _leaf(dtype, (BIG,), 0)
     fingerprint = batch_fingerprint((x,))
-    for k in (0, (1 << 20) - 1, 1 << 20, BIG - 1):  # first row, its end, the second row, the short last one
+    words = 2 if dtype.is_complex else 1  # a complex element is two words
+    # the first row, its end, the second row, the second pass's first row, the short last one
+    for k in (0, ROW // words - 1, ROW // words, ROW * metrics._DIGESTED_ROWS // words, BIG - 1):
         changed = x.clone()
         changed[k] = _another(changed[k])
         assert batch_fingerprint((changed,)) != fingerprint, k
-    rows = x[: 2 << 20].view(2, -1)
-    swapped = torch.cat([rows.flip(0).reshape(-1), x[2 << 20 :]])  # the same words in each row, rows moved
+    rows = x[: 2 * ROW].view(2, -1)
+    swapped = torch.cat([rows.flip(0).reshape(-1), x[2 * ROW :]])  # the same words in each row, rows moved
     assert batch_fingerprint((swapped,)) != fingerprint
     assert batch_fingerprint((x.clone(),)) == fingerprint
+
+
+def test_batches_of_varying_lengths_keep_one_row_of_keys_per_leaf() -> None:
+    """Each leaf takes its keys from one cached row (a prefix for a shorter leaf): batches padded to their
+    longest sequence, of another length every step, kept a row of keys per length (up to 16 of 8 MiB)."""
+    metrics._cached_keys.cache_clear()
+    gen = torch.Generator().manual_seed(0)
+    fingerprints = set()
+    for length in range(100, 2100, 100):  # 20 lengths: ids (int64 words) and a float mask (int32 words)
+        fingerprints.add(float(batch_fingerprint((torch.randint(0, 9, (4, length), generator=gen),
+                                                  torch.randn(4, length, generator=gen)))))
+    assert len(fingerprints) == 20
+    assert metrics._cached_keys.cache_info().currsize == 2, metrics._cached_keys.cache_info()
 
 
 def _fingerprint_peak(nbytes: int) -> tuple[int, int]:

@@ -213,7 +213,7 @@ def batch_fingerprint(batch: Any) -> torch.Tensor:
     step pays it on every distributed step that exchanges metrics."""
     leaves, treespec = optree.tree_flatten(batch)
     sums: list[torch.Tensor] = []
-    rows_of: list[int] = []  # how many of ``sums`` each leaf has (one per row of _CACHED_KEYS words)
+    rows_of: list[int] = []  # how many of ``sums`` each leaf has (one per row of _ROW words)
     # The structure (a dict's keys, a tuple's length): a batch of other containers differs too.
     shape_terms = 1e-3 * zlib.crc32(str(treespec).encode()) / 2**32
     for index, leaf in enumerate(leaves):
@@ -241,19 +241,27 @@ def batch_fingerprint(batch: Any) -> torch.Tensor:
 
 
 def _keyed_row_sums(leaf: torch.Tensor, index: int) -> list[torch.Tensor]:
-    """Leaf ``index``'s words times their keys, summed (0-d int64s): one sum for a leaf of at most
-    ``_CACHED_KEYS`` elements, else one per row of that many (the same cached keys for every row).
-    A row at a time, the words copied and the keys stay one row's: made for the whole leaf at once,
-    a 16 MB batch of floats took 144 MB for its keys' arithmetic and words, on every step."""
+    """Leaf ``index``'s words times their keys, summed (0-d int64s): one sum for a leaf of at most ``_ROW``
+    elements, else one per row of that many, all from the leaf's one cached row of keys (a prefix of it for a
+    shorter leaf or last row), so nothing per leaf size is kept: batches of varying lengths kept a key row per
+    size (up to 16 of 8 MiB). ``_DIGESTED_ROWS`` rows at a time: the words copied stay 4 MiB at most, as
+    when a 16 MB batch's keys and words made for the whole leaf at once took 144 MB."""
     flat = leaf.detach().reshape(-1)
     if flat.is_complex():
         flat = torch.view_as_real(flat).reshape(-1)  # a word per real part and per imaginary part
     n = flat.numel()
-    if n <= _CACHED_KEYS:
-        return [_keyed_sum(flat, _keys(n, index, flat.device, _word_dtype(flat)))]
-    keys = _keys(_CACHED_KEYS, index, flat.device, _word_dtype(flat))
-    return [_keyed_sum(flat[start : start + _CACHED_KEYS], keys[: min(_CACHED_KEYS, n - start)])
-            for start in range(0, n, _CACHED_KEYS)]
+    keys = _cached_keys(_ROW, index, flat.device, _word_dtype(flat))
+    if n <= _ROW:
+        return [_keyed_sum(flat, keys[:n])]
+    sums: list[torch.Tensor] = []
+    for start in range(0, n, _ROW * _DIGESTED_ROWS):
+        piece = flat[start : start + _ROW * _DIGESTED_ROWS]
+        whole = piece.numel() // _ROW * _ROW
+        if whole:  # int32 products (each wrapped to 32 bits) summed in int64, as _keyed_sum's
+            sums.extend(_words(piece[:whole]).view(-1, _ROW).mul_(keys).sum(dim=1, dtype=torch.int64).unbind())
+        if whole < piece.numel():  # the last row, shorter
+            sums.append(_keyed_sum(piece[whole:], keys[: piece.numel() - whole]))
+    return sums
 
 
 def _keyed_sum(flat: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -286,16 +294,17 @@ def _words(leaf: torch.Tensor) -> torch.Tensor:
 
 
 _NAN, _INF = float("nan"), float("inf")
-_CACHED_KEYS = 1 << 20  # positions: beyond, the keys are made for each call, not kept
+# Words per row of a batch fingerprint's and a tensor digest's hash. Every row takes its keys from one cached
+# row of this width per batch leaf (a prefix of it for a shorter row): 256 KiB of int32 keys, 512 KiB of
+# int64. Rows as long as the tensor up to 2**20 words kept a key row per size instead, up to 16 of 4 or 8 MiB
+# each, for as long as the process lived: 7 MiB a rank at rest for a 6 + 6 layer BART (d_model 512).
+_ROW = 1 << 16
+_DIGESTED_ROWS = 16  # rows hashed at once: what they copy stays small
 
 
-def _keys(n: int, leaf: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """An odd pseudo-random word of ``dtype`` per position of tensor ``leaf`` of the tree."""
-    return _cached_keys(n, leaf, device, dtype) if n <= _CACHED_KEYS else _make_keys(n, leaf, device, dtype)
-
-
-@functools.lru_cache(maxsize=16)  # a step's batches keep their sizes: made once, not every step
+@functools.lru_cache(maxsize=16)  # one row per leaf index, word width and device: made once, not every step
 def _cached_keys(n: int, leaf: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """An odd pseudo-random word of ``dtype`` per position of tensor ``leaf`` of the tree, ``n`` of them."""
     return _make_keys(n, leaf, device, dtype)
 
 
@@ -323,20 +332,12 @@ def _unit(word: int) -> float:
     return ((word - (1 << 64) if word >> 63 else word) >> 11) * 2.0**-52
 
 
-# Words per row of a tensor digest. Every tensor's rows take their keys from one cached row of this
-# width (a prefix of it for a shorter tensor): 256 KiB of int32 keys and 512 KiB of int64, kept. Rows
-# as long as the tensor up to 2**20 words kept a key row per size instead, up to 16 of 4 or 8 MiB
-# each, for as long as the process lived: 7 MiB a rank at rest for a 6 + 6 layer BART (d_model 512).
-_DIGEST_ROW = 1 << 16
-_DIGESTED_ROWS = 16  # rows of _DIGEST_ROW words a tensor digest reads at once: what it copies stays small
-
-
 def tensor_digest(tensor: torch.Tensor) -> int:
     """A 64-bit word of ``tensor``'s bits (not its shape or dtype): the same for tensors whose
     elements are bitwise equal (a NaN as itself), and always another when any one element differs,
     wherever it is.
 
-    The elements, read as integer words, are cut into rows of ``_DIGEST_ROW``, each row hashed by
+    The elements, read as integer words, are cut into rows of ``_ROW``, each row hashed by
     :func:`batch_fingerprint`'s multilinear hash (the same cached odd keys for every row of every
     tensor, a prefix of them for a shorter one, so nothing is made per call and nothing per size is
     kept; sums wrap in the words' width, and an odd key is invertible there), each row's sum mixed
@@ -350,8 +351,8 @@ def tensor_digest(tensor: torch.Tensor) -> int:
         flat = torch.view_as_real(flat).reshape(-1)
     sums = []
     for words in _bit_words(flat):
-        width = max(1, min(words.numel(), _DIGEST_ROW))
-        keys = _cached_keys(_DIGEST_ROW, 0, words.device, words.dtype)[:width]
+        width = max(1, min(words.numel(), _ROW))
+        keys = _cached_keys(_ROW, 0, words.device, words.dtype)[:width]
         for start in range(0, words.numel(), width * _DIGESTED_ROWS):
             piece = words[start : start + width * _DIGESTED_ROWS]
             whole = piece.numel() // width * width
