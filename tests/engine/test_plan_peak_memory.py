@@ -106,9 +106,8 @@ def _already_held(mesh: sw.Mesh) -> int:
 
 
 def _train(name: str, width: int, steps: int = 2, plan: bool = True) -> tuple[int, int]:
-    """(this rank's measured peak, the Plan's; 0 without ``plan``) over ``steps`` steps of stack ``name``: the
-    second step holds what every later one does (the first is the one making the optimizer's state), and a third
-    measured the same (in this suite's time budget, 10 s less on the gloo worker)."""
+    """(this rank's measured peak, the Plan's; 0 without ``plan``) over ``steps`` steps of stack ``name`` (two:
+    every stack's peaks with three were within this test's 3% too, for 10 s more of the suite's gloo worker)."""
     step, params, batch, mesh = _stack(name, width)
     held = _already_held(mesh)
     meter = PeakRSS()
