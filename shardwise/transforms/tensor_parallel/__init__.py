@@ -69,7 +69,9 @@ def tensor_parallel(
     followed to its product with the input): model code that reads one elsewhere (a parent's
     ``self.up.weight.norm()``, a regularizer over ``self.parameters()``) would get the rank's slice, and is
     refused at the layer's first forward, naming the parameter and the line; a Linear
-    computed by ``torch.nn.utils.parametrize`` (``weight_norm``) takes no style.
+    computed by ``torch.nn.utils.parametrize`` (``weight_norm``) takes no style. That watch runs on each
+    layer's first call only (the Plan's prediction, or the first step): a read that happens only on a later
+    call (a branch taken from the second step on) is not seen, and computes with the slice without an error.
 
     When the head leaves the logits split (``Colwise(output="sharded")``), ``loss_fn`` must compute
     its cross-entropy with :func:`vocab_parallel_cross_entropy`; a step whose loss does not is refused.

@@ -41,7 +41,7 @@ from .sequence_gather import SequenceGather
 from .split_watch import SplitWatch
 from .styles import Colwise, Region, Rowwise, gathers
 from .token_wise_experts import TokenWiseExperts, experts_in_blocks, one_ops_in
-from .weight_reads import WeightReads, check_product, own_use
+from .weight_reads import WeightReads, check_product, own_use, reads_watched
 
 
 class TPForward:
@@ -167,7 +167,7 @@ class TPForward:
                     "region itself"
                 )
             y = _conv1d(x, _require(weight), bias) if install.kind == CONV1D else type(m).forward(m, x)
-            if install.kind == LINEAR and _overridden(m, LINEAR):
+            if _overridden(m, install.kind):  # (a Linear's or an Embedding's subclass)
                 check_product(y, label, m, rowwise=False)
             gathered = gathers(style, install.kind == EMBEDDING)
             _flow.split_output, _flow.split_by = not gathered, label
@@ -200,6 +200,8 @@ class TPForward:
         if install.kind == LINEAR and _overridden(m, LINEAR):
             y = _without_bias(m, x)  # the class's own forward (FalconLinear's), its bias added after the sum
             check_product(y, label, m, rowwise=True)
+            if bias is not None and reads_watched() and not in_layer.predicting_now():
+                _check_bias_added(m, x, bias, label)
         else:
             y = F.linear(x, weight) if install.kind == LINEAR else _conv1d(x, weight, None)
         y = leave(y, axis, install.seq_dim, label, self.reduce)
@@ -455,6 +457,33 @@ def _without_bias(m: nn.Module, x: Tensor) -> Tensor:
         ) from err
     finally:
         m._parameters["bias"] = bias
+
+
+def _check_bias_added(m: nn.Module, x: Tensor, bias: Tensor, label: str) -> None:
+    """A Rowwise Linear subclass's bias is added once after the sum, as it is: its forward must add it so.
+    On zeros its product is zeros, so its forward with the bias returns the bias itself, exactly, where it
+    adds it unchanged (FalconLinear's ``input @ self.weight.T + self.bias``); EqualLinear's ``self.bias *
+    lr_mul`` does not. Checked on the layer's first call, on real values."""
+    # Off the graph, out of sight of the layer's watches (torch's function modes) and leaving the random
+    # streams where they were (a dropout inside the forward): a question about the class, not the layer's.
+    gens = default_generators(x.device)
+    states = [g.get_state() for g in gens]
+    try:
+        with torch.no_grad(), torch._C.DisableTorchFunction():
+            zeros = type(m).forward(m, torch.zeros_like(x))
+    finally:
+        for g, state in zip(gens, states, strict=True):
+            g.set_state(state)
+    if isinstance(zeros, Tensor) and zeros.shape[-1:] == bias.shape and torch.equal(zeros, bias.expand_as(zeros)):
+        return
+    raise ValueError(
+        f"tensor_parallel: Rowwise() on {label!r}, a {type(m).__name__} whose forward overrides nn.Linear's: "
+        "each rank runs it without its bias (replicated), which is added once after the partial outputs are "
+        "summed, but its forward does not add its bias as it is (on zeros it returns something else than "
+        "self.bias: a scaled bias, as StyleGAN's EqualLinear's self.bias * lr_mul), so that would be another "
+        "model. Give it a plain nn.Linear (its bias scaled in the parameter itself), construct it with "
+        "bias=False, or leave it out of the plan (replicated, with its Colwise partner)"
+    )
 
 
 def _tensor(m: nn.Module, name: str) -> Tensor | None:

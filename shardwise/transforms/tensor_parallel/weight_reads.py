@@ -11,11 +11,15 @@ by the step's replica check, naming no cause); others compute another model, or 
 every rank alike, and nothing else notices.
 
 :class:`WeightReads` runs around a layer's first call on each rank (the Plan's prediction, or the
-first step, before any update), as the cut watch does: every torch op on one of the layer's split
+first step, before any update), as the cut watch does, and on no later call (a read that only a later
+call makes, a branch taken from the second step on, is not seen): every torch op on one of the layer's split
 parameters is refused unless it runs inside that parameter's own module's tensor-parallel forward
 (:func:`own_use`), naming the parameter, the module that splits it, the op and the line of model
 code. Reading its dtype, device or number of dims is no use of the values and passes, and so does an op
-shardwise's own code calls (a refusal that reads the weights' shapes to explain a failure). A PerHead
+shardwise's own code calls (a refusal that reads the weights' shapes to explain a failure). torch.nn's own
+modules and functions are model code (``nn.MultiheadAttention`` hands its ``out_proj.weight`` to
+``F.multi_head_attention_forward``, never calling ``out_proj``); the rest of torch's Python only passes the
+op on (:func:`_passing_on`). A PerHead
 parameter is the Region's own to read, each head its value: split_watch.py follows those.
 
 A split module's own forward is tensor parallel's to run when it is torch's (``nn.Linear``,
@@ -23,11 +27,14 @@ A split module's own forward is tensor parallel's to run when it is torch's (``n
 ``FalconLinear``: ``input @ self.weight.T + self.bias``) is followed too: its weight may be cast,
 transposed or scaled by a number on the way to one product with the input (``linear``, ``matmul``,
 ``mm``, ``addmm``, ``embedding``), and any other use (``F.linear(x, self.weight / self.weight.norm())``,
-a normalized weight) is refused, naming the class. A Rowwise one's forward runs without its bias
-(added once, after the sum), and must return that product itself: anything it computes after it
-would be applied to each rank's partial sum, not to the whole. A Colwise one's may add its bias and
-apply functions of each feature alone (``tanh``, a scale by a number): its output is the rank's slice
-of the features, and ``F.normalize`` over them would normalize the slice (:func:`check_product`).
+a normalized weight), its shape read too (``weight.shape[1] ** -0.5`` would be the slice's fan-in), is
+refused, naming the class. A Rowwise one's forward runs without its bias (added once, after the sum, as
+it is: modules.py checks on zeros that the forward adds it so), and must return that product itself:
+anything it computes after it would be applied to each rank's partial sum, not to the whole. A Colwise
+one's (a Linear's or an Embedding's) may add its bias and apply functions of each feature alone (``tanh``,
+a scale by a number): its output is the rank's slice of the features, and ``F.normalize`` over them would
+normalize the slice (:func:`check_product`). A number is Python's or a 0-d tensor computed from neither
+the product nor a split weight (a buffer): ``y / y.norm()`` is followed as computed from the product.
 """
 
 from __future__ import annotations
@@ -89,14 +96,26 @@ def own_use(module: nn.Module, custom: bool = False) -> Iterator[None]:
         ids[i] = ids.get(i, 0) + 1
     outer: frozenset[int] = getattr(_own, "custom", frozenset())
     _own.custom = outer | frozenset(mine) if custom else outer - frozenset(mine)
+    reads: WeightReads = _own.reads
+    # What an overridden forward computes from its product is followed from that forward alone: a number
+    # the layer computed before it (from another module's output) is no function of this product.
+    followed = reads.followed
+    if custom:
+        reads.followed = ({}, {}, {})
     try:
         yield
     finally:
+        reads.followed = followed
         _own.custom = outer
         for i in mine:
             ids[i] -= 1
             if not ids[i]:
                 del ids[i]
+
+
+def reads_watched() -> bool:
+    """Whether a watch runs: the layer's first call on this rank, when its one-time checks are done."""
+    return getattr(_own, "reads", None) is not None
 
 
 def check_product(out: Any, label: str, module: nn.Module, rowwise: bool) -> None:
@@ -108,15 +127,16 @@ def check_product(out: Any, label: str, module: nn.Module, rowwise: bool) -> Non
     reads: WeightReads | None = getattr(_own, "reads", None)
     if reads is None or reads.holds(reads.products, out) or (not rowwise and reads.holds(reads.after, out)):
         return
+    base = "nn.Embedding" if isinstance(module, nn.Embedding) else "nn.Linear"
     if not rowwise:
         raise ValueError(
             f"tensor_parallel: Colwise() on {label!r}, a {type(module).__name__} whose forward overrides "
-            "nn.Linear's: run on this rank's slice of its output features, it returned something else than its "
+            f"{base}'s: run on this rank's slice of its output features, it returned something else than its "
             "weight's product with the input (plus its bias, or a function of each feature alone: tanh, gelu, a "
-            "scale by a number), so what it computed after that product may have mixed the features of this "
-            "rank's slice (a norm over them) where it meant all of them. Give it a plain nn.Linear (and compute "
-            "the rest after it, where tensor parallel follows the split output), or leave it out of the plan "
-            "(replicated, with its Rowwise partner)"
+            "scale by a number or by a 0-d tensor not computed from that product), so what it computed after "
+            "that product may have mixed the features of this rank's slice (a norm or a max over them) where it "
+            f"meant all of them. Give it a plain {base} (and compute the rest after it, where tensor parallel "
+            "follows the split output), or leave it out of the plan (replicated, with its Rowwise partner)"
         )
     raise ValueError(
         f"tensor_parallel: Rowwise() on {label!r}, a {type(module).__name__} whose forward overrides "
@@ -140,8 +160,21 @@ class WeightReads(TorchFunctionMode):
         self.split: dict[int, tuple[Any, tuple[int, str, str]]] = {
             id(t): (weakref.ref(t), (id(t), path, by)) for t, path, by in split
         }
-        self.products: dict[int, weakref.ref[Tensor]] = {}  # an overridden forward's products (check_product)
-        self.after: dict[int, weakref.ref[Tensor]] = {}  # elementwise functions of them
+        # While an overridden forward runs (own_use): its products (check_product), elementwise functions of
+        # them by numbers, and anything else computed from them (a norm, a max: no number to scale them by).
+        self.followed: tuple[dict[int, weakref.ref[Tensor]], ...] = ({}, {}, {})
+
+    @property
+    def products(self) -> dict[int, weakref.ref[Tensor]]:
+        return self.followed[0]
+
+    @property
+    def after(self) -> dict[int, weakref.ref[Tensor]]:
+        return self.followed[1]
+
+    @property
+    def derived(self) -> dict[int, weakref.ref[Tensor]]:
+        return self.followed[2]
 
     def __enter__(self) -> WeightReads:
         self.outer = getattr(_own, "reads", None)
@@ -157,10 +190,13 @@ class WeightReads(TorchFunctionMode):
         self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         kwargs = kwargs or {}
-        split, products, after = self.split, self.products, self.after
+        split, products, after, derived = self.split, *self.followed
         if not any(id(a) in split or (type(a) in (list, tuple) and any(id(t) in split for t in a))
                    for a in (*args, *kwargs.values())):
-            if (products or after) and any(id(a) in products or id(a) in after for a in args):
+            if (products or after or derived) and any(
+                self._followed(t) for a in (*args, *kwargs.values())
+                for t in (a if type(a) in (list, tuple) else (a,))
+            ):
                 return self._after_product(func, args, kwargs)
             return func(*args, **kwargs)  # (most ops: the layer's activations)
         name = _name(func)
@@ -175,9 +211,14 @@ class WeightReads(TorchFunctionMode):
                 if entry is None or entry[0]() is not t:
                     continue
                 root, path, by = entry[1]
-                if root not in owned and not _by_shardwise():
+                if root not in owned and not _by_shardwise(name):
                     raise ValueError(self._refusal(path, by, name))
-                if root not in custom or name in _SHAPES:
+                if root not in custom:
+                    continue
+                if name in _SHAPES:
+                    # The slice's shape: a number the forward may scale by (fan-in, muP), the rank's part of it.
+                    if not _by_shardwise(name):
+                        raise ValueError(self._custom_refusal(path, by, name, shape=True))
                     continue
                 if name in _CARRY or (name in _BY_A_NUMBER and not any(
                     isinstance(b, Tensor) and b is not t for b in (*args, *kwargs.values())
@@ -187,7 +228,7 @@ class WeightReads(TorchFunctionMode):
                     isinstance(b, Tensor) and self._is_product(b) for b in (*args, *kwargs.values())
                 )):
                     product = True  # (its own bias added to the product: a Colwise bias is sliced as its outputs)
-                elif not _by_shardwise():
+                elif not _by_shardwise(name):
                     raise ValueError(self._custom_refusal(path, by, name))
         out = func(*args, **kwargs)
         if isinstance(out, Tensor) and made:
@@ -199,21 +240,34 @@ class WeightReads(TorchFunctionMode):
     def _is_product(self, t: Tensor) -> bool:
         return self.holds(self.products, t)
 
+    def _followed(self, t: Any) -> bool:
+        """Whether ``t`` is an overridden forward's product, or was computed from one."""
+        return any(self.holds(found, t) for found in self.followed)
+
     @staticmethod
     def holds(found: dict[int, weakref.ref[Tensor]], t: Any) -> bool:
         ref = found.get(id(t)) if isinstance(t, Tensor) else None
         return ref is not None and ref() is t
 
     def _after_product(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
-        """An op on an overridden forward's product: an elementwise function of it (with numbers) is noted."""
+        """An op on an overridden forward's product, or on what was computed from it: an elementwise function
+        of it by numbers (Python's, or 0-d tensors computed from neither the product nor a split weight: a norm
+        or a max of the rank's slice is no number) is noted as such, anything else as computed from it."""
         out = func(*args, **kwargs)
-        first = args[0] if args else None
-        others = [a for a in (*args[1:], *kwargs.values()) if isinstance(a, Tensor)]
-        if (isinstance(out, Tensor) and isinstance(first, Tensor)
-                and (self.holds(self.products, first) or self.holds(self.after, first))
-                and _name(func) in _ELEMENTWISE and all(o.dim() == 0 for o in others)
-                and out.shape == first.shape):
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)]
+        mains = [t for t in tensors if self.holds(self.products, t) or self.holds(self.after, t)]
+        numbers = [t for t in tensors if not any(t is u for u in mains)]
+        elementwise = (
+            isinstance(out, Tensor) and _name(func) in _ELEMENTWISE
+            and bool(mains) and all(t.shape == out.shape for t in mains)
+            and all(o.dim() == 0 and not self._followed(o) and id(o) not in self.split for o in numbers)
+        )
+        if elementwise:
             self.after[id(out)] = weakref.ref(out)
+        else:
+            for t in out if isinstance(out, (list, tuple)) else (out,):
+                if isinstance(t, Tensor):
+                    self.derived[id(t)] = weakref.ref(t)
         return out
 
     def _entries(self, args: Sequence[Any], kwargs: dict[str, Any]) -> Iterator[tuple[int, str, str]]:
@@ -222,19 +276,25 @@ class WeightReads(TorchFunctionMode):
             if entry is not None and entry[0]() is a:
                 yield entry[1]
 
-    def _custom_refusal(self, path: str, by: str, op: str) -> str:
-        where = _model_line()
+    def _custom_refusal(self, path: str, by: str, op: str, shape: bool = False) -> str:
+        where = _model_line(op)
+        what, why = (
+            ("reads the shape of", f"a width computed from its shape ({op}: a fan-in scale, weight.shape[1] ** -0.5) "
+             "is the rank's part of the whole's") if shape else
+            (f"computes {op} on", "a use other than its product with the input (linear, matmul; after casts, "
+             "transposes or a scale by a number) would see part of the weight where it means the whole (a "
+             "normalized weight's norm)")
+        )
         return (
-            f"tensor_parallel: the forward of {by}, whose class overrides torch's, computes {op} on its split "
-            f"parameter {path!r}{f' (at {where})' if where else ''}: each rank holds a slice of it, so a use other "
-            "than its product with the input (linear, matmul; after casts, transposes or a scale by a number) "
-            "would see part of the weight where it means the whole (a normalized weight's norm), and train another "
-            "model without an error. Give it a plain nn.Linear, or leave it out of the plan (replicated, with its "
-            "Colwise / Rowwise partner)"
+            f"tensor_parallel: the forward of {by}, whose class overrides torch's, {what} its split "
+            f"parameter {path!r}{f' (at {where})' if where else ''}: each rank holds a slice of it, so {why}, and "
+            "it would train another model without an error. Give it a plain nn.Linear (a width it needs can come "
+            "from self.in_features / self.out_features, which stay the whole's), or leave it out of the plan "
+            "(replicated, with its Colwise / Rowwise partner)"
         )
 
     def _refusal(self, path: str, by: str, op: str) -> str:
-        where = _model_line()
+        where = _model_line(op)
         return (
             f"tensor_parallel: layer {self.layer!r} reads parameter {path!r} outside the forward of the module that "
             f"splits it, {by} ({op}{f', at {where}' if where else ''}): each rank holds a slice of it, so that code "
@@ -254,31 +314,51 @@ def _name(func: Any) -> str:
 
 
 _TORCH = os.path.dirname(torch.__file__ or "") + os.sep
+# torch.nn's modules and functions are model code (nn.MultiheadAttention reads its out_proj's weight itself);
+# the rest of torch's Python only passes an op on (Tensor methods, torch.functional, the modes' dispatch).
+_TORCH_NN = _TORCH + "nn" + os.sep
 _SHARDWISE = os.path.dirname(sys.modules[__name__.split(".")[0]].__file__ or "") + os.sep
-_MODELS = _SHARDWISE + "testing" + os.sep  # shardwise's own example models are model code
+_MODELS = _SHARDWISE + os.path.join("testing", "models.py")  # shardwise's own example models are model code
 
 
-def _by_shardwise() -> bool:
-    """Whether the op was called by shardwise's own code (a refusal explaining shapes, a collective), not the
-    model's: the first frame of the stack outside torch and the torch function modes passing the op on (the
-    other watches of the layer's call)."""
-    frame = sys._getframe(2)
-    while frame is not None and _passing_on(frame):
-        frame = frame.f_back  # type: ignore[assignment]
+def _by_shardwise(op: str) -> bool:
+    """Whether ``op`` was called by shardwise's own code (a refusal explaining shapes, a collective), not the
+    model's (torch.nn's modules and functions included): the first frame of the stack that does not only pass
+    the op on (see _passing_on)."""
+    frame = _caller(op)
     name = "" if frame is None else frame.f_code.co_filename
-    return name.startswith(_SHARDWISE) and not name.startswith(_MODELS)
+    return name.startswith(_SHARDWISE) and name != _MODELS
 
 
-def _passing_on(frame: Any) -> bool:
-    return frame.f_code.co_filename.startswith(_TORCH) or frame.f_code.co_name == "__torch_function__"
-
-
-def _model_line() -> str:
-    """The first frame of the caller's stack outside torch and shardwise: the model code doing the read."""
+def _caller(op: str) -> Any:
     frame = sys._getframe(2)
+    while frame is not None and _passing_on(frame, op):
+        frame = frame.f_back  # type: ignore[assignment]
+    return frame
+
+
+def _passing_on(frame: Any, op: str) -> bool:
+    """torch's Python outside torch.nn, a torch.nn function dispatching itself (F.multi_head_attention_forward
+    seen as one op), and the torch function modes handing the op to each other (the layer's other watches)."""
+    code = frame.f_code
+    if code.co_name == "__torch_function__" or code.co_filename == __file__:  # (this watch's own frames)
+        return True
+    if not code.co_filename.startswith(_TORCH):
+        return False
+    return not code.co_filename.startswith(_TORCH_NN) or code.co_name == op
+
+
+def _model_line(op: str) -> str:
+    """The model code doing the read: the first frame outside torch and shardwise, or, where shardwise calls
+    torch.nn's module itself (a layer that is a TransformerEncoderLayer), torch.nn's line calling the op."""
+    frame, nearest = _caller(op), ""
     while frame is not None:
         name = frame.f_code.co_filename
-        if not name.startswith((_TORCH, _SHARDWISE)) or name.startswith(_MODELS):
-            return f"{os.path.basename(name)}:{frame.f_lineno} in {frame.f_code.co_name}"
-        frame = frame.f_back  # type: ignore[assignment]
-    return ""
+        where = f":{frame.f_lineno} in {frame.f_code.co_name}"
+        if not name.startswith((_TORCH, _SHARDWISE)) or name == _MODELS:
+            return os.path.basename(name) + where
+        if name.startswith(_SHARDWISE):
+            return nearest
+        nearest = nearest or "torch/" + os.path.relpath(name, _TORCH).replace(os.sep, "/") + where
+        frame = frame.f_back
+    return nearest

@@ -134,6 +134,63 @@ class _UnitRows(nn.Linear):
         return F.normalize(F.linear(x, self.weight, self.bias), dim=-1)
 
 
+class _NormScaled(nn.Linear):
+    """Its product divided by the product's norm: a 0-d tensor, but the norm of a Colwise rank's slice."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        return y / y.norm()
+
+
+class _MaxScaled(nn.Linear):
+    """Dynamic (fp8-style) scaling by the product's max: over a Colwise rank's slice of the features."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        return y * (1.0 / y.detach().abs().amax())
+
+
+class _BufferScaled(nn.Linear):
+    """Its product scaled by a 0-d buffer (Gemma's embed_scale kind): a number, the same on every rank."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.register_buffer("scale", torch.tensor(0.75))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.scale * F.linear(x, self.weight, self.bias)  # (the number first)
+
+
+class _FalconLike(nn.Linear):
+    """Falcon's FalconLinear: its bias added, as it is, to the product."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x @ self.weight.T
+        return y if self.bias is None else y + self.bias
+
+
+class _EqualLinear(nn.Linear):
+    """StyleGAN's EqualLinear: its bias scaled by lr_mul in its forward (guarded for bias None)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias * 0.01
+        return F.linear(x, self.weight * (0.01 / self.in_features ** 0.5), bias)
+
+
+class _FanInScaled(nn.Linear):
+    """Scaled by its weight's shape (equalized learning rate, muP): the slice's fan-in, Rowwise."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight * self.weight.shape[1] ** -0.5, self.bias)
+
+
+class _FanOutScaled(nn.Linear):
+    """Scaled by its weight's shape: the slice's share of the fan-out, Colwise."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias) * self.weight.shape[0] ** -0.5
+
+
 def _subclass_mlp(up: type[nn.Linear], down: type[nn.Linear]) -> nn.Module:
     torch.manual_seed(0)
     mlp = _Mlp()
@@ -144,7 +201,8 @@ def _subclass_mlp(up: type[nn.Linear], down: type[nn.Linear]) -> nn.Module:
 def test_reads_through_the_modules_own_forwards_equal_one_device() -> None:
     """A Linear called on two inputs; Linear subclasses whose forwards compute their product (scaled by a
     number, tanh after it on a Colwise); the Rowwise one runs its own forward now, its bias added after the sum."""
-    for middle in (_Mlp("twice"), _subclass_mlp(_Squashed, _Scaled), _subclass_mlp(_AlwaysBiased, nn.Linear)):
+    for middle in (_Mlp("twice"), _subclass_mlp(_Squashed, _Scaled), _subclass_mlp(_AlwaysBiased, nn.Linear),
+                   _subclass_mlp(_BufferScaled, _FalconLike)):
         step, params, batches = _problem(middle)
         split = sw.tensor_parallel(step, "tp", REGION)
         sw.testing.assert_equivalent(split, step, sw.Mesh(tp=2), batches, params, rtol=RTOL)
@@ -161,11 +219,95 @@ def test_reads_through_the_modules_own_forwards_equal_one_device() -> None:
                            r"returned something else than its weight's product with the input"),
     (nn.Linear, _AlwaysBiased, r"Rowwise\(\) on a _AlwaysBiased, whose forward overrides nn\.Linear's, failed when "
                                r"run without its bias \(TypeError: .*\): .*must work with bias None"),
+    (_NormScaled, nn.Linear, r"Colwise\(\) on '1\.up', a _NormScaled whose forward overrides nn\.Linear's: .* "
+                             r"returned something else .* a 0-d tensor not computed from that product"),
+    (_MaxScaled, nn.Linear, r"Colwise\(\) on '1\.up', a _MaxScaled whose forward overrides nn\.Linear's: .* "
+                            r"returned something else"),
+    (nn.Linear, _FanInScaled, r"the forward of '1\.down' \(Rowwise\(\), a _FanInScaled\), whose class overrides "
+                              r"torch's, reads the shape of its split parameter '1\.down\.weight' \(at "
+                              r"test_tp_weight_reads\.py:\d+ in forward\): .*a width computed from its shape"),
+    (_FanOutScaled, nn.Linear, r"the forward of '1\.up' \(Colwise\(.*\), a _FanOutScaled\), whose class overrides "
+                               r"torch's, reads the shape of its split parameter '1\.up\.weight'"),
 ])
 def test_a_linear_subclass_using_its_weight_otherwise_is_refused(up: type, down: type, refused: str) -> None:
     step, params, batches = _problem(_subclass_mlp(up, down))
     with pytest.raises(ValueError, match=refused + r".*(plain nn\.Linear|leave it out of the plan)"):
         sw.tensor_parallel(step, "tp", REGION).plan(sw.Mesh(tp=2), params, batches[0])
+
+
+def test_a_rowwise_subclass_scaling_its_bias_is_refused() -> None:
+    """Each rank runs a Rowwise subclass without its bias, added after the sum as it is: a forward that scales
+    it (EqualLinear's) was another model. Checked on real values, on the first step (not in the Plan)."""
+    step, params, batches = _problem(_subclass_mlp(nn.Linear, _EqualLinear))
+    with pytest.raises(sw.collectives.RankFailed, match=(
+        r"Rowwise\(\) on '1\.down', a _EqualLinear whose forward overrides nn\.Linear's: .*does not add its bias "
+        r"as it is .*(plain nn\.Linear|leave it out of the plan)"
+    )):
+        sw.testing.assert_equivalent(sw.tensor_parallel(step, "tp", REGION), step, sw.Mesh(tp=2), batches[:1],
+                                     params, rtol=RTOL)
+
+
+class _UnitEmbedding(nn.Embedding):
+    """An Embedding subclass normalizing what it looks up over the features: a Colwise rank's slice of them."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.normalize(super().forward(ids), dim=-1)
+
+
+class _ScaledEmbedding(nn.Embedding):
+    """Hugging Face's scaled word embeddings: the lookup times a number, right on each feature alone."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(ids) * 2.0
+
+
+class _Embedded(nn.Module):
+    def __init__(self, embedding: type[nn.Embedding]) -> None:
+        super().__init__()
+        self.emb, self.out = embedding(16, 8), nn.Linear(8, 16)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.out(self.emb(ids))
+
+
+def _embedding_problem(embedding: type[nn.Embedding]) -> tuple[sw.Step, Any, list[Any]]:
+    torch.manual_seed(0)
+    chain, params = sw.functionalize(_Embedded(embedding).double())
+    step = sw.train_step(chain, lambda o, y: F.cross_entropy(o.flatten(0, 1), y.flatten()),
+                         sw.optim.sgd(0.1, momentum=0.9))
+    gen = torch.Generator().manual_seed(1)
+    return step, params, [(torch.randint(16, (4, 5), generator=gen), torch.randint(16, (4, 5), generator=gen))
+                          for _ in range(2)]
+
+
+def test_a_colwise_embedding_subclass_mixing_features_is_refused() -> None:
+    """A Colwise Embedding subclass's forward runs on the rank's slice of the features: F.normalize over them
+    normalized the slice (another model, no error); a scale by a number stays the one device's."""
+    step, params, batches = _embedding_problem(_UnitEmbedding)
+    with pytest.raises(ValueError, match=r"Colwise\(\) on 'emb', a _UnitEmbedding whose forward overrides "
+                                         r"nn\.Embedding's: .*returned something else .*plain nn\.Embedding"):
+        sw.tensor_parallel(step, "tp", {"emb": sw.tp.Colwise()}).plan(sw.Mesh(tp=2), params, batches[0])
+    step, params, batches = _embedding_problem(_ScaledEmbedding)
+    sw.testing.assert_equivalent(sw.tensor_parallel(step, "tp", {"emb": sw.tp.Colwise()}), step, sw.Mesh(tp=2),
+                                 batches, params, rtol=RTOL)
+
+
+def test_torch_nn_modules_reading_a_split_weight_are_refused() -> None:
+    """torch.nn's modules are model code: nn.MultiheadAttention hands its out_proj's weight to
+    F.multi_head_attention_forward, never calling out_proj; that read was taken for shardwise's (its caller
+    outside torch) and the user got a raw shape error. Refused now, naming torch.nn's line."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 16), nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True))
+    chain, params = sw.functionalize(net.double())
+    step = sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1, momentum=0.9))
+    batch = (torch.randn(2, 6, 4, dtype=torch.float64), torch.randn(2, 6, 16, dtype=torch.float64))
+    with pytest.raises(ValueError, match=(
+        r"layer '1' reads parameter '1\.self_attn\.out_proj\.weight' outside the forward of the module that "
+        r"splits it, '1\.self_attn\.out_proj' \(Colwise\(.*\), a NonDynamicallyQuantizableLinear\) "
+        r"\(multi_head_attention_forward, at torch/nn/modules/activation\.py:\d+ in forward\)"
+    )):
+        sw.tensor_parallel(step, "tp", {"1.self_attn.out_proj": sw.tp.Colwise(output="replicated")}).plan(
+            sw.Mesh(tp=2), params, batch)
 
 
 @pytest.mark.parametrize("parametrize", ["weight_norm", "spectral_norm"])
