@@ -83,9 +83,10 @@ naming it). The rules:
 * A model that computes something over the whole batch it is called on (``engine/model/whole_batch.py``)
   is refused under a transform that calls it on a part of the batch: a PLACEMENT of more than one
   micro-batch, a SHARDING (each rank's share, accumulation's micro-batches), a SPLIT with ``cuts_batch``.
-  Two causes: a layer that normalises with its batch's own statistics (BatchNorm in training mode or
+  Three causes: a layer that normalises with its batch's own statistics (BatchNorm in training mode or
   without running statistics: each part would be normalised with its own; GroupNorm or LayerNorm
-  instead), and a loss that adds a term of its batch (Hugging Face's ``output_router_logits=True``: each
+  instead), a layer known to read other rows for a token's output (Doge's MoE router), and a loss that
+  adds a term of its batch (Hugging Face's ``output_router_logits=True``: each
   part's aux loss; router_aux_loss instead). The second is also refused under a transform that
   ``adds_batch_loss`` (router_aux_loss, which adds it again): router_aux_loss on the model without its
   own is the aux loss of the whole batch. A transform that gives every rank the whole batch (a
@@ -106,7 +107,7 @@ import weakref
 from typing import Any, Protocol, TypeVar
 
 from ..model.chain import Chain
-from ..model.whole_batch import BATCH_STATISTICS, LOSS_TERM, WholeBatch, over_whole_batch
+from ..model.whole_batch import BATCH_STATISTICS, LOSS_TERM, ROWS_MIXED, WholeBatch, over_whole_batch
 from .elementwise import check_optimizer
 from .roles import PLACEMENT, REWRITE, ROLES, SHARDING, SPLIT, check_role, own_prediction
 
@@ -334,6 +335,9 @@ def _check_whole_batch(chain: Chain, stack: tuple[Any, ...]) -> None:
         _refuse_loss_term(loss_terms[0], cutting[0][0] if cutting else None, adding)
     if statistics and cutting:
         _refuse_batch_statistics(statistics, cutting[0][1])
+    mixing = [w for w in found if w.cause == ROWS_MIXED]
+    if mixing and cutting:
+        _refuse_rows_mixed(mixing[0], cutting[0][1])
 
 
 def _cutting_the_batch(stack: tuple[Any, ...]) -> list[tuple[str, str]]:
@@ -382,6 +386,15 @@ def _refuse_batch_statistics(found: list[WholeBatch], cutting: str) -> None:
         "(nn.GroupNorm, nn.LayerNorm) instead, or run without cutting the batch (one device, tensor_parallel "
         "alone, a pipeline with microbatches=1); a BatchNorm in eval mode with running statistics normalises "
         "with those and is accepted"
+    )
+
+
+def _refuse_rows_mixed(found: WholeBatch, cutting: str) -> None:
+    raise ValueError(
+        f"{found}. Under {cutting} each rank (or micro-batch) calls the model on a part of the batch, so each "
+        "token would be routed with another token than on one device: another model, trained without an error. "
+        "Run it without cutting the batch (one device, tensor_parallel alone, a pipeline with microbatches=1), "
+        "or use a model whose router reads each token alone (Doge with is_moe=False)"
     )
 
 

@@ -78,7 +78,7 @@ def find_parts(layer: Layer, positions: tuple[str, ...]) -> LayerParts | None:
     module = getattr(replicas, "module", None)
     if isinstance(module, nn.Module):
         _refuse_tables_read_their_own_way(layer, module, tables)
-    _refuse_unlisted_position_tables(layer, tables)
+    _refuse_unlisted_position_tables(layer, tables, _rotary_buffers(layer, module))
     attentions: list[str] = []
     rotaries: list[str] = []
     own: list[str] = []
@@ -178,11 +178,23 @@ def _refuse_tables_read_their_own_way(layer: Layer, module: nn.Module, tables: t
             )
 
 
-def _refuse_unlisted_position_tables(layer: Layer, tables: tuple[str, ...]) -> None:
+def _rotary_buffers(layer: Layer, module: Any) -> set[str]:
+    """The names of ``layer``'s buffers held by a Hugging Face rotary embedding (its ``inv_freq``): frequencies,
+    not a table read by position, whatever the module is named (LFM2 calls its rotary embedding ``pos_emb``);
+    the rotary embedding itself is fed the rank's global positions (:class:`GlobalPositions`)."""
+    if not isinstance(module, nn.Module):
+        return set()
+    held = {f"{path}.{name}" for path, sub in module.named_modules() if type(sub).__name__.endswith("RotaryEmbedding")
+            for name, _ in sub.named_buffers(recurse=False)}
+    return {n for n in layer.buffers if any(n == h or n.endswith("." + h) for h in held)}
+
+
+def _refuse_unlisted_position_tables(layer: Layer, tables: tuple[str, ...], rotary: set[str]) -> None:
     """A parameter (or a floating-point buffer: a fixed sinusoidal table) named like a position table that
     ``positions=`` does not list: each rank would read its rows 0 .. t-1 (its local positions) where the
-    sequence's global ones are meant, and train a different model without an error. Refused, naming it."""
-    buffers = [n for n, b in layer.buffers.items() if b.is_floating_point()]  # a fixed (sinusoidal) table too
+    sequence's global ones are meant, and train a different model without an error. Refused, naming it
+    (a rotary embedding's frequencies, ``rotary``, are not such a table)."""
+    buffers = [n for n, b in layer.buffers.items() if b.is_floating_point() and n not in rotary]  # a fixed table too
     for name in [*layer.param_names, *buffers]:
         parts = name.split(".")
         words = {w for part in parts for w in part.split("_")}

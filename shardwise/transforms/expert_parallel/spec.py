@@ -52,6 +52,7 @@ def resolve(chain: Chain, who: str = "expert_parallel", *, trainable: bool = Tru
 
 def _find(chain: Chain, who: str) -> Blocks:
     found: Blocks = {}
+    unsplit: list[str] = []  # modules that hold experts in another layout (for the refusal)
     for layer in chain:
         # A layer functionalize built calls a module (fn.replicas.module) whose tensors' local names
         # in the layer start with the replica's prefix (a decoder layer's path in the model); another
@@ -64,14 +65,34 @@ def _find(chain: Chain, who: str) -> Blocks:
         blocks = tuple(find_blocks(module, prefix.rstrip(".") or layer.name, prefix, who))
         if blocks:
             found[layer.name] = blocks
+        unsplit += [f"{prefix}{path} ({type(sub).__name__}: {_layout(sub)})" for path, sub in module.named_modules()
+                    if isinstance(getattr(sub, "experts", None), nn.Module)
+                    or type(sub).__name__.endswith(("MoE", "Moe"))]  # JetMoe's MLP: input_linear, output_linear
     if not found:
+        held = (
+            f"; the model's experts are in another layout, which {who} does not split: {', '.join(unsplit[:3])}"
+            f"{' ...' if len(unsplit) > 3 else ''}. Leave {who} out for this model"
+            f"{' (shard its experts with shard_params)' if who == 'expert_parallel' else ''}, or write the "
+            "block's forward to call moe_dispatch_combine on its experts' weights"
+            if unsplit else "; nothing to do"
+        )
         raise ValueError(
             f"{who}: the step's chain has no mixture-of-experts block (a module with fused experts "
             "experts.gate_up_proj / experts.down_proj: TopKMoE, HF MixtralSparseMoeBlock, "
             "Qwen2MoeSparseMoeBlock, OlmoeSparseMoeBlock, Qwen3MoeSparseMoeBlock, DeepseekV3MoE, Glm4MoeMoE, "
-            "JambaSparseMoeBlock, GptOssMLP, PhimoeSparseMoeBlock); nothing to do"
+            f"JambaSparseMoeBlock, GptOssMLP, PhimoeSparseMoeBlock){held}"
         )
     return found
+
+
+def _layout(module: nn.Module) -> str:
+    """``module``'s experts' own parameters, as ``experts.up_proj, experts.down_proj`` (NemotronH's, without a
+    gate), or its children where it has no ``experts``, for a refusal."""
+    experts = getattr(module, "experts", None)
+    if not isinstance(experts, nn.Module):
+        return "children " + ", ".join(n for n, _ in module.named_children())
+    names = [f"experts.{n}" for n, _ in experts.named_parameters(recurse=False)]
+    return ", ".join(names) or f"experts as {type(experts).__name__}"
 
 
 @dataclass(frozen=True)

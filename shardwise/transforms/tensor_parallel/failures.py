@@ -42,6 +42,16 @@ def region_failed(
     """Why a Region's module likely failed: a replicated parameter spanning a Colwise's whole output, or
     a whole count each rank divides. ``per_head``: its parameters PerHead splits (never the cause named)."""
     spanning = _spanning_parameter(m, parts, {int(n) for n in re.findall(r"\d+", str(err))}, per_head)
+    if spanning is not None and isinstance(m.get_submodule(spanning[0].rpartition(".")[0]), nn.Linear):
+        name, shape, colwise, whole = spanning
+        return (
+            f"tensor_parallel: Region {path!r} failed ({type(err).__name__}: {err}): its Linear "
+            f"{name.rpartition('.')[0]!r} (weight {shape}), which no style splits, takes {whole} input features, "
+            f"as wide as the whole output of {colwise!r} (every head's), of which each of the {parts} ranks holds "
+            f"1/{parts}: a projection of every head's features together (Doge's dt_proj over the values) meets "
+            "only this rank's heads; its head counts are not the cause. Leave this module's projections out of "
+            "the plan (replicated)"
+        )
     if spanning is not None:
         name, shape, colwise, whole = spanning
         return (
@@ -111,7 +121,10 @@ def _spanning_parameter(
         if owner in styled or name in per_head:
             continue
         shape = tuple(t.shape)
-        spans = [w for w in (math.prod(shape[k:]) for k in range(len(shape))) if w in wholes]
+        # A Linear's weight takes its input features whole (its last dim); a norm's spans its dims' product.
+        linear = owner and name.endswith(".weight") and isinstance(m.get_submodule(owner), nn.Linear)
+        widths = (shape[-1],) if linear else (math.prod(shape[k:]) for k in range(len(shape)))
+        spans = [w for w in widths if w in wholes]
         if spans and any(d in sizes and d // parts in sizes and d % parts == 0 for d in shape):
             return name, shape, wholes[spans[0]], spans[0]
     return None

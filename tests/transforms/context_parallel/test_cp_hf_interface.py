@@ -391,3 +391,15 @@ def test_an_attention_making_positions_from_its_part_of_the_sequence_is_refused(
     step = sw.train_step(chain, lm_loss, sw.optim.sgd(0.1, momentum=0.9))
     with pytest.raises(ValueError, match=r"Llama4TextAttention\) makes positions with arange in its forward"):
         sw.context_parallel(step, "cp")
+
+
+@pytest.mark.parametrize("attention", ["ring", "ulysses"])
+def test_a_rotary_embedding_named_pos_emb_is_fed_positions_not_refused_as_a_table(attention: str) -> None:
+    """LFM2-MoE names its rotary embedding ``model.pos_emb``: its ``inv_freq`` buffer, named like a position
+    table, was refused as one not listed in positions= (even with positions=(), and the advice was to rename
+    it), though a rotary embedding is fed the rank's global positions. Its frequencies are not a table read by
+    position; an LFM2-MoE of attention layers only now equals one device."""
+    extra = dict(layer_types=["full_attention", "full_attention"], num_experts=4, num_experts_per_tok=2,
+                 moe_intermediate_size=8, num_dense_layers=1, experts_implementation="eager")
+    step, params, batches = family_step("Lfm2Moe", **extra)
+    sw.testing.assert_equivalent(sw.context_parallel(step, "cp", attention), step, sw.Mesh(cp=2), batches, params)

@@ -205,3 +205,22 @@ def test_another_models_copy_of_a_known_block_is_split_by_its_code(
     ep, mesh = _ep(step, "dp x ep zero3")
     assert sorted(name for (_layer, name) in ep.split.tensor_splits(ep.chain, mesh))
     sw.testing.assert_equivalent(ep, step, mesh, data, params)
+
+
+def test_experts_in_another_layout_are_named_not_called_no_mixture_of_experts() -> None:
+    """NemotronH's MoE (experts.up_proj and experts.down_proj, no gate) and JetMoE's (input_linear,
+    output_linear) are layouts expert_parallel does not split. It said the chain had no mixture-of-experts
+    block, "nothing to do", to a user holding one; it now names the blocks it found and the way out."""
+    cfg = transformers.NemotronHConfig(layers_block_type=["attention", "moe"], head_dim=4, n_routed_experts=4,
+                                       moe_intermediate_size=8, moe_shared_expert_intermediate_size=8,
+                                       intermediate_size=24, **{**COMMON, "num_hidden_layers": 2})
+    model = transformers.NemotronHForCausalLM(cfg).double()
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHBlock
+    chain, _ = sw.functionalize(model, units=NemotronHBlock, example_input=torch.randint(0, VOCAB, (2, 8)))
+    step = sw.train_step(chain, lambda out, y: F.cross_entropy(out.logits.flatten(0, 1), y.flatten()),
+                         sw.optim.sgd(0.1))
+    with pytest.raises(ValueError, match=(
+            r"no mixture-of-experts block .*; the model's experts are in another layout, which expert_parallel "
+            r"does not split: model.layers.1.mixer \(NemotronHMoE: experts.up_proj, experts.down_proj\)\. "
+            r"Leave expert_parallel out for this model")):
+        sw.expert_parallel(step, "ep")

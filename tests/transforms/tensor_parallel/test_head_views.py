@@ -224,6 +224,26 @@ def test_a_parameter_per_head_is_named_not_the_head_counts() -> None:
         sw.tensor_parallel(step, "tp", plan).plan(sw.Mesh(tp=2), params, batches[0])
 
 
+def test_a_linear_over_every_heads_features_is_named_a_linear_not_a_norm() -> None:
+    """Doge's dt_proj (a Linear no style splits) takes the values of every head together: a rank's half of
+    them failed its matmul, and the refusal called its weight a norm spanning q_proj's output (the product
+    of its dims, 2 x 8, happened to equal q_proj's 16 features). It names the Linear and its input width."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.doge.modeling_doge import DogeDecoderLayer
+
+    def make() -> nn.Module:
+        config = transformers.DogeConfig(**{**_HF, "hidden_size": 16}, num_key_value_heads=2,
+                                         attn_implementation="eager", pad_token_id=0, eos_token_id=1, bos_token_id=1)
+        return transformers.DogeForCausalLM(config)
+
+    step, params, batches = _tiny_hf(make, DogeDecoderLayer)
+    plan = {**sw.tp.llama_plan(vocab_parallel=False), "lm_head": sw.tp.Colwise(output="sharded")}
+    with pytest.raises(ValueError, match=(
+            r"its Linear 'dt_proj' \(weight \(2, 8\)\), which no style splits, takes 8 input features, as wide as "
+            r"the whole output of 'model.layers.0.self_attn.[kv]_proj'")):
+        sw.tensor_parallel(step, "tp", plan).plan(sw.Mesh(tp=2), params, batches[0])
+
+
 def test_phi3_reading_its_configs_head_count_is_told_so() -> None:
     """Phi-3 slices q at config.num_attention_heads * head_dim: o_proj got the whole width, and the refusal
     told to give the module before it Colwise(), which it had."""

@@ -1,0 +1,30 @@
+"""A module known to compute each token's output from other rows of the batch it is called on.
+
+Transformers' Doge mixture of experts (``DogeCDMoE``, ``DogeConfig(is_moe=True)``) views its router's
+logits, shaped ``(batch, seq, 2 * keys)``, as ``(2, batch * seq, keys)``: the first half of the batch's
+tokens give every token's x-keys and the second half its y-keys (transformers says so in a comment, and
+keeps it for its checkpoints). A token's expert choice reads a token of another row, so a step that
+calls the model on a part of the batch (a data-parallel share, a micro-batch, a part of the sequence)
+routes every token differently than the single-device step: another model, trained without an error
+(a tiny Doge: the logits of a batch's halves differ from the whole batch's by 0.18). A tracer cannot
+tell such a reshape from a harmless one in general, so the known modules are named here, with why.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+# transformers class name -> how it mixes the batch's rows, in words for the refusal.
+_KNOWN = {
+    "DogeCDMoE": "its router's logits are viewed as (2, batch * seq, keys), so each token is routed with the "
+    "logits of a token of another row (the first half of the batch's tokens pairs with the second)",
+}
+
+
+def mixes_rows(module: nn.Module) -> str | None:
+    """How ``module`` itself (not its children) mixes the rows of its batch, when it is one of the known
+    transformers modules that do; None otherwise (a class of the same name outside transformers too)."""
+    cls = type(module)
+    if not cls.__module__.startswith("transformers."):
+        return None
+    return _KNOWN.get(cls.__name__)
