@@ -18,7 +18,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import shardwise as sw
 
@@ -26,7 +25,17 @@ transformers = pytest.importorskip("transformers")
 
 from transformers.models.jamba import modeling_jamba  # noqa: E402
 
-VOCAB = 32
+from ._hf_family import (  # noqa: E402
+    VOCAB,
+    all_to_alls_of_a_plan_run,
+    assert_equal_under_both_stacks,
+    assert_router_aux_loss_is_hfs,
+    token_batches,
+)
+from ._hf_family import changed as _changed  # noqa: E402
+from ._hf_family import lm_loss as _loss  # noqa: E402
+from ._hf_family import under_ep as _ep  # noqa: E402
+
 MOE_LAYERS = (1, 3, 5)
 
 
@@ -44,22 +53,12 @@ def _model(seed: int = 0) -> tuple[Any, sw.Step, Any, list[tuple[torch.Tensor, t
     for module in model.modules():  # HF's init (std 0.02) routes near uniformly: make the choice matter
         if isinstance(module, modeling_jamba.JambaTopKRouter):
             module.weight.data.normal_(0.0, 1.0, generator=gen)
-    data = [(torch.randint(VOCAB, (4, 6), generator=gen), torch.randint(VOCAB, (4, 6), generator=gen))
-            for _ in range(2)]
+    data = token_batches(gen)
     units = (modeling_jamba.JambaAttentionDecoderLayer, modeling_jamba.JambaMambaDecoderLayer)
     chain, params = sw.functionalize(model, units=units, example_input=data[0][0])
     return model, sw.train_step(chain, _loss, sw.optim.sgd(0.1, momentum=0.9)), params, data
 
 
-def _loss(out: Any, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(out.logits.reshape(-1, VOCAB), targets.reshape(-1))
-
-
-def _ep(step: sw.Step, stack: str) -> tuple[sw.Step, sw.Mesh]:
-    ep = sw.expert_parallel(step, "ep")
-    if stack == "dp x ep zero3":
-        return sw.shard_params(ep, "dp", 3), sw.Mesh(dp=2, ep=2)
-    return ep, sw.Mesh(ep=2)
 
 
 @pytest.mark.parametrize("stack", ["ep", "dp x ep zero3"])
@@ -97,32 +96,15 @@ def test_on_one_device_router_aux_loss_is_hf_jambas_and_under_ep_it_equals_the_s
     """HF Jamba's aux loss (``output_router_logits=True``) pools its MoE layers' router logits (Mixtral's
     ``load_balancing_loss_func``, summed in float32: agreement to float32's rounding)."""
     model, step, params, data = _model()
-    coef = 0.5
-    reference = sw.router_aux_loss(step, coef)
-    _, plain = step(step.init(params), data[0])
-    _, with_aux = reference(reference.init(params), data[0])
-    with torch.no_grad():
-        hf = model(data[0][0], output_router_logits=True).aux_loss
-    added = float(with_aux["loss"]) - float(plain["loss"])
-    assert added == pytest.approx(coef * float(hf), rel=1e-6)
-    assert added > 0.1 * coef  # it is there
-    for stack in ("ep", "dp x ep zero3"):
-        composed, mesh = _ep(reference, stack)
-        sw.testing.assert_equivalent(composed, reference, mesh, data, params)
+    assert_router_aux_loss_is_hfs(model, step, params, data[0], 0.5)
+    assert_equal_under_both_stacks(sw.router_aux_loss(step, 0.5), params, data)
 
 
 def test_every_rank_issues_exactly_the_collectives_its_plan_lists() -> None:
     _, step, params, data = _model()
-    ep, mesh = _ep(step, "dp x ep zero3")
-    plan = sw.testing.assert_plan_is_run(ep, mesh, params, data[0])
     # Three MoE layers, each a dispatch and a combine forward and their transposes in backward.
-    assert sum(c.op == "all_to_all" for c in plan.collectives(0)) == len(MOE_LAYERS) * 2 * 2
+    assert all_to_alls_of_a_plan_run(step, params, data[0]) == len(MOE_LAYERS) * 2 * 2
 
-
-def _changed(method: Any) -> Any:
-    def forward(self: Any, *args: Any, **kwargs: Any) -> Any:  # what a later version might add
-        return method(self, *args, **kwargs)
-    return forward
 
 
 @pytest.mark.parametrize("part", ["JambaSparseMoeBlock", "JambaExperts"])

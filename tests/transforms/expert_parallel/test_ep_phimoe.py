@@ -18,7 +18,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import shardwise as sw
 from shardwise.collectives.errors import RankFailed
@@ -27,8 +26,16 @@ transformers = pytest.importorskip("transformers")
 
 from transformers.models.phimoe import modeling_phimoe  # noqa: E402
 
-VOCAB = 32
-
+from ._hf_family import (  # noqa: E402
+    VOCAB,
+    all_to_alls_of_a_plan_run,
+    assert_equal_under_both_stacks,
+    assert_router_aux_loss_is_hfs,
+    token_batches,
+)
+from ._hf_family import changed as _changed  # noqa: E402
+from ._hf_family import lm_loss as _loss  # noqa: E402
+from ._hf_family import under_ep as _ep  # noqa: E402
 
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -48,8 +55,7 @@ def _model(mode: str, config: dict[str, float] | None = None) -> tuple[Any, sw.S
     for module in model.modules():  # HF's init (std 0.02) routes near uniformly: make the choice matter
         if isinstance(module, modeling_phimoe.PhimoeTopKRouter):
             module.weight.data.normal_(0.0, 1.0, generator=gen)
-    data = [(torch.randint(VOCAB, (4, 6), generator=gen), torch.randint(VOCAB, (4, 6), generator=gen))
-            for _ in range(2)]
+    data = token_batches(gen)
     chain, params = sw.functionalize(model, units=modeling_phimoe.PhimoeDecoderLayer, example_input=data[0][0])
     return model, sw.train_step(chain, _loss, sw.optim.sgd(0.1, momentum=0.9)), params, data
 
@@ -58,15 +64,6 @@ MODES: dict[str, tuple[str, dict[str, float]]] = {
     "eval": ("eval", {"router_jitter_noise": 0.5}), "train without jitter": ("train", {"router_jitter_noise": 0.0})}
 
 
-def _loss(out: Any, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(out.logits.reshape(-1, VOCAB), targets.reshape(-1))
-
-
-def _ep(step: sw.Step, stack: str) -> tuple[sw.Step, sw.Mesh]:
-    ep = sw.expert_parallel(step, "ep")
-    if stack == "dp x ep zero3":
-        return sw.shard_params(ep, "dp", 3), sw.Mesh(dp=2, ep=2)
-    return ep, sw.Mesh(ep=2)
 
 
 def _router_grads(step: sw.Step, params: Any, batch: Any) -> list[torch.Tensor]:
@@ -134,19 +131,9 @@ def test_on_one_device_router_aux_loss_is_hf_phimoes_and_under_ep_it_equals_the_
     training with HF's jitter adds it; under ep, in eval mode, the step equals one device's."""
     model, step, params, data = _model("train")
     coef = 0.5
-    reference = sw.router_aux_loss(step, coef)
-    _, plain = step(step.init(params), data[0])
-    _, with_aux = reference(reference.init(params), data[0])
-    with torch.no_grad():
-        hf = model(data[0][0], output_router_logits=True).aux_loss
-    added = float(with_aux["loss"]) - float(plain["loss"])
-    assert added == pytest.approx(coef * float(hf), rel=1e-6)
-    assert added > 0.1 * coef  # it is there
+    assert_router_aux_loss_is_hfs(model, step, params, data[0], coef)
     _, step, params, data = _model(*MODES["eval"])
-    reference = sw.router_aux_loss(step, coef)
-    for stack in ("ep", "dp x ep zero3"):
-        composed, mesh = _ep(reference, stack)
-        sw.testing.assert_equivalent(composed, reference, mesh, data, params)
+    assert_equal_under_both_stacks(sw.router_aux_loss(step, coef), params, data)
 
 
 def test_router_aux_loss_refuses_input_jitter() -> None:
@@ -160,15 +147,8 @@ def test_router_aux_loss_refuses_input_jitter() -> None:
 def test_every_rank_issues_exactly_the_collectives_its_plan_lists(mode: str) -> None:
     """In training the Plan's prediction on fake tensors runs sparsemixer's draws and its autograd Function."""
     _, step, params, data = _model(*MODES[mode])
-    ep, mesh = _ep(step, "dp x ep zero3")
-    plan = sw.testing.assert_plan_is_run(ep, mesh, params, data[0])
-    assert sum(c.op == "all_to_all" for c in plan.collectives(0)) == 2 * 2 * 2
+    assert all_to_alls_of_a_plan_run(step, params, data[0]) == 2 * 2 * 2
 
-
-def _changed(method: Any) -> Any:
-    def forward(self: Any, *args: Any, **kwargs: Any) -> Any:  # what a later version might add
-        return method(self, *args, **kwargs)
-    return forward
 
 
 @pytest.mark.parametrize("part", ["PhimoeSparseMoeBlock", "PhimoeExperts", "PhimoeTopKRouter", "sparsemixer"])
