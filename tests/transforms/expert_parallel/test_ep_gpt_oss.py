@@ -69,8 +69,6 @@ def _model() -> tuple[Any, sw.Step, Any, list[tuple[torch.Tensor, torch.Tensor]]
     return model, sw.train_step(chain, _loss, sw.optim.sgd(0.1, momentum=0.9)), params, data
 
 
-
-
 @pytest.mark.parametrize("stack", ["ep", "dp x ep zero3"])
 def test_gpt_oss_under_ep_equals_the_single_device_step(stack: str) -> None:
     """The experts' weights and biases are split; equal to float64 rounding over two steps."""
@@ -117,7 +115,6 @@ def test_every_rank_issues_exactly_the_collectives_its_plan_lists() -> None:
     _, step, params, data = _model()
     # Two MoE layers, each a dispatch and a combine forward and their transposes in backward.
     assert all_to_alls_of_a_plan_run(step, params, data[0]) == 2 * 2 * 2
-
 
 
 @pytest.mark.parametrize("part", ["GptOssMLP", "GptOssExperts"])

@@ -64,8 +64,6 @@ MODES: dict[str, tuple[str, dict[str, float]]] = {
     "eval": ("eval", {"router_jitter_noise": 0.5}), "train without jitter": ("train", {"router_jitter_noise": 0.0})}
 
 
-
-
 def _router_grads(step: sw.Step, params: Any, batch: Any) -> list[torch.Tensor]:
     state = step.init(params)
     new, _ = step(state, batch)
@@ -148,7 +146,6 @@ def test_every_rank_issues_exactly_the_collectives_its_plan_lists(mode: str) -> 
     """In training the Plan's prediction on fake tensors runs sparsemixer's draws and its autograd Function."""
     _, step, params, data = _model(*MODES[mode])
     assert all_to_alls_of_a_plan_run(step, params, data[0]) == 2 * 2 * 2
-
 
 
 @pytest.mark.parametrize("part", ["PhimoeSparseMoeBlock", "PhimoeExperts", "PhimoeTopKRouter", "sparsemixer"])
