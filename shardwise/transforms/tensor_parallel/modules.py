@@ -41,7 +41,7 @@ from .sequence_gather import SequenceGather
 from .split_watch import SplitWatch
 from .styles import Colwise, Region, Rowwise, gathers
 from .token_wise_experts import TokenWiseExperts, experts_in_blocks, one_ops_in
-from .weight_reads import WeightReads, check_product, own_use, reads_watched
+from .weight_reads import WeightReads, check_product, follow_input, own_use, reads_watched
 
 
 class TPForward:
@@ -198,6 +198,7 @@ class TPForward:
                 label, width, width * in_layer.size(axis), x.shape[-1], bool(getattr(_flow, "regions", 0))
             ))
         if install.kind == LINEAR and _overridden(m, LINEAR):
+            follow_input(x)
             y = _without_bias(m, x)  # the class's own forward (FalconLinear's), its bias added after the sum
             check_product(y, label, m, rowwise=True)
             if bias is not None and reads_watched() and not in_layer.predicting_now():

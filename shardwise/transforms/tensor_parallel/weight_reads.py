@@ -33,8 +33,11 @@ it is: modules.py checks on zeros that the forward adds it so), and must return 
 anything it computes after it would be applied to each rank's partial sum, not to the whole. A Colwise
 one's (a Linear's or an Embedding's) may add its bias and apply functions of each feature alone (``tanh``,
 a scale by a number): its output is the rank's slice of the features, and ``F.normalize`` over them would
-normalize the slice (:func:`check_product`). A number is Python's or a 0-d tensor computed from neither
-the product nor a split weight (a buffer): ``y / y.norm()`` is followed as computed from the product.
+normalize the slice (:func:`check_product`). A number (to scale the weight or the product by) is Python's
+or a 0-d tensor computed from neither the product, nor a split weight, nor a Rowwise's input (the rank's
+slice of the features: :func:`follow_input`): a buffer (an equalized-lr or muP multiplier), a constant, a
+learned 0-d gain of the module (match.py sums its gradient over the axis: each rank's is its slice's part).
+``y / y.norm()`` and ``weight * x.abs().max()`` (Rowwise) are followed as computed from the rank's slice.
 """
 
 from __future__ import annotations
@@ -116,6 +119,14 @@ def own_use(module: nn.Module, custom: bool = False) -> Iterator[None]:
 def reads_watched() -> bool:
     """Whether a watch runs: the layer's first call on this rank, when its one-time checks are done."""
     return getattr(_own, "reads", None) is not None
+
+
+def follow_input(x: Any) -> None:
+    """A Rowwise's input, this rank's slice of its features: a number an overridden forward computes from it
+    (``x.abs().max()``) is the slice's, no number to scale its weight by. Noted while a watch runs."""
+    reads: WeightReads | None = getattr(_own, "reads", None)
+    if reads is not None and isinstance(x, Tensor):
+        reads.derived[id(x)] = weakref.ref(x)
 
 
 def check_product(out: Any, label: str, module: nn.Module, rowwise: bool) -> None:
@@ -220,8 +231,8 @@ class WeightReads(TorchFunctionMode):
                     if not _by_shardwise(name):
                         raise ValueError(self._custom_refusal(path, by, name, shape=True))
                     continue
-                if name in _CARRY or (name in _BY_A_NUMBER and not any(
-                    isinstance(b, Tensor) and b is not t for b in (*args, *kwargs.values())
+                if name in _CARRY or (name in _BY_A_NUMBER and all(
+                    self._a_number(b) for b in (*args, *kwargs.values()) if isinstance(b, Tensor) and b is not t
                 )):
                     made = True
                 elif name in _PRODUCTS or (name in _ADDS and any(
@@ -229,13 +240,19 @@ class WeightReads(TorchFunctionMode):
                 )):
                     product = True  # (its own bias added to the product: a Colwise bias is sliced as its outputs)
                 elif not _by_shardwise(name):
-                    raise ValueError(self._custom_refusal(path, by, name))
+                    raise ValueError(self._custom_refusal(path, by, name, scaled=name in _BY_A_NUMBER))
         out = func(*args, **kwargs)
         if isinstance(out, Tensor) and made:
             self.split[id(out)] = (weakref.ref(out), next(e for e in self._entries(args, kwargs)))
         if isinstance(out, Tensor) and product:
             self.products[id(out)] = weakref.ref(out)
         return out
+
+    def _a_number(self, t: Tensor) -> bool:
+        """A 0-d tensor the same on every rank (a buffer, a constant: equalized-lr and muP multipliers), computed
+        from neither a split weight, nor the product, nor a Rowwise's input (each the rank's part of the whole)."""
+        entry = self.split.get(id(t))
+        return t.dim() == 0 and not self._followed(t) and (entry is None or entry[0]() is not t)
 
     def _is_product(self, t: Tensor) -> bool:
         return self.holds(self.products, t)
@@ -260,7 +277,7 @@ class WeightReads(TorchFunctionMode):
         elementwise = (
             isinstance(out, Tensor) and _name(func) in _ELEMENTWISE
             and bool(mains) and all(t.shape == out.shape for t in mains)
-            and all(o.dim() == 0 and not self._followed(o) and id(o) not in self.split for o in numbers)
+            and all(self._a_number(o) for o in numbers)
         )
         if elementwise:
             self.after[id(out)] = weakref.ref(out)
@@ -276,11 +293,15 @@ class WeightReads(TorchFunctionMode):
             if entry is not None and entry[0]() is a:
                 yield entry[1]
 
-    def _custom_refusal(self, path: str, by: str, op: str, shape: bool = False) -> str:
+    def _custom_refusal(self, path: str, by: str, op: str, shape: bool = False, scaled: bool = False) -> str:
         where = _model_line(op)
         what, why = (
             ("reads the shape of", f"a width computed from its shape ({op}: a fan-in scale, weight.shape[1] ** -0.5) "
              "is the rank's part of the whole's") if shape else
+            (f"computes {op} (a scale by a tensor that is no number) on",
+             "a scale computed from the rank's slice (of the weight, of its product, of a Rowwise's input: "
+             "x.abs().max()), or one with dims, differs from the whole's; a number it may scale by is Python's or "
+             "a 0-d tensor the same on every rank (a buffer, a 0-d parameter)") if scaled else
             (f"computes {op} on", "a use other than its product with the input (linear, matmul; after casts, "
              "transposes or a scale by a number) would see part of the weight where it means the whole (a "
              "normalized weight's norm)")
