@@ -125,12 +125,17 @@ class SplitWatch(TorchFunctionMode):
 
     def watch(
         self, t: Tensor, label: str, fused: int, counts: dict[str, tuple[str, int]] | None = None, parts: int = 1,
-        sequence: SequenceGather | None = None,
+        sequence: SequenceGather | None = None, factors: tuple[int, ...] | None = None,
     ) -> None:
-        entry = _Output(
-            label, fused, t.shape[-1] if t.dim() else 0, counts=dict(counts or {}), parts=parts, sequence=sequence
-        )
+        """Follow Colwise output ``t``; ``factors``: its forward (a Linear subclass's) viewed it per head already,
+        its features split into those trailing dims (heads first)."""
+        width = math.prod(factors) if factors else t.shape[-1] if t.dim() else 0
+        entry = _Output(label, fused, width, counts=dict(counts or {}), parts=parts, sequence=sequence)
         self.outputs.append(entry)
+        if factors:
+            check_head_count(entry, list(factors))
+            self.follow_heads(t, entry, t.dim() - len(factors))
+            return
         self._follow(t, entry)
 
     def watch_per_head(self, t: Tensor, label: str, parts: int) -> None:
@@ -167,6 +172,10 @@ class SplitWatch(TorchFunctionMode):
         for t, entry in _tensor_args(args, kwargs, self._entry):
             self._see(func, t, entry, args, kwargs, out)
         for t, (entry, dim) in _tensor_args(args, kwargs, self._heads_of):
+            if entry.sequence is not None and func in _RESHAPES and isinstance(out, Tensor):
+                refusal = entry.sequence.reshaped(t, out)  # a per-head view merged back by the slice's length
+                if refusal is not None:
+                    raise ValueError(refusal)
             see_heads(self, func, t, entry, dim, args, kwargs, out)
         return out
 

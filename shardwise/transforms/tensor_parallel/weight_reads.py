@@ -33,16 +33,24 @@ it is: modules.py checks on zeros that the forward adds it so), and must return 
 anything it computes after it would be applied to each rank's partial sum, not to the whole. A Colwise
 one's (a Linear's or an Embedding's) may add its bias and apply functions of each feature alone (``tanh``,
 a scale by a number): its output is the rank's slice of the features, and ``F.normalize`` over them would
-normalize the slice (:func:`check_product`). A number (to scale the weight or the product by) is Python's
-or a 0-d tensor computed from neither the product, nor a split weight, nor a Rowwise's input (the rank's
-slice of the features: :func:`follow_input`): a buffer (an equalized-lr or muP multiplier), a constant, a
-learned 0-d gain of the module (match.py sums its gradient over the axis: each rank's is its slice's part).
+normalize the slice (:func:`check_product`). It may view them per head, its features (the rank's whole heads)
+split into (heads, head_dim) by a head width it fixes, the leading dims kept (``view(*x.shape[:-1], -1,
+head_dim)``, ``unflatten(-1, (-1, head_dim))``), as an attention's parent views a plain Linear's: the output is
+then followed along its heads (head_views.py), gathered along them for ``output='replicated'``; a view whose
+head width is left to -1 (by a whole head count, ``view(b, t, self.heads, -1)``: the rank's 1/tp of the width)
+or that mixes the features with other dims is refused (:meth:`WeightReads._reshaped`).
+
+A number (to scale the weight or the product by) is Python's or a 0-d tensor computed from neither the
+product, nor a split weight, nor a Rowwise's input (the rank's slice of the features: :func:`follow_input`):
+a buffer (an equalized-lr or muP multiplier), a constant, a learned 0-d gain of the module (match.py sums its
+gradient over the axis: each rank's is its slice's part).
 ``y / y.norm()`` and ``weight * x.abs().max()`` (Rowwise) are followed as computed from the rank's slice.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import sys
 import threading
@@ -78,6 +86,8 @@ _ELEMENTWISE = _words("""
     add __add__ __radd__ sub __sub__ __rsub__ to float double half bfloat16 type contiguous clone
 """)
 _PRODUCTS = _words("linear matmul __matmul__ __rmatmul__ mm addmm bmm embedding")
+# Reshapes of an overridden Colwise forward's product: a per-head view of its features is followed (_reshaped).
+_RESHAPES = _words("view reshape unflatten flatten")
 
 # .ids: {id of a split parameter: depth} while its own module's forward runs; .custom: the ids of those
 # whose module's class overrides torch's forward (followed to their product); .reads: this thread's watch.
@@ -102,13 +112,13 @@ def own_use(module: nn.Module, custom: bool = False) -> Iterator[None]:
     reads: WeightReads = _own.reads
     # What an overridden forward computes from its product is followed from that forward alone: a number
     # the layer computed before it (from another module's output) is no function of this product.
-    followed = reads.followed
+    followed, refused_view = reads.followed, reads.refused_view
     if custom:
-        reads.followed = ({}, {}, {})
+        reads.followed, reads.refused_view = ({}, {}, {}, {}), None
     try:
         yield
     finally:
-        reads.followed = followed
+        reads.followed, reads.refused_view = followed, refused_view
         _own.custom = outer
         for i in mine:
             ids[i] -= 1
@@ -129,6 +139,13 @@ def follow_input(x: Any) -> None:
         reads.derived[id(x)] = weakref.ref(x)
 
 
+def head_view_of(out: Any) -> tuple[int, ...] | None:
+    """The (heads, head_dim, ...) a Colwise Linear subclass's forward viewed its product as, where ``out`` is that
+    view (its heads dim is ``out.dim() - len`` of it); None otherwise, or where no watch runs."""
+    reads: WeightReads | None = getattr(_own, "reads", None)
+    return None if reads is None else reads.head_view(out)
+
+
 def check_product(out: Any, label: str, module: nn.Module, rowwise: bool) -> None:
     """A split module's overridden forward must return its product with the input (a Colwise one's: plus its
     bias, or an elementwise function of that): a Colwise one's output is the rank's slice of the features, so
@@ -136,9 +153,21 @@ def check_product(out: Any, label: str, module: nn.Module, rowwise: bool) -> Non
     one's (run without its bias) is a partial sum, so anything after the product would act on the part, not
     the whole. Checked while a watch runs."""
     reads: WeightReads | None = getattr(_own, "reads", None)
-    if reads is None or reads.holds(reads.products, out) or (not rowwise and reads.holds(reads.after, out)):
+    if reads is None or reads.holds(reads.products, out) or (not rowwise and (
+        reads.holds(reads.after, out) or reads.head_view(out) is not None
+    )):
         return
     base = "nn.Embedding" if isinstance(module, nn.Embedding) else "nn.Linear"
+    if not rowwise and reads.refused_view is not None:
+        raise ValueError(
+            f"tensor_parallel: Colwise() on {label!r}, a {type(module).__name__} whose forward overrides {base}'s: "
+            "run on this rank's slice of its output features (its whole heads, 1/tp of them), it reshapes its "
+            f"output ({reads.refused_view}), which is no per-head view tensor parallel can follow: on a rank the "
+            "same sizes make other heads, or mix the rank's features with other dims. View them by the head width, "
+            "the heads inferred (view(*x.shape[:-1], -1, head_dim), unflatten(-1, (-1, head_dim))), as Hugging "
+            f"Face's attentions do; or return the product and view it in the module around it; or give it a plain "
+            f"{base}, or leave it out of the plan (replicated, with its Rowwise partner)"
+        )
     if not rowwise:
         raise ValueError(
             f"tensor_parallel: Colwise() on {label!r}, a {type(module).__name__} whose forward overrides "
@@ -173,7 +202,9 @@ class WeightReads(TorchFunctionMode):
         }
         # While an overridden forward runs (own_use): its products (check_product), elementwise functions of
         # them by numbers, and anything else computed from them (a norm, a max: no number to scale them by).
-        self.followed: tuple[dict[int, weakref.ref[Tensor]], ...] = ({}, {}, {})
+        # The fourth: per-head views of those (their features split into (heads, head_dim)), with the dims.
+        self.followed: tuple[dict[int, Any], ...] = ({}, {}, {}, {})
+        self.refused_view: str | None = None  # a reshape of the product no per-head view: what check_product says
 
     @property
     def products(self) -> dict[int, weakref.ref[Tensor]]:
@@ -186,6 +217,15 @@ class WeightReads(TorchFunctionMode):
     @property
     def derived(self) -> dict[int, weakref.ref[Tensor]]:
         return self.followed[2]
+
+    @property
+    def viewed(self) -> dict[int, tuple[weakref.ref[Tensor], tuple[int, ...]]]:
+        return self.followed[3]
+
+    def head_view(self, t: Any) -> tuple[int, ...] | None:
+        """The (heads, head_dim, ...) an overridden Colwise forward's product was viewed as, if ``t`` is that view."""
+        found = self.viewed.get(id(t)) if isinstance(t, Tensor) else None
+        return found[1] if found is not None and found[0]() is t else None
 
     def __enter__(self) -> WeightReads:
         self.outer = getattr(_own, "reads", None)
@@ -201,10 +241,10 @@ class WeightReads(TorchFunctionMode):
         self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         kwargs = kwargs or {}
-        split, products, after, derived = self.split, *self.followed
+        split, products, after, derived, viewed = self.split, *self.followed
         if not any(id(a) in split or (type(a) in (list, tuple) and any(id(t) in split for t in a))
                    for a in (*args, *kwargs.values())):
-            if (products or after or derived) and any(
+            if (products or after or derived or viewed) and any(
                 self._followed(t) for a in (*args, *kwargs.values())
                 for t in (a if type(a) in (list, tuple) else (a,))
             ):
@@ -259,7 +299,7 @@ class WeightReads(TorchFunctionMode):
 
     def _followed(self, t: Any) -> bool:
         """Whether ``t`` is an overridden forward's product, or was computed from one."""
-        return any(self.holds(found, t) for found in self.followed)
+        return any(self.holds(found, t) for found in self.followed[:3]) or self.head_view(t) is not None
 
     @staticmethod
     def holds(found: dict[int, weakref.ref[Tensor]], t: Any) -> bool:
@@ -271,21 +311,56 @@ class WeightReads(TorchFunctionMode):
         of it by numbers (Python's, or 0-d tensors computed from neither the product nor a split weight: a norm
         or a max of the rank's slice is no number) is noted as such, anything else as computed from it."""
         out = func(*args, **kwargs)
+        name = _name(func)
+        first = args[0] if args else None
+        if name in _RESHAPES and isinstance(out, Tensor) and isinstance(first, Tensor) and (
+            self.holds(self.products, first) or self.holds(self.after, first) or self.head_view(first) is not None
+        ):
+            self._reshaped(name, first, args[1:], kwargs, out)
+            return out
         tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)]
         mains = [t for t in tensors if self.holds(self.products, t) or self.holds(self.after, t)]
-        numbers = [t for t in tensors if not any(t is u for u in mains)]
+        views = [t for t in tensors if self.head_view(t) is not None]
+        numbers = [t for t in tensors if not any(t is u for u in (*mains, *views))]
         elementwise = (
-            isinstance(out, Tensor) and _name(func) in _ELEMENTWISE
-            and bool(mains) and all(t.shape == out.shape for t in mains)
+            isinstance(out, Tensor) and name in _ELEMENTWISE
+            and bool(mains) != bool(views) and all(t.shape == out.shape for t in (*mains, *views))
             and all(self._a_number(o) for o in numbers)
         )
-        if elementwise:
+        if elementwise and views:
+            self.viewed[id(out)] = (weakref.ref(out), self.head_view(views[0]) or ())
+        elif elementwise:
             self.after[id(out)] = weakref.ref(out)
         else:
             for t in out if isinstance(out, (list, tuple)) else (out,):
                 if isinstance(t, Tensor):
                     self.derived[id(t)] = weakref.ref(t)
         return out
+
+    def _reshaped(self, name: str, t: Tensor, rest: Sequence[Any], kwargs: dict[str, Any], out: Tensor) -> None:
+        """A reshape of a Colwise product (or of its per-head view): its features, the rank's whole heads, split
+        into (heads, head_dim) by a head width the module fixes (``view(b, t, -1, head_dim)``, ``unflatten(-1,
+        (-1, head_dim))``), or such a view flattened back, is followed as the view or the product; any other, one
+        whose head width is the rank's (``view(b, t, heads, -1)``: 1/tp of the width, as many heads) or that mixes
+        the features with other dims (the leading dims too: ``view(-1, heads, head_dim)``), is noted for
+        check_product's refusal."""
+        viewed = self.head_view(t)
+        width = math.prod(viewed) if viewed is not None else (t.shape[-1] if t.dim() else 0)
+        heads_at = t.dim() - len(viewed) if viewed is not None else t.dim() - 1
+        factors = _trailing(list(out.shape), width, list(t.shape[:heads_at]))
+        if factors is not None and len(factors) == 1:
+            self.after[id(out)] = weakref.ref(out)  # the features last again (merged back, or leading dims moved)
+            return
+        if factors is not None and _fixed_inner(name, rest, kwargs, out.dim(), len(factors)):
+            self.viewed[id(out)] = (weakref.ref(out), tuple(factors))
+            return
+        self.derived[id(out)] = weakref.ref(out)
+        self.refused_view = self.refused_view or (
+            f"{name} of its {list(t.shape)} to {list(out.shape)}" + (
+                ", the head width left to -1 (the rank's 1/tp of it where the heads are a whole count)"
+                if factors is not None else ", its features mixed with other dims"
+            )
+        )
 
     def _entries(self, args: Sequence[Any], kwargs: dict[str, Any]) -> Iterator[tuple[int, str, str]]:
         for a in (*args, *kwargs.values()):
@@ -325,6 +400,34 @@ class WeightReads(TorchFunctionMode):
             "its weight, leave the module out of the plan (replicated, with its Colwise / Rowwise partner), or, "
             "for a penalty on the weights, use the optimizer's weight decay (sw.optim.adamw(weight_decay=...))"
         )
+
+
+def _trailing(shape: list[int], width: int, lead: list[int]) -> list[int] | None:
+    """The trailing dims of ``shape`` that hold ``width`` features after the leading dims ``lead`` (kept as they
+    were: the product's dims follow its input's, which tensor parallel reads them by), or None."""
+    product = 1
+    for k in range(len(shape) - 1, -1, -1):
+        product *= shape[k]
+        if product == width:
+            return shape[k:] if shape[:k] == lead else None
+        if product > width:
+            return None
+    return None
+
+
+def _fixed_inner(name: str, rest: Sequence[Any], kwargs: dict[str, Any], dims: int, parts: int) -> bool:
+    """Whether the sizes the reshape asked for fix every dim after the heads (none is -1): the head width is the
+    module's, the same on a rank as on the whole, and the heads count is what the rank's width makes of it."""
+    if name == "unflatten":
+        sizes = kwargs.get("sizes", rest[1] if len(rest) > 1 else None)
+        asked = list(sizes) if isinstance(sizes, (list, tuple)) else None
+    else:
+        shape = kwargs.get("shape", kwargs.get("size", rest[0] if len(rest) == 1 else rest))
+        asked = list(shape) if isinstance(shape, (list, tuple)) else None
+        asked = asked if asked is not None and len(asked) == dims else None
+    if asked is None or len(asked) < parts:
+        return False
+    return all(isinstance(a, int) and a != -1 for a in asked[len(asked) - parts + 1:])
 
 
 def _name(func: Any) -> str:
