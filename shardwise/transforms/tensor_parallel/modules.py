@@ -245,7 +245,9 @@ class TPForward:
             if _is_ours(err) or isinstance(err, data_dependent_errors()):
                 raise
             split = frozenset(name for name, _ in self.per_head)
-            raise ValueError(region_failed(m, label, style, err, in_layer.size(self.axis), split)) from err
+            watch = getattr(_flow, "watch", None)  # which Colwise outputs the failing op took, if watched
+            fed = watch.failed_on if watch is not None else ()
+            raise ValueError(region_failed(m, label, style, err, in_layer.size(self.axis), split, fed)) from err
         finally:
             _flow.regions -= 1
 

@@ -122,6 +122,15 @@ class SplitWatch(TorchFunctionMode):
         self.outputs: list[_Output] = []
         # The first op across an output's features (or, True last, across a per-head view's heads).
         self.mixed: tuple[_Output, str] | tuple[_Output, str, bool] | None = None
+        # The Colwise outputs an op that failed took (their labels): what a failure's explanation names.
+        self.failed_on: tuple[str, ...] = ()
+
+    def _outputs_in(self, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[str, ...]:
+        """The labels of the Colwise outputs among an op's arguments, followed in any form."""
+        entries = [entry for _, entry in _tensor_args(args, kwargs, self._entry)]
+        for entry_of in (self._heads_of, self._moved_of):
+            entries += [entry for _, (entry, _dim) in _tensor_args(args, kwargs, entry_of)]
+        return tuple(dict.fromkeys(e.label for e in entries if not e.parameter))
 
     def watch(
         self, t: Tensor, label: str, fused: int, counts: dict[str, tuple[str, int]] | None = None, parts: int = 1,
@@ -155,7 +164,11 @@ class SplitWatch(TorchFunctionMode):
         self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except Exception:
+            self.failed_on = self._outputs_in(args, kwargs)
+            raise
         if self.mixed is None and (self.watched or self.moved):
             self.mixed = mixed(_name(func), args, kwargs, self.features_of)
         if self.mixed is None and self.per_head:  # the same ops across a per-head view's heads dim
