@@ -450,3 +450,25 @@ def test_a_weight_scaled_by_a_per_rank_number_is_refused(up: type, down: type, r
     step, params, batches = _problem(_subclass_mlp(up, down))
     with pytest.raises(ValueError, match=refused + r".*(plain nn\.Linear|leave (it|this one) out of the plan)"):
         sw.tensor_parallel(step, "tp", REGION).plan(sw.Mesh(tp=2), params, batches[0])
+
+
+class _GainedEmbedding(nn.Embedding):
+    """What it looks up times a learned 0-d gain."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.gain = nn.Parameter(torch.tensor(1.3))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(ids) * self.gain
+
+
+def test_an_embedding_with_a_zero_d_gain_equals_one_device_under_colwise_only() -> None:
+    """Colwise runs the subclass's forward on the rank's features, its gain's gradient summed; a Rowwise (vocabulary)
+    split looks up without running it, so the gain would go unused: refused."""
+    step, params, batches = _embedding_problem(_GainedEmbedding)
+    sw.testing.assert_equivalent(sw.tensor_parallel(step, "tp", {"emb": sw.tp.Colwise()}), step, sw.Mesh(tp=2),
+                                 batches, params, rtol=RTOL)
+    with pytest.raises(ValueError, match=r"Rowwise\(\) on 'emb', a _GainedEmbedding, has parameters \{'gain': \(\)\} "
+                                         r"besides weight and bias, .*without its forward, so they would go unused"):
+        sw.tensor_parallel(step, "tp", {"emb": sw.tp.Rowwise()}).plan(sw.Mesh(tp=2), params, batches[0])
