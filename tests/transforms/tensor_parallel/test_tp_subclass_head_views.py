@@ -142,3 +142,12 @@ def test_a_view_merged_back_by_the_slices_length_is_refused() -> None:
                                          r"sequence-parallel block '1'.*reshapes its output \(2, 6, 2, 4\) to "
                                          r"\(2, 3, 16\)"):
         sw.tensor_parallel(step, "tp", PAIR, sequence_parallel="1").plan(sw.Mesh(tp=2), params, batches[0])
+
+
+@pytest.mark.parametrize(("plan", "sequence_parallel"), [
+    (PAIR, None), (REGION, "1"), ({"1.attn.[qkv]": sw.tp.Colwise(output="replicated")}, None),
+], ids=["pair", "region, sequence parallel", "gathered"])
+def test_a_viewed_output_runs_its_plan(plan: dict[str, Any], sequence_parallel: str | None) -> None:
+    step, params, batches = _problem("view")
+    sw.testing.assert_plan_is_run(sw.tensor_parallel(step, "tp", plan, sequence_parallel=sequence_parallel),
+                                  sw.Mesh(tp=2), params, batches[0])

@@ -472,3 +472,9 @@ def test_an_embedding_with_a_zero_d_gain_equals_one_device_under_colwise_only() 
     with pytest.raises(ValueError, match=r"Rowwise\(\) on 'emb', a _GainedEmbedding, has parameters \{'gain': \(\)\} "
                                          r"besides weight and bias, .*without its forward, so they would go unused"):
         sw.tensor_parallel(step, "tp", {"emb": sw.tp.Rowwise()}).plan(sw.Mesh(tp=2), params, batches[0])
+
+
+def test_a_zero_d_gains_summed_gradient_is_in_the_plan() -> None:
+    """The gain's gradient sum (outside any Region) is a collective the Plan lists, and the step runs it so."""
+    step, params, batches = _problem(_subclass_mlp(_GainedWeight, _GainedWeight))
+    sw.testing.assert_plan_is_run(sw.tensor_parallel(step, "tp", PAIR), sw.Mesh(tp=2), params, batches[0])
