@@ -37,8 +37,9 @@ normalize the slice (:func:`check_product`). It may view them per head, its feat
 split into (heads, head_dim) by a head width it fixes, the leading dims kept (``view(*x.shape[:-1], -1,
 head_dim)``, ``unflatten(-1, (-1, head_dim))``), as an attention's parent views a plain Linear's: the output is
 then followed along its heads (head_views.py), gathered along them for ``output='replicated'``; a view whose
-head width is left to -1 (by a whole head count, ``view(b, t, self.heads, -1)``: the rank's 1/tp of the width)
-or that mixes the features with other dims is refused (:meth:`WeightReads._reshaped`).
+head width is left to -1 (by a whole head count, ``view(b, t, self.heads, -1)``: the rank's 1/tp of the width),
+that gives its heads beside a size read off the rank's width (``y.shape[-1] // self.n``), or that mixes the
+features with other dims is refused (:meth:`WeightReads._reshaped`).
 
 A number (to scale the weight or the product by) is Python's or a 0-d tensor computed from neither the
 product, nor a split weight, nor a Rowwise's input (the rank's slice of the features: :func:`follow_input`):
@@ -112,13 +113,13 @@ def own_use(module: nn.Module, custom: bool = False) -> Iterator[None]:
     reads: WeightReads = _own.reads
     # What an overridden forward computes from its product is followed from that forward alone: a number
     # the layer computed before it (from another module's output) is no function of this product.
-    followed, refused_view = reads.followed, reads.refused_view
+    followed, refused_view, width_read = reads.followed, reads.refused_view, reads.width_read
     if custom:
-        reads.followed, reads.refused_view = ({}, {}, {}, {}), None
+        reads.followed, reads.refused_view, reads.width_read = ({}, {}, {}, {}), None, False
     try:
         yield
     finally:
-        reads.followed, reads.refused_view = followed, refused_view
+        reads.followed, reads.refused_view, reads.width_read = followed, refused_view, width_read
         _own.custom = outer
         for i in mine:
             ids[i] -= 1
@@ -205,6 +206,7 @@ class WeightReads(TorchFunctionMode):
         # The fourth: per-head views of those (their features split into (heads, head_dim)), with the dims.
         self.followed: tuple[dict[int, Any], ...] = ({}, {}, {}, {})
         self.refused_view: str | None = None  # a reshape of the product no per-head view: what check_product says
+        self.width_read = False  # the forward read its product's shape (the rank's width): a head width from it?
 
     @property
     def products(self) -> dict[int, weakref.ref[Tensor]]:
@@ -313,6 +315,9 @@ class WeightReads(TorchFunctionMode):
         out = func(*args, **kwargs)
         name = _name(func)
         first = args[0] if args else None
+        if name in _SHAPES:
+            self.width_read = True
+            return out
         if name in _RESHAPES and isinstance(out, Tensor) and isinstance(first, Tensor) and (
             self.holds(self.products, first) or self.holds(self.after, first) or self.head_view(first) is not None
         ):
@@ -351,16 +356,19 @@ class WeightReads(TorchFunctionMode):
         if factors is not None and len(factors) == 1:
             self.after[id(out)] = weakref.ref(out)  # the features last again (merged back, or leading dims moved)
             return
-        if factors is not None and _fixed_inner(name, rest, kwargs, out.dim(), len(factors)):
+        asked = None if factors is None else _asked(name, rest, kwargs, out.dim(), len(factors))
+        why = (
+            ", its features mixed with other dims" if factors is None or asked is None else
+            ", the head width left to -1 (the rank's 1/tp of it where the heads are a whole count)"
+            if -1 in asked[1:] else
+            ", its heads given with the rank's width read off the output (y.shape[-1] // heads: 1/tp of the head "
+            "width where the count is whole)" if asked[0] != -1 and self.width_read else None
+        )
+        if factors is not None and why is None:
             self.viewed[id(out)] = (weakref.ref(out), tuple(factors))
             return
         self.derived[id(out)] = weakref.ref(out)
-        self.refused_view = self.refused_view or (
-            f"{name} of its {list(t.shape)} to {list(out.shape)}" + (
-                ", the head width left to -1 (the rank's 1/tp of it where the heads are a whole count)"
-                if factors is not None else ", its features mixed with other dims"
-            )
-        )
+        self.refused_view = self.refused_view or f"{name} of its {list(t.shape)} to {list(out.shape)}{why}"
 
     def _entries(self, args: Sequence[Any], kwargs: dict[str, Any]) -> Iterator[tuple[int, str, str]]:
         for a in (*args, *kwargs.values()):
@@ -415,9 +423,10 @@ def _trailing(shape: list[int], width: int, lead: list[int]) -> list[int] | None
     return None
 
 
-def _fixed_inner(name: str, rest: Sequence[Any], kwargs: dict[str, Any], dims: int, parts: int) -> bool:
-    """Whether the sizes the reshape asked for fix every dim after the heads (none is -1): the head width is the
-    module's, the same on a rank as on the whole, and the heads count is what the rank's width makes of it."""
+def _asked(name: str, rest: Sequence[Any], kwargs: dict[str, Any], dims: int, parts: int) -> list[Any] | None:
+    """The sizes the reshape asked for its last ``parts`` dims (the heads, then the head's): right where every one
+    after the heads is fixed (not -1) by the module, the same on a rank as on the whole, and the heads are -1 (what
+    the rank's width makes of them) or given without reading that width. None where they cannot be read."""
     if name == "unflatten":
         sizes = kwargs.get("sizes", rest[1] if len(rest) > 1 else None)
         asked = list(sizes) if isinstance(sizes, (list, tuple)) else None
@@ -425,9 +434,9 @@ def _fixed_inner(name: str, rest: Sequence[Any], kwargs: dict[str, Any], dims: i
         shape = kwargs.get("shape", kwargs.get("size", rest[0] if len(rest) == 1 else rest))
         asked = list(shape) if isinstance(shape, (list, tuple)) else None
         asked = asked if asked is not None and len(asked) == dims else None
-    if asked is None or len(asked) < parts:
-        return False
-    return all(isinstance(a, int) and a != -1 for a in asked[len(asked) - parts + 1:])
+    if asked is None or len(asked) < parts or not all(isinstance(a, int) for a in asked[len(asked) - parts:]):
+        return None
+    return asked[len(asked) - parts:]
 
 
 def _name(func: Any) -> str:

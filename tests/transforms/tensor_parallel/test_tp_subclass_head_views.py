@@ -2,11 +2,12 @@
 
 Its forward runs on the rank's slice of the output features, the rank's whole heads. A view that splits those
 features into (heads, head_dim) by a head width it fixes (``view(*x.shape[:-1], -1, head_dim)``, ``unflatten(-1,
-(-1, head_dim))``, explicit sizes that multiply to the rank's width) makes the rank's heads, as the head-view
+(-1, head_dim))``, explicit sizes given without reading the rank's width) makes the rank's heads, as the head-view
 machinery follows them for a plain Linear viewed by its parent (head_views.py); it was refused as "something else
 than the product". A view whose head width is left to -1 by a whole head count (the rank's 1/tp of the width, as
-many heads), or by its own whole count, or one that mixes the features with another dim, is another attention:
-refused, naming the view.
+many heads) or given beside a head width computed from the rank's width (``y.shape[-1] // self.n_heads``), or one
+that mixes the features with another dim, is another attention: refused, naming the view. (Explicit heads beside
+a width read, ``y.shape[-1] // head_dim``, read the same and are refused too: -1 says it.)
 
 Compared at rtol 1e-9 (float64, tp 2, 2 steps of SGD with momentum), as test_tp_weight_reads.py: tensor
 parallelism only reorders sums.
@@ -33,6 +34,9 @@ class _HeadProjection(nn.Linear):
     def __init__(self, width: int, how: str) -> None:
         super().__init__(width, width)
         self.n_heads, self.how = width // HEAD_DIM, how
+        if how == "unnamed count":  # a count no name says is one of heads: only the width read tells
+            self.n = self.n_heads
+            del self.n_heads
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = super().forward(x)
@@ -40,14 +44,18 @@ class _HeadProjection(nn.Linear):
             return y.view(*x.shape[:-1], -1, HEAD_DIM)
         if self.how == "unflatten":
             return y.unflatten(-1, (-1, HEAD_DIM))
-        if self.how == "explicit":  # both sizes given, from the rank's width: its heads
+        if self.how == "counted":  # both sizes given: its heads count, whole unless a Region divides it
+            return y.view(*x.shape[:-1], self.n_heads, HEAD_DIM)
+        if self.how == "from the width":  # the heads from the rank's width: right, but read as the next one is
             return y.view(x.shape[0], x.shape[1], y.shape[-1] // HEAD_DIM, HEAD_DIM)
         if self.how == "flattened back":
             return y.view(*x.shape[:-1], -1, HEAD_DIM).flatten(-2)
         if self.how == "whole count":  # the head width left to -1: the rank's 1/tp of it
             return y.view(*x.shape[:-1], self.n_heads, -1)
-        if self.how == "whole count, explicit":
+        if self.how == "whole count, head width from the width":  # 1/tp of the head width
             return y.view(*x.shape[:-1], self.n_heads, y.shape[-1] // self.n_heads)
+        if self.how == "unnamed count":  # the same, silently another attention before
+            return y.view(*x.shape[:-1], self.n, y.shape[-1] // self.n)
         assert self.how == "mixed"  # the positions and the features in one dim
         return y.reshape(x.shape[0], -1, HEAD_DIM)
 
@@ -93,7 +101,7 @@ REGION = {"1.attn": sw.tp.Region(), **PAIR}
 COUNTED = {"1.attn": sw.tp.Region(heads=("q.n_heads", "k.n_heads", "v.n_heads")), **PAIR}
 
 
-@pytest.mark.parametrize("how", ["view", "unflatten", "explicit", "flattened back"])
+@pytest.mark.parametrize("how", ["view", "unflatten", "flattened back"])
 @pytest.mark.parametrize(("plan", "sequence_parallel"), [(PAIR, None), (REGION, None), (REGION, "1")],
                          ids=["pair", "region", "region, sequence parallel"])
 def test_a_colwise_subclass_viewing_its_heads_equals_one_device(how: str, plan: dict[str, Any],
@@ -105,7 +113,7 @@ def test_a_colwise_subclass_viewing_its_heads_equals_one_device(how: str, plan: 
 
 @pytest.mark.parametrize("sequence_parallel", [None, "1"])
 def test_a_view_by_its_own_count_a_region_divides_equals_one_device(sequence_parallel: str | None) -> None:
-    step, params, batches = _problem("whole count, explicit")
+    step, params, batches = _problem("counted")
     split = sw.tensor_parallel(step, "tp", COUNTED, sequence_parallel=sequence_parallel)
     sw.testing.assert_equivalent(split, step, sw.Mesh(tp=2), batches, params, rtol=RTOL)
 
@@ -124,9 +132,14 @@ def test_a_viewed_output_gathered_equals_one_device() -> None:
                             r"left to -1.*View them by the head width, the heads inferred"),
     ("mixed", PAIR, r"Colwise\(\) on '1\.attn\.q', a _HeadProjection .*it reshapes its output \(reshape of its "
                     r"\[2, 6, 8\] to \[2, 12, 4\], its features mixed with other dims\)"),
-    ("whole count, explicit", PAIR, r"Colwise\(\) on '1\.attn\.q', which views its output per head in its own "
-                                    r"forward, .*by its whole head count \(1\.attn\.q\.n_heads = 4\): \[4, 2\] on "
-                                    r"this rank.*Name it in the heads=\(\.\.\.\) of a Region"),
+    ("whole count, head width from the width", PAIR,
+     r"Colwise\(\) on '1\.attn\.q', a _HeadProjection .*it reshapes its output \(view of its \[2, 6, 8\] to "
+     r"\[2, 6, 4, 2\], its heads given with the rank's width read off the output"),
+    ("unnamed count", PAIR, r"Colwise\(\) on '1\.attn\.q', a _HeadProjection .*\(view of its \[2, 6, 8\] to "
+                            r"\[2, 6, 4, 2\], its heads given with the rank's width read off the output"),
+    # Right here (2 heads of 4), but its sizes read as the one above's: both given, one from the rank's width.
+    ("from the width", REGION, r"Colwise\(\) on '1\.attn\.q', a _HeadProjection .*\(view of its \[2, 6, 8\] to "
+                               r"\[2, 6, 2, 4\], its heads given with the rank's width read off the output"),
 ])
 def test_a_view_that_makes_other_heads_is_refused(how: str, plan: dict[str, Any], refused: str) -> None:
     step, params, batches = _problem(how)
