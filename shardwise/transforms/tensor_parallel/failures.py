@@ -37,17 +37,19 @@ def rowwise_width_message(label: str, width: int, whole: int, got: int, in_regio
 
 
 def region_failed(
-    m: nn.Module, path: str, style: Region, err: BaseException, parts: int, per_head: frozenset[str] = frozenset()
+    m: nn.Module, path: str, style: Region, err: BaseException, parts: int, per_head: frozenset[str] = frozenset(),
+    fed: tuple[str, ...] = (),
 ) -> str:
     """Why a Region's module likely failed: a replicated parameter spanning a Colwise's whole output, or
-    a whole count each rank divides. ``per_head``: its parameters PerHead splits (never the cause named)."""
-    spanning = _spanning_parameter(m, parts, {int(n) for n in re.findall(r"\d+", str(err))}, per_head)
+    a whole count each rank divides. ``per_head``: its parameters PerHead splits (never the cause named);
+    ``fed``: the Colwise modules whose outputs the failing op took, where the Region's first call watched it."""
+    spanning = _spanning_parameter(m, parts, {int(n) for n in re.findall(r"\d+", str(err))}, per_head, fed)
     if spanning is not None and isinstance(m.get_submodule(spanning[0].rpartition(".")[0]), nn.Linear):
         name, shape, colwise, whole = spanning
         return (
             f"tensor_parallel: Region {path!r} failed ({type(err).__name__}: {err}): its Linear "
             f"{name.rpartition('.')[0]!r} (weight {shape}), which no style splits, takes {whole} input features, "
-            f"as wide as the whole output of {colwise!r} (every head's), of which each of the {parts} ranks holds "
+            f"as wide as the whole output of {colwise} (every head's), of which each of the {parts} ranks holds "
             f"1/{parts}: a projection of every head's features together (Doge's dt_proj over the values) meets "
             "only this rank's heads; its head counts are not the cause. Leave this module's projections out of "
             "the plan (replicated)"
@@ -56,7 +58,7 @@ def region_failed(
         name, shape, colwise, whole = spanning
         return (
             f"tensor_parallel: Region {path!r} failed ({type(err).__name__}: {err}): its parameter {name!r} of "
-            f"shape {shape} spans the whole output of {colwise!r} ({whole} features, every head's), of which each "
+            f"shape {shape} spans the whole output of {colwise} ({whole} features, every head's), of which each "
             f"of the {parts} ranks holds 1/{parts}: a norm whose weight covers every head (OLMo2's q_norm over all "
             "heads' features together, Cohere's weight per head) meets only this rank's heads; its head counts are "
             "not the cause. Leave this module's projections out of the plan (replicated), or use a model whose "
@@ -99,13 +101,15 @@ def region_failed(
 
 
 def _spanning_parameter(
-    m: nn.Module, parts: int, sizes: set[int], per_head: frozenset[str]
+    m: nn.Module, parts: int, sizes: set[int], per_head: frozenset[str], fed: tuple[str, ...] = ()
 ) -> tuple[str, tuple[int, ...], str, int] | None:
     """A parameter of the Region's module that no style splits, as wide as a Colwise's whole output
     (OLMo2's q_norm (heads * head_dim,), Cohere's (heads, head_dim)), with a dim whole and divided among
     the numbers torch's error names ("size of tensor a (32) must match ... (16)"): (name, shape, the
-    Colwise, that width). Read while the rank's slices are bound (the Region's forward)."""
-    wholes: dict[int, str] = {}
+    Colwise, that width). Read while the rank's slices are bound (the Region's forward). The Colwise is the
+    one of that width whose output the failing op took (``fed``: Doge's dt_proj takes v_proj's, as wide as
+    k_proj's), or, unknown, every one of that width ("'k_proj' or 'v_proj'")."""
+    wholes: dict[int, list[str]] = {}
     styled: set[str] = set()
     for sub, inner in m.named_modules():
         install = getattr(inner.__dict__.get("forward"), "install", None)  # a TPForward's
@@ -115,7 +119,7 @@ def _spanning_parameter(
         weight = getattr(inner, "weight", None)
         if isinstance(install.style, Colwise) and isinstance(weight, Tensor) and weight.dim() == 2:
             local = weight.shape[1] if install.kind == CONV1D else weight.shape[0]
-            wholes.setdefault(local * parts, install.path)
+            wholes.setdefault(local * parts, []).append(install.path)
     for name, t in m.named_parameters():
         owner = name.rpartition(".")[0]
         if owner in styled or name in per_head:
@@ -126,7 +130,9 @@ def _spanning_parameter(
         widths = (shape[-1],) if linear else (math.prod(shape[k:]) for k in range(len(shape)))
         spans = [w for w in widths if w in wholes]
         if spans and any(d in sizes and d // parts in sizes and d % parts == 0 for d in shape):
-            return name, shape, wholes[spans[0]], spans[0]
+            candidates = wholes[spans[0]]
+            named = [c for c in candidates if c in fed] or candidates
+            return name, shape, " or ".join(map(repr, named)), spans[0]
     return None
 
 

@@ -57,13 +57,20 @@ def check_head_count(entry: _Output, factors: list[int]) -> None:
             f"each rank must compute {count // parts} whole heads" if count % parts == 0
             else f"and {parts} ranks cannot each compute whole heads of {count}"
         )
+        own = module == entry.label  # a Linear subclass's own count, its forward viewing its output by it
+        fix = (
+            f"Name it in the heads=(...) of a Region on the module around {module!r} ('<its name there>.{attr}'), "
+            "which divides it by the tp size while that module runs" if own else
+            f"Give {module!r} a Region naming the count, sw.tp.Region(heads=({attr!r},)) in the plan, which divides "
+            "it by the tp size while the module runs"
+        )
         raise ValueError(
-            f"tensor_parallel: Colwise() on {entry.label!r}, outside any Region, gives each rank 1/{parts} of its "
-            f"output features ({entry.width} here), and the module views them per head by its whole head count "
-            f"({module}.{attr} = {count}): {factors} on this rank, {count} heads of 1/{parts} of the head width, "
-            f"where {owes}: another attention, trained without an error. Give {module!r} a Region naming the "
-            f"count, sw.tp.Region(heads=({attr!r},)) in the plan, which divides it by the tp size while the module "
-            "runs; or view by the head width (view(..., -1, head_dim), as Hugging Face's attentions do)"
+            f"tensor_parallel: Colwise() on {entry.label!r}, "
+            f"{'which views its output per head in its own forward' if own else 'outside any Region'}, gives each "
+            f"rank 1/{parts} of its output features ({entry.width} here), and the module views them per head by its "
+            f"whole head count ({module}.{attr} = {count}): {factors} on this rank, {count} heads of 1/{parts} of the "
+            f"head width, where {owes}: another attention, trained without an error. {fix}; or view by the head "
+            "width (view(..., -1, head_dim), as Hugging Face's attentions do)"
         )
 
 

@@ -323,7 +323,9 @@ def resolve(chain: Chain, plan: Mapping[str, Style], sequence_parallel: str | No
             ours = chosen is not None or path in blocks_in_order
             uses.append((layer.name, path, key, split is not None, subpath, name, ours))
             replicated_bias = isinstance(chosen, Rowwise) and name == "bias"
-            if split is None and (in_block or (inside and not replicated_bias)):
+            # A split module's 0-d gain scales its rank's part of the product: its gradient is that part's.
+            gain = isinstance(chosen, (Colwise, Rowwise)) and name not in ("weight", "bias")
+            if split is None and (in_block or gain or (inside and not replicated_bias)):
                 lp.vary.add(local)
     for layer_name, path, key, styled, subpath, attr, ours in uses:
         if styled or key not in splits:
@@ -416,7 +418,10 @@ def _check_per_head_lists(
 
 
 def param_split(style: Style | None, kind: str | None, name: str, module: nn.Module) -> tuple[int, int] | None:
-    """(dim, fused blocks) a style splits a module's parameter on, or None: replicated."""
+    """(dim, fused blocks) a style splits a module's parameter on, or None: replicated (a Rowwise's bias, a
+    0-d gain besides weight and bias)."""
+    if name not in ("weight", "bias"):
+        return None
     if isinstance(style, Colwise):
         if kind == LINEAR:
             return 0, style.fused
@@ -481,9 +486,23 @@ def _check_fits(path: str, style: Style, kind: str | None, module: nn.Module) ->
             "Rowwise partner), or remove the parametrization before sw.functionalize "
             "(torch.nn.utils.parametrize.remove_parametrizations(module, 'weight'))"
         )
-    extra = sorted(n for n, _ in module.named_parameters(recurse=False) if n not in ("weight", "bias"))
-    if extra:
-        raise ValueError(f"tensor_parallel: {style} on {path!r}: it has parameters {extra} besides weight and bias")
+    extra = {n: tuple(t.shape) for n, t in module.named_parameters(recurse=False) if n not in ("weight", "bias")}
+    # A 0-d gain is taken where the module's own forward runs on the rank's slice (an nn.Linear's, a Colwise
+    # nn.Embedding's), its gradient summed over the axis; a Conv1D's or a vocabulary lookup's is not run.
+    runs = kind == LINEAR or (kind == EMBEDDING and isinstance(style, Colwise))
+    refused = {n: shape for n, shape in extra.items() if shape or not runs}
+    if refused:
+        what = (
+            "its forward would use them whole with the rank's slice of the weight (a gain per output feature "
+            "meeting a slice of the features)" if runs else
+            "tensor parallel computes its split product itself, without its forward, so they would go unused"
+        )
+        raise ValueError(
+            f"tensor_parallel: {style} on {path!r}, a {type(module).__name__}, has parameters {refused} besides "
+            f"weight and bias, which no style splits: {what}. A 0-d one (a learned scalar gain) on a Linear, or "
+            "on a Colwise Embedding, is taken, its gradient summed over the axis; otherwise apply it in the module "
+            "around this one, or leave this one out of the plan (replicated, with its Colwise / Rowwise partner)"
+        )
 
 
 def _read_attribute(module: nn.Module, path: str, attr: str) -> int:

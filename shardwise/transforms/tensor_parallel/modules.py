@@ -41,7 +41,7 @@ from .sequence_gather import SequenceGather
 from .split_watch import SplitWatch
 from .styles import Colwise, Region, Rowwise, gathers
 from .token_wise_experts import TokenWiseExperts, experts_in_blocks, one_ops_in
-from .weight_reads import WeightReads, check_product, own_use, reads_watched
+from .weight_reads import WeightReads, check_product, follow_input, head_view_of, own_use, reads_watched
 
 
 class TPForward:
@@ -62,6 +62,9 @@ class TPForward:
         self.path = path  # in the model: what errors and the Plan call it
         # A Colwise outside any Region: the head counts its enclosing modules hold, whole (split_watch.py).
         self.head_counts = head_counts or {}
+        # Its own head counts (a Linear subclass viewing its output per head by one): whole, unless a Region
+        # divides them while it runs.
+        self.own_counts = {a: v for a, v in vars(module).items() if type(v) is int and is_head_count(a)}
         self.hidden = _first_parameter(module)  # read once: inspect.signature costs ~10 us a call
         # The counts each rank divides by the axis size while the Region runs (owner, attribute, whole).
         self.locals: list[tuple[Any, str, int]] = []
@@ -167,17 +170,25 @@ class TPForward:
                     "region itself"
                 )
             y = _conv1d(x, _require(weight), bias) if install.kind == CONV1D else type(m).forward(m, x)
+            factors: tuple[int, ...] | None = None
             if _overridden(m, install.kind):  # (a Linear's or an Embedding's subclass)
                 check_product(y, label, m, rowwise=False)
+                factors = head_view_of(y)  # viewed per head by its forward: the rank's heads along that dim
+            # Its features follow the input's leading dims (the ids', an Embedding's): the last dim, or the heads
+            # of a per-head view its forward made, which keeps those dims (weight_reads.py checks it, watched).
+            features_at = x.dim() - (0 if install.kind == EMBEDDING else 1)
             gathered = gathers(style, install.kind == EMBEDDING)
             _flow.split_output, _flow.split_by = not gathered, label
             if install.enters and not gathered:  # per-rank values follow, up to their Rowwise (or the layer's end)
                 _start_rank_stream(axis, y.device)
-            out = gather_invariant(y, axis, y.dim() - 1, label) if gathered else y
+            out = gather_invariant(y, axis, features_at, label) if gathered else y
             _path_ends(label, out)
             watch = getattr(_flow, "watch", None)
             if watch is not None and not gathered:
-                watch.watch(out, label, style.fused, self.head_counts, in_layer.size(axis), gather)
+                counts = {**self.head_counts, **{  # its own, where no Region divided them: whole
+                    attr: (label, whole) for attr, whole in self.own_counts.items() if getattr(m, attr, None) == whole
+                }} if factors else self.head_counts
+                watch.watch(out, label, style.fused, counts, in_layer.size(axis), gather, factors)
             own_loss = getattr(_flow, "own_loss", None)
             if own_loss is not None and label in own_loss.heads:
                 own_loss.watch(out)
@@ -198,6 +209,7 @@ class TPForward:
                 label, width, width * in_layer.size(axis), x.shape[-1], bool(getattr(_flow, "regions", 0))
             ))
         if install.kind == LINEAR and _overridden(m, LINEAR):
+            follow_input(x)
             y = _without_bias(m, x)  # the class's own forward (FalconLinear's), its bias added after the sum
             check_product(y, label, m, rowwise=True)
             if bias is not None and reads_watched() and not in_layer.predicting_now():
@@ -233,7 +245,9 @@ class TPForward:
             if _is_ours(err) or isinstance(err, data_dependent_errors()):
                 raise
             split = frozenset(name for name, _ in self.per_head)
-            raise ValueError(region_failed(m, label, style, err, in_layer.size(self.axis), split)) from err
+            watch = getattr(_flow, "watch", None)  # which Colwise outputs the failing op took, if watched
+            fed = watch.failed_on if watch is not None else ()
+            raise ValueError(region_failed(m, label, style, err, in_layer.size(self.axis), split, fed)) from err
         finally:
             _flow.regions -= 1
 

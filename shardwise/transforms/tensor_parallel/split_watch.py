@@ -122,15 +122,29 @@ class SplitWatch(TorchFunctionMode):
         self.outputs: list[_Output] = []
         # The first op across an output's features (or, True last, across a per-head view's heads).
         self.mixed: tuple[_Output, str] | tuple[_Output, str, bool] | None = None
+        # The Colwise outputs an op that failed took (their labels): what a failure's explanation names.
+        self.failed_on: tuple[str, ...] = ()
+
+    def _outputs_in(self, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[str, ...]:
+        """The labels of the Colwise outputs among an op's arguments, followed in any form."""
+        entries = [entry for _, entry in _tensor_args(args, kwargs, self._entry)]
+        for entry_of in (self._heads_of, self._moved_of):
+            entries += [entry for _, (entry, _dim) in _tensor_args(args, kwargs, entry_of)]
+        return tuple(dict.fromkeys(e.label for e in entries if not e.parameter))
 
     def watch(
         self, t: Tensor, label: str, fused: int, counts: dict[str, tuple[str, int]] | None = None, parts: int = 1,
-        sequence: SequenceGather | None = None,
+        sequence: SequenceGather | None = None, factors: tuple[int, ...] | None = None,
     ) -> None:
-        entry = _Output(
-            label, fused, t.shape[-1] if t.dim() else 0, counts=dict(counts or {}), parts=parts, sequence=sequence
-        )
+        """Follow Colwise output ``t``; ``factors``: its forward (a Linear subclass's) viewed it per head already,
+        its features split into those trailing dims (heads first)."""
+        width = math.prod(factors) if factors else t.shape[-1] if t.dim() else 0
+        entry = _Output(label, fused, width, counts=dict(counts or {}), parts=parts, sequence=sequence)
         self.outputs.append(entry)
+        if factors:
+            check_head_count(entry, list(factors))
+            self.follow_heads(t, entry, t.dim() - len(factors))
+            return
         self._follow(t, entry)
 
     def watch_per_head(self, t: Tensor, label: str, parts: int) -> None:
@@ -150,7 +164,11 @@ class SplitWatch(TorchFunctionMode):
         self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except Exception:
+            self.failed_on = self._outputs_in(args, kwargs)
+            raise
         if self.mixed is None and (self.watched or self.moved):
             self.mixed = mixed(_name(func), args, kwargs, self.features_of)
         if self.mixed is None and self.per_head:  # the same ops across a per-head view's heads dim
@@ -167,6 +185,10 @@ class SplitWatch(TorchFunctionMode):
         for t, entry in _tensor_args(args, kwargs, self._entry):
             self._see(func, t, entry, args, kwargs, out)
         for t, (entry, dim) in _tensor_args(args, kwargs, self._heads_of):
+            if entry.sequence is not None and func in _RESHAPES and isinstance(out, Tensor):
+                refusal = entry.sequence.reshaped(t, out)  # a per-head view merged back by the slice's length
+                if refusal is not None:
+                    raise ValueError(refusal)
             see_heads(self, func, t, entry, dim, args, kwargs, out)
         return out
 

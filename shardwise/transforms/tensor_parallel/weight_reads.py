@@ -33,13 +33,25 @@ it is: modules.py checks on zeros that the forward adds it so), and must return 
 anything it computes after it would be applied to each rank's partial sum, not to the whole. A Colwise
 one's (a Linear's or an Embedding's) may add its bias and apply functions of each feature alone (``tanh``,
 a scale by a number): its output is the rank's slice of the features, and ``F.normalize`` over them would
-normalize the slice (:func:`check_product`). A number is Python's or a 0-d tensor computed from neither
-the product nor a split weight (a buffer): ``y / y.norm()`` is followed as computed from the product.
+normalize the slice (:func:`check_product`). It may view them per head, its features (the rank's whole heads)
+split into (heads, head_dim) by a head width it fixes, the leading dims kept (``view(*x.shape[:-1], -1,
+head_dim)``, ``unflatten(-1, (-1, head_dim))``), as an attention's parent views a plain Linear's: the output is
+then followed along its heads (head_views.py), gathered along them for ``output='replicated'``; a view whose
+head width is left to -1 (by a whole head count, ``view(b, t, self.heads, -1)``: the rank's 1/tp of the width),
+that gives its heads beside a size read off the rank's width (``y.shape[-1] // self.n``), or that mixes the
+features with other dims is refused (:meth:`WeightReads._reshaped`).
+
+A number (to scale the weight or the product by) is Python's or a 0-d tensor computed from neither the
+product, nor a split weight, nor a Rowwise's input (the rank's slice of the features: :func:`follow_input`):
+a buffer (an equalized-lr or muP multiplier), a constant, a learned 0-d gain of the module (match.py sums its
+gradient over the axis: each rank's is its slice's part).
+``y / y.norm()`` and ``weight * x.abs().max()`` (Rowwise) are followed as computed from the rank's slice.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import sys
 import threading
@@ -75,6 +87,8 @@ _ELEMENTWISE = _words("""
     add __add__ __radd__ sub __sub__ __rsub__ to float double half bfloat16 type contiguous clone
 """)
 _PRODUCTS = _words("linear matmul __matmul__ __rmatmul__ mm addmm bmm embedding")
+# Reshapes of an overridden Colwise forward's product: a per-head view of its features is followed (_reshaped).
+_RESHAPES = _words("view reshape unflatten flatten")
 
 # .ids: {id of a split parameter: depth} while its own module's forward runs; .custom: the ids of those
 # whose module's class overrides torch's forward (followed to their product); .reads: this thread's watch.
@@ -99,13 +113,13 @@ def own_use(module: nn.Module, custom: bool = False) -> Iterator[None]:
     reads: WeightReads = _own.reads
     # What an overridden forward computes from its product is followed from that forward alone: a number
     # the layer computed before it (from another module's output) is no function of this product.
-    followed = reads.followed
+    followed, refused_view, width_read = reads.followed, reads.refused_view, reads.width_read
     if custom:
-        reads.followed = ({}, {}, {})
+        reads.followed, reads.refused_view, reads.width_read = ({}, {}, {}, {}), None, False
     try:
         yield
     finally:
-        reads.followed = followed
+        reads.followed, reads.refused_view, reads.width_read = followed, refused_view, width_read
         _own.custom = outer
         for i in mine:
             ids[i] -= 1
@@ -118,6 +132,21 @@ def reads_watched() -> bool:
     return getattr(_own, "reads", None) is not None
 
 
+def follow_input(x: Any) -> None:
+    """A Rowwise's input, this rank's slice of its features: a number an overridden forward computes from it
+    (``x.abs().max()``) is the slice's, no number to scale its weight by. Noted while a watch runs."""
+    reads: WeightReads | None = getattr(_own, "reads", None)
+    if reads is not None and isinstance(x, Tensor):
+        reads.derived[id(x)] = weakref.ref(x)
+
+
+def head_view_of(out: Any) -> tuple[int, ...] | None:
+    """The (heads, head_dim, ...) a Colwise Linear subclass's forward viewed its product as, where ``out`` is that
+    view (its heads dim is ``out.dim() - len`` of it); None otherwise, or where no watch runs."""
+    reads: WeightReads | None = getattr(_own, "reads", None)
+    return None if reads is None else reads.head_view(out)
+
+
 def check_product(out: Any, label: str, module: nn.Module, rowwise: bool) -> None:
     """A split module's overridden forward must return its product with the input (a Colwise one's: plus its
     bias, or an elementwise function of that): a Colwise one's output is the rank's slice of the features, so
@@ -125,9 +154,21 @@ def check_product(out: Any, label: str, module: nn.Module, rowwise: bool) -> Non
     one's (run without its bias) is a partial sum, so anything after the product would act on the part, not
     the whole. Checked while a watch runs."""
     reads: WeightReads | None = getattr(_own, "reads", None)
-    if reads is None or reads.holds(reads.products, out) or (not rowwise and reads.holds(reads.after, out)):
+    if reads is None or reads.holds(reads.products, out) or (not rowwise and (
+        reads.holds(reads.after, out) or reads.head_view(out) is not None
+    )):
         return
     base = "nn.Embedding" if isinstance(module, nn.Embedding) else "nn.Linear"
+    if not rowwise and reads.refused_view is not None:
+        raise ValueError(
+            f"tensor_parallel: Colwise() on {label!r}, a {type(module).__name__} whose forward overrides {base}'s: "
+            "run on this rank's slice of its output features (its whole heads, 1/tp of them), it reshapes its "
+            f"output ({reads.refused_view}), which is no per-head view tensor parallel can follow: on a rank the "
+            "same sizes make other heads, or mix the rank's features with other dims. View them by the head width, "
+            "the heads inferred (view(*x.shape[:-1], -1, head_dim), unflatten(-1, (-1, head_dim))), as Hugging "
+            f"Face's attentions do; or return the product and view it in the module around it; or give it a plain "
+            f"{base}, or leave it out of the plan (replicated, with its Rowwise partner)"
+        )
     if not rowwise:
         raise ValueError(
             f"tensor_parallel: Colwise() on {label!r}, a {type(module).__name__} whose forward overrides "
@@ -162,7 +203,10 @@ class WeightReads(TorchFunctionMode):
         }
         # While an overridden forward runs (own_use): its products (check_product), elementwise functions of
         # them by numbers, and anything else computed from them (a norm, a max: no number to scale them by).
-        self.followed: tuple[dict[int, weakref.ref[Tensor]], ...] = ({}, {}, {})
+        # The fourth: per-head views of those (their features split into (heads, head_dim)), with the dims.
+        self.followed: tuple[dict[int, Any], ...] = ({}, {}, {}, {})
+        self.refused_view: str | None = None  # a reshape of the product no per-head view: what check_product says
+        self.width_read = False  # the forward read its product's shape (the rank's width): a head width from it?
 
     @property
     def products(self) -> dict[int, weakref.ref[Tensor]]:
@@ -175,6 +219,15 @@ class WeightReads(TorchFunctionMode):
     @property
     def derived(self) -> dict[int, weakref.ref[Tensor]]:
         return self.followed[2]
+
+    @property
+    def viewed(self) -> dict[int, tuple[weakref.ref[Tensor], tuple[int, ...]]]:
+        return self.followed[3]
+
+    def head_view(self, t: Any) -> tuple[int, ...] | None:
+        """The (heads, head_dim, ...) an overridden Colwise forward's product was viewed as, if ``t`` is that view."""
+        found = self.viewed.get(id(t)) if isinstance(t, Tensor) else None
+        return found[1] if found is not None and found[0]() is t else None
 
     def __enter__(self) -> WeightReads:
         self.outer = getattr(_own, "reads", None)
@@ -190,10 +243,10 @@ class WeightReads(TorchFunctionMode):
         self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         kwargs = kwargs or {}
-        split, products, after, derived = self.split, *self.followed
+        split, products, after, derived, viewed = self.split, *self.followed
         if not any(id(a) in split or (type(a) in (list, tuple) and any(id(t) in split for t in a))
                    for a in (*args, *kwargs.values())):
-            if (products or after or derived) and any(
+            if (products or after or derived or viewed) and any(
                 self._followed(t) for a in (*args, *kwargs.values())
                 for t in (a if type(a) in (list, tuple) else (a,))
             ):
@@ -220,8 +273,8 @@ class WeightReads(TorchFunctionMode):
                     if not _by_shardwise(name):
                         raise ValueError(self._custom_refusal(path, by, name, shape=True))
                     continue
-                if name in _CARRY or (name in _BY_A_NUMBER and not any(
-                    isinstance(b, Tensor) and b is not t for b in (*args, *kwargs.values())
+                if name in _CARRY or (name in _BY_A_NUMBER and all(
+                    self._a_number(b) for b in (*args, *kwargs.values()) if isinstance(b, Tensor) and b is not t
                 )):
                     made = True
                 elif name in _PRODUCTS or (name in _ADDS and any(
@@ -229,7 +282,7 @@ class WeightReads(TorchFunctionMode):
                 )):
                     product = True  # (its own bias added to the product: a Colwise bias is sliced as its outputs)
                 elif not _by_shardwise(name):
-                    raise ValueError(self._custom_refusal(path, by, name))
+                    raise ValueError(self._custom_refusal(path, by, name, scaled=name in _BY_A_NUMBER))
         out = func(*args, **kwargs)
         if isinstance(out, Tensor) and made:
             self.split[id(out)] = (weakref.ref(out), next(e for e in self._entries(args, kwargs)))
@@ -237,12 +290,18 @@ class WeightReads(TorchFunctionMode):
             self.products[id(out)] = weakref.ref(out)
         return out
 
+    def _a_number(self, t: Tensor) -> bool:
+        """A 0-d tensor the same on every rank (a buffer, a constant: equalized-lr and muP multipliers), computed
+        from neither a split weight, nor the product, nor a Rowwise's input (each the rank's part of the whole)."""
+        entry = self.split.get(id(t))
+        return t.dim() == 0 and not self._followed(t) and (entry is None or entry[0]() is not t)
+
     def _is_product(self, t: Tensor) -> bool:
         return self.holds(self.products, t)
 
     def _followed(self, t: Any) -> bool:
         """Whether ``t`` is an overridden forward's product, or was computed from one."""
-        return any(self.holds(found, t) for found in self.followed)
+        return any(self.holds(found, t) for found in self.followed[:3]) or self.head_view(t) is not None
 
     @staticmethod
     def holds(found: dict[int, weakref.ref[Tensor]], t: Any) -> bool:
@@ -254,15 +313,28 @@ class WeightReads(TorchFunctionMode):
         of it by numbers (Python's, or 0-d tensors computed from neither the product nor a split weight: a norm
         or a max of the rank's slice is no number) is noted as such, anything else as computed from it."""
         out = func(*args, **kwargs)
+        name = _name(func)
+        first = args[0] if args else None
+        if name in _SHAPES:
+            self.width_read = True
+            return out
+        if name in _RESHAPES and isinstance(out, Tensor) and isinstance(first, Tensor) and (
+            self.holds(self.products, first) or self.holds(self.after, first) or self.head_view(first) is not None
+        ):
+            self._reshaped(name, first, args[1:], kwargs, out)
+            return out
         tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)]
         mains = [t for t in tensors if self.holds(self.products, t) or self.holds(self.after, t)]
-        numbers = [t for t in tensors if not any(t is u for u in mains)]
+        views = [t for t in tensors if self.head_view(t) is not None]
+        numbers = [t for t in tensors if not any(t is u for u in (*mains, *views))]
         elementwise = (
-            isinstance(out, Tensor) and _name(func) in _ELEMENTWISE
-            and bool(mains) and all(t.shape == out.shape for t in mains)
-            and all(o.dim() == 0 and not self._followed(o) and id(o) not in self.split for o in numbers)
+            isinstance(out, Tensor) and name in _ELEMENTWISE
+            and bool(mains) != bool(views) and all(t.shape == out.shape for t in (*mains, *views))
+            and all(self._a_number(o) for o in numbers)
         )
-        if elementwise:
+        if elementwise and views:
+            self.viewed[id(out)] = (weakref.ref(out), self.head_view(views[0]) or ())
+        elif elementwise:
             self.after[id(out)] = weakref.ref(out)
         else:
             for t in out if isinstance(out, (list, tuple)) else (out,):
@@ -270,17 +342,49 @@ class WeightReads(TorchFunctionMode):
                     self.derived[id(t)] = weakref.ref(t)
         return out
 
+    def _reshaped(self, name: str, t: Tensor, rest: Sequence[Any], kwargs: dict[str, Any], out: Tensor) -> None:
+        """A reshape of a Colwise product (or of its per-head view): its features, the rank's whole heads, split
+        into (heads, head_dim) by a head width the module fixes (``view(b, t, -1, head_dim)``, ``unflatten(-1,
+        (-1, head_dim))``), or such a view flattened back, is followed as the view or the product; any other, one
+        whose head width is the rank's (``view(b, t, heads, -1)``: 1/tp of the width, as many heads) or that mixes
+        the features with other dims (the leading dims too: ``view(-1, heads, head_dim)``), is noted for
+        check_product's refusal."""
+        viewed = self.head_view(t)
+        width = math.prod(viewed) if viewed is not None else (t.shape[-1] if t.dim() else 0)
+        heads_at = t.dim() - len(viewed) if viewed is not None else t.dim() - 1
+        factors = _trailing(list(out.shape), width, list(t.shape[:heads_at]))
+        if factors is not None and len(factors) == 1:
+            self.after[id(out)] = weakref.ref(out)  # the features last again (merged back, or leading dims moved)
+            return
+        asked = None if factors is None else _asked(name, rest, kwargs, out.dim(), len(factors))
+        why = (
+            ", its features mixed with other dims" if factors is None or asked is None else
+            ", the head width left to -1 (the rank's 1/tp of it where the heads are a whole count)"
+            if -1 in asked[1:] else
+            ", its heads given with the rank's width read off the output (y.shape[-1] // heads: 1/tp of the head "
+            "width where the count is whole)" if asked[0] != -1 and self.width_read else None
+        )
+        if factors is not None and why is None:
+            self.viewed[id(out)] = (weakref.ref(out), tuple(factors))
+            return
+        self.derived[id(out)] = weakref.ref(out)
+        self.refused_view = self.refused_view or f"{name} of its {list(t.shape)} to {list(out.shape)}{why}"
+
     def _entries(self, args: Sequence[Any], kwargs: dict[str, Any]) -> Iterator[tuple[int, str, str]]:
         for a in (*args, *kwargs.values()):
             entry = self.split.get(id(a)) if isinstance(a, Tensor) else None
             if entry is not None and entry[0]() is a:
                 yield entry[1]
 
-    def _custom_refusal(self, path: str, by: str, op: str, shape: bool = False) -> str:
+    def _custom_refusal(self, path: str, by: str, op: str, shape: bool = False, scaled: bool = False) -> str:
         where = _model_line(op)
         what, why = (
             ("reads the shape of", f"a width computed from its shape ({op}: a fan-in scale, weight.shape[1] ** -0.5) "
              "is the rank's part of the whole's") if shape else
+            (f"computes {op} (a scale by a tensor that is no number) on",
+             "a scale computed from the rank's slice (of the weight, of its product, of a Rowwise's input: "
+             "x.abs().max()), or one with dims, differs from the whole's; a number it may scale by is Python's or "
+             "a 0-d tensor the same on every rank (a buffer, a 0-d parameter)") if scaled else
             (f"computes {op} on", "a use other than its product with the input (linear, matmul; after casts, "
              "transposes or a scale by a number) would see part of the weight where it means the whole (a "
              "normalized weight's norm)")
@@ -304,6 +408,35 @@ class WeightReads(TorchFunctionMode):
             "its weight, leave the module out of the plan (replicated, with its Colwise / Rowwise partner), or, "
             "for a penalty on the weights, use the optimizer's weight decay (sw.optim.adamw(weight_decay=...))"
         )
+
+
+def _trailing(shape: list[int], width: int, lead: list[int]) -> list[int] | None:
+    """The trailing dims of ``shape`` that hold ``width`` features after the leading dims ``lead`` (kept as they
+    were: the product's dims follow its input's, which tensor parallel reads them by), or None."""
+    product = 1
+    for k in range(len(shape) - 1, -1, -1):
+        product *= shape[k]
+        if product == width:
+            return shape[k:] if shape[:k] == lead else None
+        if product > width:
+            return None
+    return None
+
+
+def _asked(name: str, rest: Sequence[Any], kwargs: dict[str, Any], dims: int, parts: int) -> list[Any] | None:
+    """The sizes the reshape asked for its last ``parts`` dims (the heads, then the head's): right where every one
+    after the heads is fixed (not -1) by the module, the same on a rank as on the whole, and the heads are -1 (what
+    the rank's width makes of them) or given without reading that width. None where they cannot be read."""
+    if name == "unflatten":
+        sizes = kwargs.get("sizes", rest[1] if len(rest) > 1 else None)
+        asked = list(sizes) if isinstance(sizes, (list, tuple)) else None
+    else:
+        shape = kwargs.get("shape", kwargs.get("size", rest[0] if len(rest) == 1 else rest))
+        asked = list(shape) if isinstance(shape, (list, tuple)) else None
+        asked = asked if asked is not None and len(asked) == dims else None
+    if asked is None or len(asked) < parts or not all(isinstance(a, int) for a in asked[len(asked) - parts:]):
+        return None
+    return asked[len(asked) - parts:]
 
 
 def _name(func: Any) -> str:

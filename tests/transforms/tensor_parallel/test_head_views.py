@@ -227,7 +227,8 @@ def test_a_parameter_per_head_is_named_not_the_head_counts() -> None:
 def test_a_linear_over_every_heads_features_is_named_a_linear_not_a_norm() -> None:
     """Doge's dt_proj (a Linear no style splits) takes the values of every head together: a rank's half of
     them failed its matmul, and the refusal called its weight a norm spanning q_proj's output (the product
-    of its dims, 2 x 8, happened to equal q_proj's 16 features). It names the Linear and its input width."""
+    of its dims, 2 x 8, happened to equal q_proj's 16 features). It names the Linear and its input width,
+    and v_proj, whose output the failing matmul took (it named k_proj, the first Colwise as wide)."""
     transformers = pytest.importorskip("transformers")
     from transformers.models.doge.modeling_doge import DogeDecoderLayer
 
@@ -240,7 +241,7 @@ def test_a_linear_over_every_heads_features_is_named_a_linear_not_a_norm() -> No
     plan = {**sw.tp.llama_plan(vocab_parallel=False), "lm_head": sw.tp.Colwise(output="sharded")}
     with pytest.raises(ValueError, match=(
             r"its Linear 'dt_proj' \(weight \(2, 8\)\), which no style splits, takes 8 input features, as wide as "
-            r"the whole output of 'model.layers.0.self_attn.[kv]_proj'")):
+            r"the whole output of 'model\.layers\.0\.self_attn\.v_proj' \(every head's\)")):
         sw.tensor_parallel(step, "tp", plan).plan(sw.Mesh(tp=2), params, batches[0])
 
 

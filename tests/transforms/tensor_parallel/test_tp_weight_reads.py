@@ -361,3 +361,120 @@ def test_hugging_face_linear_subclasses_and_tied_heads_equal_one_device() -> Non
                              sw.optim.sgd(0.1, momentum=0.9))
         sw.testing.assert_equivalent(sw.tensor_parallel(step, "tp", plan), step, sw.Mesh(tp=2), ids, params,
                                      rtol=RTOL)
+
+
+class _BufferScaledWeight(nn.Linear):
+    """Its weight scaled by a 0-d buffer (an equalized-lr or muP multiplier): the same on every rank."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.register_buffer("scale", torch.tensor(0.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight * self.scale, self.bias)
+
+
+class _GainedWeight(nn.Linear):
+    """Its weight times a learned 0-d gain: each rank's gradient of the gain is its slice's part of the whole's."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.gain = nn.Parameter(torch.tensor(1.3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.gain * self.weight, self.bias)
+
+
+class _GainedOutput(nn.Linear):
+    """Its product times a learned 0-d gain (Colwise: a function of each feature alone)."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.gain = nn.Parameter(torch.tensor(1.3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias) * self.gain
+
+
+class _InputScaledWeight(nn.Linear):
+    """Its weight scaled by a 0-d tensor of its input: a Rowwise rank's input is its slice of the features."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight * (1 / x.detach().abs().amax()), self.bias)
+
+
+class _ProductScaledWeight(nn.Linear):
+    """Its weight scaled by the norm of a product with it: the norm of a Colwise rank's slice of the features."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight / F.linear(x, self.weight).norm(), self.bias)
+
+
+class _FeatureGain(nn.Linear):
+    """A gain per output feature: no style splits it, and a Colwise rank meets all of it with a slice."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.gain = nn.Parameter(torch.ones(self.out_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias) * self.gain
+
+
+@pytest.mark.parametrize(("up", "down"), [
+    (_BufferScaledWeight, _BufferScaledWeight), (_GainedWeight, _GainedWeight), (_GainedOutput, nn.Linear),
+], ids=["buffer", "gained weight", "gained output"])
+@pytest.mark.parametrize("plan", [REGION, PAIR], ids=["region", "pair"])
+def test_a_weight_scaled_by_a_zero_d_buffer_or_gain_equals_one_device(up: type, down: type,
+                                                                      plan: dict[str, Any]) -> None:
+    """A 0-d buffer scaling a split weight was refused as a use other than the product; a learned 0-d gain on the
+    split module was refused as an extra parameter. Both are numbers the same on every rank; the gain's gradient,
+    each rank's part of the whole's, is summed over the axis (outside a Region too: the pair plan)."""
+    step, params, batches = _problem(_subclass_mlp(up, down))
+    sw.testing.assert_equivalent(sw.tensor_parallel(step, "tp", plan), step, sw.Mesh(tp=2), batches, params,
+                                 rtol=RTOL)
+
+
+@pytest.mark.parametrize(("up", "down", "refused"), [
+    (nn.Linear, _InputScaledWeight, r"the forward of '1\.down' \(Rowwise\(\), a _InputScaledWeight\), whose class "
+                                    r"overrides torch's, computes mul \(a scale by a tensor that is no number\) on its "
+                                    r"split parameter '1\.down\.weight'.*of a Rowwise's input"),
+    (_ProductScaledWeight, nn.Linear, r"the forward of '1\.up' \(Colwise\(.*\), a _ProductScaledWeight\), whose class "
+                                      r"overrides torch's, computes div \(a scale by a tensor that is no number\) on"),
+    (_FeatureGain, nn.Linear, r"Colwise\(.*\) on '1\.up', a _FeatureGain, has parameters \{'gain': \(16,\)\} besides "
+                              r"weight and bias, which no style splits"),
+])
+def test_a_weight_scaled_by_a_per_rank_number_is_refused(up: type, down: type, refused: str) -> None:
+    """A 0-d scale computed from a Rowwise's input or from the product is the rank's slice's; a gain with dims
+    meets a slice of the features whole. Refused, as before this change (the first two by another message)."""
+    step, params, batches = _problem(_subclass_mlp(up, down))
+    with pytest.raises(ValueError, match=refused + r".*(plain nn\.Linear|leave (it|this one) out of the plan)"):
+        sw.tensor_parallel(step, "tp", REGION).plan(sw.Mesh(tp=2), params, batches[0])
+
+
+class _GainedEmbedding(nn.Embedding):
+    """What it looks up times a learned 0-d gain."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.gain = nn.Parameter(torch.tensor(1.3))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(ids) * self.gain
+
+
+def test_an_embedding_with_a_zero_d_gain_equals_one_device_under_colwise_only() -> None:
+    """Colwise runs the subclass's forward on the rank's features, its gain's gradient summed; a Rowwise (vocabulary)
+    split looks up without running it, so the gain would go unused: refused."""
+    step, params, batches = _embedding_problem(_GainedEmbedding)
+    sw.testing.assert_equivalent(sw.tensor_parallel(step, "tp", {"emb": sw.tp.Colwise()}), step, sw.Mesh(tp=2),
+                                 batches, params, rtol=RTOL)
+    with pytest.raises(ValueError, match=r"Rowwise\(\) on 'emb', a _GainedEmbedding, has parameters \{'gain': \(\)\} "
+                                         r"besides weight and bias, .*without its forward, so they would go unused"):
+        sw.tensor_parallel(step, "tp", {"emb": sw.tp.Rowwise()}).plan(sw.Mesh(tp=2), params, batches[0])
+
+
+def test_a_zero_d_gains_summed_gradient_is_in_the_plan() -> None:
+    """The gain's gradient sum (outside any Region) is a collective the Plan lists, and the step runs it so."""
+    step, params, batches = _problem(_subclass_mlp(_GainedWeight, _GainedWeight))
+    sw.testing.assert_plan_is_run(sw.tensor_parallel(step, "tp", PAIR), sw.Mesh(tp=2), params, batches[0])
