@@ -17,7 +17,7 @@ Each operation is one line of forward and one of backward (picotron's
   (where sequence parallel begins).
 * ``vary``: ``enter`` on a replicated parameter used on per-rank values, so its
   gradient is summed over the axis (unless ``summed`` says otherwise by the time the
-  backward runs: see modules.VaryFn).
+  backward runs: see layer_rewrite.VaryFn).
 
 Predicting. Inside the engine's ``in_layer.predicting`` block the operations move nothing: they
 record what they would issue (the collective, its axis, its input's shape and dtype, forward or

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from ...engine.stack import in_layer
 from .comm import all_max, leave
-from .modules import forget_split_output, output_is_split
+from .rank_flow import forget_split_output, output_is_split
 
 _split_over: contextvars.ContextVar[_Split | None] = contextvars.ContextVar("shardwise_vocab_split", default=None)
 

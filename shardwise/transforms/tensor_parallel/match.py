@@ -211,7 +211,7 @@ def resolve(chain: Chain, plan: Mapping[str, Style], sequence_parallel: str | No
         path = _join(root_prefix, prefix, subpath)
         lp = layers.setdefault(layer.name, LayerPlan(layer.name))
         # A Region's own parameters, and its modules', may act on per-rank values (after its input enters):
-        # candidates; its first forward leaves out those used only after its split layers (modules.VaryFn).
+        # candidates; its first forward leaves out those used only after its split layers (layer_rewrite.VaryFn).
         inside = [r for r in region_paths if path == r or path.startswith(r + ".")]
         enclosing = [r for r in inside if r != path]
         in_block = any(path == b or path.startswith(b + ".") for b in blocks_in_order)

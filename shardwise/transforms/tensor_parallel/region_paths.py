@@ -97,7 +97,7 @@ def parameter_sides(
 
 class Sides:
     """Where the Regions of one layer's forward use the replicated parameters the layer varies
-    (modules.VaryFn): ``names`` maps each varied tensor's grad_fn node to its name; ``whole`` and
+    (layer_rewrite.VaryFn): ``names`` maps each varied tensor's grad_fn node to its name; ``whole`` and
     ``partial`` collect those used after every split layer and those used behind one
     (:func:`parameter_sides`), ``where`` the Region that said so, for errors."""
 

@@ -15,8 +15,8 @@ from ...engine.model.chain import Chain
 from ...engine.plan.inside import Predicted, Recording
 from ...engine.stack.compose import SPLIT
 from ...engine.stack.roles import NO_CUT, BatchCut
+from .layer_rewrite import guard_layer, rewrite_layer
 from .match import EMBEDDING, LayerPlan, Resolved, resolve
-from .modules import guard_layer, rewrite_layer
 from .per_head import per_head_message
 from .predict import predict
 from .styles import Colwise, Rowwise, Style, gathers

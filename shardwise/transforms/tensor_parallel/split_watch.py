@@ -33,7 +33,7 @@ its features:
   whole width) is explained as before. The output is followed through the ops along other dims that
   keep its features (``q.mean(1)``, ``q.softmax(1)``, ``q.max(1).values``) to such an op.
 
-A Colwise outside any Region is watched through its layer's first call on each rank (modules.VaryFn); inside a
+A Colwise outside any Region is watched through its layer's first call on each rank (layer_rewrite.VaryFn); inside a
 sequence-parallel block a reshape of its output by the slice's length is refused there (sequence_gather.py).
 
 A view that factors a plain Colwise's features with the blocks outermost (``view(b, t, 3, heads,
