@@ -23,6 +23,11 @@ from torch import Tensor
 
 Tags = dict[int, tuple[int, int]]
 TagsOf = Callable[[Any], Tags]
+# Marks beside the dims. POOLED: a mean over every element, the positions' too (a 0-d auxiliary loss term): each
+# rank's mean over its part, and the step averages the ranks' losses, so it is exact while it reaches the loss
+# linearly. VALUED: an index whose values are positions (nonzero of a tensor that holds them: a router's tokens).
+POOLED, VALUED = -1, -2
+_NO_RANGE = (0, 0)
 
 
 class Verdict(NamedTuple):
@@ -34,6 +39,8 @@ def judge(func: Any, args: Sequence[Any], kwargs: dict[str, Any], out: Any, tags
     """The verdict on ``func(*args, **kwargs) -> out`` (see the module docstring)."""
     name = func.overloadpacket.__name__
     outs = [t for t in optree.tree_leaves(out, none_is_leaf=True) if isinstance(t, Tensor)]
+    if any(POOLED in tags_of(t) for t in tensors_in(args, kwargs)):
+        return _pooled(_Call(name, func, list(args), kwargs, outs, tags_of))
     rule = _RULES.get(name)
     if rule is None and (torch.Tag.pointwise in func.tags or _pointwise(name)):
         rule = _pointwise_rule
@@ -72,6 +79,27 @@ class _Call(NamedTuple):
         return Verdict([dict(tags or {}) for _ in self.outs], why)
 
 
+def _words(text: str) -> frozenset[str]:
+    return frozenset(text.split())
+
+
+# What a mean over the positions may go through and stay a term of the loss: linear maps by constants.
+_LINEAR = _words("_to_copy clone detach alias lift_fresh view _unsafe_view expand squeeze unsqueeze mul mul_ div "
+                 "div_ add add_ sub sub_ neg rsub")
+
+
+def _pooled(c: _Call) -> Verdict:
+    pooled = [t for t in tensors_in(c.args, c.kwargs) if POOLED in c.tags_of(t)]
+    others = [t for t in tensors_in(c.args, c.kwargs) if all(t is not p for p in pooled)]
+    linear = c.name in _LINEAR and len(pooled) == 1 and not any(c.tags_of(t) for t in others) and (
+        c.name not in ("div", "div_") or c.args[0] is pooled[0])
+    if linear:
+        return c.each({POOLED: _NO_RANGE})
+    return c.refuse(f"computes {_readable(c.func)} of a mean over every element of a tensor that holds the part's "
+                    "positions (exact under context_parallel only as a term added to the loss: each rank averages "
+                    "its own part)")
+
+
 def _readable(func: Any) -> str:
     return f"aten.{func.overloadpacket.__name__}"
 
@@ -90,10 +118,6 @@ def _pointwise(name: str) -> bool:
 
 
 # Each computes every element from the elements at the same place (after broadcasting), or copies it.
-def _words(text: str) -> frozenset[str]:
-    return frozenset(text.split())
-
-
 _ELEMENTWISE = _words(
     "_to_copy copy_ copy clone detach alias lift_fresh lift_fresh_copy fill_ fill zero_ masked_fill masked_fill_ "
     "where bernoulli bernoulli_ uniform_ normal_ _conj resolve_conj resolve_neg contiguous native_dropout "
@@ -124,7 +148,7 @@ def _dims(value: Any, ndim: int) -> list[int] | None:
 
 def _broadcast(tags: Tags, ndim: int, out_ndim: int) -> Tags:
     shift = out_ndim - ndim
-    return {d + shift: r for d, r in tags.items()}
+    return {d + shift: r for d, r in tags.items() if d >= 0}
 
 
 def _union(*many: Tags) -> Tags:
@@ -162,6 +186,8 @@ def _reduction(dims_at: int | None, keep_at: int | None, what: str,
         value = c.arg(dims_at, "dim", default) if dims_at is not None else None
         dims = _dims(default if value is None else value, x.dim())
         along = list(range(x.dim())) if dims is None else dims
+        if c.name == "mean" and dims is None and all(t.dim() == 0 for t in c.outs):
+            return c.each({POOLED: _NO_RANGE})
         if any(d in tags for d in along):
             hit = min(d for d in along if d in tags)
             return c.refuse(f"takes {c.name.lstrip('_')} of a {list(x.shape)} tensor along the sequence (its dim "
@@ -429,7 +455,11 @@ def _scatter(c: _Call) -> Verdict:
     d = _dim(c.arg(1, "dim"), x.dim())
     tensors = [t for t in c.args[2:] if isinstance(t, Tensor)]
     tags = [c.tags_of(x), *(c.tags_of(t) for t in tensors)]
-    if any(d in t for t in tags) or (c.name.startswith("index_") and c.tags_of(c.args[2])):
+    index = c.arg(2, "index")
+    if c.name in ("index_add", "index_add_", "index_copy", "index_copy_") and VALUED in c.tags_of(index):
+        # rows put back at the positions they were taken from (a router's tokens, through their experts)
+        return c.each({k: v for k, v in _union(*tags).items() if k >= 0})
+    if any(d in t for t in tags) or (c.name.startswith("index_") and c.tags_of(index)):
         return c.refuse(f"writes along dim {d} of a {list(x.shape)} tensor by an index, across the part's positions",
                         _union(*tags))
     return c.each(_union(*(t for t, x_ in zip(tags, [x, *tensors], strict=True) if x_.dim() == x.dim())))
@@ -441,7 +471,8 @@ def _index(c: _Call) -> Verdict:
     tags = c.tags_of(x)
     given = [i for i, t in enumerate(indices) if t is not None]
     spans = [i + k for i in given for k in range(indices[i].dim() if indices[i].dtype == torch.bool else 1)]
-    if any(d in tags for d in spans):
+    by_positions = all(VALUED in c.tags_of(indices[i]) for i in given if i in tags)
+    if any(d in tags for d in spans) and not by_positions:
         return c.refuse(f"indexes a {list(x.shape)} tensor along a dim that holds the part's positions (a token "
                         "picked, or tokens selected?)", tags)
     if any(indices[i].dtype == torch.bool for i in given):
@@ -459,7 +490,7 @@ def _index(c: _Call) -> Verdict:
         at = index_ndim + i if not contiguous else d if d < given[0] else d - len(given) + index_ndim
         if d in tags and at < out.dim():
             new = _union(new, {at: tags[d]})
-    return c.each(new)
+    return c.each({k: v for k, v in new.items() if k >= 0})
 
 
 def _index_put(c: _Call) -> Verdict:
@@ -492,6 +523,15 @@ def _unfold(c: _Call) -> Verdict:
     if _dim(c.arg(1, "dimension"), x.dim()) in tags:
         return c.refuse(f"takes sliding windows of a {list(x.shape)} tensor along the part's positions", tags)
     return c.each(tags)
+
+
+def _nonzero(c: _Call) -> Verdict:
+    """The places of a tensor's nonzero elements, [n, ndim]: its rows are some of the part's positions, and its
+    values positions (an index that takes rows from a tensor that holds them, and puts them back)."""
+    x, out = c.args[0], c.outs[0]
+    if c.tags_of(x) and out.dim() == 2:
+        return c.each({0: (1, max(int(out.shape[0]), 1)), VALUED: _NO_RANGE})
+    return c.refuse(f"takes the nonzero elements of a {list(x.shape)} tensor that holds the part's positions")
 
 
 def _full_read(what: str) -> Callable[[_Call], Verdict]:
@@ -543,6 +583,7 @@ _RULES: dict[str, Callable[[_Call], Verdict]] = {
                      "_scaled_dot_product_fused_attention_overrideable", "_flash_attention_forward",
                      "_efficient_attention_forward"], _attention_kernel),
     **dict.fromkeys(["convolution", "_convolution"], _convolution),
+    "nonzero": _nonzero, "argwhere": _nonzero,
     "embedding": _embedding, "index_select": _index_select, "gather": _gather,
     **dict.fromkeys(["scatter", "scatter_", "scatter_add", "scatter_add_", "scatter_reduce", "scatter_reduce_",
                      "index_add", "index_add_", "index_copy", "index_copy_", "index_fill", "index_fill_"], _scatter),

@@ -71,6 +71,7 @@ MIXING: list[tuple[str, Op, str]] = [
      "runs aten.upsample_linear1d, an op whose effect on the positions is not known"),
     ("sort", lambda x: x.sort(1).values, "takes sort of .* along the sequence"),
     ("topk", lambda x: x.topk(2, dim=1).values.sum(1, keepdim=True), "takes topk of .* along the sequence"),
+    ("mean_of_everything_used_in_the_layer", lambda x: x * x.mean(), "computes aten.mul of a mean over every element"),
     ("argmax", lambda x: x.argmax(1, keepdim=True).to(x.dtype), "takes argmax of .* along the sequence"),
 ]
 
