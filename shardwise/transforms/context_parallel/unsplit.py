@@ -1,22 +1,36 @@
-"""An attention context_parallel does not know, found by what it computes, and refused.
+"""Ops that mix the rank's positions outside the attentions context_parallel installed, found and refused.
 
 context_parallel replaces the attentions it knows (``attention.py``: by their structure; a transformers
-attention calling the ``AttentionInterface`` is pointed at its split function, ``hf_interface.py``, which
-runs inside :func:`installed_attention` too; any other module whose class name ends in ``Attention`` is
-refused by name). An attention module named otherwise
-(a user's ``MHA``, ``SelfAttn``) was left as it is: it attended over the rank's part of the sequence
-only and trained another model without an error. So the first time a layer runs for an input shape (the
-Plan's prediction, or the first step), a TorchFunctionMode watches its ops outside the attention the
-transform installed (:func:`installed_attention`): a ``scaled_dot_product_attention``, a softmax of a
-``[..., t, t]`` tensor (eager attention's scores, ``t`` the rank's part of the sequence), or a ``conv1d``
-of kernel > 1 over a length-``t`` dim (a convolution over time, as Mamba-style mixers have), is refused,
-naming the innermost module that runs it.
+attention calling the ``AttentionInterface`` is pointed at its split function, ``hf_interface.py``; any other
+module whose class name ends in ``Attention`` is refused by name). Everything else in a layer runs on the
+rank's part of the sequence, which is right only where it computes each position from that position alone.
+So the first time a layer runs for an input shape (the Plan's prediction on fake tensors, or the first step),
+its ops are watched:
 
-A running sum or product along a dim of the part's length (``cumsum`` and its kin: RoBERTa's position ids
-counted from the padding) is refused too, and so is an op on the batch's ``attention_mask`` (which carries the
-whole sequence's mask to the attentions) outside transformers' mask making, the attentions and shardwise.
-What it cannot see: other ops that mix positions (a reduction over the tokens, a token shift by padding or
-rolling), and code that bypasses ``__torch_function__``.
+* :class:`FollowSequence` (``sequence_dims.py``, a TorchDispatchMode; the rules per aten op are in
+  ``sequence_rules.py``) tags the sequence dim of the layer's inputs (``dim`` of every input leaf whose
+  ``dim`` has the part's length: the hidden states, input and position ids, rotary tables) and follows it
+  through every op. An op that reduces, scans, sorts, pads, rolls, flips, slices, concatenates, convolves,
+  pools or contracts along a dim that holds positions (``x.mean(1)``, ``F.pad(x, (0, 0, 1, -1))``,
+  ``q @ (k.mT @ v)``, ``F.avg_pool1d`` over time, an eager attention's softmax), or that no rule knows given a
+  tagged tensor, is refused here, naming the innermost module, the op and the fix. Ops outside it pass: any
+  op on other dims, (batch, sequence) folded into rows and back, lookups by ids that hold positions, a
+  router's tokens taken and put back by their positions, experts known to compute each token alone
+  (``token_wise.py``), and a mean over every element that reaches the loss linearly (an auxiliary term: each
+  rank averages its own part).
+* :class:`Unsplit` (a TorchFunctionMode) refuses ``scaled_dot_product_attention`` on tensors that hold
+  positions, and any op on the batch's ``attention_mask``, which carries the whole sequence's mask to the
+  attentions, outside transformers' mask making, the attentions and shardwise.
+
+Not watched: the installed attentions (their output holds their queries' positions), transformers' mask
+making (whose mask context_parallel replaces), and shardwise's own checks (of the ids a split embedding reads,
+of the positions a rotary embedding gets). What it cannot see: code that bypasses ``__torch_function__`` and
+the dispatcher's Python modes (a C++ extension calling ATen directly); positions computed as plain ints from a
+part's length (``torch.arange(x.size(1))``, which counts 0 .. t/n - 1 on every rank); a value that leaves a
+layer after mixing (a 0-d mean passed to the next layer rather than to the loss: each layer is followed from
+its own inputs); and a layer that computes otherwise on a later call with the same input shapes (each is
+watched once per shape). Its cost: the first call of each layer per input shape, about 10 ms for a small Llama
+decoder layer's 70-odd ops on a CPU thread.
 """
 
 from __future__ import annotations
