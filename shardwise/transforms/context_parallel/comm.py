@@ -25,12 +25,17 @@ from .masks import TokenMask
 from .predicted import predicted_attention
 from .ring import ring_attention
 from .ulysses import ulysses_attention
-from .unsplit import installed_attention
+from .unsplit import attention_over_the_sequence, installed_attention
 
 
 def whole_sequence(x: torch.Tensor, axis: str, balanced: bool, label: str) -> torch.Tensor:
     """``x`` [batch, seq_local] (this rank's part of a per-token tensor, not differentiated) made whole,
     in global order: every rank's part gathered over ``axis`` (one all-gather), then put in order."""
+    with installed_attention():  # shardwise's own exchange: its output, the whole sequence, is not followed
+        return _whole_sequence(x, axis, balanced, label)
+
+
+def _whole_sequence(x: torch.Tensor, axis: str, balanced: bool, label: str) -> torch.Tensor:
     n = in_layer.size(axis)
 
     def run() -> torch.Tensor:
@@ -46,6 +51,7 @@ def whole_sequence(x: torch.Tensor, axis: str, balanced: bool, label: str) -> to
     return gathered.index_select(1, torch.argsort(order))
 
 
+@attention_over_the_sequence
 def attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: str, attention: str, balanced: bool, label: str,
     scale: float | None = None, mask: TokenMask | None = None, causal: bool = True,
@@ -53,9 +59,8 @@ def attend(
     """Attention of this rank's queries over the whole sequence (``causal`` or not): ``ring_attention`` or
     ``ulysses_attention`` (q [batch, heads, seq_local, head_dim]; k, v with kv_heads), under ``mask``
     (padding, packed sequences) if given."""
-    with installed_attention():
-        if in_layer.predicting_now():
-            return predicted_attention(q, k, v, axis, attention, label, scale, balanced)
-        if attention == "ring":
-            return ring_attention(q, k, v, axis, causal=causal, balanced=balanced, scale=scale, mask=mask)
-        return ulysses_attention(q, k, v, axis, causal=causal, balanced=balanced, scale=scale, mask=mask)
+    if in_layer.predicting_now():
+        return predicted_attention(q, k, v, axis, attention, label, scale, balanced)
+    if attention == "ring":
+        return ring_attention(q, k, v, axis, causal=causal, balanced=balanced, scale=scale, mask=mask)
+    return ulysses_attention(q, k, v, axis, causal=causal, balanced=balanced, scale=scale, mask=mask)

@@ -40,10 +40,10 @@ from .layout import check_sequence_length, local_chunks, shard_order
 from .masks import TokenMask, check_mask
 from .online_softmax import BlockMask, OnlineSoftmax
 from .predicted import predicted_attention
-from .unsplit import installed_attention
+from .unsplit import attention_over_the_sequence
 
 
-@installed_attention()
+@attention_over_the_sequence
 def ring_attention(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -38,7 +38,7 @@ from .hf_interface import SplitAttention, point_at_split_attention
 from .layout import check_sequence_length, local_chunks, shard_order
 from .masks import TokenMask, token_mask
 from .shifted import refuse_targets_equal_to_inputs
-from .unsplit import Unsplit
+from .unsplit import watched
 
 # Per chain, per positions= (what a layer's tables are depends on it: another call on the same chain that
 # lists another table must not get the first call's).
@@ -270,9 +270,7 @@ class CPLayerFn:
         shapes = tuple(tuple(t.shape) for t in optree.tree_leaves(x) if isinstance(t, Tensor))
         if shapes in self.checked:
             return self._call(tensors, x)
-        leaves = [t for t in optree.tree_leaves(x) if isinstance(t, Tensor) and t.dim() > self.spec.dim]
-        local = int(leaves[0].shape[self.spec.dim]) if leaves else None
-        with Unsplit(self.label, self.spec.axis, local):
+        with watched(self.label, self.spec.axis, self.spec.dim, x):
             out = self._call(tensors, x)
         self.checked.add(shapes)
         return out

@@ -22,13 +22,13 @@ from .inputs import check_qkv, default_scale
 from .layout import check_sequence_length, shard_order
 from .masks import TokenMask, check_mask
 from .predicted import predicted_attention
-from .unsplit import installed_attention
+from .unsplit import attention_over_the_sequence
 from .volumes import ulysses_kv_heads
 
 Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-@installed_attention()
+@attention_over_the_sequence
 def ulysses_attention(
     q: torch.Tensor,
     k: torch.Tensor,

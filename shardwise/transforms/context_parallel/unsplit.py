@@ -1,47 +1,64 @@
-"""An attention context_parallel does not know, found by what it computes, and refused.
+"""Ops that mix the rank's positions outside the attentions context_parallel installed, found and refused.
 
 context_parallel replaces the attentions it knows (``attention.py``: by their structure; a transformers
-attention calling the ``AttentionInterface`` is pointed at its split function, ``hf_interface.py``, which
-runs inside :func:`installed_attention` too; any other module whose class name ends in ``Attention`` is
-refused by name). An attention module named otherwise
-(a user's ``MHA``, ``SelfAttn``) was left as it is: it attended over the rank's part of the sequence
-only and trained another model without an error. So the first time a layer runs for an input shape (the
-Plan's prediction, or the first step), a TorchFunctionMode watches its ops outside the attention the
-transform installed (:func:`installed_attention`): a ``scaled_dot_product_attention``, a softmax of a
-``[..., t, t]`` tensor (eager attention's scores, ``t`` the rank's part of the sequence), or a ``conv1d``
-of kernel > 1 over a length-``t`` dim (a convolution over time, as Mamba-style mixers have), is refused,
-naming the innermost module that runs it.
+attention calling the ``AttentionInterface`` is pointed at its split function, ``hf_interface.py``; any other
+module whose class name ends in ``Attention`` is refused by name). Everything else in a layer runs on the
+rank's part of the sequence, which is right only where it computes each position from that position alone.
+So the first time a layer runs for an input shape (the Plan's prediction on fake tensors, or the first step),
+its ops are watched:
 
-A running sum or product along a dim of the part's length (``cumsum`` and its kin: RoBERTa's position ids
-counted from the padding) is refused too, and so is an op on the batch's ``attention_mask`` (which carries the
-whole sequence's mask to the attentions) outside transformers' mask making, the attentions and shardwise.
-What it cannot see: other ops that mix positions (a reduction over the tokens, a token shift by padding or
-rolling), and code that bypasses ``__torch_function__``.
+* :class:`FollowSequence` (``sequence_dims.py``, a TorchDispatchMode; the rules per aten op are in
+  ``sequence_rules.py``) tags the sequence dim of the layer's inputs (``dim`` of every input leaf whose
+  ``dim`` has the part's length: the hidden states, input and position ids, rotary tables) and follows it
+  through every op. An op that reduces, scans, sorts, pads, rolls, flips, slices, concatenates, convolves,
+  pools or contracts along a dim that holds positions (``x.mean(1)``, ``F.pad(x, (0, 0, 1, -1))``,
+  ``q @ (k.mT @ v)``, ``F.avg_pool1d`` over time, an eager attention's softmax), or that no rule knows given a
+  tagged tensor, is refused here, naming the innermost module, the op and the fix. Ops outside it pass: any
+  op on other dims, (batch, sequence) folded into rows and back, lookups by ids that hold positions, a
+  router's tokens taken and put back by their positions, experts known to compute each token alone
+  (``token_wise.py``), and a mean over every element that reaches the loss linearly (an auxiliary term: each
+  rank averages its own part).
+* :class:`Unsplit` (a TorchFunctionMode) refuses ``scaled_dot_product_attention`` on tensors that hold
+  positions, and any op on the batch's ``attention_mask``, which carries the whole sequence's mask to the
+  attentions, outside transformers' mask making, the attentions and shardwise.
+
+Not watched: the installed attentions (their output holds their queries' positions), transformers' mask
+making (whose mask context_parallel replaces), and shardwise's own checks (of the ids a split embedding reads,
+of the positions a rotary embedding gets). What it cannot see: code that bypasses ``__torch_function__`` and
+the dispatcher's Python modes (a C++ extension calling ATen directly); positions computed as plain ints from a
+part's length (``torch.arange(x.size(1))``, which counts 0 .. t/n - 1 on every rank); a value that leaves a
+layer after mixing (a 0-d mean passed to the next layer rather than to the loss: each layer is followed from
+its own inputs); and a layer that computes otherwise on a later call with the same input shapes (each is
+watched once per shape). Its cost: the first call of each layer per input shape, about 10 ms for a small Llama
+decoder layer's 70-odd ops on a CPU thread.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from types import FrameType
 from typing import Any
 
+import optree
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from .masks import is_carried
+from .sequence_dims import FollowSequence, current, following
 
 _ATTENTION = frozenset({"scaled_dot_product_attention"})
-_SOFTMAX = frozenset({"softmax", "log_softmax", "_softmax"})
 _state = threading.local()  # .installed: how deep this thread is in an installed attention
 
 
 @contextmanager
 def installed_attention() -> Iterator[None]:
-    """Inside the attention context_parallel installed (ring or Ulysses over the whole sequence)."""
+    """Inside the attention context_parallel installed (ring or Ulysses over the whole sequence), or shardwise's
+    own exchange of a per-token batch tensor (``whole_sequence``): not watched."""
     _state.installed = getattr(_state, "installed", 0) + 1
     try:
         yield
@@ -49,51 +66,90 @@ def installed_attention() -> Iterator[None]:
         _state.installed -= 1
 
 
-class Unsplit(TorchFunctionMode):
-    """Refuses attention over the rank's part of the sequence outside the installed attentions."""
+def attention_over_the_sequence(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``fn(q, k, v, ...)``, an attention over the whole sequence, run as :func:`installed_attention`: its ops
+    are not watched, and its output holds the positions its queries hold."""
 
-    def __init__(self, layer: str, axis: str, local: int | None) -> None:
+    @functools.wraps(fn)
+    def attention(q: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        with installed_attention():
+            out = fn(q, *args, **kwargs)
+        follower = current()
+        if follower is not None:
+            follower.like(out, q)
+        return out
+
+    return attention
+
+
+@contextmanager
+def watched(layer: str, axis: str, dim: int, x: Any) -> Iterator[None]:
+    """The layer's first call on ``x`` watched (see the module docstring): :class:`Unsplit` for the calls
+    known by name, :class:`FollowSequence` for the dims that hold the part's positions (``dim`` of the inputs
+    whose ``dim`` is the part's length)."""
+    leaves = [t for t in optree.tree_leaves(x) if isinstance(t, torch.Tensor) and t.dim() > dim]
+    local = int(leaves[0].shape[dim]) if leaves else None
+    unsplit = Unsplit(layer, axis)
+    follower = FollowSequence(unsplit.refuse_op, _quiet, _exempt)
+    if local is not None and local > 1:
+        follower.follow_inputs(x, dim, local)
+    with unsplit, following(follower):
+        yield
+
+
+class Unsplit(TorchFunctionMode):
+    """Refuses attention over the rank's part of the sequence outside the installed attentions, and ops on the
+    carried attention mask; names what :class:`FollowSequence` refuses."""
+
+    def __init__(self, layer: str, axis: str) -> None:
         super().__init__()
-        self.layer, self.axis, self.local = layer, axis, local
+        self.layer, self.axis = layer, axis
 
     def __torch_function__(
         self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         kwargs = kwargs or {}
-        if not getattr(_state, "installed", 0):
-            name = getattr(func, "__name__", "")
-            if name in _ATTENTION:
-                self._refuse(f"calls {name}")
-            x = args[0] if args else kwargs.get("input")
-            w = args[1] if len(args) > 1 else kwargs.get("weight")
-            local = self.local
-            if not isinstance(x, torch.Tensor) or local is None:
-                pass
-            elif name in _SOFTMAX and x.dim() >= 3 and x.shape[-1] == x.shape[-2] == local:
-                self._refuse(f"takes {name} of a {list(x.shape)} tensor (attention scores)")
-            elif name == "conv1d" and isinstance(w, torch.Tensor) and x.shape[-1] == local and w.shape[-1] > 1:
-                self._refuse(f"convolves a {list(x.shape)} tensor over its last dim, the sequence, with a kernel "
-                             f"of {w.shape[-1]}")
-            elif name in _SCANS and _scanned_dim_is_the_sequence(x, args, kwargs, local) and not _making_a_mask():
-                self._refuse(f"takes {name} of a {list(x.shape)} tensor along the sequence (RoBERTa's position ids "
-                             "counted from the padding)", _SCAN_FIX)
-            out = func(*args, **kwargs)
-            if isinstance(out, torch.Tensor) and any(is_carried(a) for a in (*args, *kwargs.values())) and not (
-                    _making_a_mask() or _caller().startswith("shardwise.")):  # (shardwise reading its own mask)
-                self._refuse(f"computes {name} of the batch's attention_mask, which under context_parallel carries the "
-                             "whole sequence's mask to the attentions (a [batch, 1, 2, seq] tensor, not the batch's "
-                             "[batch, seq]), while the layer holds this rank's part of the tokens", _MASK_FIX)
-            return out
-        return func(*args, **kwargs)
+        if getattr(_state, "installed", 0):
+            return func(*args, **kwargs)
+        name = getattr(func, "__name__", "")
+        follower = current()
+        if name in _ATTENTION and (follower is None or any(
+                follower.tags_of(t) for t in (*args[:3], *kwargs.values()))):
+            self._refuse(f"calls {name} on tensors that hold the part's positions", _ATTENTION_FIX)
+        out = func(*args, **kwargs)
+        if isinstance(out, torch.Tensor) and any(is_carried(a) for a in (*args, *kwargs.values())) and not (
+                _making_a_mask() or _caller().startswith("shardwise.")):  # (shardwise reading its own mask)
+            self._refuse(f"computes {name} of the batch's attention_mask, which under context_parallel carries the "
+                         "whole sequence's mask to the attentions (a [batch, 1, 2, seq] tensor, not the batch's "
+                         "[batch, seq]), while the layer holds this rank's part of the tokens", _MASK_FIX)
+        return out
 
-    def _refuse(self, what: str, fix: str | None = None) -> None:
+    def refuse_op(self, what: str, op: str) -> None:
+        """What :class:`FollowSequence` found ``op`` (an aten op's name) to do, refused with the fix for it."""
+        fix = _SCAN_FIX if op in _SCANS else _ATTENTION_FIX if op in _ATTENTION_LIKE else _MIXING_FIX
+        self._refuse(what, fix)
+
+    def _refuse(self, what: str, fix: str) -> None:
         module = _innermost_module(sys._getframe(2))
         where = f"{type(module).__name__} in layer {self.layer!r}" if module is not None else f"layer {self.layer!r}"
         raise ValueError(
             f"context_parallel(axis={self.axis!r}): {where} {what} outside the attentions it splits, on this "
             "rank's part of the sequence only: it would mix the part's positions alone and train another model "
-            "without an error. " + (fix or _ATTENTION_FIX)
+            "without an error. " + fix
         )
+
+
+def _quiet() -> bool:
+    return bool(getattr(_state, "installed", 0))
+
+
+def _exempt() -> bool:
+    """An op :class:`FollowSequence` would refuse that transformers' mask making or shardwise's own code issued
+    (a check of the ids a split embedding reads, of the positions a rotary embedding is given), not the
+    model's (shardwise's example models are a model's)."""
+    caller = _caller()
+    return caller.startswith("transformers.masking_utils") or (
+        caller.startswith("shardwise.") and not caller.startswith("shardwise.testing"))
 
 
 _ATTENTION_FIX = (
@@ -105,12 +161,29 @@ _MASK_FIX = (
     "Only transformers' mask making and the attentions may read it: leave context_parallel out for this model "
     "(ESM's embeddings multiply by the mask)"
 )
+_MIXING_FIX = (
+    "context_parallel exchanges positions only inside the attentions it splits; an op that mixes or moves them "
+    "elsewhere (pooling over the tokens, a token shift, attention without softmax, a product, convolution or scan "
+    "over time) sees this rank's part alone. Compute it inside an attention module that calls ring_attention / "
+    "ulysses_attention over the whole sequence, or leave context_parallel out for this model"
+)
 # A running sum or product over the sequence counts only the rank's part (each part would restart it).
-_SCANS = frozenset({"cumsum", "cumsum_", "cumprod", "cumprod_", "cummax", "cummin", "logcumsumexp"})
+_SCANS = frozenset({"cumsum", "cumsum_", "cumprod", "cumprod_", "cummax", "cummin", "logcumsumexp", "_logcumsumexp"})
+# Attention's own ops (a softmax of scores, an attention kernel, a convolution over time): the attention fix.
+_ATTENTION_LIKE = frozenset({
+    "_softmax", "_log_softmax", "softmax", "log_softmax", "_safe_softmax", "convolution", "_convolution",
+    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+})
 _SCAN_FIX = (
     "Give the batch the position ids the model would compute (a dict batch with 'position_ids', made on the whole "
     "sequence before the step), if the model then skips its own count, or leave context_parallel out"
 )
+
+
+_WATCHES = frozenset({__name__, "shardwise.transforms.context_parallel.sequence_dims",
+                      "shardwise.transforms.context_parallel.sequence_rules"})
+_MODE_CALLS = frozenset({"__torch_function__", "__torch_dispatch__"})
 
 
 def _caller() -> str:
@@ -119,7 +192,7 @@ def _caller() -> str:
     frame: FrameType | None = sys._getframe(2)
     while frame is not None:
         name = str(frame.f_globals.get("__name__", ""))
-        if name.split(".")[0] != "torch" and name != __name__ and frame.f_code.co_name != "__torch_function__":
+        if name.split(".")[0] != "torch" and name not in _WATCHES and frame.f_code.co_name not in _MODE_CALLS:
             return name
         frame = frame.f_back
     return ""
@@ -130,15 +203,6 @@ def _making_a_mask() -> bool:
     the position ids): context_parallel puts the mask of the whole sequence in the place of the mask the layer
     makes from its part, so what that computes there is never read."""
     return _caller().startswith("transformers.masking_utils")
-
-
-def _scanned_dim_is_the_sequence(x: torch.Tensor, args: Sequence[Any], kwargs: dict[str, Any], local: int) -> bool:
-    """Whether a scan's dim is one of the part's length: not a leading (batch) dim of a tensor of several dims."""
-    dim = args[1] if len(args) > 1 else kwargs.get("dim")
-    if not isinstance(dim, int) or x.dim() == 0:
-        return False
-    dim %= x.dim()
-    return x.shape[dim] == local and (dim > 0 or x.dim() == 1)
 
 
 def _innermost_module(frame: FrameType | None) -> nn.Module | None:

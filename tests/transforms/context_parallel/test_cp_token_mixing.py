@@ -1,0 +1,128 @@
+"""Ops outside the attentions that mix or move the rank's positions, found by following the sequence dim.
+
+The first-call watch (``unsplit.py``) refused only attention-like ops picked by a shape coincidence (a dim of
+the part's length); a pooling over the tokens, a token shift, attention without softmax, a pooling or sort
+along time trained another model without an error (TinyGPT, cp 2, float64, loss at the first step off by
+1.7e-3 (mean over the tokens), 2.2e-3 (a token shift by F.pad), 6.2e-4 (linear attention) relative). Now the
+sequence dim of the layer's inputs is followed op by op (``sequence_dims.py``) and those ops are refused,
+naming the module and the op; ops that compute each position alone pass, whatever their shapes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import shardwise as sw
+from shardwise.testing.models import Block, TinyGPT
+
+Op = Callable[[torch.Tensor], torch.Tensor]
+
+
+class Mixer(nn.Module):
+    """A block's MLP slot computing ``op`` of its input [batch, t, d] beside a Linear."""
+
+    def __init__(self, d: int, op: Op) -> None:
+        super().__init__()
+        self.op, self.proj = op, nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x) + self.op(x)
+
+
+def _linear_attention(x: torch.Tensor) -> torch.Tensor:
+    q, k, v = x.sigmoid(), x.tanh(), x
+    return q @ (k.transpose(-2, -1) @ v) / x.shape[1]
+
+
+def _einsum_attention(x: torch.Tensor) -> torch.Tensor:
+    state = torch.einsum("btd,bte->bde", x.tanh(), x)
+    return torch.einsum("btd,bde->bte", x.sigmoid(), state) / x.shape[1]
+
+
+def _over_time(pool: Callable[[torch.Tensor], torch.Tensor]) -> Op:
+    return lambda x: pool(x.transpose(1, 2)).transpose(1, 2)
+
+
+# (id, op, what the refusal says it does)
+MIXING: list[tuple[str, Op, str]] = [
+    ("mean_over_tokens", lambda x: x.mean(dim=1, keepdim=True), r"takes mean of a \[2, 4, 16\] tensor along the"),
+    ("max_over_tokens", lambda x: x.max(1).values.unsqueeze(1), "takes max of .* along the sequence"),
+    ("sum_dim_minus_2", lambda x: x.sum(-2, keepdim=True), "takes sum of .* along the sequence"),
+    ("std_over_tokens", lambda x: x.std(1, keepdim=True), "takes (std|var) of .* along the sequence"),
+    ("logsumexp_over_tokens", lambda x: torch.logsumexp(x, 1, keepdim=True), "takes logsumexp of .* along the"),
+    ("norm_over_tokens", lambda x: x.norm(dim=1, keepdim=True), "takes linalg_vector_norm of .* along the sequence"),
+    ("shift_by_pad", lambda x: F.pad(x, (0, 0, 1, -1)), "pads a \\[2, 4, 16\\] tensor by \\[1, -1\\] along its dim 1"),
+    ("shift_by_roll", lambda x: torch.roll(x, 1, dims=1), "rolls a \\[2, 4, 16\\] tensor"),
+    ("shift_by_cat", lambda x: torch.cat([x[:, :1] * 0, x[:, :-1]], 1), r"slices a \[2, 4, 16\] tensor along"),
+    ("narrow", lambda x: F.pad(x.narrow(1, 1, x.shape[1] - 1), (0, 0, 0, 1)), "slices .* along its dim 1"),
+    # (exact under the balanced layout, whose chunks i and 2n - 1 - i mirror each other; off 2.7e-3 without it)
+    ("flip", lambda x: x.flip(1), "flips a \\[2, 4, 16\\] tensor"),
+    ("linear_attention", _linear_attention, "multiplies a .* contracting a dim that holds the part's positions"),
+    ("einsum_attention", _einsum_attention, "multiplies a .* contracting a dim that holds the part's positions"),
+    ("token_gram", lambda x: (x.transpose(1, 2) @ x).sum(-1).unsqueeze(1) / 100, "multiplies .* contracting"),
+    ("avg_pool1d", _over_time(lambda y: F.avg_pool1d(y, 3, 1, 1)), "runs aten.avg_pool.*not known"),
+    ("max_pool1d", _over_time(lambda y: F.max_pool1d(y, 3, 1, 1)), "runs aten.max_pool.*not known"),
+    ("interpolate", _over_time(lambda y: F.interpolate(F.interpolate(y, scale_factor=0.5, mode="linear"),
+                                                       size=y.shape[-1], mode="linear")),
+     "runs aten.upsample_linear1d, an op whose effect on the positions is not known"),
+    ("sort", lambda x: x.sort(1).values, "takes sort of .* along the sequence"),
+    ("topk", lambda x: x.topk(2, dim=1).values.sum(1, keepdim=True), "takes topk of .* along the sequence"),
+    ("mean_of_everything_used_in_the_layer", lambda x: x * x.mean(), "computes aten.mul of a mean over every element"),
+    ("argmax", lambda x: x.argmax(1, keepdim=True).to(x.dtype), "takes argmax of .* along the sequence"),
+]
+
+
+def _step(op: Op, d_model: int = 16, n_heads: int = 2) -> tuple[sw.Step, dict, list]:
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=32, d_model=d_model, n_heads=n_heads, n_layers=2, seq_len=8).double()
+    model.blocks[1].mlp = Mixer(d_model, op).double()
+    ids = torch.randint(0, 32, (2, 2, 9), generator=torch.Generator().manual_seed(1))
+    batches = [(x[:, :-1], x[:, 1:]) for x in ids]
+    chain, params = sw.functionalize(model, units=Block)
+    step = sw.train_step(chain, lambda o, t: F.cross_entropy(o.flatten(0, 1), t.flatten()), sw.optim.sgd(0.1))
+    return step, params, batches
+
+
+@pytest.mark.parametrize(("op", "what"), [pytest.param(op, what, id=name) for name, op, what in MIXING])
+def test_an_op_mixing_the_positions_outside_the_attentions_is_refused(op: Op, what: str) -> None:
+    step, params, batches = _step(op)
+    with pytest.raises(ValueError, match=f"Mixer in layer 'blocks.1' {what}.* outside the attentions it splits"):
+        sw.context_parallel(step, "cp").plan(sw.Mesh(cp=2), params, batches[0])
+
+
+def test_a_mixing_op_is_refused_at_the_first_step_too() -> None:
+    step, params, batches = _step(MIXING[0][1])
+    with pytest.raises(sw.collectives.RankFailed, match=r"Mixer in layer 'blocks\.1' takes mean"):
+        sw.testing.assert_equivalent(sw.context_parallel(step, "cp"), step, sw.Mesh(cp=2), batches, params,
+                                     rtol=1e-12)
+
+
+def _folded(x: torch.Tensor) -> torch.Tensor:
+    """OPT-style: (batch, seq) folded into rows, a row-wise op, and unfolded."""
+    b, t, d = x.shape
+    rows = x.reshape(-1, d)
+    return F.layer_norm(rows * rows.softmax(-1), (d,)).view(b, t, d)
+
+
+# Each computes every position alone: equal to one device. d_model 4 = the part's length (seq 8, cp 2): ops over
+# the hidden dim have a dim of the part's length, which a shape test would take for the sequence.
+POSITION_WISE: list[tuple[str, Op, int]] = [
+    ("fold_batch_and_seq_into_rows", _folded, 16),
+    ("norms_over_hidden_of_the_parts_length", lambda x: x / x.norm(dim=-1, keepdim=True) + x.cumsum(-1) / 4
+     + x.softmax(-1) + x.std(-1, keepdim=True), 4),
+    ("reduction_over_the_batch", lambda x: x.mean(0, keepdim=True) + x.amax(0), 16),
+    ("products_over_the_hidden_dim", lambda x: torch.einsum("btd,bte->bte", x, x.tanh()) + x @ torch.ones(
+        x.shape[-1], x.shape[-1], dtype=x.dtype) / 16, 16),
+]
+
+
+@pytest.mark.parametrize(("op", "d_model"), [pytest.param(op, d, id=name) for name, op, d in POSITION_WISE])
+def test_an_op_computing_each_position_alone_is_split(op: Op, d_model: int) -> None:
+    step, params, batches = _step(op, d_model, n_heads=2)
+    sw.testing.assert_equivalent(sw.context_parallel(step, "cp"), step, sw.Mesh(cp=2), batches, params,
+                                 rtol=1e-12)
