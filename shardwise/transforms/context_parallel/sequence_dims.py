@@ -31,7 +31,8 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ...engine.model.token_wise import computes_each_token_alone, implementation_named, token_wise_runner
-from .sequence_rules import Tags, judge, tensors_in
+from .sequence_rules import judge
+from .sequence_tags import Tags, tensors_in
 
 _current = threading.local()  # .follower: the FollowSequence of this thread's watched call, if any
 Refuse = Callable[[str, str], None]  # (what the op does, the aten op's name)

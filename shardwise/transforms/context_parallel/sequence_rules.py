@@ -1,8 +1,6 @@
 """Which dims of an aten op's outputs hold the rank's positions, given those of its inputs; or why the op mixes them.
 
-A tensor's :data:`Tags` map each dim that holds positions of the rank's part of the sequence to the stride
-range ``(lo, hi)`` of its index that counts them: ``(1, n)`` for a dim that is the sequence, ``(d, d * t)``
-for rows ``b * t`` of (batch, sequence) folded with ``d`` positions' worth of another dim inside. A rule
+Given the :data:`~.sequence_tags.Tags` of an op's inputs (``sequence_tags.py``), a rule
 reads the op's arguments at dispatch level (a finite set of aten ops whose dims are explicit arguments:
 ``x.mean(1)``, ``F.pad``, ``torch.einsum`` and ``x @ y`` arrive as ``mean.dim``, ``constant_pad_nd``,
 ``bmm``...) and answers a :class:`Verdict`: the tags of every tensor it returns, and why it mixes or
@@ -13,26 +11,30 @@ a tagged tensor, is answered as mixing: it cannot be told apart from one that do
 from __future__ import annotations
 
 import functools
-import math
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import optree
 import torch
 from torch import Tensor
 
-Tags = dict[int, tuple[int, int]]
-TagsOf = Callable[[Any], Tags]
-# Marks beside the dims. POOLED: a mean over every element, the positions' too (a 0-d auxiliary loss term): each
-# rank's mean over its part, and the step averages the ranks' losses, so it is exact while it reaches the loss
-# linearly. VALUED: an index whose values are positions (nonzero of a tensor that holds them: a router's tokens).
-POOLED, VALUED = -1, -2
-_NO_RANGE = (0, 0)
-
-
-class Verdict(NamedTuple):
-    outs: list[Tags]  # per tensor the op returns (flattened), its tags
-    why: str | None  # what it does along the sequence, or None
+from .sequence_moves import MOVE_RULES
+from .sequence_tags import (
+    NO_RANGE,
+    POOLED,
+    VALUED,
+    Call,
+    Tags,
+    TagsOf,
+    Verdict,
+    broadcast,
+    dim_index,
+    dims_named,
+    readable,
+    tensors_in,
+    union,
+    words,
+)
 
 
 def judge(func: Any, args: Sequence[Any], kwargs: dict[str, Any], out: Any, tags_of: TagsOf) -> Verdict:
@@ -40,68 +42,33 @@ def judge(func: Any, args: Sequence[Any], kwargs: dict[str, Any], out: Any, tags
     name = func.overloadpacket.__name__
     outs = [t for t in optree.tree_leaves(out, none_is_leaf=True) if isinstance(t, Tensor)]
     if any(POOLED in tags_of(t) for t in tensors_in(args, kwargs)):
-        return _pooled(_Call(name, func, list(args), kwargs, outs, tags_of))
+        return _pooled(Call(name, func, list(args), kwargs, outs, tags_of))
     rule = _RULES.get(name)
     if rule is None and (torch.Tag.pointwise in func.tags or _pointwise(name)):
         rule = _pointwise_rule
     if rule is None and name in _UNREAD:
         return Verdict([{} for _ in outs], None)
     if rule is None:
-        return Verdict([{} for _ in outs], f"runs {_readable(func)}, an op whose effect on the positions is not "
+        return Verdict([{} for _ in outs], f"runs {readable(func)}, an op whose effect on the positions is not "
                                            "known (it cannot be told apart from one that mixes them)")
-    return rule(_Call(name, func, list(args), kwargs, outs, tags_of))
-
-
-def tensors_in(args: Sequence[Any], kwargs: dict[str, Any]) -> Iterator[Tensor]:
-    """The tensors among an aten op's arguments (a list argument's too: cat's, index's)."""
-    for a in (*args, *kwargs.values()):
-        if isinstance(a, Tensor):
-            yield a
-        elif isinstance(a, (list, tuple)):
-            yield from (t for t in a if isinstance(t, Tensor))
-
-
-class _Call(NamedTuple):
-    name: str
-    func: Any
-    args: list[Any]
-    kwargs: dict[str, Any]
-    outs: list[Tensor]
-    tags_of: TagsOf
-
-    def arg(self, i: int, key: str, default: Any = None) -> Any:
-        return self.args[i] if len(self.args) > i else self.kwargs.get(key, default)
-
-    def each(self, tags: Tags) -> Verdict:
-        return Verdict([dict(tags) for _ in self.outs], None)
-
-    def refuse(self, why: str, tags: Tags | None = None) -> Verdict:
-        return Verdict([dict(tags or {}) for _ in self.outs], why)
-
-
-def _words(text: str) -> frozenset[str]:
-    return frozenset(text.split())
+    return rule(Call(name, func, list(args), kwargs, outs, tags_of))
 
 
 # What a mean over the positions may go through and stay a term of the loss: linear maps by constants.
-_LINEAR = _words("_to_copy clone detach alias lift_fresh view _unsafe_view expand squeeze unsqueeze mul mul_ div "
+_LINEAR = words("_to_copy clone detach alias lift_fresh view _unsafe_view expand squeeze unsqueeze mul mul_ div "
                  "div_ add add_ sub sub_ neg rsub")
 
 
-def _pooled(c: _Call) -> Verdict:
+def _pooled(c: Call) -> Verdict:
     pooled = [t for t in tensors_in(c.args, c.kwargs) if POOLED in c.tags_of(t)]
     others = [t for t in tensors_in(c.args, c.kwargs) if all(t is not p for p in pooled)]
     linear = c.name in _LINEAR and len(pooled) == 1 and not any(c.tags_of(t) for t in others) and (
         c.name not in ("div", "div_") or c.args[0] is pooled[0])
     if linear:
-        return c.each({POOLED: _NO_RANGE})
-    return c.refuse(f"computes {_readable(c.func)} of a mean over every element of a tensor that holds the part's "
+        return c.each({POOLED: NO_RANGE})
+    return c.refuse(f"computes {readable(c.func)} of a mean over every element of a tensor that holds the part's "
                     "positions (exact under context_parallel only as a term added to the loss: each rank averages "
                     "its own part)")
-
-
-def _readable(func: Any) -> str:
-    return f"aten.{func.overloadpacket.__name__}"
 
 
 @functools.cache
@@ -118,13 +85,15 @@ def _pointwise(name: str) -> bool:
 
 
 # Each computes every element from the elements at the same place (after broadcasting), or copies it.
-_ELEMENTWISE = _words(
+_ELEMENTWISE = words(
     "_to_copy copy_ copy clone detach alias lift_fresh lift_fresh_copy fill_ fill zero_ masked_fill masked_fill_ "
     "where bernoulli bernoulli_ uniform_ normal_ _conj resolve_conj resolve_neg contiguous native_dropout "
     "_assert_tensor_metadata polar complex"
 )
+
+
 # Ops that read none of their tensor arguments' values (a new tensor of their dtype, device, or shape).
-_UNREAD = _words(
+_UNREAD = words(
     "empty_like zeros_like ones_like full_like rand_like randn_like randint_like new_empty new_zeros new_ones "
     "new_full new_empty_strided empty_strided _assert_async _has_compatible_shallow_copy_type is_same_size "
     "record_stream sym_size sym_stride sym_numel sym_storage_offset device layout dtype is_contiguous "
@@ -132,62 +101,33 @@ _UNREAD = _words(
 )
 
 
-def _dim(d: Any, ndim: int) -> int:
-    return int(d) % max(ndim, 1)
-
-
-def _dims(value: Any, ndim: int) -> list[int] | None:
-    """The dims an argument names; None for all of them (a dim list that is None or empty)."""
-    if value is None or isinstance(value, bool):
-        return None
-    if isinstance(value, int):
-        return [_dim(value, ndim)]
-    dims = [_dim(d, ndim) for d in value]
-    return dims or None
-
-
-def _broadcast(tags: Tags, ndim: int, out_ndim: int) -> Tags:
-    shift = out_ndim - ndim
-    return {d + shift: r for d, r in tags.items() if d >= 0}
-
-
-def _union(*many: Tags) -> Tags:
-    out: Tags = {}
-    for tags in many:
-        for d, (lo, hi) in tags.items():
-            if d in out:
-                lo, hi = min(lo, out[d][0]), max(hi, out[d][1])
-            out[d] = (lo, hi)
-    return out
-
-
-def _pointwise_rule(c: _Call) -> Verdict:
+def _pointwise_rule(c: Call) -> Verdict:
     """Each output element from the inputs' elements at its place: a tagged dim stays where broadcasting puts it."""
     ndim = c.outs[0].dim() if c.outs else 0
-    found = [_broadcast(c.tags_of(t), t.dim(), ndim) for t in tensors_in(c.args, c.kwargs)]
-    return c.each(_union(*found))
+    found = [broadcast(c.tags_of(t), t.dim(), ndim) for t in tensors_in(c.args, c.kwargs)]
+    return c.each(union(*found))
 
 
-def _self_rule(c: _Call) -> Verdict:
+def _self_rule(c: Call) -> Verdict:
     """Outputs shaped as the input (or dropping nothing): its tags."""
     return c.each(c.tags_of(c.args[0]))
 
 
 def _reduction(dims_at: int | None, keep_at: int | None, what: str,
-               default: int | None = None) -> Callable[[_Call], Verdict]:
+               default: int | None = None) -> Callable[[Call], Verdict]:
     """An op along the dims its argument ``dims_at`` names (``default``, or all if None, where it names none),
     keeping them if ``keep_at``'s argument is true; the outputs it returns beside (indices) are shaped alike."""
 
-    def rule(c: _Call) -> Verdict:
+    def rule(c: Call) -> Verdict:
         x = c.args[0]
         if len(c.args) > 1 and isinstance(c.args[1], Tensor):  # max(a, b), min(a, b): elementwise
             return _pointwise_rule(c)
         tags = c.tags_of(x)
         value = c.arg(dims_at, "dim", default) if dims_at is not None else None
-        dims = _dims(default if value is None else value, x.dim())
+        dims = dims_named(default if value is None else value, x.dim())
         along = list(range(x.dim())) if dims is None else dims
         if c.name == "mean" and dims is None and all(t.dim() == 0 for t in c.outs):
-            return c.each({POOLED: _NO_RANGE})
+            return c.each({POOLED: NO_RANGE})
         if any(d in tags for d in along):
             hit = min(d for d in along if d in tags)
             return c.refuse(f"takes {c.name.lstrip('_')} of a {list(x.shape)} tensor along the sequence (its dim "
@@ -200,11 +140,11 @@ def _reduction(dims_at: int | None, keep_at: int | None, what: str,
     return rule
 
 
-def _scan(what: str) -> Callable[[_Call], Verdict]:
+def _scan(what: str) -> Callable[[Call], Verdict]:
     return _reduction(1, None, what)
 
 
-def _layer_norm(c: _Call) -> Verdict:
+def _layer_norm(c: Call) -> Verdict:
     x, shape = c.args[0], c.arg(1, "normalized_shape")
     tags = c.tags_of(x)
     spans = range(x.dim() - len(shape), x.dim())
@@ -214,7 +154,7 @@ def _layer_norm(c: _Call) -> Verdict:
     return c.each(tags)
 
 
-def _group_norm(c: _Call) -> Verdict:
+def _group_norm(c: Call) -> Verdict:
     x = c.args[0]
     tags = c.tags_of(x)
     if any(d != 0 for d in tags):
@@ -223,7 +163,7 @@ def _group_norm(c: _Call) -> Verdict:
     return c.each(tags)
 
 
-def _batch_norm(c: _Call) -> Verdict:
+def _batch_norm(c: Call) -> Verdict:
     x = c.args[0]
     tags = c.tags_of(x)
     training = not c.name.endswith("no_training") and c.arg(5, "training", True) is not False
@@ -233,7 +173,7 @@ def _batch_norm(c: _Call) -> Verdict:
     return Verdict([dict(tags) if t.dim() == x.dim() else {} for t in c.outs], None)
 
 
-def _matmul(c: _Call) -> Verdict:
+def _matmul(c: Call) -> Verdict:
     """mm / bmm and their fused forms: the product contracts dim -1 of the first and -2 of the second."""
     at = 1 if c.name in ("addmm", "baddbmm", "addmv", "addbmm") else 0
     a, b = c.args[at], c.args[at + 1]
@@ -241,39 +181,39 @@ def _matmul(c: _Call) -> Verdict:
     if a.dim() - 1 in ta or (b.dim() >= 2 and b.dim() - 2 in tb) or (b.dim() == 1 and 0 in tb):
         return c.refuse(f"multiplies a {list(a.shape)} by a {list(b.shape)} tensor contracting a dim that holds "
                         "the part's positions (attention without softmax, a Gram matrix of the tokens?)",
-                        _union(ta, tb))
+                        union(ta, tb))
     if c.name == "addbmm" and (0 in ta or 0 in tb):
-        return c.refuse("sums products over a batch of matrices that holds the part's positions", _union(ta, tb))
+        return c.refuse("sums products over a batch of matrices that holds the part's positions", union(ta, tb))
     out_ndim = c.outs[0].dim()
     tags: Tags = {d: r for d, r in ta.items() if d < a.dim() - 1}
     if b.dim() >= 2 and b.dim() - 1 in tb:
-        tags = _union(tags, {out_ndim - 1: tb[b.dim() - 1]})
+        tags = union(tags, {out_ndim - 1: tb[b.dim() - 1]})
     if b.dim() == 3 and 0 in tb:
-        tags = _union(tags, {0: tb[0]})
+        tags = union(tags, {0: tb[0]})
     if at == 1 and isinstance(c.args[0], Tensor):
-        tags = _union(tags, _broadcast(c.tags_of(c.args[0]), c.args[0].dim(), out_ndim))
+        tags = union(tags, broadcast(c.tags_of(c.args[0]), c.args[0].dim(), out_ndim))
     return c.each(tags)
 
 
-def _dot(c: _Call) -> Verdict:
+def _dot(c: Call) -> Verdict:
     if c.tags_of(c.args[0]) or c.tags_of(c.args[1]):
         return c.refuse("takes a dot product over the part's positions")
     return c.each({})
 
 
-def _attention_kernel(c: _Call) -> Verdict:
+def _attention_kernel(c: Call) -> Verdict:
     """sdpa's kernels ([batch, heads, seq, head_dim]): keys along dim 2 holding positions are attended alone."""
     q, k = c.args[0], c.args[1]
     tq, tk = c.tags_of(q), c.tags_of(k)
     tags = {d: r for d, r in tq.items() if d < 3}
     outs = [dict(tags) if t.dim() >= 3 and tuple(t.shape[:3]) == tuple(q.shape[:3]) else {} for t in c.outs]
     if 2 in tk or 3 in tq or 3 in tk:
-        return Verdict(outs, f"calls scaled_dot_product_attention ({_readable(c.func)}) on a {list(k.shape)} key "
+        return Verdict(outs, f"calls scaled_dot_product_attention ({readable(c.func)}) on a {list(k.shape)} key "
                              "tensor whose dim 2 holds the part's positions")
     return Verdict(outs, None)
 
 
-def _convolution(c: _Call) -> Verdict:
+def _convolution(c: Call) -> Verdict:
     x, w = c.args[0], c.args[1]
     tags = c.tags_of(x)
     stride, padding = (list(c.arg(i, "")) for i in (3, 4))
@@ -296,176 +236,49 @@ def _at(values: list[Any], i: int) -> Any:
     return values[i] if i < len(values) else values[-1] if values else 0
 
 
-def _view(c: _Call) -> Verdict:
-    """A reshape keeps the row-major order: each range of strides that counts positions is read off the new dims."""
-    x, out = c.args[0], c.outs[0]
-    tags = c.tags_of(x)
-    flat = [(lo * _after(x.shape, d), hi * _after(x.shape, d)) for d, (lo, hi) in tags.items()]
-    new: Tags = {}
-    for d in range(out.dim()):
-        below = _after(out.shape, d)
-        top = below * out.shape[d]
-        for lo, hi in flat:
-            low, high = max(lo, below), min(hi, top)
-            if low < high and out.shape[d] > 1:
-                new = _union(new, {d: (max(1, low // below), math.ceil(high / below))})
-    return c.each(new)
-
-
-def _after(shape: Sequence[int], d: int) -> int:
-    return math.prod(shape[d + 1:])
-
-
-def _expand(c: _Call) -> Verdict:
-    x, out = c.args[0], c.outs[0]
-    return c.each(_broadcast(c.tags_of(x), x.dim(), out.dim()))
-
-
-def _permute(c: _Call) -> Verdict:
-    x = c.args[0]
-    order = [_dim(d, x.dim()) for d in c.arg(1, "dims")]
-    tags = c.tags_of(x)
-    return c.each({i: tags[d] for i, d in enumerate(order) if d in tags})
-
-
-def _transpose(c: _Call) -> Verdict:
-    x = c.args[0]
-    if c.name in ("t", "t_") or x.dim() < 2:
-        a, b = 0, max(x.dim() - 1, 0)
-    else:
-        a, b = _dim(c.arg(1, "dim0"), x.dim()), _dim(c.arg(2, "dim1"), x.dim())
-    swap = {a: b, b: a}
-    return c.each({swap.get(d, d): r for d, r in c.tags_of(x).items()})
-
-
-def _squeeze(c: _Call) -> Verdict:
-    x, out = c.args[0], c.outs[0]
-    kept = [d for d in range(x.dim()) if not (x.shape[d] == 1 and out.dim() < x.dim() and _squeezed(c, x, d))]
-    tags = c.tags_of(x)
-    return c.each({i: tags[d] for i, d in enumerate(kept) if d in tags})
-
-
-def _squeezed(c: _Call, x: Tensor, d: int) -> bool:
-    dims = _dims(c.arg(1, "dim"), x.dim())
-    return dims is None or d in dims
-
-
-def _unsqueeze(c: _Call) -> Verdict:
-    x = c.args[0]
-    at = _dim(c.arg(1, "dim"), x.dim() + 1)
-    return c.each({d + (d >= at): r for d, r in c.tags_of(x).items()})
-
-
-def _along(dim_at: int, what: str, default: int | None = 0) -> Callable[[_Call], Verdict]:
-    """An op that takes parts of its input along one dim (slice, select, split...): refused on a tagged dim
-    unless it takes the whole dim; the outputs keep the input's other dims."""
-
-    def rule(c: _Call) -> Verdict:
-        x = c.args[0]
-        tags = c.tags_of(x)
-        d = _dim(c.arg(dim_at, "dim", default), x.dim())
-        if d in tags and not all(t.dim() == x.dim() and t.shape[d] == x.shape[d] for t in c.outs):
-            return c.refuse(f"{what} a {list(x.shape)} tensor along its dim {d}, which holds the part's positions "
-                            "(a token shift, or a token picked?)", tags)
-        return Verdict([tags if t.dim() == x.dim() else {k - (k > d): v for k, v in tags.items() if k != d}
-                        for t in c.outs], None)
-
-    return rule
-
-
-def _moves(dims_at: int, what: str) -> Callable[[_Call], Verdict]:
-    """roll, flip: refused when a dim they move along holds positions."""
-
-    def rule(c: _Call) -> Verdict:
-        x = c.args[0]
-        tags = c.tags_of(x)
-        dims = _dims(c.arg(dims_at, "dims"), x.dim())
-        along = list(range(x.dim())) if dims is None else dims
-        if any(d in tags for d in along):
-            return c.refuse(f"{what} a {list(x.shape)} tensor along a dim that holds the part's positions "
-                            "(a token shift?)", tags)
-        return c.each(tags)
-
-    return rule
-
-
-def _cat(c: _Call) -> Verdict:
-    tensors = [t for t in c.arg(0, "tensors") if isinstance(t, Tensor)]
-    out = c.outs[0]
-    d = _dim(c.arg(1, "dim", 0), out.dim())
-    stacked = c.name == "stack"
-    shaped = [t for t in tensors if t.dim() == out.dim() - stacked]
-    tags = _union(*({k + (stacked and k >= d): v for k, v in c.tags_of(t).items()} for t in shaped))
-    if not stacked and d in tags:
-        return c.refuse(f"concatenates {len(tensors)} tensors along dim {d}, which holds the part's positions (a "
-                        "token shift?)", tags)
-    return c.each(tags)
-
-
-def _pad(c: _Call) -> Verdict:
-    x = c.args[0]
-    tags = c.tags_of(x)
-    pad = list(c.arg(1, "pad"))
-    for i in range(len(pad) // 2):
-        d = x.dim() - 1 - i
-        if d in tags and (pad[2 * i] or pad[2 * i + 1]):
-            return c.refuse(f"pads a {list(x.shape)} tensor by {pad[2 * i:2 * i + 2]} along its dim {d}, which holds "
-                            "the part's positions (a token shift?)", tags)
-    return c.each(tags)
-
-
-def _repeat(c: _Call) -> Verdict:
-    x, out = c.args[0], c.outs[0]
-    repeats = list(c.arg(1, "repeats"))
-    tags = _broadcast(c.tags_of(x), x.dim(), out.dim())
-    if any(repeats[d] != 1 for d in tags):
-        return c.refuse(f"repeats a {list(x.shape)} tensor along a dim that holds the part's positions", tags)
-    return c.each(tags)
-
-
-def _embedding(c: _Call) -> Verdict:
+def _embedding(c: Call) -> Verdict:
     weight, ids = c.args[0], c.args[1]
     if c.tags_of(weight):
         return c.refuse("looks up rows of a table that holds the part's positions")
     return c.each(c.tags_of(ids))
 
 
-def _index_select(c: _Call) -> Verdict:
+def _index_select(c: Call) -> Verdict:
     x, index = c.args[0], c.arg(2, "index")
-    d = _dim(c.arg(1, "dim"), x.dim())
+    d = dim_index(c.arg(1, "dim"), x.dim())
     tags = c.tags_of(x)
     if d in tags:
         return c.refuse(f"selects along dim {d} of a {list(x.shape)} tensor, which holds the part's positions", tags)
     held = c.tags_of(index).get(0)  # the index, 1-D, holds positions: so does the output's dim
-    return c.each(_union(tags, {d: held} if held is not None else {}))
+    return c.each(union(tags, {d: held} if held is not None else {}))
 
 
-def _gather(c: _Call) -> Verdict:
+def _gather(c: Call) -> Verdict:
     x, index = c.args[0], c.arg(2, "index")
-    d = _dim(c.arg(1, "dim"), x.dim())
+    d = dim_index(c.arg(1, "dim"), x.dim())
     tags = c.tags_of(x)
     if d in tags:
         return c.refuse(f"gathers along dim {d} of a {list(x.shape)} tensor, which holds the part's positions", tags)
-    return c.each(_union({k: v for k, v in tags.items() if k != d}, c.tags_of(index)))
+    return c.each(union({k: v for k, v in tags.items() if k != d}, c.tags_of(index)))
 
 
-def _scatter(c: _Call) -> Verdict:
+def _scatter(c: Call) -> Verdict:
     """scatter / index_add / index_copy (self, dim, index, source): refused along a tagged dim."""
     x = c.args[0]
-    d = _dim(c.arg(1, "dim"), x.dim())
+    d = dim_index(c.arg(1, "dim"), x.dim())
     tensors = [t for t in c.args[2:] if isinstance(t, Tensor)]
     tags = [c.tags_of(x), *(c.tags_of(t) for t in tensors)]
     index = c.arg(2, "index")
     if c.name in ("index_add", "index_add_", "index_copy", "index_copy_") and VALUED in c.tags_of(index):
         # rows put back at the positions they were taken from (a router's tokens, through their experts)
-        return c.each({k: v for k, v in _union(*tags).items() if k >= 0})
+        return c.each({k: v for k, v in union(*tags).items() if k >= 0})
     if any(d in t for t in tags) or (c.name.startswith("index_") and c.tags_of(index)):
         return c.refuse(f"writes along dim {d} of a {list(x.shape)} tensor by an index, across the part's positions",
-                        _union(*tags))
-    return c.each(_union(*(t for t, x_ in zip(tags, [x, *tensors], strict=True) if x_.dim() == x.dim())))
+                        union(*tags))
+    return c.each(union(*(t for t, x_ in zip(tags, [x, *tensors], strict=True) if x_.dim() == x.dim())))
 
 
-def _index(c: _Call) -> Verdict:
+def _index(c: Call) -> Verdict:
     """x[i, j]: refused when an index falls on a dim that holds positions (the dims of the indices hold theirs)."""
     x, indices = c.args[0], list(c.arg(1, "indices"))
     tags = c.tags_of(x)
@@ -483,59 +296,37 @@ def _index(c: _Call) -> Verdict:
     start = given[0] if contiguous else 0
     new: Tags = {}
     for i in given:
-        new = _union(new, {d + start: r for d, r in _broadcast(c.tags_of(indices[i]), indices[i].dim(),
+        new = union(new, {d + start: r for d, r in broadcast(c.tags_of(indices[i]), indices[i].dim(),
                                                                  index_ndim).items()})
     rest = [d for d in range(x.dim()) if d not in given]
     for i, d in enumerate(rest):
         at = index_ndim + i if not contiguous else d if d < given[0] else d - len(given) + index_ndim
         if d in tags and at < out.dim():
-            new = _union(new, {at: tags[d]})
+            new = union(new, {at: tags[d]})
     return c.each({k: v for k, v in new.items() if k >= 0})
 
 
-def _index_put(c: _Call) -> Verdict:
+def _index_put(c: Call) -> Verdict:
     x, indices, values = c.args[0], list(c.arg(1, "indices")), c.arg(2, "values")
     tags = c.tags_of(x)
     given = [i for i, t in enumerate(indices) if t is not None]
     spans = [i + k for i in given for k in range(indices[i].dim() if indices[i].dtype == torch.bool else 1)]
     if c.tags_of(values) or (any(d in tags for d in spans) and values.numel() != 1):
         return c.refuse(f"writes into a {list(x.shape)} tensor by an index across the part's positions", tags)
-    return c.each(_union(tags, *(_broadcast(c.tags_of(indices[i]), indices[i].dim(), x.dim()) for i in given)))
+    return c.each(union(tags, *(broadcast(c.tags_of(indices[i]), indices[i].dim(), x.dim()) for i in given)))
 
 
-def _tril(c: _Call) -> Verdict:
-    x = c.args[0]
-    tags = c.tags_of(x)
-    if x.dim() - 1 in tags or x.dim() - 2 in tags:
-        return c.refuse(f"masks a {list(x.shape)} tensor by the positions' places in the part ({c.name})", tags)
-    return c.each(tags)
-
-
-def _complex_view(c: _Call) -> Verdict:
-    x, out = c.args[0], c.outs[0]
-    tags = c.tags_of(x)
-    return c.each({d: r for d, r in tags.items() if d < out.dim()})
-
-
-def _unfold(c: _Call) -> Verdict:
-    x = c.args[0]
-    tags = c.tags_of(x)
-    if _dim(c.arg(1, "dimension"), x.dim()) in tags:
-        return c.refuse(f"takes sliding windows of a {list(x.shape)} tensor along the part's positions", tags)
-    return c.each(tags)
-
-
-def _nonzero(c: _Call) -> Verdict:
+def _nonzero(c: Call) -> Verdict:
     """The places of a tensor's nonzero elements, [n, ndim]: its rows are some of the part's positions, and its
     values positions (an index that takes rows from a tensor that holds them, and puts them back)."""
     x, out = c.args[0], c.outs[0]
     if c.tags_of(x) and out.dim() == 2:
-        return c.each({0: (1, max(int(out.shape[0]), 1)), VALUED: _NO_RANGE})
+        return c.each({0: (1, max(int(out.shape[0]), 1)), VALUED: NO_RANGE})
     return c.refuse(f"takes the nonzero elements of a {list(x.shape)} tensor that holds the part's positions")
 
 
-def _full_read(what: str) -> Callable[[_Call], Verdict]:
-    def rule(c: _Call) -> Verdict:
+def _full_read(what: str) -> Callable[[Call], Verdict]:
+    def rule(c: Call) -> Verdict:
         if any(c.tags_of(t) for t in c.args if isinstance(t, Tensor)):
             return c.refuse(f"{what} a tensor that holds the part's positions")
         return c.each({})
@@ -543,37 +334,28 @@ def _full_read(what: str) -> Callable[[_Call], Verdict]:
     return rule
 
 
-_RULES: dict[str, Callable[[_Call], Verdict]] = {
-    **dict.fromkeys(["view", "_unsafe_view", "reshape", "_reshape_alias", "view_copy"], _view),
-    **dict.fromkeys(["expand", "expand_copy"], _expand),
-    **dict.fromkeys(["permute", "permute_copy"], _permute),
-    **dict.fromkeys(["transpose", "transpose_", "t", "t_", "transpose_copy"], _transpose),
-    **dict.fromkeys(["squeeze", "squeeze_", "squeeze_copy"], _squeeze),
-    **dict.fromkeys(["unsqueeze", "unsqueeze_", "unsqueeze_copy"], _unsqueeze),
-    **dict.fromkeys(["view_as_complex", "view_as_real"], _complex_view),
-    "slice": _along(1, "slices"), "select": _along(1, "selects a position of"),
-    **dict.fromkeys(["split", "split_with_sizes", "unsafe_split", "split_copy", "split_with_sizes_copy",
-                     "unsafe_split_with_sizes", "tensor_split", "chunk", "unsafe_chunk"], _along(2, "splits")),
-    "unbind": _along(1, "unbinds"), "narrow": _along(1, "narrows"),
-    "roll": _moves(2, "rolls"), "flip": _moves(1, "flips"),
-    **dict.fromkeys(["cat", "concat", "stack", "_cat"], _cat),
-    "constant_pad_nd": _pad, "repeat": _repeat, "unfold": _unfold,
-    **dict.fromkeys(["tril", "triu", "tril_", "triu_"], _tril),
+_RULES: dict[str, Callable[[Call], Verdict]] = {
+    **MOVE_RULES,
     **dict.fromkeys(["sum", "mean", "nansum", "nanmean", "prod", "amax", "amin", "any", "all", "logsumexp",
                      "count_nonzero", "aminmax"], _reduction(1, 2, "")),
     **dict.fromkeys(["max", "min", "argmax", "argmin", "median", "nanmedian"], _reduction(1, 2, "")),
     "mode": _reduction(1, 2, "", -1),
     **dict.fromkeys(["var", "std", "var_mean", "std_mean"], _reduction(1, 3, "")),
-    "linalg_vector_norm": _reduction(2, 3, ""), "norm": _reduction(2, 3, ""),
+    "linalg_vector_norm": _reduction(2, 3, ""),
+    "norm": _reduction(2, 3, ""),
     **dict.fromkeys(["_softmax", "_log_softmax", ": attention scores?", "log_softmax", "_safe_softmax"],
                     _reduction(1, None, ": attention scores?")),
     **dict.fromkeys(["cumsum", "cumsum_", "cumprod", "cumprod_", "cummax", "cummin", "logcumsumexp",
                      "_logcumsumexp"], _scan("")),
     **dict.fromkeys(["sort", "argsort"], _reduction(1, None, "", -1)),
-    "topk": _reduction(2, None, "", -1), "kthvalue": _reduction(2, 3, "", -1),
+    "topk": _reduction(2, None, "", -1),
+    "kthvalue": _reduction(2, 3, "", -1),
     "glu": _reduction(1, None, "", -1),
-    "native_layer_norm": _layer_norm, "_fused_rms_norm": _layer_norm, "rms_norm": _layer_norm,
-    "layer_norm": _layer_norm, "native_group_norm": _group_norm,
+    "native_layer_norm": _layer_norm,
+    "_fused_rms_norm": _layer_norm,
+    "rms_norm": _layer_norm,
+    "layer_norm": _layer_norm,
+    "native_group_norm": _group_norm,
     **dict.fromkeys(["native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_no_training",
                      "_native_batch_norm_legit_functional"], _batch_norm),
     **dict.fromkeys(["mm", "bmm", "addmm", "baddbmm", "addbmm", "mv", "addmv", "_int_mm"], _matmul),
@@ -583,8 +365,11 @@ _RULES: dict[str, Callable[[_Call], Verdict]] = {
                      "_scaled_dot_product_fused_attention_overrideable", "_flash_attention_forward",
                      "_efficient_attention_forward"], _attention_kernel),
     **dict.fromkeys(["convolution", "_convolution"], _convolution),
-    "nonzero": _nonzero, "argwhere": _nonzero,
-    "embedding": _embedding, "index_select": _index_select, "gather": _gather,
+    "nonzero": _nonzero,
+    "argwhere": _nonzero,
+    "embedding": _embedding,
+    "index_select": _index_select,
+    "gather": _gather,
     **dict.fromkeys(["scatter", "scatter_", "scatter_add", "scatter_add_", "scatter_reduce", "scatter_reduce_",
                      "index_add", "index_add_", "index_copy", "index_copy_", "index_fill", "index_fill_"], _scatter),
     **dict.fromkeys(["index", "_unsafe_index"], _index),

@@ -182,7 +182,9 @@ _SCAN_FIX = (
 
 
 _WATCHES = frozenset({__name__, "shardwise.transforms.context_parallel.sequence_dims",
-                      "shardwise.transforms.context_parallel.sequence_rules"})
+                      "shardwise.transforms.context_parallel.sequence_rules",
+                      "shardwise.transforms.context_parallel.sequence_moves",
+                      "shardwise.transforms.context_parallel.sequence_tags"})
 _MODE_CALLS = frozenset({"__torch_function__", "__torch_dispatch__"})
 
 
