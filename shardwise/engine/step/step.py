@@ -46,6 +46,7 @@ from ..stack.elementwise import check_optimizer
 from ..stack.splits import Splits, splits_of
 from .batch_cut import PER_SHARD_MEAN, batch_shares
 from .donation import check_not_consumed, mark_consumed, mark_updated
+from .held_check import check_held, expected_held
 from .init_state import held_params, init_seeding, meta_names
 from .layouts import build_layout, check_mesh, layouts_by_index, stage_boundaries
 from .master import clip_scale, compute_params, master_meta, master_params
@@ -457,6 +458,15 @@ class Step:
             )
         return layout
 
+    def _expected_held(self, layout: StateLayout, mesh: Mesh | None) -> Any:
+        """This rank's state parameters as init makes them, as meta tensors (see held_check)."""
+
+        def to_local(shapes: Any, layer: str, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            local = self.local_view({**shapes, layer: {**shapes[layer], **values}}, mesh)[layer]
+            return self.master_params({layer: {n: local[n] for n in values}})[layer]
+
+        return expected_held(layout, mesh, to_local)
+
     def full_params(self, state: TrainState) -> Params:
         """The complete parameters on every rank (collectives, once parameters are sharded or
         pipelined: every rank calls this together)."""
@@ -468,7 +478,9 @@ class Step:
         """One training step on the global ``batch``: ``(new state, metrics)`` (every rank passes the same batch)."""
         check_not_consumed(self, state)
         batch = plain_batch(batch)  # a tokenizer's BatchEncoding: a dict the batch's pytree code sees into
-        prepared = prepare_run(self, state, self._state_layout(state), batch)  # the rank's lowering is cached
+        layout = self._state_layout(state)
+        check_held(state.params, self._expected_held(layout, state.mesh))  # a cast or replaced tensor
+        prepared = prepare_run(self, state, layout, batch)  # the rank's lowering is cached
         try:
             prepared.run()
             new_state, metrics = finish_run(self, state, prepared)
