@@ -90,3 +90,29 @@ def test_values_changed_in_place_are_trained_on(stack: str) -> None:
 
     edited, untouched = _edited(stack, zero_first_layer), _edited(stack, lambda step, state: state)
     assert len(set(edited)) == 1 and edited[0] != untouched[0], (edited, untouched)
+
+
+@pytest.mark.parametrize("call", ["save", "full_params", "full_state_dict"])
+def test_a_cast_state_is_refused_by_save_and_by_the_full_parameters(call: str, tmp_path: Any) -> None:
+    """save wrote a float32-cast state of a float64-master step, and load cast it back to float64: the
+    rounding went unnoticed; full_params handed the cast values on. ZeRO-3's full parameters put back
+    into its state failed on a raw error (unhashable type: 'slice')."""
+    base, params, batches = _problem()
+    step = sw.mixed_precision(sw.shard_params(base, "dp", stage=3), POLICY)
+
+    def main(edit: Any) -> None:
+        state, _ = step(step.init(params, sw.Mesh(dp=2)), batches[0])
+        state = edit(state)
+        if call == "save":
+            sw.checkpoint.save(tmp_path / "c", state, step)
+        elif call == "full_params":
+            step.full_params(state)
+        else:
+            sw.checkpoint.full_state_dict(step, state)
+
+    with pytest.raises(sw.collectives.RankFailed, match=r"state\.params\['0'\] is float32 \[28\], but the step "
+                                                        r"keeps it as float64 \[28\]"):
+        sw.launch(lambda: main(lambda state: optree.tree_map(_to_f32, state)), world=2)
+    with pytest.raises(sw.collectives.RankFailed, match=r"state\.params holds \['0', '1', '2', '3', '4'\]"):
+        sw.launch(lambda: main(lambda state: state._replace(params=step.full_params(state))), world=2)
+    assert not (tmp_path / "c").exists()

@@ -295,13 +295,15 @@ def _at_exit() -> None:
 
 
 def _consumed(step: Any, state: TrainState) -> str | None:
-    """Why ``state`` cannot be saved, if an in-place update of ``step`` already wrote past it."""
-    check = getattr(step, "check_not_consumed", None)  # a Step's (engine/step sits above this folder)
+    """Why ``state`` cannot be saved, if an in-place update of ``step`` already wrote past it, or its
+    parameters are not laid out as the step's init lays them out (cast or replaced by hand)."""
+    # A Step's (engine/step sits above this folder); a step-like object may have only the first.
+    check = getattr(step, "check_state", None) or getattr(step, "check_not_consumed", None)
     if check is None:
         return None
     try:
         check(state)
-    except ValueError as err:
+    except (ValueError, TypeError) as err:
         return str(err)
     return None
 

@@ -290,6 +290,15 @@ class Step:
         ``sw.checkpoint.save``, would read the tensors of a later state under its step count)."""
         check_not_consumed(self, state)
 
+    def check_state(self, state: TrainState) -> None:
+        """Refuse ``state`` when it cannot be read as this step's: consumed by an in-place update, or
+        with parameters not laid out as ``init`` laid them out (cast, replaced: see held_check). A
+        state of another step is left to the caller's own refusal of it."""
+        check_not_consumed(self, state)
+        layout = state.layout if isinstance(state, TrainState) else None
+        if isinstance(layout, StateLayout) and layout.stack == self.stack_key:
+            check_held(state.params, self._expected_held(layout, state.mesh))
+
     def check_ranks_agree(
         self, mesh: Mesh | None, layout: StateLayout, parts: dict[str, object], device: torch.device,
         buffer_values: bool = True,
@@ -470,7 +479,7 @@ class Step:
     def full_params(self, state: TrainState) -> Params:
         """The complete parameters on every rank (collectives, once parameters are sharded or
         pipelined: every rank calls this together)."""
-        check_not_consumed(self, state)  # an in-place update wrote a later state into its tensors
+        self.check_state(state)  # consumed by an in-place update, or cast or replaced by hand
         return full_params(self._state_layout(state), state.params, state.mesh)
 
     # -- running --------------------------------------------------------------
