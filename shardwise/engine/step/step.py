@@ -297,7 +297,7 @@ class Step:
         check_not_consumed(self, state)
         layout = state.layout if isinstance(state, TrainState) else None
         if isinstance(layout, StateLayout) and layout.stack == self.stack_key:
-            check_held(state.params, self._expected_held(layout, state.mesh))
+            check_held(state.params, self.expected_held(layout, state.mesh))
 
     def check_ranks_agree(
         self, mesh: Mesh | None, layout: StateLayout, parts: dict[str, object], device: torch.device,
@@ -467,7 +467,7 @@ class Step:
             )
         return layout
 
-    def _expected_held(self, layout: StateLayout, mesh: Mesh | None) -> Any:
+    def expected_held(self, layout: StateLayout, mesh: Mesh | None) -> Any:
         """This rank's state parameters as init makes them, as meta tensors (see held_check)."""
 
         def to_local(shapes: Any, layer: str, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -487,9 +487,8 @@ class Step:
         """One training step on the global ``batch``: ``(new state, metrics)`` (every rank passes the same batch)."""
         check_not_consumed(self, state)
         batch = plain_batch(batch)  # a tokenizer's BatchEncoding: a dict the batch's pytree code sees into
-        layout = self._state_layout(state)
-        check_held(state.params, self._expected_held(layout, state.mesh))  # a cast or replaced tensor
-        prepared = prepare_run(self, state, layout, batch)  # the rank's lowering is cached
+        # prepare_run refuses a state cast or replaced by hand (held_check), once the world fits the mesh
+        prepared = prepare_run(self, state, self._state_layout(state), batch)  # the rank's lowering is cached
         try:
             prepared.run()
             new_state, metrics = finish_run(self, state, prepared)
