@@ -71,3 +71,25 @@ def test_each_rank_index_names_the_save_and_a_save_loads_whole(tmp_path: Path) -
     assert all(sw.launch(run, 2))
     ids = {read_json(tmp_path / "c" / index_file(r), "index")["save"] for r in range(2)}
     assert len(ids) == 1 and len(next(iter(ids))) == 32, ids
+
+
+def test_rank_files_removed_after_they_were_written_are_named_with_the_likely_cause(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the other run's recovery does to this save's directory: a raw 'rank0.json is missing' before."""
+    step, params, batches = _problem()
+
+    def other_run_removes_it(point: str) -> None:
+        if point == "before-commit":
+            shutil.rmtree(ck._partial(tmp_path / "c"))
+            ck._partial(tmp_path / "c").mkdir()
+
+    monkeypatch.setattr(ck, "_fault", other_run_removes_it)
+
+    def run() -> None:
+        state, _ = step(step.init(params, sw.Mesh(dp=2)), batches[0])
+        sw.checkpoint.save(tmp_path / "c", state, step)
+
+    with pytest.raises(sw.collectives.RankFailed, match=r"the files of ranks \[0, 1\] are gone after they were "
+                                                        r"written: another save to .* may have removed \.c\.partial"):
+        sw.launch(run, 2)

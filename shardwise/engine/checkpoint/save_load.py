@@ -380,6 +380,13 @@ def _commit(partial: Path, target: Path, meta: dict[str, Any], world: int, alias
     index from another save (two runs saving to one path: the other's recovery removed this save's
     directory, and its ranks write into the one it made) stops the commit: the marker would vouch
     for a mix of the two runs' shards."""
+    gone = [rank for rank in range(world) if not (partial / index_file(rank)).is_file()]
+    if gone:  # every rank reported its files written: something removed them since
+        raise CheckpointError(
+            f"{partial}: the files of ranks {gone} are gone after they were written: another save to {target} "
+            f"may have removed {partial.name} (two runs saving to one path?); nothing was committed. "
+            "Give each run its own checkpoint path"
+        )
     tensors: dict[str, Any] = {}
     for rank in range(world):
         index = read_json(partial / index_file(rank), f"rank {rank}'s index")
