@@ -7,7 +7,8 @@ layers cast whatever they are given to the compute dtype, so a state cast to it 
 weights and moments of that precision; a bias of shape ``[1]`` broadcasts in the forward and in the
 update. Others fail deep in the executor, naming nothing the user wrote. So every call compares
 the state's parameters with what init makes for the rank (its layers, its ZeRO shards, its
-tensor-parallel slices, the master dtype): shapes and dtypes only, no values, a few microseconds.
+tensor-parallel slices, the master dtype): shapes and dtypes only, no values, in one pass over
+the leaves (about 0.1 ms for 148 of them on a loaded CPU, a step there takes 0.5 s).
 """
 
 from __future__ import annotations
