@@ -420,3 +420,30 @@ def test_the_state_a_step_raised_on_at_the_floor_is_still_usable_with_an_in_plac
     lower = state._replace(loss_scale=state.loss_scale._replace(min_scale=2.0**-20))
     after, metrics = step(lower, good)
     assert not bool(metrics["skipped"]) and after.step == 2
+
+
+def test_a_skipped_step_counts_in_state_step_but_not_in_the_schedule() -> None:
+    """The schedule reads the optimizer's count of updates applied: a skipped step leaves the run
+    where the same run without that batch would be (all-f64 policy: power-of-two scaling is exact),
+    while ``state.step`` counts the call."""
+    torch.manual_seed(0)
+    chain, params = sw.functionalize(mlp([4, 6, 3]).double())
+    step = sw.train_step(chain, torch.nn.functional.mse_loss,
+                         sw.optim.adamw(sw.optim.warmup_cosine(0.1, 3, 10), weight_decay=0.1))
+    scaled = sw.mixed_precision(step, "params=f64,compute=f64,output=f64", loss_scale="dynamic")
+    gen = torch.Generator().manual_seed(1)
+    good = [(torch.randn(8, 4, generator=gen, dtype=torch.float64),
+             torch.randn(8, 3, generator=gen, dtype=torch.float64)) for _ in range(3)]
+    bad = (good[0][0].clone(), good[0][1])
+    bad[0][2, 1] = float("inf")
+    state, skipped = scaled.init(params), []
+    for batch in [good[0], bad, good[1], good[2]]:
+        state, metrics = scaled(state, batch)
+        skipped.append(bool(metrics["skipped"]))
+    plain = step.init(params)
+    for batch in good:
+        plain, _ = step(plain, batch)
+    assert skipped == [False, True, False, False]
+    assert (state.step, int(state.opt_state.step)) == (4, 3)
+    assert all(torch.equal(a, b) for a, b in zip(optree.tree_leaves(scaled.full_params(state)),
+                                                  optree.tree_leaves(step.full_params(plain)), strict=True))

@@ -139,9 +139,11 @@ def write_json(path: Path, value: Mapping[str, Any]) -> None:
 
 
 def write_rank(directory: Path, rank: int, boxes: Iterable[tuple[str, tuple[int, ...], torch.Tensor]],
-               tensors: Mapping[str, Any], fault: Any = None) -> int:
+               tensors: Mapping[str, Any], fault: Any = None, save_id: str | None = None) -> int:
     """Write one rank's boxes (name, offsets, host tensor) and their index, with the global shape and
-    dtype of each tensor they belong to (``tensors``); return the bytes written."""
+    dtype of each tensor they belong to (``tensors``) and the id of the save writing them (``save_id``,
+    which the commit checks: another save to the same path may write into the same directory);
+    return the bytes written."""
     name = data_file(rank)
     records: list[Record] = []
     with open(directory / name, "wb") as f:
@@ -161,8 +163,9 @@ def write_rank(directory: Path, rank: int, boxes: Iterable[tuple[str, tuple[int,
         f.flush()
         os.fsync(f.fileno())
         total = f.tell()
-    write_json(directory / index_file(rank), {"rank": rank, "file": name, "bytes": total, "tensors": dict(tensors),
-                                              "records": [r.to_json() for r in records]})
+    index = {"rank": rank, "file": name, "bytes": total, "tensors": dict(tensors),
+             "records": [r.to_json() for r in records]}
+    write_json(directory / index_file(rank), index if save_id is None else {**index, "save": save_id})
     return total
 
 

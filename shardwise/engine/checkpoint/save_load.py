@@ -54,6 +54,7 @@ import os
 import shutil
 import sys
 import threading
+import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
@@ -231,13 +232,14 @@ def save(path: str | os.PathLike[str], state: TrainState, step: Any, *, blocking
     failed = _agree(mesh, problem, device)
     if failed is not None:
         raise CheckpointError(f"save to {target}: {problem or failed}")
+    save_id = _save_id(mesh, device)
     _reached("prepared")
     names = state_dict_names(step.base_chain)
     boxes_, tensors, meta = _snapshot(state, step, layout, mesh, names, rank, device)
 
     def write(handle: SaveHandle) -> None:
         try:
-            handle.bytes_written = write_rank(partial, rank, boxes_, tensors, _fault)
+            handle.bytes_written = write_rank(partial, rank, boxes_, tensors, _fault, save_id)
             _reached("rank-written")
         except BaseException as err:  # reported to every rank by wait()'s agreement
             handle.error = err
@@ -247,7 +249,7 @@ def save(path: str | os.PathLike[str], state: TrainState, step: Any, *, blocking
         if rank == 0:
             try:
                 _reached("before-commit")
-                _commit(partial, target, meta, world, names.aliases)
+                _commit(partial, target, meta, world, names.aliases, save_id)
             except Exception as err:
                 problem = f"{type(err).__name__}: {err}"
         failed = _agree(mesh, problem, device)
@@ -295,13 +297,15 @@ def _at_exit() -> None:
 
 
 def _consumed(step: Any, state: TrainState) -> str | None:
-    """Why ``state`` cannot be saved, if an in-place update of ``step`` already wrote past it."""
-    check = getattr(step, "check_not_consumed", None)  # a Step's (engine/step sits above this folder)
+    """Why ``state`` cannot be saved, if an in-place update of ``step`` already wrote past it, or its
+    parameters are not laid out as the step's init lays them out (cast or replaced by hand)."""
+    # A Step's (engine/step sits above this folder); a step-like object may have only the first.
+    check = getattr(step, "check_state", None) or getattr(step, "check_not_consumed", None)
     if check is None:
         return None
     try:
         check(state)
-    except ValueError as err:
+    except (ValueError, TypeError) as err:
         return str(err)
     return None
 
@@ -364,11 +368,35 @@ def _snapshot(state: TrainState, step: Any, layout: StateLayout, mesh: Mesh | No
     return out, tensors, meta
 
 
-def _commit(partial: Path, target: Path, meta: dict[str, Any], world: int, aliases: Mapping[str, str]) -> None:
-    """Rank 0, once every rank has written: metadata, the commit marker, then the renames."""
+def _save_id(mesh: Mesh | None, device: torch.device) -> str:
+    """This save's id, rank 0's draw, the same on every rank (a collective): each rank's index records it."""
+    mine = uuid.uuid4().hex
+    return mine if mesh is None else gather_texts(mesh, [mine], device)[0][0]
+
+
+def _commit(partial: Path, target: Path, meta: dict[str, Any], world: int, aliases: Mapping[str, str],
+            save_id: str | None = None) -> None:
+    """Rank 0, once every rank has written: metadata, the commit marker, then the renames. A rank's
+    index from another save (two runs saving to one path: the other's recovery removed this save's
+    directory, and its ranks write into the one it made) stops the commit: the marker would vouch
+    for a mix of the two runs' shards."""
+    gone = [rank for rank in range(world) if not (partial / index_file(rank)).is_file()]
+    if gone:  # every rank reported its files written: something removed them since
+        raise CheckpointError(
+            f"{partial}: the files of ranks {gone} are gone after they were written: another save to {target} "
+            f"may have removed {partial.name} (two runs saving to one path?); nothing was committed. "
+            "Give each run its own checkpoint path"
+        )
     tensors: dict[str, Any] = {}
     for rank in range(world):
-        tensors.update(read_json(partial / index_file(rank), f"rank {rank}'s index")["tensors"])
+        index = read_json(partial / index_file(rank), f"rank {rank}'s index")
+        if save_id is not None and index.get("save") != save_id:
+            raise CheckpointError(
+                f"{partial}: rank {rank}'s files are another save's: another save to {target} wrote into "
+                f"{partial.name} while this one did (two runs saving to one path?); nothing was committed. "
+                "Give each run its own checkpoint path"
+            )
+        tensors.update(index["tensors"])
     meta = {**meta, "tensors": tensors}
     write_json(partial / META, meta)
     write_dcp_metadata(

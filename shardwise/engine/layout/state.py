@@ -26,7 +26,10 @@ def map_params(fn: Callable[[torch.Tensor], torch.Tensor], params: Mapping[str, 
 class TrainState(NamedTuple):
     """Parameters (or this rank's shards of them), optimizer state, step count, loss scale.
 
-    ``step`` counts completed updates. ``loss_scale`` is ``None`` unless a
+    ``step`` counts the step's calls, a skipped one too (a mixed-precision step whose gradient
+    was not finite); the optimizer state counts the updates it applied, which is what a
+    learning-rate schedule and AdamW's bias corrections read, so a skipped step moves neither.
+    ``loss_scale`` is ``None`` unless a
     mixed-precision transform with loss scaling put one there. ``mesh`` and
     ``layout`` are static: the mesh the state lives on and how the parameters
     are laid out on it (a ``sw.layout.StateLayout``). ``rng`` is the seed of

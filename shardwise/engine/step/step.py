@@ -46,6 +46,7 @@ from ..stack.elementwise import check_optimizer
 from ..stack.splits import Splits, splits_of
 from .batch_cut import PER_SHARD_MEAN, batch_shares
 from .donation import check_not_consumed, mark_consumed, mark_updated
+from .held_check import check_held, expected_held
 from .init_state import held_params, init_seeding, meta_names
 from .layouts import build_layout, check_mesh, layouts_by_index, stage_boundaries
 from .master import clip_scale, compute_params, master_meta, master_params
@@ -289,6 +290,15 @@ class Step:
         ``sw.checkpoint.save``, would read the tensors of a later state under its step count)."""
         check_not_consumed(self, state)
 
+    def check_state(self, state: TrainState) -> None:
+        """Refuse ``state`` when it cannot be read as this step's: consumed by an in-place update, or
+        with parameters not laid out as ``init`` laid them out (cast, replaced: see held_check). A
+        state of another step is left to the caller's own refusal of it."""
+        check_not_consumed(self, state)
+        layout = state.layout if isinstance(state, TrainState) else None
+        if isinstance(layout, StateLayout) and layout.stack == self.stack_key:
+            check_held(state.params, self.expected_held(layout, state.mesh))
+
     def check_ranks_agree(
         self, mesh: Mesh | None, layout: StateLayout, parts: dict[str, object], device: torch.device,
         buffer_values: bool = True,
@@ -457,10 +467,19 @@ class Step:
             )
         return layout
 
+    def expected_held(self, layout: StateLayout, mesh: Mesh | None) -> Any:
+        """This rank's state parameters as init makes them, as meta tensors (see held_check)."""
+
+        def to_local(shapes: Any, layer: str, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            local = self.local_view({**shapes, layer: {**shapes[layer], **values}}, mesh)[layer]
+            return self.master_params({layer: {n: local[n] for n in values}})[layer]
+
+        return expected_held(layout, mesh, to_local)
+
     def full_params(self, state: TrainState) -> Params:
         """The complete parameters on every rank (collectives, once parameters are sharded or
         pipelined: every rank calls this together)."""
-        check_not_consumed(self, state)  # an in-place update wrote a later state into its tensors
+        self.check_state(state)  # consumed by an in-place update, or cast or replaced by hand
         return full_params(self._state_layout(state), state.params, state.mesh)
 
     # -- running --------------------------------------------------------------
@@ -468,6 +487,7 @@ class Step:
         """One training step on the global ``batch``: ``(new state, metrics)`` (every rank passes the same batch)."""
         check_not_consumed(self, state)
         batch = plain_batch(batch)  # a tokenizer's BatchEncoding: a dict the batch's pytree code sees into
+        # prepare_run refuses a state cast or replaced by hand (held_check), once the world fits the mesh
         prepared = prepare_run(self, state, self._state_layout(state), batch)  # the rank's lowering is cached
         try:
             prepared.run()
