@@ -10,7 +10,6 @@ ranks, which test_checkpoint_memory.py measures on too).
 
 from __future__ import annotations
 
-import gc
 from typing import Any
 
 import pytest
@@ -69,21 +68,13 @@ Runs = list[tuple[tuple[int, int], tuple[int, int], tuple[int, int], tuple[int, 
 
 def _rank() -> tuple[tuple[int, int], tuple[int, int], tuple[int, int], tuple[int, int]]:
     _train(8)  # warm-up: the same code path on a tiny model
-    # What the imports and the warm-up made (300,000 objects) is out of the collector's way: each PeakRSS's
-    # collection took 0.13 s of a rank's CPU. A frozen object is never collected, and nothing it holds is
-    # counted: every measurement is from the resident size at its start (test_plan_peak_memory.py's too).
-    gc.collect()
-    gc.freeze()
-    try:
-        adamw = _train(WIDTH)
-        _train(8, sw.optim.sgd(0.1), SGD_LAYERS)
-        sgd = _train(SGD_WIDTH, sw.optim.sgd(0.1), SGD_LAYERS)
-        _train(8, stage=2)
-        zero2 = _train(WIDTH, stage=2)
-        _train(8, stage=1)
-        return adamw, sgd, zero2, _train(WIDTH, stage=1)
-    finally:
-        gc.unfreeze()
+    adamw = _train(WIDTH)
+    _train(8, sw.optim.sgd(0.1), SGD_LAYERS)
+    sgd = _train(SGD_WIDTH, sw.optim.sgd(0.1), SGD_LAYERS)
+    _train(8, stage=2)
+    zero2 = _train(WIDTH, stage=2)
+    _train(8, stage=1)
+    return adamw, sgd, zero2, _train(WIDTH, stage=1)
 
 
 @pytest.fixture(scope="module")
