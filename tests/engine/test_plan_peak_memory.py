@@ -29,7 +29,6 @@ ranks' setting, in a pool of this module's own).
 
 from __future__ import annotations
 
-import gc
 from typing import Any
 
 import pytest
@@ -122,22 +121,12 @@ def _train(name: str, width: int, steps: int = 2, plan: bool = True) -> tuple[in
 
 def _rank() -> dict[str, tuple[int, int]]:
     out = {}
-    try:
-        for name in STACKS:
-            width = PIPELINE_WIDTH if name.startswith("pipeline") else TP_WIDTH
-            # Warm-up: a step of the same stack on the same model (see the docstring); its Plan (a run on fake
-            # tensors, about half of the warm-up's time) is not needed.
-            _train(name, width, steps=1, plan=False)
-            if not out:
-                # What the imports and the first run made (300,000 objects) is out of the collector's way:
-                # each PeakRSS's collection took 0.13 s of a rank's CPU, 28 of them 15 s over 4 ranks. A
-                # frozen object is never collected, and nothing it holds is counted: every measurement is
-                # from the resident size at its start, what this run makes is collected as before.
-                gc.collect()
-                gc.freeze()
-            out[name] = _train(name, width)
-    finally:
-        gc.unfreeze()
+    for name in STACKS:
+        width = PIPELINE_WIDTH if name.startswith("pipeline") else TP_WIDTH
+        # Warm-up: a step of the same stack on the same model (see the docstring); its Plan (a run on fake
+        # tensors, about half of the warm-up's time) is not needed.
+        _train(name, width, steps=1, plan=False)
+        out[name] = _train(name, width)
     return out
 
 
