@@ -12,10 +12,12 @@ What is measured
 cross entropy on a global batch of ``batch`` sequences of ``seq`` tokens, SGD (shardwise's with
 ``inplace=True``: it writes the new parameters into the state given, as ``torch.optim.SGD`` does; the
 functional one holds the old and the new shards at once at the update), ``steps`` steps. Each
-variant runs in a fresh gloo :class:`ProcessPool` of its own, after one run on a tiny BART (the imports
-and one-time setup are not the model's), with glibc's mmap and trim thresholds at 128 KiB in the ranks
-(``LIVE_MALLOC``: freed tensors return to the system at once, RSS follows live memory; torch's CPU
-allocator caches nothing), as ``memory.py``. Every rank builds the whole model, seeded, then:
+variant runs in a fresh gloo :class:`ProcessPool` of its own (``--pools world`` runs a world's variants
+in one pool instead: the test suite's smoke run, whose figures are not to be compared), after one run on
+a tiny BART (the imports and one-time setup are not the model's), with glibc's mmap and trim
+thresholds at 128 KiB in the ranks (``LIVE_MALLOC``: freed tensors return to the system at once, RSS
+follows live memory; torch's CPU allocator caches nothing), as ``memory.py``. Every rank builds the
+whole model, seeded, then:
 
 * ``shardwise_whole``: ``sw.functionalize(model)`` (``units=None``: one layer), ``shard_params(stage=3)``:
   ZeRO-3 gathers the whole model at once;
@@ -34,6 +36,7 @@ FSDP2's).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 from dataclasses import dataclass, replace
@@ -163,6 +166,10 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=32, help="tokens per sequence (default 32)")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--pools", choices=("variant", "world"), default="variant",
+                        help="variant: a fresh pool of processes per variant, so that none inherits another's "
+                             "memory; world: one pool per world for all its variants (a smoke run: start-up "
+                             "costs less, the figures are not comparable) (default: variant)")
     add_out_flag(parser)
     args = parser.parse_args()
     os.environ.update(LIVE_MALLOC)  # the ranks start with it (glibc reads it at process start)
@@ -171,23 +178,31 @@ def main() -> None:
             cfg = Config(args.d_model, args.layers, args.batch, args.seq, args.steps, world)
             model_bytes = sum(p.numel() for p in build(cfg).parameters()) * 4
             reference = None
-            for variant in [v for v in VARIANTS if v in args.variants.split(",")]:
-                note(f"memory_encdec: world {world}, {variant}")
-                with ProcessPool(world, timeout=1800) as pool:
-                    per_rank = pool.run(warmed, variant, cfg)
-                row: dict[str, Any] = {
-                    "bench": "memory_encdec", "variant": variant, "world": world, "model_bytes": model_bytes,
-                    "held_bytes": max(r["held_bytes"] for r in per_rank),
-                    "step_peak_bytes": max(r["step_peak_bytes"] for r in per_rank),
-                    "step_peak_bytes_per_rank": [r["step_peak_bytes"] for r in per_rank],
-                }
-                if "layers" in per_rank[0]:
-                    row["layers"] = per_rank[0]["layers"]
-                if variant == "fsdp2":
-                    reference = row["step_peak_bytes"]
-                elif reference:
-                    row["ratio_to_fsdp2"] = round(row["step_peak_bytes"] / reference, 3)
-                emit({**row, **environment(), "malloc": "128KiB thresholds"})
+            shared = ProcessPool(world, timeout=1800) if args.pools == "world" else None
+            with shared or contextlib.nullcontext():
+                for variant in [v for v in VARIANTS if v in args.variants.split(",")]:
+                    note(f"memory_encdec: world {world}, {variant}")
+                    row = measured(cfg, variant, model_bytes, shared)
+                    if variant == "fsdp2":
+                        reference = row["step_peak_bytes"]
+                    elif reference:
+                        row["ratio_to_fsdp2"] = round(row["step_peak_bytes"] / reference, 3)
+                    emit({**row, **environment(), "malloc": "128KiB thresholds", "pools": args.pools})
+
+
+def measured(cfg: Config, variant: str, model_bytes: int, pool: ProcessPool | None) -> dict[str, Any]:
+    """The variant's row on a fresh pool of ``cfg.world`` processes, or on ``pool`` where one is given."""
+    with contextlib.nullcontext(pool) if pool else ProcessPool(cfg.world, timeout=1800) as ranks:
+        per_rank = ranks.run(warmed, variant, cfg)
+    row: dict[str, Any] = {
+        "bench": "memory_encdec", "variant": variant, "world": cfg.world, "model_bytes": model_bytes,
+        "held_bytes": max(r["held_bytes"] for r in per_rank),
+        "step_peak_bytes": max(r["step_peak_bytes"] for r in per_rank),
+        "step_peak_bytes_per_rank": [r["step_peak_bytes"] for r in per_rank],
+    }
+    if "layers" in per_rank[0]:
+        row["layers"] = per_rank[0]["layers"]
+    return row
 
 
 if __name__ == "__main__":

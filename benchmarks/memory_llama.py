@@ -8,12 +8,12 @@ Run it from the repository root:
 ``memory.py`` measures a stack of Linears, whose activations are a few rows. A transformer holds
 what a Linear stack does not: an embedding and an untied head over the vocabulary, the logits of
 every token, attention and MLP intermediates per layer, RoPE tables. This benchmark measures the
-same way as ``memory.py`` (read its docstring: a fresh gloo process pool per variant, glibc's
-thresholds fixed at 128 KiB so RSS follows live memory, a warm-up run on a tiny model first, then
-VmHWM above the baseline, the largest over ranks), on ``LlamaForCausalLM`` from transformers as it
-comes: built under ``torch.device("meta")``, AdamW (torch's defaults), a cross-entropy on the
-logits in float32, ``--steps`` steps of a global batch of ``--batch`` sequences of ``--seq``
-tokens.
+same way as ``memory.py`` (read its docstring: a fresh gloo process pool per variant, or with
+``--pools world`` one per world for the test suite's smoke run, glibc's thresholds fixed at 128 KiB
+so RSS follows live memory, a warm-up run on a tiny model first, then VmHWM above the baseline, the
+largest over ranks), on ``LlamaForCausalLM`` from transformers as it comes: built under
+``torch.device("meta")``, AdamW (torch's defaults), a cross-entropy on the logits in float32,
+``--steps`` steps of a global batch of ``--batch`` sequences of ``--seq`` tokens.
 
 Variants:
 
@@ -54,6 +54,7 @@ Plan's ``plan_peak_bytes`` and its figures for rank 0 (``plan``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import gc
@@ -275,11 +276,13 @@ def warmed(variant: str, cfg: Config, directory: str | None = None) -> dict[str,
         gc.unfreeze()
 
 
-def measured(cfg: Config, variant: str) -> dict[str, Any]:
-    """The variant on a fresh pool of ``cfg.world`` processes: the largest peaks over ranks."""
+def measured(cfg: Config, variant: str, pool: ProcessPool | None = None) -> dict[str, Any]:
+    """The variant on a fresh pool of ``cfg.world`` processes, or on ``pool`` where one is given: the
+    largest peaks over ranks."""
     try:
-        with ProcessPool(cfg.world, timeout=3600) as pool, tempfile.TemporaryDirectory() as directory:
-            per_rank = pool.run(warmed, variant, cfg, directory)
+        with (contextlib.nullcontext(pool) if pool else ProcessPool(cfg.world, timeout=3600)) as ranks, \
+                tempfile.TemporaryDirectory() as directory:
+            per_rank = ranks.run(warmed, variant, cfg, directory)
     except sw.collectives.RankFailed as exc:  # one variant failing must not lose the others' rows
         return {"failed": str(exc).splitlines()[0]}
     if variant in EXPORTS:
@@ -315,6 +318,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--variants", default=",".join(("one_process", *VARIANTS)),
                         help="comma-separated subset of one_process," + ",".join((*VARIANTS, *EXPORT_VARIANTS))
                         + " (default: one_process and the training variants)")
+    parser.add_argument("--pools", choices=("variant", "world"), default="variant",
+                        help="variant: a fresh pool of processes per variant, so that none inherits another's "
+                             "memory; world: one pool per world for all its variants (a smoke run: start-up "
+                             "costs less, the figures are not comparable) (default: variant)")
     add_out_flag(parser)
     args = parser.parse_args()
     args.variants = args.variants.split(",")
@@ -329,7 +336,7 @@ def main() -> None:
     os.environ.update(LIVE_MALLOC)  # the ranks start with it (glibc reads it at process start)
     shape = Config(args.hidden, args.intermediate, args.layers, args.heads, args.kv_heads, args.vocab, args.seq,
                    args.batch, args.steps, 1)
-    stated = {"malloc": "128KiB thresholds", "model": dataclasses.asdict(shape)}
+    stated = {"malloc": "128KiB thresholds", "pools": args.pools, "model": dataclasses.asdict(shape)}
     with json_lines(args.out) as emit:
         if "one_process" in args.variants:
             note("# world 1: one_process")
@@ -338,23 +345,31 @@ def main() -> None:
         for world in (int(w) for w in args.worlds.split(",")):
             cfg = dataclasses.replace(shape, world=world)
             reference: dict[Any, int] = {}
-            for variant in (v for v in (*VARIANTS, *EXPORT_VARIANTS) if v in args.variants):
-                note(f"# world {world}: {variant}")
-                bf16 = variant.endswith("_bf16")
-                row: dict[str, Any] = {"bench": "memory_llama", "variant": variant, "world": world,
-                                       "model_bytes": cfg.model_bytes, **measured(cfg, variant)}
-                if variant.startswith("fsdp2") and "peak_bytes" in row:
-                    reference[bf16] = row["peak_bytes"]
-                if "peak_bytes" in row and bf16 in reference:
-                    row["ratio_to_fsdp2"] = round(row["peak_bytes"] / reference[bf16], 3)
-                if variant == "export_fsdp2" and "export_peak_bytes" in row:
-                    reference["export"] = row["export_peak_bytes"]
-                elif "export_peak_bytes" in row and "export" in reference:
-                    row["export_ratio_to_fsdp2"] = round(row["export_peak_bytes"] / reference["export"], 3)
-                if variant.startswith("shardwise"):
-                    row["plan"] = plan_figures(cfg, bf16)
-                    row["plan_peak_bytes"] = row["plan"]["peak"]
-                emit({**row, **environment(), **stated})
+            shared = ProcessPool(world, timeout=3600) if args.pools == "world" else None
+            with shared or contextlib.nullcontext():
+                for variant in (v for v in (*VARIANTS, *EXPORT_VARIANTS) if v in args.variants):
+                    note(f"# world {world}: {variant}")
+                    emit({**variant_row(cfg, variant, reference, shared), **environment(), **stated})
+
+
+def variant_row(cfg: Config, variant: str, reference: dict[Any, int], pool: ProcessPool | None) -> dict[str, Any]:
+    """The variant's row: its peaks, their ratios to FSDP2's rows of this world (``reference``, which an
+    FSDP2 row fills in) and, for shardwise, the Plan's figures."""
+    bf16 = variant.endswith("_bf16")
+    row: dict[str, Any] = {"bench": "memory_llama", "variant": variant, "world": cfg.world,
+                           "model_bytes": cfg.model_bytes, **measured(cfg, variant, pool)}
+    if variant.startswith("fsdp2") and "peak_bytes" in row:
+        reference[bf16] = row["peak_bytes"]
+    if "peak_bytes" in row and bf16 in reference:
+        row["ratio_to_fsdp2"] = round(row["peak_bytes"] / reference[bf16], 3)
+    if variant == "export_fsdp2" and "export_peak_bytes" in row:
+        reference["export"] = row["export_peak_bytes"]
+    elif "export_peak_bytes" in row and "export" in reference:
+        row["export_ratio_to_fsdp2"] = round(row["export_peak_bytes"] / reference["export"], 3)
+    if variant.startswith("shardwise"):
+        row["plan"] = plan_figures(cfg, bf16)
+        row["plan_peak_bytes"] = row["plan"]["peak"]
+    return row
 
 
 if __name__ == "__main__":
