@@ -254,8 +254,8 @@ class WeightReads(TorchFunctionMode):
         kwargs = kwargs or {}
         gain = self._gain_use(func, args, kwargs) if self.gains else None
         out = self._split_use(func, args, kwargs)
-        if gain is not None and isinstance(out, Tensor) and out.dim() == 0:
-            self.gains[id(out)] = (weakref.ref(out), gain)  # a number made from the gain is the gain's to watch
+        if gain is not None and isinstance(out, Tensor) and out.dim() == 0 and _name(func) != "detach":
+            self.gains[id(out)] = (weakref.ref(out), gain)  # a number made from the gain (with its gradient) is watched
         return out
 
     def _gain_use(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[int, str, str] | None:

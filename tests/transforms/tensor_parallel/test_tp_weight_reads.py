@@ -488,20 +488,28 @@ class _KeptScale(_GainedWeight):
         return F.linear(x, self.weight * self.scale, self.bias)
 
 
+class _DetachedScale(_GainedWeight):
+    """Keeps its gain detached for the module around it: a number without a gradient, the same on every rank."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.scale = self.gain.detach()
+        return F.linear(x, self.weight * self.gain, self.bias)
+
+
 class _GainReadOutside(nn.Module):
     """A Colwise whose 0-d gain (or a number made from it) the parent reads too, as in ``READ_OUTSIDE``."""
 
     def __init__(self, read: str) -> None:
         super().__init__()
         self.read = read
-        self.up = (_KeptScale if read == "kept scale" else _GainedWeight)(8, 16)
+        self.up = {"kept scale": _KeptScale, "detached": _DetachedScale}.get(read, _GainedWeight)(8, 16)
         self.down = nn.Linear(16, 8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.down(torch.relu(self.up(x)))
         if self.read == "residual":
             return y + self.up.gain * x.sum(-1, keepdim=True)
-        if self.read == "kept scale":
+        if self.read in ("kept scale", "detached"):
             return y * self.up.scale
         return y * self.up.gain
 
@@ -520,3 +528,10 @@ def test_a_zero_d_gain_read_outside_its_module_is_refused(read: str, op: str, pl
         r"gain inside the module.*or leave the module out of the plan"
     )):
         sw.tensor_parallel(step, "tp", plan).plan(sw.Mesh(tp=2), params, batches[0])
+
+
+def test_a_detached_number_of_a_zero_d_gain_read_outside_equals_one_device() -> None:
+    """What the parent reads is the gain's value without its gradient, so nothing outside the module is summed."""
+    step, params, batches = _problem(_GainReadOutside("detached"))
+    sw.testing.assert_equivalent(sw.tensor_parallel(step, "tp", PAIR), step, sw.Mesh(tp=2), batches, params,
+                                 rtol=RTOL)
