@@ -24,7 +24,7 @@ from ...engine.torch_api import data_dependent_errors
 from . import partial, positions
 from .comm import vary
 from .following import quiet, set_current
-from .match import EMBEDDING, Install, LayerPlan, is_head_count, param_split
+from .match import EMBEDDING, Install, LayerPlan, is_gain, is_head_count, param_split
 from .modules import TPForward, is_ours
 from .own_loss import OwnLossCheck, OwnLossWatch, refuse_own_loss
 from .owned_only import OwnedOnly
@@ -54,8 +54,9 @@ class VaryFn:
         split: tuple[tuple[str, str, str], ...] = (),
     ) -> None:
         self.fn, self.axis, self.names, self.reduce, self.must_run = fn, axis, names, reduce, must_run
-        # Its split parameters (local name, path in the model, the module and style splitting it): read only
-        # by their own module's forward, which the layer's first call on each rank checks (weight_reads.py).
+        # Its split parameters and their modules' 0-d gains (local name, path in the model, the module and style
+        # splitting it): read only by their own module's forward, which the layer's first call on each rank
+        # checks (weight_reads.py).
         self.split = split
         self.own_loss = own_loss  # where it holds heads that leave the logits split (own_loss.py)
         # The ends of the sequence-parallel region this layer holds (partial.py), from the LayerPlan.
@@ -202,7 +203,9 @@ class VaryFn:
         this layer's first call on this rank (the Plan's prediction, or the first step, before any update)."""
         if not self.split or not self._first_call("reads_checked"):
             return None
-        return WeightReads(self.label, [(tensors[k], path, by) for k, path, by in self.split if k in tensors])
+        found = [(tensors[k], path, by, is_gain(path.rsplit(".", 1)[-1])) for k, path, by in self.split if k in tensors]
+        return WeightReads(self.label, [(t, path, by) for t, path, by, gain in found if not gain],
+                           [(t, path, by) for t, path, by, gain in found if gain])
 
     def _unmark(self, cuts: bool, own_loss: bool, reads: bool = False) -> None:
         """This call's first-call checks were not done to their end: the next call does them."""
@@ -342,8 +345,9 @@ def rewrite_layer(
 def _split_parameters(
     root: nn.Module, prefix: str, plan: LayerPlan, names: Any
 ) -> tuple[tuple[str, str, str], ...]:
-    """The layer's parameters its Colwise / Rowwise modules split: (local name, path in the model, the module
-    and style), each under the name the layer feeds it by (a tied one's first, as match.py names it)."""
+    """The layer's parameters its Colwise / Rowwise modules split, and their 0-d gains: (local name, path in the
+    model, the module and style), each under the name the layer feeds it by (a tied one's first, as match.py names
+    it)."""
     first = {id(t): n for n, t in root.named_parameters()}
     found: dict[str, tuple[str, str, str]] = {}
     for install in plan.installs:
@@ -352,7 +356,8 @@ def _split_parameters(
         module = root.get_submodule(install.subpath)
         for name, t in module.named_parameters(recurse=False):
             local = prefix + first.get(id(t), f"{install.subpath}.{name}".lstrip("."))
-            if local in names and param_split(install.style, install.kind, name, module) is not None:
+            # A 0-d gain beside the weight (match.py sums its gradient over the axis) is watched as they are.
+            if local in names and (param_split(install.style, install.kind, name, module) is not None or is_gain(name)):
                 path = f"{install.path}.{name}".lstrip(".")
                 found.setdefault(local, (local, path, f"{install.path!r} ({install.style}, a {type(module).__name__})"))
     return tuple(found.values())

@@ -324,7 +324,7 @@ def resolve(chain: Chain, plan: Mapping[str, Style], sequence_parallel: str | No
             uses.append((layer.name, path, key, split is not None, subpath, name, ours))
             replicated_bias = isinstance(chosen, Rowwise) and name == "bias"
             # A split module's 0-d gain scales its rank's part of the product: its gradient is that part's.
-            gain = isinstance(chosen, (Colwise, Rowwise)) and name not in ("weight", "bias")
+            gain = isinstance(chosen, (Colwise, Rowwise)) and is_gain(name)
             if split is None and (in_block or gain or (inside and not replicated_bias)):
                 lp.vary.add(local)
     for layer_name, path, key, styled, subpath, attr, ours in uses:
@@ -417,10 +417,17 @@ def _check_per_head_lists(
                 )
 
 
+def is_gain(name: str) -> bool:
+    """Whether a Colwise / Rowwise module's parameter ``name`` is a 0-d gain (_check_fits refuses any other besides
+    its weight and bias): never split, its gradient summed over the axis, so only its module's forward may read it
+    (weight_reads.py)."""
+    return name not in ("weight", "bias")
+
+
 def param_split(style: Style | None, kind: str | None, name: str, module: nn.Module) -> tuple[int, int] | None:
     """(dim, fused blocks) a style splits a module's parameter on, or None: replicated (a Rowwise's bias, a
     0-d gain besides weight and bias)."""
-    if name not in ("weight", "bias"):
+    if is_gain(name):
         return None
     if isinstance(style, Colwise):
         if kind == LINEAR:

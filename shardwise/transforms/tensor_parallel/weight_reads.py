@@ -44,7 +44,10 @@ features with other dims is refused (:meth:`WeightReads._reshaped`).
 A number (to scale the weight or the product by) is Python's or a 0-d tensor computed from neither the
 product, nor a split weight, nor a Rowwise's input (the rank's slice of the features: :func:`follow_input`):
 a buffer (an equalized-lr or muP multiplier), a constant, a learned 0-d gain of the module (match.py sums its
-gradient over the axis: each rank's is its slice's part).
+gradient over the axis: each rank's is its slice's part). That sum is over the whole layer's use of the gain, so
+a gain is watched as a split parameter is: an op on it (or on a number its module's forward made from it) outside
+that forward is refused (``y * self.up.gain`` in the parent: the same gradient on every rank, summed it would count
+tp times), naming the gain, the module, the op and the line.
 ``y / y.norm()`` and ``weight * x.abs().max()`` (Rowwise) are followed as computed from the rank's slice.
 """
 
@@ -194,9 +197,15 @@ class WeightReads(TorchFunctionMode):
     ``split``: for each split parameter of the layer, its tensor and (its path in the model, the module
     and style that split it)."""
 
-    def __init__(self, layer: str, split: Sequence[tuple[Tensor, str, str]]) -> None:
+    def __init__(self, layer: str, split: Sequence[tuple[Tensor, str, str]],
+                 gains: Sequence[tuple[Tensor, str, str]] = ()) -> None:
         super().__init__()
         self.layer = layer
+        # The split modules' 0-d gains, as ``split``, and the 0-d tensors their forwards compute from them
+        # (``self.gain.exp()``): whole on every rank, but their gradient is summed over the axis (_gain_use).
+        self.gains: dict[int, tuple[Any, tuple[int, str, str]]] = {
+            id(t): (weakref.ref(t), (id(t), path, by)) for t, path, by in gains
+        }
         # id -> (the tensor, the split parameter it is or was made from: its id, path and splitter)
         self.split: dict[int, tuple[Any, tuple[int, str, str]]] = {
             id(t): (weakref.ref(t), (id(t), path, by)) for t, path, by in split
@@ -243,6 +252,33 @@ class WeightReads(TorchFunctionMode):
         self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         kwargs = kwargs or {}
+        gain = self._gain_use(func, args, kwargs) if self.gains else None
+        out = self._split_use(func, args, kwargs)
+        if gain is not None and isinstance(out, Tensor) and out.dim() == 0 and _name(func) != "detach":
+            self.gains[id(out)] = (weakref.ref(out), gain)  # a number made from the gain (with its gradient) is watched
+        return out
+
+    def _gain_use(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[int, str, str] | None:
+        """A split module's 0-d gain (or a number its forward made from it) used by ``func``: refused outside that
+        module's forward. There each rank's use meets the rank's slice, its gradient the rank's part of the
+        whole's, which match.py sums over the axis for the whole layer; a use outside (``y * self.up.gain`` in
+        the parent) has the same gradient on every rank, and summed too it would count tp times."""
+        name = _name(func)
+        if name in _FREE or name in _SHAPES:  # (a 0-d tensor's shape is the whole's)
+            return None
+        owned: dict[int, int] = getattr(_own, "ids", None) or {}
+        found = None
+        for a in (*args, *kwargs.values()):
+            for t in a if type(a) in (list, tuple) else (a,):
+                entry = self.gains.get(id(t)) if isinstance(t, Tensor) else None
+                if entry is None or entry[0]() is not t:
+                    continue
+                root, path, by = found = entry[1]
+                if root not in owned and not _by_shardwise(name):
+                    raise ValueError(self._gain_refusal(path, by, name))
+        return found
+
+    def _split_use(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
         split, products, after, derived, viewed = self.split, *self.followed
         if not any(id(a) in split or (type(a) in (list, tuple) and any(id(t) in split for t in a))
                    for a in (*args, *kwargs.values())):
@@ -394,6 +430,18 @@ class WeightReads(TorchFunctionMode):
             f"parameter {path!r}{f' (at {where})' if where else ''}: each rank holds a slice of it, so {why}, and "
             "it would train another model without an error. Give it a plain nn.Linear (a width it needs can come "
             "from self.in_features / self.out_features, which stay the whole's), or leave it out of the plan "
+            "(replicated, with its Colwise / Rowwise partner)"
+        )
+
+    def _gain_refusal(self, path: str, by: str, op: str) -> str:
+        where = _model_line(op)
+        return (
+            f"tensor_parallel: layer {self.layer!r} reads the 0-d gain {path!r} outside the forward of its module, "
+            f"{by} ({op}{f', at {where}' if where else ''}): tensor parallel sums the gain's gradient over the "
+            "axis, as each rank's use inside that forward meets the rank's slice of the weight, but a use outside "
+            "it is the same on every rank, and its gradient would be summed too (counted once per rank), training "
+            "another model without an error. Keep the gain inside the module (its forward may scale the weight or "
+            "the product by it; give the code outside a parameter of its own), or leave the module out of the plan "
             "(replicated, with its Colwise / Rowwise partner)"
         )
 
