@@ -18,7 +18,7 @@ from ..layout.state import Params, check_params
 from ..layout.state_layout import StateLayout, leaf_specs, local_params, meta_shards
 from ..optim.meta_like import meta_like
 from ..plan.lower import placement_of, zero_holds_shards
-from ..plan.predict import first_output, predict_boundaries, predict_output
+from ..plan.predict import FirstOutput, first_output, predict_boundaries, predict_output
 from ..run.rng import untouched
 
 if TYPE_CHECKING:
@@ -190,12 +190,15 @@ def stage_boundaries(step: Step, layout: StateLayout, inputs: Any, mesh: Mesh | 
     def dtype_of(layer: str, dtype: torch.dtype) -> torch.dtype:
         return compute_dtype(prec, layer, dtype)
 
+    # Under a split the first layer alone is not run: its modules note what they ran for the loss (tensor
+    # parallel's split logits), which a part of a forward would leave behind. Those follow the example.
+    alone = not step.split.parts
     known = layout.cache.get(key)
     if known is None:
         with step.predicting(mesh):
             predicted = predict_boundaries(step.chain, layout.placement, shapes, dtype_of, inputs)
-            like_example = first_output(step.chain, shapes, dtype_of, inputs, False).output
-            on_batch = first_output(step.chain, shapes, dtype_of, inputs, True)
+            like_example = first_output(step.chain, shapes, dtype_of, inputs, False).output if alone else None
+            on_batch = first_output(step.chain, shapes, dtype_of, inputs, True) if alone else FirstOutput(None, False)
         # The boundaries and first output as the example had them, and the batch's first output where
         # making it read no batch (else it is made again for every batch).
         known = layout.cache[key] = (predicted, like_example, None if on_batch.reads_batch else on_batch)
