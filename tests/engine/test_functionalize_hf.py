@@ -369,9 +369,10 @@ def test_an_encoder_returning_a_model_output_is_a_unit_and_albert_splits_at_it()
 def test_a_pipeline_after_an_unpadded_example_trains_on_padded_batches() -> None:
     """BERT's eager mask is None for a batch without padding. The Plan predicted it on fake tensors, which
     cannot read data, as functionalize's example had it: after an unpadded example, padded batches (a
-    padded row in every micro-batch) were refused. The first layer now also runs on each real micro-batch
-    (plan/predict.py: first_output): after either example the same batches train as the single-device
-    step, and the ledger is the Plan."""
+    padded row in every micro-batch) are refused by default, naming the example and follow_batches; with
+    ``follow_batches=True`` the first layer also runs on each real micro-batch (plan/predict.py:
+    first_output): after either example the same batches train as the single-device step, and the ledger
+    is the Plan."""
     model, block = build("bert")
     batches = padded_batches("bert", n=2)
     for inputs, _ in batches:
@@ -384,7 +385,12 @@ def test_a_pipeline_after_an_unpadded_example_trains_on_padded_batches() -> None
     for example in (unpadded, batches[0][0]):
         chain, params = functionalize(model, units=block, example_input=example)
         step = sw.train_step(chain, own_loss, sw.optim.sgd(0.1, momentum=0.9), tokens=counted)
-        pipelined = sw.pipeline(step, "pp", "1f1b", microbatches=2)
+        if example is unpadded:
+            with pytest.raises(sw.collectives.RankFailed, match=r"micro-batch 0,.*has one where the example had none"
+                                                                r".*example_input like your batches.*follow_batches"):
+                sw.testing.assert_equivalent(sw.pipeline(step, "pp", "1f1b", microbatches=2), step, sw.Mesh(pp=2),
+                                             batches, params, rtol=1e-6)
+        pipelined = sw.pipeline(step, "pp", "1f1b", microbatches=2, follow_batches=True)
         # BERT's own loss is computed in float32
         sw.testing.assert_equivalent(pipelined, step, sw.Mesh(pp=2), batches, params, rtol=1e-6)
         sw.testing.assert_plan_is_run(pipelined, sw.Mesh(pp=2), params, batches[0])
@@ -407,8 +413,9 @@ def test_a_pipeline_trains_a_micro_batch_with_a_mask_beside_one_without() -> Non
     """sdpa Llama leaves out the mask of a micro-batch with no padded row: the first micro-batch (row 0
     padded) passes a mask on, the second none. Its receiver, expecting a mask, failed on a message layout
     (``(0, 0, 0) torch.int8``, the marker of a None); then the sender refused it. Each micro-batch's
-    transfers are now predicted on it: the step is the single-device one, with a padded row in one
-    micro-batch, in each, or in none, and the ledger is the Plan."""
+    transfers are predicted on it under ``follow_batches=True``: the step is the single-device one, with a
+    padded row in one micro-batch, in each, or in none, and the ledger is the Plan. By default the second
+    micro-batch is refused, naming the option."""
     model, block = build("llama")
     model.config._attn_implementation = "sdpa"
     ids, targets = token_batches(1)[0]
@@ -423,7 +430,11 @@ def test_a_pipeline_trains_a_micro_batch_with_a_mask_beside_one_without() -> Non
 
     chain, params = functionalize(model, units=block, example_input=batch_padding([0])[0])
     step = sw.train_step(chain, loss_fn, sw.optim.sgd(0.1, momentum=0.9), tokens="sum")
-    pipelined = sw.pipeline(step, "pp", "1f1b", microbatches=2)
+    with pytest.raises(sw.collectives.RankFailed, match=r"rank 0 failed: ValueError: stage 0 passes on, for "
+                       r"micro-batch 1, 8 tensors .*follow_batches=True"):
+        sw.testing.assert_equivalent(sw.pipeline(step, "pp", "1f1b", microbatches=2), step, sw.Mesh(pp=2),
+                                     [batch_padding([0])], params)
+    pipelined = sw.pipeline(step, "pp", "1f1b", microbatches=2, follow_batches=True)
     batches = [batch_padding([0]), batch_padding([0, 2]), batch_padding([])]
     sw.testing.assert_equivalent(pipelined, step, sw.Mesh(pp=2), batches, params)
     sw.testing.assert_plan_is_run(pipelined, sw.Mesh(pp=2), params, batches[0])

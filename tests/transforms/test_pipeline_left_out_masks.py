@@ -1,13 +1,13 @@
 """A pipeline's transfers follow the micro-batches it runs, not functionalize's example.
 
-BERT-style eager attention masks (BERT, ELECTRA) are None for a batch without a padded row. The Plan
-predicts what each stage passes on by running the chain on fake tensors, which cannot read the mask, so
-it followed the example: functionalized on an unpadded example and trained on padded batches (or the
-reverse) the pipeline was refused, and so were micro-batches padded differently within a step. The first
-layer now also runs on each real micro-batch with fake parameters (engine/plan/predict.py: first_output),
-so each micro-batch's boundaries are predicted as it runs, and the Plan lists what each rank's own
-micro-batches send. Each case trains as the single-device step (float64, assert_equivalent's default),
-and the collectives one step issues on every rank are the Plan's (op, axis, dtype, bytes).
+BERT-style eager attention masks (BERT, ELECTRA) are None for a batch without a padded row. The Plan predicts
+what each stage passes on by running the chain on fake tensors, which cannot read the mask, so it followed the
+example: functionalized on an unpadded example and trained on padded batches (or the reverse) the pipeline was
+refused, and so were micro-batches padded differently within a step. Under ``pipeline(follow_batches=True)``
+the first layer also runs on each real micro-batch with fake parameters (engine/plan/predict.py:
+first_output), so each micro-batch's boundaries are predicted as it runs, and the Plan lists what each rank's
+own micro-batches send. Each case trains as the single-device step (float64, assert_equivalent's default), and
+the collectives one step issues on every rank are the Plan's (op, axis, dtype, bytes).
 """
 
 from __future__ import annotations
@@ -81,17 +81,34 @@ def test_padded_batches_after_an_unpadded_example_train_as_one_device(family: st
     before ("the Plan predicted ... None"), now the single-device step, and the Plan is what runs."""
     data = batches([PADDED, PADDED])
     step, params = step_of(family, batches([UNPADDED])[0][0])
-    piped = sw.pipeline(step, "pp", schedule, microbatches=2)
+    piped = sw.pipeline(step, "pp", schedule, microbatches=2, follow_batches=True)
     sw.testing.assert_equivalent(piped, step, sw.Mesh(pp=2), data, params)
     plan = sw.testing.assert_plan_is_run(piped, sw.Mesh(pp=2), params, data[0])
     assert MASK_BYTES in {c.nbytes for c in plan.collectives(0) if c.op == "send"}  # the masks cross, as planned
+
+
+def test_without_follow_batches_a_micro_batch_unlike_the_example_is_refused_naming_the_option() -> None:
+    """By default nothing runs on the real micro-batches (that costs a first layer per micro-batch and
+    step): padded batches after an unpadded example are refused, naming the example and follow_batches."""
+    data = batches([PADDED])
+    step, params = step_of("bert", batches([UNPADDED])[0][0])
+    piped = sw.pipeline(step, "pp", "1f1b", microbatches=2)
+    with pytest.raises(sw.collectives.RankFailed, match=r"micro-batch 0,.*has one where the example had none"
+                                                        r".*example_input like your batches.*follow_batches=True"):
+        sw.testing.assert_equivalent(piped, step, sw.Mesh(pp=2), data, params)
+
+
+def test_follow_batches_is_a_bool() -> None:
+    step, _ = step_of("bert", batches([UNPADDED])[0][0])
+    with pytest.raises(TypeError, match=r"pipeline\(follow_batches='yes'\): True or False"):
+        sw.pipeline(step, "pp", "1f1b", microbatches=2, follow_batches="yes")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_unpadded_batches_after_a_padded_example_train_as_one_device(family: str) -> None:
     data = batches([UNPADDED, UNPADDED])
     step, params = step_of(family, batches([PADDED])[0][0])
-    piped = sw.pipeline(step, "pp", "1f1b", microbatches=2)
+    piped = sw.pipeline(step, "pp", "1f1b", microbatches=2, follow_batches=True)
     sw.testing.assert_equivalent(piped, step, sw.Mesh(pp=2), data, params)
     sw.testing.assert_plan_is_run(piped, sw.Mesh(pp=2), params, data[0])
 
@@ -102,7 +119,7 @@ def test_micro_batches_padded_differently_in_one_step_train_as_one_device() -> N
     structure"), and its Plan lists each micro-batch's bytes."""
     data = batches([MIXED, UNPADDED, PADDED, [2]])
     step, params = step_of("bert", batches([UNPADDED])[0][0])
-    piped = sw.pipeline(step, "pp", "1f1b", microbatches=2, poison=True)
+    piped = sw.pipeline(step, "pp", "1f1b", microbatches=2, poison=True, follow_batches=True)
     sw.testing.assert_equivalent(piped, step, sw.Mesh(pp=2), data, params)
     plan = sw.testing.assert_plan_is_run(piped, sw.Mesh(pp=2), params, data[0])
     carried = {a.microbatch: [w.nbytes for w in a.wire] for a in plan.for_rank(0) if a.kind == "send_activation"}
@@ -115,7 +132,7 @@ def test_pipeline_replicas_holding_differently_padded_shares_each_send_their_own
     index), and every rank issues what it lists."""
     data = batches([[0, 2], [5]], rows=2 * BATCH)  # rows 0-3 are replica 0's, rows 4-7 replica 1's
     step, params = step_of("bert", batches([UNPADDED], rows=2 * BATCH)[0][0])
-    piped = sw.shard_params(sw.pipeline(step, "pp", "1f1b", microbatches=2), "dp", 1)
+    piped = sw.shard_params(sw.pipeline(step, "pp", "1f1b", microbatches=2, follow_batches=True), "dp", 1)
     mesh = sw.Mesh(dp=2, pp=2)
     sw.testing.assert_equivalent(piped, step, mesh, data, params)
     plan = sw.testing.assert_plan_is_run(piped, mesh, params, data[0])
@@ -127,7 +144,7 @@ def test_pipeline_replicas_holding_differently_padded_shares_each_send_their_own
 def _gloo_rank() -> list[Any]:
     data = batches([PADDED, MIXED])
     step, params = step_of("bert", batches([UNPADDED])[0][0])
-    piped = sw.pipeline(step, "pp", "1f1b", microbatches=2)
+    piped = sw.pipeline(step, "pp", "1f1b", microbatches=2, follow_batches=True)
     return sw.testing.record_history(piped, piped.init(params, sw.Mesh(pp=2)), data)
 
 
@@ -169,7 +186,8 @@ def test_a_mask_left_out_after_the_first_layer_still_names_the_example() -> None
                                      units=[bart.BartEncoderLayer, bart.BartDecoderLayer], example_input=inputs)
     step = sw.train_step(chain, lambda logits, y: loss(T.utils.ModelOutput(logits=logits), y),
                          sw.optim.sgd(0.1, momentum=0.9), tokens=counted)
-    piped = sw.pipeline(step, "pp", "1f1b", microbatches=2, partition=[4, 3])  # the decoder's mask crosses
+    # the decoder's mask crosses
+    piped = sw.pipeline(step, "pp", "1f1b", microbatches=2, partition=[4, 3], follow_batches=True)
     decoder_mask[[0, 2], SEQ - 2:] = 0
     padded = ({**inputs, "decoder_attention_mask": decoder_mask}, targets.masked_fill(decoder_mask == 0, -100))
     with pytest.raises(sw.collectives.RankFailed, match=r"micro-batch 0,.*decided later cannot be read off.*has one "

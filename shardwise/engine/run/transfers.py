@@ -39,29 +39,36 @@ def tag_of(kind: str, stage: int, microbatch: int, microbatches: int, leaf: int 
 TIED_TAG_BASE = 1 << 29  # above every activation/gradient tag (tag_of stays far below it)
 
 
-def _check_predicted(leaves: list[Any], spec: Any, boundary: Boundary, s: int, m: int) -> None:
+def _check_predicted(leaves: list[Any], spec: Any, boundary: Boundary, s: int, m: int, followed: bool) -> None:
     """Refuse a stage output that is not what the Plan predicted: its receiver posted one receive per
     predicted tensor and rebuilds the predicted structure, so another structure (a value that is None
     in this micro-batch only) would reach it as other tensors in other places, or as ones of the
-    same shapes silently swapped."""
+    same shapes silently swapped. ``followed``: each micro-batch's first layer ran on it (follow_batches)."""
     got = tuple((t.shape, t.dtype) if isinstance(t, torch.Tensor) else (type(t).__name__, None) for t in leaves)
     if spec == boundary.spec and got == boundary.leaves:
         return
     got_in, predicted_in = ("", "") if spec == boundary.spec else (f" in {spec}", f" in {boundary.spec}")
     present = _present_where_predicted_absent(got, boundary.leaves) if spec == boundary.spec else None
     if present is not None:
-        # Each micro-batch is predicted on itself: where its first layer left such a value as the example
-        # did (plan/predict.py: first_output), the example was followed, and is what misled it.
+        # Predicted as the example had it (where follow_batches ran the first layer on the micro-batch, the
+        # value was decided later): the example is what misled it.
         this, example = ("has one", "had none") if present else ("has none", "had one")
+        where = (
+            "is predicted on the micro-batch where the model's first layer decides it (follow_batches); one "
+            "decided later cannot be read off the fake tensors the Plan runs on, so it is predicted"
+            if followed else "cannot be read off the fake tensors the Plan runs on, so it is predicted"
+        )
+        follow = "" if followed else (
+            " (or, where the model's first layer decides it, pass sw.pipeline(..., follow_batches=True): each "
+            "micro-batch's first layer then also runs on it, once per micro-batch and step)"
+        )
         raise ValueError(
             f"stage {s} passes on, for micro-batch {m}, {_describe(got)}, but the Plan predicted "
             f"{_describe(boundary.leaves)}. A value a model leaves out on some inputs (a Hugging Face attention "
-            "mask: None for a batch without a padded row, with sdpa attention and BERT's eager one) is predicted "
-            "on the micro-batch where the model's first layer decides it; one decided later cannot be read off "
-            "the fake tensors the Plan runs on, so it is predicted as functionalize's example_input had it, and "
-            f"this micro-batch {this} where the example {example}. Give functionalize an example_input like your "
-            "batches (with a padded row if they are padded), and every micro-batch the same structure (a padded "
-            "row in each, or in none)"
+            f"mask: None for a batch without a padded row, with sdpa attention and BERT's eager one) {where} as "
+            f"functionalize's example_input had it, and this micro-batch {this} where the example {example}. "
+            "Give functionalize an example_input like your batches (with a padded row if they are padded), and "
+            f"every micro-batch the same structure (a padded row in each, or in none){follow}"
         )
     raise ValueError(
         f"stage {s} passes on, for micro-batch {m}, {_describe(got)}{got_in}, but the Plan predicted "
@@ -113,6 +120,7 @@ class TransferActions:
     source: ParamSource
     microbatches: Sequence[tuple[Any, Any]]
     boundaries: Sequence[Sequence[Boundary]] | None  # per micro-batch, per stage
+    follow_batches: bool  # each micro-batch predicted on itself (pipeline(follow_batches=True))
     device: torch.device
     _outputs: dict[tuple[int, int], Any]
     _input_grads: dict[tuple[int, int], list[torch.Tensor]]
@@ -136,7 +144,7 @@ class TransferActions:
     def _send(self, value: Any, kind: str, s: int, m: int, action: Action) -> None:
         leaves, spec = optree.tree_flatten(value)
         if self.boundaries is not None and kind == "activation":
-            _check_predicted(leaves, spec, self.boundaries[m][s], s, m)
+            _check_predicted(leaves, spec, self.boundaries[m][s], s, m, self.follow_batches)
         if not leaves:
             raise ValueError(f"stage {s} passes no tensor to the next stage; a pipeline boundary carries at least one")
         strange = next((leaf for leaf in leaves if not isinstance(leaf, torch.Tensor)), None)

@@ -173,12 +173,13 @@ def output_shapes(step: Step, layout: StateLayout, inputs: Any) -> list[torch.Si
 def stage_boundaries(step: Step, layout: StateLayout, inputs: Any, mesh: Mesh | None) -> Any:
     """See Step.boundaries.
 
-    Predicted on fake tensors once per input layout, which follows functionalize's example where a
-    model leaves a value out on some inputs (an attention mask, None without a padded row). So the
-    first layer also runs on ``inputs`` itself (plan/predict.py: first_output), each call where its code
-    reads the batch: where the batch leaves out other values than the example did, the boundaries are
-    predicted from that output, once per such structure. Every rank of a pipeline holds the same
-    micro-batches, so all predict the same; the executor still checks every stage output against it."""
+    Predicted on fake tensors once per input layout, which follows functionalize's example where a model leaves
+    a value out on some inputs (an attention mask, None without a padded row). So, under
+    ``pipeline(follow_batches=True)``, the first layer also runs on ``inputs`` itself (plan/predict.py:
+    first_output), each call where its code reads the batch: where the batch leaves out other values than the
+    example did, the boundaries are predicted from that output, once per such structure. Every rank of a
+    pipeline holds the same micro-batches, so all predict the same; the executor still checks every stage output
+    against it."""
     leaves = optree.tree_leaves(inputs)
     layouts = tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t for t in leaves)
     key = ("boundaries", layouts)
@@ -192,7 +193,8 @@ def stage_boundaries(step: Step, layout: StateLayout, inputs: Any, mesh: Mesh | 
 
     # Under a split the first layer alone is not run: its modules note what they ran for the loss (tensor
     # parallel's split logits), which a part of a forward would leave behind. Those follow the example.
-    alone = not step.split.parts
+    # Only where the pipeline asks for it (follow_batches): the first layer's run costs each step.
+    alone = not step.split.parts and bool(getattr(step.pipeline_spec, "follow_batches", False))
     known = layout.cache.get(key)
     if known is None:
         with step.predicting(mesh):
