@@ -14,7 +14,8 @@ a storage's private ``_cdata`` address, ``accumulate_backward`` calls autograd's
 counter, ``holders`` who holds a tensor's memory (its storage's and its own reference counts),
 ``view_base`` the tensor a view was made from (``Tensor._base``), and ``fake_tensors``
 runs code on fake tensors (``torch._subclasses.FakeTensorMode``): shapes, dtypes and kernel choices of the real
-device, no data and no arithmetic; ``dense_where_refused`` runs again, on dense copies, an op whose kernel refuses
+device, no data and no arithmetic, and ``real_ops`` steps out of them inside such a block
+(``unset_fake_temporarily``); ``dense_where_refused`` runs again, on dense copies, an op whose kernel refuses
 an expanded input (a ``TorchDispatchMode``). ``flash_attention_cpu`` and its backward are torch's CPU flash
 attention kernel called directly (``aten._scaled_dot_product_flash_attention_for_cpu``), which, unlike
 the public ``scaled_dot_product_attention``, returns each row's log-sum-exp. ``compiled_original``,
@@ -179,6 +180,17 @@ def fake_tensors(meta_device: torch.device | str = "cpu") -> Iterator[Callable[[
             return mode.from_tensor(t)
 
         yield fake
+
+
+@contextlib.contextmanager
+def real_ops() -> Iterator[None]:
+    """Inside a :func:`fake_tensors` block, ops on real tensors alone run for real (and read their data),
+    while an op with a fake tensor among its arguments still runs on fake tensors, in that tensor's mode
+    (torch's ``unset_fake_temporarily``, private)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        yield
 
 
 class _QuietMetaFailures(logging.Filter):

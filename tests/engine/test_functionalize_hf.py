@@ -366,11 +366,13 @@ def test_an_encoder_returning_a_model_output_is_a_unit_and_albert_splits_at_it()
     sw.testing.assert_equivalent(sw.pipeline(step, "pp", "1f1b", 2), step, sw.Mesh(pp=2), batches, params)
 
 
-def test_a_pipeline_refusing_padded_batches_after_an_unpadded_example_names_the_example() -> None:
-    """BERT's eager mask is None for a batch without padding. The Plan cannot read data on its fake tensors,
-    so it predicts that value as functionalize's example had it: after an unpadded example, padded batches
-    (a padded row in every micro-batch, as the refusal advised) were refused with that same advice. The
-    refusal now names the example; with a padded example the same batches train as the single-device step."""
+def test_a_pipeline_after_an_unpadded_example_trains_on_padded_batches() -> None:
+    """BERT's eager mask is None for a batch without padding. The Plan predicted it on fake tensors, which
+    cannot read data, as functionalize's example had it: after an unpadded example, padded batches (a
+    padded row in every micro-batch) are refused by default, naming the example and follow_batches; with
+    ``follow_batches=True`` the first layer also runs on each real micro-batch (plan/predict.py:
+    first_output): after either example the same batches train as the single-device step, and the ledger
+    is the Plan."""
     model, block = build("bert")
     batches = padded_batches("bert", n=2)
     for inputs, _ in batches:
@@ -383,13 +385,15 @@ def test_a_pipeline_refusing_padded_batches_after_an_unpadded_example_names_the_
     for example in (unpadded, batches[0][0]):
         chain, params = functionalize(model, units=block, example_input=example)
         step = sw.train_step(chain, own_loss, sw.optim.sgd(0.1, momentum=0.9), tokens=counted)
-        pipelined = sw.pipeline(step, "pp", "1f1b", microbatches=2)
         if example is unpadded:
             with pytest.raises(sw.collectives.RankFailed, match=r"micro-batch 0,.*has one where the example had none"
-                                                                r".*example_input like your batches"):
-                sw.testing.assert_equivalent(pipelined, step, sw.Mesh(pp=2), batches, params, rtol=1e-6)
-        else:  # BERT's own loss is computed in float32
-            sw.testing.assert_equivalent(pipelined, step, sw.Mesh(pp=2), batches, params, rtol=1e-6)
+                                                                r".*example_input like your batches.*follow_batches"):
+                sw.testing.assert_equivalent(sw.pipeline(step, "pp", "1f1b", microbatches=2), step, sw.Mesh(pp=2),
+                                             batches, params, rtol=1e-6)
+        pipelined = sw.pipeline(step, "pp", "1f1b", microbatches=2, follow_batches=True)
+        # BERT's own loss is computed in float32
+        sw.testing.assert_equivalent(pipelined, step, sw.Mesh(pp=2), batches, params, rtol=1e-6)
+        sw.testing.assert_plan_is_run(pipelined, sw.Mesh(pp=2), params, batches[0])
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
@@ -405,12 +409,13 @@ def test_a_pipeline_of_a_model_with_sdpa_attention_matches_the_single_device_ste
     sw.testing.assert_equivalent(pipelined, step, sw.Mesh(pp=2), token_batches(), params)
 
 
-def test_a_pipeline_refuses_a_micro_batch_whose_mask_is_left_out_naming_it() -> None:
-    """sdpa Llama leaves out the mask of a micro-batch with no padded row: the first micro-batch
-    (row 0 padded) passes a mask on, the second none. Its receiver, expecting a mask, failed on a
-    message layout (``(0, 0, 0) torch.int8``, the marker of a None); the sender now refuses, naming
-    the micro-batch, both structures and the fix. With a padded row in each, the same step is the
-    single-device one."""
+def test_a_pipeline_trains_a_micro_batch_with_a_mask_beside_one_without() -> None:
+    """sdpa Llama leaves out the mask of a micro-batch with no padded row: the first micro-batch (row 0
+    padded) passes a mask on, the second none. Its receiver, expecting a mask, failed on a message layout
+    (``(0, 0, 0) torch.int8``, the marker of a None); then the sender refused it. Each micro-batch's
+    transfers are predicted on it under ``follow_batches=True``: the step is the single-device one, with a
+    padded row in one micro-batch, in each, or in none, and the ledger is the Plan. By default the second
+    micro-batch is refused, naming the option."""
     model, block = build("llama")
     model.config._attn_implementation = "sdpa"
     ids, targets = token_batches(1)[0]
@@ -425,13 +430,14 @@ def test_a_pipeline_refuses_a_micro_batch_whose_mask_is_left_out_naming_it() -> 
 
     chain, params = functionalize(model, units=block, example_input=batch_padding([0])[0])
     step = sw.train_step(chain, loss_fn, sw.optim.sgd(0.1, momentum=0.9), tokens="sum")
-    pipelined = sw.pipeline(step, "pp", "1f1b", microbatches=2)
     with pytest.raises(sw.collectives.RankFailed, match=r"rank 0 failed: ValueError: stage 0 passes on, for "
-                       r"micro-batch 1, 8 tensors \[\(2, 8, 16\) torch.float64, None, .*but the Plan predicted 8 "
-                       r"tensors \[\(2, 8, 16\) torch.float64, \(2, 1, 8, 8\) torch.bool, .*give every micro-batch "
-                       r"a padded row"):
-        sw.testing.assert_equivalent(pipelined, step, sw.Mesh(pp=2), [batch_padding([0])], params)
-    sw.testing.assert_equivalent(pipelined, step, sw.Mesh(pp=2), [batch_padding([0, 2])] * 2, params)
+                       r"micro-batch 1, 8 tensors .*follow_batches=True"):
+        sw.testing.assert_equivalent(sw.pipeline(step, "pp", "1f1b", microbatches=2), step, sw.Mesh(pp=2),
+                                     [batch_padding([0])], params)
+    pipelined = sw.pipeline(step, "pp", "1f1b", microbatches=2, follow_batches=True)
+    batches = [batch_padding([0]), batch_padding([0, 2]), batch_padding([])]
+    sw.testing.assert_equivalent(pipelined, step, sw.Mesh(pp=2), batches, params)
+    sw.testing.assert_plan_is_run(pipelined, sw.Mesh(pp=2), params, batches[0])
 
 
 # --- refusals -------------------------------------------------------------------------------------

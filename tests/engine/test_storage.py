@@ -90,6 +90,21 @@ def test_fake_tensors_keep_the_device_and_the_kernel_choice() -> None:
         assert out.shape == q.shape
 
 
+def test_real_ops_read_real_tensors_inside_fake_tensors_and_keep_fake_ones_fake() -> None:
+    """A pipeline's prediction runs the first layer so: the batch's mask code reads it, the parameters stay fake."""
+    from shardwise.engine.torch_api import fake_tensors, is_fake, real_ops
+
+    mask = torch.tensor([[1, 1, 0]])
+    with fake_tensors():
+        weight = torch.empty(3, 4)
+        assert is_fake(weight)
+        with real_ops():
+            padded = not bool(mask.all())  # read: no fake mode in force for real tensors alone
+            out = (mask.double() @ weight.double()).relu()
+        assert padded and is_fake(out) and out.shape == (1, 4)
+        assert is_fake(mask * 2)  # out of the block, the mode is back
+
+
 def test_data_dependent_errors_are_what_fake_tensors_raise_on_a_data_dependent_shape() -> None:
     """functionalize falls back to stand-in tensors on these (an MoE's routing reads its data)."""
     import pytest

@@ -291,7 +291,8 @@ class Layout:
         # On fake tensors (a pipeline predicting what its stages pass on) a model cannot read data, so
         # it builds what it may skip on real inputs (Hugging Face's sdpa attention skips an all-causal
         # mask). Such a value follows the example: absent where the example had none, as on real inputs
-        # like it.
+        # like it. One made of the real batch alone (plan/predict.py: first_output) was decided by its
+        # data, as the run decides: it stays.
         predicting = is_fake(hidden)
         for g, slots in enumerate(self.group_slots):
             values = [unit_leaves[u][j] for u, j in slots]
@@ -302,7 +303,8 @@ class Layout:
                     f"functionalize: units {self.paths[u0]!r} and {self.paths[u1]!r} shared an argument in the "
                     "example input but get different values now; pass example_input= an input like your batches."
                 )
-            entries.append(absent_marker() if first is None or (predicting and self.absent[g]) else _as_tensor(first))
+            follows_example = predicting and self.absent[g] and is_fake(first)
+            entries.append(absent_marker() if first is None or follows_example else _as_tensor(first))
         input_leaves = self.inputs.check("the layer input", x)
         for leaf, i in zip(input_leaves, self.inputs.where, strict=True):
             if i >= 0:

@@ -22,10 +22,9 @@ each stage boundary carries.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
-import optree
 import torch
 
 from ...collectives.mesh import Mesh
@@ -33,11 +32,9 @@ from ..layout.precision import compute_dtype
 from ..layout.sharding import FlatSharding
 from ..layout.state_layout import Placement
 from ..model.chain import Chain
-from ..model.reuse import LayerMemo
 from ..optim.optimizers import updates_by_key, updates_in_place
 from ..stack.compose import PLACEMENT, SHARDING, find, reshard_after_forward
 from ..stack.splits import splits_of
-from ..torch_api import fake_tensors
 from .actions import (
     BACKWARD,
     BACKWARD_INPUT,
@@ -477,14 +474,14 @@ def annotate(
     placement: Placement,
     sharding: FlatSharding | None,
     master: Mapping[str, Any],
-    boundaries: Sequence[Boundary] | None,
+    boundaries: Sequence[Sequence[Boundary]] | None,
     metric_dtype: torch.dtype,
 ) -> tuple[Action, ...]:
     """``actions`` with the dtype and bytes of every tensor each communicating action moves.
 
     ``master`` is the rank's tree the optimizer updates (parameters, or ZeRO shards) as real or
-    meta tensors; ``boundaries`` the tensors every stage boundary carries (None: unknown, so
-    transfers stay unannotated); ``metric_dtype`` the model-wide dtype of the metrics' exchange.
+    meta tensors; ``boundaries`` the tensors every stage boundary carries, per micro-batch (None:
+    unknown, so transfers stay unannotated); ``metric_dtype`` the model-wide dtype of the metrics' exchange.
     """
     prec = step.precision
 
@@ -521,11 +518,11 @@ def annotate(
             shape, dtype = _param_shape(sharding, master, owner, name)
             wire = (wire_of(shape, compute(owner, dtype)),)
         elif a.kind in (SEND_ACTIVATION, RECV_ACTIVATION, SEND_GRAD, RECV_GRAD) and boundaries is not None:
-            assert a.stage is not None
+            assert a.stage is not None and a.microbatch is not None
             # Boundary b is what stage b passes to stage b + 1; a gradient travels back over it.
             b = a.stage if a.kind in (SEND_ACTIVATION, RECV_GRAD) else a.stage - 1
             grads = a.kind in (SEND_GRAD, RECV_GRAD)
-            boundary = boundaries[b]
+            boundary = boundaries[a.microbatch][b]
             carried = boundary.grad_leaves() if grads else boundary.leaves
             wire = tuple(wire_of(shape, dtype) for shape, dtype in carried)
         out.append(dataclasses.replace(a, wire=wire) if wire else a)
@@ -540,87 +537,3 @@ def _param_shape(
         return tuple(unit.shapes[unit.names.index(name)]), unit.dtype
     t = master[owner][name]
     return tuple(t.shape), t.dtype
-
-
-def predict_boundaries(
-    chain: Chain,
-    placement: Placement,
-    shapes: Mapping[str, Mapping[str, tuple[torch.Size, torch.dtype]]],
-    compute_dtype: Callable[[str, torch.dtype], torch.dtype],
-    inputs: Any,
-) -> tuple[Boundary, ...] | None:
-    """The (shape, dtype) of every tensor each stage boundary carries, their pytree structure and
-    which of them a gradient comes back for (those that depend on a parameter), for micro-batch
-    ``inputs``.
-
-    Predicted by running the chain on fake tensors (no data, no arithmetic), so every rank
-    knows what it will receive and transfers go without counts or headers. Every rank predicts
-    the same; if the chain cannot run on fake tensors, all fall back to announced transfers.
-    """
-    found = []
-
-    def boundary(x: Any) -> None:
-        leaves, spec = optree.tree_flatten(x)
-        grads = tuple(t.is_floating_point() and t.requires_grad for t in leaves)
-        found.append(Boundary(tuple((t.shape, t.dtype) for t in leaves), spec, grads))
-
-    ran = _run_fake(chain, placement.stages[:-1], shapes, compute_dtype, inputs, boundary)
-    return None if ran is None else tuple(found)
-
-
-def predict_output(
-    chain: Chain,
-    shapes: Mapping[str, Mapping[str, tuple[torch.Size, torch.dtype]]],
-    compute_dtype: Callable[[str, torch.dtype], torch.dtype],
-    inputs: Any,
-) -> list[torch.Size | None] | None:
-    """The shape of each leaf of the chain's output on ``inputs`` (None for a leaf that is no tensor), in
-    optree's order, run on fake tensors as :func:`predict_boundaries` runs it; None if the chain cannot
-    run on them."""
-    out = _run_fake(chain, [chain.names], shapes, compute_dtype, inputs, lambda _: None)
-    if out is None:
-        return None
-    return [t.shape if isinstance(t, torch.Tensor) else None for t in optree.tree_leaves(out)]
-
-
-def _run_fake(
-    chain: Chain,
-    stages: Sequence[Sequence[str]],
-    shapes: Mapping[str, Mapping[str, tuple[torch.Size, torch.dtype]]],
-    compute_dtype: Callable[[str, torch.dtype], torch.dtype],
-    inputs: Any,
-    after_stage: Callable[[Any], None],
-) -> Any | None:
-    """The layers of ``stages`` on fake copies of ``inputs`` and of parameters of ``shapes`` (cast by
-    ``compute_dtype``), calling ``after_stage`` with each stage's fake output; the last one, or None if
-    the chain cannot run on fake tensors."""
-    try:
-        # Parameters require grad as in the run, so each leaf's requires_grad says whether it
-        # depends on one (the batch does not require grad).
-        with fake_tensors() as fake, torch.enable_grad():
-            params = {
-                layer: {
-                    k: torch.empty(shape, dtype=compute_dtype(layer, dtype))
-                    .requires_grad_(dtype.is_floating_point)
-                    for k, (shape, dtype) in t.items()
-                }
-                for layer, t in shapes.items()
-            }
-            x = optree.tree_map(fake, inputs)
-            memo = LayerMemo()  # identical layers (a stack of blocks) run once
-            for layers in stages:
-                for name in layers:
-                    layer = chain[name]
-                    tensors = {**chain.layer_params(params, name), **layer.buffers}
-                    key = memo.key(layer.fn, tensors, x, name)
-                    reused = memo.lookup(key, x)
-                    if reused is not None:
-                        x = reused[0]
-                        continue
-                    y = layer.fn(tensors, x)
-                    memo.store(key, x, y)
-                    x = y
-                after_stage(x)
-            return x
-    except Exception:  # data-dependent code cannot run on fake tensors: announce instead
-        return None

@@ -141,8 +141,10 @@ class Executor(ZeroActions, TransferActions, StageBackward, LossAction, StepEnd)
     exchange: MetricExchange = field(default_factory=lambda: MetricExchange(False, False, False))
     metric_axes: tuple[str, ...] = ()
     replica_layers: frozenset[str] = frozenset()  # layers of which this rank holds only tied copies
-    boundaries: Sequence[Boundary] | None = None  # predicted stage outputs: transfers go bare
+    # Per micro-batch, each stage's predicted output: transfers go bare.
+    boundaries: Sequence[Sequence[Boundary]] | None = None
     poison: bool = False
+    follow_batches: bool = False  # each micro-batch's boundaries predicted on it (pipeline(follow_batches=))
     record: bool = False
     # None: loss_fn returns the mean over the batch's rows. "sum": it returns (sum, count) over
     # tokens. A callable (inputs, targets) -> count: it returns the mean over that many tokens.
@@ -494,7 +496,7 @@ class Executor(ZeroActions, TransferActions, StageBackward, LossAction, StepEnd)
         x = self._inbox.pop(("activation", s, m))
         if self.boundaries is None:  # announced: the sender expects one per floating leaf
             return x, float_leaves(x), []
-        grads = self.boundaries[s - 1].grads
+        grads = self.boundaries[m][s - 1].grads
         return x, [t for t, g in zip(optree.tree_leaves(x), grads, strict=True) if g], []
 
     def _carrying_grads(self, s: int, y: Any) -> list[torch.Tensor]:

@@ -2,7 +2,7 @@
 and the gradients of weights tied across pipeline ranks.
 
 Every receive of the step is posted at the rank's first one, so transfers land
-while it computes. With the stage boundaries predicted (``engine/plan/lower.py``),
+while it computes. With the stage boundaries predicted for each micro-batch (``engine/plan/predict.py``),
 each tensor travels bare and the receiver rebuilds the stage output's pytree;
 otherwise a header goes first: the count, and the structure of an output that is not a tensor or a
 flat tuple of them (``wire_structure``). A mixin of
@@ -39,33 +39,43 @@ def tag_of(kind: str, stage: int, microbatch: int, microbatches: int, leaf: int 
 TIED_TAG_BASE = 1 << 29  # above every activation/gradient tag (tag_of stays far below it)
 
 
-def _check_predicted(leaves: list[Any], spec: Any, boundary: Boundary, s: int, m: int) -> None:
+def _check_predicted(leaves: list[Any], spec: Any, boundary: Boundary, s: int, m: int, followed: bool) -> None:
     """Refuse a stage output that is not what the Plan predicted: its receiver posted one receive per
     predicted tensor and rebuilds the predicted structure, so another structure (a value that is None
     in this micro-batch only) would reach it as other tensors in other places, or as ones of the
-    same shapes silently swapped."""
+    same shapes silently swapped. ``followed``: each micro-batch's first layer ran on it (follow_batches)."""
     got = tuple((t.shape, t.dtype) if isinstance(t, torch.Tensor) else (type(t).__name__, None) for t in leaves)
     if spec == boundary.spec and got == boundary.leaves:
         return
     got_in, predicted_in = ("", "") if spec == boundary.spec else (f" in {spec}", f" in {boundary.spec}")
     present = _present_where_predicted_absent(got, boundary.leaves) if spec == boundary.spec else None
-    if m == 0 and present is not None:
-        # The first micro-batch is the one the Plan predicted on: only the example can have misled it.
+    if present is not None:
+        # Predicted as the example had it (where follow_batches ran the first layer on the micro-batch, the
+        # value was decided later): the example is what misled it.
         this, example = ("has one", "had none") if present else ("has none", "had one")
+        where = (
+            "is predicted on the micro-batch where the model's first layer decides it (follow_batches); one "
+            "decided later cannot be read off the fake tensors the Plan runs on, so it is predicted"
+            if followed else "cannot be read off the fake tensors the Plan runs on, so it is predicted"
+        )
+        follow = "" if followed else (
+            " (or, where the model's first layer decides it, pass sw.pipeline(..., follow_batches=True): each "
+            "micro-batch's first layer then also runs on it, once per micro-batch and step)"
+        )
         raise ValueError(
-            f"stage {s} passes on, for micro-batch 0, {_describe(got)}, but the Plan predicted "
+            f"stage {s} passes on, for micro-batch {m}, {_describe(got)}, but the Plan predicted "
             f"{_describe(boundary.leaves)}. A value a model leaves out on some inputs (a Hugging Face attention "
-            "mask: None for a batch without a padded row, with sdpa attention and BERT's eager one) cannot be "
-            "read off the fake tensors the Plan runs on, so it is predicted as functionalize's example_input had "
-            f"it, and this micro-batch {this} where the example {example}. Give functionalize an example_input "
-            "like your batches (with a padded row if they are padded), and every micro-batch the same structure "
-            "(a padded row in each, or in none)"
+            f"mask: None for a batch without a padded row, with sdpa attention and BERT's eager one) {where} as "
+            f"functionalize's example_input had it, and this micro-batch {this} where the example {example}. "
+            "Give functionalize an example_input like your batches (with a padded row if they are padded), and "
+            f"every micro-batch the same structure (a padded row in each, or in none){follow}"
         )
     raise ValueError(
         f"stage {s} passes on, for micro-batch {m}, {_describe(got)}{got_in}, but the Plan predicted "
-        f"{_describe(boundary.leaves)}{predicted_in} (from the first micro-batch's shapes), which the next "
-        "stage receives and rebuilds. Every micro-batch must pass on the same structure. A value that is None in "
-        "some micro-batches and a tensor in others does this: Hugging Face models leave out the attention mask of "
+        f"{_describe(boundary.leaves)}{predicted_in} (from the micro-batch's shapes), which the next "
+        "stage receives and rebuilds: what a stage passes on must follow from the micro-batch's shapes, not its "
+        "data. A value that is None in some micro-batches and a tensor in others does this: Hugging Face models "
+        "leave out the attention mask of "
         "a micro-batch with no padded row (sdpa attention, and BERT's eager one), so give every micro-batch a "
         "padded row, or use attn_implementation='eager' where it always builds the mask (Llama, GPT-2)"
     )
@@ -109,7 +119,8 @@ class TransferActions:
     placement: Placement
     source: ParamSource
     microbatches: Sequence[tuple[Any, Any]]
-    boundaries: Sequence[Boundary] | None
+    boundaries: Sequence[Sequence[Boundary]] | None  # per micro-batch, per stage
+    follow_batches: bool  # each micro-batch predicted on itself (pipeline(follow_batches=True))
     device: torch.device
     _outputs: dict[tuple[int, int], Any]
     _input_grads: dict[tuple[int, int], list[torch.Tensor]]
@@ -133,7 +144,7 @@ class TransferActions:
     def _send(self, value: Any, kind: str, s: int, m: int, action: Action) -> None:
         leaves, spec = optree.tree_flatten(value)
         if self.boundaries is not None and kind == "activation":
-            _check_predicted(leaves, spec, self.boundaries[s], s, m)
+            _check_predicted(leaves, spec, self.boundaries[m][s], s, m, self.follow_batches)
         if not leaves:
             raise ValueError(f"stage {s} passes no tensor to the next stage; a pipeline boundary carries at least one")
         strange = next((leaf for leaf in leaves if not isinstance(leaf, torch.Tensor)), None)
@@ -164,12 +175,12 @@ class TransferActions:
         s, m = action.require("stage"), action.mb
         return ("activation", s - 1, m) if action.kind == RECV_ACTIVATION else ("grad", s + 1, m)
 
-    def _expected(self, kind: str, producer: int) -> Sequence[Layout]:
-        """The tensors a transfer carries, when predicted: an activation carries the producing
-        stage's output, a gradient one tensor per output of the stage below that depends on a
+    def _expected(self, kind: str, producer: int, m: int) -> Sequence[Layout]:
+        """The tensors a transfer of micro-batch ``m`` carries, when predicted: an activation carries the
+        producing stage's output, a gradient one tensor per output of the stage below that depends on a
         parameter."""
         assert self.boundaries is not None
-        boundary = self.boundaries[producer if kind == "activation" else producer - 1]
+        boundary = self.boundaries[m][producer if kind == "activation" else producer - 1]
         return boundary.leaves if kind == "activation" else boundary.grad_leaves()
 
     def _post_receives(self) -> None:
@@ -186,7 +197,7 @@ class TransferActions:
             if self.boundaries is not None:
                 self._posted[(kind, producer, m)] = [
                     recv(axis, src, tag=tag_of(kind, producer, m, mb, i), like=like, device=self.device, mesh=self.mesh)
-                    for i, like in enumerate(self._expected(kind, producer), start=1)
+                    for i, like in enumerate(self._expected(kind, producer, m), start=1)
                 ]
             else:
                 self._posted[(kind, producer, m)] = [
@@ -218,7 +229,7 @@ class TransferActions:
         if kind == "grad":
             value: Any = leaves
         elif self.boundaries is not None:  # the stage output as it was made: a dict, a ModelOutput, ...
-            value = optree.tree_unflatten(self.boundaries[producer].spec, leaves)
+            value = optree.tree_unflatten(self.boundaries[m][producer].spec, leaves)
         elif structure is not None:  # unpredicted, and not flat: its structure came with it
             value = optree.tree_unflatten(structure, leaves)
         else:

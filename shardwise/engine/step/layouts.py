@@ -17,7 +17,8 @@ from ..layout.sharding import FlatSharding
 from ..layout.state import Params, check_params
 from ..layout.state_layout import StateLayout, leaf_specs, local_params, meta_shards
 from ..optim.meta_like import meta_like
-from ..plan.lower import placement_of, predict_boundaries, predict_output, zero_holds_shards
+from ..plan.lower import placement_of, zero_holds_shards
+from ..plan.predict import FirstOutput, first_output, predict_boundaries, predict_output
 from ..run.rng import untouched
 
 if TYPE_CHECKING:
@@ -170,17 +171,54 @@ def output_shapes(step: Step, layout: StateLayout, inputs: Any) -> list[torch.Si
 
 
 def stage_boundaries(step: Step, layout: StateLayout, inputs: Any, mesh: Mesh | None) -> Any:
-    """See Step.boundaries."""
+    """See Step.boundaries.
+
+    Predicted on fake tensors once per input layout, which follows functionalize's example where a model leaves
+    a value out on some inputs (an attention mask, None without a padded row). So, under
+    ``pipeline(follow_batches=True)``, the first layer also runs on ``inputs`` itself (plan/predict.py:
+    first_output), each call where its code reads the batch: where the batch leaves out other values than the
+    example did, the boundaries are predicted from that output, once per such structure. Every rank of a
+    pipeline holds the same micro-batches, so all predict the same; the executor still checks every stage output
+    against it."""
     leaves = optree.tree_leaves(inputs)
-    key = ("boundaries", tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t for t in leaves))
-    if key not in layout.cache:
-        prec = step.precision
-        shapes: dict[str, dict[str, tuple[torch.Size, torch.dtype]]] = {}
-        for spec in layout.leaves.values():
-            shapes.setdefault(spec.layer, {})[spec.name] = (torch.Size(spec.local_shape), spec.dtype)
+    layouts = tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t for t in leaves)
+    key = ("boundaries", layouts)
+    prec = step.precision
+    shapes: dict[str, dict[str, tuple[torch.Size, torch.dtype]]] = {}
+    for spec in layout.leaves.values():
+        shapes.setdefault(spec.layer, {})[spec.name] = (torch.Size(spec.local_shape), spec.dtype)
+
+    def dtype_of(layer: str, dtype: torch.dtype) -> torch.dtype:
+        return compute_dtype(prec, layer, dtype)
+
+    # Under a split the first layer alone is not run: its modules note what they ran for the loss (tensor
+    # parallel's split logits), which a part of a forward would leave behind. Those follow the example.
+    # Only where the pipeline asks for it (follow_batches): the first layer's run costs each step.
+    alone = not step.split.parts and bool(getattr(step.pipeline_spec, "follow_batches", False))
+    known = layout.cache.get(key)
+    if known is None:
         with step.predicting(mesh):
-            layout.cache[key] = predict_boundaries(
-                step.chain, layout.placement, shapes,
-                lambda layer, dtype: compute_dtype(prec, layer, dtype), inputs,
+            predicted = predict_boundaries(step.chain, layout.placement, shapes, dtype_of, inputs)
+            like_example = first_output(step.chain, shapes, dtype_of, inputs, False).output if alone else None
+            on_batch = first_output(step.chain, shapes, dtype_of, inputs, True) if alone else FirstOutput(None, False)
+        # The boundaries and first output as the example had them, and the batch's first output where
+        # making it read no batch (else it is made again for every batch).
+        known = layout.cache[key] = (predicted, like_example, None if on_batch.reads_batch else on_batch)
+        first = on_batch.output
+    elif known[2] is None:
+        with step.predicting(mesh):
+            first = first_output(step.chain, shapes, dtype_of, inputs, True).output
+    else:
+        first = known[2].output
+    predicted, like_example = known[0], known[1]
+    if predicted is None or like_example is None:
+        return predicted
+    if first is None or not first.differs_only_in_left_out(like_example):
+        return predicted
+    structure = ("boundaries", layouts, first)
+    if structure not in layout.cache:
+        with step.predicting(mesh):
+            layout.cache[structure] = predict_boundaries(
+                step.chain, layout.placement, shapes, dtype_of, inputs, start=first
             )
-    return layout.cache[key]
+    return layout.cache[structure]

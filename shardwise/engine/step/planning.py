@@ -56,6 +56,7 @@ from ..stack.compose import SPLIT, rewrites_in_order, sums_over_batch
 from .batch_cut import batch_multiple, rank_share
 from .held_levels import copies_to_reductions, shard_copy_levels, unsharded_levels, update_levels
 from .param_groups import master_runs
+from .rank_boundaries import classes_by_boundaries
 
 if TYPE_CHECKING:
     from .step import Step
@@ -75,7 +76,9 @@ def plan_of(step: Step, mesh: Mesh, params: Params | None, batch: Any, *, share_
     its pipeline index and its tensor-parallel index only. So each of those *rank classes* is
     lowered once and its actions and figures shared by its ranks (512 ranks of dp 8 x pp 8 x tp 8
     are 64 classes; ZeRO-3 alone over 512 is one), and what a class predicts on fake tensors (the
-    pipeline's boundaries) is predicted once per distinct set of local shapes.
+    pipeline's boundaries) is predicted once per distinct set of local shapes. A pipeline's transfers
+    carry what each rank's own micro-batches pass on (an attention mask or none): ranks whose shares
+    differ so are told apart (``rank_boundaries.py``).
     ``share_identical_ranks=False`` lowers every rank on its own (the reference the tests compare
     the shared plan with).
     """
@@ -88,9 +91,15 @@ def plan_of(step: Step, mesh: Mesh, params: Params | None, batch: Any, *, share_
     for r, c in enumerate(class_of):
         first.setdefault(c, r)
     layouts = _layouts(step, mesh, params, placement, first) if params is not None else {}
+    boundaries_of: dict[Any, Any] = {}  # class -> the pipeline's boundaries, per micro-batch
+    if params is not None and batch is not None and step.pipeline_spec is not None:
+        class_of, boundaries_of = classes_by_boundaries(step, mesh, batch, layouts, class_of)
+        layouts = {c: layouts[c[0]] for c in boundaries_of}
+        first = {}
+        for r, c in enumerate(class_of):
+            first.setdefault(c, r)
     inside = _inside_computes(step, mesh, params, batch, placement, layouts[class_of[0]] if layouts else None)
     device = planned_device(params, batch)
-    boundaries_of: dict[Any, Any] = {}  # local shapes -> the pipeline's boundaries (the same for equal shapes)
     by_class: dict[Any, tuple[Action, ...]] = {}
     masters: dict[Any, Params] = {}  # each class's master parameters (meta), as it holds them
     for c, r in first.items():
@@ -104,12 +113,7 @@ def plan_of(step: Step, mesh: Mesh, params: Params | None, batch: Any, *, share_
         actions = rank_actions(
             step, placement, schedule, index, unit_names(layout.sharding), device, reduce_sizes(step, layout.sharding)
         )
-        boundaries = None
-        if batch is not None and step.pipeline_spec is not None:
-            shapes = tuple((key, spec.local_shape, spec.dtype) for key, spec in layout.leaves.items())
-            if shapes not in boundaries_of:
-                boundaries_of[shapes] = step.boundaries(layout, one_microbatch(step, mesh, batch)[0], mesh)
-            boundaries = boundaries_of[shapes]
+        boundaries = boundaries_of.get(c)
         master = masters[c] = step.master_meta(local_params(step.local_view(params, mesh, r), placement, index))
         update_tree = master if layout.sharding is None else meta_shards(layout.sharding)
         actions = annotate(

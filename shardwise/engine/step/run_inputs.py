@@ -251,8 +251,9 @@ def prepare_run(step: Step, state: TrainState, layout: StateLayout, batch: Any) 
         into_params=run.into_params,
         metric_dtype=layout.metric_dtype, exchange=run.exchange, metric_axes=run.metric_axes,
         replica_layers=run.replica_layers,
-        boundaries=None if pipe is None else step.boundaries(layout, micro[0][0], mesh),
-        poison=bool(pipe is not None and pipe.poison), record=step.traced,
+        boundaries=None if pipe is None else _boundaries(step, layout, micro, mesh),
+        poison=bool(pipe is not None and pipe.poison),
+        follow_batches=bool(pipe is not None and pipe.follow_batches), record=step.traced,
         tokens=step.tokens if step.token_weighted else None,
         rng_seed=None if state.rng is None else mix(state.rng, state.step), counted=run.counted,
         counts_losses=run.counts_losses,
@@ -264,6 +265,13 @@ def prepare_run(step: Step, state: TrainState, layout: StateLayout, batch: Any) 
         loss_probe=_loss_probe(step, layout, mesh),
     )
     return PreparedRun(executor, run, replicas, outcome, batch_shares(step, mesh))
+
+
+def _boundaries(step: Step, layout: StateLayout, micro: list[tuple[Any, Any]], mesh: Mesh | None) -> Any:
+    """Each micro-batch's predicted stage outputs (a model may leave a mask out of some of them), or None
+    where they cannot be predicted: then every transfer is announced."""
+    found = [step.boundaries(layout, inputs, mesh) for inputs, _ in micro]
+    return None if any(b is None for b in found) else found
 
 
 def _loss_probe(step: Step, layout: StateLayout, mesh: Mesh | None) -> LossProbe | None:

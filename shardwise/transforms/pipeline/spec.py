@@ -31,6 +31,7 @@ class PipelineSpec:
     partition: tuple[int, ...] | None = None
     poison: bool = False
     trace: bool = False
+    follow_batches: bool = False
 
     name: ClassVar[str] = "pipeline"
     role: ClassVar[str] = PLACEMENT
