@@ -126,3 +126,19 @@ def test_an_op_computing_each_position_alone_is_split(op: Op, d_model: int) -> N
     step, params, batches = _step(op, d_model, n_heads=2)
     sw.testing.assert_equivalent(sw.context_parallel(step, "cp"), step, sw.Mesh(cp=2), batches, params,
                                  rtol=1e-12)
+
+
+def _routed_by_position_value(x: torch.Tensor) -> torch.Tensor:
+    """A router's tokens (``torch.where``: nonzero) taken and put back, weighted by their positions' values."""
+    b, t, d = x.shape
+    flat = x.reshape(-1, d)
+    (tok,) = torch.where(flat[:, 0] == flat[:, 0])
+    return torch.zeros_like(flat).index_add(0, tok, flat[tok] * (tok % t).to(x.dtype)[:, None] / 8).view(b, t, d)
+
+
+def test_computing_with_the_values_of_a_routers_token_index_is_refused() -> None:
+    # (tok % t: this rank's local positions as numbers; off 7.6e-4 relative before it was refused)
+    step, params, batches = _step(_routed_by_position_value)
+    with pytest.raises(ValueError, match=r"Mixer in layer 'blocks\.1' computes aten\.remainder with the values of an "
+                                         "index made by nonzero"):
+        sw.context_parallel(step, "cp").plan(sw.Mesh(cp=2), params, batches[0])
