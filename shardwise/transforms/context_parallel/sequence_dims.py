@@ -32,7 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ...engine.model.token_wise import computes_each_token_alone, implementation_named, token_wise_runner
 from .sequence_rules import judge
-from .sequence_tags import Tags, tensors_in
+from .sequence_tags import POOLED, Tags, tensors_in
 
 _current = threading.local()  # .follower: the FollowSequence of this thread's watched call, if any
 Refuse = Callable[[str, str], None]  # (what the op does, the aten op's name)
@@ -62,6 +62,10 @@ class FollowSequence(TorchDispatchMode):
         for t in optree.tree_leaves(tree):
             if isinstance(t, Tensor) and t.dim() > dim and t.shape[dim] == local:
                 self.tag(t, {dim: (1, local)})
+
+    def pools(self, out: Any) -> bool:
+        """Whether ``out`` (a layer's output) holds a mean over every element of a tensor that held positions."""
+        return any(POOLED in self.tags_of(t) for t in optree.tree_leaves(out))
 
     def like(self, out: Any, q: Tensor) -> None:
         """``out`` (an installed attention's output) holds the positions its queries ``q`` hold."""

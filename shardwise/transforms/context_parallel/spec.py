@@ -56,6 +56,7 @@ class CPSpec:
     balanced: bool = True
     positions: tuple[str, ...] = ("pos_emb",)
     dim: int = 1
+    token_weighted: bool = False  # the step weighs each rank's loss by its token count (train_step(tokens=...))
 
     name: ClassVar[str] = "context_parallel"
     cuts_batch: ClassVar[bool] = True  # each rank computes a part of every sequence (compose.py)
@@ -249,6 +250,16 @@ class CPSpec:
         return notes
 
 
+_POOLED_WEIGHTED = (
+    "context_parallel(axis={axis!r}): layer {layer!r} returns a mean over every element of a tensor that holds the "
+    "part's positions (a 0-d auxiliary loss term, such as aux + (h * h).mean()): each rank takes the mean of its own "
+    "part, which is the whole sequence's only where the step averages the ranks' losses with equal weights, and "
+    "train_step(tokens=...) weighs each rank's loss by its own token count (padded labels count unequally), so "
+    "the term would be weighted by the ranks' counts without an error. Use train_step(tokens=None) (a mean loss, "
+    "no padding) or tokens='per_shard_mean', add the term outside the layers, or leave context_parallel out"
+)
+
+
 class CPLayerFn:
     """A layer fn under context parallel: its position tables read at the rank's global positions and
     every parameter's gradient summed over the axis (the engine's ``in_layer.grad_summed``). The layer
@@ -270,8 +281,10 @@ class CPLayerFn:
         shapes = tuple(tuple(t.shape) for t in optree.tree_leaves(x) if isinstance(t, Tensor))
         if shapes in self.checked:
             return self._call(tensors, x)
-        with watched(self.label, self.spec.axis, self.spec.dim, x):
+        with watched(self.label, self.spec.axis, self.spec.dim, x) as follower:
             out = self._call(tensors, x)
+            if self.spec.token_weighted and follower.pools(out):
+                raise ValueError(_POOLED_WEIGHTED.format(axis=self.spec.axis, layer=self.label))
         self.checked.add(shapes)
         return out
 

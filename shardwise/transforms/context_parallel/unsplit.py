@@ -83,7 +83,7 @@ def attention_over_the_sequence(fn: Callable[..., torch.Tensor]) -> Callable[...
 
 
 @contextmanager
-def watched(layer: str, axis: str, dim: int, x: Any) -> Iterator[None]:
+def watched(layer: str, axis: str, dim: int, x: Any) -> Iterator[FollowSequence]:
     """The layer's first call on ``x`` watched (see the module docstring): :class:`Unsplit` for the calls
     known by name, :class:`FollowSequence` for the dims that hold the part's positions (``dim`` of the inputs
     whose ``dim`` is the part's length)."""
@@ -94,7 +94,7 @@ def watched(layer: str, axis: str, dim: int, x: Any) -> Iterator[None]:
     if local is not None and local > 1:
         follower.follow_inputs(x, dim, local)
     with unsplit, following(follower):
-        yield
+        yield follower
 
 
 class Unsplit(TorchFunctionMode):

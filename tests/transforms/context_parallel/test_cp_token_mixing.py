@@ -142,3 +142,58 @@ def test_computing_with_the_values_of_a_routers_token_index_is_refused() -> None
     with pytest.raises(ValueError, match=r"Mixer in layer 'blocks\.1' computes aten\.remainder with the values of an "
                                          "index made by nonzero"):
         sw.context_parallel(step, "cp").plan(sw.Mesh(cp=2), params, batches[0])
+
+
+class _AuxBlock(nn.Module):
+    """A block that adds a mean over every element of its output to a carried auxiliary loss term."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = Block(16, 2, 8)
+
+    def forward(self, carry: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.block(carry[0])
+        return h, carry[1] + 0.5 * (h * h).mean()
+
+
+class _AuxModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.blocks, self.head = nn.Embedding(32, 16), nn.ModuleList([_AuxBlock(), _AuxBlock()]), nn.Linear(
+            16, 32)
+
+    def forward(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        carry = (self.emb(idx), idx.new_zeros((), dtype=torch.float64))
+        for block in self.blocks:
+            carry = block(carry)
+        return self.head(carry[0]), carry[1]
+
+
+def _aux_step(tokens: Callable[..., torch.Tensor] | None) -> tuple[sw.Step, dict, list]:
+    torch.manual_seed(0)
+    chain, params = sw.functionalize(_AuxModel().double(), units=_AuxBlock)
+    ids = torch.randint(0, 32, (2, 2, 9), generator=torch.Generator().manual_seed(1))
+    batches = []
+    for x in ids:
+        targets = x[:, 1:].clone()
+        if tokens is not None:
+            targets[:, -3:] = -100  # padding: the ranks' parts hold 4 and 1 counted tokens
+        batches.append((x[:, :-1], targets))
+
+    def loss(o: tuple[torch.Tensor, torch.Tensor], t: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(o[0].flatten(0, 1), t.flatten(), ignore_index=-100) + o[1]
+
+    return sw.train_step(chain, loss, sw.optim.sgd(0.1), tokens=tokens), params, batches
+
+
+def test_a_pooled_loss_term_under_a_token_weighted_step_is_refused() -> None:
+    # (each rank's mean of its part weighed by its own count: loss off 6e-3 relative before it was refused)
+    step, params, batches = _aux_step(lambda inputs, targets: (targets != -100).sum())
+    with pytest.raises(ValueError, match=r"layer 'blocks\.0' returns a mean over every element .* "
+                                         r"train_step\(tokens=\.\.\.\) weighs each rank's loss"):
+        sw.context_parallel(step, "cp").plan(sw.Mesh(cp=2), params, batches[0])
+
+
+def test_a_pooled_loss_term_under_a_mean_loss_is_split() -> None:
+    step, params, batches = _aux_step(None)
+    sw.testing.assert_equivalent(sw.context_parallel(step, "cp"), step, sw.Mesh(cp=2), batches, params, rtol=1e-12)
