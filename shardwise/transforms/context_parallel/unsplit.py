@@ -52,6 +52,8 @@ from .masks import is_carried
 from .sequence_dims import FollowSequence, current, following
 
 _ATTENTION = frozenset({"scaled_dot_product_attention"})
+# Tensor methods that hand a tensor's values to Python or numpy, where the positions they hold are lost from sight.
+_READ_OUT = frozenset({"tolist", "numpy", "__array__", "item"})
 _state = threading.local()  # .installed: how deep this thread is in an installed attention
 
 
@@ -116,6 +118,10 @@ class Unsplit(TorchFunctionMode):
         if name in _ATTENTION and (follower is None or any(
                 follower.tags_of(t) for t in (*args[:3], *kwargs.values()))):
             self._refuse(f"calls {name} on tensors that hold the part's positions", _ATTENTION_FIX)
+        if name in _READ_OUT and follower is not None and args and follower.tags_of(args[0]) and not _exempt():
+            follower.refuse(f"reads the values of a {list(args[0].shape)} tensor that holds the part's positions "
+                            f"out of torch (Tensor.{name}): what is computed from them, and the tensor made of them, "
+                            "cannot be followed", name)
         out = func(*args, **kwargs)
         if isinstance(out, torch.Tensor) and any(is_carried(a) for a in (*args, *kwargs.values())) and not (
                 _making_a_mask() or _caller().startswith("shardwise.")):  # (shardwise reading its own mask)

@@ -197,3 +197,17 @@ def test_a_pooled_loss_term_under_a_token_weighted_step_is_refused() -> None:
 def test_a_pooled_loss_term_under_a_mean_loss_is_split() -> None:
     step, params, batches = _aux_step(None)
     sw.testing.assert_equivalent(sw.context_parallel(step, "cp"), step, sw.Mesh(cp=2), batches, params, rtol=1e-12)
+
+
+@pytest.mark.parametrize(("op", "method"), [
+    pytest.param(lambda x: x * torch.tensor(x.detach().tolist(), dtype=x.dtype).roll(1, 1), "tolist", id="tolist"),
+    pytest.param(lambda x: x * torch.from_numpy(x.detach().numpy()).roll(1, 1), "numpy", id="numpy"),
+])
+def test_reading_the_positions_values_out_of_torch_is_refused(op: Op, method: str) -> None:
+    # (a token shift on the values read back: loss off 1.8e-4 relative before it was refused)
+    step, params, batches = _step(op)
+    with pytest.raises(sw.collectives.RankFailed,
+                       match=rf"Mixer in layer 'blocks\.1' reads the values of a \[2, 4, 16\] tensor .*"
+                             rf" \(Tensor\.{method}\)"):
+        sw.testing.assert_equivalent(sw.context_parallel(step, "cp"), step, sw.Mesh(cp=2), batches, params,
+                                     rtol=1e-12)
