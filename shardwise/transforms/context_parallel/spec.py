@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import threading
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ from .cut import cutting
 from .hf_interface import SplitAttention, point_at_split_attention
 from .layout import check_sequence_length, local_chunks, shard_order
 from .masks import TokenMask, token_mask
+from .sequence_dims import hand_over
 from .shifted import refuse_targets_equal_to_inputs
 from .unsplit import watched
 
@@ -273,18 +275,22 @@ class CPLayerFn:
                  label: str = "") -> None:
         self.fn, self.spec, self.names, self.tables, self.reduce = fn, spec, names, tables, reduce
         self.reads_batch, self.label = reads_batch, label
-        self.checked: set[tuple[Any, ...]] = set()  # input shapes whose run was watched (unsplit.py)
+        # (thread, input shapes) whose run was watched (unsplit.py): per rank thread, so that each rank's first call
+        # is watched layer after layer and each layer's output tags are handed to the next (hand_over)
+        self.checked: set[tuple[Any, ...]] = set()
 
     def __call__(self, tensors: dict[str, Tensor], x: Any) -> Any:
         """The layer on the rank's part of the sequence; the first call for an input shape watched for an
         attention left over the part only (``unsplit.py``)."""
-        shapes = tuple(tuple(t.shape) for t in optree.tree_leaves(x) if isinstance(t, Tensor))
+        shapes = (threading.get_ident(), *(tuple(t.shape) for t in optree.tree_leaves(x) if isinstance(t, Tensor)))
         if shapes in self.checked:
+            hand_over(None, None)
             return self._call(tensors, x)
-        with watched(self.label, self.spec.axis, self.spec.dim, x) as follower:
+        with watched(self.label, self.spec.axis, self.spec.dim, x, self.reads_batch) as follower:
             out = self._call(tensors, x)
             if self.spec.token_weighted and follower.pools(out):
                 raise ValueError(_POOLED_WEIGHTED.format(axis=self.spec.axis, layer=self.label))
+        hand_over(follower, out)  # the next layer's inputs hold positions where these outputs do
         self.checked.add(shapes)
         return out
 
