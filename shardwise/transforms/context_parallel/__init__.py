@@ -109,7 +109,7 @@ def context_parallel(
         raise ValueError(f"context_parallel(dim={dim!r}): the sequence dim of the batch's leaves, 1 or more (0 is "
                          "the batch)")
     refuse_shifting_loss(step.loss_fn)  # it would shift the targets inside each rank's part
-    spec = CPSpec(axis, attention, balanced, tuple(positions), dim)
+    spec = CPSpec(axis, attention, balanced, tuple(positions), dim, step.token_weighted)
     spec.resolve(step.base_chain)  # a chain without a known attention is refused now, not at the first step
     return add(step, spec)
 

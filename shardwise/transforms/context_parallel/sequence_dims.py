@@ -2,7 +2,8 @@
 
 Under context_parallel each rank holds a part of every sequence, and a layer is right on it only where it
 computes each position from that position alone, outside the attentions the transform installed (which
-exchange the rest). :class:`FollowSequence` tags the sequence dim of the layer's inputs and follows it
+exchange the rest). :class:`FollowSequence` tags the sequence dim of the layer's inputs (as the previous
+layer's outputs held it: :func:`hand_over`; else by the part's length) and follows it
 through every aten op (``sequence_rules.py``): pointwise ops, products over other dims, reshapes that fold
 (batch, sequence) into rows and back, norms and softmax over other dims, indexing and lookups by ids that
 hold positions. An op that moves or mixes along a tagged dim (a reduction over the tokens, a pad, roll,
@@ -32,7 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ...engine.model.token_wise import computes_each_token_alone, implementation_named, token_wise_runner
 from .sequence_rules import judge
-from .sequence_tags import Tags, tensors_in
+from .sequence_tags import POOLED, Tags, tensors_in
 
 _current = threading.local()  # .follower: the FollowSequence of this thread's watched call, if any
 Refuse = Callable[[str, str], None]  # (what the op does, the aten op's name)
@@ -57,11 +58,22 @@ class FollowSequence(TorchDispatchMode):
         entry = self.tags.get(id(t)) if isinstance(t, Tensor) else None
         return entry[1] if entry is not None and entry[0]() is t else {}
 
-    def follow_inputs(self, tree: Any, dim: int, local: int) -> None:
-        """Tag ``dim`` of every input leaf whose ``dim`` is the part's length (hidden states, ids, positions)."""
-        for t in optree.tree_leaves(tree):
-            if isinstance(t, Tensor) and t.dim() > dim and t.shape[dim] == local:
+    def follow_inputs(self, tree: Any, dim: int, local: int | None, handed: list[Tags] | None = None) -> None:
+        """Tag the input leaves: as the previous layer's output leaves at their place in the tree were tagged
+        (``handed``, see :func:`hand_over`), where that leaf was; else ``dim`` of each leaf whose ``dim`` is the
+        part's length (the batch's leaves, which the cut cuts there; hidden states from an unknown producer)."""
+        leaves = optree.tree_leaves(tree)
+        for i, t in enumerate(leaves):
+            if not isinstance(t, Tensor):
+                continue
+            if handed is not None and handed[i]:
+                self.tag(t, handed[i])
+            elif local is not None and local > 1 and t.dim() > dim and t.shape[dim] == local:
                 self.tag(t, {dim: (1, local)})
+
+    def pools(self, out: Any) -> bool:
+        """Whether ``out`` (a layer's output) holds a mean over every element of a tensor that held positions."""
+        return any(POOLED in self.tags_of(t) for t in optree.tree_leaves(out))
 
     def like(self, out: Any, q: Tensor) -> None:
         """``out`` (an installed attention's output) holds the positions its queries ``q`` hold."""
@@ -111,6 +123,31 @@ class FollowSequence(TorchDispatchMode):
                             f"{list(base.shape)} tensor, whose dims it cannot follow", func.overloadpacket.__name__)
             found.setdefault(dims[0], r)
         self.tag(base, found)
+
+
+def hand_over(follower: FollowSequence | None, out: Any) -> None:
+    """Record on this thread how the dims of a watched layer's output leaves hold positions (marks beside the dims
+    dropped: the next layer follows its own ops), for the next layer's watch; None (an unwatched call) forgets."""
+    if follower is None:
+        _current.handed = None
+        return
+    leaves = optree.tree_leaves(out)
+    tags = [{d: r for d, r in follower.tags_of(t).items() if d >= 0} for t in leaves]
+    _current.handed = (_shapes(leaves), tags)
+
+
+def handed(tree: Any) -> list[Tags] | None:
+    """The tags :func:`hand_over` recorded, if ``tree``'s leaves are shaped as the recorded output's (the previous
+    layer's output, handed over on this thread); None where the producer is not known."""
+    record = getattr(_current, "handed", None)
+    if record is None:
+        return None
+    shapes, tags = record
+    return tags if _shapes(optree.tree_leaves(tree)) == shapes else None
+
+
+def _shapes(leaves: list[Any]) -> tuple[Any, ...]:
+    return tuple(tuple(t.shape) if isinstance(t, Tensor) else type(t) for t in leaves)
 
 
 def _writes(func: Any) -> bool:

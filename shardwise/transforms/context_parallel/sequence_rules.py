@@ -43,6 +43,8 @@ def judge(func: Any, args: Sequence[Any], kwargs: dict[str, Any], out: Any, tags
     outs = [t for t in optree.tree_leaves(out, none_is_leaf=True) if isinstance(t, Tensor)]
     if any(POOLED in tags_of(t) for t in tensors_in(args, kwargs)):
         return _pooled(Call(name, func, list(args), kwargs, outs, tags_of))
+    if any(VALUED in tags_of(t) for t in tensors_in(args, kwargs)):
+        return _valued(Call(name, func, list(args), kwargs, outs, tags_of))
     rule = _RULES.get(name)
     if rule is None and (torch.Tag.pointwise in func.tags or _pointwise(name)):
         rule = _pointwise_rule
@@ -69,6 +71,39 @@ def _pooled(c: Call) -> Verdict:
     return c.refuse(f"computes {readable(c.func)} of a mean over every element of a tensor that holds the part's "
                     "positions (exact under context_parallel only as a term added to the loss: each rank averages "
                     "its own part)")
+
+
+# What an index whose values are positions may go through: ops that keep its values as they are (views, picks of
+# its elements, copies, a cast); and the ops that take or put rows by it, where it is the index (its argument).
+_KEEPS_VALUES = words(
+    "view _unsafe_view reshape _reshape_alias alias detach clone contiguous lift_fresh _to_copy squeeze unsqueeze "
+    "expand permute transpose t select slice unbind split split_with_sizes narrow index _unsafe_index")
+_INDEX_AT = {**dict.fromkeys(["index", "_unsafe_index", "index_put", "index_put_", "_index_put_impl_"], 1),
+             **dict.fromkeys(["index_select", "gather", "scatter", "scatter_", "scatter_add", "scatter_add_",
+                              "scatter_reduce", "scatter_reduce_", "index_add", "index_add_", "index_copy",
+                              "index_copy_"], 2)}
+
+
+def _valued(c: Call) -> Verdict:
+    """An op given an index whose values are the part's positions (``nonzero``'s): passed only where it uses them
+    as an index or keeps them as they are; any op computing with them (``tok % t``, ``tok < n``, ``tok.sum()``)
+    reads this rank's local positions as numbers, which differ from the sequence's."""
+    valued = [t for t in tensors_in(c.args, c.kwargs) if VALUED in c.tags_of(t)]
+    at = _INDEX_AT.get(c.name)
+    index = c.arg(at, "indices" if at == 1 else "index") if at is not None else None
+    as_index = list(index) if isinstance(index, (list, tuple)) else [index]
+    kept = c.name in _KEEPS_VALUES and len(c.args) > 0 and isinstance(c.args[0], Tensor) and (
+        VALUED in c.tags_of(c.args[0]))
+    others = [t for t in valued if all(t is not i for i in as_index)]
+    if kept and all(t is c.args[0] for t in others):
+        rule = _RULES.get(c.name, _self_rule)
+        verdict = rule(c)
+        return Verdict([{**tags, VALUED: NO_RANGE} if tags else tags for tags in verdict.outs], verdict.why)
+    if at is not None and not others:
+        return _RULES[c.name](c)
+    return c.refuse(f"computes {readable(c.func)} with the values of an index made by nonzero of a tensor that "
+                    "holds the part's positions (its values are this rank's local positions, not the sequence's: "
+                    "an index may only take or put rows by them)")
 
 
 @functools.cache

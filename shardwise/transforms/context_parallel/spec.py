@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import threading
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ from .cut import cutting
 from .hf_interface import SplitAttention, point_at_split_attention
 from .layout import check_sequence_length, local_chunks, shard_order
 from .masks import TokenMask, token_mask
+from .sequence_dims import hand_over
 from .shifted import refuse_targets_equal_to_inputs
 from .unsplit import watched
 
@@ -56,6 +58,7 @@ class CPSpec:
     balanced: bool = True
     positions: tuple[str, ...] = ("pos_emb",)
     dim: int = 1
+    token_weighted: bool = False  # the step weighs each rank's loss by its token count (train_step(tokens=...))
 
     name: ClassVar[str] = "context_parallel"
     cuts_batch: ClassVar[bool] = True  # each rank computes a part of every sequence (compose.py)
@@ -249,6 +252,16 @@ class CPSpec:
         return notes
 
 
+_POOLED_WEIGHTED = (
+    "context_parallel(axis={axis!r}): layer {layer!r} returns a mean over every element of a tensor that holds the "
+    "part's positions (a 0-d auxiliary loss term, such as aux + (h * h).mean()): each rank takes the mean of its own "
+    "part, which is the whole sequence's only where the step averages the ranks' losses with equal weights, and "
+    "train_step(tokens=...) weighs each rank's loss by its own token count (padded labels count unequally), so "
+    "the term would be weighted by the ranks' counts without an error. Use train_step(tokens=None) (a mean loss, "
+    "no padding) or tokens='per_shard_mean', add the term outside the layers, or leave context_parallel out"
+)
+
+
 class CPLayerFn:
     """A layer fn under context parallel: its position tables read at the rank's global positions and
     every parameter's gradient summed over the axis (the engine's ``in_layer.grad_summed``). The layer
@@ -262,16 +275,22 @@ class CPLayerFn:
                  label: str = "") -> None:
         self.fn, self.spec, self.names, self.tables, self.reduce = fn, spec, names, tables, reduce
         self.reads_batch, self.label = reads_batch, label
-        self.checked: set[tuple[Any, ...]] = set()  # input shapes whose run was watched (unsplit.py)
+        # (thread, input shapes) whose run was watched (unsplit.py): per rank thread, so that each rank's first call
+        # is watched layer after layer and each layer's output tags are handed to the next (hand_over)
+        self.checked: set[tuple[Any, ...]] = set()
 
     def __call__(self, tensors: dict[str, Tensor], x: Any) -> Any:
         """The layer on the rank's part of the sequence; the first call for an input shape watched for an
         attention left over the part only (``unsplit.py``)."""
-        shapes = tuple(tuple(t.shape) for t in optree.tree_leaves(x) if isinstance(t, Tensor))
+        shapes = (threading.get_ident(), *(tuple(t.shape) for t in optree.tree_leaves(x) if isinstance(t, Tensor)))
         if shapes in self.checked:
+            hand_over(None, None)
             return self._call(tensors, x)
-        with watched(self.label, self.spec.axis, self.spec.dim, x):
+        with watched(self.label, self.spec.axis, self.spec.dim, x, self.reads_batch) as follower:
             out = self._call(tensors, x)
+            if self.spec.token_weighted and follower.pools(out):
+                raise ValueError(_POOLED_WEIGHTED.format(axis=self.spec.axis, layer=self.label))
+        hand_over(follower, out)  # the next layer's inputs hold positions where these outputs do
         self.checked.add(shapes)
         return out
 

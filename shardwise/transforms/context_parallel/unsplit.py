@@ -8,16 +8,23 @@ So the first time a layer runs for an input shape (the Plan's prediction on fake
 its ops are watched:
 
 * :class:`FollowSequence` (``sequence_dims.py``, a TorchDispatchMode; the rules per aten op are in
-  ``sequence_rules.py``) tags the sequence dim of the layer's inputs (``dim`` of every input leaf whose
-  ``dim`` has the part's length: the hidden states, input and position ids, rotary tables) and follows it
-  through every op. An op that reduces, scans, sorts, pads, rolls, flips, slices, concatenates, convolves,
-  pools or contracts along a dim that holds positions (``x.mean(1)``, ``F.pad(x, (0, 0, 1, -1))``,
+  ``sequence_rules.py``) tags the sequence dim of the layer's inputs and follows it through every op. Each
+  rank's first call is watched layer after layer: the chain's first layer tags ``dim`` of the batch's leaves
+  (which the cut cuts there), and each layer hands the dims of its outputs that hold positions to the next
+  (``hand_over``: by place in the output tree, so a seq-first model's [t, batch, d] is followed on dim 0); an
+  input whose producer is not known (a pipeline stage's received input) gets ``dim`` of every leaf whose
+  ``dim`` has the part's length (the hidden states, input and position ids, rotary tables). An op that
+  reduces, scans, sorts, pads, rolls, flips, slices, concatenates, convolves, pools or contracts along a dim
+  that holds positions (``x.mean(1)``, ``F.pad(x, (0, 0, 1, -1))``,
   ``q @ (k.mT @ v)``, ``F.avg_pool1d`` over time, an eager attention's softmax), or that no rule knows given a
   tagged tensor, is refused here, naming the innermost module, the op and the fix. Ops outside it pass: any
   op on other dims, (batch, sequence) folded into rows and back, lookups by ids that hold positions, a
   router's tokens taken and put back by their positions, experts known to compute each token alone
   (``token_wise.py``), and a mean over every element that reaches the loss linearly (an auxiliary term: each
-  rank averages its own part).
+  rank averages its own part; refused under ``train_step(tokens=...)``, which weighs the ranks' losses by
+  their counts). An op that computes with the values of a router's token index (``nonzero``'s positions)
+  other than taking or putting rows by it is refused, and so is reading a tagged tensor's values out of
+  torch (``tolist``, ``numpy``, ``item``: what is made of them again would be untagged).
 * :class:`Unsplit` (a TorchFunctionMode) refuses ``scaled_dot_product_attention`` on tensors that hold
   positions, and any op on the batch's ``attention_mask``, which carries the whole sequence's mask to the
   attentions, outside transformers' mask making, the attentions and shardwise.
@@ -26,11 +33,13 @@ Not watched: the installed attentions (their output holds their queries' positio
 making (whose mask context_parallel replaces), and shardwise's own checks (of the ids a split embedding reads,
 of the positions a rotary embedding gets). What it cannot see: code that bypasses ``__torch_function__`` and
 the dispatcher's Python modes (a C++ extension calling ATen directly); positions computed as plain ints from a
-part's length (``torch.arange(x.size(1))``, which counts 0 .. t/n - 1 on every rank); a value that leaves a
-layer after mixing (a 0-d mean passed to the next layer rather than to the loss: each layer is followed from
-its own inputs); and a layer that computes otherwise on a later call with the same input shapes (each is
-watched once per shape). Its cost: the first call of each layer per input shape, about 10 ms for a small Llama
-decoder layer's 70-odd ops on a CPU thread.
+part's length (``torch.arange(x.size(1))``, which counts 0 .. t/n - 1 on every rank), or any number read
+from a shape (``aux * h.shape[1]``, ``x / x.size(1)``: the part's length where the model means the
+sequence's; shape reads do not reach the dispatcher); a value that leaves a layer after mixing (a 0-d mean
+passed to the next layer rather than to the loss: the marks beside the dims are not handed over); and a layer
+that computes otherwise on a later call with the same input shapes (each is watched once per shape on each
+rank's thread). Its cost: the first call of each layer per input shape, about 10 ms for a small Llama decoder
+layer's 70-odd ops on a CPU thread.
 """
 
 from __future__ import annotations
@@ -49,9 +58,11 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from .masks import is_carried
-from .sequence_dims import FollowSequence, current, following
+from .sequence_dims import FollowSequence, current, following, handed
 
 _ATTENTION = frozenset({"scaled_dot_product_attention"})
+# Tensor methods that hand a tensor's values to Python or numpy, where the positions they hold are lost from sight.
+_READ_OUT = frozenset({"tolist", "numpy", "__array__", "item"})
 _state = threading.local()  # .installed: how deep this thread is in an installed attention
 
 
@@ -83,18 +94,18 @@ def attention_over_the_sequence(fn: Callable[..., torch.Tensor]) -> Callable[...
 
 
 @contextmanager
-def watched(layer: str, axis: str, dim: int, x: Any) -> Iterator[None]:
+def watched(layer: str, axis: str, dim: int, x: Any, reads_batch: bool = False) -> Iterator[FollowSequence]:
     """The layer's first call on ``x`` watched (see the module docstring): :class:`Unsplit` for the calls
-    known by name, :class:`FollowSequence` for the dims that hold the part's positions (``dim`` of the inputs
-    whose ``dim`` is the part's length)."""
+    known by name, :class:`FollowSequence` for the dims that hold the part's positions: those of the previous
+    layer's output, handed over on this thread (``hand_over``); where none was (the chain's first layer, which
+    reads the batch; a pipeline stage's received input), ``dim`` of the inputs whose ``dim`` is the part's length."""
     leaves = [t for t in optree.tree_leaves(x) if isinstance(t, torch.Tensor) and t.dim() > dim]
     local = int(leaves[0].shape[dim]) if leaves else None
     unsplit = Unsplit(layer, axis)
     follower = FollowSequence(unsplit.refuse_op, _quiet, _exempt)
-    if local is not None and local > 1:
-        follower.follow_inputs(x, dim, local)
+    follower.follow_inputs(x, dim, local, None if reads_batch else handed(x))
     with unsplit, following(follower):
-        yield
+        yield follower
 
 
 class Unsplit(TorchFunctionMode):
@@ -116,6 +127,10 @@ class Unsplit(TorchFunctionMode):
         if name in _ATTENTION and (follower is None or any(
                 follower.tags_of(t) for t in (*args[:3], *kwargs.values()))):
             self._refuse(f"calls {name} on tensors that hold the part's positions", _ATTENTION_FIX)
+        if name in _READ_OUT and follower is not None and args and follower.tags_of(args[0]) and not _exempt():
+            follower.refuse(f"reads the values of a {list(args[0].shape)} tensor that holds the part's positions "
+                            f"out of torch (Tensor.{name}): what is computed from them, and the tensor made of them, "
+                            "cannot be followed", name)
         out = func(*args, **kwargs)
         if isinstance(out, torch.Tensor) and any(is_carried(a) for a in (*args, *kwargs.values())) and not (
                 _making_a_mask() or _caller().startswith("shardwise.")):  # (shardwise reading its own mask)

@@ -126,3 +126,138 @@ def test_an_op_computing_each_position_alone_is_split(op: Op, d_model: int) -> N
     step, params, batches = _step(op, d_model, n_heads=2)
     sw.testing.assert_equivalent(sw.context_parallel(step, "cp"), step, sw.Mesh(cp=2), batches, params,
                                  rtol=1e-12)
+
+
+def _routed_by_position_value(x: torch.Tensor) -> torch.Tensor:
+    """A router's tokens (``torch.where``: nonzero) taken and put back, weighted by their positions' values."""
+    b, t, d = x.shape
+    flat = x.reshape(-1, d)
+    (tok,) = torch.where(flat[:, 0] == flat[:, 0])
+    return torch.zeros_like(flat).index_add(0, tok, flat[tok] * (tok % t).to(x.dtype)[:, None] / 8).view(b, t, d)
+
+
+def test_computing_with_the_values_of_a_routers_token_index_is_refused() -> None:
+    # (tok % t: this rank's local positions as numbers; off 7.6e-4 relative before it was refused)
+    step, params, batches = _step(_routed_by_position_value)
+    with pytest.raises(ValueError, match=r"Mixer in layer 'blocks\.1' computes aten\.remainder with the values of an "
+                                         "index made by nonzero"):
+        sw.context_parallel(step, "cp").plan(sw.Mesh(cp=2), params, batches[0])
+
+
+class _AuxBlock(nn.Module):
+    """A block that adds a mean over every element of its output to a carried auxiliary loss term."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = Block(16, 2, 8)
+
+    def forward(self, carry: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.block(carry[0])
+        return h, carry[1] + 0.5 * (h * h).mean()
+
+
+class _AuxModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.blocks, self.head = nn.Embedding(32, 16), nn.ModuleList([_AuxBlock(), _AuxBlock()]), nn.Linear(
+            16, 32)
+
+    def forward(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        carry = (self.emb(idx), idx.new_zeros((), dtype=torch.float64))
+        for block in self.blocks:
+            carry = block(carry)
+        return self.head(carry[0]), carry[1]
+
+
+def _aux_step(tokens: Callable[..., torch.Tensor] | None) -> tuple[sw.Step, dict, list]:
+    torch.manual_seed(0)
+    chain, params = sw.functionalize(_AuxModel().double(), units=_AuxBlock)
+    ids = torch.randint(0, 32, (2, 2, 9), generator=torch.Generator().manual_seed(1))
+    batches = []
+    for x in ids:
+        targets = x[:, 1:].clone()
+        if tokens is not None:
+            targets[:, -3:] = -100  # padding: the ranks' parts hold 4 and 1 counted tokens
+        batches.append((x[:, :-1], targets))
+
+    def loss(o: tuple[torch.Tensor, torch.Tensor], t: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(o[0].flatten(0, 1), t.flatten(), ignore_index=-100) + o[1]
+
+    return sw.train_step(chain, loss, sw.optim.sgd(0.1), tokens=tokens), params, batches
+
+
+def test_a_pooled_loss_term_under_a_token_weighted_step_is_refused() -> None:
+    # (each rank's mean of its part weighed by its own count: loss off 6e-3 relative before it was refused)
+    step, params, batches = _aux_step(lambda inputs, targets: (targets != -100).sum())
+    with pytest.raises(ValueError, match=r"layer 'blocks\.0' returns a mean over every element .* "
+                                         r"train_step\(tokens=\.\.\.\) weighs each rank's loss"):
+        sw.context_parallel(step, "cp").plan(sw.Mesh(cp=2), params, batches[0])
+
+
+def test_a_pooled_loss_term_under_a_mean_loss_is_split() -> None:
+    step, params, batches = _aux_step(None)
+    sw.testing.assert_equivalent(sw.context_parallel(step, "cp"), step, sw.Mesh(cp=2), batches, params, rtol=1e-12)
+
+
+@pytest.mark.parametrize(("op", "method"), [
+    pytest.param(lambda x: x * torch.tensor(x.detach().tolist(), dtype=x.dtype).roll(1, 1), "tolist", id="tolist"),
+    pytest.param(lambda x: x * torch.from_numpy(x.detach().numpy()).roll(1, 1), "numpy", id="numpy"),
+])
+def test_reading_the_positions_values_out_of_torch_is_refused(op: Op, method: str) -> None:
+    # (a token shift on the values read back: loss off 1.8e-4 relative before it was refused)
+    step, params, batches = _step(op)
+    with pytest.raises(sw.collectives.RankFailed,
+                       match=rf"Mixer in layer 'blocks\.1' reads the values of a \[2, 4, 16\] tensor .*"
+                             rf" \(Tensor\.{method}\)"):
+        sw.testing.assert_equivalent(sw.context_parallel(step, "cp"), step, sw.Mesh(cp=2), batches, params,
+                                     rtol=1e-12)
+
+
+class _SeqFirstBlock(nn.Module):
+    """A Megatron-style block: activations [t, batch, d] between the layers, a summary over the tokens (dim 0)."""
+
+    def __init__(self, mix: bool) -> None:
+        super().__init__()
+        self.block, self.proj, self.mix = Block(16, 2, 8), nn.Linear(16, 16), mix
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.block(x.transpose(0, 1)).transpose(0, 1)
+        return y + self.proj(y.mean(0, keepdim=True)) if self.mix else y
+
+
+class _SeqFirstModel(nn.Module):
+    def __init__(self, mix: bool) -> None:
+        super().__init__()
+        self.emb, self.head = nn.Embedding(32, 16), nn.Linear(16, 32)
+        self.blocks = nn.ModuleList([_SeqFirstBlock(False), _SeqFirstBlock(mix)])
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx).transpose(0, 1)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x.transpose(0, 1))
+
+
+def _seq_first_step(mix: bool, batch: int) -> tuple[sw.Step, dict, list]:
+    torch.manual_seed(0)
+    chain, params = sw.functionalize(_SeqFirstModel(mix).double(), units=_SeqFirstBlock)
+    ids = torch.randint(0, 32, (2, batch, 9), generator=torch.Generator().manual_seed(1))
+    step = sw.train_step(chain, lambda o, t: F.cross_entropy(o.flatten(0, 1), t.flatten()), sw.optim.sgd(0.1))
+    return step, params, [(x[:, :-1], x[:, 1:]) for x in ids]
+
+
+@pytest.mark.parametrize("batch", [2, 4])  # 4: the batch dim has the part's length, as the sequence would
+def test_a_seq_first_layer_mixing_the_tokens_is_refused(batch: int) -> None:
+    # The layers' inputs hold the tokens on dim 0: the previous layer's output tags say so (the part's length on
+    # dim 1 tagged nothing, or the batch); off 6.6e-4 (batch 2) and 3.1e-3 (batch 4) relative before.
+    step, params, batches = _seq_first_step(True, batch)
+    with pytest.raises(sw.collectives.RankFailed, match=rf"_SeqFirstBlock in layer 'blocks\.1' takes mean of a "
+                                                          rf"\[4, {batch}, 16\] tensor along the sequence \(its dim 0"):
+        sw.testing.assert_equivalent(sw.context_parallel(step, "cp"), step, sw.Mesh(cp=2), batches, params,
+                                     rtol=1e-12)
+
+
+@pytest.mark.parametrize("batch", [2, 4])
+def test_a_seq_first_model_computing_each_token_alone_is_split(batch: int) -> None:
+    step, params, batches = _seq_first_step(False, batch)
+    sw.testing.assert_equivalent(sw.context_parallel(step, "cp"), step, sw.Mesh(cp=2), batches, params, rtol=1e-12)
