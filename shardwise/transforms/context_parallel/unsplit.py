@@ -99,11 +99,16 @@ def watched(layer: str, axis: str, dim: int, x: Any, reads_batch: bool = False) 
     known by name, :class:`FollowSequence` for the dims that hold the part's positions: those of the previous
     layer's output, handed over on this thread (``hand_over``); where none was (the chain's first layer, which
     reads the batch; a pipeline stage's received input), ``dim`` of the inputs whose ``dim`` is the part's length."""
+    given = None if reads_batch else handed(x)
+    # The part's length: a handed-over sequence dim's; else the first input's ``dim`` (a latent array of
+    # another length beside the hidden states would otherwise set it, and be taken for the sequence)
+    local = next((hi for tags in given or () for lo, hi in tags.values() if lo == 1), None)
     leaves = [t for t in optree.tree_leaves(x) if isinstance(t, torch.Tensor) and t.dim() > dim]
-    local = int(leaves[0].shape[dim]) if leaves else None
+    if local is None and leaves:
+        local = int(leaves[0].shape[dim])
     unsplit = Unsplit(layer, axis)
     follower = FollowSequence(unsplit.refuse_op, _quiet, _exempt)
-    follower.follow_inputs(x, dim, local, None if reads_batch else handed(x))
+    follower.follow_inputs(x, dim, local, given)
     with unsplit, following(follower):
         yield follower
 

@@ -261,3 +261,55 @@ def test_a_seq_first_layer_mixing_the_tokens_is_refused(batch: int) -> None:
 def test_a_seq_first_model_computing_each_token_alone_is_split(batch: int) -> None:
     step, params, batches = _seq_first_step(False, batch)
     sw.testing.assert_equivalent(sw.context_parallel(step, "cp"), step, sw.Mesh(cp=2), batches, params, rtol=1e-12)
+
+
+class _LatentBlock(nn.Module):
+    """Carries a latent array ``[b, 3, d]`` (no positions: a prefix, a memory) first, beside the hidden states."""
+
+    def __init__(self, pool: str) -> None:
+        super().__init__()
+        self.block, self.proj, self.pool = Block(16, 2, 8), nn.Linear(16, 16), pool
+
+    def forward(self, carry: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        latent, h = carry
+        if self.pool == "latent":  # a mean over the latent array's rows: each rank holds all of them
+            h = h + self.proj(latent).mean(1, keepdim=True)
+        h = self.block(h)
+        if self.pool == "tokens":
+            h = h + h.mean(1, keepdim=True)
+        return latent, h
+
+
+class _LatentModel(nn.Module):
+    def __init__(self, pool: str) -> None:
+        super().__init__()
+        self.emb, self.head = nn.Embedding(32, 16), nn.Linear(16, 32)
+        self.latent = nn.Parameter(torch.randn(1, 3, 16) * 0.1)
+        self.blocks = nn.ModuleList([_LatentBlock(pool), _LatentBlock(pool)])
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        carry = (self.latent.expand(idx.shape[0], 3, 16), self.emb(idx))
+        for block in self.blocks:
+            carry = block(carry)
+        return self.head(carry[1])
+
+
+def _latent_step(pool: str) -> tuple[sw.Step, dict, list]:
+    torch.manual_seed(0)
+    chain, params = sw.functionalize(_LatentModel(pool).double(), units=_LatentBlock)
+    ids = torch.randint(0, 32, (2, 2, 9), generator=torch.Generator().manual_seed(1))
+    step = sw.train_step(chain, lambda o, t: F.cross_entropy(o.flatten(0, 1), t.flatten()), sw.optim.sgd(0.1))
+    return step, params, [(x[:, :-1], x[:, 1:]) for x in ids]
+
+
+def test_a_latent_array_before_the_hidden_states_is_no_sequence() -> None:
+    # The part's length was read off the first input leaf, the latent array's 3: its mean was refused as one over
+    # the sequence (a false refusal), and a mean over the hidden states' tokens passed (2.7e-2 off before the
+    # tags were handed from layer to layer). The length is now a handed-over sequence dim's.
+    step, params, batches = _latent_step("latent")
+    sw.testing.assert_equivalent(sw.context_parallel(step, "cp"), step, sw.Mesh(cp=2), batches, params, rtol=1e-12)
+    step, params, batches = _latent_step("tokens")
+    with pytest.raises(sw.collectives.RankFailed, match=r"_LatentBlock in layer 'blocks\.0' takes mean of a "
+                                                          r"\[2, 4, 16\] tensor along the sequence \(its dim 1"):
+        sw.testing.assert_equivalent(sw.context_parallel(step, "cp"), step, sw.Mesh(cp=2), batches, params,
+                                     rtol=1e-12)
