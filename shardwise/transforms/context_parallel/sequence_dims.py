@@ -96,7 +96,21 @@ class FollowSequence(TorchDispatchMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except RuntimeError as err:
+            if type(err) is not RuntimeError or self.opaque or self.quiet():
+                raise
+            held = next((t for t in tensors_in(args, kwargs) if any(d >= 0 for d in self.tags_of(t))), None)
+            if held is None:
+                raise
+            # Still a RuntimeError (a model may catch it to fall back), now saying why the shapes may not fit.
+            raise RuntimeError(
+                f"{err}\n(context_parallel: aten.{func.overloadpacket.__name__} failed on a {list(held.shape)} "
+                f"tensor whose dim {min(d for d in self.tags_of(held) if d >= 0)} holds this rank's part of the "
+                "sequence only: an op sized by the whole sequence, such as a token-mixing Linear over the "
+                "sequence dim, cannot run on a part; leave context_parallel out for this model)"
+            ) from err
         if self.opaque or func.namespace != "aten" or self.quiet() or not any(
                 self.tags_of(t) for t in tensors_in(args, kwargs)):
             return out

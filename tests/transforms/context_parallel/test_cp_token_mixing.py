@@ -313,3 +313,16 @@ def test_a_latent_array_before_the_hidden_states_is_no_sequence() -> None:
                                                           r"\[2, 4, 16\] tensor along the sequence \(its dim 1"):
         sw.testing.assert_equivalent(sw.context_parallel(step, "cp"), step, sw.Mesh(cp=2), batches, params,
                                      rtol=1e-12)
+
+
+def _token_mixing_mlp(x: torch.Tensor) -> torch.Tensor:
+    # MLP-Mixer's token mixing: a matrix over the whole sequence (8 tokens), applied along the sequence dim
+    return (x.transpose(1, 2) @ torch.full((8, 8), 1 / 8, dtype=x.dtype)).transpose(1, 2)
+
+
+def test_an_op_sized_by_the_whole_sequence_fails_saying_why() -> None:
+    # It fails on the part's shapes in torch itself (no silent result); the error now says it is the part's.
+    step, params, batches = _step(_token_mixing_mlp)
+    with pytest.raises(RuntimeError, match=r"context_parallel: aten\.\w+ failed on a \[2, 16, 4\] tensor whose dim 2 "
+                                           r"holds this rank's part of the sequence only.*token-mixing Linear"):
+        sw.context_parallel(step, "cp").plan(sw.Mesh(cp=2), params, batches[0])
