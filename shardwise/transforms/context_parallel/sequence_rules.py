@@ -248,6 +248,24 @@ def _attention_kernel(c: Call) -> Verdict:
     return Verdict(outs, None)
 
 
+def _pool(c: Call) -> Verdict:
+    """avg / max pooling over the last ``len(kernel_size)`` dims (pool1d arrives as pool2d over a unit dim): a
+    window of one element, stride one and no padding along a dim that holds positions is elementwise there."""
+    x = c.args[0]
+    tags = c.tags_of(x)
+    kernel = list(c.arg(1, "kernel_size"))
+    stride = list(c.arg(2, "stride", None) or kernel)
+    padding = c.arg(3, "padding", 0)
+    padding = list(padding) if isinstance(padding, (list, tuple)) else [padding]
+    first = x.dim() - len(kernel)
+    for d in tags:
+        i = d - first
+        if i >= 0 and (kernel[i] != 1 or _at(stride, i) != 1 or _at(padding, i) != 0):
+            return c.refuse(f"pools a {list(x.shape)} tensor over its dim {d}, which holds the part's positions, "
+                            f"with a window of {kernel[i]}", tags)
+    return Verdict([dict(tags) if t.dim() == x.dim() else {} for t in c.outs], None)
+
+
 def _convolution(c: Call) -> Verdict:
     x, w = c.args[0], c.args[1]
     tags = c.tags_of(x)
@@ -400,6 +418,8 @@ _RULES: dict[str, Callable[[Call], Verdict]] = {
                      "_scaled_dot_product_fused_attention_overrideable", "_flash_attention_forward",
                      "_efficient_attention_forward"], _attention_kernel),
     **dict.fromkeys(["convolution", "_convolution"], _convolution),
+    **dict.fromkeys(["avg_pool1d", "avg_pool2d", "avg_pool3d", "max_pool1d", "max_pool2d", "max_pool3d",
+                     "max_pool2d_with_indices", "max_pool3d_with_indices"], _pool),
     "nonzero": _nonzero,
     "argwhere": _nonzero,
     "embedding": _embedding,

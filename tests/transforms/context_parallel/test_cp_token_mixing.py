@@ -65,8 +65,8 @@ MIXING: list[tuple[str, Op, str]] = [
     ("linear_attention", _linear_attention, "multiplies a .* contracting a dim that holds the part's positions"),
     ("einsum_attention", _einsum_attention, "multiplies a .* contracting a dim that holds the part's positions"),
     ("token_gram", lambda x: (x.transpose(1, 2) @ x).sum(-1).unsqueeze(1) / 100, "multiplies .* contracting"),
-    ("avg_pool1d", _over_time(lambda y: F.avg_pool1d(y, 3, 1, 1)), "runs aten.avg_pool.*not known"),
-    ("max_pool1d", _over_time(lambda y: F.max_pool1d(y, 3, 1, 1)), "runs aten.max_pool.*not known"),
+    ("avg_pool1d", _over_time(lambda y: F.avg_pool1d(y, 3, 1, 1)), "pools a .* with a window of 3"),
+    ("max_pool1d", _over_time(lambda y: F.max_pool1d(y, 3, 1, 1)), "pools a .* with a window of 3"),
     ("interpolate", _over_time(lambda y: F.interpolate(F.interpolate(y, scale_factor=0.5, mode="linear"),
                                                        size=y.shape[-1], mode="linear")),
      "runs aten.upsample_linear1d, an op whose effect on the positions is not known"),
@@ -118,6 +118,7 @@ POSITION_WISE: list[tuple[str, Op, int]] = [
     ("reduction_over_the_batch", lambda x: x.mean(0, keepdim=True) + x.amax(0), 16),
     ("products_over_the_hidden_dim", lambda x: torch.einsum("btd,bte->bte", x, x.tanh()) + x @ torch.ones(
         x.shape[-1], x.shape[-1], dtype=x.dtype) / 16, 16),
+    ("pools_of_one_position", _over_time(lambda y: F.avg_pool1d(y, 1) + F.max_pool1d(y, 1)), 16),
 ]
 
 
