@@ -130,7 +130,7 @@ class UnitLayout:
 
     def flatten(self, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """The padded flat buffer of ``tensors`` (params or their gradients)."""
-        if tensors and all(tensors[n].is_meta for n in self.names):
+        if self.names and all(tensors[n].is_meta for n in self.names):
             # torch.cat's meta kernel is torch's Python reference, whose import brings torch._dynamo and
             # sympy (about 1.2 s of CPU in each rank): a meta buffer needs only its size and dtype.
             return torch.empty(self.padded_numel, dtype=tensors[self.names[0]].dtype, device="meta")

@@ -45,7 +45,7 @@ def pipeline(
     the chain's first layer on each real micro-batch (fake parameters) so each
     is predicted on itself: padded and unpadded micro-batches then mix freely,
     for one extra run of the first layer per micro-batch and step (for a small
-    BERT, about a third more step time on a CPU).
+    BERT, about 40% more step time on a CPU).
 
     The loss and gradient norm it reports are global, the same on every rank:
     one small all-reduce per step, which the rank that finishes last waits
