@@ -183,19 +183,19 @@ def stage_boundaries(step: Step, layout: StateLayout, inputs: Any, mesh: Mesh | 
     leaves = optree.tree_leaves(inputs)
     layouts = tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t for t in leaves)
     key = ("boundaries", layouts)
-    prec = step.precision
-    shapes: dict[str, dict[str, tuple[torch.Size, torch.dtype]]] = {}
-    for spec in layout.leaves.values():
-        shapes.setdefault(spec.layer, {})[spec.name] = (torch.Size(spec.local_shape), spec.dtype)
-
-    def dtype_of(layer: str, dtype: torch.dtype) -> torch.dtype:
-        return compute_dtype(prec, layer, dtype)
-
     # Under a split the first layer alone is not run: its modules note what they ran for the loss (tensor
     # parallel's split logits), which a part of a forward would leave behind. Those follow the example.
     # Only where the pipeline asks for it (follow_batches): the first layer's run costs each step.
     alone = not step.split.parts and bool(getattr(step.pipeline_spec, "follow_batches", False))
     known = layout.cache.get(key)
+    if known is not None and not alone:
+        return known[0]  # the usual call, once per micro-batch and step: a lookup
+    prec = step.precision
+    shapes = _local_shapes(layout)
+
+    def dtype_of(layer: str, dtype: torch.dtype) -> torch.dtype:
+        return compute_dtype(prec, layer, dtype)
+
     if known is None:
         with step.predicting(mesh):
             predicted = predict_boundaries(step.chain, layout.placement, shapes, dtype_of, inputs)
@@ -222,3 +222,14 @@ def stage_boundaries(step: Step, layout: StateLayout, inputs: Any, mesh: Mesh | 
                 step.chain, layout.placement, shapes, dtype_of, inputs, start=first
             )
     return layout.cache[structure]
+
+
+def _local_shapes(layout: StateLayout) -> dict[str, dict[str, tuple[torch.Size, torch.dtype]]]:
+    """Each layer's parameters as this rank computes with them (local shape, dtype), kept in the layout."""
+    found = layout.cache.get("local shapes")
+    if found is None:
+        found = {}
+        for spec in layout.leaves.values():
+            found.setdefault(spec.layer, {})[spec.name] = (torch.Size(spec.local_shape), spec.dtype)
+        layout.cache["local shapes"] = found
+    return found
