@@ -57,8 +57,12 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from ...engine.stack import in_layer
+from .counted import KEEPS, Counted, constant_along, counts_the_part, keeps_values
 from .masks import is_carried
+from .part_length import numbers_in, watching
 from .sequence_dims import FollowSequence, current, following, handed
+from .shape_reads import FIRST_ROWS, is_shape_read, judge_numbers, read_shape
 
 _ATTENTION = frozenset({"scaled_dot_product_attention"})
 # Tensor methods that hand a tensor's values to Python or numpy, where the positions they hold are lost from sight.
@@ -109,8 +113,23 @@ def watched(layer: str, axis: str, dim: int, x: Any, reads_batch: bool = False) 
     unsplit = Unsplit(layer, axis)
     follower = FollowSequence(unsplit.refuse_op, _quiet, _exempt)
     follower.follow_inputs(x, dim, local, given)
-    with unsplit, following(follower):
-        yield follower
+    before, outer = watching(unsplit.refuse_number), getattr(_state, "counted", None)
+    _state.counted = unsplit.counted
+    try:
+        with unsplit, following(follower):
+            yield follower
+    finally:
+        watching(before)
+        _state.counted = outer
+
+
+def at_positions(table: torch.Tensor) -> torch.Tensor:
+    """``table``, a position table context_parallel gave the watched layer with this rank's rows first: its
+    first ``t`` rows (``table[:, :t]``, a lookup of ``arange(t)``) are this rank's (see ``counted.py``)."""
+    counted: Counted | None = getattr(_state, "counted", None)
+    if counted is not None:
+        counted.table(table)
+    return table
 
 
 class Unsplit(TorchFunctionMode):
@@ -120,6 +139,7 @@ class Unsplit(TorchFunctionMode):
     def __init__(self, layer: str, axis: str) -> None:
         super().__init__()
         self.layer, self.axis = layer, axis
+        self.counted = Counted()
 
     def __torch_function__(
         self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
@@ -129,6 +149,8 @@ class Unsplit(TorchFunctionMode):
             return func(*args, **kwargs)
         name = getattr(func, "__name__", "")
         follower = current()
+        if follower is not None and is_shape_read(func, name):
+            return read_shape(func, name, args, kwargs, follower.tags_of)
         if name in _ATTENTION and (follower is None or any(
                 follower.tags_of(t) for t in (*args[:3], *kwargs.values()))):
             self._refuse(f"calls {name} on tensors that hold the part's positions", _ATTENTION_FIX)
@@ -137,6 +159,9 @@ class Unsplit(TorchFunctionMode):
                             f"out of torch (Tensor.{name}): what is computed from them, and the tensor made of them, "
                             "cannot be followed", name)
         out = func(*args, **kwargs)
+        # (after the call: what the dispatch-level watch refuses in it is named as the op it is)
+        self._numbers(func, name, args, kwargs, out, follower.tags_of if follower else _untagged)
+        self._counted(func, name, args, kwargs, out)
         if isinstance(out, torch.Tensor) and any(is_carried(a) for a in (*args, *kwargs.values())) and not (
                 _making_a_mask() or _caller().startswith("shardwise.")):  # (shardwise reading its own mask)
             self._refuse(f"computes {name} of the batch's attention_mask, which under context_parallel carries the "
@@ -149,14 +174,55 @@ class Unsplit(TorchFunctionMode):
         fix = _SCAN_FIX if op in _SCANS else _ATTENTION_FIX if op in _ATTENTION_LIKE else _MIXING_FIX
         self._refuse(what, fix)
 
-    def _refuse(self, what: str, fix: str) -> None:
+    def _numbers(self, func: Any, name: str, args: Sequence[Any], kwargs: dict[str, Any], out: Any,
+                 tags_of: Callable[[Any], dict[int, tuple[int, int]]]) -> None:
+        """A part's length among the arguments: passed as a size, followed as a count of positions, else refused."""
+        for number, where in numbers_in(args, kwargs):
+            if name == "arange":
+                origin = counts_the_part(args, kwargs)
+                if origin is not None:
+                    self.counted.mark(out, f"torch.arange({origin})")
+                    return
+            why = judge_numbers(func, name, args, kwargs, where, tags_of)
+            if why is not None and why.startswith(FIRST_ROWS):
+                d = int(why.split()[-1])
+                if (self.counted.is_table(args[0]) and d == args[0].dim() - 2) or constant_along(args[0], d):
+                    continue
+                self.counted.mark(out, f"the first rows of a {list(args[0].shape)} tensor up to {number.origin}")
+                return
+            if why is not None:
+                self.refuse_number(number.origin, why)
+
+    def _counted(self, func: Any, name: str, args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> None:
+        """Positions counted from the part's length among the arguments: kept by a view, looked up where the
+        count is right, or refused (``counted.py``). Not while predicting: fake tensors hold no values to tell
+        a table of zeros by (the first step's watch judges them)."""
+        origin = self.counted.found(args, kwargs)
+        if origin is None or _quiet() or in_layer.predicting_now() or _exempt():
+            return
+        if name in KEEPS or keeps_values(name, args, kwargs):
+            self.counted.mark(out, origin)
+        elif not self.counted.right_lookup(name, args, kwargs):
+            self._refuse(f"computes {name} with positions counted 0 .. t - 1 from the length of this rank's part "
+                         f"({origin}), which every rank counts from 0: they are not the positions it holds",
+                         _LENGTH_FIX, _AS_A_NUMBER)
+
+    def refuse_number(self, origin: str, what: str) -> None:
+        """A number read from the part's length (``origin``) used as a value (``part_length.py``), refused."""
+        if not _quiet() and not _exempt():
+            self._refuse(f"reads {origin}, which counts this rank's part of the sequence (not the whole sequence), "
+                         f"and {what}", _LENGTH_FIX, _AS_A_NUMBER)
+
+    def _refuse(self, what: str, fix: str, wrong: str = "") -> None:
         module = _innermost_module(sys._getframe(2))
         where = f"{type(module).__name__} in layer {self.layer!r}" if module is not None else f"layer {self.layer!r}"
-        raise ValueError(
-            f"context_parallel(axis={self.axis!r}): {where} {what} outside the attentions it splits, on this "
-            "rank's part of the sequence only: it would mix the part's positions alone and train another model "
-            "without an error. " + fix
-        )
+        wrong = wrong or (" outside the attentions it splits, on this rank's part of the sequence only: it would mix "
+                          "the part's positions alone and train another model without an error. ")
+        raise ValueError(f"context_parallel(axis={self.axis!r}): {where} {what}{wrong}{fix}")
+
+
+def _untagged(t: Any) -> dict[int, tuple[int, int]]:
+    return {}
 
 
 def _quiet() -> bool:
@@ -195,6 +261,11 @@ _ATTENTION_LIKE = frozenset({
     "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
     "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
 })
+_AS_A_NUMBER = ": under context_parallel it would train another model without an error. "
+_LENGTH_FIX = (
+    "A length read to size or reshape a tensor is right on the part; as a number it is the part's. Pass the whole "
+    "sequence's length in (from the batch, or computed outside the layer), or leave context_parallel out"
+)
 _SCAN_FIX = (
     "Give the batch the position ids the model would compute (a dict batch with 'position_ids', made on the whole "
     "sequence before the step), if the model then skips its own count, or leave context_parallel out"
@@ -202,6 +273,8 @@ _SCAN_FIX = (
 
 
 _WATCHES = frozenset({__name__, "shardwise.transforms.context_parallel.sequence_dims",
+                      "shardwise.transforms.context_parallel.part_length",
+                      "shardwise.transforms.context_parallel.shape_reads",
                       "shardwise.transforms.context_parallel.sequence_rules",
                       "shardwise.transforms.context_parallel.sequence_moves",
                       "shardwise.transforms.context_parallel.sequence_tags"})
