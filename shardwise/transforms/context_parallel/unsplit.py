@@ -28,14 +28,22 @@ its ops are watched:
 * :class:`Unsplit` (a TorchFunctionMode) refuses ``scaled_dot_product_attention`` on tensors that hold
   positions, and any op on the batch's ``attention_mask``, which carries the whole sequence's mask to the
   attentions, outside transformers' mask making, the attentions and shardwise.
+* Numbers read from a shape along a dim that holds positions (``h.shape[1]``, ``x.size(1)``, ``len``,
+  ``numel``: the part's length, not the sequence's) are marked (``part_length.py``, ``shape_reads.py``):
+  used as a size (a view, a new tensor, a slice over the whole dim) they pass; as a value (``aux * t``,
+  ``x / x.size(1)``, ``torch.full(.., t)``, ``torch.linspace(0, 1, t)``, ``math.sqrt(t)``) they are refused.
+  Positions counted from one (``torch.arange(t)``, ``buffer[:, :t]``, ``counted.py``) pass only through
+  views, shardwise's rotary embeddings and mask making, and lookups in a position table context_parallel
+  gave the layer with this rank's rows first, or in one constant along the looked-up dim.
 
 Not watched: the installed attentions (their output holds their queries' positions), transformers' mask
 making (whose mask context_parallel replaces), and shardwise's own checks (of the ids a split embedding reads,
 of the positions a rotary embedding gets). What it cannot see: code that bypasses ``__torch_function__`` and
-the dispatcher's Python modes (a C++ extension calling ATen directly); positions computed as plain ints from a
-part's length (``torch.arange(x.size(1))``, which counts 0 .. t/n - 1 on every rank), or any number read
-from a shape (``aux * h.shape[1]``, ``x / x.size(1)``: the part's length where the model means the
-sequence's; shape reads do not reach the dispatcher); a value that leaves a layer after mixing (a 0-d mean
+the dispatcher's Python modes (a C++ extension calling ATen directly); a number read from the part's length
+that leaves Python's arithmetic for a plain one other than through ``float`` (``int(t)``, ``range(t)``,
+``math.sqrt(1 / t)``: a float argument is read as it is) or that steers control flow (``if t > 1024``);
+positions counted from it in the Plan's prediction (fake tensors: judged at the first step); a value that
+leaves a layer after mixing (a 0-d mean
 passed to the next layer rather than to the loss: the marks beside the dims are not handed over); and a layer
 that computes otherwise on a later call with the same input shapes (each is watched once per shape on each
 rank's thread). Its cost: the first call of each layer per input shape, about 10 ms for a small Llama decoder
