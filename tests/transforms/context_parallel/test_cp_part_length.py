@@ -77,3 +77,17 @@ def _sizes(x: torch.Tensor) -> torch.Tensor:
 def test_a_length_read_to_size_and_reshape_is_split() -> None:
     step, params, batches = _step(_sizes)
     sw.testing.assert_equivalent(sw.context_parallel(step, "cp"), step, sw.Mesh(cp=2), batches, params, rtol=1e-12)
+
+
+def _table_read_at_counted_positions(x: torch.Tensor) -> torch.Tensor:
+    """A rotary-like table read at ``arange(t)`` by indexing (old-style ``cos_cached[position_ids]``) and returned as
+    the layer's output part, with no computation on it in between but the residual add's."""
+    table = torch.linspace(0, 1, 32 * 16, dtype=x.dtype).view(32, 16)
+    return table[torch.arange(x.shape[1])].expand_as(x).clone()
+
+
+def test_a_table_indexed_by_counted_positions_is_refused() -> None:
+    step, params, batches = _step(_table_read_at_counted_positions)
+    with pytest.raises(sw.collectives.RankFailed, match=r"computes __getitem__ with positions counted"):
+        sw.testing.assert_equivalent(sw.context_parallel(step, "cp"), step, sw.Mesh(cp=2), batches, params,
+                                     rtol=1e-12)
