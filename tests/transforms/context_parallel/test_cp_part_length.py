@@ -91,3 +91,16 @@ def test_a_table_indexed_by_counted_positions_is_refused() -> None:
     with pytest.raises(sw.collectives.RankFailed, match=r"computes __getitem__ with positions counted"):
         sw.testing.assert_equivalent(sw.context_parallel(step, "cp"), step, sw.Mesh(cp=2), batches, params,
                                      rtol=1e-12)
+
+
+def test_torch_hands_shape_reads_to_the_watch() -> None:
+    """The watch relies on torch routing ``Tensor.shape``, ``size``, ``len`` and ``numel`` through a
+    TorchFunctionMode (public behaviour, but nothing else checks it): if torch stops, this fails first."""
+    from shardwise.transforms.context_parallel.part_length import PartLength
+    from shardwise.transforms.context_parallel.unsplit import watched
+
+    x = torch.zeros(2, 4, 3)
+    with watched("layer", "cp", 1, x):
+        reads = [x.shape[1], x.size(1), x.size()[1], x.numel(), x.shape[0], x.transpose(0, 1).shape[0]]
+    assert [type(r) for r in reads] == [PartLength] * 4 + [int, PartLength]
+    assert [int(r) for r in reads] == [4, 4, 4, 24, 2, 4]
