@@ -28,23 +28,25 @@ AS_VALUES: list[tuple[str, Op, str]] = [
     ("divided_by_size", lambda x: x / x.size(1), r"reads x\.size\(1\) \(4\).* passes it to Tensor\.div"),
     ("times_its_reciprocal", lambda x: x * (1 / x.shape[1]), r"reads x\.shape\[1\] \(4\).* Tensor\.mul"),
     ("by_numel", lambda x: x * (x.numel() / 1000), r"reads x\.numel\(\) \(128\)"),
-    ("filled_with_it", lambda x: x + torch.full((1, x.shape[1], 1), x.shape[1], dtype=x.dtype) / 100,
+    ("filled_with_it", lambda x: x * torch.full((1, x.shape[1], 1), x.shape[1], dtype=x.dtype) / 100,
      r"fills a tensor with it \(torch\.full\)"),
-    ("linspace", lambda x: x + torch.linspace(0, 1, x.shape[1], dtype=x.dtype)[None, :, None],
+    ("linspace", lambda x: x * torch.linspace(0, 1, x.shape[1], dtype=x.dtype)[None, :, None],
      r"passes it to torch\.linspace as a value"),
     ("sqrt_scale", lambda x: x / math.sqrt(x.shape[1]), r"turns it into a Python float"),
-    ("table_resized_to_it", lambda x: x + F.interpolate(torch.linspace(0, 1, 32, dtype=x.dtype)[None, None],
+    ("table_resized_to_it", lambda x: x * F.interpolate(torch.linspace(0, 1, 32, dtype=x.dtype)[None, None],
                                                           size=x.shape[1], mode="linear").mT,
      r"passes it to torch\.nn\.functional\.interpolate as a value"),
 ]
+# (Each scales the features by position: a term added alike to every feature of a position would be removed by
+# the next LayerNorm, and equal to one device.)
 # Positions counted from it: refused where they are used (the first step's watch: the Plan's fake tensors hold
 # no values to tell a table of zeros, whose first rows are any rows, by).
 COUNTED: list[tuple[str, Op, str]] = [
-    ("positions_by_arange", lambda x: x + torch.arange(x.size(1), dtype=x.dtype)[None, :, None] / 100,
+    ("positions_by_arange", lambda x: x * torch.arange(x.size(1), dtype=x.dtype)[None, :, None] / 100,
      r"computes \w+ with positions counted 0 \.\. t - 1 .*\(torch\.arange\(x\.size\(1\) \(4\)\)\)"),
     ("arange_as_ids_into_a_table", lambda x: x + F.embedding(torch.arange(x.size(1)), torch.linspace(
-        0, 1, 32 * 16, dtype=x.dtype).view(32, 16)), r"computes embedding with positions counted"),
-    ("first_rows_of_a_table", lambda x: x + torch.linspace(0, 1, 32, dtype=x.dtype)[: x.shape[1], None],
+        0, 1, 32 * 16, dtype=x.dtype).view(32, 16) ** 2), r"computes embedding with positions counted"),
+    ("first_rows_of_a_table", lambda x: x * torch.linspace(0, 1, 32, dtype=x.dtype)[: x.shape[1], None],
      r"computes \w+ with positions counted .*the first rows of a \[32\] tensor up to x\.shape\[1\]"),
 ]
 
@@ -82,7 +84,7 @@ def test_a_length_read_to_size_and_reshape_is_split() -> None:
 def _table_read_at_counted_positions(x: torch.Tensor) -> torch.Tensor:
     """A rotary-like table read at ``arange(t)`` by indexing (old-style ``cos_cached[position_ids]``) and returned as
     the layer's output part, with no computation on it in between but the residual add's."""
-    table = torch.linspace(0, 1, 32 * 16, dtype=x.dtype).view(32, 16)
+    table = torch.linspace(0, 1, 32 * 16, dtype=x.dtype).view(32, 16) ** 2
     return table[torch.arange(x.shape[1])].expand_as(x).clone()
 
 
