@@ -40,7 +40,7 @@ from .layout import check_sequence_length, local_chunks, shard_order
 from .masks import TokenMask, token_mask
 from .sequence_dims import hand_over
 from .shifted import refuse_targets_equal_to_inputs
-from .unsplit import watched
+from .unsplit import at_positions, watched
 
 # Per chain, per positions= (what a layer's tables are depends on it: another call on the same chain that
 # lists another table must not get the first call's).
@@ -306,7 +306,8 @@ class CPLayerFn:
         given = self.reads_batch and isinstance(x, Mapping) and x.get("position_ids") is not None
         if self.tables and not given:  # position ids the batch gives read the table at each token's own
             local = _sequence_length(x, spec.dim)
-            summed = {k: self._at_positions(t, local) if k in self.tables else t for k, t in summed.items()}
+            summed = {k: at_positions(self._at_positions(t, local)) if k in self.tables else t
+                      for k, t in summed.items()}
         if not self.reads_batch:
             return self.fn(summed, x)
         if isinstance(x, Mapping):

@@ -28,18 +28,27 @@ its ops are watched:
 * :class:`Unsplit` (a TorchFunctionMode) refuses ``scaled_dot_product_attention`` on tensors that hold
   positions, and any op on the batch's ``attention_mask``, which carries the whole sequence's mask to the
   attentions, outside transformers' mask making, the attentions and shardwise.
+* Numbers read from a shape along a dim that holds positions (``h.shape[1]``, ``x.size(1)``, ``len``,
+  ``numel``: the part's length, not the sequence's) are marked (``part_length.py``, ``shape_reads.py``):
+  used as a size (a view, a new tensor, a slice over the whole dim) they pass; as a value (``aux * t``,
+  ``x / x.size(1)``, ``torch.full(.., t)``, ``torch.linspace(0, 1, t)``, ``math.sqrt(t)``) they are refused.
+  Positions counted from one (``torch.arange(t)``, ``buffer[:, :t]``, ``counted.py``) pass only through
+  views, shardwise's rotary embeddings and mask making, and lookups in a position table context_parallel
+  gave the layer with this rank's rows first, or in one constant along the looked-up dim.
 
 Not watched: the installed attentions (their output holds their queries' positions), transformers' mask
 making (whose mask context_parallel replaces), and shardwise's own checks (of the ids a split embedding reads,
 of the positions a rotary embedding gets). What it cannot see: code that bypasses ``__torch_function__`` and
-the dispatcher's Python modes (a C++ extension calling ATen directly); positions computed as plain ints from a
-part's length (``torch.arange(x.size(1))``, which counts 0 .. t/n - 1 on every rank), or any number read
-from a shape (``aux * h.shape[1]``, ``x / x.size(1)``: the part's length where the model means the
-sequence's; shape reads do not reach the dispatcher); a value that leaves a layer after mixing (a 0-d mean
+the dispatcher's Python modes (a C++ extension calling ATen directly); a number read from the part's length
+that leaves Python's arithmetic for a plain one other than through ``float`` (``int(t)``, ``range(t)``,
+``math.sqrt(1 / t)``: a float argument is read as it is) or that steers control flow (``if t > 1024``);
+positions counted from it in the Plan's prediction (fake tensors: judged at the first step) or handed to the
+next layer (``position_ids`` made in the embedding's layer: each layer's marks start afresh); a value that
+leaves a layer after mixing (a 0-d mean
 passed to the next layer rather than to the loss: the marks beside the dims are not handed over); and a layer
 that computes otherwise on a later call with the same input shapes (each is watched once per shape on each
 rank's thread). Its cost: the first call of each layer per input shape, about 10 ms for a small Llama decoder
-layer's 70-odd ops on a CPU thread.
+layer's 70-odd ops on a CPU thread (following the numbers read from shapes adds about 0.5 ms of it).
 """
 
 from __future__ import annotations
@@ -57,8 +66,12 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from ...engine.stack import in_layer
+from .counted import KEEPS, Counted, constant_along, counts_the_part, keeps_values
 from .masks import is_carried
+from .part_length import numbers_in, watching
 from .sequence_dims import FollowSequence, current, following, handed
+from .shape_reads import FIRST_ROWS, is_shape_read, judge_numbers, read_shape
 
 _ATTENTION = frozenset({"scaled_dot_product_attention"})
 # Tensor methods that hand a tensor's values to Python or numpy, where the positions they hold are lost from sight.
@@ -109,8 +122,23 @@ def watched(layer: str, axis: str, dim: int, x: Any, reads_batch: bool = False) 
     unsplit = Unsplit(layer, axis)
     follower = FollowSequence(unsplit.refuse_op, _quiet, _exempt)
     follower.follow_inputs(x, dim, local, given)
-    with unsplit, following(follower):
-        yield follower
+    before, outer = watching(unsplit.refuse_number), getattr(_state, "counted", None)
+    _state.counted = unsplit.counted
+    try:
+        with unsplit, following(follower):
+            yield follower
+    finally:
+        watching(before)
+        _state.counted = outer
+
+
+def at_positions(table: torch.Tensor) -> torch.Tensor:
+    """``table``, a position table context_parallel gave the watched layer with this rank's rows first: its
+    first ``t`` rows (``table[:, :t]``, a lookup of ``arange(t)``) are this rank's (see ``counted.py``)."""
+    counted: Counted | None = getattr(_state, "counted", None)
+    if counted is not None:
+        counted.table(table)
+    return table
 
 
 class Unsplit(TorchFunctionMode):
@@ -120,6 +148,7 @@ class Unsplit(TorchFunctionMode):
     def __init__(self, layer: str, axis: str) -> None:
         super().__init__()
         self.layer, self.axis = layer, axis
+        self.counted = Counted()
 
     def __torch_function__(
         self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
@@ -129,6 +158,8 @@ class Unsplit(TorchFunctionMode):
             return func(*args, **kwargs)
         name = getattr(func, "__name__", "")
         follower = current()
+        if follower is not None and is_shape_read(func, name):
+            return read_shape(func, name, args, kwargs, follower.tags_of)
         if name in _ATTENTION and (follower is None or any(
                 follower.tags_of(t) for t in (*args[:3], *kwargs.values()))):
             self._refuse(f"calls {name} on tensors that hold the part's positions", _ATTENTION_FIX)
@@ -137,6 +168,9 @@ class Unsplit(TorchFunctionMode):
                             f"out of torch (Tensor.{name}): what is computed from them, and the tensor made of them, "
                             "cannot be followed", name)
         out = func(*args, **kwargs)
+        # (after the call: what the dispatch-level watch refuses in it is named as the op it is)
+        self._numbers(func, name, args, kwargs, out, follower.tags_of if follower else _untagged)
+        self._counted(func, name, args, kwargs, out)
         if isinstance(out, torch.Tensor) and any(is_carried(a) for a in (*args, *kwargs.values())) and not (
                 _making_a_mask() or _caller().startswith("shardwise.")):  # (shardwise reading its own mask)
             self._refuse(f"computes {name} of the batch's attention_mask, which under context_parallel carries the "
@@ -149,14 +183,57 @@ class Unsplit(TorchFunctionMode):
         fix = _SCAN_FIX if op in _SCANS else _ATTENTION_FIX if op in _ATTENTION_LIKE else _MIXING_FIX
         self._refuse(what, fix)
 
-    def _refuse(self, what: str, fix: str) -> None:
+    def _numbers(self, func: Any, name: str, args: Sequence[Any], kwargs: dict[str, Any], out: Any,
+                 tags_of: Callable[[Any], dict[int, tuple[int, int]]]) -> None:
+        """A part's length among the arguments: passed as a size, followed as a count of positions, else refused."""
+        for number, where in numbers_in(args, kwargs):
+            if name == "arange":
+                origin = counts_the_part(args, kwargs)
+                if origin is not None:
+                    self.counted.mark(out, f"torch.arange({origin})")
+                    return
+            why = judge_numbers(func, name, args, kwargs, where, tags_of)
+            if why is not None and why.startswith(FIRST_ROWS):
+                d = int(why.split()[-1])
+                if (self.counted.is_table(args[0]) and d == args[0].dim() - 2) or constant_along(args[0], d):
+                    continue
+                self.counted.mark(out, f"the first rows of a {list(args[0].shape)} tensor up to {number.origin}")
+                return
+            if why is not None:
+                self.refuse_number(number.origin, why)
+
+    def _counted(self, func: Any, name: str, args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> None:
+        """Positions counted from the part's length among the arguments: kept by a view, looked up where the
+        count is right, or refused (``counted.py``). Not while predicting: fake tensors hold no values to tell
+        a table of zeros by (the first step's watch judges them)."""
+        origin = self.counted.found(args, kwargs)
+        if origin is None or _quiet() or in_layer.predicting_now() or _exempt():
+            return
+        # (a view of the counted tensor itself, not an index of it into another)
+        kept = name in KEEPS and self.counted.origin(args[0]) is not None and not self.counted.found(args[1:], kwargs)
+        if kept or keeps_values(name, args, kwargs):
+            self.counted.mark(out, origin)
+        elif not self.counted.right_lookup(name, args, kwargs):
+            self._refuse(f"computes {name} with positions counted 0 .. t - 1 from the length of this rank's part "
+                         f"({origin}), which every rank counts from 0: they are not the positions it holds",
+                         _LENGTH_FIX, _AS_A_NUMBER)
+
+    def refuse_number(self, origin: str, what: str) -> None:
+        """A number read from the part's length (``origin``) used as a value (``part_length.py``), refused."""
+        if not _quiet() and not _exempt():
+            self._refuse(f"reads {origin}, which counts this rank's part of the sequence (not the whole sequence), "
+                         f"and {what}", _LENGTH_FIX, _AS_A_NUMBER)
+
+    def _refuse(self, what: str, fix: str, wrong: str = "") -> None:
         module = _innermost_module(sys._getframe(2))
         where = f"{type(module).__name__} in layer {self.layer!r}" if module is not None else f"layer {self.layer!r}"
-        raise ValueError(
-            f"context_parallel(axis={self.axis!r}): {where} {what} outside the attentions it splits, on this "
-            "rank's part of the sequence only: it would mix the part's positions alone and train another model "
-            "without an error. " + fix
-        )
+        wrong = wrong or (" outside the attentions it splits, on this rank's part of the sequence only: it would mix "
+                          "the part's positions alone and train another model without an error. ")
+        raise ValueError(f"context_parallel(axis={self.axis!r}): {where} {what}{wrong}{fix}")
+
+
+def _untagged(t: Any) -> dict[int, tuple[int, int]]:
+    return {}
 
 
 def _quiet() -> bool:
@@ -195,6 +272,11 @@ _ATTENTION_LIKE = frozenset({
     "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
     "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
 })
+_AS_A_NUMBER = ": under context_parallel it would train another model without an error. "
+_LENGTH_FIX = (
+    "A length read to size or reshape a tensor is right on the part; as a number it is the part's. Pass the whole "
+    "sequence's length in (from the batch, or computed outside the layer), or leave context_parallel out"
+)
 _SCAN_FIX = (
     "Give the batch the position ids the model would compute (a dict batch with 'position_ids', made on the whole "
     "sequence before the step), if the model then skips its own count, or leave context_parallel out"
@@ -202,6 +284,8 @@ _SCAN_FIX = (
 
 
 _WATCHES = frozenset({__name__, "shardwise.transforms.context_parallel.sequence_dims",
+                      "shardwise.transforms.context_parallel.part_length",
+                      "shardwise.transforms.context_parallel.shape_reads",
                       "shardwise.transforms.context_parallel.sequence_rules",
                       "shardwise.transforms.context_parallel.sequence_moves",
                       "shardwise.transforms.context_parallel.sequence_tags"})

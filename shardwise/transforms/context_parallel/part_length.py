@@ -1,0 +1,164 @@
+"""Numbers read from the length of the rank's part of the sequence, marked, and where they may go.
+
+Under context_parallel a layer holds ``t / n`` positions. A number read from a shape along a dim that holds
+them (``h.shape[1]``, ``x.size(1)``, ``len(x)``, ``x.numel()``) is the part's length where the model means
+the sequence's: right as a size (``h.view(b, t, heads, d)``, ``x.new_zeros(b, t)``, ``h[:, :t]`` over the
+whole dim), wrong as a value (``aux * t``, ``x / x.size(1)``, ``torch.full(.., t)``, ``torch.arange(t)``,
+``torch.linspace(0, 1, t)``, ``math.sqrt(t)``). Shape reads reach no dispatcher as tensors, so the watched first
+call (``unsplit.py``) returns them as :class:`PartLength`, an ``int`` that keeps its origin through Python's
+arithmetic (``t * 2``, ``t // heads``; ``1 / t`` a :class:`PartFloat`), and judges every torch call given one
+(:func:`judge_numbers`): as a size it passes, as anything else it is refused. Turning one into a Python
+``float`` (``math.sqrt(t)``, ``math.log(t)``, ``float(t)``) is refused where it happens: what is made of the
+float cannot be followed.
+
+What it cannot see: a number that leaves Python's arithmetic for a plain one without ``__float__``
+(``int(t)``, ``range(t)``, ``str(t)``, ``math.sqrt(1 / t)``: the float argument is read as it is), a
+comparison (``if t > 1024``: control flow), and a number read outside the watched first call.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+_watch = threading.local()  # .refuse: while a watched call runs on this thread, what refuses a float made of one
+
+
+class PartLength(int):
+    """An ``int`` made from the length of the rank's part of the sequence; ``origin`` says how it was read."""
+
+    origin: str
+    length: int | None  # the part's length it was read as (None: a product with other dims, or computed)
+
+    def __new__(cls, value: int, origin: str, length: int | None = None) -> PartLength:
+        made = super().__new__(cls, value)
+        made.origin, made.length = origin, length
+        return made
+
+    def __float__(self) -> float:
+        _refuse_float(self.origin, "float")
+        return float(int(self))
+
+    def __ceil__(self) -> PartLength:
+        return self
+
+    __floor__ = __trunc__ = __ceil__
+
+    def __round__(self, ndigits: Any = None) -> PartLength:
+        return self
+
+    def __neg__(self) -> PartLength:
+        return PartLength(-int(self), self.origin)
+
+    def __abs__(self) -> PartLength:
+        return PartLength(abs(int(self)), self.origin)
+
+    def __pos__(self) -> PartLength:
+        return self
+
+
+class PartFloat(float):
+    """A ``float`` computed from the length of the rank's part (``1 / t``, ``t ** 0.5``)."""
+
+    origin: str
+
+    def __new__(cls, value: float, origin: str) -> PartFloat:
+        made = super().__new__(cls, value)
+        made.origin = origin
+        return made
+
+    def __ceil__(self) -> PartLength:
+        return PartLength(math.ceil(float.__float__(self)), self.origin)
+
+    def __floor__(self) -> PartLength:
+        return PartLength(math.floor(float.__float__(self)), self.origin)
+
+    def __trunc__(self) -> PartLength:
+        return PartLength(math.trunc(float.__float__(self)), self.origin)
+
+    def __round__(self, ndigits: Any = None) -> Any:
+        if ndigits is None:
+            return PartLength(round(float.__float__(self)), self.origin)
+        return PartFloat(round(float.__float__(self), ndigits), self.origin)
+
+    def __neg__(self) -> PartFloat:
+        return PartFloat(-float.__float__(self), self.origin)
+
+    def __abs__(self) -> PartFloat:
+        return PartFloat(abs(float.__float__(self)), self.origin)
+
+    def __pos__(self) -> PartFloat:
+        return self
+
+
+Part = (PartLength, PartFloat)
+
+
+def _plain(x: Any) -> Any:
+    if isinstance(x, PartLength):
+        return int.__int__(x)
+    if isinstance(x, PartFloat):
+        return float.__float__(x)
+    return x
+
+
+def _marked(value: Any, origin: str) -> Any:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return value
+    return PartLength(value, origin) if isinstance(value, int) else PartFloat(value, origin)
+
+
+def _binary(op: Callable[[Any, Any], Any], reflected: bool) -> Callable[[Any, Any], Any]:
+    def method(self: Any, other: Any) -> Any:
+        if isinstance(other, bool) or not isinstance(other, (int, float)):
+            return NotImplemented  # a tensor's reflected method takes it (and the watch sees the number there)
+        a, b = (_plain(other), _plain(self)) if reflected else (_plain(self), _plain(other))
+        value = op(a, b)
+        if type(value) is int and isinstance(self, PartLength) and value == int.__int__(self):
+            return self  # (t + 0, t * 1: the length as read)
+        return _marked(value, self.origin)
+
+    return method
+
+
+_ARITHMETIC = {"add": operator.add, "sub": operator.sub, "mul": operator.mul, "truediv": operator.truediv,
+               "floordiv": operator.floordiv, "mod": operator.mod, "pow": operator.pow}
+for _name, _op in _ARITHMETIC.items():
+    for _cls in Part:
+        setattr(_cls, f"__{_name}__", _binary(_op, False))
+        setattr(_cls, f"__r{_name}__", _binary(_op, True))
+
+
+def _refuse_float(origin: str, how: str) -> None:
+    refuse = getattr(_watch, "refuse", None)
+    if refuse is not None:
+        refuse(origin, f"turns it into a Python float ({how}), which is then a value of the computation")
+
+
+def watching(refuse: Callable[[str, str], None] | None) -> Callable[[str, str], None] | None:
+    """Set this thread's refusal of a float made of a part's length (None: not watching); the one before."""
+    before: Callable[[str, str], None] | None = getattr(_watch, "refuse", None)
+    _watch.refuse = refuse
+    return before
+
+
+def numbers_in(args: Any, kwargs: dict[str, Any]) -> Iterator[tuple[Any, Any]]:
+    """``(number, where)``: each part's length among a torch call's arguments (in lists, tuples and slices
+    too), with the argument or slice it was found in."""
+    for a in (*args, *kwargs.values()):
+        yield from _found(a, a)
+
+
+def _found(a: Any, where: Any) -> Iterator[tuple[Any, Any]]:
+    if isinstance(a, Part):
+        yield a, where
+    elif isinstance(a, (list, tuple)):
+        for e in a:
+            yield from _found(e, a if not isinstance(e, (list, tuple, slice)) else e)
+    elif isinstance(a, slice):
+        for e in (a.start, a.stop, a.step):
+            if isinstance(e, Part):
+                yield e, a
