@@ -5,6 +5,7 @@ the step itself run on, and so does a user's optimizer that makes its state at i
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import optree
@@ -207,3 +208,28 @@ def test_a_user_optimizer_that_makes_its_state_at_the_first_update_runs_on() -> 
     assert all(torch.equal(x, y) for x, y in zip(untouched[0], copied[0], strict=True))
     with pytest.raises(ValueError, match=r"state\.opt_state\['momentum'\]\['0'\]\['bias'\] is float32 \[8\]"):
         _run("one_device", lazy, _opt_cast(torch.float32))
+
+
+class _ReadingUpdate(_LazyUpdate):
+    """The lazy update, reading a value first (as an update that skips on a non-finite gradient would):
+    it cannot run on meta tensors, so its state after an update is not predicted."""
+
+    @torch.no_grad()
+    def __call__(self, grads: Any, state: dict[str, Any], params: Any) -> tuple[Any, dict[str, Any]]:
+        if not math.isfinite(sum(float(g.sum()) for g in optree.tree_leaves(grads))):
+            return params, state
+        return super().__call__(grads, state, params)
+
+
+def test_a_user_optimizer_whose_update_reads_values_runs_on_with_the_state_it_returned() -> None:
+    """Refused at the second call before (only init's empty state was known): the state the step returned is
+    accepted, and so is a copy of it."""
+    reading = sw.optim.Optimizer(_LazyInit(), _ReadingUpdate())
+    untouched = _run("one_device", reading, lambda step, state: state)
+    copied = _run("one_device", reading, lambda step, state: optree.tree_map(
+        lambda t: t.clone() if isinstance(t, torch.Tensor) else t, state))
+    assert all(torch.equal(x, y) for x, y in zip(untouched[0], copied[0], strict=True))
+    lazy = _run("one_device", sw.optim.Optimizer(_LazyInit(), _LazyUpdate()), lambda step, state: state)
+    assert all(torch.equal(x, y) for x, y in zip(untouched[0], lazy[0], strict=True))
+    with pytest.raises(ValueError, match=r"state\.opt_state\['momentum'\]\['0'\]\['bias'\] is float32 \[8\]"):
+        _run("one_device", reading, _opt_cast(torch.float32))

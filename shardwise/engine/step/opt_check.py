@@ -28,32 +28,42 @@ _FIX = ("A TrainState's optimizer state is the step's own layout: change values 
         "load, or start afresh with step.init(params, mesh)")
 
 
-def expected_opt_states(optimizer: Any, update_meta: Mapping[str, Any]) -> list[Any]:
-    """The optimizer states this rank's state may hold, as meta tensors: what ``optimizer.init``
-    makes of ``update_meta`` (the tree ``Step.init`` gives it), then, for a user's optimizer, what
-    one update makes of that where it differs in structure (a state made at the first update)."""
+def expected_opt_states(optimizer: Any, update_meta: Mapping[str, Any]) -> tuple[list[Any], bool]:
+    """(the optimizer states this rank's state may hold, as meta tensors; whether they are all it may hold).
+
+    What ``optimizer.init`` makes of ``update_meta`` (the tree ``Step.init`` gives it), then, for a user's
+    optimizer, what one update makes of that where it differs in structure (a state made at the first
+    update). False where that update cannot run on meta tensors (it reads a value): then the state the
+    step returns is accepted too (state_check.note_returned)."""
     with meta_like():  # a user's optimizer's zeros_like, without torch's Python reference (meta_like.py)
         made = optimizer.init(update_meta)
     found = [made]
     if updates_by_key(optimizer) or getattr(optimizer, "groups", None) is not None:
-        return found  # the built-in ones make their whole state at init
+        return found, True  # the built-in ones make their whole state at init
     try:
         with meta_like(), torch.no_grad():
             _, after = optimizer.update(update_meta, made, update_meta)
-    except Exception:
-        return found
+    except Exception:  # any failure of a user's update on meta tensors (.item(), a data-dependent branch)
+        return found, False
     if optree.tree_structure(after) != optree.tree_structure(made):
         found.append(after)
-    return found
+    return found, True
 
 
-def check_opt_state(opt_state: Any, expected: list[Any]) -> None:
+def check_opt_state(opt_state: Any, expected: list[Any], known: bool = True) -> None:
     """Refuse ``state.opt_state`` unless it holds the tensors one of ``expected`` holds, in shape and
-    dtype; the message names the first difference from the one it is nearest (the same entries, else init's)."""
+    dtype; the message names the first difference from the one it is nearest (the same entries, else init's).
+    ``known``: False where the optimizer's update could not be run on meta tensors (the message says so)."""
     problems = [_difference(opt_state, want) for want in expected]
     found = [p for p in problems if p is not None]
     if len(found) == len(problems):
-        raise max(found, key=lambda p: p[0])[1]  # the first of the nearest
+        near, error = max(found, key=lambda p: p[0])  # the first of the nearest
+        if near < 2 and not known:
+            raise type(error)(
+                f"{error} (This optimizer's update could not run on meta tensors, so a state it makes at its "
+                "first update is known to this step only once it returned one on this rank.)"
+            ) from None
+        raise error
 
 
 def _leaves_by_path(tree: Any) -> dict[str, Any] | None:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import optree
+import torch
 
 from ..layout.in_flight import InFlightParams
 from ..layout.state import TrainState
@@ -41,6 +42,9 @@ class _Accepted:
     layout: StateLayout
     mesh: Any
     opt_states: list[Any] | None = None  # expected_opt_states, made at the first full comparison
+    update_known: bool = True  # whether they are all the optimizer state may be (opt_check.expected_opt_states)
+    returned: Any = None  # where they are not: the signature of the optimizer state the step returned last
+    returned_like: Any = None  # and that state as meta tensors (None: none returned yet)
     params: Any = None  # the signature of the last accepted parameters (None: none yet)
     opt_state: Any = None
 
@@ -49,6 +53,8 @@ class StateMemo(dict[Any, "_Accepted"]):
     """A Step's memo of the states it accepted, by (layout, mesh, rank): a plain dict, read with one C-level
     lookup a call, emptied when it outgrows 64 entries (each rank of a thread world, each new layout or mesh
     adds one); pickled empty, as a layout's cache."""
+
+    follows_returns = False  # whether an optimizer's update could not run on meta tensors (see note_returned)
 
     def remember(self, key: Any, accepted: _Accepted) -> _Accepted:
         if len(self) >= 64:
@@ -77,10 +83,38 @@ def check_layout(step: Step, state: TrainState, layout: StateLayout) -> None:
             known.params = signed
     signed = signature(state.opt_state)
     if signed is None or signed != known.opt_state:
+        if signed is not None and signed == known.returned:  # the step's own, or laid out as it
+            known.opt_state = signed
+            return
         if known.opt_states is None:
-            known.opt_states = expected_opt_states(step.optimizer, step.expected_update_tree(layout, mesh))
-        check_opt_state(state.opt_state, known.opt_states)
+            known.opt_states, known.update_known = expected_opt_states(
+                step.optimizer, step.expected_update_tree(layout, mesh))
+            if not known.update_known:
+                memo.follows_returns = True
+        like = [] if known.returned_like is None else [known.returned_like]
+        check_opt_state(state.opt_state, known.opt_states + like, known.update_known)
         known.opt_state = signed
+
+
+def note_returned(step: Step, state: TrainState) -> None:
+    """After a call: where the optimizer's update could not run on meta tensors (its state after the first
+    update is not predicted), remember the signature of the optimizer state the step returned on this rank,
+    which the next call accepts. Nothing is done otherwise (one attribute read)."""
+    memo: StateMemo = step.state_memo
+    if not memo.follows_returns or not isinstance(state.layout, StateLayout):
+        return
+    mesh = state.mesh
+    known = memo.get(id(state.layout) if mesh is None else (id(state.layout), id(mesh), mesh.rank))
+    if known is not None and not known.update_known:
+        known.returned = signature(state.opt_state)
+        known.returned_like = optree.tree_map(_as_meta, state.opt_state)
+
+
+def _as_meta(leaf: Any) -> Any:
+    """A tensor as a meta tensor of its shape and dtype (what the check compares); anything else as it is."""
+    if isinstance(leaf, torch.Tensor):
+        return torch.empty(leaf.shape, dtype=leaf.dtype, device="meta")
+    return leaf
 
 
 def signature(tree: Any) -> Any:

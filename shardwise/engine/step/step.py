@@ -53,7 +53,7 @@ from .master import clip_scale, compute_params, master_meta, master_params
 from .param_groups import check_clipping, master_runs, param_options
 from .planning import plan_of
 from .run_inputs import finish_run, prepare_run
-from .state_check import StateMemo, check_layout
+from .state_check import StateMemo, check_layout, note_returned
 
 Metrics = dict[str, torch.Tensor]
 
@@ -512,6 +512,7 @@ class Step:
                 mark_consumed(self, state, prepared.written())
             raise
         mark_updated(self, new_state)
+        note_returned(self, new_state)  # where the optimizer's state after an update is not predicted
         return new_state, metrics
 
     # -- inspection -----------------------------------------------------------
