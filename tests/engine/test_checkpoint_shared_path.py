@@ -4,6 +4,7 @@ saves must not pass: each rank's index records the save that wrote it, and the c
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -93,3 +94,71 @@ def test_rank_files_removed_after_they_were_written_are_named_with_the_likely_ca
     with pytest.raises(sw.collectives.RankFailed, match=r"the files of ranks \[0, 1\] are gone after they were "
                                                         r"written: another save to .* may have removed \.c\.partial"):
         sw.launch(run, 2)
+
+
+
+def _commit_with_removal(step: sw.Step, params: Any, batches: Any, path: Path, armed: list[bool]) -> tuple[str, bool]:
+    """Save after one step (committed), then, ``armed``, after two (the save under test); then what the
+    second save raised, and whether the path loads as the first save's state."""
+    state, _ = step(step.init(params, sw.Mesh(dp=2)), batches[0])
+    sw.checkpoint.save(path, state, step)
+    first = optree.tree_leaves((state.params, state.opt_state))
+    later, _ = step(state, batches[1])
+    armed.append(True)
+    try:
+        sw.checkpoint.save(path, later, step, overwrite=True)
+        raised = "nothing"
+    except sw.checkpoint.CheckpointError as err:
+        raised = str(err)
+    armed.clear()
+    loaded = sw.checkpoint.load(path, step, sw.Mesh(dp=2))
+    same = all(torch.equal(a, b) for a, b in zip(optree.tree_leaves((loaded.params, loaded.opt_state)), first,
+                                                  strict=True))
+    return raised, same
+
+
+def test_a_directory_removed_while_the_commit_writes_into_it_is_named_and_the_old_checkpoint_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another process (the other run's recovery) removing this save's directory while rank 0 writes its
+    metadata into it: a raw FileNotFoundError ('.c.partial/.metadata') before. The checkpoint saved
+    before stays at the path and loads."""
+    step, params, batches = _problem()
+    path, armed = tmp_path / "c", []
+    write = ck.write_dcp_metadata
+
+    def removed_first(directory: Path, metadata: Any) -> None:
+        if armed:  # the second save: gone between rank 0's metadata and its DCP metadata
+            shutil.rmtree(directory)
+        write(directory, metadata)
+
+    monkeypatch.setattr(ck, "write_dcp_metadata", removed_first)
+    results = sw.launch(lambda: _commit_with_removal(step, params, batches, path, armed), 2)
+    for raised, same in results:
+        assert re.search(r"\.c\.partial: removed by another process while this save committed it \(.*\.c\.partial/"
+                         r"\.metadata is gone\): another save to .*c \(two runs saving to one path\?\) or a cleanup "
+                         r".*; nothing was committed, and the checkpoint at .*c is as it was before this save",
+                         raised), raised
+        assert same
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]
+
+
+def test_a_directory_moved_away_after_its_commit_marker_is_named_and_the_old_checkpoint_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Removed between the commit marker and the rename that puts it in place (after the old checkpoint
+    was moved aside as .c.previous): the old one is where load finds it."""
+    step, params, batches = _problem()
+    path, armed = tmp_path / "c", []
+
+    def remove_it(point: str) -> None:
+        if armed and point == "between-renames":
+            shutil.rmtree(ck._partial(path))
+
+    monkeypatch.setattr(ck, "_fault", remove_it)
+    results = sw.launch(lambda: _commit_with_removal(step, params, batches, path, armed), 2)
+    for raised, same in results:
+        assert re.search(r"\.c\.partial: committed, then removed or moved by another process before it was renamed "
+                         r"to .*c .*this save is not at .*c; the checkpoint that was at c is kept as .*\.c\.previous "
+                         r"\(load finds it there\)", raised), raised
+        assert same

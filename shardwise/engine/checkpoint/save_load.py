@@ -49,6 +49,7 @@ from a thread while training goes on; ``handle.wait()`` (every rank calls it; th
 from __future__ import annotations
 
 import atexit
+import contextlib
 import math
 import os
 import shutil
@@ -397,25 +398,59 @@ def _commit(partial: Path, target: Path, meta: dict[str, Any], world: int, alias
                 "Give each run its own checkpoint path"
             )
         tensors.update(index["tensors"])
-    meta = {**meta, "tensors": tensors}
-    write_json(partial / META, meta)
-    write_dcp_metadata(
-        partial,
-        dcp_metadata(meta, read_records(partial, world), {f"model.{a}": f"model.{k}" for a, k in aliases.items()}),
-    )
-    write_commit_marker(partial)
-    fsync_dir(partial)
+    try:
+        meta = {**meta, "tensors": tensors}
+        write_json(partial / META, meta)
+        write_dcp_metadata(
+            partial,
+            dcp_metadata(meta, read_records(partial, world), {f"model.{a}": f"model.{k}" for a, k in aliases.items()}),
+        )
+        write_commit_marker(partial)
+        fsync_dir(partial)
+    except FileNotFoundError as err:  # the directory went while rank 0 wrote into it: nothing vouches for it
+        raise CheckpointError(
+            f"{partial}: removed by another process while this save committed it ({err.filename} is gone): "
+            f"another save to {target} (two runs saving to one path?) or a cleanup of {partial.parent}; "
+            f"nothing was committed, and {_as_it_was(target)}. Give each run its own checkpoint path"
+        ) from err
     _reached("committed")
     previous = _previous(target)
     if target.exists():
         if previous.exists():
-            _discard(previous)  # target is complete: a .previous is not the only checkpoint
-        _rename(target, previous)
-        _reached("between-renames")
-    _rename(partial, target)  # here the new checkpoint takes over; .previous is the old one
+            _discard_if_there(previous)  # target is complete: a .previous is not the only checkpoint
+        try:
+            _rename(target, previous)
+        except FileNotFoundError:
+            pass  # another process removed the old checkpoint since: the new one replaces nothing
+        else:
+            _reached("between-renames")
+    try:
+        _rename(partial, target)  # here the new checkpoint takes over; .previous is the old one
+    except FileNotFoundError as err:
+        kept = (f"the checkpoint that was at {target.name} is kept as {previous} (load finds it there)"
+                if previous.exists() and not target.exists() else _as_it_was(target))
+        raise CheckpointError(
+            f"{partial}: committed, then removed or moved by another process before it was renamed to {target} "
+            f"(another save to that path, two runs saving to one path?, or a cleanup of {partial.parent}): this "
+            f"save is not at {target}; {kept}. Give each run its own checkpoint path"
+        ) from err
     fsync_dir(target.parent)
     if previous.exists():
-        _discard(previous)
+        _discard_if_there(previous)
+
+
+def _discard_if_there(directory: Path) -> None:
+    """:func:`_discard`, where another process may remove ``directory`` first (what is wanted anyway)."""
+    with contextlib.suppress(FileNotFoundError):
+        _discard(directory)
+
+
+def _as_it_was(target: Path) -> str:
+    """What a failed commit left at ``target``, in words."""
+    found = _loadable(target)
+    if found is None:
+        return f"no checkpoint is at {target} (none was there before this save, or another process removed it)"
+    return f"the checkpoint at {found} is as it was before this save"
 
 
 def _complete(directory: Path) -> bool:

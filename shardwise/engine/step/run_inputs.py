@@ -43,9 +43,9 @@ from ..stack import in_layer
 from ..stack.in_layer import BatchShares
 from .batch_cut import batch_multiple, batch_shares, loss_probe_cut, rank_share, refuse_padded_mean
 from .donation import donates
-from .held_check import check_held
 from .layouts import output_shapes
 from .master import compute_params, unscale_like
+from .state_check import check_layout
 
 if TYPE_CHECKING:
     from .step import Metrics, Step
@@ -205,7 +205,7 @@ def prepare_run(step: Step, state: TrainState, layout: StateLayout, batch: Any) 
     """The executor of this call on ``batch``, with the rank's cached :class:`RankRun`."""
     mesh: Mesh | None = state.mesh
     _check_world(mesh)
-    check_held(state.params, step.expected_held(layout, mesh))  # a state cast or replaced by hand
+    check_layout(step, state, layout)  # a state cast or replaced by hand
     sharding, pipe = layout.sharding, step.pipeline_spec
     refuse_padded_mean(step, mesh, batch)
     micro, replicas = local_microbatches(step, mesh, sharding, batch)

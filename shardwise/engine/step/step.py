@@ -46,13 +46,14 @@ from ..stack.elementwise import check_optimizer
 from ..stack.splits import Splits, splits_of
 from .batch_cut import PER_SHARD_MEAN, batch_shares
 from .donation import check_not_consumed, mark_consumed, mark_updated
-from .held_check import check_held, expected_held
+from .held_check import expected_trees
 from .init_state import held_params, init_seeding, meta_names
 from .layouts import build_layout, check_mesh, layouts_by_index, stage_boundaries
 from .master import clip_scale, compute_params, master_meta, master_params
 from .param_groups import check_clipping, master_runs, param_options
 from .planning import plan_of
 from .run_inputs import finish_run, prepare_run
+from .state_check import StateMemo, check_layout, note_returned
 
 Metrics = dict[str, torch.Tensor]
 
@@ -292,12 +293,13 @@ class Step:
 
     def check_state(self, state: TrainState) -> None:
         """Refuse ``state`` when it cannot be read as this step's: consumed by an in-place update, or
-        with parameters not laid out as ``init`` laid them out (cast, replaced: see held_check). A
+        with parameters or optimizer state not laid out as ``init`` laid them out (cast, replaced:
+        see state_check). A
         state of another step is left to the caller's own refusal of it."""
         check_not_consumed(self, state)
         layout = state.layout if isinstance(state, TrainState) else None
         if isinstance(layout, StateLayout) and layout.stack == self.stack_key:
-            check_held(state.params, self.expected_held(layout, state.mesh))
+            check_layout(self, state, layout)
 
     def check_ranks_agree(
         self, mesh: Mesh | None, layout: StateLayout, parts: dict[str, object], device: torch.device,
@@ -469,12 +471,23 @@ class Step:
 
     def expected_held(self, layout: StateLayout, mesh: Mesh | None) -> Any:
         """This rank's state parameters as init makes them, as meta tensors (see held_check)."""
+        return self._expected_trees(layout, mesh)[0]
 
+    def expected_update_tree(self, layout: StateLayout, mesh: Mesh | None) -> Any:
+        """What init gives the optimizer's init on this rank, as meta tensors (see opt_check)."""
+        return self._expected_trees(layout, mesh)[1]
+
+    def _expected_trees(self, layout: StateLayout, mesh: Mesh | None) -> Any:
         def to_local(shapes: Any, layer: str, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             local = self.local_view({**shapes, layer: {**shapes[layer], **values}}, mesh)[layer]
             return self.master_params({layer: {n: local[n] for n in values}})[layer]
 
-        return expected_held(layout, mesh, to_local)
+        return expected_trees(layout, mesh, to_local)
+
+    @functools.cached_property
+    def state_memo(self) -> StateMemo:
+        """The layouts of the states this step accepted, per rank (see state_check)."""
+        return StateMemo()
 
     def full_params(self, state: TrainState) -> Params:
         """The complete parameters on every rank (collectives, once parameters are sharded or
@@ -487,7 +500,7 @@ class Step:
         """One training step on the global ``batch``: ``(new state, metrics)`` (every rank passes the same batch)."""
         check_not_consumed(self, state)
         batch = plain_batch(batch)  # a tokenizer's BatchEncoding: a dict the batch's pytree code sees into
-        # prepare_run refuses a state cast or replaced by hand (held_check), once the world fits the mesh
+        # prepare_run refuses a state cast or replaced by hand (state_check), once the world fits the mesh
         prepared = prepare_run(self, state, self._state_layout(state), batch)  # the rank's lowering is cached
         try:
             prepared.run()
@@ -499,6 +512,7 @@ class Step:
                 mark_consumed(self, state, prepared.written())
             raise
         mark_updated(self, new_state)
+        note_returned(self, new_state)  # where the optimizer's state after an update is not predicted
         return new_state, metrics
 
     # -- inspection -----------------------------------------------------------

@@ -1,0 +1,135 @@
+"""A TrainState's optimizer state must be laid out as the step's optimizer makes it on this rank.
+
+Like its parameters (held_check.py), a state's optimizer state is the user's to change, and some
+changes run on without an error and train something else: SGD's momentum cast to bfloat16 by hand
+is rounded once and promoted back at the next update; a moment replaced by one of shape ``[1]``
+broadcasts; a step count made a ``[1]`` tensor counts on. Others fail deep in the optimizer
+(AdamW's foreach ops on moments of another dtype) naming nothing the user wrote. So the optimizer
+state's tensors are compared, shape and dtype, with what the optimizer's ``init`` makes from this
+rank's part of the parameters (its layers, ZeRO shards, tensor-parallel slices, in the master
+dtype), run on meta tensors. A user's optimizer may make its state at its first update instead
+(``init`` returns an empty tree): the state one update makes from init's, on meta tensors where the
+update runs there, is accepted too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import optree
+import torch
+
+from ..optim.meta_like import meta_like
+from ..optim.optimizers import updates_by_key
+
+_FIX = ("A TrainState's optimizer state is the step's own layout: change values in place (tensor.copy_), "
+        "not the tensors; to cast it, reshard it or carry it to another step, go through sw.checkpoint.save / "
+        "load, or start afresh with step.init(params, mesh)")
+
+
+def expected_opt_states(optimizer: Any, update_meta: Mapping[str, Any]) -> tuple[list[Any], bool]:
+    """(the optimizer states this rank's state may hold, as meta tensors; whether they are all it may hold).
+
+    What ``optimizer.init`` makes of ``update_meta`` (the tree ``Step.init`` gives it), then, for a user's
+    optimizer, what one update makes of that where it differs in structure (a state made at the first
+    update). False where that update cannot run on meta tensors (it reads a value): then the state the
+    step returns is accepted too (state_check.note_returned)."""
+    with meta_like():  # a user's optimizer's zeros_like, without torch's Python reference (meta_like.py)
+        made = optimizer.init(update_meta)
+    found = [made]
+    if updates_by_key(optimizer) or getattr(optimizer, "groups", None) is not None:
+        return found, True  # the built-in ones make their whole state at init
+    try:
+        with meta_like(), torch.no_grad():
+            _, after = optimizer.update(update_meta, made, update_meta)
+    except Exception:  # any failure of a user's update on meta tensors (.item(), a data-dependent branch)
+        return found, False
+    if optree.tree_structure(after) != optree.tree_structure(made):
+        found.append(after)
+    return found, True
+
+
+def check_opt_state(opt_state: Any, expected: list[Any], known: bool = True) -> None:
+    """Refuse ``state.opt_state`` unless it holds the tensors one of ``expected`` holds, in shape and
+    dtype; the message names the first difference from the one it is nearest (the same entries, else init's).
+    ``known``: False where the optimizer's update could not be run on meta tensors (the message says so)."""
+    problems = [_difference(opt_state, want) for want in expected]
+    found = [p for p in problems if p is not None]
+    if len(found) == len(problems):
+        near, error = max(found, key=lambda p: p[0])  # the first of the nearest
+        if near < 2 and not known:
+            raise type(error)(
+                f"{error} (This optimizer's update could not run on meta tensors, so a state it makes at its "
+                "first update is known to this step only once it returned one on this rank.)"
+            ) from None
+        raise error
+
+
+def _leaves_by_path(tree: Any) -> dict[str, Any] | None:
+    """Each leaf of ``tree`` by how a user writes it (``state.opt_state.momentum['0']['bias']``)."""
+    try:
+        accessors, leaves, _ = optree.tree_flatten_with_accessor(tree)
+    except Exception:
+        return None
+    return {a.codify("state.opt_state"): leaf for a, leaf in zip(accessors, leaves, strict=True)}
+
+
+def _difference(have: Any, want: Any) -> tuple[int, Exception] | None:
+    """The first way ``have`` differs from ``want`` as an error to raise, with how near it came (0: another
+    kind of state, 1: other entries, 2: the same entries), or None."""
+    if type(have) is not type(want) and not (isinstance(have, Mapping) and isinstance(want, Mapping)):
+        return 0, TypeError(
+            f"state.opt_state is {_kind(have)}, but this step's optimizer keeps {_kind(want)} (as its init "
+            f"makes it): a state of another optimizer, or one edited by hand. {_FIX}"
+        )
+    got, wanted = _leaves_by_path(have), _leaves_by_path(want)
+    if got is None or wanted is None:
+        return 0, TypeError(f"state.opt_state is {_kind(have)}, which cannot be read as a tree of tensors. {_FIX}")
+    missing = [p for p in wanted if p not in got]
+    if missing:
+        return 1, ValueError(
+            f"{missing[0]} is missing from the state{_more(missing)}: the optimizer's init makes it "
+            f"({_text(wanted[missing[0]])}). {_FIX}"
+        )
+    extra = [p for p in got if p not in wanted]
+    if extra:
+        return 1, ValueError(
+            f"{extra[0]} is in the state{_more(extra)}, but the optimizer's init makes no such "
+            f"entry on this rank. {_FIX}"
+        )
+    for path, like in wanted.items():
+        leaf = got[path]
+        if not isinstance(like, torch.Tensor):
+            if type(leaf) is not type(like):
+                return 2, TypeError(f"{path} is {_kind(leaf)}, but the optimizer's init makes {_kind(like)}. {_FIX}")
+            continue
+        if not isinstance(leaf, torch.Tensor):
+            return 2, TypeError(
+                f"{path} is {_kind(leaf)}, but the step keeps it as a tensor, {_text(like)} (as the optimizer's "
+                f"init makes it; a number goes in as torch.tensor(n, dtype={like.dtype})). {_FIX}"
+            )
+        if leaf.shape != like.shape or leaf.dtype != like.dtype:
+            return 2, ValueError(
+                f"{path} is {_text(leaf)}, but the step keeps it as {_text(like)}: as the optimizer's init makes "
+                f"it on this rank (from its part of the parameters, in their master dtype). {_FIX}"
+            )
+    return None
+
+
+def _more(paths: list[str]) -> str:
+    return f" (and {len(paths) - 1} more)" if len(paths) > 1 else ""
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor, {_text(value)}"
+    name = type(value).__name__
+    fields = getattr(value, "_fields", None)
+    return f"{'an' if name[:1] in 'AEIOUaeiou' else 'a'} {name}" + (f"({', '.join(fields)})" if fields else "")
+
+
+def _text(t: Any) -> str:
+    if not isinstance(t, torch.Tensor):
+        return _kind(t)
+    return f"{str(t.dtype).removeprefix('torch.')} {list(t.shape)}"
