@@ -91,11 +91,16 @@ def test_a_pipeline_of_micro_batches_refuses_them_too_and_one_micro_batch_trains
     sw.testing.assert_equivalent(sw.pipeline(step, "pp", "1f1b", 1), step, sw.Mesh(pp=2), batches, params)
 
 
-def test_batch_first_data_is_cut_as_before() -> None:
-    """Rows on dim 0 of the batch, the module on batch_first=True; the sizes make dim 0 and dim 1 of the
-    module's input equal on a part (8 rows of 4 positions, halved)."""
+@pytest.mark.parametrize("model", [
+    pytest.param(lambda: Model("encoder", batch_first=True), id="encoder batch_first=True"),
+    pytest.param(lambda: Model("lstm", batch_first=True), id="lstm batch_first=True"),
+    pytest.param(lambda: Model("attention", transpose=True), id="attention, rows transposed to dim 1"),
+])
+def test_batch_first_data_is_cut_as_before(model: Any) -> None:
+    """Rows on dim 0 of the batch; the sizes make dim 0 and dim 1 of the module's input equal on a part
+    (8 rows of 4 positions, halved)."""
     torch.manual_seed(0)
-    step, params, batches = _problem(Model("encoder", batch_first=True), (2 * ROWS, ROWS))
+    step, params, batches = _problem(model(), (2 * ROWS, ROWS))
     for wrap, mesh in CUTS.values():
         sw.testing.assert_equivalent(wrap(step), step, mesh, batches, params)
 
