@@ -122,6 +122,25 @@ def test_bad_token_losses_are_refused_with_the_fix() -> None:
         step(step.init(params), _batches([[SEQ] * ROWS])[0])
 
 
+def test_a_count_that_is_no_scalar_is_refused_naming_where_it_came_from() -> None:
+    """A per-row count (a forgotten sum) was refused as 'the token count must be a scalar', naming neither
+    count_fn nor loss_fn's pair."""
+    chain, params, _ = _model()
+    batch = _batches([[1] * ROWS])[0]
+    per_row = sw.train_step(chain, _mean_ce, sw.optim.sgd(0.1), tokens=lambda inputs, targets: (targets != -100).sum(1))
+    with pytest.raises(ValueError, match=r"tokens=count_fn\): count_fn\(inputs, targets\) is the token count .* "
+                                         r"shape \(8,\); return its total"):
+        per_row(per_row.init(params), batch)
+
+    def pair_per_row(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        total, _ = _summed_ce(logits, targets)
+        return total, (targets != -100).sum(1)
+
+    summed = sw.train_step(chain, pair_per_row, sw.optim.sgd(0.1), tokens="sum")
+    with pytest.raises(ValueError, match=r"tokens='sum'\): loss_fn's second value is the token count"):
+        summed(summed.init(params), batch)
+
+
 def test_a_shard_of_only_padding_adds_nothing_to_a_counted_mean() -> None:
     """dp=2 under ``tokens=count_fn``, the first shard all padding: its mean over 0 tokens is NaN,
     and it must add zero (value and gradient) to the global sum over the global count."""

@@ -550,8 +550,13 @@ def _check_against_module(module: nn.Module, chain: Chain, params: ParamTree, x:
         host_random.restore(host)
         got = x
         check_output = _output_check(chain)
+        # The module's parameters require grad; so must the chain's here: under no_grad torch still
+        # reads requires_grad to pick a kernel (matmul folds a 3-D input into one 2-D product only for a
+        # weight that does not), and the two would round differently where the step itself does not.
+        trained = {layer: {name: t.detach().requires_grad_(t.is_floating_point() or t.is_complex())
+                          for name, t in held.items()} for layer, held in params.items()}
         for i, layer in enumerate(chain):
-            got = layer(chain.layer_params(params, layer), got)
+            got = layer(chain.layer_params(trained, layer), got)
             check_output(layer.name, got, i == len(chain) - 1)
     for (name, buffer_name), before in snapshot.items():
         if not _same(before, chain[name].buffers[buffer_name]):

@@ -54,7 +54,7 @@ def over_whole_batch(chain: Chain) -> list[WholeBatch]:
     """Every module of ``chain``'s layers that computes something over the whole batch, once each, in
     the order of the layers (the layers that hand-written functions are have no modules to tell)."""
     found: dict[str, WholeBatch] = {}
-    for path, module in _called_modules(chain):
+    for path, module in called_modules(chain):
         statistics = batch_statistics(module)
         if statistics is not None:
             found.setdefault(path, WholeBatch(path, BATCH_STATISTICS, statistics))
@@ -67,7 +67,7 @@ def over_whole_batch(chain: Chain) -> list[WholeBatch]:
     return list(found.values())
 
 
-def _called_modules(chain: Chain) -> Iterator[tuple[str, nn.Module]]:
+def called_modules(chain: Chain) -> Iterator[tuple[str, nn.Module]]:
     """(its path in the model, or the layer's name for the model's root; the module) for every module a
     layer of ``chain`` calls."""
     for layer in chain:

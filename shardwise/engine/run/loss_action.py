@@ -65,7 +65,8 @@ class LossAction:
             restore = self._seed_prefix is not None or not self._shared_rng
             self.loss_probe.check(self.loss_fn, output, inputs, targets, self._generators, restore)
         # A count function's count is known before the loss: a loss term of the whole batch reads it there.
-        counted = None if self.tokens is None or self.tokens == "sum" else self._count(self.tokens(inputs, targets))
+        counted = None if self.tokens is None or self.tokens == "sum" else self._count(
+            self.tokens(inputs, targets), "train_step(tokens=count_fn): count_fn(inputs, targets)")
         with torch.enable_grad(), counting_tokens(counted):
             got = self.loss_fn(output, targets)
         if isinstance(got, WithBatchTerm) and self.tokens is None:
@@ -102,7 +103,7 @@ class LossAction:
                     f"tokens), got {type(got).__name__}; "
                     "e.g. cross_entropy(..., reduction='sum'), (labels != -100).sum()"
                 )
-            total, count = got[0], self._count(got[1])
+            total, count = got[0], self._count(got[1], "train_step(tokens='sum'): loss_fn's second value")
         else:
             assert counted is not None, "a count function's count is taken before the loss"
             if not isinstance(got, torch.Tensor):
@@ -114,8 +115,12 @@ class LossAction:
         return total
 
     @staticmethod
-    def _count(count: Any) -> torch.Tensor:
+    def _count(count: Any, what: str) -> torch.Tensor:
+        """``count`` as a 0-dim tensor; ``what`` names where it came from, for the refusal."""
         count = torch.as_tensor(count).detach()
         if count.dim() != 0 or count.dtype.is_complex:
-            raise ValueError(f"the token count must be a scalar, got a tensor of shape {tuple(count.shape)}")
+            raise ValueError(
+                f"{what} is the token count of the micro-batch, a scalar, but gave a {count.dtype} tensor of shape "
+                f"{tuple(count.shape)}; return its total (e.g. (targets != -100).sum(), not per row)"
+            )
         return count

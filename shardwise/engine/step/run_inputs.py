@@ -45,6 +45,7 @@ from .batch_cut import batch_multiple, batch_shares, loss_probe_cut, rank_share,
 from .donation import donates
 from .layouts import output_shapes
 from .master import compute_params, unscale_like
+from .sequence_cut import refuse_rows_on_sequence_dim
 from .state_check import check_layout
 
 if TYPE_CHECKING:
@@ -209,6 +210,7 @@ def prepare_run(step: Step, state: TrainState, layout: StateLayout, batch: Any) 
     sharding, pipe = layout.sharding, step.pipeline_spec
     refuse_padded_mean(step, mesh, batch)
     micro, replicas = local_microbatches(step, mesh, sharding, batch)
+    refuse_rows_on_sequence_dim(step, layout, mesh, micro[0][0])
     master, source = param_source(step, state, sharding)
     device = device_of(master)
     run = rank_run(step, layout, mesh, device)

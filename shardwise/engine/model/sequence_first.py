@@ -1,0 +1,91 @@
+"""torch modules that take the sequence on dim 0 (``batch_first=False``), and whether a batch's rows reach them there.
+
+``nn.MultiheadAttention``, ``nn.TransformerEncoderLayer`` / ``DecoderLayer``, ``nn.Transformer`` and the
+recurrent layers (``nn.RNN``, ``nn.LSTM``, ``nn.GRU``) read ``(seq, batch, ...)`` unless built with
+``batch_first=True``: their default. A step that cuts the batch cuts dim 0 of every batch tensor (its
+rows). Fed time-major batches (``(seq, batch, ...)`` as those modules want them), each part then holds a
+slice of every sequence, and the module attends over (or runs its recurrence along) that slice alone:
+another model than the single-device step's, without an error. A model that transposes the rows to dim 1
+before calling such a module (Hugging Face's Encodec and BridgeTower do) is cut correctly.
+
+:func:`rows_on_sequence_dim` tells the two apart from shapes alone: it runs the chain on fake tensors
+(``run_fake``) on one row and on two rows of a micro-batch, and reads the input each such module gets.
+The dims that change are where the rows went; dim 0 among them means the rows are the module's sequence.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import optree
+import torch
+from torch import nn
+
+from .chain import Chain
+from .whole_batch import called_modules
+
+# Modules whose batch_first=False (the default) reads the sequence on dim 0 of a batched input, and
+# the sequence on dim 0 of an unbatched one either way.
+SEQUENCE_FIRST = (nn.RNNBase, nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer,
+                  nn.Transformer)
+
+
+def sequence_first_modules(chain: Chain) -> list[tuple[str, nn.Module]]:
+    """(path, module) of every module of ``chain`` that takes its sequence on dim 0 (``batch_first=False``)."""
+    found: dict[str, nn.Module] = {}
+    for path, module in called_modules(chain):
+        if isinstance(module, SEQUENCE_FIRST) and getattr(module, "batch_first", True) is False:
+            found.setdefault(path, module)
+    return list(found.items())
+
+
+def rows_on_sequence_dim(
+    modules: list[tuple[str, nn.Module]], run_fake: Callable[[Any], Any], inputs: Any
+) -> list[tuple[str, nn.Module, tuple[int, ...]]]:
+    """Those of ``modules`` (:func:`sequence_first_modules`) whose input's dim 0 follows the rows of
+    ``inputs`` (a micro-batch, rows on dim 0), each with the shape it got on two rows; ``run_fake(inputs)``
+    runs the model on fake tensors (None where it cannot: then nothing is found)."""
+    if not modules:
+        return []
+    one = optree.tree_map(lambda t: t[:1] if _batched(t) else t, inputs)
+    two = optree.tree_map(lambda t: torch.cat([t, t]) if _batched(t) else t, one)
+    seen: dict[str, list[tuple[int, ...]]] = {}
+    me = threading.get_ident()  # thread ranks share the modules: hear only this rank's fake run
+
+    def hook(path: str) -> Callable[..., None]:
+        def record(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            first = next(_tensors(args, kwargs), None)
+            if first is not None and threading.get_ident() == me and len(seen.setdefault(path, [])) < 2:
+                seen[path].append(tuple(first.shape))
+        return record
+
+    handles = [module.register_forward_pre_hook(hook(path), with_kwargs=True) for path, module in modules]
+    try:
+        for rows in (one, two):
+            before = {path: len(shapes) for path, shapes in seen.items()}
+            if run_fake(rows) is None:
+                return []
+            for path in seen:  # a module called more than once per forward: its first call of each run
+                del seen[path][before.get(path, 0) + 1:]
+    finally:
+        for handle in handles:
+            handle.remove()
+    found = []
+    for path, module in modules:
+        shapes = seen.get(path, [])
+        if len(shapes) == 2 and len(shapes[0]) == len(shapes[1]) and shapes[0] and shapes[0][0] != shapes[1][0]:
+            found.append((path, module, shapes[1]))
+    return found
+
+
+def _batched(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.dim() > 0
+
+
+def _tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[torch.Tensor]:
+    """The tensors a module is called with, positional first (its input, query, src)."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            yield value
