@@ -27,6 +27,7 @@ from .comm import enter, gather_invariant, leave, scatter
 from .failures import region_failed, rowwise_width_message
 from .following import quiet
 from .match import CONV1D, EMBEDDING, LINEAR, Install, is_head_count
+from .product_views import HeadView
 from .rank_flow import back_to_shared, flow, rank_stream, start_rank_stream
 from .region_paths import Sides, bypass_message, bypasses_split, parameter_sides
 from .sequence_gather import SequenceGather
@@ -96,7 +97,7 @@ class TPForward:
                 out = type(m).forward(m, *args, **kwargs)
             else:
                 with contextlib.nullcontext() if isinstance(install.style, Region) else own_use(
-                    m, _overridden(m, install.kind)
+                    m, _overridden(m, install.kind), install.style.fused if isinstance(install.style, Colwise) else 1
                 ):
                     out = self._styled(install, args, kwargs)
         if follow is not None:
@@ -162,14 +163,22 @@ class TPForward:
                     "region itself"
                 )
             y = _conv1d(x, _require(weight), bias) if install.kind == CONV1D else type(m).forward(m, x)
-            factors: tuple[int, ...] | None = None
+            view: HeadView | None = None
             if _overridden(m, install.kind):  # (a Linear's or an Embedding's subclass)
                 check_product(y, label, m, rowwise=False)
-                factors = head_view_of(y)  # viewed per head by its forward: the rank's heads along that dim
+                view = head_view_of(y)  # viewed per head by its forward: the rank's heads along its heads_dim
             # Its features follow the input's leading dims (the ids', an Embedding's): the last dim, or the heads
             # of a per-head view its forward made, which keeps those dims (weight_reads.py checks it, watched).
             features_at = x.dim() - (0 if install.kind == EMBEDDING else 1)
             gathered = gathers(style, install.kind == EMBEDDING)
+            if gathered and view is not None and view.heads_dim != features_at:
+                raise ValueError(
+                    f"tensor_parallel: Colwise(output='replicated') on {label!r}, a {type(m).__name__} whose forward "
+                    f"views its output per head and moves its heads to dim {view.heads_dim} of {y.dim()}: the output "
+                    f"is gathered along its heads where they follow the input's leading dims (dim {features_at}), "
+                    "on every call. Return the view with its heads there (move them in the module around it), or "
+                    "leave the output split (output='sharded', with a Rowwise after it)"
+                )
             flow.split_output, flow.split_by = not gathered, label
             if install.enters and not gathered:  # per-rank values follow, up to their Rowwise (or the layer's end)
                 start_rank_stream(axis, y.device)
@@ -179,8 +188,8 @@ class TPForward:
             if watch is not None and not gathered:
                 counts = {**self.head_counts, **{  # its own, where no Region divided them: whole
                     attr: (label, whole) for attr, whole in self.own_counts.items() if getattr(m, attr, None) == whole
-                }} if factors else self.head_counts
-                watch.watch(out, label, style.fused, counts, in_layer.size(axis), gather, factors)
+                }} if view is not None else self.head_counts
+                watch.watch(out, label, style.fused, counts, in_layer.size(axis), gather, view)
             own_loss = getattr(flow, "own_loss", None)
             if own_loss is not None and label in own_loss.heads:
                 own_loss.watch(out)

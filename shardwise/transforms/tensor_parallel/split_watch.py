@@ -58,6 +58,7 @@ from torch.overrides import TorchFunctionMode
 
 from .feature_mixing import keeps_features, mixed, moved_features
 from .head_views import check_head_count, see_heads
+from .product_views import HeadView
 from .sequence_gather import SequenceGather
 
 _Found = TypeVar("_Found")
@@ -134,16 +135,17 @@ class SplitWatch(TorchFunctionMode):
 
     def watch(
         self, t: Tensor, label: str, fused: int, counts: dict[str, tuple[str, int]] | None = None, parts: int = 1,
-        sequence: SequenceGather | None = None, factors: tuple[int, ...] | None = None,
+        sequence: SequenceGather | None = None, view: HeadView | None = None,
     ) -> None:
-        """Follow Colwise output ``t``; ``factors``: its forward (a Linear subclass's) viewed it per head already,
-        its features split into those trailing dims (heads first)."""
-        width = math.prod(factors) if factors else t.shape[-1] if t.dim() else 0
+        """Follow Colwise output ``t``; ``view``: its forward (a Linear subclass's) viewed it per head already
+        (product_views.py: for a fused one, its blocks outermost, so cut into them)."""
+        width = view.width if view is not None else t.shape[-1] if t.dim() else 0
         entry = _Output(label, fused, width, counts=dict(counts or {}), parts=parts, sequence=sequence)
         self.outputs.append(entry)
-        if factors:
-            check_head_count(entry, list(factors))
-            self.follow_heads(t, entry, t.dim() - len(factors))
+        if view is not None:
+            check_head_count(entry, view.counted)
+            entry.cut = True  # (fused: viewed with its blocks outermost, each block's heads whole)
+            self.follow_heads(t, entry, view.heads_dim)
             return
         self._follow(t, entry)
 

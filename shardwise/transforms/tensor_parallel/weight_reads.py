@@ -35,11 +35,14 @@ one's (a Linear's or an Embedding's) may add its bias and apply functions of eac
 a scale by a number): its output is the rank's slice of the features, and ``F.normalize`` over them would
 normalize the slice (:func:`check_product`). It may view them per head, its features (the rank's whole heads)
 split into (heads, head_dim) by a head width it fixes, the leading dims kept (``view(*x.shape[:-1], -1,
-head_dim)``, ``unflatten(-1, (-1, head_dim))``), as an attention's parent views a plain Linear's: the output is
-then followed along its heads (head_views.py), gathered along them for ``output='replicated'``; a view whose
-head width is left to -1 (by a whole head count, ``view(b, t, self.heads, -1)``: the rank's 1/tp of the width),
-that gives its heads beside a size read off the rank's width (``y.shape[-1] // self.n``), or that mixes the
-features with other dims is refused (:meth:`WeightReads._reshaped`).
+head_dim)``, ``unflatten(-1, (-1, head_dim))``), as an attention's parent views a plain Linear's, or a fused
+q, k, v product viewed with its blocks (``Colwise(fused=3)``: ``view(b, t, 3, -1, head_dim)``) or per head
+(``view(b, t, -1, 3, head_dim)``), its dims then moved (``transpose``): the output is then followed along its
+heads (head_views.py), gathered along them for ``output='replicated'``; a view whose head width is left to -1
+(by a whole head count, ``view(b, t, self.heads, -1)``: the rank's 1/tp of the width), that gives its heads
+beside a size read off the rank's width (``y.shape[-1] // self.n``), that mixes the features with other dims, or
+whose blocks are not outermost where its Colwise is fused, is refused (product_views.py says which views are
+right, and why). Which code made an op, the model's or shardwise's own, is model_frames.py's question.
 
 A number (to scale the weight or the product by) is Python's or a 0-d tensor computed from neither the
 product, nor a split weight, nor a Rowwise's input (the rank's slice of the features: :func:`follow_input`):
@@ -54,17 +57,18 @@ tp times), naming the gain, the module, the op and the line.
 from __future__ import annotations
 
 import contextlib
-import math
-import os
-import sys
 import threading
 import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
+
+from .model_frames import by_shardwise, model_line, watch_file
+from .product_views import MOVES, HeadView, reshaped
+
+watch_file(__file__)  # this watch's frames pass an op on: its caller is the code above them (model_frames.py)
 
 
 def _words(text: str) -> frozenset[str]:
@@ -99,9 +103,10 @@ _own = threading.local()
 
 
 @contextlib.contextmanager
-def own_use(module: nn.Module, custom: bool = False) -> Iterator[None]:
+def own_use(module: nn.Module, custom: bool = False, fused: int = 1) -> Iterator[None]:
     """While ``module``'s tensor-parallel forward runs, its own parameters are its to read; ``custom``: its
-    class overrides torch's forward, whose use of them is followed (see the module docstring)."""
+    class overrides torch's forward, whose use of them is followed (see the module docstring); ``fused``: the
+    blocks its Colwise(fused=N) splits each of (what a per-head view of its product must put outermost)."""
     if getattr(_own, "reads", None) is None:  # no watch runs (a layer's later calls): nothing to tell it
         yield
         return
@@ -116,13 +121,14 @@ def own_use(module: nn.Module, custom: bool = False) -> Iterator[None]:
     reads: WeightReads = _own.reads
     # What an overridden forward computes from its product is followed from that forward alone: a number
     # the layer computed before it (from another module's output) is no function of this product.
-    followed, refused_view, width_read = reads.followed, reads.refused_view, reads.width_read
+    followed, refused_view, width_read, outer_fused = reads.followed, reads.refused_view, reads.width_read, reads.fused
     if custom:
-        reads.followed, reads.refused_view, reads.width_read = ({}, {}, {}, {}), None, False
+        reads.followed, reads.refused_view, reads.width_read, reads.fused = ({}, {}, {}, {}), None, False, fused
     try:
         yield
     finally:
         reads.followed, reads.refused_view, reads.width_read = followed, refused_view, width_read
+        reads.fused = outer_fused
         _own.custom = outer
         for i in mine:
             ids[i] -= 1
@@ -143,9 +149,9 @@ def follow_input(x: Any) -> None:
         reads.derived[id(x)] = weakref.ref(x)
 
 
-def head_view_of(out: Any) -> tuple[int, ...] | None:
-    """The (heads, head_dim, ...) a Colwise Linear subclass's forward viewed its product as, where ``out`` is that
-    view (its heads dim is ``out.dim() - len`` of it); None otherwise, or where no watch runs."""
+def head_view_of(out: Any) -> HeadView | None:
+    """The per-head view a Colwise Linear subclass's forward made of its product, where ``out`` is that view (its
+    heads along ``heads_dim``: product_views.py); None otherwise, or where no watch runs."""
     reads: WeightReads | None = getattr(_own, "reads", None)
     return None if reads is None else reads.head_view(out)
 
@@ -163,13 +169,16 @@ def check_product(out: Any, label: str, module: nn.Module, rowwise: bool) -> Non
         return
     base = "nn.Embedding" if isinstance(module, nn.Embedding) else "nn.Linear"
     if not rowwise and reads.refused_view is not None:
+        style, share = ("Colwise()", "its whole heads, 1/tp of them") if reads.fused == 1 else (
+            f"Colwise(fused={reads.fused})", f"its 1/tp of each of {reads.fused} blocks, side by side"
+        )
         raise ValueError(
-            f"tensor_parallel: Colwise() on {label!r}, a {type(module).__name__} whose forward overrides {base}'s: "
-            "run on this rank's slice of its output features (its whole heads, 1/tp of them), it reshapes its "
+            f"tensor_parallel: {style} on {label!r}, a {type(module).__name__} whose forward overrides {base}'s: "
+            f"run on this rank's slice of its output features ({share}), it reshapes its "
             f"output ({reads.refused_view}), which is no per-head view tensor parallel can follow: on a rank the "
             "same sizes make other heads, or mix the rank's features with other dims. View them by the head width, "
-            "the heads inferred (view(*x.shape[:-1], -1, head_dim), unflatten(-1, (-1, head_dim))), as Hugging "
-            f"Face's attentions do; or return the product and view it in the module around it; or give it a plain "
+            f"the heads inferred ({_view_fix(reads.fused)}); "
+            f"or return the product and view it in the module around it; or give it a plain "
             f"{base}, or leave it out of the plan (replicated, with its Rowwise partner)"
         )
     if not rowwise:
@@ -188,6 +197,16 @@ def check_product(out: Any, label: str, module: nn.Module, rowwise: bool) -> Non
         "sum), it returned something else than its weight's product with the input, so what it computes after "
         "that product would act on each rank's partial sum, not on the whole. Give it a plain nn.Linear, or "
         "leave it out of the plan (replicated, with its Colwise partner)"
+    )
+
+
+def _view_fix(fused: int) -> str:
+    """The per-head views of a Colwise(fused=N) product that make the rank's heads (product_views.py)."""
+    if fused == 1:
+        return "view(*x.shape[:-1], -1, head_dim), unflatten(-1, (-1, head_dim)), as Hugging Face's attentions do"
+    return (
+        f"its {fused} blocks outermost: view(*x.shape[:-1], {fused}, -1, head_dim), unflatten(-1, ({fused}, -1, "
+        "head_dim))"
     )
 
 
@@ -212,10 +231,11 @@ class WeightReads(TorchFunctionMode):
         }
         # While an overridden forward runs (own_use): its products (check_product), elementwise functions of
         # them by numbers, and anything else computed from them (a norm, a max: no number to scale them by).
-        # The fourth: per-head views of those (their features split into (heads, head_dim)), with the dims.
+        # The fourth: per-head views of those (their features split into heads, ...: product_views.py).
         self.followed: tuple[dict[int, Any], ...] = ({}, {}, {}, {})
         self.refused_view: str | None = None  # a reshape of the product no per-head view: what check_product says
         self.width_read = False  # the forward read its product's shape (the rank's width): a head width from it?
+        self.fused = 1  # the blocks the overridden forward's Colwise(fused=N) splits each of
 
     @property
     def products(self) -> dict[int, weakref.ref[Tensor]]:
@@ -230,11 +250,11 @@ class WeightReads(TorchFunctionMode):
         return self.followed[2]
 
     @property
-    def viewed(self) -> dict[int, tuple[weakref.ref[Tensor], tuple[int, ...]]]:
+    def viewed(self) -> dict[int, tuple[weakref.ref[Tensor], HeadView]]:
         return self.followed[3]
 
-    def head_view(self, t: Any) -> tuple[int, ...] | None:
-        """The (heads, head_dim, ...) an overridden Colwise forward's product was viewed as, if ``t`` is that view."""
+    def head_view(self, t: Any) -> HeadView | None:
+        """The per-head view an overridden Colwise forward made of its product, if ``t`` is that view."""
         found = self.viewed.get(id(t)) if isinstance(t, Tensor) else None
         return found[1] if found is not None and found[0]() is t else None
 
@@ -274,7 +294,7 @@ class WeightReads(TorchFunctionMode):
                 if entry is None or entry[0]() is not t:
                     continue
                 root, path, by = found = entry[1]
-                if root not in owned and not _by_shardwise(name):
+                if root not in owned and not by_shardwise(name):
                     raise ValueError(self._gain_refusal(path, by, name))
         return found
 
@@ -300,13 +320,13 @@ class WeightReads(TorchFunctionMode):
                 if entry is None or entry[0]() is not t:
                     continue
                 root, path, by = entry[1]
-                if root not in owned and not _by_shardwise(name):
+                if root not in owned and not by_shardwise(name):
                     raise ValueError(self._refusal(path, by, name))
                 if root not in custom:
                     continue
                 if name in _SHAPES:
                     # The slice's shape: a number the forward may scale by (fan-in, muP), the rank's part of it.
-                    if not _by_shardwise(name):
+                    if not by_shardwise(name):
                         raise ValueError(self._custom_refusal(path, by, name, shape=True))
                     continue
                 if name in _CARRY or (name in _BY_A_NUMBER and all(
@@ -317,7 +337,7 @@ class WeightReads(TorchFunctionMode):
                     isinstance(b, Tensor) and self._is_product(b) for b in (*args, *kwargs.values())
                 )):
                     product = True  # (its own bias added to the product: a Colwise bias is sliced as its outputs)
-                elif not _by_shardwise(name):
+                elif not by_shardwise(name):
                     raise ValueError(self._custom_refusal(path, by, name, scaled=name in _BY_A_NUMBER))
         out = func(*args, **kwargs)
         if isinstance(out, Tensor) and made:
@@ -359,6 +379,11 @@ class WeightReads(TorchFunctionMode):
         ):
             self._reshaped(name, first, args[1:], kwargs, out)
             return out
+        viewed = self.head_view(first) if name in MOVES and isinstance(out, Tensor) else None
+        moved = None if viewed is None or not isinstance(first, Tensor) else viewed.moved(name, first, args[1:])
+        if moved is not None:  # its dims moved (a head-major q, k, v view's transpose): its heads followed
+            self.viewed[id(out)] = (weakref.ref(out), moved)
+            return out
         tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)]
         mains = [t for t in tensors if self.holds(self.products, t) or self.holds(self.after, t)]
         views = [t for t in tensors if self.head_view(t) is not None]
@@ -368,8 +393,9 @@ class WeightReads(TorchFunctionMode):
             and bool(mains) != bool(views) and all(t.shape == out.shape for t in (*mains, *views))
             and all(self._a_number(o) for o in numbers)
         )
-        if elementwise and views:
-            self.viewed[id(out)] = (weakref.ref(out), self.head_view(views[0]) or ())
+        view = self.head_view(views[0]) if views else None
+        if elementwise and view is not None:
+            self.viewed[id(out)] = (weakref.ref(out), view)
         elif elementwise:
             self.after[id(out)] = weakref.ref(out)
         else:
@@ -379,32 +405,16 @@ class WeightReads(TorchFunctionMode):
         return out
 
     def _reshaped(self, name: str, t: Tensor, rest: Sequence[Any], kwargs: dict[str, Any], out: Tensor) -> None:
-        """A reshape of a Colwise product (or of its per-head view): its features, the rank's whole heads, split
-        into (heads, head_dim) by a head width the module fixes (``view(b, t, -1, head_dim)``, ``unflatten(-1,
-        (-1, head_dim))``), or such a view flattened back, is followed as the view or the product; any other, one
-        whose head width is the rank's (``view(b, t, heads, -1)``: 1/tp of the width, as many heads) or that mixes
-        the features with other dims (the leading dims too: ``view(-1, heads, head_dim)``), is noted for
-        check_product's refusal."""
-        viewed = self.head_view(t)
-        width = math.prod(viewed) if viewed is not None else (t.shape[-1] if t.dim() else 0)
-        heads_at = t.dim() - len(viewed) if viewed is not None else t.dim() - 1
-        factors = _trailing(list(out.shape), width, list(t.shape[:heads_at]))
-        if factors is not None and len(factors) == 1:
+        """A reshape of a Colwise product (or of its per-head view): followed as a per-head view, or as the product
+        again (merged back); any other is noted for check_product's refusal (product_views.py says which)."""
+        found = reshaped(name, t, self.head_view(t), rest, kwargs, out, self.fused, self.width_read)
+        if found is None:
             self.after[id(out)] = weakref.ref(out)  # the features last again (merged back, or leading dims moved)
-            return
-        asked = None if factors is None else _asked(name, rest, kwargs, out.dim(), len(factors))
-        why = (
-            ", its features mixed with other dims" if factors is None or asked is None else
-            ", the head width left to -1 (the rank's 1/tp of it where the heads are a whole count)"
-            if -1 in asked[1:] else
-            ", its heads given with the rank's width read off the output (y.shape[-1] // heads: 1/tp of the head "
-            "width where the count is whole)" if asked[0] != -1 and self.width_read else None
-        )
-        if factors is not None and why is None:
-            self.viewed[id(out)] = (weakref.ref(out), tuple(factors))
-            return
-        self.derived[id(out)] = weakref.ref(out)
-        self.refused_view = self.refused_view or f"{name} of its {list(t.shape)} to {list(out.shape)}{why}"
+        elif isinstance(found, HeadView):
+            self.viewed[id(out)] = (weakref.ref(out), found)
+        else:
+            self.derived[id(out)] = weakref.ref(out)
+            self.refused_view = self.refused_view or found
 
     def _entries(self, args: Sequence[Any], kwargs: dict[str, Any]) -> Iterator[tuple[int, str, str]]:
         for a in (*args, *kwargs.values()):
@@ -413,7 +423,7 @@ class WeightReads(TorchFunctionMode):
                 yield entry[1]
 
     def _custom_refusal(self, path: str, by: str, op: str, shape: bool = False, scaled: bool = False) -> str:
-        where = _model_line(op)
+        where = model_line(op)
         what, why = (
             ("reads the shape of", f"a width computed from its shape ({op}: a fan-in scale, weight.shape[1] ** -0.5) "
              "is the rank's part of the whole's") if shape else
@@ -434,7 +444,7 @@ class WeightReads(TorchFunctionMode):
         )
 
     def _gain_refusal(self, path: str, by: str, op: str) -> str:
-        where = _model_line(op)
+        where = model_line(op)
         return (
             f"tensor_parallel: layer {self.layer!r} reads the 0-d gain {path!r} outside the forward of its module, "
             f"{by} ({op}{f', at {where}' if where else ''}): tensor parallel sums the gain's gradient over the "
@@ -446,7 +456,7 @@ class WeightReads(TorchFunctionMode):
         )
 
     def _refusal(self, path: str, by: str, op: str) -> str:
-        where = _model_line(op)
+        where = model_line(op)
         return (
             f"tensor_parallel: layer {self.layer!r} reads parameter {path!r} outside the forward of the module that "
             f"splits it, {by} ({op}{f', at {where}' if where else ''}): each rank holds a slice of it, so that code "
@@ -458,88 +468,8 @@ class WeightReads(TorchFunctionMode):
         )
 
 
-def _trailing(shape: list[int], width: int, lead: list[int]) -> list[int] | None:
-    """The trailing dims of ``shape`` that hold ``width`` features after the leading dims ``lead`` (kept as they
-    were: the product's dims follow its input's, which tensor parallel reads them by), or None."""
-    product = 1
-    for k in range(len(shape) - 1, -1, -1):
-        product *= shape[k]
-        if product == width:
-            return shape[k:] if shape[:k] == lead else None
-        if product > width:
-            return None
-    return None
-
-
-def _asked(name: str, rest: Sequence[Any], kwargs: dict[str, Any], dims: int, parts: int) -> list[Any] | None:
-    """The sizes the reshape asked for its last ``parts`` dims (the heads, then the head's): right where every one
-    after the heads is fixed (not -1) by the module, the same on a rank as on the whole, and the heads are -1 (what
-    the rank's width makes of them) or given without reading that width. None where they cannot be read."""
-    if name == "unflatten":
-        sizes = kwargs.get("sizes", rest[1] if len(rest) > 1 else None)
-        asked = list(sizes) if isinstance(sizes, (list, tuple)) else None
-    else:
-        shape = kwargs.get("shape", kwargs.get("size", rest[0] if len(rest) == 1 else rest))
-        asked = list(shape) if isinstance(shape, (list, tuple)) else None
-        asked = asked if asked is not None and len(asked) == dims else None
-    if asked is None or len(asked) < parts or not all(isinstance(a, int) for a in asked[len(asked) - parts:]):
-        return None
-    return asked[len(asked) - parts:]
-
-
 def _name(func: Any) -> str:
     name = getattr(func, "__name__", None)
     if name == "__get__":  # a property getter: Tensor.shape.__get__ and the like
         name = getattr(getattr(func, "__self__", None), "__name__", name)
     return str(name or func)
-
-
-_TORCH = os.path.dirname(torch.__file__ or "") + os.sep
-# torch.nn's modules and functions are model code (nn.MultiheadAttention reads its out_proj's weight itself);
-# the rest of torch's Python only passes an op on (Tensor methods, torch.functional, the modes' dispatch).
-_TORCH_NN = _TORCH + "nn" + os.sep
-_SHARDWISE = os.path.dirname(sys.modules[__name__.split(".")[0]].__file__ or "") + os.sep
-_MODELS = _SHARDWISE + os.path.join("testing", "models.py")  # shardwise's own example models are model code
-
-
-def _by_shardwise(op: str) -> bool:
-    """Whether ``op`` was called by shardwise's own code (a refusal explaining shapes, a collective), not the
-    model's (torch.nn's modules and functions included): the first frame of the stack that does not only pass
-    the op on (see _passing_on)."""
-    frame = _caller(op)
-    name = "" if frame is None else frame.f_code.co_filename
-    return name.startswith(_SHARDWISE) and name != _MODELS
-
-
-def _caller(op: str) -> Any:
-    frame = sys._getframe(2)
-    while frame is not None and _passing_on(frame, op):
-        frame = frame.f_back  # type: ignore[assignment]
-    return frame
-
-
-def _passing_on(frame: Any, op: str) -> bool:
-    """torch's Python outside torch.nn, a torch.nn function dispatching itself (F.multi_head_attention_forward
-    seen as one op), and the torch function modes handing the op to each other (the layer's other watches)."""
-    code = frame.f_code
-    if code.co_name == "__torch_function__" or code.co_filename == __file__:  # (this watch's own frames)
-        return True
-    if not code.co_filename.startswith(_TORCH):
-        return False
-    return not code.co_filename.startswith(_TORCH_NN) or code.co_name == op
-
-
-def _model_line(op: str) -> str:
-    """The model code doing the read: the first frame outside torch and shardwise, or, where shardwise calls
-    torch.nn's module itself (a layer that is a TransformerEncoderLayer), torch.nn's line calling the op."""
-    frame, nearest = _caller(op), ""
-    while frame is not None:
-        name = frame.f_code.co_filename
-        where = f":{frame.f_lineno} in {frame.f_code.co_name}"
-        if not name.startswith((_TORCH, _SHARDWISE)) or name == _MODELS:
-            return os.path.basename(name) + where
-        if name.startswith(_SHARDWISE):
-            return nearest
-        nearest = nearest or "torch/" + os.path.relpath(name, _TORCH).replace(os.sep, "/") + where
-        frame = frame.f_back
-    return nearest
