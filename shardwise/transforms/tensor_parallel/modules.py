@@ -24,7 +24,7 @@ from ...engine.stack import in_layer
 from ...engine.torch_api import data_dependent_errors
 from . import partial, positions
 from .comm import enter, gather_invariant, leave, scatter
-from .failures import region_failed, rowwise_width_message
+from .failures import colwise_subclass_failed, region_failed, rowwise_width_message
 from .following import quiet
 from .match import CONV1D, EMBEDDING, LINEAR, Install, is_head_count
 from .product_views import HeadView
@@ -162,7 +162,7 @@ class TPForward:
                     f"(make {install.region!r} one unit of functionalize), or drop it and the Colwise enters the "
                     "region itself"
                 )
-            y = _conv1d(x, _require(weight), bias) if install.kind == CONV1D else type(m).forward(m, x)
+            y = _conv1d(x, _require(weight), bias) if install.kind == CONV1D else self._colwise_forward(x, label)
             view: HeadView | None = None
             if _overridden(m, install.kind):  # (a Linear's or an Embedding's subclass)
                 check_product(y, label, m, rowwise=False)
@@ -221,6 +221,21 @@ class TPForward:
         _path_ends(label, y)
         back_to_shared()  # the summed output is every rank's: so are the random ops on it
         return y if bias is None else y + bias
+
+    def _colwise_forward(self, x: Tensor, label: str) -> Any:
+        """A Colwise module's own forward on this rank's slice of its output features; where a subclass's
+        (one overriding torch's) fails in torch on its shapes, said so: it sized something by the whole."""
+        m = self.module
+        try:
+            return type(m).forward(m, x)
+        except RuntimeError as err:
+            if not _overridden(m, self.install.kind if self.install else None) or is_ours(err) or isinstance(
+                err, data_dependent_errors()
+            ):
+                raise
+            raise ValueError(colwise_subclass_failed(
+                label, m, err, in_layer.size(self.axis), {a: getattr(m, a) for a in self.own_counts}
+            )) from err
 
     def _sequence_gather(self, x: Tensor, seq_dim: int | None) -> SequenceGather | None:
         """A Colwise outside any Region inside a sequence-parallel block gathers the block's slice itself
