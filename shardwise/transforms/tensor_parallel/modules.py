@@ -34,7 +34,7 @@ from .sequence_gather import SequenceGather
 from .split_watch import SplitWatch
 from .styles import Colwise, Region, Rowwise, gathers
 from .token_wise_experts import one_ops_in
-from .weight_reads import check_product, follow_input, head_view_of, own_use, reads_watched
+from .weight_reads import block_views_of, check_product, follow_input, head_view_of, own_use, reads_watched
 
 
 class TPForward:
@@ -164,9 +164,11 @@ class TPForward:
                 )
             y = _conv1d(x, _require(weight), bias) if install.kind == CONV1D else self._colwise_forward(x, label)
             view: HeadView | None = None
+            blocks: tuple[HeadView, ...] | None = None
             if _overridden(m, install.kind):  # (a Linear's or an Embedding's subclass)
                 check_product(y, label, m, rowwise=False)
                 view = head_view_of(y)  # viewed per head by its forward: the rank's heads along its heads_dim
+                blocks = None if view is not None else block_views_of(y)  # or its blocks', returned apart
             # Its features follow the input's leading dims (the ids', an Embedding's): the last dim, or the heads
             # of a per-head view its forward made, which keeps those dims (weight_reads.py checks it, watched).
             features_at = x.dim() - (0 if install.kind == EMBEDDING else 1)
@@ -181,17 +183,21 @@ class TPForward:
                 )
             flow.split_output, flow.split_by = not gathered, label
             if install.enters and not gathered:  # per-rank values follow, up to their Rowwise (or the layer's end)
-                start_rank_stream(axis, y.device)
+                start_rank_stream(axis, x.device)
             out = gather_invariant(y, axis, features_at, label) if gathered else y
             _path_ends(label, out)
             watch = getattr(flow, "watch", None)
             if watch is not None and not gathered:
                 counts = {**self.head_counts, **{  # its own, where no Region divided them: whole
                     attr: (label, whole) for attr, whole in self.own_counts.items() if getattr(m, attr, None) == whole
-                }} if view is not None else self.head_counts
-                watch.watch(out, label, style.fused, counts, in_layer.size(axis), gather, view)
+                }} if view is not None or blocks else self.head_counts
+                if blocks:  # q, k and v apart: each the rank's heads of its block, followed as a plain Colwise's
+                    for part, part_view in zip(out, blocks, strict=True):
+                        watch.watch(part, label, 1, counts, in_layer.size(axis), gather, part_view)
+                else:
+                    watch.watch(out, label, style.fused, counts, in_layer.size(axis), gather, view)
             own_loss = getattr(flow, "own_loss", None)
-            if own_loss is not None and label in own_loss.heads:
+            if own_loss is not None and label in own_loss.heads and isinstance(out, Tensor):
                 own_loss.watch(out)
             return out
         assert isinstance(style, Rowwise)
@@ -336,16 +342,18 @@ class TPForward:
             ))
 
 
-def _path_ends(label: str, t: Tensor) -> None:
-    """Inside a Region reading its paths, a split layer's output (a Colwise's, a Rowwise's sum) ends a
-    path: its node is taken now, before an in-place op on the output moves its grad_fn downstream."""
+def _path_ends(label: str, out: Any) -> None:
+    """Inside a Region reading its paths, a split layer's output (a Colwise's, a Rowwise's sum; each of a fused
+    subclass's q, k and v returned apart) ends a path: its node is taken now, before an in-place op on the
+    output moves its grad_fn downstream."""
     splits = getattr(flow, "splits", None)
     if splits is None:
         return
-    with quiet(), positions.unfollowed():  # reading grad_fn is a tensor op to the followers
-        node = t.grad_fn
-    if node is not None:
-        splits.append((label, node))
+    for t in out if isinstance(out, (tuple, list)) else (out,):
+        with quiet(), positions.unfollowed():  # reading grad_fn is a tensor op to the followers
+            node = t.grad_fn if isinstance(t, Tensor) else None
+        if node is not None:
+            splits.append((label, node))
 
 
 

@@ -34,6 +34,7 @@ class HeadView:
     sizes: tuple[int, ...]
     heads: int = 0
     order: tuple[int, ...] | None = None
+    block: int | None = None  # a view of one of a fused product's blocks, cut apart by the forward (stacked_blocks)
 
     @property
     def width(self) -> int:
@@ -76,6 +77,49 @@ class HeadView:
 
 
 MOVES = frozenset(("transpose", "swapaxes", "swapdims", "permute"))
+CUTS = frozenset(("chunk", "split", "tensor_split"))
+
+
+def cut_into_blocks(t: Tensor, args: Sequence[Any], kwargs: dict[str, Any], out: Any, fused: int) -> bool:
+    """Whether ``out``, a cut (chunk, split, tensor_split) of a Colwise(fused=N) product ``t``, is its N blocks:
+    N equal parts along its features, the rank's 1/tp of each block (``q, k, v = y.chunk(3, -1)``)."""
+    dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
+    return (
+        fused > 1 and isinstance(dim, int) and t.dim() > 0 and dim % t.dim() == t.dim() - 1
+        and isinstance(out, (tuple, list)) and len(out) == fused
+        and all(isinstance(p, Tensor) and p.shape[-1] * fused == t.shape[-1] for p in out)
+    )
+
+
+def cut_refused(name: str, t: Tensor, args: Sequence[Any], kwargs: dict[str, Any], out: Any, fused: int) -> str | None:
+    """What a cut of a Colwise product along its features that is not its fused blocks did (the words for
+    check_product's refusal); None for a cut along another dim."""
+    dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
+    if not isinstance(dim, int) or not t.dim() or dim % t.dim() != t.dim() - 1 or not isinstance(out, (tuple, list)):
+        return None
+    sizes = [p.shape[-1] for p in out if isinstance(p, Tensor)]
+    cut = f"{name} of its {list(t.shape)} into {sizes} along its features"
+    if fused == 1:
+        return (
+            f"{cut}: blocks side by side (q, k and v), which a plain Colwise() cuts across (all of q and part of k on "
+            f"a rank); give it Colwise(fused={len(sizes)}) if they are {len(sizes)} equal blocks"
+        )
+    return f"{cut}, not its {fused} blocks of {t.shape[-1] // fused}"
+
+
+def stacked_blocks(views: Sequence[HeadView | None], dim: Any, fused: int) -> HeadView | None:
+    """The view ``torch.stack(blocks, dim)`` makes of per-head views of a fused product's N blocks, each once, alike
+    (the blocks then outermost, before the heads: ``view(b, t, N, -1, head_dim)``'s); None otherwise."""
+    first = views[0] if views else None
+    if first is None or len(views) != fused or not isinstance(dim, int) or first.order is not None:
+        return None
+    if any(v is None or replace(v, block=None) != replace(first, block=None) for v in views) or sorted(
+        v.block for v in views if v is not None and v.block is not None
+    ) != list(range(fused)):
+        return None  # (in any order: every rank holds its heads of every block, so k, q, v stack alike)
+    if dim % (first.lead + len(first.sizes) + 1) != first.lead:
+        return None
+    return HeadView(first.lead, (fused, *first.sizes), 1 + first.heads)
 
 
 def reshaped(

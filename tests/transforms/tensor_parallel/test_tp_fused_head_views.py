@@ -54,6 +54,11 @@ class _FusedQKV(nn.Linear):
             return y.view(b, t, -1, 3, HD).transpose(2, 3)
         if self.how == "head-major, permute":
             return y.view(b, t, -1, 3, HD).permute(0, 1, 3, 2, 4)
+        if self.how in ("chunked, stacked", "chunked, apart", "chunked, stacked out of order"):
+            q, k, v = (z.view(b, t, -1, HD) for z in y.chunk(3, -1))  # each block viewed per head
+            if self.how == "chunked, apart":  # (a tuple: q, k, v each (b, t, heads, head_dim))
+                return q, k, v  # type: ignore[return-value]
+            return torch.stack((k, q, v) if self.how.endswith("out of order") else (q, k, v), 2)
         if self.how == "qkv-major, whole heads, width -1":  # its whole count, the head width left to the rank's
             return y.view(b, t, 3, self.n_heads, -1)
         if self.how == "qkv-major, no blocks":  # 12 heads: q's, then k's, then v's
@@ -74,6 +79,8 @@ class _Attention(nn.Module):
         y = self.qkv(x)
         if self.how == "timm":
             q, k, v = y.unbind(0)
+        elif self.how == "chunked, apart":
+            q, k, v = (z.transpose(1, 2) for z in y)
         elif self.how == "qkv-major, no blocks":
             q, k, v = (z.transpose(1, 2) for z in y.chunk(3, 2))
         else:
@@ -106,7 +113,8 @@ def _plan(fused: int, region: bool, blocks: str = "1") -> dict[str, Any]:
     return {f"{blocks}.attn": sw.tp.Region(), **pair} if region else pair
 
 
-EXACT = [("qkv-major", 3), ("qkv-major, unflatten", 3), ("timm", 3), ("head-major", 1), ("head-major, permute", 1)]
+EXACT = [("qkv-major", 3), ("qkv-major, unflatten", 3), ("timm", 3), ("chunked, stacked", 3), ("chunked, apart", 3),
+         ("chunked, stacked out of order", 3), ("head-major", 1), ("head-major, permute", 1)]
 
 
 @pytest.mark.parametrize(("how", "fused"), EXACT, ids=[how for how, _ in EXACT])
@@ -119,7 +127,8 @@ def test_a_fused_qkv_subclass_viewing_its_heads_equals_one_device(how: str, fuse
     sw.testing.assert_equivalent(split, step, sw.Mesh(tp=2), batches, params, rtol=RTOL)
 
 
-@pytest.mark.parametrize(("how", "fused"), [("qkv-major", 3), ("head-major", 1)], ids=["qkv-major", "head-major"])
+@pytest.mark.parametrize(("how", "fused"), [("qkv-major", 3), ("chunked, apart", 3), ("head-major", 1)],
+                         ids=["qkv-major", "chunked, apart", "head-major"])
 @pytest.mark.parametrize("mesh_shape", [{"dp": 2, "tp": 2}, {"pp": 2, "tp": 2}], ids=["dp2xtp2 zero3", "pp2xtp2"])
 def test_a_fused_qkv_subclass_composes(how: str, fused: int, mesh_shape: dict[str, int]) -> None:
     """Two blocks (a pipeline stage each under pp), sequence parallel over both."""
@@ -142,6 +151,11 @@ NEAR_MISSES = [
     ("qkv-major", 1, _NAMED + r"view of its \[4, 6, 24\] to \[4, 6, 3, 2, 4\], its first 3 given as a number and the "
                               r"heads inferred after it: 3 fused blocks outermost .*give it Colwise\(fused=3\)"),
     ("timm", 1, _NAMED + r"reshape of its \[4, 6, 24\] to \[4, 6, 3, 2, 4\], its first 3 .*Colwise\(fused=3\)"),
+    # The blocks cut apart in the forward under a plain Colwise: a rank's "q" is q's first heads, its "k" q's last.
+    ("chunked, apart", 1, _NAMED + r"cuts its output \(chunk of its \[4, 6, 24\] into \[8, 8, 8\] along its "
+                                   r"features: blocks side by side .*give it Colwise\(fused=3\)"),
+    ("chunked, stacked", 1, _NAMED + r"cuts its output \(chunk of its \[4, 6, 24\] into \[8, 8, 8\] "
+                                     r".*Colwise\(fused=3\)"),
     # Per-head q, k, v split as three blocks: rank 0's first "head" is head 0's q, k, v and head 1's q.
     ("head-major", 3, _NAMED + r"view of its \[4, 6, 24\] to \[4, 6, 2, 3, 4\], not its 3 fused blocks outermost, "
                                r"given as 3, then its heads.*takes a plain Colwise\(\) instead"),
