@@ -173,3 +173,21 @@ def _head_counts(m: nn.Module, named: set[str]) -> dict[str, int]:
         if type(v) is int and ("heads" in k or k in ("n_head", "split_size")) and k not in named
         and f"config.{k}" not in named
     }
+
+
+def colwise_subclass_failed(label: str, m: nn.Module, err: BaseException, parts: int, counts: dict[str, Any]) -> str:
+    """A Colwise Linear subclass's own forward failed in torch on the rank's slice of its output features: it
+    sized a view by something whole (its head count, its whole width)."""
+    weight = getattr(m, "weight", None)
+    rows = weight.shape[0] if isinstance(weight, Tensor) and weight.dim() else 0
+    held = ", ".join(f"self.{a} = {v}" for a, v in counts.items())
+    held = f" (it holds {held}, divided only by a Region naming it)" if held else ""
+    return (
+        f"tensor_parallel: Colwise() on {label!r}, a {type(m).__name__} whose forward overrides nn.Linear's, failed "
+        f"in torch ({type(err).__name__}: {err}) on this rank's slice of its output features ({rows} of "
+        f"{rows * parts}): its forward sizes something by the whole, most likely a view by a whole head count or "
+        f"width{held}. Size it by the head width with the heads inferred (view(*x.shape[:-1], -1, head_dim); "
+        "a fused q, k, v under Colwise(fused=3): view(*x.shape[:-1], 3, -1, head_dim)), or name its count in the "
+        "heads=(...) of a Region on the module around it ('<its name there>.n_heads'), which divides it by the tp "
+        "size while that module runs; or leave it out of the plan (replicated, with its Rowwise partner)"
+    )

@@ -91,9 +91,12 @@ def see_heads(
             if not _into_single_heads(name, t, dim, out):
                 raise ValueError(_cut_refusal(entry, name, t, dim, out))
             return
+        dropped = name in ("unbind", "select")  # (the cut dim dropped: the heads move down past it)
         for part in out if isinstance(out, (tuple, list)) else (out,):
             if isinstance(part, Tensor) and part.dim() == t.dim():
                 watch.follow_heads(part, entry, dim)
+            elif isinstance(part, Tensor) and dropped and part.dim() == t.dim() - 1:
+                watch.follow_heads(part, entry, dim - 1 if cut_dim % t.dim() < dim else dim)
         return
     if not isinstance(out, Tensor):
         return

@@ -149,6 +149,9 @@ class VaryFn:
             gathered: SequenceGather | None = getattr(flow, "gathered", None)
             if gathered is not None and not is_ours(err) and gathered.explains(err):
                 raise ValueError(gathered.message(f"failed ({type(err).__name__}: {err})")) from err
+            view = None if watch is None or is_ours(err) else watch.failed_view_message(err)
+            if view is not None:  # a view of a Colwise output by whole counts, with no Region to divide them
+                raise ValueError(view) from err
             if not output_is_split() or is_ours(err) or isinstance(err, data_dependent_errors()):
                 raise  # a fake run's data-dependent op: run again on real stand-ins (predict.py)
             raise ValueError(f"tensor_parallel: {_unsummed(err, self.axis)}") from err

@@ -24,16 +24,17 @@ from ...engine.stack import in_layer
 from ...engine.torch_api import data_dependent_errors
 from . import partial, positions
 from .comm import enter, gather_invariant, leave, scatter
-from .failures import region_failed, rowwise_width_message
+from .failures import colwise_subclass_failed, region_failed, rowwise_width_message
 from .following import quiet
 from .match import CONV1D, EMBEDDING, LINEAR, Install, is_head_count
+from .product_views import HeadView
 from .rank_flow import back_to_shared, flow, rank_stream, start_rank_stream
 from .region_paths import Sides, bypass_message, bypasses_split, parameter_sides
 from .sequence_gather import SequenceGather
 from .split_watch import SplitWatch
 from .styles import Colwise, Region, Rowwise, gathers
 from .token_wise_experts import one_ops_in
-from .weight_reads import check_product, follow_input, head_view_of, own_use, reads_watched
+from .weight_reads import block_views_of, check_product, follow_input, head_view_of, own_use, reads_watched
 
 
 class TPForward:
@@ -96,7 +97,7 @@ class TPForward:
                 out = type(m).forward(m, *args, **kwargs)
             else:
                 with contextlib.nullcontext() if isinstance(install.style, Region) else own_use(
-                    m, _overridden(m, install.kind)
+                    m, _overridden(m, install.kind), install.style.fused if isinstance(install.style, Colwise) else 1
                 ):
                     out = self._styled(install, args, kwargs)
         if follow is not None:
@@ -161,28 +162,42 @@ class TPForward:
                     f"(make {install.region!r} one unit of functionalize), or drop it and the Colwise enters the "
                     "region itself"
                 )
-            y = _conv1d(x, _require(weight), bias) if install.kind == CONV1D else type(m).forward(m, x)
-            factors: tuple[int, ...] | None = None
+            y = _conv1d(x, _require(weight), bias) if install.kind == CONV1D else self._colwise_forward(x, label)
+            view: HeadView | None = None
+            blocks: tuple[HeadView, ...] | None = None
             if _overridden(m, install.kind):  # (a Linear's or an Embedding's subclass)
                 check_product(y, label, m, rowwise=False)
-                factors = head_view_of(y)  # viewed per head by its forward: the rank's heads along that dim
+                view = head_view_of(y)  # viewed per head by its forward: the rank's heads along its heads_dim
+                blocks = None if view is not None else block_views_of(y)  # or its blocks', returned apart
             # Its features follow the input's leading dims (the ids', an Embedding's): the last dim, or the heads
             # of a per-head view its forward made, which keeps those dims (weight_reads.py checks it, watched).
             features_at = x.dim() - (0 if install.kind == EMBEDDING else 1)
             gathered = gathers(style, install.kind == EMBEDDING)
+            if gathered and view is not None and view.heads_dim != features_at:
+                raise ValueError(
+                    f"tensor_parallel: Colwise(output='replicated') on {label!r}, a {type(m).__name__} whose forward "
+                    f"views its output per head and moves its heads to dim {view.heads_dim} of {y.dim()}: the output "
+                    f"is gathered along its heads where they follow the input's leading dims (dim {features_at}), "
+                    "on every call. Return the view with its heads there (move them in the module around it), or "
+                    "leave the output split (output='sharded', with a Rowwise after it)"
+                )
             flow.split_output, flow.split_by = not gathered, label
             if install.enters and not gathered:  # per-rank values follow, up to their Rowwise (or the layer's end)
-                start_rank_stream(axis, y.device)
+                start_rank_stream(axis, x.device)
             out = gather_invariant(y, axis, features_at, label) if gathered else y
             _path_ends(label, out)
             watch = getattr(flow, "watch", None)
             if watch is not None and not gathered:
                 counts = {**self.head_counts, **{  # its own, where no Region divided them: whole
                     attr: (label, whole) for attr, whole in self.own_counts.items() if getattr(m, attr, None) == whole
-                }} if factors else self.head_counts
-                watch.watch(out, label, style.fused, counts, in_layer.size(axis), gather, factors)
+                }} if view is not None or blocks else self.head_counts
+                if blocks:  # q, k and v apart: each the rank's heads of its block, followed as a plain Colwise's
+                    for part, part_view in zip(out, blocks, strict=True):
+                        watch.watch(part, label, 1, counts, in_layer.size(axis), gather, part_view)
+                else:
+                    watch.watch(out, label, style.fused, counts, in_layer.size(axis), gather, view)
             own_loss = getattr(flow, "own_loss", None)
-            if own_loss is not None and label in own_loss.heads:
+            if own_loss is not None and label in own_loss.heads and isinstance(out, Tensor):
                 own_loss.watch(out)
             return out
         assert isinstance(style, Rowwise)
@@ -212,6 +227,21 @@ class TPForward:
         _path_ends(label, y)
         back_to_shared()  # the summed output is every rank's: so are the random ops on it
         return y if bias is None else y + bias
+
+    def _colwise_forward(self, x: Tensor, label: str) -> Any:
+        """A Colwise module's own forward on this rank's slice of its output features; where a subclass's
+        (one overriding torch's) fails in torch on its shapes, said so: it sized something by the whole."""
+        m = self.module
+        try:
+            return type(m).forward(m, x)
+        except RuntimeError as err:
+            if not _overridden(m, self.install.kind if self.install else None) or is_ours(err) or isinstance(
+                err, data_dependent_errors()
+            ):
+                raise
+            raise ValueError(colwise_subclass_failed(
+                label, m, err, in_layer.size(self.axis), {a: getattr(m, a) for a in self.own_counts}
+            )) from err
 
     def _sequence_gather(self, x: Tensor, seq_dim: int | None) -> SequenceGather | None:
         """A Colwise outside any Region inside a sequence-parallel block gathers the block's slice itself
@@ -312,16 +342,18 @@ class TPForward:
             ))
 
 
-def _path_ends(label: str, t: Tensor) -> None:
-    """Inside a Region reading its paths, a split layer's output (a Colwise's, a Rowwise's sum) ends a
-    path: its node is taken now, before an in-place op on the output moves its grad_fn downstream."""
+def _path_ends(label: str, out: Any) -> None:
+    """Inside a Region reading its paths, a split layer's output (a Colwise's, a Rowwise's sum; each of a fused
+    subclass's q, k and v returned apart) ends a path: its node is taken now, before an in-place op on the
+    output moves its grad_fn downstream."""
     splits = getattr(flow, "splits", None)
     if splits is None:
         return
-    with quiet(), positions.unfollowed():  # reading grad_fn is a tensor op to the followers
-        node = t.grad_fn
-    if node is not None:
-        splits.append((label, node))
+    for t in out if isinstance(out, (tuple, list)) else (out,):
+        with quiet(), positions.unfollowed():  # reading grad_fn is a tensor op to the followers
+            node = t.grad_fn if isinstance(t, Tensor) else None
+        if node is not None:
+            splits.append((label, node))
 
 
 

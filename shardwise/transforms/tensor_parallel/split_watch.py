@@ -58,6 +58,7 @@ from torch.overrides import TorchFunctionMode
 
 from .feature_mixing import keeps_features, mixed, moved_features
 from .head_views import check_head_count, see_heads
+from .product_views import HeadView
 from .sequence_gather import SequenceGather
 
 _Found = TypeVar("_Found")
@@ -124,6 +125,9 @@ class SplitWatch(TorchFunctionMode):
         self.mixed: tuple[_Output, str] | tuple[_Output, str, bool] | None = None
         # The Colwise outputs an op that failed took (their labels): what a failure's explanation names.
         self.failed_on: tuple[str, ...] = ()
+        # A reshape of one (or of its per-head view) that failed in torch: the output, the op, its input's shape
+        # and the sizes asked (failed_view_message says it).
+        self.failed_reshape: tuple[_Output, str, list[int], list[Any]] | None = None
 
     def _outputs_in(self, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[str, ...]:
         """The labels of the Colwise outputs among an op's arguments, followed in any form."""
@@ -134,16 +138,17 @@ class SplitWatch(TorchFunctionMode):
 
     def watch(
         self, t: Tensor, label: str, fused: int, counts: dict[str, tuple[str, int]] | None = None, parts: int = 1,
-        sequence: SequenceGather | None = None, factors: tuple[int, ...] | None = None,
+        sequence: SequenceGather | None = None, view: HeadView | None = None,
     ) -> None:
-        """Follow Colwise output ``t``; ``factors``: its forward (a Linear subclass's) viewed it per head already,
-        its features split into those trailing dims (heads first)."""
-        width = math.prod(factors) if factors else t.shape[-1] if t.dim() else 0
+        """Follow Colwise output ``t``; ``view``: its forward (a Linear subclass's) viewed it per head already
+        (product_views.py: for a fused one, its blocks outermost, so cut into them)."""
+        width = view.width if view is not None else t.shape[-1] if t.dim() else 0
         entry = _Output(label, fused, width, counts=dict(counts or {}), parts=parts, sequence=sequence)
         self.outputs.append(entry)
-        if factors:
-            check_head_count(entry, list(factors))
-            self.follow_heads(t, entry, t.dim() - len(factors))
+        if view is not None:
+            check_head_count(entry, view.counted)
+            entry.cut = True  # (fused: viewed with its blocks outermost, each block's heads whole)
+            self.follow_heads(t, entry, view.heads_dim)
             return
         self._follow(t, entry)
 
@@ -168,6 +173,11 @@ class SplitWatch(TorchFunctionMode):
             out = func(*args, **kwargs)
         except Exception:
             self.failed_on = self._outputs_in(args, kwargs)
+            first = args[0] if args else None
+            found = self._entry(first) or (self._heads_of(first) or (None,))[0]
+            if func in _RESHAPES and found is not None and isinstance(first, Tensor):
+                sizes = args[1] if len(args) == 2 and isinstance(args[1], (list, tuple)) else args[1:]
+                self.failed_reshape = (found, _name(func), list(first.shape), list(sizes))
             raise
         if self.mixed is None and (self.watched or self.moved):
             self.mixed = mixed(_name(func), args, kwargs, self.features_of)
@@ -229,6 +239,29 @@ class SplitWatch(TorchFunctionMode):
             "cuts it divides that width for its call: name "
             "it in local=(...) with the head counts in heads=(...) (GPT-2's attention: sw.tp.Region(heads="
             "('num_heads',), local=('split_size',)), as sw.tp.gpt2_plan() gives)"
+        )
+
+    def failed_view_message(self, err: BaseException) -> str | None:
+        """Why the module failed (``err``, torch's), where a reshape of a Colwise output outside any Region (or of
+        its per-head view) did: sized by a whole count or width, which nothing divides there. None otherwise."""
+        if self.failed_reshape is None or self.failed_reshape[0].parts <= 1 or self.failed_reshape[0].parameter:
+            return None
+        entry, name, shape, sizes = self.failed_reshape
+        module = next(iter(entry.counts.values()))[0] if entry.counts else (
+            entry.label.rsplit(".", 1)[0] if "." in entry.label else "<the layer's module>"
+        )  # (the innermost module holding a count: the one to give a Region)
+        held = ", ".join(f"{where}.{attr} = {count}" for attr, (where, count) in entry.counts.items())
+        counts = tuple(dict.fromkeys(entry.counts))
+        region = f"sw.tp.Region(heads={counts!r})" if counts else "sw.tp.Region(heads=('<its head count>',))"
+        return (
+            f"tensor_parallel: Colwise() on {entry.label!r}, outside any Region, gives each rank 1/{entry.parts} of "
+            f"its output features ({entry.width} of {entry.width * entry.parts} here), and the module taking them "
+            f"({module!r}) reshapes them ({name} of {shape} to {sizes}) by sizes of the whole, which this rank's "
+            f"slice does not fit ({type(err).__name__}: {err}): most likely a whole head count given explicitly, "
+            f"beside the head width or times it{f' ({held})' if held else ''}, which nothing divides outside a "
+            f"Region. Give {module!r} a Region naming its counts, {region} in the plan, which divides them by the tp "
+            "size while the module runs; or size the view with the heads inferred (view(b, t, -1, head_dim), and "
+            "reshape(b, t, -1) to merge them), as Hugging Face's attentions do"
         )
 
     def finish(self) -> None:

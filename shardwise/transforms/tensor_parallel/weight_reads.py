@@ -35,11 +35,15 @@ one's (a Linear's or an Embedding's) may add its bias and apply functions of eac
 a scale by a number): its output is the rank's slice of the features, and ``F.normalize`` over them would
 normalize the slice (:func:`check_product`). It may view them per head, its features (the rank's whole heads)
 split into (heads, head_dim) by a head width it fixes, the leading dims kept (``view(*x.shape[:-1], -1,
-head_dim)``, ``unflatten(-1, (-1, head_dim))``), as an attention's parent views a plain Linear's: the output is
-then followed along its heads (head_views.py), gathered along them for ``output='replicated'``; a view whose
-head width is left to -1 (by a whole head count, ``view(b, t, self.heads, -1)``: the rank's 1/tp of the width),
-that gives its heads beside a size read off the rank's width (``y.shape[-1] // self.n``), or that mixes the
-features with other dims is refused (:meth:`WeightReads._reshaped`).
+head_dim)``, ``unflatten(-1, (-1, head_dim))``), as an attention's parent views a plain Linear's, or a fused
+q, k, v product viewed with its blocks (``Colwise(fused=3)``: ``view(b, t, 3, -1, head_dim)``) or per head
+(``view(b, t, -1, 3, head_dim)``), its dims then moved (``transpose``): the output is then followed along its
+heads (head_views.py), gathered along them for ``output='replicated'``; a view whose head width is left to -1
+(by a whole head count, ``view(b, t, self.heads, -1)``: the rank's 1/tp of the width), that gives its heads
+beside a size read off the rank's width (``y.shape[-1] // self.n``), that mixes the features with other dims, or
+whose blocks are not outermost where its Colwise is fused, is refused (product_views.py says which views are
+right, and why). Which code made an op, the model's or shardwise's own, is model_frames.py's question; the
+words of each refusal are read_refusals.py's.
 
 A number (to scale the weight or the product by) is Python's or a 0-d tensor computed from neither the
 product, nor a split weight, nor a Rowwise's input (the rank's slice of the features: :func:`follow_input`):
@@ -54,17 +58,20 @@ tp times), naming the gain, the module, the op and the line.
 from __future__ import annotations
 
 import contextlib
-import math
-import os
-import sys
 import threading
 import weakref
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
+
+from .model_frames import by_shardwise, model_line, watch_file
+from .product_views import CUTS, MOVES, HeadView, cut_into_blocks, cut_refused, reshaped, stacked_blocks
+from .read_refusals import custom_refusal, gain_refusal, product_refusal, read_refusal
+
+watch_file(__file__)  # this watch's frames pass an op on: its caller is the code above them (model_frames.py)
 
 
 def _words(text: str) -> frozenset[str]:
@@ -99,9 +106,10 @@ _own = threading.local()
 
 
 @contextlib.contextmanager
-def own_use(module: nn.Module, custom: bool = False) -> Iterator[None]:
+def own_use(module: nn.Module, custom: bool = False, fused: int = 1) -> Iterator[None]:
     """While ``module``'s tensor-parallel forward runs, its own parameters are its to read; ``custom``: its
-    class overrides torch's forward, whose use of them is followed (see the module docstring)."""
+    class overrides torch's forward, whose use of them is followed (see the module docstring); ``fused``: the
+    blocks its Colwise(fused=N) splits each of (what a per-head view of its product must put outermost)."""
     if getattr(_own, "reads", None) is None:  # no watch runs (a layer's later calls): nothing to tell it
         yield
         return
@@ -116,13 +124,14 @@ def own_use(module: nn.Module, custom: bool = False) -> Iterator[None]:
     reads: WeightReads = _own.reads
     # What an overridden forward computes from its product is followed from that forward alone: a number
     # the layer computed before it (from another module's output) is no function of this product.
-    followed, refused_view, width_read = reads.followed, reads.refused_view, reads.width_read
+    followed, refused_view, width_read, outer_fused = reads.followed, reads.refused_view, reads.width_read, reads.fused
     if custom:
-        reads.followed, reads.refused_view, reads.width_read = ({}, {}, {}, {}), None, False
+        reads.followed, reads.refused_view, reads.width_read, reads.fused = ({}, {}, {}, {}, {}), None, False, fused
     try:
         yield
     finally:
         reads.followed, reads.refused_view, reads.width_read = followed, refused_view, width_read
+        reads.fused = outer_fused
         _own.custom = outer
         for i in mine:
             ids[i] -= 1
@@ -143,9 +152,16 @@ def follow_input(x: Any) -> None:
         reads.derived[id(x)] = weakref.ref(x)
 
 
-def head_view_of(out: Any) -> tuple[int, ...] | None:
-    """The (heads, head_dim, ...) a Colwise Linear subclass's forward viewed its product as, where ``out`` is that
-    view (its heads dim is ``out.dim() - len`` of it); None otherwise, or where no watch runs."""
+def block_views_of(out: Any) -> tuple[HeadView, ...] | None:
+    """The per-head views of a fused product's blocks, where a Colwise Linear subclass's forward returned them as
+    a tuple (q, k, v: product_views.py); None otherwise, or where no watch runs."""
+    reads: WeightReads | None = getattr(_own, "reads", None)
+    return None if reads is None else reads.block_views(out)
+
+
+def head_view_of(out: Any) -> HeadView | None:
+    """The per-head view a Colwise Linear subclass's forward made of its product, where ``out`` is that view (its
+    heads along ``heads_dim``: product_views.py); None otherwise, or where no watch runs."""
     reads: WeightReads | None = getattr(_own, "reads", None)
     return None if reads is None else reads.head_view(out)
 
@@ -158,37 +174,10 @@ def check_product(out: Any, label: str, module: nn.Module, rowwise: bool) -> Non
     the whole. Checked while a watch runs."""
     reads: WeightReads | None = getattr(_own, "reads", None)
     if reads is None or reads.holds(reads.products, out) or (not rowwise and (
-        reads.holds(reads.after, out) or reads.head_view(out) is not None
+        reads.holds(reads.after, out) or reads.head_view(out) is not None or reads.block_views(out) is not None
     )):
         return
-    base = "nn.Embedding" if isinstance(module, nn.Embedding) else "nn.Linear"
-    if not rowwise and reads.refused_view is not None:
-        raise ValueError(
-            f"tensor_parallel: Colwise() on {label!r}, a {type(module).__name__} whose forward overrides {base}'s: "
-            "run on this rank's slice of its output features (its whole heads, 1/tp of them), it reshapes its "
-            f"output ({reads.refused_view}), which is no per-head view tensor parallel can follow: on a rank the "
-            "same sizes make other heads, or mix the rank's features with other dims. View them by the head width, "
-            "the heads inferred (view(*x.shape[:-1], -1, head_dim), unflatten(-1, (-1, head_dim))), as Hugging "
-            f"Face's attentions do; or return the product and view it in the module around it; or give it a plain "
-            f"{base}, or leave it out of the plan (replicated, with its Rowwise partner)"
-        )
-    if not rowwise:
-        raise ValueError(
-            f"tensor_parallel: Colwise() on {label!r}, a {type(module).__name__} whose forward overrides "
-            f"{base}'s: run on this rank's slice of its output features, it returned something else than its "
-            "weight's product with the input (plus its bias, or a function of each feature alone: tanh, gelu, a "
-            "scale by a number or by a 0-d tensor not computed from that product), so what it computed after "
-            "that product may have mixed the features of this rank's slice (a norm or a max over them) where it "
-            f"meant all of them. Give it a plain {base} (and compute the rest after it, where tensor parallel "
-            "follows the split output), or leave it out of the plan (replicated, with its Rowwise partner)"
-        )
-    raise ValueError(
-        f"tensor_parallel: Rowwise() on {label!r}, a {type(module).__name__} whose forward overrides "
-        f"nn.Linear's: run on this rank's slice of its input features (without its bias, added once after the "
-        "sum), it returned something else than its weight's product with the input, so what it computes after "
-        "that product would act on each rank's partial sum, not on the whole. Give it a plain nn.Linear, or "
-        "leave it out of the plan (replicated, with its Colwise partner)"
-    )
+    raise ValueError(product_refusal(label, module, rowwise, reads.refused_view, reads.fused))
 
 
 class WeightReads(TorchFunctionMode):
@@ -212,10 +201,12 @@ class WeightReads(TorchFunctionMode):
         }
         # While an overridden forward runs (own_use): its products (check_product), elementwise functions of
         # them by numbers, and anything else computed from them (a norm, a max: no number to scale them by).
-        # The fourth: per-head views of those (their features split into (heads, head_dim)), with the dims.
-        self.followed: tuple[dict[int, Any], ...] = ({}, {}, {}, {})
+        # The fourth: per-head views of those (their features split into heads, ...: product_views.py).
+        # The fifth: the blocks of a fused product it cut apart (q, k, v = y.chunk(3, -1)), with their place.
+        self.followed: tuple[dict[int, Any], ...] = ({}, {}, {}, {}, {})
         self.refused_view: str | None = None  # a reshape of the product no per-head view: what check_product says
         self.width_read = False  # the forward read its product's shape (the rank's width): a head width from it?
+        self.fused = 1  # the blocks the overridden forward's Colwise(fused=N) splits each of
 
     @property
     def products(self) -> dict[int, weakref.ref[Tensor]]:
@@ -230,11 +221,31 @@ class WeightReads(TorchFunctionMode):
         return self.followed[2]
 
     @property
-    def viewed(self) -> dict[int, tuple[weakref.ref[Tensor], tuple[int, ...]]]:
+    def viewed(self) -> dict[int, tuple[weakref.ref[Tensor], HeadView]]:
         return self.followed[3]
 
-    def head_view(self, t: Any) -> tuple[int, ...] | None:
-        """The (heads, head_dim, ...) an overridden Colwise forward's product was viewed as, if ``t`` is that view."""
+    @property
+    def blocks(self) -> dict[int, tuple[weakref.ref[Tensor], int]]:
+        return self.followed[4]
+
+    def block_of(self, t: Any) -> int | None:
+        """Which block of a fused product ``t`` is, where the forward cut it apart."""
+        found = self.blocks.get(id(t)) if isinstance(t, Tensor) else None
+        return found[1] if found is not None and found[0]() is t else None
+
+    def block_views(self, out: Any) -> tuple[HeadView, ...] | None:
+        """The per-head views of its N blocks, each once, where an overridden fused forward returns them as a
+        tuple (q, k, v each viewed per head); None otherwise."""
+        if not isinstance(out, (tuple, list)) or len(out) != self.fused or self.fused == 1:
+            return None
+        views = tuple(self.head_view(t) for t in out)
+        blocks = sorted(v.block for v in views if v is not None and v.block is not None)
+        if len(blocks) != len(views) or blocks != list(range(self.fused)):
+            return None  # (each block once, in any order: each is the rank's heads of its block)
+        return views  # type: ignore[return-value]
+
+    def head_view(self, t: Any) -> HeadView | None:
+        """The per-head view an overridden Colwise forward made of its product, if ``t`` is that view."""
         found = self.viewed.get(id(t)) if isinstance(t, Tensor) else None
         return found[1] if found is not None and found[0]() is t else None
 
@@ -274,15 +285,15 @@ class WeightReads(TorchFunctionMode):
                 if entry is None or entry[0]() is not t:
                     continue
                 root, path, by = found = entry[1]
-                if root not in owned and not _by_shardwise(name):
-                    raise ValueError(self._gain_refusal(path, by, name))
+                if root not in owned and not by_shardwise(name):
+                    raise ValueError(gain_refusal(self.layer, path, by, name, model_line(name)))
         return found
 
     def _split_use(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
-        split, products, after, derived, viewed = self.split, *self.followed
+        split = self.split
         if not any(id(a) in split or (type(a) in (list, tuple) and any(id(t) in split for t in a))
                    for a in (*args, *kwargs.values())):
-            if (products or after or derived or viewed) and any(
+            if any(self.followed) and any(
                 self._followed(t) for a in (*args, *kwargs.values())
                 for t in (a if type(a) in (list, tuple) else (a,))
             ):
@@ -300,14 +311,14 @@ class WeightReads(TorchFunctionMode):
                 if entry is None or entry[0]() is not t:
                     continue
                 root, path, by = entry[1]
-                if root not in owned and not _by_shardwise(name):
-                    raise ValueError(self._refusal(path, by, name))
+                if root not in owned and not by_shardwise(name):
+                    raise ValueError(read_refusal(self.layer, path, by, name, model_line(name)))
                 if root not in custom:
                     continue
                 if name in _SHAPES:
                     # The slice's shape: a number the forward may scale by (fan-in, muP), the rank's part of it.
-                    if not _by_shardwise(name):
-                        raise ValueError(self._custom_refusal(path, by, name, shape=True))
+                    if not by_shardwise(name):
+                        raise ValueError(custom_refusal(path, by, name, model_line(name), shape=True))
                     continue
                 if name in _CARRY or (name in _BY_A_NUMBER and all(
                     self._a_number(b) for b in (*args, *kwargs.values()) if isinstance(b, Tensor) and b is not t
@@ -317,8 +328,8 @@ class WeightReads(TorchFunctionMode):
                     isinstance(b, Tensor) and self._is_product(b) for b in (*args, *kwargs.values())
                 )):
                     product = True  # (its own bias added to the product: a Colwise bias is sliced as its outputs)
-                elif not _by_shardwise(name):
-                    raise ValueError(self._custom_refusal(path, by, name, scaled=name in _BY_A_NUMBER))
+                elif not by_shardwise(name):
+                    raise ValueError(custom_refusal(path, by, name, model_line(name), scaled=name in _BY_A_NUMBER))
         out = func(*args, **kwargs)
         if isinstance(out, Tensor) and made:
             self.split[id(out)] = (weakref.ref(out), next(e for e in self._entries(args, kwargs)))
@@ -337,7 +348,9 @@ class WeightReads(TorchFunctionMode):
 
     def _followed(self, t: Any) -> bool:
         """Whether ``t`` is an overridden forward's product, or was computed from one."""
-        return any(self.holds(found, t) for found in self.followed[:3]) or self.head_view(t) is not None
+        return any(self.holds(found, t) for found in self.followed[:3]) or self.head_view(t) is not None or (
+            self.block_of(t) is not None
+        )
 
     @staticmethod
     def holds(found: dict[int, weakref.ref[Tensor]], t: Any) -> bool:
@@ -356,8 +369,30 @@ class WeightReads(TorchFunctionMode):
             return out
         if name in _RESHAPES and isinstance(out, Tensor) and isinstance(first, Tensor) and (
             self.holds(self.products, first) or self.holds(self.after, first) or self.head_view(first) is not None
+            or self.block_of(first) is not None
         ):
             self._reshaped(name, first, args[1:], kwargs, out)
+            return out
+        if name in CUTS and isinstance(first, Tensor) and (self.holds(self.products, first) or self.holds(
+            self.after, first
+        )):
+            if cut_into_blocks(first, args[1:], kwargs, out, self.fused):
+                for k, part in enumerate(out):  # its N blocks (q, k, v): each viewed per head as a product is
+                    self.blocks[id(part)] = (weakref.ref(part), k)
+                return out
+            refused = cut_refused(name, first, args[1:], kwargs, out, self.fused)
+            self.refused_view = self.refused_view or refused
+        if name == "stack" and isinstance(out, Tensor) and isinstance(first, (list, tuple)):
+            stacked = stacked_blocks([self.head_view(t) for t in first], kwargs.get(
+                "dim", args[1] if len(args) > 1 else 0
+            ), self.fused)
+            if stacked is not None:  # its blocks' per-head views stacked back, the blocks outermost
+                self.viewed[id(out)] = (weakref.ref(out), stacked)
+                return out
+        viewed = self.head_view(first) if name in MOVES and isinstance(out, Tensor) else None
+        moved = None if viewed is None or not isinstance(first, Tensor) else viewed.moved(name, first, args[1:])
+        if moved is not None:  # its dims moved (a head-major q, k, v view's transpose): its heads followed
+            self.viewed[id(out)] = (weakref.ref(out), moved)
             return out
         tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)]
         mains = [t for t in tensors if self.holds(self.products, t) or self.holds(self.after, t)]
@@ -368,8 +403,9 @@ class WeightReads(TorchFunctionMode):
             and bool(mains) != bool(views) and all(t.shape == out.shape for t in (*mains, *views))
             and all(self._a_number(o) for o in numbers)
         )
-        if elementwise and views:
-            self.viewed[id(out)] = (weakref.ref(out), self.head_view(views[0]) or ())
+        view = self.head_view(views[0]) if views else None
+        if elementwise and view is not None:
+            self.viewed[id(out)] = (weakref.ref(out), view)
         elif elementwise:
             self.after[id(out)] = weakref.ref(out)
         else:
@@ -379,32 +415,22 @@ class WeightReads(TorchFunctionMode):
         return out
 
     def _reshaped(self, name: str, t: Tensor, rest: Sequence[Any], kwargs: dict[str, Any], out: Tensor) -> None:
-        """A reshape of a Colwise product (or of its per-head view): its features, the rank's whole heads, split
-        into (heads, head_dim) by a head width the module fixes (``view(b, t, -1, head_dim)``, ``unflatten(-1,
-        (-1, head_dim))``), or such a view flattened back, is followed as the view or the product; any other, one
-        whose head width is the rank's (``view(b, t, heads, -1)``: 1/tp of the width, as many heads) or that mixes
-        the features with other dims (the leading dims too: ``view(-1, heads, head_dim)``), is noted for
-        check_product's refusal."""
-        viewed = self.head_view(t)
-        width = math.prod(viewed) if viewed is not None else (t.shape[-1] if t.dim() else 0)
-        heads_at = t.dim() - len(viewed) if viewed is not None else t.dim() - 1
-        factors = _trailing(list(out.shape), width, list(t.shape[:heads_at]))
-        if factors is not None and len(factors) == 1:
+        """A reshape of a Colwise product (or of its per-head view): followed as a per-head view, or as the product
+        again (merged back); any other is noted for check_product's refusal (product_views.py says which)."""
+        block = self.block_of(t)
+        found = reshaped(name, t, self.head_view(t), rest, kwargs, out, 1 if block is not None else self.fused,
+                         self.width_read)
+        if block is not None and found is None:
+            self.blocks[id(out)] = (weakref.ref(out), block)  # the block's features last again
+        elif block is not None and isinstance(found, HeadView):
+            self.viewed[id(out)] = (weakref.ref(out), replace(found, block=block))
+        elif found is None:
             self.after[id(out)] = weakref.ref(out)  # the features last again (merged back, or leading dims moved)
-            return
-        asked = None if factors is None else _asked(name, rest, kwargs, out.dim(), len(factors))
-        why = (
-            ", its features mixed with other dims" if factors is None or asked is None else
-            ", the head width left to -1 (the rank's 1/tp of it where the heads are a whole count)"
-            if -1 in asked[1:] else
-            ", its heads given with the rank's width read off the output (y.shape[-1] // heads: 1/tp of the head "
-            "width where the count is whole)" if asked[0] != -1 and self.width_read else None
-        )
-        if factors is not None and why is None:
-            self.viewed[id(out)] = (weakref.ref(out), tuple(factors))
-            return
-        self.derived[id(out)] = weakref.ref(out)
-        self.refused_view = self.refused_view or f"{name} of its {list(t.shape)} to {list(out.shape)}{why}"
+        elif isinstance(found, HeadView):
+            self.viewed[id(out)] = (weakref.ref(out), found)
+        else:
+            self.derived[id(out)] = weakref.ref(out)
+            self.refused_view = self.refused_view or found
 
     def _entries(self, args: Sequence[Any], kwargs: dict[str, Any]) -> Iterator[tuple[int, str, str]]:
         for a in (*args, *kwargs.values()):
@@ -412,134 +438,9 @@ class WeightReads(TorchFunctionMode):
             if entry is not None and entry[0]() is a:
                 yield entry[1]
 
-    def _custom_refusal(self, path: str, by: str, op: str, shape: bool = False, scaled: bool = False) -> str:
-        where = _model_line(op)
-        what, why = (
-            ("reads the shape of", f"a width computed from its shape ({op}: a fan-in scale, weight.shape[1] ** -0.5) "
-             "is the rank's part of the whole's") if shape else
-            (f"computes {op} (a scale by a tensor that is no number) on",
-             "a scale computed from the rank's slice (of the weight, of its product, of a Rowwise's input: "
-             "x.abs().max()), or one with dims, differs from the whole's; a number it may scale by is Python's or "
-             "a 0-d tensor the same on every rank (a buffer, a 0-d parameter)") if scaled else
-            (f"computes {op} on", "a use other than its product with the input (linear, matmul; after casts, "
-             "transposes or a scale by a number) would see part of the weight where it means the whole (a "
-             "normalized weight's norm)")
-        )
-        return (
-            f"tensor_parallel: the forward of {by}, whose class overrides torch's, {what} its split "
-            f"parameter {path!r}{f' (at {where})' if where else ''}: each rank holds a slice of it, so {why}, and "
-            "it would train another model without an error. Give it a plain nn.Linear (a width it needs can come "
-            "from self.in_features / self.out_features, which stay the whole's), or leave it out of the plan "
-            "(replicated, with its Colwise / Rowwise partner)"
-        )
-
-    def _gain_refusal(self, path: str, by: str, op: str) -> str:
-        where = _model_line(op)
-        return (
-            f"tensor_parallel: layer {self.layer!r} reads the 0-d gain {path!r} outside the forward of its module, "
-            f"{by} ({op}{f', at {where}' if where else ''}): tensor parallel sums the gain's gradient over the "
-            "axis, as each rank's use inside that forward meets the rank's slice of the weight, but a use outside "
-            "it is the same on every rank, and its gradient would be summed too (counted once per rank), training "
-            "another model without an error. Keep the gain inside the module (its forward may scale the weight or "
-            "the product by it; give the code outside a parameter of its own), or leave the module out of the plan "
-            "(replicated, with its Colwise / Rowwise partner)"
-        )
-
-    def _refusal(self, path: str, by: str, op: str) -> str:
-        where = _model_line(op)
-        return (
-            f"tensor_parallel: layer {self.layer!r} reads parameter {path!r} outside the forward of the module that "
-            f"splits it, {by} ({op}{f', at {where}' if where else ''}): each rank holds a slice of it, so that code "
-            "would compute with the slice where it means the whole (a norm of part of the weight, a regularizer "
-            "over part of it, another width), and train another model (or report another loss) without an error. "
-            "Only the split module's own forward may use its split parameters: call the module instead of reading "
-            "its weight, leave the module out of the plan (replicated, with its Colwise / Rowwise partner), or, "
-            "for a penalty on the weights, use the optimizer's weight decay (sw.optim.adamw(weight_decay=...))"
-        )
-
-
-def _trailing(shape: list[int], width: int, lead: list[int]) -> list[int] | None:
-    """The trailing dims of ``shape`` that hold ``width`` features after the leading dims ``lead`` (kept as they
-    were: the product's dims follow its input's, which tensor parallel reads them by), or None."""
-    product = 1
-    for k in range(len(shape) - 1, -1, -1):
-        product *= shape[k]
-        if product == width:
-            return shape[k:] if shape[:k] == lead else None
-        if product > width:
-            return None
-    return None
-
-
-def _asked(name: str, rest: Sequence[Any], kwargs: dict[str, Any], dims: int, parts: int) -> list[Any] | None:
-    """The sizes the reshape asked for its last ``parts`` dims (the heads, then the head's): right where every one
-    after the heads is fixed (not -1) by the module, the same on a rank as on the whole, and the heads are -1 (what
-    the rank's width makes of them) or given without reading that width. None where they cannot be read."""
-    if name == "unflatten":
-        sizes = kwargs.get("sizes", rest[1] if len(rest) > 1 else None)
-        asked = list(sizes) if isinstance(sizes, (list, tuple)) else None
-    else:
-        shape = kwargs.get("shape", kwargs.get("size", rest[0] if len(rest) == 1 else rest))
-        asked = list(shape) if isinstance(shape, (list, tuple)) else None
-        asked = asked if asked is not None and len(asked) == dims else None
-    if asked is None or len(asked) < parts or not all(isinstance(a, int) for a in asked[len(asked) - parts:]):
-        return None
-    return asked[len(asked) - parts:]
-
 
 def _name(func: Any) -> str:
     name = getattr(func, "__name__", None)
     if name == "__get__":  # a property getter: Tensor.shape.__get__ and the like
         name = getattr(getattr(func, "__self__", None), "__name__", name)
     return str(name or func)
-
-
-_TORCH = os.path.dirname(torch.__file__ or "") + os.sep
-# torch.nn's modules and functions are model code (nn.MultiheadAttention reads its out_proj's weight itself);
-# the rest of torch's Python only passes an op on (Tensor methods, torch.functional, the modes' dispatch).
-_TORCH_NN = _TORCH + "nn" + os.sep
-_SHARDWISE = os.path.dirname(sys.modules[__name__.split(".")[0]].__file__ or "") + os.sep
-_MODELS = _SHARDWISE + os.path.join("testing", "models.py")  # shardwise's own example models are model code
-
-
-def _by_shardwise(op: str) -> bool:
-    """Whether ``op`` was called by shardwise's own code (a refusal explaining shapes, a collective), not the
-    model's (torch.nn's modules and functions included): the first frame of the stack that does not only pass
-    the op on (see _passing_on)."""
-    frame = _caller(op)
-    name = "" if frame is None else frame.f_code.co_filename
-    return name.startswith(_SHARDWISE) and name != _MODELS
-
-
-def _caller(op: str) -> Any:
-    frame = sys._getframe(2)
-    while frame is not None and _passing_on(frame, op):
-        frame = frame.f_back  # type: ignore[assignment]
-    return frame
-
-
-def _passing_on(frame: Any, op: str) -> bool:
-    """torch's Python outside torch.nn, a torch.nn function dispatching itself (F.multi_head_attention_forward
-    seen as one op), and the torch function modes handing the op to each other (the layer's other watches)."""
-    code = frame.f_code
-    if code.co_name == "__torch_function__" or code.co_filename == __file__:  # (this watch's own frames)
-        return True
-    if not code.co_filename.startswith(_TORCH):
-        return False
-    return not code.co_filename.startswith(_TORCH_NN) or code.co_name == op
-
-
-def _model_line(op: str) -> str:
-    """The model code doing the read: the first frame outside torch and shardwise, or, where shardwise calls
-    torch.nn's module itself (a layer that is a TransformerEncoderLayer), torch.nn's line calling the op."""
-    frame, nearest = _caller(op), ""
-    while frame is not None:
-        name = frame.f_code.co_filename
-        where = f":{frame.f_lineno} in {frame.f_code.co_name}"
-        if not name.startswith((_TORCH, _SHARDWISE)) or name == _MODELS:
-            return os.path.basename(name) + where
-        if name.startswith(_SHARDWISE):
-            return nearest
-        nearest = nearest or "torch/" + os.path.relpath(name, _TORCH).replace(os.sep, "/") + where
-        frame = frame.f_back
-    return nearest
