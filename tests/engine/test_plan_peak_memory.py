@@ -187,6 +187,7 @@ def _gather_with_late_peers() -> int:
     issuing theirs ``LATE_S`` later (as under a loaded machine's schedule)."""
     mesh = sw.Mesh(dp=WORLD)
     x = torch.ones(LATE_GATHER_BYTES // WORLD // 4)
+    all_gather_async(x, "dp", tiled=True, mesh=mesh).wait()  # the exchange set up (open already after ZeRO's)
     if mesh.rank != 0:
         time.sleep(LATE_S)
     with _resident_from_allocation():
