@@ -228,8 +228,8 @@ def _wait_ended(pids: list[int], seconds: float) -> list[int]:
         time.sleep(0.05)
 
 
-@pytest.mark.gloo
-@pytest.mark.parametrize("backend", ["threads", "processes"])
+# threads: one launcher process and no rank process, so not on the gloo tests' worker
+@pytest.mark.parametrize("backend", ["threads", pytest.param("processes", marks=pytest.mark.gloo)])
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl_c", "sigterm"])
 def test_a_signal_to_the_launcher_ends_every_rank_cleanly(backend: str, sig: int, tmp_path: Path) -> None:
     proc, pids = _start_launcher(backend, tmp_path)

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from shardwise.collectives.backends import start_method
+from shardwise.collectives.backends.processes import ProcessPool
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -366,3 +367,21 @@ def test_ranks_run_the_launchers_shardwise_beside_another_checkout(tmp_path: Pat
     launcher, ranks, method = eval(done.stdout.strip().splitlines()[-1])
     assert launcher == str(REPO / "shardwise" / "__init__.py")
     assert ranks == [launcher] and method == "spawn"
+
+
+@pytest.mark.gloo
+def test_a_pool_started_in_a_later_test_phase_forks_its_ranks_from_the_server() -> None:
+    """The suite's own arrangement (tests/conftest.py): the server started in this test's setup, and
+    pytest has since rewritten PYTEST_CURRENT_TEST for the call; a pool started now is forked from the
+    server still (it was spawned, importing torch again in every rank, in every test after the first),
+    and a variable a test sets itself still has its pool spawned."""
+    if os.environ.get(start_method.ENV_VAR, "forkserver") != "forkserver":
+        pytest.skip(f"{start_method.ENV_VAR} asks for spawned ranks")
+    server = start_method.forkserver_pid()
+    assert server is not None, "the gloo tests' setup starts the fork server"
+    with ProcessPool(1, timeout=60) as pool:
+        assert pool.run(os.getppid) == [server] and pool.start_method == "forkserver"
+    with pytest.MonkeyPatch.context() as patch:  # (what a launch would start its ranks with: no rank to start)
+        patch.setenv("SHARDWISE_TEST_SET_IN_THE_TEST", "1")
+        assert start_method.rank_context().get_start_method() == "spawn"
+    assert start_method.rank_context().get_start_method() == "forkserver"
