@@ -41,25 +41,10 @@ torch.set_num_threads(1)
 
 # -- rank processes forked from the fork server, in every test ------------------------------------
 # A launch forks its ranks from a server that imported torch once only while what a rank inherits
-# (start_method.inherited: the environment among it) is what the server had when it started; else it
-# spawns them, each importing torch again (2 to 5 s a pool). pytest rewrites PYTEST_CURRENT_TEST
-# before every phase of every test, so every pool started after the server's first test was spawned:
-# a pool restarted by a fault test, a test's own pool, a rank killed on purpose. No rank reads it;
-# the comparison here leaves it out (a variable a test sets itself still spawns, as meant), and the
-# server starts as the first gloo test's setup does, before its fixtures can change what ranks inherit.
-PYTEST_TEST_VAR = "PYTEST_CURRENT_TEST"
-
-
-def _inherited_but_the_test_name() -> tuple[object, ...]:
-    env, *rest = _LIBRARY_INHERITED()
-    assert isinstance(env, dict), "start_method.inherited() no longer starts with the environment: see conftest.py"
-    return ({k: v for k, v in env.items() if k != PYTEST_TEST_VAR}, *rest)
-
-
-_LIBRARY_INHERITED = _start_method.inherited
-_start_method.inherited = _inherited_but_the_test_name  # type: ignore[assignment]
-
-
+# (start_method.inherited: the environment among it, but PYTEST_CURRENT_TEST, which pytest rewrites
+# before every phase of every test) is what the server had when it started; else it spawns them, each
+# importing torch again (2 to 5 s a pool). So the server starts as the first gloo test's setup does,
+# before its fixtures can change what ranks inherit (a variable a test sets itself still spawns).
 @pytest.hookimpl(tryfirst=True)  # before the test's fixtures (a pool, a variable set) run
 def pytest_runtest_setup(item: pytest.Item) -> None:
     if item.get_closest_marker("gloo") and os.environ.get(_start_method.ENV_VAR, "forkserver") == "forkserver":

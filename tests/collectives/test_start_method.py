@@ -385,3 +385,15 @@ def test_a_pool_started_in_a_later_test_phase_forks_its_ranks_from_the_server() 
         patch.setenv("SHARDWISE_TEST_SET_IN_THE_TEST", "1")
         assert start_method.rank_context().get_start_method() == "spawn"
     assert start_method.rank_context().get_start_method() == "forkserver"
+
+
+def test_what_a_rank_inherits_leaves_out_only_the_test_runners_per_test_variable(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A user's pytest suite rewrites PYTEST_CURRENT_TEST around every test: compared, it had every pool
+    after the first test spawned. Any other variable still counts."""
+    monkeypatch.setenv("PYTEST_CURRENT_TEST", "a.py::one (setup)")
+    before = start_method.inherited()
+    monkeypatch.setenv("PYTEST_CURRENT_TEST", "a.py::two (call)")
+    assert start_method.inherited() == before
+    monkeypatch.setenv("SHARDWISE_TEST_SET_IN_THE_TEST", "1")
+    assert start_method.inherited() != before

@@ -131,11 +131,19 @@ def _spawn() -> multiprocessing.context.SpawnContext:
     return cast(multiprocessing.context.SpawnContext, multiprocessing.get_context("spawn"))
 
 
+# Variables a test runner rewrites in the launcher around every test, which no rank reads at its start:
+# compared, they would have every pool after a suite's first test spawned (each rank importing torch
+# again). A forked rank keeps the server's value of them.
+RUNNER_VARIABLES = frozenset({"PYTEST_CURRENT_TEST"})
+
+
 def inherited() -> tuple[Any, ...]:
     """What a process passes to a process it starts, and a forked rank would take from the server
-    instead: the environment, the identity of file descriptors 0-2, the umask, CPU affinity,
-    resource limits, scheduling priority and the signals ignored (handlers do not survive exec)."""
-    return (dict(os.environ), tuple(map(_file, (0, 1, 2))), _umask(), _optional(os.sched_getaffinity, 0),
+    instead: the environment (but ``RUNNER_VARIABLES``), the identity of file descriptors 0-2, the
+    umask, CPU affinity, resource limits, scheduling priority and the signals ignored (handlers do
+    not survive exec)."""
+    env = {k: v for k, v in os.environ.items() if k not in RUNNER_VARIABLES}
+    return (env, tuple(map(_file, (0, 1, 2))), _umask(), _optional(os.sched_getaffinity, 0),
             _limits(), _optional(os.getpriority, os.PRIO_PROCESS, 0) if hasattr(os, "PRIO_PROCESS") else None,
             frozenset(s for s in signal.valid_signals() if _ignored(s)))
 
