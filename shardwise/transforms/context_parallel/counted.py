@@ -116,8 +116,11 @@ def counts_the_part(args: Any, kwargs: dict[str, Any]) -> str | None:
 
 
 def constant_along(x: torch.Tensor, d: int) -> bool:
-    """Whether ``x`` holds the same values at every index of dim ``d`` (a buffer of zeros: its first rows are
-    any rows). Fake tensors (the Plan's prediction) hold none to compare: not constant."""
-    if x.device.type == "meta" or (type(x) is not torch.Tensor and not isinstance(x, torch.nn.Parameter)):
+    """Whether ``x`` holds the same values at every index of dim ``d`` and keeps them (a buffer of zeros, Hugging
+    Face's token-type zeros: its first rows are any rows). A tensor that requires grad (a parameter being
+    trained: ``nn.Parameter(torch.zeros(1, T, d))``) is never: its values at the first call are not those after
+    an update. Fake tensors (the Plan's prediction) hold none to compare: not constant."""
+    if x.requires_grad or x.device.type == "meta" or (
+            type(x) is not torch.Tensor and not isinstance(x, torch.nn.Parameter)):
         return False
     return bool((x == x.narrow(d, 0, 1)).all())

@@ -1,7 +1,7 @@
 """Numbers read from the length of the rank's part of the sequence, marked, and where they may go.
 
 Under context_parallel a layer holds ``t / n`` positions. A number read from a shape along a dim that holds
-them (``h.shape[1]``, ``x.size(1)``, ``len(x)``, ``x.numel()``) is the part's length where the model means
+them (``h.shape[1]``, ``x.size(1)``, ``x.numel()``) is the part's length where the model means
 the sequence's: right as a size (``h.view(b, t, heads, d)``, ``x.new_zeros(b, t)``, ``h[:, :t]`` over the
 whole dim), wrong as a value (``aux * t``, ``x / x.size(1)``, ``torch.full(.., t)``, ``torch.arange(t)``,
 ``torch.linspace(0, 1, t)``, ``math.sqrt(t)``). Shape reads reach no dispatcher as tensors, so the watched first
@@ -11,8 +11,16 @@ arithmetic (``t * 2``, ``t // heads``; ``1 / t`` a :class:`PartFloat`), and judg
 ``float`` (``math.sqrt(t)``, ``math.log(t)``, ``float(t)``) is refused where it happens: what is made of the
 float cannot be followed.
 
+Python's bit operators and ``divmod`` keep the mark; numpy's ufuncs and functions given one (``np.sqrt(t)``,
+``np.clip(t, ..)``) are refused (numpy asks an ``int`` subclass among the arguments first, through ``__array_ufunc__`` /
+``__array_function__``). ``len(x)`` of a tensor whose dim 0 holds positions is refused where it is read
+(CPython turns what ``__len__`` returns into a plain ``int``: it cannot be marked).
+
 What it cannot see: a number that leaves Python's arithmetic for a plain one without ``__float__``
-(``int(t)``, ``range(t)``, ``str(t)``, ``math.sqrt(1 / t)``: the float argument is read as it is), a
+(``int(t)``, ``range(t)``, ``str(t)``, ``math.sqrt(1 / t)``: the float argument is read as it is; numpy
+reading it as an array or scalar, or inside a list: ``np.asarray(t)``, ``np.float64(t)``, ``np.arange(t)``,
+``np.prod([t, 2])``), ``x.shape.numel()``
+(``torch.Size`` cannot be subclassed and multiplies its ints in C; ``x.numel()`` is marked), a
 comparison (``if t > 1024``: control flow), and a number read outside the watched first call.
 """
 
@@ -132,10 +140,52 @@ for _name, _op in _ARITHMETIC.items():
         setattr(_cls, f"__r{_name}__", _binary(_op, True))
 
 
-def _refuse_float(origin: str, how: str) -> None:
+# Python's bit operators (``t << 1``, ``t & mask``) exist on ints only; ``divmod`` gives a pair.
+_BITWISE = {"lshift": operator.lshift, "rshift": operator.rshift, "and": operator.and_, "or": operator.or_,
+            "xor": operator.xor}
+for _name, _op in _BITWISE.items():
+    setattr(PartLength, f"__{_name}__", _binary(_op, False))
+    setattr(PartLength, f"__r{_name}__", _binary(_op, True))
+
+
+def _divmod(reflected: bool) -> Callable[[Any, Any], Any]:
+    quotient, remainder = _binary(operator.floordiv, reflected), _binary(operator.mod, reflected)
+
+    def method(self: Any, other: Any) -> Any:
+        q = quotient(self, other)
+        return q if q is NotImplemented else (q, remainder(self, other))
+
+    return method
+
+
+def _array_ufunc(self: Any, ufunc: Any, method: str, *inputs: Any, **kwargs: Any) -> Any:
+    """numpy's ufuncs (``np.sqrt(t)``, ``np.log2(t)``) ask an int subclass first: refused while watching."""
+    _refuse(self.origin, f"passes it to numpy.{ufunc.__name__}, whose result is then a value of the computation")
+    return getattr(ufunc, method)(*(_plain(i) for i in inputs), **kwargs)
+
+
+def _array_function(self: Any, func: Any, types: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    """numpy's functions given one (``np.clip(t, ..)``; not one inside a list, ``np.prod([t, 2])``): refused
+    while watching."""
+    _refuse(self.origin, f"passes it to numpy.{func.__name__}, whose result is then a value of the computation")
+    return func._implementation(*(_plain(a) for a in args), **{k: _plain(v) for k, v in kwargs.items()})
+
+
+_METHODS = {"__divmod__": _divmod(False), "__rdivmod__": _divmod(True), "__array_ufunc__": _array_ufunc,
+            "__array_function__": _array_function}
+for _cls in Part:
+    for _name, _method in _METHODS.items():
+        setattr(_cls, _name, _method)
+
+
+def _refuse(origin: str, what: str) -> None:
     refuse = getattr(_watch, "refuse", None)
     if refuse is not None:
-        refuse(origin, f"turns it into a Python float ({how}), which is then a value of the computation")
+        refuse(origin, what)
+
+
+def _refuse_float(origin: str, how: str) -> None:
+    _refuse(origin, f"turns it into a Python float ({how}), which is then a value of the computation")
 
 
 def watching(refuse: Callable[[str, str], None] | None) -> Callable[[str, str], None] | None:

@@ -2,8 +2,12 @@
 
 ``unsplit.Unsplit`` (a TorchFunctionMode) sees ``Tensor.shape``, ``size``, ``len`` and ``numel``: of a tensor
 whose dims hold the part's positions, :func:`read_shape` returns those dims' sizes as
-:class:`~.part_length.PartLength`. :func:`judge_numbers` then says, for a torch call given one, whether it is
-used as a size (passed) or as a value (why it is refused); see ``part_length.py``.
+:class:`~.part_length.PartLength` (``len`` of one whose dim 0 holds them is refused by ``Unsplit``: CPython
+makes what ``__len__`` returns a plain ``int``). A new tensor sized by the part's length (``torch.ones(t)``,
+``x.new_ones(x.shape)``) holds the part's positions along those dims (:func:`sized_dims`): ``Unsplit`` tags them,
+so a sum or cumsum of it along them is refused as one of the hidden states would be. :func:`judge_numbers`
+says, for a torch call given a marked number, whether it is used as a size (passed) or as a value (why it is
+refused); see ``part_length.py``.
 """
 
 from __future__ import annotations
@@ -29,6 +33,28 @@ _SIZES = frozenset({
     "split", "split_with_sizes", "tensor_split", "chunk", "pad", "constant_pad_nd", "resize_", "unfold",
 })
 _FILLED = {"full": 0, "new_full": 1}  # (their size argument's place; the fill value is a value)
+# Calls that make a new tensor of the size their arguments give (after the tensor a ``new_*`` method is called on).
+_NEW = frozenset({"empty", "zeros", "ones", "rand", "randn", "full", "empty_strided", "randint", "new_empty",
+                  "new_zeros", "new_ones", "new_full", "new_empty_strided"})
+
+
+def sized_dims(name: str, args: Any, kwargs: dict[str, Any]) -> dict[int, tuple[int, int]]:
+    """The dims of a new tensor (``torch.ones(t)``, ``x.new_ones(x.shape)``) sized by the part's length as read:
+    they hold the part's positions (their values are made for them: a count, a mask, a cumulated sum of ones),
+    so the rules on such dims apply to them. A size computed from it (``b * t``, ``t // 2``) is not followed."""
+    if name not in _NEW:
+        return {}
+    given = list(args[1:] if name.startswith("new_") else args)
+    if name in _FILLED:
+        given = given[:1]
+    elif name == "randint":
+        given = [a for a in given if isinstance(a, (list, tuple))][:1]
+    if "size" in kwargs:
+        given = [kwargs["size"]]
+    if len(given) == 1 and isinstance(given[0], (list, tuple)):
+        given = list(given[0])
+    return {d: (1, int(v)) for d, v in enumerate(given)
+            if isinstance(v, PartLength) and v.length is not None and int(v) == v.length and int(v) > 1}
 
 
 def is_shape_read(func: Any, name: str) -> bool:

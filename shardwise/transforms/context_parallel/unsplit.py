@@ -28,10 +28,13 @@ its ops are watched:
 * :class:`Unsplit` (a TorchFunctionMode) refuses ``scaled_dot_product_attention`` on tensors that hold
   positions, and any op on the batch's ``attention_mask``, which carries the whole sequence's mask to the
   attentions, outside transformers' mask making, the attentions and shardwise.
-* Numbers read from a shape along a dim that holds positions (``h.shape[1]``, ``x.size(1)``, ``len``,
-  ``numel``: the part's length, not the sequence's) are marked (``part_length.py``, ``shape_reads.py``):
-  used as a size (a view, a new tensor, a slice over the whole dim) they pass; as a value (``aux * t``,
-  ``x / x.size(1)``, ``torch.full(.., t)``, ``torch.linspace(0, 1, t)``, ``math.sqrt(t)``) they are refused.
+* Numbers read from a shape along a dim that holds positions (``h.shape[1]``, ``x.size(1)``, ``numel``: the
+  part's length, not the sequence's) are marked (``part_length.py``, ``shape_reads.py``): used as a size (a
+  view, a new tensor, a slice over the whole dim) they pass; as a value (``aux * t``, ``x / x.size(1)``,
+  ``torch.full(.., t)``, ``torch.linspace(0, 1, t)``, ``math.sqrt(t)``, ``np.sqrt(t)``) they are refused.
+  ``len(x)`` of a tensor whose dim 0 holds positions is refused (CPython returns it as a plain int). A new
+  tensor sized by the part's length (``torch.ones(b, t)``, ``x.new_ones(x.shape)``) holds positions along
+  those dims: tagged, so ``torch.ones(t).cumsum(0)`` or ``torch.tril(torch.ones(t, t))`` is refused.
   Positions counted from one (``torch.arange(t)``, ``buffer[:, :t]``, ``counted.py``) pass only through
   views, shardwise's rotary embeddings and mask making, and lookups in a position table context_parallel
   gave the layer with this rank's rows first, or in one constant along the looked-up dim.
@@ -41,7 +44,10 @@ making (whose mask context_parallel replaces), and shardwise's own checks (of th
 of the positions a rotary embedding gets). What it cannot see: code that bypasses ``__torch_function__`` and
 the dispatcher's Python modes (a C++ extension calling ATen directly); a number read from the part's length
 that leaves Python's arithmetic for a plain one other than through ``float`` (``int(t)``, ``range(t)``,
-``math.sqrt(1 / t)``: a float argument is read as it is) or that steers control flow (``if t > 1024``);
+``str(t)``, ``math.sqrt(1 / t)``: a float argument is read as it is; ``np.asarray(t)``, ``np.prod([t, 2])``),
+``x.shape.numel()`` (``torch.Size`` multiplies its ints in C and cannot be subclassed), a new tensor sized by
+a number computed from the length (``torch.ones(b * t)``: its dim is not tagged), or that steers control flow
+(``if t > 1024``);
 positions counted from it in the Plan's prediction (fake tensors: judged at the first step) or handed to the
 next layer (``position_ids`` made in the embedding's layer: each layer's marks start afresh); a value that
 leaves a layer after mixing (a 0-d mean
@@ -71,7 +77,7 @@ from .counted import KEEPS, Counted, constant_along, counts_the_part, keeps_valu
 from .masks import is_carried
 from .part_length import numbers_in, watching
 from .sequence_dims import FollowSequence, current, following, handed
-from .shape_reads import FIRST_ROWS, is_shape_read, judge_numbers, read_shape
+from .shape_reads import FIRST_ROWS, is_shape_read, judge_numbers, read_shape, sized_dims
 
 _ATTENTION = frozenset({"scaled_dot_product_attention"})
 # Tensor methods that hand a tensor's values to Python or numpy, where the positions they hold are lost from sight.
@@ -159,6 +165,11 @@ class Unsplit(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         follower = current()
         if follower is not None and is_shape_read(func, name):
+            if name == "__len__" and 0 in follower.tags_of(args[0]) and not _quiet() and not _exempt():
+                # (CPython makes what __len__ returns a plain int: the length would leave unmarked)
+                self._refuse(f"reads len() of a {list(args[0].shape)} tensor whose dim 0 holds the part's positions: "
+                             "it counts this rank's part of the sequence (not the whole sequence), and len() "
+                             "returns a plain int that cannot be followed", _LEN_FIX, ". ")
             return read_shape(func, name, args, kwargs, follower.tags_of)
         if name in _ATTENTION and (follower is None or any(
                 follower.tags_of(t) for t in (*args[:3], *kwargs.values()))):
@@ -170,6 +181,9 @@ class Unsplit(TorchFunctionMode):
         out = func(*args, **kwargs)
         # (after the call: what the dispatch-level watch refuses in it is named as the op it is)
         self._numbers(func, name, args, kwargs, out, follower.tags_of if follower else _untagged)
+        sized = sized_dims(name, args, kwargs) if follower is not None and isinstance(out, torch.Tensor) else {}
+        if sized and follower is not None and not _quiet() and not _exempt():
+            follower.tag(out, {**follower.tags_of(out), **sized})
         self._counted(func, name, args, kwargs, out)
         if isinstance(out, torch.Tensor) and any(is_carried(a) for a in (*args, *kwargs.values())) and not (
                 _making_a_mask() or _caller().startswith("shardwise.")):  # (shardwise reading its own mask)
@@ -266,9 +280,11 @@ _MIXING_FIX = (
 )
 # A running sum or product over the sequence counts only the rank's part (each part would restart it).
 _SCANS = frozenset({"cumsum", "cumsum_", "cumprod", "cumprod_", "cummax", "cummin", "logcumsumexp", "_logcumsumexp"})
-# Attention's own ops (a softmax of scores, an attention kernel, a convolution over time): the attention fix.
+# Attention's own ops (a softmax of scores, a causal mask made of the part's length, ``torch.ones(t, t).tril()``,
+# an attention kernel, a convolution over time): the attention fix.
 _ATTENTION_LIKE = frozenset({
     "_softmax", "_log_softmax", "softmax", "log_softmax", "_safe_softmax", "convolution", "_convolution",
+    "tril", "triu", "tril_", "triu_",
     "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
     "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
 })
@@ -276,6 +292,10 @@ _AS_A_NUMBER = ": under context_parallel it would train another model without an
 _LENGTH_FIX = (
     "A length read to size or reshape a tensor is right on the part; as a number it is the part's. Pass the whole "
     "sequence's length in (from the batch, or computed outside the layer), or leave context_parallel out"
+)
+_LEN_FIX = (
+    "Read it as x.size(0) (followed: right as a size, refused as a value), or pass the whole sequence's length in "
+    "(from the batch, or computed outside the layer), or leave context_parallel out"
 )
 _SCAN_FIX = (
     "Give the batch the position ids the model would compute (a dict batch with 'position_ids', made on the whole "

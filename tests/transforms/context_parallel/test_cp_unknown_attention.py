@@ -3,8 +3,9 @@
 It was left as it is: it attended over the rank's part of the sequence only, and the step trained
 another model without an error (TinyGPT with a user's ``MHA`` in its second block, cp 2: loss off by
 2e-3 relative at the first step, sdpa or eager). It is refused now by what it computes, at the Plan and
-at the first step: a ``scaled_dot_product_attention``, or a softmax of a ``[..., t, t]`` tensor, outside
-the attention context_parallel installed.
+at the first step: a ``scaled_dot_product_attention``, or (eager) its causal mask made of the part's length
+(``torch.ones(t, t).tril()``: a new tensor sized by it holds the part's positions) before the softmax of a
+``[..., t, t]`` tensor, outside the attention context_parallel installed.
 """
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ def test_an_attention_it_does_not_know_by_name_is_refused(eager: bool) -> None:
     chain, params = sw.functionalize(model, units=Block)
     reference = sw.train_step(chain, _loss, sw.optim.sgd(0.1, momentum=0.9))
     step = sw.context_parallel(reference, "cp")
-    what = "softmax of a \\[2, 2, 4, 4\\] tensor" if eager else "scaled_dot_product_attention"
+    what = r"masks a \[4, 4\] tensor by the positions' places in the part \(tril\)" if eager else (
+        "scaled_dot_product_attention")
     message = f"MHA in layer 'blocks.1' .*{what}.* outside the attentions it splits.*ring_attention"
     with pytest.raises(ValueError, match=message):
         step.plan(sw.Mesh(cp=2), params, batches[0])
