@@ -299,3 +299,19 @@ def test_a_dict_state_mixing_trees_and_tensors_is_checked_at_every_call_not_once
     counting = sw.optim.Optimizer(_CountingInit(), _CountingUpdate())
     with pytest.raises(ValueError, match=r"state\.opt_state\['momentum'\]\['0'\]\['bias'\] is float32 \[8\]"):
         _run("one_device", counting, _opt_cast(torch.float32))
+
+
+def test_a_lazy_user_optimizers_checkpoint_loads_into_a_fresh_step_and_trains_as_the_uninterrupted_run(
+        tmp_path: Any) -> None:
+    """Refused before (load rebuilt init's empty state only: 'per-parameter ['momentum'] and [], this step's
+    optimizer has [] and []'): the state one update makes, predicted on meta tensors, is what load rebuilds."""
+    lazy = sw.optim.Optimizer(_LazyInit(), _LazyUpdate())
+    kept = _run("one_device", lazy, lambda step, state: state)[0]
+    step, params, batches = _problem(lazy)
+    state, _ = step(step.init(params), batches[0])
+    sw.checkpoint.save(tmp_path / "c", state, step)
+    fresh, _, _ = _problem(lazy)
+    state = sw.checkpoint.load(tmp_path / "c", fresh)
+    for batch in batches[1:]:
+        state, _ = fresh(state, batch)
+    assert all(torch.equal(x, y) for x, y in zip(kept, optree.tree_leaves(state.params), strict=True))
