@@ -23,7 +23,7 @@ from ..layout.precision import DynamicLossScale, NoLossScale, StaticLossScale
 from ..layout.sharding import FlatSharding
 from ..layout.state import TrainState
 from ..layout.state_layout import StateLayout
-from ..step.opt_check import expected_opt_states
+from ..optim.expected_state import expected_opt_states
 from .cut import local_keys, rebuild_opt_state, split_opt_state
 from .file_format import CheckpointError, Reader
 from .regions import placed_boxes

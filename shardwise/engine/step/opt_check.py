@@ -23,34 +23,13 @@ from typing import Any
 import optree
 import torch
 
-from ..optim.meta_like import meta_like
-from ..optim.optimizers import updates_by_key
+from ..optim.expected_state import expected_opt_states
+
+__all__ = ["check_devices", "check_opt_state", "describe_change", "expected_opt_states"]
 
 _FIX = ("A TrainState's optimizer state is the step's own layout: change values in place (tensor.copy_), "
         "not the tensors; to cast it, reshard it or carry it to another step, go through sw.checkpoint.save / "
         "load, or start afresh with step.init(params, mesh)")
-
-
-def expected_opt_states(optimizer: Any, update_meta: Mapping[str, Any]) -> tuple[list[Any], bool]:
-    """(the optimizer states this rank's state may hold, as meta tensors; whether they are all it may hold).
-
-    What ``optimizer.init`` makes of ``update_meta`` (the tree ``Step.init`` gives it), then, for a user's
-    optimizer, what one update makes of that where it differs in structure (a state made at the first
-    update). False where that update cannot run on meta tensors (it reads a value): then the state the
-    step returns is accepted too (state_check.note_returned)."""
-    with meta_like():  # a user's optimizer's zeros_like, without torch's Python reference (meta_like.py)
-        made = optimizer.init(update_meta)
-    found = [made]
-    if updates_by_key(optimizer) or getattr(optimizer, "groups", None) is not None:
-        return found, True  # the built-in ones make their whole state at init
-    try:
-        with meta_like(), torch.no_grad():
-            _, after = optimizer.update(update_meta, made, update_meta)
-    except Exception:  # any failure of a user's update on meta tensors (.item(), a data-dependent branch)
-        return found, False
-    if optree.tree_structure(after) != optree.tree_structure(made):
-        found.append(after)
-    return found, True
 
 
 def check_opt_state(opt_state: Any, expected: list[Any], devices: frozenset[torch.device], known: bool = True) -> None:

@@ -1,17 +1,17 @@
 """Every call of a step (and of save, full_params, ...) checks its TrainState's layout; the usual call cheaply.
 
-A state's parameters and optimizer state must be laid out as ``Step.init`` laid them out on this
-rank (held_check.py, opt_check.py): the full comparisons look up meta trees and walk them beside the
-state's (the parameters' alone took about 22 us a call for the 16-parameter MLP of
-``benchmarks/one_device.py``, on a loaded CPU). The usual loop passes back the state the last call
-returned, or one laid out just as it: so the step remembers, per rank, a signature of each tree it
-accepted (the containers' keys in order, each tensor's shape, dtype and device) and compares the next state's
-with it in a few C-level list comparisons: parameters and optimizer state together, about 15 us
-(SGD's momentum) and 22 us (AdamW's two moments) for that MLP. The signature is read from the tensors
-at every call, not assumed from their identity: the dicts the step returned are the user's to change
-in place, and a tensor swapped in place (``t.data = t.data.bfloat16()``) is the same object with
-another dtype. Any other state (cloned, loaded, edited) takes the full comparison once, which accepts
-it (its signature is then the remembered one) or refuses it.
+A state's parameters and optimizer state must be laid out as ``Step.init`` laid them out on this rank
+(held_check.py, opt_check.py): the full comparisons look up meta trees and walk them beside the state's
+(the parameters' alone took about 22 us a call for the 16-parameter MLP of ``benchmarks/one_device.py``,
+on a loaded CPU). The usual loop passes back the state the last call returned, or one laid out just as
+it: so the step remembers, per rank, a signature of each tree it accepted (the containers' keys in
+order, each tensor's shape and dtype, an optimizer state's device too) and compares the next state's
+with it in a few C-level list comparisons: parameters and optimizer state together, about 15 us (SGD's
+momentum) and 22 us (AdamW's two moments) for that MLP. The signature is read from the tensors at every
+call, not assumed from their identity: the dicts the step returned are the user's to change in place,
+and a tensor swapped in place (``t.data = t.data.bfloat16()``) is the same object with another dtype.
+Any other state (cloned, loaded, edited) takes the full comparison once, which accepts it (its signature
+is then the remembered one) or refuses it.
 
 Where the optimizer's update cannot run on meta tensors (it reads a value) and makes its state at its
 first update, the state it makes is not predicted: a fresh Step (a resumed process) knows only init's.
@@ -39,7 +39,8 @@ from .opt_check import check_devices, check_opt_state, describe_change, expected
 if TYPE_CHECKING:
     from .step import Step
 
-_LAYOUT = operator.attrgetter("shape", "dtype", "device")
+_LAYOUT = operator.attrgetter("shape", "dtype", "device")  # an optimizer state's tensor
+_HELD = operator.attrgetter("shape", "dtype")  # a parameter's: its device is not checked (reading it costs ~0.2 us)
 
 
 @dataclass
@@ -85,7 +86,7 @@ def check_layout(step: Step, state: TrainState, layout: StateLayout) -> None:
         known = memo.remember(key, _Accepted(layout, mesh))
     params = state.params
     if not isinstance(params, InFlightParams):  # made by the previous call of the step itself
-        signed = signature(params)
+        signed = signature(params, _HELD)
         if signed is None or signed != known.params:
             check_held(params, step.expected_held(layout, mesh))
             known.params = signed
@@ -154,21 +155,21 @@ def _param_devices(params: Any) -> frozenset[torch.device]:
     return frozenset(t.device for t in optree.tree_leaves(tree) if isinstance(t, torch.Tensor))
 
 
-def signature(tree: Any) -> Any:
+def signature(tree: Any, read: Any = _LAYOUT) -> Any:
     """An exact description of ``tree``'s containers and tensors (their shapes and dtypes), or None where
     it holds something else than tensors. The usual trees (a dict of dicts of tensors; a NamedTuple of
     tensors, None and such dicts) are read with comprehensions; any other by optree."""
     try:
         if type(tree) is dict:
-            made = _mapping(tree)
+            made = _mapping(tree, read)
             if made is not _OTHER:  # (_OTHER is no signature: every such dict would have it)
                 return made
         if type(tree) is not tuple and isinstance(tree, tuple):  # a NamedTuple: the built-in optimizers' states
-            parts = [None if x is None else _mapping(x) if type(x) is dict else _LAYOUT(x) for x in tree]
+            parts = [None if x is None else _mapping(x, read) if type(x) is dict else read(x) for x in tree]
             if all(p is not _OTHER for p in parts):
                 return type(tree), parts
         leaves, spec = optree.tree_flatten(tree)
-        return spec, list(map(_LAYOUT, leaves))
+        return spec, list(map(read, leaves))
     except AttributeError:  # a leaf that is not a tensor (an int step count)
         return None
 
@@ -177,17 +178,17 @@ _OTHER = object()  # a dict that is not a plain tree of tensors two levels deep
 _DICT_KINDS = {dict}
 
 
-def _mapping(tree: dict[Any, Any]) -> Any:
+def _mapping(tree: dict[Any, Any], read: Any) -> Any:
     """A dict of tensors or of dicts of tensors (the parameters and what mirrors them) as
     (its keys, each inner dict's keys, its tensors' shapes and dtypes); _OTHER for any other dict."""
     values = list(tree.values())
     kinds = set(map(type, values))
     if kinds == _DICT_KINDS:
         try:
-            return tuple(tree), tuple(map(tuple, values)), list(map(_LAYOUT, [t for v in values for t in v.values()]))
+            return tuple(tree), tuple(map(tuple, values)), list(map(read, [t for v in values for t in v.values()]))
         except AttributeError:  # deeper, or not tensors: read by optree
             return _OTHER
     if dict in kinds or any(k is not type(None) and not hasattr(k, "shape") for k in kinds):
         return _OTHER
-    return tuple(tree), None, [None if v is None else _LAYOUT(v) for v in values]
+    return tuple(tree), None, [None if v is None else read(v) for v in values]
 
