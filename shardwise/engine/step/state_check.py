@@ -15,7 +15,8 @@ is then the remembered one) or refuses it.
 
 Where the optimizer's update cannot run on meta tensors (it reads a value) and makes its state at its
 first update, the state it makes is not predicted: a fresh Step (a resumed process) knows only init's.
-A state that is neither is then accepted for one call, its devices checked, and the step checks what
+Until the step returned one on this rank, a state that is neither is accepted for one call, its devices
+checked, and the step checks what
 its update made of it: a state that optimizer made keeps its layout through an update (it is the
 layout the update makes), and is remembered; one whose layout the update changed (a moment cast,
 replaced, or of another optimizer) is refused then, naming the leaf, before the step returns.
@@ -105,8 +106,8 @@ def check_layout(step: Step, state: TrainState, layout: StateLayout) -> None:
         try:
             check_opt_state(state.opt_state, known.opt_states + like, devices, known.update_known)
         except (TypeError, ValueError):
-            if known.update_known or signed is None:
-                raise
+            if known.update_known or known.returned_like is not None or signed is None:
+                raise  # predicted, or the step returned this optimizer's state on this rank: refused before the update
             # Not predicted (see the module's docstring): checked against what this call's update makes of it.
             check_devices(state.opt_state, devices)
             known.pending = (id(state.opt_state), signed, optree.tree_map(_like, state.opt_state))
