@@ -16,10 +16,10 @@ is then the remembered one) or refuses it.
 Where the optimizer's update cannot run on meta tensors (it reads a value) and makes its state at its
 first update, the state it makes is not predicted: a fresh Step (a resumed process) knows only init's.
 Until the step returned one on this rank, a state that is neither is accepted for one call, its devices
-checked, and the step checks what
-its update made of it: a state that optimizer made keeps its layout through an update (it is the
-layout the update makes), and is remembered; one whose layout the update changed (a moment cast,
-replaced, or of another optimizer) is refused then, naming the leaf, before the step returns.
+checked, and the step checks what its update made of it: a state that optimizer made keeps its layout
+through an update (it is the layout the update makes), and is remembered; one whose layout the update
+changed (a moment cast, replaced, or of another optimizer) is refused then, naming the leaf, before the
+step returns.
 """
 
 from __future__ import annotations
