@@ -6,6 +6,7 @@ the step itself run on, and so does a user's optimizer that makes its state at i
 from __future__ import annotations
 
 import math
+import pickle
 from typing import Any
 
 import optree
@@ -233,3 +234,84 @@ def test_a_user_optimizer_whose_update_reads_values_runs_on_with_the_state_it_re
     assert all(torch.equal(x, y) for x, y in zip(untouched[0], lazy[0], strict=True))
     with pytest.raises(ValueError, match=r"state\.opt_state\['momentum'\]\['0'\]\['bias'\] is float32 \[8\]"):
         _run("one_device", reading, _opt_cast(torch.float32))
+
+
+def _resumed(optimizer: Any, edit: Any = lambda state: state) -> list[torch.Tensor]:
+    """One step, the state pickled and (after ``edit``) handed to a fresh Step of the same optimizer, as a
+    resumed process does; two steps more there. The final parameters."""
+    step, params, batches = _problem(optimizer)
+    state, _ = step(step.init(params), batches[0])
+    blob = pickle.dumps(state)
+    fresh, _, _ = _problem(optimizer)
+    state = edit(pickle.loads(blob))._replace(layout=fresh.init(params).layout)
+    for batch in batches[1:]:
+        state, _ = fresh(state, batch)
+    return optree.tree_leaves(state.params)
+
+
+def test_a_reading_user_optimizers_state_resumed_in_a_fresh_step_trains_as_the_uninterrupted_run() -> None:
+    """Refused before (a fresh Step knew only init's empty state): the state its update made is accepted and
+    trains exactly as the run that kept its Step; a copy cast to float32 is refused, naming the leaf."""
+    reading = sw.optim.Optimizer(_LazyInit(), _ReadingUpdate())
+    kept = _run("one_device", reading, lambda step, state: state)[0]
+    resumed = _resumed(reading)
+    assert all(torch.equal(x, y) for x, y in zip(kept, resumed, strict=True))
+
+    def cast(state: Any) -> Any:
+        return state._replace(opt_state=optree.tree_map(lambda t: t.float(), state.opt_state))
+    with pytest.raises(ValueError, match=r"state\.opt_state\['momentum'\]\['0'\]\['bias'\] is float32 \[8\] on cpu, "
+                                         r"but the update made float64 \[8\] on cpu of it"):
+        _resumed(reading, cast)
+
+
+@pytest.mark.parametrize("optimizer", [SGD, ADAMW], ids=["sgd", "adamw"])
+@pytest.mark.parametrize("stack", ["one_device", "zero1"])
+def test_a_moment_on_another_device_is_refused_naming_it_not_a_device_error_deep_in_the_update(
+        stack: str, optimizer: Any) -> None:
+    """Same shape and dtype on the meta device (on a GPU box: the host): refused naming the leaf and both
+    devices (was torch's 'Tensor on device cpu is not on the expected device meta!')."""
+    def move(step: Any, state: Any) -> Any:
+        return state._replace(opt_state=optree.tree_map(
+            lambda t: torch.empty_like(t, device="meta") if t.dim() > 0 else t, state.opt_state))
+    field = r"(momentum|exp_avg)\['0'\]" + ("" if stack == "zero1" else r"\['bias'\]")
+    with pytest.raises((ValueError, sw.collectives.RankFailed),
+                       match=rf"state\.opt_state\.{field} is float64 \[\d+\] on meta, but the step keeps it on cpu"):
+        _run(stack, optimizer, move)
+
+
+class _CountingInit:
+    """A user's optimizer's state that mixes a tree of moments with a step count in one dict."""
+
+    def __call__(self, params: Any) -> dict[str, Any]:
+        return {"momentum": optree.tree_map(torch.zeros_like, params), "count": torch.zeros((), dtype=torch.int64)}
+
+
+class _CountingUpdate:
+    @torch.no_grad()
+    def __call__(self, grads: Any, state: dict[str, Any], params: Any) -> tuple[Any, dict[str, Any]]:
+        momentum = optree.tree_map(lambda m, g: 0.9 * m + g, state["momentum"], grads)
+        new = optree.tree_map(lambda p, m: p - 0.1 * m, params, momentum)
+        return new, {"momentum": momentum, "count": state["count"] + 1}
+
+
+def test_a_dict_state_mixing_trees_and_tensors_is_checked_at_every_call_not_once() -> None:
+    """Such a dict had one signature whatever it held (the memo accepted any after the first): cast, refused."""
+    counting = sw.optim.Optimizer(_CountingInit(), _CountingUpdate())
+    with pytest.raises(ValueError, match=r"state\.opt_state\['momentum'\]\['0'\]\['bias'\] is float32 \[8\]"):
+        _run("one_device", counting, _opt_cast(torch.float32))
+
+
+def test_a_lazy_user_optimizers_checkpoint_loads_into_a_fresh_step_and_trains_as_the_uninterrupted_run(
+        tmp_path: Any) -> None:
+    """Refused before (load rebuilt init's empty state only: 'per-parameter ['momentum'] and [], this step's
+    optimizer has [] and []'): the state one update makes, predicted on meta tensors, is what load rebuilds."""
+    lazy = sw.optim.Optimizer(_LazyInit(), _LazyUpdate())
+    kept = _run("one_device", lazy, lambda step, state: state)[0]
+    step, params, batches = _problem(lazy)
+    state, _ = step(step.init(params), batches[0])
+    sw.checkpoint.save(tmp_path / "c", state, step)
+    fresh, _, _ = _problem(lazy)
+    state = sw.checkpoint.load(tmp_path / "c", fresh)
+    for batch in batches[1:]:
+        state, _ = fresh(state, batch)
+    assert all(torch.equal(x, y) for x, y in zip(kept, optree.tree_leaves(state.params), strict=True))

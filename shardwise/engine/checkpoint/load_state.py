@@ -23,7 +23,7 @@ from ..layout.precision import DynamicLossScale, NoLossScale, StaticLossScale
 from ..layout.sharding import FlatSharding
 from ..layout.state import TrainState
 from ..layout.state_layout import StateLayout
-from ..optim.meta_like import meta_like
+from ..optim.expected_state import expected_opt_states
 from .cut import local_keys, rebuild_opt_state, split_opt_state
 from .file_format import CheckpointError, Reader
 from .regions import placed_boxes
@@ -98,10 +98,8 @@ def build_state(reader: Reader, meta: Mapping[str, Any], step: Any, mesh: Mesh |
                        for u, lay in sharding.units.items()}
         if sharding.holds_shards:
             held = filler.shards("model", sharding, unit_like)
-    with meta_like():  # a user's optimizer's zeros_like, without torch's Python reference (meta_like.py)
-        template = step.optimizer.init(update_meta)
-    wanted_mirrors, wanted_scalars = (sorted(x) for x in split_opt_state(template, update_meta))
     saved = meta["optimizer"]
+    template, wanted_mirrors, wanted_scalars = _template(step.optimizer, update_meta, saved)
     if wanted_mirrors != saved["mirrors"] or not set(wanted_scalars) <= set(saved["scalars"]):
         raise CheckpointError(
             f"checkpoint {reader.directory}: its optimizer state has per-parameter {saved['mirrors']} and "
@@ -127,6 +125,21 @@ def build_state(reader: Reader, meta: Mapping[str, Any], step: Any, mesh: Mesh |
     extra = {"rng": meta["rng"]} if "rng" in TrainState._fields and meta.get("rng") is not None else {}
     return TrainState(held, opt_state, int(meta["step"]), _loss_scale(meta, step, reader.directory), mesh=mesh,
                       layout=layout, **extra), wanted_scalars
+
+
+def _template(optimizer: Any, update_meta: Any, saved: Mapping[str, Any]) -> tuple[Any, list[str], list[str]]:
+    """The optimizer state to rebuild the saved one as (meta tensors), with its per-parameter and other paths:
+    init's, or, for a user's optimizer that makes its state at its first update, what one update makes of
+    init's where it runs on meta tensors and matches what was saved (opt_check.expected_opt_states). One whose
+    update reads values is not predicted: init's is then refused below, naming both layouts."""
+    candidates, _ = expected_opt_states(optimizer, update_meta)
+    made = []
+    for template in candidates:
+        mirrors, scalars = (sorted(x) for x in split_opt_state(template, update_meta))
+        if mirrors == saved["mirrors"] and set(scalars) <= set(saved["scalars"]):
+            return template, mirrors, scalars
+        made.append((template, mirrors, scalars))
+    return made[0]
 
 
 def _loss_scale(meta: Mapping[str, Any], step: Any, directory: Path) -> Any:

@@ -9,7 +9,10 @@ state's tensors are compared, shape and dtype, with what the optimizer's ``init`
 rank's part of the parameters (its layers, ZeRO shards, tensor-parallel slices, in the master
 dtype), run on meta tensors. A user's optimizer may make its state at its first update instead
 (``init`` returns an empty tree): the state one update makes from init's, on meta tensors where the
-update runs there, is accepted too.
+update runs there, is accepted too. Each tensor's device is compared as well: a moment on another
+device than its parameters fails deep in the update otherwise (``Tensor on device cpu is not on the
+expected device meta!``). A leaf init makes as a meta tensor belongs on the device of this rank's
+parameters; one it makes on a device (a step count kept on the host) belongs there.
 """
 
 from __future__ import annotations
@@ -20,41 +23,21 @@ from typing import Any
 import optree
 import torch
 
-from ..optim.meta_like import meta_like
-from ..optim.optimizers import updates_by_key
+from ..optim.expected_state import expected_opt_states
+
+__all__ = ["check_devices", "check_opt_state", "describe_change", "expected_opt_states"]
 
 _FIX = ("A TrainState's optimizer state is the step's own layout: change values in place (tensor.copy_), "
         "not the tensors; to cast it, reshard it or carry it to another step, go through sw.checkpoint.save / "
         "load, or start afresh with step.init(params, mesh)")
 
 
-def expected_opt_states(optimizer: Any, update_meta: Mapping[str, Any]) -> tuple[list[Any], bool]:
-    """(the optimizer states this rank's state may hold, as meta tensors; whether they are all it may hold).
-
-    What ``optimizer.init`` makes of ``update_meta`` (the tree ``Step.init`` gives it), then, for a user's
-    optimizer, what one update makes of that where it differs in structure (a state made at the first
-    update). False where that update cannot run on meta tensors (it reads a value): then the state the
-    step returns is accepted too (state_check.note_returned)."""
-    with meta_like():  # a user's optimizer's zeros_like, without torch's Python reference (meta_like.py)
-        made = optimizer.init(update_meta)
-    found = [made]
-    if updates_by_key(optimizer) or getattr(optimizer, "groups", None) is not None:
-        return found, True  # the built-in ones make their whole state at init
-    try:
-        with meta_like(), torch.no_grad():
-            _, after = optimizer.update(update_meta, made, update_meta)
-    except Exception:  # any failure of a user's update on meta tensors (.item(), a data-dependent branch)
-        return found, False
-    if optree.tree_structure(after) != optree.tree_structure(made):
-        found.append(after)
-    return found, True
-
-
-def check_opt_state(opt_state: Any, expected: list[Any], known: bool = True) -> None:
-    """Refuse ``state.opt_state`` unless it holds the tensors one of ``expected`` holds, in shape and
-    dtype; the message names the first difference from the one it is nearest (the same entries, else init's).
-    ``known``: False where the optimizer's update could not be run on meta tensors (the message says so)."""
-    problems = [_difference(opt_state, want) for want in expected]
+def check_opt_state(opt_state: Any, expected: list[Any], devices: frozenset[torch.device], known: bool = True) -> None:
+    """Refuse ``state.opt_state`` unless it holds the tensors one of ``expected`` holds, in shape, dtype
+    and device (``devices``: where this rank's parameters are); the message names the first difference
+    from the one it is nearest (the same entries, else init's). ``known``: False where the optimizer's
+    update could not be run on meta tensors (the message says so)."""
+    problems = [_difference(opt_state, want, devices) for want in expected]
     found = [p for p in problems if p is not None]
     if len(found) == len(problems):
         near, error = max(found, key=lambda p: p[0])  # the first of the nearest
@@ -75,7 +58,7 @@ def _leaves_by_path(tree: Any) -> dict[str, Any] | None:
     return {a.codify("state.opt_state"): leaf for a, leaf in zip(accessors, leaves, strict=True)}
 
 
-def _difference(have: Any, want: Any) -> tuple[int, Exception] | None:
+def _difference(have: Any, want: Any, devices: frozenset[torch.device]) -> tuple[int, Exception] | None:
     """The first way ``have`` differs from ``want`` as an error to raise, with how near it came (0: another
     kind of state, 1: other entries, 2: the same entries), or None."""
     if type(have) is not type(want) and not (isinstance(have, Mapping) and isinstance(want, Mapping)):
@@ -114,7 +97,58 @@ def _difference(have: Any, want: Any) -> tuple[int, Exception] | None:
                 f"{path} is {_text(leaf)}, but the step keeps it as {_text(like)}: as the optimizer's init makes "
                 f"it on this rank (from its part of the parameters, in their master dtype). {_FIX}"
             )
+        problem = _device_problem(path, leaf, like.device, devices)
+        if problem is not None:
+            return 2, problem
     return None
+
+
+def check_devices(opt_state: Any, devices: frozenset[torch.device]) -> None:
+    """Refuse a tensor of ``state.opt_state`` on no device of this rank's parameters (a scalar, such as a
+    step count, may be on the host too): what is checked of a state whose layout is not predicted."""
+    leaves = _leaves_by_path(opt_state) or {}
+    for path, leaf in leaves.items():
+        host_scalar = isinstance(leaf, torch.Tensor) and leaf.dim() == 0 and leaf.device.type == "cpu"
+        if isinstance(leaf, torch.Tensor) and leaf.device not in devices and not host_scalar:
+            raise ValueError(_device_text(path, leaf, devices))
+
+
+def describe_change(before: Any, after: Any) -> str:
+    """The first leaf (by path) whose shape, dtype or device one update changed, or an entry it added or
+    dropped, in words (``before`` and ``after``: trees of tensors or their likes, see state_check._like)."""
+    was, now = _leaves_by_path(before) or {}, _leaves_by_path(after) or {}
+    for path in [p for p in was if p not in now] + [p for p in now if p not in was]:
+        return f"{path} is {'in the state' if path in was else 'missing from the state'}, but the update made " + (
+            "no such entry" if path in was else f"it ({_text(now[path])})")
+    for path, leaf in was.items():
+        new = now[path]
+        if isinstance(leaf, torch.Tensor) and isinstance(new, torch.Tensor):
+            if (leaf.shape, leaf.dtype, leaf.device) != (new.shape, new.dtype, new.device):
+                return (f"{path} is {_text(leaf)} on {leaf.device}, but the update made {_text(new)} on "
+                        f"{new.device} of it")
+        elif type(leaf) is not type(new):
+            return f"{path} is {_kind(leaf)}, but the update made {_kind(new)} of it"
+    return "its layout changed"
+
+
+def _device_problem(path: str, leaf: torch.Tensor, want: torch.device,
+                    devices: frozenset[torch.device]) -> Exception | None:
+    if want.type != "meta":  # made on a device by init itself (a step count on the host)
+        if leaf.device == want:
+            return None
+        return ValueError(f"{path} is on {leaf.device}, but the optimizer's init makes it on {want}. {_FIX}")
+    if leaf.device in devices:
+        return None
+    return ValueError(_device_text(path, leaf, devices))
+
+
+def _device_text(path: str, leaf: torch.Tensor, devices: frozenset[torch.device]) -> str:
+    where = " or ".join(sorted(map(str, devices))) or "the parameters' device"
+    return (f"{path} is {_text(leaf)} on {leaf.device}, but the step keeps it on {where}, where this rank's "
+            f"parameters are: the update would fail on it naming no entry. Move it back "
+            f"(tensor.to('{sorted(map(str, devices))[0] if devices else 'cpu'}')), or, to move a whole state "
+            "to another device, save it with sw.checkpoint.save and load it with the step on that device "
+            "(sw.checkpoint.load).")
 
 
 def _more(paths: list[str]) -> str:

@@ -1,17 +1,25 @@
 """Every call of a step (and of save, full_params, ...) checks its TrainState's layout; the usual call cheaply.
 
-A state's parameters and optimizer state must be laid out as ``Step.init`` laid them out on this
-rank (held_check.py, opt_check.py): the full comparisons look up meta trees and walk them beside the
-state's (the parameters' alone took about 22 us a call for the 16-parameter MLP of
-``benchmarks/one_device.py``, on a loaded CPU). The usual loop passes back the state the last call
-returned, or one laid out just as it: so the step remembers, per rank, a signature of each tree it
-accepted (the containers' keys in order, each tensor's shape and dtype) and compares the next state's
-with it in a few C-level list comparisons: parameters and optimizer state together, about 15 us
-(SGD's momentum) and 22 us (AdamW's two moments) for that MLP. The signature is read from the tensors
-at every call, not assumed from their identity: the dicts the step returned are the user's to change
-in place, and a tensor swapped in place (``t.data = t.data.bfloat16()``) is the same object with
-another dtype. Any other state (cloned, loaded, edited) takes the full comparison once, which accepts
-it (its signature is then the remembered one) or refuses it.
+A state's parameters and optimizer state must be laid out as ``Step.init`` laid them out on this rank
+(held_check.py, opt_check.py): the full comparisons look up meta trees and walk them beside the state's
+(the parameters' alone took about 22 us a call for the 16-parameter MLP of ``benchmarks/one_device.py``,
+on a loaded CPU). The usual loop passes back the state the last call returned, or one laid out just as
+it: so the step remembers, per rank, a signature of each tree it accepted (the containers' keys in
+order, each tensor's shape and dtype, an optimizer state's device too) and compares the next state's
+with it in a few C-level list comparisons: parameters and optimizer state together, about 15 us (SGD's
+momentum) and 22 us (AdamW's two moments) for that MLP. The signature is read from the tensors at every
+call, not assumed from their identity: the dicts the step returned are the user's to change in place,
+and a tensor swapped in place (``t.data = t.data.bfloat16()``) is the same object with another dtype.
+Any other state (cloned, loaded, edited) takes the full comparison once, which accepts it (its signature
+is then the remembered one) or refuses it.
+
+Where the optimizer's update cannot run on meta tensors (it reads a value) and makes its state at its
+first update, the state it makes is not predicted: a fresh Step (a resumed process) knows only init's.
+Until the step returned one on this rank, a state that is neither is accepted for one call, its devices
+checked, and the step checks what its update made of it: a state that optimizer made keeps its layout
+through an update (it is the layout the update makes), and is remembered; one whose layout the update
+changed (a moment cast, replaced, or of another optimizer) is refused then, naming the leaf, before the
+step returns.
 """
 
 from __future__ import annotations
@@ -27,12 +35,13 @@ from ..layout.in_flight import InFlightParams
 from ..layout.state import TrainState
 from ..layout.state_layout import StateLayout
 from .held_check import check_held
-from .opt_check import check_opt_state, expected_opt_states
+from .opt_check import check_devices, check_opt_state, describe_change, expected_opt_states
 
 if TYPE_CHECKING:
     from .step import Step
 
-_LAYOUT = operator.attrgetter("shape", "dtype")
+_LAYOUT = operator.attrgetter("shape", "dtype", "device")  # an optimizer state's tensor
+_HELD = operator.attrgetter("shape", "dtype")  # a parameter's: its device is not checked (reading it costs ~0.2 us)
 
 
 @dataclass
@@ -47,6 +56,7 @@ class _Accepted:
     returned_like: Any = None  # and that state as meta tensors (None: none returned yet)
     params: Any = None  # the signature of the last accepted parameters (None: none yet)
     opt_state: Any = None
+    pending: Any = None  # (id, signature, likes) of a state accepted for one call, checked after it (note_returned)
 
 
 class StateMemo(dict[Any, "_Accepted"]):
@@ -77,7 +87,7 @@ def check_layout(step: Step, state: TrainState, layout: StateLayout) -> None:
         known = memo.remember(key, _Accepted(layout, mesh))
     params = state.params
     if not isinstance(params, InFlightParams):  # made by the previous call of the step itself
-        signed = signature(params)
+        signed = signature(params, _HELD)
         if signed is None or signed != known.params:
             check_held(params, step.expected_held(layout, mesh))
             known.params = signed
@@ -92,44 +102,75 @@ def check_layout(step: Step, state: TrainState, layout: StateLayout) -> None:
             if not known.update_known:
                 memo.follows_returns = True
         like = [] if known.returned_like is None else [known.returned_like]
-        check_opt_state(state.opt_state, known.opt_states + like, known.update_known)
+        devices = _param_devices(params)
+        try:
+            check_opt_state(state.opt_state, known.opt_states + like, devices, known.update_known)
+        except (TypeError, ValueError):
+            if known.update_known or known.returned_like is not None or signed is None:
+                raise  # predicted, or the step returned this optimizer's state on this rank: refused before the update
+            # Not predicted (see the module's docstring): checked against what this call's update makes of it.
+            check_devices(state.opt_state, devices)
+            known.pending = (id(state.opt_state), signed, optree.tree_map(_like, state.opt_state))
+            return
         known.opt_state = signed
 
 
-def note_returned(step: Step, state: TrainState) -> None:
-    """After a call: where the optimizer's update could not run on meta tensors (its state after the first
-    update is not predicted), remember the signature of the optimizer state the step returned on this rank,
-    which the next call accepts. Nothing is done otherwise (one attribute read)."""
+def note_returned(step: Step, given: TrainState, state: TrainState) -> None:
+    """After a call, before it returns ``state`` (made from ``given``): where the optimizer's update could not
+    run on meta tensors (its state after the first update is not predicted), remember the signature of the
+    optimizer state the step returned on this rank, which the next call accepts; and refuse a given state
+    accepted for this call alone whose layout the update changed. Nothing is done otherwise (one attribute
+    read)."""
     memo: StateMemo = step.state_memo
     if not memo.follows_returns or not isinstance(state.layout, StateLayout):
         return
     mesh = state.mesh
     known = memo.get(id(state.layout) if mesh is None else (id(state.layout), id(mesh), mesh.rank))
-    if known is not None and not known.update_known:
-        known.returned = signature(state.opt_state)
-        known.returned_like = optree.tree_map(_as_meta, state.opt_state)
+    if known is None or known.update_known:
+        return
+    pending, known.pending = known.pending, None
+    returned = signature(state.opt_state)
+    returned_like = optree.tree_map(_like, state.opt_state)
+    if pending is not None and pending[0] == id(given.opt_state) and pending[1] != returned:
+        raise ValueError(
+            f"{describe_change(pending[2], returned_like)}: this optimizer's update could not run on meta "
+            "tensors, so the state given to this step, which is not init's, was checked against what one "
+            "update made of it, and a state this optimizer made keeps its layout through an update. The "
+            "step's result is not returned. Hand the step a state it returned (or a copy, pickled or not), "
+            "carry one over through sw.checkpoint.save / load, or start afresh with step.init(params, mesh)"
+        )
+    known.returned, known.returned_like = returned, returned_like
 
 
-def _as_meta(leaf: Any) -> Any:
-    """A tensor as a meta tensor of its shape and dtype (what the check compares); anything else as it is."""
+def _like(leaf: Any) -> Any:
+    """A tensor as one of its shape, dtype and device holding one element (what the check compares, without
+    holding the state's memory); anything else as it is."""
     if isinstance(leaf, torch.Tensor):
-        return torch.empty(leaf.shape, dtype=leaf.dtype, device="meta")
+        return torch.empty((), dtype=leaf.dtype, device=leaf.device).expand(leaf.shape)
     return leaf
 
 
-def signature(tree: Any) -> Any:
+def _param_devices(params: Any) -> frozenset[torch.device]:
+    """The devices of this rank's parameters (an in-flight tree's shards: reading its parameters waits)."""
+    tree: Any = params.shards if isinstance(params, InFlightParams) else params
+    return frozenset(t.device for t in optree.tree_leaves(tree) if isinstance(t, torch.Tensor))
+
+
+def signature(tree: Any, read: Any = _LAYOUT) -> Any:
     """An exact description of ``tree``'s containers and tensors (their shapes and dtypes), or None where
     it holds something else than tensors. The usual trees (a dict of dicts of tensors; a NamedTuple of
     tensors, None and such dicts) are read with comprehensions; any other by optree."""
     try:
         if type(tree) is dict:
-            return _mapping(tree)
+            made = _mapping(tree, read)
+            if made is not _OTHER:  # (_OTHER is no signature: every such dict would have it)
+                return made
         if type(tree) is not tuple and isinstance(tree, tuple):  # a NamedTuple: the built-in optimizers' states
-            parts = [None if x is None else _mapping(x) if type(x) is dict else _LAYOUT(x) for x in tree]
+            parts = [None if x is None else _mapping(x, read) if type(x) is dict else read(x) for x in tree]
             if all(p is not _OTHER for p in parts):
                 return type(tree), parts
         leaves, spec = optree.tree_flatten(tree)
-        return spec, list(map(_LAYOUT, leaves))
+        return spec, list(map(read, leaves))
     except AttributeError:  # a leaf that is not a tensor (an int step count)
         return None
 
@@ -138,14 +179,17 @@ _OTHER = object()  # a dict that is not a plain tree of tensors two levels deep
 _DICT_KINDS = {dict}
 
 
-def _mapping(tree: dict[Any, Any]) -> Any:
+def _mapping(tree: dict[Any, Any], read: Any) -> Any:
     """A dict of tensors or of dicts of tensors (the parameters and what mirrors them) as
     (its keys, each inner dict's keys, its tensors' shapes and dtypes); _OTHER for any other dict."""
     values = list(tree.values())
     kinds = set(map(type, values))
     if kinds == _DICT_KINDS:
-        return tuple(tree), tuple(map(tuple, values)), list(map(_LAYOUT, [t for v in values for t in v.values()]))
+        try:
+            return tuple(tree), tuple(map(tuple, values)), list(map(read, [t for v in values for t in v.values()]))
+        except AttributeError:  # deeper, or not tensors: read by optree
+            return _OTHER
     if dict in kinds or any(k is not type(None) and not hasattr(k, "shape") for k in kinds):
         return _OTHER
-    return tuple(tree), None, [None if v is None else _LAYOUT(v) for v in values]
+    return tuple(tree), None, [None if v is None else read(v) for v in values]
 

@@ -505,6 +505,7 @@ class Step:
         try:
             prepared.run()
             new_state, metrics = finish_run(self, state, prepared)
+            note_returned(self, state, new_state)  # where the optimizer's state after an update is not predicted
         except FloatingPointError:  # the loss scale's floor, on a step it skips: nothing was written
             raise
         except BaseException:
@@ -512,7 +513,6 @@ class Step:
                 mark_consumed(self, state, prepared.written())
             raise
         mark_updated(self, new_state)
-        note_returned(self, new_state)  # where the optimizer's state after an update is not predicted
         return new_state, metrics
 
     # -- inspection -----------------------------------------------------------
