@@ -237,3 +237,48 @@ def test_a_fake_run_that_stops_after_the_module_still_answers_for_it() -> None:
     step, params, batches = _problem(StopsOnFakeTensors("lstm"), (SEQ, ROWS))
     with pytest.raises(sw.collectives.RankFailed, match=r"'mix' \(LSTM, batch_first=False\) takes its sequence"):
         sw.testing.assert_equivalent(sw.shard_params(step, "dp", stage=3), step, sw.Mesh(dp=2), batches, params)
+
+
+class Packed(torch.nn.Module):
+    """An LSTM on a packed batch: padded (batch, seq, 6) packed with batch_first=True, or time-major (seq, batch,
+    6) with batch_first=False; the lengths counted from the padding (positions whose features are all zero)."""
+
+    def __init__(self, time_major: bool) -> None:
+        super().__init__()
+        self.time_major = time_major
+        self.inp, self.rnn, self.out = torch.nn.Linear(6, 8), torch.nn.LSTM(8, 8), torch.nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+        t = 0 if self.time_major else 1
+        lengths = (x.abs().sum(-1) != 0).sum(t).cpu()
+        packed = pack_padded_sequence(self.inp(x), lengths, batch_first=not self.time_major, enforce_sorted=False)
+        h, _ = pad_packed_sequence(self.rnn(packed)[0], batch_first=not self.time_major, total_length=x.shape[t])
+        return self.out(h)
+
+
+def test_a_time_major_packed_batch_is_refused_and_a_batch_first_one_equals_one_device() -> None:
+    """pack_padded_sequence(batch_first=False) reads the sequence on dim 0 of its padded input, whatever the LSTM's
+    batch_first (a packed input has no layout): the check's hook saw a PackedSequence, no tensor, and its fake run
+    stopped in the packing (the data's length is the lengths' sum), so ZeRO-3 dp2 trained 1.5e-3 off the
+    single-device step on time-major data, counting each part's lengths, without an error."""
+    for time_major in (True, False):
+        gen = torch.Generator().manual_seed(7)
+        batches = []
+        for _ in range(2):
+            x, y = torch.randn(ROWS, SEQ, 6, generator=gen), torch.randn(ROWS, SEQ, 3, generator=gen)
+            for row, n in enumerate((8, 5, 6, 7)):
+                x[row, n:], y[row, n:] = 0.0, 0.0
+            x, y = (x.transpose(0, 1).contiguous(), y.transpose(0, 1).contiguous()) if time_major else (x, y)
+            batches.append((x.double(), y.double()))
+        torch.manual_seed(0)
+        chain, params = sw.functionalize(Packed(time_major).double(), example_input=batches[0][0])
+        step = sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1, momentum=0.9))
+        zero = sw.shard_params(step, "dp", stage=3)
+        if time_major:
+            with pytest.raises(sw.collectives.RankFailed, match=r"pack_padded_sequence\(batch_first=False\) takes "
+                                                                r"its sequence on dim 0.*pack with batch_first=True"):
+                sw.testing.assert_equivalent(zero, step, sw.Mesh(dp=2), batches, params)
+        else:
+            sw.testing.assert_equivalent(zero, step, sw.Mesh(dp=2), batches, params)

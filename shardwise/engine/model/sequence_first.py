@@ -26,6 +26,7 @@ import optree
 import torch
 from torch import nn
 from torch.nn.utils.rnn import PackedSequence
+from torch.overrides import TorchFunctionMode
 
 from .chain import Chain
 from .whole_batch import called_modules
@@ -49,7 +50,7 @@ def sequence_first_modules(chain: Chain) -> list[tuple[str, nn.Module]]:
 
 def rows_on_sequence_dim(
     modules: list[tuple[str, nn.Module]], run_fake: Callable[[Any], Any], inputs: Any
-) -> list[tuple[str, nn.Module, tuple[int, ...]]]:
+) -> list[tuple[str, nn.Module | None, tuple[int, ...]]]:
     """Those of ``modules`` (:func:`sequence_first_modules`) whose input's dim 0 follows the rows of
     ``inputs`` (a micro-batch, rows on dim 0), each with the shape it got on the larger run; ``run_fake(inputs)``
     runs the model on fake tensors (None where it stopped: the modules it reached before still count)."""
@@ -70,23 +71,47 @@ def rows_on_sequence_dim(
         return record
 
     handles = [module.register_forward_pre_hook(hook(path), with_kwargs=True) for path, module in modules]
+    packs = _Packs(lambda shape: seen.setdefault(PACKED, []).append(shape) if len(seen.get(PACKED, [])) < 2 else None)
     try:
         for rows in (one, two):
             before = {path: len(shapes) for path, shapes in seen.items()}
-            run_fake(rows)
+            with packs:
+                run_fake(rows)
             for path in seen:  # a module called more than once per forward: its first call of each run
                 del seen[path][before.get(path, 0) + 1:]
     finally:
         for handle in handles:
             handle.remove()
     found = []
-    for path, module in modules:
+    for path, module in [*modules, (PACKED, None)]:
         shapes = seen.get(path, [])
         if len(shapes) != 2:
             continue  # reached by one run only (the other stopped before it): nothing to compare
         if len(shapes[0]) == len(shapes[1]) and shapes[0] and shapes[0][0] != shapes[1][0]:
             found.append((path, module, shapes[1]))
     return found
+
+
+# What :func:`rows_on_sequence_dim` names a time-major pack by: pack_padded_sequence(batch_first=False) reads the
+# sequence on dim 0 of its padded input, whatever the RNN it feeds was built with (a packed input has no layout).
+PACKED = "pack_padded_sequence(batch_first=False)"
+
+
+class _Packs(TorchFunctionMode):
+    """Hears torch's packing of a padded batch (pack_padded_sequence, pack_sequence) with batch_first=False and
+    reports its input's shape: on fake tensors it stops there (the packed data's length is the lengths' sum)."""
+
+    def __init__(self, report: Callable[[tuple[int, ...]], None]) -> None:
+        super().__init__()
+        self.report, self.thread = report, threading.get_ident()
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") == "_pack_padded_sequence" and threading.get_ident() == self.thread:
+            first = args[2] if len(args) > 2 else kwargs.get("batch_first", False)
+            if not first and isinstance(args[0], torch.Tensor):
+                self.report(tuple(args[0].shape))
+        return func(*args, **kwargs)
 
 
 def _batched(t: Any) -> bool:

@@ -46,14 +46,15 @@ def refuse_rows_on_sequence_dim(step: Step, layout: StateLayout, mesh: Mesh | No
             found = rows_on_sequence_dim(modules, functools.partial(output_shapes, step, layout), inputs)
         if found:
             path, module, shape = found[0]
+            what = f"torch's {path}" if module is None else f"{path!r} ({type(module).__name__}, batch_first=False)"
+            how = "pack with batch_first=True" if module is None else "build the module with batch_first=True"
             raise ValueError(
-                f"{path!r} ({type(module).__name__}, batch_first=False) takes its sequence on dim 0, and the batch's "
+                f"{what} takes its sequence on dim 0, and the batch's "
                 f"rows reach it there (its input is {list(shape)} on the rank's micro-batch with two rows added: "
                 f"dim 0 follows the rows). This step cuts the batch's rows ({' x '.join(cuts)}), so each part would "
                 "hold a slice of every sequence and the module would attend over (or run along) that slice alone: "
                 "another model than the single-device step's. Give the batch its rows on dim 0 ((batch, seq, ...), not "
-                "time-major) and build the module with batch_first=True (or transpose the rows to dim 1 in the "
-                "model's forward before calling it); or run without cutting the batch (one device, "
-                "tensor_parallel alone, a pipeline with microbatches=1)"
+                f"time-major) and {how} (or transpose the rows to dim 1 in the model's forward before calling it); "
+                "or run without cutting the batch (one device, tensor_parallel alone, a pipeline with microbatches=1)"
             )
     layout.cache[key] = True
