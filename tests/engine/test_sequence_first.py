@@ -118,3 +118,167 @@ def test_the_check_reads_which_dim_follows_the_rows_not_the_sizes(kind: str) -> 
         with torch.no_grad():
             got = rows_on_sequence_dim(modules, model, torch.randn(ROWS, ROWS, 6, dtype=torch.float64))
         assert [path for path, _, _ in got] == found
+
+
+class SplitModel(torch.nn.Module):
+    """Linear, a sequence-mixing module, then what a split splits: an MLP (tensor parallel), a mixture of experts
+    (expert parallel) or TinyGPT's causal attention over (batch, seq) (context parallel), then Linear.
+    ``time_major``: the batch is (seq, batch, ...) and the module batch_first=False; else (batch, seq, ...) with
+    the module batch_first=True (or, ``transpose``, batch_first=False on the rows moved to dim 1: before the
+    attention, which context parallel splits, an LSTM over 4 chunks of the features, (batch x seq) on dim 1)."""
+
+    def __init__(self, kind: str, then: str, time_major: bool, transpose: bool = False) -> None:
+        super().__init__()
+        from shardwise.testing.models import CausalSelfAttention, TopKMoE
+
+        self.kind, self.then, self.time_major, self.transpose = kind, then, time_major, transpose
+        self.inp = torch.nn.Linear(6, WIDTH)
+        first = time_major or transpose
+        self.chunks = 4 if transpose and then == "attention" else 1
+        self.mix: torch.nn.Module = (
+            torch.nn.TransformerEncoderLayer(WIDTH, 2, 32, dropout=0.0, batch_first=not first) if kind == "encoder"
+            else torch.nn.LSTM(WIDTH // self.chunks, WIDTH // self.chunks, batch_first=not first))
+        if then == "mlp":
+            self.up, self.down = torch.nn.Linear(WIDTH, 32), torch.nn.Linear(32, WIDTH)
+        elif then == "moe":
+            self.moe = TopKMoE(WIDTH, 32, 4, 2)
+        else:
+            self.attn = CausalSelfAttention(WIDTH, 2, SEQ)
+        self.out = torch.nn.Linear(WIDTH, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        if self.chunks > 1:  # the LSTM runs along the features' chunks, every position a row of its batch
+            b, t, _ = h.shape
+            chunks = h.reshape(b * t, self.chunks, -1).transpose(0, 1)
+            h = h + self.mix(chunks)[0].transpose(0, 1).reshape(b, t, -1)
+        else:
+            h = h.transpose(0, 1) if self.transpose else h
+            h = self.mix(h)[0] if self.kind == "lstm" else self.mix(h)
+            h = h.transpose(0, 1) if self.transpose else h
+        if self.then == "mlp":
+            h = h + self.down(torch.relu(self.up(h)))
+        elif self.then == "moe":
+            h = h + self.moe(h)
+        else:  # the attention reads (batch, seq, ...)
+            h = h.transpose(0, 1) if self.time_major else h
+            h = h + self.attn(h)
+            h = h.transpose(0, 1) if self.time_major else h
+        return self.out(h)
+
+
+SPLITS = {
+    "ep2, lstm": ("lstm", "moe", lambda s: sw.expert_parallel(s, "ep"), sw.Mesh(ep=2)),
+    "zero3 dp2 x tp2, lstm outside the plan": (
+        "lstm", "mlp", lambda s: sw.shard_params(sw.tensor_parallel(s, "tp", {"up": sw.tp.Colwise(),
+                                                                          "down": sw.tp.Rowwise()}), "dp", stage=3),
+        sw.Mesh(dp=2, tp=2)),
+    "accumulation 2 x tp2, the plan inside the encoder": (
+        "encoder", "mlp", lambda s: sw.shard_params(sw.tensor_parallel(s, "tp", {
+            "mix.linear1": sw.tp.Colwise(), "mix.linear2": sw.tp.Rowwise()}), "dp", stage=1, accumulation=2),
+        sw.Mesh(dp=1, tp=2)),
+    "zero3 dp2 x cp2, lstm": (
+        "lstm", "attention", lambda s: sw.shard_params(sw.context_parallel(s, "cp"), "dp", stage=3),
+        sw.Mesh(dp=2, cp=2)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SPLITS))
+def test_time_major_batches_are_refused_under_a_split_too(case: str) -> None:
+    """Under tensor, expert or context parallel the check was skipped: ep2 trained 3.3e-4 off the single-device
+    step (the hunt's b4 repro), dp2 x tp2 1.1e-2, accumulation x tp2 1.0e-2, all without an error. It runs the
+    split's chain inside its predicting block now; batch-first data (the module on batch_first=True, or the
+    rows transposed to dim 1 before a batch_first=False one) still equals the single-device step."""
+    kind, then, wrap, mesh = SPLITS[case]
+    torch.manual_seed(0)
+    step, params, batches = _problem(SplitModel(kind, then, time_major=True), (SEQ, ROWS))
+    with pytest.raises(sw.collectives.RankFailed, match=r"batch_first=False\) takes its sequence on dim 0"):
+        sw.testing.assert_equivalent(wrap(step), step, mesh, batches, params)
+    for transpose in (False, True):
+        torch.manual_seed(0)
+        step, params, batches = _problem(SplitModel(kind, then, time_major=False, transpose=transpose), (ROWS, SEQ))
+        if then == "attention" and not transpose:  # an LSTM along a part of each sequence: context parallel's own
+            with pytest.raises(sw.collectives.RankFailed, match=r"context_parallel\(axis='cp'\): LSTM .* unbinds"):
+                sw.testing.assert_equivalent(wrap(step), step, mesh, batches, params)
+            continue
+        sw.testing.assert_equivalent(wrap(step), step, mesh, batches, params)
+
+
+def test_a_rank_thread_that_ran_the_chain_before_is_checked() -> None:
+    """A thread rank calls its own copy of each module (ThreadReplicas), made at its first call: where that was
+    before the check (a Plan asked for on the rank), the hooks went on the first thread's copies, heard
+    nothing, and ZeRO-3 dp2 trained on slices of every sequence without an error."""
+    torch.manual_seed(0)
+    step, params, batches = _problem(Model("lstm"), (SEQ, ROWS))
+    zero, mesh = sw.shard_params(step, "dp", stage=3), sw.Mesh(dp=2)
+
+    def rank() -> None:
+        zero.plan(mesh, params, batches[0])
+        zero(zero.init(params, mesh), batches[0])
+
+    with pytest.raises(sw.collectives.RankFailed, match=r"'mix' \(LSTM, batch_first=False\) takes its sequence"):
+        sw.launch(rank, world=2, timeout=120)
+
+
+class StopsOnFakeTensors(Model):
+    """Model("lstm") with a branch on a value after the LSTM, which fake tensors cannot take."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.mix(self.inp(x))[0]
+        if bool(h.abs().sum() >= 0):
+            h = h * 1.0
+        return self.out(h)
+
+
+def test_a_fake_run_that_stops_after_the_module_still_answers_for_it() -> None:
+    """A run on fake tensors that stopped anywhere (data-dependent code) answered nothing: the check was
+    skipped and ZeRO-3 dp2 trained another model. The modules it reached in both runs count now."""
+    torch.manual_seed(0)
+    step, params, batches = _problem(StopsOnFakeTensors("lstm"), (SEQ, ROWS))
+    with pytest.raises(sw.collectives.RankFailed, match=r"'mix' \(LSTM, batch_first=False\) takes its sequence"):
+        sw.testing.assert_equivalent(sw.shard_params(step, "dp", stage=3), step, sw.Mesh(dp=2), batches, params)
+
+
+class Packed(torch.nn.Module):
+    """An LSTM on a packed batch: padded (batch, seq, 6) packed with batch_first=True, or time-major (seq, batch,
+    6) with batch_first=False; the lengths counted from the padding (positions whose features are all zero)."""
+
+    def __init__(self, time_major: bool) -> None:
+        super().__init__()
+        self.time_major = time_major
+        self.inp, self.rnn, self.out = torch.nn.Linear(6, 8), torch.nn.LSTM(8, 8), torch.nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+        t = 0 if self.time_major else 1
+        lengths = (x.abs().sum(-1) != 0).sum(t).cpu()
+        packed = pack_padded_sequence(self.inp(x), lengths, batch_first=not self.time_major, enforce_sorted=False)
+        h, _ = pad_packed_sequence(self.rnn(packed)[0], batch_first=not self.time_major, total_length=x.shape[t])
+        return self.out(h)
+
+
+def test_a_time_major_packed_batch_is_refused_and_a_batch_first_one_equals_one_device() -> None:
+    """pack_padded_sequence(batch_first=False) reads the sequence on dim 0 of its padded input, whatever the LSTM's
+    batch_first (a packed input has no layout): the check's hook saw a PackedSequence, no tensor, and its fake run
+    stopped in the packing (the data's length is the lengths' sum), so ZeRO-3 dp2 trained 1.5e-3 off the
+    single-device step on time-major data, counting each part's lengths, without an error."""
+    for time_major in (True, False):
+        gen = torch.Generator().manual_seed(7)
+        batches = []
+        for _ in range(2):
+            x, y = torch.randn(ROWS, SEQ, 6, generator=gen), torch.randn(ROWS, SEQ, 3, generator=gen)
+            for row, n in enumerate((8, 5, 6, 7)):
+                x[row, n:], y[row, n:] = 0.0, 0.0
+            x, y = (x.transpose(0, 1).contiguous(), y.transpose(0, 1).contiguous()) if time_major else (x, y)
+            batches.append((x.double(), y.double()))
+        torch.manual_seed(0)
+        chain, params = sw.functionalize(Packed(time_major).double(), example_input=batches[0][0])
+        step = sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1, momentum=0.9))
+        zero = sw.shard_params(step, "dp", stage=3)
+        if time_major:
+            with pytest.raises(sw.collectives.RankFailed, match=r"pack_padded_sequence\(batch_first=False\) takes "
+                                                                r"its sequence on dim 0.*pack with batch_first=True"):
+                sw.testing.assert_equivalent(zero, step, sw.Mesh(dp=2), batches, params)
+        else:
+            sw.testing.assert_equivalent(zero, step, sw.Mesh(dp=2), batches, params)

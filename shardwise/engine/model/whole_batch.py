@@ -67,12 +67,16 @@ def over_whole_batch(chain: Chain) -> list[WholeBatch]:
     return list(found.values())
 
 
-def called_modules(chain: Chain) -> Iterator[tuple[str, nn.Module]]:
+def called_modules(chain: Chain, this_thread: bool = False) -> Iterator[tuple[str, nn.Module]]:
     """(its path in the model, or the layer's name for the model's root; the module) for every module a
-    layer of ``chain`` calls."""
+    layer of ``chain`` calls; ``this_thread``: the copies the calling thread's calls run (a thread rank's
+    own replica of each layer's module, engine/model/module_call.py: ThreadReplicas), where a hook sees them."""
     for layer in chain:
         fn = module_fn(layer.fn)
-        module = getattr(getattr(fn, "replicas", None), "module", None)
+        replicas = getattr(fn, "replicas", None)
+        module = getattr(replicas, "module", None)
+        if this_thread and isinstance(module, nn.Module):
+            module = replicas.get().module  # type: ignore[union-attr]
         if not isinstance(module, nn.Module):
             continue
         # The layer's module's path in the model: root_prefix (a Sequential's child) or the replicas'

@@ -1,11 +1,17 @@
 """Refuse a step that cuts the batch's rows when they are a sequence-first module's sequence (``batch_first=False``).
 
-A step that cuts the batch (shard_params' shares, accumulation, a pipeline's micro-batches) cuts dim 0 of
-every batch tensor. Time-major batches, ``(seq, batch, ...)`` as torch's ``nn.LSTM`` or
-``nn.TransformerEncoderLayer`` take them by default, have the sequence there: each part would hold a slice
-of every sequence, and the module would attend over (or run along) that slice alone, silently another
-model (``engine/model/sequence_first.py`` tells it from the shapes the module gets on one and on two rows).
-Checked once per layout and rank, on the rank's first micro-batch, before anything runs.
+A step that cuts the batch (shard_params' shares, accumulation, a pipeline's micro-batches, expert
+parallel's shares) cuts dim 0 of every batch tensor. Time-major batches, ``(seq, batch, ...)`` as torch's
+``nn.LSTM`` or ``nn.TransformerEncoderLayer`` take them by default, have the sequence there: each part would
+hold a slice of every sequence, and the module would attend over (or run along) that slice alone, silently
+another model (``engine/model/sequence_first.py`` tells it from the shapes the module gets on micro-batches of
+one and of two more rows than the rank's). Checked once per layout and rank, on the rank's first micro-batch,
+before anything runs, only where the model holds such a module.
+
+Under a split (tensor, expert, context parallel) the step's chain runs inside the split's predicting block,
+as the Plan predicts it: its collectives move nothing. Its layers watch their first call there (context
+parallel per input shape): the rows added make shapes the run never has, so the run's own first call is
+still watched as before.
 """
 
 from __future__ import annotations
@@ -34,20 +40,21 @@ def refuse_rows_on_sequence_dim(step: Step, layout: StateLayout, mesh: Mesh | No
     k = microbatch_count(step)
     if k > 1:
         cuts.append(f"{k} micro-batches")
-    # Under a split the layers run on fake tensors only inside its predicting block: not checked there.
-    modules = sequence_first_modules(step.chain) if cuts and not step.split.parts else []
+    modules = sequence_first_modules(step.chain) if cuts else []
     if modules:
-        found = rows_on_sequence_dim(modules, functools.partial(output_shapes, step, layout), inputs)
+        with step.predicting(mesh):
+            found = rows_on_sequence_dim(modules, functools.partial(output_shapes, step, layout), inputs)
         if found:
             path, module, shape = found[0]
+            what = f"torch's {path}" if module is None else f"{path!r} ({type(module).__name__}, batch_first=False)"
+            how = "pack with batch_first=True" if module is None else "build the module with batch_first=True"
             raise ValueError(
-                f"{path!r} ({type(module).__name__}, batch_first=False) takes its sequence on dim 0, and the batch's "
-                f"rows reach it there (its input is {list(shape)} on a micro-batch of two rows: dim 0 follows the "
-                f"rows). This step cuts the batch's rows ({' x '.join(cuts)}), so each part would hold a slice of "
-                "every sequence and the module would attend over (or run along) that slice alone: another model "
-                "than the single-device step's. Give the batch its rows on dim 0 ((batch, seq, ...), not "
-                "time-major) and build the module with batch_first=True (or transpose the rows to dim 1 in the "
-                "model's forward before calling it); or run without cutting the batch (one device, "
-                "tensor_parallel alone, a pipeline with microbatches=1)"
+                f"{what} takes its sequence on dim 0, and the batch's "
+                f"rows reach it there (its input is {list(shape)} on the rank's micro-batch with two rows added: "
+                f"dim 0 follows the rows). This step cuts the batch's rows ({' x '.join(cuts)}), so each part would "
+                "hold a slice of every sequence and the module would attend over (or run along) that slice alone: "
+                "another model than the single-device step's. Give the batch its rows on dim 0 ((batch, seq, ...), not "
+                f"time-major) and {how} (or transpose the rows to dim 1 in the model's forward before calling it); "
+                "or run without cutting the batch (one device, tensor_parallel alone, a pipeline with microbatches=1)"
             )
     layout.cache[key] = True

@@ -102,14 +102,31 @@ def attention_over_the_sequence(fn: Callable[..., torch.Tensor]) -> Callable[...
 
     @functools.wraps(fn)
     def attention(q: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        follower = current()
+        if follower is not None and not _quiet():
+            _refuse_positions_elsewhere(follower, q)
         with installed_attention():
             out = fn(q, *args, **kwargs)
-        follower = current()
         if follower is not None:
             follower.like(out, q)
         return out
 
     return attention
+
+
+def _refuse_positions_elsewhere(follower: FollowSequence, q: torch.Tensor) -> None:
+    """Refuse queries ([batch, heads, seq, head_dim]) whose part's positions are on another dim than their sequence:
+    the dim context_parallel cut was not the sequence there (a time-major batch, (seq, batch, ...), whose rows
+    it cut, transposed to (batch, seq) by the model), and the attention would take other rows for the other
+    ranks' positions."""
+    dims = sorted(d for d in follower.tags_of(q) if d >= 0)
+    seq = q.dim() - 2
+    if dims and seq not in dims:
+        follower.refuse(
+            f"attends along dim {seq} of its queries {list(q.shape)}, but the part's positions are on dim {dims[0]}: "
+            "the dim context_parallel cut (its dim=) holds something else than the sequence here (the rows of a "
+            "time-major batch, (seq, batch, ...), moved there by the model?), so each rank's attention would take "
+            "other rows for the other ranks' positions", _POSITIONS_ELSEWHERE)
 
 
 @contextmanager
@@ -194,6 +211,9 @@ class Unsplit(TorchFunctionMode):
 
     def refuse_op(self, what: str, op: str) -> None:
         """What :class:`FollowSequence` found ``op`` (an aten op's name) to do, refused with the fix for it."""
+        if op == _POSITIONS_ELSEWHERE:
+            self._refuse(what, _BATCH_LAYOUT_FIX, ": another model without an error. ")
+            return
         fix = _SCAN_FIX if op in _SCANS else _ATTENTION_FIX if op in _ATTENTION_LIKE else _MIXING_FIX
         self._refuse(what, fix)
 
@@ -263,6 +283,11 @@ def _exempt() -> bool:
         caller.startswith("shardwise.") and not caller.startswith("shardwise.testing"))
 
 
+_POSITIONS_ELSEWHERE = "attention over another dim than the part's positions"  # (no aten op: refuse_op's key)
+_BATCH_LAYOUT_FIX = (
+    "Give the batch its rows on dim 0 and its sequence on context_parallel's dim (batch-first, not time-major), "
+    "or leave context_parallel out"
+)
 _ATTENTION_FIX = (
     "context_parallel splits TinyGPT's CausalSelfAttention, Hugging Face's Llama-shaped attentions on sdpa, GPT-2's, "
     "and transformers attentions that call the AttentionInterface (inside its attention function only); rewrite an "
