@@ -16,13 +16,14 @@ from shardwise.testing.models import mlp
 POLICY = "params=f64,compute=f32,output=f64"
 
 
-def _problem() -> tuple[sw.Step, Any, list[tuple[torch.Tensor, torch.Tensor]]]:
+def _problem(optimizer: Any = None, steps: int = 2) -> tuple[sw.Step, Any, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """A float64 MLP's step (AdamW unless ``optimizer``), its parameters and ``steps`` batches."""
     torch.manual_seed(0)
     chain, params = sw.functionalize(mlp([6, 8, 8, 3]).double())
-    step = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.adamw(1e-2))
+    step = sw.train_step(chain, torch.nn.functional.mse_loss, optimizer or sw.optim.adamw(1e-2))
     gen = torch.Generator().manual_seed(1)
     batches = [(torch.randn(8, 6, generator=gen, dtype=torch.float64),
-                torch.randn(8, 3, generator=gen, dtype=torch.float64)) for _ in range(2)]
+                torch.randn(8, 3, generator=gen, dtype=torch.float64)) for _ in range(steps)]
     return step, params, batches
 
 

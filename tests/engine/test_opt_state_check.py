@@ -14,27 +14,17 @@ import pytest
 import torch
 
 import shardwise as sw
-from shardwise.testing.models import mlp
+
+from .test_held_check import STACKS
+from .test_held_check import _problem as held_problem
 
 POLICY = "params=f64,compute=f32,output=f64"
 
 
 def _problem(optimizer: Any) -> tuple[sw.Step, Any, list[tuple[torch.Tensor, torch.Tensor]]]:
-    torch.manual_seed(0)
-    chain, params = sw.functionalize(mlp([6, 8, 8, 3]).double())
-    step = sw.train_step(chain, torch.nn.functional.mse_loss, optimizer)
-    gen = torch.Generator().manual_seed(1)
-    batches = [(torch.randn(8, 6, generator=gen, dtype=torch.float64),
-                torch.randn(8, 3, generator=gen, dtype=torch.float64)) for _ in range(3)]
-    return step, params, batches
+    return held_problem(optimizer, steps=3)
 
 
-STACKS = {
-    "one_device": (lambda step: step, None),
-    "zero1": (lambda step: sw.shard_params(step, "dp", stage=1), {"dp": 2}),
-    "zero3": (lambda step: sw.shard_params(step, "dp", stage=3), {"dp": 2}),
-    "pipeline": (lambda step: sw.pipeline(step, "pp", "1f1b", 2), {"pp": 2}),
-}
 SGD = sw.optim.sgd(0.1, momentum=0.9)
 ADAMW = sw.optim.adamw(1e-2)
 
