@@ -67,6 +67,7 @@ from typing import Any
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from .head_views import check_head_write
 from .model_frames import by_shardwise, model_line, watch_file
 from .product_views import CUTS, MOVES, HeadView, cut_into_blocks, cut_refused, reshaped, stacked_blocks
 from .read_refusals import custom_refusal, gain_refusal, product_refusal, read_refusal
@@ -125,13 +126,15 @@ def own_use(module: nn.Module, custom: bool = False, fused: int = 1) -> Iterator
     # What an overridden forward computes from its product is followed from that forward alone: a number
     # the layer computed before it (from another module's output) is no function of this product.
     followed, refused_view, width_read, outer_fused = reads.followed, reads.refused_view, reads.width_read, reads.fused
+    outer_owner = reads.owner
     if custom:
         reads.followed, reads.refused_view, reads.width_read, reads.fused = ({}, {}, {}, {}, {}), None, False, fused
+        reads.owner = type(module).__name__
     try:
         yield
     finally:
         reads.followed, reads.refused_view, reads.width_read = followed, refused_view, width_read
-        reads.fused = outer_fused
+        reads.fused, reads.owner = outer_fused, outer_owner
         _own.custom = outer
         for i in mine:
             ids[i] -= 1
@@ -190,6 +193,7 @@ class WeightReads(TorchFunctionMode):
                  gains: Sequence[tuple[Tensor, str, str]] = ()) -> None:
         super().__init__()
         self.layer = layer
+        self.owner = ""  # the class of the Colwise Linear subclass whose forward runs (own_use)
         # The split modules' 0-d gains, as ``split``, and the 0-d tensors their forwards compute from them
         # (``self.gain.exp()``): whole on every rank, but their gradient is summed over the axis (_gain_use).
         self.gains: dict[int, tuple[Any, tuple[int, str, str]]] = {
@@ -364,6 +368,9 @@ class WeightReads(TorchFunctionMode):
         out = func(*args, **kwargs)
         name = _name(func)
         first = args[0] if args else None
+        viewed_heads = self.head_view(first) if name == "__setitem__" and len(args) >= 2 else None
+        if viewed_heads is not None and isinstance(first, Tensor):
+            check_head_write(first, args[1], viewed_heads.heads_dim, self.owner)
         if name in _SHAPES:
             self.width_read = True
             return out
