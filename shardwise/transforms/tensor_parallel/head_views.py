@@ -217,6 +217,14 @@ def _index_heads(t: Tensor, index: Any, dim: int) -> tuple[int | None, tuple[int
     return None, None
 
 
+def whole_along(t: Tensor, index: Any, dim: int) -> bool:
+    """Whether ``t[index]`` takes all of ``t``'s dim ``dim`` (each in its place)."""
+    try:
+        return _index_heads(t, index, dim)[1] is None
+    except _Cut:
+        return False
+
+
 def check_head_write(t: Tensor, index: Any, dim: int, owner: str) -> None:
     """Refuse ``t[index] = ...`` into some of the heads ``t`` holds along ``dim``, in the forward of a Colwise Linear
     subclass (``owner``) that viewed its product per head."""

@@ -42,8 +42,10 @@ heads (head_views.py), gathered along them for ``output='replicated'``; a view w
 (by a whole head count, ``view(b, t, self.heads, -1)``: the rank's 1/tp of the width), that gives its heads
 beside a size read off the rank's width (``y.shape[-1] // self.n``), that mixes the features with other dims, or
 whose blocks are not outermost where its Colwise is fused, is refused (product_views.py says which views are
-right, and why). Which code made an op, the model's or shardwise's own, is model_frames.py's question; the
-words of each refusal are read_refusals.py's.
+right, and why). A write into a part of the product there (an in-place op on one head of its per-head view,
+``y[..., :4] = 0``, ``y[:, :, 0] = 0`` into a head) takes that part by its place on the rank's slice, another part
+on each rank: refused, naming the op and the line. Which code made an op, the model's or shardwise's own, is
+model_frames.py's question; the words of each refusal are read_refusals.py's.
 
 A number (to scale the weight or the product by) is Python's or a 0-d tensor computed from neither the
 product, nor a split weight, nor a Rowwise's input (the rank's slice of the features: :func:`follow_input`):
@@ -67,7 +69,7 @@ from typing import Any
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from .head_views import check_head_write
+from .head_views import check_head_write, whole_along
 from .model_frames import by_shardwise, model_line, watch_file
 from .product_views import CUTS, MOVES, HeadView, cut_into_blocks, cut_refused, reshaped, stacked_blocks
 from .read_refusals import custom_refusal, gain_refusal, product_refusal, read_refusal
@@ -347,6 +349,13 @@ class WeightReads(TorchFunctionMode):
         entry = self.split.get(id(t))
         return t.dim() == 0 and not self._followed(t) and (entry is None or entry[0]() is not t)
 
+    def _whole(self, t: Any) -> bool:
+        """Whether ``t`` is an overridden forward's whole product (or an elementwise function of it, a per-head
+        view of it, one of its fused blocks), no part of it."""
+        return self.holds(self.products, t) or self.holds(self.after, t) or self.head_view(t) is not None or (
+            self.block_of(t) is not None
+        )
+
     def _is_product(self, t: Tensor) -> bool:
         return self.holds(self.products, t)
 
@@ -371,6 +380,22 @@ class WeightReads(TorchFunctionMode):
         viewed_heads = self.head_view(first) if name == "__setitem__" and len(args) >= 2 else None
         if viewed_heads is not None and isinstance(first, Tensor):
             check_head_write(first, args[1], viewed_heads.heads_dim, self.owner)
+        writes = name == "__setitem__" or (name.endswith("_") and not name.startswith("_"))
+        base = first._base if writes and isinstance(first, Tensor) else None
+        features = name == "__setitem__" and len(args) >= 2 and isinstance(first, Tensor) and first.dim() > 0 and (
+            self.holds(self.products, first) or self.holds(self.after, first)
+        )  # y[..., :4] = 0: the rank's features taken by their place
+        if (base is not None and not self._whole(first) and self._whole(base)) or (
+            features and isinstance(first, Tensor) and not whole_along(first, args[1], first.dim() - 1)
+        ):  # y[:, :, :, 0].zero_()
+            raise ValueError(
+                f"tensor_parallel: a Colwise Linear subclass ({self.owner}) writes into a part of its product in its "
+                f"own forward ({name} at {model_line(name)}): its product is this rank's slice of the features (its "
+                "heads, 1/tp of all), and a part taken by its place there (a head's number, a feature range) is "
+                "another part on each rank, another model trained without an error. Write into the whole product "
+                "(an elementwise function of it), or return the product and write into it in the parent, where "
+                "tensor parallel follows the heads; or leave the module out of the plan"
+            )
         if name in _SHAPES:
             self.width_read = True
             return out

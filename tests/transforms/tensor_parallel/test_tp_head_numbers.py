@@ -148,3 +148,54 @@ def test_a_colwise_subclass_writing_a_fixed_head_is_refused(head_major: bool) ->
         r"\(test_tp_head_numbers\.py:\d+ in forward\)"
     )):
         sw.tensor_parallel(step, "tp", plan).plan(sw.Mesh(tp=2), params, batches[0])
+
+
+class _WritingQKV(nn.Linear):
+    """A fused q, k, v projection writing into a part of its product in its own forward, as ``how`` says."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__(D, 3 * D)
+        self.how = how
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        b, t, _ = x.shape
+        if self.how == "zero_ of head 0":
+            y = y.view(b, t, 3, -1, HEAD_DIM).clone()
+            y[:, :, :, 0].zero_()
+            return y
+        if self.how == "features by their place":
+            y = y.clone()
+            y[..., :HEAD_DIM] = 0
+            return y.view(b, t, 3, -1, HEAD_DIM)
+        assert self.how == "every position's first token"  # a write along the sequence, each feature in place
+        y = y.clone()
+        y[:, 0] = 0
+        return y.view(b, t, 3, -1, HEAD_DIM)
+
+
+class _WritingAttention(_FusedAttention):
+    def __init__(self, how: str) -> None:
+        super().__init__(head_major=False)
+        self.qkv = _WritingQKV(how)
+
+
+_FUSED = {"*.attn": sw.tp.Region(heads=("n_heads",)), "*.attn.qkv": sw.tp.Colwise(fused=3), "*.attn.o": sw.tp.Rowwise()}
+
+
+@pytest.mark.parametrize("how, op", [("zero_ of head 0", "zero_"), ("features by their place", "__setitem__")])
+def test_a_colwise_subclass_writing_into_a_part_of_its_product_is_refused(how: str, op: str) -> None:
+    """An in-place op on one head of its per-head view, a write into a range of its features: 0.71% and 0.26% off
+    before, no error."""
+    step, params, batches = two_blocks_problem(lambda: _WritingAttention(how), D)
+    with pytest.raises(ValueError, match=(
+        rf"a Colwise Linear subclass \(_WritingQKV\) writes into a part of its product in its own forward \({op} at "
+        r"test_tp_head_numbers\.py:\d+ in forward\).*Write into the whole product"
+    )):
+        sw.tensor_parallel(step, "tp", _FUSED).plan(sw.Mesh(tp=2), params, batches[0])
+
+
+def test_a_colwise_subclass_writing_along_the_sequence_is_the_single_device_step() -> None:
+    step, params, batches = two_blocks_problem(lambda: _WritingAttention("every position's first token"), D)
+    sw.testing.assert_equivalent(sw.tensor_parallel(step, "tp", _FUSED), step, sw.Mesh(tp=2), batches, params,
+                                 rtol=1e-9)
