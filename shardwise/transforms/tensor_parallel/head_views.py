@@ -14,7 +14,15 @@ without an error, are refused here:
   h + H/2 so, and on a rank's heads the halves pair other heads. A cut into single heads
   (``split(1, dim)``, ``unbind``) keeps each head whole and passes, as do transposes, the
   grouped-query repeat (``[:, :, None].expand(...)``) and cuts within a head (a partial rotary's
-  ``q[..., :rot]``).
+  ``q[..., :rot]``);
+* a head picked by its number among all the heads (``q[:, 0] = 0``, ``q + q[:, :1]``, ``q[:, -1]``,
+  ``q.select(1, 0)``): head 0 on a rank is another head than head 0 of all of them. One head taken alone
+  is what a per-head loop's ``q[:, h]`` does too, so the watch counts the heads each per-head tensor gives
+  one at a time (``SplitWatch.take_head``) and ``finish()`` refuses unless each of the rank's heads was
+  taken equally often, as a loop over all of them takes them. A write into some heads (``__setitem__``)
+  is refused at once, loop or not: the write is seen before the loop's end, and it changes the tensor
+  every later read takes. (Undetectable: a loop over a fixed number of heads that happens to equal the
+  rank's count, ``for h in range(2)`` with 4 heads at tp 2; and a fixed head where a rank holds one.)
 
 The heads dim is followed through transposes, permutes, index keeping the heads whole, unsqueeze,
 expand and same-shaped ops (rotary products, casts). An op across it (``z - z.mean(1)``, a norm over
@@ -30,6 +38,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
+
+from .model_frames import innermost_model_line
 
 if TYPE_CHECKING:
     from .split_watch import SplitWatch, _Output
@@ -82,6 +92,15 @@ def see_heads(
     heads, and follow the heads into ``out`` where it keeps them."""
     name = str(getattr(func, "__name__", func))
     first = args[0] if args else None
+    if name == "__setitem__" and first is t and len(args) >= 2:
+        try:
+            _, one = _index_heads(t, args[1], dim)
+        except _Cut as cut:
+            raise ValueError(head_cut_message(entry, f"a write into {cut}")) from None
+        if one is not None:  # a write into one head: nothing tells a fixed head number from a loop's
+            where = f"a write into head {one[1]!r} ({innermost_model_line()})"
+            raise ValueError(head_number_message(entry, where, t, dim))
+        return
     if name in _CUT_DIM_AT:
         if first is not t:
             return
@@ -90,6 +109,10 @@ def see_heads(
         if not isinstance(cut_dim, int) or cut_dim % t.dim() == dim:
             if not _into_single_heads(name, t, dim, out):
                 raise ValueError(_cut_refusal(entry, name, t, dim, out))
+            start = kwargs.get("index", kwargs.get("start", args[2] if len(args) > 2 else None))
+            if name in ("select", "narrow") and isinstance(start, int):  # one head, by its number
+                where = f"{name}(..., {start}) at {innermost_model_line()}"
+                watch.take_head(t, entry, dim, start % t.shape[dim], where)
             return
         dropped = name in ("unbind", "select")  # (the cut dim dropped: the heads move down past it)
         for part in out if isinstance(out, (tuple, list)) else (out,):
@@ -101,7 +124,12 @@ def see_heads(
     if not isinstance(out, Tensor):
         return
     try:
-        new = _heads_after(name, t, dim, args, out)
+        if name == "__getitem__" and first is t and len(args) >= 2:
+            new, one = _index_heads(t, args[1], dim)
+            if one is not None:  # a per-head loop's q[:, h], or a fixed head number: finish() tells them apart
+                watch.take_head(t, entry, dim, one[0], f"[{one[1]!r}] at {innermost_model_line()}")
+        else:
+            new = _heads_after(name, t, dim, args, out)
     except _Cut as cut:
         raise ValueError(head_cut_message(entry, str(cut))) from None
     if new is not None:
@@ -123,8 +151,6 @@ def _heads_after(name: str, t: Tensor, dim: int, args: Sequence[Any], out: Tenso
         if name == "unsqueeze" and len(args) >= 2:
             at = args[1] % (n + 1)
             return dim + 1 if at <= dim else dim
-        if name == "__getitem__" and len(args) >= 2:
-            return _index_heads(t, args[1], dim)
         if name in _SAME_DIMS and out.dim() == n and out.shape[dim] == t.shape[dim]:
             return dim
         if name in _MERGES:
@@ -160,8 +186,10 @@ def _into_single_heads(name: str, t: Tensor, dim: int, out: Any) -> bool:
     return all(isinstance(p, Tensor) and p.dim() == t.dim() and p.shape[dim] == 1 for p in parts)
 
 
-def _index_heads(t: Tensor, index: Any, dim: int) -> int | None:
-    """Where ``t[index]`` holds ``t``'s heads (dim ``dim``); raises _Cut where it takes some of them."""
+def _index_heads(t: Tensor, index: Any, dim: int) -> tuple[int | None, tuple[int, Any] | None]:
+    """Where ``t[index]`` holds ``t``'s heads (dim ``dim``, None where no longer followed), and the head it
+    takes alone (its number on this rank, and the index as written), if one; raises _Cut where it takes
+    some of them."""
     items = list(index) if isinstance(index, tuple) else [index]
     consumed = sum(1 for i in items if i is not None and i is not Ellipsis)
     if Ellipsis in items:
@@ -175,15 +203,61 @@ def _index_heads(t: Tensor, index: Any, dim: int) -> int | None:
             out_dim += 1
             continue
         if in_dim == dim:
-            if isinstance(item, int) or (isinstance(item, slice) and len(range(*item.indices(t.shape[dim]))) == 1):
-                return None  # one head (a per-head loop's q[:, h]): computed on its own, no longer followed
-            whole = isinstance(item, slice) and item.indices(t.shape[dim]) == (0, t.shape[dim], 1)
+            heads = t.shape[dim]
+            if isinstance(item, int):
+                return None, (item % heads, item)  # one head, computed on its own: no longer followed
+            if isinstance(item, slice) and len(range(*item.indices(heads))) == 1:
+                return None, (range(*item.indices(heads))[0], item)
+            whole = isinstance(item, slice) and item.indices(heads) == (0, heads, 1)
             if not whole:
                 raise _Cut(f"an index {item!r} of the heads dim")
-            return None if advanced else out_dim
+            return (None if advanced else out_dim), None
         in_dim += 1
         out_dim += 0 if isinstance(item, int) else 1
-    return None
+    return None, None
+
+
+def whole_along(t: Tensor, index: Any, dim: int) -> bool:
+    """Whether ``t[index]`` takes all of ``t``'s dim ``dim`` (each in its place)."""
+    try:
+        return _index_heads(t, index, dim)[1] is None
+    except _Cut:
+        return False
+
+
+def check_head_write(t: Tensor, index: Any, dim: int, owner: str) -> None:
+    """Refuse ``t[index] = ...`` into some of the heads ``t`` holds along ``dim``, in the forward of a Colwise Linear
+    subclass (``owner``) that viewed its product per head."""
+    whose = (
+        f"a Colwise Linear subclass ({owner}) views its product per head in its own forward, this rank's "
+        f"{t.shape[dim]} heads (dim {dim}), 1/tp of all, and"
+    )
+    try:
+        _, one = _index_heads(t, index, dim)
+    except _Cut as cut:
+        raise ValueError(head_number_message(whose, f"a write into {cut} ({innermost_model_line()})", t, dim)) from None
+    if one is not None:
+        raise ValueError(head_number_message(whose, f"a write into head {one[1]!r} ({innermost_model_line()})", t, dim))
+
+
+def head_number_message(entry: _Output | str, what: str, t: Tensor, dim: int) -> str:
+    """Refuses a head picked by its number (``entry``: the output, or a Colwise Linear subclass's own words)."""
+    if isinstance(entry, str):
+        whose = entry
+    else:
+        module = entry.label.rsplit(".", 1)[0] if "." in entry.label else entry.label
+        whose = (
+            f"{'PerHead' if entry.parameter else 'Colwise'}() on {entry.label!r} gives each rank its own heads, "
+            f"{t.shape[dim]} of them here (dim {dim}), 1/tp of all, and the module that takes them ({module!r})"
+        )
+    return (
+        f"tensor_parallel: {whose} picks heads by their number: {what}. Head n on a rank is another head than "
+        "head n of all of them, so a fixed head number takes another head on each rank, another model trained "
+        "without an error. "
+        "Index the heads only in a loop that takes each of the rank's heads once (for h in range(q.size(1)), or "
+        "over the count a Region divides), with no write into one head; or leave this module's projections out "
+        "of the plan (replicated)"
+    )
 
 
 class _Cut(ValueError):

@@ -75,3 +75,17 @@ def model_line(op: str) -> str:
         nearest = nearest or "torch/" + os.path.relpath(name, _TORCH).replace(os.sep, "/") + where
         frame = frame.f_back
     return nearest
+
+
+def innermost_model_line() -> str:
+    """The innermost frame of model code (outside torch and shardwise, torch.nn's modules included): where a
+    watch that sees the op by its own code (head_views.py) names the line making it."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if name == _MODELS or not name.startswith((_TORCH, _SHARDWISE)) or (
+            name.startswith(_TORCH_NN) and frame.f_code.co_name != "__torch_function__"
+        ):
+            return f"{os.path.basename(name)}:{frame.f_lineno} in {frame.f_code.co_name}"
+        frame = frame.f_back  # type: ignore[assignment]
+    return "<no model frame>"

@@ -57,7 +57,7 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 from .feature_mixing import keeps_features, mixed, moved_features
-from .head_views import check_head_count, see_heads
+from .head_views import check_head_count, head_number_message, see_heads
 from .product_views import HeadView
 from .sequence_gather import SequenceGather
 
@@ -109,6 +109,17 @@ class _Output:
     short: tuple[str, list[int]] | None = None  # fused: a cut into fewer parts than its blocks (the op, sizes)
 
 
+@dataclass
+class _Taken:
+    """The heads a per-head tensor gave one at a time (SplitWatch.take_head)."""
+
+    tensor: Tensor
+    entry: _Output
+    dim: int
+    first: str  # the first op that took one, and its line
+    counts: dict[int, int] = field(default_factory=dict)  # head on this rank -> times taken
+
+
 class SplitWatch(TorchFunctionMode):
     """Refuses a cut of a watched Colwise output that does not fit its style (see the module docstring)."""
 
@@ -128,6 +139,9 @@ class SplitWatch(TorchFunctionMode):
         # A reshape of one (or of its per-head view) that failed in torch: the output, the op, its input's shape
         # and the sizes asked (failed_view_message says it).
         self.failed_reshape: tuple[_Output, str, list[int], list[Any]] | None = None
+        # The heads taken one at a time from each per-head tensor (q[:, h]), by tensor: a loop over all of a
+        # rank's heads takes each of them equally often; anything else picked a head by its number.
+        self.taken: dict[int, _Taken] = {}
 
     def _outputs_in(self, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[str, ...]:
         """The labels of the Colwise outputs among an op's arguments, followed in any form."""
@@ -224,6 +238,14 @@ class SplitWatch(TorchFunctionMode):
         """``t`` holds this rank's heads of ``entry`` along ``dim``."""
         self.per_head[id(t)] = (weakref.ref(t), entry, dim)
 
+    def take_head(self, t: Tensor, entry: _Output, dim: int, head: int, where: str) -> None:
+        """``t`` (a per-head view of ``entry``, heads on ``dim``) gave its head ``head`` alone (``where``: the op
+        and the module's line); finish() checks the heads taken."""
+        taken = self.taken.get(id(t))
+        if taken is None or taken.tensor is not t:  # (the tensor held: its id is not reused before finish())
+            taken = self.taken[id(t)] = _Taken(t, entry, dim, where)
+        taken.counts[head] = taken.counts.get(head, 0) + 1
+
     def short_cut_message(self, err: BaseException) -> str | None:
         """Why the module failed (``err``, Python's own), where it cut a fused output into fewer parts than
         its blocks: at a width nothing divided, whole on every rank (GPT-2's split_size with no Region)."""
@@ -276,6 +298,15 @@ class SplitWatch(TorchFunctionMode):
                     f"{_fused_head(entry)}, but the module never cut this rank's {entry.width} features into "
                     f"{entry.fused} parts along them ({took}). {_fused_fix(entry)}"
                 )
+        for taken in self.taken.values():
+            heads = taken.tensor.shape[taken.dim]
+            if set(taken.counts) != set(range(heads)) or len(set(taken.counts.values())) != 1:
+                by_head = ", ".join(f"head {h} x{n}" for h, n in sorted(taken.counts.items()))
+                raise ValueError(head_number_message(
+                    taken.entry, f"it took heads one at a time, first {taken.first}, and of its {heads} heads on "
+                    f"this rank took {by_head}, not each of them equally often as a loop over all of them does",
+                    taken.tensor, taken.dim,
+                ))
 
     def _see(self, func: Any, t: Tensor, entry: _Output, args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> None:
         if entry.sequence is not None and func in _RESHAPES and isinstance(out, Tensor):

@@ -42,8 +42,10 @@ heads (head_views.py), gathered along them for ``output='replicated'``; a view w
 (by a whole head count, ``view(b, t, self.heads, -1)``: the rank's 1/tp of the width), that gives its heads
 beside a size read off the rank's width (``y.shape[-1] // self.n``), that mixes the features with other dims, or
 whose blocks are not outermost where its Colwise is fused, is refused (product_views.py says which views are
-right, and why). Which code made an op, the model's or shardwise's own, is model_frames.py's question; the
-words of each refusal are read_refusals.py's.
+right, and why). A write into a part of the product there (an in-place op on one head of its per-head view,
+``y[..., :4] = 0``, ``y[:, :, 0] = 0`` into a head) takes that part by its place on the rank's slice, another part
+on each rank: refused, naming the op and the line. Which code made an op, the model's or shardwise's own, is
+model_frames.py's question; the words of each refusal are read_refusals.py's.
 
 A number (to scale the weight or the product by) is Python's or a 0-d tensor computed from neither the
 product, nor a split weight, nor a Rowwise's input (the rank's slice of the features: :func:`follow_input`):
@@ -67,6 +69,7 @@ from typing import Any
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from .head_views import check_head_write, whole_along
 from .model_frames import by_shardwise, model_line, watch_file
 from .product_views import CUTS, MOVES, HeadView, cut_into_blocks, cut_refused, reshaped, stacked_blocks
 from .read_refusals import custom_refusal, gain_refusal, product_refusal, read_refusal
@@ -125,13 +128,15 @@ def own_use(module: nn.Module, custom: bool = False, fused: int = 1) -> Iterator
     # What an overridden forward computes from its product is followed from that forward alone: a number
     # the layer computed before it (from another module's output) is no function of this product.
     followed, refused_view, width_read, outer_fused = reads.followed, reads.refused_view, reads.width_read, reads.fused
+    outer_owner = reads.owner
     if custom:
         reads.followed, reads.refused_view, reads.width_read, reads.fused = ({}, {}, {}, {}, {}), None, False, fused
+        reads.owner = type(module).__name__
     try:
         yield
     finally:
         reads.followed, reads.refused_view, reads.width_read = followed, refused_view, width_read
-        reads.fused = outer_fused
+        reads.fused, reads.owner = outer_fused, outer_owner
         _own.custom = outer
         for i in mine:
             ids[i] -= 1
@@ -190,6 +195,7 @@ class WeightReads(TorchFunctionMode):
                  gains: Sequence[tuple[Tensor, str, str]] = ()) -> None:
         super().__init__()
         self.layer = layer
+        self.owner = ""  # the class of the Colwise Linear subclass whose forward runs (own_use)
         # The split modules' 0-d gains, as ``split``, and the 0-d tensors their forwards compute from them
         # (``self.gain.exp()``): whole on every rank, but their gradient is summed over the axis (_gain_use).
         self.gains: dict[int, tuple[Any, tuple[int, str, str]]] = {
@@ -343,6 +349,13 @@ class WeightReads(TorchFunctionMode):
         entry = self.split.get(id(t))
         return t.dim() == 0 and not self._followed(t) and (entry is None or entry[0]() is not t)
 
+    def _whole(self, t: Any) -> bool:
+        """Whether ``t`` is an overridden forward's whole product (or an elementwise function of it, a per-head
+        view of it, one of its fused blocks), no part of it."""
+        return self.holds(self.products, t) or self.holds(self.after, t) or self.head_view(t) is not None or (
+            self.block_of(t) is not None
+        )
+
     def _is_product(self, t: Tensor) -> bool:
         return self.holds(self.products, t)
 
@@ -364,6 +377,25 @@ class WeightReads(TorchFunctionMode):
         out = func(*args, **kwargs)
         name = _name(func)
         first = args[0] if args else None
+        viewed_heads = self.head_view(first) if name == "__setitem__" and len(args) >= 2 else None
+        if viewed_heads is not None and isinstance(first, Tensor):
+            check_head_write(first, args[1], viewed_heads.heads_dim, self.owner)
+        writes = name == "__setitem__" or (name.endswith("_") and not name.startswith("_"))
+        base = first._base if writes and isinstance(first, Tensor) else None
+        features = name == "__setitem__" and len(args) >= 2 and isinstance(first, Tensor) and first.dim() > 0 and (
+            self.holds(self.products, first) or self.holds(self.after, first)
+        )  # y[..., :4] = 0: the rank's features taken by their place
+        if (base is not None and not self._whole(first) and self._whole(base)) or (
+            features and isinstance(first, Tensor) and not whole_along(first, args[1], first.dim() - 1)
+        ):  # y[:, :, :, 0].zero_()
+            raise ValueError(
+                f"tensor_parallel: a Colwise Linear subclass ({self.owner}) writes into a part of its product in its "
+                f"own forward ({name} at {model_line(name)}): its product is this rank's slice of the features (its "
+                "heads, 1/tp of all), and a part taken by its place there (a head's number, a feature range) is "
+                "another part on each rank, another model trained without an error. Write into the whole product "
+                "(an elementwise function of it), or return the product and write into it in the parent, where "
+                "tensor parallel follows the heads; or leave the module out of the plan"
+            )
         if name in _SHAPES:
             self.width_read = True
             return out
