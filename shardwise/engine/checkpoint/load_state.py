@@ -132,13 +132,14 @@ def _template(optimizer: Any, update_meta: Any, saved: Mapping[str, Any]) -> tup
     init's, or, for a user's optimizer that makes its state at its first update, what one update makes of
     init's where it runs on meta tensors and matches what was saved (opt_check.expected_opt_states). One whose
     update reads values is not predicted: init's is then refused below, naming both layouts."""
-    candidates, _ = expected_opt_states(optimizer, update_meta)
-    made = []
-    for template in candidates:
-        mirrors, scalars = (sorted(x) for x in split_opt_state(template, update_meta))
-        if mirrors == saved["mirrors"] and set(scalars) <= set(saved["scalars"]):
-            return template, mirrors, scalars
-        made.append((template, mirrors, scalars))
+    made: list[tuple[Any, list[str], list[str]]] = []
+    for after_update in (False, True):  # init's first: predicting the update on meta imports sympy (expected_state.py)
+        candidates, _ = expected_opt_states(optimizer, update_meta, after_update)
+        for template in candidates[len(made):]:
+            mirrors, scalars = (sorted(x) for x in split_opt_state(template, update_meta))
+            if mirrors == saved["mirrors"] and set(scalars) <= set(saved["scalars"]):
+                return template, mirrors, scalars
+            made.append((template, mirrors, scalars))
     return made[0]
 
 

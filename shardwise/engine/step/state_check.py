@@ -34,6 +34,7 @@ import torch
 from ..layout.in_flight import InFlightParams
 from ..layout.state import TrainState
 from ..layout.state_layout import StateLayout
+from ..optim.expected_state import updates_after_init
 from .held_check import check_held
 from .opt_check import check_devices, check_opt_state, describe_change, expected_opt_states
 
@@ -52,6 +53,7 @@ class _Accepted:
     mesh: Any
     opt_states: list[Any] | None = None  # expected_opt_states, made at the first full comparison
     update_known: bool = True  # whether they are all the optimizer state may be (opt_check.expected_opt_states)
+    update_predicted: bool = False  # whether they include what one update makes (or the optimizer makes none)
     returned: Any = None  # where they are not: the signature of the optimizer state the step returned last
     returned_like: Any = None  # and that state as meta tensors (None: none returned yet)
     params: Any = None  # the signature of the last accepted parameters (None: none yet)
@@ -96,15 +98,23 @@ def check_layout(step: Step, state: TrainState, layout: StateLayout) -> None:
         if signed is not None and signed == known.returned:  # the step's own, or laid out as it
             known.opt_state = signed
             return
-        if known.opt_states is None:
-            known.opt_states, known.update_known = expected_opt_states(
-                step.optimizer, step.expected_update_tree(layout, mesh))
-            if not known.update_known:
-                memo.follows_returns = True
+        if known.opt_states is None:  # init's: what one update makes is predicted only where it does not match
+            known.opt_states, _ = expected_opt_states(step.optimizer, step.expected_update_tree(layout, mesh), False)
+            known.update_predicted = not updates_after_init(step.optimizer)
         like = [] if known.returned_like is None else [known.returned_like]
         devices = _param_devices(params)
         try:
-            check_opt_state(state.opt_state, known.opt_states + like, devices, known.update_known)
+            try:
+                check_opt_state(state.opt_state, known.opt_states + like, devices, known.update_known)
+            except (TypeError, ValueError):
+                if known.update_predicted:
+                    raise
+                known.update_predicted = True  # (on meta tensors: it imports sympy, see expected_state.py)
+                known.opt_states, known.update_known = expected_opt_states(
+                    step.optimizer, step.expected_update_tree(layout, mesh))
+                if not known.update_known:
+                    memo.follows_returns = True
+                check_opt_state(state.opt_state, known.opt_states + like, devices, known.update_known)
         except (TypeError, ValueError):
             if known.update_known or known.returned_like is not None or signed is None:
                 raise  # predicted, or the step returned this optimizer's state on this rank: refused before the update
