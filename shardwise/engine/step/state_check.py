@@ -36,7 +36,7 @@ from ..layout.state import TrainState
 from ..layout.state_layout import StateLayout
 from ..optim.expected_state import updates_after_init
 from .held_check import check_held
-from .opt_check import check_devices, check_opt_state, describe_change, expected_opt_states
+from .opt_check import check_devices, check_opt_state, describe_change, expected_opt_states, first_non_tensor
 
 if TYPE_CHECKING:
     from .step import Step
@@ -116,7 +116,13 @@ def check_layout(step: Step, state: TrainState, layout: StateLayout) -> None:
                     memo.follows_returns = True
                 check_opt_state(state.opt_state, known.opt_states + like, devices, known.update_known)
         except (TypeError, ValueError):
-            if known.update_known or known.returned_like is not None or signed is None:
+            if signed is None and not known.update_known:  # not a tree of tensors: nothing to check it by
+                raise TypeError(
+                    f"{first_non_tensor(state.opt_state)}: this optimizer's update cannot run on meta tensors, so "
+                    "the step checks a state it has not returned by what its update makes of it, which needs a tree "
+                    "of tensors (dicts, lists, tuples and NamedTuples of them; keep numbers in 0-d tensors)"
+                ) from None
+            if known.update_known or known.returned_like is not None:
                 raise  # predicted, or the step returned this optimizer's state on this rank: refused before the update
             # Not predicted (see the module's docstring): checked against what this call's update makes of it.
             check_devices(state.opt_state, devices)
