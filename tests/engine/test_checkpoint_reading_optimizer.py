@@ -28,21 +28,22 @@ from .test_opt_state_check import _LazyInit, _LazyUpdate, _ReadingUpdate
 READING = sw.optim.Optimizer(_LazyInit(), _ReadingUpdate(), elementwise=True)
 LAZY = sw.optim.Optimizer(_LazyInit(), _LazyUpdate(), elementwise=True)  # its state is predicted on meta
 
-LAYOUTS: dict[str, tuple[Any, int | None]] = {  # (wrap a step, dp world or None for one device)
+LAYOUTS: dict[str, tuple[Any, dict[str, int] | None]] = {  # (wrap a step, its mesh's axes or None for one device)
     "one_device": (lambda step: step, None),
-    "zero1": (lambda step: sw.shard_params(step, "dp", stage=1), 2),
-    "zero2": (lambda step: sw.shard_params(step, "dp", stage=2), 2),
-    "zero3": (lambda step: sw.shard_params(step, "dp", stage=3), 2),
-    "zero3_dp4": (lambda step: sw.shard_params(step, "dp", stage=3), 4),
-    "zero1_dp4": (lambda step: sw.shard_params(step, "dp", stage=1), 4),
+    "zero1": (lambda step: sw.shard_params(step, "dp", stage=1), {"dp": 2}),
+    "zero2": (lambda step: sw.shard_params(step, "dp", stage=2), {"dp": 2}),
+    "zero3": (lambda step: sw.shard_params(step, "dp", stage=3), {"dp": 2}),
+    "zero3_dp4": (lambda step: sw.shard_params(step, "dp", stage=3), {"dp": 4}),
+    "zero1_dp4": (lambda step: sw.shard_params(step, "dp", stage=1), {"dp": 4}),
+    "pipeline": (lambda step: sw.pipeline(step, "pp", "1f1b", 2), {"pp": 2}),
 }
 
 
 def _on(layout: str, fn: Any) -> list[Any]:
-    world = LAYOUTS[layout][1]
-    if world is None:
+    axes = LAYOUTS[layout][1]
+    if axes is None:
         return [fn(None)]
-    return sw.launch(lambda: fn(sw.Mesh(dp=world)), world=world)
+    return sw.launch(lambda: fn(sw.Mesh(**axes)), world=math.prod(axes.values()))
 
 
 def _saved_then_resumed(optimizer: Any, source: str, target: str, path: Path) -> list[torch.Tensor]:
@@ -82,14 +83,14 @@ def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
-@pytest.mark.parametrize("layout", ["one_device", "zero1", "zero2", "zero3"])
+@pytest.mark.parametrize("layout", ["one_device", "zero1", "zero2", "zero3", "pipeline"])
 def test_a_reading_optimizers_checkpoint_resumes_as_the_uninterrupted_run(layout: str, tmp_path: Path) -> None:
     resumed = _saved_then_resumed(READING, layout, layout, tmp_path / "c")
     assert len(resumed) == 6 and _equal(resumed, _uninterrupted(READING, layout))
 
 
 @pytest.mark.parametrize(("source", "target"), [("zero3", "zero3_dp4"), ("zero1", "one_device"),
-                                                ("one_device", "zero1_dp4")])
+                                                ("one_device", "zero1_dp4"), ("pipeline", "zero3")])
 def test_a_reading_optimizers_checkpoint_reshards(source: str, target: str, tmp_path: Path) -> None:
     """Equal bitwise to the same save and load of the optimizer whose state load predicts; within rounding
     (1e-12 relative: the gradients are averaged over another number of ranks) of the uninterrupted run."""
