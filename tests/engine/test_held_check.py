@@ -117,3 +117,27 @@ def test_a_cast_state_is_refused_by_save_and_by_the_full_parameters(call: str, t
     with pytest.raises(sw.collectives.RankFailed, match=r"state\.params holds \['0', '1', '2', '3', '4'\]"):
         sw.launch(lambda: main(lambda state: state._replace(params=step.full_params(state))), world=2)
     assert not (tmp_path / "c").exists()
+
+
+def _moved_to_meta(step: Any, state: Any) -> Any:
+    """Layer 0's bias (its ZeRO-3 flat shard) replaced by a meta tensor of its shape and dtype (where a rank
+    holds it)."""
+    params = {k: dict(v) if isinstance(v, dict) else v for k, v in state.params.items()}
+    if isinstance(params.get("0"), dict):
+        params["0"]["bias"] = torch.empty_like(params["0"]["bias"], device="meta")
+    elif "0" in params:
+        params["0"] = torch.empty_like(params["0"], device="meta")
+    return state._replace(params=params)
+
+
+@pytest.mark.parametrize("stack", sorted(STACKS))
+def test_a_parameter_moved_to_another_device_between_steps_is_refused_naming_both_devices(stack: str) -> None:
+    """Same shape and dtype on the meta device (on a GPU box: the host). Before: 'Tensor on device meta is not
+    on the expected device cpu!' from deep in the step, or, under ZeRO-3, 'cannot convert dictionary update
+    sequence element #0 to a sequence'. The pipeline's rank 0 holds two parameters of layer 0: a tie, which
+    the device the step accepted them on last breaks."""
+    where = r"\['0'\]" if stack == "zero3" else r"\['0'\]\['bias'\]"
+    with pytest.raises((ValueError, sw.collectives.RankFailed),
+                       match=rf"state\.params{where} is float64 \[\d+\] on meta, but the step keeps it on cpu, where "
+                             r"this rank's other parameters are"):
+        _edited(stack, _moved_to_meta)

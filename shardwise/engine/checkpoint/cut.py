@@ -145,7 +145,8 @@ def _children(node: Any) -> list[tuple[str, Any]] | None:
     return None
 
 
-def _is_mirror(node: Any, like: Any) -> bool:
+def is_mirror(node: Any, like: Any) -> bool:
+    """Whether ``node`` is shaped like the update tree ``like``: a per-parameter subtree (a momentum)."""
     tree: Any = node  # optree's stubs take no Mapping
     if not isinstance(node, Mapping) or optree.tree_structure(tree) != optree.tree_structure(like):
         return False
@@ -162,7 +163,7 @@ def split_opt_state(opt_state: Any, like: Any) -> tuple[dict[str, Any], dict[str
     def walk(node: Any, path: str) -> None:
         if node is None:
             return
-        if path and _is_mirror(node, like):
+        if path and is_mirror(node, like):
             mirrors[path] = node
             return
         children = _children(node)
@@ -190,7 +191,7 @@ def rebuild_opt_state(
     def walk(node: Any, path: str) -> Any:
         if node is None:
             return None
-        if path and _is_mirror(node, like):
+        if path and is_mirror(node, like):
             return mirror(path, node)
         children = _children(node)
         if children is None:

@@ -9,7 +9,8 @@
                                         (offsets, sizes) in the global tensor, byte offset, length, crc32
       shardwise.json                    the checkpoint: format version, step count, loss scale, mesh,
                                         stack, every tensor's global shape and dtype, the parameters'
-                                        shard specs, the optimizer state's layout
+                                        shard specs, the optimizer state's layout (and a record of its
+                                        containers and its update's name: opt_structure.py)
       .metadata                         the same index as DCP's ``Metadata`` (a pickle, for DCP's reader)
       COMMITTED                         written last: every file's size, and the sha256 of every
                                         file but the rank files (whose records the crc32s cover)

@@ -12,7 +12,7 @@ stages keep anyway (where they keep whole parameters: no narrowing precision pol
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,8 @@ from ..layout.state import TrainState
 from ..layout.state_layout import StateLayout
 from ..optim.expected_state import expected_opt_states
 from .cut import local_keys, rebuild_opt_state, split_opt_state
-from .file_format import CheckpointError, Reader
+from .file_format import CheckpointError, Reader, dtype_of
+from .opt_structure import mirror_dtypes, template_from_record, update_name
 from .regions import placed_boxes
 
 _LOSS_SCALES = {cls.__name__: cls for cls in (NoLossScale, StaticLossScale, DynamicLossScale)}
@@ -99,7 +100,34 @@ def build_state(reader: Reader, meta: Mapping[str, Any], step: Any, mesh: Mesh |
         if sharding.holds_shards:
             held = filler.shards("model", sharding, unit_like)
     saved = meta["optimizer"]
-    template, wanted_mirrors, wanted_scalars = _template(step.optimizer, update_meta, saved)
+    where = f"checkpoint {reader.directory}"
+
+    def mirror_like(path: str) -> Any:  # a mirror of the saved state's record, in the dtypes it was saved in
+        if sharding is None:
+            return {layer: {n: torch.empty(t.shape, device="meta", dtype=mirror_dtypes(
+                meta["tensors"], path, [keys[(layer, n)]], where)) for n, t in ts.items()}
+                for layer, ts in master.items()}
+        return {u: torch.empty(t.shape, device="meta", dtype=mirror_dtypes(
+            meta["tensors"], path, [keys[(u, n)] for n in sharding.units[u].names], where))
+            for u, t in update_meta.items()}
+
+    def scalar_like(path: str) -> torch.Tensor:
+        spec = meta["tensors"].get(f"optim.{path}")
+        if spec is None:
+            raise CheckpointError(f"{where}: its optimizer state's {path} is missing from its tensors")
+        return torch.empty(spec["shape"], dtype=dtype_of(spec["dtype"], f"{where}: optim.{path}"), device="meta")
+
+    def from_record(record: Any) -> Any:
+        ours = update_name(step.optimizer)
+        if saved.get("update") != ours:
+            raise CheckpointError(
+                f"{where}: its optimizer state was saved by the update {saved.get('update')}, this step's is {ours}, "
+                "whose state is known only from the record save made of it (its update reads values and cannot "
+                "be predicted): load it with the optimizer that saved it"
+            )
+        return template_from_record(record, mirror_like, scalar_like, where)
+
+    template, wanted_mirrors, wanted_scalars = _template(step.optimizer, update_meta, saved, from_record)
     if wanted_mirrors != saved["mirrors"] or not set(wanted_scalars) <= set(saved["scalars"]):
         raise CheckpointError(
             f"checkpoint {reader.directory}: its optimizer state has per-parameter {saved['mirrors']} and "
@@ -127,19 +155,29 @@ def build_state(reader: Reader, meta: Mapping[str, Any], step: Any, mesh: Mesh |
                       layout=layout, **extra), wanted_scalars
 
 
-def _template(optimizer: Any, update_meta: Any, saved: Mapping[str, Any]) -> tuple[Any, list[str], list[str]]:
+def _template(optimizer: Any, update_meta: Any, saved: Mapping[str, Any],
+              from_record: Callable[[Any], Any]) -> tuple[Any, list[str], list[str]]:
     """The optimizer state to rebuild the saved one as (meta tensors), with its per-parameter and other paths:
     init's, or, for a user's optimizer that makes its state at its first update, what one update makes of
-    init's where it runs on meta tensors and matches what was saved (opt_check.expected_opt_states). One whose
-    update reads values is not predicted: init's is then refused below, naming both layouts."""
+    init's where it runs on meta tensors and matches what was saved (opt_check.expected_opt_states). Where
+    that update reads values (it cannot run on meta tensors), nothing predicts its state: it is rebuilt as
+    save recorded it (``from_record(saved["structure"])``, opt_structure.py), and the step confirms it by what
+    its first update makes of it (state_check.py). A checkpoint saved before that record (or by ranks whose
+    states differ in structure) has none: init's is then refused below, naming both layouts. A predicted
+    state is never replaced by the record: a checkpoint of another optimizer is refused, not loaded."""
     made: list[tuple[Any, list[str], list[str]]] = []
+    known = True
     for after_update in (False, True):  # init's first: predicting the update on meta imports sympy (expected_state.py)
-        candidates, _ = expected_opt_states(optimizer, update_meta, after_update)
+        candidates, known = expected_opt_states(optimizer, update_meta, after_update)
         for template in candidates[len(made):]:
             mirrors, scalars = (sorted(x) for x in split_opt_state(template, update_meta))
             if mirrors == saved["mirrors"] and set(scalars) <= set(saved["scalars"]):
                 return template, mirrors, scalars
             made.append((template, mirrors, scalars))
+    if not known and saved.get("structure") is not None:
+        template = from_record(saved["structure"])
+        mirrors, scalars = (sorted(x) for x in split_opt_state(template, update_meta))
+        return template, mirrors, scalars
     return made[0]
 
 

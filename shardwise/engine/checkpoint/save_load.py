@@ -98,6 +98,7 @@ from .file_format import (
 from .held_names import every_ranks_names
 from .load_state import build_state, other_optimizer_or_layout
 from .names import module_params, state_dict_names
+from .opt_structure import record_digest, record_structure, update_name
 
 __all__ = ["CheckpointError", "SaveHandle", "describe", "load", "save"]
 
@@ -364,9 +365,21 @@ def _snapshot(state: TrainState, step: Any, layout: StateLayout, mesh: Mesh | No
         "leaves": {names.param_key[k]: s.describe() for k, s in layout.leaves.items()},
         "buffers": {f"model.{k}": list(v) for k, v in names.buffers.items()},
         "aliases": {f"model.{a}": f"model.{k}" for a, k in names.aliases.items()},
-        "optimizer": {"mirrors": sorted(mirrors), "scalars": sorted(set().union(*holders))},
+        "optimizer": {"mirrors": sorted(mirrors), "scalars": sorted(set().union(*holders)),
+                      "structure": _structure(state.opt_state, tree, mesh, device),
+                      "update": update_name(getattr(step, "optimizer", None))},
     }
     return out, tensors, meta
+
+
+def _structure(opt_state: Any, tree: Any, mesh: Mesh | None, device: torch.device) -> Any:
+    """The record of the optimizer state's containers (opt_structure.py), where every rank's is the same (a
+    collective); None where they differ (a pipeline stage's per-layer entries): load then rebuilds the state
+    from the optimizer alone, as it did before the record."""
+    record = record_structure(opt_state, tree)
+    if mesh is not None and len({ts[0] for ts in gather_texts(mesh, [record_digest(record)], device)}) > 1:
+        return None
+    return record
 
 
 def _save_id(mesh: Mesh | None, device: torch.device) -> str:

@@ -15,9 +15,11 @@ optimizer state.
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NoReturn
 
+import optree
 import torch
 
 from ...collectives.mesh import Mesh
@@ -61,26 +63,46 @@ def expected_trees(layout: StateLayout, mesh: Mesh | None,
     return made
 
 
-def check_held(params: Any, expected: Expected) -> None:
-    """Refuse ``state.params`` unless it holds exactly the expected tensors, in shape and dtype."""
+def check_held(params: Any, expected: Expected, previous: torch.device | None = None) -> torch.device | None:
+    """Refuse ``state.params`` unless it holds exactly the expected tensors, in shape and dtype, all on one
+    device: a parameter moved alone (to ``meta``, to the host) failed deep in the step naming no parameter
+    ('Tensor on device meta is not on the expected device cpu!'), or, under ZeRO-3, as a dict update error.
+    Where that device is is the state's to say (init makes it where its params are; a whole state moved
+    keeps its optimizer state beside its parameters, which opt_check.py compares): the device most of them are
+    on, on a tie ``previous`` (where the step last accepted them) if it is one of those. Returns that device."""
     if isinstance(params, InFlightParams):  # made by the previous call of the step itself
-        return
+        return previous
+    device = _usual_device(params, previous)
     if isinstance(params, Mapping) and params.keys() == expected.keys():
         for layer, want in expected.items():  # the usual call: one pass, no message built
             have = params[layer]
             if isinstance(want, torch.Tensor):
-                if not (isinstance(have, torch.Tensor) and have.dtype is want.dtype and have.shape == want.shape):
+                if not (isinstance(have, torch.Tensor) and have.dtype is want.dtype and have.shape == want.shape
+                        and have.device == device):
                     break
             elif not (isinstance(have, Mapping) and have.keys() == want.keys() and all(
-                    isinstance(t, torch.Tensor) and t.dtype is w.dtype and t.shape == w.shape
+                    isinstance(t, torch.Tensor) and t.dtype is w.dtype and t.shape == w.shape and t.device == device
                     for t, w in ((have[n], w) for n, w in want.items()))):
                 break
         else:
-            return
-    _refuse(params, expected)
+            return device
+    _refuse(params, expected, device)
 
 
-def _refuse(params: Any, expected: Expected) -> None:
+def _usual_device(params: Any, previous: torch.device | None) -> torch.device | None:
+    """The device most of ``params``' tensors are on; on a tie ``previous`` if it is one of those, else the
+    first of them in order."""
+    tree: Any = params  # optree's stubs take no Mapping
+    tensors = [t for t in optree.tree_leaves(tree) if isinstance(t, torch.Tensor)] if isinstance(
+        params, Mapping) else []
+    if not tensors:
+        return None
+    counts = collections.Counter(t.device for t in tensors).most_common()
+    tied = [d for d, n in counts if n == counts[0][1]]
+    return previous if previous in tied else tied[0]
+
+
+def _refuse(params: Any, expected: Expected, device: torch.device | None) -> NoReturn:
     """The first difference, named."""
     fix = ("A TrainState's params are the step's own layout: change values in place (tensor.copy_), "
            "not the tensors; to cast, reshard or replace parameters, go through sw.checkpoint.save / "
@@ -94,17 +116,19 @@ def _refuse(params: Any, expected: Expected) -> None:
     for layer, want in expected.items():
         have = params[layer]
         if isinstance(want, torch.Tensor):  # ZeRO-3: the unit's flat shard
-            _check_tensor(f"state.params[{layer!r}]", have, want, "this rank's flat ZeRO shard of the layer", fix)
+            _check_tensor(f"state.params[{layer!r}]", have, want, "this rank's flat ZeRO shard of the layer", fix,
+                          device)
             continue
         if not isinstance(have, Mapping) or set(have) != set(want):
             got = type(have).__name__ if not isinstance(have, Mapping) else sorted(have)
             raise ValueError(f"state.params[{layer!r}] holds {got}, expected the parameters {sorted(want)}. {fix}")
         for name, like in want.items():
-            _check_tensor(f"state.params[{layer!r}][{name!r}]", have[name], like, "", fix)
+            _check_tensor(f"state.params[{layer!r}][{name!r}]", have[name], like, "", fix, device)
     raise AssertionError("check_held found no difference to name")  # unreachable: the fast pass found one
 
 
-def _check_tensor(where: str, have: Any, like: torch.Tensor, what: str, fix: str) -> None:
+def _check_tensor(where: str, have: Any, like: torch.Tensor, what: str, fix: str,
+                  device: torch.device | None) -> None:
     if not isinstance(have, torch.Tensor):
         raise TypeError(f"{where} is a {type(have).__name__}, expected a tensor. {fix}")
     if have.shape != like.shape or have.dtype != like.dtype:
@@ -112,6 +136,13 @@ def _check_tensor(where: str, have: Any, like: torch.Tensor, what: str, fix: str
         raise ValueError(
             f"{where} is {_text(have)}, but the step keeps it as {_text(like)}{said}: the master dtype of "
             f"its precision policy, this rank's part of it. {fix}"
+        )
+    if device is not None and have.device != device:
+        raise ValueError(
+            f"{where} is {_text(have)} on {have.device}, but the step keeps it on {device}, where this rank's other "
+            f"parameters are: the step would fail on it naming no parameter, or compute across two devices. Move "
+            f"it back (tensor.to('{device}')), or, to move a whole state to another device, save it with "
+            "sw.checkpoint.save and load it with sw.checkpoint.load(..., device=...)"
         )
 
 

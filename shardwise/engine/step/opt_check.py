@@ -25,7 +25,7 @@ import torch
 
 from ..optim.expected_state import expected_opt_states
 
-__all__ = ["check_devices", "check_opt_state", "describe_change", "expected_opt_states"]
+__all__ = ["check_devices", "check_opt_state", "describe_change", "expected_opt_states", "first_non_tensor"]
 
 _FIX = ("A TrainState's optimizer state is the step's own layout: change values in place (tensor.copy_), "
         "not the tensors; to cast it, reshard it or carry it to another step, go through sw.checkpoint.save / "
@@ -111,6 +111,14 @@ def check_devices(opt_state: Any, devices: frozenset[torch.device]) -> None:
         host_scalar = isinstance(leaf, torch.Tensor) and leaf.dim() == 0 and leaf.device.type == "cpu"
         if isinstance(leaf, torch.Tensor) and leaf.device not in devices and not host_scalar:
             raise ValueError(_device_text(path, leaf, devices))
+
+
+def first_non_tensor(opt_state: Any) -> str:
+    """The first leaf of ``opt_state`` that is not a tensor (by path), in words."""
+    for path, leaf in (_leaves_by_path(opt_state) or {"state.opt_state": opt_state}).items():
+        if not isinstance(leaf, torch.Tensor):
+            return f"{path} is {_kind(leaf)}"
+    return "state.opt_state cannot be read as a tree of tensors"
 
 
 def describe_change(before: Any, after: Any) -> str:
