@@ -133,6 +133,24 @@ def _rank_program(step: Any, params: Any, mesh: Mesh, batches: Sequence[Any]) ->
     return record_history(step, step.init(params, mesh), batches)
 
 
+def _metric_rtol(expected: torch.Tensor, rtol: float, at_its_dtype: bool) -> float:
+    """The tolerance a metric is judged at: ``rtol``, or with ``at_its_dtype`` the coarser of that and
+    its own dtype's default (a float32 loss of a float64 model carries float32 rounding whatever the
+    parameters' precision)."""
+    return max(rtol, DEFAULT_RTOL.get(expected.dtype, rtol)) if at_its_dtype else rtol
+
+
+def _coarser_dtype_hint(where: str, expected: Any, rtol: float) -> str:
+    """A note on a metric in a dtype whose rounding alone exceeds the tolerance it was judged at."""
+    dtype = getattr(expected, "dtype", None)
+    own = DEFAULT_RTOL.get(dtype) if isinstance(dtype, torch.dtype) else None
+    if where not in COMPARED_METRICS or own is None or own <= rtol:
+        return ""
+    return (f"; the reference's {where} is {dtype}, whose rounding alone is about {own:g} of it: "
+            "leave rtol unset to judge the metrics at their own dtype (the parameters keep theirs), or "
+            f"compute the {where} in the parameters' dtype")
+
+
 def _param_dtype(params: Any) -> torch.dtype:
     leaves = [t for t in optree.tree_leaves(params) if isinstance(t, torch.Tensor) and t.is_floating_point()]
     return leaves[0].dtype if leaves else torch.float32
@@ -160,8 +178,13 @@ def assert_equivalent(
     the largest reference magnitude of the tensor's layer (see the module
     docstring: a tensor whose reference is rounding noise, such as a bias whose
     true gradient is zero, is not a failure, and a wrong update still is).
-    ``rtol`` defaults by dtype (see ``DEFAULT_RTOL``). With
-    ``backend="processes"`` the step, params and batches must be picklable.
+    ``rtol`` defaults by dtype (see ``DEFAULT_RTOL``): the parameters' for the
+    parameters, and for the loss and the gradient norm the coarser of that and
+    their own dtype's (a float64 model's loss computed in float32, as
+    transformers computes its ``labels=`` loss, differs between a sum over
+    parts and one sum by float32 rounding alone; the parameters still show a
+    real error at their own tolerance). An ``rtol`` given applies to every
+    tensor. With ``backend="processes"`` the step, params and batches must be picklable.
 
     >>> import torch, shardwise as sw
     >>> chain, params = sw.functionalize(torch.nn.Sequential(torch.nn.Linear(3, 2)).double())
@@ -177,12 +200,13 @@ def assert_equivalent(
             f"assert_equivalent(mesh=...) needs the Mesh the step runs on, got {type(mesh).__name__}; a transform "
             "of one device (remat, mixed_precision alone) runs on sw.Mesh(dp=1)"
         )
+    rtol_given = rtol
     rtol = DEFAULT_RTOL.get(_param_dtype(params), 1e-5) if rtol is None else rtol
     expected = record_history(reference, reference.init(params), batches)
     program = functools.partial(_rank_program, step, params, mesh, list(batches))
     per_rank = launch(program, mesh.size, backend=backend, timeout=timeout)
 
-    return compare_histories(per_rank, expected, rtol=rtol, atol=atol)
+    return compare_histories(per_rank, expected, rtol=rtol, atol=atol, metrics_at_their_dtype=rtol_given is None)
 
 
 def compare_histories(
@@ -191,11 +215,14 @@ def compare_histories(
     *,
     rtol: float,
     atol: float = 0.0,
+    metrics_at_their_dtype: bool = False,
 ) -> EquivalenceReport:
     """Check every rank's ``record_history`` against the reference's; raise at the first divergence.
 
     Useful where ``assert_equivalent`` cannot launch the ranks itself (a step
     built inside each process of a pool): record on every rank, compare here.
+    With ``metrics_at_their_dtype`` the loss and the gradient norm are judged
+    at the coarser of ``rtol`` and their own dtype's default (``DEFAULT_RTOL``).
     """
     report = EquivalenceReport(steps=len(expected))
     for index, (exp_metrics, exp_params) in enumerate(expected):
@@ -215,24 +242,26 @@ def compare_histories(
             layer_scale: dict[tuple[Any, ...], float] = {}
             for path, e in zip(exp_paths, exp_leaves, strict=True):
                 layer_scale[path[:-1]] = max(layer_scale.get(path[:-1], 0.0), _magnitude(e))
-            # (where, got, expected, scale, whose scale)
-            checks: list[tuple[str, Any, Any, float, str]] = [
-                (k, got_metrics[k], v, _magnitude(v), k) for k, v in exp_metrics.items() if k in got_metrics
+            # (where, got, expected, scale, whose scale, rtol)
+            checks: list[tuple[str, Any, Any, float, str, float]] = [
+                (k, got_metrics[k], v, _magnitude(v), k, _metric_rtol(v, rtol, metrics_at_their_dtype))
+                for k, v in exp_metrics.items() if k in got_metrics
             ]
             checks += [
                 ("params" + "".join(f"[{k!r}]" for k in path), g, e, layer_scale[path[:-1]],
-                 "params" + "".join(f"[{k!r}]" for k in path[:-1]))
+                 "params" + "".join(f"[{k!r}]" for k in path[:-1]), rtol)
                 for path, g, e in zip(exp_paths, got_leaves, exp_leaves, strict=True)
             ]
-            for where, got, exp, scale, layer in checks:
+            for where, got, exp, scale, layer, tol in checks:
                 abs_err = _abs_error(got, exp)
                 rel_err = _relative(abs_err, scale)
                 worst_abs, worst_rel = max(worst_abs, abs_err), max(worst_rel, rel_err)
-                if not abs_err <= atol + rtol * scale:
+                if not abs_err <= atol + tol * scale:
                     raise NotEquivalentError(
                         f"not equivalent: first divergence at step {index + 1}, {where}, rank {rank}: "
                         f"max abs error {abs_err:.3g}, relative error {rel_err:.3g} "
-                        f"(allowed: atol={atol:g} + rtol={rtol:g} x max|reference| of {layer} {scale:.3g})",
+                        f"(allowed: atol={atol:g} + rtol={tol:g} x max|reference| of {layer} {scale:.3g})"
+                        + _coarser_dtype_hint(where, exp, tol),
                         index + 1, where, rank, abs_err, rel_err,
                     )
         report.max_abs_err.append(worst_abs)

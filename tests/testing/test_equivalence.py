@@ -216,3 +216,34 @@ class _Overflow(_Poison):
     def __call__(self, state, batch):  # type: ignore[no-untyped-def]
         state, metrics = self.step(state, batch)
         return state, {**metrics, "loss": metrics["loss"] * float("inf")}
+
+
+def _float32_loss(y: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """A float64 model's loss computed in float32, as transformers computes its ``labels=`` loss."""
+    return torch.nn.functional.mse_loss(y.float(), t.float())
+
+
+def _float32_loss_problem(lr: float = 0.1):  # type: ignore[no-untyped-def]
+    torch.manual_seed(0)
+    chain, params = sw.functionalize(mlp([8, 16, 4]).double())
+    step = sw.train_step(chain, _float32_loss, sw.optim.sgd(lr))
+    batches = [(torch.randn(16, 8, dtype=torch.float64), torch.randn(16, 4, dtype=torch.float64)) for _ in range(3)]
+    return step, params, batches
+
+
+def test_a_float32_loss_is_judged_at_its_own_dtype_and_the_parameters_at_theirs() -> None:
+    step, params, batches = _float32_loss_problem()
+    zero3 = sw.shard_params(step, "dp", stage=3)
+    report = sw.testing.assert_equivalent(zero3, step, sw.Mesh(dp=2), batches, params)
+    # The sum over two parts rounds otherwise in float32: above float64's tolerance, within float32's.
+    assert 1e-10 < max(report.max_rel_err) < 1e-5
+    # A given rtol applies to the loss too, and the error says why it fails and what to do.
+    hint = r"loss is torch.float32, whose rounding alone.*leave rtol unset"
+    with pytest.raises(NotEquivalentError, match=hint) as info:
+        sw.testing.assert_equivalent(zero3, step, sw.Mesh(dp=2), batches, params, rtol=1e-10)
+    assert info.value.path == "loss"
+    # The parameters keep float64's tolerance: an update off by 1e-9 of the learning rate still fails.
+    other, _, _ = _float32_loss_problem(lr=0.1 + 1e-9)
+    with pytest.raises(NotEquivalentError) as info:
+        sw.testing.assert_equivalent(other, step, sw.Mesh(dp=1), batches, params)
+    assert info.value.path.startswith("params[")
