@@ -24,8 +24,10 @@ without an error, are refused here:
   one head (``q.select(1, h).copy_(...)``, ``q.narrow(1, h, 1).mul_(...)``, ``q[:, h] *= 2``: the view is
   remembered, SplitWatch.take_head), so a loop writing each head in turn passes and
   ``q.select(1, 0).copy_(q[:, 1])`` (each head read once, head 0 written) is refused, as is a write of
-  values read from another head of as many (head_sources.py). A write into several heads but not all
-  (``q[:, :2] = 0``) is a cut, refused at once.
+  values read from another head of as many (head_sources.py). An index or a mask of the heads
+  (``index_fill_``, ``index_copy_``, ``masked_fill_``, ``torch.where``, ...) is checked by head_indices.py;
+  an index tensor of the heads (``q[:, torch.arange(q.size(1))]``, ``q[:, [h]]``) as one of its index
+  ops. A write into several heads but not all (``q[:, :2] = 0``) is a cut, refused at once.
   (Undetectable: a loop over a fixed number of heads that happens to equal the rank's count, ``for h in
   range(2)`` with 4 heads at tp 2; a fixed head where a rank holds one; the loop's head number used as a
   value, ``q[:, h] * (h + 1)``; a value made from every head of the rank written into one,
@@ -46,6 +48,8 @@ from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
+from .head_indices import NAMES as HEAD_INDEX_OPS
+from .head_indices import HeadIndexRefused, index_heads, see_head_index
 from .model_frames import innermost_model_line
 
 if TYPE_CHECKING:
@@ -99,6 +103,8 @@ def see_heads(
     heads, and follow the heads into ``out`` where it keeps them."""
     name = str(getattr(func, "__name__", func))
     first = args[0] if args else None
+    if name in HEAD_INDEX_OPS and see_head_index(watch, name, t, entry, dim, args, kwargs, out):
+        return  # an index_select of the heads whole, or of one head: followed or counted (head_indices.py)
     if name == "__setitem__" and first is t and len(args) >= 2:
         try:
             _, one = _index_heads(t, args[1], dim)
@@ -204,7 +210,7 @@ def _index_heads(t: Tensor, index: Any, dim: int) -> tuple[int | None, tuple[int
         at = items.index(Ellipsis)
         items[at:at + 1] = [slice(None)] * (t.dim() - consumed)
     items += [slice(None)] * (t.dim() - sum(1 for i in items if i is not None))
-    advanced = any(isinstance(i, (Tensor, list)) for i in items)
+    advanced = sum(1 for i in items if isinstance(i, (Tensor, list)))
     in_dim = out_dim = 0
     for item in items:
         if item is None:
@@ -216,6 +222,15 @@ def _index_heads(t: Tensor, index: Any, dim: int) -> tuple[int | None, tuple[int
                 return None, (item % heads, item)  # one head, computed on its own: no longer followed
             if isinstance(item, slice) and len(range(*item.indices(heads))) == 1:
                 return None, (range(*item.indices(heads))[0], item)
+            if isinstance(item, (Tensor, list)):  # q[:, torch.arange(q.size(1))]: whole; q[:, [h]]: one head
+                try:
+                    taken = index_heads(item, heads)
+                except HeadIndexRefused as refused:
+                    raise _Cut(str(refused)) from None
+                if taken != "whole":
+                    return None, (int(taken), item)
+                one_dim = isinstance(item, list) or item.dim() == 1
+                return (out_dim if advanced == 1 and one_dim else None), None
             whole = isinstance(item, slice) and item.indices(heads) == (0, heads, 1)
             if not whole:
                 raise _Cut(f"an index {item!r} of the heads dim")
