@@ -90,6 +90,14 @@ _LAYOUT = {
     "contiguous", "__getitem__", "expand", "select", "narrow",
 }
 
+# In-place ops by their Python operator (q[:, h] *= 2: __imul__ on the head's view, then __setitem__), and names that
+# end in an underscore without writing values.
+_AUGMENTED = {
+    f"__i{op}__" for op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor", "lshift",
+                            "rshift", "matmul")
+}
+_NOT_WRITES = {"requires_grad_", "share_memory_", "retain_grad_", "record_stream_"}
+
 
 @dataclass
 class _Output:
@@ -284,8 +292,8 @@ class SplitWatch(TorchFunctionMode):
         view is the same head's."""
         first = args[0] if args else None
         taken = self._head_view_of(first)
-        in_place = name == "__setitem__" or (name.endswith("_") and not name.startswith("_")) or (
-            name.startswith("__i") and name.endswith("__")  # q[:, h] *= 2: __imul__, then __setitem__
+        in_place = name == "__setitem__" or name in _AUGMENTED or (
+            name.endswith("_") and not name.startswith("_") and name not in _NOT_WRITES
         )
         written = taken if in_place else None
         target = first if written is not None else kwargs.get("out")
