@@ -19,10 +19,19 @@ without an error, are refused here:
   ``q.select(1, 0)``): head 0 on a rank is another head than head 0 of all of them. One head taken alone
   is what a per-head loop's ``q[:, h]`` does too, so the watch counts the heads each per-head tensor gives
   one at a time (``SplitWatch.take_head``) and ``finish()`` refuses unless each of the rank's heads was
-  taken equally often, as a loop over all of them takes them. A write into some heads (``__setitem__``)
-  is refused at once, loop or not: the write is seen before the loop's end, and it changes the tensor
-  every later read takes. (Undetectable: a loop over a fixed number of heads that happens to equal the
-  rank's count, ``for h in range(2)`` with 4 heads at tp 2; and a fixed head where a rank holds one.)
+  taken equally often, as a loop over all of them takes them. Writes into one head are counted the same
+  way, apart from the reads: ``q[:, h] = ...``, ``q[:, h:h + 1] = ...``, and an in-place op on a view of
+  one head (``q.select(1, h).copy_(...)``, ``q.narrow(1, h, 1).mul_(...)``, ``q[:, h] *= 2``: the view is
+  remembered, SplitWatch.take_head), so a loop writing each head in turn passes and
+  ``q.select(1, 0).copy_(q[:, 1])`` (each head read once, head 0 written) is refused, as is a write of
+  values read from another head of as many (head_sources.py). An index or a mask of the heads
+  (``index_fill_``, ``index_copy_``, ``masked_fill_``, ``torch.where``, ...) is checked by head_indices.py;
+  an index tensor of the heads (``q[:, torch.arange(q.size(1))]``, ``q[:, [h]]``) as one of its index
+  ops. A write into several heads but not all (``q[:, :2] = 0``) is a cut, refused at once.
+  (Undetectable: a loop over a fixed number of heads that happens to equal the rank's count, ``for h in
+  range(2)`` with 4 heads at tp 2; a fixed head where a rank holds one; the loop's head number used as a
+  value, ``q[:, h] * (h + 1)``; a value made from every head of the rank written into one,
+  ``out[:, h] = q[:, h] + q[:, (h + 1) % H]`` at two heads a rank.)
 
 The heads dim is followed through transposes, permutes, index keeping the heads whole, unsqueeze,
 expand and same-shaped ops (rotary products, casts). An op across it (``z - z.mean(1)``, a norm over
@@ -39,6 +48,8 @@ from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
+from .head_indices import NAMES as HEAD_INDEX_OPS
+from .head_indices import HeadIndexRefused, index_heads, see_head_index
 from .model_frames import innermost_model_line
 
 if TYPE_CHECKING:
@@ -92,14 +103,17 @@ def see_heads(
     heads, and follow the heads into ``out`` where it keeps them."""
     name = str(getattr(func, "__name__", func))
     first = args[0] if args else None
+    if name in HEAD_INDEX_OPS and see_head_index(watch, name, t, entry, dim, args, kwargs, out):
+        return  # an index_select of the heads whole, or of one head: followed or counted (head_indices.py)
     if name == "__setitem__" and first is t and len(args) >= 2:
         try:
             _, one = _index_heads(t, args[1], dim)
         except _Cut as cut:
             raise ValueError(head_cut_message(entry, f"a write into {cut}")) from None
-        if one is not None:  # a write into one head: nothing tells a fixed head number from a loop's
-            where = f"a write into head {one[1]!r} ({innermost_model_line()})"
-            raise ValueError(head_number_message(entry, where, t, dim))
+        if one is not None:  # a write into one head, a loop's (q[:, h] = ...) or a fixed one's: finish() tells
+            where = f"[{one[1]!r}] = ... at {innermost_model_line()}"
+            watch.check_head_write(t, entry, dim, one[0], where, args[2:])
+            watch.take_head(t, entry, dim, one[0], where, write=True)
         return
     if name in _CUT_DIM_AT:
         if first is not t:
@@ -112,7 +126,7 @@ def see_heads(
             start = kwargs.get("index", kwargs.get("start", args[2] if len(args) > 2 else None))
             if name in ("select", "narrow") and isinstance(start, int):  # one head, by its number
                 where = f"{name}(..., {start}) at {innermost_model_line()}"
-                watch.take_head(t, entry, dim, start % t.shape[dim], where)
+                watch.take_head(t, entry, dim, start % t.shape[dim], where, view=out)
             return
         dropped = name in ("unbind", "select")  # (the cut dim dropped: the heads move down past it)
         for part in out if isinstance(out, (tuple, list)) else (out,):
@@ -127,7 +141,7 @@ def see_heads(
         if name == "__getitem__" and first is t and len(args) >= 2:
             new, one = _index_heads(t, args[1], dim)
             if one is not None:  # a per-head loop's q[:, h], or a fixed head number: finish() tells them apart
-                watch.take_head(t, entry, dim, one[0], f"[{one[1]!r}] at {innermost_model_line()}")
+                watch.take_head(t, entry, dim, one[0], f"[{one[1]!r}] at {innermost_model_line()}", view=out)
         else:
             new = _heads_after(name, t, dim, args, out)
     except _Cut as cut:
@@ -196,7 +210,7 @@ def _index_heads(t: Tensor, index: Any, dim: int) -> tuple[int | None, tuple[int
         at = items.index(Ellipsis)
         items[at:at + 1] = [slice(None)] * (t.dim() - consumed)
     items += [slice(None)] * (t.dim() - sum(1 for i in items if i is not None))
-    advanced = any(isinstance(i, (Tensor, list)) for i in items)
+    advanced = sum(1 for i in items if isinstance(i, (Tensor, list)))
     in_dim = out_dim = 0
     for item in items:
         if item is None:
@@ -208,6 +222,15 @@ def _index_heads(t: Tensor, index: Any, dim: int) -> tuple[int | None, tuple[int
                 return None, (item % heads, item)  # one head, computed on its own: no longer followed
             if isinstance(item, slice) and len(range(*item.indices(heads))) == 1:
                 return None, (range(*item.indices(heads))[0], item)
+            if isinstance(item, (Tensor, list)):  # q[:, torch.arange(q.size(1))]: whole; q[:, [h]]: one head
+                try:
+                    taken = index_heads(item, heads)
+                except HeadIndexRefused as refused:
+                    raise _Cut(str(refused)) from None
+                if taken != "whole":
+                    return None, (int(taken), item)
+                one_dim = isinstance(item, list) or item.dim() == 1
+                return (out_dim if advanced == 1 and one_dim else None), None
             whole = isinstance(item, slice) and item.indices(heads) == (0, heads, 1)
             if not whole:
                 raise _Cut(f"an index {item!r} of the heads dim")
@@ -254,9 +277,9 @@ def head_number_message(entry: _Output | str, what: str, t: Tensor, dim: int) ->
         f"tensor_parallel: {whose} picks heads by their number: {what}. Head n on a rank is another head than "
         "head n of all of them, so a fixed head number takes another head on each rank, another model trained "
         "without an error. "
-        "Index the heads only in a loop that takes each of the rank's heads once (for h in range(q.size(1)), or "
-        "over the count a Region divides), with no write into one head; or leave this module's projections out "
-        "of the plan (replicated)"
+        "Index the heads only in a loop that reads (and writes) each of the rank's heads equally often (for h in "
+        "range(q.size(1)), or over the count a Region divides); or leave this module's projections out of the plan "
+        "(replicated)"
     )
 
 

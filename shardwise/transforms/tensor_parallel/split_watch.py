@@ -57,7 +57,9 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 from .feature_mixing import keeps_features, mixed, moved_features
+from .head_sources import HeadSources
 from .head_views import check_head_count, head_number_message, see_heads
+from .model_frames import innermost_model_line
 from .product_views import HeadView
 from .sequence_gather import SequenceGather
 
@@ -88,6 +90,14 @@ _LAYOUT = {
     "contiguous", "__getitem__", "expand", "select", "narrow",
 }
 
+# In-place ops by their Python operator (q[:, h] *= 2: __imul__ on the head's view, then __setitem__), and names that
+# end in an underscore without writing values.
+_AUGMENTED = {
+    f"__i{op}__" for op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor", "lshift",
+                            "rshift", "matmul")
+}
+_NOT_WRITES = {"requires_grad_", "share_memory_", "retain_grad_", "record_stream_"}
+
 
 @dataclass
 class _Output:
@@ -117,6 +127,7 @@ class _Taken:
     entry: _Output
     dim: int
     first: str  # the first op that took one, and its line
+    write: bool = False  # heads written one at a time (q[:, h] = ...), counted apart from those read
     counts: dict[int, int] = field(default_factory=dict)  # head on this rank -> times taken
 
 
@@ -139,9 +150,12 @@ class SplitWatch(TorchFunctionMode):
         # A reshape of one (or of its per-head view) that failed in torch: the output, the op, its input's shape
         # and the sizes asked (failed_view_message says it).
         self.failed_reshape: tuple[_Output, str, list[int], list[Any]] | None = None
-        # The heads taken one at a time from each per-head tensor (q[:, h]), by tensor: a loop over all of a
-        # rank's heads takes each of them equally often; anything else picked a head by its number.
-        self.taken: dict[int, _Taken] = {}
+        # The heads taken one at a time from each per-head tensor (q[:, h]), by tensor and by read or write: a loop
+        # over all of a rank's heads takes each of them equally often; anything else picked a head by its number.
+        self.taken: dict[tuple[int, bool], _Taken] = {}
+        # One head's views (q[:, h], q.select(1, h)): an in-place op on one writes into that head of its tensor.
+        self.head_views: dict[int, tuple[weakref.ref[Tensor], _Taken]] = {}
+        self.sources = HeadSources()  # the heads a value read one at a time came from: where it may be written
 
     def _outputs_in(self, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[str, ...]:
         """The labels of the Colwise outputs among an op's arguments, followed in any form."""
@@ -208,6 +222,9 @@ class SplitWatch(TorchFunctionMode):
                     self.moved[id(out)] = (weakref.ref(out), entry, moved)
         for t, entry in _tensor_args(args, kwargs, self._entry):
             self._see(func, t, entry, args, kwargs, out)
+        self.sources.carry(args, kwargs, out)
+        if self.head_views:
+            self._see_head_views(_name(func), args, kwargs, out)
         for t, (entry, dim) in _tensor_args(args, kwargs, self._heads_of):
             if entry.sequence is not None and func in _RESHAPES and isinstance(out, Tensor):
                 refusal = entry.sequence.reshaped(t, out)  # a per-head view merged back by the slice's length
@@ -238,13 +255,59 @@ class SplitWatch(TorchFunctionMode):
         """``t`` holds this rank's heads of ``entry`` along ``dim``."""
         self.per_head[id(t)] = (weakref.ref(t), entry, dim)
 
-    def take_head(self, t: Tensor, entry: _Output, dim: int, head: int, where: str) -> None:
+    def take_head(
+        self, t: Tensor, entry: _Output, dim: int, head: int, where: str, write: bool = False, view: Any = None
+    ) -> None:
         """``t`` (a per-head view of ``entry``, heads on ``dim``) gave its head ``head`` alone (``where``: the op
-        and the module's line); finish() checks the heads taken."""
-        taken = self.taken.get(id(t))
+        and the module's line), or took a write into it (``write``); finish() checks the heads taken. ``view``:
+        the op's output, a view of that head alone, which an in-place op then writes into (q.select(1, h).copy_)."""
+        taken = self.taken.get((id(t), write))
         if taken is None or taken.tensor is not t:  # (the tensor held: its id is not reused before finish())
-            taken = self.taken[id(t)] = _Taken(t, entry, dim, where)
+            taken = self.taken[(id(t), write)] = _Taken(t, entry, dim, where, write)
         taken.counts[head] = taken.counts.get(head, 0) + 1
+        if not write:
+            self.sources.mark(view, t.shape[dim], head)
+        if isinstance(view, Tensor) and view._is_view():
+            self.head_views[id(view)] = (weakref.ref(view), _Taken(t, entry, dim, where, True, {head: 1}))
+
+    def check_head_write(
+        self, t: Tensor, entry: _Output, dim: int, head: int, where: str, values: Sequence[Any]
+    ) -> None:
+        """Refuse a write into head ``head`` of ``t`` of values read from its other heads (head_sources.py)."""
+        others = self.sources.other_heads(values, t.shape[dim], head)
+        if others:
+            heads = ", ".join(map(str, others))
+            raise ValueError(head_number_message(
+                entry, f"it writes values read from head {heads} of {t.shape[dim]} into head {head} ({where}), "
+                "another head's on a rank than on one device", t, dim,
+            ))
+
+    def _head_view_of(self, t: Any) -> _Taken | None:
+        found = self.head_views.get(id(t)) if isinstance(t, Tensor) else None
+        return found[1] if found is not None and found[0]() is t else None
+
+    def _see_head_views(self, name: str, args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> None:
+        """An in-place op on one head's view (``q[:, h].mul_(2)``, ``q.narrow(1, h, 1)[..., :2] = 0``, or its
+        ``out=``) writes into that head of the tensor it viewed: counted as a write (take_head); a view of the
+        view is the same head's."""
+        first = args[0] if args else None
+        taken = self._head_view_of(first)
+        in_place = name == "__setitem__" or name in _AUGMENTED or (
+            name.endswith("_") and not name.startswith("_") and name not in _NOT_WRITES
+        )
+        written = taken if in_place else None
+        target = first if written is not None else kwargs.get("out")
+        written = written or self._head_view_of(kwargs.get("out"))
+        if written is not None:
+            head = next(iter(written.counts))
+            where = f"{name} of its head {head} at {innermost_model_line()}"
+            self.check_head_write(written.tensor, written.entry, written.dim, head, where,
+                                  [a for a in (*args, *kwargs.values()) if a is not target])
+            self.take_head(written.tensor, written.entry, written.dim, head, where, write=True)
+        if taken is not None and isinstance(out, Tensor) and out is not first and out._is_view() and (
+            out._base is first._base  # type: ignore[union-attr]
+        ):
+            self.head_views[id(out)] = (weakref.ref(out), taken)
 
     def short_cut_message(self, err: BaseException) -> str | None:
         """Why the module failed (``err``, Python's own), where it cut a fused output into fewer parts than
@@ -298,13 +361,14 @@ class SplitWatch(TorchFunctionMode):
                     f"{_fused_head(entry)}, but the module never cut this rank's {entry.width} features into "
                     f"{entry.fused} parts along them ({took}). {_fused_fix(entry)}"
                 )
-        for taken in self.taken.values():
+        for taken in sorted(self.taken.values(), key=lambda taken: not taken.write):  # a write first: what it changed
             heads = taken.tensor.shape[taken.dim]
             if set(taken.counts) != set(range(heads)) or len(set(taken.counts.values())) != 1:
+                did = "wrote into" if taken.write else "took"
                 by_head = ", ".join(f"head {h} x{n}" for h, n in sorted(taken.counts.items()))
                 raise ValueError(head_number_message(
-                    taken.entry, f"it took heads one at a time, first {taken.first}, and of its {heads} heads on "
-                    f"this rank took {by_head}, not each of them equally often as a loop over all of them does",
+                    taken.entry, f"it {did} heads one at a time, first {taken.first}, and of its {heads} heads on "
+                    f"this rank {did} {by_head}, not each of them equally often as a loop over all of them does",
                     taken.tensor, taken.dim,
                 ))
 

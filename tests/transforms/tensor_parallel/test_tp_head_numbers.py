@@ -5,8 +5,8 @@ first head (head 2 of 4 on rank 1 at tp 2) under tensor parallel. A module that 
 (``q[:, 0] = 0``, ``q + q[:, :1]``, ``q[:, -1]``, ``q.select(1, 0)``) trained another model without an error
 (losses 0.15% to 1.1% apart). The head watch (head_views.py, split_watch.py) counts the heads a per-head tensor
 gives one at a time and, at the end of the layer's first call, refuses unless each of the rank's heads was taken
-equally often, as a loop over all of them takes them; a write into some heads is refused at once, in a parent's
-forward or in a Colwise Linear subclass's own (weight_reads.py).
+equally often, as a loop over all of them takes them (writes counted apart, the same way: test_tp_head_writes.py);
+a write into some heads in a Colwise Linear subclass's own forward is refused at once (weight_reads.py).
 
 Compared at rtol 1e-9 (float64, tp 2, 2 steps of SGD with momentum): tensor parallelism only reorders sums.
 """
@@ -70,7 +70,8 @@ def _step(pick: str) -> tuple[sw.Step, Any, list[Any]]:
 
 
 @pytest.mark.parametrize("pick, taken", [
-    ("write head 0", r"a write into head 0 \(test_tp_head_numbers\.py:\d+ in forward\)"),
+    ("write head 0", r"it wrote into heads one at a time, first \[0\] = \.\.\. at test_tp_head_numbers\.py:\d+ in "
+                     r"forward, and of its 2 heads on this rank wrote into head 0 x1,"),
     ("read head 0 by a slice", r"it took heads one at a time, first \[slice\(None, 1, None\)\] at "
                                r"test_tp_head_numbers\.py:\d+ in forward, and of its 2 heads on this rank took head 0 "
                                r"x1, not each of them equally often"),
@@ -84,24 +85,20 @@ def test_a_head_picked_by_its_number_is_refused(pick: str, taken: str) -> None:
     step, params, batches = _step(pick)
     with pytest.raises(ValueError, match=(
         r"Colwise\(\) on '0\.attn\.q' gives each rank its own heads, 2 of them here \(dim 1\), .*module that takes "
-        rf"them \('0\.attn'\) picks heads by their number: .*{taken}.*Index the heads only in a loop that takes each "
-        r"of the rank's heads once .*or leave this module's projections out of the plan"
+        rf"them \('0\.attn'\) picks heads by their number: .*{taken}.*Index the heads only in a loop that reads \(and "
+        r"writes\) each of the rank's heads equally often .*or leave this module's projections out of the plan"
     )):
         sw.tensor_parallel(step, "tp", _PLAN).plan(sw.Mesh(tp=2), params, batches[0])
 
 
-@pytest.mark.parametrize("pick", ["a loop by the region's count", "a loop by the heads dim, each head read twice"])
+@pytest.mark.parametrize("pick", [
+    "a loop by the region's count", "a loop by the heads dim, each head read twice", "write every head in a loop",
+])
 def test_a_loop_over_every_head_of_the_rank_is_the_single_device_step(pick: str) -> None:
+    """A loop writing each head in turn too: writes are counted per head like reads (test_tp_head_writes.py)."""
     step, params, batches = _step(pick)
     sw.testing.assert_equivalent(sw.tensor_parallel(step, "tp", _PLAN), step, sw.Mesh(tp=2), batches, params,
                                  rtol=1e-9)
-
-
-def test_a_write_into_each_head_in_turn_is_refused_too() -> None:
-    """A write into one head is refused at once: where it is one of a loop's, the watch cannot yet tell."""
-    step, params, batches = _step("write every head in a loop")
-    with pytest.raises(ValueError, match=r"picks heads by their number: a write into head 0 "):
-        sw.tensor_parallel(step, "tp", _PLAN).plan(sw.Mesh(tp=2), params, batches[0])
 
 
 class _FusedQKV(nn.Linear):
