@@ -642,3 +642,39 @@ def test_t5_with_later_blocks_left_out_of_the_units_is_told_to_name_them(units: 
     with pytest.raises(FunctionalizeError, match=rf"the loop's block '{re.escape(named)}' is not a unit.*needs its "
                                                  r"loop's later blocks among the units too"):
         split("t5", units=units)
+
+
+@pytest.mark.parametrize("family", ["t5", "bart"])
+def test_an_encoder_decoder_as_it_comes_is_told_both_fixes_at_once(family: str) -> None:
+    """transformers' T5 and BART return the encoder's output and the decoder's key/value cache beside the
+    logits. The refusal named the wrapper only; the wrapper then met a second refusal for the cache. It
+    names both now, and so wrapped the model splits in both stacks."""
+    torch.manual_seed(0)
+    if family == "t5":
+        model = T.T5ForConditionalGeneration(T.T5Config(
+            vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=2, num_decoder_layers=2, num_heads=4,
+            dropout_rate=0.0)).double()
+        from transformers.models.t5.modeling_t5 import T5Block
+        units: Any = T5Block
+    else:
+        model = T.BartForConditionalGeneration(T.BartConfig(
+            vocab_size=64, d_model=16, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+            decoder_attention_heads=4, encoder_ffn_dim=32, decoder_ffn_dim=32, dropout=0.0,
+            max_position_embeddings=32)).double()
+        from transformers.models.bart.modeling_bart import BartDecoderLayer, BartEncoderLayer
+        units = (BartEncoderLayer, BartDecoderLayer)
+    batch = {"input_ids": torch.randint(2, 64, (4, 8)), "decoder_input_ids": torch.randint(2, 64, (4, 6))}
+    with pytest.raises(FunctionalizeError, match=r"Wrap the model in a module whose forward returns only what the "
+                       r"loss reads .*use_cache=False"):
+        functionalize(model, units=units, example_input=batch)
+
+    class Logits(nn.Module):
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, input_ids: Tensor, decoder_input_ids: Tensor) -> Tensor:
+            return self.inner(input_ids=input_ids, decoder_input_ids=decoder_input_ids, use_cache=False).logits
+
+    chain, _ = functionalize(Logits(model), units=units, example_input=batch)
+    assert len(chain.names) > 3  # split per layer in both stacks, not one layer

@@ -87,7 +87,8 @@ def stand_in_guard(
                 "encoder's output returned beside a decoder whose layers are the units; LLaVA's image_hidden_states). "
                 "Wrap the model in a module whose forward returns only what the loss reads (the logits, or the "
                 "model's own loss; so wrapped, an encoder-decoder splits per layer in both stacks: "
-                "units=(EncoderLayer, DecoderLayer)), or pass as units layers that run before the code computing "
+                "units=(EncoderLayer, DecoderLayer), its model called with use_cache=False: the decoder's "
+                "key/value cache is such a value too), or pass as units layers that run before the code computing "
                 "it (an encoder-decoder's encoder layers, the decoder after them), or units=None (one layer holds "
                 "every parameter)."
             )
@@ -125,7 +126,8 @@ def stale_output_read(layer: str, unit: UnitOutput, op: str, between: str) -> Fu
     elif op == "return":
         how = "returns it as it is (an encoder's output returned beside a decoder's logits)"
         fix = ("Wrap the model in a module whose forward returns only what the loss reads (the logits, or the "
-               "model's own loss)")
+               "model's own loss; an encoder-decoder's model called with use_cache=False: the decoder's "
+               "key/value cache is such a value too)")
     where = f"the code between units {between}" if between else "the code after the last unit"
     return FunctionalizeError(
         f"functionalize: {where} (layer {layer!r}) uses the output of unit {unit!r} and {how}, but only the "
