@@ -3,8 +3,8 @@
 The single-device step calls the model once on the global batch. A transform that cuts the batch (data
 parallel's shares, a pipeline's or accumulation's micro-batches, expert parallel's shares, context
 parallel's sequence parts) calls it on each part and takes the mean of the parts' losses, which is the
-global batch's loss only when the model treats each sample on its own. Three kinds of model do not, and
-:func:`over_whole_batch` finds both in a chain (the composition rules refuse them under such a
+global batch's loss only when the model treats each sample on its own. Four kinds of model do not, and
+:func:`over_whole_batch` finds them in a chain (the composition rules refuse them under such a
 transform, ``engine/stack/compose.py``):
 
 * :data:`BATCH_STATISTICS`: a layer that normalises with its batch's own mean and variance
@@ -12,7 +12,9 @@ transform, ``engine/stack/compose.py``):
 * :data:`LOSS_TERM`: a loss that adds a term of the whole batch (``batch_loss_terms.py``: a Hugging Face
   mixture of experts' routers' load-balancing loss);
 * :data:`ROWS_MIXED`: a layer known to compute a token's output from other rows of its batch
-  (``batch_mixing.py``: transformers' Doge mixture of experts).
+  (``batch_mixing.py``: transformers' Doge mixture of experts);
+* :data:`FREQUENCIES`: an embedding whose backward divides each row's gradient by how often its batch looks
+  the row up (``embedding_options.py``: ``scale_grad_by_freq=True``).
 """
 
 from __future__ import annotations
@@ -26,11 +28,13 @@ from .batch_loss_terms import batch_loss_coef
 from .batch_mixing import mixes_rows
 from .batch_statistics import batch_statistics
 from .chain import Chain
+from .embedding_options import grad_by_frequency
 from .module_call import module_fn
 
 BATCH_STATISTICS = "batch statistics"  # normalises with the statistics of the batch it is called on
 LOSS_TERM = "loss term"  # adds a loss term of the batch it is called on
 ROWS_MIXED = "rows mixed"  # a token's output reads other rows of the batch it is called on
+FREQUENCIES = "frequencies"  # its gradient divides by counts over the batch it is called on
 
 
 @dataclass(frozen=True)
@@ -38,7 +42,8 @@ class WholeBatch:
     """One module of the model that computes something over the whole batch it is called on.
 
     ``path``: its path in the model functionalize was given (the layer's name for the model's root);
-    ``cause``: :data:`BATCH_STATISTICS`, :data:`LOSS_TERM` or :data:`ROWS_MIXED`; ``what``: what it is, in words
+    ``cause``: :data:`BATCH_STATISTICS`, :data:`LOSS_TERM`, :data:`ROWS_MIXED` or :data:`FREQUENCIES`;
+    ``what``: what it is, in words
     (``"BatchNorm1d in training mode"``, ``"MixtralForCausalLM, router_aux_loss_coef=0.5"``).
     """
 
@@ -64,6 +69,9 @@ def over_whole_batch(chain: Chain) -> list[WholeBatch]:
         mixing = mixes_rows(module)
         if mixing is not None:
             found.setdefault(path, WholeBatch(path, ROWS_MIXED, f"{type(module).__name__}: {mixing}"))
+        counted = grad_by_frequency(module)
+        if counted is not None:
+            found.setdefault(path, WholeBatch(path, FREQUENCIES, counted))
     return list(found.values())
 
 

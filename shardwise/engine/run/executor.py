@@ -98,6 +98,7 @@ from .loss_action import LossAction
 from .loss_rows import LossProbe
 from .metrics import MetricExchange, Summed
 from .param_source import ParamSource
+from .param_writes import check_param_writes, param_versions
 from .rng import MASK, START, default_generators, mixed, preserved, ranks_share_generators, seed_all, seeded
 from .run_shape import ALONE, run_shape
 from .stage_backward import Saved, StageBackward, mark_reached, reaches
@@ -167,6 +168,9 @@ class Executor(ZeroActions, TransferActions, StageBackward, LossAction, StepEnd)
     # On a step's first call where it cuts the batch's rows: the probe that loss_fn is a mean over them,
     # run before the first micro-batch's loss (run/loss_rows.py).
     loss_probe: LossProbe | None = None
+    # Where a layer writing its trainable parameters in forward is refused (param_writes.py), the step's
+    # layout in words ("under shard_params"); None: the plain one-device step, which keeps the write.
+    param_writes_refused: str | None = "under this step,"
     # -- results ----------------------------------------------------------------------------
     final_grads: Any = None
     summed: Summed = field(default_factory=Summed)
@@ -434,14 +438,20 @@ class Executor(ZeroActions, TransferActions, StageBackward, LossAction, StepEnd)
                 release_unkept(watched)
 
     def _run_layers(self, bound: BoundStage, x: Any, s: int, m: int) -> Any:
-        """The stage's layers on ``x``, one after the other; refused where a layer wrote into its buffers."""
+        """The stage's layers on ``x``, one after the other; refused where a layer wrote into its buffers, or
+        into its parameters outside the plain one-device step (:mod:`.param_writes`)."""
         y = x
+        refused_writes = self.param_writes_refused
         for name, call, buffers in bound.layers:
             versions = [version_of(b) for b in buffers.values()] if buffers else None
+            params = None if refused_writes is None else \
+                param_versions(self.chain[name], bound.leaves, len(bound.layers) == 1)
             try:
                 y = call(y)
             except Exception as err:
                 self._layer_failed(err, name, s, m, y)
+            if params is not None:
+                check_param_writes(self.chain[name], params, refused_writes)  # type: ignore[arg-type]
             if versions is None:
                 continue
             changed = [b for b, v in zip(buffers, versions, strict=True) if version_of(buffers[b]) != v]

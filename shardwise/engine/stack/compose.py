@@ -107,7 +107,8 @@ import weakref
 from typing import Any, Protocol, TypeVar
 
 from ..model.chain import Chain
-from ..model.whole_batch import BATCH_STATISTICS, LOSS_TERM, ROWS_MIXED, WholeBatch, over_whole_batch
+from ..model.embedding_options import option_fix
+from ..model.whole_batch import BATCH_STATISTICS, FREQUENCIES, LOSS_TERM, ROWS_MIXED, WholeBatch, over_whole_batch
 from .elementwise import check_optimizer
 from .roles import PLACEMENT, REWRITE, ROLES, SHARDING, SPLIT, check_role, own_prediction
 
@@ -338,6 +339,9 @@ def _check_whole_batch(chain: Chain, stack: tuple[Any, ...]) -> None:
     mixing = [w for w in found if w.cause == ROWS_MIXED]
     if mixing and cutting:
         _refuse_rows_mixed(mixing[0], cutting[0][1])
+    counted = [w for w in found if w.cause == FREQUENCIES]
+    if counted and cutting:
+        _refuse_frequencies(counted[0], cutting[0][1])
 
 
 def _cutting_the_batch(stack: tuple[Any, ...]) -> list[tuple[str, str]]:
@@ -395,6 +399,16 @@ def _refuse_rows_mixed(found: WholeBatch, cutting: str) -> None:
         "token would be routed with another token than on one device: another model, trained without an error. "
         "Run it without cutting the batch (one device, tensor_parallel alone, a pipeline with microbatches=1), "
         "or use a model whose router reads each token alone (Doge with is_moe=False)"
+    )
+
+
+def _refuse_frequencies(found: WholeBatch, cutting: str) -> None:
+    raise ValueError(
+        f"{found} divides each row's gradient by how often the batch it is called on looks the row up, and under "
+        f"{cutting} each rank (or micro-batch) calls it on a part of the batch: each part would divide by its own "
+        "counts, so the step would compute another update than the single-device step, without an error. "
+        f"Instead: {option_fix('scale_grad_by_freq')}; or run without cutting the batch (one device, a pipeline "
+        "with microbatches=1)"
     )
 
 

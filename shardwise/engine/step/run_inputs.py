@@ -265,8 +265,19 @@ def prepare_run(step: Step, state: TrainState, layout: StateLayout, batch: Any) 
         rng_rank=run.rng_rank, replicas=run.replicas,
         bindings=_bindings(step, layout, mesh, source),
         loss_probe=_loss_probe(step, layout, mesh),
+        param_writes_refused=_param_writes_refused(step, mesh),
     )
     return PreparedRun(executor, run, replicas, outcome, batch_shares(step, mesh))
+
+
+def _param_writes_refused(step: Step, mesh: Mesh | None) -> str | None:
+    """None for the one-device step without transforms, whose leaves are the parameters the update reads
+    (a write in forward persists, as in torch); else the layout in words, where it is refused
+    (run/param_writes.py)."""
+    if not step.transforms and (mesh is None or mesh.size == 1):
+        return None
+    names = ", ".join(dict.fromkeys(str(s.name) for s in step.transforms))
+    return f"under {names}," if names else "on a mesh of several ranks,"
 
 
 def _boundaries(step: Step, layout: StateLayout, micro: list[tuple[Any, Any]], mesh: Mesh | None) -> Any:

@@ -28,8 +28,10 @@ from ..layout.precision import Precision
 from ..layout.state import Params, TrainState, check_params
 from ..layout.state_layout import StateLayout, full_params
 from ..model.chain import Chain
+from ..model.embedding_options import refuse_sparse
 from ..model.materialize import unfilled_frozen
 from ..model.pytrees import plain_batch
+from ..model.whole_batch import called_modules
 from ..optim import foreach as fe
 from ..optim.optimizers import Optimizer, tensor_leaves
 from ..plan.accounting import predict_kept_for_backward
@@ -670,6 +672,7 @@ def train_step(
             "(sum of token losses, token count)), a function (inputs, targets) -> token count (it returns the "
             f"mean over those tokens) or {PER_SHARD_MEAN!r} (the mean of the shards' mean losses, padding or not)"
         )
+    refuse_sparse(called_modules(chain))  # a sparse gradient: refused here, not by the norm's raw error
     return Step(chain, loss_fn, optimizer, clip_norm, metrics=check_metrics(metrics), tokens=tokens)
 
 

@@ -19,6 +19,7 @@ from typing import Any
 from torch import nn
 
 from ...engine.model.chain import Chain, Layer
+from ...engine.model.embedding_options import option_fix
 from .per_head import match_per_head, per_head_count
 from .styles import Colwise, PerHead, Region, Rowwise, Style, gathers
 
@@ -480,7 +481,7 @@ def _check_fits(path: str, style: Style, kind: str | None, module: nn.Module) ->
             if getattr(module, option, None):
                 raise ValueError(
                     f"tensor_parallel: the Embedding {path!r} sets {option}={getattr(module, option)!r}, which a "
-                    "split embedding does not reproduce; leave it replicated or drop the option"
+                    f"split embedding does not reproduce; leave it replicated, or {option_fix(option)}"
                 )
     parametrized = getattr(module, "parametrizations", None)
     if isinstance(parametrized, nn.ModuleDict) and len(parametrized):

@@ -137,7 +137,8 @@ def test_an_embedding_option_a_split_does_not_reproduce() -> None:
     chain, _ = sw.functionalize(model)
     step = sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1))
     with pytest.raises(ValueError, match=r"the Embedding '0' sets max_norm=1\.0, which a split embedding does not "
-                                         r"reproduce; leave it replicated or drop the option"):
+                                         r"reproduce; leave it replicated, or drop max_norm and renormalise "
+                                         r"outside the step"):
         sw.tensor_parallel(step, "tp", {"0": sw.tp.Rowwise()})
 
 
