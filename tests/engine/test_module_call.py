@@ -261,3 +261,51 @@ def test_a_dict_is_spread_into_keywords_when_forward_takes_them(module: nn.Modul
 def test_a_dict_naming_some_arguments_and_others_forward_cannot_take_is_refused_naming_them() -> None:
     with pytest.raises(TypeError, match=r"\['return_dict'\](.|\n)*takes no \*\*kwargs(.|\n)*remove \['return_dict'\]"):
         call_arguments(_Named(), {"input_ids": 1, "labels": 2, "return_dict": True})
+
+
+class _HoldsALock(nn.Module):
+    """A module that cannot be deep-copied: a thread's copy is made module by module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import threading
+
+        self.lin, self.lock = nn.Linear(4, 4), threading.Lock()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("make", [lambda: nn.Sequential(nn.Linear(4, 4), nn.LSTM(4, 4)), _HoldsALock],
+                         ids=["deep copy", "module by module"])
+def test_a_thread_copy_keeps_the_models_hooks_not_one_another_thread_put_on_its_module(make: Any) -> None:
+    """The owner thread's module carried a hook of the owner's (the sequence-first check's pre-hook, which hears
+    only its own thread) while another thread made its copy: the copy kept it after the owner removed it, a call
+    per forward for good. A hook the model held when the chain was made stays on every copy; a hook put on a copy
+    made module by module is not on the original."""
+    import threading
+
+    from shardwise.engine.model.module_call import ThreadReplicas
+
+    model = make()
+
+    def models_hook(module: nn.Module, args: Any) -> None:
+        pass
+
+    model.register_forward_pre_hook(models_hook)
+    replicas = ThreadReplicas(model)
+    owner = replicas.get().module
+    inner = next(iter(owner.children()))
+    handle = inner.register_forward_pre_hook(lambda m, args, kwargs: None, with_kwargs=True)
+    got: dict[str, nn.Module] = {}
+    thread = threading.Thread(target=lambda: got.setdefault("copy", replicas.get().module))
+    thread.start()
+    thread.join()
+    handle.remove()
+    copy = got["copy"]
+    copied_inner = next(iter(copy.children()))
+    assert copy is not owner and copied_inner is not inner
+    assert not copied_inner._forward_pre_hooks and not copied_inner._forward_pre_hooks_with_kwargs
+    assert list(copy._forward_pre_hooks.values()) == [models_hook]  # the skeleton holds no data: not called here
+    copied_inner.register_forward_pre_hook(models_hook)
+    assert not inner._forward_pre_hooks

@@ -259,6 +259,7 @@ class ThreadReplicas:
         self._owner = threading.get_ident()
         self._local = threading.local()
         self._call: ModuleCall | None = None
+        self._hooks = _hook_ids(self.module)  # the model's own, which every copy keeps
 
     def get(self) -> ModuleCall:
         """This thread's ModuleCall."""
@@ -273,6 +274,7 @@ class ThreadReplicas:
                 *self.module.named_buffers(remove_duplicate=False),
             ]
             replica = copy_structure(self.module, {id(t): t for _, t in named}, own_generators=False)
+            _drop_hooks_since(replica, self._hooks)
             call = self._local.call = ModuleCall(replica, self.prefix)
         return call
 
@@ -282,6 +284,28 @@ class ThreadReplicas:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.module, self.prefix = state["module"], state["prefix"]
         self._init_local()
+
+
+# A module's hook dicts, and the dicts keyed by the same hook ids that say how each is called.
+_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+_HOOK_FLAGS = ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+
+
+def _hook_ids(module: nn.Module) -> list[frozenset[int]]:
+    """The ids of the hooks on each of ``module``'s modules (in ``modules()`` order)."""
+    return [frozenset(k for name in _HOOKS for k in getattr(sub, name, {})) for sub in module.modules()]
+
+
+def _drop_hooks_since(replica: nn.Module, kept: list[frozenset[int]]) -> None:
+    """Remove from a thread's copy the hooks its original did not hold when it was made (``kept``): another
+    thread's, on its own module while this one copied it (the sequence-first check's pre-hooks, which hear
+    only their thread): each would have cost the copy a call per forward, for good. The copy gets dicts of its
+    own (a copy made module by module shared them: a hook put on it later was on the original too)."""
+    for sub, ids in zip(replica.modules(), kept, strict=True):
+        for name in (*_HOOKS, *_HOOK_FLAGS):
+            hooks = getattr(sub, name, None)
+            if hooks is not None:
+                setattr(sub, name, type(hooks)((k, v) for k, v in hooks.items() if k in ids))
 
 
 def call_arguments(module: nn.Module, x: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:

@@ -476,7 +476,7 @@ class Executor(ZeroActions, TransferActions, StageBackward, LossAction, StepEnd)
 
     def _layer_failed(self, err: Exception, name: str, s: int, m: int, y: Any) -> NoReturn:
         """Say where ``err`` came from, and on what: the message is torch's."""
-        keys = unknown_keys_message(name, self.chain[name].fn, y)
+        keys = unknown_keys_message(name, self.chain[name].fn, y, err)
         if keys is not None:
             raise ValueError(keys) from err
         err.add_note(f"in layer {name!r} (stage {s}, micro-batch {m}), on input {_describe(y)}")

@@ -5,8 +5,10 @@ parallel's shares) cuts dim 0 of every batch tensor. Time-major batches, ``(seq,
 ``nn.LSTM`` or ``nn.TransformerEncoderLayer`` take them by default, have the sequence there: each part would
 hold a slice of every sequence, and the module would attend over (or run along) that slice alone, silently
 another model (``engine/model/sequence_first.py`` tells it from the shapes the module gets on micro-batches of
-one and of two more rows than the rank's). Checked once per layout and rank, on the rank's first micro-batch,
-before anything runs, only where the model holds such a module.
+one and of two more rows than the rank's). The same holds for a torch functional that is time-major by
+contract (``F.multi_head_attention_forward`` called by a model's own code, ``F.ctc_loss``): its call is heard
+on that run. Checked once per layout and rank, on the rank's first micro-batch, before anything runs, only where
+the model holds such a module or its code names such a functional (engine/model/time_major_code.py).
 
 Under a split (tensor, expert, context parallel) the step's chain runs inside the split's predicting block,
 as the Plan predicts it: its collectives move nothing. Its layers watch their first call there (context
@@ -21,7 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 from ...collectives.mesh import Mesh
 from ..layout.state_layout import StateLayout
-from ..model.sequence_first import rows_on_sequence_dim, sequence_first_modules
+from ..model.sequence_first import describe, rows_on_sequence_dim, sequence_first_modules
+from ..model.time_major_code import may_call_time_major
 from ..plan.lower import microbatch_count
 from .batch_cut import batch_cuts
 from .layouts import output_shapes
@@ -41,20 +44,19 @@ def refuse_rows_on_sequence_dim(step: Step, layout: StateLayout, mesh: Mesh | No
     if k > 1:
         cuts.append(f"{k} micro-batches")
     modules = sequence_first_modules(step.chain) if cuts else []
-    if modules:
+    if modules or (cuts and may_call_time_major(step.chain)):
         with step.predicting(mesh):
             found = rows_on_sequence_dim(modules, functools.partial(output_shapes, step, layout), inputs)
         if found:
             path, module, shape = found[0]
-            what = f"torch's {path}" if module is None else f"{path!r} ({type(module).__name__}, batch_first=False)"
-            how = "pack with batch_first=True" if module is None else "build the module with batch_first=True"
+            what, how = describe(path, module)
             raise ValueError(
                 f"{what} takes its sequence on dim 0, and the batch's "
                 f"rows reach it there (its input is {list(shape)} on the rank's micro-batch with two rows added: "
                 f"dim 0 follows the rows). This step cuts the batch's rows ({' x '.join(cuts)}), so each part would "
                 "hold a slice of every sequence and the module would attend over (or run along) that slice alone: "
                 "another model than the single-device step's. Give the batch its rows on dim 0 ((batch, seq, ...), not "
-                f"time-major) and {how} (or transpose the rows to dim 1 in the model's forward before calling it); "
-                "or run without cutting the batch (one device, tensor_parallel alone, a pipeline with microbatches=1)"
+                f"time-major) and {how}; or run without cutting the batch (one device, tensor_parallel alone, a "
+                "pipeline with microbatches=1)"
             )
     layout.cache[key] = True
