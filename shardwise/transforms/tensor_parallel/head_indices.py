@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from .model_frames import innermost_model_line
+from .read_refusals import head_number_message
 
 if TYPE_CHECKING:
     from .split_watch import SplitWatch, _Output
@@ -89,8 +90,6 @@ def see_head_index(
 ) -> bool:
     """Check an index or mask op (NAMES) that took ``t``, a rank's heads of ``entry`` along ``dim``; True where it
     took them whole with an index_select (``out`` then followed), False where see_heads goes on as before."""
-    from .head_views import head_number_message
-
     line = innermost_model_line()
     try:
         if name in _BY_DIM:

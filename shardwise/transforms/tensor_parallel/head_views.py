@@ -51,6 +51,7 @@ from torch import Tensor
 from .head_indices import NAMES as HEAD_INDEX_OPS
 from .head_indices import HeadIndexRefused, index_heads, see_head_index
 from .model_frames import innermost_model_line
+from .read_refusals import head_number_message
 
 if TYPE_CHECKING:
     from .split_watch import SplitWatch, _Output
@@ -261,26 +262,6 @@ def check_head_write(t: Tensor, index: Any, dim: int, owner: str) -> None:
         raise ValueError(head_number_message(whose, f"a write into {cut} ({innermost_model_line()})", t, dim)) from None
     if one is not None:
         raise ValueError(head_number_message(whose, f"a write into head {one[1]!r} ({innermost_model_line()})", t, dim))
-
-
-def head_number_message(entry: _Output | str, what: str, t: Tensor, dim: int) -> str:
-    """Refuses a head picked by its number (``entry``: the output, or a Colwise Linear subclass's own words)."""
-    if isinstance(entry, str):
-        whose = entry
-    else:
-        module = entry.label.rsplit(".", 1)[0] if "." in entry.label else entry.label
-        whose = (
-            f"{'PerHead' if entry.parameter else 'Colwise'}() on {entry.label!r} gives each rank its own heads, "
-            f"{t.shape[dim]} of them here (dim {dim}), 1/tp of all, and the module that takes them ({module!r})"
-        )
-    return (
-        f"tensor_parallel: {whose} picks heads by their number: {what}. Head n on a rank is another head than "
-        "head n of all of them, so a fixed head number takes another head on each rank, another model trained "
-        "without an error. "
-        "Index the heads only in a loop that reads (and writes) each of the rank's heads equally often (for h in "
-        "range(q.size(1)), or over the count a Region divides); or leave this module's projections out of the plan "
-        "(replicated)"
-    )
 
 
 class _Cut(ValueError):

@@ -1,4 +1,5 @@
-"""What the watch of split-weight reads (weight_reads.py) says when it refuses one: the words only.
+"""What the watch of split-weight reads (weight_reads.py) and of per-head tensors (head_views.py, head_indices.py)
+says when it refuses one: the words only.
 
 Each names the parameter (or the module), what the code did with the rank's slice, why that is another
 model, and the fix. The model's line (``where``) is found by the watch itself (model_frames.py), from its
@@ -7,7 +8,12 @@ own frames.
 
 from __future__ import annotations
 
-from torch import nn
+from typing import TYPE_CHECKING
+
+from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from .split_watch import _Output
 
 
 def product_refusal(label: str, module: nn.Module, rowwise: bool, refused_view: str | None, fused: int) -> str:
@@ -102,4 +108,24 @@ def read_refusal(layer: str, path: str, by: str, op: str, where: str) -> str:
         "Only the split module's own forward may use its split parameters: call the module instead of reading "
         "its weight, leave the module out of the plan (replicated, with its Colwise / Rowwise partner), or, "
         "for a penalty on the weights, use the optimizer's weight decay (sw.optim.adamw(weight_decay=...))"
+    )
+
+
+def head_number_message(entry: _Output | str, what: str, t: Tensor, dim: int) -> str:
+    """Refuses a head picked by its number (``entry``: the output, or a Colwise Linear subclass's own words)."""
+    if isinstance(entry, str):
+        whose = entry
+    else:
+        module = entry.label.rsplit(".", 1)[0] if "." in entry.label else entry.label
+        whose = (
+            f"{'PerHead' if entry.parameter else 'Colwise'}() on {entry.label!r} gives each rank its own heads, "
+            f"{t.shape[dim]} of them here (dim {dim}), 1/tp of all, and the module that takes them ({module!r})"
+        )
+    return (
+        f"tensor_parallel: {whose} picks heads by their number: {what}. Head n on a rank is another head than "
+        "head n of all of them, so a fixed head number takes another head on each rank, another model trained "
+        "without an error. "
+        "Index the heads only in a loop that reads (and writes) each of the rank's heads equally often (for h in "
+        "range(q.size(1)), or over the count a Region divides); or leave this module's projections out of the plan "
+        "(replicated)"
     )

@@ -58,9 +58,10 @@ from torch.overrides import TorchFunctionMode
 
 from .feature_mixing import keeps_features, mixed, moved_features
 from .head_sources import HeadSources
-from .head_views import check_head_count, head_number_message, see_heads
+from .head_views import check_head_count, see_heads
 from .model_frames import innermost_model_line
 from .product_views import HeadView
+from .read_refusals import head_number_message
 from .sequence_gather import SequenceGather
 
 _Found = TypeVar("_Found")
