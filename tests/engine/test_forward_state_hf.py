@@ -73,3 +73,24 @@ def test_hf_caches_set_from_the_input_are_not_refused(model: str, cut: str) -> N
     reference, _ = _step(model, batches[0][0])
     # raises where the step is refused or differs from the one-device step
     sw.testing.assert_equivalent(CUTS[cut](step), reference, sw.Mesh(dp=1), batches, params)
+
+
+def test_dynamic_rope_rebinding_its_inv_freq_from_the_input_equals_torch() -> None:
+    """Lengths 6, 12, 6 past max_position_embeddings=8: the rotary embedding rebinds inv_freq on the
+    second call (growth) and the third (reset), each a function of the input, so dropping the rebound
+    tensor after each call changes nothing and the one-device step equals torch's loop (the same
+    float64 computation, no reduction between: exactly). The rebinding check exempts it."""
+    g = torch.Generator().manual_seed(1)
+    batches = [({"input_ids": ids}, ids) for ids in (torch.randint(64, (4, n), generator=g) for n in (6, 12, 6))]
+    step, params = _step("llama dynamic rope", batches[0][0])
+    torch.manual_seed(0)
+    model = MODELS["llama dynamic rope"][0]().double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = step.init(params)
+    for batch, ids in batches:
+        state, metrics = step(state, (batch, ids))
+        opt.zero_grad()
+        loss = _token_loss(model(**batch), ids)
+        loss.backward()
+        opt.step()
+        assert float(metrics["loss"]) == loss.item()

@@ -147,8 +147,8 @@ class ModuleCall:
 def _rebinds_from_input(owner: nn.Module, attr: str) -> bool:
     """Whether ``owner`` is a Hugging Face rotary embedding with dynamic RoPE, whose forward rebinds
     ``inv_freq`` to a function of the input's length (``dynamic_rope_update``): not refused, as
-    shardwise ran it before the check and it equals torch's loop where the lengths do not fall back
-    under the cached one (see CHANGELOG, Known issues)."""
+    shardwise ran it before this check, and it equals torch's loop unless a call after a growth
+    neither grows nor resets (the CHANGELOG's forward-state entry has that case)."""
     return attr.endswith("inv_freq") and "dynamic" in str(getattr(owner, "rope_type", ""))
 
 
