@@ -93,6 +93,13 @@ class ModuleCall:
         self.module = module
         self.prefix = prefix  # what every key of ``tensors`` starts with (a submodule's path + ".")
         self._slots, self._keys = _slots_of(module, prefix)
+        # The buffers' slots: a forward that rebinds one (``self.buf = self.buf + 1``) is refused, as the
+        # swap back would drop the new tensor (torch's loop keeps it).
+        owners = {id(sub._buffers): sub for sub in module.modules()}
+        self._buffer_slots = [
+            slot for slot in self._slots or ()
+            if id(slot[0]) in owners and not _rebinds_from_input(owners[id(slot[0])], slot[1])
+        ]
         # Its forward's one call (DIRECT), for a module of exactly such a type named without a prefix.
         self._direct: _Direct | None = DIRECT.get(type(module)) if not prefix else None
         # Whether call_arguments adds use_cache=False to a call on a tensor, read once (a call on a
@@ -126,10 +133,36 @@ class ModuleCall:
         try:
             for container, attr, key in slots:
                 container[attr] = tensors[key]
-            return self.module(*args, **kwargs)
+            out = self.module(*args, **kwargs)
+            rebound = [key for container, attr, key in self._buffer_slots if container.get(attr) is not tensors[key]] \
+                if self._buffer_slots else None
         finally:
             for (container, attr, _), original in zip(slots, originals, strict=True):
                 container[attr] = original
+        if rebound:
+            raise ValueError(rebound_message(type(self.module).__name__, rebound, self.prefix))
+        return out
+
+
+def _rebinds_from_input(owner: nn.Module, attr: str) -> bool:
+    """Whether ``owner`` is a Hugging Face rotary embedding with dynamic RoPE, whose forward rebinds
+    ``inv_freq`` to a function of the input's length (``dynamic_rope_update``): not refused, as
+    shardwise ran it before this check, and it equals torch's loop unless a call after a growth
+    neither grows nor resets (the CHANGELOG's forward-state entry has that case)."""
+    return attr.endswith("inv_freq") and "dynamic" in str(getattr(owner, "rope_type", ""))
+
+
+def rebound_message(module: str, rebound: list[str], prefix: str = "") -> str:
+    """Why a forward of ``module`` (its class) that set its buffers ``rebound`` to other tensors is
+    refused, and what to do."""
+    names = [k[len(prefix):] if k.startswith(prefix) else k for k in rebound]
+    return (
+        f"{module} set its buffers {names} to other tensors during forward (self.<name> = ... or "
+        "register_buffer): a pure layer gets its buffers anew on every call, so the new tensor would be "
+        "dropped after this call, where torch's loop keeps it for the next; compute the value from the "
+        "input on every call (a local variable), keep it outside the model, make it a parameter, or "
+        "leave the module in eval mode"
+    )
 
 
 def _slots_of(module: nn.Module, prefix: str) -> tuple[list[_Slot] | None, frozenset[str]]:

@@ -92,6 +92,7 @@ from ..plan.actions import (
 from ..torch_api import version_of
 from .batch_keys import unknown_keys_message
 from .bindings import BoundStage, StageBindings
+from .forward_state import ForwardStateWatch
 from .grad_leaves import float_leaves
 from .handover import release_unkept, watch
 from .loss_action import LossAction
@@ -193,6 +194,8 @@ class Executor(ZeroActions, TransferActions, StageBackward, LossAction, StepEnd)
     # -- per-step working state -------------------------------------------------------------
     device: torch.device = field(init=False)
     _view: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  # gathered units' parameters
+    # Buffers written through .data and Python state advanced per call, on a layer's first step.
+    _state: ForwardStateWatch = field(default_factory=ForwardStateWatch)
     _buffers: dict[str, torch.Tensor] = field(default_factory=dict)
     _unflattened: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     _in_flight_bytes: int = 0
@@ -296,6 +299,8 @@ class Executor(ZeroActions, TransferActions, StageBackward, LossAction, StepEnd)
                 after_run = forward_runs[position]
                 self._forward_run(actions[position:after_run])
                 continue
+            if action.kind in (FINISH_GRADS, UPDATE):  # every call of the step has run: before the update
+                self._state.check_end()
             handler = table.get(action.kind)
             if handler is None:
                 raise ValueError(f"the executor has no handler for action {action} (kind {action.kind!r})")
@@ -322,6 +327,7 @@ class Executor(ZeroActions, TransferActions, StageBackward, LossAction, StepEnd)
                 (rank, f"{actions[i].stage}{SHORT[actions[i].kind]}{actions[i].microbatch}", s, e)
                 for i, s, e in ran if actions[i].kind in COMPUTES
             )
+        self._state.check_end()  # (a step without FINISH_GRADS or UPDATE)
 
     # -- compute ---------------------------------------------------------------------------------
     def _call(self, handler: Callable[[Action], None], action: Action) -> None:
@@ -446,12 +452,15 @@ class Executor(ZeroActions, TransferActions, StageBackward, LossAction, StepEnd)
             versions = [version_of(b) for b in buffers.values()] if buffers else None
             params = None if refused_writes is None else \
                 param_versions(self.chain[name], bound.leaves, len(bound.layers) == 1)
+            before = self._state.snapshot(buffers) if self._state.first_call(name, self.chain) else None
             try:
                 y = call(y)
             except Exception as err:
                 self._layer_failed(err, name, s, m, y)
             if params is not None:
                 check_param_writes(self.chain[name], params, refused_writes)  # type: ignore[arg-type]
+            if before is not None:  # its first call on this thread: .data writes, Python state (forward_state)
+                self._state.after_first(name, self.chain[name], buffers, before)
             if versions is None:
                 continue
             changed = [b for b, v in zip(buffers, versions, strict=True) if version_of(buffers[b]) != v]

@@ -1,0 +1,155 @@
+"""Refusals of state a layer keeps across its calls, which a step's several calls would advance
+more than once or lose (the version-counter check in ``Executor._run_layers`` sees in-place writes
+only).
+
+A layer's module may keep state of two kinds that its forward changes:
+
+* its buffers' contents, written through ``.data`` (an EMA codebook's ``embed_avg.data.mul_``):
+  ``.data`` is a tensor of its own with its own version counter, so the in-place check misses it.
+  Under ZeRO-3 each rank, under accumulation each micro-batch and under remat each recompute
+  writes once more (on the threads backend two ranks even write one storage).
+* its Python attributes (``self.calls += 1`` feeding the output): they live on the layer's copy of
+  the module and advance once per call, which equals torch's loop only while the layer runs once
+  per step. A second micro-batch, a pipeline's micro-batches or a recompute call it again.
+
+Both are checked on a layer's watched calls only (its first step on each thread), so later steps
+cost nothing: the buffers' contents are compared around the layer's first call; its Python state
+after that call is compared with the state at the end of the step (before the update), which a
+recompute in backward or a second micro-batch would have changed. State a call sets from its input
+(a cache length set again to the same value) is the same after every call and passes.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import weakref
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..model.module_call import module_fn
+from ..torch_api import version_of
+
+# (layer -> the threads that ran its watched step): a rank thread's copy of the module is its own.
+_WATCHED: weakref.WeakKeyDictionary[Any, set[int]] = weakref.WeakKeyDictionary()
+_LOCK = threading.Lock()
+
+# What nn.Module keeps in its __dict__ for itself (containers, hooks, flags torch sets): not state
+# a forward advances.
+_MODULE_INTERNALS = frozenset(vars(nn.Module())) | {"training"}
+
+_SCALARS = (bool, int, float, complex, str, bytes, type(None))
+
+
+class ForwardStateWatch:
+    """One rank's step's watch: the layers it watches this step and their Python state after their
+    first call."""
+
+    def __init__(self) -> None:
+        self._after_first: dict[str, tuple[nn.Module, dict[str, Any]]] = {}
+        self._seen: set[str] = set()  # the layers this step has called (asked of every call: a set lookup)
+
+    def first_call(self, name: str, chain: Any) -> bool:
+        """Whether this is the first call of layer ``name`` on this thread (then marks it watched)."""
+        if name in self._seen:
+            return False
+        self._seen.add(name)
+        layer = chain[name]
+        me = threading.get_ident()
+        with _LOCK:
+            threads = _WATCHED.setdefault(layer, set())
+            if me in threads:
+                return False
+            threads.add(me)
+            return True
+
+    def snapshot(self, buffers: Mapping[str, torch.Tensor]) -> dict[str, tuple[int, torch.Tensor]]:
+        """The buffers' version counters and contents before the watched call."""
+        return {k: (version_of(b), b.detach().clone()) for k, b in buffers.items() if not b.is_meta}
+
+    def after_first(self, name: str, layer: Any, buffers: Mapping[str, torch.Tensor],
+                    before: dict[str, tuple[int, torch.Tensor]]) -> None:
+        """Refuse a ``.data`` write into the buffers in the watched call (an in-place write, which
+        moves the version counter, is left to the caller's check); keep the module's Python state for
+        :meth:`check_end`."""
+        written = [k for k, (version, b) in before.items()
+                   if version_of(buffers[k]) == version and not _same(b, buffers[k])]
+        if written:
+            raise ValueError(
+                f"layer {name!r} wrote into its buffers {written} during forward (through .data or "
+                "another alias, which the in-place check cannot see): a pure layer keeps no state, so the "
+                "update would be lost between steps, applied once per micro-batch or recompute, or leak "
+                "across ranks; make it a parameter, compute it from the input, or leave the module in eval mode"
+            )
+        module = _module_of(layer)
+        if module is not None:
+            self._after_first[name] = (module, python_state(module))
+
+    def check_end(self) -> None:
+        """Refuse a layer whose Python state changed after its first call in this step (a second
+        micro-batch, a pipeline's later micro-batch, a recompute in backward)."""
+        pending, self._after_first = self._after_first, {}
+        for name, (module, first) in pending.items():
+            now = python_state(module)
+            changed = sorted(k for k in first.keys() | now.keys() if k not in first or k not in now
+                             or not _same(first[k], now[k]))
+            if changed:
+                raise ValueError(
+                    f"layer {name!r} changed its module's attributes {changed} again on a second call within "
+                    "one step (a second micro-batch, a pipeline micro-batch or a recompute): state advanced in "
+                    "forward advances once per call, not once per step as in torch's loop, so the step would "
+                    "compute another model; keep the state outside the model (pass it in with the batch), "
+                    "compute it from the input, or train without accumulation, pipelining and remat"
+                )
+
+
+def python_state(module: nn.Module) -> dict[str, Any]:
+    """Every submodule's plain attributes a forward could advance: numbers, strings, tuples of them
+    and tensors kept as plain attributes (by value), by qualified name."""
+    state: dict[str, Any] = {}
+    for path, sub in module.named_modules(remove_duplicate=True):
+        for key, value in vars(sub).items():
+            if key in _MODULE_INTERNALS:
+                continue
+            kept = _kept(value)
+            if kept is not _SKIP:
+                state[f"{path}.{key}" if path else key] = kept
+    return state
+
+
+_SKIP = object()
+
+
+def _kept(value: Any) -> Any:
+    if isinstance(value, _SCALARS):
+        return value
+    if isinstance(value, torch.Tensor):
+        return value if value.is_meta else value.detach().clone()
+    if isinstance(value, tuple) and all(isinstance(v, _SCALARS) for v in value):
+        return value
+    return _SKIP
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+            return False
+        if a.is_meta or b.is_meta:
+            return a is b or (a.is_meta and b.is_meta and a.shape == b.shape and a.dtype == b.dtype)
+        if a.shape != b.shape or a.dtype != b.dtype:
+            return False
+        if a.is_floating_point() or a.is_complex():  # a NaN kept in a buffer is no write
+            return bool(((a == b) | (a.isnan() & b.isnan())).all())
+        return bool(torch.equal(a, b))
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    return type(a) is type(b) and bool(a == b)
+
+
+def _module_of(layer: Any) -> nn.Module | None:
+    """This thread's copy of the module ``layer`` calls; None for a layer of a plain function."""
+    fn = module_fn(layer.fn)
+    return None if fn is None else fn.replicas.get().module

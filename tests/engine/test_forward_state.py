@@ -1,0 +1,169 @@
+"""State a layer keeps across calls and changes in forward (engine/run/forward_state.py,
+ModuleCall's rebinding check): a buffer written through ``.data``, a buffer rebound to a new tensor,
+Python attributes advanced per call. Each would train another model than torch's loop (hunt3 F3,
+F3b, F4), so each is refused with a message naming the layer, the attribute and the fix; state set
+from the input, and one call per step, still run and equal the one-device step (exactly: float64,
+the same computation, no cross-rank reduction where compared with torch)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import shardwise as sw
+
+
+class _EmaCenter(nn.Module):
+    """Centres its input with a running mean updated through ``.data`` (no version-counter bump), as
+    an EMA codebook (VQ-VAE's ``embed_avg.data.mul_``) does."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.register_buffer("ema", torch.zeros(d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.ema.data.mul_(0.5).add_(0.5 * x.detach().mean(0))
+        return self.lin(x - self.ema)
+
+
+class _Rebinds(nn.Module):
+    """Rebinds a buffer to a new tensor in forward and uses it."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls = self.calls + 1
+        return self.lin(x) * self.calls
+
+
+class _Ramp(nn.Module):
+    """A Python counter advanced in forward feeding the output (a warm-up ramp inside the model)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.lin(x) * min(1.0, self.calls / 4)
+
+
+class _SeenLength(nn.Module):
+    """Sets Python state from its input (a cache length and a cached tensor of it): the same after
+    every call on one batch shape, as HF's rotary ``max_seq_len_cached`` is."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.seen = 0
+        self.scale = torch.ones(())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen = x.shape[0]
+        self.scale = torch.tensor(1.0 / x.shape[0], dtype=x.dtype)
+        return self.lin(x) * self.scale * self.seen
+
+
+def _model(cls: type[nn.Module]) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(cls(4), nn.Tanh(), nn.Linear(4, 2)).double()
+
+
+def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(5)
+    return [(torch.randn(8, 4, generator=g, dtype=torch.float64) + 3.0,
+             torch.randn(8, 2, generator=g, dtype=torch.float64)) for _ in range(3)]
+
+
+def _step(cls: type[nn.Module]) -> tuple[Any, Any]:
+    chain, params = sw.functionalize(_model(cls))
+    return sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1)), params
+
+
+CUTS = {
+    "one device": (lambda s: s, lambda: sw.Mesh(dp=1)),
+    "zero3 dp2": (lambda s: sw.shard_params(s, "dp", 3), lambda: sw.Mesh(dp=2)),
+    "dp1 accumulation=2": (lambda s: sw.shard_params(s, "dp", 1, accumulation=2), lambda: sw.Mesh(dp=1)),
+    "remat": (sw.remat, lambda: sw.Mesh(dp=1)),
+    "pp2 1f1b 2 micro-batches": (lambda s: sw.pipeline(s, "pp", "1f1b", 2), lambda: sw.Mesh(pp=2)),
+}
+SEVERAL_CALLS = ["dp1 accumulation=2", "remat", "pp2 1f1b 2 micro-batches"]
+
+
+def _equivalent(cls: type[nn.Module], cut: str, backend: str = "threads") -> Any:
+    transform, mesh = CUTS[cut]
+    step, params = _step(cls)
+    reference, _ = _step(cls)  # its own module: state kept in forward is not shared
+    return sw.testing.assert_equivalent(transform(step), reference, mesh(), _batches(), params, backend=backend)
+
+
+def _refusal(cls: type[nn.Module], cut: str, backend: str = "threads") -> str:
+    """The refusal's message, with the notes (where it was raised) of it and of what it wraps (a
+    rank's error)."""
+    with pytest.raises((ValueError, sw.collectives.RankFailed)) as caught:
+        _equivalent(cls, cut, backend)
+    error: BaseException | None = caught.value
+    text = []
+    while error is not None:
+        text += [str(error), *getattr(error, "__notes__", [])]
+        error = error.__cause__
+    return "\n".join(text)
+
+
+@pytest.mark.parametrize("cut", list(CUTS))
+def test_a_buffer_written_through_data_is_refused(cut: str) -> None:
+    message = _refusal(_EmaCenter, cut)
+    assert "layer '0' wrote into its buffers ['ema'] during forward" in message, message
+    assert ".data" in message and "make it a parameter" in message, message
+
+
+def test_a_buffer_written_through_data_is_refused_on_processes() -> None:
+    message = _refusal(_EmaCenter, "zero3 dp2", backend="processes")
+    assert "wrote into its buffers ['ema']" in message and ".data" in message, message
+
+
+@pytest.mark.parametrize("cut", ["one device", "zero3 dp2"])
+def test_a_rebound_buffer_is_refused(cut: str) -> None:
+    message = _refusal(_Rebinds, cut)
+    assert "_Rebinds set its buffers ['calls'] to other tensors during forward" in message, message
+    assert "in layer '0'" in message and "compute the value from the input" in message, message
+
+
+@pytest.mark.parametrize("cut", SEVERAL_CALLS)
+def test_python_state_advanced_per_call_is_refused_where_a_step_calls_twice(cut: str) -> None:
+    message = _refusal(_Ramp, cut)
+    assert "layer '0' changed its module's attributes ['calls'] again on a second call" in message, message
+    assert "keep the state outside the model" in message, message
+
+
+def test_python_state_advanced_once_per_step_equals_torch() -> None:
+    """One call per step: the counter advances as in torch's loop (on the layer's copy of the module)."""
+    model = _model(_Ramp)
+    torch_model = copy.deepcopy(model)
+    chain, params = sw.functionalize(model)
+    step = sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1))
+    state = step.init(params)
+    opt = torch.optim.SGD(torch_model.parameters(), lr=0.1)
+    for x, t in _batches():
+        state, metrics = step(state, (x, t))
+        opt.zero_grad()
+        loss = F.mse_loss(torch_model(x), t)
+        loss.backward()
+        opt.step()
+        assert float(metrics["loss"]) == loss.item()
+    _equivalent(_Ramp, "zero3 dp2")  # raises NotEquivalentError where a step differs
+
+
+@pytest.mark.parametrize("cut", list(CUTS))
+def test_python_state_set_from_the_input_passes(cut: str) -> None:
+    _equivalent(_SeenLength, cut)  # raises NotEquivalentError where a step differs
