@@ -220,6 +220,19 @@ def test_a_call_in_some_units_or_around_them_is_refused(
     assert text.startswith(f"{path} (F.embedding(..., scale_grad_by_freq=True) in {code}) divides each row's "), text
 
 
+@pytest.mark.parametrize("split", ["fx run on an example", "recorded (HF-like dict input)"])
+@pytest.mark.parametrize("case", list(NAMED), ids=[c[0] for c in NAMED])
+def test_a_call_in_a_meta_built_model_is_refused(case: tuple[str, str | None, tuple[int, ...]], split: str) -> None:
+    """Checked on fake tensors, where an identical unit is run once: the others are read from their traced code."""
+    _, where, units = case
+    with torch.device("meta"):
+        model, example = SPLITS[split](where, units)
+    fx_path, fx_code, recorded_path, recorded_code = NAMED[case]
+    path, code = (recorded_path, recorded_code) if split.startswith("recorded") else (fx_path, fx_code)
+    text = _refusal(_units_step(model, example), "zero3 dp2")
+    assert text.startswith(f"{path} (F.embedding(..., scale_grad_by_freq=True) in {code}) divides each row's "), text
+
+
 @pytest.mark.parametrize("split", list(SPLITS))
 def test_units_without_counting_are_not_refused(split: str) -> None:
     model, example = SPLITS[split](None, ())

@@ -142,6 +142,11 @@ def keep(layer: Any, found: FrequencyCalls) -> None:
         fn.frequency_calls = found
 
 
+def watched(layer: Any) -> bool:
+    """Whether ``layer``'s calls were recorded already (:func:`keep`)."""
+    return hasattr(module_fn(layer.fn), "frequency_calls")
+
+
 def trace_layers(layers: Sequence[Any]) -> None:
     """Keep on each of ``layers`` the frequency-scaled calls fx sees in its module (no example input ran)."""
     for layer in layers:

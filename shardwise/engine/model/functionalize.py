@@ -100,7 +100,7 @@ from .batch_loss_terms import refuse_split_batch_loss
 from .capture import Piece, split_by_calls
 from .chain import Chain, Layer
 from .changed_inputs import LeafIndices, changed_since, copies, versions, with_copies
-from .functional_frequencies import keep, layer_paths, trace_layers, watching
+from .functional_frequencies import keep, layer_paths, trace_layers, watched, watching
 from .fx_split import FunctionalizeError, FxTraceError, split_graph
 from .init_fn import InitFn, as_path_init
 from .materialize import ModuleInit, has_meta_tensors, is_transformers_model, stand_in
@@ -221,8 +221,9 @@ def _split_and_check(
             )
         elif example_input is not None:
             _check_against_module(target, chain, params, example_input)
-    if example_input is None or on_fake:
-        trace_layers(list(chain))  # the calls no run saw: read from the traced code
+    # The layers no run watched (no example input, or a meta-built module's unit reused from an identical one):
+    # their calls of F.embedding(..., scale_grad_by_freq=True) read from their traced code.
+    trace_layers([layer for layer in chain if not watched(layer)])
     return chain, params, sources, example_input
 
 
