@@ -167,3 +167,38 @@ def test_python_state_advanced_once_per_step_equals_torch() -> None:
 @pytest.mark.parametrize("cut", list(CUTS))
 def test_python_state_set_from_the_input_passes(cut: str) -> None:
     _equivalent(_SeenLength, cut)  # raises NotEquivalentError where a step differs
+
+
+class _DictRamp(nn.Module):
+    """The ramp's counter kept in a dict attribute (``self.state["calls"]``): the review found it unseen."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.state = {"calls": 0, "name": "ramp", "other": object()}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.state["calls"] += 1
+        return self.lin(x) * min(1.0, self.state["calls"] / 4)
+
+
+class _ListHistory(nn.Module):
+    """A running mean over its calls kept in a list a forward appends to."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.hist: list[float] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.hist.append(float(x.detach().mean()))
+        return self.lin(x) - sum(self.hist) / len(self.hist)
+
+
+@pytest.mark.parametrize("cut", SEVERAL_CALLS)
+@pytest.mark.parametrize(("cls", "attribute"), [(_DictRamp, "state"), (_ListHistory, "hist")])
+def test_state_kept_in_a_dict_or_a_list_is_refused_where_a_step_calls_twice(
+    cls: type[nn.Module], attribute: str, cut: str
+) -> None:
+    message = _refusal(cls, cut)
+    assert f"layer '0' changed its module's attributes ['{attribute}'] again on a second call" in message, message

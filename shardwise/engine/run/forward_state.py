@@ -107,8 +107,9 @@ class ForwardStateWatch:
 
 
 def python_state(module: nn.Module) -> dict[str, Any]:
-    """Every submodule's plain attributes a forward could advance: numbers, strings, tuples of them
-    and tensors kept as plain attributes (by value), by qualified name."""
+    """Every submodule's plain attributes a forward could advance: numbers, strings, tuples of them,
+    tensors kept as plain attributes (by value), and lists and dicts of those (their entries and
+    length), by qualified name."""
     state: dict[str, Any] = {}
     for path, sub in module.named_modules(remove_duplicate=True):
         for key, value in vars(sub).items():
@@ -121,19 +122,37 @@ def python_state(module: nn.Module) -> dict[str, Any]:
 
 
 _SKIP = object()
+_MAX_ITEMS = 256  # a container larger than this is not compared (a history of every call, a table)
 
 
-def _kept(value: Any) -> Any:
+class _Items(dict):
+    """A list's or dict's watched entries (by index or key), with the container's type: state kept in
+    ``self.state["calls"]`` or a list a forward appends to advances as an attribute does."""
+
+    def __init__(self, kind: type, items: dict[Any, Any]) -> None:
+        super().__init__(items)
+        self.kind = kind
+
+
+def _kept(value: Any, depth: int = 0) -> Any:
     if isinstance(value, _SCALARS):
         return value
     if isinstance(value, torch.Tensor):
         return value if value.is_meta else value.detach().clone()
     if isinstance(value, tuple) and all(isinstance(v, _SCALARS) for v in value):
         return value
+    if isinstance(value, (list, tuple, dict)) and depth < 3 and len(value) <= _MAX_ITEMS:
+        pairs = value.items() if isinstance(value, dict) else enumerate(value)
+        kept = {k: _kept(v, depth + 1) for k, v in pairs}
+        # Entries of other kinds (objects, modules) are left out; a change in length still shows.
+        return _Items(type(value), {"<len>": len(value), **{k: v for k, v in kept.items() if v is not _SKIP}})
     return _SKIP
 
 
 def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, _Items) or isinstance(b, _Items):
+        return (isinstance(a, _Items) and isinstance(b, _Items) and a.kind is b.kind and a.keys() == b.keys()
+                and all(_same(a[k], b[k]) for k in a))
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
             return False
