@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import shardwise as sw
+from shardwise.engine.model.module_call import ModuleCall
 
 T = pytest.importorskip("transformers", reason="the [hf] extra (pip install -e '.[hf]') is not installed")
 
@@ -75,13 +76,23 @@ def test_hf_caches_set_from_the_input_are_not_refused(model: str, cut: str) -> N
     sw.testing.assert_equivalent(CUTS[cut](step), reference, sw.Mesh(dp=1), batches, params)
 
 
-def test_dynamic_rope_rebinding_its_inv_freq_from_the_input_equals_torch() -> None:
-    """Lengths 6, 12, 6 past max_position_embeddings=8: the rotary embedding rebinds inv_freq on the
-    second call (growth) and the third (reset), each a function of the input, so dropping the rebound
-    tensor after each call changes nothing and the one-device step equals torch's loop (the same
-    float64 computation, no reduction between: exactly). The rebinding check exempts it."""
+def _batches(lengths: tuple[int, ...]) -> list[tuple[dict[str, torch.Tensor], torch.Tensor]]:
     g = torch.Generator().manual_seed(1)
-    batches = [({"input_ids": ids}, ids) for ids in (torch.randint(64, (4, n), generator=g) for n in (6, 12, 6))]
+    return [({"input_ids": ids}, ids) for ids in (torch.randint(64, (4, n), generator=g) for n in lengths)]
+
+
+# Past max_position_embeddings=8: 12 grows inv_freq, a shorter length over 8 (10) after it neither
+# grows nor resets and reads the grown one, a length under 8 after a growth resets it.
+LENGTHS = [(6, 12, 6), (6, 12, 10), (12, 6, 12), (12, 10, 6, 10), (6, 12, 12, 10, 6, 10)]
+
+
+@pytest.mark.parametrize("lengths", LENGTHS, ids=str)
+def test_dynamic_rope_keeps_its_rebound_inv_freq_as_torch(lengths: tuple[int, ...]) -> None:
+    """The rotary embedding rebinds inv_freq on a growth and on a reset, and torch's loop keeps the
+    new tensor for the calls after: the layer keeps it too (rope_state.py), so the one-device step
+    equals torch's loop exactly (the same float64 computation, no reduction between). Before, a call
+    that neither grew nor reset (10 after 12) read the captured inv_freq: 8e-7 off."""
+    batches = _batches(lengths)
     step, params = _step("llama dynamic rope", batches[0][0])
     torch.manual_seed(0)
     model = MODELS["llama dynamic rope"][0]().double()
@@ -93,4 +104,60 @@ def test_dynamic_rope_rebinding_its_inv_freq_from_the_input_equals_torch() -> No
         loss = _token_loss(model(**batch), ids)
         loss.backward()
         opt.step()
-        assert float(metrics["loss"]) == loss.item()
+        assert float(metrics["loss"]) == loss.item(), (ids.shape[1], float(metrics["loss"]), loss.item())
+
+
+MESH_CUTS = {
+    "dp1 accumulation=2": (lambda s: sw.shard_params(s, "dp", 1, accumulation=2), lambda: sw.Mesh(dp=1)),
+    "zero3 dp2": (lambda s: sw.shard_params(s, "dp", 3), lambda: sw.Mesh(dp=2)),
+    "remat": (sw.remat, lambda: sw.Mesh(dp=1)),
+    # the rotary embedding runs in the embed layer, on the first stage; its output goes down the pipe
+    "pp2 1f1b 2 micro-batches": (lambda s: sw.pipeline(s, "pp", "1f1b", 2), lambda: sw.Mesh(pp=2)),
+}
+
+
+@pytest.mark.parametrize("lengths", [(6, 12, 10), (12, 6, 12)], ids=str)
+@pytest.mark.parametrize("cut", list(MESH_CUTS))
+def test_dynamic_rope_across_lengths_equals_the_one_device_step(cut: str, lengths: tuple[int, ...]) -> None:
+    """Each rank's copy of the rotary embedding sees the lengths one device sees (these cut rows, not
+    the sequence) and keeps its rebound inv_freq; a second micro-batch or a recompute reads what the
+    first call left, which gives the same frequencies. Before, the second micro-batch of a growing step
+    read the captured inv_freq (accumulation=2 captured at 6, run at 12: 2e-7 off)."""
+    batches = _batches(lengths)
+    transform, mesh = MESH_CUTS[cut]
+    step, params = _step("llama dynamic rope", batches[0][0])
+    reference, _ = _step("llama dynamic rope", batches[0][0])
+    sw.testing.assert_equivalent(transform(step), reference, mesh(), batches, params)
+
+
+def test_dynamic_rope_whose_buffers_functional_call_swaps_is_refused_where_its_cache_moves() -> None:
+    """Given both names of an aliased buffer, ModuleCall hands the call to functional_call, whose swap
+    back drops a rebound inv_freq where the layer cannot keep it: a call within the original length
+    runs, a growth is refused (a later call would read the captured frequencies)."""
+    config = T.LlamaConfig(**_SMALL, max_position_embeddings=8, rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    rope = T.models.llama.modeling_llama.LlamaRotaryEmbedding(config)
+    rope.register_buffer("original_inv_freq", rope.inv_freq, persistent=False)  # an alias: two names, one tensor
+    call = ModuleCall(rope)
+    tensors = dict(rope.named_buffers(remove_duplicate=False))
+    x = torch.zeros(1, 12, 32)
+    cos, _ = call.call(tensors, (x, torch.arange(6)[None]), {})
+    assert cos.shape == (1, 6, 16)
+    with pytest.raises(ValueError, match=r"max_seq_len_cached': 8\} -> \{'max_seq_len_cached': 12\}.*functional_call"):
+        call.call(tensors, (x, torch.arange(12)[None]), {})
+
+
+def test_longrope_writing_inv_freq_in_place_is_refused() -> None:
+    """Phi3's longrope copies the long or short frequencies into inv_freq in place on every call
+    (transformers 5's ``longrope_frequency_update``): the buffer write check refuses it, on the first
+    step, rather than writing into the step's buffers."""
+    torch.manual_seed(0)
+    model = T.Phi3ForCausalLM(T.Phi3Config(
+        **_SMALL, num_key_value_heads=2, max_position_embeddings=16, attn_implementation="eager", pad_token_id=0,
+        rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
+                      "original_max_position_embeddings": 8})).double()
+    batches = _batches((6, 12))
+    chain, params = sw.functionalize(model, units=T.models.phi3.modeling_phi3.Phi3DecoderLayer,
+                                     example_input=batches[0][0])
+    step = sw.train_step(chain, _token_loss, sw.optim.sgd(0.1))
+    with pytest.raises(ValueError, match=r"wrote into its buffers \['model.rotary_emb.inv_freq'\]"):
+        step(step.init(params), batches[0])

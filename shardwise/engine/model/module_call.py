@@ -41,6 +41,14 @@ from torch import Tensor, nn
 from torch.func import functional_call
 from torch.nn.modules import module as _torch_module
 
+from shardwise.engine.model.rope_state import (
+    cache_lengths,
+    is_dynamic_rope,
+    keep_rebound,
+    refuse_moved_cache,
+    swap_in_kept,
+)
+
 _Slot = tuple[dict[str, Any], str, str]  # (the submodule's _parameters or _buffers, attribute, key in tensors)
 _Direct = Any  # (module, tensors, input) -> output: its forward's one call on the given tensors
 
@@ -100,6 +108,13 @@ class ModuleCall:
             slot for slot in self._slots or ()
             if id(slot[0]) in owners and not _rebinds_from_input(owners[id(slot[0])], slot[1])
         ]
+        # A dynamic rotary embedding's ``inv_freq`` slots, whose rebound tensor the module keeps (rope_state.py).
+        self._rope_slots = [
+            (owners[id(slot[0])], *slot) for slot in self._slots or ()
+            if id(slot[0]) in owners and _rebinds_from_input(owners[id(slot[0])], slot[1])
+        ]
+        # Without slots (functional_call's path) a rebound inv_freq cannot be kept: refused if one moves.
+        self._rope_modules = [sub for sub in module.modules() if is_dynamic_rope(sub)] if self._slots is None else []
         # Its forward's one call (DIRECT), for a module of exactly such a type named without a prefix.
         self._direct: _Direct | None = DIRECT.get(type(module)) if not prefix else None
         # Whether call_arguments adds use_cache=False to a call on a tensor, read once (a call on a
@@ -123,7 +138,11 @@ class ModuleCall:
         if self._slots is None or tensors.keys() != self._keys:
             n = len(self.prefix)
             unprefixed = {k[n:] if k.startswith(self.prefix) else k: t for k, t in tensors.items()}
-            return functional_call(self.module, unprefixed, args, kwargs, strict=True)
+            rope = self._rope_modules if self._slots is None else [o for o, *_ in self._rope_slots]
+            lengths = cache_lengths(rope)
+            out = functional_call(self.module, unprefixed, args, kwargs, strict=True)
+            refuse_moved_cache(rope, lengths)
+            return out
         direct = self._direct
         if direct is not None and not kwargs and len(args) == 1 and isinstance(args[0], Tensor) \
                 and calls_forward_alone(self.module):
@@ -133,10 +152,16 @@ class ModuleCall:
         try:
             for container, attr, key in slots:
                 container[attr] = tensors[key]
+            if self._rope_slots:
+                swap_in_kept(self._rope_slots)
             out = self.module(*args, **kwargs)
             rebound = [key for container, attr, key in self._buffer_slots if container.get(attr) is not tensors[key]] \
                 if self._buffer_slots else None
         finally:
+            # Also when forward ends by an exception: a layer that runs a model up to its first unit (the
+            # embed layer) stops it there by raising, after its rotary embedding ran.
+            if self._rope_slots:
+                keep_rebound(self._rope_slots, tensors)
             for (container, attr, _), original in zip(slots, originals, strict=True):
                 container[attr] = original
         if rebound:
@@ -146,10 +171,9 @@ class ModuleCall:
 
 def _rebinds_from_input(owner: nn.Module, attr: str) -> bool:
     """Whether ``owner`` is a Hugging Face rotary embedding with dynamic RoPE, whose forward rebinds
-    ``inv_freq`` to a function of the input's length (``dynamic_rope_update``): not refused, as
-    shardwise ran it before this check, and it equals torch's loop unless a call after a growth
-    neither grows nor resets (the CHANGELOG's forward-state entry has that case)."""
-    return attr.endswith("inv_freq") and "dynamic" in str(getattr(owner, "rope_type", ""))
+    ``inv_freq`` to a function of the input's length (``dynamic_rope_update``): not refused, but kept
+    in the module for its later calls as torch keeps it (rope_state.py)."""
+    return attr.endswith("inv_freq") and is_dynamic_rope(owner)
 
 
 def rebound_message(module: str, rebound: list[str], prefix: str = "") -> str:
