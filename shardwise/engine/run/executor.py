@@ -99,7 +99,7 @@ from .loss_action import LossAction
 from .loss_rows import LossProbe
 from .metrics import MetricExchange, Summed
 from .param_source import ParamSource
-from .param_writes import check_param_writes, param_versions
+from .param_writes import check_param_writes, param_contents, param_versions
 from .rng import MASK, START, default_generators, mixed, preserved, ranks_share_generators, seed_all, seeded
 from .run_shape import ALONE, run_shape
 from .stage_backward import Saved, StageBackward, mark_reached, reaches
@@ -452,13 +452,16 @@ class Executor(ZeroActions, TransferActions, StageBackward, LossAction, StepEnd)
             versions = [version_of(b) for b in buffers.values()] if buffers else None
             params = None if refused_writes is None else \
                 param_versions(self.chain[name], bound.leaves, len(bound.layers) == 1)
-            before = self._state.snapshot(buffers) if self._state.first_call(name, self.chain) else None
+            first = self._state.first_call(name, self.chain)
+            before = self._state.snapshot(buffers) if first else None
+            # Its first call on this thread: the contents too, to see a write through .data (param_writes)
+            contents = param_contents(params) if first and params is not None else None
             try:
                 y = call(y)
             except Exception as err:
                 self._layer_failed(err, name, s, m, y)
             if params is not None:
-                check_param_writes(self.chain[name], params, refused_writes)  # type: ignore[arg-type]
+                check_param_writes(self.chain[name], params, refused_writes, contents)  # type: ignore[arg-type]
             if before is not None:  # its first call on this thread: .data writes, Python state (forward_state)
                 self._state.after_first(name, self.chain[name], buffers, before)
             if versions is None:
