@@ -88,7 +88,7 @@ def test_a_rank_lock_whose_holder_ended_without_letting_go_is_taken_at_once() ->
     holder.join(2.0)
     started = time.monotonic()
     assert lock.acquire(timeout=2.0)
-    assert time.monotonic() - started < 0.5
+    assert time.monotonic() - started < 1.0
     lock.release()
     assert not lock.locked()
 
@@ -111,7 +111,7 @@ def test_a_rank_lock_waiter_takes_it_soon_after_its_holder_is_stopped_holding_it
     stopped = time.monotonic()
     _stop(holder)
     waiter.join(2.0)
-    assert got and got[0] - stopped < 10 * _CHECK_S
+    assert got and got[0] - stopped < 20 * _CHECK_S  # it looks every _CHECK_S
 
 
 def test_a_rank_lock_waiter_stopped_while_waiting_leaves_it_free() -> None:
@@ -133,7 +133,7 @@ def test_a_rank_lock_is_handed_to_a_waiter_when_let_go() -> None:
     lock.release()
     waiter.join(2.0)
     assert order == ["released", "waiter"]
-    assert time.monotonic() - released < 0.5
+    assert time.monotonic() - released < 1.0
 
 
 def test_a_rank_lock_refuses_a_second_take_and_a_release_by_another_thread() -> None:
