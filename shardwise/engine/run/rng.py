@@ -40,10 +40,11 @@ import torch
 
 from ...collectives.backends.blocking import on_blocking_wait
 from ...collectives.backends.current import current_backend
+from ...collectives.backends.rank_lock import RankLock
 from ...collectives.errors import CollectiveTimeout
 from ..model import host_random
 
-_SHARED = threading.Lock()  # thread ranks share torch's default generators
+_SHARED = RankLock()  # thread ranks share torch's default generators; a stopped rank cannot leak it
 _HOLDER = threading.local()  # the device this thread's compute holds the generators for, if any
 _OWNER: list[int | None] = [None]  # the rank holding _SHARED (thread ranks share this module)
 MASK = (1 << 63) - 1
