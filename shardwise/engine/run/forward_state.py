@@ -143,8 +143,9 @@ def _kept(value: Any, depth: int = 0) -> Any:
         return value
     if isinstance(value, (list, tuple, dict)) and depth < 3 and len(value) <= _MAX_ITEMS:
         pairs = value.items() if isinstance(value, dict) else enumerate(value)
-        kept = {k: _kept(v, depth + 1) for k, v in pairs}
-        # Entries of other kinds (objects, modules) are left out; a change in length still shows.
+        # Tensors in a container are left out (nn.LSTM's _flat_weights lists its parameters, fake ones in a
+        # prediction), and so are objects and modules; a change in length still shows.
+        kept = {k: _SKIP if isinstance(v, torch.Tensor) else _kept(v, depth + 1) for k, v in pairs}
         return _Items(type(value), {"<len>": len(value), **{k: v for k, v in kept.items() if v is not _SKIP}})
     return _SKIP
 
