@@ -137,14 +137,23 @@ def _metric_rtol(expected: torch.Tensor, rtol: float, at_its_dtype: bool) -> flo
     """The tolerance a metric is judged at: ``rtol``, or with ``at_its_dtype`` the coarser of that and
     its own dtype's default (a float32 loss of a float64 model carries float32 rounding whatever the
     parameters' precision)."""
-    return max(rtol, DEFAULT_RTOL.get(expected.dtype, rtol)) if at_its_dtype else rtol
+    return max(rtol, _metric_rounding(expected.dtype)) if at_its_dtype else rtol
+
+
+def _metric_rounding(dtype: torch.dtype) -> float:
+    """What a sum over parts instead of one sum may move a metric in ``dtype`` by: a few units in the last
+    place (8 eps: 9.5e-7 for float32), not the dtype's whole default, so that an error of the metric alone
+    (a loss weighted otherwise while the parameters are right) still shows above it."""
+    if not dtype.is_floating_point:
+        return 0.0
+    return min(DEFAULT_RTOL.get(dtype, 1.0), 8 * torch.finfo(dtype).eps)
 
 
 def _coarser_dtype_hint(where: str, expected: Any, rtol: float) -> str:
     """A note on a metric in a dtype whose rounding alone exceeds the tolerance it was judged at."""
     dtype = getattr(expected, "dtype", None)
-    own = DEFAULT_RTOL.get(dtype) if isinstance(dtype, torch.dtype) else None
-    if where not in COMPARED_METRICS or own is None or own <= rtol:
+    own = _metric_rounding(dtype) if isinstance(dtype, torch.dtype) else None
+    if where not in COMPARED_METRICS or not own or own <= rtol:
         return ""
     return (f"; the reference's {where} is {dtype}, whose rounding alone is about {own:g} of it: "
             "leave rtol unset to judge the metrics at their own dtype (the parameters keep theirs), or "
@@ -180,7 +189,7 @@ def assert_equivalent(
     true gradient is zero, is not a failure, and a wrong update still is).
     ``rtol`` defaults by dtype (see ``DEFAULT_RTOL``): the parameters' for the
     parameters, and for the loss and the gradient norm the coarser of that and
-    their own dtype's (a float64 model's loss computed in float32, as
+    a few units in the last place of their own dtype (8 eps; a float64 model's loss computed in float32, as
     transformers computes its ``labels=`` loss, differs between a sum over
     parts and one sum by float32 rounding alone; the parameters still show a
     real error at their own tolerance). An ``rtol`` given applies to every
@@ -222,7 +231,7 @@ def compare_histories(
     Useful where ``assert_equivalent`` cannot launch the ranks itself (a step
     built inside each process of a pool): record on every rank, compare here.
     With ``metrics_at_their_dtype`` the loss and the gradient norm are judged
-    at the coarser of ``rtol`` and their own dtype's default (``DEFAULT_RTOL``).
+    at the coarser of ``rtol`` and 8 eps of their own dtype.
     """
     report = EquivalenceReport(steps=len(expected))
     for index, (exp_metrics, exp_params) in enumerate(expected):

@@ -247,3 +247,16 @@ def test_a_float32_loss_is_judged_at_its_own_dtype_and_the_parameters_at_theirs(
     with pytest.raises(NotEquivalentError) as info:
         sw.testing.assert_equivalent(other, step, sw.Mesh(dp=1), batches, params)
     assert info.value.path.startswith("params[")
+
+
+def test_a_float32_metric_wrong_alone_still_fails_above_a_few_units_in_its_last_place() -> None:
+    """The review's case: a loss reported 3e-6 too high while the parameters are exact. The metrics are
+    judged at 8 eps of their dtype (9.5e-7 for float32), not at float32's whole default (1e-5)."""
+    params = {"w": torch.ones(3, dtype=torch.float64)}
+    expected = [({"loss": torch.tensor(1.0, dtype=torch.float32)}, params)]
+    rounding = [[({"loss": torch.tensor(1.0 + 2 ** -22, dtype=torch.float32)}, params)]]  # 2 ulps: passes
+    sw.testing.compare_histories(rounding, expected, rtol=1e-10, metrics_at_their_dtype=True)
+    wrong = [[({"loss": torch.tensor(1.0 + 3e-6, dtype=torch.float32)}, params)]]
+    with pytest.raises(NotEquivalentError) as info:
+        sw.testing.compare_histories(wrong, expected, rtol=1e-10, metrics_at_their_dtype=True)
+    assert info.value.path == "loss"
