@@ -10,7 +10,6 @@ gradient norm (hunt3 F5) and is refused by ``train_step``. float64, threads back
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 
 import pytest
@@ -19,6 +18,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import shardwise as sw
+
+from ._torch_loop import assert_one_device_equals_torch_sgd
 
 MODELS: dict[str, Callable[[], nn.Module]] = {
     "Embedding": lambda: nn.Sequential(nn.Embedding(10, 4, scale_grad_by_freq=True), nn.Flatten(), nn.Linear(12, 2)),
@@ -55,26 +56,7 @@ def _step(name: str) -> tuple[sw.Step, object]:
 def test_scale_grad_by_freq_on_one_device_equals_torch(name: str) -> None:
     """Losses and parameters bitwise equal to torch's loop over 3 steps."""
     model = _model(name)
-    reference = copy.deepcopy(model)
-    chain, params = sw.functionalize(model)
-    step = sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1))
-    state, losses = step.init(params), []
-    for batch in _batches():
-        state, metrics = step(state, batch)
-        losses.append(float(metrics["loss"]))
-    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-    expected = []
-    for x, y in _batches():
-        opt.zero_grad()
-        loss = F.mse_loss(reference(x), y)
-        loss.backward()
-        opt.step()
-        expected.append(loss.item())
-    assert losses == expected
-    full = step.full_params(state)
-    for path, p in reference.named_parameters():
-        layer, _, local = path.partition(".")
-        assert torch.equal(full[layer][local], p), path
+    assert_one_device_equals_torch_sgd(model, _batches())
 
 
 @pytest.mark.parametrize("cut", list(CUTS))

@@ -11,7 +11,6 @@ call with ``scale_grad_by_freq=False`` is not refused. float64, threads backend.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -21,6 +20,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import shardwise as sw
+
+from ._torch_loop import assert_one_device_equals_torch_sgd
 
 CALLS: dict[str, Callable[[torch.Tensor, torch.Tensor, bool], torch.Tensor]] = {
     "F.embedding": lambda idx, w, freq: F.embedding(idx, w, scale_grad_by_freq=freq).flatten(1),
@@ -98,26 +99,7 @@ def test_an_own_call_is_refused_where_the_batch_is_cut(call: str, cut: str, exam
 def test_an_own_call_on_one_device_equals_torch(call: str) -> None:
     """Losses and parameters bitwise equal to torch's loop over 3 steps."""
     model = _sequential(call)
-    reference = copy.deepcopy(model)
-    chain, params = sw.functionalize(model)
-    step = sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1))
-    state, losses = step.init(params), []
-    for batch in _batches():
-        state, metrics = step(state, batch)
-        losses.append(float(metrics["loss"]))
-    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-    expected = []
-    for x, y in _batches():
-        opt.zero_grad()
-        loss = F.mse_loss(reference(x), y)
-        loss.backward()
-        opt.step()
-        expected.append(loss.item())
-    assert losses == expected
-    full = step.full_params(state)
-    for path, p in reference.named_parameters():
-        layer, _, local = path.partition(".")
-        assert torch.equal(full[layer][local], p), path
+    assert_one_device_equals_torch_sgd(model, _batches())
 
 
 @pytest.mark.parametrize("example", [False, True], ids=["traced", "run on an example"])

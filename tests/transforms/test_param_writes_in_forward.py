@@ -9,7 +9,6 @@ layer, the parameter and the fix. float64, threads backend unless named.
 
 from __future__ import annotations
 
-import copy
 import re
 from collections.abc import Callable
 
@@ -19,6 +18,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import shardwise as sw
+
+from ._torch_loop import assert_one_device_equals_torch_sgd
 
 
 class FunctionalRenorm(nn.Module):
@@ -107,26 +108,7 @@ def _step(name: str) -> tuple[sw.Step, object]:
 def test_the_one_device_step_keeps_the_write_as_torch_does(name: str) -> None:
     """Bitwise equal to torch's loop, losses and parameters, over 3 steps: the write persists."""
     model = _model(name)
-    reference = copy.deepcopy(model)
-    chain, params = sw.functionalize(model)
-    step = sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1))
-    state, losses = step.init(params), []
-    for batch in _batches():
-        state, metrics = step(state, batch)
-        losses.append(float(metrics["loss"]))
-    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-    expected = []
-    for x, y in _batches():
-        opt.zero_grad()
-        loss = F.mse_loss(reference(x), y)
-        loss.backward()
-        opt.step()
-        expected.append(loss.item())
-    assert losses == expected
-    full = step.full_params(state)
-    for path, p in reference.named_parameters():
-        layer, _, local = path.partition(".")
-        assert torch.equal(full[layer][local], p), path
+    assert_one_device_equals_torch_sgd(model, _batches())
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
