@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 from torch.overrides import TorchFunctionMode
 
-from .module_call import copy_structure, module_fn
+from .module_call import module_fn
 from .whole_batch import called_modules
 
 # op -> (its name in a message, the position of scale_grad_by_freq among its arguments)
@@ -113,9 +113,7 @@ def traced_calls(module: nn.Module, prefix: str, outside: str) -> FrequencyCalls
     as calls: ``nn.Embedding`` is told by its attribute), by the path in the model (``prefix``: ``module``'s
     own; ``outside`` for ``module`` itself when it has none); {} when fx cannot trace it."""
     try:
-        # On a copy sharing the tensors: tracing runs forward's Python, and a forward that changes its module's
-        # attributes (a call counter) would have changed the layer's own copy once before its first step.
-        graph = fx.Tracer().trace(copy_structure(module, {id(t): t for t in (*module.parameters(), *module.buffers())}))
+        graph = fx.Tracer().trace(module)
     except Exception:  # any trace failure: untold, as without an example input before
         return {}
     found: FrequencyCalls = {}
