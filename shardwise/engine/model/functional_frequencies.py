@@ -5,15 +5,18 @@ A forward may make the same call itself: ``F.embedding(idx, self.weight, scale_g
 ``torch.embedding(..., scale_grad_by_freq=True)``, ``F.embedding_bag(...)``. Its backward divides each row's
 gradient by how often the batch looks the row up, a statistic of the whole batch, so a step that cuts the
 batch must refuse it as it refuses the module form (``whole_batch.py``: FREQUENCIES). No attribute tells such a
-call; it is seen where functionalize runs the layers:
+call: it is seen where a layer runs anyway, never by running a forward once more (a forward's Python may count
+its calls):
 
-* on an example input (:func:`watching`, around each layer's call in functionalize's check): a
-  TorchFunctionMode sees every op with its arguments, and the module whose forward runs it;
-* without one (:func:`traced_calls`): the layer's module is traced with torch.fx, which records the calls its
-  forward makes (the call's arguments are constants there). A module fx cannot trace is not told.
+* in functionalize's check on an example input (:func:`watching` around each layer's call): what is found is
+  kept on the layer's module fn (:func:`keep`: ``frequency_calls``, the module's path in the model -> the call
+  in words), read by ``whole_batch.over_whole_batch``, so the transform that cuts the batch refuses it when it
+  is added;
+* where no example input ran (functionalize without one, a meta-built model's unit reused from an identical
+  one): at a step that cuts the batch, around each layer's first call on each rank (``engine/run/
+  frequency_watch.py``), which refuses at the op itself with the same words.
 
-What is found is kept on the layer's module fn (``frequency_calls``: the module's path in the model -> the call
-in words), read by ``whole_batch.over_whole_batch``. It costs functionalize time only: no step watches an op.
+A TorchFunctionMode sees every op with its arguments; forward hooks tell the module whose forward runs it.
 """
 
 from __future__ import annotations
@@ -56,11 +59,14 @@ def frequency_call(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> st
 
 
 class _Watch(TorchFunctionMode):
-    """Records each frequency-scaled call with the innermost module running it (``running``)."""
+    """Records each frequency-scaled call with the innermost module running it (``running``), and hands it
+    to ``on_call`` (path, call in words) at once, before the op runs."""
 
-    def __init__(self, running: Callable[[], tuple[str, str]]) -> None:
+    def __init__(self, running: Callable[[], tuple[str, str]],
+                 on_call: Callable[[str, str], None] | None = None) -> None:
         super().__init__()
         self.running = running
+        self.on_call = on_call
         self.found: FrequencyCalls = {}
 
     def __torch_function__(
@@ -71,13 +77,17 @@ class _Watch(TorchFunctionMode):
         if call is not None:
             path, owner = self.running()
             self.found.setdefault(path, f"{call} in {owner}")
+            if self.on_call is not None:
+                self.on_call(path, self.found[path])
         return func(*args, **kwargs)
 
 
 @contextlib.contextmanager
-def watching(paths: dict[int, str], outside: str) -> Iterator[FrequencyCalls]:
+def watching(paths: dict[int, str], outside: str,
+             on_call: Callable[[str, str], None] | None = None) -> Iterator[FrequencyCalls]:
     """Record, while the block runs on this thread, each frequency-scaled call by the module that makes it:
-    its path from ``paths`` (id(module) -> path in the model), ``outside`` where no module of ``paths`` runs."""
+    its path from ``paths`` (id(module) -> path in the model), ``outside`` where no module of ``paths`` runs;
+    ``on_call(path, call)`` is called before such an op runs (it may raise: the op then never runs)."""
     thread = threading.get_ident()
     stack: list[tuple[str, str]] = []
 
@@ -89,7 +99,7 @@ def watching(paths: dict[int, str], outside: str) -> Iterator[FrequencyCalls]:
         if threading.get_ident() == thread and id(module) in paths and stack:
             stack.pop()
 
-    watch = _Watch(lambda: stack[-1] if stack else (outside, "the layer's function"))
+    watch = _Watch(lambda: stack[-1] if stack else (outside, "the layer's function"), on_call)
     hooks = [nn.modules.module.register_module_forward_pre_hook(pre),
              nn.modules.module.register_module_forward_hook(post)]
     try:
@@ -108,28 +118,6 @@ def _code_of(owner: Any) -> str:
     return f"{getattr(owner, '__name__', owner)}.forward"
 
 
-def traced_calls(module: nn.Module, prefix: str, outside: str) -> FrequencyCalls:
-    """The frequency-scaled calls ``module``'s forward makes as torch.fx traces it (torch's own modules kept
-    as calls: ``nn.Embedding`` is told by its attribute), by the path in the model (``prefix``: ``module``'s
-    own; ``outside`` for ``module`` itself when it has none); {} when fx cannot trace it."""
-    try:
-        graph = fx.Tracer().trace(module)
-    except Exception:  # any trace failure: untold, as without an example input before
-        return {}
-    found: FrequencyCalls = {}
-    for node in graph.nodes:
-        if node.op != "call_function":
-            continue
-        call = frequency_call(node.target, node.args, dict(node.kwargs))
-        if call is None:
-            continue
-        stack = node.meta.get("nn_module_stack") or {}
-        inner, owner = next(reversed(stack.values())) if stack else ("", type(module))
-        path = ".".join(p for p in (prefix, inner) if p)
-        found.setdefault(path or outside, f"{call} in {_code_of(owner)}")
-    return found
-
-
 def layer_paths(layer: Any) -> dict[int, str]:
     """id(module) -> its path in the model, for each module ``layer`` calls on this thread."""
     return {id(module): path for path, module in called_modules([layer], this_thread=True)}
@@ -140,19 +128,3 @@ def keep(layer: Any, found: FrequencyCalls) -> None:
     fn = module_fn(layer.fn)
     if fn is not None:
         fn.frequency_calls = found
-
-
-def watched(layer: Any) -> bool:
-    """Whether ``layer``'s calls were recorded already (:func:`keep`)."""
-    return hasattr(module_fn(layer.fn), "frequency_calls")
-
-
-def trace_layers(layers: Sequence[Any]) -> None:
-    """Keep on each of ``layers`` the frequency-scaled calls fx sees in its module (no example input ran)."""
-    for layer in layers:
-        fn = module_fn(layer.fn)
-        module = getattr(getattr(fn, "replicas", None), "module", None)
-        if isinstance(module, nn.Module):
-            prefix = ".".join(p for p in (str(getattr(fn, "root_prefix", "")).strip("."),
-                                          str(getattr(fn.replicas, "prefix", "")).strip(".")) if p)
-            keep(layer, traced_calls(module, prefix, layer.name))

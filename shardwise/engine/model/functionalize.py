@@ -75,7 +75,8 @@ Decisions:
   statistics (``track_running_stats=False``) is pure, and accepted; a step that cuts the batch
   refuses it (``whole_batch.py``). So does one whose own forward calls ``F.embedding(...,
   scale_grad_by_freq=True)``: functionalize notes the call on the layer, seen while checking the chain on the
-  example input, or in the fx-traced code without one (``functional_frequencies.py``).
+  example input; without one, a step that cuts the batch sees it at each layer's first call
+  (``functional_frequencies.py``). No forward runs once more to find it.
 * ``functional_call`` swaps tensors into the module for the duration of a call, which is
   not safe when threads (the threads backend runs ranks as threads) call one module at
   once. Each thread therefore runs its own replica of the module, a deep copy that
@@ -100,7 +101,7 @@ from .batch_loss_terms import refuse_split_batch_loss
 from .capture import Piece, split_by_calls
 from .chain import Chain, Layer
 from .changed_inputs import LeafIndices, changed_since, copies, versions, with_copies
-from .functional_frequencies import keep, layer_paths, trace_layers, watched, watching
+from .functional_frequencies import keep, layer_paths, watching
 from .fx_split import FunctionalizeError, FxTraceError, split_graph
 from .init_fn import InitFn, as_path_init
 from .materialize import ModuleInit, has_meta_tensors, is_transformers_model, stand_in
@@ -221,9 +222,6 @@ def _split_and_check(
             )
         elif example_input is not None:
             _check_against_module(target, chain, params, example_input)
-    # The layers no run watched (no example input, or a meta-built module's unit reused from an identical one):
-    # their calls of F.embedding(..., scale_grad_by_freq=True) read from their traced code.
-    trace_layers([layer for layer in chain if not watched(layer)])
     return chain, params, sources, example_input
 
 

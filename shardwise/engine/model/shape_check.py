@@ -56,7 +56,7 @@ def check_shapes_against_module(
                 got = found[0]
             else:
                 # Which of its modules call F.embedding(..., scale_grad_by_freq=True) (functional_frequencies.py;
-                # a layer reused from the memo is read from its traced code instead).
+                # a layer reused from the memo is seen at a step's first call, engine/run/frequency_watch.py).
                 with watching(layer_paths(layer), layer.name) as calls:
                     y = layer.fn({**local, **buffers}, got)
                 keep(layer, calls)

@@ -15,7 +15,8 @@ transform, ``engine/stack/compose.py``):
   (``batch_mixing.py``: transformers' Doge mixture of experts);
 * :data:`FREQUENCIES`: an embedding whose backward divides each row's gradient by how often its batch looks
   the row up (``embedding_options.py``: ``scale_grad_by_freq=True``), or a module whose own forward calls
-  ``F.embedding(..., scale_grad_by_freq=True)`` (``functional_frequencies.py``: seen by functionalize).
+  ``F.embedding(..., scale_grad_by_freq=True)`` (``functional_frequencies.py``: seen by functionalize's check
+  on an example input; without one the step refuses it at the layer's first call, ``run/frequency_watch.py``).
 """
 
 from __future__ import annotations
