@@ -7,7 +7,9 @@
   :func:`renorm_note` names the option in that refusal.
 * ``scale_grad_by_freq``: the backward divides each row's gradient by how often the batch looks the row up, a
   statistic of the batch it is called on: :func:`grad_by_frequency` tells such a module, and the composition
-  rules refuse it where the batch is cut (``whole_batch.py``), as a BatchNorm's statistics.
+  rules refuse it where the batch is cut (``whole_batch.py``), as a BatchNorm's statistics. The same call made
+  in a forward's own code (``F.embedding(..., scale_grad_by_freq=True)``) is seen by functionalize's check or
+  a step's first call (``functional_frequencies.py``) and refused alike.
 * ``sparse``: the gradient is a sparse tensor, which the gradient norm, clipping, the reductions and the
   optimizers do not take: :func:`refuse_sparse` refuses it when the step is built.
 

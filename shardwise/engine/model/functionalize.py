@@ -73,7 +73,10 @@ Decisions:
 * A module that updates state in forward (BatchNorm in training mode with running
   stats) is refused: a pure layer cannot update it. One that normalises with its batch's
   statistics (``track_running_stats=False``) is pure, and accepted; a step that cuts the batch
-  refuses it (``whole_batch.py``).
+  refuses it (``whole_batch.py``). So does one whose own forward calls ``F.embedding(...,
+  scale_grad_by_freq=True)``: functionalize notes the call on the layer, seen while checking the chain on the
+  example input; without one, a step that cuts the batch sees it at each layer's first call
+  (``functional_frequencies.py``). No forward runs once more to find it.
 * ``functional_call`` swaps tensors into the module for the duration of a call, which is
   not safe when threads (the threads backend runs ranks as threads) call one module at
   once. Each thread therefore runs its own replica of the module, a deep copy that
@@ -98,6 +101,7 @@ from .batch_loss_terms import refuse_split_batch_loss
 from .capture import Piece, split_by_calls
 from .chain import Chain, Layer
 from .changed_inputs import LeafIndices, changed_since, copies, versions, with_copies
+from .functional_frequencies import keep, layer_paths, watching
 from .fx_split import FunctionalizeError, FxTraceError, split_graph
 from .init_fn import InitFn, as_path_init
 from .materialize import ModuleInit, has_meta_tensors, is_transformers_model, stand_in
@@ -556,7 +560,10 @@ def _check_against_module(module: nn.Module, chain: Chain, params: ParamTree, x:
         trained = {layer: {name: t.detach().requires_grad_(t.is_floating_point() or t.is_complex())
                           for name, t in held.items()} for layer, held in params.items()}
         for i, layer in enumerate(chain):
-            got = layer(chain.layer_params(trained, layer), got)
+            # Which of its modules call an embedding op with scale_grad_by_freq=True (functional_frequencies.py).
+            with watching(layer_paths(layer), layer.name) as found:
+                got = layer(chain.layer_params(trained, layer), got)
+            keep(layer, found)
             check_output(layer.name, got, i == len(chain) - 1)
     for (name, buffer_name), before in snapshot.items():
         if not _same(before, chain[name].buffers[buffer_name]):

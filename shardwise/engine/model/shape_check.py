@@ -20,6 +20,7 @@ from torch.func import functional_call
 
 from ..torch_api import fake_tensors, version_of
 from .chain import Chain
+from .functional_frequencies import keep, layer_paths, watching
 from .fx_split import FunctionalizeError
 from .module_call import call_arguments
 from .pytrees import register_output_types
@@ -54,7 +55,11 @@ def check_shapes_against_module(
             if found is not None:  # a unit like one checked before, on an input like its
                 got = found[0]
             else:
-                y = layer.fn({**local, **buffers}, got)
+                # Which of its modules call F.embedding(..., scale_grad_by_freq=True) (functional_frequencies.py;
+                # a layer reused from the memo is seen at a step's first call, engine/run/frequency_watch.py).
+                with watching(layer_paths(layer), layer.name) as calls:
+                    y = layer.fn({**local, **buffers}, got)
+                keep(layer, calls)
                 memo.store(key, got, y)
                 got = y
             check_output(layer.name, got, i == len(chain) - 1)

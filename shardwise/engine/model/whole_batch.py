@@ -14,12 +14,14 @@ transform, ``engine/stack/compose.py``):
 * :data:`ROWS_MIXED`: a layer known to compute a token's output from other rows of its batch
   (``batch_mixing.py``: transformers' Doge mixture of experts);
 * :data:`FREQUENCIES`: an embedding whose backward divides each row's gradient by how often its batch looks
-  the row up (``embedding_options.py``: ``scale_grad_by_freq=True``).
+  the row up (``embedding_options.py``: ``scale_grad_by_freq=True``), or a module whose own forward calls
+  ``F.embedding(..., scale_grad_by_freq=True)`` (``functional_frequencies.py``: seen by functionalize's check
+  on an example input; without one the step refuses it at the layer's first call, ``run/frequency_watch.py``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from torch import nn
@@ -27,7 +29,7 @@ from torch import nn
 from .batch_loss_terms import batch_loss_coef
 from .batch_mixing import mixes_rows
 from .batch_statistics import batch_statistics
-from .chain import Chain
+from .chain import Chain, Layer
 from .embedding_options import grad_by_frequency
 from .module_call import module_fn
 
@@ -72,10 +74,14 @@ def over_whole_batch(chain: Chain) -> list[WholeBatch]:
         counted = grad_by_frequency(module)
         if counted is not None:
             found.setdefault(path, WholeBatch(path, FREQUENCIES, counted))
+    for layer in chain:  # a forward's own F.embedding(..., scale_grad_by_freq=True) (functional_frequencies.py)
+        calls = getattr(module_fn(layer.fn), "frequency_calls", {})
+        for path, call in calls.items():
+            found.setdefault(path, WholeBatch(path, FREQUENCIES, call))
     return list(found.values())
 
 
-def called_modules(chain: Chain, this_thread: bool = False) -> Iterator[tuple[str, nn.Module]]:
+def called_modules(chain: Iterable[Layer], this_thread: bool = False) -> Iterator[tuple[str, nn.Module]]:
     """(its path in the model, or the layer's name for the model's root; the module) for every module a
     layer of ``chain`` calls; ``this_thread``: the copies the calling thread's calls run (a thread rank's
     own replica of each layer's module, engine/model/module_call.py: ThreadReplicas), where a hook sees them."""

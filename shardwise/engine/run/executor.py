@@ -93,6 +93,7 @@ from ..torch_api import version_of
 from .batch_keys import unknown_keys_message
 from .bindings import BoundStage, StageBindings
 from .forward_state import ForwardStateWatch
+from .frequency_watch import FrequencyWatch
 from .grad_leaves import float_leaves
 from .handover import release_unkept, watch
 from .loss_action import LossAction
@@ -172,6 +173,10 @@ class Executor(ZeroActions, TransferActions, StageBackward, LossAction, StepEnd)
     # Where a layer writing its trainable parameters in forward is refused (param_writes.py), the step's
     # layout in words ("under shard_params"); None: the plain one-device step, which keeps the write.
     param_writes_refused: str | None = "under this step,"
+    # The transform that cuts the batch, in its refusal's words (stack/compose.py: cutting_the_batch), where a
+    # layer's first call is watched for a forward's own F.embedding(..., scale_grad_by_freq=True)
+    # (run/frequency_watch.py); None: the step calls the model on the whole batch.
+    batch_cut: str | None = None
     # -- results ----------------------------------------------------------------------------
     final_grads: Any = None
     summed: Summed = field(default_factory=Summed)
@@ -196,6 +201,7 @@ class Executor(ZeroActions, TransferActions, StageBackward, LossAction, StepEnd)
     _view: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  # gathered units' parameters
     # Buffers written through .data and Python state advanced per call, on a layer's first step.
     _state: ForwardStateWatch = field(default_factory=ForwardStateWatch)
+    _frequencies: FrequencyWatch = field(init=False)
     _buffers: dict[str, torch.Tensor] = field(default_factory=dict)
     _unflattened: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     _in_flight_bytes: int = 0
@@ -230,6 +236,7 @@ class Executor(ZeroActions, TransferActions, StageBackward, LossAction, StepEnd)
         # there (torch.distributed delivers them on the CPU), and so do the metrics.
         # (With ZeRO-1/2's gathers still in flight the compute copies may be empty: the master shards.)
         self.device = device_of(self.source.compute, self.source.gather_from, self.master, self.microbatches)
+        self._frequencies = FrequencyWatch(self.batch_cut)
         self._shared_rng = ranks_share_generators()
         self._rank = 0 if self.mesh is None else self.mesh.rank
         self._rng_rank = self._rank if self.rng_rank is None else self.rng_rank
@@ -456,8 +463,15 @@ class Executor(ZeroActions, TransferActions, StageBackward, LossAction, StepEnd)
             before = self._state.snapshot(buffers) if first else None
             # Its first call on this thread: the contents too, to see a write through .data (param_writes)
             contents = param_contents(params) if first and params is not None else None
+            # Its first call on this thread under a step that cuts the batch: a forward's own
+            # F.embedding(..., scale_grad_by_freq=True) refused at the op (frequency_watch)
+            frequencies = self._frequencies.around(name, self.chain)
             try:
-                y = call(y)
+                if frequencies is None:
+                    y = call(y)
+                else:
+                    with frequencies:
+                        y = call(y)
             except Exception as err:
                 self._layer_failed(err, name, s, m, y)
             if params is not None:

@@ -114,7 +114,8 @@ from .roles import PLACEMENT, REWRITE, ROLES, SHARDING, SPLIT, check_role, own_p
 
 __all__ = [
     "NOT_YET_TOGETHER", "ONCE", "PLACEMENT", "REWRITE", "REWRITE_ORDER", "ROLES", "SHARDING", "SPLIT", "SPLIT_ORDER",
-    "add", "check_stack", "describe", "find", "reshard_after_forward", "rewrites_in_order",
+    "add", "check_stack", "cutting_the_batch", "describe", "find", "refuse_frequencies", "reshard_after_forward",
+    "rewrites_in_order",
 ]
 
 
@@ -323,9 +324,9 @@ def add(step: S, spec: Any, **fields: Any) -> S:
 def _check_whole_batch(chain: Chain, stack: tuple[Any, ...]) -> None:
     """Refuse a model that computes something over the whole batch it is called on (engine/model/
     whole_batch.py: a layer normalising with its batch's statistics, a loss adding a term of its batch)
-    under a transform that calls it on a part of the batch (:func:`_cutting_the_batch`), and a model
+    under a transform that calls it on a part of the batch (:func:`cutting_the_batch`), and a model
     adding its routers' aux loss under one that ``adds_batch_loss`` the same term again (router_aux_loss)."""
-    cutting = _cutting_the_batch(stack)
+    cutting = cutting_the_batch(stack)
     adding = [s.name for s in stack if getattr(s, "adds_batch_loss", False)]
     if not cutting and not adding:
         return
@@ -341,10 +342,10 @@ def _check_whole_batch(chain: Chain, stack: tuple[Any, ...]) -> None:
         _refuse_rows_mixed(mixing[0], cutting[0][1])
     counted = [w for w in found if w.cause == FREQUENCIES]
     if counted and cutting:
-        _refuse_frequencies(counted[0], cutting[0][1])
+        refuse_frequencies(counted[0], cutting[0][1])
 
 
-def _cutting_the_batch(stack: tuple[Any, ...]) -> list[tuple[str, str]]:
+def cutting_the_batch(stack: tuple[Any, ...]) -> list[tuple[str, str]]:
     """(name, words) of each transform of ``stack`` that calls the model on a part of the batch: a pipeline
     of more than one micro-batch (one micro-batch is the whole batch), a sharding (data parallel: each rank
     its share, and accumulation's micro-batches), a split that ``cuts_batch`` (a share, or a part of every
@@ -402,7 +403,9 @@ def _refuse_rows_mixed(found: WholeBatch, cutting: str) -> None:
     )
 
 
-def _refuse_frequencies(found: WholeBatch, cutting: str) -> None:
+def refuse_frequencies(found: WholeBatch, cutting: str) -> None:
+    """Refuse ``found`` (cause FREQUENCIES) under the transform ``cutting`` names: here when the transform is
+    added, or at a step's first call of the layer where functionalize saw no call (engine/run/frequency_watch.py)."""
     raise ValueError(
         f"{found} divides each row's gradient by how often the batch it is called on looks the row up, and under "
         f"{cutting} each rank (or micro-batch) calls it on a part of the batch: each part would divide by its own "

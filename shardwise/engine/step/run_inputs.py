@@ -40,6 +40,7 @@ from ..run.param_source import ParamSource
 from ..run.rng import mix
 from ..run.step_end import ReplicaCheck
 from ..stack import in_layer
+from ..stack.compose import cutting_the_batch
 from ..stack.in_layer import BatchShares
 from .batch_cut import batch_multiple, batch_shares, loss_probe_cut, rank_share, refuse_padded_mean
 from .donation import donates
@@ -266,6 +267,7 @@ def prepare_run(step: Step, state: TrainState, layout: StateLayout, batch: Any) 
         bindings=_bindings(step, layout, mesh, source),
         loss_probe=_loss_probe(step, layout, mesh),
         param_writes_refused=_param_writes_refused(step, mesh),
+        batch_cut=next((words for _, words in cutting_the_batch(step.transforms)), None),
     )
     return PreparedRun(executor, run, replicas, outcome, batch_shares(step, mesh))
 
