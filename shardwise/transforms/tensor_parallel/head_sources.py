@@ -31,6 +31,9 @@ class HeadSources:
         if isinstance(t, Tensor):
             self._add(t, frozenset({(heads, head)}) | self.of(t))
 
+    def marked(self) -> bool:
+        return bool(self._marks)
+
     def of(self, t: Any) -> _Mark:
         found = self._marks.get(id(t)) if isinstance(t, Tensor) else None
         return found[1] if found is not None and found[0]() is t else frozenset()

@@ -29,9 +29,11 @@ without an error, are refused here:
   an index tensor of the heads (``q[:, torch.arange(q.size(1))]``, ``q[:, [h]]``) as one of its index
   ops. A write into several heads but not all (``q[:, :2] = 0``) is a cut, refused at once.
   (Undetectable: a loop over a fixed number of heads that happens to equal the rank's count, ``for h in
-  range(2)`` with 4 heads at tp 2; a fixed head where a rank holds one; the loop's head number used as a
-  value, ``q[:, h] * (h + 1)``; a value made from every head of the rank written into one,
-  ``out[:, h] = q[:, h] + q[:, (h + 1) % H]`` at two heads a rank.)
+  range(2)`` with 4 heads at tp 2; a fixed head where a rank holds one; a value made from every head of the rank
+  written into one,
+  ``out[:, h] = q[:, h] + q[:, (h + 1) % H]`` at two heads a rank. The loop's head number used as a value,
+  ``q[:, h] * (h + 1)``, is refused by head_loop_values.py; the head count and an arange over it used as
+  values, by head_numbers.py.)
 
 The heads dim is followed through transposes, permutes, index keeping the heads whole, unsqueeze,
 expand and same-shaped ops (rotary products, casts). An op across it (``z - z.mean(1)``, a norm over

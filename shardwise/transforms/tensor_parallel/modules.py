@@ -26,6 +26,7 @@ from . import partial, positions
 from .comm import enter, gather_invariant, leave, scatter
 from .failures import colwise_subclass_failed, region_failed, rowwise_width_message
 from .following import quiet
+from .head_numbers import HeadCount
 from .match import CONV1D, EMBEDDING, LINEAR, Install, is_head_count
 from .product_views import HeadView
 from .rank_flow import back_to_shared, flow, rank_stream, start_rank_stream
@@ -137,8 +138,13 @@ class TPForward:
         weight, bias = _tensor(m, "weight"), _tensor(m, "bias")
         if isinstance(style, Region):
             n = in_layer.size(axis)
-            for owner, attr, value in self.locals:
-                setattr(owner, attr, value // n)
+            for k, (owner, attr, value) in enumerate(self.locals):
+                # A head count marked as the rank's (head_numbers.py; judged by the first call's watch only, and
+                # on every call, so that the attribute is the same on each: forward_state.py compares them).
+                local = value // n
+                marked = k >= len(style.local) and n > 1
+                setattr(owner, attr, HeadCount(local, f"{label}.{attr} ({local}: divided by the Region)") if marked
+                        else local)
             read = self.paths_checked and self.cuts_watched and getattr(flow, "sides", None) is None
             if read and getattr(flow, "splits", None) is None:
                 args, kwargs = _map_hidden(

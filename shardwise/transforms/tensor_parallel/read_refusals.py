@@ -129,3 +129,16 @@ def head_number_message(entry: _Output | str, what: str, t: Tensor, dim: int) ->
         "range(q.size(1)), or over the count a Region divides); or leave this module's projections out of the plan "
         "(replicated)"
     )
+
+
+def head_value_message(what: str) -> str:
+    """Refuses a per-head value computed from head numbers (head_numbers.py, head_loop_values.py)."""
+    return (
+        f"tensor_parallel: {what}. Each rank holds 1/tp of the heads, numbered from 0 on each, and counts only its "
+        "own: as sizes and as indices of the heads such numbers name the rank's heads in their places, but as "
+        "values (a slope, a scale, a mask by head number combined with the heads' values) they are the first "
+        "heads' on every rank, another model trained without an error. Compute such per-head values once at init, "
+        "as a parameter of one value per head along dim 0 given sw.tp.PerHead() in the plan, inside a Region "
+        "naming the head count (each rank then holds its own heads' values); or leave this module's projections "
+        "out of the plan (replicated)"
+    )

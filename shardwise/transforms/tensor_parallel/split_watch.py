@@ -57,11 +57,13 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 from .feature_mixing import keeps_features, mixed, moved_features
+from .head_loop_values import HeadLoopValues
+from .head_numbers import HeadNumbers, count_misuse, is_count_read, mark_count
 from .head_sources import HeadSources
 from .head_views import check_head_count, see_heads
-from .model_frames import innermost_model_line
+from .model_frames import by_shardwise, innermost_model_line
 from .product_views import HeadView
-from .read_refusals import head_number_message
+from .read_refusals import head_number_message, head_value_message
 from .sequence_gather import SequenceGather
 
 _Found = TypeVar("_Found")
@@ -157,6 +159,8 @@ class SplitWatch(TorchFunctionMode):
         # One head's views (q[:, h], q.select(1, h)): an in-place op on one writes into that head of its tensor.
         self.head_views: dict[int, tuple[weakref.ref[Tensor], _Taken]] = {}
         self.sources = HeadSources()  # the heads a value read one at a time came from: where it may be written
+        self.loop_values = HeadLoopValues()  # what each head got, read one at a time: the same for each
+        self.numbers = HeadNumbers()  # tensors of the rank's head numbers (an arange over its count)
 
     def _outputs_in(self, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[str, ...]:
         """The labels of the Colwise outputs among an op's arguments, followed in any form."""
@@ -232,7 +236,26 @@ class SplitWatch(TorchFunctionMode):
                 if refusal is not None:
                     raise ValueError(refusal)
             see_heads(self, func, t, entry, dim, args, kwargs, out)
+        if self.sources.marked():
+            self.loop_values.see(_name(func), args, kwargs, self.sources)
+        why = self._head_numbers_misused(func, args, kwargs, out)
+        if why is not None and not by_shardwise(_name(func)):  # (asked here: the op's caller is above this frame)
+            raise ValueError(head_value_message(f"the model's code at {innermost_model_line()} {why}"))
+        if is_count_read(func, _name(func)) and args:
+            heads = self._heads_of(args[0])
+            if heads is not None and heads[0].fused == 1 and heads[0].parts > 1 and not by_shardwise(_name(func)):
+                label = heads[0].label
+                return mark_count(out, heads[1], args[0], args, lambda how: f"{how} of the per-head view of {label!r}")
         return out
+
+    def _head_numbers_misused(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> str | None:
+        """How a number read as the rank's head count, or a tensor of its head numbers, is used as a value
+        (head_numbers.py); None where it is not."""
+        name = _name(func)
+        return count_misuse(name, args, kwargs, self._per_head) or self.numbers.see(name, args, kwargs, out)
+
+    def _per_head(self, t: Any) -> bool:
+        return self._heads_of(t) is not None
 
     def _heads_of(self, t: Any) -> tuple[_Output, int] | None:
         found = self.per_head.get(id(t)) if isinstance(t, Tensor) else None
@@ -372,6 +395,16 @@ class SplitWatch(TorchFunctionMode):
                     f"this rank {did} {by_head}, not each of them equally often as a loop over all of them does",
                     taken.tensor, taken.dim,
                 ))
+        split = any(entry.parts > 1 for entry in self.outputs)  # (at tp 1 a rank's head numbers are the whole's)
+        differing = self.loop_values.differing() if split else None
+        if differing is not None:
+            heads, what = differing
+            label = next((t.entry.label for t in self.taken.values() if t.tensor.shape[t.dim] == heads), None)
+            whose = f"the module that takes the heads of {label!r}" if label is not None else "the module"
+            raise ValueError(head_value_message(
+                f"{whose} computes each of this rank's {heads} heads in a loop, but not alike: {what}; values "
+                "computed from the loop's head number (h + 1.0, slopes[h], if h == 0), not from the head's values"
+            ))
 
     def _see(self, func: Any, t: Tensor, entry: _Output, args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> None:
         if entry.sequence is not None and func in _RESHAPES and isinstance(out, Tensor):
