@@ -38,10 +38,22 @@ class Masks:
         self.recomputed: dict[int, list[torch.Tensor]] = {}  # remat's, in backward
         self.replay: list[torch.Tensor] | None = None
         self.lock = threading.Lock()
+        self.inside = threading.local()
 
     def dropout(self, x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
         if not training or p == 0.0 or isinstance(x, torch._subclasses.FakeTensor) or x.device.type == "meta":
             return _ORIGINAL(x, p, training, inplace)  # functionalize's capture and the Plan's prediction
+        if getattr(self.inside, "call", False):
+            # Under a TorchFunctionMode (a step's first-call watch), torch hands _ORIGINAL's call to the mode as
+            # F.dropout, the name patched here: this method again, from inside itself. One mask per call.
+            return _ORIGINAL(x, p, training, inplace)
+        self.inside.call = True
+        try:
+            return self._dropout(x, p)
+        finally:
+            self.inside.call = False
+
+    def _dropout(self, x: torch.Tensor, p: float) -> torch.Tensor:
         if self.replay is not None:
             return x * self.replay.pop(0)
         mask = _ORIGINAL(torch.ones_like(x), p, True)
