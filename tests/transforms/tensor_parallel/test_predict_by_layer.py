@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
 import pytest
@@ -60,6 +60,54 @@ PROBLEMS: dict[str, Callable[[], Problem]] = {
     "llama": lambda: build_llama(steps=1),
 }
 
+# What the module builds once and every test reads (a problem, a meta-built step): planning only reads
+# the step, its chain and the parameters (tensor parallel plans a copy of each block's module).
+_BUILT: dict[Hashable, Any] = {}
+_AS_BUILT: dict[Hashable, dict[tuple[str, str], Any]] = {}
+
+
+def _once(key: Hashable, build: Callable[[], Any]) -> Any:
+    if key not in _BUILT:
+        _BUILT[key] = build()
+        _AS_BUILT[key] = _snapshot(_params_of(_BUILT[key]))
+    return _BUILT[key]
+
+
+def _params_of(built: Any) -> dict[str, dict[str, torch.Tensor]]:
+    return built.params if isinstance(built, Problem) else built[1]
+
+
+def _snapshot(params: dict[str, dict[str, torch.Tensor]]) -> dict[tuple[str, str], Any]:
+    """Each tensor: the object itself, and off meta its values."""
+    return {(layer, name): (t, None if t.is_meta else t.clone())
+            for layer, tensors in params.items() for name, t in tensors.items()}
+
+
+@pytest.fixture(autouse=True)
+def _untouched() -> Iterator[None]:
+    """After each test, what ``_once`` built is as it was built: a test that wrote to a shared parameter
+    fails here, instead of changing what a later test plans."""
+    yield
+    for key, built in _BUILT.items():
+        now, then = _snapshot(_params_of(built)), _AS_BUILT[key]
+        assert now.keys() == then.keys(), key
+        for name, (t, values) in now.items():
+            assert t is then[name][0], (key, name)
+            assert values is None or torch.equal(values, then[name][1]), (key, name)
+
+
+def _problem(family: str) -> Problem:
+    return _once(family, PROBLEMS[family])
+
+
+@functools.cache
+def _plan_by_layer(family: str, stack: str) -> Any:
+    """The layer-by-layer Plan of ``family`` under ``stack``, made once: two tests read it."""
+    problem = _problem(family)
+    step, mesh = STACKS[stack](problem)
+    return step.plan(mesh, problem.params, problem.batches[0])
+
+
 CASES = [("tiny_gpt", s) for s in STACKS] + [
     ("llama", "tp2-sp"), ("llama", "pp2xtp2-zb_h1-sp"), ("llama", "dp2xpp2xtp2-zero3-sp-bf16"),
     ("tiny_gpt-tied", "pp2xtp2-1f1b-sp"),
@@ -70,10 +118,10 @@ CASES = [("tiny_gpt", s) for s in STACKS] + [
 def test_the_plan_predicted_layer_by_layer_equals_the_plan_predicted_stage_by_stage(
     family: str, stack: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    problem = PROBLEMS[family]()
+    problem = _problem(family)
     step, mesh = STACKS[stack](problem)
     batch = problem.batches[0]
-    by_layer = step.plan(mesh, problem.params, batch)
+    by_layer = _plan_by_layer(family, stack)
     with monkeypatch.context() as m:
         m.setattr(tp_spec, "predict", functools.partial(tp_predict.predict, by_layer=False))
         by_stage = step.plan(mesh, problem.params, batch)
@@ -89,9 +137,7 @@ def test_the_plan_predicted_layer_by_layer_equals_the_plan_predicted_stage_by_st
 def test_a_stage_backward_lists_its_layers_in_reverse() -> None:
     """The composition is not symmetric: a stage's B is not its layers' lists in forward order
     (so the equality above would catch a composition in the wrong order)."""
-    problem = build_tiny_gpt(steps=1, n_layers=6, tie=False)
-    step, mesh = STACKS["pp2xtp2-1f1b-sp"](problem)
-    plan = step.plan(mesh, problem.params, problem.batches[0])
+    plan = _plan_by_layer("tiny_gpt", "pp2xtp2-1f1b-sp")  # PROBLEMS["tiny_gpt"]'s
     labels = [a for a in plan.for_rank(0) if a.kind == "inside"]
     assert labels  # the stage issues in-layer collectives at all
     order = [str(a) for a in labels]
@@ -222,7 +268,12 @@ DecoderLayer = T.models.llama.modeling_llama.LlamaDecoderLayer
 
 
 def meta_llama_step(layers: int) -> tuple[sw.Step, Any]:
-    """A Llama of ``layers`` identical blocks built on meta (its blocks say what they compute)."""
+    """A Llama of ``layers`` identical blocks built on meta (its blocks say what they compute), built once
+    for the module (``_once``)."""
+    return _once(("meta_llama", layers), functools.partial(_build_meta_llama_step, layers))
+
+
+def _build_meta_llama_step(layers: int) -> tuple[sw.Step, Any]:
     cfg = T.LlamaConfig(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=64, bos_token_id=0, eos_token_id=0,
