@@ -559,7 +559,7 @@ def speed(device: torch.device, shape: dict[str, int], batch: int, steps: int, w
     return rows
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per speed variant (default 20)")
@@ -576,7 +576,7 @@ def main() -> None:
     parser.add_argument("--only", default="equivalence,process_group,processes,speed", help="which kinds to run")
     parser.add_argument("--out", help="also write the JSON lines to this file")
     parser.add_argument("--pg-child", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     device = torch.device(args.device)
     if args.pg_child:
         row = run_check(args.pg_child, "process_group", lambda: process_group_child(args.pg_child, args.device))

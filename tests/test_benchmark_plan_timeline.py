@@ -1,10 +1,12 @@
 """benchmarks/plan_timeline.py, tiny on threads: it calibrates, simulates and compares a dp=2 x pp=2 step
-and a tp=2 one."""
+and a tp=2 one. Its ``main`` runs in this process: its ranks are threads, so a fresh interpreter (torch
+imported again for each stack) isolated nothing (its ranks' ``torch.set_num_threads(1)`` is this
+process's setting already: tests/conftest.py)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,13 +19,19 @@ STACKS = {"dp2xpp2": ["--layers", "4", "--batch", "16"], "tp2": ["--layers", "2"
 
 
 @pytest.mark.parametrize("stack", STACKS)
-def test_plan_timeline_benchmark_compares_simulated_with_measured(stack: str, tmp_path: Path) -> None:
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "plan_timeline.py"), "--backend", "threads", "--steps", "8",
-           "--warmup", "1", "--hidden", "16", "--stack", stack, *STACKS[stack], "--cores", "0",
-           "--draw", str(tmp_path)]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
-    assert result.returncode == 0, result.stderr[-3000:]
-    rows = {row["kind"]: row for row in map(json.loads, result.stdout.splitlines())}
+def test_plan_timeline_benchmark_compares_simulated_with_measured(
+    stack: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # its sibling _common, as `python benchmarks/...` sees it
+    spec = importlib.util.spec_from_file_location("plan_timeline_benchmark", ROOT / "benchmarks" / "plan_timeline.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "plan_timeline_benchmark", bench)  # dataclasses look their module up there
+    spec.loader.exec_module(bench)
+    capsys.readouterr()
+    bench.main(["--backend", "threads", "--steps", "8", "--warmup", "1", "--hidden", "16", "--stack", stack,
+                *STACKS[stack], "--cores", "0", "--draw", str(tmp_path)])
+    rows = {row["kind"]: row for row in map(json.loads, capsys.readouterr().out.splitlines())}
     assert set(rows) == {"calibration", "compare"}
     # Which transfers some rank waited for depends on timing; those it fitted are the step's ops.
     # Ops no rank waited for are priced free, and named.

@@ -1,5 +1,10 @@
 """The installed ``shardwise`` command, run as a user runs it: a subprocess, its exit status and output.
 
+What needs a process of its own runs in one: the console script and ``python -m shardwise`` (that they
+start), an error through the console script (one line on stderr, no traceback) and ``--backend processes``.
+The other checks call ``main(argv)`` in this process (``in_process``): the same code, without an
+interpreter start importing torch.
+
 Expected figures come from the library in this process (the schedule's simulated bubble, the
 Plan's actions), never from copies of the command's output.
 """
@@ -95,9 +100,9 @@ def test_schedule_prints_the_library_figures(in_process: Callable[..., Ran]) -> 
     assert f"peak activations held per rank: {peaks}" in result.stdout
 
 
-def test_schedule_json_and_drawings(tmp_path: Path) -> None:
+def test_schedule_json_and_drawings(tmp_path: Path, in_process: Callable[..., Ran]) -> None:
     png, svg, trace = tmp_path / "s.png", tmp_path / "s.svg", tmp_path / "s.json"
-    result = shardwise("schedule", "zb_v", "--ranks", "2", "--microbatches", "4", "--json",
+    result = in_process("schedule", "zb_v", "--ranks", "2", "--microbatches", "4", "--json",
                        "--png", str(png), "--svg", str(svg), "--trace", str(trace))
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
@@ -293,11 +298,11 @@ def _cli_steps():  # type: ignore[no-untyped-def]
     return module
 
 
-def test_plan_json_is_the_library_plan() -> None:
+def test_plan_json_is_the_library_plan(in_process: Callable[..., Ran]) -> None:
     step, params, batch = _cli_steps().composed()
     mesh = Mesh(dp=2, pp=2)
     plan = step.plan(mesh, params, batch)
-    result = shardwise("plan", f"{STEPS}:composed", "--mesh", "dp=2,pp=2", "--simulate", "--measure", "--json")
+    result = in_process("plan", f"{STEPS}:composed", "--mesh", "dp=2,pp=2", "--simulate", "--measure", "--json")
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
     assert data["mesh"] == {"dp": 2, "pp": 2}
@@ -341,9 +346,9 @@ def make():
 '''
 
 
-def test_verify_exits_1_at_a_divergence(tmp_path: Path) -> None:
+def test_verify_exits_1_at_a_divergence(tmp_path: Path, in_process: Callable[..., Ran]) -> None:
     (tmp_path / "divergent.py").write_text(DIVERGENT)
-    result = shardwise("verify", "divergent.py:make", "--mesh", "dp=2", "--json", cwd=tmp_path)
+    result = in_process("verify", "divergent.py:make", "--mesh", "dp=2", "--json", cwd=tmp_path)
     assert result.returncode == 1
     assert "not equivalent: first divergence at step 1" in result.stderr and "Traceback" not in result.stderr
     data = json.loads(result.stdout)

@@ -63,13 +63,12 @@ def test_train_gpt_under_torchrun() -> None:
     assert "4/4" in result.stderr, result.stderr[-3000:]  # rank 0's tqdm bar reached the end
 
 
-def _gpu_dry_run(kinds: set[str]) -> list[dict[str, object]]:
+GPU_DRY_RUN = ["--device", "cpu", "--quick", "--steps", "2", "--warmup", "1"]
+
+
+def _gpu_rows(stdout: str, kinds: set[str]) -> list[dict[str, object]]:
     """benchmarks/gpu.py's CPU dry run of ``kinds`` (``--only``): its rows, none failed, every kind there."""
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--device", "cpu", "--quick", "--steps", "2",
-           "--warmup", "1", "--only", ",".join(sorted(kinds))]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
-    assert result.returncode == 0, result.stderr[-3000:]
-    rows = [json.loads(line) for line in result.stdout.splitlines()]
+    rows = [json.loads(line) for line in stdout.splitlines()]
     failed = [row for row in rows if row.get("ok") is False]
     assert not failed, failed
     assert {row["kind"] for row in rows} == kinds, rows
@@ -82,11 +81,26 @@ def _gpu_dry_run(kinds: set[str]) -> list[dict[str, object]]:
 # port: no ranks) start none, and run beside them on the other worker.
 @pytest.mark.gloo
 def test_gpu_benchmark_dry_run_on_the_cpu_processes() -> None:
-    _gpu_dry_run({"processes"})
+    """In an interpreter of its own: its ranks, forked from its fork server, import its functions from it."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu.py"), *GPU_DRY_RUN, "--only", "processes"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    _gpu_rows(result.stdout, {"processes"})
 
 
-def test_gpu_benchmark_dry_run_on_the_cpu_threads() -> None:
-    rows = _gpu_dry_run({"equivalence", "speed", "process_group"})
+def test_gpu_benchmark_dry_run_on_the_cpu_threads(capsys: pytest.CaptureFixture[str]) -> None:
+    """Its ``main`` in this process: its ranks are threads, its process-group check starts its own child."""
+    kinds = {"equivalence", "speed", "process_group"}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(ROOT / "benchmarks"))  # its sibling _common
+        spec = importlib.util.spec_from_file_location("gpu_benchmark", ROOT / "benchmarks" / "gpu.py")
+        assert spec is not None and spec.loader is not None
+        bench = importlib.util.module_from_spec(spec)
+        patch.setitem(sys.modules, "gpu_benchmark", bench)  # dataclasses look their module up there
+        spec.loader.exec_module(bench)
+        capsys.readouterr()
+        bench.main([*GPU_DRY_RUN, "--only", ",".join(sorted(kinds))])
+    rows = _gpu_rows(capsys.readouterr().out, kinds)
     losses = {row["variant"]: row["losses"] for row in rows if row["kind"] == "speed"}
     # The same arithmetic written twice: ours and torch eager agree (to the 5 decimals reported).
     assert losses["ours:f32"] == losses["torch:f32"] == losses["ours:zero3_dp1_f32"]

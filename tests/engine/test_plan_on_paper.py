@@ -9,6 +9,7 @@ figure by figure, and the number of decoder-layer forwards must not grow with th
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -90,12 +91,20 @@ STACKS: dict[str, tuple[Callable[[sw.Step], sw.Step], sw.Mesh]] = {
 }
 
 
+@functools.cache
+def planned_with_reuse(stack: str) -> sw.plan.Plan:
+    """``STACKS[stack]`` planned at 4 layers as ``planned`` plans by default, once for the tests that read it
+    (a Plan is not changed by reading it; the counting tests below plan their own, to count)."""
+    transform, mesh = STACKS[stack]
+    return planned(4, transform, mesh)
+
+
 @pytest.mark.parametrize("stack", list(STACKS))
 def test_the_plan_with_reuse_equals_the_plan_computed_layer_by_layer_and_rank_by_rank(
     stack: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     transform, mesh = STACKS[stack]
-    shared = planned(4, transform, mesh)
+    shared = planned_with_reuse(stack)
     with monkeypatch.context() as m:
         m.setattr(reuse, "reuse_key", lambda fn: None)
         m.setattr(reuse, "module_signature", lambda module: None)
@@ -107,8 +116,8 @@ def test_the_plan_with_reuse_equals_the_plan_computed_layer_by_layer_and_rank_by
 
 
 def test_ranks_of_one_class_share_their_actions_and_the_others_do_not() -> None:
-    transform, mesh = STACKS["zero3 dp2 x pp2 x tp2 bf16"]
-    plan = planned(4, transform, mesh)
+    mesh = STACKS["zero3 dp2 x pp2 x tp2 bf16"][1]
+    plan = planned_with_reuse("zero3 dp2 x pp2 x tp2 bf16")
     for r in range(mesh.size):
         for q in range(mesh.size):
             same_class = all(mesh.coords_of(r)[a] == mesh.coords_of(q)[a] for a in ("pp", "tp"))
