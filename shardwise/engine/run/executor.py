@@ -92,6 +92,7 @@ from ..plan.actions import (
 from ..torch_api import version_of
 from .batch_keys import unknown_keys_message
 from .bindings import BoundStage, StageBindings
+from .first_call_state import module_before, refuse_state_from_values
 from .forward_state import ForwardStateWatch
 from .grad_leaves import float_leaves
 from .handover import release_unkept, watch
@@ -172,6 +173,9 @@ class Executor(ZeroActions, TransferActions, StageBackward, LossAction, StepEnd)
     # Where a layer writing its trainable parameters in forward is refused (param_writes.py), the step's
     # layout in words ("under shard_params"); None: the plain one-device step, which keeps the write.
     param_writes_refused: str | None = "under this step,"
+    # How the step cuts the batch, in words ("2 micro-batches"), or None where each call sees it whole: then a
+    # layer's first call that sets its module's state from its input's values is refused (first_call_state).
+    batch_cut: str | None = None
     # -- results ----------------------------------------------------------------------------
     final_grads: Any = None
     summed: Summed = field(default_factory=Summed)
@@ -454,6 +458,9 @@ class Executor(ZeroActions, TransferActions, StageBackward, LossAction, StepEnd)
                 param_versions(self.chain[name], bound.leaves, len(bound.layers) == 1)
             first = self._state.first_call(name, self.chain)
             before = self._state.snapshot(buffers) if first else None
+            # Its first call where the batch is cut: its module as it was, to tell state set from the values
+            unset = module_before(self.chain[name]) if first and self.batch_cut is not None else None
+            given = y if unset is not None else None
             # Its first call on this thread: the contents too, to see a write through .data (param_writes)
             contents = param_contents(params) if first and params is not None else None
             try:
@@ -464,6 +471,9 @@ class Executor(ZeroActions, TransferActions, StageBackward, LossAction, StepEnd)
                 check_param_writes(self.chain[name], params, refused_writes, contents)  # type: ignore[arg-type]
             if before is not None:  # its first call on this thread: .data writes, Python state (forward_state)
                 self._state.after_first(name, self.chain[name], buffers, before)
+            if unset is not None:
+                refuse_state_from_values(self.chain[name], call, given, unset, self.batch_cut or "")
+                given = None
             if versions is None:
                 continue
             changed = [b for b, v in zip(buffers, versions, strict=True) if version_of(buffers[b]) != v]
