@@ -88,13 +88,13 @@ def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
              torch.randn(8, 2, generator=g, dtype=torch.float64)) for _ in range(3)]
 
 
-def _equivalent(model: nn.Module, cut: str, transform: Any = None) -> Any:
+def _equivalent(model: nn.Module, cut: str, transform: Any = None, backend: str = "threads") -> Any:
     transform, mesh = CUTS[cut] if transform is None else (transform, lambda: sw.Mesh(dp=1))
     chain, params = sw.functionalize(copy.deepcopy(model))
     reference, _ = sw.functionalize(copy.deepcopy(model))  # its own module: state kept in forward is not shared
     step = sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1))
     ref = sw.train_step(reference, F.mse_loss, sw.optim.sgd(0.1))
-    return sw.testing.assert_equivalent(transform(step), ref, mesh(), _batches(), params, backend="threads")
+    return sw.testing.assert_equivalent(transform(step), ref, mesh(), _batches(), params, backend=backend)
 
 
 def _message(error: BaseException | None) -> str:
@@ -117,6 +117,13 @@ def test_state_set_from_the_input_values_is_refused_where_the_batch_is_cut(
     assert "Initialize the state before wrapping the model" in message, message
     words = "shard_params over axis 'dp' of size 2" if "dp2" in cut else "2 micro-batches"
     assert f"this step cuts the batch ({words}" in message, message
+
+
+def test_every_rank_refuses_on_processes() -> None:
+    """Each rank's probe sees its own share's values: all refuse alike, none waits on another."""
+    with pytest.raises((ValueError, sw.collectives.RankFailed)) as caught:
+        _equivalent(_model(_LazyInit), "zero3 dp2", backend="processes")
+    assert "layer '0' set its module's attributes ['scale'] on its first call" in _message(caught.value)
 
 
 @pytest.mark.parametrize("cls", [_LazyInit, _MeansOnce])

@@ -472,7 +472,8 @@ class Executor(ZeroActions, TransferActions, StageBackward, LossAction, StepEnd)
             if before is not None:  # its first call on this thread: .data writes, Python state (forward_state)
                 self._state.after_first(name, self.chain[name], buffers, before)
             if unset is not None:
-                refuse_state_from_values(self.chain[name], call, given, unset, self.batch_cut or "")
+                sizes = {} if self.mesh is None else {a: self.mesh.axis_size(a) for a in self.mesh.axis_names}
+                refuse_state_from_values(self.chain[name], call, given, unset, self.batch_cut or "", sizes)
                 given = None
             if versions is None:
                 continue

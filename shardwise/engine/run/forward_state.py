@@ -106,6 +106,15 @@ class ForwardStateWatch:
                 )
 
 
+def watched(key: str, value: Any) -> bool:
+    """Whether :func:`python_state` watches a module's attribute ``key`` holding ``value``."""
+    return key not in _MODULE_INTERNALS and _kept_kind(value)
+
+
+def _kept_kind(value: Any) -> bool:
+    return isinstance(value, (*_SCALARS, torch.Tensor, list, tuple, dict))
+
+
 def python_state(module: nn.Module) -> dict[str, Any]:
     """Every submodule's plain attributes a forward could advance: numbers, strings, tuples of them,
     tensors kept as plain attributes (by value), and lists and dicts of those (their entries and
