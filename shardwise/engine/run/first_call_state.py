@@ -19,7 +19,8 @@ it and no collective run (a split's are predicted, moving nothing). An attribute
 from what the real call set came from the input's values (or from random numbers): refused, naming the layer,
 the attribute and the fix. Neither the user's module, the layer's copy of it nor the step's tensors see the
 probe. Not judged (a gap): a layer whose module a split rewrote (tensor parallel installs forwards that call
-the module itself, which a copy cannot stand in for), and state first set on a later step.
+the module itself, which a copy cannot stand in for), a module that refuses copy.copy (a parametrized one),
+and state first set on a later step.
 
 Why not compare the ranks' values: under accumulation one rank's later micro-batches never set it again (a
 lazy initialization runs once), and a pipeline's stages hold different layers; a probe sees every cut alike,
@@ -61,7 +62,10 @@ def module_before(layer: Layer) -> nn.Module | None:
         # installed on, not a copy: the probe cannot run such a layer on a copy, so it is not judged (a gap).
         return None
     registered = {id(t): t for t in (*module.parameters(), *module.buffers())}
-    return _twin(module, registered, {})
+    try:
+        return _twin(module, registered, {})
+    except (RuntimeError, TypeError, copy.Error, NotImplementedError):
+        return None  # a module that refuses a copy (a parametrized one: weight_norm's): not judged (a gap)
 
 
 def _twin(module: nn.Module, registered: dict[int, Any], seen: dict[int, nn.Module]) -> nn.Module:
