@@ -201,4 +201,7 @@ def test_state_kept_in_a_dict_or_a_list_is_refused_where_a_step_calls_twice(
     cls: type[nn.Module], attribute: str, cut: str
 ) -> None:
     message = _refusal(cls, cut)
+    if cls is _ListHistory and cut != "remat":  # it appends its input's mean: refused on its first call already
+        assert "layer '0' set its module's attributes ['hist'] on its first call from its input's values" in message
+        return
     assert f"layer '0' changed its module's attributes ['{attribute}'] again on a second call" in message, message

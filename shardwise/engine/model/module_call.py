@@ -28,11 +28,12 @@ traced): the same function on the same tensors, so the same bits, without the sw
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import threading
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -41,6 +42,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 from torch.nn.modules import module as _torch_module
 
+from shardwise.engine.model.predicted_state import no_fake_state_left, predicting_on_fake_tensors
 from shardwise.engine.model.rope_state import (
     cache_lengths,
     is_dynamic_rope,
@@ -134,7 +136,14 @@ class ModuleCall:
         return self.module, tensors, self._direct
 
     def call(self, tensors: dict[str, Tensor], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """``module(*args, **kwargs)`` with ``tensors`` swapped in."""
+        """``module(*args, **kwargs)`` with ``tensors`` swapped in (on fake tensors, leaving none in the
+        module's attributes: predicted_state.py)."""
+        if predicting_on_fake_tensors():
+            with no_fake_state_left(self.module):
+                return self._call(tensors, args, kwargs)
+        return self._call(tensors, args, kwargs)
+
+    def _call(self, tensors: dict[str, Tensor], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self._slots is None or tensors.keys() != self._keys:
             n = len(self.prefix)
             unprefixed = {k[n:] if k.startswith(self.prefix) else k: t for k, t in tensors.items()}
@@ -335,12 +344,42 @@ class ThreadReplicas:
             call = self._local.call = ModuleCall(replica, self.prefix)
         return call
 
+    @contextlib.contextmanager
+    def probing(self, module: nn.Module) -> Iterator[None]:
+        """In the block, this thread's calls run ``module`` (a copy of this thread's module as it was before
+        a call: run/first_call_state.py) on copies of the tensors they are given, so neither the module a
+        step calls nor its parameters and buffers see the run."""
+        probe = _ProbeCall(module, self.prefix)
+        if threading.get_ident() == self._owner:
+            kept, self._call = self._call, probe
+            try:
+                yield
+            finally:
+                self._call = kept
+            return
+        was = getattr(self._local, "call", None)
+        self._local.call = probe
+        try:
+            yield
+        finally:
+            self._local.call = was
+
     def __getstate__(self) -> dict[str, Any]:
         return {"module": self.module, "prefix": self.prefix}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.module, self.prefix = state["module"], state["prefix"]
         self._init_local()
+
+
+class _ProbeCall(ModuleCall):
+    """A ModuleCall that swaps in copies of the tensors it is given (a write into one stays in the copy)."""
+
+    def call(self, tensors: dict[str, Tensor], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return super().call({k: t.detach().clone() for k, t in tensors.items()}, args, kwargs)
+
+    def quiet(self, tensors: dict[str, Tensor]) -> Quiet | None:
+        return None  # every call takes call(), which copies the tensors
 
 
 # A module's hook dicts, and the dicts keyed by the same hook ids that say how each is called.

@@ -92,6 +92,7 @@ from ..plan.actions import (
 from ..torch_api import version_of
 from .batch_keys import unknown_keys_message
 from .bindings import BoundStage, StageBindings
+from .first_call_state import module_before, refuse_state_from_values
 from .forward_state import ForwardStateWatch
 from .frequency_watch import FrequencyWatch
 from .grad_leaves import float_leaves
@@ -176,6 +177,9 @@ class Executor(ZeroActions, TransferActions, StageBackward, LossAction, StepEnd)
     # The transform that cuts the batch, in its refusal's words (stack/compose.py: cutting_the_batch), where a
     # layer's first call is watched for a forward's own F.embedding(..., scale_grad_by_freq=True)
     # (run/frequency_watch.py); None: the step calls the model on the whole batch.
+    frequency_cut: str | None = None
+    # How the step cuts the batch, in words ("2 micro-batches"), or None where each call sees it whole: then a
+    # layer's first call that sets its module's state from its input's values is refused (first_call_state).
     batch_cut: str | None = None
     # -- results ----------------------------------------------------------------------------
     final_grads: Any = None
@@ -236,7 +240,7 @@ class Executor(ZeroActions, TransferActions, StageBackward, LossAction, StepEnd)
         # there (torch.distributed delivers them on the CPU), and so do the metrics.
         # (With ZeRO-1/2's gathers still in flight the compute copies may be empty: the master shards.)
         self.device = device_of(self.source.compute, self.source.gather_from, self.master, self.microbatches)
-        self._frequencies = FrequencyWatch(self.batch_cut)
+        self._frequencies = FrequencyWatch(self.frequency_cut)
         self._shared_rng = ranks_share_generators()
         self._rank = 0 if self.mesh is None else self.mesh.rank
         self._rng_rank = self._rank if self.rng_rank is None else self.rng_rank
@@ -461,6 +465,9 @@ class Executor(ZeroActions, TransferActions, StageBackward, LossAction, StepEnd)
                 param_versions(self.chain[name], bound.leaves, len(bound.layers) == 1)
             first = self._state.first_call(name, self.chain)
             before = self._state.snapshot(buffers) if first else None
+            # Its first call where the batch is cut: its module as it was, to tell state set from the values
+            unset = module_before(self.chain[name]) if first and self.batch_cut is not None else None
+            given = y if unset is not None else None
             # Its first call on this thread: the contents too, to see a write through .data (param_writes)
             contents = param_contents(params) if first and params is not None else None
             # Its first call on this thread under a step that cuts the batch: a forward's own
@@ -478,6 +485,10 @@ class Executor(ZeroActions, TransferActions, StageBackward, LossAction, StepEnd)
                 check_param_writes(self.chain[name], params, refused_writes, contents)  # type: ignore[arg-type]
             if before is not None:  # its first call on this thread: .data writes, Python state (forward_state)
                 self._state.after_first(name, self.chain[name], buffers, before)
+            if unset is not None:
+                sizes = {} if self.mesh is None else {a: self.mesh.axis_size(a) for a in self.mesh.axis_names}
+                refuse_state_from_values(self.chain[name], call, given, unset, self.batch_cut or "", sizes)
+                given = None
             if versions is None:
                 continue
             changed = [b for b, v in zip(buffers, versions, strict=True) if version_of(buffers[b]) != v]

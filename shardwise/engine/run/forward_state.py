@@ -76,7 +76,7 @@ class ForwardStateWatch:
         moves the version counter, is left to the caller's check); keep the module's Python state for
         :meth:`check_end`."""
         written = [k for k, (version, b) in before.items()
-                   if version_of(buffers[k]) == version and not _same(b, buffers[k])]
+                   if version_of(buffers[k]) == version and not same_state(b, buffers[k])]
         if written:
             raise ValueError(
                 f"layer {name!r} wrote into its buffers {written} during forward (through .data or "
@@ -95,7 +95,7 @@ class ForwardStateWatch:
         for name, (module, first) in pending.items():
             now = python_state(module)
             changed = sorted(k for k in first.keys() | now.keys() if k not in first or k not in now
-                             or not _same(first[k], now[k]))
+                             or not same_state(first[k], now[k]))
             if changed:
                 raise ValueError(
                     f"layer {name!r} changed its module's attributes {changed} again on a second call within "
@@ -104,6 +104,15 @@ class ForwardStateWatch:
                     "compute another model; keep the state outside the model (pass it in with the batch), "
                     "compute it from the input, or train without accumulation, pipelining and remat"
                 )
+
+
+def watched(key: str, value: Any) -> bool:
+    """Whether :func:`python_state` watches a module's attribute ``key`` holding ``value``."""
+    return key not in _MODULE_INTERNALS and _kept_kind(value)
+
+
+def _kept_kind(value: Any) -> bool:
+    return isinstance(value, (*_SCALARS, torch.Tensor, list, tuple, dict))
 
 
 def python_state(module: nn.Module) -> dict[str, Any]:
@@ -150,10 +159,11 @@ def _kept(value: Any, depth: int = 0) -> Any:
     return _SKIP
 
 
-def _same(a: Any, b: Any) -> bool:
+def same_state(a: Any, b: Any) -> bool:
+    """Whether two values python_state kept are the same state (tensors by value, a NaN equal to itself)."""
     if isinstance(a, _Items) or isinstance(b, _Items):
         return (isinstance(a, _Items) and isinstance(b, _Items) and a.kind is b.kind and a.keys() == b.keys()
-                and all(_same(a[k], b[k]) for k in a))
+                and all(same_state(a[k], b[k]) for k in a))
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
             return False

@@ -83,6 +83,19 @@ def batch_shares(step: Step, mesh: Mesh | None) -> BatchShares:
     return BatchShares(tuple(axes), shares)
 
 
+def cut_words(step: Step, mesh: Mesh | None) -> list[str]:
+    """Each cut of the global batch into the shares a compute sees, in words (``"shard_params over axis 'dp'
+    of size 2"``, ``"2 micro-batches"``); empty where every compute sees the whole batch. An axis of size 1
+    cuts nothing."""
+    cuts = [what for _, n, what in batch_cuts(step, mesh) if n > 1]
+    if mesh is not None:
+        cuts += [f"{p.name} over axis {p.axis!r}" for p in step.split.parts if p.batch_cut(mesh).sequence_parts > 1]
+    k = microbatch_count(step)
+    if k > 1:
+        cuts.append(f"{k} micro-batches")
+    return cuts
+
+
 def refuse_padded_mean(step: Step, mesh: Mesh | None, batch: Any) -> None:
     """Refuse a mean loss (``train_step(tokens=None)``) on a batch the step cuts (data parallel, context
     parallel, expert parallel, micro-batches) whose integer tensors hold a negative value: padded labels
@@ -96,12 +109,7 @@ def refuse_padded_mean(step: Step, mesh: Mesh | None, batch: Any) -> None:
     """
     if step.tokens is not None:
         return
-    cuts = [what for _, n, what in batch_cuts(step, mesh) if n > 1]  # an axis of size 1 cuts nothing
-    if mesh is not None:
-        cuts += [f"{p.name} over axis {p.axis!r}" for p in step.split.parts if p.batch_cut(mesh).sequence_parts > 1]
-    k = microbatch_count(step)
-    if k > 1:
-        cuts.append(f"{k} micro-batches")
+    cuts = cut_words(step, mesh)
     if not cuts:
         return
     where = next((prefix + found for prefix, scanned in _label_tensors(batch).items()

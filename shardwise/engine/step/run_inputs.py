@@ -42,7 +42,7 @@ from ..run.step_end import ReplicaCheck
 from ..stack import in_layer
 from ..stack.compose import cutting_the_batch
 from ..stack.in_layer import BatchShares
-from .batch_cut import batch_multiple, batch_shares, loss_probe_cut, rank_share, refuse_padded_mean
+from .batch_cut import batch_multiple, batch_shares, cut_words, loss_probe_cut, rank_share, refuse_padded_mean
 from .donation import donates
 from .layouts import output_shapes
 from .master import compute_params, unscale_like
@@ -267,7 +267,8 @@ def prepare_run(step: Step, state: TrainState, layout: StateLayout, batch: Any) 
         bindings=_bindings(step, layout, mesh, source),
         loss_probe=_loss_probe(step, layout, mesh),
         param_writes_refused=_param_writes_refused(step, mesh),
-        batch_cut=next((words for _, words in cutting_the_batch(step.transforms)), None),
+        frequency_cut=next((words for _, words in cutting_the_batch(step.transforms)), None),
+        batch_cut=_batch_cut(step, layout, mesh),
     )
     return PreparedRun(executor, run, replicas, outcome, batch_shares(step, mesh))
 
@@ -280,6 +281,16 @@ def _param_writes_refused(step: Step, mesh: Mesh | None) -> str | None:
         return None
     names = ", ".join(dict.fromkeys(str(s.name) for s in step.transforms))
     return f"under {names}," if names else "on a mesh of several ranks,"
+
+
+def _batch_cut(step: Step, layout: StateLayout, mesh: Mesh | None) -> str | None:
+    """How the step cuts the batch into the shares a layer's call sees, in words, or None where every call
+    sees the whole batch (run/first_call_state.py); kept per layout and rank."""
+    key = ("batch cut", layout.index_of(mesh))
+    if key not in layout.cache:
+        layout.cache[key] = " x ".join(cut_words(step, mesh)) or None
+    found = layout.cache[key]
+    return found if isinstance(found, str) else None
 
 
 def _boundaries(step: Step, layout: StateLayout, micro: list[tuple[Any, Any]], mesh: Mesh | None) -> Any:

@@ -1,0 +1,77 @@
+"""A prediction on fake tensors leaves no fake tensor in a module's attributes.
+
+The Plan's predictions (a pipeline's stage boundaries, the output's shapes, what the forward keeps) run the
+layers' own modules on fake tensors. A forward that sets a plain attribute from its input there (an
+ActNorm-style ``if self.scale is None: self.scale = x.std(0)``, a cache of the input's length kept as a
+tensor) would leave a fake tensor in the module, which the step's real call then reads: torch fails with a
+raw error from inside its fake-tensor machinery, or the lazy initialization is skipped. So a module call on
+fake tensors puts back every attribute (of the module and its submodules) that it left holding a fake tensor,
+as the attribute was: the real call then sets it from real values (and engine/run/first_call_state.py judges
+that). Attributes it set to anything else are left as they are (a split's modules note what they ran).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..torch_api import is_fake
+
+_FAKE = torch._C._TorchDispatchModeKey.FAKE
+_MODULE_DICTS = frozenset({"_parameters", "_buffers", "_modules"})
+_ABSENT = object()
+
+
+def predicting_on_fake_tensors() -> bool:
+    """Whether a fake-tensor mode is in force (about 0.15 us: asked once per module call)."""
+    return torch._C._get_dispatch_mode(_FAKE) is not None
+
+
+@contextlib.contextmanager
+def no_fake_state_left(module: nn.Module) -> Iterator[None]:
+    """The block (a call of ``module`` on fake tensors) leaves no attribute of ``module``'s modules holding a
+    fake tensor: such an attribute is set back to what it was (removed if it was not there), and a list or
+    dict attribute changed in place gets its entries back."""
+    before = [(sub, {k: (v, _entries(v)) for k, v in vars(sub).items() if k not in _MODULE_DICTS})
+              for sub in module.modules()]
+    try:
+        yield
+    finally:
+        for sub, kept in before:
+            for key, value in list(vars(sub).items()):
+                if key in _MODULE_DICTS or not _holds_fake(value):
+                    continue
+                was, entries = kept.get(key, (_ABSENT, None))
+                if was is _ABSENT:
+                    delattr(sub, key)
+                    continue
+                if was is not value:
+                    vars(sub)[key] = was
+                elif isinstance(value, dict):  # changed in place: its entries back
+                    value.clear()
+                    value.update(entries)
+                elif isinstance(value, list):
+                    value[:] = entries
+
+
+def _entries(value: Any) -> Any:
+    """A shallow copy of a list's or dict's entries (to restore one changed in place), else None."""
+    if isinstance(value, list):
+        return list(value)
+    if isinstance(value, dict):
+        return dict(value)
+    return None
+
+
+def _holds_fake(value: Any, depth: int = 0) -> bool:
+    if isinstance(value, torch.Tensor):
+        return is_fake(value)
+    if depth < 3 and isinstance(value, (list, tuple)):
+        return any(_holds_fake(v, depth + 1) for v in value)
+    if depth < 3 and isinstance(value, dict):
+        return any(_holds_fake(v, depth + 1) for v in value.values())
+    return False
