@@ -31,6 +31,10 @@ CALLS: dict[str, Callable[[torch.Tensor, torch.Tensor, bool], torch.Tensor]] = {
     "F.embedding": lambda idx, w, freq: F.embedding(idx, w, scale_grad_by_freq=freq).flatten(1),
     "torch.embedding": lambda idx, w, freq: torch.embedding(w, idx, -1, freq).flatten(1),
     "F.embedding_bag": lambda idx, w, freq: F.embedding_bag(idx, w, None, None, 2.0, freq, "sum").repeat(1, 3),
+    # the aten ops called themselves (a packet, an overload): seen as such by the TorchFunctionMode
+    "torch.ops.aten.embedding": lambda idx, w, freq: torch.ops.aten.embedding(w, idx, -1, freq).flatten(1),
+    "torch.ops.aten.embedding_bag.default": lambda idx, w, freq: torch.ops.aten.embedding_bag.default(
+        w, idx.flatten(), torch.arange(0, idx.numel(), idx.size(1)), freq, 0)[0].repeat(1, 3),
 }
 
 

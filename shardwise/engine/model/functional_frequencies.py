@@ -40,7 +40,23 @@ _OPS: dict[Callable[..., Any], tuple[str, int]] = {
     F.embedding_bag: ("F.embedding_bag", 5),
     torch.embedding: ("torch.embedding", 3),
     torch.embedding_bag: ("torch.embedding_bag", 3),
+    torch._embedding_bag: ("torch._embedding_bag", 3),
 }
+
+
+def _aten_ops() -> dict[Any, tuple[str, int]]:
+    """The aten ops themselves (``torch.ops.aten.embedding(weight, idx, -1, True)``): a TorchFunctionMode sees
+    the packet or the overload called, each with scale_grad_by_freq fourth, as torch.embedding has it."""
+    ops: dict[Any, tuple[str, int]] = {}
+    for name in ("embedding", "embedding_bag", "_embedding_bag"):
+        packet = getattr(torch.ops.aten, name)
+        ops[packet] = (f"torch.ops.aten.{name}", 3)
+        for overload in packet.overloads():
+            ops[getattr(packet, overload)] = (f"torch.ops.aten.{name}.{overload}", 3)
+    return ops
+
+
+_OPS.update(_aten_ops())
 
 # the calling module's path in the model -> the call in words ("F.embedding(..., scale_grad_by_freq=True) in
 # Lookup.forward"); the model's root is named by its layer's name, as in whole_batch.called_modules

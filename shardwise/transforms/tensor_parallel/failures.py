@@ -165,13 +165,15 @@ def _per_head_parameter(
 
 
 def _head_counts(m: nn.Module, named: set[str]) -> dict[str, int]:
-    """The module's int attributes that look like head counts or widths, not already named."""
-    config = getattr(m, "config", None)
-    values = {**getattr(config, "__dict__", {}), **vars(m)}
+    """The module's int attributes that look like head counts or widths, not already named, by the names a
+    Region takes: its config's as ``config.<name>`` (T5Attention holds ``n_heads``, its config ``num_heads``:
+    named bare, the count would be refused as an attribute the module does not have)."""
+    own = {k: v for k, v in vars(m).items() if k not in named}
+    config = {f"config.{k}": v for k, v in getattr(getattr(m, "config", None), "__dict__", {}).items()
+              if k not in own and k not in named and f"config.{k}" not in named}
     return {
-        k: v for k, v in sorted(values.items())
-        if type(v) is int and ("heads" in k or k in ("n_head", "split_size")) and k not in named
-        and f"config.{k}" not in named
+        k: v for k, v in sorted({**config, **own}.items())
+        if type(v) is int and ("heads" in k or k.rpartition(".")[2] in ("n_head", "split_size"))
     }
 
 

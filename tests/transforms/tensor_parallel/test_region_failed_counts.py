@@ -1,0 +1,50 @@
+"""A Region that fails on a count it was not told to divide names the counts it could divide by the names a
+Region takes (failures.region_failed): a count held by the module's config as ``config.<name>``.
+
+T5Attention holds ``n_heads`` and its config ``num_heads``; the refusal said "T5Attention has {'num_heads': 4}",
+and ``Region(heads=('num_heads',))`` is then refused as an attribute the module does not have.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import shardwise as sw
+
+D, HEADS = 16, 4
+
+
+class ConfigCountAttention(nn.Module):
+    """An attention whose per-head bias is sized by its config's whole count (as T5's zeros bias is by
+    ``n_heads``, here read from the config the Region does not divide)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = SimpleNamespace(num_heads=HEADS)
+        self.n_heads = HEADS
+        self.q, self.k, self.v, self.o = (nn.Linear(D, D) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = (m(x).view(b, t, self.n_heads, -1).transpose(1, 2) for m in (self.q, self.k, self.v))
+        bias = torch.zeros(1, self.config.num_heads, t, t, dtype=x.dtype)
+        a = (q @ k.transpose(-1, -2) + bias).softmax(-1) @ v
+        return self.o(a.transpose(1, 2).reshape(b, t, -1))
+
+
+def test_a_config_count_is_named_as_the_region_takes_it() -> None:
+    torch.manual_seed(0)
+    chain, params = sw.functionalize(nn.Sequential(ConfigCountAttention()).double())
+    step = sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1))
+    plan = {"0": sw.tp.Region(heads=("n_heads",)), "0.[qkv]": sw.tp.Colwise(), "0.o": sw.tp.Rowwise()}
+    tp = sw.tensor_parallel(step, "tp", plan)
+    batch = (torch.randn(2, 6, D, dtype=torch.float64), torch.randn(2, 6, D, dtype=torch.float64))
+    with pytest.raises((ValueError, sw.collectives.RankFailed)) as caught:
+        sw.launch(lambda: tp(tp.init(params, sw.Mesh(tp=2)), batch), 2)
+    text = str(caught.value)
+    assert "computes with a count it was not told to divide; ConfigCountAttention has {'config.num_heads': 4}" in text
