@@ -152,6 +152,108 @@ def test_a_cache_set_from_the_shape_passes(cut: str) -> None:
     _equivalent(_model(_ShapeCache), cut)
 
 
+class _IdsLazyInit(nn.Module):
+    """Fed token ids: an ActNorm-style scale set on the first call from the spread of the ids' embeddings."""
+
+    def __init__(self, vocab: int = 10, d: int = 4) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(vocab, d))
+        self.scale: torch.Tensor | None = None
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        e = F.embedding(ids, self.weight)
+        if self.scale is None:
+            self.scale = e.detach().std(dim=(0, 1))
+        return (e / self.scale).flatten(1)
+
+
+class _IdCounts(nn.Module):
+    """Fed token ids: the ids' frequencies counted on the first call, weighting the embeddings after."""
+
+    def __init__(self, vocab: int = 10, d: int = 4) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(vocab, d))
+        self.freq: torch.Tensor | None = None
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        e = F.embedding(ids, self.weight)
+        if self.freq is None:
+            self.freq = torch.bincount(ids.flatten(), minlength=self.weight.shape[0]).to(e.dtype) / ids.numel()
+        return (e * self.freq[ids].unsqueeze(-1)).flatten(1)
+
+
+class _PositionsCache(nn.Module):
+    """Fed positions (an arange along the last dim, every row alike): a rotary-style table of the positions'
+    angles set on the first call, as Hugging Face's rotary embeddings read ``position_ids``: set from values
+    that follow from the shape, alike on every share."""
+
+    def __init__(self, d: int = 4) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.table: torch.Tensor | None = None
+
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        if self.table is None:
+            freqs = torch.arange(1, self.lin.in_features + 1, dtype=self.lin.weight.dtype)
+            self.table = torch.sin(positions[0, :, None] * freqs)
+        return self.lin(self.table.expand(positions.shape[0], -1, -1))
+
+
+def _ids_batches(positions: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(5)
+    return [(torch.arange(3).expand(8, 3) if positions else torch.randint(1, 10, (8, 3), generator=g),
+             torch.randn(8, 2, generator=g, dtype=torch.float64)) for _ in range(3)]
+
+
+def _ids_equivalent(layer: type[nn.Module], cut: str, positions: bool = False) -> Any:
+    torch.manual_seed(0)
+    model = nn.Sequential(layer(), nn.Flatten(), nn.Tanh(), nn.Linear(12, 2)).double()
+    transform, mesh = CUTS[cut]
+    chain, params = sw.functionalize(copy.deepcopy(model))
+    reference, _ = sw.functionalize(copy.deepcopy(model))
+    step = sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1))
+    ref = sw.train_step(reference, F.mse_loss, sw.optim.sgd(0.1))
+    return sw.testing.assert_equivalent(transform(step), ref, mesh(), _ids_batches(positions), params)
+
+
+@pytest.mark.parametrize("cut", ["zero3 dp2", "dp1 accumulation=2", "pp2 1f1b 2 micro-batches"])
+@pytest.mark.parametrize(("cls", "attribute"), [(_IdsLazyInit, "scale"), (_IdCounts, "freq")])
+def test_state_set_from_token_ids_is_refused_where_the_batch_is_cut(
+        cls: type[nn.Module], attribute: str, cut: str) -> None:
+    """The probe draws the ids' other values from their own (in range): before, it kept integer inputs, and
+    these trained another model silently (the review: 2.8e-2 and 2.2e-2 relative in the loss at ZeRO-3 dp2)."""
+    with pytest.raises((ValueError, sw.collectives.RankFailed)) as caught:
+        _ids_equivalent(cls, cut)
+    message = _message(caught.value)
+    assert f"layer '0' set its module's attributes ['{attribute}'] on its first call from its input's values" \
+        in message, message
+
+
+@pytest.mark.parametrize("cut", ["zero3 dp2", "dp1 accumulation=2", "pp2 1f1b 2 micro-batches"])
+def test_a_table_of_positions_passes(cut: str) -> None:
+    """Positions keep their values in the probe (varied, as token ids are, this was refused)."""
+    _ids_equivalent(_PositionsCache, cut, positions=True)
+
+
+def test_the_probe_draws_integers_from_their_own_values() -> None:
+    """Labels with -100 get other values among their own (never -50); a 0/1 mask, a bool tensor and one arange
+    keep theirs; positions of other offsets per row (their max differs between shares) are varied."""
+    from shardwise.engine.run.first_call_state import _other_values
+
+    g = torch.Generator().manual_seed(3)
+    labels = torch.randint(5, 64, (4, 16), generator=g)
+    labels[:, :4] = -100
+    mask = (torch.rand(4, 16, generator=g) > 0.3).long()
+    given = {"labels": labels, "mask": mask, "flags": mask.bool(), "positions": torch.arange(16).expand(4, 16),
+             "offset": torch.arange(16) + torch.arange(4)[:, None]}
+    other = _other_values(given)
+    assert not torch.equal(other["labels"], labels)
+    assert set(other["labels"].unique().tolist()) <= set(labels.unique().tolist())
+    assert not torch.equal(other["offset"], given["offset"])
+    for kept in ("mask", "flags", "positions"):
+        assert torch.equal(other[kept], given[kept]), kept
+
+
 T = pytest.importorskip("transformers", reason="the [hf] extra (pip install -e '.[hf]') is not installed")
 
 _SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
@@ -189,3 +291,43 @@ def test_plain_hf_models_are_not_refused(model: str, cut: str) -> None:
     (tested, params), (reference, _) = step(), step()
     transform, mesh = CUTS[cut]
     sw.testing.assert_equivalent(transform(tested), reference, mesh(), batches, params, backend="threads")
+
+
+@pytest.mark.parametrize("cut", ["zero3 dp2", "dp1 accumulation=2", "pp2 1f1b 2 micro-batches"])
+def test_dynamic_rope_grown_on_the_first_call_passes_the_probe(cut: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Captured at 6 positions, the first step's 12 (past max_position_embeddings=8) grow dynamic RoPE's cache,
+    so the probe runs the embed layer again: on other token ids (drawn from the share's own), the padded
+    attention mask (0/1) and the positions (an arange) kept, it grows the cache alike and the step equals the
+    one-device step (float64, assert_equivalent's default tolerance)."""
+    from shardwise.engine.run import first_call_state
+
+    probed: list[Any] = []
+    other_values = first_call_state._other_values
+    monkeypatch.setattr(first_call_state, "_other_values", lambda given: probed.append(given) or other_values(given))
+    g = torch.Generator().manual_seed(1)
+    batches = []
+    for n in (12, 6, 12):
+        ids = torch.randint(64, (4, n), generator=g)
+        mask = torch.ones(4, n, dtype=torch.long)
+        mask[:, -2:] = 0
+        batches.append(({"input_ids": ids, "attention_mask": mask, "position_ids": torch.arange(n).expand(4, n)}, ids))
+    example = {k: v[:, :6] for k, v in batches[0][0].items()}
+
+    def step() -> tuple[Any, Any]:
+        torch.manual_seed(0)
+        module = T.LlamaForCausalLM(T.LlamaConfig(
+            **_SMALL, num_key_value_heads=2, max_position_embeddings=8, attn_implementation="eager",
+            rope_scaling={"rope_type": "dynamic", "factor": 2.0})).double()
+        chain, params = sw.functionalize(module, units=T.models.llama.modeling_llama.LlamaDecoderLayer,
+                                         example_input=example)
+        return sw.train_step(chain, _token_loss, sw.optim.sgd(0.1)), params
+
+    (tested, params), (reference, _) = step(), step()
+    transform, mesh = CUTS[cut]
+    sw.testing.assert_equivalent(transform(tested), reference, mesh(), batches, params, backend="threads")
+    assert probed, "the first step's growth of the rotary cache did not run the probe"
+    given = probed[0]
+    other = other_values(given)
+    assert not torch.equal(other["input_ids"], given["input_ids"]), "the token ids were not varied"
+    assert torch.equal(other["attention_mask"], given["attention_mask"]), "the 0/1 mask was not kept"
+    assert torch.equal(other["position_ids"], given["position_ids"]), "the positions were not kept"

@@ -13,14 +13,16 @@ How the two are told apart: a probe. Before a layer's first call on each thread 
 :func:`module_before` copies the module (its skeleton: registered tensors are meta and shared, plain
 attributes copied). If the call changed the module's plain attributes (forward_state.python_state), the copy,
 still as the module was, runs the layer's call again on an input of the same structure, shapes and dtypes
-whose floating-point tensors hold other values (integer ones, token ids and positions, stay, so an index
-stays in range), on copies of the call's parameters and buffers, with the random generators put back after
-it and no collective run (a split's are predicted, moving nothing). An attribute whose value then differs
-from what the real call set came from the input's values (or from random numbers): refused, naming the layer,
-the attribute and the fix. Neither the user's module, the layer's copy of it nor the step's tensors see the
-probe. Not judged (a gap): a layer whose module a split rewrote (tensor parallel installs forwards that call
-the module itself, which a copy cannot stand in for), a module that refuses copy.copy (a parametrized one),
-and state first set on a later step.
+whose floating-point tensors hold other values, and whose integer ones (token ids, labels) hold others of
+their own values (so an index stays in range), save those whose values follow from the shape (positions, an
+arange along the last dim) and 0/1 masks, which stay; on copies of the call's parameters and buffers, with
+the random generators put back after it and no collective run (a split's are predicted, moving nothing).
+An attribute whose value then differs from what the real call set came from the input's values (or from
+random numbers): refused, naming the layer, the attribute and the fix. Neither the user's module, the
+layer's copy of it nor the step's tensors see the probe. Not judged (a gap): a layer whose module a split
+rewrote (tensor parallel installs forwards that call the module itself, which a copy cannot stand in for), a
+module that refuses copy.copy (a parametrized one), state first set on a later step, and state set from the
+values of a bool or 0/1 mask or of positions alone.
 
 Why not compare the ranks' values: under accumulation one rank's later micro-batches never set it again (a
 lazy initialization runs once), and a pipeline's stages hold different layers; a probe sees every cut alike,
@@ -148,15 +150,53 @@ def _message(name: str, attributes: list[str], cut: str, probed: bool) -> str:
 
 
 def _other_values(given: Any) -> Any:
-    """``given`` with every floating-point tensor replaced by random values of its shape, dtype and device."""
+    """``given`` with every floating-point tensor replaced by random values of its shape, dtype and device, and
+    every integer tensor whose values are not a function of its shape (:func:`_kept_integers`) by values drawn
+    from its own."""
     g = torch.Generator().manual_seed(_SEED)
 
     def other(t: Any) -> Any:
-        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+        if not isinstance(t, torch.Tensor):
             return t
-        return torch.randn(t.shape, generator=g, dtype=torch.float64).to(dtype=t.dtype, device=t.device)
+        if t.is_floating_point():
+            return torch.randn(t.shape, generator=g, dtype=torch.float64).to(dtype=t.dtype, device=t.device)
+        if t.dtype in _INTEGERS and not _kept_integers(t):
+            return _other_integers(t, g)
+        return t
 
     return optree.tree_map(other, given, none_is_leaf=True)
+
+
+_INTEGERS = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)  # bool is a mask: kept
+
+
+def _kept_integers(t: torch.Tensor) -> bool:
+    """Whether integer ``t`` keeps its values in the probe: positions (one arange along its last dim, every
+    row alike, as ``position_ids`` and ``cache_position``), whose values follow from the shape (dynamic RoPE's
+    ``position_ids.max() + 1`` is a cache of the length and must pass; rows of other offsets are not: their
+    max differs between shares of the batch), and 0/1 masks (an attention mask: another could mask a whole
+    row, and a lazy state is not read from a mask in practice; a gap)."""
+    if t.numel() == 0:
+        return True
+    if t.dim() >= 1 and t.shape[-1] >= 2:
+        rows = t.reshape(-1, t.shape[-1])
+        if bool((rows.diff(dim=-1) == 1).all()) and bool((rows == rows[0]).all()):
+            return True
+    return bool(((t == 0) | (t == 1)).all())
+
+
+def _other_integers(t: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    """Other values for integer ``t`` (token ids, labels, counts' indices): each element one of ``t``'s own
+    values, drawn at random, so an index stays in range and a label's ignore value (-100) stays one; its min and
+    max alone would let a label be -50. Where the draw gives ``t`` again (a small tensor), each value becomes the
+    next larger one of its values (the largest the smallest)."""
+    values = torch.unique(t.detach()).cpu()
+    if values.numel() < 2:
+        return t  # one value: nothing else to draw from (a constant follows from the shape)
+    drawn = values[torch.randint(values.numel(), t.shape, generator=g)].to(t.device)
+    if torch.equal(drawn, t):
+        drawn = values.roll(-1).to(t.device)[torch.searchsorted(values.to(t.device), t)]
+    return drawn
 
 
 @contextlib.contextmanager
