@@ -131,10 +131,11 @@ _PLACES = frozenset({"__getitem__", "__setitem__", "select", "narrow"})  # (thei
 
 def count_misuse(
     name: str, args: Sequence[Any], kwargs: dict[str, Any], per_head: Callable[[Any], bool]
-) -> str | None:
-    """How a torch call uses a marked number among its arguments as a value; None where only as a size (an
-    ``arange`` over it too: its result is followed, :class:`HeadNumbers`). ``per_head(t)``: whether ``t`` is a
-    per-head tensor (whose indices head_views.py judges)."""
+) -> tuple[str, bool] | None:
+    """How a torch call uses a marked number among its arguments as a value, and whether as a scalar (a scale,
+    a fill value: the fix is the whole count, not a per-head table); None where only as a size (an ``arange``
+    over it too: its result is followed, :class:`HeadNumbers`). ``per_head(t)``: whether ``t`` is a per-head
+    tensor (whose indices head_views.py judges)."""
     found = counts_in(args, kwargs)
     if not found or name in _SIZES or name == "arange":
         return None
@@ -142,15 +143,15 @@ def count_misuse(
     if name in _FILLED:
         at = _FILLED[name]
         rest = counts_in([a for k, a in enumerate(args) if k != at], {k: v for k, v in kwargs.items() if k != "size"})
-        return f"fills a tensor with {origin} ({name})" if rest else None
+        return (f"fills a tensor with {origin} ({name})", True) if rest else None
     if name == "__setitem__" and counts_in(args[2:], kwargs):
-        return f"writes {origin} into a tensor as a value"
+        return f"writes {origin} into a tensor as a value", True
     if name in _PLACES and args and per_head(args[0]):
         return None  # an index of a per-head tensor (q[:, :h], q[:, (h + 1) % H]): head_views.py judges it
     if name in _PLACES:
         return (f"indexes a tensor of shape {list(args[0].shape)} that holds no heads of its own by {origin} ({name}): "
-                "the first heads' rows of a table on every rank, not this rank's")
-    return f"passes {origin} to {name} as a value"
+                "the first heads' rows of a table on every rank, not this rank's"), False
+    return f"passes {origin} to {name} as a value", True
 
 
 # Where a call takes indices (a tensor of head numbers there names the rank's heads in their places: exact).

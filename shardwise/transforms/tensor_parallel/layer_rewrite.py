@@ -75,6 +75,8 @@ class VaryFn:
         # call, wherever the layer uses them (the Region around them follows them too, as it binds them).
         self.per_head = () if plan is None else tuple((local, path) for _, _, path, local in plan.per_head)
         self.watch_cuts = self.watch_cuts or bool(self.per_head)
+        # Its PerHead buffers and frozen parameters, whole in the layer: (local name, head count) each.
+        self.cut_whole = () if plan is None else tuple((local, count) for local, _, _, count in plan.cut_whole)
         self._reuse_key: Any = None
         # The candidates used on whole values only, once a forward has read them (None before): every
         # rank reads the same graph, so every rank's thread writes the same set.
@@ -110,7 +112,19 @@ class VaryFn:
                     sides.names[node] = k
         return out, sides
 
+    def _rank_rows(self, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+        """``tensors`` with each PerHead buffer (or frozen parameter) cut to this rank's heads along dim 0,
+        the rows a PerHead parameter's shard holds: the same values, never trained, so exact."""
+        if not self.cut_whole:
+            return tensors
+        n, index = in_layer.size(self.axis), in_layer.index(self.axis)
+        out = dict(tensors)
+        for local, count in self.cut_whole:
+            out[local] = tensors[local].narrow(0, index * (count // n), count // n)
+        return out
+
     def __call__(self, tensors: dict[str, Tensor], x: Any) -> Any:
+        tensors = self._rank_rows(tensors)
         tensors, sides = self._varied(tensors)
         outer_sides = getattr(flow, "sides", None)
         flow.sides = sides if sides is not None and sides.names else None

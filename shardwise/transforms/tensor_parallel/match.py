@@ -73,6 +73,10 @@ class LayerPlan:
     # the model, its local name in the layer); the layer's first call follows each along its heads, wherever
     # the layer uses it (split_watch.py).
     per_head: list[tuple[str, str, str, str]] = field(default_factory=list)
+    # Of those, the buffers and frozen parameters (which travel whole with the layer and are never updated):
+    # (local name, path in the model, the Region's count attribute, its value) each, cut to the rank's heads
+    # along dim 0 on every call (layer_rewrite.VaryFn).
+    cut_whole: list[tuple[str, str, str, int]] = field(default_factory=list)
     # Unstyled modules that own a parameter a styled module inside them splits (Hugging Face ties a head's
     # ``bias`` to its decoder's): (subpath, attribute, refusal) each; the forward must not read it itself.
     owned_only: list[tuple[str, str, str]] = field(default_factory=list)
@@ -156,7 +160,11 @@ def resolve(chain: Chain, plan: Mapping[str, Style], sequence_parallel: str | No
     modules = {_join(rp, p, sub): m for _, _, rp, p, sub, m in found}
     subpaths = {_join(rp, p, sub): sub for _, _, rp, p, sub, _ in found}
     # A PerHead names a parameter, not a module (per_head.py): matched on the parameters' paths.
-    owners = {_join(path, n): path for path, m in modules.items() for n, _ in m.named_parameters(recurse=False)}
+    # Buffers too (fixed ALiBi slopes): never trained, each rank takes its heads' rows at each call.
+    owners = {
+        _join(path, n): path for path, m in modules.items()
+        for n, _ in (*m.named_parameters(recurse=False), *m.named_buffers(recurse=False))
+    }
     per_head = match_per_head({p: s for p, s in plan.items() if isinstance(s, PerHead)}, owners, modules)
     plan = {p: s for p, s in plan.items() if not isinstance(s, PerHead)}
     matched: dict[str, list[str]] = {}
@@ -290,14 +298,26 @@ def resolve(chain: Chain, plan: Mapping[str, Style], sequence_parallel: str | No
                     style_of[path][0], path, module, {a: _read_attribute(module, path, a) for a in chosen.heads},
                     {p for p, (_, s) in style_of.items() if isinstance(s, (Colwise, Rowwise))},
                 )
-        for local, name in own.items():
-            if _join(path, name) in per_head and local in layer.buffers:
-                pattern, per_head_style = per_head[_join(path, name)]
+        # A per-head buffer or frozen parameter stays whole in the layer (nothing trains it, so no rank's copy
+        # can drift): the layer's call hands the module its rank's rows, as a split parameter's shard would be.
+        whole = {
+            **{local: name for local, name in own.items() if local in layer.buffers},
+            **{f"{prefix}{_join(subpath, n)}": n for n, _ in module.named_buffers(recurse=False)},
+        }
+        for local, name in whole.items():
+            param_path = _join(path, name)
+            if param_path not in per_head:
+                continue
+            if local not in layer.buffers:
                 raise ValueError(
-                    f"tensor_parallel: plan[{pattern!r}] = {per_head_style} on {_join(path, name)!r}, which is frozen "
-                    "(requires_grad=False): a frozen tensor travels whole with its layer and is never split, and the "
-                    "rank's heads would meet every head's values; leave it out of the plan, or train it"
+                    f"tensor_parallel: plan[{per_head[param_path][0]!r}] = {per_head[param_path][1]} on "
+                    f"{param_path!r}, a buffer layer {layer.name!r} does not carry as its own (shared with another "
+                    "layer); register it in the attention that reads it, or leave it out of the plan"
                 )
+            pattern, ph = per_head[param_path]
+            region, attr, count = per_head_count(pattern, ph, param_path, path, layer.buffers[local], style_of, modules)
+            lp.per_head.append((subpaths[region], param_path.removeprefix(region + "."), param_path, local))
+            lp.cut_whole.append((local, param_path, attr, count))
         for local, name in declared.items():
             key = layer.ties.get(local, (layer.name, local))
             cut = param_split(chosen, kind, name, module)

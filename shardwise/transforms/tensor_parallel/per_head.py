@@ -6,7 +6,9 @@ is cut as the Colwise projections cut their heads, tp equal contiguous blocks, s
 heads a Region around it names: those are what the tp size is checked to divide, and what the rank's
 query heads are blocks of. A parameter whose dim 0 counts something else (a ``(hidden,)`` gain read by
 the attention) would be cut at places no head boundary is, and a rank would train other values than its
-heads use: refused here, naming the parameter, its shape and the count.
+heads use: refused here, naming the parameter, its shape and the count. A buffer (or a frozen parameter)
+of fixed per-head values, ALiBi's slopes, is named and checked alike; it is never split in the layout, but
+cut to the rank's rows where its layer is called (layer_rewrite.VaryFn).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ def match_per_head(
     plan: Mapping[str, PerHead], params: Mapping[str, str], modules: Mapping[str, Any]
 ) -> dict[str, tuple[str, PerHead]]:
     """Parameter path -> (pattern, style) for the plan's PerHead patterns, matched on ``params`` (each
-    parameter's path -> its module's path); a pattern matching no parameter is refused, naming why."""
+    parameter's or buffer's path -> its module's path); a pattern matching none is refused, naming why."""
     found: dict[str, tuple[str, PerHead]] = {}
     for pattern, style in plan.items():
         hits = [p for p in params if fnmatch.fnmatchcase(p, pattern)]

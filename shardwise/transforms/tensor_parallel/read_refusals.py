@@ -138,7 +138,20 @@ def head_value_message(what: str) -> str:
         "own: as sizes and as indices of the heads such numbers name the rank's heads in their places, but as "
         "values (a slope, a scale, a mask by head number combined with the heads' values) they are the first "
         "heads' on every rank, another model trained without an error. Compute such per-head values once at init, "
-        "as a parameter of one value per head along dim 0 given sw.tp.PerHead() in the plan, inside a Region "
-        "naming the head count (each rank then holds its own heads' values); or leave this module's projections "
-        "out of the plan (replicated)"
+        "as a tensor of one value per head along dim 0 given sw.tp.PerHead() in the plan, inside a Region naming "
+        "the head count: a buffer (register_buffer) or a frozen parameter for fixed values such as ALiBi's slopes, "
+        "a parameter for trained ones (each rank then computes with its own heads' values); or leave this "
+        "module's projections out of the plan (replicated)"
+    )
+
+
+def head_count_message(what: str) -> str:
+    """Refuses the rank's head count used as a scalar value (``q / q.size(1)``: head_numbers.py)."""
+    return (
+        f"tensor_parallel: {what}. Each rank holds 1/tp of the heads and counts only its own, so a number "
+        "computed from that count (a scale 1 / h, a fill value) is the rank's H/tp where one device's is H, "
+        "another model trained without an error. Compute it once at init from the whole count, before tensor "
+        "parallel divides anything (self.scale = 1 / config.num_attention_heads in __init__), and use that "
+        "attribute, one the Region does not name in heads= or local=; or leave this module's projections out of "
+        "the plan (replicated)"
     )

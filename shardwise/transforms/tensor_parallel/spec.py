@@ -93,6 +93,10 @@ class TPSpec:
             if per_head.heads is not None and per_head.heads[2] % parts:
                 path, attr, count = per_head.heads
                 raise ValueError(per_head_message(path, count, attr, parts, self.axis))
+        for lp in self.resolved(chain).layers.values():
+            for _, path, attr, count in lp.cut_whole:
+                if count % parts:
+                    raise ValueError(per_head_message(path, count, attr, parts, self.axis))
         for path, attr, value in self.resolved(chain).heads:
             if value % parts:
                 raise ValueError(

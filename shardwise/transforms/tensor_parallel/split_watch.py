@@ -63,7 +63,7 @@ from .head_sources import HeadSources
 from .head_views import check_head_count, see_heads
 from .model_frames import by_shardwise, innermost_model_line
 from .product_views import HeadView
-from .read_refusals import head_number_message, head_value_message
+from .read_refusals import head_count_message, head_number_message, head_value_message
 from .sequence_gather import SequenceGather
 
 _Found = TypeVar("_Found")
@@ -238,9 +238,11 @@ class SplitWatch(TorchFunctionMode):
             see_heads(self, func, t, entry, dim, args, kwargs, out)
         if self.sources.marked():
             self.loop_values.see(_name(func), args, kwargs, self.sources)
-        why = self._head_numbers_misused(func, args, kwargs, out)
-        if why is not None and not by_shardwise(_name(func)):  # (asked here: the op's caller is above this frame)
-            raise ValueError(head_value_message(f"the model's code at {innermost_model_line()} {why}"))
+        misused = self._head_numbers_misused(func, args, kwargs, out)
+        if misused is not None and not by_shardwise(_name(func)):  # (asked here: the op's caller is above this frame)
+            why, scalar = misused
+            message = head_count_message if scalar else head_value_message
+            raise ValueError(message(f"the model's code at {innermost_model_line()} {why}"))
         if is_count_read(func, _name(func)) and args:
             heads = self._heads_of(args[0])
             if heads is not None and heads[0].fused == 1 and heads[0].parts > 1 and not by_shardwise(_name(func)):
@@ -248,11 +250,17 @@ class SplitWatch(TorchFunctionMode):
                 return mark_count(out, heads[1], args[0], args, lambda how: f"{how} of the per-head view of {label!r}")
         return out
 
-    def _head_numbers_misused(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> str | None:
-        """How a number read as the rank's head count, or a tensor of its head numbers, is used as a value
-        (head_numbers.py); None where it is not."""
+    def _head_numbers_misused(
+        self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], out: Any
+    ) -> tuple[str, bool] | None:
+        """How a number read as the rank's head count, or a tensor of its head numbers, is used as a value, and
+        whether as a scalar (head_numbers.py); None where it is not."""
         name = _name(func)
-        return count_misuse(name, args, kwargs, self._per_head) or self.numbers.see(name, args, kwargs, out)
+        misused = count_misuse(name, args, kwargs, self._per_head)
+        if misused is not None:
+            return misused
+        numbers = self.numbers.see(name, args, kwargs, out)
+        return None if numbers is None else (numbers, False)
 
     def _per_head(self, t: Any) -> bool:
         return self._heads_of(t) is not None

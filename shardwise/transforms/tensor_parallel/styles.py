@@ -90,7 +90,9 @@ class Region:
 
 @dataclass(frozen=True)
 class PerHead:
-    """A parameter of one value per head on dim 0, split as the heads are (see the module docstring).
+    """A parameter of one value per head on dim 0, split as the heads are (see the module docstring). A buffer
+    or a frozen parameter (fixed values, such as ALiBi's slopes) stays whole in its layer, which hands the
+    module its rank's rows at each call.
 
     ``heads`` names which of the enclosing Region's ``heads=`` counts dim 0 (``"config.num_key_value_heads"``
     for one value per key/value head); by default the Region's first, its query heads.

@@ -30,8 +30,11 @@ F64_RTOL = 1e-12
 SEQ, SLIDING = 8, 4
 
 
-def _gpt_oss(heads: int = 8, kv_heads: int = 4, steps: int = 2) -> tuple[Any, sw.Step, Any, list[Any]]:
-    """A tiny GptOssForCausalLM in float64, its single-device step (vocab-parallel loss), params, batches."""
+def _gpt_oss(
+    heads: int = 8, kv_heads: int = 4, steps: int = 2, frozen_sinks: bool = False
+) -> tuple[Any, sw.Step, Any, list[Any]]:
+    """A tiny GptOssForCausalLM in float64, its single-device step (vocab-parallel loss), params, batches;
+    ``frozen_sinks``: its sinks not trained (requires_grad=False)."""
     transformers = pytest.importorskip("transformers")
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssDecoderLayer
 
@@ -48,6 +51,7 @@ def _gpt_oss(heads: int = 8, kv_heads: int = 4, steps: int = 2) -> tuple[Any, sw
     with torch.no_grad():
         for layer in model.model.layers:
             layer.self_attn.sinks.normal_(0.0, 1.0)
+            layer.self_attn.sinks.requires_grad_(not frozen_sinks)
     gen = torch.Generator().manual_seed(2)
     ids = torch.randint(64, (steps, 4, SEQ + 1), generator=gen)
     batches = [(seq[:, :-1], seq[:, 1:]) for seq in ids]
@@ -73,6 +77,15 @@ def test_gpt_oss_with_its_sinks_split_by_the_heads_is_the_single_device_step(lay
     _, step, params, batches = _gpt_oss()
     tp, mesh = _stack(step, layout)
     sw.testing.assert_equivalent(tp, step, mesh, batches, params, rtol=F64_RTOL)
+
+
+@pytest.mark.parametrize("sequence_parallel", [None, "model.layers.*"], ids=["tp2", "tp2-sequence-parallel"])
+def test_frozen_sinks_are_cut_to_each_rank_heads(sequence_parallel: str | None) -> None:
+    """Sinks not trained travel whole with their layer, which hands each rank its heads' rows (refused before:
+    "a frozen tensor ... is never split")."""
+    _, step, params, batches = _gpt_oss(frozen_sinks=True)
+    tp = sw.tensor_parallel(step, "tp", sw.tp.gpt_oss_plan(), sequence_parallel=sequence_parallel)
+    sw.testing.assert_equivalent(tp, step, sw.Mesh(tp=2), batches, params, rtol=F64_RTOL)
 
 
 def test_a_grouped_query_attention_of_four_query_heads_per_key_value_head() -> None:
