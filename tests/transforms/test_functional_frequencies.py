@@ -464,6 +464,20 @@ def test_padding_idx_per_sample_weights_and_private_forms_are_refused_at_the_fir
         in text, text
 
 
+@pytest.mark.parametrize("call", ["F.embedding", "torch.embedding", "torch.ops.aten.embedding"])
+def test_the_first_call_refusal_under_remat_names_the_call(call: str) -> None:
+    """remat's checkpoint runs a dispatch mode of its own inside the layer, which passes each op on by calling
+    it (OpOverload.__call__): the refusal still names the call the forward wrote."""
+
+    def build() -> tuple[sw.Step, Any]:
+        step, params = _step_of(_sequential(call, wrapped=True))
+        return sw.remat(step, policy=sw.policies.dots_saveable), params
+
+    text = _first_call_refusal(build, "zero3 dp2", _batches())
+    assert f"'0.inner' ({call}(..., scale_grad_by_freq=True) in OwnLookup.forward) divides each row's gradient" \
+        in text, text
+
+
 class Act(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.silu(x)

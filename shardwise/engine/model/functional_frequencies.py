@@ -193,20 +193,27 @@ _FUNCTIONAL = F.embedding.__code__.co_filename  # F.embedding / F.embedding_bag 
 
 
 def _written_as(func: Any) -> str:
-    """The call the forward wrote, as functionalize's TorchFunctionMode names it: the nearest Python frame
-    above the dispatch that is not torch's own dispatch machinery tells it: ``F.embedding`` /
-    ``F.embedding_bag``'s code, an op of ``torch.ops`` called (``torch.ops.aten.embedding``, ``...embedding_bag
-    .default``), else the C function the forward called directly (``torch.embedding``; ``torch.embedding_bag``
-    and ``torch._embedding_bag`` reach dispatch alike: the calling line's text tells them apart)."""
+    """The call the forward wrote, as functionalize's TorchFunctionMode names it, told by the Python frames
+    between the dispatch and the forward's own code: ``F.embedding`` / ``F.embedding_bag``'s code, an op of
+    ``torch.ops`` called (``torch.ops.aten.embedding``, ``...embedding_bag.default``), else the C function the
+    forward called directly (``torch.embedding``; ``torch.embedding_bag`` and ``torch._embedding_bag`` reach
+    dispatch alike: the calling line's text tells them apart). Another dispatch mode inside ours (remat's
+    checkpoint) passes the op on by calling it: what lies below its ``__torch_dispatch__`` is not the forward's."""
     frame: FrameType | None = sys._getframe(2)  # above __torch_dispatch__
-    while frame is not None and frame.f_code.co_filename.startswith(_TORCH_DIR):
+    named = None
+    while frame is not None and (frame.f_code.co_filename.startswith(_TORCH_DIR)
+                                 or frame.f_code.co_name == "__torch_dispatch__"):
         code = frame.f_code
-        if code.co_filename == _FUNCTIONAL and code.co_name in ("embedding", "embedding_bag"):
-            return f"F.{code.co_name}"
-        called = frame.f_locals.get("self") if code.co_name == "__call__" else None
-        if isinstance(called, (torch._ops.OpOverloadPacket, torch._ops.OpOverload)):
-            return f"torch.ops.{called}"
+        if code.co_name == "__torch_dispatch__":
+            named = None
+        elif named is None and code.co_filename == _FUNCTIONAL and code.co_name in ("embedding", "embedding_bag"):
+            named = f"F.{code.co_name}"
+        elif named is None and code.co_name == "__call__" and isinstance(
+                called := frame.f_locals.get("self"), (torch._ops.OpOverloadPacket, torch._ops.OpOverload)):
+            named = f"torch.ops.{called}"
         frame = frame.f_back
+    if named is not None:
+        return named
     if func.overloadpacket is torch.ops.aten.embedding:
         return "torch.embedding"
     line = linecache.getline(frame.f_code.co_filename, frame.f_lineno) if frame is not None else ""
