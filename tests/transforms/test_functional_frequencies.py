@@ -15,6 +15,7 @@ float64, threads backend (one case under gloo processes).
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -422,3 +423,109 @@ def test_a_gpt2_with_an_own_counting_lookup_is_refused_where_the_batch_is_cut(fr
     text = _refusal(step, "zero3 dp2")
     assert text.startswith("'transformer.wte' (F.embedding(..., scale_grad_by_freq=True) in FreqLookup.forward) "
                            "divides each row's gradient"), text
+
+
+# --- the step's watch is a TorchDispatchMode: every form reaching aten is seen; a patched function runs once --
+
+VARIANTS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "F.embedding": lambda idx, w: F.embedding(idx, w, padding_idx=0, scale_grad_by_freq=True).flatten(1),
+    "F.embedding_bag": lambda idx, w: F.embedding_bag(
+        idx, w, scale_grad_by_freq=True, mode="sum", per_sample_weights=torch.rand(idx.shape, dtype=w.dtype),
+        padding_idx=1).repeat(1, 3),
+    "torch.embedding_bag": lambda idx, w: torch.embedding_bag(
+        w, idx.flatten(), torch.arange(0, idx.numel(), idx.size(1)), True, 0)[0].repeat(1, 3),
+    "torch._embedding_bag": lambda idx, w: torch._embedding_bag(
+        w, idx.flatten(), torch.arange(0, idx.numel(), idx.size(1)), True, 0)[0].repeat(1, 3),
+    "torch.ops.aten.embedding_bag.padding_idx": lambda idx, w: torch.ops.aten.embedding_bag.padding_idx(
+        w, idx.flatten(), torch.arange(0, idx.numel(), idx.size(1)), True, 0, False, None, False, 1)[0].repeat(1, 3),
+}
+
+
+class VariantLookup(nn.Module):
+    def __init__(self, call: str) -> None:
+        super().__init__()
+        self.call = call
+        self.weight = nn.Parameter(torch.randn(10, 4))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return VARIANTS[self.call](idx, self.weight)
+
+
+@pytest.mark.parametrize("call", list(VARIANTS))
+def test_padding_idx_per_sample_weights_and_private_forms_are_refused_at_the_first_call(call: str) -> None:
+    """All reach dispatch as aten.embedding / aten._embedding_bag under autograd; named as the forward wrote."""
+
+    def build() -> tuple[sw.Step, Any]:
+        torch.manual_seed(0)
+        return _step_of(nn.Sequential(VariantLookup(call), nn.Linear(12, 2)).double())
+
+    text = _first_call_refusal(build, "zero3 dp2", _batches())
+    assert f"'0' ({call}(..., scale_grad_by_freq=True) in VariantLookup.forward) divides each row's gradient" \
+        in text, text
+
+
+@pytest.mark.parametrize("call", ["F.embedding", "torch.embedding", "torch.ops.aten.embedding"])
+def test_the_first_call_refusal_under_remat_names_the_call(call: str) -> None:
+    """remat's checkpoint runs a dispatch mode of its own inside the layer, which passes each op on by calling
+    it (OpOverload.__call__): the refusal still names the call the forward wrote."""
+
+    def build() -> tuple[sw.Step, Any]:
+        step, params = _step_of(_sequential(call, wrapped=True))
+        return sw.remat(step, policy=sw.policies.dots_saveable), params
+
+    text = _first_call_refusal(build, "zero3 dp2", _batches())
+    assert f"'0.inner' ({call}(..., scale_grad_by_freq=True) in OwnLookup.forward) divides each row's gradient" \
+        in text, text
+
+
+class Act(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.silu(x)
+
+
+@pytest.mark.parametrize("cut", ["zero3 dp2 accumulation=2", "dp1 accumulation=2"])
+def test_a_patched_torch_function_runs_once_per_call_on_the_first_step(
+        cut: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A user's monkeypatched F.silu (calling the original) runs as often on the step's first call as on later
+    steps: under a TorchFunctionMode torch handed the original's call back to the mode under the patched name,
+    and the patch ran twice in each watched layer (review S3: 6 calls instead of 4 under accumulation=2). Calls
+    on real tensors are counted: the first step's predictions on fake tensors (the loss probe) are another run."""
+    calls: list[int] = []
+    original = F.silu
+
+    def counting_silu(x: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+        if not isinstance(x, torch._subclasses.FakeTensor):
+            calls.append(threading.get_ident())  # a rank thread counts its own
+        return original(x, inplace=inplace)
+
+    monkeypatch.setattr(F, "silu", counting_silu)
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 8), Act(), nn.Linear(8, 4), Act()).double()
+
+    g = torch.Generator().manual_seed(1)
+    batch = (torch.randn(8, 4, generator=g, dtype=torch.float64), torch.randn(8, 4, generator=g, dtype=torch.float64))
+    torch_model = build()  # torch's loop over the rank's micro-batches: 2 calls each
+    for x, y in zip(batch[0].chunk(2), batch[1].chunk(2), strict=True):
+        F.mse_loss(torch_model(x), y).backward()
+    torch_calls = len(calls)
+    assert torch_calls == 4
+
+    chain, params = sw.functionalize(build())
+    step = sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1))
+    dp, stage = (2, 3) if cut.startswith("zero3") else (1, 1)
+    sharded = sw.shard_params(step, "dp", stage, accumulation=2)
+
+    def rank() -> list[int]:
+        state, counts, me = sharded.init(params, sw.Mesh(dp=dp)), [], threading.get_ident()
+        for _ in range(3):
+            before = calls.count(me)
+            state, _ = sharded(state, batch)
+            counts.append(calls.count(me) - before)
+        return counts
+
+    for counts in sw.launch(rank, world=dp):
+        assert counts[0] == counts[1] == counts[2], counts  # the first step's as later steps'
+        if stage == 1:  # as torch's loop (stage 3's step runs each layer's forward once more: every step alike)
+            assert counts[0] == torch_calls, (counts, torch_calls)
