@@ -6,9 +6,8 @@ meta-built model's unit reused from an identical one) nothing tells it before a 
 forward is never run once more to find it (its Python may count its calls). So a step that cuts the batch
 (``compose.cutting_the_batch``: ZeRO's shares, accumulation's or a pipeline's micro-batches, expert or
 context parallel's parts) watches each layer's first call on each rank thread with functional_frequencies'
-TorchDispatchMode (``watching_ops``: a user's patched torch function runs once, as without the watch), and
-refuses at the op itself, before it runs, with the words the transform's refusal uses when functionalize saw
-the call. Every rank that runs the layer makes the same call at the same point of its
+TorchFunctionMode, and refuses at the op itself, before it runs, with the words the transform's refusal uses
+when functionalize saw the call. Every rank that runs the layer makes the same call at the same point of its
 forward, so all of them refuse there alike, before any collective after it (a pipeline's other stages learn
 it as any rank's failure, as for the other first-call refusals). Later calls cost a set lookup; the one-device
 step, tensor_parallel alone and a pipeline of one micro-batch watch nothing.
@@ -22,7 +21,7 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
-from ..model.functional_frequencies import layer_paths, watching_ops
+from ..model.functional_frequencies import layer_paths, watching
 from ..model.whole_batch import FREQUENCIES, WholeBatch
 from ..stack.compose import refuse_frequencies
 
@@ -60,7 +59,7 @@ def _watched(layer: Any, name: str, cut: str) -> Iterator[None]:
     def refuse(path: str, call: str) -> None:
         refuse_frequencies(WholeBatch(path, FREQUENCIES, call), cut)
 
-    with watching_ops(layer_paths(layer), name, refuse):
+    with watching(layer_paths(layer), name, refuse):
         yield
     with _LOCK:
         _WATCHED.setdefault(layer, set()).add(threading.get_ident())
