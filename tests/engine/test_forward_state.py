@@ -7,7 +7,8 @@ the same computation, no cross-rank reduction where compared with torch)."""
 
 from __future__ import annotations
 
-import copy
+import importlib.util
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,6 +17,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import shardwise as sw
+
+# The one-device step against torch's SGD loop, shared with tests/transforms (loaded by path: no package here).
+_spec = importlib.util.spec_from_file_location(
+    "_torch_loop", Path(__file__).resolve().parents[1] / "transforms" / "_torch_loop.py")
+assert _spec is not None and _spec.loader is not None
+_torch_loop = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_torch_loop)
 
 
 class _EmaCenter(nn.Module):
@@ -148,19 +156,7 @@ def test_python_state_advanced_per_call_is_refused_where_a_step_calls_twice(cut:
 
 def test_python_state_advanced_once_per_step_equals_torch() -> None:
     """One call per step: the counter advances as in torch's loop (on the layer's copy of the module)."""
-    model = _model(_Ramp)
-    torch_model = copy.deepcopy(model)
-    chain, params = sw.functionalize(model)
-    step = sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1))
-    state = step.init(params)
-    opt = torch.optim.SGD(torch_model.parameters(), lr=0.1)
-    for x, t in _batches():
-        state, metrics = step(state, (x, t))
-        opt.zero_grad()
-        loss = F.mse_loss(torch_model(x), t)
-        loss.backward()
-        opt.step()
-        assert float(metrics["loss"]) == loss.item()
+    _torch_loop.assert_one_device_equals_torch_sgd(_model(_Ramp), _batches())
     _equivalent(_Ramp, "zero3 dp2")  # raises NotEquivalentError where a step differs
 
 

@@ -14,9 +14,10 @@ import shardwise as sw
 
 
 def assert_one_device_equals_torch_sgd(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-                                       lr: float = 0.1) -> None:
+                                       lr: float = 0.1) -> dict[str, dict[str, torch.Tensor]]:
     """``model`` (a Sequential: its parameters' paths start with the layer's name) trained by the one-device
-    step and by torch's SGD loop on ``batches`` with the MSE loss: losses and parameters bitwise equal."""
+    step and by torch's SGD loop on ``batches`` with the MSE loss: losses and parameters bitwise equal. Returns
+    the step's trained parameters (``full_params``) for a test's own further checks."""
     reference = copy.deepcopy(model)
     chain, params = sw.functionalize(model)
     step = sw.train_step(chain, F.mse_loss, sw.optim.sgd(lr))
@@ -37,3 +38,4 @@ def assert_one_device_equals_torch_sgd(model: nn.Module, batches: Sequence[tuple
     for path, p in reference.named_parameters():
         layer, _, local = path.partition(".")
         assert torch.equal(full[layer][local], p), path
+    return full
