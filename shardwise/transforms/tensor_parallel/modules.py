@@ -68,6 +68,8 @@ class TPForward:
         if install is not None and isinstance(install.style, Region):
             self.locals = _divided(module, install.style)
             self.local_widths = [whole for _, _, whole in self.locals[: len(install.style.local)]]
+        # The counts set while the Region runs, per axis size: made once (an f-string per count a call adds up).
+        self.divided_by: dict[int, list[int]] = {}
         # Random ops on per-rank values (a sequence-parallel block's slices, a Region's heads) draw a
         # stream of their own on each rank; elsewhere (the replicated residual stream) every rank the same.
         self.own_stream = block is not None or (install is not None and isinstance(install.style, Region))
@@ -133,18 +135,26 @@ class TPForward:
         key = (tuple(hidden.shape), hidden.dtype, self.module.training)
         return None if key in self.followed else (key, hidden)
 
+    def _local_counts(self, n: int, unmarked: int, label: str) -> list[int]:
+        """This rank's value of each count the Region divides over ``n`` ranks. A head count is marked as the
+        rank's (head_numbers.py; judged by the first call's watch only, and set on every call, so that the
+        attribute is the same on each: forward_state.py compares them); a ``local=`` width is not."""
+        return [
+            HeadCount(value // n, f"{label}.{attr} ({value // n}: divided by the Region)")
+            if k >= unmarked and n > 1 else value // n
+            for k, (_, attr, value) in enumerate(self.locals)
+        ]
+
     def _styled(self, install: Install, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         m, style, axis, label = self.module, install.style, self.axis, install.path
         weight, bias = _tensor(m, "weight"), _tensor(m, "bias")
         if isinstance(style, Region):
             n = in_layer.size(axis)
-            for k, (owner, attr, value) in enumerate(self.locals):
-                # A head count marked as the rank's (head_numbers.py; judged by the first call's watch only, and
-                # on every call, so that the attribute is the same on each: forward_state.py compares them).
-                local = value // n
-                marked = k >= len(style.local) and n > 1
-                setattr(owner, attr, HeadCount(local, f"{label}.{attr} ({local}: divided by the Region)") if marked
-                        else local)
+            locals_ = self.divided_by.get(n)
+            if locals_ is None:
+                locals_ = self.divided_by[n] = self._local_counts(n, len(style.local), label)
+            for (owner, attr, _), local in zip(self.locals, locals_, strict=True):
+                setattr(owner, attr, local)
             read = self.paths_checked and self.cuts_watched and getattr(flow, "sides", None) is None
             if read and getattr(flow, "splits", None) is None:
                 args, kwargs = _map_hidden(
