@@ -51,7 +51,7 @@ import optree
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._python_dispatch import _disable_current_modes
 
 from ...engine.layout.state_layout import TensorSplit
 from ...engine.run.rng import default_generators
@@ -127,14 +127,14 @@ def _compare(
     device = next((t.device for t in optree.tree_leaves(inputs) if isinstance(t, Tensor)), torch.device("cpu"))
     whole_calls: list[tuple[str, Tensor, Tensor]] = []
     split_calls: list[tuple[str, Tensor]] = []
-    with _hidden(device) as draws:
+    with _hidden(device) as drew:
         whole, shared = _copy(module, styled, whole_shapes, n, "whole", whole_calls)
         with _counts_set(shared):
             whole(*inputs[0], **inputs[1])
         split, shared = _copy(module, styled, whole_shapes, n, "split", split_calls, whole_calls)
         with _counts_set(shared):
             split(*inputs[0], **inputs[1])
-    if draws:
+    if drew:
         return None  # random numbers drawn in eval mode: the copies' draws do not compare (a gap)
     if len(split_calls) != len(whole_calls):
         return (f"its Rowwise modules were called {len(split_calls)} times on the rank and {len(whole_calls)} times "
@@ -279,33 +279,21 @@ def _upcast(t: Any) -> Any:
     return t.clone()
 
 
-class _Draws(TorchDispatchMode):
-    """Notes a random op (one torch tags as drawing from a generator)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.drew: list[str] = []
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if torch.Tag.nondeterministic_seeded in func.tags:
-            self.drew.append(str(func))
-        return func(*args, **(kwargs or {}))
-
-
 @contextlib.contextmanager
 def _hidden(device: torch.device) -> Iterator[list[str]]:
     """Off the graph, out of sight of the layer's watches (torch function and dispatch modes: a selective
-    recomputation's cache would count the copies' ops), the random streams put back after; yields the random
-    ops the copies drew."""
+    recomputation's cache would count the copies' ops), the random streams put back after; yields a list that
+    names the generators the copies drew from, filled on the way out (a state that moved: no per-op cost)."""
     gens = default_generators(device)
     states = [g.get_state() for g in gens]
-    draws = _Draws()
+    drew: list[str] = []
     try:
-        with (torch.no_grad(), quiet(), unfollowed(), torch._C.DisableTorchFunction(), _disable_current_modes(),
-              draws):
-            yield draws.drew
+        with torch.no_grad(), quiet(), unfollowed(), torch._C.DisableTorchFunction(), _disable_current_modes():
+            yield drew
     finally:
         for g, state in zip(gens, states, strict=True):
+            if not torch.equal(g.get_state(), state):
+                drew.append(str(g.device))
             g.set_state(state)
 
 
