@@ -95,7 +95,10 @@ class RegionProbe:
         styled = _styled_modules(module)
         if styled is None:
             return  # a gathered Colwise or a vocabulary-split Embedding inside: not computable alone (a gap)
-        found = _compare(module, styled, self.whole_shapes, n, index, args, kwargs)
+        try:
+            found = _compare(module, styled, self.whole_shapes, n, index, args, kwargs)
+        except _Unrelated:
+            return  # split otherwise than one dim into n (none of the styles does so today): not judged
         if found is not None:
             raise ValueError(_message(label, type(module).__name__, axis, n, index, found))
 
@@ -224,8 +227,12 @@ def _tensor(t: Tensor, whole: tuple[int, ...] | None, n: int, kind: str, blocks:
         return local
     dims = [d for d, (a, b) in enumerate(zip(t.shape, whole, strict=True)) if a != b]
     if len(t.shape) != len(whole) or len(dims) != 1 or t.shape[dims[0]] * n != whole[dims[0]]:
-        raise AssertionError(f"region_probe: a tensor of shape {list(t.shape)} is no 1/{n} of {list(whole)}")
+        raise _Unrelated(f"a tensor of shape {list(t.shape)} is no 1/{n} of {list(whole)}")
     return _tile(local, n, dims[0], blocks)
+
+
+class _Unrelated(Exception):
+    """A Region tensor whose shape the probe cannot relate to the whole's: the call is not judged (a gap)."""
 
 
 def _tile(local: Tensor, n: int, d: int, blocks: int) -> Tensor:
