@@ -31,6 +31,7 @@ from .match import CONV1D, EMBEDDING, LINEAR, Install, is_head_count
 from .product_views import HeadView
 from .rank_flow import back_to_shared, flow, rank_stream, start_rank_stream
 from .region_paths import Sides, bypass_message, bypasses_split, parameter_sides
+from .region_probe import RegionProbe
 from .sequence_gather import SequenceGather
 from .split_watch import SplitWatch
 from .styles import Colwise, Region, Rowwise, gathers
@@ -80,6 +81,8 @@ class TPForward:
         # first forward that recorded a graph.
         self.paths_checked = False
         self.cuts_watched = False  # and how it cuts its Colwise outputs: on its first forward (split_watch.py)
+        # A Region's first real call on each rank, run again whole and split on copies (region_probe.py).
+        self.probe = RegionProbe(module) if install is not None and isinstance(install.style, Region) else None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         m, install = self.module, self.install
@@ -276,7 +279,7 @@ class TPForward:
         m = self.module
         flow.regions = getattr(flow, "regions", 0) + 1
         try:
-            return type(m).forward(m, *args, **kwargs)
+            out = type(m).forward(m, *args, **kwargs)
         except (RuntimeError, ValueError) as err:
             # A fake tensor's data-dependent op (a mixture of experts' routing) is no failure of the module:
             # the prediction runs it again on real stand-ins (predict.py).
@@ -288,6 +291,9 @@ class TPForward:
             raise ValueError(region_failed(m, label, style, err, in_layer.size(self.axis), split, fed)) from err
         finally:
             flow.regions -= 1
+        if self.probe is not None and not self.probe.done:  # its first real call on this rank only
+            self.probe.run(m, label, self.axis, args, kwargs)
+        return out
 
     def _read_region(self, install: Install, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """A Region's call that reads it as well: its paths (region_paths.py), until a call records a

@@ -1,0 +1,319 @@
+"""A Region's first call on each rank, judged by its values: the split module against the whole one.
+
+A Region's module runs on each rank with its local head count (the Region divides ``self.n_head``; ``q.size(1)``
+is the rank's). A per-head value the forward computes from that count through plain Python (ALiBi's
+``get_slopes(self.n_head)``: ``math.log2`` and a list over ``range(n)``; ``q / math.sqrt(self.n_head)``;
+``torch.tensor(list(range(h)))``) is the rank's count's, not the whole's: every rank computes another model's
+attention and the step trains it without an error. head_numbers.py marks the count and refuses the forms it can
+follow (naming the line); a number that leaves Python's arithmetic for ``math.*``, ``range`` or ``float`` is out
+of its sight. This probe judges what the numbers did instead of following them.
+
+How: after the Region's first real call on a rank, two copies of its module run the call's (entered) input
+again, in float64, off the graph and out of sight of the layer's watches. The SPLIT copy holds the rank's
+parameters and local head counts, as the call did; the WHOLE copy holds whole head counts and whole parameters
+built from the rank's own: each split tensor tiled tp times along its split dim (block by block for a
+``Colwise(fused=N)``), so that every rank's slice of it is this rank's (``TensorSplit.local`` of the tiled tensor
+gives the rank's tensor back). In the whole copy the features at this rank's place are then exactly what the
+whole module computes for this rank's heads from their true weights (a head's features depend on its own
+weights and the replicated ones only: what a Region's split assumes). The input of each Rowwise call is
+compared: the split copy's against this rank's slice of the whole copy's (its last dim, as the Rowwise weight's
+input features are cut), at 1e-9 of the slice's largest magnitude (float64 rounding of the same products in
+another blocking; a per-head value from the wrong count is off by far more). A Rowwise's output feeds what
+follows in both copies alike (the whole copy's, which the split copy cannot compute alone), so a later Rowwise
+input is compared on the same values.
+
+Why tiled and not the whole weights: a rank holds only its slices (each rank's shard is cut from the whole
+parameters at the step's start and trained alone), and gathering them would put a collective into the first
+step that the Plan does not show. The tiled copy needs no collective, so no rank waits on another: a rank whose
+values differ refuses, and the others go on to their next collective (the threads backend stops them with its
+failure; a gloo process group ends on its timeout). A count misused alike on every rank (``get_slopes(n)``,
+``1 / math.sqrt(n)``) is refused on every rank; a table numbered from 0 on each rank (``2.0 ** -(arange(h) +
+1)``) matches the whole on rank 0 and is refused on the others.
+
+The copies run in eval mode, so dropout (modules, and ``F.dropout(..., training=self.training)``) draws nothing;
+the random generators are put back after them. Not judged (a gap, the call is left as it ran): a Region whose
+copies still draw random numbers in eval mode (model code calling ``torch.rand`` itself: the two copies draw
+different shapes, so nothing compares), one with a Colwise whose output is gathered or a vocabulary-split
+Embedding inside (the split copy cannot compute those alone), one called with an object that holds state (a
+key/value cache, which the copies would update) or with tensors that are not plain (fake, meta, subclasses),
+and a forward that behaves otherwise in training mode. Cost: two float64 runs of the Region's module on its
+first call on each rank; later calls pay one attribute check (:attr:`RegionProbe.done`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator
+from typing import Any
+
+import optree
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils._python_dispatch import _disable_current_modes
+
+from ...engine.layout.state_layout import TensorSplit
+from ...engine.run.rng import default_generators
+from ...engine.stack import in_layer
+from .following import quiet
+from .match import CONV1D, EMBEDDING, param_split
+from .positions import unfollowed
+from .styles import Colwise, Region, Rowwise, gathers
+
+RTOL = 1e-9  # of the whole slice's largest magnitude, in float64 (see the module docstring)
+_PLAIN = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
+
+
+class RegionProbe:
+    """What a Region's probe needs from the rewrite (its tensors' whole shapes), and whether it ran."""
+
+    def __init__(self, module: nn.Module) -> None:
+        # The layer's copy still shares the model's (whole) tensors here: their shapes are the whole's.
+        self.whole_shapes = {
+            name: tuple(t.shape)
+            for name, t in (*module.named_parameters(remove_duplicate=False),
+                            *module.named_buffers(remove_duplicate=False))
+        }
+        self.done = False  # this thread's (rank's) copy has judged its first real call
+
+    def run(self, module: nn.Module, label: str, axis: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Judge the call ``module(*args, **kwargs)`` just made (the Region ``label`` on this rank, its input
+        entered); refuse when it computed other values than the whole module for this rank's heads."""
+        if in_layer.predicting_now():
+            return  # fake tensors (the Plan): the step's first real call is judged
+        leaves: list[Any] = optree.tree_leaves((args, kwargs), none_is_leaf=True)  # type: ignore[arg-type]
+        tensors = [*(t for t in leaves if isinstance(t, Tensor)), *module.parameters(), *module.buffers()]
+        if any(type(t) not in (Tensor, nn.Parameter) or t.is_meta for t in tensors):
+            return  # not real values (yet): a later call is judged
+        self.done = True
+        if any(not isinstance(leaf, (Tensor, *_PLAIN)) for leaf in leaves):
+            return  # a cache or other stateful object: the copies would change it (a gap)
+        n, index = in_layer.size(axis), in_layer.index(axis)
+        if n == 1:
+            return
+        styled = _styled_modules(module)
+        if styled is None:
+            return  # a gathered Colwise or a vocabulary-split Embedding inside: not computable alone (a gap)
+        try:
+            found = _compare(module, styled, self.whole_shapes, n, index, args, kwargs)
+        except _Unrelated:
+            return  # split otherwise than one dim into n (none of the styles does so today): not judged
+        if found is not None:
+            raise ValueError(_message(label, type(module).__name__, axis, n, index, found))
+
+
+def _styled_modules(module: nn.Module) -> dict[str, Any] | None:
+    """The tensor-parallel forwards installed in the Region's module, by submodule path; None when one cannot be
+    computed by a rank alone."""
+    found = {}
+    for sub, m in module.named_modules():
+        forward = vars(m).get("forward")
+        install = getattr(forward, "install", None)
+        if install is None:
+            continue
+        style = install.style
+        if isinstance(style, Region):
+            continue  # this one (run plainly in the copies), or one nested in it
+        if install.kind == EMBEDDING or (isinstance(style, Colwise) and gathers(style, False)):
+            return None
+        found[sub] = forward
+    return found
+
+
+def _compare(
+    module: nn.Module, styled: dict[str, Any], whole_shapes: dict[str, tuple[int, ...]], n: int, index: int,
+    args: tuple[Any, ...], kwargs: dict[str, Any],
+) -> str | None:
+    """Run the whole and the split copies; what differed, in words, or None."""
+    inputs: Any = optree.tree_map(_upcast, (args, kwargs), none_is_leaf=True)  # type: ignore[arg-type]
+    device = next((t.device for t in optree.tree_leaves(inputs) if isinstance(t, Tensor)), torch.device("cpu"))
+    whole_calls: list[tuple[str, Tensor, Tensor]] = []
+    split_calls: list[tuple[str, Tensor]] = []
+    with _hidden(device) as drew:
+        whole, shared = _copy(module, styled, whole_shapes, n, "whole", whole_calls)
+        with _counts_set(shared):
+            whole(*inputs[0], **inputs[1])
+        split, shared = _copy(module, styled, whole_shapes, n, "split", split_calls, whole_calls)
+        with _counts_set(shared):
+            split(*inputs[0], **inputs[1])
+    if drew:
+        return None  # random numbers drawn in eval mode: the copies' draws do not compare (a gap)
+    if len(split_calls) != len(whole_calls):
+        return (f"its Rowwise modules were called {len(split_calls)} times on the rank and {len(whole_calls)} times "
+                "in the whole module")
+    for k, ((path, got), (_, want, _)) in enumerate(zip(split_calls, whole_calls, strict=True)):
+        dim = want.dim() - 1
+        if got.shape[:-1] != want.shape[:-1] or got.shape[-1] * n != want.shape[-1]:
+            return (f"the input of Rowwise {path!r} (its call {k + 1}) has shape {list(got.shape)} on the rank and "
+                    f"{list(want.shape)} in the whole module")
+        mine = TensorSplit("", dim, n).local(want, index)
+        scale = float(mine.abs().nan_to_num(0.0, 0.0, 0.0).max()) if mine.numel() else 0.0
+        if not torch.allclose(got, mine, rtol=0.0, atol=RTOL * scale, equal_nan=True):
+            err = float((got - mine).abs().nan_to_num(float("inf")).max())
+            return (f"the input of Rowwise {path!r} (its call {k + 1}), this rank's heads' features, differs from "
+                    f"the whole module's for the same heads by up to {err:.3g} (relative {err / max(scale, 1e-300):.3g}"
+                    f", allowed {RTOL:g} in float64)")
+    return None
+
+
+def _copy(
+    module: nn.Module, styled: dict[str, Any], whole_shapes: dict[str, tuple[int, ...]], n: int, kind: str,
+    calls: list[Any], whole_calls: list[tuple[str, Tensor, Tensor]] | None = None,
+) -> tuple[nn.Module, list[tuple[Any, str, int]]]:
+    """A copy of the Region's module (each submodule a shallow copy with dicts of its own: the layer's copy and
+    its tensors untouched), in eval mode, its tensors float64 copies (tiled to the whole where split, for the
+    whole copy), its divided head counts as ``kind`` says, and its styled modules computing without
+    communication (each Rowwise recording its input). Also the counts held by objects that are no modules
+    (shared with the layer's copy, as the Region's own call sets them): (owner, attribute, value) to set while
+    the copy runs."""
+    twins: dict[int, nn.Module] = {}
+    forwards = {id(f) for f in styled.values()}
+
+    def twin(m: nn.Module, prefix: str) -> nn.Module:
+        if id(m) in twins:
+            return twins[id(m)]
+        t = twins[id(m)] = copy.copy(m)
+        vars(t).pop("forward", None)  # a split's installed forward (this Region's, a nested one's, a guard)
+        t.training = False
+        forward = vars(m).get("forward")
+        install = getattr(forward, "install", None) if id(forward) in forwards else None
+
+        def blocks(name: str) -> int:  # a fused Colwise's weight and bias: its blocks cut apart
+            split = None if install is None else param_split(install.style, install.kind, name, m)
+            return 1 if split is None else split[1]
+
+        params: dict[str, Any] = {k: None if v is None else _tensor(v, whole_shapes.get(prefix + k), n, kind, blocks(k))
+                                  for k, v in m._parameters.items()}
+        t._parameters = params
+        t._buffers = {k: None if v is None else _tensor(v, whole_shapes.get(prefix + k), n, kind, 1)
+                      for k, v in m._buffers.items()}
+        t._modules = {k: None if v is None else twin(v, f"{prefix}{k}.") for k, v in m._modules.items()}
+        if install is not None:
+            t.forward = _ProbeForward(t, install, kind, calls, whole_calls)
+        return t
+
+    root = twin(module, "")
+    shared = []
+    for forward in (f for f in (vars(m).get("forward") for m in module.modules()) if f is not None):
+        install = getattr(forward, "install", None)
+        if install is not None and isinstance(install.style, Region):
+            for owner, attr, whole in forward.locals:
+                value = whole if kind == "whole" else whole // n
+                if isinstance(owner, nn.Module) and id(owner) in twins:
+                    object.__setattr__(twins[id(owner)], attr, value)
+                else:
+                    shared.append((owner, attr, value))
+    return root, shared
+
+
+@contextlib.contextmanager
+def _counts_set(counts: list[tuple[Any, str, int]]) -> Iterator[None]:
+    before = [getattr(owner, attr) for owner, attr, _ in counts]
+    try:
+        for owner, attr, value in counts:
+            setattr(owner, attr, value)
+        yield
+    finally:
+        for (owner, attr, _), value in zip(counts, before, strict=True):
+            setattr(owner, attr, value)
+
+
+def _tensor(t: Tensor, whole: tuple[int, ...] | None, n: int, kind: str, blocks: int) -> Tensor:
+    """A float64 copy of ``t`` (this rank's), for the whole copy tiled to the ``whole`` shape along the one dim
+    the split cut (block by block for a fused projection)."""
+    local = _upcast(t)
+    if kind == "split" or whole is None or tuple(t.shape) == whole:
+        return local
+    dims = [d for d, (a, b) in enumerate(zip(t.shape, whole, strict=True)) if a != b]
+    if len(t.shape) != len(whole) or len(dims) != 1 or t.shape[dims[0]] * n != whole[dims[0]]:
+        raise _Unrelated(f"a tensor of shape {list(t.shape)} is no 1/{n} of {list(whole)}")
+    return _tile(local, n, dims[0], blocks)
+
+
+class _Unrelated(Exception):
+    """A Region tensor whose shape the probe cannot relate to the whole's: the call is not judged (a gap)."""
+
+
+def _tile(local: Tensor, n: int, d: int, blocks: int) -> Tensor:
+    """The tensor whose every rank's slice (``TensorSplit(dim=d, parts=n, blocks=blocks).local``) is ``local``."""
+    return torch.cat([torch.cat([b] * n, d) for b in local.chunk(blocks, d)], d)
+
+
+class _ProbeForward:
+    """A styled module's forward in a probe copy: a Colwise computes its (whole or split) slice; a Rowwise
+    records its input and returns its product (the whole copy's, in the split copy: not computable alone)."""
+
+    def __init__(self, m: nn.Module, install: Any, kind: str, calls: list[Any],
+                 whole_calls: list[tuple[str, Tensor, Tensor]] | None) -> None:
+        self.m, self.install, self.kind, self.calls, self.whole_calls = m, install, kind, calls, whole_calls
+
+    def __call__(self, x: Tensor) -> Tensor:
+        m, install = self.m, self.install
+        if isinstance(install.style, Rowwise) and self.whole_calls is not None:
+            k = len(self.calls)
+            self.calls.append((install.path, x))
+            if k < len(self.whole_calls) and self.whole_calls[k][0] == install.path:
+                return self.whole_calls[k][2]
+            return _product(m, install.kind, x)  # counted apart: the comparison says the calls differ
+        y = _product(m, install.kind, x)
+        if isinstance(install.style, Rowwise):
+            self.calls.append((install.path, x, y))
+        return y
+
+
+def _product(m: nn.Module, kind: str | None, x: Tensor) -> Tensor:
+    weight, bias = m._parameters["weight"], m._parameters.get("bias")
+    assert weight is not None, "a styled Linear / Conv1D has a weight"
+    if kind == CONV1D:  # Hugging Face's Conv1D sizes its output by its whole nf: computed from the weight
+        flat = x.reshape(-1, x.size(-1))
+        y = flat @ weight if bias is None else torch.addmm(bias, flat, weight)
+        return y.view(*x.shape[:-1], weight.shape[1])
+    if type(m).forward is nn.Linear.forward:
+        return F.linear(x, weight, bias)
+    out: Tensor = type(m).forward(m, x)
+    return out
+
+
+def _upcast(t: Any) -> Any:
+    if not isinstance(t, Tensor):
+        return t
+    t = t.detach()
+    if t.is_floating_point():
+        return t.to(torch.float64, copy=True)
+    if t.is_complex():
+        return t.to(torch.complex128, copy=True)
+    return t.clone()
+
+
+@contextlib.contextmanager
+def _hidden(device: torch.device) -> Iterator[list[str]]:
+    """Off the graph, out of sight of the layer's watches (torch function and dispatch modes: a selective
+    recomputation's cache would count the copies' ops), the random streams put back after; yields a list that
+    names the generators the copies drew from, filled on the way out (a state that moved: no per-op cost)."""
+    gens = default_generators(device)
+    states = [g.get_state() for g in gens]
+    drew: list[str] = []
+    try:
+        with torch.no_grad(), quiet(), unfollowed(), torch._C.DisableTorchFunction(), _disable_current_modes():
+            yield drew
+    finally:
+        for g, state in zip(gens, states, strict=True):
+            if not torch.equal(g.get_state(), state):
+                drew.append(str(g.device))
+            g.set_state(state)
+
+
+def _message(label: str, cls: str, axis: str, n: int, index: int, found: str) -> str:
+    return (
+        f"tensor_parallel: Region {label!r} (a {cls}) computes other values on rank {index} of axis {axis!r} than "
+        f"the whole module computes for that rank's heads (its first call, run again in float64 on copies: "
+        f"{found}). Each of the {n} ranks holds 1/{n} of the heads, and the Region divides the head counts it names "
+        "while the module runs; the likely cause is a per-head value computed in forward from the rank's count "
+        "through Python (math.log2 / math.sqrt / range / float / .tolist(): ALiBi's get_slopes(self.n_head), "
+        "q / math.sqrt(self.n_head), torch.tensor(list(range(h)))), which gives each rank the values of a model "
+        f"with {n} times fewer heads, or the first heads' values, and the step would train another model. Compute "
+        "per-head tables at init as a buffer or parameter and mark it sw.tp.PerHead() in the plan (each rank then "
+        "gets its heads' rows), or keep the whole count in an attribute the Region does not divide "
+        "(self.total_heads = n_head at init) and compute from it"
+    )

@@ -1,0 +1,155 @@
+"""A Region's first call on each rank, judged by its values (region_probe.py): per-head values computed in
+forward from the rank's head count through Python (ALiBi's ``get_slopes(n)``: math.log2 and a list over
+range(n); ``1 / math.sqrt(n_head)``), which head_numbers.py's marks cannot follow, are refused naming the
+Region; the exact forms (a PerHead table, the whole count kept at init, dropout inside the attention) train as
+on one device. float64 and rtol 1e-9: tensor parallel only reorders sums."""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import shardwise as sw
+from shardwise.collectives.errors import RankFailed
+from shardwise.collectives.launch import launch
+
+D, H, SEQ, BATCH = 16, 4, 6, 2
+PLAN: dict[str, Any] = {
+    "*.attn": sw.tp.Region(heads=("n_head",)), "*.attn.q": sw.tp.Colwise(), "*.attn.k": sw.tp.Colwise(),
+    "*.attn.v": sw.tp.Colwise(), "*.attn.o": sw.tp.Rowwise(),
+}
+
+
+def get_slopes(n: int) -> list[float]:
+    """The ALiBi paper's (and MPT's, Bloom's) slopes for ``n`` heads, a power of two."""
+    start = 2 ** (-(2 ** -(math.log2(n) - 3)))
+    return [start * start**i for i in range(n)]
+
+
+class Attn(nn.Module):
+    """Attention with an ALiBi-like per-head bias (or scale) computed as ``how`` says."""
+
+    def __init__(self, how: str, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.how, self.n_head, self.total_heads = how, H, H  # total_heads: the whole count, kept (not divided)
+        self.q, self.k, self.v, self.o = (nn.Linear(D, D) for _ in range(4))
+        self.drop = nn.Dropout(dropout)
+        self.register_buffer("slopes", torch.tensor(get_slopes(H)))  # PerHead in the plan where "PerHead"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = (m(x).view(b, t, self.n_head, -1).transpose(1, 2) for m in (self.q, self.k, self.v))
+        h = q.size(1)
+        slopes = torch.zeros(h, dtype=q.dtype)
+        if self.how == "get_slopes(self.n_head)":
+            slopes = torch.tensor(get_slopes(self.n_head), dtype=q.dtype)
+        elif self.how == "get_slopes(q.size(1))":
+            slopes = torch.tensor(get_slopes(h), dtype=q.dtype)
+        elif self.how == "tensor(list(range(h)))":
+            slopes = 2.0 ** -(torch.tensor(list(range(h)), dtype=q.dtype) + 1)
+        elif self.how == "arange(h).tolist()":
+            slopes = torch.tensor([2.0 ** -(i + 1) for i in torch.arange(h).tolist()], dtype=q.dtype)
+        elif self.how == "q * (1.0 / h)":
+            q = q * (1.0 / h)
+        elif self.how == "q / math.sqrt(self.n_head)":
+            q = q / math.sqrt(self.n_head)
+        elif self.how == "PerHead buffer":
+            slopes = self.slopes.to(q.dtype)
+        elif self.how == "whole count kept at init":
+            q = q / math.sqrt(self.total_heads)
+        pos = torch.arange(t, dtype=q.dtype)
+        bias = slopes.view(1, -1, 1, 1) * (pos.view(1, 1, 1, t) - pos.view(1, 1, t, 1))
+        probs = self.drop((q @ k.transpose(-1, -2) / math.sqrt(q.size(-1)) + bias).softmax(-1))
+        return self.o((probs @ v).transpose(1, 2).reshape(b, t, -1))
+
+
+class Block(nn.Module):
+    def __init__(self, how: str, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.norm, self.attn = nn.LayerNorm(D), Attn(how, dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.attn(self.norm(x))
+
+
+def _problem(how: str, dropout: float = 0.0) -> tuple[sw.Step, Any, list[Any], dict[str, Any]]:
+    torch.manual_seed(0)
+    model = nn.Sequential(Block(how, dropout), Block(how, dropout)).double().train()
+    chain, params = sw.functionalize(model)
+    step = sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1, momentum=0.9))
+    gen = torch.Generator().manual_seed(1)
+    batches = [tuple(torch.randn(BATCH, SEQ, D, dtype=torch.float64, generator=gen) for _ in range(2))
+               for _ in range(2)]
+    plan = {**PLAN, "*.attn.slopes": sw.tp.PerHead()} if how == "PerHead buffer" else PLAN
+    return step, params, batches, plan
+
+
+SILENT = ["get_slopes(self.n_head)", "get_slopes(q.size(1))", "tensor(list(range(h)))", "arange(h).tolist()",
+          "q * (1.0 / h)", "q / math.sqrt(self.n_head)"]
+
+
+@pytest.mark.parametrize("how", SILENT)
+def test_a_per_head_value_from_the_rank_count_through_python_is_refused_naming_the_region(how: str) -> None:
+    step, params, batches, plan = _problem(how)
+    tp = sw.tensor_parallel(step, "tp", plan)
+    with pytest.raises(RankFailed) as info:
+        sw.testing.assert_equivalent(tp, step, sw.Mesh(tp=2), batches, params, rtol=1e-9)
+    message = str(info.value.__cause__)
+    assert isinstance(info.value.__cause__, ValueError), message
+    assert "Region '0.attn' (a Attn) computes other values on rank" in message
+    assert "the input of Rowwise '0.attn.o' (its call 1)" in message
+    assert "per-head value computed in forward from the rank's count" in message
+    assert "sw.tp.PerHead()" in message
+
+
+@pytest.mark.parametrize("how", ["plain", "PerHead buffer", "whole count kept at init"])
+def test_exact_per_head_values_train_as_on_one_device(how: str) -> None:
+    step, params, batches, plan = _problem(how)
+    tp = sw.tensor_parallel(step, "tp", plan)
+    sw.testing.assert_equivalent(tp, step, sw.Mesh(tp=2), batches, params, rtol=1e-9)
+
+
+def test_dropout_inside_the_attention_in_training_mode_is_not_refused_and_the_probe_still_judges() -> None:
+    """The probe's copies run in eval mode: dropout draws nothing there (the step's own draws are untouched:
+    the loss differs from the same step without dropout), and a wrong per-head value beside it is refused."""
+    losses = {}
+    for p in (0.0, 0.5):
+        step, params, batches, plan = _problem("plain", dropout=p)
+        per_rank = launch(functools.partial(_losses, step, plan, params, batches), 2)
+        assert per_rank[0] == per_rank[1]  # the loss is every rank's
+        losses[p] = per_rank[0]
+    assert losses[0.0] != losses[0.5]  # dropout drew in the step
+    step, params, batches, plan = _problem("get_slopes(self.n_head)", dropout=0.5)
+    with pytest.raises(RankFailed, match=r"Region '0\.attn' \(a Attn\) computes other values"):
+        launch(functools.partial(_losses, step, plan, params, batches), 2)
+
+
+def _losses(step: sw.Step, plan: dict[str, Any], params: Any, batches: list[Any]) -> list[float]:
+    tp = sw.tensor_parallel(step, "tp", plan)
+    return [float(metrics["loss"]) for metrics, _ in sw.testing.record_history(tp, tp.init(params, sw.Mesh(tp=2)),
+                                                                                 batches)]
+
+
+def _refusal_on_rank(how: str) -> str:
+    """Each gloo rank's own refusal (caught on the rank, so each reports it rather than the first alone)."""
+    step, params, batches, plan = _problem(how)
+    tp = sw.tensor_parallel(step, "tp", plan)
+    try:
+        sw.testing.record_history(tp, tp.init(params, sw.Mesh(tp=2)), batches)
+    except ValueError as err:
+        return str(err)
+    return "not refused"
+
+
+@pytest.mark.gloo
+def test_on_gloo_processes_every_rank_refuses_and_every_process_ends(gloo2: Any) -> None:
+    messages = gloo2.run(_refusal_on_rank, "q / math.sqrt(self.n_head)")
+    assert len(messages) == 2
+    for rank, message in enumerate(messages):
+        assert f"Region '0.attn' (a Attn) computes other values on rank {rank} of axis 'tp'" in message, message
