@@ -274,7 +274,9 @@ class TPForward:
         flow.gathered = gather
         return gather
 
-    def _run_region(self, style: Region, label: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _run_region(
+        self, style: Region, label: str, args: tuple[Any, ...], kwargs: dict[str, Any], probe: bool = True
+    ) -> Any:
         """The Region's module on its entered input, a failure of torch's explained (head counts)."""
         m = self.module
         flow.regions = getattr(flow, "regions", 0) + 1
@@ -291,9 +293,15 @@ class TPForward:
             raise ValueError(region_failed(m, label, style, err, in_layer.size(self.axis), split, fed)) from err
         finally:
             flow.regions -= 1
-        if self.probe is not None and not self.probe.done:  # its first real call on this rank only
-            self.probe.run(m, label, self.axis, args, kwargs)
+        if probe:
+            self._probe(label, args, kwargs)
         return out
+
+    def _probe(self, label: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Judge a Region's first real call on this rank by its values (region_probe.py), after the watches that
+        name the line have judged it (their refusals say more)."""
+        if self.probe is not None and not self.probe.done:
+            self.probe.run(self.module, label, self.axis, args, kwargs)
 
     def _read_region(self, install: Install, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """A Region's call that reads it as well: its paths (region_paths.py), until a call records a
@@ -325,7 +333,7 @@ class TPForward:
         self.cuts_watched = True
         try:
             with flow.watch if flow.watch is not outer_watch else contextlib.nullcontext():
-                out = self._run_region(style, label, args, kwargs)
+                out = self._run_region(style, label, args, kwargs, probe=False)
             if flow.watch is not outer_watch:
                 flow.watch.finish()
         except BaseException:
@@ -346,6 +354,7 @@ class TPForward:
             with quiet(), positions.unfollowed():  # reading grad_fn is a tensor op to the followers
                 whole, partial_ = parameter_sides(out, [node for _, node in splits], [*before, *entered], sides.names)
             sides.add(label, whole, partial_)
+        self._probe(label, args, kwargs)
         return out
 
     def _check_paths(

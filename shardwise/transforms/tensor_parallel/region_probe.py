@@ -147,13 +147,19 @@ def _compare(
         if got.shape[:-1] != want.shape[:-1] or got.shape[-1] * n != want.shape[-1]:
             return (f"the input of Rowwise {path!r} (its call {k + 1}) has shape {list(got.shape)} on the rank and "
                     f"{list(want.shape)} in the whole module")
-        mine = TensorSplit("", dim, n).local(want, index)
-        scale = float(mine.abs().nan_to_num(0.0, 0.0, 0.0).max()) if mine.numel() else 0.0
-        if not torch.allclose(got, mine, rtol=0.0, atol=RTOL * scale, equal_nan=True):
-            err = float((got - mine).abs().nan_to_num(float("inf")).max())
-            return (f"the input of Rowwise {path!r} (its call {k + 1}), this rank's heads' features, differs from "
-                    f"the whole module's for the same heads by up to {err:.3g} (relative {err / max(scale, 1e-300):.3g}"
-                    f", allowed {RTOL:g} in float64)")
+        # Every place's slice, this rank's first: the whole copy holds this rank's weights at every place, so a
+        # module computing each head from its own weights gives the same features at each. Judging them all
+        # makes every rank refuse alike (a table numbered from 0 on each rank matches the whole at place 0
+        # only): no rank goes on to a collective its peers never reach.
+        for place in (index, *(p for p in range(n) if p != index)):
+            mine = TensorSplit("", dim, n).local(want, place)
+            scale = float(mine.abs().nan_to_num(0.0, 0.0, 0.0).max()) if mine.numel() else 0.0
+            if not torch.allclose(got, mine, rtol=0.0, atol=RTOL * scale, equal_nan=True):
+                err = float((got - mine).abs().nan_to_num(float("inf")).max())
+                heads = "this rank's heads" if place == index else f"the heads rank {place} holds (its weights tiled)"
+                return (f"the input of Rowwise {path!r} (its call {k + 1}), the rank's heads' features, differs from "
+                        f"the whole module's for {heads} by up to {err:.3g} (relative "
+                        f"{err / max(scale, 1e-300):.3g}, allowed {RTOL:g} in float64)")
     return None
 
 

@@ -148,8 +148,11 @@ def _refusal_on_rank(how: str) -> str:
 
 
 @pytest.mark.gloo
-def test_on_gloo_processes_every_rank_refuses_and_every_process_ends(gloo2: Any) -> None:
-    messages = gloo2.run(_refusal_on_rank, "q / math.sqrt(self.n_head)")
+@pytest.mark.parametrize("how", ["q / math.sqrt(self.n_head)", "tensor(list(range(h)))"])
+def test_on_gloo_processes_every_rank_refuses_and_every_process_ends(gloo2: Any, how: str) -> None:
+    """A table numbered from 0 on every rank gives rank 0 the whole's first heads: rank 0 refuses too (judging
+    every place's heads), rather than going on to a collective rank 1 never reaches."""
+    messages = gloo2.run(_refusal_on_rank, how)
     assert len(messages) == 2
     for rank, message in enumerate(messages):
         assert f"Region '0.attn' (a Attn) computes other values on rank {rank} of axis 'tp'" in message, message
