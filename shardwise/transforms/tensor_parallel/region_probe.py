@@ -24,11 +24,12 @@ input is compared on the same values.
 
 Why tiled and not the whole weights: a rank holds only its slices (each rank's shard is cut from the whole
 parameters at the step's start and trained alone), and gathering them would put a collective into the first
-step that the Plan does not show. The tiled copy needs no collective, so no rank waits on another: a rank whose
-values differ refuses, and the others go on to their next collective (the threads backend stops them with its
-failure; a gloo process group ends on its timeout). A count misused alike on every rank (``get_slopes(n)``,
-``1 / math.sqrt(n)``) is refused on every rank; a table numbered from 0 on each rank (``2.0 ** -(arange(h) +
-1)``) matches the whole on rank 0 and is refused on the others.
+step that the Plan does not show. The tiled copy needs no collective, so no rank waits on another. It holds
+this rank's weights at every place, so a module that computes each head from its own weights gives the same
+features at each: every place's slice is compared, and every rank judges alike. A count misused alike on every
+rank (``get_slopes(n)``, ``1 / math.sqrt(n)``) and a table numbered from 0 on each rank
+(``torch.tensor(list(range(h)))``, which matches the whole at place 0 only) are refused on every rank, none left
+waiting in a collective its peers never reach.
 
 The copies run in eval mode, so dropout (modules, and ``F.dropout(..., training=self.training)``) draws nothing;
 the random generators are put back after them. Not judged (a gap, the call is left as it ran): a Region whose
