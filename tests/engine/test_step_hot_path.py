@@ -24,8 +24,7 @@ from torch import nn
 
 import shardwise as sw
 from shardwise.engine.plan import actions
-from shardwise.engine.run import forward_state
-from shardwise.engine.run import executor
+from shardwise.engine.run import executor, forward_state
 
 _ROOT = str(Path(sw.__file__).resolve().parent)
 
