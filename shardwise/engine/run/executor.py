@@ -426,7 +426,7 @@ class Executor(ZeroActions, TransferActions, StageBackward, LossAction, StepEnd)
                 "gradient, carries none either: recompute with sw.remat(step) instead)"
             )
         bound = self._bound.get(s)
-        if bound is None or self.source.sharding is not None:  # (bound already, and nothing to check)
+        if bound is None or self.source.sharding is not None:  # (else bound already, and no ZeRO unit to check)
             bound = self._bound_stage(s)
         if not joined:
             _require_grad(inputs)  # (no loop name left on an input: handover.release_unkept counts references)
