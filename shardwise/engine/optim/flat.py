@@ -59,16 +59,19 @@ def flatten(tree: Any) -> tuple[list[Any], Structure]:
     return leaves, Structure(tree, None, spec)
 
 
+_DICT = {dict}
+
+
 def leaves_like(tree: Any, structure: Structure, name: str) -> list[Any]:
     """``tree``'s leaves, paired with the template's: refused unless it has the template's structure."""
-    template = structure.template
-    if (
-        structure.keys is not None and type(tree) is dict and tree.keys() == template.keys()
-        and all(type(tree[k]) is dict and tree[k].keys() == v.keys() for k, v in template.items())
-    ):
-        leaves = [tree[a][b] for a, b in structure.keys]
-        if all(map(isinstance, leaves, repeat(Tensor))):
-            return leaves
+    template, keys = structure.template, structure.keys
+    if keys is not None and type(tree) is dict and tree.keys() == template.keys():
+        # Each inner dict's key set the template's (read with map, as _nested_keys: no generator)
+        inner = [tree[k] for k in template]
+        if set(map(type, inner)) <= _DICT and list(map(dict.keys, inner)) == list(map(dict.keys, template.values())):
+            leaves = [tree[a][b] for a, b in keys]
+            if all(map(isinstance, leaves, repeat(Tensor))):
+                return leaves
     leaves, tree_spec = optree.tree_flatten(tree)
     if tree_spec != structure.spec:
         raise ValueError(
@@ -85,5 +88,10 @@ def unflatten(structure: Structure, leaves: list[Any]) -> Any:
         return optree.tree_unflatten(structure.spec, leaves)
     if len(leaves) != len(structure.keys):
         raise ValueError(f"{len(leaves)} leaves for a tree of {len(structure.keys)}")
-    at = dict(zip(structure.keys, leaves, strict=True))
-    return {outer: {name: at[(outer, name)] for name in inner} for outer, inner in structure.template.items()}
+    get = dict(zip(structure.keys, leaves, strict=True)).__getitem__
+    # (each inner dict made by dict(zip(...)) in C, not a comprehension per layer: this runs on every
+    # tree an update returns)
+    return {
+        outer: dict(zip(inner, map(get, zip(repeat(outer), inner)), strict=True))
+        for outer, inner in structure.template.items()
+    }

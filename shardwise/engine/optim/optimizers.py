@@ -38,6 +38,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Any, NamedTuple, TypeAlias
 
 import optree
@@ -458,13 +459,16 @@ def global_norm(tree: Params) -> Tensor:
     return torch.linalg.vector_norm(torch.stack([n.to(first_device) for n in norms]), 2.0)
 
 
+_DICT = {dict}
+
+
 def tensor_leaves(tree: Any) -> list[Tensor]:
     """The tensors of ``tree``, mappings in insertion order (:func:`_leaves_in_insertion_order`);
     a step's gradients (a dict of dicts of tensors) read in one comprehension instead of a
     generator per container, or a flattening."""
-    if isinstance(tree, dict) and all(type(v) is dict for v in tree.values()):
+    if isinstance(tree, dict) and set(map(type, tree.values())) <= _DICT:  # (map: no generator per call)
         flat = [t for v in tree.values() for t in v.values()]
-        if all(isinstance(t, Tensor) for t in flat):
+        if all(map(isinstance, flat, repeat(Tensor))):
             return flat
     return list(_leaves_in_insertion_order(tree))
 

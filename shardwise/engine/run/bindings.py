@@ -46,9 +46,12 @@ class StageBindings:
         """Make these the bindings of a step of ``chain`` reading ``compute``: kept (their gradients
         emptied) when each leaf's parameter is the tensor it was detached from, else emptied for
         binding again. True when kept."""
-        kept = self.chain is chain and all(
-            compute.get(owner, {}).get(name) is tensor for (owner, name), tensor in self.sources.items()
-        )
+        kept = self.chain is chain
+        if kept:
+            for (owner, name), tensor in self.sources.items():  # (a loop: no generator, every step)
+                if compute.get(owner, {}).get(name) is not tensor:
+                    kept = False
+                    break
         if kept:
             if not self.emptied:
                 self.clear_grads()

@@ -115,6 +115,40 @@ _RANDOM = {FORWARD: 1, BACKWARD: 2, BACKWARD_INPUT: 2, BACKWARD_WEIGHT: 2, LOSS:
 _ISSUE_INSIDE = (*COMPUTES, LOSS)  # the actions whose layers may issue collectives (lower.insert_inside)
 
 
+# Each action kind's handler, an Executor method by name: bound per action that runs (a step runs a
+# handful of the 28 kinds), not a table of bound methods made every step.
+_HANDLERS: dict[str, str] = {
+    FORWARD: "forward",
+    LOSS: "compute_loss",
+    BACKWARD: "backward",
+    BACKWARD_INPUT: "backward",
+    BACKWARD_WEIGHT: "backward",
+    GATHER: "gather",
+    WAIT_GATHER: "wait_gather",
+    FREE: "free",
+    REDUCE_SCATTER: "reduce_scatter",
+    WAIT_REDUCE: "wait_reduce",
+    REDUCE_REPLICAS: "reduce_replicas",
+    WAIT_REPLICAS: "wait_replicas",
+    SEND_ACTIVATION: "send_activation",
+    SEND_GRAD: "send_grad",
+    RECV_ACTIVATION: "receive",
+    RECV_GRAD: "receive",
+    WAIT_SENDS: "wait_sends",
+    SEND_TIED: "send_tied",
+    RECV_TIED: "recv_tied",
+    SUM_TIED: "sum_tied",
+    FINISH_GRADS: "finish_grads",
+    CHECK_REPLICAS: "check_replicas",
+    WAIT_CHECK: "wait_check",
+    REDUCE_METRICS: "reduce_metrics",
+    WAIT_METRICS: "wait_metrics",
+    UPDATE: "run_update",
+    GATHER_PARAMS: "gather_params",
+    WAIT_PARAMS: "wait_params",
+}
+
+
 def _needs_grad(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad
 
@@ -260,36 +294,6 @@ class Executor(ZeroActions, TransferActions, StageBackward, LossAction, StepEnd)
             self._run(actions)
 
     def _run(self, actions: Sequence[Action]) -> None:
-        table: dict[str, Callable[[Action], None]] = {
-            FORWARD: self.forward,
-            LOSS: self.compute_loss,
-            BACKWARD: self.backward,
-            BACKWARD_INPUT: self.backward,
-            BACKWARD_WEIGHT: self.backward,
-            GATHER: self.gather,
-            WAIT_GATHER: self.wait_gather,
-            FREE: self.free,
-            REDUCE_SCATTER: self.reduce_scatter,
-            WAIT_REDUCE: self.wait_reduce,
-            REDUCE_REPLICAS: self.reduce_replicas,
-            WAIT_REPLICAS: self.wait_replicas,
-            SEND_ACTIVATION: self.send_activation,
-            SEND_GRAD: self.send_grad,
-            RECV_ACTIVATION: self.receive,
-            RECV_GRAD: self.receive,
-            WAIT_SENDS: self.wait_sends,
-            SEND_TIED: self.send_tied,
-            RECV_TIED: self.recv_tied,
-            SUM_TIED: self.sum_tied,
-            FINISH_GRADS: self.finish_grads,
-            CHECK_REPLICAS: self.check_replicas,
-            WAIT_CHECK: self.wait_check,
-            REDUCE_METRICS: self.reduce_metrics,
-            WAIT_METRICS: self.wait_metrics,
-            UPDATE: self.run_update,
-            GATHER_PARAMS: self.gather_params,
-            WAIT_PARAMS: self.wait_params,
-        }
         self._actions = actions
         # A traced step times every backward, and the collectives its layers issue, on its own.
         # Otherwise runs of whole backwards run as one call (a covered one runs nothing), a stage's
@@ -312,9 +316,10 @@ class Executor(ZeroActions, TransferActions, StageBackward, LossAction, StepEnd)
                 continue
             if action.kind in (FINISH_GRADS, UPDATE):  # every call of the step has run: before the update
                 self._state.check_end()
-            handler = table.get(action.kind)
-            if handler is None:
+            name = _HANDLERS.get(action.kind)
+            if name is None:
                 raise ValueError(f"the executor has no handler for action {action} (kind {action.kind!r})")
+            handler: Callable[[Action], None] = getattr(self, name)
             if self.record:
                 # Every collective a compute's layers issue (a split's), timed where it runs: the Plan
                 # lists each right after its compute.
@@ -390,8 +395,14 @@ class Executor(ZeroActions, TransferActions, StageBackward, LossAction, StepEnd)
         (one rank per process) it seeds them here, where it knows whether the stage draws any
         random numbers: a stage of layers that draw none (a Linear, a GELU, called directly) runs
         unseeded, as the seed would change nothing it computes (every compute seeds its own)."""
-        s, m = action.require("stage"), action.mb
-        joined = (s, m) in self._joined
+        # (Read once each: this runs for every stage and micro-batch, a few microseconds a stage of Python
+        # next to a small layer's kernels; the per-call checks below all stay.)
+        s = action.stage
+        if s is None:
+            s = action.require("stage")  # (raises: a forward names its stage)
+        m = action.microbatch or 0  # (Action.mb)
+        key = (s, m)
+        joined = key in self._joined
         handed: list[tuple[torch.Tensor, torch.Tensor]] = []
         if s == 0:
             x, inputs = self.microbatches[m][0], []
@@ -414,20 +425,27 @@ class Executor(ZeroActions, TransferActions, StageBackward, LossAction, StepEnd)
                 "torch.no_grad(), or by torch.utils.checkpoint(use_reentrant=True) from an input that needs no "
                 "gradient, carries none either: recompute with sw.remat(step) instead)"
             )
-        bound = self._bound_stage(s)
+        bound = self._bound.get(s)
+        if bound is None or self.source.sharding is not None:  # (else bound already, and no ZeRO unit to check)
+            bound = self._bound_stage(s)
         if not joined:
             _require_grad(inputs)  # (no loop name left on an input: handover.release_unkept counts references)
         # Counted now, before the forward can keep anything of it: freed after it where it kept nothing.
         watched = watch(handed) if handed else None
         quiet = bound.quiet
-        ran_quiet = quiet is not None and type(x) is torch.Tensor and all(calls_forward_alone(q[0]) for q in quiet)
+        ran_quiet = quiet is not None and type(x) is torch.Tensor
+        if quiet is not None and ran_quiet:
+            for q in quiet:  # asked before every call: a hook may come at any time
+                if not calls_forward_alone(q[0]):
+                    ran_quiet = False
+                    break
         if quiet is not None and ran_quiet:
             y = self._run_quiet(quiet, bound, x, s, m)
         else:
             if self._seed_prefix is not None and not self._shared_rng:  # shared ones: seeded by the caller
                 seed_all(self._generators, self._forward_seed(action))
             y = self._run_layers(bound, x, s, m)
-        self._outputs[(s, m)] = y
+        self._outputs[key] = y
         if s < self.placement.backward_from:
             return  # no gradient comes back to it (Placement.backward_from): nothing is kept for a backward
         if joined:
@@ -444,12 +462,12 @@ class Executor(ZeroActions, TransferActions, StageBackward, LossAction, StepEnd)
                 for k, t in enumerate(inputs):
                     t.register_hook(functools.partial(mark_reached, reached, k))
             # A stage whose backward the call of a stage above covers never reads its outputs.
-            outputs = [] if (s, m) in self._covered else self._carrying_grads(s, y)
-            self._saved[(s, m)] = Saved([], bound.leaves, outputs, reached=reached)
+            outputs = [] if key in self._covered else self._carrying_grads(s, y)
+            self._saved[key] = Saved([], bound.leaves, outputs, reached=reached)
         else:
             # (The lowest stage of a joined run is covered too: the run's one call starts from its top.)
-            outputs = [] if (s, m) in self._covered else self._carrying_grads(s, y)
-            self._saved[(s, m)] = Saved(inputs, bound.leaves, outputs)
+            outputs = [] if key in self._covered else self._carrying_grads(s, y)
+            self._saved[key] = Saved(inputs, bound.leaves, outputs)
             if watched:
                 del x  # the tree the layers were given (a layer may have taken a leaf out of it)
                 release_unkept(watched)
@@ -504,11 +522,11 @@ class Executor(ZeroActions, TransferActions, StageBackward, LossAction, StepEnd)
         """The stage's layers on ``x`` as their forwards' one calls (``BoundStage.quiet``): what their
         calls in :meth:`_run_layers` run, without the way through the module call."""
         y = x
-        for (module, tensors, fn), (name, _, _) in zip(quiet, bound.layers, strict=True):
+        for i, (module, tensors, fn) in enumerate(quiet):  # (bound.layers: the same layers, in order)
             try:
                 y = fn(module, tensors, y)
             except Exception as err:
-                self._layer_failed(err, name, s, m, y)
+                self._layer_failed(err, bound.layers[i][0], s, m, y)
         return y
 
     def _layer_failed(self, err: Exception, name: str, s: int, m: int, y: Any) -> NoReturn:

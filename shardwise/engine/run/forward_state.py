@@ -59,6 +59,11 @@ class ForwardStateWatch:
         self._seen.add(name)
         layer = chain[name]
         me = threading.get_ident()
+        # Every later step asks once per layer: read without the lock (a dict's and a set's lookups are
+        # atomic, and only this thread adds itself), which cost more than the rest of the question.
+        watched = _WATCHED.get(layer)
+        if watched is not None and me in watched:
+            return False
         with _LOCK:
             threads = _WATCHED.setdefault(layer, set())
             if me in threads:

@@ -66,9 +66,17 @@ def _first_array(tree: Any) -> torch.Tensor | None:
         except TypeError:  # keys that do not compare: optree's own order
             keys = None
         if keys is not None:
-            return next((t for t in map(_first_array, (tree[k] for k in keys)) if t is not None), None)
+            for k in keys:  # (plain loops, not generators: this runs twice a step, on two trees)
+                found = _first_array(tree[k])
+                if found is not None:
+                    return found
+            return None
     elif type(tree) in (list, tuple) or (isinstance(tree, tuple) and hasattr(tree, "_fields")):
-        return next((t for t in map(_first_array, tree) if t is not None), None)
+        for value in tree:
+            found = _first_array(value)
+            if found is not None:
+                return found
+        return None
     return next((t for t in optree.tree_leaves(tree) if isinstance(t, torch.Tensor) and t.ndim > 0), None)
 
 
