@@ -16,18 +16,26 @@ Python's bit operators and ``divmod`` keep the mark; numpy's ufuncs and function
 ``__array_function__``). ``len(x)`` of a tensor whose dim 0 holds positions is refused where it is read
 (CPython turns what ``__len__`` returns into a plain ``int``: it cannot be marked).
 
-What it cannot see: a number that leaves Python's arithmetic for a plain one without ``__float__``
-(``int(t)``, ``range(t)``, ``str(t)``, ``math.sqrt(1 / t)``: the float argument is read as it is; numpy
-reading it as an array or scalar, or inside a list: ``np.asarray(t)``, ``np.float64(t)``, ``np.arange(t)``,
-``np.prod([t, 2])``), ``x.shape.numel()``
-(``torch.Size`` cannot be subclassed and multiplies its ints in C; ``x.numel()`` is marked), a
-comparison (``if t > 1024``: control flow), and a number read outside the watched first call.
+``int()`` of one, or of a float computed from one (``int(t)``, ``int(t * 0.5)``; numpy reading one as a
+scalar, ``np.asarray(t)``), and ``float()`` of a float computed from one (``float(1 / t)``; ``np.float64(t)``),
+are refused where the watched layer's code takes them (not torch's, numpy's or shardwise's): CPython copies what
+``__int__`` returns into a plain ``int``, so the mark cannot survive it, and a size or a value cannot be told
+apart there (a size needs no ``int()``: the read is one). A product of the length as read with plain ints keeps
+where its positions are (``rows``: ``b * t`` is (batch, sequence) folded, ``t * h`` holds ``h`` inside each
+position, in the order written), so a new tensor of that size holds positions (``shape_reads.sized_dims``).
+
+What it cannot see: a number that leaves Python's arithmetic for a plain one through neither ``__int__`` nor
+``__float__`` (``range(t)``, ``len(range(t))``, ``str(t)``, ``math.sqrt(1 / t)``: math reads a float subclass's
+value in C; numpy reading it inside a list or as a size: ``np.prod([t, 2])``, ``np.arange(t)``),
+``x.shape.numel()`` (``torch.Size`` cannot be subclassed or patched and multiplies its ints in C; ``x.numel()``
+is marked), a comparison (``if t > 1024``: control flow), and a number read outside the watched first call.
 """
 
 from __future__ import annotations
 
 import math
 import operator
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -40,15 +48,24 @@ class PartLength(int):
 
     origin: str
     length: int | None  # the part's length it was read as (None: a product with other dims, or computed)
+    rows: tuple[int, int] | None  # a product of it with plain ints: the stride range its positions count in
 
-    def __new__(cls, value: int, origin: str, length: int | None = None) -> PartLength:
+    def __new__(cls, value: int, origin: str, length: int | None = None,
+                rows: tuple[int, int] | None = None) -> PartLength:
         made = super().__new__(cls, value)
-        made.origin, made.length = origin, length
+        made.origin, made.length, made.rows = origin, length, rows
         return made
 
     def __float__(self) -> float:
         _refuse_float(self.origin, "float")
-        return float(int(self))
+        return float(int.__int__(self))
+
+    def __int__(self) -> int:
+        # (CPython copies what __int__ returns into a plain int: the mark cannot survive it, only be seen)
+        if _by_the_model():
+            _refuse(self.origin, "turns it into a plain int (int(...)), which cannot be followed: a value made of "
+                                 "it is the part's count (a size needs no int(): pass the read as it is)")
+        return int.__int__(self)
 
     def __ceil__(self) -> PartLength:
         return self
@@ -77,6 +94,18 @@ class PartFloat(float):
         made = super().__new__(cls, value)
         made.origin = origin
         return made
+
+    def __float__(self) -> float:
+        # (float(1 / t); math's functions read a float subclass's value in C, unseen: math.sqrt(1 / t))
+        if _by_the_model():
+            _refuse_float(self.origin, "float")
+        return float.__float__(self)
+
+    def __int__(self) -> int:
+        if _by_the_model():
+            _refuse(self.origin, "turns a float computed from it into a plain int (int(...)), which cannot be "
+                                 "followed (a size computed from it keeps the mark as t // k)")
+        return int(float.__float__(self))
 
     def __ceil__(self) -> PartLength:
         return PartLength(math.ceil(float.__float__(self)), self.origin)
@@ -127,9 +156,24 @@ def _binary(op: Callable[[Any, Any], Any], reflected: bool) -> Callable[[Any, An
         value = op(a, b)
         if type(value) is int and isinstance(self, PartLength) and value == int.__int__(self):
             return self  # (t + 0, t * 1: the length as read)
+        if op is operator.mul and type(value) is int and type(other) is int and isinstance(self, PartLength):
+            return PartLength(value, self.origin, rows=_rows(self, other, reflected))
         return _marked(value, self.origin)
 
     return method
+
+
+def _rows(part: PartLength, k: int, outer: bool) -> tuple[int, int] | None:
+    """The stride range of the positions in rows ``k * part`` (``outer``: ``b * t``, (batch, sequence) folded, in
+    the order written) or ``part * k`` (``t * h``: ``k`` inside each position), where ``part`` is the length as
+    read or such a product (see ``sequence_tags.py``); None for any other number."""
+    if part.rows is not None:
+        lo, hi = part.rows
+    elif part.length is not None and int.__int__(part) == part.length:
+        lo, hi = 1, part.length
+    else:
+        return None
+    return (lo, hi) if outer else (lo * k, hi * k)
 
 
 _ARITHMETIC = {"add": operator.add, "sub": operator.sub, "mul": operator.mul, "truediv": operator.truediv,
@@ -182,6 +226,17 @@ def _refuse(origin: str, what: str) -> None:
     refuse = getattr(_watch, "refuse", None)
     if refuse is not None:
         refuse(origin, what)
+
+
+_OWN = ("torch.", "shardwise.", "numpy.", "transformers.masking_utils")
+
+
+def _by_the_model() -> bool:
+    """Whether the int() / float() being taken is the watched layer's code's: not torch's, numpy's, shardwise's
+    own (its watch reads the marked numbers as plain ones), or transformers' mask making's (replaced)."""
+    caller = str(sys._getframe(2).f_globals.get("__name__", ""))
+    return getattr(_watch, "refuse", None) is not None and (
+        not caller.startswith(_OWN) or caller.startswith("shardwise.testing"))
 
 
 def _refuse_float(origin: str, how: str) -> None:

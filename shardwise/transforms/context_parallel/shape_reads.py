@@ -41,7 +41,9 @@ _NEW = frozenset({"empty", "zeros", "ones", "rand", "randn", "full", "empty_stri
 def sized_dims(name: str, args: Any, kwargs: dict[str, Any]) -> dict[int, tuple[int, int]]:
     """The dims of a new tensor (``torch.ones(t)``, ``x.new_ones(x.shape)``) sized by the part's length as read:
     they hold the part's positions (their values are made for them: a count, a mask, a cumulated sum of ones),
-    so the rules on such dims apply to them. A size computed from it (``b * t``, ``t // 2``) is not followed."""
+    so the rules on such dims apply to them. Rows folded with it by a product with plain ints, in the order
+    written, hold them too (``torch.ones(b * t)``: (batch, sequence); ``torch.ones(t * h)``: ``h`` inside each
+    position); another size computed from it (``t // 2``, ``t + 1``) is not followed."""
     if name not in _NEW:
         return {}
     given = list(args[1:] if name.startswith("new_") else args)
@@ -53,8 +55,17 @@ def sized_dims(name: str, args: Any, kwargs: dict[str, Any]) -> dict[int, tuple[
         given = [kwargs["size"]]
     if len(given) == 1 and isinstance(given[0], (list, tuple)):
         given = list(given[0])
-    return {d: (1, int(v)) for d, v in enumerate(given)
-            if isinstance(v, PartLength) and v.length is not None and int(v) == v.length and int(v) > 1}
+    return {d: _counted_in(v) for d, v in enumerate(given) if isinstance(v, PartLength) and _counted_in(v)[1] > 1}
+
+
+def _counted_in(size: PartLength) -> tuple[int, int]:
+    """The stride range of the positions along a new dim of ``size``: ``(1, t)`` for the length as read,
+    ``size.rows`` for rows folded with it in the order written (``b * t``, ``t * h``); none for any other."""
+    if size.rows is not None:
+        return size.rows
+    if size.length is not None and int.__int__(size) == size.length:
+        return 1, size.length
+    return 0, 0
 
 
 def is_shape_read(func: Any, name: str) -> bool:
