@@ -24,11 +24,17 @@ apart there (a size needs no ``int()``: the read is one). A product of the lengt
 where its positions are (``rows``: ``b * t`` is (batch, sequence) folded, ``t * h`` holds ``h`` inside each
 position, in the order written), so a new tensor of that size holds positions (``shape_reads.sized_dims``).
 
+Each marked number also carries ``whole``, what one device has in its place (a shape read's size times the
+parts the sequence is cut into, and Python's arithmetic on it alongside): a comparison in the layer's code
+(``if t > 1024``, ``t == 1``, ``min(t, window)``) that one device would answer otherwise is refused, as the
+layer would take another branch; one answered alike (a bound the whole sequence is within) passes.
+
 What it cannot see: a number that leaves Python's arithmetic for a plain one through neither ``__int__`` nor
 ``__float__`` (``range(t)``, ``len(range(t))``, ``str(t)``, ``math.sqrt(1 / t)``: math reads a float subclass's
 value in C; numpy reading it inside a list or as a size: ``np.prod([t, 2])``, ``np.arange(t)``),
 ``x.shape.numel()`` (``torch.Size`` cannot be subclassed or patched and multiplies its ints in C; ``x.numel()``
-is marked), a comparison (``if t > 1024``: control flow), and a number read outside the watched first call.
+is marked), a branch on a plain number made of one (``if int(t) > 1024`` is refused at ``int``, but
+``if len(range(t)) > 1024`` is not seen), and a number read outside the watched first call.
 """
 
 from __future__ import annotations
@@ -49,11 +55,12 @@ class PartLength(int):
     origin: str
     length: int | None  # the part's length it was read as (None: a product with other dims, or computed)
     rows: tuple[int, int] | None  # a product of it with plain ints: the stride range its positions count in
+    whole: Any  # the number one device computes in its place (of the whole sequence's length); None: not known
 
     def __new__(cls, value: int, origin: str, length: int | None = None,
-                rows: tuple[int, int] | None = None) -> PartLength:
+                rows: tuple[int, int] | None = None, whole: Any = None) -> PartLength:
         made = super().__new__(cls, value)
-        made.origin, made.length, made.rows = origin, length, rows
+        made.origin, made.length, made.rows, made.whole = origin, length, rows, whole
         return made
 
     def __float__(self) -> float:
@@ -76,10 +83,10 @@ class PartLength(int):
         return self
 
     def __neg__(self) -> PartLength:
-        return PartLength(-int(self), self.origin)
+        return PartLength(-int.__int__(self), self.origin, whole=_unary(operator.neg, self))
 
     def __abs__(self) -> PartLength:
-        return PartLength(abs(int(self)), self.origin)
+        return PartLength(abs(int.__int__(self)), self.origin, whole=_unary(abs, self))
 
     def __pos__(self) -> PartLength:
         return self
@@ -89,10 +96,11 @@ class PartFloat(float):
     """A ``float`` computed from the length of the rank's part (``1 / t``, ``t ** 0.5``)."""
 
     origin: str
+    whole: Any  # as PartLength's
 
-    def __new__(cls, value: float, origin: str) -> PartFloat:
+    def __new__(cls, value: float, origin: str, whole: Any = None) -> PartFloat:
         made = super().__new__(cls, value)
-        made.origin = origin
+        made.origin, made.whole = origin, whole
         return made
 
     def __float__(self) -> float:
@@ -108,24 +116,25 @@ class PartFloat(float):
         return int(float.__float__(self))
 
     def __ceil__(self) -> PartLength:
-        return PartLength(math.ceil(float.__float__(self)), self.origin)
+        return PartLength(math.ceil(float.__float__(self)), self.origin, whole=_unary(math.ceil, self))
 
     def __floor__(self) -> PartLength:
-        return PartLength(math.floor(float.__float__(self)), self.origin)
+        return PartLength(math.floor(float.__float__(self)), self.origin, whole=_unary(math.floor, self))
 
     def __trunc__(self) -> PartLength:
-        return PartLength(math.trunc(float.__float__(self)), self.origin)
+        return PartLength(math.trunc(float.__float__(self)), self.origin, whole=_unary(math.trunc, self))
 
     def __round__(self, ndigits: Any = None) -> Any:
         if ndigits is None:
-            return PartLength(round(float.__float__(self)), self.origin)
-        return PartFloat(round(float.__float__(self), ndigits), self.origin)
+            return PartLength(round(float.__float__(self)), self.origin, whole=_unary(round, self))
+        return PartFloat(round(float.__float__(self), ndigits), self.origin,
+                         whole=_unary(lambda w: round(w, ndigits), self))
 
     def __neg__(self) -> PartFloat:
-        return PartFloat(-float.__float__(self), self.origin)
+        return PartFloat(-float.__float__(self), self.origin, whole=_unary(operator.neg, self))
 
     def __abs__(self) -> PartFloat:
-        return PartFloat(abs(float.__float__(self)), self.origin)
+        return PartFloat(abs(float.__float__(self)), self.origin, whole=_unary(abs, self))
 
     def __pos__(self) -> PartFloat:
         return self
@@ -142,10 +151,31 @@ def _plain(x: Any) -> Any:
     return x
 
 
-def _marked(value: Any, origin: str) -> Any:
+def _marked(value: Any, origin: str, whole: Any = None) -> Any:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return value
-    return PartLength(value, origin) if isinstance(value, int) else PartFloat(value, origin)
+    return PartLength(value, origin, whole=whole) if isinstance(value, int) else PartFloat(value, origin, whole)
+
+
+def _whole(x: Any) -> Any:
+    """What one device has in the place of ``x``: a marked number's ``whole``, a plain number itself."""
+    return x.whole if isinstance(x, Part) else x
+
+
+def _unary(op: Callable[[Any], Any], x: Any) -> Any:
+    w = _whole(x)
+    return None if w is None else op(w)
+
+
+def _shadow(op: Callable[[Any, Any], Any], a: Any, b: Any) -> Any:
+    """``op`` of what one device has in the places of ``a`` and ``b`` (None where either is not known)."""
+    a, b = _whole(a), _whole(b)
+    if a is None or b is None:
+        return None
+    try:
+        return op(a, b)
+    except (ArithmeticError, ValueError):
+        return None
 
 
 def _binary(op: Callable[[Any, Any], Any], reflected: bool) -> Callable[[Any, Any], Any]:
@@ -154,11 +184,12 @@ def _binary(op: Callable[[Any, Any], Any], reflected: bool) -> Callable[[Any, An
             return NotImplemented  # a tensor's reflected method takes it (and the watch sees the number there)
         a, b = (_plain(other), _plain(self)) if reflected else (_plain(self), _plain(other))
         value = op(a, b)
-        if type(value) is int and isinstance(self, PartLength) and value == int.__int__(self):
+        whole = _shadow(op, other, self) if reflected else _shadow(op, self, other)
+        if type(value) is int and isinstance(self, PartLength) and value == int.__int__(self) and whole == self.whole:
             return self  # (t + 0, t * 1: the length as read)
         if op is operator.mul and type(value) is int and type(other) is int and isinstance(self, PartLength):
-            return PartLength(value, self.origin, rows=_rows(self, other, reflected))
-        return _marked(value, self.origin)
+            return PartLength(value, self.origin, rows=_rows(self, other, reflected), whole=whole)
+        return _marked(value, self.origin, whole)
 
     return method
 
@@ -200,6 +231,32 @@ def _divmod(reflected: bool) -> Callable[[Any, Any], Any]:
         return q if q is NotImplemented else (q, remainder(self, other))
 
     return method
+
+
+def _compare(op: Callable[[Any, Any], bool], sign: str) -> Callable[[Any, Any], Any]:
+    """A comparison (``if t > 1024``, ``min(t, window)``), refused in the watched layer's code where one device,
+    comparing the whole sequence's number, would get the other answer: the layer would take another branch."""
+
+    def method(self: Any, other: Any) -> Any:
+        if isinstance(other, bool) or not isinstance(other, (int, float)):
+            return NotImplemented
+        answer = op(_plain(self), _plain(other))
+        whole = _shadow(op, self, other)
+        if whole is not None and whole != answer and _by_the_model():
+            _refuse(self.origin, f"compares it ({sign} {_plain(other)}): {answer} here, {whole} for the whole "
+                                 "sequence on one device, so the layer would take another branch")
+        return answer
+
+    return method
+
+
+_COMPARISONS = {"lt": (operator.lt, "<"), "le": (operator.le, "<="), "gt": (operator.gt, ">"),
+                "ge": (operator.ge, ">="), "eq": (operator.eq, "=="), "ne": (operator.ne, "!=")}
+for _cls in Part:
+    for _name, (_op, _sign) in _COMPARISONS.items():
+        setattr(_cls, f"__{_name}__", _compare(_op, _sign))
+PartLength.__hash__ = int.__hash__  # type: ignore[method-assign]
+PartFloat.__hash__ = float.__hash__  # type: ignore[method-assign]
 
 
 def _array_ufunc(self: Any, ufunc: Any, method: str, *inputs: Any, **kwargs: Any) -> Any:

@@ -72,27 +72,34 @@ def is_shape_read(func: Any, name: str) -> bool:
     return name in SHAPE_READS and (name != "__get__" or func == _SHAPE_GET)
 
 
-def read_shape(func: Any, name: str, args: Any, kwargs: dict[str, Any], tags_of: TagsOf) -> Any:
-    """``func(*args, **kwargs)``, a shape read, with the sizes of the dims that hold positions marked."""
+def read_shape(func: Any, name: str, args: Any, kwargs: dict[str, Any], tags_of: TagsOf, parts: int | None) -> Any:
+    """``func(*args, **kwargs)``, a shape read, with the sizes of the dims that hold positions marked; each
+    knows what one device reads in its place (``whole``: ``parts`` times as many positions, None: not known)."""
     out = func(*args, **kwargs)
     t = args[0]
     tags = tags_of(t)
     dims = {d for d in tags if d >= 0}
     if not dims:
         return out
+
+    def whole(v: int, k: int = 1) -> int | None:
+        return None if parts is None else v * parts ** k
+
     if name == "numel":
-        return PartLength(out, _origin(t, f"{{}}.numel() ({out})"))
+        return PartLength(out, _origin(t, f"{{}}.numel() ({out})"), whole=whole(out, len(dims)))
     if name == "__len__":
-        return PartLength(out, _origin(t, f"len({{}}) ({out})"), _length(tags, 0, out)) if 0 in dims else out
+        if 0 not in dims:
+            return out
+        return PartLength(out, _origin(t, f"len({{}}) ({out})"), _length(tags, 0, out), whole=whole(out))
     if isinstance(out, int):  # size(d)
         d = (args[1] if len(args) > 1 else kwargs["dim"]) % t.dim()
         if d not in dims:
             return out
         read = f"{{}}.size({args[1] if len(args) > 1 else d}) ({out})"
-        return PartLength(out, _origin(t, read), _length(tags, d, out))
+        return PartLength(out, _origin(t, read), _length(tags, d, out), whole=whole(out))
     how = "shape" if name == "__get__" else "size()"
-    return torch.Size([PartLength(v, _origin(t, f"{{}}.{how}[{d}] ({v})"), _length(tags, d, v)) if d in dims else v
-                       for d, v in enumerate(out)])
+    return torch.Size([PartLength(v, _origin(t, f"{{}}.{how}[{d}] ({v})"), _length(tags, d, v), whole=whole(v))
+                       if d in dims else v for d, v in enumerate(out)])
 
 
 def _length(tags: dict[int, tuple[int, int]], d: int, v: int) -> int | None:

@@ -298,3 +298,37 @@ def test_a_new_tensor_of_rows_folded_with_it_used_row_by_row_is_split(op: Op, at
     step, params, batches = _step(op)
     sw.testing.assert_equivalent(sw.context_parallel(step, "cp", attention=attention), step, sw.Mesh(cp=2), batches,
                                  params, rtol=1e-12)
+
+
+# A comparison of the part's length steers the layer: each marked number knows what one device has in its place
+# (``whole``: the whole sequence's length, and what is computed from it), so a comparison that one device would
+# answer otherwise is refused (``x * 2 if t > 6``: 2.9e-4 relative loss error at the second step before).
+BRANCHES: list[tuple[str, Op, str]] = [
+    ("greater_than", lambda x: x * (2.0 if x.shape[1] > 6 else 1.0), r"compares it \(> 6\): False here, True for"),
+    ("equal_to", lambda x: x * 2 if x.size(1) == 8 else x, r"compares it \(== 8\): False here, True for"),
+    ("reflected", lambda x: x * 2 if 6 < x.shape[1] else x,  # noqa: SIM300 (the reflected comparison)
+     r"compares it \(> 6\): False here, True for"),
+    ("computed_from_it", lambda x: x * 2 if x.shape[1] // 2 >= 3 else x, r"compares it \(>= 3\)"),
+    ("min_of_it", lambda x: x * min(x.shape[1], 6) / 8, r"compares it \(< 6\)|compares it \(> 6\)"),
+]
+
+
+@pytest.mark.parametrize(("op", "what"), [pytest.param(op, what, id=name) for name, op, what in BRANCHES])
+def test_a_comparison_one_device_would_answer_otherwise_is_refused(op: Op, what: str) -> None:
+    step, params, batches = _step(op)
+    with pytest.raises(ValueError, match=f"Mixer in layer 'blocks.1' reads x.(shape|size).*{what}"):
+        sw.context_parallel(step, "cp").plan(sw.Mesh(cp=2), params, batches[0])
+
+
+def _same_branch(x: torch.Tensor) -> torch.Tensor:
+    """Comparisons one device answers alike: a bound the sequence is within, two reads of one length."""
+    t = x.shape[1]
+    assert t <= 64 and t == x.size(1) and t != 0
+    return x[:, : min(t, 100)] * 2 if t < 100 else x
+
+
+@pytest.mark.parametrize("attention", ["ring", "ulysses"])
+def test_a_comparison_one_device_answers_alike_is_split(attention: str) -> None:
+    step, params, batches = _step(_same_branch)
+    sw.testing.assert_equivalent(sw.context_parallel(step, "cp", attention=attention), step, sw.Mesh(cp=2), batches,
+                                 params, rtol=1e-12)
