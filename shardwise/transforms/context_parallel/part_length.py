@@ -18,8 +18,8 @@ Python's bit operators and ``divmod`` keep the mark; numpy's ufuncs and function
 
 ``int()`` of one, or of a float computed from one (``int(t)``, ``int(t * 0.5)``; numpy reading one as a
 scalar, ``np.asarray(t)``), and ``float()`` of a float computed from one (``float(1 / t)``; ``np.float64(t)``),
-are refused where the watched layer's code takes them (not torch's, numpy's or shardwise's): CPython copies what
-``__int__`` returns into a plain ``int``, so the mark cannot survive it, and a size or a value cannot be told
+are refused where the watched layer's code (or numpy's) takes them, not torch's or shardwise's: CPython copies
+what ``__int__`` returns into a plain ``int``, so the mark cannot survive it, and a size or a value cannot be told
 apart there (a size needs no ``int()``: the read is one). A product of the length as read with plain ints keeps
 where its positions are (``rows``: ``b * t`` is (batch, sequence) folded, ``t * h`` holds ``h`` inside each
 position, in the order written), so a new tensor of that size holds positions (``shape_reads.sized_dims``).
@@ -285,12 +285,14 @@ def _refuse(origin: str, what: str) -> None:
         refuse(origin, what)
 
 
-_OWN = ("torch.", "shardwise.", "numpy.", "transformers.masking_utils")
+_OWN = ("torch.", "shardwise.", "transformers.masking_utils")
 
 
 def _by_the_model() -> bool:
-    """Whether the int() / float() being taken is the watched layer's code's: not torch's, numpy's, shardwise's
-    own (its watch reads the marked numbers as plain ones), or transformers' mask making's (replaced)."""
+    """Whether the int() / float() or comparison being taken is the watched layer's code's (or numpy's, on its
+    behalf: what it returns is not judged again): not torch's (a torch call's result is judged by
+    ``judge_numbers``), shardwise's own (its watch reads the marked numbers as plain ones), or transformers'
+    mask making's (replaced)."""
     caller = str(sys._getframe(2).f_globals.get("__name__", ""))
     return getattr(_watch, "refuse", None) is not None and (
         not caller.startswith(_OWN) or caller.startswith("shardwise.testing"))
