@@ -17,12 +17,13 @@ Python's bit operators and ``divmod`` keep the mark; numpy's ufuncs and function
 (CPython turns what ``__len__`` returns into a plain ``int``: it cannot be marked).
 
 ``int()`` of one, or of a float computed from one (``int(t)``, ``int(t * 0.5)``; numpy reading one as a
-scalar, ``np.asarray(t)``), and ``float()`` of a float computed from one (``float(1 / t)``; ``np.float64(t)``),
-are refused where the watched layer's code (or numpy's) takes them, not torch's or shardwise's: CPython copies
-what ``__int__`` returns into a plain ``int``, so the mark cannot survive it, and a size or a value cannot be told
-apart there (a size needs no ``int()``: the read is one). A product of the length as read with plain ints keeps
-where its positions are (``rows``: ``b * t`` is (batch, sequence) folded, ``t * h`` holds ``h`` inside each
-position, in the order written), so a new tensor of that size holds positions (``shape_reads.sized_dims``).
+scalar or in a list, ``np.asarray(t)``, ``np.prod([t, 2])``), and ``float()`` of a float computed from one
+(``float(1 / t)``; ``np.float64(t)``), are refused where the watched layer's code (or numpy's) takes them,
+not torch's or shardwise's: CPython copies what ``__int__`` returns into a plain ``int``, so the mark cannot
+survive it, and a size or a value cannot be told apart there (a size needs no ``int()``: the read is one).
+A product of the length as read with plain ints keeps where its positions are (``rows``: ``b * t`` is
+(batch, sequence) folded, ``t * h`` holds ``h`` inside each position, in the order written), so a new tensor
+of that size holds positions (``shape_reads.sized_dims``).
 
 Each marked number also carries ``whole``, what one device has in its place (a shape read's size times the
 parts the sequence is cut into, and Python's arithmetic on it alongside): a comparison in the layer's code
@@ -31,7 +32,7 @@ layer would take another branch; one answered alike (a bound the whole sequence 
 
 What it cannot see: a number that leaves Python's arithmetic for a plain one through neither ``__int__`` nor
 ``__float__`` (``range(t)``, ``len(range(t))``, ``str(t)``, ``math.sqrt(1 / t)``: math reads a float subclass's
-value in C; numpy reading it inside a list or as a size: ``np.prod([t, 2])``, ``np.arange(t)``),
+value in C; numpy reading it as a size: ``np.arange(t)``),
 ``x.shape.numel()`` (``torch.Size`` cannot be subclassed or patched and multiplies its ints in C; ``x.numel()``
 is marked), a branch on a plain number made of one (``if int(t) > 1024`` is refused at ``int``, but
 ``if len(range(t)) > 1024`` is not seen), and a number read outside the watched first call.
@@ -266,8 +267,8 @@ def _array_ufunc(self: Any, ufunc: Any, method: str, *inputs: Any, **kwargs: Any
 
 
 def _array_function(self: Any, func: Any, types: Any, args: Any, kwargs: dict[str, Any]) -> Any:
-    """numpy's functions given one (``np.clip(t, ..)``; not one inside a list, ``np.prod([t, 2])``): refused
-    while watching."""
+    """numpy's functions given one (``np.clip(t, ..)``; one inside a list, ``np.prod([t, 2])``, is refused at
+    the ``int()`` numpy takes of it): refused while watching."""
     _refuse(self.origin, f"passes it to numpy.{func.__name__}, whose result is then a value of the computation")
     return func._implementation(*(_plain(a) for a in args), **{k: _plain(v) for k, v in kwargs.items()})
 

@@ -33,11 +33,12 @@ its ops are watched:
   view, a new tensor, a slice over the whole dim) they pass; as a value (``aux * t``, ``x / x.size(1)``,
   ``torch.full(.., t)``, ``torch.linspace(0, 1, t)``, ``math.sqrt(t)``, ``np.sqrt(t)``) they are refused.
   ``len(x)`` of a tensor whose dim 0 holds positions is refused (CPython returns it as a plain int), and so
-  is ``int()`` of a marked number (``int(t)``, ``int(t * 0.5)``, ``np.asarray(t)``) or ``float()`` of one
-  (``float(1 / t)``, ``np.float64(t)``) in the model's code: what CPython makes of them cannot be marked, and
-  a size needs no ``int()``. A new tensor sized by the part's length (``torch.ones(b, t)``,
-  ``x.new_ones(x.shape)``), or by rows folded with it by a product with plain ints (``torch.ones(b * t)``:
-  (batch, sequence), in the order written), holds positions along those dims: tagged, so
+  is ``int()`` of a marked number (``int(t)``, ``int(t * 0.5)``, ``np.asarray(t)``, ``np.prod([t, 2])``) or
+  ``float()`` of one (``float(1 / t)``, ``np.float64(t)``) in the model's code or numpy's: what CPython makes
+  of them cannot be marked, and a size needs no ``int()``. A new tensor sized by the part's length
+  (``torch.ones(b, t)``, ``x.new_ones(x.shape)``), or by rows folded with it by a product with plain ints
+  (``torch.ones(b * t)``: (batch, sequence), in the order written), holds positions along those dims:
+  tagged, so
   ``torch.ones(t).cumsum(0)``, ``torch.ones(b * t).cumsum(0)`` or ``torch.tril(torch.ones(t, t))`` is
   refused (Mixtral's ``zeros(b * t, d)``, its experts' token rows put back by ``index_add_``, passes). A
   comparison of one in the model's code that one device, comparing the whole sequence's number, would answer
@@ -52,7 +53,7 @@ of the positions a rotary embedding gets). What it cannot see: code that bypasse
 the dispatcher's Python modes (a C++ extension calling ATen directly); a number read from the part's length
 that leaves Python's arithmetic for a plain one through neither ``int()`` nor ``float()`` (``range(t)``,
 ``str(t)``, ``math.sqrt(1 / t)``: math reads a float argument's value in C; numpy reading it inside a list or
-as a size: ``np.prod([t, 2])``, ``np.arange(t)``), ``x.shape.numel()`` (``torch.Size`` multiplies its ints in
+as a size: ``np.arange(t)``), ``x.shape.numel()`` (``torch.Size`` multiplies its ints in
 C and can be neither subclassed nor patched), a new tensor sized by another number computed from the length
 (``torch.ones(t + 1)``, ``torch.ones(t // 2)``: its dim is not tagged), or control flow on such a plain number
 (``len(range(t)) > 1024``);

@@ -218,6 +218,7 @@ CONVERTED: list[tuple[str, Op, str]] = [
     ("float_of_its_reciprocal", lambda x: x * float(1 / x.shape[1]), r"turns it into a Python float \(float\)"),
     ("numpy_asarray", lambda x: x * np.asarray(x.shape[1]).item() / 8, r"turns it into a plain int"),
     ("numpy_float64", lambda x: x * np.float64(x.shape[1]) / 8, r"turns it into a Python float"),
+    ("numpy_prod_of_a_list", lambda x: x * int(np.prod([x.shape[1], 2])) / 16, r"turns it into a plain int"),
 ]
 
 
