@@ -210,7 +210,8 @@ def test_a_buffer_of_zeros_read_at_its_first_rows_is_split() -> None:
 # Conversions the watch did not see: each trained another model without an error (TinyGPT, cp 2, float64, relative
 # loss error at the second step: int(t) 8.0e-5, np.asarray(t) 8.0e-5, torch.ones(b * t).cumsum(0) 4.2e-4). CPython
 # copies what ``__int__`` returns into a plain int, so the mark cannot survive int(): it is refused where the
-# model's code takes it (``float()`` of a float computed from the length too; numpy reads a scalar through them).
+# model's code or numpy's takes it (``float()`` of a float computed from the length too; numpy reads a scalar or a
+# list's items through them). ``np.float64(t)`` was refused already (PartLength's ``__float__``): kept as a guard.
 CONVERTED: list[tuple[str, Op, str]] = [
     ("int_of_the_length", lambda x: x * int(x.shape[1]) / 8, r"reads x\.shape\[1\] \(4\).* turns it into a plain int"),
     ("int_of_a_float_of_it", lambda x: x * int(x.shape[1] * 0.5) / 8,
