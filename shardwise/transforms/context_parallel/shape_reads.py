@@ -41,7 +41,9 @@ _NEW = frozenset({"empty", "zeros", "ones", "rand", "randn", "full", "empty_stri
 def sized_dims(name: str, args: Any, kwargs: dict[str, Any]) -> dict[int, tuple[int, int]]:
     """The dims of a new tensor (``torch.ones(t)``, ``x.new_ones(x.shape)``) sized by the part's length as read:
     they hold the part's positions (their values are made for them: a count, a mask, a cumulated sum of ones),
-    so the rules on such dims apply to them. A size computed from it (``b * t``, ``t // 2``) is not followed."""
+    so the rules on such dims apply to them. Rows folded with it by a product with plain ints, in the order
+    written, hold them too (``torch.ones(b * t)``: (batch, sequence); ``torch.ones(t * h)``: ``h`` inside each
+    position); another size computed from it (``t // 2``, ``t + 1``) is not followed."""
     if name not in _NEW:
         return {}
     given = list(args[1:] if name.startswith("new_") else args)
@@ -53,35 +55,51 @@ def sized_dims(name: str, args: Any, kwargs: dict[str, Any]) -> dict[int, tuple[
         given = [kwargs["size"]]
     if len(given) == 1 and isinstance(given[0], (list, tuple)):
         given = list(given[0])
-    return {d: (1, int(v)) for d, v in enumerate(given)
-            if isinstance(v, PartLength) and v.length is not None and int(v) == v.length and int(v) > 1}
+    return {d: _counted_in(v) for d, v in enumerate(given) if isinstance(v, PartLength) and _counted_in(v)[1] > 1}
+
+
+def _counted_in(size: PartLength) -> tuple[int, int]:
+    """The stride range of the positions along a new dim of ``size``: ``(1, t)`` for the length as read,
+    ``size.rows`` for rows folded with it in the order written (``b * t``, ``t * h``); none for any other."""
+    if size.rows is not None:
+        return size.rows
+    if size.length is not None and int.__int__(size) == size.length:
+        return 1, size.length
+    return 0, 0
 
 
 def is_shape_read(func: Any, name: str) -> bool:
     return name in SHAPE_READS and (name != "__get__" or func == _SHAPE_GET)
 
 
-def read_shape(func: Any, name: str, args: Any, kwargs: dict[str, Any], tags_of: TagsOf) -> Any:
-    """``func(*args, **kwargs)``, a shape read, with the sizes of the dims that hold positions marked."""
+def read_shape(func: Any, name: str, args: Any, kwargs: dict[str, Any], tags_of: TagsOf, parts: int | None) -> Any:
+    """``func(*args, **kwargs)``, a shape read, with the sizes of the dims that hold positions marked; each
+    knows what one device reads in its place (``whole``: ``parts`` times as many positions, None: not known)."""
     out = func(*args, **kwargs)
     t = args[0]
     tags = tags_of(t)
     dims = {d for d in tags if d >= 0}
     if not dims:
         return out
+
+    def whole(v: int, k: int = 1) -> int | None:
+        return None if parts is None else v * parts ** k
+
     if name == "numel":
-        return PartLength(out, _origin(t, f"{{}}.numel() ({out})"))
+        return PartLength(out, _origin(t, f"{{}}.numel() ({out})"), whole=whole(out, len(dims)))
     if name == "__len__":
-        return PartLength(out, _origin(t, f"len({{}}) ({out})"), _length(tags, 0, out)) if 0 in dims else out
+        if 0 not in dims:
+            return out
+        return PartLength(out, _origin(t, f"len({{}}) ({out})"), _length(tags, 0, out), whole=whole(out))
     if isinstance(out, int):  # size(d)
         d = (args[1] if len(args) > 1 else kwargs["dim"]) % t.dim()
         if d not in dims:
             return out
         read = f"{{}}.size({args[1] if len(args) > 1 else d}) ({out})"
-        return PartLength(out, _origin(t, read), _length(tags, d, out))
+        return PartLength(out, _origin(t, read), _length(tags, d, out), whole=whole(out))
     how = "shape" if name == "__get__" else "size()"
-    return torch.Size([PartLength(v, _origin(t, f"{{}}.{how}[{d}] ({v})"), _length(tags, d, v)) if d in dims else v
-                       for d, v in enumerate(out)])
+    return torch.Size([PartLength(v, _origin(t, f"{{}}.{how}[{d}] ({v})"), _length(tags, d, v), whole=whole(v))
+                       if d in dims else v for d, v in enumerate(out)])
 
 
 def _length(tags: dict[int, tuple[int, int]], d: int, v: int) -> int | None:
