@@ -31,7 +31,7 @@ from .match import CONV1D, EMBEDDING, LINEAR, Install, is_head_count
 from .product_views import HeadView
 from .rank_flow import back_to_shared, flow, rank_stream, start_rank_stream
 from .region_paths import Sides, bypass_message, bypasses_split, parameter_sides
-from .region_probe import RegionProbe
+from .region_probe import ReachedSplit, RegionProbe
 from .sequence_gather import SequenceGather
 from .split_watch import SplitWatch
 from .styles import Colwise, Region, Rowwise, gathers
@@ -86,6 +86,8 @@ class TPForward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         m, install = self.module, self.install
+        if getattr(flow, "probing", False):  # reached from a Region probe's copy (region_probe.py)
+            raise ReachedSplit(self.path)
         called = getattr(flow, "called", None)
         if called is not None:
             called.add(self.path)

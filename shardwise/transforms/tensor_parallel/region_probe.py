@@ -37,8 +37,11 @@ copies still draw random numbers in eval mode (model code calling ``torch.rand``
 different shapes, so nothing compares), one with a Colwise whose output is gathered or a vocabulary-split
 Embedding inside (the split copy cannot compute those alone), one called with an object that holds state (a
 key/value cache, which the copies would update) or with tensors that are not plain (fake, meta, subclasses),
-and a forward that behaves otherwise in training mode. Cost: two float64 runs of the Region's module on its
-first call on each rank; later calls pay one attribute check (:attr:`RegionProbe.done`).
+one whose copies cannot run alone (another transform's rewrite that keeps the module itself and reaches the
+rank's split modules or a collective: context parallel's attention, run under no_mesh() so that nothing is
+sent; code that refuses float64), and a forward that behaves otherwise in training mode. Cost: two float64 runs
+of the Region's module on its first call on each rank; later calls pay one attribute check
+(:attr:`RegionProbe.done`), and each split module's call one thread-local read (refusing to run inside a probe).
 """
 
 from __future__ import annotations
@@ -54,12 +57,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils._python_dispatch import _disable_current_modes
 
+from ...collectives.mesh_context import no_mesh
 from ...engine.layout.state_layout import TensorSplit
 from ...engine.run.rng import default_generators
 from ...engine.stack import in_layer
 from .following import quiet
 from .match import CONV1D, EMBEDDING, param_split
 from .positions import unfollowed
+from .rank_flow import flow
 from .styles import Colwise, Region, Rowwise, gathers
 
 RTOL = 1e-9  # of the whole slice's largest magnitude, in float64 (see the module docstring)
@@ -100,6 +105,11 @@ class RegionProbe:
             found = _compare(module, styled, self.whole_shapes, n, index, args, kwargs)
         except _Unrelated:
             return  # split otherwise than one dim into n (none of the styles does so today): not judged
+        except Exception:
+            # Another transform's rewrite reaching the rank's split modules or a collective (context parallel's
+            # attention holds the module itself), code that refuses float64: what the copies cannot compute
+            # says nothing of the Region's values (the single-device module runs), so it is not judged (a gap).
+            return
         if found is not None:
             raise ValueError(_message(label, type(module).__name__, axis, n, index, found))
 
@@ -131,7 +141,7 @@ def _compare(
     device = next((t.device for t in optree.tree_leaves(inputs) if isinstance(t, Tensor)), torch.device("cpu"))
     whole_calls: list[tuple[str, Tensor, Tensor]] = []
     split_calls: list[tuple[str, Tensor]] = []
-    with _hidden(device) as drew:
+    with _hidden(device) as drew, no_mesh(), _probing():
         whole, shared = _copy(module, styled, whole_shapes, n, "whole", whole_calls)
         with _counts_set(shared):
             whole(*inputs[0], **inputs[1])
@@ -309,6 +319,21 @@ def _hidden(device: torch.device) -> Iterator[list[str]]:
             if not torch.equal(g.get_state(), state):
                 drew.append(str(g.device))
             g.set_state(state)
+
+
+class ReachedSplit(Exception):
+    """A probe copy called one of the rank's own split modules (through a reference another transform keeps):
+    the copies cannot compute the Region alone."""
+
+
+@contextlib.contextmanager
+def _probing() -> Iterator[None]:
+    """While the copies run, the rank's installed forwards refuse to run (modules.TPForward: ReachedSplit)."""
+    flow.probing = True
+    try:
+        yield
+    finally:
+        flow.probing = False
 
 
 def _message(label: str, cls: str, axis: str, n: int, index: int, found: str) -> str:
