@@ -8,6 +8,11 @@ per head) and passes it on to the later blocks as an argument. Inside a Region e
 H/tp heads, so adding that bias fails in torch with sizes only, which read like a head count the Region
 was not told to divide. Naming the argument (or the table), its shape and where it comes from says
 what is wrong: the bias is whole where the heads are split, and no count in the Region can fix that.
+
+T5's table can be split instead: its output columns are the heads, so ``Colwise(output="sharded")`` on it
+cuts them into the tp blocks the q, k and v Colwise cut, each rank's first block computes the position_bias
+of its own heads and passes that on to its later blocks, whose Regions hold the same heads: equal to one
+device (tests/transforms/tensor_parallel/test_whole_head_bias.py). The refusal names that fix.
 """
 
 from __future__ import annotations
@@ -17,12 +22,16 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from .styles import Region
+from .match import EMBEDDING, Install
+from .styles import Colwise, Region, gathers
 
 _FIX = (
     "Build it inside the Region from a per-head table marked sw.tp.PerHead() in the plan (ALiBi's slopes as "
-    "a (num_heads,) buffer or parameter of the attention, which each rank then holds for its own heads), or "
-    "leave this attention replicated: no Region for it and no styles on its projections"
+    "a (num_heads,) buffer or parameter of the attention, which each rank then holds for its own heads); where "
+    "an earlier layer's attention computes it from a table of one column per head (T5's relative_attention_bias "
+    "in block 0), give that table sw.tp.Colwise(output='sharded') and that attention a Region too, so the bias "
+    "it passes on holds this rank's heads; or leave this attention replicated: no Region for it and no styles "
+    "on its projections"
 )
 
 
@@ -98,11 +107,16 @@ def whole_head_table(
     """An Embedding inside the Region whose output has one column per head, all H (T5's
     relative_attention_bias, Embedding(num_buckets, H)), where torch's error names H and H/parts: (its path in
     the module, its weight's shape, H). Its lookup is the bias of every head, which the module adds to its
-    rank's heads' scores."""
+    rank's heads' scores. One under a Colwise that gathers its output (an Embedding's default) or a Rowwise
+    (which sums it) is whole too."""
     counts = {h for h in whole_head_counts(m, style, parts) if h % parts == 0}
     for sub, inner in m.named_modules():
-        install = getattr(inner.__dict__.get("forward"), "install", None)  # a style's: split, not whole
-        if not isinstance(inner, nn.Embedding) or install is not None:
+        install = getattr(inner.__dict__.get("forward"), "install", None)  # a TPForward's
+        split = (
+            isinstance(install, Install) and isinstance(install.style, Colwise)
+            and not gathers(install.style, install.kind == EMBEDDING)
+        )
+        if not isinstance(inner, nn.Embedding) or split:  # its output holds this rank's columns
             continue
         d = inner.embedding_dim
         if d in counts and d in sizes and d // parts in sizes:
@@ -119,7 +133,10 @@ def table_message(path: str, err: BaseException, parts: int, found: tuple[str, t
         f"compute_bias makes position_bias of shape (1, {heads}, q, k) from it), added to this rank's "
         f"{heads // parts} heads' scores; T5 computes that position_bias in the first block's attention and "
         "passes it on to the later blocks as an argument, so they would meet all heads too. The Region's head "
-        "counts are not the cause. Leave the attention of every layer that takes this bias replicated: no Region "
+        "counts are not the cause. Its columns are cut as the heads are by sw.tp.Colwise(output='sharded') (the "
+        "output stays split, one column per head of this rank's): give it that in the plan, by a pattern such "
+        "as '*.relative_attention_bias', and every rank's bias holds its own heads, in this layer and in those "
+        "it passes it on to; or leave the attention of every layer that takes this bias replicated: no Region "
         "for it and no styles on its projections (the MLPs can stay split)"
     )
 

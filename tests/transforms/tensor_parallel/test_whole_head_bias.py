@@ -80,20 +80,22 @@ class T5Logits(nn.Module):
         return self.m(input_ids=ids, decoder_input_ids=ids, use_cache=False).logits
 
 
-def t5_plan(attention: str) -> dict[str, Any]:
-    """Regions on the attentions ``attention`` selects (T5Attention holds n_heads and inner_dim)."""
-    return {attention: sw.tp.Region(heads=("n_heads",), local=("inner_dim",)),
+def t5_plan(attention: str, table: sw.tp.Colwise | None = None) -> dict[str, Any]:
+    """Regions on the attentions ``attention`` selects (T5Attention holds n_heads and inner_dim), ``table`` on
+    the position bias tables (the first block's relative_attention_bias), if given."""
+    plan = {attention: sw.tp.Region(heads=("n_heads",), local=("inner_dim",)),
             **{f"{attention}.{p}": sw.tp.Colwise() for p in "qkv"}, f"{attention}.o": sw.tp.Rowwise(),
             "*.DenseReluDense": sw.tp.Region(), "*.DenseReluDense.wi": sw.tp.Colwise(),
             "*.DenseReluDense.wo": sw.tp.Rowwise()}
+    return plan if table is None else {**plan, "*.relative_attention_bias": table}
 
 
-def t5(attention: str) -> Callable[[], tuple[nn.Module, type, dict[str, Any]]]:
+def t5(attention: str, table: sw.tp.Colwise | None = None) -> Callable[[], tuple[nn.Module, type, dict[str, Any]]]:
     def build() -> tuple[nn.Module, type, dict[str, Any]]:
         config = T.T5Config(vocab_size=VOCAB, d_model=WIDTH, d_kv=8, d_ff=64, num_layers=LAYERS, num_heads=HEADS,
                             dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
         model = T5Logits(T.T5ForConditionalGeneration(config))
-        return model, T.models.t5.modeling_t5.T5Block, t5_plan(attention)
+        return model, T.models.t5.modeling_t5.T5Block, t5_plan(attention, table)
     return build
 
 
@@ -136,10 +138,12 @@ def test_an_alibi_bias_built_by_the_model_is_named_as_the_argument(
     assert FIX in text and REPLICATED in text
 
 
-def test_t5s_position_bias_table_in_the_first_block_is_named() -> None:
-    """All attentions split: the first block's self-attention computes position_bias from its table of all
-    heads, which it would pass on to the later blocks."""
-    text = refusal(t5("*Attention"))
+@pytest.mark.parametrize("table", [None, sw.tp.Colwise()], ids=["whole", "colwise-gathered"])
+def test_t5s_position_bias_table_in_the_first_block_is_named(table: sw.tp.Colwise | None) -> None:
+    """The self-attentions split: the first block's computes position_bias from its table of all heads
+    (left whole, or under a Colwise that gathers an Embedding's output, its default), which it would pass on
+    to the later blocks."""
+    text = refusal(t5("*.SelfAttention", table))
     assert "Region 'm.encoder.block.0.layer.0.SelfAttention' failed" in text
     assert (
         f"its Embedding 'relative_attention_bias' (weight (32, {HEADS})) has one output column per head, "
@@ -148,7 +152,9 @@ def test_t5s_position_bias_table_in_the_first_block_is_named() -> None:
     assert f"position_bias of shape (1, {HEADS}, q, k)" in text
     assert f"added to this rank's {HEADS // 2} heads' scores" in text
     assert "computes that position_bias in the first block's attention and passes it on to the later blocks" in text
-    assert "Leave the attention of every layer that takes this bias replicated" in text
+    assert "give it that in the plan, by a pattern such as '*.relative_attention_bias'" in text
+    assert "sw.tp.Colwise(output='sharded')" in text
+    assert "leave the attention of every layer that takes this bias replicated" in text
 
 
 def test_t5s_position_bias_passed_on_to_a_later_block_is_named() -> None:
@@ -158,4 +164,26 @@ def test_t5s_position_bias_passed_on_to_a_later_block_is_named() -> None:
     assert "Region 'm.encoder.block.1.layer.0.SelfAttention' failed" in text
     assert f"its argument 'position_bias' of shape (1, {HEADS}, {SEQ}, {SEQ}) holds all {HEADS} heads" in text, text
     assert "T5's block 0 computes position_bias and passes it on" in text
+    assert "give that table sw.tp.Colwise(output='sharded') and that attention a Region too" in text
     assert FIX in text and REPLICATED in text
+
+
+@pytest.mark.parametrize("blocks", [None, "m.encoder.block.*"], ids=["tp2", "tp2+sp-encoder"])
+def test_t5s_table_split_by_its_head_columns_is_one_device(blocks: str | None) -> None:
+    """The fix the table's refusal names: Colwise(output='sharded') on relative_attention_bias cuts its
+    columns (one per head) where q, k and v cut their heads, so each rank's first block computes its own
+    heads' position_bias and passes that on to its later blocks, whose Regions hold the same heads. Equal to
+    one device in float64 over 2 steps, the encoder's and decoder's self-attentions and MLPs split (with the
+    encoder's blocks sequence parallel too). The cross-attention stays replicated: its keys and values come
+    from the encoder's output, an argument the Region does not enter (the replica check refuses it split)."""
+    torch.manual_seed(0)
+    model, unit, plan = t5("*.SelfAttention", sw.tp.Colwise(output="sharded"))()
+    gen = torch.Generator().manual_seed(1)
+    batches = [
+        (torch.randint(2, VOCAB, (BATCH, SEQ), generator=gen), torch.randint(VOCAB, (BATCH, SEQ), generator=gen))
+        for _ in range(2)
+    ]
+    chain, params = sw.functionalize(model.double(), units=unit, example_input=batches[0][0])
+    step = sw.train_step(chain, _loss, sw.optim.sgd(0.1))
+    tp = sw.tensor_parallel(step, "tp", plan, sequence_parallel=blocks)
+    sw.testing.assert_equivalent(tp, step, sw.Mesh(tp=2), batches, params, rtol=1e-9)
