@@ -68,12 +68,9 @@ def region_failed(
             "not the cause. Leave this module's projections out of the plan (replicated), or use a model whose "
             "norms act on each head alike (Qwen3's q_norm over head_dim)"
         )
-    table = whole_head_table(m, style, parts, sizes)
+    table = whole_head_table(m, style, parts, sizes)  # before a per-head parameter: T5's table is one
     if table is not None:
         return table_message(path, err, parts, table)
-    argument = None if call is None else whole_head_argument(m, style, parts, sizes, *call)
-    if argument is not None:
-        return argument_message(path, err, parts, argument)
     found = _per_head_parameter(m, style, parts, sizes, per_head)
     if found is not None:
         name, shape, count = found
@@ -86,6 +83,9 @@ def region_failed(
             "'model.layers.*.self_attn.sinks', as sw.tp.gpt_oss_plan() does); otherwise leave this module's "
             "projections out of the plan (replicated)"
         )
+    argument = None if call is None else whole_head_argument(m, style, parts, sizes, *call)
+    if argument is not None:
+        return argument_message(path, err, parts, argument)
     counts = _head_counts(m, set(style.heads) | set(style.local))
     if not counts and (style.heads or style.local):
         named = ", ".join(map(repr, (*style.heads, *style.local)))
@@ -158,8 +158,8 @@ def _per_head_parameter(
         owner: Any = m
         for part in dotted.split("."):
             owner = getattr(owner, part, None)
-        if type(owner) is int:
-            counts |= {owner, owner * parts}
+        if isinstance(owner, int) and not isinstance(owner, bool):  # a held count reads as a HeadCount, an int
+            counts |= {int(owner), int(owner) * parts}
     styled = set()
     for sub, inner in m.named_modules():
         install = getattr(inner.__dict__.get("forward"), "install", None)  # a TPForward's; a Region splits none

@@ -62,7 +62,8 @@ def whole_head_argument(
     H heads, or of the batch times H (Bloom's flattened (b * H, 1, t)), where torch's error names that
     size and its 1/parts: (its name, its shape, the dim, H, the batch it is flattened with, or 1). The
     last two dims are skipped (a bias of scores ends in its query and key lengths, which may equal H),
-    and so is a dim 0 as long as the batch (a mask's (b, 1, q, k))."""
+    and so is a dim 0 as long as the batch (a mask's (b, 1, q, k)): a bias (H, 1, t) with H equal to the batch
+    is left to region_failed's other causes."""
     counts = {h for h in whole_head_counts(m, style, parts) if h % parts == 0}
     if not counts:
         return None
@@ -76,7 +77,7 @@ def whole_head_argument(
             continue
         shape = tuple(t.shape)
         for dim, d in enumerate(shape[:-2]):
-            if dim == 0 and d == b and d not in counts:
+            if dim == 0 and d == b:  # the batch, even where it equals a head count (GPT-OSS's 2 kv heads)
                 continue
             for h in sorted(counts):
                 for times in ((1, b) if dim == 0 and b > 1 else (1,)):
