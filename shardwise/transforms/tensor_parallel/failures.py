@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from .match import CONV1D, Install
 from .styles import Colwise, Region
+from .whole_head_bias import argument_message, table_message, whole_head_argument, whole_head_table
 
 
 def rowwise_width_message(label: str, width: int, whole: int, got: int, in_region: bool) -> str:
@@ -38,12 +39,15 @@ def rowwise_width_message(label: str, width: int, whole: int, got: int, in_regio
 
 def region_failed(
     m: nn.Module, path: str, style: Region, err: BaseException, parts: int, per_head: frozenset[str] = frozenset(),
-    fed: tuple[str, ...] = (),
+    fed: tuple[str, ...] = (), call: tuple[tuple[Any, ...], dict[str, Any], str | None] | None = None,
 ) -> str:
-    """Why a Region's module likely failed: a replicated parameter spanning a Colwise's whole output, or
-    a whole count each rank divides. ``per_head``: its parameters PerHead splits (never the cause named);
-    ``fed``: the Colwise modules whose outputs the failing op took, where the Region's first call watched it."""
-    spanning = _spanning_parameter(m, parts, {int(n) for n in re.findall(r"\d+", str(err))}, per_head, fed)
+    """Why a Region's module likely failed: a replicated parameter spanning a Colwise's whole output, a
+    per-head bias of every head (an argument or a table: whole_head_bias.py), or a whole count each rank
+    divides. ``per_head``: its parameters PerHead splits (never the cause named); ``fed``: the Colwise modules
+    whose outputs the failing op took, where the Region's first call watched it; ``call``: the failing call's
+    arguments and the name of its hidden states."""
+    sizes = {int(n) for n in re.findall(r"\d+", str(err))}
+    spanning = _spanning_parameter(m, parts, sizes, per_head, fed)
     if spanning is not None and isinstance(m.get_submodule(spanning[0].rpartition(".")[0]), nn.Linear):
         name, shape, colwise, whole = spanning
         return (
@@ -64,7 +68,10 @@ def region_failed(
             "not the cause. Leave this module's projections out of the plan (replicated), or use a model whose "
             "norms act on each head alike (Qwen3's q_norm over head_dim)"
         )
-    found = _per_head_parameter(m, style, parts, {int(n) for n in re.findall(r"\d+", str(err))}, per_head)
+    table = whole_head_table(m, style, parts, sizes)  # before a per-head parameter: T5's table is one
+    if table is not None:
+        return table_message(path, err, parts, table)
+    found = _per_head_parameter(m, style, parts, sizes, per_head)
     if found is not None:
         name, shape, count = found
         return (
@@ -76,6 +83,9 @@ def region_failed(
             "'model.layers.*.self_attn.sinks', as sw.tp.gpt_oss_plan() does); otherwise leave this module's "
             "projections out of the plan (replicated)"
         )
+    argument = None if call is None else whole_head_argument(m, style, parts, sizes, *call)
+    if argument is not None:
+        return argument_message(path, err, parts, argument)
     counts = _head_counts(m, set(style.heads) | set(style.local))
     if not counts and (style.heads or style.local):
         named = ", ".join(map(repr, (*style.heads, *style.local)))
@@ -148,8 +158,8 @@ def _per_head_parameter(
         owner: Any = m
         for part in dotted.split("."):
             owner = getattr(owner, part, None)
-        if type(owner) is int:
-            counts |= {owner, owner * parts}
+        if isinstance(owner, int) and not isinstance(owner, bool):  # a held count reads as a HeadCount, an int
+            counts |= {int(owner), int(owner) * parts}
     styled = set()
     for sub, inner in m.named_modules():
         install = getattr(inner.__dict__.get("forward"), "install", None)  # a TPForward's; a Region splits none

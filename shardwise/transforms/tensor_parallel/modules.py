@@ -292,7 +292,8 @@ class TPForward:
             split = frozenset(name for name, _ in self.per_head)
             watch = getattr(flow, "watch", None)  # which Colwise outputs the failing op took, if watched
             fed = watch.failed_on if watch is not None else ()
-            raise ValueError(region_failed(m, label, style, err, in_layer.size(self.axis), split, fed)) from err
+            call = (args, kwargs, self.hidden)
+            raise ValueError(region_failed(m, label, style, err, in_layer.size(self.axis), split, fed, call)) from err
         finally:
             flow.regions -= 1
         if probe:

@@ -48,3 +48,37 @@ def test_a_config_count_is_named_as_the_region_takes_it() -> None:
         sw.launch(lambda: tp(tp.init(params, sw.Mesh(tp=2)), batch), 2)
     text = str(caught.value)
     assert "computes with a count it was not told to divide; ConfigCountAttention has {'config.num_heads': 4}" in text
+
+
+class HeldCountSinksAttention(nn.Module):
+    """GPT-OSS-like sinks, one logit per head beside each head's scores, with the head count the module holds
+    (``self.n_heads``), which the Region divides while it runs (to a HeadCount, an int subclass)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n_heads = HEADS
+        self.q, self.k, self.v, self.o = (nn.Linear(D, D) for _ in range(4))
+        self.sinks = nn.Parameter(torch.randn(HEADS))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = (m(x).view(b, t, self.n_heads, -1).transpose(1, 2) for m in (self.q, self.k, self.v))
+        scores = q @ k.transpose(-1, -2) + self.sinks[:, None, None]
+        a = scores.softmax(-1) @ v
+        return self.o(a.transpose(1, 2).reshape(b, t, -1))
+
+
+def test_a_per_head_parameter_is_named_when_the_module_holds_its_head_count() -> None:
+    """The count a module holds reads divided while its Region runs, as a HeadCount (an int subclass): the
+    per-head parameter was missed ("type(...) is int") and the refusal named a count not told to divide."""
+    torch.manual_seed(0)
+    chain, params = sw.functionalize(nn.Sequential(HeldCountSinksAttention()).double())
+    step = sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1))
+    plan = {"0": sw.tp.Region(heads=("n_heads",)), "0.[qkv]": sw.tp.Colwise(), "0.o": sw.tp.Rowwise()}
+    tp = sw.tensor_parallel(step, "tp", plan)
+    batch = (torch.randn(2, 6, D, dtype=torch.float64), torch.randn(2, 6, D, dtype=torch.float64))
+    with pytest.raises((ValueError, sw.collectives.RankFailed)) as caught:
+        sw.launch(lambda: tp(tp.init(params, sw.Mesh(tp=2)), batch), 2)
+    text = str(caught.value)
+    assert f"its parameter 'sinks' of shape ({HEADS},) holds one value per head ({HEADS} heads)" in text, text
+    assert "give '0.sinks' sw.tp.PerHead() in the plan" in text
