@@ -18,6 +18,7 @@ import torch.distributed as dist
 from .base import Backend
 from .distributed import TorchDistributedBackend
 from .single import SingleRankBackend
+from .threads import ThreadsBackend
 
 _current: contextvars.ContextVar[Backend | None] = contextvars.ContextVar(
     "shardwise_backend", default=None
@@ -45,3 +46,9 @@ def current_backend() -> Backend:
         backend = SingleRankBackend()
     _current.set(backend)
     return backend
+
+
+def on_rank_thread() -> bool:
+    """Whether the caller is a rank thread of the threads backend: code that other ranks run at the same
+    time in this process, on the same Python objects."""
+    return isinstance(_current.get(), ThreadsBackend)

@@ -42,6 +42,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 from torch.nn.modules import module as _torch_module
 
+from shardwise.collectives.backends.current import on_rank_thread
 from shardwise.engine.model.predicted_state import no_fake_state_left, predicting_on_fake_tensors
 from shardwise.engine.model.rope_state import (
     cache_lengths,
@@ -307,13 +308,22 @@ def _shallow_tree(module: nn.Module, tensors: dict[int, Any], seen: dict[int, nn
 
 class ThreadReplicas:
     """A :class:`ModuleCall` per thread over a :func:`skeleton` of ``module``: the skeleton for
-    the thread that made this, and for every other thread a deep copy of it.
+    the thread that made this (unless a rank thread made it), and for every other thread a deep copy of it.
 
     The skeleton holds no parameter data, so a chain owns no second copy of the model and the
     user's module can be deleted (or kept, and trained, or changed: the chain never reads it).
     ``functional_call`` swaps tensors into the module for the duration of a call, which is not
     safe when threads (the threads backend runs ranks as threads) call one module at once, hence
     a copy per thread. Pickles as the skeleton alone.
+
+    A thread copies the skeleton at its first call, so no thread may be calling the skeleton then:
+    a call leaves its tensors (a step's real ones, or the fake ones of its first call's prediction)
+    and other state in the module until it returns, and a copy made meanwhile keeps them (a later call
+    on a tensor the copy does not swap reads them: another rank's values, silently, or a meta tensor).
+    The thread that made this is not a rank when the layers are built before ``launch``; when a rank
+    thread made it (a transform applied inside each rank's function, whose rebuilt chain the other
+    ranks' identical transforms reuse: engine/stack/compose.py), it calls a copy like every other rank
+    and the skeleton is never called.
     """
 
     def __init__(self, module: nn.Module, prefix: str = "") -> None:
@@ -322,7 +332,8 @@ class ThreadReplicas:
         self._init_local()
 
     def _init_local(self) -> None:
-        self._owner = threading.get_ident()
+        # None: no thread calls the skeleton itself (see the class docstring).
+        self._owner: int | None = None if on_rank_thread() else threading.get_ident()
         self._local = threading.local()
         self._call: ModuleCall | None = None
         self._hooks = _hook_ids(self.module)  # the model's own, which every copy keeps
