@@ -37,7 +37,10 @@ rank (``get_slopes(n)``, ``1 / math.sqrt(n)``) and a table numbered from 0 on ea
 (``torch.tensor(list(range(h)))``, which matches the whole at place 0 only) are refused on every rank, none left
 waiting in a collective its peers never reach.
 
-The copies run in eval mode, so dropout (modules, and ``F.dropout(..., training=self.training)``) draws nothing;
+The copies start from each submodule's attributes as they were before the judged call (a table that call
+cached on the module, ``self.slopes = get_slopes(self.n_head)`` on the first call, was built from the rank's
+count: read by the whole copy, it failed on the shapes and left the call unjudged); shallow, so a cache filled
+in place (a dict) is still the call's (a gap). The copies run in eval mode, so dropout (modules, and ``F.dropout(..., training=self.training)``) draws nothing;
 the random generators are put back after them. Not judged (a gap, the call is left as it ran): a Region whose
 copies still draw random numbers in eval mode (model code calling ``torch.rand`` itself: the two copies draw
 different shapes, so nothing compares), one with a Colwise whose output is gathered or a vocabulary-split
@@ -88,6 +91,16 @@ class RegionProbe:
                             *module.named_buffers(remove_duplicate=False))
         }
         self.done = False  # this thread's (rank's) copy has judged its first real call
+        # Each submodule's attributes before the call the probe judges: what the copies start from (a table the
+        # call cached on the module, self._slopes = ..., was built from the rank's count).
+        self.before: dict[int, dict[str, Any]] = {}
+
+    def keep_state(self, module: nn.Module) -> None:
+        """Remember the attributes of ``module`` and its submodules before a call the probe may judge (the
+        first real one): the copies start from them, not from what the call left (shallow: a cache filled in
+        place is still the call's)."""
+        if not self.done:
+            self.before = {id(m): dict(vars(m)) for m in module.modules()}
 
     def run(self, module: nn.Module, label: str, axis: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Judge the call ``module(*args, **kwargs)`` just made (the Region ``label`` on this rank, its input
@@ -108,7 +121,7 @@ class RegionProbe:
         if styled is None:
             return  # a gathered Colwise or a vocabulary-split Embedding inside: not computable alone (a gap)
         try:
-            found = _compare(module, styled, self.whole_shapes, n, index, args, kwargs)
+            found = _compare(module, styled, self.whole_shapes, self.before, n, index, args, kwargs)
         except _Unrelated:
             return  # split otherwise than one dim into n (none of the styles does so today): not judged
         except Exception:
@@ -139,8 +152,8 @@ def _styled_modules(module: nn.Module) -> dict[str, Any] | None:
 
 
 def _compare(
-    module: nn.Module, styled: dict[str, Any], whole_shapes: dict[str, tuple[int, ...]], n: int, index: int,
-    args: tuple[Any, ...], kwargs: dict[str, Any],
+    module: nn.Module, styled: dict[str, Any], whole_shapes: dict[str, tuple[int, ...]],
+    before: dict[int, dict[str, Any]], n: int, index: int, args: tuple[Any, ...], kwargs: dict[str, Any],
 ) -> tuple[str, bool] | None:
     """Run the whole, split and mixed copies; what differed, in words, and whether the features depend on the
     other heads (an op across heads), or None."""
@@ -150,15 +163,15 @@ def _compare(
     split_calls: list[tuple[str, Tensor]] = []
     mixed_calls: list[tuple[str, Tensor]] = []
     with _hidden(device) as drew, no_mesh(), _probing():
-        whole, shared = _copy(module, styled, whole_shapes, n, "whole", whole_calls)
+        whole, shared = _copy(module, styled, whole_shapes, before, n, "whole", whole_calls)
         with _counts_set(shared):
             whole(*inputs[0], **inputs[1])
-        split, shared = _copy(module, styled, whole_shapes, n, "split", split_calls, whole_calls)
+        split, shared = _copy(module, styled, whole_shapes, before, n, "split", split_calls, whole_calls)
         with _counts_set(shared):
             split(*inputs[0], **inputs[1])
         # The heads at the other places scaled (this rank's at its own as they are): an op across the heads (a
         # mean, max or variance over the heads dim) gives the same on tiled weights, not on these.
-        mixed, shared = _copy(module, styled, whole_shapes, n, "mixed", mixed_calls, whole_calls, index)
+        mixed, shared = _copy(module, styled, whole_shapes, before, n, "mixed", mixed_calls, whole_calls, index)
         with _counts_set(shared):
             mixed(*inputs[0], **inputs[1])
     if drew:
@@ -202,8 +215,9 @@ def _compare(
 
 
 def _copy(
-    module: nn.Module, styled: dict[str, Any], whole_shapes: dict[str, tuple[int, ...]], n: int, kind: str,
-    calls: list[Any], whole_calls: list[tuple[str, Tensor, Tensor]] | None = None, index: int = 0,
+    module: nn.Module, styled: dict[str, Any], whole_shapes: dict[str, tuple[int, ...]],
+    before: dict[int, dict[str, Any]], n: int, kind: str, calls: list[Any],
+    whole_calls: list[tuple[str, Tensor, Tensor]] | None = None, index: int = 0,
 ) -> tuple[nn.Module, list[tuple[Any, str, int]]]:
     """A copy of the Region's module (each submodule a shallow copy with dicts of its own: the layer's copy and
     its tensors untouched), in eval mode, its tensors float64 copies (tiled to the whole where split, for the
@@ -219,6 +233,10 @@ def _copy(
         if id(m) in twins:
             return twins[id(m)]
         t = twins[id(m)] = copy.copy(m)
+        kept = before.get(id(m))
+        if kept is not None:  # its attributes as the judged call found them (not what that call cached)
+            vars(t).clear()
+            vars(t).update(kept)
         vars(t).pop("forward", None)  # a split's installed forward (this Region's, a nested one's, a guard)
         t.training = False
         forward = vars(m).get("forward")
