@@ -40,7 +40,8 @@ waiting in a collective its peers never reach.
 The copies start from each submodule's attributes as they were before the judged call (a table that call
 cached on the module, ``self.slopes = get_slopes(self.n_head)`` on the first call, was built from the rank's
 count: read by the whole copy, it failed on the shapes and left the call unjudged); shallow, so a cache filled
-in place (a dict) is still the call's (a gap). The copies run in eval mode, so dropout (modules, and ``F.dropout(..., training=self.training)``) draws nothing;
+in place (a dict) is still the call's (a gap). The copies run in eval mode, so dropout (modules, and
+``F.dropout(..., training=self.training)``) draws nothing;
 the random generators are put back after them. Not judged (a gap, the call is left as it ran): a Region whose
 copies still draw random numbers in eval mode (model code calling ``torch.rand`` itself: the two copies draw
 different shapes, so nothing compares), one with a Colwise whose output is gathered or a vocabulary-split
