@@ -282,6 +282,8 @@ class TPForward:
         """The Region's module on its entered input, a failure of torch's explained (head counts)."""
         m = self.module
         flow.regions = getattr(flow, "regions", 0) + 1
+        if self.probe is not None and not self.probe.done:
+            self.probe.keep_state(m)  # what its copies start from (a table this call caches was the rank's)
         try:
             out = type(m).forward(m, *args, **kwargs)
         except (RuntimeError, ValueError) as err:

@@ -22,6 +22,12 @@ another blocking; a per-head value from the wrong count is off by far more). A R
 follows in both copies alike (the whole copy's, which the split copy cannot compute alone), so a later Rowwise
 input is compared on the same values.
 
+Tiled weights hide an op across the heads (a mean, max or population variance over the heads dim is the same
+over this rank's heads repeated as over them alone): a third copy, whole, holds this rank's weights at its own
+place and the others' scaled by 2 (its Rowwise outputs the whole copy's, as in the split copy), and the rank's
+slice of its Rowwise input must equal the split copy's too. Heads computed each from its own weights do not see
+the scale; a rank that computes across heads does (generically on every rank: each scales the others' places).
+
 Why tiled and not the whole weights: a rank holds only its slices (each rank's shard is cut from the whole
 parameters at the step's start and trained alone), and gathering them would put a collective into the first
 step that the Plan does not show. The tiled copy needs no collective, so no rank waits on another. It holds
@@ -31,7 +37,11 @@ rank (``get_slopes(n)``, ``1 / math.sqrt(n)``) and a table numbered from 0 on ea
 (``torch.tensor(list(range(h)))``, which matches the whole at place 0 only) are refused on every rank, none left
 waiting in a collective its peers never reach.
 
-The copies run in eval mode, so dropout (modules, and ``F.dropout(..., training=self.training)``) draws nothing;
+The copies start from each submodule's attributes as they were before the judged call (a table that call
+cached on the module, ``self.slopes = get_slopes(self.n_head)`` on the first call, was built from the rank's
+count: read by the whole copy, it failed on the shapes and left the call unjudged); shallow, so a cache filled
+in place (a dict) is still the call's (a gap). The copies run in eval mode, so dropout (modules, and
+``F.dropout(..., training=self.training)``) draws nothing;
 the random generators are put back after them. Not judged (a gap, the call is left as it ran): a Region whose
 copies still draw random numbers in eval mode (model code calling ``torch.rand`` itself: the two copies draw
 different shapes, so nothing compares), one with a Colwise whose output is gathered or a vocabulary-split
@@ -39,7 +49,7 @@ Embedding inside (the split copy cannot compute those alone), one called with an
 key/value cache, which the copies would update) or with tensors that are not plain (fake, meta, subclasses),
 one whose copies cannot run alone (another transform's rewrite that keeps the module itself and reaches the
 rank's split modules or a collective: context parallel's attention, run under no_mesh() so that nothing is
-sent; code that refuses float64), and a forward that behaves otherwise in training mode. Cost: two float64 runs
+sent; code that refuses float64), and a forward that behaves otherwise in training mode. Cost: three float64 runs
 of the Region's module on its first call on each rank; later calls pay one attribute check
 (:attr:`RegionProbe.done`), and each split module's call one thread-local read (refusing to run inside a probe).
 """
@@ -82,6 +92,16 @@ class RegionProbe:
                             *module.named_buffers(remove_duplicate=False))
         }
         self.done = False  # this thread's (rank's) copy has judged its first real call
+        # Each submodule's attributes before the call the probe judges: what the copies start from (a table the
+        # call cached on the module, self._slopes = ..., was built from the rank's count).
+        self.before: dict[int, dict[str, Any]] = {}
+
+    def keep_state(self, module: nn.Module) -> None:
+        """Remember the attributes of ``module`` and its submodules before a call the probe may judge (the
+        first real one): the copies start from them, not from what the call left (shallow: a cache filled in
+        place is still the call's)."""
+        if not self.done:
+            self.before = {id(m): dict(vars(m)) for m in module.modules()}
 
     def run(self, module: nn.Module, label: str, axis: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Judge the call ``module(*args, **kwargs)`` just made (the Region ``label`` on this rank, its input
@@ -102,7 +122,7 @@ class RegionProbe:
         if styled is None:
             return  # a gathered Colwise or a vocabulary-split Embedding inside: not computable alone (a gap)
         try:
-            found = _compare(module, styled, self.whole_shapes, n, index, args, kwargs)
+            found = _compare(module, styled, self.whole_shapes, self.before, n, index, args, kwargs)
         except _Unrelated:
             return  # split otherwise than one dim into n (none of the styles does so today): not judged
         except Exception:
@@ -111,7 +131,7 @@ class RegionProbe:
             # says nothing of the Region's values (the single-device module runs), so it is not judged (a gap).
             return
         if found is not None:
-            raise ValueError(_message(label, type(module).__name__, axis, n, index, found))
+            raise ValueError(_message(label, type(module).__name__, axis, n, index, *found))
 
 
 def _styled_modules(module: nn.Module) -> dict[str, Any] | None:
@@ -133,31 +153,38 @@ def _styled_modules(module: nn.Module) -> dict[str, Any] | None:
 
 
 def _compare(
-    module: nn.Module, styled: dict[str, Any], whole_shapes: dict[str, tuple[int, ...]], n: int, index: int,
-    args: tuple[Any, ...], kwargs: dict[str, Any],
-) -> str | None:
-    """Run the whole and the split copies; what differed, in words, or None."""
+    module: nn.Module, styled: dict[str, Any], whole_shapes: dict[str, tuple[int, ...]],
+    before: dict[int, dict[str, Any]], n: int, index: int, args: tuple[Any, ...], kwargs: dict[str, Any],
+) -> tuple[str, bool] | None:
+    """Run the whole, split and mixed copies; what differed, in words, and whether the features depend on the
+    other heads (an op across heads), or None."""
     inputs: Any = optree.tree_map(_upcast, (args, kwargs), none_is_leaf=True)  # type: ignore[arg-type]
     device = next((t.device for t in optree.tree_leaves(inputs) if isinstance(t, Tensor)), torch.device("cpu"))
     whole_calls: list[tuple[str, Tensor, Tensor]] = []
     split_calls: list[tuple[str, Tensor]] = []
+    mixed_calls: list[tuple[str, Tensor]] = []
     with _hidden(device) as drew, no_mesh(), _probing():
-        whole, shared = _copy(module, styled, whole_shapes, n, "whole", whole_calls)
+        whole, shared = _copy(module, styled, whole_shapes, before, n, "whole", whole_calls)
         with _counts_set(shared):
             whole(*inputs[0], **inputs[1])
-        split, shared = _copy(module, styled, whole_shapes, n, "split", split_calls, whole_calls)
+        split, shared = _copy(module, styled, whole_shapes, before, n, "split", split_calls, whole_calls)
         with _counts_set(shared):
             split(*inputs[0], **inputs[1])
+        # The heads at the other places scaled (this rank's at its own as they are): an op across the heads (a
+        # mean, max or variance over the heads dim) gives the same on tiled weights, not on these.
+        mixed, shared = _copy(module, styled, whole_shapes, before, n, "mixed", mixed_calls, whole_calls, index)
+        with _counts_set(shared):
+            mixed(*inputs[0], **inputs[1])
     if drew:
         return None  # random numbers drawn in eval mode: the copies' draws do not compare (a gap)
     if len(split_calls) != len(whole_calls):
         return (f"its Rowwise modules were called {len(split_calls)} times on the rank and {len(whole_calls)} times "
-                "in the whole module")
+                "in the whole module"), False
     for k, ((path, got), (_, want, _)) in enumerate(zip(split_calls, whole_calls, strict=True)):
         dim = want.dim() - 1
         if got.shape[:-1] != want.shape[:-1] or got.shape[-1] * n != want.shape[-1]:
             return (f"the input of Rowwise {path!r} (its call {k + 1}) has shape {list(got.shape)} on the rank and "
-                    f"{list(want.shape)} in the whole module")
+                    f"{list(want.shape)} in the whole module"), False
         # Every place's slice, this rank's first: the whole copy holds this rank's weights at every place, so a
         # module computing each head from its own weights gives the same features at each. Judging them all
         # makes every rank refuse alike (a table numbered from 0 on each rank matches the whole at place 0
@@ -170,18 +197,34 @@ def _compare(
                 heads = "this rank's heads" if place == index else f"the heads rank {place} holds (its weights tiled)"
                 return (f"the input of Rowwise {path!r} (its call {k + 1}), the rank's heads' features, differs from "
                         f"the whole module's for {heads} by up to {err:.3g} (relative "
-                        f"{err / max(scale, 1e-300):.3g}, allowed {RTOL:g} in float64)")
+                        f"{err / max(scale, 1e-300):.3g}, allowed {RTOL:g} in float64)"), False
+    if len(mixed_calls) != len(split_calls):
+        return (f"its Rowwise modules were called {len(mixed_calls)} times in the whole module when only the OTHER "
+                f"heads' weights change, {len(split_calls)} times on the rank"), True
+    for k, ((path, got), (_, other)) in enumerate(zip(split_calls, mixed_calls, strict=True)):
+        ours = TensorSplit("", other.dim() - 1, n).local(other, index) if other.shape == (
+            *got.shape[:-1], got.shape[-1] * n) else None
+        scale = float(got.abs().nan_to_num(0.0, 0.0, 0.0).max()) if got.numel() else 0.0
+        if ours is None or not torch.allclose(got, ours, rtol=0.0, atol=RTOL * scale, equal_nan=True):
+            err = float("inf") if ours is None else float((got - ours).abs().nan_to_num(float("inf")).max())
+            return (f"the input of Rowwise {path!r} (its call {k + 1}), the rank's heads' features, changes by up "
+                    f"to {err:.3g} (relative {err / max(scale, 1e-300):.3g}) when only the OTHER heads' weights "
+                    "change (this rank's heads' weights tiled, the others' scaled by 2): the module computes "
+                    "across heads (a mean, max or variance over the heads dim, a norm over all heads' features), "
+                    "which each rank computes over its own heads alone"), True
     return None
 
 
 def _copy(
-    module: nn.Module, styled: dict[str, Any], whole_shapes: dict[str, tuple[int, ...]], n: int, kind: str,
-    calls: list[Any], whole_calls: list[tuple[str, Tensor, Tensor]] | None = None,
+    module: nn.Module, styled: dict[str, Any], whole_shapes: dict[str, tuple[int, ...]],
+    before: dict[int, dict[str, Any]], n: int, kind: str, calls: list[Any],
+    whole_calls: list[tuple[str, Tensor, Tensor]] | None = None, index: int = 0,
 ) -> tuple[nn.Module, list[tuple[Any, str, int]]]:
     """A copy of the Region's module (each submodule a shallow copy with dicts of its own: the layer's copy and
     its tensors untouched), in eval mode, its tensors float64 copies (tiled to the whole where split, for the
-    whole copy), its divided head counts as ``kind`` says, and its styled modules computing without
-    communication (each Rowwise recording its input). Also the counts held by objects that are no modules
+    whole copy; for the ``mixed`` one, with whole counts, the places but ``index`` scaled by 2), its divided head
+    counts as ``kind`` says, and its styled modules computing without communication (each Rowwise recording
+    its input). Also the counts held by objects that are no modules
     (shared with the layer's copy, as the Region's own call sets them): (owner, attribute, value) to set while
     the copy runs."""
     twins: dict[int, nn.Module] = {}
@@ -191,6 +234,10 @@ def _copy(
         if id(m) in twins:
             return twins[id(m)]
         t = twins[id(m)] = copy.copy(m)
+        kept = before.get(id(m))
+        if kept is not None:  # its attributes as the judged call found them (not what that call cached)
+            vars(t).clear()
+            vars(t).update(kept)
         vars(t).pop("forward", None)  # a split's installed forward (this Region's, a nested one's, a guard)
         t.training = False
         forward = vars(m).get("forward")
@@ -200,10 +247,12 @@ def _copy(
             split = None if install is None else param_split(install.style, install.kind, name, m)
             return 1 if split is None else split[1]
 
-        params: dict[str, Any] = {k: None if v is None else _tensor(v, whole_shapes.get(prefix + k), n, kind, blocks(k))
-                                  for k, v in m._parameters.items()}
+        params: dict[str, Any] = {
+            k: None if v is None else _tensor(v, whole_shapes.get(prefix + k), n, kind, blocks(k), index)
+            for k, v in m._parameters.items()
+        }
         t._parameters = params
-        t._buffers = {k: None if v is None else _tensor(v, whole_shapes.get(prefix + k), n, kind, 1)
+        t._buffers = {k: None if v is None else _tensor(v, whole_shapes.get(prefix + k), n, kind, 1, index)
                       for k, v in m._buffers.items()}
         t._modules = {k: None if v is None else twin(v, f"{prefix}{k}.") for k, v in m._modules.items()}
         if install is not None:
@@ -216,7 +265,7 @@ def _copy(
         install = getattr(forward, "install", None)
         if install is not None and isinstance(install.style, Region):
             for owner, attr, whole in forward.locals:
-                value = whole if kind == "whole" else whole // n
+                value = whole // n if kind == "split" else whole
                 if isinstance(owner, nn.Module) and id(owner) in twins:
                     object.__setattr__(twins[id(owner)], attr, value)
                 else:
@@ -236,25 +285,28 @@ def _counts_set(counts: list[tuple[Any, str, int]]) -> Iterator[None]:
             setattr(owner, attr, value)
 
 
-def _tensor(t: Tensor, whole: tuple[int, ...] | None, n: int, kind: str, blocks: int) -> Tensor:
+def _tensor(t: Tensor, whole: tuple[int, ...] | None, n: int, kind: str, blocks: int, index: int) -> Tensor:
     """A float64 copy of ``t`` (this rank's), for the whole copy tiled to the ``whole`` shape along the one dim
-    the split cut (block by block for a fused projection)."""
+    the split cut (block by block for a fused projection); for the mixed copy, a float tensor's places but
+    ``index`` scaled by 2 (exact in binary)."""
     local = _upcast(t)
     if kind == "split" or whole is None or tuple(t.shape) == whole:
         return local
     dims = [d for d, (a, b) in enumerate(zip(t.shape, whole, strict=True)) if a != b]
     if len(t.shape) != len(whole) or len(dims) != 1 or t.shape[dims[0]] * n != whole[dims[0]]:
         raise _Unrelated(f"a tensor of shape {list(t.shape)} is no 1/{n} of {list(whole)}")
-    return _tile(local, n, dims[0], blocks)
+    scales = [1.0 if kind == "whole" or p == index or not local.is_floating_point() else 2.0 for p in range(n)]
+    return _tile(local, n, dims[0], blocks, scales)
 
 
 class _Unrelated(Exception):
     """A Region tensor whose shape the probe cannot relate to the whole's: the call is not judged (a gap)."""
 
 
-def _tile(local: Tensor, n: int, d: int, blocks: int) -> Tensor:
-    """The tensor whose every rank's slice (``TensorSplit(dim=d, parts=n, blocks=blocks).local``) is ``local``."""
-    return torch.cat([torch.cat([b] * n, d) for b in local.chunk(blocks, d)], d)
+def _tile(local: Tensor, n: int, d: int, blocks: int, scales: list[float]) -> Tensor:
+    """The tensor whose rank ``p``'s slice (``TensorSplit(dim=d, parts=n, blocks=blocks).local``) is ``local``
+    times ``scales[p]``."""
+    return torch.cat([torch.cat([b * s for s in scales], d) for b in local.chunk(blocks, d)], d)
 
 
 class _ProbeForward:
@@ -336,7 +388,15 @@ def _probing() -> Iterator[None]:
         flow.probing = False
 
 
-def _message(label: str, cls: str, axis: str, n: int, index: int, found: str) -> str:
+def _message(label: str, cls: str, axis: str, n: int, index: int, found: str, across: bool) -> str:
+    if across:
+        return (
+            f"tensor_parallel: Region {label!r} (a {cls}) computes its heads' values on rank {index} of axis "
+            f"{axis!r} from the other heads' values too (its first call, run again in float64 on copies: {found}). "
+            f"Each of the {n} ranks holds 1/{n} of the heads, so an op across the heads dim sees this rank's "
+            "alone and the step would train another model. Keep each head's computation within the head, or "
+            "leave this module's projections out of the plan (replicated)"
+        )
     return (
         f"tensor_parallel: Region {label!r} (a {cls}) computes other values on rank {index} of axis {axis!r} than "
         f"the whole module computes for that rank's heads (its first call, run again in float64 on copies: "
