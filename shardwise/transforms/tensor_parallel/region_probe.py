@@ -40,7 +40,8 @@ waiting in a collective its peers never reach.
 The copies start from each submodule's attributes as they were before the judged call (a table that call
 cached on the module, ``self.slopes = get_slopes(self.n_head)`` on the first call, was built from the rank's
 count: read by the whole copy, it failed on the shapes and left the call unjudged); shallow, so a cache filled
-in place (a dict) is still the call's (a gap). The copies run in eval mode, so dropout (modules, and
+in place (a dict) is still the call's (a gap). The copies run without the modules' own forward hooks (a
+user's hook sees the step's calls only) and in eval mode, so dropout (modules, and
 ``F.dropout(..., training=self.training)``) draws nothing;
 the random generators are put back after them. Not judged (a gap, the call is left as it ran): a Region whose
 copies still draw random numbers in eval mode (model code calling ``torch.rand`` itself: the two copies draw
@@ -58,6 +59,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
 
@@ -77,6 +79,9 @@ from .positions import unfollowed
 from .rank_flow import flow
 from .styles import Colwise, Region, Rowwise, gathers
 
+# A module's own forward hooks (torch.nn.Module's dicts): emptied in the copies.
+_FORWARD_HOOKS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+                  "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs")
 RTOL = 1e-9  # of the whole slice's largest magnitude, in float64 (see the module docstring)
 _PLAIN = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
 
@@ -239,6 +244,9 @@ def _copy(
             vars(t).clear()
             vars(t).update(kept)
         vars(t).pop("forward", None)  # a split's installed forward (this Region's, a nested one's, a guard)
+        for hooks in _FORWARD_HOOKS:  # the user's hooks see the real calls only (not float64 runs at whole shapes)
+            if hooks in vars(t):
+                setattr(t, hooks, OrderedDict())
         t.training = False
         forward = vars(m).get("forward")
         install = getattr(forward, "install", None) if id(forward) in forwards else None

@@ -188,3 +188,21 @@ def test_on_gloo_processes_every_rank_refuses_and_every_process_ends(gloo2: Any,
     assert len(messages) == 2
     for rank, message in enumerate(messages):
         assert f"Region '0.attn' (a Attn) computes other values on rank {rank} of axis 'tp'" in message, message
+
+
+def test_the_probe_copies_run_none_of_the_modules_forward_hooks() -> None:
+    """A user's forward hooks on a Region's submodule see the step's calls only: the probe's copies (float64 runs,
+    one at the whole shape) leave them out, so the first step calls them as the later steps do."""
+    torch.manual_seed(0)
+    model = nn.Sequential(Block("plain"), Block("plain")).double().train()
+    seen: list[tuple[Any, ...]] = []
+    model[0].attn.q.register_forward_pre_hook(lambda m, i: seen.append(("in", *i[0].shape)))
+    model[0].attn.q.register_forward_hook(lambda m, i, o: seen.append(("out", *o.shape)))
+    chain, params = sw.functionalize(model)
+    step = sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1))
+    gen = torch.Generator().manual_seed(1)
+    batches = [tuple(torch.randn(BATCH, SEQ, D, dtype=torch.float64, generator=gen) for _ in range(2))
+               for _ in range(2)]
+    launch(functools.partial(_losses, step, PLAN, params, batches), 2)
+    # two ranks, two steps, one call each: the split q's input (batch, seq, D) and output (batch, seq, D / 2)
+    assert sorted(seen) == sorted([("in", BATCH, SEQ, D)] * 4 + [("out", BATCH, SEQ, D // 2)] * 4), seen
