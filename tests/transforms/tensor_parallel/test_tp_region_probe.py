@@ -101,6 +101,17 @@ def _problem(how: str, dropout: float = 0.0) -> tuple[sw.Step, Any, list[Any], d
     return step, params, batches, plan
 
 
+def _refusal_at_tp2(how: str) -> str:
+    """The refusal (a ValueError on a rank) of the step at tp2 against one device."""
+    step, params, batches, plan = _problem(how)
+    tp = sw.tensor_parallel(step, "tp", plan)
+    with pytest.raises(RankFailed) as info:
+        sw.testing.assert_equivalent(tp, step, sw.Mesh(tp=2), batches, params, rtol=1e-9)
+    message = str(info.value.__cause__)
+    assert isinstance(info.value.__cause__, ValueError), message
+    return message
+
+
 SILENT = ["get_slopes(self.n_head)", "get_slopes(self.n_head) cached on the module",
           "get_slopes(q.size(1))", "tensor(list(range(h)))", "arange(h).tolist()",
           "q * (1.0 / h)", "q / math.sqrt(self.n_head)"]
@@ -108,12 +119,7 @@ SILENT = ["get_slopes(self.n_head)", "get_slopes(self.n_head) cached on the modu
 
 @pytest.mark.parametrize("how", SILENT)
 def test_a_per_head_value_from_the_rank_count_through_python_is_refused_naming_the_region(how: str) -> None:
-    step, params, batches, plan = _problem(how)
-    tp = sw.tensor_parallel(step, "tp", plan)
-    with pytest.raises(RankFailed) as info:
-        sw.testing.assert_equivalent(tp, step, sw.Mesh(tp=2), batches, params, rtol=1e-9)
-    message = str(info.value.__cause__)
-    assert isinstance(info.value.__cause__, ValueError), message
+    message = _refusal_at_tp2(how)
     assert "Region '0.attn' (a Attn) computes other values on rank" in message
     assert "the input of Rowwise '0.attn.o' (its call 1)" in message
     assert "per-head value computed in forward from the rank's count" in message
@@ -128,12 +134,7 @@ def test_an_op_across_heads_that_tiled_weights_hide_is_refused(how: str) -> None
     """A mean, max or (population) variance over the heads dim gives the same over this rank's heads tiled as
     over them alone: the whole copy with the other places' weights scaled shows it (silent before: the loss
     off by 1e-5 to 3e-3 at tp2)."""
-    step, params, batches, plan = _problem(how)
-    tp = sw.tensor_parallel(step, "tp", plan)
-    with pytest.raises(RankFailed) as info:
-        sw.testing.assert_equivalent(tp, step, sw.Mesh(tp=2), batches, params, rtol=1e-9)
-    message = str(info.value.__cause__)
-    assert isinstance(info.value.__cause__, ValueError), message
+    message = _refusal_at_tp2(how)
     assert "Region '0.attn' (a Attn) computes its heads' values on rank" in message
     assert "from the other heads' values too" in message
     assert "the input of Rowwise '0.attn.o' (its call 1)" in message
