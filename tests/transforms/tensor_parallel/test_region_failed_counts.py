@@ -37,16 +37,21 @@ class ConfigCountAttention(nn.Module):
         return self.o(a.transpose(1, 2).reshape(b, t, -1))
 
 
-def test_a_config_count_is_named_as_the_region_takes_it() -> None:
+def _refusal_at_tp2(attention: nn.Module) -> str:
+    """The refusal of one step of ``attention`` in a Region over heads at tp2 (threads), as text."""
     torch.manual_seed(0)
-    chain, params = sw.functionalize(nn.Sequential(ConfigCountAttention()).double())
+    chain, params = sw.functionalize(nn.Sequential(attention).double())
     step = sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1))
     plan = {"0": sw.tp.Region(heads=("n_heads",)), "0.[qkv]": sw.tp.Colwise(), "0.o": sw.tp.Rowwise()}
     tp = sw.tensor_parallel(step, "tp", plan)
     batch = (torch.randn(2, 6, D, dtype=torch.float64), torch.randn(2, 6, D, dtype=torch.float64))
     with pytest.raises((ValueError, sw.collectives.RankFailed)) as caught:
         sw.launch(lambda: tp(tp.init(params, sw.Mesh(tp=2)), batch), 2)
-    text = str(caught.value)
+    return str(caught.value)
+
+
+def test_a_config_count_is_named_as_the_region_takes_it() -> None:
+    text = _refusal_at_tp2(ConfigCountAttention())
     assert "computes with a count it was not told to divide; ConfigCountAttention has {'config.num_heads': 4}" in text
 
 
@@ -71,14 +76,6 @@ class HeldCountSinksAttention(nn.Module):
 def test_a_per_head_parameter_is_named_when_the_module_holds_its_head_count() -> None:
     """The count a module holds reads divided while its Region runs, as a HeadCount (an int subclass): the
     per-head parameter was missed ("type(...) is int") and the refusal named a count not told to divide."""
-    torch.manual_seed(0)
-    chain, params = sw.functionalize(nn.Sequential(HeldCountSinksAttention()).double())
-    step = sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1))
-    plan = {"0": sw.tp.Region(heads=("n_heads",)), "0.[qkv]": sw.tp.Colwise(), "0.o": sw.tp.Rowwise()}
-    tp = sw.tensor_parallel(step, "tp", plan)
-    batch = (torch.randn(2, 6, D, dtype=torch.float64), torch.randn(2, 6, D, dtype=torch.float64))
-    with pytest.raises((ValueError, sw.collectives.RankFailed)) as caught:
-        sw.launch(lambda: tp(tp.init(params, sw.Mesh(tp=2)), batch), 2)
-    text = str(caught.value)
+    text = _refusal_at_tp2(HeldCountSinksAttention())
     assert f"its parameter 'sinks' of shape ({HEADS},) holds one value per head ({HEADS} heads)" in text, text
     assert "give '0.sinks' sw.tp.PerHead() in the plan" in text
