@@ -51,7 +51,9 @@ key/value cache, which the copies would update) or with tensors that are not pla
 one whose copies cannot run alone (another transform's rewrite that keeps the module itself and reaches the
 rank's split modules or a collective: context parallel's attention, run under no_mesh() so that nothing is
 sent; code that refuses float64), and a forward that behaves otherwise in training mode. Cost: three float64 runs
-of the Region's module on its first call on each rank; later calls pay one attribute check
+of the Region's module on its first call on each rank, on the batch's first sample (the call's tensors as long
+as its first one's dim 0 cut to one row; the whole input where that run fails: an argument laid out otherwise than
+by the batch, as a (batch * heads, ...) bias); later calls pay one attribute check
 (:attr:`RegionProbe.done`), and each split module's call one thread-local read (refusing to run inside a probe).
 """
 
@@ -126,15 +128,23 @@ class RegionProbe:
         styled = _styled_modules(module)
         if styled is None:
             return  # a gathered Colwise or a vocabulary-split Embedding inside: not computable alone (a gap)
-        try:
-            found = _compare(module, styled, self.whole_shapes, self.before, n, index, args, kwargs)
-        except _Unrelated:
-            return  # split otherwise than one dim into n (none of the styles does so today): not judged
-        except Exception:
-            # Another transform's rewrite reaching the rank's split modules or a collective (context parallel's
-            # attention holds the module itself), code that refuses float64: what the copies cannot compute
-            # says nothing of the Region's values (the single-device module runs), so it is not judged (a gap).
-            return
+        # On the batch's first sample where the copies run on it (a head's values do not depend on the batch's
+        # size; the copies' time and memory are 1/batch of the call's), else on the whole input.
+        cuts = [True, False] if _batch(args, kwargs) > 1 else [False]
+        for k, one_sample in enumerate(cuts):
+            try:
+                found = _compare(module, styled, self.whole_shapes, self.before, n, index, args, kwargs, one_sample)
+            except _Unrelated:
+                return  # split otherwise than one dim into n (none of the styles does so today): not judged
+            except Exception:
+                if k + 1 < len(cuts):
+                    continue  # an argument not cut with the batch (a (batch * heads, ...) bias): the whole input
+                # Another transform's rewrite reaching the rank's split modules or a collective (context
+                # parallel's attention holds the module itself), code that refuses float64: what the copies
+                # cannot compute says nothing of the Region's values (the single-device module runs), so it is
+                # not judged (a gap).
+                return
+            break
         if found is not None:
             raise ValueError(_message(label, type(module).__name__, axis, n, index, *found))
 
@@ -157,18 +167,37 @@ def _styled_modules(module: nn.Module) -> dict[str, Any] | None:
     return found
 
 
+def _batch(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    """The call's first tensor's dim 0 (the hidden states' batch), 0 where there is none."""
+    leaves: list[Any] = optree.tree_leaves((args, kwargs), none_is_leaf=True)  # type: ignore[arg-type]
+    first = next((t for t in leaves if isinstance(t, Tensor)), None)
+    return 0 if first is None or first.dim() == 0 else first.shape[0]
+
+
+def _one_sample(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    """The call's tensors as long as its batch along dim 0 cut to the first sample (inside the probe's hidden
+    block: a sequence-parallel watch would take the cut for the model's)."""
+    batch = _batch(args, kwargs)
+    cut: Any = optree.tree_map(lambda t: t[:1] if isinstance(t, Tensor) and t.dim() and t.shape[0] == batch else t,
+                               (args, kwargs), none_is_leaf=True)  # type: ignore[arg-type]
+    return cut[0], cut[1]
+
+
 def _compare(
     module: nn.Module, styled: dict[str, Any], whole_shapes: dict[str, tuple[int, ...]],
     before: dict[int, dict[str, Any]], n: int, index: int, args: tuple[Any, ...], kwargs: dict[str, Any],
+    one_sample: bool,
 ) -> tuple[str, bool] | None:
     """Run the whole, split and mixed copies; what differed, in words, and whether the features depend on the
     other heads (an op across heads), or None."""
-    inputs: Any = optree.tree_map(_upcast, (args, kwargs), none_is_leaf=True)  # type: ignore[arg-type]
-    device = next((t.device for t in optree.tree_leaves(inputs) if isinstance(t, Tensor)), torch.device("cpu"))
+    leaves: list[Any] = optree.tree_leaves((args, kwargs), none_is_leaf=True)  # type: ignore[arg-type]
+    device = next((t.device for t in leaves if isinstance(t, Tensor)), torch.device("cpu"))
     whole_calls: list[tuple[str, Tensor, Tensor]] = []
     split_calls: list[tuple[str, Tensor]] = []
     mixed_calls: list[tuple[str, Tensor]] = []
     with _hidden(device) as drew, no_mesh(), _probing():
+        source = _one_sample(args, kwargs) if one_sample else (args, kwargs)
+        inputs: Any = optree.tree_map(_upcast, source, none_is_leaf=True)  # type: ignore[arg-type]
         whole, shared = _copy(module, styled, whole_shapes, before, n, "whole", whole_calls)
         with _counts_set(shared):
             whole(*inputs[0], **inputs[1])

@@ -207,3 +207,47 @@ def test_the_probe_copies_run_none_of_the_modules_forward_hooks() -> None:
     launch(functools.partial(_losses, step, PLAN, params, batches), 2)
     # two ranks, two steps, one call each: the split q's input (batch, seq, D) and output (batch, seq, D / 2)
     assert sorted(seen) == sorted([("in", BATCH, SEQ, D)] * 4 + [("out", BATCH, SEQ, D // 2)] * 4), seen
+
+
+class PairedAttn(Attn):
+    """Takes a second tensor of (batch * 2, seq) rows (a Bloom-like (batch * heads, ...) layout), which the
+    probe's cut to the batch's first sample does not cut; it records the batch sizes its forward saw."""
+
+    def forward(self, x: torch.Tensor, pairs: torch.Tensor | None = None) -> torch.Tensor:  # type: ignore[override]
+        BATCHES.append(x.shape[0])
+        if pairs is not None:
+            x = x + pairs.view(x.shape[0], 2, x.shape[1]).sum(1).unsqueeze(-1) * 0.0
+        return super().forward(x)
+
+
+BATCHES: list[int] = []
+
+
+class PairedBlock(nn.Module):
+    def __init__(self, how: str, pairs: bool) -> None:
+        super().__init__()
+        self.norm, self.attn, self.pairs = nn.LayerNorm(D), PairedAttn(how), pairs
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        extra = torch.ones(x.shape[0] * 2, x.shape[1], dtype=x.dtype) if self.pairs else None
+        return x + self.attn(self.norm(x), pairs=extra)
+
+
+@pytest.mark.parametrize("pairs", [False, True], ids=["cut to one sample", "whole input after the cut failed"])
+def test_the_probe_runs_on_one_sample_and_on_the_whole_input_where_the_cut_fails(pairs: bool) -> None:
+    """The copies run on the batch's first sample (1/batch of the call's time and memory); an argument not cut
+    with the batch makes that run fail, and the whole input is judged instead: refused either way."""
+    torch.manual_seed(0)
+    model = nn.Sequential(PairedBlock("get_slopes(self.n_head)", pairs)).double()
+    chain, params = sw.functionalize(model)
+    step = sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1))
+    batch = (torch.randn(BATCH, SEQ, D, dtype=torch.float64), torch.randn(BATCH, SEQ, D, dtype=torch.float64))
+    BATCHES.clear()
+    plan = {"*.attn": sw.tp.Region(heads=("n_head",)), **{f"*.attn.{p}": sw.tp.Colwise() for p in "qkv"},
+            "*.attn.o": sw.tp.Rowwise()}
+    tp = sw.tensor_parallel(step, "tp", plan)
+    with pytest.raises(RankFailed, match=r"Region '0\.attn' \(a PairedAttn\) computes other values"):
+        sw.launch(lambda: tp(tp.init(params, sw.Mesh(tp=2)), batch), 2)
+    # Each rank's call on the batch; its three copies on one sample, or (the first copy failing on the pairs
+    # there) the three on the whole batch.
+    assert sorted(BATCHES) == ([1] * 2 + [BATCH] * (2 + 2 * 3) if pairs else [1] * 2 * 3 + [BATCH] * 2), BATCHES
