@@ -3,12 +3,14 @@ long-lived gloo process pools shared by every multi-process test, and commands r
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -270,3 +272,22 @@ def beside(request: pytest.FixtureRequest) -> subprocess.CompletedProcess[str]:
     if runner is None or not runner.knows(request.node.nodeid):
         runner = _Beside({request.node.nodeid: mark})
     return runner.result(request.node.nodeid)
+
+
+@pytest.fixture
+def benchmark_script(monkeypatch: pytest.MonkeyPatch) -> Callable[[str], Any]:
+    """Loads ``benchmarks/<name>.py`` in this process, as ``python benchmarks/<name>.py`` would see it: its folder
+    on sys.path (it imports its sibling ``_common`` by the bare name) and the module in sys.modules under
+    ``<name>_benchmark`` (dataclasses look their module up there), both undone after the test."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+
+    def load(name: str) -> Any:
+        module_name = f"{name}_benchmark"
+        spec = importlib.util.spec_from_file_location(module_name, ROOT / "benchmarks" / f"{name}.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        monkeypatch.setitem(sys.modules, module_name, module)
+        spec.loader.exec_module(module)
+        return module
+
+    return load

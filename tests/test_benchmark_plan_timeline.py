@@ -5,10 +5,10 @@ process's setting already: tests/conftest.py)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -20,14 +20,9 @@ STACKS = {"dp2xpp2": ["--layers", "4", "--batch", "16"], "tp2": ["--layers", "2"
 
 @pytest.mark.parametrize("stack", STACKS)
 def test_plan_timeline_benchmark_compares_simulated_with_measured(
-    stack: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    stack: str, tmp_path: Path, benchmark_script: Callable[[str], Any], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # its sibling _common, as `python benchmarks/...` sees it
-    spec = importlib.util.spec_from_file_location("plan_timeline_benchmark", ROOT / "benchmarks" / "plan_timeline.py")
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "plan_timeline_benchmark", bench)  # dataclasses look their module up there
-    spec.loader.exec_module(bench)
+    bench = benchmark_script("plan_timeline")
     capsys.readouterr()
     bench.main(["--backend", "threads", "--steps", "8", "--warmup", "1", "--hidden", "16", "--stack", stack,
                 *STACKS[stack], "--cores", "0", "--draw", str(tmp_path)])

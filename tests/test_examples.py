@@ -8,7 +8,9 @@ import re
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -88,18 +90,14 @@ def test_gpu_benchmark_dry_run_on_the_cpu_processes() -> None:
     _gpu_rows(result.stdout, {"processes"})
 
 
-def test_gpu_benchmark_dry_run_on_the_cpu_threads(capsys: pytest.CaptureFixture[str]) -> None:
+def test_gpu_benchmark_dry_run_on_the_cpu_threads(
+    capsys: pytest.CaptureFixture[str], benchmark_script: Callable[[str], Any]
+) -> None:
     """Its ``main`` in this process: its ranks are threads, its process-group check starts its own child."""
     kinds = {"equivalence", "speed", "process_group"}
-    with pytest.MonkeyPatch.context() as patch:
-        patch.syspath_prepend(str(ROOT / "benchmarks"))  # its sibling _common
-        spec = importlib.util.spec_from_file_location("gpu_benchmark", ROOT / "benchmarks" / "gpu.py")
-        assert spec is not None and spec.loader is not None
-        bench = importlib.util.module_from_spec(spec)
-        patch.setitem(sys.modules, "gpu_benchmark", bench)  # dataclasses look their module up there
-        spec.loader.exec_module(bench)
-        capsys.readouterr()
-        bench.main([*GPU_DRY_RUN, "--only", ",".join(sorted(kinds))])
+    bench = benchmark_script("gpu")
+    capsys.readouterr()
+    bench.main([*GPU_DRY_RUN, "--only", ",".join(sorted(kinds))])
     rows = _gpu_rows(capsys.readouterr().out, kinds)
     losses = {row["variant"]: row["losses"] for row in rows if row["kind"] == "speed"}
     # The same arithmetic written twice: ours and torch eager agree (to the 5 decimals reported).
@@ -108,7 +106,9 @@ def test_gpu_benchmark_dry_run_on_the_cpu_threads(capsys: pytest.CaptureFixture[
 
 
 @pytest.mark.gloo  # the gloo half starts two processes
-def test_collectives_benchmark_round_trip(capsys: pytest.CaptureFixture[str]) -> None:
+def test_collectives_benchmark_round_trip(
+    capsys: pytest.CaptureFixture[str], benchmark_script: Callable[[str], Any]
+) -> None:
     """benchmarks/collectives.py's send_recv (the pipeline's message pattern) runs and checks itself."""
     def args(world: int) -> list[str]:
         return ["--backends", "threads,gloo", "--worlds", str(world), "--ops", "send_recv", "--sizes", "4K",
@@ -125,14 +125,9 @@ def test_collectives_benchmark_round_trip(capsys: pytest.CaptureFixture[str]) ->
     assert rows["threads"]["torch_median_s"] is None and rows["gloo"]["ratio_to_torch"] > 0
     # An odd world is refused as the arguments are read (exit status 2), in this process: no interpreter
     # to start for it.
-    with pytest.MonkeyPatch.context() as patch:
-        patch.syspath_prepend(str(ROOT / "benchmarks"))  # its sibling _common
-        spec = importlib.util.spec_from_file_location("collectives_benchmark", ROOT / "benchmarks" / "collectives.py")
-        assert spec is not None and spec.loader is not None
-        bench = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(bench)
-        with pytest.raises(SystemExit) as refused:
-            bench.main(args(3))
+    bench = benchmark_script("collectives")
+    with pytest.raises(SystemExit) as refused:
+        bench.main(args(3))
     assert refused.value.code == 2 and "odd" in capsys.readouterr().err
 
 
