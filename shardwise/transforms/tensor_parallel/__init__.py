@@ -9,29 +9,42 @@ from ...engine.stack.compose import add
 from ...engine.step.step import Step
 from .loss import SplitLogitsLoss, vocab_parallel_cross_entropy, vocab_parallel_logsumexp
 from .plans import (
+    BLOOM_BLOCKS,
+    FALCON_BLOCKS,
     GPT2_BLOCKS,
     LLAMA_BLOCKS,
+    MPT_BLOCKS,
     TINY_GPT_BLOCKS,
+    bloom_plan,
+    falcon_plan,
     gpt2_plan,
     gpt_oss_plan,
     llama_plan,
+    mpt_plan,
     tiny_gpt_plan,
 )
 from .spec import TPSpec
-from .styles import Colwise, PerHead, Region, Rowwise, Style
+from .styles import Colwise, HeadsAlong, PerHead, Region, Rowwise, Style
 
 __all__ = [
+    "BLOOM_BLOCKS",
+    "FALCON_BLOCKS",
     "GPT2_BLOCKS",
     "LLAMA_BLOCKS",
+    "MPT_BLOCKS",
     "TINY_GPT_BLOCKS",
     "Colwise",
+    "HeadsAlong",
     "PerHead",
     "Region",
     "Rowwise",
     "TPSpec",
+    "bloom_plan",
+    "falcon_plan",
     "gpt2_plan",
     "gpt_oss_plan",
     "llama_plan",
+    "mpt_plan",
     "tensor_parallel",
     "tiny_gpt_plan",
     "vocab_parallel_cross_entropy",
