@@ -37,6 +37,11 @@ rank (``get_slopes(n)``, ``1 / math.sqrt(n)``) and a table numbered from 0 on ea
 (``torch.tensor(list(range(h)))``, which matches the whole at place 0 only) are refused on every rank, none left
 waiting in a collective its peers never reach.
 
+A Region's arguments of one slice per head (``Region(arguments={"alibi": HeadsAlong(...)})``: ALiBi's bias, cut to
+the rank's heads at each call, head_arguments.py) are what the split copy takes, as the call did; the whole copies
+take them tiled back to all heads, the rank's heads at every place, as they hold the rank's weights; and the
+first-sample cut takes a folded one's first sample's rows, and leaves one with its heads on dim 0 whole.
+
 The copies start from each submodule's attributes as they were before the judged call (a table that call
 cached on the module, ``self.slopes = get_slopes(self.n_head)`` on the first call, was built from the rank's
 count: read by the whole copy, it failed on the shapes and left the call unjudged); shallow, so a cache filled
@@ -53,7 +58,7 @@ rank's split modules or a collective: context parallel's attention, run under no
 sent; code that refuses float64), and a forward that behaves otherwise in training mode. Cost: three float64 runs
 of the Region's module on its first call on each rank, on the batch's first sample (the call's tensors as long
 as its first one's dim 0 cut to one row; the whole input where that run fails: an argument laid out otherwise than
-by the batch, as a (batch * heads, ...) bias); later calls pay one attribute check
+by the batch, as a (batch * heads, ...) bias the Region does not cut); later calls pay one attribute check
 (:attr:`RegionProbe.done`), and each split module's call one thread-local read (refusing to run inside a probe).
 """
 
