@@ -268,6 +268,10 @@ def test_bad_styles_are_refused_where_they_are_made() -> None:
         sw.tp.Region(heads=("n",), arguments={"alibi": 0})  # type: ignore[dict-item]
     with pytest.raises(ValueError, match="without heads=: an argument's heads are cut as the Region's heads are"):
         sw.tp.Region(arguments={"alibi": sw.tp.HeadsAlong(dim=0)})
+    chain, _ = sw.functionalize(LearnedBias().double(), units=Block, example_input=batches(n=1)[0][0])
+    with pytest.raises(TypeError, match=r"HeadsAlong\(\) describes an argument of a Region's module"):
+        sw.tensor_parallel(sw.train_step(chain, lm_loss, sw.optim.sgd(0.1)), "tp",
+                           {"blocks.*.attn": sw.tp.HeadsAlong(dim=0)})  # type: ignore[dict-item]
     region = sw.tp.Region(heads=("n",), arguments={"b": sw.tp.HeadsAlong(0), "a": sw.tp.HeadsAlong(1)})
     assert region == sw.tp.Region(heads=("n",), arguments=(("a", sw.tp.HeadsAlong(1)), ("b", sw.tp.HeadsAlong(0))))
     assert hash(region) == hash(sw.tp.Region(heads=("n",), arguments={"a": sw.tp.HeadsAlong(1),
