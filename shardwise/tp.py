@@ -2,8 +2,9 @@
 
 ``sw.tensor_parallel(step, axis, plan)`` takes a plan: a dict from module paths
 (fnmatch patterns on ``model.named_modules()``) to ``Colwise()``, ``Rowwise()``
-or ``Region()``, and parameter paths to ``PerHead()``. ``llama_plan``, ``gpt2_plan``,
-``gpt_oss_plan`` and ``tiny_gpt_plan`` are ready ones; ``docs/tensor_parallel.md`` says what each style does.
+or ``Region()`` (its ``arguments`` of one slice per head: ``HeadsAlong()``), and parameter paths to
+``PerHead()``. ``llama_plan``, ``gpt2_plan``, ``gpt_oss_plan``, ``bloom_plan``, ``mpt_plan``,
+``falcon_plan`` and ``tiny_gpt_plan`` are ready ones; ``docs/tensor_parallel.md`` says what each style does.
 
 >>> import shardwise as sw
 >>> sorted(sw.tp.tiny_gpt_plan().items())[:2]
@@ -11,32 +12,46 @@ or ``Region()``, and parameter paths to ``PerHead()``. ``llama_plan``, ``gpt2_pl
 """
 
 from .transforms.tensor_parallel import (
+    BLOOM_BLOCKS,
+    FALCON_BLOCKS,
     GPT2_BLOCKS,
     LLAMA_BLOCKS,
+    MPT_BLOCKS,
     TINY_GPT_BLOCKS,
     Colwise,
+    HeadsAlong,
     PerHead,
     Region,
     Rowwise,
+    bloom_plan,
+    falcon_plan,
     gpt2_plan,
     gpt_oss_plan,
     llama_plan,
+    mpt_plan,
     tiny_gpt_plan,
     vocab_parallel_cross_entropy,
     vocab_parallel_logsumexp,
 )
 
 __all__ = [
+    "BLOOM_BLOCKS",
+    "FALCON_BLOCKS",
     "GPT2_BLOCKS",
     "LLAMA_BLOCKS",
+    "MPT_BLOCKS",
     "TINY_GPT_BLOCKS",
     "Colwise",
+    "HeadsAlong",
     "PerHead",
     "Region",
     "Rowwise",
+    "bloom_plan",
+    "falcon_plan",
     "gpt2_plan",
     "gpt_oss_plan",
     "llama_plan",
+    "mpt_plan",
     "tiny_gpt_plan",
     "vocab_parallel_cross_entropy",
     "vocab_parallel_logsumexp",

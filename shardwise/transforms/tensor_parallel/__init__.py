@@ -9,29 +9,42 @@ from ...engine.stack.compose import add
 from ...engine.step.step import Step
 from .loss import SplitLogitsLoss, vocab_parallel_cross_entropy, vocab_parallel_logsumexp
 from .plans import (
+    BLOOM_BLOCKS,
+    FALCON_BLOCKS,
     GPT2_BLOCKS,
     LLAMA_BLOCKS,
+    MPT_BLOCKS,
     TINY_GPT_BLOCKS,
+    bloom_plan,
+    falcon_plan,
     gpt2_plan,
     gpt_oss_plan,
     llama_plan,
+    mpt_plan,
     tiny_gpt_plan,
 )
 from .spec import TPSpec
-from .styles import Colwise, PerHead, Region, Rowwise, Style
+from .styles import Colwise, HeadsAlong, PerHead, Region, Rowwise, Style
 
 __all__ = [
+    "BLOOM_BLOCKS",
+    "FALCON_BLOCKS",
     "GPT2_BLOCKS",
     "LLAMA_BLOCKS",
+    "MPT_BLOCKS",
     "TINY_GPT_BLOCKS",
     "Colwise",
+    "HeadsAlong",
     "PerHead",
     "Region",
     "Rowwise",
     "TPSpec",
+    "bloom_plan",
+    "falcon_plan",
     "gpt2_plan",
     "gpt_oss_plan",
     "llama_plan",
+    "mpt_plan",
     "tensor_parallel",
     "tiny_gpt_plan",
     "vocab_parallel_cross_entropy",
@@ -46,7 +59,9 @@ def tensor_parallel(
 
     ``plan`` maps module path patterns (fnmatch over ``model.named_modules()`` paths) to
     :class:`Colwise`, :class:`Rowwise` and :class:`Region` (``sw.tp``), and parameter path patterns to
-    :class:`PerHead` (a parameter of one value per head, GPT-OSS's attention sinks); modules it does not
+    :class:`PerHead` (a parameter of one value per head, GPT-OSS's attention sinks); a Region's ``arguments``
+    name its module's arguments of one slice per head (:class:`HeadsAlong`: ALiBi's bias, which Bloom, MPT
+    and Falcon build around the layers), cut to the rank's heads at each call; modules it does not
     name keep their parameters whole on every rank. Each rank of ``axis`` holds its slice of every
     split parameter and computes with it; the layers run unchanged, and the communication goes
     through shardwise's differentiable collectives (an all-reduce where a Rowwise output is summed
@@ -120,6 +135,12 @@ def tensor_parallel(
     for pattern, style in plan.items():
         if not isinstance(pattern, str) or not pattern:
             raise TypeError(f"tensor_parallel: plan key {pattern!r} is not a module path pattern")
+        if isinstance(style, HeadsAlong):
+            raise TypeError(
+                f"tensor_parallel: plan[{pattern!r}] = {style!r}; HeadsAlong() describes an argument of a Region's "
+                "module, not a module or a parameter: give it in the Region's arguments, e.g. "
+                "sw.tp.Region(heads=('num_heads',), arguments={'alibi': sw.tp.HeadsAlong(dim=0, folded_batch=True)})"
+            )
         if not isinstance(style, (Colwise, Rowwise, Region, PerHead)):
             raise TypeError(
                 f"tensor_parallel: plan[{pattern!r}] = {style!r}; a style is sw.tp.Colwise(), sw.tp.Rowwise() "

@@ -20,6 +20,7 @@ from torch import nn
 
 from ...engine.model.chain import Chain, Layer
 from ...engine.model.embedding_options import option_fix
+from .head_arguments import check_head_arguments
 from .per_head import match_per_head, per_head_count
 from .styles import Colwise, PerHead, Region, Rowwise, Style, gathers
 
@@ -292,6 +293,7 @@ def resolve(chain: Chain, plan: Mapping[str, Style], sequence_parallel: str | No
                         last.slices_out = lp.slices_in = True
             if isinstance(chosen, Region):
                 _check_heads_named(style_of[path][0], path, chosen, module)
+                check_head_arguments(style_of[path][0], path, chosen, module)
                 for attr in (*chosen.heads, *chosen.local):
                     heads.append((path, attr, _read_attribute(module, path, attr)))
                 _check_per_head_lists(

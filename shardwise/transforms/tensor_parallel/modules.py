@@ -26,6 +26,7 @@ from . import partial, positions
 from .comm import enter, gather_invariant, leave, scatter
 from .failures import colwise_subclass_failed, region_failed, rowwise_width_message
 from .following import quiet
+from .head_arguments import HeadArguments
 from .head_numbers import HeadCount
 from .match import CONV1D, EMBEDDING, LINEAR, Install, is_head_count
 from .product_views import HeadView
@@ -83,6 +84,10 @@ class TPForward:
         self.cuts_watched = False  # and how it cuts its Colwise outputs: on its first forward (split_watch.py)
         # A Region's first real call on each rank, run again whole and split on copies (region_probe.py).
         self.probe = RegionProbe(module) if install is not None and isinstance(install.style, Region) else None
+        # Its arguments of one slice per head (Region(arguments=...)), cut to the rank's heads at each call.
+        self.head_arguments = HeadArguments(
+            module, path, install.style, lambda attr: _whole_count(module, attr)
+        ) if install is not None and isinstance(install.style, Region) and install.style.arguments else None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         m, install = self.module, self.install
@@ -160,6 +165,8 @@ class TPForward:
                 locals_ = self.divided_by[n] = self._local_counts(n, len(style.local), label)
             for (owner, attr, _), local in zip(self.locals, locals_, strict=True):
                 setattr(owner, attr, local)
+            if self.head_arguments is not None:
+                args, kwargs = self._rank_heads(args, kwargs, label)
             read = self.paths_checked and self.cuts_watched and getattr(flow, "sides", None) is None
             if read and getattr(flow, "splits", None) is None:
                 args, kwargs = _map_hidden(
@@ -264,6 +271,20 @@ class TPForward:
                 label, m, err, in_layer.size(self.axis), {a: getattr(m, a) for a in self.own_counts}
             )) from err
 
+    def _rank_heads(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], label: str
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The call with the Region's per-head arguments cut to this rank's heads (head_arguments.py)."""
+        assert self.head_arguments is not None
+        hidden = args[0] if args else kwargs.get(self.hidden or "")
+        batch = hidden.shape[0] if isinstance(hidden, Tensor) and hidden.dim() else None
+        n, axis = in_layer.size(self.axis), self.axis
+        with quiet(), positions.unfollowed():  # our own ops on a value the module takes whole: not the model's
+            return self.head_arguments.cut(
+                args, kwargs, n, in_layer.index(axis) if n > 1 else 0, batch,
+                lambda t: enter(t, axis, None, label, self.reduce),
+            )
+
     def _sequence_gather(self, x: Tensor, seq_dim: int | None) -> SequenceGather | None:
         """A Colwise outside any Region inside a sequence-parallel block gathers the block's slice itself
         (sequence_gather.py): what its layer's first call checks, and a failure of torch's is said by."""
@@ -306,7 +327,7 @@ class TPForward:
         """Judge a Region's first real call on this rank by its values (region_probe.py), after the watches that
         name the line have judged it (their refusals say more)."""
         if self.probe is not None and not self.probe.done:
-            self.probe.run(self.module, label, self.axis, args, kwargs)
+            self.probe.run(self.module, label, self.axis, args, kwargs, self.head_arguments)
 
     def _read_region(self, install: Install, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """A Region's call that reads it as well: its paths (region_paths.py), until a call records a
@@ -431,6 +452,14 @@ def _divided(module: nn.Module, style: Region) -> list[tuple[Any, str, int]]:
                 continue  # computed by the module (from what it holds): checked only, as a config's
             found.append((owner, attr, getattr(owner, attr)))
     return found
+
+
+def _whole_count(module: nn.Module, dotted: str) -> int:
+    """A head count the Region names, read before any call divides it (the layer's copy is whole)."""
+    value: Any = module
+    for part in dotted.split("."):
+        value = getattr(value, part)
+    return int(value)
 
 
 def is_ours(err: BaseException) -> bool:

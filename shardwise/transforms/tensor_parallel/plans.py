@@ -5,7 +5,7 @@ Each returns a plain dict of pattern -> style that can be edited like any other 
 
 from __future__ import annotations
 
-from .styles import Colwise, PerHead, Region, Rowwise, Style
+from .styles import Colwise, HeadsAlong, PerHead, Region, Rowwise, Style
 
 
 def llama_plan(*, vocab_parallel: bool = True) -> dict[str, Style]:
@@ -71,6 +71,76 @@ def gpt2_plan(*, vocab_parallel: bool = True) -> dict[str, Style]:
 
 
 GPT2_BLOCKS = "transformer.h.*"
+
+
+def bloom_plan(*, vocab_parallel: bool = True) -> dict[str, Style]:
+    """Bloom (transformers' ``BloomForCausalLM``). Its fused ``query_key_value`` is laid out per head (``(heads, 3,
+    head_dim)``), so a plain Colwise cuts it at head boundaries, and the attention's ``split_size`` is divided
+    with the heads. BloomModel builds one ALiBi bias of every head around the layers, ``alibi`` of shape ``(b *
+    H, 1, t)`` (batch and heads folded, batch-major): :class:`HeadsAlong` hands each rank's attention its heads'
+    rows. The token embedding, tied to the head, and the head split the vocabulary."""
+    return {
+        "transformer.word_embeddings": Rowwise(),
+        "transformer.h.*.self_attention": Region(
+            heads=("num_heads",), local=("split_size",), arguments={"alibi": HeadsAlong(dim=0, folded_batch=True)}
+        ),
+        "transformer.h.*.self_attention.query_key_value": Colwise(),
+        "transformer.h.*.self_attention.dense": Rowwise(),
+        "transformer.h.*.mlp": Region(),
+        "transformer.h.*.mlp.dense_h_to_4h": Colwise(),
+        "transformer.h.*.mlp.dense_4h_to_h": Rowwise(),
+        "lm_head": Colwise(output="sharded" if vocab_parallel else "replicated"),
+    }
+
+
+BLOOM_BLOCKS = "transformer.h.*"
+
+
+def mpt_plan(*, vocab_parallel: bool = True) -> dict[str, Style]:
+    """MPT (transformers' ``MptForCausalLM``). ``Wqkv`` computes q, k and v as three blocks side by side
+    (``Colwise(fused=3)``); MptModel builds one ALiBi bias of every head around the layers, ``position_bias`` of
+    shape ``(H, 1, t)``: :class:`HeadsAlong` along dim 0 hands each rank's attention its heads'. The token
+    embedding, tied to the head, and the head split the vocabulary."""
+    return {
+        "transformer.wte": Rowwise(),
+        "transformer.blocks.*.attn": Region(heads=("n_heads",), arguments={"position_bias": HeadsAlong(dim=0)}),
+        "transformer.blocks.*.attn.Wqkv": Colwise(fused=3),
+        "transformer.blocks.*.attn.out_proj": Rowwise(),
+        "transformer.blocks.*.ffn": Region(),
+        "transformer.blocks.*.ffn.up_proj": Colwise(),
+        "transformer.blocks.*.ffn.down_proj": Rowwise(),
+        "lm_head": Colwise(output="sharded" if vocab_parallel else "replicated"),
+    }
+
+
+MPT_BLOCKS = "transformer.blocks.*"
+
+
+def falcon_plan(*, vocab_parallel: bool = True) -> dict[str, Style]:
+    """Falcon (transformers' ``FalconForCausalLM``), with or without ALiBi. Its fused ``query_key_value`` is laid
+    out per head (``(heads, 3, head_dim)``), so a plain Colwise cuts it at head boundaries. Multi-query (one
+    key/value head for all) is refused (the axis size does not divide its one key/value head), and so is the
+    grouped-query ``new_decoder_architecture``, at its first forward: its attention cuts each key/value group's
+    queries off with ``[..., :-2, :]``, which the split watch reads as a cut across the heads.
+    With ``alibi=True`` FalconModel folds one ALiBi bias of every head into the ``attention_mask`` it hands each
+    layer, ``(b, H, q, k)``: :class:`HeadsAlong` along dim 1 hands each rank's attention its heads'; without ALiBi
+    that mask is ``(b, 1, q, k)``, broadcast over the heads, and handed on whole. The token embedding, tied to the
+    head, and the head split the vocabulary."""
+    return {
+        "transformer.word_embeddings": Rowwise(),
+        "transformer.h.*.self_attention": Region(
+            heads=("num_heads", "num_kv_heads"), arguments={"attention_mask": HeadsAlong(dim=1)}
+        ),
+        "transformer.h.*.self_attention.query_key_value": Colwise(),
+        "transformer.h.*.self_attention.dense": Rowwise(),
+        "transformer.h.*.mlp": Region(),
+        "transformer.h.*.mlp.dense_h_to_4h": Colwise(),
+        "transformer.h.*.mlp.dense_4h_to_h": Rowwise(),
+        "lm_head": Colwise(output="sharded" if vocab_parallel else "replicated"),
+    }
+
+
+FALCON_BLOCKS = "transformer.h.*"
 
 
 def tiny_gpt_plan(*, vocab_parallel: bool = True) -> dict[str, Style]:

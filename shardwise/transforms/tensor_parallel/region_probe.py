@@ -37,6 +37,11 @@ rank (``get_slopes(n)``, ``1 / math.sqrt(n)``) and a table numbered from 0 on ea
 (``torch.tensor(list(range(h)))``, which matches the whole at place 0 only) are refused on every rank, none left
 waiting in a collective its peers never reach.
 
+A Region's arguments of one slice per head (``Region(arguments={"alibi": HeadsAlong(...)})``: ALiBi's bias, cut to
+the rank's heads at each call, head_arguments.py) are what the split copy takes, as the call did; the whole copies
+take them tiled back to all heads, the rank's heads at every place, as they hold the rank's weights; and the
+first-sample cut takes a folded one's first sample's rows, and leaves one with its heads on dim 0 whole.
+
 The copies start from each submodule's attributes as they were before the judged call (a table that call
 cached on the module, ``self.slopes = get_slopes(self.n_head)`` on the first call, was built from the rank's
 count: read by the whole copy, it failed on the shapes and left the call unjudged); shallow, so a cache filled
@@ -53,7 +58,7 @@ rank's split modules or a collective: context parallel's attention, run under no
 sent; code that refuses float64), and a forward that behaves otherwise in training mode. Cost: three float64 runs
 of the Region's module on its first call on each rank, on the batch's first sample (the call's tensors as long
 as its first one's dim 0 cut to one row; the whole input where that run fails: an argument laid out otherwise than
-by the batch, as a (batch * heads, ...) bias); later calls pay one attribute check
+by the batch, as a (batch * heads, ...) bias the Region does not cut); later calls pay one attribute check
 (:attr:`RegionProbe.done`), and each split module's call one thread-local read (refusing to run inside a probe).
 """
 
@@ -76,6 +81,7 @@ from ...engine.layout.state_layout import TensorSplit
 from ...engine.run.rng import default_generators
 from ...engine.stack import in_layer
 from .following import quiet
+from .head_arguments import HeadArguments
 from .match import CONV1D, EMBEDDING, param_split
 from .positions import unfollowed
 from .rank_flow import flow
@@ -110,9 +116,14 @@ class RegionProbe:
         if not self.done:
             self.before = {id(m): dict(vars(m)) for m in module.modules()}
 
-    def run(self, module: nn.Module, label: str, axis: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def run(
+        self, module: nn.Module, label: str, axis: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+        arguments: HeadArguments | None = None,
+    ) -> None:
         """Judge the call ``module(*args, **kwargs)`` just made (the Region ``label`` on this rank, its input
-        entered); refuse when it computed other values than the whole module for this rank's heads."""
+        entered); refuse when it computed other values than the whole module for this rank's heads.
+        ``arguments``: the Region's arguments of one slice per head, cut to the rank's heads in ``args`` /
+        ``kwargs`` (the whole copies take them tiled back: head_arguments.py)."""
         if in_layer.predicting_now():
             return  # fake tensors (the Plan): the step's first real call is judged
         leaves: list[Any] = optree.tree_leaves((args, kwargs), none_is_leaf=True)  # type: ignore[arg-type]
@@ -133,7 +144,9 @@ class RegionProbe:
         cuts = [True, False] if _batch(args, kwargs) > 1 else [False]
         for k, one_sample in enumerate(cuts):
             try:
-                found = _compare(module, styled, self.whole_shapes, self.before, n, index, args, kwargs, one_sample)
+                found = _compare(
+                    module, styled, self.whole_shapes, self.before, n, index, args, kwargs, one_sample, arguments
+                )
             except _Unrelated:
                 return  # split otherwise than one dim into n (none of the styles does so today): not judged
             except Exception:
@@ -174,19 +187,28 @@ def _batch(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
     return 0 if first is None or first.dim() == 0 else first.shape[0]
 
 
-def _one_sample(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+def _one_sample(
+    args: tuple[Any, ...], kwargs: dict[str, Any], arguments: HeadArguments | None = None
+) -> tuple[Any, Any]:
     """The call's tensors as long as its batch along dim 0 cut to the first sample (inside the probe's hidden
-    block: a sequence-parallel watch would take the cut for the model's)."""
+    block: a sequence-parallel watch would take the cut for the model's); the Region's per-head arguments by
+    their layout (a folded one's first sample's rows; one with its heads on dim 0 whole)."""
     batch = _batch(args, kwargs)
-    cut: Any = optree.tree_map(lambda t: t[:1] if isinstance(t, Tensor) and t.dim() and t.shape[0] == batch else t,
-                               (args, kwargs), none_is_leaf=True)  # type: ignore[arg-type]
-    return cut[0], cut[1]
+    own = set() if arguments is None else arguments.located(args, kwargs)
+    cut: Any = optree.tree_map(
+        lambda t: t[:1] if isinstance(t, Tensor) and id(t) not in own and t.dim() and t.shape[0] == batch else t,
+        (args, kwargs), none_is_leaf=True,  # type: ignore[arg-type]
+    )
+    if arguments is None:
+        return cut[0], cut[1]
+    heads_cut = arguments.first_sample(tuple(cut[0]), dict(cut[1]), batch)
+    return heads_cut[0], heads_cut[1]
 
 
 def _compare(
     module: nn.Module, styled: dict[str, Any], whole_shapes: dict[str, tuple[int, ...]],
     before: dict[int, dict[str, Any]], n: int, index: int, args: tuple[Any, ...], kwargs: dict[str, Any],
-    one_sample: bool,
+    one_sample: bool, arguments: HeadArguments | None = None,
 ) -> tuple[str, bool] | None:
     """Run the whole, split and mixed copies; what differed, in words, and whether the features depend on the
     other heads (an op across heads), or None."""
@@ -196,11 +218,13 @@ def _compare(
     split_calls: list[tuple[str, Tensor]] = []
     mixed_calls: list[tuple[str, Tensor]] = []
     with _hidden(device) as drew, no_mesh(), _probing():
-        source = _one_sample(args, kwargs) if one_sample else (args, kwargs)
+        source = _one_sample(args, kwargs, arguments) if one_sample else (args, kwargs)
         inputs: Any = optree.tree_map(_upcast, source, none_is_leaf=True)  # type: ignore[arg-type]
+        # The whole copies take the per-head arguments tiled back: the rank's heads at every place, as its weights.
+        whole_inputs: Any = inputs if arguments is None else arguments.tiled(tuple(inputs[0]), dict(inputs[1]), n)
         whole, shared = _copy(module, styled, whole_shapes, before, n, "whole", whole_calls)
         with _counts_set(shared):
-            whole(*inputs[0], **inputs[1])
+            whole(*whole_inputs[0], **whole_inputs[1])
         split, shared = _copy(module, styled, whole_shapes, before, n, "split", split_calls, whole_calls)
         with _counts_set(shared):
             split(*inputs[0], **inputs[1])
@@ -208,7 +232,7 @@ def _compare(
         # mean, max or variance over the heads dim) gives the same on tiled weights, not on these.
         mixed, shared = _copy(module, styled, whole_shapes, before, n, "mixed", mixed_calls, whole_calls, index)
         with _counts_set(shared):
-            mixed(*inputs[0], **inputs[1])
+            mixed(*whole_inputs[0], **whole_inputs[1])
     if drew:
         return None  # random numbers drawn in eval mode: the copies' draws do not compare (a gap)
     if len(split_calls) != len(whole_calls):

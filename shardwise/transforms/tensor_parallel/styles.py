@@ -25,13 +25,23 @@ patterns (fnmatch, on the paths ``model.named_modules()`` gives) to styles:
   module or a submodule holds are divided by it while the module runs (a
   forward that reshapes by its head count makes this rank's heads), a config's
   are only checked; ``local`` names int attributes each rank divides by it
-  (GPT-2's ``split_size``).
+  (GPT-2's ``split_size``); ``arguments`` maps the name of an argument of the module's forward that holds
+  one slice per head (a bias of every head built around the layers: ALiBi's) to :class:`HeadsAlong`, and each
+  call hands the module the rank's heads of it.
 
 * :class:`PerHead`: a parameter (not a module: the plan names its path, ``"model.layers.*.self_attn.sinks"``)
   holding one value per attention head along dim 0, inside a Region whose ``heads`` count them (GPT-OSS's
   attention sinks, ``(num_attention_heads,)``). Dim 0 is cut into tp equal contiguous blocks, as the
   Colwise projections cut their heads: rank r holds, and trains, the values of its own heads. No
   communication: each rank's heads use only its slice.
+
+* :class:`HeadsAlong`: in a Region's ``arguments``, where an argument holds its heads: along ``dim``, one
+  slice per head (MPT's ``position_bias``, ``(H, 1, t)``: dim 0; Falcon's ``attention_mask`` with ALiBi folded
+  in, ``(b, H, q, k)``: dim 1), or with ``folded_batch=True`` the batch and the heads flattened into that dim,
+  batch-major (row ``i * H + h``: Bloom's ``alibi``, ``(b * H, 1, t)``: dim 0). At each call the Region hands its
+  module the rank's heads ``[r*H/tp, (r+1)*H/tp)``, the blocks its Colwise projections cut; a size of 1 along
+  the dim (a bias broadcast over the heads) is handed on whole. An argument that requires grad gets its
+  gradient summed over the axis (each rank's slice reaches its own heads of the whole tensor): head_arguments.py.
 
 A Colwise module outside any Region enters the region itself (in a sequence-parallel block it
 gathers the sequence at its own input; a module that reshapes its output by the slice's length,
@@ -40,6 +50,7 @@ as BERT's attention does, is refused: sequence_gather.py).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 OUTPUTS = ("sharded", "replicated")
@@ -72,11 +83,46 @@ class Rowwise:
 
 
 @dataclass(frozen=True)
+class HeadsAlong:
+    """Where an argument of a Region's module holds its heads (see the module docstring).
+
+    ``dim``: the dim of one slice per head (negative counts from the end); ``folded_batch``: that dim holds the
+    batch and the heads flattened, batch-major (Bloom's ``(b * H, 1, t)``); ``heads``: which of the Region's
+    ``heads=`` counts it (by default the first, its query heads).
+
+    >>> import shardwise as sw
+    >>> region = sw.tp.Region(heads=("num_heads",), arguments={"alibi": sw.tp.HeadsAlong(dim=0, folded_batch=True)})
+    >>> region.argument_layouts()
+    {'alibi': HeadsAlong(dim=0, folded_batch=True, heads=None)}
+    """
+
+    dim: int
+    folded_batch: bool = False
+    heads: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.dim, bool) or not isinstance(self.dim, int):
+            raise TypeError(f"HeadsAlong(dim={self.dim!r}): the dim of the argument that holds its heads, an int")
+        if not isinstance(self.folded_batch, bool):
+            raise TypeError(
+                f"HeadsAlong(folded_batch={self.folded_batch!r}): True where that dim holds the batch and the heads "
+                "flattened, batch-major (Bloom's alibi, (b * H, 1, t)), else False"
+            )
+        if self.heads is not None and (not isinstance(self.heads, str) or not self.heads):
+            raise TypeError(
+                f"HeadsAlong(heads={self.heads!r}): the name of a count in the Region's heads=, e.g. "
+                "'num_heads', or leave it out (the Region's first: its query heads)"
+            )
+
+
+@dataclass(frozen=True, repr=False)
 class Region:
-    """A module whose input enters the tensor-parallel region once (see the module docstring)."""
+    """A module whose input enters the tensor-parallel region once (see the module docstring).
+    ``arguments``: argument name -> :class:`HeadsAlong` (kept as sorted pairs, so the style stays hashable)."""
 
     heads: tuple[str, ...] = ()
     local: tuple[str, ...] = ()
+    arguments: Mapping[str, HeadsAlong] | tuple[tuple[str, HeadsAlong], ...] = ()
 
     def __post_init__(self) -> None:
         for field_name in ("heads", "local"):
@@ -86,6 +132,29 @@ class Region:
             if not isinstance(value, (tuple, list)) or not all(isinstance(v, str) and v for v in value):
                 raise TypeError(f"Region({field_name}={value!r}): attribute names, e.g. ('num_heads',)")
             object.__setattr__(self, field_name, tuple(value))
+        pairs = tuple(self.arguments.items()) if isinstance(self.arguments, Mapping) else self.arguments
+        if not isinstance(pairs, (tuple, list)) or not all(
+            isinstance(p, (tuple, list)) and len(p) == 2 and isinstance(p[0], str) and p[0]
+            and isinstance(p[1], HeadsAlong) for p in pairs
+        ):
+            raise TypeError(
+                f"Region(arguments={self.arguments!r}): a dict of the forward's argument names to "
+                "sw.tp.HeadsAlong(dim=...), e.g. {'alibi': sw.tp.HeadsAlong(dim=0, folded_batch=True)}"
+            )
+        if self.arguments and not self.heads:
+            raise ValueError(
+                f"Region(arguments={dict(pairs)!r}) without heads=: an argument's heads are cut as the Region's "
+                "heads are, so name the count they are of, e.g. heads=('num_heads',)"
+            )
+        object.__setattr__(self, "arguments", tuple(sorted(((str(k), v) for k, v in pairs), key=lambda p: p[0])))
+
+    def __repr__(self) -> str:
+        arguments = f", arguments={self.argument_layouts()!r}" if self.arguments else ""
+        return f"Region(heads={self.heads!r}, local={self.local!r}{arguments})"
+
+    def argument_layouts(self) -> dict[str, HeadsAlong]:
+        """The arguments holding one slice per head, by name."""
+        return dict(self.arguments.items() if isinstance(self.arguments, Mapping) else self.arguments)
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,10 @@ H/tp heads, so adding that bias fails in torch with sizes only, which read like 
 was not told to divide. Naming the argument (or the table), its shape and where it comes from says
 what is wrong: the bias is whole where the heads are split, and no count in the Region can fix that.
 
+Such an argument is cut to the rank's heads by an entry in the Region, ``arguments={"alibi":
+sw.tp.HeadsAlong(dim=0, folded_batch=True)}`` (head_arguments.py): the refusal names that entry first, for the
+argument it found (its name, the dim, whether the batch is folded in), for a plan without it.
+
 T5's table can be split instead: its output columns are the heads, so ``Colwise(output="sharded")`` on it
 cuts them into the tp blocks the q, k and v Colwise cut, each rank's first block computes the position_bias
 of its own heads and passes that on to its later blocks, whose Regions hold the same heads: equal to one
@@ -26,7 +30,7 @@ from .match import EMBEDDING, Install
 from .styles import Colwise, Region, gathers
 
 _FIX = (
-    "Build it inside the Region from a per-head table marked sw.tp.PerHead() in the plan (ALiBi's slopes as "
+    "build it inside the Region from a per-head table marked sw.tp.PerHead() in the plan (ALiBi's slopes as "
     "a (num_heads,) buffer or parameter of the attention, which each rank then holds for its own heads); where "
     "an earlier layer's attention computes it from a table of one column per head (T5's relative_attention_bias "
     "in block 0), give that table sw.tp.Colwise(output='sharded') and that attention a Region too, so the bias "
@@ -98,8 +102,18 @@ def argument_message(
         "model around the layers: BloomModel's alibi, MptModel's position_bias, FalconModel's alibi folded into "
         "the attention_mask; or by an earlier layer that returned it: T5's block 0 computes position_bias and "
         f"passes it on), while each of the {parts} ranks' per-head views hold {heads // parts} heads. The "
-        f"Region's head counts are not the cause, and no count in it can split that argument. {_FIX}"
+        f"Region's head counts are not the cause, and no count in it can split that argument. Give the Region an "
+        f"entry for it, sw.tp.Region(..., {_entry(name, dim, times)}): each call then hands the module this "
+        "rank's heads of it, the blocks its Colwise projections cut (sw.tp.bloom_plan(), mpt_plan() and "
+        f"falcon_plan() do so); or {_FIX}"
     )
+
+
+def _entry(name: str, dim: int, times: int) -> str:
+    """The Region's ``arguments=`` entry that cuts the argument ``name`` (its heads on ``dim``, folded with a
+    batch of ``times`` where more than 1)."""
+    folded = ", folded_batch=True" if times > 1 else ""
+    return f"arguments={{{name!r}: sw.tp.HeadsAlong(dim={dim}{folded})}}"
 
 
 def whole_head_table(

@@ -24,7 +24,7 @@ import shardwise as sw
 T = pytest.importorskip("transformers", reason="the [hf] extra (pip install -e '.[hf]') is not installed")
 
 VOCAB, WIDTH, LAYERS, HEADS, SEQ, BATCH = 64, 32, 2, 4, 8, 2
-FIX = "Build it inside the Region from a per-head table marked sw.tp.PerHead()"
+FIX = "build it inside the Region from a per-head table marked sw.tp.PerHead()"
 REPLICATED = "leave this attention replicated: no Region for it"
 OLD_ADVICE = ("not told to divide", "B, T, C = x.size()")
 
