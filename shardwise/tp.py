@@ -4,6 +4,7 @@
 (fnmatch patterns on ``model.named_modules()``) to ``Colwise()``, ``Rowwise()``
 or ``Region()``, and parameter paths to ``PerHead()``. ``llama_plan``, ``gpt2_plan``,
 ``gpt_oss_plan`` and ``tiny_gpt_plan`` are ready ones; ``docs/tensor_parallel.md`` says what each style does.
+A Region whose first call cannot be judged by its values warns :class:`RegionNotJudged` (once per Region and cause).
 
 >>> import shardwise as sw
 >>> sorted(sw.tp.tiny_gpt_plan().items())[:2]
@@ -17,6 +18,7 @@ from .transforms.tensor_parallel import (
     Colwise,
     PerHead,
     Region,
+    RegionNotJudged,
     Rowwise,
     gpt2_plan,
     gpt_oss_plan,
@@ -26,6 +28,9 @@ from .transforms.tensor_parallel import (
     vocab_parallel_logsumexp,
 )
 
+# A warning names its class by its module: the public one, not where it happens to live.
+RegionNotJudged.__module__ = __name__
+
 __all__ = [
     "GPT2_BLOCKS",
     "LLAMA_BLOCKS",
@@ -33,6 +38,7 @@ __all__ = [
     "Colwise",
     "PerHead",
     "Region",
+    "RegionNotJudged",
     "Rowwise",
     "gpt2_plan",
     "gpt_oss_plan",

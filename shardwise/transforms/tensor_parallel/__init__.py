@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from ...engine.stack.compose import add
 from ...engine.step.step import Step
 from .loss import SplitLogitsLoss, vocab_parallel_cross_entropy, vocab_parallel_logsumexp
+from .not_judged import RegionNotJudged
 from .plans import (
     GPT2_BLOCKS,
     LLAMA_BLOCKS,
@@ -27,6 +28,7 @@ __all__ = [
     "Colwise",
     "PerHead",
     "Region",
+    "RegionNotJudged",
     "Rowwise",
     "TPSpec",
     "gpt2_plan",
