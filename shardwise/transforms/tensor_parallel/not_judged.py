@@ -108,9 +108,17 @@ def unrelated(found: str) -> NotJudged:
 
 
 def reached_split(path: str) -> NotJudged:
+    return _another_transform(f"its copies reached the rank's split module {path!r}")
+
+
+def reached_collective(err: BaseException) -> NotJudged:
+    return _another_transform(f"its copies reached a collective ({first_line(err)})")
+
+
+def _another_transform(what: str) -> NotJudged:
     return NotJudged(
-        "reached split", f"its copies reached the rank's split module {path!r} through another transform's rewrite "
-        "(context_parallel's attention under tensor_parallel), which they cannot run alone",
+        "another transform", f"{what} through another transform's rewrite (context_parallel's attention under "
+        "tensor_parallel), which they cannot run alone",
         "It is judged under tensor_parallel alone: run the same model and plan once without context_parallel "
         "(a tensor_parallel step's first call, or sw.testing.assert_equivalent of it against one device)",
     )

@@ -99,6 +99,7 @@ from .styles import Colwise, Region, Rowwise, gathers
 _FORWARD_HOOKS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
                   "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs")
 RTOL = 1e-9  # of the whole slice's largest magnitude, in float64 (see the module docstring)
+_NO_MESH = "needs a mesh: call it inside `with mesh:`"  # what a collective raises under no_mesh()
 _PLAIN = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
 
 
@@ -175,9 +176,10 @@ def _judge(
         except Exception as err:
             if k + 1 < len(cuts):
                 continue  # an argument not cut with the batch (a (batch * heads, ...) bias): the whole input
-            # Code that refuses float64, another transform's rewrite reaching a collective: what the copies
-            # cannot compute says nothing of the Region's values (the single-device module runs).
-            raise gaps.failed(err) from None
+            # Another transform's rewrite reaching a collective (run under no_mesh: none is sent), code that refuses
+            # float64: what the copies cannot compute says nothing of the Region's values (the single-device module
+            # runs).
+            raise (gaps.reached_collective(err) if _NO_MESH in str(err) else gaps.failed(err)) from None
     gaps.give_back_memory()
     raise gaps.out_of_memory(failed, sum(t.nbytes for t in leaves if isinstance(t, Tensor)))
 

@@ -71,6 +71,14 @@ class Float32Attn(Attn):
         return super().forward(x)
 
 
+class MeshAttn(Attn):
+    """Reads the mesh (as context parallel's attention does through the AttentionInterface): its copies run
+    under no_mesh(), so that nothing is sent."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * (sw.collectives.axis_size("tp") // sw.collectives.axis_size("tp"))
+
+
 class Block(nn.Module):
     def __init__(self, attn: nn.Module, cache: bool = False) -> None:
         super().__init__()
@@ -163,6 +171,19 @@ def test_copies_that_refuse_float64_say_so() -> None:
     _one_each(said, LABELS, "Float32Attn",
               "its copies could not run (TypeError: this attention runs in float32 only)",
               "code that refuses float64")
+
+
+def test_copies_reaching_a_collective_say_so() -> None:
+    """(Run at tp2 alone: the single-device step has no mesh to read.)"""
+    torch.manual_seed(0)
+    chain, params = sw.functionalize(nn.Sequential(Block(MeshAttn("plain")), Block(MeshAttn("plain"))).double())
+    step = sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1))
+    tp = sw.tensor_parallel(step, "tp", PLAN)
+    batch = (torch.randn(BATCH, SEQ, D, dtype=torch.float64), torch.randn(BATCH, SEQ, D, dtype=torch.float64))
+    with _said() as said:
+        launch(lambda: tp(tp.init(params, sw.Mesh(tp=2)), batch), 2)
+    _one_each(said, LABELS, "MeshAttn", "its copies reached a collective (axis_size(axis='tp') needs a mesh",
+              "It is judged under tensor_parallel alone")
 
 
 def test_copies_out_of_memory_give_it_back_say_so_and_the_step_equals_one_device(
