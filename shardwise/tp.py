@@ -5,6 +5,7 @@
 or ``Region()`` (its ``arguments`` of one slice per head: ``HeadsAlong()``), and parameter paths to
 ``PerHead()``. ``llama_plan``, ``gpt2_plan``, ``gpt_oss_plan``, ``bloom_plan``, ``mpt_plan``,
 ``falcon_plan`` and ``tiny_gpt_plan`` are ready ones; ``docs/tensor_parallel.md`` says what each style does.
+A Region whose first call cannot be judged by its values warns :class:`RegionNotJudged` (once per Region and cause).
 
 >>> import shardwise as sw
 >>> sorted(sw.tp.tiny_gpt_plan().items())[:2]
@@ -22,6 +23,7 @@ from .transforms.tensor_parallel import (
     HeadsAlong,
     PerHead,
     Region,
+    RegionNotJudged,
     Rowwise,
     bloom_plan,
     falcon_plan,
@@ -34,6 +36,9 @@ from .transforms.tensor_parallel import (
     vocab_parallel_logsumexp,
 )
 
+# A warning names its class by its module: the public one, not where it happens to live.
+RegionNotJudged.__module__ = __name__
+
 __all__ = [
     "BLOOM_BLOCKS",
     "FALCON_BLOCKS",
@@ -45,6 +50,7 @@ __all__ = [
     "HeadsAlong",
     "PerHead",
     "Region",
+    "RegionNotJudged",
     "Rowwise",
     "bloom_plan",
     "falcon_plan",

@@ -17,6 +17,7 @@ import torch
 from hypothesis import HealthCheck, settings
 
 from shardwise.collectives.backends import start_method as _start_method
+from shardwise.transforms.tensor_parallel.not_judged import forget_said
 
 # "ci" is fast and reproducible (derandomize); "dev" searches deeper:
 #   HYPOTHESIS_PROFILE=dev pytest
@@ -291,3 +292,10 @@ def benchmark_script(monkeypatch: pytest.MonkeyPatch) -> Callable[[str], Any]:
         return module
 
     return load
+
+
+@pytest.fixture(autouse=True)
+def _regions_judged_anew() -> None:
+    """sw.tp.RegionNotJudged is said once per Region and cause in a process: in each test, as in a fresh one (a
+    test that meets a Region left unjudged warns alone as in the suite)."""
+    forget_said()

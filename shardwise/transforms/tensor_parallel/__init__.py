@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from ...engine.stack.compose import add
 from ...engine.step.step import Step
 from .loss import SplitLogitsLoss, vocab_parallel_cross_entropy, vocab_parallel_logsumexp
+from .not_judged import RegionNotJudged
 from .plans import (
     BLOOM_BLOCKS,
     FALCON_BLOCKS,
@@ -37,6 +38,7 @@ __all__ = [
     "HeadsAlong",
     "PerHead",
     "Region",
+    "RegionNotJudged",
     "Rowwise",
     "TPSpec",
     "bloom_plan",

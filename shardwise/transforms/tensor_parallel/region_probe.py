@@ -48,14 +48,24 @@ count: read by the whole copy, it failed on the shapes and left the call unjudge
 in place (a dict) is still the call's (a gap). The copies run without the modules' own forward hooks (a
 user's hook sees the step's calls only) and in eval mode, so dropout (modules, and
 ``F.dropout(..., training=self.training)``) draws nothing;
-the random generators are put back after them. Not judged (a gap, the call is left as it ran): a Region whose
-copies still draw random numbers in eval mode (model code calling ``torch.rand`` itself: the two copies draw
-different shapes, so nothing compares), one with a Colwise whose output is gathered or a vocabulary-split
-Embedding inside (the split copy cannot compute those alone), one called with an object that holds state (a
-key/value cache, which the copies would update) or with tensors that are not plain (fake, meta, subclasses),
-one whose copies cannot run alone (another transform's rewrite that keeps the module itself and reaches the
-rank's split modules or a collective: context parallel's attention, run under no_mesh() so that nothing is
-sent; code that refuses float64), and a forward that behaves otherwise in training mode. Cost: three float64 runs
+the random generators are put back after them. The counts a copy holds are set on objects that copy alone holds
+(probe_counts.py: a count's owner every rank thread shares is never changed, even for the copies' run).
+
+Not judged (a gap, the call is left as it ran), and said so: a :class:`RegionNotJudged` warning (not_judged.py),
+once per Region and cause in the process (the threads backend's ranks share one), naming the Region, the cause,
+what goes unchecked and what to do. The causes: a Region whose copies still draw random numbers in eval mode
+(model code calling ``torch.rand`` itself: the two copies draw different shapes, so nothing compares), one with a
+Colwise whose output is gathered or a vocabulary-split Embedding inside (the split copy cannot compute those
+alone), one called with an object that may hold state (a key/value cache, which the copies would update) or with
+tensor subclasses, one whose copies cannot run alone (another transform's rewrite that keeps the module itself and
+reaches the rank's split modules: context parallel's attention under cp x tp, judged under tensor_parallel alone;
+a collective, run under no_mesh() so that nothing is sent; an argument already laid out by the rank's heads; code
+that refuses float64), a count held where the copies cannot be given their own, and copies that do not fit in
+memory (``torch.OutOfMemoryError`` or ``MemoryError``: not retried on the whole input, the copies freed and, where
+CUDA is initialised, its cache emptied before the step goes on). Not said, as nothing is left unchecked: tp size 1,
+and the Plan's prediction on fake tensors (the step's first real call is judged). Also not judged, and not seen:
+values mixed across heads of a PerHead parameter (the per-head watch judges those), and a forward that behaves
+otherwise in training mode. Cost: three float64 runs
 of the Region's module on its first call on each rank, on the batch's first sample (the call's tensors as long
 as its first one's dim 0 cut to one row; the whole input where that run fails: an argument laid out otherwise than
 by the batch, as a (batch * heads, ...) bias the Region does not cut); later calls pay one attribute check
@@ -74,16 +84,20 @@ import optree
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ...collectives.mesh_context import no_mesh
 from ...engine.layout.state_layout import TensorSplit
 from ...engine.run.rng import default_generators
 from ...engine.stack import in_layer
+from . import not_judged as gaps
 from .following import quiet
 from .head_arguments import HeadArguments
 from .match import CONV1D, EMBEDDING, param_split
+from .not_judged import NotJudged, say_not_judged
 from .positions import unfollowed
+from .probe_counts import set_counts
 from .rank_flow import flow
 from .styles import Colwise, Region, Rowwise, gathers
 
@@ -91,6 +105,7 @@ from .styles import Colwise, Region, Rowwise, gathers
 _FORWARD_HOOKS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
                   "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs")
 RTOL = 1e-9  # of the whole slice's largest magnitude, in float64 (see the module docstring)
+_NO_MESH = "needs a mesh: call it inside `with mesh:`"  # what a collective raises under no_mesh()
 _PLAIN = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
 
 
@@ -121,50 +136,69 @@ class RegionProbe:
         arguments: HeadArguments | None = None,
     ) -> None:
         """Judge the call ``module(*args, **kwargs)`` just made (the Region ``label`` on this rank, its input
-        entered); refuse when it computed other values than the whole module for this rank's heads.
-        ``arguments``: the Region's arguments of one slice per head, cut to the rank's heads in ``args`` /
-        ``kwargs`` (the whole copies take them tiled back: head_arguments.py)."""
+        entered); refuse when it computed other values than the whole module for this rank's heads, and say so
+        (:class:`RegionNotJudged`, once per Region and cause) where it cannot be judged. ``arguments``: the
+        Region's arguments of one slice per head, cut to the rank's heads in ``args`` / ``kwargs`` (the whole
+        copies take them tiled back: head_arguments.py)."""
         if in_layer.predicting_now():
             return  # fake tensors (the Plan): the step's first real call is judged
         leaves: list[Any] = optree.tree_leaves((args, kwargs), none_is_leaf=True)  # type: ignore[arg-type]
         tensors = [*(t for t in leaves if isinstance(t, Tensor)), *module.parameters(), *module.buffers()]
-        if any(type(t) not in (Tensor, nn.Parameter) or t.is_meta for t in tensors):
+        if any(t.is_meta or isinstance(t, FakeTensor) for t in tensors):
             return  # not real values (yet): a later call is judged
         self.done = True
-        if any(not isinstance(leaf, (Tensor, *_PLAIN)) for leaf in leaves):
-            return  # a cache or other stateful object: the copies would change it (a gap)
         n, index = in_layer.size(axis), in_layer.index(axis)
         if n == 1:
+            return  # nothing is split: the call is the whole module's
+        try:
+            found = _judge(module, self.whole_shapes, self.before, n, index, args, kwargs, leaves, tensors, arguments)
+        except NotJudged as gap:
+            say_not_judged(label, type(module).__name__, gap.cause, gap.reason, gap.advice)
             return
-        styled = _styled_modules(module)
-        if styled is None:
-            return  # a gathered Colwise or a vocabulary-split Embedding inside: not computable alone (a gap)
-        # On the batch's first sample where the copies run on it (a head's values do not depend on the batch's
-        # size; the copies' time and memory are 1/batch of the call's), else on the whole input.
-        cuts = [True, False] if _batch(args, kwargs) > 1 else [False]
-        for k, one_sample in enumerate(cuts):
-            try:
-                found = _compare(
-                    module, styled, self.whole_shapes, self.before, n, index, args, kwargs, one_sample, arguments
-                )
-            except _Unrelated:
-                return  # split otherwise than one dim into n (none of the styles does so today): not judged
-            except Exception:
-                if k + 1 < len(cuts):
-                    continue  # an argument not cut with the batch (a (batch * heads, ...) bias): the whole input
-                # Another transform's rewrite reaching the rank's split modules or a collective (context
-                # parallel's attention holds the module itself), code that refuses float64: what the copies
-                # cannot compute says nothing of the Region's values (the single-device module runs), so it is
-                # not judged (a gap).
-                return
-            break
         if found is not None:
             raise ValueError(_message(label, type(module).__name__, axis, n, index, *found))
 
 
-def _styled_modules(module: nn.Module) -> dict[str, Any] | None:
-    """The tensor-parallel forwards installed in the Region's module, by submodule path; None when one cannot be
-    computed by a rank alone."""
+def _judge(
+    module: nn.Module, whole_shapes: dict[str, tuple[int, ...]], before: dict[int, dict[str, Any]], n: int,
+    index: int, args: tuple[Any, ...], kwargs: dict[str, Any], leaves: list[Any], tensors: list[Tensor],
+    arguments: HeadArguments | None = None,
+) -> tuple[str, bool] | None:
+    """What the copies found (see _compare), or NotJudged naming why they could not judge."""
+    subclassed = sorted({type(t).__name__ for t in tensors if type(t) not in (Tensor, nn.Parameter)})
+    if subclassed:
+        raise gaps.subclassed(subclassed)
+    stateful = sorted({type(leaf).__name__ for leaf in leaves if not isinstance(leaf, (Tensor, *_PLAIN))})
+    if stateful:
+        raise gaps.stateful(stateful)  # a key/value cache: the copies would change it
+    styled = _styled_modules(module)
+    # On the batch's first sample where the copies run on it (a head's values do not depend on the batch's
+    # size; the copies' time and memory are 1/batch of the call's), else on the whole input.
+    cuts = [True, False] if _batch(args, kwargs) > 1 else [False]
+    for k, one_sample in enumerate(cuts):
+        try:
+            return _compare(module, styled, whole_shapes, before, n, index, args, kwargs, one_sample, arguments)
+        except NotJudged:
+            raise
+        except (torch.OutOfMemoryError, MemoryError) as err:
+            failed = gaps.first_line(err)
+            break  # (the whole input needs more): the copies' references go with the exception
+        except ReachedSplit as err:
+            raise gaps.reached_split(str(err)) from None
+        except Exception as err:
+            if k + 1 < len(cuts):
+                continue  # an argument not cut with the batch (a (batch * heads, ...) bias): the whole input
+            # Another transform's rewrite reaching a collective (run under no_mesh: none is sent), code that refuses
+            # float64: what the copies cannot compute says nothing of the Region's values (the single-device module
+            # runs).
+            raise (gaps.reached_collective(err) if _NO_MESH in str(err) else gaps.failed(err)) from None
+    gaps.give_back_memory()
+    raise gaps.out_of_memory(failed, sum(t.nbytes for t in leaves if isinstance(t, Tensor)))
+
+
+def _styled_modules(module: nn.Module) -> dict[str, Any]:
+    """The tensor-parallel forwards installed in the Region's module, by submodule path; NotJudged when one cannot
+    be computed by a rank alone (a gathered Colwise, a vocabulary-split Embedding)."""
     found = {}
     for sub, m in module.named_modules():
         forward = vars(m).get("forward")
@@ -174,8 +208,10 @@ def _styled_modules(module: nn.Module) -> dict[str, Any] | None:
         style = install.style
         if isinstance(style, Region):
             continue  # this one (run plainly in the copies), or one nested in it
-        if install.kind == EMBEDDING or (isinstance(style, Colwise) and gathers(style, False)):
-            return None
+        if install.kind == EMBEDDING:
+            raise gaps.gathered(install.path, "a vocabulary-split Embedding")
+        if isinstance(style, Colwise) and gathers(style, False):
+            raise gaps.gathered(install.path, "a Colwise whose output is gathered")
         found[sub] = forward
     return found
 
@@ -222,19 +258,20 @@ def _compare(
         inputs: Any = optree.tree_map(_upcast, source, none_is_leaf=True)  # type: ignore[arg-type]
         # The whole copies take the per-head arguments tiled back: the rank's heads at every place, as its weights.
         whole_inputs: Any = inputs if arguments is None else arguments.tiled(tuple(inputs[0]), dict(inputs[1]), n)
-        whole, shared = _copy(module, styled, whole_shapes, before, n, "whole", whole_calls)
-        with _counts_set(shared):
-            whole(*whole_inputs[0], **whole_inputs[1])
-        split, shared = _copy(module, styled, whole_shapes, before, n, "split", split_calls, whole_calls)
-        with _counts_set(shared):
-            split(*inputs[0], **inputs[1])
-        # The heads at the other places scaled (this rank's at its own as they are): an op across the heads (a
-        # mean, max or variance over the heads dim) gives the same on tiled weights, not on these.
-        mixed, shared = _copy(module, styled, whole_shapes, before, n, "mixed", mixed_calls, whole_calls, index)
-        with _counts_set(shared):
-            mixed(*whole_inputs[0], **whole_inputs[1])
+        # Whole, split, and whole with the heads at the other places scaled (this rank's at its own as they are):
+        # an op across the heads (a mean, max or variance over the heads dim) gives the same on tiled weights,
+        # not on these. One copy at a time: each is freed (no cycle left) before the next is made.
+        for kind, calls in (("whole", whole_calls), ("split", split_calls), ("mixed", mixed_calls)):
+            copied = _copy(module, styled, whole_shapes, before, n, kind, calls,
+                           None if kind == "whole" else whole_calls, index)
+            given = inputs if kind == "split" else whole_inputs
+            try:
+                copied(*given[0], **given[1])
+            finally:
+                for m in copied.modules():
+                    vars(m).pop("forward", None)  # its _ProbeForward holds it: a cycle only the collector frees
     if drew:
-        return None  # random numbers drawn in eval mode: the copies' draws do not compare (a gap)
+        raise gaps.drew()  # random numbers drawn in eval mode: the copies' draws do not compare
     if len(split_calls) != len(whole_calls):
         return (f"its Rowwise modules were called {len(split_calls)} times on the rank and {len(whole_calls)} times "
                 "in the whole module"), False
@@ -277,20 +314,16 @@ def _copy(
     module: nn.Module, styled: dict[str, Any], whole_shapes: dict[str, tuple[int, ...]],
     before: dict[int, dict[str, Any]], n: int, kind: str, calls: list[Any],
     whole_calls: list[tuple[str, Tensor, Tensor]] | None = None, index: int = 0,
-) -> tuple[nn.Module, list[tuple[Any, str, int]]]:
+) -> nn.Module:
     """A copy of the Region's module (each submodule a shallow copy with dicts of its own: the layer's copy and
     its tensors untouched), in eval mode, its tensors float64 copies (tiled to the whole where split, for the
     whole copy; for the ``mixed`` one, with whole counts, the places but ``index`` scaled by 2), its divided head
-    counts as ``kind`` says, and its styled modules computing without communication (each Rowwise recording
-    its input). Also the counts held by objects that are no modules
-    (shared with the layer's copy, as the Region's own call sets them): (owner, attribute, value) to set while
-    the copy runs."""
+    counts as ``kind`` says (on objects the copy alone holds: probe_counts.py), and its styled modules computing
+    without communication (each Rowwise recording its input)."""
     twins: dict[int, nn.Module] = {}
     forwards = {id(f) for f in styled.values()}
 
     def twin(m: nn.Module, prefix: str) -> nn.Module:
-        if id(m) in twins:
-            return twins[id(m)]
         t = twins[id(m)] = copy.copy(m)
         kept = before.get(id(m))
         if kept is not None:  # its attributes as the judged call found them (not what that call cached)
@@ -315,35 +348,16 @@ def _copy(
         t._parameters = params
         t._buffers = {k: None if v is None else _tensor(v, whole_shapes.get(prefix + k), n, kind, 1, index)
                       for k, v in m._buffers.items()}
-        t._modules = {k: None if v is None else twin(v, f"{prefix}{k}.") for k, v in m._modules.items()}
         if install is not None:
             t.forward = _ProbeForward(t, install, kind, calls, whole_calls)
         return t
 
-    root = twin(module, "")
-    shared = []
-    for forward in (f for f in (vars(m).get("forward") for m in module.modules()) if f is not None):
-        install = getattr(forward, "install", None)
-        if install is not None and isinstance(install.style, Region):
-            for owner, attr, whole in forward.locals:
-                value = whole // n if kind == "split" else whole
-                if isinstance(owner, nn.Module) and id(owner) in twins:
-                    object.__setattr__(twins[id(owner)], attr, value)
-                else:
-                    shared.append((owner, attr, value))
-    return root, shared
-
-
-@contextlib.contextmanager
-def _counts_set(counts: list[tuple[Any, str, int]]) -> Iterator[None]:
-    before = [getattr(owner, attr) for owner, attr, _ in counts]
-    try:
-        for owner, attr, value in counts:
-            setattr(owner, attr, value)
-        yield
-    finally:
-        for (owner, attr, _), value in zip(counts, before, strict=True):
-            setattr(owner, attr, value)
+    for path, m in module.named_modules():  # (a submodule under two names: one twin, named by its first)
+        twin(m, f"{path}." if path else "")
+    for m in module.modules():
+        twins[id(m)]._modules = {k: None if v is None else twins[id(v)] for k, v in m._modules.items()}
+    set_counts(module, twins, n, kind)
+    return twins[id(module)]
 
 
 def _tensor(t: Tensor, whole: tuple[int, ...] | None, n: int, kind: str, blocks: int, index: int) -> Tensor:
@@ -355,13 +369,9 @@ def _tensor(t: Tensor, whole: tuple[int, ...] | None, n: int, kind: str, blocks:
         return local
     dims = [d for d, (a, b) in enumerate(zip(t.shape, whole, strict=True)) if a != b]
     if len(t.shape) != len(whole) or len(dims) != 1 or t.shape[dims[0]] * n != whole[dims[0]]:
-        raise _Unrelated(f"a tensor of shape {list(t.shape)} is no 1/{n} of {list(whole)}")
+        raise gaps.unrelated(f"a tensor of shape {list(t.shape)} is no 1/{n} of {list(whole)}")
     scales = [1.0 if kind == "whole" or p == index or not local.is_floating_point() else 2.0 for p in range(n)]
     return _tile(local, n, dims[0], blocks, scales)
-
-
-class _Unrelated(Exception):
-    """A Region tensor whose shape the probe cannot relate to the whole's: the call is not judged (a gap)."""
 
 
 def _tile(local: Tensor, n: int, d: int, blocks: int, scales: list[float]) -> Tensor:

@@ -102,6 +102,8 @@ def test_over_dp_by_cp_with_zero3_equals_the_single_device_step() -> None:
     sw.testing.assert_equivalent(composed, step, sw.Mesh(dp=2, cp=2), batches, params)
 
 
+# cp x tp: each Region is judged under tensor_parallel alone, and says so (test_region_not_judged.py).
+@pytest.mark.filterwarnings("ignore::shardwise.tp.RegionNotJudged")
 @pytest.mark.parametrize("attention", ["ring", "ulysses"])
 def test_cohere_over_cp_by_tp_equals_the_single_device_step(attention: str) -> None:
     """tensor_parallel's Region calls the attention's own forward on the rank's heads, which calls the split

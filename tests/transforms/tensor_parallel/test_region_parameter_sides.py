@@ -125,6 +125,8 @@ def llama() -> tuple[sw.Step, Any, list[Any]]:
     return sw.train_step(chain, loss, sw.optim.sgd(0.1, momentum=0.9)), params, batches
 
 
+# Not judged (sw.tp.RegionNotJudged): the advice followed gathers the MLP's Colwise outputs: not judged
+@pytest.mark.filterwarnings("ignore::shardwise.tp.RegionNotJudged")
 def test_the_refusal_of_a_region_without_its_rowwise_advises_what_works(llama: Any) -> None:
     """llama_plan without down_proj is refused, advising Colwise(output='replicated'). Following that
     advice (the Region kept, down_proj unsplit on the gathered output) used to sum down_proj's whole
@@ -140,6 +142,8 @@ def test_the_refusal_of_a_region_without_its_rowwise_advises_what_works(llama: A
     assert report.steps == 2, report
 
 
+# Not judged (sw.tp.RegionNotJudged): gathered q, k, v in the Region: no rank computes them alone, not judged
+@pytest.mark.filterwarnings("ignore::shardwise.tp.RegionNotJudged")
 def test_an_unsplit_output_projection_after_gathered_heads_is_not_summed(llama: Any) -> None:
     """q, k, v Colwise(output='replicated') in the attention Region, o_proj unsplit: grad_norm was 12.7% off."""
     step, params, batches = llama

@@ -168,6 +168,8 @@ def test_t5s_position_bias_passed_on_to_a_later_block_is_named() -> None:
     assert FIX in text and REPLICATED in text
 
 
+# Not judged (sw.tp.RegionNotJudged): T5's bias table is a split Embedding; later blocks take its per-head bias
+@pytest.mark.filterwarnings("ignore::shardwise.tp.RegionNotJudged")
 @pytest.mark.parametrize("blocks", [None, "m.encoder.block.*"], ids=["tp2", "tp2+sp-encoder"])
 def test_t5s_table_split_by_its_head_columns_is_one_device(blocks: str | None) -> None:
     """The fix the table's refusal names: Colwise(output='sharded') on relative_attention_bias cuts its
