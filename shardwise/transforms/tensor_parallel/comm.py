@@ -51,7 +51,7 @@ def enter(
     """Megatron's f: identity forward, all-reduce backward; sequence parallel: all-gather the sequence."""
     if seq_dim is None:
         return _comm(x, axis, None, "psum", 0, reduce, label)
-    return _comm(x, axis, "all_gather", "psum_scatter", _sequence_dim(x, seq_dim, label), reduce, label)
+    return _comm(x, axis, "all_gather", "psum_scatter", sequence_dim(x, seq_dim, label), reduce, label)
 
 
 def leave(
@@ -60,7 +60,7 @@ def leave(
     """Megatron's g: all-reduce forward, identity backward; sequence parallel: reduce-scatter the sequence."""
     if seq_dim is None:
         return _comm(x, axis, "psum", None, 0, reduce, label)
-    dim = _sequence_dim(x, seq_dim, label)
+    dim = sequence_dim(x, seq_dim, label)
     _check_divides(x, dim, axis, label)
     return _comm(x, axis, "psum_scatter", "all_gather", dim, reduce, label)
 
@@ -169,7 +169,7 @@ def all_max(x: torch.Tensor, axis: str, label: str) -> torch.Tensor:
     return all_gather(x, axis).amax(0)
 
 
-def _sequence_dim(x: torch.Tensor, dim: int, label: str) -> int:
+def sequence_dim(x: torch.Tensor, dim: int, label: str) -> int:
     """The dim a sequence-parallel value is gathered or scattered along: ``dim``, the sequence, of a (batch,
     sequence, ...) value; or 0 of tokens folded into rows, (batch x sequence, features) (OPT's layer and a MoE
     block flatten them before their MLP): a rank's rows are its tokens, so the rows of all ranks, one rank's

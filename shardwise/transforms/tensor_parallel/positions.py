@@ -443,7 +443,7 @@ def collective(run: Callable[[], Tensor], x: Tensor, op: str | None, dim: int) -
 
 
 def _collective_of_rows(slices: _Slices, run: Callable[[], Tensor], x: Tensor, held: Held | None, op: str) -> Tensor:
-    """A gather or scatter of tokens folded into rows (comm.py's ``_sequence_dim``). The gather's input must be
+    """A gather or scatter of tokens folded into rows (comm.py's ``sequence_dim``). The gather's input must be
     this rank's tokens as rows; its output holds every rank's rows, one rank's after another's: not the one
     device's order of the tokens (batch-major), so it is followed on as rows, each computed alone, until the
     scatter hands each rank its own rows back."""

@@ -20,7 +20,9 @@ compared: the split copy's against this rank's slice of the whole copy's (its la
 input features are cut), at 1e-9 of the slice's largest magnitude (float64 rounding of the same products in
 another blocking; a per-head value from the wrong count is off by far more). A Rowwise's output feeds what
 follows in both copies alike (the whole copy's, which the split copy cannot compute alone), so a later Rowwise
-input is compared on the same values.
+input is compared on the same values. In a sequence-parallel block
+it hands on this rank's slice of the sequence, as the real one's reduce-scatter does (Bloom's attention adds
+it to the residual's slice it takes as an argument: whole, the copies failed on the shapes).
 
 Tiled weights hide an op across the heads (a mean, max or population variance over the heads dim is the same
 over this rank's heads repeated as over them alone): a third copy, whole, holds this rank's weights at its own
@@ -92,6 +94,7 @@ from ...engine.layout.state_layout import TensorSplit
 from ...engine.run.rng import default_generators
 from ...engine.stack import in_layer
 from . import not_judged as gaps
+from .comm import sequence_dim
 from .following import quiet
 from .head_arguments import HeadArguments
 from .match import CONV1D, EMBEDDING, param_split
@@ -349,7 +352,7 @@ def _copy(
         t._buffers = {k: None if v is None else _tensor(v, whole_shapes.get(prefix + k), n, kind, 1, index)
                       for k, v in m._buffers.items()}
         if install is not None:
-            t.forward = _ProbeForward(t, install, kind, calls, whole_calls)
+            t.forward = _ProbeForward(t, install, kind, calls, whole_calls, n, index)
         return t
 
     for path, m in module.named_modules():  # (a submodule under two names: one twin, named by its first)
@@ -382,11 +385,14 @@ def _tile(local: Tensor, n: int, d: int, blocks: int, scales: list[float]) -> Te
 
 class _ProbeForward:
     """A styled module's forward in a probe copy: a Colwise computes its (whole or split) slice; a Rowwise
-    records its input and returns its product (the whole copy's, in the split copy: not computable alone)."""
+    records its input and returns its product (the whole copy's, in the split copy: not computable alone), in a
+    sequence-parallel block the rank's slice of its sequence, as the real one's reduce-scatter hands on (what
+    follows adds it to the rank's slice of the residual: Bloom's attention takes it as an argument)."""
 
     def __init__(self, m: nn.Module, install: Any, kind: str, calls: list[Any],
-                 whole_calls: list[tuple[str, Tensor, Tensor]] | None) -> None:
+                 whole_calls: list[tuple[str, Tensor, Tensor]] | None, n: int, index: int) -> None:
         self.m, self.install, self.kind, self.calls, self.whole_calls = m, install, kind, calls, whole_calls
+        self.n, self.index = n, index
 
     def __call__(self, x: Tensor) -> Tensor:
         m, install = self.m, self.install
@@ -395,11 +401,19 @@ class _ProbeForward:
             self.calls.append((install.path, x))
             if k < len(self.whole_calls) and self.whole_calls[k][0] == install.path:
                 return self.whole_calls[k][2]
-            return _product(m, install.kind, x)  # counted apart: the comparison says the calls differ
+            return self._handed_on(_product(m, install.kind, x))  # counted apart: the comparison says they differ
         y = _product(m, install.kind, x)
         if isinstance(install.style, Rowwise):
+            y = self._handed_on(y)
             self.calls.append((install.path, x, y))
         return y
+
+    def _handed_on(self, y: Tensor) -> Tensor:
+        """A Rowwise's product as the real one hands it on: whole, or in a sequence-parallel block this rank's
+        slice of the sequence (comm.leave's reduce-scatter, without the sum: the copies compute it whole)."""
+        if self.install.seq_dim is None:
+            return y
+        return TensorSplit("", sequence_dim(y, self.install.seq_dim, self.install.path), self.n).local(y, self.index)
 
 
 def _product(m: nn.Module, kind: str | None, x: Tensor) -> Tensor:
