@@ -5,7 +5,8 @@
 or ``Region()`` (its ``arguments`` of one slice per head: ``HeadsAlong()``), and parameter paths to
 ``PerHead()``. ``llama_plan``, ``gpt2_plan``, ``gpt_oss_plan``, ``bloom_plan``, ``mpt_plan``,
 ``falcon_plan`` and ``tiny_gpt_plan`` are ready ones; ``docs/tensor_parallel.md`` says what each style does.
-A Region whose first call cannot be judged by its values warns :class:`RegionNotJudged` (once per Region and cause).
+A Region whose first call cannot be judged by its values warns :class:`RegionNotJudged` (once per module class
+and cause).
 
 >>> import shardwise as sw
 >>> sorted(sw.tp.tiny_gpt_plan().items())[:2]

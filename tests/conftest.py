@@ -296,6 +296,6 @@ def benchmark_script(monkeypatch: pytest.MonkeyPatch) -> Callable[[str], Any]:
 
 @pytest.fixture(autouse=True)
 def _regions_judged_anew() -> None:
-    """sw.tp.RegionNotJudged is said once per Region and cause in a process: in each test, as in a fresh one (a
+    """sw.tp.RegionNotJudged is said once per Region class and cause in a process: in each test, as in a fresh one (a
     test that meets a Region left unjudged warns alone as in the suite)."""
     forget_said()

@@ -54,7 +54,7 @@ the random generators are put back after them. The counts a copy holds are set o
 (probe_counts.py: a count's owner every rank thread shares is never changed, even for the copies' run).
 
 Not judged (a gap, the call is left as it ran), and said so: a :class:`RegionNotJudged` warning (not_judged.py),
-once per Region and cause in the process (the threads backend's ranks share one), naming the Region, the cause,
+once per module class and cause in the process (the threads backend's ranks share one), naming the Region, the cause,
 what goes unchecked and what to do. The causes: a Region whose copies still draw random numbers in eval mode
 (model code calling ``torch.rand`` itself: the two copies draw different shapes, so nothing compares), one with a
 Colwise whose output is gathered or a vocabulary-split Embedding inside (the split copy cannot compute those
@@ -140,7 +140,7 @@ class RegionProbe:
     ) -> None:
         """Judge the call ``module(*args, **kwargs)`` just made (the Region ``label`` on this rank, its input
         entered); refuse when it computed other values than the whole module for this rank's heads, and say so
-        (:class:`RegionNotJudged`, once per Region and cause) where it cannot be judged. ``arguments``: the
+        (:class:`RegionNotJudged`, once per module class and cause) where it cannot be judged. ``arguments``: the
         Region's arguments of one slice per head, cut to the rank's heads in ``args`` / ``kwargs`` (the whole
         copies take them tiled back: head_arguments.py)."""
         if in_layer.predicting_now():
