@@ -36,11 +36,12 @@ without an error, are refused here:
   values, by head_numbers.py.)
 
 The heads dim is followed through transposes, permutes, index keeping the heads whole, unsqueeze,
-expand and same-shaped ops (rotary products, casts). An op across it (``z - z.mean(1)``, a norm over
-heads and head_dim together) computes over a rank's heads only, and is refused (split_watch.py, with
-feature_mixing.py's tables). A reshape that merges the heads back into the rank's width (``y.transpose(1,
-2).reshape(b, t, -1)``) is followed as the features again, up to the Rowwise: a norm with no weight or a
-softmax over them there is refused as before the view.
+expand and same-shaped ops (rotary products, casts), and through a reshape of it into several dims onto the
+one that carries the rank's split (Falcon's key/value groups: head_factors.py, which refuses a reshape that
+has none). An op across it (``z - z.mean(1)``, a norm over heads and head_dim together) computes over a
+rank's heads only, and is refused (split_watch.py, with feature_mixing.py's tables). A reshape that merges
+the heads back into the rank's width (``y.transpose(1, 2).reshape(b, t, -1)``) is followed as the features
+again, up to the Rowwise: a norm with no weight or a softmax over them there is refused as before the view.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
+from .head_factors import FACTORING, factored_heads
 from .head_indices import NAMES as HEAD_INDEX_OPS
 from .head_indices import HeadIndexRefused, index_heads, see_head_index
 from .model_frames import innermost_model_line
@@ -146,7 +148,7 @@ def see_heads(
             if one is not None:  # a per-head loop's q[:, h], or a fixed head number: finish() tells them apart
                 watch.take_head(t, entry, dim, one[0], f"[{one[1]!r}] at {innermost_model_line()}", view=out)
         else:
-            new = _heads_after(name, t, dim, args, out)
+            new = _heads_after(name, t, dim, args, kwargs, out, entry.parts)
     except _Cut as cut:
         raise ValueError(head_cut_message(entry, str(cut))) from None
     if new is not None:
@@ -155,10 +157,19 @@ def see_heads(
         watch.follow_merged(out, entry)  # the heads merged back, (b, t, heads x head_dim): features again
 
 
-def _heads_after(name: str, t: Tensor, dim: int, args: Sequence[Any], out: Tensor) -> int | None:
-    """Where ``out`` holds the heads ``t`` holds along ``dim``; None where it is no longer followed."""
+def _heads_after(
+    name: str, t: Tensor, dim: int, args: Sequence[Any], kwargs: dict[str, Any], out: Tensor, parts: int
+) -> int | None:
+    """Where ``out`` holds the heads ``t`` holds along ``dim`` (split over ``parts`` ranks); None where it is no
+    longer followed. Raises _Cut where a reshape groups them by their place among all of them."""
     n = t.dim()
     if args and args[0] is t:
+        if name in FACTORING:  # the heads viewed into several dims: followed on the one that carries the split
+            factored = factored_heads(name, t, dim, args, kwargs, out, parts)
+            if isinstance(factored, str):
+                raise _Cut(factored)
+            if factored is not None:
+                return factored
         if name in ("transpose", "swapaxes", "swapdims") and len(args) >= 3:
             a, b = args[1] % n, args[2] % n
             return b if dim == a else a if dim == b else dim

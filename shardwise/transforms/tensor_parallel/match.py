@@ -120,7 +120,8 @@ class Resolved:
 
     layers: dict[str, LayerPlan]
     splits: dict[tuple[str, str], ParamSplit]
-    heads: list[tuple[str, str, int]]  # (module path, attribute, value): must divide by the axis size
+    # (module path, attribute, value, the config field it copies or ""): must divide by the axis size
+    heads: list[tuple[str, str, int, str]]
     matched: dict[str, list[str]]  # pattern -> module paths (a PerHead's: parameter paths)
 
 
@@ -212,7 +213,7 @@ def resolve(chain: Chain, plan: Mapping[str, Style], sequence_parallel: str | No
     region_paths = [p for p, (_, s) in style_of.items() if isinstance(s, Region)]
     layers: dict[str, LayerPlan] = {}
     splits: dict[tuple[str, str], ParamSplit] = {}
-    heads: list[tuple[str, str, int]] = []
+    heads: list[tuple[str, str, int, str]] = []
     # (layer, module path, param key, styled, subpath, attribute, whether the module has a forward of ours)
     uses: list[tuple[str, str, tuple[str, str], bool, str, str, bool]] = []
     split_at: dict[tuple[str, str], str] = {}  # param key -> the path of the module that splits it
@@ -295,7 +296,8 @@ def resolve(chain: Chain, plan: Mapping[str, Style], sequence_parallel: str | No
                 _check_heads_named(style_of[path][0], path, chosen, module)
                 check_head_arguments(style_of[path][0], path, chosen, module)
                 for attr in (*chosen.heads, *chosen.local):
-                    heads.append((path, attr, _read_attribute(module, path, attr)))
+                    value = _read_attribute(module, path, attr)
+                    heads.append((path, attr, value, _config_field(module, attr, value)))
                 _check_per_head_lists(
                     style_of[path][0], path, module, {a: _read_attribute(module, path, a) for a in chosen.heads},
                     {p for p, (_, s) in style_of.items() if isinstance(s, (Colwise, Rowwise))},
@@ -533,6 +535,16 @@ def _check_fits(path: str, style: Style, kind: str | None, module: nn.Module) ->
             "on a Colwise Embedding, is taken, its gradient summed over the axis; otherwise apply it in the module "
             "around this one, or leave this one out of the plan (replicated, with its Colwise / Rowwise partner)"
         )
+
+
+def _config_field(module: nn.Module, attr: str, value: int) -> str:
+    """The model config's field a module's count copies, by its name and value (Falcon's attention's
+    ``num_kv_heads``: ``config.num_kv_heads``), which is what a user changes; "" where it has none, or the
+    Region names the config's own."""
+    name = attr.rsplit(".", 1)[-1]
+    config = getattr(module, "config", None)
+    copied = not attr.startswith("config.") and getattr(config, name, None) == value
+    return f"config.{name}" if copied and not isinstance(getattr(config, name), bool) else ""
 
 
 def _read_attribute(module: nn.Module, path: str, attr: str) -> int:

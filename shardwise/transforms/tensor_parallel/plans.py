@@ -118,10 +118,12 @@ MPT_BLOCKS = "transformer.blocks.*"
 
 def falcon_plan(*, vocab_parallel: bool = True) -> dict[str, Style]:
     """Falcon (transformers' ``FalconForCausalLM``), with or without ALiBi. Its fused ``query_key_value`` is laid
-    out per head (``(heads, 3, head_dim)``), so a plain Colwise cuts it at head boundaries. Multi-query (one
-    key/value head for all) is refused (the axis size does not divide its one key/value head), and so is the
-    grouped-query ``new_decoder_architecture``, at its first forward: its attention cuts each key/value group's
-    queries off with ``[..., :-2, :]``, which the split watch reads as a cut across the heads.
+    out per head (``(heads, 3, head_dim)``), so a plain Colwise cuts it at head boundaries. The grouped-query
+    ``new_decoder_architecture`` (Falcon-40B's) lays it out per key/value group (``(num_kv_heads, queries per group
+    + 2, head_dim)``): a plain Colwise gives each rank whole groups, the Region divides ``num_kv_heads`` with
+    ``num_heads``, and the attention's cut of each group's queries is a cut within each group (split_watch.py
+    follows the groups). The tp size must divide the key/value heads: multi-query (one key/value head for all) is
+    refused, and so are fewer groups than ranks, naming ``config.num_kv_heads``.
     With ``alibi=True`` FalconModel folds one ALiBi bias of every head into the ``attention_mask`` it hands each
     layer, ``(b, H, q, k)``: :class:`HeadsAlong` along dim 1 hands each rank's attention its heads'; without ALiBi
     that mask is ``(b, 1, q, k)``, broadcast over the heads, and handed on whole. The token embedding, tied to the

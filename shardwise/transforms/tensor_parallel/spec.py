@@ -97,11 +97,12 @@ class TPSpec:
             for _, path, attr, count in lp.cut_whole:
                 if count % parts:
                     raise ValueError(per_head_message(path, count, attr, parts, self.axis))
-        for path, attr, value in self.resolved(chain).heads:
+        for path, attr, value, field in self.resolved(chain).heads:
             if value % parts:
+                copied = f" (the model's {field})" if field else ""
                 raise ValueError(
-                    f"tensor_parallel: {path}.{attr} is {value}, which the {parts} ranks of axis {self.axis!r} do "
-                    f"not divide (each rank computes whole heads); use a tensor-parallel size that divides {value}"
+                    f"tensor_parallel: {path}.{attr} is {value}{copied}, which the {parts} ranks of axis {self.axis!r} "
+                    f"do not divide (each rank computes whole heads); use a tensor-parallel size that divides {value}"
                 )
         resolved = self.resolved(chain)
         for (layer, name), split in self.splits(chain, parts).items():
