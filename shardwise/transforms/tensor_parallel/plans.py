@@ -121,7 +121,7 @@ def falcon_plan(*, vocab_parallel: bool = True) -> dict[str, Style]:
     out per head (``(heads, 3, head_dim)``), so a plain Colwise cuts it at head boundaries. The grouped-query
     ``new_decoder_architecture`` (Falcon-40B's) lays it out per key/value group (``(num_kv_heads, queries per group
     + 2, head_dim)``): a plain Colwise gives each rank whole groups, the Region divides ``num_kv_heads`` with
-    ``num_heads``, and the attention's cut of each group's queries is a cut within each group (split_watch.py
+    ``num_heads``, and the attention's cut of each group's queries is a cut within each group (the split watch
     follows the groups). The tp size must divide the key/value heads: multi-query (one key/value head for all) is
     refused, and so are fewer groups than ranks, naming ``config.num_kv_heads``.
     With ``alibi=True`` FalconModel folds one ALiBi bias of every head into the ``attention_mask`` it hands each
