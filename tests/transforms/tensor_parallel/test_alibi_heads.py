@@ -404,12 +404,25 @@ def test_a_size_the_heads_do_not_divide_is_refused() -> None:
             f"should hold one slice per head, {HEADS} (or 1, broadcast over the heads); check the dim") in text, text
 
 
-def _refusal(model: nn.Module, unit: type, plan: dict[str, Any], seq: int = SEQ) -> str:
-    """The tp2 step's refusal on its first batch."""
+def test_at_a_batch_of_one_the_refusal_names_folded_batch_too() -> None:
+    """Bloom's (b * H, 1, t) alibi at b = 1 reads as (H, 1, t): the entry without folded_batch cuts that call
+    alike and refuses the next batch of 2, so the refusal says when to add it (it suggested dim=0 alone)."""
+    torch.manual_seed(0)
+    model, unit, plan, _ = bloom()
+    plan["transformer.h.*.self_attention"] = sw.tp.Region(heads=("num_heads",), local=("split_size",))
+    text = _refusal(model, unit, plan, batch=1)
+    assert ("Give the Region an entry for it, sw.tp.Region(..., arguments={'alibi': sw.tp.HeadsAlong(dim=0)}) (with "
+            "folded_batch=True where that dim holds the batch and the heads flattened, b * H rows, batch-major, as "
+            "Bloom's alibi: at this batch of 1 the two read alike)") in text, text
+
+
+def _refusal(model: nn.Module, unit: type, plan: dict[str, Any], seq: int = SEQ, batch: int = BATCH) -> str:
+    """The tp2 step's refusal on its first batch (of ``batch`` samples)."""
     gen = torch.Generator().manual_seed(1)
-    batch = (torch.randint(2, VOCAB, (BATCH, seq), generator=gen), torch.randint(VOCAB, (BATCH, seq), generator=gen))
-    chain, params = sw.functionalize(model.double(), units=unit, example_input=batch[0])
+    ids = torch.randint(2, VOCAB, (batch, seq), generator=gen)
+    batch_ = (ids, torch.randint(VOCAB, (batch, seq), generator=gen))
+    chain, params = sw.functionalize(model.double(), units=unit, example_input=ids)
     tp = sw.tensor_parallel(sw.train_step(chain, lm_loss, sw.optim.sgd(0.1)), "tp", plan)
     with pytest.raises((ValueError, sw.collectives.RankFailed)) as caught:
-        sw.launch(lambda: tp(tp.init(params, sw.Mesh(tp=2)), batch), 2)
+        sw.launch(lambda: tp(tp.init(params, sw.Mesh(tp=2)), batch_), 2)
     return str(caught.value)
