@@ -105,8 +105,8 @@ def argument_message(
         f"passes it on), while each of the {parts} ranks' per-head views hold {heads // parts} heads. The "
         f"Region's head counts are not the cause, and no count in it can split that argument. Give the Region an "
         f"entry for it, sw.tp.Region(..., {_entry(name, dim, times)}){_batch_of_one(dim, times, batch)}: each "
-        "call then hands the module this rank's heads of it, the blocks its Colwise projections cut (sw.tp.bloom_plan(), mpt_plan() and "
-        f"falcon_plan() do so); or {_FIX}"
+        "call then hands the module this rank's heads of it, the blocks its Colwise projections cut "
+        f"(sw.tp.bloom_plan(), mpt_plan() and falcon_plan() do so); or {_FIX}"
     )
 
 
