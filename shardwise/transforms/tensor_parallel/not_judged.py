@@ -1,5 +1,6 @@
 """A Region whose first call the probe (region_probe.py) could not judge says so: a warning, once per Region and
-cause in a process (the threads backend runs every rank in one process: one warning, not one per rank)."""
+cause in a process (the threads backend runs every rank in one process: one warning, not one per rank; a Region
+of another model or step with the same path is another Region)."""
 
 from __future__ import annotations
 
@@ -30,17 +31,29 @@ class RegionNotJudged(UserWarning):
     """
 
 
-_said: set[tuple[str, str]] = set()
+class RegionIdentity:
+    """One Region of one rewrite: every rank thread's replica holds this same object (it deep-copies as itself),
+    and another model or step whose Region has the same path holds another (review6: keyed by the path alone,
+    a second model's unjudged Region said nothing)."""
+
+    def __deepcopy__(self, memo: dict[int, object]) -> RegionIdentity:
+        return self
+
+
+_said: set[tuple[str, str, RegionIdentity | None]] = set()
 _lock = threading.Lock()
 
 
-def say_not_judged(label: str, cls: str, cause: str, reason: str, advice: str) -> None:
+def say_not_judged(
+    label: str, cls: str, cause: str, reason: str, advice: str, region: RegionIdentity | None = None
+) -> None:
     """Warn that Region ``label`` (a ``cls``) was not judged, because ``reason`` (``cause`` is its short key),
-    and what to do; once per (label, cause) in the process."""
+    and what to do; once per Region (``region``: every rank's, not another model's of the same path) and cause in
+    the process."""
     with _lock:
-        if (label, cause) in _said:
+        if (label, cause, region) in _said:
             return
-        _said.add((label, cause))
+        _said.add((label, cause, region))
     warnings.warn(
         f"tensor_parallel: Region {label!r} (a {cls}) was not judged by its values on its first call: {reason}. "
         f"{UNCHECKED[0].upper()}{UNCHECKED[1:]}. {advice}",

@@ -98,7 +98,7 @@ from .comm import sequence_dim
 from .following import quiet
 from .head_arguments import HeadArguments
 from .match import CONV1D, EMBEDDING, param_split
-from .not_judged import NotJudged, say_not_judged
+from .not_judged import NotJudged, RegionIdentity, say_not_judged
 from .positions import unfollowed
 from .probe_counts import set_counts
 from .rank_flow import flow
@@ -123,6 +123,7 @@ class RegionProbe:
                             *module.named_buffers(remove_duplicate=False))
         }
         self.done = False  # this thread's (rank's) copy has judged its first real call
+        self.identity = RegionIdentity()  # every rank thread's copy shares it: one warning per Region, not per rank
         # Each submodule's attributes before the call the probe judges: what the copies start from (a table the
         # call cached on the module, self._slopes = ..., was built from the rank's count).
         self.before: dict[int, dict[str, Any]] = {}
@@ -156,7 +157,7 @@ class RegionProbe:
         try:
             found = _judge(module, self.whole_shapes, self.before, n, index, args, kwargs, leaves, tensors, arguments)
         except NotJudged as gap:
-            say_not_judged(label, type(module).__name__, gap.cause, gap.reason, gap.advice)
+            say_not_judged(label, type(module).__name__, gap.cause, gap.reason, gap.advice, self.identity)
             return
         if found is not None:
             raise ValueError(_message(label, type(module).__name__, axis, n, index, *found))
