@@ -16,7 +16,8 @@ learned bias), each rank's gradient of it holds its own heads only: the argument
 ``enter`` (identity forward, all-reduce backward, Megatron's f), so every rank gets the sum, each head's
 gradient once (the ranks' heads are disjoint: nothing is summed twice). A constant bias (ALiBi's) requires
 no grad, and nothing is sent. ``None`` (no bias this call) is handed on; so is a size of 1 along the dim (a
-bias broadcast over the heads: Falcon without ALiBi passes ``(b, 1, q, k)``).
+bias broadcast over the heads: Falcon without ALiBi passes ``(b, 1, q, k)``), entered as well where it requires
+grad (each rank's gradient of it is the sum over its own heads only).
 
 The Region probe (region_probe.py) runs the split module on the call's (sliced) arguments and the whole
 module on them tiled back (the rank's heads at every place, as it tiles the rank's weights), and cuts a
@@ -90,11 +91,15 @@ class HeadArguments:
         def rank_heads(t: Tensor, name: str, along: HeadsAlong, heads: int) -> Tensor:
             dim = self._dim(t, name, along)
             size = t.shape[dim]
-            if size == 1 and not along.folded_batch:
-                return t  # broadcast over the heads: every head's the same
-            self._check_size(t, name, along, dim, heads, batch)
+            broadcast = size == 1 and not along.folded_batch  # every head's the same: handed on whole
+            if not broadcast:
+                self._check_size(t, name, along, dim, heads, batch)
             if t.requires_grad and n > 1:
-                t = enter(t)  # its gradient summed over the ranks: each holds its own heads' part
+                # Its gradient summed over the ranks: each holds its own heads' part (of a broadcast one, the sum
+                # over its own heads only: unsummed, the ranks' replicated gradients differed, review6).
+                t = enter(t)
+            if broadcast:
+                return t
             local = heads // n
             if not along.folded_batch:
                 return t.narrow(dim, index * local, local)

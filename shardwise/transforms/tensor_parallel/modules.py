@@ -31,7 +31,7 @@ from .head_numbers import HeadCount
 from .match import CONV1D, EMBEDDING, LINEAR, Install, is_head_count
 from .product_views import HeadView
 from .rank_flow import back_to_shared, flow, rank_stream, start_rank_stream
-from .region_paths import Sides, bypass_message, bypasses_split, parameter_sides
+from .region_paths import Sides, bypass_message, bypasses_split, parameter_sides, summed_on_entry
 from .region_probe import ReachedSplit, RegionProbe
 from .sequence_gather import SequenceGather
 from .split_watch import SplitWatch
@@ -165,15 +165,17 @@ class TPForward:
                 locals_ = self.divided_by[n] = self._local_counts(n, len(style.local), label)
             for (owner, attr, _), local in zip(self.locals, locals_, strict=True):
                 setattr(owner, attr, local)
+            # Its per-head arguments that entered with their gradient summed: (before, after entering) each.
+            heads_entered: list[tuple[Tensor, Tensor]] = []
             if self.head_arguments is not None:
-                args, kwargs = self._rank_heads(args, kwargs, label)
+                args, kwargs = self._rank_heads(args, kwargs, label, heads_entered)
             read = self.paths_checked and self.cuts_watched and getattr(flow, "sides", None) is None
             if read and getattr(flow, "splits", None) is None:
                 args, kwargs = _map_hidden(
                     m, self.hidden, args, kwargs, lambda h: enter(h, axis, install.seq_dim, label, self.reduce)
                 )
                 return self._run_region(style, label, args, kwargs)
-            return self._read_region(install, args, kwargs)
+            return self._read_region(install, args, kwargs, heads_entered)
         (x,) = args
         if isinstance(style, Colwise):
             gather: SequenceGather | None = None
@@ -272,18 +274,21 @@ class TPForward:
             )) from err
 
     def _rank_heads(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any], label: str
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], label: str, entered: list[tuple[Tensor, Tensor]]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """The call with the Region's per-head arguments cut to this rank's heads (head_arguments.py)."""
+        """The call with the Region's per-head arguments cut to this rank's heads (head_arguments.py); each that
+        enters (its gradient summed) is listed in ``entered``, before and after."""
         assert self.head_arguments is not None
         hidden = args[0] if args else kwargs.get(self.hidden or "")
         batch = hidden.shape[0] if isinstance(hidden, Tensor) and hidden.dim() else None
         n, axis = in_layer.size(self.axis), self.axis
+
+        def enter_argument(t: Tensor) -> Tensor:
+            entered.append((t, enter(t, axis, None, label, self.reduce)))
+            return entered[-1][1]
+
         with quiet(), positions.unfollowed():  # our own ops on a value the module takes whole: not the model's
-            return self.head_arguments.cut(
-                args, kwargs, n, in_layer.index(axis) if n > 1 else 0, batch,
-                lambda t: enter(t, axis, None, label, self.reduce),
-            )
+            return self.head_arguments.cut(args, kwargs, n, in_layer.index(axis) if n > 1 else 0, batch, enter_argument)
 
     def _sequence_gather(self, x: Tensor, seq_dim: int | None) -> SequenceGather | None:
         """A Colwise outside any Region inside a sequence-parallel block gathers the block's slice itself
@@ -329,7 +334,10 @@ class TPForward:
         if self.probe is not None and not self.probe.done:
             self.probe.run(self.module, label, self.axis, args, kwargs, self.head_arguments)
 
-    def _read_region(self, install: Install, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _read_region(
+        self, install: Install, args: tuple[Any, ...], kwargs: dict[str, Any],
+        heads_entered: list[tuple[Tensor, Tensor]] | None = None,
+    ) -> Any:
         """A Region's call that reads it as well: its paths (region_paths.py), until a call records a
         graph, how it cuts its Colwise outputs (split_watch.py), on its first call, and on which side
         of its split layers it uses its replicated parameters, while its layer asks (layer_rewrite.VaryFn); or one
@@ -376,10 +384,18 @@ class TPForward:
             self._check_paths(out, entered, before, splits)
         # The outermost Region only (an inner one's split layers end the outer one's paths too). Under
         # sequence parallel every value in the block is a slice of the sequence: all stay summed.
+        arguments_in = [after for _, after in heads_entered or ()]
         if sides is not None and splits is not None and outer_splits is None and install.seq_dim is None:
             with quiet(), positions.unfollowed():  # reading grad_fn is a tensor op to the followers
-                whole, partial_ = parameter_sides(out, [node for _, node in splits], [*before, *entered], sides.names)
+                whole, partial_ = parameter_sides(
+                    out, [node for _, node in splits], [*before, *entered, *arguments_in], sides.names
+                )
             sides.add(label, whole, partial_)
+        # What the parameters of the layer get through a per-head argument was summed as it entered: whole, in a
+        # sequence-parallel block too (their only use not on the sequence's slice).
+        if sides is not None and splits is not None and outer_splits is None and heads_entered:
+            with quiet(), positions.unfollowed():
+                sides.add(label, summed_on_entry([before_ for before_, _ in heads_entered], sides.names), set())
         self._probe(label, args, kwargs)
         return out
 

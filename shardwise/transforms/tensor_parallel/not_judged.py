@@ -31,21 +31,24 @@ class RegionNotJudged(UserWarning):
     """
 
 
-_said: set[tuple[str, str]] = set()
+_said: set[tuple[object, str]] = set()
 _lock = threading.Lock()
 
 
-def say_not_judged(label: str, cls: str, cause: str, reason: str, advice: str) -> None:
+def say_not_judged(label: str, cls: str, cause: str, reason: str, advice: str, kind: object = None) -> None:
     """Warn that Region ``label`` (a ``cls``) was not judged, because ``reason`` (``cause`` is its short key),
-    and what to do; once per (module class, cause) in the process: the other Regions of that class are the same
-    case (every layer's attention), and one warning per layer would bury the rest."""
+    and what to do; once per (module class, cause) in the process (``kind``: the class itself, so that another
+    class of the same name says so too; by default its name): the other Regions of that class are the same case
+    (every layer's attention, another model of that class in a sweep), and one warning per layer would bury the
+    rest (Python's default filter would show a second model's identical ones only once anyway)."""
+    key = (cls if kind is None else kind, cause)
     with _lock:
-        if (cls, cause) in _said:
+        if key in _said:
             return
-        _said.add((cls, cause))
+        _said.add(key)
     warnings.warn(
-        f"tensor_parallel: Region {label!r} (a {cls}; said once for every {cls} Region with this cause) was not "
-        f"judged by its values on its first call: {reason}. "
+        f"tensor_parallel: Region {label!r} (a {cls}; said once in this process for every {cls} Region with this "
+        f"cause) was not judged by its values on its first call: {reason}. "
         f"{UNCHECKED[0].upper()}{UNCHECKED[1:]}. {advice}",
         RegionNotJudged,
         stacklevel=2,
@@ -59,7 +62,7 @@ def forget_said() -> None:
 
 
 class NotJudged(Exception):
-    """Why a Region's first call is not judged: ``cause`` (a short key: one warning per Region and key), the
+    """Why a Region's first call is not judged: ``cause`` (a short key: one warning per module class and key), the
     ``reason`` in words and the ``advice``."""
 
     def __init__(self, cause: str, reason: str, advice: str) -> None:

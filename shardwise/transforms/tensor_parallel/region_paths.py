@@ -95,6 +95,28 @@ def parameter_sides(
     return before, behind
 
 
+def summed_on_entry(arguments: Iterable[Tensor], names: Mapping[Any, str]) -> set[str]:
+    """The parameters (``names``: their grad_fn nodes, as ``vary`` made them, by name) that a Region's per-head
+    arguments (``HeadsAlong``, before they enter) are computed from. Each such argument enters with its gradient
+    summed over the axis (head_arguments.py), so what reaches these parameters through it is whole on every
+    rank: summed again by ``vary`` (as the sequence-parallel block's parameters all are) it would count tp
+    times (learned ALiBi slopes built in the block, review6)."""
+    found: set[str] = set()
+    frontier: list[Any] = [t.grad_fn for t in arguments if isinstance(t, Tensor)]
+    seen: set[object] = set()
+    while frontier:
+        node = frontier.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        name = names.get(node)
+        if name is not None:
+            found.add(name)
+            continue
+        frontier.extend(next_node for next_node, _ in node.next_functions)
+    return found
+
+
 class Sides:
     """Where the Regions of one layer's forward use the replicated parameters the layer varies
     (layer_rewrite.VaryFn): ``names`` maps each varied tensor's grad_fn node to its name; ``whole`` and

@@ -156,7 +156,7 @@ class RegionProbe:
         try:
             found = _judge(module, self.whole_shapes, self.before, n, index, args, kwargs, leaves, tensors, arguments)
         except NotJudged as gap:
-            say_not_judged(label, type(module).__name__, gap.cause, gap.reason, gap.advice)
+            say_not_judged(label, type(module).__name__, gap.cause, gap.reason, gap.advice, type(module))
             return
         if found is not None:
             raise ValueError(_message(label, type(module).__name__, axis, n, index, *found))

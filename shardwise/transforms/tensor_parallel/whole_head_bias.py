@@ -61,10 +61,11 @@ def whole_head_counts(m: nn.Module, style: Region, parts: int) -> set[int]:
 def whole_head_argument(
     m: nn.Module, style: Region, parts: int, sizes: set[int], args: tuple[Any, ...], kwargs: dict[str, Any],
     hidden: str | None,
-) -> tuple[str, tuple[int, ...], int, int, int] | None:
+) -> tuple[str, tuple[int, ...], int, int, int, int] | None:
     """A tensor argument of the Region's call (not its hidden states, which it splits) with a dim of all
     H heads, or of the batch times H (Bloom's flattened (b * H, 1, t)), where torch's error names that
-    size and its 1/parts: (its name, its shape, the dim, H, the batch it is flattened with, or 1). The
+    size and its 1/parts: (its name, its shape, the dim, H, the batch it is flattened with, or 1, and the
+    call's batch: at 1, b * H rows read as H). The
     last two dims are skipped (a bias of scores ends in its query and key lengths, which may equal H),
     and so is a dim 0 as long as the batch (a mask's (b, 1, q, k)): a bias (H, 1, t) with H equal to the batch
     is left to region_failed's other causes."""
@@ -86,15 +87,15 @@ def whole_head_argument(
             for h in sorted(counts):
                 for times in ((1, b) if dim == 0 and b > 1 else (1,)):
                     if d == h * times and d in sizes and d // parts in sizes:
-                        return name, shape, dim, h, times
+                        return name, shape, dim, h, times, b
     return None
 
 
 def argument_message(
-    path: str, err: BaseException, parts: int, found: tuple[str, tuple[int, ...], int, int, int]
+    path: str, err: BaseException, parts: int, found: tuple[str, tuple[int, ...], int, int, int, int]
 ) -> str:
     """The refusal of a Region fed a bias of every head: the argument, its shape and where it comes from."""
-    name, shape, dim, heads, times = found
+    name, shape, dim, heads, times, batch = found
     held = f"{heads} heads" if times == 1 else f"the batch of {times} times {heads} heads (b * H rows, Bloom's)"
     return (
         f"tensor_parallel: Region {path!r} failed ({type(err).__name__}: {err}): its argument {name!r} of shape "
@@ -103,9 +104,9 @@ def argument_message(
         "the attention_mask; or by an earlier layer that returned it: T5's block 0 computes position_bias and "
         f"passes it on), while each of the {parts} ranks' per-head views hold {heads // parts} heads. The "
         f"Region's head counts are not the cause, and no count in it can split that argument. Give the Region an "
-        f"entry for it, sw.tp.Region(..., {_entry(name, dim, times)}): each call then hands the module this "
-        "rank's heads of it, the blocks its Colwise projections cut (sw.tp.bloom_plan(), mpt_plan() and "
-        f"falcon_plan() do so); or {_FIX}"
+        f"entry for it, sw.tp.Region(..., {_entry(name, dim, times)}){_batch_of_one(dim, times, batch)}: each "
+        "call then hands the module this rank's heads of it, the blocks its Colwise projections cut "
+        f"(sw.tp.bloom_plan(), mpt_plan() and falcon_plan() do so); or {_FIX}"
     )
 
 
@@ -114,6 +115,15 @@ def _entry(name: str, dim: int, times: int) -> str:
     batch of ``times`` where more than 1)."""
     folded = ", folded_batch=True" if times > 1 else ""
     return f"arguments={{{name!r}: sw.tp.HeadsAlong(dim={dim}{folded})}}"
+
+
+def _batch_of_one(dim: int, times: int, batch: int) -> str:
+    """At a batch of 1, b * H rows (Bloom's alibi) read as H: the entry without folded_batch then cuts this call
+    alike, and a later batch is refused (review6): say which to choose."""
+    if dim != 0 or times != 1 or batch != 1:
+        return ""
+    return (" (with folded_batch=True where that dim holds the batch and the heads flattened, b * H rows, "
+            "batch-major, as Bloom's alibi: at this batch of 1 the two read alike)")
 
 
 def whole_head_table(
