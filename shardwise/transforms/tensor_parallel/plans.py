@@ -79,18 +79,9 @@ def bloom_plan(*, vocab_parallel: bool = True) -> dict[str, Style]:
     with the heads. BloomModel builds one ALiBi bias of every head around the layers, ``alibi`` of shape ``(b *
     H, 1, t)`` (batch and heads folded, batch-major): :class:`HeadsAlong` hands each rank's attention its heads'
     rows. The token embedding, tied to the head, and the head split the vocabulary."""
-    return {
-        "transformer.word_embeddings": Rowwise(),
-        "transformer.h.*.self_attention": Region(
-            heads=("num_heads",), local=("split_size",), arguments={"alibi": HeadsAlong(dim=0, folded_batch=True)}
-        ),
-        "transformer.h.*.self_attention.query_key_value": Colwise(),
-        "transformer.h.*.self_attention.dense": Rowwise(),
-        "transformer.h.*.mlp": Region(),
-        "transformer.h.*.mlp.dense_h_to_4h": Colwise(),
-        "transformer.h.*.mlp.dense_4h_to_h": Rowwise(),
-        "lm_head": Colwise(output="sharded" if vocab_parallel else "replicated"),
-    }
+    attention = Region(heads=("num_heads",), local=("split_size",),
+                       arguments={"alibi": HeadsAlong(dim=0, folded_batch=True)})
+    return _fused_qkv_layers(attention, vocab_parallel)
 
 
 BLOOM_BLOCKS = "transformer.h.*"
@@ -128,11 +119,19 @@ def falcon_plan(*, vocab_parallel: bool = True) -> dict[str, Style]:
     layer, ``(b, H, q, k)``: :class:`HeadsAlong` along dim 1 hands each rank's attention its heads'; without ALiBi
     that mask is ``(b, 1, q, k)``, broadcast over the heads, and handed on whole. The token embedding, tied to the
     head, and the head split the vocabulary."""
+    attention = Region(heads=("num_heads", "num_kv_heads"), arguments={"attention_mask": HeadsAlong(dim=1)})
+    return _fused_qkv_layers(attention, vocab_parallel)
+
+
+FALCON_BLOCKS = "transformer.h.*"
+
+
+def _fused_qkv_layers(attention: Region, vocab_parallel: bool) -> dict[str, Style]:
+    """Bloom's and Falcon's module paths (the same but for their attention's Region): one fused
+    ``query_key_value`` laid out per head or per key/value group, a plain Colwise."""
     return {
         "transformer.word_embeddings": Rowwise(),
-        "transformer.h.*.self_attention": Region(
-            heads=("num_heads", "num_kv_heads"), arguments={"attention_mask": HeadsAlong(dim=1)}
-        ),
+        "transformer.h.*.self_attention": attention,
         "transformer.h.*.self_attention.query_key_value": Colwise(),
         "transformer.h.*.self_attention.dense": Rowwise(),
         "transformer.h.*.mlp": Region(),
@@ -140,9 +139,6 @@ def falcon_plan(*, vocab_parallel: bool = True) -> dict[str, Style]:
         "transformer.h.*.mlp.dense_4h_to_h": Rowwise(),
         "lm_head": Colwise(output="sharded" if vocab_parallel else "replicated"),
     }
-
-
-FALCON_BLOCKS = "transformer.h.*"
 
 
 def tiny_gpt_plan(*, vocab_parallel: bool = True) -> dict[str, Style]:

@@ -178,11 +178,13 @@ class BroadcastBlock(Block):
         return x + self.attn(self.norm(x), self.slopes[:1, None, None] * distance.to(x.dtype))
 
 
-class LearnedBias(nn.Module):
-    def __init__(self, block: type[Block] = Block) -> None:
+class BlockStack(nn.Module):
+    """An embedding, LAYERS blocks each ``make_block()``, a head (test_falcon_grouped.py's model too)."""
+
+    def __init__(self, make_block: Callable[[], nn.Module]) -> None:
         super().__init__()
         self.emb = nn.Embedding(VOCAB, WIDTH)
-        self.blocks = nn.ModuleList(block(WIDTH, HEADS) for _ in range(LAYERS))
+        self.blocks = nn.ModuleList(make_block() for _ in range(LAYERS))
         self.head = nn.Linear(WIDTH, VOCAB)
 
     def forward(self, ids: Tensor) -> Tensor:
@@ -190,6 +192,11 @@ class LearnedBias(nn.Module):
         for block in self.blocks:
             h = block(h)
         return self.head(h)
+
+
+class LearnedBias(BlockStack):
+    def __init__(self, block: type[Block] = Block) -> None:
+        super().__init__(lambda: block(WIDTH, HEADS))
 
 
 def learned_bias_plan() -> dict[str, Any]:

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 import shardwise as sw
 from shardwise.transforms.tensor_parallel import region_probe
 
-from .test_alibi_heads import LAYERS, VOCAB, WIDTH, batches, steps
+from .test_alibi_heads import LAYERS, VOCAB, WIDTH, BlockStack, batches, steps
 
 T = pytest.importorskip("transformers", reason="the [hf] extra (pip install -e '.[hf]') is not installed")
 
@@ -137,18 +137,9 @@ class Block(nn.Module):
         return x + self.attn(self.norm(x))
 
 
-class Grouped(nn.Module):
+class Grouped(BlockStack):
     def __init__(self, view: str = "groups", first_group: bool = False) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(VOCAB, WIDTH)
-        self.blocks = nn.ModuleList(Block(view, first_group) for _ in range(LAYERS))
-        self.head = nn.Linear(WIDTH, VOCAB)
-
-    def forward(self, ids: Tensor) -> Tensor:
-        h = self.emb(ids)
-        for block in self.blocks:
-            h = block(h)
-        return self.head(h)
+        super().__init__(lambda: Block(view, first_group))
 
 
 GROUPED_PLAN = {"blocks.*.attn": sw.tp.Region(heads=("num_heads", "num_kv_heads")),
