@@ -165,11 +165,12 @@ def _warm_up(name: str, width: int) -> tuple[sw.Step, dict[str, Any], tuple[torc
 
 
 def _measure(
-    stack: tuple[sw.Step, dict[str, Any], tuple[torch.Tensor, torch.Tensor], sw.Mesh], steps: int = 2,
+    stack: tuple[sw.Step, dict[str, Any], tuple[torch.Tensor, torch.Tensor], sw.Mesh], steps: int = 1,
 ) -> tuple[int, int]:
     """(this rank's measured peak, what the Plan counts that it cannot see: ``_already_held``) over
-    ``steps`` steps of stack ``name`` (two: every stack's peaks with three were within this test's 3% too,
-    for 10 s more of the suite's gloo worker)."""
+    ``steps`` steps of the warmed-up ``stack`` from a fresh state (one: the step that makes the optimizer's state
+    beside the parameters, as every later one does; every stack's peaks with two and with three steps were within
+    this test's 3% too, which holds both ways, for 14 s and 24 s more of the suite's gloo worker)."""
     step, params, batch, mesh = stack
     held = _already_held(mesh)
     with _resident_from_allocation():
