@@ -26,7 +26,7 @@ once per rank, on every rank alike.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import optree
@@ -49,19 +49,7 @@ def bypasses_split(
     first = next((t for t in optree.tree_leaves(outputs) if isinstance(t, Tensor)), None)
     if first is None or first.grad_fn is None:
         return None
-    frontier: list[Any] = [first.grad_fn]
-    seen: set[object] = set()
-    while frontier:
-        node = frontier.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        if node in targets:
-            return True
-        if node in blocked:
-            continue
-        frontier.extend(next_node for next_node, _ in node.next_functions)
-    return False
+    return any(node in targets for node in _reached([first.grad_fn], lambda node: node in targets or node in blocked))
 
 
 def parameter_sides(
@@ -101,20 +89,23 @@ def summed_on_entry(arguments: Iterable[Tensor], names: Mapping[Any, str]) -> se
     summed over the axis (head_arguments.py), so what reaches these parameters through it is whole on every
     rank: summed again by ``vary`` (as the sequence-parallel block's parameters all are) it would count tp
     times (learned ALiBi slopes built in the block, review6)."""
-    found: set[str] = set()
-    frontier: list[Any] = [t.grad_fn for t in arguments if isinstance(t, Tensor)]
+    starts = [t.grad_fn for t in arguments if isinstance(t, Tensor)]
+    return {names[node] for node in _reached(starts, lambda node: node in names) if node in names}
+
+
+def _reached(starts: Iterable[Any], stop: Callable[[Any], bool]) -> Iterator[Any]:
+    """Each autograd node reached from ``starts`` once (depth first), not walking on past one that ``stop``
+    says ends the walk there."""
+    frontier: list[Any] = list(starts)
     seen: set[object] = set()
     while frontier:
         node = frontier.pop()
         if node is None or node in seen:
             continue
         seen.add(node)
-        name = names.get(node)
-        if name is not None:
-            found.add(name)
-            continue
-        frontier.extend(next_node for next_node, _ in node.next_functions)
-    return found
+        yield node
+        if not stop(node):
+            frontier.extend(next_node for next_node, _ in node.next_functions)
 
 
 class Sides:
