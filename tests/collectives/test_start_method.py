@@ -381,10 +381,17 @@ def test_a_pool_started_in_a_later_test_phase_forks_its_ranks_from_the_server() 
     assert server is not None, "the gloo tests' setup starts the fork server"
     with ProcessPool(1, timeout=60) as pool:
         assert pool.run(os.getppid) == [server] and pool.start_method == "forkserver"
+        # What the server preloaded, torch's fake-tensor machinery among it (a rank's first step imported
+        # it for a second of CPU), a forked rank has without importing it (a name torch renamed is not).
+        assert pool.run(_not_imported) == [[]]
     with pytest.MonkeyPatch.context() as patch:  # (what a launch would start its ranks with: no rank to start)
         patch.setenv("SHARDWISE_TEST_SET_IN_THE_TEST", "1")
         assert start_method.rank_context().get_start_method() == "spawn"
     assert start_method.rank_context().get_start_method() == "forkserver"
+
+
+def _not_imported() -> list[str]:
+    return [name for name in start_method.PRELOAD if name not in sys.modules]
 
 
 def test_what_a_rank_inherits_leaves_out_only_the_test_runners_per_test_variable(

@@ -7,7 +7,9 @@ once (``set_forkserver_preload``): a rank then starts in tenths of a second. The
 on first use, by this process, and ends once this process and the ranks forked from it have (it
 waits on a pipe whose write ends only they hold; a process this one forks closes its copy). It is
 a fresh interpreter that never runs torch code, so no thread or CUDA state is forked: the server
-has imported torch and nothing more.
+has imported torch, torch's fake-tensor machinery and shardwise, and nothing more. (Every rank's
+first step predicts on fake tensors, whose mode imports ``torch._dynamo``: about a second of CPU in
+each rank when the server had not; importing it starts no thread.)
 
 A forked rank inherits what the server had when it started, not what this process has now: its
 environment, where its standard streams go, its umask, CPU affinity, resource limits, priority
@@ -48,7 +50,10 @@ from typing import Any, cast
 
 ENV_VAR = "SHARDWISE_START_METHOD"
 METHODS = ("forkserver", "spawn")
-PRELOAD = ["torch", "shardwise.collectives.backends.process_worker"]
+# torch._dynamo: what FakeTensorMode imports at its first use, which is every rank's first step (its
+# Plan's predictions). A name torch renames is skipped by the server (an ImportError is ignored there),
+# and tests/collectives/test_start_method.py fails.
+PRELOAD = ["torch", "torch._dynamo", "shardwise.collectives.backends.process_worker"]
 
 _lock = threading.Lock()
 _ours: tuple[int, tuple[Any, ...]] | None = None  # the server this process started: its pid and inherited()
