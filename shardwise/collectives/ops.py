@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from .backends.base import Rows
+from .function import QuickApplyFunction
 from .handle import Handle
 from .mesh import Mesh
 from .mesh_context import current_mesh
@@ -71,7 +72,7 @@ from .where import Pairs, Where, in_backward, resolve
 
 
 # -- autograd: one Function per collective ---------------------------------------------
-class _PSum(torch.autograd.Function):
+class _PSum(QuickApplyFunction):
     """All-reduce in forward, identity in backward."""
 
     @staticmethod
@@ -87,7 +88,7 @@ class _PSum(torch.autograd.Function):
         return g, None
 
 
-class _PMean(torch.autograd.Function):
+class _PMean(QuickApplyFunction):
     """All-reduce / n in forward, identity / n in backward."""
 
     @staticmethod
@@ -103,7 +104,7 @@ class _PMean(torch.autograd.Function):
         return g / ctx.n, None
 
 
-class _PVary(torch.autograd.Function):
+class _PVary(QuickApplyFunction):
     """Identity in forward, all-reduce in backward."""
 
     @staticmethod
@@ -120,7 +121,7 @@ class _PVary(torch.autograd.Function):
             return _PSum.apply(g, ctx.where), None
 
 
-class _AllGather(torch.autograd.Function):
+class _AllGather(QuickApplyFunction):
     """All-gather in forward, reduce-scatter in backward."""
 
     @staticmethod
@@ -137,7 +138,7 @@ class _AllGather(torch.autograd.Function):
             return _PSumScatter.apply(g, ctx.where, ctx.dim, ctx.tiled), None, None, None
 
 
-class _PSumScatter(torch.autograd.Function):
+class _PSumScatter(QuickApplyFunction):
     """Reduce-scatter in forward, all-gather in backward."""
 
     @staticmethod
@@ -154,7 +155,7 @@ class _PSumScatter(torch.autograd.Function):
             return _AllGather.apply(g, ctx.where, ctx.dim, ctx.tiled), None, None, None
 
 
-class _AllToAll(torch.autograd.Function):
+class _AllToAll(QuickApplyFunction):
     """All-to-all in forward, all-to-all with split and concat dims swapped in backward."""
 
     @staticmethod
@@ -174,7 +175,7 @@ class _AllToAll(torch.autograd.Function):
         return gx, None, None, None, None
 
 
-class _Broadcast(torch.autograd.Function):
+class _Broadcast(QuickApplyFunction):
     """Broadcast from the root in forward; in backward the root gets the sum of all cotangents, others zeros."""
 
     @staticmethod
@@ -195,7 +196,7 @@ class _Broadcast(torch.autograd.Function):
         return gx, None, None
 
 
-class _PPermute(torch.autograd.Function):
+class _PPermute(QuickApplyFunction):
     """Permute in forward, inverse permutation in backward."""
 
     @staticmethod

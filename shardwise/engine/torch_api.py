@@ -36,6 +36,8 @@ import torch
 from torch.overrides import has_torch_function
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..collectives.function import QuickApplyFunction
+
 try:
     _preserve_version = torch.autograd._unsafe_preserve_version_counter
 except AttributeError as exc:  # pragma: no cover - only on a torch that removed it
@@ -230,7 +232,7 @@ def real_stand_ins() -> Iterator[Callable[[Any], Any]]:
         yield real
 
 
-class _OnStandIns(torch.autograd.Function):
+class _OnStandIns(QuickApplyFunction):
     """``run`` on real stand-ins of the fake ``tensors``, outside the fake mode, in forward and backward."""
 
     @staticmethod

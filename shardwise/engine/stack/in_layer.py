@@ -41,6 +41,7 @@ from typing import Any, TypeVar
 import torch
 
 from ...collectives import axis_index, axis_size, current_mesh, psum
+from ...collectives.function import QuickApplyFunction
 from ...collectives.mesh import Mesh
 from ...collectives.mesh_context import collectives_forbidden
 
@@ -198,7 +199,7 @@ def grad_summed(x: torch.Tensor, axis: str, label: str, reduce: torch.dtype | No
     return _GradSum.apply(x, axis, label, reduce)
 
 
-class _GradSum(torch.autograd.Function):
+class _GradSum(QuickApplyFunction):
     @staticmethod
     def forward(x: torch.Tensor, axis: str, label: str, reduce: torch.dtype | None) -> torch.Tensor:
         return x.view_as(x)

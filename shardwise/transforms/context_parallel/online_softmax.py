@@ -36,6 +36,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ...collectives.function import QuickApplyFunction
 from ...engine.torch_api import flash_attention_cpu, flash_attention_cpu_backward, has_flash_attention_cpu
 
 
@@ -163,7 +164,7 @@ def _grouped(t: torch.Tensor, group: int) -> torch.Tensor:
     return t if group == 1 else t.unflatten(1, (-1, group)).sum(2)
 
 
-class _BlockAttention(torch.autograd.Function):
+class _BlockAttention(QuickApplyFunction):
     """Attention over one key block and its log-sum-exp in forward; backward recomputes the probabilities
     from the log-sum-exp (and the mask from its tokens) and uses the query chunk's merged output
     (module docstring)."""

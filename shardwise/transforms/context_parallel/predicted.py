@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ...collectives.function import QuickApplyFunction
 from ...engine.stack import in_layer
 
 
@@ -22,7 +23,7 @@ def predicted_attention(
     return out
 
 
-class _PredictedAttention(torch.autograd.Function):
+class _PredictedAttention(QuickApplyFunction):
     """While predicting: local causal attention (the run's shapes), recording the collectives the run's
     attention issues forward and, in the order its autograd issues them, backward."""
 

@@ -33,6 +33,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ...collectives import Mesh, ppermute
+from ...collectives.function import QuickApplyFunction
 from ...engine.stack import in_layer
 from .cut import check_cut, place
 from .inputs import check_qkv, default_scale
@@ -134,7 +135,7 @@ def ring_attention(
     return _KeepInGraph.apply(out, *unused) if unused and torch.is_grad_enabled() else out
 
 
-class _KeepInGraph(torch.autograd.Function):
+class _KeepInGraph(QuickApplyFunction):
     """Identity on the output in forward; a zero gradient for each unused key/value slice (or query, when a
     query chunk saw no key) in backward.
 

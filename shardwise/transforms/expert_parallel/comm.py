@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from ...collectives import Mesh, all_gather, all_to_all
+from ...collectives.function import QuickApplyFunction
 from ...engine.stack import in_layer
 
 
@@ -43,7 +44,7 @@ def exchange(x: torch.Tensor, axis: str, label: str, mesh: Mesh | None = None) -
     return all_to_all(x, axis, split_dim=0, concat_dim=0, tiled=True, mesh=mesh)
 
 
-class _PredictedAllToAll(torch.autograd.Function):
+class _PredictedAllToAll(QuickApplyFunction):
     """While predicting: records the all-to-all forward and its transpose backward, moves nothing."""
 
     @staticmethod

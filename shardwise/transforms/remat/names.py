@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ...collectives.function import QuickApplyFunction
+
 OP_NAME = "shardwise::checkpoint_name"
 
 
@@ -43,7 +45,7 @@ def _(info: Any, in_dims: tuple[int | None, ...], x: Tensor, name: str) -> tuple
 CHECKPOINT_NAME_OP = torch.ops.shardwise.checkpoint_name.default
 
 
-class _CheckpointName(torch.autograd.Function):
+class _CheckpointName(QuickApplyFunction):
     """The named copy in forward, the identity in backward."""
 
     generate_vmap_rule = True

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from ...collectives import all_gather, psum, psum_scatter
+from ...collectives.function import QuickApplyFunction
 from ...collectives.where import in_backward
 from ...engine.stack import in_layer
 from . import positions
@@ -133,7 +134,7 @@ def _apply(
     return psum_scatter(sent, axis, dim, tiled=True).to(x.dtype)
 
 
-class _TPComm(torch.autograd.Function):
+class _TPComm(QuickApplyFunction):
     """``forward_op`` in forward, ``backward_op`` (its transpose; a callable: asked then) on the gradient
     in backward."""
 

@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
+from ...collectives.function import QuickApplyFunction
 from ...engine.stack import in_layer
 from .comm import gather_invariant, leave, scatter, vary
 from .following import current
@@ -410,7 +411,7 @@ def to_partial(x: Tensor, axis: str) -> Tensor:
     return _ToPartial.apply(x, axis)
 
 
-class _ToPartial(torch.autograd.Function):
+class _ToPartial(QuickApplyFunction):
     @staticmethod
     def forward(x: Tensor, axis: str) -> Tensor:
         return x.clone() if in_layer.index(axis) == 0 else torch.zeros_like(x)
