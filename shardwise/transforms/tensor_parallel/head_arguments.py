@@ -82,11 +82,11 @@ class HeadArguments:
 
     def cut(
         self, args: tuple[Any, ...], kwargs: dict[str, Any], n: int, index: int, batch: int | None,
-        enter: Callable[[Tensor], Tensor],
+        enter: Callable[[Tensor, str], Tensor],
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """The call with each argument cut to the rank's heads (``index`` of ``n``); ``batch``: the hidden
         states' dim 0 (a folded argument holds it times H rows); ``enter``: Megatron's f, for one that
-        requires grad."""
+        requires grad (given the argument and its name)."""
 
         def rank_heads(t: Tensor, name: str, along: HeadsAlong, heads: int) -> Tensor:
             dim = self._dim(t, name, along)
@@ -97,7 +97,7 @@ class HeadArguments:
             if t.requires_grad and n > 1:
                 # Its gradient summed over the ranks: each holds its own heads' part (of a broadcast one, the sum
                 # over its own heads only: unsummed, the ranks' replicated gradients differed, review6).
-                t = enter(t)
+                t = enter(t, name)
             if broadcast:
                 return t
             local = heads // n

@@ -182,6 +182,8 @@ class VaryFn:
             back_to_shared(force=True)  # a per-rank stream a Colwise began ends with its layer
         if sides is not None and sides.names:  # decided before this forward's backward asks
             sides.mixed()
+            with quiet(), positions.unfollowed():  # reading grad_fn is a tensor op to the followers
+                sides.on_slice(out, x, self.label)
             self.whole = frozenset(sides.whole)
         missed = sorted(self.must_run - called)
         if missed:

@@ -20,6 +20,7 @@ from torch import nn
 
 from ...engine.model.chain import Chain, Layer
 from ...engine.model.embedding_options import option_fix
+from .count_fields import config_field
 from .head_arguments import check_head_arguments
 from .per_head import match_per_head, per_head_count
 from .styles import Colwise, PerHead, Region, Rowwise, Style, gathers
@@ -297,7 +298,7 @@ def resolve(chain: Chain, plan: Mapping[str, Style], sequence_parallel: str | No
                 check_head_arguments(style_of[path][0], path, chosen, module)
                 for attr in (*chosen.heads, *chosen.local):
                     value = _read_attribute(module, path, attr)
-                    heads.append((path, attr, value, _config_field(module, attr, value)))
+                    heads.append((path, attr, value, config_field(module, attr, value)))
                 _check_per_head_lists(
                     style_of[path][0], path, module, {a: _read_attribute(module, path, a) for a in chosen.heads},
                     {p for p, (_, s) in style_of.items() if isinstance(s, (Colwise, Rowwise))},
@@ -535,16 +536,6 @@ def _check_fits(path: str, style: Style, kind: str | None, module: nn.Module) ->
             "on a Colwise Embedding, is taken, its gradient summed over the axis; otherwise apply it in the module "
             "around this one, or leave this one out of the plan (replicated, with its Colwise / Rowwise partner)"
         )
-
-
-def _config_field(module: nn.Module, attr: str, value: int) -> str:
-    """The model config's field a module's count copies, by its name and value (Falcon's attention's
-    ``num_kv_heads``: ``config.num_kv_heads``), which is what a user changes; "" where it has none, or the
-    Region names the config's own."""
-    name = attr.rsplit(".", 1)[-1]
-    config = getattr(module, "config", None)
-    copied = not attr.startswith("config.") and getattr(config, name, None) == value
-    return f"config.{name}" if copied and not isinstance(getattr(config, name), bool) else ""
 
 
 def _read_attribute(module: nn.Module, path: str, attr: str) -> int:

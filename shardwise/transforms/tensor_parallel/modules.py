@@ -165,8 +165,8 @@ class TPForward:
                 locals_ = self.divided_by[n] = self._local_counts(n, len(style.local), label)
             for (owner, attr, _), local in zip(self.locals, locals_, strict=True):
                 setattr(owner, attr, local)
-            # Its per-head arguments that entered with their gradient summed: (before, after entering) each.
-            heads_entered: list[tuple[Tensor, Tensor]] = []
+            # Its per-head arguments that entered with their gradient summed: (name, before, after entering) each.
+            heads_entered: list[tuple[str, Tensor, Tensor]] = []
             if self.head_arguments is not None:
                 args, kwargs = self._rank_heads(args, kwargs, label, heads_entered)
             read = self.paths_checked and self.cuts_watched and getattr(flow, "sides", None) is None
@@ -274,18 +274,18 @@ class TPForward:
             )) from err
 
     def _rank_heads(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any], label: str, entered: list[tuple[Tensor, Tensor]]
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], label: str, entered: list[tuple[str, Tensor, Tensor]]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """The call with the Region's per-head arguments cut to this rank's heads (head_arguments.py); each that
-        enters (its gradient summed) is listed in ``entered``, before and after."""
+        enters (its gradient summed) is listed in ``entered``: its name, the argument before and after."""
         assert self.head_arguments is not None
         hidden = args[0] if args else kwargs.get(self.hidden or "")
         batch = hidden.shape[0] if isinstance(hidden, Tensor) and hidden.dim() else None
         n, axis = in_layer.size(self.axis), self.axis
 
-        def enter_argument(t: Tensor) -> Tensor:
-            entered.append((t, enter(t, axis, None, label, self.reduce)))
-            return entered[-1][1]
+        def enter_argument(t: Tensor, name: str) -> Tensor:
+            entered.append((name, t, enter(t, axis, None, label, self.reduce)))
+            return entered[-1][2]
 
         with quiet(), positions.unfollowed():  # our own ops on a value the module takes whole: not the model's
             return self.head_arguments.cut(args, kwargs, n, in_layer.index(axis) if n > 1 else 0, batch, enter_argument)
@@ -336,7 +336,7 @@ class TPForward:
 
     def _read_region(
         self, install: Install, args: tuple[Any, ...], kwargs: dict[str, Any],
-        heads_entered: list[tuple[Tensor, Tensor]] | None = None,
+        heads_entered: list[tuple[str, Tensor, Tensor]] | None = None,
     ) -> Any:
         """A Region's call that reads it as well: its paths (region_paths.py), until a call records a
         graph, how it cuts its Colwise outputs (split_watch.py), on its first call, and on which side
@@ -384,7 +384,7 @@ class TPForward:
             self._check_paths(out, entered, before, splits)
         # The outermost Region only (an inner one's split layers end the outer one's paths too). Under
         # sequence parallel every value in the block is a slice of the sequence: all stay summed.
-        arguments_in = [after for _, after in heads_entered or ()]
+        arguments_in = [after for _, _, after in heads_entered or ()]
         if sides is not None and splits is not None and outer_splits is None and install.seq_dim is None:
             with quiet(), positions.unfollowed():  # reading grad_fn is a tensor op to the followers
                 whole, partial_ = parameter_sides(
@@ -392,10 +392,14 @@ class TPForward:
                 )
             sides.add(label, whole, partial_)
         # What the parameters of the layer get through a per-head argument was summed as it entered: whole, in a
-        # sequence-parallel block too (their only use not on the sequence's slice).
+        # sequence-parallel block too, where the layer then refuses one that acts on the slice as well (Sides.built).
         if sides is not None and splits is not None and outer_splits is None and heads_entered:
             with quiet(), positions.unfollowed():
-                sides.add(label, summed_on_entry([before_ for before_, _ in heads_entered], sides.names), set())
+                for argument, before_, after in heads_entered:
+                    built = summed_on_entry([before_], sides.names)
+                    sides.add(label, built, set())
+                    if install.seq_dim is not None:
+                        sides.built(built, argument, label, after)
         self._probe(label, args, kwargs)
         return out
 

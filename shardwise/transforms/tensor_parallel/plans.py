@@ -113,8 +113,9 @@ def falcon_plan(*, vocab_parallel: bool = True) -> dict[str, Style]:
     ``new_decoder_architecture`` (Falcon-40B's) lays it out per key/value group (``(num_kv_heads, queries per group
     + 2, head_dim)``): a plain Colwise gives each rank whole groups, the Region divides ``num_kv_heads`` with
     ``num_heads``, and the attention's cut of each group's queries is a cut within each group (the split watch
-    follows the groups). The tp size must divide the key/value heads: multi-query (one key/value head for all) is
-    refused, and so are fewer groups than ranks, naming ``config.num_kv_heads``.
+    follows the groups). The tp size must divide the key/value heads: fewer groups than ranks are refused, naming
+    ``config.num_kv_heads``; so is the first layout's ``multi_query=True`` (Falcon-7B's one key/value head for all),
+    naming ``config.multi_query`` and the ways out (the attention left out of the plan, or another layout).
     With ``alibi=True`` FalconModel folds one ALiBi bias of every head into the ``attention_mask`` it hands each
     layer, ``(b, H, q, k)``: :class:`HeadsAlong` along dim 1 hands each rank's attention its heads'; without ALiBi
     that mask is ``(b, 1, q, k)``, broadcast over the heads, and handed on whole. The token embedding, tied to the

@@ -88,7 +88,8 @@ def summed_on_entry(arguments: Iterable[Tensor], names: Mapping[Any, str]) -> se
     arguments (``HeadsAlong``, before they enter) are computed from. Each such argument enters with its gradient
     summed over the axis (head_arguments.py), so what reaches these parameters through it is whole on every
     rank: summed again by ``vary`` (as the sequence-parallel block's parameters all are) it would count tp
-    times (learned ALiBi slopes built in the block, review6)."""
+    times (learned ALiBi slopes built in the block, review6). One that also acts on the block's slice of the
+    sequence gets a part there that must be summed: :meth:`Sides.on_slice` refuses it by name (review6 r11)."""
     starts = [t.grad_fn for t in arguments if isinstance(t, Tensor)]
     return {names[node] for node in _reached(starts, lambda node: node in names) if node in names}
 
@@ -119,12 +120,38 @@ class Sides:
         self.whole: set[str] = set()
         self.partial: set[str] = set()
         self.where: dict[str, str] = {}
+        # In a sequence-parallel block: the parameters that build a per-head argument, each with (the argument,
+        # its Region), and the arguments' nodes after entering, where the walk of :meth:`on_slice` stops.
+        self.arguments: dict[str, tuple[str, str]] = {}
+        self.entries: set[Any] = set()
 
     def add(self, region: str, whole: set[str], partial_: set[str]) -> None:
         self.whole |= whole
         self.partial |= partial_
         for name in whole | partial_:
             self.where.setdefault(name, region)
+
+    def built(self, names: Iterable[str], argument: str, region: str, entered: Tensor) -> None:
+        """``names`` build the per-head argument ``argument`` of ``region`` in a sequence-parallel block, which
+        entered it as ``entered``."""
+        for name in names:
+            self.arguments.setdefault(name, (argument, region))
+        if entered.grad_fn is not None:
+            self.entries.add(entered.grad_fn)
+
+    def on_slice(self, outputs: Any, inputs: Any, layer: str) -> None:
+        """Refuse a parameter that builds a per-head argument in a sequence-parallel block (its gradient through
+        the argument whole on every rank: not summed) and acts on the block's slice of the sequence too (its
+        gradient there this rank's part: to be summed). Every value the first tensor of ``outputs`` reaches
+        before the layer's ``inputs`` but not through an argument is a slice, or a rank's heads of it."""
+        first = next((t for t in optree.tree_leaves(outputs) if isinstance(t, Tensor)), None)
+        if not self.arguments or first is None or first.grad_fn is None:
+            return
+        stops = self.entries | {t.grad_fn for t in optree.tree_leaves(inputs) if isinstance(t, Tensor)}
+        reached = _reached([first.grad_fn], lambda node: node in stops or node in self.names)
+        both = sorted({self.names[node] for node in reached if node in self.names} & set(self.arguments))
+        if both:
+            raise ValueError(built_and_sliced_message(both[0], *self.arguments[both[0]], layer))
 
     def mixed(self) -> None:
         """Refuse a parameter used on both sides: no sum over the axis makes its gradient right."""
@@ -141,6 +168,19 @@ def mixed_sides_message(names: Iterable[str], region: str) -> str:
         "values (after the sum, or on a gathered output): the gradient of the one use is each rank's part, of the "
         "other whole on every rank, and no sum over the axis makes both right. Give the two uses parameters of "
         "their own, or leave the Region out"
+    )
+
+
+def built_and_sliced_message(name: str, argument: str, region: str, layer: str) -> str:
+    """The refusal of a parameter that builds a per-head argument and acts on the sequence's slice too."""
+    return (
+        f"tensor_parallel: the replicated parameter {name!r} builds {argument!r}, the per-head argument (HeadsAlong) "
+        f"of Region {region!r}, and also acts on this rank's slice of the sequence in the sequence-parallel block "
+        f"{layer!r}. The argument enters the Region with its gradient summed over the axis, so what {name!r} gets "
+        "through it is whole on every rank, and what it gets from the slice is each rank's part: no sum over the axis "
+        f"makes both right. Give the two uses parameters of their own (one that builds {argument!r}, another for the "
+        f"use on the slice), or leave {layer!r} out of sequence_parallel= (its values are then whole on every rank, "
+        "and so are both gradients)"
     )
 
 

@@ -15,6 +15,7 @@ from ...engine.model.chain import Chain
 from ...engine.plan.inside import Predicted, Recording
 from ...engine.stack.compose import SPLIT
 from ...engine.stack.roles import NO_CUT, BatchCut
+from .count_fields import undivided_count_message
 from .layer_rewrite import guard_layer, rewrite_layer
 from .match import EMBEDDING, LayerPlan, Resolved, resolve
 from .per_head import per_head_message
@@ -97,14 +98,11 @@ class TPSpec:
             for _, path, attr, count in lp.cut_whole:
                 if count % parts:
                     raise ValueError(per_head_message(path, count, attr, parts, self.axis))
-        for path, attr, value, field in self.resolved(chain).heads:
-            if value % parts:
-                copied = f" (the model's {field})" if field else ""
-                raise ValueError(
-                    f"tensor_parallel: {path}.{attr} is {value}{copied}, which the {parts} ranks of axis {self.axis!r} "
-                    f"do not divide (each rank computes whole heads); use a tensor-parallel size that divides {value}"
-                )
         resolved = self.resolved(chain)
+        for path, attr, value, field in resolved.heads:
+            if value % parts:
+                pattern = next((p for p, paths in resolved.matched.items() if path in paths), path)
+                raise ValueError(undivided_count_message(path, attr, value, field, parts, self.axis, pattern))
         for (layer, name), split in self.splits(chain, parts).items():
             try:
                 split.check(tuple(params[layer][name].shape), f"tensor_parallel: parameter {name!r} of layer {layer!r}")

@@ -178,6 +178,24 @@ class BroadcastBlock(Block):
         return x + self.attn(self.norm(x), self.slopes[:1, None, None] * distance.to(x.dtype))
 
 
+class SlicedSlopesBlock(WholeSequenceBlock):
+    """WholeSequenceBlock whose slopes also scale the block's input: under sequence parallel the rank's slice."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return super().forward(x * (1 + 0.1 * self.slopes.mean()))
+
+
+class OwnScaleBlock(WholeSequenceBlock):
+    """SlicedSlopesBlock with a parameter of its own for the scale: the slopes only build the bias."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__(width, heads)
+        self.scale = nn.Parameter(torch.linspace(-1.0, -0.1, heads))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return super().forward(x * (1 + 0.1 * self.scale.mean()))
+
+
 class BlockStack(nn.Module):
     """An embedding, LAYERS blocks each ``make_block()``, a head (test_falcon_grouped.py's model too)."""
 
@@ -245,6 +263,46 @@ def test_a_bias_that_requires_grad_in_a_sequence_parallel_block_is_summed_once(m
         tp = sw.shard_params(tp, "dp", 3)
     if "pp" in mesh_shape:
         tp = sw.pipeline(tp, "pp", "1f1b", 2)
+    sw.testing.assert_equivalent(tp, step, sw.Mesh(**mesh_shape), data, params, rtol=1e-9)
+
+
+def _composed(tp: sw.Step, mesh_shape: dict[str, int]) -> sw.Step:
+    if "dp" in mesh_shape:
+        tp = sw.shard_params(tp, "dp", 3)
+    return sw.pipeline(tp, "pp", "1f1b", 2) if "pp" in mesh_shape else tp
+
+
+@pytest.mark.parametrize("mesh_shape", [{"tp": 2}, {"dp": 2, "tp": 2}, {"pp": 2, "tp": 2}],
+                         ids=["tp2-sp", "dp2xtp2-sp", "pp2xtp2-sp"])
+def test_slopes_that_build_the_bias_and_scale_the_slice_are_refused_by_name(mesh_shape: dict[str, int]) -> None:
+    """Through the bias the slopes' gradient is whole on every rank (summed as it entered), through the slice it
+    is each rank's part: no sum makes both right. The refusal was the replica check's, advising a Region and
+    sequence_parallel=, which the plan had already; it names the parameter, the argument and the ways out."""
+    torch.manual_seed(0)
+    data = batches(batch=4)
+    step, params = steps(LearnedBias(SlicedSlopesBlock), SlicedSlopesBlock, data)
+    tp = _composed(sw.tensor_parallel(step, "tp", learned_bias_plan(), sequence_parallel="blocks.*"), mesh_shape)
+    with pytest.raises(sw.collectives.RankFailed) as failed:
+        sw.testing.assert_equivalent(tp, step, sw.Mesh(**mesh_shape), data, params, rtol=1e-9)
+    text = str(failed.value)
+    assert "the replicated parameter 'blocks.0.slopes' builds 'bias', the per-head argument (HeadsAlong) of " \
+        "Region 'blocks.0.attn', and also acts on this rank's slice of the sequence" in text, text
+    assert "Give the two uses parameters of their own" in text, text
+    assert "or leave 'blocks.0' out of sequence_parallel=" in text, text
+    assert "as a Region()" not in text, text  # the replica check's advice, which the plan follows already
+
+
+@pytest.mark.parametrize("mesh_shape", [{"tp": 2}, {"pp": 2, "tp": 2}], ids=["tp2", "pp2xtp2"])
+@pytest.mark.parametrize("fix", ["own-parameters", "no-sequence-parallel"])
+def test_the_ways_out_of_that_refusal_equal_one_device(fix: str, mesh_shape: dict[str, int]) -> None:
+    """What the refusal advises works: a parameter of its own for the scale (sequence parallel kept), or the
+    slopes in both uses without sequence parallel (the slice then is the whole sequence on every rank)."""
+    torch.manual_seed(0)
+    data = batches(batch=4)
+    block = OwnScaleBlock if fix == "own-parameters" else SlicedSlopesBlock
+    step, params = steps(LearnedBias(block), block, data)
+    sequence_parallel = "blocks.*" if fix == "own-parameters" else None
+    tp = _composed(sw.tensor_parallel(step, "tp", learned_bias_plan(), sequence_parallel=sequence_parallel), mesh_shape)
     sw.testing.assert_equivalent(tp, step, sw.Mesh(**mesh_shape), data, params, rtol=1e-9)
 
 

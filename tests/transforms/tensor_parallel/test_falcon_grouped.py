@@ -98,6 +98,51 @@ def test_key_value_heads_the_axis_does_not_divide_are_refused_naming_the_config_
     assert ("tensor_parallel: transformer.h.0.self_attention.num_kv_heads is 1 (the model's config.num_kv_heads), "
             "which the 2 ranks of axis 'tp' do not divide (each rank computes whole heads)") in str(caught.value)
 
+    assert "use a tensor-parallel size that divides 1" in str(caught.value)  # a config field a size can change
+
+
+def multi_query_falcon(multi_query: bool = True) -> nn.Module:
+    """Falcon's first layout (``new_decoder_architecture=False``, Falcon-7B's): with ``multi_query`` one key/value
+    head for all HEADS query heads, whatever ``config.num_kv_heads`` says."""
+    config = T.FalconConfig(vocab_size=VOCAB, hidden_size=WIDTH, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                            new_decoder_architecture=False, multi_query=multi_query, hidden_dropout=0.0,
+                            attention_dropout=0.0, attn_implementation="eager")
+    return T.FalconForCausalLM(config)
+
+
+def test_multi_query_falcon_is_refused_naming_the_config_field_and_the_ways_out() -> None:
+    """The attention's num_kv_heads is 1 while config.num_kv_heads is HEADS: the refusal named no config field and
+    advised a tp size that divides 1. It names config.multi_query and the ways out (tested below)."""
+    torch.manual_seed(0)
+    data = batches(n=1)
+    model = multi_query_falcon()
+    assert model.transformer.h[0].self_attention.num_kv_heads == 1 and model.config.num_kv_heads == HEADS
+    step, params = steps(model, _layer(), data)
+    tp = sw.tensor_parallel(step, "tp", sw.tp.falcon_plan())
+    with pytest.raises((ValueError, sw.collectives.RankFailed)) as caught:
+        sw.launch(lambda: tp(tp.init(params, sw.Mesh(tp=2)), data[0]), 2)
+    text = str(caught.value)
+    assert ("tensor_parallel: transformer.h.0.self_attention.num_kv_heads is 1 (the model's config.multi_query=True "
+            "with config.new_decoder_architecture=False), which the 2 ranks of axis 'tp' do not divide") in text, text
+    assert "Leave the attention out of the plan (plan['transformer.h.*.self_attention'] and its projections'" in text
+    assert "config.multi_query=False" in text, text
+    assert "config.new_decoder_architecture=True and config.num_kv_heads divisible by 2" in text, text
+    assert "use a tensor-parallel size that divides 1" not in text, text
+
+
+@pytest.mark.parametrize("fix", ["attention-left-out", "multi_query=False"])
+def test_the_ways_out_for_multi_query_falcon_equal_one_device(fix: str) -> None:
+    """The unchanged multi-query model with its attention left out of falcon_plan (replicated; the MLP, embedding
+    and head split), or the model built with multi_query=False under the whole plan. (The grouped layout with
+    num_kv_heads divisible by tp: test_grouped_falcon_equals_one_device.)"""
+    torch.manual_seed(0)
+    data = batches()
+    step, params = steps(multi_query_falcon(multi_query=fix != "multi_query=False"), _layer(), data)
+    plan = sw.tp.falcon_plan()
+    if fix == "attention-left-out":
+        plan = {pattern: style for pattern, style in plan.items() if ".self_attention" not in pattern}
+    sw.testing.assert_equivalent(sw.tensor_parallel(step, "tp", plan), step, sw.Mesh(tp=2), data, params, rtol=1e-9)
+
 
 # -- a cut across the split after the grouped view is still refused -------------------------------------------
 
