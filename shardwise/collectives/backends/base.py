@@ -172,6 +172,11 @@ numels add up to the input's, takes group member ``j``'s input in order."""
 def copy_pieces(source: Sequence[torch.Tensor], into: Sequence[torch.Tensor]) -> None:
     """Copy the elements of ``source`` (1-D pieces end to end) into ``into`` (as many elements, 1-D
     pieces end to end), leaving any part that already lies where it goes as it is."""
+    if len(source) == 1:  # a gathered row: its views made at once (a walk slices both sides per piece, 3x the time)
+        for part, d in zip(source[0].split([d.numel() for d in into]), into, strict=True):
+            if part.data_ptr() != d.data_ptr():
+                d.copy_(part)
+        return
     i = j = a = b = 0  # the pieces walked, and the elements of each already covered
     while i < len(source) and j < len(into):
         s, d = source[i], into[j]
