@@ -30,12 +30,12 @@ parts the sequence is cut into, and Python's arithmetic on it alongside): a comp
 (``if t > 1024``, ``t == 1``, ``min(t, window)``) that one device would answer otherwise is refused, as the
 layer would take another branch; one answered alike (a bound the whole sequence is within) passes.
 
-What it cannot see: a number that leaves Python's arithmetic for a plain one through neither ``__int__`` nor
-``__float__`` (``range(t)``, ``len(range(t))``, ``str(t)``, ``math.sqrt(1 / t)``: math reads a float subclass's
-value in C; numpy reading it as a size: ``np.arange(t)``),
-``x.shape.numel()`` (``torch.Size`` cannot be subclassed or patched and multiplies its ints in C; ``x.numel()``
-is marked), a branch on a plain number made of one (``if int(t) > 1024`` is refused at ``int``, but
-``if len(range(t)) > 1024`` is not seen), and a number read outside the watched first call.
+A number that leaves Python's arithmetic for a plain one through neither ``__int__`` nor ``__float__``
+(``range(t)``, so ``len(range(t))`` too; ``numpy.arange(t)``; ``math.sqrt(1 / t)``: math reads a float subclass's
+value in C) is refused where that call takes it (``host_calls.py``), unless the call's name was bound before the
+watch (``from math import sqrt``). What it cannot see: ``str(t)``, ``x.shape.numel()`` (``torch.Size`` cannot be
+subclassed or patched and multiplies its ints in C; ``x.numel()`` is marked), and a number read outside the watched
+first call.
 """
 
 from __future__ import annotations

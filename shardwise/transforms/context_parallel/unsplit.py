@@ -85,6 +85,7 @@ from torch.overrides import TorchFunctionMode
 
 from ...engine.stack import in_layer
 from .counted import KEEPS, Counted, constant_along, counts_the_part, keeps_values
+from .host_calls import calls_watched
 from .masks import is_carried
 from .part_length import numbers_in, watching
 from .sequence_dims import FollowSequence, current, following, handed
@@ -159,7 +160,7 @@ def watched(layer: str, axis: str, dim: int, x: Any, reads_batch: bool = False) 
     before, outer = watching(unsplit.refuse_number), getattr(_state, "counted", None)
     _state.counted = unsplit.counted
     try:
-        with unsplit, following(follower):
+        with unsplit, following(follower), calls_watched():
             yield follower
     finally:
         watching(before)
@@ -350,6 +351,7 @@ _SCAN_FIX = (
 
 _WATCHES = frozenset({__name__, "shardwise.transforms.context_parallel.sequence_dims",
                       "shardwise.transforms.context_parallel.part_length",
+                      "shardwise.transforms.context_parallel.host_calls",
                       "shardwise.transforms.context_parallel.shape_reads",
                       "shardwise.transforms.context_parallel.sequence_rules",
                       "shardwise.transforms.context_parallel.sequence_moves",

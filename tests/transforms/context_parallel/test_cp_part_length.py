@@ -34,7 +34,7 @@ AS_VALUES: list[tuple[str, Op, str]] = [
      r"fills a tensor with it \(torch\.full\)"),
     ("linspace", lambda x: x * torch.linspace(0, 1, x.shape[1], dtype=x.dtype)[None, :, None],
      r"passes it to torch\.linspace as a value"),
-    ("sqrt_scale", lambda x: x / math.sqrt(x.shape[1]), r"turns it into a Python float"),
+    ("sqrt_scale", lambda x: x / math.sqrt(x.shape[1]), r"passes it to math\.sqrt"),  # (named where it is taken)
     ("table_resized_to_it", lambda x: x * F.interpolate(torch.linspace(0, 1, 32, dtype=x.dtype)[None, None],
                                                           size=x.shape[1], mode="linear").mT,
      r"passes it to torch\.nn\.functional\.interpolate as a value"),
@@ -334,3 +334,83 @@ def test_a_comparison_one_device_answers_alike_is_split(attention: str) -> None:
     step, params, batches = _step(_same_branch)
     sw.testing.assert_equivalent(sw.context_parallel(step, "cp", attention=attention), step, sw.Mesh(cp=2), batches,
                                  params, rtol=1e-12)
+
+
+# Calls that read the length's value in C, asking it nothing (host_calls.py): each trained another model without an
+# error (TinyGPT, cp 2, float64, relative loss error at the second step: len(range(t)) 8.0e-5; list(range(t)),
+# np.arange(t) as positions and math.sqrt(1 / t) 1.3e-4 each; math.isqrt(t) gave the same number for 4 and 8 here).
+TAKEN_IN_C: list[tuple[str, Op, str]] = [
+    ("len_of_range", lambda x: x * len(range(x.shape[1])) / 8, r"passes it to range\(\)"),
+    ("positions_from_range", lambda x: x * torch.tensor(list(range(x.shape[1])), dtype=x.dtype)[None, :, None] / 100,
+     r"passes it to range\(\)"),
+    ("numpy_arange", lambda x: x * torch.from_numpy(np.arange(x.shape[1])).to(x.dtype)[None, :, None] / 100,
+     r"passes it to numpy\.arange"),
+    ("math_sqrt_of_its_reciprocal", lambda x: x * math.sqrt(1 / x.shape[1]), r"passes it to math\.sqrt"),
+    ("math_isqrt", lambda x: x * math.isqrt(x.shape[1]) / 2, r"passes it to math\.isqrt"),
+]
+
+
+@pytest.mark.parametrize(("op", "what"), [pytest.param(op, what, id=name) for name, op, what in TAKEN_IN_C])
+def test_a_call_that_reads_the_length_in_c_is_refused(op: Op, what: str) -> None:
+    step, params, batches = _step(op)
+    with pytest.raises(ValueError, match=f"Mixer in layer 'blocks.1' reads x\\.shape\\[1\\] \\(4\\).* {what}.*Pass "
+                                         "the whole sequence's length in"):
+        sw.context_parallel(step, "cp").plan(sw.Mesh(cp=2), params, batches[0])
+
+
+def test_a_call_that_reads_the_length_in_c_is_refused_at_the_first_step() -> None:
+    step, params, batches = _step(TAKEN_IN_C[0][1])
+    with pytest.raises(sw.collectives.RankFailed, match=r"Mixer in layer 'blocks.1' .*passes it to range\(\)"):
+        sw.testing.assert_equivalent(sw.context_parallel(step, "cp"), step, sw.Mesh(cp=2), batches, params,
+                                     rtol=1e-12)
+
+
+def _plain_numbers_and_sizes(x: torch.Tensor) -> torch.Tensor:
+    """range() and math's functions of plain numbers, and of the length where they keep its mark as a size."""
+    assert isinstance(range(2), range) and issubclass(type(range(2)), range)
+    heads = [x * (h + 1) for h in range(2)]  # a loop over plain numbers
+    t = math.ceil(x.shape[1] / 1)  # (ceil, floor, trunc and prod keep the mark: a size)
+    rows = math.prod([x.shape[0], x.shape[1]])
+    return (heads[0] + heads[1]) * math.sqrt(0.25) + x[:, :t] + x.reshape(rows, -1).view_as(x) * np.arange(3).sum()
+
+
+def test_plain_numbers_and_sizes_pass_through_the_watched_calls() -> None:
+    step, params, batches = _step(_plain_numbers_and_sizes)
+    sw.testing.assert_equivalent(sw.context_parallel(step, "cp"), step, sw.Mesh(cp=2), batches, params, rtol=1e-12)
+
+
+def test_the_watched_calls_are_the_originals_again_after_a_watch_and_after_a_refusal() -> None:
+    import builtins
+
+    originals = (builtins.range, math.sqrt, math.isqrt, np.arange)
+    step, params, batches = _step(_plain_numbers_and_sizes)
+    sw.context_parallel(step, "cp").plan(sw.Mesh(cp=2), params, batches[0])
+    assert (builtins.range, math.sqrt, math.isqrt, np.arange) == originals
+    step, params, batches = _step(TAKEN_IN_C[0][1])
+    with pytest.raises(ValueError, match="passes it to range"):
+        sw.context_parallel(step, "cp").plan(sw.Mesh(cp=2), params, batches[0])
+    assert (builtins.range, math.sqrt, math.isqrt, np.arange) == originals
+
+
+def test_another_threads_calls_pass_while_a_thread_watches() -> None:
+    """The stand-ins stand for every thread while one watches: another thread's range() of a marked number (its own
+    code, not a watched layer's) passes, and gets Python's range."""
+    import threading
+
+    from shardwise.transforms.context_parallel.host_calls import calls_watched
+    from shardwise.transforms.context_parallel.part_length import PartLength, watching
+
+    refused: list[str] = []
+    got: list[object] = []
+    before = watching(lambda origin, what: refused.append(what))
+    try:
+        with calls_watched():
+            t = PartLength(4, "t", 4)
+            worker = threading.Thread(target=lambda: got.append(range(t)))
+            worker.start()
+            worker.join(timeout=10)
+            assert not refused and type(got[0]) is type(range(0)) and list(got[0]) == [0, 1, 2, 3]
+            range(t)  # this thread watches: refused
+            assert refused and "passes it to range()" in refused[0]
+    finally:
+        watching(before)

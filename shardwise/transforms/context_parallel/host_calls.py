@@ -1,0 +1,125 @@
+"""Python's and numpy's calls that take a part's length in C, past its marks: watched while a layer's first call is.
+
+A :class:`~.part_length.PartLength` keeps its mark through Python's arithmetic and is judged where ``__int__``,
+``__float__``, numpy's protocols or a torch call take it. Some calls read an ``int`` subclass's value in C and ask
+it nothing: ``range(t)`` (and so ``len(range(t))``, ``list(range(t))``), ``numpy.arange(t)``, and math's functions
+of a float computed from one (``math.sqrt(1 / t)``; ``math.sqrt(t)`` asks ``__float__``, refused already) or of the
+length as an integer (``math.isqrt(t)``, ``math.gcd(t, k)``). What they return is a plain number: the part's
+positions counted ``0 .. t - 1``, or a value of the part's count. Each trained another model without an error
+(TinyGPT, cp 2, float64, relative loss error at the second step: ``x * len(range(t)) / 8`` 8.0e-5; positions from
+``list(range(t))``, from ``np.arange(t)``, and ``x * math.sqrt(1 / t)`` 1.3e-4 each).
+
+While any thread watches a layer's first call (``unsplit.watched``), :func:`calls_watched` puts watching stand-ins in
+their places: ``builtins.range``, ``numpy.arange`` and each of math's functions. A stand-in hands a marked number
+given by the watched layer's code (``part_length._by_the_model``: not torch's, shardwise's, or another thread's) to
+the watch's refusal, and otherwise calls the original. ``math.ceil``, ``floor`` and ``trunc`` keep the mark
+(``t // k`` sized as ``math.ceil(t / k)``), as does ``math.prod`` (Python's ``*``): they are left as they are.
+The stand-in for ``range`` is a class whose ``isinstance`` and ``issubclass`` answer for Python's ``range``
+(``type(r) is range`` is False while it stands).
+
+What it cannot see: a name bound before the watch (``from math import sqrt``, ``from numpy import arange``: the
+module's own binding is the original), ``str(t)`` (a string is no value of the computation: a number parsed back
+from it would pass unseen, while refusing it would refuse a model that logs its shapes), and ``x.shape.numel()``
+(``torch.Size`` multiplies its ints in C).
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import math
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from .part_length import Part, _by_the_model, _refuse
+
+_RANGE = range
+# Those that keep the mark: PartFloat's __ceil__, __floor__, __trunc__ (a size computed from the length), and prod,
+# which multiplies with Python's ``*`` (a product of sizes).
+_KEEPING = frozenset({"ceil", "floor", "trunc", "prod"})
+_lock = threading.Lock()
+_watchers = [0]  # threads in a watched call now
+_originals: list[tuple[Any, str, Any, Any]] = []  # (owner, name, original, stand-in) while they stand
+
+
+def _marked_in(values: Any, depth: int = 2) -> Any:
+    """The first marked number among ``values`` (a list or tuple, one level into lists and tuples in it)."""
+    for v in values:
+        if isinstance(v, Part):
+            return v
+        if depth > 1 and isinstance(v, (list, tuple)):
+            found = _marked_in(v, depth - 1)
+            if found is not None:
+                return found
+    return None
+
+
+class _RangeType(type):
+    """``range`` while watched: ``isinstance(r, range)`` answers for Python's ranges."""
+
+    def __instancecheck__(cls, obj: Any) -> bool:
+        return isinstance(obj, _RANGE)
+
+    def __subclasscheck__(cls, sub: Any) -> bool:
+        return issubclass(sub, _RANGE)
+
+    def __call__(cls, *args: Any) -> Any:
+        found = _marked_in(args, depth=1)
+        if found is not None and _by_the_model():
+            _refuse(found.origin, "passes it to range(), whose numbers (this rank's part counted 0 .. t - 1, plain "
+                                  "ints) cannot be followed: positions or a count made of them are the part's")
+        return _RANGE(*args)
+
+
+class _WatchedRange(metaclass=_RangeType):
+    pass
+
+
+def _watched_function(owner: str, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        found = _marked_in((*args, *kwargs.values()))
+        if found is not None and _by_the_model():
+            _refuse(found.origin, f"passes it to {owner}.{name}, whose result is a plain number that cannot be "
+                                  "followed: a value of the computation made of the part's count")
+        return original(*args, **kwargs)
+
+    call.__name__ = call.__qualname__ = name
+    call.__doc__ = original.__doc__
+    call.__wrapped__ = original  # type: ignore[attr-defined]
+    return call
+
+
+def _stand_ins() -> list[tuple[Any, str, Any]]:
+    """(owner, name, stand-in) for every call watched."""
+    out: list[tuple[Any, str, Any]] = [(builtins, "range", _WatchedRange)]
+    for name in dir(math):
+        original = getattr(math, name)
+        if not name.startswith("_") and name not in _KEEPING and callable(original):
+            out.append((math, name, _watched_function("math", name, original)))
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        out.append((numpy, "arange", _watched_function("numpy", "arange", numpy.arange)))
+    return out
+
+
+@contextlib.contextmanager
+def calls_watched() -> Iterator[None]:
+    """Within (on any thread, while any thread is within): the stand-ins in the places of the calls watched."""
+    with _lock:
+        if _watchers[0] == 0:
+            for owner, name, stand_in in _stand_ins():
+                _originals.append((owner, name, getattr(owner, name), stand_in))
+                setattr(owner, name, stand_in)
+        _watchers[0] += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _watchers[0] -= 1
+            if _watchers[0] == 0:
+                for owner, name, original, stand_in in reversed(_originals):
+                    if getattr(owner, name) is stand_in:  # (not where another hand set its own since)
+                        setattr(owner, name, original)
+                _originals.clear()
