@@ -291,6 +291,53 @@ def test_an_init_fn_that_leaves_a_tensor_unset_is_refused() -> None:
         sw.functionalize(model, units=block, init_fn=forgets_the_mask)
 
 
+def test_a_tensor_found_set_is_made_once_from_then_on_with_the_same_values() -> None:
+    """Each tensor is made twice (from two fills) the first time, to find an element its initializer leaves unset;
+    once found set, a second init (a warm-up then a measured run, another thread rank) makes it once."""
+    made: list[str] = []
+
+    def init_fn(module: nn.Module, path: str) -> None:
+        if isinstance(module, nn.Linear):
+            made.append(path)
+            nn.init.normal_(module.weight)
+            nn.init.zeros_(module.bias)
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    chain, params = sw.functionalize(model, init_fn=init_fn)
+    step = sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1))
+    first = step.init(params)
+    once = len(made)
+    second = step.init(params)
+    assert once == 8 and len(made) - once == 4  # four tensors: made twice each, then once each
+    for layer, tensors in first.params.items():
+        for name, t in tensors.items():
+            assert torch.equal(t, second.params[layer][name]), f"{layer}.{name} made again differs"
+
+
+class _Affine(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w, self.b = nn.Parameter(torch.empty(4)), nn.Parameter(torch.empty(4))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.w + self.b
+
+
+def test_a_tensor_left_unset_is_refused_at_every_init() -> None:
+    def forgets_the_bias(module: nn.Module, path: str) -> None:
+        if isinstance(module, _Affine):
+            nn.init.normal_(module.w)
+
+    with torch.device("meta"):
+        model = nn.Sequential(_Affine())
+    chain, params = sw.functionalize(model, init_fn=forgets_the_bias)
+    step = sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1))
+    for _ in range(2):
+        with pytest.raises(FunctionalizeError, match=r"'0\.b'"):
+            step.init(params)
+
+
 def test_meta_parameters_without_a_way_to_make_them_are_refused() -> None:
     chain, params = sw.functionalize(nn.Sequential(nn.Linear(3, 2)))
     meta = {layer: {n: t.to("meta") for n, t in d.items()} for layer, d in params.items()}

@@ -46,7 +46,9 @@ module's eager init under ``torch.manual_seed`` (that draws every tensor from on
 follow the same distributions.
 
 An initializer that leaves part of a tensor unset would leave uninitialized memory in it: each
-tensor is made twice, from two different fills, and any element that differs is refused.
+tensor is made twice, from two different fills, and any element that differs is refused. A tensor
+found set so is made once from then on (by this ``ModuleInit``: a second ``init``, another thread
+rank, a warm-up before a measured run), from the first fill.
 """
 
 from __future__ import annotations
@@ -108,6 +110,9 @@ class ModuleInit:
     init_fn: InitFn | None = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
+    # path -> whether its owner's reset_parameters() runs first: the tensors made twice and found set by the
+    # initializer, made once from then on (a second init of the model, another thread rank's, a warm-up's)
+    _checked: dict[str, bool] = field(default_factory=dict, init=False, repr=False)
 
     def describe(self) -> str:
         """What decides the values (ranks must agree on it): the initializer and the device type."""
@@ -133,34 +138,45 @@ class ModuleInit:
             meta = slots[name]
             if meta is None or not meta.is_meta:
                 raise AssertionError(f"{path} is not a meta tensor")  # ModuleInit is made for meta ones
-            first, second = self._make_twice(chain, path, slots, meta, seed, seeding, constructor_first=False)
+            checked = self._checked.get(path)
+            if checked is not None:  # its initializer sets every element: one make, from the first check's fill
+                return self._make(chain, path, slots, meta, seed, seeding, checked, fill=0)
+            constructor_first = False
+            first, second = self._make_twice(chain, path, slots, meta, seed, seeding, constructor_first)
             if not _same(first, second, meta) and self._resets_first(owner):
                 # Left unset by the initializer: in the eager model it holds what the owner's
                 # constructor made (torch's layers: reset_parameters()), then the initializer ran.
-                first, second = self._make_twice(chain, path, slots, meta, seed, seeding, constructor_first=True)
-        if not _same(first, second, meta):
-            raise self._unset(owner, path)
+                constructor_first = True
+                first, second = self._make_twice(chain, path, slots, meta, seed, seeding, constructor_first)
+            if not _same(first, second, meta):
+                raise self._unset(owner, path)
+            self._checked[path] = constructor_first
         return second
 
     def _make_twice(
         self, chain: list[tuple[str, nn.Module]], path: str, slots: dict[str, Any], meta: Tensor, seed: int,
         seeding: Seeding, constructor_first: bool,
     ) -> tuple[Tensor, Tensor]:
-        """The tensor at ``path`` made from a fill of zeros and from a fill of ones (one module swap)."""
+        """The tensor at ``path`` made from a fill of zeros and from a fill of ones."""
+        zeros, ones = (self._make(chain, path, slots, meta, seed, seeding, constructor_first, fill) for fill in (0, 1))
+        return zeros, ones
+
+    def _make(
+        self, chain: list[tuple[str, nn.Module]], path: str, slots: dict[str, Any], meta: Tensor, seed: int,
+        seeding: Seeding, constructor_first: bool, fill: int,
+    ) -> Tensor:
+        """The tensor at ``path`` made from a fill of ``fill`` (one module swap)."""
         name = path.rpartition(".")[2]
-        made = []
         try:
-            for fill in (0, 1):
-                empty = torch.full(meta.shape, fill, dtype=meta.dtype, device=self.device)
-                slots[name] = nn.Parameter(empty, meta.requires_grad) if isinstance(meta, nn.Parameter) else empty
-                with seeding(path_seed(seed, path)), torch.no_grad():
-                    if constructor_first:
-                        getattr(chain[-1][1], "reset_parameters")()  # noqa: B009 - checked callable by the caller
-                    self._initialize(chain, path)
-                made.append(slots[name].detach())
+            empty = torch.full(meta.shape, fill, dtype=meta.dtype, device=self.device)
+            slots[name] = nn.Parameter(empty, meta.requires_grad) if isinstance(meta, nn.Parameter) else empty
+            with seeding(path_seed(seed, path)), torch.no_grad():
+                if constructor_first:
+                    getattr(chain[-1][1], "reset_parameters")()  # noqa: B009 - checked callable by the caller
+                self._initialize(chain, path)
+            return slots[name].detach()
         finally:
             slots[name] = meta
-        return made[0], made[1]
 
     def _resets_first(self, owner: nn.Module) -> bool:
         """Whether a tensor the initializer leaves unset is made by the owner's reset_parameters()
