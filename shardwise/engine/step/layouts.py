@@ -20,6 +20,7 @@ from ..optim.meta_like import meta_like
 from ..plan.lower import placement_of, zero_holds_shards
 from ..plan.predict import FirstOutput, first_output, predict_boundaries, predict_output
 from ..run.rng import untouched
+from .shared_predictions import prediction_key, shared
 
 if TYPE_CHECKING:
     from .step import Step
@@ -197,8 +198,10 @@ def stage_boundaries(step: Step, layout: StateLayout, inputs: Any, mesh: Mesh | 
         return compute_dtype(prec, layer, dtype)
 
     if known is None:
+        sizes = {a: mesh.axis_size(a) for a in mesh.axis_names} if mesh is not None and step.split.axes else None
         with step.predicting(mesh):
-            predicted = predict_boundaries(step.chain, layout.placement, shapes, dtype_of, inputs)
+            predicted = shared(step.chain, prediction_key(layout.placement.stages, shapes, dtype_of, inputs, sizes),
+                               lambda: predict_boundaries(step.chain, layout.placement, shapes, dtype_of, inputs))
             like_example = first_output(step.chain, shapes, dtype_of, inputs, False).output if alone else None
             on_batch = first_output(step.chain, shapes, dtype_of, inputs, True) if alone else FirstOutput(None, False)
         # The boundaries and first output as the example had them, and the batch's first output where
