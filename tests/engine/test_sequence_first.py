@@ -282,3 +282,28 @@ def test_a_time_major_packed_batch_is_refused_and_a_batch_first_one_equals_one_d
                 sw.testing.assert_equivalent(zero, step, sw.Mesh(dp=2), batches, params)
         else:
             sw.testing.assert_equivalent(zero, step, sw.Mesh(dp=2), batches, params)
+
+
+@pytest.mark.parametrize("time_major", [False, True])
+def test_looking_for_a_time_major_module_copies_modules_only_where_one_is_found(
+        time_major: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A thread rank's look for time-major modules, at its first step, made its own copy of every layer's modules
+    (a pipeline rank's too, of the stages it never calls): it looks at the chain's modules first."""
+    import threading
+
+    from shardwise.engine.model import module_call
+    from shardwise.engine.model.sequence_first import sequence_first_modules
+
+    made: list[str] = []
+    copy = module_call.copy_structure
+    monkeypatch.setattr(module_call, "copy_structure",
+                        lambda *a, **k: made.append(type(a[0]).__name__) or copy(*a, **k))
+    recurrent = torch.nn.GRU(4, 4, batch_first=not time_major)
+    chain, _ = sw.functionalize(torch.nn.Sequential(torch.nn.Linear(4, 4), recurrent))
+    made.clear()  # (functionalize's own copies)
+    found: list[Any] = []
+    thread = threading.Thread(target=lambda: found.append(sequence_first_modules(chain)))  # not the chain's thread
+    thread.start()
+    thread.join(timeout=30)
+    assert [type(m).__name__ for _, m in found[0]] == (["GRU"] if time_major else [])
+    assert bool(made) == time_major, made

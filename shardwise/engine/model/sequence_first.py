@@ -50,12 +50,20 @@ SEQUENCE_FIRST = (nn.RNNBase, nn.MultiheadAttention, nn.TransformerEncoderLayer,
 def sequence_first_modules(chain: Chain) -> list[tuple[str, nn.Module]]:
     """(path, module) of every module of ``chain`` that takes its sequence on dim 0 (``batch_first=False``): the
     calling thread's copies, which its calls run (a thread rank that ran the chain before, for a Plan, holds
-    its own; a hook on the first thread's would not hear them)."""
+    its own; a hook on the first thread's would not hear them). Looked for first in the modules the chain
+    holds, whose copies have their types and settings: a thread makes no copy of a module it may never call
+    (a pipeline rank, another stage's) where none is found."""
+    if not any(_sequence_first(module) for _, module in called_modules(chain)):
+        return []
     found: dict[str, nn.Module] = {}
     for path, module in called_modules(chain, this_thread=True):
-        if isinstance(module, SEQUENCE_FIRST) and getattr(module, "batch_first", True) is False:
+        if _sequence_first(module):
             found.setdefault(path, module)
     return list(found.items())
+
+
+def _sequence_first(module: nn.Module) -> bool:
+    return isinstance(module, SEQUENCE_FIRST) and getattr(module, "batch_first", True) is False
 
 
 def rows_on_sequence_dim(
