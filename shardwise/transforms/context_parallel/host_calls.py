@@ -14,8 +14,10 @@ their places: ``builtins.range``, ``numpy.arange`` and each of math's functions.
 given by the watched layer's code (``part_length._by_the_model``: not torch's, shardwise's, or another thread's) to
 the watch's refusal, and otherwise calls the original. ``math.ceil``, ``floor`` and ``trunc`` keep the mark
 (``t // k`` sized as ``math.ceil(t / k)``), as does ``math.prod`` (Python's ``*``): they are left as they are.
-The stand-in for ``range`` is a class whose ``isinstance`` and ``issubclass`` answer for Python's ``range``
-(``type(r) is range`` is False while it stands).
+The stand-in for ``range`` is a class whose ``isinstance`` and ``issubclass`` answer for Python's ``range``.
+While they stand (a layer's first call, per input shape), in every thread of the process: ``type(r) is range``
+is False, and pickle, which checks that a class or function is what its name finds, refuses a ``range`` object
+and a math function taken before the watch (one taken during it pickles, by name).
 
 What it cannot see: a name bound before the watch (``from math import sqrt``, ``from numpy import arange``: the
 module's own binding is the original), ``str(t)`` (a string is no value of the computation: a number parsed back
@@ -86,6 +88,7 @@ def _watched_function(owner: str, name: str, original: Callable[..., Any]) -> Ca
         return original(*args, **kwargs)
 
     call.__name__ = call.__qualname__ = name
+    call.__module__ = getattr(original, "__module__", None) or owner  # pickled by reference, as the original
     call.__doc__ = original.__doc__
     call.__wrapped__ = original  # type: ignore[attr-defined]
     return call
