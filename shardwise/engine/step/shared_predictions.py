@@ -4,8 +4,8 @@ Every rank of a pipeline predicts the boundaries of every stage (``stage_boundar
 tensors), and ``Step.plan`` predicts them per rank class. What they are follows from the chain, its stages, the
 local shapes and compute dtypes of its parameters, the micro-batch's structure and leaves (shapes, dtypes), and
 the sizes of the axes a split predicts over: not from a rank's coordinates ("every rank predicts the same for the
-same micro-batch", ``plan/predict.py``). Thread ranks of one process, a Plan and the step run after it, and the
-rank classes of one Plan, each ran the same fake run again: a third of a pipeline test's first step on threads.
+same micro-batch", ``plan/predict.py``). Thread ranks of one process, and the step run after its Plan, each ran
+the same fake run again: a Plan then a step on two thread ranks predicted three times (now once).
 
 A key that cannot be hashed (a micro-batch leaf that is not) shares nothing: the prediction is made as before.
 The chain is held weakly: a step dropped takes its predictions with it.
