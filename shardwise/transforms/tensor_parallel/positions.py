@@ -43,7 +43,8 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from ...engine.model.token_wise import computes_each_token_alone, implementation_named
-from .match import HEAD_COUNTS
+from .count_fields import MULTI_QUERY, config_field
+from .match import HEAD_COUNTS, is_head_count
 
 
 def _words(text: str) -> frozenset[str]:
@@ -338,6 +339,17 @@ class _Slices(TorchFunctionMode):
                 f"Region, or leave {where!r} out of sequence_parallel"
             )
         pattern = re.sub(r"\.\d+(?=\.|$)", ".*", where)
+        undivided = _undivided_head_count(module, self.parts)
+        if undivided is not None:  # a Region would be refused too: each rank computes whole heads
+            attr, value = undivided
+            field = config_field(module, attr, value) if module is not None else ""
+            copied = f" (the model's {field})" if field else ""
+            rebuilt = ", or build the model with config.multi_query=False" if field.startswith(MULTI_QUERY) else ""
+            return head + (
+                f"a Region cannot give it the whole sequence here: its {attr} is {value}{copied}, which the "
+                f"{self.parts} ranks of the axis do not divide (each rank of a Region computes whole heads). Leave "
+                f"{blocks!r} out of sequence_parallel (the plan's other modules still split over the axis){rebuilt}"
+            )
         return head + (
             f"give it a Region so that it sees the whole sequence, plan[{pattern!r}] = "
             f"sw.tp.Region({_heads_hint(module)}), with its projections Colwise() and Rowwise() (as "
@@ -373,6 +385,15 @@ def _holds_fused_experts(module: nn.Module) -> bool:
     experts = getattr(module, "experts", module)
     weights = [getattr(experts, w, None) for w in ("gate_up_proj", "down_proj")]
     return all(isinstance(w, Tensor) and w.dim() == 3 for w in weights)
+
+
+def _undivided_head_count(module: nn.Module | None, parts: int) -> tuple[str, int] | None:
+    """The first head count the module holds (its own attribute, as a Region's ``heads=`` reads it) that ``parts``
+    ranks do not divide: Falcon's multi-query attention holds ``num_kv_heads`` 1."""
+    for attr, value in (vars(module) if module is not None else {}).items():
+        if is_head_count(attr) and type(value) is int and value > 0 and value % parts:
+            return attr, value
+    return None
 
 
 def _heads_hint(module: nn.Module | None) -> str:

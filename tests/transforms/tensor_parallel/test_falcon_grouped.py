@@ -144,6 +144,35 @@ def test_the_ways_out_for_multi_query_falcon_equal_one_device(fix: str) -> None:
     sw.testing.assert_equivalent(sw.tensor_parallel(step, "tp", plan), step, sw.Mesh(tp=2), data, params, rtol=1e-9)
 
 
+def test_multi_query_falcon_with_its_attention_left_out_under_sp_is_told_a_region_cannot_split_it() -> None:
+    """Its attention left out of the plan but in a sequence-parallel block: the refusal advised a Region, which
+    the multi-query count refuses in turn. It names the count and the ways out that work (tested below)."""
+    torch.manual_seed(0)
+    data = batches(n=1)
+    step, params = steps(multi_query_falcon(), _layer(), data)
+    plan = {pattern: style for pattern, style in sw.tp.falcon_plan().items() if ".self_attention" not in pattern}
+    tp = sw.tensor_parallel(step, "tp", plan, sequence_parallel=sw.tp.FALCON_BLOCKS)
+    with pytest.raises((ValueError, sw.collectives.RankFailed)) as caught:
+        sw.launch(lambda: tp(tp.init(params, sw.Mesh(tp=2)), data[0]), 2)
+    text = str(caught.value)
+    assert ("'transformer.h.0.self_attention' (FalconAttention) runs on this rank's 1/2 of the sequence" in text
+            and "a Region cannot give it the whole sequence here: its num_kv_heads is 1 (the model's "
+            "config.multi_query=True with config.new_decoder_architecture=False)" in text), text
+    assert "Leave 'transformer.h.*' out of sequence_parallel" in text and "config.multi_query=False" in text, text
+    assert "give it a Region" not in text, text
+
+
+def test_multi_query_false_falcon_under_sequence_parallel_equals_one_device() -> None:
+    """The other way out named above: the model built with multi_query=False, the whole plan, sequence parallel.
+    (Leaving the blocks out of sequence_parallel: test_the_ways_out_for_multi_query_falcon_equal_one_device.)"""
+    torch.manual_seed(0)
+    data = batches()
+    step, params = steps(multi_query_falcon(multi_query=False), _layer(), data)
+    sw.testing.assert_equivalent(sw.tensor_parallel(step, "tp", sw.tp.falcon_plan(),
+                                                    sequence_parallel=sw.tp.FALCON_BLOCKS),
+                                 step, sw.Mesh(tp=2), data, params, rtol=1e-9)
+
+
 # -- a cut across the split after the grouped view is still refused -------------------------------------------
 
 
