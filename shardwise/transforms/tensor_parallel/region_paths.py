@@ -26,6 +26,7 @@ once per rank, on every rank alike.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -179,9 +180,16 @@ def built_and_sliced_message(name: str, argument: str, region: str, layer: str) 
         f"{layer!r}. The argument enters the Region with its gradient summed over the axis, so what {name!r} gets "
         "through it is whole on every rank, and what it gets from the slice is each rank's part: no sum over the axis "
         f"makes both right. Give the two uses parameters of their own (one that builds {argument!r}, another for the "
-        f"use on the slice), or leave {layer!r} out of sequence_parallel= (its values are then whole on every rank, "
-        "and so are both gradients)"
+        f"use on the slice), or leave {layer!r} out of sequence_parallel={_alike(layer)} (its values are then whole on "
+        "every rank, and so are both gradients)"
     )
+
+
+def _alike(layer: str) -> str:
+    """The pattern of the layers built alike (``'blocks.*'`` for ``'blocks.0'``): a refusal at the first layer's call
+    stands for every one of them, which would be refused in turn."""
+    pattern = re.sub(r"\.\d+(?=\.|$)", ".*", layer)
+    return f", and each layer built alike ({pattern!r})" if pattern != layer else ""
 
 
 def bypass_message(path: str, module_type: str, parts: int, layers: Iterable[str]) -> str:

@@ -288,7 +288,7 @@ def test_slopes_that_build_the_bias_and_scale_the_slice_are_refused_by_name(mesh
     assert "the replicated parameter 'blocks.0.slopes' builds 'bias', the per-head argument (HeadsAlong) of " \
         "Region 'blocks.0.attn', and also acts on this rank's slice of the sequence" in text, text
     assert "Give the two uses parameters of their own" in text, text
-    assert "or leave 'blocks.0' out of sequence_parallel=" in text, text
+    assert "or leave 'blocks.0' out of sequence_parallel=, and each layer built alike ('blocks.*')" in text, text
     assert "as a Region()" not in text, text  # the replica check's advice, which the plan follows already
 
 
