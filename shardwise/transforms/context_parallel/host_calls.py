@@ -19,10 +19,17 @@ While they stand (a layer's first call, per input shape), in every thread of the
 is False, and pickle, which checks that a class or function is what its name finds, refuses a ``range`` object
 and a math function taken before the watch (one taken during it pickles, by name).
 
-What it cannot see: a name bound before the watch (``from math import sqrt``, ``from numpy import arange``: the
-module's own binding is the original), ``str(t)`` (a string is no value of the computation: a number parsed back
-from it would pass unseen, while refusing it would refuse a model that logs its shapes), and ``x.shape.numel()``
-(``torch.Size`` multiplies its ints in C).
+A name bound before the watch (``from math import sqrt``, ``from numpy import arange`` at a module's top) is the
+module's own binding of the original, which a stand-in in ``math`` leaves as it was: it trained another model as
+silently (``sqrt(1 / t)``). So the watch also puts the stand-ins in the places of such bindings, in every imported
+module that may be the model's code (:func:`_bindings`): not Python's standard library, torch, numpy, torch's
+sympy and mpmath, or shardwise but its testing models. The modules are scanned once each (a few milliseconds for
+a thousand), those imported since at the next watch.
+
+What it cannot see: ``str(t)`` (a string is no value of the computation: a number parsed back from it would pass
+unseen, while refusing it would refuse a model that logs its shapes), ``x.shape.numel()`` (``torch.Size``
+multiplies its ints in C), and a name bound to the original elsewhere than a module's globals (a default argument,
+a class attribute, a closure).
 """
 
 from __future__ import annotations
@@ -41,9 +48,13 @@ _RANGE = range
 # Those that keep the mark: PartFloat's __ceil__, __floor__, __trunc__ (a size computed from the length), and prod,
 # which multiplies with Python's ``*`` (a product of sizes).
 _KEEPING = frozenset({"ceil", "floor", "trunc", "prod"})
+# Not the model's code: their own bindings of the originals are left alone (torch's symbolic shapes call sympy).
+_NOT_THE_MODEL = frozenset(sys.stdlib_module_names) | {"torch", "numpy", "sympy", "mpmath", "shardwise"}
 _lock = threading.Lock()
 _watchers = [0]  # threads in a watched call now
 _originals: list[tuple[Any, str, Any, Any]] = []  # (owner, name, original, stand-in) while they stand
+# Per module name: (its globals' id, the names it binds to a watched original), from its scan (see _bindings)
+_scanned: dict[str, tuple[int, tuple[str, ...]]] = {}
 
 
 def _marked_in(values: Any, depth: int = 2) -> Any:
@@ -107,14 +118,47 @@ def _stand_ins() -> list[tuple[Any, str, Any]]:
     return out
 
 
+def _may_be_the_model(module_name: str) -> bool:
+    top = module_name.partition(".")[0]
+    return top not in _NOT_THE_MODEL or module_name.startswith("shardwise.testing")
+
+
+def _bindings(originals: dict[int, Any]) -> list[tuple[Any, str, Any]]:
+    """(module, name, original) for each global of a module that may be the model's code bound to one of
+    ``originals`` (by id): ``from math import sqrt`` there. Each module's globals are scanned once (again where
+    they were replaced, or while the module was still being imported)."""
+    found = []
+    for module_name, module in list(sys.modules.items()):
+        namespace = getattr(module, "__dict__", None)
+        if not isinstance(namespace, dict) or not _may_be_the_model(module_name):
+            continue
+        seen = _scanned.get(module_name)
+        if seen is None or seen[0] != id(namespace):
+            names = tuple(k for k, v in list(namespace.items()) if id(v) in originals and isinstance(k, str))
+            if not getattr(getattr(module, "__spec__", None), "_initializing", False):
+                _scanned[module_name] = (id(namespace), names)
+        else:
+            names = seen[1]
+        found += [(module, k, namespace[k]) for k in names if id(namespace.get(k)) in originals]
+    return found
+
+
 @contextlib.contextmanager
 def calls_watched() -> Iterator[None]:
-    """Within (on any thread, while any thread is within): the stand-ins in the places of the calls watched."""
+    """Within (on any thread, while any thread is within): the stand-ins in the places of the calls watched,
+    and of the model's modules' own bindings of them."""
     with _lock:
         if _watchers[0] == 0:
+            standing: dict[int, Any] = {}  # id(original) -> its stand-in
             for owner, name, stand_in in _stand_ins():
-                _originals.append((owner, name, getattr(owner, name), stand_in))
+                original = getattr(owner, name)
+                _originals.append((owner, name, original, stand_in))
                 setattr(owner, name, stand_in)
+                if owner is not builtins:  # (range is looked up in builtins, not bound from it)
+                    standing[id(original)] = stand_in
+            for module, name, original in _bindings(standing):
+                _originals.append((module, name, original, standing[id(original)]))
+                setattr(module, name, standing[id(original)])
         _watchers[0] += 1
     try:
         yield

@@ -32,10 +32,10 @@ layer would take another branch; one answered alike (a bound the whole sequence 
 
 A number that leaves Python's arithmetic for a plain one through neither ``__int__`` nor ``__float__``
 (``range(t)``, so ``len(range(t))`` too; ``numpy.arange(t)``; ``math.sqrt(1 / t)``: math reads a float subclass's
-value in C) is refused where that call takes it (``host_calls.py``), unless the call's name was bound before the
-watch (``from math import sqrt``). What it cannot see: ``str(t)``, ``x.shape.numel()`` (``torch.Size`` cannot be
-subclassed or patched and multiplies its ints in C; ``x.numel()`` is marked), and a number read outside the watched
-first call.
+value in C) is refused where that call takes it (``host_calls.py``), also under a name the model's module bound
+before the watch (``from math import sqrt``). What it cannot see: ``str(t)``, ``x.shape.numel()`` (``torch.Size``
+cannot be subclassed or patched and multiplies its ints in C; ``x.numel()`` is marked), and a number read outside
+the watched first call.
 """
 
 from __future__ import annotations

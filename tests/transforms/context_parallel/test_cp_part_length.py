@@ -10,12 +10,15 @@ the fix; a read used as a size (a view, a new tensor, a slice over the whole dim
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Callable
+from math import sqrt as bound_sqrt  # names bound before any watch, as a model's module may bind them
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from numpy import arange as bound_arange
 from torch import nn
 
 import shardwise as sw
@@ -347,6 +350,11 @@ TAKEN_IN_C: list[tuple[str, Op, str]] = [
      r"passes it to numpy\.arange"),
     ("math_sqrt_of_its_reciprocal", lambda x: x * math.sqrt(1 / x.shape[1]), r"passes it to math\.sqrt"),
     ("math_isqrt", lambda x: x * math.isqrt(x.shape[1]) / 2, r"passes it to math\.isqrt"),
+    # The same calls by the names this module bound before the watch (each trained as silently: 1.3e-4)
+    ("math_sqrt_bound_before", lambda x: x * bound_sqrt(1 / x.shape[1]), r"passes it to math\.sqrt"),
+    ("numpy_arange_bound_before",
+     lambda x: x * torch.from_numpy(bound_arange(x.shape[1])).to(x.dtype)[None, :, None] / 100,
+     r"passes it to numpy\.arange"),
 ]
 
 
@@ -371,7 +379,8 @@ def _plain_numbers_and_sizes(x: torch.Tensor) -> torch.Tensor:
     heads = [x * (h + 1) for h in range(2)]  # a loop over plain numbers
     t = math.ceil(x.shape[1] / 1)  # (ceil, floor, trunc and prod keep the mark: a size)
     rows = math.prod([x.shape[0], x.shape[1]])
-    return (heads[0] + heads[1]) * math.sqrt(0.25) + x[:, :t] + x.reshape(rows, -1).view_as(x) * np.arange(3).sum()
+    scale = math.sqrt(0.25) * bound_sqrt(1.0) * bound_arange(2).sum()  # (plain numbers, by bound names too)
+    return (heads[0] + heads[1]) * scale + x[:, :t] + x.reshape(rows, -1).view_as(x) * np.arange(3).sum()
 
 
 def test_plain_numbers_and_sizes_pass_through_the_watched_calls() -> None:
@@ -382,14 +391,34 @@ def test_plain_numbers_and_sizes_pass_through_the_watched_calls() -> None:
 def test_the_watched_calls_are_the_originals_again_after_a_watch_and_after_a_refusal() -> None:
     import builtins
 
-    originals = (builtins.range, math.sqrt, math.isqrt, np.arange)
+    originals = (builtins.range, math.sqrt, math.isqrt, np.arange, bound_sqrt, bound_arange)
+    assert (bound_sqrt, bound_arange) == (math.sqrt, np.arange)
+
+    def now() -> tuple[object, ...]:  # this module's own bindings read as a model's code reads them, by name
+        return builtins.range, math.sqrt, math.isqrt, np.arange, globals()["bound_sqrt"], globals()["bound_arange"]
+
     step, params, batches = _step(_plain_numbers_and_sizes)
     sw.context_parallel(step, "cp").plan(sw.Mesh(cp=2), params, batches[0])
-    assert (builtins.range, math.sqrt, math.isqrt, np.arange) == originals
-    step, params, batches = _step(TAKEN_IN_C[0][1])
-    with pytest.raises(ValueError, match="passes it to range"):
-        sw.context_parallel(step, "cp").plan(sw.Mesh(cp=2), params, batches[0])
-    assert (builtins.range, math.sqrt, math.isqrt, np.arange) == originals
+    assert now() == originals
+    for name, op, _ in TAKEN_IN_C:
+        if name in ("len_of_range", "math_sqrt_bound_before"):
+            step, params, batches = _step(op)
+            with pytest.raises(ValueError, match="passes it to"):
+                sw.context_parallel(step, "cp").plan(sw.Mesh(cp=2), params, batches[0])
+            assert now() == originals
+
+
+def test_a_modules_own_bindings_stand_in_while_watched_but_the_standard_librarys_do_not() -> None:
+    """``from math import sqrt`` in a module that may be the model's is watched; ``random``'s ``_sqrt`` (Python's
+    standard library, as torch's, numpy's and shardwise's own) is left the original."""
+    from shardwise.transforms.context_parallel.host_calls import calls_watched
+
+    original = math.sqrt
+    with calls_watched():
+        assert globals()["bound_sqrt"] is not original and globals()["bound_sqrt"] is math.sqrt
+        assert random._sqrt is original
+        assert globals()["bound_sqrt"](0.25) == 0.5  # a plain number passes
+    assert globals()["bound_sqrt"] is original and math.sqrt is original
 
 
 def test_another_threads_calls_pass_while_a_thread_watches() -> None:
