@@ -14,16 +14,20 @@ one; a size or a count it reads in C (``np.ones(t)``, ``np.zeros((b, t))``, ``np
 array of the part's length is not followed (``np.ones(t).cumsum()`` counts the part's positions): relative loss
 error 3.0e-6 for ``linspace``, 5.8e-4 for the two counts, without an error.
 
+itertools' ``islice(it, t)`` and ``repeat(v, t)`` count their items in C too (positions from them: 5.6e-4, 5.8e-4).
+(A list or tuple repeated, ``[1.0] * t``, asks the marked number: ``part_length.py`` refuses it.)
+
 While any thread watches a layer's first call (``unsplit.watched``), :func:`calls_watched` puts watching stand-ins in
-their places: ``builtins.range``, each of math's functions and each of numpy's (its namespace's functions, not its
-ufuncs, which ask a marked number themselves, or its types). A stand-in hands a marked number
-given by the watched layer's code (``part_length._by_the_model``: not torch's, shardwise's, or another thread's) to
-the watch's refusal, and otherwise calls the original. ``math.ceil``, ``floor`` and ``trunc`` keep the mark
-(``t // k`` sized as ``math.ceil(t / k)``), as does ``math.prod`` (Python's ``*``): they are left as they are.
-The stand-in for ``range`` is a class whose ``isinstance`` and ``issubclass`` answer for Python's ``range``.
-While they stand (a layer's first call, per input shape), in every thread of the process: ``type(r) is range``
-is False, and pickle, which checks that a class or function is what its name finds, refuses a ``range`` object
-and a math function taken before the watch (one taken during it pickles, by name).
+their places: ``builtins.range``, ``itertools.islice`` and ``itertools.repeat``, each of math's functions and each of
+numpy's (its namespace's functions, not its ufuncs, which ask a marked number themselves, or its types). A
+stand-in hands a marked number given by the watched layer's code (``part_length._by_the_model``: not torch's,
+shardwise's, or another thread's) to the watch's refusal, and otherwise calls the original. ``math.ceil``,
+``floor`` and ``trunc`` keep the mark (``t // k`` sized as ``math.ceil(t / k)``), as does ``math.prod`` (Python's
+``*``): they are left as they are.
+The stand-ins for the types are classes whose ``isinstance`` and ``issubclass`` answer for the originals. While they
+stand (a layer's first call, per input shape), in every thread of the process: ``type(r) is range`` is False, and
+pickle, which checks that a class or function is what its name finds, refuses a ``range`` object and a math or
+numpy function taken before the watch (one taken during it pickles, by name).
 
 A name bound before the watch (``from math import sqrt``, ``from numpy import arange`` at a module's top) is the
 module's own binding of the original, which a stand-in in ``math`` leaves as it was: it trained another model as
@@ -42,6 +46,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import itertools
 import math
 import sys
 import threading
@@ -51,7 +56,6 @@ from typing import Any
 
 from .part_length import Part, _by_the_model, _refuse
 
-_RANGE = range
 # Those that keep the mark: PartFloat's __ceil__, __floor__, __trunc__ (a size computed from the length), and prod,
 # which multiplies with Python's ``*`` (a product of sizes).
 _KEEPING = frozenset({"ceil", "floor", "trunc", "prod"})
@@ -77,25 +81,41 @@ def _marked_in(values: Any, depth: int = 2) -> Any:
     return None
 
 
-class _RangeType(type):
-    """``range`` while watched: ``isinstance(r, range)`` answers for Python's ranges."""
+class _WatchedType(type):
+    """A type's stand-in (``range``, itertools' ``islice`` and ``repeat``): ``isinstance`` and ``issubclass`` answer
+    for the original; a call given a marked number among its counts by the model's code is refused."""
+
+    _original: type
+    _counts: slice  # the positional arguments that are counts (``repeat(t, 3)`` repeats the marked number itself)
+    _what: str
+    _whose: str
 
     def __instancecheck__(cls, obj: Any) -> bool:
-        return isinstance(obj, _RANGE)
+        return isinstance(obj, cls._original)
 
     def __subclasscheck__(cls, sub: Any) -> bool:
-        return issubclass(sub, _RANGE)
+        return issubclass(sub, cls._original)
 
-    def __call__(cls, *args: Any) -> Any:
-        found = _marked_in(args, depth=1)
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        found = _marked_in((*args[cls._counts], *kwargs.values()), depth=1)
         if found is not None and _by_the_model():
-            _refuse(found.origin, "passes it to range(), whose numbers (this rank's part counted 0 .. t - 1, plain "
-                                  "ints) cannot be followed: positions or a count made of them are the part's")
-        return _RANGE(*args)
+            _refuse(found.origin, f"passes it to {cls._what}, whose {cls._whose} cannot be followed: positions or a "
+                                  "count made of them are the part's")
+        return cls._original(*args, **kwargs)
 
 
-class _WatchedRange(metaclass=_RangeType):
-    pass
+_AS_MANY = "items (as many as this rank's part has, plain values)"
+
+
+def _watched_type(name: str, original: type, counts: slice, what: str, whose: str = _AS_MANY) -> type:
+    return _WatchedType(name, (), {"_original": original, "_counts": counts, "_what": what, "_whose": whose})
+
+
+_WatchedRange = _watched_type("range", range, slice(None), "range()",
+                              "numbers (this rank's part counted 0 .. t - 1, plain ints)")
+_TYPES = ((builtins, "range", _WatchedRange),
+          (itertools, "islice", _watched_type("islice", itertools.islice, slice(1, None), "itertools.islice()")),
+          (itertools, "repeat", _watched_type("repeat", itertools.repeat, slice(1, None), "itertools.repeat()")))
 
 
 _RESULTS = {
@@ -136,7 +156,7 @@ def _stand_ins() -> list[tuple[Any, str, Any]]:
     ..)``), or converts a list holding one (``np.prod([t, 2])``); a size or a count it reads in C (``np.ones(t)``,
     ``np.zeros((b, t))``, ``np.linspace(0, 1, t)``), and an array of it is not followed (``np.ones(t).cumsum()``
     counts the part's positions): each trained another model without an error."""
-    out: list[tuple[Any, str, Any]] = [(builtins, "range", _WatchedRange)]
+    out: list[tuple[Any, str, Any]] = list(_TYPES)
     for name in dir(math):
         original = getattr(math, name)
         if not name.startswith("_") and name not in _KEEPING and callable(original):
@@ -194,7 +214,7 @@ def calls_watched() -> Iterator[None]:
                 original = getattr(owner, name)
                 _originals.append((owner, name, original, stand_in))
                 setattr(owner, name, stand_in)
-                if owner is not builtins:  # (range is looked up in builtins, not bound from it)
+                if not isinstance(stand_in, _WatchedType):  # (only functions: a type bound elsewhere stays it)
                     standing[id(original)] = stand_in
             for module, name, original in _bindings(standing):
                 _originals.append((module, name, original, standing[id(original)]))

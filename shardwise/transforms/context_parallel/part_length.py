@@ -33,7 +33,8 @@ layer would take another branch; one answered alike (a bound the whole sequence 
 A number that leaves Python's arithmetic for a plain one through neither ``__int__`` nor ``__float__``
 (``range(t)``, so ``len(range(t))`` too; ``numpy.arange(t)``; ``math.sqrt(1 / t)``: math reads a float subclass's
 value in C) is refused where that call takes it (``host_calls.py``), also under a name the model's module bound
-before the watch (``from math import sqrt``). What it cannot see: ``str(t)``, ``x.shape.numel()`` (``torch.Size``
+before the watch (``from math import sqrt``); so is a list or tuple repeated that many times (``[1.0] * t``: its
+items are not followed). What it cannot see: ``str(t)``, ``x.shape.numel()`` (``torch.Size``
 cannot be subclassed or patched and multiplies its ints in C; ``x.numel()`` is marked), and a number read outside
 the watched first call.
 """
@@ -181,6 +182,13 @@ def _shadow(op: Callable[[Any, Any], Any], a: Any, b: Any) -> Any:
 
 def _binary(op: Callable[[Any, Any], Any], reflected: bool) -> Callable[[Any, Any], Any]:
     def method(self: Any, other: Any) -> Any:
+        if op is operator.mul and isinstance(other, (list, tuple)) and isinstance(self, PartLength) and (
+                _by_the_model()):
+            # ``[1.0] * t``: Python repeats the list, reading the int in C; its items are not followed, so what is
+            # counted from them (a cumulative sum of it as a tensor) is the part's positions
+            _refuse(self.origin, f"repeats a {type(other).__name__} that many times, whose items (as many as this "
+                                 "rank's part has, plain values) cannot be followed: positions or a count made of "
+                                 "them are the part's")
         if isinstance(other, bool) or not isinstance(other, (int, float)):
             return NotImplemented  # a tensor's reflected method takes it (and the watch sees the number there)
         a, b = (_plain(other), _plain(self)) if reflected else (_plain(self), _plain(other))
