@@ -302,7 +302,12 @@ def _by_the_model() -> bool:
     behalf: what it returns is not judged again): not torch's (a torch call's result is judged by
     ``judge_numbers``), shardwise's own (its watch reads the marked numbers as plain ones), or transformers'
     mask making's (replaced)."""
-    caller = str(sys._getframe(2).f_globals.get("__name__", ""))
+    return by_the_model_at(str(sys._getframe(2).f_globals.get("__name__", "")))
+
+
+def by_the_model_at(caller: str) -> bool:
+    """Whether code of the module ``caller`` taking a marked number is the watched layer's (see
+    :func:`_by_the_model`), on a thread that watches."""
     return getattr(_watch, "refuse", None) is not None and (
         not caller.startswith(_OWN) or caller.startswith("shardwise.testing"))
 

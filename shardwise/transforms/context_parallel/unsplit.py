@@ -351,7 +351,7 @@ _SCAN_FIX = (
 
 _WATCHES = frozenset({__name__, "shardwise.transforms.context_parallel.sequence_dims",
                       "shardwise.transforms.context_parallel.part_length",
-                      "shardwise.transforms.context_parallel.host_calls",
+                      "shardwise.transforms.context_parallel.host_calls", "shardwise.engine.stack.host_calls",
                       "shardwise.transforms.context_parallel.shape_reads",
                       "shardwise.transforms.context_parallel.sequence_rules",
                       "shardwise.transforms.context_parallel.sequence_moves",

@@ -46,6 +46,7 @@ position (feature_mixing.py), but for a strided slice (``[..., ::2]``).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import weakref
 from collections.abc import Callable, Iterable, Sequence
@@ -56,6 +57,8 @@ import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
+from ...engine.stack.host_calls import calls_watched
+from . import head_host_calls  # noqa: F401  (registers the head counts with the engine's stand-ins)
 from .feature_mixing import keeps_features, mixed, moved_features
 from .head_loop_values import HeadLoopValues
 from .head_numbers import HeadNumbers, count_misuse, is_count_read, mark_count
@@ -135,10 +138,12 @@ class _Taken:
 
 
 class SplitWatch(TorchFunctionMode):
-    """Refuses a cut of a watched Colwise output that does not fit its style (see the module docstring)."""
+    """Refuses a cut of a watched Colwise output that does not fit its style (see the module docstring). While it
+    is entered, the engine's stand-ins for math's and numpy's functions stand (head_host_calls.py)."""
 
     def __init__(self) -> None:
         super().__init__()
+        self._host_calls: list[contextlib.ExitStack] = []  # one per entry (a stack: entries may nest)
         self.widths: set[int] = set()  # the widths the Regions divide (local=), as a rank sees them
         self.watched: dict[int, tuple[weakref.ref[Tensor], _Output]] = {}
         # The per-head views of plain Colwise outputs: the dim that holds the rank's heads.
@@ -380,6 +385,23 @@ class SplitWatch(TorchFunctionMode):
             "size while the module runs; or size the view with the heads inferred (view(b, t, -1, head_dim), and "
             "reshape(b, t, -1) to merge them), as Hugging Face's attentions do"
         )
+
+    def __enter__(self) -> SplitWatch:
+        calls = contextlib.ExitStack()
+        calls.enter_context(calls_watched())
+        self._host_calls.append(calls)
+        try:
+            super().__enter__()
+        except BaseException:
+            self._host_calls.pop().close()
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            self._host_calls.pop().close()
 
     def finish(self) -> None:
         """The end of the first forward: no op across an output's features, and a fused output must have

@@ -1,0 +1,67 @@
+"""The engine's stand-ins for Python's and numpy's calls that read an int subclass in C (engine/stack/host_calls.py):
+a registered marked number reaches its judge with the caller's module, the call and its kind; plain numbers and
+other threads' calls pass; the originals are back after."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import threading
+from typing import Any
+
+import numpy as np
+
+from shardwise.engine.stack.host_calls import calls_watched, register
+
+
+class _Marked(int):
+    pass
+
+
+_seen: list[tuple[str, str, str]] = []
+
+
+def _judge(number: Any, caller: str, call: str, kind: str) -> None:
+    _seen.append((caller, call, kind))
+
+
+register((_Marked,), _judge)
+
+
+def test_a_marked_number_reaches_its_judge_naming_the_caller_the_call_and_its_kind() -> None:
+    n = _Marked(4)
+    originals = (range, itertools.islice, itertools.repeat, math.sqrt, np.linspace)
+    _seen.clear()
+    with calls_watched():
+        assert list(range(n)) == [0, 1, 2, 3] and isinstance(range(2), range)
+        assert list(itertools.islice(itertools.count(), n)) == [0, 1, 2, 3]
+        assert list(itertools.repeat(n, 2)) == [4, 4]  # the number repeated, not a count of it: not judged
+        assert math.sqrt(n) == 2.0 and math.ceil(n) == 4  # (ceil keeps a mark: no stand-in)
+        assert np.linspace(0, 1, n).shape == (4,) and np.zeros((2, n)).shape == (2, 4)
+        assert math.sqrt(4) == 2.0 and list(range(2)) == [0, 1]  # plain numbers: nothing judged
+    assert _seen == [(__name__, "range()", "range"), (__name__, "itertools.islice()", "islice"),
+                     (__name__, "math.sqrt", "math"), (__name__, "numpy.linspace", "numpy"),
+                     (__name__, "numpy.zeros", "numpy")]
+    assert (range, itertools.islice, itertools.repeat, math.sqrt, np.linspace) == originals
+
+
+def test_the_stand_ins_stand_while_any_thread_is_inside_and_go_when_the_last_leaves() -> None:
+    inside, leave = threading.Event(), threading.Event()
+
+    def watch() -> None:
+        with calls_watched():
+            inside.set()
+            leave.wait(timeout=10)
+
+    other = threading.Thread(target=watch)
+    other.start()
+    try:
+        assert inside.wait(timeout=10)
+        assert hasattr(math.sqrt, "__wrapped__")  # a stand-in, seen from this thread
+        with calls_watched():
+            pass
+        assert hasattr(math.sqrt, "__wrapped__")  # still standing: the other thread is inside
+    finally:
+        leave.set()
+        other.join(timeout=10)
+    assert not hasattr(math.sqrt, "__wrapped__")
