@@ -65,3 +65,23 @@ def test_the_stand_ins_stand_while_any_thread_is_inside_and_go_when_the_last_lea
         leave.set()
         other.join(timeout=10)
     assert not hasattr(math.sqrt, "__wrapped__")
+
+
+def test_a_module_imported_after_a_watch_or_replaced_since_has_its_bindings_watched_at_the_next() -> None:
+    """A model's module's own binding (``from math import sqrt``) stands in while watched, also for a module that
+    came after the watches before (each module is scanned once), and for one replaced in ``sys.modules`` since."""
+    import sys
+    import types
+
+    with calls_watched():
+        pass
+    for attempt in range(2):  # the first module, then another one in its place
+        module = types.ModuleType("a_model_module_of_the_test")
+        module.sqrt = math.sqrt  # type: ignore[attr-defined]
+        sys.modules[module.__name__] = module
+        try:
+            with calls_watched():
+                assert module.sqrt is math.sqrt and hasattr(module.sqrt, "__wrapped__"), attempt  # type: ignore
+            assert module.sqrt is math.sqrt and not hasattr(math.sqrt, "__wrapped__")  # type: ignore[attr-defined]
+        finally:
+            del sys.modules[module.__name__]

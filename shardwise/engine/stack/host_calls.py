@@ -51,8 +51,11 @@ _marked_types: list[tuple[type, ...]] = [()]
 _lock = threading.Lock()
 _watchers = [0]  # threads in a watched call now
 _originals: list[tuple[Any, str, Any, Any]] = []  # (owner, name, original, stand-in) while they stand
-# Per module name: (its globals' id, the names it binds to a watched original), from its scan (see _bindings)
-_scanned: dict[str, tuple[int, tuple[str, ...]]] = {}
+# The modules scanned (see _bindings), and those that bind a watched original: (the module, the names)
+_scanned: dict[str, int] = {}  # module name -> id of the module scanned
+_bound: dict[str, tuple[Any, tuple[str, ...]]] = {}
+_scanned_for: list[frozenset[int]] = [frozenset()]  # the originals (by id) the scans looked for
+_listed: list[tuple[Any, list[tuple[Any, str, Any]]]] = []  # (the namespaces listed, by id and size; the list)
 _made: dict[tuple[str, str, int], tuple[Any, Callable[..., Any]]] = {}  # (owner, name, id) -> (original, stand-in)
 
 
@@ -140,7 +143,17 @@ def _numpy_function(value: Any) -> bool:
 
 
 def _stand_ins() -> list[tuple[Any, str, Any]]:
-    """(owner, name, stand-in) for every call watched."""
+    """(owner, name, stand-in) for every call watched (listed again only where math's or numpy's names changed)."""
+    numpy = sys.modules.get("numpy")
+    key = (len(vars(math)), id(numpy), len(vars(numpy)) if numpy is not None else 0)
+    if _listed and _listed[0][0] == key:
+        return _listed[0][1]
+    out = _list_stand_ins()
+    _listed[:] = [(key, out)]
+    return out
+
+
+def _list_stand_ins() -> list[tuple[Any, str, Any]]:
     out: list[tuple[Any, str, Any]] = list(_TYPES)
     for name, original in list(vars(math).items()):
         if not name.startswith("_") and name not in _KEEPING and callable(original):
@@ -171,20 +184,32 @@ def may_be_the_model(module_name: str) -> bool:
 
 def _bindings(originals: dict[int, Any]) -> list[tuple[Any, str, Any]]:
     """(module, name, original) for each global of a module that may be the model's code bound to one of
-    ``originals`` (by id): ``from math import sqrt`` there. Each module's globals are scanned once (again where
-    they were replaced, or while the module was still being imported)."""
-    found = []
-    for module_name, module in list(sys.modules.items()):
+    ``originals`` (by id): ``from math import sqrt`` there. Each module is scanned once, at the first watch after
+    its import (one still being imported, again at the next; one replaced in ``sys.modules`` since, again; every
+    one again where the originals are others)."""
+    watched = frozenset(originals)
+    if _scanned_for[0] != watched:  # other originals than the scans looked for (numpy imported since): again
+        _scanned.clear()
+        _bound.clear()
+        _scanned_for[0] = watched
+    current = {module_name: id(module) for module_name, module in list(sys.modules.items())}
+    for module_name, module_id in current.items() - _scanned.items():  # new, or replaced since its scan
+        module = sys.modules.get(module_name)
+        _bound.pop(module_name, None)
         namespace = getattr(module, "__dict__", None)
-        if not isinstance(namespace, dict) or not may_be_the_model(module_name):
-            continue
-        seen = _scanned.get(module_name)
-        if seen is None or seen[0] != id(namespace):
+        if isinstance(namespace, dict) and may_be_the_model(module_name):
             names = tuple(k for k, v in list(namespace.items()) if id(v) in originals and isinstance(k, str))
-            if not getattr(getattr(module, "__spec__", None), "_initializing", False):
-                _scanned[module_name] = (id(namespace), names)
-        else:
-            names = seen[1]
+            if names:
+                _bound[module_name] = (module, names)
+            if getattr(getattr(module, "__spec__", None), "_initializing", False):
+                continue  # still being imported: scanned again at the next watch
+        _scanned[module_name] = module_id
+    found = []
+    for module_name, (module, names) in list(_bound.items()):
+        if sys.modules.get(module_name) is not module:  # removed since
+            del _bound[module_name]
+            continue
+        namespace = module.__dict__
         found += [(module, k, namespace[k]) for k in names if id(namespace.get(k)) in originals]
     return found
 
