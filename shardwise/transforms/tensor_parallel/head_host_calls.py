@@ -12,9 +12,9 @@ While :class:`~.split_watch.SplitWatch` watches a module's first call, the engin
 (``engine/stack/host_calls.py``); a marked count given to one of math's or numpy's functions by the model's code
 (not torch's or shardwise's) is refused here, naming the line and the fix. Inside a Region's first call it is left
 to the Region's probe, which runs the module whole and refuses the values that differ (a result used as a size
-computes the same there). ``range(h)`` and itertools' counts are
-let pass: a loop over the rank's heads takes each in its place (what the loop computes is judged by
-head_loop_values.py), and ``math.ceil``, ``floor``, ``trunc`` and ``prod`` are not stand-ins.
+computes the same there). ``range(h)`` and itertools' counts are let pass: a loop over the rank's heads takes each
+in its place (what the loop computes is judged by head_loop_values.py), and ``math.ceil``, ``floor``, ``trunc`` and
+``prod`` are not stand-ins.
 """
 
 from __future__ import annotations
