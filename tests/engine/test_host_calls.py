@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import operator
 import threading
 from typing import Any
 
@@ -30,19 +31,26 @@ register((_Marked,), _judge)
 
 def test_a_marked_number_reaches_its_judge_naming_the_caller_the_call_and_its_kind() -> None:
     n = _Marked(4)
-    originals = (range, itertools.islice, itertools.repeat, math.sqrt, np.linspace)
+    originals = (range, itertools.islice, itertools.repeat, enumerate, operator.index, math.sqrt, np.linspace)
     _seen.clear()
     with calls_watched():
         assert list(range(n)) == [0, 1, 2, 3] and isinstance(range(2), range)
         assert list(itertools.islice(itertools.count(), n)) == [0, 1, 2, 3]
         assert list(itertools.repeat(n, 2)) == [4, 4]  # the number repeated, not a count of it: not judged
+        assert list(enumerate("ab", start=n)) == [(4, "a"), (5, "b")] and isinstance(enumerate([]), enumerate)
+        assert list(enumerate([n])) == [(0, 4)]  # the number enumerated, not the start: not judged
+        assert operator.index(n) == 4 and type(operator.index(n)) is int  # (an exact int since Python 3.10)
         assert math.sqrt(n) == 2.0 and math.ceil(n) == 4  # (ceil keeps a mark: no stand-in)
         assert np.linspace(0, 1, n).shape == (4,) and np.zeros((2, n)).shape == (2, 4)
         assert math.sqrt(4) == 2.0 and list(range(2)) == [0, 1]  # plain numbers: nothing judged
-    assert _seen == [(__name__, "range()", "range"), (__name__, "itertools.islice()", "islice"),
-                     (__name__, "math.sqrt", "math"), (__name__, "numpy.linspace", "numpy"),
-                     (__name__, "numpy.zeros", "numpy")]
-    assert (range, itertools.islice, itertools.repeat, math.sqrt, np.linspace) == originals
+    # numpy's linspace takes operator.index of its count in Python: judged too, naming numpy's module as the caller
+    assert any(caller.startswith("numpy.") and call == "operator.index" for caller, call, _ in _seen)
+    assert [seen for seen in _seen if seen[0] == __name__] == [
+        (__name__, "range()", "range"), (__name__, "itertools.islice()", "islice"),
+        (__name__, "enumerate()", "enumerate"), (__name__, "operator.index", "operator"),
+        (__name__, "operator.index", "operator"), (__name__, "math.sqrt", "math"),
+        (__name__, "numpy.linspace", "numpy"), (__name__, "numpy.zeros", "numpy")]
+    assert (range, itertools.islice, itertools.repeat, enumerate, operator.index, math.sqrt, np.linspace) == originals
 
 
 def test_the_stand_ins_stand_while_any_thread_is_inside_and_go_when_the_last_leaves() -> None:

@@ -2,7 +2,8 @@
 
 A transform that marks the numbers a layer reads (an ``int`` subclass that keeps its origin through Python's
 arithmetic and is judged where a torch call takes it) cannot see the calls that read such a number's value in C and
-ask it nothing: ``range(n)``, ``itertools.islice(it, n)`` and ``itertools.repeat(v, n)``, math's functions
+ask it nothing: ``range(n)``, ``itertools.islice(it, n)`` and ``itertools.repeat(v, n)``, ``enumerate(it, start=n)``,
+``operator.index(n)`` (an exact ``int`` since Python 3.10, read without asking ``__index__``), math's functions
 (``math.log2(n)`` reads an int directly; others ask ``__float__``), and numpy's functions (numpy asks the number only
 where it is among what a function dispatches on: a size or a count it reads in C, ``np.linspace(0, 1, n)``). Their
 results are plain numbers, or arrays and items that are not followed.
@@ -13,14 +14,16 @@ of a module's own bindings of them (``from math import sqrt``) wherever that mod
 Python's standard library, torch, numpy, torch's sympy and mpmath, or shardwise but its testing models: each module
 scanned once, a few milliseconds for a thousand). A stand-in given a marked number (in its arguments, or one level
 into a list or tuple of them) hands it to its type's judge, with the module of the code that called it, what was
-called and its kind; the judge refuses it, or lets it pass, and the stand-in calls the original. ``math.ceil``,
-``floor``, ``trunc`` and ``prod`` are left as they are (a marked number keeps its mark through them, a size).
+called and its kind; the judge refuses it, or lets it pass, and the stand-in calls the original and returns its
+result, or what the judge makes of it where the judge says (one that follows the numbers a ``range`` over its count
+gives). ``math.ceil``, ``floor``, ``trunc`` and ``prod`` are left as they are (a marked number keeps its mark
+through them, a size).
 
 The stand-ins for the types are classes whose ``isinstance`` and ``issubclass`` answer for the originals. While they
-stand, in every thread of the process: ``type(r) is range`` is False, and pickle, which checks that a class or
-function is what its name finds, refuses a ``range`` object and a math or numpy function taken before the watch
-(one taken during it pickles, by name). What none of them sees: a name bound to an original elsewhere than a
-module's globals (a default argument, a class attribute, a closure).
+stand, in every thread of the process: ``type(r) is range`` (or ``enumerate``) is False, and pickle, which checks
+that a class or function is what its name finds, refuses a ``range`` object and a math or numpy function taken
+before the watch (one taken during it pickles, by name). What none of them sees: a name bound to an original
+elsewhere than a module's globals (a default argument, a class attribute, a closure).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import builtins
 import contextlib
 import itertools
 import math
+import operator
 import sys
 import threading
 import types
@@ -36,8 +40,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 # (the marked number, the module of the code that called, the call named as a message says it, its kind: "math",
-# "numpy", or for the types "range", "islice", "repeat")
-Judge = Callable[[Any, str, str, str], None]
+# "numpy", "operator", or for the types "range", "islice", "repeat", "enumerate") -> None, or what to make of the
+# call's result in its place (a transform that follows the numbers a ``range`` of its count gives)
+Judge = Callable[[Any, str, str, str], "Callable[[Any], Any] | None"]
 
 # Those that keep the mark: a marked float's __ceil__, __floor__, __trunc__ (a size computed from a count), and
 # prod, which multiplies with Python's ``*`` (a product of sizes).
@@ -81,11 +86,12 @@ def _marked_in(values: Any, depth: int = 2) -> Any:
     return None
 
 
-def _judge(found: Any, call: str, kind: str) -> None:
-    """Hand ``found`` to its type's judge, with the module of the code that called the stand-in."""
+def _judge(found: Any, call: str, kind: str) -> Callable[[Any], Any] | None:
+    """Hand ``found`` to its type's judge, with the module of the code that called the stand-in; what the judge
+    makes of the call's result, if anything."""
     caller = str(sys._getframe(2).f_globals.get("__name__", ""))
     judge = next(j for cls, j in _registered[0] if isinstance(found, cls))
-    judge(found, caller, call, kind)
+    return judge(found, caller, call, kind)
 
 
 class _WatchedType(type):
@@ -105,9 +111,9 @@ class _WatchedType(type):
 
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:
         found = _marked_in((*args[cls._counts], *kwargs.values()), depth=1)
-        if found is not None:
-            _judge(found, cls._call, cls._kind)
-        return cls._original(*args, **kwargs)
+        made = _judge(found, cls._call, cls._kind) if found is not None else None
+        result = cls._original(*args, **kwargs)
+        return result if made is None else made(result)
 
 
 def _watched_type(name: str, original: type, counts: slice, call: str) -> type:
@@ -116,7 +122,8 @@ def _watched_type(name: str, original: type, counts: slice, call: str) -> type:
 
 _TYPES = ((builtins, "range", _watched_type("range", range, slice(None), "range()")),
           (itertools, "islice", _watched_type("islice", itertools.islice, slice(1, None), "itertools.islice()")),
-          (itertools, "repeat", _watched_type("repeat", itertools.repeat, slice(1, None), "itertools.repeat()")))
+          (itertools, "repeat", _watched_type("repeat", itertools.repeat, slice(1, None), "itertools.repeat()")),
+          (builtins, "enumerate", _watched_type("enumerate", enumerate, slice(1, None), "enumerate()")))
 
 
 def _watched_function(owner: str, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
@@ -124,9 +131,9 @@ def _watched_function(owner: str, name: str, original: Callable[..., Any]) -> Ca
 
     def call(*args: Any, **kwargs: Any) -> Any:
         found = _marked_in((*args, *kwargs.values()))
-        if found is not None:
-            _judge(found, call_name, owner)
-        return original(*args, **kwargs)
+        made = _judge(found, call_name, owner) if found is not None else None
+        result = original(*args, **kwargs)
+        return result if made is None else made(result)
 
     call.__name__ = call.__qualname__ = name
     call.__module__ = getattr(original, "__module__", None) or owner  # pickled by reference, as the original
@@ -155,6 +162,7 @@ def _stand_ins() -> list[tuple[Any, str, Any]]:
 
 def _list_stand_ins() -> list[tuple[Any, str, Any]]:
     out: list[tuple[Any, str, Any]] = list(_TYPES)
+    out.append((operator, "index", _stand_in("operator", "index", operator.index)))
     for name, original in list(vars(math).items()):
         if not name.startswith("_") and name not in _KEEPING and callable(original):
             out.append((math, name, _stand_in("math", name, original)))

@@ -14,13 +14,16 @@ one; a size or a count it reads in C (``np.ones(t)``, ``np.zeros((b, t))``, ``np
 array of the part's length is not followed (``np.ones(t).cumsum()`` counts the part's positions): relative loss
 error 3.0e-6 for ``linspace``, 5.8e-4 for the two counts, without an error.
 
-itertools' ``islice(it, t)`` and ``repeat(v, t)`` count their items in C too (positions from them: 5.6e-4, 5.8e-4).
+itertools' ``islice(it, t)`` and ``repeat(v, t)`` count their items in C too (positions from them: 5.6e-4, 5.8e-4);
+``enumerate(it, start=t)`` counts on from it and ``operator.index(t)`` returns it as a plain ``int`` (a value from
+the one, ``x * i``: 8.0e-5; positions ``torch.arange`` of the other: 7.6e-4).
 (A list or tuple repeated, ``[1.0] * t``, asks the marked number: ``part_length.py`` refuses it.)
 
 While any thread watches a layer's first call (``unsplit.watched``), the engine's stand-ins stand
-(``engine/stack/host_calls.py``: ``range``, ``itertools.islice`` and ``repeat``, math's functions but those that keep
-the mark, numpy's functions, and a module's own bindings of them): a marked number given by the watched layer's code
-(``part_length.by_the_model_at``: not torch's, shardwise's, or another thread's) is refused, naming the call.
+(``engine/stack/host_calls.py``: ``range``, ``itertools.islice`` and ``repeat``, ``enumerate``, ``operator.index``,
+math's functions but those that keep the mark, numpy's functions, and a module's own bindings of them): a marked
+number given by the watched layer's code (``part_length.by_the_model_at``: not torch's, shardwise's, or another
+thread's) is refused, naming the call.
 ``math.ceil``, ``floor`` and ``trunc`` keep the mark (``t // k`` sized as ``math.ceil(t / k)``), as does
 ``math.prod`` (Python's ``*``). While they stand, in every thread of the process: ``type(r) is range`` is False, and
 pickle refuses a ``range`` object and a math or numpy function taken before the watch.
@@ -53,6 +56,10 @@ _WHAT = {
              "of them are the part's",
     "islice": f"{_AS_MANY} cannot be followed: positions or a count made of them are the part's",
     "repeat": f"{_AS_MANY} cannot be followed: positions or a count made of them are the part's",
+    "enumerate": "numbers (counted on from the part's length, plain ints) cannot be followed: values of the "
+                 "computation made of the part's count",
+    "operator": "result is a plain int (since Python 3.10, read without asking the number) that cannot be followed: a "
+                "value made of it is the part's count (a size needs no index(): pass the read as it is)",
     "math": "result is a plain number that cannot be followed: a value of the computation made of the part's count",
     "numpy": "result (a plain number, or an array whose length or values are the part's count: numpy's arrays are not "
              "followed) cannot be followed: a value of the computation, or the part's positions counted 0 .. t - 1",

@@ -127,13 +127,21 @@ _ELEMENTWISE = words(
 )
 
 
-# Ops that read none of their tensor arguments' values (a new tensor of their dtype, device, or shape).
+# Ops that read none of their tensor arguments' values (a new tensor of their dtype or device, of a size given; the
+# ``*_like`` ones, of their input's shape, hold its positions: _like_rule).
 _UNREAD = words(
-    "empty_like zeros_like ones_like full_like rand_like randn_like randint_like new_empty new_zeros new_ones "
-    "new_full new_empty_strided empty_strided _assert_async _has_compatible_shallow_copy_type is_same_size "
+    "new_empty new_zeros new_ones new_full new_empty_strided empty_strided _assert_async "
+    "_has_compatible_shallow_copy_type is_same_size "
     "record_stream sym_size sym_stride sym_numel sym_storage_offset device layout dtype is_contiguous "
     "is_strides_like_format is_non_overlapping_and_dense size stride numel dim storage_offset"
 )
+
+
+def _like_rule(c: Call) -> Verdict:
+    """A new tensor of its input's shape (``torch.ones_like(x)``): its dims hold the positions the input's hold, as
+    a new tensor sized by the part's length does (``shape_reads.sized_dims``), so that a cumulated sum of it along
+    them (a count of the part's positions, 0 .. t / n - 1 on every rank) is refused as one of ``x`` would be."""
+    return c.each({d: r for d, r in c.tags_of(c.args[0]).items() if d >= 0} if c.args else {})
 
 
 def _pointwise_rule(c: Call) -> Verdict:
@@ -389,6 +397,8 @@ def _full_read(what: str) -> Callable[[Call], Verdict]:
 
 _RULES: dict[str, Callable[[Call], Verdict]] = {
     **MOVE_RULES,
+    **dict.fromkeys(["empty_like", "zeros_like", "ones_like", "full_like", "rand_like", "randn_like",
+                     "randint_like"], _like_rule),
     **dict.fromkeys(["sum", "mean", "nansum", "nanmean", "prod", "amax", "amin", "any", "all", "logsumexp",
                      "count_nonzero", "aminmax"], _reduction(1, 2, "")),
     **dict.fromkeys(["max", "min", "argmax", "argmin", "median", "nanmedian"], _reduction(1, 2, "")),

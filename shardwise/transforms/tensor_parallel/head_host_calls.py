@@ -9,35 +9,47 @@ projections are split without a Region (no probe runs it whole) trained another 
 values from ``np.linspace(0.5, 1, q.size(1))`` (0.24%), ALiBi slopes from ``math.log2`` of it (0.21%).
 
 While :class:`~.split_watch.SplitWatch` watches a module's first call, the engine's stand-ins stand
-(``engine/stack/host_calls.py``); a marked count given to one of math's or numpy's functions by the model's code
-(not torch's or shardwise's) is refused here, naming the line and the fix. Inside a Region's first call it is left
-to the Region's probe, which runs the module whole and refuses the values that differ (a result used as a size
-computes the same there). ``range(h)`` and itertools' counts are let pass: a loop over the rank's heads takes each
-in its place (what the loop computes is judged by head_loop_values.py), and ``math.ceil``, ``floor``, ``trunc`` and
-``prod`` are not stand-ins.
+(``engine/stack/host_calls.py``); a marked count given by the model's code (not torch's or shardwise's) to one of
+math's or numpy's functions, to ``operator.index`` (a plain ``int`` of it) or as ``enumerate``'s ``start`` is
+refused here, naming the line and the fix. Inside a Region's first call it is left to the Region's probe, which
+runs the module whole and refuses the values that differ (a result used as a size computes the same there).
+Outside one, ``range(h)`` returns a :class:`~.head_numbers.HeadRange` of head numbers: a loop over the rank's heads
+takes each in its place, and a number of it used as a value is refused (head_numbers.py). itertools' counts are
+let pass (what a loop computes from the heads it reads is judged by head_loop_values.py), and ``math.ceil``,
+``floor``, ``trunc`` and ``prod`` are not stand-ins.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from ...engine.stack.host_calls import register
-from .head_numbers import Marked
+from .head_numbers import HeadRange, Marked, Numbered
 from .model_frames import innermost_model_line
 from .rank_flow import flow
-from .read_refusals import head_count_message
+from .read_refusals import head_count_message, head_value_message
 
-_JUDGED = frozenset({"math", "numpy"})
+_JUDGED = frozenset({"math", "numpy", "operator", "enumerate"})
 _OWN = ("torch.", "shardwise.")
 
 
-def _judge(number: Any, caller: str, call: str, kind: str) -> None:
+def _judge(number: Any, caller: str, call: str, kind: str) -> Callable[[Any], Any] | None:
     if getattr(flow, "in_region", 0):
-        return  # a Region's first call: its probe runs the module whole and compares the values it computes
-    if kind in _JUDGED and (not caller.startswith(_OWN) or caller.startswith("shardwise.testing")):
-        raise ValueError(head_count_message(
-            f"the model's code at {innermost_model_line()} passes {number.origin} to {call}, whose result (a plain "
-            "number, or a numpy array) cannot be followed"))
+        return None  # a Region's first call: its probe runs the module whole and compares the values it computes
+    if caller.startswith(_OWN) and not caller.startswith("shardwise.testing"):
+        return None
+    if kind == "range":
+        origin = number.origin if isinstance(number, Numbered) else f"a head number of range() over {number.origin}"
+        return lambda numbers: HeadRange(numbers, origin)  # each a HeadIndex: an index, refused as a value
+    if kind in _JUDGED:
+        what = "numbers (plain ints counted on from it)" if kind == "enumerate" else (
+            "result (a plain number, or a numpy array)")
+        message = head_value_message if isinstance(number, (*Numbered, HeadRange)) else head_count_message
+        raise ValueError(message(
+            f"the model's code at {innermost_model_line()} passes {number.origin} to {call}, whose {what} cannot be "
+            "followed"))
+    return None
 
 
-register(Marked, _judge)
+register((*Marked, HeadRange), _judge)  # (a range of head numbers given whole: np.array(range(h)))

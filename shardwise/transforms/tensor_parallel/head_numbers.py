@@ -17,11 +17,21 @@ and split with the heads (``sw.tp.PerHead()``) is exact and needs no numbering a
 attention's group) is the same on a rank as on the whole and is a plain number. :func:`count_misuse` judges a
 torch call given one; :class:`HeadNumbers` follows the tensors computed from an arange over one.
 
-What it cannot see: a number that leaves Python's arithmetic for a plain one (``range(h)``, ``float(h)``,
-``int(h)``, ``math.sqrt(h)``, ``list(range(h))``, a Python float on the left, ``1.0 / h``: float's own method
-takes an int); head_loop_values.py judges what a loop over a rank's heads
-computes), a marked tensor read back into Python (``.tolist()``, ``.item()``), and a count the model computes
-itself from a whole one (``config.num_attention_heads``, which stays whole).
+Outside a Region (whose probe runs the module whole and compares), ``range(h)`` in the model's code is a
+:class:`HeadRange` (head_host_calls.py) of :class:`HeadIndex` numbers: a loop's ``h`` is exact as an index of the
+heads (``q[:, h]``, ``out[:, h] = ...``, ``torch.tensor([h])`` as an index, followed as head numbers), and Python's
+arithmetic on it keeps the mark (``h + 1``; ``h + 1.0``, ``2 ** -h`` a :class:`HeadIndexValue`). A torch call
+taking one as a value (``torch.as_tensor([h + 1.0 for h in ...])``, ``q[:, h] * h``) is refused at the end of the
+first call, after head_loop_values.py, which names the values that differ where the loop reads the heads. A list
+or tuple repeated by a count (``[1.0] * h``) is a :class:`HeadSizedList` / :class:`HeadSizedTuple`: a tensor made
+of it has the rank's heads along dim 0 (head_sized.py).
+
+What it cannot see: a number that leaves Python's arithmetic for a plain one (``float(h)``, ``int(h)``, a Python
+float on the left, ``1.0 / h`` and ``2.0 ** -h``: float's own method takes an int; ``len(range(h))``; math's and
+numpy's functions are refused, head_host_calls.py), a marked tensor read back into Python (``.tolist()``,
+``.item()``), a count the model computes itself from a whole one (``config.num_attention_heads``, which stays
+whole), and the numbers of a loop over the heads by another means (``enumerate(q.unbind(1))``; head_loop_values.py
+judges what such a loop computes from the heads it reads).
 """
 
 from __future__ import annotations
@@ -46,7 +56,7 @@ class HeadCount(int):
         return made
 
     def __neg__(self) -> HeadCount:
-        return HeadCount(-int(self), self.origin)
+        return type(self)(-int(self), self.origin)
 
     def __reduce__(self) -> tuple[Any, ...]:
         return int, (int(self),)  # a copy (deepcopy, pickle) is a plain number: the mark is the first call's
@@ -66,30 +76,69 @@ class HeadValue(float):
         return made
 
     def __neg__(self) -> HeadValue:
-        return HeadValue(-float.__float__(self), self.origin)
+        return type(self)(-float.__float__(self), self.origin)
 
     def __reduce__(self) -> tuple[Any, ...]:
         return float, (float.__float__(self),)
 
 
-Marked = (HeadCount, HeadValue)
+class HeadIndex(int):
+    """An ``int`` that numbers one of the rank's heads from 0 (a loop's ``h`` of ``range(q.size(1))``), or is
+    computed from one by Python's integer arithmetic (``h + 1``): right as an index of the heads, refused as a
+    value."""
+
+    origin: str
+
+    def __new__(cls, value: int, origin: str) -> HeadIndex:
+        made = super().__new__(cls, value)
+        made.origin = origin
+        return made
+
+    __neg__ = HeadCount.__neg__
+    __reduce__ = HeadCount.__reduce__
+    __pos__ = HeadCount.__pos__
+
+
+class HeadIndexValue(float):
+    """A ``float`` computed from a head number (``h + 1.0``, ``2 ** -h``, ``h / 4``)."""
+
+    origin: str
+
+    def __new__(cls, value: float, origin: str) -> HeadIndexValue:
+        made = super().__new__(cls, value)
+        made.origin = origin
+        return made
+
+    __neg__ = HeadValue.__neg__
+    __reduce__ = HeadValue.__reduce__
+
+
+Marked = (HeadCount, HeadValue, HeadIndex, HeadIndexValue)
+Numbered = (HeadIndex, HeadIndexValue)  # (a head's number, and what is computed from it)
 
 
 def _plain(x: Any) -> Any:
-    return int.__int__(x) if isinstance(x, HeadCount) else float.__float__(x) if isinstance(x, HeadValue) else x
+    return int.__int__(x) if isinstance(x, (HeadCount, HeadIndex)) else (
+        float.__float__(x) if isinstance(x, (HeadValue, HeadIndexValue)) else x)
 
 
 def _binary(op: Callable[[Any, Any], Any], reflected: bool) -> Callable[[Any, Any], Any]:
     def method(self: Any, other: Any) -> Any:
+        if op is operator.mul and isinstance(other, (list, tuple)) and isinstance(self, HeadCount):
+            return repeated(other, self)  # ``[1.0] * h``: as many items as the rank has heads (head_sized.py)
         if isinstance(other, bool) or not isinstance(other, (int, float)):
             return NotImplemented  # a tensor's reflected method takes it (and the watch sees the number there)
         a, b = (_plain(other), _plain(self)) if reflected else (_plain(self), _plain(other))
         value = op(a, b)
-        if isinstance(other, Marked) and op in (operator.floordiv, operator.truediv):
+        numbered = isinstance(self, Numbered) or isinstance(other, Numbered)
+        if isinstance(other, Marked) and op in (operator.floordiv, operator.truediv) and not numbered:
             return value  # a ratio of two of the rank's counts: the whole's (query heads per key head)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             return value
-        return HeadCount(value, self.origin) if isinstance(value, int) else HeadValue(value, self.origin)
+        origin = other.origin if isinstance(other, Numbered) and not isinstance(self, Numbered) else self.origin
+        if numbered:
+            return HeadIndex(value, origin) if isinstance(value, int) else HeadIndexValue(value, origin)
+        return HeadCount(value, origin) if isinstance(value, int) else HeadValue(value, origin)
 
     return method
 
@@ -102,6 +151,76 @@ for _name, _op in _ARITHMETIC.items():
         setattr(_cls, f"__r{_name}__", _binary(_op, True))
 
 
+class HeadSizedList(list[Any]):
+    """A list repeated as many times as the rank has heads (``[1.0] * h``); ``origin``: the count's."""
+
+    origin: str
+
+
+class HeadSizedTuple(tuple[Any, ...]):
+    """A tuple repeated as many times as the rank has heads (``(1.0,) * h``); ``origin``: the count's."""
+
+    origin: str
+
+
+def repeated(items: list[Any] | tuple[Any, ...], count: HeadCount) -> list[Any] | tuple[Any, ...]:
+    """``items * count`` (Python's repeat), marked with the count: a tensor made of it holds the rank's heads."""
+    made: HeadSizedList | HeadSizedTuple = (
+        HeadSizedList(items * int(count)) if isinstance(items, list) else HeadSizedTuple(items * int(count)))
+    made.origin = count.origin
+    return made
+
+
+class HeadRange:
+    """``range(h)`` of the rank's head count in the model's code, outside a Region: the same numbers, each a
+    :class:`HeadIndex` (head_host_calls.py makes it)."""
+
+    def __init__(self, numbers: range, origin: str) -> None:
+        self._numbers, self.origin = numbers, origin  # (origin: what each number says it is)
+
+    def __iter__(self) -> Iterator[HeadIndex]:
+        return (HeadIndex(n, self.origin) for n in self._numbers)
+
+    def __reversed__(self) -> Iterator[HeadIndex]:
+        return (HeadIndex(n, self.origin) for n in reversed(self._numbers))
+
+    def __len__(self) -> int:
+        return len(self._numbers)
+
+    def __getitem__(self, at: Any) -> Any:
+        found = self._numbers[at]
+        return HeadRange(found, self.origin) if isinstance(found, range) else HeadIndex(found, self.origin)
+
+    def __contains__(self, n: Any) -> bool:
+        return n in self._numbers
+
+    def __eq__(self, other: Any) -> bool:
+        return self._numbers == (other._numbers if isinstance(other, HeadRange) else other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return repr(self._numbers)
+
+    def index(self, n: Any) -> int:
+        return self._numbers.index(n)
+
+    def count(self, n: Any) -> int:
+        return self._numbers.count(n)
+
+    @property
+    def start(self) -> int:
+        return self._numbers.start
+
+    @property
+    def stop(self) -> int:
+        return self._numbers.stop
+
+    @property
+    def step(self) -> int:
+        return self._numbers.step
+
+
 def _found(a: Any) -> Iterator[Any]:
     if isinstance(a, Marked):
         yield a
@@ -110,6 +229,8 @@ def _found(a: Any) -> Iterator[Any]:
             yield from _found(e)
     elif isinstance(a, slice):
         yield from (e for e in (a.start, a.stop, a.step) if isinstance(e, Marked))
+    elif isinstance(a, HeadRange):
+        yield HeadIndex(a.start, a.origin)  # (its numbers: torch.tensor(range(h)) is a tensor of head numbers)
 
 
 def counts_in(args: Sequence[Any], kwargs: dict[str, Any]) -> list[Any]:
@@ -139,6 +260,9 @@ def count_misuse(
     found = counts_in(args, kwargs)
     if not found or name in _SIZES or name == "arange":
         return None
+    numbered = next((n for n in found if isinstance(n, Numbered)), None)
+    if numbered is not None:
+        return _numbered_misuse(name, args, kwargs, numbered)
     origin = found[0].origin
     if name in _FILLED:
         at = _FILLED[name]
@@ -152,6 +276,24 @@ def count_misuse(
         return (f"indexes a tensor of shape {list(args[0].shape)} that holds no heads of its own by {origin} ({name}): "
                 "the first heads' rows of a table on every rank, not this rank's"), False
     return f"passes {origin} to {name} as a value", True
+
+
+# Calls that make a tensor of the numbers they are given: of head numbers, a tensor of them (HeadNumbers follows it).
+_MADE = frozenset({"tensor", "as_tensor", "asarray", "new_tensor", "LongTensor", "IntTensor"})
+
+
+def _numbered_misuse(
+    name: str, args: Sequence[Any], kwargs: dict[str, Any], numbered: Any
+) -> tuple[str, bool] | None:
+    """How a torch call uses a head number (a loop's ``h``) as a value; None where only as an index, a place or a
+    size (or made into a tensor of head numbers, which is followed)."""
+    if name == "__setitem__" and counts_in(args[2:], kwargs):
+        return f"writes {numbered.origin} into a tensor as a value", False
+    if name in _PLACES:
+        return None  # q[:, h], out[:, h] = ..., select(1, h): the rank's head h in its place
+    if name in _MADE and all(isinstance(n, HeadIndex) for n in counts_in(args, kwargs)):
+        return None  # torch.tensor([h]): an index of the heads, followed (HeadNumbers)
+    return f"passes {numbered.origin}, this rank's head number, to {name} as a value", False
 
 
 # Where a call takes indices (a tensor of head numbers there names the rank's heads in their places: exact).
@@ -189,6 +331,11 @@ class HeadNumbers:
             if counted:
                 self.mark(out, f"torch.arange over {counted[0].origin}")
             return None
+        if name in _MADE:
+            numbered = [n for n in counts_in(args, kwargs) if isinstance(n, HeadIndex)]
+            if numbered:
+                self.mark(out, f"torch.{name} of {numbered[0].origin}")
+                return None
         if not self._marked:
             return None
         at = _INDEX_AT.get(name)

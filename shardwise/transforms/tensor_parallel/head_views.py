@@ -54,6 +54,7 @@ from torch import Tensor
 from .head_factors import FACTORING, factored_heads
 from .head_indices import NAMES as HEAD_INDEX_OPS
 from .head_indices import HeadIndexRefused, index_heads, see_head_index
+from .head_numbers import HeadRange
 from .model_frames import innermost_model_line
 from .read_refusals import head_number_message
 
@@ -219,6 +220,7 @@ def _index_heads(t: Tensor, index: Any, dim: int) -> tuple[int | None, tuple[int
     takes alone (its number on this rank, and the index as written), if one; raises _Cut where it takes
     some of them."""
     items = list(index) if isinstance(index, tuple) else [index]
+    items = [list(i) if isinstance(i, (range, HeadRange)) else i for i in items]  # (torch indexes by a range's list)
     consumed = sum(1 for i in items if i is not None and i is not Ellipsis)
     if Ellipsis in items:
         at = items.index(Ellipsis)

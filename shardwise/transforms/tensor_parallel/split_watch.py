@@ -61,7 +61,8 @@ from ...engine.stack.host_calls import calls_watched
 from . import head_host_calls  # noqa: F401  (registers the head counts with the engine's stand-ins)
 from .feature_mixing import keeps_features, mixed, moved_features
 from .head_loop_values import HeadLoopValues
-from .head_numbers import HeadNumbers, count_misuse, is_count_read, mark_count
+from .head_numbers import HeadNumbers, Numbered, count_misuse, counts_in, is_count_read, mark_count
+from .head_sized import HeadSized
 from .head_sources import HeadSources
 from .head_views import check_head_count, see_heads
 from .model_frames import by_shardwise, innermost_model_line
@@ -103,6 +104,8 @@ _AUGMENTED = {
                             "rshift", "matmul")
 }
 _NOT_WRITES = {"requires_grad_", "share_memory_", "retain_grad_", "record_stream_"}
+# Ops that gather a list of tensors in its order (the heads read one at a time, stacked back).
+_GATHERS = {"stack", "cat", "concat", "concatenate", "hstack", "vstack", "dstack", "column_stack"}
 
 
 @dataclass
@@ -166,6 +169,8 @@ class SplitWatch(TorchFunctionMode):
         self.sources = HeadSources()  # the heads a value read one at a time came from: where it may be written
         self.loop_values = HeadLoopValues()  # what each head got, read one at a time: the same for each
         self.numbers = HeadNumbers()  # tensors of the rank's head numbers (an arange over its count)
+        self.sized = HeadSized()  # new tensors sized by the rank's head count: what counts their places is numbers
+        self.numbered_misuse: str | None = None  # the first refusal of a loop's head number as a value (finish())
 
     def _outputs_in(self, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[str, ...]:
         """The labels of the Colwise outputs among an op's arguments, followed in any form."""
@@ -243,11 +248,18 @@ class SplitWatch(TorchFunctionMode):
             see_heads(self, func, t, entry, dim, args, kwargs, out)
         if self.sources.marked():
             self.loop_values.see(_name(func), args, kwargs, self.sources)
+            self._check_gathered_order(_name(func), args, kwargs)
         misused = self._head_numbers_misused(func, args, kwargs, out)
         if misused is not None and not by_shardwise(_name(func)):  # (asked here: the op's caller is above this frame)
             why, scalar = misused
             message = head_count_message if scalar else head_value_message
-            raise ValueError(message(f"the model's code at {innermost_model_line()} {why}"))
+            refusal = message(f"the model's code at {innermost_model_line()} {why}")
+            if not any(isinstance(n, Numbered) for n in counts_in(args, kwargs)):
+                raise ValueError(refusal)
+            # a loop's head number as a value: refused at finish(), after what the loop computed for each head
+            # (head_loop_values.py names the values that differ, where the loop reads the heads)
+            self.numbered_misuse = self.numbered_misuse or refusal
+        self.sized.see(_name(func), args, kwargs, out, self.numbers)
         if is_count_read(func, _name(func)) and args:
             heads = self._heads_of(args[0])
             if heads is not None and heads[0].fused == 1 and heads[0].parts > 1 and not by_shardwise(_name(func)):
@@ -318,6 +330,32 @@ class SplitWatch(TorchFunctionMode):
                 entry, f"it writes values read from head {heads} of {t.shape[dim]} into head {head} ({where}), "
                 "another head's on a rank than on one device", t, dim,
             ))
+
+    def _check_gathered_order(self, name: str, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
+        """Refuse a stack or cat of one value read from each head of a tensor, in another order than the heads'
+        (``torch.stack([q[:, h] for h in reversed(range(q.size(1)))], 1)``): the rank's last head goes to its
+        first place, where one device puts its last head of all (1.8% apart in the loss after one step of the
+        tests' tiny attention, no error)."""
+        items = args[0] if args else kwargs.get("tensors")
+        if name not in _GATHERS or not isinstance(items, (list, tuple)) or len(items) < 2:
+            return
+        marks = [self.sources.of(t) for t in items]
+        if any(len(m) != 1 for m in marks):
+            return  # (a value made of several heads, or of none: judged elsewhere)
+        read = [next(iter(m)) for m in marks]
+        heads = read[0][0]
+        order = [head for _, head in read]
+        if len(items) != heads or any(n != heads for n, _ in read) or order == list(range(heads)) or (
+                sorted(order) != list(range(heads))):
+            return  # (each in its place; or not each head once, which finish() refuses as heads taken unequally)
+        taken = next((t for t in self.taken.values() if not t.write and t.tensor.shape[t.dim] == heads), None)
+        if taken is None:
+            return
+        raise ValueError(head_number_message(
+            taken.entry, f"it gathers a value read from each of this rank's {heads} heads ({name} at "
+            f"{innermost_model_line()}) in the order of heads {order}, not each in its own place: on one device "
+            "that order puts other heads there", taken.tensor, taken.dim,
+        ))
 
     def _head_view_of(self, t: Any) -> _Taken | None:
         found = self.head_views.get(id(t)) if isinstance(t, Tensor) else None
@@ -435,6 +473,8 @@ class SplitWatch(TorchFunctionMode):
                 f"{whose} computes each of this rank's {heads} heads in a loop, but not alike: {what}; values "
                 "computed from the loop's head number (h + 1.0, slopes[h], if h == 0), not from the head's values"
             ))
+        if self.numbered_misuse is not None:
+            raise ValueError(self.numbered_misuse)
 
     def _see(self, func: Any, t: Tensor, entry: _Output, args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> None:
         if entry.sequence is not None and func in _RESHAPES and isinstance(out, Tensor):

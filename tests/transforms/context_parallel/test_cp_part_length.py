@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import operator
 import random
 from collections.abc import Callable
 from math import sqrt as bound_sqrt  # names bound before any watch, as a model's module may bind them
@@ -143,6 +144,11 @@ SIZED_BY_IT: list[tuple[str, Op, str]] = [
     ("ones_cumsum_as_position_ids", lambda x: x * F.embedding(
         torch.ones(x.shape[0], x.shape[1], dtype=torch.long).cumsum(-1) - 1,
         torch.linspace(0, 1, 32 * 16, dtype=x.dtype).view(32, 16) ** 2), r"takes cumsum of a \[2, 4\] tensor"),
+    # Made like a tensor that holds positions: its shape, so its dims hold them too (6.7e-4 and 2.9e-4 before)
+    ("ones_like_cumsum", lambda x: x * torch.ones_like(x).cumsum(1) / 8,
+     r"takes cumsum of a \[2, 4, 16\] tensor along the sequence"),
+    ("full_like_sum", lambda x: x * torch.full_like(x[..., :1], 2.0).sum(1, keepdim=True) / 8,
+     r"takes sum of a \[2, 4, 1\] tensor along the sequence"),
 ]
 
 
@@ -156,7 +162,9 @@ def test_a_new_tensor_sized_by_the_parts_length_reduced_along_it_is_refused(op: 
 
 def test_a_new_tensor_sized_by_it_used_elementwise_is_split() -> None:
     step, params, batches = _step(lambda x: x * x.new_ones(x.shape) + 0.01 * torch.ones(x.shape[1], 1, dtype=x.dtype)
-                                  * x + torch.zeros(x.shape[0], x.shape[1], 1, dtype=x.dtype).fill_(0.5) * x)
+                                  * x + torch.zeros(x.shape[0], x.shape[1], 1, dtype=x.dtype).fill_(0.5) * x
+                                  + torch.ones_like(x) * x + torch.zeros_like(x).fill_(0.5) * x
+                                  + torch.full_like(x, 0.1))
     sw.testing.assert_equivalent(sw.context_parallel(step, "cp"), step, sw.Mesh(cp=2), batches, params, rtol=1e-12)
 
 
@@ -378,6 +386,11 @@ TAKEN_IN_C: list[tuple[str, Op, str]] = [
     ("numpy_arange_bound_before",
      lambda x: x * torch.from_numpy(bound_arange(x.shape[1])).to(x.dtype)[None, :, None] / 100,
      r"passes it to numpy\.arange"),
+    # Counted on from it, and a plain int of it (8.0e-5 and 7.6e-4)
+    ("enumerate_started_at_it", lambda x: x * sum(i for i, _ in enumerate([0], start=x.shape[1])) / 8,
+     r"passes it to enumerate\(\)"),
+    ("operator_index", lambda x: x * torch.arange(operator.index(x.shape[1]), dtype=x.dtype)[None, :, None] / 8,
+     r"passes it to operator\.index"),
 ]
 
 
@@ -405,7 +418,9 @@ def _plain_numbers_and_sizes(x: torch.Tensor) -> torch.Tensor:
     scale = math.sqrt(0.25) * bound_sqrt(1.0) * bound_arange(2).sum()  # (plain numbers, by bound names too)
     scale = scale * np.ones(2).sum() / np.linspace(0, 2, 3).sum()  # numpy's functions of plain numbers
     scale = scale * sum([0.5] * 2) * len(list(itertools.islice(itertools.repeat(1, 3), 2))) / 2  # and Python's
+    scale = scale * sum(i for i, _ in enumerate([0], start=1)) * operator.index(2) / 2
     assert isinstance(itertools.islice([], 1), itertools.islice) and isinstance(itertools.repeat(1), itertools.repeat)
+    assert isinstance(enumerate([]), enumerate)
     return (heads[0] + heads[1]) * scale + x[:, :t] + x.reshape(rows, -1).view_as(x) * np.arange(3).sum()
 
 
@@ -417,19 +432,20 @@ def test_plain_numbers_and_sizes_pass_through_the_watched_calls() -> None:
 def test_the_watched_calls_are_the_originals_again_after_a_watch_and_after_a_refusal() -> None:
     import builtins
 
-    originals = (builtins.range, itertools.islice, itertools.repeat, math.sqrt, math.isqrt, np.arange, np.linspace,
-                 np.ones, bound_sqrt, bound_arange)
+    originals = (builtins.range, itertools.islice, itertools.repeat, builtins.enumerate, operator.index, math.sqrt,
+                 math.isqrt, np.arange, np.linspace, np.ones, bound_sqrt, bound_arange)
     assert (bound_sqrt, bound_arange) == (math.sqrt, np.arange)
 
     def now() -> tuple[object, ...]:  # this module's own bindings read as a model's code reads them, by name
-        return (builtins.range, itertools.islice, itertools.repeat, math.sqrt, math.isqrt, np.arange, np.linspace,
-                np.ones, globals()["bound_sqrt"], globals()["bound_arange"])
+        return (builtins.range, itertools.islice, itertools.repeat, builtins.enumerate, operator.index, math.sqrt,
+                math.isqrt, np.arange, np.linspace, np.ones, globals()["bound_sqrt"], globals()["bound_arange"])
 
     step, params, batches = _step(_plain_numbers_and_sizes)
     sw.context_parallel(step, "cp").plan(sw.Mesh(cp=2), params, batches[0])
     assert now() == originals
     for name, op, _ in TAKEN_IN_C:
-        if name in ("len_of_range", "math_sqrt_bound_before", "numpy_ones_counted", "itertools_islice"):
+        if name in ("len_of_range", "math_sqrt_bound_before", "numpy_ones_counted", "itertools_islice",
+                    "enumerate_started_at_it", "operator_index"):
             step, params, batches = _step(op)
             with pytest.raises(ValueError, match="passes it to"):
                 sw.context_parallel(step, "cp").plan(sw.Mesh(cp=2), params, batches[0])

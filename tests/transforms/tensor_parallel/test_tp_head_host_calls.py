@@ -4,13 +4,15 @@ An attention whose projections are split without a Region (Colwise q, k, v and a
 to compare) that computes a scale or per-head values from ``q.size(1)``, the rank's H/tp heads, by math or numpy
 trained another model without an error (float64, tp 2, relative loss error after one step of SGD with momentum:
 ``math.sqrt(q.size(1))`` 1.2e-2, ``np.linspace(0.5, 1, q.size(1))`` 2.4e-3, ALiBi slopes from ``math.log2`` of
-it 2.1e-3). Those calls are stand-ins while a module's first call is watched (head_host_calls.py); the same calls of
-whole numbers, and a loop over the rank's heads by ``range(q.size(1))``, pass.
+it 2.1e-3; ``operator.index(q.size(1))`` and ``enumerate(.., start=q.size(1))`` 9.9e-3). Those calls are stand-ins
+while a module's first call is watched (head_host_calls.py); the same calls of whole numbers, and a loop over the
+rank's heads by ``range(q.size(1))``, pass.
 """
 
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable
 from math import log2 as bound_log2  # a name bound before any watch, as a model's module may bind it
 from typing import Any
@@ -61,6 +63,10 @@ REFUSED: list[tuple[str, Op, str]] = [
     ("math_sqrt", lambda m, q: q * math.sqrt(q.size(1)), r"math\.sqrt"),
     ("numpy_linspace", lambda m, q: _per_head(np.linspace(0.5, 1, q.size(1)), q), r"numpy\.linspace"),
     ("alibi_slopes_by_a_bound_log2", lambda m, q: _per_head(_alibi_slopes(q.size(1)), q), r"math\.log2"),
+    # a plain int of it, and numbers counted on from it (each 9.9e-3 before)
+    ("operator_index", lambda m, q: q * operator.index(q.size(1)) / 4, r"operator\.index"),
+    ("enumerate_started_at_it", lambda m, q: q * sum(i for i, _ in enumerate([0], start=q.size(1))) / 4,
+     r"enumerate\(\)"),
 ]
 
 
