@@ -36,7 +36,9 @@ without an error, are refused here:
   values, by head_numbers.py.)
 
 The heads dim is followed through transposes, permutes, index keeping the heads whole, unsqueeze,
-expand and same-shaped ops (rotary products, casts), and through a reshape of it into several dims onto the
+expand and same-shaped ops (rotary products, casts), batched matrix products that keep it as a batch dim (the
+scores ``q @ k.transpose(-1, -2)``, ``einsum("bhtd,bhsd->bhts", q, k)``, ``probs @ v``: a loop over the scores'
+heads is then judged as one over q's, and a mean over their heads is refused), and through a reshape of it into several dims onto the
 one that carries the rank's split (Falcon's key/value groups: head_factors.py, which refuses a reshape that
 has none). An op across it (``z - z.mean(1)``, a norm over heads and head_dim together) computes over a
 rank's heads only, and is refused (split_watch.py, with feature_mixing.py's tables). A reshape that merges
@@ -184,7 +186,40 @@ def _heads_after(
             return dim
         if name in _MERGES:
             return _singletons_moved(t, dim, out)
+    if name in _BATCHED_PRODUCTS:
+        return _batch_dim_kept(t, dim, out)
+    if name == "einsum":
+        return _einsum_kept(t, dim, args, out)
     return dim if out.shape == t.shape else None
+
+
+# Matrix products batched over the leading dims: the heads as a batch dim stay each on its own (attention's
+# scores q @ k.transpose(-1, -2), and probs @ v, computed per head in one call).
+_BATCHED_PRODUCTS = {"matmul", "__matmul__", "__rmatmul__", "bmm", "baddbmm"}
+
+
+def _batch_dim_kept(t: Tensor, dim: int, out: Tensor) -> int | None:
+    """Where a batched matrix product keeps ``t``'s heads, a batch dim (aligned from the right, as broadcasting
+    aligns them); None where the heads are a matrix dim (contracted, or rows of another shape)."""
+    if t.dim() < 3 or dim >= t.dim() - 2 or out.dim() < t.dim():
+        return None
+    kept = dim + out.dim() - t.dim()
+    return kept if out.shape[kept] == t.shape[dim] else None
+
+
+def _einsum_kept(t: Tensor, dim: int, args: Sequence[Any], out: Tensor) -> int | None:
+    """Where ``einsum`` keeps ``t``'s heads: the output's place of the heads' letter (``"bhtd,bhsd->bhts"``);
+    None where the letter is summed over, or the equation has an ellipsis or no output given."""
+    if not args or not isinstance(args[0], str) or "->" not in args[0] or "." in args[0]:
+        return None
+    operands = args[1] if len(args) == 2 and isinstance(args[1], (list, tuple)) else args[1:]
+    at = next((i for i, a in enumerate(operands) if a is t), None)
+    inputs, output = args[0].replace(" ", "").split("->")
+    subscripts = inputs.split(",")
+    if at is None or at >= len(subscripts) or len(subscripts[at]) != t.dim():
+        return None
+    letter = subscripts[at][dim]
+    return output.index(letter) if letter in output and out.shape[output.index(letter)] == t.shape[dim] else None
 
 
 def _singletons_moved(t: Tensor, dim: int, out: Tensor) -> int | None:

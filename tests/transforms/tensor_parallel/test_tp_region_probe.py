@@ -69,8 +69,13 @@ class Attn(nn.Module):
             q = q / math.sqrt(self.total_heads)
         pos = torch.arange(t, dtype=q.dtype)
         bias = slopes.view(1, -1, 1, 1) * (pos.view(1, 1, 1, t) - pos.view(1, 1, t, 1))
-        scores = q @ k.transpose(-1, -2) / math.sqrt(q.size(-1)) + bias  # (batch, heads, t, t)
-        if self.how == "minus the mean over heads":
+        if self.how in ACROSS:  # scores stacked back from a loop over the heads: a new tensor the per-head watch
+            # does not follow (a batched product's it does), so the probe's third copy alone sees an op across them
+            scores = torch.stack([q[:, i] @ k[:, i].transpose(-1, -2) for i in range(q.size(1))], 1)
+        else:
+            scores = q @ k.transpose(-1, -2)
+        scores = scores / math.sqrt(q.size(-1)) + bias  # (batch, heads, t, t)
+        if self.how in ("minus the mean over heads", "batched scores minus their mean over heads"):
             scores = scores - scores.mean(1, keepdim=True)
         elif self.how == "minus the max over heads":
             scores = scores - scores.amax(1, keepdim=True)
@@ -139,6 +144,14 @@ def test_an_op_across_heads_that_tiled_weights_hide_is_refused(how: str) -> None
     assert "from the other heads' values too" in message
     assert "the input of Rowwise '0.attn.o' (its call 1)" in message
     assert "when only the OTHER heads' weights change" in message
+
+
+def test_an_op_across_the_heads_of_a_batched_products_scores_is_refused_by_the_per_head_watch() -> None:
+    """Scores of ``q @ k.transpose(-1, -2)`` hold the heads where q and k do (head_views.py follows a batched
+    product), so a mean over them is refused where the module computes it, naming the op, before the probe."""
+    message = _refusal_at_tp2("batched scores minus their mean over heads")
+    assert "gives each rank whole heads, 1/tp of them (8 of 16 features here), and the module computes mean over " \
+           "dim -3, which holds its heads of its per-head view: over this rank's heads alone" in message
 
 
 @pytest.mark.parametrize("how", ["plain", "PerHead buffer", "whole count kept at init"])
