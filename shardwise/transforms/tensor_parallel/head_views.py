@@ -35,15 +35,15 @@ without an error, are refused here:
   ``q[:, h] * (h + 1)``, is refused by head_loop_values.py; the head count and an arange over it used as
   values, by head_numbers.py.)
 
-The heads dim is followed through transposes, permutes, index keeping the heads whole, unsqueeze,
-expand and same-shaped ops (rotary products, casts), batched matrix products that keep it as a batch dim (the
-scores ``q @ k.transpose(-1, -2)``, ``einsum("bhtd,bhsd->bhts", q, k)``, ``probs @ v``: a loop over the scores'
-heads is then judged as one over q's, and a mean over their heads is refused), and through a reshape of it into several dims onto the
-one that carries the rank's split (Falcon's key/value groups: head_factors.py, which refuses a reshape that
-has none). An op across it (``z - z.mean(1)``, a norm over heads and head_dim together) computes over a
-rank's heads only, and is refused (split_watch.py, with feature_mixing.py's tables). A reshape that merges
-the heads back into the rank's width (``y.transpose(1, 2).reshape(b, t, -1)``) is followed as the features
-again, up to the Rowwise: a norm with no weight or a softmax over them there is refused as before the view.
+The heads dim is followed through transposes, permutes, index keeping the heads whole, unsqueeze, expand and
+same-shaped ops (rotary products, casts), batched matrix products that keep it as a batch dim (the scores ``q @
+k.transpose(-1, -2)``, ``einsum("bhtd,bhsd->bhts", q, k)``, ``probs @ v``: a loop over the scores' heads is then
+judged as one over q's, and a mean over their heads is refused), and through a reshape of it into several dims onto
+the one that carries the rank's split (Falcon's key/value groups: head_factors.py, which refuses a reshape that has
+none). An op across it (``z - z.mean(1)``, a norm over heads and head_dim together) computes over a rank's heads
+only, and is refused (split_watch.py, with feature_mixing.py's tables). A reshape that merges the heads back into
+the rank's width (``y.transpose(1, 2).reshape(b, t, -1)``) is followed as the features again, up to the Rowwise: a
+norm with no weight or a softmax over them there is refused as before the view.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ Before they were followed, a loop over the heads of the scores (eager attention 
 refused as "a tensor of other values for head 1 than for head 0, not read from the heads", though it equals one
 device; and an op across the heads of the scores or probabilities (their mean over the heads, an attention map
 averaged over heads, used as a value) trained another model without an error (1.1e-3 by matmul, 4.3e-3 by einsum,
-relative in the loss after one step of the tests' tiny attention at tp 2, float64). Projections split without a Region (Colwise q, k, v; Rowwise o).
+relative in the loss after one step of the tests' tiny attention at tp 2, float64). Projections split without a
+Region (Colwise q, k, v; Rowwise o).
 """
 
 from __future__ import annotations
