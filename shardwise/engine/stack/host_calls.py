@@ -3,7 +3,8 @@
 A transform that marks the numbers a layer reads (an ``int`` subclass that keeps its origin through Python's
 arithmetic and is judged where a torch call takes it) cannot see the calls that read such a number's value in C and
 ask it nothing: ``range(n)``, ``itertools.islice(it, n)`` and ``itertools.repeat(v, n)``, ``enumerate(it, start=n)``,
-``operator.index(n)`` (an exact ``int`` since Python 3.10, read without asking ``__index__``), math's functions
+``operator.index(n)`` (an exact ``int`` since Python 3.10, read without asking ``__index__``), ``len`` and ``sum``
+of a marked sequence given whole (a judge may mark what they return), math's functions
 (``math.log2(n)`` reads an int directly; others ask ``__float__``), and numpy's functions (numpy asks the number only
 where it is among what a function dispatches on: a size or a count it reads in C, ``np.linspace(0, 1, n)``). Their
 results are plain numbers, or arrays and items that are not followed.
@@ -62,6 +63,14 @@ _bound: dict[str, tuple[Any, tuple[str, ...]]] = {}
 _scanned_for: list[frozenset[int]] = [frozenset()]  # the originals (by id) the scans looked for
 _listed: list[tuple[Any, list[tuple[Any, str, Any]]]] = []  # (the namespaces listed, by id and size; the list)
 _made: dict[tuple[str, str, int], tuple[Any, Callable[..., Any]]] = {}  # (owner, name, id) -> (original, stand-in)
+_made_in_place: dict[str, tuple[type, ...]] = {}  # a watched type's kind -> what judges make in place of its results
+
+
+def reads_as(kind: str, made: type) -> None:
+    """Let ``made``, what a judge makes in place of a watched type's result (``kind``: ``"range"``), answer
+    ``isinstance`` for that type while the stand-ins stand."""
+    with _lock:
+        _made_in_place[kind] = (*_made_in_place.get(kind, ()), made)
 
 
 def register(marked: tuple[type, ...], judge: Judge) -> None:
@@ -104,7 +113,7 @@ class _WatchedType(type):
     _kind: str
 
     def __instancecheck__(cls, obj: Any) -> bool:
-        return isinstance(obj, cls._original)
+        return isinstance(obj, (cls._original, *_made_in_place.get(cls._kind, ())))
 
     def __subclasscheck__(cls, sub: Any) -> bool:
         return issubclass(sub, cls._original)
@@ -123,14 +132,17 @@ def _watched_type(name: str, original: type, counts: slice, call: str) -> type:
 _TYPES = ((builtins, "range", _watched_type("range", range, slice(None), "range()")),
           (itertools, "islice", _watched_type("islice", itertools.islice, slice(1, None), "itertools.islice()")),
           (itertools, "repeat", _watched_type("repeat", itertools.repeat, slice(1, None), "itertools.repeat()")),
-          (builtins, "enumerate", _watched_type("enumerate", enumerate, slice(1, None), "enumerate()")))
+          (builtins, "enumerate", _watched_type("enumerate", enumerate, slice(None), "enumerate()")))
+# Python's own that a judge may mark the results of (``len`` of a list a count repeated): the marked value given
+# whole, not an item of it (a scan of every list's items at each ``len`` would cost what the list holds).
+_WHOLE_ONLY = ("len", "sum")
 
 
-def _watched_function(owner: str, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+def _watched_function(owner: str, name: str, original: Callable[..., Any], depth: int = 2) -> Callable[..., Any]:
     call_name = f"{owner}.{name}"
 
     def call(*args: Any, **kwargs: Any) -> Any:
-        found = _marked_in((*args, *kwargs.values()))
+        found = _marked_in((*args, *kwargs.values()), depth)
         made = _judge(found, call_name, owner) if found is not None else None
         result = original(*args, **kwargs)
         return result if made is None else made(result)
@@ -163,6 +175,7 @@ def _stand_ins() -> list[tuple[Any, str, Any]]:
 def _list_stand_ins() -> list[tuple[Any, str, Any]]:
     out: list[tuple[Any, str, Any]] = list(_TYPES)
     out.append((operator, "index", _stand_in("operator", "index", operator.index)))
+    out += [(builtins, name, _stand_in("builtins", name, getattr(builtins, name), depth=1)) for name in _WHOLE_ONLY]
     for name, original in list(vars(math).items()):
         if not name.startswith("_") and name not in _KEEPING and callable(original):
             out.append((math, name, _stand_in("math", name, original)))
@@ -174,12 +187,12 @@ def _list_stand_ins() -> list[tuple[Any, str, Any]]:
     return out
 
 
-def _stand_in(owner: str, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+def _stand_in(owner: str, name: str, original: Callable[..., Any], depth: int = 2) -> Callable[..., Any]:
     """The stand-in of ``original``, made once per process (a watch puts back the same object each time)."""
     key = (owner, name, id(original))
     made = _made.get(key)
     if made is None or made[0] is not original:
-        made = _made[key] = (original, _watched_function(owner, name, original))
+        made = _made[key] = (original, _watched_function(owner, name, original, depth))
     return made[1]
 
 

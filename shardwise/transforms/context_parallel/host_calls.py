@@ -15,8 +15,9 @@ array of the part's length is not followed (``np.ones(t).cumsum()`` counts the p
 error 3.0e-6 for ``linspace``, 5.8e-4 for the two counts, without an error.
 
 itertools' ``islice(it, t)`` and ``repeat(v, t)`` count their items in C too (positions from them: 5.6e-4, 5.8e-4);
-``enumerate(it, start=t)`` counts on from it and ``operator.index(t)`` returns it as a plain ``int`` (a value from
-the one, ``x * i``: 8.0e-5; positions ``torch.arange`` of the other: 7.6e-4).
+``enumerate(it, start=t)`` counts on from it (a value from it, ``x * i``: 8.0e-5) and ``operator.index(t)``
+returned it as a plain ``int`` (positions ``torch.arange`` of it: 7.6e-4): the one is refused, the other returns
+the marked length itself, judged where it goes as the read is.
 (A list or tuple repeated, ``[1.0] * t``, asks the marked number: ``part_length.py`` refuses it.)
 
 While any thread watches a layer's first call (``unsplit.watched``), the engine's stand-ins stand
@@ -43,10 +44,11 @@ a class attribute, a closure).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from ...engine.stack.host_calls import calls_watched, register
-from .part_length import Part, _refuse, by_the_model_at
+from .part_length import Part, PartLength, _refuse, by_the_model_at
 
 __all__ = ["calls_watched"]
 
@@ -58,18 +60,20 @@ _WHAT = {
     "repeat": f"{_AS_MANY} cannot be followed: positions or a count made of them are the part's",
     "enumerate": "numbers (counted on from the part's length, plain ints) cannot be followed: values of the "
                  "computation made of the part's count",
-    "operator": "result is a plain int (since Python 3.10, read without asking the number) that cannot be followed: a "
-                "value made of it is the part's count (a size needs no index(): pass the read as it is)",
     "math": "result is a plain number that cannot be followed: a value of the computation made of the part's count",
     "numpy": "result (a plain number, or an array whose length or values are the part's count: numpy's arrays are not "
              "followed) cannot be followed: a value of the computation, or the part's positions counted 0 .. t - 1",
 }
 
 
-def _judge(number: Any, caller: str, call: str, kind: str) -> None:
-    """A marked number given to a watched call by the watched layer's code: refused, naming the call."""
-    if by_the_model_at(caller):
+def _judge(number: Any, caller: str, call: str, kind: str) -> Callable[[Any], Any] | None:
+    """A marked number given to a watched call by the watched layer's code: refused, naming the call; or, for
+    ``operator.index`` (a plain ``int`` of it), given back itself, its mark kept."""
+    if kind == "operator" and isinstance(number, PartLength):
+        return lambda _: number
+    if by_the_model_at(caller) and kind in _WHAT:
         _refuse(number.origin, f"passes it to {call}, whose {_WHAT[kind]}")
+    return None
 
 
 register(Part, _judge)

@@ -21,17 +21,20 @@ Outside a Region (whose probe runs the module whole and compares), ``range(h)`` 
 :class:`HeadRange` (head_host_calls.py) of :class:`HeadIndex` numbers: a loop's ``h`` is exact as an index of the
 heads (``q[:, h]``, ``out[:, h] = ...``, ``torch.tensor([h])`` as an index, followed as head numbers), and Python's
 arithmetic on it keeps the mark (``h + 1``; ``h + 1.0``, ``2 ** -h`` a :class:`HeadIndexValue`). A torch call
-taking one as a value (``torch.as_tensor([h + 1.0 for h in ...])``, ``q[:, h] * h``) is refused at the end of the
-first call, after head_loop_values.py, which names the values that differ where the loop reads the heads. A list
-or tuple repeated by a count (``[1.0] * h``) is a :class:`HeadSizedList` / :class:`HeadSizedTuple`: a tensor made
-of it has the rank's heads along dim 0 (head_sized.py).
+taking one as a value (``torch.as_tensor([h + 1.0 for h in ...])``, ``q[:, h] * h``), or as an index of a tensor
+that holds no heads of its own (``table[h]`` of every head's values: the first heads' on every rank; an arange over
+the count so too), is refused; a loop's number at the end of the first call, after head_loop_values.py, which names
+the values that differ where the loop reads the heads. A list or tuple repeated by a count (``[1.0] * h``) or of
+one item per head (``q.unbind(1)``) is a :class:`HeadSizedList` / :class:`HeadSizedTuple`: a tensor made of it has
+the rank's heads along that dim (head_sized.py), and its ``len`` is the count, marked.
 
 What it cannot see: a number that leaves Python's arithmetic for a plain one (``float(h)``, ``int(h)``, a Python
-float on the left, ``1.0 / h`` and ``2.0 ** -h``: float's own method takes an int; ``len(range(h))``; math's and
-numpy's functions are refused, head_host_calls.py), a marked tensor read back into Python (``.tolist()``,
-``.item()``), a count the model computes itself from a whole one (``config.num_attention_heads``, which stays
-whole), and the numbers of a loop over the heads by another means (``enumerate(q.unbind(1))``; head_loop_values.py
-judges what such a loop computes from the heads it reads).
+float on the left, ``1.0 / h`` and ``2.0 ** -h``: float's own method takes an int; ``len(range(h))``; a
+comparison, ``float(h == 0)`` and ``1.0 if h == 0 else 0.5``, outside a loop that reads the heads; math's and
+numpy's functions are refused, head_host_calls.py), a Python list of every head's values indexed by a head number
+(``slopes[h]``: list indexing reads the int in C), a marked tensor read back into Python (``.tolist()``,
+``.item()``), and a count the model computes itself from a whole one (``config.num_attention_heads``, which stays
+whole).
 """
 
 from __future__ import annotations
@@ -124,7 +127,7 @@ def _plain(x: Any) -> Any:
 
 def _binary(op: Callable[[Any, Any], Any], reflected: bool) -> Callable[[Any, Any], Any]:
     def method(self: Any, other: Any) -> Any:
-        if op is operator.mul and isinstance(other, (list, tuple)) and isinstance(self, HeadCount):
+        if op is operator.mul and type(other) in (list, tuple) and isinstance(self, HeadCount):
             return repeated(other, self)  # ``[1.0] * h``: as many items as the rank has heads (head_sized.py)
         if isinstance(other, bool) or not isinstance(other, (int, float)):
             return NotImplemented  # a tensor's reflected method takes it (and the watch sees the number there)
@@ -152,22 +155,32 @@ for _name, _op in _ARITHMETIC.items():
 
 
 class HeadSizedList(list[Any]):
-    """A list repeated as many times as the rank has heads (``[1.0] * h``); ``origin``: the count's."""
+    """A list of as many items as the rank has heads (``[1.0] * h``); ``origin`` says how it was made."""
 
     origin: str
 
 
 class HeadSizedTuple(tuple[Any, ...]):
-    """A tuple repeated as many times as the rank has heads (``(1.0,) * h``); ``origin``: the count's."""
+    """A tuple of as many items as the rank has heads (``(1.0,) * h``, ``q.unbind(1)``); ``origin``: how made."""
 
     origin: str
+
+
+PerHeadItems = (HeadSizedList, HeadSizedTuple)
 
 
 def repeated(items: list[Any] | tuple[Any, ...], count: HeadCount) -> list[Any] | tuple[Any, ...]:
     """``items * count`` (Python's repeat), marked with the count: a tensor made of it holds the rank's heads."""
     made: HeadSizedList | HeadSizedTuple = (
         HeadSizedList(items * int(count)) if isinstance(items, list) else HeadSizedTuple(items * int(count)))
-    made.origin = count.origin
+    made.origin = f"a {type(items).__name__} repeated by {count.origin}"
+    return made
+
+
+def one_per_head(items: tuple[Any, ...], origin: str) -> HeadSizedTuple:
+    """``items`` (one per head of the rank: ``q.unbind(1)``), marked: its ``len`` is the rank's count."""
+    made = HeadSizedTuple(items)
+    made.origin = origin
     return made
 
 
@@ -197,7 +210,8 @@ class HeadRange:
     def __eq__(self, other: Any) -> bool:
         return self._numbers == (other._numbers if isinstance(other, HeadRange) else other)
 
-    __hash__ = None  # type: ignore[assignment]
+    def __hash__(self) -> int:
+        return hash(self._numbers)
 
     def __repr__(self) -> str:
         return repr(self._numbers)
@@ -219,6 +233,9 @@ class HeadRange:
     @property
     def step(self) -> int:
         return self._numbers.step
+
+
+Sequence.register(HeadRange)  # (random.sample and the like ask; isinstance(r, range) too: head_host_calls.py)
 
 
 def _found(a: Any) -> Iterator[Any]:
@@ -262,7 +279,7 @@ def count_misuse(
         return None
     numbered = next((n for n in found if isinstance(n, Numbered)), None)
     if numbered is not None:
-        return _numbered_misuse(name, args, kwargs, numbered)
+        return _numbered_misuse(name, args, kwargs, numbered, per_head)
     origin = found[0].origin
     if name in _FILLED:
         at = _FILLED[name]
@@ -283,12 +300,16 @@ _MADE = frozenset({"tensor", "as_tensor", "asarray", "new_tensor", "LongTensor",
 
 
 def _numbered_misuse(
-    name: str, args: Sequence[Any], kwargs: dict[str, Any], numbered: Any
+    name: str, args: Sequence[Any], kwargs: dict[str, Any], numbered: Any, per_head: Callable[[Any], bool]
 ) -> tuple[str, bool] | None:
-    """How a torch call uses a head number (a loop's ``h``) as a value; None where only as an index, a place or a
-    size (or made into a tensor of head numbers, which is followed)."""
+    """How a torch call uses a head number (a loop's ``h``) as a value, or as an index of a tensor that holds no
+    heads of its own (a table of every head's values: the first heads' on every rank); None where only as an index
+    of the heads, a place or a size (or made into a tensor of head numbers, which is followed)."""
     if name == "__setitem__" and counts_in(args[2:], kwargs):
         return f"writes {numbered.origin} into a tensor as a value", False
+    if name in _PLACES and args and isinstance(args[0], torch.Tensor) and not per_head(args[0]):
+        return (f"indexes a tensor of shape {list(args[0].shape)} that holds no heads of its own by "
+                f"{numbered.origin} ({name}): the first heads' rows of a table on every rank, not this rank's"), False
     if name in _PLACES:
         return None  # q[:, h], out[:, h] = ..., select(1, h): the rank's head h in its place
     if name in _MADE and all(isinstance(n, HeadIndex) for n in counts_in(args, kwargs)):
@@ -323,9 +344,11 @@ class HeadNumbers:
             if isinstance(t, Tensor):
                 self._marked[id(t)] = (weakref.ref(t), origin)
 
-    def see(self, name: str, args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> str | None:
-        """Follow the head numbers into ``out``; how the call uses them as values with other tensors (None: as
-        indices, or among themselves and Python numbers)."""
+    def see(self, name: str, args: Sequence[Any], kwargs: dict[str, Any], out: Any,
+            per_head: Callable[[Any], bool] = lambda t: True) -> str | None:
+        """Follow the head numbers into ``out``; how the call uses them as values with other tensors, or as an
+        index of a tensor that holds no heads of its own (``per_head`` says which do; None: as indices of the
+        heads, or among themselves and Python numbers)."""
         if name == "arange":
             counted = counts_in(args, kwargs)
             if counted:
@@ -342,6 +365,13 @@ class HeadNumbers:
         values = [(k, a) for k, a in _positions(args, kwargs) if k != at and k != "index"]
         numbers = [n for n in (self.origin(t) for _, t in values) if n is not None]
         if not numbers:
+            index = [self.origin(t) for k, t in _positions(args, kwargs) if k == at or k == "index"]
+            first = args[0] if args else None
+            if at is not None and any(index) and isinstance(first, Tensor) and self.origin(first) is None and (
+                    not per_head(first)):
+                return (f"indexes a tensor of shape {list(first.shape)} that holds no heads of its own by "
+                        f"{next(n for n in index if n)} ({name}): the first heads' rows of a table on every rank, "
+                        "not this rank's")
             return None  # indices only (or none): the indexed tensor's values, in the rank's heads' places
         others = [t for k, t in values if self.origin(t) is None and not (name in _REFERENCE and k != 0)]
         if others and name not in _GATHERING:

@@ -61,12 +61,13 @@ from ...engine.stack.host_calls import calls_watched
 from . import head_host_calls  # noqa: F401  (registers the head counts with the engine's stand-ins)
 from .feature_mixing import keeps_features, mixed, moved_features
 from .head_loop_values import HeadLoopValues
-from .head_numbers import HeadNumbers, Numbered, count_misuse, counts_in, is_count_read, mark_count
+from .head_numbers import HeadNumbers, Numbered, count_misuse, counts_in, is_count_read, mark_count, one_per_head
 from .head_sized import HeadSized
 from .head_sources import HeadSources
 from .head_views import check_head_count, see_heads
 from .model_frames import by_shardwise, innermost_model_line
 from .product_views import HeadView
+from .rank_flow import flow
 from .read_refusals import head_count_message, head_number_message, head_value_message
 from .sequence_gather import SequenceGather
 
@@ -259,7 +260,12 @@ class SplitWatch(TorchFunctionMode):
             # a loop's head number as a value: refused at finish(), after what the loop computed for each head
             # (head_loop_values.py names the values that differ, where the loop reads the heads)
             self.numbered_misuse = self.numbered_misuse or refusal
-        self.sized.see(_name(func), args, kwargs, out, self.numbers)
+        self.sized.see(_name(func), args, kwargs, out, self.numbers, self._per_head)
+        if _name(func) == "unbind" and isinstance(out, tuple) and args and not by_shardwise("unbind"):
+            heads = self._heads_of(args[0])
+            along = kwargs.get("dim", args[1] if len(args) > 1 else 0)
+            if heads is not None and isinstance(along, int) and along % args[0].dim() == heads[1]:
+                out = one_per_head(out, f"the heads of the per-head view of {heads[0].label!r} unbound ({len(out)})")
         if is_count_read(func, _name(func)) and args:
             heads = self._heads_of(args[0])
             if heads is not None and heads[0].fused == 1 and heads[0].parts > 1 and not by_shardwise(_name(func)):
@@ -273,11 +279,19 @@ class SplitWatch(TorchFunctionMode):
         """How a number read as the rank's head count, or a tensor of its head numbers, is used as a value, and
         whether as a scalar (head_numbers.py); None where it is not."""
         name = _name(func)
-        misused = count_misuse(name, args, kwargs, self._per_head)
+        misused = count_misuse(name, args, kwargs, self._holds_heads)
         if misused is not None:
             return misused
-        numbers = self.numbers.see(name, args, kwargs, out)
+        numbers = self.numbers.see(name, args, kwargs, out, self._holds_heads)
         return None if numbers is None else (numbers, False)
+
+    def _holds_heads(self, t: Any) -> bool:
+        """Whether ``t`` holds the rank's heads along a dim: a per-head view, a new tensor sized by the count, or
+        one computed from values read one head at a time (a stack of them): an index of it by head number names the
+        rank's head in its place. Inside a Region any tensor is taken to (its probe runs the module whole and
+        compares the values an index gives)."""
+        in_region: int = getattr(flow, "in_region", 0)
+        return bool(in_region) or self._per_head(t) or bool(self.sized.dims_of(t)) or bool(self.sources.of(t))
 
     def _per_head(self, t: Any) -> bool:
         return self._heads_of(t) is not None
@@ -349,10 +363,14 @@ class SplitWatch(TorchFunctionMode):
                 sorted(order) != list(range(heads))):
             return  # (each in its place; or not each head once, which finish() refuses as heads taken unequally)
         taken = next((t for t in self.taken.values() if not t.write and t.tensor.shape[t.dim] == heads), None)
-        if taken is None:
-            return
+        in_region: int = getattr(flow, "in_region", 0)
+        if taken is None or in_region:
+            return  # (inside a Region its probe runs the module whole and compares: a reorder put back passes there)
+        label = taken.entry.label
+        module = label.rsplit(".", 1)[0] if "." in label else label
         raise ValueError(head_number_message(
-            taken.entry, f"it gathers a value read from each of this rank's {heads} heads ({name} at "
+            f"tensor parallel gives each rank its own heads, {heads} of them here, 1/tp of all, and the module that "
+            f"takes them ({module!r})", f"it gathers a value read from each of this rank's {heads} heads ({name} at "
             f"{innermost_model_line()}) in the order of heads {order}, not each in its own place: on one device "
             "that order puts other heads there", taken.tensor, taken.dim,
         ))
