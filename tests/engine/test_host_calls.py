@@ -38,7 +38,8 @@ def test_a_marked_number_reaches_its_judge_naming_the_caller_the_call_and_its_ki
         assert list(itertools.islice(itertools.count(), n)) == [0, 1, 2, 3]
         assert list(itertools.repeat(n, 2)) == [4, 4]  # the number repeated, not a count of it: not judged
         assert list(enumerate("ab", start=n)) == [(4, "a"), (5, "b")] and isinstance(enumerate([]), enumerate)
-        assert list(enumerate([n])) == [(0, 4)]  # the number enumerated, not the start: not judged
+        assert list(enumerate([n])) == [(0, 4)]  # the number inside what is enumerated: not judged
+        assert enumerate[int] == type(enumerate([]))[int]  # (a type hint of the original)
         assert operator.index(n) == 4 and type(operator.index(n)) is int  # (an exact int since Python 3.10)
         assert math.sqrt(n) == 2.0 and math.ceil(n) == 4  # (ceil keeps a mark: no stand-in)
         assert np.linspace(0, 1, n).shape == (4,) and np.zeros((2, n)).shape == (2, 4)

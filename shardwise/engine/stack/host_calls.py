@@ -21,9 +21,10 @@ gives). ``math.ceil``, ``floor``, ``trunc`` and ``prod`` are left as they are (a
 through them, a size).
 
 The stand-ins for the types are classes whose ``isinstance`` and ``issubclass`` answer for the originals. While they
-stand, in every thread of the process: ``type(r) is range`` (or ``enumerate``) is False, and pickle, which checks
-that a class or function is what its name finds, refuses a ``range`` object and a math or numpy function taken
-before the watch (one taken during it pickles, by name). What none of them sees: a name bound to an original
+stand, in every thread of the process: ``type(r) is range`` (or ``enumerate``) is False, a class the watched code
+derives from one of them is not one, and pickle, which checks that a class or function is what its name finds,
+refuses a ``range`` or ``enumerate`` object and a math or numpy function taken before the watch (one taken during
+it pickles, by name). What none of them sees: a name bound to an original
 elsewhere than a module's globals (a default argument, a class attribute, a closure).
 """
 
@@ -117,6 +118,9 @@ class _WatchedType(type):
 
     def __subclasscheck__(cls, sub: Any) -> bool:
         return issubclass(sub, cls._original)
+
+    def __getitem__(cls, item: Any) -> Any:
+        return cls._original[item]  # type: ignore[index]  # (a type hint: enumerate[int])
 
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:
         found = _marked_in((*args[cls._counts], *kwargs.values()), depth=1)

@@ -34,9 +34,10 @@ A number that leaves Python's arithmetic for a plain one through neither ``__int
 (``range(t)``, so ``len(range(t))`` too; ``numpy.arange(t)``; ``math.sqrt(1 / t)``: math reads a float subclass's
 value in C) is refused where that call takes it (``host_calls.py``), also under a name the model's module bound
 before the watch (``from math import sqrt``); so is a list or tuple repeated that many times (``[1.0] * t``: its
-items are not followed). What it cannot see: ``str(t)``, ``x.shape.numel()`` (``torch.Size``
-cannot be subclassed or patched and multiplies its ints in C; ``x.numel()`` is marked), and a number read outside
-the watched first call.
+items are not followed); so are int's own methods that read its value (``t.bit_length()``), and a copy of one
+(``copy.deepcopy``, pickle) is the same marked number. What it cannot see: ``str(t)``, ``x.shape.numel()``
+(``torch.Size`` cannot be subclassed or patched and multiplies its ints in C; ``x.numel()`` is marked), and a number
+read outside the watched first call.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ import operator
 import sys
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Literal
 
 _watch = threading.local()  # .refuse: while a watched call runs on this thread, what refuses a float made of one
 
@@ -91,6 +92,40 @@ class PartLength(int):
         return PartLength(abs(int.__int__(self)), self.origin, whole=_unary(abs, self))
 
     def __pos__(self) -> PartLength:
+        return self
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # (copy.copy(t), copy.deepcopy(x.shape), pickle: the same marked number, not a TypeError of __new__'s)
+        return PartLength, (int.__int__(self), self.origin, self.length, self.rows, self.whole)
+
+    def bit_length(self) -> int:
+        # (int's own methods read the value in C: one that gives a number of it would carry the count unmarked)
+        if _by_the_model():
+            _refuse(self.origin, "reads its bits (bit_length()), a plain int that cannot be followed")
+        return int.bit_length(self)
+
+    def bit_count(self) -> int:
+        if _by_the_model():
+            _refuse(self.origin, "reads its bits (bit_count()), a plain int that cannot be followed")
+        return int.bit_count(self)
+
+    def to_bytes(self, *args: Any, **kwargs: Any) -> bytes:
+        if _by_the_model():
+            _refuse(self.origin, "turns it into bytes (to_bytes()), which cannot be followed")
+        return int.to_bytes(self, *args, **kwargs)
+
+    def as_integer_ratio(self) -> tuple[int, Literal[1]]:
+        return self, 1
+
+    def conjugate(self) -> PartLength:
+        return self
+
+    @property
+    def real(self) -> PartLength:
+        return self
+
+    @property
+    def numerator(self) -> PartLength:
         return self
 
 
@@ -140,6 +175,9 @@ class PartFloat(float):
 
     def __pos__(self) -> PartFloat:
         return self
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return PartFloat, (float.__float__(self), self.origin, self.whole)
 
 
 Part = (PartLength, PartFloat)

@@ -34,20 +34,24 @@ _SIZES = frozenset({
 })
 _FILLED = {"full": 0, "new_full": 1}  # (their size argument's place; the fill value is a value)
 # Calls that make a new tensor of the size their arguments give (after the tensor a ``new_*`` method is called on).
+# Calls that grow a tensor's dims to the sizes given (``torch.ones(1).expand(t)``, ``broadcast_to(x.shape)``,
+# ``repeat(1, t, 1)`` of a dim of one): a dim grown to the part's length holds its positions as a new one does.
+_GROWN = frozenset({"expand", "broadcast_to", "repeat", "tile"})
 _NEW = frozenset({"empty", "zeros", "ones", "rand", "randn", "full", "empty_strided", "randint", "new_empty",
                   "new_zeros", "new_ones", "new_full", "new_empty_strided"})
 
 
 def sized_dims(name: str, args: Any, kwargs: dict[str, Any]) -> dict[int, tuple[int, int]]:
-    """The dims of a new tensor (``torch.ones(t)``, ``x.new_ones(x.shape)``) sized by the part's length as read:
+    """The dims of a new tensor (``torch.ones(t)``, ``x.new_ones(x.shape)``; or one grown to it, ``expand(t)``)
+    sized by the part's length as read:
     they hold the part's positions (their values are made for them: a count, a mask, a cumulated sum of ones),
     so the rules on such dims apply to them. Rows folded with it by a product with plain ints, in the order
     written, hold them too (``torch.ones(b * t)``: (batch, sequence); ``torch.ones(t * h)``: ``h`` inside each
     position); another size computed from it (``t // 2``, ``t + 1``) is not followed."""
-    if name not in _NEW:
+    if name not in _NEW and not (name in _GROWN and args and isinstance(args[0], torch.Tensor)):
         return {}
-    given = list(args[1:] if name.startswith("new_") else args)
-    if name in _FILLED:
+    given = list(args[1:] if name.startswith("new_") or name in _GROWN else args)
+    if name in _FILLED or name in ("empty_strided", "new_empty_strided"):
         given = given[:1]
     elif name == "randint":
         given = [a for a in given if isinstance(a, (list, tuple))][:1]
@@ -55,6 +59,9 @@ def sized_dims(name: str, args: Any, kwargs: dict[str, Any]) -> dict[int, tuple[
         given = [kwargs["size"]]
     if len(given) == 1 and isinstance(given[0], (list, tuple)):
         given = list(given[0])
+    if name in ("repeat", "tile"):  # (a count of copies: the part's positions only where a dim of one is repeated)
+        shape = [1] * (len(given) - args[0].dim()) + list(args[0].shape)
+        given = [v if d < len(shape) and shape[d] == 1 else None for d, v in enumerate(given)]
     return {d: _counted_in(v) for d, v in enumerate(given) if isinstance(v, PartLength) and _counted_in(v)[1] > 1}
 
 

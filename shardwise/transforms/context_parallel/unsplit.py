@@ -211,6 +211,8 @@ class Unsplit(TorchFunctionMode):
         # (after the call: what the dispatch-level watch refuses in it is named as the op it is)
         self._numbers(func, name, args, kwargs, out, follower.tags_of if follower else _untagged)
         sized = sized_dims(name, args, kwargs) if follower is not None and isinstance(out, torch.Tensor) else {}
+        if name == "expand_as" and follower is not None and len(args) > 1:  # (grown to the shape of one holding them)
+            sized = {d: r for d, r in follower.tags_of(args[1]).items() if d >= 0}
         if sized and follower is not None and not _quiet() and not _exempt():
             follower.tag(out, {**follower.tags_of(out), **sized})
         self._counted(func, name, args, kwargs, out)

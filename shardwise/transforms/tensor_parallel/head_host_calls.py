@@ -26,6 +26,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+import torch
+
 from ...engine.stack.host_calls import reads_as, register
 from .head_numbers import HeadCount, HeadIndex, HeadRange, HeadValue, Marked, Numbered, PerHeadItems
 from .model_frames import innermost_model_line
@@ -51,6 +53,12 @@ def _judge(number: Any, caller: str, call: str, kind: str) -> Callable[[Any], An
         origin = f"a head number of enumerate() over {number.origin}"
         return lambda pairs: _numbered(pairs, origin)
     if kind == "builtins" and isinstance(number, _SEQUENCES):
+        if call == "builtins.sum" and any(isinstance(item, torch.Tensor) for item in number):
+            raise ValueError(
+                f"tensor_parallel: the model's code at {innermost_model_line()} sums {number.origin} with Python's "
+                "sum(): over this rank's heads alone. Each rank holds 1/tp of the heads, so a sum across them is the "
+                "rank's heads' where one device's is all of them, another model trained without an error. Compute "
+                "it within each head, or leave this module's projections out of the plan (replicated)")
         return lambda result: _counted(result, f"{call.partition('.')[2]}() of {number.origin}")
     if kind in _JUDGED:
         what = "numbers (plain ints counted on from it)" if kind == "enumerate" else (

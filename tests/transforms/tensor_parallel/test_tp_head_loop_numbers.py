@@ -138,6 +138,12 @@ SILENT_TOO: list[tuple[str, Op, str, int, float]] = [
 ]
 
 
+SILENT_TOO.append(
+    ("python_sum_of_the_heads_unbound", lambda q: q * sum(q.unbind(1)).unsqueeze(1) / 4,
+     r"sums the heads of the per-head view of '0\.attn\.q' unbound \(2\) with Python's sum\(\): over this rank's "
+     r"heads alone", 2, 3.3e-3))
+
+
 @pytest.mark.parametrize(("op", "what", "tp"), [pytest.param(op, what, tp, id=name)
                                                 for name, op, what, tp, _ in SILENT_TOO])
 def test_more_counts_and_head_numbers_as_values_are_refused(op: Op, what: str, tp: int) -> None:
