@@ -48,72 +48,59 @@ import torch
 from torch import Tensor
 
 
-class HeadCount(int):
-    """An ``int`` made from the rank's head count; ``origin`` says how it was read (``q.size(1) (2)``)."""
+class _MarkedInt(int):
+    """An ``int`` with ``origin``, what it was computed from; its copies (deepcopy, pickle) are plain numbers."""
 
     origin: str
 
-    def __new__(cls, value: int, origin: str) -> HeadCount:
-        made = super().__new__(cls, value)
+    def __new__(cls, value: int, origin: str) -> Any:
+        made = int.__new__(cls, value)
         made.origin = origin
         return made
 
-    def __neg__(self) -> HeadCount:
+    def __neg__(self) -> Any:
         return type(self)(-int(self), self.origin)
 
     def __reduce__(self) -> tuple[Any, ...]:
         return int, (int(self),)  # a copy (deepcopy, pickle) is a plain number: the mark is the first call's
 
-    def __pos__(self) -> HeadCount:
+    def __pos__(self) -> Any:
         return self
 
 
-class HeadValue(float):
-    """A ``float`` computed from the rank's head count (``1 / h``, ``h * 0.5``)."""
+class _MarkedFloat(float):
+    """A ``float`` with ``origin``, what it was computed from."""
 
     origin: str
 
-    def __new__(cls, value: float, origin: str) -> HeadValue:
-        made = super().__new__(cls, value)
+    def __new__(cls, value: float, origin: str) -> Any:
+        made = float.__new__(cls, value)
         made.origin = origin
         return made
 
-    def __neg__(self) -> HeadValue:
+    def __neg__(self) -> Any:
         return type(self)(-float.__float__(self), self.origin)
 
     def __reduce__(self) -> tuple[Any, ...]:
         return float, (float.__float__(self),)
 
 
-class HeadIndex(int):
+class HeadCount(_MarkedInt):
+    """An ``int`` made from the rank's head count; ``origin`` says how it was read (``q.size(1) (2)``)."""
+
+
+class HeadValue(_MarkedFloat):
+    """A ``float`` computed from the rank's head count (``1 / h``, ``h * 0.5``)."""
+
+
+class HeadIndex(_MarkedInt):
     """An ``int`` that numbers one of the rank's heads from 0 (a loop's ``h`` of ``range(q.size(1))``), or is
     computed from one by Python's integer arithmetic (``h + 1``): right as an index of the heads, refused as a
     value."""
 
-    origin: str
 
-    def __new__(cls, value: int, origin: str) -> HeadIndex:
-        made = super().__new__(cls, value)
-        made.origin = origin
-        return made
-
-    __neg__ = HeadCount.__neg__
-    __reduce__ = HeadCount.__reduce__
-    __pos__ = HeadCount.__pos__
-
-
-class HeadIndexValue(float):
+class HeadIndexValue(_MarkedFloat):
     """A ``float`` computed from a head number (``h + 1.0``, ``2 ** -h``, ``h / 4``)."""
-
-    origin: str
-
-    def __new__(cls, value: float, origin: str) -> HeadIndexValue:
-        made = super().__new__(cls, value)
-        made.origin = origin
-        return made
-
-    __neg__ = HeadValue.__neg__
-    __reduce__ = HeadValue.__reduce__
 
 
 Marked = (HeadCount, HeadValue, HeadIndex, HeadIndexValue)

@@ -163,6 +163,21 @@ class PreNormBlock(nn.Module):
         return x + self.attn(self.norm(x))
 
 
+class ProjectedAttention(nn.Module):
+    """Plain q, k, v and o Linears of ``width`` features, viewed per head of ``head_dim`` as Hugging Face's
+    attentions view them (the count inferred); ``attend(q, k, v)`` computes the per-head output from the views."""
+
+    def __init__(self, attend: Callable[[Tensor, Tensor, Tensor], Tensor], width: int, head_dim: int) -> None:
+        super().__init__()
+        self.attend, self.head_dim = attend, head_dim
+        self.q, self.k, self.v, self.o = (nn.Linear(width, width) for _ in range(4))
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, _ = x.shape
+        q, k, v = (p(x).view(b, t, -1, self.head_dim).transpose(1, 2) for p in (self.q, self.k, self.v))
+        return self.o(self.attend(q, k, v).transpose(1, 2).reshape(b, t, -1))
+
+
 def two_blocks_problem(make_attention: Callable[[], nn.Module], width: int) -> tuple[sw.Step, Any, list[Any]]:
     """Two :class:`PreNormBlock` around the attention ``make_attention`` builds, in float64, SGD with momentum,
     and two batches of (2, 6, ``width``) inputs and targets."""

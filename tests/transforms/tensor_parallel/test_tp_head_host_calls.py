@@ -25,25 +25,10 @@ from torch import nn
 
 import shardwise as sw
 
-from .conftest import two_blocks_problem
+from .conftest import ProjectedAttention, two_blocks_problem
 
 D, HEADS, HEAD_DIM = 16, 4, 4
 Op = Callable[[Any, torch.Tensor], torch.Tensor]
-
-
-class _Attention(nn.Module):
-    """Plain q, k, v and o Linears; ``op(self, q)`` rescales the per-head queries."""
-
-    def __init__(self, op: Op) -> None:
-        super().__init__()
-        self.op = op
-        self.q, self.k, self.v, self.o = (nn.Linear(D, D) for _ in range(4))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
-        q, k, v = (p(x).view(b, t, -1, HEAD_DIM).transpose(1, 2) for p in (self.q, self.k, self.v))
-        y = F.scaled_dot_product_attention(self.op(self, q), k, v, is_causal=True)
-        return self.o(y.transpose(1, 2).reshape(b, t, -1))
 
 
 def _per_head(values: Any, q: torch.Tensor) -> torch.Tensor:
@@ -70,7 +55,13 @@ REFUSED: list[tuple[str, Op, str]] = [
 
 
 def _step(op: Op) -> tuple[sw.Step, Any, list[Any]]:
-    return two_blocks_problem(lambda: _Attention(op), D)
+    """``op(module, q)`` on the per-head queries of an attention split without a Region."""
+    def make() -> nn.Module:
+        attention = ProjectedAttention(lambda q, k, v: F.scaled_dot_product_attention(
+            op(attention, q), k, v, is_causal=True), D, HEAD_DIM)
+        return attention
+
+    return two_blocks_problem(make, D)
 
 
 @pytest.mark.parametrize(("op", "call"), [pytest.param(op, call, id=name) for name, op, call in REFUSED])

@@ -16,28 +16,13 @@ from typing import Any
 
 import pytest
 import torch
-from torch import nn
 
 import shardwise as sw
 
-from .conftest import two_blocks_problem
+from .conftest import ProjectedAttention, two_blocks_problem
 
 D, HEAD_DIM = 16, 4
 Op = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-class _Attention(nn.Module):
-    """Plain q, k, v and o Linears; ``op(q, k, v)`` is the attention on the per-head views."""
-
-    def __init__(self, op: Op) -> None:
-        super().__init__()
-        self.op = op
-        self.q, self.k, self.v, self.o = (nn.Linear(D, D) for _ in range(4))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
-        q, k, v = (p(x).view(b, t, -1, HEAD_DIM).transpose(1, 2) for p in (self.q, self.k, self.v))
-        return self.o(self.op(q, k, v).transpose(1, 2).reshape(b, t, -1))
 
 
 def _causal(scores: torch.Tensor) -> torch.Tensor:
@@ -70,7 +55,7 @@ def _batched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("op", [_loop_over_the_scores, _loop_over_the_probabilities, _loop_over_einsum_scores,
                                 _batched], ids=lambda op: op.__name__.strip("_"))
 def test_the_heads_of_a_batched_product_computed_one_at_a_time_equal_one_device(op: Op) -> None:
-    step, params, batches = two_blocks_problem(lambda: _Attention(op), D)
+    step, params, batches = two_blocks_problem(lambda: ProjectedAttention(op, D, HEAD_DIM), D)
     sw.testing.assert_equivalent(
         sw.tensor_parallel(step, "tp", {"*.attn.[qkv]": sw.tp.Colwise(), "*.attn.o": sw.tp.Rowwise()}),
         step, sw.Mesh(tp=2), batches, params, rtol=1e-9)
@@ -90,7 +75,7 @@ def _einsum_averaged_over_the_heads(q: torch.Tensor, k: torch.Tensor, v: torch.T
                                           (_einsum_averaged_over_the_heads, "sum over dim -3")],
                          ids=["mean_of_matmul_probabilities", "sum_of_einsum_probabilities"])
 def test_an_op_across_the_heads_of_the_scores_is_refused(op: Op, what: str) -> None:
-    step, params, batches = two_blocks_problem(lambda: _Attention(op), D)
+    step, params, batches = two_blocks_problem(lambda: ProjectedAttention(op, D, HEAD_DIM), D)
     with pytest.raises(ValueError, match=rf"Colwise\(\) on '0\.attn\.[qk]' gives each rank whole heads.* computes "
                                          rf"{what}, which holds its heads of its per-head view: over this rank's heads "
                                          "alone"):
