@@ -29,7 +29,7 @@ one item per head (``q.unbind(1)``) is a :class:`HeadSizedList` / :class:`HeadSi
 the rank's heads along that dim (head_sized.py), and its ``len`` is the count, marked.
 
 What it cannot see: a number that leaves Python's arithmetic for a plain one (``float(h)``, ``int(h)``, a Python
-float on the left, ``1.0 / h`` and ``2.0 ** -h``: float's own method takes an int; ``len(range(h))``; a
+float on the left, ``1.0 / h`` and ``2.0 ** -h``: float's own method takes an int; ``len(list(range(h)))``; a
 comparison, ``float(h == 0)`` and ``1.0 if h == 0 else 0.5``, outside a loop that reads the heads; math's and
 numpy's functions are refused, head_host_calls.py), a Python list of every head's values indexed by a head number
 (``slopes[h]``: list indexing reads the int in C), a marked tensor read back into Python (``.tolist()``,

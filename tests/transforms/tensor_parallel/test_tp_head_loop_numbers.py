@@ -125,6 +125,9 @@ SILENT_TOO: list[tuple[str, Op, str, int, float]] = [
 
 
 SILENT_TOO.append(
+    ("len_of_the_range", lambda q: q * len(range(q.size(1))) / 4,
+     r"passes len\(\) of a head number of range\(\) over size\(1\) \(2\) .* to mul as a value", 2, 9.9e-3))
+SILENT_TOO.append(
     ("python_sum_of_the_heads_unbound", lambda q: q * sum(q.unbind(1)).unsqueeze(1) / 4,
      r"sums the heads of the per-head view of '0\.attn\.q' unbound \(2\) with Python's sum\(\): over this rank's "
      r"heads alone", 2, 3.3e-3))
