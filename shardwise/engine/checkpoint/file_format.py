@@ -190,20 +190,26 @@ def _modified(path: Path, what: str, how: str) -> CheckpointError:
     )
 
 
-def _load_json(path: Path, what: str) -> Any:
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint {path.parent}: {path.name} is missing ({what})")
+def _load_json(path: Path, what: str, listed: str | None = None) -> Any:
+    """The JSON in ``path``, read once; with ``listed`` (the sha256 the commit marker lists for it), only
+    if those bytes are the ones the marker vouches for."""
     try:
-        with open(path) as f:
-            return json.load(f)
+        with open(path, "rb") as f:
+            raw = f.read()
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        raise CheckpointError(f"checkpoint {path.parent}: {path.name} is missing ({what})") from None
+    if listed is not None and hashlib.sha256(raw).hexdigest() != listed:
+        raise _modified(path, what, f"its {CHECKSUM} is not the one {COMMITTED} lists")
+    try:
+        return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise _modified(path, what, f"it is not JSON ({err})") from None
 
 
-def read_json(path: Path, what: str, *, verify: bool = True) -> dict[str, Any]:
+def read_json(path: Path, what: str, *, verify: bool = True, listed: str | None = None) -> dict[str, Any]:
     """A JSON file of the checkpoint, once its content matches its checksum (``verify=False``: a
-    format-version-1 file, which has none)."""
-    value = _load_json(path, what)
+    format-version-1 file, which has none) and, with ``listed``, the sha256 its commit marker lists."""
+    value = _load_json(path, what, listed)
     if not isinstance(value, dict):
         raise _modified(path, what, f"it holds a {type(value).__name__}, not an object")
     if not verify:
@@ -260,8 +266,54 @@ def not_replaceable(target: Path) -> str | None:
     )
 
 
+@dataclass(frozen=True)
+class Committed:
+    """A committed checkpoint as its marker listed it when a load read the marker: what each later read
+    of the directory is checked against. Another process's save to the same path (``overwrite=True``)
+    may put a new checkpoint in the directory's place meanwhile; a read that meets the new one's files
+    then fails, and :meth:`replaced` says why, instead of mixing two saves (the step count of one, the
+    tensors of the other)."""
+
+    directory: Path
+    meta: dict[str, Any]
+    files: Mapping[str, tuple[int, str | None]]  # name -> (bytes, sha256; None for a data file)
+    marker: str  # the sha256 of the marker's bytes: the same for every rank that read the same save
+
+    def listed(self, name: str) -> str | None:
+        """The sha256 the marker lists for file ``name`` (None: a data file, or a version-1 checkpoint)."""
+        return self.files.get(name, (0, None))[1]
+
+    def replaced_error(self, err: Exception) -> Exception:
+        """``err`` (a read of this checkpoint that failed), or, where the checkpoint was replaced since its
+        marker was read, the error that says so."""
+        return _replaced_error(self.directory, self.marker, err)
+
+
+def _replaced_error(directory: Path, marker: str, err: Exception) -> Exception:
+    """``err``, or where the marker at ``directory`` is no longer the one of sha256 ``marker`` (or is gone):
+    the error that says the checkpoint was replaced while it was read."""
+    try:
+        with open(directory / COMMITTED, "rb") as f:
+            if hashlib.sha256(f.read()).hexdigest() == marker:
+                return err
+    except OSError:
+        pass
+    return CheckpointError(
+        f"checkpoint {directory} was replaced while this load read it: another process saved to it "
+        "(overwrite=True) meanwhile, and its files are no longer those its commit marker listed when the load "
+        "began; nothing of it is used (a mix of two saves); load again once that save has returned, or load a "
+        "path no save replaces while it is read"
+    )
+
+
 def check_committed(directory: Path) -> dict[str, Any]:
     """The checkpoint's metadata, once its commit marker and every file it lists are as written."""
+    return open_committed(directory).meta
+
+
+def open_committed(directory: Path) -> Committed:
+    """The checkpoint's metadata and its commit marker, once the marker and every file it lists are as
+    written (each read of a file after this is checked against the marker read here: :class:`Committed`)."""
     if not directory.is_dir():
         raise CheckpointError(_not_a_directory(directory))
     if not (directory / META).exists() and (directory / DCP_META).is_file():
@@ -281,11 +333,15 @@ def check_committed(directory: Path) -> dict[str, Any]:
             f"checkpoint {directory} is not committed: {COMMITTED} is missing, so a save was interrupted "
             "before every rank had written its files; load the previous checkpoint"
         )
-    version, files = _read_marker(directory)
-    for name, (size, digest) in files.items():
-        _check_listed(directory, name, size, digest)
+    version, files, marker = _read_marker(directory)
     what = "the checkpoint's metadata"
-    meta = read_json(directory / META, what, verify=version != UNVERIFIED_VERSION)
+    try:
+        for name, (size, digest) in files.items():
+            _check_listed(directory, name, size, digest)
+        meta = read_json(directory / META, what, verify=version != UNVERIFIED_VERSION,
+                         listed=files.get(META, (0, None))[1])
+    except (CheckpointError, OSError) as err:  # (a file gone or of other bytes: replaced since?)
+        raise _replaced_error(directory, marker, err)  # noqa: B904 (the read's error is the context of the new one)
     if meta.get("format") != FORMAT:
         raise CheckpointError(
             f"checkpoint {directory}: {META} is not a shardwise checkpoint's (format {meta.get('format')!r})"
@@ -307,22 +363,39 @@ def check_committed(directory: Path) -> dict[str, Any]:
             "checkpoint",
             UserWarning, stacklevel=3,
         )
-    return meta
+    return Committed(directory, meta, files, marker)
 
 
-def _read_marker(directory: Path) -> tuple[int, dict[str, tuple[int, str | None]]]:
-    """The marker's format version and its files: name -> (bytes, sha256 or None)."""
+def _read_marker(directory: Path) -> tuple[int, dict[str, tuple[int, str | None]], str]:
+    """The marker's format version, its files (name -> (bytes, sha256 or None)) and its own sha256,
+    from one read of it."""
     path = directory / COMMITTED
-    raw = _load_json(path, "the commit marker")
+    try:
+        with open(path, "rb") as f:
+            raw_bytes = f.read()
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        raise CheckpointError(f"checkpoint {directory}: {COMMITTED} is missing (the commit marker)") from None
+    digest = hashlib.sha256(raw_bytes).hexdigest()
+    try:
+        raw = json.loads(raw_bytes)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise _modified(path, "the commit marker", f"it is not JSON ({err})") from None
     old = raw.get("files") if isinstance(raw, dict) and set(raw) == {"files"} else None
     if isinstance(old, dict) and all(type(size) is int for size in old.values()):
-        return UNVERIFIED_VERSION, {name: (size, None) for name, size in old.items()}  # sizes only
-    marker = read_json(path, "the commit marker")
+        return UNVERIFIED_VERSION, {name: (size, None) for name, size in old.items()}, digest  # sizes only
+    if not isinstance(raw, dict):
+        raise _modified(path, "the commit marker", f"it holds a {type(raw).__name__}, not an object")
+    stored = raw.pop(CHECKSUM, None)
+    if stored is None:
+        raise _modified(path, "the commit marker", f"it carries no {CHECKSUM} checksum, which every file of a "
+                        f"format version {VERSION} checkpoint has")
+    if _digest(raw) != stored:
+        raise _modified(path, "the commit marker", f"its content does not match its {CHECKSUM} checksum")
     try:
-        files = marker["files"]
-        return int(marker["version"]), {
+        files = raw["files"]
+        return int(raw["version"]), {
             str(name): (int(entry["bytes"]), entry[CHECKSUM]) for name, entry in files.items()
-        }
+        }, digest
     except (KeyError, TypeError, ValueError) as err:
         raise _modified(path, "the commit marker", f"it lacks {err}") from None
 
@@ -351,11 +424,14 @@ def verified(meta: Mapping[str, Any]) -> bool:
     return meta.get("version") != UNVERIFIED_VERSION
 
 
-def read_records(directory: Path, ranks: int, *, verify: bool = True) -> dict[str, list[Record]]:
-    """Every rank's records, by tensor name (``verify=False``: a version-1 checkpoint's)."""
+def read_records(directory: Path, ranks: int, *, verify: bool = True,
+                 committed: Committed | None = None) -> dict[str, list[Record]]:
+    """Every rank's records, by tensor name (``verify=False``: a version-1 checkpoint's; with ``committed``,
+    each index only as the commit marker read then lists it)."""
     by_fqn: dict[str, list[Record]] = {}
     for rank in range(ranks):
-        index = read_json(directory / index_file(rank), f"rank {rank}'s index", verify=verify)
+        listed = None if committed is None else committed.listed(index_file(rank))
+        index = read_json(directory / index_file(rank), f"rank {rank}'s index", verify=verify, listed=listed)
         for item in index["records"]:
             record = Record.from_json(item, index["file"])
             by_fqn.setdefault(record.fqn, []).append(record)
@@ -367,10 +443,15 @@ class Reader:
     chunks that hold what is asked for, each checked against its crc32 (a record saved without
     chunk crc32s is read whole, checked against its crc32)."""
 
-    def __init__(self, directory: Path, meta: Mapping[str, Any]) -> None:
-        self.directory = directory
+    def __init__(self, committed: Committed) -> None:
+        self.committed = committed
+        self.directory, meta = committed.directory, committed.meta
         self.tensors: dict[str, Any] = meta["tensors"]
-        self.records = read_records(directory, int(meta["world"]), verify=verified(meta))
+        try:
+            self.records = read_records(self.directory, int(meta["world"]), verify=verified(meta),
+                                        committed=committed)
+        except CheckpointError as err:
+            raise committed.replaced_error(err)  # noqa: B904 (the read's error is the context of the new one)
         self._files: dict[str, Any] = {}
         self._buffer = ReadBuffer()
 
@@ -428,7 +509,10 @@ class Reader:
         spec = self._spec(fqn)
         dtype = dtype_of(spec["dtype"], fqn)
         stored = [((r.offsets, r.sizes), self._read_into(r, dtype)) for r in self.records.get(fqn, [])]
-        fill(f"checkpoint {self.directory}", fqn, spec["shape"], placed, stored)
+        try:
+            fill(f"checkpoint {self.directory}", fqn, spec["shape"], placed, stored)
+        except (CheckpointError, OSError) as err:  # (a data file gone or of other bytes: replaced since?)
+            raise self.committed.replaced_error(err)  # noqa: B904 (the read's error is the context of the new one)
 
     def full(self, fqn: str) -> torch.Tensor:
         """The whole tensor ``fqn``, assembled from the boxes every rank saved of it."""

@@ -78,6 +78,7 @@ from .file_format import (
     META,
     VERSION,
     CheckpointError,
+    Committed,
     Reader,
     check_committed,
     data_file,
@@ -87,6 +88,7 @@ from .file_format import (
     fsync_dir,
     index_file,
     not_replaceable,
+    open_committed,
     read_json,
     read_records,
     verified,
@@ -234,6 +236,7 @@ def save(path: str | os.PathLike[str], state: TrainState, step: Any, *, blocking
     failed = _agree(mesh, problem, device)
     if failed is not None:
         raise CheckpointError(f"save to {target}: {problem or failed}")
+    _every_rank_sees(mesh, target, partial, device)
     save_id = _save_id(mesh, device)
     _reached("prepared")
     names = state_dict_names(step.base_chain)
@@ -380,6 +383,30 @@ def _structure(opt_state: Any, tree: Any, mesh: Mesh | None, device: torch.devic
     if mesh is not None and len({ts[0] for ts in gather_texts(mesh, [record_digest(record)], device)}) > 1:
         return None
     return record
+
+
+def _every_rank_sees(mesh: Mesh | None, target: Path, partial: Path, device: torch.device) -> None:
+    """Refuse, on every rank alike, a save whose ranks do not all see the directory rank 0 made: ranks given
+    different paths (a path made per process) or a path on a file system some ranks do not share would
+    each write elsewhere, and the commit find their files missing."""
+    if mesh is None:
+        return
+    seen = [texts[0].split("\t", 1) for texts in gather_texts(mesh, [f"{int(partial.is_dir())}\t{target.absolute()}"],
+                                                               device)]
+    blind = [rank for rank, (sees, _) in enumerate(seen) if sees != "1"]
+    if not blind:
+        return
+    if mesh.rank == 0:
+        _discard_if_there(partial)  # (empty: no rank has written)
+    paths = sorted({where for _, where in seen})
+    listed = "; ".join(f"rank {rank}: {where}" for rank, (_, where) in enumerate(seen))
+    why = (f"the ranks passed different paths ({listed}; a path made per process, such as tempfile.mkdtemp() in "
+           "each, differs)" if len(paths) > 1 else
+           f"{target.parent} is not one file system that every rank shares")
+    raise CheckpointError(
+        f"save to {target}: ranks {blind} do not see the directory rank 0 made beside its path to write into: {why}; "
+        "pass every rank the same path, on a file system every rank shares; nothing was written"
+    )
 
 
 def _save_id(mesh: Mesh | None, device: torch.device) -> str:
@@ -541,14 +568,14 @@ def load(path: str | os.PathLike[str], step: Any, mesh: Mesh | None = None, *,
     if pending is not None and pending.path.resolve() == Path(path).resolve():
         pending.wait()  # this rank's save to it is in flight (blocking=False): what it loads is that save
 
-    def check() -> tuple[Path, dict[str, Any], dict[str, dict[str, torch.Tensor]], dict[tuple[str, str], str],
-                         list[str]]:
-        directory = resolve(path)
-        meta = check_committed(directory)
-        params_meta, keys = _check_model(directory, meta, step, like)
-        return directory, meta, params_meta, keys, _buffers(directory, meta, step)
+    def check() -> tuple[Committed, dict[str, dict[str, torch.Tensor]], dict[tuple[str, str], str], list[str]]:
+        committed = open_committed(resolve(path))
+        params_meta, keys = _check_model(committed.directory, committed.meta, step, like)
+        return committed, params_meta, keys, _buffers(committed, step)
 
-    directory, meta, params_meta, keys, changed = _together(mesh, on, f"load of {path}", check)
+    committed, params_meta, keys, changed = _together(mesh, on, f"load of {path}", check)
+    directory, meta = committed.directory, committed.meta
+    _same_save(mesh, committed, on)
     # Not the buffers' values: every rank restores the same saved ones below (buffers.py), whatever
     # each built (a model rebuilt under another seed, or on the meta device).
     step.check_ranks_agree(mesh, step.layout(mesh, params_meta), {
@@ -559,7 +586,7 @@ def load(path: str | os.PathLike[str], step: Any, mesh: Mesh | None = None, *,
     }, on, buffer_values=False)
 
     def read() -> tuple[TrainState, list[str]]:
-        reader = Reader(directory, meta)
+        reader = Reader(committed)
         try:
             return build_state(reader, meta, step, mesh, params_meta, keys, on)
         finally:
@@ -574,8 +601,29 @@ def load(path: str | os.PathLike[str], step: Any, mesh: Mesh | None = None, *,
             f"the per-parameter {meta['optimizer']['mirrors']}, this step's optimizer has {sorted(wanted)[:8]}; "
             + other_optimizer_or_layout(saved, wanted)
         )
-    _buffers(directory, meta, step, restore=changed)  # last: a refusal above leaves the chain as it was
+    _buffers(committed, step, restore=changed)  # last: a refusal above leaves the chain as it was
     return state
+
+
+def _same_save(mesh: Mesh | None, committed: Committed, device: torch.device) -> None:
+    """Refuse, on every rank alike, ranks that read different saves: each rank reads its own part, so ranks
+    given different paths (a path made per process) or reading while another process saved to the path
+    (``overwrite=True``) would return one model made of two checkpoints. The marker's sha256 names the
+    save (paths may differ: one file system mounted at two places)."""
+    if mesh is None:
+        return
+    read = [texts[0].split("\t", 1) for texts in gather_texts(mesh, [f"{committed.marker}\t{committed.directory}"],
+                                                               device)]
+    if len({marker for marker, _ in read}) == 1:
+        return
+    listed = "; ".join(f"rank {rank}: {where} (its COMMITTED's sha256 {marker[:12]})"
+                       for rank, (marker, where) in enumerate(read))
+    raise CheckpointError(
+        f"the ranks read different checkpoints ({listed}), and a state made of their parts would be two models' "
+        "mix: pass every rank the same path (a path made per process, such as tempfile.mkdtemp() in each, "
+        "differs); where it is the same path, another process saved to it (overwrite=True) while the ranks read "
+        "it: load again once that save has returned"
+    )
 
 
 def _together(mesh: Mesh | None, device: torch.device, what: str, fn: Callable[[], _T]) -> _T:
@@ -604,11 +652,12 @@ def _together(mesh: Mesh | None, device: torch.device, what: str, fn: Callable[[
     return result
 
 
-def _buffers(directory: Path, meta: Mapping[str, Any], step: Any, restore: list[str] | None = None) -> list[str]:
+def _buffers(committed: Committed, step: Any, restore: list[str] | None = None) -> list[str]:
     """The chain's persistent buffers (frozen parameters among them) whose saved values differ from
     its own; with ``restore``, those given their saved values (buffers.py)."""
+    directory, meta = committed.directory, committed.meta
     stored = {fqn: (tuple(spec["shape"]), dtype_of(spec["dtype"], fqn)) for fqn, spec in meta["tensors"].items()}
-    names, reader = state_dict_names(step.base_chain), Reader(directory, meta)
+    names, reader = state_dict_names(step.base_chain), Reader(committed)
     try:
         if restore is not None:
             restore_keys(step.base_chain, names, stored, reader.read_into, restore, prefix="model.")
@@ -693,9 +742,9 @@ def _kind(t: torch.Tensor) -> str:
 
 def describe(path: str | os.PathLike[str]) -> dict[str, Any]:
     """What a committed checkpoint holds: its metadata, and per rank its file, bytes and records."""
-    directory = resolve(path)
-    meta = check_committed(directory)
-    records = read_records(directory, int(meta["world"]), verify=verified(meta))
+    committed = open_committed(resolve(path))
+    directory, meta = committed.directory, committed.meta
+    records = read_records(directory, int(meta["world"]), verify=verified(meta), committed=committed)
     ranks: list[dict[str, Any]] = []
     for rank in range(int(meta["world"])):
         mine = [r for rs in records.values() for r in rs if r.file == data_file(rank)]
