@@ -119,6 +119,22 @@ def test_state_set_from_the_input_values_is_refused_where_the_batch_is_cut(
     assert f"this step cuts the batch ({words}" in message, message
 
 
+def test_a_refused_launch_run_again_in_the_same_process_is_refused_again() -> None:
+    """A later launch's rank threads may get the numbers (threading.get_ident) of an earlier one's, which
+    ended; their copies of the module are new, and their first calls are watched as the first launch's
+    were (before: the third launch of the same refused step trained, each rank's scale from its share)."""
+    chain, params = sw.functionalize(_model(_LazyInit))
+    step = sw.shard_params(sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1)), "dp", stage=3)
+
+    def main() -> None:
+        mesh = sw.Mesh(dp=2)
+        step(step.init(params, mesh), _batches()[0])
+
+    for _ in range(5):
+        with pytest.raises(sw.collectives.RankFailed, match=r"set its module's attributes \['scale'\] on its first"):
+            sw.launch(main, 2)
+
+
 def test_every_rank_refuses_on_processes() -> None:
     """Each rank's probe sees its own share's values: all refuse alike, none waits on another."""
     with pytest.raises((ValueError, sw.collectives.RankFailed)) as caught:

@@ -32,8 +32,9 @@ from torch import nn
 
 from ..model.module_call import module_fn
 from ..torch_api import version_of
+from .thread_token import thread_token
 
-# (layer -> the threads that ran its watched step): a rank thread's copy of the module is its own.
+# (layer -> the threads (thread_token.py) that ran its watched step): a rank thread's copy of the module is its own.
 _WATCHED: weakref.WeakKeyDictionary[Any, set[int]] = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()
 
@@ -58,7 +59,7 @@ class ForwardStateWatch:
             return False
         self._seen.add(name)
         layer = chain[name]
-        me = threading.get_ident()
+        me = thread_token()
         # Every later step asks once per layer: read without the lock (a dict's and a set's lookups are
         # atomic, and only this thread adds itself), which cost more than the rest of the question.
         watched = _WATCHED.get(layer)

@@ -24,6 +24,7 @@ from typing import Any
 from ..model.functional_frequencies import layer_paths, watching
 from ..model.whole_batch import FREQUENCIES, WholeBatch
 from ..stack.compose import refuse_frequencies
+from .thread_token import thread_token
 
 # layer -> the threads whose first call of it a batch-cutting step watched (a rank thread runs its own copy).
 _WATCHED: weakref.WeakKeyDictionary[Any, set[int]] = weakref.WeakKeyDictionary()
@@ -46,7 +47,7 @@ class FrequencyWatch:
         self._seen.add(name)
         layer = chain[name]
         with _LOCK:
-            if threading.get_ident() in _WATCHED.get(layer, ()):
+            if thread_token() in _WATCHED.get(layer, ()):
                 return None
         return _watched(layer, name, self.cut)
 
@@ -62,4 +63,4 @@ def _watched(layer: Any, name: str, cut: str) -> Iterator[None]:
     with watching(layer_paths(layer), name, refuse):
         yield
     with _LOCK:
-        _WATCHED.setdefault(layer, set()).add(threading.get_ident())
+        _WATCHED.setdefault(layer, set()).add(thread_token())
