@@ -130,6 +130,43 @@ def test_dynamic_rope_across_lengths_equals_the_one_device_step(cut: str, length
     sw.testing.assert_equivalent(transform(step), reference, mesh(), batches, params)
 
 
+def _rows_of_other_positions(lengths: tuple[int, ...], same_max: bool = False) -> list[Any]:
+    """Rows 0 and 1 (the first share of every cut) positioned as left-padded rows (0 for the padding, then
+    counting), rows 2 and 3 from 0; with ``same_max`` every row reaches the same largest position."""
+    out = []
+    for batch, ids in _batches(lengths):
+        n = ids.shape[1]
+        positions = torch.arange(n).repeat(4, 1)
+        if not same_max:
+            positions[:2] = (torch.arange(n) - n // 2).clamp(min=0)
+        out.append(({**batch, "position_ids": positions}, ids))
+    return out
+
+
+@pytest.mark.parametrize("cut", [c for c in MESH_CUTS if c != "remat"])
+def test_dynamic_rope_on_rows_of_other_largest_positions_is_refused_where_the_rows_are_cut(cut: str) -> None:
+    """Each share took its own rows' largest position where one device takes the batch's: one share scaled
+    inv_freq, the other not (ZeRO-3 dp2 before: 4.2e-6 to 1.7e-5 relative in the first step's loss, Qwen3,
+    no error). Rows of one largest position give every share the batch's: they pass, as one device does."""
+    transform, mesh = MESH_CUTS[cut]
+    batches = _rows_of_other_positions((12, 6))
+    step, params = _step("llama dynamic rope", batches[0][0])
+    reference, _ = _step("llama dynamic rope", batches[0][0])
+    with pytest.raises((ValueError, sw.collectives.RankFailed),
+                       match=r"model\.rotary_emb is a dynamic rotary embedding .* batch\[0\]\['position_ids'\]'s rows "
+                             r"reach different largest positions \(\[5, 11\]\): this step cuts the batch"):
+        sw.testing.assert_equivalent(transform(step), reference, mesh(), batches, params)
+    alike = _rows_of_other_positions((12, 6), same_max=True)
+    sw.testing.assert_equivalent(transform(step), reference, mesh(), alike, params)
+
+
+def test_dynamic_rope_on_rows_of_other_positions_trains_on_one_device_and_under_remat() -> None:
+    batches = _rows_of_other_positions((12, 6))
+    step, params = _step("llama dynamic rope", batches[0][0])
+    reference, _ = _step("llama dynamic rope", batches[0][0])
+    sw.testing.assert_equivalent(sw.remat(step), reference, sw.Mesh(dp=1), batches, params)
+
+
 def test_dynamic_rope_whose_buffers_functional_call_swaps_is_refused_where_its_cache_moves() -> None:
     """Given both names of an aliased buffer, ModuleCall hands the call to functional_call, whose swap
     back drops a rebound inv_freq where the layer cannot keep it: a call within the original length

@@ -44,6 +44,7 @@ from ..stack.compose import cutting_the_batch
 from ..stack.in_layer import BatchShares
 from .batch_cut import batch_multiple, batch_shares, cut_words, loss_probe_cut, rank_share, refuse_padded_mean
 from .donation import donates
+from .dynamic_rope_rows import refuse_dynamic_rope_rows
 from .layouts import output_shapes
 from .master import compute_params, unscale_like
 from .sequence_cut import refuse_rows_on_sequence_dim
@@ -210,6 +211,7 @@ def prepare_run(step: Step, state: TrainState, layout: StateLayout, batch: Any) 
     check_layout(step, state, layout)  # a state cast or replaced by hand
     sharding, pipe = layout.sharding, step.pipeline_spec
     refuse_padded_mean(step, mesh, batch)
+    refuse_dynamic_rope_rows(step, layout, mesh, batch)
     micro, replicas = local_microbatches(step, mesh, sharding, batch)
     refuse_rows_on_sequence_dim(step, layout, mesh, micro[0][0])
     master, source = param_source(step, state, sharding)

@@ -1,0 +1,72 @@
+"""Hugging Face dynamic RoPE on a batch the step cuts, whose rows reach different positions: refused.
+
+transformers' ``dynamic_rope_update`` (modeling_rope_utils.py) sets a rotary embedding's frequencies from
+``position_ids.max() + 1`` over the batch it is called on: scaled once that length passes the original
+one, reset below it (engine/model/rope_state.py keeps them as torch does). The single-device step takes the
+max over the global batch; a step that cuts the rows (data parallel, accumulation, a pipeline's
+micro-batches) takes it over each share. Where the rows reach different positions (left padding, packed
+sequences: ``position_ids`` given per row), one share's max is another's: a rank scales where one device
+does not, and the step trains another model without an error (Qwen3, ZeRO-3 over 2 ranks: 4.2e-6 to 1.7e-5
+relative in the first step's loss, 2.4e-5 in float32 with left padding). Rows whose largest positions are
+equal give every share the global max, and pass.
+
+Seen in the batch as the step is called (every rank holds the global batch: no collective): a tensor under a
+``position_ids`` key, one max per row. Not seen: positions given otherwise (a positional argument, another
+name), or computed by the model from its other inputs.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import optree
+import torch
+
+from ...collectives.mesh import Mesh
+from ..model.rope_state import is_dynamic_rope
+from ..model.whole_batch import called_modules
+from .batch_cut import cut_words
+
+if TYPE_CHECKING:
+    from ..layout.state_layout import StateLayout
+    from .step import Step
+
+_KEY = "position_ids"
+_CACHED = "dynamic rope modules"  # the layout's cache: the chain's dynamic rotary embeddings, by path
+
+
+def refuse_dynamic_rope_rows(step: Step, layout: StateLayout, mesh: Mesh | None, batch: Any) -> None:
+    """Refuse a batch the step cuts into rows whose ``position_ids`` reach different largest positions, where
+    the model has a dynamic rotary embedding (see the module docstring)."""
+    positions = _position_ids(batch)
+    if not positions:
+        return
+    cuts = cut_words(step, mesh)
+    if not cuts:
+        return
+    rope = layout.cache.get(_CACHED)
+    if rope is None:
+        rope = layout.cache[_CACHED] = [path for path, m in called_modules(step.base_chain) if is_dynamic_rope(m)]
+    if not rope:
+        return
+    for where, t in positions:
+        reached = t.reshape(t.shape[0], -1).amax(dim=1) if t.dim() > 1 and t.shape[0] > 1 else None
+        if reached is None or bool((reached == reached[0]).all()):
+            continue
+        raise ValueError(
+            f"{rope[0]} is a dynamic rotary embedding (rope_type 'dynamic'), which sets its frequencies from the "
+            f"largest position of the batch it is called on, and batch{where}'s rows reach different largest "
+            f"positions ({sorted(set(reached.tolist()))[:6]}): this step cuts the batch ({' x '.join(cuts)}), so "
+            "each share would take its own rows' largest position where the single-device step takes the whole "
+            "batch's, and scale (or not) otherwise: another model, trained without an error. Give every row the "
+            "same largest position (pad on the right, with positions that go on counting), or use a rope type of "
+            "fixed frequencies (default, linear, yarn, llama3), or train without cutting the batch"
+        )
+
+
+def _position_ids(batch: Any) -> list[tuple[str, torch.Tensor]]:
+    """(keypath, tensor) of each integer tensor of ``batch`` under a ``position_ids`` key."""
+    paths, leaves, _ = optree.tree_flatten_with_path(batch)
+    return [("".join(f"[{k!r}]" for k in path), t) for path, t in zip(paths, leaves, strict=True)
+            if path and path[-1] == _KEY and isinstance(t, torch.Tensor) and not t.is_meta
+            and not (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool)]
