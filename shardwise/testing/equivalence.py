@@ -71,6 +71,24 @@ class EquivalenceReport:
         return f"equivalent over {self.steps} steps; worst relative error {worst:.3g}"
 
 
+def _refuse_nan_reference(expected: Sequence[tuple[dict[str, Any], Any]]) -> None:
+    """Refuse a reference whose loss or parameters are NaN at some step: a distributed step NaN there too would
+    match it (NaN equals NaN below), and a NaN matched certifies nothing (HF eager attention over a row that
+    masks every key). (Not the gradient norm: a loss-scaled step that skips an overflow reports it non-finite.)"""
+    for index, (metrics, params) in enumerate(expected):
+        named = [*((k, v) for k, v in metrics.items() if k == "loss"),
+                 *(("params" + "".join(f"[{k!r}]" for k in path), leaf) for path, leaf in
+                   zip(*optree.tree_flatten_with_path(params)[:2], strict=True))]
+        for where, value in named:
+            if isinstance(value, torch.Tensor) and value.is_floating_point() and bool(value.isnan().any()):
+                raise ValueError(
+                    f"the reference step's {where} is NaN at step {index + 1}: there is nothing to compare the "
+                    "distributed step with (a NaN would match a NaN); make the single-device step finite first "
+                    "(a row whose attention masks every key gives NaN in eager attention, float16 may overflow), "
+                    "then check again"
+                )
+
+
 def _abs_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """``max|a - b|``; infinite for a shape or NaN / inf pattern that differs.
 
@@ -234,6 +252,7 @@ def compare_histories(
     at the coarser of ``rtol`` and 8 eps of their own dtype.
     """
     report = EquivalenceReport(steps=len(expected))
+    _refuse_nan_reference(expected)
     for index, (exp_metrics, exp_params) in enumerate(expected):
         worst_abs = worst_rel = 0.0
         for rank, history in enumerate(per_rank):

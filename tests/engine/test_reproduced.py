@@ -126,3 +126,27 @@ def test_expert_parallel_refuses_experts_of_another_class() -> None:
     with pytest.raises(ValueError, match=r"experts is a ScaledExperts .*not the MixtralSparseMoeBlock's own "
                                          r"MixtralExperts"):
         sw.expert_parallel(step, "ep")
+
+
+def test_a_forward_replaced_by_a_lambda_has_a_digest_of_its_own(tmp_path: Any) -> None:
+    """``Class.forward = lambda self, x: ...`` (a common monkeypatch): getsource gives the assignment, which is
+    no function definition; the digest was a bare AssertionError, which stopped tensor parallel with sequence
+    parallel and context parallel on a model with such a class, whatever they reproduced."""
+    doubled = _compiled(tmp_path, "doubled", """
+        class C:
+            pass
+        C.forward = lambda self, x: x * 2
+    """)
+    tripled = _compiled(tmp_path, "tripled", """
+        class C:
+            pass
+        C.forward = lambda self, x: x * 3
+    """)
+    twice = _compiled(tmp_path, "twice", """
+        class C:
+            pass
+        C.forward, C.other = (lambda self, x: x), (lambda self, x: x)
+    """)
+    assert reproduced.digest(doubled) != reproduced.digest(tripled)
+    assert "unreadable" not in (reproduced.digest(doubled), reproduced.digest(tripled))
+    assert reproduced.digest(twice) == "unreadable"  # two lambdas on the line: which one is not known

@@ -56,6 +56,19 @@ def test_nan_in_one_place_only_is_a_divergence() -> None:
         sw.testing.assert_equivalent(_Poison(step), step, sw.Mesh(dp=1), batches[:1], params)
 
 
+def test_a_reference_that_is_nan_is_refused_not_matched() -> None:
+    """Both steps NaN (the same model, a row of HF eager attention masking every key): NaN equals NaN, so the
+    check passed, "equivalent; worst relative error 0" (before), and certified nothing."""
+    step, params, batches = _problem()
+    with pytest.raises(ValueError, match=r"the reference step's loss is NaN at step 1: there is nothing to compare"):
+        sw.testing.assert_equivalent(_Poison(step), _Poison(step), sw.Mesh(dp=1), batches[:1], params)
+    nan_params = {layer: {n: t * float("nan") if n == "bias" else t for n, t in ts.items()}
+                  for layer, ts in params.items()}
+    with pytest.raises(ValueError, match=r"the reference step's params\['.*'\]\['bias'\] is NaN at step 1"):
+        quiet = step.with_metrics(())  # (no loss reported: the parameters are judged)
+        sw.testing.assert_equivalent(quiet, quiet, sw.Mesh(dp=2), batches[:1], nan_params)
+
+
 class _Poison:
     """A step whose loss is NaN: NaN against a finite reference must fail."""
 

@@ -436,6 +436,36 @@ def test_batch_that_does_not_divide_is_refused(n: int, extra: int) -> None:
         sw.launch(run, n)
 
 
+def test_a_tensor_of_one_row_beside_the_batch_is_refused_naming_it_and_the_expand() -> None:
+    """Hugging Face takes position_ids of shape (1, seq) beside input_ids of (batch, seq); a cut batch cuts every
+    tensor along its rows, so it is refused, naming the tensor and the fix (before: "batch size 1 ... does not
+    divide; use a global batch size that is a multiple of 2", where the batch was 4)."""
+    torch.manual_seed(0)
+    chain, params = sw.functionalize(_ScaledInput().double())
+    step = sw.shard_params(sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1)), "dp", 3)
+    batch = ({"x": torch.randn(4, 5, dtype=torch.float64), "scale": torch.ones(1, 5, dtype=torch.float64)},
+             torch.randn(4, 3, dtype=torch.float64))
+
+    def run() -> None:
+        mesh = sw.Mesh(dp=2)
+        step(step.init(params, mesh), batch)
+
+    with pytest.raises(sw.collectives.RankFailed, match=r"\['scale'\] has one row \(shape \(1, 5\)\) beside tensors "
+                                                        r"of 4 rows: .* expand it to the batch first \(t\.expand\(4, "):
+        sw.launch(run, 2)
+
+
+class _ScaledInput(torch.nn.Module):
+    """Takes a dict batch whose "scale" broadcasts over the rows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(5, 3)
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.lin(batch["x"] * batch["scale"])
+
+
 def test_bad_options_are_refused() -> None:
     base, params = _uneven_mlp()
     with pytest.raises(ValueError, match="stages are 1, 2 or 3"):

@@ -37,6 +37,7 @@ def split_over(
     ``whole``: (n, why) when the global batch is cut n ways in all (data-parallel ranks x
     micro-batches), so the fix names the multiple it needs, not this cut's ``parts``."""
     multiple, why = whole if whole is not None else (parts, "")
+    rows = {t.shape[0] for t in optree.tree_leaves(tree) if isinstance(t, torch.Tensor) and t.dim() > 0}
 
     def cut(path: tuple[Any, ...], t: Any) -> Any:
         if not isinstance(t, torch.Tensor) or t.dim() == 0:
@@ -51,9 +52,18 @@ def split_over(
                 "per part and sums"
             )
         if t.shape[0] % parts:
+            where = "".join(f"[{k!r}]" for k in path)
+            others = sorted(rows - {t.shape[0]})
+            if t.shape[0] == 1 and others:  # one row for all: broadcast by the model, cut here like the rest
+                raise ValueError(
+                    f"{what}: {where or 'the batch'} has one row (shape {tuple(t.shape)}) beside tensors of "
+                    f"{others[0]} rows: a tensor the model broadcasts over the rows (Hugging Face takes position_ids "
+                    "of shape (1, seq)) is cut with the rows like every batch tensor, and one row does not divide "
+                    f"into {parts} parts; expand it to the batch first (t.expand({others[0]}, *t.shape[1:]))"
+                )
             raise ValueError(
-                f"{what}: batch size {t.shape[0]} (tensor of shape {tuple(t.shape)}) does not divide into "
-                f"{parts} equal parts; use a global batch size that is a multiple of "
+                f"{what}: batch size {t.shape[0]} ({where or 'the batch'}: a tensor of shape {tuple(t.shape)}) does "
+                f"not divide into {parts} equal parts; use a global batch size that is a multiple of "
                 f"{multiple}{why}"
             )
         size = t.shape[0] // parts
