@@ -120,6 +120,7 @@ class _RankThreads:
             with use_backend(ThreadsBackend(self.world, rank)):
                 self.results[rank] = run_rank(self._fn, *self._args)
             self.finished_at[rank] = time.monotonic()
+            self.world.rank_returned(rank)
         except BaseException as exc:
             self.world.abort(rank, exc)
         finally:

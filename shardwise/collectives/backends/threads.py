@@ -75,6 +75,7 @@ class ThreadsWorld:
         self._calls: dict[tuple[int, tuple[int, ...]], int] = {}
         self.failure: tuple[int, BaseException] | None = None
         self.cancelled: str | None = None  # why the launcher stopped the world, if it did
+        self.returned: set[int] = set()  # ranks whose function returned: they join no collective again
         self.mailbox = Mailbox(self._cond)
 
     def abort(self, rank: int, error: BaseException) -> None:
@@ -83,6 +84,21 @@ class ThreadsWorld:
             if self.failure is None:
                 self.failure = (rank, error)
             self._cond.notify_all()
+
+    def rank_returned(self, rank: int) -> None:
+        """Record that ``rank``'s function returned and wake every waiting rank: one waiting for it in a
+        collective or a receive fails at once, naming it, instead of at the timeout."""
+        with self._cond:
+            self.returned.add(rank)
+            self._cond.notify_all()
+
+    def _refuse_returned(self, rank: int, where: str, gone: list[int]) -> None:
+        if gone:
+            raise CollectiveError(
+                f"{where} on rank {rank}: ranks {gone} returned from their function without joining it, so it "
+                "never completes: it was called on some ranks only (a call that runs collectives, such as "
+                "sw.checkpoint.save, step.init or a step, under `if rank == 0:`); every rank must call it"
+            )
 
     def cancel(self, reason: str) -> None:
         """Stop every rank waiting in (or later issuing) a collective, as ``abort`` does, for ``reason``."""
@@ -162,9 +178,11 @@ class ThreadsWorld:
                 f"message #{work.seq} with tag {tag} (it failed, returned early, or sent with another tag)"
             )
 
-        return self.mailbox.take(
-            work.key, work.seq, self.timeout, on_timeout, lambda: self._raise_if_aborted_in(rank, where)
-        )
+        def check() -> None:
+            self._raise_if_aborted_in(rank, where)
+            self._refuse_returned(rank, f"{where}, message #{work.seq},", [src] if src in self.returned else [])
+
+        return self.mailbox.take(work.key, work.seq, self.timeout, on_timeout, check)
 
     def wait(self, work: _ThreadWork) -> torch.Tensor:
         rdv = work.rendezvous
@@ -172,6 +190,8 @@ class ThreadsWorld:
         with self._cond:
             while rdv.results is None and rdv.error is None:
                 self._raise_if_aborted(work.rank, rdv.op_name, rdv.group)
+                self._refuse_returned(work.rank, f"{rdv.op_name} on axis {rdv.group.axis!r}", [
+                    r for r in rdv.group.ranks if r in self.returned and r not in rdv.arrived_ranks])
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     missing = [r for r in rdv.group.ranks if r not in rdv.arrived_ranks]
@@ -241,7 +261,9 @@ def _check_same(payloads: list[Payload], op_name: str) -> None:
         if t.shape != first.shape or t.dtype != first.dtype:
             raise CollectiveError(
                 f"{op_name}: group index {i} passed {tuple(t.shape)} {t.dtype} but index 0 passed "
-                f"{tuple(first.shape)} {first.dtype}; every rank must pass the same shape and dtype"
+                f"{tuple(first.shape)} {first.dtype}; every rank must pass the same shape and dtype (ranks in "
+                "different calls pass different tensors: a call that runs collectives, such as sw.checkpoint.save "
+                "or a step, made on some ranks only, under `if rank == 0:`)"
             )
 
 
