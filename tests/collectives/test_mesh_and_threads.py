@@ -84,6 +84,7 @@ def test_a_rank_that_never_arrives_times_the_others_out_with_the_collective_name
     def main() -> None:
         mesh = sw.Mesh(dp=2, pp=2)
         if mesh.coords["dp"] == 1:
+            time.sleep(1.5)  # busy elsewhere past the timeout (one that returned is named at once: below)
             return
         sw.collectives.all_gather(torch.ones(2), "dp", mesh=mesh)
 
@@ -92,6 +93,20 @@ def test_a_rank_that_never_arrives_times_the_others_out_with_the_collective_name
         sw.collectives.RankFailed, match=r"all_gather on axis 'dp' timed out after 0.5 s on rank \d: ranks \[\d\]"
     ):
         sw.launch(main, 4, timeout=0.5)
+    assert time.monotonic() - started < 5
+
+
+def test_a_rank_that_returned_fails_the_others_at_once_with_the_collective_named() -> None:
+    def main() -> None:
+        mesh = sw.Mesh(dp=2, pp=2)
+        if mesh.coords["dp"] == 1:
+            return
+        sw.collectives.all_gather(torch.ones(2), "dp", mesh=mesh)
+
+    started = time.monotonic()
+    with pytest.raises(sw.collectives.RankFailed, match=r"all_gather on axis 'dp' on rank \d: ranks \[\d\] returned "
+                                                        r"from their function without joining it"):
+        sw.launch(main, 4, timeout=60.0)
     assert time.monotonic() - started < 5
 
 

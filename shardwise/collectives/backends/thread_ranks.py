@@ -96,6 +96,10 @@ def run_on_threads(fn: Callable[..., Any], world: int, timeout: float, args: tup
     except BaseException as exc:  # Ctrl-C, or SystemExit from a signal handler
         ranks.stop(ranks.running(), f"the launcher was interrupted ({type(exc).__name__})")
         raise
+    finally:
+        # The world outlives the launch where its collectives' autograd graphs do (a backward run in a later
+        # launch's threads): there, a rank is no longer one that returned before its peers.
+        ranks.world.launch_ended()
     return ranks.outcome()
 
 

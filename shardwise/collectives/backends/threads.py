@@ -75,7 +75,7 @@ class ThreadsWorld:
         self._calls: dict[tuple[int, tuple[int, ...]], int] = {}
         self.failure: tuple[int, BaseException] | None = None
         self.cancelled: str | None = None  # why the launcher stopped the world, if it did
-        self.returned: set[int] = set()  # ranks whose function returned: they join no collective again
+        self.returned: set[int] = set()  # ranks whose function returned while others run: they join no collective
         self.mailbox = Mailbox(self._cond)
 
     def abort(self, rank: int, error: BaseException) -> None:
@@ -91,6 +91,11 @@ class ThreadsWorld:
         with self._cond:
             self.returned.add(rank)
             self._cond.notify_all()
+
+    def launch_ended(self) -> None:
+        """Forget which ranks returned: every rank of the launch has ended (see thread_ranks.run_on_threads)."""
+        with self._cond:
+            self.returned.clear()
 
     def _refuse_returned(self, rank: int, where: str, gone: list[int]) -> None:
         if gone:
