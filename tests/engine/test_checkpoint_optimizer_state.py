@@ -77,3 +77,22 @@ def test_per_unit_counts_saved_under_zero3_are_refused_elsewhere_naming_the_layo
     sw.launch(functools.partial(_save_after, zero3, params, sw.Mesh(dp=2), [batch], tmp_path / "c"), 2)
     with pytest.raises(sw.checkpoint.CheckpointError, match=r"one per ZeRO unit(.|\n)*under the ZeRO stage"):
         ck.load(tmp_path / "c", step)
+
+
+def test_a_checkpoint_of_another_optimizer_is_refused_naming_the_way_to_its_weights(tmp_path: Path) -> None:
+    """The refusal names init_from_dcp for the weights alone, and that call does start the step from them."""
+    torch.manual_seed(0)
+    chain, params = sw.functionalize(torch.nn.Sequential(torch.nn.Linear(4, 3)).double())
+    sgd = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1, momentum=0.9))
+    batch = (torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64))
+    trained, _ = sgd(sgd.init(params), batch)
+    sw.checkpoint.save(tmp_path / "ck", trained, sgd)
+    adamw = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.adamw(1e-2))
+    with pytest.raises(sw.checkpoint.CheckpointError,
+                       match=r"load it with the optimizer that saved it, or start this step from its weights alone "
+                             r"\(a fresh optimizer state\): sw\.checkpoint\.init_from_dcp\(step, path, mesh, "
+                             r"prefix='model\.'\)"):
+        sw.checkpoint.load(tmp_path / "ck", adamw)
+    started = sw.checkpoint.init_from_dcp(adamw, tmp_path / "ck", None, prefix="model.")
+    assert all(torch.equal(started.params[layer][n], trained.params[layer][n]) for layer in trained.params
+               for n in trained.params[layer])

@@ -216,4 +216,5 @@ def other_optimizer_or_layout(saved: set[str], wanted: set[str], same_mirrors: b
                 "ZeRO unit (its flat shard) under shard_params, one per parameter elsewhere, so that state "
                 "reshards only between layouts that update the same tensors; load it under the ZeRO stage (or "
                 "the absence of one) that saved it")
-    return "load it with the optimizer that saved it"
+    return ("load it with the optimizer that saved it, or start this step from its weights alone (a fresh optimizer "
+            "state): sw.checkpoint.init_from_dcp(step, path, mesh, prefix='model.')")

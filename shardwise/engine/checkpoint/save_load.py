@@ -223,6 +223,8 @@ def save(path: str | os.PathLike[str], state: TrainState, step: Any, *, blocking
     # step count), a link, a file, a directory of other files.
     problem = _consumed(step, state) or not_replaceable(target)
     existing = _loadable(target)
+    if existing == target and target.is_dir() and not any(target.iterdir()):
+        existing = None  # an empty directory made for it (tempfile.mkdtemp()): nothing to replace
     if problem is None and existing is not None and not overwrite:
         left = "" if existing == target else (
             f" (as {existing.name}, left by an interrupted save; load finds it there)")
@@ -576,6 +578,12 @@ def load(path: str | os.PathLike[str], step: Any, mesh: Mesh | None = None, *,
     committed, params_meta, keys, changed = _together(mesh, on, f"load of {path}", check)
     directory, meta = committed.directory, committed.meta
     _same_save(mesh, committed, on)
+    axes = sorted({str(s.axis) for s in step.transforms if getattr(s, "axis", None)})
+    if mesh is None and axes:
+        raise ValueError(
+            f"load(path, step, mesh): this step ({step.describe()}) runs on a mesh of axes {axes}, and no mesh was "
+            "given; pass the one to resume on (any shape: the checkpoint reshards): load(path, step, sw.Mesh(...))"
+        )
     # Not the buffers' values: every rank restores the same saved ones below (buffers.py), whatever
     # each built (a model rebuilt under another seed, or on the meta device).
     step.check_ranks_agree(mesh, step.layout(mesh, params_meta), {
@@ -684,9 +692,14 @@ def _check_model(
         if len(keys_wanted) != len(wanted) or keys_wanted != set(by_key):
             missing = sorted(keys_wanted - set(by_key)) or sorted(f"{a}.{b}" for a, b in wanted - set(saved))
             extra = sorted(set(by_key) - keys_wanted)
+            aliases = {a.removeprefix("model."): k.removeprefix("model.") for a, k in meta.get("aliases", {}).items()}
+            tied = [f"{m} (saved as a tie of {aliases[m]})" for m in missing if m in aliases]
             raise CheckpointError(
                 f"checkpoint {directory} is of another model: this step's model has parameters {missing[:8]} that "
                 f"it lacks, and it has {extra[:8]} that the model does not (state_dict keys)"
+                + (f"; its model tied them: {tied[:8]}: load it into a model tied as it was, or start an untied "
+                   "one from its weights with sw.checkpoint.init_from_dcp(step, path, mesh, prefix='model.'), "
+                   "which copies each tie's tensor" if tied else "")
             )
         saved = {k: by_key[key_of[k]] for k in wanted}
     params: dict[str, dict[str, torch.Tensor]] = {layer.name: {} for layer in chain.layers}
