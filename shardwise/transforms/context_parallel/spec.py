@@ -382,7 +382,8 @@ def _check_batch_dict(batch: Mapping[str, Any]) -> None:
         raise ValueError(
             "context_parallel: the batch dict has labels, which the model would shift by one inside each rank's "
             "part of the sequence (a wrong target at every chunk's end); pass the batch as (inputs, targets) with "
-            "the targets shifted on the whole sequence, and a loss_fn on the logits"
+            "the targets shifted on the whole sequence, and a loss_fn on the logits (with shift_labels in the "
+            "batch too: the model's own loss over a rank's part is not one context parallel splits)"
         )
     if batch.get("position_ids") is not None and "attention_mask" not in batch:
         raise ValueError(

@@ -110,6 +110,10 @@ def test_labels_in_the_batch_dict_are_refused() -> None:
     step, params, batches = llama("left")
     inputs, targets = batches[0]
     refused(step, params, ({**inputs, "labels": targets}, targets), r"labels, which the model would shift")
+    # With shift_labels too (how transformers' own context parallel passes them), the model's loss over a part
+    # is still not split: refused, the message saying so rather than an unknown op's refusal in its head.
+    refused(step, params, ({**inputs, "labels": targets, "shift_labels": targets}, targets),
+            r"labels, which the model would shift.*with shift_labels in the batch too: the model's own loss")
 
 
 def test_labels_one_per_sequence_are_refused_as_a_loss_it_does_not_split() -> None:
