@@ -34,10 +34,12 @@ from typing import Any
 
 import optree
 import torch
+from torch import nn
 
 from ..collectives.launch import launch
 from ..collectives.mesh import Mesh
 from ..engine.layout.in_flight import InFlightParams
+from ..engine.model.whole_batch import called_modules
 
 # Default rtol by parameter dtype. float64: distributed sums change only the
 # rounding order, ~1e-16 per operation, so 1e-10 leaves room for depth and
@@ -178,6 +180,24 @@ def _coarser_dtype_hint(where: str, expected: Any, rtol: float) -> str:
             f"compute the {where} in the parameters' dtype")
 
 
+def _random_draws(step: Any) -> list[str]:
+    """Where ``step``'s model draws random numbers in training, as far as its modules say: a dropout module in
+    training mode with p > 0, a Hugging Face config's ``*dropout`` / ``*pdrop`` above 0 (functional dropout)."""
+    chain = getattr(step, "base_chain", None)
+    if chain is None:
+        return []
+    found: dict[str, None] = {}
+    for path, module in called_modules(chain):
+        if isinstance(module, nn.modules.dropout._DropoutNd) and module.training and module.p > 0:
+            found[f"{type(module).__name__}(p={module.p:g}) at {path}"] = None
+        config = getattr(module, "config", None)
+        if module.training and config is not None:
+            for key, value in vars(config).items():
+                if (key.endswith("dropout") or key.endswith("pdrop")) and isinstance(value, float) and value > 0:
+                    found[f"config.{key}={value:g}"] = None
+    return list(found)
+
+
 def _param_dtype(params: Any) -> torch.dtype:
     leaves = [t for t in optree.tree_leaves(params) if isinstance(t, torch.Tensor) and t.is_floating_point()]
     return leaves[0].dtype if leaves else torch.float32
@@ -233,7 +253,18 @@ def assert_equivalent(
     program = functools.partial(_rank_program, step, params, mesh, list(batches))
     per_rank = launch(program, mesh.size, backend=backend, timeout=timeout)
 
-    return compare_histories(per_rank, expected, rtol=rtol, atol=atol, metrics_at_their_dtype=rtol_given is None)
+    try:
+        return compare_histories(per_rank, expected, rtol=rtol, atol=atol, metrics_at_their_dtype=rtol_given is None)
+    except NotEquivalentError as err:
+        drawn = _random_draws(reference)
+        if not drawn:
+            raise
+        raise NotEquivalentError(
+            f"{err}; the model draws random numbers in training ({', '.join(drawn[:4])}): a distributed step draws "
+            "its masks per rank and micro-batch, not as one device does, so it cannot equal it step for step; set "
+            "them to 0 (or the module to eval mode) to check equivalence",
+            err.step, err.path, err.rank, err.abs_err, err.rel_err,
+        ) from None
 
 
 def compare_histories(

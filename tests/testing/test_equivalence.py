@@ -273,3 +273,21 @@ def test_a_float32_metric_wrong_alone_still_fails_above_a_few_units_in_its_last_
     with pytest.raises(NotEquivalentError) as info:
         sw.testing.compare_histories(wrong, expected, rtol=1e-10, metrics_at_their_dtype=True)
     assert info.value.path == "loss"
+
+
+def test_a_divergence_of_a_model_that_draws_random_numbers_says_so() -> None:
+    """A dropout left on (a transformers config's default 0.1, say) made the check fail with a loss error and no
+    word of why: a distributed step draws its masks per rank, so it cannot equal one device step for step."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 2)).double()
+    chain, params = sw.functionalize(model)
+    step = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1, momentum=0.9))
+    batches = [(torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64))]
+    with pytest.raises(NotEquivalentError, match=r"the model draws random numbers in training \(Dropout\(p=0\.5\) at "
+                                                 r"1\).*set them to 0 \(or the module to eval mode\)"):
+        sw.testing.assert_equivalent(sw.shard_params(step, "dp", 3), step, sw.Mesh(dp=2), batches, params)
+    plain, plain_params, _ = _problem()  # no draws: a divergence says nothing of them
+    wrong, _, _ = _problem(lr=0.2)
+    with pytest.raises(NotEquivalentError) as caught:
+        sw.testing.assert_equivalent(wrong, plain, sw.Mesh(dp=1), batches, plain_params)
+    assert "random numbers" not in str(caught.value)
