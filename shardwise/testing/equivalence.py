@@ -249,9 +249,12 @@ def assert_equivalent(
         )
     rtol_given = rtol
     rtol = DEFAULT_RTOL.get(_param_dtype(params), 1e-5) if rtol is None else rtol
-    expected = record_history(reference, reference.init(params), batches)
     program = functools.partial(_rank_program, step, params, mesh, list(batches))
+    # The distributed step first: where it and the reference share a model (shard_params(step) against step),
+    # the reference's first call would set state its forward keeps (a lazy initialization) in the module the
+    # ranks' copies are made of, and they would not set it from their shares, as a run of the step alone does.
     per_rank = launch(program, mesh.size, backend=backend, timeout=timeout)
+    expected = record_history(reference, reference.init(params), batches)
 
     try:
         return compare_histories(per_rank, expected, rtol=rtol, atol=atol, metrics_at_their_dtype=rtol_given is None)
