@@ -32,6 +32,7 @@ import torch
 
 from .cut import Box
 from .errors import CheckpointError
+from .file_format import check_unreplaced, marker_of
 from .record_io import ReadBuffer, read_box_into
 from .regions import Placed, ReadInto, fill
 from .save_load import resolve
@@ -48,12 +49,19 @@ class DcpFiles:
 
         # a shardwise checkpoint an interrupted save left beside its path, as load finds it
         self.path, self.where = resolve(path), f"DCP checkpoint {path}"
+        self.marker = marker_of(Path(self.path))  # a shardwise save's: what every read must still be of at the end
         self.metadata = read_dcp_metadata(self.path)
         self.specs = {
             fqn[len(prefix) :]: (fqn, spec)
             for fqn, spec in self.metadata.state_dict_metadata.items()
             if fqn.startswith(prefix) and isinstance(spec, TensorStorageMetadata)
         }
+
+    def check_unreplaced(self) -> None:
+        """Refuse what was read where a shardwise save replaced the checkpoint meanwhile (these reads check no
+        crc32: a file opened after the replacement gives the next save's values)."""
+        if self.marker is not None:
+            check_unreplaced(Path(self.path), self.marker)
 
     def shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         return {k: (tuple(spec.size), spec.properties.dtype) for k, (_, spec) in self.specs.items()}

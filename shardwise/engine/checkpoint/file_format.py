@@ -288,6 +288,30 @@ class Committed:
         marker was read, the error that says so."""
         return _replaced_error(self.directory, self.marker, err)
 
+    def check_unreplaced(self) -> None:
+        """Refuse what was read if the marker at the path is no longer the one read first: called once every
+        file is opened, it catches a file opened after a replacement whose own checks passed (a version-1
+        checkpoint's indexes, which its marker does not digest; a DCP reader, which checks no crc32)."""
+        check_unreplaced(self.directory, self.marker)
+
+
+def check_unreplaced(directory: Path, marker: str) -> None:
+    """Raise the error saying the checkpoint at ``directory`` was replaced while it was read, unless its marker
+    is still the one of sha256 ``marker``."""
+    sentinel = CheckpointError("")
+    error = _replaced_error(directory, marker, sentinel)
+    if error is not sentinel:
+        raise error
+
+
+def marker_of(directory: Path) -> str | None:
+    """The sha256 of the commit marker in ``directory`` (None where it has none: a torch DCP directory)."""
+    try:
+        with open(directory / COMMITTED, "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()
+    except OSError:
+        return None
+
 
 def _replaced_error(directory: Path, marker: str, err: Exception) -> Exception:
     """``err``, or where the marker at ``directory`` is no longer the one of sha256 ``marker`` (or is gone):

@@ -575,7 +575,7 @@ def load(path: str | os.PathLike[str], step: Any, mesh: Mesh | None = None, *,
         params_meta, keys = _check_model(committed.directory, committed.meta, step, like)
         return committed, params_meta, keys, _buffers(committed, step)
 
-    committed, params_meta, keys, changed = _together(mesh, on, f"load of {path}", check)
+    committed, params_meta, keys, changed = together(mesh, on, f"load of {path}", check)
     directory, meta = committed.directory, committed.meta
     _same_save(mesh, committed, on)
     axes = sorted({str(s.axis) for s in step.transforms if getattr(s, "axis", None)})
@@ -596,11 +596,13 @@ def load(path: str | os.PathLike[str], step: Any, mesh: Mesh | None = None, *,
     def read() -> tuple[TrainState, list[str]]:
         reader = Reader(committed)
         try:
-            return build_state(reader, meta, step, mesh, params_meta, keys, on)
+            built = build_state(reader, meta, step, mesh, params_meta, keys, on)
         finally:
             reader.close()
+        committed.check_unreplaced()  # every file was opened: each from the save the marker read first vouches
+        return built
 
-    state, scalars = _together(mesh, on, f"load of {directory}", read)
+    state, scalars = together(mesh, on, f"load of {directory}", read)
     wanted = set().union(*every_ranks_names(mesh, scalars, on))
     saved = set(meta["optimizer"]["scalars"])
     if wanted != saved:
@@ -614,14 +616,17 @@ def load(path: str | os.PathLike[str], step: Any, mesh: Mesh | None = None, *,
 
 
 def _same_save(mesh: Mesh | None, committed: Committed, device: torch.device) -> None:
+    same_save(mesh, committed.marker, committed.directory, device)
+
+
+def same_save(mesh: Mesh | None, marker: str, directory: Path, device: torch.device) -> None:
     """Refuse, on every rank alike, ranks that read different saves: each rank reads its own part, so ranks
     given different paths (a path made per process) or reading while another process saved to the path
     (``overwrite=True``) would return one model made of two checkpoints. The marker's sha256 names the
     save (paths may differ: one file system mounted at two places)."""
     if mesh is None:
         return
-    read = [texts[0].split("\t", 1) for texts in gather_texts(mesh, [f"{committed.marker}\t{committed.directory}"],
-                                                               device)]
+    read = [texts[0].split("\t", 1) for texts in gather_texts(mesh, [f"{marker}\t{directory}"], device)]
     if len({marker for marker, _ in read}) == 1:
         return
     listed = "; ".join(f"rank {rank}: {where} (its COMMITTED's sha256 {marker[:12]})"
@@ -634,7 +639,7 @@ def _same_save(mesh: Mesh | None, committed: Committed, device: torch.device) ->
     )
 
 
-def _together(mesh: Mesh | None, device: torch.device, what: str, fn: Callable[[], _T]) -> _T:
+def together(mesh: Mesh | None, device: torch.device, what: str, fn: Callable[[], _T]) -> _T:
     """``fn()`` on every rank, failing on every rank if it fails on one, each naming the cause: each
     rank reads its own part of a checkpoint, and a rank whose read failed (a corrupt record only it
     reads, a file missing on its machine) while the others go on would leave a model half loaded

@@ -26,7 +26,7 @@ from ..layout.state import TrainState
 from ..layout.state_layout import gathered_layer
 from .arguments import check_state, check_step
 from .buffers import restore_from
-from .file_format import COMMITTED, DCP_META, META, CheckpointError, check_committed
+from .file_format import COMMITTED, DCP_META, META, CheckpointError, check_committed, check_unreplaced, marker_of
 from .names import module_params, state_dict_names
 from .regions import Placed
 from .save_load import _consumed, _layout_of, resolve
@@ -203,6 +203,7 @@ def read_dcp_state_dict(path: str | os.PathLike[str], prefix: str = "") -> dict[
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     path = resolve(path)  # a shardwise checkpoint an interrupted save left beside its path, as load finds it
+    marker = marker_of(Path(path))  # a shardwise save's: what every read must still be of at the end
     metadata = read_dcp_metadata(path)
     out: dict[str, torch.Tensor] = {}
     for fqn, spec in metadata.state_dict_metadata.items():
@@ -238,6 +239,8 @@ def read_dcp_state_dict(path: str | os.PathLike[str], prefix: str = "") -> dict[
         if covered != t.numel():
             raise CheckpointError(f"{path}: its chunks of {fqn} hold {covered} of {t.numel()} elements")
         out[fqn[len(prefix):]] = t
+    if marker is not None:
+        check_unreplaced(Path(path), marker)  # no crc32 here: a chunk read after a replacement is the next save's
     return out
 
 

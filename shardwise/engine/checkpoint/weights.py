@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -44,6 +45,7 @@ from .hf_layout import layout_of
 from .names import StateDictNames, module_params, state_dict_names
 from .regions import Placed, placed_boxes
 from .safetensors_files import SafetensorsFiles
+from .save_load import same_save, together
 from .tied_copies import refuse_differing_copies
 
 
@@ -137,7 +139,13 @@ def _init(step: Any, store: Store, mesh: Mesh | None, seed: int, *, from_pretrai
     refuse_differing_copies(store.where, {names.param_key[p]: c for p, c in copies.items() if len(c) > 1},
                             shapes, store.read_into, mesh, Source.device)
     restore_from(store.where, step.base_chain, names, shapes, store.read_into)  # buffers.py
-    return step.init(params, mesh, seed=seed, source=Source(store, keys))
+    state = step.init(params, mesh, seed=seed, source=Source(store, keys))
+    unreplaced = getattr(store, "check_unreplaced", None)
+    if unreplaced is not None:  # every rank hears of a replacement one of them read (none goes on alone)
+        together(mesh, Source.device, store.where, lambda: unreplaced() or True)
+        if isinstance(store, DcpFiles) and store.marker is not None:
+            same_save(mesh, store.marker, Path(store.path), Source.device)
+    return state
 
 
 def _stored_copies(

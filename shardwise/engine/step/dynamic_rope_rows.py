@@ -7,8 +7,10 @@ max over the global batch; a step that cuts the rows (data parallel, accumulatio
 micro-batches) takes it over each share. Where the rows reach different positions (left padding, packed
 sequences: ``position_ids`` given per row), one share's max is another's: a rank scales where one device
 does not, and the step trains another model without an error (Qwen3, ZeRO-3 over 2 ranks: 4.2e-6 to 1.7e-5
-relative in the first step's loss, 2.4e-5 in float32 with left padding). Rows whose largest positions are
-equal give every share the global max, and pass.
+relative in the first step's loss, 2.4e-5 in float32 with left padding). Two cases decide the same on every
+share as on one device, and pass: every share's rows reach the batch's largest position, and a batch shorter
+than the embedding's original length (``original_max_seq_len``: then no share grows, and every share resets
+where one device does: fine-tuning a long-context model on sequences shorter than its context).
 
 Seen in the batch as the step is called (every rank holds the global batch: no collective): a tensor under a
 ``position_ids`` key, one max per row. Not seen: positions given otherwise (a positional argument, another
@@ -25,7 +27,7 @@ import torch
 from ...collectives.mesh import Mesh
 from ..model.rope_state import is_dynamic_rope
 from ..model.whole_batch import called_modules
-from .batch_cut import cut_words
+from .batch_cut import batch_multiple, cut_words
 
 if TYPE_CHECKING:
     from ..layout.state_layout import StateLayout
@@ -45,22 +47,29 @@ def refuse_dynamic_rope_rows(step: Step, layout: StateLayout, mesh: Mesh | None,
     if not cuts:
         return
     rope = layout.cache.get(_CACHED)
-    if rope is None:
-        rope = layout.cache[_CACHED] = [path for path, m in called_modules(step.base_chain) if is_dynamic_rope(m)]
+    if rope is None:  # (path, original length: below it no share grows, and each resets as one device does)
+        rope = layout.cache[_CACHED] = [(path, getattr(m, "original_max_seq_len", None))
+                                        for path, m in called_modules(step.base_chain) if is_dynamic_rope(m)]
     if not rope:
         return
+    shares = batch_multiple(step, mesh)[0]
     for where, t in positions:
-        reached = t.reshape(t.shape[0], -1).amax(dim=1) if t.dim() > 1 and t.shape[0] > 1 else None
-        if reached is None or bool((reached == reached[0]).all()):
+        if t.dim() < 2 or t.shape[0] < 2 or t.shape[0] % shares:
+            continue  # (one row, or a batch the cut refuses itself)
+        reached = t.reshape(shares, -1).amax(dim=1)  # each share's largest position (shares are runs of rows)
+        length = int(reached.max()) + 1
+        if bool((reached == reached[0]).all()) or all(o is not None and length < o for _, o in rope):
             continue
+        path, original = next((p, o) for p, o in rope if o is None or length >= o)
         raise ValueError(
-            f"{rope[0]} is a dynamic rotary embedding (rope_type 'dynamic'), which sets its frequencies from the "
-            f"largest position of the batch it is called on, and batch{where}'s rows reach different largest "
-            f"positions ({sorted(set(reached.tolist()))[:6]}): this step cuts the batch ({' x '.join(cuts)}), so "
-            "each share would take its own rows' largest position where the single-device step takes the whole "
-            "batch's, and scale (or not) otherwise: another model, trained without an error. Give every row the "
-            "same largest position (pad on the right, with positions that go on counting), or use a rope type of "
-            "fixed frequencies (default, linear, yarn, llama3), or train without cutting the batch"
+            f"{path} is a dynamic rotary embedding (rope_type 'dynamic'), which sets its frequencies from the "
+            f"largest position of the batch it is called on once that reaches its original length ({original}), "
+            f"and the shares of batch{where} reach different largest positions ({sorted(set(reached.tolist()))[:6]}, "
+            f"the batch {length - 1}): this step cuts the batch ({' x '.join(cuts)}), so each share would take its "
+            "own where the single-device step takes the whole batch's, and scale (or reset) otherwise: another "
+            "model, trained without an error. Give every share a row of the batch's largest position (pad on the "
+            "right, with positions that go on counting), or use a rope type of fixed frequencies (default, linear, "
+            "yarn, llama3), or train without cutting the batch"
         )
 
 
