@@ -45,16 +45,22 @@ def _states(step: sw.Step, params: Any, batches: list[Any]) -> list[sw.TrainStat
     return states
 
 
+def _first_saved(tmp_path: Path) -> tuple[sw.Step, Path, sw.TrainState, sw.TrainState]:
+    """(the step, the path its first step's state is saved at, that state, the state after the second step)."""
+    step, params, batches = _problem()
+    _, first, second = _states(step, params, batches)
+    path = tmp_path / "ck"
+    sw.checkpoint.save(path, first, step)
+    return step, path, first, second
+
+
 def _equal(a: sw.TrainState, b: sw.TrainState) -> bool:
     return all(torch.equal(a.params[layer][n], b.params[layer][n]) for layer in b.params for n in b.params[layer])
 
 
 def test_a_save_that_lands_between_the_metadata_and_the_rank_files_is_refused_not_mixed(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    step, params, batches = _problem()
-    _, first, second = _states(step, params, batches)
-    path = tmp_path / "ck"
-    sw.checkpoint.save(path, first, step)
+    step, path, first, second = _first_saved(tmp_path)
     check_model = ck._check_model
 
     def the_trainers_next_save_lands(*args: Any) -> Any:
@@ -72,10 +78,7 @@ def test_a_save_that_lands_between_the_metadata_and_the_rank_files_is_refused_no
 
 def test_a_save_that_lands_while_the_marker_lists_are_checked_is_named_a_replacement(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    step, params, batches = _problem()
-    _, first, second = _states(step, params, batches)
-    path = tmp_path / "ck"
-    sw.checkpoint.save(path, first, step)
+    step, path, _, second = _first_saved(tmp_path)
     check_listed = file_format._check_listed
 
     def the_next_save_lands_after_the_marker_was_read(*args: Any) -> None:
