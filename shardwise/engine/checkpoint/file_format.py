@@ -271,8 +271,8 @@ class Committed:
     """A committed checkpoint as its marker listed it when a load read the marker: what each later read
     of the directory is checked against. Another process's save to the same path (``overwrite=True``)
     may put a new checkpoint in the directory's place meanwhile; a read that meets the new one's files
-    then fails, and :meth:`replaced` says why, instead of mixing two saves (the step count of one, the
-    tensors of the other)."""
+    then fails and :meth:`replaced_error` says why, and :meth:`check_unreplaced` once every file is opened,
+    instead of mixing two saves (the step count of one, the tensors of the other)."""
 
     directory: Path
     meta: dict[str, Any]
@@ -316,12 +316,8 @@ def marker_of(directory: Path) -> str | None:
 def _replaced_error(directory: Path, marker: str, err: Exception) -> Exception:
     """``err``, or where the marker at ``directory`` is no longer the one of sha256 ``marker`` (or is gone):
     the error that says the checkpoint was replaced while it was read."""
-    try:
-        with open(directory / COMMITTED, "rb") as f:
-            if hashlib.sha256(f.read()).hexdigest() == marker:
-                return err
-    except OSError:
-        pass
+    if marker_of(directory) == marker:
+        return err
     return CheckpointError(
         f"checkpoint {directory} was replaced while this load read it: another process saved to it "
         "(overwrite=True) meanwhile, and its files are no longer those its commit marker listed when the load "

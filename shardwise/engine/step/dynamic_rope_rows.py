@@ -13,8 +13,8 @@ than the embedding's original length (``original_max_seq_len``: then no share gr
 where one device does: fine-tuning a long-context model on sequences shorter than its context).
 
 Seen in the batch as the step is called (every rank holds the global batch: no collective): a tensor under a
-``position_ids`` key, one max per row. Not seen: positions given otherwise (a positional argument, another
-name), or computed by the model from its other inputs.
+``position_ids`` key, one max per share (the shares are runs of rows). Not seen: positions given otherwise (a
+positional argument, another name), or computed by the model from its other inputs.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ _CACHED = "dynamic rope modules"  # the layout's cache: the chain's dynamic rota
 
 
 def refuse_dynamic_rope_rows(step: Step, layout: StateLayout, mesh: Mesh | None, batch: Any) -> None:
-    """Refuse a batch the step cuts into rows whose ``position_ids`` reach different largest positions, where
-    the model has a dynamic rotary embedding (see the module docstring)."""
+    """Refuse a batch the step cuts into shares whose ``position_ids`` reach different largest positions, the
+    batch reaching the original length of a dynamic rotary embedding of the model (see the module docstring)."""
     positions = _position_ids(batch)
     if not positions:
         return
