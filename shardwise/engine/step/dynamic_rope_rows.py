@@ -40,17 +40,15 @@ _CACHED = "dynamic rope modules"  # the layout's cache: the chain's dynamic rota
 def refuse_dynamic_rope_rows(step: Step, layout: StateLayout, mesh: Mesh | None, batch: Any) -> None:
     """Refuse a batch the step cuts into shares whose ``position_ids`` reach different largest positions, the
     batch reaching the original length of a dynamic rotary embedding of the model (see the module docstring)."""
-    positions = _position_ids(batch)
-    if not positions:
-        return
-    cuts = cut_words(step, mesh)
-    if not cuts:
-        return
-    rope = layout.cache.get(_CACHED)
+    rope = layout.cache.get(_CACHED)  # (asked first: once per layout, so a step of another model pays nothing)
     if rope is None:  # (path, original length: below it no share grows, and each resets as one device does)
         rope = layout.cache[_CACHED] = [(path, getattr(m, "original_max_seq_len", None))
                                         for path, m in called_modules(step.base_chain) if is_dynamic_rope(m)]
     if not rope:
+        return
+    positions = _position_ids(batch)
+    cuts = cut_words(step, mesh) if positions else []
+    if not cuts:
         return
     shares = batch_multiple(step, mesh)[0]
     for where, t in positions:
