@@ -577,7 +577,7 @@ def load(path: str | os.PathLike[str], step: Any, mesh: Mesh | None = None, *,
 
     committed, params_meta, keys, changed = together(mesh, on, f"load of {path}", check)
     directory, meta = committed.directory, committed.meta
-    _same_save(mesh, committed, on)
+    same_save(mesh, committed.marker, directory, on)
     axes = sorted({str(s.axis) for s in step.transforms if getattr(s, "axis", None)})
     if mesh is None and axes:
         raise ValueError(
@@ -613,10 +613,6 @@ def load(path: str | os.PathLike[str], step: Any, mesh: Mesh | None = None, *,
         )
     _buffers(committed, step, restore=changed)  # last: a refusal above leaves the chain as it was
     return state
-
-
-def _same_save(mesh: Mesh | None, committed: Committed, device: torch.device) -> None:
-    same_save(mesh, committed.marker, committed.directory, device)
 
 
 def same_save(mesh: Mesh | None, marker: str, directory: Path, device: torch.device) -> None:
