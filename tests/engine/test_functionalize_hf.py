@@ -871,3 +871,20 @@ def test_every_layers_outputs_asked_of_a_split_by_units_are_refused_saying_which
                                                  r"units=None"):
         functionalize(model.double(), units=layer, example_input=ids)
     functionalize(model.double(), units=None, example_input=ids)  # one layer returns them as the module does
+
+
+def test_a_reformers_reversible_layers_are_refused_at_functionalize() -> None:
+    """transformers' Reformer runs its layers' forward again in its reversible layers' backward, on the modules'
+    own parameters: functionalized as one layer (what the refusal of per-layer units suggests), its first backward
+    crashed inside transformers on the chain's meta skeleton ("Tensor on device meta is not on the expected
+    device cpu"). Refused by name, as activation checkpointing is."""
+    config = T.ReformerConfig(
+        vocab_size=64, hidden_size=32, num_attention_heads=2, attention_head_size=16, attn_layers=["local", "local"],
+        feed_forward_size=64, axial_pos_embds=True, axial_pos_shape=(2, 4), axial_pos_embds_dim=(16, 16),
+        local_attn_chunk_length=4, is_decoder=True, max_position_embeddings=8, hidden_dropout_prob=0.0,
+        local_attention_probs_dropout_prob=0.0, pad_token_id=0, eos_token_id=2)
+    torch.manual_seed(0)
+    model = T.ReformerModelWithLMHead(config).double()
+    with pytest.raises(FunctionalizeError, match=r"'reformer\.encoder' \(ReformerEncoder\) computes its layers as "
+                                                 r"reversible residual layers"):
+        sw.functionalize(model, example_input=torch.randint(3, 64, (4, 8)))

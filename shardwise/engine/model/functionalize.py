@@ -354,6 +354,17 @@ def _refuse_stateful(module: nn.Module) -> None:
                 "and recompute with shardwise instead: sw.remat(step) (its Plan counts what the "
                 "recomputation saves)."
             )
+        # transformers' Reformer: its reversible residual layers (an autograd Function) run the layers' forward
+        # again in the backward, on the modules' own parameters, as activation checkpointing does (a crash on
+        # the chain's meta skeleton: "Tensor on device meta is not on the expected device").
+        if sub.training and type(sub).__name__ == "ReformerEncoder" and type(sub).__module__.startswith(
+                "transformers."):
+            raise FunctionalizeError(
+                f"functionalize: {where} ({type(sub).__name__}) computes its layers as reversible residual layers, "
+                "whose backward runs their forward again outside the layer's call, on parameters a pure layer "
+                "does not hold; shardwise cannot train it (in training mode). Use a model of plain residual layers, "
+                "and recompute with sw.remat(step) where memory is short"
+            )
 
 
 # --- building the chain -------------------------------------------------------------------
