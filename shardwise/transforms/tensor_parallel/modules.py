@@ -84,6 +84,11 @@ class TPForward:
         self.cuts_watched = False  # and how it cuts its Colwise outputs: on its first forward (split_watch.py)
         # A Region's first real call on each rank, run again whole and split on copies (region_probe.py).
         self.probe = RegionProbe(module) if install is not None and isinstance(install.style, Region) else None
+        # The whole head counts a Region names (a config's too): where one equals the axis size a rank holds one
+        # head, and a dim of size 1 before a Colwise output's features can be that head (split_watch.py).
+        self.whole_heads: tuple[int, ...] = ()
+        if install is not None and isinstance(install.style, Region):
+            self.whole_heads = tuple(_whole_counts(module, install.style.heads))
         # Its arguments of one slice per head (Region(arguments=...)), cut to the rank's heads at each call.
         self.head_arguments = HeadArguments(
             module, path, install.style, lambda attr: _whole_count(module, attr)
@@ -361,6 +366,7 @@ class TPForward:
         if not self.cuts_watched:
             n = in_layer.size(self.axis)
             flow.watch.widths.update(whole // n for whole in self.local_widths)
+            flow.watch.one_head = flow.watch.one_head or n in self.whole_heads
             for name, path in self.per_head:  # each rank's heads' values, its heads along dim 0
                 flow.watch.watch_per_head(functools.reduce(getattr, name.split("."), self.module), path, n)
         first = not self.cuts_watched
@@ -475,6 +481,18 @@ def _divided(module: nn.Module, style: Region) -> list[tuple[Any, str, int]]:
             if dotted not in style.local and isinstance(getattr(type(owner), attr, None), property):
                 continue  # computed by the module (from what it holds): checked only, as a config's
             found.append((owner, attr, getattr(owner, attr)))
+    return found
+
+
+def _whole_counts(module: nn.Module, names: tuple[str, ...]) -> list[int]:
+    """The head counts ``names`` read (read before any call divides them); a name that reads no int is skipped
+    (the Region's own checks name it)."""
+    found = []
+    for dotted in names:
+        try:
+            found.append(_whole_count(module, dotted))
+        except (AttributeError, TypeError, ValueError):
+            continue
     return found
 
 

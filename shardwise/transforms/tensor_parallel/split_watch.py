@@ -149,6 +149,9 @@ class SplitWatch(TorchFunctionMode):
         super().__init__()
         self._host_calls: list[contextlib.ExitStack] = []  # one per entry (a stack: entries may nest)
         self.widths: set[int] = set()  # the widths the Regions divide (local=), as a rank sees them
+        # A Region entered names a head count equal to the axis size: a rank holds one head of it, so a view that
+        # puts a dim of size 1 before a Colwise output's features can be its per-head view (_one_head_view).
+        self.one_head = False
         self.watched: dict[int, tuple[weakref.ref[Tensor], _Output]] = {}
         # The per-head views of plain Colwise outputs: the dim that holds the rank's heads.
         self.per_head: dict[int, tuple[weakref.ref[Tensor], _Output, int]] = {}
@@ -523,10 +526,16 @@ class SplitWatch(TorchFunctionMode):
         name = _name(func)
         if entry.fused == 1 and func in _RESHAPES:
             factors = _feature_factors(list(t.shape), list(out.shape))
+            if factors is not None and _one_head_before(list(t.shape), list(out.shape), factors) and (
+                self._may_hold_one_head(entry) or _inferred(func, args, kwargs, out.dim() - len(factors) - 1)
+            ):
+                factors = [1, *factors]  # a rank's one head of a per-head fused layout: (b, t, 1, 3, head_dim)
             if factors is not None and len(factors) >= 2:  # the features viewed per head: (..., heads, head_dim)
                 check_head_count(entry, factors)
                 self.follow_heads(out, entry, out.dim() - len(factors))
-        if entry.fused == 1 and _one_head_view(t, out):
+        if entry.fused == 1 and _one_head_view(t, out) and (
+            self._may_hold_one_head(entry) or (func in _RESHAPES and _inferred(func, args, kwargs, out.dim() - 2))
+        ):
             self.follow_heads(out, entry, out.dim() - 2)
             return  # a per-head view of a rank's one head: what it cuts next is the head's own dims
         if name == "unsqueeze" and out.dim() == t.dim() + 1 and kwargs.get("dim", args[1] if len(args) > 1 else 0) in (
@@ -551,6 +560,14 @@ class SplitWatch(TorchFunctionMode):
             self._factor(entry, t, out)
         elif entry.fused > 1:
             entry.uses.append(name)
+
+    def _may_hold_one_head(self, entry: _Output) -> bool:
+        """Whether a rank may hold one head of ``entry``: a Region's count equal to the axis size, or (outside
+        any Region) an enclosing module's. Elsewhere a dim of size 1 before the features (``h.unsqueeze(2)``,
+        ``view(b, t, 1, -1)``) is not a head, and an op over the features after it is over the rank's slice of
+        them, unless the view left that dim to torch (``view(b, t, -1, head_dim)``: as many heads as there are,
+        more on one device)."""
+        return self.one_head or any(count == entry.parts for _, count in entry.counts.values())
 
     def _along_another_dim(self, name: str, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
         """A reduction, ordering or gather (feature_mixing.py's) along another dim than the features."""
@@ -728,6 +745,29 @@ def _feature_factors(before: list[int], after: list[int]) -> list[int] | None:
     return None
 
 
+def _inferred(func: Any, args: Sequence[Any], kwargs: dict[str, Any], dim: int) -> bool:
+    """Whether a reshape (``view``, ``reshape``, ``unflatten`` of the last dim) left output dim ``dim`` to torch
+    (-1): a count of what fits, which is the heads' where the other sizes are a head's."""
+    if func in (Tensor.unflatten, torch.unflatten):
+        sizes = kwargs.get("sizes", args[2] if len(args) > 2 else None)
+        tensor = args[0] if args else None
+        if not isinstance(tensor, Tensor) or not isinstance(sizes, (list, tuple)):
+            return False
+        dim -= tensor.dim() - 1  # its sizes start where the unflattened (last) dim was
+    else:
+        given = kwargs.get("shape", args[1:] if len(args) > 1 else ())
+        sizes = given[0] if len(given) == 1 and isinstance(given[0], (list, tuple)) else given
+    return isinstance(sizes, (list, tuple)) and 0 <= dim < len(sizes) and sizes[dim] == -1
+
+
+def _one_head_before(before: list[int], after: list[int], factors: list[int]) -> bool:
+    """Whether the reshape also put a dim of size 1 right before ``factors`` that ``before``'s leading dims do not
+    hold: a per-head view of a rank holding one head (Persimmon's and Bloom's ``view(b, t, heads, 3, head_dim)`` at
+    tp = heads), where the trailing product stops at (3, head_dim) and would read the 3 (q, k, v) as the heads."""
+    lead = after[: len(after) - len(factors)]
+    return len(factors) >= 2 and len(lead) == len(before) and lead[-1] == 1 and lead[:-1] == before[:-1]
+
+
 def _glu_along_features(t: Tensor, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
     dim = kwargs.get("dim", args[1] if len(args) > 1 else -1)
     return isinstance(dim, int) and t.dim() > 0 and dim % t.dim() == t.dim() - 1
@@ -735,11 +775,12 @@ def _glu_along_features(t: Tensor, args: Sequence[Any], kwargs: dict[str, Any]) 
 
 def _one_head_view(t: Tensor, out: Any) -> bool:
     """``out`` puts a dim of size 1 right before ``t``'s features (``view(b, s, -1, head_dim)`` of a rank
-    holding one head): a per-head view, whose features are the head's, as with any head count; followed
+    holding one head, or ``reshape(-1, heads, head_dim)`` folding the leading dims, as Chameleon's q_norm takes
+    it): a per-head view, whose features are the head's, as with any head count; followed
     as the output, its per-head cuts (a partial rotary's ``split([rot, rest])``) read as cuts of the
     projection."""
-    return (isinstance(out, Tensor) and out.dim() == t.dim() + 1 and out.dim() >= 2
-            and out.shape[-1] == t.shape[-1] and out.shape[-2] == 1 and out.shape[:-2] == t.shape[:-1])
+    return (isinstance(out, Tensor) and out.dim() >= 2 and out.shape[-1] == t.shape[-1] and out.shape[-2] == 1
+            and math.prod(out.shape[:-2]) == math.prod(t.shape[:-1]))
 
 
 def _moved_on(func: Any, t: Tensor, dim: int, args: Sequence[Any], out: Tensor) -> int | None:
