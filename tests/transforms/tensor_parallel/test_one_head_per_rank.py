@@ -191,3 +191,52 @@ def test_a_dim_of_size_one_is_not_a_head_where_no_rank_holds_one(how: str) -> No
             sw.testing.assert_equivalent(tp_step, step, sw.Mesh(tp=2), data, params, rtol=1e-9)
     finally:
         torch.set_default_dtype(torch.float32)
+
+
+class _FoldedNormAttention(nn.Module):
+    """Chameleon's per-head q/k norm: ``layer_norm(q.reshape(-1, heads, head_dim), (head_dim,))``, the leading dims
+    folded (batch x time rows), then viewed back."""
+
+    def __init__(self, heads: int) -> None:
+        super().__init__()
+        self.n_heads, self.head_dim = heads, 16 // heads
+        self.q, self.k, self.v, self.o = (nn.Linear(16, 16) for _ in range(4))
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, _ = x.shape
+
+        def normed(z: Tensor) -> Tensor:
+            z = F.layer_norm(z.reshape(-1, self.n_heads, self.head_dim), (self.head_dim,))
+            return z.reshape(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+
+        v = self.v(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        out = F.scaled_dot_product_attention(normed(self.q(x)), normed(self.k(x)), v, is_causal=True)
+        return self.o(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class _FoldedBlock(nn.Module):
+    def __init__(self, heads: int) -> None:
+        super().__init__()
+        self.attn = _FoldedNormAttention(heads)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.attn(x)
+
+
+@pytest.mark.parametrize("heads", [4, 2], ids=["two heads per rank", "one head per rank"])
+def test_a_per_head_norm_on_folded_rows_trains_at_any_head_count_per_rank(heads: int) -> None:
+    """With one head per rank the fold is ``reshape(-1, 1, head_dim)``: it was refused as a norm over the features
+    (with two, ``reshape(-1, 2, head_dim)``, it trained)."""
+    torch.set_default_dtype(torch.float64)
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(_FoldedBlock(heads), nn.Linear(16, 8))
+        gen = torch.Generator().manual_seed(0)
+        data = [(torch.randn(4, 8, 16, generator=gen), torch.randn(4, 8, 8, generator=gen)) for _ in range(2)]
+        chain, params = sw.functionalize(model)
+        step = sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1, momentum=0.9))
+        plan = {"0.attn": sw.tp.Region(heads=("n_heads",)), "0.attn.[qkv]": sw.tp.Colwise(),
+                "0.attn.o": sw.tp.Rowwise()}
+        sw.testing.assert_equivalent(sw.tensor_parallel(step, "tp", plan), step, sw.Mesh(tp=2), data, params, rtol=1e-9)
+    finally:
+        torch.set_default_dtype(torch.float32)
