@@ -65,6 +65,9 @@ CHECKED: dict[str, str] = {
     "transformers.models.phimoe.modeling_phimoe.PhimoeSparseMoeBlock.forward": "80929cb6145c9d1c",
     "transformers.models.phimoe.modeling_phimoe.PhimoeTopKRouter.forward": "6814f0bc50c99739",
     "transformers.models.phimoe.modeling_phimoe.PhimoeExperts.forward": "9918bf68fc06e950",
+    # Read, not reproduced (expert_parallel does not take DBRX): each token's experts from its own row, indices and
+    # weights (engine/model/token_wise.py), so context and sequence parallel run it on a part of the sequence.
+    "transformers.models.dbrx.modeling_dbrx.DbrxExperts.forward": "5d594cf347303e65",
     "transformers.models.phimoe.modeling_phimoe.sparsemixer": "728a8e64e92741cb",
 }
 

@@ -9,8 +9,9 @@ Qwen2/3-MoE's, DeepSeek-V3's, ...) computes each token's output from its own row
 indices and weights, and drops none. Given rows of tokens, its output is those tokens' rows.
 
 That claim holds for the code read, which :mod:`.reproduced` pins by digest (every experts forward pinned
-there is one expert_parallel reproduces, which runs each token's experts wherever its owners are: code
-that computes a token from others could not be), and for transformers' own
+there but DBRX's is one expert_parallel reproduces, which runs each token's experts wherever its owners are: code
+that computes a token from others could not be; DBRX's ``DbrxExperts``, its own loop over the experts its tokens
+hit, was read for this alone), and for transformers' own
 experts implementations (``config._experts_implementation``: "eager", the code read; the kernels
 transformers ships compute the same sums). An experts function registered from elsewhere may compute
 anything (drop tokens over a capacity): it is not known.

@@ -207,7 +207,12 @@ class Unsplit(TorchFunctionMode):
             follower.refuse(f"reads the values of a {list(args[0].shape)} tensor that holds the part's positions "
                             f"out of torch (Tensor.{name}): what is computed from them, and the tensor made of them, "
                             "cannot be followed", name)
-        out = func(*args, **kwargs)
+        if follower is not None and _one_hot_of_known_classes(name, args, kwargs, follower.tags_of):
+            # Its range check (an aminmax over the part) only fails as one device's would: each position's row is
+            # its own index's. With num_classes=-1 the classes are the part's largest index + 1: followed inside.
+            out = follower.token_wise(lambda: func(*args, **kwargs), args[0], "one_hot")
+        else:
+            out = func(*args, **kwargs)
         # (after the call: what the dispatch-level watch refuses in it is named as the op it is)
         self._numbers(func, name, args, kwargs, out, follower.tags_of if follower else _untagged)
         sized = sized_dims(name, args, kwargs) if follower is not None and isinstance(out, torch.Tensor) else {}
@@ -287,6 +292,17 @@ class Unsplit(TorchFunctionMode):
         wrong = wrong or (" outside the attentions it splits, on this rank's part of the sequence only: it would mix "
                           "the part's positions alone and train another model without an error. ")
         raise ValueError(f"context_parallel(axis={self.axis!r}): {where} {what}{wrong}{fix}")
+
+
+def _one_hot_of_known_classes(name: str, args: Sequence[Any], kwargs: dict[str, Any],
+                              tags_of: Callable[[Any], dict[int, tuple[int, int]]]) -> bool:
+    """``F.one_hot(x, num_classes)`` with the count given, of ``x`` whose dims (not values) hold positions: each
+    position's row made from its own index (DBRX's router picks its experts so)."""
+    if name != "one_hot" or not args or not isinstance(args[0], torch.Tensor):
+        return False
+    classes = kwargs.get("num_classes", args[1] if len(args) > 1 else -1)
+    tags = tags_of(args[0])
+    return isinstance(classes, int) and classes >= 0 and bool(tags) and all(d >= 0 for d in tags)
 
 
 def _untagged(t: Any) -> dict[int, tuple[int, int]]:
