@@ -107,6 +107,7 @@ from .run_shape import ALONE, run_shape
 from .stage_backward import Saved, StageBackward, mark_reached, reaches
 from .step_end import ReplicaCheck, StepEnd
 from .transfers import TransferActions
+from .wide_grads import WideGrads
 from .zero import ZeroActions
 
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -175,6 +176,9 @@ class Executor(ZeroActions, TransferActions, StageBackward, LossAction, StepEnd)
     held: Any = None  # what the TrainState holds at rest (full parameters under ZeRO-1/2)
     grad_scale: float = 1.0  # the precision loss scale, divided out of reduced gradient shards
     reduce_dtypes: Mapping[str, torch.dtype] | None = None  # per unit: the dtype its gradient travels in
+    # Per layer, where the precision policy reduces gradients in a wider dtype than it computes them and the step
+    # has several micro-batches: the dtype their weight gradients are summed in (run/wide_grads.py).
+    accumulate_dtypes: Mapping[str, torch.dtype] | None = None
     metric_dtype: torch.dtype = torch.float32  # the same on every rank (metrics.metric_dtype)
     exchange: MetricExchange = field(default_factory=lambda: MetricExchange(False, False, False))
     metric_axes: tuple[str, ...] = ()
@@ -275,6 +279,7 @@ class Executor(ZeroActions, TransferActions, StageBackward, LossAction, StepEnd)
         # (With ZeRO-1/2's gathers still in flight the compute copies may be empty: the master shards.)
         self.device = device_of(self.source.compute, self.source.gather_from, self.master, self.microbatches)
         self._frequencies = FrequencyWatch(self.frequency_cut)
+        self._wide = WideGrads(self.accumulate_dtypes) if self.accumulate_dtypes else None
         self._shared_rng = ranks_share_generators()
         self._rank = 0 if self.mesh is None else self.mesh.rank
         self._rng_rank = self._rank if self.rng_rank is None else self.rng_rank

@@ -19,6 +19,7 @@ from ..model.chain import Chain
 from ..model.split_backward import WeightPart, input_part, recomputes, weight_part
 from ..plan.actions import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, Action
 from ..torch_api import accumulate_backward
+from .wide_grads import WideGrads
 
 
 @dataclass
@@ -101,6 +102,7 @@ class StageBackward:
     _inbox: dict[tuple[str, int, int], Any]
     _tops: Mapping[tuple[int, int], int]
     _covered: frozenset[tuple[int, int]]
+    _wide: WideGrads | None
 
     if TYPE_CHECKING:
         def _earlier_layers_own_params(self, s: int) -> bool: ...
@@ -159,6 +161,8 @@ class StageBackward:
             self._weights_done(s, m, saved)
 
     def _weights_done(self, s: int, m: int, saved: Saved) -> None:
+        if self._wide is not None:  # this micro-batch's weight gradients summed in the reduce dtype
+            self._wide.take(saved.params.items())
         del self._saved[(s, m)]
         if self.poison:
             self._poison(s, saved)
@@ -190,6 +194,8 @@ class StageBackward:
         saved.output_grads = grads
         for s in range(lowest, top + 1):
             part = self._saved.pop((s, m))
+            if self._wide is not None:
+                self._wide.take(part.params.items())
             if self.poison and s in (lowest, top):
                 self._poison(s, part)
 

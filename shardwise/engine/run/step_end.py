@@ -18,6 +18,7 @@ from ..layout.precision import all_finite
 from ..optim.optimizers import global_norm
 from ..plan.actions import Action
 from .metrics import MetricExchange, Summed, different_batches
+from .wide_grads import WideGrads
 
 if TYPE_CHECKING:
     from .bindings import BoundStage, StageBindings
@@ -76,6 +77,7 @@ class StepEnd:
     new_held: Any
     _rank: int
     _leaves: dict[tuple[str, str], torch.Tensor]
+    _wide: WideGrads | None
     _bound: dict[int, BoundStage]
     _pending: dict[tuple[str, str], Handle]
     _grad_shards: dict[str, torch.Tensor]
@@ -92,6 +94,8 @@ class StepEnd:
             out[layer] = {}
             for name, t in tensors.items():
                 leaf = self._leaves.get((layer, name))
+                if self._wide is not None:
+                    self._wide.fold((layer, name), leaf)
                 out[layer][name] = leaf.grad if leaf is not None and leaf.grad is not None else torch.zeros_like(t)
         return out
 

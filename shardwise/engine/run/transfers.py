@@ -23,6 +23,7 @@ from ..layout.state_layout import Placement
 from ..model.carry import is_absent_layout
 from ..plan.actions import RECV_ACTIVATION, RECV_GRAD, Action, Boundary
 from . import wire_structure
+from .wide_grads import WideGrads
 
 if TYPE_CHECKING:
     from .param_source import ParamSource
@@ -130,6 +131,7 @@ class TransferActions:
     _actions: Sequence[Action]
     _tied_parts: dict[int, dict[int, torch.Tensor]]
     _leaves: dict[tuple[str, str], torch.Tensor]
+    _wide: WideGrads | None
 
     def send_activation(self, action: Action) -> None:
         s, m = action.require("stage"), action.mb
@@ -244,6 +246,8 @@ class TransferActions:
     def _tied_grad(self, i: int) -> torch.Tensor:
         owner, name, _users = self.placement.tied[i]
         leaf = self._leaves.get((owner, name))
+        if self._wide is not None:
+            self._wide.fold((owner, name), leaf)
         if leaf is not None and leaf.grad is not None:
             return leaf.grad
         return torch.zeros_like(self._held_param(owner, name))  # this rank's layers did not reach it

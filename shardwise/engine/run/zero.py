@@ -23,6 +23,7 @@ from ..layout.in_flight import InFlightParams
 from ..layout.sharding import FlatSharding
 from ..plan.actions import Action
 from ..torch_api import free_storage, owns_storage, refill_storage
+from .wide_grads import WideGrads, narrower, overflowing_as
 
 if TYPE_CHECKING:
     from .bindings import BoundStage
@@ -57,6 +58,7 @@ class ZeroActions:
     _share_dtypes: dict[str, torch.dtype]
     _replica_input: dict[str, torch.Tensor]  # HSDP: reduce-scattered shards, to all-reduce over the replicas
     _leaves: dict[tuple[str, str], torch.Tensor]
+    _wide: WideGrads | None
     params_in_flight: list[tuple[Bucket, Handle]]  # stages 1-2: the updated shards' all-gathers not waited for
 
     def _sharding(self) -> FlatSharding:
@@ -116,6 +118,8 @@ class ZeroActions:
         out: dict[str, torch.Tensor] = {}
         for name in self._sharding().units[unit].names:
             leaf = self._leaves.get((unit, name))
+            if self._wide is not None:
+                self._wide.fold((unit, name), leaf)
             if leaf is not None and leaf.grad is not None:
                 out[name] = leaf.grad
                 leaf.grad = None
@@ -165,19 +169,25 @@ class ZeroActions:
 
     def wait_reduce(self, action: Action) -> None:
         """A reduced shard (a bucket's shards). A micro-batch's share (``shard_params``'
-        ``reduce_each_microbatch``) is summed with the next micro-batch's in the dtype the gradients
-        were made in, as one device (and one reduction after the last micro-batch) sums them: summed
-        in float32, an fp16 gradient that overflows there (a step skipped) came out finite."""
+        ``reduce_each_microbatch``) is summed with the next micro-batch's in the dtype it was reduced in
+        (the precision policy's reduce dtype: summed in bf16, each share rounded again, it was 1.1e-2 off at
+        8 micro-batches; and a tied weight's two parts 3e-3), infinite where the dtype the gradients were
+        made in overflows: an fp16 gradient that overflows one device's backward (a step skipped) came out
+        finite when summed in float32 alone."""
         unit = action.require("layer")
         reduced = self._pending.pop(("reduce", unit)).wait()
         earlier = self._reduced_shares.pop(unit, None)
         if earlier is not None or action.microbatch is not None:
             wire, made_in = reduced.dtype, self._share_dtypes[unit]
-            reduced = reduced.to(made_in) if earlier is None else earlier.add_(reduced.to(made_in))
+            summed_in = wire if narrower(made_in, wire) else made_in  # (the reduce dtype, f32 for bf16 shares)
+            reduced = reduced.to(summed_in) if earlier is None else earlier.add_(reduced.to(summed_in))
             if action.microbatch is not None:
                 self._reduced_shares[unit] = reduced
                 return
-            reduced = reduced.to(wire)  # (HSDP: the replicas' all-reduce goes in the dtype reduced in)
+            # Infinite where the dtype the gradients were made in overflows (an f16 gradient that overflows one
+            # device's backward of the whole batch is inf here too), in the dtype reduced in (HSDP: the replicas'
+            # all-reduce goes in it).
+            reduced = overflowing_as(reduced, made_in).to(wire)
         if self._sharding().replicate is not None:  # HSDP: all-reduced over the replicas first, once
             self._replica_input[unit] = reduced
             return

@@ -39,6 +39,7 @@ from ..run.metrics import MetricExchange, Summed, batch_fingerprint, different_b
 from ..run.param_source import ParamSource
 from ..run.rng import mix
 from ..run.step_end import ReplicaCheck
+from ..run.wide_grads import narrower
 from ..stack import in_layer
 from ..stack.compose import cutting_the_batch
 from ..stack.in_layer import BatchShares
@@ -63,6 +64,9 @@ class RankRun:
     metric_axes: tuple[str, ...]  # the axes they sum it over
     replica_layers: frozenset[str]  # layers of which this rank holds only tied copies
     reduce_dtypes: Mapping[str, torch.dtype] | None  # under ZeRO and a precision policy: per unit
+    # Under a precision policy reducing in a wider dtype than it computes in: per layer, that dtype, in which its
+    # micro-batches' gradients are summed (run/wide_grads.py); None where none does.
+    accumulate_dtypes: Mapping[str, torch.dtype] | None
     counted: Any  # the gradients this rank's metrics count (None: all), see Splits.counted
     counts_losses: bool  # whether it counts its losses and tokens also then: the splits cut the batch
     replicas: Mapping[str, ReplicaCheck]  # per split axis, the gradients that must agree over it
@@ -108,6 +112,10 @@ def _make_rank_run(
         reduce_dtypes=None if prec is None or sharding is None else {
             u: prec.for_layer(u).reduce for u in sharding.units
         },
+        accumulate_dtypes=None if prec is None else {
+            layer: policy.reduce for layer in step.chain.names
+            if narrower((policy := prec.for_layer(layer)).compute, policy.reduce)
+        } or None,
         counted=counted,
         counts_losses=counts_losses,
         replicas={
@@ -253,6 +261,7 @@ def prepare_run(step: Step, state: TrainState, layout: StateLayout, batch: Any) 
         seed=scale if step.token_weighted else scale / (max(replicas, 1) * k),
         finalize=lambda grads: unscale_like(grads, master, scale), update=update,
         master=master, held=state.params, grad_scale=scale, reduce_dtypes=run.reduce_dtypes,
+        accumulate_dtypes=run.accumulate_dtypes if len(micro) > 1 else None,
         into_params=run.into_params,
         metric_dtype=layout.metric_dtype, exchange=run.exchange, metric_axes=run.metric_axes,
         replica_layers=run.replica_layers,
