@@ -27,9 +27,10 @@ def expert_capacity(tokens: int, top_k: int, num_experts: int, capacity_factor: 
     """The most assignments a rank of ``tokens`` tokens may send one expert; None (no limit) for no factor."""
     if capacity_factor is None:
         return None
-    if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)) or capacity_factor <= 0:
+    if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)) or not (
+            0 < capacity_factor < math.inf):
         raise ValueError(
-            f"capacity_factor={capacity_factor!r}: give a positive number (1.0: an even share per expert), "
+            f"capacity_factor={capacity_factor!r}: give a finite positive number (1.0: an even share per expert), "
             "or None to drop no token"
         )
     return math.ceil(capacity_factor * tokens * top_k / num_experts)

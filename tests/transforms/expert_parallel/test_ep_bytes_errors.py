@@ -78,8 +78,8 @@ def test_capacity_is_the_ceiling_of_the_even_share():
     assert expert_capacity(10, 2, 8, 1.0) == 3  # 10 * 2 / 8 = 2.5
     assert expert_capacity(10, 2, 8, 1.25) == 4
     assert expert_capacity(10, 2, 8, None) is None
-    for bad in (0, -1.0, True, "1"):
-        with pytest.raises(ValueError, match="give a positive number"):
+    for bad in (0, -1.0, True, "1", float("nan"), float("inf")):  # (nan and inf: a bare float-to-int error)
+        with pytest.raises(ValueError, match="give a finite positive number"):
             expert_capacity(10, 2, 8, bad)
 
 

@@ -134,3 +134,39 @@ def test_a_block_that_does_not_call_it_is_still_refused() -> None:
     with pytest.raises(ValueError, match=r"its router is not one expert_parallel knows.*write its forward to call "
                                          r"moe_dispatch_combine"):
         sw.expert_parallel(step, "ep")
+
+
+class _AuxMoE(MyMoE):
+    """Returns its aux loss beside its output (``moe_dispatch_combine``'s ``MoEOutput.aux_loss``)."""
+
+    def forward(self, x: torch.Tensor) -> Any:  # type: ignore[override]
+        flat = x.reshape(-1, x.shape[-1])
+        out = moe_dispatch_combine(flat, self.gate(flat), self.experts.gate_up_proj, self.experts.down_proj,
+                                   self.axis, top_k=self.top_k)
+        return out.output.view_as(x), out.aux_loss
+
+
+def _aux_setup() -> tuple[sw.Step, Any, list[Any]]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), _AuxMoE(8, 4, 4, 2)).double()
+    chain, params = sw.functionalize(model)
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 4, 6, generator=gen, dtype=torch.float64),
+                torch.randn(8, 4, 8, generator=gen, dtype=torch.float64)) for _ in range(2)]
+    loss = lambda out, y: F.mse_loss(out[0], y) + 0.5 * out[1]  # noqa: E731
+    return sw.train_step(chain, loss, sw.optim.sgd(1.0)), params, batches
+
+
+@pytest.mark.parametrize("layout", ["ep2", "ep4", "dp2 x ep2 zero1", "dp2 x ep2 zero3"])
+def test_its_aux_loss_added_to_the_loss_counts_once_with_its_gradient(layout: str) -> None:
+    """The engine means the ranks' losses; the aux, one value on every rank, had each rank's part of its gradient
+    divided by the ranks (the router's update from it 0.5x one device's at ep 2, 0.25x at ep 4), and under data
+    parallel x ep it was the aux of the ep group's tokens alone (the loss 2.4e-3 off)."""
+    reference, params, batches = _aux_setup()
+    step = sw.expert_parallel(reference, "ep")
+    mesh = sw.Mesh(ep=4) if layout == "ep4" else sw.Mesh(ep=2)
+    if layout.startswith("dp2"):
+        step, mesh = sw.shard_params(step, "dp", int(layout[-1])), sw.Mesh(dp=2, ep=2)
+    sw.testing.assert_equivalent(step, reference, mesh, batches, params)
+    if layout == "dp2 x ep2 zero1":
+        sw.testing.assert_plan_is_run(step, mesh, params, batches[0])
