@@ -4,10 +4,10 @@ Torch sums a second backward into a leaf's ``.grad`` in the leaf's dtype, and th
 copies: with ``accumulation=16`` each micro-batch's gradient was rounded to bf16 again as it was added, and the
 gradient came out 7.7e-3 (relative to its largest element) from the float32 sum of the micro-batches' bf16
 gradients (ZeRO-3's micro-batch shares, reduced in float32, were summed in bf16 likewise: 1.1e-2 at 8). Now they are
-summed in the policy's ``reduce`` dtype: a rank's micro-batches rounded once to bf16, as one backward of them rounds
-its gradient once; ZeRO-3's shares, each made by a backward, not again (engine/run/wide_grads.py, run/zero.py).
-The reference here does exactly that, by hand, and the step's gradient
-(read back through SGD with lr 1) equals it to float32's rounding of the read-back.
+summed in the policy's ``reduce`` dtype, which the reduction sends and the update reads (engine/run/wide_grads.py,
+run/zero.py), as FSDP2's ``reduce_dtype`` accumulates. The reference here does that arithmetic by hand, and the
+step's gradient (read back through SGD with lr 1) equals it to float32's rounding (sums in another order, and the
+read-back).
 """
 
 from __future__ import annotations
@@ -34,12 +34,9 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(BATCH, D, generator=gen), torch.randn(BATCH, OUT, generator=gen)
 
 
-def _reference(world: int, microbatches: int, rounded_per_rank: bool) -> list[torch.Tensor]:
+def _reference(world: int, microbatches: int) -> list[torch.Tensor]:
     """Each micro-batch's gradient made in bf16 (bf16 copies of the float32 weights, each layer's output in
-    float32), summed in float32: over the micro-batches on each rank, that sum rounded once to bf16 (as one
-    backward of them makes it: a rank's gradient reduced once, at its last micro-batch), then over the ranks; or
-    each micro-batch's over the ranks first, then over the micro-batches (ZeRO-3 reduces each micro-batch's share,
-    as made)."""
+    float32), summed in float32 over the micro-batches and the ranks (in whichever order: float32's rounding)."""
     model, (x, y) = _model(), _batch()
 
     def forward(h: torch.Tensor) -> torch.Tensor:
@@ -48,25 +45,14 @@ def _reference(world: int, microbatches: int, rounded_per_rank: bool) -> list[to
             h = torch.func.functional_call(layer, weights, (h.to(torch.bfloat16),)).to(torch.float32)
         return h
 
-    def rounded(grads: list[torch.Tensor]) -> list[torch.Tensor]:
-        return [g.to(torch.bfloat16).to(torch.float32) for g in grads]
-
-    def add(total: list[torch.Tensor] | None, grads: list[torch.Tensor]) -> list[torch.Tensor]:
-        return grads if total is None else [a + b for a, b in zip(total, grads, strict=True)]
-
-    ranks: list[list[torch.Tensor]] = []
+    total: list[torch.Tensor] | None = None
     for xr, yr in zip(x.chunk(world), y.chunk(world), strict=True):
-        total: list[torch.Tensor] | None = None
         for xs, ys in zip(xr.chunk(microbatches), yr.chunk(microbatches), strict=True):
             loss = nn.functional.mse_loss(forward(xs), ys) / (world * microbatches)
-            total = add(total, [g.to(torch.float32) for g in torch.autograd.grad(loss, list(model.parameters()))])
-        assert total is not None
-        ranks.append(rounded(total) if rounded_per_rank else total)
-    summed: list[torch.Tensor] | None = None
-    for grads in ranks:
-        summed = add(summed, grads)
-    assert summed is not None
-    return summed
+            grads = [g.to(torch.float32) for g in torch.autograd.grad(loss, list(model.parameters()))]
+            total = grads if total is None else [a + b for a, b in zip(total, grads, strict=True)]
+    assert total is not None
+    return total
 
 
 def _relative(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
@@ -74,7 +60,7 @@ def _relative(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
 
 
 @pytest.mark.parametrize(("world", "stage", "microbatches"), [(1, 1, 16), (2, 2, 8), (2, 3, 8), (1, 3, 16)])
-def test_micro_batches_are_summed_in_the_reduce_dtype_and_rounded_once(
+def test_micro_batches_are_summed_in_the_reduce_dtype(
         world: int, stage: int, microbatches: int) -> None:
     chain, params = sw.functionalize(_model())
     step = sw.mixed_precision(sw.train_step(chain, nn.functional.mse_loss, sw.optim.sgd(1.0)), POLICY)
@@ -88,4 +74,22 @@ def test_micro_batches_are_summed_in_the_reduce_dtype_and_rounded_once(
     after = sw.launch(run, world=world)[0]
     before = [p for layer in params.values() for p in layer.values()]
     got = [b - a for b, a in zip(before, [p for layer in after.values() for p in layer.values()], strict=True)]
-    assert _relative(got, _reference(world, microbatches, rounded_per_rank=stage < 3)) < 1e-6  # (was 6.4e-3 to 1.1e-2)
+    assert _relative(got, _reference(world, microbatches)) < 1e-6  # (was 6.4e-3 to 1.1e-2)
+
+
+def test_a_pipelines_micro_batches_are_summed_in_the_reduce_dtype() -> None:
+    """The same on a pipeline's stages (2 ranks, 16 micro-batches): each stage's leaves held the bf16 sum (7.7e-3)."""
+    model = _model()
+    chain, params = sw.functionalize(model, units=["0", "2"])
+    step = sw.mixed_precision(sw.train_step(chain, nn.functional.mse_loss, sw.optim.sgd(1.0)), POLICY)
+    piped = sw.pipeline(step, "pp", "1f1b", microbatches=16)
+    batch = _batch()
+
+    def run() -> dict[str, dict[str, torch.Tensor]]:
+        state = piped.init(copy.deepcopy(params), sw.Mesh(pp=2))
+        return piped.full_params(piped(state, batch)[0])
+
+    after = sw.launch(run, world=2)[0]
+    before = [p for layer in params.values() for p in layer.values()]
+    got = [b - a for b, a in zip(before, [p for layer in after.values() for p in layer.values()], strict=True)]
+    assert _relative(got, _reference(1, 16)) < 1e-6  # (was 7.7e-3)

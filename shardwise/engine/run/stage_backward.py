@@ -8,7 +8,7 @@ step's leaves as ``loss.backward()`` accumulates ``.grad``. A mixin of
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -128,6 +128,7 @@ class StageBackward:
         want_inputs = action.kind in (BACKWARD, BACKWARD_INPUT)
         want_weights = action.kind in (BACKWARD, BACKWARD_WEIGHT)
         if saved.weight_part is not None:  # W after its I: only the weights' branches
+            self._widen(saved.params.items())
             weight_part(saved.weight_part)
             saved.weight_part = None
             self._weights_done(s, m, saved)
@@ -146,6 +147,7 @@ class StageBackward:
             # B or W: weight gradients accumulate into the step's leaves (in place after the first);
             # B also leaves each input's gradient in its (per micro-batch) leaf.
             wrt = (saved.inputs if want_inputs else []) + list(saved.params.values())
+            self._widen(saved.params.items())
             if wrt:
                 accumulate_backward(outputs, seeds, wrt)
             if want_inputs:
@@ -161,8 +163,6 @@ class StageBackward:
             self._weights_done(s, m, saved)
 
     def _weights_done(self, s: int, m: int, saved: Saved) -> None:
-        if self._wide is not None:  # this micro-batch's weight gradients summed in the reduce dtype
-            self._wide.take(saved.params.items())
         del self._saved[(s, m)]
         if self.poison:
             self._poison(s, saved)
@@ -178,6 +178,7 @@ class StageBackward:
         # Every stage's leaves once (a tied weight is a leaf of each stage that uses it), in stage order.
         leaves = {id(leaf): leaf for s in range(lowest, top + 1) for leaf in self._saved[(s, m)].params.values()}
         wrt = [*bottom.inputs, *leaves.values()]
+        self._widen(p for s in range(lowest, top + 1) for p in self._saved[(s, m)].params.items())
         if pairs and wrt:
             accumulate_backward([o for o, _ in pairs], [g for _, g in pairs], wrt)
         for s in range(top, lowest, -1):  # each joined input must have had a gradient, as in backward
@@ -194,10 +195,14 @@ class StageBackward:
         saved.output_grads = grads
         for s in range(lowest, top + 1):
             part = self._saved.pop((s, m))
-            if self._wide is not None:
-                self._wide.take(part.params.items())
             if self.poison and s in (lowest, top):
                 self._poison(s, part)
+
+    def _widen(self, leaves: Iterable[tuple[tuple[str, str], torch.Tensor]]) -> None:
+        """Before a backward into ``leaves``: an earlier micro-batch's gradients they hold go into their sums in
+        the reduce dtype (wide_grads.py), so that torch does not add this one's to them in the compute dtype."""
+        if self._wide is not None:
+            self._wide.take(leaves)
 
     def _not_reaching(self, s: int) -> None:
         previous = self.placement.stages[s - 1][-1]

@@ -94,9 +94,9 @@ class StepEnd:
             out[layer] = {}
             for name, t in tensors.items():
                 leaf = self._leaves.get((layer, name))
-                if self._wide is not None:
-                    self._wide.fold((layer, name), leaf)
-                out[layer][name] = leaf.grad if leaf is not None and leaf.grad is not None else torch.zeros_like(t)
+                grad = self._wide.fold((layer, name), leaf) if self._wide is not None else (
+                    None if leaf is None else leaf.grad)
+                out[layer][name] = grad if grad is not None else torch.zeros_like(t)
         return out
 
     def finish_grads(self, action: Action) -> None:

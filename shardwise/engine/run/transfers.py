@@ -246,10 +246,12 @@ class TransferActions:
     def _tied_grad(self, i: int) -> torch.Tensor:
         owner, name, _users = self.placement.tied[i]
         leaf = self._leaves.get((owner, name))
-        if self._wide is not None:
-            self._wide.fold((owner, name), leaf)
-        if leaf is not None and leaf.grad is not None:
-            return leaf.grad
+        grad = self._wide.fold((owner, name), leaf) if self._wide is not None else (
+            None if leaf is None else leaf.grad)
+        if grad is not None:
+            if self._wide is not None and leaf is not None:
+                self._wide.keep((owner, name), leaf, grad)  # (read again: sent, then summed)
+            return grad
         return torch.zeros_like(self._held_param(owner, name))  # this rank's layers did not reach it
 
     def _held_param(self, owner: str, name: str) -> torch.Tensor:
@@ -296,5 +298,8 @@ class TransferActions:
         leaf = self._leaves.get((owner, name))
         if leaf is None:
             leaf = self._leaves[(owner, name)] = self._held_param(owner, name).detach().requires_grad_(True)
-        leaf.grad = total
+        if self._wide is not None:
+            self._wide.keep((owner, name), leaf, total)
+        else:
+            leaf.grad = total
 

@@ -118,10 +118,11 @@ class ZeroActions:
         out: dict[str, torch.Tensor] = {}
         for name in self._sharding().units[unit].names:
             leaf = self._leaves.get((unit, name))
-            if self._wide is not None:
-                self._wide.fold((unit, name), leaf)
-            if leaf is not None and leaf.grad is not None:
-                out[name] = leaf.grad
+            grad = self._wide.fold((unit, name), leaf) if self._wide is not None else (
+                None if leaf is None else leaf.grad)
+            if grad is not None:
+                out[name] = grad
+            if leaf is not None:
                 leaf.grad = None
         return out
 

@@ -30,6 +30,7 @@ from ..model import reuse
 from ..optim.meta_like import meta_like
 from ..plan.actions import FINISH_GRADS, GATHER, GRAD_COMPUTES, REDUCE_SCATTER, UPDATE, WAIT_GATHER, Action
 from ..plan.update_memory import predict_update_held
+from ..run.wide_grads import summed_in
 from ..torch_api import data_dependent_errors
 
 if TYPE_CHECKING:
@@ -187,31 +188,41 @@ def unsharded_levels(
       dtype that is not the stored one: ``master.unscale_like``); after it, those and the backward's
       that needed no cast (``Executor.finish_grads`` drops the leaves that held the others).
     * ``grad_accumulation``: a backward of a later micro-batch makes each weight's gradient before
-      adding it into the one held (autograd's accumulation): the largest such gradient, beside them.
+      adding it into the one held (autograd's accumulation): the largest such gradient, beside them. Under a
+      policy reducing in a wider dtype than it computes in, the earlier micro-batches' gradients go into sums in
+      that dtype before it instead (run/wide_grads.py): those sums, beside the gradients, from the second
+      micro-batch's backward to ``finish_grads``, which folds them in.
     * ``compute_copies``: see :func:`compute_copy_bytes`, to ``finish_grads``.
     * ``update_buffers``: see :func:`update_levels` (``guessed`` as there).
     """
     prec = step.precision
     leaves = [(layer, t) for layer, tensors in master.items() for t in tensors.values()]
     backward = [t.numel() * compute_dtype(prec, layer, t.dtype).itemsize for layer, t in leaves]
-    cast = [_scaled(step) or compute_dtype(prec, layer, t.dtype) != t.dtype for layer, t in leaves]
+    cast = [scales_gradients(step) or compute_dtype(prec, layer, t.dtype) != t.dtype for layer, t in leaves]
     unscaled = sum(t.numel() * t.element_size() for (_, t), new in zip(leaves, cast, strict=True) if new)
     # After finish_grads the optimizer's gradients only: the unscaled ones, and the backward's that
     # needed no cast (the executor drops its leaves there, and with them the backward's gradients).
     final = unscaled + sum(b for b, new in zip(backward, cast, strict=True) if not new)
+    several = any((a.microbatch or 0) > 0 for a in actions)
+    sums = [t.numel() * wide.itemsize if several and (wide := summed_in(prec, layer)) is not None else 0
+            for layer, t in leaves]
+    added = [b for b, s in zip(backward, sums, strict=True) if not s]  # those autograd still adds to
     made, accumulating = [], []
-    held = 0
+    held, summing = 0, 0
     for action in actions:
         grads = action.kind in GRAD_COMPUTES
+        later = grads and (action.microbatch or 0) > 0
         if grads:
             held = max(held, sum(backward))
+        if later:
+            summing = sum(sums)
         if action.kind == FINISH_GRADS:
-            made.append(sum(backward) + unscaled)  # both, while it casts
+            made.append(sum(backward) + max(unscaled, summing))  # the sums folded in, then the cast
             accumulating.append(0)
-            held = final
+            held, summing = final, 0
             continue
-        made.append(held)
-        accumulating.append(max(backward, default=0) if grads and (action.microbatch or 0) > 0 else 0)
+        made.append(held + summing)
+        accumulating.append(max(added, default=0) if later else 0)
     levels = {"update_buffers": update_levels(step, master, actions, device, guessed)}
     copies = copies_to_finish_grads(compute_copy_bytes(step, master), actions)
     if any(copies):  # figures only where a policy casts, or micro-batches accumulate
@@ -221,7 +232,7 @@ def unsharded_levels(
     return made, levels
 
 
-def _scaled(step: Step) -> bool:
+def scales_gradients(step: Step) -> bool:
     """Whether the step's loss scale may divide its gradients (a factor other than 1)."""
     scale = step.initial_loss_scale()
     return scale is not None and not isinstance(scale, NoLossScale) and (

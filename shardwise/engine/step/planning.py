@@ -52,6 +52,7 @@ from ..plan.lower import (
     stage_needs,
     wire_of,
 )
+from ..run.wide_grads import summed_in
 from ..stack.compose import SPLIT, rewrites_in_order, sums_over_batch
 from .batch_cut import batch_multiple, rank_share
 from .held_levels import copies_to_reductions, shard_copy_levels, unsharded_levels, update_levels
@@ -462,23 +463,34 @@ def _reduce_levels(
     sizes = _reduce_sizes(step, sharding)
     grad_sizes = {u: lay.padded_numel * _gather_dtype(step, u, lay.dtype).itemsize
                   for u, lay in sharding.units.items()}
+    # A later micro-batch's backward into gradients held (one reduction after the last) under a policy reducing in
+    # a wider dtype: those go into sums in it first (run/wide_grads.py), held beside this one's to the issue.
+    several = any((a.microbatch or 0) > 0 for a in actions)
+    sum_sizes = {u: lay.padded_numel * wide.itemsize for u, lay in sharding.units.items()
+                 if several and (wide := summed_in(step.precision, u)) is not None}
     reduced = {u for a in actions if a.kind == REDUCE_SCATTER for u in a.units or (a.require("layer"),)}
     live: dict[str, int] = {}  # the full gradients made and not yet issued
+    summing: set[str] = set()  # the units whose gradients went into sums in the reduce dtype
     pending: dict[str, int] = {}
     levels = []
     for action in actions:
-        # A later micro-batch's gradient of a unit that holds one is made before it is added in.
+        # A later micro-batch's gradient of a unit that holds one is made before it is added in (or, summed in
+        # the reduce dtype, beside the sum its held one went into).
         again = 0
         if action.kind in GRAD_COMPUTES:
             made = [u for u in needs.get(action.stage or 0, ()) if u in reduced]
-            again = max((grad_sizes[u] for u in made if u in live), default=0)
-            live.update((u, grad_sizes[u]) for u in made)
+            again = max((grad_sizes[u] for u in made if u in live and u not in sum_sizes), default=0)
+            summing.update(u for u in made if u in live and u in sum_sizes)
+            live.update((u, grad_sizes[u] + (sum_sizes[u] if u in summing else 0)) for u in made)
         level = sum(live.values()) + sum(pending.values()) + again
         if action.kind == REDUCE_SCATTER:
             units = action.units or (action.require("layer"),)
-            size, grads = sum(sizes[u] for u in units), sum(grad_sizes[u] for u in units)
+            # A summed unit's gradient goes as its sum (the held one added in and freed).
+            size = sum(sizes[u] for u in units)
+            grads = sum(sum_sizes[u] if u in summing else grad_sizes[u] for u in units)
             for u in units:
                 live.pop(u, None)
+                summing.discard(u)
             first = sharding.units[units[0]]
             as_slices = device.type == "cpu" and sized_for_exchange(
                 size, _reduce_dtype(step, first.unit, first.dtype), first.shards)
