@@ -12,6 +12,7 @@ and the metrics.
 from __future__ import annotations
 
 import functools
+import math
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -39,13 +40,14 @@ from ..run.metrics import MetricExchange, Summed, batch_fingerprint, different_b
 from ..run.param_source import ParamSource
 from ..run.rng import mix
 from ..run.step_end import ReplicaCheck
-from ..run.wide_grads import narrower
+from ..run.wide_grads import summed_in
 from ..stack import in_layer
 from ..stack.compose import cutting_the_batch
 from ..stack.in_layer import BatchShares
 from .batch_cut import batch_multiple, batch_shares, cut_words, loss_probe_cut, rank_share, refuse_padded_mean
 from .donation import donates
 from .dynamic_rope_rows import refuse_dynamic_rope_rows
+from .held_levels import scales_gradients
 from .layouts import output_shapes
 from .master import compute_params, unscale_like
 from .sequence_cut import refuse_rows_on_sequence_dim
@@ -112,9 +114,8 @@ def _make_rank_run(
         reduce_dtypes=None if prec is None or sharding is None else {
             u: prec.for_layer(u).reduce for u in sharding.units
         },
-        accumulate_dtypes=None if prec is None else {
-            layer: policy.reduce for layer in step.chain.names
-            if narrower((policy := prec.for_layer(layer)).compute, policy.reduce)
+        accumulate_dtypes={
+            layer: dtype for layer in step.chain.names if (dtype := summed_in(prec, layer)) is not None
         } or None,
         counted=counted,
         counts_losses=counts_losses,
@@ -228,6 +229,8 @@ def prepare_run(step: Step, state: TrainState, layout: StateLayout, batch: Any) 
     if device.type == "cpu":
         _keep_step_memory(layout, mesh, state)
     scale, k = step.loss_scale_value(state), microbatch_count(step)
+    if step.token_weighted and scales_gradients(step):
+        scale /= token_sum_divisor(micro)  # (seeded and unscaled alike: only the backward's magnitude changes)
     outcome: dict[str, Any] = {}
 
     def update(grads: Any, summed: Summed, units: tuple[str, ...] | None = None) -> Any:
@@ -282,6 +285,19 @@ def prepare_run(step: Step, state: TrainState, layout: StateLayout, batch: Any) 
         batch_cut=_batch_cut(step, layout, mesh),
     )
     return PreparedRun(executor, run, replicas, outcome, batch_shares(step, mesh))
+
+
+def token_sum_divisor(micro: list[tuple[Any, Any]]) -> float:
+    """What a token-weighted step's loss scale is divided by before seeding its summed losses: about the tokens
+    of a micro-batch (the power of two nearest the elements of its targets' largest tensor, or its inputs'
+    integer one: the same on every rank, whose shares are cut alike; a power of two, so that the scale and the
+    unscaling stay exact). Seeded with the loss scale alone, a sum over thousands of tokens made f16 gradients
+    that many times a mean's: every step skipped under a static scale a mean loss trains with (65536), without
+    an error, and a dynamic scale backed off 32x on 128 tokens."""
+    inputs, targets = micro[0]
+    sizes = [t.numel() for t in optree.tree_leaves(targets) if isinstance(t, torch.Tensor)] or [
+        t.numel() for t in optree.tree_leaves(inputs) if isinstance(t, torch.Tensor) and not t.is_floating_point()]
+    return float(2 ** round(math.log2(max(sizes, default=1) or 1)))
 
 
 def _param_writes_refused(step: Step, mesh: Mesh | None) -> str | None:
