@@ -216,6 +216,21 @@ def test_errors_in_the_users_code_exit_1_in_one_line_that_says_where(
     assert short.returncode == 2 and "must return (step, params, batch), got a tuple of 2" in short.stderr
 
 
+def test_a_step_returned_in_another_place_is_named_as_a_usage_error(
+    tmp_path: Path, in_process: Callable[..., Ran]
+) -> None:
+    """(params, step, batch) failed inside the command with "'dict' object has no attribute 'plan'"."""
+    (tmp_path / "swapped.py").write_text(
+        f"import importlib.util\nspec = importlib.util.spec_from_file_location('steps', {str(STEPS)!r})\n"
+        "steps = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(steps)\n"
+        "def make():\n    step, params, batch = steps.composed()\n    return params, step, batch\n"
+    )
+    result = in_process("plan", "swapped.py:make", "--mesh", "dp=2,pp=2", cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert ("must return (step, params, batch): element 0 (step) is a dict, not a shardwise Step (a Step is element "
+            "1: in another order?)") in result.stderr
+
+
 @pytest.mark.parametrize(
     ("args", "status", "start"),
     [

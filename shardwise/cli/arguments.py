@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..collectives.mesh import Mesh
+from ..engine.step.step import Step
 
 
 class UsageError(Exception):
@@ -123,9 +124,18 @@ def load_function(target: str) -> Callable[..., Any]:
 
 
 def call_for(target: str, function: Callable[..., Any], names: tuple[str, ...]) -> tuple[Any, ...]:
-    """Call the user's function with no arguments; it must return a tuple ``names`` long."""
+    """Call the user's function with no arguments; it must return a tuple ``names`` long, a shardwise Step where
+    a name says step (``step``, ``reference``): in another order the command would fail far from the cause."""
     result = function()
     if not isinstance(result, tuple | list) or len(result) != len(names):
         got = f"a {type(result).__name__}" + (f" of {len(result)}" if isinstance(result, tuple | list) else "")
         raise UsageError(f"{target} must return ({', '.join(names)}), got {got}")
+    for i, (name, value) in enumerate(zip(names, result, strict=True)):
+        if name in ("step", "reference") and not isinstance(value, Step):
+            steps = [j for j, v in enumerate(result) if isinstance(v, Step)]
+            where = f" (a Step is element {', '.join(map(str, steps))}: in another order?)" if steps else ""
+            raise UsageError(
+                f"{target} must return ({', '.join(names)}): element {i} ({name}) is a {type(value).__name__}, "
+                f"not a shardwise Step{where}"
+            )
     return tuple(result)

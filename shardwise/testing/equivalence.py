@@ -182,19 +182,21 @@ def _coarser_dtype_hint(where: str, expected: Any, rtol: float) -> str:
 
 def _random_draws(step: Any) -> list[str]:
     """Where ``step``'s model draws random numbers in training, as far as its modules say: a dropout module in
-    training mode with p > 0, a Hugging Face config's ``*dropout`` / ``*pdrop`` above 0 (functional dropout)."""
+    training mode with p > 0; a module's own float ``*dropout`` / ``*pdrop`` above 0 (the rate a Hugging Face
+    attention hands its functional dropout: ``self.attention_dropout``). Not a config's: a config lists rates of
+    heads the model may not have (GPT-2's ``summary_first_dropout``, for its double-heads model alone)."""
     chain = getattr(step, "base_chain", None)
     if chain is None:
         return []
     found: dict[str, None] = {}
     for path, module in called_modules(chain):
-        if isinstance(module, nn.modules.dropout._DropoutNd) and module.training and module.p > 0:
+        if not module.training:
+            continue
+        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
             found[f"{type(module).__name__}(p={module.p:g}) at {path}"] = None
-        config = getattr(module, "config", None)
-        if module.training and config is not None:
-            for key, value in vars(config).items():
-                if (key.endswith("dropout") or key.endswith("pdrop")) and isinstance(value, float) and value > 0:
-                    found[f"config.{key}={value:g}"] = None
+        for key, value in vars(module).items():
+            if (key.endswith("dropout") or key.endswith("pdrop")) and type(value) is float and value > 0:
+                found[f"{type(module).__name__}.{key}={value:g} at {path}"] = None
     return list(found)
 
 
@@ -246,6 +248,14 @@ def assert_equivalent(
         raise TypeError(
             f"assert_equivalent(mesh=...) needs the Mesh the step runs on, got {type(mesh).__name__}; a transform "
             "of one device (remat, mixed_precision alone) runs on sw.Mesh(dp=1)"
+        )
+    parallel = [f"{spec.name} over {spec.axis!r}" for spec in getattr(reference, "transforms", ())
+                if getattr(spec, "axis", None) is not None]
+    if parallel:
+        raise ValueError(
+            f"assert_equivalent(step, reference, ...): the reference is the single-device step, but it runs "
+            f"{', '.join(parallel)}, which needs a mesh. Pass the step before its parallel transforms as the "
+            "reference (the distributed step comes first: were they swapped?)"
         )
     rtol_given = rtol
     rtol = DEFAULT_RTOL.get(_param_dtype(params), 1e-5) if rtol is None else rtol

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -291,3 +293,42 @@ def test_a_divergence_of_a_model_that_draws_random_numbers_says_so() -> None:
     with pytest.raises(NotEquivalentError) as caught:
         sw.testing.assert_equivalent(wrong, plain, sw.Mesh(dp=1), batches, plain_params)
     assert "random numbers" not in str(caught.value)
+
+
+def test_a_divergence_names_an_attentions_functional_dropout_and_not_a_configs_unused_rate() -> None:
+    """Hugging Face attentions hand ``self.attention_dropout`` to a functional dropout (no module to find): named.
+    GPT-2's config carries ``summary_first_dropout=0.1`` for its double-heads model alone; the LM never draws it,
+    and a divergence there blamed it (the review's case: a wrong token count)."""
+    T = pytest.importorskip("transformers", reason="the [hf] extra (pip install -e '.[hf]') is not installed")
+
+    def steps(model: torch.nn.Module) -> tuple[Any, Any, Any, list[Any]]:
+        ids = torch.randint(64, (2, 4, 9), generator=torch.Generator().manual_seed(0))
+        batches = [(s[:, :-1], s[:, 1:]) for s in ids]
+        chain, params = sw.functionalize(model.double(), example_input=batches[0][0])
+        loss = lambda out, y: torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), y.flatten())  # noqa: E731
+        return (sw.train_step(chain, loss, sw.optim.sgd(0.1)), sw.train_step(chain, loss, sw.optim.sgd(0.2)), params,
+                batches)
+
+    torch.manual_seed(0)
+    llama = T.LlamaForCausalLM(T.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                             num_attention_heads=2, attention_dropout=0.1))
+    step, _, params, batches = steps(llama)
+    with pytest.raises(NotEquivalentError, match=r"draws random numbers in training \(LlamaAttention\.attention_dropout"
+                                                 r"=0\.1 at model\.layers\.0\.self_attn\)"):
+        sw.testing.assert_equivalent(sw.shard_params(step, "dp", 3), step, sw.Mesh(dp=2), batches, params)
+    gpt2 = T.GPT2LMHeadModel(T.GPT2Config(vocab_size=64, n_embd=16, n_layer=1, n_head=2, resid_pdrop=0.0,
+                                          embd_pdrop=0.0, attn_pdrop=0.0, summary_first_dropout=0.1))
+    step, wrong, params, batches = steps(gpt2)
+    with pytest.raises(NotEquivalentError) as caught:
+        sw.testing.assert_equivalent(wrong, step, sw.Mesh(dp=1), batches, params)
+    assert "random numbers" not in str(caught.value)
+
+
+def test_a_distributed_reference_is_refused_naming_its_transforms() -> None:
+    """The step and its reference swapped: the reference's init failed with "pipeline(axis='pp') needs the mesh:
+    call step.init(params, mesh)", which the caller never calls."""
+    step, params, batches = _problem()
+    piped = sw.pipeline(step, "pp", "1f1b", microbatches=2)
+    with pytest.raises(ValueError, match=r"the reference is the single-device step, but it runs pipeline over 'pp', "
+                                         r"which needs a mesh.*were they swapped"):
+        sw.testing.assert_equivalent(step, piped, sw.Mesh(pp=2), batches, params)
