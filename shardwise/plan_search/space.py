@@ -18,9 +18,11 @@ import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from ..transforms.pipeline.builtins import get_schedule
+from ..engine.layout.precision import Policy
+from ..transforms.pipeline.builtins import check_schedule_name, get_schedule
 from ..transforms.pipeline.schedule import Schedule
 from ..transforms.pipeline.spec import PipelineSpec
+from ..transforms.remat.rewrite import POLICIES
 from .candidate import Candidate
 
 
@@ -47,8 +49,28 @@ class Space:
     def __post_init__(self) -> None:
         for name in ("zero_stages", "schedules", "microbatches", "remat", "precision", "reshard_under_pipeline",
                      "cp", "ep", "replicate"):
-            if not getattr(self, name):
+            value = getattr(self, name)
+            if not isinstance(value, tuple | list):  # (a str would be searched letter by letter)
+                raise TypeError(f"Space({name}={value!r}): a tuple of options, e.g. {name}=({value!r},)")
+            if not value:
                 raise ValueError(f"Space({name}=()): give at least one option (None where it means 'as it is')")
+        for schedule in self.schedules:
+            if not isinstance(schedule, str):
+                raise TypeError(f"Space(schedules={self.schedules!r}): {schedule!r} is not a schedule's name")
+            try:
+                check_schedule_name(schedule)
+            except ValueError as err:
+                raise ValueError(f"Space(schedules={self.schedules!r}): {err}") from None
+        if unknown := [r for r in self.remat if r is not None and r not in POLICIES]:
+            raise ValueError(f"Space(remat={self.remat!r}): {unknown} are not remat policies; use None or one of "
+                             f"{sorted(POLICIES)}")
+        for text in self.precision:
+            if text is not None:
+                try:
+                    Policy.parse(text)
+                except (ValueError, TypeError, AttributeError) as err:
+                    raise ValueError(f"Space(precision={self.precision!r}): {text!r} is not a precision policy "
+                                     f"({err})") from None
         if bad := [s for s in self.zero_stages if s not in (1, 2, 3)]:
             raise ValueError(f"Space(zero_stages={self.zero_stages}): {bad} are not ZeRO stages (1, 2, 3)")
         for name in ("microbatches", "cp", "ep", "replicate"):

@@ -340,3 +340,21 @@ def test_search_refuses_a_pipeline_whose_update_is_over_the_budget() -> None:
                       compute=FlopCompute(params_per_layer(step, params), flops_per_second=1e10, samples=32))
     assert "pp4 1f1b mb4" not in {str(p.candidate) for p in found.ranked}, found.table()
     assert {str(r.candidate): r.stage for r in found.refused}["pp4 1f1b mb4"] == MEMORY, found.table()
+
+
+@pytest.mark.parametrize(("options", "error", "message"), [
+    ({"schedules": "1f1b"}, TypeError, r"Space\(schedules='1f1b'\): a tuple of options, e\.g\. schedules=\('1f1b',\)"),
+    ({"remat": "nothing_saveable"}, TypeError, r"Space\(remat='nothing_saveable'\): a tuple of options"),
+    ({"microbatches": 3}, TypeError, r"Space\(microbatches=3\): a tuple of options, e\.g\. microbatches=\(3,\)"),
+    ({"schedules": ("1f1c",)}, ValueError, r"Space\(schedules=\('1f1c',\)\): unknown pipeline schedule '1f1c' "
+                                           r"\(did you mean '1f1b'\?\)"),
+    ({"remat": ("nothing",)}, ValueError, r"\['nothing'\] are not remat policies; use None or one of "),
+    ({"precision": ("bf16",)}, ValueError, r"Space\(precision=\('bf16',\)\): 'bf16' is not a precision policy"),
+])
+def test_a_space_refuses_what_it_would_search_as_something_else(
+        options: dict[str, Any], error: type[Exception], message: str) -> None:
+    """A string in place of a tuple was searched letter by letter (schedules '1', 'f', 'b': every pipeline layout
+    refused, the result all pp=1 without a word), an int raised a bare TypeError, and an unknown schedule, remat
+    policy or precision was refused once per candidate in the table instead of once, here."""
+    with pytest.raises(error, match=message):
+        Space(**options)

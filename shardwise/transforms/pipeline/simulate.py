@@ -18,6 +18,7 @@ so the drawings and the bubble figure work on runtime traces too.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -49,13 +50,15 @@ class Costs:
 
     def __post_init__(self) -> None:
         for name in ("forward", "backward", "backward_input", "backward_weight", "comm"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"Costs.{name} must be >= 0, got {getattr(self, name)}")
-        for (stage, kind), value in self.per_stage.items():
-            if kind not in KINDS or value < 0:
+            if not _duration(getattr(self, name)):
+                raise ValueError(f"Costs.{name} must be a finite number >= 0, got {getattr(self, name)!r}")
+        for key, value in self.per_stage.items():
+            stage, kind = key if isinstance(key, tuple) and len(key) == 2 else (None, None)
+            if not isinstance(stage, int) or isinstance(stage, bool) or stage < 0 or kind not in KINDS or (
+                    not _duration(value)):
                 raise ValueError(
-                    f"Costs.per_stage[({stage}, {kind!r})] = {value}: kind must be one of "
-                    f"{'/'.join(KINDS)} and the cost >= 0"
+                    f"Costs.per_stage[{key!r}] = {value!r}: the key is (stage, kind), a stage >= 0 and a kind of "
+                    f"{'/'.join(KINDS)}, and the cost a finite number >= 0"
                 )
         object.__setattr__(self, "per_stage", MappingProxyType(dict(self.per_stage)))
 
@@ -80,6 +83,12 @@ class Costs:
         if override is not None:
             return override
         return {F: self.forward, B: self.backward, I: self.backward_input, W: self.backward_weight}[op.kind]
+
+
+def _duration(value: Any) -> bool:
+    """A finite number >= 0 (not a bool, not a string)."""
+    return isinstance(value, int | float | Fraction) and not isinstance(value, bool) and math.isfinite(value) and (
+        value >= 0)
 
 
 class Slot(NamedTuple):
@@ -227,11 +236,21 @@ def simulate(
         return simulate_plan(schedule, plan_costs(costs) if isinstance(costs, Costs) else costs)
     if isinstance(costs, PlanCosts):
         raise TypeError("simulate(schedule, costs): PlanCosts are for a Plan; give a schedule Costs")
+    if not isinstance(schedule, Schedule):
+        hint = (f"; a built-in's name needs its shape: get_schedule({schedule!r}, ranks, stages, microbatches)"
+                if isinstance(schedule, str) else "")
+        raise TypeError(f"simulate(schedule): a Schedule or a Plan, got {type(schedule).__name__}{hint}")
     validate(schedule)
     if costs is None:
         costs = Costs()
-    elif not isinstance(costs, Costs):
+    elif isinstance(costs, Mapping):
         costs = Costs.from_mapping(costs)
+    elif not isinstance(costs, Costs):
+        raise TypeError(f"simulate(schedule, costs): Costs or a mapping such as {{'F': 1, 'B': 2}}, got "
+                        f"{type(costs).__name__}")
+    if unknown := sorted({stage for stage, _ in costs.per_stage} - set(range(schedule.num_stages))):
+        raise ValueError(f"simulate: Costs.per_stage names stages {unknown}, but the schedule has stages 0.."
+                         f"{schedule.num_stages - 1}: those costs would price nothing")
     finish: dict[PipeOp, float] = {}
     rows: list[list[Slot]] = [[] for _ in range(schedule.num_ranks)]
     free: list[float] = [0] * schedule.num_ranks

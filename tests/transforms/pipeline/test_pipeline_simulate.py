@@ -186,3 +186,20 @@ def test_empty_and_idle_ranks() -> None:
     assert timeline.makespan == 6 and timeline.ranks[1] == ()
     assert timeline.bubble_fraction == 0.5
     assert timeline.peak_activations == (2, 0)
+
+
+@pytest.mark.parametrize(("make", "error", "message"), [
+    (lambda s: simulate(s, Costs(forward=float("nan"))), ValueError, r"Costs\.forward must be a finite number >= 0, "
+                                                                     r"got nan"),
+    (lambda s: simulate(s, Costs(forward="1")), ValueError, r"Costs\.forward must be a finite number >= 0, got '1'"),
+    (lambda s: simulate(s, Costs(per_stage={(5, "F"): 1})), ValueError,
+     r"Costs\.per_stage names stages \[5\], but the schedule has stages 0\.\.1: those costs would price nothing"),
+    (lambda s: simulate(s, 3), TypeError, r"simulate\(schedule, costs\): Costs or a mapping"),
+    (lambda s: simulate("1f1b"), TypeError, r"a Schedule or a Plan, got str; a built-in's name needs its shape: "
+                                            r"get_schedule\('1f1b', ranks, stages, microbatches\)"),
+])
+def test_costs_and_arguments_that_would_price_nothing_or_fail_deep_are_refused(make, error, message) -> None:  # type: ignore[no-untyped-def]
+    """A per-stage cost of a stage the schedule lacks priced nothing, a NaN cost made a NaN makespan, and a string
+    cost, an int for the costs or a schedule's name failed inside the simulation with a bare Python error."""
+    with pytest.raises(error, match=message):
+        make(one_f_one_b(2, 2, 4))
