@@ -446,6 +446,34 @@ def test_mean_losses_on_micro_batches_of_one_row_equal_the_single_device_step(cu
     sw.testing.assert_equivalent(transform(step), step, mesh, _gpt_batches([rows, rows]), params)
 
 
+def _largest_row_loss(logits: Tensor, y: Tensor) -> Tensor:
+    return F.cross_entropy(logits.transpose(1, 2), y, reduction="none").mean(1).max()
+
+
+def _mean_plus_variance(logits: Tensor, y: Tensor) -> Tensor:
+    rows = F.cross_entropy(logits.transpose(1, 2), y, reduction="none").mean(1)
+    return rows.mean() + rows.var(unbiased=False)
+
+
+def _class_weighted(logits: Tensor, y: Tensor) -> Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), y.flatten(), weight=torch.linspace(0.5, 2.0, 16, dtype=logits.dtype))
+
+
+@pytest.mark.parametrize("loss", [_largest_row_loss, _mean_plus_variance, _class_weighted])
+@pytest.mark.parametrize("cut", sorted(ONE_ROW_CUTS))
+def test_a_whole_batch_loss_on_micro_batches_of_one_row_is_refused_on_two_of_them(cut: str, loss: Any) -> None:
+    """The largest row's loss, a mean plus a variance over the rows, a class-weighted mean: each the same on one
+    row repeated, so micro-batches of one row trained another model (0.6 relative loss error, a pipeline of four
+    one-row micro-batches). The probe keeps the first row and probes it with the next micro-batch's as two rows,
+    within the step or (zero-3 dp=2: one row a rank, one micro-batch) at the next."""
+    transform, mesh, rows, words = ONE_ROW_CUTS[cut]
+    step, params = _tiny_gpt(loss)
+    with pytest.raises(RankFailed, match=rf"loss_fn is not a mean over the batch's rows, which a step that cuts the "
+                       rf"batch \({words}\) needs(.|\n)*On two rows of this rank's, each a micro-batch of one row, "
+                       r"together"):
+        sw.testing.assert_equivalent(transform(step), step, mesh, _gpt_batches([rows, rows]), params)
+
+
 def test_an_in_batch_contrastive_loss_on_one_row_a_rank_is_refused() -> None:
     chain, params = _mlp()
     step = sw.shard_params(sw.train_step(chain, _in_batch_contrastive, sw.optim.sgd(0.01)), "dp", 1)

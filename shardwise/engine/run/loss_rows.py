@@ -29,12 +29,16 @@ tokens' halves alone. A mean of per-row (per-token) terms gives the mean of the 
 rounding; a sum gives twice it; an in-batch contrastive loss another value. A micro-batch of one row
 (micro-batch size 1, common in fine-tuning) has no halves: the probe evaluates ``loss_fn`` on the row
 and on the row repeated twice along its row dims (output and targets; the inputs too, for a count
-function), whose mean is the row's value for a mean of per-row terms and twice it for a sum (a weighted
-mean, the same on a repeated row, is not seen there). Under ``tokens="sum"`` the whole's summed loss and
-count must be the halves' sums; under a count function the whole's loss x count the sum of the halves'
-(a part that counts no token adds 0, as in the step). Beyond a tolerance of the dtype (1e-6 relative in
-float64, else 2e-2: matmuls inside a loss may round differently on fewer rows), the step is refused,
-naming the mode, what loss_fn returned and the fix.
+function), whose mean is the row's value for a mean of per-row terms and twice it for a sum. Where that
+agrees, the row (its output, inputs and targets, detached) is kept and probed with the next one-row
+micro-batch's, this step's or a later one's, as two rows (each output leaf's one row dim and the targets' and
+inputs' dim 0 joined; not where a leaf has two row dims): a weighted mean, or a loss over the whole batch (the
+rows' largest error, a mean plus a variance over the rows), the same on a repeated row, trained another model
+there, without an error (0.6 relative loss error, a pipeline of one-row micro-batches). Under ``tokens="sum"``
+the whole's summed loss and count must be the halves' sums; under a count function the whole's loss x count
+the sum of the halves' (a part that counts no token adds 0, as in the step). Beyond a tolerance of the
+dtype (1e-6 relative in float64, else 2e-2: matmuls inside a loss may round differently on fewer rows),
+the step is refused, naming the mode, what loss_fn returned and the fix.
 
 Which dims of the output hold the rows: of one tensor whose dim 0 alone has the rows' size, dim 0; else
 those whose size follows the rows in the chain's output on half the rows (of one row, on the row
@@ -66,6 +70,7 @@ others stop as on any error of ``loss_fn`` (a launch aborts them, torchrun ends 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -167,6 +172,9 @@ class LossProbe:
     done: Callable[[], None]
     predict: Callable[[Any], Sequence[torch.Size | None] | None]
     later: set[tuple[Any, ...]] = field(default_factory=set)  # the inputs' shapes that said LATER
+    # A micro-batch of one row whose probe (the row repeated) agreed: (output, inputs, targets), detached, kept to
+    # be probed with the next one-row micro-batch's as two rows (_two_rows).
+    held: list[tuple[Any, Any, Any]] = field(default_factory=list)
 
     def check(
         self, loss_fn: Callable[[Any, Any], Any], output: Any, inputs: Any, targets: Any,
@@ -192,9 +200,70 @@ class LossProbe:
             self.later.add(shapes)
         if found in (RETRY, LATER):
             return
+        if isinstance(found, Measured) and found.agrees and found.along == "repeat" and self.cut.tokens != "sum":
+            # One row repeated agrees with a mean of per-row terms, and with a max, a median or a variance over
+            # the rows too: probed again on two rows, this one and the next one-row micro-batch's (this step's
+            # or a later one's: loss_fn reads only outputs and targets).
+            pair = _two_rows(self.held[0], (output, inputs, targets), self.predict) if self.held else None
+            if pair is None:
+                self.held[:] = [_detached((output, inputs, targets))]
+                return
+            self.held.clear()
+            both = measure(loss_fn, *pair, generators, restore, self.predict, rows_cut=True, tokens=self.cut.tokens)
+            if both in (RETRY, LATER):
+                return
+            found = dataclasses.replace(both, along="pair") if isinstance(both, Measured) else found
         self.done()
         if isinstance(found, Measured) and not found.agrees:
             raise ValueError(refusal(self.cut, found))
+
+
+def _detached(tree: Any) -> Any:
+    return optree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, tree)
+
+
+def _two_rows(
+    first: tuple[Any, Any, Any], second: tuple[Any, Any, Any],
+    predict: Callable[[Any], Sequence[torch.Size | None] | None],
+) -> tuple[Any, Any, Any] | None:
+    """Two one-row micro-batches' (output, inputs, targets) as one of two rows: each output leaf's row dim (at
+    most one) and the inputs' and targets' dim 0 concatenated; None where they cannot be (other shapes, a leaf of
+    two row dims such as a rows x rows similarity, one without rows that differs)."""
+    (out_a, in_a, tg_a), (out_b, in_b, tg_b) = first, second
+    leaves_a, tree = optree.tree_flatten(out_a)
+    leaves_b, tree_b = optree.tree_flatten(out_b)
+    if tree != tree_b:
+        return None
+    dims = _row_dims(leaves_a, 1, in_a, predict)
+    if dims is None or any(len(d) > 1 for d in dims):
+        return None
+    joined = []
+    for a, b, d in zip(leaves_a, leaves_b, dims, strict=True):
+        if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+            if a is not b and a != b:
+                return None
+            joined.append(a)
+        elif a.shape != b.shape or a.dtype != b.dtype:
+            return None
+        elif d:
+            joined.append(torch.cat([a, b.detach()], d[0]))
+        elif torch.equal(a, b):
+            joined.append(a)
+        else:
+            return None
+
+    def rows_of(x: Any, y: Any) -> Any:
+        xs, spec = optree.tree_flatten(x)
+        ys, spec_y = optree.tree_flatten(y)
+        if spec != spec_y or any(not isinstance(t, torch.Tensor) or not isinstance(u, torch.Tensor) or t.dim() == 0
+                                 or t.shape != u.shape or t.shape[0] != 1 for t, u in zip(xs, ys, strict=True)):
+            return None
+        return optree.tree_unflatten(spec, [torch.cat([t, u.detach()]) for t, u in zip(xs, ys, strict=True)])
+
+    inputs, targets = rows_of(in_a, in_b), rows_of(tg_a, tg_b)
+    if inputs is None or targets is None:
+        return None
+    return optree.tree_unflatten(tree, joined), inputs, targets
 
 
 RETRY = "retry"  # the values say nothing (not finite, or all zero): probe again on the next call
@@ -444,6 +513,8 @@ def _measured_on(found: Measured) -> tuple[str, str]:
     if found.along == "tokens":
         return (f"the first {found.tokens} tokens of the first {found.rows} rows of this rank's part",
                 "on the two halves of those tokens")
+    if found.along == "pair":
+        return ("two rows of this rank's, each a micro-batch of one row, together", "on each row alone")
     return f"the first {found.rows} rows of this rank's first micro-batch", "on their two halves"
 
 
@@ -502,9 +573,9 @@ def _row_refusal(cut: ProbeCut, found: Measured) -> str:
                     "of per-row terms gives the same value")
     else:
         sums = " (their sum: a loss summed over the rows, reduction='sum'?)" if found.is_sum else ""
-        measured = (f"On the first {found.rows} rows of this rank's first micro-batch it gave {found.whole:.6g}, "
-                    f"and {found.halves[0]:.6g} and {found.halves[1]:.6g} on their two halves, whose mean is "
-                    f"{found.mean:.6g}{sums}")
+        whole_on, halves_on = _measured_on(found)
+        measured = (f"On {whole_on} it gave {found.whole:.6g}, and {found.halves[0]:.6g} and {found.halves[1]:.6g} "
+                    f"{halves_on}, whose mean is {found.mean:.6g}{sums}")
     return (
         f"loss_fn is not a mean over the batch's rows, which a step that cuts the batch ({cut.rows}) needs: the step "
         "takes the mean of the losses of the parts it computes, the single-device step's loss only when loss_fn "
