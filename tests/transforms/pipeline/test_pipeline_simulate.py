@@ -143,7 +143,7 @@ def test_costs_per_kind_and_per_stage() -> None:
         [Slot(PipeOp(1, 0, "F"), 3, 8), Slot(PipeOp(1, 0, "B"), 8, 11)],
     ]
     assert Costs.from_mapping({"I": 2}).of(PipeOp(0, 0, "I")) == 2
-    with pytest.raises(ValueError, match=r"Costs\.comm must be >= 0"):
+    with pytest.raises(ValueError, match=r"Costs\.comm must be a finite number >= 0, got -1"):
         Costs(comm=-1)
     with pytest.raises(ValueError, match="unknown cost key 'X'"):
         Costs.from_mapping({"X": 1})
