@@ -343,3 +343,18 @@ def test_the_plan_of_a_zero_step_with_groups_resolves_them_by_parameter_name(rul
     assert list(grouped.collectives(0)) == list(ungrouped.collectives(0))
     assert grouped.memory["update_buffers"][0] > 0
     assert grouped.memory["opt_state"] == ungrouped.memory["opt_state"]
+
+
+@pytest.mark.parametrize("rule", sorted(RULES))
+def test_the_plan_of_a_pipeline_with_groups_resolves_them_over_the_whole_model(rule: str) -> None:
+    """A pipeline rank holds some layers: the Plan resolved the groups over that rank's parameters alone, and
+    refused a group naming only another stage's ("matches no parameter"), where the step runs (and a search
+    dropped every pipeline layout so)."""
+    step, params = _problem("adamw", rule)
+    plain = sw.train_step(step.chain, _lm_loss, sw.optim.adamw(1e-2, eps=1e-6, weight_decay=0.5))
+    batch, mesh = _batches(1)[0], sw.Mesh(pp=2)
+    grouped = sw.pipeline(step, "pp", "1f1b", microbatches=2).plan(mesh, params, batch)
+    ungrouped = sw.pipeline(plain, "pp", "1f1b", microbatches=2).plan(mesh, params, batch)
+    assert [list(grouped.for_rank(r)) for r in range(2)] == [list(ungrouped.for_rank(r)) for r in range(2)]
+    assert min(grouped.memory["update_buffers"]) > 0
+    assert grouped.memory["opt_state"] == ungrouped.memory["opt_state"]

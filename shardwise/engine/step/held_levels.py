@@ -75,7 +75,7 @@ def update_levels(
         part_runs = None if runs is None else {u: runs[u] for u in units}
         key = _update_key(step.optimizer, part, device)
         if key is not None and part_runs is not None:
-            key = (key, tuple(part_runs.items()))
+            key = (key, _frozen(part_runs))
         found = held.get(key) if key is not None else None
         if found is None:
             with meta_like():
@@ -93,6 +93,13 @@ def update_levels(
         levels.append(kept_before + peak)
         kept_before += kept
     return levels
+
+
+def _frozen(tree: Any) -> Hashable:
+    """``tree`` (runs by unit, or by layer and name) as a hashable key."""
+    if isinstance(tree, Mapping):
+        return tuple((k, _frozen(v)) for k, v in tree.items())
+    return tree
 
 
 def _tree_bytes(tree: Any) -> int:
@@ -177,7 +184,7 @@ def _copy_bytes(numel: int, stored: torch.dtype, compute: torch.dtype) -> int:
 
 def unsharded_levels(
     step: Step, master: Mapping[str, Mapping[str, torch.Tensor]], actions: Sequence[Action], device: torch.device,
-    guessed: set[str] | None = None,
+    guessed: set[str] | None = None, runs: Mapping[str, Any] | None = None,
 ) -> tuple[list[int], dict[str, list[int]]]:
     """Without ``shard_params``: (the gradients held at each action, the other levels by figure).
 
@@ -223,7 +230,7 @@ def unsharded_levels(
             continue
         made.append(held + summing)
         accumulating.append(max(added, default=0) if later else 0)
-    levels = {"update_buffers": update_levels(step, master, actions, device, guessed)}
+    levels = {"update_buffers": update_levels(step, master, actions, device, guessed, runs)}
     copies = copies_to_finish_grads(compute_copy_bytes(step, master), actions)
     if any(copies):  # figures only where a policy casts, or micro-batches accumulate
         levels["compute_copies"] = copies

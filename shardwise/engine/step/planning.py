@@ -268,7 +268,11 @@ def _class_memory(
     with meta_like():  # a user's optimizer's zeros_like, without torch's Python reference (meta_like.py)
         figures["opt_state"] = tree_nbytes(step.optimizer.init(shards if shards is not None else master))
     if step.sharding_spec is None:
-        made, levels = unsharded_levels(step, master, actions, device, guessed)
+        # The groups resolved over the whole model's names (a pipeline rank holds some layers: a group naming only
+        # another stage's parameters matches none of this rank's, which the update resolving them alone refused).
+        groups = getattr(step.optimizer, "groups", None)
+        runs = None if groups is None else master_runs(groups, step.base_chain, layout, master, 0)
+        made, levels = unsharded_levels(step, master, actions, device, guessed, runs)
         return figures | _held(made, levels)
     assert sharding is not None
     levels = {

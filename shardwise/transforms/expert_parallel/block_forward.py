@@ -25,7 +25,7 @@ from torch import nn
 from ...engine.model.hf_collecting import collecting_now
 from ...engine.model.token_wise import run_token_wise
 from . import phimoe
-from .blocks import OWN_ROUTER, SHARED_EXPERTS, Block, router_of
+from .blocks import OWN_ROUTER, SHARED_EXPERTS, Block, refuse_hooks, router_of, top_k_of
 from .capacity import expert_capacity
 from .dispatch import moe_dispatch_combine
 from .experts import run_gpt_oss_experts
@@ -77,6 +77,7 @@ class EPForward:
                 f"expert_parallel: {self.where} has router_jitter_noise={m.jitter_noise}, which scales each token by "
                 "random noise in training; set config.router_jitter_noise = 0"
             )
+        refuse_hooks(m, kind, "expert_parallel", self.where)  # (one added since the transform: a few dict reads)
         flat = hidden_states.reshape(-1, hidden_states.shape[-1])
         n = flat.shape[0]
         if kind == phimoe.BLOCK:  # its router samples in training (refused where a draw could change the choice):
@@ -93,7 +94,7 @@ class EPForward:
             else:
                 act = m.experts.act_fn
         else:
-            top_k = int(m.top_k if hasattr(m, "top_k") else m.gate.top_k)
+            top_k = top_k_of(m, kind)
             logits_of, router, act = _router(m, kind)
             logits, routed = logits_of(flat), {"router": router}
         capacity = expert_capacity(n, top_k, self.block.num_experts, self.capacity_factor)

@@ -101,6 +101,38 @@ def router_of(module: Any, kind: str) -> Any:
     return getattr(module, ROUTER_ATTR.get(kind, "gate"))
 
 
+def top_k_of(module: Any, kind: str) -> int:
+    """How many experts a known block routes each token to: its router's ``top_k`` where the router has one (the
+    router computes the top k, and its count is the one its forward reads: Mixtral's ``MixtralTopKRouter.top_k``,
+    which the block's own ``top_k`` beside it does not change), else the block's."""
+    if kind == "TopKMoE":
+        return int(module.top_k)
+    router = router_of(module, kind)
+    return int(router.top_k if hasattr(router, "top_k") else module.top_k)
+
+
+def refuse_hooks(block: nn.Module, kind: str, who: str, where: str) -> None:
+    """Refuse a hook on a known block's router or experts (or a module inside them): ``who`` computes the router's
+    logits and the experts' rows itself, not by calling those modules, so what a hook does there (the single-device
+    step runs it) would be left out without an error. A hook on the block itself runs as it does on one device."""
+    parts = {ROUTER_ATTR.get(kind, "gate"): router_of(block, kind), "experts": block.experts}
+    for name, part in parts.items():
+        if not isinstance(part, nn.Module):
+            continue
+        for path, sub in part.named_modules(prefix=name):
+            hooked = [kind_ for kind_, hooks in (("forward pre-hook", sub._forward_pre_hooks),
+                                                 ("forward hook", sub._forward_hooks),
+                                                 ("backward hook", sub._backward_hooks),
+                                                 ("backward pre-hook", sub._backward_pre_hooks)) if hooks]
+            if hooked:
+                raise ValueError(
+                    f"{who}: {where}.{path} ({type(sub).__name__}) has a {' and a '.join(hooked)}, which the "
+                    f"single-device step runs; {who} computes the {kind}'s routing and experts itself (not by "
+                    "calling that module), so the hook's effect would be left out without an error. Remove the hook, "
+                    "put it on the block itself (it runs there), or leave the block out"
+                )
+
+
 def known_kind(module: nn.Module) -> str | None:
     """The known block ``module`` is (its class or a base, from the module that defines it), if the
     forward it runs is that block's own: expert_parallel replaces the forward with its reproduction,
@@ -191,6 +223,7 @@ def find_blocks(module: nn.Module, where: str, prefix: str = "", who: str = "exp
                 f"tell which experts each token goes to. Use a known block, or {own}"
             )
         assert kind is not None  # router_known implies a known kind
+        refuse_hooks(sub, kind, who, f"{where}{'.' + path if path else ''}")
         if kind != "TopKMoE":
             _check_reproduced_parts(sub, kind, who, f"{where}{'.' + path if path else ''}")
         if kind == phimoe.BLOCK:

@@ -48,7 +48,7 @@ from ...engine.stack.batch_term import WithBatchTerm, counted_tokens
 from ...engine.stack.compose import REWRITE, add
 from ...engine.step.batch_cut import PER_SHARD_MEAN
 from ...engine.step.step import Step
-from .blocks import Block, find_blocks, router_of
+from .blocks import Block, find_blocks, refuse_hooks, router_of, top_k_of
 from .router_stats import Carried, RouterStats, collecting, report, zeros_like_stats
 from .spec import resolve
 
@@ -212,13 +212,14 @@ class ReportRouter:
                         "block's input, would not be HF's (of the jittered logits); set config.input_jitter_noise = 0"
                     )
         flat = hidden_states.reshape(-1, hidden_states.shape[-1])
+        where = f"the {type(m).__name__} at {self.block.path or 'the layer'}"
+        refuse_hooks(m, self.block.kind, "router_aux_loss", where)
         if self.block.kind == "TopKMoE":
-            logits, top_k = m.gate(flat), m.top_k
+            logits = m.gate(flat)
         else:  # the logits HF records for its loss: the router's linear map (GPT-OSS's with its bias)
             router = router_of(m, self.block.kind)
             logits = F.linear(flat, router.weight, getattr(router, "bias", None))
-            top_k = m.top_k if hasattr(m, "top_k") else router.top_k
-        report(logits, int(top_k), self.block.kind)
+        report(logits, top_k_of(m, self.block.kind), self.block.kind)
         if self.inner is not None:
             return self.inner(hidden_states, *args, **kwargs)
         return type(m).forward(m, hidden_states, *args, **kwargs)
