@@ -377,6 +377,45 @@ def test_verify_on_processes() -> None:
     assert "equivalent over 3 steps" in result.stdout and "(processes)" in result.stdout
 
 
+MISSING_VALUES = """
+import torch, shardwise as sw
+
+
+class Fill(torch.nn.Module):
+    def forward(self, x):
+        return torch.nan_to_num(x, nan=0.0)
+
+
+def loss32(out, y):  # a float64 model's loss computed in float32, as transformers computes its labels= loss
+    return torch.nn.functional.mse_loss(out.float(), y.float())
+
+
+def make():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(Fill(), torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3)).double()
+    chain, params = sw.functionalize(model)
+    step = sw.train_step(chain, loss32, sw.optim.sgd(0.1))
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(8, 6, dtype=torch.float64, generator=gen)
+    x[0, 0] = x[5, 3] = float("nan")  # missing values
+    batch = (x, torch.randn(8, 3, dtype=torch.float64, generator=gen))
+    return sw.pipeline(step, "pp", "1f1b", 2), step, params, [batch, batch]
+"""
+
+
+@pytest.mark.gloo  # two gloo processes, each building the step from the file itself
+def test_verify_on_processes_judges_as_on_threads(tmp_path: Path) -> None:
+    """A batch holding NaN (missing values the model fills) was "different params or batches ... (seed it)" (NaN
+    equals nothing), and a float32 loss of a float64 model was judged at float64's tolerance ("not equivalent" where
+    the threads backend, at the loss's own dtype, says equivalent)."""
+    (tmp_path / "missing.py").write_text(MISSING_VALUES)
+    threads = shardwise("verify", "missing.py:make", "--mesh", "pp=2", cwd=tmp_path)
+    processes = shardwise("verify", "missing.py:make", "--mesh", "pp=2", "--backend", "processes", cwd=tmp_path)
+    assert threads.returncode == 0, threads.stderr
+    assert processes.returncode == 0, processes.stderr
+    assert "equivalent over 2 steps" in processes.stdout
+
+
 def test_python_dash_m_shardwise_is_the_command() -> None:
     result = subprocess.run([sys.executable, "-m", "shardwise", "schedule", "gpipe", "--ranks", "2",
                              "--microbatches", "2", "--json"], capture_output=True, text=True, timeout=120, cwd=ROOT)

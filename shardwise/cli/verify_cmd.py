@@ -15,7 +15,9 @@ from ..testing.equivalence import (
     EquivalenceReport,
     NotEquivalentError,
     assert_equivalent,
+    check_reference,
     compare_histories,
+    explained,
     record_history,
 )
 from .arguments import call_for, load_function, positive_seconds, tolerance
@@ -97,6 +99,7 @@ def _verify_on_processes(
     args: argparse.Namespace, reference: Any, params: Any, batches: list[Any]
 ) -> EquivalenceReport:
     """``assert_equivalent`` with every rank process building the step from FILE:FUNCTION itself."""
+    check_reference(reference)
     expected = record_history(reference, reference.init(params), batches)
     per_rank = launch(_rank_history, args.mesh.size, backend="processes", timeout=args.timeout,
                       args=(args.target, args.mesh))
@@ -107,7 +110,11 @@ def _verify_on_processes(
                 f"with --backend processes every rank calls it, so it must be deterministic (seed it)"
             )
     rtol = _default_rtol(params) if args.rtol is None else args.rtol
-    return compare_histories([history for *_, history in per_rank], expected, rtol=rtol, atol=args.atol)
+    try:  # (judged as assert_equivalent judges: the metrics at their own dtype where no rtol was given)
+        return compare_histories([history for *_, history in per_rank], expected, rtol=rtol, atol=args.atol,
+                                 metrics_at_their_dtype=args.rtol is None)
+    except NotEquivalentError as err:
+        raise explained(err, reference) from None
 
 
 def _rank_history(target: str, mesh: Mesh) -> tuple[Any, Any, Any]:
@@ -117,12 +124,22 @@ def _rank_history(target: str, mesh: Mesh) -> tuple[Any, Any, Any]:
 
 
 def _same(a: Any, b: Any) -> bool:
+    """Whether two builds made the same trees: tensors equal element for element, a NaN where the other has one
+    (a batch of tabular features with missing values; NaN equals nothing, not even a NaN)."""
     leaves_a, spec_a = optree.tree_flatten(a)
     leaves_b, spec_b = optree.tree_flatten(b)
     return spec_a == spec_b and all(
-        torch.equal(x, y) if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) else x == y
+        _same_tensor(x, y) if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) else x == y
         for x, y in zip(leaves_a, leaves_b, strict=True)
     )
+
+
+def _same_tensor(x: torch.Tensor, y: torch.Tensor) -> bool:
+    if torch.equal(x, y):
+        return True
+    if x.shape != y.shape or x.dtype != y.dtype or not (x.is_floating_point() or x.is_complex()):
+        return False
+    return bool(((x == y) | (x.isnan() & y.isnan())).all())
 
 
 def _default_rtol(params: Any) -> float:

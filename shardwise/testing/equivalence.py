@@ -249,14 +249,7 @@ def assert_equivalent(
             f"assert_equivalent(mesh=...) needs the Mesh the step runs on, got {type(mesh).__name__}; a transform "
             "of one device (remat, mixed_precision alone) runs on sw.Mesh(dp=1)"
         )
-    parallel = [f"{spec.name} over {spec.axis!r}" for spec in getattr(reference, "transforms", ())
-                if getattr(spec, "axis", None) is not None]
-    if parallel:
-        raise ValueError(
-            f"assert_equivalent(step, reference, ...): the reference is the single-device step, but it runs "
-            f"{', '.join(parallel)}, which needs a mesh. Pass the step before its parallel transforms as the "
-            "reference (the distributed step comes first: were they swapped?)"
-        )
+    check_reference(reference)
     rtol_given = rtol
     rtol = DEFAULT_RTOL.get(_param_dtype(params), 1e-5) if rtol is None else rtol
     program = functools.partial(_rank_program, step, params, mesh, list(batches))
@@ -269,15 +262,33 @@ def assert_equivalent(
     try:
         return compare_histories(per_rank, expected, rtol=rtol, atol=atol, metrics_at_their_dtype=rtol_given is None)
     except NotEquivalentError as err:
-        drawn = _random_draws(reference)
-        if not drawn:
-            raise
-        raise NotEquivalentError(
-            f"{err}; the model draws random numbers in training ({', '.join(drawn[:4])}): a distributed step draws "
-            "its masks per rank and micro-batch, not as one device does, so it cannot equal it step for step; set "
-            "them to 0 (or the module to eval mode) to check equivalence",
-            err.step, err.path, err.rank, err.abs_err, err.rel_err,
-        ) from None
+        raise explained(err, reference) from None
+
+
+def check_reference(reference: Any) -> None:
+    """Refuse a reference that runs a parallel transform: it is the single-device step (its ``init`` would say
+    it needs the mesh, which the caller never passes)."""
+    parallel = [f"{spec.name} over {spec.axis!r}" for spec in getattr(reference, "transforms", ())
+                if getattr(spec, "axis", None) is not None]
+    if parallel:
+        raise ValueError(
+            f"assert_equivalent(step, reference, ...): the reference is the single-device step, but it runs "
+            f"{', '.join(parallel)}, which needs a mesh. Pass the step before its parallel transforms as the "
+            "reference (the distributed step comes first: were they swapped?)"
+        )
+
+
+def explained(err: NotEquivalentError, reference: Any) -> NotEquivalentError:
+    """``err``, naming where the reference's model draws random numbers in training, if it does."""
+    drawn = _random_draws(reference)
+    if not drawn:
+        return err
+    return NotEquivalentError(
+        f"{err}; the model draws random numbers in training ({', '.join(drawn[:4])}): a distributed step draws "
+        "its masks per rank and micro-batch, not as one device does, so it cannot equal it step for step; set "
+        "them to 0 (or the module to eval mode) to check equivalence",
+        err.step, err.path, err.rank, err.abs_err, err.rel_err,
+    )
 
 
 def compare_histories(

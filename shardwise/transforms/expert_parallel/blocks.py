@@ -123,7 +123,8 @@ def refuse_hooks(block: nn.Module, kind: str, who: str, where: str) -> None:
             hooked = [kind_ for kind_, hooks in (("forward pre-hook", sub._forward_pre_hooks),
                                                  ("forward hook", sub._forward_hooks),
                                                  ("backward hook", sub._backward_hooks),
-                                                 ("backward pre-hook", sub._backward_pre_hooks)) if hooks]
+                                                 ("backward pre-hook", sub._backward_pre_hooks))
+                      if any(not _records_outputs(hook) for hook in hooks.values())]
             if hooked:
                 raise ValueError(
                     f"{who}: {where}.{path} ({type(sub).__name__}) has a {' and a '.join(hooked)}, which the "
@@ -131,6 +132,13 @@ def refuse_hooks(block: nn.Module, kind: str, who: str, where: str) -> None:
                     "calling that module), so the hook's effect would be left out without an error. Remove the hook, "
                     "put it on the block itself (it runs there), or leave the block out"
                 )
+
+
+def _records_outputs(hook: Any) -> bool:
+    """Whether ``hook`` is transformers' output recorder (installed on a model's first call, to collect its routers'
+    logits where ``output_router_logits=True``): it changes nothing, and what it collects under expert_parallel is
+    refused on its own (block_forward.py)."""
+    return getattr(hook, "__module__", None) == "transformers.utils.output_capturing"
 
 
 def known_kind(module: nn.Module) -> str | None:
