@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 
 import shardwise as sw
@@ -83,3 +84,22 @@ def test_figures_per_rank_fold_when_alike() -> None:
     assert per_rank_figures((448, 976)) == "[448, 976]"
     assert per_rank_figures((1,) * 8 + (2,) * 8) == "1 (ranks 0-7), 2 (ranks 8-15)"
     assert per_rank_figures((104,)) == "[104]"
+
+
+def test_a_rank_a_kind_or_a_mesh_the_plan_does_not_have_is_refused_naming_it() -> None:
+    """``for_rank(5)`` of a two-rank Plan raised a bare IndexError, ``for_rank(-1)`` gave the last rank's actions,
+    ``count('nonsense')`` counted 0, and ``step.plan('pp=2', ...)`` failed with an AttributeError."""
+    torch.manual_seed(0)
+    chain, params = sw.functionalize(mlp([6, 16, 16, 3]))
+    step = sw.pipeline(sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1)), "pp", "1f1b", 2)
+    batch = (torch.randn(8, 6), torch.randn(8, 3))
+    plan = step.plan(sw.Mesh(pp=2), params, batch)
+    for call in (lambda: plan.for_rank(5), lambda: plan.for_rank(-1), lambda: plan.count("gather", rank=9),
+                 lambda: list(plan.collectives(7))):
+        with pytest.raises(ValueError, match=r"rank=-?\d: the Plan's mesh Mesh\(pp=2\) has ranks 0 to 1"):
+            call()
+    with pytest.raises(ValueError, match=r"Plan.count\('nonsense'\): not an action kind; one of \['backward'"):
+        plan.count("nonsense")
+    assert plan.count("forward") == plan.count("forward", rank=0) + plan.count("forward", rank=1) == 4
+    with pytest.raises(TypeError, match=r"mesh='pp=2': a sw.Mesh, e.g. sw.Mesh\(dp=2, pp=2\)"):
+        step.plan("pp=2", params, batch)  # type: ignore[arg-type]

@@ -71,6 +71,14 @@ INSIDE = "inside"
 CHECK_REPLICAS = "check_replicas"
 WAIT_CHECK = "wait_check"  # they must be equal on every index: else the step refuses before its update
 
+#: Every kind of action a Plan lists (the constants above).
+ACTION_KINDS = frozenset({
+    FORWARD, LOSS, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FINISH_GRADS, UPDATE, GATHER, WAIT_GATHER, FREE,
+    REDUCE_SCATTER, WAIT_REDUCE, GATHER_PARAMS, WAIT_PARAMS, REDUCE_REPLICAS, WAIT_REPLICAS, SEND_ACTIVATION,
+    RECV_ACTIVATION, SEND_GRAD, RECV_GRAD, SEND_TIED, RECV_TIED, SUM_TIED, WAIT_SENDS, REDUCE_METRICS, WAIT_METRICS,
+    INSIDE, CHECK_REPLICAS, WAIT_CHECK,
+})
+
 #: The collective (as the ledger names it) that each communicating action issues.
 LEDGER_OP = {
     GATHER: "all_gather",
@@ -225,12 +233,20 @@ class Plan:
             )
 
     def for_rank(self, rank: int) -> tuple[Action, ...]:
-        return self.actions[rank]
+        return self.actions[self._rank(rank)]
 
     def count(self, kind: str, rank: int | None = None) -> int:
         """How many actions of ``kind`` one rank (or all ranks together) performs."""
-        ranks: Sequence[int] = range(self.mesh.size) if rank is None else [rank]
+        if kind not in ACTION_KINDS:
+            raise ValueError(f"Plan.count({kind!r}): not an action kind; one of {sorted(ACTION_KINDS)}")
+        ranks: Sequence[int] = range(self.mesh.size) if rank is None else [self._rank(rank)]
         return sum(1 for r in ranks for a in self.actions[r] if a.kind == kind)
+
+    def _rank(self, rank: Any) -> int:
+        """``rank``, refused unless it is one of the mesh's ranks (a negative index would pick another)."""
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < len(self.actions):
+            raise ValueError(f"rank={rank!r}: the Plan's mesh {self.mesh!r} has ranks 0 to {len(self.actions) - 1}")
+        return rank
 
     def collectives(self, rank: int) -> Iterator[Collective]:
         """Every collective ``rank`` issues, in order, one per tensor, as the ledger records them.
@@ -238,7 +254,7 @@ class Plan:
         Needs a plan made with the parameters (and, for a pipeline's transfers, a batch):
         an action whose payload is unknown raises rather than being skipped.
         """
-        for action in self.actions[rank]:
+        for action in self.actions[self._rank(rank)]:
             op = action.op
             if op is None:
                 continue

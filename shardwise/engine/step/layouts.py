@@ -28,6 +28,8 @@ if TYPE_CHECKING:
 
 def check_mesh(transforms: tuple[Any, ...], mesh: Mesh | None) -> Mesh | None:
     """``mesh``, once it has the axis of every spec that goes over one (refused, naming it, if not)."""
+    if mesh is not None and not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh={mesh!r}: a sw.Mesh, e.g. sw.Mesh(dp=2, pp=2) (not its text form or a dict), or None")
     for spec in transforms:
         # REWRITE specs go over no axis; HSDP's shard_params over a second one, ``replicate``
         for field in ("axis", "replicate"):
