@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from ...engine.stack import in_layer
 from .comm import all_max, leave
-from .rank_flow import forget_split_output, output_is_split
+from .rank_flow import forget_split_output, output_is_split, split_width
 
 _split_over: contextvars.ContextVar[_Split | None] = contextvars.ContextVar("shardwise_vocab_split", default=None)
 
@@ -228,16 +228,21 @@ def plain(logits: torch.Tensor) -> torch.Tensor:
     return logits.as_subclass(torch.Tensor) if isinstance(logits, SplitLogits) else logits
 
 
-def _wrap_split(output: Any) -> Any:
-    """The head's output with its floating tensors as SplitLogits (what the loss may do with them
-    is then checked op by op)."""
+def _wrap_split(output: Any, width: int | None) -> Any:
+    """The head's output with its floating tensors of the split's ``width`` along their last dim as SplitLogits
+    (what the loss may do with them is then checked op by op; every floating tensor where the width is not
+    known). Others are not the split head's (statistics carried beside the logits, such as router_aux_loss's
+    routing counts): whole on every rank, which the loss may compute on as it likes."""
     import optree
 
-    return optree.tree_map(
-        lambda t: t.as_subclass(SplitLogits) if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
-        output,
-        none_is_leaf=True,
-    )
+    def wrapped(t: Any) -> Any:
+        if not (isinstance(t, torch.Tensor) and t.is_floating_point()):
+            return t
+        if width is not None and (t.dim() == 0 or t.shape[-1] != width):
+            return t
+        return t.as_subclass(SplitLogits)
+
+    return optree.tree_map(wrapped, output, none_is_leaf=True)
 
 
 class SplitLogitsLoss:
@@ -250,14 +255,14 @@ class SplitLogitsLoss:
         self.loss_fn, self.axis = loss_fn, axis
 
     def __call__(self, output: Any, targets: Any) -> Any:
-        split_logits = output_is_split()
+        split_logits, width = output_is_split(), split_width()
         if not in_layer.probing_loss_now():  # the probe's calls come before the step's own: they leave it
             forget_split_output()  # the forward is over: the next one starts whole
         if not split_logits:
             return self.loss_fn(output, targets)
         split = _Split(self.axis)
         token = _split_over.set(split)
-        guarded = output if in_layer.predicting_now() else _wrap_split(output)  # fake tensors: shapes only
+        guarded = output if in_layer.predicting_now() else _wrap_split(output, width)  # fake tensors: shapes only
         try:
             loss = plain(self.loss_fn(guarded, targets))
         except SplitLogitsMisuse as err:

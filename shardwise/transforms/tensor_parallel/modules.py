@@ -217,6 +217,7 @@ class TPForward:
                     "leave the output split (output='sharded', with a Rowwise after it)"
                 )
             flow.split_output, flow.split_by = not gathered, label
+            flow.split_width = None if gathered or not isinstance(y, Tensor) or not y.dim() else y.shape[-1]
             if install.enters and not gathered:  # per-rank values follow, up to their Rowwise (or the layer's end)
                 start_rank_stream(axis, x.device)
             out = gather_invariant(y, axis, features_at, label) if gathered else y

@@ -36,9 +36,15 @@ def output_is_split() -> bool:
     return bool(getattr(flow, "split_output", False))
 
 
+def split_width() -> int | None:
+    """The width of the split output (the rank's slice of the vocabulary), where the last split module left one."""
+    width = getattr(flow, "split_width", None)
+    return width if output_is_split() else None
+
+
 def forget_split_output() -> None:
     """The end of a forward (the loss): nothing is split any more."""
-    flow.split_output = False
+    flow.split_output, flow.split_width = False, None
 
 
 # -- random streams: per rank on per-rank values, shared on replicated ones ------------------------

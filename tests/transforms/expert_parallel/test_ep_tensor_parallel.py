@@ -122,3 +122,18 @@ def test_pp_by_tp_by_ep_with_the_aux_loss_equals_the_single_device_step_and_the_
     for rank, got in enumerate(_ledger(composed, mesh, params, batch)):
         want = [(c.op, c.axis, c.dtype, c.nbytes) for c in plan.collectives(rank)]
         assert got == want, f"rank {rank}\nledger: {got}\nplan:   {want}"
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_router_aux_loss_beside_a_vocabulary_parallel_head(ep: int) -> None:
+    """The head's logits split over the vocabulary and the loss's vocab-parallel cross-entropy, with
+    router_aux_loss: its routing statistics, carried beside the logits, were wrapped as split logits too, and
+    their reshape refused as one changing the vocabulary dimension. Only the split head's output is guarded."""
+    _, step, params, data = _mixtral()
+    vocab = sw.train_step(step.chain, lambda out, t: sw.tp.vocab_parallel_cross_entropy(out.logits, t),
+                          sw.optim.sgd(0.1, momentum=0.9))
+    aux = sw.router_aux_loss(vocab, 0.5)
+    split = sw.tensor_parallel(aux, "tp", {"lm_head": sw.tp.Colwise()})
+    if ep > 1:
+        split = sw.expert_parallel(split, "ep")
+    sw.testing.assert_equivalent(split, aux, sw.Mesh(ep=ep, tp=2), data, params)
