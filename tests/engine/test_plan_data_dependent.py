@@ -175,3 +175,55 @@ def test_a_scalar_parameter_plans_and_the_plan_counts_its_update(optimizer: str)
         plan = planned.plan(mesh, params, batch)
         assert plan.memory["update_buffers"][0] > 0, plan.memory  # predicted, not guessed:
         assert not any("update_buffers counts" in note for notes in plan.layers.values() for note in notes)
+
+
+class _Residual(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.lin(x))
+
+
+class _TrimmedToLongest(torch.nn.Module):
+    """Trims its batch to the longest row's length (``int(mask.sum(1).max())``), then embeds and pools."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(32, 16)
+        self.blocks = torch.nn.ModuleList(_Residual() for _ in range(2))
+        self.out = torch.nn.Linear(16, 3)
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        length = int(batch["mask"].sum(1).max())
+        x = self.emb(batch["ids"][:, :length])
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x[:, 0])
+
+
+@pytest.mark.parametrize("stack", ["one device", "zero3 dp2", "pipeline pp2"])
+def test_a_layer_reading_the_batch_to_decide_a_shape_reads_the_batchs_values_in_the_plan(stack: str) -> None:
+    """The Plan ran such a layer on zero-filled stand-ins, though it was given the batch: a zero mask trims to
+    length 0, and the Plan raised the model's own IndexError where the step runs (and equals one device). The
+    batch's tensors stand in for themselves now."""
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 32, (4, 8), generator=gen)
+    mask = torch.zeros_like(ids)
+    for row, length in enumerate([8, 3, 5, 2]):
+        mask[row, :length] = 1
+    batch = ({"ids": ids, "mask": mask}, torch.randn(4, 3, generator=gen, dtype=torch.float64))
+    chain, params = sw.functionalize(_TrimmedToLongest().double(), units=["blocks"], example_input=batch[0])
+    step = sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1))
+    mesh = None
+    if stack == "zero3 dp2":
+        step, mesh = sw.shard_params(step, "dp", 3), sw.Mesh(dp=2)
+    elif stack == "pipeline pp2":
+        step, mesh = sw.pipeline(step, "pp", "1f1b", microbatches=2), sw.Mesh(pp=2)
+    plan = step.plan(mesh, params, batch)
+    assert sum(plan.memory["kept_for_backward"]) > 0  # (a pipeline's first stage keeps only integer ids)
+    if mesh is not None:
+        sw.testing.assert_equivalent(step, sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1)), mesh, [batch] * 2,
+                                     params)

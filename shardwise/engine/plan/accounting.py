@@ -95,7 +95,7 @@ class KeptParts(NamedTuple):
 
 def kept_parts(
     chain: Chain, params: Mapping[str, Mapping[str, torch.Tensor]], inputs: Any, *, reuse: bool = False,
-    split: bool = False,
+    split: bool = False, batch_values: Mapping[int, torch.Tensor] | None = None,
 ) -> KeptParts:
     """:func:`kept_for_backward`, with what each layer keeps of the batch's own storages apart.
 
@@ -103,12 +103,17 @@ def kept_parts(
     like its, is not run again; its figures and output are that one's (``engine/model/reuse.py``:
     a Llama's 80 blocks run once). ``split``: also each layer's ``recorded`` bytes (a zero-bubble
     schedule's), from an input pass run on its graph (a layer whose input needs no gradient has
-    none: its stage's weight pass is a whole backward)."""
+    none: its stage's weight pass is a whole backward). ``batch_values``: by ``id`` of a fake leaf of
+    ``inputs``, the batch's real tensor, which a layer that reads data (and so runs on real stand-ins) reads
+    instead of zeros (a forward that trims the batch to its longest row, ``int(mask.sum(1).max())``, read 0
+    of a zero mask and failed, where the step runs)."""
     own: dict[str, int] = {}
     recorded: dict[str, int] = {}
     of_batch: dict[str, dict[int, int]] = {}
     batch = {storage_key(t) for t in optree.tree_leaves(inputs) if isinstance(t, torch.Tensor)}
     x = optree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, inputs)
+    given = {id(d): batch_values[id(t)] for t, d in zip(optree.tree_leaves(inputs), optree.tree_leaves(x), strict=True)
+             if batch_values and id(t) in batch_values}  # (the batch's real values, by the detached leaves)
     # Shared by the plans of one search (reuse.sharing_runs): keyed also by ``split`` and the predicted
     # axes' sizes, the batch's storages told apart per call.
     memo = reuse_module.memo_for("accounting.kept_parts") if reuse else None
@@ -139,7 +144,7 @@ def kept_parts(
             # where a genuine error of the layer is raised again, by the real kernel.
             with real_stand_ins() as real:
                 local = {k: real(v).detach().requires_grad_(True) for k, v in local.items()}
-                x_real = real(x)
+                x_real = real(optree.tree_map(lambda t: given.get(id(t), t) if isinstance(t, torch.Tensor) else t, x))
                 batch |= {storage_key(r) for t, r in zip(optree.tree_leaves(x), optree.tree_leaves(x_real), strict=True)
                           if isinstance(t, torch.Tensor) and storage_key(t) in batch}
                 layer = dataclasses.replace(layer, buffers=real(dict(layer.buffers)))
@@ -221,4 +226,7 @@ def predict_kept_parts(
             [dataclasses.replace(layer, buffers={k: fake(v) for k, v in layer.buffers.items()}) for layer in chain]
         )
         fake_params = {layer: {k: fake(t) for k, t in tensors.items()} for layer, tensors in params.items()}
-        return kept_parts(fake_chain, fake_params, optree.tree_map(fake, inputs), reuse=reuse, split=split)
+        fake_inputs = optree.tree_map(fake, inputs)
+        values = {id(f): t for f, t in zip(optree.tree_leaves(fake_inputs), optree.tree_leaves(inputs), strict=True)
+                  if isinstance(t, torch.Tensor) and not is_fake(t) and t.device.type != "meta"}
+        return kept_parts(fake_chain, fake_params, fake_inputs, reuse=reuse, split=split, batch_values=values)
