@@ -177,11 +177,14 @@ class Block:
     kind: str  # one of KNOWN, or OWN
     num_experts: int
     prefix: str = ""  # what the layer's local names of that module's tensors start with
+    # A block of one's own: its experts' other per-expert parameters (dim 0 of the experts' count, a bias [E, H]
+    # an experts= callable adds), cut with the weights: each rank's callable then reads its own experts' rows.
+    extra: tuple[str, ...] = ()
 
     def local_names(self) -> tuple[str, ...]:
         """The layer's local names of this block's expert weights."""
         prefix = self.prefix + (f"{self.path}." if self.path else "")
-        return tuple(prefix + w for w in EXPERT_TENSORS.get(self.kind, EXPERT_WEIGHTS))
+        return tuple(prefix + w for w in (*EXPERT_TENSORS.get(self.kind, EXPERT_WEIGHTS), *self.extra))
 
 
 def holds_experts(module: nn.Module) -> bool:
@@ -205,7 +208,10 @@ def find_blocks(module: nn.Module, where: str, prefix: str = "", who: str = "exp
                     f"moe_dispatch_combine; {who} reads the routers of the blocks it knows ({', '.join(KNOWN)}) and "
                     "cannot see what yours routes. Leave it out, or use a known block"
                 )
-            found.append(Block(path, OWN, int(sub.experts.gate_up_proj.shape[0]), prefix))
+            experts = int(sub.experts.gate_up_proj.shape[0])
+            extra = tuple(f"experts.{name}" for name, p in sub.experts.named_parameters()
+                          if f"experts.{name}" not in EXPERT_WEIGHTS and p.dim() and p.shape[0] == experts)
+            found.append(Block(path, OWN, experts, prefix, extra))
             continue
         kind = known_kind(sub)
         router_cls = type(getattr(sub, ROUTER_ATTR.get(kind or "", "gate"), None))

@@ -21,6 +21,7 @@ import shardwise as sw
 from shardwise.collectives.launch import RankFailed
 from shardwise.testing.models import FusedExperts
 from shardwise.transforms.expert_parallel import moe_dispatch_combine
+from shardwise.transforms.expert_parallel.experts import run_experts
 
 
 class MyMoE(nn.Module):
@@ -170,3 +171,48 @@ def test_its_aux_loss_added_to_the_loss_counts_once_with_its_gradient(layout: st
     sw.testing.assert_equivalent(step, reference, mesh, batches, params)
     if layout == "dp2 x ep2 zero1":
         sw.testing.assert_plan_is_run(step, mesh, params, batches[0])
+
+
+class _BiasedExperts(FusedExperts):
+    """Fused experts with a per-expert output bias [E, H] beside their weights."""
+
+    def __init__(self, experts: int, hidden: int, inter: int) -> None:
+        super().__init__(experts, hidden, inter)
+        self.down_bias = nn.Parameter(torch.randn(experts, hidden) * 0.3)
+
+
+class _BiasedMoE(nn.Module):
+    """Its experts= callable adds each expert's bias to that expert's rows ([local experts, rows, H])."""
+
+    def __init__(self, hidden: int, experts: int) -> None:
+        super().__init__()
+        self.gate = nn.Linear(hidden, experts, bias=False)
+        self.experts = _BiasedExperts(experts, hidden, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat, ex = x.reshape(-1, x.shape[-1]), self.experts
+
+        def run(rows: torch.Tensor) -> torch.Tensor:
+            return run_experts(rows, ex.gate_up_proj, ex.down_proj, F.silu) + ex.down_bias[: rows.shape[0], None]
+
+        out = moe_dispatch_combine(flat, self.gate(flat), ex.gate_up_proj, ex.down_proj, "ep", top_k=2,
+                                   aux_loss=False, experts=run)
+        return out.output.view_as(x)
+
+
+@pytest.mark.parametrize(("experts", "layout"), [(4, "ep2"), (2, "ep2"), (4, "ep4"), (4, "dp2 x ep2 zero3")])
+def test_its_experts_other_per_expert_parameters_are_cut_with_the_weights(experts: int, layout: str) -> None:
+    """A bias [E, H] beside the fused weights stayed whole on every rank while the weights were cut: the callable's
+    rows met all E biases (a raw shape error), or, sliced to the rows' experts as here, the first experts' biases on
+    every rank, another model. Every parameter of the experts with E rows is cut alike now."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), _BiasedMoE(8, experts)).double()
+    chain, params = sw.functionalize(model)
+    reference = sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1, momentum=0.9))
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 4, 6, generator=gen, dtype=torch.float64),
+                torch.randn(8, 4, 8, generator=gen, dtype=torch.float64)) for _ in range(2)]
+    step, mesh = sw.expert_parallel(reference, "ep"), sw.Mesh(ep=int(layout[2]))
+    if layout.startswith("dp2"):
+        step, mesh = sw.shard_params(step, "dp", 3), sw.Mesh(dp=2, ep=2)
+    sw.testing.assert_equivalent(step, reference, mesh, batches, params)
