@@ -60,13 +60,19 @@ def region_failed(
         )
     if spanning is not None:
         name, shape, colwise, whole = spanning
+        rows = len(shape) >= 2 and shape[0] % parts == 0  # (heads, head_dim): one row per head
+        per_row = (
+            f"; if its rows are the heads' (Cohere's and Chameleon's (heads, head_dim) norm weights), split it with "
+            f"the heads: sw.tp.PerHead() on '{path}.{name}' in the plan (PerHead(heads='<its count>') for a "
+            "key/value norm of fewer heads)"
+        ) if rows else ""
         return (
             f"tensor_parallel: Region {path!r} failed ({type(err).__name__}: {err}): its parameter {name!r} of "
             f"shape {shape} spans the whole output of {colwise} ({whole} features, every head's), of which each "
             f"of the {parts} ranks holds 1/{parts}: a norm whose weight covers every head (OLMo2's q_norm over all "
             "heads' features together, Cohere's weight per head) meets only this rank's heads; its head counts are "
             "not the cause. Leave this module's projections out of the plan (replicated), or use a model whose "
-            "norms act on each head alike (Qwen3's q_norm over head_dim)"
+            f"norms act on each head alike (Qwen3's q_norm over head_dim){per_row}"
         )
     table = whole_head_table(m, style, parts, sizes)  # before a per-head parameter: T5's table is one
     if table is not None:

@@ -195,3 +195,28 @@ def test_the_heads_values_read_outside_the_attention_are_followed_too() -> None:
     batch = tuple(torch.randn(2, 6, D, dtype=torch.float64, generator=gen) for _ in range(2))
     with pytest.raises(ValueError, match=r"PerHead\(\) on '0\.attn\.sinks' .* computes mean over every dim"):
         sw.tensor_parallel(step, "tp", PLAN).plan(sw.Mesh(tp=2), params, batch)
+
+
+def test_a_per_head_norm_weight_left_whole_is_refused_naming_per_head() -> None:
+    """Cohere's qk-norm weights are (heads, head_dim), one row per head: left whole under a Llama-style plan the
+    refusal said to leave the projections out, or to use another model; PerHead() on them trains (the probing
+    review's hf_tp script shows it equal to one device), and the refusal names it now."""
+    T = pytest.importorskip("transformers", reason="the [hf] extra (pip install -e '.[hf]') is not installed")
+    torch.manual_seed(0)
+    config = T.CohereConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32, use_qk_norm=True)
+    model = T.CohereForCausalLM(config).double()
+    ids = torch.randint(64, (2, 9), generator=torch.Generator().manual_seed(1))
+    batch = (ids[:, :-1], ids[:, 1:])
+    chain, params = sw.functionalize(model, units=T.models.cohere.modeling_cohere.CohereDecoderLayer,
+                                     example_input=batch[0])
+    step = sw.train_step(chain, lambda out, t: sw.tp.vocab_parallel_cross_entropy(out.logits, t), sw.optim.sgd(0.1))
+    layers = "model.layers.*"
+    plan = {
+        f"{layers}.self_attn": sw.tp.Region(heads=("config.num_attention_heads", "config.num_key_value_heads")),
+        f"{layers}.self_attn.[qkv]_proj": sw.tp.Colwise(), f"{layers}.self_attn.o_proj": sw.tp.Rowwise(),
+        "model.embed_tokens": sw.tp.Rowwise(), "lm_head": sw.tp.Colwise(output="sharded"),
+    }
+    with pytest.raises(sw.collectives.RankFailed, match=r"split it with the heads: sw.tp.PerHead\(\) on "
+                                                        r"'model.layers.0.self_attn.[qk]_norm.weight' in the plan"):
+        sw.testing.assert_equivalent(sw.tensor_parallel(step, "tp", plan), step, sw.Mesh(tp=2), [batch], params)
