@@ -18,8 +18,19 @@ from .styles import Colwise, Region
 from .whole_head_bias import argument_message, table_message, whole_head_argument, whole_head_table
 
 
-def rowwise_width_message(label: str, width: int, whole: int, got: int, in_region: bool) -> str:
-    """A Rowwise's input is not its slice of the features: ``got`` wide where it takes ``width`` of ``whole``."""
+def rowwise_width_message(
+    label: str, width: int, whole: int, got: int, in_region: bool, after_colwise: bool = True
+) -> str:
+    """A Rowwise's input is not its slice of the features: ``got`` wide where it takes ``width`` of ``whole``;
+    ``after_colwise``: whether a Colwise ran before it in its Region (none: the Region's own whole input)."""
+    if got == whole and in_region and not after_colwise:
+        return (
+            f"tensor_parallel: Rowwise() on {label!r} takes its input split on the features ({width} of "
+            f"{whole} on each rank), but got all {whole}: no Colwise ran before it in its Region, so it met the "
+            "Region's own input, whole. A Rowwise takes back what a Colwise split: are the two styles swapped? Give "
+            "the projections that make the heads (q_proj, k_proj, v_proj; an MLP's up and gate) Colwise(), and the "
+            "one that takes them back (o_proj; down_proj) Rowwise()"
+        )
     if got == whole and in_region:
         return (
             f"tensor_parallel: Rowwise() on {label!r} takes its input split on the features ({width} of "

@@ -217,6 +217,7 @@ class TPForward:
                     "leave the output split (output='sharded', with a Rowwise after it)"
                 )
             flow.split_output, flow.split_by = not gathered, label
+            flow.colwise_in_region = True  # (a Rowwise in the same Region then takes a split input)
             flow.split_width = None if gathered or not isinstance(y, Tensor) or not y.dim() else y.shape[-1]
             if install.enters and not gathered:  # per-rank values follow, up to their Rowwise (or the layer's end)
                 start_rank_stream(axis, x.device)
@@ -249,7 +250,8 @@ class TPForward:
         width = weight.shape[1] if install.kind == LINEAR else weight.shape[0]
         if x.shape[-1] != width:
             raise ValueError(rowwise_width_message(
-                label, width, width * in_layer.size(axis), x.shape[-1], bool(getattr(flow, "regions", 0))
+                label, width, width * in_layer.size(axis), x.shape[-1], bool(getattr(flow, "regions", 0)),
+                getattr(flow, "colwise_in_region", True),
             ))
         if install.kind == LINEAR and _overridden(m, LINEAR):
             follow_input(x)
@@ -314,6 +316,7 @@ class TPForward:
         """The Region's module on its entered input, a failure of torch's explained (head counts)."""
         m = self.module
         flow.regions = getattr(flow, "regions", 0) + 1
+        outer_colwise, flow.colwise_in_region = getattr(flow, "colwise_in_region", False), False
         if self.probe is not None and not self.probe.done:
             self.probe.keep_state(m)  # what its copies start from (a table this call caches was the rank's)
         try:
@@ -330,6 +333,7 @@ class TPForward:
             raise ValueError(region_failed(m, label, style, err, in_layer.size(self.axis), split, fed, call)) from err
         finally:
             flow.regions -= 1
+            flow.colwise_in_region = outer_colwise
         if probe:
             self._probe(label, args, kwargs)
         return out

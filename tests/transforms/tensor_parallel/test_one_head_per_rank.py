@@ -240,3 +240,25 @@ def test_a_per_head_norm_on_folded_rows_trains_at_any_head_count_per_rank(heads:
         sw.testing.assert_equivalent(sw.tensor_parallel(step, "tp", plan), step, sw.Mesh(tp=2), data, params, rtol=1e-9)
     finally:
         torch.set_default_dtype(torch.float32)
+
+
+def test_swapped_styles_are_named_as_swapped() -> None:
+    """Rowwise on q_proj and Colwise on o_proj (a Qwen3 attention): the refusal blamed a whole count the module read
+    (Phi-3's query_pos), where q_proj simply met the Region's whole input with no Colwise before it."""
+    torch.manual_seed(0)
+    config = T.Qwen3Config(vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=HEADS, num_key_value_heads=2, head_dim=8, max_position_embeddings=32)
+    model = T.Qwen3ForCausalLM(config).double()
+    data = batches()
+    chain, params = sw.functionalize(model, units=T.models.qwen3.modeling_qwen3.Qwen3DecoderLayer,
+                                     example_input=data[0][0])
+    step = sw.train_step(chain, lambda out, t: F.cross_entropy(out.logits.flatten(0, 1), t.flatten()),
+                         sw.optim.sgd(0.1))
+    attention = "model.layers.*.self_attn"
+    plan = {attention: sw.tp.Region(heads=("config.num_attention_heads", "config.num_key_value_heads")),
+            f"{attention}.q_proj": sw.tp.Rowwise(), f"{attention}.[kv]_proj": sw.tp.Colwise(),
+            f"{attention}.o_proj": sw.tp.Colwise()}
+    with pytest.raises(sw.collectives.RankFailed, match=r"Rowwise\(\) on 'model.layers.0.self_attn.q_proj' .*no "
+                                                        r"Colwise ran before it in its Region.*are the two styles "
+                                                        r"swapped\?"):
+        sw.testing.assert_equivalent(sw.tensor_parallel(step, "tp", plan), step, sw.Mesh(tp=2), data, params)
