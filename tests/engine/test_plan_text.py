@@ -96,8 +96,11 @@ def test_a_rank_a_kind_or_a_mesh_the_plan_does_not_have_is_refused_naming_it() -
     plan = step.plan(sw.Mesh(pp=2), params, batch)
     for call in (lambda: plan.for_rank(5), lambda: plan.for_rank(-1), lambda: plan.count("gather", rank=9),
                  lambda: list(plan.collectives(7))):
-        with pytest.raises(ValueError, match=r"rank=-?\d: the Plan's mesh Mesh\(pp=2\) has ranks 0 to 1"):
+        with pytest.raises(ValueError, match=r"rank=-?\d: an int, one of the ranks 0 to 1 of the Plan's mesh "
+                                             r"Mesh\(pp=2\)"):
             call()
+    with pytest.raises(ValueError, match=r"rank=1.0: an int"):
+        plan.for_rank(1.0)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"Plan.count\('nonsense'\): not an action kind; one of \['backward'"):
         plan.count("nonsense")
     assert plan.count("forward") == plan.count("forward", rank=0) + plan.count("forward", rank=1) == 4

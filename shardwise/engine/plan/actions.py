@@ -245,7 +245,8 @@ class Plan:
     def _rank(self, rank: Any) -> int:
         """``rank``, refused unless it is one of the mesh's ranks (a negative index would pick another)."""
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < len(self.actions):
-            raise ValueError(f"rank={rank!r}: the Plan's mesh {self.mesh!r} has ranks 0 to {len(self.actions) - 1}")
+            raise ValueError(f"rank={rank!r}: an int, one of the ranks 0 to {len(self.actions) - 1} of the Plan's mesh "
+                             f"{self.mesh!r}")
         return rank
 
     def collectives(self, rank: int) -> Iterator[Collective]:
