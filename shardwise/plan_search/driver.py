@@ -16,7 +16,6 @@ import torch
 from ..engine.model.pytrees import plain_batch
 from ..engine.model.reuse import sharing_runs
 from ..engine.simulate.costs import CommModel
-from ..engine.stack.roles import REWRITE
 from ..engine.step.step import Step
 from ..testing.equivalence import NotEquivalentError
 from .bounds import Bound, Bounds
@@ -145,7 +144,7 @@ def search(
 
 def _check_single_device(step: Step, what: str) -> None:
     """Refuse a step some parallel transform already rewrote: the search applies its own."""
-    parallel = [str(spec) for spec in step.transforms if spec.role != REWRITE]
+    parallel = [str(spec) for spec in step.parallel_transforms]
     if parallel:
         raise ValueError(
             f"search({what}=...) takes the single-device step (train_step's, with mixed_precision or remat if you "

@@ -268,8 +268,7 @@ def assert_equivalent(
 def check_reference(reference: Any) -> None:
     """Refuse a reference that runs a parallel transform: it is the single-device step (its ``init`` would say
     it needs the mesh, which the caller never passes)."""
-    parallel = [f"{spec.name} over {spec.axis!r}" for spec in getattr(reference, "transforms", ())
-                if getattr(spec, "axis", None) is not None]
+    parallel = [str(spec) for spec in getattr(reference, "parallel_transforms", ())]
     if parallel:
         raise ValueError(
             f"assert_equivalent(step, reference, ...): the reference is the single-device step, but it runs "

@@ -329,6 +329,6 @@ def test_a_distributed_reference_is_refused_naming_its_transforms() -> None:
     call step.init(params, mesh)", which the caller never calls."""
     step, params, batches = _problem()
     piped = sw.pipeline(step, "pp", "1f1b", microbatches=2)
-    with pytest.raises(ValueError, match=r"the reference is the single-device step, but it runs pipeline over 'pp', "
-                                         r"which needs a mesh.*were they swapped"):
+    with pytest.raises(ValueError, match=r"the reference is the single-device step, but it runs pipeline\(axis='pp', "
+                                         r".*\), which needs a mesh.*were they swapped"):
         sw.testing.assert_equivalent(step, piped, sw.Mesh(pp=2), batches, params)

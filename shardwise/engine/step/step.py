@@ -43,7 +43,7 @@ from ..run.metrics import REPORTABLE, MetricExchange, check_metrics
 from ..run.model_agreement import buffer_items, structure_items, value_items
 from ..run.rng import untouched
 from ..stack import in_layer
-from ..stack.compose import PLACEMENT, SHARDING, describe, find, sums_over_batch
+from ..stack.compose import PLACEMENT, REWRITE, SHARDING, describe, find, sums_over_batch
 from ..stack.elementwise import check_optimizer
 from ..stack.splits import Splits, splits_of
 from .batch_cut import PER_SHARD_MEAN, batch_shares
@@ -114,6 +114,12 @@ class Step:
         """A block in which the layers may run on fake tensors: a split's collectives move nothing, they
         record what they would issue into the list it yields."""
         return _predicting(self, mesh)
+
+    @functools.cached_property
+    def parallel_transforms(self) -> tuple[Any, ...]:
+        """The transforms of the stack that cut the model or the batch over a mesh axis (not a REWRITE's, such as
+        mixed_precision or remat, which run on one device as well)."""
+        return tuple(spec for spec in self.transforms if spec.role != REWRITE)
 
     @functools.cached_property
     def stack_key(self) -> tuple[str, ...]:
