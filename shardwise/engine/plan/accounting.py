@@ -112,8 +112,10 @@ def kept_parts(
     of_batch: dict[str, dict[int, int]] = {}
     batch = {storage_key(t) for t in optree.tree_leaves(inputs) if isinstance(t, torch.Tensor)}
     x = optree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, inputs)
-    given = {id(d): batch_values[id(t)] for t, d in zip(optree.tree_leaves(inputs), optree.tree_leaves(x), strict=True)
-             if batch_values and id(t) in batch_values}  # (the batch's real values, by the detached leaves)
+    # The batch's real values, by the detached leaves (each kept beside its value: an id alone could be another
+    # tensor's once that leaf is freed, a later layer's input taken for the batch).
+    given = {id(d): (d, batch_values[id(t)]) for t, d in zip(
+        optree.tree_leaves(inputs), optree.tree_leaves(x), strict=True) if batch_values and id(t) in batch_values}
     # Shared by the plans of one search (reuse.sharing_runs): keyed also by ``split`` and the predicted
     # axes' sizes, the batch's storages told apart per call.
     memo = reuse_module.memo_for("accounting.kept_parts") if reuse else None
@@ -144,7 +146,7 @@ def kept_parts(
             # where a genuine error of the layer is raised again, by the real kernel.
             with real_stand_ins() as real:
                 local = {k: real(v).detach().requires_grad_(True) for k, v in local.items()}
-                x_real = real(optree.tree_map(lambda t: given.get(id(t), t) if isinstance(t, torch.Tensor) else t, x))
+                x_real = real(optree.tree_map(lambda t: _batch_value(given, t), x))
                 batch |= {storage_key(r) for t, r in zip(optree.tree_leaves(x), optree.tree_leaves(x_real), strict=True)
                           if isinstance(t, torch.Tensor) and storage_key(t) in batch}
                 layer = dataclasses.replace(layer, buffers=real(dict(layer.buffers)))
@@ -168,6 +170,12 @@ def kept_parts(
                 memo.store(key, x, y, (own[layer.name], kept_inputs, recorded[layer.name]), keep=layer.fn)
         x = _cut(y)
     return KeptParts(own, of_batch, tuple(stand_ins), recorded)
+
+
+def _batch_value(given: Mapping[int, tuple[torch.Tensor, torch.Tensor]], t: Any) -> Any:
+    """The batch's real value of ``t`` (a detached leaf of the first layer's input), else ``t``."""
+    entry = given.get(id(t)) if isinstance(t, torch.Tensor) else None
+    return entry[1] if entry is not None and entry[0] is t else t
 
 
 def _recorded_bytes(y: Any, x: Any, local: Mapping[str, torch.Tensor], fn: Any) -> int:

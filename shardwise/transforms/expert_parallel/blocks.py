@@ -134,6 +134,28 @@ def refuse_hooks(block: nn.Module, kind: str, who: str, where: str) -> None:
                 )
 
 
+def _per_expert(experts: Any, count: int, where: str) -> tuple[str, ...]:
+    """A block of one's own's experts' parameters besides the fused weights that hold one row per expert (dim 0 of
+    ``count``), cut with them. Where ``count`` is also a size of the experts (the hidden or the intermediate width),
+    a parameter of that many rows may be one shared by every expert (a bias [H] with H = E): refused, naming it."""
+    weights = {f"experts.{name}" for name in ("gate_up_proj", "down_proj")}
+    down = experts.down_proj.shape  # [E, H, I]; gate_up_proj [E, 2I, H]
+    sizes = {int(down[1]), int(down[2]), int(experts.gate_up_proj.shape[1])}
+    found = []
+    for name, p in experts.named_parameters():
+        if f"experts.{name}" in weights or not p.dim() or p.shape[0] != count:
+            continue
+        if count in sizes:
+            raise ValueError(
+                f"expert_parallel: {where}.experts.{name} (shape {tuple(p.shape)}) has {count} rows, as many as the "
+                f"experts and as a width of theirs ({sorted(sizes)}): expert_parallel cannot tell whether it holds "
+                "one row per expert (cut with the experts' weights) or is shared by every expert (kept whole). Move a "
+                "shared tensor out of the experts module (onto the block), or give the model another count of experts"
+            )
+        found.append(f"experts.{name}")
+    return tuple(found)
+
+
 def _records_outputs(hook: Any) -> bool:
     """Whether ``hook`` is transformers' output recorder (installed on a model's first call, to collect its routers'
     logits where ``output_router_logits=True``): it changes nothing, and what it collects under expert_parallel is
@@ -209,8 +231,7 @@ def find_blocks(module: nn.Module, where: str, prefix: str = "", who: str = "exp
                     "cannot see what yours routes. Leave it out, or use a known block"
                 )
             experts = int(sub.experts.gate_up_proj.shape[0])
-            extra = tuple(f"experts.{name}" for name, p in sub.experts.named_parameters()
-                          if f"experts.{name}" not in EXPERT_WEIGHTS and p.dim() and p.shape[0] == experts)
+            extra = _per_expert(sub.experts, experts, f"{where}{'.' + path if path else ''}")
             found.append(Block(path, OWN, experts, prefix, extra))
             continue
         kind = known_kind(sub)

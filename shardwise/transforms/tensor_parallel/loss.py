@@ -229,16 +229,16 @@ def plain(logits: torch.Tensor) -> torch.Tensor:
 
 
 def _wrap_split(output: Any, width: int | None) -> Any:
-    """The head's output with its floating tensors of the split's ``width`` along their last dim as SplitLogits
-    (what the loss may do with them is then checked op by op; every floating tensor where the width is not
-    known). Others are not the split head's (statistics carried beside the logits, such as router_aux_loss's
-    routing counts): whole on every rank, which the loss may compute on as it likes."""
+    """The head's output with its floating tensors that have a dim of the split's ``width`` as SplitLogits (what
+    the loss may do with them is then checked op by op; every floating tensor where the width is not known).
+    Others are not the split head's (statistics carried beside the logits, such as router_aux_loss's routing
+    counts): whole on every rank, which the loss may compute on as it likes."""
     import optree
 
     def wrapped(t: Any) -> Any:
         if not (isinstance(t, torch.Tensor) and t.is_floating_point()):
             return t
-        if width is not None and (t.dim() == 0 or t.shape[-1] != width):
+        if width is not None and width not in t.shape:  # (any dim: a head's logits transposed (B, V, T) too)
             return t
         return t.as_subclass(SplitLogits)
 

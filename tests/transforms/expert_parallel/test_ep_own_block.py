@@ -187,7 +187,7 @@ class _BiasedMoE(nn.Module):
     def __init__(self, hidden: int, experts: int) -> None:
         super().__init__()
         self.gate = nn.Linear(hidden, experts, bias=False)
-        self.experts = _BiasedExperts(experts, hidden, 4)
+        self.experts = _BiasedExperts(experts, hidden, 6)  # (no width of the experts' equals their count)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat, ex = x.reshape(-1, x.shape[-1]), self.experts
@@ -216,3 +216,23 @@ def test_its_experts_other_per_expert_parameters_are_cut_with_the_weights(expert
     if layout.startswith("dp2"):
         step, mesh = sw.shard_params(step, "dp", 3), sw.Mesh(dp=2, ep=2)
     sw.testing.assert_equivalent(step, reference, mesh, batches, params)
+
+
+class _SharedBiasExperts(FusedExperts):
+    """Fused experts with a bias [H] every expert adds, where H equals the experts' count."""
+
+    def __init__(self, experts: int, hidden: int, inter: int) -> None:
+        super().__init__(experts, hidden, inter)
+        self.shared_bias = nn.Parameter(torch.randn(hidden) * 0.3)
+
+
+def test_a_parameter_as_long_as_the_experts_and_one_of_their_widths_is_refused() -> None:
+    """The review's case: with 8 experts of hidden 8, a bias [8] shared by every expert was cut as one row per
+    expert (a raw shape error, or another model where it was reduced). Such a count cannot be told apart."""
+    moe = _BiasedMoE(8, 8)
+    moe.experts = _SharedBiasExperts(8, 8, 6)
+    chain, _ = sw.functionalize(nn.Sequential(nn.Linear(6, 8), moe).double())
+    step = sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1))
+    with pytest.raises(ValueError, match=r"experts.shared_bias \(shape \(8,\)\) has 8 rows, as many as the experts "
+                                         r"and as a width of theirs"):
+        sw.expert_parallel(step, "ep")

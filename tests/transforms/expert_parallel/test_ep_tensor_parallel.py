@@ -137,3 +137,30 @@ def test_router_aux_loss_beside_a_vocabulary_parallel_head(ep: int) -> None:
     if ep > 1:
         split = sw.expert_parallel(split, "ep")
     sw.testing.assert_equivalent(split, aux, sw.Mesh(ep=ep, tp=2), data, params)
+
+
+def test_split_logits_laid_out_otherwise_are_still_guarded() -> None:
+    """The review's case: guarding only tensors whose last dim is the split's width let a head's logits returned
+    transposed (B, V, T) through, and a z-loss over their vocabulary dim ran on each rank's slice (9.4% off). A
+    tensor with the width in any dim is guarded."""
+    import torch
+
+    class Transposed(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb, self.head = torch.nn.Embedding(32, 16), torch.nn.Linear(16, 32)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.head(torch.tanh(self.emb(ids))).transpose(1, 2)
+
+    def loss(o: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return sw.tp.vocab_parallel_cross_entropy(o.transpose(1, 2), t) + 0.1 * o.logsumexp(1).pow(2).mean()
+
+    torch.manual_seed(0)
+    chain, params = sw.functionalize(Transposed().double(), units=["emb", "head"])
+    step = sw.train_step(chain, loss, sw.optim.sgd(0.1))
+    gen = torch.Generator().manual_seed(1)
+    data = [(torch.randint(32, (4, 8), generator=gen), torch.randint(32, (4, 8), generator=gen))]
+    split = sw.tensor_parallel(step, "tp", {"head": sw.tp.Colwise(output="sharded")})
+    with pytest.raises(sw.collectives.RankFailed, match="tensor_parallel: "):
+        sw.testing.assert_equivalent(split, step, sw.Mesh(tp=2), data, params)
