@@ -90,3 +90,17 @@ def test_zero2_with_padded_labels_trains_under_a_static_scale() -> None:
     skipped, moved = sw.launch(run, world=2)[0]
     assert skipped == [False] * len(batches) and moved > 1e-4
     sw.testing.assert_equivalent(sharded, step, sw.Mesh(dp=2), batches, params, rtol=2 ** -8)
+
+
+def test_the_divisor_counts_tokens_not_a_distributions_elements() -> None:
+    """The review's case: a distillation loss's targets (labels [8, 16], the teacher's probabilities [8, 16, 1024])
+    made the divisor 131072, from the largest tensor, where the tokens are 128: f16 had 1024x less headroom than the
+    mean loss's step. The labels decide, else the floating targets' rows."""
+    from shardwise.engine.step.run_inputs import token_sum_divisor
+
+    ids = labels = torch.zeros(8, 16, dtype=torch.long)
+    probs = torch.ones(8, 16, 1024)
+    assert token_sum_divisor([(ids, (labels, probs))]) == 128.0
+    assert token_sum_divisor([(torch.ones(8, 16, 4), probs)]) == 128.0
+    assert token_sum_divisor([(ids, torch.ones(8, 3))]) == 128.0  # (the inputs' ids, before float targets)
+    assert token_sum_divisor([(torch.ones(6, 4), torch.ones(6, 3))]) == 8.0  # rows: the power of two nearest 6

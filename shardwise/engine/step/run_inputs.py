@@ -289,14 +289,20 @@ def prepare_run(step: Step, state: TrainState, layout: StateLayout, batch: Any) 
 
 def token_sum_divisor(micro: list[tuple[Any, Any]]) -> float:
     """What a token-weighted step's loss scale is divided by before seeding its summed losses: about the tokens
-    of a micro-batch (the power of two nearest the elements of its targets' largest tensor, or its inputs'
-    integer one: the same on every rank, whose shares are cut alike; a power of two, so that the scale and the
-    unscaling stay exact). Seeded with the loss scale alone, a sum over thousands of tokens made f16 gradients
-    that many times a mean's: every step skipped under a static scale a mean loss trains with (65536), without
-    an error, and a dynamic scale backed off 32x on 128 tokens."""
+    of a micro-batch, the power of two nearest the elements of its largest integer (label) tensor, the targets'
+    first, then the inputs', else of its largest floating target without its last dim (a distribution over a
+    vocabulary: its rows); the same on every rank, whose shares are cut alike, and a power of two, so that the
+    scale and the unscaling stay exact. Seeded with the loss scale alone, a sum over thousands of tokens made f16
+    gradients that many times a mean's: every step skipped under a static scale a mean loss trains with (65536),
+    without an error, and a dynamic scale backed off 32x on 128 tokens."""
     inputs, targets = micro[0]
-    sizes = [t.numel() for t in optree.tree_leaves(targets) if isinstance(t, torch.Tensor)] or [
-        t.numel() for t in optree.tree_leaves(inputs) if isinstance(t, torch.Tensor) and not t.is_floating_point()]
+
+    def tensors(tree: Any) -> list[torch.Tensor]:
+        return [t for t in optree.tree_leaves(tree) if isinstance(t, torch.Tensor) and t.dim()]
+
+    labels = [t.numel() for t in tensors(targets) if not t.is_floating_point()] or [
+        t.numel() for t in tensors(inputs) if not t.is_floating_point()]
+    sizes = labels or [t.numel() // (t.shape[-1] if t.dim() > 1 else 1) for t in tensors(targets)]
     return float(2 ** round(math.log2(max(sizes, default=1) or 1)))
 
 
