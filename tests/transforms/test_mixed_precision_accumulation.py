@@ -93,3 +93,28 @@ def test_a_pipelines_micro_batches_are_summed_in_the_reduce_dtype() -> None:
     before = [p for layer in params.values() for p in layer.values()]
     got = [b - a for b, a in zip(before, [p for layer in after.values() for p in layer.values()], strict=True)]
     assert _relative(got, _reference(1, 16)) < 1e-6  # (was 7.7e-3)
+
+
+@pytest.mark.parametrize(("stage", "world", "microbatches"), [(2, 2, 1), (2, 2, 2), (3, 2, 1), (3, 2, 2), (1, 1, 4)])
+@pytest.mark.parametrize("scale", [64.0, 128.0])
+def test_an_f16_gradient_skips_the_step_where_one_device_skips_it_whatever_the_layout(
+        stage: int, world: int, microbatches: int, scale: float) -> None:
+    """A whole-batch gradient of 51200 x (scale / 64): finite in f16 at 64, infinite at 128, where one device skips
+    the step. The review found the step taken at dp 2 (ZeRO-2; ZeRO-3 without accumulation), each rank's half
+    finite in f16 and their sum made in f32 never marked; the reduced sum is read against the dtype the
+    gradients were made in now, as a micro-batches' sum is."""
+    model = nn.Sequential(nn.Linear(4, 1, bias=False))
+    with torch.no_grad():
+        model[0].weight.fill_(0.01)
+    chain, params = sw.functionalize(model)
+    step = sw.mixed_precision(sw.train_step(chain, nn.functional.mse_loss, sw.optim.sgd(1e-6)),
+                              "params=f32,compute=f16,output=f32,reduce=f32", loss_scale=scale)
+    batch = (torch.full((8, 4), 100.0), torch.zeros(8, 1))
+    one_device = bool(step(step.init(copy.deepcopy(params)), batch)[1]["skipped"])
+    assert one_device == (scale == 128.0)
+    sharded = sw.shard_params(step, "dp", stage, accumulation=microbatches)
+
+    def run() -> bool:
+        return bool(sharded(sharded.init(copy.deepcopy(params), sw.Mesh(dp=world)), batch)[1]["skipped"])
+
+    assert sw.launch(run, world=world) == [one_device] * world

@@ -157,11 +157,15 @@ class ZeroActions:
         unit = action.require("layer")
         assert action.axis is not None
         units = action.units or (unit,)
+        # The dtype the gradients were made in (the leaves', the compute copies'): a micro-batches' sum in a wider
+        # one (wide_grads.py) is not it, and what one device's backward would overflow is read against it.
+        made = [leaf.dtype for u in units for name in self._sharding().units[u].names
+                if (leaf := self._leaves.get((u, name))) is not None]
         rows = self._bucket(action).reduce_rows([self._unit_grads(u) for u in units], self.device)
         if action.microbatch is None:  # (a micro-batch's share: the next micro-batch computes with them again)
             self._release_compute(units)
         dtype = functools.reduce(torch.promote_types, (piece.dtype for row in rows for piece in row))
-        self._share_dtypes[unit] = dtype  # the gradients', which micro-batches' shares are summed in
+        self._share_dtypes[unit] = functools.reduce(torch.promote_types, made) if made else dtype
         if self.reduce_dtypes is not None:
             dtype = self.reduce_dtypes[unit]
         if ("reduce", unit) in self._pending:  # (the lowering waits for a unit's share before its next)
@@ -206,8 +210,13 @@ class ZeroActions:
         self._take_grad_shards(action, self._pending.pop(("replicas", action.require("layer"))).wait())
 
     def _take_grad_shards(self, action: Action, reduced: torch.Tensor) -> None:
-        """The reduced gradient shard of a unit (or a bucket's), in the master dtype and unscaled."""
+        """The reduced gradient shard of a unit (or a bucket's), in the master dtype and unscaled; infinite where
+        the dtype the gradients were made in overflows (the sum over the ranks of f16 shares that one device's f16
+        backward of the whole batch makes infinite: the step skips as that one's does, whatever the layout)."""
         unit = action.require("layer")
+        made_in = self._share_dtypes.get(unit)
+        if made_in is not None:
+            reduced = overflowing_as(reduced, made_in)
         shards = self._bucket(action).split_shards(reduced) if action.units else {unit: reduced}
         for u, shard in shards.items():
             shard = shard.to(self.master[u].dtype)
