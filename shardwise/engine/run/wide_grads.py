@@ -52,6 +52,8 @@ def overflowing_as(total: torch.Tensor, made_in: torch.dtype) -> torch.Tensor:
     device's backward of the whole batch would make infinite (a step skipped) is infinite here too."""
     if not narrower(made_in, total.dtype) or total.numel() == 0:
         return total
+    if torch.finfo(made_in).max * 2 > torch.finfo(total.dtype).max:
+        return total  # bf16's range is float32's: nothing a float32 sum holds overflows it (no pass, no sync)
     low, high = torch.aminmax(total)  # (two numbers: no copy of the sum where nothing comes near overflowing)
     limit = torch.finfo(made_in).max
     if -limit <= float(low) and float(high) <= limit:
