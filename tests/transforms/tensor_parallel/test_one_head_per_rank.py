@@ -105,10 +105,12 @@ class _Block(nn.Module):
 
 
 class _Net(nn.Module):
-    def __init__(self, mix: str) -> None:
+    """An embedding, ``layers`` (two blocks of width 16) and a head: the model the tests below split."""
+
+    def __init__(self, layers: list[nn.Module]) -> None:
         super().__init__()
         self.emb, self.head = nn.Embedding(32, 16), nn.Linear(16, 32)
-        self.layers = nn.ModuleList([_Block(mix), _Block(mix)])
+        self.layers = nn.ModuleList(layers)
 
     def forward(self, ids: Tensor) -> Tensor:
         x = self.emb(ids)
@@ -128,7 +130,7 @@ def test_an_op_across_the_heads_is_refused_with_one_head_per_rank_too(mix: str, 
         torch.manual_seed(0)
         gen = torch.Generator().manual_seed(0)
         data = [(torch.randint(32, (2, 8), generator=gen), torch.randint(32, (2, 8), generator=gen)) for _ in range(2)]
-        chain, params = sw.functionalize(_Net(mix), units=_Block, example_input=data[0][0])
+        chain, params = sw.functionalize(_Net([_Block(mix), _Block(mix)]), units=_Block, example_input=data[0][0])
         step = sw.train_step(chain, lambda y, t: F.cross_entropy(y.flatten(0, 1), t.flatten()), sw.optim.sgd(0.1))
         plan = {"layers.*.attn": sw.tp.Region(heads=("num_heads",)),
                 "layers.*.attn.query_key_value": sw.tp.Colwise(), "layers.*.attn.dense": sw.tp.Rowwise()}
@@ -161,19 +163,6 @@ class _Mlp(nn.Module):
         return x + self.down(torch.relu(h))
 
 
-class _MlpNet(nn.Module):
-    def __init__(self, how: str) -> None:
-        super().__init__()
-        self.emb, self.head = nn.Embedding(32, 16), nn.Linear(16, 32)
-        self.layers = nn.ModuleList([_Mlp(how), _Mlp(how)])
-
-    def forward(self, ids: Tensor) -> Tensor:
-        x = self.emb(ids)
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(x)
-
-
 @pytest.mark.parametrize("how", ["unsqueeze(2)", "view(b, t, 1, -1)", "reshape(-1, 1, width)"])
 def test_a_dim_of_size_one_is_not_a_head_where_no_rank_holds_one(how: str) -> None:
     """A Colwise outside any Region with no head count: a dim of size 1 before its features is no head, so a norm
@@ -184,7 +173,7 @@ def test_a_dim_of_size_one_is_not_a_head_where_no_rank_holds_one(how: str) -> No
         torch.manual_seed(0)
         gen = torch.Generator().manual_seed(0)
         data = [(torch.randint(32, (2, 8), generator=gen), torch.randint(32, (2, 8), generator=gen)) for _ in range(2)]
-        chain, params = sw.functionalize(_MlpNet(how), units=_Mlp, example_input=data[0][0])
+        chain, params = sw.functionalize(_Net([_Mlp(how), _Mlp(how)]), units=_Mlp, example_input=data[0][0])
         step = sw.train_step(chain, lambda y, t: F.cross_entropy(y.flatten(0, 1), t.flatten()), sw.optim.sgd(0.1))
         tp_step = sw.tensor_parallel(step, "tp", {"layers.*.up": sw.tp.Colwise(), "layers.*.down": sw.tp.Rowwise()})
         with pytest.raises(sw.collectives.RankFailed, match=r"layer_norm with no weight over its features"):
