@@ -152,7 +152,8 @@ def test_dynamic_rope_on_rows_of_other_largest_positions_is_refused_where_the_ro
     step, params = _step("llama dynamic rope", batches[0][0])
     reference, _ = _step("llama dynamic rope", batches[0][0])
     with pytest.raises((ValueError, sw.collectives.RankFailed),
-                       match=r"model\.rotary_emb is a dynamic rotary embedding .* its original length \(8\), and the "
+                       match=r"model\.rotary_emb is a rotary embedding of rope_type 'dynamic', .* its original length "
+                             r"\(8\), and the "
                              r"shares of batch\[0\]\['position_ids'\] reach different largest positions \(\[5, 11\], "
                              r"the batch 11\): this step cuts the batch"):
         sw.testing.assert_equivalent(transform(step), reference, mesh(), batches, params)
@@ -188,18 +189,74 @@ def test_dynamic_rope_whose_buffers_functional_call_swaps_is_refused_where_its_c
         call.call(tensors, (x, torch.arange(12)[None]), {})
 
 
-def test_longrope_writing_inv_freq_in_place_is_refused() -> None:
-    """Phi3's longrope copies the long or short frequencies into inv_freq in place on every call
-    (transformers 5's ``longrope_frequency_update``): the buffer write check refuses it, on the first
-    step, rather than writing into the step's buffers."""
+def _phi3_longrope() -> Any:
+    # original_max_position_embeddings is Phi3Config's own argument (4096 by default, which the rope
+    # parameters take): 8 here, so the batches of 12 positions take the long frequencies.
+    return T.Phi3ForCausalLM(T.Phi3Config(
+        **_SMALL, num_key_value_heads=2, max_position_embeddings=16, original_max_position_embeddings=8,
+        attn_implementation="eager", pad_token_id=0, bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8,
+                         "long_factor": [3.0] * 8}))
+
+
+MODELS["phi3 longrope"] = (_phi3_longrope, "Phi3DecoderLayer")
+
+
+@pytest.mark.parametrize("lengths", [(6, 12, 6), (12, 10, 6, 12)], ids=str)
+def test_longrope_overwriting_inv_freq_on_every_call_trains_as_torch(lengths: tuple[int, ...]) -> None:
+    """Phi-3's longrope copies the long or the short frequencies into inv_freq in place on every call
+    (``longrope_frequency_update``), by that call's largest position: nothing carries between calls. It
+    was refused as a buffer written in forward; each call now writes a copy of its own, and the
+    one-device step equals torch's loop exactly on lengths either side of the original 8."""
+    batches = _batches(lengths)
+    step, params = _step("phi3 longrope", batches[0][0])
     torch.manual_seed(0)
-    model = T.Phi3ForCausalLM(T.Phi3Config(
-        **_SMALL, num_key_value_heads=2, max_position_embeddings=16, attn_implementation="eager", pad_token_id=0,
-        rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
-                      "original_max_position_embeddings": 8})).double()
-    batches = _batches((6, 12))
-    chain, params = sw.functionalize(model, units=T.models.phi3.modeling_phi3.Phi3DecoderLayer,
-                                     example_input=batches[0][0])
-    step = sw.train_step(chain, _token_loss, sw.optim.sgd(0.1))
-    with pytest.raises(ValueError, match=r"wrote into its buffers \['model.rotary_emb.inv_freq'\]"):
-        step(step.init(params), batches[0])
+    model = _phi3_longrope().double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rope = model.model.rotary_emb
+    built = step.base_chain["embed"].buffers["model.rotary_emb.inv_freq"]
+    # (the frequencies of the example functionalize ran, long or short: every call overwrites them)
+    as_built, version = built.clone(), built._version
+    state = step.init(params)
+    for batch, ids in batches:
+        state, metrics = step(state, (batch, ids))
+        opt.zero_grad()
+        loss = _token_loss(model(**batch), ids)
+        assert torch.equal(rope.inv_freq, rope.long_inv_freq if ids.shape[1] > 8 else rope.original_inv_freq)
+        loss.backward()
+        opt.step()
+        assert float(metrics["loss"]) == loss.item(), (ids.shape[1], float(metrics["loss"]), loss.item())
+    # the layer's own buffer is as it was built (the writes went into each call's copy)
+    assert torch.equal(built, as_built) and built._version == version
+
+
+@pytest.mark.parametrize("cut", list(MESH_CUTS))
+def test_longrope_across_lengths_equals_the_one_device_step(cut: str) -> None:
+    batches = _batches((12, 6, 10))
+    transform, mesh = MESH_CUTS[cut]
+    step, params = _step("phi3 longrope", batches[0][0])
+    reference, _ = _step("phi3 longrope", batches[0][0])
+    sw.testing.assert_equivalent(transform(step), reference, mesh(), batches, params)
+
+
+@pytest.mark.parametrize("cut", [c for c in MESH_CUTS if c != "remat"])
+def test_longrope_on_shares_either_side_of_the_original_length_is_refused(cut: str) -> None:
+    """One share's rows left-padded to positions below the original length took the short frequencies where one
+    device, seeing the batch's largest position, takes the long ones (ZeRO-3 dp2: 6.7e-6 relative in the first
+    loss, no error, once the write was let through). Shares of different largest positions on the same side of
+    it decide as one device does and pass."""
+    transform, mesh = MESH_CUTS[cut]
+    batches = _rows_of_other_positions((12, 6))  # rows 0, 1 reach 5 (short), rows 2, 3 reach 11 (long)
+    step, params = _step("phi3 longrope", batches[0][0])
+    reference, _ = _step("phi3 longrope", batches[0][0])
+    with pytest.raises((ValueError, sw.collectives.RankFailed),
+                       match=r"model\.rotary_emb is a rotary embedding of rope_type 'longrope', which picks long or "
+                             r"short frequencies .* its original length \(8\), and the shares of "
+                             r"batch\[0\]\['position_ids'\] reach different largest positions \(\[5, 11\], "
+                             r"the batch 11\): this step cuts the batch"):
+        sw.testing.assert_equivalent(transform(step), reference, mesh(), batches, params)
+    # 16 positions, rows 0 and 1 reaching 11, the others 15: both past 8, both long, as one device
+    both_long = _rows_of_other_positions((16, 16))
+    for batch, _ in both_long:
+        batch["position_ids"][:2] = torch.arange(16).clamp(max=11)
+    sw.testing.assert_equivalent(transform(step), reference, mesh(), both_long, params)

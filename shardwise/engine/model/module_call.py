@@ -49,6 +49,7 @@ from shardwise.engine.model.rope_state import (
     is_dynamic_rope,
     keep_rebound,
     refuse_moved_cache,
+    rewritten_each_call,
     swap_in_kept,
 )
 
@@ -116,6 +117,12 @@ class ModuleCall:
             (owners[id(slot[0])], *slot) for slot in self._slots or ()
             if id(slot[0]) in owners and _rebinds_from_input(owners[id(slot[0])], slot[1])
         ]
+        # A longrope rotary embedding's ``inv_freq``, which every call overwrites in place before reading it:
+        # each call is given a copy of its own to write (rope_state.rewritten_each_call).
+        self._scratch = frozenset(prefix + (f"{path}." if path else "") + name
+                                  for path, sub in module.named_modules() for name in rewritten_each_call(sub))
+        if self._scratch:
+            self._buffer_slots = [s for s in self._buffer_slots if s[2] not in self._scratch]
         # Without slots (functional_call's path) a rebound inv_freq cannot be kept: refused if one moves.
         self._rope_modules = [sub for sub in module.modules() if is_dynamic_rope(sub)] if self._slots is None else []
         # Its forward's one call (DIRECT), for a module of exactly such a type named without a prefix.
@@ -147,7 +154,8 @@ class ModuleCall:
     def _call(self, tensors: dict[str, Tensor], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self._slots is None or tensors.keys() != self._keys:
             n = len(self.prefix)
-            unprefixed = {k[n:] if k.startswith(self.prefix) else k: t for k, t in tensors.items()}
+            unprefixed = {k[n:] if k.startswith(self.prefix) else k: t.clone() if k in self._scratch else t
+                          for k, t in tensors.items()}
             rope = self._rope_modules if self._slots is None else [o for o, *_ in self._rope_slots]
             lengths = cache_lengths(rope)
             out = functional_call(self.module, unprefixed, args, kwargs, strict=True)
@@ -162,6 +170,10 @@ class ModuleCall:
         try:
             for container, attr, key in slots:
                 container[attr] = tensors[key]
+            if self._scratch:
+                for container, attr, key in slots:
+                    if key in self._scratch:
+                        container[attr] = tensors[key].clone()
             if self._rope_slots:
                 swap_in_kept(self._rope_slots)
             out = self.module(*args, **kwargs)

@@ -37,6 +37,22 @@ def is_dynamic_rope(module: nn.Module) -> bool:
     return "dynamic" in str(getattr(module, "rope_type", "")) and hasattr(module, "max_seq_len_cached")
 
 
+def rewritten_each_call(module: nn.Module) -> list[str]:
+    """The buffers a Hugging Face longrope rotary embedding overwrites on every call before reading them.
+
+    transformers' ``longrope_frequency_update`` copies into ``inv_freq`` (per layer type,
+    ``{type}_inv_freq``) the long or the short frequencies, picked by this call's largest position, before
+    the forward reads it: nothing carries from one call to the next. A layer hands the same buffer tensor
+    to every call (every rank's, on the threads backend), which that in-place copy would write into; a
+    call writes into a copy of its own instead (module_call.py)."""
+    kind = getattr(module, "rope_type", None)
+    if isinstance(kind, dict):
+        names = [f"{layer_type}_inv_freq" for layer_type, k in kind.items() if k == "longrope"]
+    else:
+        names = ["inv_freq"] if kind == "longrope" else []
+    return [n for n in names if isinstance(module._buffers.get(n), Tensor)]
+
+
 def swap_in_kept(slots: Sequence[RopeSlot]) -> None:
     """Put each kept ``inv_freq`` in its slot, over the handed-in tensor just swapped there."""
     for owner, container, attr, _ in slots:

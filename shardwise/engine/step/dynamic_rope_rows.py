@@ -1,4 +1,4 @@
-"""Hugging Face dynamic RoPE on a batch the step cuts, whose rows reach different positions: refused.
+"""Hugging Face dynamic and longrope RoPE on a batch the step cuts, whose rows reach different positions: refused.
 
 transformers' ``dynamic_rope_update`` (modeling_rope_utils.py) sets a rotary embedding's frequencies from
 ``position_ids.max() + 1`` over the batch it is called on: scaled once that length passes the original
@@ -11,6 +11,12 @@ relative in the first step's loss, 2.4e-5 in float32 with left padding). Two cas
 share as on one device, and pass: every share's rows reach the batch's largest position, and a batch shorter
 than the embedding's original length (``original_max_seq_len``: then no share grows, and every share resets
 where one device does: fine-tuning a long-context model on sequences shorter than its context).
+
+Longrope (Phi-3 128k, Phi-3.5, Phi-4-mini) picks, on every call and keeping nothing, the long frequencies where
+``position_ids.max() + 1`` passes ``original_max_position_embeddings`` and the short ones otherwise: a share
+decides as one device does exactly where its largest position is on the same side of that length as the
+batch's, and only a share on the other side is refused (Phi-3, ZeRO-3 over 2 ranks, one share's rows left-padded
+below the length: 6.7e-6 relative in the first loss, float64).
 
 Seen in the batch as the step is called (every rank holds the global batch: no collective): a tensor under a
 ``position_ids`` key, one max per share (the shares are runs of rows). Not seen: positions given otherwise (a
@@ -25,7 +31,7 @@ import optree
 import torch
 
 from ...collectives.mesh import Mesh
-from ..model.rope_state import is_dynamic_rope
+from ..model.rope_state import is_dynamic_rope, rewritten_each_call
 from ..model.whole_batch import called_modules
 from .batch_cut import batch_multiple, cut_words
 
@@ -34,16 +40,15 @@ if TYPE_CHECKING:
     from .step import Step
 
 _KEY = "position_ids"
-_CACHED = "dynamic rope modules"  # the layout's cache: the chain's dynamic rotary embeddings, by path
+_CACHED = "length-dependent rope modules"  # the layout's cache: such rotary embeddings of the chain, by path
 
 
 def refuse_dynamic_rope_rows(step: Step, layout: StateLayout, mesh: Mesh | None, batch: Any) -> None:
-    """Refuse a batch the step cuts into shares whose ``position_ids`` reach different largest positions, the
-    batch reaching the original length of a dynamic rotary embedding of the model (see the module docstring)."""
+    """Refuse a batch the step cuts into shares whose ``position_ids`` reach different largest positions where a
+    rotary embedding of the model picks its frequencies by that position (see the module docstring)."""
     rope = layout.cache.get(_CACHED)  # (asked first: once per layout, so a step of another model pays nothing)
-    if rope is None:  # (path, original length: below it no share grows, and each resets as one device does)
-        rope = layout.cache[_CACHED] = [(path, getattr(m, "original_max_seq_len", None))
-                                        for path, m in called_modules(step.base_chain) if is_dynamic_rope(m)]
+    if rope is None:
+        rope = layout.cache[_CACHED] = _length_dependent(step)
     if not rope:
         return
     positions = _position_ids(batch)
@@ -55,20 +60,52 @@ def refuse_dynamic_rope_rows(step: Step, layout: StateLayout, mesh: Mesh | None,
         if t.dim() < 2 or t.shape[0] < 2 or t.shape[0] % shares:
             continue  # (one row, or a batch the cut refuses itself)
         reached = t.reshape(shares, -1).amax(dim=1)  # each share's largest position (shares are runs of rows)
-        length = int(reached.max()) + 1
-        if bool((reached == reached[0]).all()) or all(o is not None and length < o for _, o in rope):
+        if bool((reached == reached[0]).all()):
             continue
-        path, original = next((p, o) for p, o in rope if o is None or length >= o)
-        raise ValueError(
-            f"{path} is a dynamic rotary embedding (rope_type 'dynamic'), which sets its frequencies from the "
-            f"largest position of the batch it is called on once that reaches its original length ({original}), "
-            f"and the shares of batch{where} reach different largest positions ({sorted(set(reached.tolist()))[:6]}, "
-            f"the batch {length - 1}): this step cuts the batch ({' x '.join(cuts)}), so each share would take its "
-            "own where the single-device step takes the whole batch's, and scale (or reset) otherwise: another "
-            "model, trained without an error. Give every share a row of the batch's largest position (pad on the "
-            "right, with positions that go on counting), or use a rope type of fixed frequencies (default, linear, "
-            "yarn, llama3), or train without cutting the batch"
-        )
+        length = int(reached.max()) + 1
+        for path, kind, original in rope:
+            if kind == "longrope":  # long frequencies past the original length, short ones up to it: call by call
+                if original is None or all((int(r) + 1 > original) == (length > original) for r in reached):
+                    continue
+                decides = ("picks long or short frequencies by whether the largest position of the batch it is "
+                           f"called on passes its original length ({original})")
+            else:  # dynamic: grows past the cached length, resets below the original one, kept from call to call
+                if original is not None and length < original:
+                    continue
+                decides = ("sets its frequencies from the largest position of the batch it is called on once "
+                           f"that reaches its original length ({original})")
+            raise ValueError(
+                f"{path} is a rotary embedding of rope_type {kind!r}, which {decides}, and the shares of "
+                f"batch{where} reach different largest positions ({sorted(set(reached.tolist()))[:6]}, the batch "
+                f"{length - 1}): this step cuts the batch ({' x '.join(cuts)}), so each share would take its own "
+                "where the single-device step takes the whole batch's, and rotate by other frequencies: another "
+                "model, trained without an error. Give every share a row of the batch's largest position (pad on "
+                "the right, with positions that go on counting), or use a rope type of fixed frequencies "
+                "(default, linear, yarn, llama3), or train without cutting the batch"
+            )
+
+
+def _length_dependent(step: Step) -> list[tuple[str, str, int | None]]:
+    """(path, rope type, original length) of each rotary embedding of the chain whose frequencies follow the
+    largest position of a call: dynamic (its ``original_max_seq_len``: below it no share grows, and each resets
+    as one device does) and longrope (the ``original_max_position_embeddings`` it compares with)."""
+    found: list[tuple[str, str, int | None]] = []
+    for path, m in called_modules(step.base_chain):
+        if is_dynamic_rope(m):
+            found.append((path, "dynamic", getattr(m, "original_max_seq_len", None)))
+        elif rewritten_each_call(m):
+            found.append((path, "longrope", _longrope_original(m)))
+    return found
+
+
+def _longrope_original(module: Any) -> int | None:
+    """The original length a longrope embedding compares a call's positions with (``longrope_frequency_update``:
+    ``config.rope_parameters[...]["original_max_position_embeddings"]``, per layer type where it has several)."""
+    parameters = getattr(getattr(module, "config", None), "rope_parameters", None) or {}
+    kinds = module.rope_type if isinstance(module.rope_type, dict) else None
+    entries = [parameters.get(t, {}) for t, k in kinds.items() if k == "longrope"] if kinds else [parameters]
+    lengths = {e.get("original_max_position_embeddings") for e in entries if isinstance(e, dict)}
+    return lengths.pop() if len(lengths) == 1 and isinstance(next(iter(lengths)), int) else None
 
 
 def _position_ids(batch: Any) -> list[tuple[str, torch.Tensor]]:
