@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 import shardwise as sw
 from shardwise.collectives.launch import RankFailed
-from shardwise.engine.run.loss_rows import RTOL, RTOL_FLOAT64, LossProbe, Measured, ProbeCut, measure
+from shardwise.engine.run.loss_rows import RTOL, RTOL_FLOAT64, LossProbe, Measured, OwnLoss, ProbeCut, measure
 from shardwise.testing.models import TinyGPT, mlp
 
 ROWS = 8
@@ -325,7 +325,8 @@ def test_dict_and_tuple_outputs_are_halved_leaf_by_leaf() -> None:
 def test_what_cannot_be_halved_is_not_probed() -> None:
     logits, targets = _logits()
     own_loss = {"loss": torch.tensor(2.0, dtype=torch.float64), "logits": logits}
-    assert _measure(lambda o, _: o["loss"], own_loss, None) == "unknown"  # a model's own (scalar) loss
+    # a model's own (scalar) loss: not probed, refused only where its model is known (or holds a rows x rows matrix)
+    assert _measure(lambda o, _: o["loss"], own_loss, None) == OwnLoss(())
     square = torch.randn(ROWS, ROWS, dtype=torch.float64)  # no prediction of the chain's output here
     assert _measure(lambda o, _: o.sum(), square, None) == "unknown"
     # One row whose row dim cannot be told (a dim of size 1 beside it, no prediction): on a later call
@@ -357,7 +358,7 @@ def test_a_scalar_the_loss_reads_alone_says_nothing_in_every_mode() -> None:
                             lambda _: None, tokens=mode)
             # (a mean at one row compares the row with itself twice: equal, as any mean's, so it agrees)
             agrees = isinstance(found, Measured) and found.agrees and mode is None and rows == 1
-            assert found == "unknown" or agrees, (mode, rows, found)
+            assert found in ("unknown", OwnLoss(())) or agrees, (mode, rows, found)
 
 
 def test_sums_and_in_batch_losses_differ_from_their_halves() -> None:

@@ -33,6 +33,39 @@ def batch_loss_coef(module: nn.Module) -> float:
     return float(coef) if isinstance(coef, (int, float)) else 0.0
 
 
+def own_loss_per_row_mean(module: nn.Module) -> bool:
+    """Whether ``module`` is a Hugging Face CTC model whose own loss is the mean over the rows of each row's loss
+    divided by its target length (``config.ctc_loss_reduction="mean"``): its padded labels (-100) count each row's
+    targets within the row, so the shares' means of equal rows average to the whole batch's."""
+    config = getattr(module, "config", None)
+    return type(module).__name__.endswith("ForCTC") and getattr(config, "ctc_loss_reduction", None) == "mean"
+
+
+def own_loss_refused(module: nn.Module, counted: bool) -> tuple[str, str] | None:
+    """Where ``module`` (itself, not its children) is a Hugging Face CTC model whose own loss a step that cuts the
+    batch cannot take as it is: what the loss is and the fix, in words; None otherwise. ``counted``: the step weighs
+    each part's loss by a count of tokens (``train_step(tokens=count_fn)``), else takes the parts' mean.
+
+    ``config.ctc_loss_reduction="sum"`` (Wav2Vec2Config's default) sums over the rows: the parts' mean is not the
+    sum. ``"mean"`` is the mean over the rows of each row's loss per target token: the parts' mean is that exactly,
+    their weighing by counted tokens is not."""
+    reduction = getattr(getattr(module, "config", None), "ctc_loss_reduction", None)
+    if not type(module).__name__.endswith("ForCTC"):
+        return None
+    name = type(module).__name__
+    if reduction == "sum":
+        return (f"{name}'s own CTC loss sums over the rows (config.ctc_loss_reduction='sum')",
+                "set config.ctc_loss_reduction = 'mean' before functionalize (the mean over the rows of each row's "
+                "loss per target token, which a cut batch computes exactly with tokens=None)")
+    if reduction == "mean" and counted:
+        return (f"{name}'s own CTC loss is the mean over the rows of each row's loss per target token "
+                "(config.ctc_loss_reduction='mean'), which train_step(tokens=count_fn) would weigh by the counted "
+                "tokens of each part as if it were a mean over them",
+                "pass train_step(tokens=None), under which a cut batch computes that loss exactly, padded labels "
+                "(-100) or not")
+    return None
+
+
 def _adding_batch_loss(module: nn.Module) -> tuple[str, nn.Module, float] | None:
     """The first module (path, module, ``router_aux_loss_coef``) of ``module`` whose config has
     ``output_router_logits=True``; None when there is none."""

@@ -50,9 +50,12 @@ what they ran: tensor parallel's split head), dim 0 where it is the only dim of 
 tensor. Which dim holds the tokens: the targets' sequence dim, where no other dim of any tensor has the
 tokens' count (dim 0 aside, where it holds the rows). So a feature dim is never cut (a vocabulary, or a
 tensor-parallel rank's slice of it, of the rows' or the tokens' count makes the dims ambiguous: not
-probed). Not probed (and not refused): an output where that cannot be told (a tensor with no dim of the
-rows' size, such as the scalar ``loss`` of a Hugging Face model's own loss; no dim-0 rows in a chain
-that cannot run on fake tensors); a ``loss_fn`` that raises on fewer rows, returns no scalar (under
+probed). A loss_fn whose values the halving leaves unchanged reads a loss the model computed itself (the
+scalar ``loss`` of a Hugging Face model's own loss, over the part it is called on): refused where the output
+holds a rows x rows matrix (CLIPModel's contrastive loss) or the model is known not to compute a mean over the
+rows (``LossProbe.own_loss``: a CTC head's summed loss), else not probed. Not probed (and not refused): an
+output where the rows cannot be told (no dim-0 rows in a chain that cannot run on fake tensors); a
+``loss_fn`` that raises on fewer rows, returns no scalar (under
 ``tokens="sum"``, no pair of a scalar and a count), draws random numbers (what it drew is set back) or
 issues a collective. Where a micro-batch of one row has a dim of size 1 beside its rows that cannot be
 told from them, the probe waits for a micro-batch of other shapes (more rows) rather than ending. The
@@ -171,6 +174,9 @@ class LossProbe:
     cut: ProbeCut
     done: Callable[[], None]
     predict: Callable[[Any], Sequence[torch.Size | None] | None]
+    # A module of the model whose own loss is no mean over the rows (a Hugging Face CTC head summing over them):
+    # what it computes and the fix, in words; None where nothing is known.
+    own_loss: tuple[str, str] | None = None
     later: set[tuple[Any, ...]] = field(default_factory=set)  # the inputs' shapes that said LATER
     # A micro-batch of one row whose probe (the row repeated) agreed: (output, inputs, targets), detached, kept to
     # be probed with the next one-row micro-batch's as two rows (_two_rows).
@@ -214,6 +220,8 @@ class LossProbe:
                 return
             found = dataclasses.replace(both, along="pair") if isinstance(both, Measured) else found
         self.done()
+        if isinstance(found, OwnLoss) and self.cut.rows is not None and (found.mixed or self.own_loss):
+            raise ValueError(own_loss_refusal(self.cut, found, self.own_loss))
         if isinstance(found, Measured) and not found.agrees:
             raise ValueError(refusal(self.cut, found))
 
@@ -266,6 +274,15 @@ def _two_rows(
     return optree.tree_unflatten(tree, joined), inputs, targets
 
 
+@dataclass(frozen=True)
+class OwnLoss:
+    """Cutting the output changed nothing loss_fn returned: it reads a loss the model computed itself (a Hugging
+    Face model's scalar ``out.loss``), over the part of the batch the model is called on. ``mixed``: the output's
+    leaves (their paths) that hold the rows on two dims, a rows x rows matrix (CLIPModel's ``logits_per_image``)."""
+
+    mixed: tuple[str, ...]
+
+
 RETRY = "retry"  # the values say nothing (not finite, or all zero): probe again on the next call
 LATER = "later"  # a micro-batch of one row whose row dims cannot be told: again on one of other shapes
 UNKNOWN = "unknown"  # cannot be probed on this step's outputs: not again
@@ -287,7 +304,7 @@ def measure(
     generators: Sequence[torch.Generator], restore: bool,
     predict: Callable[[Any], Sequence[torch.Size | None] | None],
     *, rows_cut: bool = True, sequence_dim: int | None = None, tokens: str | Callable[[Any, Any], Any] | None = None,
-) -> Measured | str:
+) -> Measured | OwnLoss | str:
     """``loss_fn`` on the first rows of ``output`` and ``targets`` and on their halves (``rows_cut``; of one
     row, on the row repeated twice and on the row), and on the halves of their tokens along
     ``sequence_dim`` (not None); or why not. ``tokens``: the step's ``train_step(tokens=...)``, whose
@@ -354,12 +371,18 @@ def measure(
         return RETRY
     if counted is not None and (not all(map(_finite_number, counted.values())) or not any(counted.values())):
         return RETRY
-    if all(read[whole] == read[a] == read[b] and (counted is None or counted[whole] == counted[a] == counted[b])
-           and (along != "repeat" or tokens == "sum") for along, _, (whole, a, b) in halvings):
+    if all(read[whole] == read[a] == read[b] and (
+            along != "repeat" or (tokens == "sum" and (counted is None or counted[whole] == counted[a] == counted[b])))
+           for along, _, (whole, a, b) in halvings):
         # Cutting changed nothing: loss_fn reads only what each half gets whole (a model's own scalar
-        # loss, passed whole beside its logits), which says nothing of how it combines rows or tokens.
-        # (A mean of one row repeated is the row's mean: equal by design, and probed.)
-        return UNKNOWN
+        # loss, passed whole beside its logits), which says nothing of how it combines rows or tokens,
+        # whatever a count function counted on the halves (on one row repeated, a mean equals the row's by
+        # design, and a (mean, count) pair under tokens='sum' too, but for its count: both are probed).
+        # (A mean of one row repeated is the row's mean: equal by design, and probed.) Where the output holds a
+        # rows x rows matrix, the model compared its rows with each other: its loss is over the whole batch.
+        paths = [".".join(map(str, path)) for path in optree.tree_paths(output)]
+        return OwnLoss(() if row_dims is None else
+                       tuple(p for p, d in zip(paths, row_dims, strict=True) if len(d) > 1))
     floats = [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()]
     dtypes = {v.dtype for v, _ in values.values()} | {t.dtype for t in floats}
     rtol = RTOL_FLOAT64 if dtypes <= {torch.float64} else RTOL
@@ -562,6 +585,25 @@ def _weighed_refusal(cut: ProbeCut, found: Measured) -> str:
         "another model than the single-device step. Return the mean over the counted tokens (cross_entropy with "
         "reduction='mean', its default, and ignore_index the label the count leaves out, e.g. -100 with "
         "(targets != -100).sum()); for a summed loss, pass tokens='sum' with loss_fn returning (the sum, the count)"
+    )
+
+
+def own_loss_refusal(cut: ProbeCut, found: OwnLoss, own_loss: tuple[str, str] | None) -> str:
+    """Why a loss the model computes itself over the part of the batch it is called on is refused."""
+    if found.mixed or own_loss is None:
+        why = (f"the model's output holds the rows on two dims ({', '.join(found.mixed)}: a rows x rows matrix, "
+               "each row compared with the batch's others), so its loss is over the whole batch it is called on (a "
+               "contrastive loss with in-batch negatives, as CLIPModel's and SiglipModel's with return_loss=True)")
+        fix = "compute the loss in loss_fn from the model's output instead (the step checks that one)"
+    else:
+        why, fix = own_loss
+    return (
+        f"loss_fn returned the same value on halves of the output's rows as on all of them (this step cuts the batch: "
+        f"{cut.rows}): it reads a loss the model computed itself, over the part of the batch the model is called on, "
+        f"and {why}: what the step makes of the parts' losses is not the single-device step's loss, and it would train "
+        f"another model without an error. Either {fix}; or do not cut the batch (one device, tensor_parallel alone, "
+        "a pipeline of one micro-batch); or pass train_step(tokens='per_shard_mean') to train on the mean of the "
+        "parts' losses knowingly"
     )
 
 

@@ -17,6 +17,8 @@ import optree
 import torch
 
 from ...collectives.mesh import Mesh
+from ..model.batch_loss_terms import own_loss_per_row_mean
+from ..model.whole_batch import called_modules
 from ..plan.batches import split_batch, split_over
 from ..plan.lower import microbatch_count
 from ..run.loss_rows import ProbeCut
@@ -105,7 +107,8 @@ def refuse_padded_mean(step: Step, mesh: Mesh | None, batch: Any) -> None:
     Only where labels can be (:func:`_label_tensors`): an (inputs, targets) batch's targets, so a negative
     integer input (a relative offset, a categorical feature) is no padding. Every rank holds the global
     batch and finds the same: no collective, one small reduction per integer tensor. An ignore value
-    that is not negative (a pad token id) is not seen.
+    that is not negative (a pad token id) is not seen. Not refused: the ``labels`` of a Hugging Face CTC model
+    whose own loss is the mean over the rows of each row's per-target-token loss (``ctc_loss_reduction="mean"``).
     """
     if step.tokens is not None:
         return
@@ -116,6 +119,8 @@ def refuse_padded_mean(step: Step, mesh: Mesh | None, batch: Any) -> None:
                   if (found := _negative_integers(scanned)) is not None), None)
     if where is None:
         return
+    if where.endswith("['labels']") and any(own_loss_per_row_mean(m) for _, m in called_modules(step.base_chain)):
+        return  # a CTC model's own loss: a mean over the rows of per-row terms, padded or not
     raise ValueError(
         f"train_step(tokens=None) on a batch the step cuts ({' x '.join(cuts)}): batch{where} holds negative "
         "integers (padded labels: -100, cross_entropy's ignore_index), so each share's mean loss counts its own "

@@ -28,6 +28,8 @@ from ..layout.in_flight import InFlightParams
 from ..layout.sharding import FlatSharding
 from ..layout.state import TrainState
 from ..layout.state_layout import StateLayout, unit_names
+from ..model.batch_loss_terms import own_loss_refused
+from ..model.whole_batch import called_modules
 from ..optim.optimizers import join_parts, state_part
 from ..plan.actions import Action
 from ..plan.batches import split_over
@@ -345,8 +347,12 @@ def _loss_probe(step: Step, layout: StateLayout, mesh: Mesh | None) -> LossProbe
         # (tensor parallel: whether the head left the logits split, which the loss reads next): under a
         # split the probe tells the rows without a fake run.
         predict = _no_prediction if step.split.parts else functools.partial(output_shapes, step, layout)
+        # A Hugging Face CTC head's own loss, which the probe cannot see (a scalar the model computed)
+        counted = step.tokens is not None and not isinstance(step.tokens, str)
+        own = None if cut is None else next(
+            (found for _, m in called_modules(step.base_chain) if (found := own_loss_refused(m, counted))), None)
         made = layout.cache[key] = False if cut is None else LossProbe(
-            cut, functools.partial(layout.cache.__setitem__, key, False), predict
+            cut, functools.partial(layout.cache.__setitem__, key, False), predict, own
         )
     return made if isinstance(made, LossProbe) else None
 

@@ -1,0 +1,140 @@
+"""A loss the model computes itself (a Hugging Face model's scalar ``out.loss``), which the loss probe's halving of
+the output cannot see: refused where it is known not to be a mean over the rows a step cuts, trained where it is.
+
+CLIPModel and SiglipModel with ``return_loss=True`` compute a contrastive loss over the batch they are called on;
+ZeRO-3 over 2 ranks trained on the mean of the shares' contrastive losses without an error (0.32 and 0.51 relative
+in the first loss, float64). Wav2Vec2ForCTC's own CTC loss sums over the rows under its config's default
+``ctc_loss_reduction="sum"`` (the step trained on half the loss); under ``"mean"`` it is the mean over the rows of
+each row's loss per target token, which a cut batch computes exactly with ``tokens=None`` (refused before where its
+labels were padded, with advice, a count function, that trained another model: 1.2e-3 in the loss)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import shardwise as sw
+from shardwise.collectives import RankFailed
+
+T = pytest.importorskip("transformers", reason="the [hf] extra (pip install -e '.[hf]') is not installed")
+
+_TOWER = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+
+
+class _WithLoss(torch.nn.Module):
+    """The model called with return_loss=True (a bool cannot travel in the batch)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, pixel_values: torch.Tensor) -> Any:
+        return self.model(input_ids=input_ids, pixel_values=pixel_values, return_loss=True)
+
+
+def _contrastive(kind: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    text = dict(_TOWER, vocab_size=32, max_position_embeddings=8, bos_token_id=0, eos_token_id=1)
+    vision = dict(_TOWER, image_size=8, patch_size=4, num_channels=3)
+    if kind == "clip":
+        model = T.CLIPModel(T.CLIPConfig(text_config=text, vision_config=vision, projection_dim=8))
+    else:
+        model = T.SiglipModel(T.SiglipConfig(text_config=text, vision_config=vision))
+    return _WithLoss(model.double())
+
+
+def _image_text_batch() -> tuple[dict[str, torch.Tensor], None]:
+    g = torch.Generator().manual_seed(1)
+    return {"input_ids": torch.randint(32, (4, 8), generator=g),
+            "pixel_values": torch.randn(4, 3, 8, 8, generator=g, dtype=torch.float64)}, None
+
+
+def _own_loss(out: Any, _: Any) -> torch.Tensor:
+    return out.loss
+
+
+CUTS = {
+    "zero3 dp2": (lambda s: sw.shard_params(s, "dp", 3), lambda: sw.Mesh(dp=2), r"shard_params over axis 'dp'"),
+    "accumulation 2": (lambda s: sw.shard_params(s, "dp", 1, accumulation=2), lambda: sw.Mesh(dp=1),
+                       r"2 micro-batches"),
+}
+
+
+@pytest.mark.parametrize("cut", list(CUTS))
+@pytest.mark.parametrize("kind", ["clip", "siglip"])
+def test_a_contrastive_models_own_loss_is_refused_where_the_batch_is_cut(kind: str, cut: str) -> None:
+    batch = _image_text_batch()
+    chain, params = sw.functionalize(_contrastive(kind), example_input=batch[0])
+    step = sw.train_step(chain, _own_loss, sw.optim.sgd(0.1))
+    transform, mesh, words = CUTS[cut]
+    with pytest.raises((ValueError, RankFailed), match=(
+            rf"loss_fn returned the same value on halves of the output's rows as on all of them \(this step cuts the "
+            rf"batch: {words}.*\): it reads a loss the model computed itself.*rows on two dims \(logits_per_image, "
+            r"logits_per_text: a rows x rows matrix.*tokens='per_shard_mean'")):
+        sw.testing.assert_equivalent(transform(step), step, mesh(), [batch], params)
+    # On one device, and on the mean of the shares' losses taken knowingly, it trains.
+    _, metrics = step(step.init(params), batch)
+    assert torch.isfinite(metrics["loss"])
+    knowingly = sw.train_step(chain, _own_loss, sw.optim.sgd(0.1), tokens="per_shard_mean")
+    losses = sw.launch(lambda: float(transform(knowingly)(transform(knowingly).init(params, mesh()), batch)[1]["loss"]),
+                       world=mesh().size)
+    halves = [_own_loss(chain(params, {k: v[i:i + 2] for k, v in batch[0].items()}), None) for i in (0, 2)]
+    torch.testing.assert_close(torch.tensor(losses[0], dtype=torch.float64), (halves[0] + halves[1]).detach() / 2,
+                               rtol=1e-12, atol=0)
+
+
+def _ctc(reduction: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = T.Wav2Vec2Config(
+        vocab_size=12, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+        conv_dim=(8, 8), conv_stride=(4, 4), conv_kernel=(8, 4), num_conv_pos_embeddings=8,
+        num_conv_pos_embedding_groups=2, hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+        feat_proj_dropout=0.0, final_dropout=0.0, layerdrop=0.0, mask_time_prob=0.0, pad_token_id=0,
+        ctc_loss_reduction=reduction)
+    return T.Wav2Vec2ForCTC(config).double()
+
+
+def _speech_batches(padded: bool) -> list[tuple[dict[str, torch.Tensor], None]]:
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(2):
+        labels = torch.randint(1, 12, (4, 5), generator=g)
+        if padded:  # each row's labels end at its own length (2 to 5), padded with -100
+            labels[torch.arange(5)[None] >= torch.tensor([2, 5, 3, 4])[:, None]] = -100
+        out.append(({"input_values": torch.randn(4, 400, generator=g, dtype=torch.float64), "labels": labels}, None))
+    return out
+
+
+def _ctc_step(reduction: str, batches: list[Any], **tokens: Any) -> tuple[Any, Any]:
+    layer = T.models.wav2vec2.modeling_wav2vec2.Wav2Vec2EncoderLayer
+    chain, params = sw.functionalize(_ctc(reduction), units=layer, example_input=batches[0][0])
+    return sw.train_step(chain, _own_loss, sw.optim.sgd(0.01, momentum=0.9), **tokens), params
+
+
+def test_a_ctc_models_own_summed_loss_is_refused_naming_the_mean_reduction() -> None:
+    batches = _speech_batches(padded=False)
+    step, params = _ctc_step("sum", batches)
+    with pytest.raises(RankFailed, match=r"Wav2Vec2ForCTC's own CTC loss sums over the rows "
+                                         r"\(config.ctc_loss_reduction='sum'\).*ctc_loss_reduction = 'mean'"):
+        sw.testing.assert_equivalent(sw.shard_params(step, "dp", 3), step, sw.Mesh(dp=2), batches, params)
+
+
+@pytest.mark.parametrize("cut", ["zero3 dp2", "pp2 1f1b"])
+def test_a_ctc_models_own_mean_loss_trains_on_padded_labels_as_one_device(cut: str) -> None:
+    """HF computes the CTC loss in float32 from float64 logits: the step and one device round alike only
+    where they compute the same rows together, so the comparison is to the float32 loss's precision."""
+    batches = _speech_batches(padded=True)
+    step, params = _ctc_step("mean", batches)
+    distributed, mesh = ((sw.shard_params(step, "dp", 3), sw.Mesh(dp=2)) if cut == "zero3 dp2" else
+                         (sw.pipeline(step, "pp", "1f1b", 2), sw.Mesh(pp=2)))
+    sw.testing.assert_equivalent(distributed, step, mesh, batches, params, rtol=1e-6)
+
+
+def test_a_ctc_models_own_mean_loss_under_a_count_function_is_refused() -> None:
+    batches = _speech_batches(padded=True)
+    step, params = _ctc_step("mean", batches, tokens=lambda inputs, _: (inputs["labels"] >= 0).sum())
+    with pytest.raises(RankFailed, match=r"own CTC loss is the mean over the rows of each row's loss per target token"
+                                         r".*pass train_step\(tokens=None\)"):
+        sw.testing.assert_equivalent(sw.shard_params(step, "dp", 3), step, sw.Mesh(dp=2), batches, params)
