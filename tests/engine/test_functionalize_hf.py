@@ -888,3 +888,28 @@ def test_a_reformers_reversible_layers_are_refused_at_functionalize() -> None:
     with pytest.raises(FunctionalizeError, match=r"'reformer\.encoder' \(ReformerEncoder\) computes its layers as "
                                                  r"reversible residual layers"):
         sw.functionalize(model, example_input=torch.randint(3, 64, (4, 8)))
+
+
+def _beit_batch(resolution: int) -> tuple[dict[str, Tensor], None]:
+    g = torch.Generator().manual_seed(resolution)
+    return ({"pixel_values": torch.randn(4, 3, resolution, resolution, generator=g, dtype=torch.float64),
+             "labels": torch.randint(3, (4,), generator=g)}, None)
+
+
+def test_a_size_handed_to_the_units_crosses_layers_as_a_constant() -> None:
+    """BeitLayer is called with ``resolution=pixel_values.shape[2:]``, a torch.Size (a tuple of ints): it was refused
+    as an object crossing a layer boundary. It is a constant, fixed at the example's value like an int: ZeRO-3 and a
+    pipeline equal one device, and a batch of another resolution is refused, naming both values."""
+    torch.manual_seed(0)
+    model = T.BeitForImageClassification(T.BeitConfig(
+        hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32, image_size=16, patch_size=8,
+        num_labels=3, use_relative_position_bias=True, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        drop_path_rate=0.0)).double()
+    batches = [_beit_batch(16), _beit_batch(16)]
+    chain, params = sw.functionalize(model, units=T.models.beit.modeling_beit.BeitLayer, example_input=batches[0][0])
+    step = sw.train_step(chain, lambda out, _: out.loss, sw.optim.sgd(0.1, momentum=0.9))
+    sw.testing.assert_equivalent(sw.shard_params(step, "dp", 3), step, sw.Mesh(dp=2), batches, params)
+    sw.testing.assert_equivalent(sw.pipeline(step, "pp", "1f1b", 2), step, sw.Mesh(pp=2), batches, params)
+    with pytest.raises(FunctionalizeError, match=r"has torch.Size\(\[8, 8\]\) where the example had "
+                                                 r"torch.Size\(\[16, 16\]\)"):
+        step(step.init(params), _beit_batch(8))

@@ -200,7 +200,7 @@ def with_hidden(
 
 # --- the static layout of the carry ------------------------------------------------------------
 
-_CONSTANT_TYPES = (bool, int, float, str, type(None))
+_CONSTANT_TYPES = (bool, int, float, str, type(None), torch.Size)  # (a Size: a tuple of ints, BEiT's resolution)
 
 
 @dataclass(frozen=True)

@@ -126,10 +126,28 @@ def refuse_padded_mean(step: Step, mesh: Mesh | None, batch: Any) -> None:
         "integers (padded labels: -100, cross_entropy's ignore_index), so each share's mean loss counts its own "
         "number of tokens and the mean of those means is not the single-device step's mean over the whole "
         "batch. Pass tokens= to train_step: a count function, e.g. tokens=lambda inputs, targets: "
-        "(targets != -100).sum() (a Hugging Face model's own loss: (inputs['labels'][:, 1:] != -100).sum()), "
+        f"(targets != -100).sum() ({_own_loss_count(step)}), "
         "with loss_fn the mean over those tokens; or tokens='sum' with loss_fn returning (sum of the token "
         f"losses, token count); or tokens={PER_SHARD_MEAN!r} to train on the mean of the shares' means knowingly"
     )
+
+
+def _own_loss_count(step: Step) -> str:
+    """The count of labels a Hugging Face model's own loss averages over, in words: a causal LM shifts its labels
+    (the first of each row counts nothing), an encoder-decoder, a masked LM or a token classifier counts all."""
+    models = [m for _, m in called_modules(step.base_chain) if hasattr(m, "config") and hasattr(m, "loss_type")]
+    shifted = "(inputs['labels'][:, 1:] != -100).sum()"
+    every = "(inputs['labels'] != -100).sum()"
+    if not models:
+        return (f"a Hugging Face model's own loss: {shifted} for a causal LM, which shifts its labels, {every} for an "
+                "encoder-decoder, a masked LM or a token classifier")
+    model = models[0]  # the outermost: the one whose loss the output carries
+    causal = not getattr(model.config, "is_encoder_decoder", False) and (
+        getattr(model, "loss_type", None) == "ForCausalLM"
+        or type(model).__name__.endswith(("ForCausalLM", "LMHeadModel")))
+    if causal:
+        return f"{type(model).__name__}'s own loss, which shifts its labels: {shifted}"
+    return f"{type(model).__name__}'s own loss, which counts every label it is given: {every}"
 
 
 def loss_probe_cut(step: Step, mesh: Mesh | None) -> ProbeCut | None:
