@@ -1,6 +1,7 @@
 """Which tensors an export writes, under which keys, layer by layer, before any value is gathered.
 
-A transformers model's are the ones its ``save_pretrained`` writes: the ``state_dict`` less the
+A transformers model's (also one a module of one's own wraps, under its own keys) are the ones its
+``save_pretrained`` writes: the ``state_dict`` less the
 model's ``_keys_to_ignore_on_save``, a tied weight once under the name transformers keeps
 (``remove_tied_weights_from_state_dict``: GPT-2's ``transformer.wte.weight``, not ``lm_head.weight``),
 then transformers' reverse conversion mapping (``revert_weight_conversion``: Mixtral's fused
@@ -24,7 +25,7 @@ from torch import nn
 from ..layout.state_layout import StateLayout
 from ..model.chain import Chain
 from .errors import CheckpointError
-from .hf_layout import pretrained_model
+from .hf_layout import pretrained, unprefixed
 from .names import Source, StateDictNames
 from .safetensors_writer import Planned
 
@@ -53,11 +54,15 @@ class ExportKeys:
 
 def export_keys(call: str, chain: Chain, layout: StateLayout, names: StateDictNames) -> ExportKeys:
     """The tensors ``save_pretrained`` of ``chain``'s module writes, per layer of ``layout``."""
-    model = pretrained_model(chain)
-    kept = _kept_keys(model, names) if model is not None else [k for k in names.keys if k not in names.aliases]
+    found = pretrained(chain, names.keys)
+    model, prefix = (None, "") if found is None else found
+    # A transformers model wrapped in a module of one's own is written under its own keys (without the
+    # wrapper's prefix), so that its class's from_pretrained reads the files.
+    own = unprefixed(names, prefix) if prefix else names
+    kept = _kept_keys(model, own) if model is not None else [k for k in names.keys if k not in names.aliases]
     by_layer: dict[str, list[tuple[str, Source]]] = {layer: [] for layer in layout.layers}
     for key in kept:
-        source = names.keys[key]
+        source = own.keys[key]
         by_layer[source[1]].append((key, source))
     convert = _converter(model)
     layers = []
@@ -65,7 +70,7 @@ def export_keys(call: str, chain: Chain, layout: StateLayout, names: StateDictNa
         metas = {key: _meta(chain, layout, source) for key, source in inputs}
         outputs = tuple(Planned(k, tuple(t.shape), t.dtype) for k, t in convert(metas).items())
         layers.append(LayerExport(layer, tuple(inputs), outputs))
-    _check_layerwise(call, layers, convert, {k: _meta(chain, layout, names.keys[k]) for k in kept})
+    _check_layerwise(call, layers, convert, {k: _meta(chain, layout, own.keys[k]) for k in kept})
     return ExportKeys(tuple(layers), convert)
 
 

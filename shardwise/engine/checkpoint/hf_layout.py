@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import importlib
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -62,11 +62,32 @@ _Node = _Stored | _Joined
 def pretrained_model(chain: Chain) -> nn.Module | None:
     """The transformers model whose ``state_dict`` names the chain's tensors (a layer holding the
     root: the whole module, or a split's embed / head), or None."""
+    found = pretrained(chain)
+    return None if found is None else found[0]
+
+
+def pretrained(chain: Chain, keys: Iterable[str] | None = None) -> tuple[nn.Module, str] | None:
+    """The transformers model whose ``state_dict`` names the chain's tensors, and the prefix of its keys in the
+    chain's: ``""`` for the root itself; ``"model."`` for one that a module of one's own wraps as its one
+    transformers model (an encoder-decoder wrapped to be split per layer), where every key of ``keys`` (the
+    chain's state_dict keys, when given) is under it, so that its files are read and written under the
+    transformers model's own keys. None where there is none."""
     for layer in chain.layers:
         replicas = getattr(layer.fn, "replicas", None)
         module = getattr(replicas, "module", None)
-        if isinstance(module, nn.Module) and not getattr(replicas, "prefix", "") and is_transformers_model(module):
-            return module
+        held_whole = not str(getattr(replicas, "prefix", "") or "")  # (a split's embed / head hold the root)
+        if not isinstance(module, nn.Module) or not held_whole:
+            continue
+        if is_transformers_model(module):
+            return module, ""
+        inner = [(path, m) for path, m in module.named_modules() if path and is_transformers_model(m)]
+        outermost = [(path, m) for path, m in inner if not any(path.startswith(p + ".") for p, _ in inner)]
+        if len(outermost) != 1:
+            return None
+        path, model = outermost[0]
+        if keys is not None and not all(k.startswith(path + ".") for k in keys):
+            return None
+        return model, path + "."
     return None
 
 
@@ -78,6 +99,7 @@ class HfLayout:
     def __init__(self, store: _Store, model: nn.Module, names: StateDictNames) -> None:
         self.store, self.where = store, store.where
         stored = store.shapes()
+        self.wanted = frozenset(names.keys)  # the model's keys (the others are stored tensors it does not load)
         self.prefix = str(getattr(model, "base_model_prefix", "") or "")
         self._nodes = self._convert(model, names, stored)
         self._shapes = {key: _shape(self.where, key, node, stored) for key, node in self._nodes.items()}
@@ -297,7 +319,41 @@ def _shape(where: str, key: str, node: _Node, stored: Shapes) -> tuple[tuple[int
 
 
 def layout_of(store: _Store, chain: Chain, names: StateDictNames) -> _Store:
-    """``store`` as ``from_pretrained`` would read it into the chain's transformers model, or as it is."""
-    model = pretrained_model(chain)
-    return store if model is None else HfLayout(store, model, names)
+    """``store`` as ``from_pretrained`` would read it into the chain's transformers model (under the keys of the
+    module that wraps it, if one does), or as it is."""
+    found = pretrained(chain, names.keys)
+    if found is None:
+        return store
+    model, prefix = found
+    if not prefix:
+        return HfLayout(store, model, names)
+    return _Prefixed(HfLayout(store, model, unprefixed(names, prefix)), prefix)
+
+
+def unprefixed(names: StateDictNames, prefix: str) -> StateDictNames:
+    """``names`` of the keys under ``prefix``, without it: a wrapped transformers model's own keys."""
+    n = len(prefix)
+    return StateDictNames({k[n:]: v for k, v in names.keys.items() if k.startswith(prefix)},
+                          {at: k[n:] for at, k in names.param_key.items() if k.startswith(prefix)})
+
+
+class _Prefixed:
+    """A wrapped transformers model's files (``inner``, under its own keys) under the wrapper's keys
+    (``prefix`` + its own); a stored tensor it does not load keeps its stored key (refused as unexpected)."""
+
+    def __init__(self, inner: HfLayout, prefix: str) -> None:
+        self.inner, self.prefix, self.where = inner, prefix, inner.where
+        self._own = {k for k in inner.shapes() if k in inner.wanted}
+
+    def _inner_key(self, key: str) -> str:
+        return key[len(self.prefix):] if key.startswith(self.prefix) and key[len(self.prefix):] in self._own else key
+
+    def shapes(self) -> Shapes:
+        return {self.prefix + k if k in self._own else k: v for k, v in self.inner.shapes().items()}
+
+    def made_of(self, key: str) -> str:
+        return self.inner.made_of(self._inner_key(key))
+
+    def read_into(self, key: str, placed: list[Placed]) -> None:
+        self.inner.read_into(self._inner_key(key), placed)
 

@@ -120,7 +120,11 @@ class ModuleInit:
         return f"{type(self.module).__name__} initialized by {how} on {self.device.type}"
 
     def _default_name(self) -> str:
-        return "_init_weights" if is_transformers_model(self.module) else "reset_parameters"
+        return "_init_weights" if self._holds_transformers_model() else "reset_parameters"
+
+    def _holds_transformers_model(self) -> bool:
+        """Whether the module is a transformers model or holds one (an encoder-decoder wrapped to split)."""
+        return any(is_transformers_model(m) for m in self.module.modules())
 
     def tensors(
         self, layer: str, names: list[str], seed: int, seeding: Seeding | None = None
@@ -181,7 +185,7 @@ class ModuleInit:
     def _resets_first(self, owner: nn.Module) -> bool:
         """Whether a tensor the initializer leaves unset is made by the owner's reset_parameters()
         first: where the initializer is not that method itself."""
-        own = self.init_fn is not None or is_transformers_model(self.module)
+        own = self.init_fn is not None or self._holds_transformers_model()
         return own and callable(getattr(owner, "reset_parameters", None))
 
     def _unset(self, owner: nn.Module, path: str) -> FunctionalizeError:
@@ -208,7 +212,7 @@ class ModuleInit:
         """Refuse to make parameters by torch's reset_parameters() for a model that defines its own
         init method: the eager model runs that method (nanoGPT's ``self.apply(self._init_weights)``),
         a meta build would not, and would train from another init without a word."""
-        if self.init_fn is not None or is_transformers_model(self.module):
+        if self.init_fn is not None or self._holds_transformers_model():
             return
         methods = own_init_methods(self.module)
         if methods:
@@ -233,10 +237,19 @@ class ModuleInit:
             init = as_path_init(self.init_fn)
             for module_path, module in reversed(chain):
                 init(module, module_path)
-        elif is_transformers_model(self.module):
-            init_weights: Callable[[nn.Module], Any] = getattr(self.module, "_init_weights")  # noqa: B009 - HF's
-            for _, module in reversed(chain):
-                init_weights(module)
+        elif self._holds_transformers_model():
+            # As transformers' post_init (smart_apply): each module by the _init_weights of the nearest
+            # transformers model at or above it (a nested one's own: an encoder-decoder's encoder; a model
+            # wrapped in a module of one's own, by its own), the modules above the outermost by none.
+            inits: list[Callable[[nn.Module], Any] | None] = []
+            init_weights: Callable[[nn.Module], Any] | None = None
+            for _, module in chain:
+                if is_transformers_model(module):
+                    init_weights = getattr(module, "_init_weights")  # noqa: B009 - HF's
+                inits.append(init_weights)
+            for (_, module), init in zip(reversed(chain), reversed(inits), strict=True):
+                if init is not None:
+                    init(module)
         elif callable(reset := getattr(owner, "reset_parameters", None)):
             reset()
         else:
