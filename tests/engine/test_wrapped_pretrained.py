@@ -111,3 +111,30 @@ def test_a_wrapper_with_tensors_of_its_own_reads_and_writes_its_own_keys(tmp_pat
         "model.model.shared.weight" in load_file(tmp_path / "model.safetensors")
     again = sw.checkpoint.init_from_pretrained(step, tmp_path)
     assert torch.equal(sw.checkpoint.full_state_dict(step, again)["scale"], torch.ones(()))
+
+
+def test_a_composite_model_built_on_meta_makes_each_part_by_its_own_init_weights(tmp_path: Path) -> None:
+    """LLaVA (a CLIP vision tower beside a Llama): the root's _init_weights left the vision embeddings'
+    position_ids unset, and functionalize refused the meta build. Each module is made by the nearest transformers
+    model's own (as transformers' post_init): the buffers equal the eager model's, and the weights load."""
+    config = T.LlavaConfig(
+        vision_config=T.CLIPVisionConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                         intermediate_size=32, image_size=8, patch_size=4),
+        text_config=T.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                  num_attention_heads=2, num_key_value_heads=2), image_token_index=63)
+    torch.manual_seed(0)
+    T.LlavaForConditionalGeneration(config).save_pretrained(tmp_path)
+    reference = T.LlavaForConditionalGeneration.from_pretrained(tmp_path)
+    with torch.device("meta"):
+        empty = T.LlavaForConditionalGeneration(config)
+    ids = torch.randint(0, 60, (2, 8), generator=torch.Generator().manual_seed(1))
+    chain, _ = sw.functionalize(empty, units=T.models.llama.modeling_llama.LlamaDecoderLayer, example_input=ids)
+    buffers = {n: b for layer in chain for n, b in layer.buffers.items()}
+    for name, value in reference.named_buffers():
+        assert torch.equal(buffers[name], value), name
+    step = sw.shard_params(sw.train_step(chain, lambda o, y: F.cross_entropy(o.logits.flatten(0, 1), y.flatten()),
+                                         sw.optim.sgd(0.1)), "dp", 3)
+    full = sw.launch(lambda: step.full_params(sw.checkpoint.init_from_pretrained(step, tmp_path, sw.Mesh(dp=2))), 2)[0]
+    flat = {n: t for layer in full.values() for n, t in layer.items()}
+    for name, value in reference.named_parameters():
+        assert torch.equal(flat[name], value), name

@@ -27,7 +27,7 @@ from .errors import CheckpointError
 from .names import StateDictNames
 from .regions import Placed, whole
 
-_copying = threading.RLock()  # restore_from holds it around restore
+copying = threading.RLock()  # restore_from holds it around restore
 
 # Reads the stored tensor of a key into the given boxes (a Reader's or a weights store's read_into).
 ReadInto = Callable[[str, list[Placed]], None]
@@ -84,7 +84,7 @@ def restore_keys(chain: Chain, names: StateDictNames, stored: Mapping[str, tuple
     written element by element (an expanded one, as a buffer of a user's may be), the tensor is
     pointed at the stored value. Ranks sharing the chain (threads) take turns: the first writes, the
     others find the values there."""
-    with _copying, torch.no_grad():
+    with copying, torch.no_grad():
         for key in keys:
             layer, name = names.buffers[key]
             held = chain[layer].buffers[name]
@@ -103,7 +103,7 @@ def restore_from(where: str, chain: Chain, names: StateDictNames,
     """Check and restore in one, one rank at a time, one buffer at a time: for a caller whose ranks
     do not meet between the two (a rank that compares while another points a tensor elsewhere
     could read it half changed)."""
-    with _copying:
+    with copying:
         _checked(where, chain, names, stored, "")
         restore_keys(chain, names, stored, read_into, list(names.buffers))
 

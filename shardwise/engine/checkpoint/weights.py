@@ -42,6 +42,7 @@ from .buffers import restore_from
 from .dcp_files import DcpFiles
 from .errors import CheckpointError
 from .hf_layout import layout_of
+from .model_made import Aliased, left_to_the_model, make_left_to_the_model, tied_frozen_names, without
 from .names import StateDictNames, module_params, state_dict_names
 from .regions import Placed, placed_boxes
 from .safetensors_files import SafetensorsFiles
@@ -109,8 +110,14 @@ def _init(step: Any, store: Store, mesh: Mesh | None, seed: int, *, from_pretrai
     names = state_dict_names(step.base_chain)
     if from_pretrained:  # the keys save_pretrained wrote, read as from_pretrained reads them
         store = layout_of(store, step.base_chain, names)
+    aliases = tied_frozen_names(step.base_chain, names, store.shapes())
+    if aliases:  # a frozen tied weight stored under one of its names (model_made.py)
+        store = Aliased(store, aliases)
     shapes = store.shapes()
-    copies = _stored_copies(store.where, names, shapes)
+    # what from_pretrained leaves to the model's initializer (model_made.py)
+    made = left_to_the_model(step.base_chain, names, shapes) if from_pretrained else set()
+    loaded = without(names, made) if made else names
+    copies = _stored_copies(store.where, loaded, shapes)
     keys = {param: stored[0] for param, stored in copies.items()}
     expected = module_params(step.base_chain)
     params: dict[str, dict[str, torch.Tensor]] = {}
@@ -138,7 +145,8 @@ def _init(step: Any, store: Store, mesh: Mesh | None, seed: int, *, from_pretrai
             )
     refuse_differing_copies(store.where, {names.param_key[p]: c for p, c in copies.items() if len(c) > 1},
                             shapes, store.read_into, mesh, Source.device)
-    restore_from(store.where, step.base_chain, names, shapes, store.read_into)  # buffers.py
+    restore_from(store.where, step.base_chain, loaded, shapes, store.read_into)  # buffers.py
+    make_left_to_the_model(step.base_chain, names, made, seed)
     state = step.init(params, mesh, seed=seed, source=Source(store, keys))
     unreplaced = getattr(store, "check_unreplaced", None)
     if unreplaced is not None:  # every rank hears of a replacement one of them read (none goes on alone)

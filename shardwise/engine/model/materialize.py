@@ -307,7 +307,12 @@ def unfilled_frozen(chain: Any) -> list[str]:
     if getattr(chain, "init", None) is None:
         return []
     return [f"{layer.name}.{name}" for layer in chain.layers for name, t in layer.buffers.items()
-            if t.numel() > 1 and _expanded(t)]  # (its buffers are made: ModuleInit.tensor's are whole)
+            if is_stand_in(t)]  # (its buffers are made: ModuleInit.tensor's are whole)
+
+
+def is_stand_in(t: Tensor) -> bool:
+    """Whether ``t`` is the split's stand-in for a meta-built frozen parameter (one zero, expanded)."""
+    return t.numel() > 1 and _expanded(t)
 
 
 def _expanded(t: Tensor) -> bool:
