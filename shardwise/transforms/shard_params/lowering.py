@@ -201,14 +201,16 @@ def insert_reduces(
     *, each_microbatch: bool = False,
 ) -> list[Action]:
     """Each unit's reduce-scatter right after the last compute that adds to its gradient; with
-    ``each_microbatch``, also after each earlier one: a micro-batch's share, which names its
+    ``each_microbatch``, also after each earlier micro-batch's last one: a micro-batch's share, which names its
     micro-batch (``reduce_scatter(2, mb=0)``), is summed into the shard the last one completes."""
     last: dict[str, int] = {}
     earlier: dict[int, list[str]] = {}
     for i, action in enumerate(actions):
         if action.kind in GRAD_COMPUTES:
             for unit in stage_needs[action.stage or 0]:
-                if each_microbatch and unit in last and unit not in deferred:
+                # A share is a whole micro-batch's: a unit two computes of one micro-batch add to (a weight
+                # tied across stages: the head's backward, then the embedding's) is reduced after the last.
+                if each_microbatch and unit in last and unit not in deferred and actions[last[unit]].mb != action.mb:
                     earlier.setdefault(last[unit], []).append(unit)
                 last[unit] = i
     after: dict[int, list[Action]] = {}
