@@ -12,7 +12,8 @@ here and nowhere else, checked by tests/engine/test_storage.py. ``storage_key`` 
 a storage's private ``_cdata`` address, ``accumulate_backward`` calls autograd's engine as
 ``torch.autograd.backward`` does (``_engine_run_backward``), ``version_of`` a tensor's version
 counter, ``holders`` who holds a tensor's memory (its storage's and its own reference counts),
-``view_base`` the tensor a view was made from (``Tensor._base``), and ``fake_tensors``
+``view_base`` the tensor a view was made from (``Tensor._base``), ``computed_dtype`` the dtype a tensor was
+computed in before the casts that made it (autograd nodes' ``_input_metadata``), and ``fake_tensors``
 runs code on fake tensors (``torch._subclasses.FakeTensorMode``): shapes, dtypes and kernel choices of the real
 device, no data and no arithmetic, and ``real_ops`` steps out of them inside such a block
 (``unset_fake_temporarily``); ``dense_where_refused`` runs again, on dense copies, an op whose kernel refuses
@@ -92,6 +93,22 @@ def version_of(t: torch.Tensor) -> int:
 
 
 _ENGINE_RUN_BACKWARD = getattr(torch.autograd.graph, "_engine_run_backward", None)
+
+
+def computed_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype ``t`` was computed in before the casts that made it (a float16 loss cast to float32 by a precision
+    policy's output): the dtype of the gradient the node under its chain of ``ToCopyBackward0`` receives (the
+    autograd node's private ``_input_metadata``); ``t.dtype`` where it was not cast (or has no graph)."""
+    node = t.grad_fn
+    dtype = t.dtype
+    while node is not None and type(node).__name__ == "ToCopyBackward0" and node.next_functions:
+        below = node.next_functions[0][0]
+        metadata = getattr(below, "_input_metadata", None)
+        if below is None or not metadata:
+            break
+        dtype = metadata[0].dtype
+        node = below
+    return dtype
 
 
 def accumulate_backward(

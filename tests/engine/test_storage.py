@@ -253,3 +253,15 @@ def test_holders_counts_the_tensors_on_a_storage_the_owners_of_a_tensor_and_its_
     out = torch.sigmoid(y)  # saves its result: a tensor on that result's storage
     assert holders(out)[0] == 2
     assert holders(x) == (on_storage, owners, refs)
+
+
+def test_computed_dtype_reads_through_casts_to_the_dtype_a_tensor_was_computed_in() -> None:
+    """torch_api.computed_dtype reads autograd's private ``_input_metadata`` under ``ToCopyBackward0``: fails here
+    if torch changes either."""
+    from shardwise.engine.torch_api import computed_dtype
+
+    x = torch.randn(3, requires_grad=True)
+    assert computed_dtype((x.half() ** 2).mean().float()) == torch.float16
+    assert computed_dtype((x.half() ** 2).mean().bfloat16().double()) == torch.float16
+    assert computed_dtype((x**2).mean()) == torch.float32
+    assert computed_dtype(torch.ones(()).half().float()) == torch.float32  # no graph: its own dtype

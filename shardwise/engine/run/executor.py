@@ -175,6 +175,10 @@ class Executor(ZeroActions, TransferActions, StageBackward, LossAction, StepEnd)
     master: Any  # the tree the optimizer updates (parameters, or ZeRO shards)
     held: Any = None  # what the TrainState holds at rest (full parameters under ZeRO-1/2)
     grad_scale: float = 1.0  # the precision loss scale, divided out of reduced gradient shards
+    # The seed of the single-device step's one loss (the loss scale), and whether the scale is static: where it
+    # overflows the loss's dtype, one device's step skips, and so does every layout's (stage_backward.py)
+    whole_seed: float | None = None
+    static_scale: bool = False
     reduce_dtypes: Mapping[str, torch.dtype] | None = None  # per unit: the dtype its gradient travels in
     # Per layer, where the precision policy reduces gradients in a wider dtype than it computes them and the step
     # has several micro-batches: the dtype their weight gradients are summed in (run/wide_grads.py).

@@ -7,6 +7,7 @@ step's leaves as ``loss.backward()`` accumulates ``.grad``. A mixin of
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -18,8 +19,10 @@ from ..layout.state_layout import Placement
 from ..model.chain import Chain
 from ..model.split_backward import WeightPart, input_part, recomputes, weight_part
 from ..plan.actions import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, Action
-from ..torch_api import accumulate_backward
+from ..torch_api import accumulate_backward, computed_dtype
 from .wide_grads import WideGrads
+
+_NARROW = (torch.float16, torch.bfloat16)  # (a float32 or wider loss holds any loss scale)
 
 
 @dataclass
@@ -95,6 +98,8 @@ class StageBackward:
     chain: Chain
     placement: Placement
     seed: float
+    whole_seed: float | None
+    static_scale: bool
     poison: bool
     _saved: dict[tuple[int, int], Saved]
     _outputs: dict[tuple[int, int], Any]
@@ -204,6 +209,25 @@ class StageBackward:
         if self._wide is not None:
             self._wide.take(leaves)
 
+    def _seed_in(self, dtype: torch.dtype) -> float:
+        """The loss gradient of one micro-batch, whose loss was computed in ``dtype`` (before any cast to a wider one):
+        its share of the loss scale; or inf where the whole scale is not finite in that dtype (a float16 loss,
+        computed inside the model and cast to float32 by the policy's output, under the default
+        dynamic scale 65536), as the single-device step's seed is: its step skips, so every layout's does (a
+        part's share alone, 32768 at dp 2, would not overflow, and a step one device skips would train)."""
+        whole = self.whole_seed
+        if whole is None or dtype not in _NARROW or not math.isinf(float(torch.tensor(whole).to(dtype))):
+            return self.seed
+        if self.static_scale:
+            raise ValueError(
+                f"the loss is {dtype} (computed inside the model, before the precision policy's output cast) and the "
+                f"static loss scale {whole:g} is not finite in {dtype}: the loss gradient the backward starts from "
+                "overflows, and every step would be skipped. Give a scale below "
+                f"{torch.finfo(dtype).max:g} (loss_scale=32768.0), compute the loss in loss_fn from the model's "
+                "output, or compute the last layer in float32 (mixed_precision(overrides={layer: 'compute=f32'}))"
+            )
+        return math.inf
+
     def _not_reaching(self, s: int) -> None:
         previous = self.placement.stages[s - 1][-1]
         raise ValueError(
@@ -214,7 +238,9 @@ class StageBackward:
 
     def _output_grads(self, s: int, m: int, saved: Saved) -> list[torch.Tensor | None]:
         if s == self.placement.last:
-            return [torch.full_like(saved.outputs[0], self.seed)]
+            loss = saved.outputs[0]
+            narrowest = computed_dtype(loss) if self.whole_seed is not None else loss.dtype
+            return [torch.full_like(loss, self._seed_in(narrowest))]
         if self.placement.stage_rank[s + 1] == self.placement.stage_rank[s]:
             grads: Sequence[torch.Tensor] = self._input_grads.pop((s + 1, m))
         else:

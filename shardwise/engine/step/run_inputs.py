@@ -25,6 +25,7 @@ from ...collectives.backends.current import current_backend
 from ...collectives.mesh import Mesh
 from ..layout.devices import device_of, host_scalar
 from ..layout.in_flight import InFlightParams
+from ..layout.precision import StaticLossScale
 from ..layout.sharding import FlatSharding
 from ..layout.state import TrainState
 from ..layout.state_layout import StateLayout, unit_names
@@ -264,6 +265,7 @@ def prepare_run(step: Step, state: TrainState, layout: StateLayout, batch: Any) 
         # A mean loss counts 1/(replicas x micro-batches) of the step; a token sum is divided
         # by the global count in the update instead.
         seed=scale if step.token_weighted else scale / (max(replicas, 1) * k),
+        whole_seed=scale, static_scale=isinstance(state.loss_scale, StaticLossScale),
         finalize=lambda grads: unscale_like(grads, master, scale), update=update,
         master=master, held=state.params, grad_scale=scale, reduce_dtypes=run.reduce_dtypes,
         accumulate_dtypes=run.accumulate_dtypes if len(micro) > 1 else None,
