@@ -52,6 +52,25 @@ class _UnitTracer(fx.Tracer):
         return node
 
 
+def concrete_none(value: object, msg: str) -> None:
+    """torch.fx's check that an argument traced as ``None`` (a ``concrete_args`` default) is ``None`` at run time,
+    under a name of this module: fx's own (``torch.fx._symbolic_trace._assert_is_none``) is written into the
+    segment's code by its dotted name, and registered by that name for tracing again, which the re-trace that
+    unpickles a GraphModule cannot look up (a KeyError that also breaks every later trace in that process): a
+    segment holding it could not be sent to a process rank (torchtitan's ``forward(tokens, input_batch=None)``)."""
+    assert value is None, msg
+
+
+def _own_none_checks(graph: fx.Graph) -> None:
+    """Point fx's None checks at :func:`concrete_none` (the same check, a name that pickles)."""
+    for node in graph.nodes:
+        if node.op == "call_function" and getattr(node.target, "__name__", "") == "_assert_is_none" and \
+                getattr(node.target, "__module__", "") == "torch.fx._symbolic_trace":
+            node.target = concrete_none
+            # traced again as a call (the code registers it with torch.fx.wrap), where fx's own is wrapped
+            node.meta["is_wrapped"] = True
+
+
 # torch.fx patches nn.Module.__call__ and __getattr__ process-wide while it traces, so two
 # ranks of the threads backend tracing at once would see each other's patches.
 _TRACE_LOCK = threading.Lock()
@@ -63,6 +82,7 @@ def _trace(module: nn.Module, units: list[str]) -> tuple[fx.Graph, dict[str, Any
     try:
         with _TRACE_LOCK:
             graph = _UnitTracer(units).trace(module, concrete_args=_concrete_args(module))
+        _own_none_checks(graph)
     except FunctionalizeError:
         raise
     except Exception as e:
