@@ -43,6 +43,7 @@ from torch.func import functional_call
 from torch.nn.modules import module as _torch_module
 
 from shardwise.collectives.backends.current import on_rank_thread
+from shardwise.engine.model.hf_collecting import forget_capturing_hooks, is_capturing_hook
 from shardwise.engine.model.predicted_state import no_fake_state_left, predicting_on_fake_tensors
 from shardwise.engine.model.rope_state import (
     cache_lengths,
@@ -415,16 +416,34 @@ def _hook_ids(module: nn.Module) -> list[frozenset[int]]:
     return [frozenset(k for name in _HOOKS for k in getattr(sub, name, {})) for sub in module.modules()]
 
 
+def own_hook_dicts(module: nn.Module) -> None:
+    """Give ``module`` (itself, not its children) hook dicts of its own, holding the hooks it has: a shallow copy
+    of a module shares them, and a hook put on the copy (transformers' output capturing, at a copy's first call)
+    would be on the original too."""
+    for name in (*_HOOKS, *_HOOK_FLAGS):
+        hooks = getattr(module, name, None)
+        if hooks is not None:
+            setattr(module, name, type(hooks)(hooks))
+
+
 def _drop_hooks_since(replica: nn.Module, kept: list[frozenset[int]]) -> None:
     """Remove from a thread's copy the hooks its original did not hold when it was made (``kept``): another
     thread's, on its own module while this one copied it (the sequence-first check's pre-hooks, which hear
     only their thread): each would have cost the copy a call per forward, for good. The copy gets dicts of its
-    own (a copy made module by module shared them: a hook put on it later was on the original too)."""
+    own (a copy made module by module shared them: a hook put on it later was on the original too). transformers'
+    output-capturing hooks, put on at the model's first call (hf_collecting.py), are dropped too where they came
+    after, and the copy's model marked as without them, so that its own first call puts them on its layers: kept
+    marked, its calls captured no hidden state (``out.hidden_states`` empty on every rank thread)."""
+    dropped_capturing = False
     for sub, ids in zip(replica.modules(), kept, strict=True):
         for name in (*_HOOKS, *_HOOK_FLAGS):
             hooks = getattr(sub, name, None)
             if hooks is not None:
+                if name in _HOOKS:
+                    dropped_capturing |= any(is_capturing_hook(v) for k, v in hooks.items() if k not in ids)
                 setattr(sub, name, type(hooks)((k, v) for k, v in hooks.items() if k in ids))
+    if dropped_capturing:  # transformers' output capturing, put on at the model's first call: again on the copy's
+        forget_capturing_hooks(replica)
 
 
 def call_arguments(module: nn.Module, x: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:

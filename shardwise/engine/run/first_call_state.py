@@ -44,7 +44,7 @@ from torch import nn
 
 from ...collectives.mesh_context import no_mesh
 from ..model.chain import Layer
-from ..model.module_call import module_fn
+from ..model.module_call import module_fn, own_hook_dicts
 from ..stack import in_layer
 from .forward_state import python_state, same_state, watched
 from .rng import default_generators, untouched
@@ -79,6 +79,7 @@ def _twin(module: nn.Module, registered: dict[int, Any], seen: dict[int, nn.Modu
         return seen[id(module)]
     twin = copy.copy(module)
     seen[id(module)] = twin
+    own_hook_dicts(twin)  # (a hook the probe's call puts on the twin stays off the module)
     twin._parameters = dict(module._parameters)
     twin._buffers = dict(module._buffers)
     twin._modules = {k: None if v is None else _twin(v, registered, seen) for k, v in module._modules.items()}

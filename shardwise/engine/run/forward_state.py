@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..model import hf_collecting
 from ..model.module_call import module_fn
 from ..torch_api import version_of
 from .thread_token import thread_token
@@ -38,9 +39,9 @@ from .thread_token import thread_token
 _WATCHED: weakref.WeakKeyDictionary[Any, set[int]] = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()
 
-# What nn.Module keeps in its __dict__ for itself (containers, hooks, flags torch sets): not state
-# a forward advances.
-_MODULE_INTERNALS = frozenset(vars(nn.Module())) | {"training"}
+# What nn.Module keeps in its __dict__ for itself (containers, hooks, flags torch sets), and transformers' mark
+# that its output-capturing hooks are on (set at a model's first call): not state a forward advances.
+_MODULE_INTERNALS = frozenset(vars(nn.Module())) | {"training"} | hf_collecting.BOOKKEEPING
 
 _SCALARS = (bool, int, float, complex, str, bytes, type(None))
 
