@@ -138,3 +138,37 @@ def test_a_ctc_models_own_mean_loss_under_a_count_function_is_refused() -> None:
     with pytest.raises(RankFailed, match=r"own CTC loss is the mean over the rows of each row's loss per target token"
                                          r".*pass train_step\(tokens=None\)"):
         sw.testing.assert_equivalent(sw.shard_params(step, "dp", 3), step, sw.Mesh(dp=2), batches, params)
+
+
+def _simmim_batches(even: bool) -> list[tuple[dict[str, torch.Tensor], None]]:
+    """4 rows of 4 patches; rows 0-1 (the first share) mask 1 patch each, rows 2-3 mask 3 (or all rows 2)."""
+    g = torch.Generator().manual_seed(1)
+    masks = torch.zeros(4, 4, dtype=torch.bool)
+    for row, n in enumerate((2, 2, 2, 2) if even else (1, 1, 3, 3)):
+        masks[row, :n] = True
+    return [({"pixel_values": torch.randn(4, 3, 8, 8, generator=g, dtype=torch.float64), "bool_masked_pos": masks},
+             None) for _ in range(2)]
+
+
+def test_a_masked_image_models_own_loss_on_uneven_masks_is_refused_and_a_count_trains_it() -> None:
+    """ViTForMaskedImageModeling's own loss is the mean over the masked pixels: shares masking different numbers
+    trained on the mean of their means (ZeRO-3 dp2: 6.2e-4 in the loss, 0.67 of the update, no error)."""
+    torch.manual_seed(0)
+    model = T.ViTForMaskedImageModeling(T.ViTConfig(
+        hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, image_size=8, patch_size=4,
+        encoder_stride=4, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)).double()
+    batches = _simmim_batches(even=False)
+    chain, params = sw.functionalize(model, example_input=batches[0][0])
+    step = sw.train_step(chain, _own_loss, sw.optim.sgd(0.1))
+    zero3 = sw.shard_params(step, "dp", 3)
+    with pytest.raises(RankFailed, match=r"the model's own loss is the mean over the elements "
+                                         r"batch\['bool_masked_pos'\] masks, and the shares mask different numbers "
+                                         r"of them \(\[2, 6\]\)"):
+        sw.testing.assert_equivalent(zero3, step, sw.Mesh(dp=2), batches, params)
+    counted = sw.train_step(chain, _own_loss, sw.optim.sgd(0.1),
+                            tokens=lambda inputs, _: inputs["bool_masked_pos"].sum())
+    # transformers divides the masked pixels' loss by their count + 1e-5: each share's mean, weighed by its count,
+    # is the whole's to that 1e-5 (2.6e-8 relative here, 48 masked pixels a share), not to float64's rounding
+    sw.testing.assert_equivalent(sw.shard_params(counted, "dp", 3), counted, sw.Mesh(dp=2), batches, params,
+                                 rtol=1e-6)
+    sw.testing.assert_equivalent(zero3, step, sw.Mesh(dp=2), _simmim_batches(even=True), params)

@@ -41,6 +41,18 @@ def own_loss_per_row_mean(module: nn.Module) -> bool:
     return type(module).__name__.endswith("ForCTC") and getattr(config, "ctc_loss_reduction", None) == "mean"
 
 
+# The input whose True elements a Hugging Face model's own loss averages over, by the model's class name's end:
+# masked image modeling (SimMIM: ViT, DeiT, Swin, BEiT) divides the masked pixels' loss by the masked count.
+_MASKED_MEAN = {"ForMaskedImageModeling": "bool_masked_pos"}
+
+
+def own_loss_masked_by(module: nn.Module) -> str | None:
+    """The input key whose True elements ``module``'s own loss is a mean over (a Hugging Face model of masked
+    image modeling: ``bool_masked_pos``), or None."""
+    name = type(module).__name__
+    return next((key for end, key in _MASKED_MEAN.items() if name.endswith(end)), None)
+
+
 def own_loss_refused(module: nn.Module, counted: bool) -> tuple[str, str] | None:
     """Where ``module`` (itself, not its children) is a Hugging Face CTC model whose own loss a step that cuts the
     batch cannot take as it is: what the loss is and the fix, in words; None otherwise. ``counted``: the step weighs
