@@ -271,12 +271,17 @@ def run_layer(
         # (Under no_grad nothing is recomputed; ``host_draws`` False: the layer cannot draw from them.)
         host = host_random.Replay() if host_draws and torch.is_grad_enabled() else None
 
+        guarded = False  # whether this checkpoint's forward ran watched: its recomputations run as it did
+
         def region(*flat: Any) -> Any:
-            nonlocal watching
+            nonlocal watching, guarded
             region_tensors, region_x = optree.tree_unflatten(spec, list(flat))
             guard: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
-            if watching:  # the forward; its recomputations run the same ops
-                watching = False
+            if watching or guarded:
+                # The forward, and its recomputations under the same mode: torch picks some ops' kernels by
+                # whether a dispatch mode is on (F.ctc_loss saves 2 tensors more under one), and a recomputation
+                # that saved otherwise than its forward fails in torch's checkpoint (CheckpointError).
+                watching, guarded = False, True
                 guard = RefuseOwnGenerators(layer, policy)
             try:
                 with guard, host.run() if host is not None else contextlib.nullcontext():
