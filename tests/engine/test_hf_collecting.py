@@ -65,3 +65,19 @@ def test_a_model_collecting_its_layers_outputs_is_refused_when_split_naming_them
                                                     r"output_router_logits=False.*units=None.*sw\.router_aux_loss"):
         sw.functionalize(model, units=MixtralDecoderLayer, example_input=ids)
     sw.functionalize(model, units=None, example_input=ids)  # one layer: its forward collects as it runs
+
+
+def test_a_model_forcing_its_hidden_states_is_refused_without_advice_that_cannot_work() -> None:
+    """Wav2Vec2ForSequenceClassification's forward (transformers' filter_output_hidden_states) sets
+    output_hidden_states=True on its model whatever the config says: the refusal told the user to turn it off, which
+    changed nothing; it names the class that forces it and units=None."""
+    torch.manual_seed(0)
+    model = T.Wav2Vec2ForSequenceClassification(T.Wav2Vec2Config(
+        hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32, conv_dim=(8, 8),
+        conv_stride=(4, 4), conv_kernel=(8, 4), num_conv_pos_embeddings=8, num_conv_pos_embedding_groups=2,
+        num_labels=3, output_hidden_states=False, use_weighted_layer_sum=False, layerdrop=0.0))
+    layer = T.models.wav2vec2.modeling_wav2vec2.Wav2Vec2EncoderLayer
+    with pytest.raises(sw.FunctionalizeError, match=r"Wav2Vec2ForSequenceClassification forces "
+                                                    r"output_hidden_states=True .* cannot be turned off: split with "
+                                                    r"units=None"):
+        sw.functionalize(model, units=layer, example_input={"input_values": torch.randn(2, 400)})

@@ -41,12 +41,29 @@ def refuse_collecting(root: nn.Module, collecting: list[tuple[str, str]]) -> Non
     flags = ", ".join(f"output_{key.removeprefix('cross_')}=False" for key in keys)
     aux = ("; for the MoE blocks sw.router_aux_loss knows, it adds their load-balancing loss over the whole batch"
            if "router_logits" in keys else "")
+    forcing = _forcing_hidden_states(root) if "hidden_states" in keys else None
+    way_out = (f"{forcing} forces output_hidden_states=True on its model whatever the config, the call or the batch "
+               "say (transformers' filter_output_hidden_states), so it cannot be turned off: split with units=None "
+               "(one layer)" if forcing is not None else
+               f"Turn it off ({flags}, in the config, the call or the batch), or split with units=None (one layer)")
     raise FunctionalizeError(
         f"functionalize: {type(root).__name__}'s forward collects its layers' {', '.join(keys)} while they run "
         f"(unit {unit!r} among them), through hooks its own call sets up; split into units, the layers run one "
-        f"by one and the code after them would collect nothing. Turn it off ({flags}, in the config, the call "
-        f"or the batch), or split with units=None (one layer){aux}"
+        f"by one and the code after them would collect nothing. {way_out}{aux}"
     )
+
+
+def _forcing_hidden_states(root: nn.Module) -> str | None:
+    """The class of the first module of ``root`` whose forward transformers wraps to always collect the hidden
+    states (``filter_output_hidden_states``: Wav2Vec2ForSequenceClassification, the vision backbones), or None."""
+    for module in root.modules():
+        forward: Any = type(module).forward
+        while forward is not None:  # (functools.wraps copies the name: the wrapper's code tells it)
+            code = getattr(forward, "__code__", None)
+            if "filter_output_hidden_states" in str(getattr(code, "co_qualname", "")):
+                return type(module).__name__
+            forward = getattr(forward, "__wrapped__", None)
+    return None
 
 
 def extra_refused(unit: str, k: int, user: str) -> FunctionalizeError:
