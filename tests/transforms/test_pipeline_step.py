@@ -76,6 +76,17 @@ def test_explicit_uneven_partition() -> None:
     sw.testing.assert_equivalent(piped, step, sw.Mesh(pp=2), batches, params, rtol=F64_RTOL)
 
 
+def test_a_partition_of_more_stages_than_the_schedule_runs_names_stages() -> None:
+    """interleaved_1f1b on 2 ranks runs 2 stages unless stages= says more: a partition of 4 was refused as
+    "gives 4 stages, the schedule has 2", without saying what to pass; with stages=4 it trains."""
+    step, params, batches = _mlp_problem(depth=3, seed=1, batch=4)  # 5 layers
+    with pytest.raises(ValueError, match=r"partition=\[2, 1, 1, 1\]\) gives 4 stages, and "
+                                         r"schedule='interleaved_1f1b' on 2 ranks .* pass stages=4"):
+        sw.pipeline(step, "pp", "interleaved_1f1b", 2, partition=[2, 1, 1, 1]).plan(sw.Mesh(pp=2), params)
+    piped = sw.pipeline(step, "pp", "interleaved_1f1b", 2, stages=4, partition=[2, 1, 1, 1])
+    sw.testing.assert_equivalent(piped, step, sw.Mesh(pp=2), batches, params, rtol=F64_RTOL)
+
+
 def test_untied_gpt_pipelined_on_a_dp_pp_mesh_replicates_over_dp() -> None:
     torch.manual_seed(0)
     model = TinyGPT(vocab=32, d_model=16, n_heads=2, n_layers=2, seq_len=8, tie_weights=False).double()

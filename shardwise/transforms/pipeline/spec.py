@@ -72,6 +72,15 @@ class PipelineSpec:
         count = self.num_stages(ranks)
         names = list(chain.names)
         if self.partition is not None:
+            if len(self.partition) != count and self.stages is None and fixed_schedule(self.schedule) is None:
+                # A partition of more stages than ranks: stages= says how many (interleaved, zb_v: several a rank)
+                raise ValueError(
+                    f"pipeline(partition={list(self.partition)}) gives {len(self.partition)} stages, and "
+                    f"schedule={self.schedule_text} on {ranks} ranks of axis {self.axis!r} runs {count} "
+                    f"(stages= not given); pass stages={len(self.partition)} for that many (an interleaved schedule "
+                    "runs several a rank), or a partition of "
+                    f"{count} counts"
+                )
             counts = check_partition(self.partition, len(names), count)
         elif params is not None:
             counts = balanced_partition(param_counts(names, params), count)
