@@ -182,9 +182,11 @@ def _coarser_dtype_hint(where: str, expected: Any, rtol: float) -> str:
 
 def _random_draws(step: Any) -> list[str]:
     """Where ``step``'s model draws random numbers in training, as far as its modules say: a dropout module in
-    training mode with p > 0; a module's own float ``*dropout`` / ``*pdrop`` above 0 (the rate a Hugging Face
-    attention hands its functional dropout: ``self.attention_dropout``). Not a config's: a config lists rates of
-    heads the model may not have (GPT-2's ``summary_first_dropout``, for its double-heads model alone)."""
+    training mode with p > 0; a module's own float ``*dropout`` / ``*pdrop`` / ``drop_prob`` above 0 (the rate a
+    Hugging Face attention hands its functional dropout: ``self.attention_dropout``; a DropPath's stochastic
+    depth). Not a config's: a config lists rates of heads the model may not have (GPT-2's
+    ``summary_first_dropout``, for its double-heads model alone); SpecAugment's only where the module holds its
+    mask embedding (``masked_spec_embed``, which Wav2Vec2 and its kin make for it)."""
     chain = getattr(step, "base_chain", None)
     if chain is None:
         return []
@@ -195,8 +197,15 @@ def _random_draws(step: Any) -> list[str]:
         if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
             found[f"{type(module).__name__}(p={module.p:g}) at {path}"] = None
         for key, value in vars(module).items():
-            if (key.endswith("dropout") or key.endswith("pdrop")) and type(value) is float and value > 0:
+            if (key.endswith("dropout") or key.endswith("pdrop") or key == "drop_prob") and type(value) is float \
+                    and value > 0:  # (drop_prob: stochastic depth, a DropPath's: Swin's, BEiT's, ConvNeXt's, timm's)
                 found[f"{type(module).__name__}.{key}={value:g} at {path}"] = None
+        config = getattr(module, "config", None)
+        if "masked_spec_embed" in module._parameters:  # SpecAugment (Wav2Vec2 and kin): masks drawn in training
+            for key in ("mask_time_prob", "mask_feature_prob"):
+                rate = getattr(config, key, 0)
+                if isinstance(rate, (int, float)) and rate > 0:
+                    found[f"SpecAugment {type(module).__name__}.config.{key}={rate:g} at {path}"] = None
     return list(found)
 
 

@@ -324,6 +324,29 @@ def test_a_divergence_names_an_attentions_functional_dropout_and_not_a_configs_u
     assert "random numbers" not in str(caught.value)
 
 
+def test_a_divergence_names_stochastic_depth_and_spec_augment() -> None:
+    """Swin's drop path (its config's drop_path_rate, 0.1 by default) and Wav2Vec2's SpecAugment (mask_time_prob)
+    draw in training without a dropout module or rate: a divergence said nothing of them."""
+    T = pytest.importorskip("transformers", reason="the [hf] extra (pip install -e '.[hf]') is not installed")
+    from shardwise.testing.equivalence import _random_draws
+
+    torch.manual_seed(0)
+    swin = T.SwinForImageClassification(T.SwinConfig(
+        image_size=16, patch_size=4, embed_dim=8, depths=[1, 1], num_heads=[1, 2], window_size=2, num_labels=3,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, drop_path_rate=0.3))
+    chain, _ = sw.functionalize(swin, example_input={"pixel_values": torch.randn(2, 3, 16, 16)})
+    drawn = _random_draws(sw.train_step(chain, lambda out, _: out.logits.sum(), sw.optim.sgd(0.1)))
+    assert drawn and all("SwinDropPath.drop_prob" in d for d in drawn), drawn
+    speech = T.Wav2Vec2ForCTC(T.Wav2Vec2Config(
+        vocab_size=12, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+        conv_dim=(8, 8), conv_stride=(4, 4), conv_kernel=(8, 4), num_conv_pos_embeddings=8,
+        num_conv_pos_embedding_groups=2, hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+        feat_proj_dropout=0.0, final_dropout=0.0, layerdrop=0.0, mask_time_prob=0.5, mask_time_length=2))
+    chain, _ = sw.functionalize(speech, example_input={"input_values": torch.randn(2, 400)})
+    drawn = _random_draws(sw.train_step(chain, lambda out, _: out.logits.sum(), sw.optim.sgd(0.1)))
+    assert drawn == ["SpecAugment Wav2Vec2Model.config.mask_time_prob=0.5 at wav2vec2"], drawn
+
+
 def test_a_distributed_reference_is_refused_naming_its_transforms() -> None:
     """The step and its reference swapped: the reference's init failed with "pipeline(axis='pp') needs the mesh:
     call step.init(params, mesh)", which the caller never calls."""
