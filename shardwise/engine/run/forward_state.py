@@ -32,7 +32,7 @@ from torch import nn
 
 from ..model import hf_collecting
 from ..model.module_call import module_fn
-from ..torch_api import version_of
+from ..torch_api import is_fake, version_of
 from .thread_token import thread_token
 
 # (layer -> the threads (thread_token.py) that ran its watched step): a rank thread's copy of the module is its own.
@@ -176,6 +176,8 @@ def same_state(a: Any, b: Any) -> bool:
             return False
         if a.is_meta or b.is_meta:
             return a is b or (a.is_meta and b.is_meta and a.shape == b.shape and a.dtype == b.dtype)
+        if is_fake(a) or is_fake(b):  # (values unknown: reading them raises) the same only as one tensor
+            return a is b
         if a.shape != b.shape or a.dtype != b.dtype:
             return False
         if a.is_floating_point() or a.is_complex():  # a NaN kept in a buffer is no write
