@@ -55,6 +55,14 @@ def _own_loss(out: Any, _: Any) -> torch.Tensor:
     return out.loss
 
 
+# The model's own loss as loss_fn returns it: alone, with a per-row regularizer (which the halving changes, so the
+# probe alone measured a value and passed it: 0.52 off), and as a (sum, count) pair under tokens='sum'.
+LOSSES = {
+    "alone": (_own_loss, None),
+    "regularized": (lambda out, _: out.loss + 0.01 * out.text_embeds.pow(2).mean(), None),
+    "summed": (lambda out, _: (out.loss * out.logits_per_image.shape[0], out.logits_per_image.shape[0]), "sum"),
+}
+
 CUTS = {
     "zero3 dp2": (lambda s: sw.shard_params(s, "dp", 3), lambda: sw.Mesh(dp=2), r"shard_params over axis 'dp'"),
     "accumulation 2": (lambda s: sw.shard_params(s, "dp", 1, accumulation=2), lambda: sw.Mesh(dp=1),
@@ -69,11 +77,13 @@ def test_a_contrastive_models_own_loss_is_refused_where_the_batch_is_cut(kind: s
     chain, params = sw.functionalize(_contrastive(kind), example_input=batch[0])
     step = sw.train_step(chain, _own_loss, sw.optim.sgd(0.1))
     transform, mesh, words = CUTS[cut]
-    with pytest.raises((ValueError, RankFailed), match=(
-            rf"loss_fn returned the same value on halves of the output's rows as on all of them \(this step cuts the "
-            rf"batch: {words}.*\): it reads a loss the model computed itself.*rows on two dims \(logits_per_image, "
-            r"logits_per_text: a rows x rows matrix.*tokens='per_shard_mean'")):
-        sw.testing.assert_equivalent(transform(step), step, mesh(), [batch], params)
+    for loss_fn, tokens in LOSSES.values():
+        stepped = sw.train_step(chain, loss_fn, sw.optim.sgd(0.1), tokens=tokens)
+        with pytest.raises((ValueError, RankFailed), match=(
+                rf"the model's output holds a loss it computed itself, over the part of the batch the model is called "
+                rf"on \(this step cuts the batch: {words}.*\), and the model's output holds the rows on two dims "
+                r"\(logits_per_image, logits_per_text: a rows x rows matrix.*tokens='per_shard_mean'")):
+            sw.testing.assert_equivalent(transform(stepped), stepped, mesh(), [batch], params)
     # On one device, and on the mean of the shares' losses taken knowingly, it trains.
     _, metrics = step(step.init(params), batch)
     assert torch.isfinite(metrics["loss"])
@@ -83,6 +93,17 @@ def test_a_contrastive_models_own_loss_is_refused_where_the_batch_is_cut(kind: s
     halves = [_own_loss(chain(params, {k: v[i:i + 2] for k, v in batch[0].items()}), None) for i in (0, 2)]
     torch.testing.assert_close(torch.tensor(losses[0], dtype=torch.float64), (halves[0] + halves[1]).detach() / 2,
                                rtol=1e-12, atol=0)
+
+
+def test_a_contrastive_models_own_loss_on_one_row_micro_batches_is_refused() -> None:
+    """One row a share: the probe compares a row with itself repeated (a 1 x 1 matrix, CLIP's loss 0: never judged),
+    and the model's loss was not seen at all (0.48 off for SigLIP at dp 2)."""
+    batch = _image_text_batch()
+    two = ({k: v[:2] for k, v in batch[0].items()}, None)
+    chain, params = sw.functionalize(_contrastive("siglip"), example_input=two[0])
+    step = sw.train_step(chain, _own_loss, sw.optim.sgd(0.1))
+    with pytest.raises(RankFailed, match=r"the model's output holds a loss it computed itself"):
+        sw.testing.assert_equivalent(sw.shard_params(step, "dp", 3), step, sw.Mesh(dp=2), [two], params)
 
 
 def _ctc(reduction: str) -> torch.nn.Module:
@@ -132,6 +153,50 @@ def test_a_ctc_models_own_mean_loss_trains_on_padded_labels_as_one_device(cut: s
     sw.testing.assert_equivalent(distributed, step, mesh, batches, params, rtol=1e-6)
 
 
+class _OwnCtcMean(torch.nn.Module):
+    """A wrapper computing its own per-row-mean CTC loss from the logits of a CTC head it gives no labels (whose
+    config keeps Wav2Vec2Config's default reduction "sum", unused): refused as that head's summed loss before."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_values: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        logp = self.model(input_values=input_values).logits.log_softmax(-1).transpose(0, 1)
+        frames = torch.full((labels.shape[0],), logp.shape[0], dtype=torch.long)
+        ctc = torch.nn.functional.ctc_loss(logp, labels, frames, torch.full((labels.shape[0],), labels.shape[1]),
+                                           blank=0, reduction="mean")
+        return {"loss": ctc, "logits": logp}
+
+
+def test_a_ctc_loss_of_ones_own_beside_a_ctc_head_that_would_sum_trains() -> None:
+    batches = _speech_batches(padded=False)
+    chain, params = sw.functionalize(_OwnCtcMean(_ctc("sum")), example_input=batches[0][0])
+    step = sw.train_step(chain, lambda out, _: out["loss"], sw.optim.sgd(0.01))
+    sw.testing.assert_equivalent(sw.shard_params(step, "dp", 3), step, sw.Mesh(dp=2), batches, params)
+
+
+def test_padded_labels_in_the_targets_beside_a_ctc_head_are_still_refused() -> None:
+    """The exemption of a CTC head's own per-row mean holds for the labels it reads (the batch's, or its inputs'):
+    labels in the targets, for a loss of one's own, are refused as before (4e-2 off let through)."""
+    batches = [(inputs, {"labels": inputs["labels"]}) for inputs, _ in _speech_batches(padded=True)]
+    step, params = _ctc_step("mean", [({"input_values": b[0]["input_values"]}, None) for b in batches])
+    inputs_only = [({"input_values": b[0]["input_values"]}, b[1]) for b in batches]
+    with pytest.raises(RankFailed, match=r"batch\[1\]\['labels'\] holds negative integers"):
+        sw.testing.assert_equivalent(sw.shard_params(step, "dp", 3), step, sw.Mesh(dp=2), inputs_only, params)
+
+
+def test_a_mean_returned_as_the_sum_of_a_models_own_loss_is_refused() -> None:
+    """tokens='sum' with (out.loss, count): a mean with a count that halves was refused, then let through once a
+    loss unchanged on the halves was taken for the model's own whatever the counts (1.0 relative off)."""
+    batches = _speech_batches(padded=False)
+    step, params = _ctc_step("mean", batches, tokens="sum")
+    counted = sw.train_step(step.base_chain, lambda out, _: (out.loss, out.logits.shape[0]), sw.optim.sgd(0.01),
+                            tokens="sum")
+    with pytest.raises(RankFailed, match=r"train_step\(tokens='sum'\) needs loss_fn to return \(the sum"):
+        sw.testing.assert_equivalent(sw.shard_params(counted, "dp", 3), counted, sw.Mesh(dp=2), batches, params)
+
+
 def test_a_ctc_models_own_mean_loss_under_a_count_function_is_refused() -> None:
     batches = _speech_batches(padded=True)
     step, params = _ctc_step("mean", batches, tokens=lambda inputs, _: (inputs["labels"] >= 0).sum())
@@ -172,3 +237,13 @@ def test_a_masked_image_models_own_loss_on_uneven_masks_is_refused_and_a_count_t
     sw.testing.assert_equivalent(sw.shard_params(counted, "dp", 3), counted, sw.Mesh(dp=2), batches, params,
                                  rtol=1e-6)
     sw.testing.assert_equivalent(zero3, step, sw.Mesh(dp=2), _simmim_batches(even=True), params)
+
+
+def test_padded_labels_of_a_ctc_head_that_sums_name_the_mean_reduction_not_a_count() -> None:
+    """A count function, which the refusal named for any model's own loss, is refused for a CTC head's own loss
+    in turn: the refusal names the reduction that trains it."""
+    batches = _speech_batches(padded=True)
+    step, params = _ctc_step("sum", batches)
+    with pytest.raises(RankFailed, match=r"not for Wav2Vec2ForCTC's own CTC loss: set config.ctc_loss_reduction = "
+                                         r"'mean' before functionalize"):
+        sw.testing.assert_equivalent(sw.shard_params(step, "dp", 3), step, sw.Mesh(dp=2), batches, params)

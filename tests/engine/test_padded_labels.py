@@ -233,3 +233,22 @@ def test_negative_integer_inputs_are_features_and_only_the_targets_are_read_for_
     with pytest.raises(RankFailed, match=r"batch\[0\]\['labels'\] holds negative integers"):
         _run(sw.shard_params(own, "dp", 3), sw.Mesh(dp=2), params,
              ({"input_ids": ids, "labels": labels}, torch.zeros(ids.shape[0])))
+
+
+def test_the_refusal_counts_a_decoder_only_conditional_generators_labels_shifted() -> None:
+    """LLaVA's own loss (loss_type ForConditionalGeneration) is transformers' causal-LM loss, which shifts its labels:
+    the refusal named every label for it (4.5e-4 off followed), as for an encoder-decoder."""
+    torch.manual_seed(0)
+    model = T.LlavaForConditionalGeneration(T.LlavaConfig(
+        vision_config=T.CLIPVisionConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                         intermediate_size=32, image_size=8, patch_size=4),
+        text_config=T.LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                  num_attention_heads=2, num_key_value_heads=2), image_token_index=VOCAB - 1))
+    ids, labels = batches(padded=True)[0]
+    batch = {"input_ids": ids % (VOCAB - 1), "labels": labels}
+    chain, params = sw.functionalize(model.double(), example_input=batch)
+    own = sw.train_step(chain, lambda out, _: out.loss, sw.optim.sgd(0.1))
+    with pytest.raises(RankFailed, match=r"LlavaForConditionalGeneration's own loss, which shifts its labels: "
+                                         r"\(inputs\['labels'\]\[:, 1:\] != -100\)"):
+        _run(sw.shard_params(own, "dp", 3), sw.Mesh(dp=2), params, batch)
+

@@ -138,3 +138,32 @@ def test_a_composite_model_built_on_meta_makes_each_part_by_its_own_init_weights
     flat = {n: t for layer in full.values() for n, t in layer.items()}
     for name, value in reference.named_parameters():
         assert torch.equal(flat[name], value), name
+
+
+class _OwnInit(nn.Module):
+    """A transformers model under a head of one's own whose init method the wrapper defines."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model, self.head = model, nn.Linear(16, 3)
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if module is getattr(self, "head", None):
+            nn.init.normal_(module.weight, std=2.0)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.model(input_ids=input_ids).last_hidden_state)
+
+
+def test_a_wrappers_own_init_method_beside_a_transformers_model_is_still_refused_on_meta() -> None:
+    """The wrapped model's _init_weights runs below the wrapper; the wrapper's own init method does not run on a meta
+    build: refused as before (the review: its head came from torch's defaults, std 0.13 for 2, no error)."""
+    with torch.device("meta"):
+        wrapped = _OwnInit(T.BertModel(T.BertConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+                                                    num_hidden_layers=1, num_attention_heads=2)))
+    chain, params = sw.functionalize(wrapped, example_input=torch.zeros(2, 4, dtype=torch.long))
+    step = sw.train_step(chain, lambda out, y: out.sum(), sw.optim.sgd(0.1))
+    with pytest.raises(sw.FunctionalizeError, match=r"_OwnInit was built on the meta device and defines its own "
+                                                    r"initialization \(_OwnInit\._init_weights\)"):
+        step.init(params)

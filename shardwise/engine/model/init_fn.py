@@ -54,11 +54,14 @@ def _required_positional(fn: Callable[..., Any]) -> int | None:
     return sum(1 for p in parameters if p.kind in positional and p.default is inspect.Parameter.empty)
 
 
-def own_init_methods(model: nn.Module) -> list[str]:
+def own_init_methods(model: nn.Module, skip: frozenset[int] | set[int] = frozenset()) -> list[str]:
     """``Class.method`` for each init method (``OWN_INIT_METHODS``) that a module class of ``model``
-    defines: the model's own init code, which a meta build runs only through an ``init_fn``."""
+    defines: the model's own init code, which a meta build runs only through an ``init_fn``. ``skip``: the
+    ids of modules not to ask (those a wrapped transformers model initializes itself)."""
     found: dict[str, None] = {}
     for module in model.modules():
+        if id(module) in skip:
+            continue
         for cls in type(module).__mro__:
             if cls.__module__.startswith("torch."):
                 continue

@@ -212,9 +212,11 @@ class ModuleInit:
         """Refuse to make parameters by torch's reset_parameters() for a model that defines its own
         init method: the eager model runs that method (nanoGPT's ``self.apply(self._init_weights)``),
         a meta build would not, and would train from another init without a word."""
-        if self.init_fn is not None or self._holds_transformers_model():
+        if self.init_fn is not None or is_transformers_model(self.module):
             return
-        methods = own_init_methods(self.module)
+        # (a wrapped transformers model's own _init_weights runs below the wrapper: the wrapper's modules' count)
+        inside = {id(m) for sub in self.module.modules() if is_transformers_model(sub) for m in sub.modules()}
+        methods = own_init_methods(self.module, skip=inside)
         if methods:
             root = type(self.module).__name__
             raise FunctionalizeError(

@@ -75,7 +75,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -189,6 +189,14 @@ class LossProbe:
         """Probe ``loss_fn`` on ``output`` and ``targets`` (a micro-batch of ``inputs``' rows) and refuse a
         loss that does not keep the step's contract. ``generators``: the ones a draw would advance;
         ``restore``: whether this rank may set them back (it holds them, or they are its own)."""
+        if self.cut.rows is not None and _model_loss(output) is not None:
+            # The model computed its loss itself, over the part it is called on: refused where it is known to be
+            # no mean over the rows (a contrastive model's: its output compares rows with rows; a CTC head summing),
+            # whatever loss_fn makes of it (a regularizer added, a (loss x n, n) pair) and however few the rows.
+            mixed = tuple(p for p in _leaf_paths(output) if p.rsplit(".", 1)[-1].startswith("logits_per_"))
+            if mixed or self.own_loss is not None:
+                self.done()
+                raise ValueError(own_loss_refusal(self.cut, OwnLoss(mixed), self.own_loss, seen="output"))
         shapes = tuple(tuple(t.shape) if isinstance(t, torch.Tensor) else None for t in optree.tree_leaves(inputs))
         if shapes in self.later:
             return
@@ -220,10 +228,22 @@ class LossProbe:
                 return
             found = dataclasses.replace(both, along="pair") if isinstance(both, Measured) else found
         self.done()
-        if isinstance(found, OwnLoss) and self.cut.rows is not None and (found.mixed or self.own_loss):
-            raise ValueError(own_loss_refusal(self.cut, found, self.own_loss))
+        if isinstance(found, OwnLoss) and self.cut.rows is not None and found.mixed:
+            raise ValueError(own_loss_refusal(self.cut, found, None))
         if isinstance(found, Measured) and not found.agrees:
             raise ValueError(refusal(self.cut, found))
+
+
+def _model_loss(output: Any) -> Any:
+    """The ``loss`` a Hugging Face model's output holds (a ModelOutput's: the model computed it), when not None;
+    a dict of one's own is loss_fn's business, and probed."""
+    if isinstance(output, Mapping) and type(output).__module__.startswith("transformers."):
+        return output.get("loss")
+    return None
+
+
+def _leaf_paths(output: Any) -> list[str]:
+    return [".".join(map(str, path)) for path in optree.tree_paths(output)]
 
 
 def _detached(tree: Any) -> Any:
@@ -371,13 +391,15 @@ def measure(
         return RETRY
     if counted is not None and (not all(map(_finite_number, counted.values())) or not any(counted.values())):
         return RETRY
-    if all(read[whole] == read[a] == read[b] and (
-            along != "repeat" or (tokens == "sum" and (counted is None or counted[whole] == counted[a] == counted[b])))
-           for along, _, (whole, a, b) in halvings):
+    same_counts = {along: counted is None or counted[whole] == counted[a] == counted[b]
+                   for along, _, (whole, a, b) in halvings}
+    if all(read[whole] == read[a] == read[b] and (same_counts[along] or callable(tokens))
+           and (along != "repeat" or tokens == "sum") for along, _, (whole, a, b) in halvings):
         # Cutting changed nothing: loss_fn reads only what each half gets whole (a model's own scalar
         # loss, passed whole beside its logits), which says nothing of how it combines rows or tokens,
-        # whatever a count function counted on the halves (on one row repeated, a mean equals the row's by
-        # design, and a (mean, count) pair under tokens='sum' too, but for its count: both are probed).
+        # whatever a count function counted on the halves (under tokens='sum' the counts must agree too: a mean
+        # returned with a count that halves is probed, and refused; on one row repeated, a mean equals the row's
+        # by design, and is probed).
         # (A mean of one row repeated is the row's mean: equal by design, and probed.) Where the output holds a
         # rows x rows matrix, the model compared its rows with each other: its loss is over the whole batch.
         paths = [".".join(map(str, path)) for path in optree.tree_paths(output)]
@@ -588,8 +610,10 @@ def _weighed_refusal(cut: ProbeCut, found: Measured) -> str:
     )
 
 
-def own_loss_refusal(cut: ProbeCut, found: OwnLoss, own_loss: tuple[str, str] | None) -> str:
-    """Why a loss the model computes itself over the part of the batch it is called on is refused."""
+def own_loss_refusal(cut: ProbeCut, found: OwnLoss, own_loss: tuple[str, str] | None, seen: str = "probe") -> str:
+    """Why a loss the model computes itself over the part of the batch it is called on is refused: ``seen`` in the
+    output (a model's ``loss`` beside what makes it no mean over the rows), or by the ``probe`` (loss_fn's value
+    unchanged on halves of the output's rows)."""
     if found.mixed or own_loss is None:
         why = (f"the model's output holds the rows on two dims ({', '.join(found.mixed)}: a rows x rows matrix, "
                "each row compared with the batch's others), so its loss is over the whole batch it is called on (a "
@@ -597,10 +621,12 @@ def own_loss_refusal(cut: ProbeCut, found: OwnLoss, own_loss: tuple[str, str] | 
         fix = "compute the loss in loss_fn from the model's output instead (the step checks that one)"
     else:
         why, fix = own_loss
+    how = ("the model's output holds a loss it computed itself" if seen == "output" else
+           "loss_fn returned the same value on halves of the output's rows as on all of them: it reads a loss the "
+           "model computed itself")
     return (
-        f"loss_fn returned the same value on halves of the output's rows as on all of them (this step cuts the batch: "
-        f"{cut.rows}): it reads a loss the model computed itself, over the part of the batch the model is called on, "
-        f"and {why}: what the step makes of the parts' losses is not the single-device step's loss, and it would train "
+        f"{how}, over the part of the batch the model is called on (this step cuts the batch: {cut.rows}), and "
+        f"{why}: what the step makes of the parts' losses is not the single-device step's loss, and it would train "
         f"another model without an error. Either {fix}; or do not cut the batch (one device, tensor_parallel alone, "
         "a pipeline of one micro-batch); or pass train_step(tokens='per_shard_mean') to train on the mean of the "
         "parts' losses knowingly"

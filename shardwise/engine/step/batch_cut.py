@@ -120,8 +120,9 @@ def refuse_padded_mean(step: Step, mesh: Mesh | None, batch: Any) -> None:
                   if (found := _negative_integers(scanned)) is not None), None)
     if where is None:
         return
-    if where.endswith("['labels']") and any(own_loss_per_row_mean(m) for _, m in called_modules(step.base_chain)):
-        return  # a CTC model's own loss: a mean over the rows of per-row terms, padded or not
+    if where in ("['labels']", "[0]['labels']") and \
+            any(own_loss_per_row_mean(m) for _, m in called_modules(step.base_chain)):
+        return  # the labels a CTC model's own loss reads: a mean over the rows of per-row terms, padded or not
     raise ValueError(
         f"train_step(tokens=None) on a batch the step cuts ({' x '.join(cuts)}): batch{where} holds negative "
         "integers (padded labels: -100, cross_entropy's ignore_index), so each share's mean loss counts its own "
@@ -165,21 +166,27 @@ def _refuse_uneven_masked_mean(step: Step, mesh: Mesh | None, batch: Any, cuts: 
 
 
 def _own_loss_count(step: Step) -> str:
-    """The count of labels a Hugging Face model's own loss averages over, in words: a causal LM shifts its labels
-    (the first of each row counts nothing), an encoder-decoder, a masked LM or a token classifier counts all."""
+    """The count of labels a Hugging Face model's own loss averages over, in words: a causal LM (and a decoder-only
+    ``*ForConditionalGeneration``, LLaVA's: transformers' causal-LM loss) shifts its labels, the first of each row
+    counting nothing; an encoder-decoder, a masked LM or a token classifier counts all; a CTC head is no count."""
     models = [m for _, m in called_modules(step.base_chain) if hasattr(m, "config") and hasattr(m, "loss_type")]
     shifted = "(inputs['labels'][:, 1:] != -100).sum()"
     every = "(inputs['labels'] != -100).sum()"
+    either = (f"a Hugging Face model's own loss: {shifted} for a causal LM, which shifts its labels, {every} for an "
+              "encoder-decoder, a masked LM or a token classifier")
     if not models:
-        return (f"a Hugging Face model's own loss: {shifted} for a causal LM, which shifts its labels, {every} for an "
-                "encoder-decoder, a masked LM or a token classifier")
+        return either
     model = models[0]  # the outermost: the one whose loss the output carries
-    causal = not getattr(model.config, "is_encoder_decoder", False) and (
-        getattr(model, "loss_type", None) == "ForCausalLM"
-        or type(model).__name__.endswith(("ForCausalLM", "LMHeadModel")))
-    if causal:
-        return f"{type(model).__name__}'s own loss, which shifts its labels: {shifted}"
-    return f"{type(model).__name__}'s own loss, which counts every label it is given: {every}"
+    name, kind = type(model).__name__, getattr(model, "loss_type", None)
+    if name.endswith("ForCTC"):
+        return (f"not for {name}'s own CTC loss: set config.ctc_loss_reduction = 'mean' before functionalize, and "
+                "its padded labels train with tokens=None")
+    if getattr(model.config, "is_encoder_decoder", False) or kind in ("ForMaskedLM", "ForTokenClassification") \
+            or name.endswith(("ForMaskedLM", "ForTokenClassification")):
+        return f"{name}'s own loss, which counts every label it is given: {every}"
+    if kind in ("ForCausalLM", "ForConditionalGeneration") or name.endswith(("ForCausalLM", "LMHeadModel")):
+        return f"{name}'s own loss, which shifts its labels: {shifted}"
+    return either
 
 
 def loss_probe_cut(step: Step, mesh: Mesh | None) -> ProbeCut | None:
