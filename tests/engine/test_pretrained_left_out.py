@@ -119,3 +119,29 @@ def test_a_frozen_tied_embedding_loads_from_its_one_stored_name(tmp_path: Path, 
     assert torch.equal(held["transformer.wte.weight"], reference.transformer.wte.weight)
     inputs, labels = _batch()
     assert losses[0] == pytest.approx(_loss(reference(input_ids=inputs["input_ids"]), labels).item(), rel=1e-6)
+
+
+def test_a_dcp_start_through_a_frozen_tied_name_still_checks_its_files_were_not_replaced(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The store read through the tied weight's stored name wraps the DCP files; the check that no file was
+    replaced while the load read them asked the wrapper, which had none, and was skipped (the review)."""
+    import torch.distributed.checkpoint as dcp
+
+    from shardwise.engine.checkpoint import dcp_files
+    from shardwise.engine.checkpoint.errors import CheckpointError
+
+    torch.manual_seed(0)
+    model = _gpt2()
+    state = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}  # the tie stored once
+    dcp.save({"model": state}, checkpoint_id=str(tmp_path))
+    model.transformer.wte.weight.requires_grad_(False)
+    chain, _ = sw.functionalize(model, example_input=_batch()[0])
+    step = sw.train_step(chain, _loss, sw.optim.sgd(0.1))
+    sw.checkpoint.init_from_dcp(step, tmp_path, prefix="model.")  # loads through the tied name
+
+    def replaced(self: Any) -> None:
+        raise CheckpointError("replaced while this load read it")
+
+    monkeypatch.setattr(dcp_files.DcpFiles, "check_unreplaced", replaced)
+    with pytest.raises(CheckpointError, match="replaced while this load read it"):
+        sw.checkpoint.init_from_dcp(step, tmp_path, prefix="model.")

@@ -108,6 +108,7 @@ def init_from_dcp(
 
 def _init(step: Any, store: Store, mesh: Mesh | None, seed: int, *, from_pretrained: bool = False) -> TrainState:
     names = state_dict_names(step.base_chain)
+    files = store  # (the files themselves: what a replacement is checked on, whatever reads them below)
     if from_pretrained:  # the keys save_pretrained wrote, read as from_pretrained reads them
         store = layout_of(store, step.base_chain, names)
     aliases = tied_frozen_names(step.base_chain, names, store.shapes())
@@ -148,11 +149,11 @@ def _init(step: Any, store: Store, mesh: Mesh | None, seed: int, *, from_pretrai
     restore_from(store.where, step.base_chain, loaded, shapes, store.read_into)  # buffers.py
     make_left_to_the_model(step.base_chain, names, made, seed)
     state = step.init(params, mesh, seed=seed, source=Source(store, keys))
-    unreplaced = getattr(store, "check_unreplaced", None)
+    unreplaced = getattr(files, "check_unreplaced", None)
     if unreplaced is not None:  # every rank hears of a replacement one of them read (none goes on alone)
-        together(mesh, Source.device, store.where, lambda: unreplaced() or True)
-        if isinstance(store, DcpFiles) and store.marker is not None:
-            same_save(mesh, store.marker, Path(store.path), Source.device)
+        together(mesh, Source.device, files.where, lambda: unreplaced() or True)
+        if isinstance(files, DcpFiles) and files.marker is not None:
+            same_save(mesh, files.marker, Path(files.path), Source.device)
     return state
 
 
