@@ -8,6 +8,12 @@ raw error from inside its fake-tensor machinery, or the lazy initialization is s
 fake tensors puts back every attribute (of the module and its submodules) that it left holding a fake tensor,
 as the attribute was: the real call then sets it from real values (and engine/run/first_call_state.py judges
 that). Attributes it set to anything else are left as they are (a split's modules note what they ran).
+
+A forward may also memoize a tensor outside the module, in a cache its class's method holds (transformers'
+``compile_compatible_method_lru_cache``: BEiT's relative position index, keyed by the window size): made on fake
+tensors, the cached fake tensor was then read by the step's real call, and by any real model of that class in the
+process (torch's raw ``DataDependentOutputException``). :func:`clear_method_caches` empties those caches after a
+fake run: they are memos, and the next real call fills them again.
 """
 
 from __future__ import annotations
@@ -31,6 +37,43 @@ def predicting_on_fake_tensors() -> bool:
     return torch._C._get_dispatch_mode(_FAKE) is not None
 
 
+def clear_method_caches(module: nn.Module) -> None:
+    """Empty every ``functools.lru_cache`` a method of a class of ``module``'s modules holds (directly, or inside
+    the wrapper transformers puts around it), where it holds anything: what a run on fake tensors may have left."""
+    for cls in {type(m) for m in module.modules()}:
+        for cache in _method_caches(cls):
+            if cache.cache_info().currsize:
+                cache.cache_clear()
+
+
+_CACHES: dict[type, tuple[Any, ...]] = {}  # a class -> the lru caches its methods hold (found once per class)
+
+
+def _method_caches(cls: type) -> tuple[Any, ...]:
+    found = _CACHES.get(cls)
+    if found is None:
+        caches: dict[int, Any] = {}
+        for klass in cls.__mro__:
+            if klass.__module__.startswith("torch."):
+                continue
+            for attribute in vars(klass).values():
+                value = getattr(attribute, "__func__", attribute)  # (a staticmethod's, BEiT's: one cache for all)
+                cells = getattr(value, "__closure__", None) or ()
+                for cache in (value, *(c.cell_contents for c in cells if _has_contents(c))):
+                    if callable(getattr(cache, "cache_clear", None)) and callable(getattr(cache, "cache_info", None)):
+                        caches[id(cache)] = cache
+        found = _CACHES[cls] = tuple(caches.values())
+    return found
+
+
+def _has_contents(cell: Any) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018 - an empty cell raises
+    except ValueError:
+        return False
+    return True
+
+
 @contextlib.contextmanager
 def no_fake_state_left(module: nn.Module) -> Iterator[None]:
     """The block (a call of ``module`` on fake tensors) leaves no attribute of ``module``'s modules holding a
@@ -41,6 +84,7 @@ def no_fake_state_left(module: nn.Module) -> Iterator[None]:
     try:
         yield
     finally:
+        clear_method_caches(module)
         for sub, kept in before:
             for key, value in list(vars(sub).items()):
                 if key in _MODULE_DICTS or not _holds_fake(value):

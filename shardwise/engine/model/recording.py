@@ -23,6 +23,7 @@ from .changed_inputs import LeafIndices, changed_since, copies, versions
 from .fx_split import FunctionalizeError
 from .hf_collecting import collecting_now
 from .module_call import call_arguments
+from .predicted_state import clear_method_caches
 from .reuse import reusing_forwards
 from .tensor_reads import ReadLog, tensors_in
 
@@ -95,6 +96,7 @@ def record_calls(root: nn.Module, paths: list[str], x: Any, fake_units: bool = F
                         "is one layer and runs once; make the code that calls it repeatedly the unit instead."
                     )
                 if fake_units and state["started"] == 0:
+                    faking.callback(clear_method_caches, root)  # (after the fake run: predicted_state.py)
                     faking.enter_context(fake_tensors())
                     faking.enter_context(reusing_forwards([root.get_submodule(p) for p in paths]))
                 collecting.extend((path, key) for key in collecting_now())  # only the model's own call fills it
