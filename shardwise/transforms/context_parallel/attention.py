@@ -106,6 +106,15 @@ def find_parts(layer: Layer, positions: tuple[str, ...]) -> LayerParts | None:
         # BertSelfAttention calls the interface, then a per-token output projection and norm) is kept as
         # written. One of another forward (a subclass of one's own, which might mix the sequence's positions
         # beside the attention: a mean over the tokens added) is refused by its name, as before.
+        inner = [h for h in own if h.startswith(path + ".")]
+        if inner and not _transformers_forward(sub):
+            raise ValueError(
+                f"context_parallel: layer {layer.name!r} holds the attention {path} ({type(sub).__name__}), whose "
+                f"{inner[0]} calls ring_attention / ulysses_attention, but whose own forward around it is code "
+                "context_parallel does not know (it could mix the sequence's positions beside the attention, which a "
+                f"rank sees a part of): call ring_attention in {type(sub).__name__}.forward itself (a module whose own "
+                "forward calls it is kept as written), or leave context_parallel out"
+            )
         if not (_transformers_forward(sub) and any(h.startswith(path + ".") for h in handled)):
             raise ValueError(
                 f"context_parallel: layer {layer.name!r} holds the attention {path} ({type(sub).__name__}), "

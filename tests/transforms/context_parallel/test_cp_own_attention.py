@@ -153,3 +153,31 @@ def test_an_attention_that_does_not_call_them_is_still_refused() -> None:
     with pytest.raises(ValueError, match=r"holds the attention h\.0\.attn \(PlainAttention\), which it cannot split.*"
                                          r"rewrite its forward to call ring_attention / ulysses_attention"):
         sw.context_parallel(reference, "cp", positions=("wpe.weight",))
+
+
+class _Kernel(nn.Module):
+    """torchtitan's way: the attention's kernel a child module, here calling ring attention."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return ring_attention(q, k, v, "cp")
+
+
+class KernelChildAttention(CausalSelfAttention):
+    def __init__(self, d: int, heads: int, **kw: object) -> None:
+        super().__init__(d, heads, **kw)  # type: ignore[arg-type]
+        self.sdpa = _Kernel()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = (z.view(b, t, self.heads, -1).transpose(1, 2) for z in self.c_attn(x).split(d, dim=2))
+        return self.c_proj(self.sdpa(q, k, v).transpose(1, 2).reshape(b, t, d))
+
+
+def test_an_attention_whose_kernel_child_calls_ring_attention_is_refused_naming_where_to_call_it() -> None:
+    """The refusal said to rewrite the forward to call ring_attention, which its child already did: it names the
+    child, and the parent's forward (code context_parallel cannot judge) as where the call must go."""
+    reference, _, _ = _setup(KernelChildAttention)
+    with pytest.raises(ValueError, match=r"holds the attention h\.0\.attn \(KernelChildAttention\), whose "
+                                         r"h\.0\.attn\.sdpa calls ring_attention / ulysses_attention, but whose own "
+                                         r"forward .* call ring_attention in KernelChildAttention\.forward itself"):
+        sw.context_parallel(reference, "cp", positions=("wpe.weight",))
