@@ -145,8 +145,10 @@ def refuse_targets_equal_to_inputs(pair: Any, dim: int) -> None:
         return
     inputs, targets = pair
     paths, leaves, _ = optree.tree_flatten_with_path(inputs, none_is_leaf=False)
+    # (an input named as labels or targets, nanoGPT's `targets` for its own loss, is the targets handed to the model:
+    # equal to the batch's targets it says nothing of who shifts them; the token ids it is compared with do)
     tokens = [(_path(p), x) for p, x in zip(paths, leaves, strict=True)
-              if _is_ids(x) and not (p and p[-1] in _NOT_TOKENS)]
+              if _is_ids(x) and not (p and (p[-1] in _NOT_TOKENS or _names_targets(p[-1])))]
     target_paths, target_leaves, _ = optree.tree_flatten_with_path(targets, none_is_leaf=False)
     for target_path, target in zip(target_paths, target_leaves, strict=True):
         if not _is_ids(target):
@@ -161,6 +163,10 @@ def refuse_targets_equal_to_inputs(pair: Any, dim: int) -> None:
                     "wrong target at every part's end, the boundary targets lost, without an error). "
                     f"{_FIX}"
                 )
+
+
+def _names_targets(key: Any) -> bool:
+    return isinstance(key, str) and ("label" in key.lower() or "target" in key.lower())
 
 
 def _is_ids(x: Any) -> bool:

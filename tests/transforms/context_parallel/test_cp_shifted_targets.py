@@ -80,6 +80,19 @@ def test_targets_equal_to_a_batch_dicts_input_ids_are_refused() -> None:
         sw.context_parallel(step, "cp").plan(sw.Mesh(cp=2), params, ({"input_ids": tokens}, tokens.clone()))
 
 
+def test_targets_handed_to_the_model_as_an_input_are_not_taken_for_its_token_ids() -> None:
+    """nanoGPT computes its loss in forward from ``targets`` it is given beside ``idx``: the batch
+    ``({"idx": x, "targets": y}, y)``, y shifted on the whole sequence, was refused as targets that "are the very
+    tensor inputs['targets']", sent to shift what was shifted. The token ids are what targets are compared with."""
+    from shardwise.transforms.context_parallel.shifted import refuse_targets_equal_to_inputs
+
+    tokens = ids()
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    refuse_targets_equal_to_inputs(({"idx": x, "targets": y}, y), 1)  # passes
+    with pytest.raises(ValueError, match=r"targets are the very tensor inputs\['idx'\]"):
+        refuse_targets_equal_to_inputs(({"idx": x, "targets": x}, x), 1)
+
+
 def test_targets_shifted_on_the_whole_sequence_pass_even_where_they_equal_the_inputs() -> None:
     """A sequence of one token throughout equals its own shift: such targets are right, and not refused."""
     step, params = tiny_gpt()
