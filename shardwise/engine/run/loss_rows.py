@@ -50,10 +50,11 @@ what they ran: tensor parallel's split head), dim 0 where it is the only dim of 
 tensor. Which dim holds the tokens: the targets' sequence dim, where no other dim of any tensor has the
 tokens' count (dim 0 aside, where it holds the rows). So a feature dim is never cut (a vocabulary, or a
 tensor-parallel rank's slice of it, of the rows' or the tokens' count makes the dims ambiguous: not
-probed). A loss_fn whose values the halving leaves unchanged reads a loss the model computed itself (the
-scalar ``loss`` of a Hugging Face model's own loss, over the part it is called on): refused where the output
-holds a rows x rows matrix (CLIPModel's contrastive loss) or the model is known not to compute a mean over the
-rows (``LossProbe.own_loss``: a CTC head's summed loss), else not probed. Not probed (and not refused): an
+probed). A transformers output holding the loss its model computed (over the part it is called on) is refused
+before any probing where that loss is known to be no mean over the rows, whatever loss_fn makes of it: beside a
+rows x rows matrix (``logits_per_image``: CLIPModel's contrastive loss), or from a CTC head summing over the rows
+(``LossProbe.own_loss``). A loss_fn whose values the halving leaves unchanged otherwise reads such a loss too:
+refused beside a rows x rows matrix the prediction found, else not probed. Not probed (and not refused): an
 output where the rows cannot be told (no dim-0 rows in a chain that cannot run on fake tensors); a
 ``loss_fn`` that raises on fewer rows, returns no scalar (under
 ``tokens="sum"``, no pair of a scalar and a count), draws random numbers (what it drew is set back) or
@@ -399,12 +400,10 @@ def measure(
         # loss, passed whole beside its logits), which says nothing of how it combines rows or tokens,
         # whatever a count function counted on the halves (under tokens='sum' the counts must agree too: a mean
         # returned with a count that halves is probed, and refused; on one row repeated, a mean equals the row's
-        # by design, and is probed).
-        # (A mean of one row repeated is the row's mean: equal by design, and probed.) Where the output holds a
-        # rows x rows matrix, the model compared its rows with each other: its loss is over the whole batch.
-        paths = [".".join(map(str, path)) for path in optree.tree_paths(output)]
+        # by design, and is probed). Where the output holds a rows x rows matrix, the model compared its rows with
+        # each other: its loss is over the whole batch.
         return OwnLoss(() if row_dims is None else
-                       tuple(p for p, d in zip(paths, row_dims, strict=True) if len(d) > 1))
+                       tuple(p for p, d in zip(_leaf_paths(output), row_dims, strict=True) if len(d) > 1))
     floats = [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()]
     dtypes = {v.dtype for v, _ in values.values()} | {t.dtype for t in floats}
     rtol = RTOL_FLOAT64 if dtypes <= {torch.float64} else RTOL
