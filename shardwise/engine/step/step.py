@@ -375,7 +375,8 @@ class Step:
         ``source`` (a weights file's reader: ``sw.checkpoint.init_from_pretrained``, ``sw.checkpoint.init_from_dcp``)
         gives the meta parameters' values instead: ``source.read_into(layer, name, into, layout, mesh,
         shard=)`` reads, one layer at a time, of each parameter only what this rank keeps, straight
-        into the rank's own tensor of it (its flat shard at ZeRO-3, else its slice).
+        into the rank's own tensor of it (its flat shard at ZeRO-3, else its slice). A parameter it
+        does not read (``source.reads``: a new head) is made as above and ``source.place``-d so.
         """
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"init(seed={seed!r}): the seed of the step's random streams is an int")
@@ -384,7 +385,9 @@ class Step:
         check_params(self.chain, params)
         _refuse_unfilled_frozen(self.base_chain)
         self._check_module_shapes(params)
-        maker = None if source is not None else self._parameter_maker(params)
+        # (a source reads the meta parameters; one it does not read, a new head, is made as without one)
+        maker = self._parameter_maker(params if source is None else {
+            layer: {n: t for n, t in given.items() if not source.reads(layer, n)} for layer, given in params.items()})
         layout = self.layout(mesh, params)
         groups = getattr(self.optimizer, "groups", None)
         if groups is not None:  # a group that matches nothing is refused before anything is made
@@ -398,8 +401,8 @@ class Step:
             # loaded other checkpoints) start from different weights, and a rank whose weights differ
             # in one element trains another model as surely.
             "parameter values": value_items(params),
-            "how meta parameters are made": source.describe() if source is not None else
-            "none" if maker is None else maker.describe(),
+            "how meta parameters are made": "; ".join(
+                ([] if source is None else [source.describe()]) + ["none" if maker is None else maker.describe()]),
             "parameter init_fn": None if maker is None else maker.init_fn,
             "seed": str(seed),
         }, source.device if source is not None else self._agreement_device(params, maker))
@@ -422,9 +425,14 @@ class Step:
             local = self.local_view({**shapes, layer: {**shapes[layer], **values}}, mesh)[layer]
             return self.master_params({layer: {n: local[n] for n in values}})[layer]
 
-        read = None if source is None else (
-            lambda layer, name, into, shard: source.read_into(layer, name, into, layout, mesh, shard=shard))
-        held, update_tree = held_params(shapes, layout, index, dp_index, make, to_local, read,
+        def read(layer: str, name: str, into: torch.Tensor, shard: bool) -> None:
+            if source.reads(layer, name):
+                source.read_into(layer, name, into, layout, mesh, shard=shard)
+            else:
+                source.place(make(layer, [name])[name], layer, name, into, layout, mesh, shard=shard)
+
+        held, update_tree = held_params(shapes, layout, index, dp_index, make, to_local,
+                                        None if source is None else read,
                                         None if source is None else source.device)
         return TrainState(
             held, self.optimizer.init(update_tree), 0, self.initial_loss_scale(), mesh=mesh, layout=layout, rng=seed
