@@ -22,6 +22,7 @@ from .carry import (
 from .changed_inputs import LeafIndices, changed_since, copies, versions
 from .fx_split import FunctionalizeError
 from .hf_collecting import collecting_now
+from .hf_masks import mask_decisions_as_at_run_time
 from .module_call import call_arguments
 from .predicted_state import clear_method_caches
 from .reuse import reusing_forwards
@@ -98,6 +99,7 @@ def record_calls(root: nn.Module, paths: list[str], x: Any, fake_units: bool = F
                 if fake_units and state["started"] == 0:
                     faking.callback(clear_method_caches, root)  # (after the fake run: predicted_state.py)
                     faking.enter_context(fake_tensors())
+                    faking.enter_context(mask_decisions_as_at_run_time())  # (hf_masks.py)
                     faking.enter_context(reusing_forwards([root.get_submodule(p) for p in paths]))
                 collecting.extend((path, key) for key in collecting_now())  # only the model's own call fills it
                 handed_to(i, (args, kwargs))  # T5's position bias: its layer writes it into the carry
