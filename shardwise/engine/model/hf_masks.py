@@ -50,7 +50,7 @@ def mask_decisions_as_at_run_time() -> Iterator[None]:
     if module is not None and callable(getattr(module, "is_tracing", None)):
         with _lock:  # the wrapper stays: it reads the context variable, so no thread undoes another's
             if id(module) not in _installed:
-                module.is_tracing = _wrapped(module.is_tracing)
+                setattr(module, "is_tracing", _wrapped(module.is_tracing))  # noqa: B010 - a module of transformers
                 _installed.add(id(module))
     token = _blind.set(True)
     try:
