@@ -68,6 +68,7 @@ from torch import Tensor, nn
 from .fx_split import FunctionalizeError
 from .init_fn import InitFn, as_path_init, own_init_methods
 from .module_call import kept_in_copies
+from .parametrized_init import make_original, parametrized_original
 
 Seeding = Callable[[int], contextlib.AbstractContextManager[Any]]
 
@@ -142,6 +143,12 @@ class ModuleInit:
             meta = slots[name]
             if meta is None or not meta.is_meta:
                 raise AssertionError(f"{path} is not a meta tensor")  # ModuleInit is made for meta ones
+            original = parametrized_original(self.module, path)
+            if original is not None:  # weight_norm's g or v (parametrized_init.py)
+                host, tensor, index = original
+                where = f"{host}.{tensor}" if host else tensor
+                made = make_original(self.module, host, tensor, index, self.device, seeding(path_seed(seed, where)))
+                return made.to(meta.dtype).contiguous()
             checked = self._checked.get(path)
             if checked is not None:  # its initializer sets every element: one make, from the first check's fill
                 return self._make(chain, path, slots, meta, seed, seeding, checked, fill=0)
