@@ -150,8 +150,16 @@ def test_a_rebound_buffer_is_refused(cut: str) -> None:
 @pytest.mark.parametrize("cut", SEVERAL_CALLS)
 def test_python_state_advanced_per_call_is_refused_where_a_step_calls_twice(cut: str) -> None:
     message = _refusal(_Ramp, cut)
-    assert "layer '0' changed its module's attributes ['calls'] again on a second call" in message, message
-    assert "keep the state outside the model" in message, message
+    if cut == "remat":  # refused at its forward: the recomputation would start from the count it left
+        assert _REMAT_REFUSAL.format("['calls']") in message, message
+    else:
+        assert "layer '0' changed its module's attributes ['calls'] again on a second call" in message, message
+    assert "keep the state outside the model" in message.lower(), message
+
+
+# transforms/remat/recompute_state.py: a recomputed layer whose forward changed state its second call reads
+_REMAT_REFUSAL = ("layer '0' changed its module's attributes {} during forward, and a second call on the same input "
+                  "computes another output from them")
 
 
 def test_python_state_advanced_once_per_step_equals_torch() -> None:
@@ -200,4 +208,44 @@ def test_state_kept_in_a_dict_or_a_list_is_refused_where_a_step_calls_twice(
     if cls is _ListHistory and cut != "remat":  # it appends its input's mean: refused on its first call already
         assert "layer '0' set its module's attributes ['hist'] on its first call from its input's values" in message
         return
+    if cut == "remat" and cls is _DictRamp:  # (the history's second call computes the same: refused at the end)
+        assert _REMAT_REFUSAL.format(f"['{attribute}']") in message, message
+        return
     assert f"layer '0' changed its module's attributes ['{attribute}'] again on a second call" in message, message
+
+
+class _KeepsWeightView(nn.Module):
+    """Keeps a view of its own weight as a plain attribute (a transposed copy for later use)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.wt = self.lin.weight.t()
+        return torch.tanh(self.lin(x)) @ self.wt.t()
+
+
+class _WeightDrop(nn.Module):
+    """AWD-LSTM's WeightDrop (p=0 here): the LSTM's hidden-to-hidden weight set from a raw parameter each call,
+    and its _flat_weights list with it."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.module = nn.LSTM(d, d, batch_first=True)
+        w = self.module.weight_hh_l0
+        del self.module._parameters["weight_hh_l0"]
+        self.raw = nn.Parameter(w.data)
+        self.module.weight_hh_l0 = w.data.clone()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.module.weight_hh_l0 = F.dropout(self.raw, p=0.0, training=self.training)
+        self.module._flat_weights = [getattr(self.module, n) for n in self.module._flat_weights_names]
+        return self.module(x.unsqueeze(1))[0].squeeze(1)
+
+
+@pytest.mark.parametrize("cls", [_KeepsWeightView, _WeightDrop])
+def test_a_view_of_a_weight_kept_as_an_attribute_trains_under_zero3(cls: type[nn.Module]) -> None:
+    """The review (layers): under ZeRO-3 the attribute views the unit's gathered parameters, freed after the layer,
+    and the watch cloned it at the step's end: a segmentation fault killed the process (threads backend)."""
+    _equivalent(cls, "zero3 dp2")

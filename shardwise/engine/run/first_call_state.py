@@ -46,7 +46,7 @@ from ...collectives.mesh_context import no_mesh
 from ..model.chain import Layer
 from ..model.module_call import module_fn, own_hook_dicts
 from ..stack import in_layer
-from .forward_state import python_state, same_state, watched
+from .forward_state import python_state, readable, same_state, watched
 from .rng import default_generators, untouched
 
 _SEED = 0x5EED  # the probe's other values: any fixed stream, so a refusal is reproducible
@@ -55,7 +55,12 @@ _SEED = 0x5EED  # the probe's other values: any fixed stream, so a refusal is re
 def module_before(layer: Layer) -> nn.Module | None:
     """A copy of this thread's module of ``layer`` as it is now (its registered tensors shared, its other
     attributes copied), to probe with after the call; None for a layer of a plain function."""
-    fn = module_fn(layer.fn)
+    return module_copy(layer.fn)
+
+
+def module_copy(layer_fn: Any) -> nn.Module | None:
+    """:func:`module_before` of a layer's function (the module it calls, through other transforms' wrappers)."""
+    fn = module_fn(layer_fn)
     if fn is None:
         return None
     module = fn.replicas.get().module
@@ -91,7 +96,7 @@ def _twin(module: nn.Module, registered: dict[int, Any], seen: dict[int, nn.Modu
 
 def _copied(value: Any, registered: dict[int, Any]) -> Any:
     if isinstance(value, torch.Tensor):
-        return value.clone()
+        return value.clone() if readable(value) else value  # (a view of freed storage: forward_state.readable)
     if not isinstance(value, (list, dict, tuple)):
         return value  # a number or a string: immutable
     try:

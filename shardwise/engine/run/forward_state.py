@@ -25,6 +25,7 @@ import math
 import threading
 import weakref
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -44,6 +45,9 @@ _LOCK = threading.Lock()
 _MODULE_INTERNALS = frozenset(vars(nn.Module())) | {"training"} | hf_collecting.BOOKKEEPING
 
 _SCALARS = (bool, int, float, complex, str, bytes, type(None))
+
+# nn.LSTM's (GRU's, RNN's) list of its weights, which each call's swapped-in parameters replace: not state.
+_RNN_WEIGHTS = "_flat_weights"
 
 
 class ForwardStateWatch:
@@ -124,12 +128,12 @@ def _kept_kind(value: Any) -> bool:
 
 def python_state(module: nn.Module) -> dict[str, Any]:
     """Every submodule's plain attributes a forward could advance: numbers, strings, tuples of them,
-    tensors kept as plain attributes (by value), and lists and dicts of those (their entries and
-    length), by qualified name."""
+    tensors kept as plain attributes (by value), and lists, tuples and dicts of those (their entries
+    and length), by qualified name; an RNN's list of its weights is not state."""
     state: dict[str, Any] = {}
     for path, sub in module.named_modules(remove_duplicate=True):
         for key, value in vars(sub).items():
-            if key in _MODULE_INTERNALS:
+            if key in _MODULE_INTERNALS or (key == _RNN_WEIGHTS and isinstance(sub, nn.RNNBase)):
                 continue
             kept = _kept(value)
             if kept is not _SKIP:
@@ -150,18 +154,40 @@ class _Items(dict):
         self.kind = kind
 
 
+@dataclass(frozen=True)
+class _Unreadable:
+    """A tensor attribute whose storage no longer holds it (a view of a ZeRO-3 unit's gathered parameters, kept by
+    a forward as ``self.wt = self.lin.weight.t()``, after the unit's storage was freed): reading it would read
+    freed memory (a segmentation fault), so it is compared by shape and dtype alone (the state it views is the
+    parameters', not the module's)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def readable(t: torch.Tensor) -> bool:
+    """Whether every element ``t`` views lies inside its storage (a freed one holds none)."""
+    if t.numel() == 0:
+        return True
+    extent = 1 + sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride(), strict=True))
+    return (t.storage_offset() + extent) * t.element_size() <= t.untyped_storage().nbytes()
+
+
 def _kept(value: Any, depth: int = 0) -> Any:
     if isinstance(value, _SCALARS):
         return value
     if isinstance(value, torch.Tensor):
-        return value if value.is_meta else value.detach().clone()
+        if value.is_meta:
+            return value
+        return value.detach().clone() if readable(value) else _Unreadable(tuple(value.shape), value.dtype)
     if isinstance(value, tuple) and all(isinstance(v, _SCALARS) for v in value):
         return value
     if isinstance(value, (list, tuple, dict)) and depth < 3 and len(value) <= _MAX_ITEMS:
         pairs = value.items() if isinstance(value, dict) else enumerate(value)
-        # Tensors in a container are left out (nn.LSTM's _flat_weights lists its parameters, fake ones in a
-        # prediction), and so are objects and modules; a change in length still shows.
-        kept = {k: _SKIP if isinstance(v, torch.Tensor) else _kept(v, depth + 1) for k, v in pairs}
+        # A tensor in a container is state as a plain tensor attribute is (a truncated-BPTT (h, c) tuple, a
+        # list of batch statistics, a dict of running means). Objects and modules are left out; a change in
+        # length still shows.
+        kept = {k: _kept(v, depth + 1) for k, v in pairs}
         return _Items(type(value), {"<len>": len(value), **{k: v for k, v in kept.items() if v is not _SKIP}})
     return _SKIP
 
@@ -171,6 +197,9 @@ def same_state(a: Any, b: Any) -> bool:
     if isinstance(a, _Items) or isinstance(b, _Items):
         return (isinstance(a, _Items) and isinstance(b, _Items) and a.kind is b.kind and a.keys() == b.keys()
                 and all(same_state(a[k], b[k]) for k in a))
+    if isinstance(a, _Unreadable) or isinstance(b, _Unreadable):  # a view of freed parameters: by shape and dtype
+        return all(isinstance(v, (_Unreadable, torch.Tensor)) for v in (a, b)) and \
+            (tuple(a.shape), a.dtype) == (tuple(b.shape), b.dtype)
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
             return False

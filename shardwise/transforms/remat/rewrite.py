@@ -12,12 +12,14 @@ import torch
 
 from ...engine.model.chain import Chain, LayerFn
 from ...engine.model.module_call import DIRECT, calls_forward_alone
+from ...engine.model.predicted_state import predicting_on_fake_tensors
 from ...engine.model.reuse import reuse_key
 from ...engine.stack.compose import REWRITE, add
 from ...engine.step.step import Step
 from . import policies as P
 from ._torch_sac import run_layer
 from .own_generators import refusing_own_host_generators
+from .recompute_state import refusing_state_the_recompute_reads
 from .tagged_names import TaggedNames
 
 #: Policies by name, for ``remat(step, policy="dots_saveable")``.
@@ -46,6 +48,9 @@ class Remat:
     # recomputation must then start from as its forward did: until its watched forward shows it drew
     # nothing (saving and comparing their state cost a 6-block GPT's remat step 2.6%, every step).
     _host_may_draw: list[bool] = field(default_factory=lambda: [True], repr=False)
+    # Whether its first forward with gradients on real tensors is still to come: that one is watched for state
+    # the forward leaves and its recomputation would read (recompute_state.py).
+    _state_unwatched: list[bool] = field(default_factory=lambda: [True], repr=False)
     # Its backward runs its forward again: a zero-bubble weight pass takes it whole, not branch by
     # branch (engine/model/split_backward.py: each branch's pass would recompute it again).
     recomputes_in_backward: ClassVar[bool] = True
@@ -57,16 +62,29 @@ class Remat:
         tagged = None if names is None or names.checked else names.tag
         inner = self.policy.policy if isinstance(self.policy, P.OffloadToCpu) else self.policy
         host = self._host_may_draw[0] and not _torch_module_alone(self.fn)
-        if not watch or isinstance(inner, P.EverythingSaveable):  # (that one recomputes nothing)
+        if isinstance(inner, P.EverythingSaveable):  # (that one recomputes nothing)
             out = run_layer(self.fn, tensors, x, self.policy, self.layer, watch_generators=False, host_draws=host,
                             tagged=tagged)
+        elif not watch:
+            out = self._run(tensors, x, lambda: run_layer(self.fn, tensors, x, self.policy, self.layer,
+                                                          watch_generators=False, host_draws=host, tagged=tagged))
         else:
             with refusing_own_host_generators(self.fn, self.layer, self.policy):
-                out = run_layer(self.fn, tensors, x, self.policy, self.layer, watch_generators=True, host_draws=host,
-                                tagged=tagged, heard_draws=self._heard_draws)
+                out = self._run(tensors, x, lambda: run_layer(
+                    self.fn, tensors, x, self.policy, self.layer, watch_generators=True, host_draws=host,
+                    tagged=tagged, heard_draws=self._heard_draws))
             self._unwatched.clear()  # once a watched forward has passed: a refused one is refused again
         if names is not None:
             names.ran_layer(self.layer)
+        return out
+
+    def _run(self, tensors: dict[str, Any], x: Any, run: Any) -> Any:
+        """``run()``, on the first forward with gradients on real tensors watched for state its recomputation
+        would read (recompute_state.py)."""
+        if not (self._state_unwatched and torch.is_grad_enabled()) or predicting_on_fake_tensors():
+            return run()
+        out = refusing_state_the_recompute_reads(self.fn, tensors, x, self.layer, run)
+        self._state_unwatched.clear()
         return out
 
     def _heard_draws(self, drew: bool) -> None:
