@@ -107,8 +107,9 @@ def init_from_pretrained(
 ) -> TrainState:
     """``step.init`` from the safetensors files ``model.save_pretrained(directory)`` wrote (one file
     or shards with ``model.safetensors.index.json``), keyed as ``from_pretrained`` reads them
-    (``hf_layout``); each rank reads only what it keeps. ``new``: the model's keys the files lack
-    that its initializer makes (a new head); ``unused``: stored keys left unread (``new_and_unused.py``)."""
+    (``hf_layout``); each rank reads only what it keeps. ``new``: the model's keys (or fnmatch patterns)
+    the files lack, or hold with another shape, that its initializer makes, as ``from_pretrained`` makes
+    a new head; ``unused``: stored keys the model lacks, left unread (docs/guide.md, section 9)."""
     call = "init_from_pretrained"
     return _init(step, _Safetensors(directory), mesh, seed, patterns_of(call, "new", new),
                  patterns_of(call, "unused", unused), from_pretrained=True)
