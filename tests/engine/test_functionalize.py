@@ -402,7 +402,7 @@ class Branchy(nn.Module):
 
 
 class Hooked(nn.Module):
-    """Splits fine, but a forward hook on the root is invisible to tracing: example_input catches it."""
+    """A forward hook on the root, which a split never runs (refused: engine/model/root_hooks.py)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -524,10 +524,30 @@ def test_repeated_child_of_a_sequential_is_tied() -> None:
     assert_grads_match(model, chain, params, torch.randn(2, 3), lambda y: y.sum())
 
 
+class CountsCalls(nn.Module):
+    """Splits fine, but its glue reads a count its own forward advances: traced once, the chain keeps the count
+    of the trace, and example_input catches it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(3, 3)
+        self.b = nn.Linear(3, 3)
+        self.calls = 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.calls += 1
+        return self.b(self.a(x)) * self.calls
+
+
 def test_example_input_catches_a_split_that_changes_the_result() -> None:
     with pytest.raises(
         FunctionalizeError, match=r"differs from the module at output: largest difference"
     ):
+        functionalize(CountsCalls(), units=["a", "b"], example_input=torch.randn(2, 3))
+
+
+def test_a_hook_on_the_split_model_itself_is_refused_and_a_whole_one_keeps_it() -> None:
+    with pytest.raises(FunctionalizeError, match=r"Hooked has forward hook .* on the model itself"):
         functionalize(Hooked(), units=["a", "b"], example_input=torch.randn(2, 3))
     functionalize(Hooked(), example_input=torch.randn(2, 3))  # one layer calls the module itself
 

@@ -107,6 +107,7 @@ from .init_fn import InitFn, as_path_init
 from .materialize import ModuleInit, has_meta_tensors, is_transformers_model, stand_in
 from .module_call import Quiet, ThreadReplicas, call_arguments
 from .pytrees import float_leaves, plain_batch, register_output_types, unregistered_reason
+from .root_hooks import refuse_root_hooks
 from .shape_check import check_shapes_against_module, structure_differs
 from .stand_ins import guarding_stand_ins
 from .uncompiled import uncompiled
@@ -179,6 +180,8 @@ def functionalize(
     _refuse_stateful(module)
     if units is not None:
         refuse_split_batch_loss(module)
+    if isinstance(module, nn.Sequential) if units is None else _resolve_units(module, units) is not None:
+        refuse_root_hooks(module)  # (split: the model's own call never runs)
     init, target, origin = _meta_init(module, init_fn, device)
     example_input = plain_batch(example_input)  # a tokenizer's BatchEncoding: recorded as the dict the step sees
     # A meta-built module runs on stand-in parameters that are one zero each, expanded (no memory: the model
