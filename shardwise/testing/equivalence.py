@@ -97,8 +97,9 @@ def _abs_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     NaN equals NaN and an infinity equals the same infinity (``inf - inf`` is NaN, which would
     otherwise make the error NaN: no tolerance rejects a NaN error, none accepts it either).
     """
-    a = actual.detach().to(torch.float64)
-    b = expected.detach().to(torch.float64)
+    if actual.is_complex() != expected.is_complex():
+        return float("inf")
+    a, b = _real_f64(actual), _real_f64(expected)
     if a.shape != b.shape:
         return float("inf")
     if a.numel() == 0:
@@ -112,11 +113,18 @@ def _abs_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float(diff.max())
 
 
+def _real_f64(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in float64, a complex tensor as its real view (its real and imaginary parts each compared: a cast
+    to float64 would drop the imaginary part)."""
+    t = t.detach()
+    return torch.view_as_real(t.to(torch.complex128)) if t.is_complex() else t.to(torch.float64)
+
+
 def _magnitude(t: torch.Tensor) -> float:
-    """``max|t|`` over its finite entries (0 for an empty tensor)."""
+    """``max|t|`` over its finite entries (0 for an empty tensor; a complex tensor's parts)."""
     if t.numel() == 0:
         return 0.0
-    return float(t.detach().to(torch.float64).abs().nan_to_num(posinf=0.0, neginf=0.0).max())
+    return float(_real_f64(t).abs().nan_to_num(posinf=0.0, neginf=0.0).max())
 
 
 def _relative(abs_err: float, scale: float) -> float:
@@ -344,6 +352,14 @@ def compare_histories(
                 for path, g, e in zip(exp_paths, got_leaves, exp_leaves, strict=True)
             ]
             for where, got, exp, scale, layer, tol in checks:
+                if where.startswith("params") and isinstance(got, torch.Tensor) and isinstance(exp, torch.Tensor) \
+                        and (got.shape != exp.shape or got.dtype != exp.dtype):
+                    raise NotEquivalentError(
+                        f"not equivalent: at step {index + 1}, {where}, rank {rank}: the step gives a "
+                        f"{got.dtype} tensor of shape {list(got.shape)}, the reference a {exp.dtype} tensor of shape "
+                        f"{list(exp.shape)} (a piece not gathered back, or a parameter in another dtype)",
+                        index + 1, where, rank, float("inf"), float("inf"),
+                    )
                 abs_err = _abs_error(got, exp)
                 rel_err = _relative(abs_err, scale)
                 worst_abs, worst_rel = max(worst_abs, abs_err), max(worst_rel, rel_err)

@@ -355,3 +355,37 @@ def test_a_distributed_reference_is_refused_naming_its_transforms() -> None:
     with pytest.raises(ValueError, match=r"the reference is the single-device step, but it runs pipeline\(axis='pp', "
                                          r".*\), which needs a mesh.*were they swapped"):
         sw.testing.assert_equivalent(step, piped, sw.Mesh(pp=2), batches, params)
+
+
+# --- every rank, shapes, dtypes and complex parts (the verify review) -------------------------------------------
+
+
+def _one(tensor: torch.Tensor) -> list[tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]]:
+    return [({}, {"layer": {"w": tensor}})]
+
+
+def test_a_divergence_on_a_rank_other_than_the_first_is_caught_naming_it() -> None:
+    right = torch.arange(4, dtype=torch.float64)
+    with pytest.raises(NotEquivalentError, match=r"params\['layer'\]\['w'\], rank 2:") as caught:
+        sw.testing.compare_histories([_one(right), _one(right), _one(right + 1e-3)], _one(right), rtol=1e-10)
+    assert caught.value.rank == 2
+
+
+@pytest.mark.parametrize(("got", "words"), [
+    (torch.zeros(2, dtype=torch.float64), r"a torch.float64 tensor of shape \[2\], the reference a torch.float64 "
+                                          r"tensor of shape \[4\] \(a piece not gathered back"),
+    (torch.zeros(4, dtype=torch.float32), r"a torch.float32 tensor of shape \[4\], the reference a torch.float64"),
+])
+def test_a_parameter_of_another_shape_or_dtype_is_named(got: torch.Tensor, words: str) -> None:
+    """A tensor-parallel step returning its shards ungathered read as an error of inf ("an overflow?"); a float64
+    step against a float32 reference (or the reverse) passed."""
+    with pytest.raises(NotEquivalentError, match=words):
+        sw.testing.compare_histories([_one(got)], _one(torch.zeros(4, dtype=torch.float64)), rtol=1e-10)
+
+
+def test_a_complex_parameters_imaginary_part_is_compared() -> None:
+    """A cast to float64 dropped it: an imaginary part five times too large and of the other sign was error 0."""
+    want = torch.tensor([1 + 1j, 2 - 1j], dtype=torch.complex128)
+    sw.testing.compare_histories([_one(want.clone())], _one(want), rtol=1e-10)
+    with pytest.raises(NotEquivalentError, match=r"max abs error 6, relative error 3"):
+        sw.testing.compare_histories([_one(torch.complex(want.real, -5 * want.imag))], _one(want), rtol=1e-10)

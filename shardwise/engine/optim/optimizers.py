@@ -343,6 +343,11 @@ class _AdamWUpdate:
     ) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
         """One option set's (params, exp_avg, exp_avg_sq), torch's AdamW operation for operation."""
         p, g, m, v = tensors
+        # A complex parameter is updated as its real view, as torch's Adam does (the second moment per real and
+        # imaginary part, not the complex square g * g): the same ops on views of the same memory.
+        complex_leaves = [k for k, t in enumerate(p) if t.is_complex()]
+        if complex_leaves:
+            p, g, m, v = ([torch.view_as_real(t) if t.is_complex() else t for t in xs] for xs in (p, g, m, v))
         lr = step_lr * opts.lr_scale
         # Bias corrections are Python floats (double precision) for every dtype, as in
         # torch's non-capturable paths.
@@ -380,6 +385,8 @@ class _AdamWUpdate:
         if order != list(range(len(p))):  # groups of mixed kinds: back to the leaves' order
             at = {i: k for k, i in enumerate(order)}
             new_p, new_m, new_v = ([xs[at[i]] for i in range(len(p))] for xs in (new_p, new_m, new_v))
+        for k in complex_leaves:
+            new_p[k], new_m[k], new_v[k] = (torch.view_as_complex(xs[k]) for xs in (new_p, new_m, new_v))
         return new_p, new_m, new_v
 
 
