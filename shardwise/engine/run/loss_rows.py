@@ -89,7 +89,10 @@ from ..stack import in_layer
 
 PROBE_ROWS = 4  # the rows probed where the micro-batch has them (halves of 2), else 2 (halves of 1)
 RTOL_FLOAT64 = 1e-6
-RTOL = 2e-2  # below float64: bf16 rounds each loss to 3 digits; TF32 / bf16 matmuls may round by rows
+# float32 where its matmuls are exact float32 (the same rows give the same values; only the loss's own sums round,
+# pairwise): a class-weighted cross-entropy (1.2e-3 off a mean) or a count of the unshifted labels (1.4e-5) is seen
+RTOL_FLOAT32 = 1e-5
+RTOL = 2e-2  # below: bf16 rounds each loss to 3 digits; TF32 / bf16 matmuls may round by rows
 
 
 @dataclass(frozen=True)
@@ -406,7 +409,8 @@ def measure(
                        tuple(p for p, d in zip(_leaf_paths(output), row_dims, strict=True) if len(d) > 1))
     floats = [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()]
     dtypes = {v.dtype for v, _ in values.values()} | {t.dtype for t in floats}
-    rtol = RTOL_FLOAT64 if dtypes <= {torch.float64} else RTOL
+    rtol = RTOL_FLOAT64 if dtypes <= {torch.float64} else \
+        RTOL_FLOAT32 if dtypes <= {torch.float32, torch.float64} and _exact_float32_matmuls(floats) else RTOL
     mode = "mean" if tokens is None else "sum" if isinstance(tokens, str) else "count"
     found = [
         Measured(n if along != "tokens" or row_dims is not None else rows, read[whole], (read[a], read[b]), rtol,
@@ -414,6 +418,14 @@ def measure(
         for along, count, (whole, a, b) in halvings
     ]
     return next((m for m in found if not m.agrees), found[0])
+
+
+def _exact_float32_matmuls(tensors: list[torch.Tensor]) -> bool:
+    """Whether a float32 matmul in loss_fn computes in float32 (not TF32 on CUDA, nor bf16 under
+    ``torch.set_float32_matmul_precision("medium")``): then rows give the same values whatever rows are beside."""
+    if torch.get_float32_matmul_precision() != "highest":
+        return False
+    return not (torch.backends.cuda.matmul.allow_tf32 and any(t.device.type == "cuda" for t in tensors))
 
 
 def _value(
