@@ -22,7 +22,16 @@ from torch import Tensor, nn
 
 import shardwise as sw
 from shardwise.collectives.launch import RankFailed
-from shardwise.engine.run.loss_rows import RTOL, RTOL_FLOAT64, LossProbe, Measured, OwnLoss, ProbeCut, measure
+from shardwise.engine.run.loss_rows import (
+    RTOL,
+    RTOL_FLOAT32,
+    RTOL_FLOAT64,
+    LossProbe,
+    Measured,
+    OwnLoss,
+    ProbeCut,
+    measure,
+)
 from shardwise.testing.models import TinyGPT, mlp
 
 ROWS = 8
@@ -312,7 +321,22 @@ def test_mean_losses_agree_with_their_halves(loss: str, dtype: torch.dtype) -> N
     logits, targets = _logits(dtype)
     found = _measure(AGREE[loss], logits, targets)
     assert isinstance(found, Measured) and found.agrees, found
-    assert found.rtol == (RTOL_FLOAT64 if dtype == torch.float64 else RTOL)
+    assert found.rtol == {torch.float64: RTOL_FLOAT64, torch.float32: RTOL_FLOAT32}.get(dtype, RTOL)
+
+
+def test_a_float32_loss_is_judged_at_float32s_precision() -> None:
+    """The finetune review: a class-weighted cross-entropy in float32 (1.2e-3 off a mean over the rows) passed the
+    probe at bf16's 2e-2, and trained on the mean of the shares' weighted means (0.46 of the head's update)."""
+    logits, targets = _logits(torch.float32)
+    found = _measure(lambda o, y: F.cross_entropy(o.flatten(0, 1), y.flatten(),
+                                                  weight=torch.linspace(0.5, 2.0, 7)), logits, targets)
+    assert isinstance(found, Measured) and not found.agrees and found.rtol == RTOL_FLOAT32, found
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("medium")  # float32 matmuls may run in bf16: rows round by their company
+    try:
+        assert _measure(AGREE["mse"], logits, targets).rtol == RTOL
+    finally:
+        torch.set_float32_matmul_precision(before)
 
 
 def test_dict_and_tuple_outputs_are_halved_leaf_by_leaf() -> None:
