@@ -8,9 +8,11 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
+import shardwise as sw
 from shardwise.engine.model.module_call import DIRECT, ModuleCall, call_arguments
 from shardwise.testing.models import TinyGPT
 
@@ -309,3 +311,27 @@ def test_a_thread_copy_keeps_the_models_hooks_not_one_another_thread_put_on_its_
     assert list(copy._forward_pre_hooks.values()) == [models_hook]  # the skeleton holds no data: not called here
     copied_inner.register_forward_pre_hook(models_hook)
     assert not inner._forward_pre_hooks
+
+
+class _KeywordsOnly(nn.Module):
+    """A wrapper as the guide writes one for a batch dict: ``forward(self, **batch)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, **batch: torch.Tensor) -> torch.Tensor:
+        return self.lin(batch["x"]) * batch["scale"]
+
+
+def test_a_forward_of_keywords_only_is_given_the_batch_as_keywords() -> None:
+    """The finetune review: ``forward(self, **batch)`` was handed the dict as one positional argument (TypeError:
+    takes 1 positional argument but 2 were given), in functionalize and in every call."""
+    batch = {"x": torch.randn(3, 4), "scale": torch.tensor(2.0)}
+    assert call_arguments(_KeywordsOnly(), batch) == ((), batch)
+    model = _KeywordsOnly()
+    chain, params = sw.functionalize(model, example_input=batch)
+    step = sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1))
+    target = torch.randn(3, 2)
+    _, metrics = step(step.init(params), (batch, target))
+    assert float(metrics["loss"]) == pytest.approx(F.mse_loss(model(**batch), target).item(), rel=1e-6)

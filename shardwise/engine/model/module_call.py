@@ -508,7 +508,8 @@ def _forward_parameters(module: nn.Module) -> Mapping[str, inspect.Parameter]:
 def _takes(parameters: Mapping[str, inspect.Parameter], x: Mapping[str, Any]) -> bool:
     """Whether ``forward`` takes the dict ``x`` as keyword arguments rather than as one argument.
 
-    Every key a named parameter: keywords. None: the dict itself. Some: where forward's first
+    Every key a named parameter: keywords. A forward with no positional parameter (``forward(self,
+    **batch)``): keywords, the only way it takes them. None: the dict itself. Some: where forward's first
     argument is required and the dict does not name it (``forward(batch, mask=None)`` given
     ``{"x", "mask"}``), the dict is that argument, as ``module(batch)`` passes it; else a forward
     with ``**kwargs`` (Hugging Face's ``**kwargs: Unpack[TransformersKwargs]`` takes
@@ -519,6 +520,10 @@ def _takes(parameters: Mapping[str, inspect.Parameter], x: Mapping[str, Any]) ->
     named = [k for k in x if k in parameters and parameters[k].kind in keywords]
     if len(named) == len(x):
         return True
+    positional_kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                        inspect.Parameter.VAR_POSITIONAL)
+    if not any(p.kind in positional_kinds for p in parameters.values()):
+        return True  # forward(self, **batch) (or keyword-only arguments): it can only take keywords
     if not named:
         return False
     positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
