@@ -695,6 +695,9 @@ def _check_model(
             extra = sorted(set(by_key) - keys_wanted)
             aliases = {a.removeprefix("model."): k.removeprefix("model.") for a, k in meta.get("aliases", {}).items()}
             tied = [f"{m} (saved as a tie of {aliases[m]})" for m in missing if m in aliases]
+            frozen = _frozen_either_side(meta, step, missing, extra)
+            if frozen:
+                raise CheckpointError(f"checkpoint {directory} {frozen}")
             raise CheckpointError(
                 f"checkpoint {directory} is of another model: this step's model has parameters {missing[:8]} that "
                 f"it lacks, and it has {extra[:8]} that the model does not (state_dict keys)"
@@ -710,6 +713,27 @@ def _check_model(
     # step.init's order: each layer's parameters in the chain's order
     ordered = {layer.name: {n: params[layer.name][n] for n in layer.owned_param_names} for layer in chain.layers}
     return ordered, {k: p["key"] for k, p in saved.items()}
+
+
+def _frozen_either_side(meta: Mapping[str, Any], step: Any, missing: list[str], extra: list[str]) -> str:
+    """Where the parameters one side lacks are frozen (``requires_grad=False``) on the other: what changed and the
+    ways on, in words; "" otherwise."""
+    saved_frozen = set(meta.get("buffers", {}))
+    now_frozen = set(state_dict_names(step.base_chain).buffers)
+    trained_now = [k for k in missing if f"model.{k}" in saved_frozen]
+    frozen_now = [k for k in extra if k in now_frozen]
+    if not trained_now and not frozen_now or len(trained_now) + len(frozen_now) != len(missing) + len(extra):
+        return ""
+    what = "; ".join(
+        [f"was saved with {trained_now[:8]} frozen (requires_grad=False: held beside the state, not trained), "
+         "and this step trains them"] * bool(trained_now)
+        + [f"trained {frozen_now[:8]}, which this step's model holds frozen"] * bool(frozen_now))
+    return (
+        f"{what}. A checkpoint resumes the training it saved; to change what trains, start from its weights (the "
+        "optimizer's state starts afresh): sw.checkpoint.init_from_dcp(step, path, mesh, prefix='model.'). Or "
+        "freeze with a frozen group (sw.optim.group(pattern, frozen=True)), which keeps the parameters in the "
+        "state, so that a step training them later resumes from the same checkpoint"
+    )
 
 
 def _check_fits(directory: Path, params: Mapping[str, Mapping[str, torch.Tensor]],
