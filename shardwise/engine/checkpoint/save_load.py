@@ -722,7 +722,7 @@ def _frozen_either_side(meta: Mapping[str, Any], step: Any, missing: list[str], 
     now_frozen = set(state_dict_names(step.base_chain).buffers)
     trained_now = [k for k in missing if f"model.{k}" in saved_frozen]
     frozen_now = [k for k in extra if k in now_frozen]
-    if not trained_now and not frozen_now or len(trained_now) + len(frozen_now) != len(missing) + len(extra):
+    if (not trained_now and not frozen_now) or len(trained_now) + len(frozen_now) != len(missing) + len(extra):
         return ""
     what = "; ".join(
         [f"was saved with {trained_now[:8]} frozen (requires_grad=False: held beside the state, not trained), "
