@@ -86,6 +86,7 @@ import torch
 from ...collectives.mesh_context import no_mesh
 from ..model import host_random
 from ..stack import in_layer
+from .own_loss_count import OwnCount, refuse_another_count
 
 PROBE_ROWS = 4  # the rows probed where the micro-batch has them (halves of 2), else 2 (halves of 1)
 RTOL_FLOAT64 = 1e-6
@@ -185,6 +186,8 @@ class LossProbe:
     # A micro-batch of one row whose probe (the row repeated) agreed: (output, inputs, targets), detached, kept to
     # be probed with the next one-row micro-batch's as two rows (_two_rows).
     held: list[tuple[Any, Any, Any]] = field(default_factory=list)
+    # What the model's own loss counts (a causal LM's shifted labels), to hold a count function to (own_loss_count.py)
+    own_count: OwnCount | None = None
 
     def check(
         self, loss_fn: Callable[[Any, Any], Any], output: Any, inputs: Any, targets: Any,
@@ -193,7 +196,14 @@ class LossProbe:
         """Probe ``loss_fn`` on ``output`` and ``targets`` (a micro-batch of ``inputs``' rows) and refuse a
         loss that does not keep the step's contract. ``generators``: the ones a draw would advance;
         ``restore``: whether this rank may set them back (it holds them, or they are its own)."""
-        if self.cut.rows is not None and _model_loss(output) is not None:
+        model_loss = _model_loss(output)
+        if model_loss is not None and self.own_count is not None and callable(self.cut.tokens):
+            try:
+                refuse_another_count(self.own_count, loss_fn, self.cut.tokens, output, model_loss, inputs, targets)
+            except ValueError:
+                self.done()
+                raise
+        if self.cut.rows is not None and model_loss is not None:
             # The model computed its loss itself, over the part it is called on: refused where it is known to be
             # no mean over the rows (a contrastive model's: its output compares rows with rows; a CTC head summing),
             # whatever loss_fn makes of it (a regularizer added, a (loss x n, n) pair) and however few the rows.

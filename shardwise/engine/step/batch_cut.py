@@ -22,6 +22,7 @@ from ..model.whole_batch import called_modules
 from ..plan.batches import split_batch, split_over
 from ..plan.lower import microbatch_count
 from ..run.loss_rows import ProbeCut
+from ..run.own_loss_count import EVERY, SHIFTED, CtcHead, OwnCount, own_count_of
 from ..stack.in_layer import BatchShares
 
 if TYPE_CHECKING:
@@ -169,23 +170,15 @@ def _own_loss_count(step: Step) -> str:
     """The count of labels a Hugging Face model's own loss averages over, in words: a causal LM (and a decoder-only
     ``*ForConditionalGeneration``, LLaVA's: transformers' causal-LM loss) shifts its labels, the first of each row
     counting nothing; an encoder-decoder, a masked LM or a token classifier counts all; a CTC head is no count."""
-    models = [m for _, m in called_modules(step.base_chain) if hasattr(m, "config") and hasattr(m, "loss_type")]
-    shifted = "(inputs['labels'][:, 1:] != -100).sum()"
-    every = "(inputs['labels'] != -100).sum()"
-    either = (f"a Hugging Face model's own loss: {shifted} for a causal LM, which shifts its labels, {every} for an "
+    either = (f"a Hugging Face model's own loss: {SHIFTED} for a causal LM, which shifts its labels, {EVERY} for an "
               "encoder-decoder, a masked LM or a token classifier")
-    if not models:
-        return either
-    model = models[0]  # the outermost: the one whose loss the output carries
-    name, kind = type(model).__name__, getattr(model, "loss_type", None)
-    if name.endswith("ForCTC"):
-        return (f"not for {name}'s own CTC loss: set config.ctc_loss_reduction = 'mean' before functionalize, and "
-                "its padded labels train with tokens=None")
-    if getattr(model.config, "is_encoder_decoder", False) or kind in ("ForMaskedLM", "ForTokenClassification") \
-            or name.endswith(("ForMaskedLM", "ForTokenClassification")):
-        return f"{name}'s own loss, which counts every label it is given: {every}"
-    if kind in ("ForCausalLM", "ForConditionalGeneration") or name.endswith(("ForCausalLM", "LMHeadModel")):
-        return f"{name}'s own loss, which shifts its labels: {shifted}"
+    own = own_count_of(m for _, m in called_modules(step.base_chain))
+    if isinstance(own, CtcHead):
+        return (f"not for {own.model}'s own CTC loss: set config.ctc_loss_reduction = 'mean' before functionalize, "
+                "and its padded labels train with tokens=None")
+    if isinstance(own, OwnCount):
+        return (f"{own.model}'s own loss, which shifts its labels: {SHIFTED}" if own.shifted else
+                f"{own.model}'s own loss, which counts every label it is given: {EVERY}")
     return either
 
 

@@ -40,6 +40,7 @@ from ..run.executor import Executor
 from ..run.heap import keep_freed
 from ..run.loss_rows import LossProbe
 from ..run.metrics import MetricExchange, Summed, batch_fingerprint, different_batches, different_steps
+from ..run.own_loss_count import OwnCount, own_count_of
 from ..run.param_source import ParamSource
 from ..run.rng import mix
 from ..run.step_end import ReplicaCheck
@@ -353,8 +354,10 @@ def _loss_probe(step: Step, layout: StateLayout, mesh: Mesh | None) -> LossProbe
         counted = step.tokens is not None and not isinstance(step.tokens, str)
         own = None if cut is None else next(
             (found for _, m in called_modules(step.base_chain) if (found := own_loss_refused(m, counted))), None)
+        own_count = None if cut is None else own_count_of(m for _, m in called_modules(step.base_chain))
         made = layout.cache[key] = False if cut is None else LossProbe(
-            cut, functools.partial(layout.cache.__setitem__, key, False), predict, own
+            cut, functools.partial(layout.cache.__setitem__, key, False), predict, own,
+            own_count=own_count if isinstance(own_count, OwnCount) else None,
         )
     return made if isinstance(made, LossProbe) else None
 
