@@ -103,6 +103,7 @@ from .chain import Chain, Layer
 from .changed_inputs import LeafIndices, changed_since, copies, versions, with_copies
 from .functional_frequencies import keep, layer_paths, watching
 from .fx_split import FunctionalizeError, FxTraceError, split_graph
+from .given_params import remember as remember_given
 from .init_fn import InitFn, as_path_init
 from .materialize import ModuleInit, has_meta_tensors, is_transformers_model, stand_in
 from .module_call import Quiet, ThreadReplicas, call_arguments
@@ -183,6 +184,7 @@ def functionalize(
     if isinstance(module, nn.Sequential) if units is None else _resolve_units(module, units) is not None:
         refuse_root_hooks(module)  # (split: the model's own call never runs)
     init, target, origin = _meta_init(module, init_fn, device)
+    remember_given(module)  # (a loss reading its parameters is refused: given_params.py)
     example_input = plain_batch(example_input)  # a tokenizer's BatchEncoding: recorded as the dict the step sees
     # A meta-built module runs on stand-in parameters that are one zero each, expanded (no memory: the model
     # may not fit). A kernel that refuses their stride of 0 (torch._grouped_mm, HF MoE experts) runs again on

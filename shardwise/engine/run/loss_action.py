@@ -15,6 +15,7 @@ from ..model.chain import Chain
 from ..plan.actions import Action
 from ..stack.batch_term import WithBatchTerm, counting_tokens
 from .grad_leaves import float_leaves
+from .loss_reads import watching_given_reads
 from .loss_rows import LossProbe
 
 if TYPE_CHECKING:
@@ -67,7 +68,7 @@ class LossAction:
         # A count function's count is known before the loss: a loss term of the whole batch reads it there.
         counted = None if self.tokens is None or self.tokens == "sum" else self._count(
             self.tokens(inputs, targets), "train_step(tokens=count_fn): count_fn(inputs, targets)")
-        with torch.enable_grad(), counting_tokens(counted):
+        with torch.enable_grad(), counting_tokens(counted), watching_given_reads(self.loss_fn):
             got = self.loss_fn(output, targets)
         if isinstance(got, WithBatchTerm) and self.tokens is None:
             raise ValueError(

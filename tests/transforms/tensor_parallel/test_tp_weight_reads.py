@@ -321,15 +321,18 @@ def test_a_parametrized_linear_is_refused_when_split(parametrize: str, where: st
         sw.tensor_parallel(step, "tp", PAIR)
 
 
-def test_a_loss_reading_the_models_tensors_equals_one_device() -> None:
+def test_a_loss_reading_the_models_tensors_is_refused() -> None:
     """loss_fn sees the model's output and the targets, never the step's parameters: a closure over the user's
-    module reads that module's own (whole, untrained) tensors, on one device as on every rank."""
+    module reads that module's own (whole, untrained) tensors, a constant that trains nothing, which torch's loop
+    would train: refused (engine/run/loss_reads.py), on one device as under a split."""
     mlp = _Mlp()
     step, params, batches = _problem(mlp)
     penalized = sw.train_step(step.chain, lambda out, y: F.mse_loss(out, y) + 1e-3 * mlp.up.weight.pow(2).sum(),
                               sw.optim.sgd(0.1, momentum=0.9))
     split = sw.tensor_parallel(penalized, "tp", REGION)
-    sw.testing.assert_equivalent(split, penalized, sw.Mesh(tp=2), batches, params, rtol=RTOL)
+    with pytest.raises((ValueError, sw.collectives.RankFailed), match=r"loss_fn reads '1.up.weight', a parameter of "
+                                                                      r"the Sequential given to functionalize"):
+        sw.testing.assert_equivalent(split, penalized, sw.Mesh(tp=2), batches, params, rtol=RTOL)
 
 
 def test_hugging_face_linear_subclasses_and_tied_heads_equal_one_device() -> None:
