@@ -49,5 +49,14 @@ def test_a_piece_that_already_lies_where_it_goes_is_not_written(cut_source: bool
 
 
 def test_a_source_of_another_length_than_the_pieces_is_refused() -> None:
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="split_with_sizes expects split_sizes to sum exactly"):
         copy_pieces([torch.zeros(5)], [torch.zeros(2), torch.zeros(2)])
+
+
+@pytest.mark.parametrize("sizes", [(3, 2), (1, 2)], ids=["longer", "shorter"])
+def test_a_source_of_several_pieces_and_another_length_is_refused(sizes: tuple[int, int]) -> None:
+    """The verify review: the walk stopped quietly, leaving elements uncopied or a piece's tail unwritten (3
+    elements into 4 left the last one 0)."""
+    into = [torch.zeros(2), torch.zeros(2)]
+    with pytest.raises(ValueError, match=rf"hold {sum(sizes)} elements, the pieces to fill 4"):
+        copy_pieces([torch.ones(n) for n in sizes], into)

@@ -188,6 +188,12 @@ def copy_pieces(source: Sequence[torch.Tensor], into: Sequence[torch.Tensor]) ->
             i, a = i + 1, 0
         if b == d.numel():
             j, b = j + 1, 0
+    left = sum(t.numel() for t in source[i:]) - a, sum(t.numel() for t in into[j:]) - b
+    if left != (0, 0):  # (a source of another length: elements left uncopied, or pieces left unwritten)
+        raise ValueError(
+            f"copy_pieces: the source's pieces hold {sum(t.numel() for t in source)} elements, the pieces to fill "
+            f"{sum(t.numel() for t in into)}; they must hold as many"
+        )
 
 
 def write_rows(gathered: torch.Tensor, rows: Rows, own: int | None = None,
