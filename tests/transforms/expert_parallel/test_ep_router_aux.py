@@ -129,10 +129,12 @@ def test_the_aux_loss_is_counted_once_not_per_rank(monkeypatch: pytest.MonkeyPat
     step, params = moe_model()
     reference = sw.router_aux_loss(step, 1.0)
     composed = sw.expert_parallel(reference, "ep")
-    with pytest.raises(AssertionError):  # the step without the aux loss differs
+    diverges = r"not equivalent: first divergence at step 1"
+    with pytest.raises(sw.testing.NotEquivalentError, match=diverges):  # the step without the aux loss differs
         sw.testing.assert_equivalent(composed, step, sw.Mesh(ep=2), batches(1), params)
+    sw.testing.assert_equivalent(composed, reference, sw.Mesh(ep=2), batches(1), params)  # counted once: equal
     monkeypatch.setattr(in_layer, "batch_sum", lambda x, label: x.detach())  # each rank's own counts
-    with pytest.raises(AssertionError):
+    with pytest.raises(sw.testing.NotEquivalentError, match=diverges):
         sw.testing.assert_equivalent(composed, reference, sw.Mesh(ep=2), batches(1), params)
 
 
