@@ -62,3 +62,50 @@ def test_doge_moe_on_the_whole_batch_and_dense_doge_cut_are_the_single_device_st
                                  params)
     dense, params, batches = _doge(is_moe=False)
     sw.testing.assert_equivalent(sw.shard_params(dense, "dp", 3), dense, sw.Mesh(dp=2), batches, params)
+
+
+def _time_series_batches(missing_row: bool) -> list[tuple[dict[str, torch.Tensor], torch.Tensor]]:
+    out = []
+    for seed in (1, 2):
+        g = torch.Generator().manual_seed(seed)
+        past = torch.randn(8, 10, generator=g, dtype=torch.float64) + 3.0
+        observed = torch.ones(8, 10, dtype=torch.float64)
+        if missing_row:
+            observed[5] = 0.0  # a series with no observation in its context window
+        future = torch.randn(8, 4, generator=g, dtype=torch.float64) + 3.0
+        out.append(({"past_values": past, "past_observed_mask": observed,
+                     "past_time_features": torch.zeros(8, 10, 1, dtype=torch.float64), "future_values": future,
+                     "future_time_features": torch.zeros(8, 4, 1, dtype=torch.float64)}, future))
+    return out
+
+
+class _Forecast(torch.nn.Module):
+    """TimeSeriesTransformerForPrediction returning its own loss (an NLL over every row and future step)."""
+
+    def __init__(self, default_scale: float | None) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        config = T.TimeSeriesTransformerConfig(
+            prediction_length=4, context_length=8, lags_sequence=[1, 2], num_time_features=1, d_model=8,
+            encoder_layers=1, decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2,
+            encoder_ffn_dim=16, decoder_ffn_dim=16, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+            encoder_layerdrop=0.0, decoder_layerdrop=0.0, default_scale=default_scale)
+        self.model = T.TimeSeriesTransformerForPrediction(config).double()
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.model(**batch, use_cache=False).loss
+
+
+def test_a_time_series_mean_scaler_is_refused_unless_its_default_scale_is_set() -> None:
+    """The review (layers F11): a series with no observed value gets the batch's mean scale, and a step that cuts the
+    batch computed it per share (4.3e-4 under ZeRO-3), without an error. With config.default_scale it is that."""
+    for default_scale, missing_row in ((None, True), (1.0, True), (1.0, False)):
+        chain, params = sw.functionalize(_Forecast(default_scale))
+        step = sw.train_step(chain, lambda out, y: out, sw.optim.sgd(0.1))
+        if default_scale is None:
+            with pytest.raises(ValueError, match=r"TimeSeriesMeanScaler: a series with no observed value .* set "
+                                                 r"config.default_scale.*not from the whole batch"):
+                sw.shard_params(step, "dp", stage=3)
+            continue
+        zero3 = sw.shard_params(step, "dp", stage=3)
+        sw.testing.assert_equivalent(zero3, step, sw.Mesh(dp=2), _time_series_batches(missing_row), params)

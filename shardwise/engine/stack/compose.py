@@ -396,10 +396,10 @@ def _refuse_batch_statistics(found: list[WholeBatch], cutting: str) -> None:
 
 def _refuse_rows_mixed(found: WholeBatch, cutting: str) -> None:
     raise ValueError(
-        f"{found}. Under {cutting} each rank (or micro-batch) calls the model on a part of the batch, so each "
-        "token would be routed with another token than on one device: another model, trained without an error. "
-        "Run it without cutting the batch (one device, tensor_parallel alone, a pipeline with microbatches=1), "
-        "or use a model whose router reads each token alone (Doge with is_moe=False)"
+        f"{found}. Under {cutting} each rank (or micro-batch) calls the model on a part of the batch, so what it "
+        "reads of other rows would come from that part's rows alone, not from the whole batch as on one device: "
+        "another model, trained without an error. Run it without cutting the batch (one device, tensor_parallel "
+        "alone, a pipeline with microbatches=1)"
     )
 
 
