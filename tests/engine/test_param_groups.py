@@ -170,6 +170,20 @@ def test_step_init_refuses_an_unmatched_group_and_a_shadowed_one() -> None:
         step.init(params)
 
 
+def test_a_group_naming_a_tied_weight_by_its_other_name_is_refused_naming_the_tie() -> None:
+    """The finetune review: group("lm_head.*", frozen=True) on tied GPT-2 matched nothing (torch's
+    named_parameters() names the tied tensor transformer.wte.weight alone), and the refusal did not say why."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=32, n_positions=8, n_embd=8, n_layer=1,
+                                                                 n_head=2))
+    chain, params = sw.functionalize(model, example_input=torch.zeros(1, 4, dtype=torch.long))
+    frozen = sw.optim.sgd(0.1, groups=[sw.optim.group("lm_head.*", frozen=True)])
+    step = sw.train_step(chain, lambda out, y: out.logits.mean(), frozen)
+    with pytest.raises(ValueError, match=r"'lm_head.weight' is 'transformer.wte.weight' \(tied\): name it by that"):
+        step.init(params)
+
+
 @pytest.mark.parametrize(
     "kwargs,match",
     [

@@ -143,6 +143,9 @@ class ParamInfo:
     names: tuple[str, ...]
     shape: tuple[int, ...]
     dtype: torch.dtype
+    # The other state_dict names of a tied weight (GPT-2's lm_head.weight for transformer.wte.weight): not matched
+    # (torch's named_parameters() gives the first alone), only named where a group matches nothing else.
+    aliases: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -201,11 +204,13 @@ def _unmatched(index: int, g: Group, params: Mapping[Any, ParamInfo]) -> str:
     shown = ", ".join(repr(n) for n in names[:6]) + (
         f", ... ({len(names)} in all)" if len(names) > 6 else ""
     )
+    tied = [f"{alias!r} is {info.names[0]!r} (tied)" for info in params.values() for alias in info.aliases
+            if any(fnmatch.fnmatchcase(alias, p) for p in g.patterns)]
     return (
         f"groups[{index}] {g}: matches no parameter that an earlier group has not taken, so it "
-        f"would change nothing; the parameters are named {shown}. Fix the pattern (fnmatch, "
-        "case-sensitive: "
-        "'*' for any prefix) or the predicate, or remove the group"
+        f"would change nothing; the parameters are named {shown}. "
+        + (f"{'; '.join(tied[:4])}: name it by that name. " if tied else "")
+        + "Fix the pattern (fnmatch, case-sensitive: '*' for any prefix) or the predicate, or remove the group"
     )
 
 

@@ -25,13 +25,17 @@ Key = tuple[str, str]
 
 def param_infos(chain: Chain, layout: StateLayout) -> dict[Key, ParamInfo]:
     """Every parameter's names (state_dict key first, then ``layer.local``), global shape, dtype."""
-    keys = state_dict_names(chain).param_key
+    names = state_dict_names(chain)
+    keys = names.param_key
+    aliases: dict[str, list[str]] = {}
+    for alias, key in names.aliases.items():
+        aliases.setdefault(key, []).append(alias)
     infos = {}
     for (layer, name), spec in layout.leaves.items():
         path = f"{layer}.{name}"
         key = keys.get((layer, name), path)
         infos[(layer, name)] = ParamInfo(
-            (key,) if key == path else (key, path), spec.shape, spec.dtype
+            (key,) if key == path else (key, path), spec.shape, spec.dtype, tuple(aliases.get(key, ()))
         )
     return infos
 
