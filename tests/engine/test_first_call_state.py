@@ -25,6 +25,12 @@ _spec = importlib.util.spec_from_file_location(
 assert _spec is not None and _spec.loader is not None
 _torch_loop = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_torch_loop)
+_layers_spec = importlib.util.spec_from_file_location(
+    "_stateful_layers", Path(__file__).with_name("_stateful_layers.py"))
+assert _layers_spec is not None and _layers_spec.loader is not None
+_stateful_layers = importlib.util.module_from_spec(_layers_spec)
+_layers_spec.loader.exec_module(_stateful_layers)
+_ShapeCache, _HiddenTuple = _stateful_layers.ShapeCache, _stateful_layers.HiddenTuple
 
 
 class _LazyInit(nn.Module):
@@ -53,20 +59,6 @@ class _MeansOnce(nn.Module):
         if not self.means:
             self.means.append(float(x.detach().mean()))
         return self.lin(x) - self.means[0]
-
-
-class _ShapeCache(nn.Module):
-    """A lazily built cache of the input's width (a table of positions), set once from the shape alone."""
-
-    def __init__(self, d: int = 4) -> None:
-        super().__init__()
-        self.lin = nn.Linear(d, d)
-        self.table: torch.Tensor | None = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.table is None:
-            self.table = torch.arange(x.shape[-1], dtype=x.dtype) / x.shape[-1]
-        return self.lin(x + self.table)
 
 
 CUTS = {
@@ -402,20 +394,6 @@ class _TensorDict(nn.Module):
         out = h - self.d["m"]
         self.d["m"] = h.detach().mean(0)
         return out
-
-
-class _HiddenTuple(nn.Module):
-    """Truncated BPTT's pattern: the recurrence's (h, c) kept, detached, as a tuple for the next call."""
-
-    def __init__(self, d: int = 4) -> None:
-        super().__init__()
-        self.rnn = nn.LSTM(d, d, batch_first=True)
-        self.hidden: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out, (h, c) = self.rnn(x.unsqueeze(1), self.hidden)
-        self.hidden = (h.detach(), c.detach())
-        return out.squeeze(1)
 
 
 @pytest.mark.parametrize("cut", list(CUTS))

@@ -9,7 +9,9 @@ set from the input's shape, and layers left out of remat, still train as torch's
 
 from __future__ import annotations
 
+import importlib.util
 import re
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,19 +23,14 @@ import shardwise as sw
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
+_spec = importlib.util.spec_from_file_location(
+    "_stateful_layers", Path(__file__).resolve().parents[2] / "engine" / "_stateful_layers.py")
+assert _spec is not None and _spec.loader is not None
+_stateful_layers = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_stateful_layers)
+_ShapeCache, _HiddenTuple = _stateful_layers.ShapeCache, _stateful_layers.HiddenTuple
+
 POLICIES = {"nothing_saveable": sw.policies.nothing_saveable, "dots_saveable": sw.policies.dots_saveable}
-
-
-class _HiddenTuple(nn.Module):
-    def __init__(self, d: int = 4) -> None:
-        super().__init__()
-        self.rnn = nn.LSTM(d, d, batch_first=True)
-        self.hidden: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out, (h, c) = self.rnn(x.unsqueeze(1), self.hidden)
-        self.hidden = (h.detach(), c.detach())
-        return out.squeeze(1)
 
 
 class _CounterAtTheEnd(nn.Module):
@@ -48,20 +45,6 @@ class _CounterAtTheEnd(nn.Module):
         out = self.lin(x) * min(1.0, (self.calls + 1) / 4)
         self.calls += 1
         return out
-
-
-class _ShapeCache(nn.Module):
-    """A table made from the input's shape on the first call (a rotary cache): a second call computes the same."""
-
-    def __init__(self, d: int = 4) -> None:
-        super().__init__()
-        self.lin = nn.Linear(d, d)
-        self.table: torch.Tensor | None = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.table is None:
-            self.table = torch.arange(x.shape[-1], dtype=x.dtype) / x.shape[-1]
-        return self.lin(x + self.table)
 
 
 def _model(cls: type[nn.Module]) -> nn.Module:
