@@ -61,3 +61,36 @@ def test_a_loss_of_the_output_and_a_frozen_parameter_passes() -> None:
     _, metrics = step(step.init(params), _batch())
     x, y = _batch()
     assert float(metrics["loss"]) == pytest.approx(F.mse_loss(model(x) + model[2].bias, y).item(), rel=1e-12)
+
+
+def test_reading_a_parameters_device_dtype_or_shape_is_no_read() -> None:
+    """The review: `labels.to(model.device)` (transformers' model.device reads next(parameters()).device) and
+    a parameter's dtype, shape or numel were refused as reads of its values."""
+    model = _model()
+    chain, params = sw.functionalize(model)
+
+    def loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        w = model[2].weight
+        return F.mse_loss(out.view(-1, w.shape[0]), y.to(w.device, w.dtype)) * (w.numel() / w.numel())
+
+    step = sw.train_step(chain, loss, sw.optim.sgd(0.1))
+    _, metrics = step(step.init(params), _batch())
+    x, y = _batch()
+    assert float(metrics["loss"]) == pytest.approx(F.mse_loss(model(x), y).item(), rel=1e-12)
+
+
+def test_a_teacher_of_its_own_and_a_reference_under_no_grad_pass() -> None:
+    """Another model given to functionalize (a teacher with a step of its own) is not this step's; the given module
+    read under torch.no_grad() (the initial model as a reference, on purpose) computes no gradient."""
+    teacher, student = _model(), _model()
+    sw.functionalize(teacher)
+    chain, params = sw.functionalize(student)
+
+    def distilled(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            reference = student(_batch()[0])
+        return F.mse_loss(out, y) + F.mse_loss(out, teacher(_batch()[0]).detach()) + F.mse_loss(out, reference)
+
+    step = sw.train_step(chain, distilled, sw.optim.sgd(0.1))
+    _, metrics = step(step.init(params), _batch())
+    assert torch.isfinite(metrics["loss"])

@@ -107,3 +107,29 @@ def test_a_meta_built_wav2vec2_starts_and_trains_alike_on_every_mesh(float64: No
     got = sw.launch(rank, 2)[0]
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=1e-12, atol=1e-14)
+
+
+def test_a_parametrization_stacked_on_another_keeps_the_firsts_originals() -> None:
+    """The review: torch appends a second parametrization without its right_inverse (the originals stay weight_norm's
+    of the constructor's weight); applying every right_inverse made them 0.5x the eager model's, without an error."""
+
+    class Double(nn.Module):
+        def forward(self, w: torch.Tensor) -> torch.Tensor:
+            return 2 * w
+
+        def right_inverse(self, w: torch.Tensor) -> torch.Tensor:
+            return w / 2
+
+    def build() -> nn.Module:
+        model = nn.Sequential(weight_norm(nn.Linear(4, 6)), nn.Tanh(), nn.Linear(6, 2))
+        parametrize.register_parametrization(model[0], "weight", Double())
+        return model
+
+    with torch.device("meta"):
+        empty = build()
+    chain, params = sw.functionalize(empty)
+    made = sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1)).init(params, seed=3).params["0"]
+    torch.manual_seed(path_seed(3, "0.weight"))
+    eager = build()[0]
+    for name in ("parametrizations.weight.original0", "parametrizations.weight.original1"):
+        assert torch.equal(made[name], eager.get_parameter(name)), name

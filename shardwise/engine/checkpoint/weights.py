@@ -172,7 +172,9 @@ def _init(
                 raise CheckpointError(
                     f"{store.where}: {key!r} has shape {list(shape)}{'' if made_of is None else made_of(key)}, "
                     f"the model's params[{layer.name!r}][{n!r}] "
-                    f"{list(want.shape)}; load weights saved from a model of this configuration"
+                    f"{list(want.shape)}; load weights saved from a model of this configuration, or, where the model "
+                    f"holds a new head of its own there (a classifier for other labels), pass new={[key]} to make it "
+                    "by the model's initializer (as from_pretrained(..., ignore_mismatched_sizes=True))"
                 )
             if want is not None and want.is_floating_point() and not (dtype.is_floating_point or dtype.is_complex):
                 raise CheckpointError(

@@ -184,7 +184,6 @@ def functionalize(
     if isinstance(module, nn.Sequential) if units is None else _resolve_units(module, units) is not None:
         refuse_root_hooks(module)  # (split: the model's own call never runs)
     init, target, origin = _meta_init(module, init_fn, device)
-    remember_given(module)  # (a loss reading its parameters is refused: given_params.py)
     example_input = plain_batch(example_input)  # a tokenizer's BatchEncoding: recorded as the dict the step sees
     # A meta-built module runs on stand-in parameters that are one zero each, expanded (no memory: the model
     # may not fit). A kernel that refuses their stride of 0 (torch._grouped_mm, HF MoE experts) runs again on
@@ -200,6 +199,7 @@ def functionalize(
             # tensors instead (real, zero-cost parameters), where a genuine error is raised again.
             chain, params, sources, example_input = _split_and_check(target, units, example_input, False)
     if init is None:
+        remember_given(chain, module)  # (a loss reading its parameters is refused: given_params.py)
         return chain, params
     # A meta-built module: the chain says how to make its parameters; they are returned meta.
     meta, paths = _meta_params(target, sources, origin)

@@ -9,7 +9,8 @@ made when the parametrization is registered, from the tensor the module's constr
 at a time on a meta build, an original was handed to the initializer beside its still-meta sibling, and
 weight_norm failed inside torch ("v_in is on meta and g_in is on cpu"). Here the unparametrized tensor is made by
 the host class's own ``reset_parameters()`` (run on stand-ins of the host's tensors, seeded from the tensor's
-path, so g and v come from one draw), and each original is its part of ``right_inverse`` of it.
+path, so g and v come from one draw), and each original is its part of the first parametrization's
+``right_inverse`` of it (a parametrization registered on top of another is appended as it is, as torch does).
 """
 
 from __future__ import annotations
@@ -80,10 +81,11 @@ def make_original(
         with seeding:
             reset(_Unparametrized(host, cls, tensors))
         value: Any = tensors[name]
-        for parametrization in reversed(getattr(host, _LIST)[name]):
-            inverse = getattr(parametrization, "right_inverse", None)
-            if inverse is not None:
-                value = inverse(value)
+        # torch registers the first parametrization through its right_inverse and appends any later one as it is
+        # (the originals stay the first's of the constructor's tensor): only the first's right_inverse applies.
+        inverse = getattr(getattr(host, _LIST)[name][0], "right_inverse", None)
+        if inverse is not None:
+            value = inverse(value)
     if index is None:
         return value.detach()
     return value[index].detach()

@@ -54,6 +54,7 @@ from ..layout.buckets import Bucket
 from ..layout.devices import device_of
 from ..layout.state_layout import Placement
 from ..model.chain import Chain
+from ..model.given_params import Given
 from ..model.module_call import calls_forward_alone
 from ..plan.actions import (
     BACKWARD,
@@ -213,6 +214,9 @@ class Executor(ZeroActions, TransferActions, StageBackward, LossAction, StepEnd)
     # On a step's first call where it cuts the batch's rows: the probe that loss_fn is a mean over them,
     # run before the first micro-batch's loss (run/loss_rows.py).
     loss_probe: LossProbe | None = None
+    # The trainable parameters of the module the step's chain was made from, which its first loss may not read
+    # with gradients on (run/loss_reads.py); None: not known (a meta build, a chain built by hand)
+    given_params: Given | None = None
     # Where a layer writing its trainable parameters in forward is refused (param_writes.py), the step's
     # layout in words ("under shard_params"); None: the plain one-device step, which keeps the write.
     param_writes_refused: str | None = "under this step,"

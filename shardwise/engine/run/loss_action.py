@@ -12,6 +12,7 @@ import torch
 
 from ..layout.state_layout import Placement
 from ..model.chain import Chain
+from ..model.given_params import Given
 from ..plan.actions import Action
 from ..stack.batch_term import WithBatchTerm, counting_tokens
 from .grad_leaves import float_leaves
@@ -42,6 +43,7 @@ class LossAction:
     placement: Placement
     microbatches: Sequence[tuple[Any, Any]]
     loss_probe: LossProbe | None
+    given_params: Given | None
     tokens: Any
     losses: list[torch.Tensor]
     counts: list[torch.Tensor]
@@ -68,7 +70,7 @@ class LossAction:
         # A count function's count is known before the loss: a loss term of the whole batch reads it there.
         counted = None if self.tokens is None or self.tokens == "sum" else self._count(
             self.tokens(inputs, targets), "train_step(tokens=count_fn): count_fn(inputs, targets)")
-        with torch.enable_grad(), counting_tokens(counted), watching_given_reads(self.loss_fn):
+        with torch.enable_grad(), counting_tokens(counted), watching_given_reads(self.loss_fn, self.given_params):
             got = self.loss_fn(output, targets)
         if isinstance(got, WithBatchTerm) and self.tokens is None:
             raise ValueError(

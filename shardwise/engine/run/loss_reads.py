@@ -1,15 +1,16 @@
-"""A loss that reads the parameters of the model given to ``functionalize``: refused (``model/given_params.py``).
+"""A loss that reads the parameters of the module its step's chain was made from: refused (``model/given_params.py``).
 
-The first call of each ``loss_fn`` (per process) runs under a TorchFunctionMode that looks at every op's tensor
-arguments; one that is a trainable parameter of a module given to functionalize is refused, naming it: the step
-trains its own copies, and a term of the given module's parameters is a constant of their initial values.
-Later calls cost one dict lookup.
+The first call of each ``loss_fn`` (per process and step chain) runs under a TorchFunctionMode that looks at every
+op's tensor arguments; an op that reads the values of one of those parameters (not its shape, dtype or device:
+``labels.to(model.device)`` is no read) with gradients on is refused, naming it: the step trains its own copies,
+and a term of the given module's parameters is a constant of their initial values. Later calls cost a lookup.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -17,17 +18,28 @@ import optree
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ..model.given_params import any_given, given
+from ..model.given_params import Given, given_name
+from ..model.tensor_reads import reads_values
 
-_WATCHED: set[int] = set()  # id of each loss_fn watched once (a later function of the same id goes unwatched)
+# Each loss_fn watched once (weakly where it can be; else by id, where a later function of a reused id goes
+# unwatched: a gap)
+_WATCHED: weakref.WeakKeyDictionary[Any, None] = weakref.WeakKeyDictionary()
+_WATCHED_IDS: set[int] = set()
 _LOCK = threading.Lock()
 
 
 class _GivenReads(TorchFunctionMode):
+    def __init__(self, given: Given) -> None:
+        super().__init__()
+        self.given = given
+
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if not torch.is_grad_enabled() or not reads_values(func, out):
+            return out
         leaves: list[Any] = optree.tree_leaves((args, kwargs or {}), none_is_leaf=False)  # type: ignore[arg-type]
         for t in leaves:
-            found = given(t) if isinstance(t, torch.Tensor) else None
+            found = given_name(self.given, t) if isinstance(t, torch.Tensor) else None
             if found is not None:
                 name, model = found
                 raise ValueError(
@@ -35,19 +47,31 @@ class _GivenReads(TorchFunctionMode):
                     "state's copies of the parameters, and that module keeps its initial values, so a term of them "
                     "(a weight penalty) is a constant that trains nothing. Use the optimizer's weight decay "
                     "(sw.optim.adamw(..., weight_decay=...), sgd(weight_decay=...)), or compute the term in the "
-                    "model's forward and return it with the output, for loss_fn to add"
+                    "model's forward and return it with the output, for loss_fn to add; a constant on purpose (a "
+                    "reference model's output) is computed under torch.no_grad()"
                 )
-        return func(*args, **(kwargs or {}))
+        return out
+
+
+def _first_call(loss_fn: Callable[..., Any]) -> bool:
+    with _LOCK:
+        try:
+            if loss_fn in _WATCHED:
+                return False
+            _WATCHED[loss_fn] = None
+            return True
+        except TypeError:  # (not weakly referable)
+            if id(loss_fn) in _WATCHED_IDS:
+                return False
+            _WATCHED_IDS.add(id(loss_fn))
+            return True
 
 
 @contextlib.contextmanager
-def watching_given_reads(loss_fn: Callable[..., Any]) -> Iterator[None]:
-    """The first call of ``loss_fn`` watched for reads of a given module's parameters; later ones not."""
-    key = id(loss_fn)
-    if key in _WATCHED or not any_given():
+def watching_given_reads(loss_fn: Callable[..., Any], given: Given | None) -> Iterator[None]:
+    """The first call of ``loss_fn`` watched for value reads of ``given`` (its step's module's parameters)."""
+    if not given or not _first_call(loss_fn):
         yield
         return
-    with _LOCK:
-        _WATCHED.add(key)
-    with _GivenReads():
+    with _GivenReads(given):
         yield

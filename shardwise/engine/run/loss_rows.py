@@ -197,9 +197,10 @@ class LossProbe:
         loss that does not keep the step's contract. ``generators``: the ones a draw would advance;
         ``restore``: whether this rank may set them back (it holds them, or they are its own)."""
         model_loss = _model_loss(output)
-        if model_loss is not None and self.own_count is not None and callable(self.cut.tokens):
+        if model_loss is not None and callable(self.cut.tokens):
             try:
-                refuse_another_count(self.own_count, loss_fn, self.cut.tokens, output, model_loss, inputs, targets)
+                refuse_another_count(None if self.own_count is None else self.own_count.model, loss_fn,
+                                     self.cut.tokens, output, model_loss, inputs, targets)
             except ValueError:
                 self.done()
                 raise

@@ -30,6 +30,7 @@ from ..layout.sharding import FlatSharding
 from ..layout.state import TrainState
 from ..layout.state_layout import StateLayout, unit_names
 from ..model.batch_loss_terms import own_loss_refused
+from ..model.given_params import given_of
 from ..model.whole_batch import called_modules
 from ..optim.optimizers import join_parts, state_part
 from ..plan.actions import Action
@@ -285,6 +286,7 @@ def prepare_run(step: Step, state: TrainState, layout: StateLayout, batch: Any) 
         rng_rank=run.rng_rank, replicas=run.replicas,
         bindings=_bindings(step, layout, mesh, source),
         loss_probe=_loss_probe(step, layout, mesh),
+        given_params=given_of(step.base_chain),
         param_writes_refused=_param_writes_refused(step, mesh),
         frequency_cut=next((words for _, words in cutting_the_batch(step.transforms)), None),
         batch_cut=_batch_cut(step, layout, mesh),
