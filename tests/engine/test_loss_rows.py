@@ -540,3 +540,38 @@ def test_one_row_beside_a_table_is_told_by_the_chains_output_on_the_row_repeated
     step = sw.shard_params(sw.train_step(chain, summed, sw.optim.sgd(0.1)), "dp", 3)
     with pytest.raises(RankFailed, match=r"On the one row(.|\n)*twice it: a loss summed over the rows"):
         _run(step, sw.Mesh(dp=2), params, batches[0])
+
+
+def test_torchs_new_precision_settings_are_read_and_do_not_break_the_probe() -> None:
+    """The review: after `torch.backends.mkldnn.matmul.fp32_precision = "bf16"` (torch's new settings) the legacy
+    getter raises, and every float32 step that cuts the batch failed with torch's error. In a process of its own:
+    the legacy getter stays refused there after the new settings were used."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, torch.nn.functional as F\n"
+        "from shardwise.engine.run.loss_rows import RTOL, measure\n"
+        "torch.backends.mkldnn.matmul.fp32_precision = 'bf16'\n"
+        "g = torch.Generator().manual_seed(5)\n"
+        "found = measure(lambda o, y: F.mse_loss(o, torch.zeros_like(o)), torch.randn(8, 5, generator=g),\n"
+        "                torch.zeros(8, 1), None, [torch.default_generator], True, lambda _: None)\n"
+        "assert found.agrees and found.rtol == RTOL, found\n"
+        "print('ok')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+def test_a_mean_near_zero_of_cancelling_terms_passes_in_float32() -> None:
+    """The review: a KL of near-equal distributions (a self-distillation's teacher: the student plus 1e-4 noise) is
+    a mean whose float32 sums round ~3e-5 apart relative to its tiny value; 1e-5 refused it."""
+    gen = torch.Generator().manual_seed(3)
+    student = torch.randn(ROWS, 5, 7, generator=gen) * 30
+    teacher = student + 1e-4 * torch.randn(ROWS, 5, 7, generator=gen)
+
+    def kl(out: Tensor, y: Tensor) -> Tensor:
+        return F.kl_div(F.log_softmax(out, -1), F.log_softmax(y, -1), log_target=True, reduction="batchmean")
+
+    found = _measure(kl, student, teacher)
+    assert isinstance(found, Measured) and found.agrees, found

@@ -91,3 +91,16 @@ def test_the_same_hook_on_a_layer_or_on_a_model_kept_whole_trains_as_torch(hook:
             opt.step()
             want.append(loss.item())
         assert got == pytest.approx(want, rel=1e-13), (hook, kept_whole)
+
+
+def test_a_hook_that_only_looks_is_not_refused() -> None:
+    """transformers' DebugUnderflowOverflow (the Trainer's --debug underflow_overflow) hooks every module, the root
+    too, and changes nothing: not refused (the review)."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.debug_utils import DebugUnderflowOverflow
+
+    model = _sequential()
+    DebugUnderflowOverflow(model)
+    assert model._forward_hooks
+    sw.functionalize(model)
+    del transformers

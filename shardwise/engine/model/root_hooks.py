@@ -22,10 +22,21 @@ _HOOKS = {
 }
 
 
+# Hooks that only look (transformers' DebugUnderflowOverflow, the Trainer's --debug underflow_overflow, puts one on
+# every module, the root too): not refused; on the root they do not run, which changes nothing the step computes.
+_LOOKING = ("transformers.debug_utils",)
+
+
+def _only_looks(hook: object) -> bool:
+    owner = getattr(hook, "__self__", hook)
+    module = getattr(hook, "__module__", None) or type(owner).__module__
+    return str(module).startswith(_LOOKING) or type(owner).__module__.startswith(_LOOKING)
+
+
 def refuse_root_hooks(model: nn.Module) -> None:
     """Refuse hooks registered on ``model`` itself, or a forward set on the instance, when it is split."""
     found = [f"{kind} {getattr(hook, '__qualname__', type(hook).__name__)}"
-             for attr, kind in _HOOKS.items() for hook in getattr(model, attr, {}).values()]
+             for attr, kind in _HOOKS.items() for hook in getattr(model, attr, {}).values() if not _only_looks(hook)]
     if "forward" in vars(model):
         found.append(f"a forward set on the instance ({getattr(vars(model)['forward'], '__qualname__', '?')})")
     if found:

@@ -96,7 +96,9 @@ def _twin(module: nn.Module, registered: dict[int, Any], seen: dict[int, nn.Modu
 
 def _copied(value: Any, registered: dict[int, Any]) -> Any:
     if isinstance(value, torch.Tensor):
-        return value.clone() if readable(value) else value  # (a view of freed storage: forward_state.readable)
+        if value.layout != torch.strided or not readable(value):
+            return value  # (sparse: kept as it is; a view of freed storage: forward_state.readable)
+        return value.clone()
     if not isinstance(value, (list, dict, tuple)):
         return value  # a number or a string: immutable
     try:

@@ -142,7 +142,7 @@ def python_state(module: nn.Module) -> dict[str, Any]:
 
 
 _SKIP = object()
-_MAX_ITEMS = 256  # a container larger than this is not compared (a history of every call, a table)
+_MAX_ITEMS = 256  # a container longer than this: its tensors compared by identity, not copied (a memory bank)
 
 
 class _Items(dict):
@@ -173,21 +173,33 @@ def readable(t: torch.Tensor) -> bool:
     return (t.storage_offset() + extent) * t.element_size() <= t.untyped_storage().nbytes()
 
 
-def _kept(value: Any, depth: int = 0) -> Any:
+@dataclass(frozen=True, eq=False)
+class _Same:
+    """A tensor compared by identity: a sparse one (a graph's adjacency: no storage to read, no elementwise ==),
+    or one entry of a container too long to copy (a memory bank of every batch's features)."""
+
+    tensor: torch.Tensor
+
+
+def _kept(value: Any, depth: int = 0, whole: bool = True) -> Any:
     if isinstance(value, _SCALARS):
         return value
     if isinstance(value, torch.Tensor):
         if value.is_meta:
             return value
+        if value.layout != torch.strided or not whole:
+            return _Same(value)
         return value.detach().clone() if readable(value) else _Unreadable(tuple(value.shape), value.dtype)
     if isinstance(value, tuple) and all(isinstance(v, _SCALARS) for v in value):
         return value
-    if isinstance(value, (list, tuple, dict)) and depth < 3 and len(value) <= _MAX_ITEMS:
+    if isinstance(value, (list, tuple, dict)) and depth < 3:
         pairs = value.items() if isinstance(value, dict) else enumerate(value)
         # A tensor in a container is state as a plain tensor attribute is (a truncated-BPTT (h, c) tuple, a
-        # list of batch statistics, a dict of running means). Objects and modules are left out; a change in
-        # length still shows.
-        kept = {k: _kept(v, depth + 1) for k, v in pairs}
+        # list of batch statistics, a dict of running means); in one longer than _MAX_ITEMS each tensor is
+        # compared by identity (a slot replaced shows), not copied. Objects and modules are left out; a change
+        # in length still shows.
+        short = whole and len(value) <= _MAX_ITEMS
+        kept = {k: _kept(v, depth + 1, short) for k, v in pairs}
         return _Items(type(value), {"<len>": len(value), **{k: v for k, v in kept.items() if v is not _SKIP}})
     return _SKIP
 
@@ -197,6 +209,8 @@ def same_state(a: Any, b: Any) -> bool:
     if isinstance(a, _Items) or isinstance(b, _Items):
         return (isinstance(a, _Items) and isinstance(b, _Items) and a.kind is b.kind and a.keys() == b.keys()
                 and all(same_state(a[k], b[k]) for k in a))
+    if isinstance(a, _Same) or isinstance(b, _Same):
+        return isinstance(a, _Same) and isinstance(b, _Same) and a.tensor is b.tensor
     if isinstance(a, _Unreadable) or isinstance(b, _Unreadable):  # a view of freed parameters: by shape and dtype
         return all(isinstance(v, (_Unreadable, torch.Tensor)) for v in (a, b)) and \
             (tuple(a.shape), a.dtype) == (tuple(b.shape), b.dtype)
