@@ -18,6 +18,7 @@ fake run: they are memos, and the next real call fills them again.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 from collections.abc import Iterator
 from typing import Any
@@ -100,11 +101,14 @@ def no_fake_state_left(module: nn.Module) -> Iterator[None]:
                     value.update(entries)
                 elif isinstance(value, list):
                     value[:] = entries
+                elif isinstance(value, collections.deque):
+                    value.clear()
+                    value.extend(entries)
 
 
 def _entries(value: Any) -> Any:
-    """A shallow copy of a list's or dict's entries (to restore one changed in place), else None."""
-    if isinstance(value, list):
+    """A shallow copy of a list's, deque's or dict's entries (to restore one changed in place), else None."""
+    if isinstance(value, (list, collections.deque)):
         return list(value)
     if isinstance(value, dict):
         return dict(value)
@@ -114,7 +118,7 @@ def _entries(value: Any) -> Any:
 def _holds_fake(value: Any, depth: int = 0) -> bool:
     if isinstance(value, torch.Tensor):
         return is_fake(value)
-    if depth < 3 and isinstance(value, (list, tuple)):
+    if depth < 3 and isinstance(value, (list, tuple, collections.deque)):
         return any(_holds_fake(v, depth + 1) for v in value)
     if depth < 3 and isinstance(value, dict):
         return any(_holds_fake(v, depth + 1) for v in value.values())

@@ -33,6 +33,7 @@ each thread, and a walk of its attributes; a second run of the call only where i
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 from collections.abc import Callable, Iterator, Mapping
@@ -99,7 +100,7 @@ def _copied(value: Any, registered: dict[int, Any]) -> Any:
         if value.layout != torch.strided or not readable(value):
             return value  # (sparse: kept as it is; a view of freed storage: forward_state.readable)
         return value.clone()
-    if not isinstance(value, (list, dict, tuple)):
+    if not isinstance(value, (list, dict, tuple, collections.deque)):
         return value  # a number or a string: immutable
     try:
         return copy.deepcopy(value, dict(registered))

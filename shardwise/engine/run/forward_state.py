@@ -21,6 +21,7 @@ recompute in backward or a second micro-batch would have changed. State a call s
 
 from __future__ import annotations
 
+import collections
 import math
 import threading
 import weakref
@@ -123,7 +124,7 @@ def watched(key: str, value: Any) -> bool:
 
 
 def _kept_kind(value: Any) -> bool:
-    return isinstance(value, (*_SCALARS, torch.Tensor, list, tuple, dict))
+    return isinstance(value, (*_SCALARS, torch.Tensor, list, tuple, dict, collections.deque))
 
 
 def python_state(module: nn.Module) -> dict[str, Any]:
@@ -192,7 +193,7 @@ def _kept(value: Any, depth: int = 0, whole: bool = True) -> Any:
         return value.detach().clone() if readable(value) else _Unreadable(tuple(value.shape), value.dtype)
     if isinstance(value, tuple) and all(isinstance(v, _SCALARS) for v in value):
         return value
-    if isinstance(value, (list, tuple, dict)) and depth < 3:
+    if isinstance(value, (list, tuple, dict, collections.deque)) and depth < 3:
         pairs = value.items() if isinstance(value, dict) else enumerate(value)
         # A tensor in a container is state as a plain tensor attribute is (a truncated-BPTT (h, c) tuple, a
         # list of batch statistics, a dict of running means); in one longer than _MAX_ITEMS each tensor is
