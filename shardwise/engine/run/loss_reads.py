@@ -1,9 +1,10 @@
 """A loss that reads the parameters of the module its step's chain was made from: refused (``model/given_params.py``).
 
-The first call of each ``loss_fn`` (per process and step chain) runs under a TorchFunctionMode that looks at every
-op's tensor arguments; an op that reads the values of one of those parameters (not its shape, dtype or device:
-``labels.to(model.device)`` is no read) with gradients on is refused, naming it: the step trains its own copies,
-and a term of the given module's parameters is a constant of their initial values. Later calls cost a lookup.
+The first call of each ``loss_fn`` (once per process, on a step whose chain knows its module) runs under a
+TorchFunctionMode that looks at every op's tensor arguments; an op that reads the values of one of those
+parameters (not its shape, dtype or device: ``labels.to(model.device)`` is no read) with gradients on is refused,
+naming it: the step trains its own copies, and a term of the given module's parameters is a constant of their
+initial values. Later calls cost a lookup.
 """
 
 from __future__ import annotations
