@@ -93,6 +93,7 @@ from ..plan.actions import (
 from ..torch_api import version_of
 from .batch_keys import unknown_keys_message
 from .bindings import BoundStage, StageBindings
+from .cut_graphs import note_leaves
 from .first_call_state import module_before, refuse_state_from_values
 from .forward_state import ForwardStateWatch
 from .frequency_watch import FrequencyWatch
@@ -227,6 +228,9 @@ class Executor(ZeroActions, TransferActions, StageBackward, LossAction, StepEnd)
     # How the step cuts the batch, in words ("2 micro-batches"), or None where each call sees it whole: then a
     # layer's first call that sets its module's state from its input's values is refused (first_call_state).
     batch_cut: str | None = None
+    # On a step's first call on this thread: called once the run is through, having walked every backward's
+    # graph for leaves of other stages or ranks (run/cut_graphs.py); None: not watched.
+    graph_watch: Callable[[], None] | None = None
     # -- results ----------------------------------------------------------------------------
     final_grads: Any = None
     summed: Summed = field(default_factory=Summed)
@@ -357,6 +361,8 @@ class Executor(ZeroActions, TransferActions, StageBackward, LossAction, StepEnd)
                 for i, s, e in ran if actions[i].kind in COMPUTES
             )
         self._state.check_end()  # (a step without FINISH_GRADS or UPDATE)
+        if self.graph_watch is not None:
+            self.graph_watch()
 
     # -- compute ---------------------------------------------------------------------------------
     def _call(self, handler: Callable[[Action], None], action: Action) -> None:
@@ -443,6 +449,8 @@ class Executor(ZeroActions, TransferActions, StageBackward, LossAction, StepEnd)
             bound = self._bound_stage(s)
         if not joined:
             _require_grad(inputs)  # (no loop name left on an input: handover.release_unkept counts references)
+        if self.graph_watch is not None:
+            self._note_leaves(bound, inputs, s)
         # Counted now, before the forward can keep anything of it: freed after it where it kept nothing.
         watched = watch(handed) if handed else None
         quiet = bound.quiet
@@ -484,6 +492,15 @@ class Executor(ZeroActions, TransferActions, StageBackward, LossAction, StepEnd)
             if watched:
                 del x  # the tree the layers were given (a layer may have taken a leaf out of it)
                 release_unkept(watched)
+
+    def _note_leaves(self, bound: BoundStage, inputs: list[torch.Tensor], s: int) -> None:
+        """A watched step's stage leaves, named for a backward that reaches them from elsewhere (cut_graphs)."""
+        first = self.placement.stages[s][0]
+        note_leaves(
+            [*((leaf, f"parameter {name!r} of layer {owner!r}") for (owner, name), leaf in bound.leaves.items()),
+             *((t, f"the input of layer {first!r}") for t in inputs)],
+            self._rank,
+        )
 
     def _run_layers(self, bound: BoundStage, x: Any, s: int, m: int) -> Any:
         """The stage's layers on ``x``, one after the other; refused where a layer wrote into its buffers, or

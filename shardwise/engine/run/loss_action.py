@@ -15,6 +15,7 @@ from ..model.chain import Chain
 from ..model.given_params import Given
 from ..plan.actions import Action
 from ..stack.batch_term import WithBatchTerm, counting_tokens
+from .cut_graphs import refuse_fake_loss
 from .grad_leaves import float_leaves
 from .loss_reads import watching_given_reads
 from .loss_rows import LossProbe
@@ -77,6 +78,8 @@ class LossAction:
                 "loss_fn returned a WithBatchTerm (a term of the whole batch beside a token-weighted loss), but the "
                 "step's loss is a mean (train_step(tokens=None)): return the mean loss"
             )
+        if type(got) is not torch.Tensor:  # (a fake tensor is a subclass: the common case costs no call)
+            refuse_fake_loss(got)
         loss = self._token_sum(got, counted, output) if self.tokens is not None else got
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             raise ValueError(
@@ -120,7 +123,14 @@ class LossAction:
     @staticmethod
     def _count(count: Any, what: str) -> torch.Tensor:
         """``count`` as a 0-dim tensor; ``what`` names where it came from, for the refusal."""
-        count = torch.as_tensor(count).detach()
+        try:
+            count = torch.as_tensor(count).detach()
+        except (TypeError, RuntimeError, ValueError) as err:
+            raise ValueError(
+                f"{what} is the token count of the micro-batch, a scalar tensor or number, but gave a "
+                f"{type(count).__name__} ({err}); return the count alone (e.g. (targets != -100).sum()): metrics "
+                "beside the loss have no place in it"
+            ) from err
         if count.dim() != 0 or count.dtype.is_complex:
             raise ValueError(
                 f"{what} is the token count of the micro-batch, a scalar, but gave a {count.dtype} tensor of shape "

@@ -86,6 +86,7 @@ import torch
 from ...collectives.mesh_context import no_mesh
 from ..model import host_random
 from ..stack import in_layer
+from .cut_graphs import ReadsOutsideChain, refuse_fake_loss
 from .own_loss_count import OwnCount, refuse_another_count
 
 PROBE_ROWS = 4  # the rows probed where the micro-batch has them (halves of 2), else 2 (halves of 1)
@@ -381,6 +382,7 @@ def measure(
                         leaves, dims.rows, dims.tokens, strict=True)])
                     part_targets = optree.tree_map(lambda t, p=part: dims.take_batch(t, p), targets)
                     got = loss_fn(cut, part_targets)
+                    refuse_fake_loss(got)  # (raised past this try: the step's own call would fail as torch does)
                     if any(not torch.equal(g.get_state(), s) for g, s in zip(generators, states, strict=True)) or (
                         host_random.moved(host)
                     ):
@@ -389,6 +391,8 @@ def measure(
                     if value is None:
                         return UNKNOWN  # the step's own call says what it must return
                     values[part] = value
+    except ReadsOutsideChain:
+        raise
     except Exception:  # a loss that cannot run on fewer rows is not probed; its own call runs next
         return UNKNOWN
     finally:

@@ -20,6 +20,7 @@ from ..model.chain import Chain
 from ..model.split_backward import WeightPart, input_part, recomputes, weight_part
 from ..plan.actions import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, Action
 from ..torch_api import accumulate_backward, computed_dtype
+from .cut_graphs import refuse_reached_elsewhere
 from .wide_grads import WideGrads
 
 _NARROW = (torch.float16, torch.bfloat16)  # (a float32 or wider loss holds any loss scale)
@@ -108,6 +109,8 @@ class StageBackward:
     _tops: Mapping[tuple[int, int], int]
     _covered: frozenset[tuple[int, int]]
     _wide: WideGrads | None
+    graph_watch: Any
+    _rank: int
 
     if TYPE_CHECKING:
         def _earlier_layers_own_params(self, s: int) -> bool: ...
@@ -144,6 +147,8 @@ class StageBackward:
             (o, g) for o, g in zip(saved.outputs, saved.output_grads, strict=True) if g is not None and o.requires_grad
         ]
         outputs, seeds = [o for o, _ in pairs], [g for _, g in pairs]
+        if self.graph_watch is not None and outputs:
+            self._refuse_reached_elsewhere(s, s, outputs, [*saved.inputs, *saved.params.values()])
         got: list[torch.Tensor | None] = [None] * len(saved.inputs)
         if want_inputs and not want_weights and pairs and saved.inputs:  # I: the graph stays for W
             whole = recomputes(self.chain[n].fn for n in self.placement.stages[s])
@@ -183,6 +188,8 @@ class StageBackward:
         # Every stage's leaves once (a tied weight is a leaf of each stage that uses it), in stage order.
         leaves = {id(leaf): leaf for s in range(lowest, top + 1) for leaf in self._saved[(s, m)].params.values()}
         wrt = [*bottom.inputs, *leaves.values()]
+        if self.graph_watch is not None and pairs:
+            self._refuse_reached_elsewhere(top, lowest, [o for o, _ in pairs], wrt)
         self._widen(p for s in range(lowest, top + 1) for p in self._saved[(s, m)].params.items())
         if pairs and wrt:
             accumulate_backward([o for o, _ in pairs], [g for _, g in pairs], wrt)
@@ -202,6 +209,18 @@ class StageBackward:
             part = self._saved.pop((s, m))
             if self.poison and s in (lowest, top):
                 self._poison(s, part)
+
+    def _refuse_reached_elsewhere(
+        self, top: int, lowest: int, outputs: list[torch.Tensor], wrt: list[torch.Tensor]
+    ) -> None:
+        """On a watched step (its first call on this thread): refuse the backward of stages ``lowest`` to
+        ``top`` where its graph reaches another stage's leaves, or another rank's (``cut_graphs.py``)."""
+        stages = self.placement.stages
+        what = "the loss" if top == self.placement.last else f"layer {stages[top][-1]!r}"
+        first, last = stages[lowest][0], stages[top][-1]
+        alone = f"the step runs the backward of layer {first!r} alone" if first == last else \
+            f"the step runs the backward of layers {first!r} to {last!r} alone"
+        refuse_reached_elsewhere(outputs, wrt, what, self._rank, alone)
 
     def _widen(self, leaves: Iterable[tuple[tuple[str, str], torch.Tensor]]) -> None:
         """Before a backward into ``leaves``: an earlier micro-batch's gradients they hold go into their sums in

@@ -290,6 +290,10 @@ def prepare_run(step: Step, state: TrainState, layout: StateLayout, batch: Any) 
         param_writes_refused=_param_writes_refused(step, mesh),
         frequency_cut=next((words for _, words in cutting_the_batch(step.transforms)), None),
         batch_cut=_batch_cut(step, layout, mesh),
+        # On a layout's first call on this thread and mesh: the executor walks each backward's graph for another
+        # stage's or rank's leaves (run/cut_graphs.py), and marks it done through this; None after (no call).
+        graph_watch=None if (watch := ("graph watch", threading.get_ident(), id(mesh))) in layout.cache else
+        functools.partial(layout.cache.__setitem__, watch, True),
     )
     return PreparedRun(executor, run, replicas, outcome, batch_shares(step, mesh))
 
