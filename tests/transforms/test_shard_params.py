@@ -455,6 +455,30 @@ def test_a_tensor_of_one_row_beside_the_batch_is_refused_naming_it_and_the_expan
         sw.launch(run, 2)
 
 
+def test_a_tensor_that_is_no_per_row_value_is_refused_naming_it() -> None:
+    """The review (s39 loss F1): a table of 4 class prototypes in the targets beside 8 rows was cut along dim 0 like
+    the rows, each rank got half the table and the loss was their mean (0.127 off the one-device loss, no error);
+    a pipeline's micro-batches cut it alike."""
+    torch.manual_seed(0)
+    chain, params = sw.functionalize(torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(),
+                                                         torch.nn.Linear(16, 3)).double())
+    table = torch.randn(4, 3, dtype=torch.float64)
+    batch = (torch.randn(8, 6, dtype=torch.float64), {"y": torch.tensor([0, 1, 1, 0, 1, 0, 0, 1]), "prototypes": table})
+    step = sw.train_step(chain, lambda out, t: torch.nn.functional.mse_loss(out, t["prototypes"][t["y"]]),
+                         sw.optim.sgd(0.1))
+    step(step.init(params), batch)  # one device cuts nothing: it trains
+    for cut, mesh in ((sw.shard_params(step, "dp", 2), sw.Mesh(dp=2)),
+                      (sw.pipeline(step, "pp", microbatches=2), sw.Mesh(pp=2))):
+
+        def run(cut: sw.Step = cut, mesh: sw.Mesh = mesh) -> None:
+            cut(cut.init(params, mesh), batch)
+
+        with pytest.raises(sw.collectives.RankFailed, match=(
+                r"the batch's tensors do not all have the same first dim.*\(inputs, targets\)\[1\]\['prototypes'\] "
+                r"has 4 beside 8 rows in the others.*keep it in loss_fn \(a closure\) or in the model")):
+            sw.launch(run, 2)
+
+
 class _ScaledInput(torch.nn.Module):
     """Takes a dict batch whose "scale" broadcasts over the rows."""
 

@@ -38,6 +38,8 @@ def split_over(
     micro-batches), so the fix names the multiple it needs, not this cut's ``parts``."""
     multiple, why = whole if whole is not None else (parts, "")
     rows = {t.shape[0] for t in optree.tree_leaves(tree) if isinstance(t, torch.Tensor) and t.dim() > 0}
+    if parts > 1 and len(rows - {1}) > 1:  # (one row beside more: the broadcast case, refused in cut below)
+        _refuse_other_rows(tree, what)
 
     def cut(path: tuple[Any, ...], t: Any) -> Any:
         if not isinstance(t, torch.Tensor) or t.dim() == 0:
@@ -70,3 +72,25 @@ def split_over(
         return t[index * size : (index + 1) * size]
 
     return optree.tree_map_with_path(cut, tree)
+
+
+def _refuse_other_rows(tree: Any, what: str) -> None:
+    """Refuse a batch whose tensors' first dims differ (one row aside): cut along dim 0 alike, a tensor that is no
+    per-row value (a table of class prototypes, class weights) would reach each part cut, and the loss would be
+    another (the ranks' mean of losses with part of the table each)."""
+    paths, leaves, _ = optree.tree_flatten_with_path(tree)
+    sized = [("".join(f"[{k!r}]" for k in path), t.shape[0]) for path, t in zip(paths, leaves, strict=True)
+             if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] != 1]
+    counts: dict[int, int] = {}
+    for _, n in sized:
+        counts[n] = counts.get(n, 0) + 1
+    most = max(counts, key=lambda n: counts[n])
+    others = ", ".join(f"(inputs, targets){where or ''} has {n}" for where, n in sized if n != most)
+    raise ValueError(
+        f"{what}: the batch's tensors do not all have the same first dim, the batch's rows that the step cuts: "
+        f"{others} beside {most} rows in the others. Every batch tensor is cut along dim 0 with the rows, so a "
+        "tensor that is no per-row value would reach each part cut in pieces, and the loss would be another than "
+        "the single-device step's. A value shared by every row (a table of class prototypes, class weights) does "
+        "not belong in the batch: keep it in loss_fn (a closure) or in the model (a buffer); several values per "
+        "row go in a tensor of shape (rows, k, ...), not (rows x k, ...)"
+    )
