@@ -147,6 +147,30 @@ def test_a_zero3_states_params_refuse_the_chain_and_full_params_run_it() -> None
         assert torch.equal(out, chain(params, x))
 
 
+def test_a_tensor_parallel_states_slices_refuse_the_chain_and_full_params_run_it() -> None:
+    """The review (s39 longrun F1): chain(state.params, x) on a tensor-parallel state ran the whole Linear on each
+    rank's slices and returned a partial sum (0.52 / 0.68 off the full model's output), without an error."""
+    import shardwise as sw
+
+    torch.manual_seed(0)
+    chain, params = sw.functionalize(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
+                                                         torch.nn.Linear(16, 8)).double())
+    step = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1))
+    tp = sw.tensor_parallel(step, "tp", {"0": sw.tp.Colwise(), "2": sw.tp.Rowwise()})
+    x = torch.randn(4, 8, dtype=torch.float64)
+
+    def main() -> Tensor:
+        state = tp.init(params, sw.Mesh(tp=2))
+        with pytest.raises(ValueError, match=r"layer '0''s parameter 'weight' has shape \(8, 8\), where its module's "
+                                             r"Linear has \(16, 8\):.*tensor_parallel: this rank's slices.*"
+                                             r"step\.full_params\(state\)"):
+            chain(state.params, x)
+        return chain(tp.full_params(state), x)
+
+    for out in sw.launch(main, world=2):
+        assert torch.equal(out, chain(params, x))
+
+
 def test_layer_is_frozen_and_copies_its_containers() -> None:
     buffers = {"s": torch.ones(1)}
     names = ["w"]

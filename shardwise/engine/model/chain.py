@@ -28,7 +28,9 @@ from dataclasses import dataclass, field
 from typing import Any, overload
 
 from torch import Tensor
+from torch.nn.parameter import is_lazy
 
+from .module_call import module_fn
 from .pytrees import plain_batch
 
 LayerFn = Callable[[dict[str, Tensor], Any], Any]
@@ -228,7 +230,9 @@ class Chain:
         step takes it: ``plain_batch``)."""
         x = plain_batch(x)
         for layer in self._layers:
-            x = layer(self.layer_params(params, layer), x)
+            local = self.layer_params(params, layer)
+            _refuse_other_shapes(layer, local)
+            x = layer(local, x)
         return x
 
     def summary(self, params: Params | None = None) -> str:
@@ -255,9 +259,27 @@ class Chain:
 _NOT_WHOLE = (
     "the state.params of a step that shards or pipelines its parameters hold only this rank's part (shard_params "
     "stage 3, and stages 1-2 under bf16 / fp16 compute: one flat shard per layer; a pipeline: the layers of this "
-    "rank's stage); to run the chain on them, e.g. to evaluate, pass step.full_params(state), the complete "
-    "parameters (every rank calls it together)"
+    "rank's stage; tensor_parallel: this rank's slices of the layers it splits); to run the chain on them, e.g. to "
+    "evaluate, pass step.full_params(state), the complete parameters (every rank calls it together)"
 )
+
+
+def _refuse_other_shapes(layer: Layer, local: Mapping[str, Tensor]) -> None:
+    """Refuse a parameter of another shape than the one its layer's module registered (a tensor-parallel rank's
+    slice: the chain would run the whole module on it, silently, and a Linear's slices return a partial sum)."""
+    fn = module_fn(layer.fn)
+    if fn is None:  # a layer of a plain function: no module to hold it to
+        return
+    replicas = fn.replicas
+    for name, p in replicas.module.named_parameters(remove_duplicate=False):
+        key = replicas.prefix + name
+        given = local.get(key)
+        if given is None or not isinstance(given, Tensor) or is_lazy(p) or given.shape == p.shape:
+            continue
+        raise ValueError(
+            f"layer {layer.name!r}'s parameter {key!r} has shape {tuple(given.shape)}, where its module's "
+            f"{type(replicas.module).__name__} has {tuple(p.shape)}: {_NOT_WHOLE}"
+        )
 
 
 def _missing_param(source: Any, layer: str, name: str, owner: str, owner_local: str) -> Exception:
