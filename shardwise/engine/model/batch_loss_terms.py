@@ -15,6 +15,11 @@ Such a model split into units cannot compute its aux loss at all (:func:`refuse_
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
 from torch import nn
 
 from .fx_split import FunctionalizeError
@@ -41,16 +46,65 @@ def own_loss_per_row_mean(module: nn.Module) -> bool:
     return type(module).__name__.endswith("ForCTC") and getattr(config, "ctc_loss_reduction", None) == "mean"
 
 
-# The input whose True elements a Hugging Face model's own loss averages over, by the model's class name's end:
-# masked image modeling (SimMIM: ViT, DeiT, Swin, BEiT) divides the masked pixels' loss by the masked count.
-_MASKED_MEAN = {"ForMaskedImageModeling": "bool_masked_pos"}
+@dataclass(frozen=True)
+class MaskedMean:
+    """What a Hugging Face model's own loss is a mean over: the elements equal to 1 of input ``key``, given input
+    ``needs`` (without which it computes no loss), and with ``labelled`` only those whose label is not -100."""
+
+    key: str
+    needs: str | None = None
+    labelled: bool = False
+
+    def counted(self, inputs: Mapping[str, Any]) -> torch.Tensor:
+        """Per element of ``inputs[key]``: whether the loss counts it."""
+        flags = inputs[self.key] == 1
+        if self.labelled:
+            flags = flags & (inputs["labels"].reshape(flags.shape) != -100)
+        return flags
+
+    def count_words(self) -> str:
+        """The count function that weighs each share's mean by its count, in words."""
+        if self.labelled:
+            return f"((inputs[{self.key!r}] == 1) & (inputs['labels'] != -100)).sum()"
+        return f"(inputs[{self.key!r}] == 1).sum()"
 
 
-def own_loss_masked_by(module: nn.Module) -> str | None:
-    """The input key whose True elements ``module``'s own loss is a mean over (a Hugging Face model of masked
-    image modeling: ``bool_masked_pos``), or None."""
+# What a Hugging Face model's own loss averages over, by the model's class name's end: masked image modeling
+# (SimMIM: ViT, DeiT, Swin, BEiT) divides the masked pixels' loss by the masked count; ELECTRA's and Funnel's
+# replaced-token detection is a mean over the tokens the attention mask keeps; a few token classifiers set the
+# labels the attention mask leaves out to -100 (their ``active_loss``) and average over the rest.
+_MASKED_MEAN = {
+    "ForMaskedImageModeling": MaskedMean("bool_masked_pos"),
+    **{name: MaskedMean("attention_mask", "labels") for name in ("ElectraForPreTraining", "FunnelForPreTraining")},
+    **{name: MaskedMean("attention_mask", "labels", labelled=True) for name in (
+        "BioGptForTokenClassification", "XLMRobertaXLForTokenClassification", "YosoForTokenClassification",
+        "MraForTokenClassification")},
+}
+
+
+def own_loss_masked_by(module: nn.Module) -> MaskedMean | None:
+    """What ``module``'s own loss is a mean over, where it is the mean over elements an input masks (a Hugging
+    Face model of masked image modeling: ``bool_masked_pos``; ELECTRA: ``attention_mask``), or None."""
     name = type(module).__name__
-    return next((key for end, key in _MASKED_MEAN.items() if name.endswith(end)), None)
+    return next((mean for end, mean in _MASKED_MEAN.items() if name.endswith(end)), None)
+
+
+# A Hugging Face pre-training model whose own loss, given both labels, adds the masked LM's mean over its labels
+# (-100 left out) and a mean over the rows (next-sentence, sentence-order or sentence-image prediction): by class
+# name, the rows' labels' key.
+_TWO_MEANS = {
+    **{name: "next_sentence_label" for name in (
+        "BertForPreTraining", "ErnieForPreTraining", "FNetForPreTraining", "MobileBertForPreTraining",
+        "MegatronBertForPreTraining")},
+    "AlbertForPreTraining": "sentence_order_label",
+    "VisualBertForPreTraining": "sentence_image_label",
+}
+
+
+def own_loss_two_means(module: nn.Module) -> str | None:
+    """The key of the rows' labels where ``module``'s own loss adds a masked LM's mean over its tokens and a mean
+    over the rows (BERT's pre-training: masked LM + next-sentence prediction), or None."""
+    return _TWO_MEANS.get(type(module).__name__)
 
 
 def own_loss_refused(module: nn.Module, counted: bool) -> tuple[str, str] | None:

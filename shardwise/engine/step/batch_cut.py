@@ -17,7 +17,7 @@ import optree
 import torch
 
 from ...collectives.mesh import Mesh
-from ..model.batch_loss_terms import own_loss_masked_by, own_loss_per_row_mean
+from ..model.batch_loss_terms import own_loss_masked_by, own_loss_per_row_mean, own_loss_two_means
 from ..model.whole_batch import called_modules
 from ..plan.batches import split_batch, split_over
 from ..plan.lower import microbatch_count
@@ -111,22 +111,25 @@ def refuse_padded_mean(step: Step, mesh: Mesh | None, batch: Any) -> None:
     that is not negative (a pad token id) is not seen. Not refused: the ``labels`` of a Hugging Face CTC model
     whose own loss is the mean over the rows of each row's per-target-token loss (``ctc_loss_reduction="mean"``).
     """
-    if step.tokens is not None:
-        return
     cuts = cut_words(step, mesh)
     if not cuts:
         return
+    if _refuse_two_means(step, mesh, batch, cuts) or step.tokens is not None:
+        return
     _refuse_uneven_masked_mean(step, mesh, batch, cuts)
     where = next((prefix + found for prefix, scanned in _label_tensors(batch).items()
-                  if (found := _negative_integers(scanned)) is not None), None)
+                  if (found := _negative_integers(scanned, prefix)) is not None), None)
     if where is None:
         return
     if where in ("['labels']", "[0]['labels']") and \
             any(own_loss_per_row_mean(m) for _, m in called_modules(step.base_chain)):
         return  # the labels a CTC model's own loss reads: a mean over the rows of per-row terms, padded or not
+    held = ("-100.0 (padded float labels, as SpeechT5's spectrograms: the model's own loss leaves them out)"
+            if where.endswith(_FLOAT) else "negative integers (padded labels: -100, cross_entropy's ignore_index)")
+    where = where.removesuffix(_FLOAT)
     raise ValueError(
-        f"train_step(tokens=None) on a batch the step cuts ({' x '.join(cuts)}): batch{where} holds negative "
-        "integers (padded labels: -100, cross_entropy's ignore_index), so each share's mean loss counts its own "
+        f"train_step(tokens=None) on a batch the step cuts ({' x '.join(cuts)}): batch{where} holds {held}, "
+        "so each share's mean loss counts its own "
         "number of tokens and the mean of those means is not the single-device step's mean over the whole "
         "batch. Pass tokens= to train_step: a count function, e.g. tokens=lambda inputs, targets: "
         f"(targets != -100).sum() ({_own_loss_count(step)}), "
@@ -140,30 +143,78 @@ def _refuse_uneven_masked_mean(step: Step, mesh: Mesh | None, batch: Any, cuts: 
     the masked ones (batch_loss_terms.own_loss_masked_by: SimMIM's ``bool_masked_pos``): each share's mean counts
     its own, and their mean is not the whole batch's (ViTForMaskedImageModeling under ZeRO-3 dp 2: 6.2e-4 in the
     loss, 0.67 of the update, no error). Looked for only where the batch's inputs hold such a key."""
-    inputs = batch[0] if isinstance(batch, (tuple, list)) and len(batch) == 2 else batch
-    if not isinstance(inputs, Mapping):
+    inputs = _model_inputs(batch)
+    if inputs is None:
         return
     present = [k for k, v in inputs.items() if isinstance(v, torch.Tensor) and v.dim() >= 2 and not v.is_meta]
-    if not present or not any(k == "bool_masked_pos" for k in present):
+    if not present or not any(k in ("bool_masked_pos", "attention_mask") for k in present):
         return
-    key = next((k for _, m in called_modules(step.base_chain) if (k := own_loss_masked_by(m)) in present), None)
-    if key is None:
+    mean = next((found for _, m in called_modules(step.base_chain) if (found := own_loss_masked_by(m)) is not None
+                 and found.key in present and (found.needs is None or found.needs in inputs)), None)
+    if mean is None:
         return
-    mask = inputs[key]
-    shares = batch_multiple(step, mesh)[0]
-    if mask.shape[0] % shares:
-        return  # (the cut refuses the batch itself)
-    counts = mask.reshape(shares, -1).sum(dim=1)
-    if bool((counts == counts[0]).all()):
+    counts = _share_counts(step, mesh, mean.counted(inputs))
+    if counts is None:
         return
     raise ValueError(
         f"train_step(tokens=None) on a batch the step cuts ({' x '.join(cuts)}): the model's own loss is the mean "
-        f"over the elements batch[{key!r}] masks, and the shares mask different numbers of them "
-        f"({sorted(set(counts.tolist()))[:6]}), so the mean of the shares' means is not the single-device step's "
-        f"mean over the whole batch. Pass train_step(tokens=lambda inputs, targets: inputs[{key!r}].sum()), which "
-        "weighs each share's mean by its count; or mask the same number in every share (a fixed mask ratio per "
-        f"row); or tokens={PER_SHARD_MEAN!r} to train on the mean of the shares' means knowingly"
+        f"over the elements batch[{mean.key!r}] keeps{' with labels other than -100' if mean.labelled else ''}, and "
+        f"the shares count different numbers of them ({sorted(set(counts))[:6]}), so the mean of the shares' means "
+        "is not the single-device step's mean over the whole batch. Pass train_step(tokens=lambda inputs, targets: "
+        f"{mean.count_words()}), which weighs each share's mean by its count; or mask the same number in every "
+        f"share (a fixed mask ratio per row); or tokens={PER_SHARD_MEAN!r} to train on the mean of the shares' means "
+        "knowingly"
     )
+
+
+def _refuse_two_means(step: Step, mesh: Mesh | None, batch: Any, cuts: list[str]) -> bool:
+    """Refuse a cut batch where the model's own loss adds a masked LM's mean over its labels and a mean over the
+    rows (BertForPreTraining: next-sentence prediction), unless each share counts as many masked tokens under
+    tokens=None: a count function weighs the rows' mean by each share's masked tokens, and with uneven counts the
+    shares' masked LM means average to another loss (BertForPreTraining under ZeRO-3 dp 2 with the count the
+    padded-labels refusal advised: 2.9e-2 in the loss, no error). True where such a loss on even shares trains
+    under tokens=None as it is (its padded labels are no reason to refuse)."""
+    inputs = _model_inputs(batch)
+    if inputs is None or not isinstance(inputs.get("labels"), torch.Tensor):
+        return False
+    found = next(((type(m).__name__, key) for _, m in called_modules(step.base_chain)
+                  if (key := own_loss_two_means(m)) is not None and key in inputs), None)
+    if found is None or step.tokens == PER_SHARD_MEAN:
+        return False
+    model, rows = found
+    if step.tokens is None:
+        counts = _share_counts(step, mesh, inputs["labels"] != -100)
+        if counts is None:
+            return True
+        why = (f"the shares count different numbers of masked tokens ({sorted(set(counts))[:6]}), so the mean of "
+               "their masked LM means is not the whole batch's")
+    else:
+        why = ("train_step(tokens=...) weighs each share's loss by its count, and the mean over the rows would be "
+               "weighed so too")
+    raise ValueError(
+        f"{model}'s own loss on a batch the step cuts ({' x '.join(cuts)}) adds the masked LM's mean over the "
+        f"labels other than -100 and the mean over the rows of batch[{rows!r}]'s prediction: two means of "
+        f"different counts, which no one count weighs right, and {why}. Mask the same number of tokens in every "
+        "row (a fixed count per row) and pass train_step(tokens=None), under which the shares' means average to "
+        f"the single-device step's loss; or tokens={PER_SHARD_MEAN!r} to train on the mean of the shares' losses "
+        "knowingly"
+    )
+
+
+def _model_inputs(batch: Any) -> Mapping[str, Any] | None:
+    """The dict a Hugging Face model is called with: an (inputs, targets) pair's inputs, or the batch itself."""
+    inputs = batch[0] if isinstance(batch, (tuple, list)) and len(batch) == 2 else batch
+    return inputs if isinstance(inputs, Mapping) else None
+
+
+def _share_counts(step: Step, mesh: Mesh | None, flags: torch.Tensor) -> list[int] | None:
+    """Each share's count of ``flags`` (per element of a batch tensor), where the shares' counts differ; None
+    where they agree (or the batch does not divide: the cut refuses it itself)."""
+    shares = batch_multiple(step, mesh)[0]
+    if flags.dim() == 0 or flags.shape[0] % shares:
+        return None
+    counts = flags.reshape(shares, -1).sum(dim=1)
+    return None if bool((counts == counts[0]).all()) else [int(c) for c in counts.tolist()]
 
 
 def _own_loss_count(step: Step) -> str:
@@ -228,17 +279,26 @@ def _label_tensors(batch: Any) -> dict[str, Any]:
     return {"": batch}
 
 
-def _negative_integers(batch: Any) -> str | None:
+_FLOAT = " (float)"  # the mark _negative_integers puts after the keypath of float labels padded with -100.0
+
+
+def _negative_integers(batch: Any, prefix: str = "") -> str | None:
     """The keypath (``[0]``, ``['labels']``) of the first integer tensor of ``batch`` holding a negative
-    value: one reduction per such tensor, read back once per device (a GPU batch costs one sync)."""
+    value, or of a float tensor named as labels (in ``batch``, or by its ``prefix``) holding -100.0 (SpeechT5's
+    padded spectrogram frames; marked with :data:`_FLOAT`): one reduction per such tensor, read back once per
+    device (a GPU batch costs one sync)."""
     paths, leaves, _ = optree.tree_flatten_with_path(batch)
     found: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
     for path, t in zip(paths, leaves, strict=True):
-        if not isinstance(t, torch.Tensor) or t.is_meta or t.numel() == 0:
+        if not isinstance(t, torch.Tensor) or t.is_meta or t.numel() == 0 or t.dtype.is_complex or \
+                t.dtype == torch.bool:
             continue
-        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        where = "".join(f"[{k!r}]" for k in path)
+        if t.dtype.is_floating_point:
+            if "label" in (prefix + where).lower():
+                found.setdefault(t.device, []).append((where + _FLOAT, (t == -100).any()))
             continue
-        found.setdefault(t.device, []).append(("".join(f"[{k!r}]" for k in path), (t < 0).any()))
+        found.setdefault(t.device, []).append((where, (t < 0).any()))
     for flagged in found.values():
         flags = torch.stack([f for _, f in flagged]).tolist()
         for (where, _), negative in zip(flagged, flags, strict=True):
