@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -401,6 +402,48 @@ def test_process_ranks_that_build_the_model_themselves_agree(monkeypatch: pytest
     monkeypatch.setenv("SHARDWISE_START_METHOD", "forkserver")
     with pytest.raises(sw.collectives.RankFailed, match=r"in its model's structure and code .*layer '2'"):
         sw.launch(_builds_its_own, 2, backend="processes", timeout=60, args=("relu on rank 1",))
+
+
+_WARMUP = 4.0  # read by _warmup below (a module global, as a script's settings are)
+LOCAL_RANK = 0  # a rank's own value by its name: not compared
+
+
+def _warmup(step: int) -> float:
+    return 0.1 * min(1.0, (step + 1) / _WARMUP) * (1.0 if LOCAL_RANK >= 0 else 0.0)
+
+
+class _Tempered(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x / _WARMUP)
+
+
+def test_stable_text_reads_the_plain_globals_a_function_or_forward_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The review (s39 fail F1): a schedule, a loss or a forward reading a module global that one process set
+    otherwise trained without an error (1.9e-2 to 0.38 off): the globals' values were not compared."""
+    before = stable_text(_warmup), stable_text(_Tempered())
+    assert "_WARMUP=4.0" in before[0] and "LOCAL_RANK" not in before[0] and "_WARMUP=4.0" in before[1]
+    monkeypatch.setattr(sys.modules[__name__], "LOCAL_RANK", 1)
+    assert stable_text(_warmup) == before[0]
+    monkeypatch.setattr(sys.modules[__name__], "_WARMUP", 1.0)
+    assert stable_text(_warmup) != before[0] and stable_text(_Tempered()) != before[1]
+
+
+def _global_warmup_on_rank_1() -> int:
+    """On a process rank: the schedule's global set otherwise on rank 1 (a script's setting read differently)."""
+    global _WARMUP
+    mesh = sw.Mesh(dp=2)
+    if mesh.rank == 1:
+        _WARMUP = 1.0
+    torch.manual_seed(0)
+    chain, params = sw.functionalize(mlp([4, 6, 3]))
+    step = sw.shard_params(sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(_warmup)), "dp", 3)
+    return step.init(params, mesh).step
+
+
+@pytest.mark.gloo
+def test_process_ranks_whose_schedule_reads_another_global_are_named() -> None:
+    with pytest.raises(sw.collectives.RankFailed, match=r"in its optimizer .*globals _WARMUP=1\.0"):
+        sw.launch(_global_warmup_on_rank_1, 2, backend="processes", timeout=60)
 
 
 def test_stable_text_of_a_module_sees_its_structure_code_and_buffers() -> None:

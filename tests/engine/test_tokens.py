@@ -122,6 +122,20 @@ def test_bad_token_losses_are_refused_with_the_fix() -> None:
         step(step.init(params), _batches([[SEQ] * ROWS])[0])
 
 
+def test_a_pair_with_metrics_for_its_count_is_refused_naming_loss_fns_second_value() -> None:
+    """The review (s39 loss F6): (sum, metrics dict) failed with torch's raw 'Could not infer dtype of dict'."""
+    chain, params, _ = _model()
+
+    def with_metrics(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+        total, _ = _summed_ce(logits, targets)
+        return total, {"accuracy": 0.5}
+
+    step = sw.train_step(chain, with_metrics, sw.optim.sgd(0.1), tokens="sum")
+    with pytest.raises(ValueError, match=r"tokens='sum'\): loss_fn's second value is the token count of the "
+                                         r"micro-batch, a scalar tensor or number, but gave a dict .*metrics beside"):
+        step(step.init(params), _batches([[1] * ROWS])[0])
+
+
 def test_a_count_that_is_no_scalar_is_refused_naming_where_it_came_from() -> None:
     """A per-row count (a forgotten sum) was refused as 'the token count must be a scalar', naming neither
     count_fn nor loss_fn's pair."""

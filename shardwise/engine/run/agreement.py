@@ -30,7 +30,7 @@ import torch
 from ...collectives import all_gather
 from ...collectives.mesh import Mesh
 from ..torch_api import is_fake
-from .code_text import code_digest, module_text, qualified_name
+from .code_text import code_digest, global_values, module_text, qualified_name
 from .metrics import tensor_digest
 
 
@@ -228,7 +228,9 @@ def _function_text(fn: types.FunctionType, deeper: Any) -> str:
     closure = ", ".join(f"{n}={deeper(v)}" for n, v in zip(fn.__code__.co_freevars, cells, strict=True))
     defaults = deeper(fn.__defaults__) if fn.__defaults__ else ""
     between = "; " if defaults and closure else ""
-    return f"{qualified_name(fn)}[code {code_digest(fn)}]({defaults}{between}{closure})"
+    read = global_values(fn)
+    code = f"code {code_digest(fn)}" + (f"; globals {read}" if read else "")
+    return f"{qualified_name(fn)}[{code}]({defaults}{between}{closure})"
 
 
 def _filled(cell: types.CellType) -> bool:

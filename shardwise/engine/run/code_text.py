@@ -16,6 +16,7 @@ of all the process's loggers), which would refuse ranks that built the same mode
 
 from __future__ import annotations
 
+import dis
 import enum
 import functools
 import hashlib
@@ -35,6 +36,7 @@ def module_text(module: nn.Module, describe: Callable[[object], str]) -> str:
     digest, its ``extra_repr()``, its plain attributes and its registered tensors, each value in
     the words of ``describe`` (``stable_text``: a tensor by its shape, dtype and digest)."""
     lines = []
+    read_by: dict[type, str] = {}  # each class's forward disassembled once (a model repeats its blocks)
     for path, sub in module.named_modules(remove_duplicate=False):
         cls = type(sub)
         extra = _ADDRESS.sub("0x...", sub.extra_repr())
@@ -44,8 +46,12 @@ def module_text(module: nn.Module, describe: Callable[[object], str]) -> str:
         scratch = sub._non_persistent_buffers_set
         tensors = [f"{n}={_shape_text(t) if n in scratch else describe(t)}"
                    for n, t in [*sub._parameters.items(), *sub._buffers.items()] if t is not None]
+        read = read_by.get(cls)
+        if read is None:
+            read = read_by[cls] = global_values(cls.forward)
         lines.append(
-            f"{path or '(root)'}: {qualified_name(cls)}[forward {code_digest(cls.forward)}]({extra}) "
+            f"{path or '(root)'}: {qualified_name(cls)}[forward {code_digest(cls.forward)}"
+            f"{f'; globals {read}' if read else ''}]({extra}) "
             f"{{{', '.join(attributes)}}} [{', '.join(tensors)}]"
         )
     return "\n".join(lines)
@@ -99,6 +105,53 @@ def code_digest(function: object) -> str:
             found = True
         function = getattr(function, "__wrapped__", None)
     return digest.hexdigest()[:12] if found else ""
+
+
+# A global whose value is this rank's own by design (its rank, its device): not compared, by its name's words.
+_RANKS_OWN = re.compile(r"rank|device|local|node|host|gpu|cuda|pid|port", re.IGNORECASE)
+_GLOBAL_LOADS = frozenset({"LOAD_GLOBAL", "LOAD_NAME"})
+
+
+def global_values(function: object, depth: int = 0) -> str:
+    """The plain values (numbers, strings, enums, None, and tuples, lists and sets of them) of the module globals
+    ``function``'s code reads (``torch.tanh(x / TEMP)``, a schedule's ``WARMUP``), by name, sorted, with those its
+    nested functions read and those of the module's functions it calls (one level down); '' where it reads none.
+    A process that set one otherwise builds the same code, which the code digest alone cannot tell. Left out: a
+    name that says it is the rank's own (``RANK``, ``device``: :data:`_RANKS_OWN`)."""
+    found: dict[str, str] = {}
+    seen: set[int] = set()
+    while function is not None and id(function) not in seen:
+        seen.add(id(function))
+        fn = getattr(function, "__func__", function)
+        code, names = getattr(fn, "__code__", None), getattr(fn, "__globals__", None)
+        if isinstance(code, types.CodeType) and isinstance(names, dict):
+            for name in _globals_read(code):
+                if name in found or name not in names or _RANKS_OWN.search(name):
+                    continue
+                value = names[name]
+                if _scalars(value):
+                    found[name] = _constant_text(value)
+                elif isinstance(value, types.FunctionType) and depth < 1 and value.__module__ == fn.__module__:
+                    inner = global_values(value, depth + 1)
+                    if inner:
+                        found[name] = f"<{inner}>"
+        function = getattr(function, "__wrapped__", None)
+    return ", ".join(f"{k}={v}" for k, v in sorted(found.items()))
+
+
+def _globals_read(code: types.CodeType) -> list[str]:
+    names = [i.argval for i in dis.get_instructions(code) if i.opname in _GLOBAL_LOADS and isinstance(i.argval, str)]
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names += _globals_read(const)
+    return names
+
+
+def _scalars(value: object) -> bool:
+    if value is None or isinstance(value, bool | int | float | complex | str | bytes | enum.Enum):
+        return True
+    return isinstance(value, list | tuple | set | frozenset) and len(value) <= 64 and all(
+        v is None or isinstance(v, bool | int | float | complex | str | bytes | enum.Enum) for v in value)
 
 
 def _add_code(digest: Any, code: types.CodeType) -> None:
