@@ -111,6 +111,29 @@ def test_an_in_batch_contrastive_loss_is_refused_naming_per_shard_mean() -> None
         torch.testing.assert_close(loss, by_hand.detach(), rtol=1e-12, atol=0)
 
 
+def _dpo_concatenated(out: Tensor, reference: Tensor) -> Tensor:
+    """TRL's DPO layout: rows [:n] the chosen answers, [n:] the rejected ones, row i paired with row i + n."""
+    n = out.shape[0] // 2
+    margin = out[:, 0] - reference[:, 0]
+    return -F.logsigmoid(0.5 * (margin[:n] - margin[n:])).mean()
+
+
+def test_a_loss_not_finite_on_the_probes_halves_is_refused() -> None:
+    """The review (s39 loss F11): on 2-row shares (dp4 of 8 rows, a pipeline's 4 micro-batches: one DPO pair per
+    part) the probe's 1-row halves give NaN (a mean over an empty pairing), which it took for 'says nothing' and probed
+    again on every later call: the step trained each part's own pairing (0.43 off the one-device loss), no error."""
+    chain, params = _mlp()
+    step = sw.train_step(chain, _dpo_concatenated, sw.optim.sgd(0.1))
+    batch = _batches(1)[0]
+    assert ROWS == 8
+    for cut, mesh in ((sw.shard_params(step, "dp", 1), sw.Mesh(dp=4)), (sw.pipeline(step, "pp", "1f1b", 4),
+                                                                           sw.Mesh(pp=2))):
+        with pytest.raises(RankFailed, match=r"loss_fn is not a mean over the batch's rows.*first 2 rows .* and "
+                                             r"nan and nan on their two halves.*not finite on a part where it is on "
+                                             r"the whole"):
+            _run(cut, mesh, params, batch)
+
+
 class _Towers(nn.Module):
     """Two towers and their rows x rows similarity matrix, as CLIPModel's ``logits_per_text``."""
 

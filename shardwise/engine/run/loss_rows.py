@@ -406,9 +406,20 @@ def measure(
     if tokens is not None and not isinstance(tokens, str):  # a mean over no counted tokens is 0/0: the step's 0
         assert counted is not None
         read = {p: v if counted[p] != 0 else 0.0 for p, v in read.items()}
-    if not all(map(_finite_number, read.values())) or not any(read.values()):
-        return RETRY
     if counted is not None and (not all(map(_finite_number, counted.values())) or not any(counted.values())):
+        return RETRY
+    partial = next(((along, count, (whole, a, b)) for along, count, (whole, a, b) in halvings
+                    if _finite_number(read[whole]) and not (_finite_number(read[a]) and _finite_number(read[b]))),
+                   None)
+    if partial is not None and tokens != "sum":
+        # Finite on the whole, not on a half that counts something: loss_fn needs rows the half lacks (an unbiased
+        # std of one row, a row paired with another, DPO's chosen and rejected halves): refused, not probed again
+        # (every later call's halves are alike, and the step would train on meanwhile).
+        along, count, (whole, a, b) = partial
+        return Measured(n if along != "tokens" or row_dims is not None else rows, read[whole],
+                        (read[a], read[b]), RTOL_FLOAT64, along, count, "mean" if tokens is None else "count",
+                        None if counted is None else (counted[whole], counted[a], counted[b]))
+    if not all(map(_finite_number, read.values())) or not any(read.values()):
         return RETRY
     same_counts = {along: counted is None or counted[whole] == counted[a] == counted[b]
                    for along, _, (whole, a, b) in halvings}
@@ -679,7 +690,7 @@ def _row_refusal(cut: ProbeCut, found: Measured) -> str:
         sums = " (their sum: a loss summed over the rows, reduction='sum'?)" if found.is_sum else ""
         whole_on, halves_on = _measured_on(found)
         measured = (f"On {whole_on} it gave {found.whole:.6g}, and {found.halves[0]:.6g} and {found.halves[1]:.6g} "
-                    f"{halves_on}, whose mean is {found.mean:.6g}{sums}")
+                    f"{halves_on}, whose mean is {found.mean:.6g}{sums}{_needs_rows(found)}")
     return (
         f"loss_fn is not a mean over the batch's rows, which a step that cuts the batch ({cut.rows}) needs: the step "
         "takes the mean of the losses of the parts it computes, the single-device step's loss only when loss_fn "
@@ -693,6 +704,15 @@ def _row_refusal(cut: ProbeCut, found: Measured) -> str:
         "batch (one device, tensor_parallel alone, a pipeline of one micro-batch), or pass "
         "tokens='per_shard_mean' to train on the mean of the parts' losses knowingly (what DDP computes)"
     )
+
+
+def _needs_rows(found: Measured) -> str:
+    """Where a half's value is not finite and the whole's is: what that says, in words."""
+    if all(map(_finite_number, found.halves)):
+        return ""
+    return (" (not finite on a part where it is on the whole: it needs rows that part lacks, a statistic of "
+            "several rows such as an unbiased std, rows paired with other rows such as DPO's chosen and rejected "
+            "halves, or a mean over no tokens)")
 
 
 def _token_refusal(cut: ProbeCut, found: Measured) -> str:

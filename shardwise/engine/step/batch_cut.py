@@ -117,22 +117,25 @@ def refuse_padded_mean(step: Step, mesh: Mesh | None, batch: Any) -> None:
     if _refuse_two_means(step, mesh, batch, cuts) or step.tokens is not None:
         return
     _refuse_uneven_masked_mean(step, mesh, batch, cuts)
-    where = next((prefix + found for prefix, scanned in _label_tensors(batch).items()
-                  if (found := _negative_integers(scanned, prefix)) is not None), None)
-    if where is None:
+    found = next(((prefix + where, t) for prefix, scanned in _label_tensors(batch).items()
+                  if (hit := _negative_integers(scanned, prefix)) is not None for where, t in (hit,)), None)
+    if found is None:
         return
+    where, padded = found
     if where in ("['labels']", "[0]['labels']") and \
             any(own_loss_per_row_mean(m) for _, m in called_modules(step.base_chain)):
         return  # the labels a CTC model's own loss reads: a mean over the rows of per-row terms, padded or not
+    pad = -100 if where.endswith(_FLOAT) else int(padded[padded < 0].reshape(-1)[0])
     held = ("-100.0 (padded float labels, as SpeechT5's spectrograms: the model's own loss leaves them out)"
-            if where.endswith(_FLOAT) else "negative integers (padded labels: -100, cross_entropy's ignore_index)")
+            if where.endswith(_FLOAT) else f"negative integers ({pad}: padded labels, as cross_entropy's ignore_index "
+            "-100 or nanoGPT's -1)")
     where = where.removesuffix(_FLOAT)
     raise ValueError(
         f"train_step(tokens=None) on a batch the step cuts ({' x '.join(cuts)}): batch{where} holds {held}, "
         "so each share's mean loss counts its own "
         "number of tokens and the mean of those means is not the single-device step's mean over the whole "
         "batch. Pass tokens= to train_step: a count function, e.g. tokens=lambda inputs, targets: "
-        f"(targets != -100).sum() ({_own_loss_count(step)}), "
+        f"(targets != {pad}).sum() ({_own_loss_count(step, pad)}), "
         "with loss_fn the mean over those tokens; or tokens='sum' with loss_fn returning (sum of the token "
         f"losses, token count); or tokens={PER_SHARD_MEAN!r} to train on the mean of the shares' means knowingly"
     )
@@ -217,19 +220,22 @@ def _share_counts(step: Step, mesh: Mesh | None, flags: torch.Tensor) -> list[in
     return None if bool((counts == counts[0]).all()) else [int(c) for c in counts.tolist()]
 
 
-def _own_loss_count(step: Step) -> str:
-    """The count of labels a Hugging Face model's own loss averages over, in words: a causal LM (and a decoder-only
-    ``*ForConditionalGeneration``, LLaVA's: transformers' causal-LM loss) shifts its labels, the first of each row
-    counting nothing; an encoder-decoder, a masked LM or a token classifier counts all; a CTC head is no count."""
-    either = (f"a Hugging Face model's own loss: {SHIFTED} for a causal LM, which shifts its labels, {EVERY} for an "
+def _own_loss_count(step: Step, pad: int = -100) -> str:
+    """The count of labels a Hugging Face model's own loss averages over, in words (``pad``: the padding found, which
+    transformers' loss leaves out only as -100): a causal LM (and a decoder-only ``*ForConditionalGeneration``,
+    LLaVA's: transformers' causal-LM loss) shifts its labels, the first of each row counting nothing; an
+    encoder-decoder, a masked LM or a token classifier counts all; a CTC head is no count."""
+    shifted, every = (SHIFTED, EVERY) if pad == -100 else (
+        SHIFTED.replace("-100", str(pad)), EVERY.replace("-100", str(pad)))
+    either = (f"a Hugging Face model's own loss: {shifted} for a causal LM, which shifts its labels, {every} for an "
               "encoder-decoder, a masked LM or a token classifier")
     own = own_count_of(m for _, m in called_modules(step.base_chain))
     if isinstance(own, CtcHead):
         return (f"not for {own.model}'s own CTC loss: set config.ctc_loss_reduction = 'mean' before functionalize, "
                 "and its padded labels train with tokens=None")
     if isinstance(own, OwnCount):
-        return (f"{own.model}'s own loss, which shifts its labels: {SHIFTED}" if own.shifted else
-                f"{own.model}'s own loss, which counts every label it is given: {EVERY}")
+        return (f"{own.model}'s own loss, which shifts its labels: {shifted}" if own.shifted else
+                f"{own.model}'s own loss, which counts every label it is given: {every}")
     return either
 
 
@@ -282,13 +288,13 @@ def _label_tensors(batch: Any) -> dict[str, Any]:
 _FLOAT = " (float)"  # the mark _negative_integers puts after the keypath of float labels padded with -100.0
 
 
-def _negative_integers(batch: Any, prefix: str = "") -> str | None:
+def _negative_integers(batch: Any, prefix: str = "") -> tuple[str, torch.Tensor] | None:
     """The keypath (``[0]``, ``['labels']``) of the first integer tensor of ``batch`` holding a negative
     value, or of a float tensor named as labels (in ``batch``, or by its ``prefix``) holding -100.0 (SpeechT5's
     padded spectrogram frames; marked with :data:`_FLOAT`): one reduction per such tensor, read back once per
-    device (a GPU batch costs one sync)."""
+    device (a GPU batch costs one sync); with the tensor."""
     paths, leaves, _ = optree.tree_flatten_with_path(batch)
-    found: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
+    found: dict[torch.device, list[tuple[str, torch.Tensor, torch.Tensor]]] = {}
     for path, t in zip(paths, leaves, strict=True):
         if not isinstance(t, torch.Tensor) or t.is_meta or t.numel() == 0 or t.dtype.is_complex or \
                 t.dtype == torch.bool:
@@ -296,12 +302,12 @@ def _negative_integers(batch: Any, prefix: str = "") -> str | None:
         where = "".join(f"[{k!r}]" for k in path)
         if t.dtype.is_floating_point:
             if "label" in (prefix + where).lower():
-                found.setdefault(t.device, []).append((where + _FLOAT, (t == -100).any()))
+                found.setdefault(t.device, []).append((where + _FLOAT, t, (t == -100).any()))
             continue
-        found.setdefault(t.device, []).append((where, (t < 0).any()))
+        found.setdefault(t.device, []).append((where, t, (t < 0).any()))
     for flagged in found.values():
-        flags = torch.stack([f for _, f in flagged]).tolist()
-        for (where, _), negative in zip(flagged, flags, strict=True):
+        flags = torch.stack([f for _, _, f in flagged]).tolist()
+        for (where, t, _), negative in zip(flagged, flags, strict=True):
             if negative:
-                return where
+                return where, t
     return None
