@@ -408,17 +408,16 @@ def measure(
         read = {p: v if counted[p] != 0 else 0.0 for p, v in read.items()}
     if counted is not None and (not all(map(_finite_number, counted.values())) or not any(counted.values())):
         return RETRY
-    partial = next(((along, count, (whole, a, b)) for along, count, (whole, a, b) in halvings
-                    if _finite_number(read[whole]) and not (_finite_number(read[a]) and _finite_number(read[b]))),
-                   None)
+    partial = next(((along, count, parts) for along, count, parts in halvings
+                    if _finite_number(read[parts[0]]) and not all(_finite_number(read[p]) for p in parts[1:])), None)
     if partial is not None and tokens != "sum":
         # Finite on the whole, not on a half that counts something: loss_fn needs rows the half lacks (an unbiased
         # std of one row, a row paired with another, DPO's chosen and rejected halves): refused, not probed again
         # (every later call's halves are alike, and the step would train on meanwhile).
-        along, count, (whole, a, b) = partial
-        return Measured(n if along != "tokens" or row_dims is not None else rows, read[whole],
-                        (read[a], read[b]), RTOL_FLOAT64, along, count, "mean" if tokens is None else "count",
-                        None if counted is None else (counted[whole], counted[a], counted[b]))
+        along, count, (full, first, second) = partial
+        return Measured(n if along != "tokens" or row_dims is not None else rows, read[full],
+                        (read[first], read[second]), RTOL_FLOAT64, along, count, "mean" if tokens is None else "count",
+                        None if counted is None else (counted[full], counted[first], counted[second]))
     if not all(map(_finite_number, read.values())) or not any(read.values()):
         return RETRY
     same_counts = {along: counted is None or counted[whole] == counted[a] == counted[b]
