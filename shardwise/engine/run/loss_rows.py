@@ -414,10 +414,10 @@ def measure(
         # Finite on the whole, not on a half that counts something: loss_fn needs rows the half lacks (an unbiased
         # std of one row, a row paired with another, DPO's chosen and rejected halves): refused, not probed again
         # (every later call's halves are alike, and the step would train on meanwhile).
-        along, count, (full, first, second) = partial
-        return Measured(n if along != "tokens" or row_dims is not None else rows, read[full],
-                        (read[first], read[second]), RTOL_FLOAT64, along, count, "mean" if tokens is None else "count",
-                        None if counted is None else (counted[full], counted[first], counted[second]))
+        along, count, (on_whole, on_a, on_b) = partial
+        return Measured(n if along != "tokens" or row_dims is not None else rows, read[on_whole],
+                        (read[on_a], read[on_b]), RTOL_FLOAT64, along, count, "mean" if tokens is None else "count",
+                        None if counted is None else (counted[on_whole], counted[on_a], counted[on_b]))
     if not all(map(_finite_number, read.values())) or not any(read.values()):
         return RETRY
     same_counts = {along: counted is None or counted[whole] == counted[a] == counted[b]
