@@ -259,7 +259,8 @@ class Chain:
 _NOT_WHOLE = (
     "the state.params of a step that shards or pipelines its parameters hold only this rank's part (shard_params "
     "stage 3, and stages 1-2 under bf16 / fp16 compute: one flat shard per layer; a pipeline: the layers of this "
-    "rank's stage; tensor_parallel: this rank's slices of the layers it splits); to run the chain on them, e.g. to "
+    "rank's stage; tensor_parallel: this rank's slices of the layers it splits; expert_parallel: this rank's "
+    "experts); to run the chain on them, e.g. to "
     "evaluate, pass step.full_params(state), the complete parameters (every rank calls it together)"
 )
 
