@@ -168,3 +168,18 @@ def test_init_refuses_a_parameter_of_another_shape_than_its_modules() -> None:
     with pytest.raises(ValueError, match=r"params\['0'\]\['bias'\] has shape \[1\], its module's parameter \[4\]"):
         step.init(changed)
     step.init(params)  # functionalize's own fit
+
+
+def test_the_params_given_where_the_state_goes_are_named() -> None:
+    """The review (s39 fail F3): step(params, batch) (step.init forgotten), step(None, batch) and
+    step.full_params(params) failed with "'dict' object has no attribute 'layout'" from inside shardwise."""
+    torch.manual_seed(0)
+    chain, params = sw.functionalize(torch.nn.Sequential(torch.nn.Linear(3, 2)).double())
+    step = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1))
+    batch = (torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64))
+    for wrong in (params, None):
+        with pytest.raises(TypeError, match=r"step: state is a (dict|NoneType), not the TrainState step.init or a "
+                                            r"step call returned"):
+            step(wrong, batch)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"step.full_params: state is a dict, not the TrainState"):
+        step.full_params(params)  # type: ignore[arg-type]

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ...collectives.mesh import Mesh
+from ..checkpoint.arguments import check_state as require_state
 from ..checkpoint.names import module_params
 from ..layout.devices import device_of
 from ..layout.precision import Precision
@@ -305,6 +306,8 @@ class Step:
         with parameters or optimizer state not laid out as ``init`` laid them out (cast, replaced:
         see state_check). A
         state of another step is left to the caller's own refusal of it."""
+        if not isinstance(state, TrainState):
+            require_state("step.full_params(state)", state)
         check_not_consumed(self, state)
         layout = state.layout if isinstance(state, TrainState) else None
         if isinstance(layout, StateLayout) and layout.stack == self.stack_key:
@@ -525,6 +528,8 @@ class Step:
     # -- running --------------------------------------------------------------
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, Metrics]:
         """One training step on the global ``batch``: ``(new state, metrics)`` (every rank passes the same batch)."""
+        if not isinstance(state, TrainState):  # (the params functionalize returned, given before step.init)
+            require_state("step(state, batch)", state)
         check_not_consumed(self, state)
         batch = plain_batch(batch)  # a tokenizer's BatchEncoding: a dict the batch's pytree code sees into
         # prepare_run refuses a state cast or replaced by hand (state_check), once the world fits the mesh
