@@ -533,3 +533,35 @@ def test_ranks_that_built_one_model_with_a_device_attribute_or_scratch_tensors_a
         return step.init(params, mesh).step
 
     assert sw.launch(main, 2, timeout=60) == [0, 0]
+
+
+class _Momentum:
+    """A user's optimizer object keeping its settings private (``self._lr``), and a rank of its own."""
+
+    def __init__(self, lr: float) -> None:
+        self._lr, self._rank, self._cache = lr, 0, {"seen": torch.zeros(2)}
+
+
+def test_stable_text_reads_private_settings_and_a_hugging_face_config() -> None:
+    """The review (s39 fail F4, F5, F6): a private self._lr of a user's optimizer, a layer's self._t, and a Hugging
+    Face config field a forward reads (Gemma-2's final_logit_softcapping) set otherwise on one process trained
+    without an error (3.7e-3 to 0.18 off)."""
+    transformers = pytest.importorskip("transformers")
+    assert stable_text(_Momentum(0.1)) != stable_text(_Momentum(0.3))
+    other_rank = _Momentum(0.1)
+    other_rank._rank = 1
+    assert stable_text(other_rank) == stable_text(_Momentum(0.1))
+    scaled = torch.nn.Linear(2, 2)
+    scaled._t = 2.0  # type: ignore[assignment]
+    plain = torch.nn.Linear(2, 2)
+    plain._t = 1.0  # type: ignore[assignment]
+    assert stable_text(scaled) != stable_text(plain)
+
+    def gemma(cap: float) -> torch.nn.Module:
+        torch.manual_seed(0)
+        return transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+            vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+            num_key_value_heads=1, head_dim=8, final_logit_softcapping=cap))
+
+    assert stable_text(gemma(30.0)) != stable_text(gemma(3.0))
+    assert stable_text(gemma(30.0)) == stable_text(gemma(30.0))

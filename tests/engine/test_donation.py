@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import optree
@@ -227,3 +228,40 @@ def test_what_full_params_and_full_state_dict_return_stays_put_under_an_in_place
         return max(float((moved[k] - best[k]).abs().max()) for k in best)
 
     assert all(change > 1e-3 for change in _run(stack, body))  # the run did train on
+
+
+class _FailsMidUpdate:
+    """A schedule that raises at its ``at``-th call on this thread (an out-of-memory error in the middle of an update
+    in buckets, which calls it once a bucket)."""
+
+    def __init__(self) -> None:
+        self.local = threading.local()
+
+    def arm(self, at: int | None) -> None:
+        self.local.calls, self.local.at = 0, at
+
+    def __call__(self, step: int) -> float:
+        self.local.calls = getattr(self.local, "calls", 0) + 1
+        if self.local.calls == getattr(self.local, "at", None):
+            raise torch.OutOfMemoryError("out of memory in the middle of the update")
+        return 1e-2
+
+
+def test_a_state_half_updated_in_buckets_is_refused_on_retry() -> None:
+    """The review (s39 fail F7): an in-place update in buckets (stage 2, update_in_buckets) that failed after its
+    first bucket wrote left that bucket's moments advanced (4.7e-2) and the state unmarked: the retry of the batch
+    trained from the half-updated state (7e-3 off), and a save took it too."""
+    schedule = _FailsMidUpdate()
+    step, params, batches = _problem(sw.optim.adamw(schedule, inplace=True))
+    zero2 = sw.shard_params(step, "dp", stage=2, update_in_buckets=True, bucket_mb=1 / 4096)
+
+    def main() -> None:
+        state, _ = zero2(zero2.init(params, sw.Mesh(dp=2)), batches[0])
+        schedule.arm(2)
+        with pytest.raises(torch.OutOfMemoryError):
+            zero2(state, batches[1])
+        schedule.arm(None)
+        with pytest.raises(ValueError, match=r"consumed by an in-place update"):
+            zero2(state, batches[1])
+
+    sw.launch(main, 2)

@@ -30,7 +30,7 @@ import torch
 from ...collectives import all_gather
 from ...collectives.mesh import Mesh
 from ..torch_api import is_fake
-from .code_text import code_digest, global_values, module_text, qualified_name
+from .code_text import code_digest, global_values, module_text, private_settings, qualified_name
 from .metrics import tensor_digest
 
 
@@ -206,6 +206,7 @@ def stable_text(value: object, depth: int = 0) -> str:
     if named or (callable(value) and not hasattr(value, "__dict__")):
         return qualified_name(value)
     public = {k: v for k, v in getattr(value, "__dict__", {}).items() if not k.startswith("_")}
+    public.update(private_settings(value))  # (a user's optimizer keeping its rate in self._lr)
     return f"{qualified_name(type(value))}({', '.join(f'{k}={deeper(v)}' for k, v in public.items())})"
 
 

@@ -37,11 +37,16 @@ def module_text(module: nn.Module, describe: Callable[[object], str]) -> str:
     the words of ``describe`` (``stable_text``: a tensor by its shape, dtype and digest)."""
     lines = []
     read_by: dict[type, str] = {}  # each class's forward disassembled once (a model repeats its blocks)
+    configs: set[int] = set()  # a Hugging Face config, which every module of a model holds, said once
     for path, sub in module.named_modules(remove_duplicate=False):
         cls = type(sub)
         extra = _ADDRESS.sub("0x...", sub.extra_repr())
         attributes = [f"{k}={_attribute_text(v, describe)}" for k, v in vars(sub).items()
-                      if not k.startswith("_") and plain(v)]
+                      if (not k.startswith("_") and plain(v)) or _private_setting(k, v)]
+        config = getattr(sub, "config", None)
+        if callable(getattr(config, "to_dict", None)) and id(config) not in configs:
+            configs.add(id(config))
+            attributes.append(f"config={describe(config_settings(config))}")
         # A buffer the module does not persist may be scratch (torch.empty): its values are not compared.
         scratch = sub._non_persistent_buffers_set
         tensors = [f"{n}={_shape_text(t) if n in scratch else describe(t)}"
@@ -55,6 +60,38 @@ def module_text(module: nn.Module, describe: Callable[[object], str]) -> str:
             f"{{{', '.join(attributes)}}} [{', '.join(tensors)}]"
         )
     return "\n".join(lines)
+
+
+# What nn.Module keeps in its __dict__ for itself: not a setting of the computation.
+_MODULE_OWN = frozenset(vars(nn.Module()))
+
+
+def _private_setting(key: str, value: object) -> bool:
+    """A private attribute holding a plain setting (``self._t = 2.0`` read as ``x / self._t``): a number, string,
+    enum or None, or a short tuple or list of them; not nn.Module's own, nor one whose name says it is the rank's
+    own (``_rank``, ``_device``)."""
+    return key.startswith("_") and key not in _MODULE_OWN and not _RANKS_OWN.search(key) and _scalars(value)
+
+
+def private_settings(value: object) -> dict[str, object]:
+    """An object's private attributes holding plain settings (:func:`_private_setting`), by name."""
+    return {k: v for k, v in getattr(value, "__dict__", {}).items() if _private_setting(k, v)}
+
+
+def config_settings(config: Any) -> dict[str, object]:
+    """A Hugging Face config's settings that a forward reads (``config.final_logit_softcapping``): the plain values of
+    its ``to_dict()``, nested ones included, without its bookkeeping (keys starting with '_': the path it was read
+    from, the commit) and names that say they are the rank's own."""
+    def kept(value: object) -> bool:
+        return _scalars(value) or (isinstance(value, Mapping) and all(isinstance(k, str) for k in value))
+
+    settings = config.to_dict()
+    out: dict[str, object] = {}
+    for key, value in settings.items():
+        if not isinstance(key, str) or key.startswith("_") or _RANKS_OWN.search(key) or not kept(value):
+            continue
+        out[key] = {k: v for k, v in value.items() if _scalars(v)} if isinstance(value, Mapping) else value
+    return out
 
 
 def _shape_text(t: torch.Tensor) -> str:
