@@ -98,9 +98,15 @@ def _shape_text(t: torch.Tensor) -> str:
     return f"tensor(shape={tuple(t.shape)}, dtype={t.dtype})"
 
 
+# A plain tensor attribute this small is a setting (a per-channel scale, RoPE's frequencies of a small head): by its
+# values. A larger one may be a preallocated cache or scratch (torch.empty): by its shape alone.
+_SETTING_ELEMENTS = 64
+
+
 def _attribute_text(value: object, describe: Callable[[object], str]) -> str:
-    if isinstance(value, torch.Tensor):  # a plain attribute, perhaps a preallocated cache: not its values
-        return _shape_text(value)
+    if isinstance(value, torch.Tensor):
+        small = value.numel() <= _SETTING_ELEMENTS and not value.is_meta and value.layout == torch.strided
+        return describe(value) if small else _shape_text(value)
     if isinstance(value, types.MethodType):  # by its class and code, not by all of the object it is bound to
         return f"{qualified_name(type(value.__self__))}.{value.__name__}[code {code_digest(value)}]"
     return describe(value)
