@@ -18,7 +18,10 @@ their own values (so an index stays in range), save those whose values follow fr
 arange along the last dim) and 0/1 masks, which stay; on copies of the call's parameters and buffers, with
 the random generators put back after it and no collective run (a split's are predicted, moving nothing).
 An attribute whose value then differs from what the real call set came from the input's values (or from
-random numbers): refused, naming the layer, the attribute and the fix. Neither the user's module, the
+random numbers): refused, naming the layer, the attribute and the fix, unless the call only writes it: run
+again on the real input from the module as it was and from the module holding the probe's values there, it gives
+the same output bit for bit (``self.last_attn = attn.detach()`` kept for plotting; a lazy initialization or a
+cache read back gives another). Neither the user's module, the
 layer's copy of it nor the step's tensors see the probe. Not judged (a gap): a layer whose module a split
 rewrote (tensor parallel installs forwards that call the module itself, which a copy cannot stand in for), a
 module that refuses copy.copy (a parametrized one), state first set on a later step, and state set from the
@@ -121,6 +124,8 @@ def refuse_state_from_values(layer: Layer, call: Callable[[Any], Any], given: An
                      if k not in before or k not in after or not same_state(before[k], after[k]))
     if not changed:
         return
+    registered = {id(t): t for t in (*unset.parameters(), *unset.buffers())}
+    as_before = _twin(unset, registered, {}), _twin(unset, registered, {})  # for _written_only
     try:
         with fn.replicas.probing(unset), _generators_kept(given), _no_collectives(sizes):
             call(_other_values(given))
@@ -129,8 +134,51 @@ def refuse_state_from_values(layer: Layer, call: Callable[[Any], Any], given: An
     again = python_state(unset)
     from_values = [k for k in changed if (k in again) != (k in after)
                    or (k in after and not same_state(again[k], after[k]))]
-    if from_values:
+    if from_values and not _written_only(fn, call, given, sizes, as_before, unset, from_values, registered):
         raise ValueError(_message(layer.name, from_values, cut, probed=True))
+
+
+def _written_only(fn: Any, call: Callable[[Any], Any], given: Any, sizes: Mapping[str, int],
+                  as_before: tuple[nn.Module, nn.Module], probed: nn.Module, keys: list[str],
+                  registered: dict[int, Any]) -> bool:
+    """Whether the call's output on ``given`` is the same, bit for bit, from the module as it was before and from
+    the module holding the values the probe's call (``probed``) set in attributes ``keys``: then the call writes
+    them and does not read them (``self.last_attn = attn.detach()``, kept for plotting), and what the step computes
+    does not depend on them. A lazy initialization (``if self.scale is None``) or a cache read back gives another
+    output. Both calls draw the same random numbers."""
+    plain, preset = as_before
+    for key in keys:
+        path, _, name = key.rpartition(".")
+        source = probed.get_submodule(path) if path else probed
+        if name not in vars(source):
+            return False  # (the probe's call did not set it: nothing to preset)
+        target = preset.get_submodule(path) if path else preset
+        vars(target)[name] = _copied(vars(source)[name], registered)
+    outputs = []
+    try:
+        for module in (plain, preset):
+            with fn.replicas.probing(module), _generators_kept(given), _no_collectives(sizes):
+                outputs.append(call(given))
+    except Exception:
+        return False
+    return _same_output(*outputs)
+
+
+def _same_output(a: Any, b: Any) -> bool:
+    leaves_a, spec_a = optree.tree_flatten(a, none_is_leaf=True)
+    leaves_b, spec_b = optree.tree_flatten(b, none_is_leaf=True)
+    if spec_a != spec_b:
+        return False
+    for x, y in zip(leaves_a, leaves_b, strict=True):
+        if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
+            if x.shape != y.shape or x.dtype != y.dtype or not torch.equal(x.isnan() if x.is_floating_point() else x,
+                                                                            y.isnan() if y.is_floating_point() else y):
+                return False
+            if x.is_floating_point() and not torch.equal(x.nan_to_num(0.0), y.nan_to_num(0.0)):
+                return False
+        elif isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor) or not (x is y or x == y):
+            return False
+    return True
 
 
 @contextlib.contextmanager
