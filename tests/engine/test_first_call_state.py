@@ -474,3 +474,15 @@ def test_an_attribute_written_and_never_read_trains_where_the_batch_is_cut() -> 
     batches = [(torch.randn(8, 5, 8, generator=gen, dtype=torch.float64),
                 torch.randn(8, 5, 8, generator=gen, dtype=torch.float64)) for _ in range(2)]
     sw.testing.assert_equivalent(sw.shard_params(step, "dp", 3), step, sw.Mesh(dp=2), batches, params)
+
+
+def test_an_attribute_written_and_never_read_trains_under_micro_batches_too() -> None:
+    """Each micro-batch's call writes it again: no state the step computes from, as on one call a step."""
+    torch.manual_seed(1)
+    chain, params = sw.functionalize(nn.Sequential(nn.Linear(8, 8), _PlotsAttention(), nn.Linear(8, 8)).double())
+    step = sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1))
+    gen = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(8, 5, 8, generator=gen, dtype=torch.float64),
+                torch.randn(8, 5, 8, generator=gen, dtype=torch.float64)) for _ in range(2)]
+    sw.testing.assert_equivalent(sw.shard_params(step, "dp", 2, accumulation=2), step, sw.Mesh(dp=2), batches, params)
+    sw.testing.assert_equivalent(sw.pipeline(step, "pp", "1f1b", 2), step, sw.Mesh(pp=2), batches, params)

@@ -113,17 +113,18 @@ def _copied(value: Any, registered: dict[int, Any]) -> Any:
 
 
 def refuse_state_from_values(layer: Layer, call: Callable[[Any], Any], given: Any, unset: nn.Module,
-                             cut: str, sizes: Mapping[str, int]) -> None:
+                             cut: str, sizes: Mapping[str, int]) -> list[str]:
     """Refuse when ``layer``'s first call (``call`` on ``given``) set its module's plain attributes from
     ``given``'s values; ``unset`` is :func:`module_before`'s copy, ``cut`` the batch's cut in words, ``sizes``
-    the mesh's axes ({axis: ranks}) that a split's layers ask while they predict."""
+    the mesh's axes ({axis: ranks}) that a split's layers ask while they predict. Returns the attributes it set
+    from the values that it only writes (:func:`_written_only`), which a later call may set again."""
     fn = module_fn(layer.fn)
     module = fn.replicas.get().module
     before, after = python_state(unset), python_state(module)
     changed = sorted(k for k in before.keys() | after.keys()
                      if k not in before or k not in after or not same_state(before[k], after[k]))
     if not changed:
-        return
+        return []
     registered = {id(t): t for t in (*unset.parameters(), *unset.buffers())}
     as_before = _twin(unset, registered, {}), _twin(unset, registered, {})  # for _written_only
     try:
@@ -134,8 +135,11 @@ def refuse_state_from_values(layer: Layer, call: Callable[[Any], Any], given: An
     again = python_state(unset)
     from_values = [k for k in changed if (k in again) != (k in after)
                    or (k in after and not same_state(again[k], after[k]))]
-    if from_values and not _written_only(fn, call, given, sizes, as_before, unset, from_values, registered):
+    if not from_values:
+        return []
+    if not _written_only(fn, call, given, sizes, as_before, unset, from_values, registered):
         raise ValueError(_message(layer.name, from_values, cut, probed=True))
+    return from_values
 
 
 def _written_only(fn: Any, call: Callable[[Any], Any], given: Any, sizes: Mapping[str, int],
