@@ -292,3 +292,40 @@ def test_teardown_launches_exit_cleanly() -> None:
     assert [row["backend"] for row in rows] == ["processes", "torchrun"], rows
     for row in rows:
         assert row["crashes"] == 0 and row["launches"] == 1, row
+
+
+_REFUSED_ON_RANK_THREADS = """
+import torch, torch.nn as nn, torch.nn.functional as F, shardwise as sw
+class Lazy(nn.Module):  # a lazy scale set from the first batch: refused on a cut batch, on every rank
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 4)
+        self.bank = [torch.zeros(4, dtype=torch.float64) for _ in range(300)]
+        self.scale = None
+    def forward(self, x):
+        if self.scale is None:
+            self.scale = x.detach().std()
+        return self.lin(x / self.scale) - torch.stack(self.bank).sum(0)
+g = torch.Generator().manual_seed(1)
+batch = (torch.randn(8, 6, generator=g, dtype=torch.float64), torch.randn(8, 4, generator=g, dtype=torch.float64))
+chain, params = sw.functionalize(nn.Sequential(Lazy()).double())
+step = sw.shard_params(sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1)), "dp", 1)
+def rank():
+    try:
+        step(step.init(params, sw.Mesh(dp=2)), batch)
+        return "ran"
+    except ValueError as e:
+        return "refused" if "set its module's attributes" in str(e) else repr(e)
+print(sw.launch(rank, 2, timeout=60))
+"""
+
+
+def test_a_process_exits_cleanly_after_its_rank_threads_were_refused() -> None:
+    """The review (s38): a script whose rank threads were refused on their first call ended in SIGABRT at exit
+    ("terminate called without an active exception", rc 134: every run with a list of 300 tensors in the module,
+    every other run with a running centre kept in an object): the launch returned while the rank threads were still
+    in their exit, and the interpreter froze them halfway through torch's teardown."""
+    proc = subprocess.run([sys.executable, "-c", _REFUSED_ON_RANK_THREADS], capture_output=True, text=True,
+                          timeout=300, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "['refused', 'refused']", proc.stdout

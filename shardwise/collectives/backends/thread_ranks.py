@@ -100,7 +100,10 @@ def run_on_threads(fn: Callable[..., Any], world: int, timeout: float, args: tup
         # The world outlives the launch where its collectives' autograd graphs do (a backward run in a later
         # launch's threads): there, a rank is no longer one that returned before its peers.
         ranks.world.launch_ended()
-    return ranks.outcome()
+    try:
+        return ranks.outcome()
+    finally:
+        ranks.join_ended()
 
 
 class _RankThreads:
@@ -218,6 +221,15 @@ class _RankThreads:
                 f"(stuck after its last collective, or outside any){note}",
             )
         return self.results
+
+    def join_ended(self) -> None:
+        """Let the threads of the ranks that ended finish (their body set ``done`` last, and the thread still runs
+        its exit, freeing what the rank held): a process that exits right after the launch, its daemon threads
+        frozen halfway through torch's teardown, otherwise ended in SIGABRT ("terminate called without an active
+        exception") about every other run after a rank failed."""
+        for rank, thread in enumerate(self.threads):
+            if self.done[rank].is_set() and thread.is_alive():
+                thread.join(_POLL_S)
 
     def stop(self, ranks: list[int], reason: str) -> list[int]:
         """Stop the threads of ``ranks``; return those still running after a wait.
