@@ -117,7 +117,8 @@ def test_a_loss_reading_what_the_shape_prediction_left_is_refused() -> None:
         zero2(state, batches[0])
 
     with pytest.raises(sw.collectives.RankFailed, match=(
-            r"loss_fn read a tensor that a run of the layers on fake tensors left behind.*forward hook")):
+            r"loss_fn returned a fake tensor: it, or the model's output it is computed from, read a tensor that a "
+            r"run of the layers on fake tensors left behind.*forward hook")):
         sw.launch(main, world=2)
 
 

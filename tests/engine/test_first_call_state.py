@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import copy
 import importlib.util
+import types
 from pathlib import Path
 from typing import Any
 
@@ -486,3 +487,32 @@ def test_an_attribute_written_and_never_read_trains_under_micro_batches_too() ->
                 torch.randn(8, 5, 8, generator=gen, dtype=torch.float64)) for _ in range(2)]
     sw.testing.assert_equivalent(sw.shard_params(step, "dp", 2, accumulation=2), step, sw.Mesh(dp=2), batches, params)
     sw.testing.assert_equivalent(sw.pipeline(step, "pp", "1f1b", 2), step, sw.Mesh(pp=2), batches, params)
+
+
+class _CentreInObject(nn.Module):
+    """DINO-style running centre kept in a plain object (``self.stats.centre``), read by the output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 4)
+        self.stats = types.SimpleNamespace(centre=torch.zeros(4, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        out = y - self.stats.centre
+        self.stats.centre = 0.9 * self.stats.centre + 0.1 * y.detach().mean(0)
+        return out
+
+
+def test_state_kept_in_an_object_attribute_is_refused_naming_it() -> None:
+    """The review (s38 review2 F3): a running centre kept in a SimpleNamespace escaped the state watch; the shape
+    prediction's fake tensor left in it failed the step with torch's raw DataDependentOutputException."""
+    torch.manual_seed(0)
+    chain, params = sw.functionalize(_CentreInObject().double())
+    step = sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1))
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 6, generator=gen, dtype=torch.float64),
+                torch.randn(8, 4, generator=gen, dtype=torch.float64)) for _ in range(2)]
+    with pytest.raises(sw.collectives.RankFailed, match=r"set its module's attributes \['stats'\] on its first call "
+                                                         r"from its input's values"):
+        sw.testing.assert_equivalent(sw.shard_params(step, "dp", 1), step, sw.Mesh(dp=2), batches, params)

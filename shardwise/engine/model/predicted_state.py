@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -104,6 +106,9 @@ def no_fake_state_left(module: nn.Module) -> Iterator[None]:
                 elif isinstance(value, collections.deque):
                     value.clear()
                     value.extend(entries)
+                elif entries is not None:  # an object holding state by attribute (a SimpleNamespace)
+                    vars(value).clear()
+                    vars(value).update(entries)
 
 
 def _entries(value: Any) -> Any:
@@ -112,7 +117,22 @@ def _entries(value: Any) -> Any:
         return list(value)
     if isinstance(value, dict):
         return dict(value)
+    if state_holder(value):
+        return dict(vars(value))
     return None
+
+
+def state_holder(value: Any) -> bool:
+    """A plain object a forward keeps state in by attribute (``self.stats.centre``: a SimpleNamespace, or an instance
+    of a dataclass of one's own), watched as a dict of its attributes is. Not a library's dataclass: a Hugging Face
+    config (every module of a model holds it, and forwards only read it) or model output, shardwise's own records."""
+    if isinstance(value, types.SimpleNamespace):
+        return True
+    return dataclasses.is_dataclass(value) and not isinstance(value, type) and \
+        type(value).__module__.partition(".")[0] not in _LIBRARIES
+
+
+_LIBRARIES = frozenset({"transformers", "torch", "shardwise", "diffusers", "timm", "peft", "accelerate"})
 
 
 def _holds_fake(value: Any, depth: int = 0) -> bool:
@@ -122,4 +142,6 @@ def _holds_fake(value: Any, depth: int = 0) -> bool:
         return any(_holds_fake(v, depth + 1) for v in value)
     if depth < 3 and isinstance(value, dict):
         return any(_holds_fake(v, depth + 1) for v in value.values())
+    if depth < 3 and state_holder(value):
+        return any(_holds_fake(v, depth + 1) for v in vars(value).values())
     return False

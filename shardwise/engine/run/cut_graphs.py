@@ -113,11 +113,12 @@ def refuse_fake_loss(got: Any) -> None:
     (the step predicting its outputs' shapes) left outside the chain, where the layers' forwards keep values."""
     if any(is_fake(t) for t in optree.tree_leaves(got)):
         raise ReadsOutsideChain(
-            "loss_fn read a tensor that a run of the layers on fake tensors left behind (the step runs them so to "
-            "predict its outputs' shapes, before the first call that cuts the batch or splits the model): it reads "
-            "a value a layer's forward keeps outside the chain's flow (a forward hook that appends a layer's output "
-            "to a list, a module attribute a forward sets), which the step cannot tell from the output it hands "
-            "to loss_fn. Pass the value along the chain instead: return it with the layer's output (and the "
+            "loss_fn returned a fake tensor: it, or the model's output it is computed from, read a tensor that a "
+            "run of the layers on fake tensors left behind (the step runs them so to predict its outputs' shapes, "
+            "before the first call that cuts the batch or splits the model): a value a layer's forward keeps outside "
+            "the chain's flow (a forward hook that appends a layer's output to a list, a module attribute a forward "
+            "sets, in an object the module holds), which the step cannot tell from its own. Pass the value along the "
+            "chain instead: return it with the layer's output (and the "
             "model's) and compute the term in loss_fn from the output, or compute the term inside the layer that "
             "makes the value"
         )

@@ -49,6 +49,7 @@ from torch import nn
 from ...collectives.mesh_context import no_mesh
 from ..model.chain import Layer
 from ..model.module_call import module_fn, own_hook_dicts
+from ..model.predicted_state import state_holder
 from ..stack import in_layer
 from .forward_state import python_state, readable, same_state, watched
 from .rng import default_generators, untouched
@@ -103,7 +104,7 @@ def _copied(value: Any, registered: dict[int, Any]) -> Any:
         if value.layout != torch.strided or not readable(value):
             return value  # (sparse: kept as it is; a view of freed storage: forward_state.readable)
         return value.clone()
-    if not isinstance(value, (list, dict, tuple, collections.deque)):
+    if not isinstance(value, (list, dict, tuple, collections.deque)) and not state_holder(value):
         return value  # a number or a string: immutable
     try:
         return copy.deepcopy(value, dict(registered))

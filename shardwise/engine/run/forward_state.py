@@ -34,6 +34,7 @@ from torch import nn
 
 from ..model import hf_collecting
 from ..model.module_call import module_fn
+from ..model.predicted_state import state_holder
 from ..torch_api import is_fake, version_of
 from .thread_token import thread_token
 
@@ -131,7 +132,9 @@ def watched(key: str, value: Any) -> bool:
 
 
 def _kept_kind(value: Any) -> bool:
-    return isinstance(value, (*_SCALARS, torch.Tensor, list, tuple, dict, collections.deque))
+    return isinstance(value, (*_SCALARS, torch.Tensor, list, tuple, dict, collections.deque)) or state_holder(value)
+
+
 
 
 def python_state(module: nn.Module) -> dict[str, Any]:
@@ -200,6 +203,9 @@ def _kept(value: Any, depth: int = 0, whole: bool = True) -> Any:
         return value.detach().clone() if readable(value) else _Unreadable(tuple(value.shape), value.dtype)
     if isinstance(value, tuple) and all(isinstance(v, _SCALARS) for v in value):
         return value
+    if state_holder(value) and depth < 3:
+        return _Items(type(value), {k: v for k, v in ((k, _kept(v, depth + 1, whole)) for k, v in vars(value).items())
+                                    if v is not _SKIP})
     if isinstance(value, (list, tuple, dict, collections.deque)) and depth < 3:
         pairs = value.items() if isinstance(value, dict) else enumerate(value)
         # A tensor in a container is state as a plain tensor attribute is (a truncated-BPTT (h, c) tuple, a
