@@ -228,7 +228,7 @@ def test_a_masked_image_models_own_loss_on_uneven_masks_is_refused_and_a_count_t
     zero3 = sw.shard_params(step, "dp", 3)
     with pytest.raises(RankFailed, match=r"the model's own loss is the mean over the elements "
                                          r"batch\['bool_masked_pos'\] keeps, and the shares count different numbers "
-                                         r"of them \(\[2, 6\]\)"):
+                                         r"of them \(per share, in order: 2, 6\)"):
         sw.testing.assert_equivalent(zero3, step, sw.Mesh(dp=2), batches, params)
     counted = sw.train_step(chain, _own_loss, sw.optim.sgd(0.1),
                             tokens=lambda inputs, _: inputs["bool_masked_pos"].sum())
@@ -279,7 +279,7 @@ def test_electras_own_loss_over_its_attention_mask_is_refused_on_uneven_shares_a
     step = sw.train_step(chain, _own_loss, sw.optim.sgd(0.5))
     with pytest.raises(RankFailed, match=r"the model's own loss is the mean over the elements "
                                          r"batch\['attention_mask'\] keeps, and the shares count different numbers "
-                                         r"of them \(\[3, 16\]\).*tokens=lambda inputs, targets: "
+                                         r"of them \(per share, in order: 16, 3\).*tokens=lambda inputs, targets: "
                                          r"\(inputs\['attention_mask'\] == 1\)\.sum\(\)"):
         sw.testing.assert_equivalent(sw.shard_params(step, "dp", 3), step, sw.Mesh(dp=2), flags, params)
     counted = sw.train_step(chain, _own_loss, sw.optim.sgd(0.5),
@@ -329,7 +329,7 @@ def test_bert_pretrainings_two_means_are_refused_under_a_count_and_on_uneven_sha
     uneven, params, batches = _bert_pretraining([[(0, 0), (0, 1), (0, 2), (1, 3), (2, 1)]])
     with pytest.raises(RankFailed, match=r"BertForPreTraining's own loss .* adds the masked LM's mean .* and the "
                                          r"mean over the rows of batch\['next_sentence_label'\]'s prediction.*"
-                                         r"masked tokens \(\[1, 4\]\)"):
+                                         r"masked tokens \(per share, in order: 4, 1\)"):
         sw.testing.assert_equivalent(sw.shard_params(uneven, "dp", 3), uneven, sw.Mesh(dp=2), batches, params)
     counted = sw.train_step(uneven.chain, _own_loss, sw.optim.sgd(0.5),
                             tokens=lambda inputs, _: (inputs["labels"] != -100).sum())

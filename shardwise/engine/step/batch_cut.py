@@ -162,7 +162,7 @@ def _refuse_uneven_masked_mean(step: Step, mesh: Mesh | None, batch: Any, cuts: 
     raise ValueError(
         f"train_step(tokens=None) on a batch the step cuts ({' x '.join(cuts)}): the model's own loss is the mean "
         f"over the elements batch[{mean.key!r}] keeps{' with labels other than -100' if mean.labelled else ''}, and "
-        f"the shares count different numbers of them ({sorted(set(counts))[:6]}), so the mean of the shares' means "
+        f"the shares count different numbers of them ({_in_order(counts)}), so the mean of the shares' means "
         "is not the single-device step's mean over the whole batch. Pass train_step(tokens=lambda inputs, targets: "
         f"{mean.count_words()}), which weighs each share's mean by its count; or mask the same number in every "
         f"share (a fixed mask ratio per row); or tokens={PER_SHARD_MEAN!r} to train on the mean of the shares' means "
@@ -189,7 +189,7 @@ def _refuse_two_means(step: Step, mesh: Mesh | None, batch: Any, cuts: list[str]
         counts = _share_counts(step, mesh, inputs["labels"] != -100)
         if counts is None:
             return True
-        why = (f"the shares count different numbers of masked tokens ({sorted(set(counts))[:6]}), so the mean of "
+        why = (f"the shares count different numbers of masked tokens ({_in_order(counts)}), so the mean of "
                "their masked LM means is not the whole batch's")
     else:
         why = ("train_step(tokens=...) weighs each share's loss by its count, and the mean over the rows would be "
@@ -202,6 +202,12 @@ def _refuse_two_means(step: Step, mesh: Mesh | None, batch: Any, cuts: list[str]
         f"the single-device step's loss; or tokens={PER_SHARD_MEAN!r} to train on the mean of the shares' losses "
         "knowingly"
     )
+
+
+def _in_order(counts: list[int]) -> str:
+    """Each share's count, in the order of the shares (the first rank's first micro-batch first), in words."""
+    shown = ", ".join(map(str, counts[:8])) + (f", ... ({len(counts)} shares)" if len(counts) > 8 else "")
+    return f"per share, in order: {shown}"
 
 
 def _model_inputs(batch: Any) -> Mapping[str, Any] | None:
