@@ -181,8 +181,10 @@ def test_a_function_with_a_set_literal_reads_alike_in_processes_of_other_hash_se
     script = (
         "import torch\n"
         "from shardwise.engine.run.agreement import stable_text\n"
+        "GATED = {'swiglu', 'geglu', 'reglu', 'bilinear'}\n"
         "def loss(out, y, reduction='mean'):\n"
         "    assert reduction in {'mean', 'avg', 'default', 'sum', 'none', 'batchmean'}\n"
+        "    assert 'swiglu' in GATED\n"
         "    return torch.nn.functional.mse_loss(out, y)\n"
         "print(stable_text(loss))\n"
     )
@@ -406,9 +408,12 @@ def test_process_ranks_that_build_the_model_themselves_agree(monkeypatch: pytest
 
 _WARMUP = 4.0  # read by _warmup below (a module global, as a script's settings are)
 LOCAL_RANK = 0  # a rank's own value by its name: not compared
+IS_MASTER, WORKER_ID, LOG_PATH = True, 0, "/tmp/rank0.log"  # a rank's own by their names, or a flag or a path
 
 
 def _warmup(step: int) -> float:
+    if IS_MASTER and WORKER_ID == 0 and not LOG_PATH:
+        print(step)
     return 0.1 * min(1.0, (step + 1) / _WARMUP) * (1.0 if LOCAL_RANK >= 0 else 0.0)
 
 
@@ -422,7 +427,8 @@ def test_stable_text_reads_the_plain_globals_a_function_or_forward_reads(monkeyp
     otherwise trained without an error (1.9e-2 to 0.38 off): the globals' values were not compared."""
     before = stable_text(_warmup), stable_text(_Tempered())
     assert "_WARMUP=4.0" in before[0] and "LOCAL_RANK" not in before[0] and "_WARMUP=4.0" in before[1]
-    monkeypatch.setattr(sys.modules[__name__], "LOCAL_RANK", 1)
+    for name, value in (("LOCAL_RANK", 1), ("IS_MASTER", False), ("WORKER_ID", 1), ("LOG_PATH", "/tmp/rank1.log")):
+        monkeypatch.setattr(sys.modules[__name__], name, value)  # (the review's false refusals: logging globals)
     assert stable_text(_warmup) == before[0]
     monkeypatch.setattr(sys.modules[__name__], "_WARMUP", 1.0)
     assert stable_text(_warmup) != before[0] and stable_text(_Tempered()) != before[1]
@@ -536,10 +542,12 @@ def test_ranks_that_built_one_model_with_a_device_attribute_or_scratch_tensors_a
 
 
 class _Momentum:
-    """A user's optimizer object keeping its settings private (``self._lr``), and a rank of its own."""
+    """A user's optimizer object keeping its settings private (``self._lr``), a rank of its own, and state it keeps
+    as it runs (a scheduler's ``_step_count`` and ``_last_lr``: one rank may have previewed it before init)."""
 
     def __init__(self, lr: float) -> None:
         self._lr, self._rank, self._cache = lr, 0, {"seen": torch.zeros(2)}
+        self._step_count, self._last_lr = 0, None
 
 
 def test_stable_text_reads_private_settings_and_a_hugging_face_config() -> None:
@@ -549,7 +557,7 @@ def test_stable_text_reads_private_settings_and_a_hugging_face_config() -> None:
     transformers = pytest.importorskip("transformers")
     assert stable_text(_Momentum(0.1)) != stable_text(_Momentum(0.3))
     other_rank = _Momentum(0.1)
-    other_rank._rank = 1
+    other_rank._rank, other_rank._step_count, other_rank._last_lr = 1, 3, 0.075
     assert stable_text(other_rank) == stable_text(_Momentum(0.1))
     scaled = torch.nn.Linear(2, 2)
     scaled._t = 2.0  # type: ignore[assignment]

@@ -474,9 +474,35 @@ def test_a_tensor_that_is_no_per_row_value_is_refused_naming_it() -> None:
             cut(cut.init(params, mesh), batch)
 
         with pytest.raises(sw.collectives.RankFailed, match=(
-                r"the batch's tensors do not all have the same first dim.*\(inputs, targets\)\[1\]\['prototypes'\] "
-                r"has 4 beside 8 rows in the others.*keep it in loss_fn \(a closure\) or in the model")):
+                r"a batch tensor's first dim is neither the batch's rows nor a multiple of them: \(inputs, targets\)"
+                r"\[1\]\['prototypes'\] has 4 beside 8 rows in the inputs.*keep it in loss_fn \(a closure\) or in "
+                r"the model")):
             sw.launch(run, 2)
+
+
+class _TwoImagesARow(torch.nn.Module):
+    """Takes Hugging Face's layout of several images a row: pixel_values of (rows x 2, ...), row by row."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(5, 3)
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        images = batch["pixel_values"].reshape(batch["x"].shape[0], 2, 5).mean(1)
+        return self.lin(batch["x"] + images)
+
+
+def test_several_values_a_row_laid_out_row_by_row_are_cut_with_their_rows() -> None:
+    """The review (s39 review2 F1): LLaVA's pixel_values of two images a row, (8, ...) beside input_ids of 4 rows, were
+    refused by the first version of the check above, though the cut keeps each row's images together."""
+    torch.manual_seed(0)
+    chain, params = sw.functionalize(_TwoImagesARow().double())
+    step = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1))
+    gen = torch.Generator().manual_seed(1)
+    batches = [({"x": torch.randn(4, 5, generator=gen, dtype=torch.float64),
+                 "pixel_values": torch.randn(8, 5, generator=gen, dtype=torch.float64)},
+                torch.randn(4, 3, generator=gen, dtype=torch.float64)) for _ in range(2)]
+    sw.testing.assert_equivalent(sw.shard_params(step, "dp", 3), step, sw.Mesh(dp=2), batches, params)
 
 
 class _ScaledInput(torch.nn.Module):

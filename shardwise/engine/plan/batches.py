@@ -75,22 +75,30 @@ def split_over(
 
 
 def _refuse_other_rows(tree: Any, what: str) -> None:
-    """Refuse a batch whose tensors' first dims differ (one row aside): cut along dim 0 alike, a tensor that is no
-    per-row value (a table of class prototypes, class weights) would reach each part cut, and the loss would be
-    another (the ranks' mean of losses with part of the table each)."""
+    """Refuse a batch tensor whose first dim is neither the batch's rows nor a multiple of them (one row aside: the
+    broadcast case, refused where it is cut). Cut along dim 0 alike, a tensor that is no per-row value (a table of
+    class prototypes, class weights, detection targets of several boxes an image) would reach each part cut in
+    pieces, and the loss would be another (the ranks' mean of losses with part of the table each). A multiple is
+    several values a row, laid out row by row (Hugging Face's pixel_values of several images a row: LLaVA's), which
+    the cut keeps together. The rows: the first dim most of the inputs' tensors have (the smaller on a tie)."""
+    inputs = tree[0] if isinstance(tree, (tuple, list)) and len(tree) == 2 else tree
+    sizes = [t.shape[0] for t in optree.tree_leaves(inputs) if isinstance(t, torch.Tensor) and t.dim() > 0
+             and t.shape[0] != 1]
+    if not sizes:
+        return
+    rows = min(set(sizes), key=lambda n: (-sizes.count(n), n))
     paths, leaves, _ = optree.tree_flatten_with_path(tree)
-    sized = [("".join(f"[{k!r}]" for k in path), t.shape[0]) for path, t in zip(paths, leaves, strict=True)
-             if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] != 1]
-    counts: dict[int, int] = {}
-    for _, n in sized:
-        counts[n] = counts.get(n, 0) + 1
-    most = max(counts, key=lambda n: counts[n])
-    others = ", ".join(f"(inputs, targets){where or ''} has {n}" for where, n in sized if n != most)
+    others = [("".join(f"[{k!r}]" for k in path), t.shape[0]) for path, t in zip(paths, leaves, strict=True)
+              if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] not in (1, rows) and t.shape[0] % rows]
+    if not others:
+        return
+    named = ", ".join(f"(inputs, targets){where} has {n}" for where, n in others[:4])
     raise ValueError(
-        f"{what}: the batch's tensors do not all have the same first dim, the batch's rows that the step cuts: "
-        f"{others} beside {most} rows in the others. Every batch tensor is cut along dim 0 with the rows, so a "
-        "tensor that is no per-row value would reach each part cut in pieces, and the loss would be another than "
-        "the single-device step's. A value shared by every row (a table of class prototypes, class weights) does "
-        "not belong in the batch: keep it in loss_fn (a closure) or in the model (a buffer); several values per "
-        "row go in a tensor of shape (rows, k, ...), not (rows x k, ...)"
+        f"{what}: a batch tensor's first dim is neither the batch's rows nor a multiple of them: {named} beside "
+        f"{rows} rows in the inputs. Every batch tensor is cut along dim 0 with the rows, so a tensor that is no "
+        "per-row value would reach each part cut in pieces, and the loss would be another than the single-device "
+        "step's. A value shared by every row (a table of class prototypes, class weights) does not belong in the "
+        "batch: keep it in loss_fn (a closure) or in the model (a buffer); values of their own number a row "
+        "(detection targets' boxes) go in tensors padded to one number a row; a time-major batch ((seq, batch, ...), "
+        "nn.LSTM's default batch_first=False) holds the sequence on dim 0: give it the rows first"
     )

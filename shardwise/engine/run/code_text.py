@@ -41,7 +41,7 @@ def module_text(module: nn.Module, describe: Callable[[object], str]) -> str:
     for path, sub in module.named_modules(remove_duplicate=False):
         cls = type(sub)
         extra = _ADDRESS.sub("0x...", sub.extra_repr())
-        attributes = [f"{k}={_attribute_text(v, describe)}" for k, v in vars(sub).items()
+        attributes = [f"{k}={_attribute_text(k, v, describe)}" for k, v in vars(sub).items()
                       if (not k.startswith("_") and plain(v)) or _private_setting(k, v)]
         config = getattr(sub, "config", None)
         if callable(getattr(config, "to_dict", None)) and id(config) not in configs:
@@ -67,10 +67,12 @@ _MODULE_OWN = frozenset(vars(nn.Module()))
 
 
 def _private_setting(key: str, value: object) -> bool:
-    """A private attribute holding a plain setting (``self._t = 2.0`` read as ``x / self._t``): a number, string,
-    enum or None, or a short tuple or list of them; not nn.Module's own, nor one whose name says it is the rank's
-    own (``_rank``, ``_device``)."""
-    return key.startswith("_") and key not in _MODULE_OWN and not _RANKS_OWN.search(key) and _scalars(value)
+    """A private attribute holding a numeric setting (``self._t = 2.0`` read as ``x / self._t``, a user's optimizer's
+    ``self._lr``): a number (not a bool) or enum, or a short tuple or list of numbers; not nn.Module's own, nor one
+    whose name says it is the rank's own (``_rank``: :data:`_RANKS_OWN_WORDS`) or state the object keeps as it runs
+    (``_step_count``, ``_last_lr``: :data:`_KEPT_STATE_WORDS`)."""
+    return key.startswith("_") and key not in _MODULE_OWN and not _ranks_own(key) and \
+        _KEPT_STATE_WORDS.isdisjoint(_words(key)) and _numbers(value)
 
 
 def private_settings(value: object) -> dict[str, object]:
@@ -88,7 +90,7 @@ def config_settings(config: Any) -> dict[str, object]:
     settings = config.to_dict()
     out: dict[str, object] = {}
     for key, value in settings.items():
-        if not isinstance(key, str) or key.startswith("_") or _RANKS_OWN.search(key) or not kept(value):
+        if not isinstance(key, str) or key.startswith("_") or _ranks_own(key) or not kept(value):
             continue
         out[key] = {k: v for k, v in value.items() if _scalars(v)} if isinstance(value, Mapping) else value
     return out
@@ -103,10 +105,14 @@ def _shape_text(t: torch.Tensor) -> str:
 _SETTING_ELEMENTS = 64
 
 
-def _attribute_text(value: object, describe: Callable[[object], str]) -> str:
+def _attribute_text(key: str, value: object, describe: Callable[[object], str]) -> str:
     if isinstance(value, torch.Tensor):
-        small = value.numel() <= _SETTING_ELEMENTS and not value.is_meta and value.layout == torch.strided
-        return describe(value) if small else _shape_text(value)
+        # By its values where it is small and its name says no scratch or cache (a per-channel scale a forward reads:
+        # one set otherwise on one rank trained another model); else by its shape (torch.empty's values are a rank's).
+        if value.numel() <= _SETTING_ELEMENTS and not value.is_meta and value.layout == torch.strided and \
+                _SCRATCH_WORDS.isdisjoint(_words(key)) and not _ranks_own(key):
+            return describe(value)
+        return _shape_text(value)
     if isinstance(value, types.MethodType):  # by its class and code, not by all of the object it is bound to
         return f"{qualified_name(type(value.__self__))}.{value.__name__}[code {code_digest(value)}]"
     return describe(value)
@@ -150,17 +156,40 @@ def code_digest(function: object) -> str:
     return digest.hexdigest()[:12] if found else ""
 
 
-# A global whose value is this rank's own by design (its rank, its device): not compared, by its name's words.
-_RANKS_OWN = re.compile(r"rank|device|local|node|host|gpu|cuda|pid|port", re.IGNORECASE)
+# A global, private attribute or config key whose value is this rank's own by design (its rank, its device, whether
+# it is the one that logs, where it writes, when it started): not compared, by the words of its name.
+_RANKS_OWN_WORDS = frozenset({
+    "rank", "device", "local", "node", "host", "gpu", "cuda", "pid", "port", "worker", "master", "main", "log",
+    "logger", "logging", "path", "dir", "file", "time", "timestamp", "stamp", "date", "seed", "verbose", "debug", "id",
+})
+# A private attribute an object advances as it runs (a scheduler's ``_step_count``, ``_last_lr``, a cache): state,
+# not a setting, by the words of its name.
+_KEPT_STATE_WORDS = frozenset({"count", "step", "steps", "last", "prev", "cache", "cached", "calls", "seen",
+                               "history", "state", "n", "num"})
+# A plain tensor attribute that is scratch or a cache (torch.empty's values: a rank's own), by the words of its name.
+_SCRATCH_WORDS = frozenset({"scratch", "cache", "cached", "buf", "buffer", "tmp", "temp", "workspace", "empty"})
+
+
+def _words(name: str) -> set[str]:
+    """``name``'s words, lower-cased: split at underscores and at camelCase humps (``IS_MASTER``, ``logPath``)."""
+    spaced = re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", name)
+    return {w.lower() for w in spaced.split("_") if w}
+
+
+def _ranks_own(name: str) -> bool:
+    return not _RANKS_OWN_WORDS.isdisjoint(_words(name))
+
+
 _GLOBAL_LOADS = frozenset({"LOAD_GLOBAL", "LOAD_NAME"})
 
 
 def global_values(function: object, depth: int = 0) -> str:
-    """The plain values (numbers, strings, enums, None, and tuples, lists and sets of them) of the module globals
+    """The numeric values (numbers, not bools; enums; tuples and lists of numbers) of the module globals
     ``function``'s code reads (``torch.tanh(x / TEMP)``, a schedule's ``WARMUP``), by name, sorted, with those its
     nested functions read and those of the module's functions it calls (one level down); '' where it reads none.
     A process that set one otherwise builds the same code, which the code digest alone cannot tell. Left out: a
-    name that says it is the rank's own (``RANK``, ``device``: :data:`_RANKS_OWN`)."""
+    name that says it is the rank's own (``RANK``, ``device``, ``IS_MASTER``, ``log_path``: :data:`_RANKS_OWN_WORDS`),
+    and bools and strings (a flag or a path a rank sets for itself to log: not told apart from a setting)."""
     found: dict[str, str] = {}
     seen: set[int] = set()
     while function is not None and id(function) not in seen:
@@ -169,10 +198,10 @@ def global_values(function: object, depth: int = 0) -> str:
         code, names = getattr(fn, "__code__", None), getattr(fn, "__globals__", None)
         if isinstance(code, types.CodeType) and isinstance(names, dict):
             for name in _globals_read(code):
-                if name in found or name not in names or _RANKS_OWN.search(name):
+                if name in found or name not in names or _ranks_own(name):
                     continue
                 value = names[name]
-                if _scalars(value):
+                if _numbers(value):
                     found[name] = _constant_text(value)
                 elif isinstance(value, types.FunctionType) and depth < 1 and value.__module__ == fn.__module__:
                     inner = global_values(value, depth + 1)
@@ -197,6 +226,14 @@ def _scalars(value: object) -> bool:
         v is None or isinstance(v, bool | int | float | complex | str | bytes | enum.Enum) for v in value)
 
 
+def _numbers(value: object) -> bool:
+    """A number (not a bool) or enum, or a short tuple or list of numbers: a setting a rank would not set for itself."""
+    def number(v: object) -> bool:
+        return isinstance(v, int | float | complex | enum.Enum) and not isinstance(v, bool)
+
+    return number(value) or (isinstance(value, list | tuple) and 0 < len(value) <= 64 and all(map(number, value)))
+
+
 def _add_code(digest: Any, code: types.CodeType) -> None:
     digest.update(code.co_code)
     digest.update(repr(code.co_names).encode())
@@ -210,8 +247,8 @@ def _add_code(digest: Any, code: types.CodeType) -> None:
 def _constant_text(const: object) -> str:
     """A code constant's repr, with a frozenset's items sorted (``x in {'a', 'b'}`` compiles to one,
     whose order depends on the process's string hashes)."""
-    if isinstance(const, frozenset):
-        return "frozenset({" + ", ".join(sorted(_constant_text(c) for c in const)) + "})"
+    if isinstance(const, frozenset | set):  # (a set's order follows the process's string hashes too)
+        return f"{type(const).__name__}({{" + ", ".join(sorted(_constant_text(c) for c in const)) + "})"
     if isinstance(const, tuple):
         return "(" + ", ".join(_constant_text(c) for c in const) + ")"
     return repr(const)
