@@ -155,3 +155,13 @@ def refuse_split_batch_loss(module: nn.Module) -> None:
         "fails with an IndexError). Set config.output_router_logits = False before functionalize and add the aux "
         f"loss with sw.router_aux_loss(step, {coef or 'coef'}), which counts it over the whole batch on every mesh"
     )
+
+
+# Hugging Face models whose own loss leaves out the label frames padded with the float -100.0 (SpeechT5's
+# spectrogram labels), by class name: elsewhere a float label of -100.0 is a value (a level floored at -100 dB).
+_FLOAT_PADDED = frozenset({"SpeechT5ForTextToSpeech", "SpeechT5ForSpeechToSpeech"})
+
+
+def own_loss_float_padded(module: nn.Module) -> bool:
+    """Whether ``module``'s own loss leaves out float labels of -100.0 (padded spectrogram frames)."""
+    return type(module).__name__ in _FLOAT_PADDED

@@ -126,10 +126,10 @@ class LossAction:
         try:
             count = torch.as_tensor(count).detach()
         except (TypeError, RuntimeError, ValueError) as err:
+            beside = ": metrics beside the loss have no place in it" if what.endswith("second value") else ""
             raise ValueError(
                 f"{what} is the token count of the micro-batch, a scalar tensor or number, but gave a "
-                f"{type(count).__name__} ({err}); return the count alone (e.g. (targets != -100).sum()): metrics "
-                "beside the loss have no place in it"
+                f"{type(count).__name__} ({err}); return the count alone (e.g. (targets != -100).sum()){beside}"
             ) from err
         if count.dim() != 0 or count.dtype.is_complex:
             raise ValueError(

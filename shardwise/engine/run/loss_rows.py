@@ -711,7 +711,9 @@ def _needs_rows(found: Measured) -> str:
         return ""
     return (" (not finite on a part where it is on the whole: it needs rows that part lacks, a statistic of "
             "several rows such as an unbiased std, rows paired with other rows such as DPO's chosen and rejected "
-            "halves, or a mean over no tokens)")
+            "halves, or a mean over no tokens; a part this small cannot be probed further: where every part the "
+            "step cuts holds whole groups of the rows the loss pairs, laid out together (rows 2i and 2i + 1), the "
+            "mean of the parts' losses is the single-device step's, and tokens='per_shard_mean' trains it)")
 
 
 def _token_refusal(cut: ProbeCut, found: Measured) -> str:

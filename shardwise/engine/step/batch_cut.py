@@ -17,7 +17,12 @@ import optree
 import torch
 
 from ...collectives.mesh import Mesh
-from ..model.batch_loss_terms import own_loss_masked_by, own_loss_per_row_mean, own_loss_two_means
+from ..model.batch_loss_terms import (
+    own_loss_float_padded,
+    own_loss_masked_by,
+    own_loss_per_row_mean,
+    own_loss_two_means,
+)
 from ..model.whole_batch import called_modules
 from ..plan.batches import split_batch, split_over
 from ..plan.lower import microbatch_count
@@ -117,8 +122,9 @@ def refuse_padded_mean(step: Step, mesh: Mesh | None, batch: Any) -> None:
     if _refuse_two_means(step, mesh, batch, cuts) or step.tokens is not None:
         return
     _refuse_uneven_masked_mean(step, mesh, batch, cuts)
+    floats = any(own_loss_float_padded(m) for _, m in called_modules(step.base_chain))
     found = next(((prefix + where, t) for prefix, scanned in _label_tensors(batch).items()
-                  if (hit := _negative_integers(scanned, prefix)) is not None for where, t in (hit,)), None)
+                  if (hit := _negative_integers(scanned, prefix, floats)) is not None for where, t in (hit,)), None)
     if found is None:
         return
     where, padded = found
@@ -235,6 +241,11 @@ def _own_loss_count(step: Step, pad: int = -100) -> str:
         SHIFTED.replace("-100", str(pad)), EVERY.replace("-100", str(pad)))
     either = (f"a Hugging Face model's own loss: {shifted} for a causal LM, which shifts its labels, {every} for an "
               "encoder-decoder, a masked LM or a token classifier")
+    masked = next((found for _, m in called_modules(step.base_chain)
+                   if (found := own_loss_masked_by(m)) is not None and found.labelled), None)
+    if masked is not None:  # a token classifier leaving out the labels its attention mask leaves out
+        counted = masked.count_words().replace("-100", str(pad))
+        return f"its own loss counts the labels its attention mask keeps: {counted}"
     own = own_count_of(m for _, m in called_modules(step.base_chain))
     if isinstance(own, CtcHead):
         return (f"not for {own.model}'s own CTC loss: set config.ctc_loss_reduction = 'mean' before functionalize, "
@@ -294,11 +305,11 @@ def _label_tensors(batch: Any) -> dict[str, Any]:
 _FLOAT = " (float)"  # the mark _negative_integers puts after the keypath of float labels padded with -100.0
 
 
-def _negative_integers(batch: Any, prefix: str = "") -> tuple[str, torch.Tensor] | None:
+def _negative_integers(batch: Any, prefix: str = "", floats: bool = False) -> tuple[str, torch.Tensor] | None:
     """The keypath (``[0]``, ``['labels']``) of the first integer tensor of ``batch`` holding a negative
-    value, or of a float tensor named as labels (in ``batch``, or by its ``prefix``) holding -100.0 (SpeechT5's
-    padded spectrogram frames; marked with :data:`_FLOAT`): one reduction per such tensor, read back once per
-    device (a GPU batch costs one sync); with the tensor."""
+    value, or with ``floats`` (a model whose own loss leaves them out: SpeechT5) of a float tensor named as labels (in
+    ``batch``, or by its ``prefix``) holding -100.0 (padded spectrogram frames; marked with :data:`_FLOAT`): one
+    reduction per such tensor, read back once per device (a GPU batch costs one sync); with the tensor."""
     paths, leaves, _ = optree.tree_flatten_with_path(batch)
     found: dict[torch.device, list[tuple[str, torch.Tensor, torch.Tensor]]] = {}
     for path, t in zip(paths, leaves, strict=True):
@@ -307,7 +318,7 @@ def _negative_integers(batch: Any, prefix: str = "") -> tuple[str, torch.Tensor]
             continue
         where = "".join(f"[{k!r}]" for k in path)
         if t.dtype.is_floating_point:
-            if "label" in (prefix + where).lower():
+            if floats and "label" in (prefix + where).lower():
                 found.setdefault(t.device, []).append((where + _FLOAT, t, (t == -100).any()))
             continue
         found.setdefault(t.device, []).append((where, t, (t < 0).any()))

@@ -47,9 +47,8 @@ from ..stack import in_layer
 from ..stack.compose import PLACEMENT, REWRITE, SHARDING, describe, find, sums_over_batch
 from ..stack.elementwise import check_optimizer
 from ..stack.splits import Splits, splits_of
-from ..torch_api import storage_key
 from .batch_cut import PER_SHARD_MEAN, batch_shares
-from .donation import check_not_consumed, donates, mark_consumed, mark_updated
+from .donation import check_not_consumed, mark_consumed, mark_updated
 from .held_check import expected_trees
 from .init_state import held_params, init_seeding, meta_names
 from .layouts import build_layout, check_mesh, layouts_by_index, stage_boundaries
@@ -513,17 +512,10 @@ class Step:
         """The complete parameters on every rank (collectives, once parameters are sharded or
         pipelined: every rank calls this together)."""
         self.check_state(state)  # consumed by an in-place update, or cast or replaced by hand
-        full = full_params(self._state_layout(state), state.params, state.mesh)
-        if not donates(self):
-            return full
-        # An in-place optimizer's next step writes into the state's tensors: what is returned as the state's
-        # parameters now must not move with it (a "best model so far" kept across later steps moved on one device
-        # and ZeRO-1/2, and not under ZeRO-3, which copies out of its gathered units).
-        if not isinstance(state.params, dict):  # (gathers in flight: whatever they settle into, copied)
-            return {layer: {n: t.clone() for n, t in tensors.items()} for layer, tensors in full.items()}
-        held = {storage_key(t) for t in tensor_leaves(state.params) if not t.is_meta}
-        return {layer: {n: t.clone() if storage_key(t) in held else t for n, t in tensors.items()}
-                for layer, tensors in full.items()}
+        # (Under an in-place optimizer, what it returns holds the state's own tensors where the state holds them
+        # whole, as torch's state_dict() does: the next step writes into them. Copying them here would cost the
+        # model's size at every evaluation in the very runs that update in place to save memory.)
+        return full_params(self._state_layout(state), state.params, state.mesh)
 
     # -- running --------------------------------------------------------------
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, Metrics]:
