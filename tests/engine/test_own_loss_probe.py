@@ -408,3 +408,49 @@ def test_float_labels_of_minus_100_elsewhere_are_values() -> None:
     chain, params = sw.functionalize(_FlooredLevels().double(), example_input=batches[0][0])
     step = sw.train_step(chain, lambda out, _: out, sw.optim.sgd(0.1))
     sw.testing.assert_equivalent(sw.shard_params(step, "dp", 3), step, sw.Mesh(dp=2), batches, params)
+
+
+class _OwnLoss(torch.nn.Module):
+    """A model of one's own that computes its loss in its forward: a sum over the rows (a VAE's reduction='sum'), a
+    mean (nanoGPT's (logits, loss)), or a mean behind a dropout."""
+
+    def __init__(self, reduction: str, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.lin, self.drop, self.reduction = torch.nn.Linear(4, 3), torch.nn.Dropout(dropout), reduction
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> Any:
+        out = self.drop(self.lin(x))
+        loss = torch.nn.functional.mse_loss(out, y, reduction=self.reduction)
+        return loss if self.reduction == "sum" else (out, loss)
+
+
+def _own_batches() -> list[tuple[dict[str, torch.Tensor], None]]:
+    gen = torch.Generator().manual_seed(1)
+    return [({"x": torch.randn(8, 4, generator=gen, dtype=torch.float64),
+              "y": torch.randn(8, 3, generator=gen, dtype=torch.float64)}, None) for _ in range(2)]
+
+
+def test_a_scalar_loss_ones_own_model_sums_over_the_rows_is_refused() -> None:
+    """The review (s39 loss F3): a loss one's own model computed in its forward was not probed: reduction='sum'
+    trained half the loss under ZeRO-3 dp2 (an in-batch contrastive loss 0.5 off), without an error."""
+    torch.manual_seed(0)
+    batches = _own_batches()
+    chain, params = sw.functionalize(_OwnLoss("sum").double(), example_input=batches[0][0])
+    step = sw.train_step(chain, lambda out, _: out, sw.optim.sgd(0.1))
+    for cut, mesh in ((sw.shard_params(step, "dp", 3), sw.Mesh(dp=2)),
+                      (sw.shard_params(step, "dp", 1, accumulation=2), sw.Mesh(dp=1))):
+        with pytest.raises(RankFailed, match=r"the model's own loss \(the scalar layer 'model' returns\) is not a mean "
+                                             r"over the batch's rows.*\(their sum: a loss summed over the rows"):
+            sw.testing.assert_equivalent(cut, step, mesh, batches, params)
+
+
+def test_a_mean_ones_own_model_computes_trains_and_a_drawing_one_is_not_probed() -> None:
+    torch.manual_seed(0)
+    batches = _own_batches()
+    chain, params = sw.functionalize(_OwnLoss("mean").double(), example_input=batches[0][0])
+    step = sw.train_step(chain, lambda out, _: out[1], sw.optim.sgd(0.1))
+    sw.testing.assert_equivalent(sw.shard_params(step, "dp", 3), step, sw.Mesh(dp=2), batches, params)
+    torch.manual_seed(0)
+    chain, params = sw.functionalize(_OwnLoss("mean", dropout=0.5).double(), example_input=batches[0][0])
+    dropped = sw.shard_params(sw.train_step(chain, lambda out, _: out[1], sw.optim.sgd(0.1)), "dp", 3)
+    sw.launch(lambda: dropped(dropped.init(params, sw.Mesh(dp=2)), batches[0]), 2)  # (its halves draw: not judged)

@@ -102,6 +102,7 @@ from .handover import release_unkept, watch
 from .loss_action import LossAction
 from .loss_rows import LossProbe
 from .metrics import MetricExchange, Summed
+from .own_scalar_loss import probe_own_scalar_loss
 from .param_source import ParamSource
 from .param_writes import check_param_writes, param_contents, param_versions
 from .rng import MASK, START, default_generators, mixed, preserved, ranks_share_generators, seed_all, seeded
@@ -507,6 +508,9 @@ class Executor(ZeroActions, TransferActions, StageBackward, LossAction, StepEnd)
         into its parameters outside the plain one-device step (:mod:`.param_writes`)."""
         y = x
         refused_writes = self.param_writes_refused
+        # The step's first call where the batch is cut and the loss is a mean: the last layer's own scalar loss is
+        # probed on halves of its input (own_scalar_loss.py)
+        own_loss = self.loss_probe is not None and self.tokens is None and m == 0 and s == self.placement.last
         for name, call, buffers in bound.layers:
             versions = [version_of(b) for b in buffers.values()] if buffers else None
             params = None if refused_writes is None else \
@@ -521,6 +525,7 @@ class Executor(ZeroActions, TransferActions, StageBackward, LossAction, StepEnd)
             # Its first call on this thread under a step that cuts the batch: a forward's own
             # F.embedding(..., scale_grad_by_freq=True) refused at the op (frequency_watch)
             frequencies = self._frequencies.around(name, self.chain)
+            probed = y if own_loss and name == bound.layers[-1][0] else None
             try:
                 if frequencies is None:
                     y = call(y)
@@ -529,6 +534,8 @@ class Executor(ZeroActions, TransferActions, StageBackward, LossAction, StepEnd)
                         y = call(y)
             except Exception as err:
                 self._layer_failed(err, name, s, m, y)
+            if probed is not None:
+                self._probe_own_loss(name, call, probed, y, m)
             if params is not None:
                 check_param_writes(self.chain[name], params, refused_writes, contents)  # type: ignore[arg-type]
             if before is not None:  # its first call on this thread: .data writes, Python state (forward_state)
@@ -549,6 +556,13 @@ class Executor(ZeroActions, TransferActions, StageBackward, LossAction, StepEnd)
                     "parameter, compute it from the input, or leave the module in eval mode"
                 )
         return y
+
+    def _probe_own_loss(self, name: str, call: Callable[[Any], Any], given: Any, y: Any, m: int) -> None:
+        """Refuse a scalar loss layer ``name`` computed on ``given`` that is no mean over the rows (own_scalar_loss)."""
+        rows = next((int(t.shape[0]) for t in optree.tree_leaves(self.microbatches[m][0])
+                     if isinstance(t, torch.Tensor) and t.dim() > 0), 0)
+        sizes = {} if self.mesh is None else {a: self.mesh.axis_size(a) for a in self.mesh.axis_names}
+        probe_own_scalar_loss(self.chain[name], call, given, y, rows, self.batch_cut or "the batch", sizes)
 
     def _run_quiet(self, quiet: tuple[Any, ...], bound: BoundStage, x: torch.Tensor, s: int, m: int) -> Any:
         """The stage's layers on ``x`` as their forwards' one calls (``BoundStage.quiet``): what their

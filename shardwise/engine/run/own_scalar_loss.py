@@ -23,7 +23,6 @@ from typing import Any
 import optree
 import torch
 
-from ..layout.devices import device_of
 from ..model.chain import Layer
 from ..model.module_call import module_fn
 from .first_call_state import _generators_kept, _no_collectives, module_copy
@@ -91,7 +90,7 @@ def probe_own_scalar_loss(layer: Layer, call: Callable[[Any], Any], given: Any, 
         "the forward, or return the per-row outputs and compute the loss in loss_fn (where its form is probed, and "
         "train_step(tokens=...) takes a mean over counted tokens); a loss over the whole batch (in-batch negatives) "
         "cannot be computed on a part of it: do not cut the batch, or pass tokens='per_shard_mean' to train on the "
-        f"mean of the parts' losses knowingly (on device {device_of(whole)})"
+        "mean of the parts' losses knowingly"
     )
 
 
