@@ -51,7 +51,7 @@ from ..model.chain import Layer
 from ..model.module_call import module_fn, own_hook_dicts
 from ..model.predicted_state import state_holder
 from ..stack import in_layer
-from .forward_state import python_state, readable, same_state, watched
+from .forward_state import python_state, readable, same_output, same_state, watched
 from .rng import default_generators, untouched
 
 _SEED = 0x5EED  # the probe's other values: any fixed stream, so a refusal is reproducible
@@ -166,24 +166,7 @@ def _written_only(fn: Any, call: Callable[[Any], Any], given: Any, sizes: Mappin
                 outputs.append(call(given))
     except Exception:
         return False
-    return _same_output(*outputs)
-
-
-def _same_output(a: Any, b: Any) -> bool:
-    leaves_a, spec_a = optree.tree_flatten(a, none_is_leaf=True)
-    leaves_b, spec_b = optree.tree_flatten(b, none_is_leaf=True)
-    if spec_a != spec_b:
-        return False
-    for x, y in zip(leaves_a, leaves_b, strict=True):
-        if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
-            if x.shape != y.shape or x.dtype != y.dtype or not torch.equal(x.isnan() if x.is_floating_point() else x,
-                                                                            y.isnan() if y.is_floating_point() else y):
-                return False
-            if x.is_floating_point() and not torch.equal(x.nan_to_num(0.0), y.nan_to_num(0.0)):
-                return False
-        elif isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor) or not (x is y or x == y):
-            return False
-    return True
+    return same_output(*outputs)
 
 
 @contextlib.contextmanager

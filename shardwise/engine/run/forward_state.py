@@ -29,6 +29,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import optree
 import torch
 from torch import nn
 
@@ -249,3 +250,20 @@ def _module_of(layer: Any) -> nn.Module | None:
     """This thread's copy of the module ``layer`` calls; None for a layer of a plain function."""
     fn = module_fn(layer.fn)
     return None if fn is None else fn.replicas.get().module
+
+
+def same_output(a: Any, b: Any) -> bool:
+    """Whether two calls' outputs are the same (tensors by value, bit for bit, a NaN equal to itself)."""
+    leaves_a, spec_a = optree.tree_flatten(a, none_is_leaf=True)
+    leaves_b, spec_b = optree.tree_flatten(b, none_is_leaf=True)
+    if spec_a != spec_b:
+        return False
+    for x, y in zip(leaves_a, leaves_b, strict=True):
+        if isinstance(x, torch.Tensor) != isinstance(y, torch.Tensor):
+            return False
+        if isinstance(x, torch.Tensor):
+            if not same_state(x.detach(), y.detach()):
+                return False
+        elif not same_state(x, y):
+            return False
+    return True

@@ -22,12 +22,11 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import optree
 import torch
 
 from ...engine.model.module_call import module_fn
 from ...engine.run.first_call_state import module_copy
-from ...engine.run.forward_state import python_state, same_state
+from ...engine.run.forward_state import python_state, same_output, same_state
 
 
 def refusing_state_the_recompute_reads(fn: Any, tensors: dict[str, Any], x: Any, layer: str,
@@ -50,7 +49,7 @@ def refusing_state_the_recompute_reads(fn: Any, tensors: dict[str, Any], x: Any,
         return out  # a module a split rewrote: not judged
     with holder.replicas.probing(left), replay(), torch.no_grad():
         again = fn(dict(tensors), x)
-    if not _same_output(out, again):
+    if not same_output(out, again):
         raise ValueError(
             f"layer {layer!r} changed its module's attributes {changed} during forward, and a second call on the "
             "same input computes another output from them: remat's recomputation in backward would start from "
@@ -84,19 +83,3 @@ def _random_state_kept() -> Iterator[Callable[[], contextlib.AbstractContextMana
             put(now)
 
     yield replay
-
-
-def _same_output(a: Any, b: Any) -> bool:
-    leaves_a, spec_a = optree.tree_flatten(a, none_is_leaf=True)
-    leaves_b, spec_b = optree.tree_flatten(b, none_is_leaf=True)
-    if spec_a != spec_b:
-        return False
-    for x, y in zip(leaves_a, leaves_b, strict=True):
-        if isinstance(x, torch.Tensor) != isinstance(y, torch.Tensor):
-            return False
-        if isinstance(x, torch.Tensor):
-            if not same_state(x.detach(), y.detach()):
-                return False
-        elif not same_state(x, y):
-            return False
-    return True
