@@ -464,27 +464,26 @@ class _PlotsAttention(nn.Module):
         return self.o(a @ v)
 
 
+def _plotting_step() -> tuple[sw.Step, Any, list[tuple[torch.Tensor, torch.Tensor]]]:
+    torch.manual_seed(1)
+    chain, params = sw.functionalize(nn.Sequential(nn.Linear(8, 8), _PlotsAttention(), nn.Linear(8, 8)).double())
+    gen = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(8, 5, 8, generator=gen, dtype=torch.float64),
+                torch.randn(8, 5, 8, generator=gen, dtype=torch.float64)) for _ in range(2)]
+    return sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1)), params, batches
+
+
 def test_an_attribute_written_and_never_read_trains_where_the_batch_is_cut() -> None:
     """The review (s38 layers F10): a forward keeping a detached activation for plotting was refused on every cut of
     the batch as state that would train another model, though nothing computed reads it; the advised warm-up call
     was refused alike. A lazy initialization read back is still refused (the tests above)."""
-    torch.manual_seed(1)
-    chain, params = sw.functionalize(nn.Sequential(nn.Linear(8, 8), _PlotsAttention(), nn.Linear(8, 8)).double())
-    step = sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1))
-    gen = torch.Generator().manual_seed(0)
-    batches = [(torch.randn(8, 5, 8, generator=gen, dtype=torch.float64),
-                torch.randn(8, 5, 8, generator=gen, dtype=torch.float64)) for _ in range(2)]
+    step, params, batches = _plotting_step()
     sw.testing.assert_equivalent(sw.shard_params(step, "dp", 3), step, sw.Mesh(dp=2), batches, params)
 
 
 def test_an_attribute_written_and_never_read_trains_under_micro_batches_too() -> None:
     """Each micro-batch's call writes it again: no state the step computes from, as on one call a step."""
-    torch.manual_seed(1)
-    chain, params = sw.functionalize(nn.Sequential(nn.Linear(8, 8), _PlotsAttention(), nn.Linear(8, 8)).double())
-    step = sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1))
-    gen = torch.Generator().manual_seed(0)
-    batches = [(torch.randn(8, 5, 8, generator=gen, dtype=torch.float64),
-                torch.randn(8, 5, 8, generator=gen, dtype=torch.float64)) for _ in range(2)]
+    step, params, batches = _plotting_step()
     sw.testing.assert_equivalent(sw.shard_params(step, "dp", 2, accumulation=2), step, sw.Mesh(dp=2), batches, params)
     sw.testing.assert_equivalent(sw.pipeline(step, "pp", "1f1b", 2), step, sw.Mesh(pp=2), batches, params)
 
