@@ -128,7 +128,8 @@ def state_holder(value: Any) -> bool:
     config (every module of a model holds it, and forwards only read it) or model output, shardwise's own records."""
     if isinstance(value, types.SimpleNamespace):
         return True
-    return dataclasses.is_dataclass(value) and not isinstance(value, type) and \
+    # (a slots dataclass has no __dict__ to hold state in: a read-only config, torchtitan's ModelArgs)
+    return dataclasses.is_dataclass(value) and not isinstance(value, type) and hasattr(value, "__dict__") and \
         type(value).__module__.partition(".")[0] not in _LIBRARIES
 
 

@@ -51,7 +51,7 @@ from ..model.chain import Layer
 from ..model.module_call import module_fn, own_hook_dicts
 from ..model.predicted_state import state_holder
 from ..stack import in_layer
-from .forward_state import python_state, readable, same_output, same_state, watched
+from .forward_state import python_state, readable, same_state, watched
 from .rng import default_generators, untouched
 
 _SEED = 0x5EED  # the probe's other values: any fixed stream, so a refusal is reproducible
@@ -138,35 +138,63 @@ def refuse_state_from_values(layer: Layer, call: Callable[[Any], Any], given: An
                    or (k in after and not same_state(again[k], after[k]))]
     if not from_values:
         return []
-    if not _written_only(fn, call, given, sizes, as_before, unset, from_values, registered):
+    if not _written_only(fn, call, given, sizes, as_before, unset, changed, from_values, registered):
         raise ValueError(_message(layer.name, from_values, cut, probed=True))
     return from_values
 
 
 def _written_only(fn: Any, call: Callable[[Any], Any], given: Any, sizes: Mapping[str, int],
-                  as_before: tuple[nn.Module, nn.Module], probed: nn.Module, keys: list[str],
+                  as_before: tuple[nn.Module, nn.Module], probed: nn.Module, changed: list[str], keys: list[str],
                   registered: dict[int, Any]) -> bool:
-    """Whether the call's output on ``given`` is the same, bit for bit, from the module as it was before and from
-    the module holding the values the probe's call (``probed``) set in attributes ``keys``: then the call writes
-    them and does not read them (``self.last_attn = attn.detach()``, kept for plotting), and what the step computes
-    does not depend on them. A lazy initialization (``if self.scale is None``) or a cache read back gives another
-    output. Both calls draw the same random numbers."""
-    plain, preset = as_before
-    for key in keys:
+    """Whether the call writes attributes ``keys`` and never reads them: run on ``given`` (its forward, and its
+    backward to its floating inputs) from the module holding what the probe's call (``probed``) left in every
+    attribute it ``changed`` (as a second call finds them), it reads none of them (``self.last_attn = a.detach()``,
+    kept for plotting). Read (and refused): a lazy initialization's ``if self.scale is None``, a value read once a
+    flag set on the first call says so (``if self.started``), a running max, a value written and then read in the
+    same call, or read by a gradient hook in backward; also a cache its parent resets before the read (RecurrentGemma's
+    ``recurrent_states``: read, so refused). Not seen: a read through ``vars(self)``, or by another layer that holds
+    the same object."""
+    preset = as_before[1]
+    watched: dict[int, tuple[nn.Module, set[str]]] = {}
+    for key in changed:
         path, _, name = key.rpartition(".")
         source = probed.get_submodule(path) if path else probed
         if name not in vars(source):
-            return False  # (the probe's call did not set it: nothing to preset)
+            return False  # (the probe's call removed it: nothing to preset)
         target = preset.get_submodule(path) if path else preset
-        vars(target)[name] = _copied(vars(source)[name], registered)
-    outputs = []
+        value = _copied(vars(source)[name], registered)
+        vars(target)[name] = value
+        if key in keys:
+            watched.setdefault(id(target), (target, set()))[1].add(name)
+    reads: set[str] = set()
     try:
-        for module in (plain, preset):
-            with fn.replicas.probing(module), _generators_kept(given), _no_collectives(sizes):
-                outputs.append(call(given))
+        for target, names in watched.values():
+            _record_reads(target, names, reads)
+        inputs = optree.tree_map(
+            lambda t: t.detach().requires_grad_() if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
+            given, none_is_leaf=True)
+        wrt = [t for t in optree.tree_leaves(inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
+        with torch.enable_grad(), fn.replicas.probing(preset), _generators_kept(given), _no_collectives(sizes):
+            out = call(inputs)
+            floats = [o for o in optree.tree_leaves(out) if isinstance(o, torch.Tensor) and o.requires_grad]
+            if floats and wrt:
+                torch.autograd.grad([o.sum() for o in floats], wrt, allow_unused=True)
     except Exception:
         return False
-    return same_output(*outputs)
+    return not reads
+
+
+def _record_reads(module: nn.Module, names: set[str], reads: set[str]) -> None:
+    """Make ``module`` (a probe's copy) note in ``reads`` every read of its attributes ``names``."""
+    cls = type(module)
+
+    def __getattribute__(self: Any, name: str) -> Any:
+        if name in names:
+            reads.add(name)
+        return cls.__getattribute__(self, name)
+
+    recording = type(cls.__name__, (cls,), {"__getattribute__": __getattribute__, "__module__": cls.__module__})
+    module.__class__ = recording
 
 
 @contextlib.contextmanager
