@@ -573,23 +573,3 @@ def test_stable_text_reads_private_settings_and_a_hugging_face_config() -> None:
 
     assert stable_text(gemma(30.0)) != stable_text(gemma(3.0))
     assert stable_text(gemma(30.0)) == stable_text(gemma(30.0))
-
-
-class _PlainScale(torch.nn.Module):
-    """A plain (unregistered) tensor attribute read in forward: a small setting, or a large scratch buffer."""
-
-    def __init__(self, scale: float, scratch: torch.Tensor) -> None:
-        super().__init__()
-        self.scale, self.scratch = torch.full((8,), scale), scratch
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(x * self.scale)
-
-
-def test_stable_text_reads_a_small_plain_tensor_attribute_by_its_values() -> None:
-    """The review (s39 fail F8): a layer's plain tensor attribute (a per-channel scale) set otherwise on one process
-    trained without an error (0.19 off): such attributes were described by their shape alone. A large one (a cache,
-    scratch made by torch.empty) still is."""
-    scratch = torch.zeros(1000)
-    assert stable_text(_PlainScale(1.0, scratch)) != stable_text(_PlainScale(2.0, scratch))
-    assert stable_text(_PlainScale(1.0, torch.zeros(1000))) == stable_text(_PlainScale(1.0, torch.ones(1000)))

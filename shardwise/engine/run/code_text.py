@@ -100,18 +100,8 @@ def _shape_text(t: torch.Tensor) -> str:
     return f"tensor(shape={tuple(t.shape)}, dtype={t.dtype})"
 
 
-# A plain tensor attribute this small is a setting (a per-channel scale, RoPE's frequencies of a small head): by its
-# values. A larger one may be a preallocated cache or scratch (torch.empty): by its shape alone.
-_SETTING_ELEMENTS = 64
-
-
 def _attribute_text(key: str, value: object, describe: Callable[[object], str]) -> str:
-    if isinstance(value, torch.Tensor):
-        # By its values where it is small and its name says no scratch or cache (a per-channel scale a forward reads:
-        # one set otherwise on one rank trained another model); else by its shape (torch.empty's values are a rank's).
-        if value.numel() <= _SETTING_ELEMENTS and not value.is_meta and value.layout == torch.strided and \
-                _SCRATCH_WORDS.isdisjoint(_words(key)) and not _ranks_own(key):
-            return describe(value)
+    if isinstance(value, torch.Tensor):  # a plain attribute, perhaps scratch (torch.empty's values are a rank's own)
         return _shape_text(value)
     if isinstance(value, types.MethodType):  # by its class and code, not by all of the object it is bound to
         return f"{qualified_name(type(value.__self__))}.{value.__name__}[code {code_digest(value)}]"
@@ -166,8 +156,6 @@ _RANKS_OWN_WORDS = frozenset({
 # not a setting, by the words of its name.
 _KEPT_STATE_WORDS = frozenset({"count", "step", "steps", "last", "prev", "cache", "cached", "calls", "seen",
                                "history", "state", "n", "num"})
-# A plain tensor attribute that is scratch or a cache (torch.empty's values: a rank's own), by the words of its name.
-_SCRATCH_WORDS = frozenset({"scratch", "cache", "cached", "buf", "buffer", "tmp", "temp", "workspace", "empty"})
 
 
 def _words(name: str) -> set[str]:

@@ -25,6 +25,7 @@ import torch
 
 from ..model.chain import Layer
 from ..model.module_call import module_fn
+from ..torch_api import computed_dtype
 from .first_call_state import _generators_kept, _no_collectives, module_copy
 from .loss_rows import RTOL, RTOL_FLOAT32, RTOL_FLOAT64, _exact_float32_matmuls
 
@@ -74,7 +75,7 @@ def probe_own_scalar_loss(layer: Layer, call: Callable[[Any], Any], given: Any, 
     measured = float(whole.detach().double())
     mean = (values[0] + values[1]) / 2
     floats = [t for t in optree.tree_leaves(given) if isinstance(t, torch.Tensor) and t.is_floating_point()]
-    dtype = whole.dtype
+    dtype = computed_dtype(whole)  # (a float16 loss the policy's output cast to float32 is judged as float16)
     rtol = RTOL_FLOAT64 if dtype == torch.float64 else \
         RTOL_FLOAT32 if dtype == torch.float32 and _exact_float32_matmuls(floats) else RTOL
     if abs(measured - mean) <= rtol * max(abs(measured), abs(values[0]), abs(values[1])):
