@@ -449,45 +449,6 @@ def test_an_lstm_whose_weights_sit_in_a_list_still_trains_as_one_device(cut: str
     _equivalent(_model(Recurrent), cut)
 
 
-class _PlotsAttention(nn.Module):
-    """Keeps its attention weights for plotting (``self.last_attn = a.detach()``) and never reads them back."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.qkv, self.o = nn.Linear(8, 24), nn.Linear(8, 8)
-        self.last_attn: torch.Tensor | None = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv(x).chunk(3, -1)
-        a = torch.softmax(q @ k.transpose(1, 2) / 8**0.5, -1)
-        self.last_attn = a.detach()
-        return self.o(a @ v)
-
-
-def _plotting_step() -> tuple[sw.Step, Any, list[tuple[torch.Tensor, torch.Tensor]]]:
-    torch.manual_seed(1)
-    chain, params = sw.functionalize(nn.Sequential(nn.Linear(8, 8), _PlotsAttention(), nn.Linear(8, 8)).double())
-    gen = torch.Generator().manual_seed(0)
-    batches = [(torch.randn(8, 5, 8, generator=gen, dtype=torch.float64),
-                torch.randn(8, 5, 8, generator=gen, dtype=torch.float64)) for _ in range(2)]
-    return sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1)), params, batches
-
-
-def test_an_attribute_written_and_never_read_trains_where_the_batch_is_cut() -> None:
-    """The review (s38 layers F10): a forward keeping a detached activation for plotting was refused on every cut of
-    the batch as state that would train another model, though nothing computed reads it; the advised warm-up call
-    was refused alike. A lazy initialization read back is still refused (the tests above)."""
-    step, params, batches = _plotting_step()
-    sw.testing.assert_equivalent(sw.shard_params(step, "dp", 3), step, sw.Mesh(dp=2), batches, params)
-
-
-def test_an_attribute_written_and_never_read_trains_under_micro_batches_too() -> None:
-    """Each micro-batch's call writes it again: no state the step computes from, as on one call a step."""
-    step, params, batches = _plotting_step()
-    sw.testing.assert_equivalent(sw.shard_params(step, "dp", 2, accumulation=2), step, sw.Mesh(dp=2), batches, params)
-    sw.testing.assert_equivalent(sw.pipeline(step, "pp", "1f1b", 2), step, sw.Mesh(pp=2), batches, params)
-
-
 class _CentreInObject(nn.Module):
     """DINO-style running centre kept in a plain object (``self.stats.centre``), read by the output."""
 

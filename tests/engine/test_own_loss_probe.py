@@ -411,17 +411,18 @@ def test_float_labels_of_minus_100_elsewhere_are_values() -> None:
 
 
 class _OwnLoss(torch.nn.Module):
-    """A model of one's own that computes its loss in its forward: a sum over the rows (a VAE's reduction='sum'), a
-    mean (nanoGPT's (logits, loss)), or a mean behind a dropout."""
+    """A model of one's own that computes its loss in its forward: a sum over the rows (a VAE's reduction='sum') or a
+    mean, returned alone, or beside its output and an aux term (``tupled``), perhaps behind a dropout."""
 
-    def __init__(self, reduction: str, dropout: float = 0.0) -> None:
+    def __init__(self, reduction: str, dropout: float = 0.0, tupled: bool = False) -> None:
         super().__init__()
-        self.lin, self.drop, self.reduction = torch.nn.Linear(4, 3), torch.nn.Dropout(dropout), reduction
+        self.lin, self.drop, self.reduction, self.tupled = torch.nn.Linear(4, 3), torch.nn.Dropout(dropout), \
+            reduction, tupled
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> Any:
         out = self.drop(self.lin(x))
         loss = torch.nn.functional.mse_loss(out, y, reduction=self.reduction)
-        return loss if self.reduction == "sum" else (out, loss)
+        return (out, loss, out.pow(2).sum()) if self.tupled else loss
 
 
 def _own_batches() -> list[tuple[dict[str, torch.Tensor], None]]:
@@ -444,13 +445,19 @@ def test_a_scalar_loss_ones_own_model_sums_over_the_rows_is_refused() -> None:
             sw.testing.assert_equivalent(cut, step, mesh, batches, params)
 
 
-def test_a_mean_ones_own_model_computes_trains_and_a_drawing_one_is_not_probed() -> None:
+@pytest.mark.parametrize("kind", ["mean alone", "scalars beside the output", "a dropout"])
+def test_a_mean_ones_own_model_computes_trains_and_what_cannot_be_judged_is_not(kind: str) -> None:
+    """A mean passes the probe; a scalar beside other outputs is not judged (the review: a router's aux term that
+    loss_fn ignores, an accuracy or a logit scale sorting first in a dict was judged as the loss and refused), nor is
+    a layer that draws random numbers."""
     torch.manual_seed(0)
     batches = _own_batches()
-    chain, params = sw.functionalize(_OwnLoss("mean").double(), example_input=batches[0][0])
-    step = sw.train_step(chain, lambda out, _: out[1], sw.optim.sgd(0.1))
+    tupled = kind == "scalars beside the output"
+    model = _OwnLoss("mean", dropout=0.5 if kind == "a dropout" else 0.0, tupled=tupled)
+    chain, params = sw.functionalize(model.double(), example_input=batches[0][0])
+    step = sw.train_step(chain, lambda out, _: out[1] if tupled else out, sw.optim.sgd(0.1))
+    if kind == "a dropout":  # (its draws differ by rank: not equal to one device, and not refused)
+        zero3 = sw.shard_params(step, "dp", 3)
+        sw.launch(lambda: zero3(zero3.init(params, sw.Mesh(dp=2)), batches[0]), 2)
+        return
     sw.testing.assert_equivalent(sw.shard_params(step, "dp", 3), step, sw.Mesh(dp=2), batches, params)
-    torch.manual_seed(0)
-    chain, params = sw.functionalize(_OwnLoss("mean", dropout=0.5).double(), example_input=batches[0][0])
-    dropped = sw.shard_params(sw.train_step(chain, lambda out, _: out[1], sw.optim.sgd(0.1)), "dp", 3)
-    sw.launch(lambda: dropped(dropped.init(params, sw.Mesh(dp=2)), batches[0]), 2)  # (its halves draw: not judged)

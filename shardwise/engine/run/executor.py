@@ -542,9 +542,7 @@ class Executor(ZeroActions, TransferActions, StageBackward, LossAction, StepEnd)
                 self._state.after_first(name, self.chain[name], buffers, before)
             if unset is not None:
                 sizes = {} if self.mesh is None else {a: self.mesh.axis_size(a) for a in self.mesh.axis_names}
-                written = refuse_state_from_values(self.chain[name], call, given, unset, self.batch_cut or "", sizes)
-                if written:  # (set again by a later micro-batch's call: no state the step computes from)
-                    self._state.written_only(name, written)
+                refuse_state_from_values(self.chain[name], call, given, unset, self.batch_cut or "", sizes)
                 given = None
             if versions is None:
                 continue

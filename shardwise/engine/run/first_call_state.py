@@ -18,10 +18,7 @@ their own values (so an index stays in range), save those whose values follow fr
 arange along the last dim) and 0/1 masks, which stay; on copies of the call's parameters and buffers, with
 the random generators put back after it and no collective run (a split's are predicted, moving nothing).
 An attribute whose value then differs from what the real call set came from the input's values (or from
-random numbers): refused, naming the layer, the attribute and the fix, unless the call only writes it: run
-again on the real input from the module as it was and from the module holding the probe's values there, it gives
-the same output bit for bit (``self.last_attn = attn.detach()`` kept for plotting; a lazy initialization or a
-cache read back gives another). Neither the user's module, the
+random numbers): refused, naming the layer, the attribute and the fix. Neither the user's module, the
 layer's copy of it nor the step's tensors see the probe. Not judged (a gap): a layer whose module a split
 rewrote (tensor parallel installs forwards that call the module itself, which a copy cannot stand in for), a
 module that refuses copy.copy (a parametrized one), state first set on a later step, and state set from the
@@ -114,20 +111,20 @@ def _copied(value: Any, registered: dict[int, Any]) -> Any:
 
 
 def refuse_state_from_values(layer: Layer, call: Callable[[Any], Any], given: Any, unset: nn.Module,
-                             cut: str, sizes: Mapping[str, int]) -> list[str]:
+                             cut: str, sizes: Mapping[str, int]) -> None:
     """Refuse when ``layer``'s first call (``call`` on ``given``) set its module's plain attributes from
     ``given``'s values; ``unset`` is :func:`module_before`'s copy, ``cut`` the batch's cut in words, ``sizes``
-    the mesh's axes ({axis: ranks}) that a split's layers ask while they predict. Returns the attributes it set
-    from the values that it only writes (:func:`_written_only`), which a later call may set again."""
+    the mesh's axes ({axis: ranks}) that a split's layers ask while they predict. An attribute the forward only
+    writes (``self.last_attn = a.detach()``, for plotting) is refused too: whether anything reads it (the next
+    call, a gradient hook in backward, another module through a reference, ``self.__dict__``) cannot be told
+    (session 39 tried to, and its reviews found four reads it could not see)."""
     fn = module_fn(layer.fn)
     module = fn.replicas.get().module
     before, after = python_state(unset), python_state(module)
     changed = sorted(k for k in before.keys() | after.keys()
                      if k not in before or k not in after or not same_state(before[k], after[k]))
     if not changed:
-        return []
-    registered = {id(t): t for t in (*unset.parameters(), *unset.buffers())}
-    as_before = _twin(unset, registered, {}), _twin(unset, registered, {})  # for _written_only
+        return
     try:
         with fn.replicas.probing(unset), _generators_kept(given), _no_collectives(sizes):
             call(_other_values(given))
@@ -136,65 +133,8 @@ def refuse_state_from_values(layer: Layer, call: Callable[[Any], Any], given: An
     again = python_state(unset)
     from_values = [k for k in changed if (k in again) != (k in after)
                    or (k in after and not same_state(again[k], after[k]))]
-    if not from_values:
-        return []
-    if not _written_only(fn, call, given, sizes, as_before, unset, changed, from_values, registered):
+    if from_values:
         raise ValueError(_message(layer.name, from_values, cut, probed=True))
-    return from_values
-
-
-def _written_only(fn: Any, call: Callable[[Any], Any], given: Any, sizes: Mapping[str, int],
-                  as_before: tuple[nn.Module, nn.Module], probed: nn.Module, changed: list[str], keys: list[str],
-                  registered: dict[int, Any]) -> bool:
-    """Whether the call writes attributes ``keys`` and never reads them: run on ``given`` (its forward, and its
-    backward to its floating inputs) from the module holding what the probe's call (``probed``) left in every
-    attribute it ``changed`` (as a second call finds them), it reads none of them (``self.last_attn = a.detach()``,
-    kept for plotting). Read (and refused): a lazy initialization's ``if self.scale is None``, a value read once a
-    flag set on the first call says so (``if self.started``), a running max, a value written and then read in the
-    same call, or read by a gradient hook in backward; also a cache its parent resets before the read (RecurrentGemma's
-    ``recurrent_states``: read, so refused). Not seen: a read through ``vars(self)``, or by another layer that holds
-    the same object."""
-    preset = as_before[1]
-    watched: dict[int, tuple[nn.Module, set[str]]] = {}
-    for key in changed:
-        path, _, name = key.rpartition(".")
-        source = probed.get_submodule(path) if path else probed
-        if name not in vars(source):
-            return False  # (the probe's call removed it: nothing to preset)
-        target = preset.get_submodule(path) if path else preset
-        value = _copied(vars(source)[name], registered)
-        vars(target)[name] = value
-        if key in keys:
-            watched.setdefault(id(target), (target, set()))[1].add(name)
-    reads: set[str] = set()
-    try:
-        for target, names in watched.values():
-            _record_reads(target, names, reads)
-        inputs = optree.tree_map(
-            lambda t: t.detach().requires_grad_() if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
-            given, none_is_leaf=True)
-        wrt = [t for t in optree.tree_leaves(inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
-        with torch.enable_grad(), fn.replicas.probing(preset), _generators_kept(given), _no_collectives(sizes):
-            out = call(inputs)
-            floats = [o for o in optree.tree_leaves(out) if isinstance(o, torch.Tensor) and o.requires_grad]
-            if floats and wrt:
-                torch.autograd.grad([o.sum() for o in floats], wrt, allow_unused=True)
-    except Exception:
-        return False
-    return not reads
-
-
-def _record_reads(module: nn.Module, names: set[str], reads: set[str]) -> None:
-    """Make ``module`` (a probe's copy) note in ``reads`` every read of its attributes ``names``."""
-    cls = type(module)
-
-    def __getattribute__(self: Any, name: str) -> Any:
-        if name in names:
-            reads.add(name)
-        return cls.__getattribute__(self, name)
-
-    recording = type(cls.__name__, (cls,), {"__getattribute__": __getattribute__, "__module__": cls.__module__})
-    module.__class__ = recording
 
 
 @contextlib.contextmanager

@@ -60,7 +60,6 @@ class ForwardStateWatch:
     def __init__(self) -> None:
         self._after_first: dict[str, tuple[nn.Module, dict[str, Any]]] = {}
         self._seen: set[str] = set()  # the layers this step has called (asked of every call: a set lookup)
-        self._written: dict[str, set[str]] = {}  # per layer, attributes its call writes and does not read
 
     def first_call(self, name: str, chain: Any) -> bool:
         """Whether this is the first call of layer ``name`` on this thread (then marks it watched)."""
@@ -103,20 +102,14 @@ class ForwardStateWatch:
         if module is not None:
             self._after_first[name] = (module, python_state(module))
 
-    def written_only(self, name: str, keys: list[str]) -> None:
-        """Layer ``name``'s call writes attributes ``keys`` and does not read them (first_call_state's probe: the
-        same output from other values there): their change on a later call is no state the step computes from."""
-        self._written.setdefault(name, set()).update(keys)
-
     def check_end(self) -> None:
         """Refuse a layer whose Python state changed after its first call in this step (a second
         micro-batch, a pipeline's later micro-batch, a recompute in backward)."""
         pending, self._after_first = self._after_first, {}
         for name, (module, first) in pending.items():
             now = python_state(module)
-            written = self._written.get(name, ())
-            changed = sorted(k for k in first.keys() | now.keys() if k not in written and (
-                k not in first or k not in now or not same_state(first[k], now[k])))
+            changed = sorted(k for k in first.keys() | now.keys() if k not in first or k not in now
+                             or not same_state(first[k], now[k]))
             if changed:
                 raise ValueError(
                     f"layer {name!r} changed its module's attributes {changed} again on a second call within "

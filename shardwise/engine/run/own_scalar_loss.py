@@ -6,13 +6,14 @@ cut there, so it was not probed: a sum over the rows (a VAE's), an in-batch cont
 float mask computed in the forward trained the mean of the parts' losses (half the sum at dp 2), without an error.
 
 On the step's first call where the batch is cut and the loss is a mean (``train_step(tokens=None)``), the last
-layer, whose output holds the scalar, is called again under ``no_grad`` on its first micro-batch's input and on the
-two halves of that input's rows (the tensors whose dim 0 has the micro-batch's rows; the others whole), on a copy of
-its module (nothing the step holds sees the calls), and the mean of the halves' values is compared with the
-whole's, at loss_rows' tolerances: another value is refused, naming what was measured. Not probed: a layer that
-draws random numbers (a dropout: what it drew is set back), raises on fewer rows, or whose module a split rewrote
-(tensor, context, expert parallel); a Hugging Face output (its own losses are judged by class in batch_cut.py);
-an odd micro-batch, or one of one row. Cost: two calls of the last layer on half the rows, once.
+layer, whose whole output is the scalar, is called again under ``no_grad`` on the two halves of its input's rows
+(the tensors whose dim 0 has the micro-batch's rows; the others whole), on a copy of its module (nothing the step
+holds sees the calls), and the mean of the halves' values is compared with the whole's, at loss_rows' tolerances
+(by the dtype the loss was computed in): another value is refused, naming what was measured. Not probed: a scalar
+beside other outputs (nanoGPT's ``(logits, loss)``, a router's aux term, a logged accuracy: which one loss_fn reads
+cannot be told), a layer that draws random numbers (torch's generators, Python's or numpy's: what it drew is set
+back), raises on fewer rows, or whose module a split rewrote (tensor, context, expert parallel); an odd
+micro-batch, or one of one row. Cost: two calls of the last layer on half the rows, once.
 """
 
 from __future__ import annotations
@@ -23,23 +24,23 @@ from typing import Any
 import optree
 import torch
 
+from ..model import host_random
 from ..model.chain import Layer
 from ..model.module_call import module_fn
 from ..torch_api import computed_dtype
 from .first_call_state import _generators_kept, _no_collectives, module_copy
 from .loss_rows import RTOL, RTOL_FLOAT32, RTOL_FLOAT64, _exact_float32_matmuls
+from .rng import default_generators
 
 
 def own_scalar(output: Any) -> torch.Tensor | None:
-    """The scalar loss the model's output holds: the output itself, or the first 0-dim floating tensor that requires
-    grad in a tuple, list or dict of one's own (not a transformers output); None where there is none."""
-    if isinstance(output, torch.Tensor):
-        return output if output.dim() == 0 and output.is_floating_point() and output.requires_grad else None
-    if type(output).__module__.startswith("transformers.") or not isinstance(output, (tuple, list, Mapping)):
-        return None
-    leaves: list[Any] = optree.tree_leaves(output)  # type: ignore[arg-type]
-    return next((t for t in leaves if isinstance(t, torch.Tensor) and t.dim() == 0
-                 and t.is_floating_point() and t.requires_grad), None)
+    """The scalar loss the model returned: its whole output, a 0-dim floating tensor that requires grad; None
+    otherwise. A scalar beside other outputs (nanoGPT's ``(logits, loss)``, a router's aux term, a logged accuracy,
+    a logit scale) is not judged: which of them loss_fn reads cannot be told (the review: the first scalar of a
+    dict was an accuracy, or a logit scale beside the loss)."""
+    if isinstance(output, torch.Tensor) and output.dim() == 0 and output.is_floating_point() and output.requires_grad:
+        return output
+    return None
 
 
 def probe_own_scalar_loss(layer: Layer, call: Callable[[Any], Any], given: Any, output: Any, rows: int, cut: str,
@@ -61,12 +62,17 @@ def probe_own_scalar_loss(layer: Layer, call: Callable[[Any], Any], given: Any, 
             else t, given, none_is_leaf=True)
 
     values: list[float] = []
+    devices = {t.device for t in optree.tree_leaves(given) if isinstance(t, torch.Tensor)}
+    generators = {id(g): g for d in devices | {whole.device} for g in default_generators(d)}.values()
     try:
         for start in (0, half):
-            cpu = torch.get_rng_state()
+            states, host = [g.get_state() for g in generators], host_random.capture()
             with torch.no_grad(), fn.replicas.probing(twin), _generators_kept(given), _no_collectives(sizes):
                 got = own_scalar_value(call(part(start)))
-                drew = not torch.equal(cpu, torch.get_rng_state())
+                # (a dropout's draws on any generator, or Python's or numpy's: a LayerDrop drawing with random)
+                drew = host_random.moved(host) or any(
+                    not torch.equal(g.get_state(), was) for g, was in zip(generators, states, strict=True))
+            host_random.restore(host)
             if got is None or drew:
                 return  # (no scalar on half the rows, or a draw: the halves' values would differ by it)
             values.append(got)
@@ -96,11 +102,7 @@ def probe_own_scalar_loss(layer: Layer, call: Callable[[Any], Any], given: Any, 
 
 
 def own_scalar_value(output: Any) -> float | None:
-    """The value of the scalar loss ``output`` holds (computed under no_grad: any 0-dim floating tensor), or None."""
-    if isinstance(output, torch.Tensor):
-        return float(output.double()) if output.dim() == 0 and output.is_floating_point() else None
-    if type(output).__module__.startswith("transformers.") or not isinstance(output, (tuple, list, Mapping)):
-        return None
-    leaves: list[Any] = optree.tree_leaves(output)  # type: ignore[arg-type]
-    found = next((t for t in leaves if isinstance(t, torch.Tensor) and t.dim() == 0 and t.is_floating_point()), None)
-    return None if found is None else float(found.double())
+    """The value of the scalar loss ``output`` is (computed under no_grad: a 0-dim floating tensor), or None."""
+    if isinstance(output, torch.Tensor) and output.dim() == 0 and output.is_floating_point():
+        return float(output.double())
+    return None
