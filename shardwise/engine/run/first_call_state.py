@@ -115,9 +115,9 @@ def refuse_state_from_values(layer: Layer, call: Callable[[Any], Any], given: An
     """Refuse when ``layer``'s first call (``call`` on ``given``) set its module's plain attributes from
     ``given``'s values; ``unset`` is :func:`module_before`'s copy, ``cut`` the batch's cut in words, ``sizes``
     the mesh's axes ({axis: ranks}) that a split's layers ask while they predict. An attribute the forward only
-    writes (``self.last_attn = a.detach()``, for plotting) is refused too: whether anything reads it (the next
-    call, a gradient hook in backward, another module through a reference, ``self.__dict__``) cannot be told
-    (session 39 tried to, and its reviews found four reads it could not see)."""
+    writes (``self.last_attn = a.detach()``, for plotting) is refused too: whether anything reads it cannot be told
+    safely (noting the reads of a further call missed reads through a back-reference to the module, through
+    ``self.__dict__``, and behind a call counter, each of which trained another model)."""
     fn = module_fn(layer.fn)
     module = fn.replicas.get().module
     before, after = python_state(unset), python_state(module)
