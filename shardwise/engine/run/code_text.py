@@ -41,7 +41,7 @@ def module_text(module: nn.Module, describe: Callable[[object], str]) -> str:
     for path, sub in module.named_modules(remove_duplicate=False):
         cls = type(sub)
         extra = _ADDRESS.sub("0x...", sub.extra_repr())
-        attributes = [f"{k}={_attribute_text(k, v, describe)}" for k, v in vars(sub).items()
+        attributes = [f"{k}={_attribute_text(v, describe)}" for k, v in vars(sub).items()
                       if (not k.startswith("_") and plain(v)) or _private_setting(k, v)]
         config = getattr(sub, "config", None)
         if callable(getattr(config, "to_dict", None)) and id(config) not in configs:
@@ -100,7 +100,7 @@ def _shape_text(t: torch.Tensor) -> str:
     return f"tensor(shape={tuple(t.shape)}, dtype={t.dtype})"
 
 
-def _attribute_text(key: str, value: object, describe: Callable[[object], str]) -> str:
+def _attribute_text(value: object, describe: Callable[[object], str]) -> str:
     if isinstance(value, torch.Tensor):  # a plain attribute, perhaps scratch (torch.empty's values are a rank's own)
         return _shape_text(value)
     if isinstance(value, types.MethodType):  # by its class and code, not by all of the object it is bound to
