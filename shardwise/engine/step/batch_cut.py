@@ -10,7 +10,9 @@ share, ``planning.py`` rank 0's (every rank's share has the same shapes): both t
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import optree
@@ -18,6 +20,7 @@ import torch
 
 from ...collectives.mesh import Mesh
 from ..model.batch_loss_terms import (
+    MaskedMean,
     own_loss_float_padded,
     own_loss_masked_by,
     own_loss_per_row_mean,
@@ -122,7 +125,7 @@ def refuse_padded_mean(step: Step, mesh: Mesh | None, batch: Any) -> None:
     if _refuse_two_means(step, mesh, batch, cuts) or step.tokens is not None:
         return
     _refuse_uneven_masked_mean(step, mesh, batch, cuts)
-    floats = any(own_loss_float_padded(m) for _, m in called_modules(step.base_chain))
+    floats = _own_losses(step.base_chain).float_padded
     found = next(((prefix + where, t) for prefix, scanned in _label_tensors(batch).items()
                   if (hit := _negative_integers(scanned, prefix, floats)) is not None for where, t in (hit,)), None)
     if found is None:
@@ -158,8 +161,8 @@ def _refuse_uneven_masked_mean(step: Step, mesh: Mesh | None, batch: Any, cuts: 
     present = [k for k, v in inputs.items() if isinstance(v, torch.Tensor) and v.dim() >= 2 and not v.is_meta]
     if not present or not any(k in ("bool_masked_pos", "attention_mask") for k in present):
         return
-    mean = next((found for _, m in called_modules(step.base_chain) if (found := own_loss_masked_by(m)) is not None
-                 and found.key in present and (found.needs is None or found.needs in inputs)), None)
+    mean = next((found for found in _own_losses(step.base_chain).masked
+                 if found.key in present and (found.needs is None or found.needs in inputs)), None)
     if mean is None:
         return
     counts = _share_counts(step, mesh, mean.counted(inputs))
@@ -176,6 +179,31 @@ def _refuse_uneven_masked_mean(step: Step, mesh: Mesh | None, batch: Any, cuts: 
     )
 
 
+@dataclass(frozen=True)
+class _OwnLosses:
+    """What the modules a chain calls say of their own losses (by class: batch_loss_terms.py), read once per chain:
+    the step asks on every call, and a walk of a large model's modules costs more than the rest of the asking."""
+
+    masked: tuple[MaskedMean, ...]  # own losses that are means over what an input masks
+    two_means: tuple[tuple[str, str], ...]  # (class name, rows' labels key): BERT-style pre-training's two means
+    float_padded: bool  # an own loss that leaves out float labels of -100.0 (SpeechT5)
+
+
+_OWN_LOSSES: weakref.WeakKeyDictionary[Any, _OwnLosses] = weakref.WeakKeyDictionary()
+
+
+def _own_losses(chain: Any) -> _OwnLosses:
+    found = _OWN_LOSSES.get(chain)
+    if found is None:
+        modules = [m for _, m in called_modules(chain)]
+        found = _OWN_LOSSES[chain] = _OwnLosses(
+            tuple(mean for m in modules if (mean := own_loss_masked_by(m)) is not None),
+            tuple((type(m).__name__, key) for m in modules if (key := own_loss_two_means(m)) is not None),
+            any(own_loss_float_padded(m) for m in modules),
+        )
+    return found
+
+
 def _refuse_two_means(step: Step, mesh: Mesh | None, batch: Any, cuts: list[str]) -> bool:
     """Refuse a cut batch where the model's own loss adds a masked LM's mean over its labels and a mean over the
     rows (BertForPreTraining: next-sentence prediction), unless each share counts as many masked tokens under
@@ -186,8 +214,7 @@ def _refuse_two_means(step: Step, mesh: Mesh | None, batch: Any, cuts: list[str]
     inputs = _model_inputs(batch)
     if inputs is None or not isinstance(inputs.get("labels"), torch.Tensor):
         return False
-    found = next(((type(m).__name__, key) for _, m in called_modules(step.base_chain)
-                  if (key := own_loss_two_means(m)) is not None and key in inputs), None)
+    found = next(((model, key) for model, key in _own_losses(step.base_chain).two_means if key in inputs), None)
     if found is None or step.tokens == PER_SHARD_MEAN:
         return False
     model, rows = found
@@ -241,8 +268,7 @@ def _own_loss_count(step: Step, pad: int = -100) -> str:
         SHIFTED.replace("-100", str(pad)), EVERY.replace("-100", str(pad)))
     either = (f"a Hugging Face model's own loss: {shifted} for a causal LM, which shifts its labels, {every} for an "
               "encoder-decoder, a masked LM or a token classifier")
-    masked = next((found for _, m in called_modules(step.base_chain)
-                   if (found := own_loss_masked_by(m)) is not None and found.labelled), None)
+    masked = next((found for found in _own_losses(step.base_chain).masked if found.labelled), None)
     if masked is not None:  # a token classifier leaving out the labels its attention mask leaves out
         counted = masked.count_words().replace("-100", str(pad))
         return f"its own loss counts the labels its attention mask keeps: {counted}"
