@@ -126,7 +126,7 @@ def refuse_state_from_values(layer: Layer, call: Callable[[Any], Any], given: An
     if not changed:
         return
     try:
-        with fn.replicas.probing(unset), _generators_kept(given), _no_collectives(sizes):
+        with fn.replicas.probing(unset), generators_kept(given), no_collectives(sizes):
             call(_other_values(given))
     except Exception as err:
         raise ValueError(_message(layer.name, changed, cut, probed=False)) from err
@@ -138,7 +138,7 @@ def refuse_state_from_values(layer: Layer, call: Callable[[Any], Any], given: An
 
 
 @contextlib.contextmanager
-def _no_collectives(sizes: Mapping[str, int]) -> Iterator[None]:
+def no_collectives(sizes: Mapping[str, int]) -> Iterator[None]:
     """No collective runs in the block: a split's (tensor, context, expert parallel) are predicted, shaped as
     in the run and moving nothing (as in the Plan's prediction, here on real tensors), any other raises."""
     with in_layer.predicting(sizes) if sizes else contextlib.nullcontext(), no_mesh():
@@ -213,7 +213,7 @@ def _other_integers(t: torch.Tensor, g: torch.Generator) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def _generators_kept(given: Any) -> Iterator[None]:
+def generators_kept(given: Any) -> Iterator[None]:
     """The probe's random draws (a dropout's) leave the generators the step draws from as it found them."""
     devices = {t.device for t in optree.tree_leaves(given) if isinstance(t, torch.Tensor)}
     gens = [g for d in devices if d.type != "cpu" for g in default_generators(d)]

@@ -435,7 +435,7 @@ def measure(
     floats = [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()]
     dtypes = {v.dtype for v, _ in values.values()} | {t.dtype for t in floats}
     rtol = RTOL_FLOAT64 if dtypes <= {torch.float64} else \
-        RTOL_FLOAT32 if dtypes <= {torch.float32, torch.float64} and _exact_float32_matmuls(floats) else RTOL
+        RTOL_FLOAT32 if dtypes <= {torch.float32, torch.float64} and exact_float32_matmuls(floats) else RTOL
     mode = "mean" if tokens is None else "sum" if isinstance(tokens, str) else "count"
     found = [
         Measured(n if along != "tokens" or row_dims is not None else rows, read[whole], (read[a], read[b]), rtol,
@@ -445,7 +445,7 @@ def measure(
     return next((m for m in found if not m.agrees), found[0])
 
 
-def _exact_float32_matmuls(tensors: list[torch.Tensor]) -> bool:
+def exact_float32_matmuls(tensors: list[torch.Tensor]) -> bool:
     """Whether a float32 matmul (or convolution) in loss_fn computes in float32 (not TF32 on CUDA, nor bf16 under
     ``torch.set_float32_matmul_precision("medium")`` or the backends' ``fp32_precision``): then rows give the same
     values whatever rows are beside. Read through torch's legacy and new settings alike (the legacy getter raises

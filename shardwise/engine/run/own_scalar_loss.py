@@ -28,8 +28,8 @@ from ..model import host_random
 from ..model.chain import Layer
 from ..model.module_call import module_fn
 from ..torch_api import computed_dtype
-from .first_call_state import _generators_kept, _no_collectives, module_copy
-from .loss_rows import RTOL, RTOL_FLOAT32, RTOL_FLOAT64, _exact_float32_matmuls
+from .first_call_state import generators_kept, module_copy, no_collectives
+from .loss_rows import RTOL, RTOL_FLOAT32, RTOL_FLOAT64, exact_float32_matmuls
 from .rng import default_generators
 
 
@@ -67,7 +67,7 @@ def probe_own_scalar_loss(layer: Layer, call: Callable[[Any], Any], given: Any, 
     try:
         for start in (0, half):
             states, host = [g.get_state() for g in generators], host_random.capture()
-            with torch.no_grad(), fn.replicas.probing(twin), _generators_kept(given), _no_collectives(sizes):
+            with torch.no_grad(), fn.replicas.probing(twin), generators_kept(given), no_collectives(sizes):
                 got = own_scalar_value(call(part(start)))
                 # (a dropout's draws on any generator, or Python's or numpy's: a LayerDrop drawing with random)
                 drew = host_random.moved(host) or any(
@@ -83,7 +83,7 @@ def probe_own_scalar_loss(layer: Layer, call: Callable[[Any], Any], given: Any, 
     floats = [t for t in optree.tree_leaves(given) if isinstance(t, torch.Tensor) and t.is_floating_point()]
     dtype = computed_dtype(whole)  # (a float16 loss the policy's output cast to float32 is judged as float16)
     rtol = RTOL_FLOAT64 if dtype == torch.float64 else \
-        RTOL_FLOAT32 if dtype == torch.float32 and _exact_float32_matmuls(floats) else RTOL
+        RTOL_FLOAT32 if dtype == torch.float32 and exact_float32_matmuls(floats) else RTOL
     if abs(measured - mean) <= rtol * max(abs(measured), abs(values[0]), abs(values[1])):
         return
     summed = abs(measured - (values[0] + values[1])) <= rtol * abs(measured)
