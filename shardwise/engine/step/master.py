@@ -22,6 +22,7 @@ def master_params(precision: Precision | None, params: Params) -> Params:
     # caller's tensors must never be the state's.
     if precision is None:
         return map_params(lambda t: t.detach().clone(), params)
+    refuse_complex(params)
     return {
         layer: {k: t.detach().to(precision.for_layer(layer).params, copy=True) for k, t in tensors.items()}
         for layer, tensors in params.items()
@@ -30,6 +31,8 @@ def master_params(precision: Precision | None, params: Params) -> Params:
 
 def master_meta(precision: Precision | None, params: Params) -> Params:
     """The master parameters as meta tensors: shapes and stored dtypes, no data."""
+    if precision is not None:
+        refuse_complex(params)
     return {
         layer: {
             k: torch.empty(t.shape, dtype=t.dtype if precision is None else precision.for_layer(layer).params,
@@ -38,6 +41,22 @@ def master_meta(precision: Precision | None, params: Params) -> Params:
         }
         for layer, tensors in params.items()
     }
+
+
+def refuse_complex(params: Params) -> None:
+    """Refuse a complex parameter under a precision policy: its dtypes are real ones, and casting a
+    complex tensor to one drops its imaginary part (torch only warns), so a learnable spectral
+    filter would train as a real one, without an error."""
+    for layer, tensors in params.items():
+        for name, t in tensors.items():
+            if t.is_complex():
+                raise ValueError(
+                    f"mixed_precision: layer {layer!r} has the complex parameter {name!r} ({t.dtype}), and a "
+                    "policy's dtypes are real: its master and compute copies would lose the imaginary part. "
+                    "Hold it as a real tensor with a last dim of 2 (torch.view_as_real) and make it complex "
+                    "in the forward (torch.view_as_complex(w.float())), or train this model without "
+                    "mixed_precision"
+                )
 
 
 def compute_params(precision: Precision | None, params: Params) -> Params:
