@@ -102,8 +102,9 @@ from .capture import Piece, split_by_calls
 from .chain import Chain, Layer
 from .changed_inputs import LeafIndices, changed_since, copies, versions, with_copies
 from .functional_frequencies import keep, layer_paths, watching
-from .fx_split import FunctionalizeError, FxTraceError, split_graph
+from .fx_split import GLUE_READS, FunctionalizeError, FxTraceError, split_graph
 from .given_params import remember as remember_given
+from .glue_reads import refuse_changed
 from .init_fn import InitFn, as_path_init
 from .materialize import ModuleInit, has_meta_tensors, is_transformers_model, stand_in
 from .module_call import Quiet, ThreadReplicas, call_arguments
@@ -380,6 +381,8 @@ class _ModuleFn:
     on a per-thread replica of it; its output's ModelOutput / dataclass types become pytrees."""
 
     def __init__(self, module: nn.Module) -> None:
+        # The globals an fx segment's traced code read (fx_split, glue_reads.py): refused once changed.
+        self.traced_from, self.glue_reads = module.__dict__.pop(GLUE_READS, ("", ()))
         self.replicas = ThreadReplicas(module)
         self.changed: LeafIndices = ()  # the input's tensors the module changes in place (_change_copies)
         self.root_prefix = ""  # the module's path in the model functionalize was given
@@ -395,6 +398,8 @@ class _ModuleFn:
 
     def __call__(self, tensors: dict[str, Tensor], x: Any) -> Any:
         # strict: every param and buffer must be given, so the module's own tensors never leak in.
+        if self.glue_reads:
+            refuse_changed(self.glue_reads, f"a layer of {self.traced_from}")
         call = self.replicas.get()
         x, _ = with_copies(x, self.changed)
         if isinstance(x, Tensor) and not call.takes_use_cache:  # the usual layer input: module(x)

@@ -17,7 +17,17 @@ from typing import Any
 import torch.fx as fx
 from torch import nn
 
+from . import host_random
 from .fx_stack_traces import stack_trace
+from .glue_reads import (
+    GlueRead,
+    attribute_values,
+    drawn_refusal,
+    model_files,
+    put_back,
+    recording_reads,
+    written_refusal,
+)
 
 
 class FunctionalizeError(ValueError):
@@ -41,9 +51,7 @@ class _UnitTracer(fx.Tracer):
         self.proxy_buffer_attributes = True
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        return module_qualified_name in self.units or super().is_leaf_module(
-            m, module_qualified_name
-        )
+        return module_qualified_name in self.units or super().is_leaf_module(m, module_qualified_name)
 
     def create_node(self, *args: Any, **kwargs: Any) -> fx.Node:
         node = super().create_node(*args, **kwargs)
@@ -76,11 +84,13 @@ def _own_none_checks(graph: fx.Graph) -> None:
 _TRACE_LOCK = threading.Lock()
 
 
-def _trace(module: nn.Module, units: list[str]) -> tuple[fx.Graph, dict[str, Any]]:
-    """The graph of ``module.forward`` with units as leaves, and the constants tracing created."""
+def _trace(module: nn.Module, units: list[str]) -> tuple[fx.Graph, dict[str, Any], tuple[GlueRead, ...]]:
+    """The graph of ``module.forward`` with units as leaves, the constants tracing created, and the
+    module globals the traced code read (``glue_reads``: checked at each call of its segments)."""
     before = set(vars(module))
+    attributes, drawn = attribute_values(module), host_random.capture()
     try:
-        with _TRACE_LOCK:
+        with _TRACE_LOCK, recording_reads(model_files(module)) as reads:
             graph = _UnitTracer(units).trace(module, concrete_args=_concrete_args(module))
         _own_none_checks(graph)
     except FunctionalizeError:
@@ -94,7 +104,14 @@ def _trace(module: nn.Module, units: list[str]) -> tuple[fx.Graph, dict[str, Any
         # The tracer parks tensor constants made in forward on the root (_tensor_constant0, ...);
         # take them back off so the user's module is left as it was.
         constants = {k: module.__dict__.pop(k) for k in set(vars(module)) - before}
-    return graph, constants
+        # What ran once here, but runs at every call of a torch loop, is put back, then refused (glue_reads.py).
+        written, drew = put_back(attributes), host_random.moved(drawn)
+        host_random.restore(drawn)
+    if written:
+        raise FunctionalizeError(written_refusal(written, module))
+    if drew:
+        raise FunctionalizeError(drawn_refusal(module))
+    return graph, constants, tuple(reads.values())
 
 
 def _first_line(e: Exception) -> str:
@@ -134,7 +151,7 @@ def _concrete_args(module: nn.Module) -> dict[str, Any]:
 
 def split_graph(module: nn.Module, paths: list[str], ordered: bool) -> list[tuple[str, nn.Module]]:
     """One ``(unit path, segment GraphModule)`` per unit, in execution order."""
-    graph, constants = _trace(module, paths)
+    graph, constants, reads = _trace(module, paths)
     calls = _unit_calls(graph, paths)
     if ordered:
         _check_order(paths, calls)
@@ -143,10 +160,15 @@ def split_graph(module: nn.Module, paths: list[str], ordered: bool) -> list[tupl
     # A shallow copy of the root carries the tracing constants without touching the module.
     root = copy.copy(module)
     root.__dict__.update(constants)
-    return [
-        (str(call.target), _segment_module(root, graph, segment, crossing, s))
-        for s, call in enumerate(calls)
+    pieces: list[tuple[str, nn.Module]] = [
+        (str(call.target), _segment_module(root, graph, segment, crossing, s)) for s, call in enumerate(calls)
     ]
+    for _, gm in pieces:
+        gm.__dict__[GLUE_READS] = (type(module).__name__, reads)  # (functionalize's layer fn takes it off)
+    return pieces
+
+
+GLUE_READS = "_shardwise_glue_reads"
 
 
 def _unit_calls(graph: fx.Graph, paths: list[str]) -> list[fx.Node]:

@@ -1,0 +1,190 @@
+"""What torch.fx's trace of the code between units read from Python, and what it changed.
+
+An fx split (``fx_split``) runs the code between units (the root's forward, and the forwards of
+the modules it calls outside the units) once, at ``functionalize``, on proxies: every Python value
+that code reads is read then and written into the traced graph as a constant, and every Python
+statement in it runs that once. A plain torch loop runs that code at every call. Three ways the two
+part, each refused rather than trained as the trace left it:
+
+* a module global the code reads (a curriculum's ``SCALE``, a warm-up flag, ``if SCALE > 1.5``)
+  that the loop changes later: the layers would go on computing with the value traced. The
+  values read are noted as the trace reads them (:func:`recording_reads`) and compared at every call of a traced
+  layer (:func:`refuse_changed`): a changed one is refused, naming it;
+* an attribute the code writes (a step counter ``self.steps += 1``, a warm-up on it): it would
+  have counted once, at the trace, and the branch on it stays as traced. Refused at the trace
+  (:func:`put_back`, :func:`written_refusal`), the module's attribute put back as it was;
+* a draw from Python's ``random`` or numpy's global generator (a LayerDrop deciding in the
+  root's loop over its blocks): the trace draws once and keeps that one decision for every
+  step (a LayerDrop of 0.5 trained as none). Refused at the trace (:func:`drawn_refusal`).
+
+Only the code fx traces is concerned: the units (and torch's own layers, fx's leaves) run as
+written at every call, and so does a module split without ``units``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dis
+import enum
+import sys
+import types
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+
+@dataclass(frozen=True)
+class GlueRead:
+    """A module global that traced code read: its module's name, its name, and the value the trace
+    read (and wrote into the graph)."""
+
+    module: str
+    name: str
+    value: Any
+
+    def now(self) -> Any:
+        found = sys.modules.get(self.module)
+        return _MISSING if found is None else vars(found).get(self.name, _MISSING)
+
+
+_MISSING = object()
+
+
+def model_files(module: nn.Module) -> frozenset[str]:
+    """The source files of the classes of ``module``'s modules (torch's own left out): where the code
+    the trace runs is written (a helper in another file of one's package is not looked at)."""
+    files = set()
+    for m in module.modules():
+        for cls in type(m).__mro__:
+            if cls is nn.Module or _torch_code(cls):
+                break
+            found = getattr(sys.modules.get(cls.__module__), "__file__", None)
+            if found:
+                files.add(found)
+    return frozenset(files)
+
+
+@contextlib.contextmanager
+def recording_reads(files: frozenset[str]) -> Iterator[dict[tuple[str, str], GlueRead]]:
+    """Note, while it is open, every scalar module global (a number, bool, string, enum, or a tuple of
+    these) that code written in ``files`` (:func:`model_files`) loads: the reads the trace made, by
+    (module, name). A trace function on this thread, opcode by opcode in those frames only (the trace is
+    made once); not code elsewhere, which a garbage collector's callback may run in the middle of it."""
+    found: dict[tuple[str, str], GlueRead] = {}
+    loads: dict[types.CodeType, dict[int, str]] = {}
+
+    def local(frame: types.FrameType, event: str, arg: Any) -> Any:
+        if event == "opcode":
+            name = loads[frame.f_code].get(frame.f_lasti)
+            if name is not None:
+                _note(frame, name, found)
+        return local
+
+    def calls(frame: types.FrameType, event: str, arg: Any) -> Any:
+        code = frame.f_code
+        if event != "call" or code.co_filename not in files:
+            return None
+        if code not in loads:
+            loads[code] = {i.offset: i.argval for i in dis.get_instructions(code)
+                           if i.opname == "LOAD_GLOBAL" and isinstance(i.argval, str)}
+        if not loads[code]:
+            return None
+        frame.f_trace_opcodes = True
+        return local
+
+    previous = sys.gettrace()
+    sys.settrace(calls)
+    try:
+        yield found
+    finally:
+        sys.settrace(previous)
+
+
+def _note(frame: types.FrameType, name: str, found: dict[tuple[str, str], GlueRead]) -> None:
+    if name in frame.f_globals:
+        value, module = frame.f_globals[name], str(frame.f_globals.get("__name__", ""))
+        if _scalar(value) and module in sys.modules:
+            found.setdefault((module, name), GlueRead(module, name, value))
+
+
+def refuse_changed(reads: tuple[GlueRead, ...], where: str) -> None:
+    """Refuse a call of a traced layer after a global its traced code read has changed."""
+    for read in reads:
+        now = read.now()
+        if not _same(now, read.value):
+            value = "no longer defined" if now is _MISSING else f"{now!r} now"
+            raise RuntimeError(
+                f"{where}: the code between units that torch.fx traced at functionalize reads the global "
+                f"{read.name!r} (of {read.module}), which was {read.value!r} then and is {value}. "
+                "A traced layer keeps the value it was traced with (torch.fx writes it into the graph), so "
+                "the step would go on computing with the old one. Read it inside a unit (a module that "
+                "units= names runs as written at every call), pass it with the batch, or functionalize the "
+                "model again after changing it."
+            )
+
+
+def attribute_values(module: nn.Module) -> dict[int, tuple[nn.Module, dict[str, Any]]]:
+    """Each module's attributes as they are now, for :func:`put_back` after the trace."""
+    return {id(m): (m, dict(vars(m))) for m in module.modules()}
+
+
+def put_back(before: Mapping[int, tuple[nn.Module, dict[str, Any]]]) -> list[tuple[nn.Module, str, Any, Any]]:
+    """Put back every attribute a module had before the trace and the trace changed (a counter its
+    forward advances); ``(module, name, value before, value after)`` of each."""
+    written = []
+    for m, attributes in before.values():
+        for key, value in attributes.items():
+            now = vars(m).get(key, _MISSING)
+            if now is not value and not _same(now, value):
+                written.append((m, key, value, now))
+                vars(m)[key] = value
+    return written
+
+
+def written_refusal(written: list[tuple[nn.Module, str, Any, Any]], root: nn.Module) -> str:
+    """Why a trace that changed attributes (:func:`put_back` put them back) is refused."""
+    paths = {id(m): path for path, m in root.named_modules()}
+    listed = ", ".join(
+        f"{type(m).__name__} at {paths.get(id(m)) or 'the root'}: self.{key} ({old!r} -> {new!r})"
+        for m, key, old, new in written[:4]
+    )
+    return (
+        f"functionalize: the code between units writes module attributes while torch.fx traces it ({listed}). "
+        "fx runs that code once, at functionalize, so a counter it advances (a warm-up on the model's own "
+        "step count) would count once and every branch on it stay as traced, where a torch loop runs it at "
+        "every call. Keep the count outside forward (pass it with the batch), or make the module that writes "
+        "it a unit (a unit runs as written; its changes to its own state are watched by the step). The "
+        "attributes were put back."
+    )
+
+
+def drawn_refusal(root: nn.Module) -> str:
+    """Why a trace that drew from Python's ``random`` or numpy's global generator (put back) is refused."""
+    return (
+        f"functionalize: the code between units of {type(root).__name__}.forward draws from Python's random "
+        "or numpy's global generator (a LayerDrop deciding in the loop over the blocks?). torch.fx runs that "
+        "code once, at functionalize: the decision drawn then would be kept for every step (a LayerDrop "
+        "that never drops). Draw inside a unit (a block wrapped in a module that decides whether to run "
+        "it: the step seeds and replays its draws), or use torch's generators (torch.rand: traced as an "
+        "op). The generators were put back."
+    )
+
+
+def _torch_code(value: Any) -> bool:
+    return str(getattr(value, "__module__", "") or "").split(".")[0] == "torch"
+
+
+def _scalar(value: object) -> bool:
+    if value is None or isinstance(value, bool | int | float | complex | str | bytes | enum.Enum):
+        return True
+    return isinstance(value, tuple) and len(value) <= 64 and all(_scalar(v) for v in value)
+
+
+def _same(a: object, b: object) -> bool:
+    if a is b:
+        return True
+    if type(a) is not type(b) or not (_scalar(a) and _scalar(b)):
+        return False
+    return bool(a == b)

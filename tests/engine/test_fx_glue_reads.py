@@ -1,0 +1,141 @@
+"""torch.fx runs the code between units once, at functionalize (engine/model/glue_reads.py): a module global
+it reads that the loop changes later, an attribute it writes, and a host random draw are refused rather than
+trained as the trace left them; the same reads inside a unit run as written."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+import random
+
+import numpy as np
+import pytest
+import torch
+from torch import Tensor, nn
+
+import shardwise as sw
+
+SCALE = 2.0  # a curriculum's scale, changed by the loop: read in the glue or in a unit
+
+
+class Block(nn.Module):
+    def __init__(self, reads: bool) -> None:
+        super().__init__()
+        self.lin, self.reads = nn.Linear(8, 8), reads
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.reads:
+            x = x * SCALE
+        return x + torch.tanh(self.lin(x))
+
+
+class Net(nn.Module):
+    def __init__(self, glue_reads: bool) -> None:
+        super().__init__()
+        self.glue_reads = glue_reads
+        self.inp, self.b0, self.out = nn.Linear(4, 8), Block(not glue_reads), nn.Linear(8, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.inp(x)
+        if self.glue_reads and SCALE > 1.5:  # a branch on the global, traced once
+            h = torch.relu(h) * SCALE
+        return self.out(self.b0(h))
+
+
+def _train(glue_reads: bool, world: int) -> tuple[list[float], list[float]]:
+    """Losses of three steps of torch and of the step (ZeRO-3 over ``world`` ranks, one device for 1), the
+    loop setting SCALE to 1.0 from the third step on."""
+    global SCALE
+    torch.manual_seed(0)
+    model = Net(glue_reads).double()
+    reference = copy.deepcopy(model)
+    chain, params = sw.functionalize(model, units=["inp", "b0", "out"])
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 4, generator=g, dtype=torch.float64),
+                torch.randn(8, 2, generator=g, dtype=torch.float64)) for _ in range(3)]
+    step = sw.train_step(chain, nn.functional.mse_loss, sw.optim.sgd(0.1, momentum=0.9))
+    if world > 1:
+        step = sw.shard_params(step, "dp", stage=3)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    expected = []
+    try:
+        for i, (x, y) in enumerate(batches):
+            SCALE = 2.0 if i < 2 else 1.0
+            optimizer.zero_grad()
+            loss = nn.functional.mse_loss(reference(x), y)
+            loss.backward()
+            optimizer.step()
+            expected.append(loss.item())
+
+        def main() -> list[float]:
+            global SCALE
+            state, losses = step.init(params, sw.Mesh(dp=world) if world > 1 else None), []
+            for i, batch in enumerate(batches):
+                SCALE = 2.0 if i < 2 else 1.0
+                state, metrics = step(state, batch)
+                losses.append(float(metrics["loss"]))
+            return losses
+
+        return expected, sw.launch(main, world=world)[0]
+    finally:
+        SCALE = 2.0
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_global_the_traced_glue_read_is_refused_once_the_loop_changes_it(world: int) -> None:
+    with pytest.raises(sw.collectives.RankFailed, match=r"a layer of Net: the code between units that torch.fx "
+                       r"traced at functionalize reads the global 'SCALE' \(of .*\), which was 2.0 then and is 1.0 "
+                       r"now.*Read it inside a unit"):
+        _train(glue_reads=True, world=world)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_global_a_unit_reads_follows_the_loop_as_in_torch(world: int) -> None:
+    expected, got = _train(glue_reads=False, world=world)
+    assert got == pytest.approx(expected, rel=1e-12, abs=0)
+
+
+def test_an_unchanged_global_trains_and_the_check_survives_a_pickle() -> None:
+    global SCALE
+    torch.manual_seed(0)
+    model = Net(glue_reads=True)
+    chain, params = sw.functionalize(model, units=["inp", "b0", "out"])
+    x = torch.randn(3, 4)
+    assert torch.equal(chain(params, x), model(x))
+    copied = pickle.loads(pickle.dumps(chain))  # as a process rank receives it
+    SCALE = 1.0
+    try:
+        with pytest.raises(RuntimeError, match="reads the global 'SCALE'"):
+            copied(params, x)
+    finally:
+        SCALE = 2.0
+
+
+class LayerDrop(nn.Module):
+    """Decides in the root's loop over its blocks whether to run each: traced, one decision for every step."""
+
+    def __init__(self, numpy_draws: bool) -> None:
+        super().__init__()
+        self.numpy_draws = numpy_draws
+        self.blocks = nn.ModuleList(Block(False) for _ in range(3))
+
+    def forward(self, x: Tensor) -> Tensor:
+        for block in self.blocks:
+            draw = np.random.rand() if self.numpy_draws else random.random()
+            if self.training and draw < 0.0:  # never drops: only the draw matters
+                continue
+            x = block(x)
+        return x
+
+
+@pytest.mark.parametrize("numpy_draws", [False, True])
+def test_a_host_random_draw_in_the_traced_glue_is_refused_and_the_generators_put_back(numpy_draws: bool) -> None:
+    random.seed(3)
+    np.random.seed(3)
+    python, numpy_state = random.getstate(), np.random.get_state()
+    with pytest.raises(sw.FunctionalizeError, match=r"LayerDrop.*draws from Python's random or numpy's global "
+                       r"generator.*Draw inside a unit.*put back"):
+        sw.functionalize(LayerDrop(numpy_draws), units=Block)
+    assert random.getstate() == python
+    assert all(np.array_equal(a, b) if isinstance(a, np.ndarray) else a == b
+               for a, b in zip(np.random.get_state(), numpy_state, strict=True))
