@@ -447,3 +447,25 @@ def test_a_skipped_step_counts_in_state_step_but_not_in_the_schedule() -> None:
     assert (state.step, int(state.opt_state.step)) == (4, 3)
     assert all(torch.equal(a, b) for a, b in zip(optree.tree_leaves(scaled.full_params(state)),
                                                   optree.tree_leaves(step.full_params(plain)), strict=True))
+
+
+def test_the_dynamic_loss_scale_never_grows_past_float32_and_a_larger_scale_is_refused() -> None:
+
+    near = DynamicLossScale(scale=2.0**127, growth_interval=1)
+    assert near.adjust(True).scale == 2.0**127 and near.adjust(True).good_steps == 0  # as GradScaler: kept
+    assert near.adjust(False).scale == 2.0**126
+    chain, params = sw.functionalize(mlp([4, 8, 2]))
+    step = sw.train_step(chain, lambda o, t: 1e-6 * torch.nn.functional.mse_loss(o, t), sw.optim.sgd(1e-3))
+    grown = sw.mixed_precision(step, "params=f32,compute=bf16,output=f32",
+                               loss_scale=DynamicLossScale(scale=2.0**126, growth_interval=1))
+    state, batch = grown.init(params), (torch.randn(8, 4), torch.randn(8, 2))
+    scales = []
+    for _ in range(4):  # 2**126, 2**127, then kept there: trains on (it crashed at 2**128)
+        state, metrics = grown(state, batch)
+        scales.append(float(metrics["loss_scale"]))
+    assert scales == [2.0**126, 2.0**127, 2.0**127, 2.0**127] and not bool(metrics["skipped"])
+    for made in (lambda: DynamicLossScale(scale=1e39).checked(), lambda: StaticLossScale(1e39).checked(),
+                 lambda: sw.mixed_precision(step, "params=f32,compute=bf16,output=f32", loss_scale=1e39)):
+        with pytest.raises(ValueError, match=r"scale=1e\+39\): scale must be at most float32's largest finite value "
+                           r"\(3.40282e\+38\)"):
+            made()

@@ -142,9 +142,19 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
+#: The largest loss scale: float32's largest finite value. The loss is scaled in float32 (or wider); a scale
+#: beyond it is infinite there (torch's GradScaler never grows past it either).
+MAX_LOSS_SCALE = torch.finfo(torch.float32).max
+
+
 def _check_positive(where: str, name: str, value: Any) -> None:
     if _is_number(value) and not (math.isfinite(value) and value > 0):
         raise ValueError(f"{where}({name}={value!r}): {name} must be a finite number > 0")
+    if _is_number(value) and value > MAX_LOSS_SCALE:
+        raise ValueError(
+            f"{where}({name}={value!r}): {name} must be at most float32's largest finite value "
+            f"({MAX_LOSS_SCALE:.6g}): the loss is scaled in float32, where it would be infinite"
+        )
 
 
 def _check_count(where: str, name: str, value: Any, least: int) -> None:
@@ -193,7 +203,8 @@ class _DynamicFields(NamedTuple):
 
 class DynamicLossScale(_DynamicFields):
     """torch.amp.GradScaler's rule: x``growth_factor`` after ``growth_interval`` finite steps in a
-    row, x``backoff_factor`` on a step with a non-finite gradient (that step is skipped).
+    row (never past float32's largest value, as GradScaler), x``backoff_factor`` on a step with a
+    non-finite gradient (that step is skipped).
 
     GradScaler backs off without end, so a run whose gradients are not finite at any scale skips
     every step while the scale sinks towards zero. Here the scale stops at ``min_scale`` (by default
@@ -258,7 +269,9 @@ class DynamicLossScale(_DynamicFields):
                 )
             return self._replace(scale=max(self.scale * self.backoff_factor, self.min_scale), good_steps=0)
         if self.good_steps + 1 >= self.growth_interval:
-            return self._replace(scale=self.scale * self.growth_factor, good_steps=0)
+            # As torch's GradScaler: a growth past float32's range (2**128, infinite there) is not made.
+            grown = self.scale * self.growth_factor
+            return self._replace(scale=grown if grown <= MAX_LOSS_SCALE else self.scale, good_steps=0)
         return self._replace(good_steps=self.good_steps + 1)
 
 
@@ -274,7 +287,7 @@ def as_loss_scale(spec: Any) -> LossScale:
     if isinstance(spec, (NoLossScale, StaticLossScale, DynamicLossScale)):
         return spec.checked()
     if isinstance(spec, (int, float)) and not isinstance(spec, bool) and math.isfinite(spec) and spec > 0:
-        return StaticLossScale(float(spec))
+        return StaticLossScale(float(spec)).checked()
     raise ValueError(
         f"loss_scale={spec!r}: use None, 'dynamic', a finite positive number (static), or a "
         "DynamicLossScale(...)/StaticLossScale(...)"
