@@ -1,0 +1,57 @@
+"""Refusing a module whose trainable parameter shares memory with another of its tensors.
+
+Tied the old way, two Parameters can be one storage (``self.out.weight.data = self.emb.weight.data``, a
+transposed view of another weight, a buffer registered on a parameter's ``.data``): torch's optimizer
+updates each in place into that memory, so every use reads the one tensor, updated by the sum of the
+updates. ``functionalize`` finds ties by identity (the same ``Parameter`` under two names), and the step
+trains copies: such a pair would train as two independent weights (and a buffer on a weight stay at the
+weight's first value) without an error. So a trainable parameter whose memory overlaps another tensor of
+the module is refused, naming both, with the real tie to write instead. Tensors that do not train (frozen
+parameters, buffers) may share memory among themselves: nothing updates them.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from .fx_split import FunctionalizeError
+
+
+def refuse_aliased(module: nn.Module) -> None:
+    """Refuse ``module`` where a trainable parameter's memory overlaps another of its tensors'."""
+    spans: dict[int, list[tuple[int, int, str, bool]]] = {}
+    named = [(n, t, True) for n, t in module.named_parameters()] + [(n, t, False) for n, t in module.named_buffers()]
+    for name, t, is_param in named:
+        if t.is_meta or t.numel() == 0 or t.layout is not _STRIDED:
+            continue
+        trains = is_param and t.requires_grad
+        start = t.storage_offset()
+        stop = start + sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride(), strict=True)) + 1
+        item = t.element_size()
+        spans.setdefault(t.untyped_storage().data_ptr(), []).append((start * item, stop * item, name, trains))
+    for found in spans.values():
+        if len(found) < 2:
+            continue
+        found.sort()
+        for i, (_, stop, name, trains) in enumerate(found):
+            for other_start, _, other, other_trains in found[i + 1:]:
+                if other_start >= stop:
+                    break
+                if trains or other_trains:  # (the trainable one named first)
+                    pair = (name, other) if trains else (other, name)
+                    raise FunctionalizeError(_message(module, *pair))
+
+
+_STRIDED = Tensor().layout
+
+
+def _message(module: nn.Module, a: str, b: str) -> str:
+    kinds = {n: "parameter" for n, _ in module.named_parameters()}
+    return (
+        f"functionalize: {kinds.get(a, 'buffer')} {a!r} and {kinds.get(b, 'buffer')} {b!r} of "
+        f"{type(module).__name__} share memory (one was set to the other's .data, or to a view of it). torch's "
+        "optimizer updates both in place into that memory, so they stay one tensor; functionalize finds ties by "
+        "identity and the step trains copies, so they would train apart without an error. Tie them as one "
+        f"Parameter (model.{b} = model.{a}; for a transposed use, read the one weight transposed in forward), or "
+        f"give each its own memory (.data = ....clone())."
+    )
