@@ -25,8 +25,9 @@ def refuse_aliased(module: nn.Module) -> None:
         if t.is_meta or t.numel() == 0 or t.layout is not _STRIDED:
             continue
         trains = is_param and t.requires_grad
-        start = t.storage_offset()
-        stop = start + sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride(), strict=True)) + 1
+        start = int(t.storage_offset())
+        extent = sum((int(size) - 1) * abs(int(stride)) for size, stride in zip(t.shape, t.stride(), strict=True))
+        stop = start + extent + 1
         item = t.element_size()
         spans.setdefault(t.untyped_storage().data_ptr(), []).append((start * item, stop * item, name, trains))
     for found in spans.values():
