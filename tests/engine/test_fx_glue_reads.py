@@ -111,31 +111,45 @@ def test_an_unchanged_global_trains_and_the_check_survives_a_pickle() -> None:
         SCALE = 2.0
 
 
+class LayerDropModuleList(nn.ModuleList):
+    """fairseq's: draws with torch in ``__iter__``, which fx runs for real at the trace."""
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        probs = torch.empty(len(self)).uniform_()
+        for i, m in enumerate(super().__iter__()):
+            if not self.training or probs[i] > -1.0:  # never drops: only the draw matters
+                yield m
+
+
 class LayerDrop(nn.Module):
     """Decides in the root's loop over its blocks whether to run each: traced, one decision for every step."""
 
-    def __init__(self, numpy_draws: bool) -> None:
+    def __init__(self, draws: str) -> None:
         super().__init__()
-        self.numpy_draws = numpy_draws
-        self.blocks = nn.ModuleList(Block(False) for _ in range(3))
+        self.draws = draws
+        blocks = [Block(False) for _ in range(3)]
+        self.blocks = LayerDropModuleList(blocks) if draws == "torch" else nn.ModuleList(blocks)
 
     def forward(self, x: Tensor) -> Tensor:
         for block in self.blocks:
-            draw = np.random.rand() if self.numpy_draws else random.random()
-            if self.training and draw < 0.0:  # never drops: only the draw matters
-                continue
+            if self.draws != "torch":
+                draw = np.random.rand() if self.draws == "numpy" else random.random()
+                if self.training and draw < 0.0:  # never drops: only the draw matters
+                    continue
             x = block(x)
         return x
 
 
-@pytest.mark.parametrize("numpy_draws", [False, True])
-def test_a_host_random_draw_in_the_traced_glue_is_refused_and_the_generators_put_back(numpy_draws: bool) -> None:
+@pytest.mark.parametrize("draws", ["python", "numpy", "torch"])
+def test_a_random_draw_the_trace_makes_is_refused_and_the_generators_put_back(draws: str) -> None:
+    model = LayerDrop(draws)
     random.seed(3)
     np.random.seed(3)
-    python, numpy_state = random.getstate(), np.random.get_state()
-    with pytest.raises(sw.FunctionalizeError, match=r"LayerDrop.*draws from Python's random or numpy's global "
-                       r"generator.*Draw inside a unit.*put back"):
-        sw.functionalize(LayerDrop(numpy_draws), units=Block)
-    assert random.getstate() == python
+    torch.manual_seed(3)
+    python, numpy_state, torch_state = random.getstate(), np.random.get_state(), torch.random.get_rng_state()
+    with pytest.raises(sw.FunctionalizeError, match=r"LayerDrop.*draws random numbers that torch.fx does not "
+                       r"trace.*Draw inside a unit.*put back"):
+        sw.functionalize(model, units=Block)
+    assert random.getstate() == python and torch.equal(torch.random.get_rng_state(), torch_state)
     assert all(np.array_equal(a, b) if isinstance(a, np.ndarray) else a == b
                for a, b in zip(np.random.get_state(), numpy_state, strict=True))

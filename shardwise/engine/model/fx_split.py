@@ -14,6 +14,7 @@ import inspect
 import threading
 from typing import Any
 
+import torch
 import torch.fx as fx
 from torch import nn
 
@@ -88,7 +89,7 @@ def _trace(module: nn.Module, units: list[str]) -> tuple[fx.Graph, dict[str, Any
     """The graph of ``module.forward`` with units as leaves, the constants tracing created, and the
     module globals the traced code read (``glue_reads``: checked at each call of its segments)."""
     before = set(vars(module))
-    attributes, drawn = attribute_values(module), host_random.capture()
+    attributes, drawn, torch_state = attribute_values(module), host_random.capture(), torch.random.get_rng_state()
     try:
         with _TRACE_LOCK, recording_reads(model_files(module)) as reads:
             graph = _UnitTracer(units).trace(module, concrete_args=_concrete_args(module))
@@ -105,8 +106,11 @@ def _trace(module: nn.Module, units: list[str]) -> tuple[fx.Graph, dict[str, Any
         # take them back off so the user's module is left as it was.
         constants = {k: module.__dict__.pop(k) for k in set(vars(module)) - before}
         # What ran once here, but runs at every call of a torch loop, is put back, then refused (glue_reads.py).
-        written, drew = put_back(attributes), host_random.moved(drawn)
+        # (torch's generator too: a draw fx does not trace, fairseq's LayerDropModuleList's in its __iter__)
+        written = put_back(attributes)
+        drew = host_random.moved(drawn) or not torch.equal(torch.random.get_rng_state(), torch_state)
         host_random.restore(drawn)
+        torch.random.set_rng_state(torch_state)
     if written:
         raise FunctionalizeError(written_refusal(written, module))
     if drew:

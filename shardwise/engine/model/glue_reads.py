@@ -13,8 +13,9 @@ part, each refused rather than trained as the trace left it:
 * an attribute the code writes (a step counter ``self.steps += 1``, a warm-up on it): it would
   have counted once, at the trace, and the branch on it stays as traced. Refused at the trace
   (:func:`put_back`, :func:`written_refusal`), the module's attribute put back as it was;
-* a draw from Python's ``random`` or numpy's global generator (a LayerDrop deciding in the
-  root's loop over its blocks): the trace draws once and keeps that one decision for every
+* a draw from Python's ``random``, numpy's or torch's global generator that fx does not trace (a
+  LayerDrop deciding in the root's loop over its blocks; fairseq's ``LayerDropModuleList`` draws with
+  torch in its ``__iter__``): the trace draws once and keeps that one decision for every
   step (a LayerDrop of 0.5 trained as none). Refused at the trace (:func:`drawn_refusal`).
 
 Only the code fx traces is concerned: the units (and torch's own layers, fx's leaves) run as
@@ -161,14 +162,15 @@ def written_refusal(written: list[tuple[nn.Module, str, Any, Any]], root: nn.Mod
 
 
 def drawn_refusal(root: nn.Module) -> str:
-    """Why a trace that drew from Python's ``random`` or numpy's global generator (put back) is refused."""
+    """Why a trace that drew from Python's ``random``, numpy's or torch's global generator outside the
+    ops it traces (put back) is refused."""
     return (
-        f"functionalize: the code between units of {type(root).__name__}.forward draws from Python's random "
-        "or numpy's global generator (a LayerDrop deciding in the loop over the blocks?). torch.fx runs that "
-        "code once, at functionalize: the decision drawn then would be kept for every step (a LayerDrop "
-        "that never drops). Draw inside a unit (a block wrapped in a module that decides whether to run "
-        "it: the step seeds and replays its draws), or use torch's generators (torch.rand: traced as an "
-        "op). The generators were put back."
+        f"functionalize: the code between units of {type(root).__name__}.forward draws random numbers that "
+        "torch.fx does not trace (Python's random, numpy's generator, or torch's on a tensor made there, as "
+        "fairseq's LayerDropModuleList draws in its __iter__): a LayerDrop deciding in the loop over the "
+        "blocks? fx runs that code once, at functionalize: the decision drawn then would be kept for every "
+        "step (a LayerDrop that never drops). Draw inside a unit (a block wrapped in a module that decides "
+        "whether to run it: the step seeds and replays its draws). The generators were put back."
     )
 
 
