@@ -112,7 +112,6 @@ from .module_call import Quiet, ThreadReplicas, call_arguments
 from .pytrees import float_leaves, plain_batch, register_output_types, unregistered_reason
 from .root_hooks import refuse_root_hooks
 from .shape_check import check_shapes_against_module, structure_differs
-from .stand_ins import guarding_stand_ins
 from .uncompiled import uncompiled
 
 __all__ = ["FunctionalizeError", "functionalize"]
@@ -223,13 +222,12 @@ def _split_and_check(
             layer.fn.root_prefix = layer.name  # type: ignore[attr-defined]
     if recorded is not None:
         example_input = recorded
-    with guarding_stand_ins():
-        if example_input is not None and on_fake:
-            check_shapes_against_module(
-                target, chain, params, example_input, _output_check(chain), _unit_modules(target, units)
-            )
-        elif example_input is not None:
-            _check_against_module(target, chain, params, example_input)
+    if example_input is not None and on_fake:
+        check_shapes_against_module(
+            target, chain, params, example_input, _output_check(chain), _unit_modules(target, units)
+        )
+    elif example_input is not None:
+        _check_against_module(target, chain, params, example_input)
     return chain, params, sources, example_input
 
 

@@ -1,13 +1,10 @@
 """The zero stand-ins for the parameters a replay of the call-recording split (``capture.py``) does not
-hold, and the guard that, under the check on the example, refuses a use of one (or of a unit's output
-passed through) that could reach the layer's output, naming it."""
+hold, and the guard that, at every call (the check on the example first), refuses a use of one (or of a
+unit's output passed through) that could reach the layer's output, naming it."""
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -43,28 +40,15 @@ class Placeholders:
         }
 
 
-_GUARDING = contextvars.ContextVar("guarding_stand_ins", default=False)
-
-
-@contextlib.contextmanager
-def guarding_stand_ins() -> Iterator[None]:
-    """Inside the block (functionalize's check on the example), ``embed`` and ``head`` refuse a use of
-    a parameter's zero stand-in that could reach their output, naming the parameter: a stand-in that
-    happens to equal the weight (a zero-initialised one) would pass the comparison with the module."""
-    token = _GUARDING.set(True)
-    try:
-        yield
-    finally:
-        _GUARDING.reset(token)
-
-
 def stand_in_guard(
     layer: str, stand_ins: dict[str, Tensor], counts: Callable[[], bool], between: str = ""
-) -> contextlib.AbstractContextManager[Any]:
-    """Under :func:`guarding_stand_ins`, a :class:`StandInGuard` over ``layer``'s stand-ins; else nothing.
-    ``between``: for a bridge, the two units it runs between (``'a' and 'b'``)."""
-    if not _GUARDING.get():
-        return contextlib.nullcontext()
+) -> StandInGuard:
+    """A :class:`StandInGuard` over ``layer``'s stand-ins, at every call of the layer: on the example
+    (functionalize's check: a stand-in that happens to equal the weight, a zero-initialised one, would
+    pass the comparison with the module), and on every batch after it, which may take a branch the
+    example did not (a projector that runs only on rows holding a special token: its parameter's
+    stand-in read as zeros, and its gradient dropped, without an error). ``between``: for a bridge,
+    the two units it runs between (``'a' and 'b'``)."""
 
     def refuse(name: str, op: str) -> FunctionalizeError | None:
         if isinstance(name, UnitOutput):
@@ -103,7 +87,8 @@ def stand_in_guard(
         return FunctionalizeError(
             f"functionalize: {where} reads parameter {name!r} (in {op}()), but layer {layer!r} does not hold it: "
             f"the recording on the example {seen}, so this layer has a zero stand-in for it. Make the code "
-            "that reads it run the same way on every call, or split with units=None (one layer holds every "
+            "that reads it run the same way on every call, pass functionalize an example_input on which it runs "
+            "as here (a batch that takes every branch), or split with units=None (one layer holds every "
             "parameter)."
         )
 

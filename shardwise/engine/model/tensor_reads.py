@@ -26,6 +26,15 @@ _LAYOUT_ONLY = frozenset({
 })
 
 
+# Ops that hand a tensor's values on without computing from them (a copy, a view, a cast): what they return is
+# followed as the stand-in it came from, and only a use of it that computes is refused (the step's check of a
+# first call's module state copies every tensor it is given, stand-ins among them).
+_PASSES_ON = frozenset({
+    "detach", "detach_", "clone", "alias", "view", "view_as", "expand", "expand_as", "contiguous", "to", "type",
+    "float", "double", "half", "bfloat16", "requires_grad_", "copy_",
+})
+
+
 def _name(func: Any) -> str:
     return getattr(func, "__name__", str(func))
 
@@ -141,7 +150,8 @@ class StandInGuard(TorchFunctionMode):
             if found is not None and found[0] is t:
                 sources.append(found[1])
         if sources:
-            error = self.refuse(sources[0], _name(func)) if self.counts() else None
+            passes_on = _name(func) in _PASSES_ON
+            error = self.refuse(sources[0], _name(func)) if self.counts() and not passes_on else None
             if error is not None:
                 raise error
             for t in tensors_in(out):
