@@ -8,7 +8,9 @@ step's leaves as ``loss.backward()`` accumulates ``.grad``. A mixin of
 from __future__ import annotations
 
 import math
+import re
 import sys
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -17,9 +19,10 @@ import torch
 
 from ..layout.state_layout import Placement
 from ..model.chain import Chain
+from ..model.module_call import module_fn
 from ..model.split_backward import WeightPart, input_part, recomputes, weight_part
 from ..plan.actions import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, Action
-from ..torch_api import accumulate_backward, computed_dtype
+from ..torch_api import accumulate_backward, computed_dtype, version_of
 from .cut_graphs import refuse_reached_elsewhere
 from .wide_grads import WideGrads
 
@@ -79,6 +82,63 @@ _CHECKPOINT_INSIDE = (
 )
 
 
+# torch's words for a tensor on the meta device met in an op: a layer's module holds meta stand-ins outside its call.
+_META = re.compile(r"\bdevice meta\b|\bmeta tensor|on the meta device|device='meta'|device=meta\b")
+_HOOK_READS_MODULE = (
+    "shardwise: a tensor on the meta device met in the backward: a hook the forward registered "
+    "(h.register_hook(...)) or a module's backward hook likely reads its module's tensors (self.scale, a buffer, "
+    "a weight) after the layer's call, where the step's copy of the module holds meta stand-ins. Read the tensor "
+    "in forward and let the hook close over the value (scale = self.scale; h.register_hook(lambda g: g * scale))."
+)
+
+
+def buffers_of(chain: Chain) -> tuple[tuple[str, str, torch.Tensor], ...]:
+    """(layer, name, tensor) of every buffer the chain's layers carry (frozen parameters among them)."""
+    return tuple((layer.name, name, t) for layer in chain for name, t in layer.buffers.items())
+
+
+_STAND_INS: weakref.WeakKeyDictionary[Chain, tuple[tuple[str, str, torch.Tensor], ...]] = weakref.WeakKeyDictionary()
+
+
+def stand_in_buffers(chain: Chain) -> tuple[tuple[str, str, torch.Tensor], ...]:
+    """(layer, name, meta tensor) of the buffers each layer's copy of its module holds between its calls (the
+    skeleton's, which every thread's copy shares): a hook that writes its module's buffer after the call (in
+    backward) writes one of these, and the write is lost. Read once per chain."""
+    found = _STAND_INS.get(chain)
+    if found is None:
+        out = []
+        for layer in chain:
+            module = getattr(getattr(module_fn(layer.fn), "replicas", None), "module", None)
+            if isinstance(module, torch.nn.Module):
+                out += [(layer.name, name, t) for name, t in module.named_buffers() if t.is_meta]
+        found = _STAND_INS[chain] = tuple(out)
+    return found
+
+
+def _written_after_the_call(written: list[tuple[str, str]]) -> str:
+    listed = ", ".join(f"{name!r} of layer {layer!r}" for layer, name in written[:4])
+    return (
+        f"the buffers {listed} were written during the backward, through the step's copy of the layer's module (a "
+        "backward hook it holds as a bound method, or a hook its forward registered on a tensor, keeping a "
+        "statistic in self). After the layer's call that copy holds meta stand-ins, so the write is lost and the "
+        "forwards reading the buffer would compute another model than torch's loop. Keep the statistic outside "
+        "the module (a hook closing over a tensor of your own), or compute it from the gradients after the step."
+    )
+
+
+def _written_in_backward(written: list[tuple[str, str]], cut: str) -> str:
+    listed = ", ".join(f"{name!r} of layer {layer!r}" for layer, name in written[:4])
+    return (
+        f"the buffers {listed} were written during the backward (a module's backward hook, or a hook a forward "
+        f"registered on a tensor, that keeps a gradient statistic in its module). This step cuts the batch "
+        f"({cut}): each backward sees one share of it, so the buffer would hold a share's statistic (each process "
+        "rank its own, thread ranks writing the one tensor at once), where torch's loop computes it from the whole "
+        "batch, and the forwards reading it would compute another model. Compute the statistic from the "
+        "gradients after the step (step.full_params / the returned metrics), or train without cutting the batch "
+        "(one device, no accumulation or pipeline)."
+    )
+
+
 def _raised_in_checkpoint(err: BaseException) -> bool:
     """Whether ``err`` was raised inside torch.utils.checkpoint (its traceback passes through it)."""
     module = sys.modules.get("torch.utils.checkpoint")  # not imported: nothing ran a checkpoint
@@ -110,19 +170,34 @@ class StageBackward:
     _covered: frozenset[tuple[int, int]]
     _wide: WideGrads | None
     graph_watch: Any
+    batch_cut: str | None
     _rank: int
 
     if TYPE_CHECKING:
         def _earlier_layers_own_params(self, s: int) -> bool: ...
 
     def backward(self, action: Action) -> None:
+        # Where the batch is cut, a buffer written in backward (a module's backward hook keeping a gradient
+        # statistic) would hold a share's statistic, per rank, or one every thread rank writes: refused.
+        watched = buffers_of(self.chain) if self.batch_cut is not None else ()
+        versions = [version_of(t) for _, _, t in watched]
+        lost = stand_in_buffers(self.chain)
+        lost_versions = [version_of(t) for _, _, t in lost]
         try:
             self._backward(action)
         except Exception as err:
             # (sw.remat's regions run torch's checkpoint too: a failure there is not a layer's own call)
             if _raised_in_checkpoint(err) and not recomputes(layer.fn for layer in self.chain):
                 err.add_note(_CHECKPOINT_INSIDE)
+            elif isinstance(err, RuntimeError) and _META.search(str(err)):
+                err.add_note(_HOOK_READS_MODULE)
             raise
+        written = [(layer, name) for (layer, name, t), v in zip(lost, lost_versions, strict=True) if version_of(t) != v]
+        if written:
+            raise ValueError(_written_after_the_call(written))
+        written = [(layer, name) for (layer, name, t), v in zip(watched, versions, strict=True) if version_of(t) != v]
+        if written:
+            raise ValueError(_written_in_backward(written, self.batch_cut or ""))
 
     def _backward(self, action: Action) -> None:
         s, m = action.require("stage"), action.mb
