@@ -62,3 +62,42 @@ def test_a_real_tie_frozen_aliases_and_disjoint_views_of_one_memory_are_taken(ho
     chain, params = sw.functionalize(model)
     x = torch.randint(32, (2, 5))
     assert torch.equal(chain(params, x), model(x))
+
+
+@pytest.mark.parametrize("hook", ["grad", "post_accumulate"])
+def test_a_gradient_hook_on_a_parameter_is_refused_and_the_forward_mask_trains_as_torch(hook: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 4)).double()
+    new_rows = torch.zeros(16, 1, dtype=torch.bool)
+    new_rows[12:] = True  # train only the rows of the tokens added last
+    weight = model[0].weight
+    if hook == "grad":
+        weight.register_hook(lambda g: g * new_rows)
+    else:
+        weight.register_post_accumulate_grad_hook(lambda p: p.grad.mul_(new_rows))
+    with pytest.raises(sw.FunctionalizeError, match=r"parameter '0.weight' of Sequential carries a gradient hook.*"
+                       r"would never run.*torch.where\(mask, w, w.detach\(\)\)"):
+        sw.functionalize(model)
+
+    class MaskedEmbedding(nn.Embedding):
+        def forward(self, ids: Tensor) -> Tensor:
+            return nn.functional.embedding(ids, torch.where(new_rows, self.weight, self.weight.detach()))
+
+    torch.manual_seed(0)
+    masked = nn.Sequential(MaskedEmbedding(16, 8), nn.Linear(8, 4)).double()
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 4)).double()
+    reference[0].weight.register_hook(lambda g: g * new_rows)
+    chain, params = sw.functionalize(masked)
+    step = sw.train_step(chain, lambda out, y: nn.functional.mse_loss(out, y), sw.optim.sgd(0.1, momentum=0.9))
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    state, g = step.init(params), torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x, y = torch.randint(16, (6, 5), generator=g), torch.randn(6, 5, 4, generator=g, dtype=torch.float64)
+        state, _ = step(state, (x, y))
+        optimizer.zero_grad()
+        nn.functional.mse_loss(reference(x), y).backward()
+        optimizer.step()
+    trained = step.full_params(state)["0"]["weight"]
+    assert torch.allclose(trained, reference[0].weight, rtol=1e-12, atol=0)
+    assert torch.equal(trained[:12], params["0"]["weight"][:12])  # the old rows did not move

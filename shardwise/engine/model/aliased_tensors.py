@@ -1,4 +1,5 @@
-"""Refusing a module whose trainable parameter shares memory with another of its tensors.
+"""Refusing a module whose trainable parameters would train otherwise than torch's: sharing memory with
+another of its tensors, or carrying a gradient hook of their own.
 
 Tied the old way, two Parameters can be one storage (``self.out.weight.data = self.emb.weight.data``, a
 transposed view of another weight, a buffer registered on a parameter's ``.data``): torch's optimizer
@@ -8,6 +9,11 @@ trains copies: such a pair would train as two independent weights (and a buffer 
 weight's first value) without an error. So a trainable parameter whose memory overlaps another tensor of
 the module is refused, naming both, with the real tie to write instead. Tensors that do not train (frozen
 parameters, buffers) may share memory among themselves: nothing updates them.
+
+Likewise a hook on a parameter itself (``emb.weight.register_hook(lambda g: g * mask)``, to train only the
+rows of new tokens; ``register_post_accumulate_grad_hook``): the step computes the gradient of its own copy,
+which carries no hook, so the hook would never run. Refused, naming the parameter and a forward that does
+the same.
 """
 
 from __future__ import annotations
@@ -44,6 +50,20 @@ def refuse_aliased(module: nn.Module) -> None:
 
 
 _STRIDED = Tensor().layout
+
+
+def refuse_param_hooks(module: nn.Module) -> None:
+    """Refuse ``module`` where a parameter carries a gradient hook of its own (it would never run)."""
+    for name, p in module.named_parameters():
+        if getattr(p, "_backward_hooks", None) or getattr(p, "_post_accumulate_grad_hooks", None):
+            raise FunctionalizeError(
+                f"functionalize: parameter {name!r} of {type(module).__name__} carries a gradient hook "
+                "(register_hook or register_post_accumulate_grad_hook). The step trains a copy of each parameter, "
+                "and computes its gradient there, so the hook would never run (a gradient mask that keeps some "
+                "rows fixed would not). Do it in the forward instead: for a mask, read the weight as "
+                "torch.where(mask, w, w.detach()) (the masked rows get no gradient); to freeze it whole, "
+                "requires_grad_(False) or sw.optim.group(..., frozen=True). Then remove the hook."
+            )
 
 
 def _message(module: nn.Module, a: str, b: str) -> str:

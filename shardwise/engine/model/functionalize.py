@@ -97,7 +97,7 @@ from torch.nn.modules.batchnorm import _NormBase
 
 from ..torch_api import dense_where_refused, fake_run_errors
 from . import host_random
-from .aliased_tensors import refuse_aliased
+from .aliased_tensors import refuse_aliased, refuse_param_hooks
 from .batch_loss_terms import refuse_split_batch_loss
 from .capture import Piece, split_by_calls
 from .chain import Chain, Layer
@@ -181,6 +181,7 @@ def functionalize(
     module = uncompiled(module)  # layers run eagerly: see engine/model/uncompiled.py
     _refuse_stateful(module)
     refuse_aliased(module)
+    refuse_param_hooks(module)
     if units is not None:
         refuse_split_batch_loss(module)
     if isinstance(module, nn.Sequential) if units is None else _resolve_units(module, units) is not None:
