@@ -181,6 +181,18 @@ def test_units_by_path_give_the_same_split() -> None:
     assert by_class.names == by_path.names == ("embed", "model.layers.0", "model.layers.1", "head")
 
 
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_an_embedding_named_a_unit_is_refused_naming_it(attention: str) -> None:
+    """The replays pass each unit's input on in its place: after an embedding unit, the code would read the ids
+    as its output (Llama's cos and sin cast to int64: 1.9e-3 off, refused by the example check as a difference;
+    under eager attention torch's raw finfo error on the mask)."""
+    model, _ = build("llama")
+    model.config._attn_implementation = attention
+    with pytest.raises(FunctionalizeError, match=r"unit 'model.embed_tokens' is given a torch.int64 tensor and "
+                       r"returns a torch.float(32|64) one.*Leave it out of units"):
+        functionalize(model, units=["model.embed_tokens", "model.layers.0", "model.layers.1"])
+
+
 # --- HF-style dict batches and the model's own loss ------------------------------------------
 
 

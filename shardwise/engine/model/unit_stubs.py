@@ -58,6 +58,7 @@ class UnitStub(nn.Module):
         # the position bias they receive) is that argument of this call, as in the module: a unit after
         # it receives it (T5 split at its later blocks only, the first computing the bias before them).
         parts = output_parts(output) or ()
+        _refuse_changed_hidden(path or unit.__class__.__name__, call, slot, parts[0] if parts else output)
         self._output_rest = tuple(None if isinstance(v, Tensor) else v for v in parts[1:])
         given = {id(t): j for j, t in enumerate(_argument_leaves(call, slot)) if isinstance(t, Tensor)}
         self._handed_back = tuple(given.get(id(v)) if isinstance(v, Tensor) else None for v in parts[1:])
@@ -111,6 +112,23 @@ class UnitStub(nn.Module):
         if self._model_output:
             return self.output_type(hidden, *rest)
         return self.output_type((hidden, *rest))
+
+
+def _refuse_changed_hidden(path: str, call: UnitCall, slot: Slot, hidden_out: Any) -> None:
+    """Refuse a unit whose hidden state out has another dtype than the one it is given: the replays pass each
+    unit's input on in its place, so an embedding named a unit would hand the code after it the token ids as
+    its output (a rotary embedding's cos and sin cast to int64: 2e-3 off; a mask built from an integer dtype: a
+    raw error). A unit that changes the shape alone (a stage that downsamples) is taken, as before."""
+    kind, where = slot
+    given = call.args[where] if kind == "arg" else call.kwargs.get(where)  # type: ignore[index, arg-type]
+    if not (isinstance(given, Tensor) and isinstance(hidden_out, Tensor)) or given.dtype == hidden_out.dtype:
+        return
+    raise FunctionalizeError(
+        f"functionalize: unit {path!r} is given a {given.dtype} tensor and returns a {hidden_out.dtype} one: the "
+        "layers around the units are replayed with each unit passing its input on in its place, so the code "
+        "after it would read its input (the token ids, for an embedding) as its output. Leave it out of units "
+        "(an embedding runs in 'embed'), and name the blocks that carry the hidden state."
+    )
 
 
 def _argument_leaves(call: UnitCall, slot: Slot) -> list[Any]:
