@@ -47,7 +47,7 @@ from ...engine.model.module_call import module_fn
 from ...engine.model.reproduced import check_reproduced, same_code
 from ...engine.stack import in_layer
 from .comm import attend
-from .hf_interface import calls_attention_interface, refuse_unsplittable_forward
+from .hf_interface import calls_attention_interface, refuse_unsplittable_forward, sdpa_way_out
 from .layout import shard_order
 from .masks import TokenMask, is_carried
 from .ring import ring_attention
@@ -298,7 +298,7 @@ def _known_hf(module: nn.Module, where: str) -> bool:
     if implementation != "sdpa":
         raise ValueError(
             f"context_parallel: {where} ({type(m).__name__}) runs attn_implementation={implementation!r}; it splits "
-            "sdpa attention (plain causal softmax attention): build the model with attn_implementation='sdpa'"
+            f"sdpa attention (plain causal softmax attention){sdpa_way_out(m)}"
         )
     return True
 
@@ -379,7 +379,7 @@ def _known_gpt2(module: nn.Module, where: str) -> bool:
     if implementation != "sdpa":
         raise ValueError(
             f"context_parallel: {where} ({type(m).__name__}) runs attn_implementation={implementation!r}; it splits "
-            "sdpa attention (plain causal softmax attention): build the model with attn_implementation='sdpa'"
+            f"sdpa attention (plain causal softmax attention){sdpa_way_out(m)}"
         )
     return True
 
@@ -562,3 +562,4 @@ class GlobalPositions:
         i = in_layer.index(self.axis)
         mine = shard_order(t * n, n, self.balanced)[i * t : (i + 1) * t]
         return self.forward(self.module, x, mine.to(position_ids.device).expand_as(position_ids), *rest, **kwargs)
+

@@ -31,6 +31,7 @@ import ast
 import copy
 import functools
 import inspect
+import sys
 import textwrap
 from dataclasses import dataclass
 from typing import Any
@@ -229,7 +230,7 @@ def split_attention_forward(
     if split.implementation != "sdpa":
         raise ValueError(
             f"{who} runs attn_implementation={split.implementation!r}; context_parallel computes sdpa attention "
-            "and reads the masks the model makes for sdpa: build the model with attn_implementation='sdpa'"
+            f"and reads the masks the model makes for sdpa{sdpa_way_out(module)}"
         )
     mask = _mask(who, attention_mask)
     causal = kwargs.get("is_causal")
@@ -324,3 +325,18 @@ def _mask(who: str, attention_mask: Any) -> TokenMask | None:
             "(ones where nothing is padded)"
         )
     return TokenMask.from_carried(attention_mask)
+
+
+def sdpa_way_out(attention: nn.Module) -> str:
+    """The end of the refusal of an attention not on sdpa: build the model on sdpa where transformers offers it
+    for the model (its PreTrainedModel's ``_supports_sdpa``), else leave context_parallel out (Gemma-2, told to
+    use sdpa, could not: transformers refuses sdpa for it)."""
+    family = sys.modules.get(type(attention).__module__)
+    offers = [] if family is None else [
+        c._supports_sdpa for c in vars(family).values()
+        if isinstance(c, type) and c.__name__.endswith("PreTrainedModel") and hasattr(c, "_supports_sdpa")
+    ]
+    if offers and not any(offers):
+        return (", and transformers offers no sdpa attention for this model (it refuses attn_implementation='sdpa' "
+                "there): leave context_parallel out for this model")
+    return ": build the model with attn_implementation='sdpa'"

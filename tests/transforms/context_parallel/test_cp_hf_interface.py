@@ -179,6 +179,19 @@ def test_gemma2_soft_capped_scores_are_refused() -> None:
     assert "attn_implementation" not in str(info.value)
 
 
+def test_gemma2_without_soft_caps_on_eager_is_refused_without_advising_sdpa() -> None:
+    """Without soft caps its attention would be split, but it runs eager, and transformers refuses sdpa for
+    Gemma-2: the refusal says to leave context_parallel out (it advised sdpa, which cannot be built)."""
+    built = model("Gemma2", layers=1, head_dim=4, attn_implementation="eager", attn_logit_softcapping=None,
+                  final_logit_softcapping=None, sliding_window=SEQ)
+    batches = token_batches()
+    step, params = split(built, batches[0][0])
+    with pytest.raises(ValueError, match=r"\(Gemma2Attention\) runs attn_implementation='eager'.*transformers offers "
+                                         r"no sdpa attention for this model.*leave context_parallel out") as info:
+        sw.context_parallel(step, "cp").plan(sw.Mesh(cp=2), params, batches[0])
+    assert "build the model with" not in str(info.value)
+
+
 def test_an_attention_reading_the_position_ids_itself_is_refused() -> None:
     """Ministral-3 scales its queries by a function of position_ids (Llama-4's attention scaling), which
     count the rank's own tokens under context_parallel: it trained another model without an error (the loss
