@@ -172,6 +172,7 @@ class TPForward:
                 setattr(owner, attr, local)
             # Its per-head arguments that entered with their gradient summed: (name, before, after entering) each.
             heads_entered: list[tuple[str, Tensor, Tensor]] = []
+            _refuse_cross_attention(label, m, kwargs)
             if self.head_arguments is not None:
                 args, kwargs = self._rank_heads(args, kwargs, label, heads_entered)
             read = self.paths_checked and self.cuts_watched and getattr(flow, "sides", None) is None
@@ -639,3 +640,25 @@ def _map_first(out: Any, fn: Callable[[Tensor], Tensor]) -> Any:
     if type(out) is tuple and out and isinstance(out[0], Tensor):
         return (fn(out[0]), *out[1:])
     raise ValueError(f"tensor_parallel: a sequence-parallel block returned {type(out).__name__}, not its hidden states")
+
+
+# The keyword a cross-attention takes its keys' and values' source by (Hugging Face's: BART, T5, Whisper, Marian,
+# Pegasus take key_value_states; GPT-2's and BERT's decoders encoder_hidden_states).
+_CROSS_SOURCES = ("key_value_states", "encoder_hidden_states")
+
+
+def _refuse_cross_attention(label: str, module: nn.Module, kwargs: dict[str, Any]) -> None:
+    """Refuse a Region on a cross-attention: its keys and values come from the encoder's output, an argument the
+    Region does not enter, so that output's gradient through its split projections would not be summed over the
+    ranks (the replica check refuses it where the ranks' gradients then differ; with the encoder's blocks
+    sequence parallel they do not, and BART trained 5e-5 off one device without an error)."""
+    for name in _CROSS_SOURCES:
+        source = kwargs.get(name)
+        if isinstance(source, Tensor) and source.requires_grad:
+            raise ValueError(
+                f"tensor_parallel: the Region on {label!r} ({type(module).__name__}) is a cross-attention: its keys "
+                f"and values come from {name!r} (the encoder's output), which the Region does not enter, so that "
+                "output's gradient through the split projections would not be summed over the ranks (the encoder "
+                "would train on a part of it). Leave the cross-attention out of the plan (no Region, no styles on "
+                "its projections: it runs replicated); its self-attention and the MLPs can stay split."
+            )
