@@ -190,7 +190,9 @@ class VaryFn:
             raise ValueError(
                 f"tensor_parallel: this layer computed without calling {missed} as modules (torch.fx traced through "
                 "them, or they did not run), so their split parameters were used without their communication; "
-                "make each a leaf of the split (a unit of functionalize, or a torch.nn module), or leave it whole"
+                "make each a leaf of the split (a unit of functionalize, or a torch.nn module), or leave it whole "
+                "(a module that only holds a tied weight and never runs, as T5's and BART's 'shared', cannot take "
+                "a style: leave the embeddings and the head whole there)"
             )
         return out
 

@@ -360,7 +360,8 @@ def resolve(chain: Chain, plan: Mapping[str, Style], sequence_parallel: str | No
             f"tensor_parallel: parameter {key[1]!r} of layer {key[0]!r} is split by {splits[key].by}, but module "
             f"{path!r} uses it too and has no style that splits it alike (a tied weight: an output head tied to "
             "the embedding); give it one, e.g. Rowwise() on the Embedding with Colwise() on the head: both cut "
-            "the vocabulary"
+            "the vocabulary. (A module that only holds the tied weight and never runs, as T5's and BART's "
+            "'shared', cannot take a style, which must run: leave the embeddings and the head whole there.)"
         )
         # Owning is not using: a module inside this one splits it, and this one's forward may only hand it
         # on (BertLMPredictionHead's bias, its decoder's). Its forward is watched for reading it instead.
