@@ -8,11 +8,13 @@ part, each refused rather than trained as the trace left it:
 
 * a module global the code reads (a curriculum's ``SCALE``, a warm-up flag, ``if SCALE > 1.5``)
   that the loop changes later: the layers would go on computing with the value traced. The
-  values read are noted as the trace reads them (:func:`recording_reads`) and compared at every call of a traced
+  values read are noted as the trace reads them (:func:`recording_reads`; not under coverage or a
+  debugger, whose trace function ours would displace) and compared at every call of a traced
   layer (:func:`refuse_changed`): a changed one is refused, naming it;
-* an attribute the code writes (a step counter ``self.steps += 1``, a warm-up on it): it would
+* a number attribute the code changes (a step counter ``self.steps += 1``, a warm-up on it): it would
   have counted once, at the trace, and the branch on it stays as traced. Refused at the trace
-  (:func:`put_back`, :func:`written_refusal`), the module's attribute put back as it was;
+  (:func:`put_back`, :func:`written_refusal`), the module's attribute put back as it was (a flag or
+  value built once, which later calls find as the first call left it, and a tensor are put back only);
 * a draw from Python's ``random``, numpy's or torch's global generator that fx does not trace (a
   LayerDrop deciding in the root's loop over its blocks; fairseq's ``LayerDropModuleList`` draws with
   torch in its ``__iter__``): the trace draws once and keeps that one decision for every
@@ -72,35 +74,46 @@ def recording_reads(files: frozenset[str]) -> Iterator[dict[tuple[str, str], Glu
     """Note, while it is open, every scalar module global (a number, bool, string, enum, or a tuple of
     these) that code written in ``files`` (:func:`model_files`) loads: the reads the trace made, by
     (module, name). A trace function on this thread, opcode by opcode in those frames only (the trace is
-    made once); not code elsewhere, which a garbage collector's callback may run in the middle of it."""
+    made once); not code elsewhere, which a garbage collector's callback may run in the middle of it. A
+    global that code stores too (a warn-once flag, a lazily built cache) is the code's own state, not a
+    setting: left out. Where a trace function is set already (coverage, a debugger), nothing is noted:
+    setting it back after ours would leave coverage's not recording (its C tracer's state is lost)."""
     found: dict[tuple[str, str], GlueRead] = {}
-    loads: dict[types.CodeType, dict[int, str]] = {}
+    stored: set[tuple[str, str]] = set()
+    ops: dict[types.CodeType, dict[int, tuple[str, str]]] = {}
 
     def local(frame: types.FrameType, event: str, arg: Any) -> Any:
         if event == "opcode":
-            name = loads[frame.f_code].get(frame.f_lasti)
-            if name is not None:
-                _note(frame, name, found)
+            op = ops[frame.f_code].get(frame.f_lasti)
+            if op is not None and op[0] == "LOAD_GLOBAL":
+                _note(frame, op[1], found)
+            elif op is not None:
+                stored.add((str(frame.f_globals.get("__name__", "")), op[1]))
         return local
 
     def calls(frame: types.FrameType, event: str, arg: Any) -> Any:
         code = frame.f_code
         if event != "call" or code.co_filename not in files:
             return None
-        if code not in loads:
-            loads[code] = {i.offset: i.argval for i in dis.get_instructions(code)
-                           if i.opname == "LOAD_GLOBAL" and isinstance(i.argval, str)}
-        if not loads[code]:
+        if code not in ops:
+            ops[code] = {i.offset: (i.opname, i.argval) for i in dis.get_instructions(code)
+                         if i.opname in ("LOAD_GLOBAL", "STORE_GLOBAL") and isinstance(i.argval, str)}
+        if not ops[code]:
             return None
         frame.f_trace_opcodes = True
         return local
 
     previous = sys.gettrace()
+    if previous is not None:
+        yield found
+        return
     sys.settrace(calls)
     try:
         yield found
     finally:
         sys.settrace(previous)
+        for key in stored:
+            found.pop(key, None)
 
 
 def _note(frame: types.FrameType, name: str, found: dict[tuple[str, str], GlueRead]) -> None:
@@ -122,7 +135,8 @@ def refuse_changed(reads: tuple[GlueRead, ...], where: str) -> None:
                 "A traced layer keeps the value it was traced with (torch.fx writes it into the graph), so "
                 "the step would go on computing with the old one. Read it inside a unit (a module that "
                 "units= names runs as written at every call), pass it with the batch, or functionalize the "
-                "model again after changing it."
+                "model again after changing it. (A process rank imports the script again without running its "
+                "`if __name__ == '__main__':` block: a global set there has its default in the rank.)"
             )
 
 
@@ -132,15 +146,19 @@ def attribute_values(module: nn.Module) -> dict[int, tuple[nn.Module, dict[str, 
 
 
 def put_back(before: Mapping[int, tuple[nn.Module, dict[str, Any]]]) -> list[tuple[nn.Module, str, Any, Any]]:
-    """Put back every attribute a module had before the trace and the trace changed (a counter its
-    forward advances); ``(module, name, value before, value after)`` of each."""
+    """Put back every attribute a module had before the trace and the trace changed; ``(module, name, value
+    before, value after)`` of each number among them that the trace changed to another number (a counter its
+    forward advances). Not a tensor or proxy (the old weight_norm's hook sets ``module.weight`` from its
+    parameters at every call, a computation the graph holds), nor a flag or a value built once (``if
+    self.gain is None: self.gain = ...``; a ``_built`` flag), which later calls find as the first left it."""
     written = []
     for m, attributes in before.values():
         for key, value in attributes.items():
             now = vars(m).get(key, _MISSING)
             if now is not value and not _same(now, value):
-                written.append((m, key, value, now))
                 vars(m)[key] = value
+                if _number(value) and _number(now):
+                    written.append((m, key, value, now))
     return written
 
 
@@ -152,7 +170,8 @@ def written_refusal(written: list[tuple[nn.Module, str, Any, Any]], root: nn.Mod
         for m, key, old, new in written[:4]
     )
     return (
-        f"functionalize: the code between units writes module attributes while torch.fx traces it ({listed}). "
+        f"functionalize: the code between units changes numbers its modules hold while torch.fx traces it "
+        f"({listed}). "
         "fx runs that code once, at functionalize, so a counter it advances (a warm-up on the model's own "
         "step count) would count once and every branch on it stay as traced, where a torch loop runs it at "
         "every call. Keep the count outside forward (pass it with the batch), or make the module that writes "
@@ -172,6 +191,10 @@ def drawn_refusal(root: nn.Module) -> str:
         "step (a LayerDrop that never drops). Draw inside a unit (a block wrapped in a module that decides "
         "whether to run it: the step seeds and replays its draws). The generators were put back."
     )
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _torch_code(value: Any) -> bool:
