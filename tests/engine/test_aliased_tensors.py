@@ -101,3 +101,19 @@ def test_a_gradient_hook_on_a_parameter_is_refused_and_the_forward_mask_trains_a
     trained = step.full_params(state)["0"]["weight"]
     assert torch.allclose(trained, reference[0].weight, rtol=1e-12, atol=0)
     assert torch.equal(trained[:12], params["0"]["weight"][:12])  # the old rows did not move
+
+
+def test_interleaved_views_of_one_memory_that_share_no_element_are_taken() -> None:
+    """q and k cut by columns from one fused weight (a checkpoint converted without a clone), even and odd
+    elements of one flat tensor: their spans overlap, their elements do not."""
+    torch.manual_seed(0)
+    fused = torch.randn(8, 16)
+    q, k = nn.Linear(8, 8, bias=False), nn.Linear(8, 8, bias=False)
+    q.weight.data, k.weight.data = fused[:, :8], fused[:, 8:]
+    flat = torch.randn(32)
+    even, odd = nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False)
+    even.weight.data, odd.weight.data = flat[0::2].view(4, 4), flat[1::2].view(4, 4)
+    model = nn.Sequential(q, k, nn.Linear(8, 4, bias=False), even, odd)
+    chain, params = sw.functionalize(model)
+    x = torch.randn(3, 8)
+    assert torch.equal(chain(params, x), model(x))

@@ -18,6 +18,7 @@ the same.
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 
 from .fx_split import FunctionalizeError
@@ -27,6 +28,7 @@ def refuse_aliased(module: nn.Module) -> None:
     """Refuse ``module`` where a trainable parameter's memory overlaps another of its tensors'."""
     spans: dict[int, list[tuple[int, int, str, bool]]] = {}
     named = [(n, t, True) for n, t in module.named_parameters()] + [(n, t, False) for n, t in module.named_buffers()]
+    tensors = {n: t for n, t, _ in named}
     for name, t, is_param in named:
         if t.is_meta or t.numel() == 0 or t.layout is not _STRIDED:
             continue
@@ -44,12 +46,28 @@ def refuse_aliased(module: nn.Module) -> None:
             for other_start, _, other, other_trains in found[i + 1:]:
                 if other_start >= stop:
                     break
-                if trains or other_trains:  # (the trainable one named first)
+                if (trains or other_trains) and _overlap(tensors[name], tensors[other]):  # (trainable first)
                     pair = (name, other) if trains else (other, name)
                     raise FunctionalizeError(_message(module, *pair))
 
 
 _STRIDED = Tensor().layout
+_MARKED_AT_MOST = 1 << 28  # elements of memory marked to tell two interleaved views apart; beyond, taken as one
+
+
+def _overlap(a: Tensor, b: Tensor) -> bool:
+    """Whether two strided tensors on one storage share an element (their spans overlap: they may still
+    interleave, as q and k cut by columns from one fused weight, or even and odd elements)."""
+    if a.dtype != b.dtype:
+        return True
+    lo = min(int(a.storage_offset()), int(b.storage_offset()))
+    hi = max(int(t.storage_offset()) + sum((int(n) - 1) * int(st) for n, st in zip(t.shape, t.stride(), strict=True))
+             for t in (a, b)) + 1
+    if hi - lo > _MARKED_AT_MOST:
+        return True
+    marks = torch.zeros(hi - lo, dtype=torch.bool)
+    marks.as_strided(a.shape, a.stride(), int(a.storage_offset()) - lo).fill_(True)
+    return bool(marks.as_strided(b.shape, b.stride(), int(b.storage_offset()) - lo).any())
 
 
 def refuse_param_hooks(module: nn.Module) -> None:
@@ -70,9 +88,11 @@ def _message(module: nn.Module, a: str, b: str) -> str:
     kinds = {n: "parameter" for n, _ in module.named_parameters()}
     return (
         f"functionalize: {kinds.get(a, 'buffer')} {a!r} and {kinds.get(b, 'buffer')} {b!r} of "
-        f"{type(module).__name__} share memory (one was set to the other's .data, or to a view of it). torch's "
-        "optimizer updates both in place into that memory, so they stay one tensor; functionalize finds ties by "
-        "identity and the step trains copies, so they would train apart without an error. Tie them as one "
+        f"{type(module).__name__} share memory (one was set to the other's .data, or to a view of it, or both "
+        "are views of one tensor; load_state_dict(assign=True) of a tied checkpoint makes such views). torch's "
+        "optimizer updates each in place into that memory, so what one writes the other reads; functionalize "
+        "finds ties by identity and the step trains copies, so they would train apart without an error. Tie "
+        "them as one "
         f"Parameter (model.{b} = model.{a}; for a transposed use, read the one weight transposed in forward), or "
         f"give each its own memory (.data = ....clone())."
     )
