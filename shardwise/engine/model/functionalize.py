@@ -108,11 +108,12 @@ from .given_params import remember as remember_given
 from .glue_reads import refuse_changed
 from .init_fn import InitFn, as_path_init
 from .materialize import ModuleInit, has_meta_tensors, is_transformers_model, stand_in
-from .module_call import Quiet, ThreadReplicas, call_arguments
+from .module_call import Quiet, ThreadReplicas, call_arguments, module_fn
 from .pytrees import float_leaves, plain_batch, register_output_types, unregistered_reason
 from .root_hooks import refuse_root_hooks
 from .shape_check import check_shapes_against_module, structure_differs
 from .uncompiled import uncompiled
+from .unit_stubs import checking_the_example
 
 __all__ = ["FunctionalizeError", "functionalize"]
 
@@ -223,13 +224,30 @@ def _split_and_check(
             layer.fn.root_prefix = layer.name  # type: ignore[attr-defined]
     if recorded is not None:
         example_input = recorded
-    if example_input is not None and on_fake:
-        check_shapes_against_module(
-            target, chain, params, example_input, _output_check(chain), _unit_modules(target, units)
-        )
-    elif example_input is not None:
-        _check_against_module(target, chain, params, example_input)
+    try:
+        with checking_the_example():
+            if example_input is not None and on_fake:
+                check_shapes_against_module(
+                    target, chain, params, example_input, _output_check(chain), _unit_modules(target, units)
+                )
+            elif example_input is not None:
+                _check_against_module(target, chain, params, example_input)
+    except Exception as err:
+        for change in _dtype_changes(chain):
+            err.add_note(f"functionalize: {change}")
+        raise
     return chain, params, sources, example_input
+
+
+def _dtype_changes(chain: Chain) -> list[str]:
+    """What the stubs of a recorded split say of the units that return another dtype than they are given."""
+    found: dict[str, None] = {}
+    for layer in chain:
+        module = getattr(getattr(module_fn(layer.fn), "replicas", None), "module", None)
+        if isinstance(module, nn.Module):
+            found.update((change, None) for sub in module.modules()
+                         if isinstance(change := getattr(sub, "dtype_change", None), str))
+    return list(found)
 
 
 def _unit_modules(module: nn.Module, units: Units) -> list[nn.Module]:

@@ -4,8 +4,10 @@ each records its call, passes the hidden state on, ends forward (``embed``) or r
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import optree
@@ -58,7 +60,8 @@ class UnitStub(nn.Module):
         # the position bias they receive) is that argument of this call, as in the module: a unit after
         # it receives it (T5 split at its later blocks only, the first computing the bias before them).
         parts = output_parts(output) or ()
-        _refuse_changed_hidden(path or unit.__class__.__name__, call, slot, parts[0] if parts else output)
+        # A unit given one dtype that returns another (an embedding named a unit): said where the check fails.
+        self.dtype_change = dtype_change(path or type(unit).__name__, call, slot, parts[0] if parts else output)
         self._output_rest = tuple(None if isinstance(v, Tensor) else v for v in parts[1:])
         given = {id(t): j for j, t in enumerate(_argument_leaves(call, slot)) if isinstance(t, Tensor)}
         self._handed_back = tuple(given.get(id(v)) if isinstance(v, Tensor) else None for v in parts[1:])
@@ -114,20 +117,21 @@ class UnitStub(nn.Module):
         return self.output_type((hidden, *rest))
 
 
-def _refuse_changed_hidden(path: str, call: UnitCall, slot: Slot, hidden_out: Any) -> None:
-    """Refuse a unit whose hidden state out has another dtype than the one it is given: the replays pass each
-    unit's input on in its place, so an embedding named a unit would hand the code after it the token ids as
-    its output (a rotary embedding's cos and sin cast to int64: 2e-3 off; a mask built from an integer dtype: a
-    raw error). A unit that changes the shape alone (a stage that downsamples) is taken, as before."""
+def dtype_change(path: str, call: UnitCall, slot: Slot, hidden_out: Any) -> str | None:
+    """What to say of a unit whose hidden state out has another dtype than the one it is given, where the check
+    of the split on the example fails: the replays pass each unit's input on in its place, so an embedding named
+    a unit hands the code after it the token ids as its output (Llama's rotary cos and sin cast to int64: 2e-3
+    off, refused as a difference; a mask built from an integer dtype: torch's raw error). None for a unit that
+    keeps the dtype; a unit whose output only passes on to the next unit (nanoGPT's embedding) trains as is."""
     kind, where = slot
     given = call.args[where] if kind == "arg" else call.kwargs.get(where)  # type: ignore[index, arg-type]
     if not (isinstance(given, Tensor) and isinstance(hidden_out, Tensor)) or given.dtype == hidden_out.dtype:
-        return
-    raise FunctionalizeError(
-        f"functionalize: unit {path!r} is given a {given.dtype} tensor and returns a {hidden_out.dtype} one: the "
-        "layers around the units are replayed with each unit passing its input on in its place, so the code "
-        "after it would read its input (the token ids, for an embedding) as its output. Leave it out of units "
-        "(an embedding runs in 'embed'), and name the blocks that carry the hidden state."
+        return None
+    return (
+        f"unit {path!r} is given a {given.dtype} tensor and returns a {hidden_out.dtype} one: the layers around "
+        "the units are replayed with each unit passing its input on in its place, so code after it that reads "
+        "its output (its dtype, for a rotary embedding or a mask) reads its input instead. Leave it out of "
+        "units (an embedding runs in 'embed'), and name the blocks that carry the hidden state."
     )
 
 
@@ -197,6 +201,21 @@ def clear_stubs(stubs: list[UnitStub]) -> None:
         stub._recorded, stub._emit, stub._rewind, stub._stale = None, None, None, None
 
 
+_CHECKING = contextvars.ContextVar("checking_the_example", default=False)
+
+
+@contextlib.contextmanager
+def checking_the_example() -> Iterator[None]:
+    """Inside the block (functionalize's check of the split on the example), the replays follow what their
+    stubs pass on (:func:`follow_passed_outputs`); at a step's calls they do not: the view that follows it
+    would be a use of a value tensor parallel leaves unsummed until used (a replayed embedding lookup)."""
+    token = _CHECKING.set(True)
+    try:
+        yield
+    finally:
+        _CHECKING.reset(token)
+
+
 def follow_passed_outputs(guard: Any, before: list[UnitStub], recording: list[UnitStub]) -> None:
     """Under the check on the example, mark what the stubs pass on (their input, not the unit's output):
     the code after the carried state must not use the output of a unit ``before`` it (a skip connection
@@ -204,7 +223,7 @@ def follow_passed_outputs(guard: Any, before: list[UnitStub], recording: list[Un
     argument of the units ``recording`` records may be computed from one of theirs (a loop's glue making
     the next unit's argument from the hidden state). A unit that computes the identity on the example
     (a zero-initialised residual branch) would compare equal, and train wrong."""
-    if isinstance(guard, StandInGuard):
+    if isinstance(guard, StandInGuard) and _CHECKING.get():
         for stub in before:
             stub._stale = (guard, False)
         for stub in recording:
