@@ -92,9 +92,16 @@ _HOOK_READS_MODULE = (
 )
 
 
+_BUFFERS: weakref.WeakKeyDictionary[Chain, tuple[tuple[str, str, torch.Tensor], ...]] = weakref.WeakKeyDictionary()
+
+
 def buffers_of(chain: Chain) -> tuple[tuple[str, str, torch.Tensor], ...]:
-    """(layer, name, tensor) of every buffer the chain's layers carry (frozen parameters among them)."""
-    return tuple((layer.name, name, t) for layer in chain for name, t in layer.buffers.items())
+    """(layer, name, tensor) of every buffer the chain's layers carry (frozen parameters among them); read
+    once per chain (a Layer's buffers are fixed when it is made)."""
+    found = _BUFFERS.get(chain)
+    if found is None:
+        found = _BUFFERS[chain] = tuple((layer.name, name, t) for layer in chain for name, t in layer.buffers.items())
+    return found
 
 
 _STAND_INS: weakref.WeakKeyDictionary[Chain, tuple[tuple[str, str, torch.Tensor], ...]] = weakref.WeakKeyDictionary()
@@ -180,9 +187,10 @@ class StageBackward:
         # Where the batch is cut, a buffer written in backward (a module's backward hook keeping a gradient
         # statistic) would hold a share's statistic, per rank, or one every thread rank writes: refused.
         watched = buffers_of(self.chain) if self.batch_cut is not None else ()
-        versions = [version_of(t) for _, _, t in watched]
         lost = stand_in_buffers(self.chain)
-        lost_versions = [version_of(t) for _, _, t in lost]
+        # (no list made where there is nothing to watch: the hot path counts its calls, test_step_hot_path)
+        versions = [version_of(t) for _, _, t in watched] if watched else None
+        lost_versions = [version_of(t) for _, _, t in lost] if lost else None
         try:
             self._backward(action)
         except Exception as err:
@@ -192,12 +200,16 @@ class StageBackward:
             elif isinstance(err, RuntimeError) and _META.search(str(err)):
                 err.add_note(_HOOK_READS_MODULE)
             raise
-        written = [(layer, name) for (layer, name, t), v in zip(lost, lost_versions, strict=True) if version_of(t) != v]
-        if written:
-            raise ValueError(_written_after_the_call(written))
-        written = [(layer, name) for (layer, name, t), v in zip(watched, versions, strict=True) if version_of(t) != v]
-        if written:
-            raise ValueError(_written_in_backward(written, self.batch_cut or ""))
+        if lost_versions is not None:
+            written = [(layer, name) for (layer, name, t), v in zip(lost, lost_versions, strict=True)
+                       if version_of(t) != v]
+            if written:
+                raise ValueError(_written_after_the_call(written))
+        if versions is not None:
+            written = [(layer, name) for (layer, name, t), v in zip(watched, versions, strict=True)
+                       if version_of(t) != v]
+            if written:
+                raise ValueError(_written_in_backward(written, self.batch_cut or ""))
 
     def _backward(self, action: Action) -> None:
         s, m = action.require("stage"), action.mb
