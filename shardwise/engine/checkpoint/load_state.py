@@ -208,10 +208,12 @@ def other_optimizer_or_layout(saved: set[str], wanted: set[str], same_mirrors: b
     keys are the other's by layer (``step.0`` against ``step.0.weight``: the same optimizer's per-tensor
     value, saved per ZeRO unit and wanted per parameter, or the other way), under the layout that
     saved it."""
-    def parents(keys: set[str]) -> set[str]:
-        return {k.rsplit(".", 1)[0] for k in keys}
+    def under(keys: set[str], units: set[str]) -> bool:
+        # each key one of a unit's (``t.blocks.0.blocks.0.attn.proj.bias`` of ``t.blocks.0``: a parameter's own
+        # name has dots too, so not its last part stripped)
+        return bool(keys) and all(any(k.startswith(u + ".") for u in units) for k in keys)
 
-    if same_mirrors and wanted and not wanted <= saved and (parents(wanted) <= saved or wanted <= parents(saved)):
+    if same_mirrors and wanted and not wanted <= saved and (under(wanted, saved) or under(saved, wanted)):
         return ("the optimizer keeps a value of its own per tensor it updates (a torch-style step count): one per "
                 "ZeRO unit (its flat shard) under shard_params, one per parameter elsewhere, so that state "
                 "reshards only between layouts that update the same tensors; load it under the ZeRO stage (or "
