@@ -152,6 +152,14 @@ def test_a_group_that_matches_nothing_is_refused() -> None:
         opt.update(params, opt.init(params), params)
 
 
+def test_a_where_predicate_reading_values_is_refused_naming_the_group_and_what_it_may_read() -> None:
+    opt = sw.optim.adamw(1e-3, groups=[sw.optim.group(where=lambda n, p: bool(p.abs().max() > 0.05), lr_scale=0.5)])
+    params = {"w": torch.ones(2, 2)}
+    with pytest.raises(ValueError, match=r"group\(where=.*lambda.*lr_scale=0.5\): where\('w', p\) read the parameter's "
+                       r"values, but p is a meta tensor.*decide by name, shape or dtype"):
+        opt.update(params, opt.init(params), params)
+
+
 def test_step_init_refuses_an_unmatched_group_and_a_shadowed_one() -> None:
     chain, params = sw.functionalize(_gpt(), units=Block)
     step = sw.train_step(

@@ -101,9 +101,17 @@ class Group:
             return False
         if self.where is None:
             return True
-        verdict = self.where(
-            info.names[0], torch.empty(info.shape, dtype=info.dtype, device="meta")
-        )
+        try:
+            verdict = self.where(info.names[0], torch.empty(info.shape, dtype=info.dtype, device="meta"))
+        except (RuntimeError, NotImplementedError) as error:
+            if "meta" not in str(error):
+                raise
+            raise ValueError(
+                f"{self}: where({info.names[0]!r}, p) read the parameter's values, but p is a meta tensor of the "
+                "parameter's global shape and dtype (the step decides the groups once, alike on every rank and "
+                "before any value exists on a meta-built model): decide by name, shape or dtype. "
+                f"torch said: {error}"
+            ) from error
         if not isinstance(verdict, bool):
             raise TypeError(
                 f"{self}: where({info.names[0]!r}, ...) returned {verdict!r}; it must return a bool"
