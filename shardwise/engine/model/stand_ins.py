@@ -4,7 +4,9 @@ unit's output passed through) that could reach the layer's output, naming it."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -15,7 +17,7 @@ from .carry import (
 from .changed_inputs import ChangedInput
 from .fx_split import FunctionalizeError
 from .tensor_reads import StandInGuard
-from .unit_stubs import UnitOutput
+from .unit_stubs import UnitOutput, checking
 
 
 class Placeholders:
@@ -41,14 +43,18 @@ class Placeholders:
 
 
 def stand_in_guard(
-    layer: str, stand_ins: dict[str, Tensor], counts: Callable[[], bool], between: str = ""
-) -> StandInGuard:
-    """A :class:`StandInGuard` over ``layer``'s stand-ins, at every call of the layer: on the example
-    (functionalize's check: a stand-in that happens to equal the weight, a zero-initialised one, would
-    pass the comparison with the module), and on every batch after it, which may take a branch the
-    example did not (a projector that runs only on rows holding a special token: its parameter's
-    stand-in read as zeros, and its gradient dropped, without an error). ``between``: for a bridge,
-    the two units it runs between (``'a' and 'b'``)."""
+    layer: str, stand_ins: dict[str, Tensor], counts: Callable[[], bool], between: str = "", always: bool = True
+) -> contextlib.AbstractContextManager[Any]:
+    """A :class:`StandInGuard` over ``layer``'s stand-ins: on the example (functionalize's check: a stand-in
+    that happens to equal the weight, a zero-initialised one, would pass the comparison with the module),
+    and, where ``always``, on every batch after it, which may take a branch the example did not (a projector
+    that runs only on rows holding a special token, before the units: its parameter's stand-in read as
+    zeros in ``embed``, and its gradient dropped, without an error). ``head`` guards on the example only: it
+    replays the code before the units too (discarded), and under the guard's Python mode that cost a tiny
+    model's step 12 to 18%; it holds every parameter that code reads, so its stand-ins are the tables read
+    only before the units. ``between``: for a bridge, the two units it runs between (``'a' and 'b'``)."""
+    if not always and not checking():
+        return contextlib.nullcontext()
 
     def refuse(name: str, op: str) -> FunctionalizeError | None:
         if isinstance(name, UnitOutput):

@@ -216,6 +216,11 @@ def checking_the_example() -> Iterator[None]:
         _CHECKING.reset(token)
 
 
+def checking() -> bool:
+    """Whether functionalize is checking the split on the example (:func:`checking_the_example`)."""
+    return _CHECKING.get()
+
+
 def follow_passed_outputs(guard: Any, before: list[UnitStub], recording: list[UnitStub]) -> None:
     """Under the check on the example, mark what the stubs pass on (their input, not the unit's output):
     the code after the carried state must not use the output of a unit ``before`` it (a skip connection
