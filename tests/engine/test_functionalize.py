@@ -542,8 +542,8 @@ class CountsCalls(nn.Module):
 @pytest.mark.parametrize("example", [None, torch.randn(2, 3)])
 def test_a_split_whose_glue_writes_its_module_is_refused_and_the_module_put_back(example: Tensor | None) -> None:
     model = CountsCalls()
-    with pytest.raises(FunctionalizeError, match=r"changes numbers its modules hold while torch.fx traces it \(CountsCalls "
-                       r"at the root: self.calls \(0 -> 1\)\).*Keep the count outside forward.*put back"):
+    with pytest.raises(FunctionalizeError, match=r"changes numbers its modules hold while torch.fx traces it "
+                       r"\(CountsCalls at the root: self.calls \(0 -> 1\)\).*Keep the count outside forward.*put back"):
         functionalize(model, units=["a", "b"], example_input=example)
     assert model.calls == 0
 
