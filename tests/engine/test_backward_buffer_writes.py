@@ -34,6 +34,16 @@ class BoundTracked(Tracked):
         super().__init__(bound=True)
 
 
+class RebindingTracked(Tracked):
+    """The same statistic kept by rebinding (``self.gstat = self.gstat + v``), not in place: no version moves."""
+
+    def __init__(self) -> None:
+        super().__init__(bound=True)
+
+    def _track(self, module: nn.Module, grad_input: object, grad_output: tuple[Tensor, ...]) -> None:
+        self.gstat = self.gstat + grad_output[0].pow(2).sum().detach()
+
+
 class Scaled(nn.Module):
     """Scales its gradient by a buffer, read by a hook the forward registers: in backward, after the call."""
 
@@ -99,6 +109,23 @@ def test_a_buffer_written_through_the_module_copy_in_backward_is_refused_on_one_
     with pytest.raises(ValueError, match=r"the buffers 'gstat' of layer '1' were written during the backward, through "
                        r"the step's copy of the layer's module.*the write is lost"):
         step(step.init(params), _batches()[0])
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_buffer_rebound_through_the_module_copy_in_backward_is_refused_at_the_next_call(world: int) -> None:
+    """The first step trains as torch's (its forward ran before the hook); the second would read the old value."""
+    chain, params = sw.functionalize(_model(RebindingTracked))
+    step = sw.train_step(chain, nn.functional.mse_loss, sw.optim.sgd(0.1))
+    made = step if world == 1 else sw.shard_params(step, "dp", stage=3)
+
+    def two_steps() -> None:
+        state = made.init(params, None if world == 1 else sw.Mesh(dp=2))
+        for batch in _batches()[:2]:
+            state, _ = made(state, batch)
+
+    with pytest.raises((ValueError, sw.collectives.RankFailed), match=r"RebindingTracked's tensor 'gstat' was set to "
+                       r"another tensor between two calls of its layer.*the new value is lost"):
+        sw.launch(two_steps, world=world)
 
 
 def test_a_hook_reading_its_module_in_backward_fails_with_a_note() -> None:

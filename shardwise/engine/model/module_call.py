@@ -131,6 +131,9 @@ class ModuleCall:
         # Whether call_arguments adds use_cache=False to a call on a tensor, read once (a call on a
         # tensor is otherwise module(x)).
         self.takes_use_cache = "use_cache" in _forward_parameters(module)
+        # The tensors the last call put back into the slots (the module's own, meta between calls): another one
+        # found there at the next call was set between the calls (a backward hook's ``self.buf = self.buf + v``).
+        self._left: list[Any] | None = None
 
     def __call__(self, tensors: dict[str, Tensor], x: Any) -> Any:
         return self.call(tensors, (x,), {})
@@ -168,6 +171,11 @@ class ModuleCall:
             return direct(self.module, tensors, args[0])
         slots = self._slots
         originals = [container[attr] for container, attr, _ in slots]
+        left = self._left
+        if left is not None:  # what the last call put back: another tensor there was set between the calls
+            for (_, _, key), now, was in zip(slots, originals, left, strict=True):
+                if now is not was:
+                    raise ValueError(set_between_calls(type(self.module).__name__, key, self.prefix))
         try:
             for container, attr, key in slots:
                 container[attr] = tensors[key]
@@ -187,6 +195,7 @@ class ModuleCall:
                 keep_rebound(self._rope_slots, tensors)
             for (container, attr, _), original in zip(slots, originals, strict=True):
                 container[attr] = original
+            self._left = originals
         if rebound:
             raise ValueError(rebound_message(type(self.module).__name__, rebound, self.prefix))
         return out
@@ -197,6 +206,18 @@ def _rebinds_from_input(owner: nn.Module, attr: str) -> bool:
     ``inv_freq`` to a function of the input's length (``dynamic_rope_update``): not refused, but kept
     in the module for its later calls as torch keeps it (rope_state.py)."""
     return attr.endswith("inv_freq") and is_dynamic_rope(owner)
+
+
+def set_between_calls(module: str, key: str, prefix: str = "") -> str:
+    """Why a call is refused whose module had a tensor set to another between its calls."""
+    name = key[len(prefix):] if key.startswith(prefix) else key
+    return (
+        f"{module}'s tensor {name!r} was set to another tensor between two calls of its layer (self.{name} = ... "
+        "in a backward hook, or a hook its forward registered: a gradient statistic kept in the module). After "
+        "the layer's call the step's copy of the module holds meta stand-ins, so the new value is lost and this "
+        "forward would read the old one, where torch's loop reads the new. Keep the statistic outside the module "
+        "(a tensor of your own the hook closes over), or compute it from the gradients after the step."
+    )
 
 
 def rebound_message(module: str, rebound: list[str], prefix: str = "") -> str:
