@@ -29,6 +29,13 @@ class Tracked(nn.Module):
         return torch.tanh(self.lin(x) * (1.0 + 100.0 * self.gstat))
 
 
+class DataTracked(Tracked):
+    """The statistic written through ``.data`` (its own version counter): seen by its contents."""
+
+    def _track(self, module: nn.Module, grad_input: object, grad_output: tuple[Tensor, ...]) -> None:
+        self.gstat.data.mul_(0.5).add_(grad_output[0].pow(2).mean().detach())
+
+
 class BoundTracked(Tracked):
     def __init__(self) -> None:
         super().__init__(bound=True)
@@ -101,6 +108,14 @@ def test_a_buffer_a_backward_hook_writes_is_refused_where_the_batch_is_cut(how: 
     with pytest.raises(sw.collectives.RankFailed, match=r"the buffers 'gstat' of layer '1' were written during the "
                        r"backward \(a module's backward hook.*This step cuts the batch"):
         sw.launch(lambda: made(made.init(params, sw.Mesh(**{axis: world})), _batches()[0]), world=world)
+
+
+def test_a_buffer_written_through_data_in_backward_is_refused_where_the_batch_is_cut() -> None:
+    chain, params = sw.functionalize(_model(DataTracked))
+    zero3 = sw.shard_params(sw.train_step(chain, nn.functional.mse_loss, sw.optim.sgd(0.1)), "dp", stage=3)
+    with pytest.raises(sw.collectives.RankFailed, match=r"the buffers 'gstat' of layer '1' were written during the "
+                       r"backward \(a module's backward hook.*This step cuts the batch"):
+        sw.launch(lambda: zero3(zero3.init(params, sw.Mesh(dp=2)), _batches()[0]), world=2)
 
 
 def test_a_buffer_written_through_the_module_copy_in_backward_is_refused_on_one_device_too() -> None:

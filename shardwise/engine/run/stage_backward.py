@@ -96,11 +96,13 @@ _BUFFERS: weakref.WeakKeyDictionary[Chain, tuple[tuple[str, str, torch.Tensor], 
 
 
 def buffers_of(chain: Chain) -> tuple[tuple[str, str, torch.Tensor], ...]:
-    """(layer, name, tensor) of every buffer the chain's layers carry (frozen parameters among them); read
-    once per chain (a Layer's buffers are fixed when it is made)."""
+    """(layer, name, tensor) of every buffer the chain's layers carry that is state, not a frozen weight (a
+    frozen base's are not written, and may be most of the model); read once per chain (a Layer's buffers are
+    fixed when it is made)."""
     found = _BUFFERS.get(chain)
     if found is None:
-        found = _BUFFERS[chain] = tuple((layer.name, name, t) for layer in chain for name, t in layer.buffers.items())
+        found = _BUFFERS[chain] = tuple((layer.name, name, t) for layer in chain for name, t in layer.buffers.items()
+                                        if name not in layer.frozen and not t.is_meta)
     return found
 
 
@@ -187,6 +189,11 @@ class StageBackward:
         # Where the batch is cut, a buffer written in backward (a module's backward hook keeping a gradient
         # statistic) would hold a share's statistic, per rank, or one every thread rank writes: refused.
         watched = buffers_of(self.chain) if self.batch_cut is not None else ()
+        # A write through ``.data`` moves another version counter: on the first call (on this thread) the
+        # contents are compared too, of the buffers that are state (not frozen weights: a frozen base may be most
+        # of the model), and only where the batch is cut.
+        contents = [t.clone() for _, _, t in watched if t.is_floating_point()] \
+            if watched and self.graph_watch is not None else None
         lost = stand_in_buffers(self.chain)
         # (no list made where there is nothing to watch: the hot path counts its calls, test_step_hot_path)
         versions = [version_of(t) for _, _, t in watched] if watched else None
@@ -208,6 +215,10 @@ class StageBackward:
         if versions is not None:
             written = [(layer, name) for (layer, name, t), v in zip(watched, versions, strict=True)
                        if version_of(t) != v]
+            if not written and contents is not None:
+                floating = [(layer, name, t) for layer, name, t in watched if t.is_floating_point()]
+                written = [(layer, name) for (layer, name, t), c in zip(floating, contents, strict=True)
+                           if not torch.equal(t, c)]
             if written:
                 raise ValueError(_written_in_backward(written, self.batch_cut or ""))
 
