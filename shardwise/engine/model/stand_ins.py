@@ -1,6 +1,7 @@
 """The zero stand-ins for the parameters a replay of the call-recording split (``capture.py``) does not
-hold, and the guard that, at every call (the check on the example first), refuses a use of one (or of a
-unit's output passed through) that could reach the layer's output, naming it."""
+hold, and the guard that refuses a use of one (or, on the example, of a unit's output passed through) that
+could reach the layer's output, naming it: on functionalize's example in every replay, and at every call
+after it in ``embed`` and the bridges (``head`` holds every parameter the code before the units reads)."""
 
 from __future__ import annotations
 
