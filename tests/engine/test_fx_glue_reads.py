@@ -7,6 +7,8 @@ from __future__ import annotations
 import copy
 import pickle
 import random
+import sys
+import types
 
 import numpy as np
 import pytest
@@ -153,3 +155,126 @@ def test_a_random_draw_the_trace_makes_is_refused_and_the_generators_put_back(dr
     assert random.getstate() == python and torch.equal(torch.random.get_rng_state(), torch_state)
     assert all(np.array_equal(a, b) if isinstance(a, np.ndarray) else a == b
                for a, b in zip(np.random.get_state(), numpy_state, strict=True))
+
+
+_PACKAGE = {
+    "__init__.py": "",
+    "conf.py": "SCALE = 2.0\n",
+    "helpers.py": "FACTOR = 2.0\n\n\ndef scale(h):\n    return h * FACTOR\n",
+    "model.py": '''
+import dataclasses
+import math
+import torch
+from torch import nn
+from . import conf as C
+from .helpers import scale
+
+
+@dataclasses.dataclass
+class Config:
+    scale: float = 2.0
+
+
+CFG = {"scale": 2.0}
+cfg = Config()
+STATS = {"calls": 0}
+
+
+class Settings:
+    SCALE = 2.0
+
+
+class Net(nn.Module):
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+        self.inp, self.mid, self.out = nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 2)
+
+    def forward(self, x):
+        h = torch.nn.functional.relu(self.inp(x)) * math.pi
+        STATS["calls"] += 1  # the code's own count, changed by the trace: not a setting
+        if self.how == "module":
+            h = h * C.SCALE
+        elif self.how == "dict":
+            h = h * CFG["scale"]
+        elif self.how == "dataclass":
+            h = h * cfg.scale
+        elif self.how == "class":
+            h = h * Settings.SCALE
+        elif self.how == "helper":
+            h = scale(h)
+        return self.out(self.mid(h))
+''',
+}
+
+
+def _changed_setting(package: str, how: str) -> None:
+    import importlib
+
+    model = importlib.import_module(f"{package}.model")
+    if how == "module":
+        importlib.import_module(f"{package}.conf").SCALE = 1.0
+    elif how == "dict":
+        model.CFG["scale"] = 1.0
+    elif how == "dataclass":
+        model.cfg.scale = 1.0
+    elif how == "class":
+        model.Settings.SCALE = 1.0
+    else:
+        importlib.import_module(f"{package}.helpers").FACTOR = 1.0
+
+
+_SHOWN = {"module": "'C.SCALE'", "dict": "\"CFG\\['scale'\\]\"", "dataclass": "'cfg.scale'",
+          "class": "'Settings.SCALE'", "helper": "'FACTOR'"}
+
+
+@pytest.mark.parametrize("how", ["module", "dict", "dataclass", "class", "helper"])
+def test_a_setting_read_through_a_global_or_in_a_helper_file_is_refused_once_changed(
+    how: str, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``C.SCALE`` of an imported config module, ``CFG["scale"]``, a config dataclass's field, a class's
+    attribute, and a global read by a helper in another file of the model's package: each traced once."""
+    import importlib
+
+    package = f"glue_pkg_{how}"
+    (tmp_path / package).mkdir()
+    for name, text in _PACKAGE.items():
+        (tmp_path / package / name).write_text(text)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        torch.manual_seed(0)
+        net = importlib.import_module(f"{package}.model").Net(how)
+        chain, params = sw.functionalize(net, units=["inp", "mid", "out"])
+        x = torch.randn(3, 4)
+        assert torch.equal(chain(params, x), net(x))  # unchanged, and the code's own count: no refusal
+        copied = pickle.loads(pickle.dumps(chain))
+        _changed_setting(package, how)
+        for traced in (chain, copied):
+            with pytest.raises(RuntimeError, match=rf"reads the global {_SHOWN[how]} \(of {package}\.\w+\), which "
+                               r"was 2.0 then and is 1.0 now"):
+                traced(params, x)
+    finally:
+        for name in [m for m in sys.modules if m.split(".")[0] == package]:
+            del sys.modules[name]
+
+
+def test_a_global_of_a_model_a_notebook_cell_defines_is_refused_once_changed() -> None:
+    """A notebook's classes have no module file: their methods' code names the cell."""
+    source = (
+        "from torch import nn\nSCALE = 2.0\n\n\nclass Net(nn.Module):\n    def __init__(self):\n"
+        "        super().__init__()\n        self.inp, self.out = nn.Linear(4, 8), nn.Linear(8, 2)\n\n"
+        "    def forward(self, x):\n        return self.out(self.inp(x) * SCALE)\n"
+    )
+    notebook = types.ModuleType("__glue_notebook__")
+    sys.modules[notebook.__name__] = notebook
+    try:
+        exec(compile(source, "/tmp/ipykernel_4242/1234567.py", "exec"), vars(notebook))
+        net = notebook.Net()
+        chain, params = sw.functionalize(net, units=["inp", "out"])
+        x = torch.randn(3, 4)
+        assert torch.equal(chain(params, x), net(x))
+        notebook.SCALE = 1.0
+        with pytest.raises(RuntimeError, match=r"reads the global 'SCALE' \(of __glue_notebook__\)"):
+            chain(params, x)
+    finally:
+        del sys.modules[notebook.__name__]

@@ -657,7 +657,11 @@ def train_step(
     pass over every gradient for the norm), so a loop that logs now and then can
     run ``step.with_metrics(())`` in between: the same step on the same states,
     reporting neither (torch's pipeline schedules, for one, report nothing but
-    the last stage's losses).
+    the last stage's losses). What costs nothing is reported either way: under
+    ``shard_params``, ``"peak_gathered_bytes"`` (the most gathered parameter
+    bytes this rank held at once, which the Plan's ``memory["gathered_peak"]``
+    says before the run); under ``mixed_precision``, ``"loss_scale"`` and
+    ``"skipped"``.
 
     >>> import torch, shardwise as sw
     >>> torch.manual_seed(0)  # doctest: +ELLIPSIS

@@ -81,7 +81,7 @@ def region_failed(
             f"tensor_parallel: Region {path!r} failed ({type(err).__name__}: {err}): its parameter {name!r} of "
             f"shape {shape} spans the whole output of {colwise} ({whole} features, every head's), of which each "
             f"of the {parts} ranks holds 1/{parts}: a norm whose weight covers every head (OLMo2's q_norm over all "
-            "heads' features together, Cohere's weight per head) meets only this rank's heads; its head counts are "
+            "heads' features together) meets only this rank's heads; its head counts are "
             "not the cause. Leave this module's projections out of the plan (replicated), or use a model whose "
             f"norms act on each head alike (Qwen3's q_norm over head_dim){per_row}"
         )

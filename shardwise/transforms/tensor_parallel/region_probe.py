@@ -212,7 +212,9 @@ def _styled_modules(module: nn.Module) -> dict[str, Any]:
         if isinstance(style, Region):
             continue  # this one (run plainly in the copies), or one nested in it
         if install.kind == EMBEDDING:
-            raise gaps.gathered(install.path, "a vocabulary-split Embedding")
+            # Rowwise splits the vocabulary; Colwise the features (T5's relative_attention_bias: its heads).
+            split = "vocabulary" if isinstance(style, Rowwise) else "feature"
+            raise gaps.gathered(install.path, f"a {split}-split Embedding")
         if isinstance(style, Colwise) and gathers(style, False):
             raise gaps.gathered(install.path, "a Colwise whose output is gathered")
         found[sub] = forward
