@@ -313,7 +313,8 @@ def test_the_probe_runs_on_the_first_call_only() -> None:
         return seen
 
     first, *later = sw.launch(main, 1)[0]
-    assert first == [4, 2, 2, 4, 4]  # the probe's 4 rows and their halves, then the two micro-batches
+    # the probe's 4 rows and their halves, three ways (0 1 | 2 3, 0 2 | 1 3, 0 3 | 1 2), then the two micro-batches
+    assert first == [4, 2, 2, 2, 2, 2, 2, 4, 4]
     assert later == [[4, 4], [4, 4]]
 
 
@@ -598,3 +599,53 @@ def test_a_mean_near_zero_of_cancelling_terms_passes_in_float32() -> None:
 
     found = _measure(kl, student, teacher)
     assert isinstance(found, Measured) and found.agrees, found
+
+
+# -- a loss over the batch's hardest rows ---------------------------------------------------------------
+# OHEM (the mean of the hardest half of the rows' losses, common in detection and segmentation) agrees with
+# the mean of its halves where its chosen rows fall one a half: of 4 rows halved 0 1 | 2 3, for 2 pairs in 3.
+# The probe halves the 4 rows the three ways: no two rows are together in all of them.
+def _ohem(out: Tensor, y: Tensor) -> Tensor:
+    rows = F.mse_loss(out, y, reduction="none").mean(1)
+    return rows.topk(rows.shape[0] // 2).values.mean()
+
+
+@pytest.mark.parametrize("hardest", [(0, 2), (0, 3), (1, 2), (1, 3), (0, 1), (2, 3)])
+def test_a_mean_over_the_hardest_rows_is_refused_wherever_they_fall(hardest: tuple[int, int]) -> None:
+    output = torch.full((4, 3), 0.1, dtype=torch.float64)
+    for i, row in enumerate(hardest):
+        output[row] = 2.0 + i
+    found = _measure(_ohem, output, torch.zeros(4, 3, dtype=torch.float64), rows=4)
+    assert isinstance(found, Measured) and not found.agrees
+    # a mean over the rows agrees on every halving
+    assert _measure(lambda o, y: F.mse_loss(o, y), output, torch.zeros(4, 3, dtype=torch.float64), rows=4).agrees
+
+
+def test_ohem_under_zero_2_is_refused_where_its_hardest_rows_fall_one_a_first_and_second_half() -> None:
+    """The batch (seed 4) that trained 2.6% off torch at the first step, with no error, before."""
+    torch.manual_seed(4)
+    chain, params = sw.functionalize(nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 5)).double())
+    step = sw.train_step(chain, lambda o, y: F.cross_entropy(o, y, reduction="none").topk(o.shape[0] // 2).values
+                         .mean(), sw.optim.sgd(0.1, momentum=0.9))
+    gen = torch.Generator().manual_seed(4)
+    batches = [(torch.randn(8, 6, generator=gen, dtype=torch.float64), torch.randint(0, 5, (8,), generator=gen))
+               for _ in range(3)]
+    with pytest.raises(RankFailed, match=r"not a mean over the batch's rows.*on two halves of them \(rows 0 and "
+                       r"[23]; rows 1 and [23]\).*paired with their neighbours.*per_shard_mean"):
+        sw.testing.assert_equivalent(sw.shard_params(step, "dp", 2), step, sw.Mesh(dp=2), batches, params)
+
+
+def _adjacent_pairs(out: Tensor, y: Tensor) -> Tensor:
+    """A loss over rows paired with their neighbours (rows 2i and 2i + 1, a preference pair laid out together)."""
+    rows = F.mse_loss(out, y, reduction="none").mean(1)
+    return F.softplus(rows[0::2] - rows[1::2]).mean()
+
+
+def test_a_loss_over_adjacent_pairs_is_refused_naming_per_shard_mean_which_trains_it() -> None:
+    chain, params = _mlp()
+    step = sw.train_step(chain, _adjacent_pairs, sw.optim.sgd(0.1, momentum=0.9))
+    with pytest.raises(RankFailed, match=r"paired with their neighbours.*tokens='per_shard_mean' trains it"):
+        sw.testing.assert_equivalent(sw.shard_params(step, "dp", 2), step, sw.Mesh(dp=2), _batches(2), params)
+    # each rank's 4 rows hold two whole pairs: the mean of the ranks' losses is the single-device step's
+    knowing = sw.train_step(chain, _adjacent_pairs, sw.optim.sgd(0.1, momentum=0.9), tokens="per_shard_mean")
+    sw.testing.assert_equivalent(sw.shard_params(knowing, "dp", 2), step, sw.Mesh(dp=2), _batches(2), params)

@@ -20,9 +20,11 @@ adds up over the parts; a sum, or a mean over other tokens than counted, does no
 
 On the step's first call (once per layout and rank: ``step/batch_cut.py`` says when it applies), each
 rank that computes a loss evaluates ``loss_fn`` once more, under ``no_grad``, on the first rows of its
-first micro-batch's output and targets (4 rows, else 2) and on their two halves, before its own call on
-the micro-batch: the output is the model's, so nothing is run again (dropout in the model cannot differ),
-and the probe's few rows take less memory than the loss of the whole micro-batch that follows. Where the
+first micro-batch's output and targets (4 rows, else 2) and on their two halves (of 4 rows, each of
+the three ways to halve them: a loss over the batch's hardest rows, OHEM's, agrees on one where its
+chosen rows fall one a half), before its own call on the micro-batch: the output is the model's, so
+nothing is run again (dropout in the model cannot differ), and the probe's few rows take less memory
+than the loss of the whole micro-batch that follows. Where the
 step cuts each sequence, the probe also evaluates it on the halves of those rows' tokens (of their first
 even number of tokens), along the dim the split cuts the targets on; where the rows are not cut, on the
 tokens' halves alone. A mean of per-row (per-token) terms gives the mean of the halves' losses to
@@ -90,6 +92,7 @@ from .cut_graphs import ReadsOutsideChain, refuse_fake_loss
 from .own_loss_count import OwnCount, refuse_another_count
 
 PROBE_ROWS = 4  # the rows probed where the micro-batch has them (halves of 2), else 2 (halves of 1)
+OTHER_HALVES = (((0, 2), (1, 3)), ((0, 3), (1, 2)))  # of 4 rows, beside (0, 1) | (2, 3)
 RTOL_FLOAT64 = 1e-6
 # float32 where its matmuls are exact float32 (the same rows give the same values; only the loss's own sums round,
 # pairwise): a class-weighted cross-entropy (1.2e-3 off a mean) is seen
@@ -114,7 +117,8 @@ class ProbeCut:
 @dataclass(frozen=True)
 class Measured:
     """``loss_fn`` on the first ``rows`` rows (``whole``) and on two halves of them (``halves``), in float64:
-    halves of the rows (``along="rows"``), or of their first ``tokens`` tokens (``along="tokens"``); of a
+    halves of the rows (``along="rows"``; ``"rows 0 and 2 | 1 and 3"`` another halving of 4), or of their
+    first ``tokens`` tokens (``along="tokens"``); of a
     micro-batch of one row, the row repeated twice (``whole``) and the row itself, twice (``halves``:
     ``along="repeat"``). Under ``tokens="sum"`` the values are the summed losses, and ``counts`` (whole,
     halves) the counts loss_fn returned; under a count function (``mode="count"``) the mean losses, and
@@ -333,6 +337,7 @@ class _Part:
     rows: tuple[int, int] | None = None
     twice: bool = False
     tokens: tuple[int, int] | None = None
+    picked: tuple[int, ...] | None = None  # these rows (not a span): a halving that is no first and second half
 
 
 def measure(
@@ -355,6 +360,13 @@ def measure(
     halvings: list[tuple[str, int, list[_Part]]] = []
     if rows_cut and row_dims is not None and n >= 2:
         halvings.append(("rows", 0, [_Part(first), _Part((0, n // 2)), _Part((n // 2, n))]))
+    if rows_cut and row_dims is not None and n == 4:
+        # The other two ways to halve 4 rows: a loss over the batch's hardest rows (OHEM's mean of the top half) or
+        # weighted by the batch's own class counts agrees on one halving where its chosen rows fall one a half
+        # (2 in 3 for OHEM); on the three, no two rows are together in every one.
+        for a, b in OTHER_HALVES:
+            along = f"rows {a[0]} and {a[1]} | {b[0]} and {b[1]}"
+            halvings.append((along, 0, [_Part(first), _Part(picked=a), _Part(picked=b)]))
     elif rows_cut and row_dims is not None:  # one row: a mean of per-row terms is the same on the row repeated
         halvings.append(("repeat", 0, [_Part(None, twice=True), _Part(), _Part()]))
     token_count = None if sequence_dim is None else _tokens(targets, sequence_dim)
@@ -513,6 +525,8 @@ def _take(t: Any, row_dims: tuple[int, ...], token_dims: tuple[int, ...], part: 
             for d in dims:
                 index[d] = slice(span[0], span[1])
     t = t[tuple(index)]
+    for d in row_dims if part.picked is not None else ():
+        t = t.index_select(d, torch.tensor(part.picked, device=t.device))
     for d in row_dims if part.twice else ():
         t = torch.cat([t, t], dim=d)
     return t
@@ -606,6 +620,10 @@ def _measured_on(found: Measured) -> tuple[str, str]:
                 "on the two halves of those tokens")
     if found.along == "pair":
         return ("two rows of this rank's, each a micro-batch of one row, together", "on each row alone")
+    if found.along.startswith("rows "):  # "rows 0 and 2 | 1 and 3"
+        a, b = found.along[5:].split(" | ")
+        return (f"the first {found.rows} rows of this rank's first micro-batch",
+                f"on two halves of them (rows {a}; rows {b})")
     return f"the first {found.rows} rows of this rank's first micro-batch", "on their two halves"
 
 
@@ -688,8 +706,11 @@ def _row_refusal(cut: ProbeCut, found: Measured) -> str:
     else:
         sums = " (their sum: a loss summed over the rows, reduction='sum'?)" if found.is_sum else ""
         whole_on, halves_on = _measured_on(found)
+        paired = (" (a loss over rows paired with their neighbours, laid out so that every part the step cuts "
+                  "holds whole pairs? then the mean of the parts' losses is the single-device step's, and "
+                  "tokens='per_shard_mean' trains it)") if found.along.startswith("rows ") and not sums else ""
         measured = (f"On {whole_on} it gave {found.whole:.6g}, and {found.halves[0]:.6g} and {found.halves[1]:.6g} "
-                    f"{halves_on}, whose mean is {found.mean:.6g}{sums}{_needs_rows(found)}")
+                    f"{halves_on}, whose mean is {found.mean:.6g}{sums}{_needs_rows(found)}{paired}")
     return (
         f"loss_fn is not a mean over the batch's rows, which a step that cuts the batch ({cut.rows}) needs: the step "
         "takes the mean of the losses of the parts it computes, the single-device step's loss only when loss_fn "
