@@ -7,6 +7,7 @@ and divide evenly, or the error names the tensor and the fix.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -38,6 +39,8 @@ def split_over(
     micro-batches), so the fix names the multiple it needs, not this cut's ``parts``."""
     multiple, why = whole if whole is not None else (parts, "")
     rows = {t.shape[0] for t in optree.tree_leaves(tree) if isinstance(t, torch.Tensor) and t.dim() > 0}
+    if parts > 1:
+        _refuse_per_row_lists(tree, what)
     if parts > 1 and len(rows - {1}) > 1:  # (one row beside more: the broadcast case, refused in cut below)
         _refuse_other_rows(tree, what)
 
@@ -74,22 +77,88 @@ def split_over(
     return optree.tree_map_with_path(cut, tree)
 
 
+def _batch_rows(tree: Any) -> int | None:
+    """The batch's rows: the first dim most of the inputs' tensors have (the smaller on a tie; one aside)."""
+    inputs = tree[0] if isinstance(tree, (tuple, list)) and len(tree) == 2 else tree
+    sizes = [t.shape[0] for t in optree.tree_leaves(inputs) if isinstance(t, torch.Tensor) and t.dim() > 0
+             and t.shape[0] != 1]
+    return min(set(sizes), key=lambda n: (-sizes.count(n), n)) if sizes else None
+
+
+def _refuse_per_row_lists(tree: Any, what: str) -> None:
+    """Refuse a list (or tuple) in the batch holding one entry a row: dicts of tensors (torchvision's and DETR's
+    detection targets, ``[{"boxes": ..., "labels": ...} for each image]``), or tensors of their own lengths. The cut
+    takes dim 0 of every tensor, not a list's entries: each part would get every row's entry, each cut in pieces
+    (the second rank pairing its images with the first's targets), and where every entry's length is a multiple of
+    the parts no size check sees it."""
+    rows = _batch_rows(tree)
+    if rows is None or rows < 2:
+        return
+    found: list[tuple[str, str, str]] = []
+
+    def visit(path: str, node: Any, top: bool) -> None:
+        if isinstance(node, Mapping):
+            for key, value in node.items():
+                visit(f"{path}[{key!r}]", value, False)
+        elif isinstance(node, (tuple, list)):
+            entries = list(node)
+            # Entries of their own sizes: a per-row list (two views of the batch, each a dict of the rows' tensors,
+            # are not: every tensor has the rows)
+            leaves = [t for t in optree.tree_leaves(entries) if isinstance(t, torch.Tensor)]
+            own_sizes = any(t.dim() == 0 or t.shape[0] != rows for t in leaves)
+            if not top and len(entries) == rows and own_sizes and (
+                all(isinstance(e, Mapping) and e for e in entries) or all(isinstance(e, torch.Tensor) for e in entries)
+            ):
+                kind = "a dict" if isinstance(entries[0], Mapping) else "a tensor"
+                found.append((path, kind, type(node).__name__))
+                return
+            for i, value in enumerate(entries):
+                visit(f"{path}[{i}]", value, False)
+
+    visit("", tree, True)
+    if found:
+        path, kind, container = found[0]
+        raise ValueError(
+            f"{what}: (inputs, targets){path} is a {container} of {rows} entries, one a row "
+            f"({kind} each: detection targets such as [{{'boxes': ..., 'labels': ...}} for each image]?), beside "
+            f"{rows} rows in the inputs. Every transform that cuts the batch cuts dim 0 of each tensor, not the "
+            "entries of a list: each part would get every row's entry, each cut in pieces, and the loss would be "
+            "another than the single-device step's. Give per-row values as tensors with the rows first, padded to "
+            "one number a row (boxes of shape (rows, most boxes, 4) with a count or a mask of the real ones)"
+        )
+
+
 def _refuse_other_rows(tree: Any, what: str) -> None:
     """Refuse a batch tensor whose first dim is neither the batch's rows nor a multiple of them (one row aside: the
     broadcast case, refused where it is cut). Cut along dim 0 alike, a tensor that is no per-row value (a table of
     class prototypes, class weights, detection targets of several boxes an image) would reach each part cut in
     pieces, and the loss would be another (the ranks' mean of losses with part of the table each). A multiple is
     several values a row, laid out row by row (Hugging Face's pixel_values of several images a row: LLaVA's), which
-    the cut keeps together. The rows: the first dim most of the inputs' tensors have (the smaller on a tie)."""
-    inputs = tree[0] if isinstance(tree, (tuple, list)) and len(tree) == 2 else tree
-    sizes = [t.shape[0] for t in optree.tree_leaves(inputs) if isinstance(t, torch.Tensor) and t.dim() > 0
-             and t.shape[0] != 1]
-    if not sizes:
+    the cut keeps together; a shared table of such a size cannot be told from it, so the cut warns. The rows: the
+    first dim most of the inputs' tensors have (the smaller on a tie)."""
+    rows = _batch_rows(tree)
+    if rows is None:
         return
-    rows = min(set(sizes), key=lambda n: (-sizes.count(n), n))
     paths, leaves, _ = optree.tree_flatten_with_path(tree)
     others = [("".join(f"[{k!r}]" for k in path), t.shape[0]) for path, t in zip(paths, leaves, strict=True)
               if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] not in (1, rows) and t.shape[0] % rows]
+    several = [(where, n) for where, n in (("".join(f"[{k!r}]" for k in path), t.shape[0])
+                                            for path, t in zip(paths, leaves, strict=True)
+                                            if isinstance(t, torch.Tensor) and t.dim() > 0)
+               if n not in (1, rows) and n % rows == 0]
+    if not others and several:
+        # Several values a row, or a table shared by every row whose size happens to be a multiple of the rows (16
+        # prototypes beside 8 rows): the shapes cannot tell, and the cut takes the first. Said once per place.
+        where, n = several[0]
+        warnings.warn(
+            f"{what}: (inputs, targets){where} has {n} beside {rows} rows in the inputs: taken as {n // rows} values "
+            "a row, laid out row by row, and cut with the rows (Hugging Face's pixel_values of several images a "
+            "row). A table shared by every row (class prototypes, a memory the model attends over) would be cut in "
+            "pieces and the loss be another than the single-device step's: keep such a table out of the batch (in "
+            "loss_fn, a closure, or in the model, a buffer); give several values a row the shape (rows, k, ...) to "
+            "be sure",
+            UserWarning, stacklevel=2,
+        )
     if not others:
         return
     named = ", ".join(f"(inputs, targets){where} has {n}" for where, n in others[:4])
