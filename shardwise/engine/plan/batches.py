@@ -104,7 +104,8 @@ def _refuse_per_row_lists(tree: Any, what: str) -> None:
             entries = list(node)
             # Entries of their own sizes: a per-row list (two views of the batch, each a dict of the rows' tensors,
             # are not: every tensor has the rows)
-            leaves = [t for t in optree.tree_leaves(entries) if isinstance(t, torch.Tensor)]
+            found_leaves: list[Any] = optree.tree_leaves(node)  # type: ignore[arg-type]
+            leaves = [t for t in found_leaves if isinstance(t, torch.Tensor)]
             own_sizes = any(t.dim() == 0 or t.shape[0] != rows for t in leaves)
             if not top and len(entries) == rows and own_sizes and (
                 all(isinstance(e, Mapping) and e for e in entries) or all(isinstance(e, torch.Tensor) for e in entries)
