@@ -573,3 +573,28 @@ def test_stable_text_reads_private_settings_and_a_hugging_face_config() -> None:
 
     assert stable_text(gemma(30.0)) != stable_text(gemma(3.0))
     assert stable_text(gemma(30.0)) == stable_text(gemma(30.0))
+
+
+@pytest.mark.parametrize("stack", ["no transform", "shard_params over another axis", "tensor_parallel alone"])
+def test_a_mesh_axis_no_transform_goes_over_is_refused_at_init(stack: str) -> None:
+    """Found by session 41's probing: a plain step on Mesh(dp=2), or tensor parallel on Mesh(dp=2, tp=2) with
+    shard_params over dp forgotten, let each rank along the unused axis train its own model (7% apart in a layer's
+    weights after a few steps), each reporting its own loss as the batch's, with no error."""
+    base, params = _base()
+    if stack == "no transform":
+        step, mesh = base, sw.Mesh(dp=2)
+    elif stack == "shard_params over another axis":
+        step, mesh = sw.shard_params(base, "x", 2), sw.Mesh(dp=2, x=1)
+    else:
+        step = sw.tensor_parallel(base, "tp", {"0": sw.tp.Colwise(), "2": sw.tp.Rowwise()})
+        mesh = sw.Mesh(dp=2, tp=2)
+
+    def build() -> None:
+        step.init(params, mesh)
+
+    with pytest.raises(sw.collectives.RankFailed, match=r"init: Mesh\(dp=2.*\) has axis 'dp' of 2 ranks, which no "
+                       r"transform of this step goes over.*sw.shard_params\(step, 'dp', stage\)"):
+        sw.launch(build, mesh.size)
+    if stack == "tensor_parallel alone":  # with shard_params over dp, it runs
+        with_dp = sw.shard_params(step, "dp", 1)
+        sw.launch(lambda: with_dp.init(params, mesh), mesh.size)

@@ -46,6 +46,28 @@ def check_mesh(transforms: tuple[Any, ...], mesh: Mesh | None) -> Mesh | None:
     return mesh
 
 
+def refuse_unused_axes(transforms: tuple[Any, ...], mesh: Mesh | None) -> None:
+    """Refuse, at ``init``, a mesh axis of more than one rank that no transform goes over: the ranks along it would
+    each run the whole step on their own batch and train their own model (a tensor-parallel step on
+    ``Mesh(dp=2, tp=2)`` with ``shard_params`` over ``dp`` forgotten), and nothing compares them (each rank's loss is
+    its own). ``step.plan`` of such a mesh (what a layout would do) is left alone."""
+    if mesh is None:
+        return
+    used = {getattr(spec, field, None) for spec in transforms for field in ("axis", "replicate")}
+    unused = [(axis, size) for axis, size in mesh.shape.items() if size > 1 and axis not in used]
+    if unused:
+        axis, size = unused[0]
+        rest = {a: n for a, n in mesh.shape.items() if a != axis}
+        smaller = ", ".join(f"{a}={n}" for a, n in rest.items()) if rest else "world=1"
+        raise ValueError(
+            f"init: {mesh!r} has axis {axis!r} of {size} ranks, which no transform of this step goes over "
+            f"({' + '.join(s.name for s in transforms) or 'no transform'}): each rank along it would run the whole "
+            "step on its own batch and train its own model, with no error. Data parallel over it is "
+            f"sw.shard_params(step, {axis!r}, stage) (stage 1 for plain replicas, as DDP), applied with the other "
+            f"transforms; or build the mesh without it (sw.Mesh({smaller}))"
+        )
+
+
 def build_layout(step: Step, mesh: Mesh | None, params: Params, rank: int | None) -> StateLayout:
     """See Step.layout."""
     mesh = check_mesh(step.transforms, mesh)

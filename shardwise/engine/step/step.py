@@ -51,7 +51,7 @@ from .batch_cut import PER_SHARD_MEAN, batch_shares
 from .donation import check_not_consumed, mark_consumed, mark_updated
 from .held_check import expected_trees
 from .init_state import held_params, init_seeding, meta_names
-from .layouts import build_layout, check_mesh, layouts_by_index, stage_boundaries
+from .layouts import build_layout, check_mesh, layouts_by_index, refuse_unused_axes, stage_boundaries
 from .master import clip_scale, compute_params, master_meta, master_params
 from .param_groups import check_clipping, master_runs, param_options
 from .planning import plan_of
@@ -384,6 +384,7 @@ class Step:
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"init(seed={seed!r}): the seed of the step's random streams is an int")
         mesh = self.check_mesh(mesh)
+        refuse_unused_axes(self.transforms, mesh)
         check_optimizer(self.transforms, self.optimizer)  # again: one replaced after the transforms were applied
         check_params(self.chain, params)
         _refuse_unfilled_frozen(self.base_chain)
