@@ -347,6 +347,26 @@ class _DenseWhereRefused(TorchDispatchMode):
         return func(*optree.tree_map(_dense, args), **optree.tree_map(_dense, kwargs))
 
 
+_WRITTEN: dict[Any, tuple[tuple[int, str], ...]] = {}
+
+
+def written_tensors(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors an aten op (an OpOverload, as a dispatch mode sees it) writes into: the arguments its schema
+    marks written (``Tensor(a!)``: ``add_``'s self, an ``out=``). Read through ``op._schema``, torch's private
+    description of the op (tests/engine/test_torch_api.py fails loudly where it changes)."""
+    written = _WRITTEN.get(op)
+    if written is None:
+        written = _WRITTEN[op] = tuple(
+            (i, a.name) for i, a in enumerate(op._schema.arguments)
+            if a.alias_info is not None and a.alias_info.is_write
+        )
+    found: list[torch.Tensor] = []
+    for i, name in written:
+        value = args[i] if i < len(args) else kwargs.get(name)
+        found.extend(t for t in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(t, torch.Tensor))
+    return found
+
+
 def _computes(func: Any) -> bool:
     """Whether an op makes new tensors from its inputs: not a view, not a write, not a query of
     metadata (``prim::device``); only such an op may run again on copies of its inputs."""

@@ -59,6 +59,7 @@ from ...engine.model import host_random
 from ...engine.plan.accounting import current_observer
 from ...engine.stack.in_layer import ForwardContext
 from ...engine.torch_api import storage_key as engine_storage_key
+from ...engine.torch_api import written_tensors
 from .names import CHECKPOINT_NAME_OP
 from .own_generators import RefuseOwnGenerators, refuse_own_generator
 from .policies import EverythingSaveable, NothingSaveable, OffloadToCpu
@@ -169,19 +170,31 @@ def selective_contexts(policy_fn: Callable[..., CheckpointPolicy], observe: Obse
 
 def sac_policy_fn(
     predicate: Predicate, layer: str = "", policy: Any = None, tagged: Callable[[str], None] | None = None,
+    saved: set[Any] | None = None, storage: Callable[[], Mapping[Any, Any]] | None = None,
 ) -> Callable[..., CheckpointPolicy]:
     """Adapt ``predicate(op, *args, **kwargs) -> bool`` to torch's selective-checkpoint policy_fn.
 
     It sees every op of the forward with its arguments, so it also refuses an op it would have
     recomputed that draws from a generator of the layer's own (``own_generators``): ``layer`` and
     ``policy`` (the one remat was given, ``predicate`` by default) name them in that error. ``tagged``
-    hears the name of every ``checkpoint_name`` call it sees (which names the layer tags).
+    hears the name of every ``checkpoint_name`` call it sees (which names the layer tags). ``saved``: the storages
+    of the outputs saved so far (filled as they are saved; ``storage()`` the cache, by op, to name the one that saved
+    it), an op writing into one of which is refused: torch checks
+    a saved output's version counter only, which a write through an ``_unsafe_view`` of it does not move (nn.GRU's
+    CPU kernel adds into the gates of the input projection it computed for every step at once: the backward read the
+    changed values, 3.9% off in the gradient norm, float64, one device, with no error).
     """
     shown = predicate if policy is None else policy
 
     def policy_fn(ctx: SelectiveCheckpointContext, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         if tagged is not None and op == CHECKPOINT_NAME_OP and len(args) > 1:
             tagged(args[1])
+        if saved and storage is not None:
+            written = {_storage_or_none(t) for t in written_tensors(op, args, kwargs)} & saved
+            if written:
+                savers = sorted({str(o) for o, entries in storage().items() if _holds(entries, written)})
+                which = f"the output of {', '.join(savers) or 'an op'} ({op} writes into it)"
+                raise RuntimeError(_mutated_message(layer, shown, [], which))
         save = predicate(op, *args, **kwargs)
         if not isinstance(save, bool):
             # Not a TypeError: torch turns a TypeError raised inside an operator like `@` into NotImplemented.
@@ -298,7 +311,16 @@ def run_layer(
             return checkpoint(region, *leaves, use_reentrant=False)
 
         def context_fn() -> tuple[Any, Any]:
-            caching, cached = selective_contexts(sac_policy_fn(inner, layer, policy, tagged), observe)
+            saved: set[Any] = set()  # the storages of the outputs the policy saved, for the write check
+
+            def seen(t: torch.Tensor) -> None:
+                saved.add(_storage_or_none(t))
+                if observe is not None:
+                    observe(t)
+
+            caching: Any = None
+            policy_fn = sac_policy_fn(inner, layer, policy, tagged, saved, lambda: caching.storage)
+            caching, cached = selective_contexts(policy_fn, seen)
             caches.append(caching.storage)
             return caching, cached
 
@@ -309,10 +331,10 @@ def run_layer(
 _MUTATED = "cached during selective activation checkpoint has been mutated"
 
 
-def _mutated_message(layer: str, policy: Any, caches: list[Mapping[Any, Any]]) -> str:
+def _mutated_message(layer: str, policy: Any, caches: list[Mapping[Any, Any]], which: str = "") -> str:
     """The error for a saved output changed in place: the layer, the policy, the op, the fixes."""
     ops = sorted({str(op) for cache in caches for op, entries in cache.items() if _changed(entries)})
-    which = f"the output of {', '.join(ops)}" if ops else "an output"
+    which = which or (f"the output of {', '.join(ops)}" if ops else "an output")
     name = f"layer {layer!r}" if layer else "a layer"
     return (
         f"remat({policy!r}): {name} changes {which} in place after the policy saved it for backward "
@@ -321,6 +343,21 @@ def _mutated_message(layer: str, policy: Any, caches: list[Mapping[Any, Any]]) -
         "h.relu_()), or use a policy that saves nothing of that layer's (nothing_saveable), or leave "
         "the layer out of remat (remat(..., layers=[...]) without it)"
     )
+
+
+def _storage_or_none(t: torch.Tensor) -> Any:
+    try:
+        return storage_key(t)
+    except (RuntimeError, NotImplementedError):  # a tensor without storage (sparse) is no saved output's
+        return None
+
+
+def _holds(entries: Any, storages: set[Any]) -> bool:
+    """Whether a cache entry holds a tensor in one of ``storages``."""
+    values = entries.values() if isinstance(entries, Mapping) else entries
+    leaves: list[Any] = optree.tree_leaves(list(values))  # type: ignore[arg-type]
+    return any(isinstance(getattr(leaf, "val", None), torch.Tensor) and _storage_or_none(leaf.val) in storages
+               for leaf in leaves)
 
 
 def _changed(entries: Any) -> bool:

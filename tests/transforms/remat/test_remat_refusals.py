@@ -160,10 +160,10 @@ def test_an_in_place_op_on_an_output_dots_saveable_saved_names_the_layer_policy_
     step, params, batch = _matmul_chain(inplace=True)
     rematted = remat(step, dots_saveable)
     with pytest.raises(RuntimeError, match=(
-        r"remat\(dots_saveable\): layer '[ab]' changes the output of aten.mm.default in place after the policy "
-        r"saved it.*out of place \(x = x \+ y for x \+= y.*nothing_saveable.*leave the layer out")) as info:
+        r"remat\(dots_saveable\): layer '[ab]' changes the output of aten.mm.default \(aten.relu_.default writes "
+        r"into it\) in place after the policy saved it.*out of place \(x = x \+ y for x \+= y.*nothing_saveable.*"
+        r"leave the layer out")):
         rematted(rematted.init(params), batch)
-    assert "has been mutated" in str(info.value.__cause__)  # chained from torch's error
 
 
 def test_the_same_layers_out_of_place_or_under_nothing_saveable_run_exactly() -> None:
@@ -172,6 +172,59 @@ def test_the_same_layers_out_of_place_or_under_nothing_saveable_run_exactly() ->
     _assert_equal(_params_after(remat(step, nothing_saveable), params, [batch]), plain)
     step, params, batch = _matmul_chain(inplace=False)
     _assert_equal(_params_after(remat(step, dots_saveable), params, [batch]), plain)
+
+
+class _Recurrent(nn.Module):
+    """Embedding -> a torch recurrent layer -> Linear: the recurrence one unit."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind, self.emb, self.head = kind, nn.Embedding(16, 8), nn.Linear(8 if kind != "bidirectional" else 16, 16)
+        self.rnn = nn.GRUCell(8, 8) if kind == "cell" else nn.GRU(8, 8, batch_first=True,
+                                                                    bidirectional=kind == "bidirectional")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(x))
+
+
+class _RecurrentUnit(nn.Module):
+    def __init__(self, rnn: nn.Module, kind: str) -> None:
+        super().__init__()
+        self.rnn, self.kind = rnn, kind
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind != "cell":
+            return self.rnn(x)[0]
+        h, out = torch.zeros(x.shape[0], x.shape[2], dtype=x.dtype), []
+        for t in range(x.shape[1]):
+            h = self.rnn(x[:, t], h)
+            out.append(h)
+        return torch.stack(out, 1)
+
+
+def _recurrent(kind: str) -> tuple[sw.Step, Any, list[Any]]:
+    torch.manual_seed(0)
+    m = _Recurrent(kind)
+    model = nn.Sequential(m.emb, _RecurrentUnit(m.rnn, kind), m.head).double()
+    chain, params = sw.functionalize(model)
+    gen = torch.Generator().manual_seed(0)
+    batches = [(lambda ids: (ids[:, :-1], ids[:, 1:]))(torch.randint(0, 16, (4, 7), generator=gen)) for _ in range(2)]
+    step = sw.train_step(chain, lambda o, t: F.cross_entropy(o.flatten(0, 1), t.flatten()), sw.optim.sgd(0.1))
+    return step, params, batches
+
+
+@pytest.mark.parametrize("kind", ["gru", "bidirectional", "cell"])
+def test_a_gru_writing_into_the_projection_dots_saveable_saved_is_refused(kind: str) -> None:
+    """Found by session 41's probing: nn.GRU's CPU kernel adds into the gates of the input projection it saved (through
+    an _unsafe_view, whose version counter torch's check reads is its own): under dots_saveable the backward read the
+    changed gates, 3.9% off in the gradient norm, float64, one device, with no error. Refused at the write now;
+    nothing_saveable computes torch's step exactly."""
+    step, params, batches = _recurrent(kind)
+    rematted = remat(step, dots_saveable)
+    with pytest.raises(RuntimeError, match=r"remat\(dots_saveable\): layer '1' changes the output of "
+                                           r"aten\.addmm\.default \(aten\.add_\.Tensor writes into it\) in place"):
+        rematted(rematted.init(params), batches[0])
+    _assert_equal(_params_after(remat(step, nothing_saveable), params, batches), _params_after(step, params, batches))
 
 
 # -- a policy's class given for a policy ---------------------------------------------------------------
