@@ -284,7 +284,8 @@ class Executor(ZeroActions, TransferActions, StageBackward, LossAction, StepEnd)
     _tops: Mapping[tuple[int, int], int] = field(default_factory=dict)  # RunShape.tops
     _covered: frozenset[tuple[int, int]] = frozenset()  # RunShape.covered
     _joined: frozenset[tuple[int, int]] = frozenset()  # (stage, mb) whose input stays on the graph
-    _checks: dict[str, Handle] = field(default_factory=dict)  # per split axis: the replica check in flight
+    # per split axis: the replica check in flight, and the rounding its sums may differ by
+    _checks: dict[str, tuple[Handle, float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # Where this rank computes: its parameters', else its micro-batches'. Received values go

@@ -256,3 +256,25 @@ def test_ids_outside_the_vocabulary_are_refused(bad: str) -> None:
         step(step.init(params), batch)  # the reference refuses it
     with pytest.raises(sw.collectives.RankFailed):
         _one_step(sw.tensor_parallel(step, "tp", sw.tp.tiny_gpt_plan()), params, sw.Mesh(tp=2), lambda rank: batch)
+
+
+def test_replicas_that_differ_by_rounding_pass_and_a_missed_sum_does_not() -> None:
+    """Found by session 41's probing: a rank on another CPU kernel (no AVX-512) or thread count rounds its replicated
+    gradients otherwise (4.7e-6 relative, float32), and the bitwise check refused a correct plan at its first step,
+    advising a Region. Each bin of pieces may differ by 256 units of the gradients' rounding of its magnitude."""
+    from shardwise.engine.run.step_end import REPLICA_BINS, REPLICA_ULPS, _within_rounding
+
+    rtol = REPLICA_ULPS * torch.finfo(torch.float32).eps
+    sums = torch.zeros(2, 2 * REPLICA_BINS, dtype=torch.float64)
+    sums[:, 0], sums[:, REPLICA_BINS] = 0.5, 3.0  # a piece's sum and magnitude
+    sums[:, 1], sums[:, REPLICA_BINS + 1] = 1e-4, 1e-4  # a small gain's, alone in its bin
+    rounded = sums.clone()
+    rounded[1, 0] += 4.7e-6 * 3.0
+    assert _within_rounding(rounded, rtol)
+    missed = sums.clone()
+    missed[1, 1] = 0.5e-4  # half the small gain's gradient: a missed sum, tiny beside the other piece
+    assert not _within_rounding(missed, rtol)
+    overflowed = sums.clone()
+    overflowed[1, 0] = float("nan")
+    assert not _within_rounding(overflowed, rtol)
+    assert not _within_rounding(rounded, 0.0)  # float64 pieces of no rounding: bitwise only
