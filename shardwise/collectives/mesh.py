@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import os
 from collections.abc import Iterator, Mapping
 
 from .backends.base import Backend, Group
@@ -126,6 +127,13 @@ class Mesh:
         """The calling rank's backend, checked against this mesh's size."""
         backend = current_backend()
         if backend.world_size != self.size:
+            launched = os.environ.get("WORLD_SIZE")
+            if backend.world_size == 1 and launched not in (None, "", "1"):
+                raise RuntimeError(
+                    f"{self!r} spans {self.size} ranks but this process runs on a world of 1: it was launched as one "
+                    f"of {launched} (WORLD_SIZE={launched}, torchrun's), but torch.distributed is not initialised. "
+                    "Call torch.distributed.init_process_group() first (see the guide's chapter on torchrun)."
+                )
             raise RuntimeError(
                 f"{self!r} spans {self.size} ranks but this program runs on a world of "
                 f"{backend.world_size} ({backend.name} backend). Launch it with "

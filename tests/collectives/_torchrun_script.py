@@ -15,6 +15,13 @@ from shardwise.collectives.mesh import Mesh
 
 
 def main() -> None:
+    # Before init_process_group (a single-device reference step run first): the mesh says what is missing, and
+    # the world of one the process ran as gives way to torch.distributed once it is initialised.
+    try:
+        _ = Mesh(dp=2).backend
+        raise SystemExit("a Mesh(dp=2) was taken on a world of one")
+    except RuntimeError as error:
+        assert "WORLD_SIZE=2, torchrun's), but torch.distributed is not initialised" in str(error), error
     dist.init_process_group("gloo")
     mesh = Mesh(dp=2)
     backend = mesh.backend

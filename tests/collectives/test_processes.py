@@ -196,6 +196,8 @@ def _free_port() -> int:
 
 @pytest.mark.gloo
 def test_under_torchrun_the_mesh_uses_the_initialized_process_group() -> None:
+    """Also after the process ran as a world of one before init_process_group (found by session 41's probing:
+    that world was kept, and every rank refused its mesh advising torchrun, which had launched it)."""
     script = Path(__file__).with_name("_torchrun_script.py")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     for _attempt in range(2):  # the master port may be taken between probe and bind

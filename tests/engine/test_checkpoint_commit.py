@@ -215,6 +215,25 @@ def test_overwrite_replaces_only_a_checkpoint(problem: tuple[Any, list[Any]], tm
     assert _which(empty, step, [s0]) == 0
 
 
+def test_overwrite_refuses_a_checkpoint_holding_files_of_the_users(
+    problem: tuple[Any, list[Any]], tmp_path: Path
+) -> None:
+    """Found by session 41's probing: a NOTES.txt kept in a checkpoint's directory was deleted with the checkpoint
+    a save with overwrite=True replaced."""
+    step, (s0, s1, _) = problem
+    path = tmp_path / "ck"
+    ck.save(path, s0, step)
+    (path / "NOTES.txt").write_text("precious")
+    before = _listing(tmp_path)
+    with pytest.raises(CheckpointError, match=r"ck holds a shardwise checkpoint and files no save wrote "
+                       r"\(\['NOTES.txt'\]\), which a save \(overwrite=True\) replacing it would delete"):
+        ck.save(path, s1, step, overwrite=True)
+    assert _listing(tmp_path) == before and _which(path, step, [s0, s1]) == 0
+    (path / "NOTES.txt").unlink()
+    ck.save(path, s1, step, overwrite=True)
+    assert _which(path, step, [s0, s1]) == 1
+
+
 def test_a_state_an_in_place_update_consumed_is_not_saved(tmp_path: Path) -> None:
     """The step refuses a state its in-place update wrote past; save took it: the checkpoint said step
     1 and held update 2's parameters and momentum."""

@@ -36,16 +36,27 @@ def use_backend(backend: Backend) -> Iterator[Backend]:
 
 
 def current_backend() -> Backend:
-    """The calling rank's backend (see the module docstring for the fallbacks)."""
+    """The calling rank's backend (see the module docstring for the fallbacks). The world of one a program
+    ran as before it called ``init_process_group`` (a single-device reference step run first, as the guide's
+    verification does) gives way to torch.distributed once it is initialised."""
     backend = _current.get()
-    if backend is not None:
+    if backend is not None and not (backend is _FALLBACK.get() and _distributed()):
         return backend
-    if dist.is_available() and dist.is_initialized():
+    if _distributed():
         backend = TorchDistributedBackend.from_initialized()
     else:
         backend = SingleRankBackend()
+        _FALLBACK.set(backend)
     _current.set(backend)
     return backend
+
+
+# The world of one current_backend fell back to in this context, if it did: replaced once torch.distributed is up.
+_FALLBACK: contextvars.ContextVar[Backend | None] = contextvars.ContextVar("shardwise_fallback", default=None)
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
 
 
 def on_rank_thread() -> bool:

@@ -242,6 +242,12 @@ def _written_by_a_save(directory: Path) -> bool:
     )
 
 
+def _save_file(name: str) -> bool:
+    """Whether a file of this name is one a save writes (its metadata, marker, a rank's index or data)."""
+    return name in (META, COMMITTED, DCP_META) or (name.startswith("rank") and name.endswith(".json")) or (
+        name.endswith(".distcp"))
+
+
 def not_replaceable(target: Path) -> str | None:
     """Why a save must not replace what is at ``target``, or None. Through a symbolic link a save would
     move aside, and then delete, the checkpoint the link points to; what is not a checkpoint (a
@@ -257,8 +263,19 @@ def not_replaceable(target: Path) -> str | None:
     if not target.is_dir():
         return f"{target} is a file, not a shardwise checkpoint: a save replaces only a checkpoint; save to a new path"
     names = sorted(p.name for p in target.iterdir())
-    if not names or (target / COMMITTED).is_file() or (target / META).exists() or _written_by_a_save(target):
+    if not names:
         return None
+    if (target / COMMITTED).is_file() or (target / META).exists() or _written_by_a_save(target):
+        # A checkpoint, or a save's start: replaced whole. Not with files of the user's kept in it (notes, a
+        # config, an eval's results), which the replacement would delete with it.
+        others = [n for n in names if not _save_file(n)]
+        if not others:
+            return None
+        return (
+            f"{target} holds a shardwise checkpoint and files no save wrote ({others[:5]}"
+            f"{' ...' if len(others) > 5 else ''}), which a save (overwrite=True) replacing it would delete with it; "
+            "move them out of the checkpoint's directory first, or save to a new path"
+        )
     return (
         f"{target} is not a shardwise checkpoint: it holds none of its files ({META}, {COMMITTED}, rank*.json), but "
         f"{names[:5]}{' ...' if len(names) > 5 else ''}, which a save (overwrite=True) would delete; save to a new "
