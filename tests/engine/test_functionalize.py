@@ -759,3 +759,16 @@ def test_a_module_on_transposed_activations_is_checked_with_parameters_that_requ
     for layer in chain:
         got = layer(chain.layer_params(trained, layer), got)
     assert torch.equal(got, model(x))
+
+
+def test_a_lazy_module_not_called_yet_is_refused_naming_the_first_call() -> None:
+    """Found by session 41's probing: torch's "uninitialized parameter" error came out of functionalize's alias
+    check, example_input= or not."""
+    model = nn.Sequential(nn.LazyLinear(8), nn.ReLU(), nn.LazyLinear(2))
+    with pytest.raises(FunctionalizeError, match=r"'0' \(LazyLinear\) has parameters not made yet \(weight, "
+                       r"bias\).*Call the model once on an input like your batches \(model\(example\)\)"):
+        functionalize(model)
+    x = torch.randn(3, 5)
+    model(x)
+    chain, params = functionalize(model)
+    torch.testing.assert_close(chain(params, x), model(x))

@@ -928,3 +928,20 @@ def test_a_size_handed_to_the_units_crosses_layers_as_a_constant() -> None:
     with pytest.raises(FunctionalizeError, match=r"has torch.Size\(\[8, 8\]\) where the example had "
                                                  r"torch.Size\(\[16, 16\]\)"):
         step(step.init(params), _beit_batch(8))
+
+
+def test_a_vision_model_split_without_an_example_is_refused_naming_its_main_input() -> None:
+    """Found by session 41's probing: transformers offers dummy input_ids to a ViT too, and the recording failed
+    inside the model ("not enough values to unpack"), naming neither example_input nor pixel_values."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.ViTConfig(image_size=16, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2,
+                                    num_attention_heads=2, intermediate_size=64, num_labels=5)
+    model = transformers.ViTForImageClassification(config)
+    layer = transformers.models.vit.modeling_vit.ViTLayer
+    with pytest.raises(FunctionalizeError, match=r"ViTForImageClassification .* offers no dummy pixel_values, its "
+                       r"main input; pass example_input= .*\{'pixel_values': \.\.\.\}"):
+        functionalize(model, units=layer)
+    chain, params = functionalize(model, units=layer, example_input={"pixel_values": torch.randn(2, 3, 16, 16)})
+    x = torch.randn(2, 3, 16, 16)
+    torch.testing.assert_close(chain(params, {"pixel_values": x}).logits, model(pixel_values=x).logits)
+

@@ -180,6 +180,7 @@ def functionalize(
     "model.model.encoder.layers.0", ..., "bridge", "model.model.decoder.layers.0", ..., "head")``.
     """
     module = uncompiled(module)  # layers run eagerly: see engine/model/uncompiled.py
+    _refuse_lazy(module)
     _refuse_stateful(module)
     refuse_aliased(module)
     refuse_param_hooks(module)
@@ -340,16 +341,36 @@ def _dummy_input(module: nn.Module) -> Tensor:
     """A token batch for a Hugging Face model when no example is given: its own dummy ids."""
     dummy = getattr(module, "dummy_inputs", None)
     ids = dummy.get("input_ids") if isinstance(dummy, dict) else None
-    if not isinstance(ids, Tensor):
+    takes = getattr(module, "main_input_name", "input_ids")
+    if not isinstance(ids, Tensor) or takes != "input_ids":
+        # (transformers' PreTrainedModel offers dummy input_ids to every model, a ViT's or Whisper's too, which
+        # take pixel_values or input_features: the recording would fail inside the model, unpacking an image)
+        offers = "no dummy input_ids" if not isinstance(ids, Tensor) else f"no dummy {takes}, its main input"
         raise FunctionalizeError(
             f"functionalize: {type(module).__name__} is split by recording its calls on an example input, "
-            "and it offers no dummy input_ids; pass example_input= (an input like your batches)."
+            f"and it offers {offers}; pass example_input= (an input like your batches"
+            + (f", e.g. {{'{takes}': ...}} of your batches' shape" if takes != "input_ids" else "") + ")."
         )
     device = next((p.device for p in module.parameters()), torch.device("cpu"))
     return ids.to(device)
 
 
 # --- refusing impure modules --------------------------------------------------------------
+
+
+def _refuse_lazy(module: nn.Module) -> None:
+    """Refuse a lazy module (``nn.LazyLinear``, ``nn.LazyConv2d``) whose parameters are not made yet: they take
+    their shapes at the module's first call, which functionalize does not make for it."""
+    for path, sub in module.named_modules():
+        lazy = [n for n, p in sub.named_parameters(recurse=False) if nn.parameter.is_lazy(p)]
+        lazy += [n for n, b in sub.named_buffers(recurse=False) if nn.parameter.is_lazy(b)]
+        if lazy:
+            where = repr(path) if path else "the module itself"
+            raise FunctionalizeError(
+                f"functionalize: {where} ({type(sub).__name__}) has parameters not made yet ({', '.join(lazy)}): a "
+                "lazy module makes them, with their shapes, at its first call. Call the model once on an input like "
+                "your batches (model(example)) before functionalize"
+            )
 
 
 def _refuse_stateful(module: nn.Module) -> None:
