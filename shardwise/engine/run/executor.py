@@ -579,6 +579,17 @@ class Executor(ZeroActions, TransferActions, StageBackward, LossAction, StepEnd)
         keys = unknown_keys_message(name, self.chain[name].fn, y, err)
         if keys is not None:
             raise ValueError(keys) from err
+        first = s > 0 and name == self.placement.stages[s][0]
+        if isinstance(err, RuntimeError) and _LEAF_WRITTEN in str(err) and first:
+            # The stage's input is a leaf of its own here (ZeRO-3's per-stage backward, a pipeline's stage, remat):
+            # torch refuses an in-place write into it (torchvision's VGG features: ReLU(inplace=True) a layer alone)
+            raise ValueError(
+                f"layer {name!r} writes into its input in place (an nn.ReLU(inplace=True), a dropout or x.mul_() on "
+                f"the input), which this step hands it as a leaf of its own: the first layer of a stage (stage {s}) "
+                "computes its backward apart from the layers before it, and torch refuses a write into such an "
+                "input (a leaf that requires grad). Build the module out of place (inplace=False: the same values), "
+                "or give it to the layer before it in one unit (functionalize(model, units=...))"
+            ) from err
         err.add_note(f"in layer {name!r} (stage {s}, micro-batch {m}), on input {_describe(y)}")
         raise err
 
@@ -672,6 +683,10 @@ class Executor(ZeroActions, TransferActions, StageBackward, LossAction, StepEnd)
         sharding = self.source.sharding
         if sharding is not None and sharding.holds_shards and key[0] in sharding.units and key[0] not in self._view:
             raise RuntimeError(f"layer {key[0]!r}'s parameters are used while its unit is not gathered")
+
+
+# torch's error for an in-place write into a leaf that requires grad
+_LEAF_WRITTEN = "a leaf Variable that requires grad is being used in an in-place operation"
 
 
 def _require_grad(inputs: Sequence[torch.Tensor]) -> None:
