@@ -598,3 +598,35 @@ def test_a_mesh_axis_no_transform_goes_over_is_refused_at_init(stack: str) -> No
     if stack == "tensor_parallel alone":  # with shard_params over dp, it runs
         with_dp = sw.shard_params(step, "dp", 1)
         sw.launch(lambda: with_dp.init(params, mesh), mesh.size)
+
+
+class _ScriptedBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.lin(x))
+
+
+class _WithScripted(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.blk, self.out = torch.nn.Linear(4, 6), torch.jit.script(_ScriptedBlock()), torch.nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.blk(self.inp(x)))
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")  # torch 2.13
+def test_a_torchscript_submodule_is_compared_by_its_code_and_trains_under_zero_3() -> None:
+    """Found by session 41's probing: a TorchScript module's class raises when asked for its forward, and every
+    transform with a mesh crashed in this check ("'_CachedForward' object has no attribute '__getattr__'")."""
+    torch.manual_seed(0)
+    chain, params = sw.functionalize(_WithScripted().double(), units=["inp", "blk", "out"])
+    step = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1, momentum=0.9))
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 4, generator=gen, dtype=torch.float64), torch.randn(8, 3, generator=gen,
+                                                                                   dtype=torch.float64))
+               for _ in range(2)]
+    sw.testing.assert_equivalent(sw.shard_params(step, "dp", 3), step, sw.Mesh(dp=2), batches, params)

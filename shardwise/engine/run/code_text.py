@@ -20,6 +20,7 @@ import dis
 import enum
 import functools
 import hashlib
+import inspect
 import re
 import types
 from collections.abc import Callable, Mapping
@@ -51,15 +52,34 @@ def module_text(module: nn.Module, describe: Callable[[object], str]) -> str:
         scratch = sub._non_persistent_buffers_set
         tensors = [f"{n}={_shape_text(t) if n in scratch else describe(t)}"
                    for n, t in [*sub._parameters.items(), *sub._buffers.items()] if t is not None]
+        forward = _forward_of(cls)
         read = read_by.get(cls)
         if read is None:
-            read = read_by[cls] = global_values(cls.forward)
+            read = read_by[cls] = global_values(forward)
+        digest = code_digest(forward) if forward is not None else _script_digest(sub)
         lines.append(
-            f"{path or '(root)'}: {qualified_name(cls)}[forward {code_digest(cls.forward)}"
+            f"{path or '(root)'}: {qualified_name(cls)}[forward {digest}"
             f"{f'; globals {read}' if read else ''}]({extra}) "
             f"{{{', '.join(attributes)}}} [{', '.join(tensors)}]"
         )
     return "\n".join(lines)
+
+
+def _forward_of(cls: type) -> object | None:
+    """``cls.forward`` as the class holds it, without running a descriptor: a TorchScript module's class
+    (``torch.jit.script(Block())``) gives its forward only through an instance, raising when asked on the class."""
+    found = inspect.getattr_static(cls, "forward", None)
+    return found if isinstance(found, types.FunctionType) else None
+
+
+def _script_digest(module: nn.Module) -> str:
+    """12 hex digits of a TorchScript module's code (its ``code``, TorchScript's own text of its forward); ''
+    where it has none."""
+    try:
+        text = str(getattr(module, "code", ""))
+    except (RuntimeError, AttributeError):  # a module scripted without a forward
+        text = ""
+    return hashlib.sha1(text.encode()).hexdigest()[:12] if text else ""
 
 
 # What nn.Module keeps in its __dict__ for itself: not a setting of the computation.
