@@ -17,6 +17,7 @@ legend: 0F1 = stage 0, micro-batch 1 (F forward, B backward); . idle
 from .transforms.pipeline import (
     SCHEDULES,
     Costs,
+    PipeOp,
     Schedule,
     ScheduleError,
     Timeline,
@@ -36,10 +37,12 @@ from .transforms.pipeline import (
 
 # A traceback names an exception by its module: the public one, not where it happens to live.
 ScheduleError.__module__ = __name__
+PipeOp.__module__ = __name__
 
 __all__ = [
     "SCHEDULES",
     "Costs",
+    "PipeOp",
     "Schedule",
     "ScheduleError",
     "Timeline",

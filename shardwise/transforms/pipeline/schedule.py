@@ -206,7 +206,7 @@ def _rank_ops(rank: int, ops: Any) -> tuple[PipeOp, ...]:
     if isinstance(ops, PipeOp) or not isinstance(ops, Iterable):
         raise TypeError(
             f"Schedule(ranks=...): ranks[{rank}] is {ops!r}; give one list of actions per rank, "
-            "such as [PipeOp(0, 0, 'F'), PipeOp(0, 0, 'B')] or ['0F0', '0B0']"
+            "such as [sw.schedules.PipeOp(0, 0, 'F'), sw.schedules.PipeOp(0, 0, 'B')] or ['0F0', '0B0']"
         )
     found: list[PipeOp] = []
     for index, op in enumerate(ops):

@@ -203,3 +203,13 @@ def test_costs_and_arguments_that_would_price_nothing_or_fail_deep_are_refused(m
     cost, an int for the costs or a schedule's name failed inside the simulation with a bare Python error."""
     with pytest.raises(error, match=message):
         make(one_f_one_b(2, 2, 4))
+
+
+def test_pipe_ops_are_public_where_the_docs_and_errors_name_them() -> None:
+    """Found by session 41's probing: docs/api.md and Schedule's errors named PipeOp, which only
+    shardwise.transforms.pipeline exported."""
+    import shardwise as sw
+
+    op = sw.schedules.PipeOp
+    built = sw.schedules.Schedule(ranks=((op(0, 0, "F"), op(0, 0, "B")),), placement=(0,), microbatches=1)
+    assert built == sw.schedules.Schedule.parse("rank 0: 0F0 0B0")
