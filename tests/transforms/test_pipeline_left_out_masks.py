@@ -193,3 +193,25 @@ def test_a_mask_left_out_after_the_first_layer_still_names_the_example() -> None
     with pytest.raises(sw.collectives.RankFailed, match=r"micro-batch 0,.*decided later cannot be read off.*has one "
                                                         r"where the example had none.*example_input like your batches"):
         sw.testing.assert_equivalent(piped, step, sw.Mesh(pp=2), [padded], params)
+
+
+def test_under_tensor_parallel_the_refusal_says_follow_batches_does_not_run() -> None:
+    """Found by session 41's probing: under tensor parallel follow_batches is off (the split's layers run on fake
+    tensors only inside its prediction), and the refusal said the first layer had been followed, blaming the model."""
+    config = T.LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                           num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=16,
+                           attn_implementation="sdpa")
+    torch.manual_seed(0)
+    llama = T.LlamaForCausalLM(config).double()
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(1, VOCAB, (4, SEQ), generator=g)
+    mask = torch.ones(4, SEQ, dtype=torch.long)
+    mask[2:, :3] = 0  # left padding in micro-batch 1 only
+    data = [({"input_ids": ids, "attention_mask": mask}, ids.masked_fill(mask == 0, -100))]
+    chain, params = sw.functionalize(llama, units=T.models.llama.modeling_llama.LlamaDecoderLayer,
+                                     example_input=data[0][0])
+    step = sw.train_step(chain, loss, sw.optim.sgd(0.1), tokens=counted)
+    piped = sw.pipeline(sw.tensor_parallel(step, "tp", sw.tp.llama_plan()), "pp", "1f1b", 2, follow_batches=True)
+    with pytest.raises(sw.collectives.RankFailed, match=r"pipeline\(follow_batches=True\) does not run under "
+                       r"tensor_parallel"):
+        sw.testing.assert_equivalent(piped, step, sw.Mesh(pp=2, tp=2), data, params)

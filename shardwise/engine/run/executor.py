@@ -193,7 +193,8 @@ class Executor(ZeroActions, TransferActions, StageBackward, LossAction, StepEnd)
     # Per micro-batch, each stage's predicted output: transfers go bare.
     boundaries: Sequence[Sequence[Boundary]] | None = None
     poison: bool = False
-    follow_batches: bool = False  # each micro-batch's boundaries predicted on it (pipeline(follow_batches=))
+    # each micro-batch's boundaries predicted on it (pipeline(follow_batches=)); the name of a split that turns it off
+    follow_batches: bool | str = False
     record: bool = False
     # None: loss_fn returns the mean over the batch's rows. "sum": it returns (sum, count) over
     # tokens. A callable (inputs, targets) -> count: it returns the mean over that many tokens.

@@ -40,11 +40,14 @@ def tag_of(kind: str, stage: int, microbatch: int, microbatches: int, leaf: int 
 TIED_TAG_BASE = 1 << 29  # above every activation/gradient tag (tag_of stays far below it)
 
 
-def _check_predicted(leaves: list[Any], spec: Any, boundary: Boundary, s: int, m: int, followed: bool) -> None:
+def _check_predicted(
+    leaves: list[Any], spec: Any, boundary: Boundary, s: int, m: int, followed: bool | str
+) -> None:
     """Refuse a stage output that is not what the Plan predicted: its receiver posted one receive per
     predicted tensor and rebuilds the predicted structure, so another structure (a value that is None
     in this micro-batch only) would reach it as other tensors in other places, or as ones of the
-    same shapes silently swapped. ``followed``: each micro-batch's first layer ran on it (follow_batches)."""
+    same shapes silently swapped. ``followed``: each micro-batch's first layer ran on it (follow_batches); the
+    name of a split where follow_batches was asked for and does not run under it."""
     got = tuple((t.shape, t.dtype) if isinstance(t, torch.Tensor) else (type(t).__name__, None) for t in leaves)
     if spec == boundary.spec and got == boundary.leaves:
         return
@@ -57,9 +60,12 @@ def _check_predicted(leaves: list[Any], spec: Any, boundary: Boundary, s: int, m
         where = (
             "is predicted on the micro-batch where the model's first layer decides it (follow_batches); one "
             "decided later cannot be read off the fake tensors the Plan runs on, so it is predicted"
-            if followed else "cannot be read off the fake tensors the Plan runs on, so it is predicted"
+            if followed is True else "cannot be read off the fake tensors the Plan runs on, so it is predicted"
         )
-        follow = "" if followed else (
+        follow = "" if followed is True else (
+            f" (pipeline(follow_batches=True) does not run under {followed}: the split's layers run on fake tensors "
+            "only inside its own prediction, so each micro-batch is predicted as the example)"
+        ) if isinstance(followed, str) else (
             " (or, where the model's first layer decides it, pass sw.pipeline(..., follow_batches=True): each "
             "micro-batch's first layer then also runs on it, once per micro-batch and step)"
         )
@@ -121,7 +127,8 @@ class TransferActions:
     source: ParamSource
     microbatches: Sequence[tuple[Any, Any]]
     boundaries: Sequence[Sequence[Boundary]] | None  # per micro-batch, per stage
-    follow_batches: bool  # each micro-batch predicted on itself (pipeline(follow_batches=True))
+    # each micro-batch predicted on itself (pipeline(follow_batches=True)); a split's name where asked for and off
+    follow_batches: bool | str
     device: torch.device
     _outputs: dict[tuple[int, int], Any]
     _input_grads: dict[tuple[int, int], list[torch.Tensor]]
