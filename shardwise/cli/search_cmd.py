@@ -102,6 +102,8 @@ def _check_plot(path: str | None) -> None:
     """Refuse a --plot the search could not write, before the search (minutes on a large model) runs."""
     if path is None:
         return
+    if Path(path).is_dir():
+        raise UsageError(f"--plot {path!r} is a folder: name a file in it (e.g. {str(Path(path) / 'frontier.png')!r})")
     folder = Path(path).parent
     if not folder.is_dir():
         raise UsageError(f"--plot {path!r}: there is no folder {str(folder)!r} to write it in; create it "

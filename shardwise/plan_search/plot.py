@@ -37,6 +37,8 @@ def plot_frontier(result: SearchResult, path: str | Path) -> str:
     ax.set_title(f"layouts of {result.world} ranks (compute {result.compute_source})")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path)
+    # matplotlib adds ".png" to a name without a suffix: say the file it wrote
+    written = Path(path) if Path(path).suffix else Path(f"{path}.png")
+    fig.savefig(written)
     plt.close(fig)
-    return f"plot written to {path}"
+    return f"plot written to {written}"

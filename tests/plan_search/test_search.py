@@ -358,3 +358,23 @@ def test_a_space_refuses_what_it_would_search_as_something_else(
     policy or precision was refused once per candidate in the table instead of once, here."""
     with pytest.raises(error, match=message):
         Space(**options)
+
+
+def test_a_bf16_layout_that_cuts_the_batch_is_certified_at_bf16s_tolerance() -> None:
+    """Found by session 41's probing: certify held a bf16-compute candidate to its float32 parameters' 1e-5, and
+    refused every correct one that cuts the batch (1.1e-4 apart: bf16's rounding of what each part sums), so a search
+    returned only layouts that do not."""
+    from shardwise.plan_search.certify import certify, low_precision_rtol
+    from shardwise.testing.models import mlp
+
+    assert (low_precision_rtol("params=f32,compute=bf16,output=f32"), low_precision_rtol("compute=f16"),
+            low_precision_rtol(None), low_precision_rtol("params=f32,compute=f32")) == (2**-6, 2**-9, None, None)
+    torch.manual_seed(0)
+    chain, params = sw.functionalize(mlp([16, 32, 32, 16]))
+    step = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1, momentum=0.9))
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 16, generator=gen), torch.randn(8, 16, generator=gen)) for _ in range(2)]
+    bf16 = "params=f32,compute=bf16,output=f32"
+    for candidate in (Candidate(dp=2, zero_stage=3, precision=bf16),
+                      Candidate(pp=2, schedule="1f1b", microbatches=2, precision=bf16)):
+        certify(candidate, step, params, batches)

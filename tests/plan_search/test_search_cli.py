@@ -73,6 +73,10 @@ def test_table_json_and_plot(target: Path, tmp_path: Path, capsys: pytest.Captur
     assert all(row["peak_bytes"] <= 2**20 for row in data["ranked"] + data["others"])
     pytest.importorskip("matplotlib")
     assert data["plot"] == f"plot written to {picture}" and picture.stat().st_size > 1000
+    bare = tmp_path / "frontier"  # no suffix: matplotlib writes frontier.png, which the output names
+    assert main(["search", f"{target}:make", "--world", "2", "--memory", "1MiB", "--flops", "1e9", "--json",
+                 "--plot", str(bare)]) == 0
+    assert json.loads(capsys.readouterr().out)["plot"] == f"plot written to {bare}.png" and not bare.exists()
 
 
 def test_usage_errors(target: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -127,6 +131,9 @@ def test_a_plot_that_cannot_be_written_is_refused_before_the_search(
     pytest.importorskip("matplotlib")
     assert main([*args, "--plot", str(tmp_path / "frontier.pngx")]) == 2
     assert "matplotlib cannot write a .pngx file" in capsys.readouterr().err and not searched
+    # found by session 41's probing: a folder was taken, and the plot landed beside it as <folder>.png
+    assert main([*args, "--plot", str(tmp_path)]) == 2
+    assert "is a folder: name a file in it" in capsys.readouterr().err and not searched
 
     def fails(*_: object) -> str:  # a failure only the drawing finds (a full disk): the table still comes
         raise OSError("No space left on device")
