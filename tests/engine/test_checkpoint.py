@@ -227,6 +227,28 @@ def test_dynamic_loss_scale_survives_a_reshard(tmp_path: Path) -> None:
     )
 
 
+def test_a_resumed_step_keeps_its_own_loss_scale_settings(tmp_path: Path) -> None:
+    """Found by session 41's probing: the load took the saved loss scale whole, so a step built with
+    StaticLossScale(128) resumed at the saved 4096, and a new dynamic rule (growth 4 every 5 steps) at the saved
+    (2 every 2000), without a word. The settings are the step's, as its optimizer's are; a dynamic scale's value
+    and count of good steps go on."""
+    step, params, batches = _problem()
+    policy = "params=f64,compute=f64"
+    static = sw.mixed_precision(step, policy, loss_scale=4096.0)
+    ck.save(tmp_path / "s", static.init(params), static)
+    resumed = sw.mixed_precision(step, policy, loss_scale=128.0)
+    assert ck.load(tmp_path / "s", resumed).loss_scale == sw.precision.StaticLossScale(128.0)
+    saved_rule = sw.precision.DynamicLossScale(scale=64.0, growth_interval=2000)
+    dynamic = sw.mixed_precision(step, policy, loss_scale=saved_rule)
+    state = dynamic.init(params)
+    for batch in batches[:2]:
+        state, _ = dynamic(state, batch)
+    ck.save(tmp_path / "d", state, dynamic)
+    new_rule = sw.precision.DynamicLossScale(scale=8.0, growth_factor=4.0, growth_interval=5, min_scale=1.0)
+    loaded = ck.load(tmp_path / "d", sw.mixed_precision(step, policy, loss_scale=new_rule)).loss_scale
+    assert loaded == new_rule._replace(scale=64.0, good_steps=2)
+
+
 def _stack(draw: st.DrawFn, kind: str) -> tuple[Any, sw.Mesh]:
     if kind == "dp":
         return draw(sst.transform_stacks(axis="dp")), sw.Mesh(dp=draw(st.sampled_from([1, 2, 3])))

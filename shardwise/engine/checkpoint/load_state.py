@@ -182,8 +182,9 @@ def _template(optimizer: Any, update_meta: Any, saved: Mapping[str, Any],
 
 
 def _loss_scale(meta: Mapping[str, Any], step: Any, directory: Path) -> Any:
-    """The loss scale the loaded state goes on with: the saved one where this step scales its loss the
-    same way (a dynamic scale carries on from where it was), else this step's own starting value. The
+    """The loss scale the loaded state goes on with: where this step scales its loss the same way, a dynamic
+    scale carries on from where it was (its scale and count of good steps) under this step's settings (growth,
+    backoff, interval, floor), and a static scale is this step's; else this step's own starting value. The
     parameters and the optimizer's state are saved unscaled, so a run that moves to another policy
     (fp16 with a dynamic scale to bf16, which needs none; bf16 to float32) loses nothing but the other
     policy's scale: a checkpoint of a bf16 run was refused by a float32 step, naming a NoLossScale the
@@ -193,13 +194,20 @@ def _loss_scale(meta: Mapping[str, Any], step: Any, directory: Path) -> Any:
     if saved is None or initial is None or type(initial).__name__ != saved["type"]:
         return initial  # nothing to restore, or this step scales otherwise (or not at all): its own start
     try:  # a loss scale checks its fields when made, also those a checkpoint carries
-        return _LOSS_SCALES[saved["type"]](**saved["fields"]).checked()
+        restored = _LOSS_SCALES[saved["type"]](**saved["fields"]).checked()
     except (TypeError, ValueError) as error:
         raise CheckpointError(
             f"checkpoint {directory} carries a loss scale no step can run with ({saved['type']} with "
             f"{saved['fields']}): {error}. It was saved by a shardwise that did not check loss scales yet, "
             "and the run it comes from skipped or mis-scaled its steps with it"
         ) from error
+    # The step's settings (a static scale is one; a dynamic one's growth and backoff), as the optimizer's
+    # hyperparameters are the step's: what was saved goes on, the scale a dynamic rule reached and its count of
+    # good steps. (Taken whole, a StaticLossScale(128) step resumed at the saved 4096, without a word.)
+    if isinstance(restored, DynamicLossScale) and isinstance(initial, DynamicLossScale):
+        scale = max(float(restored.scale), float(initial.min_scale))  # (this step's floor may be higher)
+        return initial._replace(scale=scale, good_steps=restored.good_steps).checked()
+    return initial
 
 
 def other_optimizer_or_layout(saved: set[str], wanted: set[str], same_mirrors: bool = True) -> str:
