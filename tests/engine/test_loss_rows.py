@@ -314,6 +314,7 @@ def test_the_probe_runs_on_the_first_call_only() -> None:
 
     first, *later = sw.launch(main, 1)[0]
     # the probe's 4 rows and their halves, three ways (0 1 | 2 3, 0 2 | 1 3, 0 3 | 1 2), then the two micro-batches
+    # (review1: a micro-batch of 2 or 3 rows was probed on the row repeated too: see the test below)
     assert first == [4, 2, 2, 2, 2, 2, 2, 4, 4]
     assert later == [[4, 4], [4, 4]]
 
@@ -638,7 +639,7 @@ def test_ohem_under_zero_2_is_refused_where_its_hardest_rows_fall_one_a_first_an
     batches = [(torch.randn(8, 6, generator=gen, dtype=torch.float64), torch.randint(0, 5, (8,), generator=gen))
                for _ in range(3)]
     with pytest.raises(RankFailed, match=r"not a mean over the batch's rows.*on two halves of them \(rows 0 and "
-                       r"[23]; rows 1 and [23]\).*paired with their neighbours.*per_shard_mean"):
+                       r"[23]; rows 1 and [23]\).*the batch's hardest rows, OHEM's.*cannot be computed on a part"):
         sw.testing.assert_equivalent(sw.shard_params(step, "dp", 2), step, sw.Mesh(dp=2), batches, params)
 
 
@@ -651,7 +652,7 @@ def _adjacent_pairs(out: Tensor, y: Tensor) -> Tensor:
 def test_a_loss_over_adjacent_pairs_is_refused_naming_per_shard_mean_which_trains_it() -> None:
     chain, params = _mlp()
     step = sw.train_step(chain, _adjacent_pairs, sw.optim.sgd(0.1, momentum=0.9))
-    with pytest.raises(RankFailed, match=r"paired with their neighbours.*tokens='per_shard_mean' trains it"):
+    with pytest.raises(RankFailed, match=r"pairs each row with its neighbour.*trains with tokens='per_shard_mean'"):
         sw.testing.assert_equivalent(sw.shard_params(step, "dp", 2), step, sw.Mesh(dp=2), _batches(2), params)
     # each rank's 4 rows hold two whole pairs: the mean of the ranks' losses is the single-device step's
     knowing = sw.train_step(chain, _adjacent_pairs, sw.optim.sgd(0.1, momentum=0.9), tokens="per_shard_mean")
@@ -670,3 +671,18 @@ def test_a_loss_without_a_matmul_is_judged_at_float32s_tolerance_under_tf32() ->
     finally:
         torch.set_float32_matmul_precision(before)
     assert isinstance(found, Measured) and found.rtol == RTOL_FLOAT32 and not found.agrees
+
+
+def test_a_micro_batch_of_two_rows_is_probed_on_its_halves_alone() -> None:
+    """The review (s41 review1): the three halvings of 4 rows, inserted between the halving of 2 rows and the one row's
+    repetition, made a micro-batch of 2 or 3 rows probed on the row repeated twice as well."""
+    chain, params = _mlp()
+    calls: list[int] = []
+
+    def counted(out: Tensor, y: Tensor) -> Tensor:
+        calls.append(out.shape[0])
+        return F.mse_loss(out, y)
+
+    step = sw.shard_params(sw.train_step(chain, counted, sw.optim.sgd(0.01)), "dp", 1, accumulation=4)
+    sw.launch(lambda: step(step.init(params, sw.Mesh(dp=1)), _batches(1)[0]), 1)
+    assert calls[:3] == [2, 1, 1] and calls[3:] == [2, 2, 2, 2]  # the probe's 2 rows and halves, the 4 micro-batches

@@ -576,6 +576,30 @@ class _TwoViews(torch.nn.Module):
         return self.lin(views[0]["x"]) - self.lin(views[1]["x"])
 
 
+class _ImagesBeside(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(5, 3)
+
+    def forward(self, parts: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        ids, pixels = parts
+        return self.lin(ids + pixels.reshape(ids.shape[0], 2, 5).mean(1))
+
+
+def test_a_tuple_of_a_batchs_parts_is_no_per_row_list_at_a_batch_of_two() -> None:
+    """The review (s41 review1): (input_ids, pixel_values of 2 images a row) at a global batch of 2 was refused as a
+    list of one entry a row."""
+    torch.manual_seed(0)
+    chain, params = sw.functionalize(_ImagesBeside().double())
+    step = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1))
+    gen = torch.Generator().manual_seed(1)
+    batches = [((torch.randn(2, 5, generator=gen, dtype=torch.float64),
+                 torch.randn(4, 5, generator=gen, dtype=torch.float64)),
+                torch.randn(2, 3, generator=gen, dtype=torch.float64)) for _ in range(2)]
+    with pytest.warns(UserWarning, match=r"has 4 beside 2 rows.*taken as 2 values a row"):
+        sw.testing.assert_equivalent(sw.shard_params(step, "dp", 3), step, sw.Mesh(dp=2), batches, params)
+
+
 def test_two_views_of_the_batch_as_dicts_are_cut_as_rows_on_a_batch_of_two() -> None:
     """A tuple of two dicts beside two rows, each holding the rows' tensors, is no list of one entry a row."""
     torch.manual_seed(0)

@@ -565,6 +565,7 @@ def load(path: str | os.PathLike[str], step: Any, mesh: Mesh | None = None, *,
     check_path(call, path)
     check_step(call, step)
     check_mesh(call, mesh)
+    step.check_axes_used(mesh)  # (as init: each rank along an axis no transform uses would train its own model)
     on = torch.device(device)
     pending = getattr(_pending, "handle", None)
     if pending is not None and pending.path.resolve() == Path(path).resolve():

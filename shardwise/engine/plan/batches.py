@@ -86,15 +86,17 @@ def _batch_rows(tree: Any) -> int | None:
 
 
 def _refuse_per_row_lists(tree: Any, what: str) -> None:
-    """Refuse a list (or tuple) in the batch holding one entry a row: dicts of tensors (torchvision's and DETR's
-    detection targets, ``[{"boxes": ..., "labels": ...} for each image]``), or tensors of their own lengths. The cut
-    takes dim 0 of every tensor, not a list's entries: each part would get every row's entry, each cut in pieces
-    (the second rank pairing its images with the first's targets), and where every entry's length is a multiple of
-    the parts no size check sees it."""
+    """Refuse a list (or tuple) in the batch holding one entry a row: dicts of the same keys whose tensors are not
+    the batch's rows (torchvision's and DETR's detection targets, ``[{"boxes": ..., "labels": ...} for each
+    image]``). The cut takes dim 0 of every tensor, not a list's entries: each part would get every row's entry,
+    each cut in pieces (the second rank pairing its images with the first's targets), and where every entry's length
+    is a multiple of the parts no size check sees it. Not seen: entries whose tensors all have as many values as the
+    batch has rows (4 boxes an image at a batch of 4, by chance), and a list of bare tensors (a tuple of a batch's
+    parts, input_ids beside pixel_values, looks alike at a batch of 2)."""
     rows = _batch_rows(tree)
     if rows is None or rows < 2:
         return
-    found: list[tuple[str, str, str]] = []
+    found: list[tuple[str, str]] = []
 
     def visit(path: str, node: Any, top: bool) -> None:
         if isinstance(node, Mapping):
@@ -107,21 +109,21 @@ def _refuse_per_row_lists(tree: Any, what: str) -> None:
             found_leaves: list[Any] = optree.tree_leaves(node)  # type: ignore[arg-type]
             leaves = [t for t in found_leaves if isinstance(t, torch.Tensor)]
             own_sizes = any(t.dim() == 0 or t.shape[0] != rows for t in leaves)
-            if not top and len(entries) == rows and own_sizes and (
-                all(isinstance(e, Mapping) and e for e in entries) or all(isinstance(e, torch.Tensor) for e in entries)
-            ):
-                kind = "a dict" if isinstance(entries[0], Mapping) else "a tensor"
-                found.append((path, kind, type(node).__name__))
+            # Records of one kind, dicts of the same keys (a tuple of a batch's parts, such as input_ids beside
+            # pixel_values of 2 images a row, holds tensors or dicts of other keys: at a batch of 2 it is 2 long)
+            records = all(isinstance(e, Mapping) and e and set(e) == set(entries[0]) for e in entries)
+            if not top and len(entries) == rows and own_sizes and records:
+                found.append((path, type(node).__name__))
                 return
             for i, value in enumerate(entries):
                 visit(f"{path}[{i}]", value, False)
 
     visit("", tree, True)
     if found:
-        path, kind, container = found[0]
+        path, container = found[0]
         raise ValueError(
             f"{what}: (inputs, targets){path} is a {container} of {rows} entries, one a row "
-            f"({kind} each: detection targets such as [{{'boxes': ..., 'labels': ...}} for each image]?), beside "
+            f"(a dict each: detection targets such as [{{'boxes': ..., 'labels': ...}} for each image]?), beside "
             f"{rows} rows in the inputs. Every transform that cuts the batch cuts dim 0 of each tensor, not the "
             "entries of a list: each part would get every row's entry, each cut in pieces, and the loss would be "
             "another than the single-device step's. Give per-row values as tensors with the rows first, padded to "

@@ -361,6 +361,8 @@ def measure(
     halvings: list[tuple[str, int, list[_Part]]] = []
     if rows_cut and row_dims is not None and n >= 2:
         halvings.append(("rows", 0, [_Part(first), _Part((0, n // 2)), _Part((n // 2, n))]))
+    elif rows_cut and row_dims is not None:  # one row: a mean of per-row terms is the same on the row repeated
+        halvings.append(("repeat", 0, [_Part(None, twice=True), _Part(), _Part()]))
     if rows_cut and row_dims is not None and n == 4:
         # The other two ways to halve 4 rows: a loss over the batch's hardest rows (OHEM's mean of the top half) or
         # weighted by the batch's own class counts agrees on one halving where its chosen rows fall one a half
@@ -368,8 +370,6 @@ def measure(
         for a, b in OTHER_HALVES:
             along = f"rows {a[0]} and {a[1]} | {b[0]} and {b[1]}"
             halvings.append((along, 0, [_Part(first), _Part(picked=a), _Part(picked=b)]))
-    elif rows_cut and row_dims is not None:  # one row: a mean of per-row terms is the same on the row repeated
-        halvings.append(("repeat", 0, [_Part(None, twice=True), _Part(), _Part()]))
     token_count = None if sequence_dim is None else _tokens(targets, sequence_dim)
     token_dims = None if token_count is None else _token_dims(leaves, rows, sequence_dim or 0, token_count)
     if token_count is not None and token_dims is not None:
@@ -728,9 +728,11 @@ def _row_refusal(cut: ProbeCut, found: Measured) -> str:
     else:
         sums = " (their sum: a loss summed over the rows, reduction='sum'?)" if found.is_sum else ""
         whole_on, halves_on = _measured_on(found)
-        paired = (" (a loss over rows paired with their neighbours, laid out so that every part the step cuts "
-                  "holds whole pairs? then the mean of the parts' losses is the single-device step's, and "
-                  "tokens='per_shard_mean' trains it)") if found.along.startswith("rows ") and not sums else ""
+        paired = (" (a loss over the batch's hardest rows, OHEM's, or weighted by the batch's own class counts, "
+                  "cannot be computed on a part of it; one that pairs each row with its neighbour, rows 2i and "
+                  "2i + 1, where every part the step cuts holds whole pairs, trains with tokens='per_shard_mean', "
+                  "the mean of the parts' losses being then the single-device step's)"
+                  ) if found.along.startswith("rows ") and not sums else ""
         measured = (f"On {whole_on} it gave {found.whole:.6g}, and {found.halves[0]:.6g} and {found.halves[1]:.6g} "
                     f"{halves_on}, whose mean is {found.mean:.6g}{sums}{_needs_rows(found)}{paired}")
     return (

@@ -47,10 +47,10 @@ def check_mesh(transforms: tuple[Any, ...], mesh: Mesh | None) -> Mesh | None:
 
 
 def refuse_unused_axes(transforms: tuple[Any, ...], mesh: Mesh | None) -> None:
-    """Refuse, at ``init``, a mesh axis of more than one rank that no transform goes over: the ranks along it would
-    each run the whole step on their own batch and train their own model (a tensor-parallel step on
-    ``Mesh(dp=2, tp=2)`` with ``shard_params`` over ``dp`` forgotten), and nothing compares them (each rank's loss is
-    its own). ``step.plan`` of such a mesh (what a layout would do) is left alone."""
+    """Refuse, at ``init`` and a checkpoint's load, a mesh axis of more than one rank that no transform goes over:
+    the ranks along it would each run the whole step on their own batch and train their own model (a
+    tensor-parallel step on ``Mesh(dp=2, tp=2)`` with ``shard_params`` over ``dp`` forgotten), and nothing compares
+    them (each rank's loss is its own). ``step.plan`` of such a mesh (what a layout would do) is left alone."""
     if mesh is None:
         return
     used = {getattr(spec, field, None) for spec in transforms for field in ("axis", "replicate")}
@@ -60,7 +60,7 @@ def refuse_unused_axes(transforms: tuple[Any, ...], mesh: Mesh | None) -> None:
         rest = {a: n for a, n in mesh.shape.items() if a != axis}
         smaller = ", ".join(f"{a}={n}" for a, n in rest.items()) if rest else "world=1"
         raise ValueError(
-            f"init: {mesh!r} has axis {axis!r} of {size} ranks, which no transform of this step goes over "
+            f"{mesh!r} has axis {axis!r} of {size} ranks, which no transform of this step goes over "
             f"({' + '.join(s.name for s in transforms) or 'no transform'}): each rank along it would run the whole "
             "step on its own batch and train its own model, with no error. Data parallel over it is "
             f"sw.shard_params(step, {axis!r}, stage) (stage 1 for plain replicas, as DDP), applied with the other "

@@ -278,6 +278,11 @@ class Step:
         """``mesh``, refused (naming the transform and the axis) unless it has every axis the stack uses."""
         return check_mesh(self.transforms, mesh)
 
+    def check_axes_used(self, mesh: Mesh | None) -> None:
+        """Refuse a mesh axis of more than one rank that no transform of this step goes over (``init`` and
+        ``sw.checkpoint.load``, where a state is made for it): each rank along it would train its own model."""
+        refuse_unused_axes(self.transforms, mesh)
+
     def layout(self, mesh: Mesh | None, params: Params, rank: int | None = None) -> StateLayout:
         """How this step lays out ``params`` on ``mesh``, as seen by ``rank`` (default: the calling
         rank inside a launched program, else rank 0): the placement of layers, the per-leaf shard
@@ -384,7 +389,7 @@ class Step:
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"init(seed={seed!r}): the seed of the step's random streams is an int")
         mesh = self.check_mesh(mesh)
-        refuse_unused_axes(self.transforms, mesh)
+        self.check_axes_used(mesh)
         check_optimizer(self.transforms, self.optimizer)  # again: one replaced after the transforms were applied
         check_params(self.chain, params)
         _refuse_unfilled_frozen(self.base_chain)
