@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from shardwise.engine.plan.actions import REPLICA_BINS
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--hidden", "32", "--intermediate", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2",
         "--vocab", "128", "--seq", "16", "--batch", "2"]
@@ -50,11 +52,13 @@ def test_tensor_parallel_benchmark_compares_ours_with_dtensor() -> None:
                 assert "tp:psum_scatter" not in ops, row["sent_bytes_by_op"]
         assert cases[(False, "torch")]["sent_bytes_by_op"].keys() == {"tp:psum"}
         # The same bytes as torch's, with and without sequence parallel, but for what only ours sends: the
-        # replica check (an all-gather of 24 B: 24 B sent at tp 2) and the metrics' all-reduce (20 B in, 20 B
+        # replica check (an all-gather of 520 B, 32 bins' sums and magnitudes and the batch's fingerprint in float64:
+        # 520 B sent at tp 2) and the metrics' all-reduce (20 B in, 20 B
         # sent: the loss, and the batch's fingerprint and the step's digest, each with a weighted copy).
         # At tp 2 the loss's maximum costs both the same (ours all-gathers it, torch all-reduces it with
         # MAX). Under sequence parallel the embedding's output is reduce-scattered and the head's input gradient
         # too, as torch does (they were all-reduced: 1/3 more bytes at those ends).
-        assert ours["sent_bytes_per_step"] - torch_row["sent_bytes_per_step"] == 24 + 20, (ours, torch_row)
+        check = (2 * REPLICA_BINS + 1) * 8
+        assert ours["sent_bytes_per_step"] - torch_row["sent_bytes_per_step"] == check + 20, (ours, torch_row)
         if sp:
             assert ours["sent_bytes_by_op"]["tp:psum_scatter"] == torch_row["sent_bytes_by_op"]["tp:psum_scatter"]

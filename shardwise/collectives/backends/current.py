@@ -40,8 +40,8 @@ def current_backend() -> Backend:
     ran as before it called ``init_process_group`` (a single-device reference step run first, as the guide's
     verification does) gives way to torch.distributed once it is initialised."""
     backend = _current.get()
-    if backend is not None and not (backend is _FALLBACK.get() and _distributed()):
-        return backend
+    if backend is not None and not (backend is _FALLBACK.get() and dist.is_available() and dist.is_initialized()):
+        return backend  # (inline: every step asks)
     if _distributed():
         backend = TorchDistributedBackend.from_initialized()
     else:

@@ -69,6 +69,10 @@ WAIT_METRICS = "wait_metrics"  # the summed values are known
 INSIDE = "inside"
 # all-gather a checksum of the split's replicated gradients (and the batch's) over its axis
 CHECK_REPLICAS = "check_replicas"
+# The replica check's all-gather: the replicated gradients' sums and sums of magnitudes in this many bins (piece i in
+# bin i % REPLICA_BINS: a missed sum in one small parameter is not lost among the others'), then the batch's
+# fingerprint, float64
+REPLICA_BINS = 32
 WAIT_CHECK = "wait_check"  # they must be equal on every index: else the step refuses before its update
 
 #: Every kind of action a Plan lists (the constants above).

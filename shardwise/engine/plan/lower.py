@@ -53,6 +53,7 @@ from .actions import (
     REDUCE_METRICS,
     REDUCE_REPLICAS,
     REDUCE_SCATTER,
+    REPLICA_BINS,
     SEND_ACTIVATION,
     SEND_GRAD,
     SEND_TIED,
@@ -511,8 +512,8 @@ def annotate(
         elif a.kind == REDUCE_METRICS:
             wire = (wire_of(metric_len, metric_dtype),)
         elif a.kind == CHECK_REPLICAS:
-            # (sum, sum of magnitudes) of the replicated gradients, and the batch's fingerprint
-            wire = (wire_of(3, torch.float64),)
+            # (sums, sums of magnitudes) of the replicated gradients in bins, and the batch's fingerprint
+            wire = (wire_of(2 * REPLICA_BINS + 1, torch.float64),)
         elif a.kind in (SEND_TIED, RECV_TIED) and a.tied is not None:
             owner, name, _ = placement.tied[a.tied]
             shape, dtype = _param_shape(sharding, master, owner, name)

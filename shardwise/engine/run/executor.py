@@ -286,7 +286,7 @@ class Executor(ZeroActions, TransferActions, StageBackward, LossAction, StepEnd)
     _covered: frozenset[tuple[int, int]] = frozenset()  # RunShape.covered
     _joined: frozenset[tuple[int, int]] = frozenset()  # (stage, mb) whose input stays on the graph
     # per split axis: the replica check in flight, and the rounding its sums may differ by
-    _checks: dict[str, tuple[Handle, float]] = field(default_factory=dict)
+    _checks: dict[str, tuple[Handle, torch.Tensor]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # Where this rank computes: its parameters', else its micro-batches'. Received values go

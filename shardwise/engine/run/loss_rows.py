@@ -84,7 +84,7 @@ from typing import Any
 
 import optree
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.overrides import TorchFunctionMode
 
 from ...collectives.mesh_context import no_mesh
 from ..model import host_random
@@ -459,22 +459,27 @@ def measure(
     return next((m for m in found if not m.agrees), found[0])
 
 
-# The ops a float32 matmul precision setting (TF32, bf16 passes) changes: a loss without any computes in float32
-_MATMULS = frozenset(getattr(torch.ops.aten, name) for name in (
-    "mm", "bmm", "addmm", "baddbmm", "addbmm", "addmv", "mv", "dot", "vdot", "convolution", "_convolution",
-    "_scaled_dot_product_attention_math", "_scaled_dot_product_flash_attention_for_cpu",
-) if hasattr(torch.ops.aten, name))
+# The functions that run a matmul or convolution, which a float32 matmul precision setting (TF32, bf16 passes)
+# changes: a loss calling none computes in float32. By name, as a function mode sees them (the outermost call: a
+# composite's inner matmuls are not seen apart, so composites are named too).
+_MATMULS = frozenset((
+    "matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "addmm", "baddbmm", "addbmm", "mv", "addmv", "dot", "vdot",
+    "inner", "einsum", "tensordot", "chain_matmul", "multi_dot", "linear", "bilinear", "conv1d", "conv2d",
+    "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d", "conv_tbc", "cdist",
+    "scaled_dot_product_attention", "multi_head_attention_forward", "lstm", "gru", "rnn_tanh", "rnn_relu",
+))
 
 
-class _MatmulWatch(TorchDispatchMode):
+class _MatmulWatch(TorchFunctionMode):
     """Notes whether loss_fn ran a matmul or convolution while the probe evaluated it (``ran``): a loss without
     one (a class-weighted cross-entropy, a sum) computes in float32 whatever the matmul precision says, and is
-    judged at float32's tolerance (under TF32's, a weighted mean 0.08-1% off a mean passed)."""
+    judged at float32's tolerance (under TF32's, a weighted mean 0.08-1% off a mean passed). A function mode, not a
+    dispatch mode: entering one of those imports sympy (36 MiB), on every rank's first step."""
 
     ran = False
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if getattr(func, "overloadpacket", None) in _MATMULS:
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if getattr(func, "__name__", None) in _MATMULS:
             self.ran = True
         return func(*args, **(kwargs or {}))
 

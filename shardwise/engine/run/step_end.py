@@ -16,7 +16,7 @@ from ...collectives import Handle, all_gather_async, psum, psum_async
 from ...collectives.mesh import Mesh
 from ..layout.precision import all_finite
 from ..optim.optimizers import global_norm
-from ..plan.actions import Action
+from ..plan.actions import REPLICA_BINS, Action
 from .metrics import MetricExchange, Summed, different_batches
 from .wide_grads import WideGrads
 
@@ -44,19 +44,20 @@ def _equal_rows(rows: torch.Tensor) -> bool:
     return torch.equal(nan, nan[:1].expand_as(nan)) and torch.equal(rows.nan_to_num(0.0), first.nan_to_num(0.0))
 
 
-REPLICA_BINS = 32  # the replica check's sums, by piece (modulo)
 REPLICA_ULPS = 256  # rounding allowed between replicas of a gradient, in units of its dtype's eps
 REPLICA_RTOL_CAP = 1e-2  # (bf16's 256 eps would be 2)
 
 
-def _within_rounding(sums: torch.Tensor, rtol: float) -> bool:
-    """Whether every rank's per-piece sums and magnitudes (``[ranks, 2 x pieces]``: sums, then magnitudes) are the
-    first rank's to ``rtol`` of each piece's magnitude; not where NaNs differ (an overflow on some ranks only)."""
-    if rtol <= 0 or not torch.equal(sums.isnan(), sums[:1].isnan().expand_as(sums)):
+def _within_rounding(sums: torch.Tensor, rtol: float | torch.Tensor) -> bool:
+    """Whether every rank's per-bin sums and magnitudes (``[ranks, 2 x bins]``: sums, then magnitudes) are the
+    first rank's to ``rtol`` (one, or each bin's) of each bin's magnitude; not where NaNs differ (an overflow on some
+    ranks only)."""
+    if not torch.equal(sums.isnan(), sums[:1].isnan().expand_as(sums)):
         return False
     n = sums.shape[1] // 2
+    tolerance = torch.as_tensor(rtol, dtype=sums.dtype).expand(n).repeat(2).to(sums.device)
     scale = sums[0, n:].repeat(2)
-    return bool(((sums - sums[:1]).abs().nan_to_num(0.0) <= rtol * scale.nan_to_num(0.0)).all())
+    return bool(((sums - sums[:1]).abs().nan_to_num(0.0) <= tolerance * scale.nan_to_num(0.0)).all())
 
 
 def _counted_pieces(grads: Any, counted: Any) -> list[torch.Tensor]:
@@ -96,7 +97,7 @@ class StepEnd:
     _bound: dict[int, BoundStage]
     _pending: dict[tuple[str, str], Handle]
     _grad_shards: dict[str, torch.Tensor]
-    _checks: dict[str, tuple[Handle, float]]
+    _checks: dict[str, tuple[Handle, torch.Tensor]]
     _local_metrics: torch.Tensor | None
     _metrics_total: torch.Tensor | None
     _metrics_handle: Handle | None
@@ -174,13 +175,16 @@ class StepEnd:
         # The pieces' sums and sums of magnitudes in REPLICA_BINS bins (piece i in bin i % REPLICA_BINS): a missed sum
         # in one small parameter is not lost among the rest's, and every rank gathers the same shape.
         local = torch.zeros(2 * REPLICA_BINS + 1, dtype=torch.float64, device=self.device)
+        # Each bin's rounding, of its coarsest piece: one bf16 piece does not loosen the float32 bins' check
+        eps = [0.0] * REPLICA_BINS
         for i, g in enumerate(pieces):
             local[i % REPLICA_BINS] += g.double().sum()
             local[REPLICA_BINS + i % REPLICA_BINS] += g.double().abs().sum()
+            if g.is_floating_point():
+                eps[i % REPLICA_BINS] = max(eps[i % REPLICA_BINS], torch.finfo(g.dtype).eps)
         if self.batch_fingerprint is not None:
             local[-1] = self.batch_fingerprint.to(device=self.device, dtype=torch.float64)
-        eps = max((torch.finfo(g.dtype).eps for g in pieces if g.is_floating_point()), default=0.0)
-        rtol = min(REPLICA_RTOL_CAP, REPLICA_ULPS * eps)
+        rtol = torch.tensor([min(REPLICA_RTOL_CAP, REPLICA_ULPS * e) for e in eps], dtype=torch.float64)
         self._checks[axis] = (all_gather_async(local, axis, mesh=self.mesh), rtol)
 
     def wait_check(self, action: Action) -> None:

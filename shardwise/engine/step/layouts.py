@@ -50,8 +50,11 @@ def refuse_unused_axes(transforms: tuple[Any, ...], mesh: Mesh | None) -> None:
     """Refuse, at ``init`` and a checkpoint's load, a mesh axis of more than one rank that no transform goes over:
     the ranks along it would each run the whole step on their own batch and train their own model (a
     tensor-parallel step on ``Mesh(dp=2, tp=2)`` with ``shard_params`` over ``dp`` forgotten), and nothing compares
-    them (each rank's loss is its own). ``step.plan`` of such a mesh (what a layout would do) is left alone."""
-    if mesh is None:
+    them (each rank's loss is its own). ``step.plan`` of such a mesh (what a layout would do) is left alone, and so is
+    a step no transform distributes (the one-device step, remat or mixed_precision alone, on each rank of a mesh:
+    ``sw.testing.assert_equivalent(step, step, mesh, ...)`` checks a step against itself so, each rank on the
+    whole batch)."""
+    if mesh is None or not any(getattr(spec, "axis", None) for spec in transforms):
         return
     used = {getattr(spec, field, None) for spec in transforms for field in ("axis", "replicate")}
     unused = [(axis, size) for axis, size in mesh.shape.items() if size > 1 and axis not in used]

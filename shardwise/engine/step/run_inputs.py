@@ -276,7 +276,9 @@ def prepare_run(step: Step, state: TrainState, layout: StateLayout, batch: Any) 
         replica_layers=run.replica_layers,
         boundaries=None if pipe is None else _boundaries(step, layout, micro, mesh),
         poison=bool(pipe is not None and pipe.poison),
-        follow_batches=_following(step, pipe), record=step.traced,
+        # (under a split, off: its name, for the refusal of a micro-batch unlike the example; inline: the hot path)
+        follow_batches=bool(pipe is not None and pipe.follow_batches) and (
+            step.split.name if step.split.parts else True), record=step.traced,
         tokens=step.tokens if step.token_weighted else None,
         rng_seed=None if state.rng is None else mix(state.rng, state.step), counted=run.counted,
         counts_losses=run.counts_losses,
@@ -520,10 +522,3 @@ def _exchange_group(mesh: Mesh, axes: tuple[str, ...]) -> list[int]:
     me = mesh.coords
     return [r for r in range(mesh.size) if all(c == me[a] for a, c in mesh.coords_of(r).items() if a not in axes)]
 
-
-def _following(step: Step, pipe: Any) -> bool | str:
-    """Whether each micro-batch's boundaries are predicted on it (``pipeline(follow_batches=True)``); where a split
-    turns that off (layouts.stage_boundaries), the split's name, for the refusal of a micro-batch unlike the example."""
-    if pipe is None or not pipe.follow_batches:
-        return False
-    return step.split.name if step.split.parts else True

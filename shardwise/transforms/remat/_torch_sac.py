@@ -65,6 +65,7 @@ from .own_generators import RefuseOwnGenerators, refuse_own_generator
 from .policies import EverythingSaveable, NothingSaveable, OffloadToCpu
 
 Observer = Callable[[torch.Tensor], None]
+Written = dict[Any, str]  # a saved output's storage an op wrote into -> the refusal of a recomputation's read of it
 Predicate = Callable[..., Any]
 
 def storage_key(t: torch.Tensor) -> Any:
@@ -83,24 +84,32 @@ def _show_saved(entry: Any, observe: Observer | None) -> None:
 
 
 class _WriteOnce(dict[Any, Any]):
-    """One op's entries in the indexed form: the forward writes each once; the consumed mark is ignored."""
+    """One op's entries in the indexed form: the forward writes each once; the consumed mark is ignored. A read of
+    an entry an op wrote into after it was saved (``written``) is refused (:func:`_refuse_written`)."""
 
-    def __init__(self, observe: Observer | None) -> None:
+    def __init__(self, observe: Observer | None, written: Written | None = None) -> None:
         super().__init__()
-        self.observe = observe
+        self.observe, self.written = observe, written
 
     def __setitem__(self, key: Any, value: Any) -> None:
         if key not in self:
             _show_saved(value, self.observe)
             super().__setitem__(key, value)
 
+    def get(self, key: Any, default: Any = None) -> Any:
+        entry = super().get(key, default)
+        if self.written:
+            _refuse_written(entry, self.written)
+        return entry
+
 
 class _Replay(list[Any]):
-    """One op's entries in the queued form: ``pop(0)`` reads the next one without removing it."""
+    """One op's entries in the queued form: ``pop(0)`` reads the next one without removing it (one an op wrote into
+    after it was saved refused, as :class:`_WriteOnce`)."""
 
-    def __init__(self, observe: Observer | None) -> None:
+    def __init__(self, observe: Observer | None, written: Written | None = None) -> None:
         super().__init__()
-        self.observe = observe
+        self.observe, self.written = observe, written
         self.cursor = 0
 
     def append(self, entry: Any) -> None:
@@ -117,6 +126,8 @@ class _Replay(list[Any]):
             )
         entry = self[self.cursor]
         self.cursor += 1
+        if self.written:
+            _refuse_written(entry, self.written)
         return entry
 
 
@@ -155,15 +166,17 @@ def storage_form() -> str:
 _FORM = storage_form()
 
 
-def selective_contexts(policy_fn: Callable[..., CheckpointPolicy], observe: Observer | None = None) -> tuple[Any, Any]:
-    """``create_selective_checkpoint_contexts(policy_fn)`` whose cache survives repeated backward calls
-    and shows every output it saves to ``observe``."""
+def selective_contexts(
+    policy_fn: Callable[..., CheckpointPolicy], observe: Observer | None = None, written: Written | None = None,
+) -> tuple[Any, Any]:
+    """``create_selective_checkpoint_contexts(policy_fn)`` whose cache survives repeated backward calls, shows
+    every output it saves to ``observe``, and refuses a recomputation's read of one ``written`` names."""
     caching, cached = create_selective_checkpoint_contexts(policy_fn)
     if _FORM == "indexed":
-        indexed: defaultdict[Any, _WriteOnce] = defaultdict(lambda: _WriteOnce(observe))
+        indexed: defaultdict[Any, _WriteOnce] = defaultdict(lambda: _WriteOnce(observe, written))
         caching.storage = cached.storage = indexed
         return caching, cached
-    queued: defaultdict[Any, _Replay] = defaultdict(lambda: _Replay(observe))
+    queued: defaultdict[Any, _Replay] = defaultdict(lambda: _Replay(observe, written))
     caching.storage = cached.storage = queued
     return caching, _Rewound(cached, queued)
 
@@ -171,6 +184,7 @@ def selective_contexts(policy_fn: Callable[..., CheckpointPolicy], observe: Obse
 def sac_policy_fn(
     predicate: Predicate, layer: str = "", policy: Any = None, tagged: Callable[[str], None] | None = None,
     saved: set[Any] | None = None, storage: Callable[[], Mapping[Any, Any]] | None = None,
+    written: Written | None = None,
 ) -> Callable[..., CheckpointPolicy]:
     """Adapt ``predicate(op, *args, **kwargs) -> bool`` to torch's selective-checkpoint policy_fn.
 
@@ -179,7 +193,8 @@ def sac_policy_fn(
     ``policy`` (the one remat was given, ``predicate`` by default) name them in that error. ``tagged``
     hears the name of every ``checkpoint_name`` call it sees (which names the layer tags). ``saved``: the storages
     of the outputs saved so far (filled as they are saved; ``storage()`` the cache, by op, to name the one that saved
-    it), an op writing into one of which is refused: torch checks
+    it), an op writing into one of which is noted in ``written`` (by storage: the savers and the writer), and a
+    recomputation reading it refused: torch checks
     a saved output's version counter only, which a write through an ``_unsafe_view`` of it does not move (nn.GRU's
     CPU kernel adds into the gates of the input projection it computed for every step at once: the backward read the
     changed values, 3.9% off in the gradient norm, float64, one device, with no error).
@@ -189,12 +204,16 @@ def sac_policy_fn(
     def policy_fn(ctx: SelectiveCheckpointContext, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         if tagged is not None and op == CHECKPOINT_NAME_OP and len(args) > 1:
             tagged(args[1])
-        if saved and storage is not None:
-            written = {_storage_or_none(t) for t in written_tensors(op, args, kwargs)} & saved
-            if written:
-                savers = sorted({str(o) for o, entries in storage().items() if _holds(entries, written)})
+        if saved and storage is not None and written is not None:
+            into = ({_storage_or_none(t) for t in written_tensors(op, args, kwargs)} & saved) - {None}
+            if into:
+                # Noted, refused where a recomputation reads it (a write after the layer's last use of an output,
+                # `out += x` at its end, changes nothing the backward reads: torch recomputes only up to what
+                # the backward needs, and addmm's backward reads its inputs)
+                savers = sorted({str(o) for o, entries in storage().items() if _holds(entries, into)})
                 which = f"the output of {', '.join(savers) or 'an op'} ({op} writes into it)"
-                raise RuntimeError(_mutated_message(layer, shown, [], which))
+                for key in into:
+                    written.setdefault(key, _mutated_message(layer, shown, [], which))
         save = predicate(op, *args, **kwargs)
         if not isinstance(save, bool):
             # Not a TypeError: torch turns a TypeError raised inside an operator like `@` into NotImplemented.
@@ -319,8 +338,9 @@ def run_layer(
                     observe(t)
 
             caching: Any = None
-            policy_fn = sac_policy_fn(inner, layer, policy, tagged, saved, lambda: caching.storage)
-            caching, cached = selective_contexts(policy_fn, seen)
+            written: Written = {}  # a saved output's storage an op wrote into: the refusal, if a recomputation reads it
+            policy_fn = sac_policy_fn(inner, layer, policy, tagged, saved, lambda: caching.storage, written)
+            caching, cached = selective_contexts(policy_fn, seen, written)
             caches.append(caching.storage)
             return caching, cached
 
@@ -339,10 +359,21 @@ def _mutated_message(layer: str, policy: Any, caches: list[Mapping[Any, Any]], w
     return (
         f"remat({policy!r}): {name} changes {which} in place after the policy saved it for backward "
         "(torch's selective checkpoint keeps the saved tensor itself, so the backward would read the "
-        "changed values). Write that op out of place (x = x + y for x += y, h = h.relu() for "
-        "h.relu_()), or use a policy that saves nothing of that layer's (nothing_saveable), or leave "
+        "changed values). Where that op is your code's, write it out of place (x = x + y for x += y, "
+        "h = h.relu() for h.relu_()); where it is a torch kernel's own (nn.GRU, nn.LSTM, nn.RNN write into "
+        "the gates they compute), use a policy that saves nothing of that layer's (nothing_saveable), or leave "
         "the layer out of remat (remat(..., layers=[...]) without it)"
     )
+
+
+def _refuse_written(entry: Any, written: Written) -> None:
+    """Refuse a recomputation's read of a saved entry that an op wrote into after it was saved."""
+    for leaf in optree.tree_leaves(entry):
+        val = getattr(leaf, "val", None)
+        if isinstance(val, torch.Tensor):
+            found = written.get(_storage_or_none(val))
+            if found is not None:
+                raise RuntimeError(found)
 
 
 def _storage_or_none(t: torch.Tensor) -> Any:

@@ -94,8 +94,8 @@ def tensor_parallel(
     its cross-entropy with :func:`vocab_parallel_cross_entropy`; a step whose loss does not is refused.
 
     Every step checks that the gradients of the replicated parameters came out equal on every
-    rank of ``axis`` (``check_replicas``: a 24-byte all-gather of their sum and sum of
-    magnitudes, and of the batch's fingerprint), and refuses to update when they did not: a
+    rank of ``axis`` (``check_replicas``: a 520-byte all-gather of their sums and sums of
+    magnitudes in 32 bins, and of the batch's fingerprint), and refuses to update when they did not: a
     replicated parameter used on per-rank values without its gradient being summed would otherwise
     drift apart silently (and ranks given different batches are told so). Random ops on
     replicated values draw the same stream on every rank of ``axis`` (dropout on the residual stream

@@ -161,9 +161,30 @@ def test_an_in_place_op_on_an_output_dots_saveable_saved_names_the_layer_policy_
     rematted = remat(step, dots_saveable)
     with pytest.raises(RuntimeError, match=(
         r"remat\(dots_saveable\): layer '[ab]' changes the output of aten.mm.default \(aten.relu_.default writes "
-        r"into it\) in place after the policy saved it.*out of place \(x = x \+ y for x \+= y.*nothing_saveable.*"
-        r"leave the layer out")):
+        r"into it\) in place after the policy saved it.*out of place \(x = x \+ y for x \+= y.*a torch kernel's "
+        r"own.*nothing_saveable.*leave the layer out")):
         rematted(rematted.init(params), batch)
+
+
+def test_a_write_into_a_saved_output_the_backward_never_reads_again_runs_exactly() -> None:
+    """The review (s41 review2): `out = fc(h); out += x; return out` under dots_saveable writes into the addmm output
+    the policy saved, which no recomputation reads (addmm's backward reads its inputs; torch recomputes up to what
+    the backward needs): it trained exactly, and the first version of the write check refused it at the add_."""
+
+    def block(t: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        out = torch.tanh(x @ t["w"]) @ t["v"]
+        out += x  # into the second matmul's output, after its last use
+        return out
+
+    torch.manual_seed(0)
+    chain = sw.Chain([sw.Layer("a", block, ("w", "v")), sw.Layer("b", block, ("w", "v"))])
+    params = {n: {"w": torch.randn(6, 6, dtype=torch.float64), "v": torch.randn(6, 6, dtype=torch.float64)}
+              for n in "ab"}
+    step = sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1))
+    gen = torch.Generator().manual_seed(5)
+    batches = [(torch.randn(8, 6, dtype=torch.float64, generator=gen), torch.randn(8, 6, dtype=torch.float64,
+                                                                                   generator=gen)) for _ in range(2)]
+    _assert_equal(_params_after(remat(step, dots_saveable), params, batches), _params_after(step, params, batches))
 
 
 def test_the_same_layers_out_of_place_or_under_nothing_saveable_run_exactly() -> None:
