@@ -294,7 +294,8 @@ def test_a_summed_loss_runs_where_the_batch_is_not_cut(stack: str) -> None:
     sw.testing.assert_equivalent(transform(step), step, mesh, _batches(), params)
 
 
-def test_the_probe_runs_on_the_first_call_only() -> None:
+def _loss_calls(accumulation: int, steps: int) -> list[list[int]]:
+    """The rows of every loss_fn call in each of ``steps`` steps of ``accumulation`` micro-batches."""
     chain, params = _mlp()
     calls: list[int] = []
 
@@ -302,17 +303,21 @@ def test_the_probe_runs_on_the_first_call_only() -> None:
         calls.append(out.shape[0])
         return F.mse_loss(out, y)
 
-    step = sw.shard_params(sw.train_step(chain, counted, sw.optim.sgd(0.01)), "dp", 1, accumulation=2)
+    step = sw.shard_params(sw.train_step(chain, counted, sw.optim.sgd(0.01)), "dp", 1, accumulation=accumulation)
 
     def main() -> list[list[int]]:
         state, seen = step.init(params, sw.Mesh(dp=1)), []
-        for batch in _batches(3):
+        for batch in _batches(steps):
             del calls[:]
             state, _ = step(state, batch)
             seen.append(list(calls))
         return seen
 
-    first, *later = sw.launch(main, 1)[0]
+    return sw.launch(main, 1)[0]
+
+
+def test_the_probe_runs_on_the_first_call_only() -> None:
+    first, *later = _loss_calls(accumulation=2, steps=3)
     # the probe's 4 rows and their halves, three ways (0 1 | 2 3, 0 2 | 1 3, 0 3 | 1 2), then the two micro-batches
     # (review1: a micro-batch of 2 or 3 rows was probed on the row repeated too: see the test below)
     assert first == [4, 2, 2, 2, 2, 2, 2, 4, 4]
@@ -676,13 +681,5 @@ def test_a_loss_without_a_matmul_is_judged_at_float32s_tolerance_under_tf32() ->
 def test_a_micro_batch_of_two_rows_is_probed_on_its_halves_alone() -> None:
     """The review (s41 review1): the three halvings of 4 rows, inserted between the halving of 2 rows and the one row's
     repetition, made a micro-batch of 2 or 3 rows probed on the row repeated twice as well."""
-    chain, params = _mlp()
-    calls: list[int] = []
-
-    def counted(out: Tensor, y: Tensor) -> Tensor:
-        calls.append(out.shape[0])
-        return F.mse_loss(out, y)
-
-    step = sw.shard_params(sw.train_step(chain, counted, sw.optim.sgd(0.01)), "dp", 1, accumulation=4)
-    sw.launch(lambda: step(step.init(params, sw.Mesh(dp=1)), _batches(1)[0]), 1)
-    assert calls[:3] == [2, 1, 1] and calls[3:] == [2, 2, 2, 2]  # the probe's 2 rows and halves, the 4 micro-batches
+    (calls,) = _loss_calls(accumulation=4, steps=1)
+    assert calls == [2, 1, 1, 2, 2, 2, 2]  # the probe's 2 rows and their halves, then the 4 micro-batches
