@@ -356,8 +356,9 @@ def written_tensors(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> l
     description of the op (tests/engine/test_torch_api.py fails loudly where it changes)."""
     written = _WRITTEN.get(op)
     if written is None:
-        written = _WRITTEN[op] = tuple(
-            (i, a.name) for i, a in enumerate(op._schema.arguments)
+        schema = getattr(op, "_schema", None)  # (a higher-order op, flex_attention's, has none: it writes nothing)
+        written = _WRITTEN[op] = () if schema is None else tuple(
+            (i, a.name) for i, a in enumerate(schema.arguments)
             if a.alias_info is not None and a.alias_info.is_write
         )
     found: list[torch.Tensor] = []

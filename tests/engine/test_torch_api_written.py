@@ -15,3 +15,4 @@ def test_the_tensors_an_op_writes_into_are_read_from_its_schema() -> None:
     assert written_tensors(aten.add.Tensor, (a, b), {}) == []
     assert [t is a for t in written_tensors(aten.relu_.default, (a,), {})] == [True]
     assert written_tensors(aten.mm.default, (a.view(3, 1), b.view(1, 3)), {}) == []
+    assert written_tensors(object(), (a,), {}) == []  # an op without a schema (a higher-order op's) writes nothing
