@@ -88,6 +88,8 @@ def test_a_partition_of_more_stages_than_the_schedule_runs_names_stages() -> Non
 
 
 def test_untied_gpt_pipelined_on_a_dp_pp_mesh_replicates_over_dp() -> None:
+    """Under shard_params over dp (stage 1: replicas, as DDP). A pipeline alone on Mesh(dp=2, pp=2) is refused now:
+    each dp rank would train its own model on its own batch (session 41's probing)."""
     torch.manual_seed(0)
     model = TinyGPT(vocab=32, d_model=16, n_heads=2, n_layers=2, seq_len=8, tie_weights=False).double()
     chain, params = sw.functionalize(model, units=["tok_emb", "blocks", "head"])
@@ -95,7 +97,7 @@ def test_untied_gpt_pipelined_on_a_dp_pp_mesh_replicates_over_dp() -> None:
     step = sw.train_step(chain, loss, sw.optim.sgd(0.5, momentum=0.9))
     gen = torch.Generator().manual_seed(3)
     batches = [(torch.randint(32, (4, 8), generator=gen), torch.randint(32, (4, 8), generator=gen))]
-    piped = sw.pipeline(step, "pp", "1f1b", 4)
+    piped = sw.shard_params(sw.pipeline(step, "pp", "1f1b", 2), "dp", 1)
     sw.testing.assert_equivalent(piped, step, sw.Mesh(dp=2, pp=2), batches, params, rtol=F64_RTOL)
 
 

@@ -23,6 +23,7 @@ import torch
 
 import shardwise as sw
 from shardwise.engine.layout.state import tree_nbytes
+from shardwise.engine.plan.actions import REPLICA_BINS
 from shardwise.engine.simulate.costs import PlanCosts
 
 F64 = 8  # bytes per element
@@ -170,7 +171,8 @@ def test_a_traced_step_times_every_action_of_its_plan_in_layer_collectives_inclu
 BATCH, SEQ, HIDDEN, LAYERS, VOCAB = 4, 8, 32, 2, 64
 ACT = BATCH * SEQ * HIDDEN * F64  # one activation tensor of the residual stream
 TOKENS = BATCH * SEQ
-STEP_END_BYTES = 8 * F64  # the most that one of the step's closing exchanges may carry
+# the most that one of the step's closing exchanges may carry: the replica check's bins and the batch's fingerprint
+STEP_END_BYTES = (2 * REPLICA_BINS + 1) * F64
 
 
 def _without_step_end(records: list) -> list:
