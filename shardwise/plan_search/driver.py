@@ -79,6 +79,7 @@ def search(
         raise TypeError(f"search(step=...) needs a shardwise Step (see train_step), got {type(step).__name__}")
     if isinstance(top, bool) or not isinstance(top, int) or top < 1:
         raise ValueError(f"search(top={top!r}): how many layouts to return, an int >= 1")
+    _check_arguments(world, comm, space, cores)
     _check_single_device(step, "step")
     if certify_with is not None:
         _check_small_version(step, certify_with)
@@ -153,12 +154,32 @@ def _check_single_device(step: Step, what: str) -> None:
         )
 
 
+def _check_arguments(world: Any, comm: Any, space: Any, cores: Any) -> None:
+    """Refuse arguments of the wrong kind before the search runs (a string world, a dict for a Space, a comm that
+    is no CommModel: raw errors deep inside it before; cores 0: every candidate refused at its simulation)."""
+    if isinstance(world, bool) or not isinstance(world, int):
+        raise TypeError(f"search(world={world!r}): the number of ranks, an int (e.g. world=8)")
+    if comm is not None and not isinstance(comm, CommModel):
+        raise TypeError(f"search(comm={comm!r}): a sw.plan.CommModel (its bandwidths and latencies), or None to price "
+                        "communication as free")
+    if space is not None and not isinstance(space, Space):
+        raise TypeError(f"search(space={space!r}): a sw.plan_search.Space (e.g. Space(dp=(1, 2), pp=(1,))), or None "
+                        "for the default one")
+    if cores is not None and (isinstance(cores, bool) or not isinstance(cores, int) or cores < 1):
+        raise ValueError(f"search(cores={cores!r}): the cores the ranks share, an int >= 1, or None (one a rank)")
+
+
 def _check_small_version(step: Step, certify_with: Any) -> None:
     """Refuse a small step that is not a small version of ``step`` (the guide's rule: the same layers,
     loss and optimizer): its certificate would speak of another model."""
     if not (isinstance(certify_with, tuple) and len(certify_with) == 3 and isinstance(certify_with[0], Step)):
         raise TypeError("search(certify_with=...): give (small_step, small_params, small_batches)")
-    small = certify_with[0]
+    small, batches = certify_with[0], certify_with[2]
+    if not isinstance(batches, (list, tuple)) or not batches or not all(
+            isinstance(b, (list, tuple, Mapping)) for b in batches):
+        raise ValueError("search(certify_with=(small_step, small_params, small_batches)): small_batches is a list of "
+                         "at least one batch (two catch a wrong update), each (inputs, targets) or a dict, not one "
+                         "batch nor an empty list")
     _check_single_device(small, "certify_with")
     differs = [
         f"{what} {mine} there, {theirs} here" for what, mine, theirs in (

@@ -204,6 +204,16 @@ def test_bad_arguments_are_refused_clearly() -> None:
     with pytest.raises(ValueError, match="data parallel is shard_params"):
         Candidate(dp=2)
     assert parse_bytes("80GB") == 80 * 10**9 and parse_bytes("2KiB") == 2048
+    # found by session 41's probing: raw errors deep inside the search, or every candidate refused one by one
+    compute = flops(step, params, 8)
+    for kwargs, match in (({"world": "2"}, r"world='2'\): the number of ranks, an int"),
+                          ({"comm": "fast"}, r"comm='fast'\): a sw.plan.CommModel"),
+                          ({"space": {"dp": 2}}, r"space=\{'dp': 2\}\): a sw.plan_search.Space"),
+                          ({"cores": 0}, r"cores=0\): the cores the ranks share, an int >= 1"),
+                          ({"certify_with": (step, params, [])}, r"small_batches is a list of at least one batch"),
+                          ({"certify_with": (step, params, batches[0])}, r"not one batch nor an empty list")):
+        with pytest.raises((TypeError, ValueError), match=match):
+            sw.search(step, params, batches[0], **{"world": 2, "memory_per_rank": "1GB", "compute": compute, **kwargs})
 
 
 def test_every_action_pays_the_executors_time_per_action() -> None:
