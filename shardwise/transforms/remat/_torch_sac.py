@@ -194,10 +194,10 @@ def sac_policy_fn(
     hears the name of every ``checkpoint_name`` call it sees (which names the layer tags). ``saved``: the storages
     of the outputs saved so far (filled as they are saved; ``storage()`` the cache, by op, to name the one that saved
     it), an op writing into one of which is noted in ``written`` (by storage: the savers and the writer), and a
-    recomputation reading it refused: torch checks
-    a saved output's version counter only, which a write through an ``_unsafe_view`` of it does not move (nn.GRU's
-    CPU kernel adds into the gates of the input projection it computed for every step at once: the backward read the
-    changed values, 3.9% off in the gradient norm, float64, one device, with no error).
+    recomputation reading it refused: torch checks a saved output's version counter only, which a write through an
+    ``_unsafe_view`` of it does not move (nn.GRU's CPU kernel adds into the gates of the input projection it computed
+    for every step at once: the backward read the changed values, 3.9% off in the gradient norm, float64, one
+    device, with no error).
     """
     shown = predicate if policy is None else policy
 
