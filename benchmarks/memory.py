@@ -85,8 +85,9 @@ model's parameters), ``ratio_to_fsdp2`` (peak over FSDP2's peak at that world),
 ``shardwise_zero1/2``'s, which carry their own stage's), ``ratio_to_ddp`` (peak over DDP's, where
 DDP ran), and for shardwise the Plan's figures for rank 0 (``plan``: params, grads, opt_state, gathered_peak,
 reduce_buffers, comm_buffers, each at its own peak, ``held_in_step``, the most those three and the
-gradient shards made so far hold together at one action, kept_for_backward, and ``peak``, the Plan's
-prediction of the peak: params + opt_state + held_in_step + kept_for_backward).
+gradient shards made so far hold together at one action, kept_for_backward, loss_buffers, and ``peak``, the
+Plan's prediction of the peak: params + opt_state + the most held_in_step's parts and the activations hold
+together at one action).
 """
 
 from __future__ import annotations

@@ -17,9 +17,11 @@ computed in before the casts that made it (autograd nodes' ``_input_metadata``),
 runs code on fake tensors (``torch._subclasses.FakeTensorMode``): shapes, dtypes and kernel choices of the real
 device, no data and no arithmetic, and ``real_ops`` steps out of them inside such a block
 (``unset_fake_temporarily``); ``dense_where_refused`` runs again, on dense copies, an op whose kernel refuses
-an expanded input (a ``TorchDispatchMode``). ``flash_attention_cpu`` and its backward are torch's CPU flash
-attention kernel called directly (``aten._scaled_dot_product_flash_attention_for_cpu``), which, unlike
-the public ``scaled_dot_product_attention``, returns each row's log-sum-exp. ``compiled_original``,
+an expanded input (a ``TorchDispatchMode``), and ``live_bytes`` follows the bytes of the storages the ops
+inside a block make, until each is freed (a ``TorchDispatchMode`` too, and weak references to storages).
+``flash_attention_cpu`` and its backward are torch's CPU flash attention kernel called directly
+(``aten._scaled_dot_product_flash_attention_for_cpu``), which, unlike the public
+``scaled_dot_product_attention``, returns each row's log-sum-exp. ``compiled_original``,
 ``compiled_in_place`` and ``drop_compiled_call`` read and undo ``torch.compile`` on a module
 (``OptimizedModule._orig_mod``, ``Module._compiled_call_impl``), checked by tests/engine/test_uncompiled.py.
 """
@@ -29,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -345,6 +348,64 @@ class _DenseWhereRefused(TorchDispatchMode):
             if not (_computes(func) and any(_one_value_expanded(t) for t in inputs)):
                 raise
         return func(*optree.tree_map(_dense, args), **optree.tree_map(_dense, kwargs))
+
+
+class LiveBytes(TorchDispatchMode):
+    """Inside ``with``: ``live``, the bytes of the storages that the ops run inside made (and those
+    :meth:`hold` was given) and that are alive still; ``peak``, the most of them alive at once. Each storage
+    counts once at its full size, from the op that made it to the moment torch frees it (a weak reference
+    to it: torch keeps one Python object per live storage). On fake tensors (inside :func:`fake_tensors`,
+    whose mode this one runs above) it follows what the real ops would allocate, with no memory: what
+    autograd's backward makes and frees included, as it runs in the calling thread on the CPU and on the
+    meta device. Private torch API: ``TorchDispatchMode``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._held: dict[int, Any] = {}
+
+    def add(self, nbytes: int) -> None:
+        """Count ``nbytes`` more (fewer, if negative) as alive from now on: storages made before the block."""
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+
+    def hold(self, t: torch.Tensor) -> None:
+        """Count ``t``'s storage from now on, until it is freed (once, however many views of it come)."""
+        storage = t.untyped_storage()
+        key = id(storage)
+        ref = self._held.get(key)
+        if ref is not None and ref() is storage:
+            return
+        size = storage.nbytes()
+
+        def freed(_: Any, key: int = key, size: int = size) -> None:
+            self.live -= size
+            self._held.pop(key, None)
+
+        self._held[key] = weakref.ref(storage, freed)
+        self.live += size
+        self.peak = max(self.peak, self.live)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if _returns_new(func):  # (a view's or an in-place op's result is a storage made before, or not ours)
+            for t in optree.tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    self.hold(t)
+        return out
+
+
+def _returns_new(func: Any) -> bool:
+    """Whether an op's results are new storages: none of them aliases an input (not a view, not an in-place
+    op's or an ``out=``'s). A higher-order op has no schema: its results are taken as new (once each)."""
+    schema = getattr(func, "_schema", None)
+    return schema is None or all(r.alias_info is None for r in schema.returns)
+
+
+def live_bytes() -> LiveBytes:
+    """A :class:`LiveBytes` to enter: ``with live_bytes() as seen: ...`` then ``seen.peak``."""
+    return LiveBytes()
 
 
 _WRITTEN: dict[Any, tuple[tuple[int, str], ...]] = {}

@@ -6,13 +6,15 @@ says which. Both bounds are below what the Plan and the simulation would give (t
 it over whole spaces), so a candidate bounded out could not have been returned:
 
 * memory: a pipeline index holds its stages' share (by parameter count, the pipeline's own
-  balanced partition) of the single-device step's parameters, gradients and optimizer state,
-  divided by tp and ep and, as the ZeRO stage shards them, by dp; the same share of what an
-  out-of-place update keeps beside them (its new parameters and state: the new TrainState, held
-  with the old to the step's end, ``held_levels.update_levels``); and the activations its schedule
-  keeps (``kept_per_index``, as the Plan counts them) of its layers at one micro-batch,
-  predicted as the Plan predicts them, once per (tp, micro-batch shape, remat, precision). The
-  Plan's peak is the sum of those figures and more (buffers, gathered units) on the same rank.
+  balanced partition) of the single-device step's parameters and optimizer state, divided by tp
+  and ep and, as the ZeRO stage shards them, by dp, through the step; and the more of two moments:
+  at the update, the same share of the gradients and of what an out-of-place update keeps beside
+  them (its new parameters and state: the new TrainState, held with the old to the step's end,
+  ``held_levels.update_levels``); as the backward starts, the activations its schedule keeps (the
+  most micro-batches in flight on it, as the schedule's simulation counts them, each at its
+  least-keeping stage's figure) of its layers at one micro-batch, predicted as the Plan predicts
+  them, once per (tp, micro-batch shape, remat, precision). The Plan's peak is the most the rank
+  holds at one of its actions, with more (buffers, gathered units, the loss's own) at each.
 * time: a rank's computes run one at a time, each at least its layer's cost at its share of the
   batch and of the parameters (between ``1 / (tp x ep)`` and 1 of them); a stage cannot start before the
   first micro-batch's forward through the stages before it (and under GPipe and 1F1B, whose
@@ -51,6 +53,7 @@ from ..engine.simulate.costs import CommModel
 from ..engine.step.planning import one_microbatch, planned_device
 from ..engine.step.step import Step
 from ..engine.torch_api import data_dependent_errors
+from ..transforms.pipeline.simulate import simulate
 from .candidate import Candidate
 from .compute import LayerCosts, batch_size
 
@@ -183,12 +186,17 @@ class Bounds:
         if pipe is None or not full:  # (the schedule's simulation is for the full bound only)
             held: Sequence[int] = (per_stage[0],) if pipe is None else (0,) * indices
         else:
-            held = pipe.kept_per_index(schedule, per_stage)
+            # The most micro-batches in flight on an index, each keeping at least its least-keeping stage's.
+            peaks = simulate(schedule).peak_activations
+            held = [peaks[i] * min((per_stage[s] for s, p in enumerate(index_of) if p == i), default=0)
+                    for i in range(indices)]
         share = [0.0] * indices
         for s, layers in enumerate(stages):
             share[index_of[s]] += sum(self.weights[n] for n in layers) / self.total
-        state = [sh * (params_b / zp + (grads_b + opt_b + kept_b) / zs) / (c.tp * c.ep) for sh in share]
-        memory = max(int(state[i]) + held[i] for i in range(indices))
+        split = c.tp * c.ep
+        rest = [sh * (params_b / zp + opt_b / zs) / split for sh in share]
+        made = [sh * (grads_b + kept_b) / zs / split for sh in share]  # by the update, the activations freed
+        memory = max(int(rest[i]) + max(int(made[i]), held[i]) for i in range(indices))
         return Bound(memory, self._time(c, applied, stages, index_of, indices, share, wire, zs, full))
 
     def _time(self, c: Candidate, applied: Step, stages: Sequence[Sequence[str]], index_of: Sequence[int],

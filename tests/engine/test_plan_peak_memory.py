@@ -69,9 +69,14 @@ TP_WIDTH, TP_LAYERS = 2048, 4
 # earlier ones' while the units are gathered (the Plan was one unit's shard, 6%, under). _once: reduced
 # after the last, a stage's backward adding one unit's new gradient at a time into the held ones (the
 # Plan counted both units' at once, 13% over).
+# lm_*: a language model whose logits and cross-entropy's tensors (16 MiB each a rank) outweigh its blocks'
+# activations; the Plan once left out the chain's output, the loss's own and the output's gradient (0.64 of
+# the measured peak at one rank, a TinyGPT of an 8192-word vocabulary) and summed the activations with the
+# gradients and the update's allocations, which come after them (1.19x).
 STACKS = ("pipeline", "pipeline_inplace", "pipeline_zero3", "pipeline_zero3_once", "tensor_parallel",
           "tensor_parallel_inplace", "tensor_parallel_bf16", "zero1", "zero1_bf16", "zero2_bf16", "zero2_acc2_bf16",
-          "zero3_bf16", "zero3_acc2", "zero3_acc2_once")
+          "zero3_bf16", "zero3_acc2", "zero3_acc2_once", "lm_zero3", "lm_zero2_remat", "lm_pipeline_gpipe")
+LM_VOCAB, LM_WIDTH, LM_SEQ, LM_ROWS = 4096, 128, 64, 16  # per rank: 16 x 64 x 4096 float32 logits, 16 MiB
 # An all-gather whose peers issue it late: rank 0's result, 16 MiB, is allocated at the issue and
 # only its own quarter written until they come.
 LATE_GATHER_BYTES, LATE_S = 16 << 20, 0.5
@@ -81,7 +86,31 @@ def _model(width: int, layers: int) -> nn.Sequential:
     return nn.Sequential(*[m for _ in range(layers) for m in (nn.Linear(width, width), nn.ReLU())][:-1])
 
 
+def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _lm_stack(name: str) -> tuple[sw.Step, dict[str, Any], tuple[torch.Tensor, torch.Tensor], sw.Mesh]:
+    from shardwise.testing.models import Block, TinyGPT
+
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=LM_VOCAB, d_model=LM_WIDTH, n_heads=4, n_layers=4, seq_len=LM_SEQ)  # 3 MiB
+    chain, params = sw.functionalize(model, units=Block)
+    step = sw.train_step(chain, _cross_entropy, sw.optim.adamw(1e-3))
+    if name == "lm_pipeline_gpipe":  # the last stage keeps each micro-batch's log-softmax to its backward
+        step, mesh, rows = sw.pipeline(step, "pp", "gpipe", microbatches=4), sw.Mesh(pp=WORLD), 4 * LM_ROWS
+    else:
+        if name.endswith("_remat"):  # the head recomputes its logits in its backward
+            step = sw.remat(step, policy=sw.policies.nothing_saveable, layers="all")
+        step, mesh, rows = sw.shard_params(step, "dp", stage=int(name[7])), sw.Mesh(dp=WORLD), WORLD * LM_ROWS
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, LM_VOCAB, (rows, LM_SEQ + 1), generator=gen)
+    return step, params, (tokens[:, :-1], tokens[:, 1:]), mesh
+
+
 def _stack(name: str, width: int) -> tuple[sw.Step, dict[str, Any], tuple[torch.Tensor, torch.Tensor], sw.Mesh]:
+    if name.startswith("lm_"):
+        return _lm_stack(name)
     layers = PIPELINE_LAYERS if name.startswith("pipeline") else TP_LAYERS
     with torch.device("meta"):
         model = _model(width, layers)

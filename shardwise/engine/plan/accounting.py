@@ -38,7 +38,8 @@ from ..model import reuse as reuse_module
 from ..model.chain import Chain
 from ..model.split_backward import input_part, recomputes
 from ..stack import in_layer
-from ..torch_api import fake_run_errors, fake_tensors, is_fake, real_stand_ins, storage_key
+from ..torch_api import fake_run_errors, fake_tensors, is_fake, live_bytes, real_stand_ins, storage_key
+from .loss_memory import LossMemory, loss_memory
 
 Observer = Callable[[torch.Tensor], None]
 
@@ -88,6 +89,10 @@ class KeptParts(NamedTuple):
     batch: dict[str, dict[int, int]]
     stand_ins: tuple[str, ...] = ()  # the layers that ran on real stand-ins (they read data to decide a shape)
     recorded: Mapping[str, int] = MappingProxyType({})
+    loss: LossMemory | None = None  # with ``loss=``: what the loss holds of the chain's output (loss_memory.py)
+    # On fake tensors, per layer: the most its backward holds at once beyond what it keeps (the gradients it
+    # makes on the way, a recomputation's activations), its weights' gradients left out (``_backward_peak``).
+    in_backward: Mapping[str, int] = MappingProxyType({})
 
     def totals(self) -> dict[str, int]:
         return {name: n + sum(self.batch[name].values()) for name, n in self.own.items()}
@@ -96,6 +101,7 @@ class KeptParts(NamedTuple):
 def kept_parts(
     chain: Chain, params: Mapping[str, Mapping[str, torch.Tensor]], inputs: Any, *, reuse: bool = False,
     split: bool = False, batch_values: Mapping[int, torch.Tensor] | None = None,
+    loss: tuple[Callable[[Any, Any], Any], Any] | None = None,
 ) -> KeptParts:
     """:func:`kept_for_backward`, with what each layer keeps of the batch's own storages apart.
 
@@ -106,9 +112,11 @@ def kept_parts(
     none: its stage's weight pass is a whole backward). ``batch_values``: by ``id`` of a fake leaf of
     ``inputs``, the batch's real tensor, which a layer that reads data (and so runs on real stand-ins) reads
     instead of zeros (a forward that trims the batch to its longest row, ``int(mask.sum(1).max())``, read 0
-    of a zero mask and failed, where the step runs)."""
+    of a zero mask and failed, where the step runs). ``loss``: ``(loss_fn, targets)``, run on the chain's output
+    for what the loss holds of it (``loss_memory.py``; on fake tensors only)."""
     own: dict[str, int] = {}
     recorded: dict[str, int] = {}
+    in_backward: dict[str, int] = {}
     of_batch: dict[str, dict[int, int]] = {}
     batch = {storage_key(t) for t in optree.tree_leaves(inputs) if isinstance(t, torch.Tensor)}
     x = optree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, inputs)
@@ -122,13 +130,18 @@ def kept_parts(
     own_batch = frozenset(batch)
     around = (split, tuple(sorted((in_layer.predicting_sizes() or {}).items())))
     stand_ins: list[str] = []
+    # With the loss: what the last layer keeps of its own output for its backward (a remat policy's cached
+    # matmul, a final sigmoid's result) is its own to that backward; the loss holds the rest of it only while
+    # it runs (the executor drops the output then). Any other layer's output the executor holds anyway.
+    last = chain.names[-1] if loss is not None else None
+    outputs_kept: dict[int, int] = {}
     for layer in chain:
         local = {k: v.detach().requires_grad_(True) for k, v in chain.layer_params(params, layer.name).items()}
         base = None if memo is None else memo.key(layer.fn, {**local, **layer.buffers}, x, layer.name, own_batch)
-        key = None if base is None else (base, around)
-        found = None if memo is None else memo.lookup(key, x)
+        key = None if base is None or layer.name == last else (base, around)
+        found = None if memo is None or key is None else memo.lookup(key, x)
         if found is not None:  # a layer like one run before, on an input like its: it keeps alike
-            y, (own[layer.name], kept_inputs, recorded[layer.name]) = found
+            y, (own[layer.name], kept_inputs, recorded[layer.name], in_backward[layer.name]) = found
             leaves = optree.tree_leaves(x, none_is_leaf=True)
             of_batch[layer.name] = {storage_key(leaves[i]): n for i, n in kept_inputs.items()}
             x = _cut(y)
@@ -158,18 +171,30 @@ def kept_parts(
             memo_ok = True
             recorded[layer.name] = _recorded_bytes(y, x, local, layer.fn) if split else 0
         outputs = [t for t in optree.tree_leaves(y) if isinstance(t, torch.Tensor)]
-        resident = {storage_key(t) for t in [*local.values(), *layer.buffers.values(), *outputs]}
+        resident = {storage_key(t) for t in [*local.values(), *layer.buffers.values()]}
+        if layer.name != last:
+            resident |= {storage_key(t) for t in outputs}
         sizes = {storage_key(t): t.untyped_storage().nbytes() for t in kept}
         sizes = {key: n for key, n in sizes.items() if key not in resident}
+        if layer.name == last:
+            outputs_kept = {storage_key(t): sizes[storage_key(t)] for t in outputs if storage_key(t) in sizes}
         own[layer.name] = sum(n for key, n in sizes.items() if key not in batch)
         of_batch[layer.name] = {key: n for key, n in sizes.items() if key in batch}
+        if memo_ok:  # (the last use of y's graph: its backward frees it)
+            in_backward[layer.name] = _backward_peak(y, x, local, kept, set(sizes))
         del kept
-        if memo is not None and memo_ok:
+        if key is not None and memo is not None and memo_ok:
             kept_inputs = _as_input_leaves(x, of_batch[layer.name])
             if kept_inputs is not None:
-                memo.store(key, x, y, (own[layer.name], kept_inputs, recorded[layer.name]), keep=layer.fn)
+                memo.store(key, x, y, (own[layer.name], kept_inputs, recorded[layer.name],
+                                       in_backward.get(layer.name, 0)), keep=layer.fn)
         x = _cut(y)
-    return KeptParts(own, of_batch, tuple(stand_ins), recorded)
+    held_by_loss = None
+    if loss is not None:
+        loss_fn, targets = loss
+        targets_storages = {storage_key(t) for t in optree.tree_leaves(targets) if isinstance(t, torch.Tensor)}
+        held_by_loss = loss_memory(loss_fn, x, targets, batch | targets_storages | set(outputs_kept))
+    return KeptParts(own, of_batch, tuple(stand_ins), recorded, held_by_loss, in_backward)
 
 
 def _batch_value(given: Mapping[int, tuple[torch.Tensor, torch.Tensor]], t: Any) -> Any:
@@ -191,6 +216,36 @@ def _recorded_bytes(y: Any, x: Any, local: Mapping[str, torch.Tensor], fn: Any) 
     sizes = {storage_key(g): g.untyped_storage().nbytes()
              for group in part.groups for got in group.grads for g in got or () if g is not None}
     return sum(sizes.values())
+
+
+def _backward_peak(
+    y: Any, x: Any, local: Mapping[str, torch.Tensor], kept: list[torch.Tensor], counted: set[int]
+) -> int:
+    """On fake tensors: the most a layer's backward holds at once beyond what its forward kept (``kept``, the
+    storages in ``counted`` of it: the list is emptied, so that autograd frees each as its backward is done
+    with it) and its outputs' gradients, seeded with gradients of the outputs' shapes: the gradients it makes
+    on the way (of its intermediates, of its input), a recomputation's activations (remat's), less its
+    weights' gradients, which the Plan counts as made at that backward already. 0 on real tensors (no memory
+    is spent to predict it)."""
+    outputs = [t for t in optree.tree_leaves(y) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not outputs or not all(is_fake(t) for t in outputs):
+        return 0
+    weights = [t for t in local.values() if t.requires_grad]
+    wrt = [t for t in optree.tree_leaves(x) if isinstance(t, torch.Tensor) and t.requires_grad] + weights
+    if not wrt:
+        return 0
+    seeds = [torch.ones_like(o) for o in outputs]  # the outputs' gradients: the next layer's (or the loss's) making
+    with live_bytes() as seen:
+        for t in kept:
+            if storage_key(t) in counted:
+                seen.hold(t)
+        kept.clear()
+        start = seen.live
+        grads = torch.autograd.grad(outputs, wrt, seeds, allow_unused=True)
+        made = sum({storage_key(g): g.untyped_storage().nbytes() for g in grads[len(wrt) - len(weights):]
+                    if g is not None}.values())
+        del grads
+    return max(seen.peak - start - made, 0)
 
 
 def _as_input_leaves(x: Any, kept: Mapping[int, int]) -> dict[int, int] | None:
@@ -223,10 +278,11 @@ def predict_kept_for_backward(
 
 def predict_kept_parts(
     chain: Chain, params: Mapping[str, Mapping[str, torch.Tensor]], inputs: Any, *, reuse: bool = True,
-    split: bool = False,
+    split: bool = False, loss: tuple[Callable[[Any, Any], Any], Any] | None = None,
 ) -> KeptParts:
     """:func:`kept_parts` on fake copies (see :func:`predict_kept_for_backward`), identical layers
-    run once unless ``reuse=False``; ``split``: with each layer's ``recorded`` bytes."""
+    run once unless ``reuse=False``; ``split``: with each layer's ``recorded`` bytes; ``loss``:
+    ``(loss_fn, targets)``, with what the loss holds (``KeptParts.loss``)."""
     # Meta parameters (a meta-built model) are predicted on the device the batch is on.
     device = next((t.device for t in optree.tree_leaves(inputs) if isinstance(t, torch.Tensor)), "cpu")
     with fake_tensors(device) as fake:
@@ -237,4 +293,6 @@ def predict_kept_parts(
         fake_inputs = optree.tree_map(fake, inputs)
         values = {id(f): t for f, t in zip(optree.tree_leaves(fake_inputs), optree.tree_leaves(inputs), strict=True)
                   if isinstance(t, torch.Tensor) and not is_fake(t) and t.device.type != "meta"}
-        return kept_parts(fake_chain, fake_params, fake_inputs, reuse=reuse, split=split, batch_values=values)
+        faked_loss = None if loss is None else (loss[0], optree.tree_map(fake, loss[1]))
+        return kept_parts(fake_chain, fake_params, fake_inputs, reuse=reuse, split=split, batch_values=values,
+                          loss=faked_loss)

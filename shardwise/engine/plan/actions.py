@@ -219,8 +219,13 @@ class Plan:
     the step beside the whole parameters, and between steps too: the state hands them on to the
     next update; 0 where the step gathers into the parameters, whose shards they are views of), and
     ``held_in_step``, the most those and the gradients (under shard_params, the gradient shards)
-    made so far hold together at one action; ``peak`` is then ``params``, ``opt_state``,
-    ``held_in_step`` and ``kept_for_backward`` (with a batch). ``layers``
+    made so far hold together at one action. With a batch, ``kept_for_backward`` (what the layers
+    keep for backward, with the micro-batches in flight) and ``loss_buffers`` (what the loss holds at
+    its worst on the ranks that run it: the chain's output while it runs, what it keeps for its
+    backward, per micro-batch in flight, and its backward's gradients down to the output's). ``peak``
+    is ``params`` and ``opt_state``, and the most that ``held_in_step``'s parts, what the forward and
+    the loss keep, and the loss's own (and a layer's backward's, as it runs) hold together at one
+    action: at most the sum of those figures, which come at different actions. ``layers``
     says how the rewriting transforms run each layer (its compute dtype, its
     remat policy), in the stack's words.
     """

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -25,10 +25,15 @@ from ..layout.state_layout import Placement, StateLayout, local_params, meta_sha
 from ..optim.meta_like import meta_like
 from ..plan.accounting import predict_kept_parts
 from ..plan.actions import (
+    BACKWARD,
+    BACKWARD_INPUT,
+    BACKWARD_WEIGHT,
+    FORWARD,
     FREE,
     GATHER,
     GATHER_PARAMS,
     GRAD_COMPUTES,
+    LOSS,
     REDUCE_REPLICAS,
     REDUCE_SCATTER,
     WAIT_GATHER,
@@ -40,6 +45,7 @@ from ..plan.actions import (
 )
 from ..plan.batches import split_over
 from ..plan.inside import predict_inside
+from ..plan.loss_memory import LossMemory
 from ..plan.lower import (
     Inside,
     annotate,
@@ -131,14 +137,15 @@ def plan_of(step: Step, mesh: Mesh, params: Params | None, batch: Any, *, share_
         guessed: set[str] = set()
         memory, stand_ins = _memory(step, mesh, params, batch, placement, layouts, class_of, masters, by_class,
                                     guessed)
-        if guessed:  # not silently a guess either
+        loss_guess = next((g[len(LOSS_GUESSED):] for g in guessed if g.startswith(LOSS_GUESSED)), None)
+        if loss_guess is not None:  # not silently a guess: say why
+            notes[step.chain.names[-1]] = (_GUESSED_LOSS.format(why=loss_guess),)
+        if "update" in guessed:  # not silently a guess either
             for layer in step.chain.names:
                 if step.chain.owned_param_names(layer):
                     notes[layer] = (*notes.get(layer, ()), _GUESSED_UPDATE)
         for layer in stand_ins:  # not silently a guess: say which figure is the stand-ins'
-            notes[layer] = ("fake tensors cannot run it (it reads data to decide a shape, a routing?, or an op's "
-                            "fake kernel refuses what its real one runs): its kept_for_backward is predicted on "
-                            "zero-filled stand-ins (a real batch routes otherwise)",)
+            notes[layer] = (*notes.get(layer, ()), _STAND_INS)
     # In the order the rewrites apply (engine/stack/compose.py), whatever order they were applied in.
     for spec in rewrites_in_order(step.transforms):
         for layer, note in spec.layer_notes(step.base_chain).items():
@@ -222,33 +229,52 @@ def _memory(
 ) -> tuple[dict[str, tuple[int, ...]], tuple[str, ...]]:
     """Each figure per rank, counted once per rank class (see :func:`rank_class`); and the layers whose
     kept_for_backward ran on stand-ins (``guessed`` gets "update" where the update's figure is a guess:
-    ``held_levels.update_levels``)."""
+    ``held_levels.update_levels``; ``LOSS_GUESSED`` and why, where the loss's is: ``_kept_per_rank``)."""
     device = planned_device(params, batch)
-    by_class = {c: _class_memory(step, layouts[c], masters[c], actions[c], device, placement, guessed)
-                for c in masters}
+    by_class: dict[Any, dict[str, int]] = {}
+    held_at: dict[Any, list[int]] = {}  # per class, what held_in_step's levels hold at each action
+    for c in masters:
+        by_class[c], held_at[c] = _class_memory(step, layouts[c], masters[c], actions[c], device, placement, guessed)
     # A figure some classes have not (a policy's compute copies where a rank holds no parameter) is 0 there.
     keys = dict.fromkeys(k for c in by_class for k in by_class[c])
     memory = {k: tuple(by_class[c].get(k, 0) for c in class_of) for k in keys}
+    # At rest: the state but the gradients (the parameters, the optimizer's state), held through the step.
+    at_rest = [k for k in memory if k not in _COME_AND_GO and k not in ("grads", "held_in_step")]
+    kept_at = {c: [0] * len(actions[c]) for c in masters}  # what the forward and the loss keep, at each action
     stand_ins: tuple[str, ...] = ()
     if batch is not None:
-        memory["kept_for_backward"], stand_ins = _kept_per_rank(step, mesh, params, batch, placement,
-                                                                layouts[class_of[0]])
-    # The state at rest but the gradients, what the forward kept (live at the backward's worst
-    # moment), and ``held_in_step``: the most that the gradients (under shard_params, the shards made
-    # so far), the update's allocations, the compute copies, and under shard_params the units
-    # gathered, the gradients on their way to a reduction and the collectives' copies hold together
-    # at one action. Each buffer has its own figure, its own peak; they come at
-    # different actions (summing them and every gradient shard counted, at ZeRO-3, a prefetched
-    # unit beside a reduce-scatter that it never meets, and shards not yet made: 4-6% over the
-    # measured peak of benchmarks/memory.py).
-    summed = [k for k in memory if k not in _COME_AND_GO and not (k == "grads" and "held_in_step" in memory)]
-    memory["peak"] = tuple(sum(memory[k][r] for k in summed) for r in range(mesh.size))
+        kept = _kept_per_rank(step, mesh, params, batch, placement, layouts[class_of[0]], guessed)
+        memory["kept_for_backward"], stand_ins = kept.per_rank, kept.stand_ins
+        loss_at = {}
+        for c in masters:
+            kept_at[c], loss_at[c] = _kept_levels(actions[c], placement, kept)
+        memory["loss_buffers"] = tuple(max(loss_at[c], default=0) for c in class_of)
+    # The peak: the state at rest, and the most that the gradients made so far and the buffers
+    # (``held_in_step``'s levels: under shard_params the shards made so far, the units gathered, the
+    # gradients on their way to a reduction and the collectives' copies; the update's allocations, the
+    # compute copies) and what the forward and the loss keep for backward (the loss's own beside, as it
+    # runs) hold together at one action. Summing each one's own peak counted, for a language model, every
+    # gradient and the update's new state beside the activations, which are freed by then (19% over the
+    # measured peak of a TinyGPT with an 8192-word vocabulary); summing the buffers' peaks counted, at
+    # ZeRO-3, a prefetched unit beside a reduce-scatter that it never meets (4-6% over benchmarks/memory.py's).
+    memory["peak"] = tuple(
+        sum(memory[k][r] for k in at_rest)
+        + max((h + k for h, k in zip(held_at[class_of[r]], kept_at[class_of[r]], strict=True)), default=0)
+        for r in range(mesh.size)
+    )
     return memory, stand_ins
 
 
 _GUESSED_UPDATE = ("the optimizer's update reads its values (a data-dependent op), which fake tensors cannot run: "
                    "update_buffers counts its new parameters and state, as an out-of-place update's, without "
                    "its temporaries")
+
+_STAND_INS = ("fake tensors cannot run it (it reads data to decide a shape, a routing?, or an op's fake kernel "
+              "refuses what its real one runs): its kept_for_backward is predicted on zero-filled stand-ins (a real "
+              "batch routes otherwise)")
+LOSS_GUESSED = "loss: "
+_GUESSED_LOSS = ("loss_fn could not run on fake tensors ({why}): loss_buffers counts the chain's output and its "
+                 "gradient, without what the loss makes of its own or keeps for backward")
 
 # The figures that come and go as the actions run, each its own peak: the Plan's peak counts instead
 # the most they hold together at one action (``held_in_step``).
@@ -259,7 +285,9 @@ _COME_AND_GO = ("gathered_peak", "reduce_buffers", "comm_buffers", "replica_buff
 def _class_memory(
     step: Step, layout: StateLayout, master: Params, actions: tuple[Action, ...], device: torch.device,
     placement: Placement, guessed: set[str],
-) -> dict[str, int]:
+) -> tuple[dict[str, int], list[int]]:
+    """The class's figures, and what the step holds at each of its actions beside the state at rest
+    (``held_in_step``'s levels: the gradients made so far, the buffers)."""
     figures: dict[str, int] = {}
     sharding = layout.sharding
     shards = None if sharding is None else meta_shards(sharding)
@@ -273,7 +301,8 @@ def _class_memory(
         groups = getattr(step.optimizer, "groups", None)
         runs = None if groups is None else master_runs(groups, step.base_chain, layout, master, 0)
         made, levels = unsharded_levels(step, master, actions, device, guessed, runs)
-        return figures | _held(made, levels)
+        held, together = _held(made, levels)
+        return figures | held, together
     assert sharding is not None
     levels = {
         "gathered_peak": _gathered_levels(actions, {
@@ -311,15 +340,17 @@ def _class_memory(
         levels["master_shards"] = [0 if into else tree_nbytes(shards)] * len(actions)
     made = _shards_made_levels(actions, {u: tree_nbytes(t) for u, t in shards.items()}, device.type == "cpu",
                                _new_share_bytes(step, sharding))
-    return figures | _held(made, levels)
+    held, together = _held(made, levels)
+    return figures | held, together
 
 
-def _held(made: Sequence[int], levels: Mapping[str, Sequence[int]]) -> dict[str, int]:
+def _held(made: Sequence[int], levels: Mapping[str, Sequence[int]]) -> tuple[dict[str, int], list[int]]:
     """Each level's own peak, and ``held_in_step``: the most they and the gradients ``made`` so far hold
-    together at one action."""
+    together at one action; and what they hold together at each action."""
     figures = {key: max(per_action, default=0) for key, per_action in levels.items()}
-    figures["held_in_step"] = max((sum(at) for at in zip(made, *levels.values(), strict=True)), default=0)
-    return figures
+    together = [sum(at) for at in zip(made, *levels.values(), strict=True)]
+    figures["held_in_step"] = max(together, default=0)
+    return figures, together
 
 
 def _params_levels(
@@ -588,10 +619,73 @@ def _reduce_dtype(step: Step, unit: str, dtype: torch.dtype) -> torch.dtype:
 def _gather_dtype(step: Step, unit: str, dtype: torch.dtype) -> torch.dtype:
     return dtype if step.precision is None else step.precision.for_layer(unit).compute
 
+class _Kept(NamedTuple):
+    """What the forward keeps for backward: ``per_rank``, the Plan's ``kept_for_backward`` (the layers' figures
+    at one micro-batch, with the micro-batches in flight); ``per_stage``, what a stage's layers keep of their
+    own at one micro-batch (with a zero-bubble input pass's records); ``batch``, per layer, the batch's
+    storages it keeps (kept once however many micro-batches are in flight: they are views of one batch);
+    ``in_backward``, the most a stage's backward holds beyond that and its weights' gradients (the gradients
+    of its intermediates, a recomputation's activations: remat's); ``loss``, what the loss holds;
+    ``stand_ins``, the layers that ran on stand-ins."""
+
+    per_rank: tuple[int, ...]
+    per_stage: list[int]
+    in_backward: list[int]
+    batch: Mapping[str, Mapping[int, int]]
+    loss: LossMemory
+    stand_ins: tuple[str, ...]
+
+
+def _kept_levels(actions: Sequence[Action], placement: Placement, kept: _Kept) -> tuple[list[int], list[int]]:
+    """At each action, what the forward and the loss keep for backward, the loss's own as it runs beside;
+    and the loss's part of that. A stage's figure is held from its forward of a micro-batch to that
+    micro-batch's backward (its weight pass, when the backward is split: it still needs the stage's
+    inputs), the batch's storages from the first forward that keeps them to the step's end, the loss's
+    kept bytes from the loss to the last stage's backward of that micro-batch, and ``loss.extra`` at the
+    loss and at that backward, which starts from the loss (the output's gradient is made there); a stage's
+    ``in_backward`` at its backward, after the loss's there."""
+    live = loss_live = 0
+    of_batch: dict[int, int] = {}
+    pending: set[int] = set()  # the micro-batches whose loss ran and whose last stage's backward has not
+    levels, loss_levels = [], []
+    for action in actions:
+        extra, after, loss_extra = 0, 0, 0
+        if action.kind == FORWARD:
+            s = action.require("stage")
+            live += kept.per_stage[s]
+            for layer in placement.stages[s]:
+                for key, n in kept.batch[layer].items():
+                    of_batch.setdefault(key, n)
+        elif action.kind == LOSS:
+            loss_live += kept.loss.kept
+            pending.add(action.mb)
+            extra = loss_extra = kept.loss.extra
+        elif action.kind in (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT):
+            s = action.require("stage")
+            last = s == placement.last and action.mb in pending
+            extra = kept.in_backward[s]
+            if last and action.kind != BACKWARD_WEIGHT:
+                # First the loss's backward, beside all it keeps; then the layers', its kept bytes freed and
+                # the output's gradient held.
+                extra = max(kept.loss.extra, kept.loss.grads - kept.loss.kept + extra)
+                loss_extra = max(kept.loss.extra, kept.loss.grads - kept.loss.kept)
+            if action.kind != BACKWARD_INPUT:
+                after = kept.per_stage[s]
+                if last:
+                    pending.discard(action.mb)
+                    loss_live -= kept.loss.kept
+        levels.append(live + sum(of_batch.values()) + loss_live + extra)
+        loss_levels.append(loss_live + loss_extra)
+        live -= after
+    return levels, loss_levels
+
+
 def _kept_per_rank(
-    step: Step, mesh: Mesh, params: Params, batch: Any, placement: Placement, layout: StateLayout
-) -> tuple[tuple[int, ...], tuple[str, ...]]:
-    inputs = one_microbatch(step, mesh, batch)[0]
+    step: Step, mesh: Mesh, params: Params, batch: Any, placement: Placement, layout: StateLayout, guessed: set[str],
+) -> _Kept:
+    """What the forward and the loss keep (see :class:`_Kept`). A loss that could not run on fake tensors adds
+    ``LOSS_GUESSED`` and why to ``guessed`` (its figures a guess: the output and its gradient)."""
+    inputs, targets = one_microbatch(step, mesh, batch)
     pipe = step.pipeline_spec
     # A zero-bubble schedule's input pass records, per micro-batch, the gradients its weight pass
     # starts from (model/split_backward.py), held to that W: counted with what the micro-batch keeps,
@@ -602,15 +696,21 @@ def _kept_per_rank(
     )
     with step.predicting(mesh):
         view = step.compute_view(step.local_view(params, mesh, 0))
-        parts = predict_kept_parts(step.chain, view, inputs, split=split)
-    if pipe is None:
-        return (sum(parts.own.values()) + _batch_bytes(parts.batch, step.chain.names),) * mesh.size, parts.stand_ins
+        parts = predict_kept_parts(step.chain, view, inputs, split=split, loss=(step.loss_fn, targets))
+    assert parts.loss is not None
+    if parts.loss.guessed:
+        guessed.add(LOSS_GUESSED + parts.loss.guessed)
     per_stage = [sum(parts.own[n] + (parts.recorded.get(n, 0) if s > 0 else 0) for n in layers)
                  for s, layers in enumerate(placement.stages)]
-    # Micro-batches are views of one batch: what the stages keep of it is kept once.
-    of_batch = [_batch_bytes(parts.batch, layers) for layers in placement.stages]
-    per_index = pipe.kept_per_index(layout.schedule, per_stage, of_batch)
-    return tuple(per_index[placement.index_of(mesh, r)] for r in range(mesh.size)), parts.stand_ins
+    if pipe is None:
+        per_rank = (sum(parts.own.values()) + _batch_bytes(parts.batch, step.chain.names),) * mesh.size
+    else:
+        # Micro-batches are views of one batch: what the stages keep of it is kept once.
+        of_batch = [_batch_bytes(parts.batch, layers) for layers in placement.stages]
+        per_index = pipe.kept_per_index(layout.schedule, per_stage, of_batch)
+        per_rank = tuple(per_index[placement.index_of(mesh, r)] for r in range(mesh.size))
+    in_backward = [max((parts.in_backward.get(n, 0) for n in layers), default=0) for layers in placement.stages]
+    return _Kept(per_rank, per_stage, in_backward, parts.batch, parts.loss, parts.stand_ins)
 
 
 def _batch_bytes(of_batch: Mapping[str, Mapping[int, int]], layers: Sequence[str]) -> int:
