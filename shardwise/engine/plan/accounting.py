@@ -90,8 +90,9 @@ class KeptParts(NamedTuple):
     stand_ins: tuple[str, ...] = ()  # the layers that ran on real stand-ins (they read data to decide a shape)
     recorded: Mapping[str, int] = MappingProxyType({})
     loss: LossMemory | None = None  # with ``loss=``: what the loss holds of the chain's output (loss_memory.py)
-    # On fake tensors, per layer: the most its backward holds at once beyond what it keeps (the gradients it
-    # makes on the way, a recomputation's activations), its weights' gradients left out (``_backward_peak``).
+    # With ``backward=True``, on fake tensors, per layer: the most its backward holds at once beyond what it
+    # keeps (the gradients it makes on the way, a recomputation's activations), its weights' gradients left
+    # out (``_backward_peak``).
     in_backward: Mapping[str, int] = MappingProxyType({})
 
     def totals(self) -> dict[str, int]:
@@ -101,7 +102,7 @@ class KeptParts(NamedTuple):
 def kept_parts(
     chain: Chain, params: Mapping[str, Mapping[str, torch.Tensor]], inputs: Any, *, reuse: bool = False,
     split: bool = False, batch_values: Mapping[int, torch.Tensor] | None = None,
-    loss: tuple[Callable[[Any, Any], Any], Any] | None = None,
+    loss: tuple[Callable[[Any, Any], Any], Any] | None = None, backward: bool = False,
 ) -> KeptParts:
     """:func:`kept_for_backward`, with what each layer keeps of the batch's own storages apart.
 
@@ -113,7 +114,8 @@ def kept_parts(
     ``inputs``, the batch's real tensor, which a layer that reads data (and so runs on real stand-ins) reads
     instead of zeros (a forward that trims the batch to its longest row, ``int(mask.sum(1).max())``, read 0
     of a zero mask and failed, where the step runs). ``loss``: ``(loss_fn, targets)``, run on the chain's output
-    for what the loss holds of it (``loss_memory.py``; on fake tensors only)."""
+    for what the loss holds of it (``loss_memory.py``; on fake tensors only). ``backward``: each layer's
+    ``in_backward`` too, from a run of its backward (on fake tensors only)."""
     own: dict[str, int] = {}
     recorded: dict[str, int] = {}
     in_backward: dict[str, int] = {}
@@ -128,7 +130,7 @@ def kept_parts(
     # axes' sizes, the batch's storages told apart per call.
     memo = reuse_module.memo_for("accounting.kept_parts") if reuse else None
     own_batch = frozenset(batch)
-    around = (split, tuple(sorted((in_layer.predicting_sizes() or {}).items())))
+    around = (split, backward, tuple(sorted((in_layer.predicting_sizes() or {}).items())))
     stand_ins: list[str] = []
     # With the loss: what the last layer keeps of its own output for its backward (a remat policy's cached
     # matmul, a final sigmoid's result) is its own to that backward; the loss holds the rest of it only while
@@ -180,7 +182,7 @@ def kept_parts(
             outputs_kept = {storage_key(t): sizes[storage_key(t)] for t in outputs if storage_key(t) in sizes}
         own[layer.name] = sum(n for key, n in sizes.items() if key not in batch)
         of_batch[layer.name] = {key: n for key, n in sizes.items() if key in batch}
-        if memo_ok:  # (the last use of y's graph: its backward frees it)
+        if memo_ok and backward:  # (the last use of y's graph: its backward frees it)
             in_backward[layer.name] = _backward_peak(y, x, local, kept, set(sizes))
         del kept
         if key is not None and memo is not None and memo_ok:
@@ -278,11 +280,12 @@ def predict_kept_for_backward(
 
 def predict_kept_parts(
     chain: Chain, params: Mapping[str, Mapping[str, torch.Tensor]], inputs: Any, *, reuse: bool = True,
-    split: bool = False, loss: tuple[Callable[[Any, Any], Any], Any] | None = None,
+    split: bool = False, loss: tuple[Callable[[Any, Any], Any], Any] | None = None, backward: bool = False,
 ) -> KeptParts:
     """:func:`kept_parts` on fake copies (see :func:`predict_kept_for_backward`), identical layers
     run once unless ``reuse=False``; ``split``: with each layer's ``recorded`` bytes; ``loss``:
-    ``(loss_fn, targets)``, with what the loss holds (``KeptParts.loss``)."""
+    ``(loss_fn, targets)``, with what the loss holds (``KeptParts.loss``); ``backward``: with each layer's
+    ``in_backward``."""
     # Meta parameters (a meta-built model) are predicted on the device the batch is on.
     device = next((t.device for t in optree.tree_leaves(inputs) if isinstance(t, torch.Tensor)), "cpu")
     with fake_tensors(device) as fake:
@@ -295,4 +298,4 @@ def predict_kept_parts(
                   if isinstance(t, torch.Tensor) and not is_fake(t) and t.device.type != "meta"}
         faked_loss = None if loss is None else (loss[0], optree.tree_map(fake, loss[1]))
         return kept_parts(fake_chain, fake_params, fake_inputs, reuse=reuse, split=split, batch_values=values,
-                          loss=faked_loss)
+                          loss=faked_loss, backward=backward)

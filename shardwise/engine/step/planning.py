@@ -696,7 +696,8 @@ def _kept_per_rank(
     )
     with step.predicting(mesh):
         view = step.compute_view(step.local_view(params, mesh, 0))
-        parts = predict_kept_parts(step.chain, view, inputs, split=split, loss=(step.loss_fn, targets))
+        parts = predict_kept_parts(step.chain, view, inputs, split=split, loss=(step.loss_fn, targets),
+                                   backward=True)
     assert parts.loss is not None
     if parts.loss.guessed:
         guessed.add(LOSS_GUESSED + parts.loss.guessed)
