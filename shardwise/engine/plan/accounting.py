@@ -94,6 +94,8 @@ class KeptParts(NamedTuple):
     # keeps (the gradients it makes on the way, a recomputation's activations), its weights' gradients left
     # out (``_backward_peak``).
     in_backward: Mapping[str, int] = MappingProxyType({})
+    # The layers whose backward could not run on fake tensors (it reads a value): their ``in_backward`` is 0.
+    backward_unknown: tuple[str, ...] = ()
 
     def totals(self) -> dict[str, int]:
         return {name: n + sum(self.batch[name].values()) for name, n in self.own.items()}
@@ -119,6 +121,7 @@ def kept_parts(
     own: dict[str, int] = {}
     recorded: dict[str, int] = {}
     in_backward: dict[str, int] = {}
+    backward_unknown: list[str] = []
     of_batch: dict[str, dict[int, int]] = {}
     batch = {storage_key(t) for t in optree.tree_leaves(inputs) if isinstance(t, torch.Tensor)}
     x = optree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, inputs)
@@ -143,7 +146,9 @@ def kept_parts(
         key = None if base is None or layer.name == last else (base, around)
         found = None if memo is None or key is None else memo.lookup(key, x)
         if found is not None:  # a layer like one run before, on an input like its: it keeps alike
-            y, (own[layer.name], kept_inputs, recorded[layer.name], in_backward[layer.name]) = found
+            y, (own[layer.name], kept_inputs, recorded[layer.name], its_backward) = found
+            if backward:
+                in_backward[layer.name] = its_backward
             leaves = optree.tree_leaves(x, none_is_leaf=True)
             of_batch[layer.name] = {storage_key(leaves[i]): n for i, n in kept_inputs.items()}
             x = _cut(y)
@@ -183,7 +188,11 @@ def kept_parts(
         own[layer.name] = sum(n for key, n in sizes.items() if key not in batch)
         of_batch[layer.name] = {key: n for key, n in sizes.items() if key in batch}
         if memo_ok and backward:  # (the last use of y's graph: its backward frees it)
-            in_backward[layer.name] = _backward_peak(y, x, local, kept, set(sizes))
+            try:
+                in_backward[layer.name] = _backward_peak(y, x, local, kept, set(sizes))
+            except fake_run_errors():  # a backward that reads a value (a custom Function's clip by .item())
+                in_backward[layer.name] = 0
+                backward_unknown.append(layer.name)
         del kept
         if key is not None and memo is not None and memo_ok:
             kept_inputs = _as_input_leaves(x, of_batch[layer.name])
@@ -196,7 +205,7 @@ def kept_parts(
         loss_fn, targets = loss
         targets_storages = {storage_key(t) for t in optree.tree_leaves(targets) if isinstance(t, torch.Tensor)}
         held_by_loss = loss_memory(loss_fn, x, targets, batch | targets_storages | set(outputs_kept))
-    return KeptParts(own, of_batch, tuple(stand_ins), recorded, held_by_loss, in_backward)
+    return KeptParts(own, of_batch, tuple(stand_ins), recorded, held_by_loss, in_backward, tuple(backward_unknown))
 
 
 def _batch_value(given: Mapping[int, tuple[torch.Tensor, torch.Tensor]], t: Any) -> Any:

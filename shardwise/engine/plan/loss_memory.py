@@ -43,7 +43,8 @@ def loss_memory(
     executor's stage boundary cuts it) and ``targets`` (fake), run inside a ``fake_tensors`` block;
     ``batch``: the storage keys counted elsewhere (the batch's, and the output's that the last layer keeps
     for its own backward). A loss that fails on fake tensors (it reads a value:
-    ``.item()``, a branch on a tensor) gets a guess: the output and its gradient."""
+    ``.item()``, a branch on a tensor) gets a guess: what cross-entropy holds, the output, a tensor of its size
+    kept and the output's gradient."""
     outputs = [t for t in optree.tree_leaves(output) if isinstance(t, torch.Tensor)]
     own = {storage_key(t): t.untyped_storage().nbytes() for t in outputs if storage_key(t) not in batch}
     needing = [t for t in outputs if t.requires_grad]
@@ -67,7 +68,8 @@ def loss_memory(
             del grads
     except Exception as err:
         made = sum(t.untyped_storage().nbytes() for t in needing)
-        return LossMemory(0, sum(own.values()) + made, f"{type(err).__name__}: {err}".splitlines()[0][:200], made)
+        why = f"{type(err).__name__}: {err}".splitlines()[0][:200]
+        return LossMemory(made, sum(own.values()) + made, why, made)
     return LossMemory(sum(kept.values()), max(seen.peak - sum(kept.values()), 0), "", made)
 
 

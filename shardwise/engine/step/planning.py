@@ -140,6 +140,8 @@ def plan_of(step: Step, mesh: Mesh, params: Params | None, batch: Any, *, share_
         loss_guess = next((g[len(LOSS_GUESSED):] for g in guessed if g.startswith(LOSS_GUESSED)), None)
         if loss_guess is not None:  # not silently a guess: say why
             notes[step.chain.names[-1]] = (_GUESSED_LOSS.format(why=loss_guess),)
+        for layer in (g[len(BACKWARD_UNKNOWN):] for g in sorted(guessed) if g.startswith(BACKWARD_UNKNOWN)):
+            notes[layer] = (*notes.get(layer, ()), _BACKWARD_UNKNOWN)
         if "update" in guessed:  # not silently a guess either
             for layer in step.chain.names:
                 if step.chain.owned_param_names(layer):
@@ -245,6 +247,7 @@ def _memory(
     if batch is not None:
         kept = _kept_per_rank(step, mesh, params, batch, placement, layouts[class_of[0]], guessed)
         memory["kept_for_backward"], stand_ins = kept.per_rank, kept.stand_ins
+        guessed.update(BACKWARD_UNKNOWN + layer for layer in kept.backward_unknown)
         loss_at = {}
         for c in masters:
             kept_at[c], loss_at[c] = _kept_levels(actions[c], placement, kept)
@@ -272,9 +275,11 @@ _GUESSED_UPDATE = ("the optimizer's update reads its values (a data-dependent op
 _STAND_INS = ("fake tensors cannot run it (it reads data to decide a shape, a routing?, or an op's fake kernel "
               "refuses what its real one runs): its kept_for_backward is predicted on zero-filled stand-ins (a real "
               "batch routes otherwise)")
-LOSS_GUESSED = "loss: "
-_GUESSED_LOSS = ("loss_fn could not run on fake tensors ({why}): loss_buffers counts the chain's output and its "
-                 "gradient, without what the loss makes of its own or keeps for backward")
+LOSS_GUESSED, BACKWARD_UNKNOWN = "loss: ", "backward: "  # (prefixes of what ``guessed`` says)
+_GUESSED_LOSS = ("loss_fn could not run on fake tensors ({why}): loss_buffers is a guess, what cross-entropy "
+                 "holds (the chain's output, a tensor of its size kept for backward, the output's gradient)")
+_BACKWARD_UNKNOWN = ("its backward could not run on fake tensors (it reads a value): what it holds as it runs, beyond "
+                     "what its forward kept, is not counted in the peak")
 
 # The figures that come and go as the actions run, each its own peak: the Plan's peak counts instead
 # the most they hold together at one action (``held_in_step``).
@@ -626,7 +631,8 @@ class _Kept(NamedTuple):
     storages it keeps (kept once however many micro-batches are in flight: they are views of one batch);
     ``in_backward``, the most a stage's backward holds beyond that and its weights' gradients (the gradients
     of its intermediates, a recomputation's activations: remat's); ``loss``, what the loss holds;
-    ``stand_ins``, the layers that ran on stand-ins."""
+    ``stand_ins``, the layers that ran on stand-ins; ``backward_unknown``, those whose backward could not run
+    on fake tensors."""
 
     per_rank: tuple[int, ...]
     per_stage: list[int]
@@ -634,6 +640,7 @@ class _Kept(NamedTuple):
     batch: Mapping[str, Mapping[int, int]]
     loss: LossMemory
     stand_ins: tuple[str, ...]
+    backward_unknown: tuple[str, ...]
 
 
 def _kept_levels(actions: Sequence[Action], placement: Placement, kept: _Kept) -> tuple[list[int], list[int]]:
@@ -665,10 +672,11 @@ def _kept_levels(actions: Sequence[Action], placement: Placement, kept: _Kept) -
             last = s == placement.last and action.mb in pending
             extra = kept.in_backward[s]
             if last and action.kind != BACKWARD_WEIGHT:
-                # First the loss's backward, beside all it keeps; then the layers', its kept bytes freed and
-                # the output's gradient held.
-                extra = max(kept.loss.extra, kept.loss.grads - kept.loss.kept + extra)
-                loss_extra = max(kept.loss.extra, kept.loss.grads - kept.loss.kept)
+                # First the loss's backward, beside all it keeps; then the layers', the output's gradient held and
+                # the loss's kept bytes freed (a zero-bubble input pass keeps its graph, theirs too, for the W).
+                freed = kept.loss.kept if action.kind == BACKWARD else 0
+                extra = max(kept.loss.extra, kept.loss.grads - freed + extra)
+                loss_extra = max(kept.loss.extra, kept.loss.grads - freed)
             if action.kind != BACKWARD_INPUT:
                 after = kept.per_stage[s]
                 if last:
@@ -711,7 +719,7 @@ def _kept_per_rank(
         per_index = pipe.kept_per_index(layout.schedule, per_stage, of_batch)
         per_rank = tuple(per_index[placement.index_of(mesh, r)] for r in range(mesh.size))
     in_backward = [max((parts.in_backward.get(n, 0) for n in layers), default=0) for layers in placement.stages]
-    return _Kept(per_rank, per_stage, in_backward, parts.batch, parts.loss, parts.stand_ins)
+    return _Kept(per_rank, per_stage, in_backward, parts.batch, parts.loss, parts.stand_ins, parts.backward_unknown)
 
 
 def _batch_bytes(of_batch: Mapping[str, Mapping[int, int]], layers: Sequence[str]) -> int:
