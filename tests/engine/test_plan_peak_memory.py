@@ -76,6 +76,11 @@ TP_WIDTH, TP_LAYERS = 2048, 4
 STACKS = ("pipeline", "pipeline_inplace", "pipeline_zero3", "pipeline_zero3_once", "tensor_parallel",
           "tensor_parallel_inplace", "tensor_parallel_bf16", "zero1", "zero1_bf16", "zero2_bf16", "zero2_acc2_bf16",
           "zero3_bf16", "zero3_acc2", "zero3_acc2_once", "lm_zero3", "lm_zero2_remat", "lm_pipeline_gpipe")
+# Measured too, and held to the Plan from below only (test_a_relus_result_and_its_gradient_are_counted).
+NOT_UNDER = ("relu_plain",)
+# relu_plain: Linear, ReLU, Linear with 16 MiB activations, a step of its own on every rank: the ReLU keeps its
+# result (the next Linear's input) to its own backward, which reads the gradient of that result too.
+RELU_WIDTH, RELU_HIDDEN, RELU_ROWS = 512, 4096, 1024
 LM_VOCAB, LM_WIDTH, LM_SEQ, LM_ROWS = 4096, 128, 64, 16  # per rank: 16 x 64 x 4096 float32 logits, 16 MiB
 # An all-gather whose peers issue it late: rank 0's result, 16 MiB, is allocated at the issue and
 # only its own quarter written until they come.
@@ -111,6 +116,14 @@ def _lm_stack(name: str) -> tuple[sw.Step, dict[str, Any], tuple[torch.Tensor, t
 def _stack(name: str, width: int) -> tuple[sw.Step, dict[str, Any], tuple[torch.Tensor, torch.Tensor], sw.Mesh]:
     if name.startswith("lm_"):
         return _lm_stack(name)
+    if name == "relu_plain":
+        torch.manual_seed(0)
+        chain, params = sw.functionalize(
+            nn.Sequential(nn.Linear(RELU_WIDTH, RELU_HIDDEN), nn.ReLU(), nn.Linear(RELU_HIDDEN, RELU_WIDTH)))
+        step = sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1))
+        gen = torch.Generator().manual_seed(0)
+        batch = (torch.randn(RELU_ROWS, RELU_WIDTH, generator=gen), torch.randn(RELU_ROWS, RELU_WIDTH, generator=gen))
+        return step, params, batch, sw.Mesh(dp=WORLD)
     layers = PIPELINE_LAYERS if name.startswith("pipeline") else TP_LAYERS
     with torch.device("meta"):
         model = _model(width, layers)
@@ -244,7 +257,7 @@ def _rank() -> dict[str, Any]:
     rank = sw.Mesh(dp=WORLD).rank
     measured: dict[str, tuple[int, int]] = {}
     plans: dict[str, tuple[int, ...]] = {}
-    for i, name in enumerate(STACKS):
+    for i, name in enumerate(STACKS + NOT_UNDER):
         width = PIPELINE_WIDTH if name.startswith("pipeline") else TP_WIDTH
         stack = _warm_up(name, width)
         if not measured:
@@ -301,3 +314,18 @@ def test_a_gather_in_flight_counts_whole_while_its_peers_are_late(runs: list[dic
     seen = runs[0]["late_gather"]
     assert seen >= LATE_GATHER_BYTES, (
         f"{seen / 2**20:.1f} MiB resident just after issuing a {LATE_GATHER_BYTES / 2**20:.0f} MiB all-gather")
+
+
+@pytest.mark.parametrize("stack", NOT_UNDER)
+def test_a_relus_result_and_its_gradient_are_counted(runs: list[dict[str, Any]], stack: str) -> None:
+    """The Plan is not under the measured peak where a ReLU between two Linears keeps its result to its own
+    backward, beside the gradient of that result (the Plan said 0.77 of it, counting the result only to the
+    second Linear's backward and the gradient nowhere). It is over, by what it counts of the gradients at the
+    ReLU's backward (without shard_params every gradient, from the first backward on: 5-7% here), so this holds
+    it from below, and to 10% above."""
+    plan = next(rank["plans"][stack] for rank in runs if stack in rank["plans"])
+    for r, rank in enumerate(runs):
+        measured, held = rank["measured"][stack]
+        predicted = plan[r] - held
+        assert 0.97 * measured <= predicted <= 1.10 * measured, (
+            f"{stack}: rank {r} measured {measured / 2**20:.1f} MiB, the Plan says {predicted / 2**20:.1f} MiB")

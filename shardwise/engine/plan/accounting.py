@@ -96,6 +96,12 @@ class KeptParts(NamedTuple):
     in_backward: Mapping[str, int] = MappingProxyType({})
     # The layers whose backward could not run on fake tensors (it reads a value): their ``in_backward`` is 0.
     backward_unknown: tuple[str, ...] = ()
+    # With ``backward=True``, per layer but the last (whose kept output is in ``own``): (the bytes of its output
+    # that it keeps itself, a ReLU's result, held to its backward; the bytes of its input that it keeps and that
+    # the layer before keeps as its output too). ``own`` leaves a layer's outputs out: where the next layer keeps
+    # them they are counted there, from its forward to its backward, which the ReLU's result outlives. Then the
+    # bytes of its output's gradient (its output's leaves that need one), which its backward reads.
+    kept_outputs: Mapping[str, tuple[int, int, int]] = MappingProxyType({})
 
     def totals(self) -> dict[str, int]:
         return {name: n + sum(self.batch[name].values()) for name, n in self.own.items()}
@@ -122,6 +128,8 @@ def kept_parts(
     recorded: dict[str, int] = {}
     in_backward: dict[str, int] = {}
     backward_unknown: list[str] = []
+    kept_outputs: dict[str, tuple[int, int, int]] = {}
+    before_kept: set[int] = set()  # the storages of the layer before's output that it keeps itself
     of_batch: dict[str, dict[int, int]] = {}
     batch = {storage_key(t) for t in optree.tree_leaves(inputs) if isinstance(t, torch.Tensor)}
     x = optree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, inputs)
@@ -146,9 +154,16 @@ def kept_parts(
         key = None if base is None or layer.name == last else (base, around)
         found = None if memo is None or key is None else memo.lookup(key, x)
         if found is not None:  # a layer like one run before, on an input like its: it keeps alike
-            y, (own[layer.name], kept_inputs, recorded[layer.name], its_backward) = found
+            y, (own[layer.name], kept_inputs, recorded[layer.name], its_backward, (out_leaves, in_leaves)) = found
             if backward:
                 in_backward[layer.name] = its_backward
+                x_leaves, y_leaves = optree.tree_leaves(x, none_is_leaf=True), optree.tree_leaves(y, none_is_leaf=True)
+                kept_outputs[layer.name] = (
+                    sum({storage_key(y_leaves[i]): n for i, n in out_leaves.items()}.values()),
+                    sum({storage_key(x_leaves[i]): n for i, n in in_leaves.items()
+                         if storage_key(x_leaves[i]) in before_kept}.values()),
+                    _grad_bytes(y))
+                before_kept = {storage_key(y_leaves[i]) for i in out_leaves}
             leaves = optree.tree_leaves(x, none_is_leaf=True)
             of_batch[layer.name] = {storage_key(leaves[i]): n for i, n in kept_inputs.items()}
             x = _cut(y)
@@ -187,6 +202,15 @@ def kept_parts(
             outputs_kept = {storage_key(t): sizes[storage_key(t)] for t in outputs if storage_key(t) in sizes}
         own[layer.name] = sum(n for key, n in sizes.items() if key not in batch)
         of_batch[layer.name] = {key: n for key, n in sizes.items() if key in batch}
+        if backward:
+            all_kept = {storage_key(t): t.untyped_storage().nbytes() for t in kept}
+            out_kept = {} if layer.name == last else {
+                storage_key(t): all_kept[storage_key(t)] for t in outputs if storage_key(t) in all_kept}
+            kept_outputs[layer.name] = (sum(out_kept.values()),
+                                        sum(n for k, n in sizes.items() if k in before_kept and k not in batch),
+                                        _grad_bytes(y))
+            before_kept = set(out_kept)
+            leaf_pattern = (_leaf_bytes(y, set(out_kept)), _leaf_bytes(x, set(sizes) - batch))
         if memo_ok and backward:  # (the last use of y's graph: its backward frees it)
             try:
                 in_backward[layer.name] = _backward_peak(y, x, local, kept, set(sizes))
@@ -198,14 +222,29 @@ def kept_parts(
             kept_inputs = _as_input_leaves(x, of_batch[layer.name])
             if kept_inputs is not None:
                 memo.store(key, x, y, (own[layer.name], kept_inputs, recorded[layer.name],
-                                       in_backward.get(layer.name, 0)), keep=layer.fn)
+                                       in_backward.get(layer.name, 0), leaf_pattern if backward else ({}, {})),
+                           keep=layer.fn)
         x = _cut(y)
     held_by_loss = None
     if loss is not None:
         loss_fn, targets = loss
         targets_storages = {storage_key(t) for t in optree.tree_leaves(targets) if isinstance(t, torch.Tensor)}
         held_by_loss = loss_memory(loss_fn, x, targets, batch | targets_storages | set(outputs_kept))
-    return KeptParts(own, of_batch, tuple(stand_ins), recorded, held_by_loss, in_backward, tuple(backward_unknown))
+    return KeptParts(own, of_batch, tuple(stand_ins), recorded, held_by_loss, in_backward, tuple(backward_unknown),
+                     kept_outputs)
+
+
+def _grad_bytes(y: Any) -> int:
+    """Bytes of the gradient of a layer's output: of each leaf that needs one, each storage once."""
+    return sum({storage_key(t): t.untyped_storage().nbytes() for t in optree.tree_leaves(y)
+                if isinstance(t, torch.Tensor) and t.requires_grad}.values())
+
+
+def _leaf_bytes(tree: Any, keys: set[int]) -> dict[int, int]:
+    """Leaf index -> bytes, of the leaves of ``tree`` (None a leaf) whose storage is among ``keys``: what a
+    layer like this one keeps of its own input or output (for a memo's later hit)."""
+    return {i: t.untyped_storage().nbytes() for i, t in enumerate(optree.tree_leaves(tree, none_is_leaf=True))
+            if isinstance(t, torch.Tensor) and storage_key(t) in keys}
 
 
 def _batch_value(given: Mapping[int, tuple[torch.Tensor, torch.Tensor]], t: Any) -> Any:
